@@ -1,0 +1,402 @@
+"""The cache manager: sequences, block tables, admission, forks, pins and the audit.
+
+It is torch-free: it decides which physical blocks hold which tokens; the engine
+moves the data. A sequence's life::
+
+    can_admit() / admit()   look up the cached prefix, reserve blocks for the rest
+                            of the prompt plus the output reservation
+    append(n) / append_tokens(ids)
+                            fill reserved blocks (then new ones); full blocks are
+                            indexed under their chain keys; a shared partial block
+                            is copied first and the (src, dst) pair returned
+    fork()                  share every block with a child (n > 1 sampling, beams)
+    release()               the one release path: tail blocks first, idempotent
+
+Blocks an operator can see, by state (counted in O(1))::
+
+    free      no content, nobody holds it
+    reserved  held by an admitted sequence, not written yet
+    active    written, one holder
+    shared    written, several holders (ref count > 1)
+    cached    idle, indexed, evictable in policy order
+    pinned    idle, indexed, kept by a pin
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from kvctl.policies.admission import AdmissionDecision, Verdict, blocks_for_tokens, decide
+from kvctl.policies.eviction import EvictionPolicy, make_eviction_policy
+
+from .errors import (AuditFailure, CacheFull, DuplicateSequence, InvalidRequest, UnknownPin,
+                     UnknownSequence)
+from .keys import BlockKey, Namespace, PrefixHasher, chain_keys, validate_block_size
+from .pins import Pin, PinRegistry, pin_id_for
+from .pool import BlockPool
+
+
+@dataclass(slots=True)
+class SequenceState:
+    seq_id: str  # caller's id, unique among live sequences
+    tenant: str  # owner of the sequence; pins and isolation follow it
+    table: list[int]  # physical block of each logical block; covers num_tokens exactly
+    reserve: list[int]  # blocks held for this sequence's future tokens (state: reserved)
+    num_tokens: int  # tokens written (cached prefix hits included)
+    keys: list[BlockKey]  # chain keys known for its full blocks, root first
+    hasher: PrefixHasher | None  # continues the chain for appended tokens; None: keys given by caller
+    hit_tokens: int = 0  # prompt tokens served from the cache at admission
+    prompt_tokens: int = 0  # prompt length at admission
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    seq_id: str
+    hit_blocks: int  # cached blocks reused for the prompt's prefix
+    hit_tokens: int  # hit_blocks x block size
+    reserved_blocks: int  # new blocks reserved for the rest of the prompt and the output
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    pin: Pin
+    cached_blocks: int  # blocks of the prefix in the cache now (pinned at once)
+    pending_blocks: int  # blocks not cached yet; pinned when a request fills them
+    refreshed: bool  # True when an existing pin of the same prefix was updated
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionReport:
+    evicted_blocks: int
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> keys left alone
+
+
+class KVCacheManager:
+    """Paged KV cache bookkeeping over one pool of `num_blocks` blocks of `block_size` tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, policy: str | EvictionPolicy = "lru",
+                 block_bytes: int = 1, pin_budget_blocks: int | None = None,
+                 pin_budgets: dict[str, int] | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
+        self.block_size = validate_block_size(block_size)
+        if isinstance(policy, str):
+            policy = make_eviction_policy(policy, block_tokens=block_size, block_bytes=block_bytes)
+        self.pool = BlockPool(num_blocks, policy)
+        self.num_blocks = num_blocks
+        default_budget = num_blocks // 2 if pin_budget_blocks is None else pin_budget_blocks
+        self.pins = PinRegistry(default_budget, pin_budgets)
+        self._seqs: dict[str, SequenceState] = {}
+        self.num_reserved = 0
+        self._clock = clock or _logical_clock()
+
+    @property
+    def policy_name(self) -> str:
+        return self.pool.policy.name
+
+    # ---- reading ---------------------------------------------------------------------------
+    def state_counts(self) -> dict[str, int]:
+        """Blocks by operator-visible state; sums to num_blocks. O(1)."""
+        pool = self.pool
+        free, cached, pinned = pool.num_free, pool.num_evictable, pool.num_pinned_idle
+        reserved, shared = self.num_reserved, pool.num_shared
+        active = self.num_blocks - free - cached - pinned - reserved - shared
+        return {"free": free, "reserved": reserved, "active": active, "shared": shared,
+                "cached": cached, "pinned": pinned}
+
+    def sequence(self, seq_id: str) -> SequenceState:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequence(seq_id) from None
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return list(self.sequence(seq_id).table)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def cacheable_blocks(self, prompt_tokens: int) -> int:
+        """Full blocks a prompt may take from the cache.
+
+        NOTE: the last prompt token is always computed (its logits start decoding),
+        so a prompt of exactly k full blocks can reuse at most k - 1 of them.
+        """
+        return max(prompt_tokens - 1, 0) // self.block_size
+
+    def lookup(self, keys: Sequence[BlockKey], prompt_tokens: int | None = None) -> int:
+        """Cached blocks for the longest prefix of `keys`. Reads only."""
+        limit = None if prompt_tokens is None else self.cacheable_blocks(prompt_tokens)
+        return len(self.pool.match(keys, limit))
+
+    # ---- admission -------------------------------------------------------------------------
+    def can_admit(self, keys: Sequence[BlockKey], prompt_tokens: int, reserve_tokens: int, *,
+                  request: str = "?", queue_length: int = 0,
+                  queue_limit: int | None = None) -> AdmissionDecision:
+        """Would `admit` succeed now? Reads only."""
+        self._check_counts(request, prompt_tokens, reserve_tokens)
+        hits = self.pool.match(keys, self.cacheable_blocks(prompt_tokens))
+        needed = blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size) - len(hits)
+        available = self.pool.available() - self.pool.evictable_in(hits)
+        return decide(request=request, needed_blocks=needed, available_blocks=available,
+                      total_blocks=self.num_blocks, hit_blocks=len(hits),
+                      queue_length=queue_length, queue_limit=queue_limit)
+
+    def admit(self, seq_id: str, keys: Sequence[BlockKey], prompt_tokens: int, reserve_tokens: int,
+              *, tenant: str = "default", hasher: PrefixHasher | None = None) -> Admission:
+        """Take the cached prefix and reserve blocks for the rest of the prompt and the output.
+
+        `keys` are the chain keys of the prompt's full blocks. All or nothing:
+        CacheFull leaves every block as it was.
+        """
+        if seq_id in self._seqs:
+            raise DuplicateSequence(seq_id)
+        self._check_counts(seq_id, prompt_tokens, reserve_tokens)
+        if len(keys) > prompt_tokens // self.block_size:
+            raise InvalidRequest(f"request {seq_id}: {len(keys)} keys for {prompt_tokens} prompt tokens "
+                                 f"at block size {self.block_size}")
+        pool, now = self.pool, self._clock()
+        hits = pool.match(keys, self.cacheable_blocks(prompt_tokens))
+        needed = blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size) - len(hits)
+        available = pool.available() - pool.evictable_in(hits)
+        if needed > available:
+            raise CacheFull(seq_id, needed, available, self.num_blocks)
+        pool.acquire(hits, now, hit=True)
+        reserve = pool.allocate(needed, now, seq_id)
+        reserve.reverse()  # pop() hands them out in allocation order
+        self.num_reserved += needed
+        self._seqs[seq_id] = SequenceState(
+            seq_id=seq_id, tenant=tenant, table=hits, reserve=reserve,
+            num_tokens=len(hits) * self.block_size, keys=list(keys), hasher=hasher,
+            hit_tokens=len(hits) * self.block_size, prompt_tokens=prompt_tokens)
+        return Admission(seq_id, len(hits), len(hits) * self.block_size, needed)
+
+    def admit_tokens(self, seq_id: str, namespace: Namespace, prompt_token_ids: Sequence[int],
+                     reserve_tokens: int) -> Admission:
+        """`admit` for a prompt given as token ids; later `append_tokens` continues the chain."""
+        if namespace.block_size != self.block_size:
+            raise InvalidRequest(f"namespace.block_size: {namespace.block_size} does not match the "
+                                 f"pool's block size {self.block_size}")
+        hasher = PrefixHasher(namespace)
+        keys = hasher.feed(prompt_token_ids)
+        return self.admit(seq_id, keys, len(prompt_token_ids), reserve_tokens,
+                          tenant=namespace.tenant, hasher=hasher)
+
+    def _check_counts(self, request: str, prompt_tokens: int, reserve_tokens: int) -> None:
+        if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+            raise InvalidRequest(f"request {request}: prompt_tokens must be >= 1, got {prompt_tokens!r}")
+        if not isinstance(reserve_tokens, int) or reserve_tokens < 0:
+            raise InvalidRequest(f"request {request}: reserve_tokens must be >= 0, got {reserve_tokens!r}")
+
+    # ---- growth ----------------------------------------------------------------------------
+    def append(self, seq_id: str, num_tokens: int, new_keys: Iterable[BlockKey] = ()) -> list[tuple[int, int]]:
+        """Write `num_tokens` more tokens; returns (src, dst) block copies the engine must do first.
+
+        Blocks come from the sequence's reservation, then from the pool. Blocks
+        that become full are indexed under the sequence's known keys (`new_keys`
+        extends them). All or nothing: CacheFull leaves the sequence unchanged.
+        """
+        seq = self.sequence(seq_id)
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise InvalidRequest(f"request {seq_id}: num_tokens must be >= 0, got {num_tokens!r}")
+        pool, size = self.pool, self.block_size
+        table, reserve = seq.table, seq.reserve
+        old_tokens = seq.num_tokens
+        new_tokens = old_tokens + num_tokens
+        grow = -(-new_tokens // size) - len(table)
+        tail_shared = (num_tokens > 0 and old_tokens % size != 0
+                       and pool.blocks[table[-1]].ref_count > 1)
+        from_pool = grow + tail_shared - len(reserve)
+        now = self._clock()
+        if from_pool > 0:
+            available = pool.available()
+            if from_pool > available:
+                raise CacheFull(seq_id, from_pool, available, self.num_blocks)
+            taken = pool.allocate(from_pool, now, seq_id)
+            taken.reverse()
+            reserve[:0] = taken  # NOTE: taken blocks are used after the reserved ones
+            self.num_reserved += from_pool
+        copies: list[tuple[int, int]] = []
+        if tail_shared:
+            src = table[-1]
+            dst = reserve.pop()
+            table[-1] = dst
+            pool.release((src,), now)
+            copies.append((src, dst))
+            self.num_reserved -= 1
+        if grow > 0:
+            split = len(reserve) - grow
+            table.extend(reversed(reserve[split:]))  # the stack's top is used first
+            del reserve[split:]
+            self.num_reserved -= grow
+        seq.keys.extend(new_keys)
+        seq.num_tokens = new_tokens
+        keys = seq.keys
+        first_full, last_full = old_tokens // size, min(new_tokens // size, len(keys))
+        if last_full > first_full:
+            pool.insert_many(table, keys, first_full, last_full, now)
+        return copies
+
+    def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """`append` for tokens given by id (decode); their full blocks get chain keys."""
+        seq = self.sequence(seq_id)
+        if seq.hasher is None:
+            raise InvalidRequest(f"request {seq_id}: admitted by keys, so append_tokens cannot hash "
+                                 "its tokens; use append() with keys")
+        if seq.num_tokens < seq.prompt_tokens:
+            raise InvalidRequest(f"request {seq_id}: {seq.num_tokens} of {seq.prompt_tokens} prompt "
+                                 "tokens written; append the rest of the prompt with append() first")
+        hasher = seq.hasher.copy()
+        keys = hasher.feed(token_ids)
+        copies = self.append(seq_id, len(token_ids), keys)
+        seq.hasher = hasher
+        return copies
+
+    def fork(self, parent_id: str, child_id: str, reserve_tokens: int = 0) -> Admission:
+        """A child sequence sharing every block of its parent (ref counts +1).
+
+        The child gets its own reservation for `reserve_tokens` more tokens, plus
+        one block for the copy-on-write of a shared partial tail block.
+        """
+        parent = self.sequence(parent_id)
+        if child_id in self._seqs:
+            raise DuplicateSequence(child_id)
+        if not isinstance(reserve_tokens, int) or reserve_tokens < 0:
+            raise InvalidRequest(f"request {child_id}: reserve_tokens must be >= 0, got {reserve_tokens!r}")
+        size = self.block_size
+        partial_tail = parent.num_tokens % size != 0
+        needed = (blocks_for_tokens(parent.num_tokens + reserve_tokens, size) - len(parent.table)
+                  + partial_tail)
+        pool, now = self.pool, self._clock()
+        if needed > pool.available():
+            raise CacheFull(child_id, needed, pool.available(), self.num_blocks)
+        pool.acquire(parent.table, now, hit=False)
+        reserve = pool.allocate(needed, now, child_id)
+        reserve.reverse()
+        self.num_reserved += needed
+        self._seqs[child_id] = SequenceState(
+            seq_id=child_id, tenant=parent.tenant, table=list(parent.table), reserve=reserve,
+            num_tokens=parent.num_tokens, keys=list(parent.keys),
+            hasher=None if parent.hasher is None else parent.hasher.copy(),
+            hit_tokens=parent.hit_tokens, prompt_tokens=parent.prompt_tokens)
+        return Admission(child_id, 0, 0, needed)
+
+    # ---- the one release path --------------------------------------------------------------
+    def release(self, seq_id: str) -> int:
+        """Give back every block of a sequence; 0 if it is already gone. Returns blocks released.
+
+        The table goes back tail-first so that under LRU a prefix's deepest block
+        is evicted before its root; unused reserved blocks return to the free list.
+        """
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return 0
+        now = self._clock()
+        self.pool.release(reversed(seq.table), now)
+        self.pool.release(seq.reserve, now)
+        self.num_reserved -= len(seq.reserve)
+        return len(seq.table) + len(seq.reserve)
+
+    # ---- pins ------------------------------------------------------------------------------
+    def pin(self, namespace: Namespace, token_ids: Sequence[int], *, ttl: float | None = None,
+            owner: str = "", note: str = "") -> PinResult:
+        """Pin the full blocks of a token prefix under `namespace` (its tenant pays)."""
+        if namespace.block_size != self.block_size:
+            raise InvalidRequest(f"namespace.block_size: {namespace.block_size} does not match the "
+                                 f"pool's block size {self.block_size}")
+        keys = chain_keys(namespace, token_ids)
+        if not keys:
+            raise InvalidRequest(f"token_ids: {len(token_ids)} tokens is less than one block "
+                                 f"({self.block_size} tokens); nothing to pin")
+        return self.pin_keys(namespace.tenant, keys, ttl=ttl, owner=owner, note=note)
+
+    def pin_keys(self, tenant: str, keys: Sequence[BlockKey], *, ttl: float | None = None,
+                 owner: str = "", note: str = "") -> PinResult:
+        if not keys:
+            raise InvalidRequest("keys: a pin needs at least one block")
+        if ttl is not None and not ttl > 0:
+            raise InvalidRequest(f"ttl: must be > 0 seconds, got {ttl!r}")
+        now = self._clock()
+        key_tuple = tuple(keys)
+        pin_id = pin_id_for(tenant, key_tuple)
+        expires = None if ttl is None else now + ttl
+        cached = len(self.pool.match(key_tuple))
+        if pin_id in self.pins:
+            existing = self.pins.get(pin_id)
+            existing.owner, existing.note, existing.expires_at = owner, note, expires
+            return PinResult(existing, cached, len(key_tuple) - cached, refreshed=True)
+        self.pins.check_budget(tenant, key_tuple)
+        pin = Pin(pin_id, tenant, key_tuple, owner, note, now, expires)
+        self.pins.add(pin)
+        self.pool.add_pin_refs(key_tuple, now)
+        return PinResult(pin, cached, len(key_tuple) - cached, refreshed=False)
+
+    def unpin(self, pin_id: str) -> Pin:
+        pin = self.pins.remove(pin_id)
+        self.pool.drop_pin_refs(reversed(pin.keys), self._clock())  # deepest first, as on release
+        return pin
+
+    def expire_pins(self, now: float | None = None) -> list[Pin]:
+        """Drop pins whose TTL has lapsed at `now` (default: the manager's clock)."""
+        now = self._clock() if now is None else now
+        return [self.unpin(pin_id) for pin_id in self.pins.expired(now)]
+
+    # ---- operator eviction -----------------------------------------------------------------
+    def evict_prefix(self, keys: Sequence[BlockKey]) -> EvictionReport:
+        """Evict the cached blocks of a prefix, deepest first; in-use and pinned blocks stay."""
+        evicted, skipped = self.pool.evict_keys(reversed(keys))
+        return EvictionReport(len(evicted), {k: v for k, v in skipped.items() if v})
+
+    # ---- books -----------------------------------------------------------------------------
+    def audit(self) -> None:
+        """Reconcile every counter against the blocks; raise AuditFailure listing all mismatches."""
+        holders: Counter[int] = Counter()
+        owners: dict[int, str] = {}
+        problems: list[str] = []
+        reserved = 0
+        size = self.block_size
+        for seq in self._seqs.values():
+            holders.update(seq.table)
+            holders.update(seq.reserve)
+            reserved += len(seq.reserve)
+            if len(seq.table) != -(-seq.num_tokens // size):
+                problems.append(f"sequence {seq.seq_id}: {len(seq.table)} blocks for "
+                                f"{seq.num_tokens} tokens")
+            if len(set(seq.table)) != len(seq.table):
+                problems.append(f"sequence {seq.seq_id}: a block appears twice in its table")
+            for block_id in seq.reserve:
+                if block_id in owners:
+                    problems.append(f"block {block_id}: reserved by {seq.seq_id} and {owners[block_id]}")
+                owners[block_id] = seq.seq_id
+        for block_id, owner in owners.items():
+            if holders[block_id] != 1:
+                problems.append(f"block {block_id}: reserved by {owner} but has "
+                                f"{holders[block_id]} holders")
+        if reserved != self.num_reserved:
+            problems.append(f"num_reserved is {self.num_reserved}, counted {reserved}")
+        if self.pool.pin_refs() != dict(self.pins.key_counts()):
+            problems.append("pool pin references differ from the registered pins")
+        problems.extend(self.pool.audit(holders))
+        if problems:
+            raise AuditFailure("cache audit failed:\n  " + "\n  ".join(problems))
+
+
+def _logical_clock() -> Callable[[], float]:
+    """A clock that ticks once per call: deterministic default for tests and replays."""
+    ticks = 0.0
+
+    def tick() -> float:
+        nonlocal ticks
+        ticks += 1.0
+        return ticks
+
+    return tick
+
+
+__all__ = ["Admission", "EvictionReport", "KVCacheManager", "PinResult", "SequenceState",
+           "UnknownPin", "Verdict"]

@@ -1,0 +1,105 @@
+"""Pins: prefixes an operator keeps in the cache, with owner, note, TTL and per-tenant budgets.
+
+A pin names a prefix by its chain of block keys. Its blocks are never evicted
+while the pin lives; blocks of the prefix that are not cached yet get pinned the
+moment a request fills them. Budgets count distinct pinned blocks per tenant, so
+two pins sharing a system prompt cost its blocks once. Pinning the same prefix
+again for the same tenant refreshes that pin (owner, note, TTL) instead of
+adding a second one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+
+from .errors import PinBudgetExceeded, UnknownPin
+from .keys import BlockKey
+
+
+@dataclass(slots=True)
+class Pin:
+    pin_id: str  # "pin-" + 16 hex digits, derived from tenant and the prefix's last key
+    tenant: str  # whose budget pays for it
+    keys: tuple[BlockKey, ...]  # the pinned prefix, root first; never empty
+    owner: str  # who asked (an operator, a team, a job)
+    note: str  # why, in the operator's words
+    created_at: float  # clock value when first pinned
+    expires_at: float | None  # clock value when it lapses; None = until unpinned
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "pin_id": self.pin_id, "tenant": self.tenant, "blocks": len(self.keys),
+            "owner": self.owner, "note": self.note, "created_at": self.created_at,
+            "expires_at": self.expires_at,
+        }
+
+
+def pin_id_for(tenant: str, keys: tuple[BlockKey, ...]) -> str:
+    digest = hashlib.sha256(b"kvctl/pin/v1" + tenant.encode("utf-8") + b"\0" + keys[-1]).hexdigest()
+    return "pin-" + digest[:16]
+
+
+class PinRegistry:
+    """Bookkeeping of pins; the pool applies their effect on blocks."""
+
+    def __init__(self, default_budget: int, budgets: dict[str, int] | None = None) -> None:
+        self.default_budget = default_budget
+        self.budgets = dict(budgets or {})
+        self._pins: dict[str, Pin] = {}
+        self._tenant_keys: dict[str, Counter[BlockKey]] = {}
+
+    def budget(self, tenant: str) -> int:
+        return self.budgets.get(tenant, self.default_budget)
+
+    def used(self, tenant: str) -> int:
+        return len(self._tenant_keys.get(tenant, ()))
+
+    def get(self, pin_id: str) -> Pin:
+        try:
+            return self._pins[pin_id]
+        except KeyError:
+            raise UnknownPin(pin_id) from None
+
+    def __contains__(self, pin_id: str) -> bool:
+        return pin_id in self._pins
+
+    def all(self) -> list[Pin]:
+        return sorted(self._pins.values(), key=lambda p: (p.tenant, p.created_at, p.pin_id))
+
+    def key_counts(self) -> Counter[BlockKey]:
+        total: Counter[BlockKey] = Counter()
+        for pin in self._pins.values():
+            total.update(pin.keys)
+        return total
+
+    def check_budget(self, tenant: str, keys: tuple[BlockKey, ...]) -> None:
+        held = self._tenant_keys.get(tenant, Counter())
+        added = sum(1 for key in set(keys) if key not in held)
+        if len(held) + added > self.budget(tenant):
+            raise PinBudgetExceeded(tenant, self.budget(tenant), len(held), added)
+
+    def add(self, pin: Pin) -> None:
+        """Record a new pin (the caller checked the budget and that the id is new)."""
+        self._pins[pin.pin_id] = pin
+        self._tenant_keys.setdefault(pin.tenant, Counter()).update(pin.keys)
+
+    def remove(self, pin_id: str) -> Pin:
+        pin = self.get(pin_id)
+        del self._pins[pin_id]
+        held = self._tenant_keys[pin.tenant]
+        held.subtract(pin.keys)
+        remaining = +held  # drops keys no other pin of the tenant holds
+        if remaining:
+            self._tenant_keys[pin.tenant] = remaining
+        else:
+            del self._tenant_keys[pin.tenant]
+        return pin
+
+    def expired(self, now: float) -> list[str]:
+        return [p.pin_id for p in self.all() if p.expires_at is not None and p.expires_at <= now]

@@ -1,0 +1,321 @@
+"""The block pool: N physical blocks, their reference counts, the prefix index
+and the evictable queue.
+
+Where a block can be (exactly one place at a time)::
+
+              allocate()                    release() (ref -> 0)
+    free list ----------> held (ref >= 1) -----------------------+
+       ^                     |   ^                               |
+       |                     |   | acquire() on a hit            v
+       |                     |   +--------------------- evictable (policy order)
+       |                     |                        or pinned-idle (pin_count > 0)
+       +---- evicted --------+-------------------------------------+
+         (key dropped from the index when the policy picks it)
+
+A block is *indexed* while `key` is set: it holds the content of a full block
+and `index[key]` points back at it. Only the pool mutates reference counts,
+keys, pin counts and queue membership; sequences and pins go through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from kvctl.policies.eviction import EvictionPolicy
+
+from .errors import AuditFailure, CacheFull
+from .keys import BlockKey
+
+
+@dataclass(slots=True)
+class Block:
+    """Metadata of one physical block (its K/V data lives in the engine's tensors)."""
+
+    block_id: int  # index into the pool's storage; fixed for the pool's life
+    ref_count: int = 0  # live holders: block-table entries plus reservations; >= 0
+    key: BlockKey | None = None  # content key while indexed; None for free or unindexed blocks
+    pin_count: int = 0  # pins covering `key`; > 0 keeps the block out of eviction
+    depth: int = 0  # position in its prefix chain while indexed (0 = first block)
+
+
+class BlockPool:
+    """Physical blocks of one tier, with O(1) allocate, hit and release per block.
+
+    The free list holds blocks with no content; the eviction policy holds
+    indexed blocks that nobody uses. Allocation takes free blocks first and only
+    then evicts, so cached content survives as long as there is room.
+    """
+
+    def __init__(self, num_blocks: int, policy: EvictionPolicy) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks: expected a positive integer, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.policy = policy
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # NOTE: reversed so that pop() hands out block 0 first; tests read better.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._index: dict[BlockKey, int] = {}
+        self._pin_refs: dict[BlockKey, int] = {}
+        self.num_shared = 0  # blocks with ref_count > 1
+        self.num_pinned_idle = 0  # indexed, pinned, ref_count == 0
+        self.evictions = 0  # indexed blocks dropped to make room
+
+    # ---- reading -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.policy)
+
+    @property
+    def num_indexed(self) -> int:
+        return len(self._index)
+
+    def available(self) -> int:
+        """Blocks an allocation could take now: free plus evictable."""
+        return len(self._free) + len(self.policy)
+
+    def match(self, keys: Sequence[BlockKey], limit: int | None = None) -> list[int]:
+        """Block ids of the longest indexed prefix of `keys`. Reads only; mutates nothing."""
+        get = self._index.get
+        hits: list[int] = []
+        for key in keys if limit is None else keys[:limit]:
+            block_id = get(key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def block_of(self, key: BlockKey) -> int | None:
+        return self._index.get(key)
+
+    def evictable_in(self, block_ids: Iterable[int]) -> int:
+        """How many of `block_ids` sit in the evictable queue now."""
+        policy = self.policy
+        return sum(1 for b in block_ids if b in policy)
+
+    # ---- reference counting ----------------------------------------------------------------
+    def allocate(self, count: int, now: float, request: str = "?") -> list[int]:
+        """Take `count` blocks (ref count 1 each), evicting cached ones if needed.
+
+        All or nothing: raises CacheFull and changes nothing when fewer are available.
+        """
+        free = self._free
+        if count > len(free) + len(self.policy):
+            raise CacheFull(request, count, len(free) + len(self.policy), self.num_blocks)
+        blocks = self.blocks
+        from_free = min(count, len(free))
+        taken = free[len(free) - from_free:]
+        taken.reverse()  # the free list is a stack: its top goes first
+        del free[len(free) - from_free:]
+        if count > from_free:
+            index = self._index
+            victims = self.policy.pop_many(count - from_free, now)
+            for block_id in victims:
+                block = blocks[block_id]
+                del index[block.key]
+                block.key = None
+            self.evictions += len(victims)
+            taken.extend(victims)
+        for block_id in taken:
+            blocks[block_id].ref_count = 1
+        return taken
+
+    def acquire(self, block_ids: Sequence[int], now: float, *, hit: bool) -> None:
+        """Add one reference to each block (a prefix hit, or a fork sharing a table)."""
+        blocks, policy = self.blocks, self.policy
+        for block_id in block_ids:
+            block = blocks[block_id]
+            ref = block.ref_count
+            if ref == 0:
+                if block.pin_count:
+                    self.num_pinned_idle -= 1
+                else:
+                    policy.remove(block_id)
+            elif ref == 1:
+                self.num_shared += 1
+            block.ref_count = ref + 1
+        if hit:
+            policy.record_hits(block_ids, now)
+
+    def release(self, block_ids: Iterable[int], now: float) -> None:
+        """Drop one reference from each block, in the order given.
+
+        A block whose count reaches zero becomes evictable if it is indexed (in the
+        order given, so callers pass a sequence's blocks tail-first), stays idle if
+        pinned, and returns to the free list otherwise.
+        """
+        blocks, free = self.blocks, self._free
+        evictable: list[int] = []
+        for block_id in block_ids:
+            block = blocks[block_id]
+            ref = block.ref_count - 1
+            block.ref_count = ref
+            if ref == 0:
+                if block.key is None:
+                    free.append(block_id)
+                elif block.pin_count:
+                    self.num_pinned_idle += 1
+                else:
+                    evictable.append(block_id)
+            elif ref == 1:
+                self.num_shared -= 1
+            elif ref < 0:
+                block.ref_count = 0
+                raise AuditFailure(f"block {block_id}: released more often than acquired")
+        if evictable:
+            self.policy.push(evictable, now)
+
+    # ---- the prefix index ------------------------------------------------------------------
+    def insert_many(self, table: Sequence[int], keys: Sequence[BlockKey], start: int, stop: int,
+                    now: float) -> int:
+        """Index `table[i]` under `keys[i]` for start <= i < stop (blocks that just became full).
+
+        A key another block already holds is skipped (that block stays unindexed
+        and is freed on release). Returns how many blocks were indexed.
+        """
+        index, blocks, pin_refs = self._index, self.blocks, self._pin_refs
+        inserted: list[int] = []
+        depths: list[int] = []
+        for position in range(start, stop):
+            key = keys[position]
+            if key in index:
+                continue
+            block_id = table[position]
+            index[key] = block_id
+            block = blocks[block_id]
+            block.key = key
+            block.depth = position
+            if pin_refs:
+                block.pin_count = pin_refs.get(key, 0)
+            inserted.append(block_id)
+            depths.append(position)
+        if inserted:
+            self.policy.on_insert(inserted, depths, now)
+        return len(inserted)
+
+    def evict_keys(self, keys: Iterable[BlockKey]) -> tuple[list[int], dict[str, int]]:
+        """Drop the given keys from the cache where they are evictable now.
+
+        Returns the evicted block ids and a count of keys left alone by reason
+        (`in_use`, `pinned`, `not_cached`). Blocks in use or pinned are never touched.
+        """
+        evicted: list[int] = []
+        skipped = {"in_use": 0, "pinned": 0, "not_cached": 0}
+        for key in keys:
+            block_id = self._index.get(key)
+            if block_id is None:
+                skipped["not_cached"] += 1
+                continue
+            block = self.blocks[block_id]
+            if block.ref_count:
+                skipped["in_use"] += 1
+            elif block.pin_count:
+                skipped["pinned"] += 1
+            else:
+                self.policy.remove(block_id)
+                self.policy.forget(block_id)
+                del self._index[key]
+                block.key = None
+                self._free.append(block_id)
+                evicted.append(block_id)
+        return evicted, skipped
+
+    # ---- pins ------------------------------------------------------------------------------
+    def add_pin_refs(self, keys: Iterable[BlockKey], now: float) -> None:
+        for key in keys:
+            count = self._pin_refs.get(key, 0) + 1
+            self._pin_refs[key] = count
+            block_id = self._index.get(key)
+            if block_id is not None:
+                block = self.blocks[block_id]
+                if count == 1 and block.ref_count == 0:
+                    self.policy.remove(block_id)
+                    self.num_pinned_idle += 1
+                block.pin_count = count
+
+    def drop_pin_refs(self, keys: Iterable[BlockKey], now: float) -> None:
+        """Remove one pin reference per key; idle blocks left unpinned become evictable
+        in the order given (callers pass a prefix deepest-first)."""
+        freed: list[int] = []
+        for key in keys:
+            count = self._pin_refs[key] - 1
+            if count:
+                self._pin_refs[key] = count
+            else:
+                del self._pin_refs[key]
+            block_id = self._index.get(key)
+            if block_id is not None:
+                block = self.blocks[block_id]
+                block.pin_count = count
+                if count == 0 and block.ref_count == 0:
+                    self.num_pinned_idle -= 1
+                    freed.append(block_id)
+        if freed:
+            self.policy.push(freed, now)
+
+    def pin_refs(self) -> dict[BlockKey, int]:
+        return dict(self._pin_refs)
+
+    # ---- books -----------------------------------------------------------------------------
+    def audit(self, holders: dict[int, int]) -> list[str]:
+        """Every mismatch between the books and the blocks, given the live holder counts."""
+        problems: list[str] = []
+        free_set = set(self._free)
+        if len(free_set) != len(self._free):
+            problems.append("free list holds a block twice")
+        shared = pinned_idle = evictable = 0
+        for block in self.blocks:
+            b = block.block_id
+            expected = holders.get(b, 0)
+            if block.ref_count != expected:
+                problems.append(f"block {b}: ref_count {block.ref_count} but {expected} live holders")
+            in_free, in_policy = b in free_set, b in self.policy
+            if block.ref_count > 1:
+                shared += 1
+            if block.key is not None:
+                if self._index.get(block.key) != b:
+                    problems.append(f"block {b}: has a key the index does not map to it")
+                want_pins = self._pin_refs.get(block.key, 0)
+                if block.pin_count != want_pins:
+                    problems.append(f"block {b}: pin_count {block.pin_count} but {want_pins} pins")
+                if in_free:
+                    problems.append(f"block {b}: indexed but on the free list")
+                if block.ref_count == 0:
+                    if block.pin_count:
+                        pinned_idle += 1
+                        if in_policy:
+                            problems.append(f"block {b}: pinned but evictable")
+                    elif not in_policy:
+                        problems.append(f"block {b}: idle and indexed but not evictable (leaked)")
+                    else:
+                        evictable += 1
+                elif in_policy:
+                    problems.append(f"block {b}: in use (ref {block.ref_count}) but evictable")
+            else:
+                if block.pin_count:
+                    problems.append(f"block {b}: pin_count {block.pin_count} without a key")
+                if in_policy:
+                    problems.append(f"block {b}: evictable without a key")
+                if block.ref_count == 0 and not in_free:
+                    problems.append(f"block {b}: idle, no key, not on the free list (leaked)")
+                if block.ref_count and in_free:
+                    problems.append(f"block {b}: in use (ref {block.ref_count}) but on the free list")
+        for key, b in self._index.items():
+            if self.blocks[b].key != key:
+                problems.append(f"index maps a key to block {b}, which holds another")
+        if evictable != len(self.policy):
+            problems.append(f"evictable queue holds {len(self.policy)} blocks, {evictable} qualify")
+        if shared != self.num_shared:
+            problems.append(f"num_shared is {self.num_shared}, counted {shared}")
+        if pinned_idle != self.num_pinned_idle:
+            problems.append(f"num_pinned_idle is {self.num_pinned_idle}, counted {pinned_idle}")
+        in_use = sum(1 for block in self.blocks if block.ref_count)
+        total = len(self._free) + len(self.policy) + self.num_pinned_idle + in_use
+        if total != self.num_blocks:
+            problems.append(f"free {len(self._free)} + evictable {len(self.policy)} + pinned idle "
+                            f"{self.num_pinned_idle} + in use {in_use} = {total}, not {self.num_blocks}")
+        return problems

@@ -1,0 +1,1 @@
+"""Offline trace replay through the real cache core (no model, no torch)."""

@@ -1,0 +1,319 @@
+"""Replay a request trace through the real cache core, with no model.
+
+Each request looks up its prefix, is admitted with its prompt plus the output
+reservation, writes its prompt (prefill) and then its output, and is released.
+
+Concurrent mode (the default) overlaps requests by a simple service-time model:
+a request admitted at t finishes at
+
+    t + uncached prompt tokens / prefill_rate + output tokens / decode_rate
+
+with at most `max_running` requests at once and a FIFO admission queue of at
+most `max_queue` waiting requests. A request that does not fit waits for a
+finish; one that can never fit, or that finds the queue full, is rejected.
+Sequential mode runs one request at a time. Either way a request's full prompt
+blocks are indexed as soon as they are written, as in a real engine.
+
+Allocator figures time only the calls into the cache core (admit, append,
+release); key hashing is done before the clock starts.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+from kvctl.daemon.cache.errors import CacheFull
+from kvctl.daemon.cache.keys import BlockKey
+from kvctl.daemon.cache.manager import KVCacheManager
+from kvctl.policies.admission import blocks_for_tokens
+from kvctl.policies.reservation import parse_reservation
+
+from .trace import TraceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySettings:
+    block_size: int
+    capacity_tokens: int  # pool size in tokens; the pool holds capacity_tokens // block_size blocks
+    policy: str = "lru"
+    reservation: str = "fraction:1.0"  # output reservation spec (see policies.reservation)
+    sequential: bool = False
+    prefill_rate: float = 20_000.0  # uncached prompt tokens per second
+    decode_rate: float = 40.0  # output tokens per second per request
+    max_running: int = 64  # requests in service at once
+    max_queue: int = 4096  # requests waiting for admission before new ones are rejected
+    time_scale: float = 1.0  # multiply trace timestamps by this
+
+    @property
+    def num_blocks(self) -> int:
+        return self.capacity_tokens // self.block_size
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    block_size: int
+    capacity_tokens: int
+    policy: str
+    mode: str
+    requests: int
+    admitted: int
+    prompt_tokens: int
+    hit_tokens: int
+    hit_ratio: float  # hit tokens / prompt tokens of admitted requests
+    max_hit_ratio: float  # the same with an unbounded cache (same requests, arrival order)
+    recomputed_tokens: int  # prompt tokens an unbounded cache would have served
+    evictions: int
+    fragmentation: float  # unused slots in tail blocks / allocated slots, at each finish
+    reservation_waste: float  # reserved blocks never written / allocated slots, at each finish
+    peak_occupancy: float  # blocks held by requests or pins / all blocks, at its peak
+    mean_occupancy: float  # the same, time-weighted (per request when sequential)
+    rejections: int
+    preemptions: int
+    alloc_us_p50: float
+    alloc_us_p99: float
+    block_ops: int
+    block_ops_per_second: float
+    requests_per_second: float
+    seconds: float
+    reject_reasons: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def max_hit_blocks(requests: Sequence[TraceRequest], keys: Sequence[Sequence[BlockKey]],
+                   block_size: int) -> list[int]:
+    """Hit blocks per request with an unbounded cache in arrival order (the theoretical maximum)."""
+    seen: set[BlockKey] = set()
+    out: list[int] = []
+    for request, request_keys in zip(requests, keys):
+        limit = max(request.input_length - 1, 0) // block_size
+        hits = 0
+        for key in request_keys[:limit]:
+            if key not in seen:
+                break
+            hits += 1
+        out.append(hits)
+        seen.update(request_keys)
+    return out
+
+
+def _percentile(sorted_values: list[int], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return float(sorted_values[index])
+
+
+class _Run:
+    """State of one replay; `Replay.run` drives it."""
+
+    def __init__(self, settings: ReplaySettings, requests: Sequence[TraceRequest],
+                 keys: Sequence[list[BlockKey]], max_hits: Sequence[int]) -> None:
+        self.settings = settings
+        self.requests, self.keys, self.max_hits = requests, keys, max_hits
+        self.now = 0.0
+        self.manager = KVCacheManager(settings.num_blocks, settings.block_size,
+                                      policy=settings.policy, clock=lambda: self.now)
+        self.reservation = parse_reservation(settings.reservation)
+        self.call_ns: list[int] = []
+        self.block_ops = 0
+        self.hit_tokens = self.prompt_tokens = self.recomputed = self.max_hit_tokens = 0
+        self.admitted = self.preemptions = 0
+        self.rejections: dict[str, int] = {}
+        self.slots_allocated = self.slots_tail_unused = self.slots_reserve_unused = 0
+        self.peak_used = 0
+        self.used_area = 0.0  # integral of used blocks over time (concurrent mode)
+        self.used_samples = 0.0  # sum of used blocks at each admission (sequential mode)
+        self.last_event = 0.0
+
+    # ---- core calls, timed -----------------------------------------------------------------
+    def used_blocks(self) -> int:
+        pool = self.manager.pool
+        return pool.num_blocks - pool.num_free - pool.num_evictable
+
+    def reject(self, reason: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def start(self, index: int) -> bool:
+        """Admit and prefill request `index`; False when it does not fit now."""
+        request, keys = self.requests[index], self.keys[index]
+        manager = self.manager
+        reserve = self.reservation.reserve(request.output_length)
+        seq_id = str(index)
+        t0 = time.perf_counter_ns()
+        try:
+            admission = manager.admit(seq_id, keys, request.input_length, reserve)
+        except CacheFull:
+            self.call_ns.append(time.perf_counter_ns() - t0)
+            return False
+        t1 = time.perf_counter_ns()
+        manager.append(seq_id, request.input_length - admission.hit_tokens)
+        t2 = time.perf_counter_ns()
+        self.call_ns.append(t1 - t0)
+        self.call_ns.append(t2 - t1)
+        self.block_ops += min(admission.hit_blocks + 1, len(keys)) + admission.reserved_blocks
+        self.admitted += 1
+        self.prompt_tokens += request.input_length
+        self.hit_tokens += admission.hit_tokens
+        self.max_hit_tokens += self.max_hits[index] * self.settings.block_size
+        self.recomputed += max(self.max_hits[index] - admission.hit_blocks, 0) * self.settings.block_size
+        used = self.used_blocks()
+        self.peak_used = max(self.peak_used, used)
+        self.used_samples += used
+        return True
+
+    def finish(self, index: int) -> None:
+        """Write the output, account the slots, release every block."""
+        request, manager = self.requests[index], self.manager
+        seq_id = str(index)
+        t0 = time.perf_counter_ns()
+        try:
+            manager.append(seq_id, request.output_length)
+        except CacheFull:
+            # A real engine would preempt here; the replay counts it and finishes short.
+            self.preemptions += 1
+        t1 = time.perf_counter_ns()
+        seq = manager.sequence(seq_id)
+        size = self.settings.block_size
+        self.slots_allocated += (len(seq.table) + len(seq.reserve)) * size
+        self.slots_tail_unused += len(seq.table) * size - seq.num_tokens
+        self.slots_reserve_unused += len(seq.reserve) * size
+        t2 = time.perf_counter_ns()
+        released = manager.release(seq_id)
+        t3 = time.perf_counter_ns()
+        self.call_ns.append(t1 - t0)
+        self.call_ns.append(t3 - t2)
+        self.block_ops += released
+        self.reservation.observe(request.output_length)
+
+    def never_fits(self, index: int) -> bool:
+        request = self.requests[index]
+        total = blocks_for_tokens(request.input_length + self.reservation.reserve(request.output_length),
+                                  self.settings.block_size)
+        return total > self.settings.num_blocks
+
+    # ---- the two modes ---------------------------------------------------------------------
+    def run_sequential(self, progress: Callable[[int], None]) -> None:
+        for index in range(len(self.requests)):
+            self.now = float(index)
+            if self.never_fits(index):
+                self.reject("never_fits")
+            elif not self.start(index):
+                self.reject("cache_full")  # only pins can hold blocks between requests
+            else:
+                self.finish(index)
+            progress(1)
+
+    def advance(self, to: float) -> None:
+        """Move simulated time forward, integrating occupancy."""
+        if to > self.last_event:
+            self.used_area += self.used_blocks() * (to - self.last_event)
+            self.last_event = to
+        self.now = max(self.now, to)
+
+    def run_concurrent(self, progress: Callable[[int], None]) -> None:
+        s = self.settings
+        running: list[tuple[float, int]] = []  # (finish time, request index)
+        waiting: deque[int] = deque()
+
+        def admit_waiting() -> None:
+            while waiting and len(running) < s.max_running:
+                index = waiting[0]
+                if self.never_fits(index):
+                    waiting.popleft()
+                    self.reject("never_fits")
+                    progress(1)
+                    continue
+                if not self.start(index):
+                    break
+                waiting.popleft()
+                request = self.requests[index]
+                uncached = request.input_length - self.manager.sequence(str(index)).hit_tokens
+                done = self.now + uncached / s.prefill_rate + request.output_length / s.decode_rate
+                heapq.heappush(running, (done, index))
+
+        def finish_until(limit: float) -> None:
+            while running and running[0][0] <= limit:
+                done, index = heapq.heappop(running)
+                self.advance(done)
+                self.finish(index)
+                progress(1)
+                admit_waiting()
+
+        for index, request in enumerate(self.requests):
+            arrival = request.timestamp_ms / 1000.0 * s.time_scale
+            finish_until(arrival)
+            self.advance(arrival)
+            if len(waiting) >= s.max_queue:
+                self.reject("queue_full")
+                progress(1)
+                continue
+            waiting.append(index)
+            admit_waiting()
+        finish_until(float("inf"))
+        while waiting:  # only requests blocked by pins can remain
+            waiting.popleft()
+            self.reject("cache_full")
+            progress(1)
+
+    def result(self, seconds: float) -> ReplayResult:
+        s = self.settings
+        calls = sorted(self.call_ns)
+        alloc_seconds = sum(calls) / 1e9
+        if s.sequential:
+            mean_used = self.used_samples / max(self.admitted, 1)
+        else:
+            mean_used = self.used_area / self.last_event if self.last_event > 0 else 0.0
+        return ReplayResult(
+            block_size=s.block_size, capacity_tokens=s.capacity_tokens, policy=s.policy,
+            mode="sequential" if s.sequential else "concurrent",
+            requests=len(self.requests), admitted=self.admitted,
+            prompt_tokens=self.prompt_tokens, hit_tokens=self.hit_tokens,
+            hit_ratio=self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            max_hit_ratio=self.max_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            recomputed_tokens=self.recomputed,
+            evictions=self.manager.pool.evictions,
+            fragmentation=self.slots_tail_unused / self.slots_allocated if self.slots_allocated else 0.0,
+            reservation_waste=(self.slots_reserve_unused / self.slots_allocated
+                               if self.slots_allocated else 0.0),
+            peak_occupancy=self.peak_used / s.num_blocks,
+            mean_occupancy=mean_used / s.num_blocks,
+            rejections=sum(self.rejections.values()),
+            preemptions=self.preemptions,
+            alloc_us_p50=_percentile(calls, 0.50) / 1000.0,
+            alloc_us_p99=_percentile(calls, 0.99) / 1000.0,
+            block_ops=self.block_ops,
+            block_ops_per_second=self.block_ops / alloc_seconds if alloc_seconds else 0.0,
+            requests_per_second=len(self.requests) / seconds if seconds else 0.0,
+            seconds=seconds, reject_reasons=dict(self.rejections),
+        )
+
+
+def replay(settings: ReplaySettings, requests: Sequence[TraceRequest], keys: Sequence[list[BlockKey]],
+           max_hits: Sequence[int], progress: Callable[[int], None] | None = None,
+           audit: bool = False) -> ReplayResult:
+    """Replay `requests` (with their precomputed prompt keys) under `settings`.
+
+    `audit=True` reconciles the cache's books at the end (tests turn it on).
+    """
+    if settings.num_blocks < 1:
+        raise ValueError(f"capacity_tokens: {settings.capacity_tokens} holds no block of "
+                         f"{settings.block_size} tokens")
+    run = _Run(settings, requests, keys, max_hits)
+    tick = progress or (lambda _n: None)
+    started = time.perf_counter()
+    if settings.sequential:
+        run.run_sequential(tick)
+    else:
+        run.run_concurrent(tick)
+    seconds = time.perf_counter() - started
+    if audit:
+        run.manager.audit()
+        if run.manager.num_sequences:
+            raise AssertionError(f"{run.manager.num_sequences} sequences left after the replay")
+    return run.result(seconds)

@@ -1,0 +1,63 @@
+"""Replay one trace over a grid of block sizes, capacities and policies.
+
+Keys are hashed once per block size and shared by every run at that size; the
+unbounded-cache maximum is computed once per block size too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from kvctl.policies.eviction import EVICTION_POLICIES
+from kvctl.policies.reservation import parse_reservation
+
+from .simulator import ReplayResult, ReplaySettings, max_hit_blocks, replay
+from .trace import TraceKeyer, TraceRequest
+from kvctl.daemon.cache.keys import validate_block_size
+
+
+def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policies: Sequence[str],
+                  base: ReplaySettings) -> None:
+    """Raise ValueError naming the first bad field and value, before any work starts."""
+    if not block_sizes:
+        raise ValueError("block_sizes: give at least one block size")
+    for size in block_sizes:
+        validate_block_size(size)
+    if not capacities:
+        raise ValueError("capacity_tokens: give at least one capacity")
+    for capacity in capacities:
+        if capacity < max(block_sizes):
+            raise ValueError(f"capacity_tokens: {capacity} is smaller than one block of "
+                             f"{max(block_sizes)} tokens")
+    for policy in policies:
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"policy: unknown value {policy!r}; choose from {', '.join(EVICTION_POLICIES)}")
+    parse_reservation(base.reservation)
+    for name in ("prefill_rate", "decode_rate", "time_scale"):
+        if not getattr(base, name) > 0:
+            raise ValueError(f"{name}: must be > 0, got {getattr(base, name)!r}")
+    for name in ("max_running", "max_queue"):
+        if getattr(base, name) < 1:
+            raise ValueError(f"{name}: must be >= 1, got {getattr(base, name)!r}")
+
+
+def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
+          policies: Sequence[str], base: ReplaySettings,
+          progress: Callable[[int], None] | None = None,
+          on_result: Callable[[ReplayResult], None] | None = None) -> list[ReplayResult]:
+    validate_grid(block_sizes, capacities, policies, base)
+    results: list[ReplayResult] = []
+    for block_size in block_sizes:
+        keyer = TraceKeyer(block_size)
+        keys = [keyer.keys(request) for request in requests]
+        max_hits = max_hit_blocks(requests, keys, block_size)
+        for capacity in capacities:
+            for policy in policies:
+                settings = replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy)
+                result = replay(settings, requests, keys, max_hits, progress)
+                results.append(result)
+                if on_result:
+                    on_result(result)
+        del keys, keyer
+    return results

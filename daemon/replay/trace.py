@@ -1,0 +1,192 @@
+"""Request traces in the Mooncake format: read, validate, generate, and turn into block keys.
+
+One JSON object per line::
+
+    {"timestamp": 0, "input_length": 1200, "output_length": 40, "hash_ids": [0, 1, 2]}
+
+`timestamp` is the arrival in milliseconds; `hash_ids` name the input's 512-token
+blocks, chained (equal ids mean the same tokens after the same context); the
+last id covers the remainder. At block size b, 512-token block h splits into
+sub-blocks (h, 0), (h, 1), ...; their keys come from the same SHA-256 chain as
+live traffic (under a namespace of its own), with the pair (h, j) standing in
+for the block's token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from kvctl.daemon.cache.keys import BlockKey, Namespace, block_key, validate_block_size
+
+TRACE_BLOCK_TOKENS = 512
+
+
+class TraceError(ValueError):
+    """A trace line is malformed; the message names the file, line, field and value."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp_ms: float  # arrival, relative to the first request
+    input_length: int  # prompt tokens
+    output_length: int  # generated tokens
+    hash_ids: tuple[int, ...]  # one id per 512-token prompt block, chained
+
+    def to_json(self) -> str:
+        return json.dumps({"timestamp": self.timestamp_ms, "input_length": self.input_length,
+                           "output_length": self.output_length, "hash_ids": list(self.hash_ids)})
+
+
+def _field(obj: dict, name: str, where: str, *, minimum: int) -> int:
+    value = obj.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise TraceError(f"{where}: field {name!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_request(obj: object, where: str) -> TraceRequest:
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    timestamp = obj.get("timestamp")
+    if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool) or timestamp < 0:
+        raise TraceError(f"{where}: field 'timestamp' must be a number >= 0, got {timestamp!r}")
+    input_length = _field(obj, "input_length", where, minimum=1)
+    output_length = _field(obj, "output_length", where, minimum=0)
+    hash_ids = obj.get("hash_ids")
+    if not isinstance(hash_ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids):
+        raise TraceError(f"{where}: field 'hash_ids' must be a list of integers >= 0")
+    expected = -(-input_length // TRACE_BLOCK_TOKENS)
+    if len(hash_ids) != expected:
+        raise TraceError(f"{where}: field 'hash_ids' has {len(hash_ids)} ids but input_length "
+                         f"{input_length} needs {expected} (one per {TRACE_BLOCK_TOKENS} tokens)")
+    return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids))
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """Load and validate a trace file; requests come back sorted by arrival (stable)."""
+    path = Path(path)
+    if not path.is_file():
+        raise TraceError(f"trace: no such file {str(path)!r}")
+    requests: list[TraceRequest] = []
+    with path.open("r", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path.name} line {number}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
+            requests.append(parse_request(obj, where))
+            if limit is not None and len(requests) >= limit:
+                break
+    if not requests:
+        raise TraceError(f"trace: {str(path)!r} holds no requests")
+    requests.sort(key=lambda r: r.timestamp_ms)
+    return requests
+
+
+def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
+        for request in requests:
+            handle.write(request.to_json() + "\n")
+    tmp.replace(path)
+
+
+def generate_trace(requests: int = 600, *, seed: int = 0, system_prompts: int = 8,
+                   mean_interarrival_ms: float = 250.0) -> list[TraceRequest]:
+    """A deterministic synthetic trace with the reuse patterns of real traffic.
+
+    Three kinds of request, mixed: (1) a shared system prompt (one of
+    `system_prompts`, Zipf-popular) followed by a unique question; (2) a turn of
+    a multi-turn conversation, whose prompt is the previous turn's prompt plus
+    new text; (3) a one-off document with no reuse. Arrivals are Poisson.
+    """
+    if requests < 1:
+        raise ValueError(f"requests: must be >= 1, got {requests!r}")
+    rng = random.Random(seed)
+    next_id = 0
+
+    def fresh(count: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + count))
+        next_id += count
+        return ids
+
+    systems = [fresh(rng.randint(1, 4)) for _ in range(system_prompts)]
+    weights = [1.0 / (rank + 1) for rank in range(system_prompts)]
+    conversations: list[list[int]] = []  # hash ids of the full blocks of open conversations
+    out: list[TraceRequest] = []
+    clock = 0.0
+    for _ in range(requests):
+        clock += rng.expovariate(1.0 / mean_interarrival_ms)
+        kind = rng.random()
+        if kind < 0.5:
+            system = rng.choices(systems, weights)[0]
+            ids = system + fresh(rng.randint(1, 2))
+            length = TRACE_BLOCK_TOKENS * (len(ids) - 1) + rng.randint(16, TRACE_BLOCK_TOKENS)
+        elif kind < 0.8:
+            if conversations and rng.random() < 0.7:
+                previous = conversations.pop(rng.randrange(len(conversations)))
+                ids = previous + fresh(rng.randint(1, 2))
+            else:
+                ids = rng.choices(systems, weights)[0] + fresh(rng.randint(1, 3))
+            length = TRACE_BLOCK_TOKENS * (len(ids) - 1) + rng.randint(16, TRACE_BLOCK_TOKENS)
+            # The next turn extends this context: its full blocks are reused.
+            full = ids if length % TRACE_BLOCK_TOKENS == 0 else ids[:-1]
+            if len(full) < 48:
+                conversations.append(full)
+        else:
+            ids = fresh(rng.randint(1, 8))
+            length = TRACE_BLOCK_TOKENS * (len(ids) - 1) + rng.randint(16, TRACE_BLOCK_TOKENS)
+        out.append(TraceRequest(round(clock, 3), length, rng.randint(8, 256), tuple(ids)))
+    return out
+
+
+class TraceKeyer:
+    """Chain keys for trace requests at one block size, memoised across requests.
+
+    The memo is keyed by (parent key, hash id), so a trace that breaks its own
+    chaining contract still gets correct, distinct keys.
+    """
+
+    def __init__(self, block_size: int, namespace: Namespace | None = None) -> None:
+        self.block_size = validate_block_size(block_size)
+        self.namespace = namespace or Namespace(model_revision="trace-replay", block_size=block_size)
+        self._root = self.namespace.root_key()
+        self._memo: dict[tuple[bytes, int], list[BlockKey]] = {}
+
+    def _sub_keys(self, parent: BlockKey, hash_id: int, count: int) -> list[BlockKey]:
+        """Keys of the first `count` sub-blocks of 512-token block `hash_id` after `parent`."""
+        memo_key = (parent, hash_id)
+        keys = self._memo.get(memo_key)
+        if keys is None:
+            keys = self._memo[memo_key] = []
+        while len(keys) < count:
+            keys.append(block_key(keys[-1] if keys else parent, (hash_id, len(keys))))
+        return keys if len(keys) == count else keys[:count]
+
+    def keys(self, request: TraceRequest) -> list[BlockKey]:
+        """Keys of every full block of the request's prompt, root first."""
+        size = self.block_size
+        per_hash = TRACE_BLOCK_TOKENS // size
+        parent = self._root
+        keys: list[BlockKey] = []
+        last = len(request.hash_ids) - 1
+        for position, hash_id in enumerate(request.hash_ids):
+            tokens = TRACE_BLOCK_TOKENS if position < last else \
+                request.input_length - TRACE_BLOCK_TOKENS * last
+            count = min(per_hash, tokens // size)
+            if count == 0:
+                break
+            sub = self._sub_keys(parent, hash_id, count)
+            keys.extend(sub)
+            parent = sub[-1]
+        return keys

@@ -1,0 +1,158 @@
+"""`kvctl bench replay`: replay a request trace through the cache core and compare settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
+from kvctl.daemon.replay.sweep import sweep, validate_grid
+from kvctl.daemon.replay.trace import generate_trace, read_trace
+
+from .errors import UserError
+
+DEFAULT_BLOCK_SIZES = "16,32,64,128,256,512"
+DEFAULT_CAPACITY_TOKENS = 262_144
+DEMO_REQUESTS = 600
+
+
+def parse_int_list(field: str, values: list[str]) -> list[int]:
+    """Accept repeated options and comma-separated lists: `--x 1,2 --x 3`."""
+    out: list[int] = []
+    for value in values:
+        for part in value.split(","):
+            part = part.strip().replace("_", "")
+            if not part:
+                continue
+            try:
+                out.append(int(part))
+            except ValueError:
+                raise UserError(f"{field}: expected integers, got {part!r}") from None
+    return out
+
+
+def parse_names(field: str, values: list[str]) -> list[str]:
+    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
+    if not names:
+        raise UserError(f"{field}: give at least one value")
+    return names
+
+
+def replay_command(
+    trace: Optional[Path] = typer.Argument(
+        None, help="Mooncake-format JSONL trace; omit to replay a generated demo trace."),
+    block_sizes: list[str] = typer.Option(
+        [DEFAULT_BLOCK_SIZES], "--block-sizes", help="Block sizes in tokens (comma-separated)."),
+    capacity_tokens: list[str] = typer.Option(
+        [str(DEFAULT_CAPACITY_TOKENS)], "--capacity-tokens",
+        help="Cache capacity in tokens; repeat or comma-separate for several."),
+    policy: list[str] = typer.Option(["lru,cost"], "--policy", help="Eviction policies: lru, cost."),
+    reserve: str = typer.Option("fraction:1.0", "--reserve",
+                                help="Output reservation: fixed:N, fraction:F or p95."),
+    sequential: bool = typer.Option(False, "--sequential", help="One request at a time."),
+    prefill_rate: float = typer.Option(20_000.0, help="Service model: prefill tokens per second."),
+    decode_rate: float = typer.Option(40.0, help="Service model: output tokens per second per request."),
+    max_running: int = typer.Option(64, help="Service model: requests in service at once."),
+    max_queue: int = typer.Option(4096, help="Admission queue bound; arrivals beyond it are rejected."),
+    time_scale: float = typer.Option(1.0, help="Multiply trace timestamps by this."),
+    limit: Optional[int] = typer.Option(None, help="Replay only the first N requests."),
+    demo_requests: int = typer.Option(DEMO_REQUESTS, help="Size of the generated demo trace."),
+    seed: int = typer.Option(0, help="Seed of the generated demo trace."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: hit rate and "
+                                        "fragmentation against block size."),
+) -> None:
+    """Replay a request trace through the cache core and compare block sizes and policies.
+
+    Example: kvctl bench replay ../shared/traces/mooncake_synthetic_trace.jsonl --block-sizes 16 --json
+    """
+    sizes = parse_int_list("block_sizes", block_sizes)
+    capacities = parse_int_list("capacity_tokens", capacity_tokens)
+    policies = parse_names("policy", policy)
+    base = ReplaySettings(block_size=sizes[0] if sizes else 16,
+                          capacity_tokens=capacities[0] if capacities else 0,
+                          reservation=reserve, sequential=sequential, prefill_rate=prefill_rate,
+                          decode_rate=decode_rate, max_running=max_running, max_queue=max_queue,
+                          time_scale=time_scale)
+    if limit is not None and limit < 1:
+        raise UserError(f"limit: must be >= 1, got {limit}")
+    try:
+        validate_grid(sizes, capacities, policies, base)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    err = Console(stderr=True)
+    if trace is None:
+        requests = generate_trace(demo_requests, seed=seed)[:limit]
+        trace_name = f"generated:{demo_requests}:seed={seed}"
+        if not as_json:
+            err.print(f"No trace given: replaying a generated trace of {len(requests)} requests "
+                      f"(seed {seed}). Pass a Mooncake-format JSONL file to replay your own.")
+    else:
+        requests = read_trace(trace, limit)
+        trace_name = str(trace)
+
+    results = _run_with_progress(err, requests, sizes, capacities, policies, base)
+    document = {
+        "trace": trace_name,
+        "requests": len(requests),
+        "settings": {
+            "mode": "sequential" if sequential else "concurrent", "reservation": reserve,
+            "prefill_rate": prefill_rate, "decode_rate": decode_rate, "max_running": max_running,
+            "max_queue": max_queue, "time_scale": time_scale,
+        },
+        "runs": [r.as_dict() for r in results],
+    }
+    if plot is not None:
+        from .replay_plot import write_plot  # matplotlib only when asked
+
+        write_plot(plot, results, trace_name)
+    if as_json:
+        typer.echo(json.dumps(document, indent=2))
+    else:
+        out = Console()
+        if not out.is_terminal:
+            out = Console(width=200)  # pipes and files get the whole table
+        out.print(_table(results, trace_name, len(requests)))
+        if plot is not None:
+            err.print(f"plot written to {plot}")
+
+
+def _run_with_progress(console: Console, requests, sizes, capacities, policies,
+                       base: ReplaySettings) -> list[ReplayResult]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = len(requests) * len(sizes) * len(capacities) * len(policies)
+    with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("replay", total=total)
+        pending = 0
+
+        def tick(n: int) -> None:
+            nonlocal pending
+            pending += n
+            if pending >= 256:
+                progress.advance(task, pending)
+                pending = 0
+
+        return sweep(requests, sizes, capacities, policies, base, progress=tick)
+
+
+def _table(results: list[ReplayResult], trace_name: str, requests: int) -> Table:
+    table = Table(title=f"replay of {trace_name} ({requests} requests)")
+    for header in ("block", "capacity", "policy", "hit", "max hit", "recomputed", "evictions",
+                   "frag", "occ peak/mean", "rejected", "alloc µs p50/p99", "block ops/s", "s"):
+        table.add_column(header, justify="left" if header == "policy" else "right")
+    for r in results:
+        table.add_row(
+            str(r.block_size), f"{r.capacity_tokens:,}", r.policy, f"{r.hit_ratio:.1%}",
+            f"{r.max_hit_ratio:.1%}", f"{r.recomputed_tokens:,}", f"{r.evictions:,}",
+            f"{r.fragmentation:.2%}", f"{r.peak_occupancy:.0%}/{r.mean_occupancy:.0%}",
+            str(r.rejections), f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
+            f"{r.block_ops_per_second:,.0f}", f"{r.seconds:.2f}",
+        )
+    return table

@@ -1,0 +1,87 @@
+"""kvctl: see and steer the KV cache of a kvd daemon, and plan cache settings offline.
+
+Start-up imports stay light (no torch): commands import what they need when run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from kvctl import __version__
+
+from .bench_replay import replay_command
+from .errors import UserError
+
+app = typer.Typer(help="Operate the KV cache of LLM serving: inspect, steer, replay, benchmark.",
+                  no_args_is_help=True, add_completion=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+bench = typer.Typer(help="Benchmarks that print figures beside a baseline from the same run.",
+                    no_args_is_help=True)
+trace_app = typer.Typer(help="Request traces in the Mooncake JSONL format.", no_args_is_help=True)
+app.add_typer(bench, name="bench")
+app.add_typer(trace_app, name="trace")
+bench.command("replay")(replay_command)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Operate the KV cache of LLM serving."""
+
+
+@trace_app.command("generate")
+def trace_generate(
+    out: Path = typer.Argument(..., help="Where to write the JSONL trace."),
+    requests: int = typer.Option(600, help="Number of requests."),
+    seed: int = typer.Option(0, help="Random seed; equal seeds give equal traces."),
+) -> None:
+    """Write a synthetic trace (shared system prompts, multi-turn chats, one-off documents).
+
+    Example: kvctl trace generate /tmp/demo.jsonl --requests 1000 --seed 7
+    """
+    from kvctl.daemon.replay.trace import generate_trace, write_trace
+
+    if requests < 1:
+        raise UserError(f"requests: must be >= 1, got {requests}")
+    write_trace(out, generate_trace(requests, seed=seed))
+    typer.echo(f"wrote {requests} requests to {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: user errors become one line on stderr and exit status 2."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except ValueError as exc:  # validation errors from the library name field and value
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
+    except Exception as exc:  # click usage errors carry their own exit code
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Admission arithmetic: how many new blocks a request needs and whether it fits.
+
+    blocks needed = ceil((prompt tokens + output reservation) / block size)
+                    - blocks already cached for the prompt's prefix
+
+`decide` turns the numbers into admit / queue / reject with a reason that names
+the limit and the figures. It reads no state: callers pass what they measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Verdict(str, Enum):
+    ADMIT = "admit"
+    QUEUE = "queue"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionDecision:
+    verdict: Verdict
+    needed_blocks: int  # new physical blocks the request would take now
+    available_blocks: int  # free + evictable blocks, excluding the request's own hits
+    reason: str  # empty when admitted
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def blocks_needed(prompt_tokens: int, hit_blocks: int, reserve_tokens: int, block_size: int) -> int:
+    return blocks_for_tokens(prompt_tokens + reserve_tokens, block_size) - hit_blocks
+
+
+def decide(*, request: str, needed_blocks: int, available_blocks: int, total_blocks: int,
+           hit_blocks: int, queue_length: int = 0, queue_limit: int | None = None) -> AdmissionDecision:
+    """Admit when it fits now; reject when it can never fit or the queue is full; else queue."""
+    if needed_blocks + hit_blocks > total_blocks:
+        return AdmissionDecision(
+            Verdict.REJECT, needed_blocks, available_blocks,
+            f"request {request}: needs {needed_blocks + hit_blocks} blocks in all but the pool has "
+            f"{total_blocks}; it can never fit",
+        )
+    if needed_blocks <= available_blocks:
+        return AdmissionDecision(Verdict.ADMIT, needed_blocks, available_blocks, "")
+    if queue_limit is not None and queue_length >= queue_limit:
+        return AdmissionDecision(
+            Verdict.REJECT, needed_blocks, available_blocks,
+            f"request {request}: admission queue full ({queue_length} of {queue_limit} waiting)",
+        )
+    return AdmissionDecision(
+        Verdict.QUEUE, needed_blocks, available_blocks,
+        f"request {request}: needs {needed_blocks} new blocks, {available_blocks} available",
+    )

@@ -1,0 +1,39 @@
+"""Shared helpers: small managers with a test-controlled clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvctl.daemon.cache import KVCacheManager, Namespace
+
+
+class FakeClock:
+    """A clock the test moves by hand; policies and pins read only this."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_manager(num_blocks: int = 10, block_size: int = 4, policy: str = "lru",
+                 clock: FakeClock | None = None, **kwargs) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, policy=policy, clock=clock, **kwargs)
+
+
+def run_prompt(manager: KVCacheManager, seq_id: str, tokens: list[int], *, reserve: int = 0,
+               namespace: Namespace | None = None):
+    """Admit a prompt and write all of it (prefill), as an engine would."""
+    ns = namespace or Namespace(block_size=manager.block_size)
+    admission = manager.admit_tokens(seq_id, ns, tokens, reserve)
+    manager.append(seq_id, len(tokens) - admission.hit_tokens)
+    return admission
