@@ -60,6 +60,8 @@ def replay_command(
     max_running: int = typer.Option(64, help="Service model: requests in service at once."),
     max_queue: int = typer.Option(4096, help="Admission queue bound; arrivals beyond it are rejected."),
     time_scale: float = typer.Option(1.0, help="Multiply trace timestamps by this."),
+    max_tokens: Optional[int] = typer.Option(
+        None, help="max_tokens clients ask for (never below a request's output); default: its output."),
     limit: Optional[int] = typer.Option(None, help="Replay only the first N requests."),
     demo_requests: int = typer.Option(DEMO_REQUESTS, help="Size of the generated demo trace."),
     seed: int = typer.Option(0, help="Seed of the generated demo trace."),
@@ -78,7 +80,7 @@ def replay_command(
                           capacity_tokens=capacities[0] if capacities else 0,
                           reservation=reserve, sequential=sequential, prefill_rate=prefill_rate,
                           decode_rate=decode_rate, max_running=max_running, max_queue=max_queue,
-                          time_scale=time_scale)
+                          time_scale=time_scale, max_tokens=max_tokens)
     if limit is not None and limit < 1:
         raise UserError(f"limit: must be >= 1, got {limit}")
     try:
@@ -103,7 +105,7 @@ def replay_command(
         "settings": {
             "mode": "sequential" if sequential else "concurrent", "reservation": reserve,
             "prefill_rate": prefill_rate, "decode_rate": decode_rate, "max_running": max_running,
-            "max_queue": max_queue, "time_scale": time_scale,
+            "max_queue": max_queue, "time_scale": time_scale, "max_tokens": max_tokens,
         },
         "runs": [r.as_dict() for r in results],
     }

@@ -57,30 +57,12 @@ def trace_generate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: user errors become one line on stderr and exit status 2."""
+    """Console entry point: bad input becomes one line on stderr and exit status 2."""
     try:
-        app(args=argv, standalone_mode=False)
-    except UserError as exc:
+        app(args=argv, prog_name="kvctl")
+    except (UserError, ValueError, OSError) as exc:  # library validation names field and value
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except ValueError as exc:  # validation errors from the library name field and value
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        print("aborted", file=sys.stderr)
-        sys.exit(1)
-    except Exception as exc:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
 
 
 if __name__ == "__main__":

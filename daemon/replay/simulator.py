@@ -47,6 +47,7 @@ class ReplaySettings:
     max_running: int = 64  # requests in service at once
     max_queue: int = 4096  # requests waiting for admission before new ones are rejected
     time_scale: float = 1.0  # multiply trace timestamps by this
+    max_tokens: int | None = None  # max_tokens clients ask for (at least the output); None: the output
 
     @property
     def num_blocks(self) -> int:
@@ -143,7 +144,7 @@ class _Run:
         """Admit and prefill request `index`; False when it does not fit now."""
         request, keys = self.requests[index], self.keys[index]
         manager = self.manager
-        reserve = self.reservation.reserve(request.output_length)
+        reserve = self.reserve_tokens(request)
         seq_id = str(index)
         t0 = time.perf_counter_ns()
         try:
@@ -191,9 +192,13 @@ class _Run:
         self.block_ops += released
         self.reservation.observe(request.output_length)
 
+    def reserve_tokens(self, request: TraceRequest) -> int:
+        """Output reservation for the max_tokens the client asked (never less than it produced)."""
+        return self.reservation.reserve(max(request.output_length, self.settings.max_tokens or 0))
+
     def never_fits(self, index: int) -> bool:
         request = self.requests[index]
-        total = blocks_for_tokens(request.input_length + self.reservation.reserve(request.output_length),
+        total = blocks_for_tokens(request.input_length + self.reserve_tokens(request),
                                   self.settings.block_size)
         return total > self.settings.num_blocks
 

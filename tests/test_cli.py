@@ -1,0 +1,125 @@
+"""kvctl and kvd as a user drives them: output documents, errors, help."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import typer
+
+from kvctl.cli import app, main
+from kvctl.daemon.replay.trace import TraceRequest, write_trace
+
+
+def cli(capsys, *args):
+    """Run kvctl in-process; returns (exit status, stdout, stderr)."""
+    try:
+        main(list(args))
+        status = 0
+    except SystemExit as exc:
+        status = exc.code or 0
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+@pytest.fixture
+def small_trace(tmp_path):
+    path = tmp_path / "small.jsonl"
+    write_trace(path, [TraceRequest(0.0, 1024, 4, (1, 2)), TraceRequest(10.0, 1324, 4, (1, 2, 3)),
+                       TraceRequest(20.0, 512, 4, (1,))])
+    return path
+
+
+def test_replay_json_document_has_every_figure(capsys, small_trace):
+    status, out, _ = cli(capsys, "bench", "replay", str(small_trace), "--block-sizes", "256,512",
+                         "--capacity-tokens", "65536", "--policy", "lru,cost", "--sequential", "--json")
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["trace"] == str(small_trace) and doc["requests"] == 3
+    assert [(r["block_size"], r["policy"]) for r in doc["runs"]] == [
+        (256, "lru"), (256, "cost"), (512, "lru"), (512, "cost")]
+    for run in doc["runs"]:
+        for field in ("block_size", "capacity_tokens", "policy", "hit_ratio", "max_hit_ratio",
+                      "recomputed_tokens", "evictions", "fragmentation", "peak_occupancy",
+                      "mean_occupancy", "rejections", "alloc_us_p50", "alloc_us_p99",
+                      "block_ops_per_second", "seconds"):
+            assert field in run
+        assert run["block_ops_per_second"] > 0
+    # block 256: r1 reuses 4 blocks, r2 one; block 512: r1 reuses 2 blocks.
+    assert [r["hit_ratio"] for r in doc["runs"]] == pytest.approx(
+        [1280 / 2860, 1280 / 2860, 1024 / 2860, 1024 / 2860])
+
+
+def test_replay_without_a_trace_generates_one_and_prints_a_table(capsys):
+    status, out, err = cli(capsys, "bench", "replay", "--demo-requests", "40", "--block-sizes", "64",
+                           "--policy", "lru")
+    assert status == 0
+    assert "No trace given: replaying a generated trace of 40 requests (seed 0)" in err.replace("\n", " ")
+    assert "replay of generated:40:seed=0 (40 requests)" in out
+    assert "│    64 │" in out and "lru" in out
+
+
+def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
+    plot = tmp_path / "charts" / "replay.png"
+    status, _, _ = cli(capsys, "bench", "replay", str(small_trace), "--block-sizes", "128,256",
+                       "--json", "--plot", str(plot))
+    assert status == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--block-sizes", "24"], "error: block_size: expected a power of two from 1 to 512, got 24"),
+    (["--block-sizes", "sixteen"], "error: block_sizes: expected integers, got 'sixteen'"),
+    (["--policy", "fifo"], "error: policy: unknown value 'fifo'; choose from lru, cost"),
+    (["--capacity-tokens", "8", "--block-sizes", "16"],
+     "error: capacity_tokens: 8 is smaller than one block of 16 tokens"),
+    (["--reserve", "fraction:2"], "error: output reservation: invalid value 'fraction:2'"),
+    (["--decode-rate", "0"], "error: decode_rate: must be > 0, got 0.0"),
+])
+def test_bad_options_name_field_and_value(capsys, small_trace, args, message):
+    status, out, err = cli(capsys, "bench", "replay", str(small_trace), *args)
+    assert status == 2 and out == ""
+    assert err.startswith(message)
+
+
+def test_missing_or_bad_trace_file(capsys, tmp_path):
+    status, _, err = cli(capsys, "bench", "replay", str(tmp_path / "nope.jsonl"))
+    assert status == 2 and err.startswith("error: trace: no such file")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    status, _, err = cli(capsys, "bench", "replay", str(bad))
+    assert status == 2
+    assert err.startswith("error: bad.jsonl line 1: field 'input_length' must be an integer >= 1")
+
+
+def test_trace_generate_writes_a_replayable_file(capsys, tmp_path):
+    path = tmp_path / "gen.jsonl"
+    status, out, _ = cli(capsys, "trace", "generate", str(path), "--requests", "25", "--seed", "4")
+    assert status == 0 and out.strip() == f"wrote 25 requests to {path}"
+    lines = path.read_text().splitlines()
+    assert len(lines) == 25 and set(json.loads(lines[0])) == {
+        "timestamp", "input_length", "output_length", "hash_ids"}
+
+
+def test_version(capsys):
+    status, out, _ = cli(capsys, "--version")
+    assert status == 0 and out.strip() == "kvctl 0.1.0"
+
+
+def _commands(group, prefix=()):
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):
+            yield from _commands(command, prefix + (name,))
+        else:
+            yield prefix + (name,), command
+
+
+def test_every_command_has_one_line_help_and_an_example():
+    root = typer.main.get_command(app)
+    commands = list(_commands(root))
+    assert {" ".join(path) for path, _ in commands} >= {"bench replay", "trace generate"}
+    for path, command in commands:
+        assert command.help and command.help.strip().splitlines()[0], path
+        assert "Example: kvctl " + " ".join(path) in command.help, path
+        if any(p.name == "as_json" for p in command.params) or path == ("bench", "replay"):
+            assert any("--json" in p.opts for p in command.params), path

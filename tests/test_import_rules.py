@@ -1,0 +1,89 @@
+"""Layering: kernels and policies import nothing of the project; no torch at kvctl start-up;
+the four packages load from this repository."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """(module, relative level) of every import statement in a file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, 0) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.module or "", node.level))
+    return found
+
+
+@pytest.mark.parametrize("package", ["kernels", "policies"])
+def test_leaf_packages_import_nothing_of_the_project(package):
+    files = sorted((REPO / package).rglob("*.py"))
+    assert files
+    for path in files:
+        for module, level in _imports(path):
+            where = f"{path.relative_to(REPO)} imports {'.' * level}{module}"
+            assert not (module == "kvctl" or module.startswith("kvctl.")), where
+            assert module.split(".")[0] not in {"daemon", "kernels", "policies"} or level, where
+            # a relative import may only stay inside the package itself
+            if level:
+                assert level == 1 and path.parent == REPO / package, where
+
+
+def test_daemon_never_imports_the_cli():
+    for path in sorted((REPO / "daemon").rglob("*.py")):
+        for module, level in _imports(path):
+            assert not module.startswith("kvctl.cli") and not module.startswith("kvctl.bench"), path
+
+
+_PROBE = """
+import json, sys
+from kvctl.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(json.dumps({"torch": "torch" in sys.modules, "triton": "triton" in sys.modules}), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["bench", "replay", "--demo-requests", "20",
+                                               "--block-sizes", "64", "--json"]])
+def test_kvctl_start_up_never_imports_torch(args):
+    done = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True,
+                          cwd=REPO, check=True)
+    flags = json.loads(done.stderr.strip().splitlines()[-1])
+    assert flags == {"torch": False, "triton": False}
+
+
+def test_the_four_packages_load_from_this_repository():
+    import kvctl
+    import kvctl.daemon
+    import kvctl.kernels
+    import kvctl.policies
+
+    for module, folder in ((kvctl, "kvctl"), (kvctl.daemon, "daemon"), (kvctl.kernels, "kernels"),
+                           (kvctl.policies, "policies")):
+        assert Path(module.__file__).resolve() == REPO / folder / "__init__.py", module.__name__
+
+
+def test_console_scripts_run(tmp_path):
+    bindir = Path(sys.executable).parent
+    done = subprocess.run([str(bindir / "kvd"), "--version"], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "kvd 0.1.0"
+    done = subprocess.run([str(bindir / "kvd"), "--help"], capture_output=True, text=True, check=True)
+    assert "kvd hosts a model over a paged KV cache" in done.stdout
+    done = subprocess.run([str(bindir / "kvctl"), "bench", "replay", "--demo-requests", "30",
+                           "--block-sizes", "32", "--policy", "cost", "--json"],
+                          capture_output=True, text=True, check=True)
+    doc = json.loads(done.stdout)
+    assert doc["requests"] == 30 and doc["runs"][0]["policy"] == "cost"

@@ -1,0 +1,258 @@
+"""The cache manager: admission, growth, forks and copy-on-write, release, pins, audit."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvctl.daemon.cache import (AuditFailure, CacheFull, DuplicateSequence, InvalidRequest, Namespace,
+                                PinBudgetExceeded, UnknownPin, UnknownSequence, chain_keys)
+from kvctl.policies.admission import Verdict
+
+from .conftest import FakeClock, make_manager, run_prompt
+
+NS = Namespace(block_size=4)
+PROMPT = list(range(10, 20))  # 10 tokens: two full blocks and a partial one
+
+
+def snapshot(m):
+    return (m.state_counts(), {s: m.block_table(s) for s in sorted(m._seqs)},
+            m.pool.policy.order(), m.pool.num_indexed)
+
+
+def test_admission_reserves_prompt_and_output_blocks():
+    m = make_manager()
+    admission = m.admit_tokens("r1", NS, PROMPT, reserve_tokens=7)  # 17 tokens -> 5 blocks
+    assert (admission.hit_blocks, admission.reserved_blocks) == (0, 5)
+    assert m.state_counts() == {"free": 5, "reserved": 5, "active": 0, "shared": 0,
+                                "cached": 0, "pinned": 0}
+    m.append("r1", 10)  # prefill
+    assert m.block_table("r1") == [0, 1, 2]
+    assert m.state_counts()["reserved"] == 2 and m.state_counts()["active"] == 3
+    assert m.pool.num_indexed == 2  # only the two full blocks
+    m.audit()
+
+
+def test_prefix_hit_reuses_blocks_and_shares_them():
+    m = make_manager()
+    run_prompt(m, "r1", PROMPT)
+    admission = run_prompt(m, "r2", PROMPT[:8] + [99, 98, 97])
+    assert (admission.hit_blocks, admission.hit_tokens) == (2, 8)
+    assert m.block_table("r2")[:2] == m.block_table("r1")[:2]
+    assert m.state_counts()["shared"] == 2
+    m.audit()
+
+
+def test_a_prompt_of_exact_full_blocks_recomputes_its_last_block():
+    m = make_manager()
+    run_prompt(m, "r1", PROMPT[:8])
+    m.release("r1")
+    assert run_prompt(m, "r2", PROMPT[:8]).hit_blocks == 1
+    assert run_prompt(m, "r3", PROMPT[:9]).hit_blocks == 2
+
+
+def test_failed_admission_changes_nothing_and_names_the_numbers():
+    m = make_manager(num_blocks=7)
+    run_prompt(m, "r1", PROMPT, reserve=10)  # 20 tokens -> 5 blocks
+    m.release("r1")  # two blocks cached, three free
+    run_prompt(m, "r2", list(range(50, 62)))  # three of the five free blocks
+    before = snapshot(m)
+    decision = m.can_admit(chain_keys(NS, list(range(70, 90))), 20, 0, request="r3")
+    assert decision.verdict is Verdict.QUEUE
+    assert (decision.needed_blocks, decision.available_blocks) == (5, 4)
+    with pytest.raises(CacheFull) as info:
+        m.admit_tokens("r3", NS, list(range(70, 90)), 0)
+    assert str(info.value) == "request r3: needs 5 new blocks but only 4 of 7 are free or evictable"
+    assert snapshot(m) == before
+    assert "r3" not in m
+    m.audit()
+
+
+def test_request_that_can_never_fit_is_rejected_by_can_admit():
+    m = make_manager()
+    decision = m.can_admit([], 40, 5, request="big")
+    assert decision.verdict is Verdict.REJECT
+    assert decision.reason == "request big: needs 12 blocks in all but the pool has 10; it can never fit"
+
+
+def test_hit_blocks_are_not_counted_as_available_for_the_same_request():
+    m = make_manager(num_blocks=4)
+    run_prompt(m, "r1", PROMPT[:9])  # 3 blocks, two full ones indexed
+    m.release("r1")  # 2 cached + 2 free
+    decision = m.can_admit(chain_keys(NS, PROMPT[:9]), 9, 4, request="r2")  # 13 tokens: 4 blocks
+    assert decision.verdict is Verdict.ADMIT
+    assert (decision.needed_blocks, decision.available_blocks) == (2, 2)
+    decision = m.can_admit(chain_keys(NS, PROMPT[:9]), 9, 8, request="r3")  # 17 tokens: 5 blocks
+    assert decision.verdict is Verdict.REJECT
+
+
+def test_append_draws_on_the_reservation_then_the_pool():
+    m = make_manager()
+    run_prompt(m, "r1", PROMPT, reserve=2)  # 12 tokens -> 3 blocks, all used by the prompt
+    assert m.sequence("r1").reserve == []
+    m.append("r1", 2)
+    assert m.block_table("r1") == [0, 1, 2]
+    m.append("r1", 1)  # 13th token needs a fourth block from the pool
+    assert m.block_table("r1") == [0, 1, 2, 3]
+    m.audit()
+
+
+def test_append_that_cannot_grow_raises_and_changes_nothing():
+    m = make_manager(num_blocks=3)
+    run_prompt(m, "r1", PROMPT)
+    before = snapshot(m)
+    with pytest.raises(CacheFull) as info:
+        m.append("r1", 3)
+    assert str(info.value) == "request r1: needs 1 new blocks but only 0 of 3 are free or evictable"
+    assert snapshot(m) == before and m.sequence("r1").num_tokens == 10
+
+
+def test_fork_shares_blocks_and_copies_the_shared_partial_block_on_write():
+    m = make_manager()
+    run_prompt(m, "parent", PROMPT)  # blocks 0, 1 full; 2 partial (2 tokens)
+    m.fork("parent", "child", reserve_tokens=4)
+    assert m.block_table("child") == [0, 1, 2]
+    assert [m.pool.blocks[b].ref_count for b in (0, 1, 2)] == [2, 2, 2]
+    assert m.state_counts()["shared"] == 3
+    copies = m.append_tokens("child", [1, 2])
+    assert copies == [(2, 3)]  # the engine copies block 2 into block 3 before writing
+    assert m.block_table("child") == [0, 1, 3]
+    assert m.pool.blocks[2].ref_count == 1
+    assert m.append_tokens("parent", [5]) == []  # the parent now owns block 2 alone
+    m.audit()
+
+
+def test_forked_full_blocks_are_never_copied():
+    m = make_manager()
+    run_prompt(m, "parent", PROMPT[:8])
+    m.fork("parent", "child")
+    assert m.append_tokens("child", [1]) == []
+    assert m.append_tokens("parent", [1]) == []
+    assert m.block_table("child")[:2] == m.block_table("parent")[:2]
+    assert m.block_table("child")[2] != m.block_table("parent")[2]
+    m.audit()
+
+
+def test_decoded_blocks_are_indexed_and_reused():
+    m = make_manager()
+    run_prompt(m, "r1", PROMPT)
+    m.append_tokens("r1", [1, 2, 3, 4, 5, 6])  # 16 tokens -> four full blocks
+    m.release("r1")
+    assert m.lookup(chain_keys(NS, PROMPT + [1, 2, 3, 4, 5, 6])) == 4
+
+
+def test_release_is_idempotent_and_tail_first():
+    m = make_manager()
+    run_prompt(m, "r1", PROMPT, reserve=6)
+    assert m.release("r1") == 4
+    assert m.release("r1") == 0
+    assert m.pool.policy.order() == [1, 0]
+    assert m.state_counts() == {"free": 8, "reserved": 0, "active": 0, "shared": 0,
+                                "cached": 2, "pinned": 0}
+    with pytest.raises(UnknownSequence) as info:
+        m.append("r1", 1)
+    assert str(info.value) == "unknown sequence 'r1'"
+    m.audit()
+
+
+def test_errors_name_the_field_and_value():
+    m = make_manager()
+    with pytest.raises(InvalidRequest, match=r"request r1: prompt_tokens must be >= 1, got 0"):
+        m.admit("r1", [], 0, 0)
+    with pytest.raises(InvalidRequest, match=r"request r1: reserve_tokens must be >= 0, got -2"):
+        m.admit("r1", [], 4, -2)
+    run_prompt(m, "r1", PROMPT)
+    with pytest.raises(DuplicateSequence, match="sequence 'r1' already exists"):
+        m.admit("r1", [], 4, 0)
+    with pytest.raises(InvalidRequest, match="namespace.block_size: 8 does not match"):
+        m.admit_tokens("r2", Namespace(block_size=8), PROMPT, 0)
+    assert m.admit_tokens("r3", NS, PROMPT, 0).hit_tokens == 8
+    with pytest.raises(InvalidRequest, match="8 of 10 prompt tokens written"):
+        m.append_tokens("r3", [1])
+    m.audit()
+
+
+def test_tenants_never_share_blocks():
+    m = make_manager()
+    run_prompt(m, "a", PROMPT, namespace=Namespace(block_size=4, tenant="acme"))
+    m.release("a")
+    other = run_prompt(m, "b", PROMPT, namespace=Namespace(block_size=4, tenant="globex"))
+    assert other.hit_blocks == 0
+    same = run_prompt(m, "c", PROMPT, namespace=Namespace(block_size=4, tenant="acme"))
+    assert same.hit_blocks == 2
+
+
+def test_pin_budget_is_enforced_per_tenant_in_distinct_blocks(clock):
+    m = make_manager(clock=clock, pin_budget_blocks=3)
+    acme = Namespace(block_size=4, tenant="acme")
+    m.pin(acme, PROMPT[:8])  # 2 blocks
+    m.pin(acme, PROMPT[:4])  # the same root block: still 2 distinct
+    assert m.pins.used("acme") == 2
+    with pytest.raises(PinBudgetExceeded) as info:
+        m.pin(acme, list(range(60, 68)))
+    assert str(info.value) == "tenant 'acme': pin budget is 3 blocks, 2 already pinned, this pin adds 2"
+    assert len(m.pins.all()) == 2  # nothing half-added
+    m.pin(Namespace(block_size=4, tenant="globex"), list(range(60, 72)))  # its own budget
+    m.audit()
+
+
+def test_pin_before_cache_pins_blocks_when_they_fill(clock):
+    m = make_manager(clock=clock)
+    result = m.pin(NS, PROMPT[:8], owner="ops", note="system prompt", ttl=30)
+    assert (result.cached_blocks, result.pending_blocks, result.refreshed) == (0, 2, False)
+    run_prompt(m, "r1", PROMPT)
+    m.release("r1")
+    assert m.state_counts()["pinned"] == 2 and m.pool.policy.order() == []
+    again = m.pin(NS, PROMPT[:8], owner="ops2", ttl=60)
+    assert again.refreshed and again.pin.pin_id == result.pin.pin_id and again.pin.owner == "ops2"
+    clock.advance(59)
+    assert m.expire_pins() == []
+    clock.advance(1)
+    lapsed = m.expire_pins()
+    assert [p.pin_id for p in lapsed] == [result.pin.pin_id]
+    assert m.pool.policy.order() == [1, 0]
+    m.audit()
+
+
+def test_pin_errors():
+    m = make_manager()
+    with pytest.raises(InvalidRequest, match=r"token_ids: 3 tokens is less than one block \(4 tokens\)"):
+        m.pin(NS, [1, 2, 3])
+    with pytest.raises(InvalidRequest, match="ttl: must be > 0 seconds, got 0"):
+        m.pin(NS, PROMPT, ttl=0)
+    with pytest.raises(UnknownPin, match="unknown pin 'pin-nope'"):
+        m.unpin("pin-nope")
+
+
+def test_evict_prefix_drops_only_idle_unpinned_blocks():
+    m = make_manager()
+    run_prompt(m, "r1", PROMPT)
+    m.release("r1")
+    run_prompt(m, "r2", list(range(40, 48)))
+    report = m.evict_prefix(chain_keys(NS, list(range(40, 48))))
+    assert (report.evicted_blocks, report.skipped) == (0, {"in_use": 2})
+    m.pin(NS, PROMPT[:4])
+    report = m.evict_prefix(chain_keys(NS, PROMPT + [0, 0]))
+    assert (report.evicted_blocks, report.skipped) == (1, {"pinned": 1, "not_cached": 1})
+    assert m.lookup(chain_keys(NS, PROMPT)) == 1
+    m.audit()
+
+
+def test_audit_reports_every_mismatch():
+    m = make_manager()
+    run_prompt(m, "r1", PROMPT)
+    m.pool.blocks[0].ref_count = 3
+    m.num_reserved += 1
+    with pytest.raises(AuditFailure) as info:
+        m.audit()
+    text = str(info.value)
+    assert "block 0: ref_count 3 but 1 live holders" in text
+    assert "num_reserved is 1, counted 0" in text
+
+
+def test_audit_catches_a_leaked_block():
+    m = make_manager()
+    run_prompt(m, "r1", PROMPT)
+    m._seqs["r1"].table.pop()  # the engine "forgets" a block: its reference now leaks
+    m._seqs["r1"].num_tokens = 8
+    with pytest.raises(AuditFailure, match="block 2: ref_count 1 but 0 live holders"):
+        m.audit()

@@ -1,0 +1,111 @@
+"""Policies on plain data: eviction strategies, output reservation, admission arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvctl.policies.admission import Verdict, blocks_needed, decide
+from kvctl.policies.eviction import CostAwareEviction, LRUEviction, make_eviction_policy
+from kvctl.policies.reservation import PercentileReservation, parse_reservation
+
+
+def test_lru_queue_order_and_middle_removal():
+    lru = LRUEviction()
+    lru.push([3, 1, 4], now=0)
+    lru.push([5, 9], now=1)
+    lru.remove(4)
+    assert lru.order() == [3, 1, 5, 9]
+    assert lru.pop_many(2, now=2) == [3, 1]
+    assert lru.pop(now=2) == 5 and len(lru) == 1
+    with pytest.raises(LookupError):
+        lru.pop_many(2, now=3)
+
+
+def test_cost_prefers_to_keep_frequently_hit_blocks_and_decays_old_hits():
+    cost = CostAwareEviction(half_life=10.0)
+    cost.on_insert([1, 2], [0, 0], now=0.0)
+    cost.record_hits([1], now=0.0)  # block 1: two uses at t=0
+    cost.on_insert([3], [0], now=15.0)  # block 3: one use at t=15
+    cost.push([1, 2, 3], now=15.0)
+    # At t=15 block 1 is worth 2 * 2**-1.5 = 0.71 uses, block 2 0.35, block 3 1.0.
+    assert cost.order() == [2, 1, 3]
+    assert cost.score(1, 15.0) == pytest.approx(2 * 2 ** -1.5)
+    # Thirty time units later the order is the same: decay never reorders.
+    assert cost.pop_many(3, now=45.0) == [2, 1, 3]
+
+
+def test_cost_ties_leave_in_release_order_and_within_a_release_in_given_order():
+    cost = CostAwareEviction()
+    cost.on_insert([10, 11, 12, 20, 21], [0, 1, 2, 0, 1], now=5.0)
+    cost.push([12, 11, 10], now=6.0)  # one release, tail first
+    cost.push([21, 20], now=7.0)
+    cost.remove(11)
+    assert cost.order() == [12, 10, 21, 20]
+    assert cost.pop_many(3, now=8.0) == [12, 10, 21]
+
+
+def test_cost_policy_compacts_stale_entries_without_changing_order():
+    cost = CostAwareEviction()
+    ids = list(range(3000))
+    cost.on_insert(ids, [0] * len(ids), now=0.0)
+    cost.push(ids, now=0.0)
+    for block_id in ids[:2500]:
+        cost.remove(block_id)
+    assert cost._stored < 3000  # compacted
+    assert cost.order() == ids[2500:]
+    assert cost.pop_many(2, now=1.0) == [2500, 2501]
+
+
+def test_unknown_policy_names_the_value():
+    with pytest.raises(ValueError, match="eviction policy: unknown value 'lfu'; choose one of lru, cost"):
+        make_eviction_policy("lfu")
+
+
+@pytest.mark.parametrize("spec, max_tokens, expected", [
+    ("fixed:16", 100, 16), ("fixed:16", 8, 8), ("fraction:0.5", 101, 51), ("fraction:1", 7, 7),
+])
+def test_reservation_specs(spec, max_tokens, expected):
+    assert parse_reservation(spec).reserve(max_tokens) == expected
+
+
+def test_p95_reservation_uses_max_tokens_until_it_has_seen_enough():
+    policy = PercentileReservation(0.95, min_samples=20)
+    assert policy.reserve(500) == 500
+    for length in range(1, 101):  # 1..100
+        policy.observe(length)
+    assert policy.reserve(500) == 95
+    assert policy.reserve(60) == 60
+    assert parse_reservation("p95").reserve(33) == 33
+
+
+def test_p95_window_forgets_old_outputs():
+    policy = PercentileReservation(0.95, window=20, min_samples=20)
+    for _ in range(20):
+        policy.observe(1000)
+    for _ in range(20):
+        policy.observe(10)
+    assert policy.reserve(5000) == 10
+
+
+@pytest.mark.parametrize("spec", ["fixed:-1", "fraction:0", "fraction:1.5", "p0", "p101", "lots", "fixed:"])
+def test_bad_reservation_specs_name_the_value(spec):
+    with pytest.raises(ValueError) as info:
+        parse_reservation(spec)
+    assert str(info.value).startswith(f"output reservation: invalid value {spec!r}")
+
+
+def test_blocks_needed_counts_prompt_minus_hits_plus_reservation():
+    assert blocks_needed(prompt_tokens=33, hit_blocks=2, reserve_tokens=16, block_size=16) == 2
+    assert blocks_needed(prompt_tokens=32, hit_blocks=1, reserve_tokens=0, block_size=16) == 1
+
+
+def test_decide_verdicts_and_reasons():
+    admit = decide(request="r", needed_blocks=3, available_blocks=3, total_blocks=10, hit_blocks=2)
+    assert admit.verdict is Verdict.ADMIT and admit.reason == ""
+    wait = decide(request="r", needed_blocks=4, available_blocks=3, total_blocks=10, hit_blocks=0)
+    assert wait.verdict is Verdict.QUEUE
+    assert wait.reason == "request r: needs 4 new blocks, 3 available"
+    full = decide(request="r", needed_blocks=4, available_blocks=3, total_blocks=10, hit_blocks=0,
+                  queue_length=8, queue_limit=8)
+    assert full.verdict is Verdict.REJECT
+    assert full.reason == "request r: admission queue full (8 of 8 waiting)"

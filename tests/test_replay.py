@@ -1,0 +1,135 @@
+"""Trace replay on small generated traces whose figures are worked out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvctl.daemon.replay.simulator import ReplaySettings, max_hit_blocks, replay
+from kvctl.daemon.replay.trace import (TraceError, TraceKeyer, TraceRequest, generate_trace,
+                                       read_trace, write_trace)
+
+
+def req(t_ms, input_length, ids, output=0):
+    return TraceRequest(float(t_ms), input_length, output, tuple(ids))
+
+
+def run(requests, block_size, capacity_tokens, policy="lru", **kwargs):
+    keyer = TraceKeyer(block_size)
+    keys = [keyer.keys(r) for r in requests]
+    settings = ReplaySettings(block_size=block_size, capacity_tokens=capacity_tokens, policy=policy,
+                              **kwargs)
+    return replay(settings, requests, keys, max_hit_blocks(requests, keys, block_size), audit=True)
+
+
+# r1 extends r0; r2 is r0's first 512 tokens; r3 shares nothing.
+PREFIX_TRACE = [req(0, 1024, [1, 2]), req(1000, 1324, [1, 2, 3]), req(2000, 512, [1]),
+                req(3000, 700, [4, 5])]
+
+
+def test_trace_keys_split_512_token_blocks_and_skip_partial_ones():
+    keyer = TraceKeyer(256)
+    k0, k1, k2 = (keyer.keys(r) for r in PREFIX_TRACE[:3])
+    assert len(k0) == 4 and len(k1) == 5 and len(k2) == 2  # 300-token tail of id 3: one sub-block
+    assert k1[:4] == k0 and k2 == k0[:2]
+    assert keyer.keys(PREFIX_TRACE[3]) == keyer.keys(req(0, 512, [4]))  # the 188-token tail: none
+
+
+def test_unbounded_sequential_hits_at_block_256():
+    result = run(PREFIX_TRACE, 256, 1 << 20, sequential=True)
+    # r1 hits four blocks (1024 tokens); r2 may reuse one of its two (its last token is computed).
+    assert result.hit_tokens == 1024 + 256
+    assert result.prompt_tokens == 1024 + 1324 + 512 + 700
+    assert result.hit_ratio == pytest.approx(1280 / 3560)
+    assert result.max_hit_ratio == pytest.approx(1280 / 3560)
+    assert (result.recomputed_tokens, result.evictions, result.rejections) == (0, 0, 0)
+
+
+def test_unbounded_sequential_hits_at_block_512():
+    result = run(PREFIX_TRACE, 512, 1 << 20, sequential=True)
+    assert result.hit_tokens == 1024  # r1 only; r2's single block holds its last token
+
+
+# A shared system prompt (id 1) asked twice, then fresh traffic, then the system prompt again.
+SYSTEM_TRACE = [req(0, 1024, [1, 10]), req(1, 1024, [1, 11]), req(2, 1024, [20, 21]),
+                req(3, 1024, [22, 23]), req(4, 1024, [1, 12])]
+
+
+def test_lru_forgets_the_system_prompt_under_pressure():
+    result = run(SYSTEM_TRACE, 256, 6 * 256, "lru", sequential=True)
+    assert result.hit_tokens == 512  # only r1
+    assert result.recomputed_tokens == 512  # r4 recomputes the system prompt
+    assert result.evictions == 4 + 4 + 4
+
+
+def test_cost_keeps_the_reused_system_prompt():
+    result = run(SYSTEM_TRACE, 256, 6 * 256, "cost", sequential=True)
+    assert result.hit_tokens == 512 + 512  # r1 and r4
+    assert result.recomputed_tokens == 0
+    assert result.evictions == 4 + 4 + 2
+
+
+OVERLAP_TRACE = [req(0, 1024, [1, 2], output=10), req(1000, 1024, [3, 4], output=10),
+                 req(2000, 3000, [5, 6, 7, 8, 9, 10], output=10)]
+
+
+def test_concurrent_replay_queues_then_rejects_what_never_fits():
+    result = run(OVERLAP_TRACE, 256, 8 * 256, prefill_rate=1e12, decode_rate=1.0)
+    # r0 holds 5 of 8 blocks until t=10; r1 waits, then evicts one of r0's cached blocks;
+    # r2 (12 blocks) can never fit.
+    assert (result.admitted, result.rejections, result.reject_reasons) == (2, 1, {"never_fits": 1})
+    assert result.evictions == 1
+    assert result.peak_occupancy == pytest.approx(5 / 8)
+    assert result.mean_occupancy == pytest.approx(5 / 8)
+    assert result.fragmentation == pytest.approx((1280 - 1034) * 2 / (1280 * 2))
+    assert result.reservation_waste == 0.0
+
+
+def test_concurrent_replay_rejects_when_the_queue_is_full():
+    result = run(OVERLAP_TRACE, 256, 8 * 256, prefill_rate=1e12, decode_rate=1.0, max_queue=1)
+    assert result.reject_reasons == {"queue_full": 1}
+
+
+def test_reservation_waste_counts_reserved_blocks_never_written():
+    trace = [req(0, 512, [1], output=0), req(1, 512, [2], output=256)]
+    result = run(trace, 256, 1 << 16, reservation="fixed:512", max_tokens=512, sequential=True)
+    # Each reserves 512 output tokens: 2 prompt blocks + 2 reserved. The first writes none of its
+    # reserved blocks, the second one of them: 3 of 8 blocks never written.
+    assert result.reservation_waste == pytest.approx(3 / 8)
+    assert result.fragmentation == 0.0
+
+
+def test_every_request_comes_back_and_the_books_balance_on_a_generated_trace():
+    trace = generate_trace(300, seed=3)
+    for policy in ("lru", "cost"):
+        for sequential in (False, True):
+            result = run(trace, 32, 16_384, policy, sequential=sequential)  # audit=True inside
+            assert result.admitted + result.rejections == 300
+            assert 0 < result.hit_ratio <= result.max_hit_ratio <= 1
+
+
+def test_generated_traces_are_deterministic_and_round_trip(tmp_path):
+    assert generate_trace(50, seed=1) == generate_trace(50, seed=1)
+    assert generate_trace(50, seed=1) != generate_trace(50, seed=2)
+    path = tmp_path / "t.jsonl"
+    write_trace(path, generate_trace(50, seed=1))
+    assert read_trace(path) == generate_trace(50, seed=1)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}',
+     "t.jsonl line 2: field 'input_length' must be an integer >= 1, got 0"),
+    ('{"timestamp": -5, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+     "t.jsonl line 2: field 'timestamp' must be a number >= 0, got -5"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}',
+     "t.jsonl line 2: field 'hash_ids' has 1 ids but input_length 600 needs 2 (one per 512 tokens)"),
+    ('{"timestamp": 0, "input_length": 6', "t.jsonl line 2: not valid JSON"),
+])
+def test_bad_trace_lines_are_named(tmp_path, line, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+                    + line + "\n")
+    with pytest.raises(TraceError) as info:
+        read_trace(path)
+    assert str(info.value).startswith(message)
