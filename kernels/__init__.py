@@ -1,5 +1,24 @@
-"""Triton kernels for the paged KV cache, each beside a plain-torch reference.
+"""Kernels for the paged KV cache: Triton launchers, each beside a plain-torch `*_ref` twin.
 
-This package imports nothing of the rest of the project. The kernels land with
-the kernels issue; until then it is empty so the layout and import rules hold.
+    write_kv / write_kv_ref                                  store (and quantise) new K/V
+    paged_decode_attention / paged_decode_attention_ref      one query per sequence
+    paged_prefill_attention / paged_prefill_attention_ref    new tokens over their prefix
+    copy_blocks / copy_blocks_ref                            copy-on-write block copies
+
+The launchers run on CUDA, or on the CPU under TRITON_INTERPRET=1 (for tests).
+This package imports nothing of the rest of the project.
 """
+
+from .checks import KernelArgumentError
+from .copy_blocks import copy_blocks, copy_blocks_ref
+from .decode import paged_decode_attention, paged_decode_attention_ref
+from .formats import CACHE_DTYPES, absmax_scales, cache_dtype, dequantise, is_quantised, quantise
+from .prefill import paged_prefill_attention, paged_prefill_attention_ref
+from .write_kv import write_kv, write_kv_ref
+
+__all__ = [
+    "CACHE_DTYPES", "KernelArgumentError", "absmax_scales", "cache_dtype", "copy_blocks",
+    "copy_blocks_ref", "dequantise", "is_quantised", "paged_decode_attention",
+    "paged_decode_attention_ref", "paged_prefill_attention", "paged_prefill_attention_ref",
+    "quantise", "write_kv", "write_kv_ref",
+]

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+try:  # Triton kernels run on the CPU interpreter unless a GPU is present (decided before import)
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover - the cache core needs no torch
+    torch = None
 
 from kvctl.daemon.cache import KVCacheManager, Namespace
 

@@ -1,0 +1,87 @@
+"""Argument checks shared by the launchers: every failure names the argument."""
+
+import torch
+
+from ._triton import interpreting
+from .formats import QUANTISED_DTYPES, QUERY_DTYPES, is_quantised
+
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+
+
+class KernelArgumentError(ValueError):
+    """A kernel argument has the wrong shape, dtype, stride or device; the message names it."""
+
+
+def check(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise KernelArgumentError(f"{name}: {message}")
+
+
+def check_tensor(name: str, t: torch.Tensor, *, ndim: int, dtypes: tuple[torch.dtype, ...],
+                 contiguous: bool = True) -> None:
+    check(isinstance(t, torch.Tensor), name, f"expected a tensor, got {type(t).__name__}")
+    check(t.dim() == ndim, name, f"expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    check(t.dtype in dtypes, name,
+          f"expected dtype {' or '.join(str(d).replace('torch.', '') for d in dtypes)}, got "
+          f"{str(t.dtype).replace('torch.', '')}")
+    if contiguous:
+        check(t.is_contiguous(), name, f"must be contiguous, got strides {t.stride()}")
+
+
+def check_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
+    """All tensors on one device, and a device the Triton kernels can run on."""
+    device = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if device is None:
+            device = t.device
+            check(t.is_cuda or interpreting(), name,
+                  f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {t.device}; "
+                  "use the *_ref function on the CPU")
+        check(t.device == device, name, f"on {t.device}, expected {device} like the other arguments")
+    assert device is not None
+    return device
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; returns that shape."""
+    all_dtypes = QUERY_DTYPES + QUANTISED_DTYPES
+    check_tensor("k_cache", k_cache, ndim=4, dtypes=all_dtypes)
+    check_tensor("v_cache", v_cache, ndim=4, dtypes=all_dtypes)
+    check(v_cache.shape == k_cache.shape, "v_cache",
+          f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    check(v_cache.dtype == k_cache.dtype, "v_cache",
+          f"dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    check(block_size in SUPPORTED_BLOCK_SIZES, "k_cache",
+          f"block size {block_size} unsupported; use one of {SUPPORTED_BLOCK_SIZES}")
+    check(head_dim in SUPPORTED_HEAD_DIMS, "k_cache",
+          f"head_dim {head_dim} unsupported; use one of {SUPPORTED_HEAD_DIMS}")
+    return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None) -> bool:
+    """Scales are required for quantised caches and refused otherwise; returns is-quantised."""
+    quantised = is_quantised(k_cache.dtype)
+    num_kv_heads = k_cache.shape[2]
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not quantised:
+            check(scale is None, name, f"given for an unquantised {k_cache.dtype} cache")
+            continue
+        check(scale is not None, name, f"required for a {k_cache.dtype} cache (one float32 per KV head)")
+        check_tensor(name, scale, ndim=1, dtypes=(torch.float32,))
+        check(scale.shape[0] == num_kv_heads, name,
+              f"expected shape ({num_kv_heads},), one per KV head, got {tuple(scale.shape)}")
+    return quantised
+
+
+def check_query(q: torch.Tensor, num_kv_heads: int, head_dim: int, *, name: str = "q") -> int:
+    """q [tokens or seqs, num_heads, head_dim]; returns the GQA group size."""
+    check_tensor(name, q, ndim=3, dtypes=QUERY_DTYPES)
+    check(q.shape[2] == head_dim, name, f"head_dim {q.shape[2]} differs from the cache's {head_dim}")
+    check(q.shape[1] % num_kv_heads == 0, name,
+          f"{q.shape[1]} heads is not a multiple of the cache's {num_kv_heads} KV heads")
+    return q.shape[1] // num_kv_heads

@@ -1,0 +1,257 @@
+"""paged_decode_attention: one new query token per sequence against its paged K/V.
+
+Algorithm: flash-decoding. The context of each sequence is cut into partitions
+of `partition_size` tokens; program (seq, kv_head, split) computes attention of
+every query head sharing `kv_head` (GQA) over one partition with an online
+softmax and writes an unnormalised partial result with its running max and sum.
+A second kernel merges the partials by log-sum-exp. Small batches with long
+contexts thus still fill the GPU.
+
+Layouts::
+
+    q             [num_seqs, num_heads, head_dim]
+    k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables  [num_seqs, max_blocks] int32   logical block -> physical block
+    context_lens  [num_seqs] int32               tokens to attend (>= 1)
+    k/v_scale     [num_kv_heads] float32         quantised caches only
+    out           [num_seqs, num_heads, head_dim]
+
+Tokens are read TILE_N at a time; a token's address is computed from its own
+block-table entry, so any block size works and the tables may be scattered.
+Offsets are 64-bit.
+"""
+
+import torch
+
+from ._triton import interpreting, tl, triton
+from .checks import check, check_cache, check_device, check_query, check_scales, check_tensor
+from .formats import from_cache
+
+TILE_N = 32  # tokens per inner step
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr,  # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    context_lens_ptr,  # [num_seqs] int32
+    k_scale_ptr,  # [num_kv_heads] float32 (QUANT only)
+    v_scale_ptr,  # [num_kv_heads] float32 (QUANT only)
+    part_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32
+    part_max_ptr,  # [num_seqs, num_heads, num_splits] float32
+    part_sum_ptr,  # [num_seqs, num_heads, num_splits] float32
+    sm_scale,
+    stride_qs, stride_qh,
+    stride_cb, stride_co, stride_ch,
+    stride_bt,
+    partition_size, block_size, head_dim, group_size, num_splits,
+    GROUP_P: tl.constexpr,  # query heads per KV head, padded to >= 16 for tl.dot
+    DIM_P: tl.constexpr,  # head_dim padded to a power of two
+    TILE: tl.constexpr,  # tokens per step
+    QUANT: tl.constexpr,
+    DOT_F32: tl.constexpr,  # multiply in float32 (float32 queries, or the CPU interpreter)
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    start = split * partition_size
+    end = tl.minimum(start + partition_size, context_len)
+
+    group = tl.arange(0, GROUP_P)
+    dims = tl.arange(0, DIM_P)
+    heads = kv_head * group_size + group
+    head_mask = group < group_size
+    dim_mask = dims < head_dim
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    compute_dtype = q.dtype
+    if QUANT:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+
+    row_max = tl.full([GROUP_P], float("-inf"), tl.float32)
+    row_sum = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
+    for tile_start in range(start, end, TILE):
+        tokens = tile_start + tl.arange(0, TILE)
+        token_mask = tokens < end
+        physical = tl.load(block_tables_ptr + seq * stride_bt + tokens // block_size,
+                           mask=token_mask, other=0).to(tl.int64)
+        addr = (physical[:, None] * stride_cb + (tokens % block_size)[:, None] * stride_co
+                + kv_head * stride_ch + dims[None, :])
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + addr, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + addr, mask=kv_mask, other=0.0)
+        if QUANT:
+            k = (k.to(tl.float32) * k_scale).to(compute_dtype)
+            v = (v.to(tl.float32) * v_scale).to(compute_dtype)
+        else:
+            k = k.to(compute_dtype)
+            v = v.to(compute_dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [GROUP_P, TILE]
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        probs = tl.exp(scores - new_max[:, None])
+        alpha = tl.exp(row_max - new_max)
+        row_sum = row_sum * alpha + tl.sum(probs, 1)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(compute_dtype), v, input_precision="ieee")
+        row_max = new_max
+
+    part = (seq * tl.num_programs(1) * group_size + heads) * num_splits + split
+    tl.store(part_max_ptr + part, row_max, mask=head_mask)
+    tl.store(part_sum_ptr + part, row_sum, mask=head_mask)
+    tl.store(part_acc_ptr + part[:, None] * head_dim + dims[None, :], acc,
+             mask=head_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32
+    part_max_ptr,  # [num_seqs, num_heads, num_splits] float32
+    part_sum_ptr,  # [num_seqs, num_heads, num_splits] float32
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    stride_os, stride_oh,
+    num_heads, num_splits, head_dim,
+    SPLITS_P: tl.constexpr,
+    DIM_P: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_P)
+    dims = tl.arange(0, DIM_P)
+    split_mask = splits < num_splits
+    base = (seq * num_heads + head) * num_splits
+    maxes = tl.load(part_max_ptr + base + splits, mask=split_mask, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + base + splits, mask=split_mask, other=0.0)
+    top = tl.max(maxes, 0)
+    weights = tl.where(split_mask & (maxes > float("-inf")), tl.exp(maxes - top), 0.0)
+    total = tl.sum(weights * sums, 0)
+    acc = tl.load(part_acc_ptr + (base + splits)[:, None] * head_dim + dims[None, :],
+                  mask=split_mask[:, None] & (dims[None, :] < head_dim), other=0.0)
+    out = tl.sum(weights[:, None] * acc, 0) / total
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < head_dim)
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) -> tuple[int, bool]:
+    _, _, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    group = check_query(q, num_kv_heads, head_dim)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
+    check(block_tables.shape[0] == q.shape[0], "block_tables",
+          f"{block_tables.shape[0]} rows for {q.shape[0]} sequences")
+    check(context_lens.shape[0] == q.shape[0], "context_lens",
+          f"{context_lens.shape[0]} lengths for {q.shape[0]} sequences")
+    return group, check_scales(k_cache, k_scale, v_scale)
+
+
+def choose_partition(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Tokens per split: enough programs to fill the device, never below one tile."""
+    if device.type == "cuda":
+        target_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target_programs = 8  # the interpreter runs programs one by one: keep splits few
+    splits = max(1, min(-(-target_programs // max(num_seqs * num_kv_heads, 1)),
+                        -(-max_context // TILE_N), 64))
+    per_split = -(-max_context // splits)
+    return max(TILE_N, -(-per_split // TILE_N) * TILE_N)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           max_context: int | None = None,
+                           partition_size: int | None = None) -> torch.Tensor:
+    """Decode attention over the paged cache (Triton). See the module docstring for layouts.
+
+    `max_context` (the largest context length) saves a device sync when the caller knows it.
+    """
+    group, quantised = _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    device = check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+                           "context_lens": context_lens, "k_scale": k_scale, "v_scale": v_scale})
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if max_context is None:
+        max_context = int(context_lens.max())
+    check(max_context >= 1, "context_lens", "every sequence needs at least one token")
+    if partition_size is None:
+        partition_size = choose_partition(num_seqs, num_kv_heads, max_context, device)
+    check(partition_size % TILE_N == 0 and partition_size > 0, "partition_size",
+          f"must be a positive multiple of {TILE_N}, got {partition_size}")
+    num_splits = -(-max_context // partition_size)
+    part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
+    part_sum = torch.empty_like(part_max)
+    placeholder = context_lens
+    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens,
+        k_scale if quantised else placeholder, v_scale if quantised else placeholder,
+        part_acc, part_max, part_sum, float(scale),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        partition_size, block_size, head_dim, group, num_splits,
+        GROUP_P=max(16, triton.next_power_of_2(group)), DIM_P=triton.next_power_of_2(head_dim),
+        TILE=TILE_N, QUANT=quantised,
+        DOT_F32=q.dtype == torch.float32 or interpreting(),
+    )
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+        num_heads, num_splits, head_dim,
+        SPLITS_P=max(2, triton.next_power_of_2(num_splits)), DIM_P=triton.next_power_of_2(head_dim),
+    )
+    return out
+
+
+def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                    scale: torch.Tensor | None) -> torch.Tensor:
+    """The first `length` tokens of one sequence as float32 [length, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    blocks = block_table[: -(-length // block_size)].long()
+    tokens = cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:length]
+    return from_cache(tokens, scale)
+
+
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               causal_offset: int | None = None) -> torch.Tensor:
+    """Softmax attention in float32. q [n, H, D]; k, v [t, H_kv, D] -> [n, H, D].
+
+    With `causal_offset` c, query i sits at position c + i and sees keys 0..c+i.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,thd->hnt", q.float(), k) * scale
+    if causal_offset is not None:
+        positions = causal_offset + torch.arange(q.shape[0], device=q.device)
+        visible = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), v)
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
+                               k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch twin of `paged_decode_attention`: gathers each sequence through its table."""
+    _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    out = torch.empty_like(q)
+    for seq in range(q.shape[0]):
+        length = int(context_lens[seq])
+        check(length >= 1, "context_lens", f"sequence {seq} has length {length}; need >= 1")
+        k = gather_sequence(k_cache, block_tables[seq], length, k_scale)
+        v = gather_sequence(v_cache, block_tables[seq], length, v_scale)
+        out[seq] = attend_ref(q[seq:seq + 1], k, v, scale)[0].to(q.dtype)
+    return out
+
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "attend_ref", "gather_sequence",
+           "choose_partition"]

@@ -1,0 +1,179 @@
+"""paged_prefill_attention: new tokens of many sequences attend causally to their paged K/V.
+
+Each sequence brings `n` new query tokens (already written to the cache) after a
+cached prefix of `context_len - n` tokens: a prefix hit or an earlier chunk of a
+long prompt. Only the new rows are computed. Program (seq, row tile, head)
+streams key tiles up to the tile's last position with an online softmax.
+
+Layouts::
+
+    q                [total_new_tokens, num_heads, head_dim]   sequences back to back
+    query_start_loc  [num_seqs + 1] int32   sequence s owns rows [qsl[s], qsl[s+1])
+    context_lens     [num_seqs] int32       prefix + new tokens of each sequence
+    k/v_cache, block_tables, k/v_scale      as for decode
+    out              like q
+"""
+
+import torch
+
+from ._triton import interpreting, tl, triton
+from .checks import check, check_cache, check_device, check_query, check_scales, check_tensor
+from .decode import attend_ref, gather_sequence
+
+BLOCK_M = 16  # query rows per program
+TILE_N = 32  # keys per step
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [total_new_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    context_lens_ptr,  # [num_seqs] int32
+    k_scale_ptr,  # [num_kv_heads] float32 (QUANT only)
+    v_scale_ptr,  # [num_kv_heads] float32 (QUANT only)
+    out_ptr,  # [total_new_tokens, num_heads, head_dim]
+    sm_scale,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_cb, stride_co, stride_ch,
+    stride_bt,
+    block_size, head_dim, group_size,
+    ROWS: tl.constexpr,
+    TILE: tl.constexpr,
+    DIM_P: tl.constexpr,
+    QUANT: tl.constexpr,
+    DOT_F32: tl.constexpr,  # multiply in float32 (float32 queries, or the CPU interpreter)
+):
+    seq = tl.program_id(0).to(tl.int64)
+    row_tile = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // group_size
+    q_start = tl.load(query_start_loc_ptr + seq)
+    num_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if row_tile * ROWS >= num_new:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    prefix = context_len - num_new
+
+    rows = row_tile * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < num_new
+    positions = prefix + rows
+    dims = tl.arange(0, DIM_P)
+    dim_mask = dims < head_dim
+    q_rows = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    compute_dtype = q.dtype
+    if QUANT:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+
+    row_max = tl.full([ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM_P], tl.float32)
+    key_end = tl.minimum(context_len, prefix + (row_tile + 1) * ROWS)
+    for tile_start in range(0, key_end, TILE):
+        keys = tile_start + tl.arange(0, TILE)
+        key_mask = keys < key_end
+        physical = tl.load(block_tables_ptr + seq * stride_bt + keys // block_size,
+                           mask=key_mask, other=0).to(tl.int64)
+        addr = (physical[:, None] * stride_cb + (keys % block_size)[:, None] * stride_co
+                + kv_head * stride_ch + dims[None, :])
+        kv_mask = key_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + addr, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + addr, mask=kv_mask, other=0.0)
+        if QUANT:
+            k = (k.to(tl.float32) * k_scale).to(compute_dtype)
+            v = (v.to(tl.float32) * v_scale).to(compute_dtype)
+        else:
+            k = k.to(compute_dtype)
+            v = v.to(compute_dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [ROWS, TILE]
+        visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        probs = tl.exp(scores - new_max[:, None])
+        alpha = tl.exp(row_max - new_max)
+        row_sum = row_sum * alpha + tl.sum(probs, 1)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(compute_dtype), v, input_precision="ieee")
+        row_max = new_max
+
+    out = acc / row_sum[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale):
+    _, _, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
+    group = check_query(q, num_kv_heads, head_dim)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,))
+    check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
+    num_seqs = context_lens.shape[0]
+    check(query_start_loc.shape[0] == num_seqs + 1, "query_start_loc",
+          f"expected {num_seqs + 1} entries (num_seqs + 1), got {query_start_loc.shape[0]}")
+    check(block_tables.shape[0] == num_seqs, "block_tables",
+          f"{block_tables.shape[0]} rows for {num_seqs} sequences")
+    return group, check_scales(k_cache, k_scale, v_scale)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            context_lens: torch.Tensor, *, scale: float,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                            max_new_tokens: int | None = None) -> torch.Tensor:
+    """Causal attention of new tokens over prefix + themselves (Triton); see the module docstring.
+
+    `max_new_tokens` (the most new tokens of any sequence) saves a device sync when known.
+    """
+    group, quantised = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                              k_scale, v_scale)
+    check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+                  "query_start_loc": query_start_loc, "context_lens": context_lens,
+                  "k_scale": k_scale, "v_scale": v_scale})
+    out = torch.empty_like(q)
+    num_seqs = context_lens.shape[0]
+    if num_seqs == 0 or q.shape[0] == 0:
+        return out
+    if max_new_tokens is None:
+        max_new_tokens = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    _, block_size, _, head_dim = k_cache.shape
+    placeholder = context_lens
+    grid = (num_seqs, triton.cdiv(max_new_tokens, BLOCK_M), q.shape[1])
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+        k_scale if quantised else placeholder, v_scale if quantised else placeholder, out,
+        float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        block_size, head_dim, group,
+        ROWS=BLOCK_M, TILE=TILE_N, DIM_P=triton.next_power_of_2(head_dim), QUANT=quantised,
+        DOT_F32=q.dtype == torch.float32 or interpreting(),
+    )
+    return out
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                                context_lens: torch.Tensor, *, scale: float,
+                                k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch twin of `paged_prefill_attention`."""
+    _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale)
+    out = torch.empty_like(q)
+    for seq in range(context_lens.shape[0]):
+        start, stop = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
+        length = int(context_lens[seq])
+        check(0 <= stop - start <= length, "context_lens",
+              f"sequence {seq} has {stop - start} new tokens but context length {length}")
+        if stop == start:
+            continue
+        k = gather_sequence(k_cache, block_tables[seq], length, k_scale)
+        v = gather_sequence(v_cache, block_tables[seq], length, v_scale)
+        out[start:stop] = attend_ref(q[start:stop], k, v, scale,
+                                     causal_offset=length - (stop - start)).to(q.dtype)
+    return out

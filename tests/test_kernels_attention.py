@@ -1,0 +1,255 @@
+"""Paged attention kernels against their torch references (CPU: TRITON_INTERPRET=1), the
+references against scaled_dot_product_attention, and quantised caches against float ones."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from kvctl.kernels import (KernelArgumentError, is_quantised, paged_decode_attention,  # noqa: E402
+                           paged_decode_attention_ref, paged_prefill_attention,
+                           paged_prefill_attention_ref, quantise, write_kv_ref)
+from kvctl.kernels.decode import gather_sequence  # noqa: E402
+from kvctl.kernels.formats import dequantise  # noqa: E402
+
+from .kernel_cases import (DEVICE, OUT_TOL, make_scales, ragged_lengths, representable,  # noqa: E402
+                           scattered_tables, slots_for)
+
+ALL_CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                    torch.float8_e5m2, torch.int8]
+
+
+def query_dtype(cache_dtype):
+    return torch.bfloat16 if is_quantised(cache_dtype) else cache_dtype
+
+
+def build(cache_dtype, *, block_size=16, num_kv_heads=2, group=4, head_dim=64, lengths=None,
+          seed=0, spare_blocks=5):
+    g = torch.Generator().manual_seed(seed)
+    lengths = lengths or ragged_lengths(block_size, 3 * block_size + 5)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + spare_blocks
+    table = scattered_tables(lengths, block_size, num_blocks, g)
+    k_scale, v_scale = make_scales(cache_dtype, num_kv_heads, g)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+    v_cache = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+    tokens = sum(lengths)
+    keys = representable((tokens, num_kv_heads, head_dim), cache_dtype, k_scale, g)
+    values = representable((tokens, num_kv_heads, head_dim), cache_dtype, v_scale, g)
+    write_kv_ref(keys, values, k_cache, v_cache, slots_for(table, lengths, block_size), k_scale, v_scale)
+    return dict(k_cache=k_cache, v_cache=v_cache, block_tables=table, k_scale=k_scale,
+                v_scale=v_scale, lengths=lengths, heads=num_kv_heads * group, head_dim=head_dim,
+                generator=g)
+
+
+def decode_inputs(case, q_dtype):
+    q = torch.randn((len(case["lengths"]), case["heads"], case["head_dim"]),
+                    generator=case["generator"]).to(q_dtype).to(DEVICE)
+    lens = torch.tensor(case["lengths"], dtype=torch.int32, device=DEVICE)
+    return q, lens
+
+
+def run_decode(fn, case, q, lens, **extra):
+    return fn(q, case["k_cache"], case["v_cache"], case["block_tables"], lens,
+              scale=case["head_dim"] ** -0.5, k_scale=case["k_scale"], v_scale=case["v_scale"], **extra)
+
+
+# ---- decode ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cache_dtype", ALL_CACHE_DTYPES, ids=str)
+def test_decode_kernel_matches_reference_for_every_cache_dtype(cache_dtype):
+    case = build(cache_dtype)
+    q, lens = decode_inputs(case, query_dtype(cache_dtype))
+    out = run_decode(paged_decode_attention, case, q, lens)
+    ref = run_decode(paged_decode_attention_ref, case, q, lens)
+    torch.testing.assert_close(out.float(), ref.float(), **OUT_TOL[q.dtype])
+
+
+@pytest.mark.parametrize("num_kv_heads, group", [(4, 1), (2, 4), (1, 8), (1, 16)],
+                         ids=["mha", "gqa4", "gqa8-mqa", "mqa16"])
+def test_decode_kernel_gqa_and_mqa(num_kv_heads, group):
+    case = build(torch.float16, num_kv_heads=num_kv_heads, group=group, seed=1)
+    q, lens = decode_inputs(case, torch.float16)
+    torch.testing.assert_close(run_decode(paged_decode_attention, case, q, lens).float(),
+                               run_decode(paged_decode_attention_ref, case, q, lens).float(),
+                               **OUT_TOL[torch.float16])
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
+def test_decode_kernel_head_dims(head_dim):
+    case = build(torch.bfloat16, head_dim=head_dim, num_kv_heads=1, group=2, seed=2,
+                 lengths=[1, 15, 16, 17, 40])
+    q, lens = decode_inputs(case, torch.bfloat16)
+    torch.testing.assert_close(run_decode(paged_decode_attention, case, q, lens).float(),
+                               run_decode(paged_decode_attention_ref, case, q, lens).float(),
+                               **OUT_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 256])
+def test_decode_kernel_block_sizes(block_size):
+    case = build(torch.float32, block_size=block_size, num_kv_heads=1, group=4, seed=3,
+                 lengths=ragged_lengths(block_size, 2 * block_size + 3))
+    q, lens = decode_inputs(case, torch.float32)
+    torch.testing.assert_close(run_decode(paged_decode_attention, case, q, lens),
+                               run_decode(paged_decode_attention_ref, case, q, lens),
+                               **OUT_TOL[torch.float32])
+
+
+def test_decode_split_merge_is_exact_whatever_the_partition():
+    case = build(torch.float32, lengths=[1, 33, 130, 257], seed=4)
+    q, lens = decode_inputs(case, torch.float32)
+    ref = run_decode(paged_decode_attention_ref, case, q, lens)
+    for partition in (32, 64, 288):  # many splits, some empty for short sequences; one split
+        out = run_decode(paged_decode_attention, case, q, lens, partition_size=partition)
+        torch.testing.assert_close(out, ref, **OUT_TOL[torch.float32])
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+def prefill_inputs(case, new_tokens, q_dtype):
+    starts = [0]
+    for n in new_tokens:
+        starts.append(starts[-1] + n)
+    q = torch.randn((starts[-1], case["heads"], case["head_dim"]), generator=case["generator"])
+    return (q.to(q_dtype).to(DEVICE), torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            torch.tensor(case["lengths"], dtype=torch.int32, device=DEVICE))
+
+
+def run_prefill(fn, case, q, qsl, lens):
+    return fn(q, case["k_cache"], case["v_cache"], case["block_tables"], qsl, lens,
+              scale=case["head_dim"] ** -0.5, k_scale=case["k_scale"], v_scale=case["v_scale"])
+
+
+# (context lengths, new tokens): a full prompt, prefix hits of B-1, B and B+1 tokens, a chunk.
+PREFILL_LENGTHS = [1, 20, 21, 34, 60]
+PREFILL_NEW = [1, 20, 5, 17, 40]
+
+
+@pytest.mark.parametrize("cache_dtype", ALL_CACHE_DTYPES, ids=str)
+def test_prefill_kernel_matches_reference_for_every_cache_dtype(cache_dtype):
+    case = build(cache_dtype, lengths=PREFILL_LENGTHS, seed=5)
+    q, qsl, lens = prefill_inputs(case, PREFILL_NEW, query_dtype(cache_dtype))
+    torch.testing.assert_close(run_prefill(paged_prefill_attention, case, q, qsl, lens).float(),
+                               run_prefill(paged_prefill_attention_ref, case, q, qsl, lens).float(),
+                               **OUT_TOL[q.dtype])
+
+
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, block_size",
+                         [(4, 1, 64, 8), (1, 8, 96, 32), (2, 4, 128, 16), (1, 2, 80, 256)])
+def test_prefill_kernel_shapes(num_kv_heads, group, head_dim, block_size):
+    case = build(torch.float16, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                 block_size=block_size, lengths=PREFILL_LENGTHS, seed=6)
+    q, qsl, lens = prefill_inputs(case, PREFILL_NEW, torch.float16)
+    torch.testing.assert_close(run_prefill(paged_prefill_attention, case, q, qsl, lens).float(),
+                               run_prefill(paged_prefill_attention_ref, case, q, qsl, lens).float(),
+                               **OUT_TOL[torch.float16])
+
+
+def test_prefill_of_a_chunk_equals_the_same_rows_of_a_full_prefill():
+    case = build(torch.float32, lengths=[48], seed=7)
+    q_full, qsl_full, lens = prefill_inputs(case, [48], torch.float32)
+    full = run_prefill(paged_prefill_attention, case, q_full, qsl_full, lens)
+    chunk = run_prefill(paged_prefill_attention, case, q_full[30:].contiguous(),
+                        torch.tensor([0, 18], dtype=torch.int32, device=DEVICE), lens)
+    torch.testing.assert_close(chunk, full[30:], **OUT_TOL[torch.float32])
+
+
+# ---- the references against torch's own attention ----------------------------------------------
+def test_decode_reference_matches_sdpa_on_contiguous_kv():
+    case = build(torch.float32, num_kv_heads=2, group=4, seed=8)
+    q, lens = decode_inputs(case, torch.float32)
+    ref = run_decode(paged_decode_attention_ref, case, q, lens)
+    for seq, length in enumerate(case["lengths"]):
+        k = gather_sequence(case["k_cache"], case["block_tables"][seq], length, None)
+        v = gather_sequence(case["v_cache"], case["block_tables"][seq], length, None)
+        expected = F.scaled_dot_product_attention(
+            q[seq][None, :, None, :], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            scale=case["head_dim"] ** -0.5, enable_gqa=True)[0, :, 0, :]
+        torch.testing.assert_close(ref[seq], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_reference_matches_sdpa_with_a_prefix_mask():
+    case = build(torch.float32, lengths=PREFILL_LENGTHS, seed=9)
+    q, qsl, lens = prefill_inputs(case, PREFILL_NEW, torch.float32)
+    ref = run_prefill(paged_prefill_attention_ref, case, q, qsl, lens)
+    for seq, (length, new) in enumerate(zip(PREFILL_LENGTHS, PREFILL_NEW)):
+        k = gather_sequence(case["k_cache"], case["block_tables"][seq], length, None)
+        v = gather_sequence(case["v_cache"], case["block_tables"][seq], length, None)
+        rows = q[int(qsl[seq]):int(qsl[seq + 1])]
+        visible = (torch.arange(length, device=DEVICE)[None, :]
+                   <= (length - new + torch.arange(new, device=DEVICE))[:, None])
+        expected = F.scaled_dot_product_attention(
+            rows.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=visible, scale=case["head_dim"] ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(ref[int(qsl[seq]):int(qsl[seq + 1])], expected, atol=1e-5, rtol=1e-5)
+
+
+# ---- quantised caches against the unquantised result --------------------------------------------
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8], ids=str)
+def test_quantised_decode_stays_within_the_bound_its_rounding_implies(cache_dtype):
+    """With per-key score error ds and per-value error dv, softmax weights move by at most a
+    factor exp(2 ds), so |out_q - out| <= dv + (exp(2 ds) - 1) * max|v| (plus bf16 rounding)."""
+    g = torch.Generator().manual_seed(10)
+    block_size, num_kv_heads, group, head_dim, length = 16, 2, 4, 64, 70
+    keys = torch.randn((length, num_kv_heads, head_dim), generator=g).to(DEVICE)
+    values = torch.randn((length, num_kv_heads, head_dim), generator=g).to(DEVICE)
+    q = torch.randn((1, num_kv_heads * group, head_dim), generator=g).to(DEVICE)
+    scales = [t.abs().amax(dim=(0, 2)) / (448.0 if cache_dtype != torch.int8 else 127.0)
+              for t in (keys, values)]
+    if cache_dtype == torch.float8_e5m2:
+        scales = [t.abs().amax(dim=(0, 2)) / 57344.0 for t in (keys, values)]
+    k_scale, v_scale = (s.float().contiguous() for s in scales)
+    table = torch.arange(5, dtype=torch.int32, device=DEVICE)[None]
+    lens = torch.tensor([length], dtype=torch.int32, device=DEVICE)
+    slots = torch.arange(length, device=DEVICE)
+    outs = {}
+    for dtype, ks, vs in ((torch.float32, None, None), (cache_dtype, k_scale, v_scale)):
+        kc = torch.zeros((5, block_size, num_kv_heads, head_dim), dtype=dtype, device=DEVICE)
+        vc = torch.zeros_like(kc)
+        write_kv_ref(keys, values, kc, vc, slots, ks, vs)
+        outs[dtype] = paged_decode_attention(q.to(torch.bfloat16) if ks is not None else q, kc, vc,
+                                             table, lens, scale=head_dim ** -0.5, k_scale=ks,
+                                             v_scale=vs).float()
+    dk = (keys - dequantise(quantise(keys, k_scale, cache_dtype), k_scale)).abs().amax(dim=0)
+    dv = (values - dequantise(quantise(values, v_scale, cache_dtype), v_scale)).abs().max()
+    q_kv = q[0].float().abs().view(num_kv_heads, group, head_dim)
+    ds = head_dim ** -0.5 * float((q_kv * dk[:, None, :]).sum(-1).max())
+    bound = float(dv) + (math.exp(2 * ds) - 1) * float(values.abs().max()) + 2e-2  # + bf16 query
+    error = float((outs[cache_dtype] - outs[torch.float32]).abs().max())
+    assert error <= bound
+    assert error > 0  # the comparison is not vacuous: quantisation changed the result
+
+
+# ---- argument checks ---------------------------------------------------------------------------
+def test_launchers_name_the_bad_argument():
+    case = build(torch.float16, lengths=[5, 9], seed=11)
+    q, lens = decode_inputs(case, torch.float16)
+    good = dict(scale=0.125)
+    k, v, table = case["k_cache"], case["v_cache"], case["block_tables"]
+    cases = [
+        (lambda: paged_decode_attention(q, k, v, table.long(), lens, **good),
+         "block_tables: expected dtype int32, got int64"),
+        (lambda: paged_decode_attention(q, k, v, table, lens[:1], **good),
+         "context_lens: 1 lengths for 2 sequences"),
+        (lambda: paged_decode_attention(q, k.transpose(1, 2), v, table, lens, **good),
+         "k_cache: must be contiguous"),
+        (lambda: paged_decode_attention(q[:, :3].contiguous(), k, v, table, lens, **good),
+         "q: 3 heads is not a multiple of the cache's 2 KV heads"),
+        (lambda: paged_decode_attention(q, k, v, table, lens, k_scale=torch.ones(2, device=DEVICE), **good),
+         "k_scale: given for an unquantised torch.float16 cache"),
+        (lambda: paged_decode_attention(q, k.to(torch.int8), v.to(torch.int8), table, lens, **good),
+         "k_scale: required for a torch.int8 cache"),
+        (lambda: paged_decode_attention(q[..., :48].contiguous(), k[..., :48].contiguous(),
+                                        v[..., :48].contiguous(), table, lens, **good),
+         "k_cache: head_dim 48 unsupported"),
+        (lambda: paged_prefill_attention(q, k, v, table, lens, lens, **good),
+         "query_start_loc: expected 3 entries (num_seqs + 1), got 2"),
+    ]
+    for call, message in cases:
+        with pytest.raises(KernelArgumentError) as info:
+            call()
+        assert str(info.value).startswith(message), (str(info.value), message)
