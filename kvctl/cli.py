@@ -12,6 +12,7 @@ import typer
 
 from kvctl import __version__
 
+from .bench_kernels import kernels_command
 from .bench_replay import replay_command
 from .errors import UserError
 
@@ -24,6 +25,7 @@ trace_app = typer.Typer(help="Request traces in the Mooncake JSONL format.", no_
 app.add_typer(bench, name="bench")
 app.add_typer(trace_app, name="trace")
 bench.command("replay")(replay_command)
+bench.command("kernels")(kernels_command)
 
 
 def _version(value: bool) -> None:

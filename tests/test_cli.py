@@ -123,3 +123,36 @@ def test_every_command_has_one_line_help_and_an_example():
         assert "Example: kvctl " + " ".join(path) in command.help, path
         if any(p.name == "as_json" for p in command.params) or path == ("bench", "replay"):
             assert any("--json" in p.opts for p in command.params), path
+
+
+def test_bench_kernels_without_cuda_checks_correctness_only(capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the figures path runs instead")
+    status, out, _ = cli(capsys, "bench", "kernels", "--json")
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["figures"] is None and doc["note"] == "figures need CUDA; correctness only"
+    assert [c["check"] for c in doc["checks"]] == [
+        "write_kv float32", "paged_decode_attention float32 (GQA 4)",
+        "paged_prefill_attention float32 (GQA 4)", "copy_blocks"]
+    assert all(c["ok"] and c["max_abs_diff"] <= c["tolerance"] for c in doc["checks"])
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12),
+                                        ("NVIDIA H100 PCIe", 2.0e12), ("NVIDIA A100-SXM4-80GB", 2.039e12),
+                                        ("Some Future GPU", None)])
+def test_peak_bandwidth_table(name, peak):
+    from kvctl.bench_kernels import peak_bandwidth
+
+    assert peak_bandwidth(name) == peak
+
+
+def test_bench_kernels_bad_options(capsys):
+    status, _, err = cli(capsys, "bench", "kernels", "--shape", "gpt5")
+    assert status == 2 and err.startswith("error: shape: unknown value 'gpt5'; choose from llama3-8b, llama3-70b")
+    status, _, err = cli(capsys, "bench", "kernels", "--dtype", "fp4")
+    assert status == 2 and err.startswith("error: dtype: unknown value 'fp4'")

@@ -1,0 +1,298 @@
+"""`kvctl bench kernels`: paged attention kernels against torch's contiguous attention.
+
+On CUDA it times decode and prefill for the head shapes of Llama-3-8B and -70B, reports
+achieved memory bandwidth and its fraction of the device's peak, and the speed ratio against
+`scaled_dot_product_attention` on the same K/V stored contiguously, measured in the same run.
+Without CUDA it says so and checks correctness only (Triton's CPU interpreter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .bench_replay import parse_int_list, parse_names
+from .errors import UserError
+
+# Peak HBM bandwidth by device name (bytes per second); the first matching substring wins.
+PEAK_BANDWIDTH = [
+    ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+    ("H800", 3.35e12), ("B200", 8.0e12), ("GH200", 4.0e12), ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12), ("L40S", 0.864e12), ("L4", 0.3e12),
+    ("A10", 0.6e12), ("RTX 4090", 1.008e12),
+]
+SHAPES = {  # name: (query heads, KV heads, head_dim)
+    "llama3-8b": (32, 8, 128),
+    "llama3-70b": (64, 8, 128),
+}
+DTYPES = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def peak_bandwidth(device_name: str) -> float | None:
+    for key, value in PEAK_BANDWIDTH:
+        if key.lower() in device_name.lower():
+            return value
+    return None
+
+
+@dataclass
+class DecodeFigure:
+    shape: str
+    dtype: str
+    batch: int
+    context: int
+    ms: float
+    bytes_per_second: float
+    fraction_of_peak: float | None
+    sdpa_ms: float
+    speedup_vs_sdpa: float  # sdpa time / kernel time; >= 1 means no slower than the baseline
+
+
+@dataclass
+class PrefillFigure:
+    shape: str
+    dtype: str
+    batch: int
+    new_tokens: int
+    prefix: int
+    ms: float
+    tflops: float
+    sdpa_ms: float
+    speedup_vs_sdpa: float
+
+
+def kernels_command(
+    batches: list[str] = typer.Option(["1,8,32,64,128,256"], "--batch", help="Decode batch sizes."),
+    contexts: list[str] = typer.Option(["512,2048,4096,8192,16384,32768"], "--context",
+                                       help="Decode context lengths."),
+    shapes: list[str] = typer.Option(["llama3-8b,llama3-70b"], "--shape", help="Head shapes."),
+    dtype: str = typer.Option("bfloat16", help=f"Cache dtype: {', '.join(DTYPES)}."),
+    block_size: int = typer.Option(16, help="Tokens per cache block."),
+    max_tokens: int = typer.Option(1 << 21, help="Skip decode cases with more cached tokens than this."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Time the paged attention kernels beside torch's contiguous attention (needs CUDA for figures).
+
+    Example: kvctl bench kernels --batch 32 --context 4096 --shape llama3-8b --json
+    """
+    batch_list = parse_int_list("batch", batches)
+    context_list = parse_int_list("context", contexts)
+    shape_list = parse_names("shape", shapes)
+    for name in shape_list:
+        if name not in SHAPES:
+            raise UserError(f"shape: unknown value {name!r}; choose from {', '.join(SHAPES)}")
+    if dtype not in DTYPES:
+        raise UserError(f"dtype: unknown value {dtype!r}; choose from {', '.join(DTYPES)}")
+    import torch
+
+    console = Console(stderr=as_json)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+        checks = correctness_checks()
+        document = {"device": "cpu", "figures": None, "note": "figures need CUDA; correctness only",
+                    "checks": checks}
+        if as_json:
+            typer.echo(json.dumps(document, indent=2))
+        else:
+            console.print("[bold]Figures need CUDA[/bold]: this machine has none. "
+                          "Checked the kernels against their references on the CPU instead.")
+            table = Table("check", "max abs diff", "tolerance", "ok")
+            for c in checks:
+                table.add_row(c["check"], f"{c['max_abs_diff']:.2e}", f"{c['tolerance']:.0e}",
+                              "yes" if c["ok"] else "NO")
+            console.print(table)
+        if not all(c["ok"] for c in checks):
+            raise typer.Exit(1)
+        return
+
+    device_name = torch.cuda.get_device_name()
+    peak = peak_bandwidth(device_name)
+    decode = [asdict(f) for f in run_decode(shape_list, batch_list, context_list, dtype, block_size,
+                                            max_tokens, peak)]
+    prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size)]
+    document = {"device": device_name, "peak_bytes_per_second": peak, "block_size": block_size,
+                "decode": decode, "prefill": prefill, "torch": torch.__version__}
+    if as_json:
+        typer.echo(json.dumps(document, indent=2))
+        return
+    table = Table(title=f"paged decode on {device_name} ({dtype} cache, block {block_size})")
+    for column in ("shape", "batch", "context", "ms", "GB/s", "% of peak", "SDPA ms", "vs SDPA"):
+        table.add_column(column, justify="right")
+    for f in decode:
+        table.add_row(f["shape"], str(f["batch"]), str(f["context"]), f"{f['ms']:.3f}",
+                      f"{f['bytes_per_second'] / 1e9:,.0f}",
+                      "-" if f["fraction_of_peak"] is None else f"{f['fraction_of_peak']:.0%}",
+                      f"{f['sdpa_ms']:.3f}", f"{f['speedup_vs_sdpa']:.2f}x")
+    console.print(table)
+    table = Table(title="paged prefill")
+    for column in ("shape", "batch", "new", "prefix", "ms", "TFLOP/s", "SDPA ms", "vs SDPA"):
+        table.add_column(column, justify="right")
+    for f in prefill:
+        table.add_row(f["shape"], str(f["batch"]), str(f["new_tokens"]), str(f["prefix"]),
+                      f"{f['ms']:.3f}", f"{f['tflops']:.1f}", f"{f['sdpa_ms']:.3f}",
+                      f"{f['speedup_vs_sdpa']:.2f}x")
+    console.print(table)
+
+
+def _random_tables(batch: int, blocks_per_seq: int, device):
+    import torch
+
+    order = torch.randperm(batch * blocks_per_seq, device=device).int()
+    return order.view(batch, blocks_per_seq).contiguous()
+
+
+def _cache(dtype_name: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, device):
+    import torch
+
+    from kvctl.kernels import cache_dtype, is_quantised
+
+    dtype = cache_dtype(dtype_name)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dtype)
+    v = torch.randn(shape, device=device, dtype=torch.bfloat16).to(dtype)
+    scales = (None, None)
+    if is_quantised(dtype):
+        scales = (torch.full((kv_heads,), 0.01, device=device), torch.full((kv_heads,), 0.01, device=device))
+    return k, v, scales
+
+
+def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max_tokens, peak):
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from kvctl.kernels import paged_decode_attention
+
+    device = torch.device("cuda")
+    figures = []
+    for shape in shape_list:
+        heads, kv_heads, head_dim = SHAPES[shape]
+        for context in context_list:
+            for batch in batch_list:
+                if batch * context > max_tokens:
+                    continue
+                blocks_per_seq = -(-context // block_size)
+                k, v, (k_scale, v_scale) = _cache(dtype_name, batch * blocks_per_seq, block_size,
+                                                  kv_heads, head_dim, device)
+                tables = _random_tables(batch, blocks_per_seq, device)
+                lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+                q = torch.randn((batch, heads, head_dim), device=device, dtype=torch.bfloat16)
+                scale = head_dim ** -0.5
+                ms = do_bench(lambda: paged_decode_attention(
+                    q, k, v, tables, lens, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                    max_context=context))
+                # Baseline: the same K/V (dequantised to bf16), stored contiguously per sequence.
+                k_contig = (k[tables.long()].float() * (k_scale[None, None, None, :, None]
+                            if k_scale is not None else 1.0)).to(torch.bfloat16)
+                k_contig = k_contig.view(batch, -1, kv_heads, head_dim)[:, :context].transpose(1, 2).contiguous()
+                v_contig = (v[tables.long()].float() * (v_scale[None, None, None, :, None]
+                            if v_scale is not None else 1.0)).to(torch.bfloat16)
+                v_contig = v_contig.view(batch, -1, kv_heads, head_dim)[:, :context].transpose(1, 2).contiguous()
+                q4 = q[:, :, None, :]
+                sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(
+                    q4, k_contig, v_contig, scale=scale, enable_gqa=True))
+                kv_bytes = 2 * batch * context * kv_heads * head_dim * k.element_size()
+                io_bytes = 2 * q.numel() * q.element_size() + tables.numel() * 4
+                bandwidth = (kv_bytes + io_bytes) / (ms / 1e3)
+                figures.append(DecodeFigure(shape, dtype_name, batch, context, ms, bandwidth,
+                                            None if peak is None else bandwidth / peak, sdpa_ms,
+                                            sdpa_ms / ms))
+                del k, v, k_contig, v_contig
+                torch.cuda.empty_cache()
+    return figures
+
+
+def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: int = 2048):
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from kvctl.kernels import paged_prefill_attention
+
+    device = torch.device("cuda")
+    figures = []
+    for shape in shape_list:
+        heads, kv_heads, head_dim = SHAPES[shape]
+        for prefix in (0, 4096):
+            context = prefix + new_tokens
+            blocks_per_seq = -(-context // block_size)
+            k, v, (k_scale, v_scale) = _cache(dtype_name, batch * blocks_per_seq, block_size, kv_heads,
+                                              head_dim, device)
+            tables = _random_tables(batch, blocks_per_seq, device)
+            lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+            qsl = torch.arange(0, (batch + 1) * new_tokens, new_tokens, dtype=torch.int32, device=device)
+            q = torch.randn((batch * new_tokens, heads, head_dim), device=device, dtype=torch.bfloat16)
+            scale = head_dim ** -0.5
+            ms = do_bench(lambda: paged_prefill_attention(
+                q, k, v, tables, qsl, lens, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                max_new_tokens=new_tokens))
+            q4 = q.view(batch, new_tokens, heads, head_dim).transpose(1, 2)
+            k4 = torch.randn((batch, kv_heads, context, head_dim), device=device, dtype=torch.bfloat16)
+            v4 = torch.randn_like(k4)
+            visible = (torch.arange(context, device=device)[None, :]
+                       <= (prefix + torch.arange(new_tokens, device=device))[:, None])
+            sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(
+                q4, k4, v4, attn_mask=None if prefix == 0 else visible, is_causal=prefix == 0,
+                scale=scale, enable_gqa=True))
+            pairs = batch * heads * (new_tokens * prefix + new_tokens * (new_tokens + 1) / 2)
+            flops = 4 * pairs * head_dim
+            figures.append(PrefillFigure(shape, dtype_name, batch, new_tokens, prefix, ms,
+                                         flops / (ms / 1e3) / 1e12, sdpa_ms, sdpa_ms / ms))
+            del k, v, k4, v4
+            torch.cuda.empty_cache()
+    return figures
+
+
+def correctness_checks() -> list[dict]:
+    """Small cases of every kernel against its reference, on the CPU interpreter."""
+    import torch
+
+    from kvctl.kernels import (copy_blocks, copy_blocks_ref, paged_decode_attention,
+                               paged_decode_attention_ref, paged_prefill_attention,
+                               paged_prefill_attention_ref, write_kv, write_kv_ref)
+
+    torch.manual_seed(0)
+    block_size, kv_heads, heads, head_dim, num_blocks = 16, 2, 8, 64, 24
+    lengths = [1, 15, 16, 17, 53]
+    tables = torch.randperm(num_blocks).int()[:20].view(5, 4).contiguous()
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    positions = [torch.arange(n) for n in lengths]
+    slots = torch.cat([tables[s, p // block_size].long() * block_size + p % block_size
+                       for s, p in enumerate(positions)])
+    keys = torch.randn((len(slots), kv_heads, head_dim))
+    values = torch.randn_like(keys)
+    checks = []
+
+    def record(name, got, want, tolerance):
+        diff = float((got.float() - want.float()).abs().max())
+        checks.append({"check": name, "max_abs_diff": diff, "tolerance": tolerance, "ok": diff <= tolerance})
+
+    caches = []
+    for fn in (write_kv, write_kv_ref):
+        k = torch.zeros((num_blocks, block_size, kv_heads, head_dim))
+        v = torch.zeros_like(k)
+        fn(keys, values, k, v, slots)
+        caches.append((k, v))
+    record("write_kv float32", caches[0][0], caches[1][0], 0.0)
+    k, v = caches[1]
+    q = torch.randn((5, heads, head_dim))
+    record("paged_decode_attention float32 (GQA 4)",
+           paged_decode_attention(q, k, v, tables, lens, scale=0.125),
+           paged_decode_attention_ref(q, k, v, tables, lens, scale=0.125), 1e-5)
+    qsl = torch.tensor([0, 1, 6, 22, 23, 53], dtype=torch.int32)
+    qp = torch.randn((53, heads, head_dim))
+    record("paged_prefill_attention float32 (GQA 4)",
+           paged_prefill_attention(qp, k, v, tables, qsl, lens, scale=0.125),
+           paged_prefill_attention_ref(qp, k, v, tables, qsl, lens, scale=0.125), 1e-5)
+    k2, v2 = k.clone(), v.clone()
+    src, dst = torch.tensor([int(tables[4, 0])]), torch.tensor([int(tables[0, 1])])
+    copy_blocks(k, v, src, dst)
+    copy_blocks_ref(k2, v2, src, dst)
+    record("copy_blocks", k, k2, 0.0)
+    return checks
