@@ -52,6 +52,7 @@ def _decode_partial_kernel(
     TILE: tl.constexpr,  # tokens per step
     QUANT: tl.constexpr,
     DOT_F32: tl.constexpr,  # multiply in float32 (float32 queries, or the CPU interpreter)
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for float32, the default otherwise
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -93,13 +94,13 @@ def _decode_partial_kernel(
         else:
             k = k.to(compute_dtype)
             v = v.to(compute_dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [GROUP_P, TILE]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [GROUP_P, TILE]
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         probs = tl.exp(scores - new_max[:, None])
         alpha = tl.exp(row_max - new_max)
         row_sum = row_sum * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(compute_dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(probs.to(compute_dtype), v, input_precision=PRECISION)
         row_max = new_max
 
     part = (seq * tl.num_programs(1) * group_size + heads) * num_splits + split
@@ -191,6 +192,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
     placeholder = context_lens
+    dot_f32 = q.dtype == torch.float32 or interpreting()
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         k_scale if quantised else placeholder, v_scale if quantised else placeholder,
@@ -201,7 +203,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         partition_size, block_size, head_dim, group, num_splits,
         GROUP_P=max(16, triton.next_power_of_2(group)), DIM_P=triton.next_power_of_2(head_dim),
         TILE=TILE_N, QUANT=quantised,
-        DOT_F32=q.dtype == torch.float32 or interpreting(),
+        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32",
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),

@@ -46,6 +46,7 @@ def _prefill_kernel(
     DIM_P: tl.constexpr,
     QUANT: tl.constexpr,
     DOT_F32: tl.constexpr,  # multiply in float32 (float32 queries, or the CPU interpreter)
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for float32, the default otherwise
 ):
     seq = tl.program_id(0).to(tl.int64)
     row_tile = tl.program_id(1)
@@ -93,14 +94,14 @@ def _prefill_kernel(
         else:
             k = k.to(compute_dtype)
             v = v.to(compute_dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [ROWS, TILE]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [ROWS, TILE]
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         probs = tl.exp(scores - new_max[:, None])
         alpha = tl.exp(row_max - new_max)
         row_sum = row_sum * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(compute_dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(probs.to(compute_dtype), v, input_precision=PRECISION)
         row_max = new_max
 
     out = acc / row_sum[:, None]
@@ -144,6 +145,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         max_new_tokens = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     _, block_size, _, head_dim = k_cache.shape
     placeholder = context_lens
+    dot_f32 = q.dtype == torch.float32 or interpreting()
     grid = (num_seqs, triton.cdiv(max_new_tokens, BLOCK_M), q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
@@ -152,7 +154,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_size, head_dim, group,
         ROWS=BLOCK_M, TILE=TILE_N, DIM_P=triton.next_power_of_2(head_dim), QUANT=quantised,
-        DOT_F32=q.dtype == torch.float32 or interpreting(),
+        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32",
     )
     return out
 
