@@ -26,6 +26,7 @@ import torch
 from ._triton import interpreting, tl, triton
 from .checks import check, check_cache, check_device, check_query, check_scales, check_tensor
 from .formats import from_cache
+from .paged_tile import load_kv_tile, online_softmax_step
 
 TILE_N = 32  # tokens per inner step
 
@@ -70,7 +71,8 @@ def _decode_partial_kernel(
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    compute_dtype = q.dtype
+    k_scale = 1.0
+    v_scale = 1.0
     if QUANT:
         k_scale = tl.load(k_scale_ptr + kv_head)
         v_scale = tl.load(v_scale_ptr + kv_head)
@@ -81,27 +83,12 @@ def _decode_partial_kernel(
     for tile_start in range(start, end, TILE):
         tokens = tile_start + tl.arange(0, TILE)
         token_mask = tokens < end
-        physical = tl.load(block_tables_ptr + seq * stride_bt + tokens // block_size,
-                           mask=token_mask, other=0).to(tl.int64)
-        addr = (physical[:, None] * stride_cb + (tokens % block_size)[:, None] * stride_co
-                + kv_head * stride_ch + dims[None, :])
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + addr, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + addr, mask=kv_mask, other=0.0)
-        if QUANT:
-            k = (k.to(tl.float32) * k_scale).to(compute_dtype)
-            v = (v.to(tl.float32) * v_scale).to(compute_dtype)
-        else:
-            k = k.to(compute_dtype)
-            v = v.to(compute_dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale  # [GROUP_P, TILE]
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        probs = tl.exp(scores - new_max[:, None])
-        alpha = tl.exp(row_max - new_max)
-        row_sum = row_sum * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(compute_dtype), v, input_precision=PRECISION)
-        row_max = new_max
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, tokens,
+                            token_mask, kv_head, dims, dim_mask, stride_cb, stride_co, stride_ch,
+                            block_size, k_scale, v_scale, QUANT)
+        row_max, row_sum, acc = online_softmax_step(
+            q, k.to(q.dtype), v.to(q.dtype), token_mask[None, :], sm_scale, row_max, row_sum, acc,
+            PRECISION)
 
     part = (seq * tl.num_programs(1) * group_size + heads) * num_splits + split
     tl.store(part_max_ptr + part, row_max, mask=head_mask)

@@ -1,0 +1,48 @@
+"""Pieces shared by the paged attention kernels (inlined by Triton into each kernel).
+
+`load_kv_tile` gathers TILE tokens of one KV head through a block table, as float32
+(dequantised with the head's scale when the cache is quantised). `online_softmax_step`
+folds one tile into a running (max, sum, accumulator) triple, flash-attention style.
+"""
+
+from ._triton import tl, triton
+
+
+@triton.jit
+def load_kv_tile(
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    table_row_ptr,  # [max_blocks] int32: this sequence's block table
+    tokens,  # [TILE] token positions
+    token_mask,  # [TILE] positions to read
+    kv_head,
+    dims,  # [DIM_P]
+    dim_mask,  # [DIM_P]
+    stride_cb, stride_co, stride_ch,
+    block_size,
+    k_scale, v_scale,  # per-head scales (ignored unless QUANT)
+    QUANT: tl.constexpr,
+):
+    physical = tl.load(table_row_ptr + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
+    addr = (physical[:, None] * stride_cb + (tokens % block_size)[:, None] * stride_co
+            + kv_head * stride_ch + dims[None, :])
+    mask = token_mask[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + addr, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_cache_ptr + addr, mask=mask, other=0.0).to(tl.float32)
+    if QUANT:
+        k = k * k_scale
+        v = v * v_scale
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(q, k, v, visible, sm_scale, row_max, row_sum, acc, PRECISION: tl.constexpr):
+    """q [M, D], k/v [TILE, D] in q's dtype, visible [M, TILE]; returns the updated triple."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    probs = tl.exp(scores - new_max[:, None])
+    alpha = tl.exp(row_max - new_max)
+    row_sum = row_sum * alpha + tl.sum(probs, 1)
+    acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), v, input_precision=PRECISION)
+    return new_max, row_sum, acc
