@@ -1,0 +1,1 @@
+"""The engine loop: admission, continuous batching with chunked prefill, sampling, preemption."""

@@ -1,0 +1,369 @@
+"""The engine: schedules requests against the cache core and runs the model, one step at a time.
+
+Each `step()`:
+
+1. admits waiting sequences in queue order while the cache can hold their prompt (minus
+   cached prefix) plus the output reservation, up to `max_running` (head-of-line: the first
+   that does not fit waits for room);
+2. plans a batch within `max_batch_tokens`: one token for every decoding sequence, then
+   prompt chunks for prefilling ones (long prompts take several steps);
+3. takes cache slots for the batch; a sequence that cannot grow triggers preemption by
+   recomputation: the lowest-ranked running sequence gives back its blocks and waits again,
+   keeping its output, and later recomputes it (with prefix hits) before continuing;
+4. runs the model once over the batch and samples where a prompt completed or a decode ran.
+
+Sampling randomness depends only on (seed, sample index, step), so preemption, chunking and
+prefix hits never change the tokens a request gets.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHasher
+from kvctl.kernels import copy_blocks, copy_blocks_ref
+from kvctl.policies.admission import Verdict, blocks_for_tokens
+from kvctl.policies.reservation import parse_reservation
+
+from ..model.llama import ForwardBatch, LoadedModel
+from .requests import Request, RequestMetrics, Sequence, SeqStatus
+from .sampling import RequestError, SamplingParams, sample_token
+
+
+class AdmissionRejected(Exception):
+    """The request was turned away before anything was allocated; the message says why."""
+
+    def __init__(self, request: Request, reason: str) -> None:
+        self.request = request
+        super().__init__(reason)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    num_blocks: int
+    block_size: int = 16
+    max_batch_tokens: int = 256  # prompt chunk budget per step (decodes count one each)
+    max_running: int = 16  # sequences in the batch at most
+    max_queue: int = 256  # waiting requests before new ones are rejected
+    reservation: str = "fraction:1.0"  # output reservation policy (see policies.reservation)
+    eviction: str = "lru"
+    queue_order: str = "fifo"  # or "priority": higher priority first, FIFO within a priority
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    index: int  # sample index
+    token_id: int
+    finish_reason: str | None
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, settings: EngineSettings,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if settings.queue_order not in ("fifo", "priority"):
+            raise ValueError(f"queue_order: unknown value {settings.queue_order!r}; use fifo or priority")
+        if settings.max_batch_tokens < 1 or settings.max_running < 1 or settings.max_queue < 1:
+            raise ValueError("max_batch_tokens, max_running and max_queue must be >= 1")
+        self.loaded, self.model, self.settings, self.clock = loaded, loaded.model, settings, clock
+        self.tokenizer = loaded.tokenizer
+        self.cache = KVCacheManager(settings.num_blocks, settings.block_size, policy=settings.eviction,
+                                    block_bytes=self.model.cache_bytes_per_block(settings.block_size),
+                                    clock=clock)
+        self.kv_caches = self.model.allocate_cache(settings.num_blocks, settings.block_size)
+        self.reservation = parse_reservation(settings.reservation)
+        self.eos_ids = set(loaded.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, Request] = {}
+        self._waiting: list[tuple[tuple, Sequence]] = []
+        self._running: dict[str, Sequence] = {}
+        self._order = itertools.count()
+        self.preemptions = 0
+
+    # ---- identity ----------------------------------------------------------------------------
+    def namespace(self, tenant: str) -> Namespace:
+        return Namespace(model_revision=self.loaded.revision, tokenizer_digest=self.tokenizer.digest,
+                         cache_dtype=str(self.model.dtype).replace("torch.", ""),
+                         block_size=self.settings.block_size, tenant=tenant)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                    priority: int = 0, tenant: str = "default") -> Request:
+        """Queue a request, or raise AdmissionRejected (nothing allocated) / RequestError."""
+        vocab = self.loaded.config.vocab_size
+        params.validate(vocab)
+        if not prompt_ids:
+            raise RequestError("prompt: must hold at least one token")
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {bad!r}")
+        limit = self.loaded.config.max_position_embeddings
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise RequestError(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
+                               f"exceeds the model's {limit} positions")
+        request_id = request_id or f"req-{secrets.token_hex(6)}"
+        if request_id in self.requests and not self.requests[request_id].finished:
+            raise RequestError(f"request_id: {request_id!r} is already in flight")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        request = Request(request_id, list(prompt_ids), params, seed, tenant, priority,
+                          next(self._order), RequestMetrics(arrival=self.clock()))
+        size, total = self.settings.block_size, self.settings.num_blocks
+        needed = blocks_for_tokens(len(prompt_ids) + self.reservation.reserve(params.max_tokens), size)
+        if needed > total:
+            request.rejected = (f"request {request_id}: needs {needed} blocks for its prompt and output "
+                                f"reservation but the cache has {total}; it can never fit")
+        elif self._queued_requests() >= self.settings.max_queue:
+            request.rejected = (f"request {request_id}: admission queue full "
+                                f"({self._queued_requests()} of {self.settings.max_queue} waiting)")
+        if request.rejected:
+            raise AdmissionRejected(request, request.rejected)
+        self.requests[request_id] = request
+        first = Sequence(f"{request_id}/0", request, 0)
+        request.sequences.append(first)
+        self._enqueue(first)
+        return request
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks come back exactly once. False if unknown/done."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        request.cancelled = True
+        for seq in request.sequences:
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq, "cancelled")
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self._running) or any(s.status is SeqStatus.WAITING for _, s in self._waiting)
+
+    def _queued_requests(self) -> int:
+        return len({s.request.request_id for _, s in self._waiting if s.status is SeqStatus.WAITING})
+
+    def _rank(self, seq: Sequence) -> tuple:
+        priority = seq.request.priority if self.settings.queue_order == "priority" else 0
+        return (-priority, seq.request.order, seq.index)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (self._rank(seq), seq))
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        self._admit()
+        plan = self._plan()
+        if not plan:
+            return []
+        plan, copies = self._take_slots(plan)
+        if not plan:
+            return []
+        if copies:
+            self._copy_blocks(copies)
+        batch, sample_rows = self._forward_batch(plan)
+        logits = self.model.forward(batch, self.kv_caches)
+        return self._advance(plan, sample_rows, logits)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.settings.max_running:
+            _, seq = self._waiting[0]
+            if seq.status is not SeqStatus.WAITING:
+                heapq.heappop(self._waiting)
+                continue
+            request = seq.request
+            tokens = seq.all_tokens
+            reserve = self.reservation.reserve(request.params.max_tokens - len(seq.output_ids))
+            hasher = PrefixHasher(self.namespace(request.tenant))
+            keys = hasher.feed(tokens)
+            decision = self.cache.can_admit(keys, len(tokens), reserve, request=seq.seq_id)
+            if decision.verdict is not Verdict.ADMIT:
+                break  # head of line waits for room (add_request refused what can never fit)
+            heapq.heappop(self._waiting)
+            admission = self.cache.admit(seq.seq_id, keys, len(tokens), reserve, tenant=request.tenant,
+                                         hasher=hasher)
+            now = self.clock()
+            if request.metrics.admitted is None:
+                request.metrics.admitted = now
+                request.metrics.cached_tokens = admission.hit_tokens
+            else:
+                request.metrics.recomputed_tokens += max(0, min(seq.ever_computed, len(tokens))
+                                                         - admission.hit_tokens)
+            seq.num_computed = admission.hit_tokens
+            seq.prefill_target = len(tokens)
+            seq.status = SeqStatus.PREFILL
+            self._running[seq.seq_id] = seq
+
+    def _plan(self) -> list[tuple[Sequence, int]]:
+        """(sequence, new tokens) for this step: every decode, then prompt chunks within budget."""
+        plan = [(s, 1) for s in self._running.values() if s.status is SeqStatus.DECODE]
+        budget = self.settings.max_batch_tokens
+        for seq in self._running.values():
+            if seq.status is SeqStatus.PREFILL and budget > 0:
+                chunk = min(seq.prefill_target - seq.num_computed, budget)
+                plan.append((seq, chunk))
+                budget -= chunk
+        return plan
+
+    def _take_slots(self, plan: list[tuple[Sequence, int]]):
+        """Grow every planned sequence in the cache, preempting when it is full."""
+        done: list[tuple[Sequence, int]] = []
+        copies: list[tuple[int, int]] = []
+        for seq, n in plan:
+            while seq.status is not SeqStatus.WAITING:
+                try:
+                    if seq.status is SeqStatus.DECODE:
+                        copies += self.cache.append_tokens(seq.seq_id, [seq.output_ids[-1]])
+                    else:
+                        copies += self.cache.append(seq.seq_id, n)
+                    done.append((seq, n))
+                    break
+                except CacheFull:
+                    victim = max(self._running.values(), key=self._rank)
+                    self._preempt(victim)
+                    done = [(s, k) for s, k in done if s is not victim]
+        return done, copies
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.cache.release(seq.seq_id)
+        del self._running[seq.seq_id]
+        seq.ever_computed = max(seq.ever_computed, seq.num_computed)
+        seq.num_computed = 0
+        seq.request.metrics.preemptions += 1
+        self.preemptions += 1
+        self._enqueue(seq)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        device = self.model.device
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
+        copy = copy_blocks if device.type == "cuda" else copy_blocks_ref
+        for k_cache, v_cache in self.kv_caches:
+            copy(k_cache, v_cache, src, dst)
+
+    def _forward_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[int | None]]:
+        size, device = self.settings.block_size, self.model.device
+        ids, positions, slots, starts, lengths, tables, rows = [], [], [], [0], [], [], []
+        sample_rows: list[int | None] = []
+        for seq, n in plan:
+            table = self.cache.block_table(seq.seq_id)
+            tokens = seq.all_tokens
+            begin = seq.num_computed
+            for position in range(begin, begin + n):
+                ids.append(tokens[position])
+                positions.append(position)
+                slots.append(table[position // size] * size + position % size)
+            starts.append(starts[-1] + n)
+            lengths.append(begin + n)
+            tables.append(table)
+            samples = seq.status is SeqStatus.DECODE or begin + n == seq.prefill_target
+            sample_rows.append(len(rows) if samples else None)
+            if samples:
+                rows.append(starts[-1] - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            logits_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+            max_new_tokens=max(n for _, n in plan), max_context=max(lengths))
+        return batch, sample_rows
+
+    def _advance(self, plan, sample_rows, logits) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        now = self.clock()
+        for (seq, n), row in zip(plan, sample_rows):
+            seq.num_computed += n
+            if row is None:
+                continue
+            if seq.status is SeqStatus.PREFILL:
+                seq.status = SeqStatus.DECODE
+            new_children = self._fork_children(seq)
+            for s in [seq] + new_children:
+                events.append(self._emit(s, logits[row], now))
+        return events
+
+    def _fork_children(self, parent: Sequence) -> list[Sequence]:
+        """After sample 0's prompt is in the cache, samples 1..n-1 share its blocks (copy-on-write)."""
+        request = parent.request
+        if parent.index != 0 or parent.output_ids or len(request.sequences) >= request.params.n:
+            return []
+        children = []
+        for index in range(1, request.params.n):
+            child = Sequence(f"{request.request_id}/{index}", request, index)
+            request.sequences.append(child)
+            reserve = self.reservation.reserve(request.params.max_tokens)
+            try:
+                self.cache.fork(parent.seq_id, child.seq_id, reserve)
+            except CacheFull:
+                self._enqueue(child)  # it will prefill later, reusing the parent's cached prefix
+                continue
+            child.num_computed = child.prefill_target = parent.num_computed
+            child.status = SeqStatus.DECODE
+            self._running[child.seq_id] = child
+            children.append(child)
+        return children
+
+    def _emit(self, seq: Sequence, logits: torch.Tensor, now: float) -> TokenEvent:
+        request = seq.request
+        token = sample_token(logits, request.params, request.seed, seq.index, len(seq.output_ids))
+        seq.output_ids.append(token)
+        metrics = request.metrics
+        if metrics.first_token is None:
+            metrics.first_token = now
+        if seq.index == 0:
+            metrics.token_times.append(now)
+        reason = self._finish_reason(seq, token)
+        if reason:
+            self._finish(seq, reason)
+        return TokenEvent(request.request_id, seq.index, token, reason)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.request.params
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if params.stop:
+            text = self.tokenizer.decode(seq.output_ids)
+            cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+            if cuts:
+                seq.text_end = min(cuts)
+                return "stop"
+        if len(seq.output_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.cache.release(seq.seq_id)
+        self._running.pop(seq.seq_id, None)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if reason != "cancelled":
+            self.reservation.observe(len(seq.output_ids))
+
+    # ---- convenience -------------------------------------------------------------------------
+    def run_until_done(self, max_steps: int = 100_000) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        for _ in range(max_steps):
+            if not self.has_work():
+                return events
+            events += self.step()
+        raise RuntimeError(f"engine still busy after {max_steps} steps")
+
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Request]:
+        requests = [self.add_request(p, params) for p in prompts]
+        self.run_until_done()
+        return requests
+
+    def text_of(self, seq: Sequence) -> str:
+        text = self.tokenizer.decode(seq.output_ids)
+        return text if seq.text_end is None else text[:seq.text_end]

@@ -1,0 +1,78 @@
+"""Requests and their sequences as the engine tracks them, with per-request accounting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .sampling import SamplingParams
+
+
+class SeqStatus(str, Enum):
+    WAITING = "waiting"  # queued for admission (new, or preempted and to be recomputed)
+    PREFILL = "prefill"  # admitted; prompt (plus any earlier output) being written in chunks
+    DECODE = "decode"  # generating one token per step
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float  # clock value when the request arrived
+    admitted: float | None = None  # first admission of its first sequence
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)  # clock value of every output token
+    cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    recomputed_tokens: int = 0  # tokens computed again after a preemption
+    preemptions: int = 0
+
+    @property
+    def time_queued(self) -> float | None:
+        return None if self.admitted is None else self.admitted - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        times = self.token_times
+        return [b - a for a, b in zip(times, times[1:])]
+
+
+@dataclass
+class Sequence:
+    seq_id: str  # "<request id>/<sample index>"
+    request: "Request"
+    index: int  # sample index within the request (0 .. n-1)
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    prefill_target: int = 0  # tokens to have in the cache before decoding (prompt + earlier output)
+    finish_reason: str | None = None
+    text_end: int | None = None  # output text is cut here when a stop string matched
+    ever_computed: int = 0  # most tokens this sequence ever had in the cache (for recompute counts)
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.output_ids
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's seed (drawn when the client gave none)
+    tenant: str
+    priority: int
+    order: int  # arrival order; with priority, the queue key
+    metrics: RequestMetrics
+    sequences: list[Sequence] = field(default_factory=list)
+    rejected: str | None = None  # why the request was turned away, if it was
+    cancelled: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.rejected is not None or self.cancelled or (
+            bool(self.sequences) and all(s.status is SeqStatus.FINISHED for s in self.sequences)
+            and len(self.sequences) == self.params.n)

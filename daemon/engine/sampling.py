@@ -1,0 +1,80 @@
+"""Sampling parameters and a deterministic sampler.
+
+Randomness for token t of sample i of a request comes from a generator seeded with
+SHA-256(seed, i, t), so a sequence that is preempted and recomputed draws exactly the
+tokens it would have drawn without the interruption, and `n > 1` samples differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RequestError(ValueError):
+    """A request field is invalid; the message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None  # None: the engine draws one, so recomputation still matches
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def validate(self, vocab_size: int) -> None:
+        def bad(name: str, value, rule: str):
+            raise RequestError(f"{name}: {rule}, got {value!r}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
+            bad("temperature", self.temperature, "must be between 0 and 100")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", self.top_p, "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", self.top_k, "must be an integer >= 0")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
+            bad("n", self.n, "must be an integer from 1 to 64")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            bad("seed", self.seed, "must be an integer in [0, 2**63)")
+        for token in self.stop_token_ids:
+            if not isinstance(token, int) or not 0 <= token < vocab_size:
+                bad("stop_token_ids", token, f"must be token ids in [0, {vocab_size})")
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                bad("stop", text, "must be non-empty strings")
+
+
+def step_generator(seed: int, sample_index: int, step: int) -> torch.Generator:
+    digest = hashlib.sha256(b"kvctl/sample/v1" + struct.pack("<QQQ", seed, sample_index, step)).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, sample_index: int,
+                 step: int) -> int:
+    """One token from float32 logits [vocab] under `params`."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits.float().cpu() / params.temperature
+    if params.top_k and params.top_k < scores.shape[0]:
+        threshold = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < threshold, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        cumulative = torch.cumsum(probs, dim=-1)
+        drop = cumulative - probs >= params.top_p  # keep the smallest prefix reaching top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=step_generator(seed, sample_index, step)))

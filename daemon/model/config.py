@@ -1,0 +1,108 @@
+"""Model configuration read from a Hugging Face style `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelError(ValueError):
+    """The checkpoint cannot be used; the message names the file, field or tensor."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """`llama3` scaling of RoPE frequencies (None of this for plain RoPE)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama", "mistral" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    dtype: str  # float32, bfloat16 or float16
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelError(f"{where}: unsupported architecture {archs!r}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+        def need(name: str, kind=int):
+            value = raw.get(name)
+            if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ModelError(f"{where}: field {name!r} is missing or not a number (got {value!r})")
+            return kind(value)
+
+        num_heads = need("num_attention_heads")
+        hidden = need("hidden_size")
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ModelError(f"{where}: num_attention_heads {num_heads} is not a multiple of "
+                             f"num_key_value_heads {num_kv_heads}")
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or {})
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        rope_scaling = None
+        if rope_type == "llama3":
+            rope_scaling = RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                       float(scaling["high_freq_factor"]),
+                                       int(scaling["original_max_position_embeddings"]))
+        elif rope_type not in (None, "default"):
+            raise ModelError(f"{where}: rope_scaling type {rope_type!r} is not supported (only llama3)")
+        rope_theta = raw.get("rope_theta", scaling.get("rope_theta", 10000.0))
+        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+        if dtype not in DTYPES:
+            raise ModelError(f"{where}: torch_dtype {dtype!r} unsupported; use one of {', '.join(DTYPES)}")
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
+            intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            dtype=dtype, bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def load(cls, model_dir: Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelError(f"model: no config.json in {str(model_dir)!r}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelError(f"{path}: not valid JSON ({exc.msg})") from None
+        return cls.from_dict(raw, str(path))

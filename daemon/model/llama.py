@@ -1,0 +1,166 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) that reads and writes the paged KV cache.
+
+One forward pass takes a flat batch of new tokens from many sequences (prefill chunks and
+decodes mixed), writes their K/V into the cache at `slot_mapping`, and attends through the
+block tables: Triton kernels on CUDA, their torch references elsewhere.
+
+    input_ids, positions, slot_mapping   [num_new_tokens]
+    query_start_loc                      [num_seqs + 1]  sequence s owns rows qsl[s]:qsl[s+1]
+    context_lens                         [num_seqs]      cached prefix + new tokens
+    block_tables                         [num_seqs, max_blocks]
+    logits_indices                       rows whose next-token logits are wanted
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvctl.kernels import (paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention,
+                           paged_prefill_attention_ref, write_kv, write_kv_ref)
+
+from .config import ModelConfig, ModelError
+from .tokenizer import Tokenizer
+from .weights import load_weights, model_revision
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    context_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    logits_indices: torch.Tensor  # [K] int64
+    max_new_tokens: int  # most new tokens of any sequence (1 means a pure decode batch)
+    max_context: int  # longest context
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies, with the `llama3` long-context scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, heads, D]; cos, sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaModel:
+    """The decoder's forward pass; weights are plain tensors keyed by their checkpoint names."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.config, self.w, self.device, self.dtype = config, weights, device, dtype
+        self.inv_freq = rope_inv_freq(config).to(device)
+        self.scale = config.head_dim ** -0.5
+        self.use_triton = device.type == "cuda"
+        self.lm_head = weights["model.embed_tokens.weight"] if config.tie_word_embeddings \
+            else weights["lm_head.weight"]
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.config
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(c.num_layers)]
+
+    def cache_bytes_per_block(self, block_size: int) -> int:
+        c = self.config
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _attention(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+        if self.use_triton and batch.max_new_tokens == 1:
+            return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                                          scale=self.scale, max_context=batch.max_context)
+        if self.use_triton:
+            return paged_prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                                           batch.context_lens, scale=self.scale,
+                                           max_new_tokens=batch.max_new_tokens)
+        if batch.max_new_tokens == 1:
+            return paged_decode_attention_ref(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                                              scale=self.scale)
+        return paged_prefill_attention_ref(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                                           batch.context_lens, scale=self.scale)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Next-token logits (float32) for the rows in `batch.logits_indices`."""
+        c, w = self.config, self.w
+        write = write_kv if self.use_triton else write_kv_ref
+        hidden = w["model.embed_tokens.weight"][batch.input_ids]
+        freqs = batch.positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        tokens = hidden.shape[0]
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            x = rms_norm(hidden, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            q = F.linear(x, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
+            k = F.linear(x, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
+            v = F.linear(x, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
+            q = apply_rope(q.view(tokens, c.num_heads, c.head_dim), cos, sin).contiguous()
+            k = apply_rope(k.view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(tokens, c.num_kv_heads, c.head_dim)
+            k_cache, v_cache = kv_caches[i]
+            write(k, v, k_cache, v_cache, batch.slot_mapping)
+            attn = self._attention(q, k_cache, v_cache, batch).reshape(tokens, c.num_heads * c.head_dim)
+            hidden = hidden + F.linear(attn, w[p + "self_attn.o_proj.weight"])
+            x = rms_norm(hidden, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
+            up = F.linear(x, w[p + "mlp.up_proj.weight"])
+            hidden = hidden + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+        last = rms_norm(hidden[batch.logits_indices], w["model.norm.weight"], c.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    revision: str  # digest of config.json and the weight files
+    path: Path
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
+               dtype: str | None = None) -> LoadedModel:
+    """Load config, weights and tokenizer from a Hugging Face style directory."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelError(f"model: {str(model_dir)!r} is not a directory")
+    config = ModelConfig.load(model_dir)
+    dtype_name = dtype or config.dtype
+    if dtype_name not in TORCH_DTYPES:
+        raise ModelError(f"dtype: {dtype_name!r} unsupported; use one of {', '.join(TORCH_DTYPES)}")
+    device = torch.device(device)
+    weights = load_weights(model_dir, config, TORCH_DTYPES[dtype_name], device)
+    tokenizer = Tokenizer(model_dir)
+    model = LlamaModel(config, weights, device, TORCH_DTYPES[dtype_name])
+    return LoadedModel(config, model, tokenizer, model_revision(model_dir), model_dir)

@@ -1,0 +1,79 @@
+"""Weights from `*.safetensors` (single file or sharded with an index), and the model revision."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .config import ModelConfig, ModelError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ModelError(f"{index}: expected a JSON object with a 'weight_map'") from None
+        files = [model_dir / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelError(f"{index}: lists shard {missing[0]!r}, which is not in {str(model_dir)!r}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"model: no *.safetensors file in {str(model_dir)!r}")
+    return files
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def model_revision(model_dir: Path) -> str:
+    """SHA-256 over config.json and every weight file's SHA-256: new weights, new revision."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256(b"kvctl/model-revision/v1\0")
+    digest.update(hashlib.sha256((model_dir / "config.json").read_bytes()).digest())
+    for path in weight_files(model_dir):
+        digest.update(path.name.encode() + b"\0" + file_digest(path).encode())
+    return digest.hexdigest()
+
+
+def expected_tensors(config: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        if config.qkv_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return names
+
+
+def load_weights(model_dir: Path, config: ModelConfig, dtype, device) -> dict:
+    """Every tensor the model needs, cast to `dtype` on `device`; a missing one is named."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                tensors[name] = handle.get_tensor(name)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    for name in expected_tensors(config):
+        if name not in tensors:
+            raise ModelError(f"model: tensor {name!r} is missing from the weights in {str(model_dir)!r}")
+    return {name: tensors[name].to(device=device, dtype=dtype) for name in expected_tensors(config)}
