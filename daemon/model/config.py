@@ -62,6 +62,8 @@ class ModelConfig:
                 raise ModelError(f"{where}: field {name!r} is missing or not a number (got {value!r})")
             return kind(value)
 
+        if raw.get("mlp_bias"):
+            raise ModelError(f"{where}: field 'mlp_bias' true is not supported")
         num_heads = need("num_attention_heads")
         hidden = need("hidden_size")
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)

@@ -1,0 +1,51 @@
+"""Tiny Llama / Qwen2 / Mistral checkpoints built with transformers (a test-only dependency)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvctl.daemon.model.demo import write_byte_tokenizer
+
+TINY = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=2, head_dim=64, max_position_embeddings=512, initializer_range=0.2)
+
+
+def tiny_config(kind: str):
+    import transformers
+
+    if kind == "llama3":
+        return transformers.LlamaConfig(
+            **TINY, num_key_value_heads=1, tie_word_embeddings=False, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if kind == "llama2-tied-mha":
+        return transformers.LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=True)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**TINY, num_key_value_heads=1, tie_word_embeddings=True)
+    if kind == "mistral":
+        return transformers.MistralConfig(**TINY, num_key_value_heads=1, sliding_window=None)
+    raise ValueError(kind)
+
+
+def build_checkpoint(kind: str, directory: Path, seed: int = 0, max_shard_size: str | None = None):
+    """Save a random tiny model in the Hugging Face layout, with a byte-level tokenizer."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(directory), **kwargs)
+    write_byte_tokenizer(Path(directory))
+    return model
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """transformers' own forward, no KV cache: the next token is the argmax every step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt):]

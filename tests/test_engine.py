@@ -1,0 +1,253 @@
+"""The engine on the demo checkpoint: batching, prefix reuse, chunking, preemption, forks,
+cancellation, admission, and a many-request soak that ends with every block back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings  # noqa: E402
+from kvctl.daemon.engine.requests import SeqStatus  # noqa: E402
+from kvctl.daemon.engine.sampling import RequestError, SamplingParams  # noqa: E402
+from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
+from kvctl.daemon.model.llama import load_model  # noqa: E402
+
+from .conftest import FakeClock  # noqa: E402
+from .test_model import full_forward_logits  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return load_model(ensure_demo_checkpoint(tmp_path_factory.mktemp("state")))
+
+
+def prompt(demo, text):
+    return demo.tokenizer.encode(text)
+
+
+def run(demo, prompts, params, **settings):
+    engine = Engine(demo, EngineSettings(**{"num_blocks": 64, "block_size": 16, **settings}))
+    requests = [engine.add_request(p, params) for p in prompts]
+    for _ in range(10_000):
+        if not engine.has_work():
+            break
+        engine.step()
+        engine.cache.audit()
+    return engine, [[s.output_ids for s in r.sequences] for r in requests]
+
+
+def all_blocks_back(engine):
+    engine.cache.audit()
+    counts = engine.cache.state_counts()
+    return counts["free"] + counts["cached"] == engine.settings.num_blocks
+
+
+PROMPTS = ["The paged cache keeps blocks of sixteen tokens.",
+           "Operators pin hot prefixes such as system prompts.",
+           "A short one.",
+           "Continuous batching mixes prefills and decodes in one step of the loop."]
+
+
+def test_paged_decoding_equals_no_cache_recomputation(demo):
+    ids = prompt(demo, PROMPTS[0])
+    _, [[out]] = run(demo, [ids], GREEDY)
+    for step, token in enumerate(out):
+        assert int(torch.argmax(full_forward_logits(demo, ids + out[:step]))) == token
+
+
+def test_batched_requests_equal_requests_run_alone(demo):
+    prompts = [prompt(demo, t) for t in PROMPTS]
+    _, together = run(demo, prompts, SAMPLED)
+    alone = [run(demo, [p], SAMPLED)[1][0] for p in prompts]
+    assert together == alone
+
+
+def test_prefix_hit_produces_the_same_tokens_as_a_cold_request(demo):
+    ids = prompt(demo, PROMPTS[3])  # 71 tokens: four full blocks cacheable
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
+    cold = engine.add_request(ids, SAMPLED)
+    engine.run_until_done()
+    warm = engine.add_request(ids, SAMPLED)
+    engine.run_until_done()
+    assert (cold.metrics.cached_tokens, warm.metrics.cached_tokens) == (0, 64)
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    assert all_blocks_back(engine)
+
+
+def test_tenants_do_not_share_cached_prefixes(demo):
+    ids = prompt(demo, PROMPTS[3])
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
+    engine.add_request(ids, GREEDY, tenant="acme")
+    engine.run_until_done()
+    other = engine.add_request(ids, GREEDY, tenant="globex")
+    engine.run_until_done()
+    assert other.metrics.cached_tokens == 0
+
+
+def test_chunked_prefill_equals_unchunked(demo):
+    prompts = [prompt(demo, t) for t in PROMPTS]
+    _, chunked = run(demo, prompts, SAMPLED, max_batch_tokens=7)
+    _, whole = run(demo, prompts, SAMPLED, max_batch_tokens=1024)
+    assert chunked == whole
+
+
+def test_preempt_and_resume_equals_uninterrupted(demo):
+    prompts = [prompt(demo, t) for t in PROMPTS]
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)
+    tight, interrupted = run(demo, prompts, params, num_blocks=12, reservation="fixed:0")
+    _, calm = run(demo, prompts, params, num_blocks=128)
+    assert tight.preemptions > 0
+    assert sum(r.metrics.recomputed_tokens for r in tight.requests.values()) > 0
+    assert interrupted == calm
+    assert all_blocks_back(tight)
+
+
+def test_n_samples_share_the_prompt_blocks_and_are_reproducible(demo):
+    ids = prompt(demo, PROMPTS[1])
+    params = SamplingParams(max_tokens=10, temperature=1.0, n=3, seed=123, ignore_eos=True)
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
+    request = engine.add_request(ids, params)
+    while len(request.sequences) < 3:
+        engine.step()
+    prompt_blocks = len(ids) // 16 + 1
+    tables = [engine.cache.block_table(s.seq_id)[:len(ids) // 16] for s in request.sequences]
+    assert tables[0] == tables[1] == tables[2]  # one prefill, three samples
+    assert engine.cache.state_counts()["shared"] >= prompt_blocks - 1
+    engine.run_until_done()
+    first = [s.output_ids for s in request.sequences]
+    _, [second] = run(demo, [ids], params)
+    assert first == second
+    assert len({tuple(o) for o in first}) > 1  # the samples differ
+    assert all_blocks_back(engine)
+
+
+def test_stop_token_ids_and_stop_strings(demo):
+    ids = prompt(demo, PROMPTS[0])
+    _, [[greedy]] = run(demo, [ids], GREEDY)
+    stop_id = greedy[5]
+    first = greedy.index(stop_id)
+    engine, [[out]] = run(demo, [ids], SamplingParams(max_tokens=24, ignore_eos=True,
+                                                       stop_token_ids=(stop_id,)))
+    assert out == greedy[:first + 1]
+    text = demo.tokenizer.decode(greedy)
+    stop = text[8:11]
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
+    request = engine.add_request(ids, SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)))
+    engine.run_until_done()
+    seq = request.sequences[0]
+    assert seq.finish_reason == "stop" and engine.text_of(seq) == text[:text.find(stop)]
+
+
+def test_cancel_while_queued_prefilling_or_decoding_returns_every_block(demo):
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_batch_tokens=8, max_running=2))
+    long = prompt(demo, PROMPTS[3] * 3)
+    decoding = engine.add_request(prompt(demo, PROMPTS[2]), GREEDY)
+    prefilling = engine.add_request(long, GREEDY)
+    queued = engine.add_request(long, GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert decoding.sequences[0].status is SeqStatus.DECODE
+    assert prefilling.sequences[0].status is SeqStatus.PREFILL
+    assert queued.sequences[0].status is SeqStatus.WAITING
+    for request in (queued, prefilling, decoding):
+        assert engine.cancel(request.request_id)
+        engine.cache.audit()
+        assert not engine.cancel(request.request_id)
+    assert not engine.has_work()
+    assert [r.sequences[0].finish_reason for r in (decoding, prefilling, queued)] == ["cancelled"] * 3
+    assert all_blocks_back(engine)
+
+
+def test_rejections_say_which_limit_and_allocate_nothing(demo):
+    engine = Engine(demo, EngineSettings(num_blocks=4, block_size=16, max_queue=1, max_running=1))
+    before = engine.cache.state_counts()
+    with pytest.raises(AdmissionRejected) as info:
+        engine.add_request(list(range(60)), SamplingParams(max_tokens=10))
+    assert str(info.value).endswith("needs 5 blocks for its prompt and output reservation but the "
+                                    "cache has 4; it can never fit")
+    assert engine.cache.state_counts() == before
+    engine.add_request(list(range(20)), SamplingParams(max_tokens=4))  # waits in the queue
+    with pytest.raises(AdmissionRejected, match=r"admission queue full \(1 of 1 waiting\)"):
+        engine.add_request(list(range(20)), SamplingParams(max_tokens=4))
+    assert engine.cache.state_counts() == before
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(max_tokens=0), "max_tokens: must be an integer >= 1, got 0"),
+    (SamplingParams(top_p=0.0), "top_p: must be in (0, 1], got 0.0"),
+    (SamplingParams(n=0), "n: must be an integer from 1 to 64, got 0"),
+    (SamplingParams(temperature=-1), "temperature: must be between 0 and 100, got -1"),
+    (SamplingParams(stop_token_ids=(999,)), "stop_token_ids: must be token ids in [0, 258), got 999"),
+    (SamplingParams(max_tokens=9000), "max_tokens: prompt (3) + max_tokens (9000) exceeds the model's 8192"),
+])
+def test_request_validation_names_the_field(demo, params, message):
+    engine = Engine(demo, EngineSettings(num_blocks=8, block_size=16))
+    with pytest.raises(RequestError) as info:
+        engine.add_request([1, 2, 3], params)
+    assert str(info.value).startswith(message)
+    with pytest.raises(RequestError, match=r"prompt: token ids must lie in \[0, 258\), found 300"):
+        engine.add_request([1, 300], SamplingParams())
+
+
+def test_priority_queue_admits_higher_priority_first(demo):
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1,
+                                         queue_order="priority"))
+    low = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), priority=0)
+    high = engine.add_request([4, 5, 6], SamplingParams(max_tokens=2), priority=5)
+    engine.step()
+    assert high.sequences[0].status is not SeqStatus.WAITING
+    assert low.sequences[0].status is SeqStatus.WAITING
+    engine.run_until_done()
+
+
+def test_accounting_with_a_fake_clock(demo):
+    clock = FakeClock(100.0)
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16), clock=clock)
+    request = engine.add_request(prompt(demo, PROMPTS[0]), SamplingParams(max_tokens=3, ignore_eos=True))
+    clock.advance(0.5)
+    while engine.has_work():
+        engine.step()
+        clock.advance(0.25)
+    m = request.metrics
+    assert (m.time_queued, m.ttft) == (0.5, 0.5)
+    assert m.inter_token_latencies == [0.25, 0.25]
+
+
+def test_many_requests_with_random_arrivals_cancellations_and_preemption(demo):
+    rng = random.Random(7)
+    engine = Engine(demo, EngineSettings(num_blocks=20, block_size=16, max_batch_tokens=48,
+                                         max_running=6, max_queue=8, reservation="fixed:4"))
+    outcomes = {}
+    for step in range(400):
+        if step < 250 and rng.random() < 0.35:
+            ids = [rng.randrange(256) for _ in range(rng.randint(1, 120))]
+            params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0.0, 0.7]),
+                                    n=rng.choice([1, 1, 2]), seed=rng.randrange(1000), ignore_eos=True)
+            try:
+                request = engine.add_request(ids, params)
+                outcomes[request.request_id] = request
+            except AdmissionRejected as rejected:
+                assert rejected.request.rejected and "request" in rejected.request.rejected
+                outcomes[rejected.request.request_id] = rejected.request
+        if outcomes and rng.random() < 0.05:
+            engine.cancel(rng.choice(sorted(outcomes)))
+        engine.step()
+        engine.cache.audit()
+    engine.run_until_done()
+    assert engine.preemptions > 0
+    assert any(r.rejected for r in outcomes.values())
+    for request in outcomes.values():
+        assert request.finished
+        if not request.rejected and not request.cancelled:
+            for seq in request.sequences:
+                assert seq.finish_reason == "length"
+                assert len(seq.output_ids) == request.params.max_tokens
+    assert all_blocks_back(engine)

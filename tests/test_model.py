@@ -1,0 +1,106 @@
+"""The model loader and decoder against transformers' own implementation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
+from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
+from kvctl.daemon.model.config import ModelError  # noqa: E402
+from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
+from kvctl.daemon.model.llama import ForwardBatch, load_model  # noqa: E402
+
+from .model_cases import build_checkpoint, hf_greedy  # noqa: E402
+
+PROMPT = [5, 17, 200, 33, 33, 101, 7, 250, 64, 9, 12, 180, 44, 3, 98, 120, 77, 31, 2, 150]
+
+
+def full_forward_logits(loaded, ids):
+    """Last-position logits of one fresh prefill over `ids` (block size 16, identity table)."""
+    n = len(ids)
+    caches = loaded.model.allocate_cache(-(-n // 16) + 1, 16)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids), positions=torch.arange(n), slot_mapping=torch.arange(n),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        context_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(-(-n // 16) + 1, dtype=torch.int32)[None],
+        logits_indices=torch.tensor([n - 1]), max_new_tokens=n, max_context=n)
+    return loaded.model.forward(batch, caches)[0]
+
+
+@pytest.mark.parametrize("kind", ["llama3", "llama2-tied-mha", "qwen2", "mistral"])
+def test_greedy_tokens_and_logits_match_transformers(kind, tmp_path):
+    hf = build_checkpoint(kind, tmp_path)
+    loaded = load_model(tmp_path)
+    with torch.no_grad():
+        expected_logits = hf(torch.tensor([PROMPT])).logits[0, -1]
+    torch.testing.assert_close(full_forward_logits(loaded, PROMPT), expected_logits, atol=1e-4, rtol=1e-4)
+    engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
+    request = engine.add_request(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.run_until_done()
+    assert request.sequences[0].output_ids == hf_greedy(hf, PROMPT, 12)
+
+
+def test_sharded_checkpoint_loads_through_its_index(tmp_path):
+    hf = build_checkpoint("llama3", tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    loaded = load_model(tmp_path)
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0, -1]
+    torch.testing.assert_close(full_forward_logits(loaded, PROMPT), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_weights_load_and_run(tmp_path):
+    build_checkpoint("qwen2", tmp_path)
+    loaded = load_model(tmp_path, dtype="bfloat16")
+    assert loaded.model.dtype == torch.bfloat16
+    engine = Engine(loaded, EngineSettings(num_blocks=16, block_size=16))
+    request = engine.add_request(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.run_until_done()
+    assert len(request.sequences[0].output_ids) == 4
+
+
+def test_unsupported_architecture_and_missing_tensor_are_named(tmp_path):
+    build_checkpoint("llama3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelError, match=r"unsupported architecture \['GPT2LMHeadModel'\]"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ModelError, match="tensor 'model.layers.2.input_layernorm.weight' is missing"):
+        load_model(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelError, match="no config.json"):
+        load_model(empty)
+
+
+def test_revision_changes_with_the_weights_so_old_blocks_are_unreachable(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    build_checkpoint("llama3", a, seed=0)
+    build_checkpoint("llama3", b, seed=1)
+    first, second = load_model(a), load_model(b)
+    assert first.revision != second.revision
+    assert load_model(a).revision == first.revision
+    engine_a = Engine(first, EngineSettings(num_blocks=16, block_size=16))
+    engine_b = Engine(second, EngineSettings(num_blocks=16, block_size=16))
+    assert engine_a.namespace("t").root_key() != engine_b.namespace("t").root_key()
+
+
+def test_demo_checkpoint_is_deterministic_and_loads_through_the_loader(tmp_path):
+    first = ensure_demo_checkpoint(tmp_path / "one")
+    second = ensure_demo_checkpoint(tmp_path / "two")
+    assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+    assert ensure_demo_checkpoint(tmp_path / "one") == first  # built once
+    loaded = load_model(first)
+    assert loaded.config.num_kv_heads < loaded.config.num_heads  # GQA
+    ids = loaded.tokenizer.encode("héllo, kv")
+    assert ids[0] == 256 and loaded.tokenizer.decode(ids) == "héllo, kv"
+    assert loaded.revision == load_model(second).revision
