@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings  # noqa: E402
+from kvctl.daemon.engine.engine import (AdmissionRejected, Engine, EngineSettings,  # noqa: E402
+                                       TokenEvent)
 from kvctl.daemon.engine.requests import SeqStatus  # noqa: E402
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams  # noqa: E402
 from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
@@ -104,7 +105,7 @@ def test_preempt_and_resume_equals_uninterrupted(demo):
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)
     tight, interrupted = run(demo, prompts, params, num_blocks=12, reservation="fixed:0")
     _, calm = run(demo, prompts, params, num_blocks=128)
-    assert tight.preemptions > 0
+    assert tight.stats.preemptions > 0
     assert sum(r.metrics.recomputed_tokens for r in tight.requests.values()) > 0
     assert interrupted == calm
     assert all_blocks_back(tight)
@@ -158,9 +159,10 @@ def test_cancel_while_queued_prefilling_or_decoding_returns_every_block(demo):
     assert prefilling.sequences[0].status is SeqStatus.PREFILL
     assert queued.sequences[0].status is SeqStatus.WAITING
     for request in (queued, prefilling, decoding):
-        assert engine.cancel(request.request_id)
+        assert engine.cancel(request.request_id) == [
+            TokenEvent(request.request_id, 0, None, "cancelled")]
         engine.cache.audit()
-        assert not engine.cancel(request.request_id)
+        assert engine.cancel(request.request_id) == []
     assert not engine.has_work()
     assert [r.sequences[0].finish_reason for r in (decoding, prefilling, queued)] == ["cancelled"] * 3
     assert all_blocks_back(engine)
@@ -242,7 +244,7 @@ def test_many_requests_with_random_arrivals_cancellations_and_preemption(demo):
         engine.step()
         engine.cache.audit()
     engine.run_until_done()
-    assert engine.preemptions > 0
+    assert engine.stats.preemptions > 0
     assert any(r.rejected for r in outcomes.values())
     for request in outcomes.values():
         assert request.finished

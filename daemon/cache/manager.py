@@ -67,6 +67,16 @@ class PinResult:
     refreshed: bool  # True when an existing pin of the same prefix was updated
 
 
+@dataclass(slots=True)
+class RootInfo:
+    """What the manager knows of a prefix tree, keyed by its first block's key."""
+
+    tenant: str  # whose namespace the chain was hashed under
+    first_seen: float  # clock value of the first admission that reached it
+    last_use: float  # clock value of the latest admission that reached it
+    hits: int = 0  # admissions that reused at least its first block
+
+
 @dataclass(frozen=True, slots=True)
 class EvictionReport:
     evicted_blocks: int
@@ -90,6 +100,8 @@ class KVCacheManager:
         self._seqs: dict[str, SequenceState] = {}
         self.num_reserved = 0
         self._clock = clock or _logical_clock()
+        self.roots: dict[BlockKey, RootInfo] = {}
+        self.block_bytes = block_bytes
 
     @property
     def policy_name(self) -> str:
@@ -168,6 +180,12 @@ class KVCacheManager:
             raise CacheFull(seq_id, needed, available, self.num_blocks)
         pool.acquire(hits, now, hit=True)
         reserve = pool.allocate(needed, now, seq_id)
+        if keys:
+            root = self.roots.get(keys[0])
+            if root is None:
+                root = self.roots[keys[0]] = RootInfo(tenant, now, now)
+            root.last_use = now
+            root.hits += bool(hits)
         reserve.reverse()  # pop() hands them out in allocation order
         self.num_reserved += needed
         self._seqs[seq_id] = SequenceState(
@@ -349,8 +367,41 @@ class KVCacheManager:
     # ---- operator eviction -----------------------------------------------------------------
     def evict_prefix(self, keys: Sequence[BlockKey]) -> EvictionReport:
         """Evict the cached blocks of a prefix, deepest first; in-use and pinned blocks stay."""
-        evicted, skipped = self.pool.evict_keys(reversed(keys))
+        evicted, skipped = self.pool.evict_keys(reversed(keys), self._clock())
         return EvictionReport(len(evicted), {k: v for k, v in skipped.items() if v})
+
+    def evict_where(self, select: Callable[[BlockKey, RootInfo | None], bool]) -> EvictionReport:
+        """Evict every indexed block whose (root key, root info) `select` accepts, deepest first."""
+        chosen = [b for b in self.pool.blocks if b.key is not None and select(b.root, self.roots.get(b.root))]
+        chosen.sort(key=lambda b: -b.depth)
+        return self.evict_prefix([b.key for b in reversed(chosen)])
+
+    def prefixes(self) -> list[dict]:
+        """Cached prefix trees grouped by first block: sizes, tenant, hits, pins. Never tokens."""
+        trees: dict[BlockKey, dict] = {}
+        for block in self.pool.blocks:
+            if block.key is None:
+                continue
+            tree = trees.setdefault(block.root, {"blocks": 0, "deepest": 0, "pinned_blocks": 0,
+                                                 "in_use_blocks": 0})
+            tree["blocks"] += 1
+            tree["deepest"] = max(tree["deepest"], block.depth)
+            tree["pinned_blocks"] += block.pin_count > 0
+            tree["in_use_blocks"] += block.ref_count > 0
+        out = []
+        for root, tree in trees.items():
+            info = self.roots.get(root)
+            out.append({
+                "prefix_id": root.hex()[:16], "tenant": info.tenant if info else None,
+                "blocks": tree["blocks"], "tokens": (tree["deepest"] + 1) * self.block_size,
+                "bytes": tree["blocks"] * self.block_bytes, "hits": info.hits if info else 0,
+                "last_use": info.last_use if info else None, "tier": "device",
+                "pinned": tree["pinned_blocks"] > 0, "pinned_blocks": tree["pinned_blocks"],
+                "in_use_blocks": tree["in_use_blocks"],
+            })
+        for root in [r for r in self.roots if r not in trees]:
+            del self.roots[root]  # nothing of it is cached any more
+        return sorted(out, key=lambda p: (-(p["last_use"] or 0), p["prefix_id"]))
 
     # ---- books -----------------------------------------------------------------------------
     def audit(self) -> None:

@@ -19,6 +19,7 @@ keys, pin counts and queue membership; sequences and pins go through it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -37,6 +38,7 @@ class Block:
     key: BlockKey | None = None  # content key while indexed; None for free or unindexed blocks
     pin_count: int = 0  # pins covering `key`; > 0 keeps the block out of eviction
     depth: int = 0  # position in its prefix chain while indexed (0 = first block)
+    root: BlockKey | None = None  # key of its chain's first block while indexed (groups prefixes)
 
 
 class BlockPool:
@@ -60,6 +62,10 @@ class BlockPool:
         self.num_shared = 0  # blocks with ref_count > 1
         self.num_pinned_idle = 0  # indexed, pinned, ref_count == 0
         self.evictions = 0  # indexed blocks dropped to make room
+        self.operator_evictions = 0  # indexed blocks dropped on an operator's request
+        # key -> (clock value, reason) of recent evictions, oldest first; answers "why did this miss?"
+        self.eviction_log: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
+        self.eviction_log_size = 65536
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -114,15 +120,24 @@ class BlockPool:
         if count > from_free:
             index = self._index
             victims = self.policy.pop_many(count - from_free, now)
+            reason = self.policy.name
             for block_id in victims:
                 block = blocks[block_id]
                 del index[block.key]
+                self._log_eviction(block.key, now, reason)
                 block.key = None
+                block.root = None
             self.evictions += len(victims)
             taken.extend(victims)
         for block_id in taken:
             blocks[block_id].ref_count = 1
         return taken
+
+    def _log_eviction(self, key: BlockKey, now: float, reason: str) -> None:
+        log = self.eviction_log
+        log[key] = (now, reason)
+        if len(log) > self.eviction_log_size:
+            log.popitem(last=False)
 
     def acquire(self, block_ids: Sequence[int], now: float, *, hit: bool) -> None:
         """Add one reference to each block (a prefix hit, or a fork sharing a table)."""
@@ -189,6 +204,7 @@ class BlockPool:
             block = blocks[block_id]
             block.key = key
             block.depth = position
+            block.root = keys[0]
             if pin_refs:
                 block.pin_count = pin_refs.get(key, 0)
             inserted.append(block_id)
@@ -197,7 +213,7 @@ class BlockPool:
             self.policy.on_insert(inserted, depths, now)
         return len(inserted)
 
-    def evict_keys(self, keys: Iterable[BlockKey]) -> tuple[list[int], dict[str, int]]:
+    def evict_keys(self, keys: Iterable[BlockKey], now: float = 0.0) -> tuple[list[int], dict[str, int]]:
         """Drop the given keys from the cache where they are evictable now.
 
         Returns the evicted block ids and a count of keys left alone by reason
@@ -219,9 +235,12 @@ class BlockPool:
                 self.policy.remove(block_id)
                 self.policy.forget(block_id)
                 del self._index[key]
+                self._log_eviction(key, now, "operator")
                 block.key = None
+                block.root = None
                 self._free.append(block_id)
                 evicted.append(block_id)
+        self.operator_evictions += len(evicted)
         return evicted, skipped
 
     # ---- pins ------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import heapq
 import itertools
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -61,8 +61,21 @@ class EngineSettings:
 class TokenEvent:
     request_id: str
     index: int  # sample index
-    token_id: int
+    token_id: int | None  # None for a sequence ended without a new token (cancelled)
     finish_reason: str | None
+
+
+@dataclass
+class EngineStats:
+    """Running totals for metrics and status; the engine only adds to them."""
+
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission)
+    hit_tokens: int = 0  # of those, served from the prefix cache
+    recomputed_tokens: int = 0  # tokens computed again after preemption
+    preemptions: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
+    finished: int = 0
+    alloc_seconds: list[float] = field(default_factory=list)  # per cache call; drained by the server
 
 
 class Engine:
@@ -86,7 +99,7 @@ class Engine:
         self._waiting: list[tuple[tuple, Sequence]] = []
         self._running: dict[str, Sequence] = {}
         self._order = itertools.count()
-        self.preemptions = 0
+        self.stats = EngineStats()
 
     # ---- identity ----------------------------------------------------------------------------
     def namespace(self, tenant: str) -> Namespace:
@@ -124,6 +137,8 @@ class Engine:
             request.rejected = (f"request {request_id}: admission queue full "
                                 f"({self._queued_requests()} of {self.settings.max_queue} waiting)")
         if request.rejected:
+            kind = "never_fits" if needed > total else "queue_full"
+            self.stats.rejections[kind] = self.stats.rejections.get(kind, 0) + 1
             raise AdmissionRejected(request, request.rejected)
         self.requests[request_id] = request
         first = Sequence(f"{request_id}/0", request, 0)
@@ -131,16 +146,21 @@ class Engine:
         self._enqueue(first)
         return request
 
-    def cancel(self, request_id: str) -> bool:
-        """Stop a request wherever it is; its blocks come back exactly once. False if unknown/done."""
+    def cancel(self, request_id: str) -> list[TokenEvent]:
+        """Stop a request wherever it is; its blocks come back exactly once.
+
+        Returns one "cancelled" event per sample that had not finished (empty if the request
+        is unknown or already done)."""
         request = self.requests.get(request_id)
         if request is None or request.finished:
-            return False
+            return []
         request.cancelled = True
         for seq in request.sequences:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "cancelled")
-        return True
+        done = {s.index for s in request.sequences if s.finish_reason != "cancelled"}
+        return [TokenEvent(request_id, i, None, "cancelled") for i in range(request.params.n)
+                if i not in done]
 
     def has_work(self) -> bool:
         return bool(self._running) or any(s.status is SeqStatus.WAITING for _, s in self._waiting)
@@ -186,15 +206,20 @@ class Engine:
             if decision.verdict is not Verdict.ADMIT:
                 break  # head of line waits for room (add_request refused what can never fit)
             heapq.heappop(self._waiting)
+            started = time.perf_counter()
             admission = self.cache.admit(seq.seq_id, keys, len(tokens), reserve, tenant=request.tenant,
                                          hasher=hasher)
+            self.stats.alloc_seconds.append(time.perf_counter() - started)
             now = self.clock()
             if request.metrics.admitted is None:
                 request.metrics.admitted = now
                 request.metrics.cached_tokens = admission.hit_tokens
+                self.stats.prompt_tokens += len(tokens)
+                self.stats.hit_tokens += admission.hit_tokens
             else:
-                request.metrics.recomputed_tokens += max(0, min(seq.ever_computed, len(tokens))
-                                                         - admission.hit_tokens)
+                recomputed = max(0, min(seq.ever_computed, len(tokens)) - admission.hit_tokens)
+                request.metrics.recomputed_tokens += recomputed
+                self.stats.recomputed_tokens += recomputed
             seq.num_computed = admission.hit_tokens
             seq.prefill_target = len(tokens)
             seq.status = SeqStatus.PREFILL
@@ -215,6 +240,7 @@ class Engine:
         """Grow every planned sequence in the cache, preempting when it is full."""
         done: list[tuple[Sequence, int]] = []
         copies: list[tuple[int, int]] = []
+        started = time.perf_counter()
         for seq, n in plan:
             while seq.status is not SeqStatus.WAITING:
                 try:
@@ -228,6 +254,7 @@ class Engine:
                     victim = max(self._running.values(), key=self._rank)
                     self._preempt(victim)
                     done = [(s, k) for s, k in done if s is not victim]
+        self.stats.alloc_seconds.append(time.perf_counter() - started)
         return done, copies
 
     def _preempt(self, seq: Sequence) -> None:
@@ -236,7 +263,7 @@ class Engine:
         seq.ever_computed = max(seq.ever_computed, seq.num_computed)
         seq.num_computed = 0
         seq.request.metrics.preemptions += 1
-        self.preemptions += 1
+        self.stats.preemptions += 1
         self._enqueue(seq)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -349,6 +376,7 @@ class Engine:
         seq.finish_reason = reason
         if reason != "cancelled":
             self.reservation.observe(len(seq.output_ids))
+        self.stats.finished += 1
 
     # ---- convenience -------------------------------------------------------------------------
     def run_until_done(self, max_steps: int = 100_000) -> list[TokenEvent]:

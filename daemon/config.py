@@ -1,0 +1,166 @@
+"""kvd settings: one resolver, one precedence.
+
+    command-line flag  >  KVD_* environment variable  >  YAML file (--config)  >  default
+
+Every field can be given all three ways: `--block-size 32`, `KVD_BLOCK_SIZE=32`, or
+`block_size: 32` in the file. Values are parsed and checked once, here; an invalid one
+is a ConfigError naming the field, the value and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvctl.policies.eviction import EVICTION_POLICIES
+from kvctl.policies.reservation import parse_reservation
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message names field, value and source."""
+
+
+def default_state_dir() -> str:
+    if os.environ.get("STATE_DIRECTORY"):  # systemd StateDirectory=
+        return os.environ["STATE_DIRECTORY"].split(":")[0]
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "kvd")
+
+
+def default_socket() -> str:
+    if os.environ.get("RUNTIME_DIRECTORY"):  # systemd RuntimeDirectory=
+        return os.path.join(os.environ["RUNTIME_DIRECTORY"].split(":")[0], "kvd.sock")
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvd-{os.getuid()}"
+    return os.path.join(base, "kvd", "kvd.sock")
+
+
+def _size(text: str) -> int:
+    """Bytes from '123', '64MiB', '2GiB', '500MB'."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "b": 1, "": 1}
+    value = str(text).strip().lower().replace("_", "")
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = value[len(number):].strip()
+    if unit not in units or not number:
+        raise ValueError
+    return int(float(number) * units[unit])
+
+
+def _bool(text: Any) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError
+
+
+@dataclass(frozen=True)
+class KvdConfig:
+    model: str | None = None  # checkpoint directory; None = the built-in demo checkpoint
+    state_dir: str = field(default_factory=default_state_dir)
+    socket: str = field(default_factory=default_socket)
+    listen: str | None = None  # HOST:PORT for TCP (needs token_file)
+    token_file: str | None = None  # lines "TOKEN TENANT ROLE", role user or admin
+    trusted_proxy: bool = False  # honour X-KVD-Tenant on TCP (a trusted front end sets it)
+    device: str = "auto"  # auto, cpu or cuda
+    dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
+    block_size: int = 16
+    num_blocks: int | None = None  # wins over cache_memory
+    cache_memory: int | None = None  # bytes for the KV cache; default 256 MiB on CPU, 80% free on GPU
+    max_batch_tokens: int = 256
+    max_running: int = 32
+    max_queue: int = 256
+    reservation: str = "fraction:1.0"
+    eviction: str = "lru"
+    queue_order: str = "fifo"
+    pin_budget_blocks: int | None = None
+    shutdown_timeout: float = 30.0
+    model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
+
+    def describe(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_PARSERS = {
+    "block_size": int, "num_blocks": int, "cache_memory": _size, "max_batch_tokens": int,
+    "max_running": int, "max_queue": int, "pin_budget_blocks": int, "shutdown_timeout": float,
+    "trusted_proxy": _bool,
+}
+
+
+def _check(name: str, value: Any) -> None:
+    if name == "block_size" and value not in (8, 16, 32, 64, 128, 256):
+        raise ValueError("must be one of 8, 16, 32, 64, 128, 256")
+    if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory") \
+            and value is not None and value < 1:
+        raise ValueError("must be >= 1")
+    if name == "pin_budget_blocks" and value is not None and value < 0:
+        raise ValueError("must be >= 0")
+    if name == "shutdown_timeout" and value <= 0:
+        raise ValueError("must be > 0")
+    if name == "device" and value not in ("auto", "cpu", "cuda"):
+        raise ValueError("must be auto, cpu or cuda")
+    if name == "dtype" and value not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError("must be auto, float32, bfloat16 or float16")
+    if name == "eviction" and value not in EVICTION_POLICIES:
+        raise ValueError(f"must be one of {', '.join(EVICTION_POLICIES)}")
+    if name == "queue_order" and value not in ("fifo", "priority"):
+        raise ValueError("must be fifo or priority")
+    if name == "reservation":
+        parse_reservation(value)
+    if name == "listen" and value is not None:
+        host, _, port = str(value).rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be HOST:PORT")
+
+
+def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+            config_file: str | Path | None = None) -> KvdConfig:
+    """Merge the sources by precedence (flag > env > file > default) and validate every field."""
+    import yaml
+
+    env = os.environ if env is None else env
+    names = {f.name for f in fields(KvdConfig)}
+    file_values: dict[str, Any] = {}
+    if config_file is not None:
+        path = Path(config_file)
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"config: cannot read {str(path)!r} ({exc.strerror})") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config: {str(path)!r} is not valid YAML ({exc})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config: {str(path)!r} must hold a mapping of settings")
+        unknown = sorted(set(loaded) - names)
+        if unknown:
+            raise ConfigError(f"config: unknown field {unknown[0]!r} in {str(path)!r}")
+        file_values = loaded
+    values: dict[str, Any] = {}
+    for name in names:
+        flag_value = (flags or {}).get(name)
+        env_value = env.get("KVD_" + name.upper())
+        if flag_value is not None:
+            raw, source = flag_value, f"--{name.replace('_', '-')}"
+        elif env_value is not None and env_value != "":
+            raw, source = env_value, f"KVD_{name.upper()}"
+        elif name in file_values:
+            raw, source = file_values[name], str(config_file)
+        else:
+            continue
+        try:
+            value = None if raw is None else _PARSERS.get(name, str)(raw)
+            _check(name, value)
+        except (ValueError, TypeError) as exc:
+            detail = str(exc) or "has the wrong type"
+            raise ConfigError(f"{name}: invalid value {raw!r} from {source}: {detail}") from None
+        values[name] = value
+    config = KvdConfig(**values)
+    if config.listen and not config.token_file:
+        raise ConfigError(f"listen: {config.listen!r} needs token_file: TCP requests must carry a bearer token")
+    return config
