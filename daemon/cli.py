@@ -1,15 +1,25 @@
-"""kvd: the KV cache daemon. Until the daemon lands it prints its version and help."""
+"""kvd: the KV cache daemon (`kvd serve`)."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
 
 import typer
 
 from kvctl import __version__
 
-app = typer.Typer(help="kvd hosts a model over a paged KV cache and serves it to kvctl and "
-                       "OpenAI clients. The serving commands arrive with the daemon.",
+app = typer.Typer(help="kvd hosts a model over a paged KV cache and serves it to kvctl and OpenAI clients.",
                   no_args_is_help=True, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
+log = logging.getLogger("kvd")
 
 
 @app.callback(invoke_without_command=True)
@@ -21,6 +31,138 @@ def _root(ctx: typer.Context,
         raise typer.Exit()
     if ctx.invoked_subcommand is None:
         typer.echo(ctx.get_help())
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """Bind the API socket with mode 0660, replacing a stale file but never a live daemon's."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    if target.exists():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(target))
+        except OSError:
+            target.unlink()  # stale: nobody listens
+        else:
+            raise RuntimeError(f"socket: another kvd is listening on {path!r}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o117)
+    try:
+        sock.bind(str(target))
+    finally:
+        os.umask(old_umask)
+    os.chmod(str(target), 0o660)
+    sock.listen(128)
+    return sock
+
+
+def _flags(**values) -> dict:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+@app.command()
+def serve(
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML settings file (flags and KVD_* win)."),
+    model: Optional[str] = typer.Option(None, help="Checkpoint directory; default: the built-in demo."),
+    state_dir: Optional[str] = typer.Option(None, help="State directory (demo checkpoint, SQLite)."),
+    socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
+    listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),
+    token_file: Optional[str] = typer.Option(None, help="Bearer tokens: lines 'TOKEN TENANT ROLE'."),
+    device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
+    dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16."),
+    block_size: Optional[int] = typer.Option(None, help="Tokens per cache block."),
+    num_blocks: Optional[int] = typer.Option(None, help="Cache blocks (wins over --cache-memory)."),
+    cache_memory: Optional[str] = typer.Option(None, help="Cache bytes, e.g. 512MiB."),
+    max_batch_tokens: Optional[int] = typer.Option(None, help="Prompt tokens per step."),
+    max_running: Optional[int] = typer.Option(None, help="Sequences in a batch at most."),
+    max_queue: Optional[int] = typer.Option(None, help="Waiting requests before 429."),
+    reservation: Optional[str] = typer.Option(None, help="Output reservation: fixed:N, fraction:F, p95."),
+    eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru or cost."),
+    trusted_proxy: Optional[bool] = typer.Option(None, help="Honour X-KVD-Tenant on TCP."),
+    log_level: str = typer.Option("info", help="Log level."),
+) -> None:
+    """Run the daemon in the foreground (systemd Type=notify aware).
+
+    Example: kvd serve --socket /run/kvd/kvd.sock --cache-memory 512MiB
+    """
+    from kvctl.daemon.config import ConfigError, resolve
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    flags = _flags(model=model, state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
+                   device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
+                   cache_memory=cache_memory, max_batch_tokens=max_batch_tokens, max_running=max_running,
+                   max_queue=max_queue, reservation=reservation, eviction=eviction,
+                   trusted_proxy=trusted_proxy)
+    try:
+        settings = resolve(flags, os.environ, config)
+        asyncio.run(_serve(settings, lambda: resolve(flags, os.environ, config)))
+    except (ConfigError, RuntimeError, OSError, ValueError) as exc:
+        print(f"kvd: error: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
+
+
+async def _serve(settings, re_resolve) -> None:
+    import uvicorn
+
+    from kvctl.daemon.server.app import create_app
+    from kvctl.daemon.server.auth import TokenTable
+    from kvctl.daemon.server.metrics import Metrics
+    from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.store import Store
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # kvd handles signals itself
+            yield
+
+    tokens = TokenTable.load(settings.token_file) if settings.token_file else None
+    Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
+    store = Store(Path(settings.state_dir) / "kvd.sqlite3")
+    service = EngineService(settings, store)
+    metrics = Metrics(service)
+    unix_sock = bind_unix_socket(settings.socket)
+    servers = [(_Server(uvicorn.Config(create_app(service, metrics, front="unix"), log_level="warning",
+                                       lifespan="off")), [unix_sock])]
+    if settings.listen:
+        host, _, port = settings.listen.rpartition(":")
+        tcp_app = create_app(service, metrics, front="tcp", tokens=tokens, trusted_proxy=settings.trusted_proxy)
+        servers.append((_Server(uvicorn.Config(tcp_app, host=host.strip("[]"), port=int(port),
+                                               log_level="warning", lifespan="off")), None))
+    service.start()
+    log.info("kvd %s listening on %s%s", __version__, settings.socket,
+             f" and {settings.listen}" if settings.listen else "")
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def on_term() -> None:
+        if not stopping.is_set():
+            log.info("shutting down (deadline %.0fs)", service.config.shutdown_timeout)
+            stopping.set()
+
+    def on_hup() -> None:
+        try:
+            result = service.reload(re_resolve())
+            log.info("reloaded: changed %s; needs restart: %s", sorted(result["changed"]),
+                     result["needs_restart"])
+        except Exception as exc:  # a bad edit must not take the daemon down
+            log.error("reload refused: %s", exc)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_term)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    tasks = [asyncio.create_task(server.serve(sockets=socks)) for server, socks in servers]
+    await stopping.wait()
+    await loop.run_in_executor(None, service.shutdown)
+    for server, _ in servers:
+        server.should_exit = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    store.close()
+    with contextlib.suppress(OSError):
+        os.unlink(settings.socket)
+    log.info("stopped")
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ class Store:
         conn.execute("PRAGMA foreign_keys=ON")
         self.db = sqlite_utils.Database(conn)
         self.path = path
+        self._lock = threading.Lock()  # one connection, shared by the daemon's threads
         self._migrate()
 
     def _migrate(self) -> None:
@@ -42,25 +44,28 @@ class Store:
 
     def audit(self, *, actor: str, tenant: str, action: str, target: str, result: str,
               detail: dict[str, Any] | None = None) -> None:
-        with self.db.conn:
+        with self._lock, self.db.conn:
             self.db["audit"].insert({"at": time.time(), "actor": actor, "tenant": tenant, "action": action,
                                      "target": target, "result": result,
                                      "detail": json.dumps(detail or {}, sort_keys=True)})
 
     def audit_since(self, since: float = 0.0, limit: int = 1000) -> list[dict]:
-        rows = self.db.query("select * from audit where at >= ? order by id desc limit ?", [since, limit])
+        with self._lock:
+            rows = list(self.db.query("select * from audit where at >= ? order by id desc limit ?",
+                                      [since, limit]))
         return [{**row, "detail": json.loads(row["detail"])} for row in rows]
 
     def save_pin(self, pin: dict) -> None:
-        with self.db.conn:
+        with self._lock, self.db.conn:
             self.db["pins"].upsert(pin, pk="pin_id")
 
     def delete_pin(self, pin_id: str) -> None:
-        with self.db.conn:
+        with self._lock, self.db.conn:
             self.db["pins"].delete_where("pin_id = ?", [pin_id])
 
     def pins(self) -> list[dict]:
-        return list(self.db["pins"].rows)
+        with self._lock:
+            return list(self.db["pins"].rows)
 
     def close(self) -> None:
         self.db.conn.close()

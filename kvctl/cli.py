@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from kvctl import __version__
 
+from . import ops
 from .bench_kernels import kernels_command
 from .bench_replay import replay_command
 from .errors import UserError
@@ -26,6 +28,9 @@ app.add_typer(bench, name="bench")
 app.add_typer(trace_app, name="trace")
 bench.command("replay")(replay_command)
 bench.command("kernels")(kernels_command)
+for _command in (ops.status, ops.prefixes, ops.pin, ops.unpin, ops.evict, ops.explain, ops.audit):
+    app.command(_command.__name__)(_command)
+app.add_typer(ops.config_app, name="config")
 
 
 def _version(value: bool) -> None:
@@ -35,9 +40,15 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+def _root(ctx: typer.Context,
+          version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit."),
+          socket: Optional[str] = typer.Option(None, "--socket", help="kvd's Unix socket (KVD_SOCKET)."),
+          url: Optional[str] = typer.Option(None, "--url", help="kvd over TCP (KVD_URL)."),
+          token_file: Optional[str] = typer.Option(None, "--token-file",
+                                                   help="Bearer token for --url (KVD_TOKEN_FILE).")) -> None:
     """Operate the KV cache of LLM serving."""
+    ctx.obj = {"socket": socket, "url": url, "token_file": token_file}
 
 
 @trace_app.command("generate")

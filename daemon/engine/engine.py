@@ -34,7 +34,7 @@ from kvctl.policies.reservation import parse_reservation
 
 from ..model.llama import ForwardBatch, LoadedModel
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
-from .sampling import RequestError, SamplingParams, sample_token
+from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
 
 
 class AdmissionRejected(Exception):
@@ -120,7 +120,7 @@ class Engine:
             raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {bad!r}")
         limit = self.loaded.config.max_position_embeddings
         if len(prompt_ids) + params.max_tokens > limit:
-            raise RequestError(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
+            raise ContextLengthExceeded(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
                                f"exceeds the model's {limit} positions")
         request_id = request_id or f"req-{secrets.token_hex(6)}"
         if request_id in self.requests and not self.requests[request_id].finished:

@@ -18,6 +18,10 @@ class RequestError(ValueError):
     """A request field is invalid; the message names the field and the value."""
 
 
+class ContextLengthExceeded(RequestError):
+    """The prompt plus max_tokens does not fit the model's positions."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16

@@ -1,0 +1,340 @@
+"""The HTTP app: `create_app(service, metrics, front=...)` builds one FastAPI app per front end.
+
+Front ends: "unix" (the socket; its file mode restricts who connects; the tenant comes
+from X-KVD-Tenant, else "default"; callers act as admin) and "tcp" (every request but
+/healthz and /readyz needs a bearer token, which names tenant and role; X-KVD-Tenant is
+honoured only when the front end is configured as a trusted proxy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvctl.daemon.engine.engine import AdmissionRejected
+from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, SamplingParams
+
+from .auth import TENANT_PATTERN, TokenTable
+from .metrics import Metrics
+from .service import EngineService, Principal, ServiceError, parse_duration
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+        super().__init__(message)
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split(":", 1)[0]
+    return head if head.replace("_", "").isalnum() else None
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+
+
+class PinRequest(BaseModel):
+    text: str | None = None
+    tokens: list[int] | None = None
+    tenant: str | None = None
+    ttl: str | float | None = None
+    note: str = ""
+
+
+class EvictRequest(BaseModel):
+    prefix: str | None = None
+    tenant: str | None = None
+    model_revision: str | None = None
+    all_unpinned: bool = False
+
+
+class ExplainRequest(BaseModel):
+    text: str | None = None
+    tokens: list[int] | None = None
+    tenant: str | None = None
+
+
+def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
+               tokens: TokenTable | None = None, trusted_proxy: bool = False) -> FastAPI:
+    if front not in ("unix", "tcp"):
+        raise ValueError(f"front: unknown value {front!r}")
+    if front == "tcp" and tokens is None:
+        raise ValueError("front tcp needs a token table")
+    app = FastAPI(title="kvd", version="0.1.0",
+                  description="KV cache daemon: OpenAI-compatible completions and the kvctl admin API.")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+                            headers=exc.headers)
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(_: Request, exc: ServiceError):
+        kind = {503: "service_unavailable", 404: "not_found_error", 409: "conflict_error"}.get(
+            exc.status, "invalid_request_error")
+        return JSONResponse(error_body(str(exc), kind, exc.param, None), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg')} (got {first.get('input')!r})"
+        return JSONResponse(error_body(message, "invalid_request_error", where or None, None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind, None, None), status_code=exc.status_code)
+
+    def principal(request: Request) -> Principal:
+        header = request.headers.get("x-kvd-tenant")
+        if header is not None and not TENANT_PATTERN.match(header):
+            raise ApiError(400, f"X-KVD-Tenant: invalid value {header!r}; use [A-Za-z0-9._-]{{1,64}}",
+                           param="X-KVD-Tenant")
+        if front == "unix":
+            return Principal(header or "default", "admin", "unix-socket")
+        auth = request.headers.get("authorization", "")
+        scheme, _, credential = auth.partition(" ")
+        if scheme.lower() != "bearer" or not credential.strip():
+            raise ApiError(401, "missing bearer token", type_="authentication_error",
+                           headers={"WWW-Authenticate": "Bearer"})
+        entry = tokens.lookup(credential.strip())
+        if entry is None:
+            raise ApiError(401, "invalid bearer token", type_="authentication_error",
+                           headers={"WWW-Authenticate": "Bearer"})
+        tenant = header if (trusted_proxy and header) else entry.tenant
+        return Principal(tenant, entry.role, entry.name)
+
+    def admin(who: Principal = Depends(principal)) -> Principal:
+        if who.role != "admin":
+            raise ApiError(403, "this endpoint needs the admin role", type_="permission_error")
+        return who
+
+    # ---- health ------------------------------------------------------------------------------
+    @app.get("/healthz")
+    def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz():
+        if service.ready.is_set() and service.accepting:
+            return {"ready": True}
+        reason = service.load_error or ("shutting down" if not service.accepting else "loading the model")
+        return JSONResponse({"ready": False, "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    def metrics_endpoint(_: Principal = Depends(principal)):
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- OpenAI-compatible -------------------------------------------------------------------
+    @app.get("/v1/models")
+    def models(_: Principal = Depends(principal)):
+        service.require_ready()
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model",
+                                            "created": int(service.started_at), "owned_by": "kvd"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request, who: Principal = Depends(principal)):
+        engine = service.require_ready()
+        if body.model is not None and body.model != service.model_name:
+            raise ApiError(404, f"model: {body.model!r} is not served here; GET /v1/models lists "
+                                f"{service.model_name!r}", param="model", code="model_not_found")
+        prompts = _prompts(body.prompt)
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                top_k=max(body.top_k, 0), seed=body.seed, n=body.n, stop=stop,
+                                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        sink = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)  # noqa: E731
+        try:
+            requests = await run_in_threadpool(service.submit, prompts, params, who, sink)
+        except ContextLengthExceeded as exc:
+            raise ApiError(413, str(exc), param="max_tokens", code="context_length_exceeded") from None
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
+        except AdmissionRejected as exc:
+            if "queue full" in str(exc):
+                raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": "1"}) from None
+            raise ApiError(400, str(exc), code="cache_capacity_exceeded") from None
+        completion_id = "cmpl-" + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        index_of = {(r.request_id, i): p * body.n + i for p, r in enumerate(requests) for i in range(body.n)}
+        by_id = {r.request_id: r for r in requests}
+
+        def cancel_all():
+            for request in requests:
+                service.cancel(request.request_id)
+
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(
+                _stream(engine, events, requests, by_id, index_of, completion_id, created,
+                        service.model_name, include_usage, cancel_all),
+                media_type="text/event-stream")
+        pending = set(index_of)
+        try:
+            while pending:
+                try:
+                    event = await asyncio.wait_for(events.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        cancel_all()
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if event.finish_reason is not None:
+                    pending.discard((event.request_id, event.index))
+        except asyncio.CancelledError:
+            cancel_all()
+            raise
+        choices = []
+        for request in requests:
+            for seq in sorted(request.sequences, key=lambda s: s.index):
+                choices.append({"index": index_of[(request.request_id, seq.index)],
+                                "text": engine.text_of(seq), "token_ids": list(seq.output_ids),
+                                "logprobs": None, "finish_reason": seq.finish_reason})
+        choices.sort(key=lambda c: c["index"])
+        return {"id": completion_id, "object": "text_completion", "created": created,
+                "model": service.model_name, "choices": choices, "usage": _usage(requests)}
+
+    def _prompts(prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            return [service.tokenize(prompt)]
+        if not prompt:
+            raise ApiError(400, "prompt: must not be empty", param="prompt")
+        if all(isinstance(p, str) for p in prompt):
+            return [service.tokenize(p) for p in prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return [list(p) for p in prompt]
+
+    # ---- admin -------------------------------------------------------------------------------
+    @app.get("/admin/status")
+    def status(blocks: bool = Query(False), _: Principal = Depends(admin)):
+        return service.status(with_blocks=blocks)
+
+    @app.get("/admin/prefixes")
+    def prefixes(tenant: str | None = None, pinned: bool = False, _: Principal = Depends(admin)):
+        return {"prefixes": service.prefixes(tenant, pinned)}
+
+    @app.get("/admin/pins")
+    def pins(_: Principal = Depends(admin)):
+        return {"pins": service.list_pins()}
+
+    @app.post("/admin/pins")
+    def pin(body: PinRequest, who: Principal = Depends(admin)):
+        token_ids = _tokens_of(body.text, body.tokens)
+        try:
+            ttl = parse_duration(body.ttl)
+        except ValueError:
+            raise ApiError(400, f"ttl: invalid value {body.ttl!r}; use seconds or 30m, 1h, 2d",
+                           param="ttl") from None
+        target = Principal(body.tenant or who.tenant, who.role, who.actor)
+        return service.pin(token_ids, target, ttl, body.note)
+
+    @app.delete("/admin/pins/{pin_id}")
+    def unpin(pin_id: str, who: Principal = Depends(admin)):
+        return service.unpin(pin_id, who)
+
+    @app.post("/admin/evict")
+    def evict(body: EvictRequest, who: Principal = Depends(admin)):
+        return service.evict(prefix_id=body.prefix, tenant=body.tenant, model_revision=body.model_revision,
+                             all_unpinned=body.all_unpinned, principal=who)
+
+    @app.post("/admin/explain")
+    def explain(body: ExplainRequest, who: Principal = Depends(admin)):
+        return service.explain(_tokens_of(body.text, body.tokens), body.tenant or who.tenant)
+
+    @app.get("/admin/config")
+    def config(_: Principal = Depends(admin)):
+        return {"config": service.config.describe(), "precedence": "flag > KVD_* env > YAML file > default"}
+
+    @app.get("/admin/audit")
+    def audit(since: float = 0.0, _: Principal = Depends(admin)):
+        return {"entries": service.store.audit_since(since)}
+
+    def _tokens_of(text: str | None, token_ids: list[int] | None) -> list[int]:
+        if (text is None) == (token_ids is None):
+            raise ApiError(400, "give exactly one of text and tokens", param="text")
+        service.require_ready()
+        return service.tokenize(text) if text is not None else list(token_ids)
+
+    return app
+
+
+def _usage(requests) -> dict:
+    prompt = sum(len(r.prompt_ids) for r in requests)
+    completion = sum(len(s.output_ids) for r in requests for s in r.sequences)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.metrics.cached_tokens for r in requests)}}
+
+
+async def _stream(engine, events, requests, by_id, index_of, completion_id, created, model_name,
+                  include_usage, cancel_all):
+    """Server-sent events, one chunk per token, ending with [DONE]; a disconnect cancels."""
+    sent_text = {key: "" for key in index_of}
+    pending = set(index_of)
+    finished_cleanly = False
+    try:
+        while pending:
+            event = await events.get()
+            key = (event.request_id, event.index)
+            request = by_id[event.request_id]
+            seq = next((s for s in request.sequences if s.index == event.index), None)
+            delta = ""
+            if seq is not None:
+                text = engine.text_of(seq)
+                if event.finish_reason is not None or not text.endswith("\ufffd"):
+                    delta = text[len(sent_text[key]):]
+                    sent_text[key] = text
+            if event.finish_reason is not None:
+                pending.discard(key)
+            chunk = {"id": completion_id, "object": "text_completion", "created": created, "model": model_name,
+                     "choices": [{"index": index_of[key], "text": delta,
+                                  "token_ids": [] if event.token_id is None else [event.token_id],
+                                  "logprobs": None, "finish_reason": event.finish_reason}]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+        if include_usage:
+            usage_chunk = {"id": completion_id, "object": "text_completion", "created": created,
+                           "model": model_name, "choices": [], "usage": _usage(requests)}
+            yield f"data: {json.dumps(usage_chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+        finished_cleanly = True
+    finally:
+        if not finished_cleanly:
+            cancel_all()

@@ -1,0 +1,67 @@
+"""Bearer tokens for the TCP front end: a file of `TOKEN TENANT ROLE` lines (mode 0600).
+
+Lines starting with '#' are comments. Roles are `user` and `admin`. Tokens are compared
+with hmac.compare_digest against every entry, so timing reveals nothing of a token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+ROLES = ("user", "admin")
+
+
+class TokenFileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TokenEntry:
+    token: bytes
+    tenant: str
+    role: str
+    name: str  # for the audit log: "token:<line>" (never the token itself)
+
+
+class TokenTable:
+    def __init__(self, entries: list[TokenEntry]) -> None:
+        self.entries = entries
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TokenTable":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise TokenFileError(f"token_file: cannot read {str(path)!r} ({exc.strerror})") from None
+        entries = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split()
+            if len(parts) != 3:
+                raise TokenFileError(f"token_file line {number}: expected 'TOKEN TENANT ROLE'")
+            token, tenant, role = parts
+            if len(token) < 16:
+                raise TokenFileError(f"token_file line {number}: token shorter than 16 characters")
+            if not TENANT_PATTERN.match(tenant):
+                raise TokenFileError(f"token_file line {number}: tenant {tenant!r} is not [A-Za-z0-9._-]{{1,64}}")
+            if role not in ROLES:
+                raise TokenFileError(f"token_file line {number}: role {role!r} is not user or admin")
+            entries.append(TokenEntry(token.encode(), tenant, role, f"token:{number}"))
+        if not entries:
+            raise TokenFileError(f"token_file: {str(path)!r} holds no token")
+        return cls(entries)
+
+    def lookup(self, presented: str) -> TokenEntry | None:
+        candidate = presented.encode()
+        found = None
+        for entry in self.entries:
+            if hmac.compare_digest(entry.token, candidate):
+                found = entry
+        return found

@@ -1,0 +1,120 @@
+"""Prometheus metrics for kvd (one registry per service, read at scrape time).
+
+    kvd_blocks{state,tier}                    blocks by state (free, reserved, active, shared, cached, pinned)
+    kvd_prompt_tokens_total                   prompt tokens of admitted requests
+    kvd_prefix_hit_tokens_total               of those, served from the prefix cache
+    kvd_recomputed_tokens_total               tokens computed again after preemption
+    kvd_evicted_blocks_total{reason}          capacity (by the policy) or operator
+    kvd_allocation_seconds                    histogram: time per cache-core call
+    kvd_admission_rejections_total{reason}    never_fits, queue_full
+    kvd_preemptions_total
+    kvd_queue_age_seconds                     age of the oldest waiting request
+    kvd_ttft_seconds                          histogram: time to first token
+    kvd_inter_token_seconds                   histogram: time between output tokens
+    kvd_pinned_blocks{tenant}                 distinct blocks pinned per tenant
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .service import EngineService
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _EngineCollector:
+    def __init__(self, service: EngineService) -> None:
+        self.service = service
+
+    def collect(self):
+        engine = self.service.engine
+        if engine is None:
+            return
+        with self.service.lock:
+            counts = engine.cache.state_counts()
+            stats = engine.stats
+            pool = engine.cache.pool
+            now = engine.clock()
+            ages = [now - s.request.metrics.arrival for _, s in engine._waiting if s.status.value == "waiting"]
+            pins = {t: engine.cache.pins.used(t) for t in {p.tenant for p in engine.cache.pins.all()}}
+            rejections = dict(stats.rejections)
+            prompt, hit, recomputed, preemptions = (stats.prompt_tokens, stats.hit_tokens,
+                                                    stats.recomputed_tokens, stats.preemptions)
+        blocks = GaugeMetricFamily("kvd_blocks", "KV cache blocks by state and tier", labels=["state", "tier"])
+        for state, value in counts.items():
+            blocks.add_metric([state, "device"], value)
+        yield blocks
+        yield CounterMetricFamily("kvd_prompt_tokens", "Prompt tokens of admitted requests", value=prompt)
+        yield CounterMetricFamily("kvd_prefix_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=hit)
+        yield CounterMetricFamily("kvd_recomputed_tokens", "Tokens computed again after preemption",
+                                  value=recomputed)
+        evicted = CounterMetricFamily("kvd_evicted_blocks", "Cached blocks evicted", labels=["reason"])
+        evicted.add_metric(["capacity"], pool.evictions)
+        evicted.add_metric(["operator"], pool.operator_evictions)
+        yield evicted
+        rejected = CounterMetricFamily("kvd_admission_rejections", "Requests rejected at admission",
+                                       labels=["reason"])
+        for reason in ("never_fits", "queue_full"):
+            rejected.add_metric([reason], rejections.get(reason, 0))
+        yield rejected
+        yield CounterMetricFamily("kvd_preemptions", "Sequences preempted for recomputation",
+                                  value=preemptions)
+        yield GaugeMetricFamily("kvd_queue_age_seconds", "Age of the oldest waiting request",
+                                value=max(ages, default=0.0))
+        pinned = GaugeMetricFamily("kvd_pinned_blocks", "Distinct pinned blocks per tenant", labels=["tenant"])
+        for tenant, value in sorted(pins.items()):
+            pinned.add_metric([tenant], value)
+        yield pinned
+
+
+class Metrics:
+    """The registry, plus the histograms fed as requests finish and steps allocate."""
+
+    def __init__(self, service: EngineService) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(service))
+        self.ttft = Histogram("kvd_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              registry=self.registry)
+        self.itl = Histogram("kvd_inter_token_seconds", "Time between output tokens",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.alloc = Histogram("kvd_allocation_seconds", "Time per cache-core call",
+                               buckets=(1e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 0.1),
+                               registry=self.registry)
+        self._recent_ttft: list[float] = []
+        self._recent_itl: list[float] = []
+        self._lock = threading.Lock()
+        self.service = service
+        service.on_finished(self.observe_request)
+        service.latency_summary = self.summary
+
+    def observe_request(self, request) -> None:
+        metrics = request.metrics
+        with self._lock:
+            if metrics.ttft is not None:
+                self.ttft.observe(metrics.ttft)
+                self._recent_ttft = (self._recent_ttft + [metrics.ttft])[-2000:]
+            for gap in metrics.inter_token_latencies:
+                self.itl.observe(gap)
+            self._recent_itl = (self._recent_itl + metrics.inter_token_latencies)[-20000:]
+        engine = self.service.engine
+        with self.service.lock:
+            samples, engine.stats.alloc_seconds = engine.stats.alloc_seconds, []
+        for value in samples:
+            self.alloc.observe(value)
+
+    def summary(self) -> dict:
+        def percentiles(values: list[float]) -> dict:
+            if not values:
+                return {"p50": None, "p95": None, "p99": None, "count": 0}
+            ordered = sorted(values)
+            pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+            return {"p50": pick(0.5), "p95": pick(0.95), "p99": pick(0.99), "count": len(ordered)}
+
+        with self._lock:
+            return {"ttft_seconds": percentiles(self._recent_ttft),
+                    "inter_token_seconds": percentiles(self._recent_itl)}

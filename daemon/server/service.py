@@ -1,0 +1,486 @@
+"""EngineService: the engine on its own thread, and every operation the APIs expose.
+
+The serving loop owns the engine; HTTP handlers call in under one lock (short critical
+sections) and receive token events through a per-request callback that the loop invokes
+outside the lock. The loop also pings the systemd watchdog.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, chain_keys
+from kvctl.daemon.config import KvdConfig
+from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
+from kvctl.daemon.engine.requests import Request
+from kvctl.daemon.engine.sampling import SamplingParams
+from kvctl.daemon.model.demo import ensure_demo_checkpoint
+from kvctl.daemon.model.llama import LoadedModel, load_model
+from kvctl.daemon.store import Store
+from kvctl.policies.reservation import parse_reservation
+
+from .durations import parse_duration  # noqa: F401  (re-exported for the app)
+from .notify import Notifier
+
+log = logging.getLogger("kvd")
+
+EventSink = Callable[[TokenEvent], None]
+
+
+class ServiceError(Exception):
+    """An operator request that cannot be done; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        self.status, self.param = status, param
+        super().__init__(message)
+
+
+@dataclass
+class Principal:
+    tenant: str
+    role: str  # "user" or "admin"
+    actor: str  # who, for the audit log ("unix-socket", or the token's name)
+
+
+class EngineService:
+    def __init__(self, config: KvdConfig, store: Store, notifier: Notifier | None = None) -> None:
+        self.config, self.store = config, store
+        self.notifier = notifier or Notifier.from_environment()
+        self.lock = threading.Condition(threading.RLock())
+        self.engine: Engine | None = None
+        self.loaded: LoadedModel | None = None
+        self.ready = threading.Event()
+        self.accepting = True
+        self.started_at = time.time()
+        self.load_error: str | None = None
+        self._sinks: dict[str, EventSink] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
+
+    # ---- life cycle --------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load the model (the demo checkpoint by default), size the cache, restore pins."""
+        cfg = self.config
+        device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
+        loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
+        per_block = loaded.model.cache_bytes_per_block(cfg.block_size)
+        if cfg.num_blocks:
+            num_blocks = cfg.num_blocks
+        elif cfg.cache_memory:
+            num_blocks = cfg.cache_memory // per_block
+        elif device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            num_blocks = int(free * 0.8) // per_block
+        else:
+            num_blocks = (256 * 2**20) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"cache_memory: {cfg.cache_memory} bytes holds no block of {per_block} bytes")
+        settings = EngineSettings(num_blocks=num_blocks, block_size=cfg.block_size,
+                                  max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running,
+                                  max_queue=cfg.max_queue, reservation=cfg.reservation,
+                                  eviction=cfg.eviction, queue_order=cfg.queue_order)
+        engine = Engine(loaded, settings)
+        if cfg.pin_budget_blocks is not None:
+            engine.cache.pins.default_budget = cfg.pin_budget_blocks
+        with self.lock:
+            self.loaded, self.engine = loaded, engine
+            self._restore_pins()
+        self.ready.set()
+        log.info("model loaded: %s (%s), %d blocks of %d tokens, %s", loaded.config.architecture,
+                 loaded.revision[:12], num_blocks, cfg.block_size, device)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvd-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            self.load()
+        except Exception as exc:  # reported on /readyz and in the log; the process keeps serving health
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("model load failed: %s", self.load_error)
+            return
+        self.notifier.ready()
+        next_expiry = 0.0
+        while not self._stop.is_set():
+            self.notifier.watchdog()
+            if time.monotonic() >= next_expiry:
+                self.expire_pins()
+                next_expiry = time.monotonic() + 1.0
+            with self.lock:
+                if not self.engine.has_work():
+                    self.lock.wait(timeout=0.5)
+                    continue
+                try:
+                    events = self.engine.step()
+                except Exception:  # a failed step must not strand clients or leak blocks
+                    log.exception("engine step failed; cancelling the requests in flight")
+                    events = [e for rid in list(self.engine.requests) for e in self.engine.cancel(rid)]
+            self._dispatch(events)
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        """Deliver a step's events, then retire the requests they finished (not before: a
+        request's last samples may finish in the same step as its first)."""
+        for event in events:
+            sink = self._sinks.get(event.request_id)
+            if sink is not None:
+                sink(event)
+        for request_id in dict.fromkeys(e.request_id for e in events if e.finish_reason is not None):
+            self._maybe_finished(request_id)
+
+    def _maybe_finished(self, request_id: str) -> None:
+        with self.lock:
+            request = self.engine.requests.get(request_id)
+            if request is None or not request.finished:
+                return
+            self._sinks.pop(request_id, None)
+            del self.engine.requests[request_id]
+        for observe in self._observers:
+            observe(request)
+
+    def on_finished(self, observer: Callable[[Request], None]) -> None:
+        self._observers.append(observer)
+
+    def shutdown(self, deadline: float | None = None) -> None:
+        """Stop admitting, let in-flight work finish until the deadline, cancel the rest."""
+        self.notifier.stopping()
+        self.accepting = False
+        limit = time.monotonic() + (self.config.shutdown_timeout if deadline is None else deadline)
+        while self.engine is not None and time.monotonic() < limit:
+            with self.lock:
+                if not self.engine.has_work():
+                    break
+            time.sleep(0.05)
+        if self.engine is not None:
+            with self.lock:
+                pending = list(self.engine.requests)
+            for request_id in pending:
+                self.cancel(request_id)
+        self._stop.set()
+        with self.lock:
+            self.lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def reload(self, new: KvdConfig) -> dict:
+        """Apply policy settings that can change live (SIGHUP); the cache is kept."""
+        live = ("max_batch_tokens", "max_running", "max_queue", "reservation", "queue_order",
+                "pin_budget_blocks", "shutdown_timeout")
+        changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
+        ignored = sorted(k for k, v in new.describe().items()
+                         if k not in live and v != getattr(self.config, k))
+        with self.lock:
+            engine = self.engine
+            if engine is not None:
+                engine.settings = replace(engine.settings, max_batch_tokens=new.max_batch_tokens,
+                                          max_running=new.max_running, max_queue=new.max_queue,
+                                          reservation=new.reservation, queue_order=new.queue_order)
+                if "reservation" in changed:
+                    engine.reservation = parse_reservation(new.reservation)
+                if new.pin_budget_blocks is not None:
+                    engine.cache.pins.default_budget = new.pin_budget_blocks
+            self.config = replace(self.config, **changed)
+        result = {"changed": changed, "needs_restart": ignored}
+        self.store.audit(actor="sighup", tenant="-", action="reload", target="config",
+                         result="ok", detail=result)
+        return result
+
+    # ---- requests ----------------------------------------------------------------------------
+    def require_ready(self) -> Engine:
+        if not self.ready.is_set() or self.engine is None:
+            raise ServiceError(503, self.load_error or "the model is still loading")
+        if not self.accepting:
+            raise ServiceError(503, "kvd is shutting down")
+        return self.engine
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, principal: Principal,
+               sink: EventSink) -> list[Request]:
+        """Queue one request per prompt; all or nothing (a rejection cancels the ones queued)."""
+        engine = self.require_ready()
+        queued: list[Request] = []
+        with self.lock:
+            try:
+                for prompt_ids in prompts:
+                    request = engine.add_request(prompt_ids, params, tenant=principal.tenant)
+                    self._sinks[request.request_id] = sink
+                    queued.append(request)
+            except (AdmissionRejected, ValueError):
+                for request in queued:
+                    engine.cancel(request.request_id)
+                    self._sinks.pop(request.request_id, None)
+                    engine.requests.pop(request.request_id, None)
+                raise
+            self.lock.notify_all()
+        return queued
+
+    def cancel(self, request_id: str) -> None:
+        with self.lock:
+            if self.engine is None:
+                return
+            events = self.engine.cancel(request_id)
+        self._dispatch(events)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.loaded.tokenizer.encode(text)
+
+    # ---- operator views ----------------------------------------------------------------------
+    def status(self, with_blocks: bool = False) -> dict:
+        engine = self.require_ready()
+        with self.lock:
+            cache = engine.cache
+            counts = cache.state_counts()
+            stats = engine.stats
+            waiting = [s for _, s in engine._waiting if s.status.value == "waiting"]
+            now = engine.clock()
+            oldest = max((now - s.request.metrics.arrival for s in waiting), default=0.0)
+            block_map = None
+            if with_blocks:
+                block_map = self._block_map()
+            body = {
+                "model": {"name": self.model_name, "architecture": self.loaded.config.architecture,
+                          "revision": self.loaded.revision, "dtype": str(engine.model.dtype),
+                          "device": str(engine.model.device)},
+                "blocks": {"device": {"total": cache.num_blocks, **counts}},
+                "block_size": cache.block_size,
+                "bytes_per_block": engine.model.cache_bytes_per_block(cache.block_size),
+                "bytes_per_token": engine.model.cache_bytes_per_block(cache.block_size) // cache.block_size,
+                "eviction_policy": cache.policy_name,
+                "tokens": {"prompt": stats.prompt_tokens, "hit": stats.hit_tokens,
+                           "recomputed": stats.recomputed_tokens,
+                           "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
+                "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions},
+                "queue": {"waiting": len(waiting), "oldest_age_seconds": oldest,
+                          "running": len(engine._running)},
+                "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
+                "pins": len(cache.pins.all()),
+                "uptime_seconds": time.time() - self.started_at,
+            }
+        body["latency"] = self.latency_summary()
+        body["gpu"] = gpu_status()
+        if block_map is not None:
+            body["block_map"] = block_map
+        return body
+
+    def _block_map(self) -> str:
+        """One character per block: . free  r reserved  a active  s shared  c cached  p pinned."""
+        engine = self.engine
+        reserved = {b for s in engine.cache._seqs.values() for b in s.reserve}
+        chars = []
+        for block in engine.cache.pool.blocks:
+            if block.block_id in reserved:
+                chars.append("r")
+            elif block.ref_count > 1:
+                chars.append("s")
+            elif block.ref_count == 1:
+                chars.append("a")
+            elif block.key is not None:
+                chars.append("p" if block.pin_count else "c")
+            else:
+                chars.append(".")
+        return "".join(chars)
+
+    latency_summary: Callable[[], dict] = staticmethod(lambda: {})  # set by the metrics module
+
+    @property
+    def model_name(self) -> str:
+        if self.config.model_name:
+            return self.config.model_name
+        return Path(self.loaded.path).name if self.loaded else "kvd"
+
+    def prefixes(self, tenant: str | None, pinned_only: bool) -> list[dict]:
+        engine = self.require_ready()
+        with self.lock:
+            rows = engine.cache.prefixes()
+        return [r for r in rows if (tenant is None or r["tenant"] == tenant)
+                and (not pinned_only or r["pinned"])]
+
+    # ---- pins --------------------------------------------------------------------------------
+    def pin(self, token_ids: list[int], principal: Principal, ttl: float | None, note: str) -> dict:
+        engine = self.require_ready()
+        namespace = engine.namespace(principal.tenant)
+        with self.lock:
+            try:
+                result = engine.cache.pin(namespace, token_ids, ttl=ttl, owner=principal.actor, note=note)
+            except PinBudgetExceeded as exc:
+                self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin",
+                                 target="-", result="refused", detail={"reason": str(exc)})
+                raise ServiceError(409, str(exc)) from None
+            except InvalidRequest as exc:
+                raise ServiceError(400, str(exc), "tokens") from None
+        warmed = False
+        if result.pending_blocks:
+            self._warm(token_ids, principal)
+            warmed = True
+        with self.lock:
+            cached = engine.cache.lookup(result.pin.keys)
+        pin = result.pin
+        self.store.save_pin({"pin_id": pin.pin_id, "tenant": pin.tenant,
+                             "keys": ",".join(k.hex() for k in pin.keys), "owner": pin.owner,
+                             "note": pin.note, "created_at": time.time(),
+                             "expires_at": None if ttl is None else time.time() + ttl})
+        body = {**pin.describe(), "cached_blocks": cached, "warmed": warmed, "refreshed": result.refreshed}
+        body.pop("created_at", None)
+        body["expires_in_seconds"] = ttl
+        self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin", target=pin.pin_id,
+                         result="ok", detail={"blocks": pin.num_blocks, "ttl": ttl, "note": note})
+        return body
+
+    def _warm(self, token_ids: list[int], principal: Principal) -> None:
+        """Prefill a prefix so its blocks are cached (and so pinned): one token of output."""
+        done = threading.Event()
+        self.submit([token_ids], SamplingParams(max_tokens=1, ignore_eos=True), principal,
+                    lambda event: done.set() if event.finish_reason else None)
+        done.wait(timeout=120)
+
+    def unpin(self, pin_id: str, principal: Principal) -> dict:
+        engine = self.require_ready()
+        with self.lock:
+            try:
+                pin = engine.cache.unpin(pin_id)
+            except UnknownPin as exc:
+                raise ServiceError(404, str(exc), "pin_id") from None
+        self.store.delete_pin(pin_id)
+        self.store.audit(actor=principal.actor, tenant=principal.tenant, action="unpin", target=pin_id,
+                         result="ok", detail={"blocks": pin.num_blocks})
+        return {"pin_id": pin_id, "unpinned_blocks": pin.num_blocks}
+
+    def list_pins(self) -> list[dict]:
+        engine = self.require_ready()
+        with self.lock:
+            pins = engine.cache.pins.all()
+            return [{**p.describe(), "cached_blocks": engine.cache.lookup(p.keys)} for p in pins]
+
+    def _restore_pins(self) -> None:
+        """Pins survive restarts: re-register them by key (they re-pin blocks as they fill)."""
+        now = time.time()
+        for row in self.store.pins():
+            remaining = None if row["expires_at"] is None else row["expires_at"] - now
+            if remaining is not None and remaining <= 0:
+                self.store.delete_pin(row["pin_id"])
+                continue
+            keys = [bytes.fromhex(k) for k in row["keys"].split(",")]
+            try:
+                self.engine.cache.pin_keys(row["tenant"], keys, ttl=remaining, owner=row["owner"],
+                                           note=row["note"])
+            except PinBudgetExceeded as exc:
+                log.warning("pin %s not restored: %s", row["pin_id"], exc)
+
+    def expire_pins(self) -> None:
+        with self.lock:
+            lapsed = self.engine.cache.expire_pins() if self.engine else []
+        for pin in lapsed:
+            self.store.delete_pin(pin.pin_id)
+            self.store.audit(actor="ttl", tenant=pin.tenant, action="unpin", target=pin.pin_id,
+                             result="expired", detail={})
+
+    # ---- eviction and explanation ------------------------------------------------------------
+    def evict(self, *, prefix_id: str | None, tenant: str | None, model_revision: str | None,
+              all_unpinned: bool, principal: Principal) -> dict:
+        engine = self.require_ready()
+        chosen = [x for x in (prefix_id, tenant, model_revision) if x] + ([True] if all_unpinned else [])
+        if len(chosen) != 1:
+            raise ServiceError(400, "evict: give exactly one of prefix, tenant, model_revision, all_unpinned")
+        with self.lock:
+            if model_revision and model_revision != self.loaded.revision and \
+                    not self.loaded.revision.startswith(model_revision):
+                report_blocks, skipped = 0, {}
+                target = f"model_revision={model_revision}"
+            else:
+                if prefix_id:
+                    matches = [r for r in engine.cache.roots if r.hex().startswith(prefix_id)]
+                    if not matches and not any(b.root and b.root.hex().startswith(prefix_id)
+                                               for b in engine.cache.pool.blocks):
+                        raise ServiceError(404, f"prefix: no cached prefix {prefix_id!r}", "prefix")
+                    select = lambda root, info: root is not None and root.hex().startswith(prefix_id)  # noqa: E731
+                    target = f"prefix={prefix_id}"
+                elif tenant:
+                    select = lambda root, info: info is not None and info.tenant == tenant  # noqa: E731
+                    target = f"tenant={tenant}"
+                else:
+                    select = lambda root, info: True  # noqa: E731
+                    target = "model_revision=current" if model_revision else "all_unpinned"
+                report = engine.cache.evict_where(select)
+                report_blocks, skipped = report.evicted_blocks, report.skipped
+        result = "ok" if not skipped.get("in_use") else "partial"
+        body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target}
+        if skipped.get("in_use"):
+            body["message"] = (f"{skipped['in_use']} blocks are in use by running requests and were "
+                               "not evicted")
+        self.store.audit(actor=principal.actor, tenant=principal.tenant, action="evict", target=target,
+                         result=result, detail=body)
+        return body
+
+    def explain(self, token_ids: list[int], tenant: str) -> dict:
+        engine = self.require_ready()
+        size = engine.settings.block_size
+        with self.lock:
+            cache = engine.cache
+            keys = chain_keys(engine.namespace(tenant), token_ids)
+            cacheable = cache.cacheable_blocks(len(token_ids))
+            hits = cache.lookup(keys, len(token_ids))
+            body = {"prompt_tokens": len(token_ids), "block_size": size, "full_blocks": len(keys),
+                    "hit_blocks": hits, "hit_tokens": hits * size, "tenant": tenant}
+            if len(token_ids) < size:
+                body["first_miss"] = {"block": 0, "reason": "shorter_than_a_block",
+                                      "detail": f"{len(token_ids)} tokens is less than one block of {size}; "
+                                                "only full blocks are cached"}
+            elif hits >= cacheable:
+                body["first_miss"] = {"block": hits, "reason": "last_token_computed",
+                                      "detail": "every cacheable block hit; the last token is always computed"}
+            else:
+                key = keys[hits]
+                logged = cache.pool.eviction_log.get(key)
+                other = [t for t in sorted({i.tenant for i in cache.roots.values()}) if t != tenant
+                         and cache.pool.block_of(chain_keys(engine.namespace(t), token_ids[:(hits + 1) * size])[hits])
+                         is not None]
+                if logged is not None:
+                    at, reason = logged
+                    body["first_miss"] = {"block": hits, "reason": "evicted",
+                                          "detail": f"evicted {now_minus(engine.clock(), at)} ago by "
+                                                    f"{'an operator' if reason == 'operator' else reason + ' eviction'}",
+                                          "evicted_by": reason, "seconds_ago": engine.clock() - at}
+                elif other:
+                    body["first_miss"] = {"block": hits, "reason": "other_namespace",
+                                          "detail": f"cached for tenant {other[0]!r}; tenants never share blocks"}
+                else:
+                    body["first_miss"] = {"block": hits, "reason": "never_cached",
+                                          "detail": "no request has filled this block under this namespace"}
+        return body
+
+
+def now_minus(now: float, then: float) -> str:
+    seconds = max(0.0, now - then)
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def gpu_status() -> list[dict] | None:
+    """Memory and utilisation of each GPU through NVML, or None where there is none."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver, no GPU
+        return None
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                        "memory_used": memory.used, "memory_total": memory.total, "utilization": util.gpu})
+        return out
+    finally:
+        pynvml.nvmlShutdown()

@@ -1,0 +1,64 @@
+"""The HTTP client kvctl uses to reach kvd: the Unix socket by default, or TCP with a token.
+
+    --socket PATH  / KVD_SOCKET      (default: the daemon's default socket)
+    --url URL      / KVD_URL         (TCP; needs --token-file / KVD_TOKEN_FILE)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .errors import UserError
+
+
+class Client:
+    def __init__(self, socket: str | None = None, url: str | None = None, token_file: str | None = None,
+                 tenant: str | None = None, timeout: float = 120.0) -> None:
+        from kvctl.daemon.config import default_socket
+
+        url = url or os.environ.get("KVD_URL")
+        token_file = token_file or os.environ.get("KVD_TOKEN_FILE")
+        headers = {}
+        if tenant:
+            headers["X-KVD-Tenant"] = tenant
+        if url:
+            if not token_file:
+                raise UserError("url: TCP needs a bearer token; pass --token-file or set KVD_TOKEN_FILE")
+            try:
+                token = Path(token_file).read_text().split()[0]
+            except (OSError, IndexError):
+                raise UserError(f"token_file: cannot read a token from {token_file!r}") from None
+            headers["Authorization"] = f"Bearer {token}"
+            self.where = url
+            self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+        else:
+            path = socket or os.environ.get("KVD_SOCKET") or default_socket()
+            self.where = path
+            self.http = httpx.Client(base_url="http://kvd", headers=headers, timeout=timeout,
+                                     transport=httpx.HTTPTransport(uds=path))
+
+    def request(self, method: str, path: str, **kwargs) -> Any:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
+            raise UserError(f"kvd is not reachable at {self.where} (is it running? `kvd serve`)") from None
+        if response.status_code >= 400:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:300]
+            raise UserError(f"kvd answered {response.status_code}: {message}")
+        return response.json()
+
+    def get(self, path: str, **params) -> Any:
+        return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})
+
+    def post(self, path: str, body: dict) -> Any:
+        return self.request("POST", path, json=body)
+
+    def delete(self, path: str) -> Any:
+        return self.request("DELETE", path)

@@ -1,0 +1,267 @@
+"""Operator commands: status, prefixes, pin, unpin, evict, explain, config, audit.
+
+kvctl presents; the daemon decides. Every command talks to kvd over its API and has --json.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .client import Client
+from .errors import UserError
+
+STATE_STYLES = {"free": "grey50", "reserved": "yellow", "active": "green", "shared": "cyan",
+                "cached": "blue", "pinned": "magenta"}
+MAP_STYLES = {".": "grey50", "r": "yellow", "a": "green", "s": "cyan", "c": "blue", "p": "magenta"}
+
+
+def _client(ctx: typer.Context, tenant: str | None = None) -> Client:
+    options = ctx.find_root().obj or {}
+    return Client(options.get("socket"), options.get("url"), options.get("token_file"), tenant=tenant)
+
+
+def _emit(data, as_json: bool, render) -> None:
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        render(data)
+
+
+def _tokens(text: str | None, tokens: str | None, file: Path | None) -> dict:
+    given = [x for x in (text, tokens, file) if x is not None]
+    if len(given) != 1:
+        raise UserError("give exactly one of TEXT, --tokens or --file")
+    if tokens is not None:
+        try:
+            return {"tokens": [int(t) for t in tokens.split(",") if t.strip()]}
+        except ValueError:
+            raise UserError(f"tokens: expected comma-separated integers, got {tokens!r}") from None
+    if file is not None:
+        try:
+            return {"text": file.read_text()}
+        except OSError as exc:
+            raise UserError(f"file: cannot read {str(file)!r} ({exc.strerror})") from None
+    return {"text": text}
+
+
+def _fmt_seconds(value) -> str:
+    return "-" if value is None else (f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s")
+
+
+def render_status(data: dict, console: Console | None = None):
+    blocks = data["blocks"]["device"]
+    total = blocks["total"]
+    table = Table(title=f"KV cache blocks (device, {total:,} blocks of {data['block_size']} tokens, "
+                        f"{data['bytes_per_token']:,} bytes/token)")
+    table.add_column("state")
+    table.add_column("blocks", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("")
+    for state in ("free", "reserved", "active", "shared", "cached", "pinned"):
+        count = blocks[state]
+        bar = "█" * round(30 * count / total) if total else ""
+        table.add_row(Text(state, style=STATE_STYLES[state]), f"{count:,}", f"{count / total:.1%}",
+                      Text(bar, style=STATE_STYLES[state]))
+    tokens = data["tokens"]
+    latency = data.get("latency") or {}
+    ttft, itl = latency.get("ttft_seconds") or {}, latency.get("inter_token_seconds") or {}
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column()
+    facts.add_row("model", f"{data['model']['name']} ({data['model']['architecture']}, "
+                           f"rev {data['model']['revision'][:12]}, {data['model']['device']})")
+    facts.add_row("prefix hits", f"{tokens['hit']:,} of {tokens['prompt']:,} prompt tokens "
+                                 f"({tokens['hit_ratio']:.1%})")
+    facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")
+    facts.add_row("evictions", f"{data['evictions']['capacity']:,} by {data['eviction_policy']}, "
+                               f"{data['evictions']['operator']:,} by operators")
+    facts.add_row("queue", f"{data['queue']['waiting']} waiting (oldest "
+                           f"{_fmt_seconds(data['queue']['oldest_age_seconds'])}), "
+                           f"{data['queue']['running']} running")
+    rejections = data["rejections"]
+    facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
+    facts.add_row("pins", str(data["pins"]))
+    facts.add_row("TTFT", f"p50 {_fmt_seconds(ttft.get('p50'))}  p95 {_fmt_seconds(ttft.get('p95'))}  "
+                          f"p99 {_fmt_seconds(ttft.get('p99'))}")
+    facts.add_row("inter-token", f"p50 {_fmt_seconds(itl.get('p50'))}  p95 {_fmt_seconds(itl.get('p95'))}  "
+                                 f"p99 {_fmt_seconds(itl.get('p99'))}")
+    for gpu in data.get("gpu") or []:
+        facts.add_row(f"GPU {gpu['index']}", f"{gpu['name']}: {gpu['memory_used'] / 2**30:.1f} of "
+                                             f"{gpu['memory_total'] / 2**30:.1f} GiB, {gpu['utilization']}% busy")
+    parts = [table, facts]
+    if data.get("block_map"):
+        text = Text()
+        for i, char in enumerate(data["block_map"]):
+            text.append("■", style=MAP_STYLES[char])
+            if i % 64 == 63:
+                text.append("\n")
+        parts.append(Panel(text, title="block map: free reserved active shared cached pinned"))
+    group = Group(*parts)
+    if console is not None:
+        console.print(group)
+    return group
+
+
+def status(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
+           blocks: bool = typer.Option(False, "--blocks", help="Draw the physical block map."),
+           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Blocks by state, hits and recomputation, queue, rejections, latency, GPU.
+
+    Example: kvctl status --blocks
+    """
+    client = _client(ctx)
+    if not watch or as_json:
+        data = client.get("/admin/status", blocks=blocks or None)
+        _emit(data, as_json, lambda d: render_status(d, Console()))
+        return
+    from rich.live import Live
+
+    with Live(render_status(client.get("/admin/status", blocks=blocks or None)), refresh_per_second=2) as live:
+        try:
+            while True:
+                time.sleep(1)
+                live.update(render_status(client.get("/admin/status", blocks=blocks or None)))
+        except KeyboardInterrupt:
+            pass
+
+
+def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help="Only this tenant."),
+             pinned: bool = typer.Option(False, "--pinned", help="Only pinned prefixes."),
+             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Cached prefixes: id, tokens, blocks, bytes, tenant, hits, last use, tier, pin (never text).
+
+    Example: kvctl prefixes --tenant acme --pinned
+    """
+    data = _client(ctx).get("/admin/prefixes", tenant=tenant, pinned=pinned or None)
+
+    def render(d):
+        table = Table("prefix", "tenant", "tokens", "blocks", "bytes", "hits", "tier", "pinned", "in use")
+        for p in d["prefixes"]:
+            table.add_row(p["prefix_id"], str(p["tenant"]), f"{p['tokens']:,}", str(p["blocks"]),
+                          f"{p['bytes']:,}", str(p["hits"]), p["tier"],
+                          "yes" if p["pinned"] else "", str(p["in_use_blocks"] or ""))
+        Console().print(table if d["prefixes"] else "no cached prefixes")
+    _emit(data, as_json, render)
+
+
+def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Prefix text to pin."),
+        tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma-separated."),
+        file: Optional[Path] = typer.Option(None, "--file", help="Read the prefix text from a file."),
+        tenant: Optional[str] = typer.Option(None, help="Tenant whose namespace and budget to use."),
+        ttl: Optional[str] = typer.Option(None, help="Lifetime: 90s, 30m, 1h, 2d; default: until unpinned."),
+        note: str = typer.Option("", help="Why, for the record."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Warm a prefix if needed and pin it; pins survive restarts.
+
+    Example: kvctl pin --file system_prompt.txt --tenant acme --ttl 24h --note "support bot"
+    """
+    body = {**_tokens(text, tokens, file), "tenant": tenant, "ttl": ttl, "note": note}
+    data = _client(ctx).post("/admin/pins", body)
+    _emit(data, as_json, lambda d: Console().print(
+        f"pinned {d['pin_id']}: {d['blocks']} blocks for tenant {d['tenant']} "
+        f"({d['cached_blocks']} cached{', warmed' if d['warmed'] else ''})"
+        + (f", expires in {d['expires_in_seconds']:.0f}s" if d.get("expires_in_seconds") else "")))
+
+
+def unpin(ctx: typer.Context, pin_id: str = typer.Argument(..., help="Pin id from `kvctl pin`."),
+          as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Remove a pin; its blocks become evictable again.
+
+    Example: kvctl unpin pin-0123456789abcdef
+    """
+    data = _client(ctx).delete(f"/admin/pins/{pin_id}")
+    _emit(data, as_json, lambda d: Console().print(f"unpinned {d['pin_id']} ({d['unpinned_blocks']} blocks)"))
+
+
+def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--prefix", help="Prefix id."),
+          tenant: Optional[str] = typer.Option(None, "--tenant", help="Every prefix of a tenant."),
+          model_revision: Optional[str] = typer.Option(None, "--model-revision", help="A model revision."),
+          all_unpinned: bool = typer.Option(False, "--all-unpinned", help="Everything not pinned."),
+          as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Evict cached blocks and report exactly what went; blocks in use are refused, not faked.
+
+    Example: kvctl evict --tenant acme
+    """
+    body = {"prefix": prefix, "tenant": tenant, "model_revision": model_revision, "all_unpinned": all_unpinned}
+    data = _client(ctx).post("/admin/evict", body)
+
+    def render(d):
+        skipped = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in sorted(d["skipped"].items()))
+        Console().print(f"evicted {d['evicted_blocks']} blocks ({d['target']})"
+                        + (f"; left alone: {skipped}" if skipped else ""))
+        if d.get("message"):
+            Console(stderr=True).print(f"[yellow]{d['message']}[/yellow]")
+    _emit(data, as_json, render)
+    if data.get("result") == "partial":
+        raise typer.Exit(3)
+
+
+def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Prompt text."),
+            tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma-separated."),
+            tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """How much of a prompt would hit the cache, and why the first miss misses.
+
+    Example: kvctl explain "You are a helpful assistant." --tenant acme
+    """
+    body = {**_tokens(text, tokens, None), "tenant": tenant}
+    data = _client(ctx).post("/admin/explain", body)
+
+    def render(d):
+        Console().print(f"{d['hit_tokens']} of {d['prompt_tokens']} tokens would hit "
+                        f"({d['hit_blocks']} of {d['full_blocks']} full blocks, tenant {d['tenant']})")
+        miss = d.get("first_miss")
+        if miss:
+            Console().print(f"first miss at block {miss['block']}: {miss['reason']} — {miss['detail']}")
+    _emit(data, as_json, render)
+
+
+config_app = typer.Typer(help="The daemon's settings.", no_args_is_help=True)
+
+
+@config_app.command("show")
+def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """The settings the daemon resolved, and the precedence it used.
+
+    Example: kvctl config show --json
+    """
+    data = _client(ctx).get("/admin/config")
+
+    def render(d):
+        table = Table("setting", "value", title=f"kvd settings ({d['precedence']})")
+        for key, value in d["config"].items():
+            table.add_row(key, str(value))
+        Console().print(table)
+    _emit(data, as_json, render)
+
+
+def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="Only entries newer than 1h, 2d, ..."),
+          as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """The audit log of mutating admin calls: who, what, when, result.
+
+    Example: kvctl audit --since 24h
+    """
+    from kvctl.daemon.server.durations import parse_duration
+
+    try:
+        start = time.time() - parse_duration(since) if since else 0.0
+    except ValueError:
+        raise UserError(f"since: invalid value {since!r}; use 30m, 1h, 2d") from None
+    data = _client(ctx).get("/admin/audit", since=start)
+
+    def render(d):
+        table = Table("when", "actor", "tenant", "action", "target", "result")
+        for e in d["entries"]:
+            table.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["at"])), e["actor"],
+                          e["tenant"], e["action"], e["target"], e["result"])
+        Console().print(table)
+    _emit(data, as_json, render)
