@@ -111,9 +111,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg')} (got {first.get('input')!r})"
-        return JSONResponse(error_body(message, "invalid_request_error", where or None, None), status_code=400)
+        fields_ = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = fields_[0] if fields_ else None  # the request field, not pydantic's union branch
+        message = f"{where or 'body'}: {first.get('msg')} (got {first.get('input')!r})"
+        return JSONResponse(error_body(message, "invalid_request_error", where, None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

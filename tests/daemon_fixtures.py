@@ -1,0 +1,66 @@
+"""A real EngineService on the demo checkpoint, and in-process HTTP calls (httpx.ASGITransport)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from kvctl.daemon.config import resolve
+from kvctl.daemon.server.app import create_app
+from kvctl.daemon.server.auth import TokenTable
+from kvctl.daemon.server.metrics import Metrics
+from kvctl.daemon.server.service import EngineService
+from kvctl.daemon.store import Store
+
+ADMIN_TOKEN = "admin-token-0123456789"
+USER_TOKEN = "acme-user-token-0123456789"
+GLOBEX_TOKEN = "globex-user-token-012345"
+
+
+def start_service(state_dir, **settings) -> EngineService:
+    config = resolve({"state_dir": str(state_dir), "socket": str(state_dir / "kvd.sock"),
+                      "num_blocks": 64, **settings}, env={})
+    service = EngineService(config, Store(state_dir / "kvd.sqlite3"))
+    service.metrics = Metrics(service)
+    service.start()
+    assert service.ready.wait(60), service.load_error
+    return service
+
+
+def token_table(tmp_path) -> TokenTable:
+    path = tmp_path / "tokens"
+    path.write_text(f"# token tenant role\n{ADMIN_TOKEN} ops admin\n{USER_TOKEN} acme user\n"
+                    f"{GLOBEX_TOKEN} globex user\n")
+    return TokenTable.load(path)
+
+
+def apps(service, tokens, trusted_proxy=False):
+    return (create_app(service, service.metrics, front="unix"),
+            create_app(service, service.metrics, front="tcp", tokens=tokens, trusted_proxy=trusted_proxy))
+
+
+def call(app, method: str, path: str, **kwargs) -> httpx.Response:
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
+            return await client.request(method, path, **kwargs)
+    return asyncio.run(go())
+
+
+def sse_events(response: httpx.Response) -> list:
+    out = []
+    for line in response.text.splitlines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def blocks_all_back(service) -> bool:
+    engine = service.engine
+    with service.lock:
+        engine.cache.audit()
+        counts = engine.cache.state_counts()
+    return counts["reserved"] == counts["active"] == counts["shared"] == 0 and not engine.has_work()

@@ -1,0 +1,263 @@
+"""kvd's HTTP APIs in-process: OpenAI completions, errors, auth and tenants, admin, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+from .daemon_fixtures import (ADMIN_TOKEN, GLOBEX_TOKEN, USER_TOKEN, apps, blocks_all_back, call,  # noqa: E402
+                              sse_events, start_service, token_table)
+
+SYSTEM = "System: you answer questions about paged KV caches, briefly and exactly. "
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    state = tmp_path_factory.mktemp("kvd")
+    service = start_service(state)
+    unix, tcp = apps(service, token_table(state))
+    yield service, unix, tcp
+    service.shutdown(1)
+
+
+def complete(app, **body):
+    return call(app, "POST", "/v1/completions", json={"max_tokens": 6, "seed": 1, **body})
+
+
+def test_health_readiness_and_openapi(daemon):
+    _, unix, tcp = daemon
+    assert call(unix, "GET", "/healthz").json() == {"status": "ok"}
+    assert call(tcp, "GET", "/readyz").json() == {"ready": True}
+    paths = call(unix, "GET", "/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/models", "/admin/status", "/admin/pins", "/metrics"} <= set(paths)
+
+
+def test_models_and_a_text_completion(daemon):
+    service, unix, _ = daemon
+    models = call(unix, "GET", "/v1/models").json()
+    assert models["data"][0]["id"] == service.model_name == "kvd-demo-llama-v1"
+    body = complete(unix, prompt=SYSTEM + "Q1", model=service.model_name).json()
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and len(choice["token_ids"]) == 6
+    assert choice["text"] == service.loaded.tokenizer.decode(choice["token_ids"])
+    assert body["usage"]["prompt_tokens"] == len(service.tokenize(SYSTEM + "Q1"))
+    assert body["usage"]["completion_tokens"] == 6
+
+
+def test_prompt_shapes_and_choice_order(daemon):
+    service, unix, _ = daemon
+    ids = service.tokenize("token ids prompt")
+    single = complete(unix, prompt=ids).json()
+    assert single["usage"]["prompt_tokens"] == len(ids)
+    many = complete(unix, prompt=[ids, ids[:5]], n=2, temperature=0.8).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2, 3]
+    texts = complete(unix, prompt=["one", "two"]).json()
+    assert len(texts["choices"]) == 2
+
+
+def test_repeat_prompt_reports_cached_tokens_and_same_tokens(daemon):
+    _, unix, _ = daemon
+    first = complete(unix, prompt=SYSTEM + "Q2", temperature=0.7).json()
+    second = complete(unix, prompt=SYSTEM + "Q2", temperature=0.7).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+def test_streaming_matches_the_plain_response(daemon):
+    _, unix, _ = daemon
+    plain = complete(unix, prompt=SYSTEM + "Q3", temperature=0.9, seed=9).json()
+    streamed = sse_events(complete(unix, prompt=SYSTEM + "Q3", temperature=0.9, seed=9, stream=True,
+                                   stream_options={"include_usage": True}))
+    assert streamed[-1] == "[DONE]"
+    chunks = [e for e in streamed[:-1] if e["choices"]]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == plain["choices"][0]["token_ids"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert streamed[-2]["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("body, status, param, fragment", [
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens: must be an integer >= 1, got 0"),
+    ({"prompt": "x", "top_p": 2}, 400, "top_p", "top_p: must be in (0, 1], got 2.0"),
+    ({"prompt": {"a": 1}}, 400, "prompt", "prompt"),
+    ({"prompt": []}, 400, "prompt", "prompt: must not be empty"),
+    ({"prompt": [1, 999]}, 400, "prompt", "prompt: token ids must lie in [0, 258), found 999"),
+    ({"prompt": "x", "max_tokens": 9000}, 413, "max_tokens", "exceeds the model's 8192 positions"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model", "'gpt-4' is not served here"),
+    ({"prompt": list(range(200)) * 6}, 400, None, "it can never fit"),
+])
+def test_errors_use_openai_shape_and_status(daemon, body, status, param, fragment):
+    _, unix, _ = daemon
+    response = call(unix, "POST", "/v1/completions", json=body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert fragment in error["message"] and set(error) == {"message", "type", "param", "code"}
+    if param:
+        assert error["param"] == param
+
+
+def test_tcp_needs_a_token_and_the_admin_role(daemon):
+    _, _, tcp = daemon
+    assert call(tcp, "GET", "/v1/models").status_code == 401
+    bad = call(tcp, "GET", "/v1/models", headers={"Authorization": "Bearer wrong-token-000000"})
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    user = {"Authorization": f"Bearer {USER_TOKEN}"}
+    assert call(tcp, "GET", "/v1/models", headers=user).status_code == 200
+    forbidden = call(tcp, "GET", "/admin/status", headers=user)
+    assert forbidden.status_code == 403 and "admin role" in forbidden.json()["error"]["message"]
+    assert call(tcp, "GET", "/admin/status", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).status_code == 200
+
+
+def test_tenants_never_share_blocks(daemon):
+    _, unix, tcp = daemon
+    prompt = "Tenant isolation check. " + SYSTEM
+    acme = {"Authorization": f"Bearer {USER_TOKEN}", "X-KVD-Tenant": "globex"}  # header ignored on TCP
+    globex = {"Authorization": f"Bearer {GLOBEX_TOKEN}"}
+    first = call(tcp, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=acme)
+    again = call(tcp, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=acme)
+    other = call(tcp, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=globex)
+    cached = lambda r: r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    assert (cached(first), cached(other)) == (0, 0) and cached(again) > 0
+    on_socket = complete(unix, prompt=prompt, max_tokens=2)  # tenant "default"
+    assert cached(on_socket) == 0
+    header = call(unix, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                  headers={"X-KVD-Tenant": "bad tenant!"})
+    assert header.status_code == 400 and header.json()["error"]["param"] == "X-KVD-Tenant"
+
+
+def test_trusted_front_end_may_name_the_tenant(tmp_path, daemon):
+    service, _, _ = daemon
+    _, trusted = apps(service, token_table(tmp_path), trusted_proxy=True)
+    prompt = SYSTEM + "proxy"
+    headers = {"Authorization": f"Bearer {USER_TOKEN}", "X-KVD-Tenant": "globex"}
+    call(trusted, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=headers)
+    other = call(trusted, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                 headers={"Authorization": f"Bearer {GLOBEX_TOKEN}"})
+    assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_admin_status_prefixes_pin_evict_explain_and_audit(daemon):
+    service, unix, _ = daemon
+    status = call(unix, "GET", "/admin/status", params={"blocks": True}).json()
+    device = status["blocks"]["device"]
+    assert set(device) == {"total", "free", "reserved", "active", "shared", "cached", "pinned"}
+    assert sum(v for k, v in device.items() if k != "total") == device["total"] == 64
+    assert len(status["block_map"]) == 64
+    prompt = "Pinned system prompt for the support bot, long enough for three blocks of tokens."
+    pinned = call(unix, "POST", "/admin/pins", json={"text": prompt, "tenant": "acme", "ttl": "1h",
+                                                     "note": "support"}).json()
+    assert pinned["blocks"] == pinned["cached_blocks"] == len(service.tokenize(prompt)) // 16
+    assert pinned["warmed"] is True and pinned["tenant"] == "acme"
+    listing = call(unix, "GET", "/admin/prefixes", params={"pinned": True}).json()["prefixes"]
+    assert [p["tenant"] for p in listing] == ["acme"] and "text" not in listing[0]
+    evicted = call(unix, "POST", "/admin/evict", json={"all_unpinned": True}).json()
+    assert evicted["skipped"].get("pinned", 0) >= pinned["blocks"] and evicted["result"] == "ok"
+    explain = call(unix, "POST", "/admin/explain", json={"text": prompt, "tenant": "acme"}).json()
+    assert explain["hit_blocks"] == pinned["blocks"] - (1 if len(service.tokenize(prompt)) % 16 == 0 else 0)
+    assert call(unix, "DELETE", f"/admin/pins/{pinned['pin_id']}").json()["unpinned_blocks"] == pinned["blocks"]
+    missing = call(unix, "DELETE", "/admin/pins/pin-0000000000000000")
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "unknown pin 'pin-0000000000000000'"
+    call(unix, "POST", "/admin/evict", json={"tenant": "acme"})
+    why = call(unix, "POST", "/admin/explain", json={"text": prompt, "tenant": "acme"}).json()
+    assert why["hit_blocks"] == 0 and why["first_miss"]["reason"] == "evicted"
+    assert why["first_miss"]["evicted_by"] == "operator"
+    complete(unix, prompt=SYSTEM + "Q9")  # cached for tenant "default" only
+    elsewhere = call(unix, "POST", "/admin/explain", json={"text": SYSTEM + "Q9", "tenant": "nobody"}).json()
+    assert elsewhere["first_miss"]["reason"] == "other_namespace"
+    short = call(unix, "POST", "/admin/explain", json={"tokens": [1, 2, 3]}).json()
+    assert short["first_miss"]["reason"] == "shorter_than_a_block"
+    actions = [(e["action"], e["result"]) for e in call(unix, "GET", "/admin/audit").json()["entries"]]
+    assert ("pin", "ok") in actions and ("unpin", "ok") in actions and ("evict", "ok") in actions
+    bad = call(unix, "POST", "/admin/evict", json={"tenant": "a", "all_unpinned": True})
+    assert bad.status_code == 400
+
+
+def test_metrics_expose_the_documented_families(daemon):
+    _, unix, _ = daemon
+    complete(unix, prompt=SYSTEM + "metrics")
+    text = call(unix, "GET", "/metrics").text
+    for name in ('kvd_blocks{state="free",tier="device"}', "kvd_prefix_hit_tokens_total",
+                 "kvd_prompt_tokens_total", "kvd_recomputed_tokens_total",
+                 'kvd_evicted_blocks_total{reason="capacity"}', "kvd_allocation_seconds_bucket",
+                 'kvd_admission_rejections_total{reason="queue_full"}', "kvd_preemptions_total",
+                 "kvd_queue_age_seconds", "kvd_ttft_seconds_bucket", "kvd_inter_token_seconds_bucket"):
+        assert name in text, name
+
+
+def test_queue_full_is_429_with_retry_after(tmp_path):
+    service = start_service(tmp_path, max_running=1, max_queue=1)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        from kvctl.daemon.engine.sampling import SamplingParams
+        from kvctl.daemon.server.service import Principal
+
+        who = Principal("default", "admin", "test")
+        busy = service.submit([[1] * 20], SamplingParams(max_tokens=500, ignore_eos=True), who, lambda e: None)
+        while busy[0].sequences[0].status.value == "waiting":  # the engine thread admits it
+            time.sleep(0.01)
+        queued = service.submit([[2] * 20], SamplingParams(max_tokens=5), who, lambda e: None)
+        response = complete(unix, prompt="late")
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert "admission queue full" in response.json()["error"]["message"]
+        for request in busy + queued:
+            service.cancel(request.request_id)
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
+def test_dozens_of_clients_with_cancellations_end_with_every_block_free(tmp_path):
+    service = start_service(tmp_path, max_running=8, max_queue=64, max_batch_tokens=64)
+    unix, _ = apps(service, token_table(tmp_path))
+    rng = random.Random(3)
+
+    async def one(client, i):
+        body = {"prompt": SYSTEM[: rng.randint(10, len(SYSTEM))] + str(i), "max_tokens": rng.randint(1, 30),
+                "temperature": 0.5, "seed": i, "stream": i % 2 == 0}
+        try:
+            return await asyncio.wait_for(client.post("/v1/completions", json=body),
+                                          timeout=rng.choice([0.05, 30, 30]))
+        except asyncio.TimeoutError:
+            return None  # the client went away: its request is cancelled
+
+    async def main():
+        transport = httpx.ASGITransport(app=unix)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(40)))
+
+    try:
+        results = asyncio.run(main())
+        done = [r for r in results if r is not None]
+        assert done and all(r.status_code in (200, 429) for r in done)
+        for _ in range(200):
+            if blocks_all_back(service):
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
+def test_pins_survive_a_restart(tmp_path):
+    first = start_service(tmp_path)
+    unix, _ = apps(first, token_table(tmp_path))
+    prompt = "A prefix pinned before a restart, long enough for two blocks."
+    pin = call(unix, "POST", "/admin/pins", json={"text": prompt}).json()
+    first.shutdown(1)
+    second = start_service(tmp_path)
+    try:
+        unix, _ = apps(second, token_table(tmp_path))
+        pins = call(unix, "GET", "/admin/pins").json()["pins"]
+        assert [p["pin_id"] for p in pins] == [pin["pin_id"]] and pins[0]["cached_blocks"] == 0
+        complete(unix, prompt=prompt, max_tokens=1)  # refills the prefix: its blocks pin at once
+        status = call(unix, "GET", "/admin/status").json()
+        assert status["blocks"]["device"]["pinned"] == pin["blocks"]
+    finally:
+        second.shutdown(1)
