@@ -28,7 +28,7 @@ app.add_typer(bench, name="bench")
 app.add_typer(trace_app, name="trace")
 bench.command("replay")(replay_command)
 bench.command("kernels")(kernels_command)
-for _command in (ops.status, ops.prefixes, ops.pin, ops.unpin, ops.evict, ops.explain, ops.audit):
+for _command in (ops.status, ops.prefixes, ops.pin, ops.pins, ops.unpin, ops.evict, ops.explain, ops.audit):
     app.command(_command.__name__)(_command)
 app.add_typer(ops.config_app, name="config")
 

@@ -172,6 +172,22 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
         + (f", expires in {d['expires_in_seconds']:.0f}s" if d.get("expires_in_seconds") else "")))
 
 
+def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Every pin: id, tenant, blocks, how many are cached now, owner, note, expiry.
+
+    Example: kvctl pins --json
+    """
+    data = _client(ctx).get("/admin/pins")
+
+    def render(d):
+        table = Table("pin", "tenant", "blocks", "cached", "owner", "note", "expires")
+        for p in d["pins"]:
+            table.add_row(p["pin_id"], p["tenant"], str(p["blocks"]), str(p["cached_blocks"]), p["owner"],
+                          p["note"], "never" if p["expires_at"] is None else "set")
+        Console().print(table if d["pins"] else "no pins")
+    _emit(data, as_json, render)
+
+
 def unpin(ctx: typer.Context, pin_id: str = typer.Argument(..., help="Pin id from `kvctl pin`."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Remove a pin; its blocks become evictable again.

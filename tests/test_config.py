@@ -1,0 +1,53 @@
+"""kvd's settings resolver: precedence flag > env > file > default, and errors that name things."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvctl.daemon.config import ConfigError, resolve
+
+
+def test_precedence_flag_env_file_default(tmp_path):
+    path = tmp_path / "kvd.yaml"
+    path.write_text("block_size: 64\nmax_queue: 7\neviction: cost\ncache_memory: 64MiB\n")
+    env = {"KVD_BLOCK_SIZE": "32", "KVD_MAX_QUEUE": "9"}
+    config = resolve({"block_size": 128}, env, path)
+    assert (config.block_size, config.max_queue, config.eviction) == (128, 9, "cost")
+    assert config.cache_memory == 64 * 2**20
+    assert config.max_running == 32  # default
+    assert resolve({}, env, path).block_size == 32
+    assert resolve({}, {}, path).block_size == 64
+
+
+@pytest.mark.parametrize("flags, env, message", [
+    ({"block_size": 24}, {}, "block_size: invalid value 24 from --block-size: must be one of 8, 16, 32"),
+    ({}, {"KVD_EVICTION": "fifo"}, "eviction: invalid value 'fifo' from KVD_EVICTION: must be one of lru, cost"),
+    ({}, {"KVD_CACHE_MEMORY": "lots"}, "cache_memory: invalid value 'lots' from KVD_CACHE_MEMORY"),
+    ({"listen": "nowhere"}, {}, "listen: invalid value 'nowhere' from --listen: must be HOST:PORT"),
+    ({"listen": "127.0.0.1:8000"}, {}, "listen: '127.0.0.1:8000' needs token_file"),
+    ({"reservation": "half"}, {}, "reservation: invalid value 'half' from --reservation"),
+    ({"max_queue": 0}, {}, "max_queue: invalid value 0 from --max-queue: must be >= 1"),
+])
+def test_invalid_values_name_field_value_and_source(flags, env, message):
+    with pytest.raises(ConfigError) as info:
+        resolve(flags, env)
+    assert str(info.value).startswith(message)
+
+
+def test_file_errors(tmp_path):
+    path = tmp_path / "kvd.yaml"
+    path.write_text("blok_size: 16\n")
+    with pytest.raises(ConfigError, match="config: unknown field 'blok_size'"):
+        resolve({}, {}, path)
+    path.write_text("block_size: [\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        resolve({}, {}, path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve({}, {}, tmp_path / "missing.yaml")
+
+
+def test_systemd_directories_are_the_defaults(monkeypatch):
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/kvd")
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/kvd")
+    config = resolve({}, {})
+    assert (config.state_dir, config.socket) == ("/var/lib/kvd", "/run/kvd/kvd.sock")

@@ -1,0 +1,147 @@
+"""The real `kvd serve` process on a Unix socket, driven as a user would: the openai client,
+kvctl, a client that disconnects mid-stream, pins across a restart, and systemd's notify
+protocol (READY, WATCHDOG, STOPPING) on a socket the test listens on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+BIN = Path(sys.executable).parent
+
+
+class Kvd:
+    def __init__(self, tmp_path: Path, notify: str | None = None) -> None:
+        self.socket = tmp_path / "run" / "kvd.sock"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+        if notify:
+            env.update(NOTIFY_SOCKET=notify, WATCHDOG_USEC="400000")
+        self.log = open(tmp_path / "kvd.log", "ab")
+        self.proc = subprocess.Popen(
+            [str(BIN / "kvd"), "serve", "--state-dir", str(tmp_path / "state"), "--socket", str(self.socket),
+             "--num-blocks", "128", "--log-level", "warning"], env=env, stdout=self.log, stderr=self.log)
+        self.http = httpx.Client(base_url="http://kvd", transport=httpx.HTTPTransport(uds=str(self.socket)),
+                                 timeout=60)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, (tmp_path / "kvd.log").read_text()
+            try:
+                if self.http.get("/readyz").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("kvd did not become ready")
+
+    def kvctl(self, *args: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "KVD_SOCKET": str(self.socket)}
+        return subprocess.run([str(BIN / "kvctl"), *args], env=env, capture_output=True, text=True, timeout=120)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=60)
+        self.http.close()
+        self.log.close()
+        return code
+
+
+def openai_client(kvd: Kvd):
+    return openai.OpenAI(base_url="http://kvd/v1", api_key="unused-on-the-socket",
+                         http_client=httpx.Client(transport=httpx.HTTPTransport(uds=str(kvd.socket))))
+
+
+def notifications(sock: socket.socket, until: str, timeout: float = 30) -> list[str]:
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            message = sock.recv(4096).decode()
+        except socket.timeout:
+            break
+        seen.append(message)
+        if until in message:
+            return seen
+    raise AssertionError(f"no {until!r} among {seen!r}")
+
+
+def test_kvd_end_to_end(tmp_path):
+    notify_path = str(tmp_path / "notify.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(notify_path)
+    kvd = Kvd(tmp_path, notify=notify_path)
+    try:
+        assert any("READY=1" in m for m in notifications(listener, "READY=1"))
+        assert stat.S_IMODE(os.stat(kvd.socket).st_mode) == 0o660
+        client = openai_client(kvd)
+        assert [m.id for m in client.models.list()] == ["kvd-demo-llama-v1"]
+        system = "You are the support assistant of a KV cache daemon. Answer in one line. "
+        first = client.completions.create(model="kvd-demo-llama-v1", prompt=system + "How do pins work?",
+                                          max_tokens=8, seed=4)
+        second = client.completions.create(model="kvd-demo-llama-v1", prompt=system + "What is a block?",
+                                           max_tokens=8, seed=4)
+        assert first.usage.completion_tokens == 8
+        assert second.usage.prompt_tokens_details.cached_tokens == 64
+        chunks = list(client.completions.create(model="kvd-demo-llama-v1", prompt=system + "Stream it.",
+                                                max_tokens=5, stream=True, seed=2))
+        assert sum(1 for c in chunks if c.choices) == 5 and chunks[-1].choices[0].finish_reason == "length"
+
+        status = json.loads(kvd.kvctl("status", "--json").stdout)
+        assert status["tokens"]["hit"] >= 64 and status["blocks"]["device"]["total"] == 128
+        assert "prefix hits" in kvd.kvctl("status").stdout
+
+        # A client that goes away mid-stream cancels its request and frees its blocks.
+        body = {"prompt": system + "Tell a very long story.", "max_tokens": 1800, "ignore_eos": True,
+                "stream": True}
+        with kvd.http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        for _ in range(200):
+            state = json.loads(kvd.kvctl("status", "--json").stdout)
+            if state["queue"]["running"] == 0 and state["blocks"]["device"]["active"] == 0:
+                break
+            time.sleep(0.1)
+        assert state["queue"]["running"] == 0 and state["blocks"]["device"]["reserved"] == 0
+
+        pinned = kvd.kvctl("pin", system, "--ttl", "1h", "--note", "support", "--json")
+        pin_id = json.loads(pinned.stdout)["pin_id"]
+        assert any("WATCHDOG=1" in m for m in notifications(listener, "WATCHDOG=1"))
+        assert kvd.stop() == 0
+        assert any("STOPPING=1" in m for m in notifications(listener, "STOPPING=1"))
+        assert not kvd.socket.exists()
+
+        kvd = Kvd(tmp_path)
+        pins = json.loads(kvd.kvctl("pins", "--json").stdout)["pins"]
+        assert [p["pin_id"] for p in pins] == [pin_id]
+        audit = json.loads(kvd.kvctl("audit", "--json").stdout)["entries"]
+        assert [e["action"] for e in audit] == ["pin"]
+    finally:
+        if kvd.proc.poll() is None:
+            kvd.stop()
+        listener.close()
+
+
+def test_kvctl_without_a_daemon_says_so(tmp_path):
+    env = {**os.environ, "KVD_SOCKET": str(tmp_path / "none.sock")}
+    done = subprocess.run([str(BIN / "kvctl"), "status"], env=env, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"error: kvd is not reachable at {tmp_path / 'none.sock'}")
+
+
+def test_kvd_refuses_bad_settings(tmp_path):
+    done = subprocess.run([str(BIN / "kvd"), "serve", "--block-size", "24", "--state-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "block_size: invalid value 24 from --block-size" in done.stderr
