@@ -156,3 +156,12 @@ def test_bench_kernels_bad_options(capsys):
     assert status == 2 and err.startswith("error: shape: unknown value 'gpt5'; choose from llama3-8b, llama3-70b")
     status, _, err = cli(capsys, "bench", "kernels", "--dtype", "fp4")
     assert status == 2 and err.startswith("error: dtype: unknown value 'fp4'")
+
+
+def test_readme_documents_every_command():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    root = typer.main.get_command(app)
+    for path, _ in _commands(root):
+        assert f"kvctl {' '.join(path)}" in readme, path
