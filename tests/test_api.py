@@ -261,3 +261,17 @@ def test_pins_survive_a_restart(tmp_path):
         assert status["blocks"]["device"]["pinned"] == pin["blocks"]
     finally:
         second.shutdown(1)
+
+
+def test_reload_applies_live_settings_and_names_the_rest(daemon):
+    service, unix, _ = daemon
+    from dataclasses import replace
+
+    new = replace(service.config, max_queue=99, reservation="p95", block_size=32)
+    result = service.reload(new)
+    assert result == {"changed": {"max_queue": 99, "reservation": "p95"}, "needs_restart": ["block_size"]}
+    assert service.engine.settings.max_queue == 99 and service.engine.reservation.spec == "p95"
+    assert call(unix, "GET", "/admin/config").json()["config"]["max_queue"] == 99
+    assert call(unix, "GET", "/admin/config").json()["config"]["block_size"] == 16
+    entries = call(unix, "GET", "/admin/audit").json()["entries"]
+    assert entries[0]["action"] == "reload" and entries[0]["detail"]["needs_restart"] == ["block_size"]
