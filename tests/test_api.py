@@ -275,3 +275,17 @@ def test_reload_applies_live_settings_and_names_the_rest(daemon):
     assert call(unix, "GET", "/admin/config").json()["config"]["block_size"] == 16
     entries = call(unix, "GET", "/admin/audit").json()["entries"]
     assert entries[0]["action"] == "reload" and entries[0]["detail"]["needs_restart"] == ["block_size"]
+
+
+def test_evict_one_prefix_by_id(daemon):
+    _, unix, _ = daemon
+    complete(unix, prompt="A prefix to evict by its id: " + SYSTEM, max_tokens=1, seed=1)
+    listing = call(unix, "GET", "/admin/prefixes", params={"tenant": "default"}).json()["prefixes"]
+    target = next(p for p in listing if p["in_use_blocks"] == 0 and not p["pinned"])
+    report = call(unix, "POST", "/admin/evict", json={"prefix": target["prefix_id"]}).json()
+    assert report == {"evicted_blocks": target["blocks"], "skipped": {}, "result": "ok",
+                      "target": f"prefix={target['prefix_id']}"}
+    after = call(unix, "GET", "/admin/prefixes").json()["prefixes"]
+    assert target["prefix_id"] not in [p["prefix_id"] for p in after]
+    missing = call(unix, "POST", "/admin/evict", json={"prefix": "ffffffffffffffff"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "prefix"

@@ -64,6 +64,7 @@ class EngineService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
+        self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
 
     # ---- life cycle --------------------------------------------------------------------------
     def load(self) -> None:
@@ -288,8 +289,6 @@ class EngineService:
                 chars.append(".")
         return "".join(chars)
 
-    latency_summary: Callable[[], dict] = staticmethod(lambda: {})  # set by the metrics module
-
     @property
     def model_name(self) -> str:
         if self.config.model_name:
@@ -396,9 +395,8 @@ class EngineService:
                 target = f"model_revision={model_revision}"
             else:
                 if prefix_id:
-                    matches = [r for r in engine.cache.roots if r.hex().startswith(prefix_id)]
-                    if not matches and not any(b.root and b.root.hex().startswith(prefix_id)
-                                               for b in engine.cache.pool.blocks):
+                    if not any(b.key is not None and b.root.hex().startswith(prefix_id)
+                               for b in engine.cache.pool.blocks):
                         raise ServiceError(404, f"prefix: no cached prefix {prefix_id!r}", "prefix")
                     select = lambda root, info: root is not None and root.hex().startswith(prefix_id)  # noqa: E731
                     target = f"prefix={prefix_id}"
