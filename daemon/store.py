@@ -40,6 +40,8 @@ class Store:
         if "pins" not in self.db.table_names():
             self.db["pins"].create({"pin_id": str, "tenant": str, "keys": str, "owner": str, "note": str,
                                     "created_at": float, "expires_at": float}, pk="pin_id")
+        if "runs" not in self.db.table_names():
+            self.db["runs"].create({"id": int, "at": float, "kind": str, "document": str}, pk="id")
         self.db.execute("PRAGMA user_version = %d" % SCHEMA_VERSION)
 
     def audit(self, *, actor: str, tenant: str, action: str, target: str, result: str,
@@ -66,6 +68,20 @@ class Store:
     def pins(self) -> list[dict]:
         with self._lock:
             return list(self.db["pins"].rows)
+
+    def save_run(self, kind: str, document: dict) -> int:
+        """Store a benchmark or replay result; returns its id for ADRs and --compare."""
+        with self._lock, self.db.conn:
+            table = self.db["runs"].insert({"at": time.time(), "kind": kind,
+                                            "document": json.dumps(document, sort_keys=True)})
+            return table.last_pk
+
+    def get_run(self, run_id: int) -> dict | None:
+        with self._lock:
+            rows = list(self.db.query("select * from runs where id = ?", [run_id]))
+        if not rows:
+            return None
+        return {**rows[0], "document": json.loads(rows[0]["document"])}
 
     def close(self) -> None:
         self.db.conn.close()

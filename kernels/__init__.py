@@ -4,6 +4,7 @@
     paged_decode_attention / paged_decode_attention_ref      one query per sequence
     paged_prefill_attention / paged_prefill_attention_ref    new tokens over their prefix
     copy_blocks / copy_blocks_ref                            copy-on-write block copies
+    paged_attention_torch                                    batched plain-torch path for CPUs
 
 The launchers run on CUDA, or on the CPU under TRITON_INTERPRET=1 (for tests).
 This package imports nothing of the rest of the project.
@@ -14,11 +15,13 @@ from .copy_blocks import copy_blocks, copy_blocks_ref
 from .decode import paged_decode_attention, paged_decode_attention_ref
 from .formats import CACHE_DTYPES, absmax_scales, cache_dtype, dequantise, is_quantised, quantise
 from .prefill import paged_prefill_attention, paged_prefill_attention_ref
+from .torch_paged import paged_attention_torch
 from .write_kv import write_kv, write_kv_ref
 
 __all__ = [
     "CACHE_DTYPES", "KernelArgumentError", "absmax_scales", "cache_dtype", "copy_blocks",
     "copy_blocks_ref", "dequantise", "is_quantised", "paged_decode_attention",
-    "paged_decode_attention_ref", "paged_prefill_attention", "paged_prefill_attention_ref",
+    "paged_attention_torch", "paged_decode_attention_ref", "paged_prefill_attention",
+    "paged_prefill_attention_ref",
     "quantise", "write_kv", "write_kv_ref",
 ]

@@ -16,6 +16,8 @@ from kvctl import __version__
 from . import ops
 from .bench_kernels import kernels_command
 from .bench_replay import replay_command
+from .bench_serve import serve_command
+from .capacity_cmd import capacity_command
 from .errors import UserError
 
 app = typer.Typer(help="Operate the KV cache of LLM serving: inspect, steer, replay, benchmark.",
@@ -28,9 +30,11 @@ app.add_typer(bench, name="bench")
 app.add_typer(trace_app, name="trace")
 bench.command("replay")(replay_command)
 bench.command("kernels")(kernels_command)
+bench.command("serve")(serve_command)
 for _command in (ops.status, ops.prefixes, ops.pin, ops.pins, ops.unpin, ops.evict, ops.explain, ops.audit):
     app.command(_command.__name__)(_command)
 app.add_typer(ops.config_app, name="config")
+app.command("capacity")(capacity_command)
 
 
 def _version(value: bool) -> None:

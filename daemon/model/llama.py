@@ -2,7 +2,8 @@
 
 One forward pass takes a flat batch of new tokens from many sequences (prefill chunks and
 decodes mixed), writes their K/V into the cache at `slot_mapping`, and attends through the
-block tables: Triton kernels on CUDA, their torch references elsewhere.
+block tables: Triton kernels on CUDA, the batched torch path (`paged_attention_torch`,
+checked against the references) elsewhere.
 
     input_ids, positions, slot_mapping   [num_new_tokens]
     query_start_loc                      [num_seqs + 1]  sequence s owns rows qsl[s]:qsl[s+1]
@@ -20,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvctl.kernels import (paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention,
-                           paged_prefill_attention_ref, write_kv, write_kv_ref)
+from kvctl.kernels import (paged_attention_torch, paged_decode_attention, paged_prefill_attention, write_kv,
+                           write_kv_ref)
 
 from .config import ModelConfig, ModelError
 from .tokenizer import Tokenizer
@@ -103,11 +104,8 @@ class LlamaModel:
             return paged_prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
                                            batch.context_lens, scale=self.scale,
                                            max_new_tokens=batch.max_new_tokens)
-        if batch.max_new_tokens == 1:
-            return paged_decode_attention_ref(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                              scale=self.scale)
-        return paged_prefill_attention_ref(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
-                                           batch.context_lens, scale=self.scale)
+        return paged_attention_torch(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                                     batch.context_lens, scale=self.scale, max_new_tokens=batch.max_new_tokens)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

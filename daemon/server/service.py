@@ -248,6 +248,7 @@ class EngineService:
                 block_map = self._block_map()
             body = {
                 "model": {"name": self.model_name, "architecture": self.loaded.config.architecture,
+                          "path": str(self.loaded.path),
                           "revision": self.loaded.revision, "dtype": str(engine.model.dtype),
                           "device": str(engine.model.device)},
                 "blocks": {"device": {"total": cache.num_blocks, **counts}},

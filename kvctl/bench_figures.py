@@ -1,0 +1,84 @@
+"""Per-request records of a benchmark and the figures computed from them."""
+
+from __future__ import annotations
+
+import math
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    start: float  # when the request was sent (seconds, shared clock)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    token_times: list[float] = field(default_factory=list)  # when each output token arrived
+    end: float | None = None
+    status: str = "ok"  # ok, rejected (429), aborted (error or cut short)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.start if self.token_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 1]); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered) - 1e-9))
+    return ordered[min(len(ordered), rank) - 1]
+
+
+def median(values: list[float]) -> float | None:
+    return percentile(values, 0.5)
+
+
+def figures(records: list[RequestRecord]) -> dict:
+    ok = [r for r in records if r.status == "ok" and r.end is not None]
+    if ok:
+        wall = max(r.end for r in ok) - min(r.start for r in records)
+    else:
+        wall = 0.0
+    output = sum(len(r.token_times) for r in ok)
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [gap for r in ok for gap in r.itls]
+    e2e = [r.end - r.start for r in ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = [r.ttft for r in ok if r.cached_tokens > 0 and r.ttft is not None]
+    uncached = [r.ttft for r in ok if r.cached_tokens == 0 and r.ttft is not None]
+    ratio = median(cached) / median(uncached) if cached and uncached and median(uncached) else None
+    return {
+        "requests": len(records), "completed": len(ok),
+        "rejections": sum(1 for r in records if r.status == "rejected"),
+        "aborts": sum(1 for r in records if r.status == "aborted"),
+        "seconds": wall,
+        "output_tokens": output,
+        "output_tokens_per_second": output / wall if wall else 0.0,
+        "requests_per_second": len(ok) / wall if wall else 0.0,
+        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p95_s": percentile(ttfts, 0.95),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "itl_p50_s": percentile(itls, 0.5), "itl_p95_s": percentile(itls, 0.95),
+        "e2e_p50_s": percentile(e2e, 0.5), "e2e_p95_s": percentile(e2e, 0.95), "e2e_p99_s": percentile(e2e, 0.99),
+        "cached_token_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "ttft_cached_over_uncached": ratio,
+    }
+
+
+RATIO_FIGURES = ("output_tokens_per_second", "requests_per_second", "ttft_p50_s", "ttft_p95_s", "itl_p50_s",
+                 "e2e_p95_s", "cached_token_ratio", "ttft_cached_over_uncached")
+
+
+def ratios(kvd: dict, baseline: dict | None) -> dict:
+    if baseline is None:
+        return {}
+    out = {}
+    for name in RATIO_FIGURES:
+        a, b = kvd.get(name), baseline.get(name)
+        out[name] = a / b if a is not None and b not in (None, 0, 0.0) else None
+    return out

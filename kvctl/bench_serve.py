@@ -1,0 +1,357 @@
+"""`kvctl bench serve`: drive a running kvd with a workload, beside a transformers baseline.
+
+kvd is driven over its API with streaming completions (TTFT and inter-token times are taken
+as chunks arrive). The baseline runs the same requests on the same checkpoint with the
+`transformers` library in this process, batched `--concurrency` at a time with its own KV
+cache, and the report shows kvd ÷ baseline for every figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .bench_figures import RequestRecord, figures, ratios
+from .errors import UserError
+from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
+
+
+def build_workload(spec: str, *, requests: int | None, max_tokens: int, time_scale: float, seed: int,
+                   block_tokens: int, groups: int = 4, system_tokens: int = 1024,
+                   question_tokens: int = 32) -> list[BenchRequest]:
+    if spec == "shared-prefix":
+        questions = max(1, (requests or 32) // groups)
+        return shared_prefix(groups=groups, system_tokens=system_tokens, questions=questions,
+                             question_tokens=question_tokens, max_tokens=max_tokens, seed=seed)
+    if spec == "multi-turn":
+        conversations = max(1, (requests or 16) // 4)
+        return multi_turn(conversations=conversations, turns=4, max_tokens=max_tokens, seed=seed)
+    if spec.startswith("trace:"):
+        try:
+            return from_trace(spec[len("trace:"):], time_scale=time_scale, limit=requests,
+                              block_tokens=block_tokens, max_tokens=max_tokens)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    raise UserError(f"workload: unknown value {spec!r}; use shared-prefix, multi-turn or trace:FILE")
+
+
+async def drive_kvd(client: httpx.AsyncClient, workload: list[BenchRequest], *, concurrency: int | None,
+                    rate: float | None, seed: int, tick=lambda: None) -> list[RequestRecord]:
+    """Send every request (closed loop with `concurrency` slots, or open loop at `rate`/s or at
+    the workload's own arrival times) and record what came back."""
+    clock = time.perf_counter
+    origin = clock()
+    done = [asyncio.Event() for _ in workload]
+    records: list[RequestRecord | None] = [None] * len(workload)
+    slots = asyncio.Semaphore(concurrency) if concurrency else None
+    arrivals = [r.arrival for r in workload]
+    if rate:
+        rng, t = random.Random(seed), 0.0
+        for i in range(len(arrivals)):
+            t += rng.expovariate(rate)
+            arrivals[i] = t
+
+    async def one(i: int, request: BenchRequest) -> None:
+        if request.after is not None:
+            await done[request.after].wait()
+        if arrivals[i] is not None:
+            await asyncio.sleep(max(0.0, origin + arrivals[i] - clock()))
+        if slots:
+            await slots.acquire()
+        record = RequestRecord(i, clock(), prompt_tokens=len(request.prompt))
+        body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "ignore_eos": True, "seed": i,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code == 429:
+                    record.status = "rejected"
+                elif response.status_code >= 400:
+                    record.status = "aborted"
+                else:
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        now = clock()
+                        for choice in chunk.get("choices", []):
+                            record.token_times += [now] * len(choice.get("token_ids") or [])
+                        usage = chunk.get("usage")
+                        if usage:
+                            record.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                    record.end = clock()
+                    if len(record.token_times) < request.max_tokens:
+                        record.status = "aborted"
+        except httpx.HTTPError:
+            record.status = "aborted"
+        finally:
+            if slots:
+                slots.release()
+            records[i] = record
+            done[i].set()
+            tick()
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(workload)))
+    return records
+
+
+def run_transformers_baseline(model_dir: str, workload: list[BenchRequest], batch: int,
+                              tick=lambda: None) -> list[RequestRecord]:
+    """The same requests through transformers' generate(), `batch` at a time (left padding)."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+    except ImportError:
+        raise UserError("baseline: transformers is not installed (pip install transformers), "
+                        "or use --baseline none") from None
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+    class StepClock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    records: list[RequestRecord] = []
+    for first in range(0, len(workload), batch):
+        group = workload[first:first + batch]
+        width = max(len(r.prompt) for r in group)
+        steps = max(r.max_tokens for r in group)
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, request in enumerate(group):
+            ids[row, width - len(request.prompt):] = torch.tensor(request.prompt)
+            mask[row, width - len(request.prompt):] = 1
+        step_clock = StepClock()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                           do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([step_clock]))
+        for offset, request in enumerate(group):
+            times = step_clock.times[:request.max_tokens]
+            records.append(RequestRecord(first + offset, start, prompt_tokens=len(request.prompt),
+                                         token_times=list(times), end=times[-1] if times else start))
+            tick()
+    return records
+
+
+def serve_command(
+    ctx: typer.Context,
+    workload: str = typer.Option("shared-prefix", help="shared-prefix, multi-turn or trace:FILE."),
+    requests: Optional[int] = typer.Option(None, help="Requests (trace: the first N)."),
+    concurrency: Optional[int] = typer.Option(8, help="Requests in flight (closed loop)."),
+    rate: Optional[float] = typer.Option(None, help="Open loop: Poisson arrivals per second."),
+    max_tokens: int = typer.Option(32, help="Output tokens per request."),
+    time_scale: float = typer.Option(1.0, help="trace: multiply timestamps by this."),
+    block_tokens: int = typer.Option(512, help="trace: tokens per 512-token hash block (shrink for CPUs)."),
+    groups: int = typer.Option(4, help="shared-prefix: groups (system prompts)."),
+    system_tokens: int = typer.Option(1024, help="shared-prefix: tokens per system prompt."),
+    question_tokens: int = typer.Option(32, help="shared-prefix: tokens per question."),
+    seed: int = typer.Option(0, help="Workload seed."),
+    baseline: str = typer.Option("transformers", help="transformers or none."),
+    save: bool = typer.Option(False, "--save", help="Store the run in the SQLite store."),
+    compare: Optional[int] = typer.Option(None, "--compare", help="Print the difference to a stored run."),
+    state_dir: Optional[str] = typer.Option(None, help="Where the store lives (KVD_STATE_DIR)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write PNG charts into this folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Drive a running kvd with a workload and compare with transformers in the same run.
+
+    Example: kvctl bench serve --workload shared-prefix --requests 32 --concurrency 8 --json
+    """
+    from .client import Client
+
+    if baseline not in ("transformers", "none"):
+        raise UserError(f"baseline: unknown value {baseline!r}; use transformers or none")
+    if rate is not None and rate <= 0:
+        raise UserError(f"rate: must be > 0, got {rate}")
+    if concurrency is not None and concurrency < 1:
+        raise UserError(f"concurrency: must be >= 1, got {concurrency}")
+    if max_tokens < 1:
+        raise UserError(f"max_tokens: must be >= 1, got {max_tokens}")
+    if min(groups, system_tokens, question_tokens) < 1:
+        raise UserError("groups, system_tokens and question_tokens must be >= 1")
+    work = build_workload(workload, requests=requests, max_tokens=max_tokens, time_scale=time_scale, seed=seed,
+                          block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,
+                          question_tokens=question_tokens)
+    sync = Client(**_conn(ctx))
+    status = sync.get("/admin/status")
+    err = Console(stderr=True)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = len(work) * (2 if baseline == "transformers" else 1)
+    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err,
+                  transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("bench", total=total)
+        tick = lambda: progress.advance(task)  # noqa: E731
+        kvd_records = asyncio.run(_drive(sync, work, None if rate else concurrency, rate, seed, tick))
+        base_records = None
+        if baseline == "transformers":
+            base_records = run_transformers_baseline(status["model"]["path"], work, concurrency or 8, tick)
+    kvd_figures = figures(kvd_records)
+    base_figures = figures(base_records) if base_records is not None else None
+    document = {
+        "workload": workload,
+        "settings": {"requests": len(work), "concurrency": None if rate else concurrency, "rate": rate,
+                     "groups": groups, "system_tokens": system_tokens, "question_tokens": question_tokens,
+                     "max_tokens": max_tokens, "seed": seed, "time_scale": time_scale,
+                     "block_tokens": block_tokens, "baseline": baseline},
+        "kvd": kvd_figures, "baseline": base_figures, "ratio": ratios(kvd_figures, base_figures),
+        "model": {"name": status["model"]["name"], "revision": status["model"]["revision"]},
+        "versions": _versions(),
+    }
+    store = None
+    if save or compare is not None:
+        from kvctl.daemon.config import default_state_dir
+        from kvctl.daemon.store import Store
+
+        store = Store(Path(state_dir or os.environ.get("KVD_STATE_DIR") or default_state_dir()) / "kvd.sqlite3")
+    if save:
+        document["run_id"] = store.save_run("bench_serve", document)
+    previous = None
+    if compare is not None:
+        previous = store.get_run(compare)
+        if previous is None:
+            raise UserError(f"compare: no stored run {compare}")
+    if plot is not None:
+        write_plots(plot, kvd_records, base_records)
+    if as_json:
+        if previous is not None:
+            document["compare"] = {"run_id": compare, "kvd": previous["document"]["kvd"]}
+        typer.echo(json.dumps(document, indent=2))
+        return
+    _print_report(document, previous)
+
+
+def _conn(ctx: typer.Context) -> dict:
+    options = ctx.find_root().obj or {}
+    return {"socket": options.get("socket"), "url": options.get("url"), "token_file": options.get("token_file")}
+
+
+async def _drive(sync_client, work, concurrency, rate, seed, tick):
+    transport = sync_client.http._transport
+    if isinstance(transport, httpx.HTTPTransport) and sync_client.where.startswith("/"):
+        async_transport = httpx.AsyncHTTPTransport(uds=sync_client.where)
+    else:
+        async_transport = httpx.AsyncHTTPTransport()
+    async with httpx.AsyncClient(base_url=str(sync_client.http.base_url), headers=sync_client.http.headers,
+                                 transport=async_transport, timeout=600) as client:
+        return await drive_kvd(client, work, concurrency=concurrency, rate=rate, seed=seed, tick=tick)
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("kvctl", "torch", "transformers", "triton"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _fmt(value, name: str) -> str:
+    if value is None:
+        return "-"
+    if name.endswith("_s"):
+        return f"{value * 1000:.1f} ms"
+    if "ratio" in name or "over" in name:
+        return f"{value:.3f}"
+    return f"{value:,.2f}"
+
+
+def _print_report(document: dict, previous: dict | None) -> None:
+    kvd, base, ratio = document["kvd"], document["baseline"], document["ratio"]
+    table = Table(title=f"bench serve: {document['workload']}, {document['settings']['requests']} requests, "
+                        f"{document['settings']['max_tokens']} tokens each")
+    table.add_column("figure")
+    table.add_column("kvd", justify="right")
+    if base is not None:
+        table.add_column("transformers", justify="right")
+        table.add_column("kvd ÷ baseline", justify="right")
+    if previous is not None:
+        table.add_column(f"run {previous['id']}", justify="right")
+        table.add_column("change", justify="right")
+    names = ["output_tokens_per_second", "requests_per_second", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s",
+             "itl_p50_s", "itl_p95_s", "e2e_p50_s", "e2e_p95_s", "e2e_p99_s", "cached_token_ratio",
+             "ttft_cached_over_uncached", "rejections", "aborts"]
+    for name in names:
+        row = [name, _fmt(kvd.get(name), name)]
+        if base is not None:
+            row += [_fmt(base.get(name), name), "-" if ratio.get(name) is None else f"{ratio[name]:.2f}x"]
+        if previous is not None:
+            old = previous["document"]["kvd"].get(name)
+            new = kvd.get(name)
+            row += [_fmt(old, name), "-" if not old or new is None else f"{(new - old) / old:+.1%}"]
+        table.add_row(*row)
+    Console().print(table)
+    if document.get("run_id"):
+        Console().print(f"stored as run {document['run_id']}")
+
+
+def write_plots(folder: Path, kvd_records: list[RequestRecord], base_records: list[RequestRecord] | None) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("plot: matplotlib is not installed (pip install 'kvctl[plot]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    series = {"kvd": kvd_records, **({"transformers": base_records} if base_records else {})}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, records in series.items():
+        ttfts = [r.ttft * 1000 for r in records if r.ttft is not None]
+        ax.hist(ttfts, bins=30, alpha=0.6, label=name)
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("requests")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "ttft.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, records in series.items():
+        times = sorted(t for r in records for t in r.token_times)
+        if not times:
+            continue
+        origin = min(r.start for r in records)
+        bins = int(times[-1] - origin) + 1
+        counts = [0] * bins
+        for t in times:
+            counts[int(t - origin)] += 1
+        ax.plot(range(bins), counts, marker="o", label=name)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("output tokens per second")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "throughput.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    finished = sorted((r for r in kvd_records if r.end is not None), key=lambda r: r.end)
+    cached = prompt = 0
+    xs, ys = [], []
+    origin = min((r.start for r in kvd_records), default=0.0)
+    for r in finished:
+        cached += r.cached_tokens
+        prompt += r.prompt_tokens
+        xs.append(r.end - origin)
+        ys.append(cached / prompt if prompt else 0.0)
+    ax.plot(xs, ys)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("cached prompt tokens / prompt tokens (cumulative)")
+    fig.tight_layout()
+    fig.savefig(folder / "hit_ratio.png", dpi=110)
+    plt.close(fig)

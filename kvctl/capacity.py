@@ -1,0 +1,103 @@
+"""Capacity planning arithmetic for the KV cache (plain Python, no torch).
+
+    bytes per token  = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+                       (+ 2 x layers x kv_heads x 4 for formats with per-token scales)
+    bytes per block  = bytes per token x block size
+    cache budget     = GPU memory - weights - activation workspace - reserve x GPU memory
+    blocks           = floor(cache budget / bytes per block)
+    sequences at S   = floor(blocks / ceil(S / block size))
+
+Per-KV-head scales of fp8/int8 (one float32 per head and layer) cost a few KiB in all
+and are not charged per token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+PER_TOKEN_SCALE_FORMATS = {"int8-token": ("int8", 4)}  # int8 with a float32 scale per token and head
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    dtype: str = "bfloat16"
+    weights_bytes: int | None = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "ModelShape":
+        model_dir = Path(model_dir)
+        try:
+            raw = json.loads((model_dir / "config.json").read_text())
+        except OSError:
+            raise ValueError(f"model: no readable config.json in {str(model_dir)!r}") from None
+        heads = raw.get("num_attention_heads")
+        hidden = raw.get("hidden_size")
+        if not heads or not hidden or not raw.get("num_hidden_layers"):
+            raise ValueError(f"model: {str(model_dir)!r}/config.json lacks num_hidden_layers, "
+                             "num_attention_heads or hidden_size")
+        weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or None
+        return cls(layers=int(raw["num_hidden_layers"]), kv_heads=int(raw.get("num_key_value_heads") or heads),
+                   head_dim=int(raw.get("head_dim") or hidden // heads), hidden_size=int(hidden),
+                   intermediate_size=raw.get("intermediate_size"),
+                   dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), weights_bytes=weights)
+
+
+@dataclass
+class CapacityRow:
+    cache_dtype: str
+    bytes_per_token: int
+    bytes_per_block: int
+    cache_bytes: int
+    blocks: int
+    tokens: int
+    sequences_at_context: int
+
+
+def bytes_per_token(shape: ModelShape, cache_dtype: str) -> int:
+    if cache_dtype in PER_TOKEN_SCALE_FORMATS:
+        base, scale_bytes = PER_TOKEN_SCALE_FORMATS[cache_dtype]
+        return 2 * shape.layers * shape.kv_heads * (shape.head_dim * ELEMENT_BYTES[base] + scale_bytes)
+    if cache_dtype not in ELEMENT_BYTES:
+        raise ValueError(f"dtype: unknown value {cache_dtype!r}; choose from "
+                         f"{', '.join([*ELEMENT_BYTES, *PER_TOKEN_SCALE_FORMATS])}")
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * ELEMENT_BYTES[cache_dtype]
+
+
+def default_workspace(shape: ModelShape, batch_tokens: int = 2048) -> int:
+    """Activation workspace: a prefill chunk's transients in float32, or 1 GiB without sizes."""
+    if not shape.hidden_size:
+        return 2**30
+    width = 4 * shape.hidden_size + 2 * (shape.intermediate_size or 4 * shape.hidden_size)
+    return batch_tokens * width * 4
+
+
+def plan(shape: ModelShape, *, gpu_memory: int, cache_dtype: str, block_size: int, context: int,
+         reserve: float = 0.1, workspace: int | None = None, weights_bytes: int | None = None) -> dict:
+    """Capacity for one cache dtype, with the budget broken down."""
+    if not 0 <= reserve < 1:
+        raise ValueError(f"reserve: must be in [0, 1), got {reserve!r}")
+    if block_size < 1 or context < 1 or gpu_memory < 1:
+        raise ValueError("block_size, context and gpu_memory must be >= 1")
+    weights = weights_bytes if weights_bytes is not None else (shape.weights_bytes or 0)
+    work = default_workspace(shape) if workspace is None else workspace
+    budget = gpu_memory - weights - work - int(reserve * gpu_memory)
+    per_token = bytes_per_token(shape, cache_dtype)
+    per_block = per_token * block_size
+    blocks = max(budget, 0) // per_block
+    per_sequence = -(-context // block_size)
+    row = CapacityRow(cache_dtype, per_token, per_block, max(budget, 0), blocks, blocks * block_size,
+                      blocks // per_sequence)
+    return {"gpu_memory": gpu_memory, "weights_bytes": weights, "workspace_bytes": work,
+            "reserve_bytes": int(reserve * gpu_memory), **asdict(row)}
+
+
+def compare_dtypes(shape: ModelShape, dtypes: list[str], **kwargs) -> list[dict]:
+    return [plan(shape, cache_dtype=d, **kwargs) for d in dtypes]

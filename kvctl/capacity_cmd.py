@@ -1,0 +1,103 @@
+"""`kvctl capacity`: how many cache blocks and sequences fit, per cache dtype, side by side."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .capacity import ELEMENT_BYTES, PER_TOKEN_SCALE_FORMATS, ModelShape, compare_dtypes
+from .errors import UserError
+
+
+def _bytes(field: str, text: str) -> int:
+    from kvctl.daemon.config import _size
+
+    try:
+        return _size(text)
+    except ValueError:
+        raise UserError(f"{field}: invalid size {text!r}; use bytes or 80GiB, 141GB, ...") from None
+
+
+def nvml_free_memory() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        raise UserError("gpu: --gpu auto needs an NVIDIA GPU with NVML; give --gpu-memory BYTES") from None
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def capacity_command(
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory (config.json)."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Decoder layers."),
+    kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads."),
+    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Head dimension."),
+    dtype: list[str] = typer.Option(["bfloat16,fp8_e4m3,int8"], "--dtype", help="Cache dtypes to compare."),
+    block_size: int = typer.Option(16, help="Tokens per block."),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 141GB."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="'auto': free memory of GPU 0 through NVML."),
+    weights_bytes: str = typer.Option("auto", help="Weights: auto (safetensors sizes) or bytes."),
+    workspace: Optional[str] = typer.Option(None, help="Activation workspace bytes (default: estimated)."),
+    reserve: float = typer.Option(0.1, help="Fraction of GPU memory kept free."),
+    context: int = typer.Option(8192, help="Context length S for the sequences column."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Bytes per token and block, and blocks and sequences that fit, per cache dtype.
+
+    Example: kvctl capacity --layers 32 --kv-heads 8 --head-dim 128 --gpu-memory 141GB --weights-bytes 16GB
+    """
+    if model:
+        try:
+            shape = ModelShape.from_model_dir(model)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    elif layers and kv_heads and head_dim:
+        shape = ModelShape(layers=layers, kv_heads=kv_heads, head_dim=head_dim)
+    else:
+        raise UserError("model: give --model DIR, or --layers, --kv-heads and --head-dim")
+    if gpu == "auto":
+        memory = nvml_free_memory()
+    elif gpu is not None:
+        raise UserError(f"gpu: invalid value {gpu!r}; the only value is auto")
+    elif gpu_memory:
+        memory = _bytes("gpu_memory", gpu_memory)
+    else:
+        raise UserError("gpu_memory: give --gpu-memory BYTES or --gpu auto")
+    weights = None if weights_bytes == "auto" else _bytes("weights_bytes", weights_bytes)
+    dtypes = [d.strip() for value in dtype for d in value.split(",") if d.strip()]
+    for name in dtypes:
+        if name not in ELEMENT_BYTES and name not in PER_TOKEN_SCALE_FORMATS:
+            raise UserError(f"dtype: unknown value {name!r}; choose from "
+                            f"{', '.join([*ELEMENT_BYTES, *PER_TOKEN_SCALE_FORMATS])}")
+    try:
+        rows = compare_dtypes(shape, dtypes, gpu_memory=memory, block_size=block_size, context=context,
+                              reserve=reserve, workspace=None if workspace is None else _bytes("workspace", workspace),
+                              weights_bytes=weights)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    document = {"shape": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim},
+                "block_size": block_size, "context": context, "rows": rows}
+    if as_json:
+        typer.echo(json.dumps(document, indent=2))
+        return
+    first = rows[0]
+    table = Table(title=f"KV cache capacity: {shape.layers} layers x {shape.kv_heads} KV heads x "
+                        f"{shape.head_dim} dims; GPU {first['gpu_memory'] / 2**30:.1f} GiB - weights "
+                        f"{first['weights_bytes'] / 2**30:.1f} - workspace {first['workspace_bytes'] / 2**30:.1f}"
+                        f" - reserve {first['reserve_bytes'] / 2**30:.1f} GiB")
+    for column in ("cache dtype", "bytes/token", "bytes/block", "cache GiB", "blocks", "tokens",
+                   f"sequences @ {context:,}"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(r["cache_dtype"], f"{r['bytes_per_token']:,}", f"{r['bytes_per_block']:,}",
+                      f"{r['cache_bytes'] / 2**30:.1f}", f"{r['blocks']:,}", f"{r['tokens']:,}",
+                      f"{r['sequences_at_context']:,}")
+    Console().print(table)

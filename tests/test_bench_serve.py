@@ -1,0 +1,135 @@
+"""kvctl bench serve and kvctl capacity: workloads, figures, a short run, hand-computed capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from kvctl.bench_figures import RequestRecord, figures, percentile, ratios
+from kvctl.capacity import ModelShape, bytes_per_token, plan
+from kvctl.daemon.replay.trace import TraceRequest, write_trace
+from kvctl.workloads import from_trace, hash_block_tokens, multi_turn, shared_prefix
+
+from .test_cli import cli
+
+
+def test_shared_prefix_shapes():
+    work = shared_prefix(groups=3, system_tokens=40, questions=5, question_tokens=7, max_tokens=9)
+    assert len(work) == 15 and all(len(r.prompt) == 47 and r.max_tokens == 9 for r in work)
+    by_group = {}
+    for r in work:
+        by_group.setdefault(r.group, []).append(r.prompt)
+    assert len(by_group) == 3
+    for prompts in by_group.values():
+        assert len({tuple(p[:40]) for p in prompts}) == 1  # one system prompt per group
+        assert len({tuple(p[40:]) for p in prompts}) == 5  # distinct questions
+    assert [r.group for r in work[:3]] == ["group-0", "group-1", "group-2"]  # first of each group first
+
+
+def test_multi_turn_extends_the_previous_turn():
+    work = multi_turn(conversations=2, turns=3, user_tokens=5, reply_tokens=4)
+    first, second, third = work[:3]
+    assert (len(first.prompt), len(second.prompt), len(third.prompt)) == (5, 14, 23)
+    assert second.prompt[:5] == first.prompt and third.prompt[:14] == second.prompt
+    assert (first.after, second.after, third.after) == (None, 0, 1)
+    assert work[3].after is None and work[3].group == "conversation-1"
+
+
+def test_trace_prompts_share_exactly_the_tokens_their_hash_ids_say(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_trace(path, [TraceRequest(0.0, 1024, 5, (7, 8)), TraceRequest(500.0, 1300, 9, (7, 8, 9)),
+                       TraceRequest(900.0, 600, 3, (7, 11))])
+    a, b, c = from_trace(str(path), time_scale=2.0, block_tokens=16)
+    assert (len(a.prompt), len(b.prompt), len(c.prompt)) == (32, 41, 19)
+    assert b.prompt[:32] == a.prompt  # same ids 7, 8: same tokens
+    assert c.prompt[:16] == a.prompt[:16] and c.prompt[16:19] != a.prompt[16:19]
+    assert a.prompt[:16] == hash_block_tokens(7, 16, 256)
+    assert (a.arrival, b.arrival, c.arrival) == (0.0, 1.0, 1.8)
+    assert (a.max_tokens, b.max_tokens) == (5, 9)
+
+
+def test_percentiles_and_figures_on_a_synthetic_latency_set():
+    assert percentile([5, 1, 4, 2, 3], 0.5) == 3
+    assert percentile(list(range(1, 101)), 0.95) == 95 and percentile(list(range(1, 101)), 0.99) == 99
+    records = [
+        RequestRecord(0, start=0.0, prompt_tokens=100, cached_tokens=0, token_times=[1.0, 1.5, 2.0], end=2.0),
+        RequestRecord(1, start=0.0, prompt_tokens=100, cached_tokens=80, token_times=[0.2, 0.4, 0.6], end=0.6),
+        RequestRecord(2, start=1.0, prompt_tokens=100, cached_tokens=80, token_times=[1.2, 1.4, 1.6], end=1.6),
+        RequestRecord(3, start=1.0, status="rejected"),
+    ]
+    f = figures(records)
+    assert (f["completed"], f["rejections"], f["output_tokens"]) == (3, 1, 9)
+    assert f["seconds"] == 2.0 and f["output_tokens_per_second"] == 4.5
+    assert f["ttft_p50_s"] == pytest.approx(0.2) and f["ttft_p95_s"] == pytest.approx(1.0)
+    assert f["itl_p50_s"] == pytest.approx(0.2) and f["e2e_p95_s"] == pytest.approx(2.0)
+    assert f["cached_token_ratio"] == pytest.approx(160 / 300)
+    assert f["ttft_cached_over_uncached"] == pytest.approx(0.2 / 1.0)
+    assert ratios(f, {**f, "output_tokens_per_second": 1.5})["output_tokens_per_second"] == 3.0
+
+
+def test_capacity_matches_hand_computed_llama3_figures():
+    llama8b = ModelShape(layers=32, kv_heads=8, head_dim=128)
+    llama70b = ModelShape(layers=80, kv_heads=8, head_dim=128)
+    assert bytes_per_token(llama8b, "bfloat16") == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert bytes_per_token(llama8b, "fp8_e4m3") == 65_536
+    assert bytes_per_token(llama70b, "bfloat16") == 327_680
+    assert bytes_per_token(llama8b, "int8-token") == 2 * 32 * 8 * (128 + 4)
+    h200 = 141 * 10**9
+    row = plan(llama8b, gpu_memory=h200, cache_dtype="bfloat16", block_size=16, context=8192, reserve=0.1,
+               workspace=2**30, weights_bytes=16 * 10**9)
+    budget = h200 - 16 * 10**9 - 2**30 - int(0.1 * h200)
+    assert row["cache_bytes"] == budget
+    assert row["blocks"] == budget // (131_072 * 16)
+    assert row["sequences_at_context"] == row["blocks"] // 512
+    row70 = plan(llama70b, gpu_memory=2 * h200, cache_dtype="fp8_e4m3", block_size=16, context=32768,
+                 reserve=0.1, workspace=2**30, weights_bytes=140 * 10**9)
+    assert row70["blocks"] == (2 * h200 - 140 * 10**9 - 2**30 - int(0.2 * h200)) // (163_840 * 16)
+
+
+def test_capacity_command_compares_dtypes(capsys, tmp_path):
+    status, out, _ = cli(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                         "--gpu-memory", "141GB", "--weights-bytes", "16GB", "--workspace", "1GiB",
+                         "--dtype", "bfloat16,fp8_e4m3", "--json")
+    assert status == 0
+    rows = json.loads(out)["rows"]
+    assert [r["cache_dtype"] for r in rows] == ["bfloat16", "fp8_e4m3"]
+    budget = 141 * 10**9 - 16 * 10**9 - 2**30 - int(0.1 * 141 * 10**9)
+    assert [r["blocks"] for r in rows] == [budget // (131_072 * 16), budget // (65_536 * 16)]
+    status, _, err = cli(capsys, "capacity", "--layers", "32", "--gpu-memory", "1GB")
+    assert status == 2 and "give --model DIR, or --layers, --kv-heads and --head-dim" in err
+    status, _, err = cli(capsys, "capacity", "--layers", "2", "--kv-heads", "1", "--head-dim", "64",
+                         "--gpu-memory", "lots")
+    assert status == 2 and "gpu_memory: invalid size 'lots'" in err
+
+
+def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
+    pytest.importorskip("transformers")
+    from kvctl.bench_serve import drive_kvd, run_transformers_baseline
+
+    from .daemon_fixtures import apps, blocks_all_back, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=128)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        work = shared_prefix(groups=2, system_tokens=64, questions=3, question_tokens=8, max_tokens=4)
+
+        async def run():
+            transport = httpx.ASGITransport(app=unix)
+            async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
+                return await drive_kvd(client, work, concurrency=2, rate=None, seed=0)
+
+        records = asyncio.run(run())
+        assert [r.status for r in records] == ["ok"] * 6
+        assert all(len(r.token_times) == 4 for r in records)
+        assert [r.cached_tokens for r in records] == [0, 0, 64, 64, 64, 64]
+        kvd = figures(records)
+        assert kvd["cached_token_ratio"] == pytest.approx(4 * 64 / (6 * 72))
+        assert kvd["ttft_cached_over_uncached"] is not None
+        base = run_transformers_baseline(str(service.loaded.path), work, batch=2)
+        assert [len(r.token_times) for r in base] == [4] * 6 and figures(base)["cached_token_ratio"] == 0.0
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
