@@ -253,3 +253,24 @@ def test_launchers_name_the_bad_argument():
         with pytest.raises(KernelArgumentError) as info:
             call()
         assert str(info.value).startswith(message), (str(info.value), message)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str)
+def test_batched_torch_path_matches_the_references(cache_dtype):
+    from kvctl.kernels import paged_attention_torch
+
+    case = build(cache_dtype, lengths=PREFILL_LENGTHS, seed=12)
+    q_dtype = query_dtype(cache_dtype)
+    scale = case["head_dim"] ** -0.5
+    extra = dict(scale=scale, k_scale=case["k_scale"], v_scale=case["v_scale"])
+    # A mixed batch: decodes (one new token) and prefills of several lengths.
+    q, qsl, lens = prefill_inputs(case, [1, 20, 1, 17, 40], q_dtype)
+    got = paged_attention_torch(q, case["k_cache"], case["v_cache"], case["block_tables"], qsl, lens, **extra)
+    want = paged_prefill_attention_ref(q, case["k_cache"], case["v_cache"], case["block_tables"], qsl, lens,
+                                       **extra)
+    torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
+    q1, lens1 = decode_inputs(case, q_dtype)
+    ones = torch.arange(len(PREFILL_LENGTHS) + 1, dtype=torch.int32, device=DEVICE)
+    got = paged_attention_torch(q1, case["k_cache"], case["v_cache"], case["block_tables"], ones, lens1, **extra)
+    want = paged_decode_attention_ref(q1, case["k_cache"], case["v_cache"], case["block_tables"], lens1, **extra)
+    torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
