@@ -1,22 +1,52 @@
-"""The daemon's SQLite records: the audit log of mutating admin calls and durable pins.
+"""The SQLite record store: audit log, durable pins, stored runs, architecture decision records.
 
-One database file in the state directory, opened through sqlite-utils in WAL mode with a
-busy timeout, so kvctl processes and the daemon can write at once. Pins are stored by
+One database file in the state directory, opened through sqlite-utils with WAL journaling,
+`synchronous=FULL`, a busy timeout and foreign keys; every write is one `BEGIN IMMEDIATE`
+transaction, so the daemon and several kvctl processes (a cron job among them) can write at
+once without losing a row. The schema version lives in `PRAGMA user_version` and moves
+forward through `MIGRATIONS`; `PRAGMA quick_check` runs at every open. Pins are stored by
 block keys (hex), never by token ids or text.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
+import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import sqlite_utils
 
-SCHEMA_VERSION = 1
+
+class StoreError(RuntimeError):
+    """The database cannot be used as it is; the message says why and where."""
+
+
+MIGRATIONS: list[tuple[int, str]] = [
+    (1, """
+        CREATE TABLE IF NOT EXISTS audit (id INTEGER PRIMARY KEY, at FLOAT, actor TEXT, tenant TEXT,
+            action TEXT, target TEXT, result TEXT, detail TEXT);
+        CREATE TABLE IF NOT EXISTS pins (pin_id TEXT PRIMARY KEY, tenant TEXT, keys TEXT, owner TEXT,
+            note TEXT, created_at FLOAT, expires_at FLOAT);
+    """),
+    (2, """
+        CREATE TABLE IF NOT EXISTS runs (id INTEGER PRIMARY KEY, at FLOAT, kind TEXT, document TEXT);
+        CREATE INDEX IF NOT EXISTS audit_at ON audit (at);
+    """),
+    (3, """
+        CREATE TABLE IF NOT EXISTS adrs (id INTEGER PRIMARY KEY, created_at FLOAT, status TEXT NOT NULL,
+            superseded_by INTEGER REFERENCES adrs (id));
+        CREATE TABLE IF NOT EXISTS adr_revisions (adr_id INTEGER NOT NULL REFERENCES adrs (id),
+            revision INTEGER NOT NULL, at FLOAT, author TEXT, title TEXT, body TEXT,
+            PRIMARY KEY (adr_id, revision));
+    """),
+]
+SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
 class Store:
@@ -24,57 +54,85 @@ class Store:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA busy_timeout=30000")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("PRAGMA busy_timeout=30000")
         conn.execute("PRAGMA foreign_keys=ON")
         self.db = sqlite_utils.Database(conn)
+        self.conn = conn
         self.path = path
-        self._lock = threading.Lock()  # one connection, shared by the daemon's threads
+        self._lock = threading.RLock()  # one connection, shared by the daemon's threads
+        problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise StoreError(f"store: {str(path)!r} failed quick_check: {'; '.join(problems[:3])}")
         self._migrate()
 
-    def _migrate(self) -> None:
-        if "audit" not in self.db.table_names():
-            self.db["audit"].create({"id": int, "at": float, "actor": str, "tenant": str, "action": str,
-                                     "target": str, "result": str, "detail": str}, pk="id")
-        if "pins" not in self.db.table_names():
-            self.db["pins"].create({"pin_id": str, "tenant": str, "keys": str, "owner": str, "note": str,
-                                    "created_at": float, "expires_at": float}, pk="pin_id")
-        if "runs" not in self.db.table_names():
-            self.db["runs"].create({"id": int, "at": float, "kind": str, "document": str}, pk="id")
-        self.db.execute("PRAGMA user_version = %d" % SCHEMA_VERSION)
+    @contextlib.contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """One writer transaction (BEGIN IMMEDIATE): all of it lands, or none of it."""
+        with self._lock:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.conn
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            self.conn.execute("COMMIT")
 
+    @property
+    def schema_version(self) -> int:
+        return self.conn.execute("PRAGMA user_version").fetchone()[0]
+
+    def _migrate(self) -> None:
+        with self.write() as conn:
+            current = conn.execute("PRAGMA user_version").fetchone()[0]
+            if current > SCHEMA_VERSION:
+                raise StoreError(f"store: {str(self.path)!r} has schema {current}, newer than this "
+                                 f"kvctl's {SCHEMA_VERSION}; upgrade kvctl")
+            for version, script in MIGRATIONS:
+                if version > current:
+                    for statement in filter(str.strip, script.split(";")):
+                        conn.execute(statement)
+                    conn.execute(f"PRAGMA user_version = {version}")
+
+    # ---- audit ---------------------------------------------------------------------------
     def audit(self, *, actor: str, tenant: str, action: str, target: str, result: str,
               detail: dict[str, Any] | None = None) -> None:
-        with self._lock, self.db.conn:
-            self.db["audit"].insert({"at": time.time(), "actor": actor, "tenant": tenant, "action": action,
-                                     "target": target, "result": result,
-                                     "detail": json.dumps(detail or {}, sort_keys=True)})
+        with self.write() as conn:
+            conn.execute("INSERT INTO audit (at, actor, tenant, action, target, result, detail) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (time.time(), actor, tenant, action, target, result,
+                          json.dumps(detail or {}, sort_keys=True)))
 
-    def audit_since(self, since: float = 0.0, limit: int = 1000) -> list[dict]:
+    def audit_since(self, since: float = 0.0, limit: int = 1000, action: str | None = None) -> list[dict]:
+        sql = "select * from audit where at >= ?" + (" and action = ?" if action else "") + \
+              " order by id desc limit ?"
+        args = [since] + ([action] if action else []) + [limit]
         with self._lock:
-            rows = list(self.db.query("select * from audit where at >= ? order by id desc limit ?",
-                                      [since, limit]))
+            rows = list(self.db.query(sql, args))
         return [{**row, "detail": json.loads(row["detail"])} for row in rows]
 
+    # ---- pins ----------------------------------------------------------------------------
     def save_pin(self, pin: dict) -> None:
-        with self._lock, self.db.conn:
-            self.db["pins"].upsert(pin, pk="pin_id")
+        with self.write() as conn:
+            conn.execute("INSERT OR REPLACE INTO pins (pin_id, tenant, keys, owner, note, created_at, expires_at) "
+                         "VALUES (:pin_id, :tenant, :keys, :owner, :note, :created_at, :expires_at)", pin)
 
     def delete_pin(self, pin_id: str) -> None:
-        with self._lock, self.db.conn:
-            self.db["pins"].delete_where("pin_id = ?", [pin_id])
+        with self.write() as conn:
+            conn.execute("DELETE FROM pins WHERE pin_id = ?", (pin_id,))
 
     def pins(self) -> list[dict]:
         with self._lock:
-            return list(self.db["pins"].rows)
+            return list(self.db.query("select * from pins order by created_at"))
 
+    # ---- runs ----------------------------------------------------------------------------
     def save_run(self, kind: str, document: dict) -> int:
-        """Store a benchmark or replay result; returns its id for ADRs and --compare."""
-        with self._lock, self.db.conn:
-            table = self.db["runs"].insert({"at": time.time(), "kind": kind,
-                                            "document": json.dumps(document, sort_keys=True)})
-            return table.last_pk
+        """Store a benchmark, replay or calibration result; returns its id for ADRs and --compare."""
+        with self.write() as conn:
+            cursor = conn.execute("INSERT INTO runs (at, kind, document) VALUES (?, ?, ?)",
+                                  (time.time(), kind, json.dumps(document, sort_keys=True)))
+            return cursor.lastrowid
 
     def get_run(self, run_id: int) -> dict | None:
         with self._lock:
@@ -83,5 +141,27 @@ class Store:
             return None
         return {**rows[0], "document": json.loads(rows[0]["document"])}
 
+    # ---- maintenance ---------------------------------------------------------------------
+    def integrity_check(self) -> list[str]:
+        with self._lock:
+            return [row[0] for row in self.conn.execute("PRAGMA integrity_check")]
+
+    def backup(self, destination: str | Path) -> Path:
+        """A consistent copy through SQLite's backup API, published by rename (never torn)."""
+        destination = Path(destination)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".backup-", dir=destination.parent)
+        os.close(fd)
+        try:
+            target = sqlite3.connect(tmp)
+            with self._lock:
+                self.conn.backup(target)
+            target.close()
+            os.replace(tmp, destination)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return destination
+
     def close(self) -> None:
-        self.db.conn.close()
+        self.conn.close()

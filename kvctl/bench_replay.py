@@ -68,6 +68,8 @@ def replay_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: hit rate and "
                                         "fragmentation against block size."),
+    save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
+    state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
 ) -> None:
     """Replay a request trace through the cache core and compare block sizes and policies.
 
@@ -109,6 +111,10 @@ def replay_command(
         },
         "runs": [r.as_dict() for r in results],
     }
+    if save:
+        from .records_cmd import open_store
+
+        document["run_id"] = open_store(state_dir).save_run("bench_replay", document)
     if plot is not None:
         from .replay_plot import write_plot  # matplotlib only when asked
 
@@ -122,6 +128,8 @@ def replay_command(
         out.print(_table(results, trace_name, len(requests)))
         if plot is not None:
             err.print(f"plot written to {plot}")
+        if save:
+            err.print(f"stored as run {document['run_id']} (cite it as run:{document['run_id']})")
 
 
 def _run_with_progress(console: Console, requests, sizes, capacities, policies,

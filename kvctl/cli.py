@@ -13,7 +13,7 @@ import typer
 
 from kvctl import __version__
 
-from . import ops
+from . import ops, records_cmd
 from .bench_kernels import kernels_command
 from .bench_replay import replay_command
 from .bench_serve import serve_command
@@ -35,6 +35,8 @@ for _command in (ops.status, ops.prefixes, ops.pin, ops.pins, ops.unpin, ops.evi
     app.command(_command.__name__)(_command)
 app.add_typer(ops.config_app, name="config")
 app.command("capacity")(capacity_command)
+app.add_typer(records_cmd.adr_app, name="adr")
+app.add_typer(records_cmd.db_app, name="db")
 
 
 def _version(value: bool) -> None:

@@ -6,6 +6,7 @@ kvctl presents; the daemon decides. Every command talks to kvd over its API and 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -261,10 +262,15 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
 
 
 def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="Only entries newer than 1h, 2d, ..."),
+          action: Optional[str] = typer.Option(None, help="Only this action (pin, unpin, evict, reload, adr.new, ...)."),
+          state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Read the store directly (KVD_STATE_DIR)."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """The audit log of mutating admin calls: who, what, when, result.
+    """The audit log of mutating operator actions: who, what, when, result.
 
-    Example: kvctl audit --since 24h
+    Asks the daemon; with --state-dir or KVD_STATE_DIR, or when no daemon answers, reads the
+    store directly.
+
+    Example: kvctl audit --since 24h --action evict
     """
     from kvctl.daemon.server.durations import parse_duration
 
@@ -272,7 +278,17 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
         start = time.time() - parse_duration(since) if since else 0.0
     except ValueError:
         raise UserError(f"since: invalid value {since!r}; use 30m, 1h, 2d") from None
-    data = _client(ctx).get("/admin/audit", since=start)
+    data = None
+    if not (state_dir or os.environ.get("KVD_STATE_DIR")):
+        try:
+            data = _client(ctx).get("/admin/audit", since=start, action=action)
+        except UserError as exc:
+            if "not reachable" not in str(exc):
+                raise
+    if data is None:
+        from .records_cmd import open_store
+
+        data = {"entries": open_store(state_dir).audit_since(start, action=action)}
 
     def render(d):
         table = Table("when", "actor", "tenant", "action", "target", "result")

@@ -286,8 +286,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return {"config": service.config.describe(), "precedence": "flag > KVD_* env > YAML file > default"}
 
     @app.get("/admin/audit")
-    def audit(since: float = 0.0, _: Principal = Depends(admin)):
-        return {"entries": service.store.audit_since(since)}
+    def audit(since: float = 0.0, action: str | None = None, _: Principal = Depends(admin)):
+        return {"entries": service.store.audit_since(since, action=action)}
 
     def _tokens_of(text: str | None, token_ids: list[int] | None) -> list[int]:
         if (text is None) == (token_ids is None):

@@ -1,0 +1,221 @@
+"""`kvctl adr ...` and `kvctl db ...`: decision records and store upkeep, no daemon needed.
+
+They open the database in the state directory: --state-dir, else KVD_STATE_DIR, else the
+daemon's default (`$XDG_STATE_HOME/kvd`).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markdown import Markdown
+from rich.table import Table
+
+from .errors import UserError
+
+adr_app = typer.Typer(help="Architecture decision records (append-only, in the SQLite store).",
+                      no_args_is_help=True)
+db_app = typer.Typer(help="The SQLite store: backup and integrity check.", no_args_is_help=True)
+
+STATE_DIR = typer.Option(None, "--state-dir", help="State directory holding kvd.sqlite3 (KVD_STATE_DIR).")
+AS_JSON = typer.Option(False, "--json", help="Print JSON.")
+
+
+def open_store(state_dir: str | None):
+    from kvctl.daemon.config import default_state_dir
+    from kvctl.daemon.store import Store, StoreError
+
+    folder = Path(state_dir or os.environ.get("KVD_STATE_DIR") or default_state_dir())
+    try:
+        return Store(folder / "kvd.sqlite3")
+    except (StoreError, OSError) as exc:
+        raise UserError(str(exc)) from None
+
+
+def _records(state_dir: str | None):
+    from kvctl.daemon.records import Records
+
+    return Records(open_store(state_dir))
+
+
+def _guard(fn, *args, **kwargs):
+    from kvctl.daemon.records import RecordError
+
+    try:
+        return fn(*args, **kwargs)
+    except RecordError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _show(adr, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(adr.as_dict(), indent=2))
+    else:
+        Console().print(Markdown(adr.markdown()))
+
+
+@adr_app.command("new")
+def adr_new(title: str = typer.Option(..., "--title", help="One line: what is decided."),
+            from_file: Optional[Path] = typer.Option(None, "--from-file", help="Markdown with ## sections."),
+            edit: bool = typer.Option(False, "--edit", help="Write the record in $EDITOR."),
+            author: str = typer.Option(None, help="Who writes it (default: the login name)."),
+            state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
+    """Record a proposed decision with context, alternatives, evidence (run:ID) and the rest.
+
+    Example: kvctl adr new --title "Block size 32 for chat traffic" --from-file adr.md
+    """
+    from kvctl.daemon.records import FIELDS, HEADINGS, parse_markdown
+
+    if from_file and edit:
+        raise UserError("give --from-file or --edit, not both")
+    text = ""
+    if from_file:
+        try:
+            text = from_file.read_text()
+        except OSError as exc:
+            raise UserError(f"from_file: cannot read {str(from_file)!r} ({exc.strerror})") from None
+    elif edit:
+        template = f"# {title}\n\n" + "\n".join(f"## {HEADINGS[f]}\n\n" for f in FIELDS)
+        text = typer.edit(template) or ""
+    parsed_title, fields = _guard(parse_markdown, text)
+    adr = _guard(_records(state_dir).new, parsed_title or title, fields, author or getpass.getuser())
+    _show(adr, as_json) if as_json else Console().print(f"ADR {adr.id} recorded (proposed): {adr.title}")
+
+
+@adr_app.command("edit")
+def adr_edit(adr_id: int = typer.Argument(..., help="ADR id."),
+             from_file: Path = typer.Option(..., "--from-file", help="Markdown with the sections to change."),
+             author: str = typer.Option(None, help="Who edits (default: the login name)."),
+             state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
+    """Add a revision; earlier revisions stay as they were.
+
+    Example: kvctl adr edit 3 --from-file adr-3-evidence.md
+    """
+    from kvctl.daemon.records import parse_markdown
+
+    title, fields = _guard(parse_markdown, from_file.read_text())
+    adr = _guard(_records(state_dir).edit, adr_id, title, fields, author or getpass.getuser())
+    _show(adr, as_json) if as_json else Console().print(f"ADR {adr.id} is at revision {adr.revision}")
+
+
+@adr_app.command("list")
+def adr_list(status: Optional[str] = typer.Option(None, help="proposed, accepted, rejected, superseded."),
+             state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
+    """Every record, optionally of one status.
+
+    Example: kvctl adr list --status accepted
+    """
+    adrs = _guard(_records(state_dir).list, status)
+    if as_json:
+        typer.echo(json.dumps([a.as_dict() for a in adrs], indent=2))
+        return
+    table = Table("id", "status", "title", "revision", "author")
+    for a in adrs:
+        table.add_row(str(a.id), a.status + (f" by {a.superseded_by}" if a.superseded_by else ""), a.title,
+                      str(a.revision), a.author)
+    Console().print(table if adrs else "no records")
+
+
+@adr_app.command("show")
+def adr_show(adr_id: int = typer.Argument(..., help="ADR id."), state_dir: Optional[str] = STATE_DIR,
+             as_json: bool = AS_JSON) -> None:
+    """One record, latest revision.
+
+    Example: kvctl adr show 3
+    """
+    _show(_guard(_records(state_dir).get, adr_id), as_json)
+
+
+def _transition(method: str, adr_id: int, state_dir, as_json, **kwargs) -> None:
+    records = _records(state_dir)
+    adr = _guard(getattr(records, method), adr_id, author=getpass.getuser(), **kwargs)
+    _show(adr, as_json) if as_json else Console().print(f"ADR {adr.id} is {adr.status}")
+
+
+@adr_app.command("accept")
+def adr_accept(adr_id: int = typer.Argument(..., help="ADR id."), state_dir: Optional[str] = STATE_DIR,
+               as_json: bool = AS_JSON) -> None:
+    """Accept a proposed record.
+
+    Example: kvctl adr accept 3
+    """
+    _transition("accept", adr_id, state_dir, as_json)
+
+
+@adr_app.command("reject")
+def adr_reject(adr_id: int = typer.Argument(..., help="ADR id."), state_dir: Optional[str] = STATE_DIR,
+               as_json: bool = AS_JSON) -> None:
+    """Reject a proposed record.
+
+    Example: kvctl adr reject 4
+    """
+    _transition("reject", adr_id, state_dir, as_json)
+
+
+@adr_app.command("supersede")
+def adr_supersede(adr_id: int = typer.Argument(..., help="ADR id."),
+                  by: int = typer.Option(..., "--by", help="The record that replaces it."),
+                  state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
+    """Mark a record superseded by another.
+
+    Example: kvctl adr supersede 3 --by 7
+    """
+    _transition("supersede", adr_id, state_dir, as_json, by=by)
+
+
+@adr_app.command("export")
+def adr_export(folder: Path = typer.Argument(Path("adr"), help="Where to write the Markdown files."),
+               format: str = typer.Option("md", "--format", help="md (one file per record)."),
+               state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
+    """Write one Markdown file per record (NNNN-title.md).
+
+    Example: kvctl adr export docs/adr
+    """
+    import re
+
+    if format != "md":
+        raise UserError(f"format: unknown value {format!r}; the only format is md")
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for adr in _guard(_records(state_dir).list):
+        slug = re.sub(r"[^a-z0-9]+", "-", adr.title.lower()).strip("-")[:60]
+        path = folder / f"{adr.id:04d}-{slug}.md"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(adr.markdown())
+        tmp.replace(path)
+        written.append(str(path))
+    typer.echo(json.dumps({"written": written}, indent=2) if as_json else f"wrote {len(written)} records to {folder}")
+
+
+@db_app.command("backup")
+def db_backup(destination: Path = typer.Argument(..., help="Backup file to write."),
+              state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
+    """A consistent copy through SQLite's backup API, safe while kvd writes.
+
+    Example: kvctl db backup /var/backups/kvd-$(date +%F).sqlite3
+    """
+    path = open_store(state_dir).backup(destination)
+    typer.echo(json.dumps({"backup": str(path)}) if as_json else f"backed up to {path}")
+
+
+@db_app.command("check")
+def db_check(state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
+    """Run SQLite's integrity check; exit status 1 when it finds a problem.
+
+    Example: kvctl db check --json
+    """
+    store = open_store(state_dir)
+    problems = store.integrity_check()
+    ok = problems == ["ok"]
+    document = {"ok": ok, "problems": [] if ok else problems, "schema_version": store.schema_version,
+                "path": str(store.path)}
+    typer.echo(json.dumps(document, indent=2) if as_json else
+               (f"{store.path}: ok (schema {store.schema_version})" if ok else "\n".join(problems)))
+    if not ok:
+        raise typer.Exit(1)

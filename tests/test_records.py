@@ -1,0 +1,190 @@
+"""The SQLite store and decision records: lifecycle, export, migrations, concurrent writers,
+a writer killed mid-transaction, backup and check."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("sqlite_utils")
+
+from kvctl.daemon.records import Records, RecordError  # noqa: E402
+from kvctl.daemon.store import SCHEMA_VERSION, Store  # noqa: E402
+
+from .test_cli import cli  # noqa: E402
+
+ADR_TEXT = """# Block size 32 for chat traffic
+
+## Context
+Chat prompts share 1-2k token system prompts.
+
+## Alternatives
+16 (today), 64.
+
+## Evidence
+Replay run:1 shows the hit ratio holds at 32.
+
+## Decision
+Use 32.
+
+## Reversal trigger
+recomputed_token_ratio above 1.2x baseline.
+"""
+
+
+def test_adr_lifecycle_revisions_and_export(tmp_path, capsys):
+    store = Store(tmp_path / "kvd.sqlite3")
+    run_id = store.save_run("bench_replay", {"runs": []})
+    assert run_id == 1
+    (tmp_path / "adr.md").write_text(ADR_TEXT)
+    state = ["--state-dir", str(tmp_path)]
+    status, out, _ = cli(capsys, "adr", "new", "--title", "ignored", "--from-file", str(tmp_path / "adr.md"),
+                         "--author", "ops", *state, "--json")
+    assert status == 0
+    first = json.loads(out)
+    assert (first["id"], first["status"], first["title"], first["revision"]) == (
+        1, "proposed", "Block size 32 for chat traffic", 1)
+    assert first["evidence_runs"] == [1] and first["fields"]["decision"] == "Use 32."
+    (tmp_path / "more.md").write_text("## Unresolved risks\nLong documents fragment more.\n")
+    status, out, _ = cli(capsys, "adr", "edit", "1", "--from-file", str(tmp_path / "more.md"), *state, "--json")
+    edited = json.loads(out)
+    assert edited["revision"] == 2 and edited["fields"]["decision"] == "Use 32."
+    assert edited["fields"]["unresolved_risks"] == "Long documents fragment more."
+    records = Records(Store(tmp_path / "kvd.sqlite3"))
+    assert [r["revision"] for r in records.revisions(1)] == [1, 2]  # nothing rewritten
+    assert cli(capsys, "adr", "accept", "1", *state)[0] == 0
+    status, _, err = cli(capsys, "adr", "reject", "1", *state)
+    assert status == 2 and "adr 1: cannot become rejected from accepted (only from proposed)" in err
+    cli(capsys, "adr", "new", "--title", "Block size 64 after all", *state)
+    assert cli(capsys, "adr", "supersede", "1", "--by", "2", *state)[0] == 0
+    status, out, _ = cli(capsys, "adr", "list", "--status", "superseded", *state, "--json")
+    assert [(a["id"], a["superseded_by"]) for a in json.loads(out)] == [(1, 2)]
+    status, out, _ = cli(capsys, "adr", "export", str(tmp_path / "docs"), *state, "--json")
+    files = sorted(os.path.basename(p) for p in json.loads(out)["written"])
+    assert files == ["0001-block-size-32-for-chat-traffic.md", "0002-block-size-64-after-all.md"]
+    text = (tmp_path / "docs" / files[0]).read_text()
+    assert "Status: superseded (superseded by ADR 2)" in text and "## Reversal trigger" in text
+    actions = [e["action"] for e in store.audit_since(0)]
+    assert actions[:4] == ["adr.superseded", "adr.new", "adr.accepted", "adr.edit"]
+
+
+def test_adr_errors_name_the_problem(tmp_path, capsys):
+    state = ["--state-dir", str(tmp_path)]
+    (tmp_path / "bad.md").write_text("## Evidence\nsee run:42\n")
+    status, _, err = cli(capsys, "adr", "new", "--title", "T", "--from-file", str(tmp_path / "bad.md"), *state)
+    assert status == 2 and "evidence: run:42 is not a stored run" in err
+    (tmp_path / "odd.md").write_text("## Vibes\nfine\n")
+    status, _, err = cli(capsys, "adr", "new", "--title", "T", "--from-file", str(tmp_path / "odd.md"), *state)
+    assert status == 2 and "adr: unknown section 'Vibes'" in err
+    status, _, err = cli(capsys, "adr", "show", "9", *state)
+    assert status == 2 and "adr 9: no such record" in err
+    with pytest.raises(RecordError, match="title: must not be empty"):
+        Records(Store(tmp_path / "kvd.sqlite3")).new(" ", {}, "ops")
+
+
+def test_migration_from_the_first_schema_version(tmp_path):
+    path = tmp_path / "kvd.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.executescript("""
+        CREATE TABLE audit (id INTEGER PRIMARY KEY, at FLOAT, actor TEXT, tenant TEXT, action TEXT,
+                            target TEXT, result TEXT, detail TEXT);
+        CREATE TABLE pins (pin_id TEXT PRIMARY KEY, tenant TEXT, keys TEXT, owner TEXT, note TEXT,
+                           created_at FLOAT, expires_at FLOAT);
+        INSERT INTO audit (at, actor, tenant, action, target, result, detail)
+            VALUES (1.0, 'ops', 'acme', 'pin', 'pin-1', 'ok', '{}');
+        PRAGMA user_version = 1;
+    """)
+    conn.close()
+    store = Store(path)
+    assert store.schema_version == SCHEMA_VERSION == 3
+    assert [e["target"] for e in store.audit_since(0)] == ["pin-1"]
+    assert Records(store).new("after migration", {}, "ops").id == 1
+    assert store.save_run("x", {}) == 1
+
+
+_WRITER = """
+import sys
+from kvctl.daemon.store import Store
+store = Store(sys.argv[1])
+for i in range(int(sys.argv[3])):
+    store.audit(actor=sys.argv[2], tenant="-", action="write", target=str(i), result="ok")
+"""
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = tmp_path / "kvd.sqlite3"
+    daemon = Store(path)
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), name, "150"])
+               for name in ("kvctl-1", "kvctl-2", "cron")]
+    for i in range(150):
+        daemon.audit(actor="daemon", tenant="-", action="write", target=str(i), result="ok")
+    assert [w.wait(timeout=120) for w in writers] == [0, 0, 0]
+    entries = daemon.audit_since(0, limit=10_000)
+    counts = {}
+    for e in entries:
+        counts[e["actor"]] = counts.get(e["actor"], 0) + 1
+    assert counts == {"daemon": 150, "kvctl-1": 150, "kvctl-2": 150, "cron": 150}
+
+
+_LOOPER = """
+import sys
+from kvctl.daemon.store import Store
+store = Store(sys.argv[1])
+print("ready", flush=True)
+i = 0
+while True:
+    store.save_run("soak", {"i": i, "padding": "x" * 4000})
+    i += 1
+"""
+
+
+def test_a_writer_killed_mid_write_never_corrupts_the_store(tmp_path):
+    path = tmp_path / "kvd.sqlite3"
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", _LOOPER, str(path)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        store = Store(path)  # quick_check at open
+        assert store.integrity_check() == ["ok"]
+        last = store.conn.execute("SELECT max(id) FROM runs").fetchone()[0]
+        assert last and store.get_run(last)["document"]["padding"] == "x" * 4000
+        store.close()
+
+
+def test_db_backup_and_check(tmp_path, capsys):
+    store = Store(tmp_path / "kvd.sqlite3")
+    store.audit(actor="ops", tenant="-", action="pin", target="p", result="ok")
+    state = ["--state-dir", str(tmp_path)]
+    status, out, _ = cli(capsys, "db", "backup", str(tmp_path / "b" / "copy.sqlite3"), *state, "--json")
+    assert status == 0
+    copy = Store(tmp_path / "b" / "copy.sqlite3")
+    assert [e["target"] for e in copy.audit_since(0)] == ["p"]
+    status, out, _ = cli(capsys, "db", "check", *state, "--json")
+    assert status == 0 and json.loads(out)["ok"] is True and json.loads(out)["schema_version"] == 3
+
+
+def test_audit_reads_the_store_without_a_daemon(tmp_path, capsys):
+    store = Store(tmp_path / "kvd.sqlite3")
+    store.audit(actor="ops", tenant="acme", action="evict", target="tenant=acme", result="ok")
+    store.audit(actor="ops", tenant="acme", action="pin", target="pin-1", result="ok")
+    status, out, _ = cli(capsys, "audit", "--state-dir", str(tmp_path), "--action", "evict", "--json")
+    assert status == 0
+    assert [e["target"] for e in json.loads(out)["entries"]] == ["tenant=acme"]
+
+
+def test_bench_replay_save_gives_a_citable_run(tmp_path, capsys):
+    status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "20", "--block-sizes", "64", "--policy",
+                         "lru", "--json", "--save", "--state-dir", str(tmp_path))
+    assert status == 0
+    run_id = json.loads(out)["run_id"]
+    stored = Store(tmp_path / "kvd.sqlite3").get_run(run_id)
+    assert stored["kind"] == "bench_replay" and stored["document"]["requests"] == 20
