@@ -45,6 +45,14 @@ MIGRATIONS: list[tuple[int, str]] = [
             revision INTEGER NOT NULL, at FLOAT, author TEXT, title TEXT, body TEXT,
             PRIMARY KEY (adr_id, revision));
     """),
+    (4, """
+        CREATE TABLE IF NOT EXISTS rollouts (id INTEGER PRIMARY KEY, created_at FLOAT, state TEXT NOT NULL,
+            fraction FLOAT NOT NULL, policy TEXT NOT NULL, stops TEXT NOT NULL,
+            adr_id INTEGER REFERENCES adrs (id), actor TEXT);
+        CREATE TABLE IF NOT EXISTS rollout_events (id INTEGER PRIMARY KEY,
+            rollout_id INTEGER NOT NULL REFERENCES rollouts (id), at FLOAT, actor TEXT, action TEXT,
+            detail TEXT);
+    """),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -18,6 +18,7 @@ from .bench_kernels import kernels_command
 from .bench_replay import replay_command
 from .bench_serve import serve_command
 from .capacity_cmd import capacity_command
+from .rollout_cmd import rollout_app
 from .errors import UserError
 
 app = typer.Typer(help="Operate the KV cache of LLM serving: inspect, steer, replay, benchmark.",
@@ -37,6 +38,7 @@ app.add_typer(ops.config_app, name="config")
 app.command("capacity")(capacity_command)
 app.add_typer(records_cmd.adr_app, name="adr")
 app.add_typer(records_cmd.db_app, name="db")
+app.add_typer(rollout_app, name="rollout")
 
 
 def _version(value: bool) -> None:

@@ -103,7 +103,7 @@ def test_migration_from_the_first_schema_version(tmp_path):
     """)
     conn.close()
     store = Store(path)
-    assert store.schema_version == SCHEMA_VERSION == 3
+    assert store.schema_version == SCHEMA_VERSION == 4
     assert [e["target"] for e in store.audit_since(0)] == ["pin-1"]
     assert Records(store).new("after migration", {}, "ops").id == 1
     assert store.save_run("x", {}) == 1
@@ -169,7 +169,7 @@ def test_db_backup_and_check(tmp_path, capsys):
     copy = Store(tmp_path / "b" / "copy.sqlite3")
     assert [e["target"] for e in copy.audit_since(0)] == ["p"]
     status, out, _ = cli(capsys, "db", "check", *state, "--json")
-    assert status == 0 and json.loads(out)["ok"] is True and json.loads(out)["schema_version"] == 3
+    assert status == 0 and json.loads(out)["ok"] is True and json.loads(out)["schema_version"] == SCHEMA_VERSION
 
 
 def test_audit_reads_the_store_without_a_daemon(tmp_path, capsys):

@@ -109,7 +109,8 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                    priority: int = 0, tenant: str = "default") -> Request:
+                    priority: int = 0, tenant: str = "default", reservation=None,
+                    cohort: str | None = None) -> Request:
         """Queue a request, or raise AdmissionRejected (nothing allocated) / RequestError."""
         vocab = self.loaded.config.vocab_size
         params.validate(vocab)
@@ -127,9 +128,10 @@ class Engine:
             raise RequestError(f"request_id: {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(request_id, list(prompt_ids), params, seed, tenant, priority,
-                          next(self._order), RequestMetrics(arrival=self.clock()))
+                          next(self._order), RequestMetrics(arrival=self.clock()), reservation=reservation,
+                          cohort=cohort)
         size, total = self.settings.block_size, self.settings.num_blocks
-        needed = blocks_for_tokens(len(prompt_ids) + self.reservation.reserve(params.max_tokens), size)
+        needed = blocks_for_tokens(len(prompt_ids) + self._reservation(request).reserve(params.max_tokens), size)
         if needed > total:
             request.rejected = (f"request {request_id}: needs {needed} blocks for its prompt and output "
                                 f"reservation but the cache has {total}; it can never fit")
@@ -165,6 +167,10 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._running) or any(s.status is SeqStatus.WAITING for _, s in self._waiting)
 
+    def _reservation(self, request: Request):
+        """The request's reservation policy: its rollout cohort's, else the engine's."""
+        return request.reservation or self.reservation
+
     def _queued_requests(self) -> int:
         return len({s.request.request_id for _, s in self._waiting if s.status is SeqStatus.WAITING})
 
@@ -199,7 +205,7 @@ class Engine:
                 continue
             request = seq.request
             tokens = seq.all_tokens
-            reserve = self.reservation.reserve(request.params.max_tokens - len(seq.output_ids))
+            reserve = self._reservation(request).reserve(request.params.max_tokens - len(seq.output_ids))
             hasher = PrefixHasher(self.namespace(request.tenant))
             keys = hasher.feed(tokens)
             decision = self.cache.can_admit(keys, len(tokens), reserve, request=seq.seq_id)
@@ -329,7 +335,7 @@ class Engine:
         for index in range(1, request.params.n):
             child = Sequence(f"{request.request_id}/{index}", request, index)
             request.sequences.append(child)
-            reserve = self.reservation.reserve(request.params.max_tokens)
+            reserve = self._reservation(request).reserve(request.params.max_tokens)
             try:
                 self.cache.fork(parent.seq_id, child.seq_id, reserve)
             except CacheFull:
@@ -375,7 +381,7 @@ class Engine:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if reason != "cancelled":
-            self.reservation.observe(len(seq.output_ids))
+            self._reservation(seq.request).observe(len(seq.output_ids))
         self.stats.finished += 1
 
     # ---- convenience -------------------------------------------------------------------------

@@ -70,6 +70,8 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     rejected: str | None = None  # why the request was turned away, if it was
     cancelled: bool = False
+    reservation: object | None = None  # a rollout cohort's reservation policy; None: the engine's
+    cohort: str | None = None  # "candidate" or "baseline" while a rollout runs
 
     @property
     def finished(self) -> bool:

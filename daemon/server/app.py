@@ -82,6 +82,22 @@ class EvictRequest(BaseModel):
     all_unpinned: bool = False
 
 
+class RolloutStart(BaseModel):
+    policy: dict
+    cohort: str | float
+    stops: list[str] = Field(default_factory=list)
+    adr: int | None = None
+    baseline: str = "current"
+
+
+class RolloutAdvance(BaseModel):
+    to: str | float
+
+
+class RolloutRollback(BaseModel):
+    reason: str
+
+
 class ExplainRequest(BaseModel):
     text: str | None = None
     tokens: list[int] | None = None
@@ -280,6 +296,40 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
         return service.explain(_tokens_of(body.text, body.tokens), body.tenant or who.tenant)
+
+    @app.post("/admin/rollouts")
+    def rollout_start(body: RolloutStart, who: Principal = Depends(admin)):
+        if body.baseline != "current":
+            raise ApiError(400, f"baseline: only 'current' is supported, got {body.baseline!r}", param="baseline")
+        return service.rollouts.start(body.policy, body.cohort, body.stops, body.adr, who.actor)
+
+    @app.get("/admin/rollouts")
+    def rollout_latest(_: Principal = Depends(admin)):
+        return service.rollouts.status()
+
+    @app.get("/admin/rollouts/{rollout_id}")
+    def rollout_status(rollout_id: int, _: Principal = Depends(admin)):
+        return service.rollouts.status(rollout_id)
+
+    @app.post("/admin/rollouts/{rollout_id}/advance")
+    def rollout_advance(rollout_id: int, body: RolloutAdvance, who: Principal = Depends(admin)):
+        return service.rollouts.advance(rollout_id, body.to, who.actor)
+
+    @app.post("/admin/rollouts/{rollout_id}/pause")
+    def rollout_pause(rollout_id: int, who: Principal = Depends(admin)):
+        return service.rollouts.pause(rollout_id, who.actor)
+
+    @app.post("/admin/rollouts/{rollout_id}/resume")
+    def rollout_resume(rollout_id: int, who: Principal = Depends(admin)):
+        return service.rollouts.resume(rollout_id, who.actor)
+
+    @app.post("/admin/rollouts/{rollout_id}/rollback")
+    def rollout_rollback(rollout_id: int, body: RolloutRollback, who: Principal = Depends(admin)):
+        return service.rollouts.rollback(rollout_id, body.reason, who.actor)
+
+    @app.post("/admin/rollouts/{rollout_id}/complete")
+    def rollout_complete(rollout_id: int, who: Principal = Depends(admin)):
+        return service.complete_rollout(rollout_id, who)
 
     @app.get("/admin/config")
     def config(_: Principal = Depends(admin)):

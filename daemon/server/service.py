@@ -8,6 +8,7 @@ outside the lock. The loop also pings the systemd watchdog.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -65,6 +66,11 @@ class EngineService:
         self._thread: threading.Thread | None = None
         self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
+        from .rollouts import RolloutManager  # NOTE: late import; rollouts imports ServiceError from here
+
+        self.rollouts = RolloutManager(store)
+        self._observers.append(self.rollouts.observe)
+        self.rollout_check_seconds = 10.0
 
     # ---- life cycle --------------------------------------------------------------------------
     def load(self) -> None:
@@ -111,12 +117,15 @@ class EngineService:
             log.error("model load failed: %s", self.load_error)
             return
         self.notifier.ready()
-        next_expiry = 0.0
+        next_expiry = next_rollout_check = 0.0
         while not self._stop.is_set():
             self.notifier.watchdog()
             if time.monotonic() >= next_expiry:
                 self.expire_pins()
                 next_expiry = time.monotonic() + 1.0
+            if time.monotonic() >= next_rollout_check:
+                self.rollouts.evaluate()
+                next_rollout_check = time.monotonic() + self.rollout_check_seconds
             with self.lock:
                 if not self.engine.has_work():
                     self.lock.wait(timeout=0.5)
@@ -211,7 +220,10 @@ class EngineService:
         with self.lock:
             try:
                 for prompt_ids in prompts:
-                    request = engine.add_request(prompt_ids, params, tenant=principal.tenant)
+                    request_id = f"req-{secrets.token_hex(6)}"
+                    reservation, cohort = self.rollouts.assign(principal.tenant, request_id)
+                    request = engine.add_request(prompt_ids, params, tenant=principal.tenant,
+                                                 request_id=request_id, reservation=reservation, cohort=cohort)
                     self._sinks[request.request_id] = sink
                     queued.append(request)
             except (AdmissionRejected, ValueError):
@@ -222,6 +234,18 @@ class EngineService:
                 raise
             self.lock.notify_all()
         return queued
+
+    def complete_rollout(self, rollout_id: int, principal: Principal) -> dict:
+        """Finish a rollout: its settings become everyone's (kept until the next reload)."""
+        with self.lock:
+            rollout = self.rollouts.status(rollout_id)
+            body = self.rollouts.complete(rollout_id, principal.actor)
+            reservation = rollout["policy"]["settings"].get("reservation")
+            if reservation is not None and self.engine is not None:
+                self.engine.reservation = parse_reservation(str(reservation))
+                self.engine.settings = replace(self.engine.settings, reservation=str(reservation))
+                self.config = replace(self.config, reservation=str(reservation))
+        return body
 
     def cancel(self, request_id: str) -> None:
         with self.lock:

@@ -1,0 +1,253 @@
+"""Rollouts of live policy settings to a cohort, with stop conditions that roll back by themselves.
+
+A policy file versions the settings a cohort gets (today: the output `reservation`; the
+eviction policy is one per cache pool and changes through the config and SIGHUP). Requests
+join the cohort by a stable hash of their tenant (or of the request id with `by: request`);
+cohort and baseline figures are kept apart. `evaluate()` runs on a schedule: when a stop
+condition trips, the rollout rolls back and records which condition and the values. Every
+transition is stored with who and when; a restart resumes the rollout in its recorded state
+(figures start again from zero).
+
+Policy file (YAML)::
+
+    name: reserve-p95
+    by: tenant            # or: request
+    settings:
+      reservation: p95
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvctl.daemon.engine.requests import Request
+from kvctl.daemon.store import Store
+from kvctl.policies.reservation import parse_reservation
+from kvctl.policies.rollout import StopCondition, in_cohort, parse_fraction
+
+from .service import ServiceError
+
+COHORT_SETTINGS = ("reservation",)
+POOL_SETTINGS = ("eviction", "block_size", "cache_dtype", "num_blocks")
+ACTIVE_STATES = ("running", "paused")
+
+
+@dataclass
+class CohortStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    recomputed_tokens: int = 0
+    preemptions: int = 0
+    ttfts: list[float] = field(default_factory=list)
+
+    def add(self, request: Request) -> None:
+        m = request.metrics
+        self.requests += 1
+        self.prompt_tokens += len(request.prompt_ids)
+        self.hit_tokens += m.cached_tokens
+        self.recomputed_tokens += m.recomputed_tokens
+        self.preemptions += m.preemptions
+        if m.ttft is not None:
+            self.ttfts = (self.ttfts + [m.ttft])[-5000:]
+
+    def figures(self) -> dict:
+        def pct(q: float):
+            if not self.ttfts:
+                return None
+            ordered = sorted(self.ttfts)
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+        prompt = self.prompt_tokens
+        return {"requests": self.requests,
+                "recomputed_token_ratio": self.recomputed_tokens / prompt if prompt else None,
+                "hit_ratio": self.hit_tokens / prompt if prompt else None,
+                "ttft_p50_seconds": pct(0.5), "ttft_p95_seconds": pct(0.95),
+                "preemptions_per_request": self.preemptions / self.requests if self.requests else None}
+
+
+def validate_policy(policy: object) -> dict:
+    if not isinstance(policy, dict):
+        raise ServiceError(400, "policy: expected a mapping with 'settings'", "policy")
+    settings = policy.get("settings")
+    if not isinstance(settings, dict) or not settings:
+        raise ServiceError(400, "policy.settings: give at least one setting, e.g. reservation: p95", "policy")
+    for key, value in settings.items():
+        if key in POOL_SETTINGS:
+            raise ServiceError(400, f"policy.settings.{key}: is one per cache pool and cannot differ by cohort; "
+                                    "change it in the config (SIGHUP or restart)", "policy")
+        if key not in COHORT_SETTINGS:
+            raise ServiceError(400, f"policy.settings.{key}: unknown; cohort settings are "
+                                    f"{', '.join(COHORT_SETTINGS)}", "policy")
+        if key == "reservation":
+            try:
+                parse_reservation(str(value))
+            except ValueError as exc:
+                raise ServiceError(400, f"policy.settings.reservation: {exc}", "policy") from None
+    if policy.get("by", "tenant") not in ("tenant", "request"):
+        raise ServiceError(400, f"policy.by: invalid value {policy.get('by')!r}; use tenant or request", "policy")
+    return policy
+
+
+class RolloutManager:
+    def __init__(self, store: Store, clock=time.time) -> None:
+        self.store, self.clock = store, clock
+        self.lock = threading.RLock()
+        self.active: dict | None = None  # the running or paused rollout
+        self.candidate = None  # its reservation policy instance (learns as its cohort finishes)
+        self.cohort = CohortStats()
+        self.baseline = CohortStats()
+        self.restore()
+
+    # ---- persistence -------------------------------------------------------------------------
+    def _row(self, rollout_id: int) -> dict:
+        row = self.store.conn.execute("SELECT id, created_at, state, fraction, policy, stops, adr_id, actor "
+                                      "FROM rollouts WHERE id = ?", (rollout_id,)).fetchone()
+        if row is None:
+            raise ServiceError(404, f"rollout {rollout_id}: no such rollout", "rollout_id")
+        return {"id": row[0], "created_at": row[1], "state": row[2], "fraction": row[3],
+                "policy": json.loads(row[4]), "stops": json.loads(row[5]), "adr_id": row[6], "actor": row[7]}
+
+    def _event(self, conn, rollout_id: int, actor: str, action: str, detail: dict) -> None:
+        conn.execute("INSERT INTO rollout_events (rollout_id, at, actor, action, detail) VALUES (?, ?, ?, ?, ?)",
+                     (rollout_id, self.clock(), actor, action, json.dumps(detail, sort_keys=True)))
+
+    def restore(self) -> None:
+        row = self.store.conn.execute("SELECT id FROM rollouts WHERE state IN ('running', 'paused') "
+                                      "ORDER BY id DESC LIMIT 1").fetchone()
+        if row is not None:
+            self._activate(self._row(row[0]))
+
+    def _activate(self, rollout: dict | None) -> None:
+        self.active = rollout
+        self.cohort, self.baseline = CohortStats(), CohortStats()
+        self.candidate = None
+        if rollout is not None and "reservation" in rollout["policy"]["settings"]:
+            self.candidate = parse_reservation(str(rollout["policy"]["settings"]["reservation"]))
+
+    # ---- transitions -------------------------------------------------------------------------
+    def start(self, policy: dict, fraction: str | float, stops: list[str], adr_id: int | None,
+              actor: str) -> dict:
+        policy = validate_policy(policy)
+        try:
+            share = parse_fraction(fraction)
+            conditions = [StopCondition.parse(s).text for s in stops]
+        except ValueError as exc:
+            raise ServiceError(400, str(exc), "stop" if "stop" in str(exc) else "cohort") from None
+        if adr_id is not None and self.store.conn.execute("SELECT 1 FROM adrs WHERE id = ?",
+                                                           (adr_id,)).fetchone() is None:
+            raise ServiceError(404, f"adr: no record {adr_id}", "adr")
+        with self.lock:
+            if self.active is not None:
+                raise ServiceError(409, f"rollout {self.active['id']} is {self.active['state']}; complete or "
+                                        "roll it back first")
+            digest = hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()[:12]
+            policy = {**policy, "version": digest}
+            with self.store.write() as conn:
+                rollout_id = conn.execute(
+                    "INSERT INTO rollouts (created_at, state, fraction, policy, stops, adr_id, actor) "
+                    "VALUES (?, 'running', ?, ?, ?, ?, ?)",
+                    (self.clock(), share, json.dumps(policy), json.dumps(conditions), adr_id, actor)).lastrowid
+                self._event(conn, rollout_id, actor, "start", {"fraction": share, "stops": conditions})
+            self._activate(self._row(rollout_id))
+        self.store.audit(actor=actor, tenant="-", action="rollout.start", target=f"rollout:{rollout_id}",
+                         result="ok", detail={"fraction": share, "policy_version": policy["version"]})
+        return self.status(rollout_id)
+
+    def _move(self, rollout_id: int, state: str, actor: str, action: str, allowed: tuple[str, ...],
+              detail: dict, fraction: float | None = None) -> dict:
+        with self.lock:
+            row = self._row(rollout_id)
+            if row["state"] not in allowed:
+                raise ServiceError(409, f"rollout {rollout_id}: cannot {action} while {row['state']}")
+            with self.store.write() as conn:
+                if fraction is not None:
+                    conn.execute("UPDATE rollouts SET fraction = ? WHERE id = ?", (fraction, rollout_id))
+                conn.execute("UPDATE rollouts SET state = ? WHERE id = ?", (state, rollout_id))
+                self._event(conn, rollout_id, actor, action, detail)
+            if state in ACTIVE_STATES:
+                figures = (self.cohort, self.baseline)
+                self._activate(self._row(rollout_id))
+                self.cohort, self.baseline = figures
+            else:
+                self._activate(None)
+        self.store.audit(actor=actor, tenant="-", action=f"rollout.{action}", target=f"rollout:{rollout_id}",
+                         result="ok", detail=detail)
+        return self.status(rollout_id)
+
+    def advance(self, rollout_id: int, to: str | float, actor: str) -> dict:
+        try:
+            share = parse_fraction(to)
+        except ValueError as exc:
+            raise ServiceError(400, str(exc), "to") from None
+        return self._move(rollout_id, "running", actor, "advance", ("running", "paused"), {"to": share},
+                          fraction=share)
+
+    def pause(self, rollout_id: int, actor: str) -> dict:
+        return self._move(rollout_id, "paused", actor, "pause", ("running",), {})
+
+    def resume(self, rollout_id: int, actor: str) -> dict:
+        return self._move(rollout_id, "running", actor, "resume", ("paused",), {})
+
+    def rollback(self, rollout_id: int, reason: str, actor: str, detail: dict | None = None) -> dict:
+        return self._move(rollout_id, "rolled_back", actor, "rollback", ACTIVE_STATES,
+                          {"reason": reason, **(detail or {})})
+
+    def complete(self, rollout_id: int, actor: str) -> dict:
+        return self._move(rollout_id, "completed", actor, "complete", ACTIVE_STATES, {})
+
+    # ---- traffic -----------------------------------------------------------------------------
+    def assign(self, tenant: str, request_id: str):
+        """(reservation policy, cohort label) for a new request; (None, None) with no rollout."""
+        with self.lock:
+            rollout = self.active
+            if rollout is None:
+                return None, None
+            key = request_id if rollout["policy"].get("by") == "request" else tenant
+            chosen = rollout["state"] == "running" and in_cohort(rollout["id"], key, rollout["fraction"])
+            return (self.candidate, "candidate") if chosen else (None, "baseline")
+
+    def observe(self, request: Request) -> None:
+        with self.lock:
+            if self.active is None or request.cohort is None or request.cancelled:
+                return
+            (self.cohort if request.cohort == "candidate" else self.baseline).add(request)
+
+    def evaluate(self, min_requests: int = 5) -> dict | None:
+        """Check the stop conditions; roll back (and say why) when one trips."""
+        with self.lock:
+            rollout = self.active
+            if rollout is None or rollout["state"] != "running":
+                return None
+            if self.cohort.requests < min_requests or self.baseline.requests < min_requests:
+                return None
+            cohort, baseline = self.cohort.figures(), self.baseline.figures()
+            for text in rollout["stops"]:
+                tripped, values = StopCondition.parse(text).tripped(cohort, baseline)
+                if tripped:
+                    return self.rollback(rollout["id"], f"stop condition tripped: {text}", "kvd",
+                                         {"condition": text, **values})
+        return None
+
+    def status(self, rollout_id: int | None = None) -> dict:
+        with self.lock:
+            if rollout_id is None:
+                if self.active is None:
+                    row = self.store.conn.execute("SELECT max(id) FROM rollouts").fetchone()
+                    if row[0] is None:
+                        raise ServiceError(404, "rollout: none has been started", "rollout_id")
+                    rollout_id = row[0]
+                else:
+                    rollout_id = self.active["id"]
+            row = self._row(rollout_id)
+            events = [{"at": e[0], "actor": e[1], "action": e[2], "detail": json.loads(e[3])}
+                      for e in self.store.conn.execute("SELECT at, actor, action, detail FROM rollout_events "
+                                                       "WHERE rollout_id = ? ORDER BY id", (rollout_id,))]
+            live = self.active is not None and self.active["id"] == rollout_id
+            return {**row, "events": events,
+                    "cohort": self.cohort.figures() if live else None,
+                    "baseline": self.baseline.figures() if live else None}

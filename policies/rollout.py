@@ -1,0 +1,65 @@
+"""Gradual rollouts: stable cohort assignment and stop conditions (pure logic, no clock reads).
+
+A stop condition compares a cohort figure with a constant or with the baseline's figure:
+
+    recomputed_token_ratio > 1.2 * baseline
+    ttft_p95_seconds > 1.5 * baseline
+    hit_ratio < 0.3
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+
+FIGURES = ("recomputed_token_ratio", "hit_ratio", "ttft_p95_seconds", "ttft_p50_seconds", "preemptions_per_request")
+_CONDITION = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|>|<)\s*([0-9]*\.?[0-9]+)\s*(\*\s*baseline)?\s*$")
+
+
+def in_cohort(rollout_id: int, key: str, fraction: float) -> bool:
+    """Stable: SHA-256 of (rollout, key) mapped to [0, 1); the same key always lands the same way."""
+    digest = hashlib.sha256(f"kvctl/rollout/v1\0{rollout_id}\0{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+@dataclass(frozen=True)
+class StopCondition:
+    figure: str
+    op: str
+    value: float
+    relative: bool  # value is a multiple of the baseline's figure
+    text: str
+
+    @classmethod
+    def parse(cls, text: str) -> "StopCondition":
+        match = _CONDITION.match(text)
+        if not match:
+            raise ValueError(f"stop: cannot parse {text!r}; write e.g. 'ttft_p95_seconds > 1.5 * baseline'")
+        figure, op, value, relative = match.groups()
+        if figure not in FIGURES:
+            raise ValueError(f"stop: unknown figure {figure!r}; use one of {', '.join(FIGURES)}")
+        return cls(figure, op, float(value), relative is not None, text.strip())
+
+    def tripped(self, cohort: dict, baseline: dict) -> tuple[bool, dict]:
+        """Whether it trips, and the values it compared (for the record)."""
+        observed = cohort.get(self.figure)
+        reference = baseline.get(self.figure) if self.relative else 1.0
+        if observed is None or reference is None or (isinstance(observed, float) and math.isnan(observed)):
+            return False, {"observed": observed, "threshold": None}
+        threshold = self.value * reference
+        result = {">": observed > threshold, ">=": observed >= threshold, "<": observed < threshold,
+                  "<=": observed <= threshold}[self.op]
+        return result, {"observed": observed, "threshold": threshold, "baseline": baseline.get(self.figure)}
+
+
+def parse_fraction(text: str | float) -> float:
+    """'10%' or 0.1 -> 0.1; refuses anything outside (0, 1]."""
+    try:
+        value = float(str(text).strip().rstrip("%")) / (100 if str(text).strip().endswith("%") else 1)
+    except ValueError:
+        raise ValueError(f"cohort: invalid value {text!r}; write e.g. 10%") from None
+    if not 0 < value <= 1:
+        raise ValueError(f"cohort: {text!r} is not in (0%, 100%]")
+    return value

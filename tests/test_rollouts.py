@@ -1,0 +1,125 @@
+"""Rollouts: stable cohorts, stop conditions, automatic rollback, completion, restart."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvctl.policies.rollout import StopCondition, in_cohort, parse_fraction
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+from .daemon_fixtures import apps, call, start_service, token_table  # noqa: E402
+
+
+def test_cohort_assignment_is_stable_and_near_the_fraction():
+    keys = [f"tenant-{i}" for i in range(10_000)]
+    chosen = [k for k in keys if in_cohort(7, k, 0.10)]
+    assert 850 <= len(chosen) <= 1150
+    assert chosen == [k for k in keys if in_cohort(7, k, 0.10)]
+    assert set(chosen) <= {k for k in keys if in_cohort(7, k, 0.5)}  # growing keeps everyone in
+    assert chosen != [k for k in keys if in_cohort(8, k, 0.10)]
+
+
+def test_stop_conditions():
+    c = StopCondition.parse("recomputed_token_ratio > 1.2 * baseline")
+    assert c.tripped({"recomputed_token_ratio": 0.13}, {"recomputed_token_ratio": 0.1}) == (
+        True, {"observed": 0.13, "threshold": pytest.approx(0.12), "baseline": 0.1})
+    assert c.tripped({"recomputed_token_ratio": 0.11}, {"recomputed_token_ratio": 0.1})[0] is False
+    assert StopCondition.parse("hit_ratio < 0.3").tripped({"hit_ratio": 0.2}, {})[0] is True
+    with pytest.raises(ValueError, match="stop: unknown figure 'vibes'"):
+        StopCondition.parse("vibes > 2")
+    with pytest.raises(ValueError, match="stop: cannot parse"):
+        StopCondition.parse("ttft_p95_seconds is high")
+    assert parse_fraction("10%") == 0.1 and parse_fraction(0.5) == 0.5
+    with pytest.raises(ValueError, match=r"cohort: '150%' is not in \(0%, 100%\]"):
+        parse_fraction("150%")
+
+
+def test_a_worse_policy_trips_its_stop_condition_and_rolls_back_by_itself(tmp_path):
+    service = start_service(tmp_path, num_blocks=24, max_running=8)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        body = {"policy": {"name": "no-output-reservation", "settings": {"reservation": "fixed:0"}},
+                "cohort": "50%", "stops": ["recomputed_token_ratio > 1.2 * baseline"]}
+        started = call(unix, "POST", "/admin/rollouts", json=body).json()
+        rollout_id = started["id"]
+        assert started["state"] == "running" and started["policy"]["version"]
+        tenants = [f"t{i}" for i in range(200)]
+        cohort = [t for t in tenants if in_cohort(rollout_id, t, 0.5)][:8]
+        baseline = [t for t in tenants if not in_cohort(rollout_id, t, 0.5)][:8]
+        from kvctl.daemon.engine.sampling import SamplingParams
+        from kvctl.daemon.server.service import Principal
+
+        def wave(names):
+            done = threading.Semaphore(0)
+            for name in names:
+                service.submit([list(range(1, 40))], SamplingParams(max_tokens=60, ignore_eos=True),
+                               Principal(name, "admin", "test"),
+                               lambda e: done.release() if e.finish_reason else None)
+            for _ in names:
+                assert done.acquire(timeout=120)
+
+        wave(baseline)  # fully reserved: queues, never preempted
+        wave(cohort)  # reserves nothing: runs into the pool's end and preempts
+        status = call(unix, "GET", f"/admin/rollouts/{rollout_id}").json()
+        assert status["baseline"]["recomputed_token_ratio"] == 0.0
+        assert status["cohort"]["recomputed_token_ratio"] > 0
+        result = service.rollouts.evaluate()
+        assert result["state"] == "rolled_back"
+        last = result["events"][-1]
+        assert last["action"] == "rollback" and last["actor"] == "kvd"
+        assert last["detail"]["condition"] == "recomputed_token_ratio > 1.2 * baseline"
+        assert last["detail"]["observed"] > last["detail"]["threshold"] == 0.0
+        assert service.rollouts.assign("t0", "r") == (None, None)
+        audit = [e["action"] for e in call(unix, "GET", "/admin/audit").json()["entries"]]
+        assert audit[:2] == ["rollout.rollback", "rollout.start"]
+    finally:
+        service.shutdown(1)
+
+
+def test_a_rollout_that_completes_and_one_resumed_after_restart(tmp_path):
+    service = start_service(tmp_path)
+    unix, _ = apps(service, token_table(tmp_path))
+    body = {"policy": {"name": "p95", "settings": {"reservation": "p95"}}, "cohort": "10%",
+            "stops": ["ttft_p95_seconds > 3 * baseline"]}
+    rollout_id = call(unix, "POST", "/admin/rollouts", json=body).json()["id"]
+    assert call(unix, "POST", "/admin/rollouts", json=body).status_code == 409
+    assert call(unix, "POST", f"/admin/rollouts/{rollout_id}/advance", json={"to": "50%"}).json()["fraction"] == 0.5
+    assert call(unix, "POST", f"/admin/rollouts/{rollout_id}/pause").json()["state"] == "paused"
+    service.shutdown(1)
+    service = start_service(tmp_path)  # a restart resumes the recorded state
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        resumed = call(unix, "GET", "/admin/rollouts").json()
+        assert (resumed["id"], resumed["state"], resumed["fraction"]) == (rollout_id, "paused", 0.5)
+        assert call(unix, "POST", f"/admin/rollouts/{rollout_id}/resume").json()["state"] == "running"
+        done = call(unix, "POST", f"/admin/rollouts/{rollout_id}/complete").json()
+        assert done["state"] == "completed"
+        assert [e["action"] for e in done["events"]] == ["start", "advance", "pause", "resume", "complete"]
+        assert service.engine.reservation.spec == "p95" and service.config.reservation == "p95"
+        again = call(unix, "POST", f"/admin/rollouts/{rollout_id}/pause")
+        assert again.status_code == 409 and "cannot pause while completed" in again.json()["error"]["message"]
+    finally:
+        service.shutdown(1)
+
+
+@pytest.mark.parametrize("policy, message", [
+    ({"settings": {"eviction": "cost"}}, "policy.settings.eviction: is one per cache pool"),
+    ({"settings": {"reservation": "lots"}}, "policy.settings.reservation: output reservation: invalid value"),
+    ({"settings": {}}, "policy.settings: give at least one setting"),
+    ({"settings": {"reservation": "p95"}, "by": "moon"}, "policy.by: invalid value 'moon'"),
+])
+def test_bad_policies_are_refused(tmp_path, policy, message):
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        response = call(unix, "POST", "/admin/rollouts", json={"policy": policy, "cohort": "10%"})
+        assert response.status_code == 400 and response.json()["error"]["message"].startswith(message)
+        bad_stop = call(unix, "POST", "/admin/rollouts", json={"policy": {"settings": {"reservation": "p95"}},
+                                                               "cohort": "10%", "stops": ["x > 1"]})
+        assert bad_stop.status_code == 400 and "unknown figure 'x'" in bad_stop.json()["error"]["message"]
+    finally:
+        service.shutdown(1)
