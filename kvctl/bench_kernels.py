@@ -34,6 +34,13 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
 DTYPES = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
+def _save(document: dict, save: bool, state_dir: str | None) -> None:
+    if save:
+        from .records_cmd import open_store
+
+        document["run_id"] = open_store(state_dir).save_run("bench_kernels", document)
+
+
 def peak_bandwidth(device_name: str) -> float | None:
     for key, value in PEAK_BANDWIDTH:
         if key.lower() in device_name.lower():
@@ -76,6 +83,8 @@ def kernels_command(
     block_size: int = typer.Option(16, help="Tokens per cache block."),
     max_tokens: int = typer.Option(1 << 21, help="Skip decode cases with more cached tokens than this."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
+    state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
 ) -> None:
     """Time the paged attention kernels beside torch's contiguous attention (needs CUDA for figures).
 
@@ -97,6 +106,7 @@ def kernels_command(
         checks = correctness_checks()
         document = {"device": "cpu", "figures": None, "note": "figures need CUDA; correctness only",
                     "checks": checks}
+        _save(document, save, state_dir)
         if as_json:
             typer.echo(json.dumps(document, indent=2))
         else:
@@ -118,6 +128,7 @@ def kernels_command(
     prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size)]
     document = {"device": device_name, "peak_bytes_per_second": peak, "block_size": block_size,
                 "decode": decode, "prefill": prefill, "torch": torch.__version__}
+    _save(document, save, state_dir)
     if as_json:
         typer.echo(json.dumps(document, indent=2))
         return

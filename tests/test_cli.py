@@ -125,16 +125,19 @@ def test_every_command_has_one_line_help_and_an_example():
             assert any("--json" in p.opts for p in command.params), path
 
 
-def test_bench_kernels_without_cuda_checks_correctness_only(capsys):
+def test_bench_kernels_without_cuda_checks_correctness_only(capsys, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("triton")
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the figures path runs instead")
-    status, out, _ = cli(capsys, "bench", "kernels", "--json")
+    status, out, _ = cli(capsys, "bench", "kernels", "--json", "--save", "--state-dir", str(tmp_path))
     assert status == 0
     doc = json.loads(out)
+    from kvctl.daemon.store import Store
+
+    assert Store(tmp_path / "kvd.sqlite3").get_run(doc["run_id"])["kind"] == "bench_kernels"
     assert doc["figures"] is None and doc["note"] == "figures need CUDA; correctness only"
     assert [c["check"] for c in doc["checks"]] == [
         "write_kv float32", "paged_decode_attention float32 (GQA 4)",
