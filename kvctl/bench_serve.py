@@ -241,13 +241,7 @@ def _conn(ctx: typer.Context) -> dict:
 
 
 async def _drive(sync_client, work, concurrency, rate, seed, tick):
-    transport = sync_client.http._transport
-    if isinstance(transport, httpx.HTTPTransport) and sync_client.where.startswith("/"):
-        async_transport = httpx.AsyncHTTPTransport(uds=sync_client.where)
-    else:
-        async_transport = httpx.AsyncHTTPTransport()
-    async with httpx.AsyncClient(base_url=str(sync_client.http.base_url), headers=sync_client.http.headers,
-                                 transport=async_transport, timeout=600) as client:
+    async with sync_client.async_client() as client:
         return await drive_kvd(client, work, concurrency=concurrency, rate=rate, seed=seed, tick=tick)
 
 
@@ -311,17 +305,22 @@ def write_plots(folder: Path, kvd_records: list[RequestRecord], base_records: li
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
+
+    def save(fig, ax, xlabel: str, ylabel: str, name: str, legend: bool = True) -> None:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if legend:
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=110)
+        plt.close(fig)
+
     series = {"kvd": kvd_records, **({"transformers": base_records} if base_records else {})}
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, records in series.items():
         ttfts = [r.ttft * 1000 for r in records if r.ttft is not None]
         ax.hist(ttfts, bins=30, alpha=0.6, label=name)
-    ax.set_xlabel("time to first token (ms)")
-    ax.set_ylabel("requests")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(folder / "ttft.png", dpi=110)
-    plt.close(fig)
+    save(fig, ax, "time to first token (ms)", "requests", "ttft.png")
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, records in series.items():
         times = sorted(t for r in records for t in r.token_times)
@@ -333,12 +332,7 @@ def write_plots(folder: Path, kvd_records: list[RequestRecord], base_records: li
         for t in times:
             counts[int(t - origin)] += 1
         ax.plot(range(bins), counts, marker="o", label=name)
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("output tokens per second")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(folder / "throughput.png", dpi=110)
-    plt.close(fig)
+    save(fig, ax, "seconds", "output tokens per second", "throughput.png")
     fig, ax = plt.subplots(figsize=(7, 4))
     finished = sorted((r for r in kvd_records if r.end is not None), key=lambda r: r.end)
     cached = prompt = 0
@@ -350,8 +344,4 @@ def write_plots(folder: Path, kvd_records: list[RequestRecord], base_records: li
         xs.append(r.end - origin)
         ys.append(cached / prompt if prompt else 0.0)
     ax.plot(xs, ys)
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("cached prompt tokens / prompt tokens (cumulative)")
-    fig.tight_layout()
-    fig.savefig(folder / "hit_ratio.png", dpi=110)
-    plt.close(fig)
+    save(fig, ax, "seconds", "cached prompt tokens / prompt tokens (cumulative)", "hit_ratio.png", legend=False)

@@ -33,13 +33,19 @@ class Client:
             except (OSError, IndexError):
                 raise UserError(f"token_file: cannot read a token from {token_file!r}") from None
             headers["Authorization"] = f"Bearer {token}"
-            self.where = url
+            self.where, self.socket = url, None
             self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
         else:
             path = socket or os.environ.get("KVD_SOCKET") or default_socket()
-            self.where = path
+            self.where, self.socket = path, path
             self.http = httpx.Client(base_url="http://kvd", headers=headers, timeout=timeout,
                                      transport=httpx.HTTPTransport(uds=path))
+
+    def async_client(self, timeout: float = 600.0) -> httpx.AsyncClient:
+        """An asyncio twin of this client (same place, same headers), for load generation."""
+        transport = httpx.AsyncHTTPTransport(uds=self.socket) if self.socket else httpx.AsyncHTTPTransport()
+        return httpx.AsyncClient(base_url=str(self.http.base_url), headers=self.http.headers,
+                                 transport=transport, timeout=timeout)
 
     def request(self, method: str, path: str, **kwargs) -> Any:
         try:
