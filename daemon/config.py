@@ -81,6 +81,9 @@ class KvdConfig:
     pin_budget_blocks: int | None = None
     shutdown_timeout: float = 30.0
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
+    cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
+    keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
+    allow_uncalibrated: bool = False  # serve a quantised cache with unit scales (loudly)
 
     def describe(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -89,7 +92,8 @@ class KvdConfig:
 _PARSERS = {
     "block_size": int, "num_blocks": int, "cache_memory": _size, "max_batch_tokens": int,
     "max_running": int, "max_queue": int, "pin_budget_blocks": int, "shutdown_timeout": float,
-    "trusted_proxy": _bool,
+    "trusted_proxy": _bool, "allow_uncalibrated": _bool,
+    "keep_layers_unquantised": lambda v: ",".join(str(int(x)) for x in (v if isinstance(v, list) else str(v).split(",")) if str(x).strip()),
 }
 
 
@@ -113,6 +117,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be fifo or priority")
     if name == "reservation":
         parse_reservation(value)
+    if name == "cache_dtype" and value not in ("auto", "fp8_e4m3", "fp8_e5m2", "int8"):
+        raise ValueError("must be auto, fp8_e4m3, fp8_e5m2 or int8")
     if name == "listen" and value is not None:
         host, _, port = str(value).rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -53,6 +53,11 @@ MIGRATIONS: list[tuple[int, str]] = [
             rollout_id INTEGER NOT NULL REFERENCES rollouts (id), at FLOAT, actor TEXT, action TEXT,
             detail TEXT);
     """),
+    (5, """
+        CREATE TABLE IF NOT EXISTS calibrations (id INTEGER PRIMARY KEY, created_at FLOAT, model_revision TEXT,
+            dtype TEXT, margin FLOAT, max_kl FLOAT, scales TEXT, keep_layers TEXT, report TEXT,
+            prompts_digest TEXT, meets_target INTEGER, applied_at FLOAT);
+    """),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -148,6 +153,34 @@ class Store:
         if not rows:
             return None
         return {**rows[0], "document": json.loads(rows[0]["document"])}
+
+    # ---- calibrations --------------------------------------------------------------------
+    def save_calibration(self, row: dict) -> int:
+        with self.write() as conn:
+            return conn.execute(
+                "INSERT INTO calibrations (created_at, model_revision, dtype, margin, max_kl, scales, keep_layers, "
+                "report, prompts_digest, meets_target, applied_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                (time.time(), row["model_revision"], row["dtype"], row["margin"], row["max_kl"],
+                 json.dumps(row["scales"]), json.dumps(row["keep_layers"]), json.dumps(row["report"]),
+                 row["prompts_digest"], int(row["meets_target"]))).lastrowid
+
+    def mark_calibration_applied(self, calibration_id: int) -> None:
+        with self.write() as conn:
+            conn.execute("UPDATE calibrations SET applied_at = ? WHERE id = ?", (time.time(), calibration_id))
+
+    def calibration(self, model_revision: str, dtype: str, *, applied: bool) -> dict | None:
+        """The newest calibration for the model and format (only applied ones when asked)."""
+        sql = ("SELECT * FROM calibrations WHERE model_revision = ? AND dtype = ?"
+               + (" AND applied_at IS NOT NULL ORDER BY applied_at DESC" if applied else " ORDER BY id DESC")
+               + " LIMIT 1")
+        with self._lock:
+            rows = list(self.db.query(sql, [model_revision, dtype]))
+        if not rows:
+            return None
+        row = rows[0]
+        scales = {int(k): tuple(v) for k, v in json.loads(row["scales"]).items()}
+        return {**row, "scales": scales, "keep_layers": tuple(json.loads(row["keep_layers"])),
+                "report": json.loads(row["report"]), "meets_target": bool(row["meets_target"])}
 
     # ---- maintenance ---------------------------------------------------------------------
     def integrity_check(self) -> list[str]:

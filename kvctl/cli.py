@@ -17,6 +17,7 @@ from . import ops, records_cmd
 from .bench_kernels import kernels_command
 from .bench_replay import replay_command
 from .bench_serve import serve_command
+from .calibrate_cmd import calibrate_command
 from .capacity_cmd import capacity_command
 from .rollout_cmd import rollout_app
 from .errors import UserError
@@ -39,6 +40,7 @@ app.command("capacity")(capacity_command)
 app.add_typer(records_cmd.adr_app, name="adr")
 app.add_typer(records_cmd.db_app, name="db")
 app.add_typer(rollout_app, name="rollout")
+app.command("calibrate")(calibrate_command)
 
 
 def _version(value: bool) -> None:

@@ -91,6 +91,16 @@ def render_status(data: dict, console: Console | None = None):
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
     facts.add_row("pins", str(data["pins"]))
+    cache = data.get("cache") or {}
+    if cache.get("uncalibrated"):
+        facts.add_row("cache format", Text(f"{cache['layout']}: UNCALIBRATED, unit scales", style="bold red"))
+    elif cache.get("scale_set"):
+        scale_set = cache["scale_set"]
+        facts.add_row("cache format", f"{cache['layout']}, scale set {scale_set['id']} (prompts "
+                                      f"{scale_set['prompts_digest']}), loaded in kernels: "
+                                      f"{'verified' if cache['scales_verified'] else 'MISMATCH'}")
+    elif cache:
+        facts.add_row("cache format", cache["layout"])
     facts.add_row("TTFT", f"p50 {_fmt_seconds(ttft.get('p50'))}  p95 {_fmt_seconds(ttft.get('p95'))}  "
                           f"p99 {_fmt_seconds(ttft.get('p99'))}")
     facts.add_row("inter-token", f"p50 {_fmt_seconds(itl.get('p50'))}  p95 {_fmt_seconds(itl.get('p95'))}  "

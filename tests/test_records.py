@@ -103,7 +103,7 @@ def test_migration_from_the_first_schema_version(tmp_path):
     """)
     conn.close()
     store = Store(path)
-    assert store.schema_version == SCHEMA_VERSION == 4
+    assert store.schema_version == SCHEMA_VERSION == 5
     assert [e["target"] for e in store.audit_since(0)] == ["pin-1"]
     assert Records(store).new("after migration", {}, "ops").id == 1
     assert store.save_run("x", {}) == 1

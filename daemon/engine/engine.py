@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 import torch
 
 from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHasher
-from kvctl.kernels import copy_blocks, copy_blocks_ref
+from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
 from kvctl.policies.admission import Verdict, blocks_for_tokens
 from kvctl.policies.reservation import parse_reservation
 
@@ -55,6 +55,8 @@ class EngineSettings:
     reservation: str = "fraction:1.0"  # output reservation policy (see policies.reservation)
     eviction: str = "lru"
     queue_order: str = "fifo"  # or "priority": higher priority first, FIFO within a priority
+    cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2 or int8
+    keep_layers: tuple[int, ...] = ()  # layers whose cache stays in the model dtype
 
 
 @dataclass(frozen=True)
@@ -80,17 +82,23 @@ class EngineStats:
 
 class Engine:
     def __init__(self, loaded: LoadedModel, settings: EngineSettings,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 scales: dict[int, tuple[list[float], list[float]]] | None = None,
+                 scale_version: str = "") -> None:
         if settings.queue_order not in ("fifo", "priority"):
             raise ValueError(f"queue_order: unknown value {settings.queue_order!r}; use fifo or priority")
         if settings.max_batch_tokens < 1 or settings.max_running < 1 or settings.max_queue < 1:
             raise ValueError("max_batch_tokens, max_running and max_queue must be >= 1")
         self.loaded, self.model, self.settings, self.clock = loaded, loaded.model, settings, clock
         self.tokenizer = loaded.tokenizer
+        self.cache_dtype = None if settings.cache_dtype == "auto" else cache_dtype(settings.cache_dtype)
+        self.scale_version = scale_version
         self.cache = KVCacheManager(settings.num_blocks, settings.block_size, policy=settings.eviction,
-                                    block_bytes=self.model.cache_bytes_per_block(settings.block_size),
+                                    block_bytes=self.model.cache_bytes_per_block(
+                                        settings.block_size, self.cache_dtype, settings.keep_layers),
                                     clock=clock)
-        self.kv_caches = self.model.allocate_cache(settings.num_blocks, settings.block_size)
+        self.kv_caches = self.model.allocate_cache(settings.num_blocks, settings.block_size, self.cache_dtype,
+                                                   settings.keep_layers, scales)
         self.reservation = parse_reservation(settings.reservation)
         self.eos_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -100,12 +108,34 @@ class Engine:
         self._running: dict[str, Sequence] = {}
         self._order = itertools.count()
         self.stats = EngineStats()
+        self.admission_paused = False  # set while new scales wait for running work to drain
 
     # ---- identity ----------------------------------------------------------------------------
     def namespace(self, tenant: str) -> Namespace:
         return Namespace(model_revision=self.loaded.revision, tokenizer_digest=self.tokenizer.digest,
-                         cache_dtype=str(self.model.dtype).replace("torch.", ""),
+                         cache_dtype=self.layout(), scale_version=self.scale_version,
                          block_size=self.settings.block_size, tenant=tenant)
+
+    def layout(self) -> str:
+        """The cache format as the namespace records it, e.g. 'fp8_e4m3 keep=0,3' or 'float32'."""
+        if self.cache_dtype is None:
+            return str(self.model.dtype).replace("torch.", "")
+        keep = ",".join(str(i) for i in sorted(self.settings.keep_layers))
+        return self.settings.cache_dtype + (f" keep={keep}" if keep else "")
+
+    def set_scales(self, scales: dict[int, tuple[list[float], list[float]]], scale_version: str) -> None:
+        """Load new scales into every quantised layer. Blocks written under the old ones become
+        unreachable (the scale version is in the namespace); call only with nothing running."""
+        for layer, cache in enumerate(self.kv_caches):
+            if cache.k_scale is not None and layer in scales:
+                cache.k_scale.copy_(torch.tensor(scales[layer][0]))
+                cache.v_scale.copy_(torch.tensor(scales[layer][1]))
+        self.scale_version = scale_version
+
+    def loaded_scales(self) -> dict[int, tuple[list[float], list[float]]]:
+        """The scales the kernels will read, straight from the cache tensors (for the status check)."""
+        return {layer: (c.k_scale.tolist(), c.v_scale.tolist()) for layer, c in enumerate(self.kv_caches)
+                if c.k_scale is not None}
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
@@ -198,6 +228,8 @@ class Engine:
         return self._advance(plan, sample_rows, logits)
 
     def _admit(self) -> None:
+        if self.admission_paused:
+            return
         while self._waiting and len(self._running) < self.settings.max_running:
             _, seq = self._waiting[0]
             if seq.status is not SeqStatus.WAITING:
@@ -277,8 +309,8 @@ class Engine:
         src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
         copy = copy_blocks if device.type == "cuda" else copy_blocks_ref
-        for k_cache, v_cache in self.kv_caches:
-            copy(k_cache, v_cache, src, dst)
+        for layer in self.kv_caches:
+            copy(layer.k, layer.v, src, dst)
 
     def _forward_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[int | None]]:
         size, device = self.settings.block_size, self.model.device

@@ -17,18 +17,29 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kvctl.kernels import (paged_attention_torch, paged_decode_attention, paged_prefill_attention, write_kv,
-                           write_kv_ref)
+from kvctl.kernels import (is_quantised, paged_attention_torch, paged_decode_attention, paged_prefill_attention,
+                           write_kv, write_kv_ref)
 
 from .config import ModelConfig, ModelError
 from .tokenizer import Tokenizer
 from .weights import load_weights, model_revision
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LayerCache:
+    """One layer's paged K/V storage, with its per-KV-head scales when quantised."""
+
+    k: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v: torch.Tensor  # same shape and dtype as k
+    k_scale: torch.Tensor | None = None  # [num_kv_heads] float32, quantised formats only
+    v_scale: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,30 +97,55 @@ class LlamaModel:
         self.lm_head = weights["model.embed_tokens.weight"] if config.tie_word_embeddings \
             else weights["lm_head.weight"]
 
-    def allocate_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_cache(self, num_blocks: int, block_size: int, cache_dtype: torch.dtype | None = None,
+                       keep_layers: tuple[int, ...] = (),
+                       scales: dict[int, tuple[list[float], list[float]]] | None = None) -> list[LayerCache]:
+        """Per-layer caches in `cache_dtype` (default: the model's); layers in `keep_layers` stay in
+        the model dtype. Quantised layers get their scales from `scales` (unit scales if absent)."""
         c = self.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(c.num_layers)]
+        caches = []
+        for layer in range(c.num_layers):
+            dtype = self.dtype if cache_dtype is None or layer in keep_layers else cache_dtype
+            entry = LayerCache(torch.zeros(shape, dtype=dtype, device=self.device),
+                               torch.zeros(shape, dtype=dtype, device=self.device))
+            if is_quantised(dtype):
+                k_scale, v_scale = (scales or {}).get(layer, ([1.0] * c.num_kv_heads, [1.0] * c.num_kv_heads))
+                entry.k_scale = torch.tensor(k_scale, dtype=torch.float32, device=self.device)
+                entry.v_scale = torch.tensor(v_scale, dtype=torch.float32, device=self.device)
+            caches.append(entry)
+        return caches
 
-    def cache_bytes_per_block(self, block_size: int) -> int:
+    def cache_bytes_per_block(self, block_size: int, cache_dtype: torch.dtype | None = None,
+                              keep_layers: tuple[int, ...] = ()) -> int:
         c = self.config
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+        total = 0
+        for layer in range(c.num_layers):
+            dtype = self.dtype if cache_dtype is None or layer in keep_layers else cache_dtype
+            element = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
+            total += 2 * block_size * c.num_kv_heads * c.head_dim * element
+        return total
 
-    def _attention(self, q, k_cache, v_cache, batch: ForwardBatch) -> torch.Tensor:
+    def _attention(self, q, cache: LayerCache, batch: ForwardBatch) -> torch.Tensor:
+        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         if self.use_triton and batch.max_new_tokens == 1:
-            return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
-                                          scale=self.scale, max_context=batch.max_context)
+            return paged_decode_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
+                                          scale=self.scale, max_context=batch.max_context, **scales)
         if self.use_triton:
-            return paged_prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+            return paged_prefill_attention(q, cache.k, cache.v, batch.block_tables, batch.query_start_loc,
                                            batch.context_lens, scale=self.scale,
-                                           max_new_tokens=batch.max_new_tokens)
-        return paged_attention_torch(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
-                                     batch.context_lens, scale=self.scale, max_new_tokens=batch.max_new_tokens)
+                                           max_new_tokens=batch.max_new_tokens, **scales)
+        return paged_attention_torch(q, cache.k, cache.v, batch.block_tables, batch.query_start_loc,
+                                     batch.context_lens, scale=self.scale, max_new_tokens=batch.max_new_tokens,
+                                     **scales)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Next-token logits (float32) for the rows in `batch.logits_indices`."""
+    def forward(self, batch: ForwardBatch, kv_caches: list[LayerCache],
+                observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Next-token logits (float32) for the rows in `batch.logits_indices`.
+
+        `observer(layer, k, v)` sees each layer's new K (after RoPE) and V before they are
+        written (calibration measures them)."""
         c, w = self.config, self.w
         write = write_kv if self.use_triton else write_kv_ref
         hidden = w["model.embed_tokens.weight"][batch.input_ids]
@@ -126,9 +162,11 @@ class LlamaModel:
             q = apply_rope(q.view(tokens, c.num_heads, c.head_dim), cos, sin).contiguous()
             k = apply_rope(k.view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(tokens, c.num_kv_heads, c.head_dim)
-            k_cache, v_cache = kv_caches[i]
-            write(k, v, k_cache, v_cache, batch.slot_mapping)
-            attn = self._attention(q, k_cache, v_cache, batch).reshape(tokens, c.num_heads * c.head_dim)
+            cache = kv_caches[i]
+            if observer is not None:
+                observer(i, k, v)
+            write(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale)
+            attn = self._attention(q, cache, batch).reshape(tokens, c.num_heads * c.head_dim)
             hidden = hidden + F.linear(attn, w[p + "self_attn.o_proj.weight"])
             x = rms_norm(hidden, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             gate = F.linear(x, w[p + "mlp.gate_proj.weight"])

@@ -98,6 +98,17 @@ class RolloutRollback(BaseModel):
     reason: str
 
 
+class CalibrateRequest(BaseModel):
+    dtype: str = "fp8_e4m3"
+    prompts: list[str | list[int]] | None = None
+    max_tokens: int = Field(16, ge=0, le=256)
+    max_kl: float = Field(0.01, gt=0)
+    margin: float = 1.0
+    slices: list[int] = Field(default_factory=lambda: [512, 2048])
+    if_older_than: float | None = None
+    apply: bool = False
+
+
 class ExplainRequest(BaseModel):
     text: str | None = None
     tokens: list[int] | None = None
@@ -330,6 +341,15 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.post("/admin/rollouts/{rollout_id}/complete")
     def rollout_complete(rollout_id: int, who: Principal = Depends(admin)):
         return service.complete_rollout(rollout_id, who)
+
+    @app.post("/admin/calibrate")
+    def calibrate(body: CalibrateRequest, who: Principal = Depends(admin)):
+        service.require_ready()
+        prompts = None if body.prompts is None else [
+            service.tokenize(p) if isinstance(p, str) else list(p) for p in body.prompts]
+        return service.calibrate(dtype=body.dtype, prompts=prompts, greedy_tokens=body.max_tokens,
+                                 max_kl=body.max_kl, margin=body.margin, slices=body.slices,
+                                 if_older_than=body.if_older_than, apply=body.apply, principal=who)
 
     @app.get("/admin/config")
     def config(_: Principal = Depends(admin)):

@@ -66,6 +66,8 @@ class _EngineCollector:
                                   value=preemptions)
         yield GaugeMetricFamily("kvd_queue_age_seconds", "Age of the oldest waiting request",
                                 value=max(ages, default=0.0))
+        yield GaugeMetricFamily("kvd_cache_uncalibrated", "1 while a quantised cache runs on unit scales",
+                                value=1.0 if engine.scale_version == "unit" else 0.0)
         pinned = GaugeMetricFamily("kvd_pinned_blocks", "Distinct pinned blocks per tenant", labels=["tenant"])
         for tenant, value in sorted(pins.items()):
             pinned.add_metric([tenant], value)

@@ -25,6 +25,7 @@ from kvctl.daemon.engine.sampling import SamplingParams
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import Store
+from kvctl.kernels import cache_dtype
 from kvctl.policies.reservation import parse_reservation
 
 from .durations import parse_duration  # noqa: F401  (re-exported for the app)
@@ -71,6 +72,7 @@ class EngineService:
         self.rollouts = RolloutManager(store)
         self._observers.append(self.rollouts.observe)
         self.rollout_check_seconds = 10.0
+        self.pending_scales: dict | None = None  # a calibration to load once running work drains
 
     # ---- life cycle --------------------------------------------------------------------------
     def load(self) -> None:
@@ -91,11 +93,37 @@ class EngineService:
             num_blocks = (256 * 2**20) // per_block
         if num_blocks < 1:
             raise ValueError(f"cache_memory: {cfg.cache_memory} bytes holds no block of {per_block} bytes")
+        scales, scale_version, keep = None, "", ()
+        self.calibration: dict | None = None
+        if cfg.cache_dtype != "auto":
+            self.calibration = self.store.calibration(loaded.revision, cfg.cache_dtype, applied=True)
+            if self.calibration is None and not cfg.allow_uncalibrated:
+                raise ValueError(
+                    f"cache_dtype: {cfg.cache_dtype} has no applied calibration for model revision "
+                    f"{loaded.revision[:12]}; start with cache_dtype auto and run `kvctl calibrate --dtype "
+                    f"{cfg.cache_dtype} --apply`, or set allow_uncalibrated: true to serve with unit scales")
+            if self.calibration is not None:
+                scales, scale_version = self.calibration["scales"], f"cal-{self.calibration['id']}"
+                keep = self.calibration["keep_layers"]
+            else:
+                scale_version = "unit"
+                log.warning("SERVING AN UNCALIBRATED %s CACHE WITH UNIT SCALES (allow_uncalibrated)", cfg.cache_dtype)
+            if cfg.keep_layers_unquantised is not None:
+                keep = tuple(int(x) for x in cfg.keep_layers_unquantised.split(",") if x)
+            bad = [i for i in keep if not 0 <= i < loaded.config.num_layers]
+            if bad:
+                raise ValueError(f"keep_layers_unquantised: layer {bad[0]} does not exist "
+                                 f"(the model has {loaded.config.num_layers})")
+            per_block = loaded.model.cache_bytes_per_block(cfg.block_size, cache_dtype(cfg.cache_dtype), keep)
+            if not cfg.num_blocks:
+                num_blocks = (cfg.cache_memory or (256 * 2**20 if device == "cpu" else
+                                                   int(torch.cuda.mem_get_info()[0] * 0.8))) // per_block
         settings = EngineSettings(num_blocks=num_blocks, block_size=cfg.block_size,
                                   max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running,
                                   max_queue=cfg.max_queue, reservation=cfg.reservation,
-                                  eviction=cfg.eviction, queue_order=cfg.queue_order)
-        engine = Engine(loaded, settings)
+                                  eviction=cfg.eviction, queue_order=cfg.queue_order,
+                                  cache_dtype=cfg.cache_dtype, keep_layers=tuple(keep))
+        engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         if cfg.pin_budget_blocks is not None:
             engine.cache.pins.default_budget = cfg.pin_budget_blocks
         with self.lock:
@@ -127,6 +155,8 @@ class EngineService:
                 self.rollouts.evaluate()
                 next_rollout_check = time.monotonic() + self.rollout_check_seconds
             with self.lock:
+                if self.pending_scales is not None and not self.engine._running:
+                    self._load_scales(self.pending_scales)
                 if not self.engine.has_work():
                     self.lock.wait(timeout=0.5)
                     continue
@@ -235,6 +265,92 @@ class EngineService:
             self.lock.notify_all()
         return queued
 
+    def _load_scales(self, calibration: dict) -> None:
+        """Swap in applied scales (caller holds the lock, nothing is running)."""
+        self.engine.set_scales(calibration["scales"], f"cal-{calibration['id']}")
+        self.calibration = calibration
+        self.pending_scales = None
+        self.engine.admission_paused = False
+        log.info("calibration %d loaded into the kernels", calibration["id"])
+
+    def calibrate(self, *, dtype: str, prompts: list[list[int]] | None, greedy_tokens: int, max_kl: float,
+                  margin: float, slices: list[int], if_older_than: float | None, apply: bool,
+                  principal: Principal) -> dict:
+        """Measure, derive scales, evaluate by slice, rank layers; store; apply if it meets the target."""
+        from kvctl.daemon import calibration as cal
+
+        self.require_ready()
+        loaded = self.loaded
+        if dtype not in ("fp8_e4m3", "fp8_e5m2", "int8"):
+            raise ServiceError(400, f"dtype: invalid value {dtype!r}; use fp8_e4m3, fp8_e5m2 or int8", "dtype")
+        if not margin >= 1.0:
+            raise ServiceError(400, f"margin: must be >= 1.0, got {margin}", "margin")
+        if if_older_than is not None:
+            latest = self.store.calibration(loaded.revision, dtype, applied=False)
+            if latest is not None and time.time() - latest["created_at"] < if_older_than:
+                return {"skipped": True, "calibration_id": latest["id"], "dtype": dtype,
+                        "age_seconds": time.time() - latest["created_at"],
+                        "reason": f"calibration {latest['id']} is newer than {if_older_than:.0f}s"}
+        calib, held = cal.builtin_prompts(loaded.tokenizer)
+        if prompts:
+            split = max(1, len(prompts) // 2)
+            calib, held = prompts[:split], prompts[split:] or prompts[:split]
+        k_max, v_max = cal.measure_absmax(loaded, calib)
+        scales = cal.derive_scales(k_max, v_max, dtype, margin)
+        sensitivity_set = [p for p in held if len(p) <= min(slices)][:3] or held[:1]
+        sensitivity = cal.layer_sensitivity(loaded, sensitivity_set, dtype, scales)
+        keep, _ = cal.recommend_keep(loaded, sensitivity_set, dtype, scales, sensitivity, max_kl)
+        slice_results = [r.as_dict() for r in cal.evaluate(loaded, held, dtype, scales, keep, slices, greedy_tokens)]
+        worst = max((r["kl"] for r in slice_results), default=0.0)
+        meets = worst <= max_kl
+        report = {"slices": slice_results, "layer_sensitivity": sensitivity, "margin": margin,
+                  "absmax": {"k": k_max.tolist(), "v": v_max.tolist()}}
+        calibration_id = self.store.save_calibration({
+            "model_revision": loaded.revision, "dtype": dtype, "margin": margin, "max_kl": max_kl,
+            "scales": {str(k): v for k, v in scales.items()}, "keep_layers": list(keep), "report": report,
+            "prompts_digest": cal.prompts_digest(calib + held), "meets_target": meets})
+        body = {"calibration_id": calibration_id, "dtype": dtype, "model_revision": loaded.revision,
+                "margin": margin, "max_kl": max_kl, "slices": slice_results, "layer_sensitivity": sensitivity,
+                "recommended_keep_layers": list(keep), "meets_target": meets, "worst_kl": worst,
+                "applied": False, "skipped": False}
+        if apply and not meets:
+            body["refused"] = (f"apply: calibration {calibration_id} misses the target: worst slice KL "
+                               f"{worst:.3g} > max_kl {max_kl:.3g} (by {worst - max_kl:.3g})")
+        elif apply:
+            self.store.mark_calibration_applied(calibration_id)
+            body["applied"] = True
+            stored = self.store.calibration(loaded.revision, dtype, applied=True)
+            with self.lock:
+                if self.engine.settings.cache_dtype == dtype:
+                    self.engine.admission_paused = True
+                    self.pending_scales = stored
+                    body["takes_effect"] = "now: new scales load as soon as running requests finish"
+                    if tuple(keep) != tuple(self.engine.settings.keep_layers):
+                        body["needs_restart_for_keep_layers"] = True
+                    self.lock.notify_all()
+                else:
+                    body["takes_effect"] = f"when kvd serves cache_dtype {dtype}"
+        self.store.audit(actor=principal.actor, tenant="-", action="calibrate", target=f"calibration:{calibration_id}",
+                         result="applied" if body["applied"] else ("refused" if "refused" in body else "stored"),
+                         detail={"dtype": dtype, "worst_kl": worst, "max_kl": max_kl})
+        return body
+
+    def cache_status(self) -> dict:
+        """Format, scale set and a check that the kernels read the stored scales."""
+        engine = self.engine
+        body = {"dtype": engine.settings.cache_dtype if engine.cache_dtype is not None else "auto",
+                "layout": engine.layout(), "scale_version": engine.scale_version or None,
+                "uncalibrated": engine.scale_version == "unit", "scale_set": None, "scales_verified": None}
+        if self.calibration is not None:
+            c = self.calibration
+            body["scale_set"] = {"id": c["id"], "calibrated_at": c["created_at"], "applied_at": c["applied_at"],
+                                 "prompts_digest": c["prompts_digest"], "margin": c["margin"]}
+            loaded = engine.loaded_scales()
+            body["scales_verified"] = all(
+                all(abs(a - b) <= 1e-6 * max(abs(b), 1e-12) for a, b in zip(loaded[layer][i], c["scales"][layer][i]))
+                for layer in loaded for i in (0, 1))
+        return body
+
     def complete_rollout(self, rollout_id: int, principal: Principal) -> dict:
         """Finish a rollout: its settings become everyone's (kept until the next reload)."""
         with self.lock:
@@ -288,6 +404,7 @@ class EngineService:
                           "running": len(engine._running)},
                 "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
                 "pins": len(cache.pins.all()),
+                "cache": self.cache_status(),
                 "uptime_seconds": time.time() - self.started_at,
             }
         body["latency"] = self.latency_summary()

@@ -1,0 +1,135 @@
+"""Quantised caches in service: scale derivation, quality against the float cache, the
+calibration job's storage, skip, refusal and apply, and the scale version in the namespace."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+from kvctl.daemon import calibration as cal  # noqa: E402
+from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
+from kvctl.daemon.model.llama import load_model  # noqa: E402
+from kvctl.kernels import cache_dtype  # noqa: E402
+
+from .daemon_fixtures import apps, call, start_service, token_table  # noqa: E402
+
+TEXTS = ["The cache keeps blocks of tokens for every tenant and evicts the least useful first. " * 3,
+         "def route(request):\n    return replicas[hash(request.prefix) % len(replicas)]\n" * 4,
+         "Operators pin system prompts, watch hit ratios and roll policies out to cohorts. " * 3,
+         '{"tier": "device", "hits": 3}\n{"tier": "host", "hits": 0}\n' * 6]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return load_model(ensure_demo_checkpoint(tmp_path_factory.mktemp("state")))
+
+
+def test_scales_come_from_the_maxima_and_the_margin():
+    k_max = torch.tensor([[224.0, 448.0], [1.0, 0.0]])
+    v_max = torch.tensor([[127.0, 63.5], [0.5, 2.0]])
+    fp8 = cal.derive_scales(k_max, v_max, "fp8_e4m3", margin=1.0)
+    assert fp8[0][0] == pytest.approx([0.5, 1.0]) and fp8[1][0][1] == pytest.approx(1e-6 / 448)
+    int8 = cal.derive_scales(k_max, v_max, "int8", margin=2.0)
+    assert int8[0][1] == pytest.approx([2.0, 1.0]) and int8[1][1] == pytest.approx([1 / 127, 4 / 127])
+
+
+def test_measured_maxima_are_the_maxima_the_model_produces(demo):
+    prompts = [demo.tokenizer.encode(t) for t in TEXTS[:2]]
+    k_max, v_max = cal.measure_absmax(demo, prompts)
+    seen = {}
+
+    def record(layer, k, v):
+        seen.setdefault(layer, []).append((k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2))))
+
+    for ids in prompts:
+        caches, blocks = cal._scratch(demo, len(ids))
+        demo.model.forward(cal._batch(ids, 0, blocks, all_rows=False), caches, observer=record)
+    for layer, pairs in seen.items():
+        assert torch.equal(k_max[layer], torch.stack([p[0] for p in pairs]).amax(0))
+        assert torch.equal(v_max[layer], torch.stack([p[1] for p in pairs]).amax(0))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
+def test_quantised_cache_agrees_with_the_float_cache(demo, dtype):
+    """log q_i - log p_i moves by at most 2 delta when every logit moves by at most delta, so
+    KL(p || q) <= 2 delta with delta the largest logit change we measure."""
+    prompts = [demo.tokenizer.encode(t) for t in TEXTS]
+    scales = cal.derive_scales(*cal.measure_absmax(demo, prompts[:2]), dtype, margin=1.0)
+    for ids in prompts[2:]:
+        ref = cal._logits(demo, ids, None, (), None)
+        quant = cal._logits(demo, ids, cache_dtype(dtype), (), scales)
+        delta = float((ref - quant).abs().max())
+        metrics = cal.compare(demo, ids, cache_dtype(dtype), (), scales, 16)
+        assert 0 < metrics["kl"] <= 2 * delta
+        # Given the same context, the greedy (top-1) token is the same at most positions.
+        assert metrics["top1"] >= 0.9
+        assert metrics["match"] >= 1  # the first generated token agrees
+
+
+def test_a_quantised_cache_without_calibration_refuses_to_start(tmp_path):
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.store import Store
+
+    config = resolve({"state_dir": str(tmp_path), "socket": str(tmp_path / "s"), "num_blocks": 32,
+                      "cache_dtype": "fp8_e4m3"}, env={})
+    service = EngineService(config, Store(tmp_path / "kvd.sqlite3"))
+    with pytest.raises(ValueError, match="cache_dtype: fp8_e4m3 has no applied calibration"):
+        service.load()
+    loud = start_service(tmp_path, cache_dtype="fp8_e4m3", allow_uncalibrated=True)
+    try:
+        unix, _ = apps(loud, token_table(tmp_path))
+        cache = call(unix, "GET", "/admin/status").json()["cache"]
+        assert cache["uncalibrated"] is True and cache["scale_version"] == "unit"
+        assert "kvd_cache_uncalibrated 1.0" in call(unix, "GET", "/metrics").text
+    finally:
+        loud.shutdown(1)
+
+
+def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path):
+    service = start_service(tmp_path)
+    unix, _ = apps(service, token_table(tmp_path))
+    body = {"dtype": "fp8_e4m3", "prompts": TEXTS, "max_tokens": 4, "slices": [512], "max_kl": 1.0}
+    try:
+        first = call(unix, "POST", "/admin/calibrate", json=body).json()
+        assert first["calibration_id"] == 1 and first["meets_target"] is True and first["applied"] is False
+        assert [s["max_context"] for s in first["slices"]] == [512]
+        assert set(first["slices"][0]) >= {"kl", "top1_agreement", "greedy_match_len", "ppl_delta"}
+        assert len(first["layer_sensitivity"]) == 2
+        skipped = call(unix, "POST", "/admin/calibrate", json={**body, "if_older_than": 3600}).json()
+        assert skipped["skipped"] is True and skipped["calibration_id"] == 1
+        strict = call(unix, "POST", "/admin/calibrate", json={**body, "max_kl": 1e-12, "apply": True}).json()
+        assert strict["applied"] is False and strict["meets_target"] is False
+        assert strict["refused"].startswith(f"apply: calibration {strict['calibration_id']} misses the target: "
+                                            "worst slice KL")
+        assert "> max_kl 1e-12 (by " in strict["refused"]
+        applied = call(unix, "POST", "/admin/calibrate", json={**body, "apply": True}).json()
+        assert applied["applied"] is True and applied["takes_effect"] == "when kvd serves cache_dtype fp8_e4m3"
+    finally:
+        service.shutdown(1)
+    service = start_service(tmp_path, cache_dtype="fp8_e4m3")
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        cache = call(unix, "GET", "/admin/status").json()["cache"]
+        assert cache["scale_set"]["id"] == applied["calibration_id"] and cache["scales_verified"] is True
+        assert cache["scale_version"] == f"cal-{applied['calibration_id']}" and cache["uncalibrated"] is False
+        prompt = {"prompt": TEXTS[0], "max_tokens": 2}
+        call(unix, "POST", "/v1/completions", json=prompt)
+        warm = call(unix, "POST", "/v1/completions", json=prompt).json()
+        assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        live = call(unix, "POST", "/admin/calibrate", json={**body, "margin": 1.2, "apply": True}).json()
+        assert live["takes_effect"].startswith("now")
+        for _ in range(100):
+            if service.engine.scale_version == f"cal-{live['calibration_id']}":
+                break
+            import time
+            time.sleep(0.05)
+        after = call(unix, "POST", "/v1/completions", json=prompt).json()
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # new scales, new namespace
+        assert call(unix, "GET", "/admin/status").json()["cache"]["scales_verified"] is True
+        actions = [e["result"] for e in call(unix, "GET", "/admin/audit", params={"action": "calibrate"}).json()["entries"]]
+        assert actions == ["applied", "applied", "refused", "stored"]
+    finally:
+        service.shutdown(1)
