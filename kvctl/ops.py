@@ -101,6 +101,9 @@ def render_status(data: dict, console: Console | None = None):
                                       f"{'verified' if cache['scales_verified'] else 'MISMATCH'}")
     elif cache:
         facts.add_row("cache format", cache["layout"])
+    if data.get("extra_tokens_vs_model_dtype"):
+        facts.add_row("format gain", f"{data['capacity_tokens']:,} tokens, {data['extra_tokens_vs_model_dtype']:,} "
+                                     "more than the model dtype in the same memory")
     facts.add_row("TTFT", f"p50 {_fmt_seconds(ttft.get('p50'))}  p95 {_fmt_seconds(ttft.get('p95'))}  "
                           f"p99 {_fmt_seconds(ttft.get('p99'))}")
     facts.add_row("inter-token", f"p50 {_fmt_seconds(itl.get('p50'))}  p95 {_fmt_seconds(itl.get('p95'))}  "

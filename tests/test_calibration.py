@@ -112,8 +112,12 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path):
     service = start_service(tmp_path, cache_dtype="fp8_e4m3")
     try:
         unix, _ = apps(service, token_table(tmp_path))
-        cache = call(unix, "GET", "/admin/status").json()["cache"]
+        status = call(unix, "GET", "/admin/status").json()
+        cache = status["cache"]
         assert cache["scale_set"]["id"] == applied["calibration_id"] and cache["scales_verified"] is True
+        # float32 demo model: an fp8 cache holds four times the tokens in the same bytes
+        assert status["bytes_per_token"] == 2 * 2 * 1 * 64 * 1
+        assert status["extra_tokens_vs_model_dtype"] == 3 * status["capacity_tokens"]
         assert cache["scale_version"] == f"cal-{applied['calibration_id']}" and cache["uncalibrated"] is False
         prompt = {"prompt": TEXTS[0], "max_tokens": 2}
         call(unix, "POST", "/v1/completions", json=prompt)

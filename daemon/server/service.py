@@ -393,8 +393,13 @@ class EngineService:
                           "device": str(engine.model.device)},
                 "blocks": {"device": {"total": cache.num_blocks, **counts}},
                 "block_size": cache.block_size,
-                "bytes_per_block": engine.model.cache_bytes_per_block(cache.block_size),
-                "bytes_per_token": engine.model.cache_bytes_per_block(cache.block_size) // cache.block_size,
+                "bytes_per_block": engine.cache.block_bytes,
+                "bytes_per_token": engine.cache.block_bytes // cache.block_size,
+                "capacity_tokens": cache.num_blocks * cache.block_size,
+                # how many more tokens the active format holds than the model dtype would in the same bytes
+                "extra_tokens_vs_model_dtype": cache.num_blocks * cache.block_size * (
+                    engine.model.cache_bytes_per_block(cache.block_size) - engine.cache.block_bytes)
+                    // engine.cache.block_bytes,
                 "eviction_policy": cache.policy_name,
                 "tokens": {"prompt": stats.prompt_tokens, "hit": stats.hit_tokens,
                            "recomputed": stats.recomputed_tokens,
