@@ -253,3 +253,28 @@ def test_many_requests_with_random_arrivals_cancellations_and_preemption(demo):
                 assert seq.finish_reason == "length"
                 assert len(seq.output_ids) == request.params.max_tokens
     assert all_blocks_back(engine)
+
+
+@pytest.mark.parametrize("dtype, scales", [("auto", None), ("int8", {0: ([0.05], [0.05]), 1: ([0.05], [0.05])})])
+def test_triton_kernel_path_gives_the_same_tokens_as_the_torch_path(demo, dtype, scales):
+    """The engine's CUDA path (Triton write_kv, prefill and decode kernels; here under
+    TRITON_INTERPRET=1 on the CPU) against the batched torch path, chunked prefill included."""
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    prompts = [prompt(demo, "Hello there, paged world of caches"), prompt(demo, "A second prompt here")]
+    outputs = []
+    try:
+        for use_triton in (False, True):
+            demo.model.use_triton = use_triton
+            engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_batch_tokens=24,
+                                                 cache_dtype=dtype), scales=scales)
+            requests = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
+            engine.run_until_done()
+            engine.cache.audit()
+            outputs.append([r.sequences[0].output_ids for r in requests])
+    finally:
+        demo.model.use_triton = demo.model.device.type == "cuda"
+    assert outputs[0] == outputs[1]
