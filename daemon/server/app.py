@@ -209,8 +209,14 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         sink = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)  # noqa: E731
+        submitting = asyncio.ensure_future(run_in_threadpool(service.submit, prompts, params, who, sink))
         try:
-            requests = await run_in_threadpool(service.submit, prompts, params, who, sink)
+            requests = await asyncio.shield(submitting)
+        except asyncio.CancelledError:
+            # The client left while its requests were being queued: cancel them once they are.
+            submitting.add_done_callback(lambda done: None if done.cancelled() or done.exception() else [
+                service.cancel(r.request_id) for r in done.result()])
+            raise
         except ContextLengthExceeded as exc:
             raise ApiError(413, str(exc), param="max_tokens", code="context_length_exceeded") from None
         except RequestError as exc:

@@ -172,8 +172,14 @@ class EngineService:
         request's last samples may finish in the same step as its first)."""
         for event in events:
             sink = self._sinks.get(event.request_id)
-            if sink is not None:
+            if sink is None:
+                continue
+            try:
                 sink(event)
+            except Exception as exc:  # the client is gone (its event loop closed): stop its work
+                log.warning("dropping request %s: its client cannot take events (%s)", event.request_id, exc)
+                self._sinks.pop(event.request_id, None)
+                self.cancel(event.request_id)
         for request_id in dict.fromkeys(e.request_id for e in events if e.finish_reason is not None):
             self._maybe_finished(request_id)
 
