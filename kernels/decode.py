@@ -71,12 +71,6 @@ def _decode_partial_kernel(
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    k_scale = 1.0
-    v_scale = 1.0
-    if QUANT:
-        k_scale = tl.load(k_scale_ptr + kv_head)
-        v_scale = tl.load(v_scale_ptr + kv_head)
-
     row_max = tl.full([GROUP_P], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
@@ -85,7 +79,7 @@ def _decode_partial_kernel(
         token_mask = tokens < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, tokens,
                             token_mask, kv_head, dims, dim_mask, stride_cb, stride_co, stride_ch,
-                            block_size, k_scale, v_scale, QUANT)
+                            block_size, k_scale_ptr, v_scale_ptr, QUANT)
         row_max, row_sum, acc = online_softmax_step(
             q, k.to(q.dtype), v.to(q.dtype), token_mask[None, :], sm_scale, row_max, row_sum, acc,
             PRECISION)

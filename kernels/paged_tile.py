@@ -20,7 +20,7 @@ def load_kv_tile(
     dim_mask,  # [DIM_P]
     stride_cb, stride_co, stride_ch,
     block_size,
-    k_scale, v_scale,  # per-head scales (ignored unless QUANT)
+    k_scale_ptr, v_scale_ptr,  # [num_kv_heads] float32 (read only when QUANT)
     QUANT: tl.constexpr,
 ):
     physical = tl.load(table_row_ptr + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
@@ -30,8 +30,8 @@ def load_kv_tile(
     k = tl.load(k_cache_ptr + addr, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_cache_ptr + addr, mask=mask, other=0.0).to(tl.float32)
     if QUANT:
-        k = k * k_scale
-        v = v * v_scale
+        k = k * tl.load(k_scale_ptr + kv_head)
+        v = v * tl.load(v_scale_ptr + kv_head)
     return k, v
 
 

@@ -70,12 +70,6 @@ def _prefill_kernel(
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    k_scale = 1.0
-    v_scale = 1.0
-    if QUANT:
-        k_scale = tl.load(k_scale_ptr + kv_head)
-        v_scale = tl.load(v_scale_ptr + kv_head)
-
     row_max = tl.full([ROWS], float("-inf"), tl.float32)
     row_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_P], tl.float32)
@@ -85,7 +79,7 @@ def _prefill_kernel(
         key_mask = keys < key_end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, keys,
                             key_mask, kv_head, dims, dim_mask, stride_cb, stride_co, stride_ch,
-                            block_size, k_scale, v_scale, QUANT)
+                            block_size, k_scale_ptr, v_scale_ptr, QUANT)
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])
         row_max, row_sum, acc = online_softmax_step(
             q, k.to(q.dtype), v.to(q.dtype), visible, sm_scale, row_max, row_sum, acc, PRECISION)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass, field
+
+from kvctl.daemon.stats import percentile
 
 
 @dataclass
@@ -24,15 +24,6 @@ class RequestRecord:
     @property
     def itls(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 1]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered) - 1e-9))
-    return ordered[min(len(ordered), rank) - 1]
 
 
 def median(values: list[float]) -> float | None:

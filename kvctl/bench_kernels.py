@@ -214,7 +214,7 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
                 figures.append(DecodeFigure(shape, dtype_name, batch, context, ms, bandwidth,
                                             None if peak is None else bandwidth / peak, sdpa_ms,
                                             sdpa_ms / ms))
-                del k, v, k_contig, v_contig
+                k = v = k_contig = v_contig = None  # free before the next case
                 torch.cuda.empty_cache()
     return figures
 
@@ -255,7 +255,7 @@ def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: 
             flops = 4 * pairs * head_dim
             figures.append(PrefillFigure(shape, dtype_name, batch, new_tokens, prefix, ms,
                                          flops / (ms / 1e3) / 1e12, sdpa_ms, sdpa_ms / ms))
-            del k, v, k4, v4
+            k = v = k4 = v4 = None  # free before the next case
             torch.cuda.empty_cache()
     return figures
 

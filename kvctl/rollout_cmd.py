@@ -13,6 +13,7 @@ from rich.table import Table
 
 from .errors import UserError
 from .ops import _client
+from .ops import _emit as emit
 
 rollout_app = typer.Typer(help="Gradual rollouts of cache settings with stop conditions.", no_args_is_help=True)
 AS_JSON = typer.Option(False, "--json", help="Print JSON.")
@@ -37,7 +38,7 @@ def _render(d: dict) -> None:
 
 
 def _emit(data: dict, as_json: bool) -> None:
-    typer.echo(json.dumps(data, indent=2)) if as_json else _render(data)
+    emit(data, as_json, _render)
 
 
 @rollout_app.command("start")

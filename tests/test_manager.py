@@ -8,7 +8,7 @@ from kvctl.daemon.cache import (AuditFailure, CacheFull, DuplicateSequence, Inva
                                 PinBudgetExceeded, UnknownPin, UnknownSequence, chain_keys)
 from kvctl.policies.admission import Verdict
 
-from .conftest import FakeClock, make_manager, run_prompt
+from .conftest import make_manager, run_prompt
 
 NS = Namespace(block_size=4)
 PROMPT = list(range(10, 20))  # 10 tokens: two full blocks and a partial one

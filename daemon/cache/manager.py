@@ -129,6 +129,10 @@ class KVCacheManager:
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
+    def reserved_block_ids(self) -> set[int]:
+        """Blocks held in reservations (state: reserved), for block maps."""
+        return {b for seq in self._seqs.values() for b in seq.reserve}
+
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)

@@ -194,6 +194,14 @@ class Engine:
         return [TokenEvent(request_id, i, None, "cancelled") for i in range(request.params.n)
                 if i not in done]
 
+    def waiting(self) -> list[Sequence]:
+        """Sequences waiting for admission, in queue order (stale heap entries skipped)."""
+        return [s for _, s in sorted(self._waiting, key=lambda e: e[0]) if s.status is SeqStatus.WAITING]
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
     def has_work(self) -> bool:
         return bool(self._running) or any(s.status is SeqStatus.WAITING for _, s in self._waiting)
 

@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 from kvctl.daemon.cache.errors import CacheFull
 from kvctl.daemon.cache.keys import BlockKey
 from kvctl.daemon.cache.manager import KVCacheManager
+from kvctl.daemon.stats import percentile
 from kvctl.policies.admission import blocks_for_tokens
 from kvctl.policies.reservation import parse_reservation
 
@@ -101,13 +102,6 @@ def max_hit_blocks(requests: Sequence[TraceRequest], keys: Sequence[Sequence[Blo
         out.append(hits)
         seen.update(request_keys)
     return out
-
-
-def _percentile(sorted_values: list[int], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return float(sorted_values[index])
 
 
 class _Run:
@@ -290,8 +284,8 @@ class _Run:
             mean_occupancy=mean_used / s.num_blocks,
             rejections=sum(self.rejections.values()),
             preemptions=self.preemptions,
-            alloc_us_p50=_percentile(calls, 0.50) / 1000.0,
-            alloc_us_p99=_percentile(calls, 0.99) / 1000.0,
+            alloc_us_p50=(percentile(calls, 0.50) or 0) / 1000.0,
+            alloc_us_p99=(percentile(calls, 0.99) or 0) / 1000.0,
             block_ops=self.block_ops,
             block_ops_per_second=self.block_ops / alloc_seconds if alloc_seconds else 0.0,
             requests_per_second=len(self.requests) / seconds if seconds else 0.0,

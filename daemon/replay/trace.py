@@ -18,7 +18,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from kvctl.daemon.cache.keys import BlockKey, Namespace, block_key, validate_block_size
 

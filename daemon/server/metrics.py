@@ -21,6 +21,8 @@ import threading
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvctl.daemon.stats import percentile
+
 from .service import EngineService
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -39,7 +41,7 @@ class _EngineCollector:
             stats = engine.stats
             pool = engine.cache.pool
             now = engine.clock()
-            ages = [now - s.request.metrics.arrival for _, s in engine._waiting if s.status.value == "waiting"]
+            ages = [now - s.request.metrics.arrival for s in engine.waiting()]
             pins = {t: engine.cache.pins.used(t) for t in {p.tenant for p in engine.cache.pins.all()}}
             rejections = dict(stats.rejections)
             prompt, hit, recomputed, preemptions = (stats.prompt_tokens, stats.hit_tokens,
@@ -111,11 +113,8 @@ class Metrics:
 
     def summary(self) -> dict:
         def percentiles(values: list[float]) -> dict:
-            if not values:
-                return {"p50": None, "p95": None, "p99": None, "count": 0}
-            ordered = sorted(values)
-            pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-            return {"p50": pick(0.5), "p95": pick(0.95), "p99": pick(0.99), "count": len(ordered)}
+            return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95),
+                    "p99": percentile(values, 0.99), "count": len(values)}
 
         with self._lock:
             return {"ttft_seconds": percentiles(self._recent_ttft),

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvctl.daemon.engine.requests import Request
+from kvctl.daemon.stats import percentile
 from kvctl.daemon.store import Store
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.rollout import StopCondition, in_cohort, parse_fraction
@@ -56,17 +57,11 @@ class CohortStats:
             self.ttfts = (self.ttfts + [m.ttft])[-5000:]
 
     def figures(self) -> dict:
-        def pct(q: float):
-            if not self.ttfts:
-                return None
-            ordered = sorted(self.ttfts)
-            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
         prompt = self.prompt_tokens
         return {"requests": self.requests,
                 "recomputed_token_ratio": self.recomputed_tokens / prompt if prompt else None,
                 "hit_ratio": self.hit_tokens / prompt if prompt else None,
-                "ttft_p50_seconds": pct(0.5), "ttft_p95_seconds": pct(0.95),
+                "ttft_p50_seconds": percentile(self.ttfts, 0.5), "ttft_p95_seconds": percentile(self.ttfts, 0.95),
                 "preemptions_per_request": self.preemptions / self.requests if self.requests else None}
 
 

@@ -81,18 +81,6 @@ class EngineService:
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
-        per_block = loaded.model.cache_bytes_per_block(cfg.block_size)
-        if cfg.num_blocks:
-            num_blocks = cfg.num_blocks
-        elif cfg.cache_memory:
-            num_blocks = cfg.cache_memory // per_block
-        elif device == "cuda":
-            free, _ = torch.cuda.mem_get_info()
-            num_blocks = int(free * 0.8) // per_block
-        else:
-            num_blocks = (256 * 2**20) // per_block
-        if num_blocks < 1:
-            raise ValueError(f"cache_memory: {cfg.cache_memory} bytes holds no block of {per_block} bytes")
         scales, scale_version, keep = None, "", ()
         self.calibration: dict | None = None
         if cfg.cache_dtype != "auto":
@@ -114,10 +102,18 @@ class EngineService:
             if bad:
                 raise ValueError(f"keep_layers_unquantised: layer {bad[0]} does not exist "
                                  f"(the model has {loaded.config.num_layers})")
-            per_block = loaded.model.cache_bytes_per_block(cfg.block_size, cache_dtype(cfg.cache_dtype), keep)
-            if not cfg.num_blocks:
-                num_blocks = (cfg.cache_memory or (256 * 2**20 if device == "cpu" else
-                                                   int(torch.cuda.mem_get_info()[0] * 0.8))) // per_block
+        storage = None if cfg.cache_dtype == "auto" else cache_dtype(cfg.cache_dtype)
+        per_block = loaded.model.cache_bytes_per_block(cfg.block_size, storage, keep)
+        if cfg.num_blocks:
+            num_blocks = cfg.num_blocks
+        elif cfg.cache_memory:
+            num_blocks = cfg.cache_memory // per_block
+        elif device == "cuda":
+            num_blocks = int(torch.cuda.mem_get_info()[0] * 0.8) // per_block
+        else:
+            num_blocks = (256 * 2**20) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"cache_memory: {cfg.cache_memory} bytes holds no block of {per_block} bytes")
         settings = EngineSettings(num_blocks=num_blocks, block_size=cfg.block_size,
                                   max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running,
                                   max_queue=cfg.max_queue, reservation=cfg.reservation,
@@ -155,7 +151,7 @@ class EngineService:
                 self.rollouts.evaluate()
                 next_rollout_check = time.monotonic() + self.rollout_check_seconds
             with self.lock:
-                if self.pending_scales is not None and not self.engine._running:
+                if self.pending_scales is not None and not self.engine.num_running:
                     self._load_scales(self.pending_scales)
                 if not self.engine.has_work():
                     self.lock.wait(timeout=0.5)
@@ -386,7 +382,7 @@ class EngineService:
             cache = engine.cache
             counts = cache.state_counts()
             stats = engine.stats
-            waiting = [s for _, s in engine._waiting if s.status.value == "waiting"]
+            waiting = engine.waiting()
             now = engine.clock()
             oldest = max((now - s.request.metrics.arrival for s in waiting), default=0.0)
             block_map = None
@@ -412,7 +408,7 @@ class EngineService:
                            "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
                 "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions},
                 "queue": {"waiting": len(waiting), "oldest_age_seconds": oldest,
-                          "running": len(engine._running)},
+                          "running": engine.num_running},
                 "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
                 "pins": len(cache.pins.all()),
                 "cache": self.cache_status(),
@@ -427,7 +423,7 @@ class EngineService:
     def _block_map(self) -> str:
         """One character per block: . free  r reserved  a active  s shared  c cached  p pinned."""
         engine = self.engine
-        reserved = {b for s in engine.cache._seqs.values() for b in s.reserve}
+        reserved = engine.cache.reserved_block_ids()
         chars = []
         for block in engine.cache.pool.blocks:
             if block.block_id in reserved:
