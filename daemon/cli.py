@@ -81,6 +81,9 @@ def serve(
     reservation: Optional[str] = typer.Option(None, help="Output reservation: fixed:N, fraction:F, p95."),
     eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru or cost."),
     trusted_proxy: Optional[bool] = typer.Option(None, help="Honour X-KVD-Tenant on TCP."),
+    cache_dtype: Optional[str] = typer.Option(None, help="auto, fp8_e4m3, fp8_e5m2 or int8."),
+    keep_layers_unquantised: Optional[str] = typer.Option(None, help="Layers kept in the model dtype, e.g. 0,31."),
+    allow_uncalibrated: Optional[bool] = typer.Option(None, help="Serve a quantised cache with unit scales."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Run the daemon in the foreground (systemd Type=notify aware).
@@ -95,7 +98,8 @@ def serve(
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_batch_tokens=max_batch_tokens, max_running=max_running,
                    max_queue=max_queue, reservation=reservation, eviction=eviction,
-                   trusted_proxy=trusted_proxy)
+                   trusted_proxy=trusted_proxy, cache_dtype=cache_dtype,
+                   keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated)
     try:
         settings = resolve(flags, os.environ, config)
         asyncio.run(_serve(settings, lambda: resolve(flags, os.environ, config)))

@@ -140,6 +140,14 @@ def test_kvctl_without_a_daemon_says_so(tmp_path):
     assert done.stderr.startswith(f"error: kvd is not reachable at {tmp_path / 'none.sock'}")
 
 
+def test_kvd_cache_flags_are_validated(tmp_path):
+    done = subprocess.run([str(BIN / "kvd"), "serve", "--cache-dtype", "fp4", "--state-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "cache_dtype: invalid value 'fp4' from --cache-dtype: must be auto, fp8_e4m3, fp8_e5m2 or int8" \
+        in done.stderr
+
+
 def test_kvd_refuses_bad_settings(tmp_path):
     done = subprocess.run([str(BIN / "kvd"), "serve", "--block-size", "24", "--state-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
