@@ -309,20 +309,65 @@ class KVCacheManager:
         return Admission(child_id, 0, 0, needed)
 
     # ---- the one release path --------------------------------------------------------------
-    def release(self, seq_id: str) -> int:
+    def release(self, seq_id: str, written_tokens: int | None = None) -> int:
         """Give back every block of a sequence; 0 if it is already gone. Returns blocks released.
 
         The table goes back tail-first so that under LRU a prefix's deepest block
         is evicted before its root; unused reserved blocks return to the free list.
+        `written_tokens`: how many of its tokens the model has actually written (a sequence
+        preempted mid-step was appended but never computed); blocks it indexed beyond that
+        are dropped from the index instead of being cached with unwritten content.
         """
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return 0
         now = self._clock()
+        if written_tokens is not None and written_tokens < seq.num_tokens:
+            pool = self.pool
+            for position in range(written_tokens // self.block_size, len(seq.table)):
+                block = pool.blocks[seq.table[position]]
+                if (block.key is not None and position < len(seq.keys) and block.key == seq.keys[position]
+                        and block.ref_count == 1 and not block.pin_count):
+                    pool.unindex(block.block_id)
         self.pool.release(reversed(seq.table), now)
         self.pool.release(seq.reserve, now)
         self.num_reserved -= len(seq.reserve)
         return len(seq.table) + len(seq.reserve)
+
+    # ---- restores from lower tiers ---------------------------------------------------------
+    def install(self, keys: Sequence[BlockKey], start: int, count: int, tenant: str,
+                load: Callable[[Sequence[BlockKey], list[int]], None]) -> int:
+        """Put blocks start..start+count of a chain back into the cache from a lower tier.
+
+        keys[:start] must be cached now (they are held meanwhile so that making room never
+        evicts them); `load(keys, block_ids)` writes the data. The new blocks end up cached
+        and idle, ready for the admission that follows. All or nothing if `load` raises.
+        Returns blocks installed (fewer than `count` when the cache lacks room).
+        """
+        pool, now = self.pool, self._clock()
+        hits = pool.match(keys[:start])
+        if len(hits) != start:
+            raise InvalidRequest(f"keys: only {len(hits)} of the first {start} blocks are cached")
+        count = min(count, pool.available() - pool.evictable_in(hits), len(keys) - start)
+        if count <= 0:
+            return 0
+        pool.acquire(hits, now, hit=False)
+        try:
+            ids = pool.allocate(count, now, "restore")
+        except CacheFull:
+            pool.release(reversed(hits), now)
+            return 0
+        try:
+            load(keys[start:start + count], ids)
+        except BaseException:
+            pool.release(reversed(hits + ids), now)
+            raise
+        table = hits + ids
+        pool.insert_many(table, keys, start, start + count, now)
+        pool.release(reversed(table), now)
+        if keys[0] not in self.roots:
+            self.roots[keys[0]] = RootInfo(tenant, now, now)
+        return count
 
     # ---- pins ------------------------------------------------------------------------------
     def pin(self, namespace: Namespace, token_ids: Sequence[int], *, ttl: float | None = None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvctl.policies.eviction import EvictionPolicy
 
@@ -66,6 +66,10 @@ class BlockPool:
         # key -> (clock value, reason) of recent evictions, oldest first; answers "why did this miss?"
         self.eviction_log: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
         self.eviction_log_size = 65536
+        # called with the victims of a capacity eviction while their data is still intact
+        # (the tiers copy them down); None when there are no lower tiers
+        self.on_evict: Callable[[list[Block]], None] | None = None
+        self.inserted: list[int] | None = None  # when a list, insert_many records indexed ids here
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -121,6 +125,8 @@ class BlockPool:
             index = self._index
             victims = self.policy.pop_many(count - from_free, now)
             reason = self.policy.name
+            if self.on_evict is not None:
+                self.on_evict([blocks[b] for b in victims])
             for block_id in victims:
                 block = blocks[block_id]
                 del index[block.key]
@@ -211,7 +217,19 @@ class BlockPool:
             depths.append(position)
         if inserted:
             self.policy.on_insert(inserted, depths, now)
+            if self.inserted is not None:
+                self.inserted.extend(inserted)
         return len(inserted)
+
+    def unindex(self, block_id: int) -> None:
+        """Drop a held, unpinned block's key (its content was never written); it is freed on release."""
+        block = self.blocks[block_id]
+        if block.key is None or block.ref_count == 0 or block.pin_count:
+            raise AuditFailure(f"block {block_id}: unindex needs an indexed, held, unpinned block")
+        self.policy.forget(block_id)
+        del self._index[block.key]
+        block.key = None
+        block.root = None
 
     def evict_keys(self, keys: Iterable[BlockKey], now: float = 0.0) -> tuple[list[int], dict[str, int]]:
         """Drop the given keys from the cache where they are evictable now.

@@ -77,6 +77,7 @@ class EngineStats:
     preemptions: int = 0
     rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
     finished: int = 0
+    restored_tokens: int = 0  # prompt tokens brought back from a lower tier instead of recomputed
     alloc_seconds: list[float] = field(default_factory=list)  # per cache call; drained by the server
 
 
@@ -109,6 +110,20 @@ class Engine:
         self._order = itertools.count()
         self.stats = EngineStats()
         self.admission_paused = False  # set while new scales wait for running work to drain
+        self.tiers = None  # a TieredCache once attach_tiers() is called
+        self.prefetch_wait = 2.0  # seconds the queue head waits for its prefix to come up from disk/Redis
+
+    def attach_tiers(self, tiers) -> None:
+        """Demote evicted blocks into `tiers` and restore prefixes from them (see daemon.cache.tiers)."""
+        self.tiers = tiers
+        pool, roots = self.cache.pool, self.cache.roots
+
+        def prefix_hits(root) -> int:
+            info = roots.get(root)
+            return info.hits if info else 0
+
+        pool.on_evict = lambda victims: tiers.on_device_evict(victims, prefix_hits)
+        pool.inserted = [] if tiers.write_policy == "write_through" else None
 
     # ---- identity ----------------------------------------------------------------------------
     def namespace(self, tenant: str) -> Namespace:
@@ -176,7 +191,39 @@ class Engine:
         first = Sequence(f"{request_id}/0", request, 0)
         request.sequences.append(first)
         self._enqueue(first)
+        if self.tiers is not None:
+            self._start_prefetch(request)
         return request
+
+    def _start_prefetch(self, request: Request) -> None:
+        """Bring the part of the prompt's prefix that sits on disk or in Redis up to staging
+        while the request waits, when restoring beats recomputing it."""
+        keys = PrefixHasher(self.namespace(request.tenant)).feed(request.prompt_ids)
+        limit = self.cache.cacheable_blocks(len(request.prompt_ids))
+        missing = keys[len(self.cache.pool.match(keys, limit)):limit]
+        if not missing:
+            return
+        tiers = self.tiers
+        source = tiers.stats["disk" if tiers.disk is not None else "remote"].read
+        size = self.settings.block_size
+        if tiers.policy.should_restore(len(missing) * size, len(missing) * tiers.layout.block_bytes, source):
+            tiers.start_prefetch(request.request_id, missing)
+
+    def _restore(self, seq: Sequence, keys: list, num_tokens: int) -> None:
+        """Before admitting `seq`, put its prefix back on the device from host or staging."""
+        tiers, cache = self.tiers, self.cache
+        limit = cache.cacheable_blocks(num_tokens)
+        hits = len(cache.pool.match(keys, limit))
+        run, nbytes = tiers.available_run(keys[hits:limit])
+        if not run:
+            return
+        read = tiers.stats[tiers.restore_source(keys[hits:hits + run])].read
+        if not tiers.policy.should_restore(run * self.settings.block_size, nbytes, read):
+            return
+        with tiers.protecting(keys[hits:hits + run]):
+            restored = cache.install(keys, hits, run, seq.request.tenant, tiers.load_into)
+        seq.request.metrics.restored_tokens += restored * self.settings.block_size
+        self.stats.restored_tokens += restored * self.settings.block_size
 
     def cancel(self, request_id: str) -> list[TokenEvent]:
         """Stop a request wherever it is; its blocks come back exactly once.
@@ -187,6 +234,8 @@ class Engine:
         if request is None or request.finished:
             return []
         request.cancelled = True
+        if self.tiers is not None:
+            self.tiers.finish_prefetch(request_id)
         for seq in request.sequences:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "cancelled")
@@ -232,8 +281,22 @@ class Engine:
         if copies:
             self._copy_blocks(copies)
         batch, sample_rows = self._forward_batch(plan)
+        started = time.perf_counter()
         logits = self.model.forward(batch, self.kv_caches)
+        if self.tiers is not None:
+            self._after_forward(plan, time.perf_counter() - started)
         return self._advance(plan, sample_rows, logits)
+
+    def _after_forward(self, plan, seconds: float) -> None:
+        """Feed the measured prefill rate to the tiering policy; write-through newly full blocks."""
+        prefill = sum(n for seq, n in plan if seq.status is SeqStatus.PREFILL)
+        if prefill >= self.settings.block_size:
+            self.tiers.policy.prefill.observe(sum(n for _, n in plan), seconds)
+        inserted = self.cache.pool.inserted
+        if inserted:
+            blocks = self.cache.pool.blocks
+            self.tiers.write_through([blocks[b] for b in inserted])
+            inserted.clear()
 
     def _admit(self) -> None:
         if self.admission_paused:
@@ -248,6 +311,15 @@ class Engine:
             reserve = self._reservation(request).reserve(request.params.max_tokens - len(seq.output_ids))
             hasher = PrefixHasher(self.namespace(request.tenant))
             keys = hasher.feed(tokens)
+            if self.tiers is not None:
+                tiers = self.tiers
+                if tiers.prefetch_pending(request.request_id):
+                    waited = self.clock() - request.metrics.arrival
+                    if waited < self.prefetch_wait:
+                        if self._running:
+                            break  # the head waits for its prefix; running work goes on
+                        tiers.wait_prefetch(request.request_id, self.prefetch_wait - waited)
+                self._restore(seq, keys, len(tokens))
             decision = self.cache.can_admit(keys, len(tokens), reserve, request=seq.seq_id)
             if decision.verdict is not Verdict.ADMIT:
                 break  # head of line waits for room (add_request refused what can never fit)
@@ -256,6 +328,8 @@ class Engine:
             admission = self.cache.admit(seq.seq_id, keys, len(tokens), reserve, tenant=request.tenant,
                                          hasher=hasher)
             self.stats.alloc_seconds.append(time.perf_counter() - started)
+            if self.tiers is not None:
+                self.tiers.finish_prefetch(request.request_id)
             now = self.clock()
             if request.metrics.admitted is None:
                 request.metrics.admitted = now
@@ -304,7 +378,7 @@ class Engine:
         return done, copies
 
     def _preempt(self, seq: Sequence) -> None:
-        self.cache.release(seq.seq_id)
+        self.cache.release(seq.seq_id, written_tokens=seq.num_computed)
         del self._running[seq.seq_id]
         seq.ever_computed = max(seq.ever_computed, seq.num_computed)
         seq.num_computed = 0
@@ -416,7 +490,7 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.cache.release(seq.seq_id)
+        self.cache.release(seq.seq_id, written_tokens=seq.num_computed)
         self._running.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

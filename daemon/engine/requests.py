@@ -23,6 +23,7 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)  # clock value of every output token
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     recomputed_tokens: int = 0  # tokens computed again after a preemption
+    restored_tokens: int = 0  # prompt tokens brought back from a lower tier (part of cached_tokens)
     preemptions: int = 0
 
     @property

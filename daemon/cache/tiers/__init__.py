@@ -1,0 +1,64 @@
+"""Lower memory tiers for the KV cache: host, disk and remote (Redis), with verified moves.
+
+    payload.py   the on-disk / on-wire block format (header, tensors, CRC-32; no pickle)
+    host.py      pinned (CUDA) or plain CPU slots
+    disk.py      durable segment files, re-indexed and verified at start
+    remote.py    Redis / Redis Cluster with timeouts and a circuit breaker
+    tiered.py    TieredCache: demotion, write-through, prefetch, restore, state per block
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvctl.policies.tiering import TieringPolicy
+
+from .disk import DiskTier, ScanReport
+from .host import HostTier
+from .payload import BlockLayout, BlockMeta, PayloadError, decode_block, encode_blocks
+from .remote import RemoteTier, RemoteUnavailable
+from .tiered import LOWER, WRITE_POLICIES, TieredCache
+
+
+def engine_layout(engine) -> BlockLayout:
+    """The block layout of an engine's device cache (per-layer dtypes follow keep_layers)."""
+    config = engine.loaded.config
+    return BlockLayout(tuple(c.k.dtype for c in engine.kv_caches), engine.settings.block_size,
+                       config.num_kv_heads, config.head_dim, engine.scale_version)
+
+
+def space_digest(engine) -> bytes:
+    """The engine's namespace with the tenant left out: what every payload must match."""
+    return engine.namespace("*").root_key()
+
+
+def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None = None,
+                disk_path: str | Path | None = None, remote_url: str | None = None,
+                remote_bytes: int | None = None, write_policy: str = "write_back",
+                remote_timeout: float = 0.5, tiering: str = "measured") -> tuple[TieredCache | None, ScanReport | None]:
+    """The configured tiers for `engine`, attached; (None, None) when none is configured.
+    The disk tier is scanned (verified and re-indexed) before this returns."""
+    if not (host_bytes or disk_bytes or remote_url):
+        return None, None
+    layout, space = engine_layout(engine), space_digest(engine)
+    host = HostTier(host_bytes, layout, pin_memory=torch.cuda.is_available()) if host_bytes else None
+    disk, report = None, None
+    if disk_bytes:
+        if disk_path is None:
+            raise ValueError("tiers.disk.path: required with tiers.disk.bytes")
+        disk = DiskTier(disk_path, disk_bytes, layout, space)
+        report = disk.scan()
+    remote = None
+    if remote_url:
+        remote = RemoteTier(remote_url, remote_bytes or 2**62, space, timeout=remote_timeout)
+    tiers = TieredCache(engine.kv_caches, layout, space, host=host, disk=disk, remote=remote,
+                        write_policy=write_policy, policy=TieringPolicy(mode=tiering))
+    engine.attach_tiers(tiers)
+    return tiers, report
+
+
+__all__ = ["BlockLayout", "BlockMeta", "DiskTier", "HostTier", "LOWER", "PayloadError", "RemoteTier",
+           "RemoteUnavailable", "ScanReport", "TieredCache", "WRITE_POLICIES", "build_tiers",
+           "decode_block", "encode_blocks", "engine_layout", "space_digest"]

@@ -1,0 +1,248 @@
+"""The disk tier: segment files of block payloads under the state directory.
+
+One transfer group is one segment file, written as `NAME.tmp`, fsynced, then renamed to
+`NAME.kvseg`; only then are its blocks indexed (visible). A crash leaves either no file, a
+`.tmp` (removed on the next start) or a whole segment. The directory entry itself is synced
+at most once a second and on close: losing a rename to a power cut loses a cache entry,
+never serves a torn one.
+
+On start `scan()` verifies every segment: payloads of this space and layout are indexed;
+segments with a corrupt or truncated payload, or written for another model, tokenizer,
+format or scale set, are moved to `quarantine/` and counted. Eviction is LRU by segment.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .payload import BlockLayout, BlockMeta, PayloadError, decode_block, read_header
+
+SUFFIX = ".kvseg"
+
+
+@dataclass
+class Segment:
+    name: str
+    size: int
+    keys: list[bytes] = field(default_factory=list)
+    live: int = 0
+
+
+@dataclass
+class ScanReport:
+    segments: int = 0
+    blocks: int = 0
+    corrupt: int = 0  # segments set aside for a bad payload
+    foreign: int = 0  # segments set aside for another space or layout
+    torn: int = 0  # unfinished .tmp files removed
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, path: str | Path, capacity_bytes: int, layout: BlockLayout, space: bytes,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.root = Path(path)
+        self.segment_dir = self.root / "segments"
+        self.quarantine = self.root / "quarantine"
+        self.capacity_bytes, self.layout, self.space, self.clock = capacity_bytes, layout, space, clock
+        if capacity_bytes < layout.payload_bytes:
+            raise ValueError(f"tiers.disk.bytes: {capacity_bytes} holds no block payload of "
+                             f"{layout.payload_bytes} bytes")
+        self.lock = threading.RLock()
+        self.index: dict[bytes, tuple[str, int, int]] = {}  # key -> (segment, offset, length)
+        self.meta: dict[bytes, BlockMeta] = {}
+        self.segments: OrderedDict[str, Segment] = OrderedDict()  # least recently used first
+        self.used_bytes = 0
+        self.busy: dict[str, int] = {}  # segment -> reads in flight (never evicted meanwhile)
+        self._names = itertools.count()
+        self._dir_synced_at = 0.0
+        self._dir_dirty = False
+        self.last_fsync_seconds = 0.0  # of the latest segment write (the tiering policy's fixed cost)
+        self.segment_dir.mkdir(parents=True, exist_ok=True)
+
+    # ---- start -------------------------------------------------------------------------------
+    def scan(self) -> ScanReport:
+        """Verify and index what is on disk (call once, before serving)."""
+        report = ScanReport()
+        for tmp in self.segment_dir.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)
+            report.torn += 1
+        for path in sorted(self.segment_dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
+            try:
+                data = path.read_bytes()
+                metas = self._verify_segment(data)
+            except PayloadError as exc:
+                kind = "foreign" if exc.reason in ("space", "layout", "version") else "corrupt"
+                setattr(report, kind, getattr(report, kind) + 1)
+                self._set_aside(path, kind)
+                continue
+            except OSError:
+                report.corrupt += 1
+                self._set_aside(path, "corrupt")
+                continue
+            self._publish(path.name, len(data), metas)
+            report.segments += 1
+            report.blocks += len(metas)
+        return report
+
+    def _verify_segment(self, data: bytes) -> list[tuple[BlockMeta, int, int]]:
+        out, offset = [], 0
+        if not data:
+            raise PayloadError("length", "empty segment")
+        while offset < len(data):
+            meta, space, total = read_header(data, offset)
+            if offset + total > len(data):
+                raise PayloadError("length", "segment ends inside a payload")
+            decode_block(memoryview(data)[offset:offset + total], self.layout, self.space, meta.key)
+            out.append((meta, offset, total))
+            offset += total
+        return out
+
+    def _set_aside(self, path: Path, kind: str) -> None:
+        target = self.quarantine / kind
+        target.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(path, target / path.name)
+        except OSError:
+            path.unlink(missing_ok=True)
+
+    # ---- write -------------------------------------------------------------------------------
+    def write_group(self, items: Sequence[tuple[BlockMeta, bytes]], fsync: bool = True) -> int:
+        """Write one segment durably and index it. Raises OSError (nothing indexed) on failure.
+        Caller evicts first so that the tier stays within capacity (`make_room`)."""
+        with self.lock:
+            items = [(m, p) for m, p in items if m.key not in self.index]
+            name = f"{time.time_ns():x}-{os.getpid()}-{next(self._names)}{SUFFIX}"
+        if not items:
+            return 0
+        final = self.segment_dir / name
+        tmp = final.with_suffix(".tmp")
+        data = b"".join(p for _, p in items)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+                if fsync:
+                    synced = time.perf_counter()
+                    os.fsync(fd)
+                    self.last_fsync_seconds = time.perf_counter() - synced
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        offsets, offset = [], 0
+        for meta, payload in items:
+            offsets.append((meta, offset, len(payload)))
+            offset += len(payload)
+        with self.lock:
+            self._publish(name, len(data), offsets)
+            self._dir_dirty = True
+        self.sync_dir(force=False)
+        return len(data)
+
+    def sync_dir(self, force: bool = True) -> None:
+        """fsync the segment directory (renames become durable); at most once a second unless forced."""
+        now = self.clock()
+        if not self._dir_dirty or (not force and now - self._dir_synced_at < 1.0):
+            return
+        fd = os.open(self.segment_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._dir_synced_at, self._dir_dirty = now, False
+
+    def _publish(self, name: str, size: int, metas: Sequence[tuple[BlockMeta, int, int]]) -> None:
+        segment = Segment(name, size)
+        for meta, offset, length in metas:
+            if meta.key in self.index:
+                continue  # an older segment holds it already
+            self.index[meta.key] = (name, offset, length)
+            self.meta[meta.key] = meta
+            segment.keys.append(meta.key)
+            segment.live += 1
+        self.segments[name] = segment
+        self.used_bytes += size
+
+    def make_room(self, incoming: int, protect: Callable[[bytes], bool] = lambda k: False,
+                  salvage: Callable[[Segment, bytes], None] | None = None) -> list[Segment]:
+        """Drop least recently used segments until `incoming` more bytes fit; returns them (their
+        files are gone, their keys unindexed). Segments being read or holding a protected key stay.
+        `salvage(segment, bytes)` sees each segment's bytes before its file goes (write-back)."""
+        dropped = []
+        with self.lock:
+            for name in list(self.segments):
+                if self.used_bytes + incoming <= self.capacity_bytes:
+                    break
+                segment = self.segments[name]
+                if self.busy.get(name) or any(protect(k) for k in segment.keys if k in self.index):
+                    continue
+                if salvage is not None:
+                    try:
+                        salvage(segment, self.read_segment(segment))
+                    except OSError:
+                        pass
+                self._remove_segment(name)
+                dropped.append(segment)
+        return dropped
+
+    def _remove_segment(self, name: str) -> None:
+        segment = self.segments.pop(name)
+        for key in segment.keys:
+            if self.index.get(key, (None,))[0] == name:
+                del self.index[key]
+                self.meta.pop(key, None)
+        self.used_bytes -= segment.size
+        (self.segment_dir / name).unlink(missing_ok=True)
+
+    # ---- read --------------------------------------------------------------------------------
+    def read(self, key: bytes) -> bytes | None:
+        """The payload bytes of `key`, or None. Unverified: the caller decodes and verifies."""
+        with self.lock:
+            where = self.index.get(key)
+            if where is None:
+                return None
+            name, offset, length = where
+            self.segments.move_to_end(name)
+            self.busy[name] = self.busy.get(name, 0) + 1
+        try:
+            with open(self.segment_dir / name, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+        except OSError:
+            return None
+        finally:
+            with self.lock:
+                self.busy[name] -= 1
+                if not self.busy[name]:
+                    del self.busy[name]
+
+    def read_segment(self, segment: Segment) -> bytes:
+        return (self.segment_dir / segment.name).read_bytes()
+
+    def drop(self, key: bytes) -> None:
+        """Forget one block (a failed verification or an operator eviction); the segment file
+        goes when none of its blocks is left."""
+        with self.lock:
+            where = self.index.pop(key, None)
+            self.meta.pop(key, None)
+            if where is None:
+                return
+            segment = self.segments.get(where[0])
+            if segment is not None:
+                segment.live -= 1
+                if segment.live <= 0 and not self.busy.get(segment.name):
+                    self._remove_segment(segment.name)

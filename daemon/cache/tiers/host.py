@@ -1,0 +1,93 @@
+"""The host tier: preallocated block slots in CPU memory (pinned when CUDA is present).
+
+Slots mirror the device cache's per-layer layout, so moves are one gather/scatter per layer
+and no encoding. Eviction is LRU over idle slots; a slot that a transfer owns (`busy`) is
+never evicted or reused.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+from .payload import BlockLayout, BlockMeta
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, capacity_bytes: int, layout: BlockLayout, pin_memory: bool = False) -> None:
+        self.layout = layout
+        self.num_slots = capacity_bytes // layout.block_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"tiers.host.bytes: {capacity_bytes} holds no block of {layout.block_bytes} bytes")
+        self.capacity_bytes = capacity_bytes
+        shape = (self.num_slots, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.layers = [(torch.empty(shape, dtype=d, pin_memory=pin_memory),
+                        torch.empty(shape, dtype=d, pin_memory=pin_memory)) for d in layout.layer_dtypes]
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        self.meta: dict[bytes, BlockMeta] = {}
+        self.busy: dict[bytes, int] = {}  # key -> transfers reading the slot now
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self.index) * self.layout.block_bytes
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.index
+
+    def touch(self, key: bytes) -> None:
+        self.index.move_to_end(key)
+
+    def take_slots(self, count: int, protect: set[bytes] = frozenset()) -> tuple[list[int], list[bytes]]:
+        """Up to `count` slots, evicting least recently used idle entries. Returns (slots, evicted
+        keys); the evicted entries' data stays readable until the slots are written."""
+        slots: list[int] = []
+        evicted: list[bytes] = []
+        while len(slots) < count and self._free:
+            slots.append(self._free.pop())
+        if len(slots) < count:
+            for key in list(self.index):
+                if len(slots) == count:
+                    break
+                if key in self.busy or key in protect:
+                    continue
+                slots.append(self.index.pop(key))
+                evicted.append(key)
+        return slots, evicted
+
+    def read_slots(self, slots: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the given slots' K/V, per layer [n, block, heads, dim]."""
+        index = torch.tensor(list(slots), dtype=torch.int64)
+        return [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers]
+
+    def fill(self, slots: Sequence[int], metas: Sequence[BlockMeta],
+             layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write K/V ([n, ...] per layer, any device) into `slots` and index them."""
+        index = torch.tensor(list(slots), dtype=torch.int64)
+        for (hk, hv), (k, v) in zip(self.layers, layers):
+            hk.index_copy_(0, index, k.to("cpu", non_blocking=True))
+            hv.index_copy_(0, index, v.to("cpu", non_blocking=True))
+        for slot, meta in zip(slots, metas):
+            self.index[meta.key] = slot
+            self.meta[meta.key] = meta
+
+    def release_slots(self, slots: Sequence[int]) -> None:
+        """Return slots that were taken but not filled."""
+        self._free.extend(slots)
+
+    def drop(self, key: bytes) -> bool:
+        slot = self.index.pop(key, None)
+        self.meta.pop(key, None)
+        if slot is None:
+            return False
+        self._free.append(slot)
+        return True
+
+    def forget_meta(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            if key not in self.index:
+                self.meta.pop(key, None)

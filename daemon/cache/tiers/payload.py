@@ -1,0 +1,184 @@
+"""The block payload: how one cached block travels to disk or Redis and back.
+
+    offset  size  field
+    0       4     magic b"KVB1"
+    4       2     format version (1)
+    6       2     header length H (bytes from offset 0 to the end of the scale version)
+    8       32    block key (SHA-256 chain key)
+    40      32    space digest (namespace without the tenant: model, tokenizer, format, scales)
+    72      32    root key (first block of its chain: groups blocks into prefixes)
+    104     4     depth (position of the block in its chain, 0 = root)
+    108     4     block size (tokens)
+    112     4     KV heads
+    116     4     head dim
+    120     2     layers L
+    122     L     dtype code per layer
+    122+L   2     scale version length S, then S bytes of UTF-8
+    H       8     payload length P (u64)
+    H+8     P     per layer: K bytes then V bytes ([block_size, heads, head_dim], C order)
+    H+8+P   4     CRC-32 of every byte before it
+
+All integers are little-endian. No pickle: a payload is decoded by reading the header and
+viewing the tensor bytes. A payload is accepted only when the magic, version, key, space
+digest and layout equal what the reader expects and the checksum matches; anything else
+raises PayloadError, which callers count as a miss.
+
+CRC-32 guards against torn and corrupted bytes, not against an attacker who can write to
+the tier: a shared Redis is trusted like the daemon's own disk.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+MAGIC = b"KVB1"
+VERSION = 1
+_FIXED = struct.Struct("<4sHH32s32s32sIIIIH")
+_U16 = struct.Struct("<H")
+_U64 = struct.Struct("<Q")
+_CRC = struct.Struct("<I")
+
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int8: 4,
+    torch.float8_e4m3fn: 5, torch.float8_e5m2: 6,
+}
+_CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class PayloadError(ValueError):
+    """A payload that must not be served: the message says which check failed (never content)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason  # short label for counters: magic, version, key, space, layout, length, checksum
+        super().__init__(f"{reason}: {detail}")
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Shape and format of one block's K/V across layers; payloads must match it exactly."""
+
+    layer_dtypes: tuple[torch.dtype, ...]
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    scale_version: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_dtypes)
+
+    def layer_bytes(self, layer: int) -> int:
+        return self.block_size * self.num_kv_heads * self.head_dim * self.layer_dtypes[layer].itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V bytes of one block over all layers (the payload body)."""
+        return sum(2 * self.layer_bytes(i) for i in range(self.num_layers))
+
+    def header_bytes(self) -> int:
+        return _FIXED.size + self.num_layers + _U16.size + len(self.scale_version.encode()) + _U64.size
+
+    @property
+    def payload_bytes(self) -> int:
+        """Whole encoded payload: header, body and checksum."""
+        return self.header_bytes() + self.block_bytes + _CRC.size
+
+    def describe(self) -> str:
+        dtypes = ",".join(str(d).replace("torch.", "") for d in self.layer_dtypes)
+        return (f"block_size={self.block_size} heads={self.num_kv_heads} head_dim={self.head_dim} "
+                f"layers={self.num_layers} dtypes={dtypes} scales={self.scale_version or '-'}")
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """Where a block sits in its chain (read from a header without the body)."""
+
+    key: bytes
+    root: bytes
+    depth: int
+
+
+def _header(layout: BlockLayout, space: bytes, meta: BlockMeta) -> bytes:
+    scale = layout.scale_version.encode("utf-8")
+    codes = bytes(DTYPE_CODES[d] for d in layout.layer_dtypes)
+    length = _FIXED.size + len(codes) + _U16.size + len(scale)
+    return b"".join((_FIXED.pack(MAGIC, VERSION, length, meta.key, space, meta.root, meta.depth,
+                                 layout.block_size, layout.num_kv_heads, layout.head_dim, layout.num_layers),
+                     codes, _U16.pack(len(scale)), scale, _U64.pack(layout.block_bytes)))
+
+
+def encode_blocks(layout: BlockLayout, space: bytes, metas: Sequence[BlockMeta],
+                  layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bytes]:
+    """One payload per block. `layers[l]` is (K, V) of the group on the CPU, [n, block, heads, dim]."""
+    keys = [m.key for m in metas]
+    if len(layers) != layout.num_layers:
+        raise ValueError(f"layers: expected {layout.num_layers}, got {len(layers)}")
+    views = []
+    for k, v in layers:
+        if k.shape[0] != len(keys) or v.shape[0] != len(keys):
+            raise ValueError(f"layers: {k.shape[0]} blocks of tensors for {len(keys)} keys")
+        views.append((k.contiguous().view(torch.uint8).reshape(len(keys), -1).numpy(),
+                      v.contiguous().view(torch.uint8).reshape(len(keys), -1).numpy()))
+    out = []
+    for i, meta in enumerate(metas):
+        parts = [_header(layout, space, meta)]
+        for k, v in views:
+            parts.append(k[i].data)
+            parts.append(v[i].data)
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        parts.append(_CRC.pack(crc))
+        out.append(b"".join(parts))
+    return out
+
+
+def read_header(data: bytes | memoryview, offset: int = 0) -> tuple[BlockMeta, bytes, int]:
+    """(chain position, space digest, total payload length) of the payload at `offset`, for
+    scanning. Checks only the magic, version and lengths; `decode_block` does the full check."""
+    data = memoryview(data)[offset:]
+    if len(data) < _FIXED.size:
+        raise PayloadError("length", f"{len(data)} bytes is shorter than a header")
+    magic, version, header_len, key, space, root, depth, *_ = _FIXED.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise PayloadError("magic", "not a kvctl block payload")
+    if version != VERSION:
+        raise PayloadError("version", f"format version {version}, this kvd reads {VERSION}")
+    if len(data) < header_len + _U64.size:
+        raise PayloadError("length", "truncated header")
+    (body,) = _U64.unpack_from(data, header_len)
+    return BlockMeta(key, root, depth), space, header_len + _U64.size + body + _CRC.size
+
+
+def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes,
+                 key: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Verify a payload against the expected key, space and layout; return (K, V) per layer,
+    each [block, heads, dim] on the CPU (views of a private copy of the bytes)."""
+    meta, got_space, total = read_header(data)
+    if meta.key != key:
+        raise PayloadError("key", "payload holds another block")
+    if got_space != space:
+        raise PayloadError("space", "payload belongs to another model, tokenizer, format or scale set")
+    expected = _header(layout, space, meta)
+    if bytes(data[:len(expected)]) != expected:
+        raise PayloadError("layout", f"payload layout differs from {layout.describe()}")
+    if len(data) != total:
+        raise PayloadError("length", f"{len(data)} bytes where the header says {total}")
+    (stored,) = _CRC.unpack_from(data, total - _CRC.size)
+    if zlib.crc32(memoryview(data)[:total - _CRC.size]) != stored:
+        raise PayloadError("checksum", "CRC-32 mismatch")
+    raw = torch.frombuffer(bytearray(data[len(expected):total - _CRC.size]), dtype=torch.uint8)
+    shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
+    out, offset = [], 0
+    for layer, dtype in enumerate(layout.layer_dtypes):
+        size = layout.layer_bytes(layer)
+        k = raw[offset:offset + size].view(dtype).view(shape)
+        v = raw[offset + size:offset + 2 * size].view(dtype).view(shape)
+        out.append((k, v))
+        offset += 2 * size
+    return out

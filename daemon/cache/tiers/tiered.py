@@ -1,0 +1,583 @@
+"""TieredCache: moves blocks between the device cache and the host, disk and remote tiers.
+
+Who owns a block, one state at a time (`location()`):
+
+    device   indexed in the device pool (the pool is the authority)
+    moving   a transfer owns it: being written down (its payload is in flight) or restored
+    host     in a host slot          disk   in a disk segment          remote  in Redis
+    evicted  nowhere
+
+Transitions:
+
+    device --evicted by the pool, worth keeping--> host  (write_back) or the first lower tier
+    host   --evicted--> moving --published--> disk (or remote)           disk --evicted--> remote
+    disk/remote --prefetch (verified)--> staged --admission--> device     host --admission--> device
+    write_through: every newly filled device block is also written to disk and remote.
+
+A block in `moving` is never evicted, reused or published twice; reads that find it take the
+in-flight payload. Disk and remote I/O runs on two background threads (one writes, one
+prefetches) in whole groups; the serving loop only gathers and scatters tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from kvctl.policies.tiering import RateMeter, TieringPolicy
+
+from .disk import DiskTier, Segment
+from .host import HostTier
+from .payload import BlockLayout, BlockMeta, PayloadError, decode_block, encode_blocks, read_header
+from .remote import RemoteTier, RemoteUnavailable
+
+log = logging.getLogger("kvd.tiers")
+
+LOWER = ("host", "disk", "remote")
+WRITE_POLICIES = ("write_back", "write_through")
+
+
+@dataclass
+class TierStats:
+    restored_blocks: int = 0  # blocks that came back to the device from this tier
+    hit_tokens: int = 0
+    bytes_in: int = 0  # written into this tier
+    bytes_out: int = 0  # read out of this tier
+    checksum_failures: int = 0  # payloads that failed verification (counted as misses, deleted)
+    errors: int = 0  # I/O errors and timeouts
+    dropped_blocks: int = 0  # demotions this tier could not take (full of moving blocks, degraded)
+    degraded: str | None = None  # why the tier is degraded now, or None
+    degraded_until: float = 0.0
+    read: RateMeter = field(default_factory=lambda: RateMeter(rate=1e9, latency=1e-4))
+    write: RateMeter = field(default_factory=lambda: RateMeter(rate=1e9, latency=1e-4))
+    restore_seconds: list[float] = field(default_factory=list)  # drained by the metrics
+
+
+@dataclass
+class Prefetch:
+    request_id: str
+    keys: list[bytes]
+    future: Future | None = None
+    staged: list[bytes] = field(default_factory=list)
+    cancelled: bool = False
+    started: float = 0.0
+
+
+class TieredCache:
+    def __init__(self, kv_caches, layout: BlockLayout, space: bytes, *, host: HostTier | None = None,
+                 disk: DiskTier | None = None, remote: RemoteTier | None = None,
+                 write_policy: str = "write_back", policy: TieringPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy: invalid value {write_policy!r}; use write_back or write_through")
+        self.kv_caches, self.layout, self.space = kv_caches, layout, space
+        self.host, self.disk, self.remote = host, disk, remote
+        self.write_policy, self.clock = write_policy, clock
+        self.policy = policy or TieringPolicy()
+        self.lock = threading.RLock()
+        self.stats = {name: TierStats() for name in LOWER}
+        self.stats["host"].read = RateMeter(rate=5e9, latency=1e-5)
+        self.stats["host"].write = RateMeter(rate=5e9, latency=1e-5)
+        self.stats["disk"].read = RateMeter(rate=1e9, latency=5e-4)
+        self.stats["disk"].write = RateMeter(rate=5e8, latency=2e-3)
+        self.stats["remote"].read = RateMeter(rate=5e8, latency=1e-3)
+        self.stats["remote"].write = RateMeter(rate=5e8, latency=1e-3)
+        self.moved: Counter[tuple[str, str]] = Counter()  # (src, dst) -> bytes
+        self.inflight: dict[bytes, tuple[BlockMeta, bytes]] = {}  # moving: payloads being written down
+        self.staged: dict[bytes, tuple[list, str]] = {}  # verified blocks fetched for waiting requests
+        self.prefetches: dict[str, Prefetch] = {}
+        self._protected: set[bytes] = set()  # host keys a restore is reading right now
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvd-tier-write")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvd-tier-read")
+        self._pending_writes: list[Future] = []
+        self.device = kv_caches[0].k.device if kv_caches else torch.device("cpu")
+
+    # ---- views -----------------------------------------------------------------------------
+    def tiers(self) -> list:
+        return [t for t in (self.host, self.disk, self.remote) if t is not None]
+
+    def location(self, key: bytes, on_device: bool = False) -> str:
+        if on_device:
+            return "device"
+        with self.lock:
+            if key in self.inflight:
+                return "moving"
+            for tier in self.tiers():
+                if key in tier.index:
+                    return tier.name
+        return "evicted"
+
+    def meta_of(self, key: bytes) -> BlockMeta | None:
+        for tier in self.tiers():
+            meta = tier.meta.get(key)
+            if meta is not None:
+                return meta
+        entry = self.inflight.get(key)
+        return entry[0] if entry else None
+
+    def known_metas(self) -> dict[bytes, tuple[BlockMeta, str]]:
+        """Every block a lower tier holds, with its fastest tier (for prefix listings)."""
+        out: dict[bytes, tuple[BlockMeta, str]] = {}
+        with self.lock:
+            for key, (meta, _) in self.inflight.items():
+                out[key] = (meta, "moving")
+            for tier in reversed(self.tiers()):
+                index = tier.index
+                for key in list(index):
+                    meta = tier.meta.get(key)
+                    if meta is not None:
+                        out[key] = (meta, tier.name)
+        return out
+
+    def _usable(self, name: str) -> bool:
+        stats = self.stats[name]
+        if stats.degraded and self.clock() >= stats.degraded_until:
+            stats.degraded = None  # try again; a failure marks it degraded anew
+        if name == "remote" and self.remote is not None:
+            return self.remote.breaker.allow(self.clock())
+        return stats.degraded is None
+
+    def _degrade(self, name: str, reason: str, seconds: float = 30.0) -> None:
+        stats = self.stats[name]
+        stats.errors += 1
+        if stats.degraded is None:
+            log.warning("tier %s degraded: %s", name, reason)
+        stats.degraded, stats.degraded_until = reason, self.clock() + seconds
+
+    # ---- device side (the serving loop calls these, holding the service lock) ---------------
+    def gather(self, block_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
+        return [(c.k.index_select(0, index).cpu(), c.v.index_select(0, index).cpu()) for c in self.kv_caches]
+
+    def on_device_evict(self, victims: list, prefix_hits: Callable[[bytes], int]) -> None:
+        """The pool is about to reuse these indexed blocks: keep the ones worth keeping."""
+        size, nbytes = self.layout.block_size, self.layout.block_bytes
+        target = self._first_lower()
+        if target is None:
+            return
+        write = self.stats[target].write
+        keep = [b for b in victims if self.policy.worth_keeping(prefix_hits(b.root), size, nbytes, write)]
+        if self.write_policy == "write_through" and target != "host":
+            keep = [b for b in keep if not self._held_below(b.key)]
+        if not keep:
+            return
+        metas = [BlockMeta(b.key, b.root, b.depth) for b in keep]
+        started = time.perf_counter()
+        layers = self.gather([b.block_id for b in keep])
+        if target == "host":
+            self._put_host(metas, layers, src="device")
+            self.stats["host"].write.observe(nbytes * len(keep), time.perf_counter() - started)
+        else:
+            self._write_down(metas, layers, src="device", targets=[target])
+
+    def write_through(self, blocks: list) -> None:
+        """Newly filled device blocks (after the step that wrote them) go to the persistent tiers."""
+        targets = [t.name for t in (self.disk, self.remote) if t is not None]
+        if self.write_policy != "write_through" or not targets or not blocks:
+            return
+        blocks = [b for b in blocks if b.key is not None and not self._held_below(b.key)]
+        if blocks:
+            self._write_down([BlockMeta(b.key, b.root, b.depth) for b in blocks],
+                             self.gather([b.block_id for b in blocks]), src="device", targets=targets)
+
+    def _first_lower(self) -> str | None:
+        for tier in self.tiers():
+            if self._usable(tier.name):
+                return tier.name
+        return None
+
+    def _held_below(self, key: bytes) -> bool:
+        return key in self.inflight or any(key in t.index
+                                           for t in (self.disk, self.remote) if t is not None)
+
+    def _put_host(self, metas: list[BlockMeta], layers, src: str) -> None:
+        """Place blocks in host slots, shallowest first (a deep block is useless without its
+        ancestors). Host entries evicted to make room, and blocks that find no slot, go down a
+        tier (write_back) or are dropped and counted."""
+        host = self.host
+        spill_metas: list[BlockMeta] = []
+        spill_layers: list = []
+        with self.lock:
+            for m in metas:
+                if m.key in host.index:
+                    host.touch(m.key)
+            fresh = sorted((i for i, m in enumerate(metas) if m.key not in host.index), key=lambda i: metas[i].depth)
+            if not fresh:
+                return
+            slots, evicted = host.take_slots(len(fresh), protect=self._protected)
+            if evicted:
+                spill_metas += [host.meta[k] for k in evicted]
+                spill_layers.append(host.read_slots(slots[len(slots) - len(evicted):]))
+                host.forget_meta(evicted)
+            placed, overflow = fresh[:len(slots)], fresh[len(slots):]
+            if placed:
+                index = torch.tensor(placed, dtype=torch.int64)
+                host.fill(slots, [metas[i] for i in placed],
+                          [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers])
+                self.stats["host"].bytes_in += len(placed) * self.layout.block_bytes
+                self.moved[(src, "host")] += len(placed) * self.layout.block_bytes
+            if overflow:
+                spill_metas += [metas[i] for i in overflow]
+                index = torch.tensor(overflow, dtype=torch.int64)
+                spill_layers.append([(k.index_select(0, index), v.index_select(0, index)) for k, v in layers])
+        if not spill_metas:
+            return
+        lower = [t.name for t in (self.disk, self.remote) if t is not None and self._usable(t.name)][:1]
+        if self.write_policy == "write_back" and lower:
+            joined = [(torch.cat([part[layer][0] for part in spill_layers]),
+                       torch.cat([part[layer][1] for part in spill_layers])) for layer in range(self.layout.num_layers)]
+            self._write_down(spill_metas, joined, src="host", targets=lower)
+        elif self.write_policy == "write_back":
+            self.stats["host"].dropped_blocks += len(spill_metas)
+
+    def _write_down(self, metas: list[BlockMeta], layers, src: str, targets: list[str]) -> None:
+        """Encode on this thread, publish on the writer thread; the blocks are `moving` meanwhile."""
+        payloads = encode_blocks(self.layout, self.space, metas, layers)
+        items = []
+        with self.lock:
+            for meta, payload in zip(metas, payloads):
+                if meta.key in self.inflight:
+                    continue
+                self.inflight[meta.key] = (meta, payload)
+                items.append((meta, payload))
+        if items:
+            self._pending_writes.append(self._writer.submit(self._publish, items, src, targets))
+            self._pending_writes = [f for f in self._pending_writes if not f.done()]
+
+    def _publish(self, items: list[tuple[BlockMeta, bytes]], src: str, targets: list[str]) -> None:
+        try:
+            for name in targets:
+                self._publish_to(name, items, src)
+        finally:
+            with self.lock:
+                for meta, _ in items:
+                    self.inflight.pop(meta.key, None)
+
+    def _publish_to(self, name: str, items: list[tuple[BlockMeta, bytes]], src: str) -> None:
+        if not self._usable(name):
+            self.stats[name].dropped_blocks += len(items)
+            return
+        nbytes = sum(len(p) for _, p in items)
+        started = time.perf_counter()
+        try:
+            if name == "disk":
+                salvaged: list[tuple[BlockMeta, bytes]] = []
+                salvage = self._salvager(salvaged) if self.remote is not None and self.write_policy == "write_back" \
+                    else None
+                self.disk.make_room(nbytes, protect=lambda k: k in self._protected, salvage=salvage)
+                written = self.disk.write_group(items)
+                if salvaged:
+                    self._publish_to("remote", salvaged, "disk")
+            else:
+                written = self.remote.write_group(items)
+        except RemoteUnavailable as exc:
+            self._degrade(name, str(exc), seconds=0.0)
+            return
+        except OSError as exc:
+            self._degrade(name, f"{exc.strerror or type(exc).__name__} (errno {exc.errno})")
+            return
+        stats = self.stats[name]
+        fixed = self.disk.last_fsync_seconds if name == "disk" else None
+        stats.write.observe(nbytes, time.perf_counter() - started, fixed=fixed)
+        stats.bytes_in += written
+        self.moved[(src, name)] += written
+
+    def _salvager(self, out: list):
+        def salvage(segment: Segment, data: bytes) -> None:
+            offset = 0
+            while offset < len(data):
+                try:
+                    meta, _, total = read_header(data, offset)
+                except PayloadError:
+                    return
+                if meta.key in self.disk.index and meta.key not in self.remote.written:
+                    out.append((meta, data[offset:offset + total]))
+                offset += total
+        return salvage
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued writes; True when all finished within `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for future in list(self._pending_writes):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                future.result(timeout=left)
+            except Exception:  # noqa: BLE001  (a timeout, or an error already counted)
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+        if self.disk is not None:
+            self.disk.sync_dir()
+        return True
+
+    # ---- restore ---------------------------------------------------------------------------
+    def available_run(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """(blocks, bytes to move) of the longest run from keys[0] that the host tier or the
+        staging area holds now (restorable without I/O)."""
+        n = 0
+        with self.lock:
+            for key in keys:
+                if key in self.staged or (self.host is not None and key in self.host.index):
+                    n += 1
+                else:
+                    break
+        return n, n * self.layout.block_bytes
+
+    def restore_source(self, keys: Sequence[bytes]) -> str:
+        """The slowest tier the run comes from (its rate judges the restore)."""
+        with self.lock:
+            sources = {self.staged[k][1] if k in self.staged else "host" for k in keys}
+        for name in ("remote", "disk", "host"):
+            if name in sources:
+                return name
+        return "host"
+
+    @contextmanager
+    def protecting(self, keys: Sequence[bytes]):
+        """Keep these host entries from being evicted (a restore of them is under way: making
+        room on the device demotes other blocks into the host tier)."""
+        with self.lock:
+            added = [k for k in keys if k not in self._protected]
+            self._protected.update(added)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._protected.difference_update(added)
+
+    def load_into(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """Scatter the host/staged data of `keys` into device blocks (engine thread)."""
+        started = time.perf_counter()
+        with self.lock, self.protecting(keys):
+            host_pos = [i for i, k in enumerate(keys) if k not in self.staged]
+            staged_pos = [i for i, k in enumerate(keys) if k in self.staged]
+            for positions, source in ((host_pos, "host"), (staged_pos, "staged")):
+                if not positions:
+                    continue
+                ids = torch.tensor([block_ids[i] for i in positions], dtype=torch.int64, device=self.device)
+                if source == "host":
+                    slots = [self.host.index[keys[i]] for i in positions]
+                    for k in (keys[i] for i in positions):
+                        self.host.touch(k)
+                    layers = self.host.read_slots(slots)
+                else:
+                    per_block = [self.staged[keys[i]][0] for i in positions]
+                    layers = [(torch.stack([b[layer][0] for b in per_block]),
+                               torch.stack([b[layer][1] for b in per_block]))
+                              for layer in range(self.layout.num_layers)]
+                for cache, (k, v) in zip(self.kv_caches, layers):
+                    cache.k.index_copy_(0, ids, k.to(self.device, non_blocking=True))
+                    cache.v.index_copy_(0, ids, v.to(self.device, non_blocking=True))
+                for i in positions:
+                    tier = "host" if source == "host" else self.staged[keys[i]][1]
+                    stats = self.stats[tier]
+                    stats.restored_blocks += 1
+                    stats.hit_tokens += self.layout.block_size
+                    stats.bytes_out += self.layout.block_bytes
+                    self.moved[(tier, "device")] += self.layout.block_bytes
+        seconds = time.perf_counter() - started
+        self.stats["host"].restore_seconds.append(seconds)
+        if keys:
+            self.stats["host"].read.observe(len(keys) * self.layout.block_bytes, seconds)
+
+    # ---- prefetch ----------------------------------------------------------------------------
+    def start_prefetch(self, request_id: str, keys: Sequence[bytes]) -> bool:
+        """Fetch the lower-tier part of a waiting request's prefix into staging, in the background.
+        `keys` are the blocks the device lacks, in chain order. False when nothing to fetch."""
+        with self.lock:
+            start = 0
+            for key in keys:
+                if key in self.staged or (self.host is not None and key in self.host.index):
+                    start += 1
+                else:
+                    break
+            keys = list(keys[start:])
+            if not keys or (self.disk is None and self.remote is None):
+                return False
+            if self.remote is None and keys[0] not in self.disk.index and keys[0] not in self.inflight:
+                return False
+            job = Prefetch(request_id, keys, started=self.clock())
+            self.prefetches[request_id] = job
+        job.future = self._reader.submit(self._fetch, job)
+        return True
+
+    def prefetch_pending(self, request_id: str) -> bool:
+        job = self.prefetches.get(request_id)
+        return job is not None and job.future is not None and not job.future.done()
+
+    def wait_prefetch(self, request_id: str, timeout: float) -> None:
+        job = self.prefetches.get(request_id)
+        if job is not None and job.future is not None:
+            try:
+                job.future.result(timeout=timeout)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _fetch(self, job: Prefetch) -> int:
+        remote_has: list[bool] | None = None
+        for position, key in enumerate(job.keys):
+            if job.cancelled:
+                break
+            with self.lock:
+                if key in self.staged:
+                    continue
+                entry = self.inflight.get(key)
+            source, data = None, None
+            if entry is not None:
+                source, data = "host", entry[1]
+            if data is None and self.disk is not None and key in self.disk.index and self._usable("disk"):
+                started = time.perf_counter()
+                data = self.disk.read(key)
+                source = "disk"
+                if data is None:
+                    self._degrade("disk", "read failed")
+                else:
+                    self.stats["disk"].read.observe(len(data), time.perf_counter() - started)
+            if data is None and self.remote is not None and self._usable("remote"):
+                try:
+                    if remote_has is None:
+                        remote_has = self.remote.exists(job.keys[position:])
+                        offset = position
+                    if remote_has[position - offset]:
+                        started = time.perf_counter()
+                        data = self.remote.read(key)
+                        source = "remote"
+                        if data is not None:
+                            self.stats["remote"].read.observe(len(data), time.perf_counter() - started)
+                except RemoteUnavailable as exc:
+                    self._degrade("remote", str(exc), seconds=0.0)
+            if data is None:
+                break
+            try:
+                layers = decode_block(data, self.layout, self.space, key)
+            except PayloadError as exc:
+                self._bad_payload(source, key, exc)
+                break
+            with self.lock:
+                if job.cancelled:
+                    break
+                self.staged[key] = (layers, source)
+                job.staged.append(key)
+                if source == "remote":
+                    meta, _, _ = read_header(data)
+                    self.remote.meta.setdefault(key, meta)
+        return len(job.staged)
+
+    def _bad_payload(self, source: str, key: bytes, exc: PayloadError) -> None:
+        """A payload that failed verification: counted, logged (no content), deleted; a miss."""
+        self.stats[source].checksum_failures += 1
+        log.warning("tier %s: dropped a block that failed verification (%s)", source, exc.reason)
+        tier = {"disk": self.disk, "remote": self.remote}.get(source)
+        if tier is not None:
+            tier.drop(key)
+
+    def finish_prefetch(self, request_id: str) -> None:
+        """The request was admitted or cancelled: stop its fetch and drop what it staged."""
+        with self.lock:
+            job = self.prefetches.pop(request_id, None)
+            if job is None:
+                return
+            job.cancelled = True
+            for key in job.staged:
+                if not any(key in other.staged for other in self.prefetches.values()):
+                    self.staged.pop(key, None)
+
+    # ---- operator actions ------------------------------------------------------------------
+    def drop(self, keys: Iterable[bytes]) -> int:
+        """Remove blocks from every lower tier (an operator's eviction). Returns blocks dropped."""
+        dropped = 0
+        for key in keys:
+            with self.lock:
+                if key in self.inflight:
+                    continue  # its write finishes first; the next eviction catches it
+                self.staged.pop(key, None)
+                hit = self.host is not None and self.host.drop(key)
+            if self.disk is not None and key in self.disk.index:
+                self.disk.drop(key)
+                hit = True
+            if self.remote is not None and key in self.remote.written:
+                self.remote.drop(key)
+                hit = True
+            dropped += bool(hit)
+        return dropped
+
+    def fetch_now(self, keys: Sequence[bytes], timeout: float = 30.0) -> int:
+        """Stage the run of `keys` from disk or remote synchronously (for `kvctl swap --to device`)."""
+        job_id = f"swap-{time.monotonic_ns()}"
+        if not self.start_prefetch(job_id, keys):
+            return 0
+        self.wait_prefetch(job_id, timeout)
+        return len(self.prefetches[job_id].staged)
+
+    def copy_to(self, name: str, metas: list[BlockMeta], layers, src: str) -> int:
+        """Write blocks into one tier now and wait; returns blocks that tier holds afterwards."""
+        if name == "host":
+            self._put_host(metas, layers, src=src)
+            return sum(1 for m in metas if m.key in self.host.index)
+        self._write_down(metas, layers, src=src, targets=[name])
+        self.flush()
+        tier = self.disk if name == "disk" else self.remote
+        return sum(1 for m in metas if m.key in tier.index)
+
+    def read_blocks(self, keys: Sequence[bytes]) -> list | None:
+        """Verified (K, V) per layer [n, ...] of blocks from the fastest lower tier, or None."""
+        per_block = []
+        for key in keys:
+            with self.lock:
+                if self.host is not None and key in self.host.index:
+                    layers = self.host.read_slots([self.host.index[key]])
+                    per_block.append([(k[0], v[0]) for k, v in layers])
+                    continue
+            staged = self.fetch_now([key])
+            if not staged:
+                return None
+            with self.lock:
+                per_block.append(self.staged[key][0])
+            self.finish_prefetch_keys([key])
+        return [(torch.stack([b[layer][0] for b in per_block]), torch.stack([b[layer][1] for b in per_block]))
+                for layer in range(self.layout.num_layers)]
+
+    def finish_prefetch_keys(self, keys: Sequence[bytes]) -> None:
+        with self.lock:
+            for job_id in [j for j, job in self.prefetches.items() if j.startswith("swap-")]:
+                self.prefetches.pop(job_id).cancelled = True
+            for key in keys:
+                self.staged.pop(key, None)
+
+    # ---- reports -----------------------------------------------------------------------------
+    def report(self) -> dict:
+        """Per tier: capacity, use, blocks, hit tokens, bytes each way, rates, failures, health."""
+        out = {}
+        with self.lock:
+            for tier in self.tiers():
+                stats = self.stats[tier.name]
+                blocks = len(tier.index)
+                health = "degraded" if stats.degraded else "ok"
+                if tier.name == "remote":
+                    health = {"ok": health, "down": "down", "probing": "probing"}[tier.health()]
+                out[tier.name] = {
+                    "capacity_bytes": tier.capacity_bytes, "used_bytes": tier.used_bytes, "blocks": blocks,
+                    "hit_tokens": stats.hit_tokens, "restored_blocks": stats.restored_blocks,
+                    "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
+                    "read_bytes_per_second": stats.read.rate if stats.read.samples else None,
+                    "write_bytes_per_second": stats.write.rate if stats.write.samples else None,
+                    "checksum_failures": stats.checksum_failures, "errors": stats.errors,
+                    "dropped_blocks": stats.dropped_blocks, "health": health,
+                    "degraded_reason": stats.degraded if tier.name != "remote" else (
+                        tier.last_error if health != "ok" else None),
+                }
+            out_moved = {f"{s}->{d}": b for (s, d), b in sorted(self.moved.items())}
+        return {"write_policy": self.write_policy, "tiers": out, "moved_bytes": out_moved,
+                "moving_blocks": len(self.inflight), "staged_blocks": len(self.staged)}
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.flush(timeout)
+        self._writer.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown(wait=False, cancel_futures=True)

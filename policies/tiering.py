@@ -1,0 +1,106 @@
+"""Tiering decisions: keep a block in a lower tier, and restore it or recompute it.
+
+Pure: fed measured rates and counts, never reading a clock or touching tensors.
+
+    recompute_seconds(tokens) = tokens / prefill_tokens_per_second
+    restore_seconds(bytes)    = latency + bytes / bytes_per_second        (of the source tier)
+
+A block evicted from the device is kept (demoted) when
+
+    expected_reuse * recompute_seconds(block) >= bytes(block) / write bandwidth
+
+with expected_reuse = prior + hits of its prefix (a prefix never reused still gets the prior,
+since most prefixes are first reused after their first eviction). A prefix in a lower tier is
+restored when restore_seconds(bytes of the run) < recompute_seconds(tokens of the run).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RateMeter:
+    """An exponentially weighted estimate of throughput (units per second) and fixed latency."""
+
+    rate: float  # prior, units per second
+    latency: float = 0.0  # prior, seconds per operation
+    weight: float = 0.2  # how much one new measurement moves the estimate
+    samples: int = 0
+
+    def observe(self, units: float, seconds: float, *, fixed: float | None = None) -> None:
+        """One operation moved `units` in `seconds`; `fixed` is its measured fixed part, if known."""
+        if units <= 0 or seconds <= 0:
+            return
+        rate = units / max(seconds - (fixed or 0.0), 1e-9)
+        w = 1.0 if self.samples == 0 else self.weight
+        self.rate = (1 - w) * self.rate + w * rate
+        if fixed is not None:
+            self.latency = (1 - w) * self.latency + w * fixed
+        self.samples += 1
+
+    def seconds(self, units: float) -> float:
+        return self.latency + units / self.rate
+
+
+@dataclass
+class TieringPolicy:
+    """Demotion and restore judgements from measured rates (see module docstring)."""
+
+    prefill: RateMeter = field(default_factory=lambda: RateMeter(rate=2000.0))  # tokens per second
+    reuse_prior: float = 0.5
+    mode: str = "measured"  # or "always": keep every evicted block, restore whatever is found
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("measured", "always"):
+            raise ValueError(f"tiering: invalid value {self.mode!r}; use measured or always")
+
+    def worth_keeping(self, prefix_hits: int, block_tokens: int, block_bytes: int, write: RateMeter) -> bool:
+        """Writes run off the serving loop in groups, so a write's fixed latency (an fsync, a
+        round trip) is not charged to the block; its bandwidth is."""
+        if self.mode == "always":
+            return True
+        expected_reuse = self.reuse_prior + max(0, prefix_hits)
+        return expected_reuse * (block_tokens / self.prefill.rate) >= block_bytes / write.rate
+
+    def should_restore(self, tokens: int, nbytes: int, read: RateMeter) -> bool:
+        if self.mode == "always":
+            return tokens > 0
+        return tokens > 0 and read.seconds(nbytes) < tokens / self.prefill.rate
+
+    def break_even_tokens(self, bytes_per_token: float, read: RateMeter) -> float:
+        """Shortest prompt for which restoring from this tier beats recomputing (inf if never)."""
+        gain_per_token = 1.0 / self.prefill.rate - bytes_per_token / read.rate
+        if gain_per_token <= 0:
+            return math.inf
+        return read.latency / gain_per_token
+
+
+class CircuitBreaker:
+    """closed -> open after `threshold` consecutive failures; half-open after `cooldown` seconds
+    lets one call through; a success closes it, a failure opens it again. Fed a clock."""
+
+    def __init__(self, threshold: int = 3, cooldown: float = 5.0) -> None:
+        self.threshold, self.cooldown = threshold, cooldown
+        self.failures = 0
+        self.opened_at: float | None = None
+        self.trips = 0
+
+    def state(self, now: float) -> str:
+        if self.opened_at is None:
+            return "closed"
+        return "half_open" if now - self.opened_at >= self.cooldown else "open"
+
+    def allow(self, now: float) -> bool:
+        return self.state(now) != "open"
+
+    def success(self) -> None:
+        self.failures, self.opened_at = 0, None
+
+    def failure(self, now: float) -> None:
+        self.failures += 1
+        if self.opened_at is not None or self.failures >= self.threshold:
+            if self.opened_at is None:
+                self.trips += 1
+            self.opened_at = now
