@@ -84,11 +84,17 @@ def serve(
     cache_dtype: Optional[str] = typer.Option(None, help="auto, fp8_e4m3, fp8_e5m2 or int8."),
     keep_layers_unquantised: Optional[str] = typer.Option(None, help="Layers kept in the model dtype, e.g. 0,31."),
     allow_uncalibrated: Optional[bool] = typer.Option(None, help="Serve a quantised cache with unit scales."),
+    host_cache_bytes: Optional[str] = typer.Option(None, help="Host tier bytes, e.g. 8GiB (pinned on CUDA)."),
+    disk_cache_bytes: Optional[str] = typer.Option(None, help="Disk tier bytes, e.g. 100GiB (under the state dir)."),
+    disk_cache_path: Optional[str] = typer.Option(None, help="Disk tier folder; default STATE_DIR/kvcache."),
+    remote_url: Optional[str] = typer.Option(None, help="Remote tier: redis://HOST:PORT/DB or redis+cluster://..."),
+    write_policy: Optional[str] = typer.Option(None, help="write_back (on eviction) or write_through."),
+    tiering: Optional[str] = typer.Option(None, help="measured (judge by measured rates) or always."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Run the daemon in the foreground (systemd Type=notify aware).
 
-    Example: kvd serve --socket /run/kvd/kvd.sock --cache-memory 512MiB
+    Example: kvd serve --socket /run/kvd/kvd.sock --cache-memory 512MiB --host-cache-bytes 2GiB
     """
     from kvctl.daemon.config import ConfigError, resolve
 
@@ -99,7 +105,10 @@ def serve(
                    cache_memory=cache_memory, max_batch_tokens=max_batch_tokens, max_running=max_running,
                    max_queue=max_queue, reservation=reservation, eviction=eviction,
                    trusted_proxy=trusted_proxy, cache_dtype=cache_dtype,
-                   keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated)
+                   keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
+                   host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
+                   disk_cache_path=disk_cache_path, remote_url=remote_url, write_policy=write_policy,
+                   tiering=tiering)
     try:
         settings = resolve(flags, os.environ, config)
         asyncio.run(_serve(settings, lambda: resolve(flags, os.environ, config)))

@@ -84,6 +84,15 @@ class KvdConfig:
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
     allow_uncalibrated: bool = False  # serve a quantised cache with unit scales (loudly)
+    # lower tiers (all optional); in YAML also as `tiers: {host: {bytes}, disk: {bytes, path}, remote: {url, bytes}}`
+    host_cache_bytes: int | None = None
+    disk_cache_bytes: int | None = None
+    disk_cache_path: str | None = None  # default: STATE_DIR/kvcache
+    remote_url: str | None = None  # redis://HOST:PORT/DB, rediss://, unix://, redis+cluster://HOST:PORT
+    remote_cache_bytes: int | None = None  # what this daemon may write to the remote tier
+    remote_timeout: float = 0.5  # seconds per Redis call
+    write_policy: str = "write_back"  # or write_through
+    tiering: str = "measured"  # measured (judge from measured rates) or always (keep and restore everything)
 
     def describe(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -93,6 +102,7 @@ _PARSERS = {
     "block_size": int, "num_blocks": int, "cache_memory": _size, "max_batch_tokens": int,
     "max_running": int, "max_queue": int, "pin_budget_blocks": int, "shutdown_timeout": float,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool,
+    "host_cache_bytes": _size, "disk_cache_bytes": _size, "remote_cache_bytes": _size, "remote_timeout": float,
     "keep_layers_unquantised": lambda v: ",".join(str(int(x)) for x in (v if isinstance(v, list) else str(v).split(",")) if str(x).strip()),
 }
 
@@ -119,10 +129,47 @@ def _check(name: str, value: Any) -> None:
         parse_reservation(value)
     if name == "cache_dtype" and value not in ("auto", "fp8_e4m3", "fp8_e5m2", "int8"):
         raise ValueError("must be auto, fp8_e4m3, fp8_e5m2 or int8")
+    if name in ("host_cache_bytes", "disk_cache_bytes", "remote_cache_bytes") and value is not None and value < 1:
+        raise ValueError("must be >= 1")
+    if name == "remote_timeout" and not value > 0:
+        raise ValueError("must be > 0")
+    if name == "write_policy" and value not in ("write_back", "write_through"):
+        raise ValueError("must be write_back or write_through")
+    if name == "tiering" and value not in ("measured", "always"):
+        raise ValueError("must be measured or always")
+    if name == "remote_url" and value is not None and not str(value).startswith(
+            ("redis://", "rediss://", "unix://", "redis+cluster://")):
+        raise ValueError("must start with redis://, rediss://, unix:// or redis+cluster://")
     if name == "listen" and value is not None:
         host, _, port = str(value).rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError("must be HOST:PORT")
+
+
+_TIER_FIELDS = {("host", "bytes"): "host_cache_bytes", ("disk", "bytes"): "disk_cache_bytes",
+                ("disk", "path"): "disk_cache_path", ("remote", "url"): "remote_url",
+                ("remote", "bytes"): "remote_cache_bytes", ("remote", "timeout"): "remote_timeout"}
+
+
+def _flatten_tiers(values: dict, source: str) -> dict:
+    """`tiers: {host: {bytes}, disk: {bytes, path}, remote: {url, bytes, timeout}}` -> flat fields."""
+    if "tiers" not in values:
+        return values
+    out = {k: v for k, v in values.items() if k != "tiers"}
+    tiers = values["tiers"] or {}
+    if not isinstance(tiers, dict):
+        raise ConfigError(f"tiers: must be a mapping of host, disk, remote in {source!r}")
+    for tier, settings in tiers.items():
+        if tier not in ("host", "disk", "remote"):
+            raise ConfigError(f"tiers: unknown tier {tier!r} in {source!r}; use host, disk or remote")
+        if not isinstance(settings, dict):
+            raise ConfigError(f"tiers.{tier}: must be a mapping in {source!r}")
+        for key, value in settings.items():
+            name = _TIER_FIELDS.get((tier, key))
+            if name is None:
+                raise ConfigError(f"tiers.{tier}: unknown field {key!r} in {source!r}")
+            out[name] = value
+    return out
 
 
 def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
@@ -143,6 +190,7 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
             raise ConfigError(f"config: {str(path)!r} is not valid YAML ({exc})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config: {str(path)!r} must hold a mapping of settings")
+        loaded = _flatten_tiers(loaded, str(path))
         unknown = sorted(set(loaded) - names)
         if unknown:
             raise ConfigError(f"config: unknown field {unknown[0]!r} in {str(path)!r}")

@@ -19,6 +19,7 @@ from .bench_replay import replay_command
 from .bench_serve import serve_command
 from .calibrate_cmd import calibrate_command
 from .capacity_cmd import capacity_command
+from . import tiers_cmd
 from .rollout_cmd import rollout_app
 from .errors import UserError
 
@@ -41,6 +42,8 @@ app.add_typer(records_cmd.adr_app, name="adr")
 app.add_typer(records_cmd.db_app, name="db")
 app.add_typer(rollout_app, name="rollout")
 app.command("calibrate")(calibrate_command)
+app.command("tiers")(tiers_cmd.tiers)
+app.command("swap")(tiers_cmd.swap)
 
 
 def _version(value: bool) -> None:

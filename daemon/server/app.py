@@ -82,6 +82,12 @@ class EvictRequest(BaseModel):
     all_unpinned: bool = False
 
 
+class SwapRequest(BaseModel):
+    prefix: str
+    to: str
+    keep_source: bool = Field(False, alias="copy")
+
+
 class RolloutStart(BaseModel):
     policy: dict
     cohort: str | float
@@ -356,6 +362,18 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return service.calibrate(dtype=body.dtype, prompts=prompts, greedy_tokens=body.max_tokens,
                                  max_kl=body.max_kl, margin=body.margin, slices=body.slices,
                                  if_older_than=body.if_older_than, apply=body.apply, principal=who)
+
+    @app.get("/admin/tiers")
+    def tiers(_: Principal = Depends(admin)):
+        from . import tier_ops
+
+        return tier_ops.report(service)
+
+    @app.post("/admin/swap")
+    async def swap(body: SwapRequest, who: Principal = Depends(admin)):
+        from . import tier_ops
+
+        return await run_in_threadpool(tier_ops.swap, service, body.prefix, body.to, body.keep_source, who)
 
     @app.get("/admin/config")
     def config(_: Principal = Depends(admin)):

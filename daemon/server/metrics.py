@@ -12,6 +12,14 @@
     kvd_ttft_seconds                          histogram: time to first token
     kvd_inter_token_seconds                   histogram: time between output tokens
     kvd_pinned_blocks{tenant}                 distinct blocks pinned per tenant
+    kvd_restored_tokens_total                 prompt tokens restored from a lower tier (not recomputed)
+    kvd_tier_bytes{tier}                      bytes held per lower tier (host, disk, remote)
+    kvd_tier_capacity_bytes{tier}
+    kvd_tier_moved_bytes_total{src,dst}       bytes moved between tiers (device included)
+    kvd_tier_checksum_failures_total{tier}    payloads that failed verification (misses, deleted)
+    kvd_tier_errors_total{tier}               I/O errors and timeouts
+    kvd_tier_degraded{tier}                   1 while a tier is degraded or its breaker is open
+    kvd_tier_restore_seconds                  histogram: time to put a prefix back on the device
 """
 
 from __future__ import annotations
@@ -70,10 +78,35 @@ class _EngineCollector:
                                 value=max(ages, default=0.0))
         yield GaugeMetricFamily("kvd_cache_uncalibrated", "1 while a quantised cache runs on unit scales",
                                 value=1.0 if engine.scale_version == "unit" else 0.0)
+        yield CounterMetricFamily("kvd_restored_tokens", "Prompt tokens restored from a lower tier",
+                                  value=engine.stats.restored_tokens)
+        tiers = self.service.tiers
+        if tiers is not None:
+            yield from _tier_metrics(tiers.report())
         pinned = GaugeMetricFamily("kvd_pinned_blocks", "Distinct pinned blocks per tenant", labels=["tenant"])
         for tenant, value in sorted(pins.items()):
             pinned.add_metric([tenant], value)
         yield pinned
+
+
+def _tier_metrics(report: dict):
+    used = GaugeMetricFamily("kvd_tier_bytes", "Bytes held per lower tier", labels=["tier"])
+    capacity = GaugeMetricFamily("kvd_tier_capacity_bytes", "Capacity per lower tier", labels=["tier"])
+    failures = CounterMetricFamily("kvd_tier_checksum_failures", "Payloads that failed verification",
+                                   labels=["tier"])
+    errors = CounterMetricFamily("kvd_tier_errors", "Tier I/O errors and timeouts", labels=["tier"])
+    degraded = GaugeMetricFamily("kvd_tier_degraded", "1 while a tier is degraded or unreachable", labels=["tier"])
+    for name, tier in report["tiers"].items():
+        used.add_metric([name], tier["used_bytes"])
+        capacity.add_metric([name], tier["capacity_bytes"])
+        failures.add_metric([name], tier["checksum_failures"])
+        errors.add_metric([name], tier["errors"])
+        degraded.add_metric([name], 0.0 if tier["health"] == "ok" else 1.0)
+    moved = CounterMetricFamily("kvd_tier_moved_bytes", "Bytes moved between tiers", labels=["src", "dst"])
+    for pair, value in report["moved_bytes"].items():
+        src, dst = pair.split("->")
+        moved.add_metric([src, dst], value)
+    yield from (used, capacity, failures, errors, degraded, moved)
 
 
 class Metrics:
@@ -89,6 +122,9 @@ class Metrics:
         self.alloc = Histogram("kvd_allocation_seconds", "Time per cache-core call",
                                buckets=(1e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 0.1),
                                registry=self.registry)
+        self.restore = Histogram("kvd_tier_restore_seconds", "Time to put a prefix back on the device",
+                                 buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
+                                 registry=self.registry)
         self._recent_ttft: list[float] = []
         self._recent_itl: list[float] = []
         self._lock = threading.Lock()
@@ -110,6 +146,12 @@ class Metrics:
             samples, engine.stats.alloc_seconds = engine.stats.alloc_seconds, []
         for value in samples:
             self.alloc.observe(value)
+        tiers = self.service.tiers
+        if tiers is not None:
+            with tiers.lock:
+                restores, tiers.stats["host"].restore_seconds = tiers.stats["host"].restore_seconds, []
+            for value in restores:
+                self.restore.observe(value)
 
     def summary(self) -> dict:
         def percentiles(values: list[float]) -> dict:

@@ -73,6 +73,8 @@ class EngineService:
         self._observers.append(self.rollouts.observe)
         self.rollout_check_seconds = 10.0
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
+        self.tiers = None  # TieredCache when lower tiers are configured (see tier_ops)
+        self.tier_scan = None
 
     # ---- life cycle --------------------------------------------------------------------------
     def load(self) -> None:
@@ -122,6 +124,9 @@ class EngineService:
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         if cfg.pin_budget_blocks is not None:
             engine.cache.pins.default_budget = cfg.pin_budget_blocks
+        from . import tier_ops
+
+        tier_ops.attach(self, engine)
         with self.lock:
             self.loaded, self.engine = loaded, engine
             self._restore_pins()
@@ -208,6 +213,10 @@ class EngineService:
             for request_id in pending:
                 self.cancel(request_id)
         self._stop.set()
+        if self.tiers is not None:
+            from . import tier_ops
+
+            tier_ops.save_on_shutdown(self, max(limit, time.monotonic() + 1.0))
         with self.lock:
             self.lock.notify_all()
         if self._thread is not None:
@@ -270,6 +279,10 @@ class EngineService:
     def _load_scales(self, calibration: dict) -> None:
         """Swap in applied scales (caller holds the lock, nothing is running)."""
         self.engine.set_scales(calibration["scales"], f"cal-{calibration['id']}")
+        if self.tiers is not None:
+            from kvctl.daemon.cache.tiers import engine_layout, space_digest
+
+            self.tiers.retarget(engine_layout(self.engine), space_digest(self.engine))
         self.calibration = calibration
         self.pending_scales = None
         self.engine.admission_paused = False
@@ -404,7 +417,7 @@ class EngineService:
                     // engine.cache.block_bytes,
                 "eviction_policy": cache.policy_name,
                 "tokens": {"prompt": stats.prompt_tokens, "hit": stats.hit_tokens,
-                           "recomputed": stats.recomputed_tokens,
+                           "recomputed": stats.recomputed_tokens, "restored": stats.restored_tokens,
                            "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
                 "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions},
                 "queue": {"waiting": len(waiting), "oldest_age_seconds": oldest,
@@ -416,6 +429,10 @@ class EngineService:
             }
         body["latency"] = self.latency_summary()
         body["gpu"] = gpu_status()
+        if self.tiers is not None:
+            report = self.tiers.report()
+            body["tiers"] = {name: {k: t[k] for k in ("used_bytes", "capacity_bytes", "blocks", "health")}
+                             for name, t in report["tiers"].items()}
         if block_map is not None:
             body["block_map"] = block_map
         return body
@@ -448,6 +465,10 @@ class EngineService:
         engine = self.require_ready()
         with self.lock:
             rows = engine.cache.prefixes()
+        if self.tiers is not None:
+            from . import tier_ops
+
+            rows += tier_ops.lower_prefixes(self)
         return [r for r in rows if (tenant is None or r["tenant"] == tenant)
                 and (not pinned_only or r["pinned"])]
 
@@ -540,12 +561,14 @@ class EngineService:
         with self.lock:
             if model_revision and model_revision != self.loaded.revision and \
                     not self.loaded.revision.startswith(model_revision):
-                report_blocks, skipped = 0, {}
+                report_blocks, skipped, select = 0, {}, None
                 target = f"model_revision={model_revision}"
             else:
                 if prefix_id:
+                    lower_roots = {m.root for m, _ in self.tiers.known_metas().values()} if self.tiers else set()
                     if not any(b.key is not None and b.root.hex().startswith(prefix_id)
-                               for b in engine.cache.pool.blocks):
+                               for b in engine.cache.pool.blocks) and \
+                            not any(r.hex().startswith(prefix_id) for r in lower_roots):
                         raise ServiceError(404, f"prefix: no cached prefix {prefix_id!r}", "prefix")
                     select = lambda root, info: root is not None and root.hex().startswith(prefix_id)  # noqa: E731
                     target = f"prefix={prefix_id}"
@@ -557,8 +580,14 @@ class EngineService:
                     target = "model_revision=current" if model_revision else "all_unpinned"
                 report = engine.cache.evict_where(select)
                 report_blocks, skipped = report.evicted_blocks, report.skipped
+            roots = dict(engine.cache.roots)
+        lower_dropped = 0
+        if self.tiers is not None and select is not None:  # an eviction removes the prefix from every tier
+            lower_dropped = self.tiers.drop([k for k, (m, _) in self.tiers.known_metas().items()
+                                             if select(m.root, roots.get(m.root))])
         result = "ok" if not skipped.get("in_use") else "partial"
-        body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target}
+        body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target,
+                "lower_tier_blocks_dropped": lower_dropped}
         if skipped.get("in_use"):
             body["message"] = (f"{skipped['in_use']} blocks are in use by running requests and were "
                                "not evicted")
@@ -586,10 +615,15 @@ class EngineService:
             else:
                 key = keys[hits]
                 logged = cache.pool.eviction_log.get(key)
+                lower = self.tiers.location(key) if self.tiers is not None else "evicted"
                 other = [t for t in sorted({i.tenant for i in cache.roots.values()}) if t != tenant
                          and cache.pool.block_of(chain_keys(engine.namespace(t), token_ids[:(hits + 1) * size])[hits])
                          is not None]
-                if logged is not None:
+                if lower != "evicted":
+                    body["first_miss"] = {"block": hits, "reason": "in_lower_tier", "tier": lower,
+                                          "detail": f"on the {lower} tier; the next request restores it "
+                                                    "instead of recomputing"}
+                elif logged is not None:
                     at, reason = logged
                     body["first_miss"] = {"block": hits, "reason": "evicted",
                                           "detail": f"evicted {now_minus(engine.clock(), at)} ago by "

@@ -219,9 +219,7 @@ class DiskTier:
             self.segments.move_to_end(name)
             self.busy[name] = self.busy.get(name, 0) + 1
         try:
-            with open(self.segment_dir / name, "rb") as f:
-                f.seek(offset)
-                return f.read(length)
+            return self._read_range(name, offset, length)
         except OSError:
             return None
         finally:
@@ -229,6 +227,11 @@ class DiskTier:
                 self.busy[name] -= 1
                 if not self.busy[name]:
                     del self.busy[name]
+
+    def _read_range(self, name: str, offset: int, length: int) -> bytes:
+        with open(self.segment_dir / name, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
 
     def read_segment(self, segment: Segment) -> bytes:
         return (self.segment_dir / segment.name).read_bytes()

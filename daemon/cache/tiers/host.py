@@ -15,6 +15,17 @@ import torch
 from .payload import BlockLayout, BlockMeta
 
 
+def select_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] along dim 0 for any dtype (fp8 has no CPU index kernels: move bytes instead)."""
+    return t.view(torch.uint8).index_select(0, index.to(t.device)).view(t.dtype)
+
+
+def copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[index] = src along dim 0 for any dtype, across devices."""
+    dst.view(torch.uint8).index_copy_(0, index.to(dst.device),
+                                      src.view(torch.uint8).to(dst.device, non_blocking=True))
+
+
 class HostTier:
     name = "host"
 
@@ -62,15 +73,15 @@ class HostTier:
     def read_slots(self, slots: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the given slots' K/V, per layer [n, block, heads, dim]."""
         index = torch.tensor(list(slots), dtype=torch.int64)
-        return [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.layers]
+        return [(select_rows(k, index), select_rows(v, index)) for k, v in self.layers]
 
     def fill(self, slots: Sequence[int], metas: Sequence[BlockMeta],
              layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write K/V ([n, ...] per layer, any device) into `slots` and index them."""
         index = torch.tensor(list(slots), dtype=torch.int64)
         for (hk, hv), (k, v) in zip(self.layers, layers):
-            hk.index_copy_(0, index, k.to("cpu", non_blocking=True))
-            hv.index_copy_(0, index, v.to("cpu", non_blocking=True))
+            copy_rows(hk, index, k)
+            copy_rows(hv, index, v)
         for slot, meta in zip(slots, metas):
             self.index[meta.key] = slot
             self.meta[meta.key] = meta

@@ -35,7 +35,7 @@ import torch
 from kvctl.policies.tiering import RateMeter, TieringPolicy
 
 from .disk import DiskTier, Segment
-from .host import HostTier
+from .host import HostTier, copy_rows, select_rows
 from .payload import BlockLayout, BlockMeta, PayloadError, decode_block, encode_blocks, read_header
 from .remote import RemoteTier, RemoteUnavailable
 
@@ -69,6 +69,17 @@ class Prefetch:
     staged: list[bytes] = field(default_factory=list)
     cancelled: bool = False
     started: float = 0.0
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat([p.view(torch.uint8) for p in parts]).view(parts[0].dtype)
+
+
+def _stack_blocks(per_block: list, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-block [(K, V) per layer] -> per layer (K [n, ...], V [n, ...]), any dtype."""
+    return [(torch.stack([b[layer][0].view(torch.uint8) for b in per_block]).view(per_block[0][layer][0].dtype),
+             torch.stack([b[layer][1].view(torch.uint8) for b in per_block]).view(per_block[0][layer][1].dtype))
+            for layer in range(num_layers)]
 
 
 class TieredCache:
@@ -155,7 +166,7 @@ class TieredCache:
     # ---- device side (the serving loop calls these, holding the service lock) ---------------
     def gather(self, block_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-        return [(c.k.index_select(0, index).cpu(), c.v.index_select(0, index).cpu()) for c in self.kv_caches]
+        return [(select_rows(c.k, index).cpu(), select_rows(c.v, index).cpu()) for c in self.kv_caches]
 
     def on_device_evict(self, victims: list, prefix_hits: Callable[[bytes], int]) -> None:
         """The pool is about to reuse these indexed blocks: keep the ones worth keeping."""
@@ -221,19 +232,19 @@ class TieredCache:
             if placed:
                 index = torch.tensor(placed, dtype=torch.int64)
                 host.fill(slots, [metas[i] for i in placed],
-                          [(k.index_select(0, index), v.index_select(0, index)) for k, v in layers])
+                          [(select_rows(k, index), select_rows(v, index)) for k, v in layers])
                 self.stats["host"].bytes_in += len(placed) * self.layout.block_bytes
                 self.moved[(src, "host")] += len(placed) * self.layout.block_bytes
             if overflow:
                 spill_metas += [metas[i] for i in overflow]
                 index = torch.tensor(overflow, dtype=torch.int64)
-                spill_layers.append([(k.index_select(0, index), v.index_select(0, index)) for k, v in layers])
+                spill_layers.append([(select_rows(k, index), select_rows(v, index)) for k, v in layers])
         if not spill_metas:
             return
         lower = [t.name for t in (self.disk, self.remote) if t is not None and self._usable(t.name)][:1]
         if self.write_policy == "write_back" and lower:
-            joined = [(torch.cat([part[layer][0] for part in spill_layers]),
-                       torch.cat([part[layer][1] for part in spill_layers])) for layer in range(self.layout.num_layers)]
+            joined = [(_cat([part[layer][0] for part in spill_layers]), _cat([part[layer][1] for part in spill_layers]))
+                      for layer in range(self.layout.num_layers)]
             self._write_down(spill_metas, joined, src="host", targets=lower)
         elif self.write_policy == "write_back":
             self.stats["host"].dropped_blocks += len(spill_metas)
@@ -369,12 +380,10 @@ class TieredCache:
                     layers = self.host.read_slots(slots)
                 else:
                     per_block = [self.staged[keys[i]][0] for i in positions]
-                    layers = [(torch.stack([b[layer][0] for b in per_block]),
-                               torch.stack([b[layer][1] for b in per_block]))
-                              for layer in range(self.layout.num_layers)]
+                    layers = _stack_blocks(per_block, self.layout.num_layers)
                 for cache, (k, v) in zip(self.kv_caches, layers):
-                    cache.k.index_copy_(0, ids, k.to(self.device, non_blocking=True))
-                    cache.v.index_copy_(0, ids, v.to(self.device, non_blocking=True))
+                    copy_rows(cache.k, ids, k)
+                    copy_rows(cache.v, ids, v)
                 for i in positions:
                     tier = "host" if source == "host" else self.staged[keys[i]][1]
                     stats = self.stats[tier]
@@ -508,6 +517,21 @@ class TieredCache:
             dropped += bool(hit)
         return dropped
 
+    def drop_host(self, key: bytes) -> bool:
+        with self.lock:
+            return self.host is not None and key not in self._protected and self.host.drop(key)
+
+    def retarget(self, layout: BlockLayout, space: bytes) -> None:
+        """New scales (or format): payloads are now written and checked under this layout and space.
+        Blocks of the old one become unreachable (their keys change too) and age out."""
+        with self.lock:
+            self.layout, self.space = layout, space
+            for tier in (self.disk, self.remote):
+                if tier is not None:
+                    tier.space = space
+            if self.disk is not None:
+                self.disk.layout = layout
+
     def fetch_now(self, keys: Sequence[bytes], timeout: float = 30.0) -> int:
         """Stage the run of `keys` from disk or remote synchronously (for `kvctl swap --to device`)."""
         job_id = f"swap-{time.monotonic_ns()}"
@@ -541,8 +565,7 @@ class TieredCache:
             with self.lock:
                 per_block.append(self.staged[key][0])
             self.finish_prefetch_keys([key])
-        return [(torch.stack([b[layer][0] for b in per_block]), torch.stack([b[layer][1] for b in per_block]))
-                for layer in range(self.layout.num_layers)]
+        return _stack_blocks(per_block, self.layout.num_layers)
 
     def finish_prefetch_keys(self, keys: Sequence[bytes]) -> None:
         with self.lock:

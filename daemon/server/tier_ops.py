@@ -1,0 +1,232 @@
+"""Operator actions on the lower tiers: report, prefix listing by tier, swap, save on shutdown.
+
+kvctl presents; these functions decide, under the service lock where they touch the device
+cache. Disk and Redis I/O happens outside the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from kvctl.daemon.cache.tiers import BlockMeta, build_tiers, decode_block
+
+from .service import ServiceError
+
+log = logging.getLogger("kvd")
+
+TARGETS = ("device", "host", "disk", "remote")
+
+
+def attach(service, engine) -> None:
+    """Build the configured tiers for a freshly loaded engine (scans the disk tier)."""
+    cfg = service.config
+    disk_path = cfg.disk_cache_path or str(Path(cfg.state_dir) / "kvcache")
+    tiers, scan = build_tiers(engine, host_bytes=cfg.host_cache_bytes, disk_bytes=cfg.disk_cache_bytes,
+                              disk_path=disk_path, remote_url=cfg.remote_url,
+                              remote_bytes=cfg.remote_cache_bytes, write_policy=cfg.write_policy,
+                              remote_timeout=cfg.remote_timeout, tiering=cfg.tiering)
+    service.tiers, service.tier_scan = tiers, scan
+    if scan is not None:
+        log.info("disk tier: %d blocks in %d segments re-indexed; set aside %d corrupt, %d foreign; "
+                 "removed %d unfinished", scan.blocks, scan.segments, scan.corrupt, scan.foreign, scan.torn)
+
+
+def report(service) -> dict:
+    engine = service.require_ready()
+    tiers = service.tiers
+    with service.lock:
+        counts = engine.cache.state_counts()
+        stats = engine.stats
+        device = {"capacity_bytes": engine.cache.num_blocks * engine.cache.block_bytes,
+                  "used_bytes": (engine.cache.num_blocks - counts["free"]) * engine.cache.block_bytes,
+                  "blocks": engine.cache.num_blocks - counts["free"], "health": "ok"}
+        tokens = {"prompt": stats.prompt_tokens, "hit": stats.hit_tokens, "restored": stats.restored_tokens,
+                  "recomputed": stats.recomputed_tokens}
+    body = {"configured": tiers is not None, "tokens": tokens, "device": device}
+    if tiers is None:
+        body.update({"write_policy": None, "tiers": {}, "moved_bytes": {}})
+        return body
+    body.update(tiers.report())
+    scan = service.tier_scan
+    if scan is not None:
+        body["disk_scan"] = {"blocks": scan.blocks, "segments": scan.segments, "corrupt": scan.corrupt,
+                             "foreign": scan.foreign, "torn": scan.torn}
+    body["break_even_tokens"] = {
+        name: tiers.policy.break_even_tokens(tiers.layout.block_bytes / tiers.layout.block_size,
+                                             tiers.stats[name].read)
+        for name in body["tiers"]}
+    return body
+
+
+def lower_prefixes(service) -> list[dict]:
+    """Prefixes (grouped by root) that live only in lower tiers, with their fastest tier."""
+    tiers, engine = service.tiers, service.engine
+    if tiers is None:
+        return []
+    groups: dict[bytes, dict] = {}
+    with service.lock:
+        on_device = {b.root for b in engine.cache.pool.blocks if b.key is not None}
+        known = tiers.known_metas()
+        roots = dict(engine.cache.roots)
+    order = {"moving": 0, "host": 1, "disk": 2, "remote": 3}
+    for key, (meta, tier) in known.items():
+        if meta.root in on_device:
+            continue
+        g = groups.setdefault(meta.root, {"blocks": 0, "deepest": 0, "tier": tier})
+        g["blocks"] += 1
+        g["deepest"] = max(g["deepest"], meta.depth)
+        if order[tier] < order[g["tier"]]:
+            g["tier"] = tier
+    size, nbytes = tiers.layout.block_size, tiers.layout.block_bytes
+    out = []
+    for root, g in groups.items():
+        info = roots.get(root)
+        out.append({"prefix_id": root.hex()[:16], "tenant": info.tenant if info else None,
+                    "blocks": g["blocks"], "tokens": (g["deepest"] + 1) * size, "bytes": g["blocks"] * nbytes,
+                    "hits": info.hits if info else 0, "last_use": info.last_use if info else None,
+                    "tier": g["tier"], "pinned": False, "pinned_blocks": 0, "in_use_blocks": 0})
+    return out
+
+
+def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
+    """Move (or copy) every block of a prefix to one tier and verify it there."""
+    engine = service.require_ready()
+    tiers = service.tiers
+    if to not in TARGETS:
+        raise ServiceError(400, f"to: invalid value {to!r}; use {', '.join(TARGETS)}", "to")
+    if tiers is None:
+        raise ServiceError(409, "swap: no lower tier is configured (set tiers: in the config, or "
+                                "--host-cache-bytes / --disk-cache-bytes / --remote-url)")
+    if to != "device" and getattr(tiers, to) is None:
+        raise ServiceError(400, f"to: the {to} tier is not configured", "to")
+    if len(prefix_id) < 4:
+        raise ServiceError(400, f"prefix: give at least 4 hex digits, got {prefix_id!r}", "prefix")
+    with service.lock:
+        device = sorted((b for b in engine.cache.pool.blocks if b.key is not None
+                         and b.root.hex().startswith(prefix_id)), key=lambda b: b.depth)
+        device_metas = [BlockMeta(b.key, b.root, b.depth) for b in device]
+        device_ids = [b.block_id for b in device]
+    lower = {k: m for k, (m, _) in tiers.known_metas().items() if m.root.hex().startswith(prefix_id)}
+    if not device_metas and not lower:
+        raise ServiceError(404, f"prefix: no prefix {prefix_id!r} in any tier", "prefix")
+    started = time.perf_counter()
+    if to == "device":
+        body = _to_device(service, engine, tiers, device_metas, lower)
+    else:
+        body = _to_lower(service, engine, tiers, to, copy, device_metas, device_ids, lower)
+    body.update({"prefix_id": prefix_id, "to": to, "copy": copy, "seconds": time.perf_counter() - started})
+    with service.lock:
+        engine.cache.audit()
+    service.store.audit(actor=principal.actor, tenant=principal.tenant, action="swap", target=f"prefix={prefix_id}",
+                        result="ok" if body["verified_blocks"] == body["blocks"] else "partial",
+                        detail={k: body[k] for k in ("to", "copy", "blocks", "verified_blocks")})
+    return body
+
+
+def _chain(metas: list[BlockMeta]) -> list[BlockMeta]:
+    """The unbranched part of a prefix tree, root first (one block per depth from 0)."""
+    by_depth: dict[int, list[BlockMeta]] = {}
+    for m in metas:
+        by_depth.setdefault(m.depth, []).append(m)
+    chain = []
+    for depth in range(len(by_depth)):
+        found = by_depth.get(depth, [])
+        if len(found) != 1:
+            break
+        chain.append(found[0])
+    return chain
+
+
+def _to_device(service, engine, tiers, device_metas, lower) -> dict:
+    metas = {m.key: m for m in device_metas}
+    metas.update({k: m for k, m in lower.items() if k not in metas})
+    chain = _chain(list(metas.values()))
+    keys = [m.key for m in chain]
+    with service.lock:
+        start = len(engine.cache.pool.match(keys))
+    tiers.fetch_now(keys[start:])
+    with service.lock:
+        start = len(engine.cache.pool.match(keys))
+        run, _ = tiers.available_run(keys[start:])
+        tenant = engine.cache.roots[keys[0]].tenant if keys and keys[0] in engine.cache.roots else "default"
+        with tiers.protecting(keys[start:start + run]):
+            installed = engine.cache.install(keys, start, run, tenant, tiers.load_into)
+        on_device = len(engine.cache.pool.match(keys))
+    tiers.finish_prefetch_keys(keys)
+    return {"blocks": len(metas), "chain_blocks": len(keys), "moved_blocks": installed,
+            "verified_blocks": on_device, "skipped_branch_blocks": len(metas) - len(keys)}
+
+
+def _to_lower(service, engine, tiers, to, copy, device_metas, device_ids, lower) -> dict:
+    target = getattr(tiers, to)
+    moved = 0
+    if device_metas:
+        with service.lock:
+            layers = tiers.gather(device_ids)
+        moved += tiers.copy_to(to, device_metas, layers, src="device")
+    elsewhere = [m for k, m in sorted(lower.items(), key=lambda kv: kv[1].depth)
+                 if k not in target.index and k not in {d.key for d in device_metas}]
+    for meta in elsewhere:
+        layers = tiers.read_blocks([meta.key])
+        if layers is not None:
+            moved += tiers.copy_to(to, [meta], layers, src=tiers.location(meta.key))
+    all_metas = device_metas + [m for k, m in lower.items() if k not in {d.key for d in device_metas}]
+    verified = sum(1 for m in all_metas if _verify(tiers, to, m.key))
+    evicted = dropped = 0
+    if not copy:
+        if device_metas:
+            with service.lock:
+                evicted = engine.cache.evict_prefix([m.key for m in device_metas]).evicted_blocks
+        for m in all_metas:
+            if _verify(tiers, to, m.key):
+                for other in ("host", "disk", "remote"):
+                    tier = getattr(tiers, other)
+                    if other != to and tier is not None and m.key in tier.index:
+                        (tier.drop if other != "host" else tiers.drop_host)(m.key)
+                        dropped += 1
+    return {"blocks": len(all_metas), "moved_blocks": moved, "verified_blocks": verified,
+            "evicted_from_device": evicted, "dropped_elsewhere": dropped}
+
+
+def _verify(tiers, to: str, key: bytes) -> bool:
+    """Read the block back from `to` and check it (host: present; disk/remote: full verification)."""
+    if to == "host":
+        return key in tiers.host.index
+    tier = getattr(tiers, to)
+    try:
+        data = tier.read(key)
+    except Exception:  # noqa: BLE001  (remote down: not verified)
+        return False
+    if data is None:
+        return False
+    try:
+        decode_block(data, tiers.layout, tiers.space, key)
+    except ValueError:
+        return False
+    return True
+
+
+def save_on_shutdown(service, deadline: float) -> dict:
+    """Write the device's cached blocks (roots first) to disk before the deadline (monotonic)."""
+    tiers, engine = service.tiers, service.engine
+    if tiers is None or tiers.disk is None or engine is None:
+        return {"saved_blocks": 0}
+    with service.lock:
+        blocks = sorted((b for b in engine.cache.pool.blocks if b.key is not None and b.key not in tiers.disk.index),
+                        key=lambda b: b.depth)
+        hits = {root: info.hits for root, info in engine.cache.roots.items()}
+    size, nbytes = tiers.layout.block_size, tiers.layout.block_bytes
+    keep = [b for b in blocks if tiers.policy.worth_keeping(hits.get(b.root, 0), size, nbytes, tiers.stats["disk"].write)]
+    saved = 0
+    for start in range(0, len(keep), 64):
+        if time.monotonic() >= deadline:
+            break
+        group = keep[start:start + 64]
+        with service.lock:
+            layers = tiers.gather([b.block_id for b in group])
+        saved += tiers.copy_to("disk", [BlockMeta(b.key, b.root, b.depth) for b in group], layers, src="device")
+    tiers.close(timeout=max(0.0, deadline - time.monotonic()))
+    log.info("saved %d of %d cached device blocks to the disk tier", saved, len(keep))
+    return {"saved_blocks": saved, "candidates": len(keep)}

@@ -1,0 +1,94 @@
+"""kvctl tiers and kvctl swap: what each memory tier holds, and moving a prefix between them."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .ops import _client, _emit
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return str(value)
+
+
+def render_tiers(d: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    if not d["configured"]:
+        console.print("no lower tier configured (tiers: in the config, or --host-cache-bytes, "
+                      "--disk-cache-bytes, --remote-url)")
+    table = Table("tier", "used", "capacity", "blocks", "hit tokens", "in", "out", "read/s", "write/s",
+                  "checksum fails", "errors", "health", title=f"write policy: {d.get('write_policy') or '-'}")
+    dev = d["device"]
+    table.add_row("device", _bytes(dev["used_bytes"]), _bytes(dev["capacity_bytes"]), str(dev["blocks"]),
+                  f"{d['tokens']['hit'] - d['tokens']['restored']:,}", "", "", "", "", "", "", "ok")
+    for name, t in d["tiers"].items():
+        health = t["health"] + (f" ({t['degraded_reason']})" if t.get("degraded_reason") else "")
+        style = "green" if t["health"] == "ok" else "red"
+        table.add_row(name, _bytes(t["used_bytes"]), _bytes(t["capacity_bytes"]), f"{t['blocks']:,}",
+                      f"{t['hit_tokens']:,}", _bytes(t["bytes_in"]), _bytes(t["bytes_out"]),
+                      _bytes(t["read_bytes_per_second"]), _bytes(t["write_bytes_per_second"]),
+                      str(t["checksum_failures"]), str(t["errors"]), f"[{style}]{health}[/{style}]")
+    console.print(table)
+    tokens = d["tokens"]
+    console.print(f"prompt tokens {tokens['prompt']:,}: {tokens['hit']:,} from cache "
+                  f"({tokens['restored']:,} restored from lower tiers), {tokens['recomputed']:,} recomputed "
+                  "after preemption")
+    if d.get("moved_bytes"):
+        console.print("moved: " + ", ".join(f"{k} {_bytes(v)}" for k, v in d["moved_bytes"].items()))
+    if d.get("break_even_tokens"):
+        console.print("restore beats recompute from: " + ", ".join(
+            f"{k} {'never' if math.isinf(v) else f'{v:,.0f} tokens'}" for k, v in d["break_even_tokens"].items()))
+    if d.get("disk_scan"):
+        s = d["disk_scan"]
+        console.print(f"disk at start: {s['blocks']:,} blocks re-indexed; set aside {s['corrupt']} corrupt, "
+                      f"{s['foreign']} foreign; removed {s['torn']} unfinished")
+
+
+def tiers(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Each memory tier: capacity, use, hit tokens, bytes moved each way, transfer rates,
+    checksum failures and health.
+
+    Example: kvctl tiers
+    """
+    data = _client(ctx).get("/admin/tiers")
+    if as_json:  # inf is not JSON
+        data["break_even_tokens"] = {k: (None if math.isinf(v) else v)
+                                     for k, v in (data.get("break_even_tokens") or {}).items()}
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        render_tiers(data)
+
+
+def swap(ctx: typer.Context, prefix_id: str = typer.Argument(..., help="Prefix id from `kvctl prefixes`."),
+         to: str = typer.Option(..., "--to", help="device, host, disk or remote."),
+         copy: bool = typer.Option(False, "--copy", help="Keep the source copies (default: move)."),
+         as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Move (or copy) a prefix to one tier and wait for the verified result.
+
+    Example: kvctl swap 3f9a1c0b2d4e5f60 --to disk
+    """
+    data = _client(ctx).post("/admin/swap", {"prefix": prefix_id, "to": to, "copy": copy})
+
+    def render(d):
+        ok = d["verified_blocks"] == d["blocks"]
+        verb = "copied" if d["copy"] else "moved"
+        Console().print(f"{verb} prefix {d['prefix_id']} to {d['to']}: {d['verified_blocks']} of {d['blocks']} "
+                        f"blocks verified there in {d['seconds'] * 1000:.0f} ms"
+                        + ("" if ok else " [yellow](partial)[/yellow]"))
+        if d.get("skipped_branch_blocks"):
+            Console().print(f"{d['skipped_branch_blocks']} blocks on branches of the prefix tree stay where they "
+                            "are; a request restores them")
+    _emit(data, as_json, render)
+    if data["verified_blocks"] != data["blocks"]:
+        raise typer.Exit(3)

@@ -1,0 +1,186 @@
+"""Block payloads and the disk tier: round trips for every cache dtype, every way a payload can be
+wrong, durable publication, re-indexing at start, kill -9 during writes, disk full."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvctl.daemon.cache.tiers import BlockLayout, DiskTier, PayloadError, decode_block, encode_blocks  # noqa: E402
+
+from .tier_fixtures import block_key, content, group, same  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+SPACE = b"S" * 32
+
+
+def layout(dtype=torch.float16, scales="cal-1") -> BlockLayout:
+    return BlockLayout((dtype, torch.float16), block_size=16, num_kv_heads=2, head_dim=8, scale_version=scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_payload_round_trip_is_bit_exact_for_every_cache_dtype(dtype):
+    lay = layout(dtype)
+    keys = [block_key(i) for i in range(3)]
+    metas, layers = group(lay, keys)
+    payloads = encode_blocks(lay, SPACE, metas, layers)
+    assert [len(p) for p in payloads] == [lay.payload_bytes] * 3
+    for key, payload in zip(keys, payloads):
+        decoded = decode_block(payload, lay, SPACE, key)
+        assert [(k.dtype, tuple(k.shape)) for k, _ in decoded] == [(dtype, (16, 2, 8)), (torch.float16, (16, 2, 8))]
+        assert same(decoded, content(lay, key))
+
+
+def _one(lay=None):
+    lay = lay or layout()
+    metas, layers = group(lay, [block_key(0)])
+    return lay, encode_blocks(lay, SPACE, metas, layers)[0]
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda p: p[:100] + bytes([p[100] ^ 1]) + p[101:], "checksum"),  # a flipped bit in the tensors
+    (lambda p: p[:-1] + bytes([p[-1] ^ 0xFF]), "checksum"),  # the checksum itself
+    (lambda p: p[:len(p) // 2], "length"),  # truncated
+    (lambda p: b"XXXX" + p[4:], "magic"),
+    (lambda p: p[:4] + (9).to_bytes(2, "little") + p[6:], "version"),
+])
+def test_damaged_payloads_are_refused_with_the_failed_check(mutate, reason):
+    lay, payload = _one()
+    with pytest.raises(PayloadError) as err:
+        decode_block(mutate(payload), lay, SPACE, block_key(0))
+    assert err.value.reason == reason
+
+
+def test_payloads_of_another_block_space_or_layout_are_refused():
+    lay, payload = _one()
+    with pytest.raises(PayloadError) as err:
+        decode_block(payload, lay, SPACE, block_key(1))
+    assert err.value.reason == "key"
+    with pytest.raises(PayloadError) as err:
+        decode_block(payload, lay, b"T" * 32, block_key(0))
+    assert err.value.reason == "space"
+    for other in (layout(torch.int8), layout(scales="cal-2"),
+                  BlockLayout((torch.float16, torch.float16), 16, 1, 16, "cal-1")):
+        with pytest.raises(PayloadError) as err:
+            decode_block(payload, other, SPACE, block_key(0))
+        assert err.value.reason == "layout"
+
+
+def disk(tmp_path, lay=None, capacity=1 << 20, space=SPACE) -> DiskTier:
+    return DiskTier(tmp_path / "kvcache", capacity, lay or layout(), space)
+
+
+def write_chain(tier: DiskTier, start: int, count: int) -> list[bytes]:
+    keys = [block_key(i) for i in range(start, start + count)]
+    metas, layers = group(tier.layout, keys)
+    tier.write_group(list(zip(metas, encode_blocks(tier.layout, tier.space, metas, layers))))
+    return keys
+
+
+def test_disk_segments_are_published_whole_and_reindexed_after_a_restart(tmp_path):
+    first = disk(tmp_path)
+    keys = write_chain(first, 0, 4) + write_chain(first, 10, 2)
+    assert sorted(first.index) == sorted(keys)
+    assert not list(first.segment_dir.glob("*.tmp"))
+    again = disk(tmp_path)
+    report = again.scan()
+    assert (report.segments, report.blocks, report.corrupt, report.foreign, report.torn) == (2, 6, 0, 0, 0)
+    for key in keys:
+        assert same(decode_block(again.read(key), again.layout, SPACE, key), content(again.layout, key))
+    assert again.meta[keys[3]].depth == 3 and again.meta[keys[3]].root == keys[0]
+
+
+def test_corrupt_truncated_foreign_and_unfinished_files_are_set_aside_and_counted(tmp_path):
+    tier = disk(tmp_path)
+    good = write_chain(tier, 0, 2)
+    write_chain(tier, 10, 2)
+    write_chain(tier, 20, 2)
+    names = sorted(p.name for p in tier.segment_dir.glob("*.kvseg"))
+    seg_of = {key: tier.index[key][0] for key in tier.index}
+    corrupt = tier.segment_dir / seg_of[block_key(10)]
+    data = bytearray(corrupt.read_bytes())
+    data[500] ^= 0x40
+    corrupt.write_bytes(bytes(data))
+    truncated = tier.segment_dir / seg_of[block_key(20)]
+    truncated.write_bytes(truncated.read_bytes()[:-7])
+    foreign = disk(tmp_path / "other", space=b"F" * 32)
+    write_chain(foreign, 30, 1)
+    for path in foreign.segment_dir.glob("*.kvseg"):
+        os.replace(path, tier.segment_dir / path.name)
+    (tier.segment_dir / "half-written.tmp").write_bytes(b"KVB1 torn")
+    again = disk(tmp_path)
+    report = again.scan()
+    assert (report.segments, report.blocks, report.corrupt, report.foreign, report.torn) == (1, 2, 2, 1, 1)
+    assert sorted(again.index) == sorted(good)
+    assert len(list((again.quarantine / "corrupt").iterdir())) == 2
+    assert len(list((again.quarantine / "foreign").iterdir())) == 1
+    assert len(names) == 3
+
+
+def test_disk_capacity_evicts_whole_least_recently_used_segments(tmp_path):
+    lay = layout()
+    tier = disk(tmp_path, capacity=5 * lay.payload_bytes)
+    a = write_chain(tier, 0, 2)
+    b = write_chain(tier, 10, 2)
+    tier.read(a[0])  # a is now the most recently used
+    tier.make_room(2 * lay.payload_bytes)
+    assert sorted(tier.index) == sorted(a)
+    assert all(k not in tier.index for k in b)
+    assert tier.used_bytes == 2 * lay.payload_bytes
+
+
+def test_disk_full_publishes_nothing_and_leaves_no_file(tmp_path, monkeypatch):
+    tier = disk(tmp_path)
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError):
+        write_chain(tier, 0, 3)
+    monkeypatch.setattr(os, "write", real_write)
+    assert tier.index == {} and tier.used_bytes == 0
+    assert list(tier.segment_dir.iterdir()) == []
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from tests.test_tier_payloads import disk, write_chain
+    from pathlib import Path
+    tier = disk(Path({path!r}))
+    i = 0
+    while True:
+        write_chain(tier, 1000 * {round} + 10 * i, 5)
+        print(i, flush=True)
+        i += 1
+""")
+
+
+def test_kill_9_during_disk_writes_never_leaves_a_torn_block_visible(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    seen = 0
+    for round_ in range(8):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER.format(root=root, path=str(tmp_path), round=round_)],
+                                stdout=subprocess.PIPE, text=True)
+        for _ in range(1 + round_ * 3):  # kill after a different number of whole writes each round
+            proc.stdout.readline()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        tier = disk(tmp_path)
+        report = tier.scan()
+        assert report.corrupt == 0 and report.foreign == 0
+        assert len(tier.index) % 5 == 0 and len(tier.index) >= seen  # whole segments only, none lost
+        seen = len(tier.index)
+        for key in tier.index:
+            assert same(decode_block(tier.read(key), tier.layout, SPACE, key), content(tier.layout, key))
+    assert seen >= 5 * sum(1 + r * 3 for r in range(8))

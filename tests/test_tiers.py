@@ -1,0 +1,321 @@
+"""Tiers in the engine and the daemon: demotion, restore with identical tokens, warm restarts,
+sharing through Redis between two daemons, Redis outages, disk full, cancellation during a
+transfer, and the operator surface (kvctl tiers, swap, prefixes, evict, metrics)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+pytest.importorskip("redis")
+
+from kvctl.daemon.cache.tiers import build_tiers  # noqa: E402
+from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
+from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
+from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
+from kvctl.daemon.model.llama import load_model  # noqa: E402
+
+from .daemon_fixtures import call, start_service  # noqa: E402
+from .tier_fixtures import redis_server  # noqa: E402,F401
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+TEXT_A = "The paged cache keeps blocks of sixteen tokens, and this prompt is long enough for several blocks!"
+TEXT_B = "Another prompt entirely, different words, which also spans several blocks of sixteen tokens each."
+TEXT_C = "A third prompt that pushes the others out of a small device cache, again several blocks long."
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return load_model(ensure_demo_checkpoint(tmp_path_factory.mktemp("state")))
+
+
+def engine_with(demo, num_blocks=12, **tiers):
+    engine = Engine(demo, EngineSettings(num_blocks=num_blocks, block_size=16))
+    tiered, _ = build_tiers(engine, tiering="always", **tiers)
+    return engine, tiered
+
+
+def generate(engine, text, demo, params=GREEDY):
+    request = engine.add_request(demo.tokenizer.encode(text), params)
+    engine.run_until_done()
+    engine.cache.audit()
+    return request
+
+
+def push_out(engine, demo):
+    generate(engine, TEXT_B, demo)
+    generate(engine, TEXT_C, demo)
+
+
+@pytest.mark.parametrize("tiers", ["host", "disk", "host+disk"])
+def test_an_evicted_prefix_comes_back_from_a_lower_tier_with_identical_tokens(demo, tmp_path, tiers):
+    settings = {"host": dict(host_bytes=1 << 20), "disk": dict(disk_bytes=1 << 22, disk_path=tmp_path / "d"),
+                "host+disk": dict(host_bytes=40_000, disk_bytes=1 << 22, disk_path=tmp_path / "d")}[tiers]
+    engine, tiered = engine_with(demo, **settings)
+    cold = generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    from kvctl.daemon.cache.keys import PrefixHasher
+
+    keys = PrefixHasher(engine.namespace("default")).feed(demo.tokenizer.encode(TEXT_A))
+    assert engine.cache.lookup(keys) == 0  # nothing of A is left on the device
+    warm = generate(engine, TEXT_A, demo)
+    blocks = (len(demo.tokenizer.encode(TEXT_A)) - 1) // 16
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    assert warm.metrics.restored_tokens == warm.metrics.cached_tokens == blocks * 16
+    assert engine.stats.restored_tokens == blocks * 16
+    report = tiered.report()
+    restored = sum(t["restored_blocks"] for t in report["tiers"].values())
+    assert restored == blocks
+    assert report["moving_blocks"] == 0 and report["staged_blocks"] == 0
+
+
+def test_without_tiers_the_same_sequence_recomputes(demo):
+    engine = Engine(demo, EngineSettings(num_blocks=12, block_size=16))
+    generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    warm = generate(engine, TEXT_A, demo)
+    assert warm.metrics.cached_tokens == 0 and warm.metrics.restored_tokens == 0
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantised_blocks_round_trip_through_disk(demo, tmp_path, cache_dtype):
+    engine = Engine(demo, EngineSettings(num_blocks=12, block_size=16, cache_dtype=cache_dtype))
+    tiered, _ = build_tiers(engine, tiering="always", disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    cold = generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    warm = generate(engine, TEXT_A, demo)
+    assert warm.metrics.restored_tokens > 0
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+
+
+def test_a_corrupted_disk_block_is_a_counted_miss_and_the_request_recomputes_from_it(demo, tmp_path):
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    cold = generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    from kvctl.daemon.cache.keys import PrefixHasher
+
+    keys = PrefixHasher(engine.namespace("default")).feed(demo.tokenizer.encode(TEXT_A))
+    name, offset, length = tiered.disk.index[keys[2]]
+    path = tiered.disk.segment_dir / name
+    data = bytearray(path.read_bytes())
+    data[offset + length // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    warm = generate(engine, TEXT_A, demo)
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    assert warm.metrics.restored_tokens == 2 * 16  # blocks 0 and 1; recomputed from block 2
+    assert tiered.stats["disk"].checksum_failures == 1
+    assert keys[2] not in tiered.disk.index
+
+
+def test_disk_full_marks_the_tier_degraded_and_serving_goes_on(demo, tmp_path, monkeypatch):
+    import errno
+    import os
+
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    real = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    cold = generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    monkeypatch.setattr(os, "write", real)
+    report = tiered.report()["tiers"]["disk"]
+    assert report["health"] == "degraded" and "No space left" in report["degraded_reason"]
+    assert report["blocks"] == 0 and report["errors"] >= 1
+    assert list(tiered.disk.segment_dir.iterdir()) == []
+    warm = generate(engine, TEXT_A, demo)
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids and warm.metrics.restored_tokens == 0
+
+
+def test_cancelling_during_a_prefetch_releases_the_source_and_what_was_staged(demo, tmp_path):
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    entered, release = threading.Event(), threading.Event()
+    real_read = tiered.disk._read_range
+    calls = []
+
+    def slow_read(*where):
+        calls.append(where)
+        if len(calls) == 2:  # the first block is staged; the second read hangs holding its segment
+            entered.set()
+            release.wait(10)
+        return real_read(*where)
+
+    tiered.disk._read_range = slow_read
+    request = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
+    assert entered.wait(10)
+    assert len(tiered.staged) == 1 and tiered.disk.busy  # a segment is held by the read in flight
+    engine.cancel(request.request_id)
+    release.set()
+    tiered._reader.submit(lambda: None).result(5)  # the fetch has ended
+    assert tiered.staged == {} and tiered.disk.busy == {}
+    assert engine.cache.state_counts()["reserved"] == 0 and not engine.has_work()
+    engine.cache.audit()
+
+
+def test_write_through_puts_every_full_block_on_disk_before_any_eviction(demo, tmp_path):
+    engine, tiered = engine_with(demo, num_blocks=64, disk_bytes=1 << 22, disk_path=tmp_path / "d",
+                                 write_policy="write_through")
+    generate(engine, TEXT_A, demo)
+    tiered.flush()
+    full_blocks = (len(demo.tokenizer.encode(TEXT_A)) + 8 - 1) // 16
+    assert len(tiered.disk.index) == full_blocks
+    assert engine.cache.pool.evictions == 0
+
+
+# ---- Redis -----------------------------------------------------------------------------------
+def test_two_engines_share_a_prefix_through_redis(demo, redis_server):
+    first, _ = engine_with(demo, remote_url=redis_server.url, write_policy="write_through")
+    cold = generate(first, TEXT_A, demo)
+    first.tiers.flush()
+    second, tiered = engine_with(demo, remote_url=redis_server.url)
+    warm = generate(second, TEXT_A, demo)
+    blocks = (len(demo.tokenizer.encode(TEXT_A)) - 1) // 16
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    assert warm.metrics.restored_tokens == blocks * 16
+    assert tiered.stats["remote"].restored_blocks == blocks
+
+
+def test_redis_down_opens_the_breaker_serving_goes_on_and_it_reconnects(demo, redis_server):
+    engine, tiered = engine_with(demo, remote_url=redis_server.url)
+    tiered.remote.breaker.cooldown = 0.2
+    redis_server.stop()
+    cold = generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    assert tiered.report()["tiers"]["remote"]["health"] in ("down", "probing")
+    assert tiered.stats["remote"].errors >= 1
+    redis_server.start()
+    time.sleep(0.3)
+    generate(engine, TEXT_B, demo)  # evicts A's blocks again: written now that Redis is back
+    push_out(engine, demo)
+    tiered.flush()
+    assert tiered.report()["tiers"]["remote"]["health"] == "ok"
+    assert len(tiered.remote.index) > 0
+    warm = generate(engine, TEXT_C, demo)
+    assert warm.sequences[0].output_ids == generate(engine, TEXT_C, demo).sequences[0].output_ids
+
+
+def test_corrupted_and_foreign_redis_payloads_are_misses(demo, redis_server):
+    import redis
+
+    first, _ = engine_with(demo, remote_url=redis_server.url, write_policy="write_through")
+    cold = generate(first, TEXT_A, demo)
+    first.tiers.flush()
+    client = redis.Redis.from_url(redis_server.url)
+    keys = sorted(client.keys("kvctl:blk:*"))
+    assert keys
+    remote = first.tiers.remote
+    from kvctl.daemon.cache.keys import PrefixHasher
+
+    chain = PrefixHasher(first.namespace("default")).feed(demo.tokenizer.encode(TEXT_A))
+    victim = remote.redis_key(chain[1])
+    value = bytearray(client.get(victim))
+    value[-10] ^= 0xFF
+    client.set(victim, bytes(value))
+    second, tiered = engine_with(demo, remote_url=redis_server.url)
+    warm = generate(second, TEXT_A, demo)
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    assert warm.metrics.restored_tokens == 16  # only block 0; block 1 failed its checksum
+    assert tiered.stats["remote"].checksum_failures == 1
+    assert client.get(victim) is None  # deleted
+
+
+# ---- the daemon ------------------------------------------------------------------------------
+def _complete(app, text):
+    response = call(app, "POST", "/v1/completions", json={"prompt": text, "max_tokens": 6,
+                                                           "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_prefixes_warmed_before_a_restart_hit_after_it(tmp_path):
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tiering="always")
+    app = create_app(service, service.metrics, front="unix")
+    before = _complete(app, TEXT_A)
+    service.shutdown(deadline=5)  # the cached device blocks are saved to disk
+    segments = list((tmp_path / "kvcache" / "segments").glob("*.kvseg"))
+    assert segments
+    again = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tiering="always")
+    try:
+        app = create_app(again, again.metrics, front="unix")
+        tiers = call(app, "GET", "/admin/tiers").json()
+        assert tiers["disk_scan"]["blocks"] > 0 and tiers["disk_scan"]["corrupt"] == 0
+        after = _complete(app, TEXT_A)
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        tiers = call(app, "GET", "/admin/tiers").json()
+        assert tiers["tokens"]["restored"] == after["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert tiers["tiers"]["disk"]["hit_tokens"] == tiers["tokens"]["restored"]
+        metrics = call(app, "GET", "/metrics").text
+        assert 'kvd_tier_bytes{tier="disk"}' in metrics
+        assert 'kvd_tier_moved_bytes_total{dst="device",src="disk"}' in metrics
+        assert "kvd_restored_tokens_total" in metrics and "kvd_tier_restore_seconds_bucket" in metrics
+    finally:
+        again.shutdown(deadline=2)
+
+
+def test_swap_moves_a_prefix_down_and_back_and_prefixes_show_its_tier(tmp_path):
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="4MiB", disk_cache_bytes="16MiB",
+                            tiering="always")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        before = _complete(app, TEXT_A)
+        [prefix] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        assert prefix["tier"] == "device"
+        moved = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "disk"}).json()
+        assert moved["verified_blocks"] == moved["blocks"] == prefix["blocks"]
+        assert moved["evicted_from_device"] == prefix["blocks"]
+        [row] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        assert (row["prefix_id"], row["tier"], row["blocks"]) == (prefix["prefix_id"], "disk", prefix["blocks"])
+        back = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "device"}).json()
+        assert back["verified_blocks"] == back["chain_blocks"] == prefix["blocks"]
+        assert call(app, "GET", "/admin/prefixes").json()["prefixes"][0]["tier"] == "device"
+        after = _complete(app, TEXT_A)
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix["blocks"] * 16
+        bad = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "tape"})
+        assert bad.status_code == 400 and "to: invalid value 'tape'" in bad.json()["error"]["message"]
+        gone = call(app, "POST", "/admin/swap", json={"prefix": "ffffffff", "to": "disk"})
+        assert gone.status_code == 404
+        evicted = call(app, "POST", "/admin/evict", json={"prefix": prefix["prefix_id"]}).json()
+        assert evicted["evicted_blocks"] == prefix["blocks"] and evicted["lower_tier_blocks_dropped"] == prefix["blocks"]
+        assert call(app, "GET", "/admin/prefixes").json()["prefixes"] == []
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_tier_settings_come_from_the_yaml_tiers_mapping(tmp_path):
+    from kvctl.daemon.config import ConfigError, resolve
+
+    path = tmp_path / "kvd.yaml"
+    path.write_text("tiers:\n  host: {bytes: 1GiB}\n  disk: {bytes: 10GiB, path: /var/lib/kvd/kv}\n"
+                    "  remote: {url: 'redis://10.0.0.5:6379/0', bytes: 2GiB}\nwrite_policy: write_through\n")
+    cfg = resolve({}, env={}, config_file=path)
+    assert (cfg.host_cache_bytes, cfg.disk_cache_bytes, cfg.disk_cache_path, cfg.remote_url,
+            cfg.remote_cache_bytes, cfg.write_policy) == (2**30, 10 * 2**30, "/var/lib/kvd/kv",
+                                                          "redis://10.0.0.5:6379/0", 2 * 2**30, "write_through")
+    assert resolve({"host_cache_bytes": "2GiB"}, env={}, config_file=path).host_cache_bytes == 2 * 2**30
+    path.write_text("tiers:\n  tape: {bytes: 1}\n")
+    with pytest.raises(ConfigError, match="tiers: unknown tier 'tape'"):
+        resolve({}, env={}, config_file=path)
+    with pytest.raises(ConfigError, match="write_policy: invalid value 'sometimes'"):
+        resolve({"write_policy": "sometimes"}, env={})
+    with pytest.raises(ConfigError, match="remote_url: invalid value 'http://x'"):
+        resolve({}, env={"KVD_REMOTE_URL": "http://x"})

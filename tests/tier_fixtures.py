@@ -1,0 +1,93 @@
+"""A real redis-server on a free loopback port, and blocks with content derived from their key."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvctl.daemon.cache.tiers import BlockLayout, BlockMeta
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RedisServer:
+    port: int
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                                      "--save", "", "--appendonly", "no"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=self.port, socket_timeout=0.5)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server():
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (CI installs the Debian package)")
+    server = RedisServer(free_port())
+    server.start()
+    yield server
+    server.stop()
+
+
+def block_key(i: int) -> bytes:
+    return hashlib.sha256(f"block-{i}".encode()).digest()
+
+
+def content(layout: BlockLayout, key: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic (K, V) per layer for a key, exact in every dtype (small integers)."""
+    seed = int.from_bytes(key[:4], "little")
+    g = torch.Generator().manual_seed(seed)
+    shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
+    out = []
+    for dtype in layout.layer_dtypes:
+        k = torch.randint(-8, 8, shape, generator=g).to(dtype)
+        v = torch.randint(-8, 8, shape, generator=g).to(dtype)
+        out.append((k, v))
+    return out
+
+
+def group(layout: BlockLayout, keys: list[bytes]):
+    """(metas, layers [n, ...]) for blocks 0..n-1 of one chain rooted at keys[0]."""
+    metas = [BlockMeta(k, keys[0], d) for d, k in enumerate(keys)]
+    per = [content(layout, k) for k in keys]
+    layers = [(torch.stack([p[l][0] for p in per]), torch.stack([p[l][1] for p in per]))
+              for l in range(layout.num_layers)]
+    return metas, layers
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for (x, y) in
+               [(ka, kb) for (ka, _), (kb, _) in zip(a, b)] + [(va, vb) for (_, va), (_, vb) in zip(a, b)])
