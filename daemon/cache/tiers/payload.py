@@ -89,7 +89,8 @@ class BlockLayout:
         return self.header_bytes() + self.block_bytes + _CRC.size
 
     def describe(self) -> str:
-        dtypes = ",".join(str(d).replace("torch.", "") for d in self.layer_dtypes)
+        names = [str(d).replace("torch.", "") for d in self.layer_dtypes]
+        dtypes = names[0] if len(set(names)) == 1 else ",".join(names)
         return (f"block_size={self.block_size} heads={self.num_kv_heads} head_dim={self.head_dim} "
                 f"layers={self.num_layers} dtypes={dtypes} scales={self.scale_version or '-'}")
 

@@ -1,0 +1,325 @@
+"""kvctl bench tiers: each tier's write and read throughput next to its raw medium, and the
+prompt length from which restoring a prefix beats recomputing it.
+
+Side by side in one process, on the same bytes, in groups of realistic size:
+
+    host    HostTier.fill + read_slots     vs  a plain tensor copy into a preallocated buffer
+    disk    DiskTier.write_group + read + verify  vs  plain file write + fsync / read
+    remote  RemoteTier SET/GET + verify    vs  plain pipelined SET / GET of the same bytes
+
+Break-even: the demo model prefills L tokens (recompute) against reading L/block_size blocks
+from each tier, verifying them and copying them into the device cache (restore).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def _layout(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: str):
+    import torch
+
+    from kvctl.daemon.cache.tiers import BlockLayout
+    from kvctl.kernels import cache_dtype
+
+    storage = getattr(torch, dtype) if dtype in ("float32", "float16", "bfloat16") else cache_dtype(dtype)
+    return BlockLayout((storage,) * layers, block_size, kv_heads, head_dim, "bench")
+
+
+def _group(layout, n: int, seed: int):
+    import hashlib
+
+    import torch
+
+    from kvctl.daemon.cache.tiers import BlockMeta
+
+    keys = [hashlib.sha256(f"bench-{seed}-{i}".encode()).digest() for i in range(n)]
+    metas = [BlockMeta(k, keys[0], d) for d, k in enumerate(keys)]
+    shape = (n, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    layers = [(torch.randint(-100, 100, shape, dtype=torch.int8).view(torch.uint8).view(d) if d.itemsize == 1
+               else torch.randn(shape).to(d),
+               torch.randint(-100, 100, shape, dtype=torch.int8).view(torch.uint8).view(d) if d.itemsize == 1
+               else torch.randn(shape).to(d)) for d in layout.layer_dtypes]
+    return metas, layers
+
+
+def measure_host(layout, group: int, repeats: int) -> dict:
+    import torch
+
+    from kvctl.daemon.cache.tiers import HostTier
+
+    metas, layers = _group(layout, group, 0)
+    host = HostTier(layout.block_bytes * group, layout)
+    slots = list(range(group))
+
+    def ours_write():
+        host.fill(slots, metas, layers)
+
+    def ours_read():
+        host.read_slots(slots)
+
+    buffers = [(torch.empty_like(k), torch.empty_like(v)) for k, v in layers]
+
+    def raw_write():
+        for (bk, bv), (k, v) in zip(buffers, layers):
+            bk.copy_(k)
+            bv.copy_(v)
+
+    def raw_read():
+        for bk, bv in buffers:
+            bk.clone()
+            bv.clone()
+
+    return _figures(layout.block_bytes * group, repeats, ours_write, ours_read, raw_write, raw_read)
+
+
+def measure_disk(layout, group: int, repeats: int, path: Path) -> dict:
+    from kvctl.daemon.cache.tiers import DiskTier, decode_block, encode_blocks
+
+    space = b"B" * 32
+    rounds = [_group(layout, group, seed) for seed in range(repeats)]
+    payloads = [list(zip(m, encode_blocks(layout, space, m, l))) for m, l in rounds]
+    tier = DiskTier(path / "tier", layout.payload_bytes * group * (repeats + 1), layout, space)
+    state = {"i": 0}
+
+    def ours_write():
+        metas, layers = rounds[state["i"] % repeats]
+        tier.write_group(list(zip(metas, encode_blocks(layout, space, metas, layers))))
+        state["i"] += 1
+
+    def ours_read():
+        metas, _ = rounds[0]
+        for meta in metas:
+            decode_block(tier.read(meta.key), layout, space, meta.key)
+
+    raw_dir = path / "raw"
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    blob = b"".join(p for _, p in payloads[0])
+
+    def raw_write():
+        target = raw_dir / f"blob-{time.perf_counter_ns()}"
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o600)
+        view = memoryview(blob)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+        os.close(fd)
+
+    raw_write()
+    first = sorted(raw_dir.iterdir())[0]
+
+    def raw_read():
+        first.read_bytes()
+
+    tier_bytes = layout.block_bytes * group
+    return _figures(tier_bytes, repeats, ours_write, ours_read, raw_write, raw_read)
+
+
+def measure_remote(layout, group: int, repeats: int, url: str) -> dict:
+    from kvctl.daemon.cache.tiers import RemoteTier, decode_block, encode_blocks
+    from kvctl.daemon.cache.tiers.remote import connect
+
+    space = b"R" * 32
+    metas, layers = _group(layout, group, 7)
+    tier = RemoteTier(url, 1 << 62, space, timeout=5.0)
+    client = connect(url, 5.0)
+    payloads = encode_blocks(layout, space, metas, layers)
+    raw_keys = [b"kvctl:bench:raw:%d" % i for i in range(group)]
+
+    def ours_write():
+        tier.write_group(list(zip(metas, encode_blocks(layout, space, metas, layers))))
+
+    def ours_read():
+        for meta in metas:
+            decode_block(tier.read(meta.key), layout, space, meta.key)
+
+    def raw_write():
+        pipe = client.pipeline(transaction=False)
+        for key, payload in zip(raw_keys, payloads):
+            pipe.set(key, payload)
+        pipe.execute()
+
+    def raw_read():
+        for key in raw_keys:
+            client.get(key)
+
+    try:
+        return _figures(layout.block_bytes * group, repeats, ours_write, ours_read, raw_write, raw_read)
+    finally:
+        client.delete(*raw_keys, *[tier.redis_key(m.key) for m in metas])
+
+
+def _figures(nbytes: int, repeats: int, ours_write, ours_read, raw_write, raw_read) -> dict:
+    ours_write()  # warm up (and have something to read)
+    raw_write()
+    out = {"bytes": nbytes}
+    for name, fn in (("write", ours_write), ("read", ours_read), ("raw_write", raw_write), ("raw_read", raw_read)):
+        out[f"{name}_bytes_per_second"] = nbytes / _best(fn, repeats)
+    out["write_ratio"] = out["write_bytes_per_second"] / out["raw_write_bytes_per_second"]
+    out["read_ratio"] = out["read_bytes_per_second"] / out["raw_read_bytes_per_second"]
+    return out
+
+
+def break_even(state_dir: Path, tiers: list[str], url: str | None, lengths: list[int], repeats: int) -> dict:
+    """Prefill L tokens on the demo model vs restoring L tokens of its blocks from each tier."""
+    import torch
+
+    from kvctl.daemon.cache.tiers import build_tiers
+    from kvctl.daemon.engine.engine import Engine, EngineSettings
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.llama import load_model
+
+    loaded = load_model(ensure_demo_checkpoint(state_dir))
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    out: dict = {"lengths": lengths, "recompute_seconds": [], "restore_seconds": {t: [] for t in tiers}}
+    g = torch.Generator().manual_seed(0)
+    for length in lengths:
+        prompt = torch.randint(0, loaded.config.vocab_size, (length + 1,), generator=g).tolist()
+        blocks = length // 16
+
+        def recompute():
+            engine = Engine(loaded, EngineSettings(num_blocks=blocks + 8, block_size=16,
+                                                   max_batch_tokens=max(256, length + 1)))
+            engine.add_request(prompt, params)
+            engine.run_until_done()
+
+        out["recompute_seconds"].append(_best(recompute, repeats))
+        for tier in tiers:
+            kwargs = {"host": dict(host_bytes=(blocks + 8) * 2**16),
+                      "disk": dict(disk_bytes=1 << 30, disk_path=state_dir / f"be-{tier}-{length}"),
+                      "remote": dict(remote_url=url)}[tier]
+            engine = Engine(loaded, EngineSettings(num_blocks=blocks + 8, block_size=16,
+                                                   max_batch_tokens=max(256, length + 1)))
+            tiered, _ = build_tiers(engine, tiering="always", write_policy="write_through" if tier != "host"
+                                    else "write_back", **kwargs)
+            engine.add_request(prompt, params)
+            engine.run_until_done()
+            tiered.flush()
+            from kvctl.daemon.cache.keys import PrefixHasher
+
+            keys = PrefixHasher(engine.namespace("default")).feed(prompt)[:blocks]
+            if tier == "host":
+                tiered._put_host([tiered.meta_of(k) or _meta(engine, k) for k in keys],
+                                 tiered.gather([engine.cache.pool.block_of(k) for k in keys]), src="device")
+
+            def restore():
+                engine.cache.evict_prefix(keys)
+                if tier != "host":
+                    tiered.fetch_now(keys)
+                with tiered.protecting(keys):
+                    engine.cache.install(keys, 0, len(keys), "default", tiered.load_into)
+                tiered.finish_prefetch_keys(keys)
+
+            out["restore_seconds"][tier].append(_best(restore, repeats))
+            tiered.close()
+    out["break_even_tokens"] = {
+        t: next((L for L, r, c in zip(lengths, out["restore_seconds"][t], out["recompute_seconds"]) if r < c), None)
+        for t in tiers}
+    return out
+
+
+def _meta(engine, key):
+    from kvctl.daemon.cache.tiers import BlockMeta
+
+    block = engine.cache.pool.blocks[engine.cache.pool.block_of(key)]
+    return BlockMeta(block.key, block.root, block.depth)
+
+
+def tiers_command(
+    layers: int = typer.Option(32, help="Layers of the block layout (default: Llama-3-8B's shape)."),
+    kv_heads: int = typer.Option(8, "--kv-heads", help="KV heads."),
+    head_dim: int = typer.Option(128, "--head-dim", help="Head dim."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per block."),
+    dtype: str = typer.Option("bfloat16", help=f"Cache dtype: {', '.join(DTYPES)}."),
+    group_blocks: int = typer.Option(8, "--group-blocks", help="Blocks per transfer group."),
+    repeats: int = typer.Option(3, help="Runs per figure (the best is kept)."),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Also measure this Redis."),
+    disk_path: Optional[Path] = typer.Option(None, "--disk-path", help="Folder on the disk to measure."),
+    lengths: str = typer.Option("16,64,256,1024", help="Prompt lengths for the break-even search."),
+    skip_break_even: bool = typer.Option(False, "--skip-break-even", help="Only the throughput table."),
+    save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
+    state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Write/read throughput of each tier beside its raw medium, and restore-vs-recompute break-even.
+
+    Example: kvctl bench tiers --group-blocks 8 --redis-url redis://127.0.0.1:6379/0
+    """
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"dtype: invalid value {dtype!r}; use {', '.join(DTYPES)}")
+    for name, value in (("layers", layers), ("kv-heads", kv_heads), ("head-dim", head_dim),
+                        ("group-blocks", group_blocks), ("repeats", repeats)):
+        if value < 1:
+            raise typer.BadParameter(f"{name}: must be >= 1, got {value}")
+    layout = _layout(layers, kv_heads, head_dim, block_size, dtype)
+    scratch = Path(tempfile.mkdtemp(prefix="kvctl-bench-tiers-", dir=disk_path))
+    try:
+        results = {"host": measure_host(layout, group_blocks, repeats),
+                   "disk": measure_disk(layout, group_blocks, repeats, scratch)}
+        if redis_url:
+            results["remote"] = measure_remote(layout, group_blocks, repeats, redis_url)
+        document = {"layout": layout.describe(), "block_bytes": layout.block_bytes, "group_blocks": group_blocks,
+                    "tiers": results}
+        if not skip_break_even:
+            names = ["host", "disk"] + (["remote"] if redis_url else [])
+            document["break_even"] = break_even(scratch, names, redis_url,
+                                                [int(x) for x in lengths.split(",")], repeats)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if save:
+        from .records_cmd import open_store
+
+        document["run_id"] = open_store(state_dir).save_run("bench_tiers", document)
+    if as_json:
+        typer.echo(json.dumps(document, indent=2))
+        return
+    render(document)
+
+
+def render(document: dict) -> None:
+    console = Console()
+    gb = 1e9
+    table = Table("tier", "write GB/s", "raw write GB/s", "ratio", "read GB/s", "raw read GB/s", "ratio",
+                  title=f"{document['group_blocks']} blocks per group, {document['block_bytes']:,} bytes per block "
+                        f"({document['layout']})")
+    for name, r in document["tiers"].items():
+        table.add_row(name, f"{r['write_bytes_per_second'] / gb:.2f}", f"{r['raw_write_bytes_per_second'] / gb:.2f}",
+                      f"{r['write_ratio']:.2f}", f"{r['read_bytes_per_second'] / gb:.2f}",
+                      f"{r['raw_read_bytes_per_second'] / gb:.2f}", f"{r['read_ratio']:.2f}")
+    console.print(table)
+    be = document.get("break_even")
+    if be:
+        t = Table("prompt tokens", "recompute ms", *[f"restore from {n} ms" for n in be["restore_seconds"]],
+                  title="restore versus recompute (demo model, this machine)")
+        for i, length in enumerate(be["lengths"]):
+            t.add_row(str(length), f"{be['recompute_seconds'][i] * 1000:.2f}",
+                      *[f"{v[i] * 1000:.2f}" for v in be["restore_seconds"].values()])
+        console.print(t)
+        longest = be["lengths"][-1]
+        console.print("break-even: " + ", ".join(
+            f"{n} from {v} tokens" if v is not None else f"{n} not within {longest} tokens"
+            for n, v in be["break_even_tokens"].items()))
+    if document.get("run_id"):
+        console.print(f"saved as run:{document['run_id']}")
