@@ -284,7 +284,7 @@ def test_evict_one_prefix_by_id(daemon):
     target = next(p for p in listing if p["in_use_blocks"] == 0 and not p["pinned"])
     report = call(unix, "POST", "/admin/evict", json={"prefix": target["prefix_id"]}).json()
     assert report == {"evicted_blocks": target["blocks"], "skipped": {}, "result": "ok",
-                      "target": f"prefix={target['prefix_id']}"}
+                      "target": f"prefix={target['prefix_id']}", "lower_tier_blocks_dropped": 0}
     after = call(unix, "GET", "/admin/prefixes").json()["prefixes"]
     assert target["prefix_id"] not in [p["prefix_id"] for p in after]
     missing = call(unix, "POST", "/admin/evict", json={"prefix": "ffffffffffffffff"})

@@ -1,0 +1,111 @@
+"""A stateful test of blocks moving between the device pool, host slots and disk segments:
+after every step the cache audit passes, every copy of a block in every tier holds that block's
+content, nothing is left moving once writes finish, and restores never break the chain."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+hypothesis = pytest.importorskip("hypothesis")
+
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+from kvctl.daemon.cache import KVCacheManager, Namespace, chain_keys  # noqa: E402
+from kvctl.daemon.cache.tiers import (BlockLayout, DiskTier, HostTier, TieredCache,  # noqa: E402
+                                      decode_block)
+from kvctl.daemon.model.llama import LayerCache  # noqa: E402
+from kvctl.policies.tiering import TieringPolicy  # noqa: E402
+
+from .tier_fixtures import content, same  # noqa: E402
+
+BLOCK = 4
+LAYOUT = BlockLayout((torch.float16, torch.int8), BLOCK, 1, 4, "")
+SPACE = b"s" * 32
+NS = Namespace(block_size=BLOCK)
+PROMPTS = [[p * 100 + i for i in range(BLOCK * 3)] for p in range(6)]
+
+
+class TierMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        self.dir = tempfile.mkdtemp()
+        self.manager = KVCacheManager(6, BLOCK)
+        shape = (6, BLOCK, 1, 4)
+        self.caches = [LayerCache(torch.zeros(shape, dtype=d), torch.zeros(shape, dtype=d))
+                       for d in LAYOUT.layer_dtypes]
+        self.tiers = TieredCache(self.caches, LAYOUT, SPACE, host=HostTier(3 * LAYOUT.block_bytes, LAYOUT),
+                                 disk=DiskTier(self.dir, 8 * LAYOUT.payload_bytes, LAYOUT, SPACE),
+                                 policy=TieringPolicy(mode="always"))
+        self.manager.pool.on_evict = lambda victims: self.tiers.on_device_evict(victims, lambda root: 0)
+        self.n = 0
+
+    def _write(self, block_ids, keys):
+        for block_id, key in zip(block_ids, keys):
+            for cache, (k, v) in zip(self.caches, content(LAYOUT, key)):
+                cache.k[block_id] = k
+                cache.v[block_id] = v
+
+    @rule(p=st.integers(0, len(PROMPTS) - 1))
+    def run_prompt(self, p):
+        """Admit, restore what a lower tier holds, compute the rest, release."""
+        keys = chain_keys(NS, PROMPTS[p])
+        hits = len(self.manager.pool.match(keys))
+        run, _ = self.tiers.available_run(keys[hits:])
+        if run:
+            with self.tiers.protecting(keys[hits:hits + run]):
+                self.manager.install(keys, hits, run, "default", self.tiers.load_into)
+        self.n += 1
+        seq = f"s{self.n}"
+        admission = self.manager.admit(seq, keys, len(PROMPTS[p]), 0)
+        self.manager.append(seq, len(PROMPTS[p]) - admission.hit_tokens)
+        table = self.manager.block_table(seq)
+        self._write(table[admission.hit_blocks:], keys[admission.hit_blocks:])
+        self.manager.release(seq)
+
+    @rule(p=st.integers(0, len(PROMPTS) - 1))
+    def fetch_from_disk(self, p):
+        keys = chain_keys(NS, PROMPTS[p])
+        hits = len(self.manager.pool.match(keys))
+        self.tiers.fetch_now(keys[hits:], timeout=10)
+        self.tiers.finish_prefetch_keys(keys)
+
+    @rule(p=st.integers(0, len(PROMPTS) - 1))
+    def operator_evict(self, p):
+        keys = chain_keys(NS, PROMPTS[p])
+        self.manager.evict_prefix(keys)
+        self.tiers.flush()
+        self.tiers.drop(keys)
+
+    @rule()
+    def finish_writes(self):
+        assert self.tiers.flush(10)
+        assert self.tiers.inflight == {}
+
+    @invariant()
+    def books_balance_and_every_copy_is_right(self):
+        self.manager.audit()
+        for block in self.manager.pool.blocks:
+            if block.key is not None:
+                stored = [(c.k[block.block_id], c.v[block.block_id]) for c in self.caches]
+                assert same(stored, content(LAYOUT, block.key))
+        host = self.tiers.host
+        assert len(set(host.index.values())) == len(host.index) <= host.num_slots
+        for key, slot in host.index.items():
+            assert same([(k[0], v[0]) for k, v in host.read_slots([slot])], content(LAYOUT, key))
+        disk = self.tiers.disk
+        assert disk.used_bytes <= disk.capacity_bytes
+        for key in list(disk.index):
+            assert same(decode_block(disk.read(key), LAYOUT, SPACE, key), content(LAYOUT, key))
+        assert self.tiers.staged == {} and not self.tiers._protected
+
+    def teardown(self):
+        self.tiers.close()
+
+
+TestTierMachine = TierMachine.TestCase
+TestTierMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
