@@ -139,15 +139,15 @@ def test_disk_capacity_evicts_whole_least_recently_used_segments(tmp_path):
 
 def test_disk_full_publishes_nothing_and_leaves_no_file(tmp_path, monkeypatch):
     tier = disk(tmp_path)
-    real_write = os.write
+    real_write = os.writev
 
-    def full(fd, data):
+    def full(fd, buffers):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "writev", full)
     with pytest.raises(OSError):
         write_chain(tier, 0, 3)
-    monkeypatch.setattr(os, "write", real_write)
+    monkeypatch.setattr(os, "writev", real_write)
     assert tier.index == {} and tier.used_bytes == 0
     assert list(tier.segment_dir.iterdir()) == []
 

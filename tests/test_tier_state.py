@@ -98,9 +98,10 @@ class TierMachine(RuleBasedStateMachine):
         for key, slot in host.index.items():
             assert same([(k[0], v[0]) for k, v in host.read_slots([slot])], content(LAYOUT, key))
         disk = self.tiers.disk
-        assert disk.used_bytes <= disk.capacity_bytes
-        for key in list(disk.index):
-            assert same(decode_block(disk.read(key), LAYOUT, SPACE, key), content(LAYOUT, key))
+        with disk.lock:  # the writer thread publishes and evicts segments under this lock
+            assert disk.used_bytes <= disk.capacity_bytes
+            for key in list(disk.index):
+                assert same(decode_block(disk.read(key), LAYOUT, SPACE, key), content(LAYOUT, key))
         assert self.tiers.staged == {} and not self.tiers._protected
 
     def teardown(self):

@@ -119,16 +119,16 @@ def test_disk_full_marks_the_tier_degraded_and_serving_goes_on(demo, tmp_path, m
     import os
 
     engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
-    real = os.write
+    real = os.writev
 
-    def full(fd, data):
+    def full(fd, buffers):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "writev", full)
     cold = generate(engine, TEXT_A, demo)
     push_out(engine, demo)
     tiered.flush()
-    monkeypatch.setattr(os, "write", real)
+    monkeypatch.setattr(os, "writev", real)
     report = tiered.report()["tiers"]["disk"]
     assert report["health"] == "degraded" and "No space left" in report["degraded_reason"]
     assert report["blocks"] == 0 and report["errors"] >= 1
@@ -143,6 +143,7 @@ def test_cancelling_during_a_prefetch_releases_the_source_and_what_was_staged(de
     push_out(engine, demo)
     tiered.flush()
     entered, release = threading.Event(), threading.Event()
+    tiered.FETCH_GROUP = 1  # one block per read, so the second read can hang alone
     real_read = tiered.disk._read_range
     calls = []
 

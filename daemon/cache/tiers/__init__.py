@@ -17,7 +17,7 @@ from kvctl.policies.tiering import TieringPolicy
 
 from .disk import DiskTier, ScanReport
 from .host import HostTier
-from .payload import BlockLayout, BlockMeta, PayloadError, decode_block, encode_blocks
+from .payload import BlockData, BlockLayout, BlockMeta, PayloadError, decode_block, encode_blocks, encode_parts
 from .remote import RemoteTier, RemoteUnavailable
 from .tiered import LOWER, WRITE_POLICIES, TieredCache
 
@@ -59,6 +59,6 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
     return tiers, report
 
 
-__all__ = ["BlockLayout", "BlockMeta", "DiskTier", "HostTier", "LOWER", "PayloadError", "RemoteTier",
+__all__ = ["BlockData", "BlockLayout", "encode_parts", "BlockMeta", "DiskTier", "HostTier", "LOWER", "PayloadError", "RemoteTier",
            "RemoteUnavailable", "ScanReport", "TieredCache", "WRITE_POLICIES", "build_tiers",
            "decode_block", "encode_blocks", "engine_layout", "space_digest"]

@@ -15,13 +15,65 @@ import torch
 from .payload import BlockLayout, BlockMeta
 
 
+def runs(index: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(start in index, first row, length) of each run of consecutive rows in `index`."""
+    out: list[tuple[int, int, int]] = []
+    for position, row in enumerate(index):
+        if out and out[-1][1] + out[-1][2] == row:
+            start, first, length = out[-1]
+            out[-1] = (start, first, length + 1)
+        else:
+            out.append((position, row, 1))
+    return out
+
+
+def pair_runs(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(dst first row, src first row, length) of runs consecutive on both sides."""
+    out: list[tuple[int, int, int]] = []
+    for d, s in zip(dst_rows, src_rows):
+        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((d, s, 1))
+    return out
+
+
+def copy_layers(dst_layers, dst_rows: Sequence[int], src_layers, src_rows: Sequence[int]) -> None:
+    """dst[dst_rows] = src[src_rows] along dim 0 for each (dst, src) tensor pair: any dtype,
+    across devices, with slice copies (no intermediate tensor) when the rows come in runs."""
+    parts = pair_runs(dst_rows, src_rows)
+    if len(parts) <= 8:  # copy_ handles every cache dtype, fp8 included
+        for dst, src in zip(dst_layers, src_layers):
+            for d, s, n in parts:
+                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+        return
+    dst_index = torch.tensor(list(dst_rows), dtype=torch.int64)
+    src_index = torch.tensor(list(src_rows), dtype=torch.int64)
+    for dst, src in zip(dst_layers, src_layers):
+        copy_rows(dst, dst_index, select_rows(src, src_index))
+
+
 def select_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t[index] along dim 0 for any dtype (fp8 has no CPU index kernels: move bytes instead)."""
+    """t[index] along dim 0 for any dtype (fp8 has no CPU index kernels: bytes move instead;
+    runs of consecutive rows are sliced, which is much faster than an index kernel)."""
+    rows = index.tolist()
+    parts = runs(rows)
+    if len(parts) <= 4:
+        out = torch.empty((len(rows),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        for start, first, length in parts:
+            out[start:start + length].copy_(t[first:first + length])
+        return out
     return t.view(torch.uint8).index_select(0, index.to(t.device)).view(t.dtype)
 
 
 def copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[index] = src along dim 0 for any dtype, across devices."""
+    """dst[index] = src along dim 0 for any dtype, across devices (slices for runs of rows)."""
+    rows = index.tolist()
+    parts = runs(rows)
+    if len(parts) <= 4:
+        for start, first, length in parts:
+            dst[first:first + length].copy_(src[start:start + length], non_blocking=True)
+        return
     dst.view(torch.uint8).index_copy_(0, index.to(dst.device),
                                       src.view(torch.uint8).to(dst.device, non_blocking=True))
 
@@ -38,7 +90,7 @@ class HostTier:
         shape = (self.num_slots, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.layers = [(torch.empty(shape, dtype=d, pin_memory=pin_memory),
                         torch.empty(shape, dtype=d, pin_memory=pin_memory)) for d in layout.layer_dtypes]
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out low slots first, in runs
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self.meta: dict[bytes, BlockMeta] = {}
         self.busy: dict[bytes, int] = {}  # key -> transfers reading the slot now
@@ -85,6 +137,19 @@ class HostTier:
         for slot, meta in zip(slots, metas):
             self.index[meta.key] = slot
             self.meta[meta.key] = meta
+
+    def fill_from(self, slots: Sequence[int], metas: Sequence[BlockMeta], caches, block_ids: Sequence[int]) -> None:
+        """Copy device blocks straight into `slots` (no gather) and index them."""
+        copy_layers([t for pair in self.layers for t in pair], slots,
+                    [t for c in caches for t in (c.k, c.v)], block_ids)
+        for slot, meta in zip(slots, metas):
+            self.index[meta.key] = slot
+            self.meta[meta.key] = meta
+
+    def copy_out(self, slots: Sequence[int], caches, block_ids: Sequence[int]) -> None:
+        """Copy `slots` straight into device blocks (a restore)."""
+        copy_layers([t for c in caches for t in (c.k, c.v)], block_ids,
+                    [t for pair in self.layers for t in pair], slots)
 
     def release_slots(self, slots: Sequence[int]) -> None:
         """Return slots that were taken but not filled."""

@@ -16,32 +16,35 @@
     122+L   2     scale version length S, then S bytes of UTF-8
     H       8     payload length P (u64)
     H+8     P     per layer: K bytes then V bytes ([block_size, heads, head_dim], C order)
-    H+8+P   4     CRC-32 of every byte before it
+    H+8+P   8     XXH3-64 of every byte before it
 
 All integers are little-endian. No pickle: a payload is decoded by reading the header and
 viewing the tensor bytes. A payload is accepted only when the magic, version, key, space
 digest and layout equal what the reader expects and the checksum matches; anything else
 raises PayloadError, which callers count as a miss.
 
-CRC-32 guards against torn and corrupted bytes, not against an attacker who can write to
-the tier: a shared Redis is trusted like the daemon's own disk.
+XXH3-64 (the `xxhash` library, about 5x the speed of CRC-32 here) guards against torn and
+corrupted bytes, not against an attacker who can write to the tier: a shared Redis is trusted
+like the daemon's own disk. Decoded tensors are read-only views of the payload buffer (no copy):
+they are only ever copied into the cache.
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import xxhash
 
 MAGIC = b"KVB1"
 VERSION = 1
 _FIXED = struct.Struct("<4sHH32s32s32sIIIIH")
 _U16 = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
-_CRC = struct.Struct("<I")
+_CRC = struct.Struct("<Q")
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int8: 4,
@@ -113,30 +116,45 @@ def _header(layout: BlockLayout, space: bytes, meta: BlockMeta) -> bytes:
                      codes, _U16.pack(len(scale)), scale, _U64.pack(layout.block_bytes)))
 
 
-def encode_blocks(layout: BlockLayout, space: bytes, metas: Sequence[BlockMeta],
-                  layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bytes]:
-    """One payload per block. `layers[l]` is (K, V) of the group on the CPU, [n, block, heads, dim]."""
-    keys = [m.key for m in metas]
+def encode_parts(layout: BlockLayout, space: bytes, metas: Sequence[BlockMeta],
+                 layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list]:
+    """Each block's payload as a list of buffers (header, K and V of every layer, checksum) that
+    concatenate to the payload, without copying the tensor bytes: write them with writev, or
+    stream them as one Redis value. `layers[l]` is (K, V) of the group on the CPU, [n, ...]."""
     if len(layers) != layout.num_layers:
         raise ValueError(f"layers: expected {layout.num_layers}, got {len(layers)}")
+    n = len(metas)
     views = []
     for k, v in layers:
-        if k.shape[0] != len(keys) or v.shape[0] != len(keys):
-            raise ValueError(f"layers: {k.shape[0]} blocks of tensors for {len(keys)} keys")
-        views.append((k.contiguous().view(torch.uint8).reshape(len(keys), -1).numpy(),
-                      v.contiguous().view(torch.uint8).reshape(len(keys), -1).numpy()))
+        if k.shape[0] != n or v.shape[0] != n:
+            raise ValueError(f"layers: {k.shape[0]} blocks of tensors for {n} keys")
+        views.append((k.contiguous().view(torch.uint8).reshape(n, -1).numpy(),
+                      v.contiguous().view(torch.uint8).reshape(n, -1).numpy()))
     out = []
     for i, meta in enumerate(metas):
         parts = [_header(layout, space, meta)]
         for k, v in views:
             parts.append(k[i].data)
             parts.append(v[i].data)
-        crc = 0
+        digest = xxhash.xxh3_64()
         for part in parts:
-            crc = zlib.crc32(part, crc)
-        parts.append(_CRC.pack(crc))
-        out.append(b"".join(parts))
+            digest.update(part)
+        parts.append(_CRC.pack(digest.intdigest()))
+        out.append(parts)
     return out
+
+
+def encode_blocks(layout: BlockLayout, space: bytes, metas: Sequence[BlockMeta],
+                  layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bytes]:
+    """One contiguous payload per block (see `encode_parts` to avoid the copy)."""
+    return [b"".join(parts) for parts in encode_parts(layout, space, metas, layers)]
+
+
+def payload_length(payload) -> int:
+    """Bytes of a payload given as bytes-like or as a list of buffers."""
+    if isinstance(payload, list):
+        return sum(memoryview(p).nbytes for p in payload)
+    return memoryview(payload).nbytes
 
 
 def read_header(data: bytes | memoryview, offset: int = 0) -> tuple[BlockMeta, bytes, int]:
@@ -156,10 +174,53 @@ def read_header(data: bytes | memoryview, offset: int = 0) -> tuple[BlockMeta, b
     return BlockMeta(key, root, depth), space, header_len + _U64.size + body + _CRC.size
 
 
-def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes,
-                 key: bytes) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Verify a payload against the expected key, space and layout; return (K, V) per layer,
-    each [block, heads, dim] on the CPU (views of a private copy of the bytes)."""
+class BlockData:
+    """A verified block's K/V: (K, V) per layer, each [block, heads, dim], as views of the
+    payload's bytes made on demand (indexing, iteration, len); `stacked()` is the whole block
+    as one [layers, 2, block, heads, dim] tensor when every layer has the same dtype."""
+
+    __slots__ = ("raw", "layout", "_layers")
+
+    def __init__(self, raw: torch.Tensor, layout: BlockLayout) -> None:
+        self.raw, self.layout, self._layers = raw, layout, None
+
+    def stacked(self) -> torch.Tensor | None:
+        lay = self.layout
+        if len(set(lay.layer_dtypes)) != 1:
+            return None
+        return self.raw.view(lay.layer_dtypes[0]).view(lay.num_layers, 2, lay.block_size, lay.num_kv_heads,
+                                                       lay.head_dim)
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._layers is None:
+            body = self.stacked()
+            if body is not None:
+                self._layers = [tuple(layer.unbind(0)) for layer in body.unbind(0)]
+            else:
+                lay = self.layout
+                shape = (lay.block_size, lay.num_kv_heads, lay.head_dim)
+                out, offset = [], 0
+                for layer, dtype in enumerate(lay.layer_dtypes):
+                    size = lay.layer_bytes(layer)
+                    out.append((self.raw[offset:offset + size].view(dtype).view(shape),
+                                self.raw[offset + size:offset + 2 * size].view(dtype).view(shape)))
+                    offset += 2 * size
+                self._layers = out
+        return self._layers
+
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers()[layer]
+
+    def __iter__(self):
+        return iter(self.layers())
+
+    def __len__(self) -> int:
+        return self.layout.num_layers
+
+
+def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, key: bytes) -> BlockData:
+    """Verify a payload against the expected key, space and layout; return its K/V (views of
+    the payload's bytes, no copy)."""
     meta, got_space, total = read_header(data)
     if meta.key != key:
         raise PayloadError("key", "payload holds another block")
@@ -171,15 +232,10 @@ def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes,
     if len(data) != total:
         raise PayloadError("length", f"{len(data)} bytes where the header says {total}")
     (stored,) = _CRC.unpack_from(data, total - _CRC.size)
-    if zlib.crc32(memoryview(data)[:total - _CRC.size]) != stored:
-        raise PayloadError("checksum", "CRC-32 mismatch")
-    raw = torch.frombuffer(bytearray(data[len(expected):total - _CRC.size]), dtype=torch.uint8)
-    shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
-    out, offset = [], 0
-    for layer, dtype in enumerate(layout.layer_dtypes):
-        size = layout.layer_bytes(layer)
-        k = raw[offset:offset + size].view(dtype).view(shape)
-        v = raw[offset + size:offset + 2 * size].view(dtype).view(shape)
-        out.append((k, v))
-        offset += 2 * size
-    return out
+    view = memoryview(data)
+    if xxhash.xxh3_64_intdigest(view[:total - _CRC.size]) != stored:
+        raise PayloadError("checksum", "XXH3-64 mismatch")
+    with warnings.catch_warnings():  # a bytes payload is read-only; these views are never written
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(view[len(expected):total - _CRC.size], dtype=torch.uint8)
+    return BlockData(raw, layout)

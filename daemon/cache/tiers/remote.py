@@ -16,7 +16,21 @@ from typing import Callable, Sequence
 
 from kvctl.policies.tiering import CircuitBreaker
 
-from .payload import BlockMeta
+from .payload import BlockMeta, payload_length
+
+
+def send_vectored(sock, buffers: list, batch: int = 512) -> None:
+    """sendmsg the buffers in order (scatter/gather), coping with partial sends."""
+    pending = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+    while pending:
+        sent = sock.sendmsg(pending[:batch])
+        while sent:
+            if sent >= len(pending[0]):
+                sent -= len(pending[0])
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][sent:]
+                sent = 0
 
 
 class RemoteUnavailable(Exception):
@@ -74,24 +88,29 @@ class RemoteTier:
         state = self.breaker.state(self.clock())
         return "ok" if state == "closed" else ("down" if state == "open" else "probing")
 
-    def write_group(self, items: Sequence[tuple[BlockMeta, bytes]]) -> int:
-        """SET each payload (one pipeline round trip); evict our oldest entries beyond capacity."""
+    def write_group(self, items: Sequence[tuple[BlockMeta, object]]) -> int:
+        """SET each payload (pipelined: one round trip); evict our oldest entries beyond capacity.
+        A payload is bytes-like or a list of buffers: on a single server the buffers are streamed
+        as one RESP bulk string (one atomic SET, no concatenated copy)."""
         if not items:
             return 0
-
-        def go():
-            pipe = self.client.pipeline(transaction=False)
-            for meta, payload in items:
-                pipe.set(self.redis_key(meta.key), payload)
-            pipe.execute()
-
-        self._call(go)
+        parts = [(self.redis_key(meta.key), p if isinstance(p, list) else [p]) for meta, p in items]
+        if hasattr(self.client, "connection_pool") and not hasattr(self.client, "nodes_manager"):
+            self._call(lambda: self._set_streamed(parts))
+        else:  # a cluster client routes by key slot: plain pipelined SETs of joined values
+            def go():
+                pipe = self.client.pipeline(transaction=False)
+                for key, buffers in parts:
+                    pipe.set(key, b"".join(buffers))
+                pipe.execute()
+            self._call(go)
         with self.lock:
             for meta, payload in items:
+                length = payload_length(payload)
                 if meta.key in self.written:
                     self.used_bytes -= self.written.pop(meta.key)
-                self.written[meta.key] = len(payload)
-                self.used_bytes += len(payload)
+                self.written[meta.key] = length
+                self.used_bytes += length
                 self.meta[meta.key] = meta
             victims = []
             while self.used_bytes > self.capacity_bytes and self.written:
@@ -104,10 +123,48 @@ class RemoteTier:
                 self._call(lambda: self.client.delete(*[self.redis_key(k) for k in victims]))
             except RemoteUnavailable:
                 pass  # they age out under the server's own policy
-        return sum(len(p) for _, p in items)
+        return sum(payload_length(p) for _, p in items)
+
+    def _set_streamed(self, parts: list[tuple[bytes, list]]) -> None:
+        """Pipelined SETs whose values go out in pieces: `*3 $3 SET $klen key $vlen` + buffers."""
+        pool = self.client.connection_pool
+        conn = pool.get_connection("SET")
+        try:
+            stream = []
+            for key, buffers in parts:
+                total = sum(memoryview(b).nbytes for b in buffers)
+                head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, total)
+                stream += [head, *buffers, b"\r\n"]
+            sock = getattr(conn, "_sock", None)
+            if sock is None:
+                conn.connect()
+                sock = getattr(conn, "_sock", None)
+            if sock is not None and hasattr(sock, "sendmsg"):
+                send_vectored(sock, stream)  # a few syscalls for the whole group
+            else:
+                conn.send_packed_command(stream, check_health=False)
+            for _ in parts:
+                reply = conn.read_response()
+                if reply not in (b"OK", "OK", True):
+                    raise RuntimeError(f"SET answered {reply!r}")
+        except BaseException:
+            conn.disconnect()  # the stream may be mid-command: never reuse it
+            raise
+        finally:
+            pool.release(conn)
 
     def read(self, key: bytes) -> bytes | None:
         return self._call(lambda: self.client.get(self.redis_key(key)))
+
+    def read_many(self, keys: Sequence[bytes]) -> dict[bytes, bytes]:
+        """Payloads of those `keys` the server holds, in one pipelined round trip."""
+        def go():
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(self.redis_key(key))
+            return pipe.execute()
+
+        return {k: v for k, v in zip(keys, self._call(go)) if v is not None} if keys else {}
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which of `keys` the server holds (one round trip)."""

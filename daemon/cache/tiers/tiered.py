@@ -36,7 +36,8 @@ from kvctl.policies.tiering import RateMeter, TieringPolicy
 
 from .disk import DiskTier, Segment
 from .host import HostTier, copy_rows, select_rows
-from .payload import BlockLayout, BlockMeta, PayloadError, decode_block, encode_blocks, read_header
+from .payload import (BlockData, BlockLayout, BlockMeta, PayloadError, decode_block, encode_parts,
+                      payload_length, read_header)
 from .remote import RemoteTier, RemoteUnavailable
 
 log = logging.getLogger("kvd.tiers")
@@ -76,7 +77,13 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _stack_blocks(per_block: list, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-block [(K, V) per layer] -> per layer (K [n, ...], V [n, ...]), any dtype."""
+    """Per-block [(K, V) per layer] -> per layer (K [n, ...], V [n, ...]), any dtype. Blocks of one
+    dtype are stacked in a single copy and split into strided per-layer views."""
+    stacked = [b.stacked() if isinstance(b, BlockData) else None for b in per_block]
+    if all(t is not None for t in stacked):
+        dtype = stacked[0].dtype  # stacked as bytes: fp8 has no CPU stack kernel
+        whole = torch.stack([t.view(torch.uint8) for t in stacked]).view(dtype)  # [n, layers, 2, block, heads, dim]
+        return [(whole[:, layer, 0], whole[:, layer, 1]) for layer in range(num_layers)]
     return [(torch.stack([b[layer][0].view(torch.uint8) for b in per_block]).view(per_block[0][layer][0].dtype),
              torch.stack([b[layer][1].view(torch.uint8) for b in per_block]).view(per_block[0][layer][1].dtype))
             for layer in range(num_layers)]
@@ -102,7 +109,7 @@ class TieredCache:
         self.stats["remote"].read = RateMeter(rate=5e8, latency=1e-3)
         self.stats["remote"].write = RateMeter(rate=5e8, latency=1e-3)
         self.moved: Counter[tuple[str, str]] = Counter()  # (src, dst) -> bytes
-        self.inflight: dict[bytes, tuple[BlockMeta, bytes]] = {}  # moving: payloads being written down
+        self.inflight: dict[bytes, tuple[BlockMeta, list]] = {}  # moving: (meta, K/V per layer) being written down
         self.staged: dict[bytes, tuple[list, str]] = {}  # verified blocks fetched for waiting requests
         self.prefetches: dict[str, Prefetch] = {}
         self._protected: set[bytes] = set()  # host keys a restore is reading right now
@@ -182,12 +189,11 @@ class TieredCache:
             return
         metas = [BlockMeta(b.key, b.root, b.depth) for b in keep]
         started = time.perf_counter()
-        layers = self.gather([b.block_id for b in keep])
         if target == "host":
-            self._put_host(metas, layers, src="device")
+            self._put_host(metas, src="device", block_ids=[b.block_id for b in keep])
             self.stats["host"].write.observe(nbytes * len(keep), time.perf_counter() - started)
         else:
-            self._write_down(metas, layers, src="device", targets=[target])
+            self._write_down(metas, self.gather([b.block_id for b in keep]), src="device", targets=[target])
 
     def write_through(self, blocks: list) -> None:
         """Newly filled device blocks (after the step that wrote them) go to the persistent tiers."""
@@ -209,11 +215,19 @@ class TieredCache:
         return key in self.inflight or any(key in t.index
                                            for t in (self.disk, self.remote) if t is not None)
 
-    def _put_host(self, metas: list[BlockMeta], layers, src: str) -> None:
+    def _put_host(self, metas: list[BlockMeta], src: str, layers=None, block_ids: list[int] | None = None) -> None:
         """Place blocks in host slots, shallowest first (a deep block is useless without its
         ancestors). Host entries evicted to make room, and blocks that find no slot, go down a
-        tier (write_back) or are dropped and counted."""
+        tier (write_back) or are dropped and counted. The data comes from CPU `layers` ([n, ...]
+        per layer) or straight from device `block_ids`."""
         host = self.host
+
+        def pick(positions: list[int]):
+            if block_ids is not None:
+                return self.gather([block_ids[i] for i in positions])
+            index = torch.tensor(positions, dtype=torch.int64)
+            return [(select_rows(k, index), select_rows(v, index)) for k, v in layers]
+
         spill_metas: list[BlockMeta] = []
         spill_layers: list = []
         with self.lock:
@@ -229,16 +243,16 @@ class TieredCache:
                 spill_layers.append(host.read_slots(slots[len(slots) - len(evicted):]))
                 host.forget_meta(evicted)
             placed, overflow = fresh[:len(slots)], fresh[len(slots):]
+            if placed and block_ids is not None:
+                host.fill_from(slots, [metas[i] for i in placed], self.kv_caches, [block_ids[i] for i in placed])
+            elif placed:
+                host.fill(slots, [metas[i] for i in placed], pick(placed))
             if placed:
-                index = torch.tensor(placed, dtype=torch.int64)
-                host.fill(slots, [metas[i] for i in placed],
-                          [(select_rows(k, index), select_rows(v, index)) for k, v in layers])
                 self.stats["host"].bytes_in += len(placed) * self.layout.block_bytes
                 self.moved[(src, "host")] += len(placed) * self.layout.block_bytes
             if overflow:
                 spill_metas += [metas[i] for i in overflow]
-                index = torch.tensor(overflow, dtype=torch.int64)
-                spill_layers.append([(select_rows(k, index), select_rows(v, index)) for k, v in layers])
+                spill_layers.append(pick(overflow))
         if not spill_metas:
             return
         lower = [t.name for t in (self.disk, self.remote) if t is not None and self._usable(t.name)][:1]
@@ -250,33 +264,39 @@ class TieredCache:
             self.stats["host"].dropped_blocks += len(spill_metas)
 
     def _write_down(self, metas: list[BlockMeta], layers, src: str, targets: list[str]) -> None:
-        """Encode on this thread, publish on the writer thread; the blocks are `moving` meanwhile."""
-        payloads = encode_blocks(self.layout, self.space, metas, layers)
-        items = []
+        """Hand CPU copies of the blocks to the writer thread, which encodes and publishes them;
+        the blocks are `moving` meanwhile (a prefetch takes their tensors from here)."""
+        fresh = []
         with self.lock:
-            for meta, payload in zip(metas, payloads):
+            for i, meta in enumerate(metas):
                 if meta.key in self.inflight:
                     continue
-                self.inflight[meta.key] = (meta, payload)
-                items.append((meta, payload))
-        if items:
-            self._pending_writes.append(self._writer.submit(self._publish, items, src, targets))
-            self._pending_writes = [f for f in self._pending_writes if not f.done()]
+                self.inflight[meta.key] = (meta, [(k[i], v[i]) for k, v in layers])
+                fresh.append(i)
+        if not fresh:
+            return
+        if len(fresh) < len(metas):
+            index = torch.tensor(fresh, dtype=torch.int64)
+            metas = [metas[i] for i in fresh]
+            layers = [(select_rows(k, index), select_rows(v, index)) for k, v in layers]
+        self._pending_writes.append(self._writer.submit(self._publish, metas, layers, src, targets))
+        self._pending_writes = [f for f in self._pending_writes if not f.done()]
 
-    def _publish(self, items: list[tuple[BlockMeta, bytes]], src: str, targets: list[str]) -> None:
+    def _publish(self, metas: list[BlockMeta], layers, src: str, targets: list[str]) -> None:
         try:
+            items = list(zip(metas, encode_parts(self.layout, self.space, metas, layers)))
             for name in targets:
                 self._publish_to(name, items, src)
         finally:
             with self.lock:
-                for meta, _ in items:
+                for meta in metas:
                     self.inflight.pop(meta.key, None)
 
     def _publish_to(self, name: str, items: list[tuple[BlockMeta, bytes]], src: str) -> None:
         if not self._usable(name):
             self.stats[name].dropped_blocks += len(items)
             return
-        nbytes = sum(len(p) for _, p in items)
+        nbytes = sum(payload_length(p) for _, p in items)
         started = time.perf_counter()
         try:
             if name == "disk":
@@ -372,18 +392,17 @@ class TieredCache:
             for positions, source in ((host_pos, "host"), (staged_pos, "staged")):
                 if not positions:
                     continue
-                ids = torch.tensor([block_ids[i] for i in positions], dtype=torch.int64, device=self.device)
                 if source == "host":
                     slots = [self.host.index[keys[i]] for i in positions]
                     for k in (keys[i] for i in positions):
                         self.host.touch(k)
-                    layers = self.host.read_slots(slots)
+                    self.host.copy_out(slots, self.kv_caches, [block_ids[i] for i in positions])
                 else:
-                    per_block = [self.staged[keys[i]][0] for i in positions]
-                    layers = _stack_blocks(per_block, self.layout.num_layers)
-                for cache, (k, v) in zip(self.kv_caches, layers):
-                    copy_rows(cache.k, ids, k)
-                    copy_rows(cache.v, ids, v)
+                    ids = torch.tensor([block_ids[i] for i in positions], dtype=torch.int64, device=self.device)
+                    layers = _stack_blocks([self.staged[keys[i]][0] for i in positions], self.layout.num_layers)
+                    for cache, (k, v) in zip(self.kv_caches, layers):
+                        copy_rows(cache.k, ids, k)
+                        copy_rows(cache.v, ids, v)
                 for i in positions:
                     tier = "host" if source == "host" else self.staged[keys[i]][1]
                     stats = self.stats[tier]
@@ -429,54 +448,67 @@ class TieredCache:
             except Exception:  # noqa: BLE001
                 pass
 
+    FETCH_GROUP = 32  # blocks per disk pread span or Redis round trip
+
     def _fetch(self, job: Prefetch) -> int:
-        remote_has: list[bool] | None = None
-        for position, key in enumerate(job.keys):
-            if job.cancelled:
-                break
+        """Stage job.keys in chain order, a group at a time, from the fastest tier holding each;
+        stop at the first block found nowhere or failing verification (the rest is recomputed)."""
+        keys, i = job.keys, 0
+        while i < len(keys) and not job.cancelled:
             with self.lock:
-                if key in self.staged:
+                if keys[i] in self.staged:
+                    i += 1
                     continue
-                entry = self.inflight.get(key)
-            source, data = None, None
-            if entry is not None:
-                source, data = "host", entry[1]
-            if data is None and self.disk is not None and key in self.disk.index and self._usable("disk"):
-                started = time.perf_counter()
-                data = self.disk.read(key)
-                source = "disk"
-                if data is None:
+                entry = self.inflight.get(keys[i])
+            if entry is not None:  # still being written down: its tensors are right here
+                with self.lock:
+                    if not job.cancelled:
+                        self.staged[keys[i]] = (entry[1], "host")
+                        job.staged.append(keys[i])
+                i += 1
+                continue
+            if self.disk is not None and keys[i] in self.disk.index and self._usable("disk"):
+                run = []
+                for key in keys[i:i + self.FETCH_GROUP]:
+                    if key not in self.disk.index:
+                        break
+                    run.append(key)
+                source, started = "disk", time.perf_counter()
+                payloads = self.disk.read_many(run)
+                if not payloads:
                     self._degrade("disk", "read failed")
                 else:
-                    self.stats["disk"].read.observe(len(data), time.perf_counter() - started)
-            if data is None and self.remote is not None and self._usable("remote"):
+                    self.stats["disk"].read.observe(sum(len(p) for p in payloads.values()),
+                                                    time.perf_counter() - started)
+            elif self.remote is not None and self._usable("remote"):
+                run, source, started = keys[i:i + self.FETCH_GROUP], "remote", time.perf_counter()
                 try:
-                    if remote_has is None:
-                        remote_has = self.remote.exists(job.keys[position:])
-                        offset = position
-                    if remote_has[position - offset]:
-                        started = time.perf_counter()
-                        data = self.remote.read(key)
-                        source = "remote"
-                        if data is not None:
-                            self.stats["remote"].read.observe(len(data), time.perf_counter() - started)
+                    payloads = self.remote.read_many(run)
                 except RemoteUnavailable as exc:
                     self._degrade("remote", str(exc), seconds=0.0)
-            if data is None:
+                    payloads = {}
+                if payloads:
+                    self.stats["remote"].read.observe(sum(len(p) for p in payloads.values()),
+                                                      time.perf_counter() - started)
+            else:
                 break
-            try:
-                layers = decode_block(data, self.layout, self.space, key)
-            except PayloadError as exc:
-                self._bad_payload(source, key, exc)
-                break
-            with self.lock:
-                if job.cancelled:
-                    break
-                self.staged[key] = (layers, source)
-                job.staged.append(key)
-                if source == "remote":
-                    meta, _, _ = read_header(data)
-                    self.remote.meta.setdefault(key, meta)
+            for key in run:
+                data = payloads.get(key)
+                if data is None:
+                    return len(job.staged)
+                try:
+                    layers = decode_block(data, self.layout, self.space, key)
+                except PayloadError as exc:
+                    self._bad_payload(source, key, exc)
+                    return len(job.staged)
+                with self.lock:
+                    if job.cancelled:
+                        return len(job.staged)
+                    self.staged[key] = (layers, source)
+                    job.staged.append(key)
+                    if source == "remote":
+                        self.remote.meta.setdefault(key, read_header(data)[0])
+                i += 1
         return len(job.staged)
 
     def _bad_payload(self, source: str, key: bytes, exc: PayloadError) -> None:
@@ -543,7 +575,7 @@ class TieredCache:
     def copy_to(self, name: str, metas: list[BlockMeta], layers, src: str) -> int:
         """Write blocks into one tier now and wait; returns blocks that tier holds afterwards."""
         if name == "host":
-            self._put_host(metas, layers, src=src)
+            self._put_host(metas, src=src, layers=layers)
             return sum(1 for m in metas if m.key in self.host.index)
         self._write_down(metas, layers, src=src, targets=[name])
         self.flush()
