@@ -1,0 +1,123 @@
+"""Tiers across processes: the real kvd killed with SIGKILL in the middle of disk writes, again
+and again, then restarted (nothing torn is served, the audit passes, outputs are unchanged);
+and two daemons sharing prefixes through one Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("redis")
+
+from .daemon_fixtures import blocks_all_back, call, start_service  # noqa: E402
+from .tier_fixtures import redis_server  # noqa: E402,F401
+
+BIN = Path(sys.executable).parent
+PROMPTS = [f"Request {i}: the operators of the cache want their prefixes kept warm across restarts, "
+           f"so block {i} must come back whole or not at all." for i in range(6)]
+TIERS = {"disk_cache_bytes": "64MiB", "write_policy": "write_through", "tiering": "always"}
+
+
+def launch(state: Path, sock: Path, log: Path) -> tuple[subprocess.Popen, httpx.Client]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    proc = subprocess.Popen(
+        [str(BIN / "kvd"), "serve", "--state-dir", str(state), "--socket", str(sock), "--num-blocks", "24",
+         "--disk-cache-bytes", TIERS["disk_cache_bytes"], "--write-policy", TIERS["write_policy"],
+         "--tiering", TIERS["tiering"], "--log-level", "warning"],
+        env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    client = httpx.Client(base_url="http://kvd", transport=httpx.HTTPTransport(uds=str(sock)), timeout=60)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if client.get("/readyz").status_code == 200:
+                return proc, client
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("kvd did not become ready")
+
+
+def complete(post, prompt: str) -> dict:
+    response = post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                             "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_sigkill_during_disk_writes_then_restart_serves_nothing_torn(tmp_path):
+    reference = start_service(tmp_path / "reference", num_blocks=64)
+    try:
+        expected = {p: complete(lambda *a, **k: call(_app(reference), "POST", *a, **k), p)["choices"][0]["text"]
+                    for p in PROMPTS}
+    finally:
+        reference.shutdown(deadline=2)
+    state, sock, log = tmp_path / "state", tmp_path / "kvd.sock", tmp_path / "kvd.log"
+    for round_ in range(3):
+        proc, client = launch(state, sock, log)
+        done = []
+
+        def drive(prompt):
+            try:
+                complete(client.post, prompt)
+                done.append(prompt)
+            except (httpx.TransportError, AssertionError):
+                pass  # killed under us
+
+        threads = [threading.Thread(target=drive, args=(p,)) for p in PROMPTS[round_:] + PROMPTS[:round_]]
+        for t in threads:
+            t.start()
+        while len(done) < 1 + round_:  # kill at a different point each round, writes in flight
+            time.sleep(0.01)
+            assert proc.poll() is None, log.read_text()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for t in threads:
+            t.join(30)
+        client.close()
+    service = start_service(state, **{"num_blocks": 24, **TIERS})
+    try:
+        scan = service.tier_scan
+        assert scan.corrupt == 0 and scan.foreign == 0 and scan.blocks > 0
+        app = _app(service)
+        for prompt in PROMPTS:
+            assert complete(lambda *a, **k: call(app, "POST", *a, **k), prompt)["choices"][0]["text"] == expected[prompt]
+        assert service.engine.stats.restored_tokens > 0
+        assert blocks_all_back(service)  # includes the cache audit
+    finally:
+        service.shutdown(deadline=2)
+
+
+def _app(service):
+    from kvctl.daemon.server.app import create_app
+
+    return create_app(service, service.metrics, front="unix")
+
+
+def test_two_daemons_share_a_prefix_through_redis(tmp_path, redis_server):
+    settings = {"num_blocks": 64, "remote_url": redis_server.url, "write_policy": "write_through",
+                "tiering": "always"}
+    first = start_service(tmp_path / "a", **settings)
+    second = start_service(tmp_path / "b", **settings)
+    try:
+        one = complete(lambda *a, **k: call(_app(first), "POST", *a, **k), PROMPTS[0])
+        first.tiers.flush()
+        two = complete(lambda *a, **k: call(_app(second), "POST", *a, **k), PROMPTS[0])
+        assert two["choices"][0]["text"] == one["choices"][0]["text"]
+        assert one["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (two["usage"]["prompt_tokens"] - 1) // 16 * 16
+        tiers = call(_app(second), "GET", "/admin/tiers").json()
+        assert tiers["tokens"]["restored"] == cached and tiers["tiers"]["remote"]["hit_tokens"] == cached
+    finally:
+        first.shutdown(deadline=2)
+        second.shutdown(deadline=2)
