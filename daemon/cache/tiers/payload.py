@@ -2,7 +2,7 @@
 
     offset  size  field
     0       4     magic b"KVB1"
-    4       2     format version (1)
+    4       2     format version (2)
     6       2     header length H (bytes from offset 0 to the end of the scale version)
     8       32    block key (SHA-256 chain key)
     40      32    space digest (namespace without the tenant: model, tokenizer, format, scales)
@@ -40,7 +40,7 @@ import torch
 import xxhash
 
 MAGIC = b"KVB1"
-VERSION = 1
+VERSION = 2  # 2: XXH3-64 trailer (1 had CRC-32)
 _FIXED = struct.Struct("<4sHH32s32s32sIIIIH")
 _U16 = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
