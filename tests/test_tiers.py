@@ -209,6 +209,24 @@ def test_redis_down_opens_the_breaker_serving_goes_on_and_it_reconnects(demo, re
     assert warm.sequences[0].output_ids == generate(engine, TEXT_C, demo).sequences[0].output_ids
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"])
+def test_redis_round_trip_is_bit_exact_for_every_cache_dtype(redis_server, dtype):
+    from kvctl.bench_tiers import _group, _layout
+    from kvctl.daemon.cache.tiers import RemoteTier, decode_block, encode_parts
+
+    layout = _layout(3, 2, 64, 16, dtype)
+    metas, layers = _group(layout, 5, 1)
+    tier = RemoteTier(redis_server.url, 1 << 30, b"S" * 32)
+    tier.write_group(list(zip(metas, encode_parts(layout, b"S" * 32, metas, layers))))
+    payloads = tier.read_many([m.key for m in metas] + [b"x" * 32])
+    assert sorted(payloads) == sorted(m.key for m in metas)
+    for i, meta in enumerate(metas):
+        block = decode_block(payloads[meta.key], layout, b"S" * 32, meta.key)
+        for (k, v), (gk, gv) in zip(block, layers):
+            assert torch.equal(k.view(torch.uint8), gk[i].view(torch.uint8))
+            assert torch.equal(v.view(torch.uint8), gv[i].view(torch.uint8))
+
+
 def test_corrupted_and_foreign_redis_payloads_are_misses(demo, redis_server):
     import redis
 

@@ -27,12 +27,13 @@ PROMPTS = [f"Request {i}: the operators of the cache want their prefixes kept wa
 TIERS = {"disk_cache_bytes": "64MiB", "write_policy": "write_through", "tiering": "always"}
 
 
-def launch(state: Path, sock: Path, log: Path) -> tuple[subprocess.Popen, httpx.Client]:
+def launch(state: Path, sock: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, httpx.Client]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    tiers = extra or ("--disk-cache-bytes", TIERS["disk_cache_bytes"], "--write-policy", TIERS["write_policy"],
+                      "--tiering", TIERS["tiering"])
     proc = subprocess.Popen(
         [str(BIN / "kvd"), "serve", "--state-dir", str(state), "--socket", str(sock), "--num-blocks", "24",
-         "--disk-cache-bytes", TIERS["disk_cache_bytes"], "--write-policy", TIERS["write_policy"],
-         "--tiering", TIERS["tiering"], "--log-level", "warning"],
+         *tiers, "--log-level", "warning"],
         env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
     client = httpx.Client(base_url="http://kvd", transport=httpx.HTTPTransport(uds=str(sock)), timeout=60)
     deadline = time.monotonic() + 90
@@ -121,3 +122,40 @@ def test_two_daemons_share_a_prefix_through_redis(tmp_path, redis_server):
     finally:
         first.shutdown(deadline=2)
         second.shutdown(deadline=2)
+
+
+def kvctl(sock: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVD_SOCKET": str(sock), "COLUMNS": "200"}
+    return subprocess.run([str(BIN / "kvctl"), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_kvctl_tiers_and_swap_as_an_operator_drives_them(tmp_path):
+    import json
+
+    sock = tmp_path / "kvd.sock"
+    proc, client = launch(tmp_path / "state", sock, tmp_path / "kvd.log", "--host-cache-bytes", "4MiB",
+                          "--disk-cache-bytes", "32MiB", "--tiering", "always")
+    try:
+        first = complete(client.post, PROMPTS[0])
+        [prefix] = json.loads(kvctl(sock, "prefixes", "--json").stdout)["prefixes"]
+        assert prefix["tier"] == "device"
+        moved = kvctl(sock, "swap", prefix["prefix_id"], "--to", "disk")
+        assert moved.returncode == 0, moved.stderr
+        assert (f"moved prefix {prefix['prefix_id']} to disk: {prefix['blocks']} of {prefix['blocks']} "
+                "blocks verified there") in moved.stdout
+        listed = kvctl(sock, "prefixes").stdout
+        assert prefix["prefix_id"] in listed and "disk" in listed
+        report = json.loads(kvctl(sock, "tiers", "--json").stdout)
+        assert report["tiers"]["disk"]["blocks"] == prefix["blocks"]
+        assert report["moved_bytes"]["device->disk"] > 0 and report["tiers"]["disk"]["health"] == "ok"
+        table = kvctl(sock, "tiers").stdout
+        assert "write policy: write_back" in table and "disk" in table and "restored from lower tiers" in table
+        again = complete(client.post, PROMPTS[0])
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix["blocks"] * 16
+        wrong = kvctl(sock, "swap", prefix["prefix_id"], "--to", "tape")
+        assert wrong.returncode != 0 and "to: invalid value 'tape'" in wrong.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        client.close()
