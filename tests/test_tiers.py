@@ -20,7 +20,7 @@ from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
 from kvctl.daemon.model.llama import load_model  # noqa: E402
 
 from .daemon_fixtures import call, start_service  # noqa: E402
-from .tier_fixtures import redis_server  # noqa: E402,F401
+from .tier_fixtures import redis_cluster, redis_server  # noqa: E402,F401
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 TEXT_A = "The paged cache keeps blocks of sixteen tokens, and this prompt is long enough for several blocks!"
@@ -225,6 +225,17 @@ def test_redis_round_trip_is_bit_exact_for_every_cache_dtype(redis_server, dtype
         for (k, v), (gk, gv) in zip(block, layers):
             assert torch.equal(k.view(torch.uint8), gk[i].view(torch.uint8))
             assert torch.equal(v.view(torch.uint8), gv[i].view(torch.uint8))
+
+
+def test_a_redis_cluster_url_shares_prefixes_across_engines(demo, redis_cluster):
+    first, _ = engine_with(demo, remote_url=redis_cluster, write_policy="write_through")
+    cold = generate(first, TEXT_A, demo)
+    first.tiers.flush()
+    assert len(first.tiers.remote.index) == (len(demo.tokenizer.encode(TEXT_A)) + 8 - 1) // 16
+    second, tiered = engine_with(demo, remote_url=redis_cluster)
+    warm = generate(second, TEXT_A, demo)
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    assert warm.metrics.restored_tokens == (len(demo.tokenizer.encode(TEXT_A)) - 1) // 16 * 16
 
 
 def test_corrupted_and_foreign_redis_payloads_are_misses(demo, redis_server):

@@ -91,3 +91,42 @@ def group(layout: BlockLayout, keys: list[bytes]):
 def same(a, b) -> bool:
     return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for (x, y) in
                [(ka, kb) for (ka, _), (kb, _) in zip(a, b)] + [(va, vb) for (_, va), (_, vb) in zip(a, b)])
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """Three redis-server masters in cluster mode on free loopback ports; yields a seed URL."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server is not installed (CI installs the Debian package)")
+    ports = [free_port() for _ in range(3)]
+    procs = []
+    for port in ports:
+        folder = tmp_path / f"node-{port}"
+        folder.mkdir()
+        procs.append(subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                                       "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                       "--save", "", "--appendonly", "no"], cwd=folder,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        import redis
+
+        for port in ports:
+            client = redis.Redis(port=port, socket_timeout=0.5)
+            for _ in range(100):
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        client = redis.Redis(port=ports[0])
+        for _ in range(100):
+            if client.cluster("info").get("cluster_state") == "ok":
+                break
+            time.sleep(0.1)
+        yield f"redis+cluster://127.0.0.1:{ports[0]}"
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
