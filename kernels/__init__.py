@@ -15,13 +15,13 @@ from .copy_blocks import copy_blocks, copy_blocks_ref
 from .decode import paged_decode_attention, paged_decode_attention_ref
 from .formats import CACHE_DTYPES, absmax_scales, cache_dtype, dequantise, is_quantised, quantise
 from .prefill import paged_prefill_attention, paged_prefill_attention_ref
-from .torch_paged import paged_attention_torch
+from .torch_paged import paged_attention_torch, plan_attention
 from .write_kv import write_kv, write_kv_ref
 
 __all__ = [
     "CACHE_DTYPES", "KernelArgumentError", "absmax_scales", "cache_dtype", "copy_blocks",
     "copy_blocks_ref", "dequantise", "is_quantised", "paged_decode_attention",
-    "paged_attention_torch", "paged_decode_attention_ref", "paged_prefill_attention",
+    "paged_attention_torch", "plan_attention", "paged_decode_attention_ref", "paged_prefill_attention",
     "paged_prefill_attention_ref",
     "quantise", "write_kv", "write_kv_ref",
 ]

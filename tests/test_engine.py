@@ -278,3 +278,21 @@ def test_triton_kernel_path_gives_the_same_tokens_as_the_torch_path(demo, dtype,
     finally:
         demo.model.use_triton = demo.model.device.type == "cuda"
     assert outputs[0] == outputs[1]
+
+
+def test_decodes_sharing_a_cached_system_prompt_equal_each_request_alone(demo):
+    """Concurrent decodes over the same cached prefix blocks take the cascade path (the prefix
+    attended once per group); their tokens equal those of each request run alone, cold."""
+    system = prompt(demo, "You are the support assistant of a KV cache daemon; answer briefly. " * 2)
+    questions = [prompt(demo, q) for q in ("How do pins work?", "What is a block?", "Why evict?",
+                                            "Where do tiers live?")]
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
+    engine.add_request(system + questions[0], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.run_until_done()
+    together = [engine.add_request(system + q, SAMPLED) for q in questions]
+    engine.run_until_done()
+    full = (len(system + questions[0]) - 1) // 16 * 16  # the warm prompt itself, all but its last token's block
+    assert [r.metrics.cached_tokens for r in together] == [full] + [len(system) // 16 * 16] * 3
+    alone = [run(demo, [system + q], SAMPLED)[1][0][0] for q in questions]
+    assert [r.sequences[0].output_ids for r in together] == alone
+    assert all_blocks_back(engine)

@@ -274,3 +274,42 @@ def test_batched_torch_path_matches_the_references(cache_dtype):
     got = paged_attention_torch(q1, case["k_cache"], case["v_cache"], case["block_tables"], ones, lens1, **extra)
     want = paged_decode_attention_ref(q1, case["k_cache"], case["v_cache"], case["block_tables"], lens1, **extra)
     torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous-prefix", "scattered-prefix"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+def test_cascade_decode_over_shared_prefixes_matches_the_reference(cache_dtype, contiguous):
+    """Decodes that share cached prefix blocks (two groups, plus a loner and one whose context
+    ends on a block boundary) give what the per-sequence reference gives."""
+    from kvctl.kernels import paged_attention_torch
+    from kvctl.kernels.torch_paged import plan_decode
+
+    torch.manual_seed(3)
+    block, heads, kv_heads, dim, blocks = 16, 4, 2, 64, 64
+    q_dtype = query_dtype(cache_dtype)
+    k_cache = torch.randn(blocks, block, kv_heads, dim).to(cache_dtype if cache_dtype != torch.int8 else torch.float32)
+    v_cache = torch.randn(blocks, block, kv_heads, dim).to(k_cache.dtype)
+    extra = {}
+    if cache_dtype == torch.int8:
+        k_cache = torch.randint(-127, 128, k_cache.shape, dtype=torch.int8)
+        v_cache = torch.randint(-127, 128, v_cache.shape, dtype=torch.int8)
+        extra = dict(k_scale=torch.tensor([0.02, 0.03]), v_scale=torch.tensor([0.01, 0.04]))
+    shared_a = list(range(10, 16)) if contiguous else [40, 3, 17, 9, 33, 21]
+    shared_b = list(range(20, 24)) if contiguous else [50, 51, 7, 8]
+    tables = [shared_a + [30, 31], shared_a + [32], shared_b + [34, 35, 36], shared_b + [37],
+              [60, 61, 62], shared_a[:5] + [38]]
+    lengths = [7 * 16 + 5, 6 * 16 + 16, 4 * 16 + 40, 4 * 16 + 1, 40, 5 * 16 + 9]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    plan = plan_decode(table, lens, block)
+    assert plan.prefix.tolist() == [5, 5, 4, 4, 0, 5]  # a group shares what all its members share
+    assert [g[2].tolist() for g in plan.groups] == [[0, 1, 5], [2, 3]] or \
+        [g[2].tolist() for g in plan.groups] == [[2, 3], [0, 1, 5]]
+    assert all((g[3] is None) == contiguous for g in plan.groups)  # a slice of the cache when contiguous
+    q = torch.randn(len(tables), heads, dim).to(q_dtype)
+    ones = torch.arange(len(tables) + 1, dtype=torch.int32)
+    got = paged_attention_torch(q, k_cache, v_cache, table, ones, lens, scale=dim ** -0.5, max_new_tokens=1,
+                                **extra)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale=dim ** -0.5, **extra)
+    torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvctl.kernels import (is_quantised, paged_attention_torch, paged_decode_attention, paged_prefill_attention,
+                           plan_attention,
                            write_kv, write_kv_ref)
 
 from .config import ModelConfig, ModelError
@@ -126,7 +127,7 @@ class LlamaModel:
             total += 2 * block_size * c.num_kv_heads * c.head_dim * element
         return total
 
-    def _attention(self, q, cache: LayerCache, batch: ForwardBatch) -> torch.Tensor:
+    def _attention(self, q, cache: LayerCache, batch: ForwardBatch, plan=None) -> torch.Tensor:
         scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         if self.use_triton and batch.max_new_tokens == 1:
             return paged_decode_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
@@ -137,7 +138,7 @@ class LlamaModel:
                                            max_new_tokens=batch.max_new_tokens, **scales)
         return paged_attention_torch(q, cache.k, cache.v, batch.block_tables, batch.query_start_loc,
                                      batch.context_lens, scale=self.scale, max_new_tokens=batch.max_new_tokens,
-                                     **scales)
+                                     plan=plan, **scales)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[LayerCache],
@@ -153,6 +154,9 @@ class LlamaModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         tokens = hidden.shape[0]
+        plan = None if self.use_triton or not kv_caches else plan_attention(  # grouped once, used by every layer
+            batch.block_tables, batch.query_start_loc, batch.context_lens, kv_caches[0].k.shape[1],
+            batch.max_new_tokens)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             x = rms_norm(hidden, w[p + "input_layernorm.weight"], c.rms_norm_eps)
@@ -166,7 +170,7 @@ class LlamaModel:
             if observer is not None:
                 observer(i, k, v)
             write(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale)
-            attn = self._attention(q, cache, batch).reshape(tokens, c.num_heads * c.head_dim)
+            attn = self._attention(q, cache, batch, plan).reshape(tokens, c.num_heads * c.head_dim)
             hidden = hidden + F.linear(attn, w[p + "self_attn.o_proj.weight"])
             x = rms_norm(hidden, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
