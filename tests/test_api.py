@@ -289,3 +289,22 @@ def test_evict_one_prefix_by_id(daemon):
     assert target["prefix_id"] not in [p["prefix_id"] for p in after]
     missing = call(unix, "POST", "/admin/evict", json={"prefix": "ffffffffffffffff"})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "prefix"
+
+
+def test_incremental_text_equals_the_full_decode_and_never_splits_a_character(tmp_path):
+    """Streamed deltas decode a short window per token; joined, they equal decoding the whole
+    output, and a character split across byte tokens is held back until it is complete."""
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.tokenizer import Tokenizer
+    from kvctl.daemon.server.app import IncrementalText
+
+    tokenizer = Tokenizer(ensure_demo_checkpoint(tmp_path))
+    text = "Blocks – 16 tokens each; caché ↦ 日本語 and emoji 🙂 end."
+    ids = tokenizer.encode(text)
+    stream = IncrementalText(tokenizer.decode)
+    deltas = [stream.add(token) for token in ids]
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+    specials = len(ids) - len(text.encode())  # byte-level: one token per byte, plus BOS
+    assert specials == 1 and deltas[0] == ""
+    assert deltas.count("") == specials + sum(len(c.encode()) - 1 for c in text)  # a wait per continuation byte

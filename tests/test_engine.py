@@ -296,3 +296,20 @@ def test_decodes_sharing_a_cached_system_prompt_equal_each_request_alone(demo):
     alone = [run(demo, [system + q], SAMPLED)[1][0][0] for q in questions]
     assert [r.sequences[0].output_ids for r in together] == alone
     assert all_blocks_back(engine)
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(demo):
+    """The second of two requests with the same system prompt waits while the first computes
+    it, then reuses its blocks; a different request behind it is admitted at once."""
+    system = prompt(demo, "Shared instructions for every question in this group of requests. " * 2)
+    first, second = system + prompt(demo, "First?"), system + prompt(demo, "Second?")
+    other = prompt(demo, "An unrelated prompt that shares nothing with the others at all.")
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_batch_tokens=32))
+    a, b, c = (engine.add_request(p, SAMPLED) for p in (first, second, other))
+    engine.step()
+    assert [r.sequences[0].status for r in (a, b, c)] == [SeqStatus.PREFILL, SeqStatus.WAITING, SeqStatus.PREFILL]
+    engine.run_until_done()
+    assert (a.metrics.cached_tokens, b.metrics.cached_tokens, c.metrics.cached_tokens) == (0, len(system) // 16 * 16, 0)
+    assert [r.sequences[0].output_ids for r in (a, b, c)] == [run(demo, [p], SAMPLED)[1][0][0]
+                                                            for p in (first, second, other)]
+    assert all_blocks_back(engine)

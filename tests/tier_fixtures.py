@@ -93,12 +93,29 @@ def same(a, b) -> bool:
                [(ka, kb) for (ka, _), (kb, _) in zip(a, b)] + [(va, vb) for (_, va), (_, vb) in zip(a, b)])
 
 
+def free_cluster_port() -> int:
+    """A loopback port p such that p + 10000 (the cluster bus) is free too and below 65536."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
 @pytest.fixture
 def redis_cluster(tmp_path):
     """Three redis-server masters in cluster mode on free loopback ports; yields a seed URL."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server is not installed (CI installs the Debian package)")
-    ports = [free_port() for _ in range(3)]
+    ports = sorted({free_cluster_port() for _ in range(3)})
+    assert len(ports) == 3
     procs = []
     for port in ports:
         folder = tmp_path / f"node-{port}"

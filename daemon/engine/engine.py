@@ -299,13 +299,29 @@ class Engine:
             inserted.clear()
 
     def _admit(self) -> None:
+        """Admit waiting sequences in queue order while they fit (the first that does not fit
+        waits for room, and so does everything behind it). A sequence whose next uncached block
+        a running prefill is about to compute is passed over this step, so that it reuses that
+        block instead of computing the shared prefix a second time (in-batch prefix sharing)."""
         if self.admission_paused:
             return
-        while self._waiting and len(self._running) < self.settings.max_running:
-            _, seq = self._waiting[0]
-            if seq.status is not SeqStatus.WAITING:
-                heapq.heappop(self._waiting)
-                continue
+        if not self._waiting or len(self._running) >= self.settings.max_running:
+            return
+        upcoming = self._upcoming_keys()
+        order = sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING) if upcoming else None
+        position = 0
+        while len(self._running) < self.settings.max_running:
+            if order is None:
+                while self._waiting and self._waiting[0][1].status is not SeqStatus.WAITING:
+                    heapq.heappop(self._waiting)
+                if not self._waiting:
+                    return
+                entry = self._waiting[0]
+            else:
+                if position >= len(order):
+                    return
+                entry = order[position]
+            seq = entry[1]
             request = seq.request
             tokens = seq.all_tokens
             reserve = self._reservation(request).reserve(request.params.max_tokens - len(seq.output_ids))
@@ -317,13 +333,23 @@ class Engine:
                     waited = self.clock() - request.metrics.arrival
                     if waited < self.prefetch_wait:
                         if self._running:
-                            break  # the head waits for its prefix; running work goes on
+                            return  # the head waits for its prefix; running work goes on
                         tiers.wait_prefetch(request.request_id, self.prefetch_wait - waited)
                 self._restore(seq, keys, len(tokens))
+            if upcoming:
+                hits = len(self.cache.pool.match(keys, self.cache.cacheable_blocks(len(tokens))))
+                if hits < len(keys) and keys[hits] in upcoming:
+                    position += 1  # its prefix is being computed right now: take it next step
+                    continue
             decision = self.cache.can_admit(keys, len(tokens), reserve, request=seq.seq_id)
             if decision.verdict is not Verdict.ADMIT:
-                break  # head of line waits for room (add_request refused what can never fit)
-            heapq.heappop(self._waiting)
+                return  # head of line waits for room (add_request refused what can never fit)
+            if order is None:
+                heapq.heappop(self._waiting)
+            else:
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
+                order.pop(position)
             started = time.perf_counter()
             admission = self.cache.admit(seq.seq_id, keys, len(tokens), reserve, tenant=request.tenant,
                                          hasher=hasher)
@@ -344,6 +370,20 @@ class Engine:
             seq.prefill_target = len(tokens)
             seq.status = SeqStatus.PREFILL
             self._running[seq.seq_id] = seq
+            upcoming = self._upcoming_keys()
+            if upcoming and order is None:
+                order = sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING)
+                position = 0
+
+    def _upcoming_keys(self) -> set:
+        """Keys of the prompt blocks running prefills have yet to compute."""
+        size = self.settings.block_size
+        upcoming: set = set()
+        for seq in self._running.values():
+            if seq.status is SeqStatus.PREFILL:
+                keys = self.cache.sequence(seq.seq_id).keys
+                upcoming.update(keys[seq.num_computed // size:seq.prefill_target // size])
+        return upcoming
 
     def _plan(self) -> list[tuple[Sequence, int]]:
         """(sequence, new tokens) for this step: every decode, then prompt chunks within budget."""

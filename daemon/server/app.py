@@ -28,7 +28,7 @@ from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, Sa
 
 from .auth import TENANT_PATTERN, TokenTable
 from .metrics import Metrics
-from .service import EngineService, Principal, ServiceError, parse_duration
+from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
 
 
 class ApiError(Exception):
@@ -214,7 +214,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                 stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        sink = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)  # noqa: E731
+        sink = LoopSink(loop, events)
         submitting = asyncio.ensure_future(run_in_threadpool(service.submit, prompts, params, who, sink))
         try:
             requests = await asyncio.shield(submitting)
@@ -399,10 +399,31 @@ def _usage(requests) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(r.metrics.cached_tokens for r in requests)}}
 
 
+class IncrementalText:
+    """Text of a growing token sequence, decoding only a short window per token (not the whole
+    output each time): the tokens since the last emitted text, with the ones before them as
+    context, so tokenizers that space words by their neighbours decode as they would in full."""
+
+    __slots__ = ("decode", "ids", "prefix", "read")
+
+    def __init__(self, decode) -> None:
+        self.decode, self.ids, self.prefix, self.read = decode, [], 0, 0
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.decode(self.ids[self.prefix:self.read])
+        after = self.decode(self.ids[self.prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for the next token
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
 async def _stream(engine, events, requests, by_id, index_of, completion_id, created, model_name,
                   include_usage, cancel_all):
     """Server-sent events, one chunk per token, ending with [DONE]; a disconnect cancels."""
     sent_text = {key: "" for key in index_of}
+    texts = {key: IncrementalText(engine.tokenizer.decode) for key in index_of}
     pending = set(index_of)
     finished_cleanly = False
     try:
@@ -412,11 +433,13 @@ async def _stream(engine, events, requests, by_id, index_of, completion_id, crea
             request = by_id[event.request_id]
             seq = next((s for s in request.sequences if s.index == event.index), None)
             delta = ""
-            if seq is not None:
-                text = engine.text_of(seq)
-                if event.finish_reason is not None or not text.endswith("\ufffd"):
-                    delta = text[len(sent_text[key]):]
-                    sent_text[key] = text
+            if event.finish_reason is not None and seq is not None:
+                text = engine.text_of(seq)  # whole, once: a stop string may cut it
+                delta = text[len(sent_text[key]):] if text.startswith(sent_text[key]) else ""
+                sent_text[key] = text
+            elif event.token_id is not None:
+                delta = texts[key].add(event.token_id)
+                sent_text[key] += delta
             if event.finish_reason is not None:
                 pending.discard(key)
             chunk = {"id": completion_id, "object": "text_completion", "created": created, "model": model_name,

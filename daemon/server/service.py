@@ -36,6 +36,24 @@ log = logging.getLogger("kvd")
 EventSink = Callable[[TokenEvent], None]
 
 
+class LoopSink:
+    """Delivers a request's token events into an asyncio queue on the loop that serves it."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop, queue) -> None:
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, event: TokenEvent) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    @staticmethod
+    def deliver(batch: list) -> None:
+        """Runs on the loop: one wake-up hands over every (sink, event) of a step."""
+        for sink, event in batch:
+            sink.queue.put_nowait(event)
+
+
 class ServiceError(Exception):
     """An operator request that cannot be done; `status` is the HTTP status to answer with."""
 
@@ -170,19 +188,33 @@ class EngineService:
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         """Deliver a step's events, then retire the requests they finished (not before: a
-        request's last samples may finish in the same step as its first)."""
+        request's last samples may finish in the same step as its first). Sinks that live on
+        an event loop (`LoopSink`) get one wake-up per loop per step, not one per token."""
+        by_loop: dict = {}
         for event in events:
             sink = self._sinks.get(event.request_id)
             if sink is None:
                 continue
+            if isinstance(sink, LoopSink):
+                by_loop.setdefault(sink.loop, []).append((sink, event))
+                continue
             try:
                 sink(event)
             except Exception as exc:  # the client is gone (its event loop closed): stop its work
-                log.warning("dropping request %s: its client cannot take events (%s)", event.request_id, exc)
-                self._sinks.pop(event.request_id, None)
-                self.cancel(event.request_id)
+                self._drop_client(event.request_id, exc)
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(LoopSink.deliver, batch)
+            except Exception as exc:  # that loop is closed: every client on it is gone
+                for request_id in dict.fromkeys(e.request_id for _, e in batch):
+                    self._drop_client(request_id, exc)
         for request_id in dict.fromkeys(e.request_id for e in events if e.finish_reason is not None):
             self._maybe_finished(request_id)
+
+    def _drop_client(self, request_id: str, exc: Exception) -> None:
+        log.warning("dropping request %s: its client cannot take events (%s)", request_id, exc)
+        self._sinks.pop(request_id, None)
+        self.cancel(request_id)
 
     def _maybe_finished(self, request_id: str) -> None:
         with self.lock:
