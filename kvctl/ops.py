@@ -83,6 +83,12 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("prefix hits", f"{tokens['hit']:,} of {tokens['prompt']:,} prompt tokens "
                                  f"({tokens['hit_ratio']:.1%})")
     facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")
+    if data.get("tiers"):
+        facts.add_row("restored", f"{tokens.get('restored', 0):,} prompt tokens from lower tiers (part of the hits)")
+        facts.add_row("tiers", "  ".join(
+            f"{name} {t['used_bytes'] / 2**20:,.1f}/{t['capacity_bytes'] / 2**20:,.0f} MiB"
+            + ("" if t["health"] == "ok" else f" [{t['health'].upper()}]")
+            for name, t in data["tiers"].items()))
     facts.add_row("evictions", f"{data['evictions']['capacity']:,} by {data['eviction_policy']}, "
                                f"{data['evictions']['operator']:,} by operators")
     facts.add_row("queue", f"{data['queue']['waiting']} waiting (oldest "

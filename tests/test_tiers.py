@@ -349,3 +349,28 @@ def test_tier_settings_come_from_the_yaml_tiers_mapping(tmp_path):
         resolve({"write_policy": "sometimes"}, env={})
     with pytest.raises(ConfigError, match="remote_url: invalid value 'http://x'"):
         resolve({}, env={"KVD_REMOTE_URL": "http://x"})
+
+
+def test_every_metric_the_grafana_dashboard_charts_is_exported(tmp_path):
+    import json
+    import re
+    from pathlib import Path
+
+    from kvctl.daemon.server.app import create_app
+
+    dashboard = json.loads((Path(__file__).parent.parent / "examples" / "grafana" / "kvd.json").read_text())
+    wanted = {name for panel in dashboard["panels"] for target in panel["targets"]
+              for name in re.findall(r"kvd_[a-z_]+", target["expr"])}
+    assert {"kvd_tier_bytes", "kvd_tier_moved_bytes_total", "kvd_tier_restore_seconds_bucket"} <= wanted
+    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="1MiB", tiering="always")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        _complete(app, TEXT_A)
+        text = call(app, "GET", "/metrics").text
+        exported = set(re.findall(r"^(kvd_[a-z_]+)", text, re.MULTILINE))  # families with samples
+        suffixes = {"histogram": ("_bucket", "_sum", "_count")}  # a counter's TYPE line names it with _total
+        for name, kind in re.findall(r"^# TYPE (kvd_[a-z_]+) (\w+)", text, re.MULTILINE):  # and without
+            exported.update(name + suffix for suffix in suffixes.get(kind, ("",)))
+        assert sorted(wanted - exported) == []
+    finally:
+        service.shutdown(deadline=2)

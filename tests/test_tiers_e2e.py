@@ -148,6 +148,8 @@ def test_kvctl_tiers_and_swap_as_an_operator_drives_them(tmp_path):
         report = json.loads(kvctl(sock, "tiers", "--json").stdout)
         assert report["tiers"]["disk"]["blocks"] == prefix["blocks"]
         assert report["moved_bytes"]["device->disk"] > 0 and report["tiers"]["disk"]["health"] == "ok"
+        status = kvctl(sock, "status").stdout
+        assert "restored" in status and "host 0.0/4 MiB" in status and "disk " in status
         table = kvctl(sock, "tiers").stdout
         assert "write policy: write_back" in table and "disk" in table and "restored from lower tiers" in table
         again = complete(client.post, PROMPTS[0])

@@ -3,6 +3,11 @@
 Slots mirror the device cache's per-layer layout, so moves are one gather/scatter per layer
 and no encoding. Eviction is LRU over idle slots; a slot that a transfer owns (`busy`) is
 never evicted or reused.
+
+On CUDA, copies between device blocks and (pinned) slots are asynchronous on the current
+stream, so the serving loop never waits for them; each slot remembers an event recorded after
+its latest copy, and any CPU-side read or write of the slot waits for that event first.
+Device-side users are ordered by the stream itself.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class HostTier:
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self.meta: dict[bytes, BlockMeta] = {}
         self.busy: dict[bytes, int] = {}  # key -> transfers reading the slot now
+        self._copies: dict[int, object] = {}  # slot -> CUDA event of its latest asynchronous copy
 
     @property
     def used_bytes(self) -> int:
@@ -122,14 +128,30 @@ class HostTier:
                 evicted.append(key)
         return slots, evicted
 
+    def _record(self, slots: Sequence[int], caches) -> None:
+        if caches and caches[0].k.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            for slot in slots:
+                self._copies[slot] = event
+
+    def settle(self, slots: Sequence[int]) -> None:
+        """Wait for asynchronous copies into or out of these slots (before touching them on the CPU)."""
+        for slot in slots:
+            event = self._copies.pop(slot, None)
+            if event is not None:
+                event.synchronize()
+
     def read_slots(self, slots: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the given slots' K/V, per layer [n, block, heads, dim]."""
+        self.settle(slots)
         index = torch.tensor(list(slots), dtype=torch.int64)
         return [(select_rows(k, index), select_rows(v, index)) for k, v in self.layers]
 
     def fill(self, slots: Sequence[int], metas: Sequence[BlockMeta],
              layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write K/V ([n, ...] per layer, any device) into `slots` and index them."""
+        self.settle(slots)
         index = torch.tensor(list(slots), dtype=torch.int64)
         for (hk, hv), (k, v) in zip(self.layers, layers):
             copy_rows(hk, index, k)
@@ -142,6 +164,7 @@ class HostTier:
         """Copy device blocks straight into `slots` (no gather) and index them."""
         copy_layers([t for pair in self.layers for t in pair], slots,
                     [t for c in caches for t in (c.k, c.v)], block_ids)
+        self._record(slots, caches)
         for slot, meta in zip(slots, metas):
             self.index[meta.key] = slot
             self.meta[meta.key] = meta
@@ -150,6 +173,7 @@ class HostTier:
         """Copy `slots` straight into device blocks (a restore)."""
         copy_layers([t for c in caches for t in (c.k, c.v)], block_ids,
                     [t for pair in self.layers for t in pair], slots)
+        self._record(slots, caches)
 
     def release_slots(self, slots: Sequence[int]) -> None:
         """Return slots that were taken but not filled."""
