@@ -184,3 +184,19 @@ def test_kill_9_during_disk_writes_never_leaves_a_torn_block_visible(tmp_path):
         for key in tier.index:
             assert same(decode_block(tier.read(key), tier.layout, SPACE, key), content(tier.layout, key))
     assert seen >= 5 * sum(1 + r * 3 for r in range(8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_copy_layers_matches_plain_indexing_with_runs_and_scattered_rows(dtype):
+    from kvctl.daemon.cache.tiers.host import copy_layers, pair_runs
+
+    src = [torch.randn(20, 4, 2, 8).to(dtype) for _ in range(2)]
+    assert pair_runs([4, 5, 6, 0], [10, 11, 12, 3]) == [(4, 10, 3), (0, 3, 1)]
+    for dst_rows, src_rows in (([4, 5, 6, 0], [10, 11, 12, 3]),  # runs: slice copies
+                               ([19, 3, 7, 1, 15, 9, 11, 0, 5, 13], [0, 2, 4, 6, 8, 10, 12, 14, 16, 18])):  # index path
+        dst = [torch.zeros(20, 4, 2, 8).to(dtype) for _ in range(2)]
+        copy_layers(dst, dst_rows, src, src_rows)
+        for d, s in zip(dst, src):
+            want = torch.zeros(20, 4, 2, 8).to(dtype).view(torch.uint8)
+            want[dst_rows] = s.view(torch.uint8)[src_rows]
+            assert torch.equal(d.view(torch.uint8), want)

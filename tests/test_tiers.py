@@ -374,3 +374,32 @@ def test_every_metric_the_grafana_dashboard_charts_is_exported(tmp_path):
         assert sorted(wanted - exported) == []
     finally:
         service.shutdown(deadline=2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_device_to_host_slots_and_back_is_bit_exact(device):
+    """Demotion copies device blocks straight into host slots (on CUDA: pinned, asynchronously;
+    reading a slot on the CPU waits for its copy); a restore brings the same bytes back, with
+    slots and blocks in any order (runs become slice copies, the rest index copies)."""
+    from kvctl.bench_tiers import _group, _layout
+    from kvctl.daemon.cache.tiers import HostTier
+    from kvctl.daemon.model.llama import LayerCache
+
+    layout = _layout(4, 2, 128, 16, "bfloat16")
+    _, layers = _group(layout, 6, 0)
+    cuda = device == "cuda"
+    device = [LayerCache(k.to(device), v.to(device)) for k, v in layers]
+    host = HostTier(layout.block_bytes * 8, layout, pin_memory=cuda)
+    assert host.layers[0][0].is_pinned() == cuda
+    metas = _group(layout, 6, 0)[0]
+    host.fill_from([7, 1, 2, 3, 0, 5], metas, device, [0, 1, 2, 3, 4, 5])  # one scattered, runs otherwise
+    copies = host.read_slots([7, 1, 2, 3, 0, 5])  # waits for the asynchronous copies
+    for (hk, hv), (k, v) in zip(copies, layers):
+        assert torch.equal(hk, k) and torch.equal(hv, v)
+    target = [LayerCache(torch.zeros_like(c.k), torch.zeros_like(c.v)) for c in device]
+    host.copy_out([7, 1, 2, 3, 0, 5], target, [5, 4, 3, 2, 1, 0])
+    if cuda:
+        torch.cuda.synchronize()
+    for t, (k, v) in zip(target, layers):
+        assert torch.equal(t.k.cpu(), k.flip(0)) and torch.equal(t.v.cpu(), v.flip(0))
