@@ -14,9 +14,10 @@ Transitions:
     disk/remote --prefetch (verified)--> staged --admission--> device     host --admission--> device
     write_through: every newly filled device block is also written to disk and remote.
 
-A block in `moving` is never evicted, reused or published twice; reads that find it take the
-in-flight payload. Disk and remote I/O runs on two background threads (one writes, one
-prefetches) in whole groups; the serving loop only gathers and scatters tensors.
+A block in `moving` is never evicted, reused or published twice; a prefetch that finds it
+takes its tensors straight from the write in flight. Encoding, disk and remote I/O run on two
+background threads (one writes, one prefetches) in whole groups; the serving loop only gathers
+and scatters tensors.
 """
 
 from __future__ import annotations
