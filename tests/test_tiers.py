@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("redis")
 
+from kvctl.daemon.cache.keys import PrefixHasher  # noqa: E402
 from kvctl.daemon.cache.tiers import build_tiers  # noqa: E402
 from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
 from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
@@ -403,3 +404,77 @@ def test_device_to_host_slots_and_back_is_bit_exact(device):
         torch.cuda.synchronize()
     for t, (k, v) in zip(target, layers):
         assert torch.equal(t.k.cpu(), k.flip(0)) and torch.equal(t.v.cpu(), v.flip(0))
+
+
+def test_a_slow_redis_costs_a_bounded_wait_then_serving_recovers(demo, redis_server):
+    """Redis stalls (DEBUG SLEEP) longer than the call timeout: the fetch gives up within the
+    bound, the request recomputes, the breaker counts it; once Redis answers, restores resume."""
+    import redis
+
+    first, _ = engine_with(demo, remote_url=redis_server.url, write_policy="write_through")
+    cold = generate(first, TEXT_A, demo)
+    first.tiers.flush()
+    engine = Engine(demo, EngineSettings(num_blocks=12, block_size=16))
+    from kvctl.daemon.cache.tiers import RemoteTier, TieredCache, engine_layout, space_digest
+    from kvctl.policies.tiering import CircuitBreaker, TieringPolicy
+
+    remote = RemoteTier(redis_server.url, 1 << 30, space_digest(engine), timeout=0.2,
+                        breaker=CircuitBreaker(threshold=1, cooldown=0.3))
+    tiered = TieredCache(engine.kv_caches, engine_layout(engine), space_digest(engine), remote=remote,
+                         policy=TieringPolicy(mode="always"))
+    engine.attach_tiers(tiered)
+    staller = threading.Thread(target=lambda: redis.Redis.from_url(redis_server.url).execute_command(
+        "DEBUG", "SLEEP", "1.5"))
+    staller.start()
+    time.sleep(0.1)
+    started = time.monotonic()
+    slow = generate(engine, TEXT_A, demo)
+    assert time.monotonic() - started < 1.2  # the stall cost at most a timeout, not the whole sleep
+    assert slow.metrics.restored_tokens == 0 and slow.sequences[0].output_ids == cold.sequences[0].output_ids
+    assert tiered.stats["remote"].errors >= 1 and remote.breaker.trips >= 1
+    staller.join()
+    time.sleep(0.4)  # past the cooldown: the next call probes and closes the breaker
+    engine.cache.evict_prefix(PrefixHasher(engine.namespace("default")).feed(demo.tokenizer.encode(TEXT_A)))
+    warm = generate(engine, TEXT_A, demo)
+    assert warm.metrics.restored_tokens > 0 and warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    assert remote.health() == "ok"
+
+
+def test_a_disk_read_error_is_a_miss_and_marks_the_tier_degraded(demo, tmp_path):
+    import errno
+
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    cold = generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+
+    def broken(*where):
+        raise OSError(errno.EIO, "Input/output error")
+
+    tiered.disk._read_range = broken
+    warm = generate(engine, TEXT_A, demo)
+    assert warm.metrics.restored_tokens == 0 and warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    report = tiered.report()["tiers"]["disk"]
+    assert report["health"] == "degraded" and report["errors"] >= 1
+
+
+def test_swap_to_remote_and_back_through_the_daemon(tmp_path, redis_server):
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, remote_url=redis_server.url, tiering="always")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        before = _complete(app, TEXT_A)
+        [prefix] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        moved = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "remote"}).json()
+        assert moved["verified_blocks"] == moved["blocks"] == prefix["blocks"]
+        assert call(app, "GET", "/admin/prefixes").json()["prefixes"][0]["tier"] == "remote"
+        host = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "host"})
+        assert host.status_code == 400 and "to: the host tier is not configured" in host.json()["error"]["message"]
+        back = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "device"}).json()
+        assert back["verified_blocks"] == prefix["blocks"]
+        after = _complete(app, TEXT_A)
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix["blocks"] * 16
+    finally:
+        service.shutdown(deadline=2)

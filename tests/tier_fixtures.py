@@ -32,7 +32,7 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no"],
+                                      "--save", "", "--appendonly", "no", "--enable-debug-command", "local"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         import redis
 
