@@ -20,13 +20,16 @@ def check(condition: bool, name: str, message: str) -> None:
 
 def check_tensor(name: str, t: torch.Tensor, *, ndim: int, dtypes: tuple[torch.dtype, ...],
                  contiguous: bool = True) -> None:
-    check(isinstance(t, torch.Tensor), name, f"expected a tensor, got {type(t).__name__}")
-    check(t.dim() == ndim, name, f"expected {ndim} dimensions, got shape {tuple(t.shape)}")
-    check(t.dtype in dtypes, name,
-          f"expected dtype {' or '.join(str(d).replace('torch.', '') for d in dtypes)}, got "
-          f"{str(t.dtype).replace('torch.', '')}")
-    if contiguous:
-        check(t.is_contiguous(), name, f"must be contiguous, got strides {t.stride()}")
+    # The messages are built only on failure: these checks run for every layer of every step.
+    if not isinstance(t, torch.Tensor):
+        check(False, name, f"expected a tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        check(False, name, f"expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        check(False, name, f"expected dtype {' or '.join(str(d).replace('torch.', '') for d in dtypes)}, got "
+                           f"{str(t.dtype).replace('torch.', '')}")
+    if contiguous and not t.is_contiguous():
+        check(False, name, f"must be contiguous, got strides {t.stride()}")
 
 
 def check_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
