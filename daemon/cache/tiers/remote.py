@@ -128,7 +128,10 @@ class RemoteTier:
     def _set_streamed(self, parts: list[tuple[bytes, list]]) -> None:
         """Pipelined SETs whose values go out in pieces: `*3 $3 SET $klen key $vlen` + buffers."""
         pool = self.client.connection_pool
-        conn = pool.get_connection("SET")
+        try:
+            conn = pool.get_connection()  # redis-py >= 5.3
+        except TypeError:
+            conn = pool.get_connection("SET")  # older redis-py wants a command name
         try:
             stream = []
             for key, buffers in parts:
