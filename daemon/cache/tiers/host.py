@@ -48,9 +48,13 @@ def copy_layers(dst_layers, dst_rows: Sequence[int], src_layers, src_rows: Seque
     across devices, with slice copies (no intermediate tensor) when the rows come in runs."""
     parts = pair_runs(dst_rows, src_rows)
     if len(parts) <= 8:  # copy_ handles every cache dtype, fp8 included
-        for dst, src in zip(dst_layers, src_layers):
-            for d, s, n in parts:
-                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+        targets = [dst[d:d + n] for dst in dst_layers for d, _, n in parts]
+        sources = [src[s:s + n] for src in src_layers for _, s, n in parts]
+        if dst_layers[0].device == src_layers[0].device and hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(targets, sources)  # one call for every layer's copies
+        else:  # across devices: asynchronous per tensor (pinned host memory on CUDA)
+            for target, source in zip(targets, sources):
+                target.copy_(source, non_blocking=True)
         return
     dst_index = torch.tensor(list(dst_rows), dtype=torch.int64)
     src_index = torch.tensor(list(src_rows), dtype=torch.int64)
