@@ -1,0 +1,54 @@
+"""kvctl bench tiers: the JSON document, figures side by side with the raw medium, the
+restore-versus-recompute search, --save, and bad options naming field and value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from .test_cli import cli  # noqa: E402
+from .tier_fixtures import redis_server  # noqa: E402,F401
+
+SMALL = ["--layers", "2", "--kv-heads", "1", "--head-dim", "64", "--group-blocks", "4", "--repeats", "2"]
+
+
+def test_bench_tiers_json_has_every_tier_beside_its_raw_medium(capsys, tmp_path, redis_server):
+    status, out, _ = cli(capsys, "bench", "tiers", *SMALL, "--redis-url", redis_server.url, "--lengths", "16,32",
+                         "--disk-path", str(tmp_path), "--save", "--state-dir", str(tmp_path / "state"), "--json")
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["block_bytes"] == 2 * 2 * 16 * 1 * 64 * 2 and doc["group_blocks"] == 4
+    assert sorted(doc["tiers"]) == ["disk", "host", "remote"]
+    for figures in doc["tiers"].values():
+        assert figures["bytes"] == 4 * doc["block_bytes"]
+        for name in ("write", "read", "raw_write", "raw_read"):
+            assert figures[f"{name}_bytes_per_second"] > 0
+        assert figures["write_ratio"] == pytest.approx(figures["write_bytes_per_second"]
+                                                       / figures["raw_write_bytes_per_second"])
+    be = doc["break_even"]
+    assert be["lengths"] == [16, 32] and len(be["recompute_seconds"]) == 2
+    assert sorted(be["restore_seconds"]) == ["disk", "host", "remote"]
+    for tier, times in be["restore_seconds"].items():
+        first_win = next((L for L, r, c in zip(be["lengths"], times, be["recompute_seconds"]) if r < c), None)
+        assert be["break_even_tokens"][tier] == first_win
+    assert isinstance(doc["run_id"], int)
+    assert list(tmp_path.glob("kvctl-bench-tiers-*")) == []  # its scratch files are gone
+
+
+def test_bench_tiers_prints_a_table(capsys, tmp_path):
+    status, out, _ = cli(capsys, "bench", "tiers", *SMALL, "--skip-break-even", "--disk-path", str(tmp_path))
+    assert status == 0
+    assert "raw write" in out and "│ host" in out and "│ disk" in out and "│ remote" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "fp4"], "dtype: invalid value 'fp4'"),
+    (["--group-blocks", "0"], "group-blocks: must be >= 1, got 0"),
+])
+def test_bench_tiers_bad_options(capsys, args, message):
+    status, out, err = cli(capsys, "bench", "tiers", *args, "--skip-break-even")
+    assert status != 0 and message in out + err
