@@ -427,9 +427,8 @@ def test_a_slow_redis_costs_a_bounded_wait_then_serving_recovers(demo, redis_ser
         "DEBUG", "SLEEP", "1.5"))
     staller.start()
     time.sleep(0.1)
-    started = time.monotonic()
     slow = generate(engine, TEXT_A, demo)
-    assert time.monotonic() - started < 1.2  # the stall cost at most a timeout, not the whole sleep
+    assert staller.is_alive()  # served while Redis still sleeps: the fetch gave up at its timeout
     assert slow.metrics.restored_tokens == 0 and slow.sequences[0].output_ids == cold.sequences[0].output_ids
     assert tiered.stats["remote"].errors >= 1 and remote.breaker.trips >= 1
     staller.join()

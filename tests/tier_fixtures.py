@@ -21,6 +21,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_redis(port: int) -> None:
+    """Until a redis-server on this loopback port answers PING (5 s at most)."""
+    import redis
+
+    client = redis.Redis(port=port, socket_timeout=0.5)
+    for _ in range(100):
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server on port {port} did not start")
+
+
 @dataclass
 class RedisServer:
     port: int
@@ -34,16 +48,7 @@ class RedisServer:
         self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
                                       "--save", "", "--appendonly", "no", "--enable-debug-command", "local"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        client = redis.Redis(port=self.port, socket_timeout=0.5)
-        for _ in range(100):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        wait_for_redis(self.port)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -128,13 +133,7 @@ def redis_cluster(tmp_path):
         import redis
 
         for port in ports:
-            client = redis.Redis(port=port, socket_timeout=0.5)
-            for _ in range(100):
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    time.sleep(0.05)
+            wait_for_redis(port)
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
         client = redis.Redis(port=ports[0])

@@ -24,22 +24,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .payload import BlockLayout, BlockMeta, PayloadError, decode_block, payload_length, read_header
-
-IOV_MAX = 512  # buffers per writev call (Linux allows 1024)
-
-
-def write_all(fd: int, buffers: list) -> None:
-    """Write every buffer in order with writev, coping with short writes."""
-    pending = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
-    while pending:
-        written = os.writev(fd, pending[:IOV_MAX])
-        while written:
-            if written >= len(pending[0]):
-                written -= len(pending[0])
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][written:]
-                written = 0
+from .vectored import write_vectored
 
 SUFFIX = ".kvseg"
 
@@ -147,7 +132,7 @@ class DiskTier:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                write_all(fd, buffers)
+                write_vectored(lambda chunk: os.writev(fd, chunk), buffers)
                 if fsync:
                     synced = time.perf_counter()
                     os.fsync(fd)

@@ -17,20 +17,7 @@ from typing import Callable, Sequence
 from kvctl.policies.tiering import CircuitBreaker
 
 from .payload import BlockMeta, payload_length
-
-
-def send_vectored(sock, buffers: list, batch: int = 512) -> None:
-    """sendmsg the buffers in order (scatter/gather), coping with partial sends."""
-    pending = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
-    while pending:
-        sent = sock.sendmsg(pending[:batch])
-        while sent:
-            if sent >= len(pending[0]):
-                sent -= len(pending[0])
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][sent:]
-                sent = 0
+from .vectored import write_vectored
 
 
 class RemoteUnavailable(Exception):
@@ -143,7 +130,7 @@ class RemoteTier:
                 conn.connect()
                 sock = getattr(conn, "_sock", None)
             if sock is not None and hasattr(sock, "sendmsg"):
-                send_vectored(sock, stream)  # a few syscalls for the whole group
+                write_vectored(sock.sendmsg, stream)  # a few system calls for the whole group
             else:
                 conn.send_packed_command(stream, check_health=False)
             for _ in parts:
