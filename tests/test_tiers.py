@@ -477,3 +477,26 @@ def test_swap_to_remote_and_back_through_the_daemon(tmp_path, redis_server):
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix["blocks"] * 16
     finally:
         service.shutdown(deadline=2)
+
+
+def test_without_lower_tiers_the_report_says_so_and_swap_refuses(tmp_path):
+    from rich.console import Console
+
+    from kvctl.daemon.server.app import create_app
+    from kvctl.tiers_cmd import render_tiers
+
+    service = start_service(tmp_path, num_blocks=64)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        _complete(app, TEXT_A)
+        report = call(app, "GET", "/admin/tiers").json()
+        assert report["configured"] is False and report["tiers"] == {} and report["device"]["blocks"] > 0
+        console = Console(record=True, width=160)
+        render_tiers(report, console)
+        text = console.export_text()
+        assert "no lower tier configured" in text and "device" in text
+        [prefix] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        refused = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "disk"})
+        assert refused.status_code == 409 and "no lower tier is configured" in refused.json()["error"]["message"]
+    finally:
+        service.shutdown(deadline=2)
