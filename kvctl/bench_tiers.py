@@ -237,11 +237,10 @@ def break_even(state_dir: Path, tiers: list[str], url: str | None, lengths: list
 
             def restore():
                 engine.cache.evict_prefix(keys)
-                if tier != "host":
-                    tiered.fetch_now(keys)
-                with tiered.protecting(keys):
-                    engine.cache.install(keys, 0, len(keys), "default", tiered.load_into)
-                tiered.finish_prefetch_keys(keys)
+                job = tiered.fetch_now(keys) if tier != "host" else None
+                tiered.restore_into(engine.cache, keys, 0, len(keys), "default")
+                if job is not None:
+                    tiered.finish_prefetch(job)
 
             out["restore_seconds"][tier].append(_best(restore, repeats))
             tiered.close()

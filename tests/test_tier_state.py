@@ -57,8 +57,7 @@ class TierMachine(RuleBasedStateMachine):
         hits = len(self.manager.pool.match(keys))
         run, _ = self.tiers.available_run(keys[hits:])
         if run:
-            with self.tiers.protecting(keys[hits:hits + run]):
-                self.manager.install(keys, hits, run, "default", self.tiers.load_into)
+            self.tiers.restore_into(self.manager, keys, hits, run, "default")
         self.n += 1
         seq = f"s{self.n}"
         admission = self.manager.admit(seq, keys, len(PROMPTS[p]), 0)
@@ -71,8 +70,9 @@ class TierMachine(RuleBasedStateMachine):
     def fetch_from_disk(self, p):
         keys = chain_keys(NS, PROMPTS[p])
         hits = len(self.manager.pool.match(keys))
-        self.tiers.fetch_now(keys[hits:], timeout=10)
-        self.tiers.finish_prefetch_keys(keys)
+        job = self.tiers.fetch_now(keys[hits:], timeout=10)
+        if job is not None:
+            self.tiers.finish_prefetch(job)
 
     @rule(p=st.integers(0, len(PROMPTS) - 1))
     def operator_evict(self, p):

@@ -220,8 +220,7 @@ class Engine:
         read = tiers.stats[tiers.restore_source(keys[hits:hits + run])].read
         if not tiers.policy.should_restore(run * self.settings.block_size, nbytes, read):
             return
-        with tiers.protecting(keys[hits:hits + run]):
-            restored = cache.install(keys, hits, run, seq.request.tenant, tiers.load_into)
+        restored = tiers.restore_into(cache, keys, hits, run, seq.request.tenant)
         seq.request.metrics.restored_tokens += restored * self.settings.block_size
         self.stats.restored_tokens += restored * self.settings.block_size
 
@@ -305,22 +304,13 @@ class Engine:
         block instead of computing the shared prefix a second time (in-batch prefix sharing)."""
         if self.admission_paused:
             return
-        if not self._waiting or len(self._running) >= self.settings.max_running:
-            return
+        while self._waiting and self._waiting[0][1].status is not SeqStatus.WAITING:
+            heapq.heappop(self._waiting)  # entries of cancelled sequences
         upcoming = self._upcoming_keys()
-        order = sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING) if upcoming else None
-        position = 0
-        while len(self._running) < self.settings.max_running:
-            if order is None:
-                while self._waiting and self._waiting[0][1].status is not SeqStatus.WAITING:
-                    heapq.heappop(self._waiting)
-                if not self._waiting:
-                    return
-                entry = self._waiting[0]
-            else:
-                if position >= len(order):
-                    return
-                entry = order[position]
+        size = self.settings.block_size
+        for entry in sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING):
+            if len(self._running) >= self.settings.max_running:
+                return
             seq = entry[1]
             request = seq.request
             tokens = seq.all_tokens
@@ -339,17 +329,12 @@ class Engine:
             if upcoming:
                 hits = len(self.cache.pool.match(keys, self.cache.cacheable_blocks(len(tokens))))
                 if hits < len(keys) and keys[hits] in upcoming:
-                    position += 1  # its prefix is being computed right now: take it next step
-                    continue
+                    continue  # its prefix is being computed right now: take it next step
             decision = self.cache.can_admit(keys, len(tokens), reserve, request=seq.seq_id)
             if decision.verdict is not Verdict.ADMIT:
                 return  # head of line waits for room (add_request refused what can never fit)
-            if order is None:
-                heapq.heappop(self._waiting)
-            else:
-                self._waiting.remove(entry)
-                heapq.heapify(self._waiting)
-                order.pop(position)
+            self._waiting.remove(entry)
+            heapq.heapify(self._waiting)
             started = time.perf_counter()
             admission = self.cache.admit(seq.seq_id, keys, len(tokens), reserve, tenant=request.tenant,
                                          hasher=hasher)
@@ -370,10 +355,7 @@ class Engine:
             seq.prefill_target = len(tokens)
             seq.status = SeqStatus.PREFILL
             self._running[seq.seq_id] = seq
-            upcoming = self._upcoming_keys()
-            if upcoming and order is None:
-                order = sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING)
-                position = 0
+            upcoming.update(keys[admission.hit_blocks:len(tokens) // size])  # what it will compute
 
     def _upcoming_keys(self) -> set:
         """Keys of the prompt blocks running prefills have yet to compute."""

@@ -146,15 +146,17 @@ def _to_device(service, engine, tiers, device_metas, lower) -> dict:
     keys = [m.key for m in chain]
     with service.lock:
         start = len(engine.cache.pool.match(keys))
-    tiers.fetch_now(keys[start:])
-    with service.lock:
-        start = len(engine.cache.pool.match(keys))
-        run, _ = tiers.available_run(keys[start:])
-        tenant = engine.cache.roots[keys[0]].tenant if keys and keys[0] in engine.cache.roots else "default"
-        with tiers.protecting(keys[start:start + run]):
-            installed = engine.cache.install(keys, start, run, tenant, tiers.load_into)
-        on_device = len(engine.cache.pool.match(keys))
-    tiers.finish_prefetch_keys(keys)
+    job = tiers.fetch_now(keys[start:])
+    try:
+        with service.lock:
+            start = len(engine.cache.pool.match(keys))
+            run, _ = tiers.available_run(keys[start:])
+            tenant = engine.cache.roots[keys[0]].tenant if keys and keys[0] in engine.cache.roots else "default"
+            installed = tiers.restore_into(engine.cache, keys, start, run, tenant)
+            on_device = len(engine.cache.pool.match(keys))
+    finally:
+        if job is not None:
+            tiers.finish_prefetch(job)
     return {"blocks": len(metas), "chain_blocks": len(keys), "moved_blocks": installed,
             "verified_blocks": on_device, "skipped_branch_blocks": len(metas) - len(keys)}
 

@@ -20,18 +20,6 @@ import torch
 from .payload import BlockLayout, BlockMeta
 
 
-def runs(index: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(start in index, first row, length) of each run of consecutive rows in `index`."""
-    out: list[tuple[int, int, int]] = []
-    for position, row in enumerate(index):
-        if out and out[-1][1] + out[-1][2] == row:
-            start, first, length = out[-1]
-            out[-1] = (start, first, length + 1)
-        else:
-            out.append((position, row, 1))
-    return out
-
-
 def pair_runs(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[tuple[int, int, int]]:
     """(dst first row, src first row, length) of runs consecutive on both sides."""
     out: list[tuple[int, int, int]] = []
@@ -66,7 +54,7 @@ def select_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """t[index] along dim 0 for any dtype (fp8 has no CPU index kernels: bytes move instead;
     runs of consecutive rows are sliced, which is much faster than an index kernel)."""
     rows = index.tolist()
-    parts = runs(rows)
+    parts = pair_runs(range(len(rows)), rows)
     if len(parts) <= 4:
         out = torch.empty((len(rows),) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
         for start, first, length in parts:
@@ -78,9 +66,9 @@ def select_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def copy_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     """dst[index] = src along dim 0 for any dtype, across devices (slices for runs of rows)."""
     rows = index.tolist()
-    parts = runs(rows)
+    parts = pair_runs(rows, range(len(rows)))
     if len(parts) <= 4:
-        for start, first, length in parts:
+        for first, start, length in parts:
             dst[first:first + length].copy_(src[start:start + length], non_blocking=True)
         return
     dst.view(torch.uint8).index_copy_(0, index.to(dst.device),
@@ -178,10 +166,6 @@ class HostTier:
         copy_layers([t for c in caches for t in (c.k, c.v)], block_ids,
                     [t for pair in self.layers for t in pair], slots)
         self._record(slots, caches)
-
-    def release_slots(self, slots: Sequence[int]) -> None:
-        """Return slots that were taken but not filled."""
-        self._free.extend(slots)
 
     def drop(self, key: bytes) -> bool:
         slot = self.index.pop(key, None)

@@ -156,16 +156,6 @@ class RemoteTier:
 
         return {k: v for k, v in zip(keys, self._call(go)) if v is not None} if keys else {}
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which of `keys` the server holds (one round trip)."""
-        def go():
-            pipe = self.client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self.redis_key(key))
-            return pipe.execute()
-
-        return [bool(x) for x in self._call(go)] if keys else []
-
     def drop(self, key: bytes) -> None:
         with self.lock:
             size = self.written.pop(key, None)
@@ -179,5 +169,5 @@ class RemoteTier:
 
     @property
     def index(self) -> OrderedDict[bytes, int]:
-        """Blocks this daemon wrote (other daemons' blocks are found with `exists`)."""
+        """Blocks this daemon wrote (other daemons' blocks are found by `read_many`)."""
         return self.written

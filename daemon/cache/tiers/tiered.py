@@ -22,6 +22,7 @@ and scatters tensors.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -117,6 +118,7 @@ class TieredCache:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvd-tier-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvd-tier-read")
         self._pending_writes: list[Future] = []
+        self._fetch_ids = itertools.count()
         self.device = kv_caches[0].k.device if kv_caches else torch.device("cpu")
 
     # ---- views -----------------------------------------------------------------------------
@@ -133,14 +135,6 @@ class TieredCache:
                 if key in tier.index:
                     return tier.name
         return "evicted"
-
-    def meta_of(self, key: bytes) -> BlockMeta | None:
-        for tier in self.tiers():
-            meta = tier.meta.get(key)
-            if meta is not None:
-                return meta
-        entry = self.inflight.get(key)
-        return entry[0] if entry else None
 
     def known_metas(self) -> dict[bytes, tuple[BlockMeta, str]]:
         """Every block a lower tier holds, with its fastest tier (for prefix listings)."""
@@ -384,6 +378,13 @@ class TieredCache:
             with self.lock:
                 self._protected.difference_update(added)
 
+    def restore_into(self, manager, keys: Sequence[bytes], start: int, count: int, tenant: str) -> int:
+        """Put blocks start..start+count of a chain (held in host slots or staged) back in the
+        device cache of `manager`; their host slots are protected while making room demotes
+        other blocks. Returns blocks restored."""
+        with self.protecting(keys[start:start + count]):
+            return manager.install(keys, start, count, tenant, self.load_into)
+
     def load_into(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Scatter the host/staged data of `keys` into device blocks (engine thread)."""
         started = time.perf_counter()
@@ -565,13 +566,15 @@ class TieredCache:
             if self.disk is not None:
                 self.disk.layout = layout
 
-    def fetch_now(self, keys: Sequence[bytes], timeout: float = 30.0) -> int:
-        """Stage the run of `keys` from disk or remote synchronously (for `kvctl swap --to device`)."""
-        job_id = f"swap-{time.monotonic_ns()}"
+    def fetch_now(self, keys: Sequence[bytes], timeout: float = 30.0) -> str | None:
+        """Stage the run of `keys` from disk or remote and wait (operator swaps, benchmarks).
+        Returns the job to hand to `finish_prefetch` once the staged blocks are used, or None
+        when there was nothing to fetch."""
+        job_id = f"fetch-{next(self._fetch_ids)}"
         if not self.start_prefetch(job_id, keys):
-            return 0
+            return None
         self.wait_prefetch(job_id, timeout)
-        return len(self.prefetches[job_id].staged)
+        return job_id
 
     def copy_to(self, name: str, metas: list[BlockMeta], layers, src: str) -> int:
         """Write blocks into one tier now and wait; returns blocks that tier holds afterwards."""
@@ -592,20 +595,17 @@ class TieredCache:
                     layers = self.host.read_slots([self.host.index[key]])
                     per_block.append([(k[0], v[0]) for k, v in layers])
                     continue
-            staged = self.fetch_now([key])
-            if not staged:
-                return None
-            with self.lock:
-                per_block.append(self.staged[key][0])
-            self.finish_prefetch_keys([key])
+            job = self.fetch_now([key])
+            try:
+                with self.lock:
+                    entry = self.staged.get(key)
+                if entry is None:
+                    return None
+                per_block.append(entry[0])
+            finally:
+                if job is not None:
+                    self.finish_prefetch(job)
         return _stack_blocks(per_block, self.layout.num_layers)
-
-    def finish_prefetch_keys(self, keys: Sequence[bytes]) -> None:
-        with self.lock:
-            for job_id in [j for j, job in self.prefetches.items() if j.startswith("swap-")]:
-                self.prefetches.pop(job_id).cancelled = True
-            for key in keys:
-                self.staged.pop(key, None)
 
     # ---- reports -----------------------------------------------------------------------------
     def report(self) -> dict:
