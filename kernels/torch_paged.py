@@ -1,17 +1,18 @@
 """paged_attention_torch: batched paged attention in plain torch, for CPUs and small models.
 
-The `*_ref` functions walk one sequence at a time for clarity; this version gathers every
-sequence's blocks through its block table in one indexing operation and attends with two
-einsums, masking positions past each context and after each query (causal). It serves
-decode (one new token per sequence) and prefill (any number) alike. It materialises the
-gathered K/V of the batch (never a dequantised copy of the whole cache), so it suits the
-small batches and models of CPU serving; CUDA uses the Triton kernels.
+The `*_ref` functions walk one sequence at a time for clarity; this path batches a step's
+sequences and attends with torch's fused CPU attention (`_attend_lse`, which also returns the
+log-sum-exp; a matmul fallback elsewhere). It serves decode (one new token per sequence) and
+prefill (any number) alike. It gathers K/V through the block tables (never a dequantised copy
+of the whole cache), so it suits the small batches and models of CPU serving; CUDA uses the
+Triton kernels.
 
 Decodes that share a cached prefix (the same physical blocks: a system prompt) use cascade
-attention: each group's common prefix is attended once for all its queries (a zero-copy
-slice of the cache when its blocks are contiguous), each sequence's own suffix batched, and
-the two partial results merged by their log-sum-exp. Without sharing, that is one gather of
-every sequence's whole context per layer per step.
+attention: each group's common prefix is attended once for all its queries (a zero-copy slice
+of the cache when its blocks are contiguous), every sequence's own suffix in one batched call,
+and the two partial results merged by their log-sum-exp. The grouping is planned once per step
+from the block tables (`plan_attention`), in plain Python over a few hundred integers, and
+reused by every layer.
 
     q                [total_new_tokens, num_heads, head_dim]
     query_start_loc  [num_seqs + 1] int32
@@ -25,19 +26,40 @@ import torch
 
 from .formats import from_cache
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+@dataclass
+class PrefixGroup:
+    """Decodes that share their first `blocks` cache blocks; rows start:end of the plan's order."""
+
+    members: list[int]  # sequence indices in the batch
+    first_block: int
+    blocks: int
+    scattered: torch.Tensor | None  # the shared block ids when they are not consecutive
+    start: int
+    end: int
+    splits: int = 1  # the prefix is attended in this many equal parts, merged by log-sum-exp
+
 
 @dataclass
 class DecodePlan:
-    """Decode rows of a batch, grouped for cascade attention (built once per step)."""
+    """Decode rows of a batch, grouped for cascade attention (built once per step).
+
+    Rows are processed in `order` (group members together, then sequences without a shared
+    prefix); `inverse` puts them back. Both are None when the batch is already in that order."""
 
     num_seqs: int
-    groups: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (first block, blocks, members, scattered)
-    suffix_tables: torch.Tensor  # [S, W] each sequence's blocks after its shared prefix (padded)
-    visible: torch.Tensor  # [S, W * block_size] suffix keys before the sequence's context end
-    cascade: bool  # False: no sharing, plain batched attention
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    prefix: torch.Tensor | None = None  # [S] blocks each sequence shares with its group
+    groups: list[PrefixGroup]
+    prefix: list[int]  # blocks each sequence shares with its group (0: none), batch order
+    order: torch.Tensor | None
+    inverse: torch.Tensor | None
+    suffix_tables: torch.Tensor  # [S, W] each row's blocks after its shared prefix (padded), plan order
+    suffix_mask: torch.Tensor  # [S, 1, 1, W * block_size] 0 where a suffix key is in context, else -inf
+
+    @property
+    def cascade(self) -> bool:
+        return bool(self.groups)
 
 
 @dataclass
@@ -52,54 +74,101 @@ class AttentionPlan:
 def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                    block_size: int, max_new_tokens: int | None = None) -> AttentionPlan:
     """Group a batch once per step: decodes (cascaded over shared prefixes) and prefills."""
-    starts = query_start_loc.long()
-    counts = starts[1:] - starts[:-1]
-    if max_new_tokens == 1 or bool((counts <= 1).all()):
-        return AttentionPlan(None, plan_decode(block_tables, context_lens, block_size), [])
-    decodes = torch.nonzero(counts == 1).flatten()
-    decode = None
-    if decodes.numel():
-        decode = plan_decode(block_tables[decodes], context_lens[decodes], block_size)
-    prefills = []
-    for seq in torch.nonzero(counts > 1).flatten().tolist():
-        used = -(-int(context_lens[seq]) // block_size)
-        prefills.append((int(starts[seq]), int(starts[seq + 1]), seq, used))
-    return AttentionPlan(starts[decodes] if decodes.numel() else None, decode, prefills)
+    starts = query_start_loc.tolist()
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    splits = torch.get_num_threads()
+    if max_new_tokens == 1 or max(counts, default=0) <= 1:
+        return AttentionPlan(None, plan_decode(block_tables, context_lens, block_size, splits), [])
+    decodes = [s for s, n in enumerate(counts) if n == 1]
+    decode = rows = None
+    if decodes:
+        index = torch.tensor(decodes, device=block_tables.device)
+        decode = plan_decode(block_tables[index], context_lens[index], block_size, splits)
+        rows = torch.tensor([starts[s] for s in decodes], device=block_tables.device)
+    lengths = context_lens.tolist()
+    prefills = [(starts[s], starts[s + 1], s, -(-lengths[s] // block_size)) for s, n in enumerate(counts) if n > 1]
+    return AttentionPlan(rows, decode, prefills)
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodePlan:
-    """Shared prefixes per group of decodes with the same first block, found with tensor ops
-    (no walk over the tables in Python); suffix tables gathered from each sequence's own row."""
-    tables, lengths = block_tables.long(), context_lens.long()
-    num_seqs, device = tables.shape[0], tables.device
-    prefix = torch.zeros(num_seqs, dtype=torch.long, device=device)
-    groups = []
-    eligible = lengths > block_size
-    first = tables[:, 0]
-    for block in torch.unique(first[eligible]).tolist():
-        index = torch.nonzero((first == block) & eligible).flatten()
-        if index.numel() < 2:
+def _shared_length(rows: list[list[int]], limit: int) -> int:
+    """How many leading entries every row has in common, at most `limit`."""
+    base = rows[0][:limit]
+    shared = limit
+    for row in rows[1:]:
+        if row[:shared] != base[:shared]:
+            shared = next(i for i, (a, b) in enumerate(zip(row, base)) if a != b)
+    return shared
+
+
+SPLIT_MIN_KEYS = 2048  # a shared prefix is split across threads only in parts at least this long
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, splits: int = 1,
+                min_split_keys: int = SPLIT_MIN_KEYS) -> DecodePlan:
+    """Group decodes by shared leading blocks (those with the same first block share what all of
+    them share) and lay out every sequence's remaining blocks as one padded suffix table.
+
+    A group's queries are few (a handful of rows), so one call over its prefix runs on one
+    thread; a prefix of at least `splits` × `min_split_keys` keys is attended in `splits` equal
+    parts at once (flash-decoding), its length trimmed to a multiple of `splits` blocks (the
+    rest joins each member's suffix)."""
+    tables, lengths = block_tables.tolist(), context_lens.tolist()
+    num_seqs, device = len(lengths), block_tables.device
+    by_first: dict[int, list[int]] = {}
+    for seq, (row, length) in enumerate(zip(tables, lengths)):
+        if length > block_size:
+            by_first.setdefault(row[0], []).append(seq)
+    prefix = [0] * num_seqs
+    groups: list[PrefixGroup] = []
+    order: list[int] = []
+    for first, members in by_first.items():
+        if len(members) < 2:
             continue
-        limit = int(((lengths[index] - 1) // block_size).min())  # whole blocks before every last key
-        rows = tables[index, :limit]
-        same = (rows == rows[0]).all(0)
-        shared = limit if bool(same.all()) else int((~same).int().argmax())
+        limit = min((lengths[s] - 1) // block_size for s in members)  # whole blocks before every last key
+        shared = _shared_length([tables[s] for s in members], limit)
+        parts = splits if splits > 1 and shared * block_size >= splits * min_split_keys else 1
+        shared -= shared % parts
         if shared == 0:
             continue
-        prefix[index] = shared
-        blocks = rows[0, :shared]
-        consecutive = shared == 1 or bool((blocks[1:] - blocks[:-1] == 1).all())
-        groups.append((int(blocks[0]), shared, index, None if consecutive else blocks))
-    if not groups:
-        return DecodePlan(num_seqs, [], block_tables, torch.empty(0), False, block_tables, context_lens, prefix)
-    ends = -(-lengths // block_size)  # blocks in use per sequence
-    width = int((ends - prefix).max())
-    columns = prefix[:, None] + torch.arange(width, device=device)[None, :]
-    suffix = tables.gather(1, torch.minimum(columns, (ends - 1)[:, None]))  # padding repeats a used block
-    positions = columns * block_size  # first key of each suffix block
-    keys = (positions[:, :, None] + torch.arange(block_size, device=device)).flatten(1)
-    visible = keys < lengths[:, None]
-    return DecodePlan(num_seqs, groups, suffix, visible, True, block_tables, context_lens, prefix)
+        blocks = tables[members[0]][:shared]
+        consecutive = blocks == list(range(first, first + shared))
+        scattered = None if consecutive else torch.tensor(blocks, dtype=torch.long, device=device)
+        groups.append(PrefixGroup(members, first, shared, scattered, len(order), len(order) + len(members), parts))
+        for seq in members:
+            prefix[seq] = shared
+        order += members
+    grouped = set(order)
+    order += [s for s in range(num_seqs) if s not in grouped]
+    ends = [-(-n // block_size) for n in lengths]  # blocks in use per sequence
+    width = max(ends[s] - prefix[s] for s in order)
+    suffix = []
+    for seq in order:
+        row = tables[seq][prefix[seq]:ends[seq]]
+        suffix.append(row + [row[-1]] * (width - len(row)))  # padding repeats a used (masked) block
+    first_key = torch.tensor([prefix[s] * block_size for s in order], device=device)
+    length = torch.tensor([lengths[s] for s in order], device=device)
+    keys = first_key[:, None] + torch.arange(width * block_size, device=device)[None, :]
+    mask = torch.zeros(keys.shape, dtype=torch.float32, device=device).masked_fill_(keys >= length[:, None],
+                                                                                  float("-inf"))
+    identity = order == list(range(num_seqs))
+    order_t = None if identity else torch.tensor(order, device=device)
+    inverse = None if identity else torch.argsort(order_t)
+    return DecodePlan(num_seqs, groups, prefix, order_t, inverse,
+                      torch.tensor(suffix, dtype=torch.long, device=device), mask[:, None, None, :])
+
+
+def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention and its log-sum-exp. q [B, H, L, D], k and v [B, H, T, D] (float32,
+    any strides with a unit last one), mask additive [B or 1, 1, L or 1, T].
+    Returns out [B, H, L, D] and lse [B, H, L]."""
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        return _FLASH_CPU(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -119,84 +188,72 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out[plan.decode_rows] = _attend_decode(q[plan.decode_rows], k_cache, v_cache, plan.decode, scale,
                                                k_scale, v_scale)
     for begin, end, seq, used in plan.prefills:
-        width = end - begin
-        out[begin:end] = _attend(q[begin:end], k_cache, v_cache, block_tables[seq:seq + 1, :used],
-                                 query_start_loc.new_tensor([0, width]), context_lens[seq:seq + 1], scale,
-                                 k_scale, v_scale, width)
+        out[begin:end] = _attend_prefill(q[begin:end], k_cache, v_cache, block_tables[seq, :used],
+                                         int(context_lens[seq]), scale, k_scale, v_scale)
     return out
+
+
+def _heads_first(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows [..., T, Hkv, D] as float32 [..., Hkv, T, D] (a view when no conversion is needed)."""
+    return from_cache(rows, scale).transpose(-3, -2)
 
 
 def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
                    scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
     """One new token per sequence; cascade over shared prefixes (see the module docstring)."""
     num_seqs = plan.num_seqs
-    if not plan.cascade:
-        ones = torch.arange(num_seqs + 1, device=q.device, dtype=torch.int32)
-        return _attend(q, k_cache, v_cache, plan.block_tables, ones, plan.context_lens, scale, k_scale,
-                       v_scale, 1)
     num_kv_heads, head_dim = k_cache.shape[2:]
     group = q.shape[1] // num_kv_heads
     queries = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    # Shared prefixes, once per group: running max m, sum l and unnormalised output o.
-    m1 = torch.full((num_seqs, num_kv_heads, group), float("-inf"), device=q.device)
-    l1 = torch.zeros_like(m1)
-    o1 = torch.zeros_like(queries)
-    for first, count, index, scattered in plan.groups:
-        if scattered is None:  # consecutive blocks: a view of the cache, no copy
-            k_rows, v_rows = k_cache[first:first + count].flatten(0, 1), v_cache[first:first + count].flatten(0, 1)
-        else:
-            k_rows, v_rows = k_cache[scattered].flatten(0, 1), v_cache[scattered].flatten(0, 1)
-        k, v = from_cache(k_rows, k_scale), from_cache(v_rows, v_scale)  # [T, Hkv, D]
-        members = index.numel()
-        # one GEMM per KV head for every query of the group: [Hkv, members * G, D] x [Hkv, D, T]
-        grouped = queries[index].permute(1, 0, 2, 3).reshape(num_kv_heads, members * group, head_dim)
-        scores = torch.matmul(grouped, k.permute(1, 2, 0)) * scale
-        m = scores.amax(-1, keepdim=True)
-        e = torch.exp(scores - m)
-        o = torch.matmul(e, v.permute(1, 0, 2))  # [Hkv, members * G, D]
-        unflat = (num_kv_heads, members, group)
-        m1[index] = m.view(unflat).permute(1, 0, 2)
-        l1[index] = e.sum(-1).view(unflat).permute(1, 0, 2)
-        o1[index] = o.view(*unflat, head_dim).permute(1, 0, 2, 3)
-    # Each sequence's own suffix, batched and masked.
-    k = from_cache(k_cache[plan.suffix_tables].flatten(1, 2), k_scale)  # [S, W * block, Hkv, D]
-    v = from_cache(v_cache[plan.suffix_tables].flatten(1, 2), v_scale)
-    scores = torch.einsum("skgd,stkd->skgt", queries, k) * scale
-    scores = scores.masked_fill(~plan.visible[:, None, None, :], float("-inf"))
-    m2 = scores.amax(-1)  # finite: every suffix holds the sequence's last key
-    e = torch.exp(scores - m2[..., None])
-    l2 = e.sum(-1)
-    o2 = torch.einsum("skgt,stkd->skgd", e, v)
-    # Merge: weights relative to the larger maximum (exp(-inf) = 0 where there is no prefix).
-    m = torch.maximum(m1, m2)
-    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
-    out = (o1 * a1[..., None] + o2 * a2[..., None]) / (l1 * a1 + l2 * a2)[..., None]
+    if plan.order is not None:
+        queries = queries[plan.order]
+    # Every sequence's own blocks (all of them where it shares nothing), batched and masked.
+    k = _heads_first(k_cache[plan.suffix_tables].flatten(1, 2), k_scale)  # [S, Hkv, W * block, D]
+    v = _heads_first(v_cache[plan.suffix_tables].flatten(1, 2), v_scale)
+    out, lse = _attend_lse(queries, k, v, scale, plan.suffix_mask)
+    if plan.groups:
+        shared_out, shared_lse = [], []
+        for g in plan.groups:  # each shared prefix once, for all its members' queries
+            blocks = slice(g.first_block, g.first_block + g.blocks) if g.scattered is None else g.scattered
+            parts = (g.splits, -1, num_kv_heads, head_dim)
+            k = _heads_first(k_cache[blocks].view(parts), k_scale)  # [splits, Hkv, T / splits, D], a view when sliced
+            v = _heads_first(v_cache[blocks].view(parts), v_scale)
+            members = g.end - g.start
+            grouped = queries[g.start:g.end].transpose(0, 1).reshape(1, num_kv_heads, members * group, head_dim)
+            o, l = _attend_lse(grouped.expand(g.splits, -1, -1, -1), k, v, scale)
+            if g.splits > 1:  # merge the parts
+                whole = torch.logsumexp(l, 0, keepdim=True)
+                o, l = (o * torch.exp(l - whole)[..., None]).sum(0, keepdim=True), whole
+            shared_out.append(o.reshape(num_kv_heads, members, group, head_dim).transpose(0, 1))
+            shared_lse.append(l.reshape(num_kv_heads, members, group).transpose(0, 1))
+        n = plan.groups[-1].end
+        o1, l1 = torch.cat(shared_out), torch.cat(shared_lse)
+        o2, l2 = out[:n], lse[:n]
+        total = torch.logaddexp(l1, l2)
+        merged = o1 * torch.exp(l1 - total)[..., None] + o2 * torch.exp(l2 - total)[..., None]
+        out = merged if n == num_seqs else torch.cat((merged, out[n:]))
+    if plan.inverse is not None:
+        out = out[plan.inverse]
     return out.reshape(num_seqs, q.shape[1], head_dim).to(q.dtype)
 
 
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None,
-            v_scale: torch.Tensor | None, width: int) -> torch.Tensor:
-    """All sequences padded to `width` query rows (gathered K/V, masked softmax)."""
-    num_seqs = context_lens.shape[0]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                    context_len: int, scale: float, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> torch.Tensor:
+    """One sequence's new rows q [N, H, D] over its blocks `table`: causal within the new rows,
+    every cached key before them visible."""
+    width = q.shape[0]
+    _, _, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
-    starts = query_start_loc.long()
-    new_counts = starts[1:] - starts[:-1]
-    tables = block_tables.long()
-    # [S, T, Hkv, D] with T = max_blocks * block_size
-    k = from_cache(k_cache[tables].flatten(1, 2), k_scale)
-    v = from_cache(v_cache[tables].flatten(1, 2), v_scale)
-    slots = torch.arange(width, device=q.device)
-    rows = starts[:-1, None] + slots[None, :]  # [S, N]
-    valid_rows = slots[None, :] < new_counts[:, None]
-    rows = torch.where(valid_rows, rows, torch.zeros_like(rows))
-    queries = q.float()[rows].view(num_seqs, width, num_kv_heads, group, head_dim)
-    positions = (context_lens.long() - new_counts)[:, None] + slots[None, :]  # [S, N]
-    keys = torch.arange(k.shape[1], device=q.device)
-    visible = keys[None, None, :] <= positions[:, :, None]  # [S, N, T]; past-context keys excluded
-    scores = torch.einsum("snkgd,stkd->skgnt", queries, k) * scale
-    scores = scores.masked_fill(~visible[:, None, None, :, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgnt,stkd->snkgd", probs, v).reshape(num_seqs, width, q.shape[1], head_dim)
-    return out[valid_rows].to(q.dtype)
+    k = _heads_first(k_cache[table.long()].flatten(0, 1), k_scale)[None]  # [1, Hkv, T, D]
+    v = _heads_first(v_cache[table.long()].flatten(0, 1), v_scale)[None]
+    # rows ordered (token, query head of the KV head): [1, Hkv, N * G, D]
+    queries = q.float().view(width, num_kv_heads, group, head_dim).transpose(0, 1)
+    queries = queries.reshape(1, num_kv_heads, width * group, head_dim)
+    positions = torch.arange(context_len - width, context_len, device=q.device).repeat_interleave(group)
+    keys = torch.arange(k.shape[2], device=q.device)
+    mask = torch.zeros(positions.shape[0], keys.shape[0], device=q.device)
+    mask.masked_fill_(keys[None, :] > positions[:, None], float("-inf"))
+    out, _ = _attend_lse(queries, k, v, scale, mask[None, None])
+    return out.view(num_kv_heads, width, group, head_dim).transpose(0, 1).reshape(width, q.shape[1], head_dim) \
+        .to(q.dtype)

@@ -255,9 +255,13 @@ def test_launchers_name_the_bad_argument():
         assert str(info.value).startswith(message), (str(info.value), message)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-attention", "matmul-fallback"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str)
-def test_batched_torch_path_matches_the_references(cache_dtype):
-    from kvctl.kernels import paged_attention_torch
+def test_batched_torch_path_matches_the_references(cache_dtype, fused, monkeypatch):
+    from kvctl.kernels import paged_attention_torch, torch_paged
+
+    if not fused:
+        monkeypatch.setattr(torch_paged, "_FLASH_CPU", None)
 
     case = build(cache_dtype, lengths=PREFILL_LENGTHS, seed=12)
     q_dtype = query_dtype(cache_dtype)
@@ -278,10 +282,11 @@ def test_batched_torch_path_matches_the_references(cache_dtype):
 
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous-prefix", "scattered-prefix"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
-def test_cascade_decode_over_shared_prefixes_matches_the_reference(cache_dtype, contiguous):
+def test_cascade_decode_over_shared_prefixes_matches_the_reference(cache_dtype, contiguous, monkeypatch):
     """Decodes that share cached prefix blocks (two groups, plus a loner and one whose context
     ends on a block boundary) give what the per-sequence reference gives."""
     from kvctl.kernels import paged_attention_torch
+    from kvctl.kernels import torch_paged
     from kvctl.kernels.torch_paged import plan_decode
 
     torch.manual_seed(3)
@@ -303,13 +308,30 @@ def test_cascade_decode_over_shared_prefixes_matches_the_reference(cache_dtype, 
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     lens = torch.tensor(lengths, dtype=torch.int32)
     plan = plan_decode(table, lens, block)
-    assert plan.prefix.tolist() == [5, 5, 4, 4, 0, 5]  # a group shares what all its members share
-    assert [g[2].tolist() for g in plan.groups] == [[0, 1, 5], [2, 3]] or \
-        [g[2].tolist() for g in plan.groups] == [[2, 3], [0, 1, 5]]
-    assert all((g[3] is None) == contiguous for g in plan.groups)  # a slice of the cache when contiguous
+    assert plan.prefix == [5, 5, 4, 4, 0, 5]  # a group shares what all its members share
+    assert [g.members for g in plan.groups] == [[0, 1, 5], [2, 3]]
+    assert [(g.start, g.end) for g in plan.groups] == [(0, 3), (3, 5)]
+    assert plan.order.tolist() == [0, 1, 5, 2, 3, 4]  # members together, the loner last
+    assert all((g.scattered is None) == contiguous for g in plan.groups)  # a slice of the cache when contiguous
+    # suffix rows in plan order: what follows the shared prefix, padded by repeating a used block
+    assert plan.suffix_tables[2].tolist() == [38, 38, 38]
+    assert plan.suffix_tables[5].tolist() == [60, 61, 62]
+    assert (plan.suffix_mask[2, 0, 0] == 0).sum() == 9  # the 9 keys after 5 shared blocks
     q = torch.randn(len(tables), heads, dim).to(q_dtype)
     ones = torch.arange(len(tables) + 1, dtype=torch.int32)
     got = paged_attention_torch(q, k_cache, v_cache, table, ones, lens, scale=dim ** -0.5, max_new_tokens=1,
                                 **extra)
     want = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale=dim ** -0.5, **extra)
+    torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
+    # prefixes split in two parts attended at once and merged (flash-decoding on the CPU): the
+    # shared length is trimmed to whole pairs of blocks, the odd block joins each member's suffix
+    split = plan_decode(table, lens, block, splits=2, min_split_keys=16)
+    assert [g.splits for g in split.groups] == [2, 2] and split.prefix == [4, 4, 4, 4, 0, 4]
+    got = paged_attention_torch(q, k_cache, v_cache, table, ones, lens, scale=dim ** -0.5, max_new_tokens=1,
+                                plan=torch_paged.AttentionPlan(None, split, []), **extra)
+    torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
+    # the same through the matmul fallback used where torch has no fused CPU attention
+    monkeypatch.setattr(torch_paged, "_FLASH_CPU", None)
+    got = paged_attention_torch(q, k_cache, v_cache, table, ones, lens, scale=dim ** -0.5, max_new_tokens=1,
+                                **extra)
     torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
