@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from kvctl.kernels import (is_quantised, paged_attention_torch, paged_decode_attention, paged_prefill_attention,
-                           plan_attention,
-                           write_kv, write_kv_ref)
+                           plan_attention, write_kv)
+from kvctl.kernels.formats import to_cache
 
 from .config import ModelConfig, ModelError
 from .tokenizer import Tokenizer
@@ -75,15 +75,56 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [T, heads, D]; cos, sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def rope_table(inv_freq: torch.Tensor, positions: int, dtype: torch.dtype) -> torch.Tensor:
+    """cos and sign-folded sin for every position: [positions, 2, D] in `dtype`.
+
+    Row p holds cos(p·f) and (-sin, +sin)(p·f) over the two halves, so that rotate-half RoPE
+    is x·cos + swap_halves(x)·sin_signed. Precomputed once (as vLLM's cos/sin cache); a step
+    gathers its positions' rows."""
+    freqs = torch.arange(positions, dtype=torch.int64, device=inv_freq.device)[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    half = inv_freq.shape[0]
+    signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return torch.stack((emb.cos().to(dtype), signed.to(dtype)), dim=1)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights, packed so a step makes one GEMM for Q, K and V and one for
+    the gate and up projections."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2·Hkv)·D, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2·intermediate, hidden]
+    down: torch.Tensor
+
+
+def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[LayerWeights]:
+    """Move each layer's checkpoint tensors out of `weights` into packed LayerWeights (the
+    originals are dropped, so packing does not double the memory they take)."""
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        take = weights.pop
+        qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        bias = None
+        if p + "self_attn.q_proj.bias" in weights:
+            bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+        gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        layers.append(LayerWeights(take(p + "input_layernorm.weight"), qkv, bias, take(p + "self_attn.o_proj.weight"),
+                                   take(p + "post_attention_layernorm.weight"), gate_up,
+                                   take(p + "mlp.down_proj.weight")))
+    return layers
 
 
 class LlamaModel:
@@ -92,7 +133,9 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype) -> None:
         self.config, self.w, self.device, self.dtype = config, weights, device, dtype
+        self.layers = pack_layers(config, weights)
         self.inv_freq = rope_inv_freq(config).to(device)
+        self.rope = rope_table(self.inv_freq, config.max_position_embeddings, dtype)
         self.scale = config.head_dim ** -0.5
         self.use_triton = device.type == "cuda"
         self.lm_head = weights["model.embed_tokens.weight"] if config.tie_word_embeddings \
@@ -127,6 +170,17 @@ class LlamaModel:
             total += 2 * block_size * c.num_kv_heads * c.head_dim * element
         return total
 
+    def _write(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
+        """Store the step's new K/V: the Triton kernel on CUDA; on the CPU the same rows through
+        plain indexing (the engine hands only slots it allocated, so the reference's checks are
+        left to `write_kv_ref`)."""
+        if self.use_triton:
+            write_kv(k, v, cache.k, cache.v, slots, cache.k_scale, cache.v_scale)
+            return
+        rows = cache.k.shape[0] * cache.k.shape[1]
+        cache.k.view(rows, *cache.k.shape[2:])[slots] = to_cache(k, cache.k.dtype, cache.k_scale)
+        cache.v.view(rows, *cache.v.shape[2:])[slots] = to_cache(v, cache.v.dtype, cache.v_scale)
+
     def _attention(self, q, cache: LayerCache, batch: ForwardBatch, plan=None) -> torch.Tensor:
         scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
         if self.use_triton and batch.max_new_tokens == 1:
@@ -148,34 +202,31 @@ class LlamaModel:
         `observer(layer, k, v)` sees each layer's new K (after RoPE) and V before they are
         written (calibration measures them)."""
         c, w = self.config, self.w
-        write = write_kv if self.use_triton else write_kv_ref
-        hidden = w["model.embed_tokens.weight"][batch.input_ids]
-        freqs = batch.positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        heads, kv_heads, dim, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        hidden = F.embedding(batch.input_ids, w["model.embed_tokens.weight"])
+        rope = self.rope[batch.positions]  # [T, 2, D]: cos, signed sin
+        cos, sin = rope[:, None, 0], rope[:, None, 1]
+        half = dim // 2
         tokens = hidden.shape[0]
         plan = None if self.use_triton or not kv_caches else plan_attention(  # grouped once, used by every layer
             batch.block_tables, batch.query_start_loc, batch.context_lens, kv_caches[0].k.shape[1],
             batch.max_new_tokens)
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            x = rms_norm(hidden, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-            q = F.linear(x, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
-            k = F.linear(x, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
-            v = F.linear(x, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
-            q = apply_rope(q.view(tokens, c.num_heads, c.head_dim), cos, sin).contiguous()
-            k = apply_rope(k.view(tokens, c.num_kv_heads, c.head_dim), cos, sin)
-            v = v.view(tokens, c.num_kv_heads, c.head_dim)
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(hidden, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qk = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin  # RoPE on Q and K at once
+            q, k = qk[:, :heads].contiguous(), qk[:, heads:]
+            v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
             cache = kv_caches[i]
             if observer is not None:
                 observer(i, k, v)
-            write(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale)
-            attn = self._attention(q, cache, batch, plan).reshape(tokens, c.num_heads * c.head_dim)
-            hidden = hidden + F.linear(attn, w[p + "self_attn.o_proj.weight"])
-            x = rms_norm(hidden, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate = F.linear(x, w[p + "mlp.gate_proj.weight"])
-            up = F.linear(x, w[p + "mlp.up_proj.weight"])
-            hidden = hidden + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
+            self._write(k, v, cache, batch.slot_mapping)
+            attn = self._attention(q, cache, batch, plan).reshape(tokens, heads * dim)
+            hidden = hidden + F.linear(attn, layer.o_proj)
+            x = rms_norm(hidden, layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
         last = rms_norm(hidden[batch.logits_indices], w["model.norm.weight"], c.rms_norm_eps)
         return F.linear(last, self.lm_head).float()
 
