@@ -308,3 +308,41 @@ def test_incremental_text_equals_the_full_decode_and_never_splits_a_character(tm
     specials = len(ids) - len(text.encode())  # byte-level: one token per byte, plus BOS
     assert specials == 1 and deltas[0] == ""
     assert deltas.count("") == specials + sum(len(c.encode()) - 1 for c in text)  # a wait per continuation byte
+
+
+def test_a_stream_that_fell_behind_sends_the_waiting_tokens_in_one_chunk(tmp_path):
+    """Events already queued when the stream wakes go out as one chunk per choice, in order,
+    with their text joined; a stream that keeps up sends one token per chunk."""
+    import json
+    from types import SimpleNamespace
+
+    from kvctl.daemon.engine.engine import TokenEvent
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.tokenizer import Tokenizer
+    from kvctl.daemon.server.app import _stream
+
+    tokenizer = Tokenizer(ensure_demo_checkpoint(tmp_path))
+    ids = tokenizer.encode("kv")[1:] + tokenizer.encode("cache")[1:]  # without BOS
+    seq = SimpleNamespace(index=0, output_ids=list(ids))
+    request = SimpleNamespace(request_id="r", sequences=[seq])
+    engine = SimpleNamespace(tokenizer=tokenizer, text_of=lambda s: tokenizer.decode(s.output_ids))
+
+    async def collect(batches):
+        queue: asyncio.Queue = asyncio.Queue()
+        chunks = []
+        stream = _stream(engine, queue, [request], {"r": request}, {("r", 0): 0}, "cmpl-x", 0, "demo",
+                         False, lambda: None)
+        for batch in batches:
+            for event in batch:
+                queue.put_nowait(event)
+            chunks.append(json.loads((await stream.__anext__())[6:]))
+        assert await stream.__anext__() == "data: [DONE]\n\n"
+        return [c["choices"][0] for c in chunks]
+
+    events = [TokenEvent("r", 0, t, None) for t in ids[:-1]] + [TokenEvent("r", 0, ids[-1], "length")]
+    behind = asyncio.run(collect([events[:5], events[5:]]))
+    assert [(c["token_ids"], c["text"], c["finish_reason"]) for c in behind] == [
+        (ids[:5], "kvcac", None), (ids[5:], "he", "length")]
+    kept_up = asyncio.run(collect([[e] for e in events]))
+    assert [c["token_ids"] for c in kept_up] == [[t] for t in ids]
+    assert "".join(c["text"] for c in kept_up) == "kvcache"

@@ -421,32 +421,45 @@ class IncrementalText:
 
 async def _stream(engine, events, requests, by_id, index_of, completion_id, created, model_name,
                   include_usage, cancel_all):
-    """Server-sent events, one chunk per token, ending with [DONE]; a disconnect cancels."""
+    """Server-sent events ending with [DONE]; a disconnect cancels.
+
+    A chunk carries one choice's new tokens: one token per chunk while the client keeps up,
+    and every token that waited in the queue once it falls behind (one chunk instead of many,
+    so a slow reader costs the serving loop less, not more)."""
     sent_text = {key: "" for key in index_of}
     texts = {key: IncrementalText(engine.tokenizer.decode) for key in index_of}
     pending = set(index_of)
     finished_cleanly = False
     try:
         while pending:
-            event = await events.get()
-            key = (event.request_id, event.index)
-            request = by_id[event.request_id]
-            seq = next((s for s in request.sequences if s.index == event.index), None)
-            delta = ""
-            if event.finish_reason is not None and seq is not None:
-                text = engine.text_of(seq)  # whole, once: a stop string may cut it
-                delta = text[len(sent_text[key]):] if text.startswith(sent_text[key]) else ""
-                sent_text[key] = text
-            elif event.token_id is not None:
-                delta = texts[key].add(event.token_id)
-                sent_text[key] += delta
-            if event.finish_reason is not None:
-                pending.discard(key)
-            chunk = {"id": completion_id, "object": "text_completion", "created": created, "model": model_name,
-                     "choices": [{"index": index_of[key], "text": delta,
-                                  "token_ids": [] if event.token_id is None else [event.token_id],
-                                  "logprobs": None, "finish_reason": event.finish_reason}]}
-            yield f"data: {json.dumps(chunk)}\n\n"
+            ready = [await events.get()]
+            while not events.empty():
+                ready.append(events.get_nowait())
+            merged: dict = {}  # key -> [token ids, text, finish reason], in arrival order
+            for event in ready:
+                key = (event.request_id, event.index)
+                entry = merged.setdefault(key, [[], "", None])
+                request = by_id[event.request_id]
+                seq = next((s for s in request.sequences if s.index == event.index), None)
+                delta = ""
+                if event.finish_reason is not None and seq is not None:
+                    text = engine.text_of(seq)  # whole, once: a stop string may cut it
+                    delta = text[len(sent_text[key]):] if text.startswith(sent_text[key]) else ""
+                    sent_text[key] = text
+                elif event.token_id is not None:
+                    delta = texts[key].add(event.token_id)
+                    sent_text[key] += delta
+                if event.token_id is not None:
+                    entry[0].append(event.token_id)
+                entry[1] += delta
+                if event.finish_reason is not None:
+                    entry[2] = event.finish_reason
+                    pending.discard(key)
+            for key, (token_ids, delta, finish_reason) in merged.items():
+                chunk = {"id": completion_id, "object": "text_completion", "created": created, "model": model_name,
+                         "choices": [{"index": index_of[key], "text": delta, "token_ids": token_ids,
+                                      "logprobs": None, "finish_reason": finish_reason}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
             usage_chunk = {"id": completion_id, "object": "text_completion", "created": created,
                            "model": model_name, "choices": [], "usage": _usage(requests)}
