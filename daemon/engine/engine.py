@@ -451,6 +451,7 @@ class Engine:
     def _advance(self, plan, sample_rows, logits) -> list[TokenEvent]:
         events: list[TokenEvent] = []
         now = self.clock()
+        greedy = logits.argmax(-1).tolist()  # one call for the batch; sampled rows draw their own
         for (seq, n), row in zip(plan, sample_rows):
             seq.num_computed += n
             if row is None:
@@ -459,7 +460,10 @@ class Engine:
                 seq.status = SeqStatus.DECODE
             new_children = self._fork_children(seq)
             for s in [seq] + new_children:
-                events.append(self._emit(s, logits[row], now))
+                params = s.request.params
+                token = greedy[row] if params.temperature == 0 else sample_token(
+                    logits[row], params, s.request.seed, s.index, len(s.output_ids))
+                events.append(self._emit(s, token, now))
         return events
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
@@ -483,9 +487,8 @@ class Engine:
             children.append(child)
         return children
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor, now: float) -> TokenEvent:
+    def _emit(self, seq: Sequence, token: int, now: float) -> TokenEvent:
         request = seq.request
-        token = sample_token(logits, request.params, request.seed, seq.index, len(seq.output_ids))
         seq.output_ids.append(token)
         metrics = request.metrics
         if metrics.first_token is None:
