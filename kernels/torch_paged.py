@@ -12,7 +12,8 @@ attention: each group's common prefix is attended once for all its queries (a ze
 of the cache when its blocks are contiguous), every sequence's own suffix in one batched call,
 and the two partial results merged by their log-sum-exp. The grouping is planned once per step
 from the block tables (`plan_attention`), in plain Python over a few hundred integers, and
-reused by every layer.
+reused by every layer. A prompt chunk attends to its cached prefix without a mask and to
+itself with a causal square (so the masked half is skipped), merged the same way.
 
     q                [total_new_tokens, num_heads, head_dim]
     query_start_loc  [num_seqs + 1] int32
@@ -158,17 +159,27 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
 
 
 def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention and its log-sum-exp. q [B, H, L, D], k and v [B, H, T, D] (float32,
-    any strides with a unit last one), mask additive [B or 1, 1, L or 1, T].
-    Returns out [B, H, L, D] and lse [B, H, L]."""
+    any strides with a unit last one: a stride-0 head axis shares K/V across grouped query
+    heads), mask additive [B or 1, 1, L or 1, T]; `causal` (square L = T only) lets query i
+    see keys 0..i. Returns out [B, H, L, D] and lse [B, H, L]."""
     if _FLASH_CPU is not None and q.device.type == "cpu":
-        return _FLASH_CPU(q, k, v, attn_mask=mask, scale=scale)
+        return _FLASH_CPU(q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores + mask
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+
+
+def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets combined from each one's output and log-sum-exp."""
+    total = torch.logaddexp(l1, l2)
+    return o1 * torch.exp(l1 - total)[..., None] + o2 * torch.exp(l2 - total)[..., None]
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -227,10 +238,7 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             shared_out.append(o.reshape(num_kv_heads, members, group, head_dim).transpose(0, 1))
             shared_lse.append(l.reshape(num_kv_heads, members, group).transpose(0, 1))
         n = plan.groups[-1].end
-        o1, l1 = torch.cat(shared_out), torch.cat(shared_lse)
-        o2, l2 = out[:n], lse[:n]
-        total = torch.logaddexp(l1, l2)
-        merged = o1 * torch.exp(l1 - total)[..., None] + o2 * torch.exp(l2 - total)[..., None]
+        merged = _merge(torch.cat(shared_out), torch.cat(shared_lse), out[:n], lse[:n])
         out = merged if n == num_seqs else torch.cat((merged, out[n:]))
     if plan.inverse is not None:
         out = out[plan.inverse]
@@ -240,20 +248,25 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                     context_len: int, scale: float, k_scale: torch.Tensor | None,
                     v_scale: torch.Tensor | None) -> torch.Tensor:
-    """One sequence's new rows q [N, H, D] over its blocks `table`: causal within the new rows,
-    every cached key before them visible."""
+    """One sequence's new rows q [N, H, D] over its blocks `table`: every cached key before them
+    visible (one call, no mask), the new rows causal among themselves (a square: one causal
+    call that skips the masked half), the two merged by log-sum-exp."""
     width = q.shape[0]
     _, _, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
-    k = _heads_first(k_cache[table.long()].flatten(0, 1), k_scale)[None]  # [1, Hkv, T, D]
-    v = _heads_first(v_cache[table.long()].flatten(0, 1), v_scale)[None]
-    # rows ordered (token, query head of the KV head): [1, Hkv, N * G, D]
-    queries = q.float().view(width, num_kv_heads, group, head_dim).transpose(0, 1)
-    queries = queries.reshape(1, num_kv_heads, width * group, head_dim)
-    positions = torch.arange(context_len - width, context_len, device=q.device).repeat_interleave(group)
-    keys = torch.arange(k.shape[2], device=q.device)
-    mask = torch.zeros(positions.shape[0], keys.shape[0], device=q.device)
-    mask.masked_fill_(keys[None, :] > positions[:, None], float("-inf"))
-    out, _ = _attend_lse(queries, k, v, scale, mask[None, None])
-    return out.view(num_kv_heads, width, group, head_dim).transpose(0, 1).reshape(width, q.shape[1], head_dim) \
-        .to(q.dtype)
+    blocks = table.tolist()
+    if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # consecutive: a view of the cache
+        rows = slice(blocks[0], blocks[0] + len(blocks))
+    else:
+        rows = table.long()
+    # K/V as [Hkv, G, T, D] with a stride-0 G axis: each KV head serves its query heads uncopied
+    shape = (num_kv_heads, group, context_len, head_dim)
+    k = from_cache(k_cache[rows].flatten(0, 1)[:context_len], k_scale).transpose(0, 1).unsqueeze(1).expand(shape)
+    v = from_cache(v_cache[rows].flatten(0, 1)[:context_len], v_scale).transpose(0, 1).unsqueeze(1).expand(shape)
+    queries = q.float().view(width, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, N, D]
+    cached = context_len - width
+    out, lse = _attend_lse(queries, k[:, :, cached:], v[:, :, cached:], scale, causal=True)
+    if cached:
+        prefix_out, prefix_lse = _attend_lse(queries, k[:, :, :cached], v[:, :, :cached], scale)
+        out = _merge(prefix_out, prefix_lse, out, lse)
+    return out.permute(2, 0, 1, 3).reshape(width, q.shape[1], head_dim).to(q.dtype)

@@ -335,3 +335,32 @@ def test_cascade_decode_over_shared_prefixes_matches_the_reference(cache_dtype, 
     got = paged_attention_torch(q, k_cache, v_cache, table, ones, lens, scale=dim ** -0.5, max_new_tokens=1,
                                 **extra)
     torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-attention", "matmul-fallback"])
+def test_torch_prefill_reads_consecutive_blocks_as_a_view_and_scattered_ones_alike(fused, monkeypatch):
+    """A prompt chunk after a cached prefix (GQA 4:2): the same K/V stored in consecutive blocks
+    (read as a slice of the cache) and in scattered ones give the reference's output."""
+    from kvctl.kernels import paged_attention_torch, torch_paged
+
+    if not fused:
+        monkeypatch.setattr(torch_paged, "_FLASH_CPU", None)
+    torch.manual_seed(5)
+    block, heads, kv_heads, dim, used = 16, 4, 2, 64, 5
+    k_cache = torch.randn(40, block, kv_heads, dim)
+    v_cache = torch.randn(40, block, kv_heads, dim)
+    consecutive = list(range(7, 7 + used))
+    scattered = [31, 2, 19, 25, 11]
+    k_cache[scattered], v_cache[scattered] = k_cache[consecutive], v_cache[consecutive]
+    context, new = 4 * block + 9, 23  # 50 cached keys, then 23 new rows
+    q = torch.randn(new, heads, dim)
+    qsl = torch.tensor([0, new], dtype=torch.int32)
+    lens = torch.tensor([context], dtype=torch.int32)
+    outputs = []
+    for table in (consecutive, scattered):
+        tables = torch.tensor([table], dtype=torch.int32)
+        got = paged_attention_torch(q, k_cache, v_cache, tables, qsl, lens, scale=dim ** -0.5)
+        want = paged_prefill_attention_ref(q, k_cache, v_cache, tables, qsl, lens, scale=dim ** -0.5)
+        torch.testing.assert_close(got, want, **OUT_TOL[torch.float32])
+        outputs.append(got)
+    torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
