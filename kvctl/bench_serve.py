@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -45,10 +44,13 @@ def build_workload(spec: str, *, requests: int | None, max_tokens: int, time_sca
     raise UserError(f"workload: unknown value {spec!r}; use shared-prefix, multi-turn or trace:FILE")
 
 
-async def drive_kvd(client: httpx.AsyncClient, workload: list[BenchRequest], *, concurrency: int | None,
+async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int | None,
                     rate: float | None, seed: int, tick=lambda: None) -> list[RequestRecord]:
-    """Send every request (closed loop with `concurrency` slots, or open loop at `rate`/s or at
-    the workload's own arrival times) and record what came back."""
+    """Send every request through `session` (an aiohttp.ClientSession with kvd's base URL;
+    closed loop with `concurrency` slots, or open loop at `rate`/s or at the workload's own
+    arrival times) and record what came back."""
+    import aiohttp
+
     clock = time.perf_counter
     origin = clock()
     done = [asyncio.Event() for _ in workload]
@@ -72,13 +74,14 @@ async def drive_kvd(client: httpx.AsyncClient, workload: list[BenchRequest], *, 
         body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "ignore_eos": True, "seed": i,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         try:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code == 429:
+            async with session.post("/v1/completions", json=body) as response:
+                if response.status == 429:
                     record.status = "rejected"
-                elif response.status_code >= 400:
+                elif response.status >= 400:
                     record.status = "aborted"
                 else:
-                    async for line in response.aiter_lines():
+                    async for raw in response.content:  # one line at a time
+                        line = raw.decode().rstrip("\r\n")
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         chunk = json.loads(line[6:])
@@ -91,7 +94,7 @@ async def drive_kvd(client: httpx.AsyncClient, workload: list[BenchRequest], *, 
                     record.end = clock()
                     if len(record.token_times) < request.max_tokens:
                         record.status = "aborted"
-        except httpx.HTTPError:
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             record.status = "aborted"
         finally:
             if slots:
@@ -241,8 +244,8 @@ def _conn(ctx: typer.Context) -> dict:
 
 
 async def _drive(sync_client, work, concurrency, rate, seed, tick):
-    async with sync_client.async_client() as client:
-        return await drive_kvd(client, work, concurrency=concurrency, rate=rate, seed=seed, tick=tick)
+    async with sync_client.async_session() as session:
+        return await drive_kvd(session, work, concurrency=concurrency, rate=rate, seed=seed, tick=tick)
 
 
 def _versions() -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
 
 from kvctl.bench_figures import RequestRecord, figures, percentile, ratios
@@ -116,10 +115,22 @@ def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
         unix, _ = apps(service, token_table(tmp_path))
         work = shared_prefix(groups=2, system_tokens=64, questions=3, question_tokens=8, max_tokens=4)
 
-        async def run():
-            transport = httpx.ASGITransport(app=unix)
-            async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
-                return await drive_kvd(client, work, concurrency=2, rate=None, seed=0)
+        async def run():  # the app on a real Unix socket, driven by the bench's own HTTP client
+            import aiohttp
+            import uvicorn
+
+            path = str(tmp_path / "bench.sock")
+            server = uvicorn.Server(uvicorn.Config(unix, uds=path, log_level="warning", lifespan="off"))
+            serving = asyncio.create_task(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.01)
+            try:
+                async with aiohttp.ClientSession(base_url="http://kvd",
+                                                 connector=aiohttp.UnixConnector(path=path)) as session:
+                    return await drive_kvd(session, work, concurrency=2, rate=None, seed=0)
+            finally:
+                server.should_exit = True
+                await serving
 
         records = asyncio.run(run())
         assert [r.status for r in records] == ["ok"] * 6
