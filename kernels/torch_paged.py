@@ -21,7 +21,7 @@ itself with a causal square (so the masked half is skipped), merged the same way
     block_tables     [num_seqs, max_blocks] int32
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +57,9 @@ class DecodePlan:
     inverse: torch.Tensor | None
     suffix_tables: torch.Tensor  # [S, W] each row's blocks after its shared prefix (padded), plan order
     suffix_mask: torch.Tensor  # [S, 1, 1, W * block_size] 0 where a suffix key is in context, else -inf
+    layout: tuple = ()  # what the grouping was computed from: block tables, blocks in use, split settings
+    order_list: tuple[int, ...] = ()
+    key_positions: torch.Tensor | None = None  # [S, W * block_size] position of each suffix key, plan order
 
     @property
     def cascade(self) -> bool:
@@ -73,13 +76,16 @@ class AttentionPlan:
 
 
 def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                   block_size: int, max_new_tokens: int | None = None) -> AttentionPlan:
-    """Group a batch once per step: decodes (cascaded over shared prefixes) and prefills."""
+                   block_size: int, max_new_tokens: int | None = None,
+                   previous: AttentionPlan | None = None) -> AttentionPlan:
+    """Group a batch once per step: decodes (cascaded over shared prefixes) and prefills.
+    `previous` (the last step's plan) is reused for a pure decode batch laid out as before."""
     starts = query_start_loc.tolist()
     counts = [b - a for a, b in zip(starts, starts[1:])]
     splits = torch.get_num_threads()
     if max_new_tokens == 1 or max(counts, default=0) <= 1:
-        return AttentionPlan(None, plan_decode(block_tables, context_lens, block_size, splits), [])
+        reuse = previous.decode if previous is not None and previous.decode_rows is None else None
+        return AttentionPlan(None, plan_decode(block_tables, context_lens, block_size, splits, reuse=reuse), [])
     decodes = [s for s, n in enumerate(counts) if n == 1]
     decode = rows = None
     if decodes:
@@ -105,16 +111,23 @@ SPLIT_MIN_KEYS = 2048  # a shared prefix is split across threads only in parts a
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, splits: int = 1,
-                min_split_keys: int = SPLIT_MIN_KEYS) -> DecodePlan:
+                min_split_keys: int = SPLIT_MIN_KEYS, reuse: DecodePlan | None = None) -> DecodePlan:
     """Group decodes by shared leading blocks (those with the same first block share what all of
     them share) and lay out every sequence's remaining blocks as one padded suffix table.
 
     A group's queries are few (a handful of rows), so one call over its prefix runs on one
     thread; a prefix of at least `splits` × `min_split_keys` keys is attended in `splits` equal
     parts at once (flash-decoding), its length trimmed to a multiple of `splits` blocks (the
-    rest joins each member's suffix)."""
+    rest joins each member's suffix).
+
+    Between two decode steps usually only the context lengths move: when `reuse` was planned
+    from the same tables and blocks in use, its grouping is kept and only the mask is redone."""
     tables, lengths = block_tables.tolist(), context_lens.tolist()
     num_seqs, device = len(lengths), block_tables.device
+    ends = [-(-n // block_size) for n in lengths]  # blocks in use per sequence
+    layout = (tables, ends, block_size, splits, min_split_keys)
+    if reuse is not None and reuse.layout == layout:
+        return replace(reuse, suffix_mask=_suffix_mask(reuse.key_positions, [lengths[s] for s in reuse.order_list]))
     by_first: dict[int, list[int]] = {}
     for seq, (row, length) in enumerate(zip(tables, lengths)):
         if length > block_size:
@@ -140,22 +153,26 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
         order += members
     grouped = set(order)
     order += [s for s in range(num_seqs) if s not in grouped]
-    ends = [-(-n // block_size) for n in lengths]  # blocks in use per sequence
     width = max(ends[s] - prefix[s] for s in order)
     suffix = []
     for seq in order:
         row = tables[seq][prefix[seq]:ends[seq]]
         suffix.append(row + [row[-1]] * (width - len(row)))  # padding repeats a used (masked) block
     first_key = torch.tensor([prefix[s] * block_size for s in order], device=device)
-    length = torch.tensor([lengths[s] for s in order], device=device)
-    keys = first_key[:, None] + torch.arange(width * block_size, device=device)[None, :]
-    mask = torch.zeros(keys.shape, dtype=torch.float32, device=device).masked_fill_(keys >= length[:, None],
-                                                                                  float("-inf"))
+    positions = first_key[:, None] + torch.arange(width * block_size, device=device)[None, :]
     identity = order == list(range(num_seqs))
     order_t = None if identity else torch.tensor(order, device=device)
     inverse = None if identity else torch.argsort(order_t)
     return DecodePlan(num_seqs, groups, prefix, order_t, inverse,
-                      torch.tensor(suffix, dtype=torch.long, device=device), mask[:, None, None, :])
+                      torch.tensor(suffix, dtype=torch.long, device=device),
+                      _suffix_mask(positions, [lengths[s] for s in order]), layout, tuple(order), positions)
+
+
+def _suffix_mask(positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """[S, 1, 1, T] additive mask: 0 for suffix keys before each sequence's context end, else -inf."""
+    length = torch.tensor(lengths, device=positions.device)
+    mask = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
+    return mask.masked_fill_(positions >= length[:, None], float("-inf"))[:, None, None, :]
 
 
 def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -364,3 +364,37 @@ def test_torch_prefill_reads_consecutive_blocks_as_a_view_and_scattered_ones_ali
         torch.testing.assert_close(got, want, **OUT_TOL[torch.float32])
         outputs.append(got)
     torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
+
+
+def test_a_decode_plan_is_reused_while_only_context_lengths_move():
+    """The next decode step keeps the grouping when no sequence needs a new block (only the mask
+    moves) and plans afresh when one does; either way attention equals the reference."""
+    from kvctl.kernels import paged_attention_torch
+    from kvctl.kernels.torch_paged import AttentionPlan, plan_decode
+
+    torch.manual_seed(8)
+    block, heads, kv_heads, dim = 16, 4, 2, 64
+    k_cache, v_cache = torch.randn(40, block, kv_heads, dim), torch.randn(40, block, kv_heads, dim)
+    shared = [3, 4, 5, 6]
+    rows = [shared + [10, 11], shared + [12, 13], [20, 21]]
+    table = torch.tensor([r + [0] * (6 - len(r)) for r in rows], dtype=torch.int32)
+    lengths = [4 * 16 + 20, 4 * 16 + 17, 2 * 16]
+    first = plan_decode(table, torch.tensor(lengths, dtype=torch.int32), block)
+    moved = [lengths[0] + 1, lengths[1] + 1, lengths[2]]  # still within their last blocks
+    again = plan_decode(table, torch.tensor(moved, dtype=torch.int32), block, reuse=first)
+    assert again.groups is first.groups and again.suffix_tables is first.suffix_tables
+    visible = (again.suffix_mask[:, 0, 0] == 0).sum(-1).tolist()
+    assert visible == [(first.suffix_mask[:, 0, 0] == 0).sum(-1)[i].item() + d for i, d in enumerate([1, 1, 0])]
+    grown = [lengths[0], lengths[1], lengths[2] + 1]  # the third needs a block it does not have in `first`
+    table_grown = table.clone()
+    table_grown[2, 2] = 22
+    fresh = plan_decode(table_grown, torch.tensor(grown, dtype=torch.int32), block, reuse=first)
+    assert fresh.groups is not first.groups and fresh.suffix_tables[2].tolist()[:3] == [20, 21, 22]
+    q = torch.randn(3, heads, dim)
+    ones = torch.arange(4, dtype=torch.int32)
+    for plan, tab, lens in ((again, table, moved), (fresh, table_grown, grown)):
+        lens = torch.tensor(lens, dtype=torch.int32)
+        got = paged_attention_torch(q, k_cache, v_cache, tab, ones, lens, scale=dim ** -0.5,
+                                    plan=AttentionPlan(None, plan, []))
+        want = paged_decode_attention_ref(q, k_cache, v_cache, tab, lens, scale=dim ** -0.5)
+        torch.testing.assert_close(got, want, **OUT_TOL[torch.float32])

@@ -138,6 +138,7 @@ class LlamaModel:
         self.rope = rope_table(self.inv_freq, config.max_position_embeddings, dtype)
         self.scale = config.head_dim ** -0.5
         self.use_triton = device.type == "cuda"
+        self._last_plan = None  # the CPU attention plan of the last forward pass, reused while it fits
         self.lm_head = weights["model.embed_tokens.weight"] if config.tie_word_embeddings \
             else weights["lm_head.weight"]
 
@@ -208,9 +209,10 @@ class LlamaModel:
         cos, sin = rope[:, None, 0], rope[:, None, 1]
         half = dim // 2
         tokens = hidden.shape[0]
-        plan = None if self.use_triton or not kv_caches else plan_attention(  # grouped once, used by every layer
-            batch.block_tables, batch.query_start_loc, batch.context_lens, kv_caches[0].k.shape[1],
-            batch.max_new_tokens)
+        plan = None
+        if not self.use_triton and kv_caches:  # grouped once, used by every layer (and by the next step)
+            plan = self._last_plan = plan_attention(batch.block_tables, batch.query_start_loc, batch.context_lens,
+                                                    kv_caches[0].k.shape[1], batch.max_new_tokens, self._last_plan)
         for i, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
