@@ -262,28 +262,52 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out.reshape(num_seqs, q.shape[1], head_dim).to(q.dtype)
 
 
+def _leading_run(blocks: list[int]) -> int:
+    """How many of the first blocks are consecutive in the cache (a shared prompt usually is)."""
+    run = 1
+    while run < len(blocks) and blocks[run] == blocks[0] + run:
+        run += 1
+    return run
+
+
+def _rows(cache: torch.Tensor, blocks: list[int], lo: int, hi: int, block_size: int) -> torch.Tensor:
+    """The cache rows of positions lo..hi-1, [hi - lo, Hkv, D]: a view when their blocks are
+    consecutive, else a gather of just those blocks."""
+    first, last = lo // block_size, (hi - 1) // block_size
+    ids = blocks[first:last + 1]
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        part = cache[ids[0]:ids[0] + len(ids)]
+    else:
+        part = cache[torch.tensor(ids, device=cache.device)]
+    offset = lo - first * block_size
+    return part.flatten(0, 1)[offset:offset + hi - lo]
+
+
 def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                     context_len: int, scale: float, k_scale: torch.Tensor | None,
                     v_scale: torch.Tensor | None) -> torch.Tensor:
-    """One sequence's new rows q [N, H, D] over its blocks `table`: every cached key before them
-    visible (one call, no mask), the new rows causal among themselves (a square: one causal
-    call that skips the masked half), the two merged by log-sum-exp."""
+    """One sequence's new rows q [N, H, D] over its blocks `table`: the new rows causal among
+    themselves (a square: one causal call that skips the masked half), and every cached key
+    before them visible without a mask: the leading run of consecutive blocks (usually the
+    shared prompt) read in place, the rest gathered. Partial results merge by log-sum-exp."""
     width = q.shape[0]
-    _, _, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     blocks = table.tolist()
-    if blocks == list(range(blocks[0], blocks[0] + len(blocks))):  # consecutive: a view of the cache
-        rows = slice(blocks[0], blocks[0] + len(blocks))
-    else:
-        rows = table.long()
-    # K/V as [Hkv, G, T, D] with a stride-0 G axis: each KV head serves its query heads uncopied
-    shape = (num_kv_heads, group, context_len, head_dim)
-    k = from_cache(k_cache[rows].flatten(0, 1)[:context_len], k_scale).transpose(0, 1).unsqueeze(1).expand(shape)
-    v = from_cache(v_cache[rows].flatten(0, 1)[:context_len], v_scale).transpose(0, 1).unsqueeze(1).expand(shape)
     queries = q.float().view(width, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, N, D]
+
+    def attend(lo: int, hi: int, causal: bool = False):
+        # K/V as [Hkv, G, T, D] with a stride-0 G axis: each KV head serves its query heads uncopied
+        shape = (num_kv_heads, group, hi - lo, head_dim)
+        k = from_cache(_rows(k_cache, blocks, lo, hi, block_size), k_scale).transpose(0, 1).unsqueeze(1)
+        v = from_cache(_rows(v_cache, blocks, lo, hi, block_size), v_scale).transpose(0, 1).unsqueeze(1)
+        return _attend_lse(queries, k.expand(shape), v.expand(shape), scale, causal=causal)
+
     cached = context_len - width
-    out, lse = _attend_lse(queries, k[:, :, cached:], v[:, :, cached:], scale, causal=True)
-    if cached:
-        prefix_out, prefix_lse = _attend_lse(queries, k[:, :, :cached], v[:, :, :cached], scale)
-        out = _merge(prefix_out, prefix_lse, out, lse)
+    out, lse = attend(cached, context_len, causal=True)
+    in_place = min(_leading_run(blocks) * block_size, cached)
+    for lo, hi in ((0, in_place), (in_place, cached)):
+        if hi > lo:
+            part_out, part_lse = attend(lo, hi)
+            out, lse = _merge(part_out, part_lse, out, lse), torch.logaddexp(part_lse, lse)
     return out.permute(2, 0, 1, 3).reshape(width, q.shape[1], head_dim).to(q.dtype)
