@@ -61,10 +61,6 @@ class DecodePlan:
     order_list: tuple[int, ...] = ()
     key_positions: torch.Tensor | None = None  # [S, W * block_size] position of each suffix key, plan order
 
-    @property
-    def cascade(self) -> bool:
-        return bool(self.groups)
-
 
 @dataclass
 class AttentionPlan:
