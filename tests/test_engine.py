@@ -313,3 +313,32 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(demo):
     assert [r.sequences[0].output_ids for r in (a, b, c)] == [run(demo, [p], SAMPLED)[1][0][0]
                                                             for p in (first, second, other)]
     assert all_blocks_back(engine)
+
+
+def test_a_waiting_prompt_is_hashed_once_not_every_step(demo, monkeypatch):
+    """The head of the queue waits for room for several steps: its block keys are computed
+    once and reused at admission, and its tokens are the same as a request run alone."""
+    from kvctl.daemon.engine import engine as engine_module
+
+    hashed: list[int] = []
+
+    class CountingHasher(engine_module.PrefixHasher):
+        def feed(self, token_ids):
+            hashed.append(len(token_ids))
+            return super().feed(token_ids)
+
+    monkeypatch.setattr(engine_module, "PrefixHasher", CountingHasher)
+    engine = Engine(demo, EngineSettings(num_blocks=12, block_size=16))
+    first = engine.add_request(prompt(demo, PROMPTS[3]), SamplingParams(max_tokens=40, ignore_eos=True))
+    second_ids = prompt(demo, PROMPTS[1])  # its prompt and reservation fit only once the first is done
+    second = engine.add_request(second_ids, SamplingParams(max_tokens=60, ignore_eos=True))
+    waited = 0
+    while second.sequences[0].status is SeqStatus.WAITING:
+        engine.step()
+        waited += 1
+    assert waited > 5
+    assert hashed.count(len(second_ids)) == 1
+    engine.run_until_done()
+    _, alone = run(demo, [second_ids], SamplingParams(max_tokens=60, ignore_eos=True))
+    assert [s.output_ids for s in second.sequences] == alone[0]
+    assert first.sequences[0].finish_reason == "length" and all_blocks_back(engine)

@@ -195,10 +195,20 @@ class Engine:
             self._start_prefetch(request)
         return request
 
+    def _prefix_keys(self, seq: Sequence) -> tuple[list, PrefixHasher]:
+        """Block keys of the sequence's tokens and a hasher positioned after them. Computed once
+        and kept while the sequence waits (again only if its tokens or namespace change)."""
+        namespace, tokens = self.namespace(seq.request.tenant), seq.all_tokens
+        memo = seq.prefix_keys
+        if memo is None or memo[0] != namespace or memo[1] != len(tokens):
+            hasher = PrefixHasher(namespace)
+            memo = seq.prefix_keys = (namespace, len(tokens), hasher.feed(tokens), hasher)
+        return memo[2], memo[3].copy()
+
     def _start_prefetch(self, request: Request) -> None:
         """Bring the part of the prompt's prefix that sits on disk or in Redis up to staging
         while the request waits, when restoring beats recomputing it."""
-        keys = PrefixHasher(self.namespace(request.tenant)).feed(request.prompt_ids)
+        keys, _ = self._prefix_keys(request.sequences[0])
         limit = self.cache.cacheable_blocks(len(request.prompt_ids))
         missing = keys[len(self.cache.pool.match(keys, limit)):limit]
         if not missing:
@@ -315,8 +325,7 @@ class Engine:
             request = seq.request
             tokens = seq.all_tokens
             reserve = self._reservation(request).reserve(request.params.max_tokens - len(seq.output_ids))
-            hasher = PrefixHasher(self.namespace(request.tenant))
-            keys = hasher.feed(tokens)
+            keys, hasher = self._prefix_keys(seq)
             if self.tiers is not None:
                 tiers = self.tiers
                 if tiers.prefetch_pending(request.request_id):
@@ -354,6 +363,7 @@ class Engine:
             seq.num_computed = admission.hit_tokens
             seq.prefill_target = len(tokens)
             seq.status = SeqStatus.PREFILL
+            seq.prefix_keys = None  # the cache holds them now
             self._running[seq.seq_id] = seq
             upcoming.update(keys[admission.hit_blocks:len(tokens) // size])  # what it will compute
 
