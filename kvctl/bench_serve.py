@@ -74,7 +74,7 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
         body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "ignore_eos": True, "seed": i,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         try:
-            async with session.post("/v1/completions", json=body) as response:
+            async with session.post("v1/completions", json=body) as response:  # relative to the base URL
                 if response.status == 429:
                     record.status = "rejected"
                 elif response.status >= 400:

@@ -48,7 +48,8 @@ class Client:
         import aiohttp
 
         connector = aiohttp.UnixConnector(path=self.socket) if self.socket else aiohttp.TCPConnector(limit=0)
-        return aiohttp.ClientSession(base_url=str(self.http.base_url), headers=dict(self.http.headers),
+        base = str(self.http.base_url).rstrip("/") + "/"  # paths are joined to it: a proxy prefix stays
+        return aiohttp.ClientSession(base_url=base, headers=dict(self.http.headers),
                                      connector=connector, timeout=aiohttp.ClientTimeout(total=timeout))
 
     def request(self, method: str, path: str, **kwargs) -> Any:

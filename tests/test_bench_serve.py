@@ -144,3 +144,48 @@ def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
         assert blocks_all_back(service)
     finally:
         service.shutdown(1)
+
+
+def test_the_bench_client_keeps_the_url_path_and_sends_the_bearer_token(tmp_path):
+    """Over TCP (`--url` with a proxy's path prefix and `--token-file`), the load generator posts
+    to PREFIX/v1/completions with the token, and reads the stream it gets back."""
+    from aiohttp import web
+
+    from kvctl.bench_serve import drive_kvd
+    from kvctl.client import Client
+
+    seen = []
+
+    async def completions(request):
+        seen.append((request.path, request.headers.get("Authorization")))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for token in (7, 8):
+            await response.write(f'data: {{"choices": [{{"index": 0, "token_ids": [{token}]}}]}}\n\n'.encode())
+        await response.write(b'data: {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 3}}}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    token_file = tmp_path / "token"
+    token_file.write_text("secret-token\n")
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/proxy/kvd/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            client = Client(url=f"http://127.0.0.1:{port}/proxy/kvd", token_file=str(token_file))
+            async with client.async_session() as session:
+                return await drive_kvd(session, shared_prefix(groups=1, system_tokens=4, questions=2,
+                                                              question_tokens=2, max_tokens=2),
+                                       concurrency=1, rate=None, seed=0)
+        finally:
+            await runner.cleanup()
+
+    records = asyncio.run(run())
+    assert seen == [("/proxy/kvd/v1/completions", "Bearer secret-token")] * 2
+    assert [(r.status, len(r.token_times), r.cached_tokens) for r in records] == [("ok", 2, 3)] * 2
