@@ -148,7 +148,8 @@ def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
 
 def test_the_bench_client_keeps_the_url_path_and_sends_the_bearer_token(tmp_path):
     """Over TCP (`--url` with a proxy's path prefix and `--token-file`), the load generator posts
-    to PREFIX/v1/completions with the token, and reads the stream it gets back."""
+    to PREFIX/v1/completions with the token, and reads the stream it gets back, however long
+    its event lines."""
     from aiohttp import web
 
     from kvctl.bench_serve import drive_kvd
@@ -160,8 +161,10 @@ def test_the_bench_client_keeps_the_url_path_and_sends_the_bearer_token(tmp_path
         seen.append((request.path, request.headers.get("Authorization")))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        long_text = "x" * 200_000  # one event line of 200 kB (a stream that fell behind sends long ones)
         for token in (7, 8):
-            await response.write(f'data: {{"choices": [{{"index": 0, "token_ids": [{token}]}}]}}\n\n'.encode())
+            await response.write(f'data: {{"choices": [{{"index": 0, "text": "{long_text}", '
+                                 f'"token_ids": [{token}]}}]}}\n\n'.encode())
         await response.write(b'data: {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 3}}}\n\n')
         await response.write(b"data: [DONE]\n\n")
         return response
