@@ -104,3 +104,19 @@ def test_demo_checkpoint_is_deterministic_and_loads_through_the_loader(tmp_path)
     ids = loaded.tokenizer.encode("héllo, kv")
     assert ids[0] == 256 and loaded.tokenizer.decode(ids) == "héllo, kv"
     assert loaded.revision == load_model(second).revision
+
+
+def test_the_rope_table_grows_with_the_contexts_served_and_matches_a_full_one(tmp_path):
+    """The table starts at 4,096 positions, doubles when a longer context comes, stops at the
+    model's limit, and its rows equal those of a table built for every position at once."""
+    from kvctl.daemon.model.llama import rope_table
+
+    loaded = load_model(ensure_demo_checkpoint(tmp_path))  # 8,192 positions
+    model = loaded.model
+    assert model.rope.shape[0] == 4096
+    full = rope_table(model.inv_freq, 8192, model.dtype)
+    assert model.rope_rows(4000).shape[0] == 4096
+    grown = model.rope_rows(5000)
+    assert grown.shape[0] == 8192
+    torch.testing.assert_close(grown[[0, 4095, 4999, 8191]], full[[0, 4095, 4999, 8191]], atol=0, rtol=0)
+    assert model.rope_rows(8192).shape[0] == 8192

@@ -95,6 +95,9 @@ def rope_table(inv_freq: torch.Tensor, positions: int, dtype: torch.dtype) -> to
     return torch.stack((emb.cos().to(dtype), signed.to(dtype)), dim=1)
 
 
+ROPE_ROWS = 4096  # positions the RoPE table covers at first; it grows with the contexts served
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer's weights, packed so a step makes one GEMM for Q, K and V and one for
@@ -135,7 +138,7 @@ class LlamaModel:
         self.config, self.w, self.device, self.dtype = config, weights, device, dtype
         self.layers = pack_layers(config, weights)
         self.inv_freq = rope_inv_freq(config).to(device)
-        self.rope = rope_table(self.inv_freq, config.max_position_embeddings, dtype)
+        self.rope = rope_table(self.inv_freq, min(ROPE_ROWS, config.max_position_embeddings), dtype)
         self.scale = config.head_dim ** -0.5
         self.use_triton = device.type == "cuda"
         self._last_plan = None  # the CPU attention plan of the last forward pass, reused while it fits
@@ -171,6 +174,14 @@ class LlamaModel:
             total += 2 * block_size * c.num_kv_heads * c.head_dim * element
         return total
 
+    def rope_rows(self, positions: int) -> torch.Tensor:
+        """The RoPE table, grown (doubling, up to the model's positions) to cover `positions`: a
+        128k-position model does not hold a table for contexts it is never asked to serve."""
+        if positions > self.rope.shape[0]:
+            rows = min(max(positions, 2 * self.rope.shape[0]), self.config.max_position_embeddings)
+            self.rope = rope_table(self.inv_freq, rows, self.dtype)
+        return self.rope
+
     def _write(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
         """Store the step's new K/V: the Triton kernel on CUDA; on the CPU the same rows through
         plain indexing (the engine hands only slots it allocated, so the reference's checks are
@@ -205,7 +216,7 @@ class LlamaModel:
         c, w = self.config, self.w
         heads, kv_heads, dim, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         hidden = F.embedding(batch.input_ids, w["model.embed_tokens.weight"])
-        rope = self.rope[batch.positions]  # [T, 2, D]: cos, signed sin
+        rope = self.rope_rows(batch.max_context)[batch.positions]  # [T, 2, D]: cos, signed sin
         cos, sin = rope[:, None, 0], rope[:, None, 1]
         half = dim // 2
         tokens = hidden.shape[0]
