@@ -141,8 +141,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
         if shared == 0:
             continue
         blocks = tables[members[0]][:shared]
-        consecutive = blocks == list(range(first, first + shared))
-        scattered = None if consecutive else torch.tensor(blocks, dtype=torch.long, device=device)
+        scattered = None if _consecutive(blocks) else torch.tensor(blocks, dtype=torch.long, device=device)
         groups.append(PrefixGroup(members, first, shared, scattered, len(order), len(order) + len(members), parts))
         for seq in members:
             prefix[seq] = shared
@@ -258,6 +257,11 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out.reshape(num_seqs, q.shape[1], head_dim).to(q.dtype)
 
 
+def _consecutive(blocks: list[int]) -> bool:
+    """Whether the blocks follow each other in the cache, so a slice reads them in place."""
+    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
+
 def _leading_run(blocks: list[int]) -> int:
     """How many of the first blocks are consecutive in the cache (a shared prompt usually is)."""
     run = 1
@@ -271,7 +275,7 @@ def _rows(cache: torch.Tensor, blocks: list[int], lo: int, hi: int, block_size: 
     consecutive, else a gather of just those blocks."""
     first, last = lo // block_size, (hi - 1) // block_size
     ids = blocks[first:last + 1]
-    if ids == list(range(ids[0], ids[0] + len(ids))):
+    if _consecutive(ids):
         part = cache[ids[0]:ids[0] + len(ids)]
     else:
         part = cache[torch.tensor(ids, device=cache.device)]
