@@ -7,7 +7,9 @@ prefill (any number) alike. It gathers K/V through the block tables (never a deq
 of the whole cache), so it suits the small batches and models of CPU serving; CUDA uses the
 Triton kernels.
 
-Decodes that share a cached prefix (the same physical blocks: a system prompt) use cascade
+A decode row is a sequence's next token; a sequence may bring a few of them at once (up to
+`DECODE_MAX_ROWS`: its next token and a speculative draft to verify), each attending to the
+keys up to its own position. Decodes that share a cached prefix (the same physical blocks: a system prompt) use cascade
 attention: each group's common prefix is attended once for all its queries (a zero-copy slice
 of the cache when its blocks are contiguous), every sequence's own suffix in one batched call,
 and the two partial results merged by their log-sum-exp. The grouping is planned once per step
@@ -47,8 +49,10 @@ class PrefixGroup:
 class DecodePlan:
     """Decode rows of a batch, grouped for cascade attention (built once per step).
 
-    Rows are processed in `order` (group members together, then sequences without a shared
-    prefix); `inverse` puts them back. Both are None when the batch is already in that order."""
+    Sequences are processed in `order` (group members together, then sequences without a shared
+    prefix); `inverse` puts them back. Both are None when the batch is already in that order.
+    Every sequence gets `rows` query rows, right-aligned: a sequence with fewer new tokens is
+    padded at the front (`row_index` places the real rows; None when nobody is padded)."""
 
     num_seqs: int
     groups: list[PrefixGroup]
@@ -60,6 +64,8 @@ class DecodePlan:
     layout: tuple = ()  # what the grouping was computed from: block tables, blocks in use, split settings
     order_list: tuple[int, ...] = ()
     key_positions: torch.Tensor | None = None  # [S, W * block_size] position of each suffix key, plan order
+    rows: int = 1  # query rows per sequence (1: plain decode)
+    row_index: torch.Tensor | None = None  # padded row of each real row, batch order
 
 
 @dataclass
@@ -71,25 +77,34 @@ class AttentionPlan:
     prefills: list[tuple[int, int, int, int]]  # (first row, end row, sequence, blocks used)
 
 
+DECODE_MAX_ROWS = 16  # a sequence with at most this many new tokens is attended as decode rows
+
+
 def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                    block_size: int, max_new_tokens: int | None = None,
                    previous: AttentionPlan | None = None) -> AttentionPlan:
     """Group a batch once per step: decodes (cascaded over shared prefixes) and prefills.
     `previous` (the last step's plan) is reused for a pure decode batch laid out as before."""
-    starts = query_start_loc.tolist()
-    counts = [b - a for a, b in zip(starts, starts[1:])]
     splits = torch.get_num_threads()
-    if max_new_tokens == 1 or max(counts, default=0) <= 1:
+    if max_new_tokens == 1:
+        counts = None
+    else:
+        starts = query_start_loc.tolist()
+        counts = [b - a for a, b in zip(starts, starts[1:])]
+    if counts is None or max(counts, default=0) <= DECODE_MAX_ROWS:
         reuse = previous.decode if previous is not None and previous.decode_rows is None else None
-        return AttentionPlan(None, plan_decode(block_tables, context_lens, block_size, splits, reuse=reuse), [])
-    decodes = [s for s, n in enumerate(counts) if n == 1]
+        return AttentionPlan(None, plan_decode(block_tables, context_lens, block_size, splits, reuse=reuse,
+                                               counts=counts), [])
+    decodes = [s for s, n in enumerate(counts) if n <= DECODE_MAX_ROWS]
     decode = rows = None
     if decodes:
         index = torch.tensor(decodes, device=block_tables.device)
-        decode = plan_decode(block_tables[index], context_lens[index], block_size, splits)
-        rows = torch.tensor([starts[s] for s in decodes], device=block_tables.device)
+        decode = plan_decode(block_tables[index], context_lens[index], block_size, splits,
+                             counts=[counts[s] for s in decodes])
+        rows = torch.tensor([r for s in decodes for r in range(starts[s], starts[s + 1])], device=block_tables.device)
     lengths = context_lens.tolist()
-    prefills = [(starts[s], starts[s + 1], s, -(-lengths[s] // block_size)) for s, n in enumerate(counts) if n > 1]
+    prefills = [(starts[s], starts[s + 1], s, -(-lengths[s] // block_size))
+                for s, n in enumerate(counts) if n > DECODE_MAX_ROWS]
     return AttentionPlan(rows, decode, prefills)
 
 
@@ -107,7 +122,8 @@ SPLIT_MIN_KEYS = 2048  # a shared prefix is split across threads only in parts a
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, splits: int = 1,
-                min_split_keys: int = SPLIT_MIN_KEYS, reuse: DecodePlan | None = None) -> DecodePlan:
+                min_split_keys: int = SPLIT_MIN_KEYS, reuse: DecodePlan | None = None,
+                counts: list[int] | None = None) -> DecodePlan:
     """Group decodes by shared leading blocks (those with the same first block share what all of
     them share) and lay out every sequence's remaining blocks as one padded suffix table.
 
@@ -116,17 +132,23 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     parts at once (flash-decoding), its length trimmed to a multiple of `splits` blocks (the
     rest joins each member's suffix).
 
+    `counts` (new tokens per sequence, default one each) gives every sequence max(counts) query
+    rows; the shared prefix ends before the first of them.
+
     Between two decode steps usually only the context lengths move: when `reuse` was planned
-    from the same tables and blocks in use, its grouping is kept and only the mask is redone."""
+    from the same tables, blocks in use and counts, its grouping is kept and only the mask is
+    redone."""
     tables, lengths = block_tables.tolist(), context_lens.tolist()
     num_seqs, device = len(lengths), block_tables.device
+    rows = max(counts) if counts else 1
     ends = [-(-n // block_size) for n in lengths]  # blocks in use per sequence
-    layout = (tables, ends, block_size, splits, min_split_keys)
+    layout = (tables, ends, block_size, splits, min_split_keys, counts if rows > 1 else None)
     if reuse is not None and reuse.layout == layout:
-        return replace(reuse, suffix_mask=_suffix_mask(reuse.key_positions, [lengths[s] for s in reuse.order_list]))
+        return replace(reuse, suffix_mask=_suffix_mask(reuse.key_positions, [lengths[s] for s in reuse.order_list],
+                                                       rows))
     by_first: dict[int, list[int]] = {}
     for seq, (row, length) in enumerate(zip(tables, lengths)):
-        if length > block_size:
+        if length - rows >= block_size:
             by_first.setdefault(row[0], []).append(seq)
     prefix = [0] * num_seqs
     groups: list[PrefixGroup] = []
@@ -134,7 +156,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     for first, members in by_first.items():
         if len(members) < 2:
             continue
-        limit = min((lengths[s] - 1) // block_size for s in members)  # whole blocks before every last key
+        limit = min((lengths[s] - rows) // block_size for s in members)  # whole blocks before every new row
         shared = _shared_length([tables[s] for s in members], limit)
         parts = splits if splits > 1 and shared * block_size >= splits * min_split_keys else 1
         shared -= shared % parts
@@ -158,16 +180,27 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     identity = order == list(range(num_seqs))
     order_t = None if identity else torch.tensor(order, device=device)
     inverse = None if identity else torch.argsort(order_t)
+    row_index = None
+    if counts and min(counts) < rows:  # right-align each sequence's rows in its `rows` slots
+        row_index = torch.tensor([s * rows + r for s, n in enumerate(counts) for r in range(rows - n, rows)],
+                                 device=device)
     return DecodePlan(num_seqs, groups, prefix, order_t, inverse,
                       torch.tensor(suffix, dtype=torch.long, device=device),
-                      _suffix_mask(positions, [lengths[s] for s in order]), layout, tuple(order), positions)
+                      _suffix_mask(positions, [lengths[s] for s in order], rows), layout, tuple(order), positions,
+                      rows, row_index)
 
 
-def _suffix_mask(positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """[S, 1, 1, T] additive mask: 0 for suffix keys before each sequence's context end, else -inf."""
+def _suffix_mask(positions: torch.Tensor, lengths: list[int], rows: int = 1) -> torch.Tensor:
+    """[S, 1, rows, T] additive mask: row j of a sequence of context length n sees the suffix
+    keys before n - rows + j + 1 (0), not the later ones (-inf). Every row sees at least key 0,
+    so a padding row never turns into NaN."""
     length = torch.tensor(lengths, device=positions.device)
-    mask = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
-    return mask.masked_fill_(positions >= length[:, None], float("-inf"))[:, None, None, :]
+    if rows == 1:
+        mask = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
+        return mask.masked_fill_(positions >= length[:, None], float("-inf"))[:, None, None, :]
+    ends = (length[:, None] - rows + 1 + torch.arange(rows, device=positions.device)[None, :]).clamp_(min=1)
+    mask = torch.zeros((len(lengths), rows, positions.shape[1]), dtype=torch.float32, device=positions.device)
+    return mask.masked_fill_(positions[:, None, :] >= ends[:, :, None], float("-inf"))[:, None]
 
 
 def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -223,17 +256,26 @@ def _heads_first(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor
 
 def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
                    scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
-    """One new token per sequence; cascade over shared prefixes (see the module docstring)."""
-    num_seqs = plan.num_seqs
+    """A few new tokens per sequence (`plan.rows`, usually one); cascade over shared prefixes
+    (see the module docstring). Query rows are laid out [S, Hkv, rows x group, D], token-major."""
+    num_seqs, rows = plan.num_seqs, plan.rows
     num_kv_heads, head_dim = k_cache.shape[2:]
     group = q.shape[1] // num_kv_heads
-    queries = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    width = rows * group  # query rows per sequence and KV head
+    queries = q.float()
+    if plan.row_index is not None:  # pad the sequences with fewer new tokens
+        padded = queries.new_zeros((num_seqs * rows, q.shape[1], head_dim))
+        padded[plan.row_index] = queries
+        queries = padded
+    queries = queries.view(num_seqs, rows, num_kv_heads, group, head_dim)
+    queries = queries.transpose(1, 2).reshape(num_seqs, num_kv_heads, width, head_dim)
     if plan.order is not None:
         queries = queries[plan.order]
+    mask = plan.suffix_mask if rows == 1 or group == 1 else plan.suffix_mask.repeat_interleave(group, dim=2)
     # Every sequence's own blocks (all of them where it shares nothing), batched and masked.
     k = _heads_first(k_cache[plan.suffix_tables].flatten(1, 2), k_scale)  # [S, Hkv, W * block, D]
     v = _heads_first(v_cache[plan.suffix_tables].flatten(1, 2), v_scale)
-    out, lse = _attend_lse(queries, k, v, scale, plan.suffix_mask)
+    out, lse = _attend_lse(queries, k, v, scale, mask)
     if plan.groups:
         shared_out, shared_lse = [], []
         for g in plan.groups:  # each shared prefix once, for all its members' queries
@@ -242,19 +284,24 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             k = _heads_first(k_cache[blocks].view(parts), k_scale)  # [splits, Hkv, T / splits, D], a view when sliced
             v = _heads_first(v_cache[blocks].view(parts), v_scale)
             members = g.end - g.start
-            grouped = queries[g.start:g.end].transpose(0, 1).reshape(1, num_kv_heads, members * group, head_dim)
+            grouped = queries[g.start:g.end].transpose(0, 1).reshape(1, num_kv_heads, members * width, head_dim)
             o, l = _attend_lse(grouped.expand(g.splits, -1, -1, -1), k, v, scale)
             if g.splits > 1:  # merge the parts
                 whole = torch.logsumexp(l, 0, keepdim=True)
                 o, l = (o * torch.exp(l - whole)[..., None]).sum(0, keepdim=True), whole
-            shared_out.append(o.reshape(num_kv_heads, members, group, head_dim).transpose(0, 1))
-            shared_lse.append(l.reshape(num_kv_heads, members, group).transpose(0, 1))
+            shared_out.append(o.reshape(num_kv_heads, members, width, head_dim).transpose(0, 1))
+            shared_lse.append(l.reshape(num_kv_heads, members, width).transpose(0, 1))
         n = plan.groups[-1].end
         merged = _merge(torch.cat(shared_out), torch.cat(shared_lse), out[:n], lse[:n])
         out = merged if n == num_seqs else torch.cat((merged, out[n:]))
     if plan.inverse is not None:
         out = out[plan.inverse]
-    return out.reshape(num_seqs, q.shape[1], head_dim).to(q.dtype)
+    if rows > 1:
+        out = out.view(num_seqs, num_kv_heads, rows, group, head_dim).transpose(1, 2)
+    out = out.reshape(num_seqs * rows, q.shape[1], head_dim)
+    if plan.row_index is not None:
+        out = out[plan.row_index]
+    return out.to(q.dtype)
 
 
 def _consecutive(blocks: list[int]) -> bool:

@@ -397,3 +397,56 @@ def test_a_decode_plan_is_reused_while_only_context_lengths_move():
                                     plan=AttentionPlan(None, plan, []))
         want = paged_decode_attention_ref(q, k_cache, v_cache, tab, lens, scale=dim ** -0.5)
         torch.testing.assert_close(got, want, **OUT_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-attention", "matmul-fallback"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+def test_decode_rows_of_several_new_tokens_match_the_prefill_reference(cache_dtype, fused, monkeypatch):
+    """Sequences bringing a few new tokens each (a next token plus a speculative draft), over
+    shared prefixes, give the reference's causal result row for row: uneven counts (padded at
+    the front), even counts (no padding), and rows mixed with a long prompt chunk."""
+    from kvctl.kernels import paged_attention_torch, torch_paged
+    from kvctl.kernels.torch_paged import plan_attention
+
+    if not fused:
+        monkeypatch.setattr(torch_paged, "_FLASH_CPU", None)
+    torch.manual_seed(21)
+    block, heads, kv_heads, dim, blocks = 16, 4, 2, 64, 80
+    q_dtype = query_dtype(cache_dtype)
+    extra = {}
+    if cache_dtype == torch.int8:
+        k_cache = torch.randint(-127, 128, (blocks, block, kv_heads, dim), dtype=torch.int8)
+        v_cache = torch.randint(-127, 128, (blocks, block, kv_heads, dim), dtype=torch.int8)
+        extra = dict(k_scale=torch.tensor([0.02, 0.03]), v_scale=torch.tensor([0.01, 0.04]))
+    else:
+        k_cache = torch.randn(blocks, block, kv_heads, dim).to(cache_dtype)
+        v_cache = torch.randn(blocks, block, kv_heads, dim).to(cache_dtype)
+    shared = list(range(10, 16))
+    tables = [shared + [30, 31], shared + [32], shared + [33, 34], [60, 61, 62], [40, 41, 42, 43, 44, 45, 46]]
+    lengths = [7 * 16 + 5, 6 * 16 + 16, 6 * 16 + 18, 40, 100]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    scale = dim ** -0.5
+
+    def check(counts, expect_rows, expect_padding):
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        qsl = torch.tensor(starts, dtype=torch.int32)
+        q = torch.randn(starts[-1], heads, dim).to(q_dtype)
+        plan = plan_attention(table, qsl, lens, block, max(counts))
+        assert plan.decode.rows == expect_rows
+        assert (plan.decode.row_index is not None) == expect_padding
+        got = paged_attention_torch(q, k_cache, v_cache, table, qsl, lens, scale=scale, plan=plan, **extra)
+        want = paged_prefill_attention_ref(q, k_cache, v_cache, table, qsl, lens, scale=scale, **extra)
+        torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
+        return plan
+
+    plan = check([3, 1, 5, 2, 4], 5, True)
+    assert plan.decode.groups[0].members == [0, 1, 2]
+    # the shared prefix ends before the first (padded) row of every member: 6 blocks here
+    assert plan.decode.groups[0].blocks == 6
+    check([4, 4, 4, 4, 4], 4, False)
+    mixed = check([2, 1, 3, 1, 40], 3, True)  # the 40-token chunk is attended as a prefill
+    assert mixed.prefills == [(7, 47, 4, 7)]
