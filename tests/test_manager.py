@@ -140,42 +140,6 @@ def test_decoded_blocks_are_indexed_and_reused():
     assert m.lookup(chain_keys(NS, PROMPT + [1, 2, 3, 4, 5, 6])) == 4
 
 
-def test_a_rolled_back_draft_returns_the_same_blocks_and_keys_only_what_is_appended_for_real():
-    """A speculative draft is appended without keys; rolling it back puts emptied blocks on top
-    of the reservation, so the accepted tokens land in the very rows the model wrote for them,
-    and only tokens appended by id ever get block keys."""
-    m = make_manager()
-    run_prompt(m, "r1", PROMPT, reserve=2)  # 10 tokens in blocks 0, 1, 2 (room for 12)
-    m.append_tokens("r1", [1])  # 11 tokens
-    m.append("r1", 6)  # a draft of 6: 17 tokens, two more blocks from the pool
-    drafted = m.block_table("r1")
-    assert len(drafted) == 5 and m.pool.num_indexed == 2  # the draft filled blocks but keyed none
-    m.rollback("r1", 6)
-    assert m.block_table("r1") == drafted[:3] and m.sequence("r1").num_tokens == 11
-    m.audit()
-    m.append_tokens("r1", [2, 3])  # two draft tokens accepted: 13 tokens, block 3 again
-    assert m.block_table("r1") == drafted[:4]
-    assert m.pool.num_indexed == 3  # the block the accepted tokens filled is keyed
-    m.release("r1")
-    assert m.lookup(chain_keys(NS, PROMPT + [1, 2])) == 3
-    m.audit()
-
-
-def test_rollback_refuses_keyed_or_prompt_tokens_and_changes_nothing():
-    m = make_manager()
-    run_prompt(m, "r1", PROMPT, reserve=4)
-    m.append_tokens("r1", [1, 2])  # 12 tokens: three keyed blocks
-    m.append("r1", 3)
-    before = snapshot(m)
-    with pytest.raises(InvalidRequest, match=r"request r1: cannot roll back 4 of 15 tokens \(12 are keyed or prompt\)"):
-        m.rollback("r1", 4)
-    with pytest.raises(InvalidRequest, match="cannot roll back -1 of 15"):
-        m.rollback("r1", -1)
-    assert snapshot(m) == before
-    m.rollback("r1", 3)
-    m.audit()
-
-
 def test_release_is_idempotent_and_tail_first():
     m = make_manager()
     run_prompt(m, "r1", PROMPT, reserve=6)

@@ -279,25 +279,6 @@ class KVCacheManager:
         seq.hasher = hasher
         return copies
 
-    def rollback(self, seq_id: str, num_tokens: int) -> None:
-        """Take back the last `num_tokens` tokens, appended without keys (a speculative draft).
-
-        Blocks left empty go back on top of the sequence's reservation, so the next append
-        takes the same blocks in the same order: rows the model wrote for draft tokens that
-        are then appended for real stay valid. Tokens under a block key cannot be taken back."""
-        seq = self.sequence(seq_id)
-        size = self.block_size
-        keep = seq.num_tokens - num_tokens if isinstance(num_tokens, int) else -1
-        if num_tokens < 0 or keep < max(len(seq.keys) * size, seq.prompt_tokens):
-            raise InvalidRequest(f"request {seq_id}: cannot roll back {num_tokens!r} of {seq.num_tokens} tokens "
-                                 f"({max(len(seq.keys) * size, seq.prompt_tokens)} are keyed or prompt)")
-        blocks = -(-keep // size)
-        emptied = seq.table[blocks:]
-        del seq.table[blocks:]
-        seq.reserve.extend(reversed(emptied))
-        self.num_reserved += len(emptied)
-        seq.num_tokens = keep
-
     def fork(self, parent_id: str, child_id: str, reserve_tokens: int = 0) -> Admission:
         """A child sequence sharing every block of its parent (ref counts +1).
 
