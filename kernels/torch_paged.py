@@ -23,7 +23,7 @@ itself with a causal square (so the masked half is skipped), merged the same way
     block_tables     [num_seqs, max_blocks] int32
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,6 +43,27 @@ class PrefixGroup:
     start: int
     end: int
     splits: int = 1  # the prefix is attended in this many equal parts, merged by log-sum-exp
+
+
+@dataclass
+class PrefixStack:
+    """Shared prefixes attended in one call: the groups' prefix rows copied side by side (once
+    per plan, per layer), shorter prefixes padded and masked, and each group's queries padded
+    to the largest group's count.
+
+    The copy is safe to keep for as long as the plan is reused: a plan is only reused between
+    pure decode steps over the same block tables, and in such a step no shared prefix block is
+    written (each sequence writes after its prefix) or given back (its members hold it)."""
+
+    blocks: torch.Tensor  # [G, longest] block ids (a shorter prefix repeats its last block)
+    members: int  # query slots per group (the largest group's member count)
+    rows: torch.Tensor | None  # [G * members] plan-order sequence of each slot; None: groups are full
+    valid: torch.Tensor | None  # real slots among the G * members, in plan order; None: all
+    mask: torch.Tensor | None  # [G, 1, 1, keys] -inf past a shorter prefix; None: equal lengths
+    copies: dict = field(default_factory=dict)  # cache tensor -> (k rows, v rows) or None when too big
+
+
+STACK_MAX_BYTES = 16 << 20  # the stacked K+V copy of one layer stays under this, else one call per group
 
 
 @dataclass
@@ -66,6 +87,7 @@ class DecodePlan:
     key_positions: torch.Tensor | None = None  # [S, W * block_size] position of each suffix key, plan order
     rows: int = 1  # query rows per sequence (1: plain decode)
     row_index: torch.Tensor | None = None  # padded row of each real row, batch order
+    stack: PrefixStack | None = None  # the groups' prefixes in one call, when worth it
 
 
 @dataclass
@@ -187,7 +209,45 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     return DecodePlan(num_seqs, groups, prefix, order_t, inverse,
                       torch.tensor(suffix, dtype=torch.long, device=device),
                       _suffix_mask(positions, [lengths[s] for s in order], rows), layout, tuple(order), positions,
-                      rows, row_index)
+                      rows, row_index, _plan_stack(groups, tables, block_size, device))
+
+
+def _plan_stack(groups: list[PrefixGroup], tables: list[list[int]], block_size: int,
+                device: torch.device) -> PrefixStack | None:
+    """Stack two or more unsplit prefixes whose padding to the longest costs at most half again."""
+    if len(groups) < 2 or any(g.splits > 1 for g in groups):
+        return None
+    longest = max(g.blocks for g in groups)
+    if 2 * sum(longest - g.blocks for g in groups) > sum(g.blocks for g in groups):
+        return None
+    ids = []
+    for g in groups:
+        own = tables[g.members[0]][:g.blocks]
+        ids.append(own + [own[-1]] * (longest - g.blocks))
+    members = max(len(g.members) for g in groups)
+    rows = valid = mask = None
+    if any(len(g.members) < members for g in groups):
+        rows = torch.tensor([g.start + min(i, len(g.members) - 1) for g in groups for i in range(members)],
+                            device=device)
+        valid = torch.tensor([n * members + i for n, g in enumerate(groups) for i in range(len(g.members))],
+                             device=device)
+    if any(g.blocks < longest for g in groups):
+        keys = torch.arange(longest * block_size, device=device)
+        ends = torch.tensor([g.blocks * block_size for g in groups], device=device)
+        mask = torch.zeros((len(groups), longest * block_size), dtype=torch.float32, device=device)
+        mask = mask.masked_fill_(keys[None, :] >= ends[:, None], float("-inf"))[:, None, None, :]
+    return PrefixStack(torch.tensor(ids, dtype=torch.long, device=device), members, rows, valid, mask)
+
+
+def _stacked_rows(stack: PrefixStack, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The stacked prefixes' raw cache rows [G, keys, Hkv, D] (copied on first use by a layer),
+    or None when the copy would exceed STACK_MAX_BYTES."""
+    key = k_cache.data_ptr()
+    if key not in stack.copies:
+        size = 2 * stack.blocks.numel() * k_cache[0].numel() * k_cache.element_size()
+        stack.copies[key] = None if size > STACK_MAX_BYTES else (k_cache[stack.blocks].flatten(1, 2),
+                                                                 v_cache[stack.blocks].flatten(1, 2))
+    return stack.copies[key]
 
 
 def _suffix_mask(positions: torch.Tensor, lengths: list[int], rows: int = 1) -> torch.Tensor:
@@ -276,7 +336,21 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     k = _heads_first(k_cache[plan.suffix_tables].flatten(1, 2), k_scale)  # [S, Hkv, W * block, D]
     v = _heads_first(v_cache[plan.suffix_tables].flatten(1, 2), v_scale)
     out, lse = _attend_lse(queries, k, v, scale, mask)
-    if plan.groups:
+    stacked = _stacked_rows(plan.stack, k_cache, v_cache) if plan.stack is not None else None
+    if stacked is not None:  # every shared prefix in one call
+        st, count = plan.stack, len(plan.groups)
+        k, v = _heads_first(stacked[0], k_scale), _heads_first(stacked[1], v_scale)  # [G, Hkv, keys, D]
+        grouped = queries[st.rows] if st.rows is not None else queries[:count * st.members]
+        grouped = grouped.view(count, st.members, num_kv_heads, width, head_dim).transpose(1, 2)
+        o, l = _attend_lse(grouped.reshape(count, num_kv_heads, st.members * width, head_dim), k, v, scale, st.mask)
+        o = o.view(count, num_kv_heads, st.members, width, head_dim).transpose(1, 2).flatten(0, 1)
+        l = l.view(count, num_kv_heads, st.members, width).transpose(1, 2).flatten(0, 1)
+        if st.valid is not None:
+            o, l = o[st.valid], l[st.valid]
+        n = plan.groups[-1].end
+        merged = _merge(o, l, out[:n], lse[:n])
+        out = merged if n == num_seqs else torch.cat((merged, out[n:]))
+    elif plan.groups:
         shared_out, shared_lse = [], []
         for g in plan.groups:  # each shared prefix once, for all its members' queries
             blocks = slice(g.first_block, g.first_block + g.blocks) if g.scattered is None else g.scattered

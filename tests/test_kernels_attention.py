@@ -450,3 +450,65 @@ def test_decode_rows_of_several_new_tokens_match_the_prefill_reference(cache_dty
     check([4, 4, 4, 4, 4], 4, False)
     mixed = check([2, 1, 3, 1, 40], 3, True)  # the 40-token chunk is attended as a prefill
     assert mixed.prefills == [(7, 47, 4, 7)]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8], ids=str)
+def test_shared_prefixes_of_different_lengths_are_attended_in_one_stacked_call(cache_dtype, monkeypatch):
+    """Three groups (5, 4 and 4 shared blocks; 3, 2 and 2 members) go through one call over a
+    copy of their prefixes, padded and masked; the copy is made once per layer cache and kept
+    while the plan is reused; over the size limit each group gets its own call. All three
+    routes give the reference's output."""
+    from kvctl.kernels import paged_attention_torch, torch_paged
+    from kvctl.kernels.torch_paged import AttentionPlan, plan_decode
+
+    torch.manual_seed(13)
+    block, heads, kv_heads, dim = 16, 4, 2, 64
+    if cache_dtype == torch.int8:
+        k_cache = torch.randint(-127, 128, (80, block, kv_heads, dim), dtype=torch.int8)
+        v_cache = torch.randint(-127, 128, (80, block, kv_heads, dim), dtype=torch.int8)
+        extra = dict(k_scale=torch.tensor([0.02, 0.03]), v_scale=torch.tensor([0.01, 0.04]))
+    else:
+        k_cache, v_cache = torch.randn(80, block, kv_heads, dim), torch.randn(80, block, kv_heads, dim)
+        extra = {}
+    a, b, c = list(range(10, 15)), [40, 3, 17, 9], list(range(20, 24))
+    tables = [a + [30], a + [31, 32], a + [33], b + [34], b + [35], c + [36], c + [37]]
+    lengths = [5 * 16 + 3, 6 * 16 + 2, 5 * 16 + 16, 4 * 16 + 7, 4 * 16 + 1, 4 * 16 + 9, 4 * 16 + 12]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    plan = plan_decode(table, lens, block)
+    stack = plan.stack
+    assert [g.blocks for g in plan.groups] == [5, 4, 4] and stack.members == 3
+    assert stack.blocks.tolist() == [a, b + [9], c + [23]]  # shorter prefixes repeat their last block
+    assert stack.rows.tolist() == [0, 1, 2, 3, 4, 4, 5, 6, 6] and stack.valid.tolist() == [0, 1, 2, 3, 4, 6, 7]
+    assert (stack.mask[1, 0, 0] == 0).sum() == 64 and (stack.mask[0, 0, 0] == 0).sum() == 80
+    q = torch.randn(len(tables), heads, dim)
+    ones = torch.arange(len(tables) + 1, dtype=torch.int32)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale=dim ** -0.5, **extra)
+
+    def attend(p):
+        return paged_attention_torch(q, k_cache, v_cache, table, ones, lens, scale=dim ** -0.5,
+                                     plan=AttentionPlan(None, p, []), **extra)
+
+    torch.testing.assert_close(attend(plan), want, **OUT_TOL[torch.float32])
+    copied = stack.copies[k_cache.data_ptr()]
+    assert copied[0].shape == (3, 80, kv_heads, dim)
+    moved = plan_decode(table, lens, block, reuse=plan)  # the next step, same tables: same copy
+    assert moved.stack is stack
+    torch.testing.assert_close(attend(moved), want, **OUT_TOL[torch.float32])
+    assert stack.copies[k_cache.data_ptr()] is copied
+    monkeypatch.setattr(torch_paged, "STACK_MAX_BYTES", 1024)
+    fresh = plan_decode(table, lens, block)
+    torch.testing.assert_close(attend(fresh), want, **OUT_TOL[torch.float32])
+    assert fresh.stack.copies == {k_cache.data_ptr(): None}  # too big: one call per group
+
+
+def test_prefixes_too_uneven_to_pad_are_not_stacked():
+    from kvctl.kernels.torch_paged import plan_decode
+
+    long, short = list(range(10, 20)), [40, 41]
+    tables = [long + [30], long + [31], short + [32], short + [33]]
+    lens = torch.tensor([10 * 16 + 2, 10 * 16 + 3, 2 * 16 + 5, 2 * 16 + 6], dtype=torch.int32)
+    table = torch.tensor([t + [0] * (11 - len(t)) for t in tables], dtype=torch.int32)
+    plan = plan_decode(table, lens, 16)
+    assert [g.blocks for g in plan.groups] == [10, 2] and plan.stack is None  # 8 padding blocks for 12 real
