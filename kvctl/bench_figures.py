@@ -73,3 +73,24 @@ def ratios(kvd: dict, baseline: dict | None) -> dict:
         a, b = kvd.get(name), baseline.get(name)
         out[name] = a / b if a is not None and b not in (None, 0, 0.0) else None
     return out
+
+
+def engine_figures(before: dict, after: dict, wall_seconds: float) -> dict | None:
+    """What the daemon's engine did during a run, from its /admin/status `steps` before and after:
+    model steps by kind, the fraction of the run's wall time spent in steps, and the mean decode
+    step. Next to the client's inter-token latency it shows what serving adds on top of the model
+    (a busy fraction near 1 means the engine is the limit). None when the daemon does not report
+    steps (an older kvd)."""
+    if "steps" not in before or "steps" not in after or wall_seconds <= 0:
+        return None
+
+    def delta(kind: str, field_name: str) -> float:
+        old = before["steps"].get(kind, {}).get(field_name, 0)
+        return after["steps"].get(kind, {}).get(field_name, 0) - old
+
+    kinds = sorted(after["steps"])
+    steps = {kind: int(delta(kind, "count")) for kind in kinds}
+    busy = sum(delta(kind, "seconds") for kind in kinds)
+    decodes = steps.get("decode", 0)
+    return {"steps": steps, "busy_fraction": busy / wall_seconds,
+            "decode_step_mean_s": delta("decode", "seconds") / decodes if decodes else None}

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .bench_figures import RequestRecord, figures, ratios
+from .bench_figures import RequestRecord, engine_figures, figures, ratios
 from .errors import UserError
 from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
 
@@ -200,6 +200,7 @@ def serve_command(
         task = progress.add_task("bench", total=total)
         tick = lambda: progress.advance(task)  # noqa: E731
         kvd_records = asyncio.run(_drive(sync, work, None if rate else concurrency, rate, seed, tick))
+        after = sync.get("/admin/status")
         base_records = None
         if baseline == "transformers":
             base_records = run_transformers_baseline(status["model"]["path"], work, concurrency or 8, tick)
@@ -212,6 +213,7 @@ def serve_command(
                      "max_tokens": max_tokens, "seed": seed, "time_scale": time_scale,
                      "block_tokens": block_tokens, "baseline": baseline},
         "kvd": kvd_figures, "baseline": base_figures, "ratio": ratios(kvd_figures, base_figures),
+        "engine": engine_figures(status, after, _span(kvd_records)),
         "model": {"name": status["model"]["name"], "revision": status["model"]["revision"]},
         "versions": _versions(),
     }
@@ -236,6 +238,12 @@ def serve_command(
         typer.echo(json.dumps(document, indent=2))
         return
     _print_report(document, previous)
+
+
+def _span(records: list[RequestRecord]) -> float:
+    """Wall time from the first request sent to the last one done."""
+    ends = [r.end for r in records if r.end is not None]
+    return max(ends) - min(r.start for r in records) if ends else 0.0
 
 
 def _conn(ctx: typer.Context) -> dict:
@@ -295,6 +303,13 @@ def _print_report(document: dict, previous: dict | None) -> None:
             row += [_fmt(old, name), "-" if not old or new is None else f"{(new - old) / old:+.1%}"]
         table.add_row(*row)
     Console().print(table)
+    engine = document.get("engine")
+    if engine:
+        step = engine["decode_step_mean_s"]
+        Console().print(f"kvd engine: busy {engine['busy_fraction']:.0%} of the run; "
+                        + ", ".join(f"{n} {kind} steps" for kind, n in engine["steps"].items() if n)
+                        + ("" if step is None else f"; decode step {step * 1e3:.2f} ms mean "
+                           f"(inter-token p50 {_fmt(kvd.get('itl_p50_s'), 'itl_p50_s')} at the client)"))
     if document.get("run_id"):
         Console().print(f"stored as run {document['run_id']}")
 

@@ -187,7 +187,9 @@ def test_metrics_expose_the_documented_families(daemon):
                  "kvd_prompt_tokens_total", "kvd_recomputed_tokens_total",
                  'kvd_evicted_blocks_total{reason="capacity"}', "kvd_allocation_seconds_bucket",
                  'kvd_admission_rejections_total{reason="queue_full"}', "kvd_preemptions_total",
-                 "kvd_queue_age_seconds", "kvd_ttft_seconds_bucket", "kvd_inter_token_seconds_bucket"):
+                 "kvd_queue_age_seconds", "kvd_ttft_seconds_bucket", "kvd_inter_token_seconds_bucket",
+                 'kvd_engine_steps_total{kind="prefill"}', 'kvd_engine_steps_total{kind="decode"}',
+                 'kvd_engine_step_seconds_total{kind="decode"}'):
         assert name in text, name
 
 

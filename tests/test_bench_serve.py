@@ -69,6 +69,20 @@ def test_percentiles_and_figures_on_a_synthetic_latency_set():
     assert ratios(f, {**f, "output_tokens_per_second": 1.5})["output_tokens_per_second"] == 3.0
 
 
+def test_engine_figures_from_two_status_reports():
+    from kvctl.bench_figures import engine_figures
+
+    before = {"steps": {"decode": {"count": 10, "seconds": 0.02}, "prefill": {"count": 2, "seconds": 0.05}}}
+    after = {"steps": {"decode": {"count": 110, "seconds": 0.32}, "mixed": {"count": 4, "seconds": 0.04},
+                       "prefill": {"count": 2, "seconds": 0.05}}}
+    got = engine_figures(before, after, wall_seconds=0.5)
+    assert got["steps"] == {"decode": 100, "mixed": 4, "prefill": 0}
+    assert got["busy_fraction"] == pytest.approx((0.30 + 0.04) / 0.5)
+    assert got["decode_step_mean_s"] == pytest.approx(0.003)
+    assert engine_figures({}, after, 0.5) is None  # a daemon that does not report steps
+    assert engine_figures(after, after, 0.5)["decode_step_mean_s"] is None  # no decode step in the run
+
+
 def test_capacity_matches_hand_computed_llama3_figures():
     llama8b = ModelShape(layers=32, kv_heads=8, head_dim=128)
     llama70b = ModelShape(layers=80, kv_heads=8, head_dim=128)
@@ -106,6 +120,7 @@ def test_capacity_command_compares_dtypes(capsys, tmp_path):
 
 def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
     pytest.importorskip("transformers")
+    from kvctl.bench_figures import engine_figures
     from kvctl.bench_serve import drive_kvd, run_transformers_baseline
 
     from .daemon_fixtures import apps, blocks_all_back, start_service, token_table
@@ -132,7 +147,11 @@ def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
                 server.should_exit = True
                 await serving
 
+        before = service.status()
         records = asyncio.run(run())
+        engine = engine_figures(before, service.status(), 1.0)
+        # six requests of four tokens, two at a time: at least nine steps that decode
+        assert engine["steps"].get("decode", 0) + engine["steps"].get("mixed", 0) >= 9
         assert [r.status for r in records] == ["ok"] * 6
         assert all(len(r.token_times) == 4 for r in records)
         assert [r.cached_tokens for r in records] == [0, 0, 64, 64, 64, 64]

@@ -342,3 +342,20 @@ def test_a_waiting_prompt_is_hashed_once_not_every_step(demo, monkeypatch):
     _, alone = run(demo, [second_ids], SamplingParams(max_tokens=60, ignore_eos=True))
     assert [s.output_ids for s in second.sequences] == alone[0]
     assert first.sequences[0].finish_reason == "length" and all_blocks_back(engine)
+
+
+def test_steps_are_counted_and_timed_by_kind(demo):
+    """A prompt alone is a prefill step, decodes alone are decode steps, and a prompt chunk
+    beside decodes makes a mixed step; each kind's time is summed for the busy figure."""
+    clock = iter(range(1000)).__next__
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16), clock=lambda: float(clock()))
+    engine.add_request(prompt(demo, PROMPTS[0]), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # the whole prompt, and its first token
+    engine.step()
+    assert engine.stats.steps == {"prefill": 1, "decode": 1}
+    engine.add_request(prompt(demo, PROMPTS[1]), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()  # the second prompt beside the first request's decode
+    engine.run_until_done()
+    assert engine.stats.steps == {"prefill": 1, "decode": 2, "mixed": 1}
+    assert set(engine.stats.step_seconds) == {"prefill", "decode", "mixed"}
+    assert all(seconds > 0 for seconds in engine.stats.step_seconds.values())

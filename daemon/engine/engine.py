@@ -79,6 +79,8 @@ class EngineStats:
     finished: int = 0
     restored_tokens: int = 0  # prompt tokens brought back from a lower tier instead of recomputed
     alloc_seconds: list[float] = field(default_factory=list)  # per cache call; drained by the server
+    steps: dict[str, int] = field(default_factory=dict)  # model steps by kind: decode, mixed, prefill
+    step_seconds: dict[str, float] = field(default_factory=dict)  # wall time of those steps (admission to tokens)
 
 
 class Engine:
@@ -280,6 +282,7 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        step_started = time.perf_counter()
         self._admit()
         plan = self._plan()
         if not plan:
@@ -294,7 +297,13 @@ class Engine:
         logits = self.model.forward(batch, self.kv_caches)
         if self.tiers is not None:
             self._after_forward(plan, time.perf_counter() - started)
-        return self._advance(plan, sample_rows, logits)
+        events = self._advance(plan, sample_rows, logits)
+        decodes = sum(1 for seq, n in plan if n == 1 and seq.status is not SeqStatus.PREFILL)
+        kind = "decode" if decodes == len(plan) else "prefill" if decodes == 0 else "mixed"
+        stats = self.stats
+        stats.steps[kind] = stats.steps.get(kind, 0) + 1
+        stats.step_seconds[kind] = stats.step_seconds.get(kind, 0.0) + time.perf_counter() - step_started
+        return events
 
     def _after_forward(self, plan, seconds: float) -> None:
         """Feed the measured prefill rate to the tiering policy; write-through newly full blocks."""

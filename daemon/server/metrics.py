@@ -54,6 +54,7 @@ class _EngineCollector:
             rejections = dict(stats.rejections)
             prompt, hit, recomputed, preemptions = (stats.prompt_tokens, stats.hit_tokens,
                                                     stats.recomputed_tokens, stats.preemptions)
+            steps, step_seconds = dict(stats.steps), dict(stats.step_seconds)
         blocks = GaugeMetricFamily("kvd_blocks", "KV cache blocks by state and tier", labels=["state", "tier"])
         for state, value in counts.items():
             blocks.add_metric([state, "device"], value)
@@ -63,6 +64,15 @@ class _EngineCollector:
                                   value=hit)
         yield CounterMetricFamily("kvd_recomputed_tokens", "Tokens computed again after preemption",
                                   value=recomputed)
+        counted = CounterMetricFamily("kvd_engine_steps", "Model steps by kind (decode, mixed, prefill)",
+                                      labels=["kind"])
+        busy = CounterMetricFamily("kvd_engine_step_seconds", "Wall time of model steps by kind; its rate is "
+                                   "the fraction of time the engine is busy", labels=["kind"])
+        for kind in sorted(steps):
+            counted.add_metric([kind], steps[kind])
+            busy.add_metric([kind], step_seconds[kind])
+        yield counted
+        yield busy
         evicted = CounterMetricFamily("kvd_evicted_blocks", "Cached blocks evicted", labels=["reason"])
         evicted.add_metric(["capacity"], pool.evictions)
         evicted.add_metric(["operator"], pool.operator_evictions)

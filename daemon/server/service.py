@@ -455,6 +455,9 @@ class EngineService:
                 "queue": {"waiting": len(waiting), "oldest_age_seconds": oldest,
                           "running": engine.num_running},
                 "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
+                # model steps by kind and their summed wall time: Δseconds / Δwall is how busy the engine is
+                "steps": {kind: {"count": stats.steps[kind], "seconds": stats.step_seconds[kind]}
+                          for kind in sorted(stats.steps)},
                 "pins": len(cache.pins.all()),
                 "cache": self.cache_status(),
                 "uptime_seconds": time.time() - self.started_at,
