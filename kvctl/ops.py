@@ -114,6 +114,12 @@ def render_status(data: dict, console: Console | None = None):
                           f"p99 {_fmt_seconds(ttft.get('p99'))}")
     facts.add_row("inter-token", f"p50 {_fmt_seconds(itl.get('p50'))}  p95 {_fmt_seconds(itl.get('p95'))}  "
                                  f"p99 {_fmt_seconds(itl.get('p99'))}")
+    steps = data.get("steps") or {}
+    if steps:
+        decode = steps.get("decode")
+        mean = f"; decode step {_fmt_seconds(decode['seconds'] / decode['count'])} mean" if decode else ""
+        facts.add_row("engine", ", ".join(f"{s['count']:,} {kind}" for kind, s in steps.items())
+                      + f" steps, {_fmt_seconds(sum(s['seconds'] for s in steps.values()))} busy{mean}")
     for gpu in data.get("gpu") or []:
         facts.add_row(f"GPU {gpu['index']}", f"{gpu['name']}: {gpu['memory_used'] / 2**30:.1f} of "
                                              f"{gpu['memory_total'] / 2**30:.1f} GiB, {gpu['utilization']}% busy")

@@ -168,3 +168,22 @@ def test_readme_documents_every_command():
     root = typer.main.get_command(app)
     for path, _ in _commands(root):
         assert f"kvctl {' '.join(path)}" in readme, path
+
+
+def test_status_shows_the_engine_steps_and_mean_decode_step():
+    from rich.console import Console
+
+    from kvctl.ops import render_status
+
+    data = {"blocks": {"device": {"total": 8, "free": 8, "reserved": 0, "active": 0, "shared": 0, "cached": 0,
+                                  "pinned": 0}},
+            "block_size": 16, "bytes_per_token": 1024,
+            "model": {"name": "m", "architecture": "llama", "revision": "0" * 16, "device": "cpu"},
+            "tokens": {"hit": 0, "prompt": 0, "hit_ratio": 0.0, "recomputed": 0}, "preemptions": 0,
+            "evictions": {"capacity": 0, "operator": 0}, "eviction_policy": "lru",
+            "queue": {"waiting": 0, "oldest_age_seconds": 0.0, "running": 0}, "rejections": {}, "pins": 0,
+            "steps": {"decode": {"count": 100, "seconds": 0.3}, "mixed": {"count": 4, "seconds": 0.05}}}
+    console = Console(record=True, width=200)
+    render_status(data, console)
+    text = " ".join(console.export_text().split())
+    assert "engine 100 decode, 4 mixed steps, 350.0 ms busy; decode step 3.0 ms mean" in text

@@ -102,7 +102,10 @@ def test_kvd_end_to_end(tmp_path):
 
         status = json.loads(kvd.kvctl("status", "--json").stdout)
         assert status["tokens"]["hit"] >= 64 and status["blocks"]["device"]["total"] == 128
-        assert "prefix hits" in kvd.kvctl("status").stdout
+        # three requests one after another: a prefill step each, then 7 + 7 + 4 decode steps
+        assert {kind: s["count"] for kind, s in status["steps"].items()} == {"prefill": 3, "decode": 18}
+        shown = kvd.kvctl("status").stdout
+        assert "prefix hits" in shown and "18 decode, 3 prefill steps" in " ".join(shown.split())
 
         # A client that goes away mid-stream cancels its request and frees its blocks.
         body = {"prompt": system + "Tell a very long story.", "max_tokens": 1800, "ignore_eos": True,
