@@ -51,9 +51,10 @@ class PrefixStack:
     per plan, per layer), shorter prefixes padded and masked, and each group's queries padded
     to the largest group's count.
 
-    The copy is safe to keep for as long as the plan is reused: a plan is only reused between
-    pure decode steps over the same block tables, and in such a step no shared prefix block is
-    written (each sequence writes after its prefix) or given back (its members hold it)."""
+    The copy is safe to keep for as long as the plan is reused: a plan is only reused while the
+    decoding sequences keep the same blocks, and meanwhile no shared prefix block is written
+    (every sequence, decoding or prefilling, writes only after its shared blocks, in blocks it
+    holds alone) or given back (its members hold it)."""
 
     blocks: torch.Tensor  # [G, longest] block ids (a shorter prefix repeats its last block)
     members: int  # query slots per group (the largest group's member count)
@@ -106,7 +107,8 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, co
                    block_size: int, max_new_tokens: int | None = None,
                    previous: AttentionPlan | None = None) -> AttentionPlan:
     """Group a batch once per step: decodes (cascaded over shared prefixes) and prefills.
-    `previous` (the last step's plan) is reused for a pure decode batch laid out as before."""
+    `previous` (the last step's plan): its decode grouping is kept when this step's decoding
+    sequences are laid out as before, beside prompt chunks or not."""
     splits = torch.get_num_threads()
     if max_new_tokens == 1:
         counts = None
@@ -114,7 +116,7 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, co
         starts = query_start_loc.tolist()
         counts = [b - a for a, b in zip(starts, starts[1:])]
     if counts is None or max(counts, default=0) <= DECODE_MAX_ROWS:
-        reuse = previous.decode if previous is not None and previous.decode_rows is None else None
+        reuse = previous.decode if previous is not None else None
         return AttentionPlan(None, plan_decode(block_tables, context_lens, block_size, splits, reuse=reuse,
                                                counts=counts), [])
     decodes = [s for s, n in enumerate(counts) if n <= DECODE_MAX_ROWS]
@@ -122,6 +124,7 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, co
     if decodes:
         index = torch.tensor(decodes, device=block_tables.device)
         decode = plan_decode(block_tables[index], context_lens[index], block_size, splits,
+                             reuse=previous.decode if previous is not None else None,
                              counts=[counts[s] for s in decodes])
         rows = torch.tensor([r for s in decodes for r in range(starts[s], starts[s + 1])], device=block_tables.device)
     lengths = context_lens.tolist()
@@ -158,13 +161,13 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     rows; the shared prefix ends before the first of them.
 
     Between two decode steps usually only the context lengths move: when `reuse` was planned
-    from the same tables, blocks in use and counts, its grouping is kept and only the mask is
-    redone."""
+    from the same blocks in use and counts, its grouping is kept and only the mask is redone."""
     tables, lengths = block_tables.tolist(), context_lens.tolist()
     num_seqs, device = len(lengths), block_tables.device
     rows = max(counts) if counts else 1
     ends = [-(-n // block_size) for n in lengths]  # blocks in use per sequence
-    layout = (tables, ends, block_size, splits, min_split_keys, counts if rows > 1 else None)
+    used = [row[:end] for row, end in zip(tables, ends)]  # the batch pads tables to its widest
+    layout = (used, block_size, splits, min_split_keys, counts if rows > 1 else None)
     if reuse is not None and reuse.layout == layout:
         return replace(reuse, suffix_mask=_suffix_mask(reuse.key_positions, [lengths[s] for s in reuse.order_list],
                                                        rows))

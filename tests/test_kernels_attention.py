@@ -512,3 +512,43 @@ def test_prefixes_too_uneven_to_pad_are_not_stacked():
     table = torch.tensor([t + [0] * (11 - len(t)) for t in tables], dtype=torch.int32)
     plan = plan_decode(table, lens, 16)
     assert [g.blocks for g in plan.groups] == [10, 2] and plan.stack is None  # 8 padding blocks for 12 real
+
+
+def test_a_prompt_chunk_beside_the_decodes_keeps_their_plan_and_prefix_copy():
+    """Decode step, then the same decodes beside a new prompt chunk (its table wider than
+    theirs), then the decodes alone again: the grouping and the stacked prefix copy made in the
+    first step serve all three, and every step equals the reference."""
+    from kvctl.kernels import paged_attention_torch
+    from kvctl.kernels.torch_paged import plan_attention
+
+    torch.manual_seed(17)
+    block, heads, kv_heads, dim = 16, 4, 2, 64
+    k_cache, v_cache = torch.randn(60, block, kv_heads, dim), torch.randn(60, block, kv_heads, dim)
+    a, b = [3, 4, 5, 6], [10, 11, 12, 13]
+    decoding = [a + [20], a + [21], b + [22], b + [23]]
+    lengths = [4 * 16 + 3, 4 * 16 + 5, 4 * 16 + 2, 4 * 16 + 9]
+    chunk_table, chunk_len, chunk = a + [30, 31, 32, 33], 8 * 16, 40  # a prompt over prefix `a`, 40 new rows
+
+    def step(tables, lens, new_rows, previous):
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        starts = [0]
+        for n in new_rows:
+            starts.append(starts[-1] + n)
+        qsl, lens_t = torch.tensor(starts, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+        plan = plan_attention(table, qsl, lens_t, block, max(new_rows), previous)
+        q = torch.randn(starts[-1], heads, dim)
+        got = paged_attention_torch(q, k_cache, v_cache, table, qsl, lens_t, scale=dim ** -0.5, plan=plan)
+        want = paged_prefill_attention_ref(q, k_cache, v_cache, table, qsl, lens_t, scale=dim ** -0.5)
+        torch.testing.assert_close(got, want, **OUT_TOL[torch.float32])
+        return plan
+
+    first = step(decoding, lengths, [1] * 4, None)
+    assert first.decode.stack is not None and first.decode.stack.copies
+    lengths = [n + 1 for n in lengths]
+    mixed = step(decoding + [chunk_table], lengths + [chunk_len], [1] * 4 + [chunk], first)
+    assert mixed.prefills and mixed.decode.groups is first.decode.groups
+    assert mixed.decode.stack is first.decode.stack
+    lengths = [n + 1 for n in lengths]
+    again = step(decoding, lengths, [1] * 4, mixed)
+    assert again.decode.groups is first.decode.groups
