@@ -7,14 +7,16 @@ prefill (any number) alike. It gathers K/V through the block tables (never a deq
 of the whole cache), so it suits the small batches and models of CPU serving; CUDA uses the
 Triton kernels.
 
-A decode row is a sequence's next token; a sequence may bring a few of them at once (up to
-`DECODE_MAX_ROWS`: its next token and a speculative draft to verify), each attending to the
-keys up to its own position. Decodes that share a cached prefix (the same physical blocks: a system prompt) use cascade
-attention: each group's common prefix is attended once for all its queries (a zero-copy slice
-of the cache when its blocks are contiguous), every sequence's own suffix in one batched call,
-and the two partial results merged by their log-sum-exp. The grouping is planned once per step
-from the block tables (`plan_attention`), in plain Python over a few hundred integers, and
-reused by every layer. A prompt chunk attends to its cached prefix without a mask and to
+A decode row is a sequence's next token. A sequence may bring up to `DECODE_MAX_ROWS` new
+tokens this way (a short prompt chunk), each attending to the keys up to its own position.
+Decodes that share a cached prefix (the same physical blocks: a system prompt) use cascade
+attention: each group's common prefix is attended once for all its queries, every sequence's
+own suffix in one batched call, and the two partial results merged by their log-sum-exp.
+Prefixes of similar length are attended together in one call over a copy of their rows
+(`PrefixStack`, kept while the plan is); otherwise each group gets its own call, reading a
+zero-copy slice of the cache when its blocks are contiguous. The grouping is planned once per
+step from the block tables (`plan_attention`), in plain Python over a few hundred integers,
+reused by every layer, and kept across steps while the decoding sequences keep their blocks. A prompt chunk attends to its cached prefix without a mask and to
 itself with a causal square (so the masked half is skipped), merged the same way.
 
     q                [total_new_tokens, num_heads, head_dim]
