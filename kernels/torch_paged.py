@@ -66,7 +66,7 @@ class PrefixStack:
     copies: dict = field(default_factory=dict)  # cache tensor -> (k rows, v rows) or None when too big
 
 
-STACK_MAX_BYTES = 16 << 20  # the stacked K+V copy of one layer stays under this, else one call per group
+STACK_MAX_BYTES = 64 << 20  # the stacked K+V copies of all layers stay under this; past it, one call per group
 
 
 @dataclass
@@ -246,12 +246,13 @@ def _plan_stack(groups: list[PrefixGroup], tables: list[list[int]], block_size: 
 
 def _stacked_rows(stack: PrefixStack, k_cache: torch.Tensor, v_cache: torch.Tensor):
     """The stacked prefixes' raw cache rows [G, keys, Hkv, D] (copied on first use by a layer),
-    or None when the copy would exceed STACK_MAX_BYTES."""
+    or None for a layer whose copy would take the plan's copies past STACK_MAX_BYTES."""
     key = k_cache.data_ptr()
     if key not in stack.copies:
+        held = sum(2 * k.numel() * k.element_size() for k, _ in filter(None, stack.copies.values()))
         size = 2 * stack.blocks.numel() * k_cache[0].numel() * k_cache.element_size()
-        stack.copies[key] = None if size > STACK_MAX_BYTES else (k_cache[stack.blocks].flatten(1, 2),
-                                                                 v_cache[stack.blocks].flatten(1, 2))
+        stack.copies[key] = None if held + size > STACK_MAX_BYTES else (k_cache[stack.blocks].flatten(1, 2),
+                                                                        v_cache[stack.blocks].flatten(1, 2))
     return stack.copies[key]
 
 

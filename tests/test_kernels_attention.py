@@ -456,8 +456,8 @@ def test_decode_rows_of_several_new_tokens_match_the_prefill_reference(cache_dty
 def test_shared_prefixes_of_different_lengths_are_attended_in_one_stacked_call(cache_dtype, monkeypatch):
     """Three groups (5, 4 and 4 shared blocks; 3, 2 and 2 members) go through one call over a
     copy of their prefixes, padded and masked; the copy is made once per layer cache and kept
-    while the plan is reused; over the size limit each group gets its own call. All three
-    routes give the reference's output."""
+    while the plan is reused; a layer whose copy would pass the size limit (all layers'
+    copies together) gives each group its own call. All routes give the reference's output."""
     from kvctl.kernels import paged_attention_torch, torch_paged
     from kvctl.kernels.torch_paged import AttentionPlan, plan_decode
 
@@ -497,10 +497,16 @@ def test_shared_prefixes_of_different_lengths_are_attended_in_one_stacked_call(c
     assert moved.stack is stack
     torch.testing.assert_close(attend(moved), want, **OUT_TOL[torch.float32])
     assert stack.copies[k_cache.data_ptr()] is copied
-    monkeypatch.setattr(torch_paged, "STACK_MAX_BYTES", 1024)
+    # the bound covers every layer's copy together: room for one layer, and the next goes per group
+    one_layer = 2 * copied[0].numel() * copied[0].element_size()
+    monkeypatch.setattr(torch_paged, "STACK_MAX_BYTES", one_layer + 1)
     fresh = plan_decode(table, lens, block)
+    second_k, second_v = k_cache.clone(), v_cache.clone()  # another layer's cache, same contents
     torch.testing.assert_close(attend(fresh), want, **OUT_TOL[torch.float32])
-    assert fresh.stack.copies == {k_cache.data_ptr(): None}  # too big: one call per group
+    got = paged_attention_torch(q, second_k, second_v, table, ones, lens, scale=dim ** -0.5,
+                                plan=AttentionPlan(None, fresh, []), **extra)
+    torch.testing.assert_close(got, want, **OUT_TOL[torch.float32])
+    assert fresh.stack.copies[k_cache.data_ptr()] is not None and fresh.stack.copies[second_k.data_ptr()] is None
 
 
 def test_prefixes_too_uneven_to_pad_are_not_stacked():
