@@ -16,8 +16,9 @@ Prefixes of similar length are attended together in one call over a copy of thei
 (`PrefixStack`, kept while the plan is); otherwise each group gets its own call, reading a
 zero-copy slice of the cache when its blocks are contiguous. The grouping is planned once per
 step from the block tables (`plan_attention`), in plain Python over a few hundred integers,
-reused by every layer, and kept across steps while the decoding sequences keep their blocks. A prompt chunk attends to its cached prefix without a mask and to
-itself with a causal square (so the masked half is skipped), merged the same way.
+reused by every layer, and kept across steps while the decoding sequences keep their blocks.
+A prompt chunk attends to its cached prefix without a mask and to itself with a causal square
+(so the masked half is skipped), merged the same way.
 
     q                [total_new_tokens, num_heads, head_dim]
     query_start_loc  [num_seqs + 1] int32
@@ -85,7 +86,7 @@ class DecodePlan:
     inverse: torch.Tensor | None
     suffix_tables: torch.Tensor  # [S, W] each row's blocks after its shared prefix (padded), plan order
     suffix_mask: torch.Tensor  # [S, 1, 1, W * block_size] 0 where a suffix key is in context, else -inf
-    layout: tuple = ()  # what the grouping was computed from: block tables, blocks in use, split settings
+    layout: tuple = ()  # what the grouping was computed from: blocks in use, split settings, counts
     order_list: tuple[int, ...] = ()
     key_positions: torch.Tensor | None = None  # [S, W * block_size] position of each suffix key, plan order
     rows: int = 1  # query rows per sequence (1: plain decode)
@@ -342,37 +343,14 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     k = _heads_first(k_cache[plan.suffix_tables].flatten(1, 2), k_scale)  # [S, Hkv, W * block, D]
     v = _heads_first(v_cache[plan.suffix_tables].flatten(1, 2), v_scale)
     out, lse = _attend_lse(queries, k, v, scale, mask)
-    stacked = _stacked_rows(plan.stack, k_cache, v_cache) if plan.stack is not None else None
-    if stacked is not None:  # every shared prefix in one call
-        st, count = plan.stack, len(plan.groups)
-        k, v = _heads_first(stacked[0], k_scale), _heads_first(stacked[1], v_scale)  # [G, Hkv, keys, D]
-        grouped = queries[st.rows] if st.rows is not None else queries[:count * st.members]
-        grouped = grouped.view(count, st.members, num_kv_heads, width, head_dim).transpose(1, 2)
-        o, l = _attend_lse(grouped.reshape(count, num_kv_heads, st.members * width, head_dim), k, v, scale, st.mask)
-        o = o.view(count, num_kv_heads, st.members, width, head_dim).transpose(1, 2).flatten(0, 1)
-        l = l.view(count, num_kv_heads, st.members, width).transpose(1, 2).flatten(0, 1)
-        if st.valid is not None:
-            o, l = o[st.valid], l[st.valid]
+    if plan.groups:
+        stacked = _stacked_rows(plan.stack, k_cache, v_cache) if plan.stack is not None else None
+        if stacked is not None:
+            shared_out, shared_lse = _attend_stacked(queries, stacked, plan, scale, k_scale, v_scale)
+        else:
+            shared_out, shared_lse = _attend_each_group(queries, k_cache, v_cache, plan, scale, k_scale, v_scale)
         n = plan.groups[-1].end
-        merged = _merge(o, l, out[:n], lse[:n])
-        out = merged if n == num_seqs else torch.cat((merged, out[n:]))
-    elif plan.groups:
-        shared_out, shared_lse = [], []
-        for g in plan.groups:  # each shared prefix once, for all its members' queries
-            blocks = slice(g.first_block, g.first_block + g.blocks) if g.scattered is None else g.scattered
-            parts = (g.splits, -1, num_kv_heads, head_dim)
-            k = _heads_first(k_cache[blocks].view(parts), k_scale)  # [splits, Hkv, T / splits, D], a view when sliced
-            v = _heads_first(v_cache[blocks].view(parts), v_scale)
-            members = g.end - g.start
-            grouped = queries[g.start:g.end].transpose(0, 1).reshape(1, num_kv_heads, members * width, head_dim)
-            o, l = _attend_lse(grouped.expand(g.splits, -1, -1, -1), k, v, scale)
-            if g.splits > 1:  # merge the parts
-                whole = torch.logsumexp(l, 0, keepdim=True)
-                o, l = (o * torch.exp(l - whole)[..., None]).sum(0, keepdim=True), whole
-            shared_out.append(o.reshape(num_kv_heads, members, width, head_dim).transpose(0, 1))
-            shared_lse.append(l.reshape(num_kv_heads, members, width).transpose(0, 1))
-        n = plan.groups[-1].end
-        merged = _merge(torch.cat(shared_out), torch.cat(shared_lse), out[:n], lse[:n])
+        merged = _merge(shared_out, shared_lse, out[:n], lse[:n])
         out = merged if n == num_seqs else torch.cat((merged, out[n:]))
     if plan.inverse is not None:
         out = out[plan.inverse]
@@ -382,6 +360,44 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if plan.row_index is not None:
         out = out[plan.row_index]
     return out.to(q.dtype)
+
+
+def _attend_stacked(queries: torch.Tensor, stacked: tuple, plan: DecodePlan, scale: float,
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+    """Every group's queries over its shared prefix in one call, from the stacked copy.
+    queries [S, Hkv, W, D] in plan order; returns out [members, Hkv, W, D] and lse [members, Hkv, W]
+    for the grouped sequences, in plan order."""
+    st, count = plan.stack, len(plan.groups)
+    _, num_kv_heads, width, head_dim = queries.shape
+    k, v = _heads_first(stacked[0], k_scale), _heads_first(stacked[1], v_scale)  # [G, Hkv, keys, D]
+    grouped = queries[st.rows] if st.rows is not None else queries[:count * st.members]
+    grouped = grouped.view(count, st.members, num_kv_heads, width, head_dim).transpose(1, 2)
+    o, l = _attend_lse(grouped.reshape(count, num_kv_heads, st.members * width, head_dim), k, v, scale, st.mask)
+    o = o.view(count, num_kv_heads, st.members, width, head_dim).transpose(1, 2).flatten(0, 1)
+    l = l.view(count, num_kv_heads, st.members, width).transpose(1, 2).flatten(0, 1)
+    return (o[st.valid], l[st.valid]) if st.valid is not None else (o, l)
+
+
+def _attend_each_group(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
+                       scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+    """Each group's shared prefix once for all its members' queries, one call per group (split
+    parts merged); same inputs and results as `_attend_stacked`."""
+    _, num_kv_heads, width, head_dim = queries.shape
+    shared_out, shared_lse = [], []
+    for g in plan.groups:
+        blocks = slice(g.first_block, g.first_block + g.blocks) if g.scattered is None else g.scattered
+        parts = (g.splits, -1, num_kv_heads, head_dim)
+        k = _heads_first(k_cache[blocks].view(parts), k_scale)  # [splits, Hkv, T / splits, D], a view when sliced
+        v = _heads_first(v_cache[blocks].view(parts), v_scale)
+        members = g.end - g.start
+        grouped = queries[g.start:g.end].transpose(0, 1).reshape(1, num_kv_heads, members * width, head_dim)
+        o, l = _attend_lse(grouped.expand(g.splits, -1, -1, -1), k, v, scale)
+        if g.splits > 1:  # merge the parts
+            whole = torch.logsumexp(l, 0, keepdim=True)
+            o, l = (o * torch.exp(l - whole)[..., None]).sum(0, keepdim=True), whole
+        shared_out.append(o.reshape(num_kv_heads, members, width, head_dim).transpose(0, 1))
+        shared_lse.append(l.reshape(num_kv_heads, members, width).transpose(0, 1))
+    return torch.cat(shared_out), torch.cat(shared_lse)
 
 
 def _consecutive(blocks: list[int]) -> bool:
