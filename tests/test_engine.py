@@ -357,5 +357,11 @@ def test_steps_are_counted_and_timed_by_kind(demo):
     engine.step()  # the second prompt beside the first request's decode
     engine.run_until_done()
     assert engine.stats.steps == {"prefill": 1, "decode": 2, "mixed": 1}
+    # a prompt cached but for its last token: a one-token chunk is still a prefill step
+    ids = prompt(demo, PROMPTS[0])
+    ids = ids[:len(ids) // 16 * 16 + 1]
+    engine.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()
+    assert engine.stats.steps["prefill"] == 2
     assert set(engine.stats.step_seconds) == {"prefill", "decode", "mixed"}
     assert all(seconds > 0 for seconds in engine.stats.step_seconds.values())

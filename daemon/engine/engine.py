@@ -297,9 +297,9 @@ class Engine:
         logits = self.model.forward(batch, self.kv_caches)
         if self.tiers is not None:
             self._after_forward(plan, time.perf_counter() - started)
-        events = self._advance(plan, sample_rows, logits)
-        decodes = sum(1 for seq, n in plan if n == 1 and seq.status is not SeqStatus.PREFILL)
+        decodes = sum(1 for seq, _ in plan if seq.status is SeqStatus.DECODE)  # before _advance moves prefills on
         kind = "decode" if decodes == len(plan) else "prefill" if decodes == 0 else "mixed"
+        events = self._advance(plan, sample_rows, logits)
         stats = self.stats
         stats.steps[kind] = stats.steps.get(kind, 0) + 1
         stats.step_seconds[kind] = stats.step_seconds.get(kind, 0.0) + time.perf_counter() - step_started
