@@ -155,7 +155,7 @@ async def _serve(settings, re_resolve) -> None:
         tcp_app = create_app(service, metrics, front="tcp", tokens=tokens, trusted_proxy=settings.trusted_proxy)
         servers.append((_Server(uvicorn.Config(tcp_app, host=host.strip("[]"), port=int(port),
                                                log_level="warning", lifespan="off")), None))
-    service.start()
+    service.start(confine_threads=True)
     log.info("kvd %s listening on %s%s", __version__, settings.socket,
              f" and {settings.listen}" if settings.listen else "")
     loop = asyncio.get_running_loop()

@@ -19,12 +19,12 @@ USER_TOKEN = "acme-user-token-0123456789"
 GLOBEX_TOKEN = "globex-user-token-012345"
 
 
-def start_service(state_dir, **settings) -> EngineService:
+def start_service(state_dir, confine_threads: bool = False, **settings) -> EngineService:
     config = resolve({"state_dir": str(state_dir), "socket": str(state_dir / "kvd.sock"),
                       "num_blocks": 64, **settings}, env={})
     service = EngineService(config, Store(state_dir / "kvd.sqlite3"))
     service.metrics = Metrics(service)
-    service.start()
+    service.start(confine_threads=confine_threads)
     assert service.ready.wait(60), service.load_error
     return service
 

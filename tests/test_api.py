@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 
@@ -348,3 +349,51 @@ def test_a_stream_that_fell_behind_sends_the_waiting_tokens_in_one_chunk(tmp_pat
     kept_up = asyncio.run(collect([[e] for e in events]))
     assert [c["token_ids"] for c in kept_up] == [[t] for t in ids]
     assert "".join(c["text"] for c in kept_up) == "kvcache"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_only_the_engine_thread_runs_torch_ops_on_several_threads(tmp_path):
+    """kvd confines torch's intra-op threads to the engine thread: a thread started later (a
+    request or tier worker) runs a large tensor op on itself, leaving no OpenMP team behind,
+    while the engine keeps its own count and still serves."""
+    import threading
+
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("one intra-op thread: nothing to confine")
+    service = start_service(tmp_path, confine_threads=True)
+    try:
+        assert service.engine_threads == threads
+        seen, ran, release = {}, threading.Event(), threading.Event()
+
+        def worker():  # lives on after its op, as request and tier workers do
+            seen["threads"] = torch.get_num_threads()
+            torch.randn(4_000_000).exp_().sum()  # far above torch's grain size: parallel if it could be
+            seen["tid"] = str(threading.get_native_id())
+            ran.set()
+            release.wait(30)
+
+        before = set(os.listdir("/proc/self/task"))
+        thread = threading.Thread(target=worker)
+        thread.start()
+        try:
+            assert ran.wait(30)
+            assert seen["threads"] == 1
+            # only the worker itself is new: it started no OpenMP team of its own
+            assert set(os.listdir("/proc/self/task")) - before == {seen["tid"]}
+        finally:
+            release.set()
+            thread.join()
+        from kvctl.daemon.engine.sampling import SamplingParams
+        from kvctl.daemon.server.service import Principal
+
+        done = threading.Event()
+        [request] = service.submit([[5] * 40], SamplingParams(max_tokens=3, ignore_eos=True),
+                                   Principal("default", "admin", "test"),
+                                   lambda event: done.set() if event.finish_reason else None)
+        assert done.wait(60) and len(request.sequences[0].output_ids) == 3
+    finally:
+        service.shutdown(1)
+        torch.set_num_threads(threads)  # the test process's own default again

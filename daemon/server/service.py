@@ -83,6 +83,7 @@ class EngineService:
         self._sinks: dict[str, EventSink] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.engine_threads = 0  # torch intra-op threads of the engine thread, once it runs
         self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         from .rollouts import RolloutManager  # NOTE: late import; rollouts imports ServiceError from here
@@ -152,11 +153,30 @@ class EngineService:
         log.info("model loaded: %s (%s), %d blocks of %d tokens, %s", loaded.config.architecture,
                  loaded.revision[:12], num_blocks, cfg.block_size, device)
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="kvd-engine", daemon=True)
-        self._thread.start()
+    def start(self, confine_threads: bool = False) -> None:
+        """Start the engine thread.
 
-    def _loop(self) -> None:
+        `confine_threads` (what `kvd serve` asks for): only the engine thread runs torch's CPU ops
+        on several threads; every other thread, the ones started later included (request and
+        tier workers), runs them on itself alone. torch's OpenMP runtime (libgomp) spins only
+        ~1,000 times before sleeping once it manages more threads than there are CPUs. A second
+        OpenMP team anywhere in the process, such as one tier copy in a request thread, made
+        every parallel region of the engine pay a wake-up from then on: on 2 cores, decode steps
+        went from 3.3 ms to 6.7-8.4 ms after a single `kvctl swap`."""
+        threads = torch.get_num_threads() if confine_threads else 0
+        entered = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(threads, entered), name="kvd-engine", daemon=True)
+        self._thread.start()
+        if threads > 1:
+            entered.wait()
+            torch.set_num_threads(1)  # this thread's count, and the default of every thread started later
+
+    def _loop(self, threads: int = 0, entered: threading.Event | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)  # the engine's own count (and MKL's, for its GEMMs)
+        self.engine_threads = torch.get_num_threads()
+        if entered is not None:
+            entered.set()
         try:
             self.load()
         except Exception as exc:  # reported on /readyz and in the log; the process keeps serving health
