@@ -118,8 +118,9 @@ def render_status(data: dict, console: Console | None = None):
     if steps:
         decode = steps.get("decode")
         mean = f"; decode step {_fmt_seconds(decode['seconds'] / decode['count'])} mean" if decode else ""
+        threads = f" on {data['engine_threads']} threads" if data.get("engine_threads") else ""
         facts.add_row("engine", ", ".join(f"{s['count']:,} {kind}" for kind, s in steps.items())
-                      + f" steps, {_fmt_seconds(sum(s['seconds'] for s in steps.values()))} busy{mean}")
+                      + f" steps{threads}, {_fmt_seconds(sum(s['seconds'] for s in steps.values()))} busy{mean}")
     for gpu in data.get("gpu") or []:
         facts.add_row(f"GPU {gpu['index']}", f"{gpu['name']}: {gpu['memory_used'] / 2**30:.1f} of "
                                              f"{gpu['memory_total'] / 2**30:.1f} GiB, {gpu['utilization']}% busy")

@@ -182,8 +182,9 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
             "tokens": {"hit": 0, "prompt": 0, "hit_ratio": 0.0, "recomputed": 0}, "preemptions": 0,
             "evictions": {"capacity": 0, "operator": 0}, "eviction_policy": "lru",
             "queue": {"waiting": 0, "oldest_age_seconds": 0.0, "running": 0}, "rejections": {}, "pins": 0,
-            "steps": {"decode": {"count": 100, "seconds": 0.3}, "mixed": {"count": 4, "seconds": 0.05}}}
+            "steps": {"decode": {"count": 100, "seconds": 0.3}, "mixed": {"count": 4, "seconds": 0.05}},
+            "engine_threads": 2}
     console = Console(record=True, width=200)
     render_status(data, console)
     text = " ".join(console.export_text().split())
-    assert "engine 100 decode, 4 mixed steps, 350.0 ms busy; decode step 3.0 ms mean" in text
+    assert "engine 100 decode, 4 mixed steps on 2 threads, 350.0 ms busy; decode step 3.0 ms mean" in text

@@ -478,6 +478,7 @@ class EngineService:
                 # model steps by kind and their summed wall time: Δseconds / Δwall is how busy the engine is
                 "steps": {kind: {"count": stats.steps[kind], "seconds": stats.step_seconds[kind]}
                           for kind in sorted(stats.steps)},
+                "engine_threads": self.engine_threads,  # torch intra-op threads of the engine (others use one)
                 "pins": len(cache.pins.all()),
                 "cache": self.cache_status(),
                 "uptime_seconds": time.time() - self.started_at,
