@@ -397,3 +397,32 @@ def test_only_the_engine_thread_runs_torch_ops_on_several_threads(tmp_path):
     finally:
         service.shutdown(1)
         torch.set_num_threads(threads)  # the test process's own default again
+
+
+def test_a_submitted_prompt_is_hashed_in_the_submitting_thread_not_in_a_step(tmp_path, monkeypatch):
+    """Block keys of a prompt are computed before the engine's lock is taken, so a long prompt
+    never holds up the decodes of a step while it is hashed."""
+    import threading
+
+    from kvctl.daemon.engine.engine import Engine
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.server.service import Principal
+
+    hashing_threads: list[str] = []
+    original = Engine.prefix_keys
+
+    def spy(self, tenant, token_ids):
+        hashing_threads.append(threading.current_thread().name)
+        return original(self, tenant, token_ids)
+
+    monkeypatch.setattr(Engine, "prefix_keys", spy)
+    service = start_service(tmp_path)
+    try:
+        done = threading.Event()
+        [request] = service.submit([[7] * 300], SamplingParams(max_tokens=2, ignore_eos=True),
+                                   Principal("default", "admin", "test"),
+                                   lambda event: done.set() if event.finish_reason else None)
+        assert done.wait(60) and len(request.sequences[0].output_ids) == 2
+        assert hashing_threads == [threading.current_thread().name]  # once, here; never on kvd-engine
+    finally:
+        service.shutdown(1)

@@ -365,3 +365,36 @@ def test_steps_are_counted_and_timed_by_kind(demo):
     assert engine.stats.steps["prefill"] == 2
     assert set(engine.stats.step_seconds) == {"prefill", "decode", "mixed"}
     assert all(seconds > 0 for seconds in engine.stats.step_seconds.values())
+
+
+def test_keys_hashed_before_the_lock_are_used_and_keys_for_other_ids_are_not(demo, monkeypatch):
+    """A caller (the service) hashes a prompt before taking the engine's lock and hands the keys
+    in: the step does not hash it again and the request hits the cache as it would have. Keys
+    computed for other ids of the same length are ignored, so they can never cause a false hit."""
+    from kvctl.daemon.engine import engine as engine_module
+
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
+    system = prompt(demo, "You are the support assistant of a KV cache daemon; answer briefly. " * 2)
+    warm = engine.add_request(system + prompt(demo, "Q0"), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.run_until_done()
+    ids = system + prompt(demo, "How do pins work?")
+    keys = engine.prefix_keys("default", ids)
+    hashed: list[int] = []
+
+    class CountingHasher(engine_module.PrefixHasher):
+        def feed(self, token_ids):
+            hashed.append(len(token_ids))
+            return super().feed(token_ids)
+
+    monkeypatch.setattr(engine_module, "PrefixHasher", CountingHasher)
+    request = engine.add_request(ids, SamplingParams(max_tokens=3, ignore_eos=True), prefix_keys=keys)
+    engine.run_until_done()
+    assert len(ids) not in hashed  # the step used the keys it was given
+    assert warm.metrics.cached_tokens == 0 and request.metrics.cached_tokens == len(system) // 16 * 16
+    _, [[alone]] = run(demo, [ids], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert request.sequences[0].output_ids == alone
+    other = [t ^ 1 for t in ids]  # same length, other tokens
+    stranger = engine.add_request(other, SamplingParams(max_tokens=1, ignore_eos=True), prefix_keys=keys)
+    engine.run_until_done()
+    assert stranger.metrics.cached_tokens == 0 and len(other) in hashed
+    assert all_blocks_back(engine)

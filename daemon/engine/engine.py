@@ -157,8 +157,13 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default", reservation=None,
-                    cohort: str | None = None) -> Request:
-        """Queue a request, or raise AdmissionRejected (nothing allocated) / RequestError."""
+                    cohort: str | None = None, prefix_keys: tuple | None = None) -> Request:
+        """Queue a request, or raise AdmissionRejected (nothing allocated) / RequestError.
+
+        `prefix_keys`: what `prefix_keys(tenant, prompt_ids)` returned, computed by the caller
+        before it took the engine's lock, so a long prompt is not hashed inside a step (where
+        every decode of the batch would wait for it). Keys computed for other ids are ignored;
+        admission also checks that the namespace has not changed since."""
         vocab = self.loaded.config.vocab_size
         params.validate(vocab)
         if not prompt_ids:
@@ -190,21 +195,31 @@ class Engine:
             self.stats.rejections[kind] = self.stats.rejections.get(kind, 0) + 1
             raise AdmissionRejected(request, request.rejected)
         self.requests[request_id] = request
-        first = Sequence(f"{request_id}/0", request, 0)
+        if prefix_keys is not None and not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids):
+            prefix_keys = None
+        first = Sequence(f"{request_id}/0", request, 0, prefix_keys=prefix_keys)
         request.sequences.append(first)
         self._enqueue(first)
         if self.tiers is not None:
             self._start_prefetch(request)
         return request
 
+    def prefix_keys(self, tenant: str, token_ids: list[int]) -> tuple:
+        """(namespace, token count, block keys, hasher after them, the ids) for these tokens: safe
+        to call without the engine's lock (it reads configuration only; a namespace that changes
+        before admission is noticed there)."""
+        namespace = self.namespace(tenant)
+        hasher = PrefixHasher(namespace)
+        return namespace, len(token_ids), hasher.feed(token_ids), hasher, token_ids
+
     def _prefix_keys(self, seq: Sequence) -> tuple[list, PrefixHasher]:
         """Block keys of the sequence's tokens and a hasher positioned after them. Computed once
-        and kept while the sequence waits (again only if its tokens or namespace change)."""
-        namespace, tokens = self.namespace(seq.request.tenant), seq.all_tokens
+        (or handed in by add_request) and kept while the sequence waits; again only if its tokens
+        or namespace change."""
+        tokens = seq.all_tokens
         memo = seq.prefix_keys
-        if memo is None or memo[0] != namespace or memo[1] != len(tokens):
-            hasher = PrefixHasher(namespace)
-            memo = seq.prefix_keys = (namespace, len(tokens), hasher.feed(tokens), hasher)
+        if memo is None or memo[0] != self.namespace(seq.request.tenant) or memo[1] != len(tokens):
+            memo = seq.prefix_keys = self.prefix_keys(seq.request.tenant, tokens)
         return memo[2], memo[3].copy()
 
     def _start_prefetch(self, request: Request) -> None:

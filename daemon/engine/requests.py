@@ -52,7 +52,7 @@ class Sequence:
     finish_reason: str | None = None
     text_end: int | None = None  # output text is cut here when a stop string matched
     ever_computed: int = 0  # most tokens this sequence ever had in the cache (for recompute counts)
-    prefix_keys: tuple | None = None  # (namespace, tokens hashed, block keys, hasher): hashed once while waiting
+    prefix_keys: tuple | None = None  # (namespace, tokens hashed, block keys, hasher, ids): hashed once
 
     @property
     def all_tokens(self) -> list[int]:

@@ -310,13 +310,15 @@ class EngineService:
         """Queue one request per prompt; all or nothing (a rejection cancels the ones queued)."""
         engine = self.require_ready()
         queued: list[Request] = []
+        hashed = [self._hash_outside_the_step(engine, principal.tenant, p) for p in prompts]
         with self.lock:
             try:
-                for prompt_ids in prompts:
+                for prompt_ids, keys in zip(prompts, hashed):
                     request_id = f"req-{secrets.token_hex(6)}"
                     reservation, cohort = self.rollouts.assign(principal.tenant, request_id)
                     request = engine.add_request(prompt_ids, params, tenant=principal.tenant,
-                                                 request_id=request_id, reservation=reservation, cohort=cohort)
+                                                 request_id=request_id, reservation=reservation, cohort=cohort,
+                                                 prefix_keys=keys)
                     self._sinks[request.request_id] = sink
                     queued.append(request)
             except (AdmissionRejected, ValueError):
@@ -327,6 +329,15 @@ class EngineService:
                 raise
             self.lock.notify_all()
         return queued
+
+    @staticmethod
+    def _hash_outside_the_step(engine: Engine, tenant: str, prompt_ids: list[int]) -> tuple | None:
+        """A prompt's block keys, computed in the submitting thread before it takes the lock;
+        None for ids the hasher refuses (add_request then names the bad field)."""
+        try:
+            return engine.prefix_keys(tenant, prompt_ids)
+        except (TypeError, ValueError):
+            return None
 
     def _load_scales(self, calibration: dict) -> None:
         """Swap in applied scales (caller holds the lock, nothing is running)."""
