@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -78,7 +79,8 @@ class EngineStats:
     rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
     finished: int = 0
     restored_tokens: int = 0  # prompt tokens brought back from a lower tier instead of recomputed
-    alloc_seconds: list[float] = field(default_factory=list)  # per cache call; drained by the server
+    # per cache call; drained by the server (an engine used without one keeps the latest 65,536)
+    alloc_seconds: deque = field(default_factory=lambda: deque(maxlen=65536))
     steps: dict[str, int] = field(default_factory=dict)  # model steps by kind: decode, mixed, prefill
     step_seconds: dict[str, float] = field(default_factory=dict)  # wall time of those steps (admission to tokens)
 

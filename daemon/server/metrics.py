@@ -153,7 +153,8 @@ class Metrics:
             self._recent_itl = (self._recent_itl + metrics.inter_token_latencies)[-20000:]
         engine = self.service.engine
         with self.service.lock:
-            samples, engine.stats.alloc_seconds = engine.stats.alloc_seconds, []
+            samples = list(engine.stats.alloc_seconds)
+            engine.stats.alloc_seconds.clear()
         for value in samples:
             self.alloc.observe(value)
         tiers = self.service.tiers
