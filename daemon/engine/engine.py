@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
