@@ -315,9 +315,8 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(demo):
     assert all_blocks_back(engine)
 
 
-def test_a_waiting_prompt_is_hashed_once_not_every_step(demo, monkeypatch):
-    """The head of the queue waits for room for several steps: its block keys are computed
-    once and reused at admission, and its tokens are the same as a request run alone."""
+def count_hashing(monkeypatch) -> list[int]:
+    """The lengths of the token lists the engine hashes from now on, in order."""
     from kvctl.daemon.engine import engine as engine_module
 
     hashed: list[int] = []
@@ -328,6 +327,13 @@ def test_a_waiting_prompt_is_hashed_once_not_every_step(demo, monkeypatch):
             return super().feed(token_ids)
 
     monkeypatch.setattr(engine_module, "PrefixHasher", CountingHasher)
+    return hashed
+
+
+def test_a_waiting_prompt_is_hashed_once_not_every_step(demo, monkeypatch):
+    """The head of the queue waits for room for several steps: its block keys are computed
+    once and reused at admission, and its tokens are the same as a request run alone."""
+    hashed = count_hashing(monkeypatch)
     engine = Engine(demo, EngineSettings(num_blocks=12, block_size=16))
     first = engine.add_request(prompt(demo, PROMPTS[3]), SamplingParams(max_tokens=40, ignore_eos=True))
     second_ids = prompt(demo, PROMPTS[1])  # its prompt and reservation fit only once the first is done
@@ -371,7 +377,6 @@ def test_keys_hashed_before_the_lock_are_used_and_keys_for_other_ids_are_not(dem
     """A caller (the service) hashes a prompt before taking the engine's lock and hands the keys
     in: the step does not hash it again and the request hits the cache as it would have. Keys
     computed for other ids of the same length are ignored, so they can never cause a false hit."""
-    from kvctl.daemon.engine import engine as engine_module
 
     engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
     system = prompt(demo, "You are the support assistant of a KV cache daemon; answer briefly. " * 2)
@@ -379,14 +384,7 @@ def test_keys_hashed_before_the_lock_are_used_and_keys_for_other_ids_are_not(dem
     engine.run_until_done()
     ids = system + prompt(demo, "How do pins work?")
     keys = engine.prefix_keys("default", ids)
-    hashed: list[int] = []
-
-    class CountingHasher(engine_module.PrefixHasher):
-        def feed(self, token_ids):
-            hashed.append(len(token_ids))
-            return super().feed(token_ids)
-
-    monkeypatch.setattr(engine_module, "PrefixHasher", CountingHasher)
+    hashed = count_hashing(monkeypatch)
     request = engine.add_request(ids, SamplingParams(max_tokens=3, ignore_eos=True), prefix_keys=keys)
     engine.run_until_done()
     assert len(ids) not in hashed  # the step used the keys it was given
