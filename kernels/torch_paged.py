@@ -8,7 +8,8 @@ of the whole cache), so it suits the small batches and models of CPU serving; CU
 Triton kernels.
 
 A decode row is a sequence's next token. A sequence may bring up to `DECODE_MAX_ROWS` new
-tokens this way (a short prompt chunk), each attending to the keys up to its own position.
+tokens this way (a short prompt chunk), each attending to the keys up to its own position,
+when padding every decode to that many rows costs little (`_decode_rows`).
 Decodes that share a cached prefix (the same physical blocks: a system prompt) use cascade
 attention: each group's common prefix is attended once for all its queries, every sequence's
 own suffix in one batched call, and the two partial results merged by their log-sum-exp.
@@ -26,6 +27,7 @@ A prompt chunk attends to its cached prefix without a mask and to itself with a 
     block_tables     [num_seqs, max_blocks] int32
 """
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -65,6 +67,7 @@ class PrefixStack:
     valid: torch.Tensor | None  # real slots among the G * members, in plan order; None: all
     mask: torch.Tensor | None  # [G, 1, 1, keys] -inf past a shorter prefix; None: equal lengths
     copies: dict = field(default_factory=dict)  # cache tensor -> (k rows, v rows) or None when too big
+    contents: tuple | None = None  # what each stacked block holds (see `plan_decode`); None: unknown
 
 
 STACK_MAX_BYTES = 64 << 20  # the stacked K+V copies of all layers stay under this; past it, one call per group
@@ -106,34 +109,56 @@ class AttentionPlan:
 DECODE_MAX_ROWS = 16  # a sequence with at most this many new tokens is attended as decode rows
 
 
+BlockContent = Callable[[int], Hashable | None]  # block id -> what it holds (a content key), None: unknown
+
+
 def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                    block_size: int, max_new_tokens: int | None = None,
-                   previous: AttentionPlan | None = None) -> AttentionPlan:
+                   previous: AttentionPlan | None = None, block_content: BlockContent | None = None) -> AttentionPlan:
     """Group a batch once per step: decodes (cascaded over shared prefixes) and prefills.
     `previous` (the last step's plan): its decode grouping is kept when this step's decoding
-    sequences are laid out as before, beside prompt chunks or not."""
+    sequences are laid out as before, beside prompt chunks or not; its stacked prefix copy is
+    kept when the new grouping stacks the same contents (`block_content`, see `plan_decode`)."""
     splits = torch.get_num_threads()
     if max_new_tokens == 1:
         counts = None
     else:
         starts = query_start_loc.tolist()
         counts = [b - a for a, b in zip(starts, starts[1:])]
-    if counts is None or max(counts, default=0) <= DECODE_MAX_ROWS:
+    decodes = None if counts is None else _decode_rows(counts)
+    if decodes is None or len(decodes) == len(counts):
         reuse = previous.decode if previous is not None else None
         return AttentionPlan(None, plan_decode(block_tables, context_lens, block_size, splits, reuse=reuse,
-                                               counts=counts), [])
-    decodes = [s for s, n in enumerate(counts) if n <= DECODE_MAX_ROWS]
+                                               counts=counts, block_content=block_content), [])
     decode = rows = None
     if decodes:
         index = torch.tensor(decodes, device=block_tables.device)
         decode = plan_decode(block_tables[index], context_lens[index], block_size, splits,
                              reuse=previous.decode if previous is not None else None,
-                             counts=[counts[s] for s in decodes])
+                             counts=[counts[s] for s in decodes], block_content=block_content)
         rows = torch.tensor([r for s in decodes for r in range(starts[s], starts[s + 1])], device=block_tables.device)
     lengths = context_lens.tolist()
+    chosen = set(decodes)
     prefills = [(starts[s], starts[s + 1], s, -(-lengths[s] // block_size))
-                for s, n in enumerate(counts) if n > DECODE_MAX_ROWS]
+                for s in range(len(counts)) if s not in chosen]
     return AttentionPlan(rows, decode, prefills)
+
+
+DECODE_MAX_PADDING = 2  # decode rows, padding included, stay within this many times the real ones
+
+
+def _decode_rows(counts: list[int]) -> list[int]:
+    """The sequences attended as decode rows: at most `DECODE_MAX_ROWS` new tokens each, and
+    every one is padded to the most among them, so the longest chunks are left to the prefill
+    path until the padded rows are at most `DECODE_MAX_PADDING` times the real ones. Eight
+    decodes beside a 16-token chunk would otherwise attend 144 rows for 24."""
+    chosen = [s for s, n in enumerate(counts) if n <= DECODE_MAX_ROWS]
+    while chosen:
+        rows = max(counts[s] for s in chosen)
+        if len(chosen) * rows <= DECODE_MAX_PADDING * sum(counts[s] for s in chosen):
+            break
+        chosen = [s for s in chosen if counts[s] < rows]
+    return chosen
 
 
 def _shared_length(rows: list[list[int]], limit: int) -> int:
@@ -151,7 +176,7 @@ SPLIT_MIN_KEYS = 2048  # a shared prefix is split across threads only in parts a
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, splits: int = 1,
                 min_split_keys: int = SPLIT_MIN_KEYS, reuse: DecodePlan | None = None,
-                counts: list[int] | None = None) -> DecodePlan:
+                counts: list[int] | None = None, block_content: BlockContent | None = None) -> DecodePlan:
     """Group decodes by shared leading blocks (those with the same first block share what all of
     them share) and lay out every sequence's remaining blocks as one padded suffix table.
 
@@ -164,7 +189,11 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     rows; the shared prefix ends before the first of them.
 
     Between two decode steps usually only the context lengths move: when `reuse` was planned
-    from the same blocks in use and counts, its grouping is kept and only the mask is redone."""
+    from the same blocks in use and counts, its grouping is kept and only the mask is redone.
+    Otherwise (a sequence took a new block, joined or left) the grouping is redone, but the
+    copy of the stacked prefixes is kept when they hold the same contents as `reuse`'s:
+    `block_content(block)` names what a block holds (the prefix index's content key, which
+    covers the tokens, the model and the scales), None when nothing vouches for it."""
     tables, lengths = block_tables.tolist(), context_lens.tolist()
     num_seqs, device = len(lengths), block_tables.device
     rows = max(counts) if counts else 1
@@ -215,12 +244,14 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     return DecodePlan(num_seqs, groups, prefix, order_t, inverse,
                       torch.tensor(suffix, dtype=torch.long, device=device),
                       _suffix_mask(positions, [lengths[s] for s in order], rows), layout, tuple(order), positions,
-                      rows, row_index, _plan_stack(groups, tables, block_size, device))
+                      rows, row_index, _plan_stack(groups, tables, block_size, device, block_content,
+                                                   reuse.stack if reuse is not None else None))
 
 
-def _plan_stack(groups: list[PrefixGroup], tables: list[list[int]], block_size: int,
-                device: torch.device) -> PrefixStack | None:
-    """Stack two or more unsplit prefixes whose padding to the longest costs at most half again."""
+def _plan_stack(groups: list[PrefixGroup], tables: list[list[int]], block_size: int, device: torch.device,
+                block_content: BlockContent | None = None, previous: PrefixStack | None = None) -> PrefixStack | None:
+    """Stack two or more unsplit prefixes whose padding to the longest costs at most half again.
+    The copies of `previous` carry over when every stacked block is known to hold what it held."""
     if len(groups) < 2 or any(g.splits > 1 for g in groups):
         return None
     longest = max(g.blocks for g in groups)
@@ -242,7 +273,16 @@ def _plan_stack(groups: list[PrefixGroup], tables: list[list[int]], block_size: 
         ends = torch.tensor([g.blocks * block_size for g in groups], device=device)
         mask = torch.zeros((len(groups), longest * block_size), dtype=torch.float32, device=device)
         mask = mask.masked_fill_(keys[None, :] >= ends[:, None], float("-inf"))[:, None, None, :]
-    return PrefixStack(torch.tensor(ids, dtype=torch.long, device=device), members, rows, valid, mask)
+    contents = None
+    if block_content is not None:
+        contents = tuple(tuple(block_content(b) for b in row) for row in ids)
+        if any(c is None for row in contents for c in row):
+            contents = None
+    stack = PrefixStack(torch.tensor(ids, dtype=torch.long, device=device), members, rows, valid, mask,
+                        contents=contents)
+    if contents is not None and previous is not None and previous.contents == contents:
+        stack.copies = previous.copies  # the same rows: the copies made for `previous` still hold
+    return stack
 
 
 def _stacked_rows(stack: PrefixStack, k_cache: torch.Tensor, v_cache: torch.Tensor):

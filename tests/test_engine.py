@@ -298,6 +298,50 @@ def test_decodes_sharing_a_cached_system_prompt_equal_each_request_alone(demo):
     assert all_blocks_back(engine)
 
 
+def test_the_stacked_system_prompts_are_copied_once_while_decodes_take_new_blocks(demo):
+    """Two system prompts, two decodes over each: their prefixes are attended from one stacked
+    copy, named by the pool's content keys. When decodes take new blocks the grouping is
+    planned again, but the copy is kept (the stacked blocks still hold the same content), and
+    the tokens equal each request run alone."""
+    from kvctl.kernels import torch_paged
+
+    systems = [prompt(demo, "You are the support assistant of a KV cache daemon; answer briefly. " * 2),
+               prompt(demo, "You summarise operator runbooks for a serving fleet, in one line. " * 2)]
+    questions = [prompt(demo, q) for q in ("How do pins work?", "What is a block?")]
+    engine = Engine(demo, EngineSettings(num_blocks=96, block_size=16))
+    for system in systems:
+        engine.add_request(system, SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.run_until_done()
+    copies = []
+    real = torch_paged._stacked_rows
+
+    def counting(stack, k_cache, v_cache):
+        if k_cache.data_ptr() not in stack.copies:
+            copies.append(k_cache.data_ptr())
+        return real(stack, k_cache, v_cache)
+
+    torch_paged._stacked_rows = counting
+    try:
+        requests = [engine.add_request(s + q, SAMPLED) for s in systems for q in questions]
+        plans = []
+        while engine.has_work():
+            engine.step()
+            plan = engine.model._last_plan.decode
+            if plan is not None and plan.stack is not None:
+                plans.append(plan)
+    finally:
+        torch_paged._stacked_rows = real
+    pool = engine.cache.pool
+    stack = plans[0].stack
+    assert stack.contents == tuple(tuple(pool.blocks[b].key for b in row) for row in stack.blocks.tolist())
+    assert len({id(p.groups) for p in plans}) > 1  # planned again as decodes took blocks...
+    assert all(p.stack.copies is stack.copies for p in plans)  # ...with one copy throughout
+    assert len(copies) == len(engine.kv_caches)  # once per layer
+    alone = [run(demo, [s + q], SAMPLED)[1][0][0] for s in systems for q in questions]
+    assert [r.sequences[0].output_ids for r in requests] == alone
+    assert all_blocks_back(engine)
+
+
 def test_requests_arriving_together_compute_a_shared_prefix_once(demo):
     """The second of two requests with the same system prompt waits while the first computes
     it, then reuses its blocks; a different request behind it is admitted at once."""

@@ -450,6 +450,20 @@ def test_decode_rows_of_several_new_tokens_match_the_prefill_reference(cache_dty
     check([4, 4, 4, 4, 4], 4, False)
     mixed = check([2, 1, 3, 1, 40], 3, True)  # the 40-token chunk is attended as a prefill
     assert mixed.prefills == [(7, 47, 4, 7)]
+    # padding four decodes to a 12-token chunk's rows would attend 60 rows for 16: the chunk
+    # goes the prefill way and the decodes keep one row each
+    lopsided = check([1, 1, 1, 1, 12], 1, False)
+    assert lopsided.prefills == [(4, 16, 4, 7)]
+
+
+def test_decode_rows_are_padded_at_most_twice_over():
+    from kvctl.kernels.torch_paged import _decode_rows
+
+    assert _decode_rows([1] * 8 + [16]) == list(range(8))  # 144 padded rows for 24 real ones
+    assert _decode_rows([5, 5, 5, 5]) == [0, 1, 2, 3]
+    assert _decode_rows([3, 1, 5, 2, 4]) == [0, 1, 2, 3, 4]  # 25 rows for 15
+    assert _decode_rows([1, 16, 16]) == [0, 1, 2]  # 48 rows for 33
+    assert _decode_rows([1, 1, 9, 4, 40]) == [0, 1, 3]  # the 40 is past DECODE_MAX_ROWS; 9 then pads too much
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8], ids=str)
@@ -507,6 +521,59 @@ def test_shared_prefixes_of_different_lengths_are_attended_in_one_stacked_call(c
                                 plan=AttentionPlan(None, fresh, []), **extra)
     torch.testing.assert_close(got, want, **OUT_TOL[torch.float32])
     assert fresh.stack.copies[k_cache.data_ptr()] is not None and fresh.stack.copies[second_k.data_ptr()] is None
+
+
+def test_a_new_grouping_keeps_the_stacked_copy_only_while_the_blocks_hold_the_same_contents():
+    """A decode takes a new block, so the grouping is planned again: the stacked prefix copy
+    carries over when `block_content` vouches that every stacked block holds what it held. When
+    one of them was given back and written with other content (a new content key), or nothing
+    vouches (no `block_content`, or a block without a key), the copy is made again, and the
+    output is the reference's every time."""
+    from kvctl.kernels import paged_attention_torch
+    from kvctl.kernels.torch_paged import AttentionPlan, plan_decode
+
+    torch.manual_seed(19)
+    block, heads, kv_heads, dim = 16, 4, 2, 64
+    k_cache, v_cache = torch.randn(40, block, kv_heads, dim), torch.randn(40, block, kv_heads, dim)
+    a, b = [3, 4, 5, 6], [10, 11, 12, 13]
+    keys = {blk: f"key-{blk}" for blk in a + b}
+    content = keys.get  # the blocks a and b are indexed; the suffix blocks are not
+
+    def attend(tables, lengths, reuse, block_content):
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lens = torch.tensor(lengths, dtype=torch.int32)
+        plan = plan_decode(table, lens, block, reuse=reuse, block_content=block_content)
+        q = torch.randn(len(tables), heads, dim)
+        got = paged_attention_torch(q, k_cache, v_cache, table, torch.arange(len(tables) + 1, dtype=torch.int32),
+                                    lens, scale=dim ** -0.5, plan=AttentionPlan(None, plan, []))
+        want = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale=dim ** -0.5)
+        torch.testing.assert_close(got, want, **OUT_TOL[torch.float32])
+        return plan
+
+    tables = [a + [20], a + [21], b + [22], b + [23]]
+    lengths = [80, 70, 66, 73]  # the first sequence's last block is full
+    first = attend(tables, lengths, None, content)
+    assert first.stack.contents == (tuple(keys[x] for x in a), tuple(keys[x] for x in b))
+    copied = first.stack.copies[k_cache.data_ptr()]
+    # the first sequence fills block 20 and takes block 24: planned again, the copy carries over
+    tables[0], lengths = a + [20, 24], [81, 71, 67, 74]
+    grown = attend(tables, lengths, first, content)
+    assert grown.groups is not first.groups and grown.stack.copies[k_cache.data_ptr()] is copied
+    # block 12 is given back and written with other content under another key
+    k_cache[12], v_cache[12] = torch.randn(block, kv_heads, dim), torch.randn(block, kv_heads, dim)
+    keys[12] = "key-12-again"
+    tables[1], lengths = a + [21, 25], [82, 81, 68, 75]
+    rewritten = attend(tables, lengths, grown, content)
+    assert rewritten.stack.copies.get(k_cache.data_ptr()) is not copied
+    # unvouched: no block_content, or a stacked block without a key
+    tables[2], lengths = b + [22, 26], [83, 82, 81, 76]
+    unvouched = attend(tables, lengths, rewritten, None)
+    assert unvouched.stack.contents is None and unvouched.stack.copies is not rewritten.stack.copies
+    del keys[3]
+    tables[3], lengths = b + [23, 27], [84, 83, 82, 81]
+    keyless = attend(tables, lengths, unvouched, content)
+    assert keyless.stack.contents is None and keyless.stack.copies is not unvouched.stack.copies
 
 
 def test_prefixes_too_uneven_to_pad_are_not_stacked():

@@ -481,8 +481,14 @@ class Engine:
             context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             logits_indices=torch.tensor(rows, dtype=torch.int64, device=device),
-            max_new_tokens=max(n for _, n in plan), max_context=max(lengths))
+            max_new_tokens=max(n for _, n in plan), max_context=max(lengths), block_content=self._block_content)
         return batch, sample_rows
+
+    def _block_content(self, block_id: int):
+        """What a block holds: its prefix-index key (which names the tokens, the model and the
+        scales), or None while it is not indexed. The attention plan keeps its copies of blocks
+        whose content has not changed across steps."""
+        return self.cache.pool.blocks[block_id].key
 
     def _advance(self, plan, sample_rows, logits) -> list[TokenEvent]:
         events: list[TokenEvent] = []

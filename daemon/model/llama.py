@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [K] int64
     max_new_tokens: int  # most new tokens of any sequence (1 means a pure decode batch)
     max_context: int  # longest context
+    # block id -> what the block holds (its prefix-index key) or None: lets the CPU attention plan
+    # keep copies of cached blocks across steps (see kernels.torch_paged.plan_decode)
+    block_content: Callable[[int], Hashable | None] | None = None
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -223,7 +226,8 @@ class LlamaModel:
         plan = None
         if not self.use_triton and kv_caches:  # grouped once, used by every layer (and by the next step)
             plan = self._last_plan = plan_attention(batch.block_tables, batch.query_start_loc, batch.context_lens,
-                                                    kv_caches[0].k.shape[1], batch.max_new_tokens, self._last_plan)
+                                                    kv_caches[0].k.shape[1], batch.max_new_tokens, self._last_plan,
+                                                    batch.block_content)
         for i, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
