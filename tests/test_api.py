@@ -399,6 +399,86 @@ def test_only_the_engine_thread_runs_torch_ops_on_several_threads(tmp_path):
         torch.set_num_threads(threads)  # the test process's own default again
 
 
+def test_a_submission_does_not_wait_for_the_step_in_progress(tmp_path):
+    """Prompts handed in during a step are queued by the engine thread right after it: the
+    submitter gets a future at once instead of waiting for the engine's lock. The requests it
+    gives run to the end; a future cancelled before they were queued cancels them."""
+    import threading
+
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.server.service import Principal
+
+    service = start_service(tmp_path)
+    try:
+        engine, who = service.engine, Principal("default", "admin", "test")
+        real_step, in_step, release = engine.step, threading.Event(), threading.Event()
+
+        def held_step():
+            in_step.set()
+            assert release.wait(30)
+            return real_step()
+
+        engine.step = held_step
+        done = threading.Event()
+        service.submit([[3] * 20], SamplingParams(max_tokens=2, ignore_eos=True), who,
+                       lambda e: done.set() if e.finish_reason else None)  # starts a step, which holds
+        assert in_step.wait(30)
+        handed = service.submit_nowait([[4] * 30, [5] * 30], SamplingParams(max_tokens=3, ignore_eos=True),
+                                       who, lambda e: None)
+        left = service.submit_nowait([[6] * 30], SamplingParams(max_tokens=3, ignore_eos=True), who,
+                                     lambda e: None)
+        assert not handed.done() and not left.done()  # the step still runs: nothing waited for it
+        assert left.cancel()  # its client went away before the engine thread looked
+        engine.step = real_step
+        release.set()
+        requests = handed.result(timeout=30)
+        assert [r.prompt_ids for r in requests] == [[4] * 30, [5] * 30]
+        assert done.wait(30)
+        deadline = time.monotonic() + 30
+        while engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [len(r.sequences[0].output_ids) for r in requests] == [3, 3]
+        cancelled = [r for r in engine.requests.values() if r.prompt_ids == [6] * 30]
+        assert all(r.cancelled for r in cancelled)
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
+def test_a_sleeping_engine_wakes_for_a_submission_and_a_stopped_one_refuses_it(tmp_path):
+    """The idle engine thread sleeps (here up to a minute between housekeeping rounds) and a
+    submission wakes it; once the engine thread has stopped, a submission fails with 503
+    instead of waiting for ever."""
+    import threading
+
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.server.service import Principal, ServiceError
+
+    service = start_service(tmp_path)
+    try:
+        service.idle_wait = 60.0
+        with service.lock:
+            service.lock.notify_all()  # let it go back to sleep with the long wait
+        time.sleep(0.2)
+        done = threading.Event()
+        handed = service.submit_nowait([[8] * 20], SamplingParams(max_tokens=2, ignore_eos=True),
+                                       Principal("default", "admin", "t"),
+                                       lambda e: done.set() if e.finish_reason else None)
+        handed.result(timeout=30)  # woken, not after 60 s
+        assert done.wait(30)
+        service._stop.set()
+        with service.lock:
+            service.lock.notify_all()
+        service._thread.join(30)
+        future = service.submit_nowait([[9] * 20], SamplingParams(max_tokens=2), Principal("default", "admin", "t"),
+                                       lambda e: None)
+        with pytest.raises(ServiceError, match="shutting down") as refused:
+            future.result(timeout=5)
+        assert refused.value.status == 503
+    finally:
+        service.shutdown(1)
+
+
 def test_a_submitted_prompt_is_hashed_in_the_submitting_thread_not_in_a_step(tmp_path, monkeypatch):
     """Block keys of a prompt are computed before the engine's lock is taken, so a long prompt
     never holds up the decodes of a step while it is hashed."""

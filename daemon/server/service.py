@@ -11,6 +11,8 @@ import logging
 import secrets
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -19,7 +21,7 @@ import torch
 
 from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, chain_keys
 from kvctl.daemon.config import KvdConfig
-from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
+from kvctl.daemon.engine.engine import Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import SamplingParams
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
@@ -54,6 +56,18 @@ class LoopSink:
             sink.queue.put_nowait(event)
 
 
+@dataclass
+class _Submission:
+    """Prompts handed to the engine thread by `EngineService.submit_nowait`."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    principal: "Principal"
+    sink: EventSink
+    hashed: list[tuple | None]  # each prompt's block keys, computed by the submitter
+    future: Future
+
+
 class ServiceError(Exception):
     """An operator request that cannot be done; `status` is the HTTP status to answer with."""
 
@@ -81,6 +95,9 @@ class EngineService:
         self.started_at = time.time()
         self.load_error: str | None = None
         self._sinks: dict[str, EventSink] = {}
+        self._inbox: deque[_Submission] = deque()  # handed in by submit_nowait, queued by the engine thread
+        self._engine_idle = False  # set (under the lock) before the engine thread looks at the inbox to sleep
+        self.idle_wait = 0.5  # seconds the idle engine thread sleeps between its housekeeping rounds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.engine_threads = 0  # torch intra-op threads of the engine thread, once it runs
@@ -194,17 +211,24 @@ class EngineService:
                 self.rollouts.evaluate()
                 next_rollout_check = time.monotonic() + self.rollout_check_seconds
             with self.lock:
+                answered = self._queue_submissions()
                 if self.pending_scales is not None and not self.engine.num_running:
                     self._load_scales(self.pending_scales)
-                if not self.engine.has_work():
-                    self.lock.wait(timeout=0.5)
+                if not answered and not self.engine.has_work():
+                    self._engine_idle = True  # before the inbox is read: see _wake_engine
+                    if not self._inbox:
+                        self.lock.wait(timeout=self.idle_wait)
+                    self._engine_idle = False
                     continue
-                try:
-                    events = self.engine.step()
-                except Exception:  # a failed step must not strand clients or leak blocks
-                    log.exception("engine step failed; cancelling the requests in flight")
-                    events = [e for rid in list(self.engine.requests) for e in self.engine.cancel(rid)]
+                events = []
+                if self.engine.has_work():
+                    try:
+                        events = self.engine.step()
+                    except Exception:  # a failed step must not strand clients or leak blocks
+                        log.exception("engine step failed; cancelling the requests in flight")
+                        events = [e for rid in list(self.engine.requests) for e in self.engine.cancel(rid)]
             self._dispatch(events)
+        self._refuse_submissions(ServiceError(503, "kvd is shutting down"))
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         """Deliver a step's events, then retire the requests they finished (not before: a
@@ -307,28 +331,81 @@ class EngineService:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, principal: Principal,
                sink: EventSink) -> list[Request]:
-        """Queue one request per prompt; all or nothing (a rejection cancels the ones queued)."""
+        """Queue one request per prompt and wait until they are queued (see `submit_nowait`)."""
+        return self.submit_nowait(prompts, params, principal, sink).result()
+
+    def submit_nowait(self, prompts: list[list[int]], params: SamplingParams, principal: Principal,
+                      sink: EventSink) -> Future:
+        """Hand prompts to the engine thread, which queues them at the top of its next loop,
+        just before the next step: a submitter never waits for the engine's lock, which is held
+        for a whole step. The future gives the requests, one per prompt, or the error that
+        `Engine.add_request` raised (all or nothing: a rejection cancels the ones queued).
+        Prompts are hashed here, in the calling thread, not in a step."""
         engine = self.require_ready()
-        queued: list[Request] = []
         hashed = [self._hash_outside_the_step(engine, principal.tenant, p) for p in prompts]
-        with self.lock:
+        submission = _Submission(prompts, params, principal, sink, hashed, Future())
+        self._inbox.append(submission)
+        self._wake_engine()
+        if self._stop.is_set():  # the engine thread is gone or going: it may never look again
+            self._refuse_submissions(ServiceError(503, "kvd is shutting down"))
+        return submission.future
+
+    def _wake_engine(self) -> None:
+        """Wake the engine thread if it sleeps. It sets `_engine_idle` before it reads the inbox
+        to decide to sleep, so a submission it did not see finds the flag set and notifies;
+        while it is busy, the next loop finds the submission without a wake-up (and without
+        this thread waiting for the step in progress)."""
+        if self._engine_idle:
+            with self.lock:
+                self.lock.notify_all()
+
+    def _queue_submissions(self) -> int:
+        """Engine thread, lock held: queue what was handed in, and answer each submitter (before
+        the step that starts its requests). Returns how many submissions were answered."""
+        answers = []
+        engine = self.engine
+        while self._inbox:
+            submission = self._inbox.popleft()
+            queued: list[Request] = []
             try:
-                for prompt_ids, keys in zip(prompts, hashed):
+                for prompt_ids, keys in zip(submission.prompts, submission.hashed):
                     request_id = f"req-{secrets.token_hex(6)}"
-                    reservation, cohort = self.rollouts.assign(principal.tenant, request_id)
-                    request = engine.add_request(prompt_ids, params, tenant=principal.tenant,
+                    reservation, cohort = self.rollouts.assign(submission.principal.tenant, request_id)
+                    request = engine.add_request(prompt_ids, submission.params, tenant=submission.principal.tenant,
                                                  request_id=request_id, reservation=reservation, cohort=cohort,
                                                  prefix_keys=keys)
-                    self._sinks[request.request_id] = sink
+                    self._sinks[request.request_id] = submission.sink
                     queued.append(request)
-            except (AdmissionRejected, ValueError):
+            except Exception as exc:  # AdmissionRejected, RequestError, ...: nothing stays queued
                 for request in queued:
                     engine.cancel(request.request_id)
                     self._sinks.pop(request.request_id, None)
                     engine.requests.pop(request.request_id, None)
-                raise
-            self.lock.notify_all()
-        return queued
+                answers.append((submission.future, exc))
+                continue
+            answers.append((submission.future, queued))
+        self._answer(answers)
+        return len(answers)
+
+    def _answer(self, answers: list[tuple[Future, object]]) -> None:
+        for future, outcome in answers:
+            if not future.set_running_or_notify_cancel():  # nobody waits any more
+                for request in outcome if isinstance(outcome, list) else ():
+                    self.cancel(request.request_id)
+            elif isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+    def _refuse_submissions(self, error: Exception) -> None:
+        """Fail whatever is still in the inbox (the engine thread has stopped)."""
+        while True:
+            try:
+                submission = self._inbox.popleft()
+            except IndexError:
+                return
+            if submission.future.set_running_or_notify_cancel():
+                submission.future.set_exception(error)
 
     @staticmethod
     def _hash_outside_the_step(engine: Engine, tenant: str, prompt_ids: list[int]) -> tuple | None:
