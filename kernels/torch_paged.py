@@ -292,9 +292,19 @@ def _stacked_rows(stack: PrefixStack, k_cache: torch.Tensor, v_cache: torch.Tens
     if key not in stack.copies:
         held = sum(2 * k.numel() * k.element_size() for k, _ in filter(None, stack.copies.values()))
         size = 2 * stack.blocks.numel() * k_cache[0].numel() * k_cache.element_size()
-        stack.copies[key] = None if held + size > STACK_MAX_BYTES else (k_cache[stack.blocks].flatten(1, 2),
-                                                                        v_cache[stack.blocks].flatten(1, 2))
+        stack.copies[key] = None if held + size > STACK_MAX_BYTES else (_gather(k_cache, stack.blocks).flatten(1, 2),
+                                                                        _gather(v_cache, stack.blocks).flatten(1, 2))
     return stack.copies[key]
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] for a tensor of block ids of any shape, copied a whole block at a time
+    (index_select over the blocks' rows: 2-5x faster on CPU than advanced indexing, which
+    copies element by element)."""
+    if not cache.is_contiguous():
+        return cache[blocks]
+    rows = cache.view(cache.shape[0], -1).index_select(0, blocks.reshape(-1))
+    return rows.view(*blocks.shape, *cache.shape[1:])
 
 
 def _suffix_mask(positions: torch.Tensor, lengths: list[int], rows: int = 1) -> torch.Tensor:
@@ -380,8 +390,8 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         queries = queries[plan.order]
     mask = plan.suffix_mask if rows == 1 or group == 1 else plan.suffix_mask.repeat_interleave(group, dim=2)
     # Every sequence's own blocks (all of them where it shares nothing), batched and masked.
-    k = _heads_first(k_cache[plan.suffix_tables].flatten(1, 2), k_scale)  # [S, Hkv, W * block, D]
-    v = _heads_first(v_cache[plan.suffix_tables].flatten(1, 2), v_scale)
+    k = _heads_first(_gather(k_cache, plan.suffix_tables).flatten(1, 2), k_scale)  # [S, Hkv, W * block, D]
+    v = _heads_first(_gather(v_cache, plan.suffix_tables).flatten(1, 2), v_scale)
     out, lse = _attend_lse(queries, k, v, scale, mask)
     if plan.groups:
         stacked = _stacked_rows(plan.stack, k_cache, v_cache) if plan.stack is not None else None
@@ -425,10 +435,13 @@ def _attend_each_group(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     _, num_kv_heads, width, head_dim = queries.shape
     shared_out, shared_lse = [], []
     for g in plan.groups:
-        blocks = slice(g.first_block, g.first_block + g.blocks) if g.scattered is None else g.scattered
         parts = (g.splits, -1, num_kv_heads, head_dim)
-        k = _heads_first(k_cache[blocks].view(parts), k_scale)  # [splits, Hkv, T / splits, D], a view when sliced
-        v = _heads_first(v_cache[blocks].view(parts), v_scale)
+        if g.scattered is None:  # a view of the consecutive blocks
+            k_rows, v_rows = k_cache[g.first_block:g.first_block + g.blocks], v_cache[g.first_block:g.first_block + g.blocks]
+        else:
+            k_rows, v_rows = _gather(k_cache, g.scattered), _gather(v_cache, g.scattered)
+        k = _heads_first(k_rows.view(parts), k_scale)  # [splits, Hkv, T / splits, D]
+        v = _heads_first(v_rows.view(parts), v_scale)
         members = g.end - g.start
         grouped = queries[g.start:g.end].transpose(0, 1).reshape(1, num_kv_heads, members * width, head_dim)
         o, l = _attend_lse(grouped.expand(g.splits, -1, -1, -1), k, v, scale)
@@ -461,7 +474,7 @@ def _rows(cache: torch.Tensor, blocks: list[int], lo: int, hi: int, block_size: 
     if _consecutive(ids):
         part = cache[ids[0]:ids[0] + len(ids)]
     else:
-        part = cache[torch.tensor(ids, device=cache.device)]
+        part = _gather(cache, torch.tensor(ids, device=cache.device))
     offset = lo - first * block_size
     return part.flatten(0, 1)[offset:offset + hi - lo]
 
