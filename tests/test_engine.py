@@ -394,6 +394,16 @@ def test_a_waiting_prompt_is_hashed_once_not_every_step(demo, monkeypatch):
     assert first.sequences[0].finish_reason == "length" and all_blocks_back(engine)
 
 
+def test_tokens_between_slices_prompt_and_output_without_joining_them():
+    from kvctl.daemon.engine.requests import Request, RequestMetrics, Sequence
+
+    request = Request("r", [10, 11, 12, 13], SamplingParams(max_tokens=4), 0, "default", 0, 0, RequestMetrics(0.0))
+    seq = Sequence("r/0", request, 0, output_ids=[20, 21, 22])
+    for begin in range(8):
+        for end in range(begin, 8):
+            assert seq.tokens_between(begin, end) == seq.all_tokens[begin:end]
+
+
 def test_steps_are_counted_and_timed_by_kind(demo):
     """A prompt alone is a prefill step, decodes alone are decode steps, and a prompt chunk
     beside decodes makes a mixed step; each kind's time is summed for the busy figure."""

@@ -458,12 +458,10 @@ class Engine:
         sample_rows: list[int | None] = []
         for seq, n in plan:
             table = self.cache.block_table(seq.seq_id)
-            tokens = seq.all_tokens
             begin = seq.num_computed
-            for position in range(begin, begin + n):
-                ids.append(tokens[position])
-                positions.append(position)
-                slots.append(table[position // size] * size + position % size)
+            ids += seq.tokens_between(begin, begin + n)
+            positions += range(begin, begin + n)
+            slots += [table[p // size] * size + p % size for p in range(begin, begin + n)]
             starts.append(starts[-1] + n)
             lengths.append(begin + n)
             tables.append(table)

@@ -58,6 +58,15 @@ class Sequence:
     def all_tokens(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
 
+    def tokens_between(self, begin: int, end: int) -> list[int]:
+        """all_tokens[begin:end] without building all_tokens (a decode step needs one token)."""
+        prompt = self.request.prompt_ids
+        if end <= len(prompt):
+            return prompt[begin:end]
+        if begin >= len(prompt):
+            return self.output_ids[begin - len(prompt):end - len(prompt)]
+        return prompt[begin:] + self.output_ids[:end - len(prompt)]
+
 
 @dataclass
 class Request:
