@@ -447,8 +447,8 @@ def test_a_submission_does_not_wait_for_the_step_in_progress(tmp_path):
 
 def test_a_sleeping_engine_wakes_for_a_submission_and_a_stopped_one_refuses_it(tmp_path):
     """The idle engine thread sleeps (here up to a minute between housekeeping rounds) and a
-    submission wakes it; once the engine thread has stopped, a submission fails with 503
-    instead of waiting for ever."""
+    submission wakes it; a blocking submit on the engine thread itself is refused (it would
+    wait for ever); once the engine thread has stopped, a submission fails with 503."""
     import threading
 
     from kvctl.daemon.engine.sampling import SamplingParams
@@ -464,8 +464,22 @@ def test_a_sleeping_engine_wakes_for_a_submission_and_a_stopped_one_refuses_it(t
         handed = service.submit_nowait([[8] * 20], SamplingParams(max_tokens=2, ignore_eos=True),
                                        Principal("default", "admin", "t"),
                                        lambda e: done.set() if e.finish_reason else None)
+        refused_on_engine: list[str] = []
+
+        def submit_from_the_engine_thread(request):
+            try:
+                service.submit([[7] * 20], SamplingParams(max_tokens=1), Principal("default", "admin", "t"),
+                               lambda e: None)
+            except RuntimeError as exc:
+                refused_on_engine.append(str(exc))
+
+        service.on_finished(submit_from_the_engine_thread)  # observers run on the engine thread
         handed.result(timeout=30)  # woken, not after 60 s
         assert done.wait(30)
+        deadline = time.monotonic() + 30
+        while not refused_on_engine and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert refused_on_engine == ["submit() on the engine thread would wait for itself; use submit_nowait()"]
         service._stop.set()
         with service.lock:
             service.lock.notify_all()

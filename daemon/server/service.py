@@ -331,7 +331,10 @@ class EngineService:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, principal: Principal,
                sink: EventSink) -> list[Request]:
-        """Queue one request per prompt and wait until they are queued (see `submit_nowait`)."""
+        """Queue one request per prompt and wait until they are queued (see `submit_nowait`).
+        Not from the engine thread, which is the one that queues them."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("submit() on the engine thread would wait for itself; use submit_nowait()")
         return self.submit_nowait(prompts, params, principal, sink).result()
 
     def submit_nowait(self, prompts: list[list[int]], params: SamplingParams, principal: Principal,
