@@ -15,7 +15,9 @@ attention: each group's common prefix is attended once for all its queries, ever
 own suffix in one batched call, and the two partial results merged by their log-sum-exp.
 Prefixes of similar length are attended together in one call over a copy of their rows
 (`PrefixStack`, kept while the plan is); otherwise each group gets its own call, reading a
-zero-copy slice of the cache when its blocks are contiguous. The grouping is planned once per
+zero-copy slice of the cache when its blocks are contiguous. A decode whose long prefix nobody
+else in the batch shares is attended the same way, as a group of one, so that its whole
+context does not become the width every sequence's suffix is padded to. The grouping is planned once per
 step from the block tables (`plan_attention`), in plain Python over a few hundred integers,
 reused by every layer, and kept across steps while the decoding sequences keep their blocks.
 A prompt chunk attends to its cached prefix without a mask and to itself with a causal square
@@ -39,7 +41,9 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 @dataclass
 class PrefixGroup:
-    """Decodes that share their first `blocks` cache blocks; rows start:end of the plan's order."""
+    """Decodes that share their first `blocks` cache blocks; rows start:end of the plan's order.
+    A group of one (a "solo") is a decode whose long prefix nobody else in the batch shares:
+    attended on its own, in place, so that it does not widen every sequence's suffix."""
 
     members: list[int]  # sequence indices in the batch
     first_block: int
@@ -172,6 +176,8 @@ def _shared_length(rows: list[list[int]], limit: int) -> int:
 
 
 SPLIT_MIN_KEYS = 2048  # a shared prefix is split across threads only in parts at least this long
+SOLO_MIN_BLOCKS = 4  # a decode sharing nothing gets its own prefix call from this many leading blocks on...
+SOLO_MAX = 4  # ...for at most this many decodes of a batch (each is one more call per layer)
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, splits: int = 1,
@@ -187,6 +193,11 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
 
     `counts` (new tokens per sequence, default one each) gives every sequence max(counts) query
     rows; the shared prefix ends before the first of them.
+
+    In a batch with groups, a decode that shares nothing but starts with `SOLO_MIN_BLOCKS` or
+    more consecutive blocks becomes a group of one over that run (at most `SOLO_MAX` of them,
+    each one more call per layer), attended in place after the stacked groups: otherwise its
+    whole context would set the width of every sequence's padded suffix table.
 
     Between two decode steps usually only the context lengths move: when `reuse` was planned
     from the same blocks in use and counts, its grouping is kept and only the mask is redone.
@@ -225,6 +236,21 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
         for seq in members:
             prefix[seq] = shared
         order += members
+    stacked_groups = list(groups)
+    if groups:  # a long prefix nobody shares would otherwise widen every sequence's suffix
+        grouped = set(order)
+        for seq in range(num_seqs):
+            if seq in grouped or len(groups) - len(stacked_groups) >= SOLO_MAX:
+                continue
+            limit = (lengths[seq] - rows) // block_size
+            run = _leading_run(tables[seq][:limit]) if limit > 0 else 0
+            parts = splits if splits > 1 and run * block_size >= splits * min_split_keys else 1
+            run -= run % parts
+            if run < SOLO_MIN_BLOCKS:
+                continue
+            groups.append(PrefixGroup([seq], tables[seq][0], run, None, len(order), len(order) + 1, parts))
+            prefix[seq] = run
+            order.append(seq)
     grouped = set(order)
     order += [s for s in range(num_seqs) if s not in grouped]
     width = max(ends[s] - prefix[s] for s in order)
@@ -244,7 +270,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     return DecodePlan(num_seqs, groups, prefix, order_t, inverse,
                       torch.tensor(suffix, dtype=torch.long, device=device),
                       _suffix_mask(positions, [lengths[s] for s in order], rows), layout, tuple(order), positions,
-                      rows, row_index, _plan_stack(groups, tables, block_size, device, block_content,
+                      rows, row_index, _plan_stack(stacked_groups, tables, block_size, device, block_content,
                                                    reuse.stack if reuse is not None else None))
 
 
@@ -395,10 +421,16 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out, lse = _attend_lse(queries, k, v, scale, mask)
     if plan.groups:
         stacked = _stacked_rows(plan.stack, k_cache, v_cache) if plan.stack is not None else None
-        if stacked is not None:
+        if stacked is not None:  # the stack covers the first groups; solos, after them, go one by one
+            count = len(plan.stack.blocks)
             shared_out, shared_lse = _attend_stacked(queries, stacked, plan, scale, k_scale, v_scale)
+            if count < len(plan.groups):
+                solo_out, solo_lse = _attend_each_group(queries, k_cache, v_cache, plan.groups[count:], scale,
+                                                        k_scale, v_scale)
+                shared_out, shared_lse = torch.cat((shared_out, solo_out)), torch.cat((shared_lse, solo_lse))
         else:
-            shared_out, shared_lse = _attend_each_group(queries, k_cache, v_cache, plan, scale, k_scale, v_scale)
+            shared_out, shared_lse = _attend_each_group(queries, k_cache, v_cache, plan.groups, scale,
+                                                        k_scale, v_scale)
         n = plan.groups[-1].end
         merged = _merge(shared_out, shared_lse, out[:n], lse[:n])
         out = merged if n == num_seqs else torch.cat((merged, out[n:]))
@@ -417,7 +449,8 @@ def _attend_stacked(queries: torch.Tensor, stacked: tuple, plan: DecodePlan, sca
     """Every group's queries over its shared prefix in one call, from the stacked copy.
     queries [S, Hkv, W, D] in plan order; returns out [members, Hkv, W, D] and lse [members, Hkv, W]
     for the grouped sequences, in plan order."""
-    st, count = plan.stack, len(plan.groups)
+    st = plan.stack
+    count = len(st.blocks)  # the first `count` groups of the plan
     _, num_kv_heads, width, head_dim = queries.shape
     k, v = _heads_first(stacked[0], k_scale), _heads_first(stacked[1], v_scale)  # [G, Hkv, keys, D]
     grouped = queries[st.rows] if st.rows is not None else queries[:count * st.members]
@@ -428,13 +461,15 @@ def _attend_stacked(queries: torch.Tensor, stacked: tuple, plan: DecodePlan, sca
     return (o[st.valid], l[st.valid]) if st.valid is not None else (o, l)
 
 
-def _attend_each_group(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
-                       scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+def _attend_each_group(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       groups: list[PrefixGroup], scale: float, k_scale: torch.Tensor | None,
+                       v_scale: torch.Tensor | None):
     """Each group's shared prefix once for all its members' queries, one call per group (split
-    parts merged); same inputs and results as `_attend_stacked`."""
+    parts merged); the groups' rows follow each other in plan order. Same results as
+    `_attend_stacked` for the groups it stacks."""
     _, num_kv_heads, width, head_dim = queries.shape
     shared_out, shared_lse = [], []
-    for g in plan.groups:
+    for g in groups:
         parts = (g.splits, -1, num_kv_heads, head_dim)
         if g.scattered is None:  # a view of the consecutive blocks
             k_rows, v_rows = k_cache[g.first_block:g.first_block + g.blocks], v_cache[g.first_block:g.first_block + g.blocks]

@@ -576,6 +576,55 @@ def test_a_new_grouping_keeps_the_stacked_copy_only_while_the_blocks_hold_the_sa
     assert keyless.stack.contents is None and keyless.stack.copies is not unvouched.stack.copies
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8], ids=str)
+def test_a_long_prefix_nobody_shares_is_attended_alone_not_as_everyones_suffix(cache_dtype):
+    """Two groups share short prefixes; a third decode holds a long prompt alone. It becomes a
+    group of one (attended in place, after the stacked groups), so the suffix table stays two
+    blocks wide instead of its eleven. With one real group there is no stack and every group
+    gets its own call; with no group at all, nothing is split off. The reference's output
+    every time."""
+    from kvctl.kernels import paged_attention_torch
+    from kvctl.kernels.torch_paged import SOLO_MIN_BLOCKS, AttentionPlan, plan_decode
+
+    torch.manual_seed(23)
+    block, heads, kv_heads, dim = 16, 4, 2, 64
+    if cache_dtype == torch.int8:
+        k_cache = torch.randint(-127, 128, (80, block, kv_heads, dim), dtype=torch.int8)
+        v_cache = torch.randint(-127, 128, (80, block, kv_heads, dim), dtype=torch.int8)
+        extra = dict(k_scale=torch.tensor([0.02, 0.03]), v_scale=torch.tensor([0.01, 0.04]))
+    else:
+        k_cache, v_cache = torch.randn(80, block, kv_heads, dim), torch.randn(80, block, kv_heads, dim)
+        extra = {}
+    a, b, long = [3, 4], [7, 8], list(range(40, 50))
+
+    def attend(tables, lengths):
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lens = torch.tensor(lengths, dtype=torch.int32)
+        plan = plan_decode(table, lens, block)
+        q = torch.randn(len(tables), heads, dim)
+        got = paged_attention_torch(q, k_cache, v_cache, table, torch.arange(len(tables) + 1, dtype=torch.int32),
+                                    lens, scale=dim ** -0.5, plan=AttentionPlan(None, plan, []), **extra)
+        want = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale=dim ** -0.5, **extra)
+        torch.testing.assert_close(got, want, **OUT_TOL[torch.float32])
+        return plan
+
+    both = attend([a + [20], long + [60], a + [21], b + [22], b + [23]], [40, 170, 35, 44, 39])
+    assert [(g.members, g.blocks) for g in both.groups] == [([0, 2], 2), ([3, 4], 2), ([1], 10)]
+    assert len(both.stack.blocks) == 2  # the stack holds the two real groups; the solo goes alone
+    assert both.suffix_tables.shape[1] == 1 and both.order.tolist() == [0, 2, 3, 4, 1]
+    one = attend([a + [20], long + [60], a + [21]], [40, 170, 35])
+    assert [(g.members, g.blocks) for g in one.groups] == [([0, 2], 2), ([1], 10)] and one.stack is None
+    # a long prompt whose blocks are not consecutive: only the leading run is attended in place
+    broken = attend([a + [20], long[:5] + [70] + long[5:] + [60], a + [21]], [40, 186, 35])
+    assert [(g.members, g.blocks) for g in broken.groups][-1] == ([1], 5)
+    # too short a run, or no real group whose suffix it would widen: nothing split off
+    short = attend([a + [20], long[:SOLO_MIN_BLOCKS - 1] + [60], a + [21]], [40, 16 * SOLO_MIN_BLOCKS - 5, 35])
+    assert [g.members for g in short.groups] == [[0, 2]]
+    alone = attend([long + [60], b + [22]], [170, 40])
+    assert alone.groups == []
+
+
 def test_prefixes_too_uneven_to_pad_are_not_stacked():
     from kvctl.kernels.torch_paged import plan_decode
 
