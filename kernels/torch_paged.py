@@ -365,9 +365,10 @@ def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
-    """Attention over two disjoint key sets combined from each one's output and log-sum-exp."""
-    total = torch.logaddexp(l1, l2)
-    return o1 * torch.exp(l1 - total)[..., None] + o2 * torch.exp(l2 - total)[..., None]
+    """Attention over two disjoint key sets combined from each one's output and log-sum-exp:
+    o2 + (o1 - o2) * w with w = exp(l1) / (exp(l1) + exp(l2)) = sigmoid(l1 - l2), in three ops.
+    (The combined log-sum-exp, where a caller needs it, is logaddexp(l1, l2).)"""
+    return torch.lerp(o2, o1, torch.sigmoid(l1 - l2).unsqueeze(-1))
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -537,8 +538,10 @@ def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cached = context_len - width
     out, lse = attend(cached, context_len, causal=True)
     in_place = min(_leading_run(blocks) * block_size, cached)
-    for lo, hi in ((0, in_place), (in_place, cached)):
-        if hi > lo:
-            part_out, part_lse = attend(lo, hi)
-            out, lse = _merge(part_out, part_lse, out, lse), torch.logaddexp(part_lse, lse)
+    parts = [(lo, hi) for lo, hi in ((0, in_place), (in_place, cached)) if hi > lo]
+    for i, (lo, hi) in enumerate(parts):
+        part_out, part_lse = attend(lo, hi)
+        out = _merge(part_out, part_lse, out, lse)
+        if i + 1 < len(parts):  # another part follows: it merges against the combined log-sum-exp
+            lse = torch.logaddexp(part_lse, lse)
     return out.permute(2, 0, 1, 3).reshape(width, q.shape[1], head_dim).to(q.dtype)
