@@ -301,8 +301,8 @@ def _plan_stack(groups: list[PrefixGroup], tables: list[list[int]], block_size: 
         mask = mask.masked_fill_(keys[None, :] >= ends[:, None], float("-inf"))[:, None, None, :]
     contents = None
     if block_content is not None:
-        contents = tuple(tuple(block_content(b) for b in row) for row in ids)
-        if any(c is None for row in contents for c in row):
+        contents = tuple(tuple(map(block_content, row)) for row in ids)
+        if any(None in row for row in contents):
             contents = None
     stack = PrefixStack(torch.tensor(ids, dtype=torch.long, device=device), members, rows, valid, mask,
                         contents=contents)
