@@ -25,6 +25,16 @@ ALL_CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e
                     torch.float8_e5m2, torch.int8]
 
 
+def cpu_paged_caches(cache_dtype, blocks=80, block=16, kv_heads=2, dim=64):
+    """Random K and V caches of a dtype for the CPU path, with the scale kwargs int8 needs."""
+    shape = (blocks, block, kv_heads, dim)
+    if cache_dtype == torch.int8:
+        scales = dict(k_scale=torch.linspace(0.02, 0.03, kv_heads), v_scale=torch.linspace(0.01, 0.04, kv_heads))
+        return (torch.randint(-127, 128, shape, dtype=torch.int8), torch.randint(-127, 128, shape, dtype=torch.int8),
+                scales)
+    return torch.randn(shape).to(cache_dtype), torch.randn(shape).to(cache_dtype), {}
+
+
 def query_dtype(cache_dtype):
     return torch.bfloat16 if is_quantised(cache_dtype) else cache_dtype
 
@@ -413,14 +423,7 @@ def test_decode_rows_of_several_new_tokens_match_the_prefill_reference(cache_dty
     torch.manual_seed(21)
     block, heads, kv_heads, dim, blocks = 16, 4, 2, 64, 80
     q_dtype = query_dtype(cache_dtype)
-    extra = {}
-    if cache_dtype == torch.int8:
-        k_cache = torch.randint(-127, 128, (blocks, block, kv_heads, dim), dtype=torch.int8)
-        v_cache = torch.randint(-127, 128, (blocks, block, kv_heads, dim), dtype=torch.int8)
-        extra = dict(k_scale=torch.tensor([0.02, 0.03]), v_scale=torch.tensor([0.01, 0.04]))
-    else:
-        k_cache = torch.randn(blocks, block, kv_heads, dim).to(cache_dtype)
-        v_cache = torch.randn(blocks, block, kv_heads, dim).to(cache_dtype)
+    k_cache, v_cache, extra = cpu_paged_caches(cache_dtype, blocks, block, kv_heads, dim)
     shared = list(range(10, 16))
     tables = [shared + [30, 31], shared + [32], shared + [33, 34], [60, 61, 62], [40, 41, 42, 43, 44, 45, 46]]
     lengths = [7 * 16 + 5, 6 * 16 + 16, 6 * 16 + 18, 40, 100]
@@ -477,13 +480,7 @@ def test_shared_prefixes_of_different_lengths_are_attended_in_one_stacked_call(c
 
     torch.manual_seed(13)
     block, heads, kv_heads, dim = 16, 4, 2, 64
-    if cache_dtype == torch.int8:
-        k_cache = torch.randint(-127, 128, (80, block, kv_heads, dim), dtype=torch.int8)
-        v_cache = torch.randint(-127, 128, (80, block, kv_heads, dim), dtype=torch.int8)
-        extra = dict(k_scale=torch.tensor([0.02, 0.03]), v_scale=torch.tensor([0.01, 0.04]))
-    else:
-        k_cache, v_cache = torch.randn(80, block, kv_heads, dim), torch.randn(80, block, kv_heads, dim)
-        extra = {}
+    k_cache, v_cache, extra = cpu_paged_caches(cache_dtype, 80, block, kv_heads, dim)
     a, b, c = list(range(10, 15)), [40, 3, 17, 9], list(range(20, 24))
     tables = [a + [30], a + [31, 32], a + [33], b + [34], b + [35], c + [36], c + [37]]
     lengths = [5 * 16 + 3, 6 * 16 + 2, 5 * 16 + 16, 4 * 16 + 7, 4 * 16 + 1, 4 * 16 + 9, 4 * 16 + 12]
@@ -588,13 +585,7 @@ def test_a_long_prefix_nobody_shares_is_attended_alone_not_as_everyones_suffix(c
 
     torch.manual_seed(23)
     block, heads, kv_heads, dim = 16, 4, 2, 64
-    if cache_dtype == torch.int8:
-        k_cache = torch.randint(-127, 128, (80, block, kv_heads, dim), dtype=torch.int8)
-        v_cache = torch.randint(-127, 128, (80, block, kv_heads, dim), dtype=torch.int8)
-        extra = dict(k_scale=torch.tensor([0.02, 0.03]), v_scale=torch.tensor([0.01, 0.04]))
-    else:
-        k_cache, v_cache = torch.randn(80, block, kv_heads, dim), torch.randn(80, block, kv_heads, dim)
-        extra = {}
+    k_cache, v_cache, extra = cpu_paged_caches(cache_dtype, 80, block, kv_heads, dim)
     a, b, long = [3, 4], [7, 8], list(range(40, 50))
 
     def attend(tables, lengths):
