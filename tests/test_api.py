@@ -399,6 +399,26 @@ def test_only_the_engine_thread_runs_torch_ops_on_several_threads(tmp_path):
         torch.set_num_threads(threads)  # the test process's own default again
 
 
+def test_status_latency_percentiles_cover_the_latest_2000_ttfts_and_20000_gaps(tmp_path):
+    from types import SimpleNamespace
+
+    from kvctl.daemon.engine.requests import RequestMetrics
+
+    service = start_service(tmp_path)
+    try:
+        for i in range(2100):  # TTFT i ms; ten gaps of (i % 7 + 1) ms each
+            times = [i / 1000 + k * (i % 7 + 1) / 1000 for k in range(11)]
+            metrics = RequestMetrics(arrival=0.0, first_token=times[0], token_times=times)
+            service.metrics.observe_request(SimpleNamespace(metrics=metrics))
+        summary = service.metrics.summary()
+        ttft, gaps = summary["ttft_seconds"], summary["inter_token_seconds"]
+        assert ttft["count"] == 2000 and gaps["count"] == 20000
+        assert ttft["p50"] == pytest.approx(1.099)  # of 0.100 .. 2.099 s: the oldest 100 have gone
+        assert gaps["p50"] == pytest.approx(0.004)  # requests 100 .. 2099: gaps of 1..7 ms, evenly
+    finally:
+        service.shutdown(1)
+
+
 def test_a_submission_does_not_wait_for_the_step_in_progress(tmp_path):
     """Prompts handed in during a step are queued by the engine thread right after it: the
     submitter gets a future at once instead of waiting for the engine's lock. The requests it

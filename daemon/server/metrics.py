@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -135,8 +136,10 @@ class Metrics:
         self.restore = Histogram("kvd_tier_restore_seconds", "Time to put a prefix back on the device",
                                  buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
                                  registry=self.registry)
-        self._recent_ttft: list[float] = []
-        self._recent_itl: list[float] = []
+        # the latest TTFTs and inter-token gaps, for the percentiles of /admin/status (bounded;
+        # appended on the engine thread as requests finish, so O(new values), never a copy)
+        self._recent_ttft: deque[float] = deque(maxlen=2000)
+        self._recent_itl: deque[float] = deque(maxlen=20000)
         self._lock = threading.Lock()
         self.service = service
         service.on_finished(self.observe_request)
@@ -147,10 +150,11 @@ class Metrics:
         with self._lock:
             if metrics.ttft is not None:
                 self.ttft.observe(metrics.ttft)
-                self._recent_ttft = (self._recent_ttft + [metrics.ttft])[-2000:]
-            for gap in metrics.inter_token_latencies:
+                self._recent_ttft.append(metrics.ttft)
+            gaps = metrics.inter_token_latencies
+            for gap in gaps:
                 self.itl.observe(gap)
-            self._recent_itl = (self._recent_itl + metrics.inter_token_latencies)[-20000:]
+            self._recent_itl.extend(gaps)
         engine = self.service.engine
         with self.service.lock:
             samples = list(engine.stats.alloc_seconds)
@@ -165,7 +169,8 @@ class Metrics:
                 self.restore.observe(value)
 
     def summary(self) -> dict:
-        def percentiles(values: list[float]) -> dict:
+        def percentiles(values) -> dict:
+            values = list(values)
             return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95),
                     "p99": percentile(values, 0.99), "count": len(values)}
 
