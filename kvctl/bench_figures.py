@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from kvctl.daemon.stats import percentile
@@ -94,3 +95,21 @@ def engine_figures(before: dict, after: dict, wall_seconds: float) -> dict | Non
     decodes = steps.get("decode", 0)
     return {"steps": steps, "busy_fraction": busy / wall_seconds,
             "decode_step_mean_s": delta("decode", "seconds") / decodes if decodes else None}
+
+
+def across_runs(runs: list[dict | None]) -> tuple[dict | None, dict | None]:
+    """Figures of repeated runs (each a `figures()` or `ratios()` dict): the median of each
+    figure, and its [min, max]. A figure that is None in a run (no cached request, say) is left
+    out of that figure's median; None where no run has it. (None, None) for no runs."""
+    present = [run for run in runs if run is not None]
+    if not present:
+        return None, None
+    middle, spread = {}, {}
+    for name in present[0]:
+        values = [run[name] for run in present if run.get(name) is not None]
+        if not values:
+            middle[name] = None
+            continue
+        middle[name] = statistics.median(values)
+        spread[name] = [min(values), max(values)]
+    return middle, spread

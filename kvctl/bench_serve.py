@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .bench_figures import RequestRecord, engine_figures, figures, ratios
+from .bench_figures import RequestRecord, across_runs, engine_figures, figures, ratios
 from .errors import UserError
 from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
 
@@ -163,6 +163,10 @@ def serve_command(
     system_tokens: int = typer.Option(1024, help="shared-prefix: tokens per system prompt."),
     question_tokens: int = typer.Option(32, help="shared-prefix: tokens per question."),
     seed: int = typer.Option(0, help="Workload seed."),
+    repeat: int = typer.Option(1, "--repeat", help="Run it N times, kvd then the baseline each time, and "
+                                                 "report each figure's median and range. shared-prefix and "
+                                                 "multi-turn take fresh prompts each time (seed, seed+1, ...), "
+                                                 "so every run starts cold; a trace's prompts repeat."),
     baseline: str = typer.Option("transformers", help="transformers or none."),
     save: bool = typer.Option(False, "--save", help="Store the run in the SQLite store."),
     compare: Optional[int] = typer.Option(None, "--compare", help="Print the difference to a stored run."),
@@ -186,34 +190,42 @@ def serve_command(
         raise UserError(f"max_tokens: must be >= 1, got {max_tokens}")
     if min(groups, system_tokens, question_tokens) < 1:
         raise UserError("groups, system_tokens and question_tokens must be >= 1")
-    work = build_workload(workload, requests=requests, max_tokens=max_tokens, time_scale=time_scale, seed=seed,
-                          block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,
-                          question_tokens=question_tokens)
+    if repeat < 1:
+        raise UserError(f"repeat: must be >= 1, got {repeat}")
+    works = [build_workload(workload, requests=requests, max_tokens=max_tokens, time_scale=time_scale,
+                            seed=seed + i, block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,
+                            question_tokens=question_tokens) for i in range(repeat)]
     sync = Client(**_conn(ctx))
     status = sync.get("/admin/status")
     err = Console(stderr=True)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    total = len(work) * (2 if baseline == "transformers" else 1)
+    total = sum(map(len, works)) * (2 if baseline == "transformers" else 1)
+    runs, plotted = [], None
     with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err,
                   transient=True, disable=not err.is_terminal) as progress:
         task = progress.add_task("bench", total=total)
         tick = lambda: progress.advance(task)  # noqa: E731
-        kvd_records = asyncio.run(_drive(sync, work, None if rate else concurrency, rate, seed, tick))
-        after = sync.get("/admin/status")
-        base_records = None
-        if baseline == "transformers":
-            base_records = run_transformers_baseline(status["model"]["path"], work, concurrency or 8, tick)
-    kvd_figures = figures(kvd_records)
-    base_figures = figures(base_records) if base_records is not None else None
+        before = status
+        for i, work in enumerate(works):
+            kvd_records = asyncio.run(_drive(sync, work, None if rate else concurrency, rate, seed + i, tick))
+            after = sync.get("/admin/status")
+            base_records = None
+            if baseline == "transformers":
+                base_records = run_transformers_baseline(status["model"]["path"], work, concurrency or 8, tick)
+            kvd_run = figures(kvd_records)
+            base_run = figures(base_records) if base_records is not None else None
+            runs.append({"seed": seed + i, "kvd": kvd_run, "baseline": base_run, "ratio": ratios(kvd_run, base_run),
+                         "engine": engine_figures(before, after, kvd_run["seconds"])})
+            plotted = plotted or (kvd_records, base_records)
+            before = after  # the baseline's run does not step the engine
     document = {
         "workload": workload,
-        "settings": {"requests": len(work), "concurrency": None if rate else concurrency, "rate": rate,
+        "settings": {"requests": len(works[0]), "concurrency": None if rate else concurrency, "rate": rate,
                      "groups": groups, "system_tokens": system_tokens, "question_tokens": question_tokens,
                      "max_tokens": max_tokens, "seed": seed, "time_scale": time_scale,
-                     "block_tokens": block_tokens, "baseline": baseline},
-        "kvd": kvd_figures, "baseline": base_figures, "ratio": ratios(kvd_figures, base_figures),
-        "engine": engine_figures(status, after, kvd_figures["seconds"]),
+                     "block_tokens": block_tokens, "baseline": baseline, "repeat": repeat},
+        **_summarise(runs, status, after),
         "model": {"name": status["model"]["name"], "revision": status["model"]["revision"]},
         "versions": _versions(),
     }
@@ -231,13 +243,28 @@ def serve_command(
         if previous is None:
             raise UserError(f"compare: no stored run {compare}")
     if plot is not None:
-        write_plots(plot, kvd_records, base_records)
+        write_plots(plot, *plotted)  # the first run's
     if as_json:
         if previous is not None:
             document["compare"] = {"run_id": compare, "kvd": previous["document"]["kvd"]}
         typer.echo(json.dumps(document, indent=2))
         return
     _print_report(document, previous)
+
+
+def _summarise(runs: list[dict], first_status: dict, last_status: dict) -> dict:
+    """The document's figures: one run's as they are; for several, each figure's median (the
+    ratios: the median of each run's own ratio, kvd and the baseline having run side by side),
+    its [min, max] under `spread`, and every run under `runs`."""
+    if len(runs) == 1:
+        return {key: runs[0][key] for key in ("kvd", "baseline", "ratio", "engine")}
+    kvd, kvd_spread = across_runs([run["kvd"] for run in runs])
+    base, base_spread = across_runs([run["baseline"] for run in runs])
+    ratio, ratio_spread = across_runs([run["ratio"] for run in runs])
+    seconds = sum(run["kvd"]["seconds"] for run in runs)
+    return {"kvd": kvd, "baseline": base, "ratio": ratio or {},
+            "engine": engine_figures(first_status, last_status, seconds),
+            "spread": {"kvd": kvd_spread, "baseline": base_spread, "ratio": ratio_spread}, "runs": runs}
 
 
 def _conn(ctx: typer.Context) -> dict:
@@ -281,6 +308,12 @@ def _print_report(document: dict, previous: dict | None) -> None:
     if base is not None:
         table.add_column("transformers", justify="right")
         table.add_column("kvd ÷ baseline", justify="right")
+    spread = document.get("spread")
+    if spread is not None:  # --repeat: medians, with each figure's range beside them
+        table.title += f", median of {len(document['runs'])} runs"
+        table.add_column("kvd range", justify="right")
+        if base is not None:
+            table.add_column("ratio range", justify="right")
     if previous is not None:
         table.add_column(f"run {previous['id']}", justify="right")
         table.add_column("change", justify="right")
@@ -291,6 +324,12 @@ def _print_report(document: dict, previous: dict | None) -> None:
         row = [name, _fmt(kvd.get(name), name)]
         if base is not None:
             row += [_fmt(base.get(name), name), "-" if ratio.get(name) is None else f"{ratio[name]:.2f}x"]
+        if spread is not None:
+            low_high = (spread["kvd"] or {}).get(name)
+            row.append("-" if low_high is None else f"{_fmt(low_high[0], name)} – {_fmt(low_high[1], name)}")
+            if base is not None:
+                low_high = (spread["ratio"] or {}).get(name)
+                row.append("-" if low_high is None else f"{low_high[0]:.2f}x – {low_high[1]:.2f}x")
         if previous is not None:
             old = previous["document"]["kvd"].get(name)
             new = kvd.get(name)

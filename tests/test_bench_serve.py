@@ -69,6 +69,27 @@ def test_percentiles_and_figures_on_a_synthetic_latency_set():
     assert ratios(f, {**f, "output_tokens_per_second": 1.5})["output_tokens_per_second"] == 3.0
 
 
+def test_figures_across_repeated_runs_are_medians_with_their_range():
+    from kvctl.bench_figures import across_runs
+
+    runs = [{"output_tokens_per_second": 1800.0, "ttft_cached_over_uncached": 0.25, "aborts": 0},
+            {"output_tokens_per_second": 1200.0, "ttft_cached_over_uncached": None, "aborts": 0},
+            {"output_tokens_per_second": 2100.0, "ttft_cached_over_uncached": 0.19, "aborts": 1},
+            {"output_tokens_per_second": 1500.0, "ttft_cached_over_uncached": 0.21, "aborts": 0}]
+    middle, spread = across_runs(runs)
+    assert middle == {"output_tokens_per_second": 1650.0, "ttft_cached_over_uncached": 0.21, "aborts": 0.0}
+    assert spread == {"output_tokens_per_second": [1200.0, 2100.0], "ttft_cached_over_uncached": [0.19, 0.25],
+                      "aborts": [0, 1]}
+    assert across_runs([None, None]) == (None, None)  # no baseline in any run
+    middle, spread = across_runs([{"ttft_cached_over_uncached": None}])
+    assert middle == {"ttft_cached_over_uncached": None} and spread == {}
+
+
+def test_bench_serve_refuses_a_repeat_below_one(capsys, tmp_path):
+    status, _, err = cli(capsys, "bench", "serve", "--repeat", "0")
+    assert status == 2 and "repeat: must be >= 1, got 0" in err
+
+
 def test_engine_figures_from_two_status_reports():
     from kvctl.bench_figures import engine_figures
 
