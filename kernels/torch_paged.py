@@ -238,19 +238,10 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
         order += members
     stacked_groups = list(groups)
     if groups:  # a long prefix nobody shares would otherwise widen every sequence's suffix
-        grouped = set(order)
-        for seq in range(num_seqs):
-            if seq in grouped or len(groups) - len(stacked_groups) >= SOLO_MAX:
-                continue
-            limit = (lengths[seq] - rows) // block_size
-            run = _leading_run(tables[seq][:limit]) if limit > 0 else 0
-            parts = splits if splits > 1 and run * block_size >= splits * min_split_keys else 1
-            run -= run % parts
-            if run < SOLO_MIN_BLOCKS:
-                continue
-            groups.append(PrefixGroup([seq], tables[seq][0], run, None, len(order), len(order) + 1, parts))
-            prefix[seq] = run
-            order.append(seq)
+        for solo in _solo_groups(tables, lengths, rows, block_size, splits, min_split_keys, order):
+            groups.append(solo)
+            prefix[solo.members[0]] = solo.blocks
+            order.append(solo.members[0])
     grouped = set(order)
     order += [s for s in range(num_seqs) if s not in grouped]
     width = max(ends[s] - prefix[s] for s in order)
@@ -272,6 +263,26 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
                       _suffix_mask(positions, [lengths[s] for s in order], rows), layout, tuple(order), positions,
                       rows, row_index, _plan_stack(stacked_groups, tables, block_size, device, block_content,
                                                    reuse.stack if reuse is not None else None))
+
+
+def _solo_groups(tables: list[list[int]], lengths: list[int], rows: int, block_size: int, splits: int,
+                 min_split_keys: int, grouped: list[int]) -> list[PrefixGroup]:
+    """Groups of one for decodes outside `grouped` (in plan order after it) whose leading run
+    of consecutive blocks before their rows is at least `SOLO_MIN_BLOCKS` long; at most
+    `SOLO_MAX` of them."""
+    solos: list[PrefixGroup] = []
+    taken = set(grouped)
+    for seq in range(len(lengths)):
+        if seq in taken or len(solos) >= SOLO_MAX:
+            continue
+        limit = (lengths[seq] - rows) // block_size
+        run = _leading_run(tables[seq][:limit]) if limit > 0 else 0
+        parts = splits if splits > 1 and run * block_size >= splits * min_split_keys else 1
+        run -= run % parts
+        if run >= SOLO_MIN_BLOCKS:
+            start = len(grouped) + len(solos)
+            solos.append(PrefixGroup([seq], tables[seq][0], run, None, start, start + 1, parts))
+    return solos
 
 
 def _plan_stack(groups: list[PrefixGroup], tables: list[list[int]], block_size: int, device: torch.device,
