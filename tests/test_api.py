@@ -465,6 +465,51 @@ def test_a_submission_does_not_wait_for_the_step_in_progress(tmp_path):
         service.shutdown(1)
 
 
+def test_many_threads_submitting_at_once_each_get_their_own_requests_run_to_the_end(tmp_path):
+    """Eight threads hand in five prompts each, as fast as they can, while the engine steps:
+    every submission is answered with its own requests, every request ends with its three
+    tokens, and every block comes back."""
+    import threading
+
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.server.service import Principal
+
+    service = start_service(tmp_path, num_blocks=256, max_queue=64)
+    try:
+        finished: dict[str, int] = {}
+        lock = threading.Lock()
+        answers: dict[int, list] = {}
+
+        def sink(event):
+            if event.finish_reason is not None:
+                with lock:
+                    finished[event.request_id] = event.index
+
+        def submitter(worker):
+            prompts = [[worker + 1] * (10 + i) for i in range(5)]
+            answers[worker] = [service.submit([p], SamplingParams(max_tokens=3, ignore_eos=True),
+                                              Principal(f"t{worker}", "admin", "test"), sink)[0] for p in prompts]
+
+        threads = [threading.Thread(target=submitter, args=(w,)) for w in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        deadline = time.monotonic() + 60
+        while len(finished) < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(answers) == list(range(8))
+        for worker, requests in answers.items():
+            assert [r.prompt_ids for r in requests] == [[worker + 1] * (10 + i) for i in range(5)]
+            assert all(r.tenant == f"t{worker}" for r in requests)
+        requests = [r for rs in answers.values() for r in rs]
+        assert len({r.request_id for r in requests}) == 40 and set(finished) == {r.request_id for r in requests}
+        assert all(len(r.sequences[0].output_ids) == 3 for r in requests)
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
 def test_a_sleeping_engine_wakes_for_a_submission_and_a_stopped_one_refuses_it(tmp_path):
     """The idle engine thread sleeps (here up to a minute between housekeeping rounds) and a
     submission wakes it; a blocking submit on the engine thread itself is refused (it would
