@@ -433,16 +433,12 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out, lse = _attend_lse(queries, k, v, scale, mask)
     if plan.groups:
         stacked = _stacked_rows(plan.stack, k_cache, v_cache) if plan.stack is not None else None
-        if stacked is not None:  # the stack covers the first groups; solos, after them, go one by one
-            count = len(plan.stack.blocks)
-            shared_out, shared_lse = _attend_stacked(queries, stacked, plan, scale, k_scale, v_scale)
-            if count < len(plan.groups):
-                solo_out, solo_lse = _attend_each_group(queries, k_cache, v_cache, plan.groups[count:], scale,
-                                                        k_scale, v_scale)
-                shared_out, shared_lse = torch.cat((shared_out, solo_out)), torch.cat((shared_lse, solo_lse))
-        else:
-            shared_out, shared_lse = _attend_each_group(queries, k_cache, v_cache, plan.groups, scale,
-                                                        k_scale, v_scale)
+        count = 0 if stacked is None else len(plan.stack.blocks)  # the stack covers the first groups
+        parts = [_attend_stacked(queries, stacked, plan, scale, k_scale, v_scale)] if count else []
+        if count < len(plan.groups):  # the rest (solos, or every group when nothing is stacked) one by one
+            parts.append(_attend_each_group(queries, k_cache, v_cache, plan.groups[count:], scale, k_scale, v_scale))
+        shared_out, shared_lse = parts[0] if len(parts) == 1 else (torch.cat((parts[0][0], parts[1][0])),
+                                                                   torch.cat((parts[0][1], parts[1][1])))
         n = plan.groups[-1].end
         merged = _merge(shared_out, shared_lse, out[:n], lse[:n])
         out = merged if n == num_seqs else torch.cat((merged, out[n:]))

@@ -192,9 +192,14 @@ def serve_command(
         raise UserError("groups, system_tokens and question_tokens must be >= 1")
     if repeat < 1:
         raise UserError(f"repeat: must be >= 1, got {repeat}")
-    works = [build_workload(workload, requests=requests, max_tokens=max_tokens, time_scale=time_scale,
-                            seed=seed + i, block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,
-                            question_tokens=question_tokens) for i in range(repeat)]
+    def build(run_seed: int) -> list[BenchRequest]:
+        return build_workload(workload, requests=requests, max_tokens=max_tokens, time_scale=time_scale,
+                              seed=run_seed, block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,
+                              question_tokens=question_tokens)
+
+    works = [build(seed)]
+    for i in range(1, repeat):  # a trace does not depend on the seed: read it once
+        works.append(works[0] if workload.startswith("trace:") else build(seed + i))
     sync = Client(**_conn(ctx))
     status = sync.get("/admin/status")
     err = Console(stderr=True)

@@ -162,10 +162,10 @@ class Engine:
                     cohort: str | None = None, prefix_keys: tuple | None = None) -> Request:
         """Queue a request, or raise AdmissionRejected (nothing allocated) / RequestError.
 
-        `prefix_keys`: what `prefix_keys(tenant, prompt_ids)` returned, computed by the caller
-        before it took the engine's lock, so a long prompt is not hashed inside a step (where
-        every decode of the batch would wait for it). Keys computed for other ids are ignored;
-        admission also checks that the namespace has not changed since."""
+        `prefix_keys`: what `prefix_keys(tenant, prompt_ids)` returned, computed by the submitter
+        outside the engine's step, so a long prompt is not hashed inside one (where every decode
+        of the batch would wait for it). Keys computed for other ids are ignored; admission also
+        checks that the namespace has not changed since."""
         vocab = self.loaded.config.vocab_size
         params.validate(vocab)
         if not prompt_ids:

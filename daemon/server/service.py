@@ -214,14 +214,15 @@ class EngineService:
                 answered = self._queue_submissions()
                 if self.pending_scales is not None and not self.engine.num_running:
                     self._load_scales(self.pending_scales)
-                if not answered and not self.engine.has_work():
+                busy = self.engine.has_work()
+                if not busy and not answered:
                     self._engine_idle = True  # before the inbox is read: see _wake_engine
                     if not self._inbox:
                         self.lock.wait(timeout=self.idle_wait)
                     self._engine_idle = False
                     continue
                 events = []
-                if self.engine.has_work():
+                if busy:  # (all of what was handed in may have been refused)
                     try:
                         events = self.engine.step()
                     except Exception:  # a failed step must not strand clients or leak blocks
@@ -412,8 +413,8 @@ class EngineService:
 
     @staticmethod
     def _hash_outside_the_step(engine: Engine, tenant: str, prompt_ids: list[int]) -> tuple | None:
-        """A prompt's block keys, computed in the submitting thread before it takes the lock;
-        None for ids the hasher refuses (add_request then names the bad field)."""
+        """A prompt's block keys, computed in the submitting thread, not in a step; None for
+        ids the hasher refuses (add_request then names the bad field)."""
         try:
             return engine.prefix_keys(tenant, prompt_ids)
         except (TypeError, ValueError):
