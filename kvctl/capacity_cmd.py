@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich import box
 from rich.table import Table
 
 from .capacity import ELEMENT_BYTES, PER_TOKEN_SCALE_FORMATS, ModelShape, compare_dtypes
@@ -89,13 +90,13 @@ def capacity_command(
         typer.echo(json.dumps(document, indent=2))
         return
     first = rows[0]
-    table = Table(title=f"KV cache capacity: {shape.layers} layers x {shape.kv_heads} KV heads x "
+    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, title=f"KV cache capacity: {shape.layers} layers x {shape.kv_heads} KV heads x "
                         f"{shape.head_dim} dims; GPU {first['gpu_memory'] / 2**30:.1f} GiB - weights "
                         f"{first['weights_bytes'] / 2**30:.1f} - workspace {first['workspace_bytes'] / 2**30:.1f}"
-                        f" - reserve {first['reserve_bytes'] / 2**30:.1f} GiB")
-    for column in ("cache dtype", "bytes/token", "bytes/block", "cache GiB", "blocks", "tokens",
-                   f"sequences @ {context:,}"):
-        table.add_column(column, justify="right")
+                        f" - reserve {first['reserve_bytes'] / 2**30:.1f} GiB; sequences of {context:,} tokens")
+    for column in ("cache dtype", "B/token", "B/block", "cache GiB", "blocks", "tokens",
+                   "sequences"):  # short headers: the table fits 80 columns unwrapped
+        table.add_column(column, justify="right", overflow="fold")
     for r in rows:
         table.add_row(r["cache_dtype"], f"{r['bytes_per_token']:,}", f"{r['bytes_per_block']:,}",
                       f"{r['cache_bytes'] / 2**30:.1f}", f"{r['blocks']:,}", f"{r['tokens']:,}",
