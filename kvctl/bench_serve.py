@@ -117,6 +117,9 @@ def run_transformers_baseline(model_dir: str, workload: list[BenchRequest], batc
         raise UserError("baseline: transformers is not installed (pip install transformers), "
                         "or use --baseline none") from None
 
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its weight-loading bar would break into our progress and table
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
     class StepClock(LogitsProcessor):
