@@ -47,8 +47,8 @@ def _decode_partial_kernel(
     stride_qs, stride_qh,
     stride_cb, stride_co, stride_ch,
     stride_bt,
-    partition_size, block_size, head_dim, group_size, num_splits,
-    GROUP_P: tl.constexpr,  # query heads per KV head, padded to >= 16 for tl.dot
+    partition_size, block_size, head_dim, group_size, num_splits, head_chunks,
+    GROUP_P: tl.constexpr,  # query heads per program (of one KV head), padded to >= 16 for tl.dot
     DIM_P: tl.constexpr,  # head_dim padded to a power of two
     TILE: tl.constexpr,  # tokens per step
     QUANT: tl.constexpr,
@@ -56,13 +56,14 @@ def _decode_partial_kernel(
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for float32, the default otherwise
 ):
     seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // head_chunks
+    chunk = tl.program_id(1) % head_chunks
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     start = split * partition_size
     end = tl.minimum(start + partition_size, context_len)
 
-    group = tl.arange(0, GROUP_P)
+    group = chunk * GROUP_P + tl.arange(0, GROUP_P)  # this program's query heads within the group
     dims = tl.arange(0, DIM_P)
     heads = kv_head * group_size + group
     head_mask = group < group_size
@@ -84,7 +85,7 @@ def _decode_partial_kernel(
             q, k.to(q.dtype), v.to(q.dtype), token_mask[None, :], sm_scale, row_max, row_sum, acc,
             PRECISION)
 
-    part = (seq * tl.num_programs(1) * group_size + heads) * num_splits + split
+    part = (seq * (tl.num_programs(1) // head_chunks) * group_size + heads) * num_splits + split
     tl.store(part_max_ptr + part, row_max, mask=head_mask)
     tl.store(part_sum_ptr + part, row_sum, mask=head_mask)
     tl.store(part_acc_ptr + part[:, None] * head_dim + dims[None, :], acc,
@@ -132,6 +133,20 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) ->
     return group, check_scales(k_cache, k_scale, v_scale)
 
 
+QUERY_TILE_BYTES = 16 << 10  # one program's query tile stays within this (it sits in shared memory for tl.dot)
+
+
+def _heads_per_program(group: int, head_dim: int, dot_f32: bool) -> int:
+    """Query heads of one KV head that a program takes together: all of them (padded to the
+    16 rows tl.dot needs) unless their tile would pass `QUERY_TILE_BYTES`; then the group is
+    split across programs. Grouped-query ratios of 64 with float32 and head_dim 256 asked for
+    139 KiB of shared memory as one program and 100.3 KiB as two, past the 99 KiB of an sm_89
+    block (`python -m kvctl.kernels.compile_check --arch sm_89`)."""
+    padded = max(16, triton.next_power_of_2(group))
+    row_bytes = triton.next_power_of_2(head_dim) * (4 if dot_f32 else 2)
+    return max(16, min(padded, triton.next_power_of_2(QUERY_TILE_BYTES // row_bytes + 1) // 2))
+
+
 def choose_partition(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Tokens per split: enough programs to fill the device, never below one tile."""
     if device.type == "cuda":
@@ -174,15 +189,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_sum = torch.empty_like(part_max)
     placeholder = context_lens
     dot_f32 = q.dtype == torch.float32 or interpreting()
-    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+    heads_per_program = _heads_per_program(group, head_dim, dot_f32)
+    head_chunks = -(-group // heads_per_program)
+    _decode_partial_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         k_scale if quantised else placeholder, v_scale if quantised else placeholder,
         part_acc, part_max, part_sum, float(scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        partition_size, block_size, head_dim, group, num_splits,
-        GROUP_P=max(16, triton.next_power_of_2(group)), DIM_P=triton.next_power_of_2(head_dim),
+        partition_size, block_size, head_dim, group, num_splits, head_chunks,
+        GROUP_P=heads_per_program, DIM_P=triton.next_power_of_2(head_dim),
         TILE=TILE_N, QUANT=quantised,
         DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32",
     )

@@ -90,6 +90,32 @@ def test_decode_kernel_gqa_and_mqa(num_kv_heads, group):
                                **OUT_TOL[torch.float16])
 
 
+@pytest.mark.parametrize("tile_bytes, heads_per_program", [(16 * 64 * 4, 16), (32 * 64 * 4, 32)])
+def test_decode_splits_a_wide_query_group_across_programs(monkeypatch, tile_bytes, heads_per_program):
+    """When one KV head's query tile would pass QUERY_TILE_BYTES, its heads are shared out in
+    chunks (2 programs of 16 heads, or 1 of 32 here, for 32 heads on one KV head); every head
+    still gets its own output."""
+    import kvctl.kernels.decode as decode
+
+    monkeypatch.setattr(decode, "QUERY_TILE_BYTES", tile_bytes)
+    assert decode._heads_per_program(32, 64, dot_f32=True) == heads_per_program
+    case = build(torch.float32, num_kv_heads=2, group=32, seed=4, lengths=[1, 17, 40])
+    q, lens = decode_inputs(case, torch.float32)
+    torch.testing.assert_close(run_decode(paged_decode_attention, case, q, lens),
+                               run_decode(paged_decode_attention_ref, case, q, lens),
+                               **OUT_TOL[torch.float32])
+
+
+def test_a_query_group_is_split_only_past_the_tile_budget():
+    from kvctl.kernels.decode import _heads_per_program
+
+    assert _heads_per_program(8, 128, dot_f32=False) == 16  # padded up to tl.dot's 16 rows
+    assert _heads_per_program(64, 128, dot_f32=False) == 64  # 64 x 128 x 2 bytes = 16 KiB: whole
+    assert _heads_per_program(64, 256, dot_f32=False) == 32  # 32 KiB: split in two
+    assert _heads_per_program(64, 256, dot_f32=True) == 16  # 64 KiB: split in four
+    assert _heads_per_program(128, 80, dot_f32=True) == 32  # head_dim 80 takes 128 lanes
+
+
 @pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
 def test_decode_kernel_head_dims(head_dim):
     case = build(torch.bfloat16, head_dim=head_dim, num_kv_heads=1, group=2, seed=2,
