@@ -10,7 +10,7 @@ The launchers run on CUDA, or on the CPU under TRITON_INTERPRET=1 (for tests).
 This package imports nothing of the rest of the project.
 """
 
-from .checks import KernelArgumentError
+from .checks import KernelArgumentError, format_unsupported
 from .copy_blocks import copy_blocks, copy_blocks_ref
 from .decode import paged_decode_attention, paged_decode_attention_ref
 from .formats import CACHE_DTYPES, absmax_scales, cache_dtype, dequantise, is_quantised, quantise
@@ -19,7 +19,7 @@ from .torch_paged import paged_attention_torch, plan_attention
 from .write_kv import write_kv, write_kv_ref
 
 __all__ = [
-    "CACHE_DTYPES", "KernelArgumentError", "absmax_scales", "cache_dtype", "copy_blocks",
+    "CACHE_DTYPES", "KernelArgumentError", "absmax_scales", "cache_dtype", "copy_blocks", "format_unsupported",
     "copy_blocks_ref", "dequantise", "is_quantised", "paged_decode_attention",
     "paged_attention_torch", "plan_attention", "paged_decode_attention_ref", "paged_prefill_attention",
     "paged_prefill_attention_ref",

@@ -32,8 +32,21 @@ def check_tensor(name: str, t: torch.Tensor, *, ndim: int, dtypes: tuple[torch.d
         check(False, name, f"must be contiguous, got strides {t.stride()}")
 
 
+FP8_E4M3_MIN_CAPABILITY = (8, 9)  # Triton's fp8e4nv: Ada and Hopper on; A100 (8.0) has only e5m2
+
+
+def format_unsupported(dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
+    """Why tensors of `dtype` cannot go through the kernels on a GPU of this compute
+    capability, or None when they can (`python -m kvctl.kernels.compile_check --arch sm_80`
+    shows the compiler's refusal)."""
+    if dtype == torch.float8_e4m3fn and tuple(capability) < FP8_E4M3_MIN_CAPABILITY:
+        return (f"fp8_e4m3 needs a GPU of compute capability 8.9 or newer (L4, L40S, H100, H200); "
+                f"this one is {capability[0]}.{capability[1]}: use fp8_e5m2 or int8")
+    return None
+
+
 def check_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
-    """All tensors on one device, and a device the Triton kernels can run on."""
+    """All tensors on one device, and a device (and formats) the Triton kernels can run on."""
     device = None
     for name, t in tensors.items():
         if t is None:
@@ -44,6 +57,9 @@ def check_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
                   f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {t.device}; "
                   "use the *_ref function on the CPU")
         check(t.device == device, name, f"on {t.device}, expected {device} like the other arguments")
+        if t.is_cuda and t.dtype == torch.float8_e4m3fn:
+            problem = format_unsupported(t.dtype, torch.cuda.get_device_capability(t.device))
+            check(problem is None, name, problem or "")
     assert device is not None
     return device
 

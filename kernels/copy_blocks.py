@@ -51,6 +51,8 @@ def _check(k_cache, v_cache, src, dst) -> None:
 def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy block src[i] onto dst[i] in both caches (Triton)."""
     _check(k_cache, v_cache, src, dst)
+    if k_cache.element_size() == 1:  # bytes are copied as bytes: fp8 formats need no fp8 support
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     check_device({"k_cache": k_cache, "v_cache": v_cache, "src": src, "dst": dst})
     if src.numel() == 0:
         return

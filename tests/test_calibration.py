@@ -88,6 +88,46 @@ def test_a_quantised_cache_without_calibration_refuses_to_start(tmp_path):
         loud.shutdown(1)
 
 
+@pytest.mark.parametrize("capability, refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])
+def test_an_fp8_e4m3_cache_on_a_gpu_without_it_is_refused_before_the_model_loads(tmp_path, monkeypatch,
+                                                                                   capability, refused):
+    """Triton has no float8_e4m3 on compute capability 8.0 (A100): kvd says so and names the
+    formats that do run there, instead of failing to compile at the first request."""
+    import torch
+
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server import service as service_module
+    from kvctl.daemon.store import Store
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    loads = []
+    monkeypatch.setattr(service_module, "load_model", lambda *a, **k: loads.append(a) or (_ for _ in ()).throw(
+        RuntimeError("model loading reached")))
+    config = resolve({"state_dir": str(tmp_path), "socket": str(tmp_path / "s"), "num_blocks": 32,
+                      "cache_dtype": "fp8_e4m3", "device": "cuda"}, env={})
+    service = service_module.EngineService(config, Store(tmp_path / "kvd.sqlite3"))
+    if refused:
+        with pytest.raises(ValueError) as info:
+            service.load()
+        assert str(info.value) == ("cache_dtype: fp8_e4m3 needs a GPU of compute capability 8.9 or newer "
+                                   "(L4, L40S, H100, H200); this one is 8.0: use fp8_e5m2 or int8")
+        assert loads == []
+    else:
+        with pytest.raises(RuntimeError, match="model loading reached"):
+            service.load()
+
+
+def test_only_fp8_e4m3_depends_on_the_compute_capability():
+    import torch
+
+    from kvctl.kernels import format_unsupported
+
+    assert "use fp8_e5m2 or int8" in format_unsupported(torch.float8_e4m3fn, (8, 6))
+    for dtype in (torch.float8_e5m2, torch.int8, torch.bfloat16, torch.float16, torch.float32):
+        assert format_unsupported(dtype, (8, 0)) is None
+    assert format_unsupported(torch.float8_e4m3fn, (8, 9)) is None
+
+
 def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path):
     service = start_service(tmp_path)
     unix, _ = apps(service, token_table(tmp_path))

@@ -96,6 +96,21 @@ def test_copy_blocks_matches_reference_and_copies_whole_blocks():
     assert torch.equal(k[5], k[0]) and torch.equal(v[2], v[9])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8], ids=str)
+def test_copy_blocks_copies_one_byte_formats_bit_for_bit(cache_dtype):
+    """One-byte caches are copied as bytes (no fp8 arithmetic, so an A100 copies fp8 blocks too)."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.randint(-128, 128, (6, 8, 2, 64), generator=g, dtype=torch.int8).view(cache_dtype).to(DEVICE)
+    v = torch.randint(-128, 128, (6, 8, 2, 64), generator=g, dtype=torch.int8).view(cache_dtype).to(DEVICE)
+    k_ref, v_ref = k.clone(), v.clone()
+    copy_blocks(k, v, torch.tensor([4, 0], device=DEVICE), torch.tensor([1, 5], device=DEVICE))
+    copy_blocks_ref(k_ref, v_ref, torch.tensor([4, 0], device=DEVICE), torch.tensor([1, 5], device=DEVICE))
+    assert k.dtype == cache_dtype
+    assert torch.equal(k.view(torch.int8), k_ref.view(torch.int8)) and torch.equal(v.view(torch.int8),
+                                                                                   v_ref.view(torch.int8))
+    assert torch.equal(k[1].view(torch.int8), k[4].view(torch.int8))
+
+
 @pytest.mark.parametrize("src, dst, message", [
     ([0, 1], [2, 2], "dst: a destination block appears twice"),
     ([0, 1], [1, 2], "dst: a destination block is also a source"),

@@ -27,7 +27,7 @@ from kvctl.daemon.engine.sampling import SamplingParams
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import Store
-from kvctl.kernels import cache_dtype
+from kvctl.kernels import cache_dtype, format_unsupported
 from kvctl.policies.reservation import parse_reservation
 
 from .durations import parse_duration  # noqa: F401  (re-exported for the app)
@@ -117,6 +117,10 @@ class EngineService:
         """Load the model (the demo checkpoint by default), size the cache, restore pins."""
         cfg = self.config
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and cfg.cache_dtype != "auto":  # refused before the model loads
+            problem = format_unsupported(cache_dtype(cfg.cache_dtype), torch.cuda.get_device_capability(device))
+            if problem:
+                raise ValueError(f"cache_dtype: {problem}")
         model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
         scales, scale_version, keep = None, "", ()
