@@ -85,11 +85,21 @@ def kernels_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
+    compile_for: list[str] = typer.Option(
+        [], "--compile-for", help="Also compile every kernel configuration for these GPU architectures "
+                                  "(sm_80, sm_86, sm_89, sm_90; no GPU needed): shared memory, registers, spills."),
 ) -> None:
     """Time the paged attention kernels beside torch's contiguous attention (needs CUDA for figures).
 
     Example: kvctl bench kernels --batch 32 --context 4096 --shape llama3-8b --json
+    Without a GPU: kvctl bench kernels --compile-for sm_90,sm_80
     """
+    archs = parse_names("compile_for", compile_for) if compile_for else []
+    from kvctl.kernels.compile_check import ARCHS
+
+    for arch in archs:
+        if arch not in ARCHS:
+            raise UserError(f"compile_for: unknown value {arch!r}; choose from {', '.join(ARCHS)}")
     batch_list = parse_int_list("batch", batches)
     context_list = parse_int_list("context", contexts)
     shape_list = parse_names("shape", shapes)
@@ -101,11 +111,18 @@ def kernels_command(
     import torch
 
     console = Console(stderr=as_json)
+    compiled = {arch: compile_for_arch(arch) for arch in archs}
+    if not as_json:
+        for arch, report in compiled.items():
+            print_compile_report(console, arch, report)
+    compile_failed = any(not r["ok"] for report in compiled.values() for r in report["results"])
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
         checks = correctness_checks()
         document = {"device": "cpu", "figures": None, "note": "figures need CUDA; correctness only",
                     "checks": checks}
+        if compiled:
+            document["compile"] = compiled
         _save(document, save, state_dir)
         if as_json:
             typer.echo(json.dumps(document, indent=2))
@@ -117,7 +134,7 @@ def kernels_command(
                 table.add_row(c["check"], f"{c['max_abs_diff']:.2e}", f"{c['tolerance']:.0e}",
                               "yes" if c["ok"] else "NO")
             console.print(table)
-        if not all(c["ok"] for c in checks):
+        if compile_failed or not all(c["ok"] for c in checks):
             raise typer.Exit(1)
         return
 
@@ -128,6 +145,8 @@ def kernels_command(
     prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size)]
     document = {"device": device_name, "peak_bytes_per_second": peak, "block_size": block_size,
                 "decode": decode, "prefill": prefill, "torch": torch.__version__}
+    if compiled:
+        document["compile"] = compiled
     _save(document, save, state_dir)
     if as_json:
         typer.echo(json.dumps(document, indent=2))
@@ -258,6 +277,49 @@ def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: 
             k = v = k4 = v4 = None  # free before the next case
             torch.cuda.empty_cache()
     return figures
+
+
+def compile_for_arch(arch: str, quick: bool = False) -> dict:
+    """`kvctl.kernels.compile_check` for `arch`, in a process of its own: this one may already
+    hold the kernels as interpreted functions (TRITON_INTERPRET=1), which cannot be compiled.
+    `quick`: two formats at two head sizes instead of the whole support matrix."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "kvctl.kernels.compile_check", "--arch", arch, "--json"]
+    done = subprocess.run(command + (["--quick"] if quick else []), stdout=subprocess.PIPE, env=env, text=True,
+                          check=False)
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise UserError(f"compile_for: the compile check for {arch} failed (exit {done.returncode}); "
+                        f"run python -m kvctl.kernels.compile_check --arch {arch} to see why") from None
+
+
+def print_compile_report(console: Console, arch: str, report: dict) -> None:
+    """One row per kernel: configurations compiled, the most shared memory and registers any of
+    them needs, spills; then every failure and every refusal with its reason."""
+    results = report["results"]
+    table = Table(title=f"kernels compiled for {arch} ({report['devices']}): shared memory limit "
+                        f"{report['shared_limit'] / 1024:,.0f} KiB per block")
+    for column in ("kernel", "configs", "max shared KiB", "max registers", "spills", "failed"):
+        table.add_column(column, justify="right")
+    for kernel in dict.fromkeys(r["kernel"] for r in results if not r["refused"]):
+        rows = [r for r in results if r["kernel"] == kernel]
+        compiled = [r for r in rows if r["shared_bytes"] is not None]
+        table.add_row(kernel, str(len(rows)),
+                      f"{max((r['shared_bytes'] for r in compiled), default=0) / 1024:,.1f}",
+                      str(max((r["registers"] or 0 for r in compiled), default=0)),
+                      str(sum(1 for r in compiled if r["spill_bytes"])),
+                      str(sum(1 for r in rows if not r["ok"])))
+    console.print(table)
+    for r in results:
+        if not r["ok"]:
+            console.print(f"[red]FAILED[/red] {r['kernel']} ({r['config']}): {r['problem']}")
+    for reason in dict.fromkeys(r["refused"] for r in results if r["refused"]):
+        count = sum(1 for r in results if r["refused"] == reason)
+        console.print(f"refused by the launchers on {arch} ({count} configurations): {reason}")
 
 
 def correctness_checks() -> list[dict]:

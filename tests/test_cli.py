@@ -161,6 +161,59 @@ def test_bench_kernels_bad_options(capsys):
     assert status == 2 and err.startswith("error: dtype: unknown value 'fp4'")
 
 
+def test_bench_kernels_compile_for_names_a_bad_architecture(capsys):
+    pytest.importorskip("torch")
+    status, _, err = cli(capsys, "bench", "kernels", "--compile-for", "sm_90,sm_70")
+    assert status == 2
+    assert err.startswith("error: compile_for: unknown value 'sm_70'; choose from sm_80, sm_86, sm_89, sm_90")
+
+
+def test_bench_kernels_compile_report_lists_each_kernel_and_every_refusal():
+    """The real compile check (quick matrix, its own process) rendered as an operator sees it."""
+    pytest.importorskip("triton")
+    from rich.console import Console
+
+    from kvctl.bench_kernels import compile_for_arch, print_compile_report
+
+    report = compile_for_arch("sm_80", quick=True)
+    assert report["arch"] == "sm_80" and report["shared_limit"] == 166_912
+    console = Console(record=True, width=120)
+    print_compile_report(console, "sm_80", report)
+    text = console.export_text()
+    assert "kernels compiled for sm_80 (A100): shared memory limit 163 KiB per block" in text
+    cells = [line.replace("│", " ").split() for line in text.splitlines()]
+    rows = {c[0]: c[1:] for c in cells if c and c[0].endswith("_kernel")}
+    assert set(rows) == {"write_kv_kernel", "decode_partial_kernel", "decode_merge_kernel", "prefill_kernel",
+                         "copy_blocks_kernel"}
+    assert rows["decode_partial_kernel"][0] == "2"  # bfloat16 at head_dim 64 and 256 (fp8_e4m3 refused)
+    assert all(r[-2:] == ["0", "0"] for r in rows.values())  # no spills, no failures
+    assert ("refused by the launchers on sm_80 (2 configurations): fp8_e4m3 needs a GPU of compute capability "
+            "8.9 or newer (L4, L40S, H100, H200); this one is 8.0: use fp8_e5m2 or int8") in " ".join(text.split())
+
+
+def test_bench_kernels_fails_when_a_kernel_does_not_fit(capsys, monkeypatch):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the figures path runs instead")
+    import kvctl.bench_kernels as bench_kernels
+
+    failing = {"arch": "sm_89", "devices": "L40S, L4, RTX 40xx", "shared_limit": 101_376, "results": [
+        {"kernel": "decode_partial_kernel", "config": "float32 cache, float32 q, head_dim 256, 64/1 heads",
+         "ok": False, "shared_bytes": 139_648, "shared_limit": 101_376, "registers": 64, "spill_bytes": 0,
+         "num_warps": 4, "num_stages": 3, "problem": "needs 139,648 bytes of shared memory; sm_89 allows 101,376",
+         "refused": None}]}
+    monkeypatch.setattr(bench_kernels, "compile_for_arch", lambda arch: failing)
+    status, out, _ = cli(capsys, "bench", "kernels", "--compile-for", "sm_89", "--json")
+    assert status == 1
+    assert json.loads(out)["compile"] == {"sm_89": failing}
+    status, out, _ = cli(capsys, "bench", "kernels", "--compile-for", "sm_89")
+    assert status == 1
+    assert ("FAILED decode_partial_kernel (float32 cache, float32 q, head_dim 256, 64/1 heads): needs 139,648 "
+            "bytes of shared memory; sm_89 allows 101,376") in " ".join(out.split())
+
+
 def test_readme_documents_every_command():
     from pathlib import Path
 
