@@ -94,8 +94,13 @@ def kernels_command(
     Example: kvctl bench kernels --batch 32 --context 4096 --shape llama3-8b --json
     Without a GPU: kvctl bench kernels --compile-for sm_90,sm_80
     """
-    archs = parse_names("compile_for", compile_for) if compile_for else []
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported (next line)
     from kvctl.kernels.compile_check import ARCHS
+
+    archs = parse_names("compile_for", compile_for) if compile_for else []
 
     for arch in archs:
         if arch not in ARCHS:
@@ -108,8 +113,6 @@ def kernels_command(
             raise UserError(f"shape: unknown value {name!r}; choose from {', '.join(SHAPES)}")
     if dtype not in DTYPES:
         raise UserError(f"dtype: unknown value {dtype!r}; choose from {', '.join(DTYPES)}")
-    import torch
-
     console = Console(stderr=as_json)
     compiled = {arch: compile_for_arch(arch) for arch in archs}
     if not as_json:
@@ -117,7 +120,6 @@ def kernels_command(
             print_compile_report(console, arch, report)
     compile_failed = any(not r["ok"] for report in compiled.values() for r in report["results"])
     if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
         checks = correctness_checks()
         document = {"device": "cpu", "figures": None, "note": "figures need CUDA; correctness only",
                     "checks": checks}

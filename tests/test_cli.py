@@ -145,6 +145,25 @@ def test_bench_kernels_without_cuda_checks_correctness_only(capsys, tmp_path):
     assert all(c["ok"] and c["max_abs_diff"] <= c["tolerance"] for c in doc["checks"])
 
 
+def test_bench_kernels_on_a_cpu_machine_as_an_operator_runs_it():
+    """A fresh process without TRITON_INTERPRET (the tests set it for themselves): the command
+    must choose the interpreter before anything imports the kernels."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the figures path runs instead")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", "from kvctl.cli import main; main(['bench', 'kernels', '--json'])"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["note"] == "figures need CUDA; correctness only"
+
+
 @pytest.mark.parametrize("name, peak", [("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12),
                                         ("NVIDIA H100 PCIe", 2.0e12), ("NVIDIA A100-SXM4-80GB", 2.039e12),
                                         ("Some Future GPU", None)])
