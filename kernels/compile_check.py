@@ -39,6 +39,7 @@ ARCHS: dict[str, tuple[int, str, int]] = {
     "sm_86": (86, "A10, RTX 30xx", 101_376),
     "sm_89": (89, "L40S, L4, RTX 40xx", 101_376),
     "sm_90": (90, "H100, H200", 232_448),
+    "sm_100": (100, "B200, GB200", 232_448),
 }
 MAX_REGISTERS = 255  # per thread, every architecture above
 

@@ -87,7 +87,8 @@ def kernels_command(
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
     compile_for: list[str] = typer.Option(
         [], "--compile-for", help="Also compile every kernel configuration for these GPU architectures "
-                                  "(sm_80, sm_86, sm_89, sm_90; no GPU needed): shared memory, registers, spills."),
+                                  "(sm_80, sm_86, sm_89, sm_90, sm_100; no GPU needed): shared memory, "
+                                  "registers, spills."),
 ) -> None:
     """Time the paged attention kernels beside torch's contiguous attention (needs CUDA for figures).
 

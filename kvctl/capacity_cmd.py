@@ -93,7 +93,8 @@ def capacity_command(
     table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, title=f"KV cache capacity: {shape.layers} layers x {shape.kv_heads} KV heads x "
                         f"{shape.head_dim} dims; GPU {first['gpu_memory'] / 2**30:.1f} GiB - weights "
                         f"{first['weights_bytes'] / 2**30:.1f} - workspace {first['workspace_bytes'] / 2**30:.1f}"
-                        f" - reserve {first['reserve_bytes'] / 2**30:.1f} GiB; sequences of {context:,} tokens")
+                        f" - reserve {first['reserve_bytes'] / 2**30:.1f} GiB; "
+                        f"sequences of {context:,} tokens")
     for column in ("cache dtype", "B/token", "B/block", "cache GiB", "blocks", "tokens",
                    "sequences"):  # short headers: the table fits 80 columns unwrapped
         table.add_column(column, justify="right", overflow="fold")

@@ -184,7 +184,7 @@ def test_bench_kernels_compile_for_names_a_bad_architecture(capsys):
     pytest.importorskip("torch")
     status, _, err = cli(capsys, "bench", "kernels", "--compile-for", "sm_90,sm_70")
     assert status == 2
-    assert err.startswith("error: compile_for: unknown value 'sm_70'; choose from sm_80, sm_86, sm_89, sm_90")
+    assert err.startswith("error: compile_for: unknown value 'sm_70'; choose from sm_80, sm_86, sm_89, sm_90, sm_100")
 
 
 def test_bench_kernels_compile_report_lists_each_kernel_and_every_refusal():

@@ -91,7 +91,8 @@ print(json.dumps({"split": split, "whole": whole}))
 def test_an_unknown_architecture_is_refused_by_name():
     from kvctl.kernels.compile_check import check_arch
 
-    with pytest.raises(ValueError, match=r"arch: unknown value 'sm_70'; choose from sm_80, sm_86, sm_89, sm_90"):
+    with pytest.raises(ValueError,
+                       match=r"arch: unknown value 'sm_70'; choose from sm_80, sm_86, sm_89, sm_90, sm_100"):
         check_arch("sm_70")
 
 
