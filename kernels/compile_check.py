@@ -94,7 +94,9 @@ def configs(quick: bool = False) -> list[Config]:
 @contextlib.contextmanager
 def recording_launches():
     """Launches inside this block are recorded, not run: [(kernel, args, kwargs)]. The
-    launchers' device check is lifted for the block (its tensors stay on the CPU)."""
+    launchers' device check is lifted for the block (its tensors stay on the CPU). It patches
+    Triton process-wide: only for a process that launches nothing else meanwhile, as the
+    compile check's own."""
     import importlib
 
     from triton.runtime.jit import JITFunction
@@ -229,9 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="bfloat16 and fp8_e4m3 at head_dim 64 and 256 only")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     options = parser.parse_args(argv)
-    def progress(done: int, total: int) -> None:
-        print(f"\rcompiling for {options.arch}: {done}/{total}", end="\n" if done == total else "",
-              file=sys.stderr, flush=True)
+    def progress(done: int, total: int) -> None:  # a counter on a terminal, one line in a log
+        if sys.stderr.isatty():
+            print(f"\rcompiling for {options.arch}: {done}/{total}", end="\n" if done == total else "",
+                  file=sys.stderr, flush=True)
+        elif done == total:
+            print(f"compiled {total} launches for {options.arch}", file=sys.stderr)
 
     try:
         results = check_arch(options.arch, configs(options.quick), progress)
