@@ -446,6 +446,11 @@ class EngineService:
         loaded = self.loaded
         if dtype not in ("fp8_e4m3", "fp8_e5m2", "int8"):
             raise ServiceError(400, f"dtype: invalid value {dtype!r}; use fp8_e4m3, fp8_e5m2 or int8", "dtype")
+        device = loaded.model.device
+        if device.type == "cuda":  # scales for a format this GPU cannot serve would never be used
+            problem = format_unsupported(cache_dtype(dtype), torch.cuda.get_device_capability(device))
+            if problem:
+                raise ServiceError(400, f"dtype: {problem}", "dtype")
         if not margin >= 1.0:
             raise ServiceError(400, f"margin: must be >= 1.0, got {margin}", "margin")
         if if_older_than is not None:
