@@ -68,6 +68,15 @@ class _Submission:
     future: Future
 
 
+def format_problem_on(device: str | torch.device, dtype_name: str) -> str | None:
+    """Why `device` cannot hold a cache of format `dtype_name` (a GPU too old for fp8_e4m3),
+    or None; a CPU holds every format."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return format_unsupported(cache_dtype(dtype_name), torch.cuda.get_device_capability(device))
+
+
 class ServiceError(Exception):
     """An operator request that cannot be done; `status` is the HTTP status to answer with."""
 
@@ -117,10 +126,9 @@ class EngineService:
         """Load the model (the demo checkpoint by default), size the cache, restore pins."""
         cfg = self.config
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        if device.startswith("cuda") and cfg.cache_dtype != "auto":  # refused before the model loads
-            problem = format_unsupported(cache_dtype(cfg.cache_dtype), torch.cuda.get_device_capability(device))
-            if problem:
-                raise ValueError(f"cache_dtype: {problem}")
+        problem = None if cfg.cache_dtype == "auto" else format_problem_on(device, cfg.cache_dtype)
+        if problem:  # refused before the model loads
+            raise ValueError(f"cache_dtype: {problem}")
         model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
         scales, scale_version, keep = None, "", ()
@@ -446,11 +454,9 @@ class EngineService:
         loaded = self.loaded
         if dtype not in ("fp8_e4m3", "fp8_e5m2", "int8"):
             raise ServiceError(400, f"dtype: invalid value {dtype!r}; use fp8_e4m3, fp8_e5m2 or int8", "dtype")
-        device = loaded.model.device
-        if device.type == "cuda":  # scales for a format this GPU cannot serve would never be used
-            problem = format_unsupported(cache_dtype(dtype), torch.cuda.get_device_capability(device))
-            if problem:
-                raise ServiceError(400, f"dtype: {problem}", "dtype")
+        problem = format_problem_on(loaded.model.device, dtype)
+        if problem:  # scales for a format this GPU cannot serve would never be used
+            raise ServiceError(400, f"dtype: {problem}", "dtype")
         if not margin >= 1.0:
             raise ServiceError(400, f"margin: must be >= 1.0, got {margin}", "margin")
         if if_older_than is not None:
