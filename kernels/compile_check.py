@@ -163,7 +163,9 @@ def _resources(cubin: bytes) -> tuple[int | None, int | None]:
 
 
 def compile_launch(kernel, args, kwargs, arch: str, label: str) -> CompileResult:
-    """Compile one recorded launch for `arch` the way Triton's launch path would there."""
+    """Compile one recorded launch for `arch` the way Triton's launch path would there (the
+    binder and `JITFunction._pack_args` of Triton 3.9; a Triton whose internals differ shows up
+    as a failed compile that names the missing piece)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
