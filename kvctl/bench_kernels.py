@@ -142,6 +142,11 @@ def kernels_command(
         return
 
     device_name = torch.cuda.get_device_name()
+    from kvctl.kernels import cache_dtype, format_unsupported
+
+    problem = format_unsupported(cache_dtype(dtype), torch.cuda.get_device_capability())
+    if problem:
+        raise UserError(f"dtype: {problem}")
     peak = peak_bandwidth(device_name)
     decode = [asdict(f) for f in run_decode(shape_list, batch_list, context_list, dtype, block_size,
                                             max_tokens, peak)]

@@ -210,6 +210,22 @@ def test_bench_kernels_compile_report_lists_each_kernel_and_every_refusal():
             "8.9 or newer (L4, L40S, H100, H200); this one is 8.0: use fp8_e5m2 or int8") in " ".join(text.split())
 
 
+def test_bench_kernels_on_an_a100_refuses_fp8_e4m3_before_timing_anything(capsys, monkeypatch):
+    pytest.importorskip("torch")
+    import torch
+
+    import kvctl.bench_kernels as bench_kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(bench_kernels, "run_decode", lambda *a: pytest.fail("timed on a GPU without fp8_e4m3"))
+    status, _, err = cli(capsys, "bench", "kernels", "--dtype", "fp8_e4m3")
+    assert status == 2
+    assert err.startswith("error: dtype: fp8_e4m3 needs a GPU of compute capability 8.9 or newer (L4, L40S, "
+                          "H100, H200); this one is 8.0: use fp8_e5m2 or int8")
+
+
 def test_bench_kernels_fails_when_a_kernel_does_not_fit(capsys, monkeypatch):
     pytest.importorskip("torch")
     import torch
