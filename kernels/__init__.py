@@ -10,7 +10,7 @@ The launchers run on CUDA, or on the CPU under TRITON_INTERPRET=1 (for tests).
 This package imports nothing of the rest of the project.
 """
 
-from .checks import KernelArgumentError, format_unsupported
+from .checks import KernelArgumentError, format_unsupported, format_unsupported_on
 from .copy_blocks import copy_blocks, copy_blocks_ref
 from .decode import paged_decode_attention, paged_decode_attention_ref
 from .formats import CACHE_DTYPES, absmax_scales, cache_dtype, dequantise, is_quantised, quantise
@@ -20,6 +20,7 @@ from .write_kv import write_kv, write_kv_ref
 
 __all__ = [
     "CACHE_DTYPES", "KernelArgumentError", "absmax_scales", "cache_dtype", "copy_blocks", "format_unsupported",
+    "format_unsupported_on",
     "copy_blocks_ref", "dequantise", "is_quantised", "paged_decode_attention",
     "paged_attention_torch", "plan_attention", "paged_decode_attention_ref", "paged_prefill_attention",
     "paged_prefill_attention_ref",

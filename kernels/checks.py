@@ -45,6 +45,15 @@ def format_unsupported(dtype: torch.dtype, capability: tuple[int, int]) -> str |
     return None
 
 
+def format_unsupported_on(device: str | torch.device, dtype: torch.dtype) -> str | None:
+    """`format_unsupported` for the GPU `device` is (its compute capability); a CPU holds every
+    format."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return format_unsupported(dtype, torch.cuda.get_device_capability(device))
+
+
 def check_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
     """All tensors on one device, and a device (and formats) the Triton kernels can run on."""
     device = None
@@ -57,8 +66,8 @@ def check_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
                   f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {t.device}; "
                   "use the *_ref function on the CPU")
         check(t.device == device, name, f"on {t.device}, expected {device} like the other arguments")
-        if t.is_cuda and t.dtype == torch.float8_e4m3fn:
-            problem = format_unsupported(t.dtype, torch.cuda.get_device_capability(t.device))
+        if t.dtype == torch.float8_e4m3fn:  # the one format that depends on the GPU
+            problem = format_unsupported_on(t.device, t.dtype)
             check(problem is None, name, problem or "")
     assert device is not None
     return device

@@ -41,7 +41,6 @@ ARCHS: dict[str, tuple[int, str, int]] = {
     "sm_90": (90, "H100, H200", 232_448),
     "sm_100": (100, "B200, GB200", 232_448),
 }
-MAX_REGISTERS = 255  # per thread, every architecture above
 
 
 @dataclass(frozen=True)
@@ -233,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="bfloat16 and fp8_e4m3 at head_dim 64 and 256 only")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     options = parser.parse_args(argv)
+
     def progress(done: int, total: int) -> None:  # a counter on a terminal, one line in a log
         if sys.stderr.isatty():
             print(f"\rcompiling for {options.arch}: {done}/{total}", end="\n" if done == total else "",
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if options.json:
-        capability, devices, limit = ARCHS[options.arch]
+        _, devices, limit = ARCHS[options.arch]
         print(json.dumps({"arch": options.arch, "devices": devices, "shared_limit": limit,
                           "results": [asdict(r) for r in results]}, indent=2))
     else:

@@ -102,7 +102,6 @@ def kernels_command(
     from kvctl.kernels.compile_check import ARCHS
 
     archs = parse_names("compile_for", compile_for) if compile_for else []
-
     for arch in archs:
         if arch not in ARCHS:
             raise UserError(f"compile_for: unknown value {arch!r}; choose from {', '.join(ARCHS)}")
@@ -142,9 +141,9 @@ def kernels_command(
         return
 
     device_name = torch.cuda.get_device_name()
-    from kvctl.kernels import cache_dtype, format_unsupported
+    from kvctl.kernels import cache_dtype, format_unsupported_on
 
-    problem = format_unsupported(cache_dtype(dtype), torch.cuda.get_device_capability())
+    problem = format_unsupported_on("cuda", cache_dtype(dtype))
     if problem:
         raise UserError(f"dtype: {problem}")
     peak = peak_bandwidth(device_name)

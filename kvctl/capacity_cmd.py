@@ -90,7 +90,8 @@ def capacity_command(
         typer.echo(json.dumps(document, indent=2))
         return
     first = rows[0]
-    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, title=f"KV cache capacity: {shape.layers} layers x {shape.kv_heads} KV heads x "
+    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False,
+                  title=f"KV cache capacity: {shape.layers} layers x {shape.kv_heads} KV heads x "
                         f"{shape.head_dim} dims; GPU {first['gpu_memory'] / 2**30:.1f} GiB - weights "
                         f"{first['weights_bytes'] / 2**30:.1f} - workspace {first['workspace_bytes'] / 2**30:.1f}"
                         f" - reserve {first['reserve_bytes'] / 2**30:.1f} GiB; "

@@ -27,7 +27,7 @@ from kvctl.daemon.engine.sampling import SamplingParams
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import Store
-from kvctl.kernels import cache_dtype, format_unsupported
+from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.reservation import parse_reservation
 
 from .durations import parse_duration  # noqa: F401  (re-exported for the app)
@@ -66,15 +66,6 @@ class _Submission:
     sink: EventSink
     hashed: list[tuple | None]  # each prompt's block keys, computed by the submitter
     future: Future
-
-
-def format_problem_on(device: str | torch.device, dtype_name: str) -> str | None:
-    """Why `device` cannot hold a cache of format `dtype_name` (a GPU too old for fp8_e4m3),
-    or None; a CPU holds every format."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return format_unsupported(cache_dtype(dtype_name), torch.cuda.get_device_capability(device))
 
 
 class ServiceError(Exception):
@@ -126,7 +117,7 @@ class EngineService:
         """Load the model (the demo checkpoint by default), size the cache, restore pins."""
         cfg = self.config
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        problem = None if cfg.cache_dtype == "auto" else format_problem_on(device, cfg.cache_dtype)
+        problem = None if cfg.cache_dtype == "auto" else format_unsupported_on(device, cache_dtype(cfg.cache_dtype))
         if problem:  # refused before the model loads
             raise ValueError(f"cache_dtype: {problem}")
         model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
@@ -454,7 +445,7 @@ class EngineService:
         loaded = self.loaded
         if dtype not in ("fp8_e4m3", "fp8_e5m2", "int8"):
             raise ServiceError(400, f"dtype: invalid value {dtype!r}; use fp8_e4m3, fp8_e5m2 or int8", "dtype")
-        problem = format_problem_on(loaded.model.device, dtype)
+        problem = format_unsupported_on(loaded.model.device, cache_dtype(dtype))
         if problem:  # scales for a format this GPU cannot serve would never be used
             raise ServiceError(400, f"dtype: {problem}", "dtype")
         if not margin >= 1.0:
