@@ -12,14 +12,14 @@ This package imports nothing of the rest of the project.
 
 from .checks import KernelArgumentError, format_unsupported, format_unsupported_on
 from .copy_blocks import copy_blocks, copy_blocks_ref
-from .decode import paged_decode_attention, paged_decode_attention_ref
+from .decode import DecodeLaunch, paged_decode_attention, paged_decode_attention_ref
 from .formats import CACHE_DTYPES, absmax_scales, cache_dtype, dequantise, is_quantised, quantise
-from .prefill import paged_prefill_attention, paged_prefill_attention_ref
+from .prefill import PrefillLaunch, paged_prefill_attention, paged_prefill_attention_ref
 from .torch_paged import paged_attention_torch, plan_attention
 from .write_kv import write_kv, write_kv_ref
 
 __all__ = [
-    "CACHE_DTYPES", "KernelArgumentError", "absmax_scales", "cache_dtype", "copy_blocks", "format_unsupported",
+    "CACHE_DTYPES", "DecodeLaunch", "KernelArgumentError", "PrefillLaunch", "absmax_scales", "cache_dtype", "copy_blocks", "format_unsupported",
     "format_unsupported_on",
     "copy_blocks_ref", "dequantise", "is_quantised", "paged_decode_attention",
     "paged_attention_torch", "plan_attention", "paged_decode_attention_ref", "paged_prefill_attention",

@@ -16,19 +16,77 @@ Layouts::
     k/v_scale     [num_kv_heads] float32         quantised caches only
     out           [num_seqs, num_heads, head_dim]
 
-Tokens are read TILE_N at a time; a token's address is computed from its own
+Tokens are read a tile (`DecodeLaunch.tile`) at a time; a token's address is computed from its own
 block-table entry, so any block size works and the tables may be scattered.
 Offsets are 64-bit.
 """
+
+from dataclasses import dataclass, replace
 
 import torch
 
 from ._triton import interpreting, tl, triton
 from .checks import check, check_cache, check_device, check_query, check_scales, check_tensor
 from .formats import from_cache
-from .paged_tile import load_kv_tile, online_softmax_step
+from .paged_tile import head_scales, load_kv_tile, online_softmax_step
 
-TILE_N = 32  # tokens per inner step
+TILE_N = 64  # tokens per inner step (the H200 sweep's choice; docs/results)
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How the decode kernel is launched on a GPU (the CPU interpreter ignores warps and stages).
+
+    tile             tokens read per inner step (a power of two, at least 16)
+    num_warps        warps per program
+    num_stages       software-pipeline depth of the token loop (None: Triton's default)
+    programs_per_sm  programs the context split aims for, per multiprocessor
+
+    `scripts/sweep-kernels` times alternatives on a GPU; the defaults are what it chose.
+    """
+
+    tile: int = TILE_N
+    num_warps: int = 4
+    num_stages: int | None = None
+    programs_per_sm: int = 2
+
+    def __post_init__(self) -> None:
+        check(self.tile >= 16 and self.tile & (self.tile - 1) == 0, "launch.tile",
+              f"must be a power of two of at least 16, got {self.tile}")
+        check(self.num_warps in (1, 2, 4, 8, 16), "launch.num_warps",
+              f"must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        check(self.num_stages is None or self.num_stages >= 1, "launch.num_stages",
+              f"must be at least 1, got {self.num_stages}")
+        check(self.programs_per_sm >= 1, "launch.programs_per_sm",
+              f"must be at least 1, got {self.programs_per_sm}")
+
+    def compile_options(self) -> dict:
+        """Keyword arguments for a Triton launch."""
+        options = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        return options
+
+    def fitted(self, rows: int, head_dim: int, dot_f32: bool) -> "DecodeLaunch":
+        """This launch with the tile halved until one step's tiles fit `STEP_TILE_BYTES`."""
+        tile = self.tile
+        while tile > 16 and not step_fits(rows, tile, head_dim, dot_f32):
+            tile //= 2
+        return self if tile == self.tile else replace(self, tile=tile)
+
+
+DEFAULT_LAUNCH = DecodeLaunch()
+
+STEP_TILE_BYTES = 80 << 10
+
+
+def step_fits(rows: int, tile: int, head_dim: int, dot_f32: bool) -> bool:
+    """Whether a program's query rows and one K and one V tile stay within `STEP_TILE_BYTES`
+    (they sit in shared memory for tl.dot). The bound keeps every kernel inside the 99 KiB
+    block of sm_86/sm_89: at float32 and head_dim 256, a 64-token decode tile needed 148 KiB
+    and 64 prefill rows 136 KiB (`python -m kvctl.kernels.compile_check --arch sm_89`)."""
+    element = 4 if dot_f32 else 2
+    return (rows + 2 * tile) * triton.next_power_of_2(head_dim) * element <= STEP_TILE_BYTES
 
 
 @triton.jit
@@ -75,20 +133,21 @@ def _decode_partial_kernel(
     row_max = tl.full([GROUP_P], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
+    qk_scale, out_scale = head_scales(sm_scale, kv_head, k_scale_ptr, v_scale_ptr, QUANT)
     for tile_start in range(start, end, TILE):
         tokens = tile_start + tl.arange(0, TILE)
         token_mask = tokens < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, tokens,
                             token_mask, kv_head, dims, dim_mask, stride_cb, stride_co, stride_ch,
-                            block_size, k_scale_ptr, v_scale_ptr, QUANT)
+                            block_size)
         row_max, row_sum, acc = online_softmax_step(
-            q, k.to(q.dtype), v.to(q.dtype), token_mask[None, :], sm_scale, row_max, row_sum, acc,
+            q, k.to(q.dtype), v.to(q.dtype), token_mask[None, :], qk_scale, row_max, row_sum, acc,
             PRECISION)
 
     part = (seq * (tl.num_programs(1) // head_chunks) * group_size + heads) * num_splits + split
     tl.store(part_max_ptr + part, row_max, mask=head_mask)
     tl.store(part_sum_ptr + part, row_sum, mask=head_mask)
-    tl.store(part_acc_ptr + part[:, None] * head_dim + dims[None, :], acc,
+    tl.store(part_acc_ptr + part[:, None] * head_dim + dims[None, :], acc * out_scale,
              mask=head_mask[:, None] & dim_mask[None, :])
 
 
@@ -147,26 +206,30 @@ def _heads_per_program(group: int, head_dim: int, dot_f32: bool) -> int:
     return max(16, min(padded, triton.next_power_of_2(QUERY_TILE_BYTES // row_bytes + 1) // 2))
 
 
-def choose_partition(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+def choose_partition(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
+                     launch: DecodeLaunch = DEFAULT_LAUNCH) -> int:
     """Tokens per split: enough programs to fill the device, never below one tile."""
+    tile = launch.tile
     if device.type == "cuda":
-        target_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+        target_programs = launch.programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target_programs = 8  # the interpreter runs programs one by one: keep splits few
     splits = max(1, min(-(-target_programs // max(num_seqs * num_kv_heads, 1)),
-                        -(-max_context // TILE_N), 64))
+                        -(-max_context // tile), 64))
     per_split = -(-max_context // splits)
-    return max(TILE_N, -(-per_split // TILE_N) * TILE_N)
+    return max(tile, -(-per_split // tile) * tile)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            max_context: int | None = None,
-                           partition_size: int | None = None) -> torch.Tensor:
+                           partition_size: int | None = None,
+                           launch: DecodeLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """Decode attention over the paged cache (Triton). See the module docstring for layouts.
 
     `max_context` (the largest context length) saves a device sync when the caller knows it.
+    `launch` sets tile, warps, stages and split target (`DecodeLaunch`).
     """
     group, quantised = _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     device = check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
@@ -179,18 +242,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if max_context is None:
         max_context = int(context_lens.max())
     check(max_context >= 1, "context_lens", "every sequence needs at least one token")
+    dot_f32 = q.dtype == torch.float32 or interpreting()
+    heads_per_program = _heads_per_program(group, head_dim, dot_f32)
+    head_chunks = -(-group // heads_per_program)
+    launch = launch.fitted(heads_per_program, head_dim, dot_f32)
     if partition_size is None:
-        partition_size = choose_partition(num_seqs, num_kv_heads, max_context, device)
-    check(partition_size % TILE_N == 0 and partition_size > 0, "partition_size",
-          f"must be a positive multiple of {TILE_N}, got {partition_size}")
+        partition_size = choose_partition(num_seqs, num_kv_heads, max_context, device, launch)
+    check(partition_size % launch.tile == 0 and partition_size > 0, "partition_size",
+          f"must be a positive multiple of {launch.tile}, got {partition_size}")
     num_splits = -(-max_context // partition_size)
     part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
     placeholder = context_lens
-    dot_f32 = q.dtype == torch.float32 or interpreting()
-    heads_per_program = _heads_per_program(group, head_dim, dot_f32)
-    head_chunks = -(-group // heads_per_program)
     _decode_partial_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         k_scale if quantised else placeholder, v_scale if quantised else placeholder,
@@ -200,8 +264,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0),
         partition_size, block_size, head_dim, group, num_splits, head_chunks,
         GROUP_P=heads_per_program, DIM_P=triton.next_power_of_2(head_dim),
-        TILE=TILE_N, QUANT=quantised,
-        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32",
+        TILE=launch.tile, QUANT=quantised,
+        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", **launch.compile_options(),
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
@@ -253,5 +317,5 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_ref", "attend_ref", "gather_sequence",
+__all__ = ["DecodeLaunch", "paged_decode_attention", "paged_decode_attention_ref", "attend_ref", "gather_sequence",
            "choose_partition"]

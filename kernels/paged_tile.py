@@ -1,8 +1,10 @@
 """Pieces shared by the paged attention kernels (inlined by Triton into each kernel).
 
-`load_kv_tile` gathers TILE tokens of one KV head through a block table, as float32
-(dequantised with the head's scale when the cache is quantised). `online_softmax_step`
-folds one tile into a running (max, sum, accumulator) triple, flash-attention style.
+`load_kv_tile` gathers TILE tokens of one KV head through a block table, as stored.
+A quantised cache's scales are per KV head, constant within a program, so the kernels
+never scale a tile: `head_scales` folds the key scale into the score scale and the value
+scale into the output. `online_softmax_step` folds one tile into a running (max, sum,
+accumulator) triple, flash-attention style.
 """
 
 from ._triton import tl, triton
@@ -20,19 +22,24 @@ def load_kv_tile(
     dim_mask,  # [DIM_P]
     stride_cb, stride_co, stride_ch,
     block_size,
-    k_scale_ptr, v_scale_ptr,  # [num_kv_heads] float32 (read only when QUANT)
-    QUANT: tl.constexpr,
 ):
     physical = tl.load(table_row_ptr + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
     addr = (physical[:, None] * stride_cb + (tokens % block_size)[:, None] * stride_co
             + kv_head * stride_ch + dims[None, :])
     mask = token_mask[:, None] & dim_mask[None, :]
-    k = tl.load(k_cache_ptr + addr, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_cache_ptr + addr, mask=mask, other=0.0).to(tl.float32)
-    if QUANT:
-        k = k * tl.load(k_scale_ptr + kv_head)
-        v = v * tl.load(v_scale_ptr + kv_head)
+    k = tl.load(k_cache_ptr + addr, mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + addr, mask=mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def head_scales(sm_scale, kv_head, k_scale_ptr, v_scale_ptr, QUANT: tl.constexpr):
+    """(score scale, output scale) of one KV head: softmax scale x key scale, and the value
+    scale; (sm_scale, 1) for an unquantised cache."""
+    if QUANT:
+        return sm_scale * tl.load(k_scale_ptr + kv_head), tl.load(v_scale_ptr + kv_head)
+    else:
+        return sm_scale * 1.0, 1.0
 
 
 @triton.jit

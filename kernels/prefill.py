@@ -14,15 +14,62 @@ Layouts::
     out              like q
 """
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from ._triton import interpreting, tl, triton
 from .checks import check, check_cache, check_device, check_query, check_scales, check_tensor
-from .decode import attend_ref, gather_sequence
-from .paged_tile import load_kv_tile, online_softmax_step
+from .decode import attend_ref, gather_sequence, step_fits
+from .paged_tile import head_scales, load_kv_tile, online_softmax_step
 
-BLOCK_M = 16  # query rows per program
+BLOCK_M = 64  # query rows per program (the H200 sweep's choice; docs/results)
 TILE_N = 32  # keys per step
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """How the prefill kernel is launched on a GPU (the CPU interpreter ignores warps and stages).
+
+    rows        query rows (new tokens of one head) per program, a power of two >= 16
+    tile        keys read per inner step, a power of two >= 16
+    num_warps   warps per program
+    num_stages  software-pipeline depth of the key loop (None: Triton's default)
+    """
+
+    rows: int = BLOCK_M
+    tile: int = TILE_N
+    num_warps: int = 4
+    num_stages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "tile"):
+            value = getattr(self, name)
+            check(value >= 16 and value & (value - 1) == 0, f"launch.{name}",
+                  f"must be a power of two of at least 16, got {value}")
+        check(self.num_warps in (1, 2, 4, 8, 16), "launch.num_warps",
+              f"must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        check(self.num_stages is None or self.num_stages >= 1, "launch.num_stages",
+              f"must be at least 1, got {self.num_stages}")
+
+    def compile_options(self) -> dict:
+        """Keyword arguments for a Triton launch."""
+        options = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        return options
+
+    def fitted(self, head_dim: int, dot_f32: bool) -> "PrefillLaunch":
+        """This launch with rows, then the tile, halved until a step fits (`decode.step_fits`)."""
+        rows, tile = self.rows, self.tile
+        while rows > 16 and not step_fits(rows, tile, head_dim, dot_f32):
+            rows //= 2
+        while tile > 16 and not step_fits(rows, tile, head_dim, dot_f32):
+            tile //= 2
+        return self if (rows, tile) == (self.rows, self.tile) else replace(self, rows=rows, tile=tile)
+
+
+DEFAULT_LAUNCH = PrefillLaunch()
 
 
 @triton.jit
@@ -73,18 +120,19 @@ def _prefill_kernel(
     row_max = tl.full([ROWS], float("-inf"), tl.float32)
     row_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_P], tl.float32)
+    qk_scale, out_scale = head_scales(sm_scale, kv_head, k_scale_ptr, v_scale_ptr, QUANT)
     key_end = tl.minimum(context_len, prefix + (row_tile + 1) * ROWS)
     for tile_start in range(0, key_end, TILE):
         keys = tile_start + tl.arange(0, TILE)
         key_mask = keys < key_end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, keys,
                             key_mask, kv_head, dims, dim_mask, stride_cb, stride_co, stride_ch,
-                            block_size, k_scale_ptr, v_scale_ptr, QUANT)
+                            block_size)
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])
         row_max, row_sum, acc = online_softmax_step(
-            q, k.to(q.dtype), v.to(q.dtype), visible, sm_scale, row_max, row_sum, acc, PRECISION)
+            q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, row_max, row_sum, acc, PRECISION)
 
-    out = acc / row_sum[:, None]
+    out = acc * (out_scale / row_sum)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
@@ -107,10 +155,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             context_lens: torch.Tensor, *, scale: float,
                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                            max_new_tokens: int | None = None) -> torch.Tensor:
+                            max_new_tokens: int | None = None,
+                            launch: PrefillLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """Causal attention of new tokens over prefix + themselves (Triton); see the module docstring.
 
     `max_new_tokens` (the most new tokens of any sequence) saves a device sync when known.
+    `launch` sets rows, tile, warps and stages (`PrefillLaunch`).
     """
     group, quantised = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                               k_scale, v_scale)
@@ -126,15 +176,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _, block_size, _, head_dim = k_cache.shape
     placeholder = context_lens
     dot_f32 = q.dtype == torch.float32 or interpreting()
-    grid = (num_seqs, triton.cdiv(max_new_tokens, BLOCK_M), q.shape[1])
+    launch = launch.fitted(head_dim, dot_f32)
+    grid = (num_seqs, triton.cdiv(max_new_tokens, launch.rows), q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         k_scale if quantised else placeholder, v_scale if quantised else placeholder, out,
         float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_size, head_dim, group,
-        ROWS=BLOCK_M, TILE=TILE_N, DIM_P=triton.next_power_of_2(head_dim), QUANT=quantised,
-        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32",
+        ROWS=launch.rows, TILE=launch.tile, DIM_P=triton.next_power_of_2(head_dim), QUANT=quantised,
+        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", **launch.compile_options(),
     )
     return out
 

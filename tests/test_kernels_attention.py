@@ -12,13 +12,14 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from kvctl.kernels import (KernelArgumentError, is_quantised, paged_decode_attention,  # noqa: E402
+from kvctl.kernels import (DecodeLaunch, KernelArgumentError, PrefillLaunch, is_quantised,  # noqa: E402
+                           paged_decode_attention,
                            paged_decode_attention_ref, paged_prefill_attention,
                            paged_prefill_attention_ref, quantise, write_kv_ref)
 from kvctl.kernels.decode import gather_sequence  # noqa: E402
 from kvctl.kernels.formats import dequantise  # noqa: E402
 
-from .kernel_cases import (DEVICE, OUT_TOL, make_scales, ragged_lengths, representable,  # noqa: E402
+from .kernel_cases import (DEVICE, OUT_TOL, make_scales, out_tolerance, ragged_lengths, representable,  # noqa: E402
                            scattered_tables, slots_for)
 
 ALL_CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
@@ -77,7 +78,7 @@ def test_decode_kernel_matches_reference_for_every_cache_dtype(cache_dtype):
     q, lens = decode_inputs(case, query_dtype(cache_dtype))
     out = run_decode(paged_decode_attention, case, q, lens)
     ref = run_decode(paged_decode_attention_ref, case, q, lens)
-    torch.testing.assert_close(out.float(), ref.float(), **OUT_TOL[q.dtype])
+    torch.testing.assert_close(out.float(), ref.float(), **out_tolerance(q.dtype, case["v_cache"], case["v_scale"]))
 
 
 @pytest.mark.parametrize("num_kv_heads, group", [(4, 1), (2, 4), (1, 8), (1, 16)],
@@ -141,8 +142,52 @@ def test_decode_split_merge_is_exact_whatever_the_partition():
     q, lens = decode_inputs(case, torch.float32)
     ref = run_decode(paged_decode_attention_ref, case, q, lens)
     for partition in (32, 64, 288):  # many splits, some empty for short sequences; one split
-        out = run_decode(paged_decode_attention, case, q, lens, partition_size=partition)
+        out = run_decode(paged_decode_attention, case, q, lens, partition_size=partition,
+                         launch=DecodeLaunch(tile=32))
         torch.testing.assert_close(out, ref, **OUT_TOL[torch.float32])
+    with pytest.raises(KernelArgumentError, match="partition_size: must be a positive multiple of 64, got 96"):
+        run_decode(paged_decode_attention, case, q, lens, partition_size=96)
+
+
+@pytest.mark.parametrize("launch", [DecodeLaunch(tile=16, programs_per_sm=8), DecodeLaunch(tile=32),
+                                    DecodeLaunch(tile=128, num_warps=8, num_stages=2, programs_per_sm=1)],
+                         ids=["tile16", "tile32", "tile128"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8], ids=str)
+def test_decode_kernel_matches_reference_at_every_launch(launch, cache_dtype):
+    """Tiles smaller and larger than a block, and than the shortest contexts: the launch changes
+    speed, never the answer (the scale folding of quantised caches included)."""
+    case = build(cache_dtype, seed=6)
+    q, lens = decode_inputs(case, torch.bfloat16)
+    torch.testing.assert_close(run_decode(paged_decode_attention, case, q, lens, launch=launch).float(),
+                               run_decode(paged_decode_attention_ref, case, q, lens).float(),
+                               **out_tolerance(torch.bfloat16, case["v_cache"], case["v_scale"]))
+
+
+def test_launch_settings_are_checked_by_name():
+    with pytest.raises(KernelArgumentError, match="launch.tile: must be a power of two of at least 16, got 24"):
+        DecodeLaunch(tile=24)
+    with pytest.raises(KernelArgumentError, match="launch.num_warps: must be 1, 2, 4, 8 or 16, got 3"):
+        DecodeLaunch(num_warps=3)
+    with pytest.raises(KernelArgumentError, match="launch.programs_per_sm: must be at least 1, got 0"):
+        DecodeLaunch(programs_per_sm=0)
+    with pytest.raises(KernelArgumentError, match="launch.rows: must be a power of two of at least 16, got 8"):
+        PrefillLaunch(rows=8)
+    with pytest.raises(KernelArgumentError, match="launch.num_stages: must be at least 1, got 0"):
+        PrefillLaunch(num_stages=0)
+
+
+def test_launches_shrink_to_fit_the_smaller_gpus_shared_memory():
+    """float32 at head_dim 256 needed 148 KiB (decode, 64-token tile) and 136 KiB (prefill, 64
+    rows) of shared memory, past sm_89's 99 KiB: those tiles are halved; bf16 keeps the defaults."""
+    from kvctl.kernels.decode import step_fits
+
+    assert DecodeLaunch().fitted(16, 256, dot_f32=True) == DecodeLaunch(tile=32)
+    assert DecodeLaunch().fitted(32, 256, dot_f32=False) == DecodeLaunch()
+    assert DecodeLaunch(tile=128).fitted(16, 128, dot_f32=False) == DecodeLaunch(tile=128)
+    assert PrefillLaunch().fitted(256, dot_f32=True) == PrefillLaunch(rows=16, tile=32)
+    assert PrefillLaunch().fitted(256, dot_f32=False) == PrefillLaunch()
+    assert PrefillLaunch(rows=16, tile=128).fitted(256, dot_f32=True) == PrefillLaunch(rows=16, tile=32)
+    assert step_fits(16, 32, 256, dot_f32=True) and not step_fits(16, 64, 256, dot_f32=True)
 
 
 # ---- prefill -----------------------------------------------------------------------------------
@@ -155,9 +200,21 @@ def prefill_inputs(case, new_tokens, q_dtype):
             torch.tensor(case["lengths"], dtype=torch.int32, device=DEVICE))
 
 
-def run_prefill(fn, case, q, qsl, lens):
+def run_prefill(fn, case, q, qsl, lens, **extra):
     return fn(q, case["k_cache"], case["v_cache"], case["block_tables"], qsl, lens,
-              scale=case["head_dim"] ** -0.5, k_scale=case["k_scale"], v_scale=case["v_scale"])
+              scale=case["head_dim"] ** -0.5, k_scale=case["k_scale"], v_scale=case["v_scale"], **extra)
+
+
+@pytest.mark.parametrize("launch", [PrefillLaunch(rows=16, tile=16), PrefillLaunch(rows=32, tile=64),
+                                    PrefillLaunch(rows=128, tile=32, num_warps=8)],
+                         ids=["rows16-tile16", "rows32-tile64", "rows128"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e5m2], ids=str)
+def test_prefill_kernel_matches_reference_at_every_launch(launch, cache_dtype):
+    case = build(cache_dtype, lengths=PREFILL_LENGTHS, seed=7)
+    q, qsl, lens = prefill_inputs(case, PREFILL_NEW, torch.bfloat16)
+    torch.testing.assert_close(run_prefill(paged_prefill_attention, case, q, qsl, lens, launch=launch).float(),
+                               run_prefill(paged_prefill_attention_ref, case, q, qsl, lens).float(),
+                               **out_tolerance(torch.bfloat16, case["v_cache"], case["v_scale"]))
 
 
 # (context lengths, new tokens): a full prompt, prefix hits of B-1, B and B+1 tokens, a chunk.
@@ -171,7 +228,7 @@ def test_prefill_kernel_matches_reference_for_every_cache_dtype(cache_dtype):
     q, qsl, lens = prefill_inputs(case, PREFILL_NEW, query_dtype(cache_dtype))
     torch.testing.assert_close(run_prefill(paged_prefill_attention, case, q, qsl, lens).float(),
                                run_prefill(paged_prefill_attention_ref, case, q, qsl, lens).float(),
-                               **OUT_TOL[q.dtype])
+                               **out_tolerance(q.dtype, case["v_cache"], case["v_scale"]))
 
 
 @pytest.mark.parametrize("num_kv_heads, group, head_dim, block_size",
