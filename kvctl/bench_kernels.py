@@ -22,8 +22,8 @@ from .errors import UserError
 
 # Peak HBM bandwidth by device name (bytes per second); the first matching substring wins.
 PEAK_BANDWIDTH = [
-    ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
-    ("H800", 3.35e12), ("B200", 8.0e12), ("GH200", 4.0e12), ("A100-SXM4-80GB", 2.039e12),
+    ("GH200 144G", 4.9e12), ("GH200", 4.0e12), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+    ("H800", 3.35e12), ("B200", 8.0e12), ("A100-SXM4-80GB", 2.039e12),
     ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12), ("L40S", 0.864e12), ("L4", 0.3e12),
     ("A10", 0.6e12), ("RTX 4090", 1.008e12),
 ]
@@ -59,6 +59,7 @@ class DecodeFigure:
     fraction_of_peak: float | None
     sdpa_ms: float
     speedup_vs_sdpa: float  # sdpa time / kernel time; >= 1 means no slower than the baseline
+    max_abs_diff_vs_sdpa: float  # the kernel's output against the baseline's: the same attention
 
 
 @dataclass
@@ -72,6 +73,7 @@ class PrefillFigure:
     tflops: float
     sdpa_ms: float
     speedup_vs_sdpa: float
+    max_abs_diff_vs_sdpa: float
 
 
 def kernels_command(
@@ -85,6 +87,11 @@ def kernels_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
+    decode_launch: Optional[str] = typer.Option(
+        None, "--decode-launch", help="Decode launch to time, e.g. 'tile=64,num_warps=8,num_stages=3,"
+                                      "programs_per_sm=4' (unnamed fields keep their defaults)."),
+    prefill_launch: Optional[str] = typer.Option(
+        None, "--prefill-launch", help="Prefill launch to time, e.g. 'rows=64,tile=64,num_warps=8'."),
     compile_for: list[str] = typer.Option(
         [], "--compile-for", help="Also compile every kernel configuration for these GPU architectures "
                                   "(sm_80, sm_86, sm_89, sm_90, sm_100; no GPU needed): shared memory, "
@@ -113,6 +120,10 @@ def kernels_command(
             raise UserError(f"shape: unknown value {name!r}; choose from {', '.join(SHAPES)}")
     if dtype not in DTYPES:
         raise UserError(f"dtype: unknown value {dtype!r}; choose from {', '.join(DTYPES)}")
+    from kvctl.kernels import DecodeLaunch, PrefillLaunch
+
+    decode_config = parse_launch("decode_launch", decode_launch, DecodeLaunch)
+    prefill_config = parse_launch("prefill_launch", prefill_launch, PrefillLaunch)
     console = Console(stderr=as_json)
     compiled = {arch: compile_for_arch(arch) for arch in archs}
     if not as_json:
@@ -148,10 +159,14 @@ def kernels_command(
         raise UserError(f"dtype: {problem}")
     peak = peak_bandwidth(device_name)
     decode = [asdict(f) for f in run_decode(shape_list, batch_list, context_list, dtype, block_size,
-                                            max_tokens, peak)]
-    prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size)]
+                                            max_tokens, peak, launch=decode_config)]
+    prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size, launch=prefill_config)]
+    import triton
+
     document = {"device": device_name, "peak_bytes_per_second": peak, "block_size": block_size,
-                "decode": decode, "prefill": prefill, "torch": torch.__version__}
+                "decode_launch": asdict(decode_config), "prefill_launch": asdict(prefill_config),
+                "decode": decode, "prefill": prefill, "torch": torch.__version__,
+                "triton": triton.__version__}
     if compiled:
         document["compile"] = compiled
     _save(document, save, state_dir)
@@ -159,22 +174,50 @@ def kernels_command(
         typer.echo(json.dumps(document, indent=2))
         return
     table = Table(title=f"paged decode on {device_name} ({dtype} cache, block {block_size})")
-    for column in ("shape", "batch", "context", "ms", "GB/s", "% of peak", "SDPA ms", "vs SDPA"):
+    for column in ("shape", "batch", "context", "ms", "GB/s", "% of peak", "SDPA ms", "vs SDPA", "max diff"):
         table.add_column(column, justify="right")
     for f in decode:
         table.add_row(f["shape"], str(f["batch"]), str(f["context"]), f"{f['ms']:.3f}",
                       f"{f['bytes_per_second'] / 1e9:,.0f}",
                       "-" if f["fraction_of_peak"] is None else f"{f['fraction_of_peak']:.0%}",
-                      f"{f['sdpa_ms']:.3f}", f"{f['speedup_vs_sdpa']:.2f}x")
+                      f"{f['sdpa_ms']:.3f}", f"{f['speedup_vs_sdpa']:.2f}x", f"{f['max_abs_diff_vs_sdpa']:.1e}")
     console.print(table)
     table = Table(title="paged prefill")
-    for column in ("shape", "batch", "new", "prefix", "ms", "TFLOP/s", "SDPA ms", "vs SDPA"):
+    for column in ("shape", "batch", "new", "prefix", "ms", "TFLOP/s", "SDPA ms", "vs SDPA", "max diff"):
         table.add_column(column, justify="right")
     for f in prefill:
         table.add_row(f["shape"], str(f["batch"]), str(f["new_tokens"]), str(f["prefix"]),
                       f"{f['ms']:.3f}", f"{f['tflops']:.1f}", f"{f['sdpa_ms']:.3f}",
-                      f"{f['speedup_vs_sdpa']:.2f}x")
+                      f"{f['speedup_vs_sdpa']:.2f}x", f"{f['max_abs_diff_vs_sdpa']:.1e}")
     console.print(table)
+
+
+def parse_launch(option: str, text: str | None, launch_class):
+    """'tile=64,num_warps=8' -> launch_class(tile=64, num_warps=8); errors name the option and field."""
+    from dataclasses import fields
+
+    from kvctl.kernels import KernelArgumentError
+
+    if text is None:
+        return launch_class()
+    names = [f.name for f in fields(launch_class)]
+    values: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in names:
+            raise UserError(f"{option}: unknown field {name!r} in {text!r}; choose from {', '.join(names)} "
+                            "as name=value")
+        try:
+            values[name] = int(value)
+        except ValueError:
+            raise UserError(f"{option}: {name} must be an integer, got {value.strip()!r}") from None
+    try:
+        return launch_class(**values)
+    except KernelArgumentError as exc:
+        raise UserError(f"{option}: {exc}") from None
 
 
 def _random_tables(batch: int, blocks_per_seq: int, device):
@@ -199,14 +242,27 @@ def _cache(dtype_name: str, num_blocks: int, block_size: int, kv_heads: int, hea
     return k, v, scales
 
 
-def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max_tokens, peak):
-    import torch
-    import torch.nn.functional as F
+def _do_bench(fn) -> float:
+    """Milliseconds per call of `fn` on the GPU (Triton's CUDA-event timer, L2 flushed)."""
     from triton.testing import do_bench
 
-    from kvctl.kernels import paged_decode_attention
+    return do_bench(fn)
 
-    device = torch.device("cuda")
+
+def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max_tokens, peak, *,
+               device: str = "cuda", timer=_do_bench, launch=None):
+    """Decode figures for every (shape, context, batch) with batch x context <= max_tokens.
+
+    Each case also runs torch's SDPA on the same K/V (dequantised, stored contiguously) and
+    records how far its output lies from the kernel's, so the baseline is the same attention.
+    `timer(fn) -> ms`; `launch` is a `DecodeLaunch` (None: the kernel's defaults).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from kvctl.kernels import DecodeLaunch, paged_decode_attention
+
+    launch = launch or DecodeLaunch()
     figures = []
     for shape in shape_list:
         heads, kv_heads, head_dim = SHAPES[shape]
@@ -221,42 +277,60 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
                 lens = torch.full((batch,), context, dtype=torch.int32, device=device)
                 q = torch.randn((batch, heads, head_dim), device=device, dtype=torch.bfloat16)
                 scale = head_dim ** -0.5
-                ms = do_bench(lambda: paged_decode_attention(
-                    q, k, v, tables, lens, scale=scale, k_scale=k_scale, v_scale=v_scale,
-                    max_context=context))
-                # Baseline: the same K/V (dequantised to bf16), stored contiguously per sequence.
-                k_contig = (k[tables.long()].float() * (k_scale[None, None, None, :, None]
-                            if k_scale is not None else 1.0)).to(torch.bfloat16)
-                k_contig = k_contig.view(batch, -1, kv_heads, head_dim)[:, :context].transpose(1, 2).contiguous()
-                v_contig = (v[tables.long()].float() * (v_scale[None, None, None, :, None]
-                            if v_scale is not None else 1.0)).to(torch.bfloat16)
-                v_contig = v_contig.view(batch, -1, kv_heads, head_dim)[:, :context].transpose(1, 2).contiguous()
+
+                def kernel():
+                    return paged_decode_attention(q, k, v, tables, lens, scale=scale, k_scale=k_scale,
+                                                  v_scale=v_scale, max_context=context, launch=launch)
+
+                ms = timer(kernel)
+                k_contig = _contiguous(k, k_scale, tables, batch, context)
+                v_contig = _contiguous(v, v_scale, tables, batch, context)
                 q4 = q[:, :, None, :]
-                sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(
-                    q4, k_contig, v_contig, scale=scale, enable_gqa=True))
+
+                def baseline():
+                    return F.scaled_dot_product_attention(q4, k_contig, v_contig, scale=scale, enable_gqa=True)
+
+                sdpa_ms = timer(baseline)
+                diff = float((kernel().float() - baseline()[:, :, 0].float()).abs().max())
                 kv_bytes = 2 * batch * context * kv_heads * head_dim * k.element_size()
-                io_bytes = 2 * q.numel() * q.element_size() + tables.numel() * 4
-                bandwidth = (kv_bytes + io_bytes) / (ms / 1e3)
+                scale_bytes = 0 if k_scale is None else 2 * k_scale.numel() * k_scale.element_size()
+                io_bytes = 2 * q.numel() * q.element_size() + tables.numel() * tables.element_size()
+                bandwidth = (kv_bytes + scale_bytes + io_bytes) / (ms / 1e3)
                 figures.append(DecodeFigure(shape, dtype_name, batch, context, ms, bandwidth,
                                             None if peak is None else bandwidth / peak, sdpa_ms,
-                                            sdpa_ms / ms))
+                                            sdpa_ms / ms, diff))
                 k = v = k_contig = v_contig = None  # free before the next case
-                torch.cuda.empty_cache()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
     return figures
 
 
-def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: int = 2048):
+def _contiguous(cache, scale, tables, batch: int, context: int):
+    """One sequence's K or V as bf16 [batch, kv_heads, context, head_dim], dequantised."""
+    import torch
+
+    _, _, kv_heads, head_dim = cache.shape
+    values = cache[tables.long()].float()
+    if scale is not None:
+        values = values * scale[None, None, None, :, None]
+    values = values.to(torch.bfloat16).view(batch, -1, kv_heads, head_dim)[:, :context]
+    return values.transpose(1, 2).contiguous()
+
+
+def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: int = 2048, *,
+                prefixes=(0, 4096), device: str = "cuda", timer=_do_bench, launch=None):
+    """Prefill figures: `batch` sequences of `new_tokens` new tokens after each prefix length,
+    beside SDPA (causal, or masked past the prefix) on the same K/V stored contiguously."""
     import torch
     import torch.nn.functional as F
-    from triton.testing import do_bench
 
-    from kvctl.kernels import paged_prefill_attention
+    from kvctl.kernels import PrefillLaunch, paged_prefill_attention
 
-    device = torch.device("cuda")
+    launch = launch or PrefillLaunch()
     figures = []
     for shape in shape_list:
         heads, kv_heads, head_dim = SHAPES[shape]
-        for prefix in (0, 4096):
+        for prefix in prefixes:
             context = prefix + new_tokens
             blocks_per_seq = -(-context // block_size)
             k, v, (k_scale, v_scale) = _cache(dtype_name, batch * blocks_per_seq, block_size, kv_heads,
@@ -266,23 +340,32 @@ def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: 
             qsl = torch.arange(0, (batch + 1) * new_tokens, new_tokens, dtype=torch.int32, device=device)
             q = torch.randn((batch * new_tokens, heads, head_dim), device=device, dtype=torch.bfloat16)
             scale = head_dim ** -0.5
-            ms = do_bench(lambda: paged_prefill_attention(
-                q, k, v, tables, qsl, lens, scale=scale, k_scale=k_scale, v_scale=v_scale,
-                max_new_tokens=new_tokens))
+
+            def kernel():
+                return paged_prefill_attention(q, k, v, tables, qsl, lens, scale=scale, k_scale=k_scale,
+                                               v_scale=v_scale, max_new_tokens=new_tokens, launch=launch)
+
+            ms = timer(kernel)
             q4 = q.view(batch, new_tokens, heads, head_dim).transpose(1, 2)
-            k4 = torch.randn((batch, kv_heads, context, head_dim), device=device, dtype=torch.bfloat16)
-            v4 = torch.randn_like(k4)
+            k4 = _contiguous(k, k_scale, tables, batch, context)
+            v4 = _contiguous(v, v_scale, tables, batch, context)
             visible = (torch.arange(context, device=device)[None, :]
                        <= (prefix + torch.arange(new_tokens, device=device))[:, None])
-            sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(
-                q4, k4, v4, attn_mask=None if prefix == 0 else visible, is_causal=prefix == 0,
-                scale=scale, enable_gqa=True))
+
+            def baseline():
+                return F.scaled_dot_product_attention(
+                    q4, k4, v4, attn_mask=None if prefix == 0 else visible, is_causal=prefix == 0,
+                    scale=scale, enable_gqa=True)
+
+            sdpa_ms = timer(baseline)
+            diff = float((kernel().float() - baseline().transpose(1, 2).reshape(q.shape).float()).abs().max())
             pairs = batch * heads * (new_tokens * prefix + new_tokens * (new_tokens + 1) / 2)
             flops = 4 * pairs * head_dim
             figures.append(PrefillFigure(shape, dtype_name, batch, new_tokens, prefix, ms,
-                                         flops / (ms / 1e3) / 1e12, sdpa_ms, sdpa_ms / ms))
+                                         flops / (ms / 1e3) / 1e12, sdpa_ms, sdpa_ms / ms, diff))
             k = v = k4 = v4 = None  # free before the next case
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return figures
 
 

@@ -164,7 +164,9 @@ def test_bench_kernels_on_a_cpu_machine_as_an_operator_runs_it():
     assert json.loads(done.stdout)["note"] == "figures need CUDA; correctness only"
 
 
-@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12),
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 4.8e12), ("NVIDIA GH200 480GB", 4.0e12),
+                                        ("NVIDIA GH200 144G HBM3e", 4.9e12),
+                                        ("NVIDIA H100 80GB HBM3", 3.35e12),
                                         ("NVIDIA H100 PCIe", 2.0e12), ("NVIDIA A100-SXM4-80GB", 2.039e12),
                                         ("Some Future GPU", None)])
 def test_peak_bandwidth_table(name, peak):
@@ -178,6 +180,62 @@ def test_bench_kernels_bad_options(capsys):
     assert status == 2 and err.startswith("error: shape: unknown value 'gpt5'; choose from llama3-8b, llama3-70b")
     status, _, err = cli(capsys, "bench", "kernels", "--dtype", "fp4")
     assert status == 2 and err.startswith("error: dtype: unknown value 'fp4'")
+
+
+def test_bench_kernels_launch_options_name_the_field_and_value(capsys):
+    pytest.importorskip("torch")
+    status, _, err = cli(capsys, "bench", "kernels", "--decode-launch", "tile=48")
+    assert status == 2
+    assert err.startswith("error: decode_launch: launch.tile: must be a power of two of at least 16, got 48")
+    status, _, err = cli(capsys, "bench", "kernels", "--decode-launch", "tile=64,warps=8")
+    assert status == 2
+    assert err.startswith("error: decode_launch: unknown field 'warps' in 'tile=64,warps=8'; choose from tile, "
+                          "num_warps, num_stages, programs_per_sm as name=value")
+    status, _, err = cli(capsys, "bench", "kernels", "--prefill-launch", "rows=many")
+    assert status == 2 and err.startswith("error: prefill_launch: rows must be an integer, got 'many'")
+
+
+def test_bench_kernels_launch_option_sets_every_named_field():
+    pytest.importorskip("torch")
+    from kvctl.bench_kernels import parse_launch
+    from kvctl.kernels import DecodeLaunch, PrefillLaunch
+
+    assert parse_launch("decode_launch", "tile=128, num_warps=8,num_stages=2", DecodeLaunch) == DecodeLaunch(
+        tile=128, num_warps=8, num_stages=2, programs_per_sm=DecodeLaunch().programs_per_sm)
+    assert parse_launch("prefill_launch", None, PrefillLaunch) == PrefillLaunch()
+
+
+def test_bench_decode_figures_count_the_bytes_moved_and_check_the_baseline():
+    """The figures' arithmetic, on the CPU with a stand-in timer: K/V of every token, the scales,
+    q and out, and the block tables, over the kernel's time; the baseline computes the same
+    attention (its output lies within bfloat16 rounding of the kernel's)."""
+    pytest.importorskip("triton")
+    from kvctl.bench_kernels import SHAPES, run_decode, run_prefill
+
+    times = iter([2.0, 3.0])
+    decode = run_decode(["llama3-8b"], [2], [40], "int8", 16, 1 << 20, 1e12, device="cpu",
+                        timer=lambda fn: next(times))
+    assert len(decode) == 1
+    f = decode[0]
+    heads, kv_heads, head_dim = SHAPES["llama3-8b"]
+    moved = (2 * 2 * 40 * kv_heads * head_dim * 1  # int8 K and V
+             + 2 * kv_heads * 4  # float32 scales
+             + 2 * 2 * heads * head_dim * 2  # bfloat16 q read and out written
+             + 2 * 3 * 4)  # int32 tables: 3 blocks of 16 for 40 tokens
+    assert (f.batch, f.context, f.ms, f.sdpa_ms) == (2, 40, 2.0, 3.0)
+    assert f.bytes_per_second == pytest.approx(moved / 2e-3)
+    assert f.fraction_of_peak == pytest.approx(moved / 2e-3 / 1e12)
+    assert f.speedup_vs_sdpa == pytest.approx(1.5)
+    assert f.max_abs_diff_vs_sdpa < 2e-3  # outputs near 0.01 (cache scale 0.01)
+    assert not run_decode(["llama3-8b"], [4], [40], "int8", 16, 100, 1e12, device="cpu", timer=lambda fn: 1.0)
+
+    times = iter([4.0, 2.0])
+    (p,) = run_prefill(["llama3-8b"], "bfloat16", 16, batch=1, new_tokens=20, prefixes=(24,), device="cpu",
+                       timer=lambda fn: next(times))
+    pairs = heads * (20 * 24 + 20 * 21 / 2)  # each new token sees the prefix and the new tokens up to it
+    assert p.tflops == pytest.approx(4 * pairs * head_dim / 4e-3 / 1e12)
+    assert p.speedup_vs_sdpa == pytest.approx(0.5)
+    assert p.max_abs_diff_vs_sdpa <= 2 ** -7  # one bfloat16 step near 1
 
 
 def test_bench_kernels_compile_for_names_a_bad_architecture(capsys):
