@@ -9,6 +9,12 @@ SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 
 
+def next_power_of_2(n: int) -> int:
+    """For launchers (host code): Triton's own is a constexpr function, some microseconds a call
+    on the host, and the launchers run for every layer of every step."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 class KernelArgumentError(ValueError):
     """A kernel argument has the wrong shape, dtype, stride or device; the message names it."""
 
@@ -62,10 +68,11 @@ def check_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
             continue
         if device is None:
             device = t.device
-            check(t.is_cuda or interpreting(), name,
-                  f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {t.device}; "
-                  "use the *_ref function on the CPU")
-        check(t.device == device, name, f"on {t.device}, expected {device} like the other arguments")
+            if not (t.is_cuda or interpreting()):
+                check(False, name, f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1), got {t.device}; "
+                                   "use the *_ref function on the CPU")
+        elif t.device != device:
+            check(False, name, f"on {t.device}, expected {device} like the other arguments")
         if t.dtype == torch.float8_e4m3fn:  # the one format that depends on the GPU
             problem = format_unsupported_on(t.device, t.dtype)
             check(problem is None, name, problem or "")
@@ -78,15 +85,16 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
     all_dtypes = QUERY_DTYPES + QUANTISED_DTYPES
     check_tensor("k_cache", k_cache, ndim=4, dtypes=all_dtypes)
     check_tensor("v_cache", v_cache, ndim=4, dtypes=all_dtypes)
-    check(v_cache.shape == k_cache.shape, "v_cache",
-          f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
-    check(v_cache.dtype == k_cache.dtype, "v_cache",
-          f"dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}")
+    # Messages are built only on failure: these checks run for every layer of every step.
+    if v_cache.shape != k_cache.shape:
+        check(False, "v_cache", f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    if v_cache.dtype != k_cache.dtype:
+        check(False, "v_cache", f"dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    check(block_size in SUPPORTED_BLOCK_SIZES, "k_cache",
-          f"block size {block_size} unsupported; use one of {SUPPORTED_BLOCK_SIZES}")
-    check(head_dim in SUPPORTED_HEAD_DIMS, "k_cache",
-          f"head_dim {head_dim} unsupported; use one of {SUPPORTED_HEAD_DIMS}")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        check(False, "k_cache", f"block size {block_size} unsupported; use one of {SUPPORTED_BLOCK_SIZES}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        check(False, "k_cache", f"head_dim {head_dim} unsupported; use one of {SUPPORTED_HEAD_DIMS}")
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
@@ -97,19 +105,22 @@ def check_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
     num_kv_heads = k_cache.shape[2]
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if not quantised:
-            check(scale is None, name, f"given for an unquantised {k_cache.dtype} cache")
+            if scale is not None:
+                check(False, name, f"given for an unquantised {k_cache.dtype} cache")
             continue
-        check(scale is not None, name, f"required for a {k_cache.dtype} cache (one float32 per KV head)")
+        if scale is None:
+            check(False, name, f"required for a {k_cache.dtype} cache (one float32 per KV head)")
         check_tensor(name, scale, ndim=1, dtypes=(torch.float32,))
-        check(scale.shape[0] == num_kv_heads, name,
-              f"expected shape ({num_kv_heads},), one per KV head, got {tuple(scale.shape)}")
+        if scale.shape[0] != num_kv_heads:
+            check(False, name, f"expected shape ({num_kv_heads},), one per KV head, got {tuple(scale.shape)}")
     return quantised
 
 
 def check_query(q: torch.Tensor, num_kv_heads: int, head_dim: int, *, name: str = "q") -> int:
     """q [tokens or seqs, num_heads, head_dim]; returns the GQA group size."""
     check_tensor(name, q, ndim=3, dtypes=QUERY_DTYPES)
-    check(q.shape[2] == head_dim, name, f"head_dim {q.shape[2]} differs from the cache's {head_dim}")
-    check(q.shape[1] % num_kv_heads == 0, name,
-          f"{q.shape[1]} heads is not a multiple of the cache's {num_kv_heads} KV heads")
+    if q.shape[2] != head_dim:
+        check(False, name, f"head_dim {q.shape[2]} differs from the cache's {head_dim}")
+    if q.shape[1] % num_kv_heads:
+        check(False, name, f"{q.shape[1]} heads is not a multiple of the cache's {num_kv_heads} KV heads")
     return q.shape[1] // num_kv_heads

@@ -57,7 +57,7 @@ def copy_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor,
     if src.numel() == 0:
         return
     block_numel = k_cache[0].numel()
-    grid = (src.numel(), triton.cdiv(block_numel, COPY_BLOCK))
+    grid = (src.numel(), -(-block_numel // COPY_BLOCK))
     _copy_blocks_kernel[grid](k_cache, v_cache, src, dst, block_numel, CHUNK=COPY_BLOCK)
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ._triton import interpreting, tl, triton
-from .checks import check, check_cache, check_device, check_query, check_scales, check_tensor
+from .checks import (check, check_cache, check_device, check_query, check_scales,
+                     check_tensor, next_power_of_2)
 from .decode import attend_ref, gather_sequence, step_fits
 from .paged_tile import head_scales, load_kv_tile, online_softmax_step
 
@@ -144,10 +145,11 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_s
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,))
     check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
     num_seqs = context_lens.shape[0]
-    check(query_start_loc.shape[0] == num_seqs + 1, "query_start_loc",
-          f"expected {num_seqs + 1} entries (num_seqs + 1), got {query_start_loc.shape[0]}")
-    check(block_tables.shape[0] == num_seqs, "block_tables",
-          f"{block_tables.shape[0]} rows for {num_seqs} sequences")
+    if query_start_loc.shape[0] != num_seqs + 1:
+        check(False, "query_start_loc",
+              f"expected {num_seqs + 1} entries (num_seqs + 1), got {query_start_loc.shape[0]}")
+    if block_tables.shape[0] != num_seqs:
+        check(False, "block_tables", f"{block_tables.shape[0]} rows for {num_seqs} sequences")
     return group, check_scales(k_cache, k_scale, v_scale)
 
 
@@ -177,14 +179,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     placeholder = context_lens
     dot_f32 = q.dtype == torch.float32 or interpreting()
     launch = launch.fitted(head_dim, dot_f32)
-    grid = (num_seqs, triton.cdiv(max_new_tokens, launch.rows), q.shape[1])
+    grid = (num_seqs, -(-max_new_tokens // launch.rows), q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         k_scale if quantised else placeholder, v_scale if quantised else placeholder, out,
         float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_size, head_dim, group,
-        ROWS=launch.rows, TILE=launch.tile, DIM_P=triton.next_power_of_2(head_dim), QUANT=quantised,
+        ROWS=launch.rows, TILE=launch.tile, DIM_P=next_power_of_2(head_dim), QUANT=quantised,
         DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", **launch.compile_options(),
     )
     return out

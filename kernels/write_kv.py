@@ -11,7 +11,7 @@ One program writes one token: all its KV heads, K and V.
 import torch
 
 from ._triton import tl, triton
-from .checks import check, check_cache, check_device, check_scales, check_tensor
+from .checks import check, check_cache, check_device, check_scales, check_tensor, next_power_of_2
 from .formats import QUANT_MAX, QUERY_DTYPES, to_cache
 
 
@@ -64,14 +64,16 @@ def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool
     _, _, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
     check_tensor("key", key, ndim=3, dtypes=QUERY_DTYPES, contiguous=False)
     check_tensor("value", value, ndim=3, dtypes=QUERY_DTYPES, contiguous=False)
-    check(key.shape[1:] == (num_kv_heads, head_dim), "key",
-          f"expected [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(key.shape)}")
-    check(value.shape == key.shape, "value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    # Messages are built only on failure: this runs for every layer of every step.
+    if key.shape[1:] != (num_kv_heads, head_dim):
+        check(False, "key", f"expected [num_tokens, {num_kv_heads}, {head_dim}], got {tuple(key.shape)}")
+    if value.shape != key.shape:
+        check(False, "value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
     check(key.stride(2) == 1 and value.stride(2) == 1, "key",
           "the head_dim axis of key and value must be contiguous (stride 1)")
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,))
-    check(slot_mapping.shape[0] == key.shape[0], "slot_mapping",
-          f"{slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+    if slot_mapping.shape[0] != key.shape[0]:
+        check(False, "slot_mapping", f"{slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
     return check_scales(k_cache, k_scale, v_scale)
 
 
@@ -93,7 +95,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_size, num_kv_heads, head_dim,
         QUANT_MAX.get(k_cache.dtype, 0.0),
-        HEADS_P=triton.next_power_of_2(num_kv_heads), DIM_P=triton.next_power_of_2(head_dim),
+        HEADS_P=next_power_of_2(num_kv_heads), DIM_P=next_power_of_2(head_dim),
         QUANT=quantised, IS_INT8=k_cache.dtype == torch.int8,
     )
 
