@@ -190,7 +190,7 @@ def test_bench_kernels_launch_options_name_the_field_and_value(capsys):
     status, _, err = cli(capsys, "bench", "kernels", "--decode-launch", "tile=64,warps=8")
     assert status == 2
     assert err.startswith("error: decode_launch: unknown field 'warps' in 'tile=64,warps=8'; choose from tile, "
-                          "num_warps, num_stages, programs_per_sm as name=value")
+                          "num_warps, num_stages, programs_per_sm, fp16_dot as name=value")
     status, _, err = cli(capsys, "bench", "kernels", "--prefill-launch", "rows=many")
     assert status == 2 and err.startswith("error: prefill_launch: rows must be an integer, got 'many'")
 

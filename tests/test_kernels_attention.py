@@ -149,10 +149,11 @@ def test_decode_split_merge_is_exact_whatever_the_partition():
         run_decode(paged_decode_attention, case, q, lens, partition_size=96)
 
 
-@pytest.mark.parametrize("launch", [DecodeLaunch(tile=16, programs_per_sm=8), DecodeLaunch(tile=32),
-                                    DecodeLaunch(tile=128, num_warps=8, num_stages=2, programs_per_sm=1)],
-                         ids=["tile16", "tile32", "tile128"])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("launch", [DecodeLaunch(tile=16, programs_per_sm=8), DecodeLaunch(tile=32, fp16_dot=1),
+                                    DecodeLaunch(tile=128, num_warps=8, num_stages=2, programs_per_sm=1,
+                                                 fp16_dot=0)],
+                         ids=["tile16", "tile32-fp16", "tile128-query-dtype"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str)
 def test_decode_kernel_matches_reference_at_every_launch(launch, cache_dtype):
     """Tiles smaller and larger than a block, and than the shortest contexts: the launch changes
     speed, never the answer (the scale folding of quantised caches included)."""
@@ -170,6 +171,8 @@ def test_launch_settings_are_checked_by_name():
         DecodeLaunch(num_warps=3)
     with pytest.raises(KernelArgumentError, match="launch.programs_per_sm: must be at least 1, got 0"):
         DecodeLaunch(programs_per_sm=0)
+    with pytest.raises(KernelArgumentError, match="launch.fp16_dot: must be 0 or 1, got 2"):
+        DecodeLaunch(fp16_dot=2)
     with pytest.raises(KernelArgumentError, match="launch.rows: must be a power of two of at least 16, got 8"):
         PrefillLaunch(rows=8)
     with pytest.raises(KernelArgumentError, match="launch.num_stages: must be at least 1, got 0"):
