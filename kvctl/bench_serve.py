@@ -108,8 +108,9 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
 
 
 def run_transformers_baseline(model_dir: str, workload: list[BenchRequest], batch: int,
-                              tick=lambda: None) -> list[RequestRecord]:
-    """The same requests through transformers' generate(), `batch` at a time (left padding)."""
+                              tick=lambda: None, device: str = "cpu", dtype: str | None = None) -> list[RequestRecord]:
+    """The same requests through transformers' generate(), `batch` at a time (left padding), on
+    kvd's device and in its dtype (`device`, `dtype` as /admin/status reports them)."""
     try:
         import torch
         from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -121,6 +122,8 @@ def run_transformers_baseline(model_dir: str, workload: list[BenchRequest], batc
 
     transformers_logging.disable_progress_bar()  # its weight-loading bar would break into our progress and table
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = model.to(device=torch.device(device),
+                     dtype=getattr(torch, dtype.removeprefix("torch.")) if dtype else None)
 
     class StepClock(LogitsProcessor):
         def __init__(self) -> None:
@@ -135,7 +138,7 @@ def run_transformers_baseline(model_dir: str, workload: list[BenchRequest], batc
         group = workload[first:first + batch]
         width = max(len(r.prompt) for r in group)
         steps = max(r.max_tokens for r in group)
-        ids = torch.zeros((len(group), width), dtype=torch.long)
+        ids = torch.zeros((len(group), width), dtype=torch.long, device=model.device)
         mask = torch.zeros_like(ids)
         for row, request in enumerate(group):
             ids[row, width - len(request.prompt):] = torch.tensor(request.prompt)
@@ -220,7 +223,9 @@ def serve_command(
             after = sync.get("/admin/status")
             base_records = None
             if baseline == "transformers":
-                base_records = run_transformers_baseline(status["model"]["path"], work, concurrency or 8, tick)
+                base_records = run_transformers_baseline(status["model"]["path"], work, concurrency or 8, tick,
+                                                         device=status["model"].get("device", "cpu"),
+                                                         dtype=status["model"].get("dtype"))
             kvd_run = figures(kvd_records)
             base_run = figures(base_records) if base_records is not None else None
             runs.append({"seed": seed + i, "kvd": kvd_run, "baseline": base_run, "ratio": ratios(kvd_run, base_run),
