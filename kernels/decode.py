@@ -29,13 +29,14 @@ from ._triton import interpreting, tl, triton
 from .checks import (check, check_cache, check_device, check_query, check_scales,
                      check_tensor, next_power_of_2)
 from .formats import from_cache
+from .launch import TritonLaunch, check_tile
 from .paged_tile import head_scales, load_kv_tile, online_softmax_step
 
 TILE_N = 64  # tokens per inner step (the H200 sweep's choice; docs/results)
 
 
 @dataclass(frozen=True)
-class DecodeLaunch:
+class DecodeLaunch(TritonLaunch):
     """How the decode kernel is launched on a GPU (the CPU interpreter ignores warps and stages).
 
     tile             tokens read per inner step (a power of two, at least 16)
@@ -58,22 +59,11 @@ class DecodeLaunch:
     fp16_dot: int | None = None
 
     def __post_init__(self) -> None:
-        check(self.tile >= 16 and self.tile & (self.tile - 1) == 0, "launch.tile",
-              f"must be a power of two of at least 16, got {self.tile}")
-        check(self.num_warps in (1, 2, 4, 8, 16), "launch.num_warps",
-              f"must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        check(self.num_stages is None or self.num_stages >= 1, "launch.num_stages",
-              f"must be at least 1, got {self.num_stages}")
+        check_tile("tile", self.tile)
+        self.check_warps_and_stages()
         check(self.programs_per_sm >= 1, "launch.programs_per_sm",
               f"must be at least 1, got {self.programs_per_sm}")
         check(self.fp16_dot in (None, 0, 1), "launch.fp16_dot", f"must be 0 or 1, got {self.fp16_dot}")
-
-    def compile_options(self) -> dict:
-        """Keyword arguments for a Triton launch."""
-        options = {"num_warps": self.num_warps}
-        if self.num_stages is not None:
-            options["num_stages"] = self.num_stages
-        return options
 
     def fitted(self, rows: int, head_dim: int, dot_f32: bool) -> "DecodeLaunch":
         """This launch with the tile halved until one step's tiles fit `STEP_TILE_BYTES`."""

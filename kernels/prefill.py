@@ -22,6 +22,7 @@ from ._triton import interpreting, tl, triton
 from .checks import (check, check_cache, check_device, check_query, check_scales,
                      check_tensor, next_power_of_2)
 from .decode import attend_ref, gather_sequence, step_fits
+from .launch import TritonLaunch, check_tile
 from .paged_tile import head_scales, load_kv_tile, online_softmax_step
 
 BLOCK_M = 64  # query rows per program (the H200 sweep's choice; docs/results)
@@ -29,7 +30,7 @@ TILE_N = 32  # keys per step
 
 
 @dataclass(frozen=True)
-class PrefillLaunch:
+class PrefillLaunch(TritonLaunch):
     """How the prefill kernel is launched on a GPU (the CPU interpreter ignores warps and stages).
 
     rows        query rows (new tokens of one head) per program, a power of two >= 16
@@ -44,21 +45,9 @@ class PrefillLaunch:
     num_stages: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("rows", "tile"):
-            value = getattr(self, name)
-            check(value >= 16 and value & (value - 1) == 0, f"launch.{name}",
-                  f"must be a power of two of at least 16, got {value}")
-        check(self.num_warps in (1, 2, 4, 8, 16), "launch.num_warps",
-              f"must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        check(self.num_stages is None or self.num_stages >= 1, "launch.num_stages",
-              f"must be at least 1, got {self.num_stages}")
-
-    def compile_options(self) -> dict:
-        """Keyword arguments for a Triton launch."""
-        options = {"num_warps": self.num_warps}
-        if self.num_stages is not None:
-            options["num_stages"] = self.num_stages
-        return options
+        check_tile("rows", self.rows)
+        check_tile("tile", self.tile)
+        self.check_warps_and_stages()
 
     def fitted(self, head_dim: int, dot_f32: bool) -> "PrefillLaunch":
         """This launch with rows, then the tile, halved until a step fits (`decode.step_fits`)."""
