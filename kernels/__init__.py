@@ -19,8 +19,8 @@ from .torch_paged import paged_attention_torch, plan_attention
 from .write_kv import write_kv, write_kv_ref
 
 __all__ = [
-    "CACHE_DTYPES", "DecodeLaunch", "KernelArgumentError", "PrefillLaunch", "absmax_scales", "cache_dtype", "copy_blocks", "format_unsupported",
-    "format_unsupported_on",
+    "CACHE_DTYPES", "DecodeLaunch", "KernelArgumentError", "PrefillLaunch", "absmax_scales", "cache_dtype",
+    "copy_blocks", "format_unsupported", "format_unsupported_on",
     "copy_blocks_ref", "dequantise", "is_quantised", "paged_decode_attention",
     "paged_attention_torch", "plan_attention", "paged_decode_attention_ref", "paged_prefill_attention",
     "paged_prefill_attention_ref",

@@ -249,8 +249,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     launch = launch.fitted(heads_per_program, head_dim, dot_f32)
     if partition_size is None:
         partition_size = choose_partition(num_seqs, num_kv_heads, max_context, device, launch)
-    check(partition_size % launch.tile == 0 and partition_size > 0, "partition_size",
-          f"must be a positive multiple of {launch.tile}, got {partition_size}")
+    if partition_size <= 0 or partition_size % launch.tile:
+        check(False, "partition_size", f"must be a positive multiple of {launch.tile}, got {partition_size}")
     num_splits = -(-max_context // partition_size)
     part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
@@ -321,5 +321,5 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-__all__ = ["DecodeLaunch", "paged_decode_attention", "paged_decode_attention_ref", "attend_ref", "gather_sequence",
-           "choose_partition"]
+__all__ = ["DecodeLaunch", "paged_decode_attention", "paged_decode_attention_ref", "attend_ref",
+           "gather_sequence", "choose_partition"]
