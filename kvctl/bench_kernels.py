@@ -22,8 +22,8 @@ from .errors import UserError
 
 # Peak HBM bandwidth by device name (bytes per second); the first matching substring wins.
 PEAK_BANDWIDTH = [
-    ("GH200 144G", 4.9e12), ("GH200", 4.0e12), ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
-    ("H800", 3.35e12), ("B200", 8.0e12), ("A100-SXM4-80GB", 2.039e12),
+    ("GH200 144G", 4.9e12), ("GH200", 4.0e12), ("H200", 4.8e12), ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("H800", 3.35e12), ("B200", 8.0e12), ("A100-SXM4-80GB", 2.039e12),
     ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12), ("L40S", 0.864e12), ("L4", 0.3e12),
     ("A10", 0.6e12), ("RTX 4090", 1.008e12),
 ]
@@ -180,7 +180,8 @@ def kernels_command(
         table.add_row(f["shape"], str(f["batch"]), str(f["context"]), f"{f['ms']:.3f}",
                       f"{f['bytes_per_second'] / 1e9:,.0f}",
                       "-" if f["fraction_of_peak"] is None else f"{f['fraction_of_peak']:.0%}",
-                      f"{f['sdpa_ms']:.3f}", f"{f['speedup_vs_sdpa']:.2f}x", f"{f['max_abs_diff_vs_sdpa']:.1e}")
+                      f"{f['sdpa_ms']:.3f}", f"{f['speedup_vs_sdpa']:.2f}x",
+                      f"{f['max_abs_diff_vs_sdpa']:.1e}")
     console.print(table)
     table = Table(title="paged prefill")
     for column in ("shape", "batch", "new", "prefix", "ms", "TFLOP/s", "SDPA ms", "vs SDPA", "max diff"):
