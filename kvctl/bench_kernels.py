@@ -54,12 +54,14 @@ class DecodeFigure:
     dtype: str
     batch: int
     context: int
-    ms: float
+    ms: float  # median of --repeat timings
     bytes_per_second: float
     fraction_of_peak: float | None
     sdpa_ms: float
     speedup_vs_sdpa: float  # sdpa time / kernel time; >= 1 means no slower than the baseline
     max_abs_diff_vs_sdpa: float  # the kernel's output against the baseline's: the same attention
+    ms_range: list[float]  # [fastest, slowest] of the --repeat timings
+    sdpa_ms_range: list[float]
 
 
 @dataclass
@@ -74,6 +76,8 @@ class PrefillFigure:
     sdpa_ms: float
     speedup_vs_sdpa: float
     max_abs_diff_vs_sdpa: float
+    ms_range: list[float]
+    sdpa_ms_range: list[float]
 
 
 def kernels_command(
@@ -87,6 +91,8 @@ def kernels_command(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
+    repeat: int = typer.Option(1, "--repeat", help="Time each case N times; report the median and the "
+                                                   "range."),
     decode_launch: Optional[str] = typer.Option(
         None, "--decode-launch", help="Decode launch to time, e.g. 'tile=64,num_warps=8,num_stages=3,"
                                       "programs_per_sm=4' (unnamed fields keep their defaults)."),
@@ -120,6 +126,8 @@ def kernels_command(
             raise UserError(f"shape: unknown value {name!r}; choose from {', '.join(SHAPES)}")
     if dtype not in DTYPES:
         raise UserError(f"dtype: unknown value {dtype!r}; choose from {', '.join(DTYPES)}")
+    if repeat < 1:
+        raise UserError(f"repeat: must be at least 1, got {repeat}")
     from kvctl.kernels import DecodeLaunch, PrefillLaunch
 
     decode_config = parse_launch("decode_launch", decode_launch, DecodeLaunch)
@@ -159,11 +167,13 @@ def kernels_command(
         raise UserError(f"dtype: {problem}")
     peak = peak_bandwidth(device_name)
     decode = [asdict(f) for f in run_decode(shape_list, batch_list, context_list, dtype, block_size,
-                                            max_tokens, peak, launch=decode_config)]
-    prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size, launch=prefill_config)]
+                                            max_tokens, peak, launch=decode_config, repeat=repeat)]
+    prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size, launch=prefill_config,
+                                              repeat=repeat)]
     import triton
 
     document = {"device": device_name, "peak_bytes_per_second": peak, "block_size": block_size,
+                "repeat": repeat,
                 "decode_launch": asdict(decode_config), "prefill_launch": asdict(prefill_config),
                 "decode": decode, "prefill": prefill, "torch": torch.__version__,
                 "triton": triton.__version__}
@@ -177,7 +187,7 @@ def kernels_command(
     for column in ("shape", "batch", "context", "ms", "GB/s", "% of peak", "SDPA ms", "vs SDPA", "max diff"):
         table.add_column(column, justify="right")
     for f in decode:
-        table.add_row(f["shape"], str(f["batch"]), str(f["context"]), f"{f['ms']:.3f}",
+        table.add_row(f["shape"], str(f["batch"]), str(f["context"]), _ms_cell(f["ms"], f["ms_range"]),
                       f"{f['bytes_per_second'] / 1e9:,.0f}",
                       "-" if f["fraction_of_peak"] is None else f"{f['fraction_of_peak']:.0%}",
                       f"{f['sdpa_ms']:.3f}", f"{f['speedup_vs_sdpa']:.2f}x",
@@ -188,9 +198,15 @@ def kernels_command(
         table.add_column(column, justify="right")
     for f in prefill:
         table.add_row(f["shape"], str(f["batch"]), str(f["new_tokens"]), str(f["prefix"]),
-                      f"{f['ms']:.3f}", f"{f['tflops']:.1f}", f"{f['sdpa_ms']:.3f}",
+                      _ms_cell(f["ms"], f["ms_range"]), f"{f['tflops']:.1f}", f"{f['sdpa_ms']:.3f}",
                       f"{f['speedup_vs_sdpa']:.2f}x", f"{f['max_abs_diff_vs_sdpa']:.1e}")
     console.print(table)
+
+
+def _ms_cell(ms: float, spread: list[float]) -> str:
+    """'0.140', or '0.140 (0.138-0.182)' when repeated timings differ."""
+    low, high = spread
+    return f"{ms:.3f}" if low == high else f"{ms:.3f} ({low:.3f}-{high:.3f})"
 
 
 def parse_launch(option: str, text: str | None, launch_class):
@@ -250,13 +266,22 @@ def _do_bench(fn) -> float:
     return do_bench(fn)
 
 
+def _timed(timer, fn, repeat: int) -> tuple[float, list[float]]:
+    """Median and [fastest, slowest] of `repeat` timings of `fn`."""
+    import statistics
+
+    times = [timer(fn) for _ in range(repeat)]
+    return statistics.median(times), [min(times), max(times)]
+
+
 def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max_tokens, peak, *,
-               device: str = "cuda", timer=_do_bench, launch=None):
+               device: str = "cuda", timer=_do_bench, launch=None, repeat: int = 1):
     """Decode figures for every (shape, context, batch) with batch x context <= max_tokens.
 
     Each case also runs torch's SDPA on the same K/V (dequantised, stored contiguously) and
     records how far its output lies from the kernel's, so the baseline is the same attention.
-    `timer(fn) -> ms`; `launch` is a `DecodeLaunch` (None: the kernel's defaults).
+    `timer(fn) -> ms`, taken `repeat` times (the median is reported, with the range);
+    `launch` is a `DecodeLaunch` (None: the kernel's defaults).
     """
     import torch
     import torch.nn.functional as F
@@ -283,7 +308,7 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
                     return paged_decode_attention(q, k, v, tables, lens, scale=scale, k_scale=k_scale,
                                                   v_scale=v_scale, max_context=context, launch=launch)
 
-                ms = timer(kernel)
+                ms, ms_range = _timed(timer, kernel, repeat)
                 k_contig = _contiguous(k, k_scale, tables, batch, context)
                 v_contig = _contiguous(v, v_scale, tables, batch, context)
                 q4 = q[:, :, None, :]
@@ -291,7 +316,7 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
                 def baseline():
                     return F.scaled_dot_product_attention(q4, k_contig, v_contig, scale=scale, enable_gqa=True)
 
-                sdpa_ms = timer(baseline)
+                sdpa_ms, sdpa_range = _timed(timer, baseline, repeat)
                 diff = float((kernel().float() - baseline()[:, :, 0].float()).abs().max())
                 kv_bytes = 2 * batch * context * kv_heads * head_dim * k.element_size()
                 scale_bytes = 0 if k_scale is None else 2 * k_scale.numel() * k_scale.element_size()
@@ -299,7 +324,7 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
                 bandwidth = (kv_bytes + scale_bytes + io_bytes) / (ms / 1e3)
                 figures.append(DecodeFigure(shape, dtype_name, batch, context, ms, bandwidth,
                                             None if peak is None else bandwidth / peak, sdpa_ms,
-                                            sdpa_ms / ms, diff))
+                                            sdpa_ms / ms, diff, ms_range, sdpa_range))
                 k = v = k_contig = v_contig = None  # free before the next case
                 if device == "cuda":
                     torch.cuda.empty_cache()
@@ -319,7 +344,7 @@ def _contiguous(cache, scale, tables, batch: int, context: int):
 
 
 def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: int = 2048, *,
-                prefixes=(0, 4096), device: str = "cuda", timer=_do_bench, launch=None):
+                prefixes=(0, 4096), device: str = "cuda", timer=_do_bench, launch=None, repeat: int = 1):
     """Prefill figures: `batch` sequences of `new_tokens` new tokens after each prefix length,
     beside SDPA (causal, or masked past the prefix) on the same K/V stored contiguously."""
     import torch
@@ -346,7 +371,7 @@ def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: 
                 return paged_prefill_attention(q, k, v, tables, qsl, lens, scale=scale, k_scale=k_scale,
                                                v_scale=v_scale, max_new_tokens=new_tokens, launch=launch)
 
-            ms = timer(kernel)
+            ms, ms_range = _timed(timer, kernel, repeat)
             q4 = q.view(batch, new_tokens, heads, head_dim).transpose(1, 2)
             k4 = _contiguous(k, k_scale, tables, batch, context)
             v4 = _contiguous(v, v_scale, tables, batch, context)
@@ -358,12 +383,13 @@ def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: 
                     q4, k4, v4, attn_mask=None if prefix == 0 else visible, is_causal=prefix == 0,
                     scale=scale, enable_gqa=True)
 
-            sdpa_ms = timer(baseline)
+            sdpa_ms, sdpa_range = _timed(timer, baseline, repeat)
             diff = float((kernel().float() - baseline().transpose(1, 2).reshape(q.shape).float()).abs().max())
             pairs = batch * heads * (new_tokens * prefix + new_tokens * (new_tokens + 1) / 2)
             flops = 4 * pairs * head_dim
             figures.append(PrefillFigure(shape, dtype_name, batch, new_tokens, prefix, ms,
-                                         flops / (ms / 1e3) / 1e12, sdpa_ms, sdpa_ms / ms, diff))
+                                         flops / (ms / 1e3) / 1e12, sdpa_ms, sdpa_ms / ms, diff, ms_range,
+                                         sdpa_range))
             k = v = k4 = v4 = None  # free before the next case
             if device == "cuda":
                 torch.cuda.empty_cache()

@@ -193,6 +193,8 @@ def test_bench_kernels_launch_options_name_the_field_and_value(capsys):
                           "num_warps, num_stages, programs_per_sm, fp16_dot as name=value")
     status, _, err = cli(capsys, "bench", "kernels", "--prefill-launch", "rows=many")
     assert status == 2 and err.startswith("error: prefill_launch: rows must be an integer, got 'many'")
+    status, _, err = cli(capsys, "bench", "kernels", "--repeat", "0")
+    assert status == 2 and err.startswith("error: repeat: must be at least 1, got 0")
 
 
 def test_bench_kernels_launch_option_sets_every_named_field():
@@ -228,6 +230,12 @@ def test_bench_decode_figures_count_the_bytes_moved_and_check_the_baseline():
     assert f.speedup_vs_sdpa == pytest.approx(1.5)
     assert f.max_abs_diff_vs_sdpa < 2e-3  # outputs near 0.01 (cache scale 0.01)
     assert not run_decode(["llama3-8b"], [4], [40], "int8", 16, 100, 1e12, device="cpu", timer=lambda fn: 1.0)
+
+    times = iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0])  # --repeat 3: three kernel timings, then three of SDPA
+    (r,) = run_decode(["llama3-8b"], [2], [40], "int8", 16, 1 << 20, 1e12, device="cpu",
+                      timer=lambda fn: next(times), repeat=3)
+    assert (r.ms, r.ms_range, r.sdpa_ms, r.sdpa_ms_range) == (2.0, [1.0, 3.0], 5.0, [4.0, 6.0])
+    assert r.speedup_vs_sdpa == pytest.approx(2.5) and r.bytes_per_second == pytest.approx(moved / 2e-3)
 
     times = iter([4.0, 2.0])
     (p,) = run_prefill(["llama3-8b"], "bfloat16", 16, batch=1, new_tokens=20, prefixes=(24,), device="cpu",
@@ -282,6 +290,46 @@ def test_bench_kernels_on_an_a100_refuses_fp8_e4m3_before_timing_anything(capsys
     assert status == 2
     assert err.startswith("error: dtype: fp8_e4m3 needs a GPU of compute capability 8.9 or newer (L4, L40S, "
                           "H100, H200); this one is 8.0: use fp8_e5m2 or int8")
+
+
+def test_bench_kernels_on_a_gpu_reports_medians_ranges_and_the_launch(capsys, monkeypatch):
+    """The figures path as on a GPU (the kernels run under the interpreter, a stand-in timer):
+    the JSON document and the tables carry each case's median, its range and the launch."""
+    pytest.importorskip("triton")
+    from dataclasses import asdict
+
+    import torch
+
+    import kvctl.bench_kernels as bench_kernels
+    from kvctl.kernels import DecodeLaunch, PrefillLaunch
+
+    real_decode, real_prefill = bench_kernels.run_decode, bench_kernels.run_prefill
+    times = [3.0, 1.0, 2.0, 5.0, 4.0, 6.0]
+
+    def timer(fn, clock=iter(times * 8)):
+        return next(clock)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(bench_kernels, "run_decode", lambda *a, **k: real_decode(*a, **k, device="cpu", timer=timer))
+    monkeypatch.setattr(bench_kernels, "run_prefill", lambda *a, **k: real_prefill(
+        *a, **k, batch=1, new_tokens=20, prefixes=(24,), device="cpu", timer=timer))
+    args = ["bench", "kernels", "--shape", "llama3-8b", "--batch", "2", "--context", "40", "--repeat", "3",
+            "--decode-launch", "tile=32"]
+    status, out, _ = cli(capsys, *args, "--json")
+    assert status == 0
+    doc = json.loads(out)
+    assert (doc["device"], doc["peak_bytes_per_second"], doc["repeat"]) == ("NVIDIA H200", 4.8e12, 3)
+    assert doc["decode_launch"] == asdict(DecodeLaunch(tile=32)) and doc["prefill_launch"] == asdict(PrefillLaunch())
+    (d,) = doc["decode"]
+    assert (d["ms"], d["ms_range"], d["sdpa_ms"], d["sdpa_ms_range"]) == (2.0, [1.0, 3.0], 5.0, [4.0, 6.0])
+    assert [(p["prefix"], p["ms"], p["ms_range"]) for p in doc["prefill"]] == [(24, 2.0, [1.0, 3.0])]
+    monkeypatch.setenv("COLUMNS", "160")  # one line a row
+    status, out, _ = cli(capsys, *args)
+    assert status == 0
+    assert "paged decode on NVIDIA H200 (bfloat16 cache, block 16)" in out
+    assert "2.000 (1.000-3.000)" in out and "2.50x" in out
 
 
 def test_bench_kernels_fails_when_a_kernel_does_not_fit(capsys, monkeypatch):
