@@ -212,8 +212,11 @@ def test_bench_decode_figures_count_the_bytes_moved_and_check_the_baseline():
     q and out, and the block tables, over the kernel's time; the baseline computes the same
     attention (its output lies within bfloat16 rounding of the kernel's)."""
     pytest.importorskip("triton")
+    import torch
+
     from kvctl.bench_kernels import SHAPES, run_decode, run_prefill
 
+    torch.manual_seed(0)
     times = iter([2.0, 3.0])
     decode = run_decode(["llama3-8b"], [2], [40], "int8", 16, 1 << 20, 1e12, device="cpu",
                         timer=lambda fn: next(times))
@@ -243,7 +246,8 @@ def test_bench_decode_figures_count_the_bytes_moved_and_check_the_baseline():
     pairs = heads * (20 * 24 + 20 * 21 / 2)  # each new token sees the prefix and the new tokens up to it
     assert p.tflops == pytest.approx(4 * pairs * head_dim / 4e-3 / 1e12)
     assert p.speedup_vs_sdpa == pytest.approx(0.5)
-    assert p.max_abs_diff_vs_sdpa <= 2 ** -7  # one bfloat16 step near 1
+    # both outputs are bfloat16 averages of standard-normal values, below 4 in size: one step there is 2**-6
+    assert p.max_abs_diff_vs_sdpa <= 2 ** -6
 
 
 def test_bench_kernels_compile_for_names_a_bad_architecture(capsys):
