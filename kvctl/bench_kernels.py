@@ -346,9 +346,11 @@ def _contiguous(cache, scale, tables, batch: int, context: int):
 def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: int = 2048, *,
                 prefixes=(0, 4096), device: str = "cuda", timer=_do_bench, launch=None, repeat: int = 1):
     """Prefill figures: `batch` sequences of `new_tokens` new tokens after each prefix length,
-    beside SDPA (causal, or masked past the prefix) on the same K/V stored contiguously."""
+    beside SDPA (causal; past a prefix, causal from the bottom right) on the same K/V stored
+    contiguously."""
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
 
     from kvctl.kernels import PrefillLaunch, paged_prefill_attention
 
@@ -375,13 +377,13 @@ def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: 
             q4 = q.view(batch, new_tokens, heads, head_dim).transpose(1, 2)
             k4 = _contiguous(k, k_scale, tables, batch, context)
             v4 = _contiguous(v, v_scale, tables, batch, context)
-            visible = (torch.arange(context, device=device)[None, :]
-                       <= (prefix + torch.arange(new_tokens, device=device))[:, None])
+            # Causal from the bottom right (new token i sees the prefix and new tokens 0..i) as a
+            # bias object, not a boolean mask, so that SDPA may still take its fused kernels.
+            visible = causal_lower_right(new_tokens, context) if prefix else None
 
             def baseline():
-                return F.scaled_dot_product_attention(
-                    q4, k4, v4, attn_mask=None if prefix == 0 else visible, is_causal=prefix == 0,
-                    scale=scale, enable_gqa=True)
+                return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=visible, is_causal=not prefix,
+                                                      scale=scale, enable_gqa=True)
 
             sdpa_ms, sdpa_range = _timed(timer, baseline, repeat)
             diff = float((kernel().float() - baseline().transpose(1, 2).reshape(q.shape).float()).abs().max())
