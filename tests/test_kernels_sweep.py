@@ -1,5 +1,5 @@
-"""scripts/sweep-kernels: how it picks a launch, and a smoke run under the interpreter whose
-recommendation `kvctl bench kernels` accepts."""
+"""The GPU-session scripts on the CPU: scripts/sweep-kernels (how it picks a launch, and a smoke
+run whose recommendation `kvctl bench kernels` accepts) and scripts/profile-decode."""
 
 from __future__ import annotations
 
@@ -57,3 +57,13 @@ def test_a_smoke_sweep_writes_flags_that_bench_kernels_accepts(tmp_path):
     assert flags[1] == result["decode_choice"]["recommended"]
     assert isinstance(parse_launch("decode_launch", flags[1], DecodeLaunch), DecodeLaunch)
     assert isinstance(parse_launch("prefill_launch", flags[3], PrefillLaunch), PrefillLaunch)
+
+
+def test_the_profiling_target_runs_one_decode_case_with_the_launch_it_is_given():
+    script = SCRIPT.parent / "profile-decode"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), "--dtype", "int8", "--calls", "2", "--launch", "tile=32"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("int8 llama3-8b batch 2 context 40: 2 calls, output (2, 32, 128), "
+                                  "launch DecodeLaunch(tile=32,")
