@@ -51,14 +51,20 @@ def _scratch(loaded: LoadedModel, tokens: int, dtype=None, keep=(), scales=None)
     return loaded.model.allocate_cache(blocks, SCRATCH_BLOCK, dtype, keep, scales), blocks
 
 
-def _batch(ids: list[int], start: int, blocks: int, all_rows: bool) -> ForwardBatch:
+def _batch(ids: list[int], start: int, blocks: int, all_rows: bool,
+           device: torch.device | str = "cpu") -> ForwardBatch:
+    """One prompt (or one decode token) as a batch on the model's `device`."""
     n, end = len(ids), start + len(ids)
-    rows = torch.arange(n) if all_rows else torch.tensor([n - 1])
-    return ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(start, end),
-                        slot_mapping=torch.arange(start, end), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                        context_lens=torch.tensor([end], dtype=torch.int32),
-                        block_tables=torch.arange(blocks, dtype=torch.int32)[None], logits_indices=rows,
-                        max_new_tokens=n, max_context=end)
+
+    def tensor(values, dtype=torch.int64):
+        return torch.as_tensor(values, dtype=dtype, device=device)
+
+    rows = torch.arange(n, device=device) if all_rows else tensor([n - 1])
+    return ForwardBatch(input_ids=tensor(ids), positions=torch.arange(start, end, device=device),
+                        slot_mapping=torch.arange(start, end, device=device),
+                        query_start_loc=tensor([0, n], torch.int32), context_lens=tensor([end], torch.int32),
+                        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+                        logits_indices=rows, max_new_tokens=n, max_context=end)
 
 
 def measure_absmax(loaded: LoadedModel, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +79,7 @@ def measure_absmax(loaded: LoadedModel, prompts: list[list[int]]) -> tuple[torch
 
     for ids in prompts:
         caches, blocks = _scratch(loaded, len(ids))
-        loaded.model.forward(_batch(ids, 0, blocks, all_rows=False), caches, observer=observe)
+        loaded.model.forward(_batch(ids, 0, blocks, False, loaded.model.device), caches, observer=observe)
     return k_max, v_max
 
 
@@ -91,15 +97,16 @@ def derive_scales(k_max: torch.Tensor, v_max: torch.Tensor, dtype_name: str,
 
 def _logits(loaded: LoadedModel, ids: list[int], dtype, keep, scales) -> torch.Tensor:
     caches, blocks = _scratch(loaded, len(ids), dtype, keep, scales)
-    return loaded.model.forward(_batch(ids, 0, blocks, all_rows=True), caches)
+    return loaded.model.forward(_batch(ids, 0, blocks, True, loaded.model.device), caches)
 
 
 def _greedy(loaded: LoadedModel, ids: list[int], steps: int, dtype, keep, scales) -> list[int]:
     caches, blocks = _scratch(loaded, len(ids) + steps, dtype, keep, scales)
-    logits = loaded.model.forward(_batch(ids, 0, blocks, all_rows=False), caches)
+    logits = loaded.model.forward(_batch(ids, 0, blocks, False, loaded.model.device), caches)
     out = [int(logits[0].argmax())]
     for _ in range(steps - 1):
-        logits = loaded.model.forward(_batch([out[-1]], len(ids) + len(out) - 1, blocks, all_rows=False), caches)
+        logits = loaded.model.forward(_batch([out[-1]], len(ids) + len(out) - 1, blocks, False, loaded.model.device),
+                                      caches)
         out.append(int(logits[0].argmax()))
     return out
 
@@ -127,7 +134,7 @@ def compare(loaded: LoadedModel, ids: list[int], dtype, keep, scales, greedy_tok
     p_log, q_log = torch.log_softmax(ref, -1), torch.log_softmax(quant, -1)
     kl = float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
     top1 = float((ref.argmax(-1) == quant.argmax(-1)).float().mean())
-    targets = torch.tensor(ids[1:])
+    targets = torch.tensor(ids[1:], device=ref.device)
     nll_ref = float(-p_log[:-1].gather(1, targets[:, None]).mean())
     nll_q = float(-q_log[:-1].gather(1, targets[:, None]).mean())
     ppl_delta = math.exp(nll_q) / math.exp(nll_ref) - 1.0 if len(ids) > 1 else 0.0

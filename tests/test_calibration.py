@@ -68,6 +68,31 @@ def test_quantised_cache_agrees_with_the_float_cache(demo, dtype):
         assert metrics["match"] >= 1  # the first generated token agrees
 
 
+def test_calibration_batches_are_built_on_the_models_device():
+    """On a GPU the model's weights and caches are CUDA tensors: the prompt batch must be too."""
+    batch = cal._batch([5, 6, 7], 2, 3, all_rows=True)
+    assert (batch.input_ids.tolist(), batch.positions.tolist(), batch.slot_mapping.tolist()) == (
+        [5, 6, 7], [2, 3, 4], [2, 3, 4])
+    assert (batch.query_start_loc.tolist(), batch.context_lens.tolist(), batch.block_tables.tolist(),
+            batch.logits_indices.tolist()) == ([0, 3], [5], [[0, 1, 2]], [0, 1, 2])
+    assert cal._batch([9], 4, 1, all_rows=False).logits_indices.tolist() == [0]
+    on_meta = cal._batch([5, 6, 7], 2, 3, all_rows=False, device="meta")
+    tensors = [getattr(on_meta, name) for name in ("input_ids", "positions", "slot_mapping", "query_start_loc",
+                                                    "context_lens", "block_tables", "logits_indices")]
+    assert {t.device.type for t in tensors} == {"meta"}
+    assert [t.dtype for t in tensors] == [torch.int64] * 3 + [torch.int32] * 3 + [torch.int64]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_calibration_compares_formats_with_the_model_on_a_gpu(tmp_path):
+    gpu = load_model(ensure_demo_checkpoint(tmp_path), device="cuda")
+    prompts = [gpu.tokenizer.encode(t) for t in TEXTS]
+    scales = cal.derive_scales(*cal.measure_absmax(gpu, prompts[:2]), "int8", margin=1.0)
+    metrics = cal.compare(gpu, prompts[2], cache_dtype("int8"), (), scales, 8)
+    assert metrics["kl"] > 0 and metrics["top1"] >= 0.9 and metrics["match"] >= 1
+
+
 def test_a_quantised_cache_without_calibration_refuses_to_start(tmp_path):
     from kvctl.daemon.config import resolve
     from kvctl.daemon.server.service import EngineService
