@@ -180,7 +180,7 @@ def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
         assert kvd["cached_token_ratio"] == pytest.approx(4 * 64 / (6 * 72))
         assert kvd["ttft_cached_over_uncached"] is not None
         model = service.status()["model"]  # the baseline runs where kvd's model runs, in its dtype
-        assert (model["device"], model["dtype"]) == ("cpu", "torch.float32")
+        assert (model["device"], model["dtype"]) == (str(service.loaded.model.device), str(service.loaded.model.dtype))
         base = run_transformers_baseline(model["path"], work, batch=2, device=model["device"], dtype=model["dtype"])
         assert [len(r.token_times) for r in base] == [4] * 6 and figures(base)["cached_token_ratio"] == 0.0
         assert blocks_all_back(service)

@@ -217,8 +217,9 @@ def test_bench_decode_figures_count_the_bytes_moved_and_check_the_baseline():
     from kvctl.bench_kernels import SHAPES, run_decode, run_prefill
 
     torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the figures' arithmetic is the same on either
     times = iter([2.0, 3.0])
-    decode = run_decode(["llama3-8b"], [2], [40], "int8", 16, 1 << 20, 1e12, device="cpu",
+    decode = run_decode(["llama3-8b"], [2], [40], "int8", 16, 1 << 20, 1e12, device=device,
                         timer=lambda fn: next(times))
     assert len(decode) == 1
     f = decode[0]
@@ -232,16 +233,16 @@ def test_bench_decode_figures_count_the_bytes_moved_and_check_the_baseline():
     assert f.fraction_of_peak == pytest.approx(moved / 2e-3 / 1e12)
     assert f.speedup_vs_sdpa == pytest.approx(1.5)
     assert f.max_abs_diff_vs_sdpa < 2e-3  # outputs near 0.01 (cache scale 0.01)
-    assert not run_decode(["llama3-8b"], [4], [40], "int8", 16, 100, 1e12, device="cpu", timer=lambda fn: 1.0)
+    assert not run_decode(["llama3-8b"], [4], [40], "int8", 16, 100, 1e12, device=device, timer=lambda fn: 1.0)
 
     times = iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0])  # --repeat 3: three kernel timings, then three of SDPA
-    (r,) = run_decode(["llama3-8b"], [2], [40], "int8", 16, 1 << 20, 1e12, device="cpu",
+    (r,) = run_decode(["llama3-8b"], [2], [40], "int8", 16, 1 << 20, 1e12, device=device,
                       timer=lambda fn: next(times), repeat=3)
     assert (r.ms, r.ms_range, r.sdpa_ms, r.sdpa_ms_range) == (2.0, [1.0, 3.0], 5.0, [4.0, 6.0])
     assert r.speedup_vs_sdpa == pytest.approx(2.5) and r.bytes_per_second == pytest.approx(moved / 2e-3)
 
     times = iter([4.0, 2.0])
-    (p,) = run_prefill(["llama3-8b"], "bfloat16", 16, batch=1, new_tokens=20, prefixes=(24,), device="cpu",
+    (p,) = run_prefill(["llama3-8b"], "bfloat16", 16, batch=1, new_tokens=20, prefixes=(24,), device=device,
                        timer=lambda fn: next(times))
     pairs = heads * (20 * 24 + 20 * 21 / 2)  # each new token sees the prefix and the new tokens up to it
     assert p.tflops == pytest.approx(4 * pairs * head_dim / 4e-3 / 1e12)
@@ -308,6 +309,7 @@ def test_bench_kernels_on_a_gpu_reports_medians_ranges_and_the_launch(capsys, mo
     from kvctl.kernels import DecodeLaunch, PrefillLaunch
 
     real_decode, real_prefill = bench_kernels.run_decode, bench_kernels.run_prefill
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     times = [3.0, 1.0, 2.0, 5.0, 4.0, 6.0]
 
     def timer(fn, clock=iter(times * 8)):
@@ -316,9 +318,9 @@ def test_bench_kernels_on_a_gpu_reports_medians_ranges_and_the_launch(capsys, mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(bench_kernels, "run_decode", lambda *a, **k: real_decode(*a, **k, device="cpu", timer=timer))
+    monkeypatch.setattr(bench_kernels, "run_decode", lambda *a, **k: real_decode(*a, **k, device=device, timer=timer))
     monkeypatch.setattr(bench_kernels, "run_prefill", lambda *a, **k: real_prefill(
-        *a, **k, batch=1, new_tokens=20, prefixes=(24,), device="cpu", timer=timer))
+        *a, **k, batch=1, new_tokens=20, prefixes=(24,), device=device, timer=timer))
     args = ["bench", "kernels", "--shape", "llama3-8b", "--batch", "2", "--context", "40", "--repeat", "3",
             "--decode-launch", "tile=32"]
     status, out, _ = cli(capsys, *args, "--json")

@@ -262,21 +262,25 @@ def test_triton_kernel_path_gives_the_same_tokens_as_the_torch_path(demo, dtype,
     pytest.importorskip("triton")
     import os
 
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        model = demo
+    elif torch.cuda.is_available():
+        model = load_model(demo.path, device="cuda")  # both paths on the GPU
+    else:
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    prompts = [prompt(demo, "Hello there, paged world of caches"), prompt(demo, "A second prompt here")]
+    prompts = [prompt(model, "Hello there, paged world of caches"), prompt(model, "A second prompt here")]
     outputs = []
     try:
         for use_triton in (False, True):
-            demo.model.use_triton = use_triton
-            engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_batch_tokens=24,
-                                                 cache_dtype=dtype), scales=scales)
+            model.model.use_triton = use_triton
+            engine = Engine(model, EngineSettings(num_blocks=64, block_size=16, max_batch_tokens=24,
+                                                  cache_dtype=dtype), scales=scales)
             requests = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
             engine.run_until_done()
             engine.cache.audit()
             outputs.append([r.sequences[0].output_ids for r in requests])
     finally:
-        demo.model.use_triton = demo.model.device.type == "cuda"
+        model.model.use_triton = model.model.device.type == "cuda"
     assert outputs[0] == outputs[1]
 
 
