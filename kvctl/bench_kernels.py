@@ -259,6 +259,30 @@ def _cache(dtype_name: str, num_blocks: int, block_size: int, kv_heads: int, hea
     return k, v, scales
 
 
+@dataclass
+class PagedCase:
+    """A benchmark case on the paged cache: random K/V (and scales of 0.01 for quantised
+    formats) for `batch` sequences of `context` tokens, their blocks scattered at random."""
+
+    k: object
+    v: object
+    k_scale: object
+    v_scale: object
+    tables: object  # [batch, blocks per sequence] int32
+    lens: object  # [batch] int32, all `context`
+
+
+def paged_case(shape: str, dtype_name: str, block_size: int, batch: int, context: int, device) -> PagedCase:
+    """The cache side of a case for the head shape `shape` (`SHAPES`); queries are the caller's."""
+    import torch
+
+    _, kv_heads, head_dim = SHAPES[shape]
+    blocks_per_seq = -(-context // block_size)
+    k, v, (k_scale, v_scale) = _cache(dtype_name, batch * blocks_per_seq, block_size, kv_heads, head_dim, device)
+    tables = _random_tables(batch, blocks_per_seq, device)
+    return PagedCase(k, v, k_scale, v_scale, tables, torch.full((batch,), context, dtype=torch.int32, device=device))
+
+
 def _do_bench(fn) -> float:
     """Milliseconds per call of `fn` on the GPU (Triton's CUDA-event timer, L2 flushed)."""
     from triton.testing import do_bench
@@ -296,11 +320,9 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
             for batch in batch_list:
                 if batch * context > max_tokens:
                     continue
-                blocks_per_seq = -(-context // block_size)
-                k, v, (k_scale, v_scale) = _cache(dtype_name, batch * blocks_per_seq, block_size,
-                                                  kv_heads, head_dim, device)
-                tables = _random_tables(batch, blocks_per_seq, device)
-                lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+                case = paged_case(shape, dtype_name, block_size, batch, context, device)
+                k, v, k_scale, v_scale, tables, lens = (case.k, case.v, case.k_scale, case.v_scale, case.tables,
+                                                        case.lens)
                 q = torch.randn((batch, heads, head_dim), device=device, dtype=torch.bfloat16)
                 scale = head_dim ** -0.5
 
@@ -325,7 +347,7 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
                 figures.append(DecodeFigure(shape, dtype_name, batch, context, ms, bandwidth,
                                             None if peak is None else bandwidth / peak, sdpa_ms,
                                             sdpa_ms / ms, diff, ms_range, sdpa_range))
-                k = v = k_contig = v_contig = None  # free before the next case
+                k = v = k_contig = v_contig = case = None  # free before the next case
                 if device == "cuda":
                     torch.cuda.empty_cache()
     return figures
@@ -360,11 +382,8 @@ def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: 
         heads, kv_heads, head_dim = SHAPES[shape]
         for prefix in prefixes:
             context = prefix + new_tokens
-            blocks_per_seq = -(-context // block_size)
-            k, v, (k_scale, v_scale) = _cache(dtype_name, batch * blocks_per_seq, block_size, kv_heads,
-                                              head_dim, device)
-            tables = _random_tables(batch, blocks_per_seq, device)
-            lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+            case = paged_case(shape, dtype_name, block_size, batch, context, device)
+            k, v, k_scale, v_scale, tables, lens = case.k, case.v, case.k_scale, case.v_scale, case.tables, case.lens
             qsl = torch.arange(0, (batch + 1) * new_tokens, new_tokens, dtype=torch.int32, device=device)
             q = torch.randn((batch * new_tokens, heads, head_dim), device=device, dtype=torch.bfloat16)
             scale = head_dim ** -0.5
@@ -392,7 +411,7 @@ def run_prefill(shape_list, dtype_name, block_size, batch: int = 4, new_tokens: 
             figures.append(PrefillFigure(shape, dtype_name, batch, new_tokens, prefix, ms,
                                          flops / (ms / 1e3) / 1e12, sdpa_ms, sdpa_ms / ms, diff, ms_range,
                                          sdpa_range))
-            k = v = k4 = v4 = None  # free before the next case
+            k = v = k4 = v4 = case = None  # free before the next case
             if device == "cuda":
                 torch.cuda.empty_cache()
     return figures
