@@ -234,3 +234,24 @@ def test_the_bench_client_keeps_the_url_path_and_sends_the_bearer_token(tmp_path
     records = asyncio.run(run())
     assert seen == [("/proxy/kvd/v1/completions", "Bearer secret-token")] * 2
     assert [(r.status, len(r.token_times), r.cached_tokens) for r in records] == [("ok", 2, 3)] * 2
+
+
+def test_the_engine_loop_runs_the_bench_workload_in_process_to_the_last_token():
+    """scripts/engine-loop (the engine's own speed, without the serving path): every one of the
+    32 requests gets its 32 tokens, pass after pass, in both arrival patterns."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "engine-loop"
+    for pattern in ([], ["--lockstep"]):
+        done = subprocess.run([sys.executable, str(script), "--system-tokens", "40", "--passes", "2", *pattern],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        lines = done.stdout.splitlines()
+        assert lines[0] == f"system tokens 40, {'lockstep' if pattern else 'staggered'} arrivals, " \
+                           f"{lines[0].split(', ')[-1]}"
+        passes = [re.match(r"pass (\d) \((cold|warm)\): ([\d,]+) tokens, ", line) for line in lines[1:]]
+        assert [(m[1], m[2], m[3]) for m in passes] == [("0", "cold", "1,024"), ("1", "cold", "1,024")]
