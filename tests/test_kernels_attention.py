@@ -149,6 +149,33 @@ def test_decode_split_merge_is_exact_whatever_the_partition():
         run_decode(paged_decode_attention, case, q, lens, partition_size=96)
 
 
+def test_decode_with_one_split_writes_the_output_in_one_launch(monkeypatch):
+    """One partition covering every context: the partial kernel normalises and writes the output
+    itself, and the merge kernel is not launched; several partitions still merge."""
+    import kvctl.kernels.decode as decode
+
+    case = build(torch.float32, lengths=[1, 33, 130, 257], seed=4)
+    q, lens = decode_inputs(case, torch.float32)
+    ref = run_decode(paged_decode_attention_ref, case, q, lens)
+    merges, merge_kernel = [], decode._decode_merge_kernel
+
+    class CountingMerge:  # kernel[grid](...) as before, noting the grid
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return merge_kernel[grid]
+
+    monkeypatch.setattr(decode, "_decode_merge_kernel", CountingMerge())
+    one = run_decode(paged_decode_attention, case, q, lens, partition_size=288, launch=DecodeLaunch(tile=32))
+    assert merges == []
+    several = run_decode(paged_decode_attention, case, q, lens, partition_size=64, launch=DecodeLaunch(tile=32))
+    assert merges == [(4, case["heads"])]  # one merge program per (sequence, query head)
+    merged = run_decode(paged_decode_attention, case, q, lens, partition_size=288,
+                        launch=DecodeLaunch(tile=32, direct_write=0))
+    assert merges == [(4, case["heads"])] * 2  # direct_write=0: one split is merged too
+    for out in (one, several, merged):
+        torch.testing.assert_close(out, ref, **OUT_TOL[torch.float32])
+
+
 @pytest.mark.parametrize("launch", [DecodeLaunch(tile=16, programs_per_sm=8), DecodeLaunch(tile=32, fp16_dot=1),
                                     DecodeLaunch(tile=128, num_warps=8, num_stages=2, programs_per_sm=1,
                                                  fp16_dot=0)],
@@ -173,6 +200,8 @@ def test_launch_settings_are_checked_by_name():
         DecodeLaunch(programs_per_sm=0)
     with pytest.raises(KernelArgumentError, match="launch.fp16_dot: must be 0 or 1, got 2"):
         DecodeLaunch(fp16_dot=2)
+    with pytest.raises(KernelArgumentError, match="launch.direct_write: must be 0 or 1, got 2"):
+        DecodeLaunch(direct_write=2)
     with pytest.raises(KernelArgumentError, match="launch.rows: must be a power of two of at least 16, got 8"):
         PrefillLaunch(rows=8)
     with pytest.raises(KernelArgumentError, match="launch.num_stages: must be at least 1, got 0"):
