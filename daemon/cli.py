@@ -76,6 +76,9 @@ def serve(
     num_blocks: Optional[int] = typer.Option(None, help="Cache blocks (wins over --cache-memory)."),
     cache_memory: Optional[str] = typer.Option(None, help="Cache bytes, e.g. 512MiB."),
     max_batch_tokens: Optional[int] = typer.Option(None, help="Prompt tokens per step."),
+    quick_prefill_tokens: Optional[str] = typer.Option(
+        None, help="Prompts with at most this many tokens left get a step of their own ahead of the "
+                   "decodes (0: never; auto: 64 on a CPU, 0 on a GPU)."),
     max_running: Optional[int] = typer.Option(None, help="Sequences in a batch at most."),
     max_queue: Optional[int] = typer.Option(None, help="Waiting requests before 429."),
     reservation: Optional[str] = typer.Option(None, help="Output reservation: fixed:N, fraction:F, p95."),
@@ -102,7 +105,8 @@ def serve(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     flags = _flags(model=model, state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                   cache_memory=cache_memory, max_batch_tokens=max_batch_tokens, max_running=max_running,
+                   cache_memory=cache_memory, max_batch_tokens=max_batch_tokens,
+                   quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
                    max_queue=max_queue, reservation=reservation, eviction=eviction,
                    trusted_proxy=trusted_proxy, cache_dtype=cache_dtype,
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,

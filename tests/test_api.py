@@ -270,10 +270,13 @@ def test_reload_applies_live_settings_and_names_the_rest(daemon):
     service, unix, _ = daemon
     from dataclasses import replace
 
-    new = replace(service.config, max_queue=99, reservation="p95", block_size=32)
+    assert service.engine.settings.quick_prefill_tokens == (0 if service.engine.model.device.type == "cuda" else 64)
+    new = replace(service.config, max_queue=99, reservation="p95", block_size=32, quick_prefill_tokens=8)
     result = service.reload(new)
-    assert result == {"changed": {"max_queue": 99, "reservation": "p95"}, "needs_restart": ["block_size"]}
+    assert result == {"changed": {"max_queue": 99, "reservation": "p95", "quick_prefill_tokens": 8},
+                      "needs_restart": ["block_size"]}
     assert service.engine.settings.max_queue == 99 and service.engine.reservation.spec == "p95"
+    assert service.engine.settings.quick_prefill_tokens == 8
     assert call(unix, "GET", "/admin/config").json()["config"]["max_queue"] == 99
     assert call(unix, "GET", "/admin/config").json()["config"]["block_size"] == 16
     entries = call(unix, "GET", "/admin/audit").json()["entries"]

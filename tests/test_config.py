@@ -27,6 +27,8 @@ def test_precedence_flag_env_file_default(tmp_path):
     ({"listen": "127.0.0.1:8000"}, {}, "listen: '127.0.0.1:8000' needs token_file"),
     ({"reservation": "half"}, {}, "reservation: invalid value 'half' from --reservation"),
     ({"max_queue": 0}, {}, "max_queue: invalid value 0 from --max-queue: must be >= 1"),
+    ({}, {"KVD_QUICK_PREFILL_TOKENS": "-8"},
+     "quick_prefill_tokens: invalid value '-8' from KVD_QUICK_PREFILL_TOKENS: must be a whole number >= 0 or auto"),
 ])
 def test_invalid_values_name_field_value_and_source(flags, env, message):
     with pytest.raises(ConfigError) as info:
@@ -51,3 +53,12 @@ def test_systemd_directories_are_the_defaults(monkeypatch):
     monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/kvd")
     config = resolve({}, {})
     assert (config.state_dir, config.socket) == ("/var/lib/kvd", "/run/kvd/kvd.sock")
+
+
+def test_quick_prefill_tokens_is_auto_unless_set_and_auto_depends_on_the_device():
+    from kvctl.daemon.config import quick_prefill_default
+
+    assert resolve({}, {}).quick_prefill_tokens is None
+    assert resolve({}, {"KVD_QUICK_PREFILL_TOKENS": "auto"}).quick_prefill_tokens is None
+    assert resolve({"quick_prefill_tokens": "0"}, {"KVD_QUICK_PREFILL_TOKENS": "32"}).quick_prefill_tokens == 0
+    assert (quick_prefill_default("cpu"), quick_prefill_default("cuda")) == (64, 0)

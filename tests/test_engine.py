@@ -454,3 +454,50 @@ def test_keys_hashed_before_the_lock_are_used_and_keys_for_other_ids_are_not(dem
     engine.run_until_done()
     assert stranger.metrics.cached_tokens == 0 and len(other) in hashed
     assert all_blocks_back(engine)
+
+
+def test_a_short_prompt_gets_a_step_of_its_own_ahead_of_the_decodes_never_two_in_a_row(demo):
+    """quick_prefill_tokens: a prompt with at most that many tokens left (here the remainder after
+    a cached system prompt) runs alone ahead of the decodes, so its first token comes in a step
+    that carries no decode; the decodes are never held back two steps in a row; a longer
+    remainder joins the decodes' step. The tokens are the same as with every prompt mixed in."""
+    system = prompt(demo, PROMPTS[3])[:64]  # four full blocks, cached once the first request has run
+    texts = [" one", " two", " three", " four", " and a remainder longer than sixteen tokens"]
+
+    def schedule(quick):
+        engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, quick_prefill_tokens=quick))
+        names, steps = {}, []
+
+        def add(index):
+            names[engine.add_request(system + prompt(demo, texts[index]), GREEDY).request_id] = "ABCDE"[index]
+
+        def step():
+            steps.append("".join(sorted(names[e.request_id] for e in engine.step())))
+
+        add(0)
+        step()  # A's prompt
+        step()  # A decodes
+        add(1)
+        step()
+        step()
+        add(2)
+        step()
+        add(3)
+        step()
+        add(4)
+        step()
+        engine.run_until_done()
+        outputs = {names[r.request_id]: r.sequences[0].output_ids for r in engine.requests.values()}
+        return steps, outputs, engine
+
+    quick_steps, quick_out, engine = schedule(16)
+    assert quick_steps == ["A", "A",
+                           "B", "AB",  # B alone (4 tokens left), then the decodes with B's
+                           "C", "ABCD",  # C alone; D waits for the decodes' step: not two quick in a row
+                           "ABCDE"]  # E has 43 tokens left: with the decodes
+    assert engine.stats.steps["prefill"] == 3  # A's prompt, and B's and C's quick steps
+    mixed_steps, mixed_out, _ = schedule(0)
+    assert mixed_steps == ["A", "A", "AB", "AB", "ABC", "ABCD", "ABCDE"]
+    assert quick_out == mixed_out and all(len(tokens) == GREEDY.max_tokens for tokens in quick_out.values())
+    with pytest.raises(ValueError, match="quick_prefill_tokens: must be >= 0, got -1"):
+        Engine(demo, EngineSettings(num_blocks=64, block_size=16, quick_prefill_tokens=-1))

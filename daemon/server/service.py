@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, chain_keys
-from kvctl.daemon.config import KvdConfig
+from kvctl.daemon.config import KvdConfig, quick_prefill_default
 from kvctl.daemon.engine.engine import Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import SamplingParams
@@ -159,7 +159,8 @@ class EngineService:
                                   max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running,
                                   max_queue=cfg.max_queue, reservation=cfg.reservation,
                                   eviction=cfg.eviction, queue_order=cfg.queue_order,
-                                  cache_dtype=cfg.cache_dtype, keep_layers=tuple(keep))
+                                  cache_dtype=cfg.cache_dtype, keep_layers=tuple(keep),
+                                  quick_prefill_tokens=self._quick_prefill_tokens(cfg, device))
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         if cfg.pin_budget_blocks is not None:
             engine.cache.pins.default_budget = cfg.pin_budget_blocks
@@ -305,7 +306,7 @@ class EngineService:
     def reload(self, new: KvdConfig) -> dict:
         """Apply policy settings that can change live (SIGHUP); the cache is kept."""
         live = ("max_batch_tokens", "max_running", "max_queue", "reservation", "queue_order",
-                "pin_budget_blocks", "shutdown_timeout")
+                "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         ignored = sorted(k for k, v in new.describe().items()
                          if k not in live and v != getattr(self.config, k))
@@ -314,7 +315,9 @@ class EngineService:
             if engine is not None:
                 engine.settings = replace(engine.settings, max_batch_tokens=new.max_batch_tokens,
                                           max_running=new.max_running, max_queue=new.max_queue,
-                                          reservation=new.reservation, queue_order=new.queue_order)
+                                          reservation=new.reservation, queue_order=new.queue_order,
+                                          quick_prefill_tokens=self._quick_prefill_tokens(
+                                              new, engine.model.device.type))
                 if "reservation" in changed:
                     engine.reservation = parse_reservation(new.reservation)
                 if new.pin_budget_blocks is not None:
@@ -324,6 +327,10 @@ class EngineService:
         self.store.audit(actor="sighup", tenant="-", action="reload", target="config",
                          result="ok", detail=result)
         return result
+
+    @staticmethod
+    def _quick_prefill_tokens(cfg: KvdConfig, device: str) -> int:
+        return quick_prefill_default(device) if cfg.quick_prefill_tokens is None else cfg.quick_prefill_tokens
 
     # ---- requests ----------------------------------------------------------------------------
     def require_ready(self) -> Engine:
