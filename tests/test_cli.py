@@ -190,7 +190,7 @@ def test_bench_kernels_launch_options_name_the_field_and_value(capsys):
     status, _, err = cli(capsys, "bench", "kernels", "--decode-launch", "tile=64,warps=8")
     assert status == 2
     assert err.startswith("error: decode_launch: unknown field 'warps' in 'tile=64,warps=8'; choose from tile, "
-                          "num_warps, num_stages, programs_per_sm, fp16_dot as name=value")
+                          "num_warps, num_stages, programs_per_sm, fp16_dot, direct_write as name=value")
     status, _, err = cli(capsys, "bench", "kernels", "--prefill-launch", "rows=many")
     assert status == 2 and err.startswith("error: prefill_launch: rows must be an integer, got 'many'")
     status, _, err = cli(capsys, "bench", "kernels", "--repeat", "0")
@@ -275,7 +275,8 @@ def test_bench_kernels_compile_report_lists_each_kernel_and_every_refusal():
     rows = {c[0]: c[1:] for c in cells if c and c[0].endswith("_kernel")}
     assert set(rows) == {"write_kv_kernel", "decode_partial_kernel", "decode_merge_kernel", "prefill_kernel",
                          "copy_blocks_kernel"}
-    assert rows["decode_partial_kernel"][0] == "2"  # bfloat16 at head_dim 64 and 256 (fp8_e4m3 refused)
+    # bfloat16 at head_dim 64 and 256 (fp8_e4m3 refused), each writing its output and split for a merge
+    assert rows["decode_partial_kernel"][0] == "4" and rows["decode_merge_kernel"][0] == "2"
     assert all(r[-2:] == ["0", "0"] for r in rows.values())  # no spills, no failures
     assert ("refused by the launchers on sm_80 (2 configurations): fp8_e4m3 needs a GPU of compute capability "
             "8.9 or newer (L4, L40S, H100, H200); this one is 8.0: use fp8_e5m2 or int8") in " ".join(text.split())
