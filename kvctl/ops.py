@@ -281,8 +281,12 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
 
     def render(d):
         table = Table("setting", "value", title=f"kvd settings ({d['precedence']})")
+        effective = d.get("effective") or {}
         for key, value in d["config"].items():
-            table.add_row(key, str(value))
+            shown = "auto" if value is None and key in effective else str(value)
+            if key in effective and effective[key] != value:
+                shown += f" ({effective[key]} in effect)"
+            table.add_row(key, shown)
         Console().print(table)
     _emit(data, as_json, render)
 

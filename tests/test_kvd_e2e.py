@@ -107,6 +107,15 @@ def test_kvd_end_to_end(tmp_path):
         shown = kvd.kvctl("status").stdout
         assert "prefix hits" in shown and "18 decode, 3 prefill steps on " in " ".join(shown.split())
         assert status["engine_threads"] >= 1
+        # settings left to the daemon, and what it chose for them
+        config = json.loads(kvd.kvctl("config", "show", "--json").stdout)
+        assert config["config"]["quick_prefill_tokens"] is None and config["config"]["device"] == "auto"
+        device = config["effective"]["device"]  # cpu here; cuda where the test finds a GPU
+        quick = 0 if device == "cuda" else 64
+        assert config["effective"] == {"device": device, "num_blocks": 128, "quick_prefill_tokens": quick}
+        shown = " ".join(kvd.kvctl("config", "show").stdout.split())
+        assert f"quick_prefill_tokens │ auto ({quick} in effect)" in shown
+        assert f"device │ auto ({device} in effect)" in shown and "block_size │ 16 " in shown
 
         # A client that goes away mid-stream cancels its request and frees its blocks.
         body = {"prompt": system + "Tell a very long story.", "max_tokens": 1800, "ignore_eos": True,

@@ -392,7 +392,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/admin/config")
     def config(_: Principal = Depends(admin)):
-        return {"config": service.config.describe(), "precedence": "flag > KVD_* env > YAML file > default"}
+        return {"config": service.config.describe(), "effective": service.effective_settings(),
+                "precedence": "flag > KVD_* env > YAML file > default"}
 
     @app.get("/admin/audit")
     def audit(since: float = 0.0, action: str | None = None, _: Principal = Depends(admin)):

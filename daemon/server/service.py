@@ -328,6 +328,15 @@ class EngineService:
                          result="ok", detail=result)
         return result
 
+    def effective_settings(self) -> dict:
+        """What the daemon chose for settings left to it ("auto", unset): the device, the cache
+        blocks and the quick prefill size; empty until the model is loaded."""
+        engine = self.engine
+        if engine is None:
+            return {}
+        return {"device": engine.model.device.type, "num_blocks": engine.settings.num_blocks,
+                "quick_prefill_tokens": engine.settings.quick_prefill_tokens}
+
     @staticmethod
     def _quick_prefill_tokens(cfg: KvdConfig, device: str) -> int:
         return quick_prefill_default(device) if cfg.quick_prefill_tokens is None else cfg.quick_prefill_tokens
