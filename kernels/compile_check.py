@@ -140,9 +140,10 @@ def launches_for(config: Config) -> list:
         write_kv(new, new.clone(), k_cache, v_cache, torch.tensor([0, 1, 2]), **scales)
         decode_q = torch.zeros((2, config.heads, dim), dtype=query)
         decode_tables = torch.arange(16, dtype=torch.int32).view(2, 8) % blocks
+        decode_lengths = torch.tensor([20, 100], dtype=torch.int32)
         for partition in (128, 64):  # one split (the output written directly), then two merged
-            paged_decode_attention(decode_q, k_cache, v_cache, decode_tables, torch.tensor([20, 100], dtype=torch.int32),
-                                   scale=dim ** -0.5, partition_size=partition, **scales)
+            paged_decode_attention(decode_q, k_cache, v_cache, decode_tables, decode_lengths, scale=dim ** -0.5,
+                                   partition_size=partition, **scales)
         paged_prefill_attention(torch.zeros((5, config.heads, dim), dtype=query), k_cache, v_cache, tables,
                                 torch.tensor([0, 2, 5], dtype=torch.int32), lengths, scale=dim ** -0.5, **scales)
         copy_blocks(k_cache, v_cache, torch.tensor([0]), torch.tensor([1]))

@@ -156,7 +156,7 @@ def _decode_partial_kernel(
             q, k.to(q.dtype), v.to(q.dtype), token_mask[None, :], qk_scale, row_max, row_sum, acc,
             PRECISION)
 
-    if DIRECT:  # the merge of a single split, in the same order of operations
+    if DIRECT:  # what the merge makes of a single split: the output over its own sum
         out = acc * (out_scale / row_sum)[:, None]
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & dim_mask[None, :])
