@@ -77,6 +77,18 @@ def notifications(sock: socket.socket, until: str, timeout: float = 30) -> list[
     raise AssertionError(f"no {until!r} among {seen!r}")
 
 
+def drain(sock: socket.socket) -> None:
+    """Read every notification waiting on `sock`."""
+    sock.setblocking(False)
+    try:
+        while True:
+            sock.recv(4096)
+    except BlockingIOError:
+        pass
+    finally:
+        sock.setblocking(True)
+
+
 def test_kvd_end_to_end(tmp_path):
     notify_path = str(tmp_path / "notify.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -133,6 +145,7 @@ def test_kvd_end_to_end(tmp_path):
         pinned = kvd.kvctl("pin", system, "--ttl", "1h", "--note", "support", "--json")
         pin_id = json.loads(pinned.stdout)["pin_id"]
         assert any("WATCHDOG=1" in m for m in notifications(listener, "WATCHDOG=1"))
+        drain(listener)  # room for STOPPING=1 (kvd drops what a full queue will not take)
         assert kvd.stop() == 0
         assert any("STOPPING=1" in m for m in notifications(listener, "STOPPING=1"))
         assert not kvd.socket.exists()
@@ -168,3 +181,28 @@ def test_kvd_refuses_bad_settings(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "block_size: invalid value 24 from --block-size" in done.stderr
+
+
+def test_a_reader_that_falls_behind_never_blocks_the_serving_loop(tmp_path):
+    """systemd notifications are datagrams that queue until read; when the queue is full a
+    watchdog ping is dropped at once and READY/STOPPING give up after their timeout, so the
+    engine loop that sends them never waits on the reader (it did: the end-to-end test's kvd
+    hung at shutdown when the test read its notifications late)."""
+    from kvctl.daemon.server.notify import Notifier
+
+    path = str(tmp_path / "notify.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(path)
+    try:
+        notifier = Notifier(path, watchdog_usec=400_000)
+        notifier.interval = 0.0  # a ping due at every call
+        sent = [notifier.watchdog() for _ in range(10_000)]
+        assert sent[0] and False in sent  # the queue filled, and then pings were dropped
+        queued = sent.index(False)
+        assert all(sent[:queued]) and not any(sent[queued:])
+        assert notifier.send("STOPPING=1", timeout=0.05) is False
+        assert listener.recv(4096) == b"WATCHDOG=1"  # the reader catches up by one...
+        assert notifier.watchdog() is True  # ...and the next ping goes through
+        assert Notifier(None).watchdog() is False and Notifier(None).ready() is False  # outside systemd
+    finally:
+        listener.close()

@@ -3,6 +3,11 @@
 READY=1 once the model is loaded, WATCHDOG=1 from the serving loop at half the interval
 systemd asks for ($WATCHDOG_USEC), STOPPING=1 when shutdown begins. Outside systemd every
 call is a no-op.
+
+A datagram waits in the receiver's queue until it is read (Linux keeps 10 by default,
+net.unix.max_dgram_qlen); a full queue blocks the sender. The serving loop must never wait on
+a slow reader, so a watchdog ping is dropped when the queue is full, and READY and STOPPING
+give up after `SEND_TIMEOUT` seconds.
 """
 
 from __future__ import annotations
@@ -10,6 +15,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+
+
+SEND_TIMEOUT = 2.0
 
 
 class Notifier:
@@ -26,15 +34,21 @@ class Notifier:
             usec = None  # the watchdog is meant for another process
         return cls(os.environ.get("NOTIFY_SOCKET"), int(usec) if usec and usec.isdigit() else None)
 
-    def send(self, message: str) -> bool:
+    def send(self, message: str, timeout: float = SEND_TIMEOUT) -> bool:
+        """Send one datagram; False when there is no socket or the receiver's queue stayed full
+        for `timeout` seconds (0: do not wait)."""
         if not self.address:
             return False
         address = self.address
         if address.startswith("@"):  # abstract namespace
             address = "\0" + address[1:]
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(timeout)
             sock.connect(address)
-            sock.sendall(message.encode())
+            try:
+                sock.send(message.encode())
+            except (BlockingIOError, TimeoutError):
+                return False
         return True
 
     def ready(self) -> bool:
@@ -51,4 +65,4 @@ class Notifier:
         if now - self._last_ping < self.interval:
             return False
         self._last_ping = now
-        return self.send("WATCHDOG=1")
+        return self.send("WATCHDOG=1", timeout=0)  # a full queue drops the ping, never the loop
