@@ -86,7 +86,8 @@ class EngineStats:
     restored_tokens: int = 0  # prompt tokens brought back from a lower tier instead of recomputed
     # per cache call; drained by the server (an engine used without one keeps the latest 65,536)
     alloc_seconds: deque = field(default_factory=lambda: deque(maxlen=65536))
-    steps: dict[str, int] = field(default_factory=dict)  # model steps by kind: decode, mixed, prefill
+    # model steps by kind: decode, mixed, prefill, and quick (a short prefill ahead of the decodes)
+    steps: dict[str, int] = field(default_factory=dict)
     step_seconds: dict[str, float] = field(default_factory=dict)  # wall time of those steps (admission to tokens)
 
 
@@ -323,7 +324,8 @@ class Engine:
         if self.tiers is not None:
             self._after_forward(plan, time.perf_counter() - started)
         decodes = sum(1 for seq, _ in plan if seq.status is SeqStatus.DECODE)  # before _advance moves prefills on
-        kind = "decode" if decodes == len(plan) else "prefill" if decodes == 0 else "mixed"
+        kind = "quick" if self._quick_step_last else (
+            "decode" if decodes == len(plan) else "prefill" if decodes == 0 else "mixed")
         events = self._advance(plan, sample_rows, logits)
         stats = self.stats
         stats.steps[kind] = stats.steps.get(kind, 0) + 1

@@ -65,7 +65,7 @@ class _EngineCollector:
                                   value=hit)
         yield CounterMetricFamily("kvd_recomputed_tokens", "Tokens computed again after preemption",
                                   value=recomputed)
-        counted = CounterMetricFamily("kvd_engine_steps", "Model steps by kind (decode, mixed, prefill)",
+        counted = CounterMetricFamily("kvd_engine_steps", "Model steps by kind (decode, mixed, prefill, quick)",
                                       labels=["kind"])
         busy = CounterMetricFamily("kvd_engine_step_seconds", "Wall time of model steps by kind; its rate is "
                                    "the fraction of time the engine is busy", labels=["kind"])
