@@ -204,5 +204,6 @@ def test_a_reader_that_falls_behind_never_blocks_the_serving_loop(tmp_path):
         assert listener.recv(4096) == b"WATCHDOG=1"  # the reader catches up by one...
         assert notifier.watchdog() is True  # ...and the next ping goes through
         assert Notifier(None).watchdog() is False and Notifier(None).ready() is False  # outside systemd
+        assert Notifier(str(tmp_path / "gone.sock")).ready() is False  # a receiver that went away
     finally:
         listener.close()

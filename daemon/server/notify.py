@@ -35,8 +35,8 @@ class Notifier:
         return cls(os.environ.get("NOTIFY_SOCKET"), int(usec) if usec and usec.isdigit() else None)
 
     def send(self, message: str, timeout: float = SEND_TIMEOUT) -> bool:
-        """Send one datagram; False when there is no socket or the receiver's queue stayed full
-        for `timeout` seconds (0: do not wait)."""
+        """Send one datagram; False when there is no socket, nobody receives on it, or its queue
+        stayed full for `timeout` seconds (0: do not wait)."""
         if not self.address:
             return False
         address = self.address
@@ -44,10 +44,10 @@ class Notifier:
             address = "\0" + address[1:]
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             sock.settimeout(timeout)
-            sock.connect(address)
             try:
+                sock.connect(address)
                 sock.send(message.encode())
-            except (BlockingIOError, TimeoutError):
+            except OSError:  # a full queue (BlockingIOError, TimeoutError) or a receiver gone
                 return False
         return True
 
