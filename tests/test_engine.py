@@ -223,10 +223,12 @@ def test_accounting_with_a_fake_clock(demo):
     assert m.inter_token_latencies == [0.25, 0.25]
 
 
-def test_many_requests_with_random_arrivals_cancellations_and_preemption(demo):
+@pytest.mark.parametrize("quick", [0, 24], ids=["mixed", "quick-prefill"])
+def test_many_requests_with_random_arrivals_cancellations_and_preemption(demo, quick):
     rng = random.Random(7)
     engine = Engine(demo, EngineSettings(num_blocks=20, block_size=16, max_batch_tokens=48,
-                                         max_running=6, max_queue=8, reservation="fixed:4"))
+                                         max_running=6, max_queue=8, reservation="fixed:4",
+                                         quick_prefill_tokens=quick))
     outcomes = {}
     for step in range(400):
         if step < 250 and rng.random() < 0.35:
@@ -245,6 +247,7 @@ def test_many_requests_with_random_arrivals_cancellations_and_preemption(demo):
         engine.cache.audit()
     engine.run_until_done()
     assert engine.stats.preemptions > 0
+    assert ("quick" in engine.stats.steps) is bool(quick)
     assert any(r.rejected for r in outcomes.values())
     for request in outcomes.values():
         assert request.finished
