@@ -191,21 +191,19 @@ def test_decode_kernel_matches_reference_at_every_launch(launch, cache_dtype):
                                **out_tolerance(torch.bfloat16, case["v_cache"], case["v_scale"]))
 
 
-def test_launch_settings_are_checked_by_name():
-    with pytest.raises(KernelArgumentError, match="launch.tile: must be a power of two of at least 16, got 24"):
-        DecodeLaunch(tile=24)
-    with pytest.raises(KernelArgumentError, match="launch.num_warps: must be 1, 2, 4, 8 or 16, got 3"):
-        DecodeLaunch(num_warps=3)
-    with pytest.raises(KernelArgumentError, match="launch.programs_per_sm: must be at least 1, got 0"):
-        DecodeLaunch(programs_per_sm=0)
-    with pytest.raises(KernelArgumentError, match="launch.fp16_dot: must be 0 or 1, got 2"):
-        DecodeLaunch(fp16_dot=2)
-    with pytest.raises(KernelArgumentError, match="launch.direct_write: must be 0 or 1, got 2"):
-        DecodeLaunch(direct_write=2)
-    with pytest.raises(KernelArgumentError, match="launch.rows: must be a power of two of at least 16, got 8"):
-        PrefillLaunch(rows=8)
-    with pytest.raises(KernelArgumentError, match="launch.num_stages: must be at least 1, got 0"):
-        PrefillLaunch(num_stages=0)
+@pytest.mark.parametrize("launch_class, field, value, message", [
+    (DecodeLaunch, "tile", 24, "launch.tile: must be a power of two of at least 16, got 24"),
+    (DecodeLaunch, "num_warps", 3, "launch.num_warps: must be 1, 2, 4, 8 or 16, got 3"),
+    (DecodeLaunch, "programs_per_sm", 0, "launch.programs_per_sm: must be at least 1, got 0"),
+    (DecodeLaunch, "fp16_dot", 2, "launch.fp16_dot: must be 0 or 1, got 2"),
+    (DecodeLaunch, "direct_write", 2, "launch.direct_write: must be 0 or 1, got 2"),
+    (PrefillLaunch, "rows", 8, "launch.rows: must be a power of two of at least 16, got 8"),
+    (PrefillLaunch, "num_stages", 0, "launch.num_stages: must be at least 1, got 0"),
+], ids=["decode-tile", "decode-num_warps", "decode-programs_per_sm", "decode-fp16_dot", "decode-direct_write",
+        "prefill-rows", "prefill-num_stages"])
+def test_launch_settings_are_checked_by_name(launch_class, field, value, message):
+    with pytest.raises(KernelArgumentError, match=message):
+        launch_class(**{field: value})
 
 
 def test_launches_shrink_to_fit_the_smaller_gpus_shared_memory():
