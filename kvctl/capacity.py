@@ -4,7 +4,8 @@
                        (+ 2 x layers x kv_heads x 4 for formats with per-token scales)
     bytes per block  = bytes per token x block size
     cache budget     = GPU memory - weights - activation workspace - reserve x GPU memory
-    blocks           = floor(cache budget / bytes per block)
+    blocks           = floor(cache budget / bytes per block)  (none when the budget is negative:
+                       `shortfall_bytes` says by how much the rest overcommits the GPU)
     sequences at S   = floor(blocks / ceil(S / block size))
 
 Per-KV-head scales of fp8/int8 (one float32 per head and layer) cost a few KiB in all
@@ -30,6 +31,12 @@ class ModelShape:
     intermediate_size: int | None = None
     dtype: str = "bfloat16"
     weights_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a whole number of at least 1, got {value!r}")
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ModelShape":
@@ -84,8 +91,12 @@ def plan(shape: ModelShape, *, gpu_memory: int, cache_dtype: str, block_size: in
     """Capacity for one cache dtype, with the budget broken down."""
     if not 0 <= reserve < 1:
         raise ValueError(f"reserve: must be in [0, 1), got {reserve!r}")
-    if block_size < 1 or context < 1 or gpu_memory < 1:
-        raise ValueError("block_size, context and gpu_memory must be >= 1")
+    for name, value in (("block_size", block_size), ("context", context), ("gpu_memory", gpu_memory)):
+        if value < 1:
+            raise ValueError(f"{name}: must be at least 1, got {value!r}")
+    for name, value in (("workspace", workspace), ("weights_bytes", weights_bytes)):
+        if value is not None and value < 0:
+            raise ValueError(f"{name}: must not be negative, got {value!r}")
     weights = weights_bytes if weights_bytes is not None else (shape.weights_bytes or 0)
     work = default_workspace(shape) if workspace is None else workspace
     budget = gpu_memory - weights - work - int(reserve * gpu_memory)
@@ -96,7 +107,7 @@ def plan(shape: ModelShape, *, gpu_memory: int, cache_dtype: str, block_size: in
     row = CapacityRow(cache_dtype, per_token, per_block, max(budget, 0), blocks, blocks * block_size,
                       blocks // per_sequence)
     return {"gpu_memory": gpu_memory, "weights_bytes": weights, "workspace_bytes": work,
-            "reserve_bytes": int(reserve * gpu_memory), **asdict(row)}
+            "reserve_bytes": int(reserve * gpu_memory), "shortfall_bytes": max(-budget, 0), **asdict(row)}
 
 
 def compare_dtypes(shape: ModelShape, dtypes: list[str], **kwargs) -> list[dict]:

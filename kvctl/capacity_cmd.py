@@ -55,15 +55,12 @@ def capacity_command(
 
     Example: kvctl capacity --layers 32 --kv-heads 8 --head-dim 128 --gpu-memory 141GB --weights-bytes 16GB
     """
-    if model:
-        try:
-            shape = ModelShape.from_model_dir(model)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-    elif layers and kv_heads and head_dim:
-        shape = ModelShape(layers=layers, kv_heads=kv_heads, head_dim=head_dim)
-    else:
+    if not model and None in (layers, kv_heads, head_dim):
         raise UserError("model: give --model DIR, or --layers, --kv-heads and --head-dim")
+    try:
+        shape = ModelShape.from_model_dir(model) if model else ModelShape(layers, kv_heads, head_dim)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     if gpu == "auto":
         memory = nvml_free_memory()
     elif gpu is not None:
@@ -103,4 +100,8 @@ def capacity_command(
         table.add_row(r["cache_dtype"], f"{r['bytes_per_token']:,}", f"{r['bytes_per_block']:,}",
                       f"{r['cache_bytes'] / 2**30:.1f}", f"{r['blocks']:,}", f"{r['tokens']:,}",
                       f"{r['sequences_at_context']:,}")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    if first["shortfall_bytes"]:
+        console.print(f"No room for a cache: weights, workspace and reserve exceed the GPU's memory by "
+                      f"{first['shortfall_bytes'] / 2**30:.1f} GiB.")

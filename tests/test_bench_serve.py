@@ -139,6 +139,35 @@ def test_capacity_command_compares_dtypes(capsys, tmp_path):
     assert status == 2 and "gpu_memory: invalid size 'lots'" in err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--layers", "0"], "error: layers: must be a whole number of at least 1, got 0"),
+    (["--kv-heads", "-8"], "error: kv_heads: must be a whole number of at least 1, got -8"),
+    (["--block-size", "0"], "error: block_size: must be at least 1, got 0"),
+    (["--context", "0"], "error: context: must be at least 1, got 0"),
+    (["--weights-bytes", "-5"], "error: weights_bytes: must not be negative, got -5"),
+    (["--reserve", "1.5"], "error: reserve: must be in [0, 1), got 1.5"),
+])
+def test_capacity_refuses_impossible_shapes_and_budgets_by_name(capsys, flags, message):
+    shape = {"--layers": "32", "--kv-heads": "8", "--head-dim": "128"}
+    shape.update(zip(flags[::2], flags[1::2]))
+    status, out, err = cli(capsys, "capacity", *[x for pair in shape.items() for x in pair], "--gpu-memory", "80GiB")
+    assert status == 2 and err.strip() == message and out == ""
+
+
+def test_capacity_says_when_nothing_is_left_for_the_cache(capsys):
+    args = ["capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--gpu-memory", "80GiB",
+            "--weights-bytes", "90GiB", "--workspace", "1GiB", "--reserve", "0.1"]
+    status, out, _ = cli(capsys, *args, "--json")
+    rows = json.loads(out)["rows"]
+    shortfall = 90 * 2**30 + 2**30 + int(0.1 * 80 * 2**30) - 80 * 2**30
+    assert status == 0 and [(r["blocks"], r["shortfall_bytes"]) for r in rows] == [(0, shortfall)] * 3
+    status, out, _ = cli(capsys, *args)
+    assert status == 0 and "exceed the GPU's memory by 19.0 GiB" in " ".join(out.split())
+    ok = plan(ModelShape(layers=32, kv_heads=8, head_dim=128), gpu_memory=80 * 2**30, cache_dtype="int8",
+              block_size=16, context=8192, workspace=0, weights_bytes=0)
+    assert ok["shortfall_bytes"] == 0 and ok["blocks"] > 0
+
+
 def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
     pytest.importorskip("transformers")
     from kvctl.bench_figures import engine_figures
