@@ -19,6 +19,7 @@ from rich.text import Text
 
 from .client import Client
 from .errors import UserError
+from .tables import compact_table, duration, keep_whole, size
 
 STATE_STYLES = {"free": "grey50", "reserved": "yellow", "active": "green", "shared": "cyan",
                 "cached": "blue", "pinned": "magenta"}
@@ -164,18 +165,22 @@ def status(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help
 def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help="Only this tenant."),
              pinned: bool = typer.Option(False, "--pinned", help="Only pinned prefixes."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Cached prefixes: id, tokens, blocks, bytes, tenant, hits, last use, tier, pin (never text).
+    """Cached prefixes: id, tenant, tokens, blocks, size, hits, idle time, tier, pin (never text).
 
     Example: kvctl prefixes --tenant acme --pinned
     """
     data = _client(ctx).get("/admin/prefixes", tenant=tenant, pinned=pinned or None)
 
     def render(d):
-        table = Table("prefix", "tenant", "tokens", "blocks", "bytes", "hits", "tier", "pinned", "in use")
+        table = compact_table("prefix", "tenant", "tokens", "blocks", "size", "hits", "idle", "tier", "pinned",
+                              "in use")
+        for column in table.columns[2:7]:
+            column.justify = "right"
         for p in d["prefixes"]:
-            table.add_row(p["prefix_id"], str(p["tenant"]), f"{p['tokens']:,}", str(p["blocks"]),
-                          f"{p['bytes']:,}", str(p["hits"]), p["tier"],
+            table.add_row(p["prefix_id"], "-" if p["tenant"] is None else p["tenant"], f"{p['tokens']:,}", f"{p['blocks']:,}", size(p["bytes"]),
+                          f"{p['hits']:,}", duration(p.get("idle_seconds")), p["tier"],
                           "yes" if p["pinned"] else "", str(p["in_use_blocks"] or ""))
+        keep_whole(table, 0)
         Console().print(table if d["prefixes"] else "no cached prefixes")
     _emit(data, as_json, render)
 
@@ -207,10 +212,12 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
     data = _client(ctx).get("/admin/pins")
 
     def render(d):
-        table = Table("pin", "tenant", "blocks", "cached", "owner", "note", "expires")
+        table = compact_table("pin", "tenant", "blocks", "cached", "owner", "expires in", "note")
         for p in d["pins"]:
-            table.add_row(p["pin_id"], p["tenant"], str(p["blocks"]), str(p["cached_blocks"]), p["owner"],
-                          p["note"], "never" if p["expires_at"] is None else "set")
+            left = p.get("expires_in_seconds")
+            table.add_row(p["pin_id"], p["tenant"], f"{p['blocks']:,}", f"{p['cached_blocks']:,}", p["owner"],
+                          "never" if p["expires_at"] is None else duration(left), p["note"])
+        keep_whole(table, 0)
         Console().print(table if d["pins"] else "no pins")
     _emit(data, as_json, render)
 
@@ -321,9 +328,10 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
         data = {"entries": open_store(state_dir).audit_since(start, action=action)}
 
     def render(d):
-        table = Table("when", "actor", "tenant", "action", "target", "result")
+        table = compact_table("when", "actor", "tenant", "action", "target", "result")
         for e in d["entries"]:
             table.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["at"])), e["actor"],
                           e["tenant"], e["action"], e["target"], e["result"])
-        Console().print(table)
+        keep_whole(table, 0, 4)
+        Console().print(table if d["entries"] else "no audit entries")
     _emit(data, as_json, render)

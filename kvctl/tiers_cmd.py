@@ -7,19 +7,9 @@ import math
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from .ops import _client, _emit
-
-
-def _bytes(value: float | None) -> str:
-    if value is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return str(value)
+from .tables import compact_table, size
 
 
 def render_tiers(d: dict, console: Console | None = None) -> None:
@@ -27,25 +17,36 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
     if not d["configured"]:
         console.print("no lower tier configured (tiers: in the config, or --host-cache-bytes, "
                       "--disk-cache-bytes, --remote-url)")
-    table = Table("tier", "used", "capacity", "blocks", "hit tokens", "in", "out", "read/s", "write/s",
-                  "checksum fails", "errors", "health", title=f"write policy: {d.get('write_policy') or '-'}")
     dev = d["device"]
-    table.add_row("device", _bytes(dev["used_bytes"]), _bytes(dev["capacity_bytes"]), str(dev["blocks"]),
-                  f"{d['tokens']['hit'] - d['tokens']['restored']:,}", "", "", "", "", "", "", "ok")
+    columns = {"device": {"used": size(dev["used_bytes"]), "capacity": size(dev["capacity_bytes"]),
+                          "blocks": f"{dev['blocks']:,}", "hit tokens": f"{d['tokens']['hit'] - d['tokens']['restored']:,}",
+                          "health": "ok"}}
     for name, t in d["tiers"].items():
-        health = t["health"] + (f" ({t['degraded_reason']})" if t.get("degraded_reason") else "")
         style = "green" if t["health"] == "ok" else "red"
-        table.add_row(name, _bytes(t["used_bytes"]), _bytes(t["capacity_bytes"]), f"{t['blocks']:,}",
-                      f"{t['hit_tokens']:,}", _bytes(t["bytes_in"]), _bytes(t["bytes_out"]),
-                      _bytes(t["read_bytes_per_second"]), _bytes(t["write_bytes_per_second"]),
-                      str(t["checksum_failures"]), str(t["errors"]), f"[{style}]{health}[/{style}]")
+        columns[name] = {"used": size(t["used_bytes"]), "capacity": size(t["capacity_bytes"]),
+                         "blocks": f"{t['blocks']:,}", "hit tokens": f"{t['hit_tokens']:,}",
+                         "bytes in": size(t["bytes_in"]), "bytes out": size(t["bytes_out"]),
+                         "read/s": size(t["read_bytes_per_second"]), "write/s": size(t["write_bytes_per_second"]),
+                         "checksum fails": f"{t['checksum_failures']:,}", "errors": f"{t['errors']:,}",
+                         "health": f"[{style}]{t['health']}[/{style}]"}
+        if t.get("degraded_reason"):
+            columns[name]["why"] = t["degraded_reason"]
+    # one column per tier, one row per figure: four tiers fit an 80-column terminal
+    table = compact_table("", *columns, title=f"write policy: {d.get('write_policy') or '-'}")
+    for column in table.columns[1:]:
+        column.justify = "right"
+    figures = ["used", "capacity", "blocks", "hit tokens", "bytes in", "bytes out", "read/s", "write/s",
+               "checksum fails", "errors", "health", "why"]
+    for figure in figures:
+        if any(figure in c for c in columns.values()):
+            table.add_row(figure, *(c.get(figure, "") for c in columns.values()))
     console.print(table)
     tokens = d["tokens"]
     console.print(f"prompt tokens {tokens['prompt']:,}: {tokens['hit']:,} from cache "
                   f"({tokens['restored']:,} restored from lower tiers), {tokens['recomputed']:,} recomputed "
                   "after preemption")
     if d.get("moved_bytes"):
-        console.print("moved: " + ", ".join(f"{k} {_bytes(v)}" for k, v in d["moved_bytes"].items()))
+        console.print("moved: " + ", ".join(f"{k} {size(v)}" for k, v in d["moved_bytes"].items()))
     if d.get("break_even_tokens"):
         console.print("restore beats recompute from: " + ", ".join(
             f"{k} {'never' if math.isinf(v) else f'{v:,.0f} tokens'}" for k, v in d["break_even_tokens"].items()))

@@ -158,6 +158,14 @@ def test_admin_status_prefixes_pin_evict_explain_and_audit(daemon):
     assert pinned["warmed"] is True and pinned["tenant"] == "acme"
     listing = call(unix, "GET", "/admin/prefixes", params={"pinned": True}).json()["prefixes"]
     assert [p["tenant"] for p in listing] == ["acme"] and "text" not in listing[0]
+    # times are Unix times (not the daemon's monotonic clock), with the spans ready to read
+    now = time.time()
+    assert now - 60 < listing[0]["last_use"] <= now and 0 <= listing[0]["idle_seconds"] < 60
+    [listed_pin] = call(unix, "GET", "/admin/pins").json()["pins"]
+    assert now - 60 < listed_pin["created_at"] <= now
+    assert listed_pin["expires_at"] == pytest.approx(listed_pin["created_at"] + 3600, abs=5)
+    assert 3540 < listed_pin["expires_in_seconds"] <= 3600 and 3540 < pinned["expires_in_seconds"] <= 3600
+    assert pinned["expires_at"] == pytest.approx(listed_pin["expires_at"], abs=1)
     evicted = call(unix, "POST", "/admin/evict", json={"all_unpinned": True}).json()
     assert evicted["skipped"].get("pinned", 0) >= pinned["blocks"] and evicted["result"] == "ok"
     explain = call(unix, "POST", "/admin/explain", json={"text": prompt, "tenant": "acme"}).json()

@@ -47,7 +47,7 @@ class Kvd:
         raise AssertionError("kvd did not become ready")
 
     def kvctl(self, *args: str) -> subprocess.CompletedProcess:
-        env = {**os.environ, "KVD_SOCKET": str(self.socket)}
+        env = {**os.environ, "KVD_SOCKET": str(self.socket), "COLUMNS": "80"}  # an operator's terminal
         return subprocess.run([str(BIN / "kvctl"), *args], env=env, capture_output=True, text=True, timeout=120)
 
     def stop(self) -> int:
@@ -153,6 +153,8 @@ def test_kvd_end_to_end(tmp_path):
         kvd = Kvd(tmp_path)
         pins = json.loads(kvd.kvctl("pins", "--json").stdout)["pins"]
         assert [p["pin_id"] for p in pins] == [pin_id]
+        [row] = kvd.kvctl("pins").stdout.splitlines()[1:]  # the whole id, to copy into `kvctl unpin`
+        assert row.split()[:2] == [pin_id, "default"] and "59m" in row.split() and "support" in row.split()
         audit = json.loads(kvd.kvctl("audit", "--json").stdout)["entries"]
         assert [e["action"] for e in audit] == ["pin"]
     finally:

@@ -125,7 +125,7 @@ def test_two_daemons_share_a_prefix_through_redis(tmp_path, redis_server):
 
 
 def kvctl(sock: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVD_SOCKET": str(sock), "COLUMNS": "200"}
+    env = {**os.environ, "KVD_SOCKET": str(sock), "COLUMNS": "80"}  # an operator's terminal: ids must stay whole
     return subprocess.run([str(BIN / "kvctl"), *args], env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -151,7 +151,10 @@ def test_kvctl_tiers_and_swap_as_an_operator_drives_them(tmp_path):
         status = kvctl(sock, "status").stdout
         assert "restored" in status and "host 0.0/4 MiB" in status and "disk " in status
         table = kvctl(sock, "tiers").stdout
-        assert "write policy: write_back" in table and "disk" in table and "restored from lower tiers" in table
+        assert "write policy: write_back" in table and "restored from lower tiers" in " ".join(table.split())
+        rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[2:] if line.strip()}
+        assert table.splitlines()[1].split() == ["device", "host", "disk"]  # a column per tier, a row per figure
+        assert rows["blocks"][2] == str(prefix["blocks"]) and rows["health"] == ["ok", "ok", "ok"]
         again = complete(client.post, PROMPTS[0])
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix["blocks"] * 16

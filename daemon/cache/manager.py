@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 from kvctl.policies.admission import AdmissionDecision, Verdict, blocks_for_tokens, decide
 from kvctl.policies.eviction import EvictionPolicy, make_eviction_policy
@@ -425,8 +425,11 @@ class KVCacheManager:
         chosen.sort(key=lambda b: -b.depth)
         return self.evict_prefix([b.key for b in reversed(chosen)])
 
-    def prefixes(self) -> list[dict]:
-        """Cached prefix trees grouped by first block: sizes, tenant, hits, pins. Never tokens."""
+    def prefixes(self, keep_roots: Collection[BlockKey] = ()) -> list[dict]:
+        """Cached prefix trees grouped by first block: sizes, tenant, hits, pins. Never tokens.
+
+        What is known of a root (tenant, hits, last use) is dropped once none of its blocks is
+        cached here, unless it is in `keep_roots` (the roots a lower tier still holds)."""
         trees: dict[BlockKey, dict] = {}
         for block in self.pool.blocks:
             if block.key is None:
@@ -448,7 +451,7 @@ class KVCacheManager:
                 "pinned": tree["pinned_blocks"] > 0, "pinned_blocks": tree["pinned_blocks"],
                 "in_use_blocks": tree["in_use_blocks"],
             })
-        for root in [r for r in self.roots if r not in trees]:
+        for root in [r for r in self.roots if r not in trees and r not in keep_roots]:
             del self.roots[root]  # nothing of it is cached any more
         return sorted(out, key=lambda p: (-(p["last_use"] or 0), p["prefix_id"]))
 

@@ -633,14 +633,25 @@ class EngineService:
 
     def prefixes(self, tenant: str | None, pinned_only: bool) -> list[dict]:
         engine = self.require_ready()
-        with self.lock:
-            rows = engine.cache.prefixes()
+        known = self.tiers.known_metas() if self.tiers is not None else {}
+        with self.lock:  # roots only lower tiers hold keep their tenant and hits
+            rows = engine.cache.prefixes(keep_roots={meta.root for meta, _ in known.values()})
         if self.tiers is not None:
             from . import tier_ops
 
-            rows += tier_ops.lower_prefixes(self)
+            rows += tier_ops.lower_prefixes(self, known)
+        now = engine.clock()
+        for row in rows:
+            row["idle_seconds"] = None if row["last_use"] is None else now - row["last_use"]
+            row["last_use"] = self._unix_time(row["last_use"], now)
         return [r for r in rows if (tenant is None or r["tenant"] == tenant)
                 and (not pinned_only or r["pinned"])]
+
+    @staticmethod
+    def _unix_time(reading: float | None, now: float) -> float | None:
+        """A reading of the engine's clock (monotonic, `now` being its current one) as Unix time:
+        what the API hands out, so scripts and other hosts can read it."""
+        return None if reading is None else time.time() - (now - reading)
 
     # ---- pins --------------------------------------------------------------------------------
     def pin(self, token_ids: list[int], principal: Principal, ttl: float | None, note: str) -> dict:
@@ -666,9 +677,8 @@ class EngineService:
                              "keys": ",".join(k.hex() for k in pin.keys), "owner": pin.owner,
                              "note": pin.note, "created_at": time.time(),
                              "expires_at": None if ttl is None else time.time() + ttl})
-        body = {**pin.describe(), "cached_blocks": cached, "warmed": warmed, "refreshed": result.refreshed}
-        body.pop("created_at", None)
-        body["expires_in_seconds"] = ttl
+        body = {**self._pin_times(pin.describe(), engine.clock()), "cached_blocks": cached, "warmed": warmed,
+                "refreshed": result.refreshed}
         self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin", target=pin.pin_id,
                          result="ok", detail={"blocks": pin.num_blocks, "ttl": ttl, "note": note})
         return body
@@ -695,8 +705,16 @@ class EngineService:
     def list_pins(self) -> list[dict]:
         engine = self.require_ready()
         with self.lock:
-            pins = engine.cache.pins.all()
-            return [{**p.describe(), "cached_blocks": engine.cache.lookup(p.keys)} for p in pins]
+            pins, now = engine.cache.pins.all(), engine.clock()
+            return [{**self._pin_times(p.describe(), now), "cached_blocks": engine.cache.lookup(p.keys)}
+                    for p in pins]
+
+    def _pin_times(self, described: dict, now: float) -> dict:
+        """A pin's engine-clock times as Unix times, with the seconds it has left (None: until unpinned)."""
+        expires = described["expires_at"]
+        return {**described, "created_at": self._unix_time(described["created_at"], now),
+                "expires_at": self._unix_time(expires, now),
+                "expires_in_seconds": None if expires is None else max(expires - now, 0.0)}
 
     def _restore_pins(self) -> None:
         """Pins survive restarts: re-register them by key (they re-pin blocks as they fill)."""

@@ -60,15 +60,17 @@ def report(service) -> dict:
     return body
 
 
-def lower_prefixes(service) -> list[dict]:
-    """Prefixes (grouped by root) that live only in lower tiers, with their fastest tier."""
+def lower_prefixes(service, known: dict | None = None) -> list[dict]:
+    """Prefixes (grouped by root) that live only in lower tiers, with their fastest tier.
+    `known`: the tiers' `known_metas()`, when the caller has it."""
     tiers, engine = service.tiers, service.engine
     if tiers is None:
         return []
     groups: dict[bytes, dict] = {}
+    if known is None:
+        known = tiers.known_metas()
     with service.lock:
         on_device = {b.root for b in engine.cache.pool.blocks if b.key is not None}
-        known = tiers.known_metas()
         roots = dict(engine.cache.roots)
     order = {"moving": 0, "host": 1, "disk": 2, "remote": 3}
     for key, (meta, tier) in known.items():

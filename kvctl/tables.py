@@ -1,0 +1,52 @@
+"""Tables for an operator's terminal: compact enough for 80 columns, and never cutting the ids
+that an operator copies into the next command (`kvctl unpin`, `kvctl swap`, `kvctl evict`).
+
+    table = compact_table("prefix", "tenant", "size")
+    ...add rows...
+    keep_whole(table, 0)   # the prefix id column: its full width, never wrapped or cut
+"""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+
+def compact_table(*headers: str, title: str | None = None) -> Table:
+    """A table with no border and one space between columns; the header is underlined."""
+    return Table(*headers, title=title, box=None, collapse_padding=True, pad_edge=False,
+                 header_style="bold underline")
+
+
+def keep_whole(table: Table, *columns: int) -> None:
+    """Give each of `columns` the width of its longest cell and never wrap it (call after adding
+    the rows): the other columns wrap instead."""
+    for index in columns:
+        column = table.columns[index]
+        column.no_wrap = True
+        column.min_width = max([len(str(cell)) for cell in column.cells] + [len(str(column.header))])
+
+
+def size(value: float | None) -> str:
+    """Bytes in binary units: 512 B, 1.4 MiB; '-' when unknown."""
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return str(value)
+
+
+def duration(seconds: float | None) -> str:
+    """A span an operator reads at a glance: 45s, 12m, 3h 5m, 2d 4h; '-' when unknown."""
+    if seconds is None:
+        return "-"
+    seconds = max(int(seconds), 0)
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{minutes}m"
+    if seconds < 86400:
+        return f"{hours}h {minutes % 60}m" if minutes % 60 else f"{hours}h"
+    return f"{days}d {hours % 24}h" if hours % 24 else f"{days}d"
