@@ -104,6 +104,29 @@ def test_errors_use_openai_shape_and_status(daemon, body, status, param, fragmen
         assert error["param"] == param
 
 
+@pytest.mark.parametrize("field, value", [("logprobs", 3), ("echo", True), ("best_of", 3),
+                                          ("presence_penalty", 0.5), ("logit_bias", {"17": -100}),
+                                          ("suffix", " end"), ("min_tokens", 4)])
+def test_parameters_kvd_does_not_implement_are_refused_not_ignored(daemon, field, value):
+    _, unix, _ = daemon
+    response = call(unix, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2, field: value})
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": f"{field}: not supported by kvd, got {value!r}; leave it out",
+                                        "type": "invalid_request_error", "param": field,
+                                        "code": "unsupported_parameter"}
+
+
+def test_inert_values_of_unimplemented_parameters_and_unknown_fields_are_accepted(daemon):
+    """What OpenAI's clients send by default (and fields nobody defined) changes nothing."""
+    _, unix, _ = daemon
+    plain = complete(unix, prompt="x", max_tokens=3, temperature=0.0).json()
+    inert = complete(unix, prompt="x", max_tokens=3, temperature=0.0, logprobs=None, echo=False, best_of=1,
+                     presence_penalty=0, frequency_penalty=0.0, logit_bias={}, suffix=None,
+                     vendor_extension="anything").json()
+    assert inert["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert complete(unix, prompt="x", max_tokens=3, n=2, best_of=2).status_code == 200
+
+
 def test_tcp_needs_a_token_and_the_admin_role(daemon):
     _, _, tcp = daemon
     assert call(tcp, "GET", "/v1/models").status_code == 401

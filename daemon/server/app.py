@@ -67,6 +67,29 @@ class CompletionRequest(BaseModel):
     ignore_eos: bool = False
 
 
+# Completion fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values
+# that ask for nothing. Any other value is refused by name: ignoring it would hand back output the
+# client did not ask for (an evaluation harness sending echo and logprobs would score garbage).
+# Fields nobody has defined are ignored, as OpenAI-compatible servers do.
+UNSUPPORTED_FIELDS = {
+    "echo": (False, None), "logprobs": (None,), "suffix": (None, ""), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "best_of": (None, 1),
+    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "prompt_logprobs": (None,),
+    "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "response_format": (None,),
+}
+
+
+def refuse_unsupported(body: CompletionRequest) -> None:
+    """A 400 naming the first field kvd would otherwise ignore (best_of equal to n is inert)."""
+    for name, value in (body.model_extra or {}).items():
+        inert = UNSUPPORTED_FIELDS.get(name)
+        if inert is None or value in inert or (name == "best_of" and value == body.n):
+            continue
+        raise ApiError(400, f"{name}: not supported by kvd, got {value!r}; leave it out", param=name,
+                       code="unsupported_parameter")
+
+
 class PinRequest(BaseModel):
     text: str | None = None
     tokens: list[int] | None = None
@@ -211,6 +234,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request, who: Principal = Depends(principal)):
+        refuse_unsupported(body)
         engine = service.require_ready()
         if body.model is not None and body.model != service.model_name:
             raise ApiError(404, f"model: {body.model!r} is not served here; GET /v1/models lists "
