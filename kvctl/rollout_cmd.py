@@ -19,8 +19,8 @@ rollout_app = typer.Typer(help="Gradual rollouts of cache settings with stop con
 AS_JSON = typer.Option(False, "--json", help="Print JSON.")
 
 
-def _render(d: dict) -> None:
-    console = Console()
+def _render(d: dict, console: Console | None = None) -> None:
+    console = console or Console()
     console.print(f"rollout {d['id']}: {d['state']}, cohort {d['fraction']:.0%}, policy "
                   f"{d['policy'].get('name', '-')} (version {d['policy'].get('version')})"
                   + (f", ADR {d['adr_id']}" if d.get("adr_id") else ""))
@@ -31,6 +31,18 @@ def _render(d: dict) -> None:
             fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
             table.add_row(name, fmt(d["cohort"].get(name)), fmt(d["baseline"].get(name)))
         console.print(table)
+    traffic = d.get("traffic")
+    if traffic and traffic["requests"]:
+        share = traffic["cohort_share"]
+        line = (f"traffic: {share:.0%} of {traffic['requests']:,} requests in the cohort (asked {d['fraction']:.0%}, "
+                f"by {traffic['by']})")
+        if traffic["by"] == "tenant" and abs(share - d["fraction"]) > 0.15 and traffic["requests"] >= 20:
+            line += (" [yellow]— few tenants make a coarse split; `by: request` in the policy splits "
+                     "requests[/yellow]")
+        console.print(line)
+    if traffic and d["state"] == "running" and d["stops"] and not traffic["stops_checked"]:
+        console.print(f"[yellow]stop conditions not checked yet: they wait for {traffic['stops_waiting_for']}"
+                      "[/yellow]")
     for stop in d["stops"]:
         console.print(f"stop when: {stop}")
     for event in d["events"][-5:]:

@@ -67,6 +67,8 @@ def test_a_worse_policy_trips_its_stop_condition_and_rolls_back_by_itself(tmp_pa
         status = call(unix, "GET", f"/admin/rollouts/{rollout_id}").json()
         assert status["baseline"]["recomputed_token_ratio"] == 0.0
         assert status["cohort"]["recomputed_token_ratio"] > 0
+        assert status["traffic"] == {"by": "tenant", "requests": 16, "cohort_share": 0.5, "stops_checked": True,
+                                     "stops_waiting_for": None}
         result = service.rollouts.evaluate()
         assert result["state"] == "rolled_back"
         last = result["events"][-1]
@@ -102,6 +104,42 @@ def test_a_rollout_that_completes_and_one_resumed_after_restart(tmp_path):
         assert service.engine.reservation.spec == "p95" and service.config.reservation == "p95"
         again = call(unix, "POST", f"/admin/rollouts/{rollout_id}/pause")
         assert again.status_code == 409 and "cannot pause while completed" in again.json()["error"]["message"]
+    finally:
+        service.shutdown(1)
+
+
+def test_one_tenant_puts_all_traffic_on_one_side_and_status_says_the_stops_are_unchecked(tmp_path, capsys):
+    from rich.console import Console
+
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.server.service import Principal
+    from kvctl.rollout_cmd import _render
+
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        body = {"policy": {"name": "p95", "settings": {"reservation": "p95"}}, "cohort": "25%",
+                "stops": ["ttft_p95_seconds > 3 * baseline"]}
+        rollout_id = call(unix, "POST", "/admin/rollouts", json=body).json()["id"]
+        side = "cohort" if in_cohort(rollout_id, "default", 0.25) else "baseline"
+        done = threading.Semaphore(0)
+        for _ in range(20):
+            service.submit([list(range(1, 20))], SamplingParams(max_tokens=2, ignore_eos=True),
+                           Principal("default", "admin", "test"), lambda e: done.release() if e.finish_reason else None)
+        for _ in range(20):
+            assert done.acquire(timeout=60)
+        status = call(unix, "GET", f"/admin/rollouts/{rollout_id}").json()
+        other = "baseline" if side == "cohort" else "cohort"
+        assert status["traffic"] == {
+            "by": "tenant", "requests": 20, "cohort_share": 1.0 if side == "cohort" else 0.0, "stops_checked": False,
+            "stops_waiting_for": f"5 requests on each side ({other} has 0)"}
+        assert service.rollouts.evaluate() is None  # nothing to compare with: no rollback, and status says so
+        console = Console(record=True, width=200)
+        _render(status, console)
+        text = " ".join(console.export_text().split())
+        assert (f"traffic: {status['traffic']['cohort_share']:.0%} of 20 requests in the cohort (asked 25%, by tenant) "
+                "— few tenants make a coarse split; `by: request` in the policy splits requests") in text
+        assert f"stop conditions not checked yet: they wait for 5 requests on each side ({other} has 0)" in text
     finally:
         service.shutdown(1)
 

@@ -65,6 +65,23 @@ class CohortStats:
                 "preemptions_per_request": self.preemptions / self.requests if self.requests else None}
 
 
+STOP_MIN_REQUESTS = 5  # stop conditions are checked once cohort and baseline each have this many requests
+
+
+def traffic_split(rollout: dict, cohort: dict, baseline: dict) -> dict:
+    """How the requests actually split, beside what was asked, and whether the stop conditions
+    are being checked: with cohorts by tenant and few tenants the split is coarse (one tenant
+    puts all traffic on one side), and a side with too few requests leaves the stops unchecked."""
+    total = cohort["requests"] + baseline["requests"]
+    short = [f"{side} has {figures['requests']}" for side, figures in (("cohort", cohort), ("baseline", baseline))
+             if figures["requests"] < STOP_MIN_REQUESTS]
+    return {"by": rollout["policy"].get("by", "tenant"), "requests": total,
+            "cohort_share": cohort["requests"] / total if total else None,
+            "stops_checked": not short,
+            "stops_waiting_for": None if not short else
+            f"{STOP_MIN_REQUESTS} requests on each side ({', '.join(short)})"}
+
+
 def validate_policy(policy: object) -> dict:
     if not isinstance(policy, dict):
         raise ServiceError(400, "policy: expected a mapping with 'settings'", "policy")
@@ -212,7 +229,7 @@ class RolloutManager:
                 return
             (self.cohort if request.cohort == "candidate" else self.baseline).add(request)
 
-    def evaluate(self, min_requests: int = 5) -> dict | None:
+    def evaluate(self, min_requests: int = STOP_MIN_REQUESTS) -> dict | None:
         """Check the stop conditions; roll back (and say why) when one trips."""
         with self.lock:
             rollout = self.active
@@ -243,6 +260,7 @@ class RolloutManager:
                       for e in self.store.conn.execute("SELECT at, actor, action, detail FROM rollout_events "
                                                        "WHERE rollout_id = ? ORDER BY id", (rollout_id,))]
             live = self.active is not None and self.active["id"] == rollout_id
-            return {**row, "events": events,
-                    "cohort": self.cohort.figures() if live else None,
-                    "baseline": self.baseline.figures() if live else None}
+            cohort = self.cohort.figures() if live else None
+            baseline = self.baseline.figures() if live else None
+            return {**row, "events": events, "cohort": cohort, "baseline": baseline,
+                    "traffic": traffic_split(row, cohort, baseline) if live else None}
