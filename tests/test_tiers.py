@@ -300,6 +300,31 @@ def test_prefixes_warmed_before_a_restart_hit_after_it(tmp_path):
         again.shutdown(deadline=2)
 
 
+def test_a_pinned_prefix_is_back_on_the_device_after_a_restart_before_any_request(tmp_path):
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tiering="always")
+    app = create_app(service, service.metrics, front="unix")
+    pin = call(app, "POST", "/admin/pins", json={"text": TEXT_A, "note": "system prompt"}).json()
+    assert pin["cached_blocks"] == pin["blocks"] > 0
+    service.shutdown(deadline=5)  # the device blocks are saved to disk; the pin is in the store
+    again = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tiering="always")
+    try:
+        again.pin_warmer.join(30)
+        app = create_app(again, again.metrics, front="unix")
+        [listed] = call(app, "GET", "/admin/pins").json()["pins"]
+        assert (listed["pin_id"], listed["cached_blocks"]) == (pin["pin_id"], pin["blocks"])
+        status = call(app, "GET", "/admin/status").json()
+        assert status["blocks"]["device"]["pinned"] == pin["blocks"]
+        after = _complete(app, TEXT_A)  # a device hit: nothing left to restore
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == pin["blocks"] * 16
+        assert call(app, "GET", "/admin/tiers").json()["tokens"]["restored"] == 0
+        evicted = call(app, "POST", "/admin/evict", json={"all_unpinned": True}).json()
+        assert evicted["skipped"]["pinned"] == pin["blocks"]  # pinned as they landed
+    finally:
+        again.shutdown(deadline=2)
+
+
 def test_swap_moves_a_prefix_down_and_back_and_prefixes_show_its_tier(tmp_path):
     from kvctl.daemon.server.app import create_app
 

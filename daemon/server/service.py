@@ -101,6 +101,7 @@ class EngineService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.engine_threads = 0  # torch intra-op threads of the engine thread, once it runs
+        self.pin_warmer: threading.Thread | None = None  # brings pinned prefixes back from lower tiers at start
         self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         from .rollouts import RolloutManager  # NOTE: late import; rollouts imports ServiceError from here
@@ -170,6 +171,10 @@ class EngineService:
         with self.lock:
             self.loaded, self.engine = loaded, engine
             self._restore_pins()
+        if self.tiers is not None and engine.cache.pins.all():  # pinned prefixes a lower tier kept
+            warmer = threading.Thread(target=tier_ops.warm_pins, args=(self,), name="kvd-warm-pins", daemon=True)
+            warmer.start()
+            self.pin_warmer = warmer
         self.ready.set()
         log.info("model loaded: %s (%s), %d blocks of %d tokens, %s", loaded.config.architecture,
                  loaded.revision[:12], num_blocks, cfg.block_size, device)

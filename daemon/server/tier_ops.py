@@ -147,20 +147,49 @@ def _to_device(service, engine, tiers, device_metas, lower) -> dict:
     chain = _chain(list(metas.values()))
     keys = [m.key for m in chain]
     with service.lock:
+        tenant = engine.cache.roots[keys[0]].tenant if keys and keys[0] in engine.cache.roots else "default"
+    installed, on_device = restore_chain(service, keys, tenant)
+    return {"blocks": len(metas), "chain_blocks": len(keys), "moved_blocks": installed,
+            "verified_blocks": on_device, "skipped_branch_blocks": len(metas) - len(keys)}
+
+
+def restore_chain(service, keys: list[bytes], tenant: str) -> tuple[int, int]:
+    """Bring the part of a chain of block keys that the device lacks back from the lower tiers
+    (as far as they hold it unbroken). Returns (blocks restored, blocks of the chain on the device)."""
+    engine, tiers = service.engine, service.tiers
+    with service.lock:
         start = len(engine.cache.pool.match(keys))
     job = tiers.fetch_now(keys[start:])
     try:
         with service.lock:
             start = len(engine.cache.pool.match(keys))
             run, _ = tiers.available_run(keys[start:])
-            tenant = engine.cache.roots[keys[0]].tenant if keys and keys[0] in engine.cache.roots else "default"
             installed = tiers.restore_into(engine.cache, keys, start, run, tenant)
-            on_device = len(engine.cache.pool.match(keys))
+            return installed, len(engine.cache.pool.match(keys))
     finally:
         if job is not None:
             tiers.finish_prefetch(job)
-    return {"blocks": len(metas), "chain_blocks": len(keys), "moved_blocks": installed,
-            "verified_blocks": on_device, "skipped_branch_blocks": len(metas) - len(keys)}
+
+
+def warm_pins(service) -> int:
+    """Bring every pinned prefix that a lower tier holds back to the device (a restart keeps the
+    pins and the disk tier, but the device starts empty): a pinned prefix is hot again without
+    waiting for a request to pay for the restore. Its blocks pin as they land. Returns blocks restored."""
+    if service.tiers is None:
+        return 0
+    with service.lock:
+        pins = [(pin.pin_id, pin.tenant, list(pin.keys)) for pin in service.engine.cache.pins.all()]
+    restored = 0
+    for pin_id, tenant, keys in pins:
+        try:
+            installed, on_device = restore_chain(service, keys, tenant)
+        except Exception as exc:  # a tier that fails is reported by its health; the pin stays
+            log.warning("pin %s: not restored from the lower tiers: %s", pin_id, exc)
+            continue
+        restored += installed
+        if installed:
+            log.info("pin %s: %d of %d blocks restored from the lower tiers", pin_id, on_device, len(keys))
+    return restored
 
 
 def _to_lower(service, engine, tiers, to, copy, device_metas, device_ids, lower) -> dict:
