@@ -279,6 +279,25 @@ def test_dozens_of_clients_with_cancellations_end_with_every_block_free(tmp_path
         service.shutdown(1)
 
 
+def test_a_pin_that_cannot_be_made_leaves_nothing_behind(tmp_path):
+    service = start_service(tmp_path, num_blocks=16, pin_budget_blocks=64)
+    unix, _ = apps(service, token_table(tmp_path))
+    for path, body in (("/admin/pins", {"tokens": list(range(20)) + [99999]}), ("/admin/explain", {"tokens": [-1] * 20})):
+        response = call(unix, "POST", path, json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "tokens"
+        assert response.json()["error"]["message"] == f"tokens: token ids must lie in [0, 258), found {body['tokens'][-1]}"
+    # 272 tokens fill 17 blocks: the 16-block cache can never hold the prefix, so it is not warmed
+    too_long = call(unix, "POST", "/admin/pins", json={"tokens": [7] * 272})
+    assert too_long.status_code == 409, too_long.text
+    assert too_long.json()["error"]["message"].startswith("tokens: the prefix cannot be warmed: ")
+    assert call(unix, "GET", "/admin/pins").json()["pins"] == []
+    assert call(unix, "GET", "/admin/status").json()["pins"] == 0
+    [refused] = [e for e in call(unix, "GET", "/admin/audit").json()["entries"] if e["action"] == "pin"]
+    assert refused["result"] == "refused" and "never" in refused["detail"]["reason"]
+    service.shutdown(1)
+
+
 def test_pins_survive_a_restart(tmp_path):
     first = start_service(tmp_path)
     unix, _ = apps(first, token_table(tmp_path))

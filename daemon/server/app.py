@@ -426,8 +426,14 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     def _tokens_of(text: str | None, token_ids: list[int] | None) -> list[int]:
         if (text is None) == (token_ids is None):
             raise ApiError(400, "give exactly one of text and tokens", param="text")
-        service.require_ready()
-        return service.tokenize(text) if text is not None else list(token_ids)
+        engine = service.require_ready()
+        if text is not None:
+            return service.tokenize(text)
+        vocab = engine.loaded.config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: token ids must lie in [0, {vocab}), found {bad}", param="tokens")
+        return list(token_ids)
 
     return app
 

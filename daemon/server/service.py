@@ -21,7 +21,7 @@ import torch
 
 from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, chain_keys
 from kvctl.daemon.config import KvdConfig, quick_prefill_default
-from kvctl.daemon.engine.engine import Engine, EngineSettings, TokenEvent
+from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import SamplingParams
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
@@ -673,7 +673,17 @@ class EngineService:
                 raise ServiceError(400, str(exc), "tokens") from None
         warmed = False
         if result.pending_blocks:
-            self._warm(token_ids, principal)
+            try:
+                self._warm(token_ids, principal)
+            except Exception as exc:  # the prefix cannot be prefilled: a new pin goes again, whole
+                if not result.refreshed:
+                    with self.lock:
+                        engine.cache.unpin(result.pin.pin_id)
+                self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin", target="-",
+                                 result="refused", detail={"reason": str(exc)})
+                status = exc.status if isinstance(exc, ServiceError) else 409 if isinstance(exc, AdmissionRejected) \
+                    else 400
+                raise ServiceError(status, f"tokens: the prefix cannot be warmed: {exc}", "tokens") from None
             warmed = True
         with self.lock:
             cached = engine.cache.lookup(result.pin.keys)
