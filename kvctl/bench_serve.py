@@ -259,10 +259,35 @@ def serve_command(
         write_plots(plot, *plotted)  # the first run's
     if as_json:
         if previous is not None:
-            document["compare"] = {"run_id": compare, "kvd": previous["document"]["kvd"]}
+            document["compare"] = {"run_id": compare, "kvd": previous["document"]["kvd"],
+                                   "notes": comparability_notes(document, previous["document"])}
         typer.echo(json.dumps(document, indent=2))
         return
     _print_report(document, previous)
+
+
+WARMTH_TOLERANCE = 0.05  # cached-token ratios further apart than this: the runs met different caches
+
+
+def comparability_notes(document: dict, stored: dict) -> list[str]:
+    """What makes this run and a stored one unlike, beyond the setting under test: other workload
+    settings, another model revision, or a cache the earlier run had already warmed (the same
+    prompts again find their prefixes cached, and every figure moves with that alone)."""
+    notes = []
+    ours, theirs = document["settings"], stored.get("settings", {})
+    differ = [f"{k} {theirs.get(k)!r} -> {ours[k]!r}" for k in ours if k in theirs and theirs[k] != ours[k]
+              and k not in ("repeat", "baseline")]
+    if differ:
+        notes.append("workload settings differ: " + ", ".join(differ))
+    revision, earlier = document.get("model", {}).get("revision"), stored.get("model", {}).get("revision")
+    if revision and earlier and revision != earlier:
+        notes.append(f"model revision differs: {earlier[:12]} -> {revision[:12]}")
+    now, then = document["kvd"].get("cached_token_ratio"), stored.get("kvd", {}).get("cached_token_ratio")
+    if now is not None and then is not None and abs(now - then) > WARMTH_TOLERANCE:
+        notes.append(f"the cache was {'warmer' if now > then else 'colder'} this time (cached-token ratio "
+                     f"{then:.3f} -> {now:.3f}): the prompts' prefixes were{'' if now > then else ' not'} cached "
+                     "before the run; compare runs on a freshly started kvd, or with another --seed")
+    return notes
 
 
 def _summarise(runs: list[dict], first_status: dict, last_status: dict) -> dict:
@@ -356,6 +381,9 @@ def _print_report(document: dict, previous: dict | None) -> None:
                         + ", ".join(f"{n} {kind} steps" for kind, n in engine["steps"].items() if n)
                         + ("" if step is None else f"; decode step {step * 1e3:.2f} ms mean "
                            f"(inter-token p50 {_fmt(kvd.get('itl_p50_s'), 'itl_p50_s')} at the client)"))
+    if previous is not None:
+        for note in comparability_notes(document, previous["document"]):
+            Console().print(f"[yellow]not like for like: {note}[/yellow]")
     if document.get("run_id"):
         Console().print(f"stored as run {document['run_id']}")
 

@@ -104,6 +104,25 @@ def test_engine_figures_from_two_status_reports():
     assert engine_figures(after, after, 0.5)["decode_step_mean_s"] is None  # no decode step in the run
 
 
+def test_compare_says_when_two_runs_are_not_like_for_like():
+    from kvctl.bench_serve import comparability_notes
+
+    settings = {"requests": 32, "max_tokens": 32, "seed": 0, "system_tokens": 1024, "repeat": 1}
+    stored = {"settings": settings, "model": {"revision": "a" * 64}, "kvd": {"cached_token_ratio": 0.85}}
+    same = {"settings": {**settings, "repeat": 5}, "model": {"revision": "a" * 64}, "kvd": {"cached_token_ratio": 0.87}}
+    assert comparability_notes(same, stored) == []  # --repeat and a ratio within 0.05 change nothing
+    warm = {"settings": {**settings, "max_tokens": 16}, "model": {"revision": "b" * 64},
+            "kvd": {"cached_token_ratio": 0.98}}
+    assert comparability_notes(warm, stored) == [
+        "workload settings differ: max_tokens 32 -> 16",
+        f"model revision differs: {'a' * 12} -> {'b' * 12}",
+        "the cache was warmer this time (cached-token ratio 0.850 -> 0.980): the prompts' prefixes were cached "
+        "before the run; compare runs on a freshly started kvd, or with another --seed"]
+    cold = {**same, "kvd": {"cached_token_ratio": 0.5}}
+    assert "colder this time (cached-token ratio 0.850 -> 0.500): the prompts' prefixes were not cached" \
+        in comparability_notes(cold, stored)[0]
+
+
 def test_capacity_matches_hand_computed_llama3_figures():
     llama8b = ModelShape(layers=32, kv_heads=8, head_dim=128)
     llama70b = ModelShape(layers=80, kv_heads=8, head_dim=128)
