@@ -50,7 +50,7 @@ class Adr:
                  f"Status: {self.status}" + (f" (superseded by ADR {self.superseded_by})" if self.superseded_by else ""),
                  f"Revision: {self.revision}, by {self.author}", ""]
         for name in FIELDS:
-            lines += [f"## {HEADINGS[name]}", "", self.fields.get(name, "").strip() or "-", ""]
+            lines += [f"## {HEADINGS[name]}", "", self.fields.get(name, "").strip() or "(not written yet)", ""]
         return "\n".join(lines)
 
 
@@ -152,6 +152,10 @@ class Records:
         return self.get(adr_id)
 
     def accept(self, adr_id: int, author: str) -> Adr:
+        """Accept a proposed record; one that does not say what is decided cannot be."""
+        if not self.get(adr_id).fields.get("decision", "").strip():
+            raise RecordError(f"adr {adr_id}: has no Decision section to accept; add one first "
+                              f"(kvctl adr edit {adr_id} --from-file F with a '## Decision' section)")
         return self._transition(adr_id, "accepted", ("proposed",), author)
 
     def reject(self, adr_id: int, author: str) -> Adr:

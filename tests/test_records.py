@@ -85,6 +85,13 @@ def test_adr_errors_name_the_problem(tmp_path, capsys):
     assert status == 2 and "adr: unknown section 'Vibes'" in err
     status, _, err = cli(capsys, "adr", "show", "9", *state)
     assert status == 2 and "adr 9: no such record" in err
+    assert cli(capsys, "adr", "new", "--title", "Undecided", *state)[0] == 0  # a draft to fill in later
+    status, out, _ = cli(capsys, "adr", "show", "1", *state)
+    assert status == 0 and " ".join(out.split()).count("(not written yet)") == 8  # every section says so
+    status, _, err = cli(capsys, "adr", "accept", "1", *state)
+    assert status == 2 and ("adr 1: has no Decision section to accept; add one first (kvctl adr edit 1 "
+                            "--from-file F with a '## Decision' section)") in " ".join(err.split())
+    assert json.loads(cli(capsys, "adr", "show", "1", *state, "--json")[1])["status"] == "proposed"
     with pytest.raises(RecordError, match="title: must not be empty"):
         Records(Store(tmp_path / "kvd.sqlite3")).new(" ", {}, "ops")
 
