@@ -33,6 +33,7 @@ def token_table(tmp_path) -> TokenTable:
     path = tmp_path / "tokens"
     path.write_text(f"# token tenant role\n{ADMIN_TOKEN} ops admin\n{USER_TOKEN} acme user\n"
                     f"{GLOBEX_TOKEN} globex user\n")
+    path.chmod(0o600)
     return TokenTable.load(path)
 
 

@@ -127,6 +127,28 @@ def test_inert_values_of_unimplemented_parameters_and_unknown_fields_are_accepte
     assert complete(unix, prompt="x", max_tokens=3, n=2, best_of=2).status_code == 200
 
 
+@pytest.mark.parametrize("text, mode, message", [
+    ("tok-admin-0123456789 ops admin\n", 0o644, "is open to every user on the machine (mode 0644); restrict it, "
+                                                "e.g. chmod 600"),
+    ("tok-admin-0123456789 ops admin\n", 0o602, "(mode 0602)"),
+    ("short ops admin\n", 0o600, "token_file line 1: token shorter than 16 characters"),
+    ("# only a comment\n", 0o600, "holds no token"),
+    ("tok-admin-0123456789 ops root\n", 0o640, "token_file line 1: role 'root' is not user or admin"),
+])
+def test_a_token_file_others_may_read_or_a_bad_line_is_refused(tmp_path, text, mode, message):
+    from kvctl.daemon.server.auth import TokenFileError, TokenTable
+
+    path = tmp_path / "tokens"
+    path.write_text(text)
+    path.chmod(mode)
+    with pytest.raises(TokenFileError) as refused:
+        TokenTable.load(path)
+    assert message in str(refused.value)
+    path.write_text("tok-admin-0123456789 ops admin\n")
+    path.chmod(0o640)  # the service's group may read it
+    assert [e.role for e in TokenTable.load(path).entries] == ["admin"]
+
+
 def test_tcp_needs_a_token_and_the_admin_role(daemon):
     _, _, tcp = daemon
     assert call(tcp, "GET", "/v1/models").status_code == 401

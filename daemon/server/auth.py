@@ -1,4 +1,5 @@
-"""Bearer tokens for the TCP front end: a file of `TOKEN TENANT ROLE` lines (mode 0600).
+"""Bearer tokens for the TCP front end: a file of `TOKEN TENANT ROLE` lines (mode 0600 or 0640;
+kvd refuses a file that other users may read or write).
 
 Lines starting with '#' are comments. Roles are `user` and `admin`. Tokens are compared
 with hmac.compare_digest against every entry, so timing reveals nothing of a token.
@@ -36,8 +37,12 @@ class TokenTable:
         path = Path(path)
         try:
             text = path.read_text()
+            mode = path.stat().st_mode & 0o777
         except OSError as exc:
             raise TokenFileError(f"token_file: cannot read {str(path)!r} ({exc.strerror})") from None
+        if mode & 0o007:  # the service's group may read it (systemd: root:kvd 0640); everyone else may not
+            raise TokenFileError(f"token_file: {str(path)!r} is open to every user on the machine (mode "
+                                 f"{mode:04o}); restrict it, e.g. chmod 600 {path}")
         entries = []
         for number, line in enumerate(text.splitlines(), start=1):
             line = line.strip()
