@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from .errors import UserError
+from .errors import KvdUnavailable, UserError
 
 
 class Client:
@@ -56,13 +56,18 @@ class Client:
         try:
             response = self.http.request(method, path, **kwargs)
         except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
-            raise UserError(f"kvd is not reachable at {self.where} (is it running? `kvd serve`)") from None
+            raise KvdUnavailable(f"kvd is not reachable at {self.where} (is it running? `kvd serve`)") from None
+        except httpx.TimeoutException:
+            raise KvdUnavailable(f"kvd at {self.where} did not answer in time") from None
+        except httpx.TransportError as exc:  # it went away mid-answer (a restart)
+            raise KvdUnavailable(f"kvd at {self.where} broke off its answer ({type(exc).__name__})") from None
         if response.status_code >= 400:
             try:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:300]
-            raise UserError(f"kvd answered {response.status_code}: {message}")
+            error = KvdUnavailable if response.status_code == 503 else UserError
+            raise error(f"kvd answered {response.status_code}: {message}")
         return response.json()
 
     def get(self, path: str, **params) -> Any:

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .client import Client
-from .errors import UserError
+from .errors import KvdUnavailable, UserError
 from .tables import compact_table, duration, keep_whole, size
 
 STATE_STYLES = {"free": "grey50", "reserved": "yellow", "active": "green", "shared": "cyan",
@@ -151,13 +151,28 @@ def status(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help
         data = client.get("/admin/status", blocks=blocks or None)
         _emit(data, as_json, lambda d: render_status(d, Console()))
         return
+    watch_status(lambda: client.get("/admin/status", blocks=blocks or None))
+
+
+def watch_status(fetch, console: Console | None = None, interval: float = 1.0, sleep=time.sleep) -> None:
+    """Redraw the status every `interval` until Ctrl-C. While kvd cannot answer (a restart, a
+    reload of the model) the last picture stays up under a line that says since when, and the
+    watch carries on once kvd is back; any other error ends it."""
     from rich.live import Live
 
-    with Live(render_status(client.get("/admin/status", blocks=blocks or None)), refresh_per_second=2) as live:
+    frame = render_status(fetch())
+    lost_since = None
+    with Live(frame, console=console, refresh_per_second=2) as live:
         try:
             while True:
-                time.sleep(1)
-                live.update(render_status(client.get("/admin/status", blocks=blocks or None)))
+                sleep(interval)
+                try:
+                    frame, lost_since = render_status(fetch()), None
+                    live.update(frame)
+                except KvdUnavailable as exc:
+                    lost_since = lost_since or time.strftime("%H:%M:%S")
+                    live.update(Group(frame, Text(f"{exc} — since {lost_since}; still watching (Ctrl-C stops)",
+                                                  style="yellow")))
         except KeyboardInterrupt:
             pass
 

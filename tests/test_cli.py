@@ -371,6 +371,51 @@ def test_readme_documents_every_command():
         assert f"kvctl {' '.join(path)}" in readme, path
 
 
+def _status_data(pins: int) -> dict:
+    return {"blocks": {"device": {"total": 8, "free": 8, "reserved": 0, "active": 0, "shared": 0, "cached": 0,
+                                  "pinned": 0}},
+            "block_size": 16, "bytes_per_token": 1024,
+            "model": {"name": "m", "architecture": "llama", "revision": "0" * 16, "device": "cpu"},
+            "tokens": {"hit": 0, "prompt": 0, "hit_ratio": 0.0, "recomputed": 0}, "preemptions": 0,
+            "evictions": {"capacity": 0, "operator": 0}, "eviction_policy": "lru",
+            "queue": {"waiting": 0, "oldest_age_seconds": 0.0, "running": 0}, "rejections": {}, "pins": pins}
+
+
+def test_status_watch_keeps_watching_through_a_restart_and_stops_on_other_errors():
+    from rich.console import Console
+
+    from kvctl.errors import KvdUnavailable, UserError
+    from kvctl.ops import watch_status
+
+    def run(answers, stop_after):
+        """Watch with `answers` (data, or an exception to raise) until the sleep after `stop_after` fetches."""
+        fetched = []
+
+        def fetch():
+            answer = answers[len(fetched)]
+            fetched.append(answer)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        def sleep(_):
+            if len(fetched) == stop_after:
+                raise KeyboardInterrupt
+
+        console = Console(record=True, width=200)
+        watch_status(fetch, console, sleep=sleep)
+        return " ".join(console.export_text().split())
+
+    gone = KvdUnavailable("kvd is not reachable at /run/kvd/kvd.sock (is it running? `kvd serve`)")
+    text = run([_status_data(1), gone, gone], stop_after=3)  # the last picture stays, with a line that says so
+    assert "pins 1" in text and "kvd is not reachable at /run/kvd/kvd.sock" in text
+    assert "still watching (Ctrl-C stops)" in text
+    text = run([_status_data(1), gone, _status_data(2)], stop_after=3)  # back: the new picture, no warning
+    assert "pins 2" in text and "not reachable" not in text
+    with pytest.raises(UserError, match="kvd answered 403"):
+        run([_status_data(1), UserError("kvd answered 403: this endpoint needs the admin role")], stop_after=9)
+
+
 def test_status_shows_the_engine_steps_and_mean_decode_step():
     from rich.console import Console
 
