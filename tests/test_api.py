@@ -87,12 +87,18 @@ def test_streaming_matches_the_plain_response(daemon):
 @pytest.mark.parametrize("body, status, param, fragment", [
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens: must be an integer >= 1, got 0"),
     ({"prompt": "x", "top_p": 2}, 400, "top_p", "top_p: must be in (0, 1], got 2.0"),
-    ({"prompt": {"a": 1}}, 400, "prompt", "prompt"),
+    ({"prompt": {"a": 1}}, 400, "prompt", "prompt: must be a string, a list of strings, a list of token ids "
+                                          "(integers) or a list of lists of token ids (got {'a': 1})"),
+    ({"prompt": [1.5] * 100_000}, 400, "prompt", "(got [1.5, 1.5, 1.5"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "max_tokens: Input should be a valid integer"),
     ({"prompt": []}, 400, "prompt", "prompt: must not be empty"),
     ({"prompt": [1, 999]}, 400, "prompt", "prompt: token ids must lie in [0, 258), found 999"),
     ({"prompt": "x", "max_tokens": 9000}, 413, "max_tokens", "exceeds the model's 8192 positions"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "'gpt-4' is not served here"),
     ({"prompt": list(range(200)) * 6}, 400, None, "it can never fit"),
+    ({"prompt": [[1, 2]] * 257, "max_tokens": 1}, 400, "prompt",
+     "prompt: 257 prompts in one request can never be queued at once (max_queue 256)"),
+    ({"prompt": [5] * 1_000_000}, 413, "max_tokens", "prompt (1000000) + max_tokens (16) exceeds"),
 ])
 def test_errors_use_openai_shape_and_status(daemon, body, status, param, fragment):
     _, unix, _ = daemon
@@ -100,8 +106,20 @@ def test_errors_use_openai_shape_and_status(daemon, body, status, param, fragmen
     assert response.status_code == status
     error = response.json()["error"]
     assert fragment in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert len(error["message"]) < 400  # a huge bad input is not echoed back whole
     if param:
         assert error["param"] == param
+
+
+def test_an_oversized_prompt_is_refused_before_it_is_hashed_or_reaches_the_engine(daemon, monkeypatch):
+    service, unix, _ = daemon
+    hashed = []
+    monkeypatch.setattr(service, "_hash_outside_the_step", lambda *args: hashed.append(args) or None)
+    before = dict(service.engine.stats.rejections)
+    for body, status in (({"prompt": [5] * 1_000_000}, 413), ({"prompt": [[1, 2]] * 300, "max_tokens": 1}, 400),
+                         ({"prompt": [3, 99999] * 10}, 400)):
+        assert call(unix, "POST", "/v1/completions", json=body).status_code == status
+    assert hashed == [] and service.engine.stats.rejections == before and not service._inbox
 
 
 @pytest.mark.parametrize("field, value", [("logprobs", 3), ("echo", True), ("best_of", 3),

@@ -166,6 +166,22 @@ class Engine:
                 if c.k_scale is not None}
 
     # ---- requests ----------------------------------------------------------------------------
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError (ContextLengthExceeded for length) naming what is wrong with a prompt
+        and its sampling parameters; cheap checks first, so an oversized prompt is refused
+        before anything walks its tokens. Safe from any thread."""
+        vocab = self.loaded.config.vocab_size
+        params.validate(vocab)
+        if not prompt_ids:
+            raise RequestError("prompt: must hold at least one token")
+        limit = self.loaded.config.max_position_embeddings
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ContextLengthExceeded(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
+                                        f"exceeds the model's {limit} positions")
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {bad!r}")
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default", reservation=None,
                     cohort: str | None = None, prefix_keys: tuple | None = None) -> Request:
@@ -175,17 +191,7 @@ class Engine:
         outside the engine's step, so a long prompt is not hashed inside one (where every decode
         of the batch would wait for it). Keys computed for other ids are ignored; admission also
         checks that the namespace has not changed since."""
-        vocab = self.loaded.config.vocab_size
-        params.validate(vocab)
-        if not prompt_ids:
-            raise RequestError("prompt: must hold at least one token")
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {bad!r}")
-        limit = self.loaded.config.max_position_embeddings
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise ContextLengthExceeded(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
-                               f"exceeds the model's {limit} positions")
+        self.check_prompt(prompt_ids, params)
         request_id = request_id or f"req-{secrets.token_hex(6)}"
         if request_id in self.requests and not self.requests[request_id].finished:
             raise RequestError(f"request_id: {request_id!r} is already in flight")

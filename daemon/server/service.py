@@ -23,7 +23,7 @@ from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, ch
 from kvctl.daemon.config import KvdConfig, quick_prefill_default
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
-from kvctl.daemon.engine.sampling import SamplingParams
+from kvctl.daemon.engine.sampling import RequestError, SamplingParams
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import Store
@@ -370,6 +370,16 @@ class EngineService:
         `Engine.add_request` raised (all or nothing: a rejection cancels the ones queued).
         Prompts are hashed here, in the calling thread, not in a step."""
         engine = self.require_ready()
+        try:  # in this thread, before hashing: a bad or oversized prompt never reaches the engine thread
+            for prompt_ids in prompts:
+                engine.check_prompt(prompt_ids, params)
+            if len(prompts) > engine.settings.max_queue:
+                raise RequestError(f"prompt: {len(prompts)} prompts in one request can never be queued at once "
+                                   f"(max_queue {engine.settings.max_queue}); send at most that many per request")
+        except RequestError as exc:
+            refused: Future = Future()
+            refused.set_exception(exc)
+            return refused
         hashed = [self._hash_outside_the_step(engine, principal.tenant, p) for p in prompts]
         submission = _Submission(prompts, params, principal, sink, hashed, Future())
         self._inbox.append(submission)
