@@ -192,7 +192,8 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         for column in table.columns[2:7]:
             column.justify = "right"
         for p in d["prefixes"]:
-            table.add_row(p["prefix_id"], "-" if p["tenant"] is None else p["tenant"], f"{p['tokens']:,}", f"{p['blocks']:,}", size(p["bytes"]),
+            tenant = "-" if p["tenant"] is None else p["tenant"]  # a lower tier's, from before a restart
+            table.add_row(p["prefix_id"], tenant, f"{p['tokens']:,}", f"{p['blocks']:,}", size(p["bytes"]),
                           f"{p['hits']:,}", duration(p.get("idle_seconds")), p["tier"],
                           "yes" if p["pinned"] else "", str(p["in_use_blocks"] or ""))
         keep_whole(table, 0)

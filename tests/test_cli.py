@@ -371,6 +371,24 @@ def test_readme_documents_every_command():
         assert f"kvctl {' '.join(path)}" in readme, path
 
 
+def test_table_helpers_print_spans_and_sizes_at_a_glance_and_keep_ids_whole():
+    from rich.console import Console
+
+    from kvctl.tables import compact_table, duration, keep_whole, size
+
+    assert [duration(s) for s in (None, -3, 0, 59.9, 60, 3599, 3600, 3660, 86399, 86400, 90000)] == [
+        "-", "0s", "0s", "59s", "1m", "59m", "1h", "1h 1m", "23h 59m", "1d", "1d 1h"]
+    assert [size(b) for b in (None, 512, 1024, 1441792, 3 * 2**40)] == ["-", "512 B", "1.0 KiB", "1.4 MiB",
+                                                                       "3.0 TiB"]
+    table = compact_table("id", "note")
+    table.add_row("pin-296845ab33f0d6a9", "a long note that has to wrap somewhere in a narrow terminal")
+    keep_whole(table, 0)
+    console = Console(record=True, width=40)
+    console.print(table)
+    lines = console.export_text().splitlines()
+    assert lines[1].startswith("pin-296845ab33f0d6a9 a long") and len(lines) > 3  # the note wraps, the id does not
+
+
 def _status_data(pins: int) -> dict:
     return {"blocks": {"device": {"total": 8, "free": 8, "reserved": 0, "active": 0, "shared": 0, "cached": 0,
                                   "pinned": 0}},
