@@ -93,6 +93,7 @@ class KvdConfig:
     queue_order: str = "fifo"
     pin_budget_blocks: int | None = None
     shutdown_timeout: float = 30.0
+    max_request_bytes: int = 32 * 2**20  # a bigger request body is refused (413) before it is read whole
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
@@ -112,7 +113,7 @@ class KvdConfig:
 
 
 _PARSERS = {
-    "block_size": int, "num_blocks": int, "cache_memory": _size, "max_batch_tokens": int,
+    "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size, "max_batch_tokens": int,
     "max_running": int, "max_queue": int, "pin_budget_blocks": int, "shutdown_timeout": float,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool,
     "quick_prefill_tokens": _count_or_auto,
@@ -129,6 +130,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 1")
     if name in ("pin_budget_blocks", "quick_prefill_tokens") and value is not None and value < 0:
         raise ValueError("must be >= 0")
+    if name == "max_request_bytes" and value < 4096:
+        raise ValueError("must be at least 4KiB")
     if name == "shutdown_timeout" and value <= 0:
         raise ValueError("must be > 0")
     if name == "device" and value not in ("auto", "cpu", "cuda"):

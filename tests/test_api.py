@@ -373,6 +373,35 @@ def test_reload_applies_live_settings_and_names_the_rest(daemon):
     assert entries[0]["action"] == "reload" and entries[0]["detail"]["needs_restart"] == ["block_size"]
 
 
+def test_a_body_over_max_request_bytes_is_refused_before_it_is_read(daemon):
+    """By its Content-Length, or by its chunks when it declares none; the limit reloads live."""
+    from dataclasses import replace
+
+    service, unix, _ = daemon
+    service.reload(replace(service.config, max_request_bytes=4096))
+    try:
+        big = {"prompt": "small", "max_tokens": 1, "user": "u" * 5000}  # a valid 5 kB body
+        response = call(unix, "POST", "/v1/completions", json=big)
+        assert response.status_code == 413
+        assert response.json()["error"] == {
+            "message": f"body: {len(response.request.content):,} bytes is over max_request_bytes (4,096); "
+                       "send less per request", "type": "invalid_request_error", "param": None,
+            "code": "request_too_large"}
+
+        async def chunks():  # no Content-Length: the limit trips while the body arrives
+            for _ in range(20):
+                yield b" " * 1024
+
+        streamed = call(unix, "POST", "/v1/completions", content=chunks(),
+                        headers={"content-type": "application/json"})
+        assert streamed.status_code == 413
+        assert streamed.json()["error"]["message"].startswith("body: 5,120 bytes so far is over max_request_bytes")
+        assert call(unix, "POST", "/v1/completions", json={"prompt": "small", "max_tokens": 1}).status_code == 200
+    finally:
+        service.reload(replace(service.config, max_request_bytes=32 * 2**20))
+    assert call(unix, "POST", "/v1/completions", json=big).status_code == 200
+
+
 def test_evict_one_prefix_by_id(daemon):
     _, unix, _ = daemon
     complete(unix, prompt="A prefix to evict by its id: " + SYSTEM, max_tokens=1, seed=1)

@@ -15,6 +15,7 @@ def test_precedence_flag_env_file_default(tmp_path):
     assert (config.block_size, config.max_queue, config.eviction) == (128, 9, "cost")
     assert config.cache_memory == 64 * 2**20
     assert config.max_running == 32  # default
+    assert config.max_request_bytes == 32 * 2**20 and resolve({}, {"KVD_MAX_REQUEST_BYTES": "8MiB"}).max_request_bytes == 8 * 2**20
     assert resolve({}, env, path).block_size == 32
     assert resolve({}, {}, path).block_size == 64
 
@@ -27,6 +28,8 @@ def test_precedence_flag_env_file_default(tmp_path):
     ({"listen": "127.0.0.1:8000"}, {}, "listen: '127.0.0.1:8000' needs token_file"),
     ({"reservation": "half"}, {}, "reservation: invalid value 'half' from --reservation"),
     ({"max_queue": 0}, {}, "max_queue: invalid value 0 from --max-queue: must be >= 1"),
+    ({"max_request_bytes": "1KiB"}, {}, "max_request_bytes: invalid value '1KiB' from --max-request-bytes: "
+                                        "must be at least 4KiB"),
     ({}, {"KVD_QUICK_PREFILL_TOKENS": "-8"},
      "quick_prefill_tokens: invalid value '-8' from KVD_QUICK_PREFILL_TOKENS: must be a whole number >= 0 or auto"),
 ])
@@ -62,3 +65,14 @@ def test_quick_prefill_tokens_is_auto_unless_set_and_auto_depends_on_the_device(
     assert resolve({}, {"KVD_QUICK_PREFILL_TOKENS": "auto"}).quick_prefill_tokens is None
     assert resolve({"quick_prefill_tokens": "0"}, {"KVD_QUICK_PREFILL_TOKENS": "32"}).quick_prefill_tokens == 0
     assert (quick_prefill_default("cpu"), quick_prefill_default("cuda")) == (64, 0)
+
+
+def test_the_example_config_resolves_as_written():
+    """examples/kvd.yaml is what operators copy: every field in it must still be a valid setting."""
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "kvd.yaml"
+    config = resolve({}, {}, example)
+    assert (config.listen, config.token_file, config.max_request_bytes) == ("127.0.0.1:8000", "/etc/kvd/tokens",
+                                                                             32 * 2**20)
+    assert (config.reservation, config.max_queue, config.pin_budget_blocks) == ("p95", 512, 4096)

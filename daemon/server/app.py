@@ -27,6 +27,7 @@ from kvctl.daemon.engine.engine import AdmissionRejected
 from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, SamplingParams
 
 from .auth import TENANT_PATTERN, TokenTable
+from .body_limit import BodyLimit
 from .metrics import Metrics
 from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
 
@@ -161,6 +162,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         raise ValueError("front tcp needs a token table")
     app = FastAPI(title="kvd", version="0.1.0",
                   description="KV cache daemon: OpenAI-compatible completions and the kvctl admin API.")
+    app.add_middleware(BodyLimit, limit=lambda: service.config.max_request_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):

@@ -311,7 +311,7 @@ class EngineService:
     def reload(self, new: KvdConfig) -> dict:
         """Apply policy settings that can change live (SIGHUP); the cache is kept."""
         live = ("max_batch_tokens", "max_running", "max_queue", "reservation", "queue_order",
-                "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens")
+                "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         ignored = sorted(k for k, v in new.describe().items()
                          if k not in live and v != getattr(self.config, k))
