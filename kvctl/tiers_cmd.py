@@ -23,7 +23,8 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
                           "health": "ok"}}
     for name, t in d["tiers"].items():
         style = "green" if t["health"] == "ok" else "red"
-        columns[name] = {"used": size(t["used_bytes"]), "capacity": size(t["capacity_bytes"]),
+        columns[name] = {"used": size(t["used_bytes"]),
+                         "capacity": "no budget" if t["capacity_bytes"] is None else size(t["capacity_bytes"]),
                          "blocks": f"{t['blocks']:,}", "hit tokens": f"{t['hit_tokens']:,}",
                          "bytes in": size(t["bytes_in"]), "bytes out": size(t["bytes_out"]),
                          "read/s": size(t["read_bytes_per_second"]), "write/s": size(t["write_bytes_per_second"]),
@@ -48,8 +49,11 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
     if d.get("moved_bytes"):
         console.print("moved: " + ", ".join(f"{k} {size(v)}" for k, v in d["moved_bytes"].items()))
     if d.get("break_even_tokens"):
+        measured = d.get("break_even_measured") or {}
         console.print("restore beats recompute from: " + ", ".join(
-            f"{k} {'never' if math.isinf(v) else f'{v:,.0f} tokens'}" for k, v in d["break_even_tokens"].items()))
+            f"{k} {'never' if math.isinf(v) else f'{v:,.0f} tokens'}"
+            + ("" if measured.get(k, True) else " (assumed rates: nothing measured yet)")
+            for k, v in d["break_even_tokens"].items()))
     if d.get("disk_scan"):
         s = d["disk_scan"]
         console.print(f"disk at start: {s['blocks']:,} blocks re-indexed; set aside {s['corrupt']} corrupt, "

@@ -325,6 +325,32 @@ def test_a_pinned_prefix_is_back_on_the_device_after_a_restart_before_any_reques
         again.shutdown(deadline=2)
 
 
+def test_tier_report_says_a_remote_has_no_budget_and_break_evens_are_assumed_until_measured(tmp_path):
+    from rich.console import Console
+
+    from kvctl.daemon.server.app import create_app
+    from kvctl.tiers_cmd import render_tiers
+
+    # nothing listens on port 1: the remote tier is down from the start, and kvd serves on
+    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="1MiB", remote_url="redis://127.0.0.1:1/0")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        report = call(app, "GET", "/admin/tiers").json()
+        assert report["tiers"]["remote"]["capacity_bytes"] is None
+        assert report["tiers"]["host"]["capacity_bytes"] == 2**20
+        assert report["break_even_measured"] == {"host": False, "remote": False}
+        metrics = call(app, "GET", "/metrics").text
+        assert 'kvd_tier_capacity_bytes{tier="host"}' in metrics and 'capacity_bytes{tier="remote"}' not in metrics
+        console = Console(record=True, width=80)
+        render_tiers(report, console)
+        text = console.export_text()
+        capacity = next(line for line in text.splitlines() if line.startswith("capacity"))
+        assert capacity.split()[-4:] == ["1.0", "MiB", "no", "budget"]  # device, host, remote columns
+        assert "(assumed rates: nothing measured yet)" in " ".join(text.split())
+    finally:
+        service.shutdown(deadline=2)
+
+
 def test_swap_moves_a_prefix_down_and_back_and_prefixes_show_its_tier(tmp_path):
     from kvctl.daemon.server.app import create_app
 

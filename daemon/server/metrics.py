@@ -109,7 +109,8 @@ def _tier_metrics(report: dict):
     degraded = GaugeMetricFamily("kvd_tier_degraded", "1 while a tier is degraded or unreachable", labels=["tier"])
     for name, tier in report["tiers"].items():
         used.add_metric([name], tier["used_bytes"])
-        capacity.add_metric([name], tier["capacity_bytes"])
+        if tier["capacity_bytes"] is not None:  # a remote tier without a budget has no capacity to chart
+            capacity.add_metric([name], tier["capacity_bytes"])
         failures.add_metric([name], tier["checksum_failures"])
         errors.add_metric([name], tier["errors"])
         degraded.add_metric([name], 0.0 if tier["health"] == "ok" else 1.0)

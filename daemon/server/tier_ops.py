@@ -57,6 +57,8 @@ def report(service) -> dict:
         name: tiers.policy.break_even_tokens(tiers.layout.block_bytes / tiers.layout.block_size,
                                              tiers.stats[name].read)
         for name in body["tiers"]}
+    body["break_even_measured"] = {name: tiers.stats[name].read.samples > 0 and tiers.policy.prefill.samples > 0
+                                   for name in body["tiers"]}
     return body
 
 

@@ -19,7 +19,7 @@ from .disk import DiskTier, ScanReport
 from .host import HostTier
 from .payload import BlockData, BlockLayout, BlockMeta, PayloadError, decode_block, encode_blocks, encode_parts
 from .remote import RemoteTier, RemoteUnavailable
-from .tiered import LOWER, WRITE_POLICIES, TieredCache
+from .tiered import LOWER, UNBOUNDED_BYTES, WRITE_POLICIES, TieredCache
 
 
 def engine_layout(engine) -> BlockLayout:
@@ -52,7 +52,7 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
         report = disk.scan()
     remote = None
     if remote_url:
-        remote = RemoteTier(remote_url, remote_bytes or 2**62, space, timeout=remote_timeout)
+        remote = RemoteTier(remote_url, remote_bytes or UNBOUNDED_BYTES, space, timeout=remote_timeout)
     tiers = TieredCache(engine.kv_caches, layout, space, host=host, disk=disk, remote=remote,
                         write_policy=write_policy, policy=TieringPolicy(mode=tiering))
     engine.attach_tiers(tiers)

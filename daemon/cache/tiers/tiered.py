@@ -46,6 +46,7 @@ log = logging.getLogger("kvd.tiers")
 
 LOWER = ("host", "disk", "remote")
 WRITE_POLICIES = ("write_back", "write_through")
+UNBOUNDED_BYTES = 2**62  # a remote tier given no byte budget; reported as capacity None
 
 
 @dataclass
@@ -618,8 +619,9 @@ class TieredCache:
                 health = "degraded" if stats.degraded else "ok"
                 if tier.name == "remote":
                     health = {"ok": health, "down": "down", "probing": "probing"}[tier.health()]
+                capacity = None if tier.capacity_bytes >= UNBOUNDED_BYTES else tier.capacity_bytes
                 out[tier.name] = {
-                    "capacity_bytes": tier.capacity_bytes, "used_bytes": tier.used_bytes, "blocks": blocks,
+                    "capacity_bytes": capacity, "used_bytes": tier.used_bytes, "blocks": blocks,
                     "hit_tokens": stats.hit_tokens, "restored_blocks": stats.restored_blocks,
                     "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
                     "read_bytes_per_second": stats.read.rate if stats.read.samples else None,
