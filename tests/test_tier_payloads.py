@@ -90,6 +90,12 @@ def test_disk_segments_are_published_whole_and_reindexed_after_a_restart(tmp_pat
     keys = write_chain(first, 0, 4) + write_chain(first, 10, 2)
     assert sorted(first.index) == sorted(keys)
     assert not list(first.segment_dir.glob("*.tmp"))
+    with pytest.raises(ValueError) as busy:  # one daemon per disk folder
+        disk(tmp_path)
+    assert str(busy.value) == (f"tiers.disk.path: {str(tmp_path / 'kvcache')!r} is in use by another kvd "
+                               f"(pid {os.getpid()}); give each daemon a disk tier of its own (daemons share "
+                               "blocks through a remote tier)")
+    first.close()  # the daemon stops
     again = disk(tmp_path)
     report = again.scan()
     assert (report.segments, report.blocks, report.corrupt, report.foreign, report.torn) == (2, 6, 0, 0, 0)
@@ -116,6 +122,7 @@ def test_corrupt_truncated_foreign_and_unfinished_files_are_set_aside_and_counte
     for path in foreign.segment_dir.glob("*.kvseg"):
         os.replace(path, tier.segment_dir / path.name)
     (tier.segment_dir / "half-written.tmp").write_bytes(b"KVB1 torn")
+    tier.close()
     again = disk(tmp_path)
     report = again.scan()
     assert (report.segments, report.blocks, report.corrupt, report.foreign, report.torn) == (1, 2, 2, 1, 1)
@@ -183,6 +190,7 @@ def test_kill_9_during_disk_writes_never_leaves_a_torn_block_visible(tmp_path):
         seen = len(tier.index)
         for key in tier.index:
             assert same(decode_block(tier.read(key), tier.layout, SPACE, key), content(tier.layout, key))
+        tier.close()  # the next writer takes the folder
     assert seen >= 5 * sum(1 + r * 3 for r in range(8))
 
 

@@ -13,6 +13,7 @@ format or scale set, are moved to `quarantine/` and counted. Eviction is LRU by 
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import mmap
 import os
@@ -69,6 +70,34 @@ class DiskTier:
         self._dir_dirty = False
         self.last_fsync_seconds = 0.0  # of the latest segment write (the tiering policy's fixed cost)
         self.segment_dir.mkdir(parents=True, exist_ok=True)
+        self._owner = self._claim(self.root)
+
+    @staticmethod
+    def _claim(root: Path):
+        """Hold `root/kvd.lock` (flock) for as long as this tier lives: a second daemon on the same
+        folder would delete the first one's unfinished writes at its start scan, and each would
+        trim the folder to its own budget blind to the other's segments. Daemons share blocks
+        through a remote tier instead."""
+        handle = open(root / "kvd.lock", "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ValueError(f"tiers.disk.path: {str(root)!r} is in use by another kvd ({holder}); give each "
+                             "daemon a disk tier of its own (daemons share blocks through a remote tier)") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        return handle
+
+    def close(self) -> None:
+        """Let another daemon (or this one, restarted) take the folder."""
+        if self._owner is not None:
+            self._owner.close()  # closing the file drops the flock
+            self._owner = None
 
     # ---- start -------------------------------------------------------------------------------
     def scan(self) -> ScanReport:

@@ -639,3 +639,5 @@ class TieredCache:
         self.flush(timeout)
         self._writer.shutdown(wait=False, cancel_futures=True)
         self._reader.shutdown(wait=False, cancel_futures=True)
+        if self.disk is not None:
+            self.disk.close()
