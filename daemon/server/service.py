@@ -207,7 +207,7 @@ class EngineService:
             self.load()
         except Exception as exc:  # reported on /readyz and in the log; the process keeps serving health
             self.load_error = f"{type(exc).__name__}: {exc}"
-            log.error("model load failed: %s", self.load_error)
+            log.error("cannot serve (model, cache or tiers): %s", self.load_error)
             return
         self.notifier.ready()
         next_expiry = next_rollout_check = 0.0
