@@ -38,7 +38,7 @@ def _save(document: dict, save: bool, state_dir: str | None) -> None:
     if save:
         from .records_cmd import open_store
 
-        document["run_id"] = open_store(state_dir).save_run("bench_kernels", document)
+        document["run_id"] = open_store(state_dir, create=True).save_run("bench_kernels", document)
 
 
 def peak_bandwidth(device_name: str) -> float | None:

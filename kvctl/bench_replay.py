@@ -114,7 +114,7 @@ def replay_command(
     if save:
         from .records_cmd import open_store
 
-        document["run_id"] = open_store(state_dir).save_run("bench_replay", document)
+        document["run_id"] = open_store(state_dir, create=True).save_run("bench_replay", document)
     if plot is not None:
         from .replay_plot import write_plot  # matplotlib only when asked
 

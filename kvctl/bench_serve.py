@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from rich.table import Table
 
 from .bench_figures import RequestRecord, across_runs, engine_figures, figures, ratios
 from .errors import UserError
+from .records_cmd import open_store
 from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
 
 
@@ -203,6 +203,13 @@ def serve_command(
                               seed=run_seed, block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,
                               question_tokens=question_tokens)
 
+    previous = None
+    if compare is not None:  # before the run, which takes minutes
+        previous = open_store(state_dir).get_run(compare)
+        if previous is None:
+            raise UserError(f"compare: no stored run {compare}")
+        if previous["kind"] != "bench_serve":
+            raise UserError(f"compare: run {compare} is a {previous['kind']} run, not one of bench serve")
     works = [build(seed)]
     for i in range(1, repeat):  # a trace does not depend on the seed: read it once
         works.append(works[0] if workload.startswith("trace:") else build(seed + i))
@@ -242,19 +249,8 @@ def serve_command(
         "model": {"name": status["model"]["name"], "revision": status["model"]["revision"]},
         "versions": _versions(),
     }
-    store = None
-    if save or compare is not None:
-        from kvctl.daemon.config import default_state_dir
-        from kvctl.daemon.store import Store
-
-        store = Store(Path(state_dir or os.environ.get("KVD_STATE_DIR") or default_state_dir()) / "kvd.sqlite3")
     if save:
-        document["run_id"] = store.save_run("bench_serve", document)
-    previous = None
-    if compare is not None:
-        previous = store.get_run(compare)
-        if previous is None:
-            raise UserError(f"compare: no stored run {compare}")
+        document["run_id"] = open_store(state_dir, create=True).save_run("bench_serve", document)
     if plot is not None:
         write_plots(plot, *plotted)  # the first run's
     if as_json:

@@ -301,7 +301,7 @@ def tiers_command(
     if save:
         from .records_cmd import open_store
 
-        document["run_id"] = open_store(state_dir).save_run("bench_tiers", document)
+        document["run_id"] = open_store(state_dir, create=True).save_run("bench_tiers", document)
     if as_json:
         typer.echo(json.dumps(document, indent=2))
         return

@@ -27,21 +27,27 @@ STATE_DIR = typer.Option(None, "--state-dir", help="State directory holding kvd.
 AS_JSON = typer.Option(False, "--json", help="Print JSON.")
 
 
-def open_store(state_dir: str | None):
+def open_store(state_dir: str | None, create: bool = False):
+    """The store in `state_dir` (else KVD_STATE_DIR, else kvd's default). Only commands that
+    write (`create`) may start a new one: a reader pointed at a folder without one (a typo, the
+    wrong user's default) is told so, not shown an empty store it has just created."""
     from kvctl.daemon.config import default_state_dir
     from kvctl.daemon.store import Store, StoreError
 
     folder = Path(state_dir or os.environ.get("KVD_STATE_DIR") or default_state_dir())
+    if not create and not (folder / "kvd.sqlite3").is_file():
+        raise UserError(f"state_dir: no kvd.sqlite3 in {str(folder)!r}; give kvd's state directory "
+                        "(--state-dir or KVD_STATE_DIR)")
     try:
         return Store(folder / "kvd.sqlite3")
     except (StoreError, OSError) as exc:
         raise UserError(str(exc)) from None
 
 
-def _records(state_dir: str | None):
+def _records(state_dir: str | None, create: bool = False):
     from kvctl.daemon.records import Records
 
-    return Records(open_store(state_dir))
+    return Records(open_store(state_dir, create))
 
 
 def _guard(fn, *args, **kwargs):
@@ -84,7 +90,7 @@ def adr_new(title: str = typer.Option(..., "--title", help="One line: what is de
         template = f"# {title}\n\n" + "\n".join(f"## {HEADINGS[f]}\n\n" for f in FIELDS)
         text = typer.edit(template) or ""
     parsed_title, fields = _guard(parse_markdown, text)
-    adr = _guard(_records(state_dir).new, parsed_title or title, fields, author or getpass.getuser())
+    adr = _guard(_records(state_dir, create=True).new, parsed_title or title, fields, author or getpass.getuser())
     _show(adr, as_json) if as_json else Console().print(f"ADR {adr.id} recorded (proposed): {adr.title}")
 
 

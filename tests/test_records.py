@@ -96,6 +96,24 @@ def test_adr_errors_name_the_problem(tmp_path, capsys):
         Records(Store(tmp_path / "kvd.sqlite3")).new(" ", {}, "ops")
 
 
+def test_readers_of_the_store_never_create_one_where_there_is_none(tmp_path, capsys):
+    missing = tmp_path / "typo"
+    for args in (["adr", "list"], ["adr", "show", "1"], ["audit"], ["db", "check"],
+                 ["bench", "serve", "--compare", "1", "--baseline", "none"]):
+        status, _, err = cli(capsys, *args, "--state-dir", str(missing))
+        assert status == 2, args
+        assert err.strip() == (f"error: state_dir: no kvd.sqlite3 in {str(missing)!r}; give kvd's state directory "
+                               "(--state-dir or KVD_STATE_DIR)"), args
+    assert not missing.exists()
+    Store(tmp_path / "kvd.sqlite3").save_run("bench_replay", {"runs": []})
+    status, _, err = cli(capsys, "bench", "serve", "--compare", "1", "--state-dir", str(tmp_path))
+    assert status == 2 and "compare: run 1 is a bench_replay run, not one of bench serve" in err
+    status, _, err = cli(capsys, "bench", "serve", "--compare", "7", "--state-dir", str(tmp_path))
+    assert status == 2 and "compare: no stored run 7" in err  # said before any request is sent
+    assert cli(capsys, "adr", "new", "--title", "First record", "--state-dir", str(tmp_path / "new"))[0] == 0
+    assert (tmp_path / "new" / "kvd.sqlite3").is_file()  # a writer may start a store
+
+
 def test_migration_from_the_first_schema_version(tmp_path):
     path = tmp_path / "kvd.sqlite3"
     conn = sqlite3.connect(path)
