@@ -402,6 +402,35 @@ def test_a_body_over_max_request_bytes_is_refused_before_it_is_read(daemon):
     assert call(unix, "POST", "/v1/completions", json=big).status_code == 200
 
 
+def test_a_short_prefix_id_that_matches_several_prefixes_evicts_nothing(daemon):
+    """As git does with a short hash: at least 4 hex digits, and one prefix or none."""
+    service, unix, _ = daemon
+    by_head: dict[str, list[int]] = {}
+    for n in range(5000):  # two one-block prompts whose ids share their first 4 hex digits
+        tokens = [n % 200, n // 200] + [7] * 15
+        head = service.engine.prefix_keys("default", tokens)[2][0].hex()[:4]
+        by_head.setdefault(head, []).append(n)
+        if len(by_head[head]) == 2:
+            break
+    pair = [[n % 200, n // 200] + [7] * 15 for n in by_head[head]]
+    for tokens in pair:
+        assert complete(unix, prompt=tokens, max_tokens=1).status_code == 200
+    ids = sorted(service.engine.prefix_keys("default", t)[2][0].hex()[:16] for t in pair)
+    ambiguous = call(unix, "POST", "/admin/evict", json={"prefix": head})
+    assert ambiguous.status_code == 409
+    assert ambiguous.json()["error"]["message"] == (f"prefix: {head!r} matches 2 prefixes ({ids[0]}, {ids[1]}); "
+                                                    "give more digits")
+    for bad in ("ab", "zzzz"):
+        refused = call(unix, "POST", "/admin/evict", json={"prefix": bad})
+        assert refused.status_code == 400 and "give at least 4 hex digits" in refused.json()["error"]["message"]
+    listed = {p["prefix_id"] for p in call(unix, "GET", "/admin/prefixes").json()["prefixes"]}
+    assert set(ids) <= listed  # nothing went
+    one = call(unix, "POST", "/admin/evict", json={"prefix": ids[0]}).json()
+    assert (one["target"], one["evicted_blocks"]) == (f"prefix={ids[0]}", 1)
+    listed = {p["prefix_id"] for p in call(unix, "GET", "/admin/prefixes").json()["prefixes"]}
+    assert ids[0] not in listed and ids[1] in listed
+
+
 def test_evict_one_prefix_by_id(daemon):
     _, unix, _ = daemon
     complete(unix, prompt="A prefix to evict by its id: " + SYSTEM, max_tokens=1, seed=1)

@@ -765,26 +765,44 @@ class EngineService:
                              result="expired", detail={})
 
     # ---- eviction and explanation ------------------------------------------------------------
+    def resolve_prefix(self, prefix_id: str) -> bytes:
+        """The one prefix (its root key, on the device or in a lower tier) whose id starts with
+        `prefix_id`, as git resolves a short hash: at least 4 hex digits, and refused when several
+        prefixes match, so that a short id never evicts or moves more than the prefix meant."""
+        engine = self.require_ready()
+        text = prefix_id.strip().lower()
+        if len(text) < 4 or any(c not in "0123456789abcdef" for c in text):
+            raise ServiceError(400, f"prefix: give at least 4 hex digits of an id from `kvctl prefixes`, "
+                                    f"got {prefix_id!r}", "prefix")
+        with self.lock:
+            roots = {b.root for b in engine.cache.pool.blocks if b.key is not None}
+        if self.tiers is not None:
+            roots |= {meta.root for meta, _ in self.tiers.known_metas().values()}
+        matches = sorted(r for r in roots if r.hex().startswith(text))
+        if not matches:
+            raise ServiceError(404, f"prefix: no cached prefix {prefix_id!r}", "prefix")
+        if len(matches) > 1:
+            shown = ", ".join(r.hex()[:16] for r in matches[:4]) + (", ..." if len(matches) > 4 else "")
+            raise ServiceError(409, f"prefix: {prefix_id!r} matches {len(matches)} prefixes ({shown}); "
+                                    "give more digits", "prefix")
+        return matches[0]
+
     def evict(self, *, prefix_id: str | None, tenant: str | None, model_revision: str | None,
               all_unpinned: bool, principal: Principal) -> dict:
         engine = self.require_ready()
         chosen = [x for x in (prefix_id, tenant, model_revision) if x] + ([True] if all_unpinned else [])
         if len(chosen) != 1:
             raise ServiceError(400, "evict: give exactly one of prefix, tenant, model_revision, all_unpinned")
+        root = self.resolve_prefix(prefix_id) if prefix_id else None
         with self.lock:
             if model_revision and model_revision != self.loaded.revision and \
                     not self.loaded.revision.startswith(model_revision):
                 report_blocks, skipped, select = 0, {}, None
                 target = f"model_revision={model_revision}"
             else:
-                if prefix_id:
-                    lower_roots = {m.root for m, _ in self.tiers.known_metas().values()} if self.tiers else set()
-                    if not any(b.key is not None and b.root.hex().startswith(prefix_id)
-                               for b in engine.cache.pool.blocks) and \
-                            not any(r.hex().startswith(prefix_id) for r in lower_roots):
-                        raise ServiceError(404, f"prefix: no cached prefix {prefix_id!r}", "prefix")
-                    select = lambda root, info: root is not None and root.hex().startswith(prefix_id)  # noqa: E731
-                    target = f"prefix={prefix_id}"
+                if root is not None:
+                    select = lambda candidate, info: candidate == root  # noqa: E731
+                    target = f"prefix={root.hex()[:16]}"
                 elif tenant:
                     select = lambda root, info: info is not None and info.tenant == tenant  # noqa: E731
                     target = f"tenant={tenant}"

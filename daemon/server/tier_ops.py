@@ -105,16 +105,14 @@ def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
                                 "--host-cache-bytes / --disk-cache-bytes / --remote-url)")
     if to != "device" and getattr(tiers, to) is None:
         raise ServiceError(400, f"to: the {to} tier is not configured", "to")
-    if len(prefix_id) < 4:
-        raise ServiceError(400, f"prefix: give at least 4 hex digits, got {prefix_id!r}", "prefix")
+    root = service.resolve_prefix(prefix_id)
+    prefix_id = root.hex()[:16]
     with service.lock:
-        device = sorted((b for b in engine.cache.pool.blocks if b.key is not None
-                         and b.root.hex().startswith(prefix_id)), key=lambda b: b.depth)
+        device = sorted((b for b in engine.cache.pool.blocks if b.key is not None and b.root == root),
+                        key=lambda b: b.depth)
         device_metas = [BlockMeta(b.key, b.root, b.depth) for b in device]
         device_ids = [b.block_id for b in device]
-    lower = {k: m for k, (m, _) in tiers.known_metas().items() if m.root.hex().startswith(prefix_id)}
-    if not device_metas and not lower:
-        raise ServiceError(404, f"prefix: no prefix {prefix_id!r} in any tier", "prefix")
+    lower = {k: m for k, (m, _) in tiers.known_metas().items() if m.root == root}
     started = time.perf_counter()
     if to == "device":
         body = _to_device(service, engine, tiers, device_metas, lower)
