@@ -431,6 +431,20 @@ def test_a_short_prefix_id_that_matches_several_prefixes_evicts_nothing(daemon):
     assert ids[0] not in listed and ids[1] in listed
 
 
+def test_evict_by_model_revision_takes_the_served_model_s_blocks_or_none(daemon):
+    service, unix, _ = daemon
+    complete(unix, prompt="Blocks of the model being served, long enough for two blocks of tokens.", max_tokens=1)
+    cached = call(unix, "GET", "/admin/status").json()["blocks"]["device"]["cached"]
+    assert cached > 0
+    other = call(unix, "POST", "/admin/evict", json={"model_revision": "0123456789ab"}).json()
+    assert (other["evicted_blocks"], other["target"]) == (0, "model_revision=0123456789ab")  # another model's: none here
+    short = call(unix, "POST", "/admin/evict", json={"model_revision": "7"})
+    assert short.status_code == 400 and short.json()["error"]["param"] == "model_revision"
+    served = call(unix, "POST", "/admin/evict", json={"model_revision": service.loaded.revision[:12]}).json()
+    assert (served["evicted_blocks"], served["target"]) == (cached, "model_revision=current")
+    assert call(unix, "GET", "/admin/status").json()["blocks"]["device"]["cached"] == 0
+
+
 def test_evict_one_prefix_by_id(daemon):
     _, unix, _ = daemon
     complete(unix, prompt="A prefix to evict by its id: " + SYSTEM, max_tokens=1, seed=1)

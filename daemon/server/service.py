@@ -794,6 +794,9 @@ class EngineService:
         if len(chosen) != 1:
             raise ServiceError(400, "evict: give exactly one of prefix, tenant, model_revision, all_unpinned")
         root = self.resolve_prefix(prefix_id) if prefix_id else None
+        if model_revision and (len(model_revision) < 4 or model_revision.lower() != model_revision):
+            raise ServiceError(400, f"model_revision: give at least 4 lowercase hex digits of a revision (kvctl "
+                                    f"status shows the model's), got {model_revision!r}", "model_revision")
         with self.lock:
             if model_revision and model_revision != self.loaded.revision and \
                     not self.loaded.revision.startswith(model_revision):
