@@ -111,6 +111,23 @@ class KvdConfig:
     def describe(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def shown(self) -> dict[str, Any]:
+        """`describe()` as an operator may see it (`kvctl config show`, tickets, logs): a password
+        in the remote tier's URL is replaced by ***."""
+        return {**self.describe(), "remote_url": redact_url(self.remote_url)}
+
+
+def redact_url(url: Any) -> Any:
+    """redis://user:secret@host:6379/0 -> redis://user:***@host:6379/0; anything else as it is."""
+    if not isinstance(url, str) or "@" not in url:
+        return url
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in credentials:
+        return url
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}"
+
 
 _PARSERS = {
     "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size, "max_batch_tokens": int,
@@ -240,7 +257,7 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
             _check(name, value)
         except (ValueError, TypeError) as exc:
             detail = str(exc) or "has the wrong type"
-            raise ConfigError(f"{name}: invalid value {raw!r} from {source}: {detail}") from None
+            raise ConfigError(f"{name}: invalid value {redact_url(raw)!r} from {source}: {detail}") from None
         values[name] = value
     config = KvdConfig(**values)
     if config.listen and not config.token_file:

@@ -76,3 +76,18 @@ def test_the_example_config_resolves_as_written():
     assert (config.listen, config.token_file, config.max_request_bytes) == ("127.0.0.1:8000", "/etc/kvd/tokens",
                                                                              32 * 2**20)
     assert (config.reservation, config.max_queue, config.pin_budget_blocks) == ("p95", 512, 4096)
+
+
+def test_a_password_in_the_remote_url_is_never_shown():
+    from kvctl.daemon.config import redact_url
+
+    config = resolve({"remote_url": "redis://:s3cret@10.0.0.5:6379/0"}, {})
+    assert config.remote_url == "redis://:s3cret@10.0.0.5:6379/0"  # what kvd connects with
+    assert config.shown()["remote_url"] == "redis://:***@10.0.0.5:6379/0"  # what config show prints
+    assert config.shown()["block_size"] == config.describe()["block_size"]
+    assert [redact_url(u) for u in ("rediss://ops:pw@h:6380/1", "redis://ops@h:6379", "redis://10.0.0.5:6379/0",
+                                    "unix:///run/redis.sock", None)] == [
+        "rediss://ops:***@h:6380/1", "redis://ops@h:6379", "redis://10.0.0.5:6379/0", "unix:///run/redis.sock", None]
+    with pytest.raises(ConfigError) as refused:
+        resolve({"remote_url": "http://:pw@cache:6379"}, {})
+    assert "pw" not in str(refused.value) and "'http://:***@cache:6379'" in str(refused.value)

@@ -332,9 +332,12 @@ def test_tier_report_says_a_remote_has_no_budget_and_break_evens_are_assumed_unt
     from kvctl.tiers_cmd import render_tiers
 
     # nothing listens on port 1: the remote tier is down from the start, and kvd serves on
-    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="1MiB", remote_url="redis://127.0.0.1:1/0")
+    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="1MiB",
+                            remote_url="redis://:s3cret@127.0.0.1:1/0")
     try:
         app = create_app(service, service.metrics, front="unix")
+        shown = call(app, "GET", "/admin/config").json()["config"]["remote_url"]
+        assert shown == "redis://:***@127.0.0.1:1/0"  # config show never prints the password
         report = call(app, "GET", "/admin/tiers").json()
         assert report["tiers"]["remote"]["capacity_bytes"] is None
         assert report["tiers"]["host"]["capacity_bytes"] == 2**20

@@ -427,7 +427,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/admin/config")
     def config(_: Principal = Depends(admin)):
-        return {"config": service.config.describe(), "effective": service.effective_settings(),
+        return {"config": service.config.shown(), "effective": service.effective_settings(),
                 "precedence": "flag > KVD_* env > YAML file > default"}
 
     @app.get("/admin/audit")
