@@ -130,8 +130,8 @@ def redact_url(url: Any) -> Any:
 
 
 _PARSERS = {
-    "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size, "max_batch_tokens": int,
-    "max_running": int, "max_queue": int, "pin_budget_blocks": int, "shutdown_timeout": float,
+    "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size,
+    "max_batch_tokens": int, "max_running": int, "max_queue": int, "pin_budget_blocks": int, "shutdown_timeout": float,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool,
     "quick_prefill_tokens": _count_or_auto,
     "host_cache_bytes": _size, "disk_cache_bytes": _size, "remote_cache_bytes": _size, "remote_timeout": float,

@@ -18,9 +18,9 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
         console.print("no lower tier configured (tiers: in the config, or --host-cache-bytes, "
                       "--disk-cache-bytes, --remote-url)")
     dev = d["device"]
+    device_hits = d["tokens"]["hit"] - d["tokens"]["restored"]
     columns = {"device": {"used": size(dev["used_bytes"]), "capacity": size(dev["capacity_bytes"]),
-                          "blocks": f"{dev['blocks']:,}", "hit tokens": f"{d['tokens']['hit'] - d['tokens']['restored']:,}",
-                          "health": "ok"}}
+                          "blocks": f"{dev['blocks']:,}", "hit tokens": f"{device_hits:,}", "health": "ok"}}
     for name, t in d["tiers"].items():
         style = "green" if t["health"] == "ok" else "red"
         columns[name] = {"used": size(t["used_bytes"]),

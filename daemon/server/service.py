@@ -691,8 +691,11 @@ class EngineService:
                         engine.cache.unpin(result.pin.pin_id)
                 self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin", target="-",
                                  result="refused", detail={"reason": str(exc)})
-                status = exc.status if isinstance(exc, ServiceError) else 409 if isinstance(exc, AdmissionRejected) \
-                    else 400
+                status = 400  # a bad prompt; 409 when the cache cannot take it; the service's own otherwise
+                if isinstance(exc, ServiceError):
+                    status = exc.status
+                elif isinstance(exc, AdmissionRejected):
+                    status = 409
                 raise ServiceError(status, f"tokens: the prefix cannot be warmed: {exc}", "tokens") from None
             warmed = True
         with self.lock:
