@@ -218,7 +218,7 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
     _emit(data, as_json, lambda d: Console().print(
         f"pinned {d['pin_id']}: {d['blocks']} blocks for tenant {d['tenant']} "
         f"({d['cached_blocks']} cached{', warmed' if d['warmed'] else ''})"
-        + (f", expires in {d['expires_in_seconds']:.0f}s" if d.get("expires_in_seconds") else "")))
+        + (f", expires in {duration(d['expires_in_seconds'])}" if d.get("expires_in_seconds") else "")))
 
 
 def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:

@@ -144,6 +144,10 @@ def test_kvd_end_to_end(tmp_path):
 
         pinned = kvd.kvctl("pin", system, "--ttl", "1h", "--note", "support", "--json")
         pin_id = json.loads(pinned.stdout)["pin_id"]
+        refreshed = kvd.kvctl("pin", system, "--ttl", "2h", "--note", "support")  # the same prefix: the same pin
+        assert f"pinned {pin_id}:" in refreshed.stdout and "expires in 1h 59m" in " ".join(refreshed.stdout.split())
+        odd = kvd.kvctl("pin", system, "--tenant", "bad tenant!")
+        assert odd.returncode == 2 and "tenant: String should match pattern" in odd.stderr
         assert any("WATCHDOG=1" in m for m in notifications(listener, "WATCHDOG=1"))
         drain(listener)  # room for STOPPING=1 (kvd drops what a full queue will not take)
         assert kvd.stop() == 0
@@ -156,7 +160,7 @@ def test_kvd_end_to_end(tmp_path):
         [row] = kvd.kvctl("pins").stdout.splitlines()[1:]  # the whole id, to copy into `kvctl unpin`
         assert row.split()[:2] == [pin_id, "default"] and "59m" in row.split() and "support" in row.split()
         audit = json.loads(kvd.kvctl("audit", "--json").stdout)["entries"]
-        assert [e["action"] for e in audit] == ["pin"]
+        assert [e["action"] for e in audit] == ["pin", "pin"]  # pinned, then refreshed
     finally:
         if kvd.proc.poll() is None:
             kvd.stop()

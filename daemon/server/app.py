@@ -94,17 +94,22 @@ def refuse_unsupported(body: CompletionRequest) -> None:
                        code="unsupported_parameter")
 
 
+# a tenant named in an admin request follows the token file's and X-KVD-Tenant's rule: a pin for
+# a tenant no request can carry would hold blocks (and budget) nobody can hit
+Tenant = Annotated[str, Field(pattern=TENANT_PATTERN.pattern)]
+
+
 class PinRequest(BaseModel):
     text: str | None = None
     tokens: list[int] | None = None
-    tenant: str | None = None
+    tenant: Tenant | None = None
     ttl: str | float | None = None
     note: str = ""
 
 
 class EvictRequest(BaseModel):
     prefix: str | None = None
-    tenant: str | None = None
+    tenant: Tenant | None = None
     model_revision: str | None = None
     all_unpinned: bool = False
 
@@ -145,7 +150,7 @@ class CalibrateRequest(BaseModel):
 class ExplainRequest(BaseModel):
     text: str | None = None
     tokens: list[int] | None = None
-    tenant: str | None = None
+    tenant: Tenant | None = None
 
 
 # Prompts of up to this many tokens in all are hashed on the event loop when they are handed in
