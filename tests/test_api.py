@@ -236,6 +236,8 @@ def test_admin_status_prefixes_pin_evict_explain_and_audit(daemon):
     assert call(unix, "DELETE", f"/admin/pins/{pinned['pin_id']}").json()["unpinned_blocks"] == pinned["blocks"]
     missing = call(unix, "DELETE", "/admin/pins/pin-0000000000000000")
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "unknown pin 'pin-0000000000000000'"
+    a_prefix_id = call(unix, "DELETE", "/admin/pins/dd7b0a02869132bd").json()["error"]["message"]
+    assert a_prefix_id == "unknown pin 'dd7b0a02869132bd'; pin ids start with pin- (kvctl pins lists them)"
     call(unix, "POST", "/admin/evict", json={"tenant": "acme"})
     why = call(unix, "POST", "/admin/explain", json={"text": prompt, "tenant": "acme"}).json()
     assert why["hit_blocks"] == 0 and why["first_miss"]["reason"] == "evicted"

@@ -724,7 +724,8 @@ class EngineService:
             try:
                 pin = engine.cache.unpin(pin_id)
             except UnknownPin as exc:
-                raise ServiceError(404, str(exc), "pin_id") from None
+                hint = "" if pin_id.startswith("pin-") else "; pin ids start with pin- (kvctl pins lists them)"
+                raise ServiceError(404, str(exc) + hint, "pin_id") from None
         self.store.delete_pin(pin_id)
         self.store.audit(actor=principal.actor, tenant=principal.tenant, action="unpin", target=pin_id,
                          result="ok", detail={"blocks": pin.num_blocks})
