@@ -335,8 +335,9 @@ def _fmt(value, name: str) -> str:
 
 def _print_report(document: dict, previous: dict | None) -> None:
     kvd, base, ratio = document["kvd"], document["baseline"], document["ratio"]
+    cap = "up to " if document["workload"].startswith("trace:") else ""  # a trace's own lengths, capped
     table = Table(title=f"bench serve: {document['workload']}, {document['settings']['requests']} requests, "
-                        f"{document['settings']['max_tokens']} tokens each")
+                        f"{cap}{document['settings']['max_tokens']} tokens each")
     table.add_column("figure")
     table.add_column("kvd", justify="right")
     if base is not None:

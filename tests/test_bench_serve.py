@@ -123,6 +123,17 @@ def test_compare_says_when_two_runs_are_not_like_for_like():
         in comparability_notes(cold, stored)[0]
 
 
+def test_the_report_says_a_trace_s_output_lengths_are_capped_not_fixed(capsys):
+    from kvctl.bench_serve import _print_report
+
+    for workload, title in (("trace:t.jsonl", "16 requests, up to 32 tokens each"),
+                            ("shared-prefix", "16 requests, 32 tokens each")):
+        document = {"workload": workload, "settings": {"requests": 16, "max_tokens": 32}, "kvd": {},
+                    "baseline": None, "ratio": {}}
+        _print_report(document, None)
+        assert title in " ".join(capsys.readouterr().out.split())
+
+
 def test_capacity_matches_hand_computed_llama3_figures():
     llama8b = ModelShape(layers=32, kv_heads=8, head_dim=128)
     llama70b = ModelShape(layers=80, kv_heads=8, head_dim=128)
