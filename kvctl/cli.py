@@ -5,6 +5,7 @@ Start-up imports stay light (no torch): commands import what they need when run.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -71,6 +72,7 @@ def trace_generate(
     out: Path = typer.Argument(..., help="Where to write the JSONL trace."),
     requests: int = typer.Option(600, help="Number of requests."),
     seed: int = typer.Option(0, help="Random seed; equal seeds give equal traces."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Write a synthetic trace (shared system prompts, multi-turn chats, one-off documents).
 
@@ -80,7 +82,14 @@ def trace_generate(
 
     if requests < 1:
         raise UserError(f"requests: must be >= 1, got {requests}")
-    write_trace(out, generate_trace(requests, seed=seed))
+    trace = generate_trace(requests, seed=seed)
+    write_trace(out, trace)
+    if as_json:
+        typer.echo(json.dumps({"path": str(out), "requests": len(trace), "seed": seed,
+                               "input_tokens": sum(r.input_length for r in trace),
+                               "output_tokens": sum(r.output_length for r in trace),
+                               "seconds": trace[-1].timestamp_ms / 1000.0}))
+        return
     typer.echo(f"wrote {requests} requests to {out}")
 
 

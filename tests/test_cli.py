@@ -99,6 +99,12 @@ def test_trace_generate_writes_a_replayable_file(capsys, tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 25 and set(json.loads(lines[0])) == {
         "timestamp", "input_length", "output_length", "hash_ids"}
+    rows = [json.loads(line) for line in lines]
+    status, out, _ = cli(capsys, "trace", "generate", str(path), "--requests", "25", "--seed", "4", "--json")
+    assert status == 0 and json.loads(out) == {
+        "path": str(path), "requests": 25, "seed": 4, "input_tokens": sum(r["input_length"] for r in rows),
+        "output_tokens": sum(r["output_length"] for r in rows), "seconds": rows[-1]["timestamp"] / 1000.0}
+    assert path.read_text().splitlines() == lines  # equal seeds, equal traces
 
 
 def test_version(capsys):
