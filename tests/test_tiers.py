@@ -354,6 +354,26 @@ def test_tier_report_says_a_remote_has_no_budget_and_break_evens_are_assumed_unt
         service.shutdown(deadline=2)
 
 
+def test_evicting_a_tenant_after_listing_prefixes_also_empties_the_lower_tiers(tmp_path):
+    """Listing prefixes used to forget whose a prefix on disk was; a later `evict --tenant` then
+    left its blocks on disk."""
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tiering="always")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        _complete(app, TEXT_A)
+        [prefix] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "disk"})
+        call(app, "GET", "/admin/prefixes")  # an operator looks
+        evicted = call(app, "POST", "/admin/evict", json={"tenant": "default"}).json()
+        assert evicted["lower_tier_blocks_dropped"] == prefix["blocks"]
+        assert call(app, "GET", "/admin/prefixes").json()["prefixes"] == []
+        assert call(app, "GET", "/admin/tiers").json()["tiers"]["disk"]["blocks"] == 0
+    finally:
+        service.shutdown(deadline=2)
+
+
 def test_swap_moves_a_prefix_down_and_back_and_prefixes_show_its_tier(tmp_path):
     from kvctl.daemon.server.app import create_app
 
