@@ -111,6 +111,9 @@ def test_kvd_end_to_end(tmp_path):
         # five tokens, in as many chunks as the reader needed (a reader that fell behind gets several per chunk)
         assert sum(len(c.choices[0].token_ids) for c in chunks if c.choices) == 5
         assert chunks[-1].choices[0].finish_reason == "length"
+        too_big = kvd.http.post("/v1/completions", content=b" " * (32 * 2**20 + 1),
+                                headers={"content-type": "application/json"})
+        assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
 
         status = json.loads(kvd.kvctl("status", "--json").stdout)
         assert status["tokens"]["hit"] >= 64 and status["blocks"]["device"]["total"] == 128
