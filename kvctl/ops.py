@@ -59,6 +59,22 @@ def _fmt_seconds(value) -> str:
     return "-" if value is None else (f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s")
 
 
+MAP_MAX_CELLS = 2048  # 32 lines of 64: a GPU cache's hundred thousand blocks still fit a screen
+
+
+def map_cells(block_map: str, max_cells: int = MAP_MAX_CELLS) -> tuple[str, int]:
+    """The block map in at most `max_cells` cells: each cell covers `per_cell` consecutive blocks
+    and shows the state most of them are in (ties: the first of them). Returns (cells, per_cell)."""
+    per_cell = max(1, -(-len(block_map) // max_cells))
+    if per_cell == 1:
+        return block_map, 1
+    cells = []
+    for start in range(0, len(block_map), per_cell):
+        run = block_map[start:start + per_cell]
+        cells.append(max(dict.fromkeys(run), key=run.count))
+    return "".join(cells), per_cell
+
+
 def render_status(data: dict, console: Console | None = None):
     blocks = data["blocks"]["device"]
     total = blocks["total"]
@@ -128,12 +144,14 @@ def render_status(data: dict, console: Console | None = None):
                                              f"{gpu['memory_total'] / 2**30:.1f} GiB, {gpu['utilization']}% busy")
     parts = [table, facts]
     if data.get("block_map"):
+        cells, per_cell = map_cells(data["block_map"])
         text = Text()
-        for i, char in enumerate(data["block_map"]):
+        for i, char in enumerate(cells):
             text.append("■", style=MAP_STYLES[char])
-            if i % 64 == 63:
+            if i % 64 == 63 and i + 1 < len(cells):
                 text.append("\n")
-        parts.append(Panel(text, title="block map: free reserved active shared cached pinned"))
+        scale = "" if per_cell == 1 else f" (a cell is {per_cell} blocks, in its most common state)"
+        parts.append(Panel(text, title=f"block map{scale}: free reserved active shared cached pinned"))
     group = Group(*parts)
     if console is not None:
         console.print(group)

@@ -395,6 +395,27 @@ def test_table_helpers_print_spans_and_sizes_at_a_glance_and_keep_ids_whole():
     assert lines[1].startswith("pin-296845ab33f0d6a9 a long") and len(lines) > 3  # the note wraps, the id does not
 
 
+def test_a_large_block_map_is_drawn_in_at_most_2048_cells_of_their_most_common_state():
+    from rich.console import Console
+
+    from kvctl.ops import map_cells, render_status
+
+    assert map_cells("..aa", max_cells=8) == ("..aa", 1)
+    assert map_cells("..a" + "ppc" + "sss" + ".", max_cells=4) == (".ps.", 3)  # 10 blocks in cells of 3
+    assert map_cells("acca", max_cells=2) == ("ac", 2)  # a tie goes to the state met first
+    big = "." * 100_000 + "a" * 28_000 + "p" * 3_072  # a GPU's 131,072 blocks
+    cells, per_cell = map_cells(big)
+    # the cell across 99,968..100,031 holds 32 free and 32 active blocks: a tie, so free
+    assert (per_cell, len(cells)) == (64, 2048) and [cells.count(c) for c in ".ap"] == [1563, 437, 48]
+    data = {**_status_data(0), "block_map": big}
+    data["blocks"]["device"] = {**data["blocks"]["device"], "total": len(big), "free": len(big)}
+    console = Console(record=True, width=100)
+    render_status(data, console)
+    text = console.export_text()
+    assert "block map (a cell is 64 blocks, in its most common state)" in text
+    assert sum(line.count("■") for line in text.splitlines()) == 2048  # 32 rows, not 2,048
+
+
 def _status_data(pins: int) -> dict:
     return {"blocks": {"device": {"total": 8, "free": 8, "reserved": 0, "active": 0, "shared": 0, "cached": 0,
                                   "pinned": 0}},
