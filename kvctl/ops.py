@@ -196,27 +196,43 @@ def watch_status(fetch, console: Console | None = None, interval: float = 1.0, s
             pass
 
 
+PREFIX_SORTS = {"recent": ("idle_seconds", False), "hits": ("hits", True), "size": ("bytes", True)}
+
+
 def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help="Only this tenant."),
              pinned: bool = typer.Option(False, "--pinned", help="Only pinned prefixes."),
+             sort: str = typer.Option("recent", help="recent (last used first), hits or size."),
+             limit: int = typer.Option(50, help="Rows in the table (0: all); --json always has all."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Cached prefixes: id, tenant, tokens, blocks, size, hits, idle time, tier, pin (never text).
 
     Example: kvctl prefixes --tenant acme --pinned
     """
+    if sort not in PREFIX_SORTS:
+        raise UserError(f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}")
+    if limit < 0:
+        raise UserError(f"limit: must be >= 0, got {limit}")
     data = _client(ctx).get("/admin/prefixes", tenant=tenant, pinned=pinned or None)
 
     def render(d):
+        key, descending = PREFIX_SORTS[sort]
+        missing = float("inf") if not descending else float("-inf")  # unknown values sort last
+        rows = sorted(d["prefixes"], key=lambda p: missing if p.get(key) is None else p[key], reverse=descending)
+        shown = rows if limit == 0 else rows[:limit]
         table = compact_table("prefix", "tenant", "tokens", "blocks", "size", "hits", "idle", "tier", "pinned",
                               "in use")
         for column in table.columns[2:7]:
             column.justify = "right"
-        for p in d["prefixes"]:
+        for p in shown:
             tenant = "-" if p["tenant"] is None else p["tenant"]  # a lower tier's, from before a restart
             table.add_row(p["prefix_id"], tenant, f"{p['tokens']:,}", f"{p['blocks']:,}", size(p["bytes"]),
                           f"{p['hits']:,}", duration(p.get("idle_seconds")), p["tier"],
                           "yes" if p["pinned"] else "", str(p["in_use_blocks"] or ""))
         keep_whole(table, 0)
-        Console().print(table if d["prefixes"] else "no cached prefixes")
+        console = Console()
+        console.print(table if rows else "no cached prefixes")
+        if len(shown) < len(rows):
+            console.print(f"{len(shown)} of {len(rows):,} prefixes, by {sort}; --limit 0 shows all")
     _emit(data, as_json, render)
 
 

@@ -416,6 +416,30 @@ def test_a_large_block_map_is_drawn_in_at_most_2048_cells_of_their_most_common_s
     assert sum(line.count("■") for line in text.splitlines()) == 2048  # 32 rows, not 2,048
 
 
+def test_prefixes_table_sorts_and_limits_and_json_keeps_every_row(capsys, monkeypatch):
+    import kvctl.ops as ops
+
+    rows = [{"prefix_id": f"{i:016x}", "tenant": "acme", "tokens": 16 * (i + 1), "blocks": i + 1,
+             "bytes": 16384 * (i + 1), "hits": [5, 50, 0, 7][i], "idle_seconds": [30.0, 600.0, 5.0, None][i],
+             "tier": "device", "pinned": False, "in_use_blocks": 0} for i in range(4)]
+
+    class Fake:
+        def get(self, path, **params):
+            assert path == "/admin/prefixes"
+            return {"prefixes": rows}
+
+    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
+    status, out, _ = cli(capsys, "prefixes", "--sort", "hits", "--limit", "2")
+    lines = out.splitlines()
+    assert status == 0 and [line.split()[0] for line in lines[1:3]] == [f"{1:016x}", f"{3:016x}"]
+    assert lines[3] == "2 of 4 prefixes, by hits; --limit 0 shows all"
+    status, out, _ = cli(capsys, "prefixes", "--limit", "0")  # recent first; never used (no idle time) last
+    assert [line.split()[0] for line in out.splitlines()[1:]] == [f"{i:016x}" for i in (2, 0, 1, 3)]
+    status, out, _ = cli(capsys, "prefixes", "--limit", "1", "--json")
+    assert len(json.loads(out)["prefixes"]) == 4
+    assert cli(capsys, "prefixes", "--sort", "age")[2].strip() == "error: sort: unknown value 'age'; use recent, hits, size"
+
+
 def _status_data(pins: int) -> dict:
     return {"blocks": {"device": {"total": 8, "free": 8, "reserved": 0, "active": 0, "shared": 0, "cached": 0,
                                   "pinned": 0}},
