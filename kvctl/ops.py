@@ -352,6 +352,7 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
 def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="Only entries newer than 1h, 2d, ..."),
           action: Optional[str] = typer.Option(None, help="Only this action (pin, unpin, evict, reload, adr.new, ...)."),
           state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Read the store directly (KVD_STATE_DIR)."),
+          limit: int = typer.Option(50, help="Newest rows in the table (0: all); --json always has all."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """The audit log of mutating operator actions: who, what, when, result.
 
@@ -366,6 +367,8 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
         start = time.time() - parse_duration(since) if since else 0.0
     except ValueError:
         raise UserError(f"since: invalid value {since!r}; use 30m, 1h, 2d") from None
+    if limit < 0:
+        raise UserError(f"limit: must be >= 0, got {limit}")
     data = None
     if not (state_dir or os.environ.get("KVD_STATE_DIR")):
         try:
@@ -380,9 +383,14 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
 
     def render(d):
         table = compact_table("when", "actor", "tenant", "action", "target", "result")
-        for e in d["entries"]:
+        entries = d["entries"] if limit == 0 else d["entries"][:limit]  # newest first
+        for e in entries:
             table.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["at"])), e["actor"],
                           e["tenant"], e["action"], e["target"], e["result"])
         keep_whole(table, 0, 4)
-        Console().print(table if d["entries"] else "no audit entries")
+        console = Console()
+        console.print(table if d["entries"] else "no audit entries")
+        if len(entries) < len(d["entries"]):
+            console.print(f"the newest {len(entries)} of {len(d['entries']):,} entries; --limit 0 shows all, "
+                          "--since and --action narrow them")
     _emit(data, as_json, render)

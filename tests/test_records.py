@@ -204,6 +204,14 @@ def test_audit_reads_the_store_without_a_daemon(tmp_path, capsys):
     status, out, _ = cli(capsys, "audit", "--state-dir", str(tmp_path), "--action", "evict", "--json")
     assert status == 0
     assert [e["target"] for e in json.loads(out)["entries"]] == ["tenant=acme"]
+    for i in range(3):
+        store.audit(actor="ops", tenant="acme", action="unpin", target=f"pin-{i + 2}", result="ok")
+    status, out, _ = cli(capsys, "audit", "--state-dir", str(tmp_path), "--limit", "2")
+    lines = out.splitlines()
+    assert [line.split()[-2] for line in lines[1:3]] == ["pin-4", "pin-3"]  # the newest first
+    assert lines[3] == "the newest 2 of 5 entries; --limit 0 shows all, --since and --action narrow them"
+    status, out, _ = cli(capsys, "audit", "--state-dir", str(tmp_path), "--limit", "2", "--json")
+    assert len(json.loads(out)["entries"]) == 5
 
 
 def test_bench_replay_save_gives_a_citable_run(tmp_path, capsys):
