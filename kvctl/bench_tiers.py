@@ -25,6 +25,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .errors import UserError
+
 DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -283,6 +285,8 @@ def tiers_command(
                         ("group-blocks", group_blocks), ("repeats", repeats)):
         if value < 1:
             raise typer.BadParameter(f"{name}: must be >= 1, got {value}")
+    if disk_path is not None and not disk_path.is_dir():
+        raise UserError(f"disk_path: {str(disk_path)!r} is not a folder; give one on the disk to measure")
     layout = _layout(layers, kv_heads, head_dim, block_size, dtype)
     scratch = Path(tempfile.mkdtemp(prefix="kvctl-bench-tiers-", dir=disk_path))
     try:

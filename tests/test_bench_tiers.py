@@ -48,6 +48,7 @@ def test_bench_tiers_prints_a_table(capsys, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--dtype", "fp4"], "dtype: invalid value 'fp4'"),
     (["--group-blocks", "0"], "group-blocks: must be >= 1, got 0"),
+    (["--disk-path", "/nonexistent/kvd-bench"], "disk_path: '/nonexistent/kvd-bench' is not a folder"),
 ])
 def test_bench_tiers_bad_options(capsys, args, message):
     status, out, err = cli(capsys, "bench", "tiers", *args, "--skip-break-even")
