@@ -66,7 +66,7 @@ def replay_command(
     demo_requests: int = typer.Option(DEMO_REQUESTS, help="Size of the generated demo trace."),
     seed: int = typer.Option(0, help="Seed of the generated demo trace."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: hit rate and "
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG file (.png): hit rate and "
                                         "fragmentation against block size."),
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
@@ -85,6 +85,10 @@ def replay_command(
                           time_scale=time_scale, max_tokens=max_tokens)
     if limit is not None and limit < 1:
         raise UserError(f"limit: must be >= 1, got {limit}")
+    if plot is not None:
+        from .replay_plot import check_plot_path
+
+        check_plot_path(plot)  # before the replay, which can take minutes
     try:
         validate_grid(sizes, capacities, policies, base)
     except ValueError as exc:

@@ -198,6 +198,8 @@ def serve_command(
         raise UserError("groups, system_tokens and question_tokens must be >= 1")
     if repeat < 1:
         raise UserError(f"repeat: must be >= 1, got {repeat}")
+    if plot is not None and plot.exists() and not plot.is_dir():
+        raise UserError(f"plot: {str(plot)!r} is a file; give a folder for the charts")
     def build(run_seed: int) -> list[BenchRequest]:
         return build_workload(workload, requests=requests, max_tokens=max_tokens, time_scale=time_scale,
                               seed=run_seed, block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,

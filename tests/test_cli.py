@@ -59,6 +59,23 @@ def test_replay_without_a_trace_generates_one_and_prints_a_table(capsys):
     assert "│    64 │" in out and "lru" in out
 
 
+def test_a_plot_never_overwrites_what_is_not_a_plot(capsys, small_trace, tmp_path):
+    precious = tmp_path / "passwd"
+    precious.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    fake_png = tmp_path / "notes.png"
+    fake_png.write_text("my notes")
+    for target, message in ((precious, f"plot: give a path ending in .png, got {str(precious)!r}"),
+                            (fake_png, f"plot: {str(fake_png)!r} exists and is not a PNG; it would be overwritten"),
+                            (tmp_path, f"plot: give a path ending in .png, got {str(tmp_path)!r}")):
+        status, out, err = cli(capsys, "bench", "replay", str(small_trace), "--block-sizes", "16",
+                               "--capacity-tokens", "4096", "--plot", str(target))
+        assert status == 2 and err.strip() == f"error: {message}" and out == ""  # refused before the replay
+    assert precious.read_text() == "root:x:0:0:root:/root:/bin/bash\n" and fake_png.read_text() == "my notes"
+    status, _, err = cli(capsys, "bench", "serve", "--plot", str(precious), "--baseline", "none")
+    assert status == 2 and err.strip() == f"error: plot: {str(precious)!r} is a file; give a folder for the charts"
+    assert precious.read_text().startswith("root:")
+
+
 def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
     plot = tmp_path / "charts" / "replay.png"
     status, _, _ = cli(capsys, "bench", "replay", str(small_trace), "--block-sizes", "128,256",
