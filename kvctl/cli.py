@@ -24,6 +24,7 @@ from .capacity_cmd import capacity_command
 from . import tiers_cmd
 from .rollout_cmd import rollout_app
 from .errors import UserError
+from .outputs import is_trace, refuse_clobber
 
 app = typer.Typer(help="Operate the KV cache of LLM serving: inspect, steer, replay, benchmark.",
                   no_args_is_help=True, add_completion=False,
@@ -82,6 +83,7 @@ def trace_generate(
 
     if requests < 1:
         raise UserError(f"requests: must be >= 1, got {requests}")
+    refuse_clobber(out, "out", is_trace, "a trace")
     trace = generate_trace(requests, seed=seed)
     write_trace(out, trace)
     if as_json:

@@ -18,6 +18,7 @@ from rich.markdown import Markdown
 from rich.table import Table
 
 from .errors import UserError
+from .outputs import is_sqlite, refuse_clobber
 
 adr_app = typer.Typer(help="Architecture decision records (append-only, in the SQLite store).",
                       no_args_is_help=True)
@@ -206,7 +207,11 @@ def db_backup(destination: Path = typer.Argument(..., help="Backup file to write
 
     Example: kvctl db backup /var/backups/kvd-$(date +%F).sqlite3
     """
-    path = open_store(state_dir).backup(destination)
+    store = open_store(state_dir)
+    if destination.resolve() == Path(store.path).resolve():
+        raise UserError(f"destination: {str(destination)!r} is the store itself; back it up elsewhere")
+    refuse_clobber(destination, "destination", is_sqlite, "a SQLite database")
+    path = store.backup(destination)
     typer.echo(json.dumps({"backup": str(path)}) if as_json else f"backed up to {path}")
 
 

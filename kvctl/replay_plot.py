@@ -8,27 +8,12 @@ from pathlib import Path
 from kvctl.daemon.replay.simulator import ReplayResult
 
 from .errors import UserError
-
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+from .outputs import is_png, refuse_clobber
 
 
 def check_plot_path(path: Path) -> None:
-    """Refuse, before any work, a plot path that would overwrite something other than a plot:
-    it must end in .png, and a file already there must be a PNG (kvctl often runs as root, where
-    `--plot /etc/passwd` once replaced the file with a chart)."""
-    if path.suffix.lower() != ".png":
-        raise UserError(f"plot: give a path ending in .png, got {str(path)!r}")
-    if path.is_dir():
-        raise UserError(f"plot: {str(path)!r} is a folder; give a .png file")
-    if path.exists():
-        try:
-            with path.open("rb") as handle:
-                head = handle.read(len(PNG_MAGIC))
-        except OSError as exc:
-            raise UserError(f"plot: cannot read {str(path)!r} ({exc.strerror})") from None
-        if head != PNG_MAGIC:
-            raise UserError(f"plot: {str(path)!r} exists and is not a PNG; it would be overwritten")
+    """Refuse, before any work, a plot path that would overwrite something other than a plot."""
+    refuse_clobber(path, "plot", is_png, "a PNG", suffix=".png")
 
 
 def write_plot(path: Path, results: list[ReplayResult], title: str) -> None:

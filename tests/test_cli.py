@@ -73,7 +73,14 @@ def test_a_plot_never_overwrites_what_is_not_a_plot(capsys, small_trace, tmp_pat
     assert precious.read_text() == "root:x:0:0:root:/root:/bin/bash\n" and fake_png.read_text() == "my notes"
     status, _, err = cli(capsys, "bench", "serve", "--plot", str(precious), "--baseline", "none")
     assert status == 2 and err.strip() == f"error: plot: {str(precious)!r} is a file; give a folder for the charts"
+    status, _, err = cli(capsys, "trace", "generate", str(precious), "--requests", "5")
+    assert status == 2 and err.strip() == f"error: out: {str(precious)!r} exists and is not a trace; it would be overwritten"
+    status, _, err = cli(capsys, "db", "backup", str(precious), "--state-dir", str(small_trace.parent / "state"))
+    assert status == 2  # no store there: nothing read, nothing written
     assert precious.read_text().startswith("root:")
+    trace = tmp_path / "t.jsonl"
+    for _ in range(2):  # a trace may replace a trace
+        assert cli(capsys, "trace", "generate", str(trace), "--requests", "5")[0] == 0
 
 
 def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):

@@ -193,6 +193,14 @@ def test_db_backup_and_check(tmp_path, capsys):
     assert status == 0
     copy = Store(tmp_path / "b" / "copy.sqlite3")
     assert [e["target"] for e in copy.audit_since(0)] == ["p"]
+    copy.close()
+    assert cli(capsys, "db", "backup", str(tmp_path / "b" / "copy.sqlite3"), *state)[0] == 0  # a backup may replace one
+    (tmp_path / "notes.txt").write_text("keep me")
+    status, _, err = cli(capsys, "db", "backup", str(tmp_path / "notes.txt"), *state)
+    assert status == 2 and "exists and is not a SQLite database; it would be overwritten" in err
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+    status, _, err = cli(capsys, "db", "backup", str(tmp_path / "kvd.sqlite3"), *state)
+    assert status == 2 and "is the store itself; back it up elsewhere" in err
     status, out, _ = cli(capsys, "db", "check", *state, "--json")
     assert status == 0 and json.loads(out)["ok"] is True and json.loads(out)["schema_version"] == SCHEMA_VERSION
 
