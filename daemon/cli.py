@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 from pathlib import Path
 from typing import Optional
@@ -34,10 +35,13 @@ def _root(ctx: typer.Context,
 
 
 def bind_unix_socket(path: str) -> socket.socket:
-    """Bind the API socket with mode 0660, replacing a stale file but never a live daemon's."""
+    """Bind the API socket with mode 0660, replacing a stale socket but never a live daemon's,
+    nor anything that is not a socket (a slip in --socket must not delete a file)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-    if target.exists():
+    if target.exists() or target.is_symlink():
+        if not stat.S_ISSOCK(target.lstat().st_mode):
+            raise RuntimeError(f"socket: {path!r} exists and is not a socket; kvd will not replace it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(str(target))

@@ -216,3 +216,26 @@ def test_a_reader_that_falls_behind_never_blocks_the_serving_loop(tmp_path):
         assert Notifier(str(tmp_path / "gone.sock")).ready() is False  # a receiver that went away
     finally:
         listener.close()
+
+
+def test_the_api_socket_replaces_only_a_stale_socket(tmp_path):
+    """A slip in --socket must never delete a file: only a socket nobody listens on is replaced."""
+    from kvctl.daemon.cli import bind_unix_socket
+
+    config = tmp_path / "kvd.yaml"
+    config.write_text("block_size: 16\n")
+    with pytest.raises(RuntimeError) as refused:
+        bind_unix_socket(str(config))
+    assert str(refused.value) == f"socket: {str(config)!r} exists and is not a socket; kvd will not replace it"
+    assert config.read_text() == "block_size: 16\n"
+    path = str(tmp_path / "kvd.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()  # a daemon that died: the file stays, nobody listens
+    live = bind_unix_socket(path)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        with pytest.raises(RuntimeError, match="another kvd is listening"):
+            bind_unix_socket(path)
+    finally:
+        live.close()
