@@ -21,6 +21,7 @@ from rich.table import Table
 
 from .bench_figures import RequestRecord, across_runs, engine_figures, figures, ratios
 from .errors import UserError
+from .outputs import is_png, refuse_clobber
 from .records_cmd import open_store
 from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
 
@@ -200,6 +201,8 @@ def serve_command(
         raise UserError(f"repeat: must be >= 1, got {repeat}")
     if plot is not None and plot.exists() and not plot.is_dir():
         raise UserError(f"plot: {str(plot)!r} is a file; give a folder for the charts")
+    for chart in PLOT_FILES if plot is not None else ():  # they replace earlier charts, nothing else
+        refuse_clobber(plot / chart, "plot", is_png, "a PNG")
     def build(run_seed: int) -> list[BenchRequest]:
         return build_workload(workload, requests=requests, max_tokens=max_tokens, time_scale=time_scale,
                               seed=run_seed, block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,
@@ -387,6 +390,9 @@ def _print_report(document: dict, previous: dict | None) -> None:
         Console().print(f"stored as run {document['run_id']}")
 
 
+PLOT_FILES = ("ttft.png", "throughput.png", "hit_ratio.png")  # what --plot DIR holds after a run
+
+
 def write_plots(folder: Path, kvd_records: list[RequestRecord], base_records: list[RequestRecord] | None) -> None:
     try:
         import matplotlib
@@ -411,7 +417,7 @@ def write_plots(folder: Path, kvd_records: list[RequestRecord], base_records: li
     for name, records in series.items():
         ttfts = [r.ttft * 1000 for r in records if r.ttft is not None]
         ax.hist(ttfts, bins=30, alpha=0.6, label=name)
-    save(fig, ax, "time to first token (ms)", "requests", "ttft.png")
+    save(fig, ax, "time to first token (ms)", "requests", PLOT_FILES[0])
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, records in series.items():
         times = sorted(t for r in records for t in r.token_times)
@@ -423,7 +429,7 @@ def write_plots(folder: Path, kvd_records: list[RequestRecord], base_records: li
         for t in times:
             counts[int(t - origin)] += 1
         ax.plot(range(bins), counts, marker="o", label=name)
-    save(fig, ax, "seconds", "output tokens per second", "throughput.png")
+    save(fig, ax, "seconds", "output tokens per second", PLOT_FILES[1])
     fig, ax = plt.subplots(figsize=(7, 4))
     finished = sorted((r for r in kvd_records if r.end is not None), key=lambda r: r.end)
     cached = prompt = 0
@@ -435,4 +441,4 @@ def write_plots(folder: Path, kvd_records: list[RequestRecord], base_records: li
         xs.append(r.end - origin)
         ys.append(cached / prompt if prompt else 0.0)
     ax.plot(xs, ys)
-    save(fig, ax, "seconds", "cached prompt tokens / prompt tokens (cumulative)", "hit_ratio.png", legend=False)
+    save(fig, ax, "seconds", "cached prompt tokens / prompt tokens (cumulative)", PLOT_FILES[2], legend=False)

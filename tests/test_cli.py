@@ -73,6 +73,11 @@ def test_a_plot_never_overwrites_what_is_not_a_plot(capsys, small_trace, tmp_pat
     assert precious.read_text() == "root:x:0:0:root:/root:/bin/bash\n" and fake_png.read_text() == "my notes"
     status, _, err = cli(capsys, "bench", "serve", "--plot", str(precious), "--baseline", "none")
     assert status == 2 and err.strip() == f"error: plot: {str(precious)!r} is a file; give a folder for the charts"
+    charts = tmp_path / "charts"
+    charts.mkdir()
+    (charts / "ttft.png").write_text("not a chart")
+    status, _, err = cli(capsys, "bench", "serve", "--plot", str(charts), "--baseline", "none")
+    assert status == 2 and "ttft.png' exists and is not a PNG; it would be overwritten" in err
     status, _, err = cli(capsys, "trace", "generate", str(precious), "--requests", "5")
     assert status == 2 and err.strip() == f"error: out: {str(precious)!r} exists and is not a trace; it would be overwritten"
     status, _, err = cli(capsys, "db", "backup", str(precious), "--state-dir", str(small_trace.parent / "state"))
