@@ -188,6 +188,8 @@ def adr_export(folder: Path = typer.Argument(Path("adr"), help="Where to write t
 
     if format != "md":
         raise UserError(f"format: unknown value {format!r}; the only format is md")
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"folder: {str(folder)!r} is a file; give a folder for the records")
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for adr in _guard(_records(state_dir).list):

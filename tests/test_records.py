@@ -69,6 +69,9 @@ def test_adr_lifecycle_revisions_and_export(tmp_path, capsys):
     status, out, _ = cli(capsys, "adr", "export", str(tmp_path / "docs"), *state, "--json")
     files = sorted(os.path.basename(p) for p in json.loads(out)["written"])
     assert files == ["0001-block-size-32-for-chat-traffic.md", "0002-block-size-64-after-all.md"]
+    (tmp_path / "a-file").write_text("keep")
+    status, _, err = cli(capsys, "adr", "export", str(tmp_path / "a-file"), *state)
+    assert status == 2 and err.strip() == f"error: folder: {str(tmp_path / 'a-file')!r} is a file; give a folder for the records"
     text = (tmp_path / "docs" / files[0]).read_text()
     assert "Status: superseded (superseded by ADR 2)" in text and "## Reversal trigger" in text
     actions = [e["action"] for e in store.audit_since(0)]
