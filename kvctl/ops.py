@@ -49,9 +49,12 @@ def _tokens(text: str | None, tokens: str | None, file: Path | None) -> dict:
             raise UserError(f"tokens: expected comma-separated integers, got {tokens!r}") from None
     if file is not None:
         try:
-            return {"text": file.read_text()}
+            return {"text": file.read_text(encoding="utf-8")}
         except OSError as exc:
             raise UserError(f"file: cannot read {str(file)!r} ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise UserError(f"file: {str(file)!r} is not UTF-8 text; give the prompt's text, or its token "
+                            "ids with --tokens") from None
     return {"text": text}
 
 
@@ -308,13 +311,14 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
 
 def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Prompt text."),
             tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma-separated."),
+            file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt text from a file."),
             tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """How much of a prompt would hit the cache, and why the first miss misses.
 
-    Example: kvctl explain "You are a helpful assistant." --tenant acme
+    Example: kvctl explain --file system_prompt.txt --tenant acme
     """
-    body = {**_tokens(text, tokens, None), "tenant": tenant}
+    body = {**_tokens(text, tokens, file), "tenant": tenant}
     data = _client(ctx).post("/admin/explain", body)
 
     def render(d):

@@ -469,6 +469,30 @@ def test_prefixes_table_sorts_and_limits_and_json_keeps_every_row(capsys, monkey
     assert cli(capsys, "prefixes", "--sort", "age")[2].strip() == "error: sort: unknown value 'age'; use recent, hits, size"
 
 
+def test_explain_and_pin_read_a_prompt_file_and_name_one_that_is_not_text(capsys, monkeypatch, tmp_path):
+    import kvctl.ops as ops
+
+    posted = []
+
+    class Fake:
+        def post(self, path, body):
+            posted.append((path, body))
+            return {"hit_tokens": 0, "prompt_tokens": 3, "hit_blocks": 0, "full_blocks": 0, "tenant": "acme"}
+
+    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
+    prompt = tmp_path / "system.txt"
+    prompt.write_text("Système: réponds brièvement.\n", encoding="utf-8")
+    assert cli(capsys, "explain", "--file", str(prompt), "--tenant", "acme")[0] == 0
+    assert posted == [("/admin/explain", {"text": "Système: réponds brièvement.\n", "tenant": "acme"})]
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\x89\xb7\x00\xff" * 8)
+    for command in ("explain", "pin"):
+        status, _, err = cli(capsys, command, "--file", str(binary))
+        assert status == 2 and err.strip() == (f"error: file: {str(binary)!r} is not UTF-8 text; give the prompt's "
+                                               "text, or its token ids with --tokens")
+    assert len(posted) == 1
+
+
 def _status_data(pins: int) -> dict:
     return {"blocks": {"device": {"total": 8, "free": 8, "reserved": 0, "active": 0, "shared": 0, "cached": 0,
                                   "pinned": 0}},
