@@ -184,14 +184,17 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default", reservation=None,
-                    cohort: str | None = None, prefix_keys: tuple | None = None) -> Request:
+                    cohort: str | None = None, prefix_keys: tuple | None = None,
+                    prompt_checked: bool = False) -> Request:
         """Queue a request, or raise AdmissionRejected (nothing allocated) / RequestError.
 
         `prefix_keys`: what `prefix_keys(tenant, prompt_ids)` returned, computed by the submitter
         outside the engine's step, so a long prompt is not hashed inside one (where every decode
         of the batch would wait for it). Keys computed for other ids are ignored; admission also
-        checks that the namespace has not changed since."""
-        self.check_prompt(prompt_ids, params)
+        checks that the namespace has not changed since. `prompt_checked`: the submitter ran
+        `check_prompt` already (outside the step), so its walk over the tokens is not repeated here."""
+        if not prompt_checked:
+            self.check_prompt(prompt_ids, params)
         request_id = request_id or f"req-{secrets.token_hex(6)}"
         if request_id in self.requests and not self.requests[request_id].finished:
             raise RequestError(f"request_id: {request_id!r} is already in flight")

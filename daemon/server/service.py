@@ -411,7 +411,7 @@ class EngineService:
                     reservation, cohort = self.rollouts.assign(submission.principal.tenant, request_id)
                     request = engine.add_request(prompt_ids, submission.params, tenant=submission.principal.tenant,
                                                  request_id=request_id, reservation=reservation, cohort=cohort,
-                                                 prefix_keys=keys)
+                                                 prefix_keys=keys, prompt_checked=True)
                     self._sinks[request.request_id] = submission.sink
                     queued.append(request)
             except Exception as exc:  # AdmissionRejected, RequestError, ...: nothing stays queued
