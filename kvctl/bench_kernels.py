@@ -98,6 +98,10 @@ def kernels_command(
                                       "programs_per_sm=4' (unnamed fields keep their defaults)."),
     prefill_launch: Optional[str] = typer.Option(
         None, "--prefill-launch", help="Prefill launch to time, e.g. 'rows=64,tile=64,num_warps=8'."),
+    timer: str = typer.Option(
+        "calls", "--timer", help="calls: each call launched from Python, as a caller sees it (where the GPU "
+                                 "is faster, the host's launch cost is the time); graph: GPU time alone, the "
+                                 "calls replayed from a CUDA graph. SDPA is timed the same way."),
     compile_for: list[str] = typer.Option(
         [], "--compile-for", help="Also compile every kernel configuration for these GPU architectures "
                                   "(sm_80, sm_86, sm_89, sm_90, sm_100; no GPU needed): shared memory, "
@@ -128,6 +132,8 @@ def kernels_command(
         raise UserError(f"dtype: unknown value {dtype!r}; choose from {', '.join(DTYPES)}")
     if repeat < 1:
         raise UserError(f"repeat: must be at least 1, got {repeat}")
+    if timer not in TIMERS:
+        raise UserError(f"timer: unknown value {timer!r}; choose from {', '.join(TIMERS)}")
     from kvctl.kernels import DecodeLaunch, PrefillLaunch
 
     decode_config = parse_launch("decode_launch", decode_launch, DecodeLaunch)
@@ -167,13 +173,14 @@ def kernels_command(
         raise UserError(f"dtype: {problem}")
     peak = peak_bandwidth(device_name)
     decode = [asdict(f) for f in run_decode(shape_list, batch_list, context_list, dtype, block_size,
-                                            max_tokens, peak, launch=decode_config, repeat=repeat)]
+                                            max_tokens, peak, launch=decode_config, repeat=repeat,
+                                            timer=TIMERS[timer])]
     prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size, launch=prefill_config,
-                                              repeat=repeat)]
+                                              repeat=repeat, timer=TIMERS[timer])]
     import triton
 
     document = {"device": device_name, "peak_bytes_per_second": peak, "block_size": block_size,
-                "repeat": repeat,
+                "repeat": repeat, "timer": timer,
                 "decode_launch": asdict(decode_config), "prefill_launch": asdict(prefill_config),
                 "decode": decode, "prefill": prefill, "torch": torch.__version__,
                 "triton": triton.__version__}
@@ -183,7 +190,8 @@ def kernels_command(
     if as_json:
         typer.echo(json.dumps(document, indent=2))
         return
-    table = Table(title=f"paged decode on {device_name} ({dtype} cache, block {block_size})")
+    timed = "GPU time, CUDA graph" if timer == "graph" else "time per call"
+    table = Table(title=f"paged decode on {device_name} ({dtype} cache, block {block_size}; {timed})")
     for column in ("shape", "batch", "context", "ms", "GB/s", "% of peak", "SDPA ms", "vs SDPA", "max diff"):
         table.add_column(column, justify="right")
     for f in decode:
@@ -193,7 +201,7 @@ def kernels_command(
                       f"{f['sdpa_ms']:.3f}", f"{f['speedup_vs_sdpa']:.2f}x",
                       f"{f['max_abs_diff_vs_sdpa']:.1e}")
     console.print(table)
-    table = Table(title="paged prefill")
+    table = Table(title=f"paged prefill ({timed})")
     for column in ("shape", "batch", "new", "prefix", "ms", "TFLOP/s", "SDPA ms", "vs SDPA", "max diff"):
         table.add_column(column, justify="right")
     for f in prefill:
@@ -284,10 +292,85 @@ def paged_case(shape: str, dtype_name: str, block_size: int, batch: int, context
 
 
 def _do_bench(fn) -> float:
-    """Milliseconds per call of `fn` on the GPU (Triton's CUDA-event timer, L2 flushed)."""
+    """Milliseconds per call of `fn` launched from Python, as a caller sees it: Triton's
+    CUDA-event timer with L2 flushed. Where the GPU finishes before the host has launched the
+    next call, this is the host's time per call (the launcher's Python and the launches)."""
     from triton.testing import do_bench
 
     return do_bench(fn)
+
+
+def capture_calls(fn, calls: int, before=None):
+    """A CUDA graph of `calls` calls of `fn` (each after `before()`, if given) and what the last
+    call returned. `fn` must not synchronise with the host (pass `max_context` and
+    `max_new_tokens` to the kernels); its outputs live in the graph's memory pool, and each
+    replay rewrites them from the inputs' current values."""
+    import gc
+
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    gc.collect()
+    gc.disable()  # a collection during capture may free memory another stream still uses
+    try:
+        with torch.cuda.graph(graph):
+            result = None
+            for _ in range(calls):
+                if before is not None:
+                    before()
+                result = fn()
+    finally:
+        gc.enable()
+    return graph, result
+
+
+def _graph_bench(fn, target_ms: float = 10.0, replays: int = 5) -> float:
+    """Milliseconds of GPU time per call of `fn`, without the host's cost of launching it (as
+    an engine that replays CUDA graphs sees it): `fn` is captured N times in one graph, each
+    call after an L2 flush, and a graph of the flushes alone, replayed alternately with it, is
+    taken off."""
+    import statistics
+
+    import torch
+
+    l2_bytes = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
+    flush = torch.empty(max(2 * l2_bytes, 64 << 20), dtype=torch.int8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (and compile) off the default stream, as capture asks
+        for _ in range(3):
+            flush.zero_()
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    end.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    calls = max(1, min(1000, int(target_ms / estimate_ms)))
+    with_fn, _ = capture_calls(fn, calls, before=flush.zero_)
+    flushes, _ = capture_calls(lambda: None, calls, before=flush.zero_)
+
+    def replay(graph) -> float:
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    replay(with_fn), replay(flushes)
+    timed, alone = [], []
+    for _ in range(replays):
+        timed.append(replay(with_fn))
+        alone.append(replay(flushes))
+    return max(statistics.median(timed) - statistics.median(alone), 0.0) / calls
+
+
+# --timer: how a case is timed (both kernels and SDPA the same way)
+TIMERS = {"calls": _do_bench, "graph": _graph_bench}
 
 
 def _timed(timer, fn, repeat: int) -> tuple[float, list[float]]:

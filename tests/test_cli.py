@@ -354,15 +354,17 @@ def test_bench_kernels_on_a_gpu_reports_medians_ranges_and_the_launch(capsys, mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(bench_kernels, "run_decode", lambda *a, **k: real_decode(*a, **k, device=device, timer=timer))
+    monkeypatch.setattr(bench_kernels, "run_decode", lambda *a, **k: real_decode(*a, **k, device=device))
     monkeypatch.setattr(bench_kernels, "run_prefill", lambda *a, **k: real_prefill(
-        *a, **k, batch=1, new_tokens=20, prefixes=(24,), device=device, timer=timer))
+        *a, **k, batch=1, new_tokens=20, prefixes=(24,), device=device))
+    monkeypatch.setattr(bench_kernels, "TIMERS", {"calls": timer, "graph": lambda fn: pytest.fail("graph timer")})
     args = ["bench", "kernels", "--shape", "llama3-8b", "--batch", "2", "--context", "40", "--repeat", "3",
             "--decode-launch", "tile=32"]
     status, out, _ = cli(capsys, *args, "--json")
     assert status == 0
     doc = json.loads(out)
     assert (doc["device"], doc["peak_bytes_per_second"], doc["repeat"]) == ("NVIDIA H200", 4.8e12, 3)
+    assert doc["timer"] == "calls"
     assert doc["decode_launch"] == asdict(DecodeLaunch(tile=32)) and doc["prefill_launch"] == asdict(PrefillLaunch())
     (d,) = doc["decode"]
     assert (d["ms"], d["ms_range"], d["sdpa_ms"], d["sdpa_ms_range"]) == (2.0, [1.0, 3.0], 5.0, [4.0, 6.0])
@@ -370,8 +372,44 @@ def test_bench_kernels_on_a_gpu_reports_medians_ranges_and_the_launch(capsys, mo
     monkeypatch.setenv("COLUMNS", "160")  # one line a row
     status, out, _ = cli(capsys, *args)
     assert status == 0
-    assert "paged decode on NVIDIA H200 (bfloat16 cache, block 16)" in out
+    assert "paged decode on NVIDIA H200 (bfloat16 cache, block 16; time per call)" in out
     assert "2.000 (1.000-3.000)" in out and "2.50x" in out
+
+
+def test_bench_kernels_timer_graph_times_kernel_and_sdpa_from_cuda_graphs(capsys, monkeypatch):
+    """--timer graph times every case, the kernels' and SDPA's alike, with the graph timer; the
+    document and the table titles say so. A timer name that does not exist is refused by name."""
+    pytest.importorskip("triton")
+    import torch
+
+    import kvctl.bench_kernels as bench_kernels
+
+    status, _, err = cli(capsys, "bench", "kernels", "--timer", "wall")
+    assert status == 2 and err.startswith("error: timer: unknown value 'wall'; choose from calls, graph")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    timed = []
+
+    def graph_timer(fn):
+        timed.append(fn.__name__)
+        return 1.0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    real_decode, real_prefill = bench_kernels.run_decode, bench_kernels.run_prefill
+    monkeypatch.setattr(bench_kernels, "run_decode", lambda *a, **k: real_decode(*a, **k, device=device))
+    monkeypatch.setattr(bench_kernels, "run_prefill", lambda *a, **k: real_prefill(
+        *a, **k, batch=1, new_tokens=20, prefixes=(24,), device=device))
+    monkeypatch.setattr(bench_kernels, "TIMERS", {"calls": lambda fn: pytest.fail("calls timer"),
+                                                  "graph": graph_timer})
+    args = ["bench", "kernels", "--shape", "llama3-8b", "--batch", "2", "--context", "40", "--timer", "graph"]
+    status, out, _ = cli(capsys, *args, "--json")
+    assert status == 0
+    assert json.loads(out)["timer"] == "graph"
+    assert timed == ["kernel", "baseline", "kernel", "baseline"]  # one decode case, one prefill case
+    monkeypatch.setenv("COLUMNS", "160")
+    status, out, _ = cli(capsys, *args)
+    assert "block 16; GPU time, CUDA graph)" in out and "paged prefill (GPU time, CUDA graph)" in out
 
 
 def test_bench_kernels_fails_when_a_kernel_does_not_fit(capsys, monkeypatch):

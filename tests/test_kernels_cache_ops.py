@@ -188,3 +188,35 @@ def test_gpu_decode_long_contexts_against_reference(cache_dtype):
     tol = {torch.float32: 1e-4, torch.float16: 2e-3}.get(q_dtype, 1.6e-2)
     torch.testing.assert_close(out.float(), ref.float(), **out_tolerance(q_dtype, v_cache, v_scale, base=tol))
     assert QUANT_MAX  # formats table loaded
+
+
+@cuda
+@needs_cuda
+def test_decode_and_prefill_replay_from_a_cuda_graph():
+    """`kvctl bench kernels --timer graph` replays the kernels from a CUDA graph: their launchers
+    must not synchronise with the host, and a replay must compute from the inputs' current
+    values (new queries give the eager call's new output)."""
+    from kvctl.bench_kernels import _graph_bench, capture_calls, paged_case
+    from kvctl.kernels import paged_prefill_attention
+
+    case = paged_case("llama3-8b", "bfloat16", 16, 3, 300, "cuda")
+    q = torch.randn((3, 32, 128), device="cuda", dtype=torch.bfloat16)
+    qp = torch.randn((3 * 20, 32, 128), device="cuda", dtype=torch.bfloat16)
+    qsl = torch.arange(0, 61, 20, dtype=torch.int32, device="cuda")
+
+    def decode():
+        return paged_decode_attention(q, case.k, case.v, case.tables, case.lens, scale=0.088, max_context=300)
+
+    def prefill():
+        return paged_prefill_attention(qp, case.k, case.v, case.tables, qsl, case.lens, scale=0.088,
+                                       max_new_tokens=20)
+
+    for fn, query in ((decode, q), (prefill, qp)):
+        fn()
+        torch.cuda.synchronize()
+        graph, replayed = capture_calls(fn, 2)
+        query.copy_(torch.randn_like(query))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, fn())
+        assert _graph_bench(fn, target_ms=2.0, replays=2) > 0
