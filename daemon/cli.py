@@ -181,6 +181,9 @@ async def _serve(settings, re_resolve) -> None:
             result = service.reload(re_resolve())
             log.info("reloaded: changed %s; needs restart: %s", sorted(result["changed"]),
                      result["needs_restart"])
+            for name, held in result.get("reverted_rollout_settings", {}).items():
+                log.warning("reload reverted %s from %s (completed rollout %s) to the config's %s",
+                            name, held["value"], held["rollout"], held["now"])
         except Exception as exc:  # a bad edit must not take the daemon down
             log.error("reload refused: %s", exc)
 

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from .client import Client
 from .errors import KvdUnavailable, UserError
-from .tables import compact_table, duration, keep_whole, size
+from .tables import compact_table, duration, keep_whole, size, when
 
 STATE_STYLES = {"free": "grey50", "reserved": "yellow", "active": "green", "shared": "cyan",
                 "cached": "blue", "pinned": "magenta"}
@@ -344,12 +344,19 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
     def render(d):
         table = Table("setting", "value", title=f"kvd settings ({d['precedence']})")
         effective = d.get("effective") or {}
+        from_rollouts = d.get("from_rollouts") or {}
         for key, value in d["config"].items():
             shown = "auto" if value is None and key in effective else str(value)
             if key in effective and effective[key] != value:
                 shown += f" ({effective[key]} in effect)"
+            if key in from_rollouts:
+                shown += f" (from rollout {from_rollouts[key]['rollout']}; not in the config yet)"
             table.add_row(key, shown)
-        Console().print(table)
+        console = Console()
+        console.print(table)
+        for key, held in from_rollouts.items():
+            console.print(f"[yellow]{key} {held['value']} came from completed rollout {held['rollout']}: a reload "
+                          f"or restart reverts it unless the config says {key}: {held['value']}[/yellow]")
     _emit(data, as_json, render)
 
 
@@ -389,7 +396,7 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
         table = compact_table("when", "actor", "tenant", "action", "target", "result")
         entries = d["entries"] if limit == 0 else d["entries"][:limit]  # newest first
         for e in entries:
-            table.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["at"])), e["actor"],
+            table.add_row(when(e["at"]), e["actor"],
                           e["tenant"], e["action"], e["target"], e["result"])
         keep_whole(table, 0, 4)
         console = Console()

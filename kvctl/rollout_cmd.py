@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -14,9 +14,45 @@ from rich.table import Table
 from .errors import UserError
 from .ops import _client
 from .ops import _emit as emit
+from .tables import compact_table, duration, keep_whole, when
 
 rollout_app = typer.Typer(help="Gradual rollouts of cache settings with stop conditions.", no_args_is_help=True)
 AS_JSON = typer.Option(False, "--json", help="Print JSON.")
+
+
+FIGURES = ("requests", "recomputed_token_ratio", "hit_ratio", "ttft_p50_seconds", "ttft_p95_seconds",
+           "preemptions_per_request")
+EVENTS_SHOWN = 10
+
+
+def _figure(value) -> str:
+    return "-" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
+
+
+def _figures_table(cohort: dict, baseline: dict, title: str) -> Table:
+    table = Table("figure", "cohort", "baseline", title=title, title_justify="left")
+    for name in FIGURES:
+        table.add_row(name, _figure(cohort.get(name)), _figure(baseline.get(name)))
+    return table
+
+
+def event_text(event: dict) -> str:
+    """One transition as a line: when, what, who, and its detail in words (not its figures)."""
+    parts = []
+    for key, value in event["detail"].items():
+        if key == "figures":
+            continue
+        if key in ("fraction", "to"):
+            parts.append(f"cohort {value:.0%}" if key == "fraction" else f"to {value:.0%}")
+        elif key == "stops":
+            parts.append("stop when " + "; ".join(value) if value else "no stop conditions")
+        elif key == "reason":
+            parts.append(str(value))
+        elif key == "condition":
+            continue  # the reason names it
+        else:
+            parts.append(f"{key} {_figure(value)}")
+    return f"{when(event['at'])} {event['action']} by {event['actor']}" + (f": {', '.join(parts)}" if parts else "")
 
 
 def _render(d: dict, console: Console | None = None) -> None:
@@ -24,13 +60,23 @@ def _render(d: dict, console: Console | None = None) -> None:
     console.print(f"rollout {d['id']}: {d['state']}, cohort {d['fraction']:.0%}, policy "
                   f"{d['policy'].get('name', '-')} (version {d['policy'].get('version')})"
                   + (f", ADR {d['adr_id']}" if d.get("adr_id") else ""))
+    settings = ", ".join(f"{name} {value}" for name, value in d["policy"].get("settings", {}).items())
+    in_effect = d.get("settings_in_effect")
+    if in_effect is None:
+        console.print(f"settings: {settings}")
+    elif all(in_effect.values()):
+        console.print(f"settings: {settings} (everyone's now)")
+    else:
+        reverted = ", ".join(name for name, kept in in_effect.items() if not kept)
+        console.print(f"settings: {settings} [yellow](no longer in effect: {reverted}; a reload or restart "
+                      f"with a config that says otherwise reverted it)[/yellow]")
     if d.get("cohort") is not None:
-        table = Table("figure", "cohort", "baseline")
-        for name in ("requests", "recomputed_token_ratio", "hit_ratio", "ttft_p50_seconds", "ttft_p95_seconds",
-                     "preemptions_per_request"):
-            fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
-            table.add_row(name, fmt(d["cohort"].get(name)), fmt(d["baseline"].get(name)))
-        console.print(table)
+        since = d.get("figures_since")
+        console.print(_figures_table(d["cohort"], d["baseline"], "figures" + (f" since {when(since)}" if since else "")))
+    elif d.get("last_figures"):
+        last = d["last_figures"]
+        console.print(_figures_table(last["cohort"], last["baseline"],
+                                     f"figures at its {last['action']} ({when(last['at'])})"))
     traffic = d.get("traffic")
     if traffic and traffic["requests"]:
         share = traffic["cohort_share"]
@@ -45,8 +91,13 @@ def _render(d: dict, console: Console | None = None) -> None:
                       "[/yellow]")
     for stop in d["stops"]:
         console.print(f"stop when: {stop}")
-    for event in d["events"][-5:]:
-        console.print(f"  {event['action']} by {event['actor']}: {json.dumps(event['detail'])}")
+    for hint in (d.get("keep") or {}).values():
+        console.print(f"[yellow]to keep it: {hint}[/yellow]")
+    events = d["events"]
+    if len(events) > EVENTS_SHOWN:
+        console.print(f"  ({len(events) - EVENTS_SHOWN} earlier transitions; --json has them all)")
+    for event in events[-EVENTS_SHOWN:]:
+        console.print("  " + event_text(event), highlight=False)
 
 
 def _emit(data: dict, as_json: bool) -> None:
@@ -81,6 +132,34 @@ def status(ctx: typer.Context, rollout_id: Optional[int] = typer.Argument(None, 
     """
     path = "/admin/rollouts" if rollout_id is None else f"/admin/rollouts/{rollout_id}"
     _emit(_client(ctx).get(path), as_json)
+
+
+@rollout_app.command("list")
+def list_rollouts(ctx: typer.Context, limit: int = typer.Option(20, "--limit", help="Newest rollouts to show."),
+                  as_json: bool = AS_JSON) -> None:
+    """Every rollout, newest first: state, cohort, policy, when it started and its latest transition.
+
+    Example: kvctl rollout list --limit 50
+    """
+    if limit < 1:
+        raise UserError(f"limit: must be at least 1, got {limit}")
+    data = _client(ctx).get(f"/admin/rollouts/history?limit={limit}")
+
+    def render(d: dict) -> None:
+        console = Console()
+        if not d["rollouts"]:
+            console.print("no rollout has been started; start one with `kvctl rollout start`")
+            return
+        now = time.time()
+        table = compact_table("id", "state", "cohort", "policy", "started", "latest", "adr")
+        for r in d["rollouts"]:
+            table.add_row(str(r["id"]), r["state"], f"{r['fraction']:.0%}", r["policy"].get("name", "-"),
+                          when(r["created_at"]), f"{r['last_action']} {duration(now - r['last_at'])} ago",
+                          "-" if r["adr_id"] is None else str(r["adr_id"]))
+        keep_whole(table, 0, 4, 5)
+        console.print(table)
+
+    emit(data, as_json, render)
 
 
 @rollout_app.command("advance")

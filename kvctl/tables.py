@@ -8,6 +8,8 @@ that an operator copies into the next command (`kvctl unpin`, `kvctl swap`, `kvc
 
 from __future__ import annotations
 
+import time
+
 from rich.table import Table
 
 
@@ -50,3 +52,8 @@ def duration(seconds: float | None) -> str:
     if seconds < 86400:
         return f"{hours}h {minutes % 60}m" if minutes % 60 else f"{hours}h"
     return f"{days}d {hours % 24}h" if hours % 24 else f"{days}d"
+
+
+def when(at: float | None) -> str:
+    """A Unix time as local date and time to the second: 2026-11-30 04:17:44; '-' when unknown."""
+    return "-" if at is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -75,6 +76,11 @@ def test_a_worse_policy_trips_its_stop_condition_and_rolls_back_by_itself(tmp_pa
         assert last["action"] == "rollback" and last["actor"] == "kvd"
         assert last["detail"]["condition"] == "recomputed_token_ratio > 1.2 * baseline"
         assert last["detail"]["observed"] > last["detail"]["threshold"] == 0.0
+        # what it was judged on stays with it: the figures at the rollback, kept after the live ones are gone
+        assert result["cohort"] is None and result["last_figures"]["action"] == "rollback"
+        assert result["last_figures"]["cohort"] == status["cohort"]
+        assert result["last_figures"]["baseline"] == status["baseline"]
+        assert result["last_figures"]["since"] == status["figures_since"] == started["figures_since"]
         assert service.rollouts.assign("t0", "r") == (None, None)
         audit = [e["action"] for e in call(unix, "GET", "/admin/audit").json()["entries"]]
         assert audit[:2] == ["rollout.rollback", "rollout.start"]
@@ -161,3 +167,61 @@ def test_bad_policies_are_refused(tmp_path, policy, message):
         assert bad_stop.status_code == 400 and "unknown figure 'x'" in bad_stop.json()["error"]["message"]
     finally:
         service.shutdown(1)
+
+
+def test_an_operator_completes_a_rollout_keeps_its_figures_and_is_told_a_reload_reverts_it(tmp_path):
+    """The whole path through kvctl against a real kvd: a list with nothing in it, a rollout by
+    request, traffic, completion (figures kept, and the setting to write into the config), the
+    config showing where the setting came from, a SIGHUP whose config reverts it (and status
+    saying so), and the list."""
+    import json
+    import signal
+
+    from .kvd_process import complete, kvctl, launch
+
+    config = tmp_path / "kvd.yaml"
+    config.write_text('reservation: "fraction:1.0"\n')
+    policy = tmp_path / "p95.yaml"
+    policy.write_text("name: reserve-p95\nby: request\nsettings:\n  reservation: p95\n")
+    sock = tmp_path / "kvd.sock"
+    proc, client = launch(tmp_path / "state", sock, tmp_path / "kvd.log", "--config", str(config))
+    try:
+        empty = kvctl(sock, "rollout", "list")
+        assert empty.returncode == 0 and "no rollout has been started" in empty.stdout
+        started = kvctl(sock, "rollout", "start", "--policy", str(policy), "--cohort", "50%", "--json")
+        rollout_id = json.loads(started.stdout)["id"]
+        for i in range(12):
+            complete(client.post, f"question {i}")
+        done = kvctl(sock, "rollout", "complete", str(rollout_id))
+        assert done.returncode == 0, done.stderr
+        text = " ".join(done.stdout.split())
+        assert "settings: reservation p95 (everyone's now)" in text
+        assert "figures at its complete (" in text
+        assert ("to keep it: set reservation: p95 in kvd's config (YAML, KVD_RESERVATION or --reservation); "
+                "until then a reload or restart reverts it") in text
+        status = json.loads(kvctl(sock, "rollout", "status", str(rollout_id), "--json").stdout)
+        figures = status["last_figures"]
+        assert figures["cohort"]["requests"] + figures["baseline"]["requests"] == 12
+        assert status["settings_in_effect"] == {"reservation": True}
+        shown = " ".join(kvctl(sock, "config", "show").stdout.split())
+        assert f"p95 (from rollout {rollout_id}; not in the config yet)" in shown
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while json.loads(kvctl(sock, "config", "show", "--json").stdout)["config"]["reservation"] != "fraction:1.0":
+            assert time.monotonic() < deadline, "the reload did not apply"
+            time.sleep(0.2)
+        assert (f"reload reverted reservation from p95 (completed rollout {rollout_id}) to the config's "
+                "fraction:1.0") in (tmp_path / "kvd.log").read_text()
+        after = " ".join(kvctl(sock, "rollout", "status", str(rollout_id)).stdout.split())
+        assert "(no longer in effect: reservation;" in after
+        listed = kvctl(sock, "rollout", "list").stdout.splitlines()
+        assert listed[0].split() == ["id", "state", "cohort", "policy", "started", "latest", "adr"]
+        assert listed[1].split()[:4] == [str(rollout_id), "completed", "50%", "reserve-p95"]
+        assert " complete " in listed[1] and listed[1].split()[-1] == "-"
+        audit = json.loads(kvctl(sock, "audit", "--json").stdout)["entries"]
+        assert [e["action"] for e in audit[:3]] == ["reload", "rollout.complete", "rollout.start"]
+        assert "figures" not in audit[1]["detail"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        client.close()

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -19,40 +16,11 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("redis")
 
 from .daemon_fixtures import blocks_all_back, call, start_service  # noqa: E402
+from .kvd_process import TIERS, complete, kvctl, launch  # noqa: E402
 from .tier_fixtures import redis_server  # noqa: E402,F401
 
-BIN = Path(sys.executable).parent
 PROMPTS = [f"Request {i}: the operators of the cache want their prefixes kept warm across restarts, "
            f"so block {i} must come back whole or not at all." for i in range(6)]
-TIERS = {"disk_cache_bytes": "64MiB", "write_policy": "write_through", "tiering": "always"}
-
-
-def launch(state: Path, sock: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, httpx.Client]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
-    tiers = extra or ("--disk-cache-bytes", TIERS["disk_cache_bytes"], "--write-policy", TIERS["write_policy"],
-                      "--tiering", TIERS["tiering"])
-    proc = subprocess.Popen(
-        [str(BIN / "kvd"), "serve", "--state-dir", str(state), "--socket", str(sock), "--num-blocks", "24",
-         *tiers, "--log-level", "warning"],
-        env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-    client = httpx.Client(base_url="http://kvd", transport=httpx.HTTPTransport(uds=str(sock)), timeout=60)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if client.get("/readyz").status_code == 200:
-                return proc, client
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("kvd did not become ready")
-
-
-def complete(post, prompt: str) -> dict:
-    response = post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                             "ignore_eos": True})
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 def test_sigkill_during_disk_writes_then_restart_serves_nothing_torn(tmp_path):
@@ -122,11 +90,6 @@ def test_two_daemons_share_a_prefix_through_redis(tmp_path, redis_server):
     finally:
         first.shutdown(deadline=2)
         second.shutdown(deadline=2)
-
-
-def kvctl(sock: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVD_SOCKET": str(sock), "COLUMNS": "80"}  # an operator's terminal: ids must stay whole
-    return subprocess.run([str(BIN / "kvctl"), *args], env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_kvctl_tiers_and_swap_as_an_operator_drives_them(tmp_path):

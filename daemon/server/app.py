@@ -383,11 +383,15 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/admin/rollouts")
     def rollout_latest(_: Principal = Depends(admin)):
-        return service.rollouts.status()
+        return service.rollout_status()
+
+    @app.get("/admin/rollouts/history")
+    def rollout_history(limit: int = Query(50, ge=1, le=10_000), _: Principal = Depends(admin)):
+        return {"rollouts": service.rollouts.history(limit)}
 
     @app.get("/admin/rollouts/{rollout_id}")
     def rollout_status(rollout_id: int, _: Principal = Depends(admin)):
-        return service.rollouts.status(rollout_id)
+        return service.rollout_status(rollout_id)
 
     @app.post("/admin/rollouts/{rollout_id}/advance")
     def rollout_advance(rollout_id: int, body: RolloutAdvance, who: Principal = Depends(admin)):
@@ -433,6 +437,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.get("/admin/config")
     def config(_: Principal = Depends(admin)):
         return {"config": service.config.shown(), "effective": service.effective_settings(),
+                "from_rollouts": service.rollout_settings,
                 "precedence": "flag > KVD_* env > YAML file > default"}
 
     @app.get("/admin/audit")

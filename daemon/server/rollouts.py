@@ -5,8 +5,9 @@ eviction policy is one per cache pool and changes through the config and SIGHUP)
 join the cohort by a stable hash of their tenant (or of the request id with `by: request`);
 cohort and baseline figures are kept apart. `evaluate()` runs on a schedule: when a stop
 condition trips, the rollout rolls back and records which condition and the values. Every
-transition is stored with who and when; a restart resumes the rollout in its recorded state
-(figures start again from zero).
+transition is stored with who and when, with the cohort and baseline figures at that moment,
+so a finished rollout still shows what it was judged on. A restart resumes the rollout in its
+recorded state; its live figures start again from zero (`figures_since` says from when).
 
 Policy file (YAML)::
 
@@ -113,6 +114,7 @@ class RolloutManager:
         self.candidate = None  # its reservation policy instance (learns as its cohort finishes)
         self.cohort = CohortStats()
         self.baseline = CohortStats()
+        self.figures_since: float | None = None  # when the live figures started counting
         self.restore()
 
     # ---- persistence -------------------------------------------------------------------------
@@ -137,6 +139,7 @@ class RolloutManager:
     def _activate(self, rollout: dict | None) -> None:
         self.active = rollout
         self.cohort, self.baseline = CohortStats(), CohortStats()
+        self.figures_since = None if rollout is None else self.clock()
         self.candidate = None
         if rollout is not None and "reservation" in rollout["policy"]["settings"]:
             self.candidate = parse_reservation(str(rollout["policy"]["settings"]["reservation"]))
@@ -176,19 +179,22 @@ class RolloutManager:
             row = self._row(rollout_id)
             if row["state"] not in allowed:
                 raise ServiceError(409, f"rollout {rollout_id}: cannot {action} while {row['state']}")
+            if self.active is not None and self.active["id"] == rollout_id:  # what it was judged on
+                detail = {**detail, "figures": {"cohort": self.cohort.figures(), "baseline": self.baseline.figures(),
+                                                "since": self.figures_since}}
             with self.store.write() as conn:
                 if fraction is not None:
                     conn.execute("UPDATE rollouts SET fraction = ? WHERE id = ?", (fraction, rollout_id))
                 conn.execute("UPDATE rollouts SET state = ? WHERE id = ?", (state, rollout_id))
                 self._event(conn, rollout_id, actor, action, detail)
             if state in ACTIVE_STATES:
-                figures = (self.cohort, self.baseline)
+                figures = (self.cohort, self.baseline, self.figures_since)
                 self._activate(self._row(rollout_id))
-                self.cohort, self.baseline = figures
+                self.cohort, self.baseline, self.figures_since = figures
             else:
                 self._activate(None)
         self.store.audit(actor=actor, tenant="-", action=f"rollout.{action}", target=f"rollout:{rollout_id}",
-                         result="ok", detail=detail)
+                         result="ok", detail={k: v for k, v in detail.items() if k != "figures"})
         return self.status(rollout_id)
 
     def advance(self, rollout_id: int, to: str | float, actor: str) -> dict:
@@ -262,5 +268,19 @@ class RolloutManager:
             live = self.active is not None and self.active["id"] == rollout_id
             cohort = self.cohort.figures() if live else None
             baseline = self.baseline.figures() if live else None
+            recorded = [e for e in events if "figures" in e["detail"]]
             return {**row, "events": events, "cohort": cohort, "baseline": baseline,
+                    "figures_since": self.figures_since if live else None,
+                    "last_figures": None if not recorded else {
+                        "at": recorded[-1]["at"], "action": recorded[-1]["action"], **recorded[-1]["detail"]["figures"]},
                     "traffic": traffic_split(row, cohort, baseline) if live else None}
+
+    def history(self, limit: int) -> list[dict]:
+        """The newest `limit` rollouts, each with its latest transition."""
+        rows = self.store.conn.execute(
+            "SELECT r.id, r.created_at, r.state, r.fraction, r.policy, r.adr_id, r.actor, "
+            "(SELECT at FROM rollout_events WHERE rollout_id = r.id ORDER BY id DESC LIMIT 1), "
+            "(SELECT action FROM rollout_events WHERE rollout_id = r.id ORDER BY id DESC LIMIT 1) "
+            "FROM rollouts r ORDER BY r.id DESC LIMIT ?", (limit,)).fetchall()
+        return [{"id": r[0], "created_at": r[1], "state": r[2], "fraction": r[3], "policy": json.loads(r[4]),
+                 "adr_id": r[5], "actor": r[6], "last_at": r[7], "last_action": r[8]} for r in rows]

@@ -109,6 +109,9 @@ class EngineService:
         self.rollouts = RolloutManager(store)
         self._observers.append(self.rollouts.observe)
         self.rollout_check_seconds = 10.0
+        # settings a completed rollout made everyone's, not (yet) in the config: {name: {value, rollout}};
+        # a reload whose config says otherwise reverts them, and says so
+        self.rollout_settings: dict[str, dict] = {}
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.tiers = None  # TieredCache when lower tiers are configured (see tier_ops)
         self.tier_scan = None
@@ -328,7 +331,13 @@ class EngineService:
                 if new.pin_budget_blocks is not None:
                     engine.cache.pins.default_budget = new.pin_budget_blocks
             self.config = replace(self.config, **changed)
+            # a completed rollout's setting is now either the config's too, or reverted by it
+            reverted = {name: {**held, "now": changed[name]} for name, held in self.rollout_settings.items()
+                        if name in changed}
+            self.rollout_settings = {}
         result = {"changed": changed, "needs_restart": ignored}
+        if reverted:
+            result["reverted_rollout_settings"] = reverted
         self.store.audit(actor="sighup", tenant="-", action="reload", target="config",
                          result="ok", detail=result)
         return result
@@ -548,15 +557,40 @@ class EngineService:
         return body
 
     def complete_rollout(self, rollout_id: int, principal: Principal) -> dict:
-        """Finish a rollout: its settings become everyone's (kept until the next reload)."""
+        """Finish a rollout: its settings become everyone's now. They live in memory only: the
+        answer says which settings to write into the config, and a reload or restart with a
+        config that says otherwise reverts them (the reload says so; `rollout_status` shows
+        whether they are still in effect)."""
         with self.lock:
             rollout = self.rollouts.status(rollout_id)
             body = self.rollouts.complete(rollout_id, principal.actor)
+            applied = {}
             reservation = rollout["policy"]["settings"].get("reservation")
-            if reservation is not None and self.engine is not None:
-                self.engine.reservation = parse_reservation(str(reservation))
-                self.engine.settings = replace(self.engine.settings, reservation=str(reservation))
+            if reservation is not None:
+                applied["reservation"] = {"value": str(reservation), "was": self.config.reservation}
+                if self.engine is not None:
+                    self.engine.reservation = parse_reservation(str(reservation))
+                    self.engine.settings = replace(self.engine.settings, reservation=str(reservation))
                 self.config = replace(self.config, reservation=str(reservation))
+            for name, change in applied.items():
+                if change["value"] != change["was"]:
+                    self.rollout_settings[name] = {"value": change["value"], "rollout": rollout_id}
+        body = self._with_settings_in_effect(body)
+        body["applied"] = applied
+        body["keep"] = {name: f"set {name}: {change['value']} in kvd's config (YAML, KVD_{name.upper()} or "
+                              f"--{name.replace('_', '-')}); until then a reload or restart reverts it"
+                        for name, change in applied.items() if name in self.rollout_settings}
+        return body
+
+    def rollout_status(self, rollout_id: int | None = None) -> dict:
+        """A rollout as `RolloutManager.status` reports it; a completed one also says whether its
+        settings are still in effect (a reload or restart may have reverted them)."""
+        return self._with_settings_in_effect(self.rollouts.status(rollout_id))
+
+    def _with_settings_in_effect(self, body: dict) -> dict:
+        if body["state"] == "completed":
+            body["settings_in_effect"] = {name: str(getattr(self.config, name, None)) == str(value)
+                                          for name, value in body["policy"]["settings"].items()}
         return body
 
     def cancel(self, request_id: str) -> None:
