@@ -39,7 +39,8 @@ def _figures_table(cohort: dict, baseline: dict, title: str) -> Table:
 def event_text(event: dict) -> str:
     """One transition as a line: when, what, who, and its detail in words (not its figures)."""
     parts = []
-    for key, value in event["detail"].items():
+    detail = event["detail"]
+    for key, value in sorted(detail.items(), key=lambda item: item[0] != "reason"):  # the reason first
         if key == "figures":
             continue
         if key in ("fraction", "to"):

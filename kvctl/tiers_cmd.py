@@ -61,8 +61,7 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
 
 
 def tiers(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Each memory tier: capacity, use, hit tokens, bytes moved each way, transfer rates,
-    checksum failures and health.
+    """Each memory tier: capacity, use, hit tokens, bytes moved, transfer rates, checksum failures, health.
 
     Example: kvctl tiers
     """
