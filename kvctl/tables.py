@@ -12,6 +12,8 @@ import time
 
 from rich.table import Table
 
+from kvctl.daemon.server.durations import format_duration as duration  # noqa: F401 (kvctl's tables use it)
+
 
 def compact_table(*headers: str, title: str | None = None) -> Table:
     """A table with no border and one space between columns; the header is underlined."""
@@ -37,21 +39,6 @@ def size(value: float | None) -> str:
             return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
         value /= 1024
     return str(value)
-
-
-def duration(seconds: float | None) -> str:
-    """A span an operator reads at a glance: 45s, 12m, 3h 5m, 2d 4h; '-' when unknown."""
-    if seconds is None:
-        return "-"
-    seconds = max(int(seconds), 0)
-    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{minutes}m"
-    if seconds < 86400:
-        return f"{hours}h {minutes % 60}m" if minutes % 60 else f"{hours}h"
-    return f"{days}d {hours % 24}h" if hours % 24 else f"{days}d"
 
 
 def when(at: float | None) -> str:

@@ -185,6 +185,8 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path):
         assert len(first["layer_sensitivity"]) == 2
         skipped = call(unix, "POST", "/admin/calibrate", json={**body, "if_older_than": 3600}).json()
         assert skipped["skipped"] is True and skipped["calibration_id"] == 1
+        assert skipped["reason"] == (f"calibration 1 was made {int(skipped['age_seconds'])}s ago, "
+                                     "within if_older_than 1h")
         strict = call(unix, "POST", "/admin/calibrate", json={**body, "max_kl": 1e-12, "apply": True}).json()
         assert strict["applied"] is False and strict["meets_target"] is False
         assert strict["refused"].startswith(f"apply: calibration {strict['calibration_id']} misses the target: "

@@ -14,3 +14,18 @@ def parse_duration(text: str | float | int | None) -> float | None:
     if seconds <= 0:
         raise ValueError(f"duration must be > 0, got {text!r}")
     return seconds
+
+
+def format_duration(seconds: float | None) -> str:
+    """A span an operator reads at a glance: 45s, 12m, 3h 5m, 2d 4h; '-' when unknown."""
+    if seconds is None:
+        return "-"
+    seconds = max(int(seconds), 0)
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{minutes}m"
+    if seconds < 86400:
+        return f"{hours}h {minutes % 60}m" if minutes % 60 else f"{hours}h"
+    return f"{days}d {hours % 24}h" if hours % 24 else f"{days}d"

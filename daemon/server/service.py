@@ -30,7 +30,7 @@ from kvctl.daemon.store import Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.reservation import parse_reservation
 
-from .durations import parse_duration  # noqa: F401  (re-exported for the app)
+from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
 from .notify import Notifier
 
 log = logging.getLogger("kvd")
@@ -492,10 +492,11 @@ class EngineService:
             raise ServiceError(400, f"margin: must be >= 1.0, got {margin}", "margin")
         if if_older_than is not None:
             latest = self.store.calibration(loaded.revision, dtype, applied=False)
-            if latest is not None and time.time() - latest["created_at"] < if_older_than:
-                return {"skipped": True, "calibration_id": latest["id"], "dtype": dtype,
-                        "age_seconds": time.time() - latest["created_at"],
-                        "reason": f"calibration {latest['id']} is newer than {if_older_than:.0f}s"}
+            age = None if latest is None else time.time() - latest["created_at"]
+            if age is not None and age < if_older_than:
+                return {"skipped": True, "calibration_id": latest["id"], "dtype": dtype, "age_seconds": age,
+                        "reason": f"calibration {latest['id']} was made {format_duration(age)} ago, within "
+                                  f"if_older_than {format_duration(if_older_than)}"}
         calib, held = cal.builtin_prompts(loaded.tokenizer)
         if prompts:
             split = max(1, len(prompts) // 2)
