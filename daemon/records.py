@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .store import Store
 
@@ -21,6 +21,8 @@ FIELDS = ("context", "alternatives", "evidence", "assumptions", "decision", "rol
 HEADINGS = {f: f.replace("_", " ").capitalize() for f in FIELDS}
 STATUSES = ("proposed", "accepted", "rejected", "superseded")
 RUN_REF = re.compile(r"\brun:(\d+)\b")
+NOT_WRITTEN = "(not written yet)"  # what an empty section shows; read back as empty
+EXPORTED_TITLE = re.compile(r"^ADR \d+: ")  # the prefix `markdown()` puts before the title
 
 
 class RecordError(ValueError):
@@ -38,24 +40,36 @@ class Adr:
     updated_at: float
     author: str
     superseded_by: int | None
+    rollouts: list[dict] = field(default_factory=list)  # the rollouts that carry it out: id, state, fraction
 
     def as_dict(self) -> dict:
         return {"id": self.id, "status": self.status, "title": self.title, "revision": self.revision,
                 "created_at": self.created_at, "updated_at": self.updated_at, "author": self.author,
                 "superseded_by": self.superseded_by, "fields": self.fields,
-                "evidence_runs": [int(x) for x in RUN_REF.findall(self.fields.get("evidence", ""))]}
+                "evidence_runs": [int(x) for x in RUN_REF.findall(self.fields.get("evidence", ""))],
+                "rollouts": self.rollouts}
 
     def markdown(self) -> str:
+        # list items, each on its own line when rendered; not sections, so that an exported record
+        # stays valid --from-file input
         lines = [f"# ADR {self.id}: {self.title}", "",
-                 f"Status: {self.status}" + (f" (superseded by ADR {self.superseded_by})" if self.superseded_by else ""),
-                 f"Revision: {self.revision}, by {self.author}", ""]
+                 f"- Status: {self.status}" + (f" (superseded by ADR {self.superseded_by})" if self.superseded_by else ""),
+                 f"- Revision: {self.revision}, by {self.author}"]
+        if self.rollouts:
+            lines.append("- Rollouts: " + ", ".join(f"{r['id']} ({r['state']}, cohort {r['fraction']:.0%})"
+                                                    for r in self.rollouts))
+        lines.append("")
         for name in FIELDS:
-            lines += [f"## {HEADINGS[name]}", "", self.fields.get(name, "").strip() or "(not written yet)", ""]
+            lines += [f"## {HEADINGS[name]}", "", self.fields.get(name, "").strip() or NOT_WRITTEN, ""]
         return "\n".join(lines)
 
 
 def parse_markdown(text: str) -> tuple[str | None, dict[str, str]]:
-    """Title (from '# ...') and fields (from '## Heading' sections); unknown headings are refused."""
+    """Title (from '# ...') and fields (from '## Heading' sections); unknown headings are refused.
+
+    Reads back what `Adr.markdown()` writes (`adr export`): the 'ADR N: ' before the title is
+    dropped and a section that says it is not written yet is empty, so an exported record edited
+    and given to `adr edit --from-file` changes only what was written."""
     title, fields, current = None, {}, None
     by_heading = {h.lower(): f for f, h in HEADINGS.items()}
     for line in text.splitlines():
@@ -67,10 +81,10 @@ def parse_markdown(text: str) -> tuple[str | None, dict[str, str]]:
             current = by_heading[heading]
             fields[current] = ""
         elif line.startswith("# ") and title is None and current is None:
-            title = line[2:].strip()
+            title = EXPORTED_TITLE.sub("", line[2:].strip())
         elif current is not None:
             fields[current] += line + "\n"
-    return title, {k: v.strip() for k, v in fields.items()}
+    return title, {k: "" if v.strip() == NOT_WRITTEN else v.strip() for k, v in fields.items()}
 
 
 class Records:
@@ -120,8 +134,10 @@ class Records:
         rev = self.store.conn.execute(
             "SELECT revision, at, author, title, body FROM adr_revisions WHERE adr_id = ? "
             "ORDER BY revision DESC LIMIT 1", (adr_id,)).fetchone()
+        rollouts = [{"id": r[0], "state": r[1], "fraction": r[2]} for r in self.store.conn.execute(
+            "SELECT id, state, fraction FROM rollouts WHERE adr_id = ? ORDER BY id", (adr_id,))]
         return Adr(id=row[0], status=row[2], title=rev[3], fields=json.loads(rev[4]), revision=rev[0],
-                   created_at=row[1], updated_at=rev[1], author=rev[2], superseded_by=row[3])
+                   created_at=row[1], updated_at=rev[1], author=rev[2], superseded_by=row[3], rollouts=rollouts)
 
     def revisions(self, adr_id: int) -> list[dict]:
         self.get(adr_id)

@@ -95,6 +95,19 @@ def test_adr_errors_name_the_problem(tmp_path, capsys):
     assert status == 2 and ("adr 1: has no Decision section to accept; add one first (kvctl adr edit 1 "
                             "--from-file F with a '## Decision' section)") in " ".join(err.split())
     assert json.loads(cli(capsys, "adr", "show", "1", *state, "--json")[1])["status"] == "proposed"
+    status, _, err = cli(capsys, "adr", "edit", "1", "--from-file", str(tmp_path / "none.md"), *state)
+    assert status == 2 and err.strip() == (f"error: from_file: cannot read {str(tmp_path / 'none.md')!r} "
+                                           "(No such file or directory)")
+    # an exported draft, one section written and given back: only that section changes
+    cli(capsys, "adr", "export", str(tmp_path / "docs"), *state)
+    draft = tmp_path / "docs" / "0001-undecided.md"
+    draft.write_text(draft.read_text().replace("## Context\n\n(not written yet)", "## Context\n\nChat traffic."))
+    assert cli(capsys, "adr", "edit", "1", "--from-file", str(draft), *state)[0] == 0
+    edited = json.loads(cli(capsys, "adr", "show", "1", *state, "--json")[1])
+    assert edited["title"] == "Undecided" and edited["revision"] == 2
+    assert edited["fields"]["context"] == "Chat traffic." and edited["fields"]["decision"] == ""
+    status, _, err = cli(capsys, "adr", "accept", "1", *state)  # the placeholder is no decision
+    assert status == 2 and "adr 1: has no Decision section to accept" in err
     with pytest.raises(RecordError, match="title: must not be empty"):
         Records(Store(tmp_path / "kvd.sqlite3")).new(" ", {}, "ops")
 

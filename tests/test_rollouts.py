@@ -225,3 +225,28 @@ def test_an_operator_completes_a_rollout_keeps_its_figures_and_is_told_a_reload_
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         client.close()
+
+
+def test_a_decision_record_lists_the_rollouts_that_carry_it_out(tmp_path):
+    from kvctl.daemon.records import Records, parse_markdown
+
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        records = Records(service.store)
+        adr = records.new("Reserve p95 of output", {"decision": "p95 for chat"}, "ana")
+        assert adr.rollouts == [] and "Rollouts" not in adr.markdown()
+        body = {"policy": {"name": "p95", "settings": {"reservation": "p95"}}, "cohort": "10%", "adr": adr.id}
+        first = call(unix, "POST", "/admin/rollouts", json=body).json()["id"]
+        call(unix, "POST", f"/admin/rollouts/{first}/rollback", json={"reason": "too early"})
+        second = call(unix, "POST", "/admin/rollouts", json={**body, "cohort": "25%"}).json()["id"]
+        adr = records.get(adr.id)
+        assert adr.as_dict()["rollouts"] == [{"id": first, "state": "rolled_back", "fraction": 0.1},
+                                             {"id": second, "state": "running", "fraction": 0.25}]
+        text = adr.markdown()
+        assert f"- Rollouts: {first} (rolled_back, cohort 10%), {second} (running, cohort 25%)" in text
+        assert parse_markdown(text) == ("Reserve p95 of output", {**{f: "" for f in (
+            "context", "alternatives", "evidence", "assumptions", "rollout_plan", "reversal_trigger",
+            "unresolved_risks")}, "decision": "p95 for chat"})  # an export is still valid --from-file input
+    finally:
+        service.shutdown(1)
