@@ -118,6 +118,11 @@ def render_status(data: dict, console: Console | None = None):
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
     facts.add_row("pins", str(data["pins"]))
+    rollout = data.get("rollout")
+    if rollout:
+        settings = ", ".join(f"{name} {value}" for name, value in rollout["settings"].items())
+        facts.add_row("rollout", f"{rollout['id']} {rollout['state']}: {settings} for {rollout['fraction']:.0%} "
+                                 f"of traffic ({rollout['policy'] or 'unnamed'}; kvctl rollout status {rollout['id']})")
     cache = data.get("cache") or {}
     if cache.get("uncalibrated"):
         facts.add_row("cache format", Text(f"{cache['layout']}: UNCALIBRATED, unit scales", style="bold red"))

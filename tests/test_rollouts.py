@@ -192,6 +192,9 @@ def test_an_operator_completes_a_rollout_keeps_its_figures_and_is_told_a_reload_
         rollout_id = json.loads(started.stdout)["id"]
         for i in range(12):
             complete(client.post, f"question {i}")
+        glance = " ".join(kvctl(sock, "status").stdout.split())
+        assert (f"rollout {rollout_id} running: reservation p95 for 50% of traffic (reserve-p95; kvctl rollout "
+                f"status {rollout_id})") in glance
         done = kvctl(sock, "rollout", "complete", str(rollout_id))
         assert done.returncode == 0, done.stderr
         text = " ".join(done.stdout.split())
@@ -203,6 +206,7 @@ def test_an_operator_completes_a_rollout_keeps_its_figures_and_is_told_a_reload_
         figures = status["last_figures"]
         assert figures["cohort"]["requests"] + figures["baseline"]["requests"] == 12
         assert status["settings_in_effect"] == {"reservation": True}
+        assert json.loads(kvctl(sock, "status", "--json").stdout)["rollout"] is None
         shown = " ".join(kvctl(sock, "config", "show").stdout.split())
         assert f"p95 (from rollout {rollout_id}; not in the config yet)" in shown
         proc.send_signal(signal.SIGHUP)

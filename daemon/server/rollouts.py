@@ -275,6 +275,15 @@ class RolloutManager:
                         "at": recorded[-1]["at"], "action": recorded[-1]["action"], **recorded[-1]["detail"]["figures"]},
                     "traffic": traffic_split(row, cohort, baseline) if live else None}
 
+    def summary(self) -> dict | None:
+        """The running or paused rollout in a line's worth of fields (for `kvctl status`); None without one."""
+        with self.lock:
+            rollout = self.active
+            if rollout is None:
+                return None
+            return {"id": rollout["id"], "state": rollout["state"], "fraction": rollout["fraction"],
+                    "policy": rollout["policy"].get("name"), "settings": rollout["policy"]["settings"]}
+
     def history(self, limit: int) -> list[dict]:
         """The newest `limit` rollouts, each with its latest transition."""
         rows = self.store.conn.execute(

@@ -644,6 +644,7 @@ class EngineService:
                           for kind in sorted(stats.steps)},
                 "engine_threads": self.engine_threads,  # torch intra-op threads of the engine (others use one)
                 "pins": len(cache.pins.all()),
+                "rollout": self.rollouts.summary(),
                 "cache": self.cache_status(),
                 "uptime_seconds": time.time() - self.started_at,
             }
