@@ -156,6 +156,7 @@ async def _serve(settings, re_resolve) -> None:
     Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
     store = Store(Path(settings.state_dir) / "kvd.sqlite3")
     service = EngineService(settings, store)
+    service.config_source = re_resolve
     metrics = Metrics(service)
     unix_sock = bind_unix_socket(settings.socket)
     servers = [(_Server(uvicorn.Config(create_app(service, metrics, front="unix"), log_level="warning",
@@ -178,14 +179,9 @@ async def _serve(settings, re_resolve) -> None:
 
     def on_hup() -> None:
         try:
-            result = service.reload(re_resolve())
-            log.info("reloaded: changed %s; needs restart: %s", sorted(result["changed"]),
-                     result["needs_restart"])
-            for name, held in result.get("reverted_rollout_settings", {}).items():
-                log.warning("reload reverted %s from %s (completed rollout %s) to the config's %s",
-                            name, held["value"], held["rollout"], held["now"])
+            service.reload_from_source("sighup")
         except Exception as exc:  # a bad edit must not take the daemon down
-            log.error("reload refused: %s", exc)
+            log.error("%s", exc)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_term)

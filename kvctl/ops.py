@@ -365,6 +365,30 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
     _emit(data, as_json, render)
 
 
+@config_app.command("reload")
+def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Read kvd's config again and apply what can change live (as SIGHUP, with the answer here).
+
+    A config that does not validate changes nothing, and the error names the setting.
+    Example: kvctl config reload
+    """
+    data = _client(ctx).post("/admin/reload", {})
+
+    def render(d):
+        console = Console()
+        if not d["changed"]:
+            console.print("reloaded: nothing that applies live has changed")
+        for key, value in d["changed"].items():
+            console.print(f"reloaded: {key} {d['previous'][key]} -> {value}", highlight=False)
+        if d["needs_restart"]:
+            console.print(f"[yellow]changed in the config but applied only at a restart: "
+                          f"{', '.join(d['needs_restart'])}[/yellow]")
+        for key, held in (d.get("reverted_rollout_settings") or {}).items():
+            console.print(f"[yellow]{key} {held['value']} from completed rollout {held['rollout']} is reverted to "
+                          f"the config's {held['now']}[/yellow]", highlight=False)
+    _emit(data, as_json, render)
+
+
 def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="Only entries newer than 1h, 2d, ..."),
           action: Optional[str] = typer.Option(None, help="Only this action (pin, unpin, evict, reload, adr.new, ...)."),
           state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Read the store directly (KVD_STATE_DIR)."),

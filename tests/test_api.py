@@ -366,6 +366,7 @@ def test_reload_applies_live_settings_and_names_the_rest(daemon):
     new = replace(service.config, max_queue=99, reservation="p95", block_size=32, quick_prefill_tokens=8)
     result = service.reload(new)
     assert result == {"changed": {"max_queue": 99, "reservation": "p95", "quick_prefill_tokens": 8},
+                      "previous": {"max_queue": 256, "reservation": "fraction:1.0", "quick_prefill_tokens": None},
                       "needs_restart": ["block_size"]}
     assert service.engine.settings.max_queue == 99 and service.engine.reservation.spec == "p95"
     assert service.engine.settings.quick_prefill_tokens == 8

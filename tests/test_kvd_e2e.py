@@ -239,3 +239,48 @@ def test_the_api_socket_replaces_only_a_stale_socket(tmp_path):
             bind_unix_socket(path)
     finally:
         live.close()
+
+
+def test_kvctl_config_reload_applies_the_file_and_refuses_a_bad_one_changing_nothing(tmp_path):
+    """`kvctl config reload` against a real kvd started with --config: what changed (old -> new),
+    what needs a restart, and a config that does not validate refused by name with nothing
+    applied; each attempt audited under the caller."""
+    import json
+
+    from .kvd_process import kvctl, launch
+
+    config = tmp_path / "kvd.yaml"
+    config.write_text("max_queue: 256\nreservation: p95\n")
+    sock = tmp_path / "kvd.sock"
+    proc, client = launch(tmp_path / "state", sock, tmp_path / "kvd.log", "--config", str(config))
+    try:
+        same = kvctl(sock, "config", "reload")
+        assert same.returncode == 0 and "reloaded: nothing that applies live has changed" in same.stdout
+        config.write_text("max_queue: 64\nreservation: p95\nblock_size: 32\n")
+        done = kvctl(sock, "config", "reload")
+        assert done.returncode == 0, done.stderr
+        lines = [" ".join(line.split()) for line in done.stdout.splitlines()]
+        assert "reloaded: max_queue 256 -> 64" in lines
+        assert "changed in the config but applied only at a restart: block_size" in lines
+        assert json.loads(kvctl(sock, "config", "show", "--json").stdout)["config"]["max_queue"] == 64
+        config.write_text("max_queue: -3\nreservation: fraction:0.5\n")
+        bad = kvctl(sock, "config", "reload")
+        assert bad.returncode == 2
+        assert " ".join(bad.stderr.split()).startswith(
+            "error: kvd answered 400: reload refused, nothing changed: max_queue: invalid value -3 from "
+            f"{config}:")
+        shown = json.loads(kvctl(sock, "config", "show", "--json").stdout)["config"]
+        assert (shown["max_queue"], shown["reservation"]) == (64, "p95")  # the valid half was not applied either
+        config.write_text("max_queue: [\n")
+        broken = kvctl(sock, "config", "reload")
+        assert broken.returncode == 2 and f"config: {str(config)!r} is not valid YAML" in broken.stderr
+        audit = json.loads(kvctl(sock, "audit", "--json").stdout)["entries"]
+        assert [(e["action"], e["actor"], e["result"]) for e in audit[:4]] == [
+            ("reload", "unix-socket", "refused"), ("reload", "unix-socket", "refused"),
+            ("reload", "unix-socket", "ok"), ("reload", "unix-socket", "ok")]
+        assert audit[2]["detail"]["changed"] == {"max_queue": 64} and audit[2]["detail"]["previous"] == {
+            "max_queue": 256}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        client.close()

@@ -440,6 +440,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 "from_rollouts": service.rollout_settings,
                 "precedence": "flag > KVD_* env > YAML file > default"}
 
+    @app.post("/admin/reload")
+    def reload(who: Principal = Depends(admin)):
+        return service.reload_from_source(who.actor)
+
     @app.get("/admin/audit")
     def audit(since: float = 0.0, action: str | None = None, _: Principal = Depends(admin)):
         return {"entries": service.store.audit_since(since, action=action)}

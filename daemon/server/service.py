@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, chain_keys
-from kvctl.daemon.config import KvdConfig, quick_prefill_default
+from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
@@ -112,6 +112,7 @@ class EngineService:
         # settings a completed rollout made everyone's, not (yet) in the config: {name: {value, rollout}};
         # a reload whose config says otherwise reverts them, and says so
         self.rollout_settings: dict[str, dict] = {}
+        self.config_source: Callable[[], KvdConfig] | None = None  # reads the settings again (reload)
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.tiers = None  # TieredCache when lower tiers are configured (see tier_ops)
         self.tier_scan = None
@@ -311,11 +312,26 @@ class EngineService:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    def reload(self, new: KvdConfig) -> dict:
-        """Apply policy settings that can change live (SIGHUP); the cache is kept."""
+    def reload_from_source(self, actor: str) -> dict:
+        """Read the settings again as at start (the same flags and KVD_* environment, the YAML
+        file as it is now) and apply what can change live (`reload`). A config that does not
+        validate changes nothing: the refusal names the setting and is audited."""
+        if self.config_source is None:
+            raise ServiceError(409, "reload: this kvd has no settings source to read again", "config")
+        try:
+            new = self.config_source()
+        except ConfigError as exc:
+            self.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
+                             detail={"error": str(exc)})
+            raise ServiceError(400, f"reload refused, nothing changed: {exc}", "config") from None
+        return self.reload(new, actor)
+
+    def reload(self, new: KvdConfig, actor: str = "sighup") -> dict:
+        """Apply policy settings that can change live (SIGHUP, `kvctl config reload`); the cache is kept."""
         live = ("max_batch_tokens", "max_running", "max_queue", "reservation", "queue_order",
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
+        previous = {k: getattr(self.config, k) for k in changed}
         ignored = sorted(k for k, v in new.describe().items()
                          if k not in live and v != getattr(self.config, k))
         with self.lock:
@@ -335,11 +351,15 @@ class EngineService:
             reverted = {name: {**held, "now": changed[name]} for name, held in self.rollout_settings.items()
                         if name in changed}
             self.rollout_settings = {}
-        result = {"changed": changed, "needs_restart": ignored}
+        result = {"changed": changed, "previous": previous, "needs_restart": ignored}
         if reverted:
             result["reverted_rollout_settings"] = reverted
-        self.store.audit(actor="sighup", tenant="-", action="reload", target="config",
+        self.store.audit(actor=actor, tenant="-", action="reload", target="config",
                          result="ok", detail=result)
+        log.info("reloaded by %s: changed %s; needs restart: %s", actor, sorted(changed), ignored)
+        for name, held in reverted.items():
+            log.warning("reload reverted %s from %s (completed rollout %s) to the config's %s",
+                        name, held["value"], held["rollout"], held["now"])
         return result
 
     def effective_settings(self) -> dict:
