@@ -62,8 +62,9 @@ def figures(records: list[RequestRecord]) -> dict:
     }
 
 
-RATIO_FIGURES = ("output_tokens_per_second", "requests_per_second", "ttft_p50_s", "ttft_p95_s", "itl_p50_s",
-                 "e2e_p95_s", "cached_token_ratio", "ttft_cached_over_uncached")
+RATIO_FIGURES = ("output_tokens_per_second", "requests_per_second", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s",
+                 "itl_p50_s", "itl_p95_s", "e2e_p50_s", "e2e_p95_s", "e2e_p99_s", "cached_token_ratio",
+                 "ttft_cached_over_uncached")  # every figure but the counts (rejections, aborts)
 
 
 def ratios(kvd: dict, baseline: dict | None) -> dict:

@@ -335,6 +335,8 @@ def _fmt(value, name: str) -> str:
         return f"{value * 1000:.1f} ms"
     if "ratio" in name or "over" in name:
         return f"{value:.3f}"
+    if name in ("rejections", "aborts"):  # counts (a median of an even number of runs may end in .5)
+        return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
     return f"{value:,.2f}"
 
 
@@ -380,7 +382,7 @@ def _print_report(document: dict, previous: dict | None) -> None:
     if engine:
         step = engine["decode_step_mean_s"]
         Console().print(f"kvd engine: busy {engine['busy_fraction']:.0%} of the run; "
-                        + ", ".join(f"{n} {kind} steps" for kind, n in engine["steps"].items() if n)
+                        + ", ".join(f"{n} {kind} step{'s' if n != 1 else ''}" for kind, n in engine["steps"].items() if n)
                         + ("" if step is None else f"; decode step {step * 1e3:.2f} ms mean "
                            f"(inter-token p50 {_fmt(kvd.get('itl_p50_s'), 'itl_p50_s')} at the client)"))
     if previous is not None:

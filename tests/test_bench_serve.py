@@ -67,6 +67,9 @@ def test_percentiles_and_figures_on_a_synthetic_latency_set():
     assert f["cached_token_ratio"] == pytest.approx(160 / 300)
     assert f["ttft_cached_over_uncached"] == pytest.approx(0.2 / 1.0)
     assert ratios(f, {**f, "output_tokens_per_second": 1.5})["output_tokens_per_second"] == 3.0
+    # the report shows a ratio for every figure, the tails as well as the medians; not for the counts
+    assert set(ratios(f, f)) == {name for name in f if name.endswith("_s") or "ratio" in name or "over" in name
+                                 or name.endswith("_per_second")}
 
 
 def test_figures_across_repeated_runs_are_medians_with_their_range():
@@ -132,6 +135,22 @@ def test_the_report_says_a_trace_s_output_lengths_are_capped_not_fixed(capsys):
                     "baseline": None, "ratio": {}}
         _print_report(document, None)
         assert title in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_report_shows_counts_as_counts_and_a_ratio_beside_every_figure(capsys, monkeypatch):
+    from kvctl.bench_serve import _print_report
+
+    monkeypatch.setenv("COLUMNS", "100")
+    kvd = {"output_tokens_per_second": 300.0, "ttft_p99_s": 0.5, "e2e_p50_s": 1.0, "rejections": 2, "aborts": 0.5}
+    base = {"output_tokens_per_second": 100.0, "ttft_p99_s": 1.0, "e2e_p50_s": 4.0, "rejections": 0, "aborts": 0}
+    _print_report({"workload": "shared-prefix", "settings": {"requests": 4, "max_tokens": 8}, "kvd": kvd,
+                   "baseline": base, "ratio": ratios(kvd, base)}, None)
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("│")}
+    assert rows["output_tokens_per_second"] == ["300.00", "100.00", "3.00x"]
+    assert rows["ttft_p99_s"] == ["500.0 ms", "1000.0 ms", "0.50x"]
+    assert rows["e2e_p50_s"] == ["1000.0 ms", "4000.0 ms", "0.25x"]
+    assert rows["rejections"] == ["2", "0", "-"] and rows["aborts"] == ["0.5", "0", "-"]
 
 
 def test_capacity_matches_hand_computed_llama3_figures():
