@@ -254,3 +254,53 @@ def test_a_decision_record_lists_the_rollouts_that_carry_it_out(tmp_path):
             "unresolved_risks")}, "decision": "p95 for chat"})  # an export is still valid --from-file input
     finally:
         service.shutdown(1)
+
+
+def test_metrics_chart_each_side_of_a_running_rollout(tmp_path):
+    """/metrics carries the rollout (id, state, policy, version, share asked) and per side the
+    counts its stop conditions compare and a TTFT histogram; they agree with `rollout status`,
+    and they go once the rollout is finished."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.server.service import Principal
+
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        body = {"policy": {"name": "p95", "by": "request", "settings": {"reservation": "p95"}}, "cohort": "50%"}
+        started = call(unix, "POST", "/admin/rollouts", json=body).json()
+        done = threading.Semaphore(0)
+        for i in range(10):
+            service.submit([list(range(1, 20 + i))], SamplingParams(max_tokens=2, ignore_eos=True),
+                           Principal("default", "admin", "test"), lambda e: done.release() if e.finish_reason else None)
+        for _ in range(10):
+            assert done.acquire(timeout=60)
+
+        def samples():
+            text = call(unix, "GET", "/metrics").text
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for family in text_string_to_metric_families(text) for s in family.samples
+                    if s.name.startswith("kvd_rollout")}
+
+        status = call(unix, "GET", "/admin/rollouts").json()
+        got = samples()
+        rid = str(started["id"])
+        assert got[("kvd_rollout_info", (("policy", "p95"), ("rollout", rid), ("state", "running"),
+                                         ("version", started["policy"]["version"])))] == 1.0
+        assert got[("kvd_rollout_fraction", (("rollout", rid),))] == 0.5
+        for side in ("cohort", "baseline"):
+            labels = (("rollout", rid), ("side", side))
+            assert got[("kvd_rollout_requests_total", labels)] == status[side]["requests"]
+            assert got[("kvd_rollout_ttft_seconds_count", labels)] == status[side]["requests"]
+            assert got[("kvd_rollout_ttft_seconds_bucket", (("le", "+Inf"),) + labels)] == status[side]["requests"]
+            assert got[("kvd_rollout_ttft_seconds_bucket", (("le", "60.0"),) + labels)] == status[side]["requests"]
+            assert got[("kvd_rollout_ttft_seconds_sum", labels)] > 0
+            assert got[("kvd_rollout_prompt_tokens_total", labels)] > 0
+            assert got[("kvd_rollout_hit_tokens_total", labels)] / got[("kvd_rollout_prompt_tokens_total", labels)] \
+                == pytest.approx(status[side]["hit_ratio"])
+        assert status["cohort"]["requests"] + status["baseline"]["requests"] == 10
+        call(unix, "POST", f"/admin/rollouts/{rid}/complete")
+        assert samples() == {}  # no series left behind for a finished rollout
+    finally:
+        service.shutdown(1)

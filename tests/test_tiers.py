@@ -439,10 +439,12 @@ def test_every_metric_the_grafana_dashboard_charts_is_exported(tmp_path):
     dashboard = json.loads((Path(__file__).parent.parent / "examples" / "grafana" / "kvd.json").read_text())
     wanted = {name for panel in dashboard["panels"] for target in panel["targets"]
               for name in re.findall(r"kvd_[a-z_]+", target["expr"])}
-    assert {"kvd_tier_bytes", "kvd_tier_moved_bytes_total", "kvd_tier_restore_seconds_bucket"} <= wanted
+    assert {"kvd_tier_bytes", "kvd_tier_moved_bytes_total", "kvd_tier_restore_seconds_bucket",
+            "kvd_rollout_ttft_seconds_bucket"} <= wanted
     service = start_service(tmp_path, num_blocks=64, host_cache_bytes="1MiB", tiering="always")
     try:
         app = create_app(service, service.metrics, front="unix")
+        service.rollouts.start({"settings": {"reservation": "p95"}}, "50%", [], None, "test")  # its panels too
         _complete(app, TEXT_A)
         text = call(app, "GET", "/metrics").text
         exported = set(re.findall(r"^(kvd_[a-z_]+)", text, re.MULTILINE))  # families with samples

@@ -20,6 +20,12 @@
     kvd_tier_errors_total{tier}               I/O errors and timeouts
     kvd_tier_degraded{tier}                   1 while a tier is degraded or its breaker is open
     kvd_tier_restore_seconds                  histogram: time to put a prefix back on the device
+    kvd_rollout_info{rollout,state,policy,version}   1 for the running or paused rollout
+    kvd_rollout_fraction{rollout}             the share of traffic asked for the cohort
+    kvd_rollout_requests_total{rollout,side}  finished requests per side (cohort, baseline); likewise
+    kvd_rollout_prompt_tokens_total, kvd_rollout_hit_tokens_total, kvd_rollout_recomputed_tokens_total,
+    kvd_rollout_preemptions_total             (the figures its stop conditions compare)
+    kvd_rollout_ttft_seconds{rollout,side}    histogram: time to first token per side
 """
 
 from __future__ import annotations
@@ -28,13 +34,13 @@ import threading
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
-from kvctl.daemon.stats import percentile
+from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 
 from .service import EngineService
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class _EngineCollector:
@@ -98,6 +104,41 @@ class _EngineCollector:
         for tenant, value in sorted(pins.items()):
             pinned.add_metric([tenant], value)
         yield pinned
+        rollout = self.service.rollouts.counts()
+        if rollout is not None:
+            yield from _rollout_metrics(rollout)
+
+
+ROLLOUT_COUNTS = {"requests": "Finished requests", "prompt_tokens": "Prompt tokens",
+                  "hit_tokens": "Prompt tokens served from the prefix cache",
+                  "recomputed_tokens": "Tokens computed again after preemption", "preemptions": "Preemptions"}
+
+
+def _rollout_metrics(rollout: dict):
+    rollout_id = str(rollout["id"])
+    info = GaugeMetricFamily("kvd_rollout_info", "1 for the running or paused rollout",
+                             labels=["rollout", "state", "policy", "version"])
+    info.add_metric([rollout_id, rollout["state"], rollout["policy"], rollout["version"]], 1.0)
+    yield info
+    fraction = GaugeMetricFamily("kvd_rollout_fraction", "Share of traffic asked for the rollout's cohort",
+                                 labels=["rollout"])
+    fraction.add_metric([rollout_id], rollout["fraction"])
+    yield fraction
+    for name, help_text in ROLLOUT_COUNTS.items():
+        family = CounterMetricFamily(f"kvd_rollout_{name}", f"{help_text} per side of the rollout",
+                                     labels=["rollout", "side"])
+        for side, counts in rollout["sides"].items():
+            family.add_metric([rollout_id, side], counts[name])
+        yield family
+    ttft = HistogramMetricFamily("kvd_rollout_ttft_seconds", "Time to first token per side of the rollout",
+                                 labels=["rollout", "side"])
+    for side, counts in rollout["sides"].items():
+        cumulative, buckets = 0, []
+        for bound, count in zip(LATENCY_BUCKETS + (float("inf"),), counts["ttft_buckets"]):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))  # as kvd_ttft_seconds writes its bounds
+        ttft.add_metric([rollout_id, side], buckets, counts["ttft_sum"])
+    yield ttft
 
 
 def _tier_metrics(report: dict):

@@ -19,6 +19,7 @@ Policy file (YAML)::
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import threading
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvctl.daemon.engine.requests import Request
-from kvctl.daemon.stats import percentile
+from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.daemon.store import Store
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.rollout import StopCondition, in_cohort, parse_fraction
@@ -45,7 +46,9 @@ class CohortStats:
     hit_tokens: int = 0
     recomputed_tokens: int = 0
     preemptions: int = 0
-    ttfts: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)  # the latest 5,000 (percentiles)
+    ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))  # every one (metrics)
+    ttft_sum: float = 0.0
 
     def add(self, request: Request) -> None:
         m = request.metrics
@@ -56,6 +59,8 @@ class CohortStats:
         self.preemptions += m.preemptions
         if m.ttft is not None:
             self.ttfts = (self.ttfts + [m.ttft])[-5000:]
+            self.ttft_buckets[bisect.bisect_left(LATENCY_BUCKETS, m.ttft)] += 1
+            self.ttft_sum += m.ttft
 
     def figures(self) -> dict:
         prompt = self.prompt_tokens
@@ -283,6 +288,23 @@ class RolloutManager:
                 return None
             return {"id": rollout["id"], "state": rollout["state"], "fraction": rollout["fraction"],
                     "policy": rollout["policy"].get("name"), "settings": rollout["policy"]["settings"]}
+
+    def counts(self) -> dict | None:
+        """The running or paused rollout with each side's running totals (for /metrics); None
+        without one. Totals start again from zero when kvd restarts (counters may reset)."""
+        with self.lock:
+            rollout = self.active
+            if rollout is None:
+                return None
+            sides = {}
+            for side, stats in (("cohort", self.cohort), ("baseline", self.baseline)):
+                sides[side] = {"requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
+                               "hit_tokens": stats.hit_tokens, "recomputed_tokens": stats.recomputed_tokens,
+                               "preemptions": stats.preemptions, "ttft_buckets": list(stats.ttft_buckets),
+                               "ttft_sum": stats.ttft_sum}
+            return {"id": rollout["id"], "state": rollout["state"], "fraction": rollout["fraction"],
+                    "policy": rollout["policy"].get("name") or "", "version": rollout["policy"]["version"],
+                    "sides": sides}
 
     def history(self, limit: int) -> list[dict]:
         """The newest `limit` rollouts, each with its latest transition."""
