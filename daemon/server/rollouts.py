@@ -287,24 +287,22 @@ class RolloutManager:
             if rollout is None:
                 return None
             return {"id": rollout["id"], "state": rollout["state"], "fraction": rollout["fraction"],
-                    "policy": rollout["policy"].get("name"), "settings": rollout["policy"]["settings"]}
+                    "policy": rollout["policy"].get("name") or "", "version": rollout["policy"]["version"],
+                    "settings": rollout["policy"]["settings"]}
 
     def counts(self) -> dict | None:
-        """The running or paused rollout with each side's running totals (for /metrics); None
-        without one. Totals start again from zero when kvd restarts (counters may reset)."""
+        """`summary()` with each side's running totals (for /metrics); None without a rollout.
+        Totals start again from zero when kvd restarts (counters may reset)."""
         with self.lock:
-            rollout = self.active
-            if rollout is None:
+            summary = self.summary()
+            if summary is None:
                 return None
-            sides = {}
-            for side, stats in (("cohort", self.cohort), ("baseline", self.baseline)):
-                sides[side] = {"requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
-                               "hit_tokens": stats.hit_tokens, "recomputed_tokens": stats.recomputed_tokens,
-                               "preemptions": stats.preemptions, "ttft_buckets": list(stats.ttft_buckets),
-                               "ttft_sum": stats.ttft_sum}
-            return {"id": rollout["id"], "state": rollout["state"], "fraction": rollout["fraction"],
-                    "policy": rollout["policy"].get("name") or "", "version": rollout["policy"]["version"],
-                    "sides": sides}
+            summary["sides"] = {side: {"requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
+                                       "hit_tokens": stats.hit_tokens, "recomputed_tokens": stats.recomputed_tokens,
+                                       "preemptions": stats.preemptions, "ttft_buckets": list(stats.ttft_buckets),
+                                       "ttft_sum": stats.ttft_sum}
+                                for side, stats in (("cohort", self.cohort), ("baseline", self.baseline))}
+            return summary
 
     def history(self, limit: int) -> list[dict]:
         """The newest `limit` rollouts, each with its latest transition."""
