@@ -124,3 +124,33 @@ def check_query(q: torch.Tensor, num_kv_heads: int, head_dim: int, *, name: str 
     if q.shape[1] % num_kv_heads:
         check(False, name, f"{q.shape[1]} heads is not a multiple of the cache's {num_kv_heads} KV heads")
     return q.shape[1] // num_kv_heads
+
+
+class CheckedOnce:
+    """What a launcher derives from its arguments' shapes, dtypes, strides and devices alone (the
+    checks above and its launch plan), kept by that metadata: the same for every layer of a
+    step, so each layer after the first skips the checks. A call whose metadata differs is
+    checked again; one that fails a check leaves nothing behind.
+
+        plans = CheckedOnce()
+        plan = plans.get((q, k_cache, ...), (max_context, launch), lambda: check_and_plan(...))
+    """
+
+    def __init__(self, kept: int = 256) -> None:
+        self.entries: dict[tuple, object] = {}
+        self.kept = kept  # distinct keys remembered; past it the memo starts over
+
+    def get(self, tensors: tuple, extra: tuple, make):
+        try:
+            key = tuple(None if t is None else (t.shape, t.dtype, t.stride(), t.device) for t in tensors) + (
+                extra, interpreting())
+        except AttributeError:  # an argument is not a tensor: `make` checks it and says which
+            return make()
+        found = self.entries.get(key)
+        if found is not None:
+            return found
+        made = make()
+        if len(self.entries) >= self.kept:
+            self.entries.clear()
+        self.entries[key] = made
+        return made

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ._triton import interpreting, tl, triton
-from .checks import (check, check_cache, check_device, check_query, check_scales,
+from .checks import (CheckedOnce, check, check_cache, check_device, check_query, check_scales,
                      check_tensor, next_power_of_2)
 from .formats import from_cache
 from .launch import TritonLaunch, check_tile
@@ -237,6 +237,62 @@ def choose_partition(num_seqs: int, num_kv_heads: int, max_context: int, device:
     return max(tile, -(-per_split // tile) * tile)
 
 
+@dataclass(frozen=True)
+class _DecodePlan:
+    """What a decode call decides from its arguments' shapes, dtypes, strides and devices alone
+    (checked once): the same for every layer of a step, so the launcher computes it once."""
+
+    group: int
+    quantised: bool
+    device: torch.device
+    heads_per_program: int
+    head_chunks: int
+    launch: DecodeLaunch
+    partition_size: int
+    num_splits: int
+    direct: bool
+    fp16_dot: bool
+    dot_f32: bool
+
+
+_PLANS = CheckedOnce()
+
+
+def _plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, max_context: int,
+          partition_size: int | None, launch: DecodeLaunch) -> _DecodePlan:
+    """The checked arguments' launch plan, made once per distinct metadata (`CheckedOnce`)."""
+    return _PLANS.get((q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale),
+                      (max_context, partition_size, launch),
+                      lambda: _make_plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale,
+                                         max_context, partition_size, launch))
+
+
+def _make_plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, max_context: int,
+               partition_size: int | None, launch: DecodeLaunch) -> _DecodePlan:
+    """Check every argument (naming a bad one) and plan the launch."""
+    group, quantised = _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    device = check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+                           "context_lens": context_lens, "k_scale": k_scale, "v_scale": v_scale})
+    num_seqs, _, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    check(max_context >= 1, "context_lens", "every sequence needs at least one token")
+    dot_f32 = q.dtype == torch.float32 or interpreting()
+    heads_per_program = _heads_per_program(group, head_dim, dot_f32)
+    launch = launch.fitted(heads_per_program, head_dim, dot_f32)
+    if partition_size is None:
+        partition_size = choose_partition(num_seqs, num_kv_heads, max_context, device, launch)
+    if partition_size <= 0 or partition_size % launch.tile:
+        check(False, "partition_size", f"must be a positive multiple of {launch.tile}, got {partition_size}")
+    num_splits = -(-max_context // partition_size)
+    return _DecodePlan(
+        group=group, quantised=quantised, device=device, heads_per_program=heads_per_program,
+        head_chunks=-(-group // heads_per_program), launch=launch, partition_size=partition_size,
+        num_splits=num_splits, direct=num_splits == 1 and launch.direct_write == 1,
+        fp16_dot=quantised and q.dtype != torch.float32 and (
+            launch.fp16_dot == 1 or (launch.fp16_dot is None and k_cache.dtype == torch.float8_e4m3fn)),
+        dot_f32=dot_f32)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
@@ -248,50 +304,40 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     `max_context` (the largest context length) saves a device sync when the caller knows it.
     `launch` sets tile, warps, stages and split target (`DecodeLaunch`).
     """
-    group, quantised = _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
-    device = check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
-                           "context_lens": context_lens, "k_scale": k_scale, "v_scale": v_scale})
+    if max_context is None or (isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] == 0):
+        _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)  # before reading them
+        if q.shape[0] == 0:
+            return torch.empty_like(q)
+        if max_context is None:
+            max_context = int(context_lens.max())
+    plan = _plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, max_context, partition_size,
+                 launch)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    quantised, num_splits = plan.quantised, plan.num_splits
     out = torch.empty_like(q)
-    if num_seqs == 0:
-        return out
-    if max_context is None:
-        max_context = int(context_lens.max())
-    check(max_context >= 1, "context_lens", "every sequence needs at least one token")
-    dot_f32 = q.dtype == torch.float32 or interpreting()
-    heads_per_program = _heads_per_program(group, head_dim, dot_f32)
-    head_chunks = -(-group // heads_per_program)
-    launch = launch.fitted(heads_per_program, head_dim, dot_f32)
-    if partition_size is None:
-        partition_size = choose_partition(num_seqs, num_kv_heads, max_context, device, launch)
-    if partition_size <= 0 or partition_size % launch.tile:
-        check(False, "partition_size", f"must be a positive multiple of {launch.tile}, got {partition_size}")
-    num_splits = -(-max_context // partition_size)
-    direct = num_splits == 1 and launch.direct_write == 1
-    if direct:  # the partial kernel writes `out`; the part pointers are never read
+    if plan.direct:  # the partial kernel writes `out`; the part pointers are never read
         part_acc = part_max = part_sum = out
     else:
-        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
-        part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=plan.device)
+        part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=plan.device)
         part_sum = torch.empty_like(part_max)
     placeholder = context_lens
-    fp16_dot = quantised and q.dtype != torch.float32 and (
-        launch.fp16_dot == 1 or (launch.fp16_dot is None and k_cache.dtype == torch.float8_e4m3fn))
-    _decode_partial_kernel[(num_seqs, num_kv_heads * head_chunks, num_splits)](
+    launch = plan.launch
+    _decode_partial_kernel[(num_seqs, num_kv_heads * plan.head_chunks, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         k_scale if quantised else placeholder, v_scale if quantised else placeholder,
         part_acc, part_max, part_sum, out, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        partition_size, block_size, head_dim, group, num_splits, head_chunks,
-        GROUP_P=heads_per_program, DIM_P=next_power_of_2(head_dim),
+        plan.partition_size, block_size, head_dim, plan.group, num_splits, plan.head_chunks,
+        GROUP_P=plan.heads_per_program, DIM_P=next_power_of_2(head_dim),
         TILE=launch.tile, QUANT=quantised,
-        FP16_DOT=fp16_dot, DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", DIRECT=direct,
-        **launch.compile_options(),
+        FP16_DOT=plan.fp16_dot, DOT_F32=plan.dot_f32, PRECISION="ieee" if plan.dot_f32 else "tf32",
+        DIRECT=plan.direct, **launch.compile_options(),
     )
-    if direct:
+    if plan.direct:
         return out
     _decode_merge_kernel[(num_seqs, num_heads)](
         part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ._triton import interpreting, tl, triton
-from .checks import (check, check_cache, check_device, check_query, check_scales,
+from .checks import (CheckedOnce, check, check_cache, check_device, check_query, check_scales,
                      check_tensor, next_power_of_2)
 from .decode import attend_ref, gather_sequence, step_fits
 from .launch import TritonLaunch, check_tile
@@ -142,6 +142,17 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_s
     return group, check_scales(k_cache, k_scale, v_scale)
 
 
+_CHECKED = CheckedOnce()  # once per distinct argument metadata: every layer of a step calls alike
+
+
+def _check_all(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale):
+    checked = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale)
+    check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+                  "query_start_loc": query_start_loc, "context_lens": context_lens,
+                  "k_scale": k_scale, "v_scale": v_scale})
+    return checked
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             context_lens: torch.Tensor, *, scale: float,
@@ -153,11 +164,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `max_new_tokens` (the most new tokens of any sequence) saves a device sync when known.
     `launch` sets rows, tile, warps and stages (`PrefillLaunch`).
     """
-    group, quantised = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                              k_scale, v_scale)
-    check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
-                  "query_start_loc": query_start_loc, "context_lens": context_lens,
-                  "k_scale": k_scale, "v_scale": v_scale})
+    group, quantised = _CHECKED.get(
+        (q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale), (),
+        lambda: _check_all(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale))
     out = torch.empty_like(q)
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or q.shape[0] == 0:

@@ -11,7 +11,7 @@ One program writes one token: all its KV heads, K and V.
 import torch
 
 from ._triton import tl, triton
-from .checks import check, check_cache, check_device, check_scales, check_tensor, next_power_of_2
+from .checks import CheckedOnce, check, check_cache, check_device, check_scales, check_tensor, next_power_of_2
 from .formats import QUANT_MAX, QUERY_DTYPES, to_cache
 
 
@@ -77,13 +77,22 @@ def _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool
     return check_scales(k_cache, k_scale, v_scale)
 
 
+_CHECKED = CheckedOnce()  # once per distinct argument metadata: every layer of a step writes alike
+
+
+def _check_all(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool:
+    quantised = _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    check_device({"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache,
+                  "slot_mapping": slot_mapping, "k_scale": k_scale, "v_scale": v_scale})
+    return quantised
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
              v_scale: torch.Tensor | None = None) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] at `slot_mapping` (Triton)."""
-    quantised = _check(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    check_device({"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache,
-                  "slot_mapping": slot_mapping, "k_scale": k_scale, "v_scale": v_scale})
+    quantised = _CHECKED.get((key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale), (), lambda: _check_all(
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale))
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return

@@ -378,6 +378,65 @@ def test_launchers_name_the_bad_argument():
         assert str(info.value).startswith(message), (str(info.value), message)
 
 
+def test_the_decode_plan_serves_every_layer_of_a_step_and_never_hides_a_bad_argument():
+    """The launcher checks and plans once per distinct (shapes, dtypes, strides, devices, context
+    length) and reuses the plan for the next layer: each layer's own K/V are read (the plan holds
+    no data), and an argument whose metadata differs is checked again and named."""
+    from kvctl.kernels import decode
+
+    decode._PLANS.entries.clear()
+    layers = [build(torch.float16, lengths=[5, 9, 40], seed=seed) for seed in (21, 22)]
+    q, lens = decode_inputs(layers[0], torch.float16)
+    for case in layers:  # two layers of one step: one plan
+        out = run_decode(paged_decode_attention, case, q, lens, max_context=40)
+        want = run_decode(paged_decode_attention_ref, case, q, lens)
+        torch.testing.assert_close(out.float(), want.float(), **OUT_TOL[torch.float16])
+    assert len(decode._PLANS.entries) == 1
+    k, v, table = layers[1]["k_cache"], layers[1]["v_cache"], layers[1]["block_tables"]
+    bad = [(lambda: paged_decode_attention(q, k, v.to(torch.float32), table, lens, scale=0.1, max_context=40),
+            "v_cache: dtype torch.float32 differs from k_cache torch.float16"),
+           (lambda: paged_decode_attention(q, k.transpose(1, 2), v, table, lens, scale=0.1, max_context=40),
+            "k_cache: must be contiguous"),
+           (lambda: paged_decode_attention(q, k, v, table, lens, scale=0.1, max_context=0),
+            "context_lens: every sequence needs at least one token")]
+    for call, message in bad:
+        with pytest.raises(KernelArgumentError) as info:
+            call()
+        assert str(info.value).startswith(message), (str(info.value), message)
+    assert len(decode._PLANS.entries) == 1  # a refused call plans nothing
+
+
+def test_write_and_prefill_check_once_per_step_and_still_name_a_bad_argument():
+    import importlib
+
+    from kvctl.kernels import prefill, write_kv
+
+    from .kernel_cases import slots_for
+
+    write_module = importlib.import_module("kvctl.kernels.write_kv")  # the package's write_kv is the function
+    write_module._CHECKED.entries.clear()
+    prefill._CHECKED.entries.clear()
+    layers = [build(torch.float16, lengths=[5, 9], seed=seed) for seed in (31, 32)]
+    q, lens = decode_inputs(layers[0], torch.float16)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    key = torch.randn((2, 2, 64), device=DEVICE).to(torch.float16)
+    slots = slots_for(layers[0]["block_tables"], [5, 9], 16)[[4, 13]]  # each sequence's last token
+    for case in layers:
+        write_kv(key, key, case["k_cache"], case["v_cache"], slots)
+        assert torch.equal(case["k_cache"].view(-1, 2, 64)[slots], key)  # this layer's cache, written
+        got = paged_prefill_attention(q, case["k_cache"], case["v_cache"], case["block_tables"], qsl, lens,
+                                      scale=0.125, max_new_tokens=1)
+        want = paged_prefill_attention_ref(q, case["k_cache"], case["v_cache"], case["block_tables"], qsl, lens,
+                                           scale=0.125)
+        torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[torch.float16])
+    assert len(write_module._CHECKED.entries) == 1 and len(prefill._CHECKED.entries) == 1
+    k, v, table = layers[1]["k_cache"], layers[1]["v_cache"], layers[1]["block_tables"]
+    with pytest.raises(KernelArgumentError, match="^slot_mapping: expected dtype int64, got int32"):
+        write_kv(key, key, k, v, slots.int())
+    with pytest.raises(KernelArgumentError, match=r"^query_start_loc: expected 3 entries \(num_seqs \+ 1\), got 2"):
+        paged_prefill_attention(q, k, v, table, qsl[:2], lens, scale=0.125, max_new_tokens=1)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-attention", "matmul-fallback"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str)
 def test_batched_torch_path_matches_the_references(cache_dtype, fused, monkeypatch):
