@@ -262,7 +262,7 @@ def _plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, max
           partition_size: int | None, launch: DecodeLaunch) -> _DecodePlan:
     """The checked arguments' launch plan, made once per distinct metadata (`CheckedOnce`)."""
     return _PLANS.get((q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale),
-                      (max_context, partition_size, launch),
+                      (max_context, partition_size, launch, QUERY_TILE_BYTES, STEP_TILE_BYTES),  # and the budgets
                       lambda: _make_plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale,
                                          max_context, partition_size, launch))
 
