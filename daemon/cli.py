@@ -89,7 +89,7 @@ def serve(
     reservation: Optional[str] = typer.Option(None, help="Output reservation: fixed:N, fraction:F, p95."),
     eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru or cost."),
     trusted_proxy: Optional[bool] = typer.Option(None, help="Honour X-KVD-Tenant on TCP."),
-    cache_dtype: Optional[str] = typer.Option(None, help="auto, fp8_e4m3, fp8_e5m2 or int8."),
+    cache_dtype: Optional[str] = typer.Option(None, help="auto, fp8_e4m3 (or fp8, as vLLM names it), fp8_e5m2 or int8."),
     keep_layers_unquantised: Optional[str] = typer.Option(None, help="Layers kept in the model dtype, e.g. 0,31."),
     allow_uncalibrated: Optional[bool] = typer.Option(None, help="Serve a quantised cache with unit scales."),
     host_cache_bytes: Optional[str] = typer.Option(None, help="Host tier bytes, e.g. 8GiB (pinned on CUDA)."),

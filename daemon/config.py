@@ -22,6 +22,15 @@ class ConfigError(ValueError):
     """An invalid setting; the message names field, value and source."""
 
 
+# names operators know from vLLM (`--kv-cache-dtype fp8` is fp8_e4m3 there too)
+CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def cache_dtype_name(name: str) -> str:
+    """The cache format's own name for `name`: 'fp8' is 'fp8_e4m3'; other names unchanged."""
+    return CACHE_DTYPE_ALIASES.get(str(name).strip(), str(name).strip())
+
+
 def default_state_dir() -> str:
     if os.environ.get("STATE_DIRECTORY"):  # systemd StateDirectory=
         return os.environ["STATE_DIRECTORY"].split(":")[0]
@@ -133,7 +142,7 @@ _PARSERS = {
     "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size,
     "max_batch_tokens": int, "max_running": int, "max_queue": int, "pin_budget_blocks": int, "shutdown_timeout": float,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool,
-    "quick_prefill_tokens": _count_or_auto,
+    "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,
     "host_cache_bytes": _size, "disk_cache_bytes": _size, "remote_cache_bytes": _size, "remote_timeout": float,
     "keep_layers_unquantised": lambda v: ",".join(str(int(x)) for x in (v if isinstance(v, list) else str(v).split(",")) if str(x).strip()),
 }
@@ -162,7 +171,7 @@ def _check(name: str, value: Any) -> None:
     if name == "reservation":
         parse_reservation(value)
     if name == "cache_dtype" and value not in ("auto", "fp8_e4m3", "fp8_e5m2", "int8"):
-        raise ValueError("must be auto, fp8_e4m3, fp8_e5m2 or int8")
+        raise ValueError("must be auto, fp8_e4m3 (or fp8), fp8_e5m2 or int8")
     if name in ("host_cache_bytes", "disk_cache_bytes", "remote_cache_bytes") and value is not None and value < 1:
         raise ValueError("must be >= 1")
     if name == "remote_timeout" and not value > 0:

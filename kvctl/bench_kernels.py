@@ -128,6 +128,9 @@ def kernels_command(
     for name in shape_list:
         if name not in SHAPES:
             raise UserError(f"shape: unknown value {name!r}; choose from {', '.join(SHAPES)}")
+    from kvctl.daemon.config import cache_dtype_name
+
+    dtype = cache_dtype_name(dtype)
     if dtype not in DTYPES:
         raise UserError(f"dtype: unknown value {dtype!r}; choose from {', '.join(DTYPES)}")
     if repeat < 1:

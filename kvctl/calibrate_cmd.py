@@ -43,7 +43,7 @@ def read_prompts(path: Path) -> list:
 
 def calibrate_command(
     ctx: typer.Context,
-    dtype: str = typer.Option("fp8_e4m3", help="fp8_e4m3, fp8_e5m2 or int8."),
+    dtype: str = typer.Option("fp8_e4m3", help="fp8_e4m3 (or fp8), fp8_e5m2 or int8."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSONL of {'text'} or {'tokens'}; "
                                                                  "default: a built-in set."),
     max_tokens: int = typer.Option(16, help="Greedy tokens compared per held-out prompt."),

@@ -70,7 +70,9 @@ def capacity_command(
     else:
         raise UserError("gpu_memory: give --gpu-memory BYTES or --gpu auto")
     weights = None if weights_bytes == "auto" else _bytes("weights_bytes", weights_bytes)
-    dtypes = [d.strip() for value in dtype for d in value.split(",") if d.strip()]
+    from kvctl.daemon.config import cache_dtype_name
+
+    dtypes = [cache_dtype_name(d) for value in dtype for d in value.split(",") if d.strip()]
     for name in dtypes:
         if name not in ELEMENT_BYTES and name not in PER_TOKEN_SCALE_FORMATS:
             raise UserError(f"dtype: unknown value {name!r}; choose from "

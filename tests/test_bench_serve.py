@@ -181,6 +181,10 @@ def test_capacity_command_compares_dtypes(capsys, tmp_path):
     assert [r["cache_dtype"] for r in rows] == ["bfloat16", "fp8_e4m3"]
     budget = 141 * 10**9 - 16 * 10**9 - 2**30 - int(0.1 * 141 * 10**9)
     assert [r["blocks"] for r in rows] == [budget // (131_072 * 16), budget // (65_536 * 16)]
+    status, out, _ = cli(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                         "--gpu-memory", "141GB", "--weights-bytes", "16GB", "--workspace", "1GiB",
+                         "--dtype", "fp8", "--json")  # vLLM's name for fp8_e4m3
+    assert status == 0 and [r["cache_dtype"] for r in json.loads(out)["rows"]] == ["fp8_e4m3"]
     status, _, err = cli(capsys, "capacity", "--layers", "32", "--gpu-memory", "1GB")
     assert status == 2 and "give --model DIR, or --layers, --kv-heads and --head-dim" in err
     status, _, err = cli(capsys, "capacity", "--layers", "2", "--kv-heads", "1", "--head-dim", "64",

@@ -183,8 +183,9 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path):
         assert [s["max_context"] for s in first["slices"]] == [512]
         assert set(first["slices"][0]) >= {"kl", "top1_agreement", "greedy_match_len", "ppl_delta"}
         assert len(first["layer_sensitivity"]) == 2
-        skipped = call(unix, "POST", "/admin/calibrate", json={**body, "if_older_than": 3600}).json()
-        assert skipped["skipped"] is True and skipped["calibration_id"] == 1
+        skipped = call(unix, "POST", "/admin/calibrate", json={**body, "dtype": "fp8", "if_older_than": 3600}).json()
+        assert skipped["skipped"] is True and skipped["calibration_id"] == 1  # fp8 is fp8_e4m3, as in vLLM
+        assert skipped["dtype"] == "fp8_e4m3"
         assert skipped["reason"] == (f"calibration 1 was made {int(skipped['age_seconds'])}s ago, "
                                      "within if_older_than 1h")
         strict = call(unix, "POST", "/admin/calibrate", json={**body, "max_kl": 1e-12, "apply": True}).json()

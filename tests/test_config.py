@@ -91,3 +91,14 @@ def test_a_password_in_the_remote_url_is_never_shown():
     with pytest.raises(ConfigError) as refused:
         resolve({"remote_url": "http://:pw@cache:6379"}, {})
     assert "pw" not in str(refused.value) and "'http://:***@cache:6379'" in str(refused.value)
+
+
+def test_fp8_is_vllm_s_name_for_fp8_e4m3_wherever_a_cache_format_is_set(tmp_path):
+    config = tmp_path / "kvd.yaml"
+    config.write_text("cache_dtype: fp8\n")
+    assert resolve({}, {}, config).cache_dtype == "fp8_e4m3"
+    assert resolve({"cache_dtype": "fp8"}, {}, None).cache_dtype == "fp8_e4m3"
+    assert resolve({}, {"KVD_CACHE_DTYPE": "fp8_e5m2"}, None).cache_dtype == "fp8_e5m2"
+    with pytest.raises(ConfigError, match=r"cache_dtype: invalid value 'fp4' from --cache-dtype: must be auto, "
+                                          r"fp8_e4m3 \(or fp8\), fp8_e5m2 or int8"):
+        resolve({"cache_dtype": "fp4"}, {}, None)

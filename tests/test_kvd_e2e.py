@@ -181,7 +181,7 @@ def test_kvd_cache_flags_are_validated(tmp_path):
     done = subprocess.run([str(BIN / "kvd"), "serve", "--cache-dtype", "fp4", "--state-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "cache_dtype: invalid value 'fp4' from --cache-dtype: must be auto, fp8_e4m3, fp8_e5m2 or int8" \
+    assert "cache_dtype: invalid value 'fp4' from --cache-dtype: must be auto, fp8_e4m3 (or fp8), fp8_e5m2 or int8" \
         in done.stderr
 
 

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, chain_keys
-from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default
+from kvctl.daemon.config import ConfigError, KvdConfig, cache_dtype_name, quick_prefill_default
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
@@ -503,8 +503,10 @@ class EngineService:
 
         self.require_ready()
         loaded = self.loaded
+        dtype = cache_dtype_name(dtype)
         if dtype not in ("fp8_e4m3", "fp8_e5m2", "int8"):
-            raise ServiceError(400, f"dtype: invalid value {dtype!r}; use fp8_e4m3, fp8_e5m2 or int8", "dtype")
+            raise ServiceError(400, f"dtype: invalid value {dtype!r}; use fp8_e4m3 (or fp8), fp8_e5m2 or int8",
+                               "dtype")
         problem = format_unsupported_on(loaded.model.device, cache_dtype(dtype))
         if problem:  # scales for a format this GPU cannot serve would never be used
             raise ServiceError(400, f"dtype: {problem}", "dtype")
