@@ -134,6 +134,19 @@ def test_parameters_kvd_does_not_implement_are_refused_not_ignored(daemon, field
                                         "code": "unsupported_parameter"}
 
 
+def test_a_client_chosen_cache_salt_is_refused_with_the_way_to_isolate(daemon):
+    """vLLM's cache_salt: ignoring it would let a client believe its prompts are kept apart."""
+    _, unix, _ = daemon
+    response = call(unix, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2, "cache_salt": "s3cret"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("cache_salt", "unsupported_parameter")
+    assert error["message"] == ("cache_salt: not supported by kvd, got a salt; kvd keeps prefixes apart by "
+                                "tenant (the caller's token, or the tenant header behind a trusted proxy), never by "
+                                "a salt the client picks; send requests that must not share as another tenant")
+    assert complete(unix, prompt="x", max_tokens=2, cache_salt="").status_code == 200  # empty: no salt asked
+
+
 def test_inert_values_of_unimplemented_parameters_and_unknown_fields_are_accepted(daemon):
     """What OpenAI's clients send by default (and fields nobody defined) changes nothing."""
     _, unix, _ = daemon

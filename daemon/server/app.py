@@ -81,6 +81,12 @@ UNSUPPORTED_FIELDS = {
     "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "prompt_logprobs": (None,),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "response_format": (None,),
+    "cache_salt": (None, ""),
+}
+# why, where "leave it out" is not the whole answer
+UNSUPPORTED_HINTS = {
+    "cache_salt": "kvd keeps prefixes apart by tenant (the caller's token, or the tenant header behind a trusted "
+                  "proxy), never by a salt the client picks; send requests that must not share as another tenant",
 }
 
 
@@ -90,8 +96,9 @@ def refuse_unsupported(body: CompletionRequest) -> None:
         inert = UNSUPPORTED_FIELDS.get(name)
         if inert is None or value in inert or (name == "best_of" and value == body.n):
             continue
-        raise ApiError(400, f"{name}: not supported by kvd, got {value!r}; leave it out", param=name,
-                       code="unsupported_parameter")
+        shown = "a salt" if name == "cache_salt" else repr(value)  # a salt is the client's secret: never echoed
+        raise ApiError(400, f"{name}: not supported by kvd, got {shown}; "
+                            + UNSUPPORTED_HINTS.get(name, "leave it out"), param=name, code="unsupported_parameter")
 
 
 # a tenant named in an admin request follows the token file's and X-KVD-Tenant's rule: a pin for
