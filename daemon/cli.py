@@ -157,6 +157,7 @@ async def _serve(settings, re_resolve) -> None:
     store = Store(Path(settings.state_dir) / "kvd.sqlite3")
     service = EngineService(settings, store)
     service.config_source = re_resolve
+    service.tokens = tokens
     metrics = Metrics(service)
     unix_sock = bind_unix_socket(settings.socket)
     servers = [(_Server(uvicorn.Config(create_app(service, metrics, front="unix"), log_level="warning",

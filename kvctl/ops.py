@@ -377,12 +377,16 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
     def render(d):
         console = Console()
         if not d["changed"]:
-            console.print("reloaded: nothing that applies live has changed")
+            console.print("reloaded: no setting that applies live has changed")
         for key, value in d["changed"].items():
             console.print(f"reloaded: {key} {d['previous'][key]} -> {value}", highlight=False)
         if d["needs_restart"]:
             console.print(f"[yellow]changed in the config but applied only at a restart: "
                           f"{', '.join(d['needs_restart'])}[/yellow]")
+        tokens = d.get("tokens")
+        if tokens:
+            console.print(f"token file read again: {tokens['tokens']} tokens ({tokens['added']} added, "
+                          f"{tokens['removed']} removed)")
         for key, held in (d.get("reverted_rollout_settings") or {}).items():
             console.print(f"[yellow]{key} {held['value']} from completed rollout {held['rollout']} is reverted to "
                           f"the config's {held['now']}[/yellow]", highlight=False)

@@ -255,7 +255,7 @@ def test_kvctl_config_reload_applies_the_file_and_refuses_a_bad_one_changing_not
     proc, client = launch(tmp_path / "state", sock, tmp_path / "kvd.log", "--config", str(config))
     try:
         same = kvctl(sock, "config", "reload")
-        assert same.returncode == 0 and "reloaded: nothing that applies live has changed" in same.stdout
+        assert same.returncode == 0 and "reloaded: no setting that applies live has changed" in same.stdout
         config.write_text("max_queue: 64\nreservation: p95\nblock_size: 32\n")
         done = kvctl(sock, "config", "reload")
         assert done.returncode == 0, done.stderr
@@ -281,6 +281,48 @@ def test_kvctl_config_reload_applies_the_file_and_refuses_a_bad_one_changing_not
         assert audit[2]["detail"]["changed"] == {"max_queue": 64} and audit[2]["detail"]["previous"] == {
             "max_queue": 256}
     finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        client.close()
+
+
+def test_a_reload_rotates_the_tcp_tokens_and_a_bad_token_file_changes_nothing(tmp_path):
+    """Tokens rotate without a restart: `kvctl config reload` (or SIGHUP) reads the token file
+    again; the old token stops working at once and the new one works. A token file that does not
+    load (here: readable by everyone) refuses the reload and the tokens in use stay."""
+    import socket as sockets
+
+    from .kvd_process import kvctl, launch
+
+    with sockets.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tokens = tmp_path / "tokens"
+    tokens.write_text("old-token-0123456789 acme user\n")
+    tokens.chmod(0o600)
+    sock = tmp_path / "kvd.sock"
+    proc, client = launch(tmp_path / "state", sock, tmp_path / "kvd.log", "--listen", f"127.0.0.1:{port}",
+                          "--token-file", str(tokens))
+    tcp = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+
+    def models(token: str) -> int:
+        return tcp.get("/v1/models", headers={"Authorization": f"Bearer {token}"}).status_code
+
+    try:
+        assert models("old-token-0123456789") == 200
+        tokens.write_text("new-token-0123456789 acme user\nops-token-0123456789 ops admin\n")
+        done = kvctl(sock, "config", "reload")
+        assert done.returncode == 0, done.stderr
+        assert "token file read again: 2 tokens (2 added, 1 removed)" in done.stdout
+        assert "0123456789" not in done.stdout  # counts, never tokens
+        assert models("old-token-0123456789") == 401 and models("new-token-0123456789") == 200
+        tokens.chmod(0o644)
+        refused = kvctl(sock, "config", "reload")
+        assert refused.returncode == 2
+        assert "reload refused, nothing changed: token_file:" in refused.stderr and "mode 0644" in refused.stderr
+        assert models("new-token-0123456789") == 200 and models("old-token-0123456789") == 401
+    finally:
+        tcp.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         client.close()

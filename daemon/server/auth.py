@@ -63,6 +63,13 @@ class TokenTable:
             raise TokenFileError(f"token_file: {str(path)!r} holds no token")
         return cls(entries)
 
+    def adopt(self, fresh: "TokenTable") -> dict:
+        """Take `fresh`'s tokens (a token file loaded again) in one step: the next request is
+        checked against them. Says how many tokens came and went, never which."""
+        old, new = {e.token for e in self.entries}, {e.token for e in fresh.entries}
+        self.entries = fresh.entries
+        return {"tokens": len(fresh.entries), "added": len(new - old), "removed": len(old - new)}
+
     def lookup(self, presented: str) -> TokenEntry | None:
         candidate = presented.encode()
         found = None

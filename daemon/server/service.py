@@ -113,6 +113,7 @@ class EngineService:
         # a reload whose config says otherwise reverts them, and says so
         self.rollout_settings: dict[str, dict] = {}
         self.config_source: Callable[[], KvdConfig] | None = None  # reads the settings again (reload)
+        self.tokens = None  # the TCP front's TokenTable, re-read by a reload (token rotation)
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.tiers = None  # TieredCache when lower tiers are configured (see tier_ops)
         self.tier_scan = None
@@ -318,16 +319,25 @@ class EngineService:
         validate changes nothing: the refusal names the setting and is audited."""
         if self.config_source is None:
             raise ServiceError(409, "reload: this kvd has no settings source to read again", "config")
+        from .auth import TokenFileError, TokenTable
+
         try:
             new = self.config_source()
-        except ConfigError as exc:
+            fresh = TokenTable.load(self.config.token_file) if self.tokens is not None else None
+        except (ConfigError, TokenFileError) as exc:
             self.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
                              detail={"error": str(exc)})
             raise ServiceError(400, f"reload refused, nothing changed: {exc}", "config") from None
-        return self.reload(new, actor)
+        result = self.reload(new, actor)
+        if fresh is not None:  # rotated tokens take effect for the next request; counts only, never tokens
+            result["tokens"] = self.tokens.adopt(fresh)
+            self.store.audit(actor=actor, tenant="-", action="reload", target="token_file", result="ok",
+                             detail=result["tokens"])
+        return result
 
     def reload(self, new: KvdConfig, actor: str = "sighup") -> dict:
-        """Apply policy settings that can change live (SIGHUP, `kvctl config reload`); the cache is kept."""
+        """Apply policy settings that can change live (SIGHUP, `kvctl config reload`); the cache is
+        kept. `reload_from_source` also re-reads the token file (token rotation)."""
         live = ("max_batch_tokens", "max_running", "max_queue", "reservation", "queue_order",
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
