@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,3 +49,18 @@ def complete(post, prompt: str) -> dict:
 def kvctl(sock: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVD_SOCKET": str(sock), "COLUMNS": "80"}  # an operator's terminal: ids must stay whole
     return subprocess.run([str(BIN / "kvctl"), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+
+@contextlib.contextmanager
+def running_kvd(tmp_path: Path, *extra: str):
+    """`launch` under tmp_path (state/, kvd.sock, kvd.log) -> (process, client, socket); on the way
+    out kvd is stopped with SIGTERM and must exit cleanly."""
+    sock = tmp_path / "kvd.sock"
+    proc, client = launch(tmp_path / "state", sock, tmp_path / "kvd.log", *extra)
+    try:
+        yield proc, client, sock
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        client.close()

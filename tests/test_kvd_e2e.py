@@ -247,13 +247,11 @@ def test_kvctl_config_reload_applies_the_file_and_refuses_a_bad_one_changing_not
     applied; each attempt audited under the caller."""
     import json
 
-    from .kvd_process import kvctl, launch
+    from .kvd_process import kvctl, running_kvd
 
     config = tmp_path / "kvd.yaml"
     config.write_text("max_queue: 256\nreservation: p95\n")
-    sock = tmp_path / "kvd.sock"
-    proc, client = launch(tmp_path / "state", sock, tmp_path / "kvd.log", "--config", str(config))
-    try:
+    with running_kvd(tmp_path, "--config", str(config)) as (proc, client, sock):
         same = kvctl(sock, "config", "reload")
         assert same.returncode == 0 and "reloaded: no setting that applies live has changed" in same.stdout
         config.write_text("max_queue: 64\nreservation: p95\nblock_size: 32\n")
@@ -280,10 +278,6 @@ def test_kvctl_config_reload_applies_the_file_and_refuses_a_bad_one_changing_not
             ("reload", "unix-socket", "ok"), ("reload", "unix-socket", "ok")]
         assert audit[2]["detail"]["changed"] == {"max_queue": 64} and audit[2]["detail"]["previous"] == {
             "max_queue": 256}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-        client.close()
 
 
 def test_a_reload_rotates_the_tcp_tokens_and_a_bad_token_file_changes_nothing(tmp_path):
@@ -292,7 +286,7 @@ def test_a_reload_rotates_the_tcp_tokens_and_a_bad_token_file_changes_nothing(tm
     load (here: readable by everyone) refuses the reload and the tokens in use stay."""
     import socket as sockets
 
-    from .kvd_process import kvctl, launch
+    from .kvd_process import kvctl, running_kvd
 
     with sockets.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -300,15 +294,12 @@ def test_a_reload_rotates_the_tcp_tokens_and_a_bad_token_file_changes_nothing(tm
     tokens = tmp_path / "tokens"
     tokens.write_text("old-token-0123456789 acme user\n")
     tokens.chmod(0o600)
-    sock = tmp_path / "kvd.sock"
-    proc, client = launch(tmp_path / "state", sock, tmp_path / "kvd.log", "--listen", f"127.0.0.1:{port}",
-                          "--token-file", str(tokens))
     tcp = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
 
     def models(token: str) -> int:
         return tcp.get("/v1/models", headers={"Authorization": f"Bearer {token}"}).status_code
 
-    try:
+    with running_kvd(tmp_path, "--listen", f"127.0.0.1:{port}", "--token-file", str(tokens)) as (_, _, sock), tcp:
         assert models("old-token-0123456789") == 200
         tokens.write_text("new-token-0123456789 acme user\nops-token-0123456789 ops admin\n")
         done = kvctl(sock, "config", "reload")
@@ -321,8 +312,3 @@ def test_a_reload_rotates_the_tcp_tokens_and_a_bad_token_file_changes_nothing(tm
         assert refused.returncode == 2
         assert "reload refused, nothing changed: token_file:" in refused.stderr and "mode 0644" in refused.stderr
         assert models("new-token-0123456789") == 200 and models("old-token-0123456789") == 401
-    finally:
-        tcp.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-        client.close()

@@ -177,15 +177,13 @@ def test_an_operator_completes_a_rollout_keeps_its_figures_and_is_told_a_reload_
     import json
     import signal
 
-    from .kvd_process import complete, kvctl, launch
+    from .kvd_process import complete, kvctl, running_kvd
 
     config = tmp_path / "kvd.yaml"
     config.write_text('reservation: "fraction:1.0"\n')
     policy = tmp_path / "p95.yaml"
     policy.write_text("name: reserve-p95\nby: request\nsettings:\n  reservation: p95\n")
-    sock = tmp_path / "kvd.sock"
-    proc, client = launch(tmp_path / "state", sock, tmp_path / "kvd.log", "--config", str(config))
-    try:
+    with running_kvd(tmp_path, "--config", str(config)) as (proc, client, sock):
         empty = kvctl(sock, "rollout", "list")
         assert empty.returncode == 0 and "no rollout has been started" in empty.stdout
         started = kvctl(sock, "rollout", "start", "--policy", str(policy), "--cohort", "50%", "--json")
@@ -225,10 +223,6 @@ def test_an_operator_completes_a_rollout_keeps_its_figures_and_is_told_a_reload_
         audit = json.loads(kvctl(sock, "audit", "--json").stdout)["entries"]
         assert [e["action"] for e in audit[:3]] == ["reload", "rollout.complete", "rollout.start"]
         assert "figures" not in audit[1]["detail"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-        client.close()
 
 
 def test_a_decision_record_lists_the_rollouts_that_carry_it_out(tmp_path):
