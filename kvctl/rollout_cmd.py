@@ -71,11 +71,14 @@ def _render(d: dict, console: Console | None = None) -> None:
         reverted = ", ".join(name for name, kept in in_effect.items() if not kept)
         console.print(f"settings: {settings} [yellow](no longer in effect: {reverted}; a reload or restart "
                       f"with a config that says otherwise reverted it)[/yellow]")
+    last = d.get("last_figures")
     if d.get("cohort") is not None:
         since = d.get("figures_since")
+        if last and last["action"] == "shutdown" and since and last["at"] <= since:  # kvd restarted meanwhile
+            console.print(_figures_table(last["cohort"], last["baseline"],
+                                         f"figures before kvd stopped ({when(last['at'])})"))
         console.print(_figures_table(d["cohort"], d["baseline"], "figures" + (f" since {when(since)}" if since else "")))
-    elif d.get("last_figures"):
-        last = d["last_figures"]
+    elif last:
         console.print(_figures_table(last["cohort"], last["baseline"],
                                      f"figures at its {last['action']} ({when(last['at'])})"))
     traffic = d.get("traffic")

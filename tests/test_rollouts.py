@@ -97,16 +97,30 @@ def test_a_rollout_that_completes_and_one_resumed_after_restart(tmp_path):
     assert call(unix, "POST", "/admin/rollouts", json=body).status_code == 409
     assert call(unix, "POST", f"/admin/rollouts/{rollout_id}/advance", json={"to": "50%"}).json()["fraction"] == 0.5
     assert call(unix, "POST", f"/admin/rollouts/{rollout_id}/pause").json()["state"] == "paused"
+    for i in range(3):  # paused: every request is the baseline's
+        assert call(unix, "POST", "/v1/completions", json={"prompt": f"before {i}", "max_tokens": 2}).status_code == 200
     service.shutdown(1)
     service = start_service(tmp_path)  # a restart resumes the recorded state
     try:
         unix, _ = apps(service, token_table(tmp_path))
         resumed = call(unix, "GET", "/admin/rollouts").json()
         assert (resumed["id"], resumed["state"], resumed["fraction"]) == (rollout_id, "paused", 0.5)
+        # the figures of before the restart were stored as it stopped; the live ones start again
+        before = resumed["last_figures"]
+        assert before["action"] == "shutdown" and before["baseline"]["requests"] == 3
+        assert before["cohort"]["requests"] == 0 and resumed["baseline"]["requests"] == 0
+        from rich.console import Console
+
+        from kvctl.rollout_cmd import _render
+
+        console = Console(record=True, width=120)
+        _render(resumed, console)
+        text = console.export_text()
+        assert "figures before kvd stopped (" in text and "figures since " in text
         assert call(unix, "POST", f"/admin/rollouts/{rollout_id}/resume").json()["state"] == "running"
         done = call(unix, "POST", f"/admin/rollouts/{rollout_id}/complete").json()
         assert done["state"] == "completed"
-        assert [e["action"] for e in done["events"]] == ["start", "advance", "pause", "resume", "complete"]
+        assert [e["action"] for e in done["events"]] == ["start", "advance", "pause", "shutdown", "resume", "complete"]
         assert service.engine.reservation.spec == "p95" and service.config.reservation == "p95"
         again = call(unix, "POST", f"/admin/rollouts/{rollout_id}/pause")
         assert again.status_code == 409 and "cannot pause while completed" in again.json()["error"]["message"]

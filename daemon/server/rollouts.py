@@ -202,6 +202,19 @@ class RolloutManager:
                          result="ok", detail={k: v for k, v in detail.items() if k != "figures"})
         return self.status(rollout_id)
 
+    def record_figures(self, action: str, actor: str) -> None:
+        """Store the running or paused rollout's live figures as an event that changes nothing
+        (at shutdown: they would otherwise be lost with the process); nothing without a rollout
+        or before its first request."""
+        with self.lock:
+            rollout = self.active
+            if rollout is None or self.cohort.requests + self.baseline.requests == 0:
+                return
+            figures = {"cohort": self.cohort.figures(), "baseline": self.baseline.figures(),
+                       "since": self.figures_since}
+            with self.store.write() as conn:
+                self._event(conn, rollout["id"], actor, action, {"figures": figures})
+
     def advance(self, rollout_id: int, to: str | float, actor: str) -> dict:
         try:
             share = parse_fraction(to)

@@ -312,6 +312,7 @@ class EngineService:
             self.lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.rollouts.record_figures("shutdown", "kvd")  # a restart starts them again from zero
 
     def reload_from_source(self, actor: str) -> dict:
         """Read the settings again as at start (the same flags and KVD_* environment, the YAML
