@@ -7,7 +7,8 @@ cohort and baseline figures are kept apart. `evaluate()` runs on a schedule: whe
 condition trips, the rollout rolls back and records which condition and the values. Every
 transition is stored with who and when, with the cohort and baseline figures at that moment,
 so a finished rollout still shows what it was judged on. A restart resumes the rollout in its
-recorded state; its live figures start again from zero (`figures_since` says from when).
+recorded state; the figures up to the stop are stored as a "shutdown" event, and the live
+ones start again from zero (`figures_since` says from when).
 
 Policy file (YAML)::
 
