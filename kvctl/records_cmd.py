@@ -197,7 +197,7 @@ def adr_export(folder: Path = typer.Argument(Path("adr"), help="Where to write t
     if folder.exists() and not folder.is_dir():
         raise UserError(f"folder: {str(folder)!r} is a file; give a folder for the records")
     folder.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, removed = [], []
     for adr in _guard(_records(state_dir).list):
         slug = re.sub(r"[^a-z0-9]+", "-", adr.title.lower()).strip("-")[:60]
         path = folder / f"{adr.id:04d}-{slug}.md"
@@ -205,7 +205,21 @@ def adr_export(folder: Path = typer.Argument(Path("adr"), help="Where to write t
         tmp.write_text(adr.markdown())
         tmp.replace(path)
         written.append(str(path))
-    typer.echo(json.dumps({"written": written}, indent=2) if as_json else f"wrote {len(written)} records to {folder}")
+        for old in folder.glob(f"{adr.id:04d}-*.md"):  # this record exported under an earlier title
+            if old != path and _first_line(old).startswith(f"# ADR {adr.id}: "):
+                old.unlink()
+                removed.append(str(old))
+    typer.echo(json.dumps({"written": written, "removed": removed}, indent=2) if as_json else
+               f"wrote {len(written)} records to {folder}"
+               + (f"; removed {len(removed)} exported under an earlier title" if removed else ""))
+
+
+def _first_line(path: Path) -> str:
+    try:
+        with path.open(encoding="utf-8") as handle:
+            return handle.readline().rstrip("\n")
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 @db_app.command("backup")

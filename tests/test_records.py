@@ -108,6 +108,14 @@ def test_adr_errors_name_the_problem(tmp_path, capsys):
     assert edited["fields"]["context"] == "Chat traffic." and edited["fields"]["decision"] == ""
     status, _, err = cli(capsys, "adr", "accept", "1", *state)  # the placeholder is no decision
     assert status == 2 and "adr 1: has no Decision section to accept" in err
+    # a new title: the next export replaces the record's file, and keeps a file that is not an export
+    (tmp_path / "docs" / "0001-notes.md").write_text("my notes on ADR 1\n")
+    (tmp_path / "retitled.md").write_text("# Block size 32 for chat\n")
+    assert cli(capsys, "adr", "edit", "1", "--from-file", str(tmp_path / "retitled.md"), *state)[0] == 0
+    status, out, _ = cli(capsys, "adr", "export", str(tmp_path / "docs"), *state, "--json")
+    assert status == 0 and json.loads(out)["removed"] == [str(draft)]
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["0001-block-size-32-for-chat.md",
+                                                                     "0001-notes.md"]
     with pytest.raises(RecordError, match="title: must not be empty"):
         Records(Store(tmp_path / "kvd.sqlite3")).new(" ", {}, "ops")
 
