@@ -15,6 +15,9 @@ import re
 from dataclasses import dataclass
 
 FIGURES = ("recomputed_token_ratio", "hit_ratio", "ttft_p95_seconds", "ttft_p50_seconds", "preemptions_per_request")
+MIN_REQUESTS = 5  # requests on each side before a stop condition compares them
+# a nearest-rank p95 of fewer than 20 values is their maximum: one slow request would trip it
+MIN_REQUESTS_FOR = {"ttft_p95_seconds": 20}
 _CONDITION = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|>|<)\s*([0-9]*\.?[0-9]+)\s*(\*\s*baseline)?\s*$")
 
 
@@ -41,6 +44,11 @@ class StopCondition:
         if figure not in FIGURES:
             raise ValueError(f"stop: unknown figure {figure!r}; use one of {', '.join(FIGURES)}")
         return cls(figure, op, float(value), relative is not None, text.strip())
+
+    @property
+    def min_requests(self) -> int:
+        """Requests each side needs before this condition is compared."""
+        return MIN_REQUESTS_FOR.get(self.figure, MIN_REQUESTS)
 
     def tripped(self, cohort: dict, baseline: dict) -> tuple[bool, dict]:
         """Whether it trips, and the values it compared (for the record)."""

@@ -152,19 +152,60 @@ def test_one_tenant_puts_all_traffic_on_one_side_and_status_says_the_stops_are_u
         other = "baseline" if side == "cohort" else "cohort"
         assert status["traffic"] == {
             "by": "tenant", "requests": 20, "cohort_share": 1.0 if side == "cohort" else 0.0, "stops_checked": False,
-            "stops_waiting_for": f"5 requests on each side ({other} has 0)"}
+            "stops_waiting_for": f"20 requests on each side ({other} has 0)"}
         assert service.rollouts.evaluate() is None  # nothing to compare with: no rollback, and status says so
         console = Console(record=True, width=200)
         _render(status, console)
         text = " ".join(console.export_text().split())
         assert (f"traffic: {status['traffic']['cohort_share']:.0%} of 20 requests in the cohort (asked 25%, by tenant) "
                 "— few tenants make a coarse split; `by: request` in the policy splits requests") in text
-        assert f"stop conditions not checked yet: they wait for 5 requests on each side ({other} has 0)" in text
+        assert f"stop conditions not checked yet: they wait for 20 requests on each side ({other} has 0)" in text
     finally:
         service.shutdown(1)
 
 
+def test_a_p95_stop_waits_for_20_requests_a_side_unless_the_policy_says_otherwise():
+    """A nearest-rank p95 of fewer than 20 values is their maximum: one slow request would roll
+    the rollout back. Other figures need 5; a policy's min_requests sets it for every condition."""
+    from kvctl.daemon.server.rollouts import traffic_split
+
+    assert StopCondition.parse("ttft_p95_seconds > 1.5 * baseline").min_requests == 20
+    assert StopCondition.parse("ttft_p50_seconds > 1.5 * baseline").min_requests == 5
+    assert StopCondition.parse("recomputed_token_ratio > 1.2 * baseline").min_requests == 5
+    sides = ({"requests": 12}, {"requests": 30})
+    p95 = {"policy": {"settings": {}}, "stops": ["ttft_p95_seconds > 1.5 * baseline", "hit_ratio < 0.2"]}
+    assert traffic_split(p95, *sides)["stops_waiting_for"] == "20 requests on each side (cohort has 12)"
+    assert traffic_split({**p95, "policy": {"settings": {}, "min_requests": 10}}, *sides)["stops_checked"] is True
+    assert traffic_split({**p95, "stops": ["hit_ratio < 0.2"]}, *sides)["stops_checked"] is True
+
+
+def test_a_slow_cohort_rolls_back_on_its_p95_only_once_each_side_has_20_requests(tmp_path):
+    from types import SimpleNamespace
+
+    from kvctl.daemon.server.rollouts import RolloutManager
+    from kvctl.daemon.store import Store
+
+    manager = RolloutManager(Store(tmp_path / "kvd.sqlite3"))
+    manager.start({"settings": {"reservation": "p95"}}, "50%", ["ttft_p95_seconds > 1.5 * baseline"], None, "ops")
+
+    def finished(cohort: str, ttft: float):
+        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=ttft)
+        return SimpleNamespace(metrics=metrics, prompt_ids=[1] * 8, cohort=cohort, cancelled=False)
+
+    for _ in range(19):
+        manager.observe(finished("candidate", 1.0))  # ten times slower than the baseline
+        manager.observe(finished("baseline", 0.1))
+    assert manager.evaluate() is None and manager.active["state"] == "running"
+    manager.observe(finished("candidate", 1.0))
+    manager.observe(finished("baseline", 0.1))
+    rolled = manager.evaluate()
+    assert rolled["state"] == "rolled_back"
+    assert rolled["events"][-1]["detail"]["reason"] == "stop condition tripped: ttft_p95_seconds > 1.5 * baseline"
+
+
 @pytest.mark.parametrize("policy, message", [
+    ({"settings": {"reservation": "p95"}, "min_requests": 0},
+     "policy.min_requests: must be a whole number of at least 1, got 0"),
     ({"settings": {"eviction": "cost"}}, "policy.settings.eviction: is one per cache pool"),
     ({"settings": {"reservation": "lots"}}, "policy.settings.reservation: output reservation: invalid value"),
     ({"settings": {}}, "policy.settings: give at least one setting"),

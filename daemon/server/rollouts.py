@@ -14,6 +14,7 @@ Policy file (YAML)::
 
     name: reserve-p95
     by: tenant            # or: request
+    min_requests: 50      # optional; else 5 a side, 20 for a p95 condition (`min_requests`)
     settings:
       reservation: p95
 """
@@ -31,7 +32,7 @@ from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.daemon.store import Store
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.rollout import StopCondition, in_cohort, parse_fraction
+from kvctl.policies.rollout import MIN_REQUESTS, StopCondition, in_cohort, parse_fraction
 
 from .service import ServiceError
 
@@ -72,7 +73,10 @@ class CohortStats:
                 "preemptions_per_request": self.preemptions / self.requests if self.requests else None}
 
 
-STOP_MIN_REQUESTS = 5  # stop conditions are checked once cohort and baseline each have this many requests
+def min_requests(rollout: dict, condition: StopCondition) -> int:
+    """Requests each side needs before `condition` is compared: the policy's `min_requests`
+    when it sets one, else what the figure needs (`StopCondition.min_requests`)."""
+    return rollout["policy"].get("min_requests") or condition.min_requests
 
 
 def traffic_split(rollout: dict, cohort: dict, baseline: dict) -> dict:
@@ -80,13 +84,14 @@ def traffic_split(rollout: dict, cohort: dict, baseline: dict) -> dict:
     are being checked: with cohorts by tenant and few tenants the split is coarse (one tenant
     puts all traffic on one side), and a side with too few requests leaves the stops unchecked."""
     total = cohort["requests"] + baseline["requests"]
+    needed = max((min_requests(rollout, StopCondition.parse(text)) for text in rollout["stops"]),
+                 default=rollout["policy"].get("min_requests") or MIN_REQUESTS)
     short = [f"{side} has {figures['requests']}" for side, figures in (("cohort", cohort), ("baseline", baseline))
-             if figures["requests"] < STOP_MIN_REQUESTS]
+             if figures["requests"] < needed]
     return {"by": rollout["policy"].get("by", "tenant"), "requests": total,
             "cohort_share": cohort["requests"] / total if total else None,
             "stops_checked": not short,
-            "stops_waiting_for": None if not short else
-            f"{STOP_MIN_REQUESTS} requests on each side ({', '.join(short)})"}
+            "stops_waiting_for": None if not short else f"{needed} requests on each side ({', '.join(short)})"}
 
 
 def validate_policy(policy: object) -> dict:
@@ -107,6 +112,10 @@ def validate_policy(policy: object) -> dict:
                 parse_reservation(str(value))
             except ValueError as exc:
                 raise ServiceError(400, f"policy.settings.reservation: {exc}", "policy") from None
+    wanted = policy.get("min_requests")
+    if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1):
+        raise ServiceError(400, f"policy.min_requests: must be a whole number of at least 1, got {wanted!r}",
+                           "policy")
     if policy.get("by", "tenant") not in ("tenant", "request"):
         raise ServiceError(400, f"policy.by: invalid value {policy.get('by')!r}; use tenant or request", "policy")
     return policy
@@ -254,17 +263,20 @@ class RolloutManager:
                 return
             (self.cohort if request.cohort == "candidate" else self.baseline).add(request)
 
-    def evaluate(self, min_requests: int = STOP_MIN_REQUESTS) -> dict | None:
-        """Check the stop conditions; roll back (and say why) when one trips."""
+    def evaluate(self) -> dict | None:
+        """Check the stop conditions that have enough requests on each side (`min_requests`);
+        roll back (and say why) when one trips."""
         with self.lock:
             rollout = self.active
             if rollout is None or rollout["state"] != "running":
                 return None
-            if self.cohort.requests < min_requests or self.baseline.requests < min_requests:
-                return None
             cohort, baseline = self.cohort.figures(), self.baseline.figures()
             for text in rollout["stops"]:
-                tripped, values = StopCondition.parse(text).tripped(cohort, baseline)
+                condition = StopCondition.parse(text)
+                needed = min_requests(rollout, condition)
+                if self.cohort.requests < needed or self.baseline.requests < needed:
+                    continue
+                tripped, values = condition.tripped(cohort, baseline)
                 if tripped:
                     return self.rollback(rollout["id"], f"stop condition tripped: {text}", "kvd",
                                          {"condition": text, **values})
