@@ -95,6 +95,8 @@ def _render(d: dict, console: Console | None = None) -> None:
                       "[/yellow]")
     for stop in d["stops"]:
         console.print(f"stop when: {stop}")
+    if d.get("note"):
+        console.print(f"[yellow]{d['note']}[/yellow]")
     for hint in (d.get("keep") or {}).values():
         console.print(f"[yellow]to keep it: {hint}[/yellow]")
     events = d["events"]

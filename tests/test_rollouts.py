@@ -93,7 +93,9 @@ def test_a_rollout_that_completes_and_one_resumed_after_restart(tmp_path):
     unix, _ = apps(service, token_table(tmp_path))
     body = {"policy": {"name": "p95", "settings": {"reservation": "p95"}}, "cohort": "10%",
             "stops": ["ttft_p95_seconds > 3 * baseline"]}
-    rollout_id = call(unix, "POST", "/admin/rollouts", json=body).json()["id"]
+    started = call(unix, "POST", "/admin/rollouts", json=body).json()
+    rollout_id = started["id"]
+    assert "note" not in started  # p95 is not what everyone has (fraction:1.0)
     assert call(unix, "POST", "/admin/rollouts", json=body).status_code == 409
     assert call(unix, "POST", f"/admin/rollouts/{rollout_id}/advance", json={"to": "50%"}).json()["fraction"] == 0.5
     assert call(unix, "POST", f"/admin/rollouts/{rollout_id}/pause").json()["state"] == "paused"
@@ -122,6 +124,10 @@ def test_a_rollout_that_completes_and_one_resumed_after_restart(tmp_path):
         assert done["state"] == "completed"
         assert [e["action"] for e in done["events"]] == ["start", "advance", "pause", "shutdown", "resume", "complete"]
         assert service.engine.reservation.spec == "p95" and service.config.reservation == "p95"
+        again = call(unix, "POST", "/admin/rollouts", json=body).json()  # p95 is everyone's now
+        assert again["note"] == ("the cohort's settings are everyone's already (reservation p95): cohort and "
+                                 "baseline run alike")
+        call(unix, "POST", f"/admin/rollouts/{again['id']}/rollback", json={"reason": "nothing to learn"})
         again = call(unix, "POST", f"/admin/rollouts/{rollout_id}/pause")
         assert again.status_code == 409 and "cannot pause while completed" in again.json()["error"]["message"]
     finally:

@@ -386,7 +386,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     def rollout_start(body: RolloutStart, who: Principal = Depends(admin)):
         if body.baseline != "current":
             raise ApiError(400, f"baseline: only 'current' is supported, got {body.baseline!r}", param="baseline")
-        return service.rollouts.start(body.policy, body.cohort, body.stops, body.adr, who.actor)
+        return service.start_rollout(body.policy, body.cohort, body.stops, body.adr, who.actor)
 
     @app.get("/admin/rollouts")
     def rollout_latest(_: Principal = Depends(admin)):

@@ -616,6 +616,17 @@ class EngineService:
                         for name, change in applied.items() if name in self.rollout_settings}
         return body
 
+    def start_rollout(self, policy, fraction, stops: list[str], adr_id: int | None, actor: str) -> dict:
+        """`RolloutManager.start`; the answer also says when the cohort's settings are everyone's
+        already (the two sides cannot differ: nothing to learn from it)."""
+        body = self.rollouts.start(policy, fraction, stops, adr_id, actor)
+        settings = body["policy"]["settings"]
+        if all(str(getattr(self.config, name, None)) == str(value) for name, value in settings.items()):
+            body["note"] = ("the cohort's settings are everyone's already ("
+                            + ", ".join(f"{name} {value}" for name, value in settings.items())
+                            + "): cohort and baseline run alike")
+        return body
+
     def rollout_status(self, rollout_id: int | None = None) -> dict:
         """A rollout as `RolloutManager.status` reports it; a completed one also says whether its
         settings are still in effect (a reload or restart may have reverted them)."""
