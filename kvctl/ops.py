@@ -118,6 +118,11 @@ def render_status(data: dict, console: Console | None = None):
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
     facts.add_row("pins", str(data["pins"]))
+    reload = data.get("last_reload")
+    if reload and reload["result"] == "refused":
+        facts.add_row("config", Text(f"the latest reload ({when(reload['at'])}, by {reload['actor']}) was refused, "
+                                     f"kvd runs on its earlier settings: {reload['error'].splitlines()[0]}",
+                                     style="yellow"))
     rollout = data.get("rollout")
     if rollout:
         settings = ", ".join(f"{name} {value}" for name, value in rollout["settings"].items())

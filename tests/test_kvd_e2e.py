@@ -278,6 +278,22 @@ def test_kvctl_config_reload_applies_the_file_and_refuses_a_bad_one_changing_not
             ("reload", "unix-socket", "ok"), ("reload", "unix-socket", "ok")]
         assert audit[2]["detail"]["changed"] == {"max_queue": 64} and audit[2]["detail"]["previous"] == {
             "max_queue": 256}
+        # a refused reload leaves kvd on its earlier settings: status and /metrics say so until one succeeds
+        glance = " ".join(kvctl(sock, "status").stdout.split())
+        assert "by unix-socket) was refused, kvd runs on its earlier settings: config: " in glance
+        assert "is not valid YAML" in glance
+
+        def reload_metrics():
+            text = client.get("/metrics").text
+            return [line for line in text.splitlines() if line.startswith("kvd_config_")]
+
+        assert reload_metrics() == ['kvd_config_reloads_total{result="ok"} 2.0',
+                                    'kvd_config_reloads_total{result="refused"} 2.0',
+                                    "kvd_config_last_reload_successful 0.0"]
+        config.write_text("max_queue: 64\nreservation: p95\n")
+        assert kvctl(sock, "config", "reload").returncode == 0
+        assert reload_metrics()[-1] == "kvd_config_last_reload_successful 1.0"
+        assert "the latest reload" not in kvctl(sock, "status").stdout
 
 
 def test_a_reload_rotates_the_tcp_tokens_and_a_bad_token_file_changes_nothing(tmp_path):

@@ -26,6 +26,8 @@
     kvd_rollout_prompt_tokens_total, kvd_rollout_hit_tokens_total, kvd_rollout_recomputed_tokens_total,
     kvd_rollout_preemptions_total             (the figures its stop conditions compare)
     kvd_rollout_ttft_seconds{rollout,side}    histogram: time to first token per side
+    kvd_config_reloads_total{result}          ok or refused (SIGHUP, kvctl config reload)
+    kvd_config_last_reload_successful         0 while the latest reload was refused, else 1
 """
 
 from __future__ import annotations
@@ -107,6 +109,18 @@ class _EngineCollector:
         rollout = self.service.rollouts.counts()
         if rollout is not None:
             yield from _rollout_metrics(rollout)
+        yield from _reload_metrics(self.service.reloads, self.service.last_reload)
+
+
+def _reload_metrics(reloads: dict, last: dict | None):
+    counted = CounterMetricFamily("kvd_config_reloads", "Config reloads (SIGHUP or kvctl config reload) by result",
+                                  labels=["result"])
+    for result in ("ok", "refused"):
+        counted.add_metric([result], reloads[result])
+    yield counted
+    yield GaugeMetricFamily("kvd_config_last_reload_successful", "0 while the latest reload was refused (kvd "
+                            "runs on its earlier settings), else 1",
+                            value=0.0 if last is not None and last["result"] == "refused" else 1.0)
 
 
 ROLLOUT_COUNTS = {"requests": "Finished requests", "prompt_tokens": "Prompt tokens",

@@ -114,6 +114,10 @@ class EngineService:
         self.rollout_settings: dict[str, dict] = {}
         self.config_source: Callable[[], KvdConfig] | None = None  # reads the settings again (reload)
         self.tokens = None  # the TCP front's TokenTable, re-read by a reload (token rotation)
+        # reloads by result, and the latest one (at, result, error): a refused reload leaves kvd on its
+        # old settings, which /metrics and `kvctl status` say (Prometheus' own convention)
+        self.reloads = {"ok": 0, "refused": 0}
+        self.last_reload: dict | None = None
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.tiers = None  # TieredCache when lower tiers are configured (see tier_ops)
         self.tier_scan = None
@@ -328,8 +332,12 @@ class EngineService:
         except (ConfigError, TokenFileError) as exc:
             self.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
                              detail={"error": str(exc)})
+            self.reloads["refused"] += 1
+            self.last_reload = {"at": time.time(), "result": "refused", "error": str(exc), "actor": actor}
             raise ServiceError(400, f"reload refused, nothing changed: {exc}", "config") from None
         result = self.reload(new, actor)
+        self.reloads["ok"] += 1
+        self.last_reload = {"at": time.time(), "result": "ok", "error": None, "actor": actor}
         if fresh is not None:  # rotated tokens take effect for the next request; counts only, never tokens
             result["tokens"] = self.tokens.adopt(fresh)
             self.store.audit(actor=actor, tenant="-", action="reload", target="token_file", result="ok",
@@ -689,6 +697,7 @@ class EngineService:
                 "engine_threads": self.engine_threads,  # torch intra-op threads of the engine (others use one)
                 "pins": len(cache.pins.all()),
                 "rollout": self.rollouts.summary(),
+                "last_reload": self.last_reload,
                 "cache": self.cache_status(),
                 "uptime_seconds": time.time() - self.started_at,
             }
