@@ -136,8 +136,15 @@ def status(ctx: typer.Context, rollout_id: Optional[int] = typer.Argument(None, 
 
     Example: kvctl rollout status 3
     """
+    client = _client(ctx)
+    if rollout_id is None and not client.get("/admin/rollouts/history?limit=1")["rollouts"]:
+        if as_json:
+            typer.echo("null")
+        else:
+            Console().print("no rollout has been started; start one with `kvctl rollout start`")
+        return
     path = "/admin/rollouts" if rollout_id is None else f"/admin/rollouts/{rollout_id}"
-    _emit(_client(ctx).get(path), as_json)
+    _emit(client.get(path), as_json)
 
 
 @rollout_app.command("list")

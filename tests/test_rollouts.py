@@ -247,6 +247,12 @@ def test_an_operator_completes_a_rollout_keeps_its_figures_and_is_told_a_reload_
     with running_kvd(tmp_path, "--config", str(config)) as (proc, client, sock):
         empty = kvctl(sock, "rollout", "list")
         assert empty.returncode == 0 and "no rollout has been started" in empty.stdout
+        none = kvctl(sock, "rollout", "status")
+        assert none.returncode == 0 and none.stdout.strip() == ("no rollout has been started; start one with "
+                                                                "`kvctl rollout start`")
+        assert kvctl(sock, "rollout", "status", "--json").stdout.strip() == "null"
+        missing = kvctl(sock, "rollout", "status", "7")
+        assert missing.returncode == 2 and "rollout 7: no such rollout" in missing.stderr
         started = kvctl(sock, "rollout", "start", "--policy", str(policy), "--cohort", "50%", "--json")
         rollout_id = json.loads(started.stdout)["id"]
         for i in range(12):
