@@ -599,3 +599,27 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
     render_status(data, console)
     text = " ".join(console.export_text().split())
     assert "engine 100 decode, 4 mixed steps on 2 threads, 350.0 ms busy; decode step 3.0 ms mean" in text
+
+
+def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():
+    """The unit files and the crontab call kvctl; each call must parse (command, options and
+    values), so that `systemctl reload kvd` and the calibration timer do not rot silently."""
+    import shlex
+    from pathlib import Path
+
+    examples = Path(__file__).parent.parent / "examples"
+    calls = []
+    for path in (examples / "kvd.service", examples / "kvd-calibrate.service", examples / "crontab"):
+        for line in path.read_text().splitlines():
+            if line.lstrip().startswith("#") or "bin/kvctl " not in line:
+                continue
+            words = shlex.split(line.split("bin/kvctl ", 1)[1])
+            calls.append((path.name, words[:words.index(">>")] if ">>" in words else words))
+    assert {name for name, _ in calls} == {"kvd.service", "kvd-calibrate.service", "crontab"}
+    root = typer.main.get_command(app)
+    for name, words in calls:
+        group, args = root, list(words)
+        while hasattr(group, "commands"):
+            group = group.commands[args.pop(0)]
+        group.make_context(name, args)  # raises on an unknown option or a bad value
+    assert ("kvd.service", ["config", "reload"]) in calls
