@@ -116,9 +116,11 @@ class KvdConfig:
     remote_timeout: float = 0.5  # seconds per Redis call
     write_policy: str = "write_back"  # or write_through
     tiering: str = "measured"  # measured (judge from measured rates) or always (keep and restore everything)
+    # where each setting came from ("--max-queue", "KVD_MAX_QUEUE", the YAML file's path); absent: the default
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def describe(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
 
     def shown(self) -> dict[str, Any]:
         """`describe()` as an operator may see it (`kvctl config show`, tickets, logs): a password
@@ -232,7 +234,7 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     import yaml
 
     env = os.environ if env is None else env
-    names = {f.name for f in fields(KvdConfig)}
+    names = {f.name for f in fields(KvdConfig)} - {"sources"}
     file_values: dict[str, Any] = {}
     if config_file is not None:
         path = Path(config_file)
@@ -250,6 +252,7 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
             raise ConfigError(f"config: unknown field {unknown[0]!r} in {str(path)!r}")
         file_values = loaded
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for name in names:
         flag_value = (flags or {}).get(name)
         env_value = env.get("KVD_" + name.upper())
@@ -268,7 +271,8 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
             detail = str(exc) or "has the wrong type"
             raise ConfigError(f"{name}: invalid value {redact_url(raw)!r} from {source}: {detail}") from None
         values[name] = value
-    config = KvdConfig(**values)
+        sources[name] = source
+    config = KvdConfig(**values, sources=sources)
     if config.listen and not config.token_file:
         raise ConfigError(f"listen: {config.listen!r} needs token_file: TCP requests must carry a bearer token")
     return config

@@ -352,7 +352,8 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
     data = _client(ctx).get("/admin/config")
 
     def render(d):
-        table = Table("setting", "value", title=f"kvd settings ({d['precedence']})")
+        sources = d.get("sources") or {}
+        table = Table("setting", "value", "from", title=f"kvd settings ({d['precedence']})")
         effective = d.get("effective") or {}
         from_rollouts = d.get("from_rollouts") or {}
         for key, value in d["config"].items():
@@ -360,8 +361,8 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
             if key in effective and effective[key] != value:
                 shown += f" ({effective[key]} in effect)"
             if key in from_rollouts:
-                shown += f" (from rollout {from_rollouts[key]['rollout']}; not in the config yet)"
-            table.add_row(key, shown)
+                shown += " (not in the config yet)"
+            table.add_row(key, shown, sources.get(key, "-"))
         console = Console()
         console.print(table)
         for key, held in from_rollouts.items():

@@ -102,3 +102,16 @@ def test_fp8_is_vllm_s_name_for_fp8_e4m3_wherever_a_cache_format_is_set(tmp_path
     with pytest.raises(ConfigError, match=r"cache_dtype: invalid value 'fp4' from --cache-dtype: must be auto, "
                                           r"fp8_e4m3 \(or fp8\), fp8_e5m2 or int8"):
         resolve({"cache_dtype": "fp4"}, {}, None)
+
+
+def test_each_setting_knows_where_it_came_from(tmp_path):
+    config = tmp_path / "kvd.yaml"
+    config.write_text("max_queue: 64\nblock_size: 32\nreservation: p95\n")
+    resolved = resolve({"block_size": 16}, {"KVD_RESERVATION": "fixed:8"}, config)
+    assert (resolved.block_size, resolved.reservation, resolved.max_queue) == (16, "fixed:8", 64)
+    assert resolved.sources == {"block_size": "--block-size", "reservation": "KVD_RESERVATION",
+                                "max_queue": str(config)}  # the rest are defaults
+    assert "sources" not in resolved.describe()
+    with pytest.raises(ConfigError, match="config: unknown field 'sources'"):
+        config.write_text("sources: {}\n")
+        resolve({}, {}, config)

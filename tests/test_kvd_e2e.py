@@ -260,7 +260,10 @@ def test_kvctl_config_reload_applies_the_file_and_refuses_a_bad_one_changing_not
         lines = [" ".join(line.split()) for line in done.stdout.splitlines()]
         assert "reloaded: max_queue 256 -> 64" in lines
         assert "changed in the config but applied only at a restart: block_size" in lines
-        assert json.loads(kvctl(sock, "config", "show", "--json").stdout)["config"]["max_queue"] == 64
+        shown = json.loads(kvctl(sock, "config", "show", "--json").stdout)
+        assert shown["config"]["max_queue"] == 64 and shown["sources"]["max_queue"] == str(config)
+        assert shown["sources"]["state_dir"] == "--state-dir"
+        assert shown["sources"]["max_running"] == "default"
         config.write_text("max_queue: -3\nreservation: fraction:0.5\n")
         bad = kvctl(sock, "config", "reload")
         assert bad.returncode == 2

@@ -445,6 +445,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     def config(_: Principal = Depends(admin)):
         return {"config": service.config.shown(), "effective": service.effective_settings(),
                 "from_rollouts": service.rollout_settings,
+                "sources": {name: service.config.sources.get(name, "default") for name in service.config.describe()},
                 "precedence": "flag > KVD_* env > YAML file > default"}
 
     @app.post("/admin/reload")

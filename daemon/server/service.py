@@ -365,7 +365,8 @@ class EngineService:
                     engine.reservation = parse_reservation(new.reservation)
                 if new.pin_budget_blocks is not None:
                     engine.cache.pins.default_budget = new.pin_budget_blocks
-            self.config = replace(self.config, **changed)
+            self.config = replace(self.config, **changed,
+                                  sources={**self.config.sources, **{k: new.sources.get(k, "default") for k in changed}})
             # a completed rollout's setting is now either the config's too, or reverted by it
             reverted = {name: {**held, "now": changed[name]} for name, held in self.rollout_settings.items()
                         if name in changed}
@@ -613,7 +614,8 @@ class EngineService:
                 if self.engine is not None:
                     self.engine.reservation = parse_reservation(str(reservation))
                     self.engine.settings = replace(self.engine.settings, reservation=str(reservation))
-                self.config = replace(self.config, reservation=str(reservation))
+                self.config = replace(self.config, reservation=str(reservation),
+                                      sources={**self.config.sources, "reservation": f"rollout {rollout_id}"})
             for name, change in applied.items():
                 if change["value"] != change["was"]:
                     self.rollout_settings[name] = {"value": change["value"], "rollout": rollout_id}
