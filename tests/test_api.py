@@ -371,6 +371,27 @@ def test_pins_survive_a_restart(tmp_path):
         second.shutdown(1)
 
 
+def test_a_reload_follows_where_each_live_setting_now_comes_from(tmp_path):
+    """A setting whose value stays but whose source changes (the file stops naming the default)
+    is shown from its new source; settings that need a restart keep the source they run with."""
+    from kvctl.daemon.config import resolve
+
+    config = tmp_path / "kvd.yaml"
+    config.write_text("max_queue: 256\nblock_size: 16\n")
+    service = start_service(tmp_path / "state")
+    try:
+        service.config_source = lambda: resolve({}, {}, config)
+        started_with = dict(service.config.sources)  # what the test harness passed as flags
+        assert "max_queue" not in started_with and "block_size" not in started_with
+        service.reload_from_source("ops")
+        assert service.config.sources == {**started_with, "max_queue": str(config)}  # block_size waits for a restart
+        config.write_text("block_size: 16\n")
+        result = service.reload_from_source("ops")
+        assert result["changed"] == {} and service.config.sources == started_with  # 256 is the default's now
+    finally:
+        service.shutdown(1)
+
+
 def test_reload_applies_live_settings_and_names_the_rest(daemon):
     service, unix, _ = daemon
     from dataclasses import replace

@@ -365,8 +365,9 @@ class EngineService:
                     engine.reservation = parse_reservation(new.reservation)
                 if new.pin_budget_blocks is not None:
                     engine.cache.pins.default_budget = new.pin_budget_blocks
-            self.config = replace(self.config, **changed,
-                                  sources={**self.config.sources, **{k: new.sources.get(k, "default") for k in changed}})
+            sources = {k: v for k, v in self.config.sources.items() if k not in live}  # these wait for a restart
+            sources.update({k: new.sources[k] for k in live if k in new.sources})  # absent: the default
+            self.config = replace(self.config, **changed, sources=sources)
             # a completed rollout's setting is now either the config's too, or reverted by it
             reverted = {name: {**held, "now": changed[name]} for name, held in self.rollout_settings.items()
                         if name in changed}
