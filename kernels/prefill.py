@@ -21,6 +21,7 @@ import torch
 from ._triton import interpreting, tl, triton
 from .checks import (CheckedOnce, check, check_cache, check_device, check_query, check_scales,
                      check_tensor, next_power_of_2)
+from . import decode
 from .decode import attend_ref, gather_sequence, step_fits
 from .launch import TritonLaunch, check_tile
 from .paged_tile import head_scales, load_kv_tile, online_softmax_step
@@ -145,12 +146,16 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_s
 _CHECKED = CheckedOnce()  # once per distinct argument metadata: every layer of a step calls alike
 
 
-def _check_all(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale):
-    checked = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale)
+def _check_and_fit(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale,
+                   launch: PrefillLaunch) -> tuple[int, bool, PrefillLaunch, bool]:
+    """Every argument checked (a bad one named); the GQA group, whether the cache is quantised,
+    the launch fitted to the step budget, and whether the dots run in float32."""
+    group, quantised = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale)
     check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                   "query_start_loc": query_start_loc, "context_lens": context_lens,
                   "k_scale": k_scale, "v_scale": v_scale})
-    return checked
+    dot_f32 = q.dtype == torch.float32 or interpreting()
+    return group, quantised, launch.fitted(k_cache.shape[3], dot_f32), dot_f32
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -164,9 +169,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     `max_new_tokens` (the most new tokens of any sequence) saves a device sync when known.
     `launch` sets rows, tile, warps and stages (`PrefillLaunch`).
     """
-    group, quantised = _CHECKED.get(
-        (q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale), (),
-        lambda: _check_all(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale))
+    group, quantised, launch, dot_f32 = _CHECKED.get(
+        (q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale),
+        (launch, decode.STEP_TILE_BYTES),  # the budget the launch is fitted to
+        lambda: _check_and_fit(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale,
+                               launch))
     out = torch.empty_like(q)
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or q.shape[0] == 0:
@@ -175,8 +182,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         max_new_tokens = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     _, block_size, _, head_dim = k_cache.shape
     placeholder = context_lens
-    dot_f32 = q.dtype == torch.float32 or interpreting()
-    launch = launch.fitted(head_dim, dot_f32)
     grid = (num_seqs, -(-max_new_tokens // launch.rows), q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
