@@ -19,6 +19,7 @@ from rich.text import Text
 
 from .client import Client
 from .errors import KvdUnavailable, UserError
+from .outputs import read_text
 from .tables import compact_table, duration, keep_whole, size, when
 
 STATE_STYLES = {"free": "grey50", "reserved": "yellow", "active": "green", "shared": "cyan",
@@ -48,13 +49,7 @@ def _tokens(text: str | None, tokens: str | None, file: Path | None) -> dict:
         except ValueError:
             raise UserError(f"tokens: expected comma-separated integers, got {tokens!r}") from None
     if file is not None:
-        try:
-            return {"text": file.read_text(encoding="utf-8")}
-        except OSError as exc:
-            raise UserError(f"file: cannot read {str(file)!r} ({exc.strerror})") from None
-        except UnicodeDecodeError:
-            raise UserError(f"file: {str(file)!r} is not UTF-8 text; give the prompt's text, or its token "
-                            "ids with --tokens") from None
+        return {"text": read_text(file, "file", "give the prompt's text, or its token ids with --tokens")}
     return {"text": text}
 
 

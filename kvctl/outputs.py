@@ -1,4 +1,5 @@
-"""Files kvctl writes at a path the operator names (a plot, a trace, a backup).
+"""Files at a path the operator names: those kvctl writes (a plot, a trace, a backup), and the
+text files it reads (`read_text`).
 
 kvctl often runs as root. A slip in such a path must not replace something else: a file already
 there may only be overwritten when it is what the command writes (a PNG for a plot, a SQLite
@@ -54,3 +55,14 @@ def refuse_clobber(path: Path, field: str, looks_right: Callable[[bytes], bool],
         raise UserError(f"{field}: cannot read {str(path)!r} ({exc.strerror})") from None
     if head and not looks_right(head):  # an empty file holds nothing to lose
         raise UserError(f"{field}: {str(path)!r} exists and is not {what}; it would be overwritten")
+
+
+def read_text(path: Path, field: str, hint: str = "") -> str:
+    """The UTF-8 text of an operator's file; UserError naming `field` when it cannot be read or is
+    not UTF-8 text (`hint` follows that message)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{field}: cannot read {str(path)!r} ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{field}: {str(path)!r} is not UTF-8 text" + (f"; {hint}" if hint else "")) from None

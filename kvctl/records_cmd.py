@@ -18,7 +18,7 @@ from rich.markdown import Markdown
 from rich.table import Table
 
 from .errors import UserError
-from .outputs import is_sqlite, refuse_clobber
+from .outputs import is_sqlite, read_text, refuse_clobber
 
 adr_app = typer.Typer(help="Architecture decision records (append-only, in the SQLite store).",
                       no_args_is_help=True)
@@ -60,15 +60,6 @@ def _guard(fn, *args, **kwargs):
         raise UserError(str(exc)) from None
 
 
-def _read_markdown(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"from_file: cannot read {str(path)!r} ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise UserError(f"from_file: {str(path)!r} is not UTF-8 text") from None
-
-
 def _show(adr, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(adr.as_dict(), indent=2))
@@ -92,7 +83,7 @@ def adr_new(title: str = typer.Option(..., "--title", help="One line: what is de
         raise UserError("give --from-file or --edit, not both")
     text = ""
     if from_file:
-        text = _read_markdown(from_file)
+        text = read_text(from_file, "from_file")
     elif edit:
         template = f"# {title}\n\n" + "\n".join(f"## {HEADINGS[f]}\n\n" for f in FIELDS)
         text = typer.edit(template) or ""
@@ -112,7 +103,7 @@ def adr_edit(adr_id: int = typer.Argument(..., help="ADR id."),
     """
     from kvctl.daemon.records import parse_markdown
 
-    title, fields = _guard(parse_markdown, _read_markdown(from_file))
+    title, fields = _guard(parse_markdown, read_text(from_file, "from_file"))
     adr = _guard(_records(state_dir).edit, adr_id, title, fields, author or getpass.getuser())
     _show(adr, as_json) if as_json else Console().print(f"ADR {adr.id} is at revision {adr.revision}")
 

@@ -632,7 +632,7 @@ class EngineService:
         already (the two sides cannot differ: nothing to learn from it)."""
         body = self.rollouts.start(policy, fraction, stops, adr_id, actor)
         settings = body["policy"]["settings"]
-        if all(str(getattr(self.config, name, None)) == str(value) for name, value in settings.items()):
+        if all(self._settings_in_effect(settings).values()):
             body["note"] = ("the cohort's settings are everyone's already ("
                             + ", ".join(f"{name} {value}" for name, value in settings.items())
                             + "): cohort and baseline run alike")
@@ -643,10 +643,13 @@ class EngineService:
         settings are still in effect (a reload or restart may have reverted them)."""
         return self._with_settings_in_effect(self.rollouts.status(rollout_id))
 
+    def _settings_in_effect(self, settings: dict) -> dict[str, bool]:
+        """For each of a policy's settings, whether everyone has that value now."""
+        return {name: str(getattr(self.config, name, None)) == str(value) for name, value in settings.items()}
+
     def _with_settings_in_effect(self, body: dict) -> dict:
         if body["state"] == "completed":
-            body["settings_in_effect"] = {name: str(getattr(self.config, name, None)) == str(value)
-                                          for name, value in body["policy"]["settings"].items()}
+            body["settings_in_effect"] = self._settings_in_effect(body["policy"]["settings"])
         return body
 
     def cancel(self, request_id: str) -> None:
