@@ -57,7 +57,7 @@ def _group(layout, n: int, seed: int):
     from kvctl.daemon.cache.tiers import BlockMeta
 
     keys = [hashlib.sha256(f"bench-{seed}-{i}".encode()).digest() for i in range(n)]
-    metas = [BlockMeta(k, keys[0], d) for d, k in enumerate(keys)]
+    metas = [BlockMeta(k, keys[0], d, keys[d - 1] if d else None) for d, k in enumerate(keys)]
     shape = (n, layout.block_size, layout.num_kv_heads, layout.head_dim)
     layers = [(torch.randint(-100, 100, shape, dtype=torch.int8).view(torch.uint8).view(d) if d.itemsize == 1
                else torch.randn(shape).to(d),
@@ -256,7 +256,7 @@ def _meta(engine, key):
     from kvctl.daemon.cache.tiers import BlockMeta
 
     block = engine.cache.pool.blocks[engine.cache.pool.block_of(key)]
-    return BlockMeta(block.key, block.root, block.depth)
+    return BlockMeta.of(block)
 
 
 def tiers_command(

@@ -212,7 +212,12 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
              sort: str = typer.Option("recent", help="recent (last used first), hits or size."),
              limit: int = typer.Option(50, help="Rows in the table (0: all); --json always has all."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Cached prefixes: id, tenant, tokens, blocks, size, hits, idle time, tier, pin (never text).
+    """Cached prefixes as a tree: each row is a run of blocks between branch points, with the row
+    it extends (parent), tenant, tokens, blocks, size, hits, idle time, tier, pin (never text).
+
+    Prompts that share a start (a chat template, a system prompt) share a row, and each way they
+    go on from it is a row of its own whose parent is that row. An id given to `kvctl evict
+    --prefix` or `kvctl swap` takes its row and every row that extends it.
 
     Example: kvctl prefixes --tenant acme --pinned
     """
@@ -227,20 +232,38 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         missing = float("inf") if not descending else float("-inf")  # unknown values sort last
         rows = sorted(d["prefixes"], key=lambda p: missing if p.get(key) is None else p[key], reverse=descending)
         shown = rows if limit == 0 else rows[:limit]
-        table = compact_table("prefix", "tenant", "tokens", "blocks", "size", "hits", "idle", "tier", "pinned",
-                              "in use")
-        for column in table.columns[2:7]:
-            column.justify = "right"
+        # Columns that would say the same on every row are left out (said once below the table)
+        # so that the table fits 80 columns; --json has every field.
+        tenants = {"-" if p["tenant"] is None else p["tenant"] for p in shown}  # None: a lower tier's, from before a restart
+        optional = {"tenant": len(tenants) > 1, "pinned": any(p["pinned"] for p in shown),
+                    "in use": any(p["in_use_blocks"] for p in shown)}
+        headers = ["prefix", "parent", "tenant", "tokens", "size", "hits", "idle", "tier", "pinned", "in use"]
+        headers = [h for h in headers if optional.get(h, True)]
+        table = compact_table(*headers)
+        for column in table.columns:
+            column.justify = "right" if column.header in ("tokens", "size", "hits", "idle", "in use") else "left"
         for p in shown:
-            tenant = "-" if p["tenant"] is None else p["tenant"]  # a lower tier's, from before a restart
-            table.add_row(p["prefix_id"], tenant, f"{p['tokens']:,}", f"{p['blocks']:,}", size(p["bytes"]),
-                          f"{p['hits']:,}", duration(p.get("idle_seconds")), p["tier"],
-                          "yes" if p["pinned"] else "", str(p["in_use_blocks"] or ""))
+            cells = {"prefix": p["prefix_id"],
+                     "parent": "detached" if p.get("detached") else (p.get("parent_id") or "-")[:8],
+                     "tenant": "-" if p["tenant"] is None else p["tenant"],
+                     "tokens": f"{p.get('start_token', 0):,}-{p['tokens']:,}", "size": size(p["bytes"]),
+                     "hits": "-" if p["hits"] is None else f"{p['hits']:,}", "idle": duration(p.get("idle_seconds")),
+                     "tier": "+".join(p.get("tiers") or [p["tier"]]), "pinned": "yes" if p["pinned"] else "",
+                     "in use": f"{p['in_use_blocks']:,}" if p["in_use_blocks"] else ""}
+            table.add_row(*(cells[h] for h in headers))
         keep_whole(table, 0)
         console = Console()
         console.print(table if rows else "no cached prefixes")
         if len(shown) < len(rows):
             console.print(f"{len(shown)} of {len(rows):,} prefixes, by {sort}; --limit 0 shows all")
+        same = ([f"tenant {next(iter(tenants))}"] if len(tenants) == 1 else []) + \
+            [{(False, False): "none pinned or in use", (False, True): "none pinned",
+              (True, False): "none in use"}.get((optional["pinned"], optional["in use"]), "")]
+        same = [part for part in same if part]
+        if rows and same:
+            console.print("; ".join(same))
+        if any(p.get("detached") for p in shown):
+            console.print("detached: the blocks before it are cached nowhere, so no request reaches it")
     _emit(data, as_json, render)
 
 
@@ -296,7 +319,9 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
           model_revision: Optional[str] = typer.Option(None, "--model-revision", help="A model revision."),
           all_unpinned: bool = typer.Option(False, "--all-unpinned", help="Everything not pinned."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Evict cached blocks and report exactly what went; blocks in use are refused, not faked.
+    """Evict cached blocks from every tier and report exactly what went; blocks in use are
+    refused, not faked. A prefix id takes that prefix and every prefix that extends it (its rows
+    in `kvctl prefixes`); the prefix it extends stays for the others that share it.
 
     Example: kvctl evict --tenant acme
     """
@@ -305,7 +330,9 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
 
     def render(d):
         skipped = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in sorted(d["skipped"].items()))
-        Console().print(f"evicted {d['evicted_blocks']} blocks ({d['target']})"
+        lower = d.get("lower_tier_blocks_dropped") or 0
+        Console().print(f"evicted {d['target']}: {d['evicted_blocks']} blocks from the device"
+                        + (f", {lower} from lower tiers" if lower else "")
                         + (f"; left alone: {skipped}" if skipped else ""))
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{d['message']}[/yellow]")

@@ -78,7 +78,8 @@ def swap(ctx: typer.Context, prefix_id: str = typer.Argument(..., help="Prefix i
          to: str = typer.Option(..., "--to", help="device, host, disk or remote."),
          copy: bool = typer.Option(False, "--copy", help="Keep the source copies (default: move)."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Move (or copy) a prefix to one tier and wait for the verified result.
+    """Move (or copy) a prefix, and every prefix that extends it, to one tier and wait for the
+    verified result. To the device, the blocks it extends come up too where they are missing.
 
     Example: kvctl swap 3f9a1c0b2d4e5f60 --to disk
     """
@@ -87,12 +88,12 @@ def swap(ctx: typer.Context, prefix_id: str = typer.Argument(..., help="Prefix i
     def render(d):
         ok = d["verified_blocks"] == d["blocks"]
         verb = "copied" if d["copy"] else "moved"
-        Console().print(f"{verb} prefix {d['prefix_id']} to {d['to']}: {d['verified_blocks']} of {d['blocks']} "
-                        f"blocks verified there in {d['seconds'] * 1000:.0f} ms"
+        Console().print(f"{verb} {d['prefix_id']} to {d['to']}: {d['verified_blocks']} of {d['blocks']} "
+                        f"blocks verified in {d['seconds'] * 1000:.0f} ms"
                         + ("" if ok else " [yellow](partial)[/yellow]"))
-        if d.get("skipped_branch_blocks"):
-            Console().print(f"{d['skipped_branch_blocks']} blocks on branches of the prefix tree stay where they "
-                            "are; a request restores them")
+        if d.get("extended_blocks"):
+            Console().print(f"the prefix it extends: {d['extended_on_device']} of {d['extended_blocks']} blocks "
+                            "on the device")
     _emit(data, as_json, render)
     if data["verified_blocks"] != data["blocks"]:
         raise typer.Exit(3)

@@ -488,12 +488,18 @@ def test_a_large_block_map_is_drawn_in_at_most_2048_cells_of_their_most_common_s
     assert sum(line.count("■") for line in text.splitlines()) == 2048  # 32 rows, not 2,048
 
 
+def _prefix_rows():
+    return [{"prefix_id": f"{i:016x}", "parent_id": None if i == 0 else f"{0:016x}", "tenant": "acme",
+             "start_token": 0 if i == 0 else 16, "tokens": 16 if i == 0 else 16 * (i + 1), "blocks": max(i, 1),
+             "bytes": 16384 * max(i, 1), "hits": [5, 50, 0, 7][i], "idle_seconds": [30.0, 600.0, 5.0, None][i],
+             "tier": "device", "tiers": {"device": max(i, 1)}, "pinned": False, "pinned_blocks": 0,
+             "in_use_blocks": 0, "children": 3 if i == 0 else 0, "detached": False} for i in range(4)]
+
+
 def test_prefixes_table_sorts_and_limits_and_json_keeps_every_row(capsys, monkeypatch):
     import kvctl.ops as ops
 
-    rows = [{"prefix_id": f"{i:016x}", "tenant": "acme", "tokens": 16 * (i + 1), "blocks": i + 1,
-             "bytes": 16384 * (i + 1), "hits": [5, 50, 0, 7][i], "idle_seconds": [30.0, 600.0, 5.0, None][i],
-             "tier": "device", "pinned": False, "in_use_blocks": 0} for i in range(4)]
+    rows = _prefix_rows()
 
     class Fake:
         def get(self, path, **params):
@@ -504,12 +510,69 @@ def test_prefixes_table_sorts_and_limits_and_json_keeps_every_row(capsys, monkey
     status, out, _ = cli(capsys, "prefixes", "--sort", "hits", "--limit", "2")
     lines = out.splitlines()
     assert status == 0 and [line.split()[0] for line in lines[1:3]] == [f"{1:016x}", f"{3:016x}"]
-    assert lines[3] == "2 of 4 prefixes, by hits; --limit 0 shows all"
+    assert lines[3:] == ["2 of 4 prefixes, by hits; --limit 0 shows all", "tenant acme; none pinned or in use"]
     status, out, _ = cli(capsys, "prefixes", "--limit", "0")  # recent first; never used (no idle time) last
-    assert [line.split()[0] for line in out.splitlines()[1:]] == [f"{i:016x}" for i in (2, 0, 1, 3)]
+    assert [line.split()[0] for line in out.splitlines()[1:5]] == [f"{i:016x}" for i in (2, 0, 1, 3)]
     status, out, _ = cli(capsys, "prefixes", "--limit", "1", "--json")
     assert len(json.loads(out)["prefixes"]) == 4
     assert cli(capsys, "prefixes", "--sort", "age")[2].strip() == "error: sort: unknown value 'age'; use recent, hits, size"
+
+
+def test_evict_and_swap_say_what_went_in_every_tier(capsys, monkeypatch):
+    import kvctl.ops as ops
+    import kvctl.tiers_cmd as tiers_cmd
+
+    answers = {
+        "/admin/evict": {"evicted_blocks": 4, "skipped": {}, "result": "ok", "target": "prefix=0435de855e2354d8",
+                         "lower_tier_blocks_dropped": 3},
+        "/admin/swap": {"prefix_id": "0435de855e2354d8", "to": "device", "copy": True, "blocks": 3,
+                        "moved_blocks": 4, "verified_blocks": 3, "extended_blocks": 1, "extended_on_device": 1,
+                        "seconds": 0.012},
+    }
+
+    class Fake:
+        def post(self, path, body):
+            return answers[path]
+
+    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
+    monkeypatch.setattr(tiers_cmd, "_client", lambda ctx, tenant=None: Fake())
+    status, out, _ = cli(capsys, "evict", "--prefix", "0435de85")
+    assert (status, out) == (0, "evicted prefix=0435de855e2354d8: 4 blocks from the device, 3 from lower tiers\n")
+    status, out, _ = cli(capsys, "swap", "0435de85", "--to", "device", "--copy")
+    assert (status, out.splitlines()) == (0, ["copied 0435de855e2354d8 to device: 3 of 3 blocks verified in "
+                                              "12 ms", "the prefix it extends: 1 of 1 blocks on the device"])
+    answers["/admin/swap"].update(verified_blocks=0, extended_on_device=0)
+    status, out, _ = cli(capsys, "swap", "0435de85", "--to", "device")
+    assert status == 3 and out.splitlines()[0].endswith("0 of 3 blocks verified in 12 ms (partial)")
+
+
+def test_prefixes_table_shows_the_tree_and_fits_80_columns(capsys, monkeypatch):
+    """Each row says which row it extends and which tokens it covers; columns that would say the
+    same on every row (one tenant, nothing pinned or in use) become one line below the table."""
+    import kvctl.ops as ops
+
+    rows = _prefix_rows()
+    rows[2].update(tier="device", tiers={"device": 1, "disk": 1}, bytes=32768, blocks=2, tokens=48)
+    rows[3].update(parent_id=None, detached=True, start_token=1024, tokens=1040, hits=None, tier="disk",
+                   tiers={"disk": 1}, idle_seconds=None)
+    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: type("Fake", (), {
+        "get": lambda self, path, **params: {"prefixes": rows}})())
+    monkeypatch.setenv("COLUMNS", "80")
+    status, out, _ = cli(capsys, "prefixes", "--sort", "size")
+    assert status == 0 and [line.rstrip() for line in out.splitlines()] == [
+        "prefix           parent        tokens     size hits idle tier",
+        "0000000000000003 detached 1,024-1,040 48.0 KiB    -    - disk",
+        "0000000000000002 00000000       16-48 32.0 KiB    0   5s device+disk",
+        "0000000000000000 -               0-16 16.0 KiB    5  30s device",
+        "0000000000000001 00000000       16-32 16.0 KiB   50  10m device",
+        "tenant acme; none pinned or in use",
+        "detached: the blocks before it are cached nowhere, so no request reaches it"]
+    assert max(len(line) for line in out.splitlines()) <= 80
+    rows[1].update(tenant="globex", pinned=True, pinned_blocks=1, in_use_blocks=1)
+    status, out, _ = cli(capsys, "prefixes", "--sort", "size")
+    assert out.splitlines()[0].split() == ["prefix", "parent", "tenant", "tokens", "size", "hits", "idle", "tier",
+                                           "pinned", "in", "use"]
+    assert "tenant acme" not in out and "none pinned" not in out
 
 
 def test_explain_and_pin_read_a_prompt_file_and_name_one_that_is_not_text(capsys, monkeypatch, tmp_path):

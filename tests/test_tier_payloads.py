@@ -59,6 +59,32 @@ def test_damaged_payloads_are_refused_with_the_failed_check(mutate, reason):
     assert err.value.reason == reason
 
 
+def test_a_payload_header_carries_the_block_s_place_in_its_chain():
+    """Root, depth and parent come back from the header alone: a lower tier can rebuild the
+    prefix tree (what `kvctl prefixes` shows) after a restart without reading any K/V."""
+    from kvctl.daemon.cache.tiers.payload import read_header
+
+    lay = layout()
+    keys = [block_key(i) for i in range(3)]
+    metas, layers = group(lay, keys)
+    for meta, payload in zip(metas, encode_blocks(lay, SPACE, metas, layers)):
+        got, space, total = read_header(payload)
+        assert (got, space, total) == (meta, SPACE, len(payload))
+    assert [m.parent for m in metas] == [None, keys[0], keys[1]]
+
+
+def test_a_payload_of_the_previous_format_is_refused_as_another_version():
+    """Format 2 had no parent key; its payloads are refused (a counted miss, set aside on disk),
+    never misread."""
+    import struct
+
+    lay, payload = _one()
+    old = payload[:4] + struct.pack("<H", 2) + payload[6:]
+    with pytest.raises(PayloadError) as err:
+        decode_block(old, lay, SPACE, block_key(0))
+    assert (err.value.reason, str(err.value)) == ("version", "version: format version 2, this kvd reads 3")
+
+
 def test_payloads_of_another_block_space_or_layout_are_refused():
     lay, payload = _one()
     with pytest.raises(PayloadError) as err:

@@ -286,6 +286,11 @@ def test_prefixes_warmed_before_a_restart_hit_after_it(tmp_path):
         app = create_app(again, again.metrics, front="unix")
         tiers = call(app, "GET", "/admin/tiers").json()
         assert tiers["disk_scan"]["blocks"] > 0 and tiers["disk_scan"]["corrupt"] == 0
+        # the prefix tree comes back from the payload headers: one run, on disk, whose tenant
+        # this kvd cannot know (the tenant is hashed into the keys, never stored beside them)
+        [row] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        assert (row["blocks"], row["start_token"], row["parent_id"], row["tiers"], row["tenant"], row["hits"]) == \
+            (tiers["disk_scan"]["blocks"], 0, None, {"disk": tiers["disk_scan"]["blocks"]}, None, None)
         after = _complete(app, TEXT_A)
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
@@ -393,7 +398,7 @@ def test_swap_moves_a_prefix_down_and_back_and_prefixes_show_its_tier(tmp_path):
             assert (row["tenant"], row["hits"]) == (prefix["tenant"], prefix["hits"]) == ("default", 0)
             assert row["idle_seconds"] >= prefix["idle_seconds"]
         back = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "device"}).json()
-        assert back["verified_blocks"] == back["chain_blocks"] == prefix["blocks"]
+        assert back["verified_blocks"] == back["blocks"] == prefix["blocks"]
         assert call(app, "GET", "/admin/prefixes").json()["prefixes"][0]["tier"] == "device"
         after = _complete(app, TEXT_A)
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
@@ -405,6 +410,73 @@ def test_swap_moves_a_prefix_down_and_back_and_prefixes_show_its_tier(tmp_path):
         evicted = call(app, "POST", "/admin/evict", json={"prefix": prefix["prefix_id"]}).json()
         assert evicted["evicted_blocks"] == prefix["blocks"] and evicted["lower_tier_blocks_dropped"] == prefix["blocks"]
         assert call(app, "GET", "/admin/prefixes").json()["prefixes"] == []
+    finally:
+        service.shutdown(deadline=2)
+
+
+SHARED = [5] * 16  # one block every prompt below starts with (as a chat template is)
+SYSTEM_A, SYSTEM_B = SHARED + [10] * 32, SHARED + [20] * 32
+
+
+def _tokens(app, tokens):
+    response = call(app, "POST", "/v1/completions", json={"prompt": tokens, "max_tokens": 1, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _ids(service, tokens):
+    """The prefix ids (16 hex digits) of each full block of `tokens`."""
+    return [key.hex()[:16] for key in service.engine.prefix_keys("default", tokens)[2]]
+
+
+def test_prefixes_branch_where_prompts_part_and_evict_and_swap_take_one_branch(tmp_path):
+    """Prompts that share their first block are not one prefix: the listing splits at each
+    branch, and an id evicts or moves its branch and what extends it, never its siblings."""
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="4MiB", disk_cache_bytes="16MiB",
+                            tiering="always")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        q1, q2, q3 = (SYSTEM_A + [1] * 16 + [99], SYSTEM_A + [2] * 16 + [99], SYSTEM_B + [3] * 16 + [99])
+        for prompt in (q1, q2, q3):
+            _tokens(app, prompt)
+        a, b, c = _ids(service, q1), _ids(service, q2), _ids(service, q3)  # 4 full blocks each
+        rows = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        got = {r["prefix_id"]: (r["parent_id"], r["start_token"], r["tokens"], r["blocks"], r["tier"], r["children"])
+               for r in rows}
+        assert got == {a[0]: (None, 0, 16, 1, "device", 2),  # the shared block
+                       a[1]: (a[0], 16, 48, 2, "device", 2),  # system prompt A
+                       a[3]: (a[1], 48, 64, 1, "device", 0), b[3]: (a[1], 48, 64, 1, "device", 0),
+                       c[1]: (a[0], 16, 64, 3, "device", 0)}  # system prompt B and its one question
+        assert [r["prefix_id"] for r in rows][0] == a[0]  # parents before children
+        assert {r["tenant"] for r in rows} == {"default"} and not any(r["detached"] for r in rows)
+        assert next(r for r in rows if r["prefix_id"] == a[1])["hits"] == 1  # q2 reused it
+
+        evicted = call(app, "POST", "/admin/evict", json={"prefix": a[1][:8]}).json()
+        assert (evicted["target"], evicted["evicted_blocks"]) == (f"prefix={a[1]}", 4)  # A and both questions
+        [left] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        # the shared block stays for B; with one way on from it, it and B are one run now
+        assert (left["prefix_id"], left["tokens"], left["blocks"], left["children"]) == (a[0], 64, 4, 0)
+        assert _tokens(app, q3)["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+        # B's id, listed before the merge, still names B: from its first block on
+        moved = call(app, "POST", "/admin/swap", json={"prefix": c[1], "to": "disk"}).json()
+        assert (moved["prefix_id"], moved["blocks"], moved["verified_blocks"], moved["evicted_from_device"]) == \
+            (c[1], 3, 3, 3)
+        [row] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        assert (row["prefix_id"], row["tiers"], row["tier"]) == (a[0], {"device": 1, "disk": 3}, "device")
+        # the shared block's id takes everything that extends it; bringing B back up then
+        # brings up the block it extends too
+        call(app, "POST", "/admin/swap", json={"prefix": a[0], "to": "host"})
+        [row] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        assert row["tiers"] == {"host": 4}
+        back = call(app, "POST", "/admin/swap", json={"prefix": c[1], "to": "device", "copy": True}).json()
+        assert (back["blocks"], back["verified_blocks"]) == (3, 3)
+        assert (back["extended_blocks"], back["extended_on_device"], back["moved_blocks"]) == (1, 1, 4)
+        assert _tokens(app, q3)["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        gone = call(app, "POST", "/admin/evict", json={"prefix": "ffffffff"})
+        assert gone.status_code == 404
     finally:
         service.shutdown(deadline=2)
 

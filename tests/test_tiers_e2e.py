@@ -104,8 +104,8 @@ def test_kvctl_tiers_and_swap_as_an_operator_drives_them(tmp_path):
         assert prefix["tier"] == "device"
         moved = kvctl(sock, "swap", prefix["prefix_id"], "--to", "disk")
         assert moved.returncode == 0, moved.stderr
-        assert (f"moved prefix {prefix['prefix_id']} to disk: {prefix['blocks']} of {prefix['blocks']} "
-                "blocks verified there") in moved.stdout
+        assert (f"moved {prefix['prefix_id']} to disk: {prefix['blocks']} of {prefix['blocks']} "
+                "blocks verified in") in moved.stdout
         listed = kvctl(sock, "prefixes").stdout
         assert prefix["prefix_id"] in listed and "disk" in listed
         report = json.loads(kvctl(sock, "tiers", "--json").stdout)

@@ -86,7 +86,7 @@ def content(layout: BlockLayout, key: bytes) -> list[tuple[torch.Tensor, torch.T
 
 def group(layout: BlockLayout, keys: list[bytes]):
     """(metas, layers [n, ...]) for blocks 0..n-1 of one chain rooted at keys[0]."""
-    metas = [BlockMeta(k, keys[0], d) for d, k in enumerate(keys)]
+    metas = [BlockMeta(k, keys[0], d, keys[d - 1] if d else None) for d, k in enumerate(keys)]
     per = [content(layout, k) for k in keys]
     layers = [(torch.stack([p[l][0] for p in per]), torch.stack([p[l][1] for p in per]))
               for l in range(layout.num_layers)]

@@ -36,6 +36,7 @@ from .errors import (AuditFailure, CacheFull, DuplicateSequence, InvalidRequest,
 from .keys import BlockKey, Namespace, PrefixHasher, chain_keys, validate_block_size
 from .pins import Pin, PinRegistry, pin_id_for
 from .pool import BlockPool
+from .prefix_tree import CachedBlock
 
 
 @dataclass(slots=True)
@@ -425,35 +426,18 @@ class KVCacheManager:
         chosen.sort(key=lambda b: -b.depth)
         return self.evict_prefix([b.key for b in reversed(chosen)])
 
-    def prefixes(self, keep_roots: Collection[BlockKey] = ()) -> list[dict]:
-        """Cached prefix trees grouped by first block: sizes, tenant, hits, pins. Never tokens.
+    def cached_blocks(self) -> list[CachedBlock]:
+        """Every indexed block of the pool, as `PrefixTree` reads them (tier "device"). Never tokens."""
+        return [CachedBlock(b.key, b.parent, b.root, b.depth, "device", b.hits, b.last_use, b.pin_count > 0,
+                            b.ref_count > 0)
+                for b in self.pool.blocks if b.key is not None]
 
-        What is known of a root (tenant, hits, last use) is dropped once none of its blocks is
-        cached here, unless it is in `keep_roots` (the roots a lower tier still holds)."""
-        trees: dict[BlockKey, dict] = {}
-        for block in self.pool.blocks:
-            if block.key is None:
-                continue
-            tree = trees.setdefault(block.root, {"blocks": 0, "deepest": 0, "pinned_blocks": 0,
-                                                 "in_use_blocks": 0})
-            tree["blocks"] += 1
-            tree["deepest"] = max(tree["deepest"], block.depth)
-            tree["pinned_blocks"] += block.pin_count > 0
-            tree["in_use_blocks"] += block.ref_count > 0
-        out = []
-        for root, tree in trees.items():
-            info = self.roots.get(root)
-            out.append({
-                "prefix_id": root.hex()[:16], "tenant": info.tenant if info else None,
-                "blocks": tree["blocks"], "tokens": (tree["deepest"] + 1) * self.block_size,
-                "bytes": tree["blocks"] * self.block_bytes, "hits": info.hits if info else 0,
-                "last_use": info.last_use if info else None, "tier": "device",
-                "pinned": tree["pinned_blocks"] > 0, "pinned_blocks": tree["pinned_blocks"],
-                "in_use_blocks": tree["in_use_blocks"],
-            })
-        for root in [r for r in self.roots if r not in trees and r not in keep_roots]:
-            del self.roots[root]  # nothing of it is cached any more
-        return sorted(out, key=lambda p: (-(p["last_use"] or 0), p["prefix_id"]))
+    def forget_roots(self, keep: Collection[BlockKey] = ()) -> None:
+        """Drop what is known of a prefix tree (tenant, hits, last use) once none of its blocks is
+        cached here or in `keep` (the roots a lower tier still holds)."""
+        cached = {b.root for b in self.pool.blocks if b.key is not None}
+        for root in [r for r in self.roots if r not in cached and r not in keep]:
+            del self.roots[root]
 
     # ---- books -----------------------------------------------------------------------------
     def audit(self) -> None:

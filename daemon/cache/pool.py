@@ -38,7 +38,10 @@ class Block:
     key: BlockKey | None = None  # content key while indexed; None for free or unindexed blocks
     pin_count: int = 0  # pins covering `key`; > 0 keeps the block out of eviction
     depth: int = 0  # position in its prefix chain while indexed (0 = first block)
-    root: BlockKey | None = None  # key of its chain's first block while indexed (groups prefixes)
+    root: BlockKey | None = None  # key of its chain's first block while indexed (names its tree)
+    parent: BlockKey | None = None  # key of the block before it in its chain while indexed (None at depth 0)
+    hits: int = 0  # prefix hits that reused it since it was indexed
+    last_use: float = 0.0  # clock reading of its indexing or latest acquire
 
 
 class BlockPool:
@@ -133,6 +136,7 @@ class BlockPool:
                 self._log_eviction(block.key, now, reason)
                 block.key = None
                 block.root = None
+                block.parent = None
             self.evictions += len(victims)
             taken.extend(victims)
         for block_id in taken:
@@ -159,6 +163,8 @@ class BlockPool:
             elif ref == 1:
                 self.num_shared += 1
             block.ref_count = ref + 1
+            block.last_use = now
+            block.hits += hit
         if hit:
             policy.record_hits(block_ids, now)
 
@@ -211,6 +217,9 @@ class BlockPool:
             block.key = key
             block.depth = position
             block.root = keys[0]
+            block.parent = keys[position - 1] if position else None
+            block.hits = 0
+            block.last_use = now
             if pin_refs:
                 block.pin_count = pin_refs.get(key, 0)
             inserted.append(block_id)
@@ -230,6 +239,7 @@ class BlockPool:
         del self._index[block.key]
         block.key = None
         block.root = None
+        block.parent = None
 
     def evict_keys(self, keys: Iterable[BlockKey], now: float = 0.0) -> tuple[list[int], dict[str, int]]:
         """Drop the given keys from the cache where they are evictable now.
@@ -256,6 +266,7 @@ class BlockPool:
                 self._log_eviction(key, now, "operator")
                 block.key = None
                 block.root = None
+                block.parent = None
                 self._free.append(block_id)
                 evicted.append(block_id)
         self.operator_evictions += len(evicted)

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, chain_keys
+from kvctl.daemon.cache.prefix_tree import TIER_ORDER, CachedBlock, PrefixTree
 from kvctl.daemon.config import ConfigError, KvdConfig, cache_dtype_name, quick_prefill_default
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
@@ -741,21 +742,44 @@ class EngineService:
             return self.config.model_name
         return Path(self.loaded.path).name if self.loaded else "kvd"
 
-    def prefixes(self, tenant: str | None, pinned_only: bool) -> list[dict]:
+    def prefix_tree(self) -> tuple[PrefixTree, dict]:
+        """The cached prefixes of every tier as one tree (see daemon/cache/prefix_tree.py), and
+        what the cache knows of each tree's root (tenant, hits, last use)."""
         engine = self.require_ready()
         known = self.tiers.known_metas() if self.tiers is not None else {}
+        lower = [CachedBlock(meta.key, meta.parent, meta.root, meta.depth, tier) for meta, tier in known.values()]
         with self.lock:  # roots only lower tiers hold keep their tenant and hits
-            rows = engine.cache.prefixes(keep_roots={meta.root for meta, _ in known.values()})
-        if self.tiers is not None:
-            from . import tier_ops
+            device = engine.cache.cached_blocks()
+            engine.cache.forget_roots(keep={meta.root for meta, _ in known.values()})
+            roots = dict(engine.cache.roots)
+        return PrefixTree(device + lower), roots
 
-            rows += tier_ops.lower_prefixes(self, known)
+    def prefixes(self, tenant: str | None, pinned_only: bool) -> list[dict]:
+        """One row per node of the prefix tree: a run of cached blocks between branch points."""
+        engine = self.require_ready()
+        tree, roots = self.prefix_tree()
+        size, nbytes = engine.cache.block_size, engine.cache.block_bytes
         now = engine.clock()
-        for row in rows:
-            row["idle_seconds"] = None if row["last_use"] is None else now - row["last_use"]
-            row["last_use"] = self._unix_time(row["last_use"], now)
-        return [r for r in rows if (tenant is None or r["tenant"] == tenant)
-                and (not pinned_only or r["pinned"])]
+        rows = []
+        for node in tree.nodes.values():
+            info = roots.get(node.root)
+            hits, last_use = node.hits, node.last_use
+            if node.start_depth == 0 and info is not None:  # a tree's first node: its root's record spans tiers
+                hits = max(hits or 0, info.hits)
+                last_use = info.last_use if last_use is None else max(last_use, info.last_use)
+            rows.append({
+                "prefix_id": node.key.hex()[:16], "parent_id": node.parent.hex()[:16] if node.parent else None,
+                "tenant": info.tenant if info else None,
+                "start_token": node.start_depth * size, "tokens": (node.end_depth + 1) * size,
+                "blocks": len(node.keys), "bytes": len(node.keys) * nbytes, "hits": hits,
+                "idle_seconds": None if last_use is None else now - last_use,
+                "last_use": self._unix_time(last_use, now), "tier": node.tier,
+                "tiers": {t: node.tiers[t] for t in TIER_ORDER if t in node.tiers},
+                "pinned": node.pinned_blocks > 0, "pinned_blocks": node.pinned_blocks,
+                "in_use_blocks": node.in_use_blocks, "children": len(node.children), "detached": node.detached,
+            })
+        rows = _tree_order(rows)
+        return [r for r in rows if (tenant is None or r["tenant"] == tenant) and (not pinned_only or r["pinned"])]
 
     @staticmethod
     def _unix_time(reading: float | None, now: float) -> float | None:
@@ -864,20 +888,18 @@ class EngineService:
                              result="expired", detail={})
 
     # ---- eviction and explanation ------------------------------------------------------------
-    def resolve_prefix(self, prefix_id: str) -> bytes:
-        """The one prefix (its root key, on the device or in a lower tier) whose id starts with
-        `prefix_id`, as git resolves a short hash: at least 4 hex digits, and refused when several
-        prefixes match, so that a short id never evicts or moves more than the prefix meant."""
-        engine = self.require_ready()
+    def resolve_prefix(self, prefix_id: str, tree: PrefixTree) -> bytes:
+        """The block key that `prefix_id` names, as git resolves a short hash: at least 4 hex
+        digits, and refused when several prefixes match, so that a short id never evicts or moves
+        more than the prefix meant. Ids of `tree`'s nodes (what `kvctl prefixes` lists) come
+        first; any other cached block's id works too, so that an id listed before the tree
+        changed (a sibling evicted, nodes merged) still names the same block."""
         text = prefix_id.strip().lower()
         if len(text) < 4 or any(c not in "0123456789abcdef" for c in text):
             raise ServiceError(400, f"prefix: give at least 4 hex digits of an id from `kvctl prefixes`, "
                                     f"got {prefix_id!r}", "prefix")
-        with self.lock:
-            roots = {b.root for b in engine.cache.pool.blocks if b.key is not None}
-        if self.tiers is not None:
-            roots |= {meta.root for meta, _ in self.tiers.known_metas().values()}
-        matches = sorted(r for r in roots if r.hex().startswith(text))
+        matches = sorted(k for k in tree.nodes if k.hex().startswith(text)) or \
+            sorted(k for k in tree.node_of if k.hex().startswith(text))
         if not matches:
             raise ServiceError(404, f"prefix: no cached prefix {prefix_id!r}", "prefix")
         if len(matches) > 1:
@@ -892,7 +914,11 @@ class EngineService:
         chosen = [x for x in (prefix_id, tenant, model_revision) if x] + ([True] if all_unpinned else [])
         if len(chosen) != 1:
             raise ServiceError(400, "evict: give exactly one of prefix, tenant, model_revision, all_unpinned")
-        root = self.resolve_prefix(prefix_id) if prefix_id else None
+        subtree: list[bytes] | None = None
+        if prefix_id:  # the prefix and every prefix that extends it; the one it branches from stays
+            tree, _ = self.prefix_tree()
+            first = self.resolve_prefix(prefix_id, tree)
+            subtree = tree.subtree_keys(first)
         if model_revision and (len(model_revision) < 4 or model_revision.lower() != model_revision):
             raise ServiceError(400, f"model_revision: give at least 4 lowercase hex digits of a revision (kvctl "
                                     f"status shows the model's), got {model_revision!r}", "model_revision")
@@ -902,20 +928,25 @@ class EngineService:
                 report_blocks, skipped, select = 0, {}, None
                 target = f"model_revision={model_revision}"
             else:
-                if root is not None:
-                    select = lambda candidate, info: candidate == root  # noqa: E731
-                    target = f"prefix={root.hex()[:16]}"
+                if subtree is not None:
+                    select = None
+                    target = f"prefix={first.hex()[:16]}"
                 elif tenant:
                     select = lambda root, info: info is not None and info.tenant == tenant  # noqa: E731
                     target = f"tenant={tenant}"
                 else:
                     select = lambda root, info: True  # noqa: E731
                     target = "model_revision=current" if model_revision else "all_unpinned"
-                report = engine.cache.evict_where(select)
+                if subtree is None:
+                    report = engine.cache.evict_where(select)
+                else:  # the device's part of it (lower tiers' copies are dropped below)
+                    report = engine.cache.evict_prefix([k for k in subtree if engine.cache.pool.block_of(k) is not None])
                 report_blocks, skipped = report.evicted_blocks, report.skipped
             roots = dict(engine.cache.roots)
         lower_dropped = 0
-        if self.tiers is not None and select is not None:  # an eviction removes the prefix from every tier
+        if self.tiers is not None and subtree is not None:  # an eviction removes the prefix from every tier
+            lower_dropped = self.tiers.drop(subtree)
+        elif self.tiers is not None and select is not None:
             lower_dropped = self.tiers.drop([k for k, (m, _) in self.tiers.known_metas().items()
                                              if select(m.root, roots.get(m.root))])
         result = "ok" if not skipped.get("in_use") else "partial"
@@ -998,3 +1029,21 @@ def gpu_status() -> list[dict] | None:
         return out
     finally:
         pynvml.nvmlShutdown()
+
+
+def _tree_order(rows: list[dict]) -> list[dict]:
+    """Prefix rows depth first, each row's children right after it; trees, and the children of a
+    row, most recently used first. (A client that sorts by one figure keeps this order in ties.)"""
+    def recency(row: dict) -> tuple:
+        return (-(row["last_use"] or 0), row["prefix_id"])
+
+    children: dict[str | None, list[dict]] = {}
+    for row in rows:
+        children.setdefault(row["parent_id"], []).append(row)
+    out: list[dict] = []
+    todo = sorted(children.get(None, []), key=recency, reverse=True)
+    while todo:
+        row = todo.pop()
+        out.append(row)
+        todo.extend(sorted(children.get(row["prefix_id"], []), key=recency, reverse=True))
+    return out

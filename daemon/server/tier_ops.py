@@ -62,40 +62,10 @@ def report(service) -> dict:
     return body
 
 
-def lower_prefixes(service, known: dict | None = None) -> list[dict]:
-    """Prefixes (grouped by root) that live only in lower tiers, with their fastest tier.
-    `known`: the tiers' `known_metas()`, when the caller has it."""
-    tiers, engine = service.tiers, service.engine
-    if tiers is None:
-        return []
-    groups: dict[bytes, dict] = {}
-    if known is None:
-        known = tiers.known_metas()
-    with service.lock:
-        on_device = {b.root for b in engine.cache.pool.blocks if b.key is not None}
-        roots = dict(engine.cache.roots)
-    order = {"moving": 0, "host": 1, "disk": 2, "remote": 3}
-    for key, (meta, tier) in known.items():
-        if meta.root in on_device:
-            continue
-        g = groups.setdefault(meta.root, {"blocks": 0, "deepest": 0, "tier": tier})
-        g["blocks"] += 1
-        g["deepest"] = max(g["deepest"], meta.depth)
-        if order[tier] < order[g["tier"]]:
-            g["tier"] = tier
-    size, nbytes = tiers.layout.block_size, tiers.layout.block_bytes
-    out = []
-    for root, g in groups.items():
-        info = roots.get(root)
-        out.append({"prefix_id": root.hex()[:16], "tenant": info.tenant if info else None,
-                    "blocks": g["blocks"], "tokens": (g["deepest"] + 1) * size, "bytes": g["blocks"] * nbytes,
-                    "hits": info.hits if info else 0, "last_use": info.last_use if info else None,
-                    "tier": g["tier"], "pinned": False, "pinned_blocks": 0, "in_use_blocks": 0})
-    return out
-
-
 def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
-    """Move (or copy) every block of a prefix to one tier and verify it there."""
+    """Move (or copy) a prefix to one tier and verify it there: the node `prefix_id` names and every
+    prefix that extends it (its subtree, as `kvctl evict --prefix` takes it). To the device, the
+    blocks it branches from come up too where they are missing: a prefix is usable only whole."""
     engine = service.require_ready()
     tiers = service.tiers
     if to not in TARGETS:
@@ -105,18 +75,22 @@ def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
                                 "--host-cache-bytes / --disk-cache-bytes / --remote-url)")
     if to != "device" and getattr(tiers, to) is None:
         raise ServiceError(400, f"to: the {to} tier is not configured", "to")
-    root = service.resolve_prefix(prefix_id)
-    prefix_id = root.hex()[:16]
-    with service.lock:
-        device = sorted((b for b in engine.cache.pool.blocks if b.key is not None and b.root == root),
-                        key=lambda b: b.depth)
-        device_metas = [BlockMeta(b.key, b.root, b.depth) for b in device]
-        device_ids = [b.block_id for b in device]
-    lower = {k: m for k, (m, _) in tiers.known_metas().items() if m.root == root}
+    tree, roots = service.prefix_tree()
+    first = service.resolve_prefix(prefix_id, tree)
+    prefix_id = first.hex()[:16]
+    keys = tree.subtree_keys(first)
     started = time.perf_counter()
     if to == "device":
-        body = _to_device(service, engine, tiers, device_metas, lower)
+        root = tree.nodes[tree.node_of[first]].root
+        tenant = roots[root].tenant if root in roots else "default"
+        body = _to_device(service, engine, tree.leaf_paths(first), keys, tenant)
     else:
+        wanted = set(keys)
+        with service.lock:
+            device = sorted((b for b in engine.cache.pool.blocks if b.key in wanted), key=lambda b: b.depth)
+            device_metas = [BlockMeta.of(b) for b in device]
+            device_ids = [b.block_id for b in device]
+        lower = {k: m for k, (m, _) in tiers.known_metas().items() if k in wanted}
         body = _to_lower(service, engine, tiers, to, copy, device_metas, device_ids, lower)
     body.update({"prefix_id": prefix_id, "to": to, "copy": copy, "seconds": time.perf_counter() - started})
     with service.lock:
@@ -127,30 +101,19 @@ def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
     return body
 
 
-def _chain(metas: list[BlockMeta]) -> list[BlockMeta]:
-    """The unbranched part of a prefix tree, root first (one block per depth from 0)."""
-    by_depth: dict[int, list[BlockMeta]] = {}
-    for m in metas:
-        by_depth.setdefault(m.depth, []).append(m)
-    chain = []
-    for depth in range(len(by_depth)):
-        found = by_depth.get(depth, [])
-        if len(found) != 1:
-            break
-        chain.append(found[0])
-    return chain
-
-
-def _to_device(service, engine, tiers, device_metas, lower) -> dict:
-    metas = {m.key: m for m in device_metas}
-    metas.update({k: m for k, m in lower.items() if k not in metas})
-    chain = _chain(list(metas.values()))
-    keys = [m.key for m in chain]
+def _to_device(service, engine, paths: list[list[bytes]], keys: list[bytes], tenant: str) -> dict:
+    """Restore each leaf's chain (root first) that the device lacks; verify the subtree's `keys`."""
+    moved = 0
+    for path in paths:
+        installed, _ = restore_chain(service, path, tenant)
+        moved += installed
+    own = set(keys)
+    before = {k for path in paths for k in path if k not in own}  # the prefix it extends
     with service.lock:
-        tenant = engine.cache.roots[keys[0]].tenant if keys and keys[0] in engine.cache.roots else "default"
-    installed, on_device = restore_chain(service, keys, tenant)
-    return {"blocks": len(metas), "chain_blocks": len(keys), "moved_blocks": installed,
-            "verified_blocks": on_device, "skipped_branch_blocks": len(metas) - len(keys)}
+        on_device = sum(1 for k in keys if engine.cache.pool.block_of(k) is not None)
+        extended = sum(1 for k in before if engine.cache.pool.block_of(k) is not None)
+    return {"blocks": len(keys), "moved_blocks": moved, "verified_blocks": on_device,
+            "extended_blocks": len(before), "extended_on_device": extended}
 
 
 def restore_chain(service, keys: list[bytes], tenant: str) -> tuple[int, int]:
@@ -259,7 +222,7 @@ def save_on_shutdown(service, deadline: float) -> dict:
         group = keep[start:start + 64]
         with service.lock:
             layers = tiers.gather([b.block_id for b in group])
-        saved += tiers.copy_to("disk", [BlockMeta(b.key, b.root, b.depth) for b in group], layers, src="device")
+        saved += tiers.copy_to("disk", [BlockMeta.of(b) for b in group], layers, src="device")
     tiers.close(timeout=max(0.0, deadline - time.monotonic()))
     log.info("saved %d of %d cached device blocks to the disk tier", saved, len(keep))
     return {"saved_blocks": saved, "candidates": len(keep)}

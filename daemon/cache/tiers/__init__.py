@@ -1,6 +1,6 @@
 """Lower memory tiers for the KV cache: host, disk and remote (Redis), with verified moves.
 
-    payload.py   the on-disk / on-wire block format (header, tensors, CRC-32; no pickle)
+    payload.py   the on-disk / on-wire block format (header, tensors, XXH3-64; no pickle)
     host.py      pinned (CUDA) or plain CPU slots
     disk.py      durable segment files, re-indexed and verified at start
     remote.py    Redis / Redis Cluster with timeouts and a circuit breaker

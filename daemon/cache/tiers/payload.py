@@ -2,18 +2,19 @@
 
     offset  size  field
     0       4     magic b"KVB1"
-    4       2     format version (2)
+    4       2     format version (3)
     6       2     header length H (bytes from offset 0 to the end of the scale version)
     8       32    block key (SHA-256 chain key)
     40      32    space digest (namespace without the tenant: model, tokenizer, format, scales)
     72      32    root key (first block of its chain: groups blocks into prefixes)
-    104     4     depth (position of the block in its chain, 0 = root)
-    108     4     block size (tokens)
-    112     4     KV heads
-    116     4     head dim
-    120     2     layers L
-    122     L     dtype code per layer
-    122+L   2     scale version length S, then S bytes of UTF-8
+    104     32    parent key (the block before it in its chain; zeros for the root)
+    136     4     depth (position of the block in its chain, 0 = root)
+    140     4     block size (tokens)
+    144     4     KV heads
+    148     4     head dim
+    152     2     layers L
+    154     L     dtype code per layer
+    154+L   2     scale version length S, then S bytes of UTF-8
     H       8     payload length P (u64)
     H+8     P     per layer: K bytes then V bytes ([block_size, heads, head_dim], C order)
     H+8+P   8     XXH3-64 of every byte before it
@@ -40,8 +41,9 @@ import torch
 import xxhash
 
 MAGIC = b"KVB1"
-VERSION = 2  # 2: XXH3-64 trailer (1 had CRC-32)
-_FIXED = struct.Struct("<4sHH32s32s32sIIIIH")
+VERSION = 3  # 3: the parent key (prefix trees rebuilt from a lower tier); 2: XXH3-64 trailer (1 had CRC-32)
+_FIXED = struct.Struct("<4sHH32s32s32s32sIIIIH")
+_NO_PARENT = bytes(32)
 _U16 = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
 _CRC = struct.Struct("<Q")
@@ -105,13 +107,20 @@ class BlockMeta:
     key: bytes
     root: bytes
     depth: int
+    parent: bytes | None  # None for the root (depth 0)
+
+    @classmethod
+    def of(cls, block) -> "BlockMeta":
+        """The chain position of an indexed pool block (anything with key, root, depth, parent)."""
+        return cls(block.key, block.root, block.depth, block.parent)
 
 
 def _header(layout: BlockLayout, space: bytes, meta: BlockMeta) -> bytes:
     scale = layout.scale_version.encode("utf-8")
     codes = bytes(DTYPE_CODES[d] for d in layout.layer_dtypes)
     length = _FIXED.size + len(codes) + _U16.size + len(scale)
-    return b"".join((_FIXED.pack(MAGIC, VERSION, length, meta.key, space, meta.root, meta.depth,
+    return b"".join((_FIXED.pack(MAGIC, VERSION, length, meta.key, space, meta.root,
+                                 meta.parent or _NO_PARENT, meta.depth,
                                  layout.block_size, layout.num_kv_heads, layout.head_dim, layout.num_layers),
                      codes, _U16.pack(len(scale)), scale, _U64.pack(layout.block_bytes)))
 
@@ -163,7 +172,7 @@ def read_header(data: bytes | memoryview, offset: int = 0) -> tuple[BlockMeta, b
     data = memoryview(data)[offset:]
     if len(data) < _FIXED.size:
         raise PayloadError("length", f"{len(data)} bytes is shorter than a header")
-    magic, version, header_len, key, space, root, depth, *_ = _FIXED.unpack_from(data, 0)
+    magic, version, header_len, key, space, root, parent, depth, *_ = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise PayloadError("magic", "not a kvctl block payload")
     if version != VERSION:
@@ -171,7 +180,7 @@ def read_header(data: bytes | memoryview, offset: int = 0) -> tuple[BlockMeta, b
     if len(data) < header_len + _U64.size:
         raise PayloadError("length", "truncated header")
     (body,) = _U64.unpack_from(data, header_len)
-    return BlockMeta(key, root, depth), space, header_len + _U64.size + body + _CRC.size
+    return BlockMeta(key, root, depth, parent if depth else None), space, header_len + _U64.size + body + _CRC.size
 
 
 class BlockData:

@@ -183,7 +183,7 @@ class TieredCache:
             keep = [b for b in keep if not self._held_below(b.key)]
         if not keep:
             return
-        metas = [BlockMeta(b.key, b.root, b.depth) for b in keep]
+        metas = [BlockMeta.of(b) for b in keep]
         started = time.perf_counter()
         if target == "host":
             self._put_host(metas, src="device", block_ids=[b.block_id for b in keep])
@@ -198,7 +198,7 @@ class TieredCache:
             return
         blocks = [b for b in blocks if b.key is not None and not self._held_below(b.key)]
         if blocks:
-            self._write_down([BlockMeta(b.key, b.root, b.depth) for b in blocks],
+            self._write_down([BlockMeta.of(b) for b in blocks],
                              self.gather([b.block_id for b in blocks]), src="device", targets=targets)
 
     def _first_lower(self) -> str | None:

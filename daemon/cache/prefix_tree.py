@@ -1,0 +1,172 @@
+"""The cached prefixes as an operator sees them: the nodes of a compressed prefix tree.
+
+Blocks are chained (each key hashes its parent's), so the cached blocks of one namespace form
+a tree. Many prompts share their first block (a chat template, a common system prompt), so
+grouping by first block would show one "prefix" per tenant. Instead, as a radix tree does, a
+node is a run of blocks without a branch: a node starts at a tree's first block, after a block
+with two or more cached children, or at a block whose parent is cached nowhere (a detached run:
+no request can reach it until its parent is computed again); it ends at a block with no child or
+with several. A node's id is its first block's key, so it names that block and everything that
+extends it: evicting a node takes its subtree and leaves the prefix it branches from to its
+siblings.
+
+Pure bookkeeping over plain data: the callers gather what each tier holds (`CachedBlock`),
+under their own locks, and this module only groups it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+TIER_ORDER = ("device", "moving", "host", "disk", "remote")  # fastest first
+
+
+@dataclass(frozen=True, slots=True)
+class CachedBlock:
+    """One cached copy of a block: where it is and what is known of it there."""
+
+    key: bytes
+    parent: bytes | None  # the previous block's key; None for a chain's first block
+    root: bytes  # the chain's first block's key (names the tree and, through it, the tenant)
+    depth: int  # 0 for the first block
+    tier: str  # one of TIER_ORDER
+    hits: int | None = None  # admissions that reused it; None where not tracked (lower tiers)
+    last_use: float | None = None  # clock reading of its latest use; None where not tracked
+    pinned: bool = False
+    in_use: bool = False
+
+
+@dataclass(slots=True)
+class PrefixNode:
+    """A run of cached blocks between branch points (see the module docstring)."""
+
+    key: bytes  # its first block's key: the node's id
+    root: bytes
+    parent: bytes | None  # id of the node it branches from; None for a tree's first node or a detached one
+    start_depth: int  # depth of its first block: it covers tokens from start_depth * block_size
+    keys: list[bytes] = field(default_factory=list)  # its blocks, first to last
+    tiers: dict[str, int] = field(default_factory=dict)  # blocks per tier (a block may be in two)
+    hits: int | None = None
+    last_use: float | None = None
+    pinned_blocks: int = 0
+    in_use_blocks: int = 0
+    children: list[bytes] = field(default_factory=list)  # ids of the nodes that branch from its end
+
+    @property
+    def end_depth(self) -> int:
+        return self.start_depth + len(self.keys) - 1
+
+    @property
+    def detached(self) -> bool:
+        """Its first block's parent is cached nowhere, so no request reaches it."""
+        return self.start_depth > 0 and self.parent is None
+
+    @property
+    def tier(self) -> str:
+        """The fastest tier holding any of its blocks."""
+        return min(self.tiers, key=TIER_ORDER.index)
+
+
+class PrefixTree:
+    """The nodes of the cached blocks given, by id, with their links."""
+
+    def __init__(self, blocks: Iterable[CachedBlock]) -> None:
+        merged: dict[bytes, _Merged] = {}
+        for block in blocks:
+            m = merged.get(block.key)
+            if m is None:
+                merged[block.key] = _Merged(block)
+            else:
+                m.add(block)
+        children: dict[bytes, list[bytes]] = {}
+        for key, m in merged.items():
+            if m.parent is not None and m.parent in merged:
+                children.setdefault(m.parent, []).append(key)
+        self.nodes: dict[bytes, PrefixNode] = {}
+        self.node_of: dict[bytes, bytes] = {}  # block key -> id of the node holding it
+        starts = [key for key, m in merged.items()
+                  if m.parent is None or m.parent not in merged or len(children[m.parent]) != 1]
+        for start in starts:
+            first = merged[start]
+            node = PrefixNode(key=start, root=first.root, parent=None, start_depth=first.depth)
+            key = start
+            while True:
+                m = merged[key]
+                node.keys.append(key)
+                self.node_of[key] = start
+                for tier in m.tiers:
+                    node.tiers[tier] = node.tiers.get(tier, 0) + 1
+                if m.hits is not None:
+                    node.hits = max(node.hits or 0, m.hits)
+                if m.last_use is not None:
+                    node.last_use = m.last_use if node.last_use is None else max(node.last_use, m.last_use)
+                node.pinned_blocks += m.pinned
+                node.in_use_blocks += m.in_use
+                below = children.get(key, [])
+                if len(below) != 1:
+                    break
+                key = below[0]
+            self.nodes[start] = node
+        for node in self.nodes.values():
+            parent_block = merged[node.key].parent
+            if parent_block is not None and parent_block in merged:
+                node.parent = self.node_of[parent_block]
+                self.nodes[node.parent].children.append(node.key)
+
+    def subtree(self, node_id: bytes) -> list[PrefixNode]:
+        """The node and every node that extends it, parents before children."""
+        out, todo = [], [node_id]
+        while todo:
+            node = self.nodes[todo.pop()]
+            out.append(node)
+            todo.extend(reversed(node.children))
+        return out
+
+    def subtree_keys(self, key: bytes) -> list[bytes]:
+        """The block `key` (a node's id, or any block in a node) and every block that extends it,
+        shallowest first (evict in reverse: deepest first). A node's id stays usable after the
+        tree changes around it: a node whose sibling went merges into its parent, and its first
+        block is then in the middle of that node."""
+        node = self.nodes[self.node_of[key]]
+        start = node.keys.index(key)
+        keys = [(node.start_depth + i, k) for i, k in enumerate(node.keys) if i >= start]
+        keys += [(below.start_depth + i, k) for below in self.subtree(node.key)[1:] for i, k in enumerate(below.keys)]
+        return [k for _, k in sorted(keys, key=lambda pair: pair[0])]
+
+    def path(self, key: bytes) -> list[bytes]:
+        """Block keys from the tree's first block (or a detached node's) to the end of the node
+        holding `key`."""
+        chain: list[bytes] = []
+        node: PrefixNode | None = self.nodes[self.node_of[key]]
+        while node is not None:
+            chain[:0] = node.keys
+            node = self.nodes[node.parent] if node.parent is not None else None
+        return chain
+
+    def leaf_paths(self, key: bytes) -> list[list[bytes]]:
+        """One chain of keys per leaf that extends the block `key`, each from its tree's first
+        block: what a request needs to reach that leaf."""
+        return [self.path(node.key) for node in self.subtree(self.node_of[key]) if not node.children]
+
+
+class _Merged:
+    """The copies of one block across tiers, as one."""
+
+    __slots__ = ("parent", "root", "depth", "tiers", "hits", "last_use", "pinned", "in_use")
+
+    def __init__(self, block: CachedBlock) -> None:
+        self.parent, self.root, self.depth = block.parent, block.root, block.depth
+        self.tiers = [block.tier]
+        self.hits, self.last_use = block.hits, block.last_use
+        self.pinned, self.in_use = block.pinned, block.in_use
+
+    def add(self, block: CachedBlock) -> None:
+        if block.tier not in self.tiers:
+            self.tiers.append(block.tier)
+        if block.hits is not None:
+            self.hits = max(self.hits or 0, block.hits)
+        if block.last_use is not None:
+            self.last_use = block.last_use if self.last_use is None else max(self.last_use, block.last_use)
+        self.pinned = self.pinned or block.pinned
+        self.in_use = self.in_use or block.in_use
