@@ -305,6 +305,32 @@ def test_prefixes_warmed_before_a_restart_hit_after_it(tmp_path):
         again.shutdown(deadline=2)
 
 
+def test_the_host_tier_is_saved_to_disk_at_shutdown_too(tmp_path):
+    """Host memory goes with the process: at shutdown its blocks that disk lacks are written
+    there, after the device's, so a restart still hits them."""
+    from kvctl.daemon.server.app import create_app
+
+    settings = dict(num_blocks=64, host_cache_bytes="4MiB", disk_cache_bytes="16MiB", tiering="always")
+    service = start_service(tmp_path, **settings)
+    app = create_app(service, service.metrics, front="unix")
+    before = _complete(app, TEXT_B)
+    [row] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+    moved = call(app, "POST", "/admin/swap", json={"prefix": row["prefix_id"], "to": "host"}).json()
+    assert moved["verified_blocks"] == moved["evicted_from_device"] == row["blocks"]
+    assert call(app, "GET", "/admin/tiers").json()["tiers"]["disk"]["blocks"] == 0  # host only, for now
+    service.shutdown(deadline=5)
+    again = start_service(tmp_path, **settings)
+    try:
+        app = create_app(again, again.metrics, front="unix")
+        [row_again] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        assert (row_again["prefix_id"], row_again["tiers"]) == (row["prefix_id"], {"disk": row["blocks"]})
+        after = _complete(app, TEXT_B)
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == row["blocks"] * 16
+    finally:
+        again.shutdown(deadline=2)
+
+
 def test_a_pinned_prefix_is_back_on_the_device_after_a_restart_before_any_request(tmp_path):
     from kvctl.daemon.server.app import create_app
 

@@ -205,7 +205,9 @@ def _verify(tiers, to: str, key: bytes) -> bool:
 
 
 def save_on_shutdown(service, deadline: float) -> dict:
-    """Write the device's cached blocks (roots first) to disk before the deadline (monotonic)."""
+    """Write what would be lost with the process to disk before the deadline (monotonic): the
+    device's cached blocks (roots first), then the host tier's that disk lacks (most recently
+    used first; they were judged worth keeping when they came down)."""
     tiers, engine = service.tiers, service.engine
     if tiers is None or tiers.disk is None or engine is None:
         return {"saved_blocks": 0}
@@ -223,6 +225,34 @@ def save_on_shutdown(service, deadline: float) -> dict:
         with service.lock:
             layers = tiers.gather([b.block_id for b in group])
         saved += tiers.copy_to("disk", [BlockMeta.of(b) for b in group], layers, src="device")
+    host_saved, host_keep = _save_host(tiers, {b.key for b in keep}, deadline)
     tiers.close(timeout=max(0.0, deadline - time.monotonic()))
-    log.info("saved %d of %d cached device blocks to the disk tier", saved, len(keep))
-    return {"saved_blocks": saved, "candidates": len(keep)}
+    log.info("saved %d of %d cached device blocks and %d of %d host tier blocks to the disk tier",
+             saved, len(keep), host_saved, host_keep)
+    return {"saved_blocks": saved, "candidates": len(keep), "host_saved_blocks": host_saved,
+            "host_candidates": host_keep}
+
+
+def _save_host(tiers, written: set[bytes], deadline: float) -> tuple[int, int]:
+    """Copy the host tier's blocks that disk lacks to disk, most recently used first, while the
+    deadline allows. Returns (blocks saved, candidates)."""
+    host = tiers.host
+    if host is None:
+        return 0, 0
+    with tiers.lock:
+        metas = [host.meta[k] for k in reversed(host.index) if k not in written and k not in tiers.disk.index
+                 and k in host.meta]
+    saved = 0
+    for start in range(0, len(metas), 64):
+        if time.monotonic() >= deadline:
+            break
+        group = metas[start:start + 64]
+        layers = tiers.read_blocks([m.key for m in group])
+        if layers is None:  # a block left the host tier meanwhile: save the rest one by one
+            for meta in group:
+                one = tiers.read_blocks([meta.key])
+                if one is not None:
+                    saved += tiers.copy_to("disk", [meta], one, src="host")
+            continue
+        saved += tiers.copy_to("disk", group, layers, src="host")
+    return saved, len(metas)
