@@ -256,3 +256,19 @@ def test_audit_catches_a_leaked_block():
     m._seqs["r1"].num_tokens = 8
     with pytest.raises(AuditFailure, match="block 2: ref_count 1 but 0 live holders"):
         m.audit()
+
+
+def test_what_is_known_of_prefix_trees_stays_bounded_by_the_pool(monkeypatch):
+    """A root's record (tenant, hits, last use) outlives its blocks only until there are more
+    than twice the pool's blocks plus a margin of them; then the ones with no block go."""
+    import kvctl.daemon.cache.manager as manager_module
+
+    monkeypatch.setattr(manager_module, "ROOTS_MARGIN", 8)
+    m = make_manager(num_blocks=4)
+    for i in range(200):  # 200 distinct one-block prompts through a 4-block pool
+        run_prompt(m, f"r{i}", [i, i, i, i, 7])
+        m.release(f"r{i}")
+    assert len(m.roots) <= 2 * 4 + 8 + 1
+    cached = {b.root for b in m.pool.blocks if b.key is not None}
+    assert cached and cached <= set(m.roots)  # every root still cached here is known
+    m.audit()

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvctl.daemon.cache.tiers import BlockLayout, DiskTier, PayloadError, decode_block, encode_blocks  # noqa: E402
+from kvctl.daemon.cache.tiers import BlockLayout, BlockMeta, DiskTier, PayloadError, decode_block, encode_blocks  # noqa: E402
 
 from .tier_fixtures import block_key, content, group, same  # noqa: E402
 
@@ -71,18 +71,25 @@ def test_a_payload_header_carries_the_block_s_place_in_its_chain():
         got, space, total = read_header(payload)
         assert (got, space, total) == (meta, SPACE, len(payload))
     assert [m.parent for m in metas] == [None, keys[0], keys[1]]
+    owned = [BlockMeta(m.key, m.root, m.depth, m.parent, "acme.prod-1") for m in metas]
+    payload = encode_blocks(lay, SPACE, owned, layers)[2]
+    assert read_header(payload)[0].tenant == "acme.prod-1" and len(payload) == lay.payload_bytes
+    assert same(decode_block(payload, lay, SPACE, keys[2]), content(lay, keys[2]))
+    with pytest.raises(ValueError, match="tenant: expected 1 to 64 ASCII characters"):
+        BlockMeta(keys[0], keys[0], 0, None, "x" * 65)
 
 
 def test_a_payload_of_the_previous_format_is_refused_as_another_version():
-    """Format 2 had no parent key; its payloads are refused (a counted miss, set aside on disk),
-    never misread."""
+    """Formats 2 and 3 had no tenant (2 no parent key either); their payloads are refused (a
+    counted miss, set aside on disk), never misread."""
     import struct
 
     lay, payload = _one()
-    old = payload[:4] + struct.pack("<H", 2) + payload[6:]
-    with pytest.raises(PayloadError) as err:
-        decode_block(old, lay, SPACE, block_key(0))
-    assert (err.value.reason, str(err.value)) == ("version", "version: format version 2, this kvd reads 3")
+    for version in (2, 3):
+        old = payload[:4] + struct.pack("<H", version) + payload[6:]
+        with pytest.raises(PayloadError) as err:
+            decode_block(old, lay, SPACE, block_key(0))
+        assert (err.value.reason, str(err.value)) == ("version", f"version: format version {version}, this kvd reads 4")
 
 
 def test_payloads_of_another_block_space_or_layout_are_refused():

@@ -286,11 +286,10 @@ def test_prefixes_warmed_before_a_restart_hit_after_it(tmp_path):
         app = create_app(again, again.metrics, front="unix")
         tiers = call(app, "GET", "/admin/tiers").json()
         assert tiers["disk_scan"]["blocks"] > 0 and tiers["disk_scan"]["corrupt"] == 0
-        # the prefix tree comes back from the payload headers: one run, on disk, whose tenant
-        # this kvd cannot know (the tenant is hashed into the keys, never stored beside them)
+        # the prefix tree and its tenant come back from the payload headers: one run, on disk
         [row] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
         assert (row["blocks"], row["start_token"], row["parent_id"], row["tiers"], row["tenant"], row["hits"]) == \
-            (tiers["disk_scan"]["blocks"], 0, None, {"disk": tiers["disk_scan"]["blocks"]}, None, None)
+            (tiers["disk_scan"]["blocks"], 0, None, {"disk": tiers["disk_scan"]["blocks"]}, "default", None)
         after = _complete(app, TEXT_A)
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
@@ -301,6 +300,36 @@ def test_prefixes_warmed_before_a_restart_hit_after_it(tmp_path):
         assert 'kvd_tier_bytes{tier="disk"}' in metrics
         assert 'kvd_tier_moved_bytes_total{dst="device",src="disk"}' in metrics
         assert "kvd_restored_tokens_total" in metrics and "kvd_tier_restore_seconds_bucket" in metrics
+    finally:
+        again.shutdown(deadline=2)
+
+
+def test_evicting_a_tenant_after_a_restart_reaches_its_blocks_on_disk(tmp_path):
+    """Each payload records its tenant: after a restart (nothing of the tenant in memory) an
+    operator's `evict --tenant` still removes exactly that tenant's blocks from disk."""
+    from kvctl.daemon.server.app import create_app
+
+    settings = dict(num_blocks=64, disk_cache_bytes="16MiB", tiering="always")
+    service = start_service(tmp_path, **settings)
+    app = create_app(service, service.metrics, front="unix")
+    for tenant, text in (("acme", TEXT_A), ("globex", TEXT_B)):
+        response = call(app, "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant},
+                        json={"prompt": text, "max_tokens": 1, "temperature": 0})
+        assert response.status_code == 200, response.text
+    service.shutdown(deadline=5)
+    again = start_service(tmp_path, **settings)
+    try:
+        app = create_app(again, again.metrics, front="unix")
+        rows = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        blocks = {r["tenant"]: r["blocks"] for r in rows}
+        assert set(blocks) == {"acme", "globex"} and all(r["tiers"] == {"disk": r["blocks"]} for r in rows)
+        gone = call(app, "POST", "/admin/evict", json={"tenant": "acme"}).json()
+        assert (gone["evicted_blocks"], gone["lower_tier_blocks_dropped"]) == (0, blocks["acme"])
+        assert [r["tenant"] for r in call(app, "GET", "/admin/prefixes").json()["prefixes"]] == ["globex"]
+        for tenant, text, cached in (("acme", TEXT_A, 0), ("globex", TEXT_B, blocks["globex"] * 16)):
+            usage = call(app, "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant},
+                         json={"prompt": text, "max_tokens": 1, "temperature": 0}).json()["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == cached
     finally:
         again.shutdown(deadline=2)
 

@@ -68,6 +68,9 @@ class PinResult:
     refreshed: bool  # True when an existing pin of the same prefix was updated
 
 
+ROOTS_MARGIN = 1024  # roots kept beyond twice the pool's blocks before the forgotten ones go
+
+
 @dataclass(slots=True)
 class RootInfo:
     """What the manager knows of a prefix tree, keyed by its first block's key."""
@@ -189,6 +192,7 @@ class KVCacheManager:
             root = self.roots.get(keys[0])
             if root is None:
                 root = self.roots[keys[0]] = RootInfo(tenant, now, now)
+                self._bound_roots()
             root.last_use = now
             root.hits += bool(hits)
         reserve.reverse()  # pop() hands them out in allocation order
@@ -262,7 +266,7 @@ class KVCacheManager:
         keys = seq.keys
         first_full, last_full = old_tokens // size, min(new_tokens // size, len(keys))
         if last_full > first_full:
-            pool.insert_many(table, keys, first_full, last_full, now)
+            pool.insert_many(table, keys, first_full, last_full, now, seq.tenant)
         return copies
 
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -364,10 +368,11 @@ class KVCacheManager:
             pool.release(reversed(hits + ids), now)
             raise
         table = hits + ids
-        pool.insert_many(table, keys, start, start + count, now)
+        pool.insert_many(table, keys, start, start + count, now, tenant)
         pool.release(reversed(table), now)
         if keys[0] not in self.roots:
             self.roots[keys[0]] = RootInfo(tenant, now, now)
+            self._bound_roots()
         return count
 
     # ---- pins ------------------------------------------------------------------------------
@@ -420,17 +425,27 @@ class KVCacheManager:
         evicted, skipped = self.pool.evict_keys(reversed(keys), self._clock())
         return EvictionReport(len(evicted), {k: v for k, v in skipped.items() if v})
 
-    def evict_where(self, select: Callable[[BlockKey, RootInfo | None], bool]) -> EvictionReport:
-        """Evict every indexed block whose (root key, root info) `select` accepts, deepest first."""
-        chosen = [b for b in self.pool.blocks if b.key is not None and select(b.root, self.roots.get(b.root))]
+    def evict_where(self, select: Callable[[BlockKey, RootInfo | None, str | None], bool]) -> EvictionReport:
+        """Evict every indexed block whose (root key, root info, tenant) `select` accepts, deepest first."""
+        chosen = [b for b in self.pool.blocks
+                  if b.key is not None and select(b.root, self.roots.get(b.root), b.tenant)]
         chosen.sort(key=lambda b: -b.depth)
         return self.evict_prefix([b.key for b in reversed(chosen)])
 
     def cached_blocks(self) -> list[CachedBlock]:
         """Every indexed block of the pool, as `PrefixTree` reads them (tier "device"). Never tokens."""
-        return [CachedBlock(b.key, b.parent, b.root, b.depth, "device", b.hits, b.last_use, b.pin_count > 0,
-                            b.ref_count > 0)
+        return [CachedBlock(b.key, b.parent, b.root, b.depth, "device", b.tenant, b.hits, b.last_use,
+                            b.pin_count > 0, b.ref_count > 0)
                 for b in self.pool.blocks if b.key is not None]
+
+    def _bound_roots(self) -> None:
+        """Keep `roots` from growing with every prompt start ever seen (a daemon nobody lists the
+        prefixes of would otherwise grow it for its whole life): past twice the pool's blocks plus
+        a margin (a root with a block here holds one of them), forget the roots with no block here.
+        Amortised O(1) per new root. What a lower tier alone holds loses its hits and last use;
+        its blocks keep their tenant."""
+        if len(self.roots) > 2 * self.num_blocks + ROOTS_MARGIN:
+            self.forget_roots()
 
     def forget_roots(self, keep: Collection[BlockKey] = ()) -> None:
         """Drop what is known of a prefix tree (tenant, hits, last use) once none of its blocks is

@@ -40,6 +40,7 @@ class Block:
     depth: int = 0  # position in its prefix chain while indexed (0 = first block)
     root: BlockKey | None = None  # key of its chain's first block while indexed (names its tree)
     parent: BlockKey | None = None  # key of the block before it in its chain while indexed (None at depth 0)
+    tenant: str | None = None  # whose namespace its key was hashed under, while indexed
     hits: int = 0  # prefix hits that reused it since it was indexed
     last_use: float = 0.0  # clock reading of its indexing or latest acquire
 
@@ -198,7 +199,7 @@ class BlockPool:
 
     # ---- the prefix index ------------------------------------------------------------------
     def insert_many(self, table: Sequence[int], keys: Sequence[BlockKey], start: int, stop: int,
-                    now: float) -> int:
+                    now: float, tenant: str | None = None) -> int:
         """Index `table[i]` under `keys[i]` for start <= i < stop (blocks that just became full).
 
         A key another block already holds is skipped (that block stays unindexed
@@ -218,6 +219,7 @@ class BlockPool:
             block.depth = position
             block.root = keys[0]
             block.parent = keys[position - 1] if position else None
+            block.tenant = tenant
             block.hits = 0
             block.last_use = now
             if pin_refs:

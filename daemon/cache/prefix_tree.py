@@ -28,9 +28,10 @@ class CachedBlock:
 
     key: bytes
     parent: bytes | None  # the previous block's key; None for a chain's first block
-    root: bytes  # the chain's first block's key (names the tree and, through it, the tenant)
+    root: bytes  # the chain's first block's key (names the tree)
     depth: int  # 0 for the first block
     tier: str  # one of TIER_ORDER
+    tenant: str | None = None  # whose namespace it was hashed under; None where not known
     hits: int | None = None  # admissions that reused it; None where not tracked (lower tiers)
     last_use: float | None = None  # clock reading of its latest use; None where not tracked
     pinned: bool = False
@@ -45,6 +46,7 @@ class PrefixNode:
     root: bytes
     parent: bytes | None  # id of the node it branches from; None for a tree's first node or a detached one
     start_depth: int  # depth of its first block: it covers tokens from start_depth * block_size
+    tenant: str | None = None
     keys: list[bytes] = field(default_factory=list)  # its blocks, first to last
     tiers: dict[str, int] = field(default_factory=dict)  # blocks per tier (a block may be in two)
     hits: int | None = None
@@ -89,7 +91,7 @@ class PrefixTree:
                   if m.parent is None or m.parent not in merged or len(children[m.parent]) != 1]
         for start in starts:
             first = merged[start]
-            node = PrefixNode(key=start, root=first.root, parent=None, start_depth=first.depth)
+            node = PrefixNode(key=start, root=first.root, parent=None, start_depth=first.depth, tenant=first.tenant)
             key = start
             while True:
                 m = merged[key]
@@ -153,10 +155,10 @@ class PrefixTree:
 class _Merged:
     """The copies of one block across tiers, as one."""
 
-    __slots__ = ("parent", "root", "depth", "tiers", "hits", "last_use", "pinned", "in_use")
+    __slots__ = ("parent", "root", "depth", "tenant", "tiers", "hits", "last_use", "pinned", "in_use")
 
     def __init__(self, block: CachedBlock) -> None:
-        self.parent, self.root, self.depth = block.parent, block.root, block.depth
+        self.parent, self.root, self.depth, self.tenant = block.parent, block.root, block.depth, block.tenant
         self.tiers = [block.tier]
         self.hits, self.last_use = block.hits, block.last_use
         self.pinned, self.in_use = block.pinned, block.in_use
@@ -164,6 +166,7 @@ class _Merged:
     def add(self, block: CachedBlock) -> None:
         if block.tier not in self.tiers:
             self.tiers.append(block.tier)
+        self.tenant = self.tenant or block.tenant
         if block.hits is not None:
             self.hits = max(self.hits or 0, block.hits)
         if block.last_use is not None:

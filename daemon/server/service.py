@@ -747,7 +747,8 @@ class EngineService:
         what the cache knows of each tree's root (tenant, hits, last use)."""
         engine = self.require_ready()
         known = self.tiers.known_metas() if self.tiers is not None else {}
-        lower = [CachedBlock(meta.key, meta.parent, meta.root, meta.depth, tier) for meta, tier in known.values()]
+        lower = [CachedBlock(meta.key, meta.parent, meta.root, meta.depth, tier, meta.tenant)
+                 for meta, tier in known.values()]
         with self.lock:  # roots only lower tiers hold keep their tenant and hits
             device = engine.cache.cached_blocks()
             engine.cache.forget_roots(keep={meta.root for meta, _ in known.values()})
@@ -769,7 +770,7 @@ class EngineService:
                 last_use = info.last_use if last_use is None else max(last_use, info.last_use)
             rows.append({
                 "prefix_id": node.key.hex()[:16], "parent_id": node.parent.hex()[:16] if node.parent else None,
-                "tenant": info.tenant if info else None,
+                "tenant": node.tenant or (info.tenant if info else None),
                 "start_token": node.start_depth * size, "tokens": (node.end_depth + 1) * size,
                 "blocks": len(node.keys), "bytes": len(node.keys) * nbytes, "hits": hits,
                 "idle_seconds": None if last_use is None else now - last_use,
@@ -931,11 +932,11 @@ class EngineService:
                 if subtree is not None:
                     select = None
                     target = f"prefix={first.hex()[:16]}"
-                elif tenant:
-                    select = lambda root, info: info is not None and info.tenant == tenant  # noqa: E731
+                elif tenant:  # a block's own record of its tenant, else its tree's
+                    select = lambda root, info, owner: (owner or (info.tenant if info else None)) == tenant  # noqa: E731
                     target = f"tenant={tenant}"
                 else:
-                    select = lambda root, info: True  # noqa: E731
+                    select = lambda root, info, owner: True  # noqa: E731
                     target = "model_revision=current" if model_revision else "all_unpinned"
                 if subtree is None:
                     report = engine.cache.evict_where(select)
@@ -948,7 +949,7 @@ class EngineService:
             lower_dropped = self.tiers.drop(subtree)
         elif self.tiers is not None and select is not None:
             lower_dropped = self.tiers.drop([k for k, (m, _) in self.tiers.known_metas().items()
-                                             if select(m.root, roots.get(m.root))])
+                                             if select(m.root, roots.get(m.root), m.tenant)])
         result = "ok" if not skipped.get("in_use") else "partial"
         body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target,
                 "lower_tier_blocks_dropped": lower_dropped}

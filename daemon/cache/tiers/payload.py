@@ -2,19 +2,21 @@
 
     offset  size  field
     0       4     magic b"KVB1"
-    4       2     format version (3)
+    4       2     format version (4)
     6       2     header length H (bytes from offset 0 to the end of the scale version)
     8       32    block key (SHA-256 chain key)
     40      32    space digest (namespace without the tenant: model, tokenizer, format, scales)
     72      32    root key (first block of its chain: groups blocks into prefixes)
     104     32    parent key (the block before it in its chain; zeros for the root)
-    136     4     depth (position of the block in its chain, 0 = root)
-    140     4     block size (tokens)
-    144     4     KV heads
-    148     4     head dim
-    152     2     layers L
-    154     L     dtype code per layer
-    154+L   2     scale version length S, then S bytes of UTF-8
+    136     64    tenant (ASCII, zero-padded; zeros when not known): whose namespace the key is in,
+                  so `kvctl evict --tenant` reaches a lower tier's blocks after a restart too
+    200     4     depth (position of the block in its chain, 0 = root)
+    204     4     block size (tokens)
+    208     4     KV heads
+    212     4     head dim
+    216     2     layers L
+    218     L     dtype code per layer
+    218+L   2     scale version length S, then S bytes of UTF-8
     H       8     payload length P (u64)
     H+8     P     per layer: K bytes then V bytes ([block_size, heads, head_dim], C order)
     H+8+P   8     XXH3-64 of every byte before it
@@ -41,8 +43,9 @@ import torch
 import xxhash
 
 MAGIC = b"KVB1"
-VERSION = 3  # 3: the parent key (prefix trees rebuilt from a lower tier); 2: XXH3-64 trailer (1 had CRC-32)
-_FIXED = struct.Struct("<4sHH32s32s32s32sIIIIH")
+VERSION = 4  # 4: parent key and tenant (prefix trees and tenants known from a lower tier); 2: XXH3-64 (1: CRC-32)
+TENANT_BYTES = 64  # the longest tenant name kvd accepts (daemon/server/auth.py: TENANT_PATTERN)
+_FIXED = struct.Struct(f"<4sHH32s32s32s32s{TENANT_BYTES}sIIIIH")
 _NO_PARENT = bytes(32)
 _U16 = struct.Struct("<H")
 _U64 = struct.Struct("<Q")
@@ -108,11 +111,16 @@ class BlockMeta:
     root: bytes
     depth: int
     parent: bytes | None  # None for the root (depth 0)
+    tenant: str | None = None  # whose namespace the key was hashed under; None where not known
+
+    def __post_init__(self) -> None:
+        if self.tenant is not None and (not self.tenant.isascii() or not 0 < len(self.tenant) <= TENANT_BYTES):
+            raise ValueError(f"tenant: expected 1 to {TENANT_BYTES} ASCII characters, got {self.tenant!r}")
 
     @classmethod
     def of(cls, block) -> "BlockMeta":
-        """The chain position of an indexed pool block (anything with key, root, depth, parent)."""
-        return cls(block.key, block.root, block.depth, block.parent)
+        """The chain position of an indexed pool block (anything with key, root, depth, parent, tenant)."""
+        return cls(block.key, block.root, block.depth, block.parent, block.tenant)
 
 
 def _header(layout: BlockLayout, space: bytes, meta: BlockMeta) -> bytes:
@@ -120,7 +128,7 @@ def _header(layout: BlockLayout, space: bytes, meta: BlockMeta) -> bytes:
     codes = bytes(DTYPE_CODES[d] for d in layout.layer_dtypes)
     length = _FIXED.size + len(codes) + _U16.size + len(scale)
     return b"".join((_FIXED.pack(MAGIC, VERSION, length, meta.key, space, meta.root,
-                                 meta.parent or _NO_PARENT, meta.depth,
+                                 meta.parent or _NO_PARENT, (meta.tenant or "").encode("ascii"), meta.depth,
                                  layout.block_size, layout.num_kv_heads, layout.head_dim, layout.num_layers),
                      codes, _U16.pack(len(scale)), scale, _U64.pack(layout.block_bytes)))
 
@@ -172,7 +180,7 @@ def read_header(data: bytes | memoryview, offset: int = 0) -> tuple[BlockMeta, b
     data = memoryview(data)[offset:]
     if len(data) < _FIXED.size:
         raise PayloadError("length", f"{len(data)} bytes is shorter than a header")
-    magic, version, header_len, key, space, root, parent, depth, *_ = _FIXED.unpack_from(data, 0)
+    magic, version, header_len, key, space, root, parent, tenant, depth, *_ = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise PayloadError("magic", "not a kvctl block payload")
     if version != VERSION:
@@ -180,7 +188,12 @@ def read_header(data: bytes | memoryview, offset: int = 0) -> tuple[BlockMeta, b
     if len(data) < header_len + _U64.size:
         raise PayloadError("length", "truncated header")
     (body,) = _U64.unpack_from(data, header_len)
-    return BlockMeta(key, root, depth, parent if depth else None), space, header_len + _U64.size + body + _CRC.size
+    try:
+        owner = tenant.rstrip(b"\0").decode("ascii") or None
+        meta = BlockMeta(key, root, depth, parent if depth else None, owner)
+    except ValueError:
+        raise PayloadError("layout", "the tenant field is not an ASCII name") from None
+    return meta, space, header_len + _U64.size + body + _CRC.size
 
 
 class BlockData:
