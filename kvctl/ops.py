@@ -204,12 +204,13 @@ def watch_status(fetch, console: Console | None = None, interval: float = 1.0, s
             pass
 
 
-PREFIX_SORTS = {"recent": ("idle_seconds", False), "hits": ("hits", True), "size": ("bytes", True)}
+PREFIX_SORTS = {"recent": None, "hits": ("hits", True), "size": ("bytes", True)}  # recent: kvd's tree order
 
 
 def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help="Only this tenant."),
              pinned: bool = typer.Option(False, "--pinned", help="Only pinned prefixes."),
-             sort: str = typer.Option("recent", help="recent (last used first), hits or size."),
+             sort: str = typer.Option("recent", help="recent (a tree, each row followed by the rows that extend "
+                                                       "it, most recently used first), hits or size."),
              limit: int = typer.Option(50, help="Rows in the table (0: all); --json always has all."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Cached prefixes as a tree: each row is a run of blocks between branch points, with the row
@@ -228,9 +229,11 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
     data = _client(ctx).get("/admin/prefixes", tenant=tenant, pinned=pinned or None)
 
     def render(d):
-        key, descending = PREFIX_SORTS[sort]
-        missing = float("inf") if not descending else float("-inf")  # unknown values sort last
-        rows = sorted(d["prefixes"], key=lambda p: missing if p.get(key) is None else p[key], reverse=descending)
+        rows = d["prefixes"]  # recent: as kvd orders them, a tree with the most recently used first
+        if PREFIX_SORTS[sort] is not None:
+            key, descending = PREFIX_SORTS[sort]
+            missing = float("-inf")  # unknown values sort last
+            rows = sorted(rows, key=lambda p: missing if p.get(key) is None else p[key], reverse=descending)
         shown = rows if limit == 0 else rows[:limit]
         # Columns that would say the same on every row are left out (said once below the table)
         # so that the table fits 80 columns; --json has every field.

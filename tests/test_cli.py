@@ -511,8 +511,9 @@ def test_prefixes_table_sorts_and_limits_and_json_keeps_every_row(capsys, monkey
     lines = out.splitlines()
     assert status == 0 and [line.split()[0] for line in lines[1:3]] == [f"{1:016x}", f"{3:016x}"]
     assert lines[3:] == ["2 of 4 prefixes, by hits; --limit 0 shows all", "tenant acme; none pinned or in use"]
-    status, out, _ = cli(capsys, "prefixes", "--limit", "0")  # recent first; never used (no idle time) last
-    assert [line.split()[0] for line in out.splitlines()[1:5]] == [f"{i:016x}" for i in (2, 0, 1, 3)]
+    rows[:] = [rows[0], rows[2], rows[1], rows[3]]  # kvd's order: a tree, most recently used first
+    status, out, _ = cli(capsys, "prefixes", "--limit", "0")  # recent: as kvd ordered them
+    assert [line.split()[0] for line in out.splitlines()[1:5]] == [f"{i:016x}" for i in (0, 2, 1, 3)]
     status, out, _ = cli(capsys, "prefixes", "--limit", "1", "--json")
     assert len(json.loads(out)["prefixes"]) == 4
     assert cli(capsys, "prefixes", "--sort", "age")[2].strip() == "error: sort: unknown value 'age'; use recent, hits, size"
