@@ -260,6 +260,18 @@ def test_admin_status_prefixes_pin_evict_explain_and_audit(daemon):
     assert elsewhere["first_miss"]["reason"] == "other_namespace"
     short = call(unix, "POST", "/admin/explain", json={"tokens": [1, 2, 3]}).json()
     assert short["first_miss"]["reason"] == "shorter_than_a_block"
+    whole = [4] * 32 + [5] * 10  # two full blocks and 10 tokens of a third
+    assert complete(unix, prompt=whole, max_tokens=1).status_code == 200
+    rest = call(unix, "POST", "/admin/explain", json={"tokens": whole}).json()
+    assert (rest["hit_blocks"], rest["first_miss"]) == (2, {
+        "block": 2, "reason": "partial_block",
+        "detail": "every full block hit; the last 10 tokens fill only part of a block of 16, and only full "
+                  "blocks are cached"})
+    exact = call(unix, "POST", "/admin/explain", json={"tokens": whole[:32]}).json()
+    assert (exact["hit_blocks"], exact["first_miss"]) == (1, {
+        "block": 1, "reason": "last_token_computed",
+        "detail": "every block but the last hit; the last token is always computed, so its block of 16 is "
+                  "computed again"})
     actions = [(e["action"], e["result"]) for e in call(unix, "GET", "/admin/audit").json()["entries"]]
     assert ("pin", "ok") in actions and ("unpin", "ok") in actions and ("evict", "ok") in actions
     bad = call(unix, "POST", "/admin/evict", json={"tenant": "a", "all_unpinned": True})

@@ -974,9 +974,15 @@ class EngineService:
                 body["first_miss"] = {"block": 0, "reason": "shorter_than_a_block",
                                       "detail": f"{len(token_ids)} tokens is less than one block of {size}; "
                                                 "only full blocks are cached"}
+            elif hits >= cacheable and len(token_ids) % size:
+                rest = len(token_ids) % size
+                body["first_miss"] = {"block": hits, "reason": "partial_block",
+                                      "detail": f"every full block hit; the last {rest} tokens fill only part "
+                                                f"of a block of {size}, and only full blocks are cached"}
             elif hits >= cacheable:
                 body["first_miss"] = {"block": hits, "reason": "last_token_computed",
-                                      "detail": "every cacheable block hit; the last token is always computed"}
+                                      "detail": f"every block but the last hit; the last token is always computed, "
+                                                f"so its block of {size} is computed again"}
             else:
                 key = keys[hits]
                 logged = cache.pool.eviction_log.get(key)
