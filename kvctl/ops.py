@@ -324,7 +324,8 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Evict cached blocks from every tier and report exactly what went; blocks in use are
     refused, not faked. A prefix id takes that prefix and every prefix that extends it (its rows
-    in `kvctl prefixes`); the prefix it extends stays for the others that share it.
+    in `kvctl prefixes`); the prefix it extends stays for the others that share it. A tenant's
+    blocks also go from the shared Redis, whichever daemon wrote them.
 
     Example: kvctl evict --tenant acme
     """
@@ -334,8 +335,10 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
     def render(d):
         skipped = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in sorted(d["skipped"].items()))
         lower = d.get("lower_tier_blocks_dropped") or 0
+        shared = (d.get("remote_purge") or {}).get("dropped")
         Console().print(f"evicted {d['target']}: {d['evicted_blocks']} blocks from the device"
                         + (f", {lower} from lower tiers" if lower else "")
+                        + (f", {shared} from the shared Redis" if shared else "")
                         + (f"; left alone: {skipped}" if skipped else ""))
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{d['message']}[/yellow]")

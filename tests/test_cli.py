@@ -539,6 +539,14 @@ def test_evict_and_swap_say_what_went_in_every_tier(capsys, monkeypatch):
     monkeypatch.setattr(tiers_cmd, "_client", lambda ctx, tenant=None: Fake())
     status, out, _ = cli(capsys, "evict", "--prefix", "0435de85")
     assert (status, out) == (0, "evicted prefix=0435de855e2354d8: 4 blocks from the device, 3 from lower tiers\n")
+    answers["/admin/evict"].update(target="tenant=acme", evicted_blocks=0, lower_tier_blocks_dropped=0,
+                                   remote_purge={"dropped": 5, "seen": 9, "complete": True})
+    status, out, _ = cli(capsys, "evict", "--tenant", "acme")
+    assert (status, out) == (0, "evicted tenant=acme: 0 blocks from the device, 5 from the shared Redis\n")
+    answers["/admin/evict"].update(result="partial", remote_purge={"error": "ConnectionError: refused"},
+                                   message="the shared Redis could not be searched: ConnectionError: refused")
+    status, out, err = cli(capsys, "evict", "--tenant", "acme")
+    assert status == 3 and err == "the shared Redis could not be searched: ConnectionError: refused\n"
     status, out, _ = cli(capsys, "swap", "0435de85", "--to", "device", "--copy")
     assert (status, out.splitlines()) == (0, ["copied 0435de855e2354d8 to device: 3 of 3 blocks verified in "
                                               "12 ms", "the prefix it extends: 1 of 1 blocks on the device"])

@@ -228,6 +228,33 @@ def test_redis_round_trip_is_bit_exact_for_every_cache_dtype(redis_server, dtype
             assert torch.equal(v.view(torch.uint8), gv[i].view(torch.uint8))
 
 
+def _purge_case(url):
+    """Two daemons' tiers on one server: the first writes 3 blocks of acme and 2 of globex (and a
+    stray value sits under the space's prefix); the second purges acme."""
+    from kvctl.bench_tiers import _group, _layout
+    from kvctl.daemon.cache.tiers import BlockMeta, RemoteTier, encode_parts
+
+    layout = _layout(2, 2, 64, 16, "float16")
+    metas, layers = _group(layout, 5, 1)
+    owned = [BlockMeta(m.key, m.root, m.depth, m.parent, "acme" if i < 3 else "globex") for i, m in enumerate(metas)]
+    writer, other = (RemoteTier(url, 1 << 30, b"S" * 32) for _ in range(2))
+    writer.write_group(list(zip(owned, encode_parts(layout, b"S" * 32, owned, layers))))
+    writer.client.set(writer.prefix + b"not-a-payload", b"hello")
+    report = other.purge(lambda meta: meta.tenant == "acme", batch=2)
+    left = writer.read_many([m.key for m in owned])
+    return report, sorted(left) == sorted(m.key for m in owned[3:]), writer.client.get(writer.prefix + b"not-a-payload")
+
+
+def test_purging_a_tenant_from_redis_takes_every_daemon_s_entries_of_it_and_nothing_else(redis_server):
+    report, only_globex_left, stray = _purge_case(redis_server.url)
+    assert report == {"dropped": 3, "seen": 6, "complete": True} and only_globex_left and stray == b"hello"
+
+
+def test_purging_a_tenant_from_a_redis_cluster_scans_every_node(redis_cluster):
+    report, only_globex_left, stray = _purge_case(redis_cluster)
+    assert report == {"dropped": 3, "seen": 6, "complete": True} and only_globex_left and stray == b"hello"
+
+
 def test_a_redis_cluster_url_shares_prefixes_across_engines(demo, redis_cluster):
     first, _ = engine_with(demo, remote_url=redis_cluster, write_policy="write_through")
     cold = generate(first, TEXT_A, demo)

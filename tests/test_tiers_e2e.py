@@ -92,6 +92,40 @@ def test_two_daemons_share_a_prefix_through_redis(tmp_path, redis_server):
         second.shutdown(deadline=2)
 
 
+def test_evicting_a_tenant_on_one_daemon_purges_it_from_the_shared_redis(tmp_path, redis_server):
+    """Daemon b never saw acme's prompts; its `evict --tenant acme` still removes what daemon a
+    wrote of acme to the shared Redis (payloads record their tenant), and nothing of globex."""
+    settings = {"num_blocks": 64, "remote_url": redis_server.url, "write_policy": "write_through",
+                "tiering": "always"}
+    first = start_service(tmp_path / "a", **settings)
+    second = start_service(tmp_path / "b", **settings)
+
+    def ask(service, tenant, prompt):
+        response = call(_app(service), "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant},
+                        json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        ask(first, "acme", PROMPTS[0])
+        ask(first, "globex", PROMPTS[1])
+        first.tiers.flush()
+        written = len(first.tiers.remote.index)
+        report = call(_app(second), "POST", "/admin/evict", json={"tenant": "acme"}).json()
+        assert report["result"] == "ok" and report["lower_tier_blocks_dropped"] == 0  # nothing of its own
+        assert report["remote_purge"] == {"dropped": written // 2, "seen": written, "complete": True}
+        assert ask(second, "acme", PROMPTS[0]) == 0  # gone for every daemon
+        assert ask(second, "globex", PROMPTS[1]) == written // 2 * 16  # restored from Redis
+        redis_server.stop()  # a purge that cannot run says so and counts as partial (exit 3)
+        down = call(_app(second), "POST", "/admin/evict", json={"tenant": "globex"}).json()
+        assert down["result"] == "partial" and "error" in down["remote_purge"]
+        assert down["message"].startswith("the shared Redis could not be searched: ")
+        redis_server.start()
+    finally:
+        first.shutdown(deadline=2)
+        second.shutdown(deadline=2)
+
+
 def test_kvctl_tiers_and_swap_as_an_operator_drives_them(tmp_path):
     import json
 

@@ -21,6 +21,7 @@ import torch
 
 from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, chain_keys
 from kvctl.daemon.cache.prefix_tree import TIER_ORDER, CachedBlock, PrefixTree
+from kvctl.daemon.cache.tiers.remote import RemoteUnavailable
 from kvctl.daemon.config import ConfigError, KvdConfig, cache_dtype_name, quick_prefill_default
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
@@ -953,9 +954,21 @@ class EngineService:
         result = "ok" if not skipped.get("in_use") else "partial"
         body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target,
                 "lower_tier_blocks_dropped": lower_dropped}
+        remote = self.tiers.remote if self.tiers is not None else None
+        if tenant and remote is not None and select is not None:  # the shared Redis: every daemon's entries
+            try:
+                body["remote_purge"] = remote.purge(lambda m: select(m.root, roots.get(m.root), m.tenant))
+            except RemoteUnavailable as exc:
+                body["remote_purge"] = {"error": str(exc)}
+            purge = body["remote_purge"]
+            if not purge.get("complete"):
+                result = body["result"] = "partial"
+                body["message"] = (f"the shared Redis could not be searched: {purge['error']}" if "error" in purge
+                                   else f"the shared Redis was searched only in part ({purge['seen']:,} entries "
+                                        "before the time limit); run the eviction again")
         if skipped.get("in_use"):
-            body["message"] = (f"{skipped['in_use']} blocks are in use by running requests and were "
-                               "not evicted")
+            body["message"] = "; ".join(filter(None, [f"{skipped['in_use']} blocks are in use by running requests "
+                                                      "and were not evicted", body.get("message")]))
         self.store.audit(actor=principal.actor, tenant=principal.tenant, action="evict", target=target,
                          result=result, detail=body)
         return body

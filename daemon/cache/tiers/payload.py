@@ -180,20 +180,31 @@ def read_header(data: bytes | memoryview, offset: int = 0) -> tuple[BlockMeta, b
     data = memoryview(data)[offset:]
     if len(data) < _FIXED.size:
         raise PayloadError("length", f"{len(data)} bytes is shorter than a header")
-    magic, version, header_len, key, space, root, parent, tenant, depth, *_ = _FIXED.unpack_from(data, 0)
+    meta = peek_meta(data)
+    _, _, header_len, _, space, *_ = _FIXED.unpack_from(data, 0)
+    if len(data) < header_len + _U64.size:
+        raise PayloadError("length", "truncated header")
+    (body,) = _U64.unpack_from(data, header_len)
+    return meta, space, header_len + _U64.size + body + _CRC.size
+
+
+PEEK_BYTES = _FIXED.size  # a payload's first bytes that `peek_meta` needs
+
+
+def peek_meta(data: bytes | memoryview) -> BlockMeta:
+    """The chain position and tenant from a payload's first PEEK_BYTES bytes (a Redis GETRANGE),
+    to choose entries without fetching them whole. Checks the magic and version only."""
+    if len(data) < _FIXED.size:
+        raise PayloadError("length", f"{len(data)} bytes is shorter than a header")
+    magic, version, _, key, _, root, parent, tenant, depth, *_ = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise PayloadError("magic", "not a kvctl block payload")
     if version != VERSION:
         raise PayloadError("version", f"format version {version}, this kvd reads {VERSION}")
-    if len(data) < header_len + _U64.size:
-        raise PayloadError("length", "truncated header")
-    (body,) = _U64.unpack_from(data, header_len)
     try:
-        owner = tenant.rstrip(b"\0").decode("ascii") or None
-        meta = BlockMeta(key, root, depth, parent if depth else None, owner)
+        return BlockMeta(key, root, depth, parent if depth else None, tenant.rstrip(b"\0").decode("ascii") or None)
     except ValueError:
         raise PayloadError("layout", "the tenant field is not an ASCII name") from None
-    return meta, space, header_len + _U64.size + body + _CRC.size
 
 
 class BlockData:

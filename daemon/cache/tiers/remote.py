@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from kvctl.policies.tiering import CircuitBreaker
 
-from .payload import BlockMeta, payload_length
+from .payload import PEEK_BYTES, BlockMeta, PayloadError, payload_length, peek_meta
 from .vectored import write_vectored
 
 
@@ -166,6 +166,62 @@ class RemoteTier:
             self._call(lambda: self.client.delete(self.redis_key(key)))
         except RemoteUnavailable:
             pass
+
+    def purge(self, select: Callable[[BlockMeta], bool], time_limit: float = 30.0,
+              batch: int = 500) -> dict:
+        """Delete every entry of this block space on the server, whichever daemon wrote it, whose
+        header `select` accepts (an operator's eviction by tenant, or of everything): SCAN for the
+        space's keys, read each one's header with GETRANGE, UNLINK the chosen ones, a batch per
+        round trip. Entries whose header does not parse are left alone. Stops after `time_limit`
+        seconds and says so. Returns {"dropped", "seen", "complete"}; raises RemoteUnavailable."""
+        started, seen, dropped = self.clock(), 0, 0
+
+        def chosen(keys: list[bytes]) -> list[bytes]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.getrange(key, 0, PEEK_BYTES - 1)
+            out = []
+            for key, head in zip(keys, pipe.execute()):
+                try:
+                    meta = peek_meta(head or b"")
+                except PayloadError:
+                    continue
+                if key == self.redis_key(meta.key) and select(meta):
+                    out.append((key, meta.key))
+            return out
+
+        def go() -> bool:
+            nonlocal seen, dropped
+            pending: list[bytes] = []
+            for key in self.client.scan_iter(match=self.prefix + b"*", count=batch):
+                pending.append(key if isinstance(key, bytes) else key.encode())
+                if len(pending) >= batch:
+                    seen, dropped = seen + len(pending), dropped + self._unlink(chosen(pending))
+                    pending = []
+                    if self.clock() - started > time_limit:
+                        return False
+            if pending:
+                seen, dropped = seen + len(pending), dropped + self._unlink(chosen(pending))
+            return True
+
+        complete = self._call(go)
+        return {"dropped": dropped, "seen": seen, "complete": complete}
+
+    def _unlink(self, chosen: list[tuple[bytes, bytes]]) -> int:
+        """Delete (redis key, block key) pairs on the server and from this daemon's books."""
+        if not chosen:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for redis_key, _ in chosen:
+            pipe.unlink(redis_key)
+        removed = sum(pipe.execute())
+        with self.lock:
+            for _, key in chosen:
+                size = self.written.pop(key, None)
+                if size is not None:
+                    self.used_bytes -= size
+                self.meta.pop(key, None)
+        return removed
 
     @property
     def index(self) -> OrderedDict[bytes, int]:
