@@ -535,8 +535,14 @@ def test_prefixes_branch_where_prompts_part_and_evict_and_swap_take_one_branch(t
         assert {r["tenant"] for r in rows} == {"default"} and not any(r["detached"] for r in rows)
         assert next(r for r in rows if r["prefix_id"] == a[1])["hits"] == 1  # q2 reused it
 
+        # a block that went down keeps what the device knew of its use
+        call(app, "POST", "/admin/swap", json={"prefix": b[3], "to": "host"})
+        row = next(r for r in call(app, "GET", "/admin/prefixes").json()["prefixes"] if r["prefix_id"] == b[3])
+        assert (row["tiers"], row["hits"]) == ({"host": 1}, 0) and 0 <= row["idle_seconds"] < 60
+
         evicted = call(app, "POST", "/admin/evict", json={"prefix": a[1][:8]}).json()
-        assert (evicted["target"], evicted["evicted_blocks"]) == (f"prefix={a[1]}", 4)  # A and both questions
+        assert (evicted["target"], evicted["evicted_blocks"], evicted["lower_tier_blocks_dropped"]) == \
+            (f"prefix={a[1]}", 3, 1)  # A and both questions, one of them from the host tier
         [left] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
         # the shared block stays for B; with one way on from it, it and B are one run now
         assert (left["prefix_id"], left["tokens"], left["blocks"], left["children"]) == (a[0], 64, 4, 0)

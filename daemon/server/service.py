@@ -748,7 +748,7 @@ class EngineService:
         what the cache knows of each tree's root (tenant, hits, last use)."""
         engine = self.require_ready()
         known = self.tiers.known_metas() if self.tiers is not None else {}
-        lower = [CachedBlock(meta.key, meta.parent, meta.root, meta.depth, tier, meta.tenant)
+        lower = [CachedBlock(meta.key, meta.parent, meta.root, meta.depth, tier, meta.tenant, meta.hits, meta.last_use)
                  for meta, tier in known.values()]
         with self.lock:  # roots only lower tiers hold keep their tenant and hits
             device = engine.cache.cached_blocks()

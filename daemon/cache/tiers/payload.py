@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import struct
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -112,6 +112,10 @@ class BlockMeta:
     depth: int
     parent: bytes | None  # None for the root (depth 0)
     tenant: str | None = None  # whose namespace the key was hashed under; None where not known
+    # What the device knew of its use when it came down (for listings; not in the header, so
+    # unknown after a restart or for another daemon's block): prefix hits, clock reading of last use.
+    hits: int | None = field(default=None, compare=False)
+    last_use: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.tenant is not None and (not self.tenant.isascii() or not 0 < len(self.tenant) <= TENANT_BYTES):
@@ -120,7 +124,8 @@ class BlockMeta:
     @classmethod
     def of(cls, block) -> "BlockMeta":
         """The chain position of an indexed pool block (anything with key, root, depth, parent, tenant)."""
-        return cls(block.key, block.root, block.depth, block.parent, block.tenant)
+        return cls(block.key, block.root, block.depth, block.parent, block.tenant,
+                   getattr(block, "hits", None), getattr(block, "last_use", None))
 
 
 def _header(layout: BlockLayout, space: bytes, meta: BlockMeta) -> bytes:
