@@ -250,6 +250,21 @@ def test_purging_a_tenant_from_redis_takes_every_daemon_s_entries_of_it_and_noth
     assert report == {"dropped": 3, "seen": 6, "complete": True} and only_globex_left and stray == b"hello"
 
 
+def test_dropping_blocks_from_redis_deletes_them_and_takes_them_off_the_books(redis_server):
+    from kvctl.bench_tiers import _group, _layout
+    from kvctl.daemon.cache.tiers import RemoteTier, encode_parts
+
+    layout = _layout(2, 2, 64, 16, "float16")
+    metas, layers = _group(layout, 4, 1)
+    tier = RemoteTier(redis_server.url, 1 << 30, b"S" * 32)
+    tier.write_group(list(zip(metas, encode_parts(layout, b"S" * 32, metas, layers))))
+    one = tier.used_bytes // 4
+    tier.drop_many([m.key for m in metas[1:3]])
+    assert list(tier.index) == [metas[0].key, metas[3].key] and tier.used_bytes == 2 * one
+    assert sorted(tier.read_many([m.key for m in metas])) == sorted([metas[0].key, metas[3].key])
+    assert set(tier.meta) == {metas[0].key, metas[3].key}
+
+
 def test_purging_a_tenant_from_a_redis_cluster_scans_every_node(redis_cluster):
     report, only_globex_left, stray = _purge_case(redis_cluster)
     assert report == {"dropped": 3, "seen": 6, "complete": True} and only_globex_left and stray == b"hello"

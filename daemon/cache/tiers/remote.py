@@ -157,15 +157,15 @@ class RemoteTier:
         return {k: v for k, v in zip(keys, self._call(go)) if v is not None} if keys else {}
 
     def drop(self, key: bytes) -> None:
-        with self.lock:
-            size = self.written.pop(key, None)
-            if size is not None:
-                self.used_bytes -= size
-            self.meta.pop(key, None)
+        self.drop_many([key])
+
+    def drop_many(self, keys: Sequence[bytes]) -> None:
+        """Forget `keys` and delete them on the server (pipelined); a server that is down lets
+        them age out under its own policy."""
         try:
-            self._call(lambda: self.client.delete(self.redis_key(key)))
+            self._call(lambda: self._unlink([(self.redis_key(k), k) for k in keys]))
         except RemoteUnavailable:
-            pass
+            self._forget(keys)  # nothing here may count on them any more
 
     def purge(self, select: Callable[[BlockMeta], bool], time_limit: float = 30.0,
               batch: int = 500) -> dict:
@@ -215,13 +215,17 @@ class RemoteTier:
         for redis_key, _ in chosen:
             pipe.unlink(redis_key)
         removed = sum(pipe.execute())
+        self._forget([key for _, key in chosen])
+        return removed
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        """Take blocks off this daemon's books (what it wrote, their bytes, their positions)."""
         with self.lock:
-            for _, key in chosen:
+            for key in keys:
                 size = self.written.pop(key, None)
                 if size is not None:
                     self.used_bytes -= size
                 self.meta.pop(key, None)
-        return removed
 
     @property
     def index(self) -> OrderedDict[bytes, int]:

@@ -537,6 +537,7 @@ class TieredCache:
     def drop(self, keys: Iterable[bytes]) -> int:
         """Remove blocks from every lower tier (an operator's eviction). Returns blocks dropped."""
         dropped = 0
+        remote: list[bytes] = []
         for key in keys:
             with self.lock:
                 if key in self.inflight:
@@ -547,9 +548,11 @@ class TieredCache:
                 self.disk.drop(key)
                 hit = True
             if self.remote is not None and key in self.remote.written:
-                self.remote.drop(key)
+                remote.append(key)
                 hit = True
             dropped += bool(hit)
+        if remote:
+            self.remote.drop_many(remote)  # one pipelined round trip, not one per block
         return dropped
 
     def drop_host(self, key: bytes) -> bool:
