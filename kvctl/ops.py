@@ -237,7 +237,7 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         shown = rows if limit == 0 else rows[:limit]
         # Columns that would say the same on every row are left out (said once below the table)
         # so that the table fits 80 columns; --json has every field.
-        tenants = {"-" if p["tenant"] is None else p["tenant"] for p in shown}  # None: a lower tier's, from before a restart
+        tenants = {"-" if p["tenant"] is None else p["tenant"] for p in shown}  # None: not known
         optional = {"tenant": len(tenants) > 1, "pinned": any(p["pinned"] for p in shown),
                     "in use": any(p["in_use_blocks"] for p in shown)}
         headers = ["prefix", "parent", "tenant", "tokens", "size", "hits", "idle", "tier", "pinned", "in use"]

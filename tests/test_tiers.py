@@ -372,6 +372,17 @@ def test_evicting_a_tenant_after_a_restart_reaches_its_blocks_on_disk(tmp_path):
             usage = call(app, "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant},
                          json={"prompt": text, "max_tokens": 1, "temperature": 0}).json()["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] == cached
+        # a prefix an operator brings back up keeps its tenant: its eviction takes it
+        call(app, "POST", "/admin/evict", json={"tenant": "globex"})
+        again.shutdown(deadline=5)
+        again = start_service(tmp_path, **settings)
+        app = create_app(again, again.metrics, front="unix")
+        [row] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        assert row["tenant"] == "acme"  # what acme's request above left, saved at the shutdown
+        back = call(app, "POST", "/admin/swap", json={"prefix": row["prefix_id"], "to": "device", "copy": True}).json()
+        assert back["verified_blocks"] == row["blocks"]
+        gone = call(app, "POST", "/admin/evict", json={"tenant": "acme"}).json()
+        assert (gone["evicted_blocks"], gone["lower_tier_blocks_dropped"]) == (row["blocks"], row["blocks"])
     finally:
         again.shutdown(deadline=2)
 

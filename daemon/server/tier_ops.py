@@ -63,9 +63,9 @@ def report(service) -> dict:
 
 
 def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
-    """Move (or copy) a prefix to one tier and verify it there: the node `prefix_id` names and every
-    prefix that extends it (its subtree, as `kvctl evict --prefix` takes it). To the device, the
-    blocks it branches from come up too where they are missing: a prefix is usable only whole."""
+    """Move (or copy) a prefix to one tier and verify it there: the block `prefix_id` names and every
+    block that extends it (its subtree, as `kvctl evict --prefix` takes it). To the device, the
+    blocks it extends come up too where they are missing: a prefix is usable only whole."""
     engine = service.require_ready()
     tiers = service.tiers
     if to not in TARGETS:
@@ -81,8 +81,8 @@ def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
     keys = tree.subtree_keys(first)
     started = time.perf_counter()
     if to == "device":
-        root = tree.nodes[tree.node_of[first]].root
-        tenant = roots[root].tenant if root in roots else "default"
+        node = tree.nodes[tree.node_of[first]]  # whose blocks they are: as the tiers recorded it
+        tenant = node.tenant or (roots[node.root].tenant if node.root in roots else "default")
         body = _to_device(service, engine, tree.leaf_paths(first), keys, tenant)
     else:
         wanted = set(keys)

@@ -6,7 +6,7 @@
     6       2     header length H (bytes from offset 0 to the end of the scale version)
     8       32    block key (SHA-256 chain key)
     40      32    space digest (namespace without the tenant: model, tokenizer, format, scales)
-    72      32    root key (first block of its chain: groups blocks into prefixes)
+    72      32    root key (first block of its chain: names its prefix tree)
     104     32    parent key (the block before it in its chain; zeros for the root)
     136     64    tenant (ASCII, zero-padded; zeros when not known): whose namespace the key is in,
                   so `kvctl evict --tenant` reaches a lower tier's blocks after a restart too
@@ -123,9 +123,8 @@ class BlockMeta:
 
     @classmethod
     def of(cls, block) -> "BlockMeta":
-        """The chain position of an indexed pool block (anything with key, root, depth, parent, tenant)."""
-        return cls(block.key, block.root, block.depth, block.parent, block.tenant,
-                   getattr(block, "hits", None), getattr(block, "last_use", None))
+        """The chain position, tenant and use of an indexed pool block (daemon/cache/pool.py: Block)."""
+        return cls(block.key, block.root, block.depth, block.parent, block.tenant, block.hits, block.last_use)
 
 
 def _header(layout: BlockLayout, space: bytes, meta: BlockMeta) -> bytes:

@@ -176,7 +176,7 @@ class RemoteTier:
         seconds and says so. Returns {"dropped", "seen", "complete"}; raises RemoteUnavailable."""
         started, seen, dropped = self.clock(), 0, 0
 
-        def chosen(keys: list[bytes]) -> list[bytes]:
+        def chosen(keys: list[bytes]) -> list[tuple[bytes, bytes]]:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.getrange(key, 0, PEEK_BYTES - 1)
