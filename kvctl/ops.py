@@ -204,7 +204,7 @@ def watch_status(fetch, console: Console | None = None, interval: float = 1.0, s
             pass
 
 
-PREFIX_SORTS = {"recent": None, "hits": ("hits", True), "size": ("bytes", True)}  # recent: kvd's tree order
+PREFIX_SORTS = ("recent", "hits", "size")  # kvd sorts and cuts the list (a large cache has many rows)
 
 
 def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help="Only this tenant."),
@@ -226,15 +226,12 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         raise UserError(f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}")
     if limit < 0:
         raise UserError(f"limit: must be >= 0, got {limit}")
-    data = _client(ctx).get("/admin/prefixes", tenant=tenant, pinned=pinned or None)
+    data = _client(ctx).get("/admin/prefixes", tenant=tenant, pinned=pinned or None, sort=sort,
+                            limit=None if as_json or not limit else limit)
 
     def render(d):
-        rows = d["prefixes"]  # recent: as kvd orders them, a tree with the most recently used first
-        if PREFIX_SORTS[sort] is not None:
-            key, descending = PREFIX_SORTS[sort]
-            missing = float("-inf")  # unknown values sort last
-            rows = sorted(rows, key=lambda p: missing if p.get(key) is None else p[key], reverse=descending)
-        shown = rows if limit == 0 else rows[:limit]
+        shown = d["prefixes"]
+        total = d.get("total", len(shown))
         # Columns that would say the same on every row are left out (said once below the table)
         # so that the table fits 80 columns; --json has every field.
         tenants = {"-" if p["tenant"] is None else p["tenant"] for p in shown}  # None: not known
@@ -256,14 +253,14 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
             table.add_row(*(cells[h] for h in headers))
         keep_whole(table, 0)
         console = Console()
-        console.print(table if rows else "no cached prefixes")
-        if len(shown) < len(rows):
-            console.print(f"{len(shown)} of {len(rows):,} prefixes, by {sort}; --limit 0 shows all")
+        console.print(table if shown else "no cached prefixes")
+        if len(shown) < total:
+            console.print(f"{len(shown)} of {total:,} prefixes, by {sort}; --limit 0 shows all")
         same = ([f"tenant {next(iter(tenants))}"] if len(tenants) == 1 else []) + \
             [{(False, False): "none pinned or in use", (False, True): "none pinned",
               (True, False): "none in use"}.get((optional["pinned"], optional["in use"]), "")]
         same = [part for part in same if part]
-        if rows and same:
+        if shown and same:
             console.print("; ".join(same))
         if any(p.get("detached") for p in shown):
             console.print("detached: the blocks before it are cached nowhere, so no request reaches it")

@@ -496,26 +496,29 @@ def _prefix_rows():
              "in_use_blocks": 0, "children": 3 if i == 0 else 0, "detached": False} for i in range(4)]
 
 
-def test_prefixes_table_sorts_and_limits_and_json_keeps_every_row(capsys, monkeypatch):
+def test_prefixes_asks_kvd_to_sort_and_cut_and_says_how_many_there_are(capsys, monkeypatch):
+    """kvd sorts and cuts the list (a large cache has a row per branch); --json asks for them all."""
     import kvctl.ops as ops
 
-    rows = _prefix_rows()
+    rows, asked = _prefix_rows(), []
 
     class Fake:
         def get(self, path, **params):
             assert path == "/admin/prefixes"
-            return {"prefixes": rows}
+            asked.append({k: v for k, v in params.items() if v is not None})
+            limit = params.get("limit") or len(rows)
+            return {"prefixes": rows[:limit], "total": len(rows), "sort": params["sort"]}
 
     monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
     status, out, _ = cli(capsys, "prefixes", "--sort", "hits", "--limit", "2")
     lines = out.splitlines()
-    assert status == 0 and [line.split()[0] for line in lines[1:3]] == [f"{1:016x}", f"{3:016x}"]
+    assert status == 0 and asked[-1] == {"sort": "hits", "limit": 2}
+    assert [line.split()[0] for line in lines[1:3]] == [f"{0:016x}", f"{1:016x}"]
     assert lines[3:] == ["2 of 4 prefixes, by hits; --limit 0 shows all", "tenant acme; none pinned or in use"]
-    rows[:] = [rows[0], rows[2], rows[1], rows[3]]  # kvd's order: a tree, most recently used first
-    status, out, _ = cli(capsys, "prefixes", "--limit", "0")  # recent: as kvd ordered them
-    assert [line.split()[0] for line in out.splitlines()[1:5]] == [f"{i:016x}" for i in (0, 2, 1, 3)]
+    status, out, _ = cli(capsys, "prefixes", "--limit", "0")
+    assert asked[-1] == {"sort": "recent"} and len(out.splitlines()) == 6  # header, 4 rows, one line
     status, out, _ = cli(capsys, "prefixes", "--limit", "1", "--json")
-    assert len(json.loads(out)["prefixes"]) == 4
+    assert asked[-1] == {"sort": "recent"} and len(json.loads(out)["prefixes"]) == 4
     assert cli(capsys, "prefixes", "--sort", "age")[2].strip() == "error: sort: unknown value 'age'; use recent, hits, size"
 
 
@@ -564,8 +567,8 @@ def test_prefixes_table_shows_the_tree_and_fits_80_columns(capsys, monkeypatch):
     rows[2].update(tier="device", tiers={"device": 1, "disk": 1}, bytes=32768, blocks=2, tokens=48)
     rows[3].update(parent_id=None, detached=True, start_token=1024, tokens=1040, hits=None, tier="disk",
                    tiers={"disk": 1}, idle_seconds=None)
-    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: type("Fake", (), {
-        "get": lambda self, path, **params: {"prefixes": rows}})())
+    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: type("Fake", (), {  # as kvd sorts by size
+        "get": lambda self, path, **params: {"prefixes": [rows[i] for i in (3, 2, 0, 1)], "total": 4}})())
     monkeypatch.setenv("COLUMNS", "80")
     status, out, _ = cli(capsys, "prefixes", "--sort", "size")
     assert status == 0 and [line.rstrip() for line in out.splitlines()] == [

@@ -561,6 +561,15 @@ def test_prefixes_branch_where_prompts_part_and_evict_and_swap_take_one_branch(t
         assert {r["tenant"] for r in rows} == {"default"} and not any(r["detached"] for r in rows)
         assert next(r for r in rows if r["prefix_id"] == a[1])["hits"] == 1  # q2 reused it
 
+        # kvd sorts and cuts the list and says how many rows there are
+        by_size = call(app, "GET", "/admin/prefixes", params={"sort": "size", "limit": 2}).json()
+        assert (by_size["total"], [r["prefix_id"] for r in by_size["prefixes"]]) == (5, [c[1], a[1]])
+        by_hits = call(app, "GET", "/admin/prefixes", params={"sort": "hits"}).json()["prefixes"]
+        assert [r["hits"] for r in by_hits] == sorted((r["hits"] for r in by_hits), reverse=True)
+        bad = call(app, "GET", "/admin/prefixes", params={"sort": "age"})
+        assert bad.status_code == 400 and bad.json()["error"]["message"] == \
+            "sort: unknown value 'age'; use recent, hits, size"
+
         # a block that went down keeps what the device knew of its use
         call(app, "POST", "/admin/swap", json={"prefix": b[3], "to": "host"})
         row = next(r for r in call(app, "GET", "/admin/prefixes").json()["prefixes"] if r["prefix_id"] == b[3])

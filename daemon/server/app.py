@@ -351,8 +351,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return service.status(with_blocks=blocks)
 
     @app.get("/admin/prefixes")
-    def prefixes(tenant: str | None = None, pinned: bool = False, _: Principal = Depends(admin)):
-        return {"prefixes": service.prefixes(tenant, pinned)}
+    def prefixes(tenant: str | None = None, pinned: bool = False, sort: str = "recent", limit: int = 0,
+                 _: Principal = Depends(admin)):
+        rows, total = service.prefixes(tenant, pinned, sort, limit)
+        return {"prefixes": rows, "total": total, "sort": sort}
 
     @app.get("/admin/pins")
     def pins(_: Principal = Depends(admin)):

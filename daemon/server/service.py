@@ -756,8 +756,15 @@ class EngineService:
             roots = dict(engine.cache.roots)
         return PrefixTree(device + lower), roots
 
-    def prefixes(self, tenant: str | None, pinned_only: bool) -> list[dict]:
-        """One row per node of the prefix tree: a run of cached blocks between branch points."""
+    def prefixes(self, tenant: str | None, pinned_only: bool, sort: str = "recent",
+                 limit: int = 0) -> tuple[list[dict], int]:
+        """One row per node of the prefix tree: a run of cached blocks between branch points.
+        `sort`: recent (the tree, most recently used first), hits or size (largest first, ties in
+        tree order). Returns (the first `limit` rows, or all for 0; how many there are)."""
+        if sort not in PREFIX_SORTS:
+            raise ServiceError(400, f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}", "sort")
+        if limit < 0:
+            raise ServiceError(400, f"limit: must be >= 0, got {limit}", "limit")
         engine = self.require_ready()
         tree, roots = self.prefix_tree()
         size, nbytes = engine.cache.block_size, engine.cache.block_bytes
@@ -780,8 +787,12 @@ class EngineService:
                 "pinned": node.pinned_blocks > 0, "pinned_blocks": node.pinned_blocks,
                 "in_use_blocks": node.in_use_blocks, "children": len(node.children), "detached": node.detached,
             })
-        rows = _tree_order(rows)
-        return [r for r in rows if (tenant is None or r["tenant"] == tenant) and (not pinned_only or r["pinned"])]
+        rows = [r for r in _tree_order(rows) if (tenant is None or r["tenant"] == tenant)
+                and (not pinned_only or r["pinned"])]
+        figure = PREFIX_SORTS[sort]
+        if figure is not None:  # largest first; unknown last; sorted() keeps the tree order in ties
+            rows = sorted(rows, key=lambda r: float("-inf") if r[figure] is None else r[figure], reverse=True)
+        return (rows[:limit] if limit else rows), len(rows)
 
     @staticmethod
     def _unix_time(reading: float | None, now: float) -> float | None:
@@ -1049,6 +1060,9 @@ def gpu_status() -> list[dict] | None:
         return out
     finally:
         pynvml.nvmlShutdown()
+
+
+PREFIX_SORTS = {"recent": None, "hits": "hits", "size": "bytes"}  # the figure each order sorts by
 
 
 def _tree_order(rows: list[dict]) -> list[dict]:
