@@ -246,13 +246,9 @@ def _save_host(tiers, written: set[bytes], deadline: float) -> tuple[int, int]:
     for start in range(0, len(metas), 64):
         if time.monotonic() >= deadline:
             break
-        group = metas[start:start + 64]
-        layers = tiers.read_blocks([m.key for m in group])
-        if layers is None:  # a block left the host tier meanwhile: save the rest one by one
-            for meta in group:
-                one = tiers.read_blocks([meta.key])
-                if one is not None:
-                    saved += tiers.copy_to("disk", [meta], one, src="host")
-            continue
-        saved += tiers.copy_to("disk", group, layers, src="host")
+        with tiers.lock:  # what is still in host memory (never fetched from elsewhere here)
+            group = [m for m in metas[start:start + 64] if m.key in host.index]
+        layers = tiers.read_blocks([m.key for m in group]) if group else None
+        if layers is not None:
+            saved += tiers.copy_to("disk", group, layers, src="host")
     return saved, len(metas)
