@@ -321,8 +321,8 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Evict cached blocks from every tier and report exactly what went; blocks in use are
     refused, not faked. A prefix id takes that prefix and every prefix that extends it (its rows
-    in `kvctl prefixes`); the prefix it extends stays for the others that share it. A tenant's
-    blocks also go from the shared Redis, whichever daemon wrote them.
+    in `kvctl prefixes`); the prefix it extends stays for the others that share it. A prefix's
+    or a tenant's blocks also go from the shared Redis, whichever daemon wrote them.
 
     Example: kvctl evict --tenant acme
     """

@@ -265,6 +265,21 @@ def test_dropping_blocks_from_redis_deletes_them_and_takes_them_off_the_books(re
     assert set(tier.meta) == {metas[0].key, metas[3].key}
 
 
+def test_blocks_read_from_redis_are_remembered_as_held_up_to_a_bound(redis_server, monkeypatch):
+    """So that write-through does not write another daemon's block back; bounded, so that a
+    long life of reads does not grow the daemon."""
+    import kvctl.daemon.cache.tiers.remote as remote_module
+    from kvctl.daemon.cache.tiers import RemoteTier
+
+    monkeypatch.setattr(remote_module, "SEEN_LIMIT", 2)
+    tier = RemoteTier(redis_server.url, 1 << 30, b"S" * 32)
+    for key in (b"a" * 32, b"b" * 32, b"c" * 32):
+        tier.note_read(key)
+    assert [tier.holds(k * 32) for k in (b"a", b"b", b"c")] == [False, True, True] and not tier.meta
+    assert tier.purge_keys([b"c" * 32]) == {"dropped": 0, "seen": 1, "complete": True}  # nothing there to drop
+    assert not tier.holds(b"c" * 32)
+
+
 def test_purging_a_tenant_from_a_redis_cluster_scans_every_node(redis_cluster):
     report, only_globex_left, stray = _purge_case(redis_cluster)
     assert report == {"dropped": 3, "seen": 6, "complete": True} and only_globex_left and stray == b"hello"

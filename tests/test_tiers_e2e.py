@@ -116,6 +116,15 @@ def test_evicting_a_tenant_on_one_daemon_purges_it_from_the_shared_redis(tmp_pat
         assert report["remote_purge"] == {"dropped": written // 2, "seen": written, "complete": True}
         assert ask(second, "acme", PROMPTS[0]) == 0  # gone for every daemon
         assert ask(second, "globex", PROMPTS[1]) == written // 2 * 16  # restored from Redis
+        # a prefix by its id: b restored globex's (and did not write it back), so it knows its
+        # keys; a wrote them
+        second.tiers.flush()
+        assert len(second.tiers.remote.index) == written // 2  # acme's, computed again on b
+        [row] = [r for r in call(_app(second), "GET", "/admin/prefixes").json()["prefixes"] if r["tenant"] == "globex"]
+        by_id = call(_app(second), "POST", "/admin/evict", json={"prefix": row["prefix_id"]}).json()
+        assert (by_id["evicted_blocks"], by_id["lower_tier_blocks_dropped"], by_id["remote_purge"]) == \
+            (row["blocks"], 0, {"dropped": row["blocks"], "seen": row["blocks"], "complete": True})
+        assert ask(first, "globex", PROMPTS[2]) == 0 and ask(second, "globex", PROMPTS[1]) == 0  # gone for both
         redis_server.stop()  # a purge that cannot run says so and counts as partial (exit 3)
         down = call(_app(second), "POST", "/admin/evict", json={"tenant": "globex"}).json()
         assert down["result"] == "partial" and "error" in down["remote_purge"]

@@ -966,9 +966,10 @@ class EngineService:
         body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target,
                 "lower_tier_blocks_dropped": lower_dropped}
         remote = self.tiers.remote if self.tiers is not None else None
-        if tenant and remote is not None and select is not None:  # the shared Redis: every daemon's entries
-            try:
-                body["remote_purge"] = remote.purge(lambda m: select(m.root, roots.get(m.root), m.tenant))
+        if remote is not None and (subtree is not None or (tenant and select is not None)):
+            try:  # the shared Redis: every daemon's entries of the prefix, or of the tenant
+                body["remote_purge"] = remote.purge_keys(subtree) if subtree is not None else \
+                    remote.purge(lambda m: select(m.root, roots.get(m.root), m.tenant))
             except RemoteUnavailable as exc:
                 body["remote_purge"] = {"error": str(exc)}
             purge = body["remote_purge"]

@@ -20,6 +20,9 @@ from .payload import PEEK_BYTES, BlockMeta, PayloadError, payload_length, peek_m
 from .vectored import write_vectored
 
 
+SEEN_LIMIT = 1 << 16  # other daemons' blocks remembered as held by the server (RemoteTier.seen)
+
+
 class RemoteUnavailable(Exception):
     """The remote tier is down or its breaker is open; the caller goes on without it."""
 
@@ -51,7 +54,8 @@ class RemoteTier:
         self.lock = threading.Lock()
         self.written: OrderedDict[bytes, int] = OrderedDict()  # our keys -> bytes, oldest first
         self.used_bytes = 0
-        self.meta: dict[bytes, BlockMeta] = {}  # chain positions of blocks we wrote or read
+        self.meta: dict[bytes, BlockMeta] = {}  # chain positions of the blocks we wrote
+        self.seen: OrderedDict[bytes, None] = OrderedDict()  # blocks we read that others wrote, newest last
         self.last_error: str | None = None
 
     def redis_key(self, key: bytes) -> bytes:
@@ -207,6 +211,25 @@ class RemoteTier:
         complete = self._call(go)
         return {"dropped": dropped, "seen": seen, "complete": complete}
 
+    def note_read(self, key: bytes) -> None:
+        """A block read from the server (another daemon's, maybe): remembered, up to SEEN_LIMIT of
+        the latest, so that write-through does not write it back."""
+        with self.lock:
+            self.seen[key] = None
+            self.seen.move_to_end(key)
+            while len(self.seen) > SEEN_LIMIT:
+                self.seen.popitem(last=False)
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the server holds the block as far as this daemon knows (it wrote or read it)."""
+        return key in self.written or key in self.seen
+
+    def purge_keys(self, keys: Sequence[bytes]) -> dict:
+        """Delete these blocks on the server whichever daemon wrote them (keys are the same for
+        the same tokens everywhere), in one pipelined round trip. Same answer as `purge`."""
+        dropped = self._call(lambda: self._unlink([(self.redis_key(k), k) for k in keys])) if keys else 0
+        return {"dropped": dropped, "seen": len(keys), "complete": True}
+
     def _unlink(self, chosen: list[tuple[bytes, bytes]]) -> int:
         """Delete (redis key, block key) pairs on the server and from this daemon's books."""
         if not chosen:
@@ -226,6 +249,7 @@ class RemoteTier:
                 if size is not None:
                     self.used_bytes -= size
                 self.meta.pop(key, None)
+                self.seen.pop(key, None)
 
     @property
     def index(self) -> OrderedDict[bytes, int]:

@@ -208,8 +208,8 @@ class TieredCache:
         return None
 
     def _held_below(self, key: bytes) -> bool:
-        return key in self.inflight or any(key in t.index
-                                           for t in (self.disk, self.remote) if t is not None)
+        return key in self.inflight or (self.disk is not None and key in self.disk.index) or \
+            (self.remote is not None and self.remote.holds(key))
 
     def _put_host(self, metas: list[BlockMeta], src: str, layers=None, block_ids: list[int] | None = None) -> None:
         """Place blocks in host slots, shallowest first (a deep block is useless without its
@@ -510,7 +510,7 @@ class TieredCache:
                     self.staged[key] = (layers, source)
                     job.staged.append(key)
                     if source == "remote":
-                        self.remote.meta.setdefault(key, read_header(data)[0])
+                        self.remote.note_read(key)
                 i += 1
         return len(job.staged)
 
