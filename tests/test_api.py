@@ -111,6 +111,21 @@ def test_errors_use_openai_shape_and_status(daemon, body, status, param, fragmen
         assert error["param"] == param
 
 
+@pytest.mark.parametrize("path, params, param, message", [
+    ("/admin/prefixes", {"limit": "abc"}, "limit",
+     "limit: Input should be a valid integer, unable to parse string as an integer (got 'abc')"),
+    ("/admin/prefixes", {"pinned": "maybe"}, "pinned",
+     "pinned: Input should be a valid boolean, unable to interpret input (got 'maybe')"),
+    ("/admin/audit", {"since": "yesterday"}, "since",
+     "since: Input should be a valid number, unable to parse string as a number (got 'yesterday')"),
+])
+def test_a_bad_query_parameter_is_named_not_called_query(daemon, path, params, param, message):
+    _, unix, _ = daemon
+    response = call(unix, "GET", path, params=params)
+    assert response.status_code == 400
+    assert (response.json()["error"]["param"], response.json()["error"]["message"]) == (param, message)
+
+
 def test_an_oversized_prompt_is_refused_before_it_is_hashed_or_reaches_the_engine(daemon, monkeypatch):
     service, unix, _ = daemon
     hashed = []

@@ -190,7 +190,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
         first = exc.errors()[0]
-        fields_ = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = list(first.get("loc", ()))
+        fields_ = [str(p) for p in (loc[1:] if loc[:1] in (["body"], ["query"], ["path"]) else loc)]
         where = fields_[0] if fields_ else None  # the request field, not pydantic's union branch
         got = repr(first.get("input"))
         got = got if len(got) <= 200 else got[:200] + "..."  # never echo a huge body back whole
