@@ -74,46 +74,59 @@ class PrefixTree:
     """The nodes of the cached blocks given, by id, with their links."""
 
     def __init__(self, blocks: Iterable[CachedBlock]) -> None:
-        merged: dict[bytes, _Merged] = {}
+        by_key: dict[bytes, CachedBlock] = {}
+        copies: dict[bytes, list[CachedBlock]] = {}  # a block's further copies (in other tiers)
         for block in blocks:
-            m = merged.get(block.key)
-            if m is None:
-                merged[block.key] = _Merged(block)
+            if block.key in by_key:
+                copies.setdefault(block.key, []).append(block)
             else:
-                m.add(block)
+                by_key[block.key] = block
         children: dict[bytes, list[bytes]] = {}
-        for key, m in merged.items():
-            if m.parent is not None and m.parent in merged:
-                children.setdefault(m.parent, []).append(key)
+        for key, block in by_key.items():
+            if block.parent is not None and block.parent in by_key:
+                children.setdefault(block.parent, []).append(key)
         self.nodes: dict[bytes, PrefixNode] = {}
         self.node_of: dict[bytes, bytes] = {}  # block key -> id of the node holding it
-        starts = [key for key, m in merged.items()
-                  if m.parent is None or m.parent not in merged or len(children[m.parent]) != 1]
-        for start in starts:
-            first = merged[start]
-            node = PrefixNode(key=start, root=first.root, parent=None, start_depth=first.depth, tenant=first.tenant)
+        node_of = self.node_of
+        for start, first in by_key.items():
+            parent = first.parent
+            if parent is not None and parent in by_key and len(children[parent]) == 1:
+                continue  # inside a run: its node starts further up
+            node = PrefixNode(key=start, root=first.root, parent=None, start_depth=first.depth,
+                              tenant=first.tenant)
+            keys, tiers = node.keys, node.tiers
+            hits = last_use = None
+            pinned = in_use = 0
             key = start
             while True:
-                m = merged[key]
-                node.keys.append(key)
-                self.node_of[key] = start
-                for tier in m.tiers:
-                    node.tiers[tier] = node.tiers.get(tier, 0) + 1
-                if m.hits is not None:
-                    node.hits = max(node.hits or 0, m.hits)
-                if m.last_use is not None:
-                    node.last_use = m.last_use if node.last_use is None else max(node.last_use, m.last_use)
-                node.pinned_blocks += m.pinned
-                node.in_use_blocks += m.in_use
-                below = children.get(key, [])
-                if len(below) != 1:
+                block = by_key[key]
+                pinned_here = in_use_here = False
+                keys.append(key)
+                node_of[key] = start
+                held = [block, *copies[key]] if key in copies else (block,)
+                for tier in {c.tier for c in held} if len(held) > 1 else (block.tier,):
+                    tiers[tier] = tiers.get(tier, 0) + 1
+                for c in held:
+                    if c.hits is not None:
+                        hits = c.hits if hits is None or c.hits > hits else hits
+                    if c.last_use is not None:
+                        last_use = c.last_use if last_use is None or c.last_use > last_use else last_use
+                    if c.tenant and not node.tenant:
+                        node.tenant = c.tenant
+                    pinned_here = pinned_here or c.pinned
+                    in_use_here = in_use_here or c.in_use
+                pinned += pinned_here
+                in_use += in_use_here
+                below = children.get(key)
+                if below is None or len(below) != 1:
                     break
                 key = below[0]
+            node.hits, node.last_use, node.pinned_blocks, node.in_use_blocks = hits, last_use, pinned, in_use
             self.nodes[start] = node
         for node in self.nodes.values():
-            parent_block = merged[node.key].parent
-            if parent_block is not None and parent_block in merged:
-                node.parent = self.node_of[parent_block]
+            parent = by_key[node.key].parent
+            if parent is not None and parent in by_key:
+                node.parent = node_of[parent]
                 self.nodes[node.parent].children.append(node.key)
 
     def subtree(self, node_id: bytes) -> list[PrefixNode]:
@@ -150,26 +163,3 @@ class PrefixTree:
         """One chain of keys per leaf that extends the block `key`, each from its tree's first
         block: what a request needs to reach that leaf."""
         return [self.path(node.key) for node in self.subtree(self.node_of[key]) if not node.children]
-
-
-class _Merged:
-    """The copies of one block across tiers, as one."""
-
-    __slots__ = ("parent", "root", "depth", "tenant", "tiers", "hits", "last_use", "pinned", "in_use")
-
-    def __init__(self, block: CachedBlock) -> None:
-        self.parent, self.root, self.depth, self.tenant = block.parent, block.root, block.depth, block.tenant
-        self.tiers = [block.tier]
-        self.hits, self.last_use = block.hits, block.last_use
-        self.pinned, self.in_use = block.pinned, block.in_use
-
-    def add(self, block: CachedBlock) -> None:
-        if block.tier not in self.tiers:
-            self.tiers.append(block.tier)
-        self.tenant = self.tenant or block.tenant
-        if block.hits is not None:
-            self.hits = max(self.hits or 0, block.hits)
-        if block.last_use is not None:
-            self.last_use = block.last_use if self.last_use is None else max(self.last_use, block.last_use)
-        self.pinned = self.pinned or block.pinned
-        self.in_use = self.in_use or block.in_use
