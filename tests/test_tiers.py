@@ -574,6 +574,7 @@ def test_prefixes_branch_where_prompts_part_and_evict_and_swap_take_one_branch(t
                        c[1]: (a[0], 16, 64, 3, "device", 0)}  # system prompt B and its one question
         assert [r["prefix_id"] for r in rows][0] == a[0]  # parents before children
         assert {r["tenant"] for r in rows} == {"default"} and not any(r["detached"] for r in rows)
+        assert {r["root_id"] for r in rows} == {a[0]}  # one tree
         assert next(r for r in rows if r["prefix_id"] == a[1])["hits"] == 1  # q2 reused it
 
         # kvd sorts and cuts the list and says how many rows there are

@@ -778,6 +778,7 @@ class EngineService:
                 last_use = info.last_use if last_use is None else max(last_use, info.last_use)
             rows.append({
                 "prefix_id": node.key.hex()[:16], "parent_id": node.parent.hex()[:16] if node.parent else None,
+                "root_id": node.root.hex()[:16],  # the tree's first block: the row every row of it descends from
                 "tenant": node.tenant or (info.tenant if info else None),
                 "start_token": node.start_depth * size, "tokens": (node.end_depth + 1) * size,
                 "blocks": len(node.keys), "bytes": len(node.keys) * nbytes, "hits": hits,
