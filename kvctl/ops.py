@@ -270,15 +270,24 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
 def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Prefix text to pin."),
         tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma-separated."),
         file: Optional[Path] = typer.Option(None, "--file", help="Read the prefix text from a file."),
+        prefix: Optional[str] = typer.Option(None, "--prefix", help="A cached prefix's id from `kvctl prefixes`."),
         tenant: Optional[str] = typer.Option(None, help="Tenant whose namespace and budget to use."),
         ttl: Optional[str] = typer.Option(None, help="Lifetime: 90s, 30m, 1h, 2d; default: until unpinned."),
         note: str = typer.Option("", help="Why, for the record."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Warm a prefix if needed and pin it; pins survive restarts.
 
+    `--prefix ID` pins a cached prefix as its row in `kvctl prefixes` lists it (from the first
+    token to the row's end), without its text; its tenant pays.
+
     Example: kvctl pin --file system_prompt.txt --tenant acme --ttl 24h --note "support bot"
     """
-    body = {**_tokens(text, tokens, file), "tenant": tenant, "ttl": ttl, "note": note}
+    if prefix is not None:
+        if any(x is not None for x in (text, tokens, file)):
+            raise UserError("give exactly one of TEXT, --tokens, --file or --prefix")
+        body = {"prefix": prefix, "tenant": tenant, "ttl": ttl, "note": note}
+    else:
+        body = {**_tokens(text, tokens, file), "tenant": tenant, "ttl": ttl, "note": note}
     data = _client(ctx).post("/admin/pins", body)
     _emit(data, as_json, lambda d: Console().print(
         f"pinned {d['pin_id']}: {d['blocks']} blocks for tenant {d['tenant']} "

@@ -558,6 +558,26 @@ def test_evict_and_swap_say_what_went_in_every_tier(capsys, monkeypatch):
     assert status == 3 and out.splitlines()[0].endswith("0 of 3 blocks verified in 12 ms (partial)")
 
 
+def test_pin_by_prefix_id_sends_the_id_and_refuses_text_beside_it(capsys, monkeypatch):
+    import kvctl.ops as ops
+
+    posted = []
+
+    class Fake:
+        def post(self, path, body):
+            posted.append((path, body))
+            return {"pin_id": "pin-0123456789abcdef", "blocks": 3, "tenant": "acme", "cached_blocks": 3,
+                    "warmed": False, "expires_in_seconds": 3600.0, "prefix_id": "0435de855e2354d8"}
+
+    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
+    status, out, _ = cli(capsys, "pin", "--prefix", "0435de85", "--ttl", "1h", "--note", "support bot")
+    assert (status, posted) == (0, [("/admin/pins", {"prefix": "0435de85", "tenant": None, "ttl": "1h",
+                                                     "note": "support bot"})])
+    assert out == "pinned pin-0123456789abcdef: 3 blocks for tenant acme (3 cached), expires in 1h\n"
+    status, _, err = cli(capsys, "pin", "hello", "--prefix", "0435de85")
+    assert status != 0 and err.strip() == "error: give exactly one of TEXT, --tokens, --file or --prefix"
+
+
 def test_prefixes_table_shows_the_tree_and_fits_80_columns(capsys, monkeypatch):
     """Each row says which row it extends and which tokens it covers; columns that would say the
     same on every row (one tenant, nothing pinned or in use) become one line below the table."""

@@ -620,6 +620,48 @@ def test_prefixes_branch_where_prompts_part_and_evict_and_swap_take_one_branch(t
         service.shutdown(deadline=2)
 
 
+def test_a_cached_prefix_is_pinned_by_its_id_without_its_text(tmp_path):
+    """An operator sees a hot row in `kvctl prefixes` and pins it by id: the prefix from its first
+    token to the row's end, paid by its tenant; a part in a lower tier comes back up pinned."""
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="4MiB", tiering="always")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        q1, q2, q3 = (SYSTEM_A + [1] * 16 + [99], SYSTEM_A + [2] * 16 + [99], SYSTEM_B + [3] * 16 + [99])
+        for prompt in (q1, q2, q3):
+            _tokens(app, prompt)
+        a, c = _ids(service, q1), _ids(service, q3)
+        pinned = call(app, "POST", "/admin/pins", json={"prefix": a[1][:8], "ttl": "1h", "note": "system A"}).json()
+        assert (pinned["prefix_id"], pinned["blocks"], pinned["cached_blocks"], pinned["tenant"]) == (a[1], 3, 3, "default")
+        rows = {r["prefix_id"]: r for r in call(app, "GET", "/admin/prefixes").json()["prefixes"]}
+        assert [rows[k]["pinned_blocks"] for k in (a[0], a[1], a[3], c[1])] == [1, 2, 0, 0]
+        evicted = call(app, "POST", "/admin/evict", json={"all_unpinned": True}).json()
+        assert evicted["skipped"]["pinned"] == 3
+        assert _tokens(app, SYSTEM_A + [7] * 17)["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+
+        _tokens(app, q3)  # B again, then down to the host tier, then pinned from there
+        call(app, "POST", "/admin/swap", json={"prefix": c[1], "to": "host"})
+        up = call(app, "POST", "/admin/pins", json={"prefix": c[1]}).json()
+        assert (up["blocks"], up["cached_blocks"]) == (4, 4)  # the shared block and B's three, on the device
+        assert call(app, "GET", "/admin/status").json()["blocks"]["device"]["pinned"] == 6  # shared once
+
+        wrong = call(app, "POST", "/admin/pins", json={"prefix": c[1], "tenant": "acme"})
+        assert wrong.status_code == 400 and wrong.json()["error"]["message"] == \
+            f"tenant: prefix {c[1]} is tenant 'default''s, not 'acme''s"
+        both = call(app, "POST", "/admin/pins", json={"prefix": c[1], "text": "hello"})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "prefix"
+        for pin in call(app, "GET", "/admin/pins").json()["pins"]:
+            call(app, "DELETE", f"/admin/pins/{pin['pin_id']}")
+        with service.lock:  # the shared first block goes; B's blocks stay, reachable by nothing
+            service.engine.cache.evict_prefix([service.engine.prefix_keys("default", q3)[2][0]])
+        lost = call(app, "POST", "/admin/pins", json={"prefix": c[1]})
+        assert lost.status_code == 409 and "is unreachable (the blocks before it are cached nowhere)" in \
+            lost.json()["error"]["message"]
+    finally:
+        service.shutdown(deadline=2)
+
+
 def test_tier_settings_come_from_the_yaml_tiers_mapping(tmp_path):
     from kvctl.daemon.config import ConfigError, resolve
 

@@ -109,6 +109,7 @@ Tenant = Annotated[str, Field(pattern=TENANT_PATTERN.pattern)]
 class PinRequest(BaseModel):
     text: str | None = None
     tokens: list[int] | None = None
+    prefix: str | None = None  # an id from /admin/prefixes, instead of text or tokens
     tenant: Tenant | None = None
     ttl: str | float | None = None
     note: str = ""
@@ -363,12 +364,16 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.post("/admin/pins")
     def pin(body: PinRequest, who: Principal = Depends(admin)):
-        token_ids = _tokens_of(body.text, body.tokens)
+        if body.prefix is not None and (body.text is not None or body.tokens is not None):
+            raise ApiError(400, "give exactly one of text, tokens and prefix", param="prefix")
         try:
             ttl = parse_duration(body.ttl)
         except ValueError:
             raise ApiError(400, f"ttl: invalid value {body.ttl!r}; use seconds or 30m, 1h, 2d",
                            param="ttl") from None
+        if body.prefix is not None:
+            return service.pin_prefix(body.prefix, who, body.tenant, ttl, body.note)
+        token_ids = _tokens_of(body.text, body.tokens)
         target = Principal(body.tenant or who.tenant, who.role, who.actor)
         return service.pin(token_ids, target, ttl, body.note)
 

@@ -831,6 +831,47 @@ class EngineService:
                     status = 409
                 raise ServiceError(status, f"tokens: the prefix cannot be warmed: {exc}", "tokens") from None
             warmed = True
+        return self._pinned(result, principal, ttl, note, warmed)
+
+    def pin_prefix(self, prefix_id: str, principal: Principal, tenant: str | None, ttl: float | None,
+                   note: str) -> dict:
+        """Pin a cached prefix by its id from `kvctl prefixes`: the prefix as that row lists it (from
+        the first token to the end of the row). No text needed; its tenant pays. Parts of it in
+        a lower tier come back to the device and pin as they land."""
+        engine = self.require_ready()
+        tree, roots = self.prefix_tree()
+        first = self.resolve_prefix(prefix_id, tree)
+        keys = tree.path(first)
+        node, top = tree.nodes[tree.node_of[first]], tree.nodes[tree.node_of[keys[0]]]
+        if top.detached:
+            raise ServiceError(409, f"prefix: {prefix_id!r} is unreachable (the blocks before it are cached "
+                                    "nowhere); pin it by its text to compute them again", "prefix")
+        owner = node.tenant or (roots[node.root].tenant if node.root in roots else None)
+        if owner is None:
+            raise ServiceError(409, f"prefix: whose prefix {prefix_id!r} is, is not known; pin it by its text "
+                                    "with --tenant", "prefix")
+        if tenant is not None and tenant != owner:
+            raise ServiceError(400, f"tenant: prefix {first.hex()[:16]} is tenant {owner!r}'s, not {tenant!r}'s",
+                               "tenant")
+        who = Principal(owner, principal.role, principal.actor)
+        with self.lock:
+            try:
+                result = engine.cache.pin_keys(owner, keys, ttl=ttl, owner=principal.actor, note=note)
+            except PinBudgetExceeded as exc:
+                self.store.audit(actor=principal.actor, tenant=owner, action="pin", target=f"prefix={first.hex()[:16]}",
+                                 result="refused", detail={"reason": str(exc)})
+                raise ServiceError(409, str(exc)) from None
+        if result.pending_blocks and self.tiers is not None:  # what a lower tier holds comes up, pinned
+            from . import tier_ops
+
+            tier_ops.restore_chain(self, keys, owner)
+        body = self._pinned(result, who, ttl, note, warmed=False)
+        body["prefix_id"] = first.hex()[:16]
+        return body
+
+    def _pinned(self, result, principal: Principal, ttl: float | None, note: str, warmed: bool) -> dict:
+        """Record a pin that took (store and audit) and describe it."""
+        engine = self.engine
         with self.lock:
             cached = engine.cache.lookup(result.pin.keys)
         pin = result.pin
