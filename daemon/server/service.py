@@ -861,6 +861,8 @@ class EngineService:
                 self.store.audit(actor=principal.actor, tenant=owner, action="pin", target=f"prefix={first.hex()[:16]}",
                                  result="refused", detail={"reason": str(exc)})
                 raise ServiceError(409, str(exc)) from None
+            except InvalidRequest as exc:
+                raise ServiceError(400, str(exc), "prefix") from None
         if result.pending_blocks and self.tiers is not None:  # what a lower tier holds comes up, pinned
             from . import tier_ops
 
