@@ -212,6 +212,8 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
              sort: str = typer.Option("recent", help="recent (a tree, each row followed by the rows that extend "
                                                        "it, most recently used first), hits or size."),
              limit: int = typer.Option(50, help="Rows in the table (0: all); --json always has all."),
+             under: Optional[str] = typer.Option(None, "--under", help="Only this row (an id) and the rows "
+                                                                       "that extend it."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Cached prefixes as a tree: each row is a run of blocks between branch points, with the row
     it extends (parent), tenant, tokens, blocks, size, hits, idle time, tier, pin (never text).
@@ -220,14 +222,14 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
     go on from it is a row of its own whose parent is that row. An id given to `kvctl evict
     --prefix` or `kvctl swap` takes its row and every row that extends it.
 
-    Example: kvctl prefixes --tenant acme --pinned
+    Example: kvctl prefixes --tenant acme --pinned; kvctl prefixes --under 9d3476bf
     """
     if sort not in PREFIX_SORTS:
         raise UserError(f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}")
     if limit < 0:
         raise UserError(f"limit: must be >= 0, got {limit}")
     data = _client(ctx).get("/admin/prefixes", tenant=tenant, pinned=pinned or None, sort=sort,
-                            limit=None if as_json or not limit else limit)
+                            limit=None if as_json or not limit else limit, under=under)
 
     def render(d):
         shown = d["prefixes"]

@@ -519,6 +519,8 @@ def test_prefixes_asks_kvd_to_sort_and_cut_and_says_how_many_there_are(capsys, m
     assert asked[-1] == {"sort": "recent"} and len(out.splitlines()) == 6  # header, 4 rows, one line
     status, out, _ = cli(capsys, "prefixes", "--limit", "1", "--json")
     assert asked[-1] == {"sort": "recent"} and len(json.loads(out)["prefixes"]) == 4
+    cli(capsys, "prefixes", "--under", "0435de85")
+    assert asked[-1] == {"sort": "recent", "limit": 50, "under": "0435de85"}
     assert cli(capsys, "prefixes", "--sort", "age")[2].strip() == "error: sort: unknown value 'age'; use recent, hits, size"
 
 

@@ -582,6 +582,12 @@ def test_prefixes_branch_where_prompts_part_and_evict_and_swap_take_one_branch(t
         assert (by_size["total"], [r["prefix_id"] for r in by_size["prefixes"]]) == (5, [c[1], a[1]])
         by_hits = call(app, "GET", "/admin/prefixes", params={"sort": "hits"}).json()["prefixes"]
         assert [r["hits"] for r in by_hits] == sorted((r["hits"] for r in by_hits), reverse=True)
+        under = call(app, "GET", "/admin/prefixes", params={"under": a[1][:8]}).json()
+        assert (under["total"], [r["prefix_id"] for r in under["prefixes"]][0]) == (3, a[1])  # A, then its two
+        assert {r["prefix_id"] for r in under["prefixes"]} == {a[1], a[3], b[3]}
+        nowhere = call(app, "GET", "/admin/prefixes", params={"under": "ffffffff"})
+        assert (nowhere.status_code, nowhere.json()["error"]["message"], nowhere.json()["error"]["param"]) == \
+            (404, "under: no cached prefix 'ffffffff'", "under")
         bad = call(app, "GET", "/admin/prefixes", params={"sort": "age"})
         assert bad.status_code == 400 and bad.json()["error"]["message"] == \
             "sort: unknown value 'age'; use recent, hits, size"

@@ -354,8 +354,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/admin/prefixes")
     def prefixes(tenant: str | None = None, pinned: bool = False, sort: str = "recent", limit: int = 0,
-                 _: Principal = Depends(admin)):
-        rows, total = service.prefixes(tenant, pinned, sort, limit)
+                 under: str | None = None, _: Principal = Depends(admin)):
+        rows, total = service.prefixes(tenant, pinned, sort, limit, under)
         return {"prefixes": rows, "total": total, "sort": sort}
 
     @app.get("/admin/pins")

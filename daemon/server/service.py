@@ -757,20 +757,27 @@ class EngineService:
         return PrefixTree(device + lower), roots
 
     def prefixes(self, tenant: str | None, pinned_only: bool, sort: str = "recent",
-                 limit: int = 0) -> tuple[list[dict], int]:
+                 limit: int = 0, under: str | None = None) -> tuple[list[dict], int]:
         """One row per node of the prefix tree: a run of cached blocks between branch points.
         `sort`: recent (the tree, most recently used first), hits or size (largest first, ties in
-        tree order). Returns (the first `limit` rows, or all for 0; how many there are)."""
+        tree order). `under`: only the row that id names and the rows that extend it. Returns
+        (the first `limit` rows, or all for 0; how many there are)."""
         if sort not in PREFIX_SORTS:
             raise ServiceError(400, f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}", "sort")
         if limit < 0:
             raise ServiceError(400, f"limit: must be >= 0, got {limit}", "limit")
         engine = self.require_ready()
         tree, roots = self.prefix_tree()
+        nodes = tree.nodes.values()
+        if under is not None:
+            try:
+                nodes = tree.subtree(tree.node_of[self.resolve_prefix(under, tree)])
+            except ServiceError as exc:  # name the parameter the caller gave
+                raise ServiceError(exc.status, str(exc).replace("prefix:", "under:", 1), "under") from None
         size, nbytes = engine.cache.block_size, engine.cache.block_bytes
         now = engine.clock()
         rows = []
-        for node in tree.nodes.values():
+        for node in nodes:
             info = roots.get(node.root)
             hits, last_use = node.hits, node.last_use
             if node.start_depth == 0 and info is not None:  # a tree's first node: its root's record spans tiers
@@ -1116,9 +1123,10 @@ def _tree_order(rows: list[dict]) -> list[dict]:
     def recency(row: dict) -> tuple:
         return (-(row["last_use"] or 0), row["prefix_id"])
 
+    ids = {row["prefix_id"] for row in rows}
     children: dict[str | None, list[dict]] = {}
-    for row in rows:
-        children.setdefault(row["parent_id"], []).append(row)
+    for row in rows:  # a row whose parent is not among them (a tree's first, or a subtree's) is a top
+        children.setdefault(row["parent_id"] if row["parent_id"] in ids else None, []).append(row)
     out: list[dict] = []
     todo = sorted(children.get(None, []), key=recency, reverse=True)
     while todo:
