@@ -271,4 +271,8 @@ def test_what_is_known_of_prefix_trees_stays_bounded_by_the_pool(monkeypatch):
     assert len(m.roots) <= 2 * 4 + 8 + 1
     cached = {b.root for b in m.pool.blocks if b.key is not None}
     assert cached and cached <= set(m.roots)  # every root still cached here is known
+    for i in range(200, 230):  # a running sequence's root is kept while it runs, hits and all
+        m.admit_tokens(f"r{i}", NS, [i, i, i, i, 7], 0)
+        assert m.roots[m.sequence(f"r{i}").keys[0]].tenant == NS.tenant
+        m.release(f"r{i}")
     m.audit()

@@ -192,7 +192,6 @@ class KVCacheManager:
             root = self.roots.get(keys[0])
             if root is None:
                 root = self.roots[keys[0]] = RootInfo(tenant, now, now)
-                self._bound_roots()
             root.last_use = now
             root.hits += bool(hits)
         reserve.reverse()  # pop() hands them out in allocation order
@@ -201,6 +200,7 @@ class KVCacheManager:
             seq_id=seq_id, tenant=tenant, table=hits, reserve=reserve,
             num_tokens=len(hits) * self.block_size, keys=list(keys), hasher=hasher,
             hit_tokens=len(hits) * self.block_size, prompt_tokens=prompt_tokens)
+        self._bound_roots()  # after the sequence is registered: its root is kept
         return Admission(seq_id, len(hits), len(hits) * self.block_size, needed)
 
     def admit_tokens(self, seq_id: str, namespace: Namespace, prompt_token_ids: Sequence[int],
@@ -372,7 +372,7 @@ class KVCacheManager:
         pool.release(reversed(table), now)
         if keys[0] not in self.roots:
             self.roots[keys[0]] = RootInfo(tenant, now, now)
-            self._bound_roots()
+            self._bound_roots()  # the restored blocks are indexed: their root is kept
         return count
 
     # ---- pins ------------------------------------------------------------------------------
@@ -444,8 +444,8 @@ class KVCacheManager:
         a margin (a root with a block here holds one of them), forget the roots with no block here.
         Amortised O(1) per new root. What a lower tier alone holds loses its hits and last use;
         its blocks keep their tenant."""
-        if len(self.roots) > 2 * self.num_blocks + ROOTS_MARGIN:
-            self.forget_roots()
+        if len(self.roots) > 2 * self.num_blocks + ROOTS_MARGIN:  # keep what running sequences start with
+            self.forget_roots(keep={seq.keys[0] for seq in self._seqs.values() if seq.keys})
 
     def forget_roots(self, keep: Collection[BlockKey] = ()) -> None:
         """Drop what is known of a prefix tree (tenant, hits, last use) once none of its blocks is
