@@ -91,6 +91,9 @@ def swap(ctx: typer.Context, prefix_id: str = typer.Argument(..., help="Prefix i
         Console().print(f"{verb} {d['prefix_id']} to {d['to']}: {d['verified_blocks']} of {d['blocks']} "
                         f"blocks verified in {d['seconds'] * 1000:.0f} ms"
                         + ("" if ok else " [yellow](partial)[/yellow]"))
+        kept = ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in sorted((d.get("kept_on_device") or {}).items()))
+        if kept:
+            Console().print(f"still on the device too: {kept}")
         if d.get("extended_blocks"):
             Console().print(f"the prefix it extends: {d['extended_on_device']} of {d['extended_blocks']} blocks "
                             "on the device")

@@ -555,6 +555,9 @@ def test_evict_and_swap_say_what_went_in_every_tier(capsys, monkeypatch):
     status, out, _ = cli(capsys, "swap", "0435de85", "--to", "device", "--copy")
     assert (status, out.splitlines()) == (0, ["copied 0435de855e2354d8 to device: 3 of 3 blocks verified in "
                                               "12 ms", "the prefix it extends: 1 of 1 blocks on the device"])
+    answers["/admin/swap"].update(to="disk", copy=False, kept_on_device={"pinned": 2}, extended_blocks=0)
+    status, out, _ = cli(capsys, "swap", "0435de85", "--to", "disk")
+    assert (status, out.splitlines()[1]) == (0, "still on the device too: 2 pinned")
     answers["/admin/swap"].update(verified_blocks=0, extended_on_device=0)
     status, out, _ = cli(capsys, "swap", "0435de85", "--to", "device")
     assert status == 3 and out.splitlines()[0].endswith("0 of 3 blocks verified in 12 ms (partial)")

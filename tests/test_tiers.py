@@ -642,6 +642,8 @@ def test_a_cached_prefix_is_pinned_by_its_id_without_its_text(tmp_path):
         assert (pinned["prefix_id"], pinned["blocks"], pinned["cached_blocks"], pinned["tenant"]) == (a[1], 3, 3, "default")
         rows = {r["prefix_id"]: r for r in call(app, "GET", "/admin/prefixes").json()["prefixes"]}
         assert [rows[k]["pinned_blocks"] for k in (a[0], a[1], a[3], c[1])] == [1, 2, 0, 0]
+        moved = call(app, "POST", "/admin/swap", json={"prefix": a[1], "to": "host"}).json()
+        assert (moved["verified_blocks"], moved["evicted_from_device"], moved["kept_on_device"]) == (4, 2, {"pinned": 2})
         evicted = call(app, "POST", "/admin/evict", json={"all_unpinned": True}).json()
         assert evicted["skipped"]["pinned"] == 3
         assert _tokens(app, SYSTEM_A + [7] * 17)["usage"]["prompt_tokens_details"]["cached_tokens"] == 48

@@ -171,10 +171,12 @@ def _to_lower(service, engine, tiers, to, copy, device_metas, device_ids, lower)
     all_metas = device_metas + [m for k, m in lower.items() if k not in {d.key for d in device_metas}]
     verified = sum(1 for m in all_metas if _verify(tiers, to, m.key))
     evicted = dropped = 0
+    kept: dict[str, int] = {}
     if not copy:
         if device_metas:
             with service.lock:
-                evicted = engine.cache.evict_prefix([m.key for m in device_metas]).evicted_blocks
+                report = engine.cache.evict_prefix([m.key for m in device_metas])
+            evicted, kept = report.evicted_blocks, {k: v for k, v in report.skipped.items() if v and k != "not_cached"}
         for m in all_metas:
             if _verify(tiers, to, m.key):
                 for other in ("host", "disk", "remote"):
@@ -183,6 +185,7 @@ def _to_lower(service, engine, tiers, to, copy, device_metas, device_ids, lower)
                         (tier.drop if other != "host" else tiers.drop_host)(m.key)
                         dropped += 1
     return {"blocks": len(all_metas), "moved_blocks": moved, "verified_blocks": verified,
+            "kept_on_device": kept,  # blocks a move left on the device too: pinned, or in use by a request
             "evicted_from_device": evicted, "dropped_elsewhere": dropped}
 
 
