@@ -646,6 +646,9 @@ def test_a_cached_prefix_is_pinned_by_its_id_without_its_text(tmp_path):
         assert (moved["verified_blocks"], moved["evicted_from_device"], moved["kept_on_device"]) == (4, 2, {"pinned": 2})
         evicted = call(app, "POST", "/admin/evict", json={"all_unpinned": True}).json()
         assert evicted["skipped"]["pinned"] == 3
+        # the pinned blocks' copies in host memory stay too; only the two questions' go
+        assert evicted["lower_tier_blocks_dropped"] == 2
+        assert call(app, "GET", "/admin/tiers").json()["tiers"]["host"]["blocks"] == 2
         assert _tokens(app, SYSTEM_A + [7] * 17)["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
 
         _tokens(app, q3)  # B again, then down to the host tier, then pinned from there

@@ -1007,20 +1007,22 @@ class EngineService:
                     report = engine.cache.evict_prefix([k for k in subtree if engine.cache.pool.block_of(k) is not None])
                 report_blocks, skipped = report.evicted_blocks, report.skipped
             roots = dict(engine.cache.roots)
+            pinned = set(engine.cache.pins.key_counts())  # their lower-tier copies stay too
         lower_dropped = 0
         if self.tiers is not None and subtree is not None:  # an eviction removes the prefix from every tier
-            lower_dropped = self.tiers.drop(subtree)
+            lower_dropped = self.tiers.drop([k for k in subtree if k not in pinned])
         elif self.tiers is not None and select is not None:
             lower_dropped = self.tiers.drop([k for k, (m, _) in self.tiers.known_metas().items()
-                                             if select(m.root, roots.get(m.root), m.tenant)])
+                                             if k not in pinned and select(m.root, roots.get(m.root), m.tenant)])
         result = "ok" if not skipped.get("in_use") else "partial"
         body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target,
                 "lower_tier_blocks_dropped": lower_dropped}
         remote = self.tiers.remote if self.tiers is not None else None
         if remote is not None and (subtree is not None or (tenant and select is not None)):
             try:  # the shared Redis: every daemon's entries of the prefix, or of the tenant
-                body["remote_purge"] = remote.purge_keys(subtree) if subtree is not None else \
-                    remote.purge(lambda m: select(m.root, roots.get(m.root), m.tenant))
+                body["remote_purge"] = remote.purge_keys([k for k in subtree if k not in pinned]) \
+                    if subtree is not None else \
+                    remote.purge(lambda m: m.key not in pinned and select(m.root, roots.get(m.root), m.tenant))
             except RemoteUnavailable as exc:
                 body["remote_purge"] = {"error": str(exc)}
             purge = body["remote_purge"]
