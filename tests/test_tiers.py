@@ -263,6 +263,11 @@ def test_dropping_blocks_from_redis_deletes_them_and_takes_them_off_the_books(re
     assert list(tier.index) == [metas[0].key, metas[3].key] and tier.used_bytes == 2 * one
     assert sorted(tier.read_many([m.key for m in metas])) == sorted([metas[0].key, metas[3].key])
     assert set(tier.meta) == {metas[0].key, metas[3].key}
+    # an entry deleted on the server (its memory policy, another daemon's purge) leaves the books
+    # the first time a read misses it
+    tier.client.delete(tier.redis_key(metas[0].key))
+    assert list(tier.read_many([metas[0].key, metas[3].key])) == [metas[3].key]
+    assert list(tier.index) == [metas[3].key] and tier.used_bytes == one
 
 
 def test_blocks_read_from_redis_are_remembered_as_held_up_to_a_bound(redis_server, monkeypatch):

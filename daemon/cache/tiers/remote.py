@@ -158,7 +158,13 @@ class RemoteTier:
                 pipe.get(self.redis_key(key))
             return pipe.execute()
 
-        return {k: v for k, v in zip(keys, self._call(go)) if v is not None} if keys else {}
+        if not keys:
+            return {}
+        found = dict(zip(keys, self._call(go)))
+        gone = [k for k, v in found.items() if v is None and self.holds(k)]
+        if gone:  # deleted on the server since (its memory policy, or another daemon's purge)
+            self._forget(gone)
+        return {k: v for k, v in found.items() if v is not None}
 
     def drop(self, key: bytes) -> None:
         self.drop_many([key])
