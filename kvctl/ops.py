@@ -258,10 +258,9 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         console.print(table if shown else "no cached prefixes")
         if len(shown) < total:
             console.print(f"{len(shown)} of {total:,} prefixes, by {sort}; --limit 0 shows all")
+        quiet = [name for name in ("pinned", "in use") if not optional[name]]
         same = ([f"tenant {next(iter(tenants))}"] if len(tenants) == 1 else []) + \
-            [{(False, False): "none pinned or in use", (False, True): "none pinned",
-              (True, False): "none in use"}.get((optional["pinned"], optional["in use"]), "")]
-        same = [part for part in same if part]
+            (["none " + " or ".join(quiet)] if quiet else [])
         if shown and same:
             console.print("; ".join(same))
         if any(p.get("detached") for p in shown):

@@ -754,7 +754,11 @@ class EngineService:
             device = engine.cache.cached_blocks()
             engine.cache.forget_roots(keep={meta.root for meta, _ in known.values()})
             roots = dict(engine.cache.roots)
-        return PrefixTree(device + lower), roots
+        tree = PrefixTree(device + lower)
+        for node in tree.nodes.values():  # where no block records its tenant, its root's record may
+            if node.tenant is None and node.root in roots:
+                node.tenant = roots[node.root].tenant
+        return tree, roots
 
     def prefixes(self, tenant: str | None, pinned_only: bool, sort: str = "recent",
                  limit: int = 0, under: str | None = None) -> tuple[list[dict], int]:
@@ -786,7 +790,7 @@ class EngineService:
             rows.append({
                 "prefix_id": node.key.hex()[:16], "parent_id": node.parent.hex()[:16] if node.parent else None,
                 "root_id": node.root.hex()[:16],  # the tree's first block: the row every row of it descends from
-                "tenant": node.tenant or (info.tenant if info else None),
+                "tenant": node.tenant,
                 "start_token": node.start_depth * size, "tokens": (node.end_depth + 1) * size,
                 "blocks": len(node.keys), "bytes": len(node.keys) * nbytes, "hits": hits,
                 "idle_seconds": None if last_use is None else now - last_use,
@@ -846,14 +850,14 @@ class EngineService:
         the first token to the end of the row). No text needed; its tenant pays. Parts of it in
         a lower tier come back to the device and pin as they land."""
         engine = self.require_ready()
-        tree, roots = self.prefix_tree()
+        tree, _ = self.prefix_tree()
         first = self.resolve_prefix(prefix_id, tree)
         keys = tree.path(first)
         node, top = tree.nodes[tree.node_of[first]], tree.nodes[tree.node_of[keys[0]]]
         if top.detached:
             raise ServiceError(409, f"prefix: {prefix_id!r} is unreachable (the blocks before it are cached "
                                     "nowhere); pin it by its text to compute them again", "prefix")
-        owner = node.tenant or (roots[node.root].tenant if node.root in roots else None)
+        owner = node.tenant
         if owner is None:
             raise ServiceError(409, f"prefix: whose prefix {prefix_id!r} is, is not known; pin it by its text "
                                     "with --tenant", "prefix")

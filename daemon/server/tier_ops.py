@@ -75,14 +75,13 @@ def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
                                 "--host-cache-bytes / --disk-cache-bytes / --remote-url)")
     if to != "device" and getattr(tiers, to) is None:
         raise ServiceError(400, f"to: the {to} tier is not configured", "to")
-    tree, roots = service.prefix_tree()
+    tree, _ = service.prefix_tree()
     first = service.resolve_prefix(prefix_id, tree)
     prefix_id = first.hex()[:16]
     keys = tree.subtree_keys(first)
     started = time.perf_counter()
     if to == "device":
-        node = tree.nodes[tree.node_of[first]]  # whose blocks they are: as the tiers recorded it
-        tenant = node.tenant or (roots[node.root].tenant if node.root in roots else "default")
+        tenant = tree.nodes[tree.node_of[first]].tenant or "default"  # whose blocks they are
         body = _to_device(service, engine, tree.leaf_paths(first), keys, tenant)
     else:
         wanted = set(keys)
