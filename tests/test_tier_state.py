@@ -4,6 +4,9 @@ content, nothing is left moving once writes finish, and restores never break the
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -31,9 +34,7 @@ PROMPTS = [[p * 100 + i for i in range(BLOCK * 3)] for p in range(6)]
 class TierMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        import tempfile
-
-        self.dir = tempfile.mkdtemp()
+        self.dir = tempfile.mkdtemp(prefix="kvctl-tier-machine-")
         self.manager = KVCacheManager(6, BLOCK)
         shape = (6, BLOCK, 1, 4)
         self.caches = [LayerCache(torch.zeros(shape, dtype=d), torch.zeros(shape, dtype=d))
@@ -106,6 +107,7 @@ class TierMachine(RuleBasedStateMachine):
 
     def teardown(self):
         self.tiers.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 TestTierMachine = TierMachine.TestCase
