@@ -17,6 +17,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
 
 from kvctl.daemon.cache import KVCacheManager, Namespace, chain_keys  # noqa: E402
+from kvctl.daemon.cache.events import EventLog  # noqa: E402
 from kvctl.daemon.cache.tiers import (BlockLayout, DiskTier, HostTier, TieredCache,  # noqa: E402
                                       decode_block)
 from kvctl.daemon.model.llama import LayerCache  # noqa: E402
@@ -43,6 +44,8 @@ class TierMachine(RuleBasedStateMachine):
                                  disk=DiskTier(self.dir, 8 * LAYOUT.payload_bytes, LAYOUT, SPACE),
                                  policy=TieringPolicy(mode="always"))
         self.manager.pool.on_evict = lambda victims: self.tiers.on_device_evict(victims, lambda root: 0)
+        self.events = EventLog(key_limit=1 << 30)  # every change, to replay against the books
+        self.manager.pool.events = self.tiers.host.events = self.tiers.disk.events = self.events
         self.n = 0
 
     def _write(self, block_ids, keys):
@@ -104,6 +107,15 @@ class TierMachine(RuleBasedStateMachine):
             for key in list(disk.index):
                 assert same(decode_block(disk.read(key), LAYOUT, SPACE, key), content(LAYOUT, key))
         assert self.tiers.staged == {} and not self.tiers._protected
+
+    @invariant()
+    def replaying_the_event_log_gives_every_tier_its_keys(self):
+        with self.tiers.disk.lock:  # the writer thread changes disk's index and logs it under this lock
+            held: dict[str, set] = {"device": set(), "host": set(), "disk": set()}
+            for event in self.events.since(0).events:
+                (held[event.tier].update if event.kind == "stored" else held[event.tier].difference_update)(event.keys)
+            assert held == {"device": set(self.manager.pool._index), "host": set(self.tiers.host.index),
+                            "disk": set(self.tiers.disk.index)}
 
     def teardown(self):
         self.tiers.close()

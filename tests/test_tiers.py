@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 pytest.importorskip("redis")
 
+from kvctl.daemon.cache.events import EventLog  # noqa: E402
 from kvctl.daemon.cache.keys import PrefixHasher  # noqa: E402
 from kvctl.daemon.cache.tiers import build_tiers  # noqa: E402
 from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
@@ -113,6 +114,8 @@ def test_a_corrupted_disk_block_is_a_counted_miss_and_the_request_recomputes_fro
     assert warm.metrics.restored_tokens == 2 * 16  # blocks 0 and 1; recomputed from block 2
     assert tiered.stats["disk"].checksum_failures == 1
     assert keys[2] not in tiered.disk.index
+    assert [(e.keys, e.reason) for e in engine.events.since(0, tiers=("disk",), kinds=("removed",)).events] == [
+        ((keys[2],), "corrupt")]
 
 
 def test_disk_full_marks_the_tier_degraded_and_serving_goes_on(demo, tmp_path, monkeypatch):
@@ -257,6 +260,7 @@ def test_dropping_blocks_from_redis_deletes_them_and_takes_them_off_the_books(re
     layout = _layout(2, 2, 64, 16, "float16")
     metas, layers = _group(layout, 4, 1)
     tier = RemoteTier(redis_server.url, 1 << 30, b"S" * 32)
+    tier.events = EventLog()
     tier.write_group(list(zip(metas, encode_parts(layout, b"S" * 32, metas, layers))))
     one = tier.used_bytes // 4
     tier.drop_many([m.key for m in metas[1:3]])
@@ -268,6 +272,12 @@ def test_dropping_blocks_from_redis_deletes_them_and_takes_them_off_the_books(re
     tier.client.delete(tier.redis_key(metas[0].key))
     assert list(tier.read_many([metas[0].key, metas[3].key])) == [metas[3].key]
     assert list(tier.index) == [metas[3].key] and tier.used_bytes == one
+    # each change of the books is an event, with why
+    events = tier.events.since(0).events
+    assert {k for e in events if e.kind == "stored" for k in e.keys} == {m.key for m in metas}
+    assert [(e.kind, e.tier, e.keys, e.reason) for e in events if e.kind == "removed"] == [
+        ("removed", "remote", (metas[1].key, metas[2].key), "operator"),
+        ("removed", "remote", (metas[0].key,), "gone")]
 
 
 def test_blocks_read_from_redis_are_remembered_as_held_up_to_a_bound(redis_server, monkeypatch):

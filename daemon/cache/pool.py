@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Sequence
 from kvctl.policies.eviction import EvictionPolicy
 
 from .errors import AuditFailure, CacheFull
+from .events import EventLog
 from .keys import BlockKey
 
 
@@ -74,6 +75,7 @@ class BlockPool:
         # (the tiers copy them down); None when there are no lower tiers
         self.on_evict: Callable[[list[Block]], None] | None = None
         self.inserted: list[int] | None = None  # when a list, insert_many records indexed ids here
+        self.events: EventLog | None = None  # when set, every key indexed or dropped is logged there
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -131,6 +133,8 @@ class BlockPool:
             reason = self.policy.name
             if self.on_evict is not None:
                 self.on_evict([blocks[b] for b in victims])
+            if self.events is not None:
+                self.events.removed("device", [blocks[b].key for b in victims], "capacity")
             for block_id in victims:
                 block = blocks[block_id]
                 del index[block.key]
@@ -230,6 +234,8 @@ class BlockPool:
             self.policy.on_insert(inserted, depths, now)
             if self.inserted is not None:
                 self.inserted.extend(inserted)
+            if self.events is not None:
+                self.events.stored("device", [blocks[b] for b in inserted])
         return len(inserted)
 
     def unindex(self, block_id: int) -> None:
@@ -239,6 +245,8 @@ class BlockPool:
             raise AuditFailure(f"block {block_id}: unindex needs an indexed, held, unpinned block")
         self.policy.forget(block_id)
         del self._index[block.key]
+        if self.events is not None:
+            self.events.removed("device", (block.key,), "unwritten")
         block.key = None
         block.root = None
         block.parent = None
@@ -250,6 +258,7 @@ class BlockPool:
         (`in_use`, `pinned`, `not_cached`). Blocks in use or pinned are never touched.
         """
         evicted: list[int] = []
+        removed_keys: list[BlockKey] = []
         skipped = {"in_use": 0, "pinned": 0, "not_cached": 0}
         for key in keys:
             block_id = self._index.get(key)
@@ -266,12 +275,15 @@ class BlockPool:
                 self.policy.forget(block_id)
                 del self._index[key]
                 self._log_eviction(key, now, "operator")
+                removed_keys.append(key)
                 block.key = None
                 block.root = None
                 block.parent = None
                 self._free.append(block_id)
                 evicted.append(block_id)
         self.operator_evictions += len(evicted)
+        if self.events is not None:
+            self.events.removed("device", removed_keys, "operator")
         return evicted, skipped
 
     # ---- pins ------------------------------------------------------------------------------

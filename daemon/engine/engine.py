@@ -31,6 +31,7 @@ from typing import Callable, Iterable
 import torch
 
 from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHasher
+from kvctl.daemon.cache.events import EventLog
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
 from kvctl.policies.admission import Verdict, blocks_for_tokens
 from kvctl.policies.reservation import parse_reservation
@@ -110,6 +111,8 @@ class Engine:
                                     block_bytes=self.model.cache_bytes_per_block(
                                         settings.block_size, self.cache_dtype, settings.keep_layers),
                                     clock=clock)
+        self.events = EventLog()  # every block indexed in or dropped from a tier, for routers and operators
+        self.cache.pool.events = self.events
         self.kv_caches = self.model.allocate_cache(settings.num_blocks, settings.block_size, self.cache_dtype,
                                                    settings.keep_layers, scales)
         self.reservation = parse_reservation(settings.reservation)

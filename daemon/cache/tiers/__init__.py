@@ -43,16 +43,21 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
     if not (host_bytes or disk_bytes or remote_url):
         return None, None
     layout, space = engine_layout(engine), space_digest(engine)
+    events = getattr(engine, "events", None)  # each tier logs what it indexes and drops
     host = HostTier(host_bytes, layout, pin_memory=torch.cuda.is_available()) if host_bytes else None
+    if host is not None:
+        host.events = events
     disk, report = None, None
     if disk_bytes:
         if disk_path is None:
             raise ValueError("tiers.disk.path: required with tiers.disk.bytes")
         disk = DiskTier(disk_path, disk_bytes, layout, space)
+        disk.events = events  # before the scan: the blocks it re-indexes are stored events too
         report = disk.scan()
     remote = None
     if remote_url:
         remote = RemoteTier(remote_url, remote_bytes or UNBOUNDED_BYTES, space, timeout=remote_timeout)
+        remote.events = events
     tiers = TieredCache(engine.kv_caches, layout, space, host=host, disk=disk, remote=remote,
                         write_policy=write_policy, policy=TieringPolicy(mode=tiering))
     engine.attach_tiers(tiers)

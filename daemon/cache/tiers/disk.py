@@ -69,6 +69,7 @@ class DiskTier:
         self._dir_synced_at = 0.0
         self._dir_dirty = False
         self.last_fsync_seconds = 0.0  # of the latest segment write (the tiering policy's fixed cost)
+        self.events = None  # an EventLog: each key indexed or dropped here is logged there
         self.segment_dir.mkdir(parents=True, exist_ok=True)
         self._owner = self._claim(self.root)
 
@@ -197,6 +198,7 @@ class DiskTier:
 
     def _publish(self, name: str, size: int, metas: Sequence[tuple[BlockMeta, int, int]]) -> None:
         segment = Segment(name, size)
+        fresh = []
         for meta, offset, length in metas:
             if meta.key in self.index:
                 continue  # an older segment holds it already
@@ -204,8 +206,11 @@ class DiskTier:
             self.meta[meta.key] = meta
             segment.keys.append(meta.key)
             segment.live += 1
+            fresh.append(meta)
         self.segments[name] = segment
         self.used_bytes += size
+        if fresh and self.events is not None:
+            self.events.stored("disk", fresh)
 
     def make_room(self, incoming: int, protect: Callable[[bytes], bool] = lambda k: False,
                   salvage: Callable[[Segment, bytes], None] | None = None) -> list[Segment]:
@@ -225,16 +230,20 @@ class DiskTier:
                         salvage(segment, self.read_segment(segment))
                     except OSError:
                         pass
-                self._remove_segment(name)
+                self._remove_segment(name, "capacity")
                 dropped.append(segment)
         return dropped
 
-    def _remove_segment(self, name: str) -> None:
+    def _remove_segment(self, name: str, reason: str) -> None:
         segment = self.segments.pop(name)
+        removed = []
         for key in segment.keys:
             if self.index.get(key, (None,))[0] == name:
                 del self.index[key]
                 self.meta.pop(key, None)
+                removed.append(key)
+        if removed and self.events is not None:
+            self.events.removed("disk", removed, reason)
         self.used_bytes -= segment.size
         (self.segment_dir / name).unlink(missing_ok=True)
 
@@ -306,16 +315,18 @@ class DiskTier:
     def read_segment(self, segment: Segment) -> bytes:
         return (self.segment_dir / segment.name).read_bytes()
 
-    def drop(self, key: bytes) -> None:
-        """Forget one block (a failed verification or an operator eviction); the segment file
-        goes when none of its blocks is left."""
+    def drop(self, key: bytes, reason: str = "operator") -> None:
+        """Forget one block (`corrupt`: a failed verification; `operator`: an eviction); the
+        segment file goes when none of its blocks is left."""
         with self.lock:
             where = self.index.pop(key, None)
             self.meta.pop(key, None)
             if where is None:
                 return
+            if self.events is not None:
+                self.events.removed("disk", (key,), reason)
             segment = self.segments.get(where[0])
             if segment is not None:
                 segment.live -= 1
                 if segment.live <= 0 and not self.busy.get(segment.name):
-                    self._remove_segment(segment.name)
+                    self._remove_segment(segment.name, reason)

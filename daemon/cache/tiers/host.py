@@ -92,6 +92,7 @@ class HostTier:
         self.meta: dict[bytes, BlockMeta] = {}
         self.busy: dict[bytes, int] = {}  # key -> transfers reading the slot now
         self._copies: dict[int, object] = {}  # slot -> CUDA event of its latest asynchronous copy
+        self.events = None  # an EventLog: each key indexed or dropped here is logged there
 
     @property
     def used_bytes(self) -> int:
@@ -118,6 +119,8 @@ class HostTier:
                     continue
                 slots.append(self.index.pop(key))
                 evicted.append(key)
+        if evicted and self.events is not None:
+            self.events.removed("host", evicted, "capacity")
         return slots, evicted
 
     def _record(self, slots: Sequence[int], caches) -> None:
@@ -148,18 +151,21 @@ class HostTier:
         for (hk, hv), (k, v) in zip(self.layers, layers):
             copy_rows(hk, index, k)
             copy_rows(hv, index, v)
-        for slot, meta in zip(slots, metas):
-            self.index[meta.key] = slot
-            self.meta[meta.key] = meta
+        self._index(slots, metas)
 
     def fill_from(self, slots: Sequence[int], metas: Sequence[BlockMeta], caches, block_ids: Sequence[int]) -> None:
         """Copy device blocks straight into `slots` (no gather) and index them."""
         copy_layers([t for pair in self.layers for t in pair], slots,
                     [t for c in caches for t in (c.k, c.v)], block_ids)
         self._record(slots, caches)
+        self._index(slots, metas)
+
+    def _index(self, slots: Sequence[int], metas: Sequence[BlockMeta]) -> None:
         for slot, meta in zip(slots, metas):
             self.index[meta.key] = slot
             self.meta[meta.key] = meta
+        if self.events is not None:
+            self.events.stored("host", metas)
 
     def copy_out(self, slots: Sequence[int], caches, block_ids: Sequence[int]) -> None:
         """Copy `slots` straight into device blocks (a restore)."""
@@ -167,12 +173,14 @@ class HostTier:
                     [t for pair in self.layers for t in pair], slots)
         self._record(slots, caches)
 
-    def drop(self, key: bytes) -> bool:
+    def drop(self, key: bytes, reason: str = "operator") -> bool:
         slot = self.index.pop(key, None)
         self.meta.pop(key, None)
         if slot is None:
             return False
         self._free.append(slot)
+        if self.events is not None:
+            self.events.removed("host", (key,), reason)
         return True
 
     def forget_meta(self, keys: Sequence[bytes]) -> None:

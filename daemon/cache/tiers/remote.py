@@ -57,6 +57,7 @@ class RemoteTier:
         self.meta: dict[bytes, BlockMeta] = {}  # chain positions of the blocks we wrote
         self.seen: OrderedDict[bytes, None] = OrderedDict()  # blocks we read that others wrote, newest last
         self.last_error: str | None = None
+        self.events = None  # an EventLog: each block this daemon writes or forgets here is logged there
 
     def redis_key(self, key: bytes) -> bytes:
         return self.prefix + key.hex().encode()
@@ -109,6 +110,9 @@ class RemoteTier:
                 self.used_bytes -= size
                 self.meta.pop(key, None)
                 victims.append(key)
+            if self.events is not None:  # under the lock: the log's order is the books' order
+                self.events.stored("remote", [meta for meta, _ in items])
+                self.events.removed("remote", victims, "capacity")
         if victims:
             try:
                 self._call(lambda: self.client.delete(*[self.redis_key(k) for k in victims]))
@@ -163,19 +167,19 @@ class RemoteTier:
         found = dict(zip(keys, self._call(go)))
         gone = [k for k, v in found.items() if v is None and self.holds(k)]
         if gone:  # deleted on the server since (its memory policy, or another daemon's purge)
-            self._forget(gone)
+            self._forget(gone, "gone")
         return {k: v for k, v in found.items() if v is not None}
 
-    def drop(self, key: bytes) -> None:
-        self.drop_many([key])
+    def drop(self, key: bytes, reason: str = "operator") -> None:
+        self.drop_many([key], reason)
 
-    def drop_many(self, keys: Sequence[bytes]) -> None:
+    def drop_many(self, keys: Sequence[bytes], reason: str = "operator") -> None:
         """Forget `keys` and delete them on the server (pipelined); a server that is down lets
         them age out under its own policy."""
         try:
-            self._call(lambda: self._unlink([(self.redis_key(k), k) for k in keys]))
+            self._call(lambda: self._unlink([(self.redis_key(k), k) for k in keys], reason))
         except RemoteUnavailable:
-            self._forget(keys)  # nothing here may count on them any more
+            self._forget(keys, reason)  # nothing here may count on them any more
 
     def purge(self, select: Callable[[BlockMeta], bool], time_limit: float = 30.0,
               batch: int = 500) -> dict:
@@ -236,7 +240,7 @@ class RemoteTier:
         dropped = self._call(lambda: self._unlink([(self.redis_key(k), k) for k in keys])) if keys else 0
         return {"dropped": dropped, "seen": len(keys), "complete": True}
 
-    def _unlink(self, chosen: list[tuple[bytes, bytes]]) -> int:
+    def _unlink(self, chosen: list[tuple[bytes, bytes]], reason: str = "operator") -> int:
         """Delete (redis key, block key) pairs on the server and from this daemon's books."""
         if not chosen:
             return 0
@@ -244,18 +248,22 @@ class RemoteTier:
         for redis_key, _ in chosen:
             pipe.unlink(redis_key)
         removed = sum(pipe.execute())
-        self._forget([key for _, key in chosen])
+        self._forget([key for _, key in chosen], reason)
         return removed
 
-    def _forget(self, keys: Sequence[bytes]) -> None:
+    def _forget(self, keys: Sequence[bytes], reason: str) -> None:
         """Take blocks off this daemon's books (what it wrote, their bytes, their positions)."""
+        forgotten = []
         with self.lock:
             for key in keys:
                 size = self.written.pop(key, None)
                 if size is not None:
                     self.used_bytes -= size
+                    forgotten.append(key)
                 self.meta.pop(key, None)
                 self.seen.pop(key, None)
+            if forgotten and self.events is not None:
+                self.events.removed("remote", forgotten, reason)
 
     @property
     def index(self) -> OrderedDict[bytes, int]:

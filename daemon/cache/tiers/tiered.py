@@ -520,7 +520,7 @@ class TieredCache:
         log.warning("tier %s: dropped a block that failed verification (%s)", source, exc.reason)
         tier = {"disk": self.disk, "remote": self.remote}.get(source)
         if tier is not None:
-            tier.drop(key)
+            tier.drop(key, "corrupt")
 
     def finish_prefetch(self, request_id: str) -> None:
         """The request was admitted or cancelled: stop its fetch and drop what it staged."""

@@ -1,0 +1,197 @@
+"""The cache's event log: every block indexed in or removed from a tier, in order, with why.
+
+A router that sends requests where their prefix is cached, or an operator asking "where did
+my prefix go?", needs the removals as much as the stores (field notes 7 and 9). Each event::
+
+    seq      1, 2, 3, ... in the order the daemon's books changed (a fresh count per start:
+             `stream_id` tells starts apart)
+    kind     stored | removed
+    tier     device | host | disk | remote
+    keys     block keys; for `stored`, one chain: keys[i] extends keys[i-1], and keys[0]
+             extends `parent` (None: keys[0] starts a chain) at block position `depth`
+    reason   removed: capacity (the tier needed room), operator (kvctl evict or swap),
+             corrupt (failed verification), unwritten (indexed by a step that never ran),
+             gone (another daemon or Redis itself deleted it)
+    tenant   stored: whose namespace the keys were hashed under, where known
+
+Events carry block keys (SHA-256 digests), never token ids or text. The log keeps the newest
+events up to a bound on the keys it holds; a consumer that falls behind is told (`gap`) and
+starts again from `snapshot()` (see `kvd.server.service`), applying the events after the
+snapshot's `seq`: stores and removals are idempotent, so an event the snapshot already
+reflects changes nothing.
+
+Producers are the pool (engine thread, under the service lock) and the tiers (their writer
+thread too); the log has its own lock, and each append is a few list operations.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Protocol, Sequence
+
+KINDS = ("stored", "removed")
+TIERS = ("device", "host", "disk", "remote")
+REASONS = ("capacity", "operator", "corrupt", "unwritten", "gone")
+DEFAULT_KEY_LIMIT = 1 << 17  # keys held across all events: ~10 MiB
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    seq: int
+    at: float  # wall-clock seconds
+    kind: str
+    tier: str
+    keys: tuple[bytes, ...]
+    reason: str | None = None
+    parent: bytes | None = None
+    depth: int | None = None
+    tenant: str | None = None
+
+    def to_json(self) -> dict:
+        out = {"seq": self.seq, "at": round(self.at, 6), "kind": self.kind, "tier": self.tier,
+               "keys": [k.hex() for k in self.keys]}
+        if self.kind == "stored":
+            out.update(parent=None if self.parent is None else self.parent.hex(), depth=self.depth,
+                       tenant=self.tenant)
+        else:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class EventPage:
+    events: list[CacheEvent]
+    next_seq: int  # pass as `since` for the events after these
+    oldest_seq: int  # the oldest event still held (next_seq + 1 when none is)
+    gap: bool  # events after `since` were dropped before this read: resynchronise
+
+
+class Placed(Protocol):
+    """What a stored event reads of a block: the pool's `Block` and the tiers' `BlockMeta` have it."""
+
+    key: bytes | None
+    parent: bytes | None
+    depth: int
+    tenant: str | None
+
+
+def chain_runs(blocks: Iterable[Placed]) -> list[tuple]:
+    """Split blocks, in order, into runs where each extends the one before it under one tenant.
+    Returns (keys, parent, depth, tenant) per run."""
+    runs: list[list] = []
+    for b in blocks:
+        if runs:
+            keys, _, depth, tenant = runs[-1]
+            if b.parent == keys[-1] and b.tenant == tenant and b.depth == depth + len(keys):
+                keys.append(b.key)
+                continue
+        runs.append([[b.key], b.parent, b.depth, b.tenant])
+    return [(tuple(keys), parent, depth, tenant) for keys, parent, depth, tenant in runs]
+
+
+class EventLog:
+    """A bounded, ordered log of cache events, readable from any thread."""
+
+    def __init__(self, key_limit: int = DEFAULT_KEY_LIMIT, clock: Callable[[], float] = time.time) -> None:
+        if not isinstance(key_limit, int) or key_limit < 1:
+            raise ValueError(f"key_limit: expected a positive integer, got {key_limit!r}")
+        self.key_limit, self.clock = key_limit, clock
+        self.stream_id = secrets.token_hex(8)
+        self._events: deque[CacheEvent] = deque()
+        self._keys_held = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._waiters: list[Callable[[], None]] = []
+        self.dropped_events = 0  # trimmed before every consumer may have read them
+
+    @property
+    def seq(self) -> int:
+        """The newest event's seq (0 before the first)."""
+        return self._seq
+
+    # ---- producers ---------------------------------------------------------------------------
+    def stored(self, tier: str, blocks: Iterable[Placed]) -> None:
+        """Blocks indexed in `tier`, in chain order (a chain's blocks in one event)."""
+        runs = chain_runs(blocks)
+        if runs:
+            self._append([("stored", tier, keys, None, parent, depth, tenant)
+                          for keys, parent, depth, tenant in runs])
+
+    def removed(self, tier: str, keys: Iterable[bytes], reason: str) -> None:
+        keys = tuple(keys)
+        if keys:
+            self._append([("removed", tier, keys, reason, None, None, None)])
+
+    def _append(self, parts: list[tuple]) -> None:
+        now = self.clock()
+        with self._lock:
+            for kind, tier, keys, reason, parent, depth, tenant in parts:
+                self._seq += 1
+                self._events.append(CacheEvent(self._seq, now, kind, tier, keys, reason, parent, depth, tenant))
+                self._keys_held += len(keys)
+            while self._keys_held > self.key_limit and len(self._events) > 1:
+                self._keys_held -= len(self._events.popleft().keys)
+                self.dropped_events += 1
+            waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            try:
+                wake()
+            except Exception:  # noqa: BLE001  (a waiter whose event loop has closed: nothing to wake)
+                pass
+
+    # ---- consumers ---------------------------------------------------------------------------
+    def since(self, seq: int, limit: int = 1000, kinds: Sequence[str] | None = None,
+              tiers: Sequence[str] | None = None) -> EventPage:
+        """Events after `seq`, oldest first, at most `limit` of them after filtering.
+        `next_seq` moves past filtered-out events too, so a filtered reader never rereads.
+        A `seq` this stream has not reached (the daemon restarted) reads as a gap."""
+        with self._lock:
+            events = self._events
+            oldest = events[0].seq if events else self._seq + 1
+            ahead = seq > self._seq
+            if ahead:
+                seq = oldest - 1
+            gap = ahead or seq < oldest - 1
+            picked: list[CacheEvent] = []
+            next_seq = self._seq
+            for i in range(max(seq + 1, oldest) - oldest, len(events)):
+                event = events[i]
+                if len(picked) == limit:
+                    next_seq = event.seq - 1
+                    break
+                if (kinds is None or event.kind in kinds) and (tiers is None or event.tier in tiers):
+                    picked.append(event)
+        return EventPage(picked, next_seq, oldest, gap)
+
+    def last(self, count: int, kinds: Sequence[str] | None = None,
+             tiers: Sequence[str] | None = None) -> EventPage:
+        """The newest `count` events that pass the filters, oldest first; `next_seq` is the
+        newest event's, so that reading on from it starts after them."""
+        picked: list[CacheEvent] = []
+        with self._lock:
+            for event in reversed(self._events):
+                if len(picked) == count:
+                    break
+                if (kinds is None or event.kind in kinds) and (tiers is None or event.tier in tiers):
+                    picked.append(event)
+            picked.reverse()
+            oldest = self._events[0].seq if self._events else self._seq + 1
+            return EventPage(picked, self._seq, oldest, False)
+
+    def notify_after(self, seq: int, wake: Callable[[], None]) -> bool:
+        """Call `wake` (once, from the producing thread) when an event newer than `seq` exists.
+        Returns False, without registering, when one exists already."""
+        with self._lock:
+            if self._seq > seq:
+                return False
+            self._waiters.append(wake)
+            return True
+
+    def forget_waiter(self, wake: Callable[[], None]) -> None:
+        with self._lock:
+            if wake in self._waiters:
+                self._waiters.remove(wake)
