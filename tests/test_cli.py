@@ -723,3 +723,80 @@ def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():
             group = group.commands[args.pop(0)]
         group.make_context(name, args)  # raises on an unknown option or a bad value
     assert ("kvd.service", ["config", "reload"]) in calls
+
+
+def _event(seq, kind="stored", tier="device", keys=1, **fields):
+    event = {"seq": seq, "at": 1796024970.0 + seq, "kind": kind, "tier": tier,
+             "keys": [f"{seq:02x}{i:02x}".ljust(64, "a") for i in range(keys)]}
+    if kind == "stored":
+        event.update(parent=None, depth=0, tenant="default")
+    event.update(fields)
+    return event
+
+
+def test_events_lists_the_newest_and_says_what_it_holds(capsys, monkeypatch):
+    import time as time_module
+
+    import kvctl.events_cmd as events_cmd
+
+    asked = []
+
+    class Fake:
+        def get(self, path, **params):
+            assert path == "/admin/events"
+            asked.append({k: v for k, v in params.items() if v is not None})
+            return {"stream_id": "s1", "next": 9, "latest": 9, "oldest": 3, "gap": False, "events": [
+                _event(8, "stored", "host", 3, parent="ab" * 32, depth=4, tenant="acme"),
+                _event(9, "removed", "device", 1, reason="capacity")]}
+
+    monkeypatch.setattr(events_cmd, "_client", lambda ctx: Fake())
+    monkeypatch.setattr(time_module, "localtime", time_module.gmtime)
+    status, out, _ = cli(capsys, "events", "--tail", "2", "--tier", "host,device")
+    assert status == 0 and asked[-1] == {"tail": 2, "tier": "host,device"}
+    assert out.splitlines() == [
+        "    seq time     change  tier   blocks first key         detail",
+        "      8 07:49:38 stored  host        3 0800aaaaaaaaaaaa… block 4 after abababab, tenant acme",
+        "      9 07:49:39 removed device      1 0900aaaaaaaaaaaa  capacity",
+        "2 events; kvd holds seq 3-9"]
+    status, out, _ = cli(capsys, "events", "--json", "--kind", "removed")
+    assert asked[-1] == {"tail": 30, "kind": "removed"}
+    assert [json.loads(line)["seq"] for line in out.splitlines()] == [8, 9]
+    assert cli(capsys, "events", "--count", "0")[2].strip() == "error: count: must be >= 1, got 0"
+    assert cli(capsys, "events", "--since", "-2")[2].strip() == "error: since: must be >= 0, got -2"
+
+
+def test_events_follow_carries_on_through_a_gap_and_a_restart_and_stops_at_count():
+    from rich.console import Console
+
+    from kvctl.errors import KvdUnavailable
+    from kvctl.events_cmd import follow
+
+    answers = [
+        {"stream_id": "s1", "events": [_event(11, keys=2)], "next": 11, "latest": 11, "oldest": 1, "gap": False},
+        {"stream_id": "s1", "events": [_event(90, "removed", reason="operator")], "next": 90, "latest": 90,
+         "oldest": 90, "gap": True},  # it fell behind: 12-89 were trimmed
+        KvdUnavailable("kvd is not reachable at /run/kvd/kvd.sock (is it running? `kvd serve`)"),
+        KvdUnavailable("kvd is not reachable at /run/kvd/kvd.sock (is it running? `kvd serve`)"),
+        {"stream_id": "s2", "events": [], "next": 3, "latest": 3, "oldest": 1, "gap": True},  # restarted
+        {"stream_id": "s2", "events": [_event(1, "stored", "disk", 4), _event(2), _event(3)], "next": 3,
+         "latest": 3, "oldest": 1, "gap": False},
+    ]
+    asked, slept = [], []
+
+    def fetch(since):
+        asked.append(since)
+        answer = answers[len(asked) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    console = Console(record=True, width=200)
+    first = {"stream_id": "s1", "next": 10, "events": []}
+    printed = follow(fetch, first, console, as_json=False, count=4, sleep=slept.append)
+    text = console.export_text()
+    assert printed == 4 and asked == [10, 11, 90, 90, 90, 0] and slept == [1.0, 1.0]
+    lines = [line.split()[0] for line in text.splitlines()]
+    assert lines == ["11", "events", "90", "kvd", "kvd", "1", "2"]
+    assert "events 12-89 were dropped before they were read" in text
+    assert text.count("kvd is not reachable") == 1 and "still following (Ctrl-C stops)" in text
+    assert "kvd restarted: following the new daemon from its first event" in text

@@ -23,9 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.engine.engine import AdmissionRejected
 from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, SamplingParams
 
+from . import event_feed
 from .auth import TENANT_PATTERN, TokenTable
 from .body_limit import BodyLimit
 from .metrics import Metrics
@@ -357,6 +359,24 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                  under: str | None = None, _: Principal = Depends(admin)):
         rows, total = service.prefixes(tenant, pinned, sort, limit, under)
         return {"prefixes": rows, "total": total, "sort": sort}
+
+    @app.get("/admin/events")
+    async def events(since: int = 0, limit: int = 1000, kind: str | None = None, tier: str | None = None,
+                     wait: float = 0.0, tail: int | None = None, _: Principal = Depends(admin)):
+        """The cache's events after `since` (blocks stored in and removed from each tier, with why);
+        with `wait`, held open up to that many seconds until there is one. `tail`: the newest
+        that many instead."""
+        event_feed.check_page(since, limit, wait, tail)
+        kinds = event_feed.parse_filter(kind, KINDS, "kind")
+        tiers = event_feed.parse_filter(tier, TIERS, "tier")
+        log = service.require_ready().events
+        if tail is not None:
+            return event_feed.read_tail(log, tail, kinds, tiers)
+        return await event_feed.wait_for_events(log, since, limit, kinds, tiers, wait)
+
+    @app.get("/admin/events/snapshot")
+    def events_snapshot(_: Principal = Depends(admin)):
+        return event_feed.snapshot(service)
 
     @app.get("/admin/pins")
     def pins(_: Principal = Depends(admin)):

@@ -1,0 +1,134 @@
+"""kvctl events: what the cache stored and removed, tier by tier, and why; --follow to watch."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from .errors import KvdUnavailable, UserError
+from .ops import _client
+
+WAIT_S = 25.0  # each follow request is held open this long at most (kvd allows 30)
+
+
+def event_line(event: dict) -> str:
+    """One event as a line of the listing (see HEADER): at most 80 columns for a stored event of
+    the default tenant."""
+    keys = event["keys"]
+    first = keys[0][:16] + ("…" if len(keys) > 1 else "")
+    if event["kind"] == "stored":
+        detail = "starts a chain" if event["parent"] is None else \
+            f"block {event['depth']} after {event['parent'][:8]}"
+        if event.get("tenant") not in (None, "default"):
+            detail += f", tenant {event['tenant']}"
+    else:
+        detail = event["reason"]
+    clock = time.strftime("%H:%M:%S", time.localtime(event["at"]))
+    return f"{event['seq']:>7} {clock} {event['kind']:<7} {event['tier']:<6} {len(keys):>6} {first:<17} {detail}"
+
+
+HEADER = f"{'seq':>7} {'time':<8} {'change':<7} {'tier':<6} {'blocks':>6} {'first key':<17} detail"
+
+
+def gap_message(since: int, body: dict) -> str:
+    if since > body["latest"]:
+        return (f"seq {since} is past this daemon's newest event ({body['latest']}): it restarted since; "
+                "showing its events from the oldest it holds")
+    return f"events {since + 1}-{body['oldest'] - 1} were dropped before they were read (kvd keeps the newest)"
+
+
+def print_events(events: list[dict], console: Console, as_json: bool) -> None:
+    for event in events:
+        if as_json:
+            typer.echo(json.dumps(event))
+        else:
+            console.print(escape(event_line(event)), highlight=False, soft_wrap=True)
+
+
+def follow(fetch: Callable[[int], dict], first: dict, console: Console, as_json: bool,
+           count: int | None = None, sleep=time.sleep) -> int:
+    """Print events as kvd logs them, from `first`'s `next`, until Ctrl-C or `count` events.
+    Across a restart of kvd it waits, then follows the new daemon from its first event; when
+    events were dropped before they were read it says so and carries on. Returns events printed."""
+    stream, since, printed, lost = first["stream_id"], first["next"], 0, None
+    while count is None or printed < count:
+        try:
+            body = fetch(since)
+        except KvdUnavailable as exc:
+            if lost is None:
+                lost = time.strftime("%H:%M:%S")
+                console.print(f"[yellow]{escape(str(exc))} — since {lost}; still following (Ctrl-C stops)[/yellow]",
+                              highlight=False)
+            sleep(1.0)
+            continue
+        lost = None
+        if body["stream_id"] != stream:  # a new daemon: its events start again from 1
+            stream, since = body["stream_id"], 0
+            console.print("[yellow]kvd restarted: following the new daemon from its first event[/yellow]")
+            continue
+        if body["gap"]:
+            console.print(f"[yellow]{gap_message(since, body)}; `kvctl prefixes` shows what is cached now[/yellow]",
+                          highlight=False)
+        events = body["events"] if count is None else body["events"][:count - printed]
+        print_events(events, console, as_json)
+        printed += len(events)
+        since = body["next"]
+    return printed
+
+
+def events(ctx: typer.Context,
+           follow_: bool = typer.Option(False, "--follow", "-f", help="Keep printing events as they happen."),
+           tail: int = typer.Option(30, "--tail", help="How many of the newest events to show first."),
+           since: Optional[int] = typer.Option(None, "--since", help="Show the events after this seq instead."),
+           tier: Optional[str] = typer.Option(None, "--tier", help="Only these tiers: device, host, disk, remote "
+                                              "(comma-separated)."),
+           kind: Optional[str] = typer.Option(None, "--kind", help="Only stored or removed."),
+           count: Optional[int] = typer.Option(None, "--count", help="With --follow: stop after this many."),
+           as_json: bool = typer.Option(False, "--json", help="One JSON object per event (JSON Lines)."),
+           ) -> None:
+    """What the cache stored and removed in each tier, and why a block left (capacity, operator,
+    corrupt, unwritten, gone). Block keys only, never tokens. `--follow` watches.
+
+    Example: kvctl events --follow --kind removed --tier device
+    """
+    if tail < 0:
+        raise UserError(f"tail: must be >= 0, got {tail}")
+    if count is not None and count < 1:
+        raise UserError(f"count: must be >= 1, got {count}")
+    if since is not None and since < 0:
+        raise UserError(f"since: must be >= 0, got {since}")
+    client = _client(ctx)
+    filters = {"tier": tier, "kind": kind}
+    console = Console()
+    if since is not None:
+        first = client.get("/admin/events", since=since, limit=10_000, **filters)
+    elif tail:
+        first = client.get("/admin/events", tail=tail, **filters)
+    else:
+        first = client.get("/admin/events", since=0, limit=1, **filters) | {"events": []}
+        first["next"] = first["latest"]
+    shown = first["events"] if count is None else first["events"][:count]
+    if first.get("gap"):
+        console.print(f"[yellow]{gap_message(since, first)}[/yellow]", highlight=False)
+    if not as_json and (shown or follow_):
+        console.print(HEADER, style="bold underline", highlight=False)
+    print_events(shown, console, as_json)
+    if not follow_:
+        if not as_json:
+            more = f"; more after them: --since {first['next']}" if first["next"] < first["latest"] else ""
+            held = f"kvd holds seq {first['oldest']}-{first['latest']}" if first["latest"] >= first["oldest"] \
+                else "kvd has logged no event yet"
+            console.print(f"{len(shown)} events{more}; {held}", highlight=False)
+        return
+    if follow_ and (count is None or len(shown) < count):
+        def fetch(after: int) -> dict:
+            return client.get("/admin/events", since=after, wait=WAIT_S, limit=1000, **filters)
+        try:
+            follow(fetch, first, console, as_json, None if count is None else count - len(shown))
+        except KeyboardInterrupt:
+            pass

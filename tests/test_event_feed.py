@@ -1,0 +1,152 @@
+"""The cache's event feed through the daemon: a snapshot plus the events after it equals the
+next snapshot, tier by tier, through demotions, restores, operator evictions and swaps; a
+waiting read answers when a request stores blocks; keys a router computes from the snapshot's
+namespace are the keys the events name; bad parameters are refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from kvctl.daemon.cache.keys import Namespace, chain_keys  # noqa: E402
+from kvctl.daemon.server.app import create_app  # noqa: E402
+
+from .daemon_fixtures import call, start_service  # noqa: E402
+
+PROMPTS = [f"Prompt number {i} talks about paged caches, eviction order and memory tiers at length, "
+           f"long enough to fill a few blocks of sixteen tokens: variant {i}." for i in range(5)]
+
+
+def complete(app, text, max_tokens=4):
+    response = call(app, "POST", "/v1/completions", json={"prompt": text, "max_tokens": max_tokens,
+                                                           "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def apply(state: dict[str, set], events: list[dict]) -> dict[str, set]:
+    """What a router does with the feed: a set of keys per tier."""
+    for event in events:
+        held = state.setdefault(event["tier"], set())
+        (held.update if event["kind"] == "stored" else held.difference_update)(event["keys"])
+    return state
+
+
+def as_sets(snapshot: dict) -> dict[str, set]:
+    return {tier: set(keys) for tier, keys in snapshot["tiers"].items()}
+
+
+def all_events(app, since: int, **params) -> dict:
+    body = call(app, "GET", "/admin/events", params={"since": since, "limit": 10_000, **params}).json()
+    assert not body["gap"]
+    return body
+
+
+@pytest.fixture()
+def daemon(tmp_path):
+    service = start_service(tmp_path, num_blocks=24, host_cache_bytes="200KiB", disk_cache_bytes="16MiB",
+                            tiering="always")
+    try:
+        yield service, create_app(service, service.metrics, front="unix")
+    finally:
+        service.shutdown(deadline=5)
+
+
+def test_a_snapshot_plus_the_events_after_it_is_the_next_snapshot_in_every_tier(daemon):
+    service, app = daemon
+    first = call(app, "GET", "/admin/events/snapshot").json()
+    assert set(first["tiers"]) == {"device", "host", "disk"}
+    for text in PROMPTS:  # 24 device blocks: the later prompts push the earlier ones down
+        complete(app, text)
+    rows = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+    on_device = next(r for r in rows if "device" in r["tiers"])
+    evicted = call(app, "POST", "/admin/evict", json={"prefix": on_device["prefix_id"]}).json()
+    assert evicted["evicted_blocks"] > 0
+    lower = next(r for r in call(app, "GET", "/admin/prefixes").json()["prefixes"] if "device" not in r["tiers"])
+    moved = call(app, "POST", "/admin/swap", json={"prefix": lower["prefix_id"], "to": "device"}).json()
+    assert moved["verified_blocks"] == moved["blocks"] > 0
+    service.tiers.flush()
+    second = call(app, "GET", "/admin/events/snapshot").json()
+    assert second["stream_id"] == first["stream_id"] and second["seq"] > first["seq"]
+    body = all_events(app, first["seq"])
+    assert body["next"] == body["latest"] == second["seq"]
+    assert apply(as_sets(first), body["events"]) == as_sets(second)
+    reasons = {(e["tier"], e["reason"]) for e in body["events"] if e["kind"] == "removed"}
+    assert ("device", "capacity") in reasons and ("device", "operator") in reasons
+    assert {e["tier"] for e in body["events"] if e["kind"] == "stored"} == {"device", "host", "disk"}
+
+
+def test_stored_events_name_the_keys_a_router_computes_from_the_snapshot_namespace(daemon):
+    service, app = daemon
+    snapshot = call(app, "GET", "/admin/events/snapshot").json()
+    complete(app, PROMPTS[0])
+    stored = [e for e in all_events(app, snapshot["seq"], tier="device", kind="stored")["events"]]
+    ids = service.engine.tokenizer.encode(PROMPTS[0])
+    keys = chain_keys(Namespace(**snapshot["namespace"], tenant="default"), ids)
+    prompt_blocks = (len(ids) - 1) // snapshot["block_size"]  # the last prompt token is computed, not cached
+    assert stored[0]["parent"] is None and stored[0]["depth"] == 0 and stored[0]["tenant"] == "default"
+    assert stored[0]["keys"][:prompt_blocks] == [k.hex() for k in keys[:prompt_blocks]]
+    # each later stored event of the request extends the chain where the one before it ended
+    chain = [k for e in stored for k in e["keys"]]
+    for event in stored[1:]:
+        assert event["parent"] == chain[chain.index(event["keys"][0]) - 1]
+
+
+def test_a_waiting_read_answers_with_the_blocks_a_request_stores(daemon):
+    service, app = daemon
+    latest = call(app, "GET", "/admin/events", params={"since": 0}).json()["latest"]
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
+            waiting = asyncio.create_task(client.get("/admin/events", params={
+                "since": latest, "wait": 20, "tier": "device", "kind": "stored"}))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            await client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0})
+            return (await waiting).json()
+
+    body = asyncio.run(go())
+    assert body["events"] and all(e["tier"] == "device" and e["kind"] == "stored" for e in body["events"])
+    assert body["events"][0]["seq"] > latest
+    quiet = call(app, "GET", "/admin/events", params={"since": body["latest"], "wait": 0.2}).json()
+    assert quiet["events"] == [] and quiet["next"] == body["latest"] and not quiet["gap"]
+
+
+@pytest.mark.parametrize("params, param, message", [
+    ({"kind": "stored,evicted"}, "kind", "kind: unknown value 'evicted'; use stored, removed"),
+    ({"tier": "gpu"}, "tier", "tier: unknown value 'gpu'; use device, host, disk, remote"),
+    ({"since": -1}, "since", "since: must be >= 0, got -1"),
+    ({"limit": 0}, "limit", "limit: must be between 1 and 10000, got 0"),
+    ({"wait": 31}, "wait", "wait: must be between 0 and 30 seconds, got 31"),
+])
+def test_bad_feed_parameters_are_refused_by_name(daemon, params, param, message):
+    _, app = daemon
+    response = call(app, "GET", "/admin/events", params=params)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == message and response.json()["error"]["param"] == param
+
+
+def test_a_restart_is_a_new_stream_whose_first_events_are_the_disk_blocks_it_found(tmp_path):
+    settings = dict(num_blocks=24, disk_cache_bytes="16MiB", tiering="always")
+    service = start_service(tmp_path, **settings)
+    app = create_app(service, service.metrics, front="unix")
+    complete(app, PROMPTS[0])
+    old = call(app, "GET", "/admin/events/snapshot").json()
+    service.shutdown(deadline=5)  # saves the device's blocks to disk
+    again = start_service(tmp_path, **settings)
+    try:
+        app = create_app(again, again.metrics, front="unix")
+        snapshot = call(app, "GET", "/admin/events/snapshot").json()
+        assert snapshot["stream_id"] != old["stream_id"] and snapshot["tiers"]["device"] == []
+        assert set(snapshot["tiers"]["disk"]) == set(old["tiers"]["device"])
+        stale = call(app, "GET", "/admin/events", params={"since": old["seq"] + 100}).json()
+        assert stale["gap"]  # a seq of the old stream: start over from a snapshot
+        assert apply({}, all_events(app, 0)["events"]) == {"disk": set(snapshot["tiers"]["disk"])}
+    finally:
+        again.shutdown(deadline=5)
