@@ -101,8 +101,8 @@ def render_status(data: dict, console: Console | None = None):
     if data.get("tiers"):
         facts.add_row("restored", f"{tokens.get('restored', 0):,} prompt tokens from lower tiers (part of the hits)")
         facts.add_row("tiers", "  ".join(
-            f"{name} {t['used_bytes'] / 2**20:,.1f}"
-            + (" MiB (no budget)" if t["capacity_bytes"] is None else f"/{t['capacity_bytes'] / 2**20:,.0f} MiB")
+            f"{name} {size(t['used_bytes'])}"
+            + (" (no budget)" if t["capacity_bytes"] is None else f" of {size(t['capacity_bytes'])}")
             + ("" if t["health"] == "ok" else f" [{t['health'].upper()}]")
             for name, t in data["tiers"].items()))
     facts.add_row("evictions", f"{data['evictions']['capacity']:,} by {data['eviction_policy']}, "

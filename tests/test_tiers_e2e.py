@@ -155,7 +155,7 @@ def test_kvctl_tiers_and_swap_as_an_operator_drives_them(tmp_path):
         assert report["tiers"]["disk"]["blocks"] == prefix["blocks"]
         assert report["moved_bytes"]["device->disk"] > 0 and report["tiers"]["disk"]["health"] == "ok"
         status = kvctl(sock, "status").stdout
-        assert "restored" in status and "host 0.0/4 MiB" in status and "disk " in status
+        assert "restored" in status and "host 0 B of 4.0 MiB" in status and "disk " in status
         table = kvctl(sock, "tiers").stdout
         assert "write policy: write_back" in table and "restored from lower tiers" in " ".join(table.split())
         rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[2:] if line.strip()}
