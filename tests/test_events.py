@@ -170,3 +170,17 @@ def test_the_newest_events_come_oldest_first_with_the_seq_to_read_on_from():
     assert [e.seq for e in page.events] == [3, 5] and page.next_seq == 5 and page.oldest_seq == 1
     assert [e.seq for e in log.last(10).events] == [1, 2, 3, 4, 5]
     assert log.last(3, kinds=("stored",)).events == []
+
+
+def test_a_large_change_is_several_events_that_each_pick_up_where_the_last_ended(monkeypatch):
+    import kvctl.daemon.cache.events as events
+
+    monkeypatch.setattr(events, "EVENT_KEYS", 2)
+    log = EventLog()
+    chain = [B(k(1), None, 0), B(k(2), k(1), 1), B(k(3), k(2), 2), B(k(4), k(3), 3), B(k(5), k(4), 4)]
+    log.stored("disk", chain)
+    log.removed("disk", [k(1), k(2), k(3)], "capacity")
+    assert [(e.kind, e.keys, e.parent, e.depth, e.reason) for e in log.since(0).events] == [
+        ("stored", (k(1), k(2)), None, 0, None), ("stored", (k(3), k(4)), k(2), 2, None),
+        ("stored", (k(5),), k(4), 4, None),
+        ("removed", (k(1), k(2)), None, None, "capacity"), ("removed", (k(3),), None, None, "capacity")]

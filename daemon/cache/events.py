@@ -4,7 +4,8 @@ A router that sends requests where their prefix is cached, or an operator asking
 my prefix go?", needs the removals as much as the stores (field notes 7 and 9). Each event::
 
     seq      1, 2, 3, ... in the order the daemon's books changed (a fresh count per start:
-             `stream_id` tells starts apart)
+             `stream_id` tells starts apart); a change of more than EVENT_KEYS blocks is
+             several events in a row
     kind     stored | removed
     tier     device | host | disk | remote
     keys     block keys; for `stored`, one chain: keys[i] extends keys[i-1], and keys[0]
@@ -37,6 +38,7 @@ KINDS = ("stored", "removed")
 TIERS = ("device", "host", "disk", "remote")
 REASONS = ("capacity", "operator", "corrupt", "unwritten", "gone")
 DEFAULT_KEY_LIMIT = 1 << 17  # keys held across all events: ~10 MiB
+EVENT_KEYS = 512  # at most per event (a larger change is several in a row): a page stays small
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,16 +117,21 @@ class EventLog:
 
     # ---- producers ---------------------------------------------------------------------------
     def stored(self, tier: str, blocks: Iterable[Placed]) -> None:
-        """Blocks indexed in `tier`, in chain order (a chain's blocks in one event)."""
-        runs = chain_runs(blocks)
-        if runs:
-            self._append([("stored", tier, keys, None, parent, depth, tenant)
-                          for keys, parent, depth, tenant in runs])
+        """Blocks indexed in `tier`, in chain order (a chain's blocks in one event, or in
+        several that each extend the one before)."""
+        parts = []
+        for keys, parent, depth, tenant in chain_runs(blocks):
+            for start in range(0, len(keys), EVENT_KEYS):
+                parts.append(("stored", tier, keys[start:start + EVENT_KEYS],
+                              None, keys[start - 1] if start else parent, depth + start, tenant))
+        if parts:
+            self._append(parts)
 
     def removed(self, tier: str, keys: Iterable[bytes], reason: str) -> None:
         keys = tuple(keys)
         if keys:
-            self._append([("removed", tier, keys, reason, None, None, None)])
+            self._append([("removed", tier, keys[start:start + EVENT_KEYS], reason, None, None, None)
+                          for start in range(0, len(keys), EVENT_KEYS)])
 
     def _append(self, parts: list[tuple]) -> None:
         now = self.clock()
