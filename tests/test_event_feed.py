@@ -9,6 +9,7 @@ import asyncio
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
@@ -79,6 +80,21 @@ def test_a_snapshot_plus_the_events_after_it_is_the_next_snapshot_in_every_tier(
     reasons = {(e["tier"], e["reason"]) for e in body["events"] if e["kind"] == "removed"}
     assert ("device", "capacity") in reasons and ("device", "operator") in reasons
     assert {e["tier"] for e in body["events"] if e["kind"] == "stored"} == {"device", "host", "disk"}
+    # /metrics counts the same blocks, per tier and reason
+    counted: dict[tuple, float] = {}
+    for event in all_events(app, 0)["events"]:
+        label = (event["tier"],) if event["kind"] == "stored" else (event["tier"], event["reason"])
+        counted[(event["kind"], *label)] = counted.get((event["kind"], *label), 0) + len(event["keys"])
+    scraped = {}
+    for family in text_string_to_metric_families(call(app, "GET", "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "kvd_cache_stored_blocks_total":
+                scraped[("stored", sample.labels["tier"])] = sample.value
+            elif sample.name == "kvd_cache_removed_blocks_total":
+                scraped[("removed", sample.labels["tier"], sample.labels["reason"])] = sample.value
+            elif sample.name == "kvd_cache_events_dropped_total":
+                assert sample.value == 0
+    assert scraped == counted
 
 
 def test_stored_events_name_the_keys_a_router_computes_from_the_snapshot_namespace(daemon):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
@@ -109,6 +109,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._waiters: list[Callable[[], None]] = []
         self.dropped_events = 0  # trimmed before every consumer may have read them
+        self.blocks: Counter[tuple[str, str, str]] = Counter()  # (kind, tier, reason or "") -> blocks, ever
 
     @property
     def seq(self) -> int:
@@ -140,6 +141,7 @@ class EventLog:
                 self._seq += 1
                 self._events.append(CacheEvent(self._seq, now, kind, tier, keys, reason, parent, depth, tenant))
                 self._keys_held += len(keys)
+                self.blocks[(kind, tier, reason or "")] += len(keys)
             while self._keys_held > self.key_limit and len(self._events) > 1:
                 self._keys_held -= len(self._events.popleft().keys)
                 self.dropped_events += 1
@@ -151,6 +153,11 @@ class EventLog:
                 pass
 
     # ---- consumers ---------------------------------------------------------------------------
+    def counts(self) -> dict[tuple[str, str, str], int]:
+        """Blocks logged since the start, by (kind, tier, reason or ""): the metrics' source."""
+        with self._lock:
+            return dict(self.blocks)
+
     def since(self, seq: int, limit: int = 1000, kinds: Sequence[str] | None = None,
               tiers: Sequence[str] | None = None) -> EventPage:
         """Events after `seq`, oldest first, at most `limit` of them after filtering.

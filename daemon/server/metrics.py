@@ -5,6 +5,10 @@
     kvd_prefix_hit_tokens_total               of those, served from the prefix cache
     kvd_recomputed_tokens_total               tokens computed again after preemption
     kvd_evicted_blocks_total{reason}          capacity (by the policy) or operator
+    kvd_cache_stored_blocks_total{tier}       blocks indexed per tier (device, host, disk, remote)
+    kvd_cache_removed_blocks_total{tier,reason}  blocks dropped per tier and why (capacity, operator,
+                                              corrupt, unwritten, gone): the event log's counts
+    kvd_cache_events_dropped_total            events trimmed from the log (a slow reader sees a gap)
     kvd_allocation_seconds                    histogram: time per cache-core call
     kvd_admission_rejections_total{reason}    never_fits, queue_full
     kvd_preemptions_total
@@ -86,6 +90,7 @@ class _EngineCollector:
         evicted.add_metric(["capacity"], pool.evictions)
         evicted.add_metric(["operator"], pool.operator_evictions)
         yield evicted
+        yield from _event_metrics(engine.events)
         rejected = CounterMetricFamily("kvd_admission_rejections", "Requests rejected at admission",
                                        labels=["reason"])
         for reason in ("never_fits", "queue_full"):
@@ -110,6 +115,21 @@ class _EngineCollector:
         if rollout is not None:
             yield from _rollout_metrics(rollout)
         yield from _reload_metrics(self.service.reloads, self.service.last_reload)
+
+
+def _event_metrics(log):
+    stored = CounterMetricFamily("kvd_cache_stored_blocks", "Blocks indexed per tier", labels=["tier"])
+    removed = CounterMetricFamily("kvd_cache_removed_blocks", "Blocks dropped per tier, by why",
+                                  labels=["tier", "reason"])
+    for (kind, tier, reason), blocks in sorted(log.counts().items()):
+        if kind == "stored":
+            stored.add_metric([tier], blocks)
+        else:
+            removed.add_metric([tier, reason], blocks)
+    yield stored
+    yield removed
+    yield CounterMetricFamily("kvd_cache_events_dropped", "Events trimmed from the cache's event log before "
+                              "every reader may have read them", value=log.dropped_events)
 
 
 def _reload_metrics(reloads: dict, last: dict | None):
