@@ -109,9 +109,8 @@ def events(ctx: typer.Context,
         first = client.get("/admin/events", since=since, limit=10_000, **filters)
     elif tail:
         first = client.get("/admin/events", tail=tail, **filters)
-    else:
-        first = client.get("/admin/events", since=0, limit=1, **filters) | {"events": []}
-        first["next"] = first["latest"]
+    else:  # --tail 0: from now on
+        first = client.get("/admin/events", tail=1, **filters) | {"events": []}
     shown = first["events"] if count is None else first["events"][:count]
     if first.get("gap"):
         console.print(f"[yellow]{gap_message(since, first)}[/yellow]", highlight=False)

@@ -761,6 +761,8 @@ def test_events_lists_the_newest_and_says_what_it_holds(capsys, monkeypatch):
     status, out, _ = cli(capsys, "events", "--json", "--kind", "removed")
     assert asked[-1] == {"tail": 30, "kind": "removed"}
     assert [json.loads(line)["seq"] for line in out.splitlines()] == [8, 9]
+    status, out, _ = cli(capsys, "events", "--tail", "0")  # from now on: nothing listed yet
+    assert asked[-1] == {"tail": 1} and out.splitlines() == ["0 events; kvd holds seq 3-9"]
     assert cli(capsys, "events", "--count", "0")[2].strip() == "error: count: must be >= 1, got 0"
     assert cli(capsys, "events", "--since", "-2")[2].strip() == "error: since: must be >= 0, got -2"
 
