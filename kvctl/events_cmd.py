@@ -16,14 +16,15 @@ from .ops import _client
 WAIT_S = 25.0  # each follow request is held open this long at most (kvd allows 30)
 
 
-def event_line(event: dict) -> str:
+def event_line(event: dict, key: str | None = None) -> str:
     """One event as a line of the listing (see HEADER): at most 80 columns for a stored event of
-    the default tenant."""
+    the default tenant. With `key` (hex digits), the line is about the block it names."""
     keys = event["keys"]
-    first = keys[0][:16] + ("…" if len(keys) > 1 else "")
+    at = next((i for i, k in enumerate(keys) if k.startswith(key)), 0) if key else 0
+    first = keys[at][:16] + ("…" if len(keys) > 1 else "")
     if event["kind"] == "stored":
-        detail = "starts a chain" if event["parent"] is None else \
-            f"block {event['depth']} after {event['parent'][:8]}"
+        parent = keys[at - 1] if at else event["parent"]
+        detail = "starts a chain" if parent is None else f"block {event['depth'] + at} after {parent[:8]}"
         if event.get("tenant") not in (None, "default"):
             detail += f", tenant {event['tenant']}"
     else:
@@ -33,6 +34,7 @@ def event_line(event: dict) -> str:
 
 
 HEADER = f"{'seq':>7} {'time':<8} {'change':<7} {'tier':<6} {'blocks':>6} {'first key':<17} detail"
+HEADER_FOR_KEY = HEADER.replace("first key", "key      ")
 
 
 def gap_message(since: int, body: dict) -> str:
@@ -42,16 +44,16 @@ def gap_message(since: int, body: dict) -> str:
     return f"events {since + 1}-{body['oldest'] - 1} were dropped before they were read (kvd keeps the newest)"
 
 
-def print_events(events: list[dict], console: Console, as_json: bool) -> None:
+def print_events(events: list[dict], console: Console, as_json: bool, key: str | None = None) -> None:
     for event in events:
         if as_json:
             typer.echo(json.dumps(event))
         else:
-            console.print(escape(event_line(event)), highlight=False, soft_wrap=True)
+            console.print(escape(event_line(event, key)), highlight=False, soft_wrap=True)
 
 
 def follow(fetch: Callable[[int], dict], first: dict, console: Console, as_json: bool,
-           count: int | None = None, sleep=time.sleep) -> int:
+           count: int | None = None, sleep=time.sleep, key: str | None = None) -> int:
     """Print events as kvd logs them, from `first`'s `next`, until Ctrl-C or `count` events.
     Across a restart of kvd it waits, then follows the new daemon from its first event; when
     events were dropped before they were read it says so and carries on. Returns events printed."""
@@ -75,7 +77,7 @@ def follow(fetch: Callable[[int], dict], first: dict, console: Console, as_json:
             console.print(f"[yellow]{gap_message(since, body)}; `kvctl prefixes` shows what is cached now[/yellow]",
                           highlight=False)
         events = body["events"] if count is None else body["events"][:count - printed]
-        print_events(events, console, as_json)
+        print_events(events, console, as_json, key)
         printed += len(events)
         since = body["next"]
     return printed
@@ -88,11 +90,14 @@ def events(ctx: typer.Context,
            tier: Optional[str] = typer.Option(None, "--tier", help="Only these tiers: device, host, disk, remote "
                                               "(comma-separated)."),
            kind: Optional[str] = typer.Option(None, "--kind", help="Only stored or removed."),
+           key: Optional[str] = typer.Option(None, "--key", help="Only events naming a block whose key starts with "
+                                             "these hex digits (a `kvctl prefixes` id): that block's life."),
            count: Optional[int] = typer.Option(None, "--count", help="With --follow: stop after this many."),
            as_json: bool = typer.Option(False, "--json", help="One JSON object per event (JSON Lines)."),
            ) -> None:
     """What the cache stored and removed in each tier, and why a block left (capacity, operator,
-    corrupt, unwritten, gone). Block keys only, never tokens. `--follow` watches.
+    corrupt, unwritten, gone). Block keys only, never tokens. `--follow` watches; `--key` follows
+    one block (a prefix's id) from tier to tier.
 
     Example: kvctl events --follow --kind removed --tier device
     """
@@ -103,7 +108,8 @@ def events(ctx: typer.Context,
     if since is not None and since < 0:
         raise UserError(f"since: must be >= 0, got {since}")
     client = _client(ctx)
-    filters = {"tier": tier, "kind": kind}
+    filters = {"tier": tier, "kind": kind, "key": key}
+    key = key.strip().lower() if key else None
     console = Console()
     if since is not None:
         first = client.get("/admin/events", since=since, limit=10_000, **filters)
@@ -115,8 +121,8 @@ def events(ctx: typer.Context,
     if first.get("gap"):
         console.print(f"[yellow]{gap_message(since, first)}[/yellow]", highlight=False)
     if not as_json and (shown or follow_):
-        console.print(HEADER, style="bold underline", highlight=False)
-    print_events(shown, console, as_json)
+        console.print(HEADER_FOR_KEY if key else HEADER, style="bold underline", highlight=False)
+    print_events(shown, console, as_json, key)
     if not follow_:
         if not as_json:
             more = f"; more after them: --since {first['next']}" if first["next"] < first["latest"] else ""
@@ -128,6 +134,6 @@ def events(ctx: typer.Context,
         def fetch(after: int) -> dict:
             return client.get("/admin/events", since=after, wait=WAIT_S, limit=1000, **filters)
         try:
-            follow(fetch, first, console, as_json, None if count is None else count - len(shown))
+            follow(fetch, first, console, as_json, None if count is None else count - len(shown), key=key)
         except KeyboardInterrupt:
             pass

@@ -761,6 +761,11 @@ def test_events_lists_the_newest_and_says_what_it_holds(capsys, monkeypatch):
     status, out, _ = cli(capsys, "events", "--json", "--kind", "removed")
     assert asked[-1] == {"tail": 30, "kind": "removed"}
     assert [json.loads(line)["seq"] for line in out.splitlines()] == [8, 9]
+    status, out, _ = cli(capsys, "events", "--key", "0801AA")  # one block's life: the line is about it
+    assert asked[-1] == {"tail": 30, "key": "0801AA"}
+    assert out.splitlines()[:2] == [
+        "    seq time     change  tier   blocks key               detail",
+        "      8 07:49:38 stored  host        3 0801aaaaaaaaaaaa… block 5 after 0800aaaa, tenant acme"]
     status, out, _ = cli(capsys, "events", "--tail", "0")  # from now on: nothing listed yet
     assert asked[-1] == {"tail": 1} and out.splitlines() == ["0 events; kvd holds seq 3-9"]
     assert cli(capsys, "events", "--count", "0")[2].strip() == "error: count: must be >= 1, got 0"

@@ -134,6 +134,27 @@ def test_a_waiting_read_answers_with_the_blocks_a_request_stores(daemon):
     assert quiet["events"] == [] and quiet["next"] == body["latest"] and not quiet["gap"]
 
 
+def test_the_key_filter_shows_one_prefix_going_from_tier_to_tier(daemon):
+    service, app = daemon
+    for text in PROMPTS:
+        complete(app, text)
+    service.tiers.flush()
+    row = next(r for r in call(app, "GET", "/admin/prefixes").json()["prefixes"] if "device" not in r["tiers"])
+    life = call(app, "GET", "/admin/events", params={"key": row["prefix_id"]}).json()["events"]
+    steps = [(e["kind"], e["tier"], e.get("reason")) for e in life]
+    assert steps[0] == ("stored", "device", None) and ("removed", "device", "capacity") in steps
+    assert all(any(k.startswith(row["prefix_id"]) for k in e["keys"]) for e in life)
+    # replaying its events puts the block where the daemon holds it now
+    held = {tier for tier, keys in apply({}, life).items() for k in keys if k.startswith(row["prefix_id"])}
+    snapshot = call(app, "GET", "/admin/events/snapshot").json()["tiers"]
+    assert held == {tier for tier, keys in snapshot.items() for k in keys if k.startswith(row["prefix_id"])}
+    assert held and "device" not in held
+    bad = call(app, "GET", "/admin/events", params={"key": "zz12"})
+    assert bad.status_code == 400 and bad.json()["error"] == {
+        "message": "key: expected 4 to 64 hex digits of a block key, got 'zz12'", "type": "invalid_request_error",
+        "param": "key", "code": None}
+
+
 @pytest.mark.parametrize("params, param, message", [
     ({"kind": "stored,evicted"}, "kind", "kind: unknown value 'evicted'; use stored, removed"),
     ({"tier": "gpu"}, "tier", "tier: unknown value 'gpu'; use device, host, disk, remote"),

@@ -184,3 +184,22 @@ def test_a_large_change_is_several_events_that_each_pick_up_where_the_last_ended
         ("stored", (k(1), k(2)), None, 0, None), ("stored", (k(3), k(4)), k(2), 2, None),
         ("stored", (k(5),), k(4), 4, None),
         ("removed", (k(1), k(2)), None, None, "capacity"), ("removed", (k(3),), None, None, "capacity")]
+
+
+def test_a_key_filter_follows_one_block_by_the_leading_hex_digits_of_its_key():
+    from kvctl.daemon.cache.events import KeyPrefix
+
+    log = EventLog()
+    a, b = bytes.fromhex("9d34" + "76" * 30), bytes.fromhex("9d3e" + "00" * 30)
+    log.stored("device", [B(a, None, 0)])
+    log.stored("device", [B(b, None, 0)])
+    log.removed("device", [b, a], "capacity")
+    log.stored("host", [B(a, None, 0)])
+    assert [e.seq for e in log.since(0, key=KeyPrefix.parse("9d34")).events] == [1, 3, 4]
+    assert [e.seq for e in log.since(0, key=KeyPrefix.parse("9D347")).events] == [1, 3, 4]  # odd: a half byte
+    assert [e.seq for e in log.since(0, key=KeyPrefix.parse("9d3e0")).events] == [2, 3]
+    assert log.since(0, key=KeyPrefix.parse("9d340")).events == []
+    assert [e.seq for e in log.last(2, key=KeyPrefix.parse(a.hex())).events] == [3, 4]
+    for bad in ("9d3", "9d3g", "", "0" * 65):
+        with pytest.raises(ValueError, match=f"key: expected 4 to 64 hex digits of a block key, got {bad!r}"):
+            KeyPrefix.parse(bad)

@@ -95,6 +95,33 @@ def chain_runs(blocks: Iterable[Placed]) -> list[tuple]:
     return [(tuple(keys), parent, depth, tenant) for keys, parent, depth, tenant in runs]
 
 
+@dataclass(frozen=True, slots=True)
+class KeyPrefix:
+    """Events naming a block whose key starts with these hex digits (4 to 64 of them): the life
+    of one block, or of a prefix by its `kvctl prefixes` id."""
+
+    whole: bytes  # the leading full bytes
+    nibble: int | None  # the high half of the next byte, for an odd count of digits
+
+    @classmethod
+    def parse(cls, text: str) -> "KeyPrefix":
+        digits = text.strip().lower()
+        if not 4 <= len(digits) <= 64 or any(c not in "0123456789abcdef" for c in digits):
+            raise ValueError(f"key: expected 4 to 64 hex digits of a block key, got {text!r}")
+        even = len(digits) - len(digits) % 2
+        return cls(bytes.fromhex(digits[:even]), int(digits[even], 16) if len(digits) % 2 else None)
+
+    def matches(self, key: bytes) -> bool:
+        if not key.startswith(self.whole):
+            return False
+        return self.nibble is None or key[len(self.whole)] >> 4 == self.nibble
+
+
+def _passes(event: CacheEvent, kinds, tiers, key: KeyPrefix | None) -> bool:
+    return ((kinds is None or event.kind in kinds) and (tiers is None or event.tier in tiers)
+            and (key is None or any(key.matches(k) for k in event.keys)))
+
+
 class EventLog:
     """A bounded, ordered log of cache events, readable from any thread."""
 
@@ -159,7 +186,7 @@ class EventLog:
             return dict(self.blocks)
 
     def since(self, seq: int, limit: int = 1000, kinds: Sequence[str] | None = None,
-              tiers: Sequence[str] | None = None) -> EventPage:
+              tiers: Sequence[str] | None = None, key: KeyPrefix | None = None) -> EventPage:
         """Events after `seq`, oldest first, at most `limit` of them after filtering.
         `next_seq` moves past filtered-out events too, so a filtered reader never rereads.
         A `seq` this stream has not reached (the daemon restarted) reads as a gap."""
@@ -177,12 +204,12 @@ class EventLog:
                 if len(picked) == limit:
                     next_seq = event.seq - 1
                     break
-                if (kinds is None or event.kind in kinds) and (tiers is None or event.tier in tiers):
+                if _passes(event, kinds, tiers, key):
                     picked.append(event)
         return EventPage(picked, next_seq, oldest, gap)
 
     def last(self, count: int, kinds: Sequence[str] | None = None,
-             tiers: Sequence[str] | None = None) -> EventPage:
+             tiers: Sequence[str] | None = None, key: KeyPrefix | None = None) -> EventPage:
         """The newest `count` events that pass the filters, oldest first; `next_seq` is the
         newest event's, so that reading on from it starts after them."""
         picked: list[CacheEvent] = []
@@ -190,7 +217,7 @@ class EventLog:
             for event in reversed(self._events):
                 if len(picked) == count:
                     break
-                if (kinds is None or event.kind in kinds) and (tiers is None or event.tier in tiers):
+                if _passes(event, kinds, tiers, key):
                     picked.append(event)
             picked.reverse()
             oldest = self._events[0].seq if self._events else self._seq + 1

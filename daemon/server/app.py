@@ -362,17 +362,19 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/admin/events")
     async def events(since: int = 0, limit: int = 1000, kind: str | None = None, tier: str | None = None,
-                     wait: float = 0.0, tail: int | None = None, _: Principal = Depends(admin)):
+                     wait: float = 0.0, tail: int | None = None, key: str | None = None,
+                     _: Principal = Depends(admin)):
         """The cache's events after `since` (blocks stored in and removed from each tier, with why);
         with `wait`, held open up to that many seconds until there is one. `tail`: the newest
-        that many instead."""
+        that many instead. `key`: only events naming a block whose key starts with these hex digits."""
         event_feed.check_page(since, limit, wait, tail)
         kinds = event_feed.parse_filter(kind, KINDS, "kind")
         tiers = event_feed.parse_filter(tier, TIERS, "tier")
+        prefix = event_feed.parse_key(key)
         log = service.require_ready().events
         if tail is not None:
-            return event_feed.read_tail(log, tail, kinds, tiers)
-        return await event_feed.wait_for_events(log, since, limit, kinds, tiers, wait)
+            return event_feed.read_tail(log, tail, kinds, tiers, prefix)
+        return await event_feed.wait_for_events(log, since, limit, kinds, tiers, wait, prefix)
 
     @app.get("/admin/events/snapshot")
     def events_snapshot(_: Principal = Depends(admin)):

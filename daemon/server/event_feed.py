@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-from kvctl.daemon.cache.events import KINDS, TIERS, EventLog
+from kvctl.daemon.cache.events import KINDS, TIERS, EventLog, KeyPrefix
 
 from .service import ServiceError
 
@@ -42,24 +42,34 @@ def check_page(since: int, limit: int, wait: float, tail: int | None = None) -> 
         raise ServiceError(400, f"wait: must be between 0 and {WAIT_LIMIT_S:g} seconds, got {wait:g}", "wait")
 
 
-def read_tail(log: EventLog, count: int, kinds, tiers) -> dict:
+def parse_key(value: str | None) -> KeyPrefix | None:
+    if value is None or value == "":
+        return None
+    try:
+        return KeyPrefix.parse(value)
+    except ValueError as exc:
+        raise ServiceError(400, str(exc), "key") from None
+
+
+def read_tail(log: EventLog, count: int, kinds, tiers, key: KeyPrefix | None = None) -> dict:
     """The newest `count` events that pass the filters (what `kvctl events` shows first)."""
-    page = log.last(count, kinds, tiers)
+    page = log.last(count, kinds, tiers, key)
     return {"stream_id": log.stream_id, "events": [e.to_json() for e in page.events], "next": page.next_seq,
             "oldest": page.oldest_seq, "latest": page.next_seq, "gap": False}
 
 
-def read_page(log: EventLog, since: int, limit: int, kinds, tiers) -> dict:
-    page = log.since(since, limit, kinds, tiers)
+def read_page(log: EventLog, since: int, limit: int, kinds, tiers, key: KeyPrefix | None = None) -> dict:
+    page = log.since(since, limit, kinds, tiers, key)
     return {"stream_id": log.stream_id, "events": [e.to_json() for e in page.events], "next": page.next_seq,
             "oldest": page.oldest_seq, "latest": log.seq, "gap": page.gap}
 
 
-async def wait_for_events(log: EventLog, since: int, limit: int, kinds, tiers, wait: float) -> dict:
+async def wait_for_events(log: EventLog, since: int, limit: int, kinds, tiers, wait: float,
+                          key: KeyPrefix | None = None) -> dict:
     """The events after `since` that pass the filters; waits up to `wait` seconds for one."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
-    body = await asyncio.to_thread(read_page, log, since, limit, kinds, tiers)  # off the loop: a page can be large
+    body = await asyncio.to_thread(read_page, log, since, limit, kinds, tiers, key)  # off the loop: a page can be large
     while not body["events"] and not body["gap"] and loop.time() < deadline:
         arrived = loop.create_future()
 
@@ -73,7 +83,7 @@ async def wait_for_events(log: EventLog, since: int, limit: int, kinds, tiers, w
                 pass
             finally:
                 log.forget_waiter(wake)
-        body = await asyncio.to_thread(read_page, log, body["next"], limit, kinds, tiers)
+        body = await asyncio.to_thread(read_page, log, body["next"], limit, kinds, tiers, key)
     return body
 
 
