@@ -372,6 +372,8 @@ def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help=
         miss = d.get("first_miss")
         if miss:
             Console().print(f"first miss at block {miss['block']}: {miss['reason']} — {miss['detail']}")
+            if miss.get("key") and miss["reason"] in ("evicted", "in_lower_tier"):
+                Console().print(f"its moves between tiers: kvctl events --key {miss['key']}", highlight=False)
     _emit(data, as_json, render)
 
 

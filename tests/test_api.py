@@ -270,6 +270,8 @@ def test_admin_status_prefixes_pin_evict_explain_and_audit(daemon):
     why = call(unix, "POST", "/admin/explain", json={"text": prompt, "tenant": "acme"}).json()
     assert why["hit_blocks"] == 0 and why["first_miss"]["reason"] == "evicted"
     assert why["first_miss"]["evicted_by"] == "operator"
+    life = call(unix, "GET", "/admin/events", params={"key": why["first_miss"]["key"]}).json()["events"]
+    assert [(e["kind"], e["tier"], e.get("reason")) for e in life][-1] == ("removed", "device", "operator")
     complete(unix, prompt=SYSTEM + "Q9")  # cached for tenant "default" only
     elsewhere = call(unix, "POST", "/admin/explain", json={"text": SYSTEM + "Q9", "tenant": "nobody"}).json()
     assert elsewhere["first_miss"]["reason"] == "other_namespace"

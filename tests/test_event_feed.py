@@ -187,3 +187,24 @@ def test_a_restart_is_a_new_stream_whose_first_events_are_the_disk_blocks_it_fou
         assert apply({}, all_events(app, 0)["events"]) == {"disk": set(snapshot["tiers"]["disk"])}
     finally:
         again.shutdown(deadline=5)
+
+
+def test_explain_says_which_tier_a_block_last_left_and_why(daemon):
+    """A block dropped from a lower tier was 'never cached' to explain, which knew only the
+    device's evictions; the event log knows every tier's."""
+    service, app = daemon
+    ids = service.engine.tokenizer.encode(PROMPTS[0])
+    why = call(app, "POST", "/admin/explain", json={"tokens": ids}).json()["first_miss"]
+    assert why["reason"] == "never_cached" and why["detail"].startswith(
+        "no request has filled this block under this namespace since kvd started (")  # no record from before it
+    complete(app, PROMPTS[0])
+    row = call(app, "GET", "/admin/prefixes").json()["prefixes"][0]
+    moved = call(app, "POST", "/admin/swap", json={"prefix": row["prefix_id"], "to": "disk"}).json()
+    assert moved["verified_blocks"] == moved["blocks"] == row["blocks"]
+    why = call(app, "POST", "/admin/explain", json={"tokens": ids}).json()["first_miss"]
+    assert (why["reason"], why["tier"], why["key"]) == ("in_lower_tier", "disk", row["prefix_id"])
+    call(app, "POST", "/admin/evict", json={"prefix": row["prefix_id"]})
+    why = call(app, "POST", "/admin/explain", json={"tokens": ids}).json()["first_miss"]
+    assert (why["reason"], why["tier"], why["evicted_by"], why["key"]) == ("evicted", "disk", "operator",
+                                                                           row["prefix_id"])
+    assert why["detail"].startswith("evicted from the disk tier ") and why["detail"].endswith(" ago by an operator")

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, chain_keys
+from kvctl.daemon.cache.events import KeyPrefix
 from kvctl.daemon.cache.prefix_tree import TIER_ORDER, CachedBlock, PrefixTree
 from kvctl.daemon.cache.tiers.remote import RemoteUnavailable
 from kvctl.daemon.config import ConfigError, KvdConfig, cache_dtype_name, quick_prefill_default
@@ -1072,13 +1073,21 @@ class EngineService:
                 other = [t for t in sorted({i.tenant for i in cache.roots.values()}) if t != tenant
                          and cache.pool.block_of(chain_keys(engine.namespace(t), token_ids[:(hits + 1) * size])[hits])
                          is not None]
+                removal = engine.events.last(1, ("removed",), key=KeyPrefix(key, None)).events
                 if lower != "evicted":
                     body["first_miss"] = {"block": hits, "reason": "in_lower_tier", "tier": lower,
                                           "detail": f"on the {lower} tier; the next request restores it "
                                                     "instead of recomputing"}
+                elif removal and removal[0].tier != "device":  # it left the device, then a lower tier too
+                    event = removal[0]
+                    ago = max(0.0, time.time() - event.at)
+                    body["first_miss"] = {"block": hits, "reason": "evicted", "tier": event.tier,
+                                          "detail": f"evicted from the {event.tier} tier {now_minus(ago, 0.0)} ago "
+                                                    f"{REMOVAL_WORDS[event.reason]}",
+                                          "evicted_by": event.reason, "seconds_ago": ago}
                 elif logged is not None:
                     at, reason = logged
-                    body["first_miss"] = {"block": hits, "reason": "evicted",
+                    body["first_miss"] = {"block": hits, "reason": "evicted", "tier": "device",
                                           "detail": f"evicted {now_minus(engine.clock(), at)} ago by "
                                                     f"{'an operator' if reason == 'operator' else reason + ' eviction'}",
                                           "evicted_by": reason, "seconds_ago": engine.clock() - at}
@@ -1087,8 +1096,15 @@ class EngineService:
                                           "detail": f"cached for tenant {other[0]!r}; tenants never share blocks"}
                 else:
                     body["first_miss"] = {"block": hits, "reason": "never_cached",
-                                          "detail": "no request has filled this block under this namespace"}
+                                          "detail": "no request has filled this block under this namespace since kvd "
+                                                    f"started ({time.strftime('%Y-%m-%d %H:%M', time.localtime(self.started_at))})"}
+                body["first_miss"]["key"] = key.hex()[:16]  # its life: kvctl events --key
         return body
+
+
+REMOVAL_WORDS = {"capacity": "to make room", "operator": "by an operator", "corrupt": "after it failed verification",
+                 "unwritten": "(the step that was to write it never ran)",
+                 "gone": "(deleted on the shared Redis by its memory policy or another daemon)"}
 
 
 def now_minus(now: float, then: float) -> str:
