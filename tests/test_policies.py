@@ -109,3 +109,55 @@ def test_decide_verdicts_and_reasons():
                   queue_length=8, queue_limit=8)
     assert full.verdict is Verdict.REJECT
     assert full.reason == "request r: admission queue full (8 of 8 waiting)"
+
+
+# ---- routing ------------------------------------------------------------------------------------
+def test_routers_choose_by_turn_load_prefix_and_predicted_first_token():
+    from kvctl.policies.routing import ReplicaFacts as F
+    from kvctl.policies.routing import make_router
+
+    fleet = [F(cached_tokens=0, wait_seconds=0.5), F(cached_tokens=4096, wait_seconds=1.0),
+             F(cached_tokens=1024, wait_seconds=0.0)]
+    turns = make_router("round_robin")
+    assert [turns.choose(8192, fleet).replica for _ in range(4)] == [0, 1, 2, 0]
+    assert make_router("least_loaded").choose(8192, fleet) == make_router("least_loaded").choose(8192, fleet)
+    assert make_router("least_loaded").choose(8192, fleet).replica == 2
+    prefix = make_router("prefix", balance_seconds=2.0)
+    route = prefix.choose(8192, fleet)
+    assert (route.replica, route.reason) == (1, "caches 4096 of its 8192 tokens")
+    # affinity bounded by load: the caching replica waits 1.0 s more than the idle one
+    route = make_router("prefix", balance_seconds=0.5).choose(8192, fleet)
+    assert route.replica == 2 and route.reason.startswith("the replica caching most waits 1.00 s")
+    cold = [F(0, 0.3), F(0, 0.1)]
+    assert make_router("prefix").choose(100, cold).replica == 1  # nothing cached anywhere: shortest wait
+    # ttft at 4,096 tokens/s: 0.5 + 2.0 = 2.5 s; 1.0 + 1.0 = 2.0 s; 0.0 + 1.75 = 1.75 s
+    ttft = make_router("ttft", prefill_rate=4096.0)
+    route = ttft.choose(8192, fleet)
+    assert (route.replica, route.reason) == (2, "first token in 1.75 s (1024 tokens cached)")
+    # at 1,024 tokens/s the cached prefix is worth more than the wait: 1.0 + 4.0 s < 0.0 + 7.0 s
+    assert make_router("ttft", prefill_rate=1024.0).choose(8192, fleet).replica == 1
+
+
+def test_routers_refuse_bad_settings_by_name():
+    from kvctl.policies.routing import make_router
+
+    with pytest.raises(ValueError, match="routing: unknown value 'random'; choose from round_robin, "
+                                         "least_loaded, prefix, ttft"):
+        make_router("random")
+    with pytest.raises(ValueError, match="prefill_rate: must be > 0, got 0"):
+        make_router("ttft", prefill_rate=0)
+    with pytest.raises(ValueError, match="balance_seconds: must be >= 0, got -1"):
+        make_router("prefix", balance_seconds=-1)
+
+
+def test_equal_replicas_are_taken_in_turn_so_new_prefixes_spread():
+    from kvctl.policies.routing import ReplicaFacts as F
+    from kvctl.policies.routing import make_router
+
+    idle = [F(0, 0.0), F(0, 0.0), F(0, 0.0)]
+    for name in ("least_loaded", "prefix", "ttft"):
+        router = make_router(name)
+        assert [router.choose(512, idle).replica for _ in range(4)] == [0, 1, 2, 0], name
+    # requests in flight count before what the router sent: a replica busy with others' requests waits its turn
+    router = make_router("least_loaded")
+    assert router.choose(512, [F(0, 0.0, in_flight=3), F(0, 0.0, in_flight=1)]).replica == 1

@@ -132,3 +132,67 @@ def test_bad_trace_lines_are_named(tmp_path, line, message):
     with pytest.raises(TraceError) as info:
         read_trace(path)
     assert str(info.value).startswith(message)
+
+
+# ---- a fleet behind a router --------------------------------------------------------------------
+def fleet(requests, replicas, routing, block_size=512, capacity_tokens=1024, **kwargs):
+    from kvctl.daemon.replay.fleet import replay_fleet
+
+    keyer = TraceKeyer(block_size)
+    keys = [keyer.keys(r) for r in requests]
+    balance = kwargs.pop("balance_seconds", None)
+    settings = ReplaySettings(block_size=block_size, capacity_tokens=capacity_tokens, **kwargs)
+    return replay_fleet(settings, replicas, routing, requests, keys, max_hit_blocks(requests, keys, block_size),
+                        audit=True, **({} if balance is None else {"balance_seconds": balance}))
+
+
+# two system prompts (hash ids 1 and 2), each asked twice in a row, a second apart; each replica
+# caches two blocks of 512: one request, so a replica serving the other prompt forgets this one
+GROUPS = [req(1000 * i, 1024, [group, 100 + i]) for i, group in enumerate([1, 1, 2, 2, 1, 1, 2, 2])]
+
+
+@pytest.mark.parametrize("routing, hits, per_replica", [
+    ("round_robin", 0, [4, 4]),  # each replica sees the prompts alternate and keeps neither
+    ("least_loaded", 0, [4, 4]),  # idle replicas: spread in turn, blind to the cache
+    ("prefix", 6 * 512, [4, 4]),  # each prompt stays where it was first computed
+    ("ttft", 6 * 512, [4, 4]),  # a cached prefix is the shorter first token
+])
+def test_routing_decides_how_much_of_the_ceiling_a_fleet_keeps(routing, hits, per_replica):
+    result = fleet(GROUPS, 2, routing)
+    assert (result.hit_tokens, result.requests_per_replica) == (hits, per_replica)
+    assert result.prompt_tokens == 8 * 1024 and result.max_hit_ratio == 6 * 512 / (8 * 1024)
+    assert result.recomputed_tokens == 6 * 512 - hits and result.rejections == 0 and result.imbalance == 1.0
+    # no queueing: a first token costs the uncached prompt at 20,000 tokens/s
+    assert result.ttft_p99_s == pytest.approx(1024 / 20_000)
+    assert result.ttft_p50_s == pytest.approx((512 if hits else 1024) / 20_000)
+
+
+def test_a_fleet_of_one_is_the_single_replica_replay():
+    trace = generate_trace(120, seed=3)
+    one = fleet(trace, 1, "prefix", block_size=64, capacity_tokens=65_536)
+    single = run(trace, 64, 65_536)
+    assert (one.hit_tokens, one.prompt_tokens, one.evictions, one.rejections, one.admitted) == (
+        single.hit_tokens, single.prompt_tokens, single.evictions, single.rejections, single.admitted)
+    assert (one.ttft_p50_s, one.ttft_p95_s) == (single.ttft_p50_s, single.ttft_p95_s)
+
+
+def test_prefix_affinity_gives_way_to_load_beyond_its_balance():
+    # one slot per replica and 10 s per request: the second request of a prompt finds its
+    # replica busy for 9 s more
+    busy = [req(0, 1024, [1, 100], output=400), req(1000, 1024, [1, 101], output=400)]
+    patient = fleet(busy, 2, "prefix", capacity_tokens=2048, max_running=1, balance_seconds=20.0)
+    assert patient.requests_per_replica == [2, 0] and patient.hit_tokens == 512
+    first_done = 1024 / 20_000 + 400 / 40
+    assert patient.ttft_p99_s == pytest.approx(first_done - 1.0 + 512 / 20_000)  # it queued behind the first
+    hasty = fleet(busy, 2, "prefix", capacity_tokens=2048, max_running=1, balance_seconds=2.0)
+    assert hasty.requests_per_replica == [1, 1] and hasty.hit_tokens == 0
+    assert hasty.ttft_p99_s == pytest.approx(1024 / 20_000)
+
+
+def test_a_fleet_refuses_sequential_mode_and_bad_counts_by_name():
+    with pytest.raises(ValueError, match=r"replicas: a fleet replays in concurrent mode only \(drop --sequential\)"):
+        fleet(GROUPS, 2, "prefix", sequential=True)
+    with pytest.raises(ValueError, match="replicas: must be an integer >= 1, got 0"):
+        fleet(GROUPS, 0, "prefix")
+    with pytest.raises(ValueError, match="routing: unknown value 'random'"):
+        fleet(GROUPS, 2, "random")

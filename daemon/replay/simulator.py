@@ -82,6 +82,8 @@ class ReplayResult:
     requests_per_second: float
     seconds: float
     reject_reasons: dict[str, int] = field(default_factory=dict)
+    ttft_p50_s: float | None = None  # the service model's time to first token (concurrent mode)
+    ttft_p95_s: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -104,8 +106,9 @@ def max_hit_blocks(requests: Sequence[TraceRequest], keys: Sequence[Sequence[Blo
     return out
 
 
-class _Run:
-    """State of one replay; `Replay.run` drives it."""
+class ReplicaRun:
+    """One replica's cache core and service model through a replay: `replay` drives one,
+    `fleet.replay_fleet` several behind a router."""
 
     def __init__(self, settings: ReplaySettings, requests: Sequence[TraceRequest],
                  keys: Sequence[list[BlockKey]], max_hits: Sequence[int]) -> None:
@@ -125,6 +128,13 @@ class _Run:
         self.used_area = 0.0  # integral of used blocks over time (concurrent mode)
         self.used_samples = 0.0  # sum of used blocks at each admission (sequential mode)
         self.last_event = 0.0
+        # concurrent mode: requests in service, waiting ones, and their first-token times
+        self.running: list[tuple[float, int]] = []  # (finish time, request index)
+        self.waiting: deque[int] = deque()
+        self.arrivals: dict[int, float] = {}  # waiting request -> its arrival
+        self.queued_work: dict[int, float] = {}  # waiting request -> its service estimate at arrival
+        self.queued_seconds = 0.0  # their sum
+        self.ttft: list[float] = []
 
     # ---- core calls, timed -----------------------------------------------------------------
     def used_blocks(self) -> int:
@@ -215,50 +225,88 @@ class _Run:
             self.last_event = to
         self.now = max(self.now, to)
 
-    def run_concurrent(self, progress: Callable[[int], None]) -> None:
-        s = self.settings
-        running: list[tuple[float, int]] = []  # (finish time, request index)
-        waiting: deque[int] = deque()
+    def service_seconds(self, index: int, uncached: int) -> float:
+        request, s = self.requests[index], self.settings
+        return uncached / s.prefill_rate + request.output_length / s.decode_rate
 
-        def admit_waiting() -> None:
-            while waiting and len(running) < s.max_running:
-                index = waiting[0]
-                if self.never_fits(index):
-                    waiting.popleft()
-                    self.reject("never_fits")
-                    progress(1)
-                    continue
-                if not self.start(index):
-                    break
+    def wait_seconds(self) -> float:
+        """Predicted wait before a request arriving now would start: none while a slot is free
+        and nobody queues; else the work ahead of it (what the running requests have left, and
+        the queue's estimates) shared by the slots."""
+        if len(self.running) < self.settings.max_running and not self.waiting:
+            return 0.0
+        left = sum(done for done, _ in self.running) - len(self.running) * self.now
+        return (left + self.queued_seconds) / self.settings.max_running
+
+    def admit_waiting(self, progress: Callable[[int], None]) -> None:
+        """Start waiting requests in order while they fit and a slot is free."""
+        waiting = self.waiting
+        while waiting and len(self.running) < self.settings.max_running:
+            index = waiting[0]
+            if self.never_fits(index):
                 waiting.popleft()
-                request = self.requests[index]
-                uncached = request.input_length - self.manager.sequence(str(index)).hit_tokens
-                done = self.now + uncached / s.prefill_rate + request.output_length / s.decode_rate
-                heapq.heappush(running, (done, index))
-
-        def finish_until(limit: float) -> None:
-            while running and running[0][0] <= limit:
-                done, index = heapq.heappop(running)
-                self.advance(done)
-                self.finish(index)
-                progress(1)
-                admit_waiting()
-
-        for index, request in enumerate(self.requests):
-            arrival = request.timestamp_ms / 1000.0 * s.time_scale
-            finish_until(arrival)
-            self.advance(arrival)
-            if len(waiting) >= s.max_queue:
-                self.reject("queue_full")
+                self._unqueue(index)
+                self.reject("never_fits")
                 progress(1)
                 continue
-            waiting.append(index)
-            admit_waiting()
-        finish_until(float("inf"))
-        while waiting:  # only requests blocked by pins can remain
+            if not self.start(index):
+                break
             waiting.popleft()
+            arrival = self._unqueue(index)
+            request, s = self.requests[index], self.settings
+            uncached = request.input_length - self.manager.sequence(str(index)).hit_tokens
+            heapq.heappush(self.running, (self.now + uncached / s.prefill_rate + request.output_length / s.decode_rate,
+                                          index))
+            self.ttft.append(self.now - arrival + uncached / s.prefill_rate)
+
+    def _unqueue(self, index: int) -> float:
+        self.queued_seconds -= self.queued_work.pop(index)
+        if not self.waiting:
+            self.queued_seconds = 0.0  # no drift from the running sum
+        return self.arrivals.pop(index)
+
+    def finish_until(self, limit: float, progress: Callable[[int], None]) -> None:
+        """Finish every request done by `limit`, admitting waiting ones as slots free."""
+        running = self.running
+        while running and running[0][0] <= limit:
+            done, index = heapq.heappop(running)
+            self.advance(done)
+            self.finish(index)
+            progress(1)
+            self.admit_waiting(progress)
+
+    def arrive(self, index: int, arrival: float, progress: Callable[[int], None]) -> None:
+        """Request `index` arrives now: queued (or refused when the queue is full), then started
+        if it can be."""
+        if len(self.waiting) >= self.settings.max_queue:
+            self.reject("queue_full")
+            progress(1)
+            return
+        request = self.requests[index]
+        cached = self.manager.lookup(self.keys[index], request.input_length) * self.settings.block_size
+        estimate = self.service_seconds(index, request.input_length - cached)
+        self.arrivals[index], self.queued_work[index] = arrival, estimate
+        self.queued_seconds += estimate
+        self.waiting.append(index)
+        self.admit_waiting(progress)
+
+    def drain(self, progress: Callable[[int], None]) -> None:
+        self.finish_until(float("inf"), progress)
+        while self.waiting:  # only requests blocked by pins can remain
+            self._unqueue(self.waiting.popleft())
             self.reject("cache_full")
             progress(1)
+
+    def arrival_of(self, request: TraceRequest) -> float:
+        return request.timestamp_ms / 1000.0 * self.settings.time_scale
+
+    def run_concurrent(self, progress: Callable[[int], None]) -> None:
+        for index, request in enumerate(self.requests):
+            arrival = self.arrival_of(request)
+            self.finish_until(arrival, progress)
+            self.advance(arrival)
+            self.arrive(index, arrival, progress)
+        self.drain(progress)
 
     def result(self, seconds: float) -> ReplayResult:
         s = self.settings
@@ -290,6 +338,8 @@ class _Run:
             block_ops_per_second=self.block_ops / alloc_seconds if alloc_seconds else 0.0,
             requests_per_second=len(self.requests) / seconds if seconds else 0.0,
             seconds=seconds, reject_reasons=dict(self.rejections),
+            ttft_p50_s=None if s.sequential else percentile(sorted(self.ttft), 0.50),
+            ttft_p95_s=None if s.sequential else percentile(sorted(self.ttft), 0.95),
         )
 
 
@@ -303,7 +353,7 @@ def replay(settings: ReplaySettings, requests: Sequence[TraceRequest], keys: Seq
     if settings.num_blocks < 1:
         raise ValueError(f"capacity_tokens: {settings.capacity_tokens} holds no block of "
                          f"{settings.block_size} tokens")
-    run = _Run(settings, requests, keys, max_hits)
+    run = ReplicaRun(settings, requests, keys, max_hits)
     tick = progress or (lambda _n: None)
     started = time.perf_counter()
     if settings.sequential:

@@ -11,15 +11,30 @@ from typing import Callable, Sequence
 
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
+from kvctl.policies.routing import ROUTING_POLICIES
 
+from .fleet import FleetResult, replay_fleet
 from .simulator import ReplayResult, ReplaySettings, max_hit_blocks, replay
 from .trace import TraceKeyer, TraceRequest
 from kvctl.daemon.cache.keys import validate_block_size
 
 
 def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policies: Sequence[str],
-                  base: ReplaySettings) -> None:
+                  base: ReplaySettings, replicas: int = 1, routings: Sequence[str] = (),
+                  balance_seconds: float = 2.0) -> None:
     """Raise ValueError naming the first bad field and value, before any work starts."""
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
+    if replicas > 1:
+        if base.sequential:
+            raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
+        if not routings:
+            raise ValueError("routing: give at least one routing policy")
+        for routing in routings:
+            if routing not in ROUTING_POLICIES:
+                raise ValueError(f"routing: unknown value {routing!r}; choose from {', '.join(ROUTING_POLICIES)}")
+        if not balance_seconds >= 0:
+            raise ValueError(f"balance_seconds: must be >= 0, got {balance_seconds!r}")
     if not block_sizes:
         raise ValueError("block_sizes: give at least one block size")
     for size in block_sizes:
@@ -61,5 +76,29 @@ def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
                 results.append(result)
                 if on_result:
                     on_result(result)
+        del keys, keyer
+    return results
+
+
+def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
+                policies: Sequence[str], replicas: int, routings: Sequence[str], base: ReplaySettings,
+                balance_seconds: float = 2.0, progress: Callable[[int], None] | None = None,
+                on_result: Callable[[FleetResult], None] | None = None) -> list[FleetResult]:
+    """`sweep` for a fleet of `replicas` (each with a cache of each capacity), once per routing."""
+    validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds)
+    results: list[FleetResult] = []
+    for block_size in block_sizes:
+        keyer = TraceKeyer(block_size)
+        keys = [keyer.keys(request) for request in requests]
+        max_hits = max_hit_blocks(requests, keys, block_size)
+        for capacity in capacities:
+            for policy in policies:
+                settings = replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy)
+                for routing in routings:
+                    result = replay_fleet(settings, replicas, routing, requests, keys, max_hits, progress,
+                                          balance_seconds=balance_seconds)
+                    results.append(result)
+                    if on_result:
+                        on_result(result)
         del keys, keyer
     return results

@@ -1,0 +1,112 @@
+"""Replay a trace through a fleet: N replicas, each with a cache core of its own, behind a
+router (kvctl.policies.routing). Each replica runs the single-replica service model of
+`simulator` (its own slots, queue and cache); at each arrival the router sees, per replica,
+how many of the prompt's leading tokens its cache holds and its predicted wait, and picks one.
+
+What it answers: how much of the hit rate a fleet keeps when its traffic is spread (one
+unbounded cache for the whole fleet is the ceiling, `max_hit_ratio`), and what each routing
+policy trades between reuse and queueing (first-token times, and how unevenly it loads the
+replicas).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+from kvctl.daemon.cache.keys import BlockKey
+from kvctl.daemon.stats import percentile
+from kvctl.policies.routing import ReplicaFacts, make_router
+
+from .simulator import ReplaySettings, ReplicaRun
+from .trace import TraceRequest
+
+
+@dataclass(slots=True)
+class FleetResult:
+    routing: str
+    replicas: int
+    block_size: int
+    capacity_tokens: int  # per replica
+    policy: str
+    requests: int
+    admitted: int
+    prompt_tokens: int
+    hit_tokens: int
+    hit_ratio: float  # hit tokens / prompt tokens of admitted requests, fleet-wide
+    max_hit_ratio: float  # the same with one unbounded cache for the whole fleet
+    recomputed_tokens: int  # prompt tokens that cache would have served
+    evictions: int
+    rejections: int
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    ttft_p99_s: float | None
+    requests_per_replica: list[int]  # admitted
+    imbalance: float  # the busiest replica's admitted requests / the mean
+    seconds: float
+    reject_reasons: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests: Sequence[TraceRequest],
+                 keys: Sequence[list[BlockKey]], max_hits: Sequence[int],
+                 progress: Callable[[int], None] | None = None, audit: bool = False,
+                 balance_seconds: float = 2.0) -> FleetResult:
+    """Replay `requests` over `replicas` replicas of `settings`, routed by `routing`.
+    `audit=True` reconciles every replica's books at the end (tests turn it on)."""
+    if settings.sequential:
+        raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
+    if settings.num_blocks < 1:
+        raise ValueError(f"capacity_tokens: {settings.capacity_tokens} holds no block of "
+                         f"{settings.block_size} tokens")
+    router = make_router(routing, prefill_rate=settings.prefill_rate, balance_seconds=balance_seconds)
+    runs = [ReplicaRun(settings, requests, keys, max_hits) for _ in range(replicas)]
+    tick = progress or (lambda _n: None)
+    size = settings.block_size
+    started = time.perf_counter()
+    for index, request in enumerate(requests):
+        arrival = runs[0].arrival_of(request)
+        for run in runs:
+            run.finish_until(arrival, tick)
+            run.advance(arrival)
+        facts = [ReplicaFacts(run.manager.lookup(keys[index], request.input_length) * size, run.wait_seconds(),
+                              len(run.running) + len(run.waiting)) for run in runs]
+        runs[router.choose(request.input_length, facts).replica].arrive(index, arrival, tick)
+    for run in runs:
+        run.drain(tick)
+    seconds = time.perf_counter() - started
+    if audit:
+        for run in runs:
+            run.manager.audit()
+            if run.manager.num_sequences:
+                raise AssertionError(f"{run.manager.num_sequences} sequences left after the replay")
+    return _result(settings, routing, runs, len(requests), seconds)
+
+
+def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requests: int, seconds: float) -> FleetResult:
+    prompt = sum(r.prompt_tokens for r in runs)
+    hit = sum(r.hit_tokens for r in runs)
+    ttft = sorted(t for r in runs for t in r.ttft)
+    reasons: dict[str, int] = {}
+    for run in runs:
+        for reason, count in run.rejections.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    admitted = [r.admitted for r in runs]
+    mean = sum(admitted) / len(admitted)
+    return FleetResult(
+        routing=routing, replicas=len(runs), block_size=settings.block_size,
+        capacity_tokens=settings.capacity_tokens, policy=settings.policy, requests=requests,
+        admitted=sum(admitted), prompt_tokens=prompt, hit_tokens=hit,
+        hit_ratio=hit / prompt if prompt else 0.0,
+        max_hit_ratio=sum(r.max_hit_tokens for r in runs) / prompt if prompt else 0.0,
+        recomputed_tokens=sum(r.recomputed for r in runs),
+        evictions=sum(r.manager.pool.evictions for r in runs),
+        rejections=sum(reasons.values()),
+        ttft_p50_s=percentile(ttft, 0.50), ttft_p95_s=percentile(ttft, 0.95), ttft_p99_s=percentile(ttft, 0.99),
+        requests_per_replica=admitted, imbalance=max(admitted) / mean if mean else 0.0,
+        seconds=seconds, reject_reasons=reasons)

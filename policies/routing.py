@@ -1,0 +1,137 @@
+"""Routing policies: which replica of a fleet serves a request.
+
+A router is a small strategy fed plain facts about each replica, as its own books know them
+(what it holds of this prompt, how much work it has ahead of it), and returns the replica
+with the reason it chose it. It reads no clock and no network: the trace replay drives it
+deterministically, and a live router feeds it from each daemon's event feed and status.
+
+    round_robin   in turn, blind to cache and load
+    least_loaded  the replica whose queue would start the request soonest
+    prefix        the replica holding the longest prefix of the prompt (ties: the less loaded),
+                  unless its wait exceeds the least loaded replica's by more than
+                  `balance_seconds`: then that one (cache affinity, bounded by load)
+    ttft          the least predicted time to first token: its wait plus the prompt tokens it
+                  lacks at `prefill_rate` (reuse and load traded in one figure)
+
+Adding a router: implement `Router` and register it in `make_router`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFacts:
+    """One replica as a router sees it for one request."""
+
+    cached_tokens: int  # leading prompt tokens its cache holds now (whole blocks)
+    wait_seconds: float  # predicted wait before it could start the request
+    in_flight: int = 0  # requests it is serving or queueing now
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    replica: int  # index into the facts given
+    reason: str
+
+
+class Router(Protocol):
+    name: str
+
+    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route: ...
+
+
+class _Spreading:
+    """Counts what it sent where: among replicas equal on everything else, the one it sent
+    least goes first (idle replicas would otherwise all lose to the first one, which would then
+    hold every new prefix)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, int] = {}
+
+    def _load(self, replicas: Sequence[ReplicaFacts], i: int) -> tuple:
+        return replicas[i].wait_seconds, replicas[i].in_flight, self.sent.get(i, 0), i
+
+    def _least_loaded(self, replicas: Sequence[ReplicaFacts]) -> int:
+        return min(range(len(replicas)), key=lambda i: self._load(replicas, i))
+
+    def _send(self, index: int, reason: str) -> Route:
+        self.sent[index] = self.sent.get(index, 0) + 1
+        return Route(index, reason)
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
+        index = self._next % len(replicas)
+        self._next = index + 1
+        return Route(index, "its turn")
+
+
+class LeastLoaded(_Spreading):
+    name = "least_loaded"
+
+    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
+        index = self._least_loaded(replicas)
+        return self._send(index, f"shortest wait ({replicas[index].wait_seconds:.2f} s)")
+
+
+class PrefixAffinity(_Spreading):
+    name = "prefix"
+
+    def __init__(self, balance_seconds: float = 2.0) -> None:
+        super().__init__()
+        if not balance_seconds >= 0:
+            raise ValueError(f"balance_seconds: must be >= 0, got {balance_seconds!r}")
+        self.balance_seconds = balance_seconds
+
+    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
+        idle = self._least_loaded(replicas)
+        best = min(range(len(replicas)), key=lambda i: (-replicas[i].cached_tokens, *self._load(replicas, i)))
+        if replicas[best].cached_tokens == 0:
+            return self._send(idle, "no replica caches its prefix: the least loaded")
+        if replicas[best].wait_seconds - replicas[idle].wait_seconds > self.balance_seconds:
+            return self._send(idle, f"the replica caching most waits {replicas[best].wait_seconds:.2f} s, over "
+                                    f"{self.balance_seconds:g} s more than this one")
+        return self._send(best, f"caches {replicas[best].cached_tokens} of its {prompt_tokens} tokens")
+
+
+class PredictedTTFT(_Spreading):
+    name = "ttft"
+
+    def __init__(self, prefill_rate: float) -> None:
+        super().__init__()
+        if not prefill_rate > 0:
+            raise ValueError(f"prefill_rate: must be > 0, got {prefill_rate!r}")
+        self.prefill_rate = prefill_rate
+
+    def predict(self, prompt_tokens: int, facts: ReplicaFacts) -> float:
+        return facts.wait_seconds + max(prompt_tokens - facts.cached_tokens, 0) / self.prefill_rate
+
+    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
+        index = min(range(len(replicas)), key=lambda i: (self.predict(prompt_tokens, replicas[i]),
+                                                         -replicas[i].cached_tokens, *self._load(replicas, i)))
+        return self._send(index, f"first token in {self.predict(prompt_tokens, replicas[index]):.2f} s "
+                                 f"({replicas[index].cached_tokens} tokens cached)")
+
+
+ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix", "ttft")
+
+
+def make_router(name: str, *, prefill_rate: float = 20_000.0, balance_seconds: float = 2.0) -> Router:
+    """A fresh router by name; an unknown name raises ValueError naming it."""
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded()
+    if name == "prefix":
+        return PrefixAffinity(balance_seconds)
+    if name == "ttft":
+        return PredictedTTFT(prefill_rate)
+    raise ValueError(f"routing: unknown value {name!r}; choose from {', '.join(ROUTING_POLICIES)}")
