@@ -10,8 +10,9 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from kvctl.daemon.replay.fleet import FleetResult
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
-from kvctl.daemon.replay.sweep import sweep, validate_grid
+from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
 
 from .errors import UserError
@@ -63,6 +64,13 @@ def replay_command(
     time_scale: float = typer.Option(1.0, help="Multiply trace timestamps by this."),
     max_tokens: Optional[int] = typer.Option(
         None, help="max_tokens clients ask for (never below a request's output); default: its output."),
+    replicas: int = typer.Option(1, "--replicas", help="A fleet of this many replicas, each with the given "
+                                 "capacity, behind a router."),
+    routing: list[str] = typer.Option(["round_robin,least_loaded,prefix,ttft"], "--routing",
+                                      help="With --replicas: routing policies to compare (round_robin, "
+                                           "least_loaded, prefix, ttft)."),
+    balance_seconds: float = typer.Option(2.0, help="prefix routing: the extra wait it accepts for a "
+                                          "replica that caches more."),
     limit: Optional[int] = typer.Option(None, help="Replay only the first N requests."),
     demo_requests: int = typer.Option(DEMO_REQUESTS, help="Size of the generated demo trace."),
     seed: int = typer.Option(0, help="Seed of the generated demo trace."),
@@ -72,13 +80,15 @@ def replay_command(
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
 ) -> None:
-    """Replay a request trace through the cache core and compare block sizes and policies.
+    """Replay a request trace through the cache core and compare block sizes and policies; with
+    --replicas, a fleet behind each routing policy.
 
     Example: kvctl bench replay ../shared/traces/mooncake_synthetic_trace.jsonl --block-sizes 16 --json
     """
     sizes = parse_int_list("block_sizes", block_sizes)
     capacities = parse_int_list("capacity_tokens", capacity_tokens)
     policies = parse_names("policy", policy)
+    routings = parse_names("routing", routing)
     base = ReplaySettings(block_size=sizes[0] if sizes else 16,
                           capacity_tokens=capacities[0] if capacities else 0,
                           reservation=reserve, sequential=sequential, prefill_rate=prefill_rate,
@@ -86,12 +96,14 @@ def replay_command(
                           time_scale=time_scale, max_tokens=max_tokens)
     if limit is not None and limit < 1:
         raise UserError(f"limit: must be >= 1, got {limit}")
+    if plot is not None and replicas > 1:
+        raise UserError("plot: the plot compares block sizes of one cache; drop --plot with --replicas")
     if plot is not None:
         from .replay_plot import check_plot_path
 
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
-        validate_grid(sizes, capacities, policies, base)
+        validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     err = Console(stderr=True)
@@ -105,7 +117,9 @@ def replay_command(
         requests = read_trace(trace, limit)
         trace_name = str(trace)
 
-    results = _run_with_progress(err, requests, sizes, capacities, policies, base)
+    fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings,
+                                        "balance_seconds": balance_seconds}
+    results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet)
     document = {
         "trace": trace_name,
         "requests": len(requests),
@@ -116,6 +130,8 @@ def replay_command(
         },
         "runs": [r.as_dict() for r in results],
     }
+    if fleet is not None:
+        document["fleet"] = fleet
     if save:
         from .records_cmd import open_store
 
@@ -128,7 +144,9 @@ def replay_command(
         typer.echo(json.dumps(document, indent=2))
     else:
         out = Console()
-        for part in _tables(results, trace_name, len(requests)):
+        parts = _tables(results, trace_name, len(requests)) if fleet is None else \
+            _fleet_tables(results, trace_name, len(requests), replicas)
+        for part in parts:
             out.print(part)
         if plot is not None:
             err.print(f"plot written to {plot}")
@@ -137,10 +155,11 @@ def replay_command(
 
 
 def _run_with_progress(console: Console, requests, sizes, capacities, policies,
-                       base: ReplaySettings) -> list[ReplayResult]:
+                       base: ReplaySettings, fleet: dict | None = None) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    total = len(requests) * len(sizes) * len(capacities) * len(policies)
+    total = len(requests) * len(sizes) * len(capacities) * len(policies) * (1 if fleet is None else
+                                                                            len(fleet["routing"]))
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("replay", total=total)
@@ -153,7 +172,10 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
                 progress.advance(task, pending)
                 pending = 0
 
-        return sweep(requests, sizes, capacities, policies, base, progress=tick)
+        if fleet is None:
+            return sweep(requests, sizes, capacities, policies, base, progress=tick)
+        return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
+                           fleet["balance_seconds"], progress=tick)
 
 
 def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list:
@@ -179,3 +201,21 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
         cost.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
                      f"{r.block_ops_per_second:,.0f}", f"{r.seconds:.2f}")
     return [decision, ceiling, Text(""), cost]
+
+
+def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, replicas: int) -> list:
+    """Per routing policy: the hit ratio the fleet keeps, first-token times in the service model,
+    how unevenly it loads the replicas, rejections; the ceiling (one unbounded cache) in a line."""
+    table = compact_table("block", "capacity", "policy", "routing", "hit", "TTFT p50/p95", "imbalance",
+                          "rejected", title=f"replay of {trace_name} ({requests} requests) on {replicas} "
+                                            "replicas, capacity per replica")
+    for index in (0, 1, 4, 5, 6, 7):
+        table.columns[index].justify = "right"
+    for r in results:
+        ttft = "-" if r.ttft_p50_s is None else f"{r.ttft_p50_s:.2f}/{r.ttft_p95_s:.2f} s"
+        table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, r.routing, f"{r.hit_ratio:.1%}",
+                      ttft, f"{r.imbalance:.2f}", str(r.rejections))
+    ceiling = {r.block_size: r.max_hit_ratio for r in results}
+    return [table, Text("hit with one unbounded cache for the fleet: " + ", ".join(
+        f"block {size} {ratio:.1%}" for size, ratio in ceiling.items())
+        + "; imbalance is the busiest replica's requests over the mean")]

@@ -109,11 +109,38 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
      "error: capacity_tokens: 8 is smaller than one block of 16 tokens"),
     (["--reserve", "fraction:2"], "error: output reservation: invalid value 'fraction:2'"),
     (["--decode-rate", "0"], "error: decode_rate: must be > 0, got 0.0"),
+    (["--replicas", "0"], "error: replicas: must be an integer >= 1, got 0"),
+    (["--replicas", "2", "--routing", "random"],
+     "error: routing: unknown value 'random'; choose from round_robin, least_loaded, prefix, ttft"),
+    (["--replicas", "2", "--sequential"], "error: replicas: a fleet replays in concurrent mode only"),
+    (["--replicas", "2", "--balance-seconds", "-1"], "error: balance_seconds: must be >= 0, got -1.0"),
+    (["--replicas", "2", "--plot", "x.png"], "error: plot: the plot compares block sizes of one cache"),
 ])
 def test_bad_options_name_field_and_value(capsys, small_trace, args, message):
     status, out, err = cli(capsys, "bench", "replay", str(small_trace), *args)
     assert status == 2 and out == ""
     assert err.startswith(message)
+
+
+def test_replay_of_a_fleet_compares_routing_policies_in_a_table_and_json(capsys):
+    status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "80", "--block-sizes", "64",
+                         "--policy", "lru", "--capacity-tokens", "20000", "--replicas", "3",
+                         "--routing", "round_robin,prefix", "--json")
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["fleet"] == {"replicas": 3, "routing": ["round_robin", "prefix"], "balance_seconds": 2.0}
+    assert [(r["routing"], r["replicas"], r["block_size"]) for r in doc["runs"]] == [
+        ("round_robin", 3, 64), ("prefix", 3, 64)]
+    for r in doc["runs"]:
+        assert sum(r["requests_per_replica"]) == r["admitted"] and r["admitted"] + r["rejections"] == 80
+        assert r["hit_ratio"] <= r["max_hit_ratio"]
+    status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "80", "--block-sizes", "64",
+                         "--policy", "lru", "--capacity-tokens", "20000", "--replicas", "3")
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("block capacity policy routing"))
+    assert [line.split()[3] for line in lines[header + 1:header + 5]] == [
+        "round_robin", "least_loaded", "prefix", "ttft"]
+    assert "hit with one unbounded cache for the fleet: block 64 " in out
 
 
 def test_missing_or_bad_trace_file(capsys, tmp_path):
