@@ -203,3 +203,9 @@ def test_a_key_filter_follows_one_block_by_the_leading_hex_digits_of_its_key():
     for bad in ("9d3", "9d3g", "", "0" * 65):
         with pytest.raises(ValueError, match=f"key: expected 4 to 64 hex digits of a block key, got {bad!r}"):
             KeyPrefix.parse(bad)
+
+
+def test_a_removal_needs_a_known_reason():
+    with pytest.raises(ValueError, match="reason: unknown value 'lru'; use capacity, operator, corrupt, "
+                                         "unwritten, gone"):
+        EventLog().removed("device", [k(1)], "lru")

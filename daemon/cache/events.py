@@ -17,8 +17,8 @@ my prefix go?", needs the removals as much as the stores (field notes 7 and 9). 
 
 Events carry block keys (SHA-256 digests), never token ids or text. The log keeps the newest
 events up to a bound on the keys it holds; a consumer that falls behind is told (`gap`) and
-starts again from `snapshot()` (see `kvd.server.service`), applying the events after the
-snapshot's `seq`: stores and removals are idempotent, so an event the snapshot already
+starts again from a snapshot (`GET /admin/events/snapshot`, daemon/server/event_feed.py),
+applying the events after the snapshot's `seq`: stores and removals are idempotent, so an event the snapshot already
 reflects changes nothing.
 
 Producers are the pool (engine thread, under the service lock) and the tiers (their writer
@@ -156,6 +156,8 @@ class EventLog:
             self._append(parts)
 
     def removed(self, tier: str, keys: Iterable[bytes], reason: str) -> None:
+        if reason not in REASONS:  # a producer's slip, caught where it is made
+            raise ValueError(f"reason: unknown value {reason!r}; use {', '.join(REASONS)}")
         keys = tuple(keys)
         if keys:
             self._append([("removed", tier, keys[start:start + EVENT_KEYS], reason, None, None, None)
