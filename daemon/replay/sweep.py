@@ -7,7 +7,7 @@ unbounded-cache maximum is computed once per block size too.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
@@ -59,24 +59,29 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
             raise ValueError(f"{name}: must be >= 1, got {getattr(base, name)!r}")
 
 
-def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
-          policies: Sequence[str], base: ReplaySettings,
-          progress: Callable[[int], None] | None = None,
-          on_result: Callable[[ReplayResult], None] | None = None) -> list[ReplayResult]:
-    validate_grid(block_sizes, capacities, policies, base)
-    results: list[ReplayResult] = []
+def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
+          policies: Sequence[str], base: ReplaySettings) -> Iterator[tuple[ReplaySettings, list, list[int]]]:
+    """(settings, keys, unbounded-cache hits) for each point of the grid, hashing each block size once."""
     for block_size in block_sizes:
         keyer = TraceKeyer(block_size)
         keys = [keyer.keys(request) for request in requests]
         max_hits = max_hit_blocks(requests, keys, block_size)
         for capacity in capacities:
             for policy in policies:
-                settings = replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy)
-                result = replay(settings, requests, keys, max_hits, progress)
-                results.append(result)
-                if on_result:
-                    on_result(result)
+                yield replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy), keys, max_hits
         del keys, keyer
+
+
+def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
+          policies: Sequence[str], base: ReplaySettings,
+          progress: Callable[[int], None] | None = None,
+          on_result: Callable[[ReplayResult], None] | None = None) -> list[ReplayResult]:
+    validate_grid(block_sizes, capacities, policies, base)
+    results: list[ReplayResult] = []
+    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base):
+        results.append(replay(settings, requests, keys, max_hits, progress))
+        if on_result:
+            on_result(results[-1])
     return results
 
 
@@ -87,18 +92,10 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
     """`sweep` for a fleet of `replicas` (each with a cache of each capacity), once per routing."""
     validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds)
     results: list[FleetResult] = []
-    for block_size in block_sizes:
-        keyer = TraceKeyer(block_size)
-        keys = [keyer.keys(request) for request in requests]
-        max_hits = max_hit_blocks(requests, keys, block_size)
-        for capacity in capacities:
-            for policy in policies:
-                settings = replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy)
-                for routing in routings:
-                    result = replay_fleet(settings, replicas, routing, requests, keys, max_hits, progress,
-                                          balance_seconds=balance_seconds)
-                    results.append(result)
-                    if on_result:
-                        on_result(result)
-        del keys, keyer
+    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base):
+        for routing in routings:
+            results.append(replay_fleet(settings, replicas, routing, requests, keys, max_hits, progress,
+                                        balance_seconds=balance_seconds))
+            if on_result:
+                on_result(results[-1])
     return results
