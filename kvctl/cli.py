@@ -21,7 +21,7 @@ from .bench_serve import serve_command
 from .bench_tiers import tiers_command as tiers_bench_command
 from .calibrate_cmd import calibrate_command
 from .capacity_cmd import capacity_command
-from . import events_cmd, tiers_cmd
+from . import events_cmd, route_cmd, tiers_cmd
 from .rollout_cmd import rollout_app
 from .errors import UserError
 from .outputs import is_trace, refuse_clobber
@@ -49,6 +49,7 @@ app.command("calibrate")(calibrate_command)
 app.command("tiers")(tiers_cmd.tiers)
 app.command("swap")(tiers_cmd.swap)
 app.command("events")(events_cmd.events)
+app.command("route")(route_cmd.route)
 
 
 def _version(value: bool) -> None:

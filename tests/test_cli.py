@@ -834,3 +834,56 @@ def test_events_follow_carries_on_through_a_gap_and_a_restart_and_stops_at_count
     assert "events 12-89 were dropped before they were read" in text
     assert text.count("kvd is not reachable") == 1 and "still following (Ctrl-C stops)" in text
     assert "kvd restarted: following the new daemon from its first event" in text
+
+
+def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_prompt(capsys, monkeypatch):
+    import kvctl.route_cmd as route_cmd
+    from kvctl.errors import KvdUnavailable
+
+    class Replica:
+        def __init__(self, cached, running, waiting, age, lower=None):
+            self.cached, self.running, self.waiting, self.age, self.lower = cached, running, waiting, age, lower
+            self.asked = []
+
+        def post(self, path, body):
+            self.asked.append((path, body))
+            miss = {"reason": "in_lower_tier", "tier": self.lower} if self.lower else {"reason": "never_cached"}
+            return {"prompt_tokens": 4100, "hit_tokens": self.cached, "first_miss": miss}
+
+        def get(self, path, **params):
+            self.asked.append((path, params))
+            return {"queue": {"running": self.running, "waiting": self.waiting, "oldest_age_seconds": self.age}}
+
+    class Down:
+        def post(self, path, body):
+            raise KvdUnavailable("kvd is not reachable at /run/c.sock (is it running? `kvd serve`)")
+
+    fleet = {"/run/a.sock": Replica(3072, 4, 2, 1.5), "/run/b.sock": Replica(0, 1, 0, 0.0, lower="disk"),
+             "/run/c.sock": Down()}
+    monkeypatch.setattr(route_cmd, "replica_client", lambda ctx, spec: fleet[spec])
+    args = ["route", "--tokens", "1,2,3", "--replica", "/run/a.sock", "--replica", "/run/b.sock",
+            "--replica", "/run/c.sock", "--prefill-rate", "2048"]
+    status, out, _ = cli(capsys, *args)
+    assert status == 0
+    assert fleet["/run/a.sock"].asked == [("/admin/explain", {"tokens": [1, 2, 3], "tenant": None}),
+                                          ("/admin/status", {})]
+    lines = [line.rstrip() for line in out.splitlines()]
+    assert lines[:3] == ["replica          cached lower tier running waiting queue age",
+                         "/run/a.sock 3,072/4,100 -                4       2     1.5 s",
+                         "/run/b.sock     0/4,100 disk             1       0     0.0 s"]
+    assert "/run/c.sock: kvd is not reachable at /run/c.sock" in out
+    # ttft at 2,048 tokens/s: a: 1.5 + 1028/2048 = 2.0 s; b: 0 + 4100/2048 = 2.0 s -> the one caching more
+    assert [line.split()[:2] for line in lines if line.split()[:1] in (["least_loaded"], ["prefix"], ["ttft"])] == [
+        ["least_loaded", "/run/b.sock"], ["prefix", "/run/a.sock"], ["ttft", "/run/a.sock"]]
+    status, out, _ = cli(capsys, *args, "--routing", "prefix", "--balance-seconds", "1", "--json")
+    doc = json.loads(out)
+    assert doc["routes"] == {"prefix": {"replica": "/run/b.sock", "reason": "the replica caching most waits "
+                                        "1.50 s, over 1 s more than this one"}}
+    assert doc["replicas"][2] == {"replica": "/run/c.sock",
+                                  "error": "kvd is not reachable at /run/c.sock (is it running? `kvd serve`)"}
+    assert cli(capsys, "route", "hi", "--replica", "/run/a.sock")[2].strip() == \
+        "error: replica: give two or more (--replica SOCKET_OR_URL, repeated), got 1"
+    assert cli(capsys, *args, "--routing", "round_robin")[2].strip() == \
+        "error: routing: unknown value 'round_robin' for one prompt; choose from least_loaded, prefix, ttft"
+    fleet["/run/a.sock"] = fleet["/run/b.sock"] = Down()
+    assert cli(capsys, *args)[2].startswith("error: no replica answered: kvd is not reachable at /run/c.sock")

@@ -1,0 +1,117 @@
+"""kvctl route: where each routing policy would send a prompt across several kvd replicas, and why.
+
+Each replica says how much of the prompt its device cache holds (`/admin/explain`) and how busy
+it is (`/admin/status`); the routers of `kvctl.policies.routing` — the ones `kvctl bench replay
+--replicas` compares on a trace — choose from those facts. A what-if for operators: nothing is
+sent to any replica but the two questions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from kvctl.policies.routing import ROUTING_POLICIES, ReplicaFacts, make_router
+
+from .bench_replay import parse_names
+from .client import Client
+from .errors import KvdUnavailable, UserError
+from .ops import _tokens
+from .tables import compact_table
+
+ONE_SHOT_POLICIES = tuple(p for p in ROUTING_POLICIES if p != "round_robin")  # a turn means nothing once
+
+
+def replica_client(ctx: typer.Context, spec: str) -> Client:
+    """A socket path, or an http(s):// URL (with the --token-file of the command line)."""
+    options = ctx.find_root().obj or {}
+    if spec.startswith(("http://", "https://")):
+        return Client(url=spec, token_file=options.get("token_file"))
+    return Client(socket=spec)
+
+
+def ask(client, spec: str, prompt: dict, tenant: str | None) -> dict:
+    """What one replica knows of the prompt and of its own load; `error` when it cannot say."""
+    try:
+        explained = client.post("/admin/explain", {**prompt, "tenant": tenant})
+        status = client.get("/admin/status")
+    except KvdUnavailable as exc:
+        return {"replica": spec, "error": str(exc)}
+    queue = status["queue"]
+    miss = explained.get("first_miss") or {}
+    return {"replica": spec, "prompt_tokens": explained["prompt_tokens"], "cached_tokens": explained["hit_tokens"],
+            "lower_tier": miss.get("tier") if miss.get("reason") == "in_lower_tier" else None,
+            "running": queue["running"], "waiting": queue["waiting"],
+            "queue_age_seconds": queue["oldest_age_seconds"] if queue["waiting"] else 0.0}
+
+
+def route(ctx: typer.Context,
+          text: Optional[str] = typer.Argument(None, help="Prompt text."),
+          tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma-separated."),
+          file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt text from a file."),
+          replica: list[str] = typer.Option([], "--replica", help="A replica: its Unix socket, or an "
+                                            "http(s):// URL (with --token-file). Repeat for each."),
+          tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
+          routing: list[str] = typer.Option([",".join(ONE_SHOT_POLICIES)], "--routing",
+                                            help="Policies to ask: least_loaded, prefix, ttft."),
+          prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second a replica "
+                                             "computes, to price what it lacks."),
+          balance_seconds: float = typer.Option(2.0, help="prefix: the extra wait it accepts for a replica "
+                                                "that caches more."),
+          as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Where each routing policy would send a prompt across replicas, and why: what each replica
+    caches of it and how busy it is. Asks, sends nothing.
+
+    Example: kvctl route --file prompt.txt --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock
+    """
+    prompt = _tokens(text, tokens, file)
+    if len(replica) < 2:
+        raise UserError(f"replica: give two or more (--replica SOCKET_OR_URL, repeated), got {len(replica)}")
+    policies = parse_names("routing", routing)
+    for name in policies:
+        if name not in ONE_SHOT_POLICIES:
+            raise UserError(f"routing: unknown value {name!r} for one prompt; choose from "
+                            f"{', '.join(ONE_SHOT_POLICIES)}")
+    try:
+        routers = {name: make_router(name, prefill_rate=prefill_rate, balance_seconds=balance_seconds)
+                   for name in policies}
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    answers = [ask(replica_client(ctx, spec), spec, prompt, tenant) for spec in replica]
+    live = [a for a in answers if "error" not in a]
+    if not live:
+        raise KvdUnavailable("no replica answered: " + "; ".join(a["error"] for a in answers))
+    facts = [ReplicaFacts(a["cached_tokens"], a["queue_age_seconds"], a["running"] + a["waiting"]) for a in live]
+    routes = {}
+    for name, router in routers.items():
+        chosen = router.choose(max(a["prompt_tokens"] for a in live), facts)
+        routes[name] = {"replica": live[chosen.replica]["replica"], "reason": chosen.reason}
+    data = {"replicas": answers, "routes": routes}
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    render(data, Console())
+
+
+def render(data: dict, console: Console) -> None:
+    table = compact_table("replica", "cached", "lower tier", "running", "waiting", "queue age")
+    for index in (1, 3, 4, 5):
+        table.columns[index].justify = "right"
+    for a in data["replicas"]:
+        if "error" in a:
+            continue
+        table.add_row(escape(a["replica"]), f"{a['cached_tokens']:,}/{a['prompt_tokens']:,}", a["lower_tier"] or "-",
+                      str(a["running"]), str(a["waiting"]), f"{a['queue_age_seconds']:.1f} s")
+    console.print(table)
+    for a in data["replicas"]:
+        if "error" in a:
+            console.print(f"[yellow]{escape(a['replica'])}: {escape(a['error'])}[/yellow]", highlight=False)
+    choices = compact_table("routing", "replica", "why")
+    for name, chosen in data["routes"].items():
+        choices.add_row(name, escape(chosen["replica"]), escape(chosen["reason"]))
+    console.print(choices)
