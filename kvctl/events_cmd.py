@@ -95,9 +95,10 @@ def events(ctx: typer.Context,
            count: Optional[int] = typer.Option(None, "--count", help="With --follow: stop after this many."),
            as_json: bool = typer.Option(False, "--json", help="One JSON object per event (JSON Lines)."),
            ) -> None:
-    """What the cache stored and removed in each tier, and why a block left (capacity, operator,
-    corrupt, unwritten, gone). Block keys only, never tokens. `--follow` watches; `--key` follows
-    one block (a prefix's id) from tier to tier.
+    """What the cache stored and removed in each tier, and why each block left.
+
+    Reasons: capacity, operator, corrupt, unwritten, gone. Block keys only, never tokens.
+    `--follow` watches; `--key` follows one block (a prefix's id) from tier to tier.
 
     Example: kvctl events --follow --kind removed --tier device
     """

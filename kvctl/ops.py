@@ -215,8 +215,10 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
              under: Optional[str] = typer.Option(None, "--under", help="Only this row (an id) and the rows "
                                                                        "that extend it."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Cached prefixes as a tree: each row is a run of blocks between branch points, with the row
-    it extends (parent), tenant, tokens, blocks, size, hits, idle time, tier, pin (never text).
+    """Cached prefixes as a tree, in every tier: one row per run of blocks between branch points.
+
+    Each row has the row it extends (parent), tenant, tokens, blocks, size, hits, idle time,
+    tier and pin; never text.
 
     Prompts that share a start (a chat template, a system prompt) share a row, and each way they
     go on from it is a row of its own whose parent is that row. An id given to `kvctl evict
@@ -329,10 +331,12 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
           model_revision: Optional[str] = typer.Option(None, "--model-revision", help="A model revision."),
           all_unpinned: bool = typer.Option(False, "--all-unpinned", help="Everything not pinned."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Evict cached blocks from every tier and report exactly what went; blocks in use are
-    refused, not faked. A prefix id takes that prefix and every prefix that extends it (its rows
-    in `kvctl prefixes`); the prefix it extends stays for the others that share it. A prefix's
-    or a tenant's blocks also go from the shared Redis, whichever daemon wrote them.
+    """Evict cached blocks from every tier and report exactly what went.
+
+    Blocks in use are refused, not faked. A prefix id takes that prefix and every prefix that
+    extends it (its rows in `kvctl prefixes`); the prefix it extends stays for the others that
+    share it. A prefix's or a tenant's blocks also go from the shared Redis, whichever daemon
+    wrote them.
 
     Example: kvctl evict --tenant acme
     """

@@ -64,8 +64,9 @@ def route(ctx: typer.Context,
           balance_seconds: float = typer.Option(2.0, help="prefix: the extra wait it accepts for a replica "
                                                 "that caches more."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Where each routing policy would send a prompt across replicas, and why: what each replica
-    caches of it and how busy it is. Asks, sends nothing.
+    """Where each routing policy would send a prompt across replicas, and why.
+
+    Each replica says what it caches of the prompt and how busy it is; nothing else is sent.
 
     Example: kvctl route --file prompt.txt --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock
     """

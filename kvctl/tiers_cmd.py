@@ -78,8 +78,10 @@ def swap(ctx: typer.Context, prefix_id: str = typer.Argument(..., help="Prefix i
          to: str = typer.Option(..., "--to", help="device, host, disk or remote."),
          copy: bool = typer.Option(False, "--copy", help="Keep the source copies (default: move)."),
          as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Move (or copy) a prefix, and every prefix that extends it, to one tier and wait for the
-    verified result. To the device, the blocks it extends come up too where they are missing.
+    """Move (or copy) a prefix and the prefixes that extend it to one tier, verified.
+
+    It waits for the verified result. To the device, the blocks it extends come up too where
+    they are missing.
 
     Example: kvctl swap 3f9a1c0b2d4e5f60 --to disk
     """
