@@ -80,8 +80,9 @@ def replay_command(
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
 ) -> None:
-    """Replay a request trace through the cache core and compare block sizes and policies; with
-    --replicas, a fleet behind each routing policy.
+    """Replay a request trace through the cache core and compare block sizes and policies.
+
+    With --replicas, a fleet of such caches behind each routing policy.
 
     Example: kvctl bench replay ../shared/traces/mooncake_synthetic_trace.jsonl --block-sizes 16 --json
     """
