@@ -107,9 +107,14 @@ def render_status(data: dict, console: Console | None = None):
             for name, t in data["tiers"].items()))
     facts.add_row("evictions", f"{data['evictions']['capacity']:,} by {data['eviction_policy']}, "
                                f"{data['evictions']['operator']:,} by operators")
-    facts.add_row("queue", f"{data['queue']['waiting']} waiting (oldest "
-                           f"{_fmt_seconds(data['queue']['oldest_age_seconds'])}), "
-                           f"{data['queue']['running']} running")
+    queue = data["queue"]
+    ahead = ""
+    if queue.get("predicted_wait_seconds") is not None:
+        ahead = (f"; {queue['tokens_ahead']:,} prompt tokens ahead, a new request waits "
+                 f"~{_fmt_seconds(queue['predicted_wait_seconds'])} "
+                 f"(prefill {queue['prefill_tokens_per_second']:,.0f} tokens/s)")
+    facts.add_row("queue", f"{queue['waiting']} waiting (oldest {_fmt_seconds(queue['oldest_age_seconds'])}), "
+                           f"{queue['running']} running{ahead}")
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
     facts.add_row("pins", str(data["pins"]))

@@ -44,10 +44,13 @@ def ask(client, spec: str, prompt: dict, tenant: str | None) -> dict:
         return {"replica": spec, "error": str(exc)}
     queue = status["queue"]
     miss = explained.get("first_miss") or {}
+    predicted = queue.get("predicted_wait_seconds")  # kvd's own estimate, once it has measured a prefill
     return {"replica": spec, "prompt_tokens": explained["prompt_tokens"], "cached_tokens": explained["hit_tokens"],
             "lower_tier": miss.get("tier") if miss.get("reason") == "in_lower_tier" else None,
             "running": queue["running"], "waiting": queue["waiting"],
-            "queue_age_seconds": queue["oldest_age_seconds"] if queue["waiting"] else 0.0}
+            "wait_seconds": predicted if predicted is not None else
+            (queue["oldest_age_seconds"] if queue["waiting"] else 0.0),
+            "wait_from": "predicted" if predicted is not None else "queue age"}
 
 
 def route(ctx: typer.Context,
@@ -67,6 +70,8 @@ def route(ctx: typer.Context,
     """Where each routing policy would send a prompt across replicas, and why.
 
     Each replica says what it caches of the prompt and how busy it is; nothing else is sent.
+    The wait is the replica's own prediction (prompt tokens ahead at its measured prefill rate),
+    or, before it has measured one, the age of its oldest waiting request: "(age)".
 
     Example: kvctl route --file prompt.txt --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock
     """
@@ -87,7 +92,7 @@ def route(ctx: typer.Context,
     live = [a for a in answers if "error" not in a]
     if not live:
         raise KvdUnavailable("no replica answered: " + "; ".join(a["error"] for a in answers))
-    facts = [ReplicaFacts(a["cached_tokens"], a["queue_age_seconds"], a["running"] + a["waiting"]) for a in live]
+    facts = [ReplicaFacts(a["cached_tokens"], a["wait_seconds"], a["running"] + a["waiting"]) for a in live]
     routes = {}
     for name, router in routers.items():
         chosen = router.choose(max(a["prompt_tokens"] for a in live), facts)
@@ -100,14 +105,15 @@ def route(ctx: typer.Context,
 
 
 def render(data: dict, console: Console) -> None:
-    table = compact_table("replica", "cached", "lower tier", "running", "waiting", "queue age")
+    table = compact_table("replica", "cached", "lower tier", "running", "waiting", "wait")
     for index in (1, 3, 4, 5):
         table.columns[index].justify = "right"
     for a in data["replicas"]:
         if "error" in a:
             continue
         table.add_row(escape(a["replica"]), f"{a['cached_tokens']:,}/{a['prompt_tokens']:,}", a["lower_tier"] or "-",
-                      str(a["running"]), str(a["waiting"]), f"{a['queue_age_seconds']:.1f} s")
+                      str(a["running"]), str(a["waiting"]),
+                      f"{a['wait_seconds']:.1f} s" + ("" if a["wait_from"] == "predicted" else " (age)"))
     console.print(table)
     for a in data["replicas"]:
         if "error" in a:

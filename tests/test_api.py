@@ -247,6 +247,8 @@ def test_admin_status_prefixes_pin_evict_explain_and_audit(daemon):
                                                      "note": "support"}).json()
     assert pinned["blocks"] == pinned["cached_blocks"] == len(service.tokenize(prompt)) // 16
     assert pinned["warmed"] is True and pinned["tenant"] == "acme"
+    queue = call(unix, "GET", "/admin/status").json()["queue"]  # warming it measured a prefill step
+    assert queue["prefill_tokens_per_second"] > 0 and (queue["tokens_ahead"], queue["predicted_wait_seconds"]) == (0, 0.0)
     listing = call(unix, "GET", "/admin/prefixes", params={"pinned": True}).json()["prefixes"]
     assert [p["tenant"] for p in listing] == ["acme"] and "text" not in listing[0]
     # times are Unix times (not the daemon's monotonic clock), with the spans ready to read

@@ -726,6 +726,14 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
     render_status(data, console)
     text = " ".join(console.export_text().split())
     assert "engine 100 decode, 4 mixed steps on 2 threads, 350.0 ms busy; decode step 3.0 ms mean" in text
+    assert "queue 0 waiting (oldest 0.0 ms), 0 running rejections" in text  # nothing measured: no prediction
+    data["queue"] = {"waiting": 3, "oldest_age_seconds": 0.25, "running": 2, "tokens_ahead": 6144,
+                     "prefill_tokens_per_second": 4096.0, "predicted_wait_seconds": 1.5}
+    console = Console(record=True, width=200)
+    render_status(data, console)
+    text = " ".join(console.export_text().split())
+    assert ("queue 3 waiting (oldest 250.0 ms), 2 running; 6,144 prompt tokens ahead, a new request waits ~1.50 s "
+            "(prefill 4,096 tokens/s)") in text
 
 
 def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():
@@ -841,8 +849,9 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
     from kvctl.errors import KvdUnavailable
 
     class Replica:
-        def __init__(self, cached, running, waiting, age, lower=None):
+        def __init__(self, cached, running, waiting, age, lower=None, predicted=None):
             self.cached, self.running, self.waiting, self.age, self.lower = cached, running, waiting, age, lower
+            self.predicted = predicted  # kvd's own estimate; None before it measured a prefill
             self.asked = []
 
         def post(self, path, body):
@@ -852,13 +861,14 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
 
         def get(self, path, **params):
             self.asked.append((path, params))
-            return {"queue": {"running": self.running, "waiting": self.waiting, "oldest_age_seconds": self.age}}
+            return {"queue": {"running": self.running, "waiting": self.waiting, "oldest_age_seconds": self.age,
+                              "predicted_wait_seconds": self.predicted}}
 
     class Down:
         def post(self, path, body):
             raise KvdUnavailable("kvd is not reachable at /run/c.sock (is it running? `kvd serve`)")
 
-    fleet = {"/run/a.sock": Replica(3072, 4, 2, 1.5), "/run/b.sock": Replica(0, 1, 0, 0.0, lower="disk"),
+    fleet = {"/run/a.sock": Replica(3072, 4, 2, 1.5), "/run/b.sock": Replica(0, 1, 0, 3.0, lower="disk", predicted=0.0),
              "/run/c.sock": Down()}
     monkeypatch.setattr(route_cmd, "replica_client", lambda ctx, spec: fleet[spec])
     args = ["route", "--tokens", "1,2,3", "--replica", "/run/a.sock", "--replica", "/run/b.sock",
@@ -868,9 +878,9 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
     assert fleet["/run/a.sock"].asked == [("/admin/explain", {"tokens": [1, 2, 3], "tenant": None}),
                                           ("/admin/status", {})]
     lines = [line.rstrip() for line in out.splitlines()]
-    assert lines[:3] == ["replica          cached lower tier running waiting queue age",
-                         "/run/a.sock 3,072/4,100 -                4       2     1.5 s",
-                         "/run/b.sock     0/4,100 disk             1       0     0.0 s"]
+    assert lines[:3] == ["replica          cached lower tier running waiting        wait",
+                         "/run/a.sock 3,072/4,100 -                4       2 1.5 s (age)",
+                         "/run/b.sock     0/4,100 disk             1       0       0.0 s"]
     assert "/run/c.sock: kvd is not reachable at /run/c.sock" in out
     # ttft at 2,048 tokens/s: a: 1.5 + 1028/2048 = 2.0 s; b: 0 + 4100/2048 = 2.0 s -> the one caching more
     assert [line.split()[:2] for line in lines if line.split()[:1] in (["least_loaded"], ["prefix"], ["ttft"])] == [

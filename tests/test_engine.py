@@ -504,3 +504,22 @@ def test_a_short_prompt_gets_a_step_of_its_own_ahead_of_the_decodes_never_two_in
     assert quick_out == mixed_out and all(len(tokens) == GREEDY.max_tokens for tokens in quick_out.values())
     with pytest.raises(ValueError, match="quick_prefill_tokens: must be >= 0, got -1"):
         Engine(demo, EngineSettings(num_blocks=64, block_size=16, quick_prefill_tokens=-1))
+
+
+def test_the_engine_predicts_a_new_requests_wait_from_the_prompt_tokens_ahead_of_it(demo):
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_batch_tokens=32, max_running=1,
+                                         quick_prefill_tokens=0))
+    first, second = list(range(1, 101)), list(range(101, 171))  # 100 and 70 tokens, nothing shared
+    engine.add_request(first, GREEDY)
+    engine.add_request(second, GREEDY)
+    assert engine.tokens_ahead() == 170 and engine.predicted_wait() is None  # nothing measured yet
+    engine.step()  # the first is admitted and computes 32 of its tokens
+    assert engine.prefill_rate.samples == 1
+    assert engine.tokens_ahead() == (100 - 32) + 70
+    assert engine.predicted_wait() == pytest.approx(138 / engine.prefill_rate.rate)
+    # a waiting request whose prefix is cached brings only what it lacks
+    while engine.has_work():
+        engine.step()
+    engine.add_request(first[:64] + [200] * 10, GREEDY)  # 64 of its tokens are cached
+    engine.add_request(first[:64] + [201] * 10, GREEDY)
+    assert engine.tokens_ahead() == 2 * 10

@@ -35,6 +35,7 @@ from kvctl.daemon.cache.events import EventLog
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
 from kvctl.policies.admission import Verdict, blocks_for_tokens
 from kvctl.policies.reservation import parse_reservation
+from kvctl.policies.tiering import RateMeter
 
 from ..model.llama import ForwardBatch, LoadedModel
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
@@ -112,6 +113,7 @@ class Engine:
                                         settings.block_size, self.cache_dtype, settings.keep_layers),
                                     clock=clock)
         self.events = EventLog()  # every block indexed in or dropped from a tier, for routers and operators
+        self.prefill_rate = RateMeter(rate=2000.0)  # prompt tokens per second, measured on prefill steps
         self.cache.pool.events = self.events
         self.kv_caches = self.model.allocate_cache(settings.num_blocks, settings.block_size, self.cache_dtype,
                                                    settings.keep_layers, scales)
@@ -140,6 +142,7 @@ class Engine:
 
         pool.on_evict = lambda victims: tiers.on_device_evict(victims, prefix_hits)
         pool.inserted = [] if tiers.write_policy == "write_through" else None
+        tiers.policy.prefill = self.prefill_rate  # restore-vs-recompute judged on the rate measured here
 
     # ---- identity ----------------------------------------------------------------------------
     def namespace(self, tenant: str) -> Namespace:
@@ -300,6 +303,25 @@ class Engine:
     def num_running(self) -> int:
         return len(self._running)
 
+    def tokens_ahead(self) -> int:
+        """Prompt tokens the engine must compute before a request arriving now: what running
+        prefills have left, and what waiting requests lack in the cache."""
+        ahead = sum(max(s.prefill_target - s.num_computed, 0) for s in self._running.values()
+                    if s.status is SeqStatus.PREFILL)
+        size = self.settings.block_size
+        for seq in self.waiting():
+            tokens = len(seq.request.prompt_ids) + len(seq.output_ids)
+            keys, _ = self._prefix_keys(seq)  # hashed once, kept for its admission
+            ahead += max(tokens - self.cache.lookup(keys, tokens) * size, 0)
+        return ahead
+
+    def predicted_wait(self) -> float | None:
+        """Seconds before a request arriving now starts computing: `tokens_ahead` at the measured
+        prefill rate; None until a prefill step has been measured."""
+        if not self.prefill_rate.samples:
+            return None
+        return self.tokens_ahead() / self.prefill_rate.rate
+
     def has_work(self) -> bool:
         return bool(self._running) or any(s.status is SeqStatus.WAITING for _, s in self._waiting)
 
@@ -333,8 +355,11 @@ class Engine:
         batch, sample_rows = self._forward_batch(plan)
         started = time.perf_counter()
         logits = self.model.forward(batch, self.kv_caches)
+        prefill = sum(n for seq, n in plan if seq.status is SeqStatus.PREFILL)
+        if prefill >= self.settings.block_size:  # a step that computes at least a block of prompt
+            self.prefill_rate.observe(sum(n for _, n in plan), time.perf_counter() - started)
         if self.tiers is not None:
-            self._after_forward(plan, time.perf_counter() - started)
+            self._write_through()
         decodes = sum(1 for seq, _ in plan if seq.status is SeqStatus.DECODE)  # before _advance moves prefills on
         kind = "quick" if self._quick_step_last else (
             "decode" if decodes == len(plan) else "prefill" if decodes == 0 else "mixed")
@@ -344,11 +369,8 @@ class Engine:
         stats.step_seconds[kind] = stats.step_seconds.get(kind, 0.0) + time.perf_counter() - step_started
         return events
 
-    def _after_forward(self, plan, seconds: float) -> None:
-        """Feed the measured prefill rate to the tiering policy; write-through newly full blocks."""
-        prefill = sum(n for seq, n in plan if seq.status is SeqStatus.PREFILL)
-        if prefill >= self.settings.block_size:
-            self.tiers.policy.prefill.observe(sum(n for _, n in plan), seconds)
+    def _write_through(self) -> None:
+        """Newly full blocks go to the persistent tiers (write-through only)."""
         inserted = self.cache.pool.inserted
         if inserted:
             blocks = self.cache.pool.blocks

@@ -698,7 +698,13 @@ class EngineService:
                            "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
                 "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions},
                 "queue": {"waiting": len(waiting), "oldest_age_seconds": oldest,
-                          "running": engine.num_running},
+                          "running": engine.num_running,
+                          # what a request arriving now waits for: prompt tokens ahead of it at the
+                          # measured prefill rate (None until a prefill step was measured)
+                          "tokens_ahead": engine.tokens_ahead(),
+                          "prefill_tokens_per_second": engine.prefill_rate.rate if engine.prefill_rate.samples
+                          else None,
+                          "predicted_wait_seconds": engine.predicted_wait()},
                 "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
                 # model steps by kind and their summed wall time: Δseconds / Δwall is how busy the engine is
                 "steps": {kind: {"count": stats.steps[kind], "seconds": stats.step_seconds[kind]}
