@@ -255,6 +255,7 @@ class ReplicaRun:
             arrival = self._unqueue(index)
             request, s = self.requests[index], self.settings
             uncached = request.input_length - self.manager.sequence(str(index)).hit_tokens
+            # summed left to right, as the replay always has: its finish times stay bit for bit
             heapq.heappush(self.running, (self.now + uncached / s.prefill_rate + request.output_length / s.decode_rate,
                                           index))
             self.ttft.append(self.now - arrival + uncached / s.prefill_rate)

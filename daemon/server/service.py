@@ -1079,33 +1079,40 @@ class EngineService:
                 other = [t for t in sorted({i.tenant for i in cache.roots.values()}) if t != tenant
                          and cache.pool.block_of(chain_keys(engine.namespace(t), token_ids[:(hits + 1) * size])[hits])
                          is not None]
-                removal = engine.events.last(1, ("removed",), key=KeyPrefix(key, None)).events
-                if lower != "evicted":
-                    body["first_miss"] = {"block": hits, "reason": "in_lower_tier", "tier": lower,
-                                          "detail": f"on the {lower} tier; the next request restores it "
-                                                    "instead of recomputing"}
-                elif removal and removal[0].tier != "device":  # it left the device, then a lower tier too
-                    event = removal[0]
-                    ago = max(0.0, time.time() - event.at)
-                    body["first_miss"] = {"block": hits, "reason": "evicted", "tier": event.tier,
-                                          "detail": f"evicted from the {event.tier} tier {now_minus(ago, 0.0)} ago "
-                                                    f"{REMOVAL_WORDS[event.reason]}",
-                                          "evicted_by": event.reason, "seconds_ago": ago}
-                elif logged is not None:
-                    at, reason = logged
-                    body["first_miss"] = {"block": hits, "reason": "evicted", "tier": "device",
-                                          "detail": f"evicted {now_minus(engine.clock(), at)} ago by "
-                                                    f"{'an operator' if reason == 'operator' else reason + ' eviction'}",
-                                          "evicted_by": reason, "seconds_ago": engine.clock() - at}
-                elif other:
-                    body["first_miss"] = {"block": hits, "reason": "other_namespace",
-                                          "detail": f"cached for tenant {other[0]!r}; tenants never share blocks"}
-                else:
-                    body["first_miss"] = {"block": hits, "reason": "never_cached",
-                                          "detail": "no request has filled this block under this namespace since kvd "
-                                                    f"started ({time.strftime('%Y-%m-%d %H:%M', time.localtime(self.started_at))})"}
-                body["first_miss"]["key"] = key.hex()[:16]  # its life: kvctl events --key
+                device_clock = engine.clock()
+        if "first_miss" not in body:  # outside the lock: reading the event log does not hold up the engine
+            body["first_miss"] = self._cached_miss(engine, hits, key, lower, logged, other, device_clock)
         return body
+
+    def _cached_miss(self, engine: Engine, block: int, key: bytes, lower: str, logged, other: list[str],
+                     device_clock: float) -> dict:
+        """Why a block that could be cached is not on the device: in a lower tier; dropped from
+        one (the event log says which and why); evicted from the device (its eviction log);
+        another tenant's; or unknown to kvd since it started. Names the block for `kvctl events --key`."""
+        removal = engine.events.last(1, ("removed",), key=KeyPrefix(key, None)).events
+        if lower != "evicted":
+            miss = {"reason": "in_lower_tier", "tier": lower,
+                    "detail": f"on the {lower} tier; the next request restores it instead of recomputing"}
+        elif removal and removal[0].tier != "device":  # it left the device, then a lower tier too
+            event = removal[0]
+            ago = max(0.0, time.time() - event.at)
+            miss = {"reason": "evicted", "tier": event.tier,
+                    "detail": f"evicted from the {event.tier} tier {now_minus(ago, 0.0)} ago "
+                              f"{REMOVAL_WORDS[event.reason]}",
+                    "evicted_by": event.reason, "seconds_ago": ago}
+        elif logged is not None:
+            at, reason = logged
+            miss = {"reason": "evicted", "tier": "device",
+                    "detail": f"evicted {now_minus(device_clock, at)} ago by "
+                              f"{'an operator' if reason == 'operator' else reason + ' eviction'}",
+                    "evicted_by": reason, "seconds_ago": device_clock - at}
+        elif other:
+            miss = {"reason": "other_namespace", "detail": f"cached for tenant {other[0]!r}; tenants never share blocks"}
+        else:
+            started = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.started_at))
+            miss = {"reason": "never_cached",
+                    "detail": f"no request has filled this block under this namespace since kvd started ({started})"}
+        return {"block": block, **miss, "key": key.hex()[:16]}  # the key: its life in `kvctl events --key`
 
 
 REMOVAL_WORDS = {"capacity": "to make room", "operator": "by an operator", "corrupt": "after it failed verification",
