@@ -50,7 +50,8 @@ def ask(client, spec: str, prompt: dict, tenant: str | None) -> dict:
             "running": queue["running"], "waiting": queue["waiting"],
             "wait_seconds": predicted if predicted is not None else
             (queue["oldest_age_seconds"] if queue["waiting"] else 0.0),
-            "wait_from": "predicted" if predicted is not None else "queue age"}
+            "wait_from": "predicted" if predicted is not None else "queue age",
+            "prefill_tokens_per_second": queue.get("prefill_tokens_per_second")}
 
 
 def route(ctx: typer.Context,
@@ -62,8 +63,8 @@ def route(ctx: typer.Context,
           tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
           routing: list[str] = typer.Option([",".join(ONE_SHOT_POLICIES)], "--routing",
                                             help="Policies to ask: least_loaded, prefix, ttft."),
-          prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second a replica "
-                                             "computes, to price what it lacks."),
+          prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second of a replica "
+                                             "that has not measured its own yet."),
           balance_seconds: float = typer.Option(2.0, help="prefix: the extra wait it accepts for a replica "
                                                 "that caches more."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
@@ -92,7 +93,8 @@ def route(ctx: typer.Context,
     live = [a for a in answers if "error" not in a]
     if not live:
         raise KvdUnavailable("no replica answered: " + "; ".join(a["error"] for a in answers))
-    facts = [ReplicaFacts(a["cached_tokens"], a["wait_seconds"], a["running"] + a["waiting"]) for a in live]
+    facts = [ReplicaFacts(a["cached_tokens"], a["wait_seconds"], a["running"] + a["waiting"],
+                          a["prefill_tokens_per_second"]) for a in live]
     routes = {}
     for name, router in routers.items():
         chosen = router.choose(max(a["prompt_tokens"] for a in live), facts)

@@ -11,7 +11,8 @@ deterministically, and a live router feeds it from each daemon's event feed and 
                   unless its wait exceeds the least loaded replica's by more than
                   `balance_seconds`: then that one (cache affinity, bounded by load)
     ttft          the least predicted time to first token: its wait plus the prompt tokens it
-                  lacks at `prefill_rate` (reuse and load traded in one figure)
+                  lacks at its prefill rate (its own where measured, else `prefill_rate`):
+                  reuse and load traded in one figure
 
 Adding a router: implement `Router` and register it in `make_router`.
 """
@@ -29,6 +30,7 @@ class ReplicaFacts:
     cached_tokens: int  # leading prompt tokens its cache holds now (whole blocks)
     wait_seconds: float  # predicted wait before it could start the request
     in_flight: int = 0  # requests it is serving or queueing now
+    prefill_rate: float | None = None  # prompt tokens per second it computes, where measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +114,8 @@ class PredictedTTFT(_Spreading):
         self.prefill_rate = prefill_rate
 
     def predict(self, prompt_tokens: int, facts: ReplicaFacts) -> float:
-        return facts.wait_seconds + max(prompt_tokens - facts.cached_tokens, 0) / self.prefill_rate
+        rate = facts.prefill_rate or self.prefill_rate
+        return facts.wait_seconds + max(prompt_tokens - facts.cached_tokens, 0) / rate
 
     def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
         index = min(range(len(replicas)), key=lambda i: (self.predict(prompt_tokens, replicas[i]),

@@ -852,6 +852,7 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
         def __init__(self, cached, running, waiting, age, lower=None, predicted=None):
             self.cached, self.running, self.waiting, self.age, self.lower = cached, running, waiting, age, lower
             self.predicted = predicted  # kvd's own estimate; None before it measured a prefill
+            self.rate = None
             self.asked = []
 
         def post(self, path, body):
@@ -862,7 +863,7 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
         def get(self, path, **params):
             self.asked.append((path, params))
             return {"queue": {"running": self.running, "waiting": self.waiting, "oldest_age_seconds": self.age,
-                              "predicted_wait_seconds": self.predicted}}
+                              "predicted_wait_seconds": self.predicted, "prefill_tokens_per_second": self.rate}}
 
     class Down:
         def post(self, path, body):
@@ -891,6 +892,10 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
                                         "1.50 s, over 1 s more than this one"}}
     assert doc["replicas"][2] == {"replica": "/run/c.sock",
                                   "error": "kvd is not reachable at /run/c.sock (is it running? `kvd serve`)"}
+    fleet["/run/b.sock"].rate = 4096.0  # b measured its prefill: 4,100 tokens in 1.0 s beats a's 2.0 s
+    status, out, _ = cli(capsys, *args, "--routing", "ttft", "--json")
+    assert json.loads(out)["routes"] == {"ttft": {"replica": "/run/b.sock",
+                                                  "reason": "first token in 1.00 s (0 tokens cached)"}}
     assert cli(capsys, "route", "hi", "--replica", "/run/a.sock")[2].strip() == \
         "error: replica: give two or more (--replica SOCKET_OR_URL, repeated), got 1"
     assert cli(capsys, *args, "--routing", "round_robin")[2].strip() == \

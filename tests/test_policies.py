@@ -161,3 +161,14 @@ def test_equal_replicas_are_taken_in_turn_so_new_prefixes_spread():
     # requests in flight count before what the router sent: a replica busy with others' requests waits its turn
     router = make_router("least_loaded")
     assert router.choose(512, [F(0, 0.0, in_flight=3), F(0, 0.0, in_flight=1)]).replica == 1
+
+
+def test_ttft_prices_each_replica_at_its_own_measured_prefill_rate():
+    from kvctl.policies.routing import ReplicaFacts as F
+    from kvctl.policies.routing import make_router
+
+    router = make_router("ttft", prefill_rate=1000.0)
+    # a: 2,000 uncached tokens at its 8,000 tokens/s = 0.25 s; b: 1,000 at the default 1,000/s = 1.0 s
+    fleet = [F(0, 0.0, prefill_rate=8000.0), F(1000, 0.0)]
+    route = router.choose(2000, fleet)
+    assert (route.replica, route.reason) == (0, "first token in 0.25 s (0 tokens cached)")
