@@ -108,13 +108,15 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("evictions", f"{data['evictions']['capacity']:,} by {data['eviction_policy']}, "
                                f"{data['evictions']['operator']:,} by operators")
     queue = data["queue"]
+    waiting = f"{queue['waiting']} waiting" + (f" (oldest {_fmt_seconds(queue['oldest_age_seconds'])})"
+                                               if queue["waiting"] else "")
     ahead = ""
     if queue.get("predicted_wait_seconds") is not None:
-        ahead = (f"; {queue['tokens_ahead']:,} prompt tokens ahead, a new request waits "
-                 f"~{_fmt_seconds(queue['predicted_wait_seconds'])} "
-                 f"(prefill {queue['prefill_tokens_per_second']:,.0f} tokens/s)")
-    facts.add_row("queue", f"{queue['waiting']} waiting (oldest {_fmt_seconds(queue['oldest_age_seconds'])}), "
-                           f"{queue['running']} running{ahead}")
+        rate = f"prefill {queue['prefill_tokens_per_second']:,.0f} tokens/s"
+        ahead = f"; {rate}" if not queue["tokens_ahead"] else (
+            f"; {queue['tokens_ahead']:,} prompt tokens ahead: a new request waits "
+            f"~{_fmt_seconds(queue['predicted_wait_seconds'])} ({rate})")
+    facts.add_row("queue", f"{waiting}, {queue['running']} running{ahead}")
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
     facts.add_row("pins", str(data["pins"]))

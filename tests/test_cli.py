@@ -726,14 +726,19 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
     render_status(data, console)
     text = " ".join(console.export_text().split())
     assert "engine 100 decode, 4 mixed steps on 2 threads, 350.0 ms busy; decode step 3.0 ms mean" in text
-    assert "queue 0 waiting (oldest 0.0 ms), 0 running rejections" in text  # nothing measured: no prediction
+    assert "queue 0 waiting, 0 running rejections" in text  # nothing measured: no prediction
     data["queue"] = {"waiting": 3, "oldest_age_seconds": 0.25, "running": 2, "tokens_ahead": 6144,
                      "prefill_tokens_per_second": 4096.0, "predicted_wait_seconds": 1.5}
     console = Console(record=True, width=200)
     render_status(data, console)
     text = " ".join(console.export_text().split())
-    assert ("queue 3 waiting (oldest 250.0 ms), 2 running; 6,144 prompt tokens ahead, a new request waits ~1.50 s "
+    assert ("queue 3 waiting (oldest 250.0 ms), 2 running; 6,144 prompt tokens ahead: a new request waits ~1.50 s "
             "(prefill 4,096 tokens/s)") in text
+    data["queue"] = {"waiting": 0, "oldest_age_seconds": 0.0, "running": 1, "tokens_ahead": 0,
+                     "prefill_tokens_per_second": 4096.0, "predicted_wait_seconds": 0.0}
+    console = Console(record=True, width=200)
+    render_status(data, console)
+    assert "queue 0 waiting, 1 running; prefill 4,096 tokens/s rejections" in " ".join(console.export_text().split())
 
 
 def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():
