@@ -199,5 +199,73 @@ async def _serve(settings, re_resolve) -> None:
     log.info("stopped")
 
 
+@app.command()
+def router(
+    replica: list[str] = typer.Option(..., "--replica", help="A kvd replica: its Unix socket, or an http(s):// "
+                                      "URL (with --token-file). Repeat for each."),
+    socket_path: str = typer.Option(..., "--socket", help="Unix socket the router serves on (mode 0660)."),
+    routing: str = typer.Option("prefix", help="round_robin, least_loaded, prefix or ttft."),
+    balance_seconds: float = typer.Option(2.0, help="prefix: the extra wait it accepts for a replica that "
+                                          "caches more."),
+    prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second of a replica that has "
+                                       "not measured its own yet."),
+    token_file: Optional[str] = typer.Option(None, help="Bearer token (admin role) for URL replicas."),
+    log_level: str = typer.Option("info", help="Log level."),
+) -> None:
+    """Serve one OpenAI-compatible front for several replicas, each request routed by a policy.
+
+    It asks every replica what it caches of the prompt and how busy it is, picks one by the
+    routing policy, and streams that replica's answer back (headers X-KVD-Replica, X-KVD-Route).
+
+    Example: kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock
+    """
+    from kvctl.policies.routing import make_router
+
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if len(replica) < 2:
+            raise ValueError(f"replica: give two or more (--replica, repeated), got {len(replica)}")
+        policy = make_router(routing, prefill_rate=prefill_rate, balance_seconds=balance_seconds)
+        token = None
+        if token_file:
+            try:
+                token = Path(token_file).read_text().split()[0]
+            except (OSError, IndexError):
+                raise ValueError(f"token_file: cannot read a token from {token_file!r}") from None
+        asyncio.run(_route(replica, socket_path, policy, token))
+    except (RuntimeError, OSError, ValueError) as exc:
+        print(f"kvd: error: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
+
+
+async def _route(specs: list[str], socket_path: str, policy, token: str | None) -> None:
+    import uvicorn
+
+    from kvctl.daemon.server.router import Replica, RouterService, create_router_app, replica_client
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # handled below: a stop by SIGTERM is a clean exit, not a re-raised signal
+            yield
+
+    replicas = [Replica(spec, replica_client(spec, token)) for spec in specs]
+    sock = bind_unix_socket(socket_path)
+    server = _Server(uvicorn.Config(create_router_app(RouterService(replicas, policy)), log_level="warning",
+                                    lifespan="off"))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    log.info("kvd router listening on %s, %s routing over %s", socket_path, policy.name, ", ".join(specs))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for r in replicas:
+            await r.client.aclose()
+        with contextlib.suppress(OSError):
+            os.unlink(socket_path)
+        log.info("router stopped")
+
+
 def main() -> None:
     app()

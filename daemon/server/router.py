@@ -1,0 +1,214 @@
+"""kvd router: one OpenAI-compatible front for several kvd replicas, sending each completion
+where a routing policy (kvctl.policies.routing) says it will be served best.
+
+For each request it asks every replica at once how much of the prompt its device cache holds
+(`/admin/explain`) and how busy it is (`/admin/status`: its predicted wait, running and waiting
+requests, measured prefill rate), lets the policy choose, and forwards the request's body to that
+replica unchanged, streaming the answer back as it comes. The answer names the replica
+(`X-KVD-Replica`) and the reason (`X-KVD-Route`). A replica that does not answer the questions
+is left out of that choice; when none answers, the request gets a 503 that names them.
+
+    kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock
+
+The front is a Unix socket (mode 0660), like kvd's own: its callers are trusted, and
+X-KVD-Tenant passes through to the replica. Replicas are Unix sockets, or http(s) URLs reached
+with a bearer token that has the admin role (the questions are admin calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvctl.policies.routing import ReplicaFacts, Router
+
+ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the two questions is left out
+FORWARD_TIMEOUT_S = 600.0
+PASSED_HEADERS = ("x-kvd-tenant", "content-type")
+
+
+@dataclass
+class Replica:
+    """One upstream kvd and the router's own count of what it sent there."""
+
+    name: str  # as given: a socket path or a URL
+    client: httpx.AsyncClient
+    sent: int = 0
+    open: int = 0  # forwarded requests still answering
+    last_error: str | None = None
+
+
+def replica_client(spec: str, token: str | None = None, transport: httpx.AsyncBaseTransport | None = None
+                   ) -> httpx.AsyncClient:
+    """A client for a socket path or an http(s) URL (with `token` as its bearer)."""
+    timeout = httpx.Timeout(FORWARD_TIMEOUT_S, connect=ASK_TIMEOUT_S)
+    if spec.startswith(("http://", "https://")):
+        if not token:
+            raise ValueError(f"replica: {spec!r} is reached over TCP and needs --token-file (an admin token)")
+        return httpx.AsyncClient(base_url=spec, headers={"Authorization": f"Bearer {token}"}, timeout=timeout,
+                                 transport=transport)
+    return httpx.AsyncClient(base_url="http://kvd", timeout=timeout,
+                             transport=transport or httpx.AsyncHTTPTransport(uds=spec))
+
+
+def explain_body(prompt) -> dict | None:
+    """What /admin/explain takes for the request's (first) prompt; None when it has none we can read."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch: routed by its first prompt
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"tokens": prompt}
+    return None
+
+
+@dataclass
+class RouterService:
+    replicas: list[Replica]
+    router: Router
+    routed: dict[str, int] = field(default_factory=dict)  # replica name -> requests routed there
+
+    async def ask(self, replica: Replica, question: dict | None, tenant: str | None
+                  ) -> tuple[ReplicaFacts, int] | None:
+        """The replica's facts for this prompt and the prompt's length in its tokens, or None (and
+        its error kept) when it cannot say."""
+        try:
+            calls = [replica.client.get("/admin/status", timeout=ASK_TIMEOUT_S)]
+            if question is not None:
+                calls.append(replica.client.post("/admin/explain", json={**question, "tenant": tenant},
+                                                 timeout=ASK_TIMEOUT_S))
+            answers = await asyncio.gather(*calls)
+            for answer in answers:
+                answer.raise_for_status()
+            queue = answers[0].json()["queue"]
+            explained = answers[1].json() if question is not None else {"hit_tokens": 0, "prompt_tokens": 0}
+            cached, prompt_tokens = explained["hit_tokens"], explained["prompt_tokens"]
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            return None
+        replica.last_error = None
+        predicted = queue.get("predicted_wait_seconds")
+        wait = predicted if predicted is not None else (queue["oldest_age_seconds"] if queue["waiting"] else 0.0)
+        facts = ReplicaFacts(cached, wait, max(queue["running"] + queue["waiting"], replica.open),
+                             queue.get("prefill_tokens_per_second"))
+        return facts, prompt_tokens
+
+    async def choose(self, body: dict, tenant: str | None) -> tuple[Replica, str]:
+        question = explain_body(body.get("prompt"))
+        facts = await asyncio.gather(*(self.ask(r, question, tenant) for r in self.replicas))
+        live = [(r, a) for r, a in zip(self.replicas, facts) if a is not None]
+        if not live:
+            raise LookupError("no replica answered: " + "; ".join(f"{r.name} ({r.last_error})" for r in self.replicas))
+        prompt_tokens = max(tokens for _, (_, tokens) in live)
+        chosen = self.router.choose(prompt_tokens, [f for _, (f, _) in live])
+        replica = live[chosen.replica][0]
+        replica.sent += 1
+        return replica, chosen.reason
+
+    def status(self) -> dict:
+        return {"routing": self.router.name,
+                "replicas": [{"replica": r.name, "sent": r.sent, "open": r.open, "last_error": r.last_error}
+                             for r in self.replicas]}
+
+
+def create_router_app(service: RouterService) -> FastAPI:
+    app = FastAPI(title="kvd router", docs_url=None, redoc_url=None)
+
+    def error(status: int, message: str, code: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "router_error", "param": None, "code": code}},
+                            status_code=status)
+
+    @app.get("/healthz")
+    def healthz():
+        return {"ok": True}
+
+    @app.get("/router/status")
+    def router_status():
+        return service.status()
+
+    @app.get("/admin/status")
+    async def fleet_status():
+        """The replicas' statuses, with the figures a fleet adds up (model steps, queue) summed:
+        what `kvctl bench serve` reads of the daemon it drives."""
+        async def one(replica: Replica):
+            try:
+                answer = await replica.client.get("/admin/status", timeout=ASK_TIMEOUT_S)
+                answer.raise_for_status()
+                return answer.json()
+            except (httpx.HTTPError, ValueError) as exc:
+                return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+        statuses = await asyncio.gather(*(one(r) for r in service.replicas))
+        live = [st for st in statuses if "error" not in st]
+        if not live:
+            return error(503, "no replica answered", "no_replica")
+        steps: dict[str, dict[str, float]] = {}
+        for st in live:
+            for kind, figures in st.get("steps", {}).items():
+                summed = steps.setdefault(kind, {"count": 0, "seconds": 0.0})
+                summed["count"] += figures["count"]
+                summed["seconds"] += figures["seconds"]
+        queue = {k: sum(st["queue"][k] for st in live) for k in ("waiting", "running")}
+        return {"model": live[0]["model"], "steps": steps, "queue": queue, **service.status(),
+                "replica_status": [{"replica": r.name, **st} for r, st in zip(service.replicas, statuses)]}
+
+    @app.get("/v1/models")
+    async def models():
+        for replica in service.replicas:
+            try:
+                answer = await replica.client.get("/v1/models", timeout=ASK_TIMEOUT_S)
+                return JSONResponse(answer.json(), status_code=answer.status_code)
+            except (httpx.HTTPError, ValueError):
+                continue
+        return error(503, "no replica answered", "no_replica")
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        raw = await http.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return error(400, "body: expected a JSON object", "invalid_json")
+        if not isinstance(body, dict):
+            return error(400, "body: expected a JSON object", "invalid_json")
+        tenant = http.headers.get("x-kvd-tenant")
+        try:
+            replica, reason = await service.choose(body, tenant)
+        except LookupError as exc:
+            return error(503, str(exc), "no_replica")
+        headers = {k: v for k, v in http.headers.items() if k.lower() in PASSED_HEADERS}
+        request = replica.client.build_request("POST", "/v1/completions", content=raw, headers=headers)
+        try:
+            upstream = await replica.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
+        service.routed[replica.name] = service.routed.get(replica.name, 0) + 1
+        replica.open += 1
+        answer_headers = {"X-KVD-Replica": replica.name, "X-KVD-Route": reason}
+        media = upstream.headers.get("content-type", "application/json")
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                replica.open -= 1
+                await upstream.aclose()
+
+        if media.startswith("text/event-stream"):
+            return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
+                                     headers=answer_headers)
+        try:
+            content = await upstream.aread()
+        finally:
+            replica.open -= 1
+            await upstream.aclose()
+        return Response(content, status_code=upstream.status_code, media_type=media, headers=answer_headers)
+
+    return app
