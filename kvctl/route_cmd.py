@@ -1,7 +1,7 @@
 """kvctl route: where each routing policy would send a prompt across several kvd replicas, and why.
 
-Each replica says how much of the prompt its device cache holds (`/admin/explain`) and how busy
-it is (`/admin/status`); the routers of `kvctl.policies.routing` — the ones `kvctl bench replay
+Each replica says how much of the prompt its device cache holds and how busy it is, in one call
+(`/admin/route-facts`, what `kvd router` asks too); the routers of `kvctl.policies.routing` — the ones `kvctl bench replay
 --replicas` compares on a trace — choose from those facts. A what-if for operators: nothing is
 sent to any replica but the two questions.
 """
@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from kvctl.policies.routing import ROUTING_POLICIES, ReplicaFacts, make_router
+from kvctl.policies.routing import ROUTING_POLICIES, facts_from_answer, make_router
 
 from .bench_replay import parse_names
 from .client import Client
@@ -38,20 +38,12 @@ def replica_client(ctx: typer.Context, spec: str) -> Client:
 def ask(client, spec: str, prompt: dict, tenant: str | None) -> dict:
     """What one replica knows of the prompt and of its own load; `error` when it cannot say."""
     try:
-        explained = client.post("/admin/explain", {**prompt, "tenant": tenant})
-        status = client.get("/admin/status")
+        known = client.post("/admin/route-facts", {**prompt, "tenant": tenant})
     except KvdUnavailable as exc:
         return {"replica": spec, "error": str(exc)}
-    queue = status["queue"]
-    miss = explained.get("first_miss") or {}
-    predicted = queue.get("predicted_wait_seconds")  # kvd's own estimate, once it has measured a prefill
-    return {"replica": spec, "prompt_tokens": explained["prompt_tokens"], "cached_tokens": explained["hit_tokens"],
-            "lower_tier": miss.get("tier") if miss.get("reason") == "in_lower_tier" else None,
-            "running": queue["running"], "waiting": queue["waiting"],
-            "wait_seconds": predicted if predicted is not None else
-            (queue["oldest_age_seconds"] if queue["waiting"] else 0.0),
-            "wait_from": "predicted" if predicted is not None else "queue age",
-            "prefill_tokens_per_second": queue.get("prefill_tokens_per_second")}
+    facts = facts_from_answer(known)
+    return {"replica": spec, **known, "wait_seconds": facts.wait_seconds,
+            "wait_from": "queue age" if known["predicted_wait_seconds"] is None else "predicted"}
 
 
 def route(ctx: typer.Context,
@@ -93,8 +85,7 @@ def route(ctx: typer.Context,
     live = [a for a in answers if "error" not in a]
     if not live:
         raise KvdUnavailable("no replica answered: " + "; ".join(a["error"] for a in answers))
-    facts = [ReplicaFacts(a["cached_tokens"], a["wait_seconds"], a["running"] + a["waiting"],
-                          a["prefill_tokens_per_second"]) for a in live]
+    facts = [facts_from_answer(a) for a in live]
     routes = {}
     for name, router in routers.items():
         chosen = router.choose(max(a["prompt_tokens"] for a in live), facts)

@@ -33,6 +33,17 @@ class ReplicaFacts:
     prefill_rate: float | None = None  # prompt tokens per second it computes, where measured
 
 
+def facts_from_answer(answer: dict, in_flight: int = 0) -> ReplicaFacts:
+    """A replica's answer to kvd's `POST /admin/route-facts` as facts. The wait is the replica's
+    own prediction; before it has measured a prefill, the age of its oldest waiting request.
+    `in_flight`: what the asker knows it sent there and is still open (the replica may not
+    count it yet)."""
+    predicted = answer["predicted_wait_seconds"]
+    wait = predicted if predicted is not None else (answer["oldest_age_seconds"] if answer["waiting"] else 0.0)
+    return ReplicaFacts(answer["cached_tokens"], wait, max(answer["running"] + answer["waiting"], in_flight),
+                        answer["prefill_tokens_per_second"])
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     replica: int  # index into the facts given

@@ -862,13 +862,10 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
 
         def post(self, path, body):
             self.asked.append((path, body))
-            miss = {"reason": "in_lower_tier", "tier": self.lower} if self.lower else {"reason": "never_cached"}
-            return {"prompt_tokens": 4100, "hit_tokens": self.cached, "first_miss": miss}
-
-        def get(self, path, **params):
-            self.asked.append((path, params))
-            return {"queue": {"running": self.running, "waiting": self.waiting, "oldest_age_seconds": self.age,
-                              "predicted_wait_seconds": self.predicted, "prefill_tokens_per_second": self.rate}}
+            return {"prompt_tokens": 4100, "cached_tokens": self.cached, "lower_tier": self.lower,
+                    "running": self.running, "waiting": self.waiting, "oldest_age_seconds": self.age,
+                    "tokens_ahead": 0, "predicted_wait_seconds": self.predicted,
+                    "prefill_tokens_per_second": self.rate}
 
     class Down:
         def post(self, path, body):
@@ -881,8 +878,7 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
             "--replica", "/run/c.sock", "--prefill-rate", "2048"]
     status, out, _ = cli(capsys, *args)
     assert status == 0
-    assert fleet["/run/a.sock"].asked == [("/admin/explain", {"tokens": [1, 2, 3], "tenant": None}),
-                                          ("/admin/status", {})]
+    assert fleet["/run/a.sock"].asked == [("/admin/route-facts", {"tokens": [1, 2, 3], "tenant": None})]
     lines = [line.rstrip() for line in out.splitlines()]
     assert lines[:3] == ["replica          cached lower tier running waiting        wait",
                          "/run/a.sock 3,072/4,100 -                4       2 1.5 s (age)",

@@ -208,3 +208,23 @@ def test_explain_says_which_tier_a_block_last_left_and_why(daemon):
     assert (why["reason"], why["tier"], why["evicted_by"], why["key"]) == ("evicted", "disk", "operator",
                                                                            row["prefix_id"])
     assert why["detail"].startswith("evicted from the disk tier ") and why["detail"].endswith(" ago by an operator")
+
+
+def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and_how_busy_it_is(daemon):
+    service, app = daemon
+    ids = service.engine.tokenizer.encode(PROMPTS[1])
+    facts = call(app, "POST", "/admin/route-facts", json={"tokens": ids}).json()
+    assert (facts["prompt_tokens"], facts["cached_tokens"], facts["lower_tier"]) == (len(ids), 0, None)
+    complete(app, PROMPTS[1])
+    blocks = (len(ids) - 1) // 16  # the last token is always computed
+    facts = call(app, "POST", "/admin/route-facts", json={"text": PROMPTS[1]}).json()
+    assert facts == {"prompt_tokens": len(ids), "cached_tokens": blocks * 16, "lower_tier": None, "running": 0,
+                     "waiting": 0, "oldest_age_seconds": 0.0, "tokens_ahead": 0, "predicted_wait_seconds": 0.0,
+                     "prefill_tokens_per_second": facts["prefill_tokens_per_second"]}
+    assert facts["prefill_tokens_per_second"] > 0
+    row = call(app, "GET", "/admin/prefixes").json()["prefixes"][0]
+    call(app, "POST", "/admin/swap", json={"prefix": row["prefix_id"], "to": "disk"})
+    facts = call(app, "POST", "/admin/route-facts", json={"tokens": ids}).json()
+    assert (facts["cached_tokens"], facts["lower_tier"]) == (0, "disk")  # a restore away, not a recompute
+    bad = call(app, "POST", "/admin/route-facts", json={"tokens": ids, "text": "both"})
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "give exactly one of text and tokens"

@@ -414,6 +414,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
         return service.explain(_tokens_of(body.text, body.tokens), body.tenant or who.tenant)
 
+    @app.post("/admin/route-facts")
+    def route_facts(body: ExplainRequest, who: Principal = Depends(admin)):
+        """What a router weighs for this prompt, in one call: how much of it the device cache
+        holds, and how busy this replica is (its predicted wait, running and waiting requests)."""
+        return service.route_facts(_tokens_of(body.text, body.tokens), body.tenant or who.tenant)
+
     @app.post("/admin/rollouts")
     def rollout_start(body: RolloutStart, who: Principal = Depends(admin)):
         if body.baseline != "current":

@@ -1,9 +1,9 @@
 """kvd router: one OpenAI-compatible front for several kvd replicas, sending each completion
 where a routing policy (kvctl.policies.routing) says it will be served best.
 
-For each request it asks every replica at once how much of the prompt its device cache holds
-(`/admin/explain`) and how busy it is (`/admin/status`: its predicted wait, running and waiting
-requests, measured prefill rate), lets the policy choose, and forwards the request's body to that
+For each request it asks every replica at once, in one call each (`/admin/route-facts`), how
+much of the prompt its device cache holds and how busy it is (its predicted wait, running and
+waiting requests, measured prefill rate), lets the policy choose, and forwards the request's body to that
 replica unchanged, streaming the answer back as it comes. The answer names the replica
 (`X-KVD-Replica`) and the reason (`X-KVD-Route`). A replica that does not answer the questions
 is left out of that choice; when none answers, the request gets a 503 that names them.
@@ -25,7 +25,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvctl.policies.routing import ReplicaFacts, Router
+from kvctl.policies.routing import Router, facts_from_answer
 
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the two questions is left out
 FORWARD_TIMEOUT_S = 600.0
@@ -78,25 +78,17 @@ class RouterService:
         """The replica's facts for this prompt and the prompt's length in its tokens, or None (and
         its error kept) when it cannot say."""
         try:
-            calls = [replica.client.get("/admin/status", timeout=ASK_TIMEOUT_S)]
-            if question is not None:
-                calls.append(replica.client.post("/admin/explain", json={**question, "tenant": tenant},
-                                                 timeout=ASK_TIMEOUT_S))
-            answers = await asyncio.gather(*calls)
-            for answer in answers:
-                answer.raise_for_status()
-            queue = answers[0].json()["queue"]
-            explained = answers[1].json() if question is not None else {"hit_tokens": 0, "prompt_tokens": 0}
-            cached, prompt_tokens = explained["hit_tokens"], explained["prompt_tokens"]
+            answer = await replica.client.post("/admin/route-facts", json={**(question or {"tokens": []}),
+                                                                            "tenant": tenant},
+                                               timeout=ASK_TIMEOUT_S)
+            answer.raise_for_status()
+            known = answer.json()
+            facts = facts_from_answer(known, replica.open)
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
             return None
         replica.last_error = None
-        predicted = queue.get("predicted_wait_seconds")
-        wait = predicted if predicted is not None else (queue["oldest_age_seconds"] if queue["waiting"] else 0.0)
-        facts = ReplicaFacts(cached, wait, max(queue["running"] + queue["waiting"], replica.open),
-                             queue.get("prefill_tokens_per_second"))
-        return facts, prompt_tokens
+        return facts, known["prompt_tokens"]
 
     async def choose(self, body: dict, tenant: str | None) -> tuple[Replica, str]:
         question = explain_body(body.get("prompt"))

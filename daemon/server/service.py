@@ -1049,6 +1049,26 @@ class EngineService:
                          result=result, detail=body)
         return body
 
+    def route_facts(self, token_ids: list[int], tenant: str) -> dict:
+        """This replica for this prompt, as a router weighs it: the prompt's tokens its device
+        cache holds, and its load (see `Engine.predicted_wait`). Hashes before taking the lock."""
+        engine = self.require_ready()
+        keys = engine.prefix_keys(tenant, token_ids)[2]
+        with self.lock:
+            hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
+            below = keys[hits] if hits < engine.cache.cacheable_blocks(len(token_ids)) else None
+            lower = self.tiers.location(below) if self.tiers is not None and below is not None else "evicted"
+            waiting = engine.waiting()
+            now = engine.clock()
+            rate = engine.prefill_rate
+            return {"prompt_tokens": len(token_ids), "cached_tokens": hits * engine.settings.block_size,
+                    # where the next block is, when a lower tier holds it (a restore, not a recompute)
+                    "lower_tier": None if lower == "evicted" else lower,
+                    "running": engine.num_running, "waiting": len(waiting),
+                    "oldest_age_seconds": max((now - s.request.metrics.arrival for s in waiting), default=0.0),
+                    "tokens_ahead": engine.tokens_ahead(), "predicted_wait_seconds": engine.predicted_wait(),
+                    "prefill_tokens_per_second": rate.rate if rate.samples else None}
+
     def explain(self, token_ids: list[int], tenant: str) -> dict:
         engine = self.require_ready()
         size = engine.settings.block_size
