@@ -190,3 +190,10 @@ def test_kvd_router_refuses_bad_settings_by_name(tmp_path):
         result = runner.invoke(app, ["router", *args, "--socket", str(tmp_path / "r.sock")])
         assert result.exit_code == 2 and message in result.output, (args, result.output)
     assert not (tmp_path / "r.sock").exists()
+
+
+def test_a_body_over_the_limit_is_refused_before_the_router_reads_it(replicas):
+    service, _ = router_app(replicas, "round_robin")
+    app = create_router_app(service, max_request_bytes=1024)
+    [answer] = drive(app, [lambda c: post(c, "x" * 2000)])
+    assert answer.status_code == 413 and service.status()["replicas"][0]["sent"] == 0

@@ -12,7 +12,8 @@ is left out of that choice; when none answers, the request gets a 503 that names
 
 The front is a Unix socket (mode 0660), like kvd's own: its callers are trusted, and
 X-KVD-Tenant passes through to the replica. Replicas are Unix sockets, or http(s) URLs reached
-with a bearer token that has the admin role (the questions are admin calls).
+with a bearer token that has the admin role (the questions are admin calls); such a replica
+honours the passed X-KVD-Tenant only with `trusted_proxy: true`, else the token's tenant counts.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvctl.policies.routing import Router, facts_from_answer
+
+from .body_limit import BodyLimit
 
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the two questions is left out
 FORWARD_TIMEOUT_S = 600.0
@@ -108,8 +111,11 @@ class RouterService:
                              for r in self.replicas]}
 
 
-def create_router_app(service: RouterService) -> FastAPI:
+def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**20) -> FastAPI:
+    """The router's front; a body over `max_request_bytes` is refused (413) before it is read
+    whole, as kvd refuses it."""
     app = FastAPI(title="kvd router", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=lambda: max_request_bytes)
 
     def error(status: int, message: str, code: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "router_error", "param": None, "code": code}},
