@@ -102,11 +102,13 @@ def test_a_replica_that_does_not_answer_is_left_out_and_none_answering_is_a_503(
 
 def test_a_replicas_own_refusal_reaches_the_caller_and_bad_json_is_refused_here(replicas):
     _, app = router_app(replicas, "round_robin")
-    answers = drive(app, [lambda c: post(c, "hello", max_tokens=0),
+    answers = drive(app, [lambda c: post(c, "hello", max_tokens=0), lambda c: post(c, [1, 2, 999_999]),
                           lambda c: c.post("/v1/completions", content=b"{not json",
                                            headers={"content-type": "application/json"})])
     assert answers[0].status_code == 400 and answers[0].json()["error"]["param"] == "max_tokens"
-    assert answers[1].status_code == 400 and answers[1].json()["error"]["message"] == "body: expected a JSON object"
+    # a prompt the replicas refuse to even look at is forwarded, and the replica's refusal comes back
+    assert answers[1].status_code == 400 and answers[1].json()["error"]["param"] == "prompt"
+    assert answers[2].status_code == 400 and answers[2].json()["error"]["message"] == "body: expected a JSON object"
 
 
 def test_a_tcp_replica_needs_a_token():

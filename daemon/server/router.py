@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvctl.policies.routing import Router, facts_from_answer
+from kvctl.policies.routing import ReplicaFacts, Router, facts_from_answer
 
 from .body_limit import BodyLimit
 
-ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the two questions is left out
+ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left out
 FORWARD_TIMEOUT_S = 600.0
 PASSED_HEADERS = ("x-kvd-tenant", "content-type")
 
@@ -59,8 +59,8 @@ def replica_client(spec: str, token: str | None = None, transport: httpx.AsyncBa
                              transport=transport or httpx.AsyncHTTPTransport(uds=spec))
 
 
-def explain_body(prompt) -> dict | None:
-    """What /admin/explain takes for the request's (first) prompt; None when it has none we can read."""
+def question_of(prompt) -> dict | None:
+    """What /admin/route-facts takes for the request's (first) prompt; None when it has none we can read."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch: routed by its first prompt
     if isinstance(prompt, str):
@@ -74,7 +74,6 @@ def explain_body(prompt) -> dict | None:
 class RouterService:
     replicas: list[Replica]
     router: Router
-    routed: dict[str, int] = field(default_factory=dict)  # replica name -> requests routed there
 
     async def ask(self, replica: Replica, question: dict | None, tenant: str | None
                   ) -> tuple[ReplicaFacts, int] | None:
@@ -84,6 +83,9 @@ class RouterService:
             answer = await replica.client.post("/admin/route-facts", json={**(question or {"tokens": []}),
                                                                             "tenant": tenant},
                                                timeout=ASK_TIMEOUT_S)
+            if answer.status_code in (400, 413, 422):  # the prompt is bad, not the replica: it says so
+                replica.last_error = None  # when the request reaches it
+                return ReplicaFacts(0, 0.0, replica.open), 0
             answer.raise_for_status()
             known = answer.json()
             facts = facts_from_answer(known, replica.open)
@@ -94,7 +96,7 @@ class RouterService:
         return facts, known["prompt_tokens"]
 
     async def choose(self, body: dict, tenant: str | None) -> tuple[Replica, str]:
-        question = explain_body(body.get("prompt"))
+        question = question_of(body.get("prompt"))
         facts = await asyncio.gather(*(self.ask(r, question, tenant) for r in self.replicas))
         live = [(r, a) for r, a in zip(self.replicas, facts) if a is not None]
         if not live:
@@ -186,7 +188,6 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         except httpx.HTTPError as exc:
             replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
             return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
-        service.routed[replica.name] = service.routed.get(replica.name, 0) + 1
         replica.open += 1
         answer_headers = {"X-KVD-Replica": replica.name, "X-KVD-Route": reason}
         media = upstream.headers.get("content-type", "application/json")
