@@ -315,12 +315,26 @@ class Engine:
             ahead += max(tokens - self.cache.lookup(keys, tokens) * size, 0)
         return ahead
 
-    def predicted_wait(self) -> float | None:
-        """Seconds before a request arriving now starts computing: `tokens_ahead` at the measured
-        prefill rate; None until a prefill step has been measured."""
+    def predicted_wait(self, ahead: int | None = None) -> float | None:
+        """Seconds before a request arriving now starts computing: `tokens_ahead` (or `ahead`,
+        already counted) at the measured prefill rate; None until a prefill step has been measured."""
         if not self.prefill_rate.samples:
             return None
-        return self.tokens_ahead() / self.prefill_rate.rate
+        return (self.tokens_ahead() if ahead is None else ahead) / self.prefill_rate.rate
+
+    def queue_figures(self) -> dict:
+        """The queue as /admin/status and /admin/route-facts report it: waiting and running
+        requests, the oldest's age, the prompt tokens ahead of a new request and its predicted
+        wait, and the measured prefill rate (None until measured). Call under the service lock."""
+        waiting = self.waiting()
+        now = self.clock()
+        ahead = self.tokens_ahead()
+        rate = self.prefill_rate
+        return {"waiting": len(waiting),
+                "oldest_age_seconds": max((now - s.request.metrics.arrival for s in waiting), default=0.0),
+                "running": self.num_running, "tokens_ahead": ahead,
+                "prefill_tokens_per_second": rate.rate if rate.samples else None,
+                "predicted_wait_seconds": self.predicted_wait(ahead)}
 
     def has_work(self) -> bool:
         return bool(self._running) or any(s.status is SeqStatus.WAITING for _, s in self._waiting)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
-from kvctl.daemon.cache.events import KINDS, TIERS, EventLog, KeyPrefix
+from kvctl.daemon.cache.events import KINDS, TIERS, EventLog, EventPage, KeyPrefix
 
 from .service import ServiceError
 
@@ -51,17 +51,19 @@ def parse_key(value: str | None) -> KeyPrefix | None:
         raise ServiceError(400, str(exc), "key") from None
 
 
+def _answer(log: EventLog, page: EventPage, latest: int) -> dict:
+    return {"stream_id": log.stream_id, "events": [e.to_json() for e in page.events], "next": page.next_seq,
+            "oldest": page.oldest_seq, "latest": latest, "gap": page.gap}
+
+
 def read_tail(log: EventLog, count: int, kinds, tiers, key: KeyPrefix | None = None) -> dict:
     """The newest `count` events that pass the filters (what `kvctl events` shows first)."""
     page = log.last(count, kinds, tiers, key)
-    return {"stream_id": log.stream_id, "events": [e.to_json() for e in page.events], "next": page.next_seq,
-            "oldest": page.oldest_seq, "latest": page.next_seq, "gap": False}
+    return _answer(log, page, page.next_seq)
 
 
 def read_page(log: EventLog, since: int, limit: int, kinds, tiers, key: KeyPrefix | None = None) -> dict:
-    page = log.since(since, limit, kinds, tiers, key)
-    return {"stream_id": log.stream_id, "events": [e.to_json() for e in page.events], "next": page.next_seq,
-            "oldest": page.oldest_seq, "latest": log.seq, "gap": page.gap}
+    return _answer(log, log.since(since, limit, kinds, tiers, key), log.seq)
 
 
 async def wait_for_events(log: EventLog, since: int, limit: int, kinds, tiers, wait: float,

@@ -672,9 +672,7 @@ class EngineService:
             cache = engine.cache
             counts = cache.state_counts()
             stats = engine.stats
-            waiting = engine.waiting()
-            now = engine.clock()
-            oldest = max((now - s.request.metrics.arrival for s in waiting), default=0.0)
+            queue = engine.queue_figures()
             block_map = None
             if with_blocks:
                 block_map = self._block_map()
@@ -697,14 +695,7 @@ class EngineService:
                            "recomputed": stats.recomputed_tokens, "restored": stats.restored_tokens,
                            "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
                 "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions},
-                "queue": {"waiting": len(waiting), "oldest_age_seconds": oldest,
-                          "running": engine.num_running,
-                          # what a request arriving now waits for: prompt tokens ahead of it at the
-                          # measured prefill rate (None until a prefill step was measured)
-                          "tokens_ahead": engine.tokens_ahead(),
-                          "prefill_tokens_per_second": engine.prefill_rate.rate if engine.prefill_rate.samples
-                          else None,
-                          "predicted_wait_seconds": engine.predicted_wait()},
+                "queue": queue,
                 "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
                 # model steps by kind and their summed wall time: Δseconds / Δwall is how busy the engine is
                 "steps": {kind: {"count": stats.steps[kind], "seconds": stats.step_seconds[kind]}
@@ -1058,16 +1049,9 @@ class EngineService:
             hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
             below = keys[hits] if hits < engine.cache.cacheable_blocks(len(token_ids)) else None
             lower = self.tiers.location(below) if self.tiers is not None and below is not None else "evicted"
-            waiting = engine.waiting()
-            now = engine.clock()
-            rate = engine.prefill_rate
             return {"prompt_tokens": len(token_ids), "cached_tokens": hits * engine.settings.block_size,
                     # where the next block is, when a lower tier holds it (a restore, not a recompute)
-                    "lower_tier": None if lower == "evicted" else lower,
-                    "running": engine.num_running, "waiting": len(waiting),
-                    "oldest_age_seconds": max((now - s.request.metrics.arrival for s in waiting), default=0.0),
-                    "tokens_ahead": engine.tokens_ahead(), "predicted_wait_seconds": engine.predicted_wait(),
-                    "prefill_tokens_per_second": rate.rate if rate.samples else None}
+                    "lower_tier": None if lower == "evicted" else lower, **engine.queue_figures()}
 
     def explain(self, token_ids: list[int], tenant: str) -> dict:
         engine = self.require_ready()
