@@ -209,16 +209,23 @@ def router(
                                           "caches more."),
     prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second of a replica that has "
                                        "not measured its own yet."),
+    view: str = typer.Option("ask", help="How it learns what each replica caches and how busy it is: ask "
+                             "(every replica, per request) or events (follows their event feeds and "
+                             "polls their load; no call on the request's path)."),
+    load_interval: float = typer.Option(0.25, help="events: seconds between load polls of each replica."),
+    pending_seconds: float = typer.Option(30.0, help="events: how long a prompt just sent to a replica "
+                                          "counts as cached there before its feed confirms it."),
     token_file: Optional[str] = typer.Option(None, help="Bearer token (admin role) for URL replicas."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Serve one OpenAI-compatible front for several replicas, each request routed by a policy.
 
-    It asks every replica what it caches of the prompt and how busy it is, picks one by the
-    routing policy, and streams that replica's answer back (headers X-KVD-Replica, X-KVD-Route).
+    It learns what every replica caches of the prompt and how busy it is (--view), picks one by
+    the routing policy, and streams that replica's answer back (headers X-KVD-Replica, X-KVD-Route).
 
     Example: kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock
     """
+    from kvctl.daemon.server.router import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
@@ -233,34 +240,40 @@ def router(
                 token = Path(token_file).read_text().split()[0]
             except (OSError, IndexError):
                 raise ValueError(f"token_file: cannot read a token from {token_file!r}") from None
-        asyncio.run(_route(replica, socket_path, policy, token))
+        replicas = [Replica(spec, replica_client(spec, token)) for spec in replica]
+        service = RouterService(replicas, policy, view=view, load_interval=load_interval,
+                                pending_seconds=pending_seconds)
+        asyncio.run(_route(service, socket_path))
     except (RuntimeError, OSError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         raise typer.Exit(2)
 
 
-async def _route(specs: list[str], socket_path: str, policy, token: str | None) -> None:
+async def _route(service, socket_path: str) -> None:
     import uvicorn
 
-    from kvctl.daemon.server.router import Replica, RouterService, create_router_app, replica_client
+    from kvctl.daemon.server.router import create_router_app
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):  # handled below: a stop by SIGTERM is a clean exit, not a re-raised signal
             yield
 
-    replicas = [Replica(spec, replica_client(spec, token)) for spec in specs]
     sock = bind_unix_socket(socket_path)
-    server = _Server(uvicorn.Config(create_router_app(RouterService(replicas, policy)), log_level="warning",
-                                    lifespan="off"))
+    server = _Server(uvicorn.Config(create_router_app(service), log_level="warning", lifespan="off"))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    log.info("kvd router listening on %s, %s routing over %s", socket_path, policy.name, ", ".join(specs))
+    followers = service.follow()
+    log.info("kvd router listening on %s, %s routing over %s (view: %s)", socket_path, service.router.name,
+             ", ".join(r.name for r in service.replicas), service.view)
     try:
         await server.serve(sockets=[sock])
     finally:
-        for r in replicas:
+        for task in followers:
+            task.cancel()
+        await asyncio.gather(*followers, return_exceptions=True)
+        for r in service.replicas:
             await r.client.aclose()
         with contextlib.suppress(OSError):
             os.unlink(socket_path)

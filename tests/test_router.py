@@ -38,11 +38,24 @@ class Down(httpx.AsyncBaseTransport):
         raise httpx.ConnectError("connection refused", request=request)
 
 
-def router_app(apps, routing="prefix", down=()):
+class Counting(httpx.AsyncBaseTransport):
+    """Passes requests to an app, counting the route-facts questions that carry a prompt."""
+
+    def __init__(self, app) -> None:
+        self.inner, self.prompt_questions = httpx.ASGITransport(app=app), 0
+
+    async def handle_async_request(self, request):
+        if request.url.path == "/admin/route-facts" and json.loads(request.content).get("tokens") != []:
+            self.prompt_questions += 1
+        return await self.inner.handle_async_request(request)
+
+
+def router_app(apps, routing="prefix", down=(), view="ask", pending_seconds=30.0):
     replicas = [Replica(f"replica-{i}", replica_client(f"/run/replica-{i}.sock",
-                                                       transport=Down() if i in down else httpx.ASGITransport(app=a)))
+                                                       transport=Down() if i in down else Counting(a)))
                 for i, a in enumerate(apps)]
-    service = RouterService(replicas, make_router(routing))
+    service = RouterService(replicas, make_router(routing), view=view, load_interval=0.05,
+                            pending_seconds=pending_seconds)
     return service, create_router_app(service)
 
 
@@ -51,12 +64,35 @@ async def post(client, prompt, **extra):
                                                       "ignore_eos": True, **extra})
 
 
-def drive(app, steps):
+def drive(app, steps, service=None, synced=None):
+    """Run `steps` against the router's app in one event loop; with `service`, its followers run
+    meanwhile, and the steps start once the replicas named by `synced` (default: all) are followed."""
     async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=60) as client:
-            return [await step(client) for step in steps]
+        followers = service.follow() if service is not None else []
+        try:
+            if service is not None:
+                await until_followed(service, range(len(service.replicas)) if synced is None else synced)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=60) as client:
+                return [await step(client) for step in steps]
+        finally:
+            for task in followers:
+                task.cancel()
+            await asyncio.gather(*followers, return_exceptions=True)
     return asyncio.run(go())
+
+
+async def until_followed(service, indexes, settled=False, timeout=20.0):
+    """Wait until each named replica's view is synced with a load answer (and, with `settled`,
+    its feed has confirmed or dropped everything the router sent there)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        views = [service.replicas[i].view for i in indexes]
+        if all(v.synced and v.load is not None and not (settled and v.pending) for v in views):
+            return
+        assert loop.time() < deadline, service.status()
+        await asyncio.sleep(0.02)
 
 
 def test_prefix_routing_sends_a_prompt_where_its_prefix_is_cached_and_spreads_new_ones(replicas):
@@ -132,7 +168,8 @@ def test_the_routers_status_sums_the_fleets_steps_and_queues(replicas):
     assert body["queue"] == {"waiting": 0, "running": 0}
 
 
-def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path):
+@pytest.mark.parametrize("view", ["ask", "events"])
+def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view):
     """Real processes: two kvd, then `kvd router` in front of them; prompts sharing a system
     prompt land together, the router stops cleanly on SIGTERM and removes its socket."""
     import os
@@ -149,7 +186,7 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path):
         front = tmp_path / "router.sock"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
         router = subprocess.Popen([str(BIN / "kvd"), "router", "--replica", str(sock_a), "--replica", str(sock_b),
-                                   "--socket", str(front), "--log-level", "warning"], env=env,
+                                   "--socket", str(front), "--view", view, "--log-level", "warning"], env=env,
                                   stdout=open(tmp_path / "router.log", "ab"), stderr=subprocess.STDOUT)
         client = httpx.Client(base_url="http://router", transport=httpx.HTTPTransport(uds=str(front)), timeout=60)
         try:
@@ -168,6 +205,12 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path):
             assert answers[0].headers["x-kvd-replica"] == answers[1].headers["x-kvd-replica"] == str(sock_a)
             assert answers[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             assert client.get("/v1/models").json()["data"][0]["owned_by"] == "kvd"
+            if view == "events":  # it follows both feeds; the replica that served holds the prompt's blocks
+                while not all(r["view"]["synced"] for r in client.get("/router/status").json()["replicas"]):
+                    assert time.monotonic() < deadline + 30
+                    time.sleep(0.05)
+                rows = client.get("/router/status").json()["replicas"]
+                assert rows[0]["view"]["device_keys"] > 0 and rows[0]["view"]["feed_error"] is None
         finally:
             client.close()
             router.send_signal(signal.SIGTERM)
@@ -186,6 +229,10 @@ def test_kvd_router_refuses_bad_settings_by_name(tmp_path):
               "kvd: error: routing: unknown value 'random'"),
              (["--replica", "/a.sock", "--replica", "http://10.0.0.2:8000"],
               "kvd: error: replica: 'http://10.0.0.2:8000' is reached over TCP and needs --token-file"),
+             (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "gossip"],
+              "kvd: error: view: unknown value 'gossip'; use ask or events"),
+             (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "events", "--load-interval", "0"],
+              "kvd: error: load_interval: must be > 0 seconds, got 0.0"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--token-file", str(tmp_path / "none")],
               f"kvd: error: token_file: cannot read a token from {str(tmp_path / 'none')!r}")]
     for args, message in cases:
@@ -199,3 +246,96 @@ def test_a_body_over_the_limit_is_refused_before_the_router_reads_it(replicas):
     app = create_router_app(service, max_request_bytes=1024)
     [answer] = drive(app, [lambda c: post(c, "x" * 2000)])
     assert answer.status_code == 413 and service.status()["replicas"][0]["sent"] == 0
+
+
+SYSTEM_C = "You route requests across replicas by what each one caches; answer with one replica name. " * 2
+SYSTEM_D = "You summarise eviction logs for on-call operators in two sentences, never more than that. " * 2
+SYSTEM_E = "You explain the cost of recomputing a prompt prefix against restoring it from a lower tier. " * 2
+SYSTEM_F = "Keep answers to one line; name the tier a block lives in and why it moved there last. " * 2
+
+
+def routed_cached(answer) -> int:
+    """The cached tokens the router counted for the replica it chose (its X-KVD-Route reason)."""
+    reason = answer.headers["x-kvd-route"]
+    assert reason.startswith("caches "), reason
+    return int(reason.split()[1])
+
+
+def test_the_events_view_routes_with_no_question_on_the_requests_path_and_counts_as_kvd_does(replicas):
+    service, app = router_app(replicas, "prefix", view="events")
+
+    async def settled(client):
+        await until_followed(service, (0, 1), settled=True)
+
+    answers = drive(app, [lambda c: post(c, SYSTEM_C + "Q1?"), settled, lambda c: post(c, SYSTEM_C + "Q2?"),
+                          lambda c: post(c, SYSTEM_D + "Q1?"), settled, lambda c: post(c, SYSTEM_D + "Q2?"),
+                          lambda c: post(c, SYSTEM_C + "Q3?")], service=service)
+    answers = [a for a in answers if a is not None]
+    assert [a.status_code for a in answers] == [200] * 5
+    assert [a.headers["x-kvd-replica"] for a in answers] == [
+        "replica-0", "replica-0", "replica-1", "replica-1", "replica-0"]
+    cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+    assert cached[0] == cached[2] == 0
+    # the router hashed the prompts itself, from the replicas' tokenizer and namespace and their
+    # feeds: what it counted is what the replica then found
+    assert [routed_cached(answers[i]) for i in (1, 3, 4)] == [cached[1], cached[3], cached[4]]
+    assert all(c > 0 for c in (cached[1], cached[3], cached[4]))
+    assert [r.client._transport.prompt_questions for r in service.replicas] == [0, 0]
+    status = service.status()
+    assert status["view"] == "events"
+    assert [(r["sent"], r["view"]["synced"], r["view"]["feed_error"]) for r in status["replicas"]] == [
+        (3, True, None), (2, True, None)]
+    assert all(r["view"]["device_keys"] > 0 for r in status["replicas"])
+
+
+def test_a_burst_sharing_a_new_prefix_goes_to_one_replica_with_the_events_view_not_with_ask(replicas):
+    def burst(system):
+        return lambda client: asyncio.gather(*(post(client, system + q) for q in ("Q1?", "Q2?", "Q3?")))
+
+    service, app = router_app(replicas, "prefix", view="ask")
+    [asked] = drive(app, [burst(SYSTEM_E)])
+    # asked at once, no replica holds the prefix yet: they spread, and each replica computes it
+    assert len({a.headers["x-kvd-replica"] for a in asked}) == 2
+
+    service, app = router_app(replicas, "prefix", view="events")
+    [followed] = drive(app, [burst(SYSTEM_F)], service=service)
+    # the first one sent counts as cached where it went, until that replica's feed says
+    assert len({a.headers["x-kvd-replica"] for a in followed}) == 1
+    assert [a.headers["x-kvd-route"].split()[0] for a in followed] == ["no", "caches", "caches"]
+
+
+def test_the_events_view_asks_a_replica_it_cannot_follow_and_leaves_out_one_that_is_down(replicas):
+    service, app = router_app(replicas, "least_loaded", down=(0,), view="events")
+    [answer] = drive(app, [lambda c: post(c, SYSTEM_D + "Q8?")], service=service, synced=(1,))
+    assert answer.status_code == 200 and answer.headers["x-kvd-replica"] == "replica-1"
+    row = service.status()["replicas"][0]
+    assert row["view"]["synced"] is False and row["view"]["feed_error"].startswith("feed: ConnectError")
+    assert row["last_error"].startswith("ConnectError: connection refused")  # asked, as the view could not say
+    assert service.replicas[1].client._transport.prompt_questions == 0
+
+    service, app = router_app(replicas, "least_loaded", down=(0, 1), view="events")
+    [answer] = drive(app, [lambda c: post(c, "anything")], service=service, synced=())
+    assert answer.status_code == 503
+    assert answer.json()["error"]["message"] == (
+        "no replica answered: replica-0 (ConnectError: connection refused); "
+        "replica-1 (ConnectError: connection refused)")
+
+
+def test_the_events_view_forwards_a_prompt_it_cannot_hash_and_the_replica_refuses_it(replicas):
+    service, app = router_app(replicas, "prefix", view="events")
+    answers = drive(app, [lambda c: post(c, [1, 2, -5]), lambda c: post(c, {"not": "a prompt"})], service=service)
+    assert [a.status_code for a in answers] == [400, 400]
+    assert [a.json()["error"]["param"] for a in answers] == ["prompt", "prompt"]
+    assert [r.client._transport.prompt_questions for r in service.replicas] == [0, 0]
+
+
+def test_a_replica_serves_its_tokenizer_with_the_digest_its_keys_are_made_under(replicas):
+    from kvctl.daemon.model.tokenizer import Tokenizer
+
+    [served, snapshot] = drive(replicas[0], [lambda c: c.get("/admin/tokenizer"),
+                                             lambda c: c.get("/admin/events/snapshot")])
+    body = served.json()
+    tokenizer = Tokenizer.from_texts(body["tokenizer_json"], body["tokenizer_config_json"])
+    assert tokenizer.digest == body["digest"] == snapshot.json()["namespace"]["tokenizer_digest"]
+    [facts] = drive(replicas[0], [lambda c: c.post("/admin/route-facts", json={"text": SYSTEM_A})])
+    assert len(tokenizer.encode(SYSTEM_A)) == facts.json()["prompt_tokens"]

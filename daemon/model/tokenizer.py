@@ -9,21 +9,43 @@ from pathlib import Path
 from .config import ModelError
 
 
-class Tokenizer:
-    def __init__(self, model_dir: Path) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
+def tokenizer_digest(tokenizer_json: str, config_json: str | None) -> str:
+    """SHA-256 of the tokenizer's files, as the namespace of the cache keys records it."""
+    digest = hashlib.sha256(b"kvctl/tokenizer/v1\0" + tokenizer_json.encode("utf-8"))
+    if config_json is not None:
+        digest.update(config_json.encode("utf-8"))
+    return digest.hexdigest()
 
+
+class Tokenizer:
+    """A model's tokenizer: `tokenizer.json` (and `tokenizer_config.json`, for the special
+    tokens) read with the `tokenizers` library. Its `digest` names those two files' bytes: two
+    tokenizers with one digest encode alike (it is part of every cache key's namespace)."""
+
+    def __init__(self, model_dir: Path) -> None:
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise ModelError(f"model: no tokenizer.json in {str(model_dir)!r}")
-        self._tok = HFTokenizer.from_file(str(path))
         config_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        digest = hashlib.sha256(b"kvctl/tokenizer/v1\0" + path.read_bytes())
-        if config_path.is_file():
-            digest.update(config_path.read_bytes())
-        self.digest = digest.hexdigest()
+        # bytes decoded as they are (no newline translation): the digest is of the files' bytes
+        self._load(path.read_bytes().decode("utf-8"),
+                   config_path.read_bytes().decode("utf-8") if config_path.is_file() else None)
+
+    @classmethod
+    def from_texts(cls, tokenizer_json: str, config_json: str | None) -> "Tokenizer":
+        """The tokenizer whose files hold these texts (what kvd's `GET /admin/tokenizer` gives)."""
+        tokenizer = cls.__new__(cls)
+        tokenizer._load(tokenizer_json, config_json)
+        return tokenizer
+
+    def _load(self, tokenizer_json: str, config_json: str | None) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._tok = HFTokenizer.from_str(tokenizer_json)
+        self.texts = (tokenizer_json, config_json)  # as read: the digest is of these
+        self.config = json.loads(config_json) if config_json is not None else {}
+        self.digest = tokenizer_digest(tokenizer_json, config_json)
         self.eos_token_id = self._special(self.config.get("eos_token"))
         self.bos_token_id = self._special(self.config.get("bos_token"))
 

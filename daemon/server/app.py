@@ -380,6 +380,14 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     def events_snapshot(_: Principal = Depends(admin)):
         return event_feed.snapshot(service)
 
+    @app.get("/admin/tokenizer")
+    def tokenizer(_: Principal = Depends(admin)):
+        """The model's tokenizer files as text, with the digest the cache keys' namespace records:
+        a router that computes prompts' keys itself (`kvd router --view events`) loads it from here."""
+        tok = service.require_ready().tokenizer
+        tokenizer_json, config_json = tok.texts
+        return {"digest": tok.digest, "tokenizer_json": tokenizer_json, "tokenizer_config_json": config_json}
+
     @app.get("/admin/pins")
     def pins(_: Principal = Depends(admin)):
         return {"pins": service.list_pins()}

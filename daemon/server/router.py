@@ -1,12 +1,22 @@
 """kvd router: one OpenAI-compatible front for several kvd replicas, sending each completion
 where a routing policy (kvctl.policies.routing) says it will be served best.
 
-For each request it asks every replica at once, in one call each (`/admin/route-facts`), how
-much of the prompt its device cache holds and how busy it is (its predicted wait, running and
-waiting requests, measured prefill rate), lets the policy choose, and forwards the request's body to that
-replica unchanged, streaming the answer back as it comes. The answer names the replica
-(`X-KVD-Replica`) and the reason (`X-KVD-Route`). A replica that does not answer the questions
-is left out of that choice; when none answers, the request gets a 503 that names them.
+How it learns what each replica holds of a prompt and how busy it is (its predicted wait,
+running and waiting requests, measured prefill rate) is the `view`:
+
+    ask      for each request, every replica is asked at once, one call each
+             (`/admin/route-facts`): exact, at the cost of a round trip per replica per request.
+    events   the router follows each replica's event feed (`/admin/events`) and polls its load;
+             it tokenizes and hashes the prompt itself and decides with no call on the request's
+             path. A prompt it has just sent somewhere counts as cached there until the feed
+             confirms it (or `pending_seconds` pass), so a burst sharing a new prefix goes to one
+             replica instead of every replica computing it. A replica whose feed or load is not
+             current is asked, as with `ask`.
+
+The policy chooses, and the router forwards the request's body to that replica unchanged,
+streaming the answer back as it comes. The answer names the replica (`X-KVD-Replica`) and the
+reason (`X-KVD-Route`). A replica that does not answer is left out of that choice; when none
+answers, the request gets a 503 that names them.
 
     kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock
 
@@ -20,19 +30,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import ReplicaFacts, Router, facts_from_answer
 
 from .body_limit import BodyLimit
+from .replica_feed import Tokenizers, follow_events, poll_load
+from .replica_view import ReplicaView
 
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left out
 FORWARD_TIMEOUT_S = 600.0
 PASSED_HEADERS = ("x-kvd-tenant", "content-type")
+VIEWS = ("ask", "events")
 
 
 @dataclass
@@ -44,6 +60,8 @@ class Replica:
     sent: int = 0
     open: int = 0  # forwarded requests still answering
     last_error: str | None = None
+    view: ReplicaView | None = None  # with --view events: what its feed and load polls say
+    feed_error: str | None = None
 
 
 def replica_client(spec: str, token: str | None = None, transport: httpx.AsyncBaseTransport | None = None
@@ -71,9 +89,52 @@ def question_of(prompt) -> dict | None:
 
 
 @dataclass
+class Local:
+    """One replica weighed from its view: its facts and the prompt's keys under its namespace."""
+
+    facts: ReplicaFacts
+    keys: list[bytes]
+    prompt_tokens: int
+
+
+@dataclass
 class RouterService:
     replicas: list[Replica]
     router: Router
+    view: str = "ask"  # see the module's docstring
+    load_interval: float = 0.25  # events: seconds between load polls of each replica
+    pending_seconds: float = 30.0  # events: how long a sent prompt counts as cached before the feed says
+    clock: Callable[[], float] = time.monotonic
+    tokenizers: Tokenizers = field(default_factory=Tokenizers)
+
+    def __post_init__(self) -> None:
+        if self.view not in VIEWS:
+            raise ValueError(f"view: unknown value {self.view!r}; use {' or '.join(VIEWS)}")
+        if not self.load_interval > 0:
+            raise ValueError(f"load_interval: must be > 0 seconds, got {self.load_interval!r}")
+        if not self.pending_seconds >= 0:
+            raise ValueError(f"pending_seconds: must be >= 0, got {self.pending_seconds!r}")
+        if self.view == "events":
+            for replica in self.replicas:
+                replica.view = ReplicaView(pending_seconds=self.pending_seconds)
+
+    @property
+    def load_stale_seconds(self) -> float:
+        """A load answer older than this is not trusted: the replica is asked instead."""
+        return max(2.0, 10 * self.load_interval)
+
+    def follow(self) -> list[asyncio.Task]:
+        """Start following every replica's feed and load (events view); cancel the tasks to stop."""
+        tasks = []
+        for replica in self.replicas:
+            if replica.view is None:
+                continue
+            def noted(error: str | None, replica: Replica = replica) -> None:
+                replica.feed_error = error
+            tasks.append(asyncio.create_task(follow_events(replica.client, replica.view, self.tokenizers, noted)))
+            tasks.append(asyncio.create_task(poll_load(replica.client, replica.view, self.load_interval,
+                                                       self.clock)))
+        return tasks
 
     async def ask(self, replica: Replica, question: dict | None, tenant: str | None
                   ) -> tuple[ReplicaFacts, int] | None:
@@ -95,22 +156,75 @@ class RouterService:
         replica.last_error = None
         return facts, known["prompt_tokens"]
 
+    def weigh_locally(self, replica: Replica, question: dict | None, tenant: str | None, now: float,
+                      memo: dict) -> Local | None:
+        """The replica's facts from its view, or None when the view is not current (feed not
+        synced, load not polled lately) and the replica must be asked. `memo` keeps the prompt's
+        tokens and keys across replicas that share a tokenizer and a namespace."""
+        view = replica.view
+        if view is None or not view.synced or view.load is None or view.load_age(now) > self.load_stale_seconds:
+            return None
+        namespace = view.namespace
+        if question is None:
+            ids = None
+        elif "tokens" in question:
+            ids = question["tokens"]
+        else:
+            digest = namespace["tokenizer_digest"]
+            if ("ids", digest) not in memo:
+                tokenizer = self.tokenizers.by_digest.get(digest)
+                if tokenizer is None:
+                    return None
+                memo["ids", digest] = tokenizer.encode(question["text"])
+            ids = memo["ids", digest]
+        if not ids:  # no prompt it can read: it goes by load, and the replica says what is wrong
+            return Local(view.facts(0, replica.open), [], 0)
+        name = tuple(sorted(namespace.items()))
+        if ("keys", name) not in memo:
+            try:
+                memo["keys", name] = chain_keys(Namespace(**namespace, tenant=tenant or "default"), ids)
+            except ValueError:  # ids the replica will refuse: it says so when the request reaches it
+                memo["keys", name] = []
+        keys = memo["keys", name]
+        cached = view.cached_tokens(keys, len(ids), now)
+        return Local(view.facts(cached, replica.open), keys, len(ids))
+
     async def choose(self, body: dict, tenant: str | None) -> tuple[Replica, str]:
         question = question_of(body.get("prompt"))
-        facts = await asyncio.gather(*(self.ask(r, question, tenant) for r in self.replicas))
-        live = [(r, a) for r, a in zip(self.replicas, facts) if a is not None]
+        now, memo = self.clock(), {}
+        local = [self.weigh_locally(r, question, tenant, now, memo) for r in self.replicas]
+        asked = await asyncio.gather(*(self.ask(r, question, tenant) for r, known in zip(self.replicas, local)
+                                       if known is None))
+        answers = iter(asked)
+        facts = [(known.facts, known.prompt_tokens) if known is not None else next(answers) for known in local]
+        live = [(i, a) for i, a in enumerate(facts) if a is not None]
         if not live:
-            raise LookupError("no replica answered: " + "; ".join(f"{r.name} ({r.last_error})" for r in self.replicas))
+            raise LookupError("no replica answered: " + "; ".join(
+                f"{r.name} ({r.last_error or r.feed_error})" for r in self.replicas))
         prompt_tokens = max(tokens for _, (_, tokens) in live)
         chosen = self.router.choose(prompt_tokens, [f for _, (f, _) in live])
-        replica = live[chosen.replica][0]
+        index = live[chosen.replica][0]
+        replica = self.replicas[index]
         replica.sent += 1
+        known = local[index]
+        if known is not None and known.keys:  # what it will hold and compute once this arrives
+            replica.view.note_sent(known.keys, known.prompt_tokens - known.facts.cached_tokens, now)
         return replica, chosen.reason
 
     def status(self) -> dict:
-        return {"routing": self.router.name,
-                "replicas": [{"replica": r.name, "sent": r.sent, "open": r.open, "last_error": r.last_error}
-                             for r in self.replicas]}
+        now = self.clock()
+
+        def one(r: Replica) -> dict:
+            row = {"replica": r.name, "sent": r.sent, "open": r.open, "last_error": r.last_error}
+            if r.view is not None:
+                age = r.view.load_age(now)
+                row["view"] = {"synced": r.view.synced, "seq": r.view.seq, "device_keys": len(r.view.keys),
+                               "pending_keys": sum(1 for t in r.view.pending.values() if t > now),
+                               "load_age_seconds": None if age is None else round(age, 3),
+                               "feed_error": r.feed_error}
+            return row
+
+        return {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas]}
 
 
 def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**20) -> FastAPI:

@@ -1,0 +1,105 @@
+"""The router's followers: for each replica, one task that keeps its `ReplicaView` current from
+its event feed (a snapshot, then long-polled pages of device events) and one that polls its load
+(`/admin/route-facts` with no prompt) every `load_interval` seconds. A replica whose tokenizer the
+router has not seen is asked for it once (`GET /admin/tokenizer`), and the digest checked against
+the namespace its cache keys are made under.
+
+A broken feed (the replica gone, an answer that makes no sense) clears the view's keys and the
+task starts over from a snapshot after a pause that doubles up to `RETRY_MAX_S`; meanwhile the
+router asks that replica per request, as `--view ask` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+from kvctl.daemon.model.tokenizer import Tokenizer
+
+from .replica_view import ReplicaView
+
+log = logging.getLogger("kvd.router")
+
+EVENT_WAIT_S = 20.0  # how long one read of the feed is held open by the replica
+RETRY_MIN_S, RETRY_MAX_S = 0.2, 5.0
+PAGE_LIMIT = 10_000
+
+
+class FeedError(Exception):
+    """A replica's answer the view cannot use."""
+
+
+@dataclass
+class Tokenizers:
+    """Tokenizers by digest, each fetched once from a replica that uses it."""
+
+    by_digest: dict[str, Tokenizer] = field(default_factory=dict)
+    _fetching: dict[str, asyncio.Lock] = field(default_factory=dict)
+
+    async def ensure(self, client: httpx.AsyncClient, digest: str) -> Tokenizer:
+        if digest in self.by_digest:
+            return self.by_digest[digest]
+        async with self._fetching.setdefault(digest, asyncio.Lock()):
+            if digest not in self.by_digest:
+                answer = await client.get("/admin/tokenizer", timeout=30.0)
+                answer.raise_for_status()
+                body = answer.json()
+                tokenizer = await asyncio.to_thread(Tokenizer.from_texts, body["tokenizer_json"],
+                                                    body["tokenizer_config_json"])
+                if tokenizer.digest != digest:
+                    raise FeedError(f"tokenizer: the files served have digest {tokenizer.digest[:12]}, "
+                                    f"its cache keys are made under {digest[:12]}")
+                self.by_digest[digest] = tokenizer
+        return self.by_digest[digest]
+
+
+async def follow_events(client: httpx.AsyncClient, view: ReplicaView, tokenizers: Tokenizers,
+                        on_error: Callable[[str | None], None]) -> None:
+    """Keep `view` current from the replica's event feed until cancelled."""
+    pause = RETRY_MIN_S
+    while True:
+        try:
+            answer = await client.get("/admin/events/snapshot", timeout=30.0)
+            answer.raise_for_status()
+            snapshot = answer.json()
+            await tokenizers.ensure(client, snapshot["namespace"]["tokenizer_digest"])
+            view.reset(snapshot)
+            on_error(None)
+            pause = RETRY_MIN_S
+            while True:
+                answer = await client.get("/admin/events", params={
+                    "since": view.seq, "tier": "device", "wait": EVENT_WAIT_S, "limit": PAGE_LIMIT},
+                    timeout=EVENT_WAIT_S + 10.0)
+                answer.raise_for_status()
+                if not view.apply(answer.json()):
+                    log.info("replica's feed restarted or fell behind: taking a new snapshot")
+                    break
+        except asyncio.CancelledError:
+            raise
+        except (httpx.HTTPError, FeedError, KeyError, TypeError, ValueError) as exc:
+            view.lose()
+            on_error(f"feed: {type(exc).__name__}: {exc}"[:300])
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_MAX_S)
+
+
+async def poll_load(client: httpx.AsyncClient, view: ReplicaView, interval: float,
+                    clock: Callable[[], float] = time.monotonic) -> None:
+    """Ask the replica for its queue figures every `interval` seconds until cancelled; a failed
+    ask leaves the last answer to age (the router stops trusting it, see `RouterService`)."""
+    while True:
+        asked = clock()
+        try:
+            answer = await client.post("/admin/route-facts", json={"tokens": []}, timeout=2.0)
+            answer.raise_for_status()
+            view.note_load(answer.json(), asked)
+        except asyncio.CancelledError:
+            raise
+        except (httpx.HTTPError, ValueError):
+            pass
+        await asyncio.sleep(interval)

@@ -1,0 +1,127 @@
+"""What a router knows of one replica without asking it per request: the blocks its device cache
+holds (its event feed, applied to a snapshot), the blocks the router has just sent there and
+expects it to store, and its load (polled) plus the work the router has sent since that poll.
+
+The view is plain data fed pages of kvd's event feed, load answers and an explicit `now`; it
+does no I/O (the router's follower tasks do, `kvctl.daemon.server.replica_feed`). With it a router
+computes a prompt's keys itself (`kvctl.daemon.cache.keys.chain_keys` under the replica's
+namespace) and weighs every replica with no call on the request's path.
+
+    view = ReplicaView(pending_seconds=30)
+    view.reset(snapshot_answer)          # GET /admin/events/snapshot
+    view.apply(events_answer)            # GET /admin/events?since=view.seq&tier=device; False: resnapshot
+    view.note_load(route_facts_answer, asked_at=t0)   # POST /admin/route-facts with no prompt
+    view.cached_tokens(keys, prompt_tokens, now)      # leading prompt tokens held, or about to be
+    view.note_sent(keys, missing_tokens, now)         # after routing a request there
+    view.facts(cached, in_flight)                     # ReplicaFacts for the routing policy
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from kvctl.daemon.cache.keys import Namespace
+from kvctl.policies.routing import ReplicaFacts, facts_from_answer
+
+
+@dataclass
+class ReplicaView:
+    """One replica's device keys, the router's pending sends there, and its load."""
+
+    pending_seconds: float = 30.0  # how long a sent prompt's blocks count as held before the feed confirms them
+    stream_id: str | None = None
+    seq: int = 0  # the newest event applied; ask for the events after it
+    block_size: int | None = None
+    namespace: dict | None = None  # the replica's namespace fields, less the tenant
+    keys: set[bytes] = field(default_factory=set)  # on its device now, as its feed says
+    pending: dict[bytes, float] = field(default_factory=dict)  # key -> when the router stops expecting it
+    load: dict | None = None  # its latest answer to route-facts
+    load_asked_at: float | None = None
+    sent_since: list[tuple[float, int]] = field(default_factory=list)  # (when, prompt tokens it lacked)
+
+    @property
+    def synced(self) -> bool:
+        return self.stream_id is not None
+
+    def lose(self) -> None:
+        """The feed broke (the replica went away, or answered nonsense): forget its keys until a
+        new snapshot. Pending sends stay: they are the router's own books."""
+        self.stream_id, self.namespace, self.block_size = None, None, None
+        self.keys = set()
+
+    # ---- the feed ------------------------------------------------------------------------------
+    def reset(self, snapshot: dict) -> None:
+        """Start over from `GET /admin/events/snapshot`: its device keys, seq, stream and namespace."""
+        names = {f.name for f in fields(Namespace)} - {"tenant"}
+        namespace = snapshot["namespace"]
+        if set(namespace) != names:
+            raise ValueError(f"snapshot.namespace: expected the fields {sorted(names)}, got {sorted(namespace)}")
+        self.keys = {bytes.fromhex(k) for k in snapshot["tiers"]["device"]}
+        self.pending = {k: t for k, t in self.pending.items() if k not in self.keys}
+        self.stream_id, self.seq = snapshot["stream_id"], int(snapshot["seq"])
+        self.block_size, self.namespace = int(snapshot["block_size"]), dict(namespace)
+
+    def apply(self, page: dict) -> bool:
+        """Apply a page of `GET /admin/events` (device tier). False, with nothing applied, when the
+        view must start again from a snapshot: the replica restarted (another stream) or the page
+        says events were dropped before it was read (a gap)."""
+        if page["stream_id"] != self.stream_id or page["gap"]:
+            return False
+        for event in page["events"]:
+            if event["tier"] != "device":
+                continue
+            keys = [bytes.fromhex(k) for k in event["keys"]]
+            if event["kind"] == "stored":
+                self.keys.update(keys)
+            else:
+                self.keys.difference_update(keys)
+            for key in keys:  # stored: no longer only expected; removed: not to be expected either
+                self.pending.pop(key, None)
+        self.seq = int(page["next"])
+        return True
+
+    # ---- what it holds of a prompt ------------------------------------------------------------
+    def cacheable_blocks(self, prompt_tokens: int) -> int:
+        """Full blocks a prompt may take from the cache (its last token is always computed), as
+        the replica's cache manager counts them."""
+        return max(prompt_tokens - 1, 0) // self.block_size
+
+    def cached_tokens(self, keys: list[bytes], prompt_tokens: int, now: float) -> int:
+        """Leading prompt tokens the replica holds, or will hold once what the router sent there
+        is computed: whole blocks, as route-facts counts them."""
+        held = 0
+        for key in keys[:self.cacheable_blocks(prompt_tokens)]:
+            if key not in self.keys and self.pending.get(key, float("-inf")) <= now:
+                break
+            held += 1
+        return held * self.block_size
+
+    def note_sent(self, keys: list[bytes], missing_tokens: int, now: float) -> None:
+        """The router sent a prompt with these block keys there, lacking `missing_tokens`: count
+        its blocks as held for `pending_seconds` unless the feed says otherwise, and its work as
+        ahead of the next request until a load answer asked after now includes it."""
+        until = now + self.pending_seconds
+        for key in keys:
+            if key not in self.keys:
+                self.pending[key] = until
+        self.sent_since.append((now, missing_tokens))
+        if len(self.pending) > 4 * 65536:  # a long run of unconfirmed sends: drop the expired ones
+            self.pending = {k: t for k, t in self.pending.items() if t > now}
+
+    # ---- its load -----------------------------------------------------------------------------
+    def note_load(self, answer: dict, asked_at: float) -> None:
+        """A route-facts answer (its queue figures), asked at `asked_at`: sends before that are in it."""
+        self.load, self.load_asked_at = answer, asked_at
+        self.sent_since = [(t, n) for t, n in self.sent_since if t >= asked_at]
+
+    def load_age(self, now: float) -> float | None:
+        return None if self.load_asked_at is None else now - self.load_asked_at
+
+    def facts(self, cached_tokens: int, in_flight: int) -> ReplicaFacts:
+        """The replica as the routing policy weighs it: the cached tokens given, and its polled
+        wait lengthened by the prompt tokens sent there since, at its measured prefill rate."""
+        polled = facts_from_answer({**self.load, "cached_tokens": cached_tokens}, in_flight)
+        rate = polled.prefill_rate
+        extra = sum(n for _, n in self.sent_since)
+        wait = polled.wait_seconds + (extra / rate if rate else 0.0)
+        return ReplicaFacts(cached_tokens, wait, max(polled.in_flight, in_flight), rate)

@@ -1,0 +1,106 @@
+"""A router's view of one replica, fed by hand: the snapshot and device events give exactly its
+keys, a restart or a gap asks for a new snapshot, a prompt counts its leading held blocks as
+route-facts does, sends count as held until confirmed or expired, and the polled wait grows by
+the work sent after the poll was asked."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from kvctl.daemon.cache.keys import Namespace, chain_keys
+from kvctl.daemon.server.replica_view import ReplicaView
+from kvctl.policies.routing import ReplicaFacts
+
+BLOCK = 4
+NAMESPACE = {k: v for k, v in asdict(Namespace(block_size=BLOCK)).items() if k != "tenant"}
+PROMPT = list(range(1, 18))  # 17 tokens: 4 full blocks, all 4 cacheable
+KEYS = chain_keys(Namespace(**NAMESPACE, tenant="default"), PROMPT)
+
+
+def snapshot(device_keys, seq=10, stream="s1"):
+    return {"stream_id": stream, "seq": seq, "block_size": BLOCK, "namespace": dict(NAMESPACE),
+            "tiers": {"device": [k.hex() for k in device_keys], "host": [KEYS[3].hex()]}}
+
+
+def page(events, next_seq, stream="s1", gap=False):
+    return {"stream_id": stream, "events": events, "next": next_seq, "oldest": 1, "latest": next_seq, "gap": gap}
+
+
+def event(kind, keys, seq, tier="device"):
+    return {"seq": seq, "at": 0.0, "kind": kind, "tier": tier, "keys": [k.hex() for k in keys]}
+
+
+LOAD = {"prompt_tokens": 0, "cached_tokens": 0, "lower_tier": None, "waiting": 1, "running": 2,
+        "oldest_age_seconds": 0.5, "tokens_ahead": 1000, "prefill_tokens_per_second": 2000.0,
+        "predicted_wait_seconds": 0.5}
+
+
+def test_a_snapshot_then_device_events_give_exactly_the_replicas_keys():
+    view = ReplicaView()
+    assert not view.synced
+    view.reset(snapshot(KEYS[:2]))
+    assert view.synced and view.seq == 10 and view.keys == set(KEYS[:2])  # the host's key is not the device's
+    assert view.apply(page([event("stored", KEYS[2:4], 11), event("removed", [KEYS[0]], 12),
+                            event("stored", [KEYS[0]], 13, tier="host")], 14))
+    assert view.keys == {KEYS[1], KEYS[2], KEYS[3]} and view.seq == 14
+
+
+def test_a_restarted_replica_or_a_gap_asks_for_a_new_snapshot_and_applies_nothing():
+    view = ReplicaView()
+    view.reset(snapshot(KEYS[:1]))
+    assert not view.apply(page([event("stored", KEYS[1:2], 11)], 12, stream="s2"))
+    assert not view.apply(page([event("stored", KEYS[1:2], 11)], 12, gap=True))
+    assert view.keys == {KEYS[0]} and view.seq == 10
+    view.lose()
+    assert not view.synced and view.keys == set()
+
+
+def test_a_snapshot_with_other_namespace_fields_is_refused_by_name():
+    bad = snapshot(KEYS[:1])
+    del bad["namespace"]["scale_version"]
+    with pytest.raises(ValueError, match=r"snapshot.namespace: expected the fields \[.*'scale_version'"):
+        ReplicaView().reset(bad)
+
+
+def test_cached_tokens_are_the_leading_held_blocks_and_the_last_token_is_always_computed():
+    view = ReplicaView()
+    view.reset(snapshot([KEYS[0], KEYS[1], KEYS[3]]))
+    assert view.cached_tokens(KEYS, len(PROMPT), now=0.0) == 2 * BLOCK  # block 2 missing: 3 is not reached
+    view.apply(page([event("stored", [KEYS[2]], 11)], 12))
+    assert view.cached_tokens(KEYS, len(PROMPT), now=0.0) == 4 * BLOCK
+    assert view.cached_tokens(KEYS, 16, now=0.0) == 3 * BLOCK  # exactly 4 blocks: the 4th is recomputed
+    assert view.cached_tokens(KEYS[:1], 3, now=0.0) == 0
+
+
+def test_a_sent_prompt_counts_as_held_until_its_feed_confirms_or_removes_it_or_it_expires():
+    view = ReplicaView(pending_seconds=30.0)
+    view.reset(snapshot([KEYS[0]]))
+    view.note_sent(KEYS, missing_tokens=13, now=100.0)
+    assert set(view.pending) == set(KEYS[1:])  # the held one is not pending
+    assert view.cached_tokens(KEYS, len(PROMPT), now=129.9) == 16
+    assert view.cached_tokens(KEYS, len(PROMPT), now=130.0) == 4  # expired: only what the feed said
+    view.apply(page([event("stored", KEYS[1:3], 11), event("removed", [KEYS[3]], 12)], 13))
+    assert view.pending == {} and view.keys == set(KEYS[:3])
+    assert view.cached_tokens(KEYS, len(PROMPT), now=200.0) == 12
+
+
+def test_the_polled_wait_grows_by_the_work_sent_after_the_poll_was_asked():
+    view = ReplicaView()
+    view.reset(snapshot([]))
+    view.note_load(LOAD, asked_at=10.0)
+    assert view.facts(8, in_flight=1) == ReplicaFacts(8, 0.5, 3, 2000.0)
+    view.note_sent(KEYS, missing_tokens=1000, now=10.5)
+    view.note_sent(KEYS, missing_tokens=3000, now=11.5)
+    assert view.facts(0, in_flight=5) == ReplicaFacts(0, 0.5 + 4000 / 2000.0, 5, 2000.0)
+    view.note_load(LOAD, asked_at=11.0)  # the first send is in this answer, the second is not
+    assert view.facts(0, in_flight=0).wait_seconds == 0.5 + 3000 / 2000.0
+    assert view.load_age(12.0) == 1.0
+
+
+def test_before_a_prefill_is_measured_the_wait_is_the_oldest_waiting_requests_age():
+    view = ReplicaView()
+    view.note_load({**LOAD, "prefill_tokens_per_second": None, "predicted_wait_seconds": None}, asked_at=0.0)
+    view.note_sent(KEYS, missing_tokens=500, now=1.0)
+    assert view.facts(0, in_flight=0) == ReplicaFacts(0, 0.5, 3, None)
