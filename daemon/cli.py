@@ -209,9 +209,9 @@ def router(
                                           "caches more."),
     prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second of a replica that has "
                                        "not measured its own yet."),
-    view: str = typer.Option("ask", help="How it learns what each replica caches and how busy it is: ask "
-                             "(every replica, per request) or events (follows their event feeds and "
-                             "polls their load; no call on the request's path)."),
+    view: str = typer.Option("events", help="How it learns what each replica caches and how busy it is: "
+                             "events (follows their event feeds and polls their load; no call on the "
+                             "request's path) or ask (every replica, per request)."),
     load_interval: float = typer.Option(0.25, help="events: seconds between load polls of each replica."),
     pending_seconds: float = typer.Option(30.0, help="events: how long a prompt just sent to a replica "
                                           "counts as cached there before its feed confirms it."),

@@ -6,7 +6,7 @@ running and waiting requests, measured prefill rate) is the `view`:
 
     ask      for each request, every replica is asked at once, one call each
              (`/admin/route-facts`): exact, at the cost of a round trip per replica per request.
-    events   the router follows each replica's event feed (`/admin/events`) and polls its load;
+    events   (the default) the router follows each replica's event feed (`/admin/events`) and polls its load;
              it tokenizes and hashes the prompt itself and decides with no call on the request's
              path. A prompt it has just sent somewhere counts as cached there until the feed
              confirms it (or `pending_seconds` pass), so a burst sharing a new prefix goes to one
@@ -18,7 +18,7 @@ streaming the answer back as it comes. The answer names the replica (`X-KVD-Repl
 reason (`X-KVD-Route`). A replica that does not answer is left out of that choice; when none
 answers, the request gets a 503 that names them.
 
-    kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock
+    kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock [--view events]
 
 The front is a Unix socket (mode 0660), like kvd's own: its callers are trusted, and
 X-KVD-Tenant passes through to the replica. Replicas are Unix sockets, or http(s) URLs reached
@@ -101,7 +101,7 @@ class Local:
 class RouterService:
     replicas: list[Replica]
     router: Router
-    view: str = "ask"  # see the module's docstring
+    view: str = "events"  # see the module's docstring
     load_interval: float = 0.25  # events: seconds between load polls of each replica
     pending_seconds: float = 30.0  # events: how long a sent prompt counts as cached before the feed says
     clock: Callable[[], float] = time.monotonic
