@@ -104,3 +104,17 @@ def test_before_a_prefill_is_measured_the_wait_is_the_oldest_waiting_requests_ag
     view.note_load({**LOAD, "prefill_tokens_per_second": None, "predicted_wait_seconds": None}, asked_at=0.0)
     view.note_sent(KEYS, missing_tokens=500, now=1.0)
     assert view.facts(0, in_flight=0) == ReplicaFacts(0, 0.5, 3, None)
+
+
+def test_a_load_answer_under_a_new_namespace_moves_the_view_to_it_and_names_the_default_tenant():
+    view = ReplicaView()
+    view.note_load({**LOAD, "tenant": "acme", "namespace": dict(NAMESPACE)}, asked_at=0.0)
+    assert view.default_tenant == "acme" and not view.synced  # a load answer alone does not sync a view
+    view.reset(snapshot([KEYS[0]]))
+    view.note_sent(KEYS, missing_tokens=12, now=1.0)
+    rescaled = {**NAMESPACE, "scale_version": "cal-7"}
+    view.note_load({**LOAD, "tenant": "default", "namespace": rescaled}, asked_at=2.0)
+    assert view.namespace == rescaled and view.pending == {} and view.default_tenant == "default"
+    assert view.keys == {KEYS[0]}  # unreachable under the new namespace; its feed removes it in time
+    new_keys = chain_keys(Namespace(**rescaled, tenant="default"), PROMPT)
+    assert view.cached_tokens(new_keys, len(PROMPT), now=3.0) == 0

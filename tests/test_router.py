@@ -339,3 +339,4 @@ def test_a_replica_serves_its_tokenizer_with_the_digest_its_keys_are_made_under(
     assert tokenizer.digest == body["digest"] == snapshot.json()["namespace"]["tokenizer_digest"]
     [facts] = drive(replicas[0], [lambda c: c.post("/admin/route-facts", json={"text": SYSTEM_A})])
     assert len(tokenizer.encode(SYSTEM_A)) == facts.json()["prompt_tokens"]
+

@@ -25,7 +25,7 @@ import itertools
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -149,6 +149,13 @@ class Engine:
         return Namespace(model_revision=self.loaded.revision, tokenizer_digest=self.tokenizer.digest,
                          cache_dtype=self.layout(), scale_version=self.scale_version,
                          block_size=self.settings.block_size, tenant=tenant)
+
+    def namespace_fields(self) -> dict:
+        """The namespace's fields less the tenant: with a tenant, what anyone needs to compute
+        the keys this engine gives a prompt (a router does, `kvd router --view events`)."""
+        fields = asdict(self.namespace("default"))
+        del fields["tenant"]
+        return fields
 
     def layout(self) -> str:
         """The cache format as the namespace records it, e.g. 'fp8_e4m3 keep=0,3' or 'float32'."""

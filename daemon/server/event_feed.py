@@ -10,8 +10,6 @@ log's bound) or names another `stream_id` (the daemon restarted).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
-
 from kvctl.daemon.cache.events import KINDS, TIERS, EventLog, EventPage, KeyPrefix
 
 from .service import ServiceError
@@ -103,7 +101,5 @@ def snapshot(service) -> dict:
             with getattr(tier, "lock", service.tiers.lock):  # the host tier has none of its own
                 held[tier.name] = list(tier.index)
     tiers = {name: [k.hex() for k in keys] for name, keys in held.items()}
-    namespace = asdict(engine.namespace("default"))
-    del namespace["tenant"]
     return {"stream_id": log.stream_id, "seq": seq, "block_size": engine.settings.block_size,
-            "namespace": namespace, "tiers": tiers}
+            "namespace": engine.namespace_fields(), "tiers": tiers}

@@ -36,6 +36,7 @@ class ReplicaView:
     keys: set[bytes] = field(default_factory=set)  # on its device now, as its feed says
     pending: dict[bytes, float] = field(default_factory=dict)  # key -> when the router stops expecting it
     load: dict | None = None  # its latest answer to route-facts
+    default_tenant: str = "default"  # whom it takes a request naming no tenant for (its answer says)
     load_asked_at: float | None = None
     sent_since: list[tuple[float, int]] = field(default_factory=list)  # (when, prompt tokens it lacked)
 
@@ -110,9 +111,17 @@ class ReplicaView:
 
     # ---- its load -----------------------------------------------------------------------------
     def note_load(self, answer: dict, asked_at: float) -> None:
-        """A route-facts answer (its queue figures), asked at `asked_at`: sends before that are in it."""
+        """A route-facts answer (its queue figures), asked at `asked_at`: sends before that are in
+        it. It also names the tenant the replica takes the router's requests for when they name
+        none, and its namespace: when that changed (new scales, say), prompts' keys are computed
+        under the new one from now on, and what was sent under the old one is no longer expected."""
         self.load, self.load_asked_at = answer, asked_at
         self.sent_since = [(t, n) for t, n in self.sent_since if t >= asked_at]
+        self.default_tenant = answer.get("tenant") or "default"
+        namespace = answer.get("namespace")
+        if self.synced and namespace is not None and namespace != self.namespace:
+            self.namespace, self.block_size = dict(namespace), int(namespace["block_size"])
+            self.pending = {}
 
     def load_age(self, now: float) -> float | None:
         return None if self.load_asked_at is None else now - self.load_asked_at

@@ -179,10 +179,11 @@ class RouterService:
             ids = memo["ids", digest]
         if not ids:  # no prompt it can read: it goes by load, and the replica says what is wrong
             return Local(view.facts(0, replica.open), [], 0)
-        name = tuple(sorted(namespace.items()))
+        tenant = tenant or view.default_tenant
+        name = (tenant, *sorted(namespace.items()))
         if ("keys", name) not in memo:
             try:
-                memo["keys", name] = chain_keys(Namespace(**namespace, tenant=tenant or "default"), ids)
+                memo["keys", name] = chain_keys(Namespace(**namespace, tenant=tenant), ids)
             except ValueError:  # ids the replica will refuse: it says so when the request reaches it
                 memo["keys", name] = []
         keys = memo["keys", name]
