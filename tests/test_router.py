@@ -340,3 +340,23 @@ def test_a_replica_serves_its_tokenizer_with_the_digest_its_keys_are_made_under(
     [facts] = drive(replicas[0], [lambda c: c.post("/admin/route-facts", json={"text": SYSTEM_A})])
     assert len(tokenizer.encode(SYSTEM_A)) == facts.json()["prompt_tokens"]
 
+
+
+def test_the_events_view_weighs_a_long_prompt_in_a_worker_thread_as_it_weighs_a_short_one(replicas, monkeypatch):
+    import threading
+
+    from kvctl.daemon.server import router as router_module
+
+    monkeypatch.setattr(router_module, "LARGE_PROMPT", 8)
+    service, app = router_app(replicas, "prefix", view="events")
+    threads = []
+    weigh = service.weigh_locally
+    monkeypatch.setattr(service, "weigh_locally", lambda *a: threads.append(threading.current_thread()) or weigh(*a))
+    system = "Long prompts are hashed in a worker thread so the loop keeps streaming answers meanwhile. " * 2
+    answers = drive(app, [lambda c: post(c, system + "Q1?"), lambda c: until_followed(service, (0, 1), settled=True),
+                          lambda c: post(c, system + "Q2?"), lambda c: post(c, "hi")], service=service)
+    assert [answers[i].status_code for i in (0, 2, 3)] == [200, 200, 200]
+    assert routed_cached(answers[2]) == answers[2].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    main = threading.main_thread()
+    assert [t is main for t in threads] == [False] * 4 + [True] * 2  # two replicas each; "hi" is short
+    assert [r.client._transport.prompt_questions for r in service.replicas] == [0, 0]

@@ -49,6 +49,7 @@ ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left
 FORWARD_TIMEOUT_S = 600.0
 PASSED_HEADERS = ("x-kvd-tenant", "content-type")
 VIEWS = ("ask", "events")
+LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
 
 @dataclass
@@ -193,7 +194,14 @@ class RouterService:
     async def choose(self, body: dict, tenant: str | None) -> tuple[Replica, str]:
         question = question_of(body.get("prompt"))
         now, memo = self.clock(), {}
-        local = [self.weigh_locally(r, question, tenant, now, memo) for r in self.replicas]
+
+        def weigh_all() -> list[Local | None]:
+            return [self.weigh_locally(r, question, tenant, now, memo) for r in self.replicas]
+
+        size = 0 if question is None else len(question["text"] if "text" in question else question["tokens"])
+        large = size > LARGE_PROMPT
+        # a long prompt is tokenized and hashed off the event loop that streams every answer
+        local = await asyncio.to_thread(weigh_all) if large else weigh_all()
         asked = await asyncio.gather(*(self.ask(r, question, tenant) for r, known in zip(self.replicas, local)
                                        if known is None))
         answers = iter(asked)
