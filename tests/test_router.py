@@ -129,8 +129,11 @@ def test_a_replica_that_does_not_answer_is_left_out_and_none_answering_is_a_503(
     assert answer.status_code == 200 and answer.headers["x-kvd-replica"] == "replica-1"
     assert service.replicas[0].last_error.startswith("ConnectError: connection refused")
     service, app = router_app(replicas, "least_loaded", down=(0, 1))
-    [answer] = drive(app, [lambda c: post(c, "anything")])
+    [answer, scraped] = drive(app, [lambda c: post(c, "anything"), lambda c: c.get("/metrics")])
     assert answer.status_code == 503
+    assert "kvd_router_unrouted_total 1.0" in scraped.text.splitlines()
+    assert 'kvd_router_questions_total{replica="replica-1",result="failed"} 1.0' in scraped.text.splitlines()
+    assert "kvd_router_view_synced" not in scraped.text  # the ask view has none
     assert answer.json()["error"]["message"] == (
         "no replica answered: replica-0 (ConnectError: connection refused); "
         "replica-1 (ConnectError: connection refused)")
@@ -269,7 +272,8 @@ def test_the_events_view_routes_with_no_question_on_the_requests_path_and_counts
 
     answers = drive(app, [lambda c: post(c, SYSTEM_C + "Q1?"), settled, lambda c: post(c, SYSTEM_C + "Q2?"),
                           lambda c: post(c, SYSTEM_D + "Q1?"), settled, lambda c: post(c, SYSTEM_D + "Q2?"),
-                          lambda c: post(c, SYSTEM_C + "Q3?")], service=service)
+                          lambda c: post(c, SYSTEM_C + "Q3?"), lambda c: c.get("/metrics")], service=service)
+    scraped = answers.pop()
     answers = [a for a in answers if a is not None]
     assert [a.status_code for a in answers] == [200] * 5
     assert [a.headers["x-kvd-replica"] for a in answers] == [
@@ -286,6 +290,23 @@ def test_the_events_view_routes_with_no_question_on_the_requests_path_and_counts
     assert [(r["sent"], r["view"]["synced"], r["view"]["feed_error"]) for r in status["replicas"]] == [
         (3, True, None), (2, True, None)]
     assert all(r["view"]["device_keys"] > 0 for r in status["replicas"])
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(scraped.text) for s in family.samples}
+
+    def per_replica(name, values):
+        return [samples[name, (("replica", f"replica-{i}"),)] for i in range(len(values))] == values
+
+    usage = [a.json()["usage"] for a in answers]
+    assert per_replica("kvd_router_requests_total", [3, 2])
+    assert per_replica("kvd_router_prompt_tokens_total", [sum(usage[i]["prompt_tokens"] for i in (0, 1, 4)),
+                                                          sum(usage[i]["prompt_tokens"] for i in (2, 3))])
+    assert per_replica("kvd_router_cached_tokens_total", [cached[1] + cached[4], cached[3]])
+    assert samples["kvd_router_questions_total", (("replica", "replica-0"), ("result", "ok"))] == 0
+    assert per_replica("kvd_router_view_synced", [1, 1]) and per_replica("kvd_router_view_snapshots_total", [1, 1])
+    assert samples["kvd_router_decision_seconds_count", ()] == 5 and samples["kvd_router_unrouted_total", ()] == 0
 
 
 def test_a_burst_sharing_a_new_prefix_goes_to_one_replica_with_the_events_view_not_with_ask(replicas):

@@ -10,7 +10,8 @@ log's bound) or names another `stream_id` (the daemon restarted).
 from __future__ import annotations
 
 import asyncio
-from kvctl.daemon.cache.events import KINDS, TIERS, EventLog, EventPage, KeyPrefix
+
+from kvctl.daemon.cache.events import EventLog, EventPage, KeyPrefix
 
 from .service import ServiceError
 

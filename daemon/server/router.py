@@ -36,7 +36,9 @@ from typing import Callable
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import ReplicaFacts, Router, facts_from_answer
@@ -44,6 +46,7 @@ from kvctl.policies.routing import ReplicaFacts, Router, facts_from_answer
 from .body_limit import BodyLimit
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
+from .router_metrics import RouterMetrics
 
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left out
 FORWARD_TIMEOUT_S = 600.0
@@ -63,6 +66,13 @@ class Replica:
     last_error: str | None = None
     view: ReplicaView | None = None  # with --view events: what its feed and load polls say
     feed_error: str | None = None
+    snapshots: int = 0  # times its feed was (re)started from a snapshot
+    # the router's tallies, for /metrics
+    prompt_tokens: int = 0  # of the requests sent there (as the router counted them)
+    cached_tokens: int = 0  # of those, what the router counted as held there when it chose it
+    questions: int = 0  # route-facts asked on a request's path (ask view, or a view not current)
+    failed_questions: int = 0
+    failed_forwards: int = 0
 
 
 def replica_client(spec: str, token: str | None = None, transport: httpx.AsyncBaseTransport | None = None
@@ -107,6 +117,8 @@ class RouterService:
     pending_seconds: float = 30.0  # events: how long a sent prompt counts as cached before the feed says
     clock: Callable[[], float] = time.monotonic
     tokenizers: Tokenizers = field(default_factory=Tokenizers)
+    unrouted: int = 0  # requests no replica could take (503)
+    on_decision: Callable[[float], None] = lambda seconds: None  # each choice's time (the /metrics histogram)
 
     def __post_init__(self) -> None:
         if self.view not in VIEWS:
@@ -132,6 +144,7 @@ class RouterService:
                 continue
             def noted(error: str | None, replica: Replica = replica) -> None:
                 replica.feed_error = error
+                replica.snapshots += error is None
             tasks.append(asyncio.create_task(follow_events(replica.client, replica.view, self.tokenizers, noted)))
             tasks.append(asyncio.create_task(poll_load(replica.client, replica.view, self.load_interval,
                                                        self.clock)))
@@ -141,6 +154,7 @@ class RouterService:
                   ) -> tuple[ReplicaFacts, int] | None:
         """The replica's facts for this prompt and the prompt's length in its tokens, or None (and
         its error kept) when it cannot say."""
+        replica.questions += 1
         try:
             answer = await replica.client.post("/admin/route-facts", json={**(question or {"tokens": []}),
                                                                             "tenant": tenant},
@@ -153,6 +167,7 @@ class RouterService:
             facts = facts_from_answer(known, replica.open)
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            replica.failed_questions += 1
             return None
         replica.last_error = None
         return facts, known["prompt_tokens"]
@@ -192,6 +207,13 @@ class RouterService:
         return Local(view.facts(cached, replica.open), keys, len(ids))
 
     async def choose(self, body: dict, tenant: str | None) -> tuple[Replica, str]:
+        started = time.perf_counter()
+        try:
+            return await self._choose(body, tenant)
+        finally:
+            self.on_decision(time.perf_counter() - started)
+
+    async def _choose(self, body: dict, tenant: str | None) -> tuple[Replica, str]:
         question = question_of(body.get("prompt"))
         now, memo = self.clock(), {}
 
@@ -208,13 +230,17 @@ class RouterService:
         facts = [(known.facts, known.prompt_tokens) if known is not None else next(answers) for known in local]
         live = [(i, a) for i, a in enumerate(facts) if a is not None]
         if not live:
+            self.unrouted += 1
             raise LookupError("no replica answered: " + "; ".join(
                 f"{r.name} ({r.last_error or r.feed_error})" for r in self.replicas))
         prompt_tokens = max(tokens for _, (_, tokens) in live)
         chosen = self.router.choose(prompt_tokens, [f for _, (f, _) in live])
         index = live[chosen.replica][0]
         replica = self.replicas[index]
+        facts, counted = live[chosen.replica][1]
         replica.sent += 1
+        replica.prompt_tokens += counted
+        replica.cached_tokens += facts.cached_tokens
         known = local[index]
         if known is not None and known.keys:  # what it will hold and compute once this arrives
             replica.view.note_sent(known.keys, known.prompt_tokens - known.facts.cached_tokens, now)
@@ -241,6 +267,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     whole, as kvd refuses it."""
     app = FastAPI(title="kvd router", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=lambda: max_request_bytes)
+    metrics = RouterMetrics(service)
 
     def error(status: int, message: str, code: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "router_error", "param": None, "code": code}},
@@ -253,6 +280,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.get("/router/status")
     def router_status():
         return service.status()
+
+    @app.get("/metrics")
+    def metrics_endpoint():
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/status")
     async def fleet_status():
@@ -310,6 +341,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             upstream = await replica.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            replica.failed_forwards += 1
             return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
         replica.open += 1
         answer_headers = {"X-KVD-Replica": replica.name, "X-KVD-Route": reason}

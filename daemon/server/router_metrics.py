@@ -1,0 +1,81 @@
+"""Prometheus metrics for `kvd router` (`GET /metrics`), read from the router's books at scrape time.
+
+    kvd_router_requests_total{replica}            requests sent to each replica
+    kvd_router_prompt_tokens_total{replica}       their prompt tokens, as the router counted them
+    kvd_router_cached_tokens_total{replica}       of those, what the router counted as held there
+                                                  when it chose it (the ratio is the fleet's expected reuse)
+    kvd_router_questions_total{replica,result}    route-facts asked on a request's path (ok, failed):
+                                                  every request with --view ask; with events, only
+                                                  while a replica's view is not current
+    kvd_router_forward_failures_total{replica}    requests the replica did not take (502)
+    kvd_router_unrouted_total                     requests no replica answered for (503)
+    kvd_router_open_requests{replica}             forwarded requests still answering
+    kvd_router_view_synced{replica}               events view: 1 while its feed is followed
+    kvd_router_view_load_age_seconds{replica}     events view: age of its latest load answer
+    kvd_router_view_pending_keys{replica}         events view: blocks sent there, not yet in its feed
+    kvd_router_view_snapshots_total{replica}      events view: feeds started from a snapshot (1 + restarts,
+                                                  gaps and lost connections)
+    kvd_router_decision_seconds                   histogram: time to choose a replica
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class _RouterCollector:
+    def __init__(self, service) -> None:
+        self.service = service
+
+    def collect(self):
+        replicas = self.service.replicas
+        now = self.service.clock()
+
+        def per_replica(family, kind, description, value):
+            metric = family(f"kvd_router_{kind}", description, labels=["replica"])
+            for r in replicas:
+                got = value(r)
+                if got is not None:
+                    metric.add_metric([r.name], got)
+            return metric
+
+        yield per_replica(CounterMetricFamily, "requests", "Requests sent to each replica", lambda r: r.sent)
+        yield per_replica(CounterMetricFamily, "prompt_tokens", "Prompt tokens of the requests sent",
+                          lambda r: r.prompt_tokens)
+        yield per_replica(CounterMetricFamily, "cached_tokens", "Prompt tokens the router counted as held by the "
+                          "replica it chose", lambda r: r.cached_tokens)
+        questions = CounterMetricFamily("kvd_router_questions", "Route-facts questions asked on a request's path",
+                                        labels=["replica", "result"])
+        for r in replicas:
+            questions.add_metric([r.name, "ok"], r.questions - r.failed_questions)
+            questions.add_metric([r.name, "failed"], r.failed_questions)
+        yield questions
+        yield per_replica(CounterMetricFamily, "forward_failures", "Requests the replica did not take",
+                          lambda r: r.failed_forwards)
+        yield CounterMetricFamily("kvd_router_unrouted", "Requests no replica answered for",
+                                  value=self.service.unrouted)
+        yield per_replica(GaugeMetricFamily, "open_requests", "Forwarded requests still answering", lambda r: r.open)
+        if self.service.view != "events":
+            return
+        yield per_replica(GaugeMetricFamily, "view_synced", "1 while the replica's event feed is followed",
+                          lambda r: float(r.view.synced))
+        yield per_replica(GaugeMetricFamily, "view_load_age_seconds", "Age of the replica's latest load answer",
+                          lambda r: r.view.load_age(now))
+        yield per_replica(GaugeMetricFamily, "view_pending_keys", "Blocks sent to the replica, not yet in its feed",
+                          lambda r: sum(1 for t in r.view.pending.values() if t > now))
+        yield per_replica(CounterMetricFamily, "view_snapshots", "Feeds started from a snapshot",
+                          lambda r: r.snapshots)
+
+
+class RouterMetrics:
+    """One registry per router: its books read at scrape time, and the decision-time histogram."""
+
+    def __init__(self, service) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_RouterCollector(service))
+        self.decision = Histogram("kvd_router_decision_seconds", "Time to choose a replica for a request",
+                                  buckets=DECISION_BUCKETS, registry=self.registry)
+        service.on_decision = self.decision.observe
