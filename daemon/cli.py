@@ -216,6 +216,9 @@ def router(
     pending_seconds: float = typer.Option(30.0, help="events: how long a prompt just sent to a replica "
                                           "counts as cached there before its feed confirms it."),
     token_file: Optional[str] = typer.Option(None, help="Bearer token (admin role) for URL replicas."),
+    listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --clients-file)."),
+    clients_file: Optional[str] = typer.Option(None, help="The TCP callers' tokens: TOKEN TENANT ROLE lines, "
+                                               "as kvd's --token-file (mode 0600 or 0640)."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Serve one OpenAI-compatible front for several replicas, each request routed by a policy.
@@ -225,6 +228,7 @@ def router(
 
     Example: kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock
     """
+    from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.router import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
@@ -240,19 +244,29 @@ def router(
                 token = Path(token_file).read_text().split()[0]
             except (OSError, IndexError):
                 raise ValueError(f"token_file: cannot read a token from {token_file!r}") from None
+        clients = None
+        if listen:
+            if not clients_file:
+                raise ValueError("clients_file: --listen needs the TCP callers' tokens (--clients-file)")
+            host, _, port = listen.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"listen: expected HOST:PORT, got {listen!r}")
+            clients = TokenTable.load(clients_file)
         replicas = [Replica(spec, replica_client(spec, token)) for spec in replica]
         service = RouterService(replicas, policy, view=view, load_interval=load_interval,
                                 pending_seconds=pending_seconds)
-        asyncio.run(_route(service, socket_path))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_route(service, socket_path, listen, clients))
     except (RuntimeError, OSError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         raise typer.Exit(2)
 
 
-async def _route(service, socket_path: str) -> None:
+async def _route(service, socket_path: str, listen: str | None, clients) -> None:
     import uvicorn
 
     from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_metrics import RouterMetrics
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -260,15 +274,32 @@ async def _route(service, socket_path: str) -> None:
             yield
 
     sock = bind_unix_socket(socket_path)
-    server = _Server(uvicorn.Config(create_router_app(service), log_level="warning", lifespan="off"))
+    metrics = RouterMetrics(service)
+    servers = [(_Server(uvicorn.Config(create_router_app(service, metrics=metrics), log_level="warning",
+                                       lifespan="off")), [sock])]
+    if listen:
+        host, _, port = listen.rpartition(":")
+        tcp_app = create_router_app(service, front="tcp", tokens=clients, metrics=metrics)
+        servers.append((_Server(uvicorn.Config(tcp_app, host=host.strip("[]"), port=int(port), log_level="warning",
+                                               lifespan="off")), None))
     loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        for server, _ in servers:
+            server.should_exit = True
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        loop.add_signal_handler(sig, stop)
     followers = service.follow()
-    log.info("kvd router listening on %s, %s routing over %s (view: %s)", socket_path, service.router.name,
+    log.info("kvd router listening on %s%s, %s routing over %s (view: %s)", socket_path,
+             f" and {listen}" if listen else "", service.router.name,
              ", ".join(r.name for r in service.replicas), service.view)
     try:
-        await server.serve(sockets=[sock])
+        results = await asyncio.gather(*(server.serve(sockets=socks) for server, socks in servers),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
     finally:
         for task in followers:
             task.cancel()

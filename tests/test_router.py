@@ -177,6 +177,7 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
     prompt land together, the router stops cleanly on SIGTERM and removes its socket."""
     import os
     import signal
+    import socket
     import subprocess
     import time
 
@@ -188,8 +189,16 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
             running_kvd(tmp_path / "b", "--eviction", "lru") as (_, _, sock_b):
         front = tmp_path / "router.sock"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+        tcp = []
+        if view == "events":  # and a TCP front, for callers with a token
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            (tmp_path / "clients").write_text("client-token-0123456789 acme user\n")
+            (tmp_path / "clients").chmod(0o600)
+            tcp = ["--listen", f"127.0.0.1:{port}", "--clients-file", str(tmp_path / "clients")]
         router = subprocess.Popen([str(BIN / "kvd"), "router", "--replica", str(sock_a), "--replica", str(sock_b),
-                                   "--socket", str(front), "--view", view, "--log-level", "warning"], env=env,
+                                   "--socket", str(front), "--view", view, *tcp, "--log-level", "warning"], env=env,
                                   stdout=open(tmp_path / "router.log", "ab"), stderr=subprocess.STDOUT)
         client = httpx.Client(base_url="http://router", transport=httpx.HTTPTransport(uds=str(front)), timeout=60)
         try:
@@ -214,6 +223,13 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
                     time.sleep(0.05)
                 rows = client.get("/router/status").json()["replicas"]
                 assert rows[0]["view"]["device_keys"] > 0 and rows[0]["view"]["feed_error"] is None
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as remote:
+                    assert remote.get("/v1/models").status_code == 401
+                    answer = remote.post("/v1/completions", json={"prompt": SYSTEM_A + "Q3?", "max_tokens": 2},
+                                         headers={"Authorization": "Bearer client-token-0123456789"})
+                    # served, under acme: none of the default tenant's blocks are acme's
+                    assert answer.status_code == 200
+                    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         finally:
             client.close()
             router.send_signal(signal.SIGTERM)
@@ -232,6 +248,10 @@ def test_kvd_router_refuses_bad_settings_by_name(tmp_path):
               "kvd: error: routing: unknown value 'random'"),
              (["--replica", "/a.sock", "--replica", "http://10.0.0.2:8000"],
               "kvd: error: replica: 'http://10.0.0.2:8000' is reached over TCP and needs --token-file"),
+             (["--replica", "/a.sock", "--replica", "/b.sock", "--listen", "127.0.0.1:8090"],
+              "kvd: error: clients_file: --listen needs the TCP callers' tokens (--clients-file)"),
+             (["--replica", "/a.sock", "--replica", "/b.sock", "--listen", "8090", "--clients-file", "/x"],
+              "kvd: error: listen: expected HOST:PORT, got '8090'"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "gossip"],
               "kvd: error: view: unknown value 'gossip'; use ask or events"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "events", "--load-interval", "0"],
@@ -381,3 +401,41 @@ def test_the_events_view_weighs_a_long_prompt_in_a_worker_thread_as_it_weighs_a_
     main = threading.main_thread()
     assert [t is main for t in threads] == [False] * 4 + [True] * 2  # two replicas each; "hi" is short
     assert [r.client._transport.prompt_questions for r in service.replicas] == [0, 0]
+
+
+def test_the_tcp_front_needs_a_token_and_routes_each_caller_under_its_tokens_tenant(replicas):
+    from kvctl.daemon.server.auth import TokenEntry, TokenTable
+
+    tokens = TokenTable([TokenEntry(b"u" * 24, "acme", "user", "token:1"),
+                         TokenEntry(b"a" * 24, "ops", "admin", "token:2")])
+    service, _ = router_app(replicas, "prefix", view="events")
+    app = create_router_app(service, front="tcp", tokens=tokens)
+    user, admin = {"Authorization": "Bearer " + "u" * 24}, {"Authorization": "Bearer " + "a" * 24}
+    system = "Tenants never share cached blocks unless told to; the router keeps to that as kvd does. " * 2
+
+    answers = drive(app, [
+        lambda c: c.post("/v1/completions", json={"prompt": system, "max_tokens": 1}),
+        lambda c: c.post("/v1/completions", json={"prompt": system, "max_tokens": 1},
+                         headers={"Authorization": "Bearer nope-nope-nope-nope"}),
+        lambda c: c.get("/router/status", headers=user),
+        lambda c: c.get("/metrics", headers=admin),
+        lambda c: c.get("/healthz"),
+        # a caller naming another tenant is still served as its token's
+        lambda c: c.post("/v1/completions", json={"prompt": system + "Q1?", "max_tokens": 1},
+                         headers={**user, "X-KVD-Tenant": "globex"}),
+        lambda c: until_followed(service, (0, 1), settled=True),
+        lambda c: c.post("/v1/completions", json={"prompt": system + "Q2?", "max_tokens": 1}, headers=user),
+    ], service=service)
+    assert [answers[i].status_code for i in range(5)] == [401, 401, 403, 200, 200]
+    assert answers[0].json()["error"]["message"] == "missing bearer token"
+    assert answers[1].json()["error"]["message"] == "invalid bearer token"
+    assert answers[2].json()["error"]["message"] == "this endpoint needs the admin role"
+    served, again = answers[5], answers[7]
+    assert served.status_code == again.status_code == 200
+    replica = int(served.headers["x-kvd-replica"][-1])
+    assert again.headers["x-kvd-replica"] == served.headers["x-kvd-replica"]
+    assert routed_cached(again) == again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    facts = drive(replicas[replica], [lambda c, t=t: c.post("/admin/route-facts", json={"text": system + "Q3?",
+                                                                                       "tenant": t})
+                                      for t in ("acme", "globex", "default")])
+    assert [f.json()["cached_tokens"] > 0 for f in facts] == [True, False, False]

@@ -28,7 +28,7 @@ from kvctl.daemon.engine.engine import AdmissionRejected
 from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, SamplingParams
 
 from . import event_feed
-from .auth import TENANT_PATTERN, TokenTable
+from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .metrics import Metrics
 from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
@@ -219,15 +219,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                            param="X-KVD-Tenant")
         if front == "unix":
             return Principal(header or "default", "admin", "unix-socket")
-        auth = request.headers.get("authorization", "")
-        scheme, _, credential = auth.partition(" ")
-        if scheme.lower() != "bearer" or not credential.strip():
-            raise ApiError(401, "missing bearer token", type_="authentication_error",
-                           headers={"WWW-Authenticate": "Bearer"})
-        entry = tokens.lookup(credential.strip())
-        if entry is None:
-            raise ApiError(401, "invalid bearer token", type_="authentication_error",
-                           headers={"WWW-Authenticate": "Bearer"})
+        try:
+            entry = bearer_entry(tokens, request.headers.get("authorization", ""))
+        except BearerRefused as exc:
+            raise ApiError(401, str(exc), type_="authentication_error", headers={"WWW-Authenticate": "Bearer"})
         tenant = header if (trusted_proxy and header) else entry.tenant
         return Principal(tenant, entry.role, entry.name)
 

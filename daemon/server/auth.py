@@ -77,3 +77,19 @@ class TokenTable:
             if hmac.compare_digest(entry.token, candidate):
                 found = entry
         return found
+
+
+class BearerRefused(Exception):
+    """A request's Authorization header names no token of the table (the message says how)."""
+
+
+def bearer_entry(tokens: TokenTable, authorization: str) -> TokenEntry:
+    """The table's entry for an `Authorization: Bearer TOKEN` header; BearerRefused when the header
+    is missing, not a bearer, or names no token (compared in constant time, see `lookup`)."""
+    scheme, _, credential = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not credential.strip():
+        raise BearerRefused("missing bearer token")
+    entry = tokens.lookup(credential.strip())
+    if entry is None:
+        raise BearerRefused("invalid bearer token")
+    return entry

@@ -21,7 +21,9 @@ answers, the request gets a 503 that names them.
     kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock [--view events]
 
 The front is a Unix socket (mode 0660), like kvd's own: its callers are trusted, and
-X-KVD-Tenant passes through to the replica. Replicas are Unix sockets, or http(s) URLs reached
+X-KVD-Tenant passes through to the replica. With `--listen` the router also serves TCP, where
+each caller presents a bearer token of `--clients-file` (kvd's TOKEN TENANT ROLE format) and is
+routed and served under that token's tenant. Replicas are Unix sockets, or http(s) URLs reached
 with a bearer token that has the admin role (the questions are admin calls); such a replica
 honours the passed X-KVD-Tenant only with `trusted_proxy: true`, else the token's tenant counts.
 """
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -43,6 +45,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import ReplicaFacts, Router, facts_from_answer
 
+from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
@@ -50,7 +53,7 @@ from .router_metrics import RouterMetrics
 
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left out
 FORWARD_TIMEOUT_S = 600.0
-PASSED_HEADERS = ("x-kvd-tenant", "content-type")
+PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
@@ -262,31 +265,72 @@ class RouterService:
         return {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas]}
 
 
-def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**20) -> FastAPI:
+@dataclass(frozen=True)
+class Caller:
+    tenant: str | None  # None: the replica's default (a Unix caller that named none)
+    role: str
+
+
+class Refused(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**20, *, front: str = "unix",
+                      tokens: TokenTable | None = None, metrics: RouterMetrics | None = None) -> FastAPI:
     """The router's front; a body over `max_request_bytes` is refused (413) before it is read
-    whole, as kvd refuses it."""
+    whole, as kvd refuses it.
+
+    front "unix": callers are trusted (the socket's mode says who may connect), act as admin, and
+    their X-KVD-Tenant passes through. front "tcp": every request but /healthz needs a bearer
+    token of `tokens` (TOKEN TENANT ROLE, as kvd's), whose tenant the request is routed and served
+    under (a caller's own X-KVD-Tenant is replaced); /router/status, /admin/status and /metrics
+    need the admin role. Fronts of one router share `metrics`."""
+    if front not in ("unix", "tcp"):
+        raise ValueError(f"front: unknown value {front!r}; use unix or tcp")
+    if front == "tcp" and tokens is None:
+        raise ValueError("front: a tcp front needs the callers' tokens")
     app = FastAPI(title="kvd router", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=lambda: max_request_bytes)
-    metrics = RouterMetrics(service)
+    metrics = metrics or RouterMetrics(service)
 
     def error(status: int, message: str, code: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "router_error", "param": None, "code": code}},
-                            status_code=status)
+                            status_code=status, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+    @app.exception_handler(Refused)
+    async def _refused(_: Request, exc: Refused):
+        return error(exc.status, str(exc), exc.code)
+
+    async def caller(request: Request) -> Caller:
+        if front == "unix":
+            return Caller(request.headers.get("x-kvd-tenant"), "admin")
+        try:
+            entry = bearer_entry(tokens, request.headers.get("authorization", ""))
+        except BearerRefused as exc:
+            raise Refused(401, str(exc), "unauthenticated") from None
+        return Caller(entry.tenant, entry.role)
+
+    async def admin(who: Caller = Depends(caller)) -> Caller:
+        if who.role != "admin":
+            raise Refused(403, "this endpoint needs the admin role", "forbidden")
+        return who
 
     @app.get("/healthz")
     def healthz():
         return {"ok": True}
 
     @app.get("/router/status")
-    def router_status():
+    def router_status(_: Caller = Depends(admin)):
         return service.status()
 
     @app.get("/metrics")
-    def metrics_endpoint():
+    def metrics_endpoint(_: Caller = Depends(admin)):
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/status")
-    async def fleet_status():
+    async def fleet_status(_: Caller = Depends(admin)):
         """The replicas' statuses, with the figures a fleet adds up (model steps, queue) summed:
         what `kvctl bench serve` reads of the daemon it drives."""
         async def one(replica: Replica):
@@ -312,7 +356,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 "replica_status": [{"replica": r.name, **st} for r, st in zip(service.replicas, statuses)]}
 
     @app.get("/v1/models")
-    async def models():
+    async def models(_: Caller = Depends(caller)):
         for replica in service.replicas:
             try:
                 answer = await replica.client.get("/v1/models", timeout=ASK_TIMEOUT_S)
@@ -322,7 +366,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         return error(503, "no replica answered", "no_replica")
 
     @app.post("/v1/completions")
-    async def completions(http: Request):
+    async def completions(http: Request, who: Caller = Depends(caller)):
         raw = await http.body()
         try:
             body = json.loads(raw)
@@ -330,12 +374,14 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(400, "body: expected a JSON object", "invalid_json")
         if not isinstance(body, dict):
             return error(400, "body: expected a JSON object", "invalid_json")
-        tenant = http.headers.get("x-kvd-tenant")
+        tenant = who.tenant
         try:
             replica, reason = await service.choose(body, tenant)
         except LookupError as exc:
             return error(503, str(exc), "no_replica")
         headers = {k: v for k, v in http.headers.items() if k.lower() in PASSED_HEADERS}
+        if tenant is not None:
+            headers["X-KVD-Tenant"] = tenant
         request = replica.client.build_request("POST", "/v1/completions", content=raw, headers=headers)
         try:
             upstream = await replica.client.send(request, stream=True)
