@@ -765,6 +765,22 @@ def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():
     assert ("kvd.service", ["config", "reload"]) in calls
 
 
+def test_the_router_unit_runs_a_kvd_router_command_kvd_accepts():
+    """examples/kvd-router.service's ExecStart must parse as `kvd router` options and values."""
+    import shlex
+    from pathlib import Path
+
+    from kvctl.daemon.cli import app as kvd_app
+
+    unit = (Path(__file__).parent.parent / "examples" / "kvd-router.service").read_text()
+    [line] = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+    words = shlex.split(line.split("bin/kvd ", 1)[1])
+    assert words[0] == "router"
+    context = typer.main.get_command(kvd_app).commands["router"].make_context("kvd router", words[1:])
+    assert context.params["view"] == "events" and len(context.params["replica"]) == 2
+    assert context.params["clients_file"] == "/etc/kvd/router-clients"
+
+
 def _event(seq, kind="stored", tier="device", keys=1, **fields):
     event = {"seq": seq, "at": 1796024970.0 + seq, "kind": kind, "tier": tier,
              "keys": [f"{seq:02x}{i:02x}".ljust(64, "a") for i in range(keys)]}
