@@ -30,13 +30,15 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
                          "read/s": size(t["read_bytes_per_second"]), "write/s": size(t["write_bytes_per_second"]),
                          "checksum fails": f"{t['checksum_failures']:,}", "errors": f"{t['errors']:,}",
                          "health": f"[{style}]{t['health']}[/{style}]"}
+        if t.get("set_aside_bytes"):
+            columns[name]["set aside"] = size(t["set_aside_bytes"])
         if t.get("degraded_reason"):
             columns[name]["why"] = t["degraded_reason"]
     # one column per tier, one row per figure: four tiers fit an 80-column terminal
     table = compact_table("", *columns, title=f"write policy: {d.get('write_policy') or '-'}")
     for column in table.columns[1:]:
         column.justify = "right"
-    figures = ["used", "capacity", "blocks", "hit tokens", "bytes in", "bytes out", "read/s", "write/s",
+    figures = ["used", "set aside", "capacity", "blocks", "hit tokens", "bytes in", "bytes out", "read/s", "write/s",
                "checksum fails", "errors", "health", "why"]
     for figure in figures:
         if any(figure in c for c in columns.values()):
@@ -56,8 +58,10 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
             for k, v in d["break_even_tokens"].items()))
     if d.get("disk_scan"):
         s = d["disk_scan"]
-        console.print(f"disk at start: {s['blocks']:,} blocks re-indexed; set aside {s['corrupt']} corrupt, "
-                      f"{s['foreign']} foreign; removed {s['torn']} unfinished")
+        back = f" ({s['readmitted']} segments of them back from a rollback)" if s.get("readmitted") else ""
+        dropped = f", {s['set_aside_dropped']} set aside before (for room)" if s.get("set_aside_dropped") else ""
+        console.print(f"disk at start: {s['blocks']:,} blocks re-indexed{back}; set aside {s['corrupt']} corrupt, "
+                      f"{s['foreign']} foreign; removed {s['torn']} unfinished{dropped}")
 
 
 def tiers(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:

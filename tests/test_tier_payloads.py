@@ -165,6 +165,48 @@ def test_corrupt_truncated_foreign_and_unfinished_files_are_set_aside_and_counte
     assert len(names) == 3
 
 
+def test_what_an_upgrade_sets_aside_counts_against_the_disk_and_goes_before_live_segments(tmp_path):
+    """A new model sets the old one's segments aside; they are kept while there is room (and come
+    back on a rollback), go oldest first before any live segment, and the folder stays within
+    its bytes throughout."""
+    per = layout().payload_bytes
+    old_space, new_space = b"O" * 32, b"N" * 32
+
+    def folder_bytes():
+        return sum(f.stat().st_size for f in (tmp_path / "kvcache").rglob("*") if f.is_file() and f.suffix != ".lock")
+
+    before = disk(tmp_path, capacity=6 * per, space=old_space)
+    a, b = write_chain(before, 0, 2), write_chain(before, 10, 2)
+    before.close()
+
+    upgraded = disk(tmp_path, capacity=6 * per, space=new_space)
+    report = upgraded.scan()
+    assert (report.foreign, report.readmitted, report.quarantine_dropped) == (2, 0, 0)
+    assert upgraded.index == {} and upgraded.quarantine_bytes == 4 * per
+    upgraded.make_room(2 * per)
+    c = write_chain(upgraded, 20, 2)  # fits beside both set-aside segments
+    assert upgraded.quarantine_bytes == 4 * per and folder_bytes() == 6 * per
+    upgraded.make_room(2 * per)  # the oldest set-aside segment (a's) goes, not c
+    d = write_chain(upgraded, 30, 2)
+    assert sorted(upgraded.index) == sorted(c + d) and upgraded.quarantine_bytes == 2 * per
+    assert folder_bytes() == 6 * per
+    upgraded.close()
+
+    rolled_back = disk(tmp_path, capacity=6 * per, space=old_space)
+    report = rolled_back.scan()  # b comes back; c and d are now the foreign ones
+    assert (report.readmitted, report.foreign, report.segments, report.quarantine_dropped) == (1, 2, 1, 0)
+    assert sorted(rolled_back.index) == sorted(b) and not set(a) & set(rolled_back.index)
+    for key in b:
+        assert same(decode_block(rolled_back.read(key), rolled_back.layout, old_space, key),
+                    content(rolled_back.layout, key))
+    rolled_back.close()
+
+    smaller = disk(tmp_path, capacity=3 * per, space=old_space)
+    report = smaller.scan()  # the tier shrank: what is set aside goes first, oldest first
+    assert (report.segments, report.quarantine_dropped) == (1, 2) and smaller.quarantine_bytes == 0
+    assert sorted(smaller.index) == sorted(b) and folder_bytes() == 2 * per
+
+
 def test_disk_capacity_evicts_whole_least_recently_used_segments(tmp_path):
     lay = layout()
     tier = disk(tmp_path, capacity=5 * lay.payload_bytes)

@@ -376,6 +376,47 @@ def test_prefixes_warmed_before_a_restart_hit_after_it(tmp_path):
         again.shutdown(deadline=2)
 
 
+def test_a_block_size_change_sets_the_disk_aside_within_its_bytes_and_a_rollback_brings_it_back(tmp_path):
+    """kvd restarted with another block size cannot use the disk's blocks: it sets them aside
+    (shown, and counted against the tier's bytes). Restarted with the old block size again, it finds
+    them, and the prefix hits as before the change."""
+    from rich.console import Console
+
+    from kvctl.daemon.server.app import create_app
+    from kvctl.tiers_cmd import render_tiers
+
+    settings = dict(num_blocks=64, disk_cache_bytes="16MiB", tiering="always")
+    service = start_service(tmp_path, **settings)
+    before = _complete(create_app(service, service.metrics, front="unix"), TEXT_A)
+    service.shutdown(deadline=5)
+    saved = sum(p.stat().st_size for p in (tmp_path / "kvcache" / "segments").glob("*.kvseg"))
+    assert saved > 0
+
+    changed = start_service(tmp_path, **settings, block_size=32)
+    try:
+        report = call(create_app(changed, changed.metrics, front="unix"), "GET", "/admin/tiers").json()
+        assert (report["disk_scan"]["blocks"], report["disk_scan"]["readmitted"]) == (0, 0)
+        assert report["disk_scan"]["foreign"] >= 1 and report["tiers"]["disk"]["set_aside_bytes"] == saved
+        console = Console(record=True, width=100)
+        render_tiers(report, console)
+        [row] = [line for line in console.export_text().splitlines() if line.startswith("set aside")]
+        assert row.split()[-2:] == [f"{saved / 1024:.1f}", "KiB"]
+    finally:
+        changed.shutdown(deadline=5)
+
+    rolled_back = start_service(tmp_path, **settings)
+    try:
+        app = create_app(rolled_back, rolled_back.metrics, front="unix")
+        report = call(app, "GET", "/admin/tiers").json()
+        assert report["disk_scan"]["readmitted"] >= 1 and report["disk_scan"]["blocks"] > 0
+        assert report["tiers"]["disk"]["set_aside_bytes"] == 0
+        after = _complete(app, TEXT_A)
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        rolled_back.shutdown(deadline=2)
+
+
 def test_evicting_a_tenant_after_a_restart_reaches_its_blocks_on_disk(tmp_path):
     """Each payload records its tenant: after a restart (nothing of the tenant in memory) an
     operator's `evict --tenant` still removes exactly that tenant's blocks from disk."""

@@ -29,8 +29,10 @@ def attach(service, engine) -> None:
                               remote_timeout=cfg.remote_timeout, tiering=cfg.tiering)
     service.tiers, service.tier_scan = tiers, scan
     if scan is not None:
-        log.info("disk tier: %d blocks in %d segments re-indexed; set aside %d corrupt, %d foreign; "
-                 "removed %d unfinished", scan.blocks, scan.segments, scan.corrupt, scan.foreign, scan.torn)
+        log.info("disk tier: %d blocks in %d segments re-indexed (%d of them set aside before, for this model); "
+                 "set aside %d corrupt, %d foreign; removed %d unfinished and %d set aside for room",
+                 scan.blocks, scan.segments, scan.readmitted, scan.corrupt, scan.foreign, scan.torn,
+                 scan.quarantine_dropped)
 
 
 def report(service) -> dict:
@@ -52,7 +54,8 @@ def report(service) -> dict:
     scan = service.tier_scan
     if scan is not None:
         body["disk_scan"] = {"blocks": scan.blocks, "segments": scan.segments, "corrupt": scan.corrupt,
-                             "foreign": scan.foreign, "torn": scan.torn}
+                             "foreign": scan.foreign, "torn": scan.torn, "readmitted": scan.readmitted,
+                             "set_aside_dropped": scan.quarantine_dropped}
     body["break_even_tokens"] = {
         name: tiers.policy.break_even_tokens(tiers.layout.block_bytes / tiers.layout.block_size,
                                              tiers.stats[name].read)

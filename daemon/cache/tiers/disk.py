@@ -9,6 +9,11 @@ never serves a torn one.
 On start `scan()` verifies every segment: payloads of this space and layout are indexed;
 segments with a corrupt or truncated payload, or written for another model, tokenizer,
 format or scale set, are moved to `quarantine/` and counted. Eviction is LRU by segment.
+
+What is set aside counts against the tier's bytes: it is kept (a foreign segment comes back when
+the daemon runs its model again, a rollback; a corrupt one is there to be looked at) only while
+there is room, and goes, oldest first, before any live segment is evicted. A model upgrade
+therefore never leaves the folder holding more than `capacity_bytes`.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class ScanReport:
     corrupt: int = 0  # segments set aside for a bad payload
     foreign: int = 0  # segments set aside for another space or layout
     torn: int = 0  # unfinished .tmp files removed
+    readmitted: int = 0  # set-aside foreign segments that match again (a rollback), indexed
+    quarantine_dropped: int = 0  # set-aside segments deleted to keep the folder within its bytes
 
 
 class DiskTier:
@@ -64,6 +71,8 @@ class DiskTier:
         self.meta: dict[bytes, BlockMeta] = {}
         self.segments: OrderedDict[str, Segment] = OrderedDict()  # least recently used first
         self.used_bytes = 0
+        self.quarantined: OrderedDict[Path, int] = OrderedDict()  # set-aside files, oldest first -> bytes
+        self.quarantine_bytes = 0
         self.busy: dict[str, int] = {}  # segment -> reads in flight (never evicted meanwhile)
         self._names = itertools.count()
         self._dir_synced_at = 0.0
@@ -107,6 +116,7 @@ class DiskTier:
         for tmp in self.segment_dir.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
             report.torn += 1
+        report.readmitted = self._readmit()
         for path in sorted(self.segment_dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
             try:
                 data = path.read_bytes()
@@ -123,7 +133,45 @@ class DiskTier:
             self._publish(path.name, len(data), metas)
             report.segments += 1
             report.blocks += len(metas)
+        with self.lock:
+            self._list_quarantine()
+            report.quarantine_dropped = self._shed_quarantine(0)
         return report
+
+    def _readmit(self) -> int:
+        """Move set-aside foreign segments that verify under this space and layout back among the
+        segments (the scan then indexes them): the model they were written for runs again."""
+        back = 0
+        for path in sorted((self.quarantine / "foreign").glob("*" + SUFFIX)):
+            try:
+                self._verify_segment(path.read_bytes())
+                os.replace(path, self.segment_dir / path.name)
+            except (PayloadError, OSError):
+                continue
+            back += 1
+        return back
+
+    def _list_quarantine(self) -> None:
+        files = []
+        for path in self.quarantine.glob("*/*"):
+            try:
+                stat = path.stat()
+            except OSError:
+                continue
+            files.append((stat.st_mtime_ns, path, stat.st_size))
+        self.quarantined = OrderedDict((path, size) for _, path, size in sorted(files))
+        self.quarantine_bytes = sum(self.quarantined.values())
+
+    def _shed_quarantine(self, incoming: int) -> int:
+        """Delete set-aside files, oldest first, until `incoming` more bytes fit with them; the
+        number deleted. Call under the lock."""
+        dropped = 0
+        while self.quarantined and self.used_bytes + self.quarantine_bytes + incoming > self.capacity_bytes:
+            path, size = self.quarantined.popitem(last=False)
+            path.unlink(missing_ok=True)
+            self.quarantine_bytes -= size
+            dropped += 1
+        return dropped
 
     def _verify_segment(self, data: bytes) -> list[tuple[BlockMeta, int, int]]:
         out, offset = [], 0
@@ -219,8 +267,9 @@ class DiskTier:
         `salvage(segment, bytes)` sees each segment's bytes before its file goes (write-back)."""
         dropped = []
         with self.lock:
+            self._shed_quarantine(incoming)  # what was set aside goes before any live segment
             for name in list(self.segments):
-                if self.used_bytes + incoming <= self.capacity_bytes:
+                if self.used_bytes + self.quarantine_bytes + incoming <= self.capacity_bytes:
                     break
                 segment = self.segments[name]
                 if self.busy.get(name) or any(protect(k) for k in segment.keys if k in self.index):

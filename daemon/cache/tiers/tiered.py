@@ -634,6 +634,8 @@ class TieredCache:
                     "degraded_reason": stats.degraded if tier.name != "remote" else (
                         tier.last_error if health != "ok" else None),
                 }
+                if tier.name == "disk":  # segments set aside (another model's, or corrupt), within its bytes
+                    out[tier.name]["set_aside_bytes"] = tier.quarantine_bytes
             out_moved = {f"{s}->{d}": b for (s, d), b in sorted(self.moved.items())}
         return {"write_policy": self.write_policy, "tiers": out, "moved_bytes": out_moved,
                 "moving_blocks": len(self.inflight), "staged_blocks": len(self.staged)}
