@@ -19,8 +19,9 @@ from rich.text import Text
 
 from .client import Client
 from .errors import KvdUnavailable, UserError
+from .fleet_status import is_fleet, render_fleet_status
 from .outputs import read_text
-from .tables import compact_table, duration, keep_whole, size, when
+from .tables import compact_table, duration, keep_whole, seconds, size, when
 
 STATE_STYLES = {"free": "grey50", "reserved": "yellow", "active": "green", "shared": "cyan",
                 "cached": "blue", "pinned": "magenta"}
@@ -53,10 +54,6 @@ def _tokens(text: str | None, tokens: str | None, file: Path | None) -> dict:
     return {"text": text}
 
 
-def _fmt_seconds(value) -> str:
-    return "-" if value is None else (f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s")
-
-
 MAP_MAX_CELLS = 2048  # 32 lines of 64: a GPU cache's hundred thousand blocks still fit a screen
 
 
@@ -74,6 +71,8 @@ def map_cells(block_map: str, max_cells: int = MAP_MAX_CELLS) -> tuple[str, int]
 
 
 def render_status(data: dict, console: Console | None = None):
+    if is_fleet(data):  # pointed at kvd router: a row per replica
+        return render_fleet_status(data, console)
     blocks = data["blocks"]["device"]
     total = blocks["total"]
     table = Table(title=f"KV cache blocks (device, {total:,} blocks of {data['block_size']} tokens, "
@@ -108,14 +107,14 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("evictions", f"{data['evictions']['capacity']:,} by {data['eviction_policy']}, "
                                f"{data['evictions']['operator']:,} by operators")
     queue = data["queue"]
-    waiting = f"{queue['waiting']} waiting" + (f" (oldest {_fmt_seconds(queue['oldest_age_seconds'])})"
+    waiting = f"{queue['waiting']} waiting" + (f" (oldest {seconds(queue['oldest_age_seconds'])})"
                                                if queue["waiting"] else "")
     ahead = ""
     if queue.get("predicted_wait_seconds") is not None:
         rate = f"prefill {queue['prefill_tokens_per_second']:,.0f} tokens/s"
         ahead = f"; {rate}" if not queue["tokens_ahead"] else (
             f"; {queue['tokens_ahead']:,} prompt tokens ahead: a new request waits "
-            f"~{_fmt_seconds(queue['predicted_wait_seconds'])} ({rate})")
+            f"~{seconds(queue['predicted_wait_seconds'])} ({rate})")
     facts.add_row("queue", f"{waiting}, {queue['running']} running{ahead}")
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
@@ -143,17 +142,17 @@ def render_status(data: dict, console: Console | None = None):
     if data.get("extra_tokens_vs_model_dtype"):
         facts.add_row("format gain", f"{data['capacity_tokens']:,} tokens, {data['extra_tokens_vs_model_dtype']:,} "
                                      "more than the model dtype in the same memory")
-    facts.add_row("TTFT", f"p50 {_fmt_seconds(ttft.get('p50'))}  p95 {_fmt_seconds(ttft.get('p95'))}  "
-                          f"p99 {_fmt_seconds(ttft.get('p99'))}")
-    facts.add_row("inter-token", f"p50 {_fmt_seconds(itl.get('p50'))}  p95 {_fmt_seconds(itl.get('p95'))}  "
-                                 f"p99 {_fmt_seconds(itl.get('p99'))}")
+    facts.add_row("TTFT", f"p50 {seconds(ttft.get('p50'))}  p95 {seconds(ttft.get('p95'))}  "
+                          f"p99 {seconds(ttft.get('p99'))}")
+    facts.add_row("inter-token", f"p50 {seconds(itl.get('p50'))}  p95 {seconds(itl.get('p95'))}  "
+                                 f"p99 {seconds(itl.get('p99'))}")
     steps = data.get("steps") or {}
     if steps:
         decode = steps.get("decode")
-        mean = f"; decode step {_fmt_seconds(decode['seconds'] / decode['count'])} mean" if decode else ""
+        mean = f"; decode step {seconds(decode['seconds'] / decode['count'])} mean" if decode else ""
         threads = f" on {data['engine_threads']} threads" if data.get("engine_threads") else ""
         facts.add_row("engine", ", ".join(f"{s['count']:,} {kind}" for kind, s in steps.items())
-                      + f" steps{threads}, {_fmt_seconds(sum(s['seconds'] for s in steps.values()))} busy{mean}")
+                      + f" steps{threads}, {seconds(sum(s['seconds'] for s in steps.values()))} busy{mean}")
     for gpu in data.get("gpu") or []:
         facts.add_row(f"GPU {gpu['index']}", f"{gpu['name']}: {gpu['memory_used'] / 2**30:.1f} of "
                                              f"{gpu['memory_total'] / 2**30:.1f} GiB, {gpu['utilization']}% busy")

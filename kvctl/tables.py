@@ -30,6 +30,11 @@ def keep_whole(table: Table, *columns: int) -> None:
         column.min_width = max([len(str(cell)) for cell in column.cells] + [len(str(column.header))])
 
 
+def seconds(value: float | None) -> str:
+    """A duration for a status line: 12.5 ms, 1.50 s; '-' when unknown."""
+    return "-" if value is None else (f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s")
+
+
 def size(value: float | None) -> str:
     """Bytes in binary units: 512 B, 1.4 MiB; '-' when unknown."""
     if value is None:

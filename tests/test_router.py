@@ -171,6 +171,38 @@ def test_the_routers_status_sums_the_fleets_steps_and_queues(replicas):
     assert body["queue"] == {"waiting": 0, "running": 0}
 
 
+def test_kvctl_status_at_the_router_shows_a_row_per_replica_and_the_fleets_hits(replicas):
+    from rich.console import Console
+
+    from kvctl.ops import render_status
+
+    service, app = router_app(replicas, "round_robin", down=(1,))
+    drive(app, [lambda c: post(c, SYSTEM_A + "Q11?")])
+    [answer] = drive(app, [lambda c: c.get("/admin/status")])
+    body = answer.json()
+    console = Console(record=True, width=80)
+    render_status(body, console)
+    lines = console.export_text().splitlines()
+    assert lines[0].strip() == "fleet behind kvd router: round_robin routing, ask view, 2 replicas"
+    assert lines[1].split() == ["replica", "sent", "open", "view", "blocks", "hits", "waiting", "running", "wait",
+                                "TTFT", "p50"]
+    live = body["replica_status"][0]
+    blocks = live["blocks"]["device"]
+    assert lines[2].split()[:6] == ["replica-0", "1", "0", "asks", f"{blocks['total'] - blocks['free']}/{blocks['total']}",
+                                    f"{live['tokens']['hit_ratio']:.1%}"]
+    assert lines[3].split()[:5] == ["replica-1", "0", "0", "asks", "down:"]
+    assert lines[-1] == (f"fleet prefix hits: {live['tokens']['hit']:,} of {live['tokens']['prompt']:,} prompt tokens "
+                         f"({live['tokens']['hit']/ live['tokens']['prompt']:.1%})")
+
+
+def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(replicas):
+    _, app = router_app(replicas, "round_robin")
+    [answer] = drive(app, [lambda c: c.get("/admin/prefixes")])
+    assert answer.status_code == 404 and answer.json()["error"]["message"] == (
+        "kvd router does not serve /admin/prefixes: it serves /v1/completions, /v1/models, /admin/status, "
+        "/router/status, /metrics and /healthz; ask a replica for the rest (kvctl --socket REPLICA_SOCKET ...)")
+
+
 @pytest.mark.parametrize("view", ["ask", "events"])
 def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view):
     """Real processes: two kvd, then `kvd router` in front of them; prompts sharing a system

@@ -41,6 +41,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import ReplicaFacts, Router, facts_from_answer
@@ -55,6 +56,7 @@ ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left
 FORWARD_TIMEOUT_S = 600.0
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
+SERVED = "/v1/completions, /v1/models, /admin/status, /router/status, /metrics and /healthz"
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
 
@@ -302,6 +304,13 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.exception_handler(Refused)
     async def _refused(_: Request, exc: Refused):
         return error(exc.status, str(exc), exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code != 404:
+            return error(exc.status_code, str(exc.detail), "invalid_request")
+        return error(404, f"kvd router does not serve {request.url.path}: it serves {SERVED}; ask a replica for "
+                          "the rest (kvctl --socket REPLICA_SOCKET ...)", "not_found")
 
     async def caller(request: Request) -> Caller:
         if front == "unix":

@@ -1,0 +1,61 @@
+"""`kvctl status` pointed at `kvd router`: one row per replica (what the router sent there, how
+current its view is, the replica's cache, hits, queue and latency) and the fleet's prefix hits.
+
+The router's `/admin/status` carries each replica's own status (`replica_status`) beside the
+router's books (`replicas`); this renders the two side by side. kvd decides; kvctl presents.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.text import Text
+
+from .tables import compact_table, keep_whole, seconds
+
+
+def is_fleet(data: dict) -> bool:
+    """Whether a status answer is a router's (a fleet) rather than one kvd's."""
+    return "replica_status" in data
+
+
+def _view(book: dict) -> Text:
+    view = book.get("view")
+    if view is None:
+        return Text("asks")
+    if view["synced"]:
+        return Text("follows", style="green")
+    return Text("asks (feed down)" if view.get("feed_error") else "asks (syncing)", style="yellow")
+
+
+def render_fleet_status(data: dict, console: Console | None = None) -> Group:
+    books = {r["replica"]: r for r in data.get("replicas", [])}
+    table = compact_table("replica", "sent", "open", "view", "blocks", "hits", "waiting", "running", "wait",
+                          "TTFT p50", title=f"fleet behind kvd router: {data['routing']} routing, "
+                                            f"{data.get('view', 'ask')} view, {len(data['replica_status'])} replicas")
+    for column in table.columns[1:]:
+        column.justify = "right"
+    prompt = hit = 0
+    for status in data["replica_status"]:
+        name = status["replica"]
+        book = books.get(name, {})
+        sent, open_ = f"{book.get('sent', 0):,}", f"{book.get('open', 0):,}"
+        if "error" in status:
+            table.add_row(name, sent, open_, _view(book), Text(f"down: {status['error']}", style="red"),
+                          "", "", "", "", "")
+            continue
+        blocks = status["blocks"]["device"]
+        used = blocks["total"] - blocks["free"]
+        tokens = status["tokens"]
+        prompt, hit = prompt + tokens["prompt"], hit + tokens["hit"]
+        queue = status["queue"]
+        ttft = ((status.get("latency") or {}).get("ttft_seconds") or {}).get("p50")
+        table.add_row(name, sent, open_, _view(book), f"{used:,}/{blocks['total']:,}",
+                      f"{tokens['hit_ratio']:.1%}", f"{queue['waiting']:,}", f"{queue['running']:,}",
+                      seconds(queue.get("predicted_wait_seconds")), seconds(ttft))
+    keep_whole(table, 0)
+    summary = Text(f"fleet prefix hits: {hit:,} of {prompt:,} prompt tokens"
+                   + (f" ({hit / prompt:.1%})" if prompt else ""))
+    group = Group(table, summary)
+    if console is not None:
+        console.print(group)
+    return group
