@@ -134,6 +134,31 @@ def test_a_waiting_read_answers_with_the_blocks_a_request_stores(daemon):
     assert quiet["events"] == [] and quiet["next"] == body["latest"] and not quiet["gap"]
 
 
+def test_a_stopping_kvd_answers_a_waiting_read_at_once_and_refuses_new_ones(tmp_path):
+    """A follower's held-open read (a router's, `kvctl events --follow`) must not hold kvd's
+    stop for the rest of its wait: it is answered when the shutdown begins."""
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path)
+    app = create_app(service, service.metrics, front="unix")
+    latest = call(app, "GET", "/admin/events", params={"since": 0}).json()["latest"]
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvd", timeout=60) as client:
+            waiting = asyncio.create_task(client.get("/admin/events", params={"since": latest, "wait": 25}))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            await asyncio.get_running_loop().run_in_executor(None, service.shutdown, 5)
+            answered = await asyncio.wait_for(waiting, 10)  # not the 25 s it asked to wait
+            again = await client.get("/admin/events", params={"since": latest, "wait": 25})
+            return answered, again
+
+    answered, again = asyncio.run(go())
+    assert answered.status_code == 200 and answered.json()["events"] == [] and not answered.json()["gap"]
+    assert again.status_code == 503 and again.json()["error"]["message"] == "kvd is shutting down"
+
+
 def test_the_key_filter_shows_one_prefix_going_from_tier_to_tier(daemon):
     service, app = daemon
     for text in PROMPTS:

@@ -102,6 +102,17 @@ def test_a_waiter_is_woken_once_by_the_next_event_and_not_registered_when_one_is
     assert log.seq == 3
 
 
+def test_stopping_wakes_every_waiter_and_lets_none_wait_after_while_events_are_still_logged():
+    log = EventLog()
+    woken = []
+    assert log.notify_after(0, lambda: woken.append("first")) and log.notify_after(0, lambda: woken.append("second"))
+    log.stop_waits()
+    assert woken == ["first", "second"] and log.stopping
+    assert not log.notify_after(0, lambda: woken.append("late"))
+    log.removed("device", [k(1)], "operator")  # the shutdown's own moves are still logged
+    assert log.seq == 1 and woken == ["first", "second"]
+
+
 def test_the_log_refuses_a_bound_that_is_not_a_positive_integer():
     with pytest.raises(ValueError, match="key_limit: expected a positive integer, got 0"):
         EventLog(key_limit=0)

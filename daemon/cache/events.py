@@ -135,6 +135,7 @@ class EventLog:
         self._seq = 0
         self._lock = threading.Lock()
         self._waiters: list[Callable[[], None]] = []
+        self.stopping = False  # set by stop_waits: reads answer at once
         self.dropped_events = 0  # trimmed before every consumer may have read them
         self.blocks: Counter[tuple[str, str, str]] = Counter()  # (kind, tier, reason or "") -> blocks, ever
 
@@ -175,11 +176,24 @@ class EventLog:
                 self._keys_held -= len(self._events.popleft().keys)
                 self.dropped_events += 1
             waiters, self._waiters = self._waiters, []
+        self._wake(waiters)
+
+    @staticmethod
+    def _wake(waiters: list[Callable[[], None]]) -> None:
         for wake in waiters:
             try:
                 wake()
             except Exception:  # noqa: BLE001  (a waiter whose event loop has closed: nothing to wake)
                 pass
+
+    def stop_waits(self) -> None:
+        """The daemon is stopping: wake every waiting reader now, and let none wait from here on
+        (a held-open read would hold the server's shutdown for as long as it waits). Events are
+        still logged."""
+        with self._lock:
+            self.stopping = True
+            waiters, self._waiters = self._waiters, []
+        self._wake(waiters)
 
     # ---- consumers ---------------------------------------------------------------------------
     def counts(self) -> dict[tuple[str, str, str], int]:
@@ -227,9 +241,9 @@ class EventLog:
 
     def notify_after(self, seq: int, wake: Callable[[], None]) -> bool:
         """Call `wake` (once, from the producing thread) when an event newer than `seq` exists.
-        Returns False, without registering, when one exists already."""
+        Returns False, without registering, when one exists already or the log is `stopping`."""
         with self._lock:
-            if self._seq > seq:
+            if self._seq > seq or self.stopping:
                 return False
             self._waiters.append(wake)
             return True

@@ -71,7 +71,7 @@ async def wait_for_events(log: EventLog, since: int, limit: int, kinds, tiers, w
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     body = await asyncio.to_thread(read_page, log, since, limit, kinds, tiers, key)  # off the loop: a page can be large
-    while not body["events"] and not body["gap"] and loop.time() < deadline:
+    while not body["events"] and not body["gap"] and loop.time() < deadline and not log.stopping:
         arrived = loop.create_future()
 
         def wake() -> None:  # on the producing thread

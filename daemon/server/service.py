@@ -299,6 +299,8 @@ class EngineService:
         """Stop admitting, let in-flight work finish until the deadline, cancel the rest."""
         self.notifier.stopping()
         self.accepting = False
+        if self.engine is not None:  # held-open event reads answer now: they would hold up the server's stop
+            self.engine.events.stop_waits()
         limit = time.monotonic() + (self.config.shutdown_timeout if deadline is None else deadline)
         while self.engine is not None and time.monotonic() < limit:
             with self.lock:
