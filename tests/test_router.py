@@ -471,3 +471,33 @@ def test_the_tcp_front_needs_a_token_and_routes_each_caller_under_its_tokens_ten
                                                                                        "tenant": t})
                                       for t in ("acme", "globex", "default")])
     assert [f.json()["cached_tokens"] > 0 for f in facts] == [True, False, False]
+
+
+def test_the_events_view_takes_up_a_replica_again_when_it_comes_back(replicas):
+    """A replica down at the start is asked per request (and left out); once it answers, the
+    router's follower takes a snapshot and routes to it from its feed again."""
+
+    class Switch(httpx.AsyncBaseTransport):
+        def __init__(self, app) -> None:
+            self.up, self.inner = False, Counting(app)
+
+        async def handle_async_request(self, request):
+            if not self.up:
+                raise httpx.ConnectError("connection refused", request=request)
+            return await self.inner.handle_async_request(request)
+
+    service, app = router_app(replicas, "least_loaded", view="events")
+    switch = Switch(replicas[0])
+    service.replicas[0].client = replica_client("/run/replica-0.sock", transport=switch)
+
+    async def back(client):
+        assert service.replicas[0].feed_error.startswith("feed: ConnectError")
+        switch.up = True
+        await until_followed(service, (0,))
+
+    answers = drive(app, [lambda c: post(c, SYSTEM_B + "Q20?"), back, lambda c: c.get("/router/status")],
+                    service=service, synced=(1,))
+    assert answers[0].headers["x-kvd-replica"] == "replica-1"  # the only one answering
+    row = answers[2].json()["replicas"][0]
+    assert row["view"]["synced"] and row["view"]["feed_error"] is None
+    assert service.replicas[0].snapshots == 1
