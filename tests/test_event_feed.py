@@ -246,7 +246,8 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
     assert facts == {"prompt_tokens": len(ids), "cached_tokens": blocks * 16, "lower_tier": None, "running": 0,
                      "waiting": 0, "oldest_age_seconds": 0.0, "tokens_ahead": 0, "predicted_wait_seconds": 0.0,
                      "prefill_tokens_per_second": facts["prefill_tokens_per_second"], "tenant": "default",
-                     "namespace": call(app, "GET", "/admin/events/snapshot").json()["namespace"]}
+                     "namespace": call(app, "GET", "/admin/events/snapshot").json()["namespace"],
+                     "model": service.model_name}
     assert facts["prefill_tokens_per_second"] > 0 and facts["namespace"]["tokenizer_digest"] == service.engine.tokenizer.digest
     row = call(app, "GET", "/admin/prefixes").json()["prefixes"][0]
     call(app, "POST", "/admin/swap", json={"prefix": row["prefix_id"], "to": "disk"})

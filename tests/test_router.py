@@ -501,3 +501,26 @@ def test_the_events_view_takes_up_a_replica_again_when_it_comes_back(replicas):
     row = answers[2].json()["replicas"][0]
     assert row["view"]["synced"] and row["view"]["feed_error"] is None
     assert service.replicas[0].snapshots == 1
+
+
+@pytest.mark.parametrize("view", ["ask", "events"])
+def test_a_request_naming_a_model_goes_only_where_that_model_is_served(replicas, tmp_path, view):
+    other = start_service(tmp_path, num_blocks=64, model_name="kvd-other")
+    try:
+        apps = [replicas[0], create_app(other, other.metrics, front="unix")]
+        service, app = router_app(apps, "round_robin", view=view)
+        [listed] = drive(replicas[0], [lambda c: c.get("/v1/models")])
+        demo = listed.json()["data"][0]["id"]
+        answers = drive(app, [lambda c: c.get("/v1/models")] + [
+            lambda c, m=m: post(c, SYSTEM_A + "Q30?", model=m) for m in ("kvd-other", "kvd-other", demo, demo, "nope")],
+            service=service if view == "events" else None)
+        assert sorted(m["id"] for m in answers[0].json()["data"]) == sorted([demo, "kvd-other"])
+        assert [a.status_code for a in answers[1:]] == [200, 200, 200, 200, 404]
+        # round robin would alternate: the model decides instead
+        assert [a.headers["x-kvd-replica"] for a in answers[1:5]] == ["replica-1", "replica-1", "replica-0", "replica-0"]
+        assert [a.json()["model"] for a in answers[1:5]] == ["kvd-other", "kvd-other", demo, demo]
+        assert answers[5].json()["error"] == {
+            "message": f"model: 'nope' is not served by any replica; GET /v1/models lists {', '.join(repr(m) for m in sorted([demo, 'kvd-other']))}",
+            "type": "router_error", "param": None, "code": "model_not_found"}
+    finally:
+        other.shutdown(deadline=2)

@@ -37,6 +37,7 @@ class ReplicaView:
     pending: dict[bytes, float] = field(default_factory=dict)  # key -> when the router stops expecting it
     load: dict | None = None  # its latest answer to route-facts
     default_tenant: str = "default"  # whom it takes a request naming no tenant for (its answer says)
+    model: str | None = None  # the model it serves (its answer says)
     load_asked_at: float | None = None
     sent_since: list[tuple[float, int]] = field(default_factory=list)  # (when, prompt tokens it lacked)
 
@@ -116,6 +117,7 @@ class ReplicaView:
         none, and its namespace: when that changed (new scales, say), prompts' keys are computed
         under the new one from now on, and what was sent under the old one is no longer expected."""
         self.load, self.load_asked_at = answer, asked_at
+        self.model = answer.get("model")
         self.sent_since = [(t, n) for t, n in self.sent_since if t >= asked_at]
         self.default_tenant = answer.get("tenant") or "default"
         namespace = answer.get("namespace")

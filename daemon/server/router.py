@@ -70,6 +70,7 @@ class Replica:
     open: int = 0  # forwarded requests still answering
     last_error: str | None = None
     view: ReplicaView | None = None  # with --view events: what its feed and load polls say
+    model: str | None = None  # the model it serves, as its latest answer to a question said
     feed_error: str | None = None
     snapshots: int = 0  # times its feed was (re)started from a snapshot
     # the router's tallies, for /metrics
@@ -102,6 +103,10 @@ def question_of(prompt) -> dict | None:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return {"tokens": prompt}
     return None
+
+
+class ModelNotServed(LookupError):
+    """The request names a model no live replica serves."""
 
 
 @dataclass
@@ -170,6 +175,7 @@ class RouterService:
             answer.raise_for_status()
             known = answer.json()
             facts = facts_from_answer(known, replica.open)
+            replica.model = known.get("model")
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
             replica.failed_questions += 1
@@ -238,6 +244,14 @@ class RouterService:
             self.unrouted += 1
             raise LookupError("no replica answered: " + "; ".join(
                 f"{r.name} ({r.last_error or r.feed_error})" for r in self.replicas))
+        wanted = body.get("model")
+        if isinstance(wanted, str):  # only where it is served (a replica whose model is unknown may say)
+            serving = [(i, a) for i, a in live if self.model_of(self.replicas[i]) in (None, wanted)]
+            if not serving:
+                served = sorted({m for r in self.replicas if (m := self.model_of(r)) is not None})
+                raise ModelNotServed(f"model: {wanted!r} is not served by any replica; GET /v1/models lists "
+                                     + ", ".join(repr(m) for m in served))
+            live = serving
         prompt_tokens = max(tokens for _, (_, tokens) in live)
         chosen = self.router.choose(prompt_tokens, [f for _, (f, _) in live])
         index = live[chosen.replica][0]
@@ -250,6 +264,13 @@ class RouterService:
         if known is not None and known.keys:  # what it will hold and compute once this arrives
             replica.view.note_sent(known.keys, known.prompt_tokens - known.facts.cached_tokens, now)
         return replica, chosen.reason
+
+    @staticmethod
+    def model_of(replica: Replica) -> str | None:
+        """The model a replica serves, as its latest answer (a load poll or a question) said."""
+        if replica.view is not None and replica.view.model is not None and replica.view.synced:
+            return replica.view.model
+        return replica.model
 
     def status(self) -> dict:
         now = self.clock()
@@ -366,13 +387,23 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     @app.get("/v1/models")
     async def models(_: Caller = Depends(caller)):
-        for replica in service.replicas:
+        """Every model some replica serves, once each."""
+        async def one(replica: Replica):
             try:
                 answer = await replica.client.get("/v1/models", timeout=ASK_TIMEOUT_S)
-                return JSONResponse(answer.json(), status_code=answer.status_code)
-            except (httpx.HTTPError, ValueError):
-                continue
-        return error(503, "no replica answered", "no_replica")
+                answer.raise_for_status()
+                return answer.json()["data"]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return None
+
+        listed = [m for m in await asyncio.gather(*(one(r) for r in service.replicas)) if m is not None]
+        if not listed:
+            return error(503, "no replica answered", "no_replica")
+        data = {}
+        for models_of_one in listed:
+            for model in models_of_one:
+                data.setdefault(model["id"], model)
+        return {"object": "list", "data": list(data.values())}
 
     @app.post("/v1/completions")
     async def completions(http: Request, who: Caller = Depends(caller)):
@@ -386,6 +417,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         tenant = who.tenant
         try:
             replica, reason = await service.choose(body, tenant)
+        except ModelNotServed as exc:
+            return error(404, str(exc), "model_not_found")
         except LookupError as exc:
             return error(503, str(exc), "no_replica")
         headers = {k: v for k, v in http.headers.items() if k.lower() in PASSED_HEADERS}

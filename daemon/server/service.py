@@ -1044,9 +1044,10 @@ class EngineService:
 
     def route_facts(self, token_ids: list[int], tenant: str) -> dict:
         """This replica for this prompt, as a router weighs it: the prompt's tokens its device
-        cache holds, and its load (see `Engine.predicted_wait`). Also the tenant it looked in and
-        the namespace's other fields, so a router that computes keys itself notices a change
-        (new scales, say). Hashes before taking the lock."""
+        cache holds, and its load (see `Engine.predicted_wait`). Also the tenant it looked in, the
+        namespace's other fields (a router that computes keys itself notices a change: new
+        scales, say) and the model it serves (a router sends a request naming one only where it is
+        served). Hashes before taking the lock."""
         engine = self.require_ready()
         keys = engine.prefix_keys(tenant, token_ids)[2]
         with self.lock:
@@ -1056,7 +1057,7 @@ class EngineService:
             return {"prompt_tokens": len(token_ids), "cached_tokens": hits * engine.settings.block_size,
                     # where the next block is, when a lower tier holds it (a restore, not a recompute)
                     "lower_tier": None if lower == "evicted" else lower, **engine.queue_figures(),
-                    "tenant": tenant, "namespace": engine.namespace_fields()}
+                    "tenant": tenant, "namespace": engine.namespace_fields(), "model": self.model_name}
 
     def explain(self, token_ids: list[int], tenant: str) -> dict:
         engine = self.require_ready()
