@@ -7,12 +7,14 @@ deterministically, and a live router feeds it from each daemon's event feed and 
 
     round_robin   in turn, blind to cache and load
     least_loaded  the replica whose queue would start the request soonest
-    prefix        the replica holding the longest prefix of the prompt (ties: the less loaded),
-                  unless its wait exceeds the least loaded replica's by more than
-                  `balance_seconds`: then that one (cache affinity, bounded by load)
-    ttft          the least predicted time to first token: its wait plus the prompt tokens it
-                  lacks at its prefill rate (its own where measured, else `prefill_rate`):
-                  reuse and load traded in one figure
+    prefix        the replica holding the longest prefix of the prompt, on its device or in its
+                  lower tiers (ties: more on the device, then the less loaded), unless its wait
+                  exceeds the least loaded replica's by more than `balance_seconds`: then that
+                  one (cache affinity, bounded by load)
+    ttft          the least predicted time to first token: its wait, plus restoring what its
+                  lower tiers hold (or computing it, if quicker), plus the prompt tokens it lacks
+                  at its prefill rate (its own where measured, else `prefill_rate`): reuse,
+                  tiers and load traded in one figure
 
 Adding a router: implement `Router` and register it in `make_router`.
 """
@@ -31,6 +33,17 @@ class ReplicaFacts:
     wait_seconds: float  # predicted wait before it could start the request
     in_flight: int = 0  # requests it is serving or queueing now
     prefill_rate: float | None = None  # prompt tokens per second it computes, where measured
+    restorable_tokens: int = 0  # the prompt tokens after those that its lower tiers hold
+    restore_seconds: float = 0.0  # its estimate of bringing them up (kvctl.policies.tiering.restore_seconds)
+
+    @property
+    def held_tokens(self) -> int:
+        """Leading prompt tokens it holds in any tier."""
+        return self.cached_tokens + self.restorable_tokens
+
+    def held_reason(self, prompt_tokens: int) -> str:
+        lower = f" and {self.restorable_tokens} more in a lower tier" if self.restorable_tokens else ""
+        return f"caches {self.cached_tokens} of its {prompt_tokens} tokens{lower}"
 
 
 def facts_from_answer(answer: dict, in_flight: int = 0) -> ReplicaFacts:
@@ -41,7 +54,8 @@ def facts_from_answer(answer: dict, in_flight: int = 0) -> ReplicaFacts:
     predicted = answer["predicted_wait_seconds"]
     wait = predicted if predicted is not None else (answer["oldest_age_seconds"] if answer["waiting"] else 0.0)
     return ReplicaFacts(answer["cached_tokens"], wait, max(answer["running"] + answer["waiting"], in_flight),
-                        answer["prefill_tokens_per_second"])
+                        answer["prefill_tokens_per_second"], sum((answer.get("lower_tier_tokens") or {}).values()),
+                        answer.get("restore_seconds") or 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +120,14 @@ class PrefixAffinity(_Spreading):
 
     def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
         idle = self._least_loaded(replicas)
-        best = min(range(len(replicas)), key=lambda i: (-replicas[i].cached_tokens, *self._load(replicas, i)))
-        if replicas[best].cached_tokens == 0:
+        best = min(range(len(replicas)), key=lambda i: (-replicas[i].held_tokens, -replicas[i].cached_tokens,
+                                                        *self._load(replicas, i)))
+        if replicas[best].held_tokens == 0:
             return self._send(idle, "no replica caches its prefix: the least loaded")
         if replicas[best].wait_seconds - replicas[idle].wait_seconds > self.balance_seconds:
             return self._send(idle, f"the replica caching most waits {replicas[best].wait_seconds:.2f} s, over "
                                     f"{self.balance_seconds:g} s more than this one")
-        return self._send(best, f"caches {replicas[best].cached_tokens} of its {prompt_tokens} tokens")
+        return self._send(best, replicas[best].held_reason(prompt_tokens))
 
 
 class PredictedTTFT(_Spreading):
@@ -125,14 +140,19 @@ class PredictedTTFT(_Spreading):
         self.prefill_rate = prefill_rate
 
     def predict(self, prompt_tokens: int, facts: ReplicaFacts) -> float:
+        """Its wait, then the tokens a lower tier holds (restored, or computed where that is
+        quicker), then the rest computed."""
         rate = facts.prefill_rate or self.prefill_rate
-        return facts.wait_seconds + max(prompt_tokens - facts.cached_tokens, 0) / rate
+        lower = min(facts.restore_seconds, facts.restorable_tokens / rate) if facts.restorable_tokens else 0.0
+        return facts.wait_seconds + lower + max(prompt_tokens - facts.held_tokens, 0) / rate
 
     def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
         index = min(range(len(replicas)), key=lambda i: (self.predict(prompt_tokens, replicas[i]),
                                                          -replicas[i].cached_tokens, *self._load(replicas, i)))
-        return self._send(index, f"first token in {self.predict(prompt_tokens, replicas[index]):.2f} s "
-                                 f"({replicas[index].cached_tokens} tokens cached)")
+        chosen = replicas[index]
+        lower = f", {chosen.restorable_tokens} in a lower tier" if chosen.restorable_tokens else ""
+        return self._send(index, f"first token in {self.predict(prompt_tokens, chosen):.2f} s "
+                                 f"({chosen.cached_tokens} tokens cached{lower})")
 
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix", "ttft")

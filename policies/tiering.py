@@ -12,6 +12,7 @@ A block evicted from the device is kept (demoted) when
 with expected_reuse = prior + hits of its prefix (a prefix never reused still gets the prior,
 since most prefixes are first reused after their first eviction). A prefix in a lower tier is
 restored when restore_seconds(bytes of the run) < recompute_seconds(tokens of the run).
+A router prices a replica's lower-tier blocks the same way (`restore_seconds`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ class TieringPolicy:
         if gain_per_token <= 0:
             return math.inf
         return read.latency / gain_per_token
+
+
+def restore_seconds(blocks_by_tier: dict[str, int], block_bytes: int, rates: dict[str, dict[str, float]]) -> float:
+    """Seconds to bring runs of blocks up from lower tiers, one tier after another: each tier's
+    fixed latency plus its bytes at its read rate. `rates`: tier -> {"bytes_per_second",
+    "latency_seconds"} (kvd's measured figures, or its priors). A tier with no rate is left out."""
+    total = 0.0
+    for tier, blocks in blocks_by_tier.items():
+        rate = rates.get(tier)
+        if blocks > 0 and rate is not None:
+            total += rate["latency_seconds"] + blocks * block_bytes / rate["bytes_per_second"]
+    return total
 
 
 class CircuitBreaker:

@@ -247,11 +247,18 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
                      "waiting": 0, "oldest_age_seconds": 0.0, "tokens_ahead": 0, "predicted_wait_seconds": 0.0,
                      "prefill_tokens_per_second": facts["prefill_tokens_per_second"], "tenant": "default",
                      "namespace": call(app, "GET", "/admin/events/snapshot").json()["namespace"],
-                     "model": service.model_name}
+                     "model": service.model_name, "lower_tier_tokens": {}, "restore_seconds": 0.0,
+                     "restore_rates": service.tiers.read_rates(), "block_bytes": service.tiers.layout.block_bytes}
     assert facts["prefill_tokens_per_second"] > 0 and facts["namespace"]["tokenizer_digest"] == service.engine.tokenizer.digest
+    assert set(facts["restore_rates"]) == {"host", "disk"}
     row = call(app, "GET", "/admin/prefixes").json()["prefixes"][0]
     call(app, "POST", "/admin/swap", json={"prefix": row["prefix_id"], "to": "disk"})
     facts = call(app, "POST", "/admin/route-facts", json={"tokens": ids}).json()
     assert (facts["cached_tokens"], facts["lower_tier"]) == (0, "disk")  # a restore away, not a recompute
+    # the whole run is on disk: restoring it costs the disk's latency and its bytes at the disk's rate
+    disk = facts["restore_rates"]["disk"]
+    assert facts["lower_tier_tokens"] == {"disk": blocks * 16}
+    assert facts["restore_seconds"] == pytest.approx(
+        disk["latency_seconds"] + blocks * facts["block_bytes"] / disk["bytes_per_second"])
     bad = call(app, "POST", "/admin/route-facts", json={"tokens": ids, "text": "both"})
     assert bad.status_code == 400 and bad.json()["error"]["message"] == "give exactly one of text and tokens"

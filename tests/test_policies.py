@@ -172,3 +172,32 @@ def test_ttft_prices_each_replica_at_its_own_measured_prefill_rate():
     fleet = [F(0, 0.0, prefill_rate=8000.0), F(1000, 0.0)]
     route = router.choose(2000, fleet)
     assert (route.replica, route.reason) == (0, "first token in 0.25 s (0 tokens cached)")
+
+
+def test_a_prefix_in_a_replicas_lower_tiers_counts_as_held_and_ttft_prices_its_restore():
+    from kvctl.policies.routing import ReplicaFacts as F
+    from kvctl.policies.routing import facts_from_answer, make_router
+    from kvctl.policies.tiering import restore_seconds
+
+    # a: 1,024 on its device; b: 512 on its device and 3,072 more on its host tier (0.05 s to restore)
+    fleet = [F(1024, 0.0), F(512, 0.0, restorable_tokens=3072, restore_seconds=0.05)]
+    route = make_router("prefix").choose(8192, fleet)
+    assert (route.replica, route.reason) == (1, "caches 512 of its 8192 tokens and 3072 more in a lower tier")
+    # equal in all tiers: more on the device first
+    assert make_router("prefix").choose(8192, [F(0, 0.0, restorable_tokens=1024), F(1024, 0.0)]).replica == 1
+    # ttft at 1,024 tokens/s: a = 7,168 / 1,024 = 7.0 s; b = 0.05 + 4,608 / 1,024 = 4.55 s
+    route = make_router("ttft", prefill_rate=1024.0).choose(8192, fleet)
+    assert (route.replica, route.reason) == (1, "first token in 4.55 s (512 tokens cached, 3072 in a lower tier)")
+    # a restore slower than computing is not taken: b = min(9.0, 3.0) + 4.5 = 7.5 s against a's 7.0 s
+    slow = [fleet[0], F(512, 0.0, restorable_tokens=3072, restore_seconds=9.0)]
+    assert make_router("ttft", prefill_rate=1024.0).choose(8192, slow).replica == 0
+
+    answer = {"cached_tokens": 512, "predicted_wait_seconds": 0.0, "oldest_age_seconds": 0.0, "waiting": 0,
+              "running": 0, "prefill_tokens_per_second": None, "lower_tier_tokens": {"host": 1024, "disk": 2048},
+              "restore_seconds": 0.05}
+    assert facts_from_answer(answer) == F(512, 0.0, 0, None, 3072, 0.05)
+    # restore time: each tier's latency, then its bytes at its rate; a tier with no rate is left out
+    rates = {"host": {"bytes_per_second": 1e9, "latency_seconds": 0.001},
+             "disk": {"bytes_per_second": 1e8, "latency_seconds": 0.01}}
+    assert restore_seconds({"host": 64, "disk": 128, "remote": 5}, 2**20, rates) == pytest.approx(
+        0.001 + 64 * 2**20 / 1e9 + 0.01 + 128 * 2**20 / 1e8)

@@ -32,6 +32,7 @@ from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.reservation import parse_reservation
+from kvctl.policies.tiering import restore_seconds
 
 from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
 from .notify import Notifier
@@ -1050,14 +1051,24 @@ class EngineService:
         served). Hashes before taking the lock."""
         engine = self.require_ready()
         keys = engine.prefix_keys(tenant, token_ids)[2]
+        size = engine.settings.block_size
         with self.lock:
             hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
-            below = keys[hits] if hits < engine.cache.cacheable_blocks(len(token_ids)) else None
+            limit = engine.cache.cacheable_blocks(len(token_ids))
+            below = keys[hits] if hits < limit else None
             lower = self.tiers.location(below) if self.tiers is not None and below is not None else "evicted"
-            return {"prompt_tokens": len(token_ids), "cached_tokens": hits * engine.settings.block_size,
+            body = {"prompt_tokens": len(token_ids), "cached_tokens": hits * size,
                     # where the next block is, when a lower tier holds it (a restore, not a recompute)
                     "lower_tier": None if lower == "evicted" else lower, **engine.queue_figures(),
                     "tenant": tenant, "namespace": engine.namespace_fields(), "model": self.model_name}
+        # the run after the device's part that lower tiers hold, per tier, and what restoring it costs
+        run = self.tiers.lower_run(keys[hits:limit]) if self.tiers is not None else {}
+        rates = self.tiers.read_rates() if self.tiers is not None else {}
+        block_bytes = self.tiers.layout.block_bytes if self.tiers is not None else 0
+        body.update(lower_tier_tokens={tier: blocks * size for tier, blocks in run.items()},
+                    restore_seconds=restore_seconds(run, block_bytes, rates), restore_rates=rates,
+                    block_bytes=block_bytes)
+        return body
 
     def explain(self, token_ids: list[int], tenant: str) -> dict:
         engine = self.require_ready()

@@ -137,6 +137,29 @@ class TieredCache:
                     return tier.name
         return "evicted"
 
+    def lower_run(self, keys: Sequence[bytes]) -> dict[str, int]:
+        """Blocks per tier of the longest run from keys[0] that lower tiers hold (each block
+        counted in the fastest tier holding it; one being written down counts as the host's:
+        its tensors are in memory): what a request would restore instead of computing."""
+        run: dict[str, int] = {}
+        with self.lock:
+            for key in keys:
+                if key in self.inflight:
+                    where = "host"
+                else:
+                    where = next((t.name for t in self.tiers() if key in t.index), None)
+                    if where is None:
+                        break
+                run[where] = run.get(where, 0) + 1
+        return run
+
+    def read_rates(self) -> dict[str, dict[str, float]]:
+        """Each tier's read rate and fixed latency as the restore judgement uses them (measured,
+        else its prior): what `kvctl.policies.tiering.restore_seconds` takes."""
+        with self.lock:
+            return {t.name: {"bytes_per_second": self.stats[t.name].read.rate,
+                             "latency_seconds": self.stats[t.name].read.latency} for t in self.tiers()}
+
     def known_metas(self) -> dict[bytes, tuple[BlockMeta, str]]:
         """Every block a lower tier holds, with its fastest tier (for prefix listings)."""
         out: dict[bytes, tuple[BlockMeta, str]] = {}
