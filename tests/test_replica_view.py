@@ -118,3 +118,18 @@ def test_a_load_answer_under_a_new_namespace_moves_the_view_to_it_and_names_the_
     assert view.keys == {KEYS[0]}  # unreachable under the new namespace; its feed removes it in time
     new_keys = chain_keys(Namespace(**rescaled, tenant="default"), PROMPT)
     assert view.cached_tokens(new_keys, len(PROMPT), now=3.0) == 0
+
+
+def test_lower_tiers_follow_the_feed_and_a_run_counts_each_block_in_the_fastest_tier_holding_it():
+    view = ReplicaView()
+    view.reset({**snapshot([KEYS[0]]), "tiers": {"device": [KEYS[0].hex()], "host": [KEYS[1].hex()],
+                                                 "disk": [KEYS[1].hex(), KEYS[2].hex()]}})
+    assert view.lower_run(KEYS[1:]) == {"host": 1, "disk": 1}  # KEYS[3] is nowhere: the run ends there
+    # the device's blocks 0 goes down to the host; the disk drops block 2
+    view.apply(page([event("removed", [KEYS[0]], 11), event("stored", [KEYS[0]], 12, tier="host"),
+                     event("removed", [KEYS[2]], 13, tier="disk")], 14))
+    assert view.keys == set() and view.lower_run(KEYS) == {"host": 2}
+    rates = {"host": {"bytes_per_second": 1e9, "latency_seconds": 0.001}}
+    view.note_load({**LOAD, "block_bytes": 4096, "restore_rates": rates}, asked_at=0.0)
+    assert view.restore_seconds({"host": 2}) == pytest.approx(0.001 + 2 * 4096 / 1e9)
+    assert view.facts(0, 0, 8, 0.002) == ReplicaFacts(0, 0.5, 3, 2000.0, 8, 0.002)

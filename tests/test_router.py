@@ -524,3 +524,43 @@ def test_a_request_naming_a_model_goes_only_where_that_model_is_served(replicas,
             "type": "router_error", "param": None, "code": "model_not_found"}
     finally:
         other.shutdown(deadline=2)
+
+
+@pytest.mark.parametrize("view", ["ask", "events"])
+def test_a_prefix_moved_to_a_replicas_host_tier_still_draws_its_requests_there(tmp_path, view):
+    """Replica 0 computed a prompt, then an operator moved the prefix to its host tier: the
+    router (asking, or following both feeds) still sends the next question there, counts the
+    tokens the host tier holds as the replica does, and the replica restores them."""
+    services = [start_service(tmp_path / f"r{i}", num_blocks=64, host_cache_bytes="4MiB", tiering="always")
+                for i in range(2)]
+    try:
+        apps = [create_app(s, s.metrics, front="unix") for s in services]
+        service, app = router_app(apps, "prefix", view=view)
+        system = "Blocks moved to the host tier are restored, not recomputed; route to where they are. " * 2
+
+        async def swap_down(client):
+            if view == "events":
+                await until_followed(service, (0, 1), settled=True)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=apps[0]), base_url="http://kvd") as kvd:
+                [row] = [r for r in (await kvd.get("/admin/prefixes")).json()["prefixes"]]
+                moved = await kvd.post("/admin/swap", json={"prefix": row["prefix_id"], "to": "host"})
+                assert moved.status_code == 200, moved.text
+                facts = (await kvd.post("/admin/route-facts", json={"text": system + "Q2?"})).json()
+            followed = service.replicas[0].view
+            while view == "events" and (followed.keys or not followed.lower.get("host")):  # its feed tells the router
+                await asyncio.sleep(0.02)
+            return facts
+
+        first, facts, second = drive(app, [lambda c: post(c, system + "Q1?"), swap_down,
+                                           lambda c: post(c, system + "Q2?")],
+                                     service=service if view == "events" else None)
+        assert first.headers["x-kvd-replica"] == "replica-0"
+        assert facts["cached_tokens"] == 0 and facts["lower_tier_tokens"]["host"] > 0
+        held = facts["lower_tier_tokens"]["host"]
+        assert second.headers["x-kvd-replica"] == "replica-0"
+        assert second.headers["x-kvd-route"] == f"caches 0 of its {facts['prompt_tokens']} tokens and {held} more " \
+                                                "in a lower tier"
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == held  # restored, not recomputed
+    finally:
+        for s in services:
+            s.shutdown(deadline=2)

@@ -73,7 +73,7 @@ async def follow_events(client: httpx.AsyncClient, view: ReplicaView, tokenizers
             pause = RETRY_MIN_S
             while True:
                 answer = await client.get("/admin/events", params={
-                    "since": view.seq, "tier": "device", "wait": EVENT_WAIT_S, "limit": PAGE_LIMIT},
+                    "since": view.seq, "wait": EVENT_WAIT_S, "limit": PAGE_LIMIT},
                     timeout=EVENT_WAIT_S + 10.0)
                 answer.raise_for_status()
                 if not view.apply(answer.json()):

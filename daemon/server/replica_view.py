@@ -9,11 +9,12 @@ namespace) and weighs every replica with no call on the request's path.
 
     view = ReplicaView(pending_seconds=30)
     view.reset(snapshot_answer)          # GET /admin/events/snapshot
-    view.apply(events_answer)            # GET /admin/events?since=view.seq&tier=device; False: resnapshot
+    view.apply(events_answer)            # GET /admin/events?since=view.seq; False: resnapshot
     view.note_load(route_facts_answer, asked_at=t0)   # POST /admin/route-facts with no prompt
     view.cached_tokens(keys, prompt_tokens, now)      # leading prompt tokens held, or about to be
+    view.lower_run(keys[cached_blocks:limit])         # then, blocks per lower tier
     view.note_sent(keys, missing_tokens, now)         # after routing a request there
-    view.facts(cached, in_flight)                     # ReplicaFacts for the routing policy
+    view.facts(cached, in_flight, restorable, restore_seconds)   # ReplicaFacts for the routing policy
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from dataclasses import dataclass, field, fields
 
 from kvctl.daemon.cache.keys import Namespace
 from kvctl.policies.routing import ReplicaFacts, facts_from_answer
+from kvctl.policies.tiering import restore_seconds as priced_restore
+
+LOWER_TIERS = ("host", "disk", "remote")  # fastest first, as kvd restores from the fastest holding a block
 
 
 @dataclass
@@ -34,6 +38,7 @@ class ReplicaView:
     block_size: int | None = None
     namespace: dict | None = None  # the replica's namespace fields, less the tenant
     keys: set[bytes] = field(default_factory=set)  # on its device now, as its feed says
+    lower: dict[str, set[bytes]] = field(default_factory=dict)  # lower tier -> keys it holds now
     pending: dict[bytes, float] = field(default_factory=dict)  # key -> when the router stops expecting it
     load: dict | None = None  # its latest answer to route-facts
     default_tenant: str = "default"  # whom it takes a request naming no tenant for (its answer says)
@@ -49,7 +54,7 @@ class ReplicaView:
         """The feed broke (the replica went away, or answered nonsense): forget its keys until a
         new snapshot. Pending sends stay: they are the router's own books."""
         self.stream_id, self.namespace, self.block_size = None, None, None
-        self.keys = set()
+        self.keys, self.lower = set(), {}
 
     # ---- the feed ------------------------------------------------------------------------------
     def reset(self, snapshot: dict) -> None:
@@ -59,6 +64,8 @@ class ReplicaView:
         if set(namespace) != names:
             raise ValueError(f"snapshot.namespace: expected the fields {sorted(names)}, got {sorted(namespace)}")
         self.keys = {bytes.fromhex(k) for k in snapshot["tiers"]["device"]}
+        self.lower = {tier: {bytes.fromhex(k) for k in keys} for tier, keys in snapshot["tiers"].items()
+                      if tier != "device"}
         self.pending = {k: t for k, t in self.pending.items() if k not in self.keys}
         self.stream_id, self.seq = snapshot["stream_id"], int(snapshot["seq"])
         self.block_size, self.namespace = int(snapshot["block_size"]), dict(namespace)
@@ -70,15 +77,15 @@ class ReplicaView:
         if page["stream_id"] != self.stream_id or page["gap"]:
             return False
         for event in page["events"]:
-            if event["tier"] != "device":
-                continue
             keys = [bytes.fromhex(k) for k in event["keys"]]
+            held = self.keys if event["tier"] == "device" else self.lower.setdefault(event["tier"], set())
             if event["kind"] == "stored":
-                self.keys.update(keys)
+                held.update(keys)
             else:
-                self.keys.difference_update(keys)
-            for key in keys:  # stored: no longer only expected; removed: not to be expected either
-                self.pending.pop(key, None)
+                held.difference_update(keys)
+            if event["tier"] == "device":
+                for key in keys:  # stored: no longer only expected; removed: not to be expected either
+                    self.pending.pop(key, None)
         self.seq = int(page["next"])
         return True
 
@@ -97,6 +104,18 @@ class ReplicaView:
                 break
             held += 1
         return held * self.block_size
+
+    def lower_run(self, keys: list[bytes]) -> dict[str, int]:
+        """Blocks per lower tier of the longest run from keys[0] that its lower tiers hold, each
+        counted in the fastest tier holding it (as the replica counts for route-facts)."""
+        run: dict[str, int] = {}
+        tiers = [(name, self.lower[name]) for name in LOWER_TIERS if self.lower.get(name)]
+        for key in keys:
+            where = next((name for name, held in tiers if key in held), None)
+            if where is None:
+                break
+            run[where] = run.get(where, 0) + 1
+        return run
 
     def note_sent(self, keys: list[bytes], missing_tokens: int, now: float) -> None:
         """The router sent a prompt with these block keys there, lacking `missing_tokens`: count
@@ -128,11 +147,18 @@ class ReplicaView:
     def load_age(self, now: float) -> float | None:
         return None if self.load_asked_at is None else now - self.load_asked_at
 
-    def facts(self, cached_tokens: int, in_flight: int) -> ReplicaFacts:
-        """The replica as the routing policy weighs it: the cached tokens given, and its polled
-        wait lengthened by the prompt tokens sent there since, at its measured prefill rate."""
+    def restore_seconds(self, run: dict[str, int]) -> float:
+        """What restoring a lower-tier run costs at the read rates its latest load answer gave."""
+        return priced_restore(run, self.load.get("block_bytes") or 0, self.load.get("restore_rates") or {})
+
+    def facts(self, cached_tokens: int, in_flight: int, restorable_tokens: int = 0,
+              restore_seconds: float = 0.0) -> ReplicaFacts:
+        """The replica as the routing policy weighs it: the cached (and restorable) tokens given,
+        and its polled wait lengthened by the prompt tokens sent there since, at its measured
+        prefill rate."""
         polled = facts_from_answer({**self.load, "cached_tokens": cached_tokens}, in_flight)
         rate = polled.prefill_rate
         extra = sum(n for _, n in self.sent_since)
         wait = polled.wait_seconds + (extra / rate if rate else 0.0)
-        return ReplicaFacts(cached_tokens, wait, max(polled.in_flight, in_flight), rate)
+        return ReplicaFacts(cached_tokens, wait, max(polled.in_flight, in_flight), rate, restorable_tokens,
+                            restore_seconds)

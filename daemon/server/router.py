@@ -215,7 +215,9 @@ class RouterService:
                 memo["keys", name] = []
         keys = memo["keys", name]
         cached = view.cached_tokens(keys, len(ids), now)
-        return Local(view.facts(cached, replica.open), keys, len(ids))
+        run = view.lower_run(keys[cached // view.block_size:view.cacheable_blocks(len(ids))])
+        restorable = sum(run.values()) * view.block_size
+        return Local(view.facts(cached, replica.open, restorable, view.restore_seconds(run)), keys, len(ids))
 
     async def choose(self, body: dict, tenant: str | None) -> tuple[Replica, str]:
         started = time.perf_counter()
