@@ -97,6 +97,16 @@ def route(ctx: typer.Context,
     render(data, Console())
 
 
+def lower_tier(answer: dict) -> str:
+    """What the replica's lower tiers hold after its device's part: 'host 512, disk 1,024 (0.02 s)'
+    with the time to restore it; a replica that does not count tokens names the tier of the next block."""
+    held = answer.get("lower_tier_tokens")
+    if held:
+        return ", ".join(f"{tier} {tokens:,}" for tier, tokens in held.items()) + \
+            f" ({answer.get('restore_seconds') or 0.0:.2f} s)"
+    return answer.get("lower_tier") or "-"
+
+
 def render(data: dict, console: Console) -> None:
     table = compact_table("replica", "cached", "lower tier", "running", "waiting", "wait")
     for index in (1, 3, 4, 5):
@@ -104,7 +114,7 @@ def render(data: dict, console: Console) -> None:
     for a in data["replicas"]:
         if "error" in a:
             continue
-        table.add_row(escape(a["replica"]), f"{a['cached_tokens']:,}/{a['prompt_tokens']:,}", a["lower_tier"] or "-",
+        table.add_row(escape(a["replica"]), f"{a['cached_tokens']:,}/{a['prompt_tokens']:,}", lower_tier(a),
                       str(a["running"]), str(a["waiting"]),
                       f"{a['wait_seconds']:.1f} s" + ("" if a["wait_from"] == "predicted" else " (age)"))
     console.print(table)

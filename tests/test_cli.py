@@ -874,6 +874,7 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
             self.cached, self.running, self.waiting, self.age, self.lower = cached, running, waiting, age, lower
             self.predicted = predicted  # kvd's own estimate; None before it measured a prefill
             self.rate = None
+            self.held, self.restore = {}, 0.0  # tokens its lower tiers hold, per tier; seconds to restore them
             self.asked = []
 
         def post(self, path, body):
@@ -881,7 +882,8 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
             return {"prompt_tokens": 4100, "cached_tokens": self.cached, "lower_tier": self.lower,
                     "running": self.running, "waiting": self.waiting, "oldest_age_seconds": self.age,
                     "tokens_ahead": 0, "predicted_wait_seconds": self.predicted,
-                    "prefill_tokens_per_second": self.rate}
+                    "prefill_tokens_per_second": self.rate, "lower_tier_tokens": self.held,
+                    "restore_seconds": self.restore}
 
     class Down:
         def post(self, path, body):
@@ -913,6 +915,15 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
     status, out, _ = cli(capsys, *args, "--routing", "ttft", "--json")
     assert json.loads(out)["routes"] == {"ttft": {"replica": "/run/b.sock",
                                                   "reason": "first token in 1.00 s (0 tokens cached)"}}
+    # b's disk holds 2,048 tokens of it, 0.05 s to restore: 0.05 + 2,052 / 4,096 = 0.55 s
+    fleet["/run/b.sock"].held, fleet["/run/b.sock"].restore = {"disk": 2048}, 0.05
+    status, out, _ = cli(capsys, *args, "--routing", "ttft,prefix")
+    lines = [line.rstrip() for line in out.splitlines()]
+    assert lines[2] == "/run/b.sock     0/4,100 disk 2,048 (0.05 s)       1       0       0.0 s"
+    status, out, _ = cli(capsys, *args, "--routing", "ttft,prefix", "--json")
+    assert json.loads(out)["routes"] == {
+        "ttft": {"replica": "/run/b.sock", "reason": "first token in 0.55 s (0 tokens cached, 2048 in a lower tier)"},
+        "prefix": {"replica": "/run/a.sock", "reason": "caches 3072 of its 4100 tokens"}}
     assert cli(capsys, "route", "hi", "--replica", "/run/a.sock")[2].strip() == \
         "error: replica: give two or more (--replica SOCKET_OR_URL, repeated), got 1"
     assert cli(capsys, *args, "--routing", "round_robin")[2].strip() == \
