@@ -549,6 +549,9 @@ def test_a_prefix_moved_to_a_replicas_host_tier_still_draws_its_requests_there(t
             followed = service.replicas[0].view
             while view == "events" and (followed.keys or not followed.lower.get("host")):  # its feed tells the router
                 await asyncio.sleep(0.02)
+            if view == "events":
+                shown = service.status()["replicas"][0]["view"]
+                assert shown["device_keys"] == 0 and shown["lower_tier_keys"]["host"] == len(followed.lower["host"])
             return facts
 
         first, facts, second = drive(app, [lambda c: post(c, system + "Q1?"), swap_down,
