@@ -567,3 +567,18 @@ def test_a_prefix_moved_to_a_replicas_host_tier_still_draws_its_requests_there(t
     finally:
         for s in services:
             s.shutdown(deadline=2)
+
+
+def test_every_metric_the_router_dashboard_charts_is_exported(replicas):
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parent.parent / "examples" / "grafana" / "kvd-router.json").read_text())
+    wanted = {name for panel in dashboard["panels"] for target in panel["targets"]
+              for name in re.findall(r"kvd_router_[a-z_]+", target["expr"])}
+    assert {"kvd_router_cached_tokens_total", "kvd_router_view_synced", "kvd_router_decision_seconds_bucket"} <= wanted
+    service, app = router_app(replicas, "prefix", view="events")
+    [_, scraped] = drive(app, [lambda c: post(c, SYSTEM_B + "Q40?"), lambda c: c.get("/metrics")], service=service)
+    text = scraped.text
+    exported = set(re.findall(r"^(kvd_router_[a-z_]+)", text, re.MULTILINE))
+    assert sorted(wanted - exported) == []
