@@ -582,3 +582,43 @@ def test_every_metric_the_router_dashboard_charts_is_exported(replicas):
     text = scraped.text
     exported = set(re.findall(r"^(kvd_router_[a-z_]+)", text, re.MULTILINE))
     assert sorted(wanted - exported) == []
+
+
+class Refusing(httpx.AsyncBaseTransport):
+    """A replica that answers its questions but refuses completions, as a stopping kvd (503) or
+    one whose queue is full (429) does, or cannot be connected to for them ("unreachable")."""
+
+    def __init__(self, app, answer) -> None:
+        self.inner, self.answer, self.completions = httpx.ASGITransport(app=app), answer, 0
+
+    async def handle_async_request(self, request):
+        if request.url.path != "/v1/completions" or self.answer is None:
+            return await self.inner.handle_async_request(request)
+        self.completions += 1
+        if self.answer == "unreachable":
+            raise httpx.ConnectError("connection refused", request=request)
+        body = {"error": {"message": "kvd is shutting down" if self.answer == 503 else "queue full",
+                          "type": "x", "param": None, "code": None}}
+        return httpx.Response(self.answer, json=body, headers={"Retry-After": "1"} if self.answer == 429 else {})
+
+
+@pytest.mark.parametrize("refusal", [503, 429, "unreachable"])
+def test_a_request_a_replica_refuses_before_starting_it_goes_to_the_next_best(replicas, refusal):
+    service, app = router_app(replicas, "round_robin")
+    service.replicas[0].client = replica_client("/run/replica-0.sock", transport=Refusing(replicas[0], refusal))
+    [answer, scraped] = drive(app, [lambda c: post(c, SYSTEM_B + "Q50?"), lambda c: c.get("/metrics")])
+    assert answer.status_code == 200 and answer.headers["x-kvd-replica"] == "replica-1"
+    assert answer.headers["x-kvd-tried"] == f"replica-0 ({refusal})"
+    assert len(answer.json()["choices"][0]["token_ids"]) == 3
+    assert 'kvd_router_rerouted_total{replica="replica-0"} 1.0' in scraped.text.splitlines()
+
+
+def test_when_every_replica_refuses_the_caller_gets_the_last_refusal_as_it_came(replicas):
+    service, app = router_app(replicas, "round_robin")
+    for i in (0, 1):
+        service.replicas[i].client = replica_client(f"/run/replica-{i}.sock", transport=Refusing(replicas[i], 429))
+    [answer] = drive(app, [lambda c: post(c, SYSTEM_B + "Q51?")])
+    assert answer.status_code == 429 and answer.headers["retry-after"] == "1"
+    assert answer.json()["error"]["message"] == "queue full"
+    assert answer.headers["x-kvd-tried"] == "replica-0 (429); replica-1 (429)"
+    assert [r.client._transport.completions for r in service.replicas] == [1, 1]  # each asked once

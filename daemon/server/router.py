@@ -79,6 +79,7 @@ class Replica:
     questions: int = 0  # route-facts asked on a request's path (ask view, or a view not current)
     failed_questions: int = 0
     failed_forwards: int = 0
+    rerouted: int = 0  # requests it refused before starting (429, 503) or was unreachable for: tried elsewhere
 
 
 def replica_client(spec: str, token: str | None = None, transport: httpx.AsyncBaseTransport | None = None
@@ -219,33 +220,39 @@ class RouterService:
         restorable = sum(run.values()) * view.block_size
         return Local(view.facts(cached, replica.open, restorable, view.restore_seconds(run)), keys, len(ids))
 
-    async def choose(self, body: dict, tenant: str | None) -> tuple[Replica, str]:
+    async def choose(self, body: dict, tenant: str | None, excluded: set[int] = frozenset()
+                     ) -> tuple[Replica, str]:
+        """The replica for this request, and why; replicas whose id() is in `excluded` (they
+        refused it already) are not weighed. LookupError when none can take it."""
         started = time.perf_counter()
         try:
-            return await self._choose(body, tenant)
+            return await self._choose(body, tenant, excluded)
         finally:
             self.on_decision(time.perf_counter() - started)
 
-    async def _choose(self, body: dict, tenant: str | None) -> tuple[Replica, str]:
+    async def _choose(self, body: dict, tenant: str | None, excluded: set[int]) -> tuple[Replica, str]:
         question = question_of(body.get("prompt"))
         now, memo = self.clock(), {}
 
         def weigh_all() -> list[Local | None]:
-            return [self.weigh_locally(r, question, tenant, now, memo) for r in self.replicas]
+            return [self.weigh_locally(r, question, tenant, now, memo) if id(r) not in excluded else None
+                    for r in self.replicas]
 
         size = 0 if question is None else len(question["text"] if "text" in question else question["tokens"])
         large = size > LARGE_PROMPT
         # a long prompt is tokenized and hashed off the event loop that streams every answer
         local = await asyncio.to_thread(weigh_all) if large else weigh_all()
         asked = await asyncio.gather(*(self.ask(r, question, tenant) for r, known in zip(self.replicas, local)
-                                       if known is None))
+                                       if known is None and id(r) not in excluded))
         answers = iter(asked)
-        facts = [(known.facts, known.prompt_tokens) if known is not None else next(answers) for known in local]
+        facts = [None if id(r) in excluded else (known.facts, known.prompt_tokens) if known is not None
+                 else next(answers) for r, known in zip(self.replicas, local)]
         live = [(i, a) for i, a in enumerate(facts) if a is not None]
         if not live:
-            self.unrouted += 1
+            if not excluded:
+                self.unrouted += 1
             raise LookupError("no replica answered: " + "; ".join(
-                f"{r.name} ({r.last_error or r.feed_error})" for r in self.replicas))
+                f"{r.name} ({r.last_error or r.feed_error})" for r in self.replicas if id(r) not in excluded))
         wanted = body.get("model")
         if isinstance(wanted, str):  # only where it is served (a replica whose model is unknown may say)
             serving = [(i, a) for i, a in live if self.model_of(self.replicas[i]) in (None, wanted)]
@@ -418,24 +425,53 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         if not isinstance(body, dict):
             return error(400, "body: expected a JSON object", "invalid_json")
         tenant = who.tenant
-        try:
-            replica, reason = await service.choose(body, tenant)
-        except ModelNotServed as exc:
-            return error(404, str(exc), "model_not_found")
-        except LookupError as exc:
-            return error(503, str(exc), "no_replica")
         headers = {k: v for k, v in http.headers.items() if k.lower() in PASSED_HEADERS}
         if tenant is not None:
             headers["X-KVD-Tenant"] = tenant
-        request = replica.client.build_request("POST", "/v1/completions", content=raw, headers=headers)
-        try:
-            upstream = await replica.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
-            replica.failed_forwards += 1
-            return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
+        # A replica that refuses before starting the request (429: its queue is full; 503: it is
+        # stopping or loading) or cannot be connected to has not run it: the next best one is tried.
+        tried, excluded, refusal = [], set(), None
+        while True:
+            try:
+                replica, reason = await service.choose(body, tenant, excluded)
+            except ModelNotServed as exc:
+                return error(404, str(exc), "model_not_found")
+            except LookupError as exc:
+                if refusal is not None:  # every replica that could take it refused: the last refusal, as it came
+                    return refusal
+                return error(503, str(exc), "no_replica")
+            request = replica.client.build_request("POST", "/v1/completions", content=raw, headers=headers)
+            try:
+                upstream = await replica.client.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached it
+                replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                replica.rerouted += 1
+                refusal = error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
+                tried.append(f"{replica.name} (unreachable)")
+                excluded.add(id(replica))
+                continue
+            except httpx.HTTPError as exc:  # it may have started the request: not sent twice
+                replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                replica.failed_forwards += 1
+                return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
+            if upstream.status_code not in (429, 503):
+                break
+            try:
+                content = await upstream.aread()
+            finally:
+                await upstream.aclose()
+            replica.rerouted += 1
+            kept = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
+            refusal = Response(content, status_code=upstream.status_code, headers={
+                **kept, "X-KVD-Replica": replica.name, "X-KVD-Tried": "; ".join(tried + [
+                    f"{replica.name} ({upstream.status_code})"])},
+                media_type=upstream.headers.get("content-type", "application/json"))
+            tried.append(f"{replica.name} ({upstream.status_code})")
+            excluded.add(id(replica))
         replica.open += 1
         answer_headers = {"X-KVD-Replica": replica.name, "X-KVD-Route": reason}
+        if tried:
+            answer_headers["X-KVD-Tried"] = "; ".join(tried)
         media = upstream.headers.get("content-type", "application/json")
 
         async def relay():

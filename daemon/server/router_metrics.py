@@ -7,7 +7,9 @@
     kvd_router_questions_total{replica,result}    route-facts asked on a request's path (ok, failed):
                                                   every request with --view ask; with events, only
                                                   while a replica's view is not current
-    kvd_router_forward_failures_total{replica}    requests the replica did not take (502)
+    kvd_router_forward_failures_total{replica}    requests the replica failed after it may have started them (502)
+    kvd_router_rerouted_total{replica}            requests it refused before starting them (429, 503) or
+                                                  could not be reached for: sent to the next best replica
     kvd_router_unrouted_total                     requests no replica answered for (503)
     kvd_router_open_requests{replica}             forwarded requests still answering
     kvd_router_view_synced{replica}               events view: 1 while its feed is followed
@@ -53,8 +55,10 @@ class _RouterCollector:
             questions.add_metric([r.name, "ok"], r.questions - r.failed_questions)
             questions.add_metric([r.name, "failed"], r.failed_questions)
         yield questions
-        yield per_replica(CounterMetricFamily, "forward_failures", "Requests the replica did not take",
-                          lambda r: r.failed_forwards)
+        yield per_replica(CounterMetricFamily, "forward_failures", "Requests the replica failed after it may have "
+                          "started them", lambda r: r.failed_forwards)
+        yield per_replica(CounterMetricFamily, "rerouted", "Requests the replica refused before starting them, or "
+                          "could not be reached for, sent to the next best replica", lambda r: r.rerouted)
         yield CounterMetricFamily("kvd_router_unrouted", "Requests no replica answered for",
                                   value=self.service.unrouted)
         yield per_replica(GaugeMetricFamily, "open_requests", "Forwarded requests still answering", lambda r: r.open)
