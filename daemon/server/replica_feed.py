@@ -1,5 +1,5 @@
 """The router's followers: for each replica, one task that keeps its `ReplicaView` current from
-its event feed (a snapshot, then long-polled pages of device events) and one that polls its load
+its event feed (a snapshot, then long-polled pages of events, every tier) and one that polls its load
 (`/admin/route-facts` with no prompt) every `load_interval` seconds. A replica whose tokenizer the
 router has not seen is asked for it once (`GET /admin/tokenizer`), and the digest checked against
 the namespace its cache keys are made under.

@@ -1,4 +1,4 @@
-"""What a router knows of one replica without asking it per request: the blocks its device cache
+"""What a router knows of one replica without asking it per request: the blocks each of its tiers
 holds (its event feed, applied to a snapshot), the blocks the router has just sent there and
 expects it to store, and its load (polled) plus the work the router has sent since that poll.
 
@@ -30,7 +30,7 @@ LOWER_TIERS = ("host", "disk", "remote")  # fastest first, as kvd restores from 
 
 @dataclass
 class ReplicaView:
-    """One replica's device keys, the router's pending sends there, and its load."""
+    """One replica's keys per tier, the router's pending sends there, and its load."""
 
     pending_seconds: float = 30.0  # how long a sent prompt's blocks count as held before the feed confirms them
     stream_id: str | None = None
@@ -58,7 +58,7 @@ class ReplicaView:
 
     # ---- the feed ------------------------------------------------------------------------------
     def reset(self, snapshot: dict) -> None:
-        """Start over from `GET /admin/events/snapshot`: its device keys, seq, stream and namespace."""
+        """Start over from `GET /admin/events/snapshot`: its keys per tier, seq, stream and namespace."""
         names = {f.name for f in fields(Namespace)} - {"tenant"}
         namespace = snapshot["namespace"]
         if set(namespace) != names:
@@ -71,7 +71,7 @@ class ReplicaView:
         self.block_size, self.namespace = int(snapshot["block_size"]), dict(namespace)
 
     def apply(self, page: dict) -> bool:
-        """Apply a page of `GET /admin/events` (device tier). False, with nothing applied, when the
+        """Apply a page of `GET /admin/events` (every tier). False, with nothing applied, when the
         view must start again from a snapshot: the replica restarted (another stream) or the page
         says events were dropped before it was read (a gap)."""
         if page["stream_id"] != self.stream_id or page["gap"]:
