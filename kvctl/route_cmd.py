@@ -52,6 +52,9 @@ def route(ctx: typer.Context,
           file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt text from a file."),
           replica: list[str] = typer.Option([], "--replica", help="A replica: its Unix socket, or an "
                                             "http(s):// URL (with --token-file). Repeat for each."),
+          router: Optional[str] = typer.Option(None, "--router", help="Ask a running kvd router instead (its "
+                                               "socket or URL): its own view of every replica, and where it "
+                                               "would send the prompt now."),
           tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
           routing: list[str] = typer.Option([",".join(ONE_SHOT_POLICIES)], "--routing",
                                             help="Policies to ask: least_loaded, prefix, ttft."),
@@ -69,6 +72,11 @@ def route(ctx: typer.Context,
     Example: kvctl route --file prompt.txt --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock
     """
     prompt = _tokens(text, tokens, file)
+    if router is not None:
+        if replica:
+            raise UserError("replica: give --router or --replica, not both")
+        ask_router(ctx, router, prompt, tenant, routing, as_json)
+        return
     if len(replica) < 2:
         raise UserError(f"replica: give two or more (--replica SOCKET_OR_URL, repeated), got {len(replica)}")
     policies = parse_names("routing", routing)
@@ -95,6 +103,40 @@ def route(ctx: typer.Context,
         typer.echo(json.dumps(data, indent=2))
         return
     render(data, Console())
+
+
+def ask_router(ctx: typer.Context, spec: str, prompt: dict, tenant: str | None, routing: list[str],
+               as_json: bool) -> None:
+    """`kvctl route --router`: the router's own answer (`POST /router/route`), with the live
+    policy's choice first and then each asked policy's, from the same facts."""
+    options = ctx.find_root().obj or {}
+    if spec.startswith(("http://", "https://")):
+        client = Client(url=spec, token_file=options.get("token_file"), tenant=tenant)
+    else:
+        client = Client(socket=spec, tenant=tenant)
+    body = {"prompt": prompt["text"] if "text" in prompt else prompt["tokens"],
+            "routing": parse_names("routing", routing)}  # beside the router's own policy, which comes first
+    data = client.post("/router/route", body)
+    live = data["routing"]
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    console = Console()
+    table = compact_table("replica", "from", "cached", "lower tiers", "in flight", "wait")
+    for index in (2, 4, 5):
+        table.columns[index].justify = "right"
+    for row in data["replicas"]:
+        if "error" in row:
+            table.add_row(escape(row["replica"]), "-", "", escape(row["error"]), "", "")
+            continue
+        lower = f"{row['restorable_tokens']:,} ({row['restore_seconds']:.2f} s)" if row["restorable_tokens"] else "-"
+        table.add_row(escape(row["replica"]), row["source"], f"{row['cached_tokens']:,}/{data['prompt_tokens']:,}",
+                      lower, str(row["in_flight"]), f"{row['wait_seconds']:.2f} s")
+    console.print(table)
+    choices = compact_table("routing", "replica", "why")
+    for name, chosen in data["routes"].items():
+        choices.add_row(name + (" (live)" if name == live else ""), escape(chosen["replica"]), escape(chosen["reason"]))
+    console.print(choices)
 
 
 def lower_tier(answer: dict) -> str:

@@ -200,7 +200,8 @@ def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(repl
     [answer] = drive(app, [lambda c: c.get("/admin/prefixes")])
     assert answer.status_code == 404 and answer.json()["error"]["message"] == (
         "kvd router does not serve /admin/prefixes: it serves /v1/completions, /v1/models, /admin/status, "
-        "/router/status, /metrics and /healthz; ask a replica for the rest (kvctl --socket REPLICA_SOCKET ...)")
+        "/router/status, /router/route, /metrics and /healthz; ask a replica for the rest (kvctl --socket "
+        "REPLICA_SOCKET ...)")
 
 
 @pytest.mark.parametrize("view", ["ask", "events"])
@@ -255,6 +256,15 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
                     time.sleep(0.05)
                 rows = client.get("/router/status").json()["replicas"]
                 assert rows[0]["view"]["device_keys"] > 0 and rows[0]["view"]["feed_error"] is None
+                # kvctl route --router: the router's own view, and where it would send the next question
+                shown = subprocess.run([str(BIN / "kvctl"), "route", "--router", str(front), "--routing", "ttft",
+                                        "--json", SYSTEM_A + "Q4?"], env=env, capture_output=True, text=True,
+                                       timeout=60)
+                assert shown.returncode == 0, shown.stderr
+                what_if = json.loads(shown.stdout)
+                assert list(what_if["routes"]) == ["prefix", "ttft"]
+                assert what_if["routes"]["prefix"]["replica"] == str(sock_a)
+                assert [r["source"] for r in what_if["replicas"]] == ["view", "view"]
                 with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as remote:
                     assert remote.get("/v1/models").status_code == 401
                     answer = remote.post("/v1/completions", json={"prompt": SYSTEM_A + "Q3?", "max_tokens": 2},
@@ -622,3 +632,30 @@ def test_when_every_replica_refuses_the_caller_gets_the_last_refusal_as_it_came(
     assert answer.json()["error"]["message"] == "queue full"
     assert answer.headers["x-kvd-tried"] == "replica-0 (429); replica-1 (429)"
     assert [r.client._transport.completions for r in service.replicas] == [1, 1]  # each asked once
+
+
+def test_the_router_says_where_it_would_send_a_prompt_without_sending_it(replicas):
+    service, app = router_app(replicas, "prefix", view="events")
+    system = "What-if questions about routing never move a request nor the router's books. " * 2
+
+    async def what_if(client):
+        await until_followed(service, (0, 1), settled=True)
+        before = ([r.sent for r in service.replicas], [dict(r.view.pending) for r in service.replicas])
+        answer = await client.post("/router/route", json={"prompt": system + "Q2?", "routing": ["ttft", "prefix"]})
+        assert ([r.sent for r in service.replicas], [dict(r.view.pending) for r in service.replicas]) == before
+        return answer
+
+    first, _, answer, bad = drive(app, [lambda c: post(c, system + "Q1?"), lambda c: until_followed(service, (0, 1)),
+                                        what_if, lambda c: c.post("/router/route", json={"prompt": "x",
+                                                                                          "routing": ["coin"]})],
+                                  service=service)
+    body = answer.json()
+    where = first.headers["x-kvd-replica"]
+    assert body["routing"] == "prefix" and list(body["routes"]) == ["prefix", "ttft"]  # the live policy first
+    assert body["routes"]["prefix"]["replica"] == where
+    assert body["routes"]["prefix"]["reason"].startswith("caches ")
+    rows = {r["replica"]: r for r in body["replicas"]}
+    assert [rows[f"replica-{i}"]["source"] for i in (0, 1)] == ["view", "view"]
+    assert rows[where]["cached_tokens"] > 0 and rows[where]["cached_tokens"] % 16 == 0
+    assert [r.client._transport.prompt_questions for r in service.replicas] == [0, 0]
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("routing: expected a list of ")

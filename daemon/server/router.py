@@ -31,9 +31,10 @@ honours the passed X-KVD-Tenant only with `trusted_proxy: true`, else the token'
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import httpx
@@ -44,7 +45,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvctl.daemon.cache.keys import Namespace, chain_keys
-from kvctl.policies.routing import ReplicaFacts, Router, facts_from_answer
+from kvctl.policies.routing import ROUTING_POLICIES, ReplicaFacts, Router, facts_from_answer, make_router
 
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
@@ -56,7 +57,7 @@ ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left
 FORWARD_TIMEOUT_S = 600.0
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
-SERVED = "/v1/completions, /v1/models, /admin/status, /router/status, /metrics and /healthz"
+SERVED = "/v1/completions, /v1/models, /admin/status, /router/status, /router/route, /metrics and /healthz"
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
 
@@ -230,7 +231,12 @@ class RouterService:
         finally:
             self.on_decision(time.perf_counter() - started)
 
-    async def _choose(self, body: dict, tenant: str | None, excluded: set[int]) -> tuple[Replica, str]:
+    async def weigh(self, body: dict, tenant: str | None, excluded: set[int] = frozenset(), *,
+                    count: bool = True) -> tuple[list[tuple[int, ReplicaFacts, int]], list[Local | None], float]:
+        """Every replica that could take the request, as the policy weighs it: (index, facts,
+        prompt tokens it counted) from its view or by asking it, serving the model the body names.
+        Also each replica's local weighing (None where asked) and the clock reading used.
+        LookupError (ModelNotServed) when none can; `count`: tally an unroutable request."""
         question = question_of(body.get("prompt"))
         now, memo = self.clock(), {}
 
@@ -247,25 +253,28 @@ class RouterService:
         answers = iter(asked)
         facts = [None if id(r) in excluded else (known.facts, known.prompt_tokens) if known is not None
                  else next(answers) for r, known in zip(self.replicas, local)]
-        live = [(i, a) for i, a in enumerate(facts) if a is not None]
+        live = [(i, f, tokens) for i, a in enumerate(facts) if a is not None for f, tokens in [a]]
         if not live:
-            if not excluded:
+            if count and not excluded:
                 self.unrouted += 1
             raise LookupError("no replica answered: " + "; ".join(
                 f"{r.name} ({r.last_error or r.feed_error})" for r in self.replicas if id(r) not in excluded))
         wanted = body.get("model")
         if isinstance(wanted, str):  # only where it is served (a replica whose model is unknown may say)
-            serving = [(i, a) for i, a in live if self.model_of(self.replicas[i]) in (None, wanted)]
+            serving = [entry for entry in live if self.model_of(self.replicas[entry[0]]) in (None, wanted)]
             if not serving:
                 served = sorted({m for r in self.replicas if (m := self.model_of(r)) is not None})
                 raise ModelNotServed(f"model: {wanted!r} is not served by any replica; GET /v1/models lists "
                                      + ", ".join(repr(m) for m in served))
             live = serving
-        prompt_tokens = max(tokens for _, (_, tokens) in live)
-        chosen = self.router.choose(prompt_tokens, [f for _, (f, _) in live])
-        index = live[chosen.replica][0]
+        return live, local, now
+
+    async def _choose(self, body: dict, tenant: str | None, excluded: set[int]) -> tuple[Replica, str]:
+        live, local, now = await self.weigh(body, tenant, excluded)
+        prompt_tokens = max(tokens for _, _, tokens in live)
+        chosen = self.router.choose(prompt_tokens, [f for _, f, _ in live])
+        index, facts, counted = live[chosen.replica]
         replica = self.replicas[index]
-        facts, counted = live[chosen.replica][1]
         replica.sent += 1
         replica.prompt_tokens += counted
         replica.cached_tokens += facts.cached_tokens
@@ -273,6 +282,30 @@ class RouterService:
         if known is not None and known.keys:  # what it will hold and compute once this arrives
             replica.view.note_sent(known.keys, known.prompt_tokens - known.facts.cached_tokens, now)
         return replica, chosen.reason
+
+    async def what_if(self, body: dict, tenant: str | None, policies: list[str]) -> dict:
+        """Where each of `policies` would send this request now, and why, with every replica's
+        facts as the router sees them (from its view, or asked): nothing is sent, and the live
+        policy's own books are not touched (it decides on a copy)."""
+        live, local, _ = await self.weigh(body, tenant, count=False)
+        prompt_tokens = max(tokens for _, _, tokens in live)
+        facts = {index: f for index, f, _ in live}
+        rows = []
+        for index, replica in enumerate(self.replicas):
+            row = {"replica": replica.name}
+            if index in facts:
+                row.update(asdict(facts[index]), source="view" if local[index] is not None else "asked")
+            else:
+                row["error"] = replica.last_error or replica.feed_error or "serves another model"
+            rows.append(row)
+        settings = {"prefill_rate": getattr(self.router, "prefill_rate", 20_000.0),
+                    "balance_seconds": getattr(self.router, "balance_seconds", 2.0)}
+        routes = {}
+        for name in policies:
+            policy = copy.deepcopy(self.router) if name == self.router.name else make_router(name, **settings)
+            chosen = policy.choose(prompt_tokens, [f for _, f, _ in live])
+            routes[name] = {"replica": self.replicas[live[chosen.replica][0]].name, "reason": chosen.reason}
+        return {"prompt_tokens": prompt_tokens, "routing": self.router.name, "replicas": rows, "routes": routes}
 
     @staticmethod
     def model_of(replica: Replica) -> str | None:
@@ -364,6 +397,29 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.get("/router/status")
     def router_status(_: Caller = Depends(admin)):
         return service.status()
+
+    @app.post("/router/route")
+    async def route_what_if(http: Request, who: Caller = Depends(admin)):
+        """Where the router would send this request now (a completion's body), and where each
+        other policy of `routing` (a list of names) would, from the same facts; nothing is sent
+        to any replica but questions the view cannot answer."""
+        try:
+            body = json.loads(await http.body())
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return error(400, "body: expected a JSON object", "invalid_json")
+        others = body.pop("routing", None) or []
+        if not isinstance(others, list) or not all(p in ROUTING_POLICIES for p in others):
+            return error(400, f"routing: expected a list of {', '.join(ROUTING_POLICIES)}, got {others!r}",
+                         "invalid_routing")
+        policies = [service.router.name] + [p for p in dict.fromkeys(others) if p != service.router.name]
+        try:
+            return await service.what_if(body, who.tenant, policies)
+        except ModelNotServed as exc:
+            return error(404, str(exc), "model_not_found")
+        except LookupError as exc:
+            return error(503, str(exc), "no_replica")
 
     @app.get("/metrics")
     def metrics_endpoint(_: Caller = Depends(admin)):
