@@ -218,7 +218,7 @@ def router(
     token_file: Optional[str] = typer.Option(None, help="Bearer token (admin role) for URL replicas."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --clients-file)."),
     clients_file: Optional[str] = typer.Option(None, help="The TCP callers' tokens: TOKEN TENANT ROLE lines, "
-                                               "as kvd's --token-file (mode 0600 or 0640)."),
+                                               "as kvd's --token-file (mode 0600 or 0640); SIGHUP reloads it."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Serve one OpenAI-compatible front for several replicas, each request routed by a policy.
@@ -256,13 +256,13 @@ def router(
         service = RouterService(replicas, policy, view=view, load_interval=load_interval,
                                 pending_seconds=pending_seconds)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_route(service, socket_path, listen, clients))
+            runner.run(_route(service, socket_path, listen, clients, clients_file))
     except (RuntimeError, OSError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         raise typer.Exit(2)
 
 
-async def _route(service, socket_path: str, listen: str | None, clients) -> None:
+async def _route(service, socket_path: str, listen: str | None, clients, clients_file: str | None) -> None:
     import uvicorn
 
     from kvctl.daemon.server.router import create_router_app
@@ -290,6 +290,20 @@ async def _route(service, socket_path: str, listen: str | None, clients) -> None
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
+
+    def reload_clients() -> None:  # SIGHUP: rotate the TCP callers' tokens without dropping a stream
+        if clients is None:
+            return
+        from kvctl.daemon.server.auth import TokenFileError, TokenTable
+
+        try:
+            counts = clients.adopt(TokenTable.load(clients_file))
+        except TokenFileError as exc:
+            log.error("clients file not reloaded, the tokens in use stay: %s", exc)
+            return
+        log.info("clients file reloaded: %(tokens)d tokens, %(added)d added, %(removed)d removed", counts)
+
+    loop.add_signal_handler(signal.SIGHUP, reload_clients)
     followers = service.follow()
     log.info("kvd router listening on %s%s, %s routing over %s (view: %s)", socket_path,
              f" and {listen}" if listen else "", service.router.name,

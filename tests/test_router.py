@@ -200,8 +200,8 @@ def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(repl
     [answer] = drive(app, [lambda c: c.get("/admin/prefixes")])
     assert answer.status_code == 404 and answer.json()["error"]["message"] == (
         "kvd router does not serve /admin/prefixes: it serves /v1/completions, /v1/models, /admin/status, "
-        "/router/status, /router/route, /metrics and /healthz; ask a replica for the rest (kvctl --socket "
-        "REPLICA_SOCKET ...)")
+        "/router/status, /router/route, /metrics, /healthz and /readyz; ask a replica for the rest (kvctl "
+        "--socket REPLICA_SOCKET ...)")
 
 
 @pytest.mark.parametrize("view", ["ask", "events"])
@@ -272,6 +272,15 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
                     # served, under acme: none of the default tenant's blocks are acme's
                     assert answer.status_code == 200
                     assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+                    # token rotation: SIGHUP reloads the clients file, the old token stops working
+                    (tmp_path / "clients").write_text("rotated-token-0123456789 acme user\n")
+                    router.send_signal(signal.SIGHUP)
+                    rotated = {"Authorization": "Bearer rotated-token-0123456789"}
+                    while remote.get("/v1/models", headers=rotated).status_code != 200:
+                        assert time.monotonic() < deadline + 60
+                        time.sleep(0.05)
+                    old = {"Authorization": "Bearer client-token-0123456789"}
+                    assert remote.get("/v1/models", headers=old).status_code == 401
         finally:
             client.close()
             router.send_signal(signal.SIGTERM)
@@ -659,3 +668,14 @@ def test_the_router_says_where_it_would_send_a_prompt_without_sending_it(replica
     assert rows[where]["cached_tokens"] > 0 and rows[where]["cached_tokens"] % 16 == 0
     assert [r.client._transport.prompt_questions for r in service.replicas] == [0, 0]
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("routing: expected a list of ")
+
+
+@pytest.mark.parametrize("view", ["ask", "events"])
+def test_the_router_is_ready_while_some_replica_can_take_a_request(replicas, view):
+    service, app = router_app(replicas, "round_robin", down=(0,), view=view)
+    [ready] = drive(app, [lambda c: c.get("/readyz")], service=service if view == "events" else None,
+                    synced=(1,))
+    assert ready.status_code == 200 and ready.json() == {"ready": True, "replicas": ["replica-1"]}
+    service, app = router_app(replicas, "round_robin", down=(0, 1), view=view)
+    [ready] = drive(app, [lambda c: c.get("/readyz")], service=service if view == "events" else None, synced=())
+    assert ready.status_code == 503 and ready.json() == {"ready": False, "reason": "no replica can take a request"}

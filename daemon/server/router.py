@@ -57,7 +57,8 @@ ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left
 FORWARD_TIMEOUT_S = 600.0
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
-SERVED = "/v1/completions, /v1/models, /admin/status, /router/status, /router/route, /metrics and /healthz"
+SERVED = ("/v1/completions, /v1/models, /admin/status, /router/status, /router/route, /metrics, /healthz "
+          "and /readyz")
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
 
@@ -393,6 +394,26 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.get("/healthz")
     def healthz():
         return {"ok": True}
+
+    @app.get("/readyz")
+    async def readyz():
+        """200 while some replica can take a request: with the events view, one whose feed is
+        followed and whose load is current; with ask, one whose own /readyz says so."""
+        now = service.clock()
+        if service.view == "events":
+            ready = [r.name for r in service.replicas if r.view.synced and r.view.load is not None
+                     and r.view.load_age(now) <= service.load_stale_seconds]
+        else:
+            async def one(replica: Replica) -> bool:
+                try:
+                    return (await replica.client.get("/readyz", timeout=ASK_TIMEOUT_S)).status_code == 200
+                except httpx.HTTPError:
+                    return False
+            answers = await asyncio.gather(*(one(r) for r in service.replicas))
+            ready = [r.name for r, ok in zip(service.replicas, answers) if ok]
+        if ready:
+            return {"ready": True, "replicas": ready}
+        return JSONResponse({"ready": False, "reason": "no replica can take a request"}, status_code=503)
 
     @app.get("/router/status")
     def router_status(_: Caller = Depends(admin)):
