@@ -78,6 +78,18 @@ class TieringPolicy:
         return read.latency / gain_per_token
 
 
+def held_run(keys, holders) -> dict[str, int]:
+    """Blocks per tier of the longest run from keys[0] that some holder has, each block counted
+    in the first holder that has it: `holders` is (tier name, container) pairs, fastest first."""
+    run: dict[str, int] = {}
+    for key in keys:
+        where = next((name for name, held in holders if key in held), None)
+        if where is None:
+            break
+        run[where] = run.get(where, 0) + 1
+    return run
+
+
 def restore_seconds(blocks_by_tier: dict[str, int], block_bytes: int, rates: dict[str, dict[str, float]]) -> float:
     """Seconds to bring runs of blocks up from lower tiers, one tier after another: each tier's
     fixed latency plus its bytes at its read rate. `rates`: tier -> {"bytes_per_second",

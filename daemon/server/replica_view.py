@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 
 from kvctl.daemon.cache.keys import Namespace
 from kvctl.policies.routing import ReplicaFacts, facts_from_answer
+from kvctl.policies.tiering import held_run
 from kvctl.policies.tiering import restore_seconds as priced_restore
 
 LOWER_TIERS = ("host", "disk", "remote")  # fastest first, as kvd restores from the fastest holding a block
@@ -108,14 +109,7 @@ class ReplicaView:
     def lower_run(self, keys: list[bytes]) -> dict[str, int]:
         """Blocks per lower tier of the longest run from keys[0] that its lower tiers hold, each
         counted in the fastest tier holding it (as the replica counts for route-facts)."""
-        run: dict[str, int] = {}
-        tiers = [(name, self.lower[name]) for name in LOWER_TIERS if self.lower.get(name)]
-        for key in keys:
-            where = next((name for name, held in tiers if key in held), None)
-            if where is None:
-                break
-            run[where] = run.get(where, 0) + 1
-        return run
+        return held_run(keys, [(name, self.lower[name]) for name in LOWER_TIERS if self.lower.get(name)])
 
     def note_sent(self, keys: list[bytes], missing_tokens: int, now: float) -> None:
         """The router sent a prompt with these block keys there, lacking `missing_tokens`: count

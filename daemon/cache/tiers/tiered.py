@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from kvctl.policies.tiering import RateMeter, TieringPolicy
+from kvctl.policies.tiering import RateMeter, TieringPolicy, held_run
 
 from .disk import DiskTier, Segment
 from .host import HostTier, copy_rows, select_rows
@@ -141,17 +141,8 @@ class TieredCache:
         """Blocks per tier of the longest run from keys[0] that lower tiers hold (each block
         counted in the fastest tier holding it; one being written down counts as the host's:
         its tensors are in memory): what a request would restore instead of computing."""
-        run: dict[str, int] = {}
         with self.lock:
-            for key in keys:
-                if key in self.inflight:
-                    where = "host"
-                else:
-                    where = next((t.name for t in self.tiers() if key in t.index), None)
-                    if where is None:
-                        break
-                run[where] = run.get(where, 0) + 1
-        return run
+            return held_run(keys, [("host", self.inflight), *((t.name, t.index) for t in self.tiers())])
 
     def read_rates(self) -> dict[str, dict[str, float]]:
         """Each tier's read rate and fixed latency as the restore judgement uses them (measured,
