@@ -331,3 +331,23 @@ def test_a_reload_rotates_the_tcp_tokens_and_a_bad_token_file_changes_nothing(tm
         assert refused.returncode == 2
         assert "reload refused, nothing changed: token_file:" in refused.stderr and "mode 0644" in refused.stderr
         assert models("new-token-0123456789") == 200 and models("old-token-0123456789") == 401
+
+
+def test_a_client_that_leaves_a_non_streamed_completion_stops_its_generation(tmp_path):
+    """Tokens flow to the handler at every step, so it used to look for a departed client only
+    when none came: an abandoned request generated all its tokens for nobody."""
+    from .kvd_process import running_kvd
+
+    with running_kvd(tmp_path, "--num-blocks", "512") as (_, client, sock):
+        impatient = httpx.Client(base_url="http://kvd", transport=httpx.HTTPTransport(uds=str(sock)), timeout=1.0)
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/completions", json={"prompt": "a long story, please", "max_tokens": 3000,
+                                                    "ignore_eos": True})
+        impatient.close()
+        queue = client.get("/admin/status").json()["queue"]
+        for _ in range(40):  # 3,000 tokens take this VM several seconds; the check comes every 0.5 s
+            queue = client.get("/admin/status").json()["queue"]
+            if queue["running"] == queue["waiting"] == 0:
+                break
+            time.sleep(0.1)
+        assert queue["running"] == queue["waiting"] == 0

@@ -167,6 +167,7 @@ class ExplainRequest(BaseModel):
 # (about 0.3 ms per 1,000 tokens on a CPU core); longer ones in a worker thread, so a long prompt
 # does not hold up the streams the loop serves. A worker-thread hop costs 1-2 ms on a busy host.
 HAND_IN_ON_LOOP_TOKENS = 4096
+DISCONNECT_CHECK_S = 0.5  # how often a non-streamed request looks for its client having left
 
 
 def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
@@ -309,16 +310,20 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                         service.model_name, include_usage, cancel_all),
                 media_type="text/event-stream")
         pending = set(index_of)
+        checked = loop.time()
         try:
             while pending:
                 try:
-                    event = await asyncio.wait_for(events.get(), timeout=0.5)
+                    event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
+                    event = None
+                # every so often, tokens flowing or not: a client that left must not keep the model busy
+                if loop.time() - checked >= DISCONNECT_CHECK_S:
+                    checked = loop.time()
                     if await http.is_disconnected():
                         cancel_all()
                         return JSONResponse({}, status_code=499)
-                    continue
-                if event.finish_reason is not None:
+                if event is not None and event.finish_reason is not None:
                     pending.discard((event.request_id, event.index))
         except asyncio.CancelledError:
             cancel_all()
