@@ -218,8 +218,8 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    with running_kvd(tmp_path / "a", "--eviction", "lru") as (_, _, sock_a), \
-            running_kvd(tmp_path / "b", "--eviction", "lru") as (_, _, sock_b):
+    with running_kvd(tmp_path / "a", "--eviction", "lru", "--num-blocks", "512") as (_, client_a, sock_a), \
+            running_kvd(tmp_path / "b", "--eviction", "lru", "--num-blocks", "512") as (_, client_b, sock_b):
         front = tmp_path / "router.sock"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
         tcp = []
@@ -250,6 +250,18 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
             assert answers[0].headers["x-kvd-replica"] == answers[1].headers["x-kvd-replica"] == str(sock_a)
             assert answers[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             assert client.get("/v1/models").json()["data"][0]["owned_by"] == "kvd"
+            # a caller that leaves a non-streamed request: the router closes it, and the replica stops
+            with httpx.Client(base_url="http://router", transport=httpx.HTTPTransport(uds=str(front)),
+                              timeout=1.0) as impatient:
+                with pytest.raises(httpx.ReadTimeout):
+                    impatient.post("/v1/completions", json={"prompt": "a long story, please", "max_tokens": 6000,
+                                                            "ignore_eos": True})
+            for _ in range(30):  # 6,000 tokens take this VM 9 s or more
+                busy = [c.get("/admin/status").json()["queue"]["running"] for c in (client_a, client_b)]
+                if busy == [0, 0]:
+                    break
+                time.sleep(0.1)
+            assert busy == [0, 0]
             if view == "events":  # it follows both feeds; the replica that served holds the prompt's blocks
                 while not all(r["view"]["synced"] for r in client.get("/router/status").json()["replicas"]):
                     assert time.monotonic() < deadline + 30

@@ -59,6 +59,7 @@ PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
 SERVED = ("/v1/completions, /v1/models, /admin/status, /router/status, /router/route, /metrics, /healthz "
           "and /readyz")
+DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
 
@@ -106,6 +107,10 @@ def question_of(prompt) -> dict | None:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return {"tokens": prompt}
     return None
+
+
+class CallerLeft(Exception):
+    """The caller disconnected before its answer came."""
 
 
 class ModelNotServed(LookupError):
@@ -494,6 +499,18 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     @app.post("/v1/completions")
     async def completions(http: Request, who: Caller = Depends(caller)):
+        async def unless_caller_leaves(step):
+            """Await `step`, looking every DISCONNECT_CHECK_S for the caller having left: then it is
+            cancelled (closing the replica's connection, which cancels the request there) and
+            CallerLeft raised."""
+            task = asyncio.ensure_future(step)
+            while not (await asyncio.wait({task}, timeout=DISCONNECT_CHECK_S))[0]:
+                if await http.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    raise CallerLeft
+            return task.result()
+
         raw = await http.body()
         try:
             body = json.loads(raw)
@@ -518,8 +535,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                     return refusal
                 return error(503, str(exc), "no_replica")
             request = replica.client.build_request("POST", "/v1/completions", content=raw, headers=headers)
-            try:
-                upstream = await replica.client.send(request, stream=True)
+            try:  # a non-streamed answer's headers come only when it is whole: the caller may leave first
+                upstream = await unless_caller_leaves(replica.client.send(request, stream=True))
+            except CallerLeft:
+                return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached it
                 replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 replica.rerouted += 1
@@ -563,7 +582,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
                                      headers=answer_headers)
         try:
-            content = await upstream.aread()
+            content = await unless_caller_leaves(upstream.aread())
+        except CallerLeft:
+            return Response(status_code=499)
         finally:
             replica.open -= 1
             await upstream.aclose()
