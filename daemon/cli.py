@@ -237,6 +237,9 @@ def router(
     try:
         if len(replica) < 2:
             raise ValueError(f"replica: give two or more (--replica, repeated), got {len(replica)}")
+        twice = sorted({spec for spec in replica if replica.count(spec) > 1})
+        if twice:
+            raise ValueError(f"replica: {twice[0]!r} is given twice; each replica once")
         policy = make_router(routing, prefill_rate=prefill_rate, balance_seconds=balance_seconds)
         token = None
         if token_file:

@@ -315,6 +315,8 @@ def test_kvd_router_refuses_bad_settings_by_name(tmp_path):
               "kvd: error: clients_file: --listen needs the TCP callers' tokens (--clients-file)"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--listen", "8090", "--clients-file", "/x"],
               "kvd: error: listen: expected HOST:PORT, got '8090'"),
+             (["--replica", "/a.sock", "--replica", "/b.sock", "--replica", "/a.sock"],
+              "kvd: error: replica: '/a.sock' is given twice; each replica once"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "gossip"],
               "kvd: error: view: unknown value 'gossip'; use ask or events"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "events", "--load-interval", "0"],
