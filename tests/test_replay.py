@@ -196,3 +196,14 @@ def test_a_fleet_refuses_sequential_mode_and_bad_counts_by_name():
         fleet(GROUPS, 0, "prefix")
     with pytest.raises(ValueError, match="routing: unknown value 'random'"):
         fleet(GROUPS, 2, "random")
+
+
+def test_a_prompt_queued_on_a_replica_draws_the_next_one_sharing_its_prefix():
+    """Both replicas busy (one slot each); a new prompt queues on one. The next request sharing
+    its prefix goes there too, as a router following the replicas' feeds counts what it sent
+    there as held: it waits behind the first and finds the prefix cached."""
+    burst = [req(0, 1024, [9, 90], output=400), req(0, 1024, [8, 80], output=400),
+             req(100, 1024, [1, 100], output=10), req(200, 1024, [1, 101], output=10)]
+    result = fleet(burst, 2, "prefix", capacity_tokens=4096, max_running=1, balance_seconds=100.0)
+    assert result.requests_per_replica in ([3, 1], [1, 3])  # the two sharing prefix 1 went together
+    assert result.hit_tokens == 512  # the second of them found the first's prefix

@@ -1,7 +1,8 @@
 """Replay a trace through a fleet: N replicas, each with a cache core of its own, behind a
 router (kvctl.policies.routing). Each replica runs the single-replica service model of
 `simulator` (its own slots, queue and cache); at each arrival the router sees, per replica,
-how many of the prompt's leading tokens its cache holds and its predicted wait, and picks one.
+how many of the prompt's leading tokens its cache holds (or will, once the requests queued there
+are computed: what `kvd router --view events` counts) and its predicted wait, and picks one.
 
 What it answers: how much of the hit rate a fleet keeps when its traffic is spread (one
 unbounded cache for the whole fleet is the ceiling, `max_hit_ratio`), and what each routing
@@ -74,8 +75,8 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
         for run in runs:
             run.finish_until(arrival, tick)
             run.advance(arrival)
-        facts = [ReplicaFacts(run.manager.lookup(keys[index], request.input_length) * size, run.wait_seconds(),
-                              len(run.running) + len(run.waiting)) for run in runs]
+        facts = [ReplicaFacts(run.held_blocks(index) * size, run.wait_seconds(), len(run.running) + len(run.waiting))
+                 for run in runs]
         runs[router.choose(request.input_length, facts).replica].arrive(index, arrival, tick)
     for run in runs:
         run.drain(tick)

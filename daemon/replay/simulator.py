@@ -134,6 +134,7 @@ class ReplicaRun:
         self.arrivals: dict[int, float] = {}  # waiting request -> its arrival
         self.queued_work: dict[int, float] = {}  # waiting request -> its service estimate at arrival
         self.queued_seconds = 0.0  # their sum
+        self.queued_keys: dict[BlockKey, int] = {}  # block key -> waiting requests whose prompt has it
         self.ttft: list[float] = []
 
     # ---- core calls, timed -----------------------------------------------------------------
@@ -260,7 +261,24 @@ class ReplicaRun:
                                           index))
             self.ttft.append(self.now - arrival + uncached / s.prefill_rate)
 
+    def held_blocks(self, index: int) -> int:
+        """Leading blocks of request `index`'s prompt this replica holds, or will once the
+        requests waiting in its queue are computed: what a router following its event feed
+        counts (it counts what it sent there as held until the feed confirms it)."""
+        keys, tokens = self.keys[index], self.requests[index].input_length
+        held = self.manager.lookup(keys, tokens)
+        limit = self.manager.cacheable_blocks(tokens)
+        while held < limit and keys[held] in self.queued_keys:
+            held += 1
+        return held
+
     def _unqueue(self, index: int) -> float:
+        queued = self.queued_keys
+        for key in self.keys[index]:
+            if queued[key] == 1:
+                del queued[key]
+            else:
+                queued[key] -= 1
         self.queued_seconds -= self.queued_work.pop(index)
         if not self.waiting:
             self.queued_seconds = 0.0  # no drift from the running sum
@@ -288,6 +306,8 @@ class ReplicaRun:
         estimate = self.service_seconds(index, request.input_length - cached)
         self.arrivals[index], self.queued_work[index] = arrival, estimate
         self.queued_seconds += estimate
+        for key in self.keys[index]:
+            self.queued_keys[key] = self.queued_keys.get(key, 0) + 1
         self.waiting.append(index)
         self.admit_waiting(progress)
 
