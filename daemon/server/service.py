@@ -1055,20 +1055,19 @@ class EngineService:
         with self.lock:
             hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
             limit = engine.cache.cacheable_blocks(len(token_ids))
-            below = keys[hits] if hits < limit else None
-            lower = self.tiers.location(below) if self.tiers is not None and below is not None else "evicted"
-            body = {"prompt_tokens": len(token_ids), "cached_tokens": hits * size,
-                    # where the next block is, when a lower tier holds it (a restore, not a recompute)
-                    "lower_tier": None if lower == "evicted" else lower, **engine.queue_figures(),
-                    "tenant": tenant, "namespace": engine.namespace_fields(), "model": self.model_name}
-        # the run after the device's part that lower tiers hold, per tier, and what restoring it costs
+            queue = engine.queue_figures()
+        # the run after the device's part that lower tiers hold, per tier (the next block's tier
+        # first), and what restoring it costs: the tiers have locks of their own
         run = self.tiers.lower_run(keys[hits:limit]) if self.tiers is not None else {}
         rates = self.tiers.read_rates() if self.tiers is not None else {}
         block_bytes = self.tiers.layout.block_bytes if self.tiers is not None else 0
-        body.update(lower_tier_tokens={tier: blocks * size for tier, blocks in run.items()},
-                    restore_seconds=restore_seconds(run, block_bytes, rates), restore_rates=rates,
-                    block_bytes=block_bytes)
-        return body
+        return {"prompt_tokens": len(token_ids), "cached_tokens": hits * size,
+                # where the next block is, when a lower tier holds it (a restore, not a recompute)
+                "lower_tier": next(iter(run), None), **queue, "tenant": tenant,
+                "namespace": engine.namespace_fields(), "model": self.model_name,
+                "lower_tier_tokens": {tier: blocks * size for tier, blocks in run.items()},
+                "restore_seconds": restore_seconds(run, block_bytes, rates), "restore_rates": rates,
+                "block_bytes": block_bytes}
 
     def explain(self, token_ids: list[int], tenant: str) -> dict:
         engine = self.require_ready()
