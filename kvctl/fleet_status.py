@@ -8,6 +8,7 @@ router's books (`replicas`); this renders the two side by side. kvd decides; kvc
 from __future__ import annotations
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.text import Text
 
 from .tables import compact_table, keep_whole, seconds
@@ -36,8 +37,8 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
         column.justify = "right"
     prompt = hit = 0
     for status in data["replica_status"]:
-        name = status["replica"]
-        book = books.get(name, {})
+        book = books.get(status["replica"], {})
+        name = escape(status["replica"])  # a path or URL, never markup
         sent, open_ = f"{book.get('sent', 0):,}", f"{book.get('open', 0):,}"
         if "error" in status:
             table.add_row(name, sent, open_, _view(book), Text(f"down: {status['error']}", style="red"),
