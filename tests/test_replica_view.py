@@ -133,3 +133,13 @@ def test_lower_tiers_follow_the_feed_and_a_run_counts_each_block_in_the_fastest_
     view.note_load({**LOAD, "block_bytes": 4096, "restore_rates": rates}, asked_at=0.0)
     assert view.restore_seconds({"host": 2}) == pytest.approx(0.001 + 2 * 4096 / 1e9)
     assert view.facts(0, 0, 8, 0.002) == ReplicaFacts(0, 0.5, 3, 2000.0, 8, 0.002)
+
+
+def test_a_request_is_hashed_under_the_tenant_the_replica_will_serve_it_under():
+    view = ReplicaView()
+    assert view.tenant_for("acme") == "acme" and view.tenant_for(None) == "default"  # before any answer
+    # a TCP front that is no trusted proxy: every request is its token's tenant's
+    view.note_load({**LOAD, "tenant": "router-token-tenant", "tenant_header": False}, asked_at=0.0)
+    assert view.tenant_for("acme") == "router-token-tenant" and view.tenant_for(None) == "router-token-tenant"
+    view.note_load({**LOAD, "tenant": "default", "tenant_header": True}, asked_at=1.0)
+    assert view.tenant_for("acme") == "acme" and view.tenant_for(None) == "default"

@@ -693,3 +693,32 @@ def test_the_router_is_ready_while_some_replica_can_take_a_request(replicas, vie
     service, app = router_app(replicas, "round_robin", down=(0, 1), view=view)
     [ready] = drive(app, [lambda c: c.get("/readyz")], service=service if view == "events" else None, synced=())
     assert ready.status_code == 503 and ready.json() == {"ready": False, "reason": "no replica can take a request"}
+
+
+def test_behind_tcp_replicas_that_are_no_trusted_proxy_a_prompt_is_hashed_under_the_routers_tenant(tmp_path):
+    """Such a replica serves every request under the router's token's tenant, whatever
+    X-KVD-Tenant names: the events view hashes the prompt under that tenant too, so it counts
+    what the replica will find."""
+    from .daemon_fixtures import ADMIN_TOKEN, apps, token_table
+
+    services = [start_service(tmp_path / f"r{i}", num_blocks=64) for i in range(2)]
+    try:
+        tokens = token_table(tmp_path)
+        tcp = [apps(s, tokens, trusted_proxy=False)[1] for s in services]
+        replicas = [Replica(f"replica-{i}", replica_client(f"http://replica-{i}:8000", ADMIN_TOKEN,
+                                                           transport=httpx.ASGITransport(app=a)))
+                    for i, a in enumerate(tcp)]
+        service = RouterService(replicas, make_router("prefix"), view="events", load_interval=0.05)
+        app = create_router_app(service)
+        system = "Behind a proxy that is not trusted, every request is the proxy's tenant's. " * 2
+        answers = drive(app, [lambda c: post(c, system + "Q1?"), lambda c: until_followed(service, (0, 1), settled=True),
+                              lambda c: c.post("/v1/completions", headers={"X-KVD-Tenant": "acme"}, json={
+                                  "prompt": system + "Q2?", "max_tokens": 3, "temperature": 0, "ignore_eos": True})],
+                        service=service)
+        first, second = answers[0], answers[2]
+        assert service.replicas[0].view.default_tenant == "ops" and not service.replicas[0].view.tenant_header
+        assert second.headers["x-kvd-replica"] == first.headers["x-kvd-replica"]
+        assert routed_cached(second) == second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        for s in services:
+            s.shutdown(deadline=2)

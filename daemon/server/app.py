@@ -425,8 +425,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.post("/admin/route-facts")
     def route_facts(body: ExplainRequest, who: Principal = Depends(admin)):
         """What a router weighs for this prompt, in one call: how much of it the device cache
-        holds, and how busy this replica is (its predicted wait, running and waiting requests)."""
-        return service.route_facts(_tokens_of(body.text, body.tokens), body.tenant or who.tenant)
+        holds, and how busy this replica is (its predicted wait, running and waiting requests).
+        `tenant_header`: whether this front serves a request under the X-KVD-Tenant it names (else
+        under the caller's token's tenant, `tenant` here when the body names none)."""
+        facts = service.route_facts(_tokens_of(body.text, body.tokens), body.tenant or who.tenant)
+        return {**facts, "tenant_header": front == "unix" or trusted_proxy}
 
     @app.post("/admin/rollouts")
     def rollout_start(body: RolloutStart, who: Principal = Depends(admin)):

@@ -43,6 +43,7 @@ class ReplicaView:
     pending: dict[bytes, float] = field(default_factory=dict)  # key -> when the router stops expecting it
     load: dict | None = None  # its latest answer to route-facts
     default_tenant: str = "default"  # whom it takes a request naming no tenant for (its answer says)
+    tenant_header: bool = True  # whether it serves a request under the X-KVD-Tenant it names (its answer says)
     model: str | None = None  # the model it serves (its answer says)
     load_asked_at: float | None = None
     sent_since: list[tuple[float, int]] = field(default_factory=list)  # (when, prompt tokens it lacked)
@@ -127,16 +128,21 @@ class ReplicaView:
     def note_load(self, answer: dict, asked_at: float) -> None:
         """A route-facts answer (its queue figures), asked at `asked_at`: sends before that are in
         it. It also names the tenant the replica takes the router's requests for when they name
-        none, and its namespace: when that changed (new scales, say), prompts' keys are computed
+        none (or name one it does not honour: a TCP front that is no trusted proxy), and its namespace: when that changed (new scales, say), prompts' keys are computed
         under the new one from now on, and what was sent under the old one is no longer expected."""
         self.load, self.load_asked_at = answer, asked_at
         self.model = answer.get("model")
         self.sent_since = [(t, n) for t, n in self.sent_since if t >= asked_at]
         self.default_tenant = answer.get("tenant") or "default"
+        self.tenant_header = answer.get("tenant_header", True)
         namespace = answer.get("namespace")
         if self.synced and namespace is not None and namespace != self.namespace:
             self.namespace, self.block_size = dict(namespace), int(namespace["block_size"])
             self.pending = {}
+
+    def tenant_for(self, named: str | None) -> str:
+        """The tenant the replica will serve a request under that names `named` (None: none)."""
+        return named if named and self.tenant_header else self.default_tenant
 
     def load_age(self, now: float) -> float | None:
         return None if self.load_asked_at is None else now - self.load_asked_at

@@ -214,7 +214,7 @@ class RouterService:
             ids = memo["ids", digest]
         if not ids:  # no prompt it can read: it goes by load, and the replica says what is wrong
             return Local(view.facts(0, replica.open), [], 0)
-        tenant = tenant or view.default_tenant
+        tenant = view.tenant_for(tenant)
         name = (tenant, *sorted(namespace.items()))
         if ("keys", name) not in memo:
             try:
