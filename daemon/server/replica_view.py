@@ -112,6 +112,10 @@ class ReplicaView:
         counted in the fastest tier holding it (as the replica counts for route-facts)."""
         return held_run(keys, [(name, self.lower[name]) for name in LOWER_TIERS if self.lower.get(name)])
 
+    def pending_count(self, now: float) -> int:
+        """Blocks sent there that its feed has not confirmed yet, and still expected."""
+        return sum(1 for until in self.pending.values() if until > now)
+
     def note_sent(self, keys: list[bytes], missing_tokens: int, now: float) -> None:
         """The router sent a prompt with these block keys there, lacking `missing_tokens`: count
         its blocks as held for `pending_seconds` unless the feed says otherwise, and its work as

@@ -329,7 +329,7 @@ class RouterService:
                 age = r.view.load_age(now)
                 row["view"] = {"synced": r.view.synced, "seq": r.view.seq, "device_keys": len(r.view.keys),
                                "lower_tier_keys": {tier: len(keys) for tier, keys in r.view.lower.items()},
-                               "pending_keys": sum(1 for t in r.view.pending.values() if t > now),
+                               "pending_keys": r.view.pending_count(now),
                                "load_age_seconds": None if age is None else round(age, 3),
                                "feed_error": r.feed_error}
             return row

@@ -69,7 +69,7 @@ class _RouterCollector:
         yield per_replica(GaugeMetricFamily, "view_load_age_seconds", "Age of the replica's latest load answer",
                           lambda r: r.view.load_age(now))
         yield per_replica(GaugeMetricFamily, "view_pending_keys", "Blocks sent to the replica, not yet in its feed",
-                          lambda r: sum(1 for t in r.view.pending.values() if t > now))
+                          lambda r: r.view.pending_count(now))
         yield per_replica(CounterMetricFamily, "view_snapshots", "Feeds started from a snapshot",
                           lambda r: r.snapshots)
 
