@@ -280,6 +280,36 @@ def test_dropping_blocks_from_redis_deletes_them_and_takes_them_off_the_books(re
         ("removed", "remote", (metas[0].key,), "gone")]
 
 
+def test_after_a_change_of_space_blocks_are_shared_under_the_new_one_and_the_old_go_first(redis_server):
+    """New scales (a calibration applied) change a daemon's block space live. What it writes then is
+    found by a daemon that started under the new space; what it wrote before leaves its books of
+    held blocks (a `space` removal) but counts against its bytes until it goes, first, for room."""
+    from kvctl.bench_tiers import _group, _layout
+    from kvctl.daemon.cache.tiers import RemoteTier, encode_parts
+
+    layout = _layout(2, 2, 64, 16, "float16")
+    metas, layers = _group(layout, 4, 1)
+    old, new = b"S" * 32, b"T" * 32
+    payloads = encode_parts(layout, old, metas[:2], [(k[:2], v[:2]) for k, v in layers])
+    one = sum(memoryview(b).nbytes for b in payloads[0])
+    tier = RemoteTier(redis_server.url, 3 * one, old)
+    tier.events = EventLog()
+    tier.write_group(list(zip(metas[:2], payloads)))
+    tier.space = new
+    assert not tier.index and not tier.meta and tier.used_bytes == 2 * one and len(tier.retired) == 2
+    assert [(e.kind, e.keys, e.reason) for e in tier.events.since(0).events if e.kind == "removed"] == [
+        ("removed", (metas[0].key, metas[1].key), "space")]
+    fresh = encode_parts(layout, new, metas[2:], [(k[2:], v[2:]) for k, v in layers])
+    tier.write_group(list(zip(metas[2:], fresh)))
+    # room for three: the oldest entry of the old space went, not one of the new
+    assert list(tier.index) == [metas[2].key, metas[3].key] and tier.used_bytes == 3 * one
+    assert [k for k, _ in tier.retired.values()] == [metas[1].key]
+    started_under_new = RemoteTier(redis_server.url, 1 << 30, new)
+    assert sorted(started_under_new.read_many([m.key for m in metas])) == sorted([metas[2].key, metas[3].key])
+    old_prefix = RemoteTier.space_prefix(old)
+    assert sorted(tier.client.keys(old_prefix + b"*")) == [old_prefix + metas[1].key.hex().encode()]
+
+
 def test_blocks_read_from_redis_are_remembered_as_held_up_to_a_bound(redis_server, monkeypatch):
     """So that write-through does not write another daemon's block back; bounded, so that a
     long life of reads does not grow the daemon."""

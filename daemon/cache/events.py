@@ -12,7 +12,8 @@ my prefix go?", needs the removals as much as the stores (field notes 7 and 9). 
              extends `parent` (None: keys[0] starts a chain) at block position `depth`
     reason   removed: capacity (the tier needed room), operator (kvctl evict or swap),
              corrupt (failed verification), unwritten (indexed by a step that never ran),
-             gone (another daemon or Redis itself deleted it)
+             gone (another daemon or Redis itself deleted it), space (written under scales or a
+             format the daemon no longer serves: of no use to it, though still stored)
     tenant   stored: whose namespace the keys were hashed under, where known
 
 Events carry block keys (SHA-256 digests), never token ids or text. The log keeps the newest
@@ -36,7 +37,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 KINDS = ("stored", "removed")
 TIERS = ("device", "host", "disk", "remote")
-REASONS = ("capacity", "operator", "corrupt", "unwritten", "gone")
+REASONS = ("capacity", "operator", "corrupt", "unwritten", "gone", "space")
 DEFAULT_KEY_LIMIT = 1 << 17  # keys held across all events: ~10 MiB
 EVENT_KEYS = 512  # at most per event (a larger change is several in a row): a page stays small
 

@@ -7,7 +7,7 @@
     kvd_evicted_blocks_total{reason}          capacity (by the policy) or operator
     kvd_cache_stored_blocks_total{tier}       blocks indexed per tier (device, host, disk, remote)
     kvd_cache_removed_blocks_total{tier,reason}  blocks dropped per tier and why (capacity, operator,
-                                              corrupt, unwritten, gone): the event log's counts
+                                              corrupt, unwritten, gone, space): the event log's counts
     kvd_cache_events_dropped_total            events trimmed from the log (a slow reader sees a gap)
     kvd_allocation_seconds                    histogram: time per cache-core call
     kvd_admission_rejections_total{reason}    never_fits, queue_full

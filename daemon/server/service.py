@@ -1137,7 +1137,8 @@ class EngineService:
 
 REMOVAL_WORDS = {"capacity": "to make room", "operator": "by an operator", "corrupt": "after it failed verification",
                  "unwritten": "(the step that was to write it never ran)",
-                 "gone": "(deleted on the shared Redis by its memory policy or another daemon)"}
+                 "gone": "(deleted on the shared Redis by its memory policy or another daemon)",
+                 "space": "(written under scales or a format this daemon no longer serves)"}
 
 
 def now_minus(now: float, then: float) -> str:

@@ -47,17 +47,50 @@ class RemoteTier:
     def __init__(self, url: str, capacity_bytes: int, space: bytes, *, timeout: float = 0.5,
                  breaker: CircuitBreaker | None = None, clock: Callable[[], float] = time.monotonic,
                  client=None) -> None:
-        self.url, self.capacity_bytes, self.space, self.clock = url, capacity_bytes, space, clock
+        self.url, self.capacity_bytes, self.clock = url, capacity_bytes, clock
         self.breaker = breaker or CircuitBreaker()
         self.client = client if client is not None else connect(url, timeout)
-        self.prefix = b"kvctl:blk:" + space[:8].hex().encode() + b":"
         self.lock = threading.Lock()
         self.written: OrderedDict[bytes, int] = OrderedDict()  # our keys -> bytes, oldest first
+        # what we wrote under a space we no longer serve: redis key -> (block key, bytes), oldest
+        # first; it still counts against our bytes and goes first when room is needed
+        self.retired: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
         self.used_bytes = 0
         self.meta: dict[bytes, BlockMeta] = {}  # chain positions of the blocks we wrote
         self.seen: OrderedDict[bytes, None] = OrderedDict()  # blocks we read that others wrote, newest last
         self.last_error: str | None = None
         self.events = None  # an EventLog: each block this daemon writes or forgets here is logged there
+        self.space = space
+
+    @staticmethod
+    def space_prefix(space: bytes) -> bytes:
+        """The Redis key prefix of a block space's entries."""
+        return b"kvctl:blk:" + space[:8].hex().encode() + b":"
+
+    @property
+    def space(self) -> bytes:
+        return self._space
+
+    @space.setter
+    def space(self, space: bytes) -> None:
+        """Serve another block space (new scales or format): entries are written and looked up
+        under its prefix, where other daemons serving it look. What this daemon wrote under the
+        old one is of no use to it any more: it leaves the books of held blocks (a `space`
+        removal) but still counts against its bytes, and goes first when room is needed."""
+        old = getattr(self, "_space", None)
+        self._space, self.prefix = space, self.space_prefix(space)
+        if old is None or old == space:
+            return
+        old_prefix = self.space_prefix(old)
+        with self.lock:
+            leaving = list(self.written.items())
+            for key, size in leaving:
+                self.retired[old_prefix + key.hex().encode()] = (key, size)
+                self.meta.pop(key, None)
+            self.written.clear()
+            self.seen.clear()
+            if leaving and self.events is not None:
+                self.events.removed("remote", [key for key, _ in leaving], "space")
 
     def redis_key(self, key: bytes) -> bytes:
         return self.prefix + key.hex().encode()
@@ -104,18 +137,23 @@ class RemoteTier:
                 self.written[meta.key] = length
                 self.used_bytes += length
                 self.meta[meta.key] = meta
-            victims = []
+            victims, doomed = [], []
+            while self.used_bytes > self.capacity_bytes and self.retired:
+                redis_key, (_, size) = self.retired.popitem(last=False)
+                self.used_bytes -= size
+                doomed.append(redis_key)
             while self.used_bytes > self.capacity_bytes and self.written:
                 key, size = self.written.popitem(last=False)
                 self.used_bytes -= size
                 self.meta.pop(key, None)
                 victims.append(key)
+                doomed.append(self.redis_key(key))
             if self.events is not None:  # under the lock: the log's order is the books' order
                 self.events.stored("remote", [meta for meta, _ in items])
                 self.events.removed("remote", victims, "capacity")
-        if victims:
+        if doomed:
             try:
-                self._call(lambda: self.client.delete(*[self.redis_key(k) for k in victims]))
+                self._call(lambda: self.client.delete(*doomed))
             except RemoteUnavailable:
                 pass  # they age out under the server's own policy
         return sum(payload_length(p) for _, p in items)
@@ -188,8 +226,6 @@ class RemoteTier:
         space's keys, read each one's header with GETRANGE, UNLINK the chosen ones, a batch per
         round trip. Entries whose header does not parse are left alone. Stops after `time_limit`
         seconds and says so. Returns {"dropped", "seen", "complete"}; raises RemoteUnavailable."""
-        started, seen, dropped = self.clock(), 0, 0
-
         def chosen(keys: list[bytes]) -> list[tuple[bytes, bytes]]:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
@@ -204,10 +240,37 @@ class RemoteTier:
                     out.append((key, meta.key))
             return out
 
+        return self._sweep(self.prefix, chosen, time_limit, batch)
+
+    def purge_space(self, space: bytes, time_limit: float = 30.0, batch: int = 500) -> dict:
+        """Delete every entry of another block space on the server, whichever daemon wrote it (an
+        operator's eviction of a model revision no daemon here serves any more): SCAN for its
+        prefix and UNLINK, a batch per round trip; nothing is read. Values under the prefix that
+        are not named like a block are left alone. Same answer as `purge`."""
+        if space == self.space:
+            raise ValueError("space: this daemon serves it; evict its blocks through the cache instead")
+        prefix = self.space_prefix(space)
+
+        def chosen(keys: list[bytes]) -> list[tuple[bytes, bytes]]:
+            out = []
+            for key in keys:
+                name = key[len(prefix):]
+                if len(name) == 64 and all(c in b"0123456789abcdef" for c in name):
+                    out.append((key, bytes.fromhex(name.decode())))
+            return out
+
+        return self._sweep(prefix, chosen, time_limit, batch)
+
+    def _sweep(self, prefix: bytes, chosen: Callable[[list[bytes]], list[tuple[bytes, bytes]]],
+               time_limit: float, batch: int) -> dict:
+        """SCAN the keys under `prefix`, a batch at a time, and UNLINK those `chosen` picks (as
+        (redis key, block key) pairs), until done or `time_limit` seconds have passed."""
+        started, seen, dropped = self.clock(), 0, 0
+
         def go() -> bool:
             nonlocal seen, dropped
             pending: list[bytes] = []
-            for key in self.client.scan_iter(match=self.prefix + b"*", count=batch):
+            for key in self.client.scan_iter(match=prefix + b"*", count=batch):
                 pending.append(key if isinstance(key, bytes) else key.encode())
                 if len(pending) >= batch:
                     seen, dropped = seen + len(pending), dropped + self._unlink(chosen(pending))
@@ -248,7 +311,11 @@ class RemoteTier:
         for redis_key, _ in chosen:
             pipe.unlink(redis_key)
         removed = sum(pipe.execute())
-        self._forget([key for _, key in chosen], reason)
+        with self.lock:
+            for redis_key, _ in chosen:
+                _, size = self.retired.pop(redis_key, (None, 0))
+                self.used_bytes -= size
+        self._forget([key for redis_key, key in chosen if redis_key.startswith(self.prefix)], reason)
         return removed
 
     def _forget(self, keys: Sequence[bytes], reason: str) -> None:
