@@ -334,7 +334,8 @@ def unpin(ctx: typer.Context, pin_id: str = typer.Argument(..., help="Pin id fro
 
 def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--prefix", help="Prefix id."),
           tenant: Optional[str] = typer.Option(None, "--tenant", help="Every prefix of a tenant."),
-          model_revision: Optional[str] = typer.Option(None, "--model-revision", help="A model revision."),
+          model_revision: Optional[str] = typer.Option(None, "--model-revision",
+                                                       help="A model revision (4 or more hex digits), served or not."),
           all_unpinned: bool = typer.Option(False, "--all-unpinned", help="Everything not pinned."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Evict cached blocks from every tier and report exactly what went.
@@ -343,6 +344,10 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
     extends it (its rows in `kvctl prefixes`); the prefix it extends stays for the others that
     share it. A prefix's or a tenant's blocks also go from the shared Redis, whichever daemon
     wrote them.
+
+    A model revision's blocks go from every tier, including a revision this daemon no longer
+    serves: what an upgrade set aside on disk, and what any daemon left on the shared Redis
+    under it (`kvctl tiers` shows what is set aside, and whose).
 
     Example: kvctl evict --tenant acme
     """
@@ -353,10 +358,17 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
         skipped = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in sorted(d["skipped"].items()))
         lower = d.get("lower_tier_blocks_dropped") or 0
         shared = (d.get("remote_purge") or {}).get("dropped")
+        aside = d.get("disk_purge") or {}
         Console().print(f"evicted {d['target']}: {d['evicted_blocks']} blocks from the device"
                         + (f", {lower} from lower tiers" if lower else "")
+                        + (f", {aside['segments']} disk segment{'s' if aside['segments'] != 1 else ''} ({size(aside['bytes'])})"
+                           if aside.get("segments") else "")
                         + (f", {shared} from the shared Redis" if shared else "")
-                        + (f"; left alone: {skipped}" if skipped else ""))
+                        + (f"; left alone: {skipped}" if skipped else ""), highlight=False)
+        if d.get("spaces"):
+            Console().print("spaces purged (not served here): " + ", ".join(
+                f"{s['space']} ({s.get('cache_dtype') or '?'}{', scales ' + s['scale_version'] if s.get('scale_version') else ''})"
+                for s in d["spaces"]), highlight=False)
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{d['message']}[/yellow]")
     _emit(data, as_json, render)

@@ -56,12 +56,30 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
             f"{k} {'never' if math.isinf(v) else f'{v:,.0f} tokens'}"
             + ("" if measured.get(k, True) else " (assumed rates: nothing measured yet)")
             for k, v in d["break_even_tokens"].items()))
+    aside = (d["tiers"].get("disk") or {}).get("set_aside")
+    if aside:
+        console.print("disk set aside: " + "; ".join(_aside_group(g) for g in aside), highlight=False)
+        if any(g.get("model_revision") for g in aside):
+            console.print("kvctl evict --model-revision REV deletes a revision's blocks from disk and the shared Redis",
+                          highlight=False)
     if d.get("disk_scan"):
         s = d["disk_scan"]
         back = f" ({s['readmitted']} segments of them back from a rollback)" if s.get("readmitted") else ""
         dropped = f", {s['set_aside_dropped']} set aside before (for room)" if s.get("set_aside_dropped") else ""
         console.print(f"disk at start: {s['blocks']:,} blocks re-indexed{back}; set aside {s['corrupt']} corrupt, "
                       f"{s['foreign']} foreign; removed {s['torn']} unfinished{dropped}")
+
+
+def _aside_group(g: dict) -> str:
+    """One kind of set-aside segment: `12.0 MiB in 3 segments of model 3fa2c1d09e8b7a66 (fp8_e4m3, scales cal-3)`."""
+    head = f"{size(g['bytes'])} in {g['segments']} segment{'s' if g['segments'] != 1 else ''}"
+    if g["kind"] == "corrupt":
+        return head + " corrupt"
+    if not g.get("model_revision"):
+        return head + (f" of space {g['space']} (no record of it)" if g.get("space") else " of an older format")
+    detail = ", ".join(filter(None, [g.get("cache_dtype"), f"block size {g['block_size']}" if g.get("block_size") else "",
+                                     f"scales {g['scale_version']}" if g.get("scale_version") else ""]))
+    return head + f" of model {g['model_revision'][:16]}" + (f" ({detail})" if detail else "")
 
 
 def tiers(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:

@@ -499,15 +499,18 @@ def test_a_short_prefix_id_that_matches_several_prefixes_evicts_nothing(daemon):
     assert ids[0] not in listed and ids[1] in listed
 
 
-def test_evict_by_model_revision_takes_the_served_model_s_blocks_or_none(daemon):
+def test_evict_by_model_revision_takes_the_served_model_s_blocks_and_refuses_an_unknown_one(daemon):
     service, unix, _ = daemon
     complete(unix, prompt="Blocks of the model being served, long enough for two blocks of tokens.", max_tokens=1)
     cached = call(unix, "GET", "/admin/status").json()["blocks"]["device"]["cached"]
     assert cached > 0
-    other = call(unix, "POST", "/admin/evict", json={"model_revision": "0123456789ab"}).json()
-    assert (other["evicted_blocks"], other["target"]) == (0, "model_revision=0123456789ab")  # another model's: none here
-    short = call(unix, "POST", "/admin/evict", json={"model_revision": "7"})
-    assert short.status_code == 400 and short.json()["error"]["param"] == "model_revision"
+    other = call(unix, "POST", "/admin/evict", json={"model_revision": "0123456789ab"})  # no tier knows it
+    assert other.status_code == 404 and other.json()["error"]["message"] == (
+        f"model_revision: no tier here holds blocks of '0123456789ab' (this daemon serves {service.loaded.revision[:16]})")
+    for bad in ("7", "ABCDEF", "0123-x"):
+        short = call(unix, "POST", "/admin/evict", json={"model_revision": bad})
+        assert short.status_code == 400 and short.json()["error"]["param"] == "model_revision"
+    assert call(unix, "GET", "/admin/status").json()["blocks"]["device"]["cached"] == cached  # nothing went
     served = call(unix, "POST", "/admin/evict", json={"model_revision": service.loaded.revision[:12]}).json()
     assert (served["evicted_blocks"], served["target"]) == (cached, "model_revision=current")
     assert call(unix, "GET", "/admin/status").json()["blocks"]["device"]["cached"] == 0

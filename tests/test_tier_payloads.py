@@ -207,6 +207,47 @@ def test_what_an_upgrade_sets_aside_counts_against_the_disk_and_goes_before_live
     assert sorted(smaller.index) == sorted(b) and folder_bytes() == 2 * per
 
 
+def test_purging_spaces_takes_their_set_aside_and_indexed_segments_and_nothing_of_the_served_one(tmp_path):
+    """The folder's book names each space it served. Evicting spaces no longer served deletes
+    what an upgrade set aside under them and what is still indexed under older scales (applied
+    live); the served space's segments, and what other spaces set aside, stay."""
+    from kvctl.daemon.cache.events import EventLog
+
+    old, scaled, new, other = b"O" * 32, b"C" * 32, b"N" * 32, b"X" * 32
+    record = {"model_revision": "0ld", "cache_dtype": "float16"}
+    stranger = disk(tmp_path / "stranger", space=other)
+    write_chain(stranger, 40, 1)
+    stranger.close()
+    before = DiskTier(tmp_path / "kvcache", 1 << 20, layout(), old, record=record)
+    write_chain(before, 0, 2)
+    before.close()
+    for path in (tmp_path / "stranger" / "kvcache" / "segments").glob("*.kvseg"):
+        os.replace(path, tmp_path / "kvcache" / "segments" / path.name)
+
+    tier = DiskTier(tmp_path / "kvcache", 1 << 20, layout(), new, record={"model_revision": "n3w"})
+    tier.events = EventLog()
+    assert tier.scan().foreign == 2
+    assert sorted(tier.spaces.load()) == [new.hex(), old.hex()] and tier.spaces.load()[old.hex()] == record
+    kept = write_chain(tier, 10, 2)
+    tier.space = scaled  # new scales applied live: what follows is written under another space
+    tier.spaces.add(scaled, {"model_revision": "n3w", "scale_version": "cal-2"})
+    tier.space = new  # (a rollback of those scales)
+    tier.space = scaled
+    later = write_chain(tier, 20, 3)
+    tier.space = new
+    aside = {(g["kind"], g["space"]): g["segments"] for g in tier.set_aside()}
+    assert aside == {("foreign", old): 1, ("foreign", other): 1}
+    per = layout().payload_bytes
+
+    gone = tier.purge_spaces({old, scaled, new})  # the served space is never purged
+    assert gone == {"segments": 2, "blocks": 3, "bytes": 5 * per}
+    assert sorted(tier.index) == sorted(kept) and not set(later) & set(tier.index)
+    assert [(g["kind"], g["space"]) for g in tier.set_aside()] == [("foreign", other)]
+    assert tier.quarantine_bytes == per
+    assert [(e.kind, e.keys, e.reason) for e in tier.events.since(0).events if e.kind == "removed"] == [
+        ("removed", tuple(later), "operator")]
+
+
 def test_disk_capacity_evicts_whole_least_recently_used_segments(tmp_path):
     lay = layout()
     tier = disk(tmp_path, capacity=5 * lay.payload_bytes)

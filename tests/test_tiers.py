@@ -447,6 +447,86 @@ def test_a_block_size_change_sets_the_disk_aside_within_its_bytes_and_a_rollback
         rolled_back.shutdown(deadline=2)
 
 
+def _upgraded_checkpoint(tmp_path):
+    """The demo checkpoint with another config.json (a new model revision, the same tokenizer)."""
+    import json
+    import shutil
+
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+
+    source = ensure_demo_checkpoint(tmp_path / "models-src")
+    target = tmp_path / "upgraded"
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "kvctl_release": "2"}))
+    return target
+
+
+def test_after_an_upgrade_the_old_revision_s_blocks_are_shown_and_evicted_from_disk_and_the_shared_redis(
+        tmp_path, redis_server):
+    """A daemon moves to a new model revision: the old revision's disk segments are set aside, and
+    its entries stay on the shared Redis (other daemons may have written them too). `kvctl tiers`
+    names the revision the set-aside bytes belong to; evicting that revision, which this daemon no
+    longer serves, deletes exactly those segments and every daemon's Redis entries of it, and
+    nothing of the revision it serves."""
+    from rich.console import Console
+
+    from kvctl.daemon.cache.tiers import RemoteTier
+    from kvctl.daemon.server.app import create_app
+    from kvctl.tiers_cmd import render_tiers
+
+    settings = dict(num_blocks=64, disk_cache_bytes="16MiB", tiering="always", remote_url=redis_server.url,
+                    write_policy="write_through")
+    old = start_service(tmp_path, **settings)
+    _complete(create_app(old, old.metrics, front="unix"), TEXT_A)
+    old_revision, old_space = old.loaded.revision, old.tiers.space
+    old.shutdown(deadline=5)
+    client = RemoteTier(redis_server.url, 1 << 30, old_space).client
+    old_prefix = RemoteTier.space_prefix(old_space)
+    old_entries = len(client.keys(old_prefix + b"*"))
+    assert old_entries > 0
+    client.set(old_prefix + b"not-a-block", b"left alone")
+    saved = sum(p.stat().st_size for p in (tmp_path / "kvcache" / "segments").glob("*.kvseg"))
+
+    new = start_service(tmp_path, **settings, model=str(_upgraded_checkpoint(tmp_path)))
+    try:
+        assert new.loaded.revision != old_revision
+        app = create_app(new, new.metrics, front="unix")
+        _complete(app, TEXT_B)
+        new.tiers.flush()
+        new_entries = len(client.keys(RemoteTier.space_prefix(new.tiers.space) + b"*"))
+        assert new_entries > 0
+        disk = call(app, "GET", "/admin/tiers").json()["tiers"]["disk"]
+        [aside] = disk["set_aside"]
+        assert aside["model_revision"] == old_revision and aside["space"] == old_space.hex()[:16]
+        assert (aside["kind"], aside["bytes"], disk["set_aside_bytes"]) == ("foreign", saved, saved)
+        console = Console(record=True, width=200)
+        render_tiers(call(app, "GET", "/admin/tiers").json(), console)
+        [line] = [x for x in console.export_text().splitlines() if x.startswith("disk set aside:")]
+        assert f"in {aside['segments']} segment" in line and f"of model {old_revision[:16]} (float32" in line
+
+        gone = call(app, "POST", "/admin/evict", json={"model_revision": old_revision[:8]}).json()
+        assert gone["result"] == "ok" and gone["target"] == f"model_revision={old_revision[:16]}"
+        assert gone["evicted_blocks"] == 0 and gone["disk_purge"] == {"segments": aside["segments"], "blocks": 0,
+                                                                       "bytes": saved}
+        assert gone["remote_purge"] == {"dropped": old_entries, "seen": old_entries + 1, "complete": True}
+        assert [s["model_revision"] for s in gone["spaces"]] == [old_revision]
+        assert client.keys(old_prefix + b"*") == [old_prefix + b"not-a-block"]
+        assert len(client.keys(RemoteTier.space_prefix(new.tiers.space) + b"*")) == new_entries
+        after = call(app, "GET", "/admin/tiers").json()["tiers"]["disk"]
+        assert after["set_aside_bytes"] == 0 and "set_aside" not in after and after["blocks"] == disk["blocks"]
+        [audit] = new.store.audit_since(action="evict")
+        assert audit["target"] == f"model_revision={old_revision[:16]}"
+
+        unknown = call(app, "POST", "/admin/evict", json={"model_revision": "abcdef12"})
+        error = unknown.json()["error"]
+        assert unknown.status_code == 404 and error["param"] == "model_revision"
+        assert error["message"] == (f"model_revision: no tier here holds blocks of 'abcdef12' (this daemon serves "
+                                    f"{new.loaded.revision[:16]}; the tiers have held blocks of {old_revision[:16]})")
+    finally:
+        new.shutdown(deadline=2)
+
+
 def test_evicting_a_tenant_after_a_restart_reaches_its_blocks_on_disk(tmp_path):
     """Each payload records its tenant: after a restart (nothing of the tenant in memory) an
     operator's `evict --tenant` still removes exactly that tenant's blocks from disk."""

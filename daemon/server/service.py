@@ -514,9 +514,10 @@ class EngineService:
         """Swap in applied scales (caller holds the lock, nothing is running)."""
         self.engine.set_scales(calibration["scales"], f"cal-{calibration['id']}")
         if self.tiers is not None:
-            from kvctl.daemon.cache.tiers import engine_layout, space_digest
+            from kvctl.daemon.cache.tiers import engine_layout, engine_space_record, space_digest
 
-            self.tiers.retarget(engine_layout(self.engine), space_digest(self.engine))
+            self.tiers.retarget(engine_layout(self.engine), space_digest(self.engine),
+                                engine_space_record(self.engine))
         self.calibration = calibration
         self.pending_scales = None
         self.engine.admission_paused = False
@@ -988,14 +989,13 @@ class EngineService:
             tree, _ = self.prefix_tree()
             first = self.resolve_prefix(prefix_id, tree)
             subtree = tree.subtree_keys(first)
-        if model_revision and (len(model_revision) < 4 or model_revision.lower() != model_revision):
-            raise ServiceError(400, f"model_revision: give at least 4 lowercase hex digits of a revision (kvctl "
-                                    f"status shows the model's), got {model_revision!r}", "model_revision")
+        other_spaces, records_error = {}, None  # the revision's spaces but the served one: from disk and Redis
+        if model_revision:
+            revision, other_spaces, records_error = self._revision_spaces(model_revision)
         with self.lock:
-            if model_revision and model_revision != self.loaded.revision and \
-                    not self.loaded.revision.startswith(model_revision):
+            if model_revision and revision != self.loaded.revision:
                 report_blocks, skipped, select = 0, {}, None
-                target = f"model_revision={model_revision}"
+                target = f"model_revision={revision[:16]}"
             else:
                 if subtree is not None:
                     select = None
@@ -1023,7 +1023,10 @@ class EngineService:
         body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target,
                 "lower_tier_blocks_dropped": lower_dropped}
         remote = self.tiers.remote if self.tiers is not None else None
-        if remote is not None and (subtree is not None or (tenant and select is not None)):
+        if other_spaces or records_error:
+            body.update(self._purge_spaces(other_spaces, records_error))
+            result = body["result"] = "partial" if body.get("message") else result
+        elif remote is not None and (subtree is not None or (tenant and select is not None)):
             try:  # the shared Redis: every daemon's entries of the prefix, or of the tenant
                 body["remote_purge"] = remote.purge_keys([k for k in subtree if k not in pinned]) \
                     if subtree is not None else \
@@ -1042,6 +1045,68 @@ class EngineService:
         self.store.audit(actor=principal.actor, tenant=principal.tenant, action="evict", target=target,
                          result=result, detail=body)
         return body
+
+    def _revision_spaces(self, text: str) -> tuple[str, dict[str, dict], str | None]:
+        """The model revision `text` (hex digits) names, the block spaces of it that the disk
+        folder or the shared Redis records other than the one served now (older scales, another
+        format, another revision: spaces.py), and why the shared Redis could not be asked."""
+        from kvctl.daemon.cache.tiers import space_digest
+        from kvctl.daemon.cache.tiers.spaces import with_revision
+
+        if len(text) < 4 or not all(c in "0123456789abcdef" for c in text):
+            raise ServiceError(400, f"model_revision: give at least 4 lowercase hex digits of a revision (kvctl "
+                                    f"status shows the model's), got {text!r}", "model_revision")
+        records, error = self.tiers.space_records() if self.tiers is not None else ({}, None)
+        served = space_digest(self.engine).hex()
+        matched = {s: r for s, r in with_revision(records, text).items() if s != served}
+        revisions = {r["model_revision"] for r in matched.values()}
+        if self.loaded.revision.startswith(text):
+            revisions.add(self.loaded.revision)
+        if len(revisions) > 1:
+            shown = ", ".join(sorted(r[:16] for r in revisions))
+            raise ServiceError(409, f"model_revision: {text!r} matches {len(revisions)} revisions ({shown}); "
+                                    "give more digits", "model_revision")
+        if not revisions:
+            known = sorted({r["model_revision"][:16] for r in records.values()} - {self.loaded.revision[:16]})
+            where = (f"; the shared Redis could not be asked ({error})" if error else "") + \
+                (f"; the tiers have held blocks of {', '.join(known)}" if known else "")
+            raise ServiceError(503 if error else 404,
+                               f"model_revision: no tier here holds blocks of {text!r} (this daemon serves "
+                               f"{self.loaded.revision[:16]}{where})", "model_revision")
+        return revisions.pop(), matched, error
+
+    def _purge_spaces(self, spaces: dict[str, dict], records_error: str | None) -> dict:
+        """Delete the blocks of these spaces (none served here) from the disk folder and the shared
+        Redis, whichever daemon wrote them: the body's part that says what went."""
+        from kvctl.daemon.cache.tiers.spaces import summary
+
+        chosen = {bytes.fromhex(s) for s in spaces}
+        out: dict = {"spaces": [summary(s, r) for s, r in sorted(spaces.items())]}
+        messages = [f"the shared Redis could not be asked which spaces it holds: {records_error}"] if records_error else []
+        disk = self.tiers.disk if self.tiers is not None else None
+        if disk is not None and chosen:
+            out["disk_purge"] = disk.purge_spaces(chosen)
+        remote = self.tiers.remote if self.tiers is not None else None
+        if remote is not None and chosen and not records_error:
+            total = {"dropped": 0, "seen": 0, "complete": True}
+            try:
+                for space in sorted(chosen):
+                    done = remote.purge_space(space)
+                    total = {"dropped": total["dropped"] + done["dropped"], "seen": total["seen"] + done["seen"],
+                             "complete": total["complete"] and done["complete"]}
+                    if not done["complete"]:
+                        break
+            except RemoteUnavailable as exc:
+                total = {**total, "complete": False, "error": str(exc)}
+            out["remote_purge"] = total
+            if "error" in total:
+                messages.append(f"the shared Redis could not be searched: {total['error']}")
+            elif not total["complete"]:
+                messages.append(f"the shared Redis was searched only in part ({total['seen']:,} entries before the "
+                                "time limit); run the eviction again")
+        if messages:
+            out["message"] = "; ".join(messages)
+        return out
 
     def route_facts(self, token_ids: list[int], tenant: str) -> dict:
         """This replica for this prompt, as a router weighs it: the prompt's tokens its device

@@ -4,6 +4,7 @@
     host.py      pinned (CUDA) or plain CPU slots
     disk.py      durable segment files, re-indexed and verified at start
     remote.py    Redis / Redis Cluster with timeouts and a circuit breaker
+    spaces.py    what a space digest stands for (model revision, format, scales), recorded by each tier
     tiered.py    TieredCache: demotion, write-through, prefetch, restore, state per block
 """
 
@@ -19,6 +20,7 @@ from .disk import DiskTier, ScanReport
 from .host import HostTier
 from .payload import BlockData, BlockLayout, BlockMeta, PayloadError, decode_block, encode_blocks, encode_parts
 from .remote import RemoteTier, RemoteUnavailable
+from .spaces import space_record
 from .tiered import LOWER, UNBOUNDED_BYTES, WRITE_POLICIES, TieredCache
 
 
@@ -34,6 +36,11 @@ def space_digest(engine) -> bytes:
     return engine.namespace("*").root_key()
 
 
+def engine_space_record(engine) -> dict:
+    """What the engine's space is, as the tiers record it (spaces.py)."""
+    return space_record(engine.namespace("*").describe(), engine_layout(engine).describe())
+
+
 def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None = None,
                 disk_path: str | Path | None = None, remote_url: str | None = None,
                 remote_bytes: int | None = None, write_policy: str = "write_back",
@@ -42,7 +49,7 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
     The disk tier is scanned (verified and re-indexed) before this returns."""
     if not (host_bytes or disk_bytes or remote_url):
         return None, None
-    layout, space = engine_layout(engine), space_digest(engine)
+    layout, space, record = engine_layout(engine), space_digest(engine), engine_space_record(engine)
     events = getattr(engine, "events", None)  # each tier logs what it indexes and drops
     host = HostTier(host_bytes, layout, pin_memory=torch.cuda.is_available()) if host_bytes else None
     if host is not None:
@@ -51,13 +58,14 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
     if disk_bytes:
         if disk_path is None:
             raise ValueError("tiers.disk.path: required with tiers.disk.bytes")
-        disk = DiskTier(disk_path, disk_bytes, layout, space)
+        disk = DiskTier(disk_path, disk_bytes, layout, space, record=record)
         disk.events = events  # before the scan: the blocks it re-indexes are stored events too
         report = disk.scan()
     remote = None
     if remote_url:
         remote = RemoteTier(remote_url, remote_bytes or UNBOUNDED_BYTES, space, timeout=remote_timeout)
         remote.events = events
+        remote.record_space(space, record)
     tiers = TieredCache(engine.kv_caches, layout, space, host=host, disk=disk, remote=remote,
                         write_policy=write_policy, policy=TieringPolicy(mode=tiering))
     engine.attach_tiers(tiers)
@@ -66,4 +74,4 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
 
 __all__ = ["BlockData", "BlockLayout", "encode_parts", "BlockMeta", "DiskTier", "HostTier", "LOWER", "PayloadError", "RemoteTier",
            "RemoteUnavailable", "ScanReport", "TieredCache", "WRITE_POLICIES", "build_tiers",
-           "decode_block", "encode_blocks", "engine_layout", "space_digest"]
+           "decode_block", "encode_blocks", "engine_layout", "engine_space_record", "space_digest"]

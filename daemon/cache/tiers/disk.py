@@ -14,6 +14,9 @@ What is set aside counts against the tier's bytes: it is kept (a foreign segment
 the daemon runs its model again, a rollback; a corrupt one is there to be looked at) only while
 there is room, and goes, oldest first, before any live segment is evicted. A model upgrade
 therefore never leaves the folder holding more than `capacity_bytes`.
+
+`spaces.json` beside them names each space whose blocks the folder held (spaces.py), so what was
+set aside can be told apart by model revision and evicted by it (`purge_spaces`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .payload import BlockLayout, BlockMeta, PayloadError, decode_block, payload_length, read_header
+from .payload import PEEK_BYTES, BlockLayout, BlockMeta, PayloadError, decode_block, payload_length, peek_space, read_header
+from .spaces import SpaceBook
 from .vectored import write_vectored
 
 SUFFIX = ".kvseg"
@@ -41,6 +45,7 @@ class Segment:
     size: int
     keys: list[bytes] = field(default_factory=list)
     live: int = 0
+    space: bytes = b""  # the block space its payloads were written under
 
 
 @dataclass
@@ -58,7 +63,7 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, path: str | Path, capacity_bytes: int, layout: BlockLayout, space: bytes,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, record: dict | None = None) -> None:
         self.root = Path(path)
         self.segment_dir = self.root / "segments"
         self.quarantine = self.root / "quarantine"
@@ -73,6 +78,7 @@ class DiskTier:
         self.used_bytes = 0
         self.quarantined: OrderedDict[Path, int] = OrderedDict()  # set-aside files, oldest first -> bytes
         self.quarantine_bytes = 0
+        self._aside_space: dict[Path, bytes | None] = {}  # set-aside file -> its first payload's space
         self.busy: dict[str, int] = {}  # segment -> reads in flight (never evicted meanwhile)
         self._names = itertools.count()
         self._dir_synced_at = 0.0
@@ -81,6 +87,9 @@ class DiskTier:
         self.events = None  # an EventLog: each key indexed or dropped here is logged there
         self.segment_dir.mkdir(parents=True, exist_ok=True)
         self._owner = self._claim(self.root)
+        self.spaces = SpaceBook(self.root / "spaces.json")
+        if record is not None:
+            self.spaces.add(space, record)
 
     @staticmethod
     def _claim(root: Path):
@@ -130,7 +139,7 @@ class DiskTier:
                 report.corrupt += 1
                 self._set_aside(path, "corrupt")
                 continue
-            self._publish(path.name, len(data), metas)
+            self._publish(path.name, len(data), metas, self.space)
             report.segments += 1
             report.blocks += len(metas)
         with self.lock:
@@ -161,6 +170,7 @@ class DiskTier:
             files.append((stat.st_mtime_ns, path, stat.st_size))
         self.quarantined = OrderedDict((path, size) for _, path, size in sorted(files))
         self.quarantine_bytes = sum(self.quarantined.values())
+        self._aside_space = {p: s for p, s in self._aside_space.items() if p in self.quarantined}
 
     def _shed_quarantine(self, incoming: int) -> int:
         """Delete set-aside files, oldest first, until `incoming` more bytes fit with them; the
@@ -170,6 +180,7 @@ class DiskTier:
             path, size = self.quarantined.popitem(last=False)
             path.unlink(missing_ok=True)
             self.quarantine_bytes -= size
+            self._aside_space.pop(path, None)
             dropped += 1
         return dropped
 
@@ -193,6 +204,51 @@ class DiskTier:
             os.replace(path, target / path.name)
         except OSError:
             path.unlink(missing_ok=True)
+
+    def _space_of(self, path: Path) -> bytes | None:
+        """The space of a set-aside file's first payload (read once; None: not a payload)."""
+        if path not in self._aside_space:
+            try:
+                with open(path, "rb") as f:
+                    self._aside_space[path] = peek_space(f.read(PEEK_BYTES))
+            except OSError:
+                self._aside_space[path] = None
+        return self._aside_space[path]
+
+    def set_aside(self) -> list[dict]:
+        """What is set aside, by kind (foreign, corrupt) and, for foreign segments, by the space
+        their first payload names: [{"kind", "space" (bytes or None), "segments", "bytes"}]."""
+        groups: dict[tuple[str, bytes | None], list[int]] = {}
+        with self.lock:
+            for path, size in self.quarantined.items():
+                kind = path.parent.name
+                space = self._space_of(path) if kind == "foreign" else None
+                group = groups.setdefault((kind, space), [0, 0])
+                group[0] += 1
+                group[1] += size
+        return [{"kind": kind, "space": space, "segments": n, "bytes": size}
+                for (kind, space), (n, size) in sorted(groups.items(), key=lambda g: -g[1][1])]
+
+    def purge_spaces(self, spaces: set[bytes]) -> dict:
+        """Delete every segment written under one of these spaces (never the one served now):
+        set-aside ones (another model revision's, after an upgrade) and indexed ones (written
+        before new scales were applied). Segments being read stay. Returns {"segments", "blocks",
+        "bytes"}: what went."""
+        spaces = spaces - {self.space}
+        segments = blocks = size = 0
+        with self.lock:
+            for path in [p for p in self.quarantined if p.parent.name == "foreign" and self._space_of(p) in spaces]:
+                path.unlink(missing_ok=True)
+                freed = self.quarantined.pop(path)
+                self.quarantine_bytes -= freed
+                self._aside_space.pop(path, None)
+                segments, size = segments + 1, size + freed
+            for name in [n for n, seg in self.segments.items() if seg.space in spaces and not self.busy.get(n)]:
+                segment = self.segments[name]
+                blocks += sum(1 for k in segment.keys if self.index.get(k, (None,))[0] == name)
+                segments, size = segments + 1, size + segment.size
+                self._remove_segment(name, "operator")
+        return {"segments": segments, "blocks": blocks, "bytes": size}
 
     # ---- write -------------------------------------------------------------------------------
     def write_group(self, items: Sequence[tuple[BlockMeta, object]], fsync: bool = True) -> int:
@@ -227,7 +283,7 @@ class DiskTier:
             offsets.append((meta, offset, length))
             offset += length
         with self.lock:
-            self._publish(name, offset, offsets)
+            self._publish(name, offset, offsets, self.space)
             self._dir_dirty = True
         self.sync_dir(force=False)
         return offset
@@ -244,8 +300,8 @@ class DiskTier:
             os.close(fd)
         self._dir_synced_at, self._dir_dirty = now, False
 
-    def _publish(self, name: str, size: int, metas: Sequence[tuple[BlockMeta, int, int]]) -> None:
-        segment = Segment(name, size)
+    def _publish(self, name: str, size: int, metas: Sequence[tuple[BlockMeta, int, int]], space: bytes) -> None:
+        segment = Segment(name, size, space=space)
         fresh = []
         for meta, offset, length in metas:
             if meta.key in self.index:

@@ -211,6 +211,15 @@ def peek_meta(data: bytes | memoryview) -> BlockMeta:
         raise PayloadError("layout", "the tenant field is not an ASCII name") from None
 
 
+def peek_space(data: bytes | memoryview) -> bytes | None:
+    """The space digest from a payload's first PEEK_BYTES bytes; None where they are not the
+    header of a payload of this format version."""
+    if len(data) < _FIXED.size:
+        return None
+    magic, version, _, _, space, *_ = _FIXED.unpack_from(data, 0)
+    return space if magic == MAGIC and version == VERSION else None
+
+
 class BlockData:
     """A verified block's K/V: (K, V) per layer, each [block, heads, dim], as views of the
     payload's bytes made on demand (indexing, iteration, len); `stacked()` is the whole block

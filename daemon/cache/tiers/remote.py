@@ -5,10 +5,14 @@ see the whole payload or nothing). Every call has a bounded timeout; consecutive
 open a circuit breaker, during which the tier is skipped (serving goes on) until a probe
 succeeds. Capacity counts what this daemon wrote, evicting its own oldest entries; other
 daemons' entries are theirs to manage (set a Redis maxmemory policy for the shared total).
+
+Each daemon records the space it writes under in the hash `kvctl:spaces` (spaces.py), so that
+any of them can find, and purge, the entries of a model revision none of them serves any more.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -17,6 +21,7 @@ from typing import Callable, Sequence
 from kvctl.policies.tiering import CircuitBreaker
 
 from .payload import PEEK_BYTES, BlockMeta, PayloadError, payload_length, peek_meta
+from .spaces import REGISTRY_KEY, is_space_hex, parse_record
 from .vectored import write_vectored
 
 
@@ -60,6 +65,8 @@ class RemoteTier:
         self.seen: OrderedDict[bytes, None] = OrderedDict()  # blocks we read that others wrote, newest last
         self.last_error: str | None = None
         self.events = None  # an EventLog: each block this daemon writes or forgets here is logged there
+        self.records: dict[bytes, dict] = {}  # what each space we served is (spaces.py), to record
+        self._recorded: set[bytes] = set()  # spaces recorded on the server
         self.space = space
 
     @staticmethod
@@ -95,6 +102,34 @@ class RemoteTier:
     def redis_key(self, key: bytes) -> bytes:
         return self.prefix + key.hex().encode()
 
+    def record_space(self, space: bytes, record: dict) -> None:
+        """Say what `space` is (its record goes to the server with the first write under it, or
+        now when the server answers)."""
+        self.records[space] = record
+        try:
+            self._record_current()
+        except RemoteUnavailable:
+            pass  # the next write records it
+
+    def _record_current(self) -> None:
+        record = self.records.get(self.space)
+        if record is not None and self.space not in self._recorded:
+            space = self.space
+            self._call(lambda: self.client.hsetnx(REGISTRY_KEY, space.hex(), json.dumps(record, sort_keys=True)))
+            self._recorded.add(space)
+
+    def spaces(self) -> dict[str, dict]:
+        """Every space any daemon recorded on the server: {space digest (hex): record}. Raises
+        RemoteUnavailable."""
+        raw = self._call(lambda: self.client.hgetall(REGISTRY_KEY))
+        out = {}
+        for space, text in raw.items():
+            space = space.decode() if isinstance(space, bytes) else space
+            record = parse_record(text)
+            if is_space_hex(space) and record is not None:
+                out[space] = record
+        return out
+
     def _call(self, fn):
         now = self.clock()
         if not self.breaker.allow(now):
@@ -119,6 +154,7 @@ class RemoteTier:
         as one RESP bulk string (one atomic SET, no concatenated copy)."""
         if not items:
             return 0
+        self._record_current()
         parts = [(self.redis_key(meta.key), p if isinstance(p, list) else [p]) for meta, p in items]
         if hasattr(self.client, "connection_pool") and not hasattr(self.client, "nodes_manager"):
             self._call(lambda: self._set_streamed(parts))

@@ -41,6 +41,7 @@ from .host import HostTier, copy_rows, select_rows
 from .payload import (BlockData, BlockLayout, BlockMeta, PayloadError, decode_block, encode_parts,
                       payload_length, read_header)
 from .remote import RemoteTier, RemoteUnavailable
+from .spaces import summary
 
 log = logging.getLogger("kvd.tiers")
 
@@ -573,9 +574,10 @@ class TieredCache:
         with self.lock:
             return self.host is not None and key not in self._protected and self.host.drop(key)
 
-    def retarget(self, layout: BlockLayout, space: bytes) -> None:
-        """New scales (or format): payloads are now written and checked under this layout and space.
-        Blocks of the old one become unreachable (their keys change too) and age out."""
+    def retarget(self, layout: BlockLayout, space: bytes, record: dict | None = None) -> None:
+        """New scales (or format): payloads are now written and checked under this layout and space
+        (`record` says what it is, spaces.py). Blocks of the old one become unreachable (their keys
+        change too) and age out."""
         with self.lock:
             self.layout, self.space = layout, space
             for tier in (self.disk, self.remote):
@@ -583,6 +585,22 @@ class TieredCache:
                     tier.space = space
             if self.disk is not None:
                 self.disk.layout = layout
+        if record is not None and self.disk is not None:
+            self.disk.spaces.add(space, record)
+        if record is not None and self.remote is not None:
+            self.remote.record_space(space, record)
+
+    def space_records(self) -> tuple[dict[str, dict], str | None]:
+        """Every space the disk folder or the shared Redis has a record of ({digest hex: record}),
+        and why the Redis could not be asked (None when it was, or there is none)."""
+        records = self.disk.spaces.load() if self.disk is not None else {}
+        error = None
+        if self.remote is not None:
+            try:
+                records = {**self.remote.spaces(), **records}
+            except RemoteUnavailable as exc:
+                error = str(exc)
+        return records, error
 
     def fetch_now(self, keys: Sequence[bytes], timeout: float = 30.0) -> str | None:
         """Stage the run of `keys` from disk or remote and wait (operator swaps, benchmarks).
@@ -651,6 +669,12 @@ class TieredCache:
                 if tier.name == "disk":  # segments set aside (another model's, or corrupt), within its bytes
                     out[tier.name]["set_aside_bytes"] = tier.quarantine_bytes
             out_moved = {f"{s}->{d}": b for (s, d), b in sorted(self.moved.items())}
+        if self.disk is not None and self.disk.quarantine_bytes:  # whose: the folder's book names the spaces
+            book = self.disk.spaces.load()
+            out["disk"]["set_aside"] = [
+                {**(summary(g["space"].hex(), book.get(g["space"].hex())) if g["space"] else {"space": None}),
+                 "kind": g["kind"], "segments": g["segments"], "bytes": g["bytes"]}
+                for g in self.disk.set_aside()]
         return {"write_policy": self.write_policy, "tiers": out, "moved_bytes": out_moved,
                 "moving_blocks": len(self.inflight), "staged_blocks": len(self.staged)}
 
