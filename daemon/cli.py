@@ -16,6 +16,7 @@ from typing import Optional
 import typer
 
 from kvctl import __version__
+from kvctl.help_text import reflow_help
 
 app = typer.Typer(help="kvd hosts a model over a paged KV cache and serves it to kvctl and OpenAI clients.",
                   no_args_is_help=True, add_completion=False,
@@ -326,6 +327,9 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
         with contextlib.suppress(OSError):
             os.unlink(socket_path)
         log.info("router stopped")
+
+
+reflow_help(app)  # after every command is registered
 
 
 def main() -> None:

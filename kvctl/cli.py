@@ -24,6 +24,7 @@ from .capacity_cmd import capacity_command
 from . import events_cmd, route_cmd, tiers_cmd
 from .rollout_cmd import rollout_app
 from .errors import UserError
+from .help_text import reflow_help
 from .outputs import is_trace, refuse_clobber
 
 app = typer.Typer(help="Operate the KV cache of LLM serving: inspect, steer, replay, benchmark.",
@@ -95,6 +96,9 @@ def trace_generate(
                                "seconds": trace[-1].timestamp_ms / 1000.0}))
         return
     typer.echo(f"wrote {requests} requests to {out}")
+
+
+reflow_help(app)  # after every command is registered
 
 
 def main(argv: list[str] | None = None) -> None:

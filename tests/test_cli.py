@@ -192,6 +192,29 @@ def test_every_command_has_one_line_help_and_an_example():
             assert any("--json" in p.opts for p in command.params), path
 
 
+def test_help_paragraphs_wrap_to_the_terminal_and_examples_stay_as_written():
+    from kvctl.help_text import reflow
+
+    doc = """First line.
+
+        A paragraph written across
+        two lines.
+
+        Indented rows stay:
+          a  1
+          b  2
+
+        Example: kvctl x --y
+        """
+    assert reflow(doc) == ("First line.\n\nA paragraph written across two lines.\n\n"
+                           "Indented rows stay:\n  a  1\n  b  2\n\nExample: kvctl x --y")
+    root = typer.main.get_command(app)
+    for path, command in _commands(root):  # every paragraph of every command is one line, wrapped by rich
+        for paragraph in command.help.split("\n\n"):
+            lines = paragraph.splitlines()
+            assert len(lines) == 1 or any(line.startswith((" ", "\t")) for line in lines), (path, paragraph)
+
+
 def test_bench_kernels_without_cuda_checks_correctness_only(capsys, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("triton")
