@@ -202,8 +202,11 @@ async def _serve(settings, re_resolve) -> None:
 
 @app.command()
 def router(
-    replica: list[str] = typer.Option(..., "--replica", help="A kvd replica: its Unix socket, or an http(s):// "
+    replica: list[str] = typer.Option([], "--replica", help="A kvd replica: its Unix socket, or an http(s):// "
                                       "URL (with --token-file). Repeat for each."),
+    replicas_file: Optional[str] = typer.Option(None, help="More replicas, one per line (# comments); SIGHUP "
+                                                "re-reads it: new lines join the fleet, removed ones are "
+                                                "drained and leave once their requests have answered."),
     socket_path: str = typer.Option(..., "--socket", help="Unix socket the router serves on (mode 0660)."),
     routing: str = typer.Option("prefix", help="round_robin, least_loaded, prefix or ttft."),
     balance_seconds: float = typer.Option(2.0, help="prefix: the extra wait it accepts for a replica that "
@@ -230,17 +233,18 @@ def router(
     Example: kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock
     """
     from kvctl.daemon.server.auth import TokenTable
+    from kvctl.daemon.server.fleet_file import FleetFile, read_replicas_file
     from kvctl.daemon.server.router import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if len(replica) < 2:
+        listed = read_replicas_file(replicas_file) if replicas_file else []
+        if replicas_file and not replica + listed:
+            raise ValueError(f"replicas_file: {replicas_file!r} names no replica, and no --replica is given")
+        if not replicas_file and len(replica) < 2:
             raise ValueError(f"replica: give two or more (--replica, repeated), got {len(replica)}")
-        twice = sorted({spec for spec in replica if replica.count(spec) > 1})
-        if twice:
-            raise ValueError(f"replica: {twice[0]!r} is given twice; each replica once")
         policy = make_router(routing, prefill_rate=prefill_rate, balance_seconds=balance_seconds)
         token = None
         if token_file:
@@ -256,17 +260,21 @@ def router(
             if not host or not port.isdigit():
                 raise ValueError(f"listen: expected HOST:PORT, got {listen!r}")
             clients = TokenTable.load(clients_file)
-        replicas = [Replica(spec, replica_client(spec, token)) for spec in replica]
+        replicas = [Replica(spec, replica_client(spec, token)) for spec in replica + listed]
         service = RouterService(replicas, policy, view=view, load_interval=load_interval,
                                 pending_seconds=pending_seconds)
+        membership = None
+        if replicas_file:
+            membership = FleetFile(replicas_file, fixed=set(replica), client=lambda spec: replica_client(spec, token))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_route(service, socket_path, listen, clients, clients_file))
+            runner.run(_route(service, socket_path, listen, clients, clients_file, membership))
     except (RuntimeError, OSError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         raise typer.Exit(2)
 
 
-async def _route(service, socket_path: str, listen: str | None, clients, clients_file: str | None) -> None:
+async def _route(service, socket_path: str, listen: str | None, clients, clients_file: str | None,
+                 membership=None) -> None:
     import uvicorn
 
     from kvctl.daemon.server.router import create_router_app
@@ -295,7 +303,16 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
 
-    def reload_clients() -> None:  # SIGHUP: rotate the TCP callers' tokens without dropping a stream
+    def reload() -> None:  # SIGHUP: the replicas file, then the TCP callers' tokens; no stream is dropped
+        if membership is not None:
+            try:
+                changed = membership.apply(service)
+            except ValueError as exc:
+                log.error("replicas file not applied, the fleet stays as it is: %s", exc)
+            else:
+                log.info("replicas file applied: %d added (%s), %d leaving once their requests answer (%s)",
+                         len(changed["added"]), ", ".join(changed["added"]) or "-",
+                         len(changed["leaving"]), ", ".join(changed["leaving"]) or "-")
         if clients is None:
             return
         from kvctl.daemon.server.auth import TokenFileError, TokenTable
@@ -307,7 +324,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
             return
         log.info("clients file reloaded: %(tokens)d tokens, %(added)d added, %(removed)d removed", counts)
 
-    loop.add_signal_handler(signal.SIGHUP, reload_clients)
+    loop.add_signal_handler(signal.SIGHUP, reload)
     followers = service.follow()
     log.info("kvd router listening on %s%s, %s routing over %s (view: %s)", socket_path,
              f" and {listen}" if listen else "", service.router.name,
@@ -319,6 +336,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
         if failed:
             raise failed[0]
     finally:
+        followers = [task for r in service.replicas for task in r.tasks]  # with those that joined later
         for task in followers:
             task.cancel()
         await asyncio.gather(*followers, return_exceptions=True)

@@ -20,6 +20,8 @@ def is_fleet(data: dict) -> bool:
 
 
 def _view(book: dict) -> Text:
+    if book.get("draining"):  # drained by an operator, or leaving the fleet
+        return Text(book["draining"], style="yellow")
     view = book.get("view")
     if view is None:
         return Text("asks")

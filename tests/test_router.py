@@ -200,7 +200,7 @@ def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(repl
     [answer] = drive(app, [lambda c: c.get("/admin/prefixes")])
     assert answer.status_code == 404 and answer.json()["error"]["message"] == (
         "kvd router does not serve /admin/prefixes: it serves /v1/completions, /v1/models, /admin/status, "
-        "/router/status, /router/route, /metrics, /healthz and /readyz; ask a replica for the rest (kvctl "
+        "/router/status, /router/route, /router/drain, /metrics, /healthz and /readyz; ask a replica for the rest (kvctl "
         "--socket REPLICA_SOCKET ...)")
 
 
@@ -230,7 +230,11 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
             (tmp_path / "clients").write_text("client-token-0123456789 acme user\n")
             (tmp_path / "clients").chmod(0o600)
             tcp = ["--listen", f"127.0.0.1:{port}", "--clients-file", str(tmp_path / "clients")]
-        router = subprocess.Popen([str(BIN / "kvd"), "router", "--replica", str(sock_a), "--replica", str(sock_b),
+        fleet = ["--replica", str(sock_b)]
+        if view == "ask":  # the second replica from a replicas file, which SIGHUP applies again
+            (tmp_path / "replicas").write_text(f"# behind this router\n{sock_b}\n")
+            fleet = ["--replicas-file", str(tmp_path / "replicas")]
+        router = subprocess.Popen([str(BIN / "kvd"), "router", "--replica", str(sock_a), *fleet,
                                    "--socket", str(front), "--view", view, *tcp, "--log-level", "warning"], env=env,
                                   stdout=open(tmp_path / "router.log", "ab"), stderr=subprocess.STDOUT)
         client = httpx.Client(base_url="http://router", transport=httpx.HTTPTransport(uds=str(front)), timeout=60)
@@ -262,6 +266,27 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
                     break
                 time.sleep(0.1)
             assert busy == [0, 0]
+            if view == "ask":  # kvctl fleet drain: the prompt's next question goes to the other replica
+                kvctl = [str(BIN / "kvctl"), "--socket", str(front), "fleet"]
+                drained = subprocess.run([*kvctl, "drain", str(sock_a), "--wait", "10"], env=env, capture_output=True,
+                                         text=True, timeout=60)
+                assert drained.returncode == 0, drained.stderr
+                assert drained.stdout.strip() == f"drained {sock_a}: no new request goes there; none open: it can be stopped"
+                moved = client.post("/v1/completions", json={"prompt": SYSTEM_A + "Q5?", "max_tokens": 2})
+                assert moved.status_code == 200 and moved.headers["x-kvd-replica"] == str(sock_b)
+                resumed = subprocess.run([*kvctl, "resume", str(sock_a)], env=env, capture_output=True, text=True,
+                                         timeout=60)
+                assert resumed.stdout.strip() == f"resumed {sock_a}: it takes new requests again"
+                unknown = subprocess.run([*kvctl, "drain", "/run/nowhere.sock"], env=env, capture_output=True,
+                                         text=True, timeout=60)
+                assert unknown.returncode == 2 and "replica: no replica '/run/nowhere.sock'" in unknown.stderr
+                # the replicas file loses its line: on SIGHUP the replica leaves the fleet
+                (tmp_path / "replicas").write_text("# none for now\n")
+                router.send_signal(signal.SIGHUP)
+                while len(client.get("/router/status").json()["replicas"]) != 1:
+                    assert time.monotonic() < deadline + 60
+                    time.sleep(0.05)
+                assert [r["replica"] for r in client.get("/router/status").json()["replicas"]] == [str(sock_a)]
             if view == "events":  # it follows both feeds; the replica that served holds the prompt's blocks
                 while not all(r["view"]["synced"] for r in client.get("/router/status").json()["replicas"]):
                     assert time.monotonic() < deadline + 30
@@ -722,3 +747,112 @@ def test_behind_tcp_replicas_that_are_no_trusted_proxy_a_prompt_is_hashed_under_
     finally:
         for s in services:
             s.shutdown(deadline=2)
+
+
+@pytest.mark.parametrize("view", ["ask", "events"])
+def test_a_drained_replica_gets_no_new_request_until_it_is_resumed(replicas, view):
+    """An operator drains the replica holding a prefix before restarting it: the prefix's next
+    requests go elsewhere, the router is ready on the other one only, and draining every replica
+    is a 503 that says so; resumed, the replica takes requests again."""
+    service, app = router_app(replicas, "prefix", view=view)
+    events = service if view == "events" else None
+
+    async def settled(client):
+        if events is not None:
+            await until_followed(service, (0, 1), settled=True)
+
+    first = drive(app, [lambda c: post(c, SYSTEM_A + "Q30?"), settled,
+                        lambda c: c.post("/router/drain", json={"replica": "replica-0"}),
+                        lambda c: post(c, SYSTEM_A + "Q31?"), lambda c: c.get("/readyz"),
+                        lambda c: c.get("/router/status")], service=events)
+    assert first[0].headers["x-kvd-replica"] == "replica-0"
+    assert first[2].json() == {"replica": "replica-0", "draining": True, "open": 0}
+    assert first[3].status_code == 200 and first[3].headers["x-kvd-replica"] == "replica-1"
+    assert first[4].json() == {"ready": True, "replicas": ["replica-1"]}
+    assert first[5].json()["replicas"][0]["draining"] == "drained" and "draining" not in first[5].json()["replicas"][1]
+
+    refused = drive(app, [lambda c: c.post("/router/drain", json={"replica": "replica-1"}),
+                          lambda c: post(c, SYSTEM_A + "Q32?"), lambda c: c.get("/readyz"),
+                          lambda c: c.post("/router/drain", json={"replica": "replica-9"}),
+                          lambda c: c.post("/router/drain", json={"replica": "replica-1", "drain": "no"})],
+                    service=events)
+    assert refused[1].status_code == 503 and refused[1].json()["error"]["message"] == (
+        "every replica is draining: replica-0, replica-1")
+    assert refused[2].status_code == 503
+    assert refused[3].status_code == 404 and refused[3].json()["error"]["message"] == (
+        "replica: no replica 'replica-9'; the router has 'replica-0', 'replica-1'")
+    assert refused[4].status_code == 400 and refused[4].json()["error"]["message"] == (
+        "drain: expected true or false, got 'no'")
+    assert service.unrouted == 1  # a request no replica could take, in kvd_router_unrouted_total
+
+    back = drive(app, [lambda c: c.post("/router/drain", json={"replica": "replica-0", "drain": False}),
+                       lambda c: post(c, SYSTEM_A + "Q33?"), lambda c: c.get("/router/status")], service=events)
+    assert back[0].json() == {"replica": "replica-0", "draining": False, "open": 0}
+    assert back[1].headers["x-kvd-replica"] == "replica-0"  # replica-1 is drained still
+    assert back[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert "draining" not in back[2].json()["replicas"][0] and back[2].json()["replicas"][1]["draining"] == "drained"
+
+
+def test_a_replica_taken_out_leaves_once_its_open_requests_answer_and_one_added_is_followed(replicas):
+    """Membership changes while the router serves: a replica taken out of the fleet takes no new
+    request and stays (followed, in the status) while a request of its is open; then it is gone.
+    A replica added is followed at once and takes requests."""
+    service, app = router_app(replicas[:1], "least_loaded", view="events")
+
+    async def change(client):
+        service.add(Replica("replica-1", replica_client("/run/replica-1.sock", transport=Counting(replicas[1]))))
+        await until_followed(service, (0, 1))
+        leaving_one = service.replicas[0]
+        leaving_one.open = 1  # a stream of its still answering (in-process transports answer whole)
+        leaving = service.remove("replica-0")
+        during = await post(client, SYSTEM_B + "while it leaves")
+        await asyncio.sleep(0.2)
+        still = (service.status()["replicas"][0], [t.done() for t in leaving_one.tasks])
+        leaving_one.open = 0
+        await asyncio.wait_for(leaving, 5)
+        return during, still, [t.cancelled() for t in leaving_one.tasks], service.status()
+
+    [(during, still, cancelled, status)] = drive(app, [change], service=service)
+    assert during.status_code == 200 and during.headers["x-kvd-replica"] == "replica-1"
+    assert still == ({"replica": "replica-0", "sent": 0, "open": 1, "last_error": None, "draining": "leaving",
+                      "view": still[0]["view"]}, [False, False])
+    assert cancelled == [True, True] and [r["replica"] for r in status["replicas"]] == ["replica-1"]
+    with pytest.raises(ValueError, match="replica: 'replica-1' is in the fleet already"):
+        service.add(Replica("replica-1", replica_client("/run/replica-1.sock")))
+
+
+def test_the_replicas_file_adds_and_takes_out_replicas_and_a_bad_one_changes_nothing(tmp_path):
+    from kvctl.daemon.server.fleet_file import FleetFile, read_replicas_file
+
+    listing = tmp_path / "replicas"
+    listing.write_text("# the fleet\n/run/kvd-0/kvd.sock\n/run/kvd-1/kvd.sock  # rack 2\n\n")
+    assert read_replicas_file(str(listing)) == ["/run/kvd-0/kvd.sock", "/run/kvd-1/kvd.sock"]
+    replicas = [Replica(spec, replica_client(spec, transport=Down())) for spec in
+                ["/run/kvd-fixed/kvd.sock", *read_replicas_file(str(listing))]]
+    service = RouterService(replicas, make_router("least_loaded"), view="ask")
+    fleet = FleetFile(str(listing), fixed={"/run/kvd-fixed/kvd.sock"},
+                      client=lambda spec: replica_client(spec, transport=Down()))
+
+    async def go():
+        listing.write_text("/run/kvd-1/kvd.sock\n/run/kvd-2/kvd.sock\n")
+        changed = fleet.apply(service)
+        names = {r.name: r.leaving for r in service.replicas}
+        listing.write_text("/run/kvd-0/kvd.sock\n/run/kvd-1/kvd.sock\n/run/kvd-2/kvd.sock\n")
+        back = fleet.apply(service)  # kvd-0 had not gone yet: it stays
+        listing.write_text("/run/kvd-1/kvd.sock\nkvd-3.sock\n")
+        with pytest.raises(ValueError) as bad:
+            fleet.apply(service)
+        listing.write_text("")
+        fleet.apply(service)  # only the fixed replica is left
+        await asyncio.sleep(0.2)
+        return changed, names, back, str(bad.value), [r.name for r in service.replicas]
+
+    changed, names, back, bad, left = asyncio.run(go())
+    assert changed == {"added": ["/run/kvd-2/kvd.sock"], "leaving": ["/run/kvd-0/kvd.sock"]}
+    assert names == {"/run/kvd-fixed/kvd.sock": False, "/run/kvd-0/kvd.sock": True, "/run/kvd-1/kvd.sock": False,
+                     "/run/kvd-2/kvd.sock": False}
+    assert back == {"added": ["/run/kvd-0/kvd.sock"], "leaving": []}
+    assert bad == (f"replicas_file: {listing}:2: expected a socket path or an http(s) URL, got 'kvd-3.sock'")
+    assert left == ["/run/kvd-fixed/kvd.sock"]
+    with pytest.raises(ValueError, match="replica: '/run/kvd-fixed/kvd.sock' is given twice; each replica once"):
+        RouterService([Replica(r.name, r.client) for r in replicas[:1]] * 2, make_router("prefix"))

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -53,12 +54,14 @@ from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .router_metrics import RouterMetrics
 
+log = logging.getLogger("kvd.router")
+
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left out
 FORWARD_TIMEOUT_S = 600.0
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
-SERVED = ("/v1/completions, /v1/models, /admin/status, /router/status, /router/route, /metrics, /healthz "
-          "and /readyz")
+SERVED = ("/v1/completions, /v1/models, /admin/status, /router/status, /router/route, /router/drain, /metrics, "
+          "/healthz and /readyz")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
@@ -83,6 +86,9 @@ class Replica:
     failed_questions: int = 0
     failed_forwards: int = 0
     rerouted: int = 0  # requests it refused before starting (429, 503) or was unreachable for: tried elsewhere
+    draining: bool = False  # takes no new request: an operator's drain, or it is leaving
+    leaving: bool = False  # taken out of the fleet: it goes once its open requests have answered
+    tasks: list = field(default_factory=list)  # events view: its feed and load followers
 
 
 def replica_client(spec: str, token: str | None = None, transport: httpx.AsyncBaseTransport | None = None
@@ -145,9 +151,18 @@ class RouterService:
             raise ValueError(f"load_interval: must be > 0 seconds, got {self.load_interval!r}")
         if not self.pending_seconds >= 0:
             raise ValueError(f"pending_seconds: must be >= 0, got {self.pending_seconds!r}")
+        names = [r.name for r in self.replicas]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"replica: {twice[0]!r} is given twice; each replica once")
+        self._following = False
+        self._leaving: set[asyncio.Task] = set()  # replicas on their way out (`remove`)
+        for replica in self.replicas:
+            self._prepare(replica)
+
+    def _prepare(self, replica: Replica) -> None:
         if self.view == "events":
-            for replica in self.replicas:
-                replica.view = ReplicaView(pending_seconds=self.pending_seconds)
+            replica.view = ReplicaView(pending_seconds=self.pending_seconds)
 
     @property
     def load_stale_seconds(self) -> float:
@@ -155,18 +170,75 @@ class RouterService:
         return max(2.0, 10 * self.load_interval)
 
     def follow(self) -> list[asyncio.Task]:
-        """Start following every replica's feed and load (events view); cancel the tasks to stop."""
-        tasks = []
+        """Start following every replica's feed and load (events view), and those added later;
+        cancel the tasks to stop."""
+        self._following = True
+        return [task for replica in self.replicas for task in self._follow(replica)]
+
+    def _follow(self, replica: Replica) -> list[asyncio.Task]:
+        if replica.view is None:
+            return []
+
+        def noted(error: str | None) -> None:
+            replica.feed_error = error
+            replica.snapshots += error is None
+        replica.tasks = [asyncio.create_task(follow_events(replica.client, replica.view, self.tokenizers, noted)),
+                         asyncio.create_task(poll_load(replica.client, replica.view, self.load_interval, self.clock))]
+        return replica.tasks
+
+    # ---- membership: the fleet changes while the router serves --------------------------------
+    # `replicas` is replaced, never changed in place: a decision that awaits keeps the list it began with.
+    def find(self, name: str) -> Replica:
+        """The replica of that name; LookupError naming the ones there are."""
         for replica in self.replicas:
-            if replica.view is None:
-                continue
-            def noted(error: str | None, replica: Replica = replica) -> None:
-                replica.feed_error = error
-                replica.snapshots += error is None
-            tasks.append(asyncio.create_task(follow_events(replica.client, replica.view, self.tokenizers, noted)))
-            tasks.append(asyncio.create_task(poll_load(replica.client, replica.view, self.load_interval,
-                                                       self.clock)))
-        return tasks
+            if replica.name == name:
+                return replica
+        raise LookupError(f"replica: no replica {name!r}; the router has "
+                          + ", ".join(repr(r.name) for r in self.replicas))
+
+    def add(self, replica: Replica) -> None:
+        """Take a replica into the fleet (followed at once where the others are)."""
+        if any(r.name == replica.name for r in self.replicas):
+            raise ValueError(f"replica: {replica.name!r} is in the fleet already")
+        self._prepare(replica)
+        if self._following:
+            self._follow(replica)
+        self.replicas = [*self.replicas, replica]
+
+    def drain(self, name: str, on: bool = True) -> Replica:
+        """Send a replica no new request (its open ones answer as usual), or take new ones again."""
+        replica = self.find(name)
+        if replica.leaving and not on:
+            raise ValueError(f"replica: {name!r} is leaving the fleet; add it again instead")
+        replica.draining = on
+        return replica
+
+    def remove(self, name: str) -> asyncio.Task:
+        """Take a replica out of the fleet: drained now, gone (no longer followed, its connections
+        closed) once its open requests have answered. Call in the event loop."""
+        replica = self.find(name)
+        replica.draining = replica.leaving = True
+        task = asyncio.get_running_loop().create_task(self._leave(replica))
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
+        return task
+
+    def stay(self, name: str) -> Replica:
+        """Keep a replica that was leaving but has not gone yet: it takes requests again."""
+        replica = self.find(name)
+        replica.draining = replica.leaving = False
+        return replica
+
+    async def _leave(self, replica: Replica, poll_seconds: float = 0.05) -> None:
+        while replica.open > 0 and replica.leaving:
+            await asyncio.sleep(poll_seconds)
+        if not replica.leaving:  # it was asked to stay meanwhile
+            return
+        for task in replica.tasks:
+            task.cancel()
+        await asyncio.gather(*replica.tasks, return_exceptions=True)
+        self.replicas = [r for r in self.replicas if r is not replica]
+        await replica.client.aclose()
 
     async def ask(self, replica: Replica, question: dict | None, tenant: str | None
                   ) -> tuple[ReplicaFacts, int] | None:
@@ -244,43 +316,47 @@ class RouterService:
         Also each replica's local weighing (None where asked) and the clock reading used.
         LookupError (ModelNotServed) when none can; `count`: tally an unroutable request."""
         question = question_of(body.get("prompt"))
-        now, memo = self.clock(), {}
+        now, memo, replicas = self.clock(), {}, self.replicas
+        retry = bool(excluded)  # some refused it already: it was counted on its first try
+        excluded = set(excluded) | {id(r) for r in replicas if r.draining}
 
         def weigh_all() -> list[Local | None]:
             return [self.weigh_locally(r, question, tenant, now, memo) if id(r) not in excluded else None
-                    for r in self.replicas]
+                    for r in replicas]
 
         size = 0 if question is None else len(question["text"] if "text" in question else question["tokens"])
         large = size > LARGE_PROMPT
         # a long prompt is tokenized and hashed off the event loop that streams every answer
         local = await asyncio.to_thread(weigh_all) if large else weigh_all()
-        asked = await asyncio.gather(*(self.ask(r, question, tenant) for r, known in zip(self.replicas, local)
+        asked = await asyncio.gather(*(self.ask(r, question, tenant) for r, known in zip(replicas, local)
                                        if known is None and id(r) not in excluded))
         answers = iter(asked)
         facts = [None if id(r) in excluded else (known.facts, known.prompt_tokens) if known is not None
-                 else next(answers) for r, known in zip(self.replicas, local)]
+                 else next(answers) for r, known in zip(replicas, local)]
         live = [(i, f, tokens) for i, a in enumerate(facts) if a is not None for f, tokens in [a]]
         if not live:
-            if count and not excluded:
+            if count and not retry:
                 self.unrouted += 1
+            if replicas and all(r.draining for r in replicas):
+                raise LookupError("every replica is draining: " + ", ".join(r.name for r in replicas))
             raise LookupError("no replica answered: " + "; ".join(
-                f"{r.name} ({r.last_error or r.feed_error})" for r in self.replicas if id(r) not in excluded))
+                f"{r.name} ({r.last_error or r.feed_error})" for r in replicas if id(r) not in excluded))
         wanted = body.get("model")
         if isinstance(wanted, str):  # only where it is served (a replica whose model is unknown may say)
-            serving = [entry for entry in live if self.model_of(self.replicas[entry[0]]) in (None, wanted)]
+            serving = [entry for entry in live if self.model_of(replicas[entry[0]]) in (None, wanted)]
             if not serving:
-                served = sorted({m for r in self.replicas if (m := self.model_of(r)) is not None})
+                served = sorted({m for r in replicas if (m := self.model_of(r)) is not None})
                 raise ModelNotServed(f"model: {wanted!r} is not served by any replica; GET /v1/models lists "
                                      + ", ".join(repr(m) for m in served))
             live = serving
-        return live, local, now
+        return live, local, now, replicas
 
     async def _choose(self, body: dict, tenant: str | None, excluded: set[int]) -> tuple[Replica, str]:
-        live, local, now = await self.weigh(body, tenant, excluded)
+        live, local, now, replicas = await self.weigh(body, tenant, excluded)
         prompt_tokens = max(tokens for _, _, tokens in live)
         chosen = self.router.choose(prompt_tokens, [f for _, f, _ in live])
         index, facts, counted = live[chosen.replica]
-        replica = self.replicas[index]
+        replica = replicas[index]
         replica.sent += 1
         replica.prompt_tokens += counted
         replica.cached_tokens += facts.cached_tokens
@@ -293,16 +369,17 @@ class RouterService:
         """Where each of `policies` would send this request now, and why, with every replica's
         facts as the router sees them (from its view, or asked): nothing is sent, and the live
         policy's own books are not touched (it decides on a copy)."""
-        live, local, _ = await self.weigh(body, tenant, count=False)
+        live, local, _, replicas = await self.weigh(body, tenant, count=False)
         prompt_tokens = max(tokens for _, _, tokens in live)
         facts = {index: f for index, f, _ in live}
         rows = []
-        for index, replica in enumerate(self.replicas):
+        for index, replica in enumerate(replicas):
             row = {"replica": replica.name}
             if index in facts:
                 row.update(asdict(facts[index]), source="view" if local[index] is not None else "asked")
             else:
-                row["error"] = replica.last_error or replica.feed_error or "serves another model"
+                row["error"] = ("draining" if replica.draining else replica.last_error or replica.feed_error
+                                or "serves another model")
             rows.append(row)
         settings = {"prefill_rate": getattr(self.router, "prefill_rate", 20_000.0),
                     "balance_seconds": getattr(self.router, "balance_seconds", 2.0)}
@@ -310,7 +387,7 @@ class RouterService:
         for name in policies:
             policy = copy.deepcopy(self.router) if name == self.router.name else make_router(name, **settings)
             chosen = policy.choose(prompt_tokens, [f for _, f, _ in live])
-            routes[name] = {"replica": self.replicas[live[chosen.replica][0]].name, "reason": chosen.reason}
+            routes[name] = {"replica": replicas[live[chosen.replica][0]].name, "reason": chosen.reason}
         return {"prompt_tokens": prompt_tokens, "routing": self.router.name, "replicas": rows, "routes": routes}
 
     @staticmethod
@@ -325,6 +402,8 @@ class RouterService:
 
         def one(r: Replica) -> dict:
             row = {"replica": r.name, "sent": r.sent, "open": r.open, "last_error": r.last_error}
+            if r.draining:  # takes no new request; leaving: it goes once `open` is 0
+                row["draining"] = "leaving" if r.leaving else "drained"
             if r.view is not None:
                 age = r.view.load_age(now)
                 row["view"] = {"synced": r.view.synced, "seq": r.view.seq, "device_keys": len(r.view.keys),
@@ -406,7 +485,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         followed and whose load is current; with ask, one whose own /readyz says so."""
         now = service.clock()
         if service.view == "events":
-            ready = [r.name for r in service.replicas if r.view.synced and r.view.load is not None
+            ready = [r.name for r in service.replicas if not r.draining and r.view.synced and r.view.load is not None
                      and r.view.load_age(now) <= service.load_stale_seconds]
         else:
             async def one(replica: Replica) -> bool:
@@ -414,8 +493,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                     return (await replica.client.get("/readyz", timeout=ASK_TIMEOUT_S)).status_code == 200
                 except httpx.HTTPError:
                     return False
-            answers = await asyncio.gather(*(one(r) for r in service.replicas))
-            ready = [r.name for r, ok in zip(service.replicas, answers) if ok]
+            taking = [r for r in service.replicas if not r.draining]
+            answers = await asyncio.gather(*(one(r) for r in taking))
+            ready = [r.name for r, ok in zip(taking, answers) if ok]
         if ready:
             return {"ready": True, "replicas": ready}
         return JSONResponse({"ready": False, "reason": "no replica can take a request"}, status_code=503)
@@ -423,6 +503,28 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.get("/router/status")
     def router_status(_: Caller = Depends(admin)):
         return service.status()
+
+    @app.post("/router/drain")
+    async def drain(http: Request, _: Caller = Depends(admin)):
+        """Send a replica no new request (`drain`: true, the default) while its open ones answer,
+        or take new ones there again (false): what a replica's restart or upgrade needs."""
+        try:
+            body = json.loads(await http.body())
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("replica"), str):
+            return error(400, "replica: expected {\"replica\": NAME, \"drain\": true|false}", "invalid_request")
+        on = body.get("drain", True)
+        if not isinstance(on, bool):
+            return error(400, f"drain: expected true or false, got {on!r}", "invalid_request")
+        try:
+            replica = service.drain(body["replica"], on)
+        except LookupError as exc:
+            return error(404, str(exc), "not_found")
+        except ValueError as exc:
+            return error(409, str(exc), "conflict")
+        log.info("replica %s %s (%d open)", replica.name, "drained" if on else "taking requests again", replica.open)
+        return {"replica": replica.name, "draining": replica.draining, "open": replica.open}
 
     @app.post("/router/route")
     async def route_what_if(http: Request, who: Caller = Depends(admin)):
