@@ -800,8 +800,12 @@ def test_the_router_unit_runs_a_kvd_router_command_kvd_accepts():
     words = shlex.split(line.split("bin/kvd ", 1)[1])
     assert words[0] == "router"
     context = typer.main.get_command(kvd_app).commands["router"].make_context("kvd router", words[1:])
-    assert context.params["view"] == "events" and len(context.params["replica"]) == 2
+    assert context.params["view"] == "events" and context.params["replicas_file"] == "/etc/kvd/router-replicas"
     assert context.params["clients_file"] == "/etc/kvd/router-clients"
+    from kvctl.daemon.server.fleet_file import read_replicas_file
+
+    listed = read_replicas_file(str(Path(__file__).parent.parent / "examples" / "router-replicas"))
+    assert listed == ["/run/kvd-0/kvd.sock", "/run/kvd-1/kvd.sock"]
 
 
 def _event(seq, kind="stored", tier="device", keys=1, **fields):
