@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -349,12 +350,17 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
     serves: what an upgrade set aside on disk, and what any daemon left on the shared Redis
     under it (`kvctl tiers` shows what is set aside, and whose).
 
+    At kvd router, every replica evicts its own blocks of it: the answer sums them and lists
+    each replica's.
+
     Example: kvctl evict --tenant acme
     """
     body = {"prefix": prefix, "tenant": tenant, "model_revision": model_revision, "all_unpinned": all_unpinned}
     data = _client(ctx).post("/admin/evict", body)
 
     def render(d):
+        if "replicas" in d:  # at kvd router: the fleet's sum, then each replica's answer
+            Console().print(f"fleet of {len(d['replicas'])} replicas:", highlight=False)
         skipped = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in sorted(d["skipped"].items()))
         lower = d.get("lower_tier_blocks_dropped") or 0
         shared = (d.get("remote_purge") or {}).get("dropped")
@@ -369,8 +375,17 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
             Console().print("spaces purged (not served here): " + ", ".join(
                 f"{s['space']} ({s.get('cache_dtype') or '?'}{', scales ' + s['scale_version'] if s.get('scale_version') else ''})"
                 for s in d["spaces"]), highlight=False)
+        for row in d.get("replicas") or []:
+            if row["status"] == 200:
+                what = (f"{row['evicted_blocks']} from the device, {row.get('lower_tier_blocks_dropped') or 0} from "
+                        f"lower tiers" + ("" if row.get("result") == "ok" else " (partial)"))
+            elif row["status"] == 404:
+                what = "nothing of it"
+            else:
+                what = f"not done: {row.get('error') if row['status'] is None else row['status']}"
+            Console().print(f"  {escape(row['replica'])}: {escape(str(what))}", highlight=False, soft_wrap=True)
         if d.get("message"):
-            Console(stderr=True).print(f"[yellow]{d['message']}[/yellow]")
+            Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     _emit(data, as_json, render)
     if data.get("result") == "partial":
         raise typer.Exit(3)

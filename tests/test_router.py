@@ -200,7 +200,8 @@ def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(repl
     [answer] = drive(app, [lambda c: c.get("/admin/prefixes")])
     assert answer.status_code == 404 and answer.json()["error"]["message"] == (
         "kvd router does not serve /admin/prefixes: it serves /v1/completions, /v1/models, /admin/status, "
-        "/router/status, /router/route, /router/drain, /metrics, /healthz and /readyz; ask a replica for the rest (kvctl "
+        "/admin/evict, /router/status, /router/route, /router/drain, /metrics, /healthz and /readyz; ask a replica "
+        "for the rest (kvctl "
         "--socket REPLICA_SOCKET ...)")
 
 
@@ -856,3 +857,76 @@ def test_the_replicas_file_adds_and_takes_out_replicas_and_a_bad_one_changes_not
     assert left == ["/run/kvd-fixed/kvd.sock"]
     with pytest.raises(ValueError, match="replica: '/run/kvd-fixed/kvd.sock' is given twice; each replica once"):
         RouterService([Replica(r.name, r.client) for r in replicas[:1]] * 2, make_router("prefix"))
+
+
+def test_an_eviction_at_the_router_takes_the_blocks_of_every_replica_and_adds_up(replicas):
+    """`kvctl evict --tenant` (or a prefix id) at the router: every replica evicts its own blocks of
+    it, and the answer sums them beside each replica's; a replica without the prefix has nothing
+    to evict; one that cannot be reached makes the answer partial (kvctl exits 3)."""
+    tenant = {"X-KVD-Tenant": "evictee"}
+    service, app = router_app(replicas, "prefix")
+
+    async def on_both(client):  # the tenant's prompt on each replica: drain one, then the other
+        out = []
+        for name in ("replica-1", "replica-0"):
+            await client.post("/router/drain", json={"replica": name})
+            out.append(await client.post("/v1/completions", headers=tenant, json={
+                "prompt": SYSTEM_B + "Q40?", "max_tokens": 1, "temperature": 0}))
+            await client.post("/router/drain", json={"replica": name, "drain": False})
+        return out
+
+    async def prefix_ids(client):
+        return [(await c.get("/admin/prefixes", params={"tenant": "evictee"})).json()["prefixes"]
+                for c in [httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://kvd")
+                          for a in replicas]]
+
+    [placed, held] = drive(app, [on_both, prefix_ids])
+    assert [a.headers["x-kvd-replica"] for a in placed] == ["replica-0", "replica-1"]
+    mine = [[p for p in rows if p["tenant"] == "evictee"] for rows in held]
+    blocks = [sum(p["blocks"] for p in rows) for rows in mine]
+    assert all(b > 0 for b in blocks), (held, [a.json()["usage"] for a in placed])
+
+    [gone, again, bad] = drive(app, [lambda c: c.post("/admin/evict", json={"tenant": "evictee"}),
+                                     lambda c: c.post("/admin/evict", json={"prefix": mine[0][0]["prefix_id"]}),
+                                     lambda c: c.post("/admin/evict", json={"tenant": "evictee", "prefix": "ab12"})])
+    body = gone.json()
+    assert gone.status_code == 200 and body["result"] == "ok" and body["target"] == "tenant=evictee"
+    assert body["evicted_blocks"] == sum(blocks)
+    assert [(r["replica"], r["status"], r["evicted_blocks"]) for r in body["replicas"]] == [
+        ("replica-0", 200, blocks[0]), ("replica-1", 200, blocks[1])]
+    assert again.status_code == 404  # no replica holds it any more: the replicas' own 404
+    assert again.json()["error"]["message"].startswith("prefix: no cached prefix")
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == (
+        "evict: give exactly one of prefix, tenant, model_revision, all_unpinned")
+
+    service, app = router_app(replicas, "prefix", down=(1,))
+    [one_down] = drive(app, [lambda c: c.post("/admin/evict", json={"tenant": "evictee"})])
+    body = one_down.json()
+    assert one_down.status_code == 200 and body["result"] == "partial" and body["evicted_blocks"] == 0
+    assert body["message"] == "replica-1: not reached (ConnectError: connection refused)"
+    text = _render_evict(body)
+    assert text.splitlines() == ["fleet of 2 replicas:",
+                                 "evicted tenant=evictee: 0 blocks from the device",
+                                 "  replica-0: 0 from the device, 0 from lower tiers",
+                                 "  replica-1: not done: ConnectError: connection refused",
+                                 "replica-1: not reached (ConnectError: connection refused)"]
+
+
+def _render_evict(body: dict) -> str:
+    """What `kvctl evict` prints for an answer (and its exit status 3 for a partial one)."""
+    from typer.testing import CliRunner
+
+    from kvctl.cli import app as kvctl_app
+
+    class Answering:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def post(self, path, body_):
+            return body
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("kvctl.ops.Client", Answering)
+        result = CliRunner().invoke(kvctl_app, ["evict", "--tenant", "evictee"], env={"COLUMNS": "80"})
+    assert result.exit_code == (3 if body["result"] == "partial" else 0), result.output
+    return result.output
