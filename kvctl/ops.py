@@ -9,7 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 from rich.console import Console, Group
@@ -290,6 +290,8 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
     `--prefix ID` pins a cached prefix as its row in `kvctl prefixes` lists it (from the first
     token to the row's end), without its text; its tenant pays.
 
+    At kvd router, every replica pins it (and warms it where it is not cached).
+
     Example: kvctl pin --file system_prompt.txt --tenant acme --ttl 24h --note "support bot"
     """
     if prefix is not None:
@@ -299,38 +301,83 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
     else:
         body = {**_tokens(text, tokens, file), "tenant": tenant, "ttl": ttl, "note": note}
     data = _client(ctx).post("/admin/pins", body)
-    _emit(data, as_json, lambda d: Console().print(
-        f"pinned {d['pin_id']}: {d['blocks']} blocks for tenant {d['tenant']} "
-        f"({d['cached_blocks']} cached{', warmed' if d['warmed'] else ''})"
-        + (f", expires in {duration(d['expires_in_seconds'])}" if d.get("expires_in_seconds") else "")))
+
+    def render(d):
+        fleet = f" on {len(d['replicas'])} replicas" if "replicas" in d else ""
+        Console().print(f"pinned {d['pin_id']}{fleet}: {d['blocks']} blocks for tenant {d['tenant']} "
+                        f"({d['cached_blocks']} cached{', warmed' if d['warmed'] else ''})"
+                        + (f", expires in {duration(d['expires_in_seconds'])}" if d.get("expires_in_seconds") else ""))
+        replica_lines(d, lambda row: f"{row['cached_blocks']} cached" + (", warmed" if row["warmed"] else ""))
+        _fleet_message(d)
+    _emit(data, as_json, render)
+    if data.get("result") == "partial":
+        raise typer.Exit(3)
 
 
 def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Every pin: id, tenant, blocks, how many are cached now, owner, note, expiry.
+
+    At kvd router, the fleet's pins, each once, with how many replicas hold it.
 
     Example: kvctl pins --json
     """
     data = _client(ctx).get("/admin/pins")
 
     def render(d):
-        table = compact_table("pin", "tenant", "blocks", "cached", "owner", "expires in", "note")
+        fleet = "replica_count" in d  # at kvd router: the fleet's pins, each once
+        table = compact_table("pin", "tenant", "blocks", "cached", *(["replicas"] if fleet else []), "owner",
+                              "expires in", "note")
         for p in d["pins"]:
             left = p.get("expires_in_seconds")
-            table.add_row(p["pin_id"], p["tenant"], f"{p['blocks']:,}", f"{p['cached_blocks']:,}", p["owner"],
+            where = [f"{len(p['replicas'])}/{d['replica_count']}"] if fleet else []
+            table.add_row(p["pin_id"], p["tenant"], f"{p['blocks']:,}", f"{p['cached_blocks']:,}", *where, p["owner"],
                           "never" if p["expires_at"] is None else duration(left), p["note"])
         keep_whole(table, 0)
         Console().print(table if d["pins"] else "no pins")
+        if d.get("message"):
+            Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     _emit(data, as_json, render)
+
+
+def replica_lines(d: dict, done: Callable[[dict], str]) -> None:
+    """At kvd router, a line per replica under the fleet's answer: what it did (`done`), that it
+    had nothing of it (404), or why it did not."""
+    for row in d.get("replicas") or []:
+        if row["status"] == 200:
+            what = done(row)
+        elif row["status"] == 404:
+            what = "nothing of it"
+        elif row["status"] is None:
+            what = f"not done: {row.get('error')}"
+        else:
+            error = row.get("error")
+            what = f"not done ({row['status']}): {error.get('message') if isinstance(error, dict) else error}"
+        Console().print(f"  {escape(row['replica'])}: {escape(str(what))}", highlight=False, soft_wrap=True)
+
+
+def _fleet_message(d: dict) -> None:
+    if d.get("message") and "replicas" in d:
+        Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
 
 
 def unpin(ctx: typer.Context, pin_id: str = typer.Argument(..., help="Pin id from `kvctl pin`."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Remove a pin; its blocks become evictable again.
 
+    At kvd router, every replica removes it.
+
     Example: kvctl unpin pin-0123456789abcdef
     """
     data = _client(ctx).delete(f"/admin/pins/{pin_id}")
-    _emit(data, as_json, lambda d: Console().print(f"unpinned {d['pin_id']} ({d['unpinned_blocks']} blocks)"))
+
+    def render(d):
+        Console().print(f"unpinned {d['pin_id']} ({d['unpinned_blocks']} blocks"
+                        + (f" over {len(d['replicas'])} replicas)" if "replicas" in d else ")"))
+        replica_lines(d, lambda row: f"{row['unpinned_blocks']} blocks")
+        _fleet_message(d)
+    _emit(data, as_json, render)
+    if data.get("result") == "partial":
+        raise typer.Exit(3)
 
 
 def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--prefix", help="Prefix id."),
@@ -375,15 +422,9 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
             Console().print("spaces purged (not served here): " + ", ".join(
                 f"{s['space']} ({s.get('cache_dtype') or '?'}{', scales ' + s['scale_version'] if s.get('scale_version') else ''})"
                 for s in d["spaces"]), highlight=False)
-        for row in d.get("replicas") or []:
-            if row["status"] == 200:
-                what = (f"{row['evicted_blocks']} from the device, {row.get('lower_tier_blocks_dropped') or 0} from "
-                        f"lower tiers" + ("" if row.get("result") == "ok" else " (partial)"))
-            elif row["status"] == 404:
-                what = "nothing of it"
-            else:
-                what = f"not done: {row.get('error') if row['status'] is None else row['status']}"
-            Console().print(f"  {escape(row['replica'])}: {escape(str(what))}", highlight=False, soft_wrap=True)
+        replica_lines(d, lambda row: f"{row['evicted_blocks']} from the device, "
+                                     f"{row.get('lower_tier_blocks_dropped') or 0} from lower tiers"
+                                     + ("" if row.get("result") == "ok" else " (partial)"))
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     _emit(data, as_json, render)

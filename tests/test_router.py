@@ -200,8 +200,8 @@ def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(repl
     [answer] = drive(app, [lambda c: c.get("/admin/prefixes")])
     assert answer.status_code == 404 and answer.json()["error"]["message"] == (
         "kvd router does not serve /admin/prefixes: it serves /v1/completions, /v1/models, /admin/status, "
-        "/admin/evict, /router/status, /router/route, /router/drain, /metrics, /healthz and /readyz; ask a replica "
-        "for the rest (kvctl "
+        "/admin/evict, /admin/pins, /router/status, /router/route, /router/drain, /metrics, /healthz and /readyz; "
+        "ask a replica for the rest (kvctl "
         "--socket REPLICA_SOCKET ...)")
 
 
@@ -914,6 +914,11 @@ def test_an_eviction_at_the_router_takes_the_blocks_of_every_replica_and_adds_up
 
 def _render_evict(body: dict) -> str:
     """What `kvctl evict` prints for an answer (and its exit status 3 for a partial one)."""
+    return _kvctl_prints(["evict", "--tenant", "evictee"], body)
+
+
+def _kvctl_prints(args: list[str], body: dict) -> str:
+    """What kvctl prints for the router's answer `body` (exit status 3 for a partial one)."""
     from typer.testing import CliRunner
 
     from kvctl.cli import app as kvctl_app
@@ -925,8 +930,43 @@ def _render_evict(body: dict) -> str:
         def post(self, path, body_):
             return body
 
+        get = delete = lambda self, path: body
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("kvctl.ops.Client", Answering)
-        result = CliRunner().invoke(kvctl_app, ["evict", "--tenant", "evictee"], env={"COLUMNS": "80"})
-    assert result.exit_code == (3 if body["result"] == "partial" else 0), result.output
+        result = CliRunner().invoke(kvctl_app, args, env={"COLUMNS": "100"})
+    assert result.exit_code == (3 if body.get("result") == "partial" else 0), result.output
     return result.output
+
+
+def test_a_pin_at_the_router_is_made_listed_and_removed_on_every_replica(replicas):
+    """`kvctl pin` at the router pins (and warms) the prefix on every replica under one id;
+    `kvctl pins` lists it once, held by both, its cached blocks summed; `kvctl unpin` removes it
+    everywhere, and an unknown id is the replicas' own 404."""
+    _, app = router_app(replicas, "round_robin")
+    text = SYSTEM_A + "Pinned across the fleet."
+    [pinned, listed] = drive(app, [
+        lambda c: c.post("/admin/pins", json={"text": text, "tenant": "pinner", "note": "fleet"}),
+        lambda c: c.get("/admin/pins")])
+    body = pinned.json()
+    assert pinned.status_code == 200 and body["result"] == "ok" and body["tenant"] == "pinner"
+    rows = body["replicas"]
+    assert [(r["replica"], r["status"], r["pin_id"]) for r in rows] == [
+        ("replica-0", 200, body["pin_id"]), ("replica-1", 200, body["pin_id"])]
+    assert body["cached_blocks"] == 2 * body["blocks"] and all(r["cached_blocks"] == body["blocks"] for r in rows)
+    [mine] = [p for p in listed.json()["pins"] if p["pin_id"] == body["pin_id"]]
+    assert mine["replicas"] == ["replica-0", "replica-1"] and mine["cached_blocks"] == 2 * body["blocks"]
+    assert listed.json()["replica_count"] == 2
+    shown = _kvctl_prints(["pin", text], body).splitlines()
+    assert shown == [f"pinned {body['pin_id']} on 2 replicas: {body['blocks']} blocks for tenant pinner "
+                     f"({2 * body['blocks']} cached, warmed)",
+                     f"  replica-0: {body['blocks']} cached, warmed", f"  replica-1: {body['blocks']} cached, warmed"]
+    [row] = [line for line in _kvctl_prints(["pins"], listed.json()).splitlines() if body["pin_id"] in line]
+    assert row.split()[:5] == [body["pin_id"], "pinner", str(body["blocks"]), str(2 * body["blocks"]), "2/2"]
+    [gone, unknown, after] = drive(app, [lambda c: c.delete(f"/admin/pins/{body['pin_id']}"),
+                                         lambda c: c.delete("/admin/pins/pin-0000000000000000"),
+                                         lambda c: c.get("/admin/pins")])
+    assert gone.status_code == 200 and gone.json()["unpinned_blocks"] == 2 * body["blocks"]
+    assert [r["status"] for r in gone.json()["replicas"]] == [200, 200]
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "pin_id"
+    assert body["pin_id"] not in {p["pin_id"] for p in after.json()["pins"]}

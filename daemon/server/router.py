@@ -50,7 +50,7 @@ from kvctl.policies.routing import ROUTING_POLICIES, ReplicaFacts, Router, facts
 
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
-from .fleet_evict import fleet_answer
+from .fleet_admin import combine, fan_out, merge_evictions, merge_pin_lists, merge_pins, merge_unpins
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .router_metrics import RouterMetrics
@@ -59,11 +59,11 @@ log = logging.getLogger("kvd.router")
 
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left out
 FORWARD_TIMEOUT_S = 600.0
-EVICT_TIMEOUT_S = 90.0  # a replica's eviction may search the shared Redis for up to 30 s
+FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
-SERVED = ("/v1/completions, /v1/models, /admin/status, /admin/evict, /router/status, /router/route, /router/drain, "
-          "/metrics, /healthz and /readyz")
+SERVED = ("/v1/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /router/status, /router/route, "
+          "/router/drain, /metrics, /healthz and /readyz")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
@@ -528,22 +528,34 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         log.info("replica %s %s (%d open)", replica.name, "drained" if on else "taking requests again", replica.open)
         return {"replica": replica.name, "draining": replica.draining, "open": replica.open}
 
+    # ---- operator actions every replica carries out (daemon/server/fleet_admin.py); drained
+    # replicas too: they still hold blocks and pins
     @app.post("/admin/evict")
     async def evict_everywhere(http: Request, _: Caller = Depends(admin)):
-        """`kvctl evict` for the fleet: the same eviction on every replica (drained ones too: they
-        still hold blocks), answered together (daemon/server/fleet_evict.py)."""
-        raw = await http.body()
         replicas = service.replicas
+        answers = await fan_out(replicas, "POST", "/admin/evict", await http.body(), FLEET_ADMIN_TIMEOUT_S)
+        status, body = combine([r.name for r in replicas], answers, merge_evictions)
+        return JSONResponse(body, status_code=status)
 
-        async def one(replica: Replica) -> tuple[int | None, dict]:
-            try:
-                answer = await replica.client.post("/admin/evict", content=raw, timeout=EVICT_TIMEOUT_S,
-                                                   headers={"content-type": "application/json"})
-                return answer.status_code, answer.json()
-            except (httpx.HTTPError, ValueError) as exc:
-                return None, {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    @app.post("/admin/pins")
+    async def pin_everywhere(http: Request, _: Caller = Depends(admin)):
+        replicas = service.replicas
+        answers = await fan_out(replicas, "POST", "/admin/pins", await http.body(), FLEET_ADMIN_TIMEOUT_S)
+        status, body = combine([r.name for r in replicas], answers, merge_pins)
+        return JSONResponse(body, status_code=status)
 
-        status, body = fleet_answer([r.name for r in replicas], await asyncio.gather(*(one(r) for r in replicas)))
+    @app.delete("/admin/pins/{pin_id}")
+    async def unpin_everywhere(pin_id: str, _: Caller = Depends(admin)):
+        replicas = service.replicas
+        answers = await fan_out(replicas, "DELETE", f"/admin/pins/{pin_id}", None, FLEET_ADMIN_TIMEOUT_S)
+        status, body = combine([r.name for r in replicas], answers, merge_unpins)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/admin/pins")
+    async def pins_everywhere(_: Caller = Depends(admin)):
+        replicas = service.replicas
+        answers = await fan_out(replicas, "GET", "/admin/pins", None, ASK_TIMEOUT_S)
+        status, body = merge_pin_lists([r.name for r in replicas], answers)
         return JSONResponse(body, status_code=status)
 
     @app.post("/router/route")

@@ -1,0 +1,111 @@
+"""Operator actions at `kvd router` that every replica carries out: evict, pin, unpin, list pins.
+
+Block keys are content-addressed and pin ids derive from the tenant and the prefix's keys, so a
+prefix id, a tenant, a model revision or a pin id names the same thing on every replica. The
+router sends the operator's call to each replica at once (`fan_out`) and adds the answers up
+(`combine`): what each did stays beside the sum; the answer is `partial` when some replica could
+not do all of it (blocks in use, a budget, an unreachable replica or Redis). A replica that does
+not have the thing (404: no such prefix or pin there) has nothing to do: not a failure while
+another one had it. With no replica that did it, the replicas' common refusal comes back as it
+came (the same bad input is refused everywhere), or a 503 when none answered.
+
+Each replica purges the shared Redis as it would alone (a second purge finds nothing left), and
+audits the call under the router's own principal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Callable, Sequence
+
+import httpx
+
+Answer = tuple[int | None, dict]  # a replica's HTTP status (None: not reached) and body
+
+
+async def fan_out(replicas: Sequence, method: str, path: str, content: bytes | None, timeout: float) -> list[Answer]:
+    """The same call to every replica at once: each one's (status, body)."""
+    async def one(replica) -> Answer:
+        try:
+            answer = await replica.client.request(method, path, content=content, timeout=timeout,
+                                                  headers={"content-type": "application/json"} if content else None)
+            return answer.status_code, answer.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            return None, {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return list(await asyncio.gather(*(one(r) for r in replicas)))
+
+
+def combine(names: Sequence[str], answers: Sequence[Answer], merge: Callable[[list[dict]], dict]) -> tuple[int, dict]:
+    """(HTTP status, body) for the fleet. `merge` makes the summary of the bodies of the replicas
+    that did it; the body adds `result`, each replica's answer (`replicas`) and a `message`
+    naming what some replica could not do."""
+    rows = [{"replica": name, "status": status, **body} for name, (status, body) in zip(names, answers)]
+    done = [body for status, body in answers if status == 200]
+    if not done:
+        refusals = Counter(status for status, _ in answers if status is not None)
+        if not refusals:
+            return 503, {"error": {"message": "no replica answered: " + "; ".join(
+                f"{r['replica']} ({r.get('error')})" for r in rows), "type": "router_error", "param": None,
+                "code": "no_replica"}}
+        status = refusals.most_common(1)[0][0]
+        return status, next(body for s, body in answers if s == status)
+    unreached = [r for r in rows if r["status"] is None]
+    failed = [r for r in rows if r["status"] not in (None, 200, 404)]
+    partial = unreached or failed or any(body.get("result", "ok") != "ok" for body in done)
+    out = {**merge(done), "result": "partial" if partial else "ok", "replicas": rows}
+    messages = [f"{r['replica']}: {r['message']}" for r in rows if r["status"] == 200 and r.get("message")]
+    messages += [f"{r['replica']}: not reached ({r['error']})" for r in unreached]
+    messages += [f"{r['replica']}: refused ({r['status']}: {_said(r)})" for r in failed]
+    if messages:
+        out["message"] = "; ".join(messages)
+    return 200, out
+
+
+def _said(row: dict) -> str:
+    error = row.get("error")
+    return error.get("message", "") if isinstance(error, dict) else str(error)
+
+
+def merge_evictions(done: list[dict]) -> dict:
+    skipped: Counter = Counter()
+    for body in done:
+        skipped.update(body.get("skipped") or {})
+    out = {"target": done[0]["target"], "skipped": dict(skipped),
+           **{k: sum(body.get(k) or 0 for body in done) for k in ("evicted_blocks", "lower_tier_blocks_dropped")}}
+    remote = [body["remote_purge"] for body in done if "remote_purge" in body]
+    if remote:
+        out["remote_purge"] = {"dropped": sum(r.get("dropped", 0) for r in remote),
+                               "complete": all(r.get("complete") for r in remote)}
+    return out
+
+
+def merge_pins(done: list[dict]) -> dict:
+    """One pin (the same id everywhere): its blocks cached summed over the replicas."""
+    return {**done[0], "cached_blocks": sum(b["cached_blocks"] for b in done),
+            "warmed": any(b["warmed"] for b in done)}
+
+
+def merge_unpins(done: list[dict]) -> dict:
+    return {"pin_id": done[0]["pin_id"], "unpinned_blocks": sum(b["unpinned_blocks"] for b in done)}
+
+
+def merge_pin_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
+    """Every pin of the fleet once, with the replicas that hold it and its blocks cached summed."""
+    by_id: dict[str, dict] = {}
+    for name, (status, body) in zip(names, answers):
+        if status != 200:
+            continue
+        for pin in body["pins"]:
+            seen = by_id.setdefault(pin["pin_id"], {**pin, "cached_blocks": 0, "replicas": []})
+            seen["cached_blocks"] += pin["cached_blocks"]
+            seen["replicas"].append(name)
+    missing = [f"{name} ({body.get('error') if status is None else status})"
+               for name, (status, body) in zip(names, answers) if status != 200]
+    if len(missing) == len(names):
+        return 503, {"error": {"message": "no replica answered: " + "; ".join(missing), "type": "router_error",
+                               "param": None, "code": "no_replica"}}
+    out = {"pins": list(by_id.values()), "replica_count": len(names)}
+    if missing:
+        out["message"] = "not listed: " + "; ".join(missing)
+    return 200, out
