@@ -211,6 +211,9 @@ def router(
     routing: str = typer.Option("prefix", help="round_robin, least_loaded, prefix or ttft."),
     balance_seconds: float = typer.Option(2.0, help="prefix: the extra wait it accepts for a replica that "
                                           "caches more."),
+    new_prefix: str = typer.Option("home", help="prefix: where a prompt no replica holds goes: home (a replica "
+                                   "named by a hash of its opening, the same from every router, unless it is "
+                                   "loaded beyond a bound) or least_loaded."),
     prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second of a replica that has "
                                        "not measured its own yet."),
     view: str = typer.Option("events", help="How it learns what each replica caches and how busy it is: "
@@ -245,7 +248,8 @@ def router(
             raise ValueError(f"replicas_file: {replicas_file!r} names no replica, and no --replica is given")
         if not replicas_file and len(replica) < 2:
             raise ValueError(f"replica: give two or more (--replica, repeated), got {len(replica)}")
-        policy = make_router(routing, prefill_rate=prefill_rate, balance_seconds=balance_seconds)
+        policy = make_router(routing, prefill_rate=prefill_rate, balance_seconds=balance_seconds,
+                             new_prefix=new_prefix)
         token = None
         if token_file:
             try:

@@ -71,6 +71,8 @@ def replay_command(
                                            "least_loaded, prefix, ttft)."),
     balance_seconds: float = typer.Option(2.0, help="prefix routing: the extra wait it accepts for a "
                                           "replica that caches more."),
+    new_prefix: str = typer.Option("home", help="prefix routing: where a prompt no replica holds goes: home (by "
+                                   "a hash of its opening) or least_loaded."),
     limit: Optional[int] = typer.Option(None, help="Replay only the first N requests."),
     demo_requests: int = typer.Option(DEMO_REQUESTS, help="Size of the generated demo trace."),
     seed: int = typer.Option(0, help="Seed of the generated demo trace."),
@@ -104,7 +106,7 @@ def replay_command(
 
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
-        validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds)
+        validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     err = Console(stderr=True)
@@ -119,7 +121,7 @@ def replay_command(
         trace_name = str(trace)
 
     fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings,
-                                        "balance_seconds": balance_seconds}
+                                        "balance_seconds": balance_seconds, "new_prefix": new_prefix}
     results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet)
     document = {
         "trace": trace_name,
@@ -176,7 +178,7 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
         if fleet is None:
             return sweep(requests, sizes, capacities, policies, base, progress=tick)
         return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
-                           fleet["balance_seconds"], progress=tick)
+                           fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"])
 
 
 def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list:

@@ -9,6 +9,7 @@ sent to any replica but the two questions.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from kvctl.policies.routing import ROUTING_POLICIES, facts_from_answer, make_router
+from kvctl.policies.routing import ROUTING_POLICIES, facts_from_answer, make_router, prompt_affinity
 
 from .bench_replay import parse_names
 from .client import Client
@@ -93,10 +94,11 @@ def route(ctx: typer.Context,
     live = [a for a in answers if "error" not in a]
     if not live:
         raise KvdUnavailable("no replica answered: " + "; ".join(a["error"] for a in answers))
-    facts = [facts_from_answer(a) for a in live]
+    facts = [replace(facts_from_answer(a), name=a["replica"]) for a in live]  # named as the router names them
+    affinity = prompt_affinity(prompt["text"] if "text" in prompt else prompt["tokens"])
     routes = {}
     for name, router in routers.items():
-        chosen = router.choose(max(a["prompt_tokens"] for a in live), facts)
+        chosen = router.choose(max(a["prompt_tokens"] for a in live), facts, affinity)
         routes[name] = {"replica": live[chosen.replica]["replica"], "reason": chosen.reason}
     data = {"replicas": answers, "routes": routes}
     if as_json:

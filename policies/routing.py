@@ -10,7 +10,13 @@ deterministically, and a live router feeds it from each daemon's event feed and 
     prefix        the replica holding the longest prefix of the prompt, on its device or in its
                   lower tiers (ties: more on the device, then the less loaded), unless its wait
                   exceeds the least loaded replica's by more than `balance_seconds`: then that
-                  one (cache affinity, bounded by load)
+                  one (cache affinity, bounded by load). A prompt no replica holds goes to its
+                  home (`new_prefix="home"`): the first replica in the prompt's rendezvous order
+                  (a hash of its opening and each replica's name) that is not loaded beyond a
+                  bound (`cold_home`), so that several routers, and a router after a restart,
+                  send a new prefix to the same replica instead of each computing it somewhere
+                  else; or (`"least_loaded"`) to the least loaded, the one this router sent
+                  least to among equals
     ttft          the least predicted time to first token: its wait, plus restoring what its
                   lower tiers hold (or computing it, if quicker), plus the prompt tokens it lacks
                   at its prefill rate (its own where measured, else `prefill_rate`): reuse,
@@ -21,8 +27,15 @@ Adding a router: implement `Router` and register it in `make_router`.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
+
+AFFINITY_CHARS = 256  # of a text prompt's opening that names its home (about 64 tokens)
+AFFINITY_TOKENS = 64  # of a token-id prompt's
+HOME_BAND_SECONDS = 0.25  # a new prefix's home is passed over when it waits this much more than the least loaded
+NEW_PREFIX = ("home", "least_loaded")  # where `prefix` sends a prompt no replica holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +48,7 @@ class ReplicaFacts:
     prefill_rate: float | None = None  # prompt tokens per second it computes, where measured
     restorable_tokens: int = 0  # the prompt tokens after those that its lower tiers hold
     restore_seconds: float = 0.0  # its estimate of bringing them up (kvctl.policies.tiering.restore_seconds)
+    name: str = ""  # as every router names it (a socket path or URL): its place in a prompt's home order
 
     @property
     def held_tokens(self) -> int:
@@ -67,7 +81,43 @@ class Route:
 class Router(Protocol):
     name: str
 
-    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route: ...
+    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts], affinity: bytes | None = None) -> Route:
+        """`affinity`: the prompt's `prompt_affinity`, where a router may send a new prefix home."""
+        ...
+
+
+def prompt_affinity(prompt: str | Sequence[int]) -> bytes:
+    """What names a prompt's home: a digest of its opening (AFFINITY_CHARS characters of text, or
+    AFFINITY_TOKENS ids). Prompts that share a system prompt share it; every router computes the
+    same from the same request, with nothing of any replica's state."""
+    if isinstance(prompt, str):
+        opening = b"t" + prompt[:AFFINITY_CHARS].encode("utf-8", "surrogatepass")
+    else:
+        opening = b"i" + ",".join(str(int(t)) for t in prompt[:AFFINITY_TOKENS]).encode()
+    return hashlib.sha256(b"kvctl/affinity/v1\0" + opening).digest()
+
+
+def home_order(affinity: bytes, names: Sequence[str]) -> list[int]:
+    """Indexes of `names` in the prompt's rendezvous (highest random weight) order: each name's
+    weight is a hash of the affinity and the name, so removing a replica moves only the prompts
+    whose home it was, and adding one takes about 1/n of them."""
+    return sorted(range(len(names)), key=lambda i: hashlib.sha256(affinity + names[i].encode()).digest(),
+                  reverse=True)
+
+
+def cold_home(replicas: Sequence[ReplicaFacts], affinity: bytes | None, band_seconds: float) -> int | None:
+    """The first replica in the prompt's home order whose load is within bounds: a wait at most
+    `band_seconds` over the least, and at most ceil(1.25 x the mean) + 1 requests in flight
+    (consistent hashing with bounded loads). None without an affinity, or a replica without a
+    name (the caller then goes by load alone), or when none is within bounds."""
+    if affinity is None or not replicas or not all(r.name for r in replicas):
+        return None
+    least_wait = min(r.wait_seconds for r in replicas)
+    most_in_flight = math.ceil(1.25 * sum(r.in_flight for r in replicas) / len(replicas)) + 1
+    for i in home_order(affinity, [r.name for r in replicas]):
+        if replicas[i].wait_seconds <= least_wait + band_seconds and replicas[i].in_flight <= most_in_flight:
+            return i
+    return None
 
 
 class _Spreading:
@@ -95,7 +145,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
+    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts], affinity: bytes | None = None) -> Route:
         index = self._next % len(replicas)
         self._next = index + 1
         return Route(index, "its turn")
@@ -104,7 +154,7 @@ class RoundRobin:
 class LeastLoaded(_Spreading):
     name = "least_loaded"
 
-    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
+    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts], affinity: bytes | None = None) -> Route:
         index = self._least_loaded(replicas)
         return self._send(index, f"shortest wait ({replicas[index].wait_seconds:.2f} s)")
 
@@ -112,17 +162,23 @@ class LeastLoaded(_Spreading):
 class PrefixAffinity(_Spreading):
     name = "prefix"
 
-    def __init__(self, balance_seconds: float = 2.0) -> None:
+    def __init__(self, balance_seconds: float = 2.0, new_prefix: str = "home") -> None:
         super().__init__()
         if not balance_seconds >= 0:
             raise ValueError(f"balance_seconds: must be >= 0, got {balance_seconds!r}")
-        self.balance_seconds = balance_seconds
+        if new_prefix not in NEW_PREFIX:
+            raise ValueError(f"new_prefix: unknown value {new_prefix!r}; choose from {', '.join(NEW_PREFIX)}")
+        self.balance_seconds, self.new_prefix = balance_seconds, new_prefix
 
-    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
+    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts], affinity: bytes | None = None) -> Route:
         idle = self._least_loaded(replicas)
         best = min(range(len(replicas)), key=lambda i: (-replicas[i].held_tokens, -replicas[i].cached_tokens,
                                                         *self._load(replicas, i)))
         if replicas[best].held_tokens == 0:
+            home = cold_home(replicas, affinity, HOME_BAND_SECONDS) if self.new_prefix == "home" else None
+            if home is not None:
+                return self._send(home, "no replica caches its prefix: its home (the first by its hash "
+                                        "within the load bound)")
             return self._send(idle, "no replica caches its prefix: the least loaded")
         if replicas[best].wait_seconds - replicas[idle].wait_seconds > self.balance_seconds:
             return self._send(idle, f"the replica caching most waits {replicas[best].wait_seconds:.2f} s, over "
@@ -146,7 +202,7 @@ class PredictedTTFT(_Spreading):
         lower = min(facts.restore_seconds, facts.restorable_tokens / rate) if facts.restorable_tokens else 0.0
         return facts.wait_seconds + lower + max(prompt_tokens - facts.held_tokens, 0) / rate
 
-    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts]) -> Route:
+    def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts], affinity: bytes | None = None) -> Route:
         index = min(range(len(replicas)), key=lambda i: (self.predict(prompt_tokens, replicas[i]),
                                                          -replicas[i].cached_tokens, *self._load(replicas, i)))
         chosen = replicas[index]
@@ -158,14 +214,15 @@ class PredictedTTFT(_Spreading):
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix", "ttft")
 
 
-def make_router(name: str, *, prefill_rate: float = 20_000.0, balance_seconds: float = 2.0) -> Router:
+def make_router(name: str, *, prefill_rate: float = 20_000.0, balance_seconds: float = 2.0,
+                new_prefix: str = "home") -> Router:
     """A fresh router by name; an unknown name raises ValueError naming it."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
     if name == "prefix":
-        return PrefixAffinity(balance_seconds)
+        return PrefixAffinity(balance_seconds, new_prefix)
     if name == "ttft":
         return PredictedTTFT(prefill_rate)
     raise ValueError(f"routing: unknown value {name!r}; choose from {', '.join(ROUTING_POLICIES)}")

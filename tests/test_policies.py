@@ -138,6 +138,57 @@ def test_routers_choose_by_turn_load_prefix_and_predicted_first_token():
     assert make_router("ttft", prefill_rate=1024.0).choose(8192, fleet).replica == 1
 
 
+def test_a_new_prefix_goes_home_from_any_router_within_a_load_bound():
+    """Routers whose own books differ (what each sent where) send a prompt no replica holds to
+    the same replica, its home; a home loaded beyond the bound is passed for the next in the
+    prompt's order; without names or an affinity it is the least loaded, as before."""
+    from kvctl.policies.routing import ReplicaFacts as F
+    from kvctl.policies.routing import cold_home, home_order, make_router, prompt_affinity
+
+    names = ["/run/kvd-0/kvd.sock", "/run/kvd-1/kvd.sock", "/run/kvd-2/kvd.sock"]
+    system = "You are the support assistant of a serving fleet. " * 6
+    affinity = prompt_affinity(system + "How do I pin a prefix?")
+    assert affinity == prompt_affinity(system + "Why did my prefix miss?")  # the opening names it
+    assert prompt_affinity("short prompt, one") != prompt_affinity("short prompt, two")
+    assert prompt_affinity([1, 2, 3]) != prompt_affinity("1,2,3") and len(affinity) == 32
+    order = home_order(affinity, names)
+    assert sorted(order) == [0, 1, 2]
+    idle = [F(0, 0.0, name=n) for n in names]
+    one, two = make_router("prefix"), make_router("prefix")
+    two.choose(100, idle)  # the second router has sent elsewhere before: its books differ
+    two.choose(100, idle, prompt_affinity("another prompt entirely"))
+    assert one.choose(512, idle, affinity).replica == two.choose(512, idle, affinity).replica == order[0]
+    assert one.choose(512, idle, affinity).reason == ("no replica caches its prefix: its home (the first by its "
+                                                      "hash within the load bound)")
+    # bounded: a home that waits more than the band over the least loaded, or has many more
+    # requests in flight than the mean, is passed for the next in the order
+    slow = [F(0, 0.5 if i == order[0] else 0.0, name=n) for i, n in enumerate(names)]
+    assert cold_home(slow, affinity, 0.25) == order[1] and cold_home(slow, affinity, 1.0) == order[0]
+    crowded = [F(0, 0.0, in_flight=6 if i == order[0] else 0, name=n) for i, n in enumerate(names)]
+    assert cold_home(crowded, affinity, 0.25) == order[1]  # 6 > ceil(1.25 x 2) + 1
+    assert cold_home(idle, None, 0.25) is None and cold_home([F(0, 0.0)] * 3, affinity, 0.25) is None
+    assert make_router("prefix").choose(512, [F(0, 0.3), F(0, 0.1)], affinity).replica == 1  # unnamed: least loaded
+    # a replica that caches the prompt wins over the home, as before
+    warm = [F(64 if i == order[2] else 0, 0.0, name=n) for i, n in enumerate(names)]
+    assert make_router("prefix").choose(512, warm, affinity).replica == order[2]
+
+
+def test_a_prompts_home_moves_only_when_its_replica_leaves_and_a_new_replica_takes_a_fair_share():
+    from kvctl.policies.routing import home_order, prompt_affinity
+
+    names = [f"/run/kvd-{i}/kvd.sock" for i in range(4)]
+    prompts = [prompt_affinity(f"system prompt number {i} " * 12) for i in range(2000)]
+    before = [names[home_order(a, names)[0]] for a in prompts]
+    assert all(300 < before.count(n) < 700 for n in names)  # spread about evenly
+    fewer = names[:2] + names[3:]  # kvd-2 leaves: only its prompts move
+    after = [fewer[home_order(a, fewer)[0]] for a in prompts]
+    assert all(b == a for b, a in zip(before, after) if b != names[2])
+    more = names + ["/run/kvd-4/kvd.sock"]  # one joins: it takes about a fifth, from every other
+    joined = [more[home_order(a, more)[0]] for a in prompts]
+    moved = [(b, j) for b, j in zip(before, joined) if b != j]
+    assert all(j == more[4] for _, j in moved) and 300 < len(moved) < 500
+
+
 def test_routers_refuse_bad_settings_by_name():
     from kvctl.policies.routing import make_router
 
@@ -148,6 +199,8 @@ def test_routers_refuse_bad_settings_by_name():
         make_router("ttft", prefill_rate=0)
     with pytest.raises(ValueError, match="balance_seconds: must be >= 0, got -1"):
         make_router("prefix", balance_seconds=-1)
+    with pytest.raises(ValueError, match="new_prefix: unknown value 'random'; choose from home, least_loaded"):
+        make_router("prefix", new_prefix="random")
 
 
 def test_equal_replicas_are_taken_in_turn_so_new_prefixes_spread():

@@ -19,8 +19,26 @@ from kvctl.policies.routing import make_router  # noqa: E402
 
 from .daemon_fixtures import start_service  # noqa: E402
 
-SYSTEM_A = "You answer questions about paged KV caches, eviction order and memory tiers, briefly. " * 2
-SYSTEM_B = "You are a terse assistant for operators of serving fleets; cite block ids when you can. " * 2
+
+
+def home_of(prompt: str, names=("replica-0", "replica-1")) -> str:
+    """The replica a new prefix goes to (policies/routing.py: its rendezvous order's first)."""
+    from kvctl.policies.routing import home_order, prompt_affinity
+
+    return names[home_order(prompt_affinity(prompt), list(names))[0]]
+
+
+def homed(text: str, name: str) -> str:
+    """`text` (longer than a prompt's affinity opening), marked where need be so that, as a new
+    prefix, it goes home to `name` of replica-0 and replica-1: tests place prefixes on purpose."""
+    assert len(text) >= 256
+    return next(t for t in (text if k == 0 else f"[{k}] {text}" for k in range(64)) if home_of(t) == name)
+
+
+SYSTEM_A = homed("You answer questions about paged KV caches, eviction order and memory tiers, briefly. " * 3,
+                 "replica-0")
+SYSTEM_B = homed("You are a terse assistant for operators of serving fleets; cite block ids when you can. " * 3,
+                 "replica-1")
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +113,9 @@ async def until_followed(service, indexes, settled=False, timeout=20.0):
         await asyncio.sleep(0.02)
 
 
-def test_prefix_routing_sends_a_prompt_where_its_prefix_is_cached_and_spreads_new_ones(replicas):
+def test_prefix_routing_sends_a_prompt_where_its_prefix_is_cached_and_a_new_one_home(replicas):
+    """A new prefix goes to its home (the same replica from any router: a hash of the prompt's
+    opening and the replicas' names), its next questions where it is cached."""
     service, app = router_app(replicas, "prefix")
     answers = drive(app, [lambda c: post(c, SYSTEM_A + "Q1?"), lambda c: post(c, SYSTEM_A + "Q2?"),
                           lambda c: post(c, SYSTEM_B + "Q1?"), lambda c: post(c, SYSTEM_B + "Q2?"),
@@ -105,7 +125,8 @@ def test_prefix_routing_sends_a_prompt_where_its_prefix_is_cached_and_spreads_ne
         "replica-0", "replica-0", "replica-1", "replica-1", "replica-0"]
     cached = [a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
     assert cached[0] == cached[2] == 0 and all(c > 0 for c in (cached[1], cached[3], cached[4]))
-    assert answers[0].headers["x-kvd-route"] == "no replica caches its prefix: the least loaded"
+    assert answers[0].headers["x-kvd-route"] == ("no replica caches its prefix: its home (the first by its hash "
+                                                 "within the load bound)")
     assert answers[1].headers["x-kvd-route"].startswith("caches ")
     assert service.status()["replicas"] == [
         {"replica": "replica-0", "sent": 3, "open": 0, "last_error": None},
@@ -252,7 +273,10 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
             answers = [client.post("/v1/completions", json={"prompt": SYSTEM_A + q, "max_tokens": 2,
                                                             "temperature": 0}) for q in ("Q1?", "Q2?")]
             assert [a.status_code for a in answers] == [200, 200]
-            assert answers[0].headers["x-kvd-replica"] == answers[1].headers["x-kvd-replica"] == str(sock_a)
+            names = (str(sock_a), str(sock_b))
+            home = home_of(SYSTEM_A + "Q1?", names)  # the prefix's home among these names
+            other = names[1 - names.index(home)]
+            assert answers[0].headers["x-kvd-replica"] == answers[1].headers["x-kvd-replica"] == home
             assert answers[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             assert client.get("/v1/models").json()["data"][0]["owned_by"] == "kvd"
             # a caller that leaves a non-streamed request: the router closes it, and the replica stops
@@ -269,15 +293,15 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
             assert busy == [0, 0]
             if view == "ask":  # kvctl fleet drain: the prompt's next question goes to the other replica
                 kvctl = [str(BIN / "kvctl"), "--socket", str(front), "fleet"]
-                drained = subprocess.run([*kvctl, "drain", str(sock_a), "--wait", "10"], env=env, capture_output=True,
+                drained = subprocess.run([*kvctl, "drain", home, "--wait", "10"], env=env, capture_output=True,
                                          text=True, timeout=60)
                 assert drained.returncode == 0, drained.stderr
-                assert drained.stdout.strip() == f"drained {sock_a}: no new request goes there; none open: it can be stopped"
+                assert drained.stdout.strip() == f"drained {home}: no new request goes there; none open: it can be stopped"
                 moved = client.post("/v1/completions", json={"prompt": SYSTEM_A + "Q5?", "max_tokens": 2})
-                assert moved.status_code == 200 and moved.headers["x-kvd-replica"] == str(sock_b)
-                resumed = subprocess.run([*kvctl, "resume", str(sock_a)], env=env, capture_output=True, text=True,
+                assert moved.status_code == 200 and moved.headers["x-kvd-replica"] == other
+                resumed = subprocess.run([*kvctl, "resume", home], env=env, capture_output=True, text=True,
                                          timeout=60)
-                assert resumed.stdout.strip() == f"resumed {sock_a}: it takes new requests again"
+                assert resumed.stdout.strip() == f"resumed {home}: it takes new requests again"
                 unknown = subprocess.run([*kvctl, "drain", "/run/nowhere.sock"], env=env, capture_output=True,
                                          text=True, timeout=60)
                 assert unknown.returncode == 2 and "replica: no replica '/run/nowhere.sock'" in unknown.stderr
@@ -292,8 +316,8 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
                 while not all(r["view"]["synced"] for r in client.get("/router/status").json()["replicas"]):
                     assert time.monotonic() < deadline + 30
                     time.sleep(0.05)
-                rows = client.get("/router/status").json()["replicas"]
-                assert rows[0]["view"]["device_keys"] > 0 and rows[0]["view"]["feed_error"] is None
+                rows = {r["replica"]: r for r in client.get("/router/status").json()["replicas"]}
+                assert rows[home]["view"]["device_keys"] > 0 and rows[home]["view"]["feed_error"] is None
                 # kvctl route --router: the router's own view, and where it would send the next question
                 shown = subprocess.run([str(BIN / "kvctl"), "route", "--router", str(front), "--routing", "ttft",
                                         "--json", SYSTEM_A + "Q4?"], env=env, capture_output=True, text=True,
@@ -301,7 +325,7 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
                 assert shown.returncode == 0, shown.stderr
                 what_if = json.loads(shown.stdout)
                 assert list(what_if["routes"]) == ["prefix", "ttft"]
-                assert what_if["routes"]["prefix"]["replica"] == str(sock_a)
+                assert what_if["routes"]["prefix"]["replica"] == home
                 assert [r["source"] for r in what_if["replicas"]] == ["view", "view"]
                 with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as remote:
                     assert remote.get("/v1/models").status_code == 401
@@ -362,10 +386,14 @@ def test_a_body_over_the_limit_is_refused_before_the_router_reads_it(replicas):
     assert answer.status_code == 413 and service.status()["replicas"][0]["sent"] == 0
 
 
-SYSTEM_C = "You route requests across replicas by what each one caches; answer with one replica name. " * 2
-SYSTEM_D = "You summarise eviction logs for on-call operators in two sentences, never more than that. " * 2
-SYSTEM_E = "You explain the cost of recomputing a prompt prefix against restoring it from a lower tier. " * 2
-SYSTEM_F = "Keep answers to one line; name the tier a block lives in and why it moved there last. " * 2
+SYSTEM_C = homed("You route requests across replicas by what each one caches; answer with one replica name. " * 3,
+                 "replica-0")
+SYSTEM_D = homed("You summarise eviction logs for on-call operators in two sentences, never more than that. " * 3,
+                 "replica-1")
+SYSTEM_E = homed("You explain the cost of recomputing a prompt prefix against restoring it from a lower tier. " * 3,
+                 "replica-0")
+SYSTEM_F = homed("Keep answers to one line; name the tier a block lives in and why it moved there last. " * 3,
+                 "replica-1")
 
 
 def routed_cached(answer) -> int:
@@ -420,14 +448,15 @@ def test_the_events_view_routes_with_no_question_on_the_requests_path_and_counts
     assert samples["kvd_router_decision_seconds_count", ()] == 5 and samples["kvd_router_unrouted_total", ()] == 0
 
 
-def test_a_burst_sharing_a_new_prefix_goes_to_one_replica_with_the_events_view_not_with_ask(replicas):
+def test_a_burst_sharing_a_new_prefix_goes_to_one_replica_by_its_home_or_what_the_view_counts(replicas):
     def burst(system):
         return lambda client: asyncio.gather(*(post(client, system + q) for q in ("Q1?", "Q2?", "Q3?")))
 
     service, app = router_app(replicas, "prefix", view="ask")
     [asked] = drive(app, [burst(SYSTEM_E)])
-    # asked at once, no replica holds the prefix yet: they spread, and each replica computes it
-    assert len({a.headers["x-kvd-replica"] for a in asked}) == 2
+    # asked at once, no replica holds the prefix yet: each goes to the prefix's home
+    assert {a.headers["x-kvd-replica"] for a in asked} == {"replica-0"}
+    assert {a.headers["x-kvd-route"].split(":")[0] for a in asked} == {"no replica caches its prefix"}
 
     service, app = router_app(replicas, "prefix", view="events")
     [followed] = drive(app, [burst(SYSTEM_F)], service=service)
@@ -595,7 +624,8 @@ def test_a_prefix_moved_to_a_replicas_host_tier_still_draws_its_requests_there(t
     try:
         apps = [create_app(s, s.metrics, front="unix") for s in services]
         service, app = router_app(apps, "prefix", view=view)
-        system = "Blocks moved to the host tier are restored, not recomputed; route to where they are. " * 2
+        system = homed("Blocks moved to the host tier are restored, not recomputed; route to where they are!! " * 3,
+                       "replica-0")
 
         async def swap_down(client):
             if view == "events":

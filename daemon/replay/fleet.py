@@ -2,7 +2,9 @@
 router (kvctl.policies.routing). Each replica runs the single-replica service model of
 `simulator` (its own slots, queue and cache); at each arrival the router sees, per replica,
 how many of the prompt's leading tokens its cache holds (or will, once the requests queued there
-are computed: what `kvd router --view events` counts) and its predicted wait, and picks one.
+are computed: what `kvd router --view events` counts) and its predicted wait, and picks one. A
+prompt no replica holds goes home as with a live router (its first block's hash id stands for the
+prompt's opening; the replicas are named replica-0, replica-1, ...).
 
 What it answers: how much of the hit rate a fleet keeps when its traffic is spread (one
 unbounded cache for the whole fleet is the ceiling, `max_hit_ratio`), and what each routing
@@ -12,6 +14,7 @@ replicas).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
@@ -55,7 +58,7 @@ class FleetResult:
 def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests: Sequence[TraceRequest],
                  keys: Sequence[list[BlockKey]], max_hits: Sequence[int],
                  progress: Callable[[int], None] | None = None, audit: bool = False,
-                 balance_seconds: float = 2.0) -> FleetResult:
+                 balance_seconds: float = 2.0, new_prefix: str = "home") -> FleetResult:
     """Replay `requests` over `replicas` replicas of `settings`, routed by `routing`.
     `audit=True` reconciles every replica's books at the end (tests turn it on)."""
     if settings.sequential:
@@ -65,8 +68,10 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
     if settings.num_blocks < 1:
         raise ValueError(f"capacity_tokens: {settings.capacity_tokens} holds no block of "
                          f"{settings.block_size} tokens")
-    router = make_router(routing, prefill_rate=settings.prefill_rate, balance_seconds=balance_seconds)
+    router = make_router(routing, prefill_rate=settings.prefill_rate, balance_seconds=balance_seconds,
+                         new_prefix=new_prefix)
     runs = [ReplicaRun(settings, requests, keys, max_hits) for _ in range(replicas)]
+    names = [f"replica-{i}" for i in range(replicas)]  # where a new prefix goes home, as a live router names them
     tick = progress or (lambda _n: None)
     size = settings.block_size
     started = time.perf_counter()
@@ -75,9 +80,10 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
         for run in runs:
             run.finish_until(arrival, tick)
             run.advance(arrival)
-        facts = [ReplicaFacts(run.held_blocks(index) * size, run.wait_seconds(), len(run.running) + len(run.waiting))
-                 for run in runs]
-        runs[router.choose(request.input_length, facts).replica].arrive(index, arrival, tick)
+        facts = [ReplicaFacts(run.held_blocks(index) * size, run.wait_seconds(), len(run.running) + len(run.waiting),
+                              name=name) for run, name in zip(runs, names)]
+        affinity = trace_affinity(request) if request.hash_ids else None
+        runs[router.choose(request.input_length, facts, affinity).replica].arrive(index, arrival, tick)
     for run in runs:
         run.drain(tick)
     seconds = time.perf_counter() - started
@@ -87,6 +93,11 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
             if run.manager.num_sequences:
                 raise AssertionError(f"{run.manager.num_sequences} sequences left after the replay")
     return _result(settings, routing, runs, len(requests), seconds)
+
+
+def trace_affinity(request: TraceRequest) -> bytes:
+    """A trace request's `prompt_affinity`: its first block's hash id stands for its opening."""
+    return hashlib.sha256(b"kvctl/affinity/trace/v1\0" + str(request.hash_ids[0]).encode()).digest()
 
 
 def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requests: int, seconds: float) -> FleetResult:

@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Sequence
 
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.routing import ROUTING_POLICIES
+from kvctl.policies.routing import ROUTING_POLICIES, make_router
 
 from .fleet import FleetResult, replay_fleet
 from .simulator import ReplayResult, ReplaySettings, max_hit_blocks, replay
@@ -21,7 +21,7 @@ from kvctl.daemon.cache.keys import validate_block_size
 
 def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policies: Sequence[str],
                   base: ReplaySettings, replicas: int = 1, routings: Sequence[str] = (),
-                  balance_seconds: float = 2.0) -> None:
+                  balance_seconds: float = 2.0, new_prefix: str = "home") -> None:
     """Raise ValueError naming the first bad field and value, before any work starts."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
@@ -33,8 +33,7 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         for routing in routings:
             if routing not in ROUTING_POLICIES:
                 raise ValueError(f"routing: unknown value {routing!r}; choose from {', '.join(ROUTING_POLICIES)}")
-        if not balance_seconds >= 0:
-            raise ValueError(f"balance_seconds: must be >= 0, got {balance_seconds!r}")
+        make_router("prefix", balance_seconds=balance_seconds, new_prefix=new_prefix)  # its own checks
     if not block_sizes:
         raise ValueError("block_sizes: give at least one block size")
     for size in block_sizes:
@@ -88,14 +87,15 @@ def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
 def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
                 policies: Sequence[str], replicas: int, routings: Sequence[str], base: ReplaySettings,
                 balance_seconds: float = 2.0, progress: Callable[[int], None] | None = None,
-                on_result: Callable[[FleetResult], None] | None = None) -> list[FleetResult]:
+                on_result: Callable[[FleetResult], None] | None = None,
+                new_prefix: str = "home") -> list[FleetResult]:
     """`sweep` for a fleet of `replicas` (each with a cache of each capacity), once per routing."""
-    validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds)
+    validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix)
     results: list[FleetResult] = []
     for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base):
         for routing in routings:
             results.append(replay_fleet(settings, replicas, routing, requests, keys, max_hits, progress,
-                                        balance_seconds=balance_seconds))
+                                        balance_seconds=balance_seconds, new_prefix=new_prefix))
             if on_result:
                 on_result(results[-1])
     return results

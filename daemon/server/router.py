@@ -35,7 +35,7 @@ import copy
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import httpx
@@ -46,7 +46,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvctl.daemon.cache.keys import Namespace, chain_keys
-from kvctl.policies.routing import ROUTING_POLICIES, ReplicaFacts, Router, facts_from_answer, make_router
+from kvctl.policies.routing import (ROUTING_POLICIES, ReplicaFacts, Router, facts_from_answer, make_router,
+                                    prompt_affinity)
 
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
@@ -115,6 +116,14 @@ def question_of(prompt) -> dict | None:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return {"tokens": prompt}
     return None
+
+
+def affinity_of(body: dict) -> bytes | None:
+    """The request's (first) prompt's `prompt_affinity`: where a new prefix goes home."""
+    question = question_of(body.get("prompt"))
+    if question is None:
+        return None
+    return prompt_affinity(question["text"] if "text" in question else question["tokens"])
 
 
 class CallerLeft(Exception):
@@ -335,7 +344,8 @@ class RouterService:
         answers = iter(asked)
         facts = [None if id(r) in excluded else (known.facts, known.prompt_tokens) if known is not None
                  else next(answers) for r, known in zip(replicas, local)]
-        live = [(i, f, tokens) for i, a in enumerate(facts) if a is not None for f, tokens in [a]]
+        live = [(i, replace(f, name=replicas[i].name), tokens) for i, a in enumerate(facts) if a is not None
+                for f, tokens in [a]]
         if not live:
             if count and not retry:
                 self.unrouted += 1
@@ -356,7 +366,7 @@ class RouterService:
     async def _choose(self, body: dict, tenant: str | None, excluded: set[int]) -> tuple[Replica, str]:
         live, local, now, replicas = await self.weigh(body, tenant, excluded)
         prompt_tokens = max(tokens for _, _, tokens in live)
-        chosen = self.router.choose(prompt_tokens, [f for _, f, _ in live])
+        chosen = self.router.choose(prompt_tokens, [f for _, f, _ in live], affinity_of(body))
         index, facts, counted = live[chosen.replica]
         replica = replicas[index]
         replica.sent += 1
@@ -384,11 +394,12 @@ class RouterService:
                                 or "serves another model")
             rows.append(row)
         settings = {"prefill_rate": getattr(self.router, "prefill_rate", 20_000.0),
-                    "balance_seconds": getattr(self.router, "balance_seconds", 2.0)}
+                    "balance_seconds": getattr(self.router, "balance_seconds", 2.0),
+                    "new_prefix": getattr(self.router, "new_prefix", "home")}
         routes = {}
         for name in policies:
             policy = copy.deepcopy(self.router) if name == self.router.name else make_router(name, **settings)
-            chosen = policy.choose(prompt_tokens, [f for _, f, _ in live])
+            chosen = policy.choose(prompt_tokens, [f for _, f, _ in live], affinity_of(body))
             routes[name] = {"replica": replicas[live[chosen.replica][0]].name, "reason": chosen.reason}
         return {"prompt_tokens": prompt_tokens, "routing": self.router.name, "replicas": rows, "routes": routes}
 
