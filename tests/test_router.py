@@ -801,6 +801,9 @@ def test_a_drained_replica_gets_no_new_request_until_it_is_resumed(replicas, vie
     assert first[3].status_code == 200 and first[3].headers["x-kvd-replica"] == "replica-1"
     assert first[4].json() == {"ready": True, "replicas": ["replica-1"]}
     assert first[5].json()["replicas"][0]["draining"] == "drained" and "draining" not in first[5].json()["replicas"][1]
+    [scraped] = drive(app, [lambda c: c.get("/metrics")])
+    assert 'kvd_router_replica_draining{replica="replica-0"} 1.0' in scraped.text.splitlines()
+    assert 'kvd_router_replica_draining{replica="replica-1"} 0.0' in scraped.text.splitlines()
 
     refused = drive(app, [lambda c: c.post("/router/drain", json={"replica": "replica-1"}),
                           lambda c: post(c, SYSTEM_A + "Q32?"), lambda c: c.get("/readyz"),

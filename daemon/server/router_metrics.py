@@ -12,6 +12,7 @@
                                                   could not be reached for: sent to the next best replica
     kvd_router_unrouted_total                     requests no replica answered for (503)
     kvd_router_open_requests{replica}             forwarded requests still answering
+    kvd_router_replica_draining{replica}          1 while it takes no new request (drained, or leaving the fleet)
     kvd_router_view_synced{replica}               events view: 1 while its feed is followed
     kvd_router_view_load_age_seconds{replica}     events view: age of its latest load answer
     kvd_router_view_pending_keys{replica}         events view: blocks sent there, not yet in its feed
@@ -62,6 +63,8 @@ class _RouterCollector:
         yield CounterMetricFamily("kvd_router_unrouted", "Requests no replica answered for",
                                   value=self.service.unrouted)
         yield per_replica(GaugeMetricFamily, "open_requests", "Forwarded requests still answering", lambda r: r.open)
+        yield per_replica(GaugeMetricFamily, "replica_draining", "1 while the replica takes no new request (drained, "
+                          "or leaving the fleet)", lambda r: float(r.draining))
         if self.service.view != "events":
             return
         yield per_replica(GaugeMetricFamily, "view_synced", "1 while the replica's event feed is followed",
