@@ -193,7 +193,11 @@ def test_what_an_upgrade_sets_aside_counts_against_the_disk_and_goes_before_live
     upgraded.close()
 
     rolled_back = disk(tmp_path, capacity=6 * per, space=old_space)
+    verified = []
+    check = rolled_back._verify_segment
+    rolled_back._verify_segment = lambda data: verified.append(len(data)) or check(data)
     report = rolled_back.scan()  # b comes back; c and d are now the foreign ones
+    assert len(verified) == 3  # b (once, as it comes back), then c and d
     assert (report.readmitted, report.foreign, report.segments, report.quarantine_dropped) == (1, 2, 1, 0)
     assert sorted(rolled_back.index) == sorted(b) and not set(a) & set(rolled_back.index)
     for key in b:

@@ -125,8 +125,15 @@ class DiskTier:
         for tmp in self.segment_dir.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
             report.torn += 1
-        report.readmitted = self._readmit()
+        back = self._readmit()
+        report.readmitted = len(back)
         for path in sorted(self.segment_dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime):
+            if path.name in back:  # verified as it came back: not read twice
+                size, metas = back[path.name]
+                self._publish(path.name, size, metas, self.space)
+                report.segments += 1
+                report.blocks += len(metas)
+                continue
             try:
                 data = path.read_bytes()
                 metas = self._verify_segment(data)
@@ -147,17 +154,19 @@ class DiskTier:
             report.quarantine_dropped = self._shed_quarantine(0)
         return report
 
-    def _readmit(self) -> int:
+    def _readmit(self) -> dict[str, tuple[int, list]]:
         """Move set-aside foreign segments that verify under this space and layout back among the
-        segments (the scan then indexes them): the model they were written for runs again."""
-        back = 0
+        segments (the scan then indexes them): the model they were written for runs again.
+        Returns each one's name -> (bytes, verified payloads)."""
+        back = {}
         for path in sorted((self.quarantine / "foreign").glob("*" + SUFFIX)):
             try:
-                self._verify_segment(path.read_bytes())
+                data = path.read_bytes()
+                metas = self._verify_segment(data)
                 os.replace(path, self.segment_dir / path.name)
             except (PayloadError, OSError):
                 continue
-            back += 1
+            back[path.name] = (len(data), metas)
         return back
 
     def _list_quarantine(self) -> None:
