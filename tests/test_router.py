@@ -1002,4 +1002,6 @@ def test_a_pin_at_the_router_is_made_listed_and_removed_on_every_replica(replica
     assert gone.status_code == 200 and gone.json()["unpinned_blocks"] == 2 * body["blocks"]
     assert [r["status"] for r in gone.json()["replicas"]] == [200, 200]
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "pin_id"
+    [odd] = drive(app, [lambda c: c.delete("/admin/pins/pin-x%3Fall%3D1")])  # passed on as one name, not a query
+    assert odd.status_code == 404 and "'pin-x?all=1'" in odd.json()["error"]["message"]
     assert body["pin_id"] not in {p["pin_id"] for p in after.json()["pins"]}

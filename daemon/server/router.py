@@ -37,6 +37,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
+from urllib.parse import quote
 
 import httpx
 from fastapi import Depends, FastAPI, Request
@@ -541,26 +542,23 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     # ---- operator actions every replica carries out (daemon/server/fleet_admin.py); drained
     # replicas too: they still hold blocks and pins
+    async def everywhere(method: str, path: str, content: bytes | None, merge) -> JSONResponse:
+        replicas = service.replicas
+        answers = await fan_out(replicas, method, path, content, FLEET_ADMIN_TIMEOUT_S)
+        status, body = combine([r.name for r in replicas], answers, merge)
+        return JSONResponse(body, status_code=status)
+
     @app.post("/admin/evict")
     async def evict_everywhere(http: Request, _: Caller = Depends(admin)):
-        replicas = service.replicas
-        answers = await fan_out(replicas, "POST", "/admin/evict", await http.body(), FLEET_ADMIN_TIMEOUT_S)
-        status, body = combine([r.name for r in replicas], answers, merge_evictions)
-        return JSONResponse(body, status_code=status)
+        return await everywhere("POST", "/admin/evict", await http.body(), merge_evictions)
 
     @app.post("/admin/pins")
     async def pin_everywhere(http: Request, _: Caller = Depends(admin)):
-        replicas = service.replicas
-        answers = await fan_out(replicas, "POST", "/admin/pins", await http.body(), FLEET_ADMIN_TIMEOUT_S)
-        status, body = combine([r.name for r in replicas], answers, merge_pins)
-        return JSONResponse(body, status_code=status)
+        return await everywhere("POST", "/admin/pins", await http.body(), merge_pins)
 
     @app.delete("/admin/pins/{pin_id}")
     async def unpin_everywhere(pin_id: str, _: Caller = Depends(admin)):
-        replicas = service.replicas
-        answers = await fan_out(replicas, "DELETE", f"/admin/pins/{pin_id}", None, FLEET_ADMIN_TIMEOUT_S)
-        status, body = combine([r.name for r in replicas], answers, merge_unpins)
-        return JSONResponse(body, status_code=status)
+        return await everywhere("DELETE", f"/admin/pins/{quote(pin_id, safe='')}", None, merge_unpins)
 
     @app.get("/admin/pins")
     async def pins_everywhere(_: Caller = Depends(admin)):
