@@ -527,6 +527,42 @@ def test_after_an_upgrade_the_old_revision_s_blocks_are_shown_and_evicted_from_d
         new.shutdown(deadline=2)
 
 
+def test_evicting_the_served_revision_takes_its_older_scales_from_disk_and_leaves_them_on_the_shared_redis(
+        tmp_path, redis_server):
+    """New scales applied live put the daemon in a new block space of the same model revision.
+    Evicting that revision takes what its own disk still holds under the older scales; the shared
+    Redis keeps the older scales' entries, which daemons still serving them (a rollout's baseline)
+    read."""
+    from kvctl.daemon.cache.tiers import RemoteTier
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tiering="always",
+                            remote_url=redis_server.url, write_policy="write_through")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        _complete(app, TEXT_A)
+        service.tiers.flush()
+        before = service.tiers.space
+        on_disk = len(service.tiers.disk.index)
+        client = service.tiers.remote.client
+        shared = len(client.keys(RemoteTier.space_prefix(before) + b"*"))
+        assert on_disk > 0 and shared > 0
+        with service.lock:
+            service._load_scales({"scales": {}, "id": 99})  # what applying a calibration does
+        assert service.tiers.space != before
+        assert sorted(service.tiers.disk.spaces.load()) == sorted([before.hex(), service.tiers.space.hex()])
+        gone = call(app, "POST", "/admin/evict", json={"model_revision": service.loaded.revision[:8]}).json()
+        assert gone["result"] == "ok" and gone["target"] == "model_revision=current"
+        # its own lower tiers' blocks go as before (the old scales' with them), the older space's
+        # set-aside or indexed segments too (none left here), and nothing on the shared Redis
+        assert gone["lower_tier_blocks_dropped"] == on_disk and "remote_purge" not in gone
+        assert [s["space"] for s in gone["spaces"]] == [before.hex()[:16]]
+        assert not service.tiers.disk.index
+        assert len(client.keys(RemoteTier.space_prefix(before) + b"*")) == shared
+    finally:
+        service.shutdown(deadline=2)
+
+
 def test_evicting_a_tenant_after_a_restart_reaches_its_blocks_on_disk(tmp_path):
     """Each payload records its tenant: after a restart (nothing of the tenant in memory) an
     operator's `evict --tenant` still removes exactly that tenant's blocks from disk."""

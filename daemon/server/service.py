@@ -992,6 +992,7 @@ class EngineService:
         other_spaces, records_error = {}, None  # the revision's spaces but the served one: from disk and Redis
         if model_revision:
             revision, other_spaces, records_error = self._revision_spaces(model_revision)
+            served = revision == self.loaded.revision
         with self.lock:
             if model_revision and revision != self.loaded.revision:
                 report_blocks, skipped, select = 0, {}, None
@@ -1023,8 +1024,10 @@ class EngineService:
         body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target,
                 "lower_tier_blocks_dropped": lower_dropped}
         remote = self.tiers.remote if self.tiers is not None else None
-        if other_spaces or records_error:
-            body.update(self._purge_spaces(other_spaces, records_error))
+        if model_revision and (other_spaces or (records_error and not served)):
+            # another revision: its blocks everywhere, the shared Redis too. The served one: what this
+            # daemon's disk holds of its older scales (daemons still serving them share the Redis's)
+            body.update(self._purge_spaces(other_spaces, None if served else records_error, shared=not served))
             result = body["result"] = "partial" if body.get("message") else result
         elif remote is not None and (subtree is not None or (tenant and select is not None)):
             try:  # the shared Redis: every daemon's entries of the prefix, or of the tenant
@@ -1075,9 +1078,10 @@ class EngineService:
                                f"{self.loaded.revision[:16]}{where})", "model_revision")
         return revisions.pop(), matched, error
 
-    def _purge_spaces(self, spaces: dict[str, dict], records_error: str | None) -> dict:
-        """Delete the blocks of these spaces (none served here) from the disk folder and the shared
-        Redis, whichever daemon wrote them: the body's part that says what went."""
+    def _purge_spaces(self, spaces: dict[str, dict], records_error: str | None, shared: bool = True) -> dict:
+        """Delete the blocks of these spaces (none served here) from the disk folder and, with
+        `shared`, from the shared Redis, whichever daemon wrote them: the body's part that says
+        what went."""
         from kvctl.daemon.cache.tiers.spaces import summary
 
         chosen = {bytes.fromhex(s) for s in spaces}
@@ -1087,7 +1091,7 @@ class EngineService:
         if disk is not None and chosen:
             out["disk_purge"] = disk.purge_spaces(chosen)
         remote = self.tiers.remote if self.tiers is not None else None
-        if remote is not None and chosen and not records_error:
+        if remote is not None and chosen and shared and not records_error:
             total = {"dropped": 0, "seen": 0, "complete": True}
             try:
                 for space in sorted(chosen):
