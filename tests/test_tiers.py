@@ -480,6 +480,8 @@ def test_after_an_upgrade_the_old_revision_s_blocks_are_shown_and_evicted_from_d
     old = start_service(tmp_path, **settings)
     _complete(create_app(old, old.metrics, front="unix"), TEXT_A)
     old_revision, old_space = old.loaded.revision, old.tiers.space
+    old.tiers.remote.client.delete(b"kvctl:spaces")  # Redis lost the record (its memory policy): it is made again
+    assert list(old.tiers.remote.spaces()) == [old_space.hex()]
     old.shutdown(deadline=5)
     client = RemoteTier(redis_server.url, 1 << 30, old_space).client
     old_prefix = RemoteTier.space_prefix(old_space)

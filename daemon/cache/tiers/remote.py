@@ -128,6 +128,10 @@ class RemoteTier:
             record = parse_record(text)
             if is_space_hex(space) and record is not None:
                 out[space] = record
+        if self.space.hex() not in out and self.space in self.records:  # the server lost it (its memory policy)
+            self._recorded.discard(self.space)
+            self._record_current()
+            out[self.space.hex()] = self.records[self.space]
         return out
 
     def _call(self, fn):
