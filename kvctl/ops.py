@@ -231,6 +231,9 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
     go on from it is a row of its own whose parent is that row. An id given to `kvctl evict
     --prefix` or `kvctl swap` takes its row and every row that extends it.
 
+    At kvd router, every replica's rows, replica by replica (#0, #1, ... named below the table):
+    a prefix's id is the same on every replica that holds it.
+
     Example: kvctl prefixes --tenant acme --pinned; kvctl prefixes --under 9d3476bf
     """
     if sort not in PREFIX_SORTS:
@@ -248,7 +251,9 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         tenants = {"-" if p["tenant"] is None else p["tenant"] for p in shown}  # None: not known
         optional = {"tenant": len(tenants) > 1, "pinned": any(p["pinned"] for p in shown),
                     "in use": any(p["in_use_blocks"] for p in shown)}
-        headers = ["prefix", "parent", "tenant", "tokens", "size", "hits", "idle", "tier", "pinned", "in use"]
+        fleet = [r["replica"] for r in d.get("replicas") or []]  # at kvd router: rows replica by replica
+        optional["replica"] = bool(fleet)
+        headers = ["replica", "prefix", "parent", "tenant", "tokens", "size", "hits", "idle", "tier", "pinned", "in use"]
         headers = [h for h in headers if optional.get(h, True)]
         table = compact_table(*headers)
         for column in table.columns:
@@ -260,7 +265,8 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
                      "tokens": f"{p.get('start_token', 0):,}-{p['tokens']:,}", "size": size(p["bytes"]),
                      "hits": "-" if p["hits"] is None else f"{p['hits']:,}", "idle": duration(p.get("idle_seconds")),
                      "tier": "+".join(p.get("tiers") or [p["tier"]]), "pinned": "yes" if p["pinned"] else "",
-                     "in use": f"{p['in_use_blocks']:,}" if p["in_use_blocks"] else ""}
+                     "in use": f"{p['in_use_blocks']:,}" if p["in_use_blocks"] else "",
+                     "replica": f"#{fleet.index(p['replica'])}" if fleet else ""}
             table.add_row(*(cells[h] for h in headers))
         keep_whole(table, 0)
         console = Console()
@@ -274,6 +280,10 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
             console.print("; ".join(same))
         if any(p.get("detached") for p in shown):
             console.print("detached: the blocks before it are cached nowhere, so no request reaches it")
+        for i, name in enumerate(fleet):
+            console.print(f"#{i} {escape(name)}", highlight=False, soft_wrap=True)
+        if d.get("message"):
+            Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     _emit(data, as_json, render)
 
 

@@ -218,11 +218,11 @@ def test_kvctl_status_at_the_router_shows_a_row_per_replica_and_the_fleets_hits(
 
 def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(replicas):
     _, app = router_app(replicas, "round_robin")
-    [answer] = drive(app, [lambda c: c.get("/admin/prefixes")])
+    [answer] = drive(app, [lambda c: c.get("/admin/events")])
     assert answer.status_code == 404 and answer.json()["error"]["message"] == (
-        "kvd router does not serve /admin/prefixes: it serves /v1/completions, /v1/models, /admin/status, "
-        "/admin/evict, /admin/pins, /router/status, /router/route, /router/drain, /metrics, /healthz and /readyz; "
-        "ask a replica for the rest (kvctl "
+        "kvd router does not serve /admin/events: it serves /v1/completions, /v1/models, /admin/status, "
+        "/admin/evict, /admin/pins, /admin/prefixes, /router/status, /router/route, /router/drain, /metrics, /healthz "
+        "and /readyz; ask a replica for the rest (kvctl "
         "--socket REPLICA_SOCKET ...)")
 
 
@@ -963,7 +963,7 @@ def _kvctl_prints(args: list[str], body: dict) -> str:
         def post(self, path, body_):
             return body
 
-        get = delete = lambda self, path: body
+        get = delete = lambda self, path, **params: body
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("kvctl.ops.Client", Answering)
@@ -1005,3 +1005,38 @@ def test_a_pin_at_the_router_is_made_listed_and_removed_on_every_replica(replica
     [odd] = drive(app, [lambda c: c.delete("/admin/pins/pin-x%3Fall%3D1")])  # passed on as one name, not a query
     assert odd.status_code == 404 and "'pin-x?all=1'" in odd.json()["error"]["message"]
     assert body["pin_id"] not in {p["pin_id"] for p in after.json()["pins"]}
+
+
+def test_kvctl_prefixes_at_the_router_lists_every_replicas_rows_and_their_ids_work_there(replicas):
+    """`kvctl prefixes` at the router: each replica's rows, naming it; `--under` an id that one
+    replica holds lists that replica's rows (the other has none); the same id evicts there through
+    the router; bad input is the replicas' own 400."""
+    tenant = {"X-KVD-Tenant": "lister"}
+    _, app = router_app(replicas, "prefix")
+
+    async def place(client):  # SYSTEM_A's home is replica-0, SYSTEM_B's replica-1
+        for system in (SYSTEM_A, SYSTEM_B):
+            answer = await client.post("/v1/completions", headers=tenant,
+                                       json={"prompt": system + "Listed?", "max_tokens": 1, "temperature": 0})
+            assert answer.status_code == 200
+        return answer
+
+    [_, listed, bad] = drive(app, [place, lambda c: c.get("/admin/prefixes", params={"tenant": "lister"}),
+                                   lambda c: c.get("/admin/prefixes", params={"sort": "oldest"})])
+    body = listed.json()
+    assert [(r["replica"], r["status"]) for r in body["replicas"]] == [("replica-0", 200), ("replica-1", 200)]
+    by_replica = {name: [r["prefix_id"] for r in body["prefixes"] if r["replica"] == name]
+                  for name in ("replica-0", "replica-1")}
+    assert all(by_replica.values()) and not set(by_replica["replica-0"]) & set(by_replica["replica-1"])
+    assert body["total"] == len(body["prefixes"])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "sort"
+    shown = _kvctl_prints(["prefixes", "--tenant", "lister"], body).splitlines()
+    assert shown[0].split()[:2] == ["replica", "prefix"] and shown[-2:] == ["#0 replica-0", "#1 replica-1"]
+    assert any(line.split()[:2] == ["#1", by_replica["replica-1"][0]] for line in shown)
+
+    one = by_replica["replica-1"][0]
+    [under, gone] = drive(app, [lambda c: c.get("/admin/prefixes", params={"under": one}),
+                                lambda c: c.post("/admin/evict", json={"prefix": one})])
+    assert {r["replica"] for r in under.json()["prefixes"]} == {"replica-1"}
+    assert [r["status"] for r in under.json()["replicas"]] == [404, 200]
+    assert gone.json()["result"] == "ok" and [r["status"] for r in gone.json()["replicas"]] == [404, 200]

@@ -1,4 +1,5 @@
-"""Operator actions at `kvd router` that every replica carries out: evict, pin, unpin, list pins.
+"""Operator actions at `kvd router` that every replica carries out: evict, pin, unpin, and the
+listings an operator takes ids from (pins, prefixes).
 
 Block keys are content-addressed and pin ids derive from the tenant and the prefix's keys, so a
 prefix id, a tenant, a model revision or a pin id names the same thing on every replica. The
@@ -106,6 +107,34 @@ def merge_pin_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[in
         return 503, {"error": {"message": "no replica answered: " + "; ".join(missing), "type": "router_error",
                                "param": None, "code": "no_replica"}}
     out = {"pins": list(by_id.values()), "replica_count": len(names)}
+    if missing:
+        out["message"] = "not listed: " + "; ".join(missing)
+    return 200, out
+
+
+def merge_prefix_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
+    """Each replica's prefix rows, replica by replica, each row naming its replica (a prefix id
+    is the same on every replica that holds the prefix). A replica without the row asked for
+    (`under`, 404) lists none; the replicas' common refusal of bad input comes back as it came."""
+    rows, listed = [], []
+    for name, (status, body) in zip(names, answers):
+        if status == 200:
+            rows += [{**row, "replica": name} for row in body["prefixes"]]
+            listed.append({"replica": name, "status": status, "total": body.get("total", len(body["prefixes"]))})
+        else:
+            listed.append({"replica": name, "status": status,
+                           "error": _said({"error": body.get("error")}) if status is not None else body.get("error")})
+    if not any(r["status"] == 200 for r in listed):
+        refusals = Counter(status for status, _ in answers if status is not None)
+        if refusals:
+            status = refusals.most_common(1)[0][0]
+            return status, next(body for s, body in answers if s == status)
+        return 503, {"error": {"message": "no replica answered: " + "; ".join(
+            f"{r['replica']} ({r['error']})" for r in listed), "type": "router_error", "param": None,
+            "code": "no_replica"}}
+    out = {"prefixes": rows, "total": sum(r.get("total", 0) for r in listed), "replicas": listed,
+           "sort": next(body.get("sort") for status, body in answers if status == 200)}
+    missing = [f"{r['replica']} ({r['error']})" for r in listed if r["status"] not in (200, 404)]
     if missing:
         out["message"] = "not listed: " + "; ".join(missing)
     return 200, out

@@ -52,7 +52,8 @@ from kvctl.policies.routing import (ROUTING_POLICIES, ReplicaFacts, Router, fact
 
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
-from .fleet_admin import combine, fan_out, merge_evictions, merge_pin_lists, merge_pins, merge_unpins
+from .fleet_admin import (combine, fan_out, merge_evictions, merge_pin_lists, merge_pins, merge_prefix_lists,
+                          merge_unpins)
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .router_metrics import RouterMetrics
@@ -64,8 +65,8 @@ FORWARD_TIMEOUT_S = 600.0
 FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
-SERVED = ("/v1/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /router/status, /router/route, "
-          "/router/drain, /metrics, /healthz and /readyz")
+SERVED = ("/v1/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /admin/prefixes, /router/status, "
+          "/router/route, /router/drain, /metrics, /healthz and /readyz")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
@@ -559,6 +560,14 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.delete("/admin/pins/{pin_id}")
     async def unpin_everywhere(pin_id: str, _: Caller = Depends(admin)):
         return await everywhere("DELETE", f"/admin/pins/{quote(pin_id, safe='')}", None, merge_unpins)
+
+    @app.get("/admin/prefixes")
+    async def prefixes_everywhere(http: Request, _: Caller = Depends(admin)):
+        replicas = service.replicas
+        query = f"?{http.url.query}" if http.url.query else ""
+        answers = await fan_out(replicas, "GET", "/admin/prefixes" + query, None, ASK_TIMEOUT_S)
+        status, body = merge_prefix_lists([r.name for r in replicas], answers)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/admin/pins")
     async def pins_everywhere(_: Caller = Depends(admin)):
