@@ -559,6 +559,14 @@ def test_the_tcp_front_needs_a_token_and_routes_each_caller_under_its_tokens_ten
                                                                                        "tenant": t})
                                       for t in ("acme", "globex", "default")])
     assert [f.json()["cached_tokens"] > 0 for f in facts] == [True, False, False]
+    # what changes the fleet or every replica's cache needs the admin role: a user's token is refused
+    refused = drive(app, [lambda c: c.post("/router/drain", json={"replica": "replica-0"}, headers=user),
+                          lambda c: c.post("/admin/evict", json={"tenant": "acme"}, headers=user),
+                          lambda c: c.post("/admin/pins", json={"text": system, "tenant": "acme"}, headers=user),
+                          lambda c: c.delete("/admin/pins/pin-0000000000000000", headers=user),
+                          lambda c: c.get("/admin/pins", headers=user),
+                          lambda c: c.get("/admin/prefixes", headers=user)])
+    assert [r.status_code for r in refused] == [403] * 6 and not service.replicas[0].draining
 
 
 def test_the_events_view_takes_up_a_replica_again_when_it_comes_back(replicas):
