@@ -313,9 +313,10 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
     data = _client(ctx).post("/admin/pins", body)
 
     def render(d):
-        fleet = f" on {len(d['replicas'])} replicas" if "replicas" in d else ""
-        Console().print(f"pinned {d['pin_id']}{fleet}: {d['blocks']} blocks for tenant {d['tenant']} "
-                        f"({d['cached_blocks']} cached{', warmed' if d['warmed'] else ''})"
+        fleet = "replicas" in d  # at kvd router: what each replica holds is on a line of its own
+        cached = "" if fleet else f" ({d['cached_blocks']} cached{', warmed' if d['warmed'] else ''})"
+        Console().print(f"pinned {d['pin_id']}" + (f" on {len(d['replicas'])} replicas" if fleet else "")
+                        + f": {d['blocks']} blocks for tenant {d['tenant']}{cached}"
                         + (f", expires in {duration(d['expires_in_seconds'])}" if d.get("expires_in_seconds") else ""))
         replica_lines(d, lambda row: f"{row['cached_blocks']} cached" + (", warmed" if row["warmed"] else ""))
         _fleet_message(d)
@@ -327,7 +328,8 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
 def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Every pin: id, tenant, blocks, how many are cached now, owner, note, expiry.
 
-    At kvd router, the fleet's pins, each once, with how many replicas hold it.
+    At kvd router, the fleet's pins, each once, with how many replicas hold it and how many of its
+    blocks each has cached (a range where they differ).
 
     Example: kvctl pins --json
     """
@@ -340,7 +342,9 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
         for p in d["pins"]:
             left = p.get("expires_in_seconds")
             where = [f"{len(p['replicas'])}/{d['replica_count']}"] if fleet else []
-            table.add_row(p["pin_id"], p["tenant"], f"{p['blocks']:,}", f"{p['cached_blocks']:,}", *where, p["owner"],
+            each = sorted(set((p.get("cached_by_replica") or {"": p["cached_blocks"]}).values()))
+            cached = f"{each[0]:,}" if len(each) == 1 else f"{each[0]:,}-{each[-1]:,}"  # on each replica
+            table.add_row(p["pin_id"], p["tenant"], f"{p['blocks']:,}", cached, *where, p["owner"],
                           "never" if p["expires_at"] is None else duration(left), p["note"])
         keep_whole(table, 0)
         Console().print(table if d["pins"] else "no pins")

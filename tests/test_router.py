@@ -998,12 +998,12 @@ def test_a_pin_at_the_router_is_made_listed_and_removed_on_every_replica(replica
     [mine] = [p for p in listed.json()["pins"] if p["pin_id"] == body["pin_id"]]
     assert mine["replicas"] == ["replica-0", "replica-1"] and mine["cached_blocks"] == 2 * body["blocks"]
     assert listed.json()["replica_count"] == 2
+    assert mine["cached_by_replica"] == {"replica-0": body["blocks"], "replica-1": body["blocks"]}
     shown = _kvctl_prints(["pin", text], body).splitlines()
-    assert shown == [f"pinned {body['pin_id']} on 2 replicas: {body['blocks']} blocks for tenant pinner "
-                     f"({2 * body['blocks']} cached, warmed)",
+    assert shown == [f"pinned {body['pin_id']} on 2 replicas: {body['blocks']} blocks for tenant pinner",
                      f"  replica-0: {body['blocks']} cached, warmed", f"  replica-1: {body['blocks']} cached, warmed"]
     [row] = [line for line in _kvctl_prints(["pins"], listed.json()).splitlines() if body["pin_id"] in line]
-    assert row.split()[:5] == [body["pin_id"], "pinner", str(body["blocks"]), str(2 * body["blocks"]), "2/2"]
+    assert row.split()[:5] == [body["pin_id"], "pinner", str(body["blocks"]), str(body["blocks"]), "2/2"]
     [gone, unknown, after] = drive(app, [lambda c: c.delete(f"/admin/pins/{body['pin_id']}"),
                                          lambda c: c.delete("/admin/pins/pin-0000000000000000"),
                                          lambda c: c.get("/admin/pins")])

@@ -92,14 +92,17 @@ def merge_unpins(done: list[dict]) -> dict:
 
 
 def merge_pin_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
-    """Every pin of the fleet once, with the replicas that hold it and its blocks cached summed."""
+    """Every pin of the fleet once, with the replicas that hold it, its blocks cached on each
+    (`cached_by_replica`) and summed (`cached_blocks`)."""
     by_id: dict[str, dict] = {}
     for name, (status, body) in zip(names, answers):
         if status != 200:
             continue
         for pin in body["pins"]:
-            seen = by_id.setdefault(pin["pin_id"], {**pin, "cached_blocks": 0, "replicas": []})
+            seen = by_id.setdefault(pin["pin_id"], {**pin, "cached_blocks": 0, "replicas": [],
+                                                    "cached_by_replica": {}})
             seen["cached_blocks"] += pin["cached_blocks"]
+            seen["cached_by_replica"][name] = pin["cached_blocks"]
             seen["replicas"].append(name)
     missing = [f"{name} ({body.get('error') if status is None else status})"
                for name, (status, body) in zip(names, answers) if status != 200]
