@@ -22,7 +22,7 @@ from .bench_tiers import tiers_command as tiers_bench_command
 from .calibrate_cmd import calibrate_command
 from .capacity_cmd import capacity_command
 from . import events_cmd, route_cmd, tiers_cmd
-from .fleet_cmd import fleet_app
+from .fleet_cmd import drain_daemon, fleet_app, resume_daemon
 from .rollout_cmd import rollout_app
 from .errors import UserError
 from .help_text import reflow_help
@@ -53,6 +53,8 @@ app.command("swap")(tiers_cmd.swap)
 app.command("events")(events_cmd.events)
 app.command("route")(route_cmd.route)
 app.add_typer(fleet_app, name="fleet")
+app.command("drain")(drain_daemon)
+app.command("resume")(resume_daemon)
 
 
 def _version(value: bool) -> None:

@@ -18,7 +18,13 @@ REPLICA_HELP = "The replica as the router names it (its socket or URL: `kvctl st
 
 
 def _open_requests(client, replica: str) -> int:
-    for row in client.get("/router/status")["replicas"]:
+    """What the replica still has to answer: its own queue (every router's requests), or, where it
+    does not say, what this router has open there."""
+    status = client.get("/admin/status")
+    for row in status.get("replica_status", []):
+        if row["replica"] == replica and "queue" in row:
+            return row["queue"]["running"] + row["queue"]["waiting"]
+    for row in status.get("replicas", []):
         if row["replica"] == replica:
             return row["open"]
     return 0  # it has left the fleet: nothing of it is open
@@ -31,8 +37,9 @@ def drain(ctx: typer.Context, replica: str = typer.Argument(..., help=REPLICA_HE
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Send a replica no new request; those it is serving answer as usual.
 
-    With --wait it returns once the replica has none open: then it can be stopped without
-    failing a request. A router restart forgets a drain.
+    The replica is told too, so every router in front of it leaves it out. With --wait it returns
+    once the replica has nothing running or waiting: then it can be stopped without failing a
+    request.
 
     Example: kvctl fleet drain /run/kvd-1/kvd.sock --wait 120 && systemctl restart kvd@1
     """
@@ -40,6 +47,9 @@ def drain(ctx: typer.Context, replica: str = typer.Argument(..., help=REPLICA_HE
         raise UserError(f"wait: must be >= 0 seconds, got {wait!r}")
     client = _client(ctx)
     data = client.post("/router/drain", {"replica": replica, "drain": True})
+    there = data.get("at_replica") or {}
+    if "running" in there:  # the replica's own queue: every router's requests
+        data["open"] = there["running"] + there["waiting"]
     started = time.monotonic()
     if wait > 0:
         while data["open"] > 0 and time.monotonic() - started < wait:
@@ -53,6 +63,9 @@ def drain(ctx: typer.Context, replica: str = typer.Argument(..., help=REPLICA_HE
         done = "; none open: it can be stopped" if d["open"] == 0 else ""
         Console().print(f"drained {d['replica']}: no new request goes there" + (done or tail), highlight=False,
                         soft_wrap=True)
+        if "error" in (d.get("at_replica") or {}):
+            Console(stderr=True).print(f"the replica was not told (other routers still send there): "
+                                       f"{d['at_replica']['error']}", highlight=False, soft_wrap=True)
     _emit(data, as_json, render)
     if wait > 0 and data["open"] > 0:
         raise typer.Exit(3)
@@ -68,3 +81,42 @@ def resume(ctx: typer.Context, replica: str = typer.Argument(..., help=REPLICA_H
     data = _client(ctx).post("/router/drain", {"replica": replica, "drain": False})
     _emit(data, as_json, lambda d: Console().print(f"resumed {d['replica']}: it takes new requests again",
                                                    highlight=False, soft_wrap=True))
+
+
+def drain_daemon(ctx: typer.Context,
+                 wait: float = typer.Option(0.0, "--wait", help="Wait up to this many seconds for what runs and "
+                                            "waits there to finish; exit 3 if some is left then."),
+                 as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Take no new completion at this kvd; what runs and waits finishes.
+
+    /readyz answers 503 and route-facts say so, so every router in front of it (and a load
+    balancer's readiness check) leaves it out. `kvctl resume` takes completions again.
+
+    Example: kvctl drain --wait 120 && systemctl restart kvd
+    """
+    if not wait >= 0:
+        raise UserError(f"wait: must be >= 0 seconds, got {wait!r}")
+    client = _client(ctx)
+    data = client.post("/admin/drain", {"drain": True})
+    started = time.monotonic()
+    while wait > 0 and data["running"] + data["waiting"] > 0 and time.monotonic() - started < wait:
+        time.sleep(0.2)
+        data.update(client.get("/admin/status")["queue"])
+    left = data["running"] + data["waiting"]
+
+    def render(d):
+        Console().print("draining: no new completion is taken here; "
+                        + ("nothing running or waiting: it can be stopped" if not left
+                           else f"{d['running']} running, {d['waiting']} waiting"), highlight=False)
+    _emit({k: data[k] for k in ("draining", "running", "waiting")}, as_json, render)
+    if wait > 0 and left:
+        raise typer.Exit(3)
+
+
+def resume_daemon(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Take completions again after `kvctl drain`.
+
+    Example: kvctl resume
+    """
+    data = _client(ctx).post("/admin/drain", {"drain": False})
+    _emit(data, as_json, lambda d: Console().print("taking completions again", highlight=False))

@@ -117,6 +117,8 @@ def render_status(data: dict, console: Console | None = None):
             f"; {queue['tokens_ahead']:,} prompt tokens ahead: a new request waits "
             f"~{seconds(queue['predicted_wait_seconds'])} ({rate})")
     facts.add_row("queue", f"{waiting}, {queue['running']} running{ahead}")
+    if data.get("draining"):
+        facts.add_row("draining", Text("no new completion is taken (kvctl resume takes them again)", style="yellow"))
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
     facts.add_row("pins", str(data["pins"]))

@@ -846,3 +846,42 @@ def test_a_completion_reaches_the_engine_without_a_worker_thread_hop(daemon, mon
     assert hops == []
     refused = call(tcp, "GET", "/admin/config", headers={"Authorization": f"Bearer {USER_TOKEN}"})
     assert refused.status_code == 403 and hops == []  # refused before the endpoint's own thread
+
+
+def test_a_drained_kvd_takes_no_new_completion_says_so_everywhere_and_resumes(daemon):
+    """kvctl drain: a completion is refused before it starts (503, `draining`, Retry-After: a
+    router passes it on), /readyz is 503 with why, route-facts and status say so (every router in
+    front of it leaves it out), the drain and the resume are audited; resumed, it serves again."""
+    from rich.console import Console
+
+    from kvctl.ops import render_status
+
+    service, unix, tcp = daemon
+    drained = call(unix, "POST", "/admin/drain", json={})
+    assert drained.status_code == 200 and drained.json() == {"draining": True, "running": 0, "waiting": 0}
+    try:
+        refused = complete(unix, prompt="Are you taking requests?")
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+        assert refused.json()["error"] == {"message": "kvd is draining: it takes no new completion until `kvctl "
+                                                      "resume`", "type": "service_unavailable", "param": None,
+                                           "code": "draining"}
+        ready = call(unix, "GET", "/readyz")
+        assert ready.status_code == 503 and ready.json()["reason"] == "draining (kvctl resume takes completions again)"
+        assert call(unix, "POST", "/admin/route-facts", json={"tokens": []}).json()["draining"] is True
+        status = call(unix, "GET", "/admin/status").json()
+        console = Console(record=True, width=100)
+        render_status(status, console)
+        [row] = [line.split(None, 1) for line in console.export_text().splitlines() if line.startswith("draining")]
+        assert row[1].strip() == "no new completion is taken (kvctl resume takes them again)"
+        bad = call(unix, "POST", "/admin/drain", json={"drain": "yes"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "drain"
+        user = call(tcp, "POST", "/admin/drain", json={"drain": False}, headers={"Authorization": f"Bearer {USER_TOKEN}"})
+        assert user.status_code == 403 and service.draining
+    finally:
+        resumed = call(unix, "POST", "/admin/drain", json={"drain": False})
+    assert resumed.json() == {"draining": False, "running": 0, "waiting": 0}
+    assert complete(unix, prompt="Are you taking requests?").status_code == 200
+    assert call(unix, "GET", "/readyz").json() == {"ready": True}
+    actions = [(a["action"], a["target"]) for a in service.store.audit_since(action="drain")
+               + service.store.audit_since(action="resume")]
+    assert actions[-2:] == [("drain", "completions"), ("resume", "completions")]

@@ -792,9 +792,18 @@ def test_behind_tcp_replicas_that_are_no_trusted_proxy_a_prompt_is_hashed_under_
 def test_a_drained_replica_gets_no_new_request_until_it_is_resumed(replicas, view):
     """An operator drains the replica holding a prefix before restarting it: the prefix's next
     requests go elsewhere, the router is ready on the other one only, and draining every replica
-    is a 503 that says so; resumed, the replica takes requests again."""
+    is a 503 that says so; resumed, the replica takes requests again. The replica is told too, so
+    a second router in front of it leaves it out as well."""
     service, app = router_app(replicas, "prefix", view=view)
     events = service if view == "events" else None
+    try:
+        _drain_and_resume(service, app, events, replicas, view)
+    finally:  # the replicas serve the other tests
+        drive(app, [lambda c: c.post("/router/drain", json={"replica": f"replica-{i}", "drain": False})
+                    for i in (0, 1)])
+
+
+def _drain_and_resume(service, app, events, replicas, view):
 
     async def settled(client):
         if events is not None:
@@ -805,10 +814,17 @@ def test_a_drained_replica_gets_no_new_request_until_it_is_resumed(replicas, vie
                         lambda c: post(c, SYSTEM_A + "Q31?"), lambda c: c.get("/readyz"),
                         lambda c: c.get("/router/status")], service=events)
     assert first[0].headers["x-kvd-replica"] == "replica-0"
-    assert first[2].json() == {"replica": "replica-0", "draining": True, "open": 0}
+    assert first[2].json() == {"replica": "replica-0", "draining": True, "open": 0,
+                               "at_replica": {"draining": True, "running": 0, "waiting": 0}}
     assert first[3].status_code == 200 and first[3].headers["x-kvd-replica"] == "replica-1"
     assert first[4].json() == {"ready": True, "replicas": ["replica-1"]}
     assert first[5].json()["replicas"][0]["draining"] == "drained" and "draining" not in first[5].json()["replicas"][1]
+    other, other_app = router_app(replicas, "prefix", view=view)  # a second router: told by the replica
+    [elsewhere, other_status] = drive(other_app, [lambda c: post(c, SYSTEM_A + "Q31b?"),
+                                                  lambda c: c.get("/router/status")],
+                                      service=other if view == "events" else None)
+    assert elsewhere.headers["x-kvd-replica"] == "replica-1"
+    assert other_status.json()["replicas"][0]["draining"] == "at the replica"
     [scraped] = drive(app, [lambda c: c.get("/metrics")])
     assert 'kvd_router_replica_draining{replica="replica-0"} 1.0' in scraped.text.splitlines()
     assert 'kvd_router_replica_draining{replica="replica-1"} 0.0' in scraped.text.splitlines()
@@ -829,7 +845,8 @@ def test_a_drained_replica_gets_no_new_request_until_it_is_resumed(replicas, vie
 
     back = drive(app, [lambda c: c.post("/router/drain", json={"replica": "replica-0", "drain": False}),
                        lambda c: post(c, SYSTEM_A + "Q33?"), lambda c: c.get("/router/status")], service=events)
-    assert back[0].json() == {"replica": "replica-0", "draining": False, "open": 0}
+    assert back[0].json() == {"replica": "replica-0", "draining": False, "open": 0,
+                              "at_replica": {"draining": False, "running": 0, "waiting": 0}}
     assert back[1].headers["x-kvd-replica"] == "replica-0"  # replica-1 is drained still
     assert back[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert "draining" not in back[2].json()["replicas"][0] and back[2].json()["replicas"][1]["draining"] == "drained"

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -122,6 +122,11 @@ class EvictRequest(BaseModel):
     tenant: Tenant | None = None
     model_revision: str | None = None
     all_unpinned: bool = False
+
+
+class DrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    drain: StrictBool = True
 
 
 class SwapRequest(BaseModel):
@@ -239,9 +244,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/readyz")
     def readyz():
-        if service.ready.is_set() and service.accepting:
+        if service.ready.is_set() and service.accepting and not service.draining:
             return {"ready": True}
-        reason = service.load_error or ("shutting down" if not service.accepting else "loading the model")
+        reason = service.load_error or ("shutting down" if not service.accepting else
+                                        "draining (kvctl resume takes completions again)" if service.draining
+                                        else "loading the model")
         return JSONResponse({"ready": False, "reason": reason}, status_code=503)
 
     @app.get("/metrics")
@@ -259,6 +266,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     async def completions(body: CompletionRequest, http: Request, who: Principal = Depends(principal)):
         refuse_unsupported(body)
         engine = service.require_ready()
+        if service.draining:  # before it is started: a router passes it to another replica
+            raise ApiError(503, "kvd is draining: it takes no new completion until `kvctl resume`",
+                           type_="service_unavailable", code="draining", headers={"Retry-After": "5"})
         if body.model is not None and body.model != service.model_name:
             raise ApiError(404, f"model: {body.model!r} is not served here; GET /v1/models lists "
                                 f"{service.model_name!r}", param="model", code="model_not_found")
@@ -421,6 +431,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
         return service.explain(_tokens_of(body.text, body.tokens), body.tenant or who.tenant)
+
+    @app.post("/admin/drain")
+    def drain(body: DrainRequest, who: Principal = Depends(admin)):
+        return service.drain(body.drain, who)
 
     @app.post("/admin/route-facts")
     def route_facts(body: ExplainRequest, who: Principal = Depends(admin)):

@@ -92,8 +92,21 @@ class Replica:
     failed_forwards: int = 0
     rerouted: int = 0  # requests it refused before starting (429, 503) or was unreachable for: tried elsewhere
     draining: bool = False  # takes no new request: an operator's drain, or it is leaving
+    drained_there: bool = False  # the replica itself said it is draining (kvctl drain; seen by every router)
     leaving: bool = False  # taken out of the fleet: it goes once its open requests have answered
     tasks: list = field(default_factory=list)  # events view: its feed and load followers
+
+    @property
+    def known_draining(self) -> bool:
+        """Drained here, or draining by its latest load poll (events view): left out unasked."""
+        load = self.view.load if self.view is not None else None
+        return self.draining or (load is not None and load.get("draining", False))
+
+    @property
+    def takes_requests(self) -> bool:
+        """Neither drained here nor draining by its own latest word (a load poll, else an answer)."""
+        polled = self.view is not None and self.view.load is not None
+        return not (self.known_draining or (not polled and self.drained_there))
 
 
 def replica_client(spec: str, token: str | None = None, transport: httpx.AsyncBaseTransport | None = None
@@ -269,6 +282,7 @@ class RouterService:
             known = answer.json()
             facts = facts_from_answer(known, replica.open)
             replica.model = known.get("model")
+            replica.drained_there = bool(known.get("draining", False))
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
             replica.failed_questions += 1
@@ -331,7 +345,7 @@ class RouterService:
         question = question_of(body.get("prompt"))
         now, memo, replicas = self.clock(), {}, self.replicas
         retry = bool(excluded)  # some refused it already: it was counted on its first try
-        excluded = set(excluded) | {id(r) for r in replicas if r.draining}
+        excluded = set(excluded) | {id(r) for r in replicas if r.known_draining}  # one asked says so itself
 
         def weigh_all() -> list[Local | None]:
             return [self.weigh_locally(r, question, tenant, now, memo) if id(r) not in excluded else None
@@ -346,12 +360,13 @@ class RouterService:
         answers = iter(asked)
         facts = [None if id(r) in excluded else (known.facts, known.prompt_tokens) if known is not None
                  else next(answers) for r, known in zip(replicas, local)]
+        facts = [None if known is None and r.drained_there else f for r, known, f in zip(replicas, local, facts)]
         live = [(i, replace(f, name=replicas[i].name), tokens) for i, a in enumerate(facts) if a is not None
                 for f, tokens in [a]]
         if not live:
             if count and not retry:
                 self.unrouted += 1
-            if replicas and all(r.draining for r in replicas):
+            if replicas and not any(r.takes_requests for r in replicas):
                 raise LookupError("every replica is draining: " + ", ".join(r.name for r in replicas))
             raise LookupError("no replica answered: " + "; ".join(
                 f"{r.name} ({r.last_error or r.feed_error})" for r in replicas if id(r) not in excluded))
@@ -392,7 +407,7 @@ class RouterService:
             if index in facts:
                 row.update(asdict(facts[index]), source="view" if local[index] is not None else "asked")
             else:
-                row["error"] = ("draining" if replica.draining else replica.last_error or replica.feed_error
+                row["error"] = ("draining" if not replica.takes_requests else replica.last_error or replica.feed_error
                                 or "serves another model")
             rows.append(row)
         settings = {"prefill_rate": getattr(self.router, "prefill_rate", 20_000.0),
@@ -417,8 +432,8 @@ class RouterService:
 
         def one(r: Replica) -> dict:
             row = {"replica": r.name, "sent": r.sent, "open": r.open, "last_error": r.last_error}
-            if r.draining:  # takes no new request; leaving: it goes once `open` is 0
-                row["draining"] = "leaving" if r.leaving else "drained"
+            if not r.takes_requests:  # leaving: it goes once `open` is 0; "at the replica": kvctl drain there
+                row["draining"] = "leaving" if r.leaving else "drained" if r.draining else "at the replica"
             if r.view is not None:
                 age = r.view.load_age(now)
                 row["view"] = {"synced": r.view.synced, "seq": r.view.seq, "device_keys": len(r.view.keys),
@@ -500,7 +515,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         followed and whose load is current; with ask, one whose own /readyz says so."""
         now = service.clock()
         if service.view == "events":
-            ready = [r.name for r in service.replicas if not r.draining and r.view.synced and r.view.load is not None
+            ready = [r.name for r in service.replicas if r.takes_requests and r.view.synced and r.view.load is not None
                      and r.view.load_age(now) <= service.load_stale_seconds]
         else:
             async def one(replica: Replica) -> bool:
@@ -508,7 +523,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                     return (await replica.client.get("/readyz", timeout=ASK_TIMEOUT_S)).status_code == 200
                 except httpx.HTTPError:
                     return False
-            taking = [r for r in service.replicas if not r.draining]
+            taking = [r for r in service.replicas if r.takes_requests]
             answers = await asyncio.gather(*(one(r) for r in taking))
             ready = [r.name for r, ok in zip(taking, answers) if ok]
         if ready:
@@ -522,7 +537,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.post("/router/drain")
     async def drain(http: Request, _: Caller = Depends(admin)):
         """Send a replica no new request (`drain`: true, the default) while its open ones answer,
-        or take new ones there again (false): what a replica's restart or upgrade needs."""
+        or take new ones there again (false): what a replica's restart or upgrade needs. The
+        replica is told too (its /admin/drain), so that other routers in front of it leave it out;
+        `at_replica` is its answer (its queue), or why it could not take it."""
         try:
             body = json.loads(await http.body())
         except ValueError:
@@ -538,8 +555,17 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(404, str(exc), "not_found")
         except ValueError as exc:
             return error(409, str(exc), "conflict")
-        log.info("replica %s %s (%d open)", replica.name, "drained" if on else "taking requests again", replica.open)
-        return {"replica": replica.name, "draining": replica.draining, "open": replica.open}
+        try:  # and at the replica itself, so that every router in front of it leaves it out
+            answer = await replica.client.post("/admin/drain", json={"drain": on}, timeout=ASK_TIMEOUT_S)
+            there = answer.json() if answer.status_code == 200 else {
+                "error": f"{answer.status_code}: {answer.json().get('error', {}).get('message', '')}"}
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            there = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        if "error" not in there:
+            replica.drained_there = bool(there.get("draining"))
+        log.info("replica %s %s (%d open here)%s", replica.name, "drained" if on else "taking requests again",
+                 replica.open, f"; the replica did not take it: {there['error']}" if "error" in there else "")
+        return {"replica": replica.name, "draining": replica.draining, "open": replica.open, "at_replica": there}
 
     # ---- operator actions every replica carries out (daemon/server/fleet_admin.py); drained
     # replicas too: they still hold blocks and pins

@@ -96,6 +96,7 @@ class EngineService:
         self.loaded: LoadedModel | None = None
         self.ready = threading.Event()
         self.accepting = True
+        self.draining = False  # an operator's drain: no new completion; what runs finishes (kvctl drain)
         self.started_at = time.time()
         self.load_error: str | None = None
         self._sinks: dict[str, EventSink] = {}
@@ -710,6 +711,7 @@ class EngineService:
                 "last_reload": self.last_reload,
                 "cache": self.cache_status(),
                 "uptime_seconds": time.time() - self.started_at,
+                "draining": self.draining,
             }
         body["latency"] = self.latency_summary()
         body["gpu"] = gpu_status()
@@ -720,6 +722,20 @@ class EngineService:
         if block_map is not None:
             body["block_map"] = block_map
         return body
+
+    def drain(self, on: bool, principal: Principal) -> dict:
+        """Take no new completion (`on`), letting what runs and waits finish, or take them again.
+        Every router in front of this daemon sees it (route-facts says so, /readyz is 503), so a
+        restart behind two routers loses no request. Pins and operator calls go on."""
+        engine = self.require_ready()
+        was, self.draining = self.draining, on
+        with self.lock:
+            queue = engine.queue_figures()
+        self.store.audit(actor=principal.actor, tenant=principal.tenant, action="drain" if on else "resume",
+                         target="completions", result="ok", detail={"was_draining": was})
+        log.info("%s: %d running, %d waiting", "draining" if on else "taking completions again",
+                 queue["running"], queue["waiting"])
+        return {"draining": on, "running": queue["running"], "waiting": queue["waiting"]}
 
     def _block_map(self) -> str:
         """One character per block: . free  r reserved  a active  s shared  c cached  p pinned."""
@@ -1136,7 +1152,7 @@ class EngineService:
                 "namespace": engine.namespace_fields(), "model": self.model_name,
                 "lower_tier_tokens": {tier: blocks * size for tier, blocks in run.items()},
                 "restore_seconds": restore_seconds(run, block_bytes, rates), "restore_rates": rates,
-                "block_bytes": block_bytes}
+                "block_bytes": block_bytes, "draining": self.draining}
 
     def explain(self, token_ids: list[int], tenant: str) -> dict:
         engine = self.require_ready()
