@@ -249,6 +249,7 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
                      "namespace": call(app, "GET", "/admin/events/snapshot").json()["namespace"],
                      "model": service.model_name, "lower_tier_tokens": {}, "restore_seconds": 0.0,
                      "restore_rates": service.tiers.read_rates(), "block_bytes": service.tiers.layout.block_bytes,
+                     "draining": False,  # kvctl drain: every router leaves it out
                      "tenant_header": True}  # the Unix front serves a request under the tenant it names
     assert facts["prefill_tokens_per_second"] > 0 and facts["namespace"]["tokenizer_digest"] == service.engine.tokenizer.digest
     assert set(facts["restore_rates"]) == {"host", "disk"}
