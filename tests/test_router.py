@@ -569,9 +569,14 @@ def test_the_tcp_front_needs_a_token_and_routes_each_caller_under_its_tokens_ten
     assert [r.status_code for r in refused] == [403] * 6 and not service.replicas[0].draining
 
 
-def test_the_events_view_takes_up_a_replica_again_when_it_comes_back(replicas):
+def test_the_events_view_takes_up_a_replica_again_when_it_comes_back(replicas, monkeypatch):
     """A replica down at the start is asked per request (and left out); once it answers, the
-    router's follower takes a snapshot and routes to it from its feed again."""
+    router's follower takes a snapshot and routes to it from its feed again, at once: the load
+    poll answering again ends the follower's pause (here a minute, longer than the test waits)."""
+    import kvctl.daemon.server.replica_feed as feed
+
+    monkeypatch.setattr(feed, "RETRY_MIN_S", 60.0)
+    monkeypatch.setattr(feed, "RETRY_MAX_S", 60.0)
 
     class Switch(httpx.AsyncBaseTransport):
         def __init__(self, app) -> None:

@@ -5,8 +5,9 @@ router has not seen is asked for it once (`GET /admin/tokenizer`), and the diges
 the namespace its cache keys are made under.
 
 A broken feed (the replica gone, an answer that makes no sense) clears the view's keys and the
-task starts over from a snapshot after a pause that doubles up to `RETRY_MAX_S`; meanwhile the
-router asks that replica per request, as `--view ask` does.
+task starts over from a snapshot after a pause that doubles up to `RETRY_MAX_S`, or as soon as the
+load poll, having failed, is answered again (the replica is back: a restart costs no pause);
+meanwhile the router asks that replica per request, as `--view ask` does.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class Tokenizers:
 
 
 async def follow_events(client: httpx.AsyncClient, view: ReplicaView, tokenizers: Tokenizers,
-                        on_error: Callable[[str | None], None]) -> None:
-    """Keep `view` current from the replica's event feed until cancelled."""
+                        on_error: Callable[[str | None], None], back: asyncio.Event | None = None) -> None:
+    """Keep `view` current from the replica's event feed until cancelled. `back`: set by the load
+    poll when the replica answers again after failing; it ends a pause early."""
     pause = RETRY_MIN_S
     while True:
         try:
@@ -84,22 +86,34 @@ async def follow_events(client: httpx.AsyncClient, view: ReplicaView, tokenizers
         except (httpx.HTTPError, FeedError, KeyError, TypeError, ValueError) as exc:
             view.lose()
             on_error(f"feed: {type(exc).__name__}: {exc}"[:300])
-            await asyncio.sleep(pause)
+            if back is None:
+                await asyncio.sleep(pause)
+            else:
+                back.clear()
+                try:
+                    await asyncio.wait_for(back.wait(), pause)
+                except TimeoutError:
+                    pass
             pause = min(pause * 2, RETRY_MAX_S)
 
 
 async def poll_load(client: httpx.AsyncClient, view: ReplicaView, interval: float,
-                    clock: Callable[[], float] = time.monotonic) -> None:
+                    clock: Callable[[], float] = time.monotonic, back: asyncio.Event | None = None) -> None:
     """Ask the replica for its queue figures every `interval` seconds until cancelled; a failed
-    ask leaves the last answer to age (the router stops trusting it, see `RouterService`)."""
+    ask leaves the last answer to age (the router stops trusting it, see `RouterService`). The
+    first answer after failures sets `back`."""
+    failing = False
     while True:
         asked = clock()
         try:
             answer = await client.post("/admin/route-facts", json={"tokens": []}, timeout=2.0)
             answer.raise_for_status()
             view.note_load(answer.json(), asked)
+            if failing and back is not None:
+                back.set()
+            failing = False
         except asyncio.CancelledError:
             raise
         except (httpx.HTTPError, ValueError):
-            pass
+            failing = True
         await asyncio.sleep(interval)

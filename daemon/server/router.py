@@ -208,8 +208,10 @@ class RouterService:
         def noted(error: str | None) -> None:
             replica.feed_error = error
             replica.snapshots += error is None
-        replica.tasks = [asyncio.create_task(follow_events(replica.client, replica.view, self.tokenizers, noted)),
-                         asyncio.create_task(poll_load(replica.client, replica.view, self.load_interval, self.clock))]
+        back = asyncio.Event()  # the load poll answered again after failing: the feed need not wait out its pause
+        replica.tasks = [asyncio.create_task(follow_events(replica.client, replica.view, self.tokenizers, noted, back)),
+                         asyncio.create_task(poll_load(replica.client, replica.view, self.load_interval, self.clock,
+                                                       back))]
         return replica.tasks
 
     # ---- membership: the fleet changes while the router serves --------------------------------
