@@ -44,13 +44,7 @@ def combine(names: Sequence[str], answers: Sequence[Answer], merge: Callable[[li
     rows = [{"replica": name, "status": status, **body} for name, (status, body) in zip(names, answers)]
     done = [body for status, body in answers if status == 200]
     if not done:
-        refusals = Counter(status for status, _ in answers if status is not None)
-        if not refusals:
-            return 503, {"error": {"message": "no replica answered: " + "; ".join(
-                f"{r['replica']} ({r.get('error')})" for r in rows), "type": "router_error", "param": None,
-                "code": "no_replica"}}
-        status = refusals.most_common(1)[0][0]
-        return status, next(body for s, body in answers if s == status)
+        return none_did(names, answers)
     unreached = [r for r in rows if r["status"] is None]
     failed = [r for r in rows if r["status"] not in (None, 200, 404)]
     partial = unreached or failed or any(body.get("result", "ok") != "ok" for body in done)
@@ -61,6 +55,18 @@ def combine(names: Sequence[str], answers: Sequence[Answer], merge: Callable[[li
     if messages:
         out["message"] = "; ".join(messages)
     return 200, out
+
+
+def none_did(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
+    """No replica did it: the replicas' most common refusal as it came, or a 503 naming each one
+    that could not be reached."""
+    refusals = Counter(status for status, _ in answers if status is not None)
+    if refusals:
+        status = refusals.most_common(1)[0][0]
+        return status, next(body for s, body in answers if s == status)
+    return 503, {"error": {"message": "no replica answered: " + "; ".join(
+        f"{name} ({body.get('error')})" for name, (_, body) in zip(names, answers)), "type": "router_error",
+        "param": None, "code": "no_replica"}}
 
 
 def _said(row: dict) -> str:
@@ -104,11 +110,10 @@ def merge_pin_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[in
             seen["cached_blocks"] += pin["cached_blocks"]
             seen["cached_by_replica"][name] = pin["cached_blocks"]
             seen["replicas"].append(name)
+    if not any(status == 200 for status, _ in answers):
+        return none_did(names, answers)
     missing = [f"{name} ({body.get('error') if status is None else status})"
                for name, (status, body) in zip(names, answers) if status != 200]
-    if len(missing) == len(names):
-        return 503, {"error": {"message": "no replica answered: " + "; ".join(missing), "type": "router_error",
-                               "param": None, "code": "no_replica"}}
     out = {"pins": list(by_id.values()), "replica_count": len(names)}
     if missing:
         out["message"] = "not listed: " + "; ".join(missing)
@@ -128,13 +133,7 @@ def merge_prefix_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
             listed.append({"replica": name, "status": status,
                            "error": _said({"error": body.get("error")}) if status is not None else body.get("error")})
     if not any(r["status"] == 200 for r in listed):
-        refusals = Counter(status for status, _ in answers if status is not None)
-        if refusals:
-            status = refusals.most_common(1)[0][0]
-            return status, next(body for s, body in answers if s == status)
-        return 503, {"error": {"message": "no replica answered: " + "; ".join(
-            f"{r['replica']} ({r['error']})" for r in listed), "type": "router_error", "param": None,
-            "code": "no_replica"}}
+        return none_did(names, answers)
     out = {"prefixes": rows, "total": sum(r.get("total", 0) for r in listed), "replicas": listed,
            "sort": next(body.get("sort") for status, body in answers if status == 200)}
     missing = [f"{r['replica']} ({r['error']})" for r in listed if r["status"] not in (200, 404)]
