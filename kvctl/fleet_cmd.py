@@ -4,6 +4,7 @@ take it back after. The router decides where requests go; these only ask it to l
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import typer
 from rich.console import Console
@@ -15,6 +16,16 @@ fleet_app = typer.Typer(help="The replicas behind kvd router: drain one for a re
                         no_args_is_help=True)
 
 REPLICA_HELP = "The replica as the router names it (its socket or URL: `kvctl status` at the router lists them)."
+
+
+def wait_until_idle(left: int, ask: Callable[[], int], wait: float, every: float = 0.2) -> tuple[int, float]:
+    """Ask what is still open every `every` seconds until none is, or `wait` seconds have passed:
+    (what is left, seconds waited)."""
+    started = time.monotonic()
+    while left > 0 and time.monotonic() - started < wait:
+        time.sleep(every)
+        left = ask()
+    return left, time.monotonic() - started
 
 
 def _open_requests(client, replica: str) -> int:
@@ -50,12 +61,8 @@ def drain(ctx: typer.Context, replica: str = typer.Argument(..., help=REPLICA_HE
     there = data.get("at_replica") or {}
     if "running" in there:  # the replica's own queue: every router's requests
         data["open"] = there["running"] + there["waiting"]
-    started = time.monotonic()
-    if wait > 0:
-        while data["open"] > 0 and time.monotonic() - started < wait:
-            time.sleep(0.2)
-            data["open"] = _open_requests(client, replica)
-    data["waited_seconds"] = round(time.monotonic() - started, 3) if wait > 0 else None
+    data["open"], waited = wait_until_idle(data["open"], lambda: _open_requests(client, replica), wait)
+    data["waited_seconds"] = round(waited, 3) if wait > 0 else None
 
     def render(d):
         tail = (f"; {d['open']} open after {d['waited_seconds']:.1f} s" if d["waited_seconds"] is not None
@@ -98,11 +105,12 @@ def drain_daemon(ctx: typer.Context,
         raise UserError(f"wait: must be >= 0 seconds, got {wait!r}")
     client = _client(ctx)
     data = client.post("/admin/drain", {"drain": True})
-    started = time.monotonic()
-    while wait > 0 and data["running"] + data["waiting"] > 0 and time.monotonic() - started < wait:
-        time.sleep(0.2)
+
+    def left_here() -> int:
         data.update(client.get("/admin/status")["queue"])
-    left = data["running"] + data["waiting"]
+        return data["running"] + data["waiting"]
+
+    left, _ = wait_until_idle(data["running"] + data["waiting"], left_here, wait)
 
     def render(d):
         Console().print("draining: no new completion is taken here; "

@@ -133,6 +133,15 @@ def question_of(prompt) -> dict | None:
     return None
 
 
+def json_object(raw: bytes) -> dict | None:
+    """A request body that is a JSON object, or None."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def affinity_of(body: dict) -> bytes | None:
     """The request's (first) prompt's `prompt_affinity`: where a new prefix goes home."""
     question = question_of(body.get("prompt"))
@@ -542,11 +551,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         or take new ones there again (false): what a replica's restart or upgrade needs. The
         replica is told too (its /admin/drain), so that other routers in front of it leave it out;
         `at_replica` is its answer (its queue), or why it could not take it."""
-        try:
-            body = json.loads(await http.body())
-        except ValueError:
-            body = None
-        if not isinstance(body, dict) or not isinstance(body.get("replica"), str):
+        body = json_object(await http.body())
+        if body is None or not isinstance(body.get("replica"), str):
             return error(400, "replica: expected {\"replica\": NAME, \"drain\": true|false}", "invalid_request")
         on = body.get("drain", True)
         if not isinstance(on, bool):
@@ -609,11 +615,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         """Where the router would send this request now (a completion's body), and where each
         other policy of `routing` (a list of names) would, from the same facts; nothing is sent
         to any replica but questions the view cannot answer."""
-        try:
-            body = json.loads(await http.body())
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
+        body = json_object(await http.body())
+        if body is None:
             return error(400, "body: expected a JSON object", "invalid_json")
         others = body.pop("routing", None) or []
         if not isinstance(others, list) or not all(p in ROUTING_POLICIES for p in others):
@@ -692,11 +695,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return task.result()
 
         raw = await http.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return error(400, "body: expected a JSON object", "invalid_json")
-        if not isinstance(body, dict):
+        body = json_object(raw)
+        if body is None:
             return error(400, "body: expected a JSON object", "invalid_json")
         tenant = who.tenant
         headers = {k: v for k, v in http.headers.items() if k.lower() in PASSED_HEADERS}

@@ -294,9 +294,9 @@ class RemoteTier:
         def chosen(keys: list[bytes]) -> list[tuple[bytes, bytes]]:
             out = []
             for key in keys:
-                name = key[len(prefix):]
-                if len(name) == 64 and all(c in b"0123456789abcdef" for c in name):
-                    out.append((key, bytes.fromhex(name.decode())))
+                name = key[len(prefix):].decode("ascii", "replace")
+                if is_space_hex(name):  # named like a block: 64 lowercase hex digits
+                    out.append((key, bytes.fromhex(name)))
             return out
 
         return self._sweep(prefix, chosen, time_limit, batch)
