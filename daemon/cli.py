@@ -71,6 +71,8 @@ def _flags(**values) -> dict:
 def serve(
     config: Optional[Path] = typer.Option(None, "--config", help="YAML settings file (flags and KVD_* win)."),
     model: Optional[str] = typer.Option(None, help="Checkpoint directory; default: the built-in demo."),
+    chat_template: Optional[str] = typer.Option(
+        None, help="Jinja chat template file for /v1/chat/completions; default: the checkpoint's own."),
     state_dir: Optional[str] = typer.Option(None, help="State directory (demo checkpoint, SQLite)."),
     socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),
@@ -109,7 +111,7 @@ def serve(
 
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    flags = _flags(model=model, state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
+    flags = _flags(model=model, chat_template=chat_template, state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_batch_tokens=max_batch_tokens,
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,

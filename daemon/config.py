@@ -104,6 +104,7 @@ class KvdConfig:
     shutdown_timeout: float = 30.0
     max_request_bytes: int = 32 * 2**20  # a bigger request body is refused (413) before it is read whole
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
+    chat_template: str | None = None  # a Jinja file for /v1/chat/completions; default: the checkpoint's own
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
     allow_uncalibrated: bool = False  # serve a quantised cache with unit scales (loudly)

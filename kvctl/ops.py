@@ -95,6 +95,10 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_column()
     facts.add_row("model", f"{data['model']['name']} ({data['model']['architecture']}, "
                            f"rev {data['model']['revision'][:12]}, {data['model']['device']})")
+    if "chat_template" in data["model"]:  # an older kvd does not say
+        template = data["model"]["chat_template"]
+        facts.add_row("chat template", "none: /v1/chat/completions refuses chats (kvd serve --chat-template FILE)"
+                      if template is None else f"{template['source']} ({template['digest'][:12]})")
     facts.add_row("prefix hits", f"{tokens['hit']:,} of {tokens['prompt']:,} prompt tokens "
                                  f"({tokens['hit_ratio']:.1%})")
     facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")

@@ -559,6 +559,7 @@ def test_a_stream_that_fell_behind_sends_the_waiting_tokens_in_one_chunk(tmp_pat
     from kvctl.daemon.model.demo import ensure_demo_checkpoint
     from kvctl.daemon.model.tokenizer import Tokenizer
     from kvctl.daemon.server.app import _stream
+    from kvctl.daemon.server.chat import CompletionShape
 
     tokenizer = Tokenizer(ensure_demo_checkpoint(tmp_path))
     ids = tokenizer.encode("kv")[1:] + tokenizer.encode("cache")[1:]  # without BOS
@@ -569,8 +570,8 @@ def test_a_stream_that_fell_behind_sends_the_waiting_tokens_in_one_chunk(tmp_pat
     async def collect(batches):
         queue: asyncio.Queue = asyncio.Queue()
         chunks = []
-        stream = _stream(engine, queue, [request], {"r": request}, {("r", 0): 0}, "cmpl-x", 0, "demo",
-                         False, lambda: None)
+        stream = _stream(engine, queue, [request], {"r": request}, {("r", 0): 0},
+                         {"id": "cmpl-x", "created": 0, "model": "demo"}, CompletionShape(), False, lambda: None)
         for batch in batches:
             for event in batch:
                 queue.put_nowait(event)

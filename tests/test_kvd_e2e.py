@@ -132,6 +132,21 @@ def test_kvd_end_to_end(tmp_path):
         assert f"quick_prefill_tokens │ auto ({quick} in effect)" in shown
         assert f"device │ auto ({device} in effect)" in shown and "block_size │ 16 " in shown
 
+        # The same daemon serves chat through the openai client: the system prompt is shared
+        # across conversations, and a stream's deltas make up the whole answer.
+        talk = [{"role": "system", "content": system}, {"role": "user", "content": "How do pins work?"}]
+        reply = client.chat.completions.create(model="kvd-demo-llama-v1", messages=talk, max_tokens=4, seed=4)
+        assert reply.object == "chat.completion" and reply.choices[0].message.role == "assistant"
+        assert reply.usage.completion_tokens == 4
+        other = client.chat.completions.create(model="kvd-demo-llama-v1", max_completion_tokens=4, seed=4,
+                                               messages=[talk[0], {"role": "user", "content": "And blocks?"}])
+        assert other.usage.prompt_tokens_details.cached_tokens >= 64
+        streamed = list(client.chat.completions.create(model="kvd-demo-llama-v1", messages=talk, max_tokens=4,
+                                                       seed=4, stream=True))
+        assert streamed[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content for c in streamed) == reply.choices[0].message.content
+        assert kvd.kvctl("status").stdout.count("chat template") == 1
+
         # A client that goes away mid-stream cancels its request and frees its blocks.
         body = {"prompt": system + "Tell a very long story.", "max_tokens": 1800, "ignore_eos": True,
                 "stream": True}

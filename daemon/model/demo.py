@@ -34,6 +34,13 @@ DEMO_CONFIG = {
 EMBED_STD = 1.0
 HEAD_STD = 0.15  # keeps logits spread: sampling varies, greedy is not one repeated token
 BOS, EOS = "<|begin|>", "<|end|>"
+# The demo's chat format: each message as "<|role|>\n" + content + EOS + "\n", after one BOS; the
+# reply is asked for with "<|assistant|>\n" and ends with EOS, which stops generation.
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 
 
 def write_byte_tokenizer(directory: Path) -> None:
@@ -50,6 +57,16 @@ def write_byte_tokenizer(directory: Path) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+
+
+def write_chat_template(directory: Path) -> None:
+    """The demo's chat template beside its tokenizer, atomically (a file of its own, outside
+    tokenizer_config.json: the tokenizer's digest, and so every cached block's key, stays)."""
+    staging = directory / ".chat_template.jinja.tmp"
+    staging.write_text(DEMO_CHAT_TEMPLATE, encoding="utf-8")
+    with open(staging, "rb") as handle:
+        os.fsync(handle.fileno())
+    staging.replace(directory / "chat_template.jinja")
 
 
 def demo_weights(config: dict, seed: int = 0) -> dict:
@@ -88,6 +105,8 @@ def ensure_demo_checkpoint(state_dir: str | Path) -> Path:
 
     target = Path(state_dir) / "models" / DEMO_NAME
     if (target / "config.json").is_file():
+        if not (target / "chat_template.jinja").is_file():  # built before kvd served chat
+            write_chat_template(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
@@ -95,6 +114,7 @@ def ensure_demo_checkpoint(state_dir: str | Path) -> Path:
         (staging / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=2))
         save_file(demo_weights(DEMO_CONFIG), str(staging / "model.safetensors"))
         write_byte_tokenizer(staging)
+        (staging / "chat_template.jinja").write_text(DEMO_CHAT_TEMPLATE, encoding="utf-8")
         for path in staging.iterdir():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())

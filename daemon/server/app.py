@@ -27,7 +27,11 @@ from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.engine.engine import AdmissionRejected
 from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, SamplingParams
 
+from kvctl.daemon.model.chat_template import ChatTemplateError
+
 from . import event_feed
+from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape,
+                   MessagesError, chat_messages, messages_size)
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .metrics import Metrics
@@ -92,15 +96,16 @@ UNSUPPORTED_HINTS = {
 }
 
 
-def refuse_unsupported(body: CompletionRequest) -> None:
+def refuse_unsupported(body: BaseModel, unsupported: dict, hints: dict) -> None:
     """A 400 naming the first field kvd would otherwise ignore (best_of equal to n is inert)."""
     for name, value in (body.model_extra or {}).items():
-        inert = UNSUPPORTED_FIELDS.get(name)
+        inert = unsupported.get(name)
         if inert is None or value in inert or (name == "best_of" and value == body.n):
             continue
         shown = "a salt" if name == "cache_salt" else repr(value)  # a salt is the client's secret: never echoed
         raise ApiError(400, f"{name}: not supported by kvd, got {shown}; "
-                            + UNSUPPORTED_HINTS.get(name, "leave it out"), param=name, code="unsupported_parameter")
+                            + hints.get(name, UNSUPPORTED_HINTS.get(name, "leave it out")), param=name,
+                       code="unsupported_parameter")
 
 
 # a tenant named in an admin request follows the token file's and X-KVD-Tenant's rule: a pin for
@@ -264,19 +269,56 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request, who: Principal = Depends(principal)):
-        refuse_unsupported(body)
+        refuse_unsupported(body, UNSUPPORTED_FIELDS, UNSUPPORTED_HINTS)
+        engine = ready_for(body.model)
+        prompts = _prompts(body.prompt)
+        return await generate(engine, prompts, sampling(body, body.max_tokens), body, http, who, CompletionShape())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: Request, who: Principal = Depends(principal)):
+        refuse_unsupported(body, UNSUPPORTED_CHAT_FIELDS, CHAT_HINTS)
+        try:
+            messages = chat_messages(body.messages)
+            limit, opens_reply = body.output_limit(), body.generation_prompt()
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        engine = ready_for(body.model)
+        render = (service.chat_prompt, messages, opens_reply, body.continue_final_message)
+        try:  # a long conversation is rendered and tokenized off the loop that streams every answer
+            ids = render[0](*render[1:]) if messages_size(messages) <= HAND_IN_ON_LOOP_TOKENS \
+                else await run_in_threadpool(*render)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param=_param_of(str(exc)), code="chat_template_refused") from None
+        if limit is None:  # what the context has left, as vLLM does
+            positions = engine.loaded.config.max_position_embeddings
+            limit = positions - len(ids)
+            if limit < 1:
+                raise ApiError(413, f"messages: the conversation is {len(ids)} tokens, which leaves no room for a "
+                                    f"reply in the model's {positions} positions", param="messages",
+                               code="context_length_exceeded")
+        return await generate(engine, [ids], sampling(body, limit), body, http, who, ChatShape())
+
+    def ready_for(model: str | None):
+        """The engine, once it takes completions for `model` (None: whichever is served)."""
         engine = service.require_ready()
         if service.draining:  # before it is started: a router passes it to another replica
             raise ApiError(503, "kvd is draining: it takes no new completion until `kvctl resume`",
                            type_="service_unavailable", code="draining", headers={"Retry-After": "5"})
-        if body.model is not None and body.model != service.model_name:
-            raise ApiError(404, f"model: {body.model!r} is not served here; GET /v1/models lists "
+        if model is not None and model != service.model_name:
+            raise ApiError(404, f"model: {model!r} is not served here; GET /v1/models lists "
                                 f"{service.model_name!r}", param="model", code="model_not_found")
-        prompts = _prompts(body.prompt)
+        return engine
+
+    def sampling(body, max_tokens: int) -> SamplingParams:
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        params = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                top_k=max(body.top_k, 0), seed=body.seed, n=body.n, stop=stop,
-                                stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=max(body.top_k, 0), seed=body.seed, n=body.n, stop=stop,
+                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+
+    async def generate(engine, prompts: list[list[int]], params: SamplingParams, body, http: Request,
+                       who: Principal, shape: CompletionShape):
+        """Run `prompts` (n samples each) and answer in `shape`: streamed as server-sent events, or
+        whole once every sample has finished. A client that leaves cancels them."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         sink = LoopSink(loop, events)
@@ -304,9 +346,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full",
                                headers={"Retry-After": "1"}) from None
             raise ApiError(400, str(exc), code="cache_capacity_exceeded") from None
-        completion_id = "cmpl-" + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        index_of = {(r.request_id, i): p * body.n + i for p, r in enumerate(requests) for i in range(body.n)}
+        head = {"id": shape.id_prefix + uuid.uuid4().hex[:24], "created": int(time.time()),
+                "model": service.model_name}
+        n = params.n
+        index_of = {(r.request_id, i): p * n + i for p, r in enumerate(requests) for i in range(n)}
         by_id = {r.request_id: r for r in requests}
 
         def cancel_all():
@@ -316,8 +359,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
-                _stream(engine, events, requests, by_id, index_of, completion_id, created,
-                        service.model_name, include_usage, cancel_all),
+                _stream(engine, events, requests, by_id, index_of, head, shape, include_usage, cancel_all),
                 media_type="text/event-stream")
         pending = set(index_of)
         checked = loop.time()
@@ -341,12 +383,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         choices = []
         for request in requests:
             for seq in sorted(request.sequences, key=lambda s: s.index):
-                choices.append({"index": index_of[(request.request_id, seq.index)],
-                                "text": engine.text_of(seq), "token_ids": list(seq.output_ids),
-                                "logprobs": None, "finish_reason": seq.finish_reason})
+                choices.append(shape.choice(index_of[(request.request_id, seq.index)], engine.text_of(seq),
+                                            list(seq.output_ids), seq.finish_reason))
         choices.sort(key=lambda c: c["index"])
-        return {"id": completion_id, "object": "text_completion", "created": created,
-                "model": service.model_name, "choices": choices, "usage": _usage(requests)}
+        return {"id": head["id"], "object": shape.object, "created": head["created"], "model": head["model"],
+                "choices": choices, "usage": _usage(requests)}
 
     def _prompts(prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -561,8 +602,7 @@ class IncrementalText:
         return after[len(before):]
 
 
-async def _stream(engine, events, requests, by_id, index_of, completion_id, created, model_name,
-                  include_usage, cancel_all):
+async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, include_usage, cancel_all):
     """Server-sent events ending with [DONE]; a disconnect cancels.
 
     A chunk carries one choice's new tokens: one token per chunk while the client keeps up,
@@ -598,13 +638,13 @@ async def _stream(engine, events, requests, by_id, index_of, completion_id, crea
                     entry[2] = event.finish_reason
                     pending.discard(key)
             for key, (token_ids, delta, finish_reason) in merged.items():
-                chunk = {"id": completion_id, "object": "text_completion", "created": created, "model": model_name,
-                         "choices": [{"index": index_of[key], "text": delta, "token_ids": token_ids,
-                                      "logprobs": None, "finish_reason": finish_reason}]}
+                chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
+                         "model": head["model"],
+                         "choices": [shape.chunk_choice(index_of[key], delta, token_ids, finish_reason)]}
                 yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
-            usage_chunk = {"id": completion_id, "object": "text_completion", "created": created,
-                           "model": model_name, "choices": [], "usage": _usage(requests)}
+            usage_chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
+                           "model": head["model"], "choices": [], "usage": _usage(requests)}
             yield f"data: {json.dumps(usage_chunk)}\n\n"
         yield "data: [DONE]\n\n"
         finished_cleanly = True

@@ -27,6 +27,7 @@ from kvctl.daemon.config import ConfigError, KvdConfig, cache_dtype_name, quick_
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
+from kvctl.daemon.model.chat_template import ChatTemplate, load_chat_template
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import Store
@@ -94,6 +95,7 @@ class EngineService:
         self.lock = threading.Condition(threading.RLock())
         self.engine: Engine | None = None
         self.loaded: LoadedModel | None = None
+        self.chat_template: ChatTemplate | None = None  # renders /v1/chat/completions' messages
         self.ready = threading.Event()
         self.accepting = True
         self.draining = False  # an operator's drain: no new completion; what runs finishes (kvctl drain)
@@ -137,6 +139,7 @@ class EngineService:
             raise ValueError(f"cache_dtype: {problem}")
         model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
+        chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template)
         scales, scale_version, keep = None, "", ()
         self.calibration: dict | None = None
         if cfg.cache_dtype != "auto":
@@ -183,7 +186,7 @@ class EngineService:
 
         tier_ops.attach(self, engine)
         with self.lock:
-            self.loaded, self.engine = loaded, engine
+            self.loaded, self.engine, self.chat_template = loaded, engine, chat_template
             self._restore_pins()
         if self.tiers is not None and engine.cache.pins.all():  # pinned prefixes a lower tier kept
             warmer = threading.Thread(target=tier_ops.warm_pins, args=(self,), name="kvd-warm-pins", daemon=True)
@@ -670,6 +673,18 @@ class EngineService:
     def tokenize(self, text: str) -> list[int]:
         return self.loaded.tokenizer.encode(text)
 
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """The token ids of `messages` (checked by chat.chat_messages) rendered by the model's chat
+        template; ServiceError 400 when the model has none, ChatTemplateError when it refuses them."""
+        if self.chat_template is None:
+            raise ServiceError(400, f"messages: model {self.model_name!r} has no chat template (none in its "
+                                    "tokenizer_config.json or chat_template.jinja); start kvd with --chat-template "
+                                    "FILE, or send the prompt to /v1/completions", param="messages")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message)
+        return self.loaded.tokenizer.encode(text, add_bos=False)
+
     # ---- operator views ----------------------------------------------------------------------
     def status(self, with_blocks: bool = False) -> dict:
         engine = self.require_ready()
@@ -685,7 +700,9 @@ class EngineService:
                 "model": {"name": self.model_name, "architecture": self.loaded.config.architecture,
                           "path": str(self.loaded.path),
                           "revision": self.loaded.revision, "dtype": str(engine.model.dtype),
-                          "device": str(engine.model.device)},
+                          "device": str(engine.model.device),
+                          "chat_template": None if self.chat_template is None else {
+                              "source": self.chat_template.source, "digest": self.chat_template.digest}},
                 "blocks": {"device": {"total": cache.num_blocks, **counts}},
                 "block_size": cache.block_size,
                 "bytes_per_block": engine.cache.block_bytes,

@@ -1,0 +1,160 @@
+"""A checkpoint's chat template: the Jinja text that turns chat messages into one prompt.
+
+Where it comes from, first found wins:
+
+1. the file the operator names (`kvd serve --chat-template FILE`, as vLLM's flag);
+2. `chat_template.jinja` in the checkpoint directory (what recent `transformers` saves);
+3. `tokenizer_config.json`'s `chat_template`: a string, or a list of `{name, template}` of which
+   the one named `default` is used.
+
+A checkpoint with none of these serves completions only; `/v1/chat/completions` then says so.
+
+The template is rendered the way `transformers`' `apply_chat_template` renders it, so that a
+prompt sent through kvd is the prompt the model was trained on: an immutable sandboxed Jinja
+environment (a template cannot reach Python objects' internals or change the messages it is
+handed), `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter
+that keeps non-ASCII text as it is, and the globals `raise_exception(message)` and
+`strftime_now(format)`. The tokenizer's special tokens (`bos_token`, `eos_token`, ...) are
+passed as strings. The text is then encoded without adding a BOS: the template writes its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from .config import ModelError
+
+TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the messages (its own `raise_exception`, or an error while rendering)."""
+
+
+def _raise_exception(message: str):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format_: str) -> str:
+    return datetime.now().strftime(format_)
+
+
+def compile_template(text: str, source: str):
+    """The template compiled in the sandbox; ModelError naming `source` when it does not parse."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ModelError(f"chat_template: {source} does not parse: {exc.message} (line {exc.lineno})") from None
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """One compiled chat template and where it came from."""
+
+    text: str
+    source: str  # the file (or "tokenizer_config.json") it was read from, for status and errors
+    special_tokens: dict  # bos_token, eos_token, ... as strings, as the template sees them
+    compiled: object = field(compare=False, repr=False)  # the jinja2 Template of `text`
+
+    @classmethod
+    def compile(cls, text: str, source: str, special_tokens: dict) -> "ChatTemplate":
+        """ModelError naming `source` when `text` does not parse."""
+        return cls(text, source, special_tokens, compile_template(text, source))
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the template's text: two replicas whose digests match render alike."""
+        return hashlib.sha256(b"kvctl/chat-template/v1\0" + self.text.encode("utf-8")).hexdigest()
+
+    def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> str:
+        """The prompt text for `messages` (already checked: roles and string contents).
+
+        `continue_final_message`: the prompt ends inside the last message (an assistant reply the
+        model is to go on with) instead of after it; the text after that message's content is cut."""
+        import jinja2
+
+        try:
+            text = self.compiled.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"messages: the chat template refused them: {exc.message or exc}") from None
+        except (TypeError, ValueError, LookupError, AttributeError) as exc:
+            raise ChatTemplateError(f"messages: the chat template failed on them: {type(exc).__name__}: {exc}"
+                                    ) from None
+        if continue_final_message:
+            final = messages[-1]["content"]
+            end = text.rfind(final.strip()) if final.strip() else -1
+            if end < 0:
+                raise ChatTemplateError("continue_final_message: the chat template does not write the last "
+                                        "message's content as it is, so the prompt cannot end inside it")
+            text = text[:end + len(final.strip())]
+        return text
+
+
+def special_tokens_of(tokenizer_config: dict) -> dict:
+    """The special tokens a template may name, as strings (a token given as {"content": ...} too)."""
+    tokens = {}
+    for name in SPECIAL_TOKEN_FIELDS:
+        value = tokenizer_config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
+
+
+def template_from_config(tokenizer_config: dict) -> str | None:
+    """`tokenizer_config.json`'s chat_template: a string, or the `default` of a named list."""
+    value = tokenizer_config.get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, dict)}
+        chosen = named.get("default")
+        if isinstance(chosen, str):
+            return chosen
+        raise ModelError("chat_template: tokenizer_config.json lists templates named "
+                         + ", ".join(repr(n) for n in named) + " but none named 'default'; "
+                         "name one with --chat-template FILE")
+    raise ModelError(f"chat_template: tokenizer_config.json holds a {type(value).__name__}, "
+                     "expected a string or a list of {name, template}")
+
+
+def load_chat_template(model_dir: Path, tokenizer_config: dict, override: str | Path | None = None
+                       ) -> ChatTemplate | None:
+    """The checkpoint's chat template (see the module's docstring for the order), compiled once
+    here so that a template that does not parse stops kvd at start, not at the first chat."""
+    special = special_tokens_of(tokenizer_config)
+    if override is not None:
+        path = Path(override)
+        if not path.is_file():
+            raise ModelError(f"chat_template: {str(path)!r} is not a file")
+        text, source = path.read_text(encoding="utf-8"), str(path)
+    elif (Path(model_dir) / TEMPLATE_FILE).is_file():
+        path = Path(model_dir) / TEMPLATE_FILE
+        text, source = path.read_text(encoding="utf-8"), str(path)
+    else:
+        text, source = template_from_config(tokenizer_config), "tokenizer_config.json"
+        if text is None:
+            return None
+    return ChatTemplate.compile(text, source, special)

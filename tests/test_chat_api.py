@@ -1,0 +1,251 @@
+"""`POST /v1/chat/completions` in-process on the demo checkpoint: a chat is the completion of its
+rendered prompt, prefixes are shared across conversations and turns, streaming, and refusals."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+from .daemon_fixtures import apps, blocks_all_back, call, sse_events, start_service, token_table  # noqa: E402
+
+SYSTEM = ("You are the operator's assistant for a fleet of KV caches. Answer in one short sentence, "
+          "name the setting to change, and never guess a figure you were not given.")
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    state = tmp_path_factory.mktemp("kvd")
+    service = start_service(state, num_blocks=256)
+    unix, tcp = apps(service, token_table(state))
+    yield service, unix, tcp
+    service.shutdown(1)
+
+
+def chat(app, messages, **body):
+    return call(app, "POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "seed": 3, **body})
+
+
+def conversation(question, *turns):
+    return [{"role": "system", "content": SYSTEM}, *turns, {"role": "user", "content": question}]
+
+
+def rendered(service, messages, add_generation_prompt=True):
+    text = service.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+    return service.loaded.tokenizer.encode(text, add_bos=False)
+
+
+def common_blocks(a, b):
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same // BLOCK * BLOCK
+
+
+def test_a_chat_is_the_completion_of_its_rendered_prompt(daemon):
+    service, unix, _ = daemon
+    messages = conversation("Which setting bounds the host tier?")
+    answer = chat(unix, messages, temperature=0.8, model=service.model_name)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    ids = rendered(service, messages)
+    plain = call(unix, "POST", "/v1/completions",
+                 json={"prompt": ids, "max_tokens": 6, "seed": 3, "temperature": 0.8}).json()
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["model"] == service.model_name
+    assert choice["token_ids"] == plain["choices"][0]["token_ids"]
+    assert choice["message"] == {"role": "assistant", "content": service.loaded.tokenizer.decode(choice["token_ids"])}
+    assert choice["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == 6
+    assert blocks_all_back(service)
+
+
+def test_conversations_sharing_a_system_prompt_share_its_blocks(daemon):
+    service, unix, _ = daemon
+    first = conversation("How do I pin the system prompt?")
+    second = conversation("What evicts a pinned prefix?")
+    chat(unix, first)
+    usage = chat(unix, second).json()["usage"]
+    shared = common_blocks(rendered(service, first), rendered(service, second))
+    assert shared >= 64  # the system prompt is several blocks
+    assert usage["prompt_tokens_details"]["cached_tokens"] == shared
+
+
+def test_the_next_turn_of_a_conversation_hits_the_turn_before(daemon):
+    service, unix, _ = daemon
+    turn_one = conversation("Name one tier.")
+    reply = chat(unix, turn_one, temperature=0).json()["choices"][0]["message"]["content"]
+    turn_two = conversation("And another?", {"role": "user", "content": "Name one tier."},
+                            {"role": "assistant", "content": reply})  # system, user, assistant, user
+    usage = chat(unix, turn_two, temperature=0).json()["usage"]
+    first_prompt = rendered(service, turn_one)
+    assert rendered(service, turn_two)[:len(first_prompt)] == first_prompt  # the template extends the turn
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= len(first_prompt) // BLOCK * BLOCK
+
+
+def test_streaming_sends_deltas_that_add_up_to_the_whole_answer(daemon):
+    service, unix, _ = daemon
+    messages = conversation("Stream me an answer.")
+    plain = chat(unix, messages, temperature=0.9, n=2).json()
+    events = sse_events(chat(unix, messages, temperature=0.9, n=2, stream=True,
+                             stream_options={"include_usage": True}))
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert {c["object"] for c in events[:-1]} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in events[:-1]}) == 1 and events[0]["id"].startswith("chatcmpl-")
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert all("role" not in c["delta"] for c in mine[1:])
+        assert "".join(c["delta"]["content"] for c in mine) == plain["choices"][index]["message"]["content"]
+        assert [t for c in mine for t in c["token_ids"]] == plain["choices"][index]["token_ids"]
+        assert [c["finish_reason"] for c in mine][-1] == "length" and not any(
+            c["finish_reason"] for c in mine[:-1])
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == plain["usage"] | {
+        "prompt_tokens_details": events[-2]["usage"]["prompt_tokens_details"]}
+    assert blocks_all_back(service)
+
+
+def test_continue_final_message_goes_on_with_the_assistant_s_words(daemon):
+    service, unix, _ = daemon
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "one, two,"}]
+    body = chat(unix, messages, continue_final_message=True, add_generation_prompt=False, temperature=0).json()
+    ids = service.loaded.tokenizer.encode("<|begin|><|user|>\nCount.<|end|>\n<|assistant|>\none, two,", add_bos=False)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    plain = call(unix, "POST", "/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0}).json()
+    assert body["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    # add_generation_prompt left out: it gives way to continue_final_message
+    same = chat(unix, messages, continue_final_message=True, temperature=0).json()
+    assert same["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]
+
+
+def test_max_completion_tokens_is_max_tokens(daemon):
+    _, unix, _ = daemon
+    body = call(unix, "POST", "/v1/chat/completions", json={
+        "messages": conversation("Short."), "max_completion_tokens": 3, "ignore_eos": True}).json()
+    assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"messages": []}, 400, "messages", "messages: must not be empty"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}, 400, "messages[1].role",
+     "messages[1].role: must be one of system, user, assistant, got 'bot'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages[0].content[0].type",
+     "messages[0].content[0].type: kvd takes text parts only ({\"type\": \"text\", \"text\": ...}), got 'image_url'"),
+    ({"messages": "hello"}, 400, "messages", "messages: Input should be a valid list (got 'hello')"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools",
+     "tools: not supported by kvd, got [{'type': 'function'}]; kvd does not call tools; describe them in a message "
+     "instead"),
+    ({"messages": [{"role": "user", "content": "a"}], "logprobs": True}, 400, "logprobs",
+     "logprobs: not supported by kvd, got True; leave it out"),
+    ({"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ 1 }}"}, 400, "chat_template",
+     "chat_template: not supported by kvd, got '{{ 1 }}'; kvd renders every conversation with the model's own "
+     "template (kvd serve --chat-template sets it for the daemon)"),
+    ({"messages": [{"role": "user", "content": "a"}], "max_tokens": 4, "max_completion_tokens": 5}, 400,
+     "max_completion_tokens", "max_completion_tokens: 5 differs from max_tokens 4; give one of them"),
+    ({"messages": [{"role": "user", "content": "a"}], "continue_final_message": True,
+      "add_generation_prompt": True}, 400, "add_generation_prompt",
+     "add_generation_prompt: true contradicts continue_final_message: true (the prompt cannot both end inside the "
+     "last message and open a new one)"),
+    ({"messages": [{"role": "user", "content": "a"}], "max_tokens": 9000}, 413, "max_tokens",
+     "max_tokens: prompt (27) + max_tokens (9000) exceeds the model's 8192 positions"),
+    ({"messages": [{"role": "user", "content": "x" * 8200}]}, 413, "messages",
+     "messages: the conversation is 8226 tokens, which leaves no room for a reply in the model's 8192 positions"),
+    ({"messages": [{"role": "user", "content": "a"}], "model": "gpt-4o"}, 404, "model",
+     "model: 'gpt-4o' is not served here; GET /v1/models lists 'kvd-demo-llama-v1'"),
+    ({"messages": [{"role": "user", "content": "a"}], "n": 0}, 400, "n", "n: must be an integer from 1 to 64, got 0"),
+])
+def test_bad_chat_requests_are_refused_by_name_and_leave_nothing_behind(daemon, body, status, param, message):
+    service, unix, _ = daemon
+    answer = call(unix, "POST", "/v1/chat/completions", json=body)
+    assert answer.status_code == status
+    error = answer.json()["error"]
+    assert (error["param"], error["message"]) == (param, message)
+    assert blocks_all_back(service)
+
+
+def test_a_user_token_may_chat_and_its_tenant_keeps_its_own_blocks(daemon):
+    from .daemon_fixtures import GLOBEX_TOKEN, USER_TOKEN
+
+    _, _, tcp = daemon
+    messages = conversation("Tenants?")
+    acme = {"Authorization": f"Bearer {USER_TOKEN}"}
+    globex = {"Authorization": f"Bearer {GLOBEX_TOKEN}"}
+    payload = {"messages": messages, "max_tokens": 2}
+    call(tcp, "POST", "/v1/chat/completions", json=payload, headers=acme)
+    again = call(tcp, "POST", "/v1/chat/completions", json=payload, headers=acme).json()
+    other = call(tcp, "POST", "/v1/chat/completions", json=payload, headers=globex).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert call(tcp, "POST", "/v1/chat/completions", json=payload).status_code == 401
+
+
+def test_a_model_without_a_chat_template_says_how_to_give_it_one(tmp_path):
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+
+    demo = ensure_demo_checkpoint(tmp_path / "build")
+    model = tmp_path / "no-template"
+    shutil.copytree(demo, model, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    service = start_service(tmp_path / "state", model=str(model))
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        answer = chat(unix, [{"role": "user", "content": "hi"}])
+        assert answer.status_code == 400
+        assert answer.json()["error"]["message"] == (
+            "messages: model 'no-template' has no chat template (none in its tokenizer_config.json or "
+            "chat_template.jinja); start kvd with --chat-template FILE, or send the prompt to /v1/completions")
+        assert call(unix, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+    finally:
+        service.shutdown(1)
+
+
+def test_a_template_given_at_start_renders_and_its_refusals_are_400s(tmp_path):
+    template = tmp_path / "strict.jinja"
+    template.write_text("{% for m in messages %}{% if m['role'] == 'system' %}"
+                        "{{ raise_exception('this model takes no system prompt') }}{% endif %}"
+                        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    service = start_service(tmp_path / "state", chat_template=str(template))
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        refused = chat(unix, [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}])
+        assert refused.status_code == 400
+        assert refused.json()["error"] | {"type": None} == {
+            "message": "messages: the chat template refused them: this model takes no system prompt",
+            "param": "messages", "code": "chat_template_refused", "type": None}
+        answer = chat(unix, [{"role": "user", "content": "hi"}]).json()
+        assert answer["usage"]["prompt_tokens"] == len(service.loaded.tokenizer.encode("user: hi\nassistant:",
+                                                                                        add_bos=False))
+        assert service.status()["model"]["chat_template"] == {"source": str(template),
+                                                              "digest": service.chat_template.digest}
+    finally:
+        service.shutdown(1)
+
+
+def test_a_template_that_does_not_parse_stops_the_start_with_its_file_and_line(tmp_path):
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.store import Store
+
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}\n{{ m['content'] }")
+    config = resolve({"state_dir": str(tmp_path), "socket": str(tmp_path / "kvd.sock"), "num_blocks": 8,
+                      "chat_template": str(template)}, env={})
+    service = EngineService(config, Store(tmp_path / "kvd.sqlite3"))
+    with pytest.raises(ValueError) as caught:
+        service.load()
+    assert str(caught.value).startswith(f"chat_template: {template} does not parse: ")
+    assert "(line 2)" in str(caught.value)
+
+
+def test_the_openapi_document_lists_the_chat_endpoint(daemon):
+    _, unix, _ = daemon
+    document = call(unix, "GET", "/openapi.json").json()
+    body = document["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"] == {"$ref": "#/components/schemas/ChatCompletionRequest"}
+    schema = document["components"]["schemas"]["ChatCompletionRequest"]
+    assert schema["required"] == ["messages"]
+    assert {"max_completion_tokens", "continue_final_message", "stream"} <= set(schema["properties"])
