@@ -36,6 +36,11 @@ AFFINITY_CHARS = 256  # of a text prompt's opening that names its home (about 64
 AFFINITY_TOKENS = 64  # of a token-id prompt's
 HOME_BAND_SECONDS = 0.25  # a new prefix's home is passed over when it waits this much more than the least loaded
 NEW_PREFIX = ("home", "least_loaded")  # where `prefix` sends a prompt no replica holds
+# Another replica wins a prompt from its home only by holding at least this many more of its tokens.
+# Less is the opening every prompt shares (a chat template's: BOS, a system header, a date line),
+# which every replica soon holds: counting it would send each new conversation to whichever replica
+# served one first, never home, and two routers would again compute one new prefix twice.
+HOME_SLACK_TOKENS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,23 +167,32 @@ class LeastLoaded(_Spreading):
 class PrefixAffinity(_Spreading):
     name = "prefix"
 
-    def __init__(self, balance_seconds: float = 2.0, new_prefix: str = "home") -> None:
+    def __init__(self, balance_seconds: float = 2.0, new_prefix: str = "home",
+                 home_slack_tokens: int = HOME_SLACK_TOKENS) -> None:
         super().__init__()
         if not balance_seconds >= 0:
             raise ValueError(f"balance_seconds: must be >= 0, got {balance_seconds!r}")
         if new_prefix not in NEW_PREFIX:
             raise ValueError(f"new_prefix: unknown value {new_prefix!r}; choose from {', '.join(NEW_PREFIX)}")
-        self.balance_seconds, self.new_prefix = balance_seconds, new_prefix
+        if not home_slack_tokens >= 0:
+            raise ValueError(f"home_slack_tokens: must be >= 0, got {home_slack_tokens!r}")
+        self.balance_seconds, self.new_prefix, self.home_slack_tokens = balance_seconds, new_prefix, home_slack_tokens
 
     def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts], affinity: bytes | None = None) -> Route:
         idle = self._least_loaded(replicas)
         best = min(range(len(replicas)), key=lambda i: (-replicas[i].held_tokens, -replicas[i].cached_tokens,
                                                         *self._load(replicas, i)))
-        if replicas[best].held_tokens == 0:
-            home = cold_home(replicas, affinity, HOME_BAND_SECONDS) if self.new_prefix == "home" else None
-            if home is not None:
+        home = cold_home(replicas, affinity, HOME_BAND_SECONDS) if self.new_prefix == "home" else None
+        most = replicas[best].held_tokens
+        if home is not None and (most == 0 or (home != best and most - replicas[home].held_tokens
+                                               < self.home_slack_tokens)):
+            if most == 0:
                 return self._send(home, "no replica caches its prefix: its home (the first by its hash "
                                         "within the load bound)")
+            return self._send(home, f"its home (the first by its hash within the load bound), which caches "
+                                    f"{replicas[home].held_tokens} of its tokens: no replica caches "
+                                    f"{self.home_slack_tokens} more")
+        if most == 0:
             return self._send(idle, "no replica caches its prefix: the least loaded")
         if replicas[best].wait_seconds - replicas[idle].wait_seconds > self.balance_seconds:
             return self._send(idle, f"the replica caching most waits {replicas[best].wait_seconds:.2f} s, over "

@@ -250,6 +250,7 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
                      "model": service.model_name, "lower_tier_tokens": {}, "restore_seconds": 0.0,
                      "restore_rates": service.tiers.read_rates(), "block_bytes": service.tiers.layout.block_bytes,
                      "draining": False,  # kvctl drain: every router leaves it out
+                     "chat_template": service.chat_template.digest,  # a router renders chats with it
                      "tenant_header": True}  # the Unix front serves a request under the tenant it names
     assert facts["prefill_tokens_per_second"] > 0 and facts["namespace"]["tokenizer_digest"] == service.engine.tokenizer.digest
     assert set(facts["restore_rates"]) == {"host", "disk"}
@@ -263,4 +264,4 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
     assert facts["restore_seconds"] == pytest.approx(
         disk["latency_seconds"] + blocks * facts["block_bytes"] / disk["bytes_per_second"])
     bad = call(app, "POST", "/admin/route-facts", json={"tokens": ids, "text": "both"})
-    assert bad.status_code == 400 and bad.json()["error"]["message"] == "give exactly one of text and tokens"
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "give exactly one of text, tokens and messages"

@@ -116,6 +116,9 @@ Tenant = Annotated[str, Field(pattern=TENANT_PATTERN.pattern)]
 class PinRequest(BaseModel):
     text: str | None = None
     tokens: list[int] | None = None
+    # chat messages, rendered by the model's chat template without opening a reply: pinning a chat
+    # system prompt this way pins the tokens every conversation that starts with it begins with
+    messages: list[Any] | None = None
     prefix: str | None = None  # an id from /admin/prefixes, instead of text or tokens
     tenant: Tenant | None = None
     ttl: str | float | None = None
@@ -170,6 +173,7 @@ class CalibrateRequest(BaseModel):
 class ExplainRequest(BaseModel):
     text: str | None = None
     tokens: list[int] | None = None
+    messages: list[Any] | None = None  # a chat, rendered as /v1/chat/completions renders it
     tenant: Tenant | None = None
 
 
@@ -433,11 +437,15 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/admin/tokenizer")
     def tokenizer(_: Principal = Depends(admin)):
-        """The model's tokenizer files as text, with the digest the cache keys' namespace records:
-        a router that computes prompts' keys itself (`kvd router --view events`) loads it from here."""
+        """The model's tokenizer files as text, with the digest the cache keys' namespace records,
+        and the chat template (text and digest; null when there is none): a router that computes
+        prompts' keys itself (`kvd router --view events`) loads them from here."""
         tok = service.require_ready().tokenizer
         tokenizer_json, config_json = tok.texts
-        return {"digest": tok.digest, "tokenizer_json": tokenizer_json, "tokenizer_config_json": config_json}
+        template = service.chat_template
+        return {"digest": tok.digest, "tokenizer_json": tokenizer_json, "tokenizer_config_json": config_json,
+                "chat_template": None if template is None else template.text,
+                "chat_template_digest": service.chat_template_digest}
 
     @app.get("/admin/pins")
     def pins(_: Principal = Depends(admin)):
@@ -445,8 +453,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.post("/admin/pins")
     def pin(body: PinRequest, who: Principal = Depends(admin)):
-        if body.prefix is not None and (body.text is not None or body.tokens is not None):
-            raise ApiError(400, "give exactly one of text, tokens and prefix", param="prefix")
+        if body.prefix is not None and (body.text, body.tokens, body.messages) != (None, None, None):
+            raise ApiError(400, "give exactly one of text, tokens, messages and prefix", param="prefix")
         try:
             ttl = parse_duration(body.ttl)
         except ValueError:
@@ -456,7 +464,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, f"ttl: must be > 0 seconds, got {body.ttl!r}", param="ttl")
         if body.prefix is not None:
             return service.pin_prefix(body.prefix, who, body.tenant, ttl, body.note)
-        token_ids = _tokens_of(body.text, body.tokens)
+        token_ids = _tokens_of(body, opens_reply=False)
         target = Principal(body.tenant or who.tenant, who.role, who.actor)
         return service.pin(token_ids, target, ttl, body.note)
 
@@ -471,7 +479,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
-        return service.explain(_tokens_of(body.text, body.tokens), body.tenant or who.tenant)
+        return service.explain(_tokens_of(body), body.tenant or who.tenant)
 
     @app.post("/admin/drain")
     def drain(body: DrainRequest, who: Principal = Depends(admin)):
@@ -483,7 +491,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         holds, and how busy this replica is (its predicted wait, running and waiting requests).
         `tenant_header`: whether this front serves a request under the X-KVD-Tenant it names (else
         under the caller's token's tenant, `tenant` here when the body names none)."""
-        facts = service.route_facts(_tokens_of(body.text, body.tokens), body.tenant or who.tenant)
+        facts = service.route_facts(_tokens_of(body), body.tenant or who.tenant)
         return {**facts, "tenant_header": front == "unix" or trusted_proxy}
 
     @app.post("/admin/rollouts")
@@ -560,12 +568,23 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     def audit(since: float = 0.0, action: str | None = None, _: Principal = Depends(admin)):
         return {"entries": service.store.audit_since(since, action=action)}
 
-    def _tokens_of(text: str | None, token_ids: list[int] | None) -> list[int]:
-        if (text is None) == (token_ids is None):
-            raise ApiError(400, "give exactly one of text and tokens", param="text")
+    def _tokens_of(body: ExplainRequest | PinRequest, opens_reply: bool = True) -> list[int]:
+        """The prompt an admin request names: its text, its token ids, or its chat messages rendered
+        by the chat template (`opens_reply`: ending with the assistant's turn opening, as a chat
+        request's prompt does)."""
+        text, token_ids, messages = body.text, body.tokens, body.messages
+        if sum(x is not None for x in (text, token_ids, messages)) != 1:
+            raise ApiError(400, "give exactly one of text, tokens and messages", param="text")
         engine = service.require_ready()
         if text is not None:
             return service.tokenize(text)
+        if messages is not None:
+            try:
+                return service.chat_prompt(chat_messages(messages), add_generation_prompt=opens_reply)
+            except MessagesError as exc:
+                raise ApiError(400, str(exc), param=exc.param) from None
+            except ChatTemplateError as exc:
+                raise ApiError(400, str(exc), param="messages", code="chat_template_refused") from None
         vocab = engine.loaded.config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:

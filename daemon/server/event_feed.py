@@ -91,7 +91,8 @@ async def wait_for_events(log: EventLog, since: int, limit: int, kinds, tiers, w
 def snapshot(service) -> dict:
     """Every key each tier holds now, with the seq of the newest event they reflect: apply the
     events after it to stay current. Also the namespace fields a router needs to compute keys
-    itself (`kvctl.daemon.cache.keys.chain_keys(Namespace(**namespace, tenant=...), ids)`)."""
+    itself (`kvctl.daemon.cache.keys.chain_keys(Namespace(**namespace, tenant=...), ids)`), and
+    the digest of the chat template it renders chats with (`GET /admin/tokenizer` serves it)."""
     engine = service.require_ready()
     log = engine.events
     with service.lock:  # the engine thread changes the device index only under it
@@ -103,4 +104,4 @@ def snapshot(service) -> dict:
                 held[tier.name] = list(tier.index)
     tiers = {name: [k.hex() for k in keys] for name, keys in held.items()}
     return {"stream_id": log.stream_id, "seq": seq, "block_size": engine.settings.block_size,
-            "namespace": engine.namespace_fields(), "tiers": tiers}
+            "namespace": engine.namespace_fields(), "chat_template": service.chat_template_digest, "tiers": tiers}

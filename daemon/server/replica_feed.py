@@ -2,7 +2,7 @@
 its event feed (a snapshot, then long-polled pages of events, every tier) and one that polls its load
 (`/admin/route-facts` with no prompt) every `load_interval` seconds. A replica whose tokenizer the
 router has not seen is asked for it once (`GET /admin/tokenizer`), and the digest checked against
-the namespace its cache keys are made under.
+the namespace its cache keys are made under; so is a chat template (the snapshot names its digest).
 
 A broken feed (the replica gone, an answer that makes no sense) clears the view's keys and the
 task starts over from a snapshot after a pause that doubles up to `RETRY_MAX_S`, or as soon as the
@@ -20,6 +20,8 @@ from typing import Callable
 
 import httpx
 
+from kvctl.daemon.model.chat_template import ChatTemplate, special_tokens_of
+from kvctl.daemon.model.config import ModelError
 from kvctl.daemon.model.tokenizer import Tokenizer
 
 from .replica_view import ReplicaView
@@ -37,26 +39,50 @@ class FeedError(Exception):
 
 @dataclass
 class Tokenizers:
-    """Tokenizers by digest, each fetched once from a replica that uses it."""
+    """Tokenizers and chat templates by digest, each fetched once from a replica that uses it."""
 
     by_digest: dict[str, Tokenizer] = field(default_factory=dict)
+    templates: dict[str, ChatTemplate] = field(default_factory=dict)  # chat templates by their digest
     _fetching: dict[str, asyncio.Lock] = field(default_factory=dict)
 
-    async def ensure(self, client: httpx.AsyncClient, digest: str) -> Tokenizer:
-        if digest in self.by_digest:
+    async def ensure(self, client: httpx.AsyncClient, digest: str, template: str | None = None) -> Tokenizer:
+        """The tokenizer of `digest` and, when `template` names one, the chat template of that
+        digest, from this replica (checked against both digests) unless already here."""
+        def missing() -> bool:
+            return digest not in self.by_digest or (template is not None and template not in self.templates)
+
+        if not missing():
             return self.by_digest[digest]
         async with self._fetching.setdefault(digest, asyncio.Lock()):
-            if digest not in self.by_digest:
+            if missing():
                 answer = await client.get("/admin/tokenizer", timeout=30.0)
                 answer.raise_for_status()
                 body = answer.json()
-                tokenizer = await asyncio.to_thread(Tokenizer.from_texts, body["tokenizer_json"],
-                                                    body["tokenizer_config_json"])
+                tokenizer = self.by_digest.get(digest) or await asyncio.to_thread(
+                    Tokenizer.from_texts, body["tokenizer_json"], body["tokenizer_config_json"])
                 if tokenizer.digest != digest:
                     raise FeedError(f"tokenizer: the files served have digest {tokenizer.digest[:12]}, "
                                     f"its cache keys are made under {digest[:12]}")
+                if template is not None and template not in self.templates:
+                    self.templates[template] = served_template(body, template, tokenizer)
                 self.by_digest[digest] = tokenizer
         return self.by_digest[digest]
+
+
+def served_template(body: dict, digest: str, tokenizer: Tokenizer) -> ChatTemplate:
+    """The chat template of a `GET /admin/tokenizer` answer, compiled in the sandbox, checked to be
+    the one of `digest` the replica's snapshot named."""
+    text = body.get("chat_template")
+    if not isinstance(text, str):
+        raise FeedError(f"chat_template: the replica names template {digest[:12]} but serves none")
+    try:
+        template = ChatTemplate.compile(text, "the replica's chat template", special_tokens_of(tokenizer.config))
+    except ModelError as exc:
+        raise FeedError(str(exc)) from None
+    if template.digest != digest:
+        raise FeedError(f"chat_template: the template served has digest {template.digest[:12]}, "
+                        f"the replica named {digest[:12]}")
+    return template
 
 
 async def follow_events(client: httpx.AsyncClient, view: ReplicaView, tokenizers: Tokenizers,
@@ -69,7 +95,7 @@ async def follow_events(client: httpx.AsyncClient, view: ReplicaView, tokenizers
             answer = await client.get("/admin/events/snapshot", timeout=30.0)
             answer.raise_for_status()
             snapshot = answer.json()
-            await tokenizers.ensure(client, snapshot["namespace"]["tokenizer_digest"])
+            await tokenizers.ensure(client, snapshot["namespace"]["tokenizer_digest"], snapshot.get("chat_template"))
             view.reset(snapshot)
             on_error(None)
             pause = RETRY_MIN_S

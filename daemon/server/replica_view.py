@@ -45,6 +45,7 @@ class ReplicaView:
     default_tenant: str = "default"  # whom it takes a request naming no tenant for (its answer says)
     tenant_header: bool = True  # whether it serves a request under the X-KVD-Tenant it names (its answer says)
     model: str | None = None  # the model it serves (its answer says)
+    chat_template: str | None = None  # digest of the chat template it renders chats with (its snapshot says)
     load_asked_at: float | None = None
     sent_since: list[tuple[float, int]] = field(default_factory=list)  # (when, prompt tokens it lacked)
 
@@ -71,6 +72,7 @@ class ReplicaView:
         self.pending = {k: t for k, t in self.pending.items() if k not in self.keys}
         self.stream_id, self.seq = snapshot["stream_id"], int(snapshot["seq"])
         self.block_size, self.namespace = int(snapshot["block_size"]), dict(namespace)
+        self.chat_template = snapshot.get("chat_template")
 
     def apply(self, page: dict) -> bool:
         """Apply a page of `GET /admin/events` (every tier). False, with nothing applied, when the

@@ -47,8 +47,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvctl.daemon.cache.keys import Namespace, chain_keys
-from kvctl.policies.routing import (ROUTING_POLICIES, ReplicaFacts, Router, facts_from_answer, make_router,
-                                    prompt_affinity)
+from kvctl.policies.routing import ROUTING_POLICIES, ReplicaFacts, Router, facts_from_answer, make_router
 
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
@@ -56,6 +55,7 @@ from .fleet_admin import (combine, fan_out, merge_evictions, merge_pin_lists, me
                           merge_unpins)
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
+from .route_question import affinity_of, local_ids, question_of, question_size
 from .router_metrics import RouterMetrics
 
 log = logging.getLogger("kvd.router")
@@ -65,7 +65,7 @@ FORWARD_TIMEOUT_S = 600.0
 FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
-SERVED = ("/v1/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /admin/prefixes, /router/status, "
+SERVED = ("/v1/completions, /v1/chat/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /admin/prefixes, /router/status, "
           "/router/route, /router/drain, /metrics, /healthz and /readyz")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
@@ -122,17 +122,6 @@ def replica_client(spec: str, token: str | None = None, transport: httpx.AsyncBa
                              transport=transport or httpx.AsyncHTTPTransport(uds=spec))
 
 
-def question_of(prompt) -> dict | None:
-    """What /admin/route-facts takes for the request's (first) prompt; None when it has none we can read."""
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]  # a batch: routed by its first prompt
-    if isinstance(prompt, str):
-        return {"text": prompt}
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return {"tokens": prompt}
-    return None
-
-
 def json_object(raw: bytes) -> dict | None:
     """A request body that is a JSON object, or None."""
     try:
@@ -140,14 +129,6 @@ def json_object(raw: bytes) -> dict | None:
     except ValueError:
         return None
     return body if isinstance(body, dict) else None
-
-
-def affinity_of(body: dict) -> bytes | None:
-    """The request's (first) prompt's `prompt_affinity`: where a new prefix goes home."""
-    question = question_of(body.get("prompt"))
-    if question is None:
-        return None
-    return prompt_affinity(question["text"] if "text" in question else question["tokens"])
 
 
 class CallerLeft(Exception):
@@ -315,13 +296,14 @@ class RouterService:
         elif "tokens" in question:
             ids = question["tokens"]
         else:
-            digest = namespace["tokenizer_digest"]
-            if ("ids", digest) not in memo:
+            digest, template_digest = namespace["tokenizer_digest"], view.chat_template
+            if ("ids", digest, template_digest) not in memo:
                 tokenizer = self.tokenizers.by_digest.get(digest)
-                if tokenizer is None:
+                template = self.tokenizers.templates.get(template_digest) if template_digest else None
+                if tokenizer is None or (template_digest is not None and template is None):
                     return None
-                memo["ids", digest] = tokenizer.encode(question["text"])
-            ids = memo["ids", digest]
+                memo["ids", digest, template_digest] = local_ids(question, tokenizer, template)
+            ids = memo["ids", digest, template_digest]
         if not ids:  # no prompt it can read: it goes by load, and the replica says what is wrong
             return Local(view.facts(0, replica.open), [], 0)
         tenant = view.tenant_for(tenant)
@@ -353,7 +335,7 @@ class RouterService:
         prompt tokens it counted) from its view or by asking it, serving the model the body names.
         Also each replica's local weighing (None where asked) and the clock reading used.
         LookupError (ModelNotServed) when none can; `count`: tally an unroutable request."""
-        question = question_of(body.get("prompt"))
+        question = question_of(body)
         now, memo, replicas = self.clock(), {}, self.replicas
         retry = bool(excluded)  # some refused it already: it was counted on its first try
         excluded = set(excluded) | {id(r) for r in replicas if r.known_draining}  # one asked says so itself
@@ -362,8 +344,7 @@ class RouterService:
             return [self.weigh_locally(r, question, tenant, now, memo) if id(r) not in excluded else None
                     for r in replicas]
 
-        size = 0 if question is None else len(question["text"] if "text" in question else question["tokens"])
-        large = size > LARGE_PROMPT
+        large = question_size(question) > LARGE_PROMPT
         # a long prompt is tokenized and hashed off the event loop that streams every answer
         local = await asyncio.to_thread(weigh_all) if large else weigh_all()
         asked = await asyncio.gather(*(self.ask(r, question, tenant) for r, known in zip(replicas, local)
@@ -612,7 +593,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     @app.post("/router/route")
     async def route_what_if(http: Request, who: Caller = Depends(admin)):
-        """Where the router would send this request now (a completion's body), and where each
+        """Where the router would send this request now (a completion's or a chat's body), and where each
         other policy of `routing` (a list of names) would, from the same facts; nothing is sent
         to any replica but questions the view cannot answer."""
         body = json_object(await http.body())
@@ -682,6 +663,15 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     @app.post("/v1/completions")
     async def completions(http: Request, who: Caller = Depends(caller)):
+        return await forward("/v1/completions", http, who)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request, who: Caller = Depends(caller)):
+        return await forward("/v1/chat/completions", http, who)
+
+    async def forward(path: str, http: Request, who: Caller):
+        """Route the request, send it to the chosen replica's `path` as it came, and stream the
+        answer back; refusals before a start are passed to the next best replica."""
         async def unless_caller_leaves(step):
             """Await `step`, looking every DISCONNECT_CHECK_S for the caller having left: then it is
             cancelled (closing the replica's connection, which cancels the request there) and
@@ -714,7 +704,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 if refusal is not None:  # every replica that could take it refused: the last refusal, as it came
                     return refusal
                 return error(503, str(exc), "no_replica")
-            request = replica.client.build_request("POST", "/v1/completions", content=raw, headers=headers)
+            request = replica.client.build_request("POST", path, content=raw, headers=headers)
             try:  # a non-streamed answer's headers come only when it is whole: the caller may leave first
                 upstream = await unless_caller_leaves(replica.client.send(request, stream=True))
             except CallerLeft:

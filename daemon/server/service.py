@@ -673,6 +673,12 @@ class EngineService:
     def tokenize(self, text: str) -> list[int]:
         return self.loaded.tokenizer.encode(text)
 
+    @property
+    def chat_template_digest(self) -> str | None:
+        """Names the chat template (None: none): a router renders chats itself with the template of
+        this digest, which `GET /admin/tokenizer` serves."""
+        return None if self.chat_template is None else self.chat_template.digest
+
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> list[int]:
         """The token ids of `messages` (checked by chat.chat_messages) rendered by the model's chat
@@ -1169,7 +1175,7 @@ class EngineService:
                 "namespace": engine.namespace_fields(), "model": self.model_name,
                 "lower_tier_tokens": {tier: blocks * size for tier, blocks in run.items()},
                 "restore_seconds": restore_seconds(run, block_bytes, rates), "restore_rates": rates,
-                "block_bytes": block_bytes, "draining": self.draining}
+                "block_bytes": block_bytes, "draining": self.draining, "chat_template": self.chat_template_digest}
 
     def explain(self, token_ids: list[int], tenant: str) -> dict:
         engine = self.require_ready()

@@ -1,0 +1,68 @@
+"""What the router reads of a request to weigh it: its prompt as a question for the replicas.
+
+A question is what `/admin/route-facts` takes: `{"text": ...}`, `{"tokens": [...]}`, or, for a
+chat, `{"messages": [...]}` (checked, contents as text), which a replica renders with its own chat
+template. The events view renders a chat itself with the template the replica serves (fetched
+once, by digest, with its tokenizer) and hashes the ids, as it does a completion's text.
+"""
+
+from __future__ import annotations
+
+from kvctl.daemon.model.chat_template import ChatTemplate, ChatTemplateError
+from kvctl.daemon.model.tokenizer import Tokenizer
+from kvctl.policies.routing import prompt_affinity
+
+from .chat import MessagesError, affinity_text, chat_messages, messages_size
+
+
+def question_of(body: dict) -> dict | None:
+    """The question for the request's (first) prompt; None when it has none the router can read
+    (the replica then says what is wrong with it)."""
+    if "messages" in body and "prompt" not in body:
+        try:
+            return {"messages": chat_messages(body["messages"] if isinstance(body["messages"], list) else [])}
+        except MessagesError:
+            return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch: routed by its first prompt
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"tokens": prompt}
+    return None
+
+
+def question_size(question: dict | None) -> int:
+    """Characters or token ids to tokenize and hash: a large one is weighed off the event loop."""
+    if question is None:
+        return 0
+    if "messages" in question:
+        return messages_size(question["messages"])
+    return len(question["text"] if "text" in question else question["tokens"])
+
+
+def affinity_of(body: dict) -> bytes | None:
+    """The request's `prompt_affinity`: where a new prefix goes home. A chat's comes from its
+    messages as they are, so every router agrees whatever template a replica renders with."""
+    question = question_of(body)
+    if question is None:
+        return None
+    if "messages" in question:
+        return prompt_affinity(affinity_text(question["messages"]))
+    return prompt_affinity(question["text"] if "text" in question else question["tokens"])
+
+
+def local_ids(question: dict, tokenizer: Tokenizer, template: ChatTemplate | None) -> list[int]:
+    """The question's token ids as the replica will see them ([] for a chat its template refuses,
+    or when it has no template: the replica says why when the request reaches it)."""
+    if "tokens" in question:
+        return question["tokens"]
+    if "text" in question:
+        return tokenizer.encode(question["text"])
+    if template is None:
+        return []
+    try:
+        return tokenizer.encode(template.render(question["messages"]), add_bos=False)
+    except ChatTemplateError:
+        return []

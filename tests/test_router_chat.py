@@ -1,0 +1,127 @@
+"""kvd router and chat: `/v1/chat/completions` is routed by the conversation's prefix, in the events
+view with no question on the request's path (the router renders the chat with the replica's own
+template, fetched once and checked by digest), in the ask view by the replica's own rendering."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+from kvctl.daemon.server.chat import affinity_text, chat_messages  # noqa: E402
+from kvctl.daemon.server.replica_feed import FeedError, served_template  # noqa: E402
+
+from .daemon_fixtures import call, sse_events  # noqa: E402
+from .test_router import drive, home_of, replicas, router_app, routed_cached, until_followed  # noqa: E402,F401
+
+
+def system_homed(text: str, name: str, tag: str = "") -> str:
+    """A system prompt from `text` whose conversations, as a new prefix, go home to `name`; it
+    starts with `tag` (marked after it where need be)."""
+    for k in range(64):
+        candidate = f"{tag}{text}" if k == 0 else f"{tag}[{k}] {text}"
+        if home_of(affinity_text(chat_messages([{"role": "system", "content": candidate}]))) == name:
+            return candidate
+    raise AssertionError("no marking sends it there")
+
+
+SYSTEM_0 = system_homed("You are the chat front of a KV cache fleet; answer operators in one line. " * 4,
+                        "replica-0")
+SYSTEM_1 = system_homed("You explain eviction orders and tier moves to new operators, with care. " * 4,
+                        "replica-1")
+
+
+def talk(system: str, question: str) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+async def chat(client, messages, **extra):
+    return await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3,
+                                                           "temperature": 0, "ignore_eos": True, **extra})
+
+
+def cached(answer) -> int:
+    return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.parametrize("view", ["events", "ask"])
+def test_a_chat_goes_home_then_where_its_conversation_is_cached(replicas, view):
+    # Every chat of this test opens with the same first block: BOS, "<|system|>\n" and "(ask" or "(eve".
+    # Replica-1 is handed one such chat first, so it holds that block of the first conversation,
+    # whose home (replica-0) holds none of it.
+    first, second = (system_homed(s, name, tag=f"({view}) ") for s, name in ((SYSTEM_0, "replica-0"),
+                                                                             (SYSTEM_1, "replica-1")))
+    opening = call(replicas[1], "POST", "/v1/chat/completions", json={
+        "messages": talk(f"({view}) another conversation altogether", "hi"), "max_tokens": 1})
+    assert opening.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    service, app = router_app(replicas, "prefix", view=view)
+
+    async def settled(client):
+        if view == "events":
+            await until_followed(service, (0, 1), settled=True)
+
+    steps = [lambda c: chat(c, talk(first, "Q1?")), settled, lambda c: chat(c, talk(first, "Q2?")),
+             lambda c: chat(c, talk(second, "Q1?")), settled, lambda c: chat(c, talk(second, "Q2?"))]
+    answers = [a for a in drive(app, steps, service=service if view == "events" else None) if a is not None]
+    assert [a.status_code for a in answers] == [200] * 4
+    assert [a.headers["x-kvd-replica"] for a in answers] == ["replica-0", "replica-0", "replica-1", "replica-1"]
+    # the block replica-1 holds is the opening every chat of the test shares: it does not keep a new one from home
+    assert answers[0].headers["x-kvd-route"] == ("its home (the first by its hash within the load bound), which "
+                                                 "caches 0 of its tokens: no replica caches 128 more")
+    assert (cached(answers[0]), cached(answers[2])) == (0, 16)  # replica-1 held the opening of the second
+    # the router counted exactly what the replica then found: it rendered the chat as the replica does
+    assert [routed_cached(answers[i]) for i in (1, 3)] == [cached(answers[1]), cached(answers[3])]
+    assert cached(answers[1]) >= 256 and cached(answers[3]) >= 256
+    questions = [r.client._transport.prompt_questions for r in service.replicas]
+    assert questions == ([0, 0] if view == "events" else [4, 4])
+
+
+def test_a_chat_stream_and_a_bad_chat_come_through_as_the_replica_answered(replicas):
+    service, app = router_app(replicas, "prefix", view="events")
+    streamed, bad = drive(app, [lambda c: chat(c, talk(SYSTEM_0, "Stream?"), stream=True),
+                                lambda c: chat(c, [{"role": "robot", "content": "hi"}])], service=service)
+    events = sse_events(streamed)
+    assert streamed.headers["content-type"].startswith("text/event-stream") and events[-1] == "[DONE]"
+    assert {e["object"] for e in events[:-1]} == {"chat.completion.chunk"}
+    assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-1]) == 3
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].role"
+    assert bad.headers["x-kvd-route"]  # routed by load: the router could not read it, the replica says why
+
+
+def test_a_replica_serves_its_chat_template_with_the_digest_its_snapshot_names(replicas):
+    served = call(replicas[0], "GET", "/admin/tokenizer").json()
+    snapshot = call(replicas[0], "GET", "/admin/events/snapshot").json()
+    facts = call(replicas[0], "POST", "/admin/route-facts", json={"tokens": []}).json()
+    assert served["chat_template_digest"] == snapshot["chat_template"] == facts["chat_template"]
+    from kvctl.daemon.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_texts(served["tokenizer_json"], served["tokenizer_config_json"])
+    template = served_template(served, snapshot["chat_template"], tokenizer)
+    assert template.render([{"role": "user", "content": "hi"}]) == "<|begin|><|user|>\nhi<|end|>\n<|assistant|>\n"
+    with pytest.raises(FeedError, match=r"^chat_template: the template served has digest [0-9a-f]{12}, the "
+                                        r"replica named 000000000000$"):
+        served_template(served, "0" * 64, tokenizer)
+    with pytest.raises(FeedError, match=r"^chat_template: the replica names template 000000000000 but serves none$"):
+        served_template({**served, "chat_template": None}, "0" * 64, tokenizer)
+
+
+def test_the_router_says_where_it_would_send_a_chat(replicas):
+    service, app = router_app(replicas, "prefix", view="ask")
+
+    async def ask(client):
+        await chat(client, talk(SYSTEM_1, "Warm it."))
+        return await client.post("/router/route", json={"messages": talk(SYSTEM_1, "And now?")})
+
+    [answer] = drive(app, [ask])
+    body = answer.json()
+    assert answer.status_code == 200, body
+    assert body["routes"]["prefix"]["replica"] == "replica-1"
+    held = {row["replica"]: row["cached_tokens"] for row in body["replicas"]}
+    assert held["replica-1"] >= 256 and held["replica-0"] == 0
+
+
+def test_affinity_is_the_conversation_s_opening_whatever_the_template():
+    a = chat_messages(talk("S" * 300, "one"))
+    b = chat_messages(talk("S" * 300, "two"))
+    assert affinity_text(a)[:256] == affinity_text(b)[:256] == "<system>" + "S" * 248
