@@ -41,10 +41,12 @@ def _emit(data, as_json: bool, render) -> None:
         render(data)
 
 
-def _tokens(text: str | None, tokens: str | None, file: Path | None) -> dict:
-    given = [x for x in (text, tokens, file) if x is not None]
+def _tokens(text: str | None, tokens: str | None, file: Path | None, messages: Path | None = None) -> dict:
+    given = [x for x in (text, tokens, file, messages) if x is not None]
     if len(given) != 1:
-        raise UserError("give exactly one of TEXT, --tokens or --file")
+        raise UserError("give exactly one of TEXT, --tokens, --file or --messages")
+    if messages is not None:
+        return {"messages": chat_messages_file(messages)}
     if tokens is not None:
         try:
             return {"tokens": [int(t) for t in tokens.split(",") if t.strip()]}
@@ -53,6 +55,22 @@ def _tokens(text: str | None, tokens: str | None, file: Path | None) -> dict:
     if file is not None:
         return {"text": read_text(file, "file", "give the prompt's text, or its token ids with --tokens")}
     return {"text": text}
+
+
+def chat_messages_file(path: Path) -> list:
+    """The chat messages of a JSON file: a list of {role, content}, or a chat request's body (an
+    object with `messages`). kvd checks them and renders them with the model's chat template."""
+    raw = read_text(path, "messages", "give a JSON list of {\"role\", \"content\"} messages")
+    try:
+        loaded = json.loads(raw)
+    except ValueError as exc:
+        raise UserError(f"messages: {str(path)!r} is not JSON ({exc})") from None
+    if isinstance(loaded, dict) and "messages" in loaded:
+        loaded = loaded["messages"]
+    if not isinstance(loaded, list):
+        raise UserError(f"messages: {str(path)!r} holds a {type(loaded).__name__}; give a list of "
+                        "{\"role\", \"content\"} messages, or a chat request with \"messages\"")
+    return loaded
 
 
 MAP_MAX_CELLS = 2048  # 32 lines of 64: a GPU cache's hundred thousand blocks still fit a screen
@@ -296,6 +314,9 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
 def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Prefix text to pin."),
         tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma-separated."),
         file: Optional[Path] = typer.Option(None, "--file", help="Read the prefix text from a file."),
+        messages: Optional[Path] = typer.Option(
+            None, "--messages", help="A JSON file of chat messages (a system prompt, say), rendered by the "
+                                     "model's chat template as every chat that starts with them begins."),
         prefix: Optional[str] = typer.Option(None, "--prefix", help="A cached prefix's id from `kvctl prefixes`."),
         tenant: Optional[str] = typer.Option(None, help="Tenant whose namespace and budget to use."),
         ttl: Optional[str] = typer.Option(None, help="Lifetime: 90s, 30m, 1h, 2d; default: until unpinned."),
@@ -306,16 +327,20 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
     `--prefix ID` pins a cached prefix as its row in `kvctl prefixes` lists it (from the first
     token to the row's end), without its text; its tenant pays.
 
+    Chat traffic: pin its system prompt with `--messages system.json` (`[{"role": "system",
+    "content": "..."}]`). Pinned as text, the prompt would lack the template's tokens around it and
+    match no chat.
+
     At kvd router, every replica pins it (and warms it where it is not cached).
 
     Example: kvctl pin --file system_prompt.txt --tenant acme --ttl 24h --note "support bot"
     """
     if prefix is not None:
-        if any(x is not None for x in (text, tokens, file)):
-            raise UserError("give exactly one of TEXT, --tokens, --file or --prefix")
+        if any(x is not None for x in (text, tokens, file, messages)):
+            raise UserError("give exactly one of TEXT, --tokens, --file, --messages or --prefix")
         body = {"prefix": prefix, "tenant": tenant, "ttl": ttl, "note": note}
     else:
-        body = {**_tokens(text, tokens, file), "tenant": tenant, "ttl": ttl, "note": note}
+        body = {**_tokens(text, tokens, file, messages), "tenant": tenant, "ttl": ttl, "note": note}
     data = _client(ctx).post("/admin/pins", body)
 
     def render(d):
@@ -455,13 +480,16 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
 def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Prompt text."),
             tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma-separated."),
             file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt text from a file."),
+            messages: Optional[Path] = typer.Option(
+                None, "--messages", help="A JSON file of chat messages (or a chat request's body), rendered as "
+                                         "/v1/chat/completions renders them."),
             tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """How much of a prompt would hit the cache, and why the first miss misses.
 
     Example: kvctl explain --file system_prompt.txt --tenant acme
     """
-    body = {**_tokens(text, tokens, file), "tenant": tenant}
+    body = {**_tokens(text, tokens, file, messages), "tenant": tenant}
     data = _client(ctx).post("/admin/explain", body)
 
     def render(d):

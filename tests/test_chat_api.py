@@ -249,3 +249,25 @@ def test_the_openapi_document_lists_the_chat_endpoint(daemon):
     schema = document["components"]["schemas"]["ChatCompletionRequest"]
     assert schema["required"] == ["messages"]
     assert {"max_completion_tokens", "continue_final_message", "stream"} <= set(schema["properties"])
+
+
+def test_a_system_prompt_pinned_as_messages_is_what_every_chat_starting_with_it_hits(daemon):
+    """Pinned as messages, a system prompt is rendered as chats begin (no reply opened); pinned as
+    text it would lack the template's tokens and match no chat."""
+    service, unix, _ = daemon
+    system = [{"role": "system", "content": "Pinned: " + SYSTEM}]
+    pinned = call(unix, "POST", "/admin/pins", json={"messages": system, "note": "chat"}).json()
+    prefix = rendered(service, system, add_generation_prompt=False)
+    assert pinned["blocks"] == len(prefix) // BLOCK and pinned["warmed"]
+    conversation = system + [{"role": "user", "content": "Does the pin hold?"}]
+    explained = call(unix, "POST", "/admin/explain", json={"messages": conversation}).json()
+    usage = chat(unix, conversation).json()["usage"]
+    assert explained["prompt_tokens"] == usage["prompt_tokens"] == len(rendered(service, conversation))
+    assert explained["hit_tokens"] == usage["prompt_tokens_details"]["cached_tokens"] == pinned["blocks"] * BLOCK
+    as_text = call(unix, "POST", "/admin/explain", json={"text": system[0]["content"]}).json()
+    assert as_text["hit_tokens"] == 0  # the text alone, without the template's tokens, hits nothing of it
+    bad = call(unix, "POST", "/admin/explain", json={"messages": [{"role": "user"}]})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "messages[0].content")
+    both = call(unix, "POST", "/admin/pins", json={"messages": system, "text": "x"})
+    assert both.json()["error"]["message"] == "give exactly one of text, tokens and messages"
+    assert call(unix, "DELETE", f"/admin/pins/{pinned['pin_id']}").status_code == 200

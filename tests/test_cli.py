@@ -631,7 +631,44 @@ def test_pin_by_prefix_id_sends_the_id_and_refuses_text_beside_it(capsys, monkey
                                                      "note": "support bot"})])
     assert out == "pinned pin-0123456789abcdef: 3 blocks for tenant acme (3 cached), expires in 1h\n"
     status, _, err = cli(capsys, "pin", "hello", "--prefix", "0435de85")
-    assert status != 0 and err.strip() == "error: give exactly one of TEXT, --tokens, --file or --prefix"
+    assert status != 0 and err.strip() == "error: give exactly one of TEXT, --tokens, --file, --messages or --prefix"
+
+
+def test_pin_and_explain_take_chat_messages_from_a_json_file(capsys, monkeypatch, tmp_path):
+    """A list of messages, or a chat request's body, is sent as it is: kvd checks and renders it."""
+    import kvctl.ops as ops
+
+    posted = []
+
+    class Fake:
+        def post(self, path, body):
+            posted.append((path, body))
+            if path == "/admin/explain":
+                return {"hit_tokens": 32, "prompt_tokens": 40, "hit_blocks": 2, "full_blocks": 2, "tenant": "default"}
+            return {"pin_id": "pin-0123456789abcdef", "blocks": 2, "tenant": "default", "cached_blocks": 0,
+                    "warmed": True, "expires_in_seconds": None, "prefix_id": "0435de855e2354d8"}
+
+    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
+    system = [{"role": "system", "content": "Be brief."}]
+    listed, request = tmp_path / "system.json", tmp_path / "request.json"
+    listed.write_text(json.dumps(system))
+    request.write_text(json.dumps({"model": "m", "messages": system + [{"role": "user", "content": "hi"}]}))
+    assert cli(capsys, "pin", "--messages", str(listed), "--note", "chat bot")[:2] == (
+        0, "pinned pin-0123456789abcdef: 2 blocks for tenant default (0 cached, warmed)\n")
+    assert cli(capsys, "explain", "--messages", str(request))[0] == 0
+    assert posted == [("/admin/pins", {"messages": system, "tenant": None, "ttl": None, "note": "chat bot"}),
+                      ("/admin/explain", {"messages": system + [{"role": "user", "content": "hi"}], "tenant": None})]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    status, _, err = cli(capsys, "explain", "--messages", str(bad))
+    assert status == 2 and err.startswith(f"error: messages: {str(bad)!r} is not JSON (")
+    bad.write_text('{"role": "system"}')
+    status, _, err = cli(capsys, "pin", "--messages", str(bad))
+    assert status == 2 and err.strip() == (f"error: messages: {str(bad)!r} holds a dict; give a list of "
+                                           '{"role", "content"} messages, or a chat request with "messages"')
+    status, _, err = cli(capsys, "explain", "hello", "--messages", str(listed))
+    assert status == 2 and err.strip() == "error: give exactly one of TEXT, --tokens, --file or --messages"
+    assert len(posted) == 2
 
 
 def test_prefixes_table_shows_the_tree_and_fits_80_columns(capsys, monkeypatch):
