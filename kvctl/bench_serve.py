@@ -26,16 +26,21 @@ from .records_cmd import open_store
 from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
 
 
+API_PATHS = {"completions": "v1/completions", "chat": "v1/chat/completions"}
+
+
 def build_workload(spec: str, *, requests: int | None, max_tokens: int, time_scale: float, seed: int,
                    block_tokens: int, groups: int = 4, system_tokens: int = 1024,
-                   question_tokens: int = 32) -> list[BenchRequest]:
+                   question_tokens: int = 32, chat: bool = False) -> list[BenchRequest]:
     if spec == "shared-prefix":
         questions = max(1, (requests or 32) // groups)
         return shared_prefix(groups=groups, system_tokens=system_tokens, questions=questions,
-                             question_tokens=question_tokens, max_tokens=max_tokens, seed=seed)
+                             question_tokens=question_tokens, max_tokens=max_tokens, seed=seed, chat=chat)
     if spec == "multi-turn":
         conversations = max(1, (requests or 16) // 4)
-        return multi_turn(conversations=conversations, turns=4, max_tokens=max_tokens, seed=seed)
+        return multi_turn(conversations=conversations, turns=4, max_tokens=max_tokens, seed=seed, chat=chat)
+    if spec.startswith("trace:") and chat:
+        raise UserError("api: a trace's prompts are token ids; drive it with --api completions")
     if spec.startswith("trace:"):
         try:
             return from_trace(spec[len("trace:"):], time_scale=time_scale, limit=requests,
@@ -72,10 +77,12 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
         if slots:
             await slots.acquire()
         record = RequestRecord(i, clock(), prompt_tokens=len(request.prompt))
-        body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "ignore_eos": True, "seed": i,
+        asked = {"prompt": request.prompt} if request.messages is None else {"messages": request.messages}
+        body = {**asked, "max_tokens": request.max_tokens, "ignore_eos": True, "seed": i,
                 "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        path = API_PATHS["completions" if request.messages is None else "chat"]
         try:
-            async with session.post("v1/completions", json=body) as response:  # relative to the base URL
+            async with session.post(path, json=body) as response:  # relative to the base URL
                 if response.status == 429:
                     record.status = "rejected"
                 elif response.status >= 400:
@@ -92,6 +99,8 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
                         usage = chunk.get("usage")
                         if usage:
                             record.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                            # a chat's prompt is known here only as the server's template rendered it
+                            record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
                     record.end = clock()
                     if len(record.token_times) < request.max_tokens:
                         record.status = "aborted"
@@ -122,6 +131,8 @@ def run_transformers_baseline(model_dir: str, workload: list[BenchRequest], batc
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # its weight-loading bar would break into our progress and table
+    if any(r.messages is not None for r in workload):  # chats: rendered by the checkpoint's template, as kvd does
+        workload = rendered_chats(model_dir, workload)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     model = model.to(device=torch.device(device),
                      dtype=getattr(torch, dtype.removeprefix("torch.")) if dtype else None)
@@ -157,9 +168,26 @@ def run_transformers_baseline(model_dir: str, workload: list[BenchRequest], batc
     return records
 
 
+def rendered_chats(model_dir: str, workload: list[BenchRequest]) -> list[BenchRequest]:
+    """The workload with each chat's prompt rendered by transformers' apply_chat_template."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def ids(messages: list[dict]) -> list[int]:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return list(out if isinstance(out, list) else out["input_ids"])
+
+    return [r if r.messages is None else replace(r, prompt=ids(r.messages)) for r in workload]
+
+
 def serve_command(
     ctx: typer.Context,
     workload: str = typer.Option("shared-prefix", help="shared-prefix, multi-turn or trace:FILE."),
+    api: str = typer.Option("completions", help="completions (token ids) or chat (the same shapes as "
+                                                "messages of text, through /v1/chat/completions)."),
     requests: Optional[int] = typer.Option(None, help="Requests (trace: the first N)."),
     concurrency: Optional[int] = typer.Option(8, help="Requests in flight (closed loop)."),
     rate: Optional[float] = typer.Option(None, help="Open loop: Poisson arrivals per second."),
@@ -189,6 +217,8 @@ def serve_command(
 
     if baseline not in ("transformers", "none"):
         raise UserError(f"baseline: unknown value {baseline!r}; use transformers or none")
+    if api not in API_PATHS:
+        raise UserError(f"api: unknown value {api!r}; use completions or chat")
     if rate is not None and rate <= 0:
         raise UserError(f"rate: must be > 0, got {rate}")
     if concurrency is not None and concurrency < 1:
@@ -206,7 +236,7 @@ def serve_command(
     def build(run_seed: int) -> list[BenchRequest]:
         return build_workload(workload, requests=requests, max_tokens=max_tokens, time_scale=time_scale,
                               seed=run_seed, block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,
-                              question_tokens=question_tokens)
+                              question_tokens=question_tokens, chat=api == "chat")
 
     previous = None
     if compare is not None:  # before the run, which takes minutes
@@ -246,7 +276,7 @@ def serve_command(
             before = after  # the baseline's run does not step the engine
     document = {
         "workload": workload,
-        "settings": {"requests": len(works[0]), "concurrency": None if rate else concurrency, "rate": rate,
+        "settings": {"api": api, "requests": len(works[0]), "concurrency": None if rate else concurrency, "rate": rate,
                      "groups": groups, "system_tokens": system_tokens, "question_tokens": question_tokens,
                      "max_tokens": max_tokens, "seed": seed, "time_scale": time_scale,
                      "block_tokens": block_tokens, "baseline": baseline, "repeat": repeat},

@@ -15,6 +15,26 @@ from kvctl.workloads import from_trace, hash_block_tokens, multi_turn, shared_pr
 from .test_cli import cli
 
 
+async def drive_over_socket(app, tmp_path, work, concurrency: int):
+    """`work` sent to `app` served on a real Unix socket, by the bench's own HTTP client."""
+    import aiohttp
+    import uvicorn
+
+    from kvctl.bench_serve import drive_kvd
+
+    path = str(tmp_path / "bench.sock")
+    server = uvicorn.Server(uvicorn.Config(app, uds=path, log_level="warning", lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        async with aiohttp.ClientSession(base_url="http://kvd", connector=aiohttp.UnixConnector(path=path)) as session:
+            return await drive_kvd(session, work, concurrency=concurrency, rate=None, seed=0)
+    finally:
+        server.should_exit = True
+        await serving
+
+
 def test_shared_prefix_shapes():
     work = shared_prefix(groups=3, system_tokens=40, questions=5, question_tokens=7, max_tokens=9)
     assert len(work) == 15 and all(len(r.prompt) == 47 and r.max_tokens == 9 for r in work)
@@ -35,6 +55,61 @@ def test_multi_turn_extends_the_previous_turn():
     assert second.prompt[:5] == first.prompt and third.prompt[:14] == second.prompt
     assert (first.after, second.after, third.after) == (None, 0, 1)
     assert work[3].after is None and work[3].group == "conversation-1"
+
+
+def test_chat_workloads_have_the_same_shapes_as_messages_of_text():
+    from kvctl.workloads import as_text
+
+    tokens = shared_prefix(groups=3, system_tokens=40, questions=5, question_tokens=7, max_tokens=9)
+    chats = shared_prefix(groups=3, system_tokens=40, questions=5, question_tokens=7, max_tokens=9, chat=True)
+    assert [(c.group, c.max_tokens, c.prompt) for c in chats] == [(t.group, 9, []) for t in tokens]
+    for chat, plain in zip(chats, tokens):
+        assert chat.messages == [{"role": "system", "content": as_text(plain.prompt[:40])},
+                                 {"role": "user", "content": as_text(plain.prompt[40:])}]
+    assert len(chats[0].messages[0]["content"]) == 40 and len(chats[0].messages[1]["content"]) == 7
+    assert as_text([0, 1, 2, 3, 4, 5, 6, 27]) == "abcdef b"  # a space after every sixth letter
+    turns = multi_turn(conversations=2, turns=3, user_tokens=5, reply_tokens=4, chat=True)
+    first, second, third = turns[:3]
+    assert [m["role"] for m in third.messages] == ["user", "assistant", "user", "assistant", "user"]
+    assert third.messages[:3] == second.messages and second.messages[:1] == first.messages
+    assert [len(m["content"]) for m in third.messages] == [5, 4, 5, 4, 5]
+    assert (first.after, second.after, third.after, turns[3].after) == (None, 0, 1, None)
+
+
+def test_a_chat_bench_run_against_kvd_and_its_baseline_render_the_same_prompts(tmp_path):
+    """The chat workload through /v1/chat/completions: the system prompt's blocks are shared within
+    a group, and transformers' baseline renders each chat into the prompt kvd served."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvctl.bench_serve import run_transformers_baseline
+
+    from .daemon_fixtures import apps, blocks_all_back, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=128)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        work = shared_prefix(groups=2, system_tokens=64, questions=2, question_tokens=8, max_tokens=3, chat=True)
+
+        records = asyncio.run(drive_over_socket(unix, tmp_path, work, concurrency=1))
+        assert [r.status for r in records] == ["ok"] * 4
+        rendered = [service.chat_prompt(r.messages) for r in work]
+        assert [r.prompt_tokens for r in records] == [len(ids) for ids in rendered]
+        # the second question of each group hits its system prompt's whole blocks
+        shared = next(i for i, (a, b) in enumerate(zip(rendered[0], rendered[2])) if a != b) // 16 * 16
+        assert [r.cached_tokens for r in records] == [0, 0, shared, shared] and shared >= 64
+        model = service.status()["model"]
+        base = run_transformers_baseline(model["path"], work, batch=2, device=model["device"], dtype=model["dtype"])
+        assert [r.prompt_tokens for r in base] == [len(ids) for ids in rendered]
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
+def test_a_trace_is_not_a_chat(capsys):
+    status, _, err = cli(capsys, "bench", "serve", "--workload", "trace:/nowhere.jsonl", "--api", "chat")
+    assert status == 2 and "api: a trace's prompts are token ids; drive it with --api completions" in err
+    status, _, err = cli(capsys, "bench", "serve", "--api", "grpc")
+    assert status == 2 and "api: unknown value 'grpc'; use completions or chat" in err
 
 
 def test_trace_prompts_share_exactly_the_tokens_their_hash_ids_say(tmp_path):
@@ -224,7 +299,7 @@ def test_capacity_says_when_nothing_is_left_for_the_cache(capsys):
 def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
     pytest.importorskip("transformers")
     from kvctl.bench_figures import engine_figures
-    from kvctl.bench_serve import drive_kvd, run_transformers_baseline
+    from kvctl.bench_serve import run_transformers_baseline
 
     from .daemon_fixtures import apps, blocks_all_back, start_service, token_table
 
@@ -233,25 +308,8 @@ def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
         unix, _ = apps(service, token_table(tmp_path))
         work = shared_prefix(groups=2, system_tokens=64, questions=3, question_tokens=8, max_tokens=4)
 
-        async def run():  # the app on a real Unix socket, driven by the bench's own HTTP client
-            import aiohttp
-            import uvicorn
-
-            path = str(tmp_path / "bench.sock")
-            server = uvicorn.Server(uvicorn.Config(unix, uds=path, log_level="warning", lifespan="off"))
-            serving = asyncio.create_task(server.serve())
-            while not server.started:
-                await asyncio.sleep(0.01)
-            try:
-                async with aiohttp.ClientSession(base_url="http://kvd",
-                                                 connector=aiohttp.UnixConnector(path=path)) as session:
-                    return await drive_kvd(session, work, concurrency=2, rate=None, seed=0)
-            finally:
-                server.should_exit = True
-                await serving
-
         before = service.status()
-        records = asyncio.run(run())
+        records = asyncio.run(drive_over_socket(unix, tmp_path, work, concurrency=2))
         engine = engine_figures(before, service.status(), 1.0)
         # six requests of four tokens, two at a time: at least nine steps that decode
         assert engine["steps"].get("decode", 0) + engine["steps"].get("mixed", 0) >= 9
