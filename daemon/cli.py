@@ -216,6 +216,9 @@ def router(
     new_prefix: str = typer.Option("home", help="prefix: where a prompt no replica holds goes: home (a replica "
                                    "named by a hash of its opening, the same from every router, unless it is "
                                    "loaded beyond a bound) or least_loaded."),
+    new_prefix_slack: int = typer.Option(128, help="prefix: a prompt is new unless some replica holds this many "
+                                         "tokens more of it than its home (or the least loaded): less is the "
+                                         "opening all prompts share, such as a chat template's."),
     prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second of a replica that has "
                                        "not measured its own yet."),
     view: str = typer.Option("events", help="How it learns what each replica caches and how busy it is: "
@@ -251,7 +254,7 @@ def router(
         if not replicas_file and len(replica) < 2:
             raise ValueError(f"replica: give two or more (--replica, repeated), got {len(replica)}")
         policy = make_router(routing, prefill_rate=prefill_rate, balance_seconds=balance_seconds,
-                             new_prefix=new_prefix)
+                             new_prefix=new_prefix, new_prefix_slack=new_prefix_slack)
         token = None
         if token_file:
             try:

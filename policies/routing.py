@@ -16,7 +16,9 @@ deterministically, and a live router feeds it from each daemon's event feed and 
                   bound (`cold_home`), so that several routers, and a router after a restart,
                   send a new prefix to the same replica instead of each computing it somewhere
                   else; or (`"least_loaded"`) to the least loaded, the one this router sent
-                  least to among equals
+                  least to among equals. A prompt is new unless some replica holds
+                  `new_prefix_slack` tokens more of it than that replica: what less covers is the
+                  opening every prompt shares (a chat template's)
     ttft          the least predicted time to first token: its wait, plus restoring what its
                   lower tiers hold (or computing it, if quicker), plus the prompt tokens it lacks
                   at its prefill rate (its own where measured, else `prefill_rate`): reuse,
@@ -36,11 +38,12 @@ AFFINITY_CHARS = 256  # of a text prompt's opening that names its home (about 64
 AFFINITY_TOKENS = 64  # of a token-id prompt's
 HOME_BAND_SECONDS = 0.25  # a new prefix's home is passed over when it waits this much more than the least loaded
 NEW_PREFIX = ("home", "least_loaded")  # where `prefix` sends a prompt no replica holds
-# Another replica wins a prompt from its home only by holding at least this many more of its tokens.
-# Less is the opening every prompt shares (a chat template's: BOS, a system header, a date line),
-# which every replica soon holds: counting it would send each new conversation to whichever replica
-# served one first, never home, and two routers would again compute one new prefix twice.
-HOME_SLACK_TOKENS = 128
+# A prompt is a new prefix unless some replica holds at least this many more of its tokens (in all
+# its tiers, or on its device) than the replica a new prefix goes to (its home, or the least loaded). Less is the opening every prompt
+# shares (a chat template's: BOS, a system header, a date line), which one replica holds first and
+# soon every replica: counting it sent every new conversation to the replica that served the first
+# (scripts/router-pair-bench, chat: the whole fleet's traffic to one of two replicas).
+NEW_PREFIX_SLACK_TOKENS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,32 +171,30 @@ class PrefixAffinity(_Spreading):
     name = "prefix"
 
     def __init__(self, balance_seconds: float = 2.0, new_prefix: str = "home",
-                 home_slack_tokens: int = HOME_SLACK_TOKENS) -> None:
+                 new_prefix_slack: int = NEW_PREFIX_SLACK_TOKENS) -> None:
         super().__init__()
         if not balance_seconds >= 0:
             raise ValueError(f"balance_seconds: must be >= 0, got {balance_seconds!r}")
         if new_prefix not in NEW_PREFIX:
             raise ValueError(f"new_prefix: unknown value {new_prefix!r}; choose from {', '.join(NEW_PREFIX)}")
-        if not home_slack_tokens >= 0:
-            raise ValueError(f"home_slack_tokens: must be >= 0, got {home_slack_tokens!r}")
-        self.balance_seconds, self.new_prefix, self.home_slack_tokens = balance_seconds, new_prefix, home_slack_tokens
+        if not (isinstance(new_prefix_slack, int) and new_prefix_slack >= 0):
+            raise ValueError(f"new_prefix_slack: must be a whole number of tokens >= 0, got {new_prefix_slack!r}")
+        self.balance_seconds, self.new_prefix, self.new_prefix_slack = balance_seconds, new_prefix, new_prefix_slack
 
     def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts], affinity: bytes | None = None) -> Route:
         idle = self._least_loaded(replicas)
         best = min(range(len(replicas)), key=lambda i: (-replicas[i].held_tokens, -replicas[i].cached_tokens,
                                                         *self._load(replicas, i)))
         home = cold_home(replicas, affinity, HOME_BAND_SECONDS) if self.new_prefix == "home" else None
+        target, where = (home, "its home (the first by its hash within the load bound)") if home is not None \
+            else (idle, "the least loaded")
         most = replicas[best].held_tokens
-        if home is not None and (most == 0 or (home != best and most - replicas[home].held_tokens
-                                               < self.home_slack_tokens)):
-            if most == 0:
-                return self._send(home, "no replica caches its prefix: its home (the first by its hash "
-                                        "within the load bound)")
-            return self._send(home, f"its home (the first by its hash within the load bound), which caches "
-                                    f"{replicas[home].held_tokens} of its tokens: no replica caches "
-                                    f"{self.home_slack_tokens} more")
         if most == 0:
-            return self._send(idle, "no replica caches its prefix: the least loaded")
+            return self._send(target, f"no replica caches its prefix: {where}")
+        ahead = max(most - replicas[target].held_tokens, replicas[best].cached_tokens - replicas[target].cached_tokens)
+        if target != best and ahead < self.new_prefix_slack:  # nor more on its device: a restore costs too
+            return self._send(target, f"{where}, which caches {replicas[target].held_tokens} of its tokens: no "
+                                      f"replica caches {self.new_prefix_slack} more")
         if replicas[best].wait_seconds - replicas[idle].wait_seconds > self.balance_seconds:
             return self._send(idle, f"the replica caching most waits {replicas[best].wait_seconds:.2f} s, over "
                                     f"{self.balance_seconds:g} s more than this one")
@@ -229,14 +230,14 @@ ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix", "ttft")
 
 
 def make_router(name: str, *, prefill_rate: float = 20_000.0, balance_seconds: float = 2.0,
-                new_prefix: str = "home") -> Router:
+                new_prefix: str = "home", new_prefix_slack: int = NEW_PREFIX_SLACK_TOKENS) -> Router:
     """A fresh router by name; an unknown name raises ValueError naming it."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
     if name == "prefix":
-        return PrefixAffinity(balance_seconds, new_prefix)
+        return PrefixAffinity(balance_seconds, new_prefix, new_prefix_slack)
     if name == "ttft":
         return PredictedTTFT(prefill_rate)
     raise ValueError(f"routing: unknown value {name!r}; choose from {', '.join(ROUTING_POLICIES)}")

@@ -143,6 +143,8 @@ def test_a_new_prefix_goes_home_from_any_router_within_a_load_bound():
     the same replica, its home; a home loaded beyond the bound is passed for the next in the
     prompt's order; without names or an affinity it is the least loaded, as before."""
     from kvctl.policies.routing import ReplicaFacts as F
+    from dataclasses import replace
+
     from kvctl.policies.routing import PrefixAffinity, Route, cold_home, home_order, make_router, prompt_affinity
 
     names = ["/run/kvd-0/kvd.sock", "/run/kvd-1/kvd.sock", "/run/kvd-2/kvd.sock"]
@@ -168,7 +170,7 @@ def test_a_new_prefix_goes_home_from_any_router_within_a_load_bound():
     assert cold_home(crowded, affinity, 0.25) == order[1]  # 6 > ceil(1.25 x 2) + 1
     assert cold_home(idle, None, 0.25) is None and cold_home([F(0, 0.0)] * 3, affinity, 0.25) is None
     assert make_router("prefix").choose(512, [F(0, 0.3), F(0, 0.1)], affinity).replica == 1  # unnamed: least loaded
-    # a replica that caches HOME_SLACK_TOKENS (128) more of the prompt than its home wins over it
+    # a replica that caches NEW_PREFIX_SLACK_TOKENS (128) more of the prompt than its home wins over it
     warm = [F(128 if i == order[2] else 0, 0.0, name=n) for i, n in enumerate(names)]
     assert make_router("prefix").choose(512, warm, affinity) == Route(order[2], "caches 128 of its 512 tokens")
     # less is the opening every prompt shares (a chat template's): the prompt goes home
@@ -179,9 +181,16 @@ def test_a_new_prefix_goes_home_from_any_router_within_a_load_bound():
     # the home itself caches the most: the usual reason; and no slack at all is the rule before homes
     home_warm = [F(64 if i == order[0] else 16, 0.0, name=n) for i, n in enumerate(names)]
     assert make_router("prefix").choose(512, home_warm, affinity) == Route(order[0], "caches 64 of its 512 tokens")
-    assert PrefixAffinity(home_slack_tokens=0).choose(512, opening, affinity).replica == order[2]
-    with pytest.raises(ValueError, match=r"^home_slack_tokens: must be >= 0, got -1$"):
-        PrefixAffinity(home_slack_tokens=-1)
+    # with --new-prefix least_loaded, the same slack: the opening does not draw it from the least loaded
+    busy = [replace(f, wait_seconds=0.0 if i == order[1] else 0.5) for i, f in enumerate(opening)]
+    assert make_router("prefix", new_prefix="least_loaded").choose(512, busy, affinity) == Route(order[1], (
+        "the least loaded, which caches 16 of its tokens: no replica caches 128 more"))
+    # no slack at all is the rule before: any replica holding more wins
+    assert PrefixAffinity(new_prefix_slack=0).choose(512, opening, affinity).replica == order[2]
+    assert make_router("prefix", new_prefix="least_loaded", new_prefix_slack=0).choose(
+        512, busy, affinity).replica == order[2]
+    with pytest.raises(ValueError, match=r"^new_prefix_slack: must be a whole number of tokens >= 0, got -1$"):
+        PrefixAffinity(new_prefix_slack=-1)
 
 
 def test_a_prompts_home_moves_only_when_its_replica_leaves_and_a_new_replica_takes_a_fair_share():

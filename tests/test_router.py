@@ -368,6 +368,8 @@ def test_kvd_router_refuses_bad_settings_by_name(tmp_path):
               "kvd: error: listen: expected HOST:PORT, got '8090'"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--replica", "/a.sock"],
               "kvd: error: replica: '/a.sock' is given twice; each replica once"),
+             (["--replica", "/a.sock", "--replica", "/b.sock", "--new-prefix-slack", "-1"],
+              "kvd: error: new_prefix_slack: must be a whole number of tokens >= 0, got -1"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "gossip"],
               "kvd: error: view: unknown value 'gossip'; use ask or events"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "events", "--load-interval", "0"],

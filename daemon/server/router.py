@@ -47,7 +47,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvctl.daemon.cache.keys import Namespace, chain_keys
-from kvctl.policies.routing import ROUTING_POLICIES, ReplicaFacts, Router, facts_from_answer, make_router
+from kvctl.policies.routing import (NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES, ReplicaFacts, Router,
+                                    facts_from_answer, make_router)
 
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
@@ -404,7 +405,8 @@ class RouterService:
             rows.append(row)
         settings = {"prefill_rate": getattr(self.router, "prefill_rate", 20_000.0),
                     "balance_seconds": getattr(self.router, "balance_seconds", 2.0),
-                    "new_prefix": getattr(self.router, "new_prefix", "home")}
+                    "new_prefix": getattr(self.router, "new_prefix", "home"),
+                    "new_prefix_slack": getattr(self.router, "new_prefix_slack", NEW_PREFIX_SLACK_TOKENS)}
         routes = {}
         for name in policies:
             policy = copy.deepcopy(self.router) if name == self.router.name else make_router(name, **settings)
