@@ -214,3 +214,19 @@ def test_text_parts_are_joined_and_only_role_content_and_name_reach_the_template
                              "name": "ann", "refusal": None}])
     assert shaped == [{"role": "user", "content": "a\nb", "name": "ann"}]
     assert affinity_text(shaped) == "<user>a\nb"
+
+
+def test_the_example_template_renders_as_transformers_does_and_opens_every_chat_alike(demo_dir):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "chat-templates" / "dated-header.jinja"
+    tokenizer, template = ours(demo_dir, example)
+    hf = hf_tokenizer(demo_dir)
+    for conversation in CONVERSATIONS[:3]:
+        expected = hf.apply_chat_template(conversation, chat_template=example.read_text(), tokenize=False,
+                                          add_generation_prompt=True)
+        assert template.render(chat_messages(conversation)) == expected
+    one, two = (tokenizer.encode(template.render(chat_messages(c)), add_bos=False) for c in CONVERSATIONS[:2])
+    assert one[:48] == two[:48]  # three blocks of 16 before any message's content: the header and the date
+    with pytest.raises(ChatTemplateError, match="only the first message may be a system message"):
+        template.render(chat_messages([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]))
