@@ -51,6 +51,9 @@ def route(ctx: typer.Context,
           text: Optional[str] = typer.Argument(None, help="Prompt text."),
           tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma-separated."),
           file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt text from a file."),
+          messages: Optional[Path] = typer.Option(
+              None, "--messages", help="A JSON file of chat messages (or a chat request's body): routed as "
+                                       "/v1/chat/completions is."),
           replica: list[str] = typer.Option([], "--replica", help="A replica: its Unix socket, or an "
                                             "http(s):// URL (with --token-file). Repeat for each."),
           router: Optional[str] = typer.Option(None, "--router", help="Ask a running kvd router instead (its "
@@ -72,7 +75,7 @@ def route(ctx: typer.Context,
 
     Example: kvctl route --file prompt.txt --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock
     """
-    prompt = _tokens(text, tokens, file)
+    prompt = _tokens(text, tokens, file, messages)
     if router is not None:
         if replica:
             raise UserError("replica: give --router or --replica, not both")
@@ -95,7 +98,7 @@ def route(ctx: typer.Context,
     if not live:
         raise KvdUnavailable("no replica answered: " + "; ".join(a["error"] for a in answers))
     facts = [replace(facts_from_answer(a), name=a["replica"]) for a in live]  # named as the router names them
-    affinity = prompt_affinity(prompt["text"] if "text" in prompt else prompt["tokens"])
+    affinity = affinity_of(prompt)
     routes = {}
     for name, router in routers.items():
         chosen = router.choose(max(a["prompt_tokens"] for a in live), facts, affinity)
@@ -107,6 +110,15 @@ def route(ctx: typer.Context,
     render(data, Console())
 
 
+def affinity_of(prompt: dict) -> bytes | None:
+    """Where the prompt's home is, as `kvd router` computes it (a chat's from its messages)."""
+    if "messages" not in prompt:
+        return prompt_affinity(prompt["text"] if "text" in prompt else prompt["tokens"])
+    from kvctl.daemon.server.route_question import affinity_of as router_affinity
+
+    return router_affinity({"messages": prompt["messages"]})
+
+
 def ask_router(ctx: typer.Context, spec: str, prompt: dict, tenant: str | None, routing: list[str],
                as_json: bool) -> None:
     """`kvctl route --router`: the router's own answer (`POST /router/route`), with the live
@@ -116,8 +128,9 @@ def ask_router(ctx: typer.Context, spec: str, prompt: dict, tenant: str | None, 
         client = Client(url=spec, token_file=options.get("token_file"), tenant=tenant)
     else:
         client = Client(socket=spec, tenant=tenant)
-    body = {"prompt": prompt["text"] if "text" in prompt else prompt["tokens"],
-            "routing": parse_names("routing", routing)}  # beside the router's own policy, which comes first
+    asked = {"messages": prompt["messages"]} if "messages" in prompt else {
+        "prompt": prompt["text"] if "text" in prompt else prompt["tokens"]}
+    body = {**asked, "routing": parse_names("routing", routing)}  # beside the router's own policy, which comes first
     data = client.post("/router/route", body)
     live = data["routing"]
     if as_json:

@@ -16,7 +16,7 @@ from kvctl.daemon.model.chat_template import (ChatTemplateError, load_chat_templ
 from kvctl.daemon.model.config import ModelError  # noqa: E402
 from kvctl.daemon.model.demo import DEMO_CHAT_TEMPLATE, ensure_demo_checkpoint  # noqa: E402
 from kvctl.daemon.model.tokenizer import Tokenizer  # noqa: E402
-from kvctl.daemon.server.chat import MessagesError, affinity_text, chat_messages  # noqa: E402
+from kvctl.daemon.server.chat_messages import MessagesError, affinity_text, chat_messages  # noqa: E402
 
 # A template in the style of the Llama 3 family: a system message taken off the front, roles that
 # must alternate (raise_exception), whitespace shaped by trim_blocks and lstrip_blocks, tojson with

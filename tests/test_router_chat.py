@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
-from kvctl.daemon.server.chat import affinity_text, chat_messages  # noqa: E402
+from kvctl.daemon.server.chat_messages import affinity_text, chat_messages  # noqa: E402
 from kvctl.daemon.server.replica_feed import FeedError, served_template  # noqa: E402
 
 from .daemon_fixtures import call, sse_events  # noqa: E402
@@ -125,3 +125,35 @@ def test_affinity_is_the_conversation_s_opening_whatever_the_template():
     a = chat_messages(talk("S" * 300, "one"))
     b = chat_messages(talk("S" * 300, "two"))
     assert affinity_text(a)[:256] == affinity_text(b)[:256] == "<system>" + "S" * 248
+
+
+def test_kvctl_route_takes_a_chat_and_finds_its_home_as_the_router_does(replicas, tmp_path, capsys, monkeypatch):
+    import json
+
+    import kvctl.route_cmd as route_cmd
+
+    from .test_cli import cli
+
+    class InProcess:  # kvctl's client, answered by a replica's app in this process
+        def __init__(self, app) -> None:
+            self.app = app
+
+        def post(self, path, body):
+            return call(self.app, "POST", path, json=body).json()
+
+    names = ["/run/a.sock", "/run/b.sock"]
+    monkeypatch.setattr(route_cmd, "replica_client", lambda ctx, spec: InProcess(replicas[names.index(spec)]))
+    messages = talk("A conversation kvctl route has not seen: " + "m" * 300, "where?")
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps({"model": "kvd-demo-llama-v1", "messages": messages}))
+    status, out, _ = cli(capsys, "route", "--messages", str(path), "--replica", names[0], "--replica", names[1],
+                         "--routing", "prefix", "--json")
+    assert status == 0
+    doc = json.loads(out)
+    home = home_of(affinity_text(chat_messages(messages)), names=tuple(names))
+    assert doc["routes"]["prefix"]["replica"] == home
+    # each replica rendered the chat itself: the tokens of the conversation with the template's
+    rendered = call(replicas[0], "POST", "/admin/explain", json={"messages": messages}).json()["prompt_tokens"]
+    assert [r["prompt_tokens"] for r in doc["replicas"]] == [rendered] * 2 and rendered > 300
+    assert doc["routes"]["prefix"]["reason"] == "no replica caches its prefix: its home (the first by its hash " \
+                                                 "within the load bound)"

@@ -12,7 +12,7 @@ from kvctl.daemon.model.chat_template import ChatTemplate, ChatTemplateError
 from kvctl.daemon.model.tokenizer import Tokenizer
 from kvctl.policies.routing import prompt_affinity
 
-from .chat import MessagesError, affinity_text, chat_messages, messages_size
+from .chat_messages import MessagesError, affinity_text, chat_messages, messages_size
 
 
 def question_of(body: dict) -> dict | None:
