@@ -443,7 +443,8 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
     under it (`kvctl tiers` shows what is set aside, and whose).
 
     At kvd router, every replica evicts its own blocks of it: the answer sums them and lists
-    each replica's.
+    each replica's. A shared Redis is searched for other daemons' entries once, by one of the
+    replicas on it.
 
     Example: kvctl evict --tenant acme
     """
@@ -469,12 +470,22 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
                 for s in d["spaces"]), highlight=False)
         replica_lines(d, lambda row: f"{row['evicted_blocks']} from the device, "
                                      f"{row.get('lower_tier_blocks_dropped') or 0} from lower tiers"
+                                     + shared_search(row.get("remote_purge") or {})
                                      + ("" if row.get("result") == "ok" else " (partial)"))
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     _emit(data, as_json, render)
     if data.get("result") == "partial":
         raise typer.Exit(3)
+
+
+def shared_search(purge: dict) -> str:
+    """A replica's part in a fleet eviction's search of the shared Redis."""
+    if purge.get("by_another_replica"):
+        return "; the shared Redis searched by another replica"
+    if "seen" in purge:
+        return f"; searched the shared Redis: {purge['dropped']} of {purge['seen']} entries"
+    return ""
 
 
 def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Prompt text."),

@@ -522,6 +522,15 @@ def test_after_an_upgrade_the_old_revision_s_blocks_are_shown_and_evicted_from_d
         assert after["set_aside_bytes"] == 0 and "set_aside" not in after and after["blocks"] == disk["blocks"]
         [audit] = new.store.audit_since(action="evict")
         assert audit["target"] == f"model_revision={old_revision[:16]}"
+        # a fleet eviction (kvd router's token): the first replica to claim it on the Redis searches it,
+        # the next one on the same Redis leaves the search to it
+        token = {"model_revision": old_revision[:8], "purge_once": "0123456789abcdef"}
+        first = call(app, "POST", "/admin/evict", json=token).json()
+        second = call(app, "POST", "/admin/evict", json=token).json()
+        assert first["remote_purge"] == {"dropped": 0, "seen": 1, "complete": True}  # the stray value
+        assert (second["result"], second["remote_purge"]) == ("ok", {"by_another_replica": True})
+        bad = call(app, "POST", "/admin/evict", json={**token, "purge_once": "not hex"})
+        assert (bad.status_code, bad.json()["error"]["param"]) == (400, "purge_once")
 
         unknown = call(app, "POST", "/admin/evict", json={"model_revision": "abcdef12"})
         error = unknown.json()["error"]

@@ -92,6 +92,75 @@ def test_two_daemons_share_a_prefix_through_redis(tmp_path, redis_server):
         second.shutdown(deadline=2)
 
 
+def test_a_fleet_eviction_searches_a_shared_redis_once_and_each_replica_drops_its_own(tmp_path, redis_server,
+                                                                                       monkeypatch):
+    """Through kvd router, both replicas on one Redis: one of them claims the eviction's token and
+    searches the Redis for the tenant's entries (whichever daemon wrote them); the other only
+    drops what it wrote itself and says the search was another replica's. Nothing of the tenant is
+    left, and the Redis was scanned once."""
+    import asyncio
+
+    from kvctl.daemon.cache.tiers.remote import RemoteTier
+    from kvctl.daemon.server.router import Replica, RouterService, create_router_app, replica_client
+    from kvctl.policies.routing import make_router
+
+    settings = {"num_blocks": 64, "remote_url": redis_server.url, "write_policy": "write_through",
+                "tiering": "always"}
+    services = [start_service(tmp_path / name, **settings) for name in "abc"]  # c is not behind the router
+    searches = []
+    search = RemoteTier.purge
+    monkeypatch.setattr(RemoteTier, "purge", lambda self, *a, **k: searches.append(self) or search(self, *a, **k))
+    try:
+        for service, prompt in zip(services, PROMPTS):  # acme's prompts, one on each daemon
+            response = call(_app(service), "POST", "/v1/completions", headers={"X-KVD-Tenant": "acme"},
+                            json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            assert response.status_code == 200
+            service.tiers.flush()
+        call(_app(services[2]), "POST", "/v1/completions", headers={"X-KVD-Tenant": "globex"},
+             json={"prompt": PROMPTS[3], "max_tokens": 1, "temperature": 0})
+        services[2].tiers.flush()
+        written = [len(s.tiers.remote.index) for s in services]
+        outside = written[2] // 2  # c's acme entries; the other half is globex's
+        replicas = [Replica(f"replica-{i}", replica_client(f"/run/r{i}.sock",
+                                                           transport=httpx.ASGITransport(app=_app(s))))
+                    for i, s in enumerate(services[:2])]
+        router = create_router_app(RouterService(replicas, make_router("prefix"), view="ask"))
+
+        async def evict():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://r") as client:
+                return await client.post("/admin/evict", json={"tenant": "acme"})
+
+        answer = asyncio.run(evict())
+        body = answer.json()
+        assert answer.status_code == 200 and body["result"] == "ok", body
+        purges = [row["remote_purge"] for row in body["replicas"]]
+        searcher = next(i for i, p in enumerate(purges) if "seen" in p)
+        assert purges[1 - searcher] == {"by_another_replica": True} and len(searches) == 1
+        # each replica dropped what it wrote, by name; the search found c's acme entries and left globex's
+        assert [row["lower_tier_blocks_dropped"] for row in body["replicas"]] == written[:2]
+        assert purges[searcher] == {"dropped": outside, "seen": written[2], "complete": True}
+        assert body["remote_purge"] == {"dropped": outside, "complete": True, "searches": 1}
+        import redis
+
+        # what is left: globex's entries, the spaces registry and the claim
+        assert redis.Redis.from_url(redis_server.url).dbsize() == written[2] - outside + 2
+        from .test_router import _kvctl_prints
+
+        shown = _kvctl_prints(["evict", "--tenant", "acme"], body).splitlines()
+        device = [row["evicted_blocks"] for row in body["replicas"]]
+        assert shown == ["fleet of 2 replicas:",
+                         f"evicted tenant=acme: {sum(device)} blocks from the device, {sum(written[:2])} from lower "
+                         f"tiers, {outside} from the shared Redis",
+                         *[f"  replica-{i}: {device[i]} from the device, {written[i]} from lower tiers; "
+                           + (f"searched the shared Redis: {outside} of {written[2]} entries" if i == searcher
+                              else "the shared Redis searched by another replica") for i in (0, 1)]]
+        again = asyncio.run(evict()).json()  # a new call, a new token: searched again, once
+        assert len(searches) == 2 and again["remote_purge"]["searches"] == 1
+    finally:
+        for service in services:
+            service.shutdown(deadline=2)
+
+
 def test_evicting_a_tenant_on_one_daemon_purges_it_from_the_shared_redis(tmp_path, redis_server):
     """Daemon b never saw acme's prompts; its `evict --tenant acme` still removes what daemon a
     wrote of acme to the shared Redis (payloads record their tenant), and nothing of globex."""

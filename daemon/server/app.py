@@ -130,6 +130,9 @@ class EvictRequest(BaseModel):
     tenant: Tenant | None = None
     model_revision: str | None = None
     all_unpinned: bool = False
+    # set by kvd router, the same for every replica it sends the eviction to: of the replicas on
+    # one shared Redis, only the first to claim it searches that Redis for other daemons' entries
+    purge_once: Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")] | None = None
 
 
 class DrainRequest(BaseModel):
@@ -475,7 +478,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.post("/admin/evict")
     def evict(body: EvictRequest, who: Principal = Depends(admin)):
         return service.evict(prefix_id=body.prefix, tenant=body.tenant, model_revision=body.model_revision,
-                             all_unpinned=body.all_unpinned, principal=who)
+                             all_unpinned=body.all_unpinned, principal=who, purge_once=body.purge_once)
 
     @app.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):

@@ -10,8 +10,11 @@ not have the thing (404: no such prefix or pin there) has nothing to do: not a f
 another one had it. With no replica that did it, the replicas' common refusal comes back as it
 came (the same bad input is refused everywhere), or a 503 when none answered.
 
-Each replica purges the shared Redis as it would alone (a second purge finds nothing left), and
-audits the call under the router's own principal.
+An eviction carries a token (`purge_once`) the replicas claim on their shared Redis: of the
+replicas on one Redis, only the first to claim it searches that Redis for other daemons' entries
+of a tenant or an old model revision (a SCAN of the whole space); the others delete only what they
+wrote themselves and say so (`remote_purge: {"by_another_replica": true}`). Replicas on separate
+Redis servers each search their own. Each replica audits the call under the router's principal.
 """
 
 from __future__ import annotations
@@ -80,10 +83,12 @@ def merge_evictions(done: list[dict]) -> dict:
         skipped.update(body.get("skipped") or {})
     out = {"target": done[0]["target"], "skipped": dict(skipped),
            **{k: sum(body.get(k) or 0 for body in done) for k in ("evicted_blocks", "lower_tier_blocks_dropped")}}
-    remote = [body["remote_purge"] for body in done if "remote_purge" in body]
+    remote = [body["remote_purge"] for body in done if "remote_purge" in body
+              and not body["remote_purge"].get("by_another_replica")]  # it left the search to the one below
     if remote:
         out["remote_purge"] = {"dropped": sum(r.get("dropped", 0) for r in remote),
-                               "complete": all(r.get("complete") for r in remote)}
+                               "complete": all(r.get("complete") for r in remote),
+                               "searches": sum("seen" in r for r in remote)}
     return out
 
 

@@ -1018,7 +1018,11 @@ class EngineService:
         return matches[0]
 
     def evict(self, *, prefix_id: str | None, tenant: str | None, model_revision: str | None,
-              all_unpinned: bool, principal: Principal) -> dict:
+              all_unpinned: bool, principal: Principal, purge_once: str | None = None) -> dict:
+        """Evict from every tier and say exactly what went. A tenant's or an old revision's entries
+        are also searched for on the shared Redis, whichever daemon wrote them; with `purge_once`
+        (a fleet eviction's token, from kvd router) only if this daemon is the first to claim it
+        there: another replica on the same Redis searches it once for all."""
         engine = self.require_ready()
         chosen = [x for x in (prefix_id, tenant, model_revision) if x] + ([True] if all_unpinned else [])
         if len(chosen) != 1:
@@ -1066,17 +1070,22 @@ class EngineService:
         if model_revision and (other_spaces or (records_error and not served)):
             # another revision: its blocks everywhere, the shared Redis too. The served one: what this
             # daemon's disk holds of its older scales (daemons still serving them share the Redis's)
-            body.update(self._purge_spaces(other_spaces, None if served else records_error, shared=not served))
+            body.update(self._purge_spaces(other_spaces, None if served else records_error, shared=not served,
+                                           purge_once=purge_once))
             result = body["result"] = "partial" if body.get("message") else result
         elif remote is not None and (subtree is not None or (tenant and select is not None)):
             try:  # the shared Redis: every daemon's entries of the prefix, or of the tenant
-                body["remote_purge"] = remote.purge_keys([k for k in subtree if k not in pinned]) \
-                    if subtree is not None else \
-                    remote.purge(lambda m: m.key not in pinned and select(m.root, roots.get(m.root), m.tenant))
+                if subtree is not None:  # the keys this daemon's tree names: deleted by name, no search
+                    body["remote_purge"] = remote.purge_keys([k for k in subtree if k not in pinned])
+                elif purge_once is not None and not remote.claim(purge_once):
+                    body["remote_purge"] = {"by_another_replica": True}  # it searches the shared Redis
+                else:
+                    body["remote_purge"] = remote.purge(
+                        lambda m: m.key not in pinned and select(m.root, roots.get(m.root), m.tenant))
             except RemoteUnavailable as exc:
                 body["remote_purge"] = {"error": str(exc)}
             purge = body["remote_purge"]
-            if not purge.get("complete"):
+            if not purge.get("complete") and not purge.get("by_another_replica"):
                 result = body["result"] = "partial"
                 body["message"] = (f"the shared Redis could not be searched: {purge['error']}" if "error" in purge
                                    else f"the shared Redis was searched only in part ({purge['seen']:,} entries "
@@ -1117,10 +1126,11 @@ class EngineService:
                                f"{self.loaded.revision[:16]}{where})", "model_revision")
         return revisions.pop(), matched, error
 
-    def _purge_spaces(self, spaces: dict[str, dict], records_error: str | None, shared: bool = True) -> dict:
+    def _purge_spaces(self, spaces: dict[str, dict], records_error: str | None, shared: bool = True,
+                      purge_once: str | None = None) -> dict:
         """Delete the blocks of these spaces (none served here) from the disk folder and, with
-        `shared`, from the shared Redis, whichever daemon wrote them: the body's part that says
-        what went."""
+        `shared`, from the shared Redis, whichever daemon wrote them (with `purge_once`, unless
+        another replica claimed it there): the body's part that says what went."""
         from kvctl.daemon.cache.tiers.spaces import summary
 
         chosen = {bytes.fromhex(s) for s in spaces}
@@ -1133,6 +1143,9 @@ class EngineService:
         if remote is not None and chosen and shared and not records_error:
             total = {"dropped": 0, "seen": 0, "complete": True}
             try:
+                if purge_once is not None and not remote.claim(purge_once):
+                    out["remote_purge"] = {"by_another_replica": True}
+                    chosen = set()  # searched by the replica that claimed it
                 for space in sorted(chosen):
                     done = remote.purge_space(space)
                     total = {"dropped": total["dropped"] + done["dropped"], "seen": total["seen"] + done["seen"],
@@ -1141,7 +1154,7 @@ class EngineService:
                         break
             except RemoteUnavailable as exc:
                 total = {**total, "complete": False, "error": str(exc)}
-            out["remote_purge"] = total
+            out.setdefault("remote_purge", total)
             if "error" in total:
                 messages.append(f"the shared Redis could not be searched: {total['error']}")
             elif not total["complete"]:

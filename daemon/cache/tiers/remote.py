@@ -28,6 +28,10 @@ from .vectored import write_vectored
 SEEN_LIMIT = 1 << 16  # other daemons' blocks remembered as held by the server (RemoteTier.seen)
 
 
+CLAIM_PREFIX = b"kvctl:claim:"  # + a fleet eviction's token: the daemon that set it searches the server
+CLAIM_SECONDS = 3600
+
+
 class RemoteUnavailable(Exception):
     """The remote tier is down or its breaker is open; the caller goes on without it."""
 
@@ -258,6 +262,13 @@ class RemoteTier:
             self._call(lambda: self._unlink([(self.redis_key(k), k) for k in keys], reason))
         except RemoteUnavailable:
             self._forget(keys, reason)  # nothing here may count on them any more
+
+    def claim(self, token: str, seconds: int = CLAIM_SECONDS) -> bool:
+        """True for the first daemon to claim `token` on this server (SET NX, expiring after
+        `seconds`): of the replicas a router hands one eviction, one per shared server searches it
+        (the others would SCAN it again to find nothing). Raises RemoteUnavailable."""
+        key = CLAIM_PREFIX + token.encode("ascii")
+        return bool(self._call(lambda: self.client.set(key, b"1", nx=True, ex=seconds)))
 
     def purge(self, select: Callable[[BlockMeta], bool], time_limit: float = 30.0,
               batch: int = 500) -> dict:
