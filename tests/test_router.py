@@ -17,7 +17,7 @@ from kvctl.daemon.server.app import create_app  # noqa: E402
 from kvctl.daemon.server.router import Replica, RouterService, create_router_app, replica_client  # noqa: E402
 from kvctl.policies.routing import make_router  # noqa: E402
 
-from .daemon_fixtures import start_service  # noqa: E402
+from .daemon_fixtures import sse_events, start_service  # noqa: E402
 
 
 
@@ -716,6 +716,56 @@ def test_a_request_a_replica_refuses_before_starting_it_goes_to_the_next_best(re
     assert answer.headers["x-kvd-tried"] == f"replica-0 ({refusal})"
     assert len(answer.json()["choices"][0]["token_ids"]) == 3
     assert 'kvd_router_rerouted_total{replica="replica-0"} 1.0' in scraped.text.splitlines()
+
+
+class Failing(httpx.AsyncBaseTransport):
+    """A replica whose completions fail with `error` (an httpx exception class) the first `times`."""
+
+    def __init__(self, app, error, times=1) -> None:
+        self.inner, self.error, self.times, self.completions = httpx.ASGITransport(app=app), error, times, 0
+
+    async def handle_async_request(self, request):
+        if request.url.path == "/v1/completions":
+            self.completions += 1
+            if self.completions <= self.times:
+                raise self.error("Server disconnected without sending a response.", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.mark.parametrize("error", [httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError])
+def test_a_connection_closed_before_any_answer_goes_to_another_replica_once(replicas, error):
+    """A pooled connection the replica closed as the request went out (a restart without a drain)
+    or a replica that went down: the caller has nothing yet, so the request goes elsewhere, once."""
+    service, app = router_app(replicas, "round_robin")
+    service.replicas[0].client = replica_client("/run/replica-0.sock", transport=Failing(replicas[0], error))
+    [answer, scraped] = drive(app, [lambda c: post(c, SYSTEM_B + "Q52?", stream=True), lambda c: c.get("/metrics")])
+    assert answer.status_code == 200 and answer.headers["x-kvd-replica"] == "replica-1"
+    assert answer.headers["x-kvd-tried"] == "replica-0 (closed before answering)"
+    assert sse_events(answer)[-1] == "[DONE]"
+    lines = scraped.text.splitlines()
+    assert 'kvd_router_rerouted_total{replica="replica-0"} 1.0' in lines
+    assert 'kvd_router_forward_failures_total{replica="replica-0"} 0.0' in lines
+
+
+def test_a_second_closed_connection_or_a_timeout_is_a_502_and_never_another_run(replicas):
+    service, app = router_app(replicas, "round_robin")
+    for i in (0, 1):
+        service.replicas[i].client = replica_client(f"/run/replica-{i}.sock",
+                                                    transport=Failing(replicas[i], httpx.RemoteProtocolError))
+    [answer] = drive(app, [lambda c: post(c, SYSTEM_B + "Q53?")])
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "replica_failed"
+    assert answer.json()["error"]["message"] == ("replica replica-1 failed: RemoteProtocolError: Server "
+                                                 "disconnected without sending a response.")
+    assert [r.client._transport.completions for r in service.replicas] == [1, 1]
+    assert [r.failed_forwards for r in service.replicas] == [0, 1]
+    # a timeout: it may be running the request (a long queue): not sent again
+    service, app = router_app(replicas, "round_robin")
+    service.replicas[0].client = replica_client("/run/replica-0.sock",
+                                                transport=Failing(replicas[0], httpx.ReadTimeout))
+    [answer] = drive(app, [lambda c: post(c, SYSTEM_B + "Q54?")])
+    assert answer.status_code == 502 and "ReadTimeout" in answer.json()["error"]["message"]
+    assert [r.client._transport.completions if isinstance(r.client._transport, Failing) else None
+            for r in service.replicas] == [1, None] and service.replicas[1].sent == 0
 
 
 def test_when_every_replica_refuses_the_caller_gets_the_last_refusal_as_it_came(replicas):

@@ -70,6 +70,8 @@ VIEWS = ("ask", "events")
 SERVED = ("/v1/completions, /v1/chat/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /admin/prefixes, /router/status, "
           "/router/route, /router/drain, /metrics, /healthz and /readyz")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
+# a forward's failures before any byte of an answer came, where the connection itself ended
+CLOSED_BEFORE_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
 
@@ -701,7 +703,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             headers["X-KVD-Tenant"] = tenant
         # A replica that refuses before starting the request (429: its queue is full; 503: it is
         # stopping or loading) or cannot be connected to has not run it: the next best one is tried.
-        tried, excluded, refusal = [], set(), None
+        tried, excluded, refusal, closed_retried = [], set(), None, False
         while True:
             try:
                 replica, reason = await service.choose(body, tenant, excluded)
@@ -723,7 +725,23 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 tried.append(f"{replica.name} (unreachable)")
                 excluded.add(id(replica))
                 continue
-            except httpx.HTTPError as exc:  # it may have started the request: not sent twice
+            except CLOSED_BEFORE_ANSWER as exc:
+                # The connection ended before any byte of an answer: a pooled keep-alive connection the
+                # replica closed as the request went out (a restart), or the replica went down. The
+                # caller has nothing yet, so it may go elsewhere, once: a replica that was running it
+                # has stopped, or cancels it on seeing the connection gone. Not a second time (a
+                # request that brings replicas down would take a third).
+                replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                if closed_retried:
+                    replica.failed_forwards += 1
+                    return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
+                closed_retried = True
+                replica.rerouted += 1
+                refusal = error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
+                tried.append(f"{replica.name} (closed before answering)")
+                excluded.add(id(replica))
+                continue
+            except httpx.HTTPError as exc:  # it may be running the request (a timeout): not sent twice
                 replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
                 replica.failed_forwards += 1
                 return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")

@@ -8,8 +8,9 @@
                                                   every request with --view ask; with events, only
                                                   while a replica's view is not current
     kvd_router_forward_failures_total{replica}    requests the replica failed after it may have started them (502)
-    kvd_router_rerouted_total{replica}            requests it refused before starting them (429, 503) or
-                                                  could not be reached for: sent to the next best replica
+    kvd_router_rerouted_total{replica}            requests it refused before starting them (429, 503),
+                                                  could not be reached for, or closed the connection of
+                                                  before any answer (once a request): sent to the next best
     kvd_router_unrouted_total                     requests no replica answered for (503)
     kvd_router_open_requests{replica}             forwarded requests still answering
     kvd_router_replica_draining{replica}          1 while it takes no new request (drained, or leaving the fleet)
@@ -58,8 +59,9 @@ class _RouterCollector:
         yield questions
         yield per_replica(CounterMetricFamily, "forward_failures", "Requests the replica failed after it may have "
                           "started them", lambda r: r.failed_forwards)
-        yield per_replica(CounterMetricFamily, "rerouted", "Requests the replica refused before starting them, or "
-                          "could not be reached for, sent to the next best replica", lambda r: r.rerouted)
+        yield per_replica(CounterMetricFamily, "rerouted", "Requests the replica refused before starting them, "
+                          "could not be reached for, or closed the connection of before answering, sent to the "
+                          "next best replica", lambda r: r.rerouted)
         yield CounterMetricFamily("kvd_router_unrouted", "Requests no replica answered for",
                                   value=self.service.unrouted)
         yield per_replica(GaugeMetricFamily, "open_requests", "Forwarded requests still answering", lambda r: r.open)
