@@ -21,7 +21,7 @@ from .bench_serve import serve_command
 from .bench_tiers import tiers_command as tiers_bench_command
 from .calibrate_cmd import calibrate_command
 from .capacity_cmd import capacity_command
-from . import events_cmd, route_cmd, tiers_cmd
+from . import events_cmd, requests_cmd, route_cmd, tiers_cmd
 from .fleet_cmd import drain_daemon, fleet_app, resume_daemon
 from .rollout_cmd import rollout_app
 from .errors import UserError
@@ -55,6 +55,8 @@ app.command("route")(route_cmd.route)
 app.add_typer(fleet_app, name="fleet")
 app.command("drain")(drain_daemon)
 app.command("resume")(resume_daemon)
+app.command("requests")(requests_cmd.requests)
+app.command("cancel")(requests_cmd.cancel)
 
 
 def _version(value: bool) -> None:

@@ -29,7 +29,7 @@ from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, Sa
 
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
-from . import event_feed
+from . import event_feed, inflight
 from .chat import CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape
 from .chat_messages import MessagesError, chat_messages, messages_size
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
@@ -133,6 +133,12 @@ class EvictRequest(BaseModel):
     # set by kvd router, the same for every replica it sends the eviction to: of the replicas on
     # one shared Redis, only the first to claim it searches that Redis for other daemons' entries
     purge_once: Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")] | None = None
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_ids: Annotated[list[str], Field(min_length=1, max_length=1000)] | None = None
+    tenant: Tenant | None = None
 
 
 class DrainRequest(BaseModel):
@@ -279,7 +285,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         refuse_unsupported(body, UNSUPPORTED_FIELDS, UNSUPPORTED_HINTS)
         engine = ready_for(body.model)
         prompts = _prompts(body.prompt)
-        return await generate(engine, prompts, sampling(body, body.max_tokens), body, http, who, CompletionShape())
+        return await generate(engine, prompts, sampling(body, body.max_tokens, "completions"), body, http, who,
+                              CompletionShape())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request, who: Principal = Depends(principal)):
@@ -303,7 +310,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 raise ApiError(413, f"messages: the conversation is {len(ids)} tokens, which leaves no room for a "
                                     f"reply in the model's {positions} positions", param="messages",
                                code="context_length_exceeded")
-        return await generate(engine, [ids], sampling(body, limit), body, http, who, ChatShape())
+        return await generate(engine, [ids], sampling(body, limit, "chat"), body, http, who, ChatShape())
 
     def ready_for(model: str | None):
         """The engine, once it takes completions for `model` (None: whichever is served)."""
@@ -316,11 +323,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                 f"{service.model_name!r}", param="model", code="model_not_found")
         return engine
 
-    def sampling(body, max_tokens: int) -> SamplingParams:
+    def sampling(body, max_tokens: int, api: str) -> SamplingParams:
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(body.top_k, 0), seed=body.seed, n=body.n, stop=stop,
-                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+                              stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                              extra={"api": api})
 
     async def generate(engine, prompts: list[list[int]], params: SamplingParams, body, http: Request,
                        who: Principal, shape: CompletionShape):
@@ -355,6 +363,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, str(exc), code="cache_capacity_exceeded") from None
         head = {"id": shape.id_prefix + uuid.uuid4().hex[:24], "created": int(time.time()),
                 "model": service.model_name}
+        # the engine's ids, which `kvctl requests` lists and `kvctl cancel` takes
+        named = {"X-KVD-Request-Id": ",".join(r.request_id for r in requests)}
         n = params.n
         index_of = {(r.request_id, i): p * n + i for p, r in enumerate(requests) for i in range(n)}
         by_id = {r.request_id: r for r in requests}
@@ -367,7 +377,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
                 _stream(engine, events, requests, by_id, index_of, head, shape, include_usage, cancel_all),
-                media_type="text/event-stream")
+                media_type="text/event-stream", headers=named)
         pending = set(index_of)
         checked = loop.time()
         try:
@@ -393,8 +403,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 choices.append(shape.choice(index_of[(request.request_id, seq.index)], engine.text_of(seq),
                                             list(seq.output_ids), seq.finish_reason))
         choices.sort(key=lambda c: c["index"])
-        return {"id": head["id"], "object": shape.object, "created": head["created"], "model": head["model"],
-                "choices": choices, "usage": _usage(requests)}
+        return JSONResponse({"id": head["id"], "object": shape.object, "created": head["created"],
+                             "model": head["model"], "choices": choices, "usage": _usage(requests)}, headers=named)
 
     def _prompts(prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -483,6 +493,18 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
         return service.explain(_tokens_of(body), body.tenant or who.tenant)
+
+    @app.get("/admin/requests")
+    def requests_in_flight(tenant: str | None = None, _: Principal = Depends(admin)):
+        """Every request in flight, oldest first: who, which API, where it stands, for how long,
+        what the cache gave it and the blocks it holds (never its tokens or text)."""
+        return inflight.list_requests(service, tenant)
+
+    @app.post("/admin/cancel")
+    def cancel(body: CancelRequest, who: Principal = Depends(admin)):
+        """Cancel requests in flight by id (the X-KVD-Request-Id of their answers), or all of a
+        tenant's: as if their clients had left. Audited."""
+        return inflight.cancel_requests(service, who, body.request_ids, body.tenant)
 
     @app.post("/admin/drain")
     def drain(body: DrainRequest, who: Principal = Depends(admin)):

@@ -1,5 +1,5 @@
-"""Operator actions at `kvd router` that every replica carries out: evict, pin, unpin, and the
-listings an operator takes ids from (pins, prefixes).
+"""Operator actions at `kvd router` that every replica carries out: evict, pin, unpin, cancel, and
+the listings an operator takes ids from (pins, prefixes, requests in flight).
 
 Block keys are content-addressed and pin ids derive from the tenant and the prefix's keys, so a
 prefix id, a tenant, a model revision or a pin id names the same thing on every replica. The
@@ -145,3 +145,33 @@ def merge_prefix_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
     if missing:
         out["message"] = "not listed: " + "; ".join(missing)
     return 200, out
+
+
+def merge_request_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
+    """Every replica's requests in flight, oldest first, each row naming its replica (a request
+    runs on one replica: its id is that replica's)."""
+    rows, missing = [], []
+    for name, (status, body) in zip(names, answers):
+        if status == 200:
+            rows += [{**row, "replica": name} for row in body["requests"]]
+        else:
+            missing.append(f"{name} ({body.get('error') if status is None else status})")
+    if not any(status == 200 for status, _ in answers):
+        return none_did(names, answers)
+    rows.sort(key=lambda row: -row["age_seconds"])
+    out = {"requests": rows, "running": sum(r["state"] != "waiting" for r in rows),
+           "waiting": sum(r["state"] == "waiting" for r in rows),
+           "replicas": [{"replica": name, "status": status} for name, (status, _) in zip(names, answers)]}
+    if missing:
+        out["message"] = "not listed: " + "; ".join(missing)
+    return 200, out
+
+
+def merge_cancels(done: list[dict]) -> dict:
+    """The requests each replica cancelled; `not_found`: the ids none of them had in flight."""
+    not_found = set(done[0].get("not_found") or [])
+    for body in done[1:]:
+        not_found &= set(body.get("not_found") or [])
+    return {"cancelled": [row for body in done for row in body["cancelled"]],
+            "not_found": [r for r in done[0].get("not_found") or [] if r in not_found],
+            "held_blocks": sum(body["held_blocks"] for body in done)}

@@ -53,8 +53,8 @@ from kvctl.policies.routing import (NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES, R
 
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
-from .fleet_admin import (combine, fan_out, merge_evictions, merge_pin_lists, merge_pins, merge_prefix_lists,
-                          merge_unpins)
+from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merge_pin_lists, merge_pins,
+                          merge_prefix_lists, merge_request_lists, merge_unpins)
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .route_question import affinity_of, local_ids, question_of, question_size
@@ -67,7 +67,8 @@ FORWARD_TIMEOUT_S = 600.0
 FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
-SERVED = ("/v1/completions, /v1/chat/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /admin/prefixes, /router/status, "
+SERVED = ("/v1/completions, /v1/chat/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /admin/prefixes, "
+          "/admin/requests, /admin/cancel, /router/status, "
           "/router/route, /router/drain, /metrics, /healthz and /readyz")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 # a forward's failures before any byte of an answer came, where the connection itself ended
@@ -577,6 +578,22 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             raw = json.dumps({**body, "purge_once": secrets.token_hex(16)}).encode()
         return await everywhere("POST", "/admin/evict", raw, merge_evictions)
 
+    async def listed(path: str, http: Request, merge) -> JSONResponse:
+        """Every replica's listing at `path` (with the caller's query), merged."""
+        replicas = service.replicas
+        query = f"?{http.url.query}" if http.url.query else ""
+        answers = await fan_out(replicas, "GET", path + query, None, ASK_TIMEOUT_S)
+        status, body = merge([r.name for r in replicas], answers)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/admin/requests")
+    async def requests_everywhere(http: Request, _: Caller = Depends(admin)):
+        return await listed("/admin/requests", http, merge_request_lists)
+
+    @app.post("/admin/cancel")
+    async def cancel_everywhere(http: Request, _: Caller = Depends(admin)):
+        return await everywhere("POST", "/admin/cancel", await http.body(), merge_cancels)
+
     @app.post("/admin/pins")
     async def pin_everywhere(http: Request, _: Caller = Depends(admin)):
         return await everywhere("POST", "/admin/pins", await http.body(), merge_pins)
@@ -587,18 +604,11 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     @app.get("/admin/prefixes")
     async def prefixes_everywhere(http: Request, _: Caller = Depends(admin)):
-        replicas = service.replicas
-        query = f"?{http.url.query}" if http.url.query else ""
-        answers = await fan_out(replicas, "GET", "/admin/prefixes" + query, None, ASK_TIMEOUT_S)
-        status, body = merge_prefix_lists([r.name for r in replicas], answers)
-        return JSONResponse(body, status_code=status)
+        return await listed("/admin/prefixes", http, merge_prefix_lists)
 
     @app.get("/admin/pins")
-    async def pins_everywhere(_: Caller = Depends(admin)):
-        replicas = service.replicas
-        answers = await fan_out(replicas, "GET", "/admin/pins", None, ASK_TIMEOUT_S)
-        status, body = merge_pin_lists([r.name for r in replicas], answers)
-        return JSONResponse(body, status_code=status)
+    async def pins_everywhere(http: Request, _: Caller = Depends(admin)):
+        return await listed("/admin/pins", http, merge_pin_lists)
 
     @app.post("/router/route")
     async def route_what_if(http: Request, who: Caller = Depends(admin)):
@@ -761,6 +771,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             excluded.add(id(replica))
         replica.open += 1
         answer_headers = {"X-KVD-Replica": replica.name, "X-KVD-Route": reason}
+        if "x-kvd-request-id" in upstream.headers:  # the replica's ids: kvctl requests / cancel there
+            answer_headers["X-KVD-Request-Id"] = upstream.headers["x-kvd-request-id"]
         if tried:
             answer_headers["X-KVD-Tried"] = "; ".join(tried)
         media = upstream.headers.get("content-type", "application/json")

@@ -1,0 +1,84 @@
+"""The requests in flight, as an operator sees and stops them (`kvctl requests`, `kvctl cancel`).
+
+A row says who asked (tenant, API), where the request stands (waiting for admission, computing
+its prompt, decoding; preempted and how often), for how long, what the cache gave it (cached and
+restored prompt tokens) and what it holds (blocks): never its prompt or output tokens, nor text.
+Cancelling one does what a client that leaves does: its samples finish as `cancelled` (a
+streaming client gets that finish reason), its blocks come back exactly once, and the call is
+audited with the request's tenant.
+"""
+
+from __future__ import annotations
+
+from kvctl.daemon.engine.requests import Request, SeqStatus
+
+from .service import EngineService, Principal, ServiceError
+
+
+def request_state(request: Request) -> str:
+    """waiting (none of its samples admitted), prefill (some computing its prompt) or decode."""
+    statuses = {s.status for s in request.sequences}
+    if SeqStatus.PREFILL in statuses:
+        return "prefill"
+    if SeqStatus.DECODE in statuses:
+        return "decode"
+    return "waiting"
+
+
+def request_row(service: EngineService, request: Request, now: float) -> dict:
+    """One request in flight (engine thread's lock held)."""
+    cache, metrics = service.engine.cache, request.metrics
+    blocks = sum(len(cache.block_table(s.seq_id)) for s in request.sequences if s.seq_id in cache)
+    waited_until = metrics.admitted if metrics.admitted is not None else now
+    return {"request_id": request.request_id, "tenant": request.tenant,
+            "api": request.params.extra.get("api", "completions"), "state": request_state(request),
+            "age_seconds": round(now - metrics.arrival, 3), "queued_seconds": round(waited_until - metrics.arrival, 3),
+            "prompt_tokens": len(request.prompt_ids), "cached_tokens": metrics.cached_tokens,
+            "restored_tokens": metrics.restored_tokens,
+            "output_tokens": sum(len(s.output_ids) for s in request.sequences),
+            "max_tokens": request.params.max_tokens, "n": request.params.n,
+            "preemptions": metrics.preemptions, "blocks": blocks, "priority": request.priority,
+            "cohort": request.cohort}
+
+
+def list_requests(service: EngineService, tenant: str | None = None) -> dict:
+    """Every request in flight (of `tenant`, if given), oldest first."""
+    engine = service.require_ready()
+    with service.lock:
+        now = engine.clock()
+        rows = [request_row(service, r, now) for r in engine.requests.values()
+                if not r.finished and (tenant is None or r.tenant == tenant)]
+    rows.sort(key=lambda row: -row["age_seconds"])
+    return {"requests": rows, "running": sum(r["state"] != "waiting" for r in rows),
+            "waiting": sum(r["state"] == "waiting" for r in rows)}
+
+
+def cancel_requests(service: EngineService, principal: Principal, request_ids: list[str] | None = None,
+                    tenant: str | None = None) -> dict:
+    """Cancel the requests named that are in flight here (`not_found`: the others; a 404 when none
+    is), or every request of `tenant` in flight; each is audited under its tenant. Says what each
+    was doing and the blocks it held."""
+    if (request_ids is None) == (tenant is None):
+        raise ServiceError(400, "cancel: give request_ids or a tenant", "request_ids")
+    engine = service.require_ready()
+    with service.lock:
+        live = {rid: r for rid, r in engine.requests.items() if not r.finished}
+        if request_ids is not None:
+            chosen = [live[rid] for rid in dict.fromkeys(request_ids) if rid in live]
+            not_found = [rid for rid in dict.fromkeys(request_ids) if rid not in live]
+            if not chosen:
+                raise ServiceError(404, f"request_ids: {', '.join(repr(r) for r in not_found)} not in flight "
+                                        "here (finished, or never here: `kvctl requests` lists those that are)",
+                                   "request_ids")
+        else:
+            chosen, not_found = [r for r in live.values() if r.tenant == tenant], []
+        now = engine.clock()
+        rows = [request_row(service, r, now) for r in chosen]
+    for row in rows:
+        service.cancel(row["request_id"])
+        service.store.audit(actor=principal.actor, tenant=row["tenant"], action="cancel",
+                            target=f"request={row['request_id']}", result="ok",
+                            detail={k: row[k] for k in ("state", "age_seconds", "output_tokens", "blocks", "api")})
+    return {"cancelled": [{k: row[k] for k in ("request_id", "tenant", "state", "output_tokens", "blocks")}
+                          for row in rows],
+            "not_found": not_found, "held_blocks": sum(row["blocks"] for row in rows)}

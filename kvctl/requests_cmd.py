@@ -1,0 +1,86 @@
+"""kvctl requests and kvctl cancel: the requests in flight, and stopping one (or a tenant's).
+
+kvd decides and reports; these show its answer (`GET /admin/requests`, `POST /admin/cancel`). At
+kvd router both go to every replica: the listing marks each row with its replica, and a
+cancel takes effect wherever the request runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from .errors import UserError
+from .ops import _client, _emit, replica_lines
+from .tables import compact_table, keep_whole, seconds
+
+
+def requests(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help="Only this tenant's."),
+             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """The requests in flight, oldest first: tenant, API, state, age, cache hits, blocks held.
+
+    Never their prompts or outputs. The id is the X-KVD-Request-Id header of the request's answer;
+    `kvctl cancel ID` stops it.
+
+    Example: kvctl requests --tenant acme
+    """
+    data = _client(ctx).get("/admin/requests", tenant=tenant)
+
+    def render(d):
+        rows = d["requests"]
+        fleet = any("replica" in row for row in rows) or "replicas" in d
+        table = compact_table("request", *(["replica"] if fleet else []), "tenant", "api", "state", "age",
+                              "prompt", "cached", "output", "blocks")
+        for index in range(4 + fleet, 9 + fleet):  # age .. blocks
+            table.columns[index].justify = "right"
+        names = {r["replica"]: i for i, r in enumerate(d.get("replicas") or [])}  # in the router's order
+        for row in rows:
+            mark = [f"#{names.setdefault(row['replica'], len(names))}"] if fleet else []
+            state = row["state"] + (f", preempted {row['preemptions']}x" if row["preemptions"] else "")
+            table.add_row(row["request_id"], *mark, escape(row["tenant"]), row["api"], state,
+                          seconds(row["age_seconds"]), f"{row['prompt_tokens']:,}", f"{row['cached_tokens']:,}",
+                          f"{row['output_tokens']:,}/{row['max_tokens']:,}" + (f" ×{row['n']}" if row["n"] > 1 else ""),
+                          f"{row['blocks']:,}")
+        console = Console()
+        if rows:
+            keep_whole(table, 0)
+            console.print(table)
+        console.print(f"{d['running']} running, {d['waiting']} waiting", highlight=False)
+        for name, mark in names.items():
+            console.print(f"#{mark}: {escape(name)}", highlight=False)
+        if d.get("message"):
+            Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
+    _emit(data, as_json, render)
+
+
+def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, help="Request ids (kvctl requests)."),
+           tenant: Optional[str] = typer.Option(None, help="Every request of this tenant in flight instead."),
+           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Stop requests in flight, as if their clients had left; audited.
+
+    Their samples finish as `cancelled` (a streaming client sees that finish reason) and their
+    blocks come back. At kvd router, wherever each one runs.
+
+    Example: kvctl cancel req-3f9a1c2b7d40
+    """
+    if bool(request_ids) == (tenant is not None):
+        raise UserError("give request ids or --tenant")
+    body = {"tenant": tenant} if tenant is not None else {"request_ids": request_ids}
+    data = _client(ctx).post("/admin/cancel", body)
+
+    def render(d):
+        console = Console()
+        for row in d["cancelled"]:
+            console.print(f"cancelled {row['request_id']} (tenant {escape(row['tenant'])}, {row['state']}, "
+                          f"{row['output_tokens']:,} tokens out, {row['blocks']:,} blocks held)", highlight=False)
+        if not d["cancelled"]:
+            console.print(f"nothing of tenant {escape(tenant or '')} in flight", highlight=False)
+        replica_lines(d, lambda row: f"{len(row['cancelled'])} cancelled")
+        if d.get("not_found"):
+            Console(stderr=True).print("not in flight: " + ", ".join(d["not_found"]), highlight=False)
+    _emit(data, as_json, render)
+    if data.get("not_found"):
+        raise typer.Exit(3)
