@@ -30,7 +30,8 @@ from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, Sa
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
 from . import event_feed, inflight
-from .chat import CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape
+from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape,
+                   GenerationFields)
 from .chat_messages import MessagesError, chat_messages, messages_size
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
@@ -55,26 +56,12 @@ def _param_of(message: str) -> str | None:
     return head if head.replace("_", "").isalnum() else None
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
+class CompletionRequest(GenerationFields):
     # token ids before lists of strings, strictly, and the first member that fits wins: in
     # pydantic's default ("smart") mode a long list of ids was also tried as strings, one error
     # object per id, 10 s for 10M ids on the event loop (now 1 s, and refused by length at once)
     prompt: Annotated[str | list[StrictInt] | list[list[StrictInt]] | list[str], Field(union_mode="left_to_right")]
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    user: str | None = None
-    ignore_eos: bool = False
 
 
 # Completion fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values

@@ -34,13 +34,13 @@ CHAT_HINTS = {
 }
 
 
-class ChatCompletionRequest(BaseModel):
+class GenerationFields(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share: the model, sampling, stops and
+    streaming. Unknown fields are kept, to be refused by name when they ask for something."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    messages: list[Any]  # checked by chat_messages, which names the message and field at fault
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -52,6 +52,12 @@ class ChatCompletionRequest(BaseModel):
     stream_options: dict | None = None
     user: str | None = None
     ignore_eos: bool = False
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[Any]  # checked by chat_messages, which names the message and field at fault
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn opening
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last (assistant) message
 
