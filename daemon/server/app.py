@@ -284,10 +284,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         engine = ready_for(body.model)
-        render = (service.chat_prompt, messages, opens_reply, body.continue_final_message)
+        chat = (messages, opens_reply, body.continue_final_message)
         try:  # a long conversation is rendered and tokenized off the loop that streams every answer
-            ids = render[0](*render[1:]) if messages_size(messages) <= HAND_IN_ON_LOOP_TOKENS \
-                else await run_in_threadpool(*render)
+            ids = service.chat_prompt(*chat) if messages_size(messages) <= HAND_IN_ON_LOOP_TOKENS \
+                else await run_in_threadpool(service.chat_prompt, *chat)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param=_param_of(str(exc)), code="chat_template_refused") from None
         if limit is None:  # what the context has left, as vLLM does
