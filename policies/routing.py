@@ -39,10 +39,11 @@ AFFINITY_TOKENS = 64  # of a token-id prompt's
 HOME_BAND_SECONDS = 0.25  # a new prefix's home is passed over when it waits this much more than the least loaded
 NEW_PREFIX = ("home", "least_loaded")  # where `prefix` sends a prompt no replica holds
 # A prompt is a new prefix unless some replica holds at least this many more of its tokens (in all
-# its tiers, or on its device) than the replica a new prefix goes to (its home, or the least loaded). Less is the opening every prompt
-# shares (a chat template's: BOS, a system header, a date line), which one replica holds first and
-# soon every replica: counting it sent every new conversation to the replica that served the first
-# (scripts/router-pair-bench, chat: the whole fleet's traffic to one of two replicas).
+# its tiers, or on its device) than the replica a new prefix goes to (its home, or the least
+# loaded). Less is the opening every prompt shares (a chat template's: BOS, a system header, a date
+# line), which one replica holds first and soon every replica: counting it sent every new
+# conversation to the replica that served the first (scripts/router-pair-bench, chat: the whole
+# fleet's traffic to one of two replicas). Replicas that hold a prompt equally leave it to its home.
 NEW_PREFIX_SLACK_TOKENS = 128
 
 
