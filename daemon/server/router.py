@@ -558,6 +558,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             there = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         if "error" not in there:
             replica.drained_there = bool(there.get("draining"))
+            load = replica.view.load if replica.view is not None else None
+            if load is not None:  # its answer is newer than the last load poll, which may say the opposite
+                load["draining"] = replica.drained_there
         log.info("replica %s %s (%d open here)%s", replica.name, "drained" if on else "taking requests again",
                  replica.open, f"; the replica did not take it: {there['error']}" if "error" in there else "")
         return {"replica": replica.name, "draining": replica.draining, "open": replica.open, "at_replica": there}
