@@ -8,6 +8,7 @@ from typing import Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .errors import UserError
 from .ops import _client, _emit
@@ -128,3 +129,33 @@ def resume_daemon(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
     """
     data = _client(ctx).post("/admin/drain", {"drain": False})
     _emit(data, as_json, lambda d: Console().print("taking completions again", highlight=False))
+
+
+@fleet_app.command("sync-pins")
+def sync_pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Give every replica the fleet's pins it lacks (a replica that joined, or was down).
+
+    Pins are block keys: each copy pins the same keys, brings up what the replica's lower tiers
+    hold of them (a shared Redis), and pins the rest as the prefix is computed there. A replica
+    serving another model or cache format is left out. Exit 3 when some replica could not be
+    listed or take a copy.
+
+    Example: kvctl --socket /run/kvd/router.sock fleet sync-pins
+    """
+    data = _client(ctx).post("/router/sync-pins", {})
+
+    def render(d):
+        console = Console()
+        for pin in d["pins"]:
+            copied = ", ".join(f"{name} ({c['cached_blocks']} cached)" for name, c in pin["copied_to"].items())
+            console.print(f"{pin['pin_id']} (tenant {escape(pin['tenant'])}, {pin['blocks']} blocks): "
+                          + (f"copied to {escape(copied)}" if copied else "on every replica it can be"),
+                          highlight=False, soft_wrap=True)
+            for name, why in pin["left_out"].items():
+                console.print(f"  {escape(name)}: {escape(why)}", highlight=False, soft_wrap=True)
+        console.print(f"{d['copied']} copies made, {len(d['pins'])} pins in the fleet", highlight=False)
+        if d.get("message"):
+            Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
+    _emit(data, as_json, render)
+    if data.get("result") == "partial":
+        raise typer.Exit(3)

@@ -222,7 +222,8 @@ def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(repl
     assert answer.status_code == 404 and answer.json()["error"]["message"] == (
         "kvd router does not serve /admin/events: it serves /v1/completions, /v1/chat/completions, /v1/models, "
         "/admin/status, /admin/evict, /admin/pins, /admin/prefixes, /admin/requests, /admin/cancel, /router/status, "
-        "/router/route, /router/drain, /metrics, /healthz and /readyz; ask a replica for the rest (kvctl "
+        "/router/sync-pins, /router/route, /router/drain, /metrics, /healthz and /readyz; ask a replica for the rest "
+        "(kvctl "
         "--socket REPLICA_SOCKET ...)")
 
 

@@ -107,6 +107,11 @@ class PinRequest(BaseModel):
     # system prompt this way pins the tokens every conversation that starts with it begins with
     messages: list[Any] | None = None
     prefix: str | None = None  # an id from /admin/prefixes, instead of text or tokens
+    # block keys (hex), as `GET /admin/pins?keys=true` lists another replica's pin: a copy of it
+    # (kvd router's sync-pins), with its tenant and owner
+    keys: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]], Field(min_length=1, max_length=65536)] \
+        | None = None
+    owner: str | None = None
     tenant: Tenant | None = None
     ttl: str | float | None = None
     note: str = ""
@@ -448,13 +453,19 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 "chat_template_digest": service.chat_template_digest}
 
     @app.get("/admin/pins")
-    def pins(_: Principal = Depends(admin)):
-        return {"pins": service.list_pins()}
+    def pins(keys: bool = False, _: Principal = Depends(admin)):
+        """Every pin; `keys`: with its block keys and the block space they belong to, for a copy on
+        another replica (`kvd router`'s sync-pins)."""
+        if not keys:
+            return {"pins": service.list_pins()}
+        return {"pins": service.list_pins(with_keys=True), "space": service.block_space()}
 
     @app.post("/admin/pins")
     def pin(body: PinRequest, who: Principal = Depends(admin)):
-        if body.prefix is not None and (body.text, body.tokens, body.messages) != (None, None, None):
-            raise ApiError(400, "give exactly one of text, tokens, messages and prefix", param="prefix")
+        if sum(x is not None for x in (body.text, body.tokens, body.messages, body.prefix, body.keys)) > 1:
+            raise ApiError(400, "give exactly one of text, tokens, messages, prefix and keys", param="prefix")
+        if body.keys is not None and body.tenant is None:
+            raise ApiError(400, "tenant: a pin by keys names its tenant (the keys were made under it)", param="tenant")
         try:
             ttl = parse_duration(body.ttl)
         except ValueError:
@@ -464,6 +475,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, f"ttl: must be > 0 seconds, got {body.ttl!r}", param="ttl")
         if body.prefix is not None:
             return service.pin_prefix(body.prefix, who, body.tenant, ttl, body.note)
+        if body.keys is not None:
+            return service.pin_copy([bytes.fromhex(k) for k in body.keys], body.tenant, who, ttl, body.note, body.owner)
         token_ids = _tokens_of(body, opens_reply=False)
         target = Principal(body.tenant or who.tenant, who.role, who.actor)
         return service.pin(token_ids, target, ttl, body.note)

@@ -55,6 +55,7 @@ from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merge_pin_lists, merge_pins,
                           merge_prefix_lists, merge_request_lists, merge_unpins)
+from .fleet_pins import sync_pins
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .route_question import affinity_of, local_ids, question_of, question_size
@@ -68,7 +69,7 @@ FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
 SERVED = ("/v1/completions, /v1/chat/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /admin/prefixes, "
-          "/admin/requests, /admin/cancel, /router/status, "
+          "/admin/requests, /admin/cancel, /router/status, /router/sync-pins, "
           "/router/route, /router/drain, /metrics, /healthz and /readyz")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 # a forward's failures before any byte of an answer came, where the connection itself ended
@@ -612,6 +613,12 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.get("/admin/pins")
     async def pins_everywhere(http: Request, _: Caller = Depends(admin)):
         return await listed("/admin/pins", http, merge_pin_lists)
+
+    @app.post("/router/sync-pins")
+    async def sync_pins_everywhere(_: Caller = Depends(admin)):
+        """Every pin of the fleet on every replica of its block space that lacks it (fleet_pins.py)."""
+        status, body = await sync_pins(service.replicas)
+        return JSONResponse(body, status_code=status)
 
     @app.post("/router/route")
     async def route_what_if(http: Request, who: Caller = Depends(admin)):

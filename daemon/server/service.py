@@ -673,6 +673,13 @@ class EngineService:
     def tokenize(self, text: str) -> list[int]:
         return self.loaded.tokenizer.encode(text)
 
+    def block_space(self) -> str:
+        """The block space this daemon serves (its namespace less the tenant: model revision,
+        tokenizer, format, scales, block size): two replicas with the same one make the same keys."""
+        from kvctl.daemon.cache.tiers import space_digest
+
+        return space_digest(self.require_ready()).hex()
+
     @property
     def chat_template_digest(self) -> str | None:
         """Names the chat template (None: none): a router renders chats itself with the template of
@@ -890,7 +897,7 @@ class EngineService:
         """Pin a cached prefix by its id from `kvctl prefixes`: the prefix as that row lists it (from
         the first token to the end of the row). No text needed; its tenant pays. Parts of it in
         a lower tier come back to the device and pin as they land."""
-        engine = self.require_ready()
+        self.require_ready()
         tree, _ = self.prefix_tree()
         first = self.resolve_prefix(prefix_id, tree)
         keys = tree.path(first)
@@ -905,23 +912,38 @@ class EngineService:
         if tenant is not None and tenant != owner:
             raise ServiceError(400, f"tenant: prefix {first.hex()[:16]} is tenant {owner!r}'s, not {tenant!r}'s",
                                "tenant")
-        who = Principal(owner, principal.role, principal.actor)
+        body = self._pin_keys(keys, owner, principal, ttl, note, principal.actor, f"prefix={first.hex()[:16]}", "prefix")
+        body["prefix_id"] = first.hex()[:16]
+        return body
+
+    def pin_copy(self, keys: list[bytes], tenant: str, principal: Principal, ttl: float | None, note: str,
+                 owner: str | None) -> dict:
+        """Pin a prefix by its block keys, as another replica of the fleet has it pinned (kvd
+        router's `kvctl fleet sync-pins`): no text needed. What a lower tier here holds of it (a
+        shared Redis, say) comes up pinned; the rest is pinned as the prefix is computed here."""
+        self.require_ready()
+        return self._pin_keys(keys, tenant, principal, ttl, note, owner or principal.actor,
+                              f"keys={keys[-1].hex()[:16]}", "keys")
+
+    def _pin_keys(self, keys: list[bytes], tenant: str, principal: Principal, ttl: float | None, note: str,
+                  owner: str, target: str, param: str) -> dict:
+        """Pin `keys` for `tenant` (its budget pays), bring what lower tiers hold of them up, and
+        record it; a refusal is audited under `target` and named by `param`."""
+        engine = self.engine
         with self.lock:
             try:
-                result = engine.cache.pin_keys(owner, keys, ttl=ttl, owner=principal.actor, note=note)
+                result = engine.cache.pin_keys(tenant, keys, ttl=ttl, owner=owner, note=note)
             except PinBudgetExceeded as exc:
-                self.store.audit(actor=principal.actor, tenant=owner, action="pin", target=f"prefix={first.hex()[:16]}",
+                self.store.audit(actor=principal.actor, tenant=tenant, action="pin", target=target,
                                  result="refused", detail={"reason": str(exc)})
                 raise ServiceError(409, str(exc)) from None
             except InvalidRequest as exc:
-                raise ServiceError(400, str(exc), "prefix") from None
+                raise ServiceError(400, str(exc), param) from None
         if result.pending_blocks and self.tiers is not None:  # what a lower tier holds comes up, pinned
             from . import tier_ops
 
-            tier_ops.restore_chain(self, keys, owner)
-        body = self._pinned(result, who, ttl, note, warmed=False)
-        body["prefix_id"] = first.hex()[:16]
-        return body
+            tier_ops.restore_chain(self, keys, tenant)
+        return self._pinned(result, Principal(tenant, principal.role, principal.actor), ttl, note, warmed=False)
 
     def _pinned(self, result, principal: Principal, ttl: float | None, note: str, warmed: bool) -> dict:
         """Record a pin that took (store and audit) and describe it."""
@@ -959,12 +981,14 @@ class EngineService:
                          result="ok", detail={"blocks": pin.num_blocks})
         return {"pin_id": pin_id, "unpinned_blocks": pin.num_blocks}
 
-    def list_pins(self) -> list[dict]:
+    def list_pins(self, with_keys: bool = False) -> list[dict]:
+        """Every pin; `with_keys`: also its block keys (hex), which another replica of the same block
+        space can pin by (`pin_copy`)."""
         engine = self.require_ready()
         with self.lock:
             pins, now = engine.cache.pins.all(), engine.clock()
-            return [{**self._pin_times(p.describe(), now), "cached_blocks": engine.cache.lookup(p.keys)}
-                    for p in pins]
+            return [{**self._pin_times(p.describe(), now), "cached_blocks": engine.cache.lookup(p.keys),
+                     **({"keys": [k.hex() for k in p.keys]} if with_keys else {})} for p in pins]
 
     def _pin_times(self, described: dict, now: float) -> dict:
         """A pin's engine-clock times as Unix times, with the seconds it has left (None: until unpinned)."""

@@ -1,0 +1,131 @@
+"""`kvctl fleet sync-pins` at kvd router: a pin one replica has is copied by its keys to the
+replicas of its block space that lack it; it then holds the prefix there as it does where it was
+made, from a shared Redis at once or as the prefix is computed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+
+from .daemon_fixtures import call, start_service  # noqa: E402
+from .tier_fixtures import redis_server  # noqa: E402,F401
+
+SYSTEM = ("You are the support desk of a fleet of KV caches; answer in one line and name the setting. " * 3)
+
+
+def unix_app(service):
+    from kvctl.daemon.server.app import create_app
+
+    return create_app(service, service.metrics, front="unix")
+
+
+def router_over(services):
+    from kvctl.daemon.server.router import Replica, RouterService, create_router_app, replica_client
+    from kvctl.policies.routing import make_router
+
+    replicas = [Replica(f"replica-{i}", replica_client(f"/run/r{i}.sock",
+                                                       transport=httpx.ASGITransport(app=unix_app(s))))
+                for i, s in enumerate(services)]
+    return create_router_app(RouterService(replicas, make_router("prefix"), view="ask"))
+
+
+def sync(router):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://r") as client:
+            return await client.post("/router/sync-pins")
+    return asyncio.run(go())
+
+
+def pins_of(service):
+    return call(unix_app(service), "GET", "/admin/pins").json()["pins"]
+
+
+def test_a_pin_is_copied_to_the_replicas_that_lack_it_and_holds_the_prefix_there(tmp_path):
+    services = [start_service(tmp_path / "a", num_blocks=128), start_service(tmp_path / "b", num_blocks=128),
+                start_service(tmp_path / "c", num_blocks=128, block_size=32)]  # c: another block space
+    try:
+        made = call(unix_app(services[0]), "POST", "/admin/pins", headers={"X-KVD-Tenant": "acme"},
+                    json={"text": SYSTEM, "ttl": "1h", "note": "support desk"}).json()
+        router = router_over(services)
+        first = sync(router)
+        body = first.json()
+        assert first.status_code == 200 and body["result"] == "ok" and body["copied"] == 1
+        [row] = body["pins"]
+        assert (row["pin_id"], row["tenant"], row["blocks"], row["already_on"]) == (
+            made["pin_id"], "acme", made["blocks"], ["replica-0"])
+        assert row["copied_to"] == {"replica-1": {"cached_blocks": 0}}  # nothing of it cached there yet
+        assert row["left_out"] == {"replica-2": "serves another block space"}
+        [copy] = pins_of(services[1])
+        assert {k: copy[k] for k in ("pin_id", "tenant", "blocks", "owner", "note")} == {
+            k: made[k] for k in ("pin_id", "tenant", "blocks", "owner", "note")}
+        assert 3590 < copy["expires_in_seconds"] <= 3600  # the time it had left where it was made
+        assert pins_of(services[2]) == []
+
+        # computed on replica-1, the prefix is pinned there: an eviction of everything unpinned leaves it
+        done = call(unix_app(services[1]), "POST", "/v1/completions", headers={"X-KVD-Tenant": "acme"},
+                    json={"prompt": SYSTEM + "Q?", "max_tokens": 1, "temperature": 0}).json()
+        assert done["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        [copy] = pins_of(services[1])
+        assert copy["cached_blocks"] == made["blocks"]
+        call(unix_app(services[1]), "POST", "/admin/evict", json={"all_unpinned": True})
+        again = call(unix_app(services[1]), "POST", "/v1/completions", headers={"X-KVD-Tenant": "acme"},
+                     json={"prompt": SYSTEM + "Q2?", "max_tokens": 1, "temperature": 0}).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == made["blocks"] * 16
+
+        second = sync(router).json()  # nothing left to copy
+        assert second["copied"] == 0 and second["pins"][0]["already_on"] == ["replica-0", "replica-1"]
+        audit = services[1].store.audit_since(action="pin")
+        assert [(a["tenant"], a["target"]) for a in audit] == [("acme", made["pin_id"])]
+    finally:
+        for service in services:
+            service.shutdown(deadline=2)
+
+
+def test_a_copy_comes_up_from_a_shared_redis_at_once(tmp_path, redis_server):
+    settings = {"num_blocks": 128, "remote_url": redis_server.url, "write_policy": "write_through",
+                "tiering": "always"}
+    services = [start_service(tmp_path / name, **settings) for name in "ab"]
+    try:
+        made = call(unix_app(services[0]), "POST", "/admin/pins", json={"text": SYSTEM}).json()
+        services[0].tiers.flush()
+        body = sync(router_over(services)).json()
+        assert body["pins"][0]["copied_to"] == {"replica-1": {"cached_blocks": made["blocks"]}}
+        [copy] = pins_of(services[1])
+        assert copy["cached_blocks"] == made["blocks"] and copy["expires_in_seconds"] is None
+    finally:
+        for service in services:
+            service.shutdown(deadline=2)
+
+
+def test_a_pin_by_keys_names_its_tenant_and_well_formed_keys(tmp_path):
+    service = start_service(tmp_path, num_blocks=64)
+    try:
+        app = unix_app(service)
+        no_tenant = call(app, "POST", "/admin/pins", json={"keys": ["ab" * 32]})
+        assert no_tenant.status_code == 400 and no_tenant.json()["error"]["message"] == (
+            "tenant: a pin by keys names its tenant (the keys were made under it)")
+        bad = call(app, "POST", "/admin/pins", json={"keys": ["xyz"], "tenant": "acme"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "keys"
+        both = call(app, "POST", "/admin/pins", json={"keys": ["ab" * 32], "text": "x", "tenant": "acme"})
+        assert both.json()["error"]["message"] == "give exactly one of text, tokens, messages, prefix and keys"
+        listed = call(app, "GET", "/admin/pins", params={"keys": "true"}).json()
+        assert listed == {"pins": [], "space": service.block_space()} and len(listed["space"]) == 64
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_kvctl_fleet_sync_pins_prints_what_went_where():
+    from .test_router import _kvctl_prints
+
+    body = {"pins": [{"pin_id": "pin-0123456789abcdef", "tenant": "acme", "blocks": 12,
+                      "already_on": ["/run/a.sock"], "copied_to": {"/run/b.sock": {"cached_blocks": 12}},
+                      "left_out": {"/run/c.sock": "serves another block space"}}],
+            "copied": 1, "replicas": [], "result": "ok"}
+    assert _kvctl_prints(["fleet", "sync-pins"], body).splitlines() == [
+        "pin-0123456789abcdef (tenant acme, 12 blocks): copied to /run/b.sock (12 cached)",
+        "  /run/c.sock: serves another block space",
+        "1 copies made, 1 pins in the fleet"]
