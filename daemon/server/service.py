@@ -73,6 +73,12 @@ class _Submission:
     future: Future
 
 
+def is_short_hex(text: str) -> bool:
+    """At least 4 lowercase hex digits: a prefix id or a model revision, shortened as git shortens
+    a hash."""
+    return len(text) >= 4 and all(c in "0123456789abcdef" for c in text)
+
+
 class ServiceError(Exception):
     """An operator request that cannot be done; `status` is the HTTP status to answer with."""
 
@@ -1028,7 +1034,7 @@ class EngineService:
         first; any other cached block's id works too, so that an id listed before the tree
         changed (a sibling evicted, nodes merged) still names the same block."""
         text = prefix_id.strip().lower()
-        if len(text) < 4 or any(c not in "0123456789abcdef" for c in text):
+        if not is_short_hex(text):
             raise ServiceError(400, f"prefix: give at least 4 hex digits of an id from `kvctl prefixes`, "
                                     f"got {prefix_id!r}", "prefix")
         matches = sorted(k for k in tree.nodes if k.hex().startswith(text)) or \
@@ -1128,7 +1134,7 @@ class EngineService:
         from kvctl.daemon.cache.tiers import space_digest
         from kvctl.daemon.cache.tiers.spaces import with_revision
 
-        if len(text) < 4 or not all(c in "0123456789abcdef" for c in text):
+        if not is_short_hex(text):
             raise ServiceError(400, f"model_revision: give at least 4 lowercase hex digits of a revision (kvctl "
                                     f"status shows the model's), got {text!r}", "model_revision")
         records, error = self.tiers.space_records() if self.tiers is not None else ({}, None)
