@@ -271,3 +271,28 @@ def test_a_system_prompt_pinned_as_messages_is_what_every_chat_starting_with_it_
     both = call(unix, "POST", "/admin/pins", json={"messages": system, "text": "x"})
     assert both.json()["error"]["message"] == "give exactly one of text, tokens and messages"
     assert call(unix, "DELETE", f"/admin/pins/{pinned['pin_id']}").status_code == 200
+
+
+def test_finished_samples_are_counted_by_api_and_finish_reason(daemon):
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    service, unix, _ = daemon
+
+    def finished() -> dict:
+        text = call(unix, "GET", "/metrics").text
+        return {(s.labels["api"], s.labels["finish_reason"]): s.value for family in
+                text_string_to_metric_families(text) if family.name == "kvd_finished" for s in family.samples
+                if s.name == "kvd_finished_total"}
+
+    before = finished()
+    chat(unix, conversation("Count them."), n=2, max_tokens=3, ignore_eos=True)
+    call(unix, "POST", "/v1/completions", json={"prompt": "count me", "max_tokens": 2, "ignore_eos": True})
+    want = {("chat", "length"): 2, ("completions", "length"): 1}
+    for _ in range(100):  # counted as the engine thread sees them finish, just after the answer
+        after = finished()
+        if all(after.get(k, 0) - before.get(k, 0) == v for k, v in want.items()):
+            break
+        time.sleep(0.01)
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in want} == want

@@ -11,6 +11,8 @@
     kvd_cache_events_dropped_total            events trimmed from the log (a slow reader sees a gap)
     kvd_allocation_seconds                    histogram: time per cache-core call
     kvd_admission_rejections_total{reason}    never_fits, queue_full
+    kvd_finished_total{api,finish_reason}     samples (choices) finished: api completions, chat or internal
+                                              (a pin's warm-up); stop, length or cancelled
     kvd_preemptions_total
     kvd_queue_age_seconds                     age of the oldest waiting request
     kvd_ttft_seconds                          histogram: time to first token
@@ -39,7 +41,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -209,6 +211,8 @@ class Metrics:
         self.alloc = Histogram("kvd_allocation_seconds", "Time per cache-core call",
                                buckets=(1e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 0.1),
                                registry=self.registry)
+        self.finished = Counter("kvd_finished", "Samples (choices) finished, by API and finish reason",
+                                ["api", "finish_reason"], registry=self.registry)
         self.restore = Histogram("kvd_tier_restore_seconds", "Time to put a prefix back on the device",
                                  buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
                                  registry=self.registry)
@@ -223,6 +227,9 @@ class Metrics:
 
     def observe_request(self, request) -> None:
         metrics = request.metrics
+        api = request.params.extra.get("api", "internal")
+        for seq in request.sequences:
+            self.finished.labels(api, seq.finish_reason or "unknown").inc()
         with self._lock:
             if metrics.ttft is not None:
                 self.ttft.observe(metrics.ttft)
