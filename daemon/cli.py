@@ -88,6 +88,8 @@ def serve(
                    "decodes (0: never; auto: 64 on a CPU, 0 on a GPU)."),
     max_running: Optional[int] = typer.Option(None, help="Sequences in a batch at most."),
     max_queue: Optional[int] = typer.Option(None, help="Waiting requests before 429."),
+    max_tenant_requests: Optional[int] = typer.Option(
+        None, help="One tenant's requests in flight (waiting and running) at most; 429 beyond. Default: no limit."),
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
     reservation: Optional[str] = typer.Option(None, help="Output reservation: fixed:N, fraction:F, p95."),
     eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru or cost."),
@@ -115,7 +117,8 @@ def serve(
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_batch_tokens=max_batch_tokens,
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
-                   max_queue=max_queue, max_request_bytes=max_request_bytes, reservation=reservation,
+                   max_queue=max_queue, max_tenant_requests=max_tenant_requests,
+                   max_request_bytes=max_request_bytes, reservation=reservation,
                    eviction=eviction,
                    trusted_proxy=trusted_proxy, cache_dtype=cache_dtype,
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,

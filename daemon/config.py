@@ -97,6 +97,7 @@ class KvdConfig:
     quick_prefill_tokens: int | None = None
     max_running: int = 32
     max_queue: int = 256
+    max_tenant_requests: int | None = None  # one tenant's requests in flight at most (429 beyond); None: no limit
     reservation: str = "fraction:1.0"
     eviction: str = "lru"
     queue_order: str = "fifo"
@@ -143,7 +144,7 @@ def redact_url(url: Any) -> Any:
 
 _PARSERS = {
     "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size,
-    "max_batch_tokens": int, "max_running": int, "max_queue": int, "pin_budget_blocks": int, "shutdown_timeout": float,
+    "max_batch_tokens": int, "max_running": int, "max_queue": int, "max_tenant_requests": int, "pin_budget_blocks": int, "shutdown_timeout": float,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool,
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,
     "host_cache_bytes": _size, "disk_cache_bytes": _size, "remote_cache_bytes": _size, "remote_timeout": float,
@@ -154,7 +155,7 @@ _PARSERS = {
 def _check(name: str, value: Any) -> None:
     if name == "block_size" and value not in (8, 16, 32, 64, 128, 256):
         raise ValueError("must be one of 8, 16, 32, 64, 128, 256")
-    if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory") \
+    if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory", "max_tenant_requests") \
             and value is not None and value < 1:
         raise ValueError("must be >= 1")
     if name in ("pin_budget_blocks", "quick_prefill_tokens") and value is not None and value < 0:

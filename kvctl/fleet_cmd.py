@@ -140,7 +140,7 @@ def sync_pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", 
     serving another model or cache format is left out. Exit 3 when some replica could not be
     listed or take a copy.
 
-    Example: kvctl --socket /run/kvd/router.sock fleet sync-pins
+    Example: kvctl fleet sync-pins   # kvctl --socket ROUTER_SOCKET, or KVD_SOCKET
     """
     data = _client(ctx).post("/router/sync-pins", {})
 

@@ -333,6 +333,34 @@ def test_queue_full_is_429_with_retry_after(tmp_path):
         service.shutdown(1)
 
 
+def test_a_tenant_over_its_share_of_requests_in_flight_gets_a_429_and_others_do_not(tmp_path):
+    service = start_service(tmp_path, num_blocks=128, max_running=1, max_tenant_requests=1)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        from kvctl.daemon.engine.sampling import SamplingParams
+        from kvctl.daemon.server.service import Principal
+
+        busy = service.submit([[1] * 20], SamplingParams(max_tokens=400, ignore_eos=True),
+                              Principal("acme", "admin", "test"), lambda e: None)
+        def ask(tenant, prompt):
+            return call(unix, "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant},
+                        json={"prompt": prompt, "max_tokens": 1})
+
+        refused = ask("acme", "acme again")
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        error = refused.json()["error"]
+        assert error["code"] == "tenant_limit" and error["message"].endswith(
+            "tenant 'acme' has 1 requests in flight (max_tenant_requests 1)")
+        # globex's request is queued behind acme's (one runs at a time), not refused
+        others = ask("globex", "globex waits its turn")
+        assert others.status_code == 200 and busy[0].finished
+        text = call(unix, "GET", "/metrics").text
+        assert 'kvd_admission_rejections_total{reason="tenant_limit"} 1.0' in text.splitlines()
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
 def test_dozens_of_clients_with_cancellations_end_with_every_block_free(tmp_path):
     service = start_service(tmp_path, max_running=8, max_queue=64, max_batch_tokens=64)
     unix, _ = apps(service, token_table(tmp_path))
@@ -428,12 +456,16 @@ def test_reload_applies_live_settings_and_names_the_rest(daemon):
     from dataclasses import replace
 
     assert service.engine.settings.quick_prefill_tokens == (0 if service.engine.model.device.type == "cuda" else 64)
-    new = replace(service.config, max_queue=99, reservation="p95", block_size=32, quick_prefill_tokens=8)
+    new = replace(service.config, max_queue=99, reservation="p95", block_size=32, quick_prefill_tokens=8,
+                  max_tenant_requests=12)
     result = service.reload(new)
-    assert result == {"changed": {"max_queue": 99, "reservation": "p95", "quick_prefill_tokens": 8},
-                      "previous": {"max_queue": 256, "reservation": "fraction:1.0", "quick_prefill_tokens": None},
+    assert result == {"changed": {"max_queue": 99, "max_tenant_requests": 12, "reservation": "p95",
+                                  "quick_prefill_tokens": 8},
+                      "previous": {"max_queue": 256, "max_tenant_requests": None, "reservation": "fraction:1.0",
+                                   "quick_prefill_tokens": None},
                       "needs_restart": ["block_size"]}
     assert service.engine.settings.max_queue == 99 and service.engine.reservation.spec == "p95"
+    assert service.engine.settings.max_tenant_requests == 12
     assert service.engine.settings.quick_prefill_tokens == 8
     assert call(unix, "GET", "/admin/config").json()["config"]["max_queue"] == 99
     assert call(unix, "GET", "/admin/config").json()["config"]["block_size"] == 16
@@ -640,13 +672,14 @@ def test_status_latency_percentiles_cover_the_latest_2000_ttfts_and_20000_gaps(t
     from types import SimpleNamespace
 
     from kvctl.daemon.engine.requests import RequestMetrics
+    from kvctl.daemon.engine.sampling import SamplingParams
 
     service = start_service(tmp_path)
     try:
         for i in range(2100):  # TTFT i ms; ten gaps of (i % 7 + 1) ms each
             times = [i / 1000 + k * (i % 7 + 1) / 1000 for k in range(11)]
             metrics = RequestMetrics(arrival=0.0, first_token=times[0], token_times=times)
-            service.metrics.observe_request(SimpleNamespace(metrics=metrics))
+            service.metrics.observe_request(SimpleNamespace(metrics=metrics, params=SamplingParams(), sequences=[]))
         summary = service.metrics.summary()
         ttft, gaps = summary["ttft_seconds"], summary["inter_token_seconds"]
         assert ttft["count"] == 2000 and gaps["count"] == 20000

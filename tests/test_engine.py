@@ -182,6 +182,25 @@ def test_rejections_say_which_limit_and_allocate_nothing(demo):
     assert engine.cache.state_counts() == before
 
 
+def test_one_tenant_cannot_hold_more_than_its_share_of_requests_in_flight(demo):
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, max_tenant_requests=2))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    first = engine.add_request(list(range(20)), params, tenant="acme")
+    engine.add_request(list(range(20, 40)), params, tenant="acme")
+    before = engine.cache.state_counts()
+    with pytest.raises(AdmissionRejected) as info:
+        engine.add_request(list(range(40, 60)), params, tenant="acme", request_id="req-third")
+    assert (info.value.kind, str(info.value)) == (
+        "tenant_limit", "request req-third: tenant 'acme' has 2 requests in flight (max_tenant_requests 2)")
+    assert engine.cache.state_counts() == before and engine.stats.rejections == {"tenant_limit": 1}
+    engine.add_request(list(range(60, 80)), params, tenant="globex")  # another tenant's share is its own
+    engine.run_until_done()
+    assert first.finished
+    engine.add_request(list(range(40, 60)), params, tenant="acme")  # done ones free the share
+    engine.run_until_done()
+    assert all_blocks_back(engine)
+
+
 @pytest.mark.parametrize("params, message", [
     (SamplingParams(max_tokens=0), "max_tokens: must be an integer >= 1, got 0"),
     (SamplingParams(top_p=0.0), "top_p: must be in (0, 1], got 0.0"),

@@ -274,3 +274,12 @@ def test_a_prefix_in_a_replicas_lower_tiers_counts_as_held_and_ttft_prices_its_r
              "disk": {"bytes_per_second": 1e8, "latency_seconds": 0.01}}
     assert restore_seconds({"host": 64, "disk": 128, "remote": 5}, 2**20, rates) == pytest.approx(
         0.001 + 64 * 2**20 / 1e9 + 0.01 + 128 * 2**20 / 1e8)
+
+
+def test_a_tenant_at_its_limit_of_requests_in_flight_is_told_so():
+    from kvctl.policies.admission import tenant_limit_reason
+
+    assert tenant_limit_reason("req-1", "acme", 3, None) is None  # no limit
+    assert tenant_limit_reason("req-1", "acme", 2, 3) is None
+    assert tenant_limit_reason("req-1", "acme", 3, 3) == (
+        "request req-1: tenant 'acme' has 3 requests in flight (max_tenant_requests 3)")

@@ -33,7 +33,7 @@ import torch
 from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHasher
 from kvctl.daemon.cache.events import EventLog
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
-from kvctl.policies.admission import Verdict, blocks_for_tokens
+from kvctl.policies.admission import Verdict, blocks_for_tokens, tenant_limit_reason
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tiering import RateMeter
 
@@ -43,10 +43,11 @@ from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sampl
 
 
 class AdmissionRejected(Exception):
-    """The request was turned away before anything was allocated; the message says why."""
+    """The request was turned away before anything was allocated; the message says why, `kind`
+    names the limit: never_fits, queue_full or tenant_limit."""
 
-    def __init__(self, request: Request, reason: str) -> None:
-        self.request = request
+    def __init__(self, request: Request, reason: str, kind: str = "never_fits") -> None:
+        self.request, self.kind = request, kind
         super().__init__(reason)
 
 
@@ -57,6 +58,7 @@ class EngineSettings:
     max_batch_tokens: int = 256  # prompt chunk budget per step (decodes count one each)
     max_running: int = 16  # sequences in the batch at most
     max_queue: int = 256  # waiting requests before new ones are rejected
+    max_tenant_requests: int | None = None  # one tenant's requests in flight (waiting, running) at most
     reservation: str = "fraction:1.0"  # output reservation policy (see policies.reservation)
     eviction: str = "lru"
     queue_order: str = "fifo"  # or "priority": higher priority first, FIFO within a priority
@@ -217,16 +219,20 @@ class Engine:
                           cohort=cohort)
         size, total = self.settings.block_size, self.settings.num_blocks
         needed = blocks_for_tokens(len(prompt_ids) + self._reservation(request).reserve(params.max_tokens), size)
+        kind = None
         if needed > total:
-            request.rejected = (f"request {request_id}: needs {needed} blocks for its prompt and output "
-                                f"reservation but the cache has {total}; it can never fit")
+            kind, request.rejected = "never_fits", (f"request {request_id}: needs {needed} blocks for its prompt and "
+                                                    f"output reservation but the cache has {total}; it can never fit")
         elif self._queued_requests() >= self.settings.max_queue:
-            request.rejected = (f"request {request_id}: admission queue full "
-                                f"({self._queued_requests()} of {self.settings.max_queue} waiting)")
+            kind, request.rejected = "queue_full", (f"request {request_id}: admission queue full "
+                                                    f"({self._queued_requests()} of {self.settings.max_queue} waiting)")
+        elif self.settings.max_tenant_requests is not None:
+            in_flight = sum(1 for r in self.requests.values() if r.tenant == tenant and not r.finished)
+            request.rejected = tenant_limit_reason(request_id, tenant, in_flight, self.settings.max_tenant_requests)
+            kind = "tenant_limit" if request.rejected else None
         if request.rejected:
-            kind = "never_fits" if needed > total else "queue_full"
             self.stats.rejections[kind] = self.stats.rejections.get(kind, 0) + 1
-            raise AdmissionRejected(request, request.rejected)
+            raise AdmissionRejected(request, request.rejected, kind)
         self.requests[request_id] = request
         if prefix_keys is not None and not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids):
             prefix_keys = None

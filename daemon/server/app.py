@@ -349,8 +349,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except RequestError as exc:
             raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
         except AdmissionRejected as exc:
-            if "queue full" in str(exc):
-                raise ApiError(429, str(exc), type_="rate_limit_error", code="queue_full",
+            if exc.kind in ("queue_full", "tenant_limit"):
+                raise ApiError(429, str(exc), type_="rate_limit_error", code=exc.kind,
                                headers={"Retry-After": "1"}) from None
             raise ApiError(400, str(exc), code="cache_capacity_exceeded") from None
         head = {"id": shape.id_prefix + uuid.uuid4().hex[:24], "created": int(time.time()),

@@ -10,7 +10,7 @@
                                               corrupt, unwritten, gone, space): the event log's counts
     kvd_cache_events_dropped_total            events trimmed from the log (a slow reader sees a gap)
     kvd_allocation_seconds                    histogram: time per cache-core call
-    kvd_admission_rejections_total{reason}    never_fits, queue_full
+    kvd_admission_rejections_total{reason}    never_fits, queue_full, tenant_limit
     kvd_finished_total{api,finish_reason}     samples (choices) finished: api completions, chat or internal
                                               (a pin's warm-up); stop, length or cancelled
     kvd_preemptions_total
@@ -95,7 +95,7 @@ class _EngineCollector:
         yield from _event_metrics(engine.events)
         rejected = CounterMetricFamily("kvd_admission_rejections", "Requests rejected at admission",
                                        labels=["reason"])
-        for reason in ("never_fits", "queue_full"):
+        for reason in ("never_fits", "queue_full", "tenant_limit"):
             rejected.add_metric([reason], rejections.get(reason, 0))
         yield rejected
         yield CounterMetricFamily("kvd_preemptions", "Sequences preempted for recomputation",

@@ -181,7 +181,8 @@ class EngineService:
             raise ValueError(f"cache_memory: {cfg.cache_memory} bytes holds no block of {per_block} bytes")
         settings = EngineSettings(num_blocks=num_blocks, block_size=cfg.block_size,
                                   max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running,
-                                  max_queue=cfg.max_queue, reservation=cfg.reservation,
+                                  max_queue=cfg.max_queue, max_tenant_requests=cfg.max_tenant_requests,
+                                  reservation=cfg.reservation,
                                   eviction=cfg.eviction, queue_order=cfg.queue_order,
                                   cache_dtype=cfg.cache_dtype, keep_layers=tuple(keep),
                                   quick_prefill_tokens=self._quick_prefill_tokens(cfg, device))
@@ -363,7 +364,7 @@ class EngineService:
     def reload(self, new: KvdConfig, actor: str = "sighup") -> dict:
         """Apply policy settings that can change live (SIGHUP, `kvctl config reload`); the cache is
         kept. `reload_from_source` also re-reads the token file (token rotation)."""
-        live = ("max_batch_tokens", "max_running", "max_queue", "reservation", "queue_order",
+        live = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         previous = {k: getattr(self.config, k) for k in changed}
@@ -374,6 +375,7 @@ class EngineService:
             if engine is not None:
                 engine.settings = replace(engine.settings, max_batch_tokens=new.max_batch_tokens,
                                           max_running=new.max_running, max_queue=new.max_queue,
+                                          max_tenant_requests=new.max_tenant_requests,
                                           reservation=new.reservation, queue_order=new.queue_order,
                                           quick_prefill_tokens=self._quick_prefill_tokens(
                                               new, engine.model.device.type))
