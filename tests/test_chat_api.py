@@ -269,6 +269,8 @@ def test_a_system_prompt_pinned_as_messages_is_what_every_chat_starting_with_it_
     bad = call(unix, "POST", "/admin/explain", json={"messages": [{"role": "user"}]})
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "messages[0].content")
     both = call(unix, "POST", "/admin/pins", json={"messages": system, "text": "x"})
+    assert both.json()["error"]["message"] == "give exactly one of text, tokens, messages, prefix and keys"
+    both = call(unix, "POST", "/admin/explain", json={"messages": system, "text": "x"})
     assert both.json()["error"]["message"] == "give exactly one of text, tokens and messages"
     assert call(unix, "DELETE", f"/admin/pins/{pinned['pin_id']}").status_code == 200
 
