@@ -207,29 +207,33 @@ async def _serve(settings, re_resolve) -> None:
 
 @app.command()
 def router(
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML settings file (flags and KVD_ROUTER_* win)."),
     replica: list[str] = typer.Option([], "--replica", help="A kvd replica: its Unix socket, or an http(s):// "
                                       "URL (with --token-file). Repeat for each."),
     replicas_file: Optional[str] = typer.Option(None, help="More replicas, one per line (# comments); SIGHUP "
                                                 "re-reads it: new lines join the fleet, removed ones are "
                                                 "drained and leave once their requests have answered."),
-    socket_path: str = typer.Option(..., "--socket", help="Unix socket the router serves on (mode 0660)."),
-    routing: str = typer.Option("prefix", help="round_robin, least_loaded, prefix or ttft."),
-    balance_seconds: float = typer.Option(2.0, help="prefix: the extra wait it accepts for a replica that "
-                                          "caches more."),
-    new_prefix: str = typer.Option("home", help="prefix: where a prompt no replica holds goes: home (a replica "
-                                   "named by a hash of its opening, the same from every router, unless it is "
-                                   "loaded beyond a bound) or least_loaded."),
-    new_prefix_slack: int = typer.Option(128, help="prefix: a prompt is new unless some replica holds this many "
-                                         "tokens more of it than its home (or the least loaded): less is the "
-                                         "opening all prompts share, such as a chat template's."),
-    prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second of a replica that has "
-                                       "not measured its own yet."),
-    view: str = typer.Option("events", help="How it learns what each replica caches and how busy it is: "
-                             "events (follows their event feeds and polls their load; no call on the "
-                             "request's path) or ask (every replica, per request)."),
-    load_interval: float = typer.Option(0.25, help="events: seconds between load polls of each replica."),
-    pending_seconds: float = typer.Option(30.0, help="events: how long a prompt just sent to a replica "
-                                          "counts as cached there before its feed confirms it."),
+    socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket the router serves on (mode 0660)."),
+    routing: Optional[str] = typer.Option(None, help="round_robin, least_loaded, prefix (the default) or ttft."),
+    balance_seconds: Optional[float] = typer.Option(None, help="prefix: the extra wait it accepts for a replica "
+                                                    "that caches more (default 2)."),
+    new_prefix: Optional[str] = typer.Option(None, help="prefix: where a prompt no replica holds goes: home (the "
+                                             "default: a replica named by a hash of its opening, the same from "
+                                             "every router, unless it is loaded beyond a bound) or least_loaded."),
+    new_prefix_slack: Optional[int] = typer.Option(None, help="prefix: a prompt is new unless some replica holds "
+                                                   "this many tokens more of it than its home (or the least "
+                                                   "loaded): less is the opening all prompts share, such as a chat "
+                                                   "template's (default 128)."),
+    prefill_rate: Optional[float] = typer.Option(None, help="ttft: prompt tokens per second of a replica that "
+                                                 "has not measured its own yet (default 20000)."),
+    view: Optional[str] = typer.Option(None, help="How it learns what each replica caches and how busy it is: "
+                                       "events (the default: follows their event feeds and polls their load; no "
+                                       "call on the request's path) or ask (every replica, per request)."),
+    load_interval: Optional[float] = typer.Option(None, help="events: seconds between load polls of each "
+                                                  "replica (default 0.25)."),
+    pending_seconds: Optional[float] = typer.Option(None, help="events: how long a prompt just sent to a "
+                                                    "replica counts as cached there before its feed confirms it "
+                                                    "(default 30)."),
     token_file: Optional[str] = typer.Option(None, help="Bearer token (admin role) for URL replicas."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --clients-file)."),
     clients_file: Optional[str] = typer.Option(None, help="The TCP callers' tokens: TOKEN TENANT ROLE lines, "
@@ -240,9 +244,12 @@ def router(
 
     It learns what every replica caches of the prompt and how busy it is (--view), picks one by
     the routing policy, and streams that replica's answer back (headers X-KVD-Replica, X-KVD-Route).
+    Every setting is also a KVD_ROUTER_* variable and a field of the YAML file (--config).
 
     Example: kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock
     """
+    from kvctl.daemon.config import ConfigError
+    from kvctl.daemon.router_config import resolve_router
     from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.fleet_file import FleetFile, read_replicas_file
     from kvctl.daemon.server.router import Replica, RouterService, replica_client
@@ -251,36 +258,35 @@ def router(
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        listed = read_replicas_file(replicas_file) if replicas_file else []
-        if replicas_file and not replica + listed:
-            raise ValueError(f"replicas_file: {replicas_file!r} names no replica, and no --replica is given")
-        if not replicas_file and len(replica) < 2:
-            raise ValueError(f"replica: give two or more (--replica, repeated), got {len(replica)}")
-        policy = make_router(routing, prefill_rate=prefill_rate, balance_seconds=balance_seconds,
-                             new_prefix=new_prefix, new_prefix_slack=new_prefix_slack)
+        settings = resolve_router(_flags(
+            replicas=replica or None, replicas_file=replicas_file, socket=socket_path, routing=routing,
+            balance_seconds=balance_seconds, new_prefix=new_prefix, new_prefix_slack=new_prefix_slack,
+            prefill_rate=prefill_rate, view=view, load_interval=load_interval, pending_seconds=pending_seconds,
+            token_file=token_file, listen=listen, clients_file=clients_file), os.environ, config)
+        fixed = list(settings.replicas)
+        listed = read_replicas_file(settings.replicas_file) if settings.replicas_file else []
+        if settings.replicas_file and not fixed + listed:
+            raise ValueError(f"replicas_file: {settings.replicas_file!r} names no replica, and no --replica is given")
+        policy = make_router(settings.routing, prefill_rate=settings.prefill_rate,
+                             balance_seconds=settings.balance_seconds, new_prefix=settings.new_prefix,
+                             new_prefix_slack=settings.new_prefix_slack)
         token = None
-        if token_file:
+        if settings.token_file:
             try:
-                token = Path(token_file).read_text().split()[0]
+                token = Path(settings.token_file).read_text().split()[0]
             except (OSError, IndexError):
-                raise ValueError(f"token_file: cannot read a token from {token_file!r}") from None
-        clients = None
-        if listen:
-            if not clients_file:
-                raise ValueError("clients_file: --listen needs the TCP callers' tokens (--clients-file)")
-            host, _, port = listen.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"listen: expected HOST:PORT, got {listen!r}")
-            clients = TokenTable.load(clients_file)
-        replicas = [Replica(spec, replica_client(spec, token)) for spec in replica + listed]
-        service = RouterService(replicas, policy, view=view, load_interval=load_interval,
-                                pending_seconds=pending_seconds)
+                raise ValueError(f"token_file: cannot read a token from {settings.token_file!r}") from None
+        clients = TokenTable.load(settings.clients_file) if settings.listen else None
+        replicas = [Replica(spec, replica_client(spec, token)) for spec in fixed + listed]
+        service = RouterService(replicas, policy, view=settings.view, load_interval=settings.load_interval,
+                                pending_seconds=settings.pending_seconds)
         membership = None
-        if replicas_file:
-            membership = FleetFile(replicas_file, fixed=set(replica), client=lambda spec: replica_client(spec, token))
+        if settings.replicas_file:
+            membership = FleetFile(settings.replicas_file, fixed=set(fixed),
+                                   client=lambda spec: replica_client(spec, token))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_route(service, socket_path, listen, clients, clients_file, membership))
-    except (RuntimeError, OSError, ValueError) as exc:
+            runner.run(_route(service, settings.socket, settings.listen, clients, settings.clients_file, membership))
+    except (ConfigError, RuntimeError, OSError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         raise typer.Exit(2)
 

@@ -230,50 +230,64 @@ def quick_prefill_default(device: str) -> int:
     return 0 if device == "cuda" else 64
 
 
-def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
-            config_file: str | Path | None = None) -> KvdConfig:
-    """Merge the sources by precedence (flag > env > file > default) and validate every field."""
+def read_settings_file(config_file: str | Path, names: set[str], flatten=lambda values, source: values) -> dict:
+    """The YAML file's mapping of settings, refused whole (naming the file) when it cannot be read,
+    does not parse, is not a mapping, or names a field there is not."""
     import yaml
 
-    env = os.environ if env is None else env
-    names = {f.name for f in fields(KvdConfig)} - {"sources"}
-    file_values: dict[str, Any] = {}
-    if config_file is not None:
-        path = Path(config_file)
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"config: cannot read {str(path)!r} ({exc.strerror})") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config: {str(path)!r} is not valid YAML ({exc})") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config: {str(path)!r} must hold a mapping of settings")
-        loaded = _flatten_tiers(loaded, str(path))
-        unknown = sorted(set(loaded) - names)
-        if unknown:
-            raise ConfigError(f"config: unknown field {unknown[0]!r} in {str(path)!r}")
-        file_values = loaded
+    path = Path(config_file)
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {str(path)!r} ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: {str(path)!r} is not valid YAML ({exc})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config: {str(path)!r} must hold a mapping of settings")
+    loaded = flatten(loaded, str(path))
+    unknown = sorted(set(loaded) - names)
+    if unknown:
+        raise ConfigError(f"config: unknown field {unknown[0]!r} in {str(path)!r}")
+    return loaded
+
+
+def merge_settings(names: set[str], flags: Mapping[str, Any] | None, env: Mapping[str, str], env_prefix: str,
+                   file_values: Mapping[str, Any], config_file: str | Path | None,
+                   parsers: Mapping[str, Any], check) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each setting from its first source by precedence (flag > env > file; absent: the default),
+    parsed and checked: (values, where each came from). A bad value is a ConfigError naming the
+    setting, the value (a URL's password hidden) and its source."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name in names:
         flag_value = (flags or {}).get(name)
-        env_value = env.get("KVD_" + name.upper())
+        env_value = env.get(env_prefix + name.upper())
         if flag_value is not None:
             raw, source = flag_value, f"--{name.replace('_', '-')}"
         elif env_value is not None and env_value != "":
-            raw, source = env_value, f"KVD_{name.upper()}"
+            raw, source = env_value, f"{env_prefix}{name.upper()}"
         elif name in file_values:
             raw, source = file_values[name], str(config_file)
         else:
             continue
         try:
-            value = None if raw is None else _PARSERS.get(name, str)(raw)
-            _check(name, value)
+            value = None if raw is None else parsers.get(name, str)(raw)
+            check(name, value)
         except (ValueError, TypeError) as exc:
             detail = str(exc) or "has the wrong type"
             raise ConfigError(f"{name}: invalid value {redact_url(raw)!r} from {source}: {detail}") from None
         values[name] = value
         sources[name] = source
+    return values, sources
+
+
+def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+            config_file: str | Path | None = None) -> KvdConfig:
+    """Merge the sources by precedence (flag > env > file > default) and validate every field."""
+    env = os.environ if env is None else env
+    names = {f.name for f in fields(KvdConfig)} - {"sources"}
+    file_values = read_settings_file(config_file, names, _flatten_tiers) if config_file is not None else {}
+    values, sources = merge_settings(names, flags, env, "KVD_", file_values, config_file, _PARSERS, _check)
     config = KvdConfig(**values, sources=sources)
     if config.listen and not config.token_file:
         raise ConfigError(f"listen: {config.listen!r} needs token_file: TCP requests must carry a bearer token")

@@ -838,8 +838,13 @@ def test_the_router_unit_runs_a_kvd_router_command_kvd_accepts():
     words = shlex.split(line.split("bin/kvd ", 1)[1])
     assert words[0] == "router"
     context = typer.main.get_command(kvd_app).commands["router"].make_context("kvd router", words[1:])
-    assert context.params["view"] == "events" and context.params["replicas_file"] == "/etc/kvd/router-replicas"
-    assert context.params["clients_file"] == "/etc/kvd/router-clients"
+    assert str(context.params["config"]) == "/etc/kvd/router.yaml"
+    from kvctl.daemon.router_config import resolve_router
+
+    examples = Path(__file__).parent.parent / "examples"
+    settings = resolve_router({}, {}, examples / "kvd-router.yaml")  # what the unit's file says, as it is shipped
+    assert (settings.view, settings.replicas_file, settings.clients_file, settings.socket) == (
+        "events", "/etc/kvd/router-replicas", "/etc/kvd/router-clients", "/run/kvd-router/router.sock")
     from kvctl.daemon.server.fleet_file import read_replicas_file
 
     listed = read_replicas_file(str(Path(__file__).parent.parent / "examples" / "router-replicas"))

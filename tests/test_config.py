@@ -115,3 +115,42 @@ def test_each_setting_knows_where_it_came_from(tmp_path):
     with pytest.raises(ConfigError, match="config: unknown field 'sources'"):
         config.write_text("sources: {}\n")
         resolve({}, {}, config)
+
+
+def test_router_settings_follow_the_same_precedence_and_name_their_source(tmp_path):
+    from kvctl.daemon.router_config import RouterConfig, resolve_router
+
+    path = tmp_path / "router.yaml"
+    path.write_text("socket: /run/r.sock\nreplicas: [/run/a.sock, /run/b.sock]\nrouting: ttft\nview: ask\n"
+                    "load_interval: 0.5\n")
+    from_file = resolve_router({}, {}, path)
+    assert (from_file.replicas, from_file.routing, from_file.view, from_file.load_interval) == (
+        ("/run/a.sock", "/run/b.sock"), "ttft", "ask", 0.5)
+    assert from_file.new_prefix == RouterConfig.new_prefix and from_file.sources["routing"] == str(path)
+    env = {"KVD_ROUTER_ROUTING": "least_loaded", "KVD_ROUTER_REPLICAS": "/run/c.sock, /run/d.sock"}
+    merged = resolve_router({"routing": "prefix", "view": "events"}, env, path)
+    assert (merged.routing, merged.view, merged.replicas) == ("prefix", "events", ("/run/c.sock", "/run/d.sock"))
+    assert (merged.sources["routing"], merged.sources["replicas"], merged.sources["load_interval"]) == (
+        "--routing", "KVD_ROUTER_REPLICAS", str(path))
+
+
+@pytest.mark.parametrize("text, flags, message", [
+    ("socket: /r.sock\nreplicas: [/a, /b]\nroutng: ttft\n", {}, "config: unknown field 'routng' in {path!r}"),
+    ("socket: /r.sock\nreplicas: [/a, /b]\nview: gossip\n", {},
+     "view: invalid value 'gossip' from {path}: must be events or ask"),
+    ("socket: /r.sock\nreplicas: [/a, /b]\n", {"prefill_rate": 0.0},
+     "prefill_rate: invalid value 0.0 from --prefill-rate: must be > 0"),
+    ("replicas: [/a, /b]\n", {}, "socket: the router needs a Unix socket to serve on"),
+    ("socket: /r.sock\nreplicas: [/a]\n", {}, "replicas: give two or more"),
+    ("socket: /r.sock\nreplicas_file: /etc/kvd/router-replicas\nlisten: 0.0.0.0:8000\n", {},
+     "clients_file: --listen needs the TCP callers' tokens (--clients-file)"),
+    ("socket: /r.sock\nreplicas: [/a, 3]\n", {}, "replicas: invalid value ['/a', 3] from {path}: must be socket paths"),
+])
+def test_bad_router_settings_are_refused_naming_field_value_and_source(tmp_path, text, flags, message):
+    from kvctl.daemon.router_config import resolve_router
+
+    path = tmp_path / "router.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        resolve_router(flags, {}, path)
+    assert str(caught.value).startswith(message.format(path=str(path)))

@@ -357,23 +357,25 @@ def test_kvd_router_refuses_bad_settings_by_name(tmp_path):
     from kvctl.daemon.cli import app
 
     runner = CliRunner()
-    cases = [(["--replica", "/a.sock"], "kvd: error: replica: give two or more (--replica, repeated), got 1"),
+    cases = [(["--replica", "/a.sock"], "kvd: error: replicas: give two or more (--replica, repeated; replicas: in "
+                                        "the file), or a replicas_file, got 1"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--routing", "random"],
-              "kvd: error: routing: unknown value 'random'"),
+              "kvd: error: routing: invalid value 'random' from --routing: must be one of round_robin, "
+              "least_loaded, prefix, ttft"),
              (["--replica", "/a.sock", "--replica", "http://10.0.0.2:8000"],
               "kvd: error: replica: 'http://10.0.0.2:8000' is reached over TCP and needs --token-file"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--listen", "127.0.0.1:8090"],
               "kvd: error: clients_file: --listen needs the TCP callers' tokens (--clients-file)"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--listen", "8090", "--clients-file", "/x"],
-              "kvd: error: listen: expected HOST:PORT, got '8090'"),
+              "kvd: error: listen: invalid value '8090' from --listen: must be HOST:PORT"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--replica", "/a.sock"],
               "kvd: error: replica: '/a.sock' is given twice; each replica once"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--new-prefix-slack", "-1"],
-              "kvd: error: new_prefix_slack: must be a whole number of tokens >= 0, got -1"),
+              "kvd: error: new_prefix_slack: invalid value -1 from --new-prefix-slack: must be >= 0"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "gossip"],
-              "kvd: error: view: unknown value 'gossip'; use ask or events"),
+              "kvd: error: view: invalid value 'gossip' from --view: must be events or ask"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "events", "--load-interval", "0"],
-              "kvd: error: load_interval: must be > 0 seconds, got 0.0"),
+              "kvd: error: load_interval: invalid value 0.0 from --load-interval: must be > 0"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--token-file", str(tmp_path / "none")],
               f"kvd: error: token_file: cannot read a token from {str(tmp_path / 'none')!r}")]
     for args, message in cases:

@@ -1,0 +1,87 @@
+"""kvd router settings: the same resolver and precedence as kvd's own (daemon/config.py).
+
+    command-line flag  >  KVD_ROUTER_* environment variable  >  YAML file (--config)  >  default
+
+`kvd router --routing ttft`, `KVD_ROUTER_ROUTING=ttft` or `routing: ttft` in the file. The
+replicas are `replicas:` (a list) in the file, `--replica` (repeated) on the command line, or
+`KVD_ROUTER_REPLICAS` (comma-separated); a source that names any replaces the others' list. A bad
+value is a ConfigError naming the setting, the value and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvctl.policies.routing import NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES
+
+from .config import ConfigError, merge_settings, read_settings_file
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    replicas: tuple[str, ...] = ()  # Unix sockets or http(s) URLs; more may come from replicas_file
+    replicas_file: str | None = None  # one replica per line, re-read on SIGHUP
+    socket: str | None = None  # the Unix socket the router serves on (required)
+    routing: str = "prefix"
+    balance_seconds: float = 2.0  # prefix: the extra wait it accepts for a replica that caches more
+    new_prefix: str = "home"  # prefix: where a new prefix goes (home or least_loaded)
+    new_prefix_slack: int = NEW_PREFIX_SLACK_TOKENS  # prefix: tokens more a replica must hold to win a prompt
+    prefill_rate: float = 20_000.0  # ttft: prompt tokens/s of a replica that has not measured its own
+    view: str = "events"  # events or ask
+    load_interval: float = 0.25  # events: seconds between load polls
+    pending_seconds: float = 30.0  # events: how long a sent prompt counts as cached before its feed says
+    token_file: str | None = None  # an admin bearer token for URL replicas
+    listen: str | None = None  # HOST:PORT for TCP callers (needs clients_file)
+    clients_file: str | None = None  # the TCP callers' tokens: TOKEN TENANT ROLE lines
+    # where each setting came from ("--routing", "KVD_ROUTER_ROUTING", the file); absent: the default
+    sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+
+def _replicas(value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    if not all(isinstance(item, str) for item in items):
+        raise ValueError("must be socket paths or URLs")
+    return tuple(item.strip() for item in items if item.strip())
+
+
+_PARSERS = {"replicas": _replicas, "balance_seconds": float, "new_prefix_slack": int, "prefill_rate": float,
+            "load_interval": float, "pending_seconds": float}
+
+
+def _check(name: str, value: Any) -> None:
+    if name == "routing" and value not in ROUTING_POLICIES:
+        raise ValueError(f"must be one of {', '.join(ROUTING_POLICIES)}")
+    if name == "new_prefix" and value not in NEW_PREFIX:
+        raise ValueError(f"must be one of {', '.join(NEW_PREFIX)}")
+    if name == "view" and value not in ("events", "ask"):
+        raise ValueError("must be events or ask")
+    if name in ("balance_seconds", "pending_seconds", "new_prefix_slack") and value < 0:
+        raise ValueError("must be >= 0")
+    if name in ("prefill_rate", "load_interval") and not value > 0:
+        raise ValueError("must be > 0")
+    if name == "listen" and value is not None:
+        host, _, port = str(value).rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be HOST:PORT")
+
+
+def resolve_router(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+                   config_file: str | Path | None = None) -> RouterConfig:
+    """Merge the sources by precedence (flag > env > file > default) and check the whole."""
+    env = os.environ if env is None else env
+    names = {f.name for f in fields(RouterConfig)} - {"sources"}
+    file_values = read_settings_file(config_file, names) if config_file is not None else {}
+    values, sources = merge_settings(names, flags, env, "KVD_ROUTER_", file_values, config_file, _PARSERS, _check)
+    config = RouterConfig(**values, sources=sources)
+    if config.socket is None:
+        raise ConfigError("socket: the router needs a Unix socket to serve on (--socket, KVD_ROUTER_SOCKET or "
+                          "socket: in the file)")
+    if not config.replicas_file and len(config.replicas) < 2:
+        raise ConfigError(f"replicas: give two or more (--replica, repeated; replicas: in the file), or a "
+                          f"replicas_file, got {len(config.replicas)}")
+    if config.listen and not config.clients_file:
+        raise ConfigError("clients_file: --listen needs the TCP callers' tokens (--clients-file)")
+    return config
