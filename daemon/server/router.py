@@ -582,7 +582,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             raw = json.dumps({**body, "purge_once": secrets.token_hex(16)}).encode()
         return await everywhere("POST", "/admin/evict", raw, merge_evictions)
 
-    async def listed(path: str, http: Request, merge) -> JSONResponse:
+    async def merged_listing(path: str, http: Request, merge) -> JSONResponse:
         """Every replica's listing at `path` (with the caller's query), merged."""
         replicas = service.replicas
         query = f"?{http.url.query}" if http.url.query else ""
@@ -592,7 +592,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     @app.get("/admin/requests")
     async def requests_everywhere(http: Request, _: Caller = Depends(admin)):
-        return await listed("/admin/requests", http, merge_request_lists)
+        return await merged_listing("/admin/requests", http, merge_request_lists)
 
     @app.post("/admin/cancel")
     async def cancel_everywhere(http: Request, _: Caller = Depends(admin)):
@@ -608,11 +608,11 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     @app.get("/admin/prefixes")
     async def prefixes_everywhere(http: Request, _: Caller = Depends(admin)):
-        return await listed("/admin/prefixes", http, merge_prefix_lists)
+        return await merged_listing("/admin/prefixes", http, merge_prefix_lists)
 
     @app.get("/admin/pins")
     async def pins_everywhere(http: Request, _: Caller = Depends(admin)):
-        return await listed("/admin/pins", http, merge_pin_lists)
+        return await merged_listing("/admin/pins", http, merge_pin_lists)
 
     @app.post("/router/sync-pins")
     async def sync_pins_everywhere(_: Caller = Depends(admin)):
