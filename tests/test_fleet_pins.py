@@ -129,3 +129,31 @@ def test_kvctl_fleet_sync_pins_prints_what_went_where():
         "pin-0123456789abcdef (tenant acme, 12 blocks): copied to /run/b.sock (12 cached)",
         "  /run/c.sock: serves another block space",
         "1 copies made, 1 pins in the fleet"]
+
+
+def test_a_replica_that_joins_gets_the_fleet_s_pins_once_it_answers_ready(tmp_path):
+    from kvctl.daemon.server.router import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    services = [start_service(tmp_path / name, num_blocks=128) for name in "ab"]
+    try:
+        made = call(unix_app(services[0]), "POST", "/admin/pins", json={"text": SYSTEM, "note": "desk"}).json()
+        router = RouterService([Replica("replica-0", replica_client("/run/r0.sock",
+                                                                    transport=httpx.ASGITransport(app=unix_app(
+                                                                        services[0]))))],
+                               make_router("prefix"), view="ask")
+
+        async def join():
+            router.add(Replica("replica-1", replica_client("/run/r1.sock",
+                                                           transport=httpx.ASGITransport(app=unix_app(services[1])))))
+            await asyncio.gather(*router._welcoming)
+            return router.status()["replicas"]
+
+        rows = asyncio.run(join())
+        assert rows[1]["replica"] == "replica-1" and rows[1]["welcomed"] == {"pins_copied": 1}
+        assert "welcomed" not in rows[0]  # it was there from the start
+        [copy] = pins_of(services[1])
+        assert (copy["pin_id"], copy["note"], copy["blocks"]) == (made["pin_id"], "desk", made["blocks"])
+    finally:
+        for service in services:
+            service.shutdown(deadline=2)

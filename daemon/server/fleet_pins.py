@@ -10,6 +10,10 @@ what its lower tiers hold of the prefix (a shared Redis, a disk that kept it) co
 at once, and the rest is pinned as the prefix is computed there. Keys are made under a block
 space (model revision, tokenizer, cache format, scales, block size); a replica that serves
 another one is left out of that pin, and the answer says so.
+
+A replica that joins a running router (`--replicas-file` and SIGHUP) gets the fleet's pins this
+way by itself, once it answers ready (`RouterService.add`); `kvctl fleet sync-pins` does it for
+every replica at once, on demand.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from .fleet_admin import fan_out, none_did
 SYNC_TIMEOUT_S = 150.0  # a copy may restore its blocks from a lower tier
 
 
-async def sync_pins(replicas: Sequence) -> tuple[int, dict]:
-    """Copy every pin to the replicas of its block space that lack it: (HTTP status, answer)."""
+async def sync_pins(replicas: Sequence, only: str | None = None) -> tuple[int, dict]:
+    """Copy every pin to the replicas of its block space that lack it (`only`: to that replica
+    alone, as when it joins the fleet): (HTTP status, answer)."""
     names = [r.name for r in replicas]
     listed = await fan_out(replicas, "GET", "/admin/pins?keys=true", None, SYNC_TIMEOUT_S)
     if not any(status == 200 for status, _ in listed):
@@ -45,7 +50,7 @@ async def sync_pins(replicas: Sequence) -> tuple[int, dict]:
                "already_on": [names[i] for i in entry["on"]], "copied_to": {}, "left_out": {}}
         left = pin.get("expires_in_seconds")
         for i in spaces:
-            if i in entry["on"]:
+            if i in entry["on"] or (only is not None and names[i] != only):
                 continue
             if spaces[i] != entry["space"]:
                 row["left_out"][names[i]] = "serves another block space"

@@ -65,6 +65,7 @@ log = logging.getLogger("kvd.router")
 
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left out
 FORWARD_TIMEOUT_S = 600.0
+WELCOME_TIMEOUT_S = 600.0  # how long a replica that joined may take to answer ready before its pins are copied
 FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
@@ -100,6 +101,7 @@ class Replica:
     draining: bool = False  # takes no new request: an operator's drain, or it is leaving
     drained_there: bool = False  # the replica itself said it is draining (kvctl drain; seen by every router)
     leaving: bool = False  # taken out of the fleet: it goes once its open requests have answered
+    welcomed: dict | None = None  # joined while the router ran: the fleet's pins copied to it (fleet_pins.py)
     tasks: list = field(default_factory=list)  # events view: its feed and load followers
 
     @property
@@ -179,6 +181,7 @@ class RouterService:
             raise ValueError(f"replica: {twice[0]!r} is given twice; each replica once")
         self._following = False
         self._leaving: set[asyncio.Task] = set()  # replicas on their way out (`remove`)
+        self._welcoming: set[asyncio.Task] = set()  # replicas joining: the fleet's pins are copied to them
         for replica in self.replicas:
             self._prepare(replica)
 
@@ -228,6 +231,33 @@ class RouterService:
         if self._following:
             self._follow(replica)
         self.replicas = [*self.replicas, replica]
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # not serving yet: a fleet being set up, not a replica joining one
+            return
+        task = asyncio.create_task(self._welcome(replica))
+        self._welcoming.add(task)
+        task.add_done_callback(self._welcoming.discard)
+
+    async def _welcome(self, replica: Replica, poll_seconds: float = 1.0) -> None:
+        """Once a replica that joined answers ready, give it the fleet's pins it lacks (the
+        others' pins, by their keys: fleet_pins.py); `welcomed` says how it went."""
+        deadline = time.monotonic() + WELCOME_TIMEOUT_S
+        while True:
+            try:
+                if (await replica.client.get("/readyz", timeout=ASK_TIMEOUT_S)).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if replica.leaving or time.monotonic() > deadline:
+                replica.welcomed = {"pins_copied": 0, "error": "it did not answer ready"}
+                return
+            await asyncio.sleep(poll_seconds)
+        status, body = await sync_pins(self.replicas, only=replica.name)
+        copied = body.get("copied", 0) if status == 200 else 0
+        replica.welcomed = {"pins_copied": copied, **({"error": body["message"]} if body.get("message") else {})}
+        log.info("replica %s joined: %d of the fleet's pins copied to it%s", replica.name, copied,
+                 f" ({body['message']})" if body.get("message") else "")
 
     def drain(self, name: str, on: bool = True) -> Replica:
         """Send a replica no new request (its open ones answer as usual), or take new ones again."""
@@ -433,6 +463,8 @@ class RouterService:
             row = {"replica": r.name, "sent": r.sent, "open": r.open, "last_error": r.last_error}
             if not r.takes_requests:  # leaving: it goes once `open` is 0; "at the replica": kvctl drain there
                 row["draining"] = "leaving" if r.leaving else "drained" if r.draining else "at the replica"
+            if r.welcomed is not None:
+                row["welcomed"] = r.welcomed
             if r.view is not None:
                 age = r.view.load_age(now)
                 row["view"] = {"synced": r.view.synced, "seq": r.view.seq, "device_keys": len(r.view.keys),
