@@ -209,6 +209,11 @@ def test_bad_messages_are_named_with_what_was_found(messages, param, message):
     assert (caught.value.param, str(caught.value)) == (param, message)
 
 
+def test_the_developer_role_is_rendered_as_the_system_role_templates_know():
+    assert chat_messages([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+
+
 def test_text_parts_are_joined_and_only_role_content_and_name_reach_the_template():
     shaped = chat_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
                              "name": "ann", "refusal": None}])

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
+# OpenAI's newer name for the system role: checkpoints' templates know `system`, so it is rendered so
+ROLE_ALIASES = {"developer": "system"}
 
 
 class MessagesError(ValueError):
@@ -47,7 +49,7 @@ def chat_messages(raw: list[Any]) -> list[dict]:
         if not isinstance(message, dict):
             raise MessagesError(f"{where}: must be an object with role and content, got {type(message).__name__}",
                                 where)
-        role = message.get("role")
+        role = ROLE_ALIASES.get(message.get("role"), message.get("role"))
         if role not in ROLES:
             hint = "; kvd does not call tools" if role in ("tool", "function") else ""
             raise MessagesError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}{hint}",
