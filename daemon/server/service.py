@@ -696,7 +696,7 @@ class EngineService:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> list[int]:
-        """The token ids of `messages` (checked by chat.chat_messages) rendered by the model's chat
+        """The token ids of `messages` (checked by chat_messages.chat_messages) rendered by the model's chat
         template; ServiceError 400 when the model has none, ChatTemplateError when it refuses them."""
         if self.chat_template is None:
             raise ServiceError(400, f"messages: model {self.model_name!r} has no chat template (none in its "
@@ -920,7 +920,8 @@ class EngineService:
         if tenant is not None and tenant != owner:
             raise ServiceError(400, f"tenant: prefix {first.hex()[:16]} is tenant {owner!r}'s, not {tenant!r}'s",
                                "tenant")
-        body = self._pin_keys(keys, owner, principal, ttl, note, principal.actor, f"prefix={first.hex()[:16]}", "prefix")
+        body = self._pin_keys(keys, owner, principal, ttl, note, principal.actor, f"prefix={first.hex()[:16]}",
+                              "prefix")
         body["prefix_id"] = first.hex()[:16]
         return body
 
