@@ -212,20 +212,22 @@ def status(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help
     watch_status(lambda: client.get("/admin/status", blocks=blocks or None))
 
 
-def watch_status(fetch, console: Console | None = None, interval: float = 1.0, sleep=time.sleep) -> None:
-    """Redraw the status every `interval` until Ctrl-C. While kvd cannot answer (a restart, a
-    reload of the model) the last picture stays up under a line that says since when, and the
-    watch carries on once kvd is back; any other error ends it."""
+def watch_status(fetch, console: Console | None = None, interval: float = 1.0, sleep=time.sleep,
+                 render=None) -> None:
+    """Redraw the status (or what `render` makes of `fetch()`) every `interval` until Ctrl-C.
+    While kvd cannot answer (a restart, a reload of the model) the last picture stays up under a
+    line that says since when, and the watch carries on once kvd is back; any other error ends it."""
     from rich.live import Live
 
-    frame = render_status(fetch())
+    render = render or render_status
+    frame = render(fetch())
     lost_since = None
     with Live(frame, console=console, refresh_per_second=2) as live:
         try:
             while True:
                 sleep(interval)
                 try:
-                    frame, lost_since = render_status(fetch()), None
+                    frame, lost_since = render(fetch()), None
                     live.update(frame)
                 except KvdUnavailable as exc:
                     lost_since = lost_since or time.strftime("%H:%M:%S")

@@ -10,15 +10,17 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
 from rich.markup import escape
+from rich.text import Text
 
 from .errors import UserError
-from .ops import _client, _emit, replica_lines
+from .ops import _client, _emit, replica_lines, watch_status
 from .tables import compact_table, keep_whole, seconds
 
 
 def requests(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help="Only this tenant's."),
+             watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """The requests in flight, oldest first: tenant, API, state, age, cache hits, blocks held.
 
@@ -27,33 +29,39 @@ def requests(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
 
     Example: kvctl requests --tenant acme
     """
-    data = _client(ctx).get("/admin/requests", tenant=tenant)
+    client = _client(ctx)
+    if watch and not as_json:
+        watch_status(lambda: client.get("/admin/requests", tenant=tenant), render=render_requests)
+        return
+    data = client.get("/admin/requests", tenant=tenant)
+    _emit(data, as_json, lambda d: Console().print(render_requests(d)))
 
-    def render(d):
-        rows = d["requests"]
-        fleet = any("replica" in row for row in rows) or "replicas" in d
-        table = compact_table("request", *(["replica"] if fleet else []), "tenant", "api", "state", "age",
-                              "prompt", "cached", "output", "blocks")
-        for index in range(4 + fleet, 9 + fleet):  # age .. blocks
-            table.columns[index].justify = "right"
-        names = {r["replica"]: i for i, r in enumerate(d.get("replicas") or [])}  # in the router's order
-        for row in rows:
-            mark = [f"#{names.setdefault(row['replica'], len(names))}"] if fleet else []
-            state = row["state"] + (f", preempted {row['preemptions']}x" if row["preemptions"] else "")
-            table.add_row(row["request_id"], *mark, escape(row["tenant"]), row["api"], state,
-                          seconds(row["age_seconds"]), f"{row['prompt_tokens']:,}", f"{row['cached_tokens']:,}",
-                          f"{row['output_tokens']:,}/{row['max_tokens']:,}" + (f" ×{row['n']}" if row["n"] > 1 else ""),
-                          f"{row['blocks']:,}")
-        console = Console()
-        if rows:
-            keep_whole(table, 0)
-            console.print(table)
-        console.print(f"{d['running']} running, {d['waiting']} waiting", highlight=False)
-        for name, mark in names.items():
-            console.print(f"#{mark}: {escape(name)}", highlight=False)
-        if d.get("message"):
-            Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
-    _emit(data, as_json, render)
+
+def render_requests(d: dict) -> Group:
+    """The table of requests in flight (with the replica of each at kvd router), and the counts."""
+    rows = d["requests"]
+    fleet = any("replica" in row for row in rows) or "replicas" in d
+    table = compact_table("request", *(["replica"] if fleet else []), "tenant", "api", "state", "age",
+                          "prompt", "cached", "output", "blocks")
+    for index in range(4 + fleet, 9 + fleet):  # age .. blocks
+        table.columns[index].justify = "right"
+    names = {r["replica"]: i for i, r in enumerate(d.get("replicas") or [])}  # in the router's order
+    for row in rows:
+        mark = [f"#{names.setdefault(row['replica'], len(names))}"] if fleet else []
+        state = row["state"] + (f", preempted {row['preemptions']}x" if row["preemptions"] else "")
+        table.add_row(row["request_id"], *mark, escape(row["tenant"]), row["api"], state,
+                      seconds(row["age_seconds"]), f"{row['prompt_tokens']:,}", f"{row['cached_tokens']:,}",
+                      f"{row['output_tokens']:,}/{row['max_tokens']:,}" + (f" ×{row['n']}" if row["n"] > 1 else ""),
+                      f"{row['blocks']:,}")
+    parts = []
+    if rows:
+        keep_whole(table, 0)
+        parts.append(table)
+    parts.append(Text(f"{d['running']} running, {d['waiting']} waiting"))
+    parts += [Text(f"#{mark}: {name}") for name, mark in names.items()]
+    if d.get("message"):
+        parts.append(Text(d["message"], style="yellow"))
+    return Group(*parts)
 
 
 def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, help="Request ids (kvctl requests)."),

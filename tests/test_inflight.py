@@ -189,3 +189,37 @@ def test_at_the_router_every_replica_s_requests_are_listed_and_a_cancel_finds_it
     finally:
         for service in services:
             service.shutdown(1)
+
+
+def test_kvctl_requests_watch_redraws_the_table_until_stopped():
+    from rich.console import Console
+
+    from kvctl.ops import watch_status
+    from kvctl.requests_cmd import render_requests
+
+    def row(request_id, state):
+        return {"request_id": request_id, "tenant": "acme", "api": "chat", "state": state, "age_seconds": 1.5,
+                "queued_seconds": 0.1, "prompt_tokens": 120, "cached_tokens": 96, "restored_tokens": 0,
+                "output_tokens": 7, "max_tokens": 64, "n": 1, "preemptions": 0, "blocks": 9, "priority": 0,
+                "cohort": None}
+
+    frames = [{"requests": [row("req-000000000001", "decode")], "running": 1, "waiting": 0},
+              {"requests": [], "running": 0, "waiting": 0}]
+    fetched = []
+
+    def fetch():
+        fetched.append(frames[len(fetched)])
+        return fetched[-1]
+
+    def sleep(_):
+        if len(fetched) == 2:
+            raise KeyboardInterrupt
+
+    console = Console(record=True, width=120)
+    watch_status(fetch, console, sleep=sleep, render=render_requests)
+    assert len(fetched) == 2 and console.export_text().strip() == "0 running, 0 waiting"  # the latest picture
+    first = Console(record=True, width=120)
+    first.print(render_requests(frames[0]))
+    lines = first.export_text().splitlines()
+    assert lines[1].split() == ["req-000000000001", "acme", "chat", "decode", "1.50", "s", "120", "96", "7/64", "9"]
+    assert lines[2] == "1 running, 0 waiting"
