@@ -114,9 +114,9 @@ def affinity_of(prompt: dict) -> bytes | None:
     """Where the prompt's home is, as `kvd router` computes it (a chat's from its messages)."""
     if "messages" not in prompt:
         return prompt_affinity(prompt["text"] if "text" in prompt else prompt["tokens"])
-    from kvctl.daemon.server.route_question import affinity_of as router_affinity
+    from kvctl.daemon.server.route_question import affinity_of as router_affinity, question_of
 
-    return router_affinity({"messages": prompt["messages"]})
+    return router_affinity(question_of({"messages": prompt["messages"]}))
 
 
 def ask_router(ctx: typer.Context, spec: str, prompt: dict, tenant: str | None, routing: list[str],

@@ -42,10 +42,10 @@ def question_size(question: dict | None) -> int:
     return len(question["text"] if "text" in question else question["tokens"])
 
 
-def affinity_of(body: dict) -> bytes | None:
-    """The request's `prompt_affinity`: where a new prefix goes home. A chat's comes from its
-    messages as they are, so every router agrees whatever template a replica renders with."""
-    question = question_of(body)
+def affinity_of(question: dict | None) -> bytes | None:
+    """The `prompt_affinity` of a request's question (`question_of`): where a new prefix goes
+    home. A chat's comes from its messages as they are, so every router agrees whatever template
+    a replica renders with."""
     if question is None:
         return None
     if "messages" in question:

@@ -365,13 +365,13 @@ class RouterService:
         finally:
             self.on_decision(time.perf_counter() - started)
 
-    async def weigh(self, body: dict, tenant: str | None, excluded: set[int] = frozenset(), *,
-                    count: bool = True) -> tuple[list[tuple[int, ReplicaFacts, int]], list[Local | None], float]:
+    async def weigh(self, body: dict, question: dict | None, tenant: str | None, excluded: set[int] = frozenset(),
+                    *, count: bool = True) -> tuple[list[tuple[int, ReplicaFacts, int]], list[Local | None], float]:
         """Every replica that could take the request, as the policy weighs it: (index, facts,
-        prompt tokens it counted) from its view or by asking it, serving the model the body names.
-        Also each replica's local weighing (None where asked) and the clock reading used.
-        LookupError (ModelNotServed) when none can; `count`: tally an unroutable request."""
-        question = question_of(body)
+        prompt tokens it counted) from its view or by asking it, serving the model the body names;
+        `question`: the body's prompt as `question_of` reads it. Also each replica's local
+        weighing (None where asked) and the clock reading used. LookupError (ModelNotServed)
+        when none can; `count`: tally an unroutable request."""
         now, memo, replicas = self.clock(), {}, self.replicas
         retry = bool(excluded)  # some refused it already: it was counted on its first try
         excluded = set(excluded) | {id(r) for r in replicas if r.known_draining}  # one asked says so itself
@@ -409,9 +409,10 @@ class RouterService:
         return live, local, now, replicas
 
     async def _choose(self, body: dict, tenant: str | None, excluded: set[int]) -> tuple[Replica, str]:
-        live, local, now, replicas = await self.weigh(body, tenant, excluded)
+        question = question_of(body)
+        live, local, now, replicas = await self.weigh(body, question, tenant, excluded)
         prompt_tokens = max(tokens for _, _, tokens in live)
-        chosen = self.router.choose(prompt_tokens, [f for _, f, _ in live], affinity_of(body))
+        chosen = self.router.choose(prompt_tokens, [f for _, f, _ in live], affinity_of(question))
         index, facts, counted = live[chosen.replica]
         replica = replicas[index]
         replica.sent += 1
@@ -426,7 +427,9 @@ class RouterService:
         """Where each of `policies` would send this request now, and why, with every replica's
         facts as the router sees them (from its view, or asked): nothing is sent, and the live
         policy's own books are not touched (it decides on a copy)."""
-        live, local, _, replicas = await self.weigh(body, tenant, count=False)
+        question = question_of(body)
+        live, local, _, replicas = await self.weigh(body, question, tenant, count=False)
+        affinity = affinity_of(question)
         prompt_tokens = max(tokens for _, _, tokens in live)
         facts = {index: f for index, f, _ in live}
         rows = []
@@ -445,7 +448,7 @@ class RouterService:
         routes = {}
         for name in policies:
             policy = copy.deepcopy(self.router) if name == self.router.name else make_router(name, **settings)
-            chosen = policy.choose(prompt_tokens, [f for _, f, _ in live], affinity_of(body))
+            chosen = policy.choose(prompt_tokens, [f for _, f, _ in live], affinity)
             routes[name] = {"replica": replicas[live[chosen.replica][0]].name, "reason": chosen.reason}
         return {"prompt_tokens": prompt_tokens, "routing": self.router.name, "replicas": rows, "routes": routes}
 
