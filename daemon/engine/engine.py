@@ -39,6 +39,7 @@ from kvctl.policies.tiering import RateMeter
 
 from ..model.llama import ForwardBatch, LoadedModel
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
+from .logits import adjust_logits
 from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
 
 
@@ -75,6 +76,8 @@ class TokenEvent:
     index: int  # sample index
     token_id: int | None  # None for a sequence ended without a new token (cancelled)
     finish_reason: str | None
+    # when the request asks for logprobs: the token's, and the most likely alternatives' (Sequence.logprobs)
+    logprob: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
 
 @dataclass
@@ -589,11 +592,18 @@ class Engine:
             if seq.status is SeqStatus.PREFILL:
                 seq.status = SeqStatus.DECODE
             new_children = self._fork_children(seq)
+            params = seq.request.params
+            logprobs = None if params.logprobs is None else torch.log_softmax(logits[row].float(), dim=-1)
             for s in [seq] + new_children:
-                params = s.request.params
-                token = greedy[row] if params.temperature == 0 else sample_token(
-                    logits[row], params, s.request.seed, s.index, len(s.output_ids))
-                events.append(self._emit(s, token, now))
+                scores = logits[row]
+                if params.adjusts_logits:
+                    scores = adjust_logits(scores, params, s.request.prompt_ids, s.output_ids, self.eos_ids)
+                if params.temperature != 0:
+                    token = sample_token(scores, params, s.request.seed, s.index, len(s.output_ids))
+                else:
+                    token = int(torch.argmax(scores)) if params.adjusts_logits else greedy[row]
+                events.append(self._emit(s, token, now, None if logprobs is None else
+                                         _token_logprobs(logprobs, token, params.logprobs)))
         return events
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
@@ -617,9 +627,11 @@ class Engine:
             children.append(child)
         return children
 
-    def _emit(self, seq: Sequence, token: int, now: float) -> TokenEvent:
+    def _emit(self, seq: Sequence, token: int, now: float, logprob=None) -> TokenEvent:
         request = seq.request
         seq.output_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         metrics = request.metrics
         if metrics.first_token is None:
             metrics.first_token = now
@@ -628,15 +640,17 @@ class Engine:
         reason = self._finish_reason(seq, token)
         if reason:
             self._finish(seq, reason)
-        return TokenEvent(request.request_id, seq.index, token, reason)
+        return TokenEvent(request.request_id, seq.index, token, reason, logprob)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.request.params
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
-        if params.stop:
+        if params.stop and len(seq.output_ids) >= params.min_tokens:
             text = self.tokenizer.decode(seq.output_ids)
-            cuts = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+            # with min_tokens, a stop string counts only if it ends in the text of token min_tokens or later
+            shorter = len(self.tokenizer.decode(seq.output_ids[:params.min_tokens - 1])) if params.min_tokens > 1 else 0
+            cuts = [i for i in (text.find(s, max(0, shorter - len(s) + 1)) for s in params.stop) if i >= 0]
             if cuts:
                 seq.text_end = min(cuts)
                 return "stop"
@@ -670,3 +684,12 @@ class Engine:
     def text_of(self, seq: Sequence) -> str:
         text = self.tokenizer.decode(seq.output_ids)
         return text if seq.text_end is None else text[:seq.text_end]
+
+
+def _token_logprobs(logprobs: torch.Tensor, token: int, alternatives: int) -> tuple[float, tuple]:
+    """(the token's logprob, its `alternatives` most likely tokens with theirs) from a row's
+    log-softmax."""
+    if not alternatives:
+        return float(logprobs[token]), ()
+    values, ids = torch.topk(logprobs, alternatives)
+    return float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist()))

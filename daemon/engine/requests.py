@@ -53,6 +53,9 @@ class Sequence:
     text_end: int | None = None  # output text is cut here when a stop string matched
     ever_computed: int = 0  # most tokens this sequence ever had in the cache (for recompute counts)
     prefix_keys: tuple | None = None  # (namespace, tokens hashed, block keys, hasher, ids): hashed once
+    # per output token when the request asks for logprobs: (its logprob, ((id, logprob), ...) of the
+    # most likely alternatives, best first)
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
 
     @property
     def all_tokens(self) -> list[int]:

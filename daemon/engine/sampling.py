@@ -22,6 +22,9 @@ class ContextLengthExceeded(RequestError):
     """The prompt plus max_tokens does not fit the model's positions."""
 
 
+MAX_LOGPROBS = 20  # alternatives a request may ask for per token (vLLM's default limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -33,7 +36,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # what daemon/engine/logits.py applies before a token is drawn (the defaults change nothing)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None  # report each output token's logprob and this many alternatives
     extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty, a bias or a minimum length applies (logits.adjust_logits)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
 
     def validate(self, vocab_size: int) -> None:
         def bad(name: str, value, rule: str):
@@ -57,6 +74,28 @@ class SamplingParams:
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 bad("stop", text, "must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -2 <= value <= 2:
+                bad(name, value, "must be a number from -2 to 2")
+        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            bad("repetition_penalty", self.repetition_penalty, "must be a number in (0, 10]; 1 changes nothing")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "must be a number from 0 to 1")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"must be an integer from 0 to max_tokens ({self.max_tokens})")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, int) or not 0 <= token < vocab_size:
+                bad("logit_bias", token, f"keys must be token ids in [0, {vocab_size})")
+            if not _number(bias) or not -100 <= bias <= 100:
+                bad(f"logit_bias[{token}]", bias, "must be a number from -100 to 100")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", self.logprobs, f"must be an integer from 0 to {MAX_LOGPROBS}")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
+        and abs(value) != float("inf")
 
 
 def step_generator(seed: int, sample_index: int, step: int) -> torch.Generator:
@@ -69,7 +108,17 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, sample
     """One token from float32 logits [vocab] under `params`."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
+    probs = torch.softmax(sampling_scores(logits, params), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=step_generator(seed, sample_index, step)))
+
+
+def sampling_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The scores a token is drawn from: logits [vocab] over the temperature (> 0), with the
+    tokens `min_p`, `top_k` and `top_p` leave out at -inf (vLLM's order)."""
     scores = logits.float().cpu() / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k and params.top_k < scores.shape[0]:
         threshold = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < threshold, float("-inf"))
@@ -80,5 +129,4 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, sample
         drop = cumulative - probs >= params.top_p  # keep the smallest prefix reaching top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=step_generator(seed, sample_index, step)))
+    return scores

@@ -1,0 +1,203 @@
+"""Penalties, bias, min_p, min_tokens and logprobs: the arithmetic on hand-made logits, the engine's
+tokens against transformers' own processors and a no-cache recomputation, and their survival of
+prefix hits, preemption and forks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
+from kvctl.daemon.engine.logits import adjust_logits  # noqa: E402
+from kvctl.daemon.engine.sampling import RequestError, SamplingParams, sampling_scores  # noqa: E402
+from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
+from kvctl.daemon.model.llama import load_model  # noqa: E402
+
+from .test_model import PROMPT, full_forward_logits  # noqa: E402
+
+INF = float("-inf")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return load_model(ensure_demo_checkpoint(tmp_path_factory.mktemp("state")))
+
+
+def run(loaded, prompts, params, num_blocks=64, **settings):
+    engine = Engine(loaded, EngineSettings(num_blocks=num_blocks, block_size=16, **settings))
+    requests = [engine.add_request(list(p), params) for p in prompts]
+    for _ in range(10_000):
+        if not engine.has_work():
+            break
+        engine.step()
+        engine.cache.audit()
+    return engine, requests
+
+
+# ---- the arithmetic ------------------------------------------------------------------------------
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = torch.tensor([1.0, -1.0, 2.0, 0.5])
+    scores = adjust_logits(logits, SamplingParams(repetition_penalty=2.0), [0], [1], set())
+    assert scores.tolist() == [0.5, -2.0, 2.0, 0.5]
+    assert logits.tolist() == [1.0, -1.0, 2.0, 0.5]  # the batch's logits are left alone
+
+
+def test_frequency_counts_each_output_occurrence_and_presence_counts_once():
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0)
+    scores = adjust_logits(torch.tensor([1.0, -1.0, 2.0, 0.5]), params, [0, 0, 0], [2, 2, 3], set())
+    assert scores.tolist() == [1.0, -1.0, 2.0 - 2 * 0.5 - 1.0, 0.5 - 0.5 - 1.0]  # the prompt is not counted
+
+
+def test_logit_bias_adds_to_the_named_tokens():
+    params = SamplingParams(logit_bias=((3, 10.0), (0, -100.0)))
+    assert adjust_logits(torch.tensor([1.0, -1.0, 2.0, 0.5]), params, [], [], set()).tolist() == [-99.0, -1.0, 2.0, 10.5]
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_until_the_output_is_long_enough():
+    logits = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    params = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(0,), logit_bias=((1, 50.0),))
+    assert adjust_logits(logits, params, [], [2], {1}).tolist() == [INF, INF, 3.0, 4.0]  # a bias cannot lift a ban
+    assert adjust_logits(logits, params, [], [2, 2], {1}).tolist() == [1.0, 52.0, 3.0, 4.0]
+    ignoring = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(0,), ignore_eos=True)
+    assert adjust_logits(logits, ignoring, [], [], {1}).tolist() == [INF, 2.0, 3.0, 4.0]
+
+
+def test_min_p_drops_tokens_under_that_fraction_of_the_most_likely_one():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    scores = sampling_scores(logits, SamplingParams(temperature=1.0, min_p=0.2))  # keep p >= 0.1
+    assert torch.isinf(scores).tolist() == [False, False, False, True]
+    hotter = sampling_scores(logits, SamplingParams(temperature=1.0, min_p=0.5))  # keep p >= 0.25
+    assert torch.isinf(hotter).tolist() == [False, False, True, True]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("presence_penalty", 2.5, "presence_penalty: must be a number from -2 to 2, got 2.5"),
+    ("frequency_penalty", float("nan"), "frequency_penalty: must be a number from -2 to 2, got nan"),
+    ("repetition_penalty", 0, r"repetition_penalty: must be a number in \(0, 10\]; 1 changes nothing, got 0"),
+    ("min_p", 1.5, "min_p: must be a number from 0 to 1, got 1.5"),
+    ("min_tokens", 9, r"min_tokens: must be an integer from 0 to max_tokens \(8\), got 9"),
+    ("logit_bias", ((258, 1.0),), r"logit_bias: keys must be token ids in \[0, 258\), got 258"),
+    ("logit_bias", ((5, 101.0),), r"logit_bias\[5\]: must be a number from -100 to 100, got 101.0"),
+    ("logprobs", 21, "logprobs: must be an integer from 0 to 20, got 21"),
+])
+def test_each_bad_value_is_refused_naming_the_field_and_the_value(field, value, message):
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(max_tokens=8, **{field: value}).validate(258)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+def test_greedy_with_repetition_penalty_and_min_tokens_equals_transformers_generate(tmp_path):
+    pytest.importorskip("transformers")
+    from .model_cases import build_checkpoint
+
+    hf = build_checkpoint("llama3", tmp_path)
+    loaded = load_model(tmp_path)
+    eos = 7  # made EOS for both sides, and so favoured that only min_tokens holds it off
+    hf.generation_config.eos_token_id = eos
+    with torch.no_grad():
+        bias = {(eos,): 20.0}  # transformers' sequence_bias, the same as logit_bias for one token
+        expected = hf.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=14, repetition_penalty=1.3,
+                               min_new_tokens=6, sequence_bias=bias, pad_token_id=eos)[0, len(PROMPT):].tolist()
+    engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
+    engine.eos_ids = {eos}
+    request = engine.add_request(PROMPT, SamplingParams(max_tokens=14, repetition_penalty=1.3, min_tokens=6,
+                                                        logit_bias=((eos, 20.0),)))
+    engine.run_until_done()
+    got = request.sequences[0].output_ids
+    assert got == expected
+    assert len(got) == 7 and got[-1] == eos and request.sequences[0].finish_reason == "stop"  # EOS once allowed
+
+
+def test_a_bias_that_forces_eos_ends_the_output_at_min_tokens(demo):
+    eos = demo.tokenizer.eos_token_id
+    forced = SamplingParams(max_tokens=16, logit_bias=((eos, 100.0),))
+    _, (short,) = run(demo, [demo.tokenizer.encode("hello")], forced)
+    assert short.sequences[0].output_ids == [eos]
+    _, (longer,) = run(demo, [demo.tokenizer.encode("hello")],
+                       SamplingParams(max_tokens=16, min_tokens=5, logit_bias=((eos, 100.0),)))
+    seq = longer.sequences[0]
+    assert len(seq.output_ids) == 6 and eos not in seq.output_ids[:5] and seq.output_ids[5] == eos
+    assert seq.finish_reason == "stop"
+
+
+def test_frequency_and_presence_penalties_match_a_recomputation_without_the_cache(demo):
+    prompt = demo.tokenizer.encode("the cache the cache the cache")
+    params = SamplingParams(max_tokens=30, frequency_penalty=1.5, presence_penalty=0.5, ignore_eos=True)
+    _, (request,) = run(demo, [prompt], params)
+    expected: list[int] = []
+    for _ in range(30):
+        logits = full_forward_logits(demo, prompt + expected).clone()
+        for token in set(expected):
+            logits[token] -= 1.5 * expected.count(token) + 0.5
+        expected.append(int(torch.argmax(logits)))
+    assert request.sequences[0].output_ids == expected
+    _, (plain,) = run(demo, [prompt], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert plain.sequences[0].output_ids != expected  # the penalties changed what greedy picks
+
+
+def test_a_stop_string_ends_no_output_shorter_than_min_tokens(demo):
+    prompt = demo.tokenizer.encode("count: ")
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    _, (plain,) = run(demo, [prompt], free)
+    text = demo.tokenizer.decode(plain.sequences[0].output_ids)
+    stop = text[1:3]  # appears in the first few tokens' text
+    _, (stopped,) = run(demo, [prompt], SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,)))
+    assert len(stopped.sequences[0].output_ids) < 6
+    _, (held,) = run(demo, [prompt], SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,), min_tokens=8))
+    seq = held.sequences[0]
+    assert len(seq.output_ids) >= 8 and seq.output_ids[:8] == plain.sequences[0].output_ids[:8]
+    assert seq.text_end is None or seq.text_end >= len(demo.tokenizer.decode(seq.output_ids[:7]))
+
+
+def test_penalised_sampling_is_unchanged_by_preemption_and_forks(demo):
+    prompts = [demo.tokenizer.encode(f"request {i}: words") for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, min_p=0.05, seed=3, n=2,
+                            frequency_penalty=0.7, repetition_penalty=1.2, ignore_eos=True, logprobs=2)
+    roomy, wide = run(demo, prompts, params, num_blocks=128)
+    tight, narrow = run(demo, prompts, params, num_blocks=14, reservation="fixed:0")
+    assert tight.stats.preemptions > 0 and sum(r.metrics.recomputed_tokens for r in narrow) > 0
+    for a, b in zip(wide, narrow):
+        assert [s.output_ids for s in a.sequences] == [s.output_ids for s in b.sequences]
+        for x, y in zip(a.sequences, b.sequences):
+            assert [t[1][0][0] for t in x.logprobs] == [t[1][0][0] for t in y.logprobs]
+            for (lx, _), (ly, _) in zip(x.logprobs, y.logprobs):
+                assert math.isclose(lx, ly, abs_tol=1e-4)
+    assert len({tuple(s.output_ids) for r in wide for s in r.sequences}) == 8  # samples differ
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+def test_logprobs_are_the_model_s_own_and_the_same_on_a_prefix_hit(demo):
+    prompt = demo.tokenizer.encode("System: answer briefly about KV caches and blocks. Q: what is a block?")
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))
+    cold = engine.add_request(prompt, params)
+    engine.run_until_done()
+    warm = engine.add_request(prompt, params)
+    engine.run_until_done()
+    assert warm.metrics.cached_tokens >= 64
+    seq = cold.sequences[0]
+    assert len(seq.logprobs) == 6
+    for i, (token, (logprob, top)) in enumerate(zip(seq.output_ids, seq.logprobs)):
+        expected = torch.log_softmax(full_forward_logits(demo, prompt + seq.output_ids[:i]), dim=-1)
+        assert math.isclose(logprob, float(expected[token]), abs_tol=1e-4)
+        assert [t for t, _ in top] == torch.topk(expected, 3).indices.tolist()
+        assert top[0][0] == token and top[0][1] == logprob  # greedy takes the most likely
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    hit = warm.sequences[0]
+    assert hit.output_ids == seq.output_ids
+    for (a, top_a), (b, top_b) in zip(seq.logprobs, hit.logprobs):
+        assert math.isclose(a, b, abs_tol=1e-4) and [t for t, _ in top_a] == [t for t, _ in top_b]
+
+
+def test_logprobs_zero_reports_the_token_alone_and_no_request_without_them_pays(demo):
+    prompt = demo.tokenizer.encode("hello there")
+    _, (zero,) = run(demo, [prompt], SamplingParams(max_tokens=3, ignore_eos=True, logprobs=0))
+    assert [top for _, top in zero.sequences[0].logprobs] == [(), (), ()]
+    assert all(lp <= 0 for lp, _ in zero.sequences[0].logprobs)
+    _, (none,) = run(demo, [prompt], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert none.sequences[0].logprobs == [] and none.sequences[0].output_ids == zero.sequences[0].output_ids
