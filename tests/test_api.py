@@ -137,9 +137,8 @@ def test_an_oversized_prompt_is_refused_before_it_is_hashed_or_reaches_the_engin
     assert hashed == [] and service.engine.stats.rejections == before and not service._inbox
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", 3), ("echo", True), ("best_of", 3),
-                                          ("presence_penalty", 0.5), ("logit_bias", {"17": -100}),
-                                          ("suffix", " end"), ("min_tokens", 4)])
+@pytest.mark.parametrize("field, value", [("echo", True), ("best_of", 3), ("prompt_logprobs", 2),
+                                          ("suffix", " end"), ("guided_regex", "a+")])
 def test_parameters_kvd_does_not_implement_are_refused_not_ignored(daemon, field, value):
     _, unix, _ = daemon
     response = call(unix, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2, field: value})
@@ -919,3 +918,50 @@ def test_a_drained_kvd_takes_no_new_completion_says_so_everywhere_and_resumes(da
     actions = [(a["action"], a["target"]) for a in service.store.audit_since(action="drain")
                + service.store.audit_since(action="resume")]
     assert actions[-2:] == [("drain", "completions"), ("resume", "completions")]
+
+
+def test_logprobs_come_in_openai_s_completion_shape_streamed_or_whole(daemon):
+    service, unix, _ = daemon
+    text_of = service.loaded.tokenizer.token_text
+    whole = complete(unix, prompt=SYSTEM + "logprobs?", temperature=0.0, logprobs=2).json()["choices"][0]
+    ids, logprobs = whole["token_ids"], whole["logprobs"]
+    assert logprobs["tokens"] == [text_of(t) for t in ids]
+    assert logprobs["text_offset"] == [sum(len(text_of(t)) for t in ids[:i]) for i in range(len(ids))]
+    for token, chosen, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert chosen <= 0 and top[token] == chosen and len(top) <= 3
+        assert chosen == max(top.values())  # greedy drew the most likely token
+    streamed = sse_events(complete(unix, prompt=SYSTEM + "logprobs?", temperature=0.0, logprobs=2, stream=True))
+    parts = [e["choices"][0]["logprobs"] for e in streamed[:-1]]
+    assert sum((p["tokens"] for p in parts), []) == logprobs["tokens"]
+    assert sum((p["text_offset"] for p in parts), []) == logprobs["text_offset"]  # offsets go on across chunks
+    assert sum((p["token_logprobs"] for p in parts), []) == pytest.approx(logprobs["token_logprobs"], abs=1e-5)
+    plain = complete(unix, prompt=SYSTEM + "logprobs?", temperature=0.0).json()["choices"][0]
+    assert plain["logprobs"] is None and plain["token_ids"] == ids
+
+
+def test_penalties_bias_and_min_tokens_reach_the_sampler(daemon):
+    service, unix, _ = daemon
+    eos = service.loaded.tokenizer.eos_token_id
+    forced = complete(unix, prompt="x", max_tokens=8, temperature=0.0, min_tokens=3,
+                      logit_bias={str(eos): 100}).json()["choices"][0]
+    assert len(forced["token_ids"]) == 4 and forced["token_ids"][-1] == eos and forced["finish_reason"] == "stop"
+    plain = complete(unix, prompt="the cache the cache", max_tokens=30, temperature=0.0).json()["choices"][0]
+    penalised = complete(unix, prompt="the cache the cache", max_tokens=30, temperature=0.0, frequency_penalty=2,
+                         presence_penalty=2, repetition_penalty=1.5, min_p=0.1).json()["choices"][0]
+    assert penalised["token_ids"] != plain["token_ids"]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "logit_bias: keys must be token ids, got 'abc'"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias[5]: must be a number from -100 to 100, got 101.0"),
+    ({"logit_bias": {"900": 1}}, "logit_bias", r"logit_bias: keys must be token ids in [0, 258), got 900"),
+    ({"logprobs": 21}, "logprobs", "logprobs: must be an integer from 0 to 20, got 21"),
+    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens", "min_tokens: must be an integer from 0 to max_tokens (2), got 3"),
+    ({"repetition_penalty": 0}, "repetition_penalty",
+     "repetition_penalty: must be a number in (0, 10]; 1 changes nothing, got 0.0"),
+])
+def test_a_bad_sampling_control_is_a_400_naming_it(daemon, body, param, message):
+    _, unix, _ = daemon
+    response = complete(unix, prompt="x", **body)
+    assert response.status_code == 400
+    assert (response.json()["error"]["param"], response.json()["error"]["message"]) == (param, message)

@@ -140,8 +140,14 @@ def test_max_completion_tokens_is_max_tokens(daemon):
     ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools",
      "tools: not supported by kvd, got [{'type': 'function'}]; kvd does not call tools; describe them in a message "
      "instead"),
-    ({"messages": [{"role": "user", "content": "a"}], "logprobs": True}, 400, "logprobs",
-     "logprobs: not supported by kvd, got True; leave it out"),
+    ({"messages": [{"role": "user", "content": "a"}], "prompt_logprobs": 1}, 400, "prompt_logprobs",
+     "prompt_logprobs: not supported by kvd, got 1; leave it out"),
+    ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, 400, "top_logprobs",
+     "top_logprobs: 3 needs logprobs: true"),
+    ({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "top_logprobs: must be an integer from 0 to 20, got 21"),
+    ({"messages": [{"role": "user", "content": "a"}], "frequency_penalty": 3}, 400, "frequency_penalty",
+     "frequency_penalty: must be a number from -2 to 2, got 3.0"),
     ({"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ 1 }}"}, 400, "chat_template",
      "chat_template: not supported by kvd, got '{{ 1 }}'; kvd renders every conversation with the model's own "
      "template (kvd serve --chat-template sets it for the daemon)"),
@@ -298,3 +304,23 @@ def test_finished_samples_are_counted_by_api_and_finish_reason(daemon):
             break
         time.sleep(0.01)
     assert {k: after.get(k, 0) - before.get(k, 0) for k in want} == want
+
+
+def test_chat_logprobs_come_in_openai_s_chat_shape_streamed_or_whole(daemon):
+    service, unix, _ = daemon
+    messages = conversation("Which tokens were likely?")
+    whole = chat(unix, messages, temperature=0.0, logprobs=True, top_logprobs=2).json()["choices"][0]
+    content = whole["logprobs"]["content"]
+    text_of = service.loaded.tokenizer.token_text
+    assert [c["token"] for c in content] == [text_of(t) for t in whole["token_ids"]]
+    for item in content:
+        assert item["bytes"] == list(item["token"].encode("utf-8")) and item["logprob"] <= 0
+        assert len(item["top_logprobs"]) == 2 and item["top_logprobs"][0]["logprob"] == item["logprob"]
+        assert item["top_logprobs"][0]["logprob"] >= item["top_logprobs"][1]["logprob"]
+    streamed = sse_events(chat(unix, messages, temperature=0.0, logprobs=True, top_logprobs=2, stream=True))
+    parts = sum((e["choices"][0]["logprobs"]["content"] for e in streamed[:-1]), [])
+    assert [p["token"] for p in parts] == [c["token"] for c in content]
+    assert [p["logprob"] for p in parts] == pytest.approx([c["logprob"] for c in content], abs=1e-5)
+    alone = chat(unix, messages, temperature=0.0, logprobs=True).json()["choices"][0]["logprobs"]["content"]
+    assert [c["top_logprobs"] for c in alone] == [[]] * len(alone)  # no alternatives unless asked
+    assert chat(unix, messages, temperature=0.0).json()["choices"][0]["logprobs"] is None

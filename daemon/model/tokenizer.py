@@ -43,6 +43,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         self._tok = HFTokenizer.from_str(tokenizer_json)
+        self._token_texts: dict[int, str] = {}
         self.texts = (tokenizer_json, config_json)  # as read: the digest is of these
         self.config = json.loads(config_json) if config_json is not None else {}
         self.digest = tokenizer_digest(tokenizer_json, config_json)
@@ -60,6 +61,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens by name (how logprobs show a token): a token that
+        holds part of a character decodes to U+FFFD, as in vLLM."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return text
 
     @property
     def vocab_size(self) -> int:

@@ -52,7 +52,7 @@ def error_body(message: str, type_: str, param: str | None, code: str | None) ->
 
 
 def _param_of(message: str) -> str | None:
-    head = message.split(":", 1)[0]
+    head = message.split(":", 1)[0].split("[", 1)[0]  # "logit_bias[5]: ..." is about logit_bias
     return head if head.replace("_", "").isalnum() else None
 
 
@@ -62,6 +62,7 @@ class CompletionRequest(GenerationFields):
     # object per id, 10 s for 10M ids on the event loop (now 1 s, and refused by length at once)
     prompt: Annotated[str | list[StrictInt] | list[list[StrictInt]] | list[str], Field(union_mode="left_to_right")]
     max_tokens: int = 16
+    logprobs: int | None = None  # each output token's logprob and this many alternatives
 
 
 # Completion fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values
@@ -69,9 +70,7 @@ class CompletionRequest(GenerationFields):
 # client did not ask for (an evaluation harness sending echo and logprobs would score garbage).
 # Fields nobody has defined are ignored, as OpenAI-compatible servers do.
 UNSUPPORTED_FIELDS = {
-    "echo": (False, None), "logprobs": (None,), "suffix": (None, ""), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "best_of": (None, 1),
-    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "prompt_logprobs": (None,),
+    "echo": (False, None), "suffix": (None, ""), "best_of": (None, 1), "prompt_logprobs": (None,),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "response_format": (None,),
     "cache_salt": (None, ""),
@@ -277,15 +276,15 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         refuse_unsupported(body, UNSUPPORTED_FIELDS, UNSUPPORTED_HINTS)
         engine = ready_for(body.model)
         prompts = _prompts(body.prompt)
-        return await generate(engine, prompts, sampling(body, body.max_tokens, "completions"), body, http, who,
-                              CompletionShape())
+        return await generate(engine, prompts, sampling(body, body.max_tokens, "completions", body.logprobs), body,
+                              http, who, CompletionShape())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request, who: Principal = Depends(principal)):
         refuse_unsupported(body, UNSUPPORTED_CHAT_FIELDS, CHAT_HINTS)
         try:
             messages = chat_messages(body.messages)
-            limit, opens_reply = body.output_limit(), body.generation_prompt()
+            limit, opens_reply, logprobs = body.output_limit(), body.generation_prompt(), body.logprobs_wanted()
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         engine = ready_for(body.model)
@@ -302,7 +301,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 raise ApiError(413, f"messages: the conversation is {len(ids)} tokens, which leaves no room for a "
                                     f"reply in the model's {positions} positions", param="messages",
                                code="context_length_exceeded")
-        return await generate(engine, [ids], sampling(body, limit, "chat"), body, http, who, ChatShape())
+        return await generate(engine, [ids], sampling(body, limit, "chat", logprobs), body, http, who, ChatShape())
 
     def ready_for(model: str | None):
         """The engine, once it takes completions for `model` (None: whichever is served)."""
@@ -315,12 +314,19 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                 f"{service.model_name!r}", param="model", code="model_not_found")
         return engine
 
-    def sampling(body, max_tokens: int, api: str) -> SamplingParams:
+    def sampling(body, max_tokens: int, api: str, logprobs: int | None) -> SamplingParams:
+        """The request's sampling fields (checked by the engine, which names a bad one)."""
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        try:
+            bias = body.logit_bias_pairs()
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="logit_bias") from None
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(body.top_k, 0), seed=body.seed, n=body.n, stop=stop,
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                              extra={"api": api})
+                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                              repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                              min_tokens=body.min_tokens, logit_bias=bias, logprobs=logprobs, extra={"api": api})
 
     async def generate(engine, prompts: list[list[int]], params: SamplingParams, body, http: Request,
                        who: Principal, shape: CompletionShape):
@@ -368,7 +374,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
-                _stream(engine, events, requests, by_id, index_of, head, shape, include_usage, cancel_all),
+                _stream(engine, events, requests, by_id, index_of, head, shape, include_usage, cancel_all,
+                        params.logprobs is not None),
                 media_type="text/event-stream", headers=named)
         pending = set(index_of)
         checked = loop.time()
@@ -392,8 +399,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         choices = []
         for request in requests:
             for seq in sorted(request.sequences, key=lambda s: s.index):
+                logprobs = None if params.logprobs is None else \
+                    shape.logprobs(engine.tokenizer.token_text, seq.output_ids, seq.logprobs)[0]
                 choices.append(shape.choice(index_of[(request.request_id, seq.index)], engine.text_of(seq),
-                                            list(seq.output_ids), seq.finish_reason))
+                                            list(seq.output_ids), seq.finish_reason, logprobs))
         choices.sort(key=lambda c: c["index"])
         return JSONResponse({"id": head["id"], "object": shape.object, "created": head["created"],
                              "model": head["model"], "choices": choices, "usage": _usage(requests)}, headers=named)
@@ -646,13 +655,15 @@ class IncrementalText:
         return after[len(before):]
 
 
-async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, include_usage, cancel_all):
+async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, include_usage, cancel_all,
+                  with_logprobs: bool = False):
     """Server-sent events ending with [DONE]; a disconnect cancels.
 
     A chunk carries one choice's new tokens: one token per chunk while the client keeps up,
     and every token that waited in the queue once it falls behind (one chunk instead of many,
     so a slow reader costs the serving loop less, not more)."""
     sent_text = {key: "" for key in index_of}
+    offsets = dict.fromkeys(index_of, 0)  # where each choice's next token starts in its text (logprobs)
     texts = {key: IncrementalText(engine.tokenizer.decode) for key in index_of}
     pending = set(index_of)
     finished_cleanly = False
@@ -661,10 +672,10 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
             ready = [await events.get()]
             while not events.empty():
                 ready.append(events.get_nowait())
-            merged: dict = {}  # key -> [token ids, text, finish reason], in arrival order
+            merged: dict = {}  # key -> [token ids, text, finish reason, logprobs], in arrival order
             for event in ready:
                 key = (event.request_id, event.index)
-                entry = merged.setdefault(key, [[], "", None])
+                entry = merged.setdefault(key, [[], "", None, []])
                 request = by_id[event.request_id]
                 seq = next((s for s in request.sequences if s.index == event.index), None)
                 delta = ""
@@ -677,14 +688,20 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                     sent_text[key] += delta
                 if event.token_id is not None:
                     entry[0].append(event.token_id)
+                    if event.logprob is not None:
+                        entry[3].append(event.logprob)
                 entry[1] += delta
                 if event.finish_reason is not None:
                     entry[2] = event.finish_reason
                     pending.discard(key)
-            for key, (token_ids, delta, finish_reason) in merged.items():
+            for key, (token_ids, delta, finish_reason, entries) in merged.items():
+                logprobs = None
+                if with_logprobs:
+                    logprobs, offsets[key] = shape.logprobs(engine.tokenizer.token_text, token_ids, entries,
+                                                            offsets[key])
                 chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
                          "model": head["model"],
-                         "choices": [shape.chunk_choice(index_of[key], delta, token_ids, finish_reason)]}
+                         "choices": [shape.chunk_choice(index_of[key], delta, token_ids, finish_reason, logprobs)]}
                 yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
             usage_chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],

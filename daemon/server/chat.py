@@ -12,14 +12,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from kvctl.daemon.engine.sampling import MAX_LOGPROBS
+
 from .chat_messages import MessagesError
+from .logprobs import chat_logprobs, completion_logprobs
 
 # chat fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values that ask for
 # nothing; any other value is refused by name (see app.refuse_unsupported)
 UNSUPPORTED_CHAT_FIELDS = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "min_p": (None, 0), "min_tokens": (None, 0), "prompt_logprobs": (None,), "best_of": (None, 1),
+    "prompt_logprobs": (None,), "best_of": (None, 1),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "response_format": (None, {"type": "text"}), "cache_salt": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
@@ -52,12 +53,32 @@ class GenerationFields(BaseModel):
     stream_options: dict | None = None
     user: str | None = None
     ignore_eos: bool = False
+    # applied to the logits before a token is drawn (daemon/engine/logits.py); the defaults change nothing
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs; ValueError naming a key that is not a token id."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+            pairs.append((token, bias))
+        return tuple(sorted(pairs))
 
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[Any]  # checked by chat_messages, which names the message and field at fault
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False  # each output token's logprob, and top_logprobs alternatives
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn opening
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last (assistant) message
 
@@ -71,6 +92,15 @@ class ChatCompletionRequest(GenerationFields):
                                     "add_generation_prompt")
             return False
         return self.add_generation_prompt
+
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token when logprobs are asked for (0: the token's own only), else None."""
+        if self.top_logprobs is not None and self.top_logprobs != 0 and not self.logprobs:
+            raise MessagesError(f"top_logprobs: {self.top_logprobs} needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise MessagesError(f"top_logprobs: must be an integer from 0 to {MAX_LOGPROBS}, got {self.top_logprobs}",
+                                "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def output_limit(self) -> int | None:
         """max_completion_tokens, else max_tokens; None: what the context has left (as vLLM)."""
@@ -88,12 +118,18 @@ class CompletionShape:
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None,
+    def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": text, "token_ids": token_ids, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    def chunk_choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        return self.choice(index, text, token_ids, finish_reason)
+    def chunk_choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
+        return self.choice(index, text, token_ids, finish_reason, logprobs)
+
+    def logprobs(self, token_text, token_ids: list[int], entries: list, offset: int = 0) -> tuple[dict, int]:
+        """These tokens' logprobs in this API's shape, and the text offset after them."""
+        return completion_logprobs(token_text, token_ids, entries, offset)
 
 
 class ChatShape(CompletionShape):
@@ -106,15 +142,20 @@ class ChatShape(CompletionShape):
     def __init__(self) -> None:
         self.opened: set[int] = set()
 
-    def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+    def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
         return {"index": index, "message": {"role": "assistant", "content": text}, "token_ids": token_ids,
-                "logprobs": None, "finish_reason": finish_reason}
+                "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def chunk_choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+    def chunk_choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
         if index in self.opened:
             delta = {"content": text}
         else:
             delta = {"role": "assistant", "content": text}
             self.opened.add(index)
-        return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": None,
+        return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": logprobs,
                 "finish_reason": finish_reason}
+
+    def logprobs(self, token_text, token_ids: list[int], entries: list, offset: int = 0) -> tuple[dict, int]:
+        return chat_logprobs(token_text, token_ids, entries), offset

@@ -1,0 +1,49 @@
+"""Output tokens' logprobs in the two shapes OpenAI's API gives them.
+
+The engine records, for every output token of a request that asks (`Sequence.logprobs`), the
+token's logprob under the model's own distribution (before temperature, penalties and bias, as
+vLLM reports by default) and its most likely alternatives. Here they become:
+
+- /v1/completions (`logprobs: N`): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`,
+  where each `top_logprobs` entry maps token text to logprob for the N most likely tokens and
+  the one drawn (a legacy shape: tokens with the same text, such as two halves of characters,
+  share one key, which keeps the drawn token's logprob);
+- /v1/chat/completions (`logprobs: true, top_logprobs: N`): `{"content": [{"token", "logprob",
+  "bytes", "top_logprobs": [N of the same]}]}`.
+
+A token's text is `Tokenizer.token_text` (special tokens by name); its bytes are that text's UTF-8.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+Entry = tuple[float, tuple[tuple[int, float], ...]]  # (logprob, ((id, logprob), ...)), best first
+
+
+def completion_logprobs(token_text, token_ids: Seq[int], entries: Seq[Entry], offset: int = 0) -> tuple[dict, int]:
+    """The legacy completions shape for these tokens, their text offsets counted from `offset`;
+    and the offset after them (a stream's next chunk goes on from there)."""
+    tokens, chosen, tops, offsets = [], [], [], []
+    for token, (logprob, top) in zip(token_ids, entries):
+        text = token_text(token)
+        tokens.append(text)
+        chosen.append(logprob)
+        alternatives = {}
+        for alternative, value in top:
+            alternatives.setdefault(token_text(alternative), value)
+        alternatives[text] = logprob  # tokens with one text share a key: the drawn one's logprob stands
+        tops.append(alternatives)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def chat_logprobs(token_text, token_ids: Seq[int], entries: Seq[Entry]) -> dict:
+    """The chat shape for these tokens."""
+    def described(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**described(token, logprob), "top_logprobs": [described(t, v) for t, v in top]}
+                        for token, (logprob, top) in zip(token_ids, entries)]}
