@@ -201,3 +201,47 @@ def test_logprobs_zero_reports_the_token_alone_and_no_request_without_them_pays(
     assert all(lp <= 0 for lp, _ in zero.sequences[0].logprobs)
     _, (none,) = run(demo, [prompt], SamplingParams(max_tokens=3, ignore_eos=True))
     assert none.sequences[0].logprobs == [] and none.sequences[0].output_ids == zero.sequences[0].output_ids
+
+
+# ---- prompt logprobs -----------------------------------------------------------------------------
+def prompt_reference(loaded, prompt):
+    """Each prompt token's logprob given the tokens before it, recomputed without the cache."""
+    return [torch.log_softmax(full_forward_logits(loaded, prompt[:i]), dim=-1) for i in range(1, len(prompt))]
+
+
+@pytest.mark.parametrize("chunk", [256, 16, 7])
+def test_prompt_logprobs_cover_every_position_even_where_the_prefix_is_cached(demo, chunk):
+    prompt = demo.tokenizer.encode("System: answer briefly about KV caches and their blocks. Q: why pin a prefix?")
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_batch_tokens=chunk))
+    warm = engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.run_until_done()
+    scored = engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2))
+    engine.run_until_done()
+    engine.cache.audit()
+    assert warm.metrics.cached_tokens == 0 and scored.metrics.cached_tokens == 0  # every position computed
+    assert len(scored.prompt_logprobs) == len(prompt) - 1
+    for token, expected, (logprob, rank, top) in zip(prompt[1:], prompt_reference(demo, prompt),
+                                                     scored.prompt_logprobs):
+        assert math.isclose(logprob, float(expected[token]), abs_tol=1e-4)
+        assert rank == int((expected > expected[token]).sum()) + 1
+        assert [t for t, _ in top] == torch.topk(expected, 2).indices.tolist()
+    assert scored.sequences[0].output_ids == warm.sequences[0].output_ids
+    after = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.run_until_done()
+    assert after.metrics.cached_tokens == (len(prompt) - 1) // 16 * 16  # what is cached still serves others
+
+
+def test_a_scored_prompt_s_blocks_are_shared_from_then_on_and_preemption_records_each_position_once(demo):
+    prompts = [demo.tokenizer.encode(f"scored prompt number {i}, long enough to need a few blocks") for i in range(3)]
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=2, ignore_eos=True, prompt_logprobs=0)
+    tight, squeezed = run(demo, prompts, params, num_blocks=12, reservation="fixed:0", max_batch_tokens=16)
+    roomy, calm = run(demo, prompts, params, num_blocks=128)
+    assert tight.stats.preemptions > 0
+    for a, b, prompt in zip(squeezed, calm, prompts):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(prompt) - 1
+        assert [r for _, r, _ in a.prompt_logprobs] == [r for _, r, _ in b.prompt_logprobs]
+        assert all(top == () for _, _, top in a.prompt_logprobs)
+        assert [s.output_ids for s in a.sequences] == [s.output_ids for s in b.sequences]
+    again = roomy.add_request(prompts[0], SamplingParams(max_tokens=1))
+    roomy.run_until_done()
+    assert again.metrics.cached_tokens == (len(prompts[0]) - 1) // 16 * 16

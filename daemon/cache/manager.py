@@ -157,10 +157,10 @@ class KVCacheManager:
     # ---- admission -------------------------------------------------------------------------
     def can_admit(self, keys: Sequence[BlockKey], prompt_tokens: int, reserve_tokens: int, *,
                   request: str = "?", queue_length: int = 0,
-                  queue_limit: int | None = None) -> AdmissionDecision:
+                  queue_limit: int | None = None, reuse: bool = True) -> AdmissionDecision:
         """Would `admit` succeed now? Reads only."""
         self._check_counts(request, prompt_tokens, reserve_tokens)
-        hits = self.pool.match(keys, self.cacheable_blocks(prompt_tokens))
+        hits = self.pool.match(keys, self.cacheable_blocks(prompt_tokens)) if reuse else []
         needed = blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size) - len(hits)
         available = self.pool.available() - self.pool.evictable_in(hits)
         return decide(request=request, needed_blocks=needed, available_blocks=available,
@@ -168,11 +168,13 @@ class KVCacheManager:
                       queue_length=queue_length, queue_limit=queue_limit)
 
     def admit(self, seq_id: str, keys: Sequence[BlockKey], prompt_tokens: int, reserve_tokens: int,
-              *, tenant: str = "default", hasher: PrefixHasher | None = None) -> Admission:
+              *, tenant: str = "default", hasher: PrefixHasher | None = None, reuse: bool = True) -> Admission:
         """Take the cached prefix and reserve blocks for the rest of the prompt and the output.
 
         `keys` are the chain keys of the prompt's full blocks. All or nothing:
-        CacheFull leaves every block as it was.
+        CacheFull leaves every block as it was. `reuse=False` takes nothing from the cache (a
+        prompt whose every position must be computed); its full blocks are still indexed as they
+        fill, where no other block holds their key.
         """
         if seq_id in self._seqs:
             raise DuplicateSequence(seq_id)
@@ -181,7 +183,7 @@ class KVCacheManager:
             raise InvalidRequest(f"request {seq_id}: {len(keys)} keys for {prompt_tokens} prompt tokens "
                                  f"at block size {self.block_size}")
         pool, now = self.pool, self._clock()
-        hits = pool.match(keys, self.cacheable_blocks(prompt_tokens))
+        hits = pool.match(keys, self.cacheable_blocks(prompt_tokens)) if reuse else []
         needed = blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size) - len(hits)
         available = pool.available() - pool.evictable_in(hits)
         if needed > available:

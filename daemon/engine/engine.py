@@ -242,7 +242,7 @@ class Engine:
         first = Sequence(f"{request_id}/0", request, 0, prefix_keys=prefix_keys)
         request.sequences.append(first)
         self._enqueue(first)
-        if self.tiers is not None:
+        if self.tiers is not None and not request.scoring:
             self._start_prefetch(request)
         return request
 
@@ -382,7 +382,7 @@ class Engine:
             return []
         if copies:
             self._copy_blocks(copies)
-        batch, sample_rows = self._forward_batch(plan)
+        batch, sample_rows, scored = self._forward_batch(plan)
         started = time.perf_counter()
         logits = self.model.forward(batch, self.kv_caches)
         prefill = sum(n for seq, n in plan if seq.status is SeqStatus.PREFILL)
@@ -393,6 +393,8 @@ class Engine:
         decodes = sum(1 for seq, _ in plan if seq.status is SeqStatus.DECODE)  # before _advance moves prefills on
         kind = "quick" if self._quick_step_last else (
             "decode" if decodes == len(plan) else "prefill" if decodes == 0 else "mixed")
+        if scored:
+            self._record_prompt_logprobs(scored, logits[len(logits) - sum(count for _, _, count in scored):])
         events = self._advance(plan, sample_rows, logits)
         stats = self.stats
         stats.steps[kind] = stats.steps.get(kind, 0) + 1
@@ -426,7 +428,8 @@ class Engine:
             tokens = seq.all_tokens
             reserve = self._reservation(request).reserve(request.params.max_tokens - len(seq.output_ids))
             keys, hasher = self._prefix_keys(seq)
-            if self.tiers is not None:
+            reuse = not request.scoring  # a prompt scored position by position takes nothing from the cache
+            if self.tiers is not None and reuse:
                 tiers = self.tiers
                 if tiers.prefetch_pending(request.request_id):
                     waited = self.clock() - request.metrics.arrival
@@ -435,18 +438,18 @@ class Engine:
                             return  # the head waits for its prefix; running work goes on
                         tiers.wait_prefetch(request.request_id, self.prefetch_wait - waited)
                 self._restore(seq, keys, len(tokens))
-            if upcoming:
+            if upcoming and reuse:
                 hits = len(self.cache.pool.match(keys, self.cache.cacheable_blocks(len(tokens))))
                 if hits < len(keys) and keys[hits] in upcoming:
                     continue  # its prefix is being computed right now: take it next step
-            decision = self.cache.can_admit(keys, len(tokens), reserve, request=seq.seq_id)
+            decision = self.cache.can_admit(keys, len(tokens), reserve, request=seq.seq_id, reuse=reuse)
             if decision.verdict is not Verdict.ADMIT:
                 return  # head of line waits for room (add_request refused what can never fit)
             self._waiting.remove(entry)
             heapq.heapify(self._waiting)
             started = time.perf_counter()
             admission = self.cache.admit(seq.seq_id, keys, len(tokens), reserve, tenant=request.tenant,
-                                         hasher=hasher)
+                                         hasher=hasher, reuse=reuse)
             self.stats.alloc_seconds.append(time.perf_counter() - started)
             if self.tiers is not None:
                 self.tiers.finish_prefetch(request.request_id)
@@ -545,10 +548,15 @@ class Engine:
         for layer in self.kv_caches:
             copy(layer.k, layer.v, src, dst)
 
-    def _forward_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[int | None]]:
+    def _forward_batch(self, plan: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[int | None], list]:
+        """The step's batch; each planned sequence's row of logits to sample from (None: none this
+        step); and the prompt positions whose next token's logprob a scored prompt records, as
+        (request, first token index, count), their logits after the sampling rows."""
         size, device = self.settings.block_size, self.model.device
         ids, positions, slots, starts, lengths, tables, rows = [], [], [], [0], [], [], []
         sample_rows: list[int | None] = []
+        scored: list[tuple[Request, int, int]] = []
+        scored_rows: list[int] = []
         for seq, n in plan:
             table = self.cache.block_table(seq.seq_id)
             begin = seq.num_computed
@@ -562,6 +570,16 @@ class Engine:
             sample_rows.append(len(rows) if samples else None)
             if samples:
                 rows.append(starts[-1] - 1)
+            request = seq.request
+            if request.scoring and seq.index == 0 and seq.status is SeqStatus.PREFILL:
+                # position p's logits give the logprob of prompt token p + 1: those not recorded yet
+                first = max(begin, len(request.prompt_logprobs)) + 1
+                last = min(begin + n, len(request.prompt_ids) - 1)
+                if last >= first:
+                    scored.append((request, first, last - first + 1))
+                    row0 = starts[-2] + (first - 1 - begin)
+                    scored_rows.extend(range(row0, row0 + last - first + 1))
+        rows += scored_rows
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         batch = ForwardBatch(
@@ -573,13 +591,29 @@ class Engine:
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             logits_indices=torch.tensor(rows, dtype=torch.int64, device=device),
             max_new_tokens=max(n for _, n in plan), max_context=max(lengths), block_content=self._block_content)
-        return batch, sample_rows
+        return batch, sample_rows, scored
 
     def _block_content(self, block_id: int):
         """What a block holds: its prefix-index key (which names the tokens, the model and the
         scales), or None while it is not indexed. The attention plan keeps its copies of blocks
         whose content has not changed across steps."""
         return self.cache.pool.blocks[block_id].key
+
+    def _record_prompt_logprobs(self, scored: list[tuple[Request, int, int]], logits: torch.Tensor) -> None:
+        """Each scored prompt token's logprob, rank and alternatives, from the rows before it."""
+        at = 0
+        for request, first, count in scored:
+            logprobs = torch.log_softmax(logits[at:at + count].float(), dim=-1)
+            at += count
+            targets = torch.tensor(request.prompt_ids[first:first + count], dtype=torch.int64)
+            chosen = logprobs.gather(1, targets[:, None])
+            ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+            alternatives = request.params.prompt_logprobs
+            tops = [()] * count
+            if alternatives:
+                values, ids = torch.topk(logprobs, alternatives)
+                tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            request.prompt_logprobs.extend(zip(chosen[:, 0].tolist(), ranks, tops))
 
     def _advance(self, plan, sample_rows, logits) -> list[TokenEvent]:
         events: list[TokenEvent] = []

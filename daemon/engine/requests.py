@@ -85,7 +85,15 @@ class Request:
     rejected: str | None = None  # why the request was turned away, if it was
     cancelled: bool = False
     reservation: object | None = None  # a rollout cohort's reservation policy; None: the engine's
+    # with params.prompt_logprobs: for prompt tokens 1, 2, ... (the first has none) their logprob, their
+    # rank in the model's distribution (1: the most likely) and the most likely alternatives
+    prompt_logprobs: list[tuple[float, int, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     cohort: str | None = None  # "candidate" or "baseline" while a rollout runs
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt's logprobs are asked for and not all known: every prompt position is computed."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def finished(self) -> bool:

@@ -44,6 +44,9 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     logprobs: int | None = None  # report each output token's logprob and this many alternatives
+    # report each prompt token's logprob (after the first) and this many alternatives: every prompt
+    # position is computed, none taken from the cache (Request.prompt_logprobs)
+    prompt_logprobs: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -89,8 +92,11 @@ class SamplingParams:
                 bad("logit_bias", token, f"keys must be token ids in [0, {vocab_size})")
             if not _number(bias) or not -100 <= bias <= 100:
                 bad(f"logit_bias[{token}]", bias, "must be a number from -100 to 100")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", self.logprobs, f"must be an integer from 0 to {MAX_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, value, f"must be an integer from 0 to {MAX_LOGPROBS}")
 
 
 def _number(value) -> bool:
