@@ -137,8 +137,8 @@ def test_an_oversized_prompt_is_refused_before_it_is_hashed_or_reaches_the_engin
     assert hashed == [] and service.engine.stats.rejections == before and not service._inbox
 
 
-@pytest.mark.parametrize("field, value", [("echo", True), ("best_of", 3), ("prompt_logprobs", 2),
-                                          ("suffix", " end"), ("guided_regex", "a+")])
+@pytest.mark.parametrize("field, value", [("best_of", 3), ("suffix", " end"), ("guided_regex", "a+"),
+                                          ("use_beam_search", True)])
 def test_parameters_kvd_does_not_implement_are_refused_not_ignored(daemon, field, value):
     _, unix, _ = daemon
     response = call(unix, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2, field: value})
@@ -965,3 +965,46 @@ def test_a_bad_sampling_control_is_a_400_naming_it(daemon, body, param, message)
     response = complete(unix, prompt="x", **body)
     assert response.status_code == 400
     assert (response.json()["error"]["param"], response.json()["error"]["message"]) == (param, message)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(daemon):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, one output token."""
+    service, unix, _ = daemon
+    text_of = service.loaded.tokenizer.token_text
+    prompt = SYSTEM + "Q: is the prompt scored?"
+    ids = service.tokenize(prompt)
+    assert complete(unix, prompt=prompt, max_tokens=1).status_code == 200  # now its prefix is cached
+    body = complete(unix, prompt=prompt, max_tokens=1, temperature=0.0, echo=True, logprobs=1,
+                    prompt_logprobs=1).json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # every position computed
+    choice = body["choices"][0]
+    out = choice["token_ids"]
+    assert len(out) == 1 and choice["text"] == prompt + service.loaded.tokenizer.decode(out)
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [text_of(t) for t in ids + out]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["text_offset"] == [sum(len(text_of(t)) for t in (ids + out)[:i]) for i in range(len(ids) + 1)]
+    vllm = choice["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(ids)
+    for token, lp, top, ranked in zip(ids[1:], logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:], vllm[1:]):
+        assert ranked[str(token)]["logprob"] == lp and top[text_of(token)] == lp
+        assert ranked[str(token)]["rank"] >= 1 and ranked[str(token)]["decoded_token"] == text_of(token)
+        assert [r["rank"] for t, r in ranked.items() if t != str(token)] in ([], [1])
+    cold = complete(unix, prompt=prompt + " ", max_tokens=1, temperature=0.0, echo=True, logprobs=1).json()
+    assert cold["choices"][0]["logprobs"]["token_logprobs"][1:len(ids)] == \
+        pytest.approx(logprobs["token_logprobs"][1:len(ids)], abs=1e-4)  # as on a prompt never seen
+
+
+def test_echo_streams_the_prompt_in_each_choice_s_first_chunk(daemon):
+    service, unix, _ = daemon
+    whole = complete(unix, prompt=["first prompt", "second"], temperature=0.0, echo=True, logprobs=0).json()
+    streamed = sse_events(complete(unix, prompt=["first prompt", "second"], temperature=0.0, echo=True, logprobs=0,
+                                   stream=True))
+    for choice in whole["choices"]:
+        chunks = [e["choices"][0] for e in streamed[:-1] if e["choices"][0]["index"] == choice["index"]]
+        assert chunks[0]["text"].startswith(["first prompt", "second"][choice["index"]])
+        assert "".join(c["text"] for c in chunks) == choice["text"]
+        assert sum((c["logprobs"]["tokens"] for c in chunks), []) == choice["logprobs"]["tokens"]
+        assert sum((c["logprobs"]["text_offset"] for c in chunks), []) == choice["logprobs"]["text_offset"]
+    echoed = complete(unix, prompt=service.tokenize("ids echo back as text"), echo=True).json()["choices"][0]
+    assert echoed["text"].startswith("ids echo back as text") and echoed["logprobs"] is None

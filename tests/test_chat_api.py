@@ -140,8 +140,10 @@ def test_max_completion_tokens_is_max_tokens(daemon):
     ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools",
      "tools: not supported by kvd, got [{'type': 'function'}]; kvd does not call tools; describe them in a message "
      "instead"),
-    ({"messages": [{"role": "user", "content": "a"}], "prompt_logprobs": 1}, 400, "prompt_logprobs",
-     "prompt_logprobs: not supported by kvd, got 1; leave it out"),
+    ({"messages": [{"role": "user", "content": "a"}], "echo": True}, 400, "echo",
+     "echo: not supported by kvd, got True; leave it out"),
+    ({"messages": [{"role": "user", "content": "a"}], "prompt_logprobs": 21}, 400, "prompt_logprobs",
+     "prompt_logprobs: must be an integer from 0 to 20, got 21"),
     ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, 400, "top_logprobs",
      "top_logprobs: 3 needs logprobs: true"),
     ({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
@@ -324,3 +326,26 @@ def test_chat_logprobs_come_in_openai_s_chat_shape_streamed_or_whole(daemon):
     alone = chat(unix, messages, temperature=0.0, logprobs=True).json()["choices"][0]["logprobs"]["content"]
     assert [c["top_logprobs"] for c in alone] == [[]] * len(alone)  # no alternatives unless asked
     assert chat(unix, messages, temperature=0.0).json()["choices"][0]["logprobs"] is None
+
+
+def test_chat_prompt_logprobs_rank_every_rendered_prompt_token_once_per_answer(daemon):
+    service, unix, _ = daemon
+    messages = conversation("Rank my prompt's tokens")
+    ids = rendered(service, messages)
+    body = chat(unix, messages, temperature=0.0, prompt_logprobs=2, n=2).json()
+    ranked = body["prompt_logprobs"]
+    assert ranked[0] is None and len(ranked) == len(ids)
+    for token, entry in zip(ids[1:], ranked[1:]):
+        assert entry[str(token)]["decoded_token"] == service.loaded.tokenizer.token_text(token)
+        others = sorted(r["rank"] for t, r in entry.items() if t != str(token))
+        assert others in ([1, 2], [1], [2]) and entry[str(token)]["rank"] >= 1
+        assert (entry[str(token)]["rank"] <= 2) == (len(entry) == 2)  # the token is among the two, or a third
+    assert all("prompt_logprobs" not in c for c in body["choices"])
+    streamed = sse_events(chat(unix, messages, temperature=0.0, prompt_logprobs=2, stream=True))
+    carrying = [e for e in streamed[:-1] if "prompt_logprobs" in e]
+    assert len(carrying) == 1
+    again = carrying[0]["prompt_logprobs"]
+    assert again[0] is None and [{t: r["rank"] for t, r in e.items()} for e in again[1:]] == \
+        [{t: r["rank"] for t, r in e.items()} for e in ranked[1:]]
+    assert [r["logprob"] for e in again[1:] for r in e.values()] == \
+        pytest.approx([r["logprob"] for e in ranked[1:] for r in e.values()], abs=1e-4)

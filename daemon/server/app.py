@@ -35,6 +35,7 @@ from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, C
 from .chat_messages import MessagesError, chat_messages, messages_size
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
+from .logprobs import echoed_prompt_logprobs, joined, vllm_prompt_logprobs
 from .metrics import Metrics
 from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
 
@@ -63,6 +64,8 @@ class CompletionRequest(GenerationFields):
     prompt: Annotated[str | list[StrictInt] | list[list[StrictInt]] | list[str], Field(union_mode="left_to_right")]
     max_tokens: int = 16
     logprobs: int | None = None  # each output token's logprob and this many alternatives
+    echo: bool | None = False  # the prompt before the output (its tokens' logprobs too, with logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
 
 
 # Completion fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values
@@ -70,7 +73,7 @@ class CompletionRequest(GenerationFields):
 # client did not ask for (an evaluation harness sending echo and logprobs would score garbage).
 # Fields nobody has defined are ignored, as OpenAI-compatible servers do.
 UNSUPPORTED_FIELDS = {
-    "echo": (False, None), "suffix": (None, ""), "best_of": (None, 1), "prompt_logprobs": (None,),
+    "suffix": (None, ""), "best_of": (None, 1),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "response_format": (None,),
     "cache_salt": (None, ""),
@@ -276,8 +279,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         refuse_unsupported(body, UNSUPPORTED_FIELDS, UNSUPPORTED_HINTS)
         engine = ready_for(body.model)
         prompts = _prompts(body.prompt)
-        return await generate(engine, prompts, sampling(body, body.max_tokens, "completions", body.logprobs), body,
-                              http, who, CompletionShape())
+        scored = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
+        params = sampling(body, body.max_tokens, "completions", body.logprobs, max(scored, default=None))
+        return await generate(engine, prompts, params, body, http, who, CompletionShape(),
+                              _echo_texts(body.prompt, prompts, engine) if body.echo else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request, who: Principal = Depends(principal)):
@@ -301,7 +306,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 raise ApiError(413, f"messages: the conversation is {len(ids)} tokens, which leaves no room for a "
                                     f"reply in the model's {positions} positions", param="messages",
                                code="context_length_exceeded")
-        return await generate(engine, [ids], sampling(body, limit, "chat", logprobs), body, http, who, ChatShape())
+        return await generate(engine, [ids], sampling(body, limit, "chat", logprobs, body.prompt_logprobs), body, http,
+                              who, ChatShape())
 
     def ready_for(model: str | None):
         """The engine, once it takes completions for `model` (None: whichever is served)."""
@@ -314,24 +320,23 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                 f"{service.model_name!r}", param="model", code="model_not_found")
         return engine
 
-    def sampling(body, max_tokens: int, api: str, logprobs: int | None) -> SamplingParams:
+    def sampling(body, max_tokens: int, api: str, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The request's sampling fields (checked by the engine, which names a bad one)."""
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
-            bias = body.logit_bias_pairs()
+            controls = body.sampling_controls()
         except ValueError as exc:
             raise ApiError(400, str(exc), param="logit_bias") from None
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(body.top_k, 0), seed=body.seed, n=body.n, stop=stop,
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                              repetition_penalty=body.repetition_penalty, min_p=body.min_p,
-                              min_tokens=body.min_tokens, logit_bias=bias, logprobs=logprobs, extra={"api": api})
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, extra={"api": api}, **controls)
 
     async def generate(engine, prompts: list[list[int]], params: SamplingParams, body, http: Request,
-                       who: Principal, shape: CompletionShape):
+                       who: Principal, shape: CompletionShape, echo_texts: list[str] | None = None):
         """Run `prompts` (n samples each) and answer in `shape`: streamed as server-sent events, or
-        whole once every sample has finished. A client that leaves cancels them."""
+        whole once every sample has finished. A client that leaves cancels them. `echo_texts`: each
+        prompt's text, put before its choices' text (completions' `echo`)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         sink = LoopSink(loop, events)
@@ -371,11 +376,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             for request in requests:
                 service.cancel(request.request_id)
 
+        prompt_parts = PromptParts(engine.tokenizer.token_text, params, body.prompt_logprobs, echo_texts)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
                 _stream(engine, events, requests, by_id, index_of, head, shape, include_usage, cancel_all,
-                        params.logprobs is not None),
+                        params.logprobs is not None, prompt_parts),
                 media_type="text/event-stream", headers=named)
         pending = set(index_of)
         checked = loop.time()
@@ -397,15 +403,21 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             cancel_all()
             raise
         choices = []
-        for request in requests:
+        for p, request in enumerate(requests):
             for seq in sorted(request.sequences, key=lambda s: s.index):
-                logprobs = None if params.logprobs is None else \
-                    shape.logprobs(engine.tokenizer.token_text, seq.output_ids, seq.logprobs)[0]
-                choices.append(shape.choice(index_of[(request.request_id, seq.index)], engine.text_of(seq),
-                                            list(seq.output_ids), seq.finish_reason, logprobs))
+                text, offset = prompt_parts.text(p), 0
+                logprobs = None
+                if params.logprobs is not None:
+                    before, offset = prompt_parts.logprobs(p, request)
+                    logprobs, _ = shape.logprobs(engine.tokenizer.token_text, seq.output_ids, seq.logprobs, offset)
+                    logprobs = joined(before, logprobs) if before is not None else logprobs
+                choice = shape.choice(index_of[(request.request_id, seq.index)], text + engine.text_of(seq),
+                                      list(seq.output_ids), seq.finish_reason, logprobs)
+                choices.append(prompt_parts.add_to_choice(choice, request, shape))
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse({"id": head["id"], "object": shape.object, "created": head["created"],
-                             "model": head["model"], "choices": choices, "usage": _usage(requests)}, headers=named)
+        answer = {"id": head["id"], "object": shape.object, "created": head["created"], "model": head["model"],
+                  "choices": choices, "usage": _usage(requests)}
+        return JSONResponse(prompt_parts.add_to_answer(answer, requests[0], shape), headers=named)
 
     def _prompts(prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -656,7 +668,7 @@ class IncrementalText:
 
 
 async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, include_usage, cancel_all,
-                  with_logprobs: bool = False):
+                  with_logprobs: bool = False, prompt_parts: "PromptParts | None" = None):
     """Server-sent events ending with [DONE]; a disconnect cancels.
 
     A chunk carries one choice's new tokens: one token per chunk while the client keeps up,
@@ -664,6 +676,8 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
     so a slow reader costs the serving loop less, not more)."""
     sent_text = {key: "" for key in index_of}
     offsets = dict.fromkeys(index_of, 0)  # where each choice's next token starts in its text (logprobs)
+    prompt_of = {r.request_id: p for p, r in enumerate(requests)}
+    opened: set = set()  # choices whose first chunk went out (it carries what comes from the prompt)
     texts = {key: IncrementalText(engine.tokenizer.decode) for key in index_of}
     pending = set(index_of)
     finished_cleanly = False
@@ -695,13 +709,25 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                     entry[2] = event.finish_reason
                     pending.discard(key)
             for key, (token_ids, delta, finish_reason, entries) in merged.items():
+                first = key not in opened
+                opened.add(key)
+                p, request = prompt_of[key[0]], by_id[key[0]]
+                before = None
+                if first and prompt_parts is not None:
+                    delta = prompt_parts.text(p) + delta
+                    if with_logprobs:
+                        before, offsets[key] = prompt_parts.logprobs(p, request)
                 logprobs = None
                 if with_logprobs:
                     logprobs, offsets[key] = shape.logprobs(engine.tokenizer.token_text, token_ids, entries,
                                                             offsets[key])
+                    logprobs = joined(before, logprobs) if before is not None else logprobs
+                choice = shape.chunk_choice(index_of[key], delta, token_ids, finish_reason, logprobs)
                 chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
-                         "model": head["model"],
-                         "choices": [shape.chunk_choice(index_of[key], delta, token_ids, finish_reason, logprobs)]}
+                         "model": head["model"], "choices": [choice]}
+                if first and prompt_parts is not None:
+                    prompt_parts.add_to_choice(choice, request, shape)
+                    prompt_parts.add_to_answer(chunk, request, shape, once=True)
                 yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
             usage_chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
@@ -712,3 +738,47 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
     finally:
         if not finished_cleanly:
             cancel_all()
+
+
+def _echo_texts(prompt: Any, prompts: list[list[int]], engine) -> list[str]:
+    """Each prompt as `echo` gives it back: the text sent, or the ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [engine.tokenizer.decode(ids) for ids in prompts]
+
+
+class PromptParts:
+    """What an answer carries from its prompt: the echoed text and its tokens' logprobs
+    (completions' `echo`), and vLLM's `prompt_logprobs` (on each choice for completions, on the
+    answer for chats, as vLLM places them; streamed, in each choice's first chunk)."""
+
+    def __init__(self, token_text, params: SamplingParams, prompt_logprobs: int | None,
+                 echo_texts: list[str] | None) -> None:
+        self.token_text, self.params, self.wanted, self.echo_texts = token_text, params, prompt_logprobs, echo_texts
+        self._answered = False
+
+    def text(self, prompt: int) -> str:
+        return "" if self.echo_texts is None else self.echo_texts[prompt]
+
+    def logprobs(self, prompt: int, request) -> tuple[dict | None, int]:
+        """The echoed prompt's completion logprobs (None without echo), and the offset after them."""
+        if self.echo_texts is None:
+            return None, 0
+        return echoed_prompt_logprobs(self.token_text, request.prompt_ids, request.prompt_logprobs,
+                                      self.params.logprobs or 0)
+
+    def _vllm(self, request) -> list:
+        return vllm_prompt_logprobs(self.token_text, request.prompt_ids, request.prompt_logprobs, self.wanted)
+
+    def add_to_choice(self, choice: dict, request, shape) -> dict:
+        if self.wanted is not None and not isinstance(shape, ChatShape):
+            choice["prompt_logprobs"] = self._vllm(request)
+        return choice
+
+    def add_to_answer(self, answer: dict, request, shape, once: bool = False) -> dict:
+        if self.wanted is not None and isinstance(shape, ChatShape) and not (once and self._answered):
+            answer["prompt_logprobs"] = self._vllm(request)
+            self._answered = True
+        return answer

@@ -20,7 +20,7 @@ from .logprobs import chat_logprobs, completion_logprobs
 # chat fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values that ask for
 # nothing; any other value is refused by name (see app.refuse_unsupported)
 UNSUPPORTED_CHAT_FIELDS = {
-    "prompt_logprobs": (None,), "best_of": (None, 1),
+    "best_of": (None, 1),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "response_format": (None, {"type": "text"}), "cache_salt": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
@@ -54,12 +54,19 @@ class GenerationFields(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     # applied to the logits before a token is drawn (daemon/engine/logits.py); the defaults change nothing
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
+    # (null, which OpenAI's clients may send, is the default)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
+
+    def sampling_controls(self) -> dict:
+        """The fields above as SamplingParams takes them (null: the value that changes nothing)."""
+        return {"presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "min_p": self.min_p or 0.0, "min_tokens": self.min_tokens or 0, "logit_bias": self.logit_bias_pairs()}
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs; ValueError naming a key that is not a token id."""
@@ -77,8 +84,9 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[Any]  # checked by chat_messages, which names the message and field at fault
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
-    logprobs: bool = False  # each output token's logprob, and top_logprobs alternatives
+    logprobs: bool | None = False  # each output token's logprob, and top_logprobs alternatives
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn opening
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last (assistant) message
 

@@ -47,3 +47,30 @@ def chat_logprobs(token_text, token_ids: Seq[int], entries: Seq[Entry]) -> dict:
 
     return {"content": [{**described(token, logprob), "top_logprobs": [described(t, v) for t, v in top]}
                         for token, (logprob, top) in zip(token_ids, entries)]}
+
+
+def echoed_prompt_logprobs(token_text, prompt_ids: Seq[int], entries: Seq, alternatives: int) -> tuple[dict, int]:
+    """The prompt's part of an `echo` answer's completion logprobs: the first token has none (null,
+    as in OpenAI's API), the rest their logprob and `alternatives` most likely tokens."""
+    first = token_text(prompt_ids[0])
+    rest, offset = completion_logprobs(token_text, prompt_ids[1:],
+                                       [(logprob, top[:alternatives]) for logprob, _, top in entries], len(first))
+    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}, offset
+
+
+def joined(first: dict, then: dict) -> dict:
+    """Two completion logprobs parts, one after the other."""
+    return {key: first[key] + then[key] for key in first}
+
+
+def vllm_prompt_logprobs(token_text, prompt_ids: Seq[int], entries: Seq, alternatives: int) -> list:
+    """vLLM's `prompt_logprobs`: null for the first token, then for each token a map from token id
+    to {logprob, rank, decoded_token} holding the token itself and the `alternatives` most likely."""
+    out: list = [None]
+    for token, (logprob, rank, top) in zip(prompt_ids[1:], entries):
+        described = {str(token): {"logprob": logprob, "rank": rank, "decoded_token": token_text(token)}}
+        for i, (t, value) in enumerate(top[:alternatives]):
+            described.setdefault(str(t), {"logprob": value, "rank": i + 1, "decoded_token": token_text(t)})
+        out.append(described)
+    return out
