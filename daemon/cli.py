@@ -93,6 +93,9 @@ def serve(
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
     reservation: Optional[str] = typer.Option(None, help="Output reservation: fixed:N, fraction:F, p95."),
     eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru or cost."),
+    tenant_cache_shares: Optional[str] = typer.Option(
+        None, help="Tenants' shares of the cache, e.g. acme=0.25,*=0.5: when room is needed, a tenant holding "
+                   "more idle blocks than its share loses its own first."),
     trusted_proxy: Optional[bool] = typer.Option(None, help="Honour X-KVD-Tenant on TCP."),
     cache_dtype: Optional[str] = typer.Option(None, help="auto, fp8_e4m3 (or fp8, as vLLM names it), fp8_e5m2 or int8."),
     keep_layers_unquantised: Optional[str] = typer.Option(None, help="Layers kept in the model dtype, e.g. 0,31."),
@@ -119,7 +122,7 @@ def serve(
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
                    max_queue=max_queue, max_tenant_requests=max_tenant_requests,
                    max_request_bytes=max_request_bytes, reservation=reservation,
-                   eviction=eviction,
+                   eviction=eviction, tenant_cache_shares=tenant_cache_shares,
                    trusted_proxy=trusted_proxy, cache_dtype=cache_dtype,
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,

@@ -10,12 +10,14 @@ is a ConfigError naming the field, the value and where it came from.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
+from kvctl.policies.tenant_shares import parse_shares
 
 
 class ConfigError(ValueError):
@@ -102,6 +104,9 @@ class KvdConfig:
     eviction: str = "lru"
     queue_order: str = "fifo"
     pin_budget_blocks: int | None = None
+    # "acme=0.25,*=0.5" (YAML: a mapping): when the cache needs room, a tenant holding more idle
+    # blocks than its fraction of the device cache loses its own first (policies/tenant_shares.py)
+    tenant_cache_shares: tuple[tuple[str, float], ...] = ()
     shutdown_timeout: float = 30.0
     max_request_bytes: int = 32 * 2**20  # a bigger request body is refused (413) before it is read whole
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
@@ -145,7 +150,7 @@ def redact_url(url: Any) -> Any:
 _PARSERS = {
     "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size,
     "max_batch_tokens": int, "max_running": int, "max_queue": int, "max_tenant_requests": int, "pin_budget_blocks": int, "shutdown_timeout": float,
-    "trusted_proxy": _bool, "allow_uncalibrated": _bool,
+    "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,
     "host_cache_bytes": _size, "disk_cache_bytes": _size, "remote_cache_bytes": _size, "remote_timeout": float,
     "keep_layers_unquantised": lambda v: ",".join(str(int(x)) for x in (v if isinstance(v, list) else str(v).split(",")) if str(x).strip()),
@@ -174,6 +179,10 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be fifo or priority")
     if name == "reservation":
         parse_reservation(value)
+    if name == "tenant_cache_shares":
+        bad = next((t for t, _ in value if t != "*" and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", t)), None)
+        if bad is not None:
+            raise ValueError(f"tenant {bad!r} is not a tenant name (letters, digits, . _ -; or * for the others)")
     if name == "cache_dtype" and value not in ("auto", "fp8_e4m3", "fp8_e5m2", "int8"):
         raise ValueError("must be auto, fp8_e4m3 (or fp8), fp8_e5m2 or int8")
     if name in ("host_cache_bytes", "disk_cache_bytes", "remote_cache_bytes") and value is not None and value < 1:

@@ -127,8 +127,18 @@ def render_status(data: dict, console: Console | None = None):
             + (" (no budget)" if t["capacity_bytes"] is None else f" of {size(t['capacity_bytes'])}")
             + ("" if t["health"] == "ok" else f" [{t['health'].upper()}]")
             for name, t in data["tiers"].items()))
-    facts.add_row("evictions", f"{data['evictions']['capacity']:,} by {data['eviction_policy']}, "
-                               f"{data['evictions']['operator']:,} by operators")
+    evictions = data["evictions"]
+    by_share = evictions.get("tenant_share", 0)
+    facts.add_row("evictions", f"{evictions['capacity']:,} by {data['eviction_policy']}"
+                  + (f" ({by_share:,} of them from tenants over their share)" if by_share else "")
+                  + f", {evictions['operator']:,} by operators")
+    if data.get("tenant_shares"):  # absent from an older kvd, null without shares
+        facts.add_row("tenant shares", "; ".join(
+            f"{tenant} {row['idle_blocks']:,} idle" + (", no share" if row["share_blocks"] is None else
+                                                        f", share {row['share_blocks']:,}"
+                                                        + (" (over: evicted first)"
+                                                           if row["idle_blocks"] > row["share_blocks"] else ""))
+            for tenant, row in data["tenant_shares"].items()))
     queue = data["queue"]
     waiting = f"{queue['waiting']} waiting" + (f" (oldest {seconds(queue['oldest_age_seconds'])})"
                                                if queue["waiting"] else "")

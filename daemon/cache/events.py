@@ -10,7 +10,8 @@ my prefix go?", needs the removals as much as the stores (field notes 7 and 9). 
     tier     device | host | disk | remote
     keys     block keys; for `stored`, one chain: keys[i] extends keys[i-1], and keys[0]
              extends `parent` (None: keys[0] starts a chain) at block position `depth`
-    reason   removed: capacity (the tier needed room), operator (kvctl evict or swap),
+    reason   removed: capacity (the tier needed room), tenant_share (the tier needed room and the
+             block's tenant held more idle blocks than its share), operator (kvctl evict or swap),
              corrupt (failed verification), unwritten (indexed by a step that never ran),
              gone (another daemon or Redis itself deleted it), space (written under scales or a
              format the daemon no longer serves: of no use to it, though still stored)
@@ -37,7 +38,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 KINDS = ("stored", "removed")
 TIERS = ("device", "host", "disk", "remote")
-REASONS = ("capacity", "operator", "corrupt", "unwritten", "gone", "space")
+REASONS = ("capacity", "tenant_share", "operator", "corrupt", "unwritten", "gone", "space")
 DEFAULT_KEY_LIMIT = 1 << 17  # keys held across all events: ~10 MiB
 EVENT_KEYS = 512  # at most per event (a larger change is several in a row): a page stays small
 

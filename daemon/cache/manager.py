@@ -30,6 +30,7 @@ from typing import Callable, Collection, Iterable, Sequence
 
 from kvctl.policies.admission import AdmissionDecision, Verdict, blocks_for_tokens, decide
 from kvctl.policies.eviction import EvictionPolicy, make_eviction_policy
+from kvctl.policies.tenant_shares import OTHERS, TenantShares, share_blocks
 
 from .errors import (AuditFailure, CacheFull, DuplicateSequence, InvalidRequest, UnknownPin,
                      UnknownSequence)
@@ -110,6 +111,36 @@ class KVCacheManager:
     @property
     def policy_name(self) -> str:
         return self.pool.policy.name
+
+    def set_tenant_shares(self, shares: Sequence[tuple[str, float]]) -> None:
+        """Give tenants shares of the pool as (tenant, fraction) pairs, `*` for the others: when
+        room is needed, a tenant holding more idle blocks than its share loses its own first
+        (policies.tenant_shares). Empty: no shares. Safe while blocks are cached."""
+        pool = self.pool
+        current = pool.policy
+        if isinstance(current, TenantShares):
+            if shares:
+                current.shares = share_blocks(shares, self.num_blocks)
+            else:
+                pool.policy = current.inner
+            return
+        if shares:
+            blocks = pool.blocks
+            wrapped = TenantShares(current, lambda block_id: blocks[block_id].tenant,
+                                   share_blocks(shares, self.num_blocks))
+            wrapped.adopt(current.order())
+            pool.policy = wrapped
+
+    def tenant_shares(self) -> dict[str, dict] | None:
+        """Per tenant with idle blocks or a share: its idle (evictable) blocks and its share in
+        blocks (None: no share); None when no shares are set."""
+        policy = self.pool.policy
+        if not isinstance(policy, TenantShares):
+            return None
+        idle = policy.idle_blocks()
+        named = set(idle) | {t for t in policy.shares if t != OTHERS}
+        return {tenant: {"idle_blocks": idle.get(tenant, 0), "share_blocks": policy.share_of(tenant)}
+                for tenant in sorted(named)}
 
     # ---- reading ---------------------------------------------------------------------------
     def state_counts(self) -> dict[str, int]:

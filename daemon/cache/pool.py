@@ -67,6 +67,7 @@ class BlockPool:
         self.num_shared = 0  # blocks with ref_count > 1
         self.num_pinned_idle = 0  # indexed, pinned, ref_count == 0
         self.evictions = 0  # indexed blocks dropped to make room
+        self.share_evictions = 0  # of those, the ones whose tenant held more idle blocks than its share
         self.operator_evictions = 0  # indexed blocks dropped on an operator's request
         # key -> (clock value, reason) of recent evictions, oldest first; answers "why did this miss?"
         self.eviction_log: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
@@ -131,18 +132,23 @@ class BlockPool:
             index = self._index
             victims = self.policy.pop_many(count - from_free, now)
             reason = self.policy.name
+            # victims taken because their tenant held more idle blocks than its share (policies.tenant_shares)
+            for_share = getattr(self.policy, "evicted_for_share", None) or {}
             if self.on_evict is not None:
                 self.on_evict([blocks[b] for b in victims])
             if self.events is not None:
-                self.events.removed("device", [blocks[b].key for b in victims], "capacity")
+                if for_share:
+                    self.events.removed("device", [blocks[b].key for b in victims if b in for_share], "tenant_share")
+                self.events.removed("device", [blocks[b].key for b in victims if b not in for_share], "capacity")
             for block_id in victims:
                 block = blocks[block_id]
                 del index[block.key]
-                self._log_eviction(block.key, now, reason)
+                self._log_eviction(block.key, now, "tenant_share" if block_id in for_share else reason)
                 block.key = None
                 block.root = None
                 block.parent = None
             self.evictions += len(victims)
+            self.share_evictions += len(for_share)
             taken.extend(victims)
         for block_id in taken:
             blocks[block_id].ref_count = 1
@@ -371,6 +377,9 @@ class BlockPool:
                 problems.append(f"index maps a key to block {b}, which holds another")
         if evictable != len(self.policy):
             problems.append(f"evictable queue holds {len(self.policy)} blocks, {evictable} qualify")
+        policy_books = getattr(self.policy, "problems", None)  # a policy with books of its own (tenant shares)
+        if policy_books is not None:
+            problems += policy_books()
         if shared != self.num_shared:
             problems.append(f"num_shared is {self.num_shared}, counted {shared}")
         if pinned_idle != self.num_pinned_idle:

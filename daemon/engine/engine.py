@@ -68,6 +68,8 @@ class EngineSettings:
     # prompts with at most this many tokens left run in a step of their own ahead of the decodes
     # (0: always in the decodes' step); see Engine._plan
     quick_prefill_tokens: int = 0
+    # (tenant, fraction) pairs, "*" for the others: under pressure, over-share tenants' idle blocks go first
+    tenant_cache_shares: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class Engine:
                                     block_bytes=self.model.cache_bytes_per_block(
                                         settings.block_size, self.cache_dtype, settings.keep_layers),
                                     clock=clock)
+        self.cache.set_tenant_shares(settings.tenant_cache_shares)
         self.events = EventLog()  # every block indexed in or dropped from a tier, for routers and operators
         self.prefill_rate = RateMeter(rate=2000.0)  # prompt tokens per second, measured on prefill steps
         self.cache.pool.events = self.events

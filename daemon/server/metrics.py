@@ -4,10 +4,13 @@
     kvd_prompt_tokens_total                   prompt tokens of admitted requests
     kvd_prefix_hit_tokens_total               of those, served from the prefix cache
     kvd_recomputed_tokens_total               tokens computed again after preemption
-    kvd_evicted_blocks_total{reason}          capacity (by the policy) or operator
+    kvd_evicted_blocks_total{reason}          capacity (by the policy), tenant_share (from a tenant over its
+                                              share, tenant_cache_shares) or operator
+    kvd_tenant_idle_blocks{tenant}            with tenant_cache_shares: idle cached blocks per tenant
+    kvd_tenant_share_blocks{tenant}           and each tenant's share in blocks
     kvd_cache_stored_blocks_total{tier}       blocks indexed per tier (device, host, disk, remote)
     kvd_cache_removed_blocks_total{tier,reason}  blocks dropped per tier and why (capacity, operator,
-                                              corrupt, unwritten, gone, space): the event log's counts
+                                              corrupt, unwritten, gone, space, tenant_share): the event log's counts
     kvd_cache_events_dropped_total            events trimmed from the log (a slow reader sees a gap)
     kvd_allocation_seconds                    histogram: time per cache-core call
     kvd_admission_rejections_total{reason}    never_fits, queue_full, tenant_limit
@@ -89,9 +92,22 @@ class _EngineCollector:
         yield counted
         yield busy
         evicted = CounterMetricFamily("kvd_evicted_blocks", "Cached blocks evicted", labels=["reason"])
-        evicted.add_metric(["capacity"], pool.evictions)
+        evicted.add_metric(["capacity"], pool.evictions - pool.share_evictions)
+        evicted.add_metric(["tenant_share"], pool.share_evictions)  # to make room, from tenants over their share
         evicted.add_metric(["operator"], pool.operator_evictions)
         yield evicted
+        shares = engine.cache.tenant_shares()
+        if shares is not None:
+            idle = GaugeMetricFamily("kvd_tenant_idle_blocks", "Cached blocks nobody uses, per tenant (the ones "
+                                     "eviction may take), beside each tenant's share", labels=["tenant"])
+            share = GaugeMetricFamily("kvd_tenant_share_blocks", "A tenant's share of the device cache in blocks: "
+                                      "beyond it, its idle blocks are evicted first", labels=["tenant"])
+            for tenant, row in shares.items():
+                idle.add_metric([tenant], row["idle_blocks"])
+                if row["share_blocks"] is not None:
+                    share.add_metric([tenant], row["share_blocks"])
+            yield idle
+            yield share
         yield from _event_metrics(engine.events)
         rejected = CounterMetricFamily("kvd_admission_rejections", "Requests rejected at admission",
                                        labels=["reason"])

@@ -185,7 +185,8 @@ class EngineService:
                                   reservation=cfg.reservation,
                                   eviction=cfg.eviction, queue_order=cfg.queue_order,
                                   cache_dtype=cfg.cache_dtype, keep_layers=tuple(keep),
-                                  quick_prefill_tokens=self._quick_prefill_tokens(cfg, device))
+                                  quick_prefill_tokens=self._quick_prefill_tokens(cfg, device),
+                                  tenant_cache_shares=cfg.tenant_cache_shares)
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         if cfg.pin_budget_blocks is not None:
             engine.cache.pins.default_budget = cfg.pin_budget_blocks
@@ -365,7 +366,8 @@ class EngineService:
         """Apply policy settings that can change live (SIGHUP, `kvctl config reload`); the cache is
         kept. `reload_from_source` also re-reads the token file (token rotation)."""
         live = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
-                "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes")
+                "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
+                "tenant_cache_shares")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         previous = {k: getattr(self.config, k) for k in changed}
         ignored = sorted(k for k, v in new.describe().items()
@@ -378,7 +380,10 @@ class EngineService:
                                           max_tenant_requests=new.max_tenant_requests,
                                           reservation=new.reservation, queue_order=new.queue_order,
                                           quick_prefill_tokens=self._quick_prefill_tokens(
-                                              new, engine.model.device.type))
+                                              new, engine.model.device.type),
+                                          tenant_cache_shares=new.tenant_cache_shares)
+                if "tenant_cache_shares" in changed:
+                    engine.cache.set_tenant_shares(new.tenant_cache_shares)
                 if "reservation" in changed:
                     engine.reservation = parse_reservation(new.reservation)
                 if new.pin_budget_blocks is not None:
@@ -737,7 +742,10 @@ class EngineService:
                 "tokens": {"prompt": stats.prompt_tokens, "hit": stats.hit_tokens,
                            "recomputed": stats.recomputed_tokens, "restored": stats.restored_tokens,
                            "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
-                "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions},
+                "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions,
+                              "tenant_share": cache.pool.share_evictions},
+                # per tenant: idle (evictable) blocks and share in blocks; None when no shares are set
+                "tenant_shares": cache.tenant_shares(),
                 "queue": queue,
                 "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
                 # model steps by kind and their summed wall time: Δseconds / Δwall is how busy the engine is
@@ -1277,8 +1285,9 @@ class EngineService:
         elif logged is not None:
             at, reason = logged
             miss = {"reason": "evicted", "tier": "device",
-                    "detail": f"evicted {now_minus(device_clock, at)} ago by "
-                              f"{'an operator' if reason == 'operator' else reason + ' eviction'}",
+                    "detail": f"evicted {now_minus(device_clock, at)} ago " + (
+                        "to make room: its tenant held more idle blocks than its cache share" if reason == "tenant_share"
+                        else f"by {'an operator' if reason == 'operator' else reason + ' eviction'}"),
                     "evicted_by": reason, "seconds_ago": device_clock - at}
         elif other:
             miss = {"reason": "other_namespace", "detail": f"cached for tenant {other[0]!r}; tenants never share blocks"}
@@ -1289,7 +1298,8 @@ class EngineService:
         return {"block": block, **miss, "key": key.hex()[:16]}  # the key: its life in `kvctl events --key`
 
 
-REMOVAL_WORDS = {"capacity": "to make room", "operator": "by an operator", "corrupt": "after it failed verification",
+REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its tenant holding more idle blocks than "
+                 "its cache share", "operator": "by an operator", "corrupt": "after it failed verification",
                  "unwritten": "(the step that was to write it never ran)",
                  "gone": "(deleted on the shared Redis by its memory policy or another daemon)",
                  "space": "(written under scales or a format this daemon no longer serves)"}

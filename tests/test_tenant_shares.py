@@ -1,0 +1,180 @@
+"""Tenant shares of the cache: the policy on plain block ids, then the pool and manager (eviction
+reasons, audit, live changes), then kvd (status, metrics, explain, reload)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvctl.policies.eviction import CostAwareEviction, LRUEviction
+from kvctl.policies.tenant_shares import TenantShares, parse_shares, share_blocks
+
+OWNER = {0: "a", 1: "a", 2: "a", 3: "a", 4: "b", 5: "b", 6: "c", 7: "c"}
+
+
+def shares(inner, **blocks):
+    return TenantShares(inner, OWNER.get, {k.replace("others", "*"): v for k, v in blocks.items()})
+
+
+def test_a_tenant_over_its_share_loses_its_own_oldest_blocks_before_anyone_else_s():
+    plain, shared = LRUEviction(), shares(LRUEviction(), a=2)
+    for policy in (plain, shared):
+        policy.push([4, 5], now=0)  # b released first: plain LRU would take them first
+        policy.push([0, 1, 2, 3], now=1)  # then a's burst
+    assert plain.pop_many(3, now=2) == [4, 5, 0]
+    assert shared.order() == [0, 1, 4, 5, 2, 3]
+    assert shared.pop_many(3, now=2) == [0, 1, 4]  # a's two over its share, then the LRU order
+    assert shared.evicted_for_share == {0: "a", 1: "a"}
+    assert shared.idle_blocks() == {"a": 2, "b": 1} and shared.over_share() == []
+    assert shared.pop_many(2, now=3) == [5, 2] and shared.evicted_for_share == {}
+    assert len(shared) == 1 and shared.problems() == []
+
+
+def test_the_most_over_goes_first_and_star_is_the_share_of_every_tenant_not_named():
+    policy = shares(LRUEviction(), others=1)
+    policy.push([6, 7, 0, 1, 2, 3, 4, 5], now=0)
+    assert policy.over_share() == [("a", 3), ("b", 1), ("c", 1)]
+    assert policy.pop_many(4, now=1) == [0, 1, 2, 4]  # a's three, then b (before c: by name)
+    assert policy.pop_many(2, now=1) == [6, 7]  # c's one over, then the LRU order
+
+
+def test_a_hit_takes_a_block_back_out_of_its_tenant_s_count():
+    policy = shares(LRUEviction(), a=1)
+    policy.push([0, 1, 2], now=0)
+    policy.remove(0)  # a hit on block 0
+    policy.forget(1)  # dropped some other way
+    assert policy.idle_blocks() == {"a": 1} and policy.over_share() == [] and policy.problems() == []
+    policy.push([0], now=1)  # released again: now a's newest
+    assert policy.over_share() == [("a", 1)] and policy.pop_many(1, now=2) == [2]
+
+
+def test_shares_wrap_the_cost_policy_and_leave_its_order_for_the_rest():
+    inner = CostAwareEviction(half_life=10)
+    policy = shares(inner, a=1)
+    inner.on_insert([0, 1, 4, 5], [0, 1, 0, 1], now=0)
+    inner.record_hits([4], now=0)
+    inner.record_hits([4], now=0)  # block 4 is worth keeping
+    policy.push([4, 5, 0, 1], now=0)
+    assert policy.pop_many(3, now=0) == [0, 5, 1]  # a's oldest for its share, then the lowest scores
+    assert list(policy.evicted_for_share) == [0]
+
+
+def test_no_share_means_the_inner_order_and_nothing_evicted_for_a_share():
+    policy = shares(LRUEviction())
+    policy.push([0, 1, 4], now=0)
+    assert policy.pop_many(2, now=1) == [0, 1] and policy.evicted_for_share == {}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("acme=0", r"share of 'acme' must be in \(0, 1\], got '0'"),
+    ("acme=1.5", r"share of 'acme' must be in \(0, 1\], got '1.5'"),
+    ("acme", "expected TENANT=FRACTION, got 'acme'"),
+    ("=0.5", "a share names its tenant"),
+    ("acme=0.2,acme=0.3", "tenant 'acme' is given twice"),
+])
+def test_bad_shares_are_refused_naming_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_shares(text)
+
+
+def test_shares_parse_from_text_or_a_mapping_and_become_blocks():
+    assert parse_shares("acme=0.25, *=0.5") == parse_shares({"acme": 0.25, "*": 0.5}) == (("*", 0.5), ("acme", 0.25))
+    assert share_blocks((("acme", 0.25), ("tiny", 0.0001)), 1000) == {"acme": 250, "tiny": 1}
+
+
+# ---- the pool and the manager --------------------------------------------------------------------
+def test_a_noisy_tenant_churns_its_own_share_and_the_quiet_tenant_s_prefix_survives():
+    from kvctl.daemon.cache import Namespace, chain_keys
+    from kvctl.daemon.cache.events import EventLog
+
+    from .conftest import FakeClock, make_manager, run_prompt
+
+    def scenario(with_shares: bool):
+        clock = FakeClock()
+        m = make_manager(num_blocks=10, block_size=4, clock=clock)
+        m.pool.events = EventLog()
+        if with_shares:
+            m.set_tenant_shares((("noisy", 0.4),))  # 4 of 10 blocks
+        quiet = Namespace(block_size=4, tenant="quiet")
+        run_prompt(m, "q", list(range(100, 112)), namespace=quiet)  # three blocks, released first
+        m.release("q")
+        for i in range(5):  # the noisy tenant's burst: five prompts of two blocks, each new
+            clock.advance(1)
+            run_prompt(m, f"n{i}", list(range(200 + 10 * i, 208 + 10 * i)), namespace=Namespace(block_size=4,
+                                                                                                  tenant="noisy"))
+            m.release(f"n{i}")
+        m.audit()
+        return m, chain_keys(quiet, list(range(100, 112)))
+
+    plain, quiet_keys = scenario(False)
+    assert plain.lookup(quiet_keys) == 0  # LRU took the quiet tenant's prefix for the burst
+    shared, quiet_keys = scenario(True)
+    assert shared.lookup(quiet_keys) == 3  # the burst evicted the noisy tenant's own blocks
+    assert shared.pool.share_evictions == shared.pool.evictions == 3
+    assert [reason for _, reason in shared.pool.eviction_log.values()] == ["tenant_share"] * 3
+    assert shared.pool.events.blocks[("removed", "device", "tenant_share")] == 3
+    assert ("removed", "device", "capacity") not in shared.pool.events.blocks
+    # idle room is lent: the noisy tenant holds more than its share until someone needs the room
+    assert shared.tenant_shares() == {"noisy": {"idle_blocks": 7, "share_blocks": 4},
+                                      "quiet": {"idle_blocks": 3, "share_blocks": None}}
+
+
+def test_shares_set_on_a_pool_in_use_adopt_its_idle_blocks_and_can_be_taken_away():
+    from kvctl.daemon.cache import Namespace
+
+    from .conftest import make_manager, run_prompt
+
+    m = make_manager(num_blocks=10, block_size=4)
+    run_prompt(m, "x", list(range(8)), namespace=Namespace(block_size=4, tenant="t1"))
+    m.release("x")
+    run_prompt(m, "y", list(range(50, 54)), namespace=Namespace(block_size=4, tenant="t2"))
+    m.set_tenant_shares((("t1", 0.1),))
+    assert m.tenant_shares() == {"t1": {"idle_blocks": 2, "share_blocks": 1}}  # t2's block is in use
+    m.audit()
+    m.set_tenant_shares((("t1", 0.5), ("*", 0.2)))
+    assert m.tenant_shares()["t1"]["share_blocks"] == 5 and m.policy_name == "lru"
+    m.release("y")
+    assert m.tenant_shares()["t2"] == {"idle_blocks": 1, "share_blocks": 2}
+    m.set_tenant_shares(())
+    assert m.tenant_shares() is None and isinstance(m.pool.policy, LRUEviction)
+    m.audit()
+
+
+# ---- kvd -----------------------------------------------------------------------------------------
+def test_kvd_keeps_a_quiet_tenant_s_prefix_through_a_noisy_tenant_s_burst_and_says_why(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    from dataclasses import replace
+
+    from .daemon_fixtures import GLOBEX_TOKEN, USER_TOKEN, apps, blocks_all_back, call, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=24, tenant_cache_shares="acme=0.25")  # acme: 6 blocks
+    try:
+        unix, tcp = apps(service, token_table(tmp_path))
+
+        def complete(token, prompt):
+            response = call(tcp, "POST", "/v1/completions", headers={"Authorization": f"Bearer {token}"},
+                            json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        quiet = list(range(1, 50))  # three full blocks and one token
+        complete(GLOBEX_TOKEN, quiet)
+        burst = [[200 + i] + list(range(1, 49)) for i in range(8)]  # each its own chain from the first block
+        for prompt in burst:  # 8 x 4 blocks through a 24-block cache
+            complete(USER_TOKEN, prompt)
+        assert complete(GLOBEX_TOKEN, quiet) == 48  # globex's prefix was not taken for acme's burst
+        status = call(unix, "GET", "/admin/status").json()
+        assert status["tenant_shares"]["acme"]["share_blocks"] == 6
+        assert status["evictions"]["tenant_share"] == status["evictions"]["capacity"] > 0
+        metrics = call(unix, "GET", "/metrics").text
+        assert 'kvd_tenant_share_blocks{tenant="acme"} 6.0' in metrics
+        assert f'kvd_evicted_blocks_total{{reason="tenant_share"}} {status["evictions"]["tenant_share"]}.0' in metrics
+        first_miss = call(unix, "POST", "/admin/explain", json={"tokens": burst[0], "tenant": "acme"}).json()
+        assert first_miss["first_miss"]["evicted_by"] == "tenant_share"
+        assert "its tenant held more idle blocks than its cache share" in first_miss["first_miss"]["detail"]
+        result = service.reload(replace(service.config, tenant_cache_shares=()))
+        assert result["changed"] == {"tenant_cache_shares": ()} and result["needs_restart"] == []
+        assert call(unix, "GET", "/admin/status").json()["tenant_shares"] is None
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
