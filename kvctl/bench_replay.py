@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +15,7 @@ from kvctl.daemon.replay.fleet import FleetResult
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
+from kvctl.policies.tenant_shares import parse_shares
 
 from .errors import UserError
 from .tables import compact_table
@@ -76,6 +78,11 @@ def replay_command(
     limit: Optional[int] = typer.Option(None, help="Replay only the first N requests."),
     demo_requests: int = typer.Option(DEMO_REQUESTS, help="Size of the generated demo trace."),
     seed: int = typer.Option(0, help="Seed of the generated demo trace."),
+    noisy_fraction: float = typer.Option(0.0, help="Generated trace: this fraction of requests are a noisy "
+                                         "tenant's one-off documents (kvctl trace generate --noisy-fraction)."),
+    tenant_shares: Optional[str] = typer.Option(
+        None, "--tenant-shares", help="Also replay each policy with these tenant cache shares (as kvd's "
+                                      "--tenant-cache-shares, e.g. noisy=0.25): rows 'lru' and 'lru+shares'."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG file (.png): hit rate and "
                                         "fragmentation against block size."),
@@ -97,6 +104,13 @@ def replay_command(
                           reservation=reserve, sequential=sequential, prefill_rate=prefill_rate,
                           decode_rate=decode_rate, max_running=max_running, max_queue=max_queue,
                           time_scale=time_scale, max_tokens=max_tokens)
+    if tenant_shares is not None:
+        try:
+            base = replace(base, tenant_shares=parse_shares(tenant_shares))
+        except ValueError as exc:
+            raise UserError(f"tenant_shares: invalid value {tenant_shares!r}: {exc}") from None
+    if not 0 <= noisy_fraction < 1:
+        raise UserError(f"noisy_fraction: must be in [0, 1), got {noisy_fraction}")
     if limit is not None and limit < 1:
         raise UserError(f"limit: must be >= 1, got {limit}")
     if plot is not None and replicas > 1:
@@ -111,8 +125,8 @@ def replay_command(
         raise UserError(str(exc)) from None
     err = Console(stderr=True)
     if trace is None:
-        requests = generate_trace(demo_requests, seed=seed)[:limit]
-        trace_name = f"generated:{demo_requests}:seed={seed}"
+        requests = generate_trace(demo_requests, seed=seed, noisy_fraction=noisy_fraction)[:limit]
+        trace_name = f"generated:{demo_requests}:seed={seed}" + (f":noisy={noisy_fraction}" if noisy_fraction else "")
         if not as_json:
             err.print(f"No trace given: replaying a generated trace of {len(requests)} requests "
                       f"(seed {seed}). Pass a Mooncake-format JSONL file to replay your own.")
@@ -130,6 +144,7 @@ def replay_command(
             "mode": "sequential" if sequential else "concurrent", "reservation": reserve,
             "prefill_rate": prefill_rate, "decode_rate": decode_rate, "max_running": max_running,
             "max_queue": max_queue, "time_scale": time_scale, "max_tokens": max_tokens,
+            "tenant_shares": dict(base.tenant_shares) or None,
         },
         "runs": [r.as_dict() for r in results],
     }
@@ -162,7 +177,8 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = len(requests) * len(sizes) * len(capacities) * len(policies) * (1 if fleet is None else
-                                                                            len(fleet["routing"]))
+                                                                            len(fleet["routing"])) \
+        * (2 if base.tenant_shares else 1)
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("replay", total=total)
@@ -203,7 +219,17 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
     for r in results:
         cost.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
                      f"{r.block_ops_per_second:,.0f}", f"{r.seconds:.2f}")
-    return [decision, ceiling, Text(""), cost]
+    parts = [decision, ceiling, Text(""), cost]
+    tenants = sorted({t for r in results for t in r.tenant_hit_ratio})
+    if tenants:  # a trace that names tenants: what each kept, which is what shares are for
+        by_tenant = compact_table("block", "capacity", "policy", *tenants, title="hit by tenant")
+        for index in (0, 1, *range(3, 3 + len(tenants))):
+            by_tenant.columns[index].justify = "right"
+        for r in results:
+            by_tenant.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy,
+                              *(f"{r.tenant_hit_ratio[t]:.1%}" if t in r.tenant_hit_ratio else "-" for t in tenants))
+        parts += [Text(""), by_tenant]
+    return parts
 
 
 def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, replicas: int) -> list:

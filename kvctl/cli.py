@@ -82,6 +82,8 @@ def trace_generate(
     out: Path = typer.Argument(..., help="Where to write the JSONL trace."),
     requests: int = typer.Option(600, help="Number of requests."),
     seed: int = typer.Option(0, help="Random seed; equal seeds give equal traces."),
+    noisy_fraction: float = typer.Option(0.0, help="Two tenants: this fraction of requests are tenant "
+                                         "'noisy''s one-off documents, the rest tenant 'quiet''s mix."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Write a synthetic trace (shared system prompts, multi-turn chats, one-off documents).
@@ -92,8 +94,10 @@ def trace_generate(
 
     if requests < 1:
         raise UserError(f"requests: must be >= 1, got {requests}")
+    if not 0 <= noisy_fraction < 1:
+        raise UserError(f"noisy_fraction: must be in [0, 1), got {noisy_fraction}")
     refuse_clobber(out, "out", is_trace, "a trace")
-    trace = generate_trace(requests, seed=seed)
+    trace = generate_trace(requests, seed=seed, noisy_fraction=noisy_fraction)
     write_trace(out, trace)
     if as_json:
         typer.echo(json.dumps({"path": str(out), "requests": len(trace), "seed": seed,

@@ -115,6 +115,9 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
     (["--replicas", "2", "--sequential"], "error: replicas: a fleet replays in concurrent mode only"),
     (["--replicas", "2", "--balance-seconds", "-1"], "error: balance_seconds: must be >= 0, got -1.0"),
     (["--replicas", "2", "--plot", "x.png"], "error: plot: the plot compares block sizes of one cache"),
+    (["--tenant-shares", "noisy=2"],
+     "error: tenant_shares: invalid value 'noisy=2': share of 'noisy' must be in (0, 1], got '2'"),
+    (["--noisy-fraction", "1"], "error: noisy_fraction: must be in [0, 1), got 1.0"),
 ])
 def test_bad_options_name_field_and_value(capsys, small_trace, args, message):
     status, out, err = cli(capsys, "bench", "replay", str(small_trace), *args)
@@ -1000,3 +1003,21 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
         "error: routing: unknown value 'round_robin' for one prompt; choose from least_loaded, prefix, ttft"
     fleet["/run/a.sock"] = fleet["/run/b.sock"] = Down()
     assert cli(capsys, *args)[2].startswith("error: no replica answered: kvd is not reachable at /run/c.sock")
+
+
+def test_replay_with_tenant_shares_compares_each_policy_with_and_without_them(capsys):
+    args = ("bench", "replay", "--demo-requests", "300", "--noisy-fraction", "0.5", "--block-sizes", "16",
+            "--capacity-tokens", "65536", "--policy", "lru,cost", "--tenant-shares", "noisy=0.1")
+    status, out, _ = cli(capsys, *args, "--json")
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["trace"] == "generated:300:seed=0:noisy=0.5" and doc["settings"]["tenant_shares"] == {"noisy": 0.1}
+    assert [r["policy"] for r in doc["runs"]] == ["lru", "lru+shares", "cost", "cost+shares"]
+    assert all(set(r["tenant_hit_ratio"]) == {"noisy", "quiet"} for r in doc["runs"])
+    assert all(r["tenant_hit_ratio"]["noisy"] == 0 for r in doc["runs"])  # one-off documents never hit
+    status, out, _ = cli(capsys, *args)
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip() == "hit by tenant")
+    assert lines[header + 1].split() == ["block", "capacity", "policy", "noisy", "quiet"]
+    assert [line.split()[2] for line in lines[header + 2:header + 6]] == ["lru", "lru+shares", "cost", "cost+shares"]
+    assert len(max(lines, key=len)) <= 80

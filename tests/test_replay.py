@@ -207,3 +207,39 @@ def test_a_prompt_queued_on_a_replica_draws_the_next_one_sharing_its_prefix():
     result = fleet(burst, 2, "prefix", capacity_tokens=4096, max_running=1, balance_seconds=100.0)
     assert result.requests_per_replica in ([3, 1], [1, 3])  # the two sharing prefix 1 went together
     assert result.hit_tokens == 512  # the second of them found the first's prefix
+
+
+# The system prompt (id 1, two blocks of 256) of tenant "quiet", asked twice; then tenant "noisy"'s two
+# fresh documents; then the system prompt again. Six blocks of cache.
+TENANT_TRACE = [TraceRequest(0, 1024, 0, (1, 10), "quiet"), TraceRequest(1, 1024, 0, (1, 11), "quiet"),
+                TraceRequest(2, 1024, 0, (20, 21), "noisy"), TraceRequest(3, 1024, 0, (22, 23), "noisy"),
+                TraceRequest(4, 1024, 0, (1, 12), "quiet")]
+
+
+def test_tenant_shares_keep_part_of_a_quiet_tenant_s_prefix_through_a_noisy_burst():
+    plain = run(TENANT_TRACE, 256, 6 * 256, sequential=True)
+    assert plain.policy == "lru" and plain.hit_tokens == 512  # the second request only: LRU took it all
+    assert plain.tenant_hit_ratio == {"noisy": 0.0, "quiet": pytest.approx(512 / 3072)}
+    shared = run(TENANT_TRACE, 256, 6 * 256, sequential=True, tenant_shares=(("noisy", 1 / 6),))
+    # the second noisy document takes the first's three blocks beyond noisy's one-block share, then
+    # one by LRU (the system prompt's second block): the last request still hits the first
+    assert shared.policy == "lru+shares" and shared.hit_tokens == 512 + 256 and shared.evictions == 11
+    assert shared.tenant_hit_ratio == {"noisy": 0.0, "quiet": pytest.approx(768 / 3072)}
+
+
+def test_tenants_never_share_trace_blocks_and_a_trace_without_tenants_keys_as_before(tmp_path):
+    keyer = TraceKeyer(256)
+    quiet, noisy, anyone = (keyer.keys(TraceRequest(0, 1024, 0, (1, 2), tenant)) for tenant in ("quiet", "noisy", None))
+    assert not set(quiet) & set(noisy) and not set(quiet) & set(anyone)
+    assert anyone == TraceKeyer(256).keys(req(0, 1024, [1, 2]))
+    trace = generate_trace(200, seed=3, noisy_fraction=0.4)
+    assert {r.tenant for r in trace} == {"quiet", "noisy"}
+    assert all(r.hash_ids[0] not in {q.hash_ids[0] for q in trace[:i]} for i, r in enumerate(trace) if r.tenant == "noisy")
+    assert [r.tenant for r in generate_trace(20, seed=3)] == [None] * 20
+    path = tmp_path / "t.jsonl"
+    write_trace(path, trace)
+    assert read_trace(path) == trace
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1], "tenant": "a b"}\n')
+    with pytest.raises(TraceError, match=r"line 1: field 'tenant' must be a tenant name \(letters, digits, \. _ -\), "
+                                         r"got 'a b'"):
+        read_trace(path)

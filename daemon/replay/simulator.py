@@ -49,6 +49,13 @@ class ReplaySettings:
     max_queue: int = 4096  # requests waiting for admission before new ones are rejected
     time_scale: float = 1.0  # multiply trace timestamps by this
     max_tokens: int | None = None  # max_tokens clients ask for (at least the output); None: the output
+    # (tenant, fraction) pairs as kvd's tenant_cache_shares; () for none
+    tenant_shares: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def policy_label(self) -> str:
+        """The eviction policy as reports name it: with shares, `lru+shares`."""
+        return self.policy + ("+shares" if self.tenant_shares else "")
 
     @property
     def num_blocks(self) -> int:
@@ -84,6 +91,8 @@ class ReplayResult:
     reject_reasons: dict[str, int] = field(default_factory=dict)
     ttft_p50_s: float | None = None  # the service model's time to first token (concurrent mode)
     ttft_p95_s: float | None = None
+    # per tenant, when the trace names tenants: hit tokens / prompt tokens of its admitted requests
+    tenant_hit_ratio: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +126,8 @@ class ReplicaRun:
         self.now = 0.0
         self.manager = KVCacheManager(settings.num_blocks, settings.block_size,
                                       policy=settings.policy, clock=lambda: self.now)
+        self.manager.set_tenant_shares(settings.tenant_shares)
+        self.tenant_tokens: dict[str, list[int]] = {}  # tenant -> [hit tokens, prompt tokens], admitted
         self.reservation = parse_reservation(settings.reservation)
         self.call_ns: list[int] = []
         self.block_ops = 0
@@ -153,7 +164,8 @@ class ReplicaRun:
         seq_id = str(index)
         t0 = time.perf_counter_ns()
         try:
-            admission = manager.admit(seq_id, keys, request.input_length, reserve)
+            admission = manager.admit(seq_id, keys, request.input_length, reserve,
+                                      tenant=request.tenant or "default")
         except CacheFull:
             self.call_ns.append(time.perf_counter_ns() - t0)
             return False
@@ -166,6 +178,10 @@ class ReplicaRun:
         self.admitted += 1
         self.prompt_tokens += request.input_length
         self.hit_tokens += admission.hit_tokens
+        if request.tenant is not None:
+            tokens = self.tenant_tokens.setdefault(request.tenant, [0, 0])
+            tokens[0] += admission.hit_tokens
+            tokens[1] += request.input_length
         self.max_hit_tokens += self.max_hits[index] * self.settings.block_size
         self.recomputed += max(self.max_hits[index] - admission.hit_blocks, 0) * self.settings.block_size
         used = self.used_blocks()
@@ -338,7 +354,7 @@ class ReplicaRun:
         else:
             mean_used = self.used_area / self.last_event if self.last_event > 0 else 0.0
         return ReplayResult(
-            block_size=s.block_size, capacity_tokens=s.capacity_tokens, policy=s.policy,
+            block_size=s.block_size, capacity_tokens=s.capacity_tokens, policy=s.policy_label,
             mode="sequential" if s.sequential else "concurrent",
             requests=len(self.requests), admitted=self.admitted,
             prompt_tokens=self.prompt_tokens, hit_tokens=self.hit_tokens,
@@ -361,6 +377,8 @@ class ReplicaRun:
             seconds=seconds, reject_reasons=dict(self.rejections),
             ttft_p50_s=None if s.sequential else percentile(sorted(self.ttft), 0.50),
             ttft_p95_s=None if s.sequential else percentile(sorted(self.ttft), 0.95),
+            tenant_hit_ratio={tenant: hit / prompt if prompt else 0.0
+                              for tenant, (hit, prompt) in sorted(self.tenant_tokens.items())},
         )
 
 

@@ -67,7 +67,10 @@ def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
         max_hits = max_hit_blocks(requests, keys, block_size)
         for capacity in capacities:
             for policy in policies:
-                yield replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy), keys, max_hits
+                # with tenant shares, each policy without them and with them: the comparison they are for
+                for shares in ((), base.tenant_shares) if base.tenant_shares else ((),):
+                    yield (replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy,
+                                   tenant_shares=shares), keys, max_hits)
         del keys, keyer
 
 

@@ -6,7 +6,9 @@ One JSON object per line::
 
 `timestamp` is the arrival in milliseconds; `hash_ids` name the input's 512-token
 blocks, chained (equal ids mean the same tokens after the same context); the
-last id covers the remainder. At block size b, 512-token block h splits into
+last id covers the remainder. An optional `tenant` (kvctl's extension) names whose
+request it is: tenants never share blocks, so equal ids of two tenants are different
+blocks, as in live traffic. At block size b, 512-token block h splits into
 sub-blocks (h, 0), (h, 1), ...; their keys come from the same SHA-256 chain as
 live traffic (under a namespace of its own), with the pair (h, j) standing in
 for the block's token ids.
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
 from kvctl.daemon.cache.keys import BlockKey, Namespace, block_key, validate_block_size
 
 TRACE_BLOCK_TOKENS = 512
+TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 class TraceError(ValueError):
@@ -35,10 +39,14 @@ class TraceRequest:
     input_length: int  # prompt tokens
     output_length: int  # generated tokens
     hash_ids: tuple[int, ...]  # one id per 512-token prompt block, chained
+    tenant: str | None = None  # whose request (kvctl's extension of the format); None: the default tenant
 
     def to_json(self) -> str:
-        return json.dumps({"timestamp": self.timestamp_ms, "input_length": self.input_length,
-                           "output_length": self.output_length, "hash_ids": list(self.hash_ids)})
+        record = {"timestamp": self.timestamp_ms, "input_length": self.input_length,
+                  "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
+        if self.tenant is not None:
+            record["tenant"] = self.tenant
+        return json.dumps(record)
 
 
 def _field(obj: dict, name: str, where: str, *, minimum: int) -> int:
@@ -64,7 +72,10 @@ def parse_request(obj: object, where: str) -> TraceRequest:
     if len(hash_ids) != expected:
         raise TraceError(f"{where}: field 'hash_ids' has {len(hash_ids)} ids but input_length "
                          f"{input_length} needs {expected} (one per {TRACE_BLOCK_TOKENS} tokens)")
-    return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids))
+    tenant = obj.get("tenant")
+    if tenant is not None and not (isinstance(tenant, str) and TENANT_NAME.fullmatch(tenant)):
+        raise TraceError(f"{where}: field 'tenant' must be a tenant name (letters, digits, . _ -), got {tenant!r}")
+    return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids), tenant)
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -101,14 +112,20 @@ def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
 
 
 def generate_trace(requests: int = 600, *, seed: int = 0, system_prompts: int = 8,
-                   mean_interarrival_ms: float = 250.0) -> list[TraceRequest]:
+                   mean_interarrival_ms: float = 250.0, noisy_fraction: float = 0.0) -> list[TraceRequest]:
     """A deterministic synthetic trace with the reuse patterns of real traffic.
 
     Three kinds of request, mixed: (1) a shared system prompt (one of
     `system_prompts`, Zipf-popular) followed by a unique question; (2) a turn of
     a multi-turn conversation, whose prompt is the previous turn's prompt plus
     new text; (3) a one-off document with no reuse. Arrivals are Poisson.
+
+    `noisy_fraction` > 0 makes it two tenants' traffic: that fraction of the requests
+    are tenant "noisy"'s one-off documents (no reuse at all), the rest tenant "quiet"'s
+    mix above: a noisy neighbour, for `kvd serve --tenant-cache-shares`.
     """
+    if not 0 <= noisy_fraction < 1:
+        raise ValueError(f"noisy_fraction: must be in [0, 1), got {noisy_fraction!r}")
     if requests < 1:
         raise ValueError(f"requests: must be >= 1, got {requests!r}")
     rng = random.Random(seed)
@@ -127,6 +144,11 @@ def generate_trace(requests: int = 600, *, seed: int = 0, system_prompts: int = 
     clock = 0.0
     for _ in range(requests):
         clock += rng.expovariate(1.0 / mean_interarrival_ms)
+        if noisy_fraction and rng.random() < noisy_fraction:
+            ids = fresh(rng.randint(1, 8))
+            length = TRACE_BLOCK_TOKENS * (len(ids) - 1) + rng.randint(16, TRACE_BLOCK_TOKENS)
+            out.append(TraceRequest(round(clock, 3), length, rng.randint(8, 256), tuple(ids), "noisy"))
+            continue
         kind = rng.random()
         if kind < 0.5:
             system = rng.choices(systems, weights)[0]
@@ -146,7 +168,8 @@ def generate_trace(requests: int = 600, *, seed: int = 0, system_prompts: int = 
         else:
             ids = fresh(rng.randint(1, 8))
             length = TRACE_BLOCK_TOKENS * (len(ids) - 1) + rng.randint(16, TRACE_BLOCK_TOKENS)
-        out.append(TraceRequest(round(clock, 3), length, rng.randint(8, 256), tuple(ids)))
+        out.append(TraceRequest(round(clock, 3), length, rng.randint(8, 256), tuple(ids),
+                                "quiet" if noisy_fraction else None))
     return out
 
 
@@ -160,8 +183,14 @@ class TraceKeyer:
     def __init__(self, block_size: int, namespace: Namespace | None = None) -> None:
         self.block_size = validate_block_size(block_size)
         self.namespace = namespace or Namespace(model_revision="trace-replay", block_size=block_size)
-        self._root = self.namespace.root_key()
+        self._roots: dict[str | None, BlockKey] = {None: self.namespace.root_key()}  # per tenant
         self._memo: dict[tuple[bytes, int], list[BlockKey]] = {}
+
+    def _root(self, tenant: str | None) -> BlockKey:
+        root = self._roots.get(tenant)
+        if root is None:
+            root = self._roots[tenant] = replace(self.namespace, tenant=tenant).root_key()
+        return root
 
     def _sub_keys(self, parent: BlockKey, hash_id: int, count: int) -> list[BlockKey]:
         """Keys of the first `count` sub-blocks of 512-token block `hash_id` after `parent`."""
@@ -177,7 +206,7 @@ class TraceKeyer:
         """Keys of every full block of the request's prompt, root first."""
         size = self.block_size
         per_hash = TRACE_BLOCK_TOKENS // size
-        parent = self._root
+        parent = self._root(request.tenant)
         keys: list[BlockKey] = []
         last = len(request.hash_ids) - 1
         for position, hash_id in enumerate(request.hash_ids):
