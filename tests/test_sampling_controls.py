@@ -245,3 +245,21 @@ def test_a_scored_prompt_s_blocks_are_shared_from_then_on_and_preemption_records
     again = roomy.add_request(prompts[0], SamplingParams(max_tokens=1))
     roomy.run_until_done()
     assert again.metrics.cached_tokens == (len(prompts[0]) - 1) // 16 * 16
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_controls_and_logprobs_run_on_the_gpu_as_on_the_cpu(demo):
+    """Indices made for the penalties, bias and prompt logprobs live on the logits' device."""
+    gpu = load_model(demo.path, device="cuda")
+    prompt = demo.tokenizer.encode("the cache the cache, scored on a GPU")
+    params = SamplingParams(max_tokens=12, min_tokens=4, frequency_penalty=1.0, presence_penalty=0.5,
+                            repetition_penalty=1.2, logit_bias=((demo.tokenizer.eos_token_id, 5.0),),
+                            logprobs=2, prompt_logprobs=2)
+    (_, (on_cpu,)), (_, (on_gpu,)) = run(demo, [prompt], params), run(gpu, [prompt], params)
+    assert on_gpu.sequences[0].output_ids == on_cpu.sequences[0].output_ids
+    for (a, _), (b, _) in zip(on_cpu.sequences[0].logprobs, on_gpu.sequences[0].logprobs):
+        assert math.isclose(a, b, abs_tol=1e-3)
+    assert len(on_gpu.prompt_logprobs) == len(prompt) - 1
+    for (a, _, _), (b, _, _) in zip(on_cpu.prompt_logprobs, on_gpu.prompt_logprobs):
+        assert math.isclose(a, b, abs_tol=1e-3)

@@ -608,7 +608,7 @@ class Engine:
         for request, first, count in scored:
             logprobs = torch.log_softmax(logits[at:at + count].float(), dim=-1)
             at += count
-            targets = torch.tensor(request.prompt_ids[first:first + count], dtype=torch.int64)
+            targets = torch.tensor(request.prompt_ids[first:first + count], dtype=torch.int64, device=logits.device)
             chosen = logprobs.gather(1, targets[:, None])
             ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
             alternatives = request.params.prompt_logprobs

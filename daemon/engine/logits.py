@@ -33,15 +33,17 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         if banned:
             scores[sorted(banned)] = float("-inf")
+    device = scores.device  # the logits' (a GPU's, on CUDA): every index made here goes there
     if params.logit_bias:
-        ids = torch.tensor([token for token, _ in params.logit_bias], dtype=torch.int64)
-        scores.index_add_(0, ids, torch.tensor([bias for _, bias in params.logit_bias], dtype=torch.float32))
+        ids = torch.tensor([token for token, _ in params.logit_bias], dtype=torch.int64, device=device)
+        scores.index_add_(0, ids, torch.tensor([bias for _, bias in params.logit_bias], dtype=torch.float32,
+                                               device=device))
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids).union(output_ids)), dtype=torch.int64)
+        seen = torch.tensor(sorted(set(prompt_ids).union(output_ids)), dtype=torch.int64, device=device)
         values = scores[seen]
         scores[seen] = torch.where(values > 0, values / params.repetition_penalty,
                                    values * params.repetition_penalty)
     if output_ids and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=scores.shape[0])
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64, device=device), minlength=scores.shape[0])
         scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return scores
