@@ -924,7 +924,8 @@ def test_every_metric_the_grafana_dashboard_charts_is_exported(tmp_path):
               for name in re.findall(r"kvd_[a-z_]+", target["expr"])}
     assert {"kvd_tier_bytes", "kvd_tier_moved_bytes_total", "kvd_tier_restore_seconds_bucket",
             "kvd_rollout_ttft_seconds_bucket"} <= wanted
-    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="1MiB", tiering="always")
+    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="1MiB", tiering="always",
+                            tenant_cache_shares="default=0.5")  # the shares' panel too
     try:
         app = create_app(service, service.metrics, front="unix")
         service.rollouts.start({"settings": {"reservation": "p95"}}, "50%", [], None, "test")  # its panels too
