@@ -104,7 +104,8 @@ def serve(
     disk_cache_bytes: Optional[str] = typer.Option(None, help="Disk tier bytes, e.g. 100GiB (under the state dir)."),
     disk_cache_path: Optional[str] = typer.Option(None, help="Disk tier folder; default STATE_DIR/kvcache."),
     remote_url: Optional[str] = typer.Option(None, help="Remote tier: redis://HOST:PORT/DB or redis+cluster://..."),
-    write_policy: Optional[str] = typer.Option(None, help="write_back (on eviction) or write_through."),
+    write_policy: Optional[str] = typer.Option(None, help="write_back (on eviction), write_through (every "
+                                               "filled block) or write_through_selective (a block once reused)."),
     tiering: Optional[str] = typer.Option(None, help="measured (judge by measured rates) or always."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:

@@ -121,7 +121,7 @@ class KvdConfig:
     remote_url: str | None = None  # redis://HOST:PORT/DB, rediss://, unix://, redis+cluster://HOST:PORT
     remote_cache_bytes: int | None = None  # what this daemon may write to the remote tier
     remote_timeout: float = 0.5  # seconds per Redis call
-    write_policy: str = "write_back"  # or write_through
+    write_policy: str = "write_back"  # or write_through, write_through_selective
     tiering: str = "measured"  # measured (judge from measured rates) or always (keep and restore everything)
     # where each setting came from ("--max-queue", "KVD_MAX_QUEUE", the YAML file's path); absent: the default
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -189,8 +189,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 1")
     if name == "remote_timeout" and not value > 0:
         raise ValueError("must be > 0")
-    if name == "write_policy" and value not in ("write_back", "write_through"):
-        raise ValueError("must be write_back or write_through")
+    if name == "write_policy" and value not in ("write_back", "write_through", "write_through_selective"):
+        raise ValueError("must be write_back, write_through or write_through_selective")
     if name == "tiering" and value not in ("measured", "always"):
         raise ValueError("must be measured or always")
     if name == "remote_url" and value is not None and not str(value).startswith(

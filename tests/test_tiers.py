@@ -183,6 +183,29 @@ def test_write_through_puts_every_full_block_on_disk_before_any_eviction(demo, t
     assert engine.cache.pool.evictions == 0
 
 
+def test_write_through_selective_writes_a_block_down_when_it_is_first_reused(demo, tmp_path):
+    """SGLang HiCache's write_through_selective: what a prompt fills stays on the device until a
+    prefix hit proves it reusable; then (the same step) it goes to disk, once."""
+    engine, tiered = engine_with(demo, num_blocks=64, disk_bytes=1 << 22, disk_path=tmp_path / "d",
+                                 write_policy="write_through_selective")
+    generate(engine, TEXT_A, demo)
+    generate(engine, TEXT_B, demo)
+    tiered.flush()
+    assert len(tiered.disk.index) == 0  # filled, never reused: nothing written
+    again = generate(engine, TEXT_A, demo)
+    tiered.flush()
+    hit_blocks = again.metrics.cached_tokens // 16
+    assert hit_blocks > 0 and len(tiered.disk.index) == hit_blocks
+    from kvctl.daemon.cache.keys import PrefixHasher
+
+    keys = PrefixHasher(engine.namespace("default")).feed(demo.tokenizer.encode(TEXT_A))
+    assert set(tiered.disk.index) == set(keys[:hit_blocks])  # TEXT_A's reused blocks, not TEXT_B's
+    generate(engine, TEXT_A, demo)  # reused again: already below, not written twice
+    tiered.flush()
+    assert len(tiered.disk.index) == hit_blocks and tiered.stats["disk"].write.samples == 1
+    assert engine.cache.pool.evictions == 0
+
+
 # ---- Redis -----------------------------------------------------------------------------------
 def test_two_engines_share_a_prefix_through_redis(demo, redis_server):
     first, _ = engine_with(demo, remote_url=redis_server.url, write_policy="write_through")

@@ -76,6 +76,7 @@ class BlockPool:
         # (the tiers copy them down); None when there are no lower tiers
         self.on_evict: Callable[[list[Block]], None] | None = None
         self.inserted: list[int] | None = None  # when a list, insert_many records indexed ids here
+        self.reused: list[int] | None = None  # when a list, acquire records blocks on their first hit here
         self.events: EventLog | None = None  # when set, every key indexed or dropped is logged there
 
     # ---- reading -------------------------------------------------------------------------
@@ -176,6 +177,8 @@ class BlockPool:
             block.ref_count = ref + 1
             block.last_use = now
             block.hits += hit
+            if hit and block.hits == 1 and self.reused is not None:
+                self.reused.append(block_id)
         if hit:
             policy.record_hits(block_ids, now)
 

@@ -150,6 +150,7 @@ class Engine:
 
         pool.on_evict = lambda victims: tiers.on_device_evict(victims, prefix_hits)
         pool.inserted = [] if tiers.write_policy == "write_through" else None
+        pool.reused = [] if tiers.write_policy == "write_through_selective" else None
         tiers.policy.prefill = self.prefill_rate  # restore-vs-recompute judged on the rate measured here
 
     # ---- identity ----------------------------------------------------------------------------
@@ -405,12 +406,13 @@ class Engine:
         return events
 
     def _write_through(self) -> None:
-        """Newly full blocks go to the persistent tiers (write-through only)."""
-        inserted = self.cache.pool.inserted
-        if inserted:
-            blocks = self.cache.pool.blocks
-            self.tiers.write_through([blocks[b] for b in inserted])
-            inserted.clear()
+        """Newly full blocks (write_through), or blocks on their first reuse (write_through_selective),
+        go to the persistent tiers."""
+        pool = self.cache.pool
+        for pending in (pool.inserted, pool.reused):
+            if pending:
+                self.tiers.write_through([pool.blocks[b] for b in pending])
+                pending.clear()
 
     def _admit(self) -> None:
         """Admit waiting sequences in queue order while they fit (the first that does not fit

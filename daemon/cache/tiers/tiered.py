@@ -13,6 +13,9 @@ Transitions:
     host   --evicted--> moving --published--> disk (or remote)           disk --evicted--> remote
     disk/remote --prefetch (verified)--> staged --admission--> device     host --admission--> device
     write_through: every newly filled device block is also written to disk and remote.
+    write_through_selective (SGLang HiCache's name): a device block is written to disk and remote
+    when it is first reused (a prefix hit takes it), not when it is filled: only what proved
+    reusable costs a write.
 
 A block in `moving` is never evicted, reused or published twice; a prefetch that finds it
 takes its tensors straight from the write in flight. Encoding, disk and remote I/O run on two
@@ -46,7 +49,7 @@ from .spaces import summary
 log = logging.getLogger("kvd.tiers")
 
 LOWER = ("host", "disk", "remote")
-WRITE_POLICIES = ("write_back", "write_through")
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 UNBOUNDED_BYTES = 2**62  # a remote tier given no byte budget; reported as capacity None
 
 
@@ -99,7 +102,7 @@ class TieredCache:
                  write_policy: str = "write_back", policy: TieringPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy: invalid value {write_policy!r}; use write_back or write_through")
+            raise ValueError(f"write_policy: invalid value {write_policy!r}; use {', '.join(WRITE_POLICIES)}")
         self.kv_caches, self.layout, self.space = kv_caches, layout, space
         self.host, self.disk, self.remote = host, disk, remote
         self.write_policy, self.clock = write_policy, clock
@@ -194,7 +197,7 @@ class TieredCache:
             return
         write = self.stats[target].write
         keep = [b for b in victims if self.policy.worth_keeping(prefix_hits(b.root), size, nbytes, write)]
-        if self.write_policy == "write_through" and target != "host":
+        if self.write_policy != "write_back" and target != "host":
             keep = [b for b in keep if not self._held_below(b.key)]
         if not keep:
             return
@@ -207,9 +210,10 @@ class TieredCache:
             self._write_down(metas, self.gather([b.block_id for b in keep]), src="device", targets=[target])
 
     def write_through(self, blocks: list) -> None:
-        """Newly filled device blocks (after the step that wrote them) go to the persistent tiers."""
+        """Newly filled device blocks (write_through), or newly reused ones (write_through_selective),
+        after the step that wrote or reused them, go to the persistent tiers."""
         targets = [t.name for t in (self.disk, self.remote) if t is not None]
-        if self.write_policy != "write_through" or not targets or not blocks:
+        if self.write_policy == "write_back" or not targets or not blocks:
             return
         blocks = [b for b in blocks if b.key is not None and not self._held_below(b.key)]
         if blocks:
