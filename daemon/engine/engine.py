@@ -38,8 +38,8 @@ from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tiering import RateMeter
 
 from ..model.llama import ForwardBatch, LoadedModel
-from .requests import Request, RequestMetrics, Sequence, SeqStatus
 from .logits import adjust_logits
+from .requests import Request, RequestMetrics, Sequence, SeqStatus
 from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
 
 

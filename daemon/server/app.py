@@ -35,7 +35,7 @@ from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, C
 from .chat_messages import MessagesError, chat_messages, messages_size
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
-from .logprobs import echoed_prompt_logprobs, joined, vllm_prompt_logprobs
+from .logprobs import PromptParts, echo_texts, joined
 from .metrics import Metrics
 from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
 
@@ -282,7 +282,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         scored = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
         params = sampling(body, body.max_tokens, "completions", body.logprobs, max(scored, default=None))
         return await generate(engine, prompts, params, body, http, who, CompletionShape(),
-                              _echo_texts(body.prompt, prompts, engine) if body.echo else None)
+                              echo_texts(body.prompt, prompts, engine.tokenizer) if body.echo else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request, who: Principal = Depends(principal)):
@@ -376,7 +376,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             for request in requests:
                 service.cancel(request.request_id)
 
-        prompt_parts = PromptParts(engine.tokenizer.token_text, params, body.prompt_logprobs, echo_texts)
+        prompt_parts = PromptParts(engine.tokenizer.token_text, params, body.prompt_logprobs, echo_texts,
+                                   shape.prompt_logprobs_on)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
@@ -405,19 +406,18 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         choices = []
         for p, request in enumerate(requests):
             for seq in sorted(request.sequences, key=lambda s: s.index):
-                text, offset = prompt_parts.text(p), 0
-                logprobs = None
+                text, logprobs = prompt_parts.text(p), None
                 if params.logprobs is not None:
                     before, offset = prompt_parts.logprobs(p, request)
                     logprobs, _ = shape.logprobs(engine.tokenizer.token_text, seq.output_ids, seq.logprobs, offset)
                     logprobs = joined(before, logprobs) if before is not None else logprobs
                 choice = shape.choice(index_of[(request.request_id, seq.index)], text + engine.text_of(seq),
                                       list(seq.output_ids), seq.finish_reason, logprobs)
-                choices.append(prompt_parts.add_to_choice(choice, request, shape))
+                choices.append(prompt_parts.add_to_choice(choice, request))
         choices.sort(key=lambda c: c["index"])
         answer = {"id": head["id"], "object": shape.object, "created": head["created"], "model": head["model"],
                   "choices": choices, "usage": _usage(requests)}
-        return JSONResponse(prompt_parts.add_to_answer(answer, requests[0], shape), headers=named)
+        return JSONResponse(prompt_parts.add_to_answer(answer, requests[0]), headers=named)
 
     def _prompts(prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -726,8 +726,8 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                 chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
                          "model": head["model"], "choices": [choice]}
                 if first and prompt_parts is not None:
-                    prompt_parts.add_to_choice(choice, request, shape)
-                    prompt_parts.add_to_answer(chunk, request, shape, once=True)
+                    prompt_parts.add_to_choice(choice, request)
+                    prompt_parts.add_to_answer(chunk, request, once=True)
                 yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
             usage_chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
@@ -738,47 +738,3 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
     finally:
         if not finished_cleanly:
             cancel_all()
-
-
-def _echo_texts(prompt: Any, prompts: list[list[int]], engine) -> list[str]:
-    """Each prompt as `echo` gives it back: the text sent, or the ids decoded."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and all(isinstance(p, str) for p in prompt):
-        return list(prompt)
-    return [engine.tokenizer.decode(ids) for ids in prompts]
-
-
-class PromptParts:
-    """What an answer carries from its prompt: the echoed text and its tokens' logprobs
-    (completions' `echo`), and vLLM's `prompt_logprobs` (on each choice for completions, on the
-    answer for chats, as vLLM places them; streamed, in each choice's first chunk)."""
-
-    def __init__(self, token_text, params: SamplingParams, prompt_logprobs: int | None,
-                 echo_texts: list[str] | None) -> None:
-        self.token_text, self.params, self.wanted, self.echo_texts = token_text, params, prompt_logprobs, echo_texts
-        self._answered = False
-
-    def text(self, prompt: int) -> str:
-        return "" if self.echo_texts is None else self.echo_texts[prompt]
-
-    def logprobs(self, prompt: int, request) -> tuple[dict | None, int]:
-        """The echoed prompt's completion logprobs (None without echo), and the offset after them."""
-        if self.echo_texts is None:
-            return None, 0
-        return echoed_prompt_logprobs(self.token_text, request.prompt_ids, request.prompt_logprobs,
-                                      self.params.logprobs or 0)
-
-    def _vllm(self, request) -> list:
-        return vllm_prompt_logprobs(self.token_text, request.prompt_ids, request.prompt_logprobs, self.wanted)
-
-    def add_to_choice(self, choice: dict, request, shape) -> dict:
-        if self.wanted is not None and not isinstance(shape, ChatShape):
-            choice["prompt_logprobs"] = self._vllm(request)
-        return choice
-
-    def add_to_answer(self, answer: dict, request, shape, once: bool = False) -> dict:
-        if self.wanted is not None and isinstance(shape, ChatShape) and not (once and self._answered):
-            answer["prompt_logprobs"] = self._vllm(request)
-            self._answered = True
-        return answer

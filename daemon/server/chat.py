@@ -125,6 +125,7 @@ class CompletionShape:
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
+    prompt_logprobs_on = "choice"  # where vLLM puts prompt_logprobs in this API's answers
 
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
                logprobs: dict | None = None) -> dict:
@@ -146,6 +147,7 @@ class ChatShape(CompletionShape):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+    prompt_logprobs_on = "answer"
 
     def __init__(self) -> None:
         self.opened: set[int] = set()

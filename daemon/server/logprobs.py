@@ -74,3 +74,49 @@ def vllm_prompt_logprobs(token_text, prompt_ids: Seq[int], entries: Seq, alterna
             described.setdefault(str(t), {"logprob": value, "rank": i + 1, "decoded_token": token_text(t)})
         out.append(described)
     return out
+
+
+def echo_texts(prompt, prompts: list[list[int]], tokenizer) -> list[str]:
+    """Each prompt as completions' `echo` gives it back: the text sent, or the ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [tokenizer.decode(ids) for ids in prompts]
+
+
+class PromptParts:
+    """What an answer carries from its prompt: the echoed text and its tokens' logprobs
+    (completions' `echo`), and vLLM's `prompt_logprobs`, on each choice (`on="choice"`,
+    completions) or on the answer (`on="answer"`, chats), as vLLM places them; streamed, in each
+    choice's first chunk."""
+
+    def __init__(self, token_text, params, prompt_logprobs: int | None, echoed: list[str] | None,
+                 on: str) -> None:
+        self.token_text, self.params, self.wanted, self.echoed, self.on = token_text, params, prompt_logprobs, echoed, on
+        self._answered = False
+
+    def text(self, prompt: int) -> str:
+        return "" if self.echoed is None else self.echoed[prompt]
+
+    def logprobs(self, prompt: int, request) -> tuple[dict | None, int]:
+        """The echoed prompt's completion logprobs (None without echo), and the offset after them."""
+        if self.echoed is None:
+            return None, 0
+        return echoed_prompt_logprobs(self.token_text, request.prompt_ids, request.prompt_logprobs,
+                                      self.params.logprobs or 0)
+
+    def _vllm(self, request) -> list:
+        return vllm_prompt_logprobs(self.token_text, request.prompt_ids, request.prompt_logprobs, self.wanted)
+
+    def add_to_choice(self, choice: dict, request) -> dict:
+        if self.wanted is not None and self.on == "choice":
+            choice["prompt_logprobs"] = self._vllm(request)
+        return choice
+
+    def add_to_answer(self, answer: dict, request, once: bool = False) -> dict:
+        """`once`: a stream's chunks carry them in the first only."""
+        if self.wanted is not None and self.on == "answer" and not (once and self._answered):
+            answer["prompt_logprobs"] = self._vllm(request)
+            self._answered = True
+        return answer
