@@ -57,6 +57,7 @@ app.command("drain")(drain_daemon)
 app.command("resume")(resume_daemon)
 app.command("requests")(requests_cmd.requests)
 app.command("cancel")(requests_cmd.cancel)
+app.command("tenants")(requests_cmd.tenants)
 
 
 def _version(value: bool) -> None:

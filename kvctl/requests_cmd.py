@@ -92,3 +92,38 @@ def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, hel
     _emit(data, as_json, render)
     if data.get("not_found"):
         raise typer.Exit(3)
+
+
+def tenants(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Each tenant's use of the cache: prompt tokens and hits, requests, cached blocks, share, pins.
+
+    Counts only, never prompts. At kvd router, the fleet's (each tenant summed over the replicas).
+
+    Example: kvctl tenants
+    """
+    data = _client(ctx).get("/admin/tenants")
+    _emit(data, as_json, lambda d: Console().print(render_tenants(d)))
+
+
+def render_tenants(d: dict) -> Group:
+    rows = d["tenants"]
+    shares = d.get("shares")
+    table = compact_table("tenant", "prompt", "hit", "recomputed", "running/waiting", "cached",
+                          *(["idle/share"] if shares else []), "pinned/budget")
+    for index in range(1, len(table.columns)):
+        table.columns[index].justify = "right"
+    for row in rows:
+        share = []
+        if shares:
+            share = ["-" if row["share_blocks"] is None and row["idle_blocks"] is None else
+                     f"{row['idle_blocks'] or 0:,}/" + ("-" if row["share_blocks"] is None else f"{row['share_blocks']:,}")]
+        table.add_row(escape(row["tenant"]), f"{row['prompt_tokens']:,}", f"{row['hit_ratio']:.1%}",
+                      f"{row['recomputed_tokens']:,}", f"{row['running']}/{row['waiting']}",
+                      f"{row['cached_blocks']:,}", *share, f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}")
+    parts = [table] if rows else [Text("no tenant seen since kvd started")]
+    parts.append(Text(f"hit: prompt tokens served from the cache; cached: device blocks holding the tenant's "
+                      f"prefixes, of {d['blocks']:,}" + ("; idle/share: unused cached blocks against its share "
+                                                         "(beyond it they are evicted first)" if shares else "")))
+    if d.get("message"):
+        parts.append(Text(d["message"], style="yellow"))
+    return Group(*parts)

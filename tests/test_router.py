@@ -221,8 +221,9 @@ def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(repl
     [answer] = drive(app, [lambda c: c.get("/admin/events")])
     assert answer.status_code == 404 and answer.json()["error"]["message"] == (
         "kvd router does not serve /admin/events: it serves /v1/completions, /v1/chat/completions, /v1/models, "
-        "/admin/status, /admin/evict, /admin/pins, /admin/prefixes, /admin/requests, /admin/cancel, /router/status, "
-        "/router/sync-pins, /router/route, /router/drain, /metrics, /healthz and /readyz; ask a replica for the rest "
+        "/admin/status, /admin/evict, /admin/pins, /admin/prefixes, /admin/requests, /admin/cancel, /admin/tenants, "
+        "/router/status, /router/sync-pins, /router/route, /router/drain, /metrics, /healthz and /readyz; ask a replica "
+        "for the rest "
         "(kvctl "
         "--socket REPLICA_SOCKET ...)")
 

@@ -178,3 +178,67 @@ def test_kvd_keeps_a_quiet_tenant_s_prefix_through_a_noisy_tenant_s_burst_and_sa
         assert blocks_all_back(service)
     finally:
         service.shutdown(1)
+
+
+def test_kvctl_tenants_splits_tokens_hits_blocks_and_pins_by_tenant(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    from .daemon_fixtures import GLOBEX_TOKEN, USER_TOKEN, apps, call, start_service, token_table
+    from .test_router import _kvctl_prints
+
+    service = start_service(tmp_path, num_blocks=48, tenant_cache_shares="acme=0.25")
+    try:
+        unix, tcp = apps(service, token_table(tmp_path))
+
+        def complete(token, prompt):
+            response = call(tcp, "POST", "/v1/completions", headers={"Authorization": f"Bearer {token}"},
+                            json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            return response.json()["usage"]
+
+        system = list(range(1, 33))  # two full blocks
+        first = complete(USER_TOKEN, system + [40, 41, 42])
+        second = complete(USER_TOKEN, system + [50, 51, 52])  # hits the two blocks
+        other = complete(GLOBEX_TOKEN, list(range(100, 140)))
+        assert call(unix, "POST", "/admin/pins", json={"tokens": system + [7], "tenant": "acme"}).status_code == 200
+        body = call(unix, "GET", "/admin/tenants").json()
+        rows = {row["tenant"]: row for row in body["tenants"]}
+        acme, globex = rows["acme"], rows["globex"]
+        # (the pin found its two blocks cached: no warm-up request)
+        assert acme["prompt_tokens"] == first["prompt_tokens"] + second["prompt_tokens"] == 70
+        assert acme["hit_tokens"] == second["prompt_tokens_details"]["cached_tokens"] == 32
+        assert (globex["prompt_tokens"], globex["hit_tokens"], globex["hit_ratio"]) == (other["prompt_tokens"], 0, 0.0)
+        with service.lock:
+            indexed = dict(service.engine.cache.pool.tenant_blocks)
+        # acme's two prompts share their two full blocks (the system prompt), which the pin holds
+        assert (acme["cached_blocks"], globex["cached_blocks"]) == (indexed["acme"], indexed["globex"]) == (2, 2)
+        assert (acme["share_blocks"], acme["idle_blocks"]) == (12, 0)
+        assert (globex["share_blocks"], globex["idle_blocks"]) == (None, 2)
+        assert (acme["pinned_blocks"], acme["pin_budget_blocks"], globex["pinned_blocks"]) == (2, 24, 0)
+        assert acme["running"] == acme["waiting"] == 0 and body["shares"] and body["blocks"] == 48
+        shown = _kvctl_prints(["tenants"], body).splitlines()
+        assert shown[0].split() == ["tenant", "prompt", "hit", "recomputed", "running/waiting", "cached",
+                                    "idle/share", "pinned/budget"]
+        assert shown[1].split() == ["acme", "70", "45.7%", "0", "0/0", "2", "0/12", "2/24"]
+        assert shown[2].split() == ["globex", "40", "0.0%", "0", "0/0", "2", "2/-", "0/24"]
+    finally:
+        service.shutdown(1)
+
+
+def test_the_router_sums_each_tenant_over_the_replicas():
+    from kvctl.daemon.server.fleet_admin import merge_tenant_lists
+
+    def row(tenant, prompt, hit, share=None, idle=None):
+        return {"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit, "hit_ratio": 0.0, "recomputed_tokens": 1,
+                "running": 1, "waiting": 0, "cached_blocks": 3, "idle_blocks": idle, "share_blocks": share,
+                "pinned_blocks": 0, "pin_budget_blocks": 10}
+
+    status, body = merge_tenant_lists(["r0", "r1", "r2"], [
+        (200, {"tenants": [row("acme", 100, 50, 8, 2), row("globex", 10, 0)], "shares": True, "blocks": 64}),
+        (200, {"tenants": [row("acme", 300, 50, 8, 9)], "shares": True, "blocks": 64}),
+        (None, {"error": "connection refused"})])
+    assert status == 200 and body["blocks"] == 128 and body["shares"]
+    acme, globex = body["tenants"]
+    assert (acme["prompt_tokens"], acme["hit_tokens"], acme["hit_ratio"], acme["running"]) == (400, 100, 0.25, 2)
+    assert (acme["share_blocks"], acme["idle_blocks"], acme["pin_budget_blocks"]) == (16, 11, 20)
+    assert (globex["share_blocks"], globex["idle_blocks"], globex["cached_blocks"]) == (None, None, 3)
+    assert body["message"] == "not listed: r2 (connection refused)"

@@ -19,7 +19,7 @@ keys, pin counts and queue membership; sequences and pins go through it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -77,6 +77,7 @@ class BlockPool:
         self.on_evict: Callable[[list[Block]], None] | None = None
         self.inserted: list[int] | None = None  # when a list, insert_many records indexed ids here
         self.reused: list[int] | None = None  # when a list, acquire records blocks on their first hit here
+        self.tenant_blocks: Counter[str | None] = Counter()  # indexed blocks per tenant (in use or idle)
         self.events: EventLog | None = None  # when set, every key indexed or dropped is logged there
 
     # ---- reading -------------------------------------------------------------------------
@@ -141,8 +142,10 @@ class BlockPool:
                 if for_share:
                     self.events.removed("device", [blocks[b].key for b in victims if b in for_share], "tenant_share")
                 self.events.removed("device", [blocks[b].key for b in victims if b not in for_share], "capacity")
+            tenant_blocks = self.tenant_blocks
             for block_id in victims:
                 block = blocks[block_id]
+                tenant_blocks[block.tenant] -= 1
                 del index[block.key]
                 self._log_eviction(block.key, now, "tenant_share" if block_id in for_share else reason)
                 block.key = None
@@ -233,6 +236,7 @@ class BlockPool:
             block.root = keys[0]
             block.parent = keys[position - 1] if position else None
             block.tenant = tenant
+            self.tenant_blocks[tenant] += 1
             block.hits = 0
             block.last_use = now
             if pin_refs:
@@ -254,6 +258,7 @@ class BlockPool:
             raise AuditFailure(f"block {block_id}: unindex needs an indexed, held, unpinned block")
         self.policy.forget(block_id)
         del self._index[block.key]
+        self.tenant_blocks[block.tenant] -= 1
         if self.events is not None:
             self.events.removed("device", (block.key,), "unwritten")
         block.key = None
@@ -283,6 +288,7 @@ class BlockPool:
                 self.policy.remove(block_id)
                 self.policy.forget(block_id)
                 del self._index[key]
+                self.tenant_blocks[block.tenant] -= 1
                 self._log_eviction(key, now, "operator")
                 removed_keys.append(key)
                 block.key = None
@@ -380,6 +386,9 @@ class BlockPool:
                 problems.append(f"index maps a key to block {b}, which holds another")
         if evictable != len(self.policy):
             problems.append(f"evictable queue holds {len(self.policy)} blocks, {evictable} qualify")
+        counted = Counter(block.tenant for block in self.blocks if block.key is not None)
+        if +self.tenant_blocks != counted:
+            problems.append(f"indexed blocks per tenant: books say {dict(+self.tenant_blocks)}, blocks {dict(counted)}")
         policy_books = getattr(self.policy, "problems", None)  # a policy with books of its own (tenant shares)
         if policy_books is not None:
             problems += policy_books()

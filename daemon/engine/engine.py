@@ -98,6 +98,8 @@ class EngineStats:
     # model steps by kind: decode, mixed, prefill, and quick (a short prefill ahead of the decodes)
     steps: dict[str, int] = field(default_factory=dict)
     step_seconds: dict[str, float] = field(default_factory=dict)  # wall time of those steps (admission to tokens)
+    # per tenant: [prompt tokens, hit tokens, recomputed tokens], as the totals above count them
+    tenant_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Engine:
@@ -459,15 +461,19 @@ class Engine:
             if self.tiers is not None:
                 self.tiers.finish_prefetch(request.request_id)
             now = self.clock()
+            by_tenant = self.stats.tenant_tokens.setdefault(request.tenant, [0, 0, 0])
             if request.metrics.admitted is None:
                 request.metrics.admitted = now
                 request.metrics.cached_tokens = admission.hit_tokens
                 self.stats.prompt_tokens += len(tokens)
                 self.stats.hit_tokens += admission.hit_tokens
+                by_tenant[0] += len(tokens)
+                by_tenant[1] += admission.hit_tokens
             else:
                 recomputed = max(0, min(seq.ever_computed, len(tokens)) - admission.hit_tokens)
                 request.metrics.recomputed_tokens += recomputed
                 self.stats.recomputed_tokens += recomputed
+                by_tenant[2] += recomputed
             seq.num_computed = admission.hit_tokens
             seq.prefill_target = len(tokens)
             seq.status = SeqStatus.PREFILL

@@ -38,6 +38,7 @@ from .body_limit import BodyLimit
 from .logprobs import PromptParts, echo_texts, joined
 from .metrics import Metrics
 from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
+from .tenants import list_tenants
 
 
 class ApiError(Exception):
@@ -514,6 +515,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
         return service.explain(_tokens_of(body), body.tenant or who.tenant)
+
+    @app.get("/admin/tenants")
+    def tenants(_: Principal = Depends(admin)):
+        """Each tenant's prompt and hit tokens, requests in flight, cached blocks, share and pins
+        (counts only)."""
+        return list_tenants(service)
 
     @app.get("/admin/requests")
     def requests_in_flight(tenant: str | None = None, _: Principal = Depends(admin)):

@@ -167,6 +167,41 @@ def merge_request_lists(names: Sequence[str], answers: Sequence[Answer]) -> tupl
     return 200, out
 
 
+TENANT_SUMS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "running", "waiting", "cached_blocks",
+               "pinned_blocks")
+
+
+def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
+    """Each tenant across the fleet: its counts summed over the replicas (shares, idle blocks and
+    pin budgets too, as the fleet's), its hit ratio from the sums."""
+    merged: dict[str, dict] = {}
+    missing = []
+    for name, (status, body) in zip(names, answers):
+        if status != 200:
+            missing.append(f"{name} ({body.get('error') if status is None else status})")
+            continue
+        for row in body["tenants"]:
+            into = merged.setdefault(row["tenant"], {"tenant": row["tenant"], **dict.fromkeys(TENANT_SUMS, 0),
+                                                     "idle_blocks": None, "share_blocks": None,
+                                                     "pin_budget_blocks": 0})
+            for key in TENANT_SUMS + ("pin_budget_blocks",):
+                into[key] += row[key]
+            for key in ("idle_blocks", "share_blocks"):
+                if row[key] is not None:
+                    into[key] = (into[key] or 0) + row[key]
+    if not any(status == 200 for status, _ in answers):
+        return none_did(names, answers)
+    rows = [merged[t] for t in sorted(merged)]
+    for row in rows:
+        row["hit_ratio"] = row["hit_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+    out = {"tenants": rows, "shares": any(body.get("shares") for status, body in answers if status == 200),
+           "blocks": sum(body["blocks"] for status, body in answers if status == 200),
+           "replicas": [{"replica": name, "status": status} for name, (status, _) in zip(names, answers)]}
+    if missing:
+        out["message"] = "not listed: " + "; ".join(missing)
+    return 200, out
+
+
 def merge_cancels(done: list[dict]) -> dict:
     """The requests each replica cancelled; `not_found`: the ids none of them had in flight."""
     not_found = set(done[0].get("not_found") or [])

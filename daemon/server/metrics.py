@@ -6,6 +6,8 @@
     kvd_recomputed_tokens_total               tokens computed again after preemption
     kvd_evicted_blocks_total{reason}          capacity (by the policy), tenant_share (from a tenant over its
                                               share, tenant_cache_shares) or operator
+    kvd_tenant_prompt_tokens_total{tenant}    prompt tokens per tenant, and kvd_tenant_hit_tokens_total{tenant}
+    kvd_tenant_cached_blocks{tenant}          device blocks holding a tenant's cached prefixes
     kvd_tenant_idle_blocks{tenant}            with tenant_cache_shares: idle cached blocks per tenant
     kvd_tenant_share_blocks{tenant}           and each tenant's share in blocks
     kvd_cache_stored_blocks_total{tier}       blocks indexed per tier (device, host, disk, remote)
@@ -73,6 +75,9 @@ class _EngineCollector:
             prompt, hit, recomputed, preemptions = (stats.prompt_tokens, stats.hit_tokens,
                                                     stats.recomputed_tokens, stats.preemptions)
             steps, step_seconds = dict(stats.steps), dict(stats.step_seconds)
+            by_tenant = {tenant: tuple(counts) for tenant, counts in stats.tenant_tokens.items()}
+            cached_by_tenant = sorted((t, n) for t, n in pool.tenant_blocks.items() if t is not None)
+            shares = engine.cache.tenant_shares()
         blocks = GaugeMetricFamily("kvd_blocks", "KV cache blocks by state and tier", labels=["state", "tier"])
         for state, value in counts.items():
             blocks.add_metric([state, "device"], value)
@@ -96,7 +101,20 @@ class _EngineCollector:
         evicted.add_metric(["tenant_share"], pool.share_evictions)  # to make room, from tenants over their share
         evicted.add_metric(["operator"], pool.operator_evictions)
         yield evicted
-        shares = engine.cache.tenant_shares()
+        prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",
+                                     labels=["tenant"])
+        hit = CounterMetricFamily("kvd_tenant_hit_tokens", "Of those, served from the prefix cache, per tenant",
+                                  labels=["tenant"])
+        for tenant in sorted(by_tenant):
+            prompt.add_metric([tenant], by_tenant[tenant][0])
+            hit.add_metric([tenant], by_tenant[tenant][1])
+        yield prompt
+        yield hit
+        cached = GaugeMetricFamily("kvd_tenant_cached_blocks", "Device blocks holding a tenant's cached prefixes "
+                                   "(in use or idle)", labels=["tenant"])
+        for tenant, count in cached_by_tenant:
+            cached.add_metric([tenant], count)
+        yield cached
         if shares is not None:
             idle = GaugeMetricFamily("kvd_tenant_idle_blocks", "Cached blocks nobody uses, per tenant (the ones "
                                      "eviction may take), beside each tenant's share", labels=["tenant"])

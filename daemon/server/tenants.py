@@ -1,0 +1,47 @@
+"""Each tenant's use of the cache, as an operator reads it (`kvctl tenants`, `GET /admin/tenants`).
+
+A row per tenant that kvd has seen since it started (in a request, a pin or a share): its prompt
+tokens, how many the prefix cache served and how many were computed again after preemption (the
+totals of `kvctl status`, split by tenant); its requests in flight; the device blocks holding its
+cached prefixes (in use or idle); with tenant cache shares, its idle blocks against its share;
+its pinned blocks against its pin budget. Counts only: never prompts, tokens or keys.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .inflight import request_state
+from .service import EngineService
+
+
+def list_tenants(service: EngineService) -> dict:
+    """Every tenant's row, by name, and whether shares are set."""
+    engine = service.require_ready()
+    with service.lock:
+        cache = engine.cache
+        tokens = {tenant: list(counts) for tenant, counts in engine.stats.tenant_tokens.items()}
+        indexed = {tenant: n for tenant, n in cache.pool.tenant_blocks.items() if tenant is not None and n > 0}
+        shares = cache.tenant_shares()
+        pins = cache.pins
+        pinned = {pin.tenant: pins.used(pin.tenant) for pin in pins.all()}
+        budgets = {tenant: pins.budget(tenant) for tenant in pinned}
+        flight: Counter[tuple[str, str]] = Counter()
+        for request in engine.requests.values():
+            if not request.finished:
+                flight[(request.tenant, "waiting" if request_state(request) == "waiting" else "running")] += 1
+        names = set(tokens) | set(indexed) | set(shares or ()) | set(pinned) | {t for t, _ in flight}
+        rows = []
+        for tenant in sorted(names):
+            prompt, hit, recomputed = tokens.get(tenant, (0, 0, 0))
+            share = (shares or {}).get(tenant)
+            rows.append({"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit,
+                         "hit_ratio": hit / prompt if prompt else 0.0, "recomputed_tokens": recomputed,
+                         "running": flight[(tenant, "running")], "waiting": flight[(tenant, "waiting")],
+                         "cached_blocks": indexed.get(tenant, 0),
+                         "idle_blocks": None if share is None else share["idle_blocks"],
+                         "share_blocks": None if share is None else share["share_blocks"],
+                         "pinned_blocks": pinned.get(tenant, 0),
+                         "pin_budget_blocks": budgets.get(tenant, pins.budget(tenant))})
+        total = cache.num_blocks
+    return {"tenants": rows, "shares": shares is not None, "blocks": total}
