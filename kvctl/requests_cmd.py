@@ -1,4 +1,5 @@
-"""kvctl requests and kvctl cancel: the requests in flight, and stopping one (or a tenant's).
+"""kvctl requests and kvctl cancel: the requests in flight, and stopping one (or a tenant's);
+kvctl tenants: each tenant's use of the cache.
 
 kvd decides and reports; these show its answer (`GET /admin/requests`, `POST /admin/cancel`). At
 kvd router both go to every replica: the listing marks each row with its replica, and a
@@ -94,14 +95,19 @@ def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, hel
         raise typer.Exit(3)
 
 
-def tenants(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Each tenant's use of the cache: prompt tokens and hits, requests, cached blocks, share, pins.
 
     Counts only, never prompts. At kvd router, the fleet's (each tenant summed over the replicas).
 
-    Example: kvctl tenants
+    Example: kvctl tenants --watch
     """
-    data = _client(ctx).get("/admin/tenants")
+    client = _client(ctx)
+    if watch and not as_json:
+        watch_status(lambda: client.get("/admin/tenants"), render=render_tenants)
+        return
+    data = client.get("/admin/tenants")
     _emit(data, as_json, lambda d: Console().print(render_tenants(d)))
 
 
