@@ -107,6 +107,8 @@ def serve(
     write_policy: Optional[str] = typer.Option(None, help="write_back (on eviction), write_through (every "
                                                "filled block) or write_through_selective (a block once reused)."),
     tiering: Optional[str] = typer.Option(None, help="measured (judge by measured rates) or always."),
+    metrics_aliases: Optional[str] = typer.Option(
+        None, help="Also export /metrics under vLLM's and/or SGLang's names (vllm,sglang), for their dashboards."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Run the daemon in the foreground (systemd Type=notify aware).
@@ -128,7 +130,7 @@ def serve(
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
                    disk_cache_path=disk_cache_path, remote_url=remote_url, write_policy=write_policy,
-                   tiering=tiering)
+                   tiering=tiering, metrics_aliases=metrics_aliases)
     try:
         settings = resolve(flags, os.environ, config)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:

@@ -123,6 +123,8 @@ class KvdConfig:
     remote_timeout: float = 0.5  # seconds per Redis call
     write_policy: str = "write_back"  # or write_through, write_through_selective
     tiering: str = "measured"  # measured (judge from measured rates) or always (keep and restore everything)
+    # /metrics also under vLLM's and/or SGLang's metric names (daemon/server/metric_aliases.py): "vllm,sglang"
+    metrics_aliases: tuple[str, ...] = ()
     # where each setting came from ("--max-queue", "KVD_MAX_QUEUE", the YAML file's path); absent: the default
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -147,10 +149,14 @@ def redact_url(url: Any) -> Any:
     return f"{scheme}://{user}:***@{host}"
 
 
+METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its figures under
+
 _PARSERS = {
     "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size,
     "max_batch_tokens": int, "max_running": int, "max_queue": int, "max_tenant_requests": int, "pin_budget_blocks": int, "shutdown_timeout": float,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
+    "metrics_aliases": lambda v: tuple(dict.fromkeys(
+        n for n in (v if isinstance(v, (list, tuple)) else (x.strip() for x in str(v).split(","))) if n and n != "none")),
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,
     "host_cache_bytes": _size, "disk_cache_bytes": _size, "remote_cache_bytes": _size, "remote_timeout": float,
     "keep_layers_unquantised": lambda v: ",".join(str(int(x)) for x in (v if isinstance(v, list) else str(v).split(",")) if str(x).strip()),
@@ -179,6 +185,10 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be fifo or priority")
     if name == "reservation":
         parse_reservation(value)
+    if name == "metrics_aliases":
+        unknown = [n for n in value if n not in METRIC_ALIAS_SETS]
+        if unknown:
+            raise ValueError(f"unknown alias set {unknown[0]!r}; use {', '.join(METRIC_ALIAS_SETS)} (comma-separated)")
     if name == "tenant_cache_shares":
         bad = next((t for t, _ in value if t != "*" and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", t)), None)
         if bad is not None:

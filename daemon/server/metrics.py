@@ -16,6 +16,7 @@
     kvd_cache_events_dropped_total            events trimmed from the log (a slow reader sees a gap)
     kvd_allocation_seconds                    histogram: time per cache-core call
     kvd_admission_rejections_total{reason}    never_fits, queue_full, tenant_limit
+    kvd_generation_tokens_total               output tokens of finished requests
     kvd_finished_total{api,finish_reason}     samples (choices) finished: api completions, chat or internal
                                               (a pin's warm-up); stop, length or cancelled
     kvd_preemptions_total
@@ -247,6 +248,10 @@ class Metrics:
                                registry=self.registry)
         self.finished = Counter("kvd_finished", "Samples (choices) finished, by API and finish reason",
                                 ["api", "finish_reason"], registry=self.registry)
+        self.generated = Counter("kvd_generation_tokens", "Output tokens of finished requests",
+                                 registry=self.registry)
+        self._generated = 0
+        self._by_reason: dict[str, int] = {}  # finished samples by finish reason (every API)
         self.restore = Histogram("kvd_tier_restore_seconds", "Time to put a prefix back on the device",
                                  buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
                                  registry=self.registry)
@@ -258,13 +263,34 @@ class Metrics:
         self.service = service
         service.on_finished(self.observe_request)
         service.latency_summary = self.summary
+        aliases = getattr(service.config, "metrics_aliases", ())
+        if aliases:  # the same figures under vLLM's / SGLang's names as well
+            from .metric_aliases import AliasCollector
+
+            self.registry.register(AliasCollector(service, self, tuple(aliases)))
+
+    def generated_tokens(self) -> int:
+        with self._lock:
+            return self._generated
+
+    def finished_by_reason(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._by_reason)
 
     def observe_request(self, request) -> None:
         metrics = request.metrics
         api = request.params.extra.get("api", "internal")
+        outputs = 0
         for seq in request.sequences:
-            self.finished.labels(api, seq.finish_reason or "unknown").inc()
+            reason = seq.finish_reason or "unknown"
+            self.finished.labels(api, reason).inc()
+            outputs += len(seq.output_ids)
+        self.generated.inc(outputs)
         with self._lock:
+            self._generated += outputs
+            for seq in request.sequences:
+                reason = seq.finish_reason or "unknown"
+                self._by_reason[reason] = self._by_reason.get(reason, 0) + 1
             if metrics.ttft is not None:
                 self.ttft.observe(metrics.ttft)
                 self._recent_ttft.append(metrics.ttft)
