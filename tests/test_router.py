@@ -133,6 +133,20 @@ def test_prefix_routing_sends_a_prompt_where_its_prefix_is_cached_and_a_new_one_
         {"replica": "replica-1", "sent": 2, "open": 0, "last_error": None}]
 
 
+def test_a_request_that_scores_its_prompt_is_routed_as_though_nothing_were_cached(replicas):
+    """prompt_logprobs (or echo with logprobs) computes every prompt position on the replica, so
+    the replica caching its prefix is no reason to send it there."""
+    _, app = router_app(replicas, "prefix")
+    answers = drive(app, [lambda c: post(c, SYSTEM_A + "warm"), lambda c: post(c, SYSTEM_A + "Q?"),
+                          lambda c: post(c, SYSTEM_A + "Q?", echo=True, logprobs=1, max_tokens=1),
+                          lambda c: post(c, SYSTEM_A + "Q?", prompt_logprobs=0, max_tokens=1)])
+    assert [a.status_code for a in answers] == [200] * 4
+    assert answers[1].headers["x-kvd-route"].startswith("caches ")
+    for scored in answers[2:]:
+        assert scored.headers["x-kvd-route"].startswith("no replica caches its prefix")
+        assert scored.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_a_streamed_answer_comes_through_unchanged(replicas):
     _, app = router_app(replicas, "round_robin")
     [routed] = drive(app, [lambda c: post(c, SYSTEM_A + "stream me", stream=True)])

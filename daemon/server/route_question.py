@@ -33,6 +33,12 @@ def question_of(body: dict) -> dict | None:
     return None
 
 
+def computes_whole_prompt(body: dict) -> bool:
+    """The request scores its prompt (vLLM's `prompt_logprobs`, or `echo` with `logprobs`): the
+    replica computes every prompt position whatever it caches, so no cache draws it anywhere."""
+    return body.get("prompt_logprobs") is not None or (bool(body.get("echo")) and body.get("logprobs") is not None)
+
+
 def question_size(question: dict | None) -> int:
     """Characters or token ids to tokenize and hash: a large one is weighed off the event loop."""
     if question is None:

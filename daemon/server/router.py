@@ -58,7 +58,7 @@ from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merg
 from .fleet_pins import sync_pins
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
-from .route_question import affinity_of, local_ids, question_of, question_size
+from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
 from .router_metrics import RouterMetrics
 
 log = logging.getLogger("kvd.router")
@@ -154,6 +154,14 @@ class Local:
     facts: ReplicaFacts
     keys: list[bytes]
     prompt_tokens: int
+
+
+def reusing(body: dict, live: list[tuple[int, ReplicaFacts, int]]) -> list[tuple[int, ReplicaFacts, int]]:
+    """The weighed replicas as the request can use them: one that scores its prompt reuses nothing
+    (route_question.computes_whole_prompt), so it is weighed as though no replica cached any of it."""
+    if not computes_whole_prompt(body):
+        return live
+    return [(i, replace(f, cached_tokens=0, restorable_tokens=0, restore_seconds=0.0), tokens) for i, f, tokens in live]
 
 
 @dataclass
@@ -411,6 +419,7 @@ class RouterService:
     async def _choose(self, body: dict, tenant: str | None, excluded: set[int]) -> tuple[Replica, str]:
         question = question_of(body)
         live, local, now, replicas = await self.weigh(body, question, tenant, excluded)
+        live = reusing(body, live)
         prompt_tokens = max(tokens for _, _, tokens in live)
         chosen = self.router.choose(prompt_tokens, [f for _, f, _ in live], affinity_of(question))
         index, facts, counted = live[chosen.replica]
@@ -429,6 +438,7 @@ class RouterService:
         policy's own books are not touched (it decides on a copy)."""
         question = question_of(body)
         live, local, _, replicas = await self.weigh(body, question, tenant, count=False)
+        live = reusing(body, live)
         affinity = affinity_of(question)
         prompt_tokens = max(tokens for _, _, tokens in live)
         facts = {index: f for index, f, _ in live}
