@@ -23,6 +23,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
 
 
+def _labelled(kind, model: str):
+    """A maker of one-sample families of `kind` (gauge or counter) labelled with the model's name."""
+    def make(name: str, doc: str, value: float):
+        family = kind(name, doc, labels=["model_name"])
+        family.add_metric([model], value)
+        return family
+    return make
+
+
 class AliasCollector:
     """Yields the chosen alias sets' families from the service and kvd's own metrics."""
 
@@ -49,16 +58,7 @@ class AliasCollector:
             yield from self._sglang(figures, model)
 
     def _vllm(self, f: dict, model: str):
-        def gauge(name, doc, value):
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([model], value)
-            return family
-
-        def counter(name, doc, value):
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([model], value)
-            return family
-
+        gauge, counter = _labelled(GaugeMetricFamily, model), _labelled(CounterMetricFamily, model)
         yield gauge("vllm:num_requests_running", "Requests in the batch (kvd)", f["running"])
         yield gauge("vllm:num_requests_waiting", "Requests waiting for admission (kvd)", f["waiting"])
         yield gauge("vllm:kv_cache_usage_perc", "KV cache blocks held by requests, 0-1 (kvd)", f["usage"])
@@ -76,20 +76,14 @@ class AliasCollector:
         yield self._renamed(self.metrics.itl, "vllm:inter_token_latency_seconds", model)
 
     def _sglang(self, f: dict, model: str):
-        def gauge(name, doc, value):
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([model], value)
-            return family
-
+        gauge, counter = _labelled(GaugeMetricFamily, model), _labelled(CounterMetricFamily, model)
         yield gauge("sglang:num_running_reqs", "Requests in the batch (kvd)", f["running"])
         yield gauge("sglang:num_queue_reqs", "Requests waiting for admission (kvd)", f["waiting"])
         yield gauge("sglang:token_usage", "KV cache blocks held by requests, 0-1 (kvd)", f["usage"])
         yield gauge("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache since start, 0-1 (kvd)",
                     f["hit"] / f["prompt"] if f["prompt"] else 0.0)
-        evicted = CounterMetricFamily("sglang:evicted_tokens", "Tokens of evicted cache blocks (kvd)",
-                                      labels=["model_name"])
-        evicted.add_metric([model], f["evicted_blocks"] * f["block_size"])
-        yield evicted
+        yield counter("sglang:evicted_tokens", "Tokens of evicted cache blocks (kvd)",
+                      f["evicted_blocks"] * f["block_size"])
 
     @staticmethod
     def _renamed(histogram, name: str, model: str) -> HistogramMetricFamily:
