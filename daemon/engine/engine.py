@@ -639,14 +639,15 @@ class Engine:
             new_children = self._fork_children(seq)
             params = seq.request.params
             logprobs = None if params.logprobs is None else torch.log_softmax(logits[row].float(), dim=-1)
+            adjusts = params.adjusts_logits
             for s in [seq] + new_children:
-                scores = logits[row]
-                if params.adjusts_logits:
-                    scores = adjust_logits(scores, params, s.request.prompt_ids, s.output_ids, self.eos_ids)
-                if params.temperature != 0:
-                    token = sample_token(scores, params, s.request.seed, s.index, len(s.output_ids))
+                if params.temperature == 0 and not adjusts:
+                    token = greedy[row]  # the batch's argmax: no tensor op per row (each costs µs on a CPU)
                 else:
-                    token = int(torch.argmax(scores)) if params.adjusts_logits else greedy[row]
+                    scores = logits[row]
+                    if adjusts:
+                        scores = adjust_logits(scores, params, s.request.prompt_ids, s.output_ids, self.eos_ids)
+                    token = sample_token(scores, params, s.request.seed, s.index, len(s.output_ids))
                 events.append(self._emit(s, token, now, None if logprobs is None else
                                          _token_logprobs(logprobs, token, params.logprobs)))
         return events
