@@ -93,6 +93,10 @@ def serve(
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
     reservation: Optional[str] = typer.Option(None, help="Output reservation: fixed:N, fraction:F, p95."),
     eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru or cost."),
+    queue_order: Optional[str] = typer.Option(None, help="fifo, or priority (by tenant_priorities and each "
+                                              "request's priority, lower first)."),
+    tenant_priorities: Optional[str] = typer.Option(
+        None, help="With --queue-order priority: each tenant's place, e.g. acme=-10,batch=5 (lower first)."),
     tenant_cache_shares: Optional[str] = typer.Option(
         None, help="Tenants' shares of the cache, e.g. acme=0.25,*=0.5: when room is needed, a tenant holding "
                    "more idle blocks than its share loses its own first."),
@@ -125,7 +129,8 @@ def serve(
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
                    max_queue=max_queue, max_tenant_requests=max_tenant_requests,
                    max_request_bytes=max_request_bytes, reservation=reservation,
-                   eviction=eviction, tenant_cache_shares=tenant_cache_shares,
+                   eviction=eviction, tenant_cache_shares=tenant_cache_shares, queue_order=queue_order,
+                   tenant_priorities=tenant_priorities,
                    trusted_proxy=trusted_proxy, cache_dtype=cache_dtype,
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,

@@ -69,6 +69,30 @@ def _count_or_auto(text: Any) -> int | None:
     return int(value)
 
 
+def _tenant_ints(value: Any, what: str) -> tuple[tuple[str, int], ...]:
+    """`acme=-10,batch=5` (or a mapping) as sorted (tenant, integer) pairs."""
+    if isinstance(value, Mapping):
+        items = [(str(k), v) for k, v in value.items()]
+    else:
+        items = []
+        for part in (p.strip() for p in str(value).split(",") if p.strip()):
+            tenant, sep, number = part.partition("=")
+            if not sep:
+                raise ValueError(f"expected TENANT={what.upper()}, got {part!r}")
+            items.append((tenant.strip(), number.strip()))
+    out: dict[str, int] = {}
+    for tenant, number in items:
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", tenant):
+            raise ValueError(f"tenant {tenant!r} is not a tenant name (letters, digits, . _ -)")
+        if tenant in out:
+            raise ValueError(f"tenant {tenant!r} is given twice")
+        try:
+            out[tenant] = int(str(number))
+        except ValueError:
+            raise ValueError(f"{what} of {tenant!r} must be an integer, got {number!r}") from None
+    return tuple(sorted(out.items()))
+
+
 def _bool(text: Any) -> bool:
     if isinstance(text, bool):
         return text
@@ -103,6 +127,9 @@ class KvdConfig:
     reservation: str = "fraction:1.0"
     eviction: str = "lru"
     queue_order: str = "fifo"
+    # with queue_order: priority, each tenant's place in the queue: "acme=-10,batch=5" (YAML: a mapping),
+    # lower first as vLLM orders `priority`; tenants not named are at 0
+    tenant_priorities: tuple[tuple[str, int], ...] = ()
     pin_budget_blocks: int | None = None
     # "acme=0.25,*=0.5" (YAML: a mapping): when the cache needs room, a tenant holding more idle
     # blocks than its fraction of the device cache loses its own first (policies/tenant_shares.py)
@@ -155,6 +182,7 @@ _PARSERS = {
     "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size,
     "max_batch_tokens": int, "max_running": int, "max_queue": int, "max_tenant_requests": int, "pin_budget_blocks": int, "shutdown_timeout": float,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
+    "tenant_priorities": lambda v: _tenant_ints(v, "priority"),
     "metrics_aliases": lambda v: tuple(dict.fromkeys(
         n for n in (v if isinstance(v, (list, tuple)) else (x.strip() for x in str(v).split(","))) if n and n != "none")),
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,
@@ -310,4 +338,12 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     config = KvdConfig(**values, sources=sources)
     if config.listen and not config.token_file:
         raise ConfigError(f"listen: {config.listen!r} needs token_file: TCP requests must carry a bearer token")
+    check_priorities(config)
     return config
+
+
+def check_priorities(config: KvdConfig) -> None:
+    """Tenant priorities order a priority queue only: with a FIFO queue they would be ignored."""
+    if config.tenant_priorities and config.queue_order != "priority":
+        raise ConfigError(f"tenant_priorities: set (from {config.sources.get('tenant_priorities', 'the config')}) but "
+                          f"queue_order is {config.queue_order!r}; set queue_order: priority for them to order the queue")

@@ -342,10 +342,15 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         events: asyncio.Queue = asyncio.Queue()
         sink = LoopSink(loop, events)
 
+        try:
+            priority = service.queue_priority(who.tenant, body.priority)
+        except ServiceError as exc:
+            raise ApiError(exc.status, str(exc), param=exc.param) from None
+
         async def hand_in():  # queued by the engine thread before its next step, with no wait for this one
             if sum(map(len, prompts)) <= HAND_IN_ON_LOOP_TOKENS:
-                return await asyncio.wrap_future(service.submit_nowait(prompts, params, who, sink))
-            handed = await run_in_threadpool(service.submit_nowait, prompts, params, who, sink)
+                return await asyncio.wrap_future(service.submit_nowait(prompts, params, who, sink, priority))
+            handed = await run_in_threadpool(service.submit_nowait, prompts, params, who, sink, priority)
             return await asyncio.wrap_future(handed)
 
         submitting = asyncio.ensure_future(hand_in())

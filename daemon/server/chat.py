@@ -61,6 +61,7 @@ class GenerationFields(BaseModel):
     min_p: float | None = None
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
+    priority: int | None = None  # vLLM's: with queue_order priority, lower runs first (EngineService.queue_priority)
 
     def sampling_controls(self) -> dict:
         """The fields above as SamplingParams takes them (null: the value that changes nothing)."""

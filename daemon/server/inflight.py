@@ -37,7 +37,8 @@ def request_row(service: EngineService, request: Request, now: float) -> dict:
             "restored_tokens": metrics.restored_tokens,
             "output_tokens": sum(len(s.output_ids) for s in request.sequences),
             "max_tokens": request.params.max_tokens, "n": request.params.n,
-            "preemptions": metrics.preemptions, "blocks": blocks, "priority": request.priority,
+            "preemptions": metrics.preemptions, "blocks": blocks,
+            "priority": -request.priority,  # as requests and tenant_priorities give it: lower runs first
             "cohort": request.cohort}
 
 

@@ -71,6 +71,7 @@ class _Submission:
     sink: EventSink
     hashed: list[tuple | None]  # each prompt's block keys, computed by the submitter
     future: Future
+    priority: int = 0  # the engine's (higher first): EngineService.queue_priority
 
 
 def is_short_hex(text: str) -> bool:
@@ -367,7 +368,7 @@ class EngineService:
         kept. `reload_from_source` also re-reads the token file (token rotation)."""
         live = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
-                "tenant_cache_shares")
+                "tenant_cache_shares", "tenant_priorities")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         previous = {k: getattr(self.config, k) for k in changed}
         ignored = sorted(k for k, v in new.describe().items()
@@ -435,8 +436,24 @@ class EngineService:
             raise RuntimeError("submit() on the engine thread would wait for itself; use submit_nowait()")
         return self.submit_nowait(prompts, params, principal, sink).result()
 
+    def queue_priority(self, tenant: str, requested: int | None) -> int:
+        """The engine's priority (higher first) for a request of `tenant` that asks `requested`
+        (vLLM's `priority`: lower runs first; None or 0: none). A request may defer itself (a
+        positive priority) but never jump ahead of its tenant's place, which the operator sets
+        (`tenant_priorities`); with a FIFO queue it may ask nothing. ServiceError names the field."""
+        requested = requested or 0
+        if requested and self.config.queue_order != "priority":
+            raise ServiceError(400, f"priority: {requested} asks for a place in the queue, but kvd serves its queue "
+                                    "first come, first served (queue_order: fifo; queue_order: priority orders it)",
+                               "priority")
+        if requested < 0:
+            raise ServiceError(400, f"priority: {requested} would jump ahead of its tenant's place; a request may "
+                                    "only defer itself (0 or more, lower runs first, as vLLM orders it); the "
+                                    "operator sets tenants' places (tenant_priorities)", "priority")
+        return -(dict(self.config.tenant_priorities).get(tenant, 0) + requested)
+
     def submit_nowait(self, prompts: list[list[int]], params: SamplingParams, principal: Principal,
-                      sink: EventSink) -> Future:
+                      sink: EventSink, priority: int = 0) -> Future:
         """Hand prompts to the engine thread, which queues them at the top of its next loop,
         just before the next step: a submitter never waits for the engine's lock, which is held
         for a whole step. The future gives the requests, one per prompt, or the error that
@@ -454,7 +471,7 @@ class EngineService:
             refused.set_exception(exc)
             return refused
         hashed = [self._hash_outside_the_step(engine, principal.tenant, p) for p in prompts]
-        submission = _Submission(prompts, params, principal, sink, hashed, Future())
+        submission = _Submission(prompts, params, principal, sink, hashed, Future(), priority)
         self._inbox.append(submission)
         self._wake_engine()
         if self._stop.is_set():  # the engine thread is gone or going: it may never look again
@@ -484,7 +501,8 @@ class EngineService:
                     reservation, cohort = self.rollouts.assign(submission.principal.tenant, request_id)
                     request = engine.add_request(prompt_ids, submission.params, tenant=submission.principal.tenant,
                                                  request_id=request_id, reservation=reservation, cohort=cohort,
-                                                 prefix_keys=keys, prompt_checked=True)
+                                                 prefix_keys=keys, prompt_checked=True,
+                                                 priority=submission.priority)
                     self._sinks[request.request_id] = submission.sink
                     queued.append(request)
             except Exception as exc:  # AdmissionRejected, RequestError, ...: nothing stays queued

@@ -1,0 +1,84 @@
+"""Queue priorities: each tenant's place (tenant_priorities, set by the operator) and a request's
+own `priority`, which may only defer it; lower runs first, as vLLM orders `priority`."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+from kvctl.daemon.config import ConfigError, resolve  # noqa: E402
+from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
+from kvctl.daemon.server.service import Principal  # noqa: E402
+
+from .daemon_fixtures import USER_TOKEN, apps, blocks_all_back, call, start_service, token_table  # noqa: E402
+
+
+def test_tenants_take_their_places_in_the_queue_and_a_request_may_defer_itself(tmp_path):
+    service = start_service(tmp_path, num_blocks=64, queue_order="priority", tenant_priorities="acme=-5,batch=3")
+    try:
+        engine = service.engine
+        with service.lock:
+            engine.admission_paused = True  # everything waits, so the queue's order shows
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        asked = [("globex", 0), ("batch", 0), ("acme", 0), ("globex", 4), ("acme", 2)]
+        futures = []
+        for tenant, requested in asked:
+            who = Principal(tenant, "user", tenant)
+            futures.append(service.submit_nowait([[1, 2, 3]], params, who, lambda event: None,
+                                                 service.queue_priority(tenant, requested)))
+        requests = [f.result(timeout=30)[0] for f in futures]
+        with service.lock:
+            order = [requests.index(s.request) for s in engine.waiting()]
+        # vLLM's order, lower first: acme -5, acme -5+2, globex 0, batch 3, globex 0+4; ties by arrival
+        assert order == [2, 4, 0, 1, 3]
+        rows = {r["request_id"]: r["priority"] for r in call(apps(service, token_table(tmp_path))[0], "GET",
+                                                               "/admin/requests").json()["requests"]}
+        assert [rows[r.request_id] for r in requests] == [0, 3, -5, 4, -3]
+        with service.lock:
+            engine.admission_paused = False
+            service.lock.notify_all()
+        for request in requests:
+            for _ in range(600):
+                if request.finished:
+                    break
+                time.sleep(0.05)
+        assert all(r.finished for r in requests) and blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
+def test_a_request_may_not_jump_its_tenant_s_place_nor_ask_a_fifo_queue_for_one(tmp_path):
+    service = start_service(tmp_path, num_blocks=64, queue_order="priority")
+    fifo = start_service(tmp_path / "fifo", num_blocks=64)
+    try:
+        _, tcp = apps(service, token_table(tmp_path))
+        auth = {"Authorization": f"Bearer {USER_TOKEN}"}
+        jump = call(tcp, "POST", "/v1/completions", headers=auth, json={"prompt": "x", "max_tokens": 1, "priority": -1})
+        assert jump.status_code == 400 and jump.json()["error"]["param"] == "priority"
+        assert jump.json()["error"]["message"].startswith("priority: -1 would jump ahead of its tenant's place")
+        assert call(tcp, "POST", "/v1/completions", headers=auth,
+                    json={"prompt": "x", "max_tokens": 1, "priority": 7}).status_code == 200
+        _, fifo_tcp = apps(fifo, token_table(tmp_path / "fifo"))
+        refused = call(fifo_tcp, "POST", "/v1/chat/completions", headers=auth,
+                       json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1, "priority": 2})
+        assert refused.status_code == 400 and refused.json()["error"]["message"].startswith(
+            "priority: 2 asks for a place in the queue, but kvd serves its queue first come, first served")
+        assert call(fifo_tcp, "POST", "/v1/completions", headers=auth,
+                    json={"prompt": "x", "max_tokens": 1, "priority": 0}).status_code == 200
+    finally:
+        service.shutdown(1)
+        fifo.shutdown(1)
+
+
+def test_tenant_priorities_need_a_priority_queue_and_tenant_names():
+    with pytest.raises(ConfigError, match=r"tenant_priorities: set \(from --tenant-priorities\) but queue_order is "
+                                          r"'fifo'; set queue_order: priority"):
+        resolve({"tenant_priorities": "acme=-1"}, {})
+    with pytest.raises(ConfigError, match=r"priority of 'acme' must be an integer, got 'high'"):
+        resolve({"tenant_priorities": "acme=high", "queue_order": "priority"}, {})
+    assert resolve({"tenant_priorities": {"b": 2, "a": -1}, "queue_order": "priority"}, {}).tenant_priorities == \
+        (("a", -1), ("b", 2))
