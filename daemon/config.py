@@ -10,13 +10,13 @@ is a ConfigError naming the field, the value and where it came from.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
+from kvctl.policies.tenant_map import parse_tenant_map
 from kvctl.policies.tenant_shares import parse_shares
 
 
@@ -69,28 +69,11 @@ def _count_or_auto(text: Any) -> int | None:
     return int(value)
 
 
-def _tenant_ints(value: Any, what: str) -> tuple[tuple[str, int], ...]:
-    """`acme=-10,batch=5` (or a mapping) as sorted (tenant, integer) pairs."""
-    if isinstance(value, Mapping):
-        items = [(str(k), v) for k, v in value.items()]
-    else:
-        items = []
-        for part in (p.strip() for p in str(value).split(",") if p.strip()):
-            tenant, sep, number = part.partition("=")
-            if not sep:
-                raise ValueError(f"expected TENANT={what.upper()}, got {part!r}")
-            items.append((tenant.strip(), number.strip()))
-    out: dict[str, int] = {}
-    for tenant, number in items:
-        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", tenant):
-            raise ValueError(f"tenant {tenant!r} is not a tenant name (letters, digits, . _ -)")
-        if tenant in out:
-            raise ValueError(f"tenant {tenant!r} is given twice")
-        try:
-            out[tenant] = int(str(number))
-        except ValueError:
-            raise ValueError(f"{what} of {tenant!r} must be an integer, got {number!r}") from None
-    return tuple(sorted(out.items()))
+def _priority(tenant: str, value: Any) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        raise ValueError(f"priority of {tenant!r} must be an integer, got {value!r}") from None
 
 
 def _bool(text: Any) -> bool:
@@ -182,7 +165,7 @@ _PARSERS = {
     "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size,
     "max_batch_tokens": int, "max_running": int, "max_queue": int, "max_tenant_requests": int, "pin_budget_blocks": int, "shutdown_timeout": float,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
-    "tenant_priorities": lambda v: _tenant_ints(v, "priority"),
+    "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
     "metrics_aliases": lambda v: tuple(dict.fromkeys(
         n for n in (v if isinstance(v, (list, tuple)) else (x.strip() for x in str(v).split(","))) if n and n != "none")),
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,
@@ -217,10 +200,6 @@ def _check(name: str, value: Any) -> None:
         unknown = [n for n in value if n not in METRIC_ALIAS_SETS]
         if unknown:
             raise ValueError(f"unknown alias set {unknown[0]!r}; use {', '.join(METRIC_ALIAS_SETS)} (comma-separated)")
-    if name == "tenant_cache_shares":
-        bad = next((t for t, _ in value if t != "*" and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", t)), None)
-        if bad is not None:
-            raise ValueError(f"tenant {bad!r} is not a tenant name (letters, digits, . _ -; or * for the others)")
     if name == "cache_dtype" and value not in ("auto", "fp8_e4m3", "fp8_e5m2", "int8"):
         raise ValueError("must be auto, fp8_e4m3 (or fp8), fp8_e5m2 or int8")
     if name in ("host_cache_bytes", "disk_cache_bytes", "remote_cache_bytes") and value is not None and value < 1:

@@ -19,37 +19,24 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Iterable, Mapping, Sequence
 
+from .tenant_map import parse_tenant_map
+
 OTHERS = "*"  # the share of every tenant not named
 
 
 def parse_shares(text: str | Mapping) -> tuple[tuple[str, float], ...]:
     """`acme=0.25,globex=0.25,*=0.5` (or a mapping) as (tenant, fraction of the cache) pairs.
     ValueError names what is wrong; `*` is every tenant not named."""
-    if isinstance(text, Mapping):
-        items = [(str(k), v) for k, v in text.items()]
-    else:
-        items = []
-        for part in (p.strip() for p in str(text).split(",")):
-            if not part:
-                continue
-            tenant, sep, value = part.partition("=")
-            if not sep:
-                raise ValueError(f"expected TENANT=FRACTION, got {part!r}")
-            items.append((tenant.strip(), value.strip()))
-    shares: dict[str, float] = {}
-    for tenant, value in items:
-        if not tenant:
-            raise ValueError("a share names its tenant (or * for the others)")
+    def fraction(tenant: str, value) -> float:
         try:
-            fraction = float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"share of {tenant!r} must be a number in (0, 1], got {value!r}") from None
-        if not 0 < fraction <= 1:
+        if not 0 < number <= 1:
             raise ValueError(f"share of {tenant!r} must be in (0, 1], got {value!r}")
-        if tenant in shares:
-            raise ValueError(f"tenant {tenant!r} is given twice")
-        shares[tenant] = fraction
-    return tuple(sorted(shares.items()))
+        return number
+
+    return parse_tenant_map(text, fraction, "fraction", others=True, noun="share")
 
 
 def share_blocks(shares: Sequence[tuple[str, float]], num_blocks: int) -> dict[str, int]:

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
 from kvctl.daemon.cache.keys import BlockKey, Namespace, block_key, validate_block_size
+from kvctl.policies.tenant_map import TENANT_NAME
 
 TRACE_BLOCK_TOKENS = 512
-TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 class TraceError(ValueError):
