@@ -90,6 +90,8 @@ def serve(
     max_queue: Optional[int] = typer.Option(None, help="Waiting requests before 429."),
     max_tenant_requests: Optional[int] = typer.Option(
         None, help="One tenant's requests in flight (waiting and running) at most; 429 beyond. Default: no limit."),
+    tenant_request_limits: Optional[str] = typer.Option(
+        None, help="Per-tenant limits overriding --max-tenant-requests, e.g. acme=128,free=4."),
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
     reservation: Optional[str] = typer.Option(None, help="Output reservation: fixed:N, fraction:F, p95."),
     eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru or cost."),
@@ -128,6 +130,7 @@ def serve(
                    cache_memory=cache_memory, max_batch_tokens=max_batch_tokens,
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
                    max_queue=max_queue, max_tenant_requests=max_tenant_requests,
+                   tenant_request_limits=tenant_request_limits,
                    max_request_bytes=max_request_bytes, reservation=reservation,
                    eviction=eviction, tenant_cache_shares=tenant_cache_shares, queue_order=queue_order,
                    tenant_priorities=tenant_priorities,

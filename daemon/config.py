@@ -69,6 +69,16 @@ def _count_or_auto(text: Any) -> int | None:
     return int(value)
 
 
+def _limit(tenant: str, value: Any) -> int:
+    try:
+        number = int(str(value))
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"limit of {tenant!r} must be a whole number >= 1, got {value!r}")
+    return number
+
+
 def _priority(tenant: str, value: Any) -> int:
     try:
         return int(str(value))
@@ -107,6 +117,8 @@ class KvdConfig:
     max_running: int = 32
     max_queue: int = 256
     max_tenant_requests: int | None = None  # one tenant's requests in flight at most (429 beyond); None: no limit
+    # per-tenant limits that override it: "acme=128,free=4" (YAML: a mapping)
+    tenant_request_limits: tuple[tuple[str, int], ...] = ()
     reservation: str = "fraction:1.0"
     eviction: str = "lru"
     queue_order: str = "fifo"
@@ -166,6 +178,7 @@ _PARSERS = {
     "max_batch_tokens": int, "max_running": int, "max_queue": int, "max_tenant_requests": int, "pin_budget_blocks": int, "shutdown_timeout": float,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
     "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
+    "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
     "metrics_aliases": lambda v: tuple(dict.fromkeys(
         n for n in (v if isinstance(v, (list, tuple)) else (x.strip() for x in str(v).split(","))) if n and n != "none")),
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,

@@ -35,14 +35,15 @@ def blocks_needed(prompt_tokens: int, hit_blocks: int, reserve_tokens: int, bloc
     return blocks_for_tokens(prompt_tokens + reserve_tokens, block_size) - hit_blocks
 
 
-def tenant_limit_reason(request: str, tenant: str, in_flight: int, limit: int | None) -> str | None:
+def tenant_limit_reason(request: str, tenant: str, in_flight: int, limit: int | None,
+                        setting: str = "max_tenant_requests") -> str | None:
     """Why a tenant's new request is turned away: it already has `limit` requests in flight
     (waiting or running), so that one tenant cannot fill the queue every tenant shares. None: it
-    may be queued (no limit, or under it)."""
+    may be queued (no limit, or under it). `setting` names where the limit comes from."""
     if limit is None or in_flight < limit:
         return None
     return (f"request {request}: tenant {tenant!r} has {in_flight} requests in flight "
-            f"(max_tenant_requests {limit})")
+            f"({setting} {limit})")
 
 
 def decide(*, request: str, needed_blocks: int, available_blocks: int, total_blocks: int,

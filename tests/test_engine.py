@@ -182,6 +182,26 @@ def test_rejections_say_which_limit_and_allocate_nothing(demo):
     assert engine.cache.state_counts() == before
 
 
+def test_a_tenant_s_own_request_limit_overrides_the_default_both_ways(demo):
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, max_tenant_requests=2,
+                                         tenant_request_limits=(("free", 1), ("paid", 3))))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request(list(range(20)), params, tenant="free")
+    with pytest.raises(AdmissionRejected) as info:
+        engine.add_request(list(range(20, 40)), params, tenant="free", request_id="req-free2")
+    assert str(info.value) == "request req-free2: tenant 'free' has 1 requests in flight (tenant_request_limits[free] 1)"
+    for i in range(3):  # above the default of 2
+        engine.add_request(list(range(40 + 20 * i, 60 + 20 * i)), params, tenant="paid")
+    with pytest.raises(AdmissionRejected, match=r"tenant 'paid' has 3 requests in flight \(tenant_request_limits"):
+        engine.add_request(list(range(100, 120)), params, tenant="paid")
+    engine.add_request(list(range(120, 140)), params, tenant="other")
+    engine.add_request(list(range(140, 160)), params, tenant="other")
+    with pytest.raises(AdmissionRejected, match=r"\(max_tenant_requests 2\)"):  # no limit of its own
+        engine.add_request(list(range(160, 180)), params, tenant="other")
+    engine.run_until_done()
+    engine.cache.audit()
+
+
 def test_one_tenant_cannot_hold_more_than_its_share_of_requests_in_flight(demo):
     engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, max_tenant_requests=2))
     params = SamplingParams(max_tokens=2, ignore_eos=True)

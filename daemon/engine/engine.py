@@ -60,6 +60,7 @@ class EngineSettings:
     max_running: int = 16  # sequences in the batch at most
     max_queue: int = 256  # waiting requests before new ones are rejected
     max_tenant_requests: int | None = None  # one tenant's requests in flight (waiting, running) at most
+    tenant_request_limits: tuple[tuple[str, int], ...] = ()  # (tenant, limit): overrides max_tenant_requests
     reservation: str = "fraction:1.0"  # output reservation policy (see policies.reservation)
     eviction: str = "lru"
     queue_order: str = "fifo"  # or "priority": higher priority first, FIFO within a priority
@@ -235,9 +236,11 @@ class Engine:
         elif self._queued_requests() >= self.settings.max_queue:
             kind, request.rejected = "queue_full", (f"request {request_id}: admission queue full "
                                                     f"({self._queued_requests()} of {self.settings.max_queue} waiting)")
-        elif self.settings.max_tenant_requests is not None:
+        elif (limit := self.tenant_request_limit(tenant)) is not None:
             in_flight = sum(1 for r in self.requests.values() if r.tenant == tenant and not r.finished)
-            request.rejected = tenant_limit_reason(request_id, tenant, in_flight, self.settings.max_tenant_requests)
+            own = tenant in dict(self.settings.tenant_request_limits)
+            request.rejected = tenant_limit_reason(request_id, tenant, in_flight, limit,
+                                                   f"tenant_request_limits[{tenant}]" if own else "max_tenant_requests")
             kind = "tenant_limit" if request.rejected else None
         if request.rejected:
             self.stats.rejections[kind] = self.stats.rejections.get(kind, 0) + 1
@@ -251,6 +254,10 @@ class Engine:
         if self.tiers is not None and not request.scoring:
             self._start_prefetch(request)
         return request
+
+    def tenant_request_limit(self, tenant: str) -> int | None:
+        """The most requests `tenant` may have in flight: its own limit, else max_tenant_requests."""
+        return dict(self.settings.tenant_request_limits).get(tenant, self.settings.max_tenant_requests)
 
     def prefix_keys(self, tenant: str, token_ids: list[int]) -> tuple:
         """(namespace, token count, block keys, hasher after them, the ids) for these tokens: safe

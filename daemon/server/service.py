@@ -183,6 +183,7 @@ class EngineService:
         settings = EngineSettings(num_blocks=num_blocks, block_size=cfg.block_size,
                                   max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running,
                                   max_queue=cfg.max_queue, max_tenant_requests=cfg.max_tenant_requests,
+                                  tenant_request_limits=cfg.tenant_request_limits,
                                   reservation=cfg.reservation,
                                   eviction=cfg.eviction, queue_order=cfg.queue_order,
                                   cache_dtype=cfg.cache_dtype, keep_layers=tuple(keep),
@@ -368,7 +369,7 @@ class EngineService:
         kept. `reload_from_source` also re-reads the token file (token rotation)."""
         live = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
-                "tenant_cache_shares", "tenant_priorities")
+                "tenant_cache_shares", "tenant_priorities", "tenant_request_limits")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         previous = {k: getattr(self.config, k) for k in changed}
         ignored = sorted(k for k, v in new.describe().items()
@@ -379,6 +380,7 @@ class EngineService:
                 engine.settings = replace(engine.settings, max_batch_tokens=new.max_batch_tokens,
                                           max_running=new.max_running, max_queue=new.max_queue,
                                           max_tenant_requests=new.max_tenant_requests,
+                                          tenant_request_limits=new.tenant_request_limits,
                                           reservation=new.reservation, queue_order=new.queue_order,
                                           quick_prefill_tokens=self._quick_prefill_tokens(
                                               new, engine.model.device.type),
