@@ -255,13 +255,21 @@ class RemoteTier:
     def drop(self, key: bytes, reason: str = "operator") -> None:
         self.drop_many([key], reason)
 
-    def drop_many(self, keys: Sequence[bytes], reason: str = "operator") -> None:
+    def drop_many(self, keys: Sequence[bytes], reason: str = "operator") -> set[bytes]:
         """Forget `keys` and delete them on the server (pipelined); a server that is down lets
-        them age out under its own policy."""
+        them age out under its own policy. Returns the keys this call deleted there (not those
+        already gone, say because another daemon's purge took them first)."""
         try:
-            self._call(lambda: self._unlink([(self.redis_key(k), k) for k in keys], reason))
+            return self._call(lambda: self._unlink_each([(self.redis_key(k), k) for k in keys], reason))
         except RemoteUnavailable:
             self._forget(keys, reason)  # nothing here may count on them any more
+            return set()
+
+    def _unlink_each(self, chosen: list[tuple[bytes, bytes]], reason: str) -> set[bytes]:
+        """`_unlink`, saying which block keys were still on the server."""
+        removed: set[bytes] = set()
+        self._unlink(chosen, reason, removed)
+        return removed
 
     def claim(self, token: str, seconds: int = CLAIM_SECONDS) -> bool:
         """True for the first daemon to claim `token` on this server (SET NX, expiring after
@@ -354,14 +362,19 @@ class RemoteTier:
         dropped = self._call(lambda: self._unlink([(self.redis_key(k), k) for k in keys])) if keys else 0
         return {"dropped": dropped, "seen": len(keys), "complete": True}
 
-    def _unlink(self, chosen: list[tuple[bytes, bytes]], reason: str = "operator") -> int:
-        """Delete (redis key, block key) pairs on the server and from this daemon's books."""
+    def _unlink(self, chosen: list[tuple[bytes, bytes]], reason: str = "operator",
+                found: set[bytes] | None = None) -> int:
+        """Delete (redis key, block key) pairs on the server and from this daemon's books; `found`
+        collects the block keys the server still held."""
         if not chosen:
             return 0
         pipe = self.client.pipeline(transaction=False)
         for redis_key, _ in chosen:
             pipe.unlink(redis_key)
-        removed = sum(pipe.execute())
+        results = pipe.execute()
+        removed = sum(results)
+        if found is not None:
+            found.update(key for (_, key), gone in zip(chosen, results) if gone)
         with self.lock:
             for redis_key, _ in chosen:
                 _, size = self.retired.pop(redis_key, (None, 0))

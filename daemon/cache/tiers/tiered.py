@@ -554,9 +554,12 @@ class TieredCache:
 
     # ---- operator actions ------------------------------------------------------------------
     def drop(self, keys: Iterable[bytes]) -> int:
-        """Remove blocks from every lower tier (an operator's eviction). Returns blocks dropped."""
+        """Remove blocks from every lower tier (an operator's eviction). Returns blocks dropped: a
+        block only in Redis counts if this call deleted it there (another daemon's purge may have
+        taken it first, and counts it itself)."""
         dropped = 0
         remote: list[bytes] = []
+        only_remote: list[bytes] = []  # counted once the server says it still held them
         for key in keys:
             with self.lock:
                 if key in self.inflight:
@@ -568,10 +571,12 @@ class TieredCache:
                 hit = True
             if self.remote is not None and key in self.remote.written:
                 remote.append(key)
-                hit = True
+                if not hit:
+                    only_remote.append(key)
             dropped += bool(hit)
         if remote:
-            self.remote.drop_many(remote)  # one pipelined round trip, not one per block
+            deleted = self.remote.drop_many(remote)  # one pipelined round trip, not one per block
+            dropped += sum(1 for key in only_remote if key in deleted)
         return dropped
 
     def drop_host(self, key: bytes) -> bool:
