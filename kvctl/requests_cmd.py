@@ -114,7 +114,7 @@ def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", hel
 def render_tenants(d: dict) -> Group:
     rows = d["tenants"]
     shares = d.get("shares")
-    table = compact_table("tenant", "prompt", "hit", "recomputed", "running/waiting", "cached",
+    table = compact_table("tenant", "prompt", "hit", "recomputed", "running/waiting", "rejected", "cached",
                           *(["idle/share"] if shares else []), "pinned/budget")
     for index in range(1, len(table.columns)):
         table.columns[index].justify = "right"
@@ -124,7 +124,7 @@ def render_tenants(d: dict) -> Group:
             share = ["-" if row["share_blocks"] is None and row["idle_blocks"] is None else
                      f"{row['idle_blocks'] or 0:,}/" + ("-" if row["share_blocks"] is None else f"{row['share_blocks']:,}")]
         table.add_row(escape(row["tenant"]), f"{row['prompt_tokens']:,}", f"{row['hit_ratio']:.1%}",
-                      f"{row['recomputed_tokens']:,}", f"{row['running']}/{row['waiting']}",
+                      f"{row['recomputed_tokens']:,}", f"{row['running']}/{row['waiting']}", f"{row.get('rejected', 0):,}",
                       f"{row['cached_blocks']:,}", *share, f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}")
     parts = [table] if rows else [Text("no tenant seen since kvd started")]
     parts.append(Text(f"hit: prompt tokens served from the cache; cached: device blocks holding the tenant's "

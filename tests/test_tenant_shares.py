@@ -199,6 +199,9 @@ def test_kvctl_tenants_splits_tokens_hits_blocks_and_pins_by_tenant(tmp_path):
         first = complete(USER_TOKEN, system + [40, 41, 42])
         second = complete(USER_TOKEN, system + [50, 51, 52])  # hits the two blocks
         other = complete(GLOBEX_TOKEN, list(range(100, 140)))
+        never = call(tcp, "POST", "/v1/completions", headers={"Authorization": f"Bearer {GLOBEX_TOKEN}"},
+                     json={"prompt": list(range(200)) * 4, "max_tokens": 1})  # 50 blocks of a 48-block cache
+        assert never.status_code == 400 and never.json()["error"]["code"] == "cache_capacity_exceeded"
         assert call(unix, "POST", "/admin/pins", json={"tokens": system + [7], "tenant": "acme"}).status_code == 200
         body = call(unix, "GET", "/admin/tenants").json()
         rows = {row["tenant"]: row for row in body["tenants"]}
@@ -215,11 +218,12 @@ def test_kvctl_tenants_splits_tokens_hits_blocks_and_pins_by_tenant(tmp_path):
         assert (globex["share_blocks"], globex["idle_blocks"]) == (None, 2)
         assert (acme["pinned_blocks"], acme["pin_budget_blocks"], globex["pinned_blocks"]) == (2, 24, 0)
         assert acme["running"] == acme["waiting"] == 0 and body["shares"] and body["blocks"] == 48
+        assert (acme["rejected"], globex["rejected"]) == (0, 1)  # a turned-away prompt counts no tokens
         shown = _kvctl_prints(["tenants"], body).splitlines()
-        assert shown[0].split() == ["tenant", "prompt", "hit", "recomputed", "running/waiting", "cached",
+        assert shown[0].split() == ["tenant", "prompt", "hit", "recomputed", "running/waiting", "rejected", "cached",
                                     "idle/share", "pinned/budget"]
-        assert shown[1].split() == ["acme", "70", "45.7%", "0", "0/0", "2", "0/12", "2/24"]
-        assert shown[2].split() == ["globex", "40", "0.0%", "0", "0/0", "2", "2/-", "0/24"]
+        assert shown[1].split() == ["acme", "70", "45.7%", "0", "0/0", "0", "2", "0/12", "2/24"]
+        assert shown[2].split() == ["globex", "40", "0.0%", "0", "0/0", "1", "2", "2/-", "0/24"]
     finally:
         service.shutdown(1)
 
@@ -229,8 +233,8 @@ def test_the_router_sums_each_tenant_over_the_replicas():
 
     def row(tenant, prompt, hit, share=None, idle=None):
         return {"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit, "hit_ratio": 0.0, "recomputed_tokens": 1,
-                "running": 1, "waiting": 0, "cached_blocks": 3, "idle_blocks": idle, "share_blocks": share,
-                "pinned_blocks": 0, "pin_budget_blocks": 10}
+                "running": 1, "waiting": 0, "rejected": 2, "cached_blocks": 3, "idle_blocks": idle,
+                "share_blocks": share, "pinned_blocks": 0, "pin_budget_blocks": 10}
 
     status, body = merge_tenant_lists(["r0", "r1", "r2"], [
         (200, {"tenants": [row("acme", 100, 50, 8, 2), row("globex", 10, 0)], "shares": True, "blocks": 64}),
@@ -239,6 +243,7 @@ def test_the_router_sums_each_tenant_over_the_replicas():
     assert status == 200 and body["blocks"] == 128 and body["shares"]
     acme, globex = body["tenants"]
     assert (acme["prompt_tokens"], acme["hit_tokens"], acme["hit_ratio"], acme["running"]) == (400, 100, 0.25, 2)
+    assert acme["rejected"] == 4
     assert (acme["share_blocks"], acme["idle_blocks"], acme["pin_budget_blocks"]) == (16, 11, 20)
     assert (globex["share_blocks"], globex["idle_blocks"], globex["cached_blocks"]) == (None, None, 3)
     assert body["message"] == "not listed: r2 (connection refused)"

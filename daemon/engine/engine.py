@@ -101,6 +101,7 @@ class EngineStats:
     step_seconds: dict[str, float] = field(default_factory=dict)  # wall time of those steps (admission to tokens)
     # per tenant: [prompt tokens, hit tokens, recomputed tokens], as the totals above count them
     tenant_tokens: dict[str, list[int]] = field(default_factory=dict)
+    tenant_rejections: dict[str, int] = field(default_factory=dict)  # tenant -> requests rejected (any reason)
 
 
 class Engine:
@@ -244,6 +245,7 @@ class Engine:
             kind = "tenant_limit" if request.rejected else None
         if request.rejected:
             self.stats.rejections[kind] = self.stats.rejections.get(kind, 0) + 1
+            self.stats.tenant_rejections[tenant] = self.stats.tenant_rejections.get(tenant, 0) + 1
             raise AdmissionRejected(request, request.rejected, kind)
         self.requests[request_id] = request
         if prefix_keys is not None and not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids):

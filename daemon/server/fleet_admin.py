@@ -167,8 +167,8 @@ def merge_request_lists(names: Sequence[str], answers: Sequence[Answer]) -> tupl
     return 200, out
 
 
-TENANT_SUMS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "running", "waiting", "cached_blocks",
-               "pinned_blocks")
+TENANT_SUMS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "running", "waiting", "rejected",
+               "cached_blocks", "pinned_blocks")
 
 
 def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
@@ -185,7 +185,7 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
                                                      "idle_blocks": None, "share_blocks": None,
                                                      "pin_budget_blocks": 0})
             for key in TENANT_SUMS + ("pin_budget_blocks",):
-                into[key] += row[key]
+                into[key] += row.get(key, 0)  # a replica of an earlier kvd may lack one
             for key in ("idle_blocks", "share_blocks"):
                 if row[key] is not None:
                     into[key] = (into[key] or 0) + row[key]

@@ -2,7 +2,8 @@
 
 A row per tenant that kvd has seen since it started (in a request, a pin or a share): its prompt
 tokens, how many the prefix cache served and how many were computed again after preemption (the
-totals of `kvctl status`, split by tenant); its requests in flight; the device blocks holding its
+totals of `kvctl status`, split by tenant); its requests in flight, and those turned away (a full
+queue, its limit of requests in flight, a request that can never fit); the device blocks holding its
 cached prefixes (in use or idle); with tenant cache shares, its idle blocks against its share;
 its pinned blocks against its pin budget. Counts only: never prompts, tokens or keys.
 """
@@ -21,6 +22,7 @@ def list_tenants(service: EngineService) -> dict:
     with service.lock:
         cache = engine.cache
         tokens = {tenant: list(counts) for tenant, counts in engine.stats.tenant_tokens.items()}
+        rejected = dict(engine.stats.tenant_rejections)
         indexed = {tenant: n for tenant, n in cache.pool.tenant_blocks.items() if tenant is not None and n > 0}
         shares = cache.tenant_shares()
         pins = cache.pins
@@ -30,7 +32,7 @@ def list_tenants(service: EngineService) -> dict:
         for request in engine.requests.values():
             if not request.finished:
                 flight[(request.tenant, "waiting" if request_state(request) == "waiting" else "running")] += 1
-        names = set(tokens) | set(indexed) | set(shares or ()) | set(pinned) | {t for t, _ in flight}
+        names = set(tokens) | set(indexed) | set(shares or ()) | set(pinned) | {t for t, _ in flight} | set(rejected)
         rows = []
         for tenant in sorted(names):
             prompt, hit, recomputed = tokens.get(tenant, (0, 0, 0))
@@ -38,6 +40,7 @@ def list_tenants(service: EngineService) -> dict:
             rows.append({"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit,
                          "hit_ratio": hit / prompt if prompt else 0.0, "recomputed_tokens": recomputed,
                          "running": flight[(tenant, "running")], "waiting": flight[(tenant, "waiting")],
+                         "rejected": rejected.get(tenant, 0),
                          "cached_blocks": indexed.get(tenant, 0),
                          "idle_blocks": None if share is None else share["idle_blocks"],
                          "share_blocks": None if share is None else share["share_blocks"],
