@@ -59,10 +59,14 @@ class TenantShares:
     def adopt(self, block_ids: Iterable[int]) -> None:
         """Learn the tenants of blocks the inner policy already holds (next victim first), when
         the shares wrap a policy in use."""
+        owner, idle, tenant_of = self._owner, self._idle, self.tenant_of
         for block_id in block_ids:
-            tenant = self.tenant_of(block_id) or ""
-            self._owner[block_id] = tenant
-            self._idle.setdefault(tenant, OrderedDict())[block_id] = None
+            tenant = tenant_of(block_id) or ""
+            owner[block_id] = tenant
+            queue = idle.get(tenant)
+            if queue is None:
+                queue = idle[tenant] = OrderedDict()
+            queue[block_id] = None
 
     # ---- what a tenant may keep --------------------------------------------------------------
     def share_of(self, tenant: str) -> int | None:
