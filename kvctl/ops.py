@@ -529,6 +529,15 @@ def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help=
 config_app = typer.Typer(help="The daemon's settings.", no_args_is_help=True)
 
 
+def _setting_text(value) -> str:
+    """A setting as an operator writes it: per-tenant pairs as acme=3,free=1, lists comma-separated."""
+    if isinstance(value, list) and value and all(isinstance(v, list) and len(v) == 2 for v in value):
+        return ",".join(f"{k}={v}" for k, v in value)
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) or "none"
+    return str(value)
+
+
 @config_app.command("show")
 def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """The settings the daemon resolved, and the precedence it used.
@@ -543,7 +552,7 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
         effective = d.get("effective") or {}
         from_rollouts = d.get("from_rollouts") or {}
         for key, value in d["config"].items():
-            shown = "auto" if value is None and key in effective else str(value)
+            shown = "auto" if value is None and key in effective else _setting_text(value)
             if key in effective and effective[key] != value:
                 shown += f" ({effective[key]} in effect)"
             if key in from_rollouts:

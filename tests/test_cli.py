@@ -1021,3 +1021,11 @@ def test_replay_with_tenant_shares_compares_each_policy_with_and_without_them(ca
     assert lines[header + 1].split() == ["block", "capacity", "policy", "noisy", "quiet"]
     assert [line.split()[2] for line in lines[header + 2:header + 6]] == ["lru", "lru+shares", "cost", "cost+shares"]
     assert len(max(lines, key=len)) <= 80
+
+
+def test_config_show_writes_per_tenant_settings_as_an_operator_writes_them():
+    from kvctl.ops import _setting_text
+
+    assert _setting_text([["acme", 3], ["free", 1]]) == "acme=3,free=1"
+    assert _setting_text(["vllm", "sglang"]) == "vllm,sglang" and _setting_text([]) == "none"
+    assert _setting_text(256) == "256" and _setting_text(None) == "None"
