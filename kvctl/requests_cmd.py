@@ -115,7 +115,7 @@ def render_tenants(d: dict) -> Group:
     rows = d["tenants"]
     shares = d.get("shares")
     table = compact_table("tenant", "prompt", "hit", "recomputed", "running/waiting", "rejected", "cached",
-                          *(["idle/share"] if shares else []), "pinned/budget")
+                          *(["idle/share"] if shares else []), "pinned/budget", "TTFT p50/p95")
     for index in range(1, len(table.columns)):
         table.columns[index].justify = "right"
     for row in rows:
@@ -125,7 +125,9 @@ def render_tenants(d: dict) -> Group:
                      f"{row['idle_blocks'] or 0:,}/" + ("-" if row["share_blocks"] is None else f"{row['share_blocks']:,}")]
         table.add_row(escape(row["tenant"]), f"{row['prompt_tokens']:,}", f"{row['hit_ratio']:.1%}",
                       f"{row['recomputed_tokens']:,}", f"{row['running']}/{row['waiting']}", f"{row.get('rejected', 0):,}",
-                      f"{row['cached_blocks']:,}", *share, f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}")
+                      f"{row['cached_blocks']:,}", *share, f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}",
+                      "-" if row.get("ttft_p50_s") is None else
+                      f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f} ms")
     parts = [table] if rows else [Text("no tenant seen since kvd started")]
     parts.append(Text(f"hit: prompt tokens served from the cache; cached: device blocks holding the tenant's "
                       f"prefixes, of {d['blocks']:,}" + ("; idle/share: unused cached blocks against its share "

@@ -173,7 +173,8 @@ TENANT_SUMS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "running", "w
 
 def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
     """Each tenant across the fleet: its counts summed over the replicas (shares, idle blocks and
-    pin budgets too, as the fleet's), its hit ratio from the sums."""
+    pin budgets too, as the fleet's), its hit ratio from the sums, its TTFT percentiles the slowest
+    replica's."""
     merged: dict[str, dict] = {}
     missing = []
     for name, (status, body) in zip(names, answers):
@@ -183,12 +184,15 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
         for row in body["tenants"]:
             into = merged.setdefault(row["tenant"], {"tenant": row["tenant"], **dict.fromkeys(TENANT_SUMS, 0),
                                                      "idle_blocks": None, "share_blocks": None,
-                                                     "pin_budget_blocks": 0})
+                                                     "pin_budget_blocks": 0, "ttft_p50_s": None, "ttft_p95_s": None})
             for key in TENANT_SUMS + ("pin_budget_blocks",):
                 into[key] += row.get(key, 0)  # a replica of an earlier kvd may lack one
             for key in ("idle_blocks", "share_blocks"):
                 if row[key] is not None:
                     into[key] = (into[key] or 0) + row[key]
+            for key in ("ttft_p50_s", "ttft_p95_s"):  # percentiles do not add up: the slowest replica's
+                if row.get(key) is not None:
+                    into[key] = max(into.get(key) or 0.0, row[key])
     if not any(status == 200 for status, _ in answers):
         return none_did(names, answers)
     rows = [merged[t] for t in sorted(merged)]

@@ -8,6 +8,7 @@
                                               share, tenant_cache_shares) or operator
     kvd_tenant_prompt_tokens_total{tenant}    prompt tokens per tenant, and kvd_tenant_hit_tokens_total{tenant}
     kvd_tenant_cached_blocks{tenant}          device blocks holding a tenant's cached prefixes
+    kvd_tenant_ttft_seconds{tenant}           histogram: time to first token per tenant (client requests)
     kvd_tenant_idle_blocks{tenant}            with tenant_cache_shares: idle cached blocks per tenant
     kvd_tenant_share_blocks{tenant}           and each tenant's share in blocks
     kvd_cache_stored_blocks_total{tier}       blocks indexed per tier (device, host, disk, remote)
@@ -259,10 +260,14 @@ class Metrics:
         # appended on the engine thread as requests finish, so O(new values), never a copy)
         self._recent_ttft: deque[float] = deque(maxlen=2000)
         self._recent_itl: deque[float] = deque(maxlen=20000)
+        self._tenant_ttft: dict[str, deque[float]] = {}  # per tenant, its latest TTFTs (bounded as above)
+        self.tenant_ttft = Histogram("kvd_tenant_ttft_seconds", "Time to first token, per tenant", ["tenant"],
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
         self._lock = threading.Lock()
         self.service = service
         service.on_finished(self.observe_request)
         service.latency_summary = self.summary
+        service.tenant_latency = self.tenant_summary
         aliases = getattr(service.config, "metrics_aliases", ())
         if aliases:  # the same figures under vLLM's / SGLang's names as well
             from .metric_aliases import AliasCollector
@@ -294,6 +299,12 @@ class Metrics:
             if metrics.ttft is not None:
                 self.ttft.observe(metrics.ttft)
                 self._recent_ttft.append(metrics.ttft)
+                if api != "internal":  # a pin's warm-up is no client's wait
+                    self.tenant_ttft.labels(request.tenant).observe(metrics.ttft)
+                    recent = self._tenant_ttft.get(request.tenant)
+                    if recent is None:
+                        recent = self._tenant_ttft[request.tenant] = deque(maxlen=2000)
+                    recent.append(metrics.ttft)
             gaps = metrics.inter_token_latencies
             for gap in gaps:
                 self.itl.observe(gap)
@@ -310,6 +321,13 @@ class Metrics:
                 restores, tiers.stats["host"].restore_seconds = tiers.stats["host"].restore_seconds, []
             for value in restores:
                 self.restore.observe(value)
+
+    def tenant_summary(self) -> dict:
+        """Per tenant: p50 and p95 of its latest TTFTs (up to 2,000), and how many."""
+        with self._lock:
+            recent = {tenant: list(values) for tenant, values in self._tenant_ttft.items()}
+        return {tenant: {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "count": len(values)}
+                for tenant, values in recent.items()}
 
     def summary(self) -> dict:
         def percentiles(values) -> dict:

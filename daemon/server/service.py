@@ -118,6 +118,7 @@ class EngineService:
         self.pin_warmer: threading.Thread | None = None  # brings pinned prefixes back from lower tiers at start
         self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
+        self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
         from .rollouts import RolloutManager  # NOTE: late import; rollouts imports ServiceError from here
 
         self.rollouts = RolloutManager(store)

@@ -5,7 +5,8 @@ tokens, how many the prefix cache served and how many were computed again after 
 totals of `kvctl status`, split by tenant); its requests in flight, and those turned away (a full
 queue, its limit of requests in flight, a request that can never fit); the device blocks holding its
 cached prefixes (in use or idle); with tenant cache shares, its idle blocks against its share;
-its pinned blocks against its pin budget. Counts only: never prompts, tokens or keys.
+its pinned blocks against its pin budget; and the p50 and p95 of its latest TTFTs. Counts only: never
+prompts, tokens or keys.
 """
 
 from __future__ import annotations
@@ -47,4 +48,8 @@ def list_tenants(service: EngineService) -> dict:
                          "pinned_blocks": pinned.get(tenant, 0),
                          "pin_budget_blocks": budgets.get(tenant, pins.budget(tenant))})
         total = cache.num_blocks
+    latency = service.tenant_latency()  # outside the engine's lock: the metrics keep their own
+    for row in rows:
+        ttft = latency.get(row["tenant"]) or {}
+        row["ttft_p50_s"], row["ttft_p95_s"] = ttft.get("p50"), ttft.get("p95")
     return {"tenants": rows, "shares": shares is not None, "blocks": total}
