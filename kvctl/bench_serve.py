@@ -198,6 +198,9 @@ def serve_command(
     system_tokens: int = typer.Option(1024, help="shared-prefix: tokens per system prompt."),
     question_tokens: int = typer.Option(32, help="shared-prefix: tokens per question."),
     seed: int = typer.Option(0, help="Workload seed."),
+    tenant: Optional[str] = typer.Option(None, help="Send the workload as this tenant (X-KVD-Tenant; on the Unix "
+                                         "socket, or TCP behind a trusted proxy): run two at once as two "
+                                         "tenants to watch a noisy neighbour in `kvctl tenants`."),
     repeat: int = typer.Option(1, "--repeat", help="Run it N times, kvd then the baseline each time, and "
                                                  "report each figure's median and range. shared-prefix and "
                                                  "multi-turn take fresh prompts each time (seed, seed+1, ...), "
@@ -248,7 +251,7 @@ def serve_command(
     works = [build(seed)]
     for i in range(1, repeat):  # a trace does not depend on the seed: read it once
         works.append(works[0] if workload.startswith("trace:") else build(seed + i))
-    sync = Client(**_conn(ctx))
+    sync = Client(**_conn(ctx), tenant=tenant)
     status = sync.get("/admin/status")
     err = Console(stderr=True)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -279,7 +282,7 @@ def serve_command(
         "settings": {"api": api, "requests": len(works[0]), "concurrency": None if rate else concurrency, "rate": rate,
                      "groups": groups, "system_tokens": system_tokens, "question_tokens": question_tokens,
                      "max_tokens": max_tokens, "seed": seed, "time_scale": time_scale,
-                     "block_tokens": block_tokens, "baseline": baseline, "repeat": repeat},
+                     "block_tokens": block_tokens, "baseline": baseline, "repeat": repeat, "tenant": tenant},
         **_summarise(runs, status, after),
         "model": {"name": status["model"]["name"], "revision": status["model"]["revision"]},
         "versions": _versions(),

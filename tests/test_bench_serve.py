@@ -395,3 +395,44 @@ def test_the_engine_loop_runs_the_bench_workload_in_process_to_the_last_token():
         assert lines[0].endswith(", quick prefill 64 tokens")  # kvd's default on a CPU
         passes = [re.match(r"pass (\d) \((cold|warm)\): ([\d,]+) tokens, ", line) for line in lines[1:]]
         assert [(m[1], m[2], m[3]) for m in passes] == [("0", "cold", "1,024"), ("1", "cold", "1,024")]
+
+
+def test_a_bench_sent_as_a_tenant_is_that_tenant_s_traffic(tmp_path):
+    """`kvctl bench serve --tenant acme`: the bench's own client, made from kvctl's, sends as acme."""
+    import uvicorn
+
+    from kvctl.bench_serve import drive_kvd
+    from kvctl.client import Client
+
+    from .daemon_fixtures import apps, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=128)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        work = shared_prefix(groups=1, system_tokens=32, questions=2, question_tokens=8, max_tokens=2)
+        path = str(tmp_path / "bench.sock")
+
+        async def go():
+            server = uvicorn.Server(uvicorn.Config(unix, uds=path, log_level="warning", lifespan="off"))
+            serving = asyncio.create_task(server.serve())
+            while not server.started:
+                await asyncio.sleep(0.01)
+            try:
+                async with Client(path, tenant="acme").async_session() as session:
+                    return await drive_kvd(session, work, concurrency=1, rate=None, seed=0)
+            finally:
+                server.should_exit = True
+                await serving
+
+        records = asyncio.run(go())
+        assert [r.status for r in records] == ["ok", "ok"]
+        rows = {row["tenant"]: row for row in service_tenants(service)}
+        assert set(rows) == {"acme"} and rows["acme"]["prompt_tokens"] == sum(r.prompt_tokens for r in records)
+    finally:
+        service.shutdown(1)
+
+
+def service_tenants(service) -> list[dict]:
+    from kvctl.daemon.server.tenants import list_tenants
+
+    return list_tenants(service)["tenants"]
