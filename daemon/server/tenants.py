@@ -27,8 +27,7 @@ def list_tenants(service: EngineService) -> dict:
         indexed = {tenant: n for tenant, n in cache.pool.tenant_blocks.items() if tenant is not None and n > 0}
         shares = cache.tenant_shares()
         pins = cache.pins
-        pinned = {pin.tenant: pins.used(pin.tenant) for pin in pins.all()}
-        budgets = {tenant: pins.budget(tenant) for tenant in pinned}
+        pinned = {tenant: pins.used(tenant) for tenant in {pin.tenant for pin in pins.all()}}
         flight: Counter[tuple[str, str]] = Counter()
         for request in engine.requests.values():
             if not request.finished:
@@ -46,7 +45,7 @@ def list_tenants(service: EngineService) -> dict:
                          "idle_blocks": None if share is None else share["idle_blocks"],
                          "share_blocks": None if share is None else share["share_blocks"],
                          "pinned_blocks": pinned.get(tenant, 0),
-                         "pin_budget_blocks": budgets.get(tenant, pins.budget(tenant))})
+                         "pin_budget_blocks": pins.budget(tenant)})
         total = cache.num_blocks
     latency = service.tenant_latency()  # outside the engine's lock: the metrics keep their own
     for row in rows:
