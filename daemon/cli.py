@@ -113,6 +113,13 @@ def serve(
     write_policy: Optional[str] = typer.Option(None, help="write_back (on eviction), write_through (every "
                                                "filled block) or write_through_selective (a block once reused)."),
     tiering: Optional[str] = typer.Option(None, help="measured (judge by measured rates) or always."),
+    prefetch_policy: Optional[str] = typer.Option(
+        None, help="How long a waiting request holds out for its prefix from disk or Redis: timeout "
+                   "(--prefetch-timeout), best_effort (never) or wait_complete (until the fetch ends)."),
+    prefetch_timeout: Optional[float] = typer.Option(
+        None, help="Seconds a request waits for its prefix's fetch under prefetch_policy timeout (default 2)."),
+    prefetch_timeout_per_1k_tokens: Optional[float] = typer.Option(
+        None, help="Seconds more per 1,024 tokens fetched, under prefetch_policy timeout (default 0)."),
     metrics_aliases: Optional[str] = typer.Option(
         None, help="Also export /metrics under vLLM's and/or SGLang's names (vllm,sglang), for their dashboards."),
     log_level: str = typer.Option("info", help="Log level."),
@@ -138,7 +145,8 @@ def serve(
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
                    disk_cache_path=disk_cache_path, remote_url=remote_url, write_policy=write_policy,
-                   tiering=tiering, metrics_aliases=metrics_aliases)
+                   tiering=tiering, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
+                   prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases)
     try:
         settings = resolve(flags, os.environ, config)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:

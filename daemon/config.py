@@ -18,6 +18,7 @@ from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tenant_map import parse_tenant_map
 from kvctl.policies.tenant_shares import parse_shares
+from kvctl.policies.tiering import PREFETCH_POLICIES
 
 
 class ConfigError(ValueError):
@@ -145,6 +146,12 @@ class KvdConfig:
     remote_timeout: float = 0.5  # seconds per Redis call
     write_policy: str = "write_back"  # or write_through, write_through_selective
     tiering: str = "measured"  # measured (judge from measured rates) or always (keep and restore everything)
+    # how long a waiting request holds out for its prefix to come up from disk or Redis (SGLang
+    # HiCache's policies): timeout (prefetch_timeout + prefetch_timeout_per_1k_tokens per 1,024
+    # tokens fetched), best_effort (never wait) or wait_complete (until the fetch ends)
+    prefetch_policy: str = "timeout"
+    prefetch_timeout: float = 2.0
+    prefetch_timeout_per_1k_tokens: float = 0.0
     # /metrics also under vLLM's and/or SGLang's metric names (daemon/server/metric_aliases.py): "vllm,sglang"
     metrics_aliases: tuple[str, ...] = ()
     # where each setting came from ("--max-queue", "KVD_MAX_QUEUE", the YAML file's path); absent: the default
@@ -183,6 +190,7 @@ _PARSERS = {
         n for n in (v if isinstance(v, (list, tuple)) else (x.strip() for x in str(v).split(","))) if n and n != "none")),
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,
     "host_cache_bytes": _size, "disk_cache_bytes": _size, "remote_cache_bytes": _size, "remote_timeout": float,
+    "prefetch_timeout": float, "prefetch_timeout_per_1k_tokens": float,
     "keep_layers_unquantised": lambda v: ",".join(str(int(x)) for x in (v if isinstance(v, list) else str(v).split(",")) if str(x).strip()),
 }
 
@@ -223,6 +231,12 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be write_back, write_through or write_through_selective")
     if name == "tiering" and value not in ("measured", "always"):
         raise ValueError("must be measured or always")
+    if name == "prefetch_policy" and value not in PREFETCH_POLICIES:
+        raise ValueError(f"must be {', '.join(PREFETCH_POLICIES[:-1])} or {PREFETCH_POLICIES[-1]}")
+    if name == "prefetch_timeout" and not 0 < value < float("inf"):
+        raise ValueError("must be a number of seconds > 0 (for no limit, use prefetch_policy: wait_complete)")
+    if name == "prefetch_timeout_per_1k_tokens" and not 0 <= value < float("inf"):
+        raise ValueError("must be a number of seconds >= 0")
     if name == "remote_url" and value is not None and not str(value).startswith(
             ("redis://", "rediss://", "unix://", "redis+cluster://")):
         raise ValueError("must start with redis://, rediss://, unix:// or redis+cluster://")

@@ -49,7 +49,8 @@ def render_requests(d: dict) -> Group:
     names = {r["replica"]: i for i, r in enumerate(d.get("replicas") or [])}  # in the router's order
     for row in rows:
         mark = [f"#{names.setdefault(row['replica'], len(names))}"] if fleet else []
-        state = row["state"] + (f", preempted {row['preemptions']}x" if row["preemptions"] else "")
+        state = row["state"] + (" (fetching prefix)" if row.get("fetching_prefix") else "") \
+            + (f", preempted {row['preemptions']}x" if row["preemptions"] else "")
         table.add_row(row["request_id"], *mark, escape(row["tenant"]), row["api"], state,
                       seconds(row["age_seconds"]), f"{row['prompt_tokens']:,}", f"{row['cached_tokens']:,}",
                       f"{row['output_tokens']:,}/{row['max_tokens']:,}" + (f" ×{row['n']}" if row["n"] > 1 else ""),

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from .ops import _client, _emit
-from .tables import compact_table, size
+from .tables import compact_table, seconds, size
 
 
 def render_tiers(d: dict, console: Console | None = None) -> None:
@@ -56,6 +56,8 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
             f"{k} {'never' if math.isinf(v) else f'{v:,.0f} tokens'}"
             + ("" if measured.get(k, True) else " (assumed rates: nothing measured yet)")
             for k, v in d["break_even_tokens"].items()))
+    if d.get("prefetch") and ("disk" in d["tiers"] or "remote" in d["tiers"]):
+        console.print(prefetch_line(d["prefetch"]), highlight=False)
     aside = (d["tiers"].get("disk") or {}).get("set_aside")
     if aside:
         console.print("disk set aside: " + "; ".join(_aside_group(g) for g in aside), highlight=False)
@@ -68,6 +70,26 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
         dropped = f", {s['set_aside_dropped']} set aside before (for room)" if s.get("set_aside_dropped") else ""
         console.print(f"disk at start: {s['blocks']:,} blocks re-indexed{back}; set aside {s['corrupt']} corrupt, "
                       f"{s['foreign']} foreign; removed {s['torn']} unfinished{dropped}")
+
+
+def prefetch_line(p: dict) -> str:
+    """How requests waited for their prefixes from disk or Redis, in one line."""
+    policy = p["policy"]
+    if policy == "timeout":
+        per_1k = p["timeout_per_1k_tokens_seconds"]
+        policy += f" {p['timeout_seconds']:g} s" + (f" + {per_1k:g} s per 1k tokens" if per_1k else "")
+    counts = p["outcomes"]
+    ended = ", ".join(f"{counts[k]:,} {label}" for k, label in (
+        ("complete", "complete"), ("timeout", "timed out"), ("best_effort", "not waited for"),
+        ("cancelled", "cancelled")) if counts.get(k))
+    waits = p["wait_seconds"]
+    line = f"prefetch ({policy}): " + (ended or "none yet")
+    if waits["count"]:
+        line += (f"; {p['staged_blocks']:,} blocks staged by admission; waited p50 {seconds(waits['p50'])}, "
+                 f"p95 {seconds(waits['p95'])}, max {seconds(waits['max'])}")
+    if p["fetching_now"]:
+        line += f"; {p['fetching_now']} waiting for a fetch now"
+    return line
 
 
 def _aside_group(g: dict) -> str:

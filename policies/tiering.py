@@ -13,6 +13,7 @@ with expected_reuse = prior + hits of its prefix (a prefix never reused still ge
 since most prefixes are first reused after their first eviction). A prefix in a lower tier is
 restored when restore_seconds(bytes of the run) < recompute_seconds(tokens of the run).
 A router prices a replica's lower-tier blocks the same way (`restore_seconds`).
+How long a waiting request holds out for such a restore's fetch is `PrefetchWait`'s call.
 """
 
 from __future__ import annotations
@@ -76,6 +77,59 @@ class TieringPolicy:
         if gain_per_token <= 0:
             return math.inf
         return read.latency / gain_per_token
+
+
+PREFETCH_POLICIES = ("timeout", "best_effort", "wait_complete")
+
+
+@dataclass(frozen=True)
+class PrefetchWait:
+    """How long a waiting request holds out for its prefix to come up from disk or Redis before
+    it is admitted with what has arrived (the rest is recomputed). SGLang HiCache's three
+    prefetch policies, by their names:
+
+        best_effort    never wait: admission takes whatever is staged by then
+        wait_complete  wait until the fetch has ended (everything staged, or it stopped at a
+                       block found nowhere or failing verification)
+        timeout        wait until the fetch ends, or until `timeout` + `per_1k_tokens` x
+                       tokens / 1024 seconds after it started, whichever comes first
+
+    The engine lets a waiting request's turn pass to the requests behind it, so a slow disk or
+    Redis holds up only the request that needs it. Pure: fed times, never reading a clock."""
+
+    policy: str = "timeout"
+    timeout: float = 2.0  # seconds, under `timeout`
+    per_1k_tokens: float = 0.0  # seconds more per 1,024 tokens fetched, under `timeout`
+
+    def __post_init__(self) -> None:
+        if self.policy not in PREFETCH_POLICIES:
+            raise ValueError(f"prefetch_policy: invalid value {self.policy!r}; use {', '.join(PREFETCH_POLICIES)}")
+        if not self.timeout > 0:
+            raise ValueError(f"prefetch_timeout: invalid value {self.timeout!r}; must be > 0 seconds")
+        if not self.per_1k_tokens >= 0:
+            raise ValueError(f"prefetch_timeout_per_1k_tokens: invalid value {self.per_1k_tokens!r}; must be >= 0")
+
+    def deadline(self, started: float, tokens: int) -> float:
+        """When a fetch of `tokens` tokens that started at `started` stops being waited for."""
+        if self.policy == "best_effort":
+            return started
+        if self.policy == "wait_complete":
+            return math.inf
+        return started + self.timeout + self.per_1k_tokens * tokens / 1024
+
+    def waits(self, started: float, tokens: int, now: float) -> bool:
+        """Whether a request whose fetch is still running keeps waiting at `now`."""
+        return now < self.deadline(started, tokens)
+
+    def outcome(self, fetch_ended: bool) -> str:
+        """How a request's wait ended when it is admitted: `complete` (its fetch had ended),
+        `timeout` (its deadline passed first) or `best_effort` (admitted without waiting)."""
+        if fetch_ended:
+            return "complete"
+        return "best_effort" if self.policy == "best_effort" else "timeout"
+
+
+PREFETCH_OUTCOMES = ("complete", "timeout", "best_effort", "cancelled")
 
 
 def held_run(keys, holders) -> dict[str, int]:

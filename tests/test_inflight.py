@@ -76,7 +76,8 @@ def test_requests_in_flight_are_listed_and_cancelled_by_id_or_tenant(tmp_path):
         assert waiting["output_tokens"] == 0 and waiting["queued_seconds"] == waiting["age_seconds"]
         assert set(running) == {"request_id", "tenant", "api", "state", "age_seconds", "queued_seconds",
                                 "prompt_tokens", "cached_tokens", "restored_tokens", "output_tokens", "max_tokens",
-                                "n", "preemptions", "blocks", "priority", "cohort"}  # no tokens, no text
+                                "n", "preemptions", "blocks", "fetching_prefix", "priority", "cohort"}  # no tokens, no text
+        assert (running["fetching_prefix"], waiting["fetching_prefix"]) == (False, False)  # no lower tier here
         assert [r["request_id"] for r in only["requests"]] == [ids[1]]
 
         [gone] = cancelled["cancelled"]

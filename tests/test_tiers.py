@@ -17,40 +17,10 @@ from kvctl.daemon.cache.events import EventLog  # noqa: E402
 from kvctl.daemon.cache.keys import PrefixHasher  # noqa: E402
 from kvctl.daemon.cache.tiers import build_tiers  # noqa: E402
 from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
-from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
-from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
-from kvctl.daemon.model.llama import load_model  # noqa: E402
 
 from .daemon_fixtures import call, start_service  # noqa: E402
+from .tier_engine import GREEDY, TEXT_A, TEXT_B, TEXT_C, demo, engine_with, generate, push_out  # noqa: E402,F401
 from .tier_fixtures import redis_cluster, redis_server  # noqa: E402,F401
-
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-TEXT_A = "The paged cache keeps blocks of sixteen tokens, and this prompt is long enough for several blocks!"
-TEXT_B = "Another prompt entirely, different words, which also spans several blocks of sixteen tokens each."
-TEXT_C = "A third prompt that pushes the others out of a small device cache, again several blocks long."
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return load_model(ensure_demo_checkpoint(tmp_path_factory.mktemp("state")))
-
-
-def engine_with(demo, num_blocks=12, **tiers):
-    engine = Engine(demo, EngineSettings(num_blocks=num_blocks, block_size=16))
-    tiered, _ = build_tiers(engine, tiering="always", **tiers)
-    return engine, tiered
-
-
-def generate(engine, text, demo, params=GREEDY):
-    request = engine.add_request(demo.tokenizer.encode(text), params)
-    engine.run_until_done()
-    engine.cache.audit()
-    return request
-
-
-def push_out(engine, demo):
-    generate(engine, TEXT_B, demo)
-    generate(engine, TEXT_C, demo)
 
 
 @pytest.mark.parametrize("tiers", ["host", "disk", "host+disk"])

@@ -4,7 +4,8 @@ Each `step()`:
 
 1. admits waiting sequences in queue order while the cache can hold their prompt (minus
    cached prefix) plus the output reservation, up to `max_running` (head-of-line: the first
-   that does not fit waits for room);
+   that does not fit waits for room); one whose prefix is still coming up from disk or Redis
+   waits as the prefetch policy says while those behind it go ahead;
 2. plans a batch within `max_batch_tokens`: one token for every decoding sequence, then
    prompt chunks for prefilling ones (long prompts take several steps). With
    `quick_prefill_tokens`, prompts that have at most that many tokens left (a prefix hit's
@@ -35,7 +36,7 @@ from kvctl.daemon.cache.events import EventLog
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
 from kvctl.policies.admission import Verdict, blocks_for_tokens, tenant_limit_reason
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.tiering import RateMeter
+from kvctl.policies.tiering import PrefetchWait, RateMeter
 
 from ..model.llama import ForwardBatch, LoadedModel
 from .logits import adjust_logits
@@ -71,6 +72,11 @@ class EngineSettings:
     quick_prefill_tokens: int = 0
     # (tenant, fraction) pairs, "*" for the others: under pressure, over-share tenants' idle blocks go first
     tenant_cache_shares: tuple[tuple[str, float], ...] = ()
+    # how long a waiting request holds out for its prefix to come up from disk or Redis
+    # (policies.tiering.PrefetchWait): timeout, best_effort or wait_complete
+    prefetch_policy: str = "timeout"
+    prefetch_timeout: float = 2.0
+    prefetch_timeout_per_1k_tokens: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,13 @@ class EngineStats:
     # per tenant: [prompt tokens, hit tokens, recomputed tokens], as the totals above count them
     tenant_tokens: dict[str, list[int]] = field(default_factory=dict)
     tenant_rejections: dict[str, int] = field(default_factory=dict)  # tenant -> requests rejected (any reason)
+    # requests whose prefix was fetched from disk or Redis, by how their wait ended (PREFETCH_OUTCOMES)
+    prefetch_outcomes: dict[str, int] = field(default_factory=dict)
+    prefetch_staged_blocks: int = 0  # blocks those fetches had staged when their requests were admitted
+    # seconds from each fetch's start to its request's admission: drained by the server's histogram,
+    # and the latest 2,000 kept for percentiles
+    prefetch_waits: deque = field(default_factory=lambda: deque(maxlen=65536))
+    recent_prefetch_waits: deque = field(default_factory=lambda: deque(maxlen=2000))
 
 
 class Engine:
@@ -141,7 +154,8 @@ class Engine:
         self.stats = EngineStats()
         self.admission_paused = False  # set while new scales wait for running work to drain
         self.tiers = None  # a TieredCache once attach_tiers() is called
-        self.prefetch_wait = 2.0  # seconds the queue head waits for its prefix to come up from disk/Redis
+        self.prefetch = PrefetchWait(settings.prefetch_policy, settings.prefetch_timeout,
+                                     settings.prefetch_timeout_per_1k_tokens)
 
     def attach_tiers(self, tiers) -> None:
         """Demote evicted blocks into `tiers` and restore prefixes from them (see daemon.cache.tiers)."""
@@ -291,7 +305,40 @@ class Engine:
         source = tiers.stats["disk" if tiers.disk is not None else "remote"].read
         size = self.settings.block_size
         if tiers.policy.should_restore(len(missing) * size, len(missing) * tiers.layout.block_bytes, source):
-            tiers.start_prefetch(request.request_id, missing)
+            if tiers.start_prefetch(request.request_id, missing):
+                request.metrics.prefetch_started = self.clock()
+                request.metrics.prefetch_tokens = len(missing) * size
+
+    def fetching_prefix(self, request: Request) -> bool:
+        """Whether the request waits while its prefix comes up from disk or Redis right now."""
+        metrics = request.metrics
+        return (self.tiers is not None and metrics.prefetch_started is not None and metrics.prefetch_outcome is None
+                and self.tiers.prefetch_pending(request.request_id))
+
+    def _waits_for_prefetch(self, request: Request) -> bool:
+        """Whether the request keeps waiting for its prefix's fetch from disk or Redis: the fetch
+        is still running and the prefetch policy says to wait (policies.tiering.PrefetchWait)."""
+        metrics = request.metrics
+        if metrics.prefetch_started is None or not self.tiers.prefetch_pending(request.request_id):
+            return False
+        return self.prefetch.waits(metrics.prefetch_started, metrics.prefetch_tokens, self.clock())
+
+    def _end_prefetch(self, request: Request, outcome: str | None = None) -> None:
+        """Stop the request's fetch (it was admitted, or `outcome` "cancelled") and drop what it
+        staged; the first time, count how its wait ended and how long it was."""
+        tiers, metrics = self.tiers, request.metrics
+        if metrics.prefetch_started is not None and metrics.prefetch_outcome is None:
+            job = tiers.prefetches.get(request.request_id)
+            if outcome is None:
+                outcome = self.prefetch.outcome(not tiers.prefetch_pending(request.request_id))
+            metrics.prefetch_outcome = outcome
+            self.stats.prefetch_outcomes[outcome] = self.stats.prefetch_outcomes.get(outcome, 0) + 1
+            if outcome != "cancelled":
+                self.stats.prefetch_staged_blocks += len(job.staged) if job is not None else 0
+                waited = self.clock() - metrics.prefetch_started
+                self.stats.prefetch_waits.append(waited)
+                self.stats.recent_prefetch_waits.append(waited)
+        tiers.finish_prefetch(request.request_id)
 
     def _restore(self, seq: Sequence, keys: list, num_tokens: int) -> None:
         """Before admitting `seq`, put its prefix back on the device from host or staging."""
@@ -318,7 +365,7 @@ class Engine:
             return []
         request.cancelled = True
         if self.tiers is not None:
-            self.tiers.finish_prefetch(request_id)
+            self._end_prefetch(request, "cancelled")
         for seq in request.sequences:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "cancelled")
@@ -425,13 +472,27 @@ class Engine:
                 self.tiers.write_through([pool.blocks[b] for b in pending])
                 pending.clear()
 
+    PREFETCH_POLL = 0.05  # seconds an idle engine waits at most for a held request's fetch before it looks again
+
     def _admit(self) -> None:
         """Admit waiting sequences in queue order while they fit (the first that does not fit
         waits for room, and so does everything behind it). A sequence whose next uncached block
         a running prefill is about to compute is passed over this step, so that it reuses that
-        block instead of computing the shared prefix a second time (in-batch prefix sharing)."""
+        block instead of computing the shared prefix a second time (in-batch prefix sharing).
+        So is one still waiting for its prefix to come up from disk or Redis (`self.prefetch`):
+        a slow fetch holds up only its own request. With nothing to run, the engine waits a
+        moment for the first such fetch instead of spinning."""
         if self.admission_paused:
             return
+        held: list[Request] = []
+        self._admit_in_order(held)
+        if held and not self._running:
+            metrics = held[0].metrics
+            left = self.prefetch.deadline(metrics.prefetch_started, metrics.prefetch_tokens) - self.clock()
+            self.tiers.wait_prefetch(held[0].request_id, max(0.0, min(self.PREFETCH_POLL, left)))
+
+    def _admit_in_order(self, held: list[Request]) -> None:
+        """The admission pass of `_admit`; requests passed over for their fetch go into `held`."""
         while self._waiting and self._waiting[0][1].status is not SeqStatus.WAITING:
             heapq.heappop(self._waiting)  # entries of cancelled sequences
         upcoming = self._upcoming_keys()
@@ -446,13 +507,9 @@ class Engine:
             keys, hasher = self._prefix_keys(seq)
             reuse = not request.scoring  # a prompt scored position by position takes nothing from the cache
             if self.tiers is not None and reuse:
-                tiers = self.tiers
-                if tiers.prefetch_pending(request.request_id):
-                    waited = self.clock() - request.metrics.arrival
-                    if waited < self.prefetch_wait:
-                        if self._running:
-                            return  # the head waits for its prefix; running work goes on
-                        tiers.wait_prefetch(request.request_id, self.prefetch_wait - waited)
+                if self._waits_for_prefetch(request):
+                    held.append(request)
+                    continue  # its turn passes to the requests behind it meanwhile
                 self._restore(seq, keys, len(tokens))
             if upcoming and reuse:
                 hits = len(self.cache.pool.match(keys, self.cache.cacheable_blocks(len(tokens))))
@@ -468,7 +525,7 @@ class Engine:
                                          hasher=hasher, reuse=reuse)
             self.stats.alloc_seconds.append(time.perf_counter() - started)
             if self.tiers is not None:
-                self.tiers.finish_prefetch(request.request_id)
+                self._end_prefetch(request)
             now = self.clock()
             by_tenant = self.stats.tenant_tokens.setdefault(request.tenant, [0, 0, 0])
             if request.metrics.admitted is None:

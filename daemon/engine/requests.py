@@ -25,6 +25,10 @@ class RequestMetrics:
     recomputed_tokens: int = 0  # tokens computed again after a preemption
     restored_tokens: int = 0  # prompt tokens brought back from a lower tier (part of cached_tokens)
     preemptions: int = 0
+    # its prefix's fetch from disk or Redis while it waited (engine clock), if there was one
+    prefetch_started: float | None = None
+    prefetch_tokens: int = 0  # tokens that fetch set out to bring up
+    prefetch_outcome: str | None = None  # how the wait ended (policies.tiering.PREFETCH_OUTCOMES)
 
     @property
     def time_queued(self) -> float | None:

@@ -1,7 +1,7 @@
 """The requests in flight, as an operator sees and stops them (`kvctl requests`, `kvctl cancel`).
 
-A row says who asked (tenant, API), where the request stands (waiting for admission, computing
-its prompt, decoding; preempted and how often), for how long, what the cache gave it (cached and
+A row says who asked (tenant, API), where the request stands (waiting for admission, and whether
+for its prefix to come up from disk or Redis; computing its prompt, decoding; preempted and how often), for how long, what the cache gave it (cached and
 restored prompt tokens) and what it holds (blocks): never its prompt or output tokens, nor text.
 Cancelling one does what a client that leaves does: its samples finish as `cancelled` (a
 streaming client gets that finish reason), its blocks come back exactly once, and the call is
@@ -38,6 +38,7 @@ def request_row(service: EngineService, request: Request, now: float) -> dict:
             "output_tokens": sum(len(s.output_ids) for s in request.sequences),
             "max_tokens": request.params.max_tokens, "n": request.params.n,
             "preemptions": metrics.preemptions, "blocks": blocks,
+            "fetching_prefix": service.engine.fetching_prefix(request),  # from disk or Redis, while it waits
             "priority": -request.priority,  # as requests and tenant_priorities give it: lower runs first
             "cohort": request.cohort}
 

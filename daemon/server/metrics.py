@@ -33,6 +33,9 @@
     kvd_tier_errors_total{tier}               I/O errors and timeouts
     kvd_tier_degraded{tier}                   1 while a tier is degraded or its breaker is open
     kvd_tier_restore_seconds                  histogram: time to put a prefix back on the device
+    kvd_prefetch_requests_total{outcome}      requests whose prefix came from disk or Redis while they waited,
+                                              by how the wait ended: complete, timeout, best_effort, cancelled
+    kvd_prefetch_wait_seconds                 histogram: from the start of such a fetch to the request's admission
     kvd_rollout_info{rollout,state,policy,version}   1 for the running or paused rollout
     kvd_rollout_fraction{rollout}             the share of traffic asked for the cohort
     kvd_rollout_requests_total{rollout,side}  finished requests per side (cohort, baseline); likewise
@@ -53,6 +56,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
+from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
 from .service import EngineService
 
@@ -80,6 +84,7 @@ class _EngineCollector:
             by_tenant = {tenant: tuple(counts) for tenant, counts in stats.tenant_tokens.items()}
             cached_by_tenant = sorted((t, n) for t, n in pool.tenant_blocks.items() if t is not None)
             shares = engine.cache.tenant_shares()
+            prefetched = dict(stats.prefetch_outcomes)
         blocks = GaugeMetricFamily("kvd_blocks", "KV cache blocks by state and tier", labels=["state", "tier"])
         for state, value in counts.items():
             blocks.add_metric([state, "device"], value)
@@ -145,6 +150,11 @@ class _EngineCollector:
         tiers = self.service.tiers
         if tiers is not None:
             yield from _tier_metrics(tiers.report())
+            outcomes = CounterMetricFamily("kvd_prefetch_requests", "Requests whose prefix was fetched from disk or "
+                                           "Redis while they waited, by how the wait ended", labels=["outcome"])
+            for outcome in PREFETCH_OUTCOMES:
+                outcomes.add_metric([outcome], prefetched.get(outcome, 0))
+            yield outcomes
         pinned = GaugeMetricFamily("kvd_pinned_blocks", "Distinct pinned blocks per tenant", labels=["tenant"])
         for tenant, value in sorted(pins.items()):
             pinned.add_metric([tenant], value)
@@ -253,6 +263,9 @@ class Metrics:
                                  registry=self.registry)
         self._generated = 0
         self._by_reason: dict[str, int] = {}  # finished samples by finish reason (every API)
+        self.prefetch_wait = Histogram("kvd_prefetch_wait_seconds", "From the start of a request's prefix fetch "
+                                       "(disk, Redis) to its admission", buckets=LATENCY_BUCKETS,
+                                       registry=self.registry)
         self.restore = Histogram("kvd_tier_restore_seconds", "Time to put a prefix back on the device",
                                  buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),
                                  registry=self.registry)
@@ -313,8 +326,12 @@ class Metrics:
         with self.service.lock:
             samples = list(engine.stats.alloc_seconds)
             engine.stats.alloc_seconds.clear()
+            waits = list(engine.stats.prefetch_waits)
+            engine.stats.prefetch_waits.clear()
         for value in samples:
             self.alloc.observe(value)
+        for value in waits:
+            self.prefetch_wait.observe(value)
         tiers = self.service.tiers
         if tiers is not None:
             with tiers.lock:

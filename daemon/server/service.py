@@ -33,7 +33,7 @@ from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.tiering import restore_seconds
+from kvctl.policies.tiering import PrefetchWait, restore_seconds
 
 from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
 from .notify import Notifier
@@ -189,7 +189,7 @@ class EngineService:
                                   eviction=cfg.eviction, queue_order=cfg.queue_order,
                                   cache_dtype=cfg.cache_dtype, keep_layers=tuple(keep),
                                   quick_prefill_tokens=self._quick_prefill_tokens(cfg, device),
-                                  tenant_cache_shares=cfg.tenant_cache_shares)
+                                  tenant_cache_shares=cfg.tenant_cache_shares, **prefetch_settings(cfg))
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         if cfg.pin_budget_blocks is not None:
             engine.cache.pins.default_budget = cfg.pin_budget_blocks
@@ -370,7 +370,8 @@ class EngineService:
         kept. `reload_from_source` also re-reads the token file (token rotation)."""
         live = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
-                "tenant_cache_shares", "tenant_priorities", "tenant_request_limits")
+                "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
+                "prefetch_timeout", "prefetch_timeout_per_1k_tokens")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         previous = {k: getattr(self.config, k) for k in changed}
         ignored = sorted(k for k, v in new.describe().items()
@@ -385,7 +386,9 @@ class EngineService:
                                           reservation=new.reservation, queue_order=new.queue_order,
                                           quick_prefill_tokens=self._quick_prefill_tokens(
                                               new, engine.model.device.type),
-                                          tenant_cache_shares=new.tenant_cache_shares)
+                                          tenant_cache_shares=new.tenant_cache_shares, **prefetch_settings(new))
+                engine.prefetch = PrefetchWait(new.prefetch_policy, new.prefetch_timeout,
+                                               new.prefetch_timeout_per_1k_tokens)
                 if "tenant_cache_shares" in changed:
                     engine.cache.set_tenant_shares(new.tenant_cache_shares)
                 if "reservation" in changed:
@@ -1324,6 +1327,12 @@ REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its 
                  "unwritten": "(the step that was to write it never ran)",
                  "gone": "(deleted on the shared Redis by its memory policy or another daemon)",
                  "space": "(written under scales or a format this daemon no longer serves)"}
+
+
+def prefetch_settings(cfg: KvdConfig) -> dict:
+    """The engine's prefetch settings from the daemon's config."""
+    return {"prefetch_policy": cfg.prefetch_policy, "prefetch_timeout": cfg.prefetch_timeout,
+            "prefetch_timeout_per_1k_tokens": cfg.prefetch_timeout_per_1k_tokens}
 
 
 def now_minus(now: float, then: float) -> str:

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 from kvctl.daemon.cache.tiers import BlockMeta, build_tiers, decode_block
+from kvctl.daemon.stats import percentile
+from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
 from .service import ServiceError
 
@@ -46,11 +48,13 @@ def report(service) -> dict:
                   "blocks": engine.cache.num_blocks - counts["free"], "health": "ok"}
         tokens = {"prompt": stats.prompt_tokens, "hit": stats.hit_tokens, "restored": stats.restored_tokens,
                   "recomputed": stats.recomputed_tokens}
+        prefetch = prefetch_report(engine)
     body = {"configured": tiers is not None, "tokens": tokens, "device": device}
     if tiers is None:
         body.update({"write_policy": None, "tiers": {}, "moved_bytes": {}})
         return body
     body.update(tiers.report())
+    body["prefetch"] = prefetch
     scan = service.tier_scan
     if scan is not None:
         body["disk_scan"] = {"blocks": scan.blocks, "segments": scan.segments, "corrupt": scan.corrupt,
@@ -63,6 +67,21 @@ def report(service) -> dict:
     body["break_even_measured"] = {name: tiers.stats[name].read.samples > 0 and tiers.policy.prefill.samples > 0
                                    for name in body["tiers"]}
     return body
+
+
+def prefetch_report(engine) -> dict:
+    """How requests waited for their prefixes to come up from disk or Redis: the policy, how each
+    wait ended, blocks staged by then, the latest waits' percentiles, requests waiting now (the
+    engine's lock held)."""
+    policy, stats = engine.prefetch, engine.stats
+    waits = list(stats.recent_prefetch_waits)
+    return {"policy": policy.policy, "timeout_seconds": policy.timeout,
+            "timeout_per_1k_tokens_seconds": policy.per_1k_tokens,
+            "outcomes": {outcome: stats.prefetch_outcomes.get(outcome, 0) for outcome in PREFETCH_OUTCOMES},
+            "staged_blocks": stats.prefetch_staged_blocks,
+            "wait_seconds": {"p50": percentile(waits, 0.5), "p95": percentile(waits, 0.95),
+                             "max": max(waits, default=None), "count": len(waits)},
+            "fetching_now": sum(1 for r in engine.requests.values() if not r.finished and engine.fetching_prefix(r))}
 
 
 def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
