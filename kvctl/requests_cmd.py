@@ -112,11 +112,21 @@ def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", hel
     _emit(data, as_json, lambda d: Console().print(render_tenants(d)))
 
 
+def _host_cell(row: dict) -> str:
+    held = row.get("host_blocks")
+    if held is None:
+        return "-"
+    share = row.get("host_share_blocks")
+    return f"{held:,}" + ("" if share is None else f"/{share:,}")
+
+
 def render_tenants(d: dict) -> Group:
     rows = d["tenants"]
     shares = d.get("shares")
+    host = any(row.get("host_blocks") is not None for row in rows)
     table = compact_table("tenant", "prompt", "hit", "recomputed", "running/waiting", "rejected", "cached",
-                          *(["idle/share"] if shares else []), "pinned/budget", "TTFT p50/p95")
+                          *(["idle/share"] if shares else []), *(["host"] if host else []), "pinned/budget",
+                          "TTFT p50/p95")
     for index in range(1, len(table.columns)):
         table.columns[index].justify = "right"
     for row in rows:
@@ -126,13 +136,15 @@ def render_tenants(d: dict) -> Group:
                      f"{row['idle_blocks'] or 0:,}/" + ("-" if row["share_blocks"] is None else f"{row['share_blocks']:,}")]
         table.add_row(escape(row["tenant"]), f"{row['prompt_tokens']:,}", f"{row['hit_ratio']:.1%}",
                       f"{row['recomputed_tokens']:,}", f"{row['running']}/{row['waiting']}", f"{row.get('rejected', 0):,}",
-                      f"{row['cached_blocks']:,}", *share, f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}",
+                      f"{row['cached_blocks']:,}", *share, *([_host_cell(row)] if host else []),
+                      f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}",
                       "-" if row.get("ttft_p50_s") is None else
                       f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f} ms")
     parts = [table] if rows else [Text("no tenant seen since kvd started")]
     parts.append(Text(f"hit: prompt tokens served from the cache; cached: device blocks holding the tenant's "
                       f"prefixes, of {d['blocks']:,}" + ("; idle/share: unused cached blocks against its share "
-                                                         "(beyond it they are evicted first)" if shares else "")))
+                                                         "(beyond it they are evicted first)" if shares else "")
+                      + ("; host: host-memory slots holding its blocks (against its share there)" if host else "")))
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)

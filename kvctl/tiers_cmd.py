@@ -30,6 +30,8 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
                          "read/s": size(t["read_bytes_per_second"]), "write/s": size(t["write_bytes_per_second"]),
                          "checksum fails": f"{t['checksum_failures']:,}", "errors": f"{t['errors']:,}",
                          "health": f"[{style}]{t['health']}[/{style}]"}
+        if "share_evictions" in t:
+            columns[name]["share evictions"] = f"{t['share_evictions']:,}"
         if t.get("set_aside_bytes"):
             columns[name]["set aside"] = size(t["set_aside_bytes"])
         if t.get("degraded_reason"):
@@ -39,7 +41,7 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
     for column in table.columns[1:]:
         column.justify = "right"
     figures = ["used", "set aside", "capacity", "blocks", "hit tokens", "bytes in", "bytes out", "read/s", "write/s",
-               "checksum fails", "errors", "health", "why"]
+               "share evictions", "checksum fails", "errors", "health", "why"]
     for figure in figures:
         if any(figure in c for c in columns.values()):
             table.add_row(figure, *(c.get(figure, "") for c in columns.values()))

@@ -253,3 +253,149 @@ def test_the_router_sums_each_tenant_over_the_replicas():
     assert (acme["share_blocks"], acme["idle_blocks"], acme["pin_budget_blocks"]) == (16, 11, 20)
     assert (globex["share_blocks"], globex["idle_blocks"], globex["cached_blocks"]) == (None, None, 3)
     assert body["message"] == "not listed: r2 (connection refused)"
+
+
+# ---- the host tier -------------------------------------------------------------------------------
+def _host_with(shares, entries):
+    """A 6-slot host tier holding `entries` (tenant, name) in that order (least recently used first)."""
+    torch = pytest.importorskip("torch")
+    from kvctl.daemon.cache.events import EventLog
+    from kvctl.daemon.cache.tiers import BlockLayout, BlockMeta, HostTier
+
+    from .tier_fixtures import block_key, content
+
+    layout = BlockLayout((torch.float16,), 4, 1, 4, "")
+    host = HostTier(6 * layout.block_bytes, layout)
+    host.events = EventLog()
+    host.set_tenant_shares(shares)
+    keys = {}
+    for tenant, name in entries:
+        key = keys[name] = block_key(hash(name) % 10_000)
+        slots, _, _ = host.take_slots(1)
+        host.fill(slots, [BlockMeta(key, key, 0, None, tenant)], content(layout, key))
+    return host, keys
+
+
+def test_a_host_tier_with_shares_takes_room_from_the_tenant_over_its_share_first():
+    entries = [("quiet", "q0"), ("quiet", "q1"), ("noisy", "n0"), ("noisy", "n1"), ("noisy", "n2"), ("noisy", "n3")]
+    plain, keys = _host_with((), entries)
+    assert plain.take_slots(2, tenants=["noisy", "noisy"])[1] == [keys["q0"], keys["q1"]]  # LRU: quiet's go
+    host, keys = _host_with((("noisy", 0.5),), entries)  # noisy: 3 slots, holds 4
+    assert host.share_of("noisy") == 3 and host.share_of("quiet") is None
+    _, evicted, kept = host.take_slots(2, tenants=["quiet", "quiet"])
+    assert (evicted, kept) == ([keys["n0"], keys["q0"]], [0, 1])  # noisy's one over its share, then LRU
+    assert dict(host.tenant_blocks) == {"quiet": 1, "noisy": 3} and host.share_evictions == 1
+    removed = [(e.keys, e.reason) for e in host.events.since(0, kinds=("removed",)).events]
+    assert removed == [((keys["n0"],), "tenant_share"), ((keys["q0"],), "capacity")]
+    host.drop(keys["n3"])
+    assert dict(host.tenant_blocks) == {"quiet": 1, "noisy": 2}
+
+
+def test_a_tenant_at_its_host_share_recycles_its_own_entries_and_never_pushes_out_others():
+    entries = [("quiet", "q0"), ("quiet", "q1"), ("quiet", "q2"), ("quiet", "q3"), ("noisy", "n0"), ("noisy", "n1")]
+    host, keys = _host_with((("noisy", 0.34),), entries)  # noisy: 2 slots, holds 2
+    slots, evicted, kept = host.take_slots(3, tenants=["noisy"] * 3)
+    assert (evicted, kept, len(slots)) == ([keys["n0"], keys["n1"]], [0, 1], 2)  # the third gets no slot
+    assert dict(host.tenant_blocks) == {"quiet": 4} and host.share_evictions == 2
+    busy, keys = _host_with((("noisy", 0.34),), entries)
+    busy.busy[keys["n0"]] = 1  # a restore reads it
+    assert busy.take_slots(3, tenants=["noisy"] * 3)[1:] == ([keys["n1"]], [0])
+
+
+def test_host_shares_never_take_an_entry_a_transfer_reads_and_star_covers_the_others():
+    entries = [("a", "a0"), ("a", "a1"), ("b", "b0"), ("b", "b1"), ("b", "b2"), ("c", "c0")]
+    host, keys = _host_with((("*", 0.34),), entries)  # every tenant: 2 slots
+    host.busy[keys["b0"]] = 1  # being read by a restore
+    _, evicted, kept = host.take_slots(2, tenants=[None, None])
+    assert (evicted, kept) == ([keys["b1"], keys["a0"]], [0, 1])  # b is one over: its oldest idle entry, then LRU
+    assert host.share_evictions == 1
+
+
+@pytest.mark.parametrize("with_shares", [False, True])
+def test_a_noisy_tenant_s_flood_leaves_the_quiet_tenant_s_prefix_in_host_memory(tmp_path, with_shares):
+    """Device and host both full of a noisy tenant's one-off prompts: with shares, the quiet
+    tenant's prefix, pushed off the device, is still in host memory and comes back from there."""
+    pytest.importorskip("torch")
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.llama import load_model
+
+    from .tier_engine import GREEDY, TEXT_A, engine_with
+
+    demo = load_model(ensure_demo_checkpoint(tmp_path / "state"))
+    shares = (("noisy", 0.25),) if with_shares else ()
+    engine, tiered = engine_with(demo, num_blocks=12, settings={"tenant_cache_shares": shares},
+                                 host_bytes=10 * 16 * 2 * 64 * 4 * 2)  # 10 blocks of the demo model
+    assert tiered.host.num_slots == 10 and tiered.host.share_of("noisy") == (2 if with_shares else None)
+    quiet = demo.tokenizer.encode(TEXT_A)
+    blocks = (len(quiet) - 1) // 16
+    cold = engine.add_request(quiet, GREEDY, tenant="quiet")
+    engine.run_until_done()
+    for i in range(8):  # one-off documents, each its own chain
+        engine.add_request(demo.tokenizer.encode(f"noisy document {i}: " + "x" * 90), GREEDY, tenant="noisy")
+        engine.run_until_done()
+    tiered.flush()
+    warm = engine.add_request(quiet, GREEDY, tenant="quiet")
+    engine.run_until_done()
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    if with_shares:  # all of it from the cache: what the device lost, back from host memory
+        assert warm.metrics.cached_tokens == blocks * 16 and warm.metrics.restored_tokens >= 4 * 16
+    else:  # the flood took it from both
+        assert warm.metrics.cached_tokens == warm.metrics.restored_tokens == 0
+    assert (tiered.host.share_evictions > 0) == with_shares
+    engine.cache.audit()
+
+
+def test_kvd_shows_each_tenant_s_host_slots_against_its_share_and_reloads_the_host_s_shares(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from kvctl.daemon.server.fleet_admin import merge_tenant_lists
+    from kvctl.requests_cmd import render_tenants
+    from kvctl.tiers_cmd import render_tiers
+
+    from .daemon_fixtures import GLOBEX_TOKEN, USER_TOKEN, apps, call, start_service, token_table
+
+    block_bytes = 16 * 2 * 64 * 4 * 2  # the demo model's
+    service = start_service(tmp_path, num_blocks=12, host_cache_bytes=str(8 * block_bytes), tiering="always",
+                            tenant_cache_shares="acme=0.25")  # acme: 2 of the host's 8 slots
+    try:
+        unix, tcp = apps(service, token_table(tmp_path))
+
+        def complete(token, prompt):
+            response = call(tcp, "POST", "/v1/completions", headers={"Authorization": f"Bearer {token}"},
+                            json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        quiet = list(range(1, 50))  # three full blocks
+        complete(GLOBEX_TOKEN, quiet)
+        for i in range(6):  # acme's one-off prompts: 30 blocks through the 12-block device
+            complete(USER_TOKEN, [200 + i] + list(range(1, 80)))
+        service.tiers.flush()
+        rows = {row["tenant"]: row for row in call(unix, "GET", "/admin/tenants").json()["tenants"]}
+        host = service.tiers.host
+        assert (rows["acme"]["host_blocks"], rows["acme"]["host_share_blocks"]) == (host.tenant_blocks["acme"], 2)
+        # idle room is lent: nobody else wanted the host's slots, so acme's blocks hold all 8
+        assert rows["acme"]["host_blocks"] == 8 and rows["globex"]["host_share_blocks"] is None
+        assert rows["globex"]["host_blocks"] == host.tenant_blocks.get("globex", 0)
+        console = Console(width=160, record=True)
+        console.print(render_tenants({"tenants": list(rows.values()), "shares": True, "blocks": 12}))
+        text = console.export_text()
+        assert " host " in text.splitlines()[0] and " 8/2 " in text
+        tiers = call(unix, "GET", "/admin/tiers").json()
+        assert tiers["tiers"]["host"]["share_evictions"] == host.share_evictions > 0
+        console = Console(width=160, record=True)
+        render_tiers(tiers, console)
+        assert "share evictions" in console.export_text()
+        assert complete(GLOBEX_TOKEN, quiet) == 48  # back from host memory
+        _, merged = merge_tenant_lists(["r0", "r1"], [(200, {"tenants": [rows["acme"]], "blocks": 12}),
+                                                      (200, {"tenants": [rows["acme"]], "blocks": 12})])
+        assert (merged["tenants"][0]["host_blocks"], merged["tenants"][0]["host_share_blocks"]) == \
+            (2 * rows["acme"]["host_blocks"], 4)
+        service.reload(replace(service.config, tenant_cache_shares=()))
+        assert host.shares == {} and call(unix, "GET", "/admin/tenants").json()["tenants"][0]["host_share_blocks"] is None
+    finally:
+        service.shutdown(1)

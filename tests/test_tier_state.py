@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections import Counter
 
 import pytest
 
@@ -33,6 +34,8 @@ PROMPTS = [[p * 100 + i for i in range(BLOCK * 3)] for p in range(6)]
 
 
 class TierMachine(RuleBasedStateMachine):
+    HOST_SHARES: tuple = ()  # tenant_cache_shares of the host tier
+
     def __init__(self):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="kvctl-tier-machine-")
@@ -47,6 +50,7 @@ class TierMachine(RuleBasedStateMachine):
         self.events = EventLog(key_limit=1 << 30)  # every change, to replay against the books
         self.manager.pool.events = self.tiers.host.events = self.tiers.disk.events = self.events
         self.n = 0
+        self.tiers.host.set_tenant_shares(self.HOST_SHARES)
 
     def _write(self, block_ids, keys):
         for block_id, key in zip(block_ids, keys):
@@ -99,6 +103,8 @@ class TierMachine(RuleBasedStateMachine):
                 assert same(stored, content(LAYOUT, block.key))
         host = self.tiers.host
         assert len(set(host.index.values())) == len(host.index) <= host.num_slots
+        assert host.tenant_blocks == Counter(host._tenant(key) for key in host.index)  # the shares' books
+        assert len(host._free) + len(host.index) == host.num_slots  # no slot lost or counted twice
         for key, slot in host.index.items():
             assert same([(k[0], v[0]) for k, v in host.read_slots([slot])], content(LAYOUT, key))
         disk = self.tiers.disk
@@ -124,3 +130,14 @@ class TierMachine(RuleBasedStateMachine):
 
 TestTierMachine = TierMachine.TestCase
 TestTierMachine.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+
+
+class TierMachineWithHostShares(TierMachine):
+    """The same moves with a host share smaller than the host: a tenant at its share recycles its
+    own entries, and a block that would put it over gets no slot (it goes down to disk)."""
+
+    HOST_SHARES = (("*", 0.4),)
+
+
+TestTierMachineWithHostShares = TierMachineWithHostShares.TestCase
+TestTierMachineWithHostShares.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)

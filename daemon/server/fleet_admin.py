@@ -184,11 +184,12 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
         for row in body["tenants"]:
             into = merged.setdefault(row["tenant"], {"tenant": row["tenant"], **dict.fromkeys(TENANT_SUMS, 0),
                                                      "idle_blocks": None, "share_blocks": None,
+                                                     "host_blocks": None, "host_share_blocks": None,
                                                      "pin_budget_blocks": 0, "ttft_p50_s": None, "ttft_p95_s": None})
             for key in TENANT_SUMS + ("pin_budget_blocks",):
                 into[key] += row.get(key, 0)  # a replica of an earlier kvd may lack one
-            for key in ("idle_blocks", "share_blocks"):
-                if row[key] is not None:
+            for key in ("idle_blocks", "share_blocks", "host_blocks", "host_share_blocks"):
+                if row.get(key) is not None:
                     into[key] = (into[key] or 0) + row[key]
             for key in ("ttft_p50_s", "ttft_p95_s"):  # percentiles do not add up: the slowest replica's
                 if row.get(key) is not None:

@@ -391,6 +391,9 @@ class EngineService:
                                                new.prefetch_timeout_per_1k_tokens)
                 if "tenant_cache_shares" in changed:
                     engine.cache.set_tenant_shares(new.tenant_cache_shares)
+                    if self.tiers is not None and self.tiers.host is not None:
+                        with self.tiers.lock:
+                            self.tiers.host.set_tenant_shares(new.tenant_cache_shares)
                 if "reservation" in changed:
                     engine.reservation = parse_reservation(new.reservation)
                 if new.pin_budget_blocks is not None:

@@ -5,6 +5,7 @@ tokens, how many the prefix cache served and how many were computed again after 
 totals of `kvctl status`, split by tenant); its requests in flight, and those turned away (a full
 queue, its limit of requests in flight, a request that can never fit); the device blocks holding its
 cached prefixes (in use or idle); with tenant cache shares, its idle blocks against its share;
+with a host tier, the host slots holding its blocks (against its share there, with shares);
 its pinned blocks against its pin budget; and the p50 and p95 of its latest TTFTs. Counts only: never
 prompts, tokens or keys.
 """
@@ -32,7 +33,11 @@ def list_tenants(service: EngineService) -> dict:
         for request in engine.requests.values():
             if not request.finished:
                 flight[(request.tenant, "waiting" if request_state(request) == "waiting" else "running")] += 1
-        names = set(tokens) | set(indexed) | set(shares or ()) | set(pinned) | {t for t, _ in flight} | set(rejected)
+        host = service.tiers.host if service.tiers is not None else None
+        if host is not None:
+            with service.tiers.lock:
+                on_host = {tenant: n for tenant, n in host.tenant_blocks.items() if tenant}
+        names = set(tokens) | set(indexed) | (set(on_host) if host is not None else set()) | set(shares or ()) | set(pinned) | {t for t, _ in flight} | set(rejected)
         rows = []
         for tenant in sorted(names):
             prompt, hit, recomputed = tokens.get(tenant, (0, 0, 0))
@@ -45,7 +50,9 @@ def list_tenants(service: EngineService) -> dict:
                          "idle_blocks": None if share is None else share["idle_blocks"],
                          "share_blocks": None if share is None else share["share_blocks"],
                          "pinned_blocks": pinned.get(tenant, 0),
-                         "pin_budget_blocks": pins.budget(tenant)})
+                         "pin_budget_blocks": pins.budget(tenant),
+                         "host_blocks": None if host is None else on_host.get(tenant, 0),
+                         "host_share_blocks": None if host is None else host.share_of(tenant)})
         total = cache.num_blocks
     latency = service.tenant_latency()  # outside the engine's lock: the metrics keep their own
     for row in rows:

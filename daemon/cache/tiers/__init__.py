@@ -54,6 +54,8 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
     host = HostTier(host_bytes, layout, pin_memory=torch.cuda.is_available()) if host_bytes else None
     if host is not None:
         host.events = events
+        settings = getattr(engine, "settings", None)
+        host.set_tenant_shares(getattr(settings, "tenant_cache_shares", ()))  # as on the device
     disk, report = None, None
     if disk_bytes:
         if disk_path is None:

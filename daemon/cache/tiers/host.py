@@ -2,7 +2,11 @@
 
 Slots mirror the device cache's per-layer layout, so moves are one gather/scatter per layer
 and no encoding. Eviction is LRU over idle slots; a slot that a transfer owns (`busy`) is
-never evicted or reused.
+never evicted or reused. With tenant shares (`tenant_cache_shares`, as on the device), a
+tenant holding more slots than its share (counting the blocks it brings) loses its own least
+recently used entries first, and a block that would put its tenant over its share pushes out
+no other tenant's entry: one tenant's flood of one-off prompts does not empty host memory of
+every other tenant's prefixes. Free slots are still lent to anyone.
 
 On CUDA, copies between device blocks and (pinned) slots are asynchronous on the current
 stream, so the serving loop never waits for them; each slot remembers an event recorded after
@@ -12,10 +16,12 @@ Device-side users are ordered by the stream itself.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Sequence
 
 import torch
+
+from kvctl.policies.tenant_shares import OTHERS, share_blocks
 
 from .payload import BlockLayout, BlockMeta
 
@@ -93,6 +99,21 @@ class HostTier:
         self.busy: dict[bytes, int] = {}  # key -> transfers reading the slot now
         self._copies: dict[int, object] = {}  # slot -> CUDA event of its latest asynchronous copy
         self.events = None  # an EventLog: each key indexed or dropped here is logged there
+        self.tenant_blocks: Counter[str] = Counter()  # entries per tenant ("" where not known)
+        self.shares: dict[str, int] = {}  # tenant ("*": the others) -> its share in slots; empty: no shares
+        self.share_evictions = 0  # entries evicted because their tenant held more than its share
+
+    def set_tenant_shares(self, shares) -> None:
+        """(tenant, fraction) pairs as `tenant_cache_shares` gives them; () for none."""
+        self.shares = share_blocks(shares, self.num_slots) if shares else {}
+
+    def share_of(self, tenant: str) -> int | None:
+        """The tenant's share in slots; None: it has none."""
+        return self.shares.get(tenant, self.shares.get(OTHERS)) if self.shares else None
+
+    def _tenant(self, key: bytes) -> str:
+        meta = self.meta.get(key)
+        return (meta.tenant if meta is not None else None) or ""
 
     @property
     def used_bytes(self) -> int:
@@ -104,9 +125,20 @@ class HostTier:
     def touch(self, key: bytes) -> None:
         self.index.move_to_end(key)
 
-    def take_slots(self, count: int, protect: set[bytes] = frozenset()) -> tuple[list[int], list[bytes]]:
-        """Up to `count` slots, evicting least recently used idle entries. Returns (slots, evicted
-        keys); the evicted entries' data stays readable until the slots are written."""
+    def take_slots(self, count: int, protect: set[bytes] = frozenset(),
+                   tenants: Sequence[str | None] | None = None) -> tuple[list[int], list[bytes], list[int]]:
+        """Slots for `count` incoming blocks (of `tenants`, one each, where known): free slots
+        first, then idle entries evicted, least recently used first. Returns (slots, evicted keys,
+        kept): `kept` are the positions of the incoming blocks that got the slots, in order; the
+        evicted entries' slots come last, in the order of their keys, and their data stays
+        readable until the slots are written.
+
+        With tenant shares (and `tenants` given), a tenant that holds more than its share, counting
+        the block coming in, loses its own least recently used entries first; and a block whose
+        tenant would be over its share does not push out another tenant's entry: it gets no slot
+        (it goes down a tier, or is dropped)."""
+        if self.shares and tenants is not None:
+            return self._take_slots_shared(list(tenants), protect)
         slots: list[int] = []
         evicted: list[bytes] = []
         while len(slots) < count and self._free:
@@ -117,11 +149,73 @@ class HostTier:
                     break
                 if key in self.busy or key in protect:
                     continue
-                slots.append(self.index.pop(key))
+                slots.append(self._unindex(key))
                 evicted.append(key)
         if evicted and self.events is not None:
             self.events.removed("host", evicted, "capacity")
-        return slots, evicted
+        return slots, evicted, list(range(len(slots)))
+
+    def _take_slots_shared(self, tenants: list[str | None], protect: set[bytes]):
+        slots: list[int] = []
+        kept: list[int] = []
+        victims: list[tuple[bytes, str]] = []  # (key, reason) in eviction order
+        held = Counter(self.tenant_blocks)
+        candidates = [key for key in self.index if key not in self.busy and key not in protect]  # LRU first
+        age = {key: i for i, key in enumerate(candidates)}
+        lru = deque(candidates)
+        by_tenant: dict[str, deque] = {}
+        for key in candidates:
+            by_tenant.setdefault(self._tenant(key), deque()).append(key)
+        taken: set[bytes] = set()
+
+        def oldest(queue: deque) -> bytes | None:
+            while queue and queue[0] in taken:
+                queue.popleft()
+            return queue[0] if queue else None
+
+        for position, tenant in enumerate(tenants):
+            tenant = tenant or ""
+            if self._free:
+                slots.append(self._free.pop())
+                kept.append(position)
+                held[tenant] += 1
+                continue
+            victim, reason = None, "tenant_share"
+            for owner, queue in by_tenant.items():  # over its share once this block is in (its own count)
+                share = self.share_of(owner)
+                if share is not None and held[owner] + (owner == tenant) > share:
+                    key = oldest(queue)
+                    if key is not None and (victim is None or age[key] < age[victim]):
+                        victim = key
+            if victim is None:
+                share = self.share_of(tenant)
+                if share is not None and held[tenant] + 1 > share:
+                    continue  # over its share: it may not push out another tenant's entry
+                victim, reason = oldest(lru), "capacity"
+                if victim is None:
+                    break  # nothing left to evict
+            taken.add(victim)
+            held[self._tenant(victim)] -= 1
+            held[tenant] += 1
+            slots.append(self._unindex(victim))
+            kept.append(position)
+            victims.append((victim, reason))
+        for_share = [key for key, reason in victims if reason == "tenant_share"]
+        self.share_evictions += len(for_share)
+        if self.events is not None:
+            if for_share:
+                self.events.removed("host", for_share, "tenant_share")
+            if len(for_share) < len(victims):
+                self.events.removed("host", [key for key, reason in victims if reason == "capacity"], "capacity")
+        return slots, [key for key, _ in victims], kept
+
+    def _unindex(self, key: bytes) -> int:
+        """Take `key` out of the index (its meta stays until `forget_meta`); returns its slot."""
+        tenant = self._tenant(key)
+        self.tenant_blocks[tenant] -= 1
+        if not self.tenant_blocks[tenant]:
+            del self.tenant_blocks[tenant]
+        return self.index.pop(key)
 
     def _record(self, slots: Sequence[int], caches) -> None:
         if caches and caches[0].k.is_cuda:
@@ -162,8 +256,11 @@ class HostTier:
 
     def _index(self, slots: Sequence[int], metas: Sequence[BlockMeta]) -> None:
         for slot, meta in zip(slots, metas):
+            if meta.key in self.index:
+                self._free.append(self._unindex(meta.key))  # written again: the old slot is free
             self.index[meta.key] = slot
             self.meta[meta.key] = meta
+            self.tenant_blocks[meta.tenant or ""] += 1
         if self.events is not None:
             self.events.stored("host", metas)
 
@@ -174,11 +271,11 @@ class HostTier:
         self._record(slots, caches)
 
     def drop(self, key: bytes, reason: str = "operator") -> bool:
-        slot = self.index.pop(key, None)
-        self.meta.pop(key, None)
-        if slot is None:
+        if key not in self.index:
+            self.meta.pop(key, None)
             return False
-        self._free.append(slot)
+        self._free.append(self._unindex(key))
+        self.meta.pop(key, None)
         if self.events is not None:
             self.events.removed("host", (key,), reason)
         return True

@@ -252,12 +252,14 @@ class TieredCache:
             fresh = sorted((i for i, m in enumerate(metas) if m.key not in host.index), key=lambda i: metas[i].depth)
             if not fresh:
                 return
-            slots, evicted = host.take_slots(len(fresh), protect=self._protected)
+            slots, evicted, kept = host.take_slots(len(fresh), protect=self._protected,
+                                                   tenants=[metas[i].tenant for i in fresh])
             if evicted:
                 spill_metas += [host.meta[k] for k in evicted]
                 spill_layers.append(host.read_slots(slots[len(slots) - len(evicted):]))
                 host.forget_meta(evicted)
-            placed, overflow = fresh[:len(slots)], fresh[len(slots):]
+            placed = [fresh[i] for i in kept]
+            overflow = [fresh[i] for i in sorted(set(range(len(fresh))) - set(kept))]
             if placed and block_ids is not None:
                 host.fill_from(slots, [metas[i] for i in placed], self.kv_caches, [block_ids[i] for i in placed])
             elif placed:
@@ -675,6 +677,8 @@ class TieredCache:
                     "degraded_reason": stats.degraded if tier.name != "remote" else (
                         tier.last_error if health != "ok" else None),
                 }
+                if tier.name == "host" and tier.shares:  # entries evicted from tenants over their share
+                    out[tier.name]["share_evictions"] = tier.share_evictions
                 if tier.name == "disk":  # segments set aside (another model's, or corrupt), within its bytes
                     out[tier.name]["set_aside_bytes"] = tier.quarantine_bytes
             out_moved = {f"{s}->{d}": b for (s, d), b in sorted(self.moved.items())}
