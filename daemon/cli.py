@@ -122,6 +122,9 @@ def serve(
         None, help="Seconds more per 1,024 tokens fetched, under prefetch_policy timeout (default 0)."),
     metrics_aliases: Optional[str] = typer.Option(
         None, help="Also export /metrics under vLLM's and/or SGLang's names (vllm,sglang), for their dashboards."),
+    max_tenant_metric_series: Optional[int] = typer.Option(
+        None, help="Per-tenant metrics name the first N tenants seen (default 100); the rest are summed "
+                   "under tenant=\"*\", so callers cannot grow the series without bound."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Run the daemon in the foreground (systemd Type=notify aware).
@@ -146,7 +149,8 @@ def serve(
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
                    disk_cache_path=disk_cache_path, remote_url=remote_url, write_policy=write_policy,
                    tiering=tiering, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
-                   prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases)
+                   prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
+                   max_tenant_metric_series=max_tenant_metric_series)
     try:
         settings = resolve(flags, os.environ, config)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:

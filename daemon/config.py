@@ -154,6 +154,9 @@ class KvdConfig:
     prefetch_timeout_per_1k_tokens: float = 0.0
     # /metrics also under vLLM's and/or SGLang's metric names (daemon/server/metric_aliases.py): "vllm,sglang"
     metrics_aliases: tuple[str, ...] = ()
+    # per-tenant metric families name this many tenants (the first seen) at most; the rest are summed
+    # under tenant="*" (daemon/server/tenant_labels.py)
+    max_tenant_metric_series: int = 100
     # where each setting came from ("--max-queue", "KVD_MAX_QUEUE", the YAML file's path); absent: the default
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -182,7 +185,7 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 
 _PARSERS = {
     "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size,
-    "max_batch_tokens": int, "max_running": int, "max_queue": int, "max_tenant_requests": int, "pin_budget_blocks": int, "shutdown_timeout": float,
+    "max_batch_tokens": int, "max_running": int, "max_tenant_metric_series": int, "max_queue": int, "max_tenant_requests": int, "pin_budget_blocks": int, "shutdown_timeout": float,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
     "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
@@ -201,7 +204,8 @@ def _check(name: str, value: Any) -> None:
     if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory", "max_tenant_requests") \
             and value is not None and value < 1:
         raise ValueError("must be >= 1")
-    if name in ("pin_budget_blocks", "quick_prefill_tokens") and value is not None and value < 0:
+    if name in ("pin_budget_blocks", "quick_prefill_tokens", "max_tenant_metric_series") and value is not None \
+            and value < 0:
         raise ValueError("must be >= 0")
     if name == "max_request_bytes" and value < 4096:
         raise ValueError("must be at least 4KiB")

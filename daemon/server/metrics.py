@@ -11,6 +11,8 @@
     kvd_tenant_ttft_seconds{tenant}           histogram: time to first token per tenant (client requests)
     kvd_tenant_idle_blocks{tenant}            with tenant_cache_shares: idle cached blocks per tenant
     kvd_tenant_share_blocks{tenant}           and each tenant's share in blocks
+                                              (per-tenant families: the first max_tenant_metric_series tenants
+                                              seen by name, the rest summed under tenant="*"; tenant_labels.py)
     kvd_cache_stored_blocks_total{tier}       blocks indexed per tier (device, host, disk, remote)
     kvd_cache_removed_blocks_total{tier,reason}  blocks dropped per tier and why (capacity, operator,
                                               corrupt, unwritten, gone, space, tenant_share): the event log's counts
@@ -112,25 +114,28 @@ class _EngineCollector:
                                      labels=["tenant"])
         hit = CounterMetricFamily("kvd_tenant_hit_tokens", "Of those, served from the prefix cache, per tenant",
                                   labels=["tenant"])
-        for tenant in sorted(by_tenant):
-            prompt.add_metric([tenant], by_tenant[tenant][0])
-            hit.add_metric([tenant], by_tenant[tenant][1])
+        labels = self.service.tenant_labels
+        for label, value in labels.fold((tenant, counts[0]) for tenant, counts in by_tenant.items()):
+            prompt.add_metric([label], value)
+        for label, value in labels.fold((tenant, counts[1]) for tenant, counts in by_tenant.items()):
+            hit.add_metric([label], value)
         yield prompt
         yield hit
         cached = GaugeMetricFamily("kvd_tenant_cached_blocks", "Device blocks holding a tenant's cached prefixes "
                                    "(in use or idle)", labels=["tenant"])
-        for tenant, count in cached_by_tenant:
-            cached.add_metric([tenant], count)
+        for label, count in labels.fold(cached_by_tenant):
+            cached.add_metric([label], count)
         yield cached
         if shares is not None:
             idle = GaugeMetricFamily("kvd_tenant_idle_blocks", "Cached blocks nobody uses, per tenant (the ones "
                                      "eviction may take), beside each tenant's share", labels=["tenant"])
             share = GaugeMetricFamily("kvd_tenant_share_blocks", "A tenant's share of the device cache in blocks: "
                                       "beyond it, its idle blocks are evicted first", labels=["tenant"])
-            for tenant, row in shares.items():
-                idle.add_metric([tenant], row["idle_blocks"])
-                if row["share_blocks"] is not None:
-                    share.add_metric([tenant], row["share_blocks"])
+            for label, value in labels.fold((tenant, row["idle_blocks"]) for tenant, row in shares.items()):
+                idle.add_metric([label], value)
+            for label, value in labels.fold((tenant, row["share_blocks"]) for tenant, row in shares.items()
+                                            if row["share_blocks"] is not None):
+                share.add_metric([label], value)
             yield idle
             yield share
         yield from _event_metrics(engine.events)
@@ -156,8 +161,8 @@ class _EngineCollector:
                 outcomes.add_metric([outcome], prefetched.get(outcome, 0))
             yield outcomes
         pinned = GaugeMetricFamily("kvd_pinned_blocks", "Distinct pinned blocks per tenant", labels=["tenant"])
-        for tenant, value in sorted(pins.items()):
-            pinned.add_metric([tenant], value)
+        for label, value in labels.fold(pins.items()):
+            pinned.add_metric([label], value)
         yield pinned
         rollout = self.service.rollouts.counts()
         if rollout is not None:
@@ -313,7 +318,7 @@ class Metrics:
                 self.ttft.observe(metrics.ttft)
                 self._recent_ttft.append(metrics.ttft)
                 if api != "internal":  # a pin's warm-up is no client's wait
-                    self.tenant_ttft.labels(request.tenant).observe(metrics.ttft)
+                    self.tenant_ttft.labels(self.service.tenant_labels(request.tenant)).observe(metrics.ttft)
                     recent = self._tenant_ttft.get(request.tenant)
                     if recent is None:
                         recent = self._tenant_ttft[request.tenant] = deque(maxlen=2000)

@@ -37,6 +37,7 @@ from kvctl.policies.tiering import PrefetchWait, restore_seconds
 
 from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
 from .notify import Notifier
+from .tenant_labels import TenantLabels
 
 log = logging.getLogger("kvd")
 
@@ -119,6 +120,7 @@ class EngineService:
         self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
+        self.tenant_labels = TenantLabels(config.max_tenant_metric_series)  # per-tenant metrics' labels, bounded
         from .rollouts import RolloutManager  # NOTE: late import; rollouts imports ServiceError from here
 
         self.rollouts = RolloutManager(store)
