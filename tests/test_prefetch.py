@@ -257,3 +257,19 @@ def test_bad_prefetch_settings_are_refused_naming_the_field_and_value(field, val
     with pytest.raises(ConfigError) as raised:
         resolve({field: value}, env={})
     assert str(raised.value) == message
+
+
+def test_a_fetch_that_finds_its_blocks_staged_by_another_holds_them_until_its_own_request_is_done(demo, tmp_path):
+    """Two requests for the same prefix on disk: the second's fetch, queued behind the first's,
+    finds every block staged already. Those stay staged for it when the first request is admitted."""
+    engine, tiered, _, _ = on_disk(demo, tmp_path)
+    keys = PrefixHasher(engine.namespace("default")).feed(demo.tokenizer.encode(TEXT_A))
+    gate = GatedDisk(tiered)
+    assert tiered.start_prefetch("first", keys) and gate.entered.wait(10)
+    assert tiered.start_prefetch("second", keys)  # block 0 is staged: it sets out from block 1, behind the first
+    gate.settle()
+    assert tiered.prefetches["first"].staged == keys and tiered.prefetches["second"].staged == keys[1:]
+    tiered.finish_prefetch("first")
+    assert list(tiered.staged) == keys[1:]
+    tiered.finish_prefetch("second")
+    assert tiered.staged == {}

@@ -480,7 +480,10 @@ class TieredCache:
         keys, i = job.keys, 0
         while i < len(keys) and not job.cancelled:
             with self.lock:
-                if keys[i] in self.staged:
+                if keys[i] in self.staged:  # another job brought it up: hold it for this one too
+                    if job.cancelled:
+                        return len(job.staged)
+                    job.staged.append(keys[i])
                     i += 1
                     continue
                 entry = self.inflight.get(keys[i])
