@@ -33,9 +33,10 @@ class RateMeter:
 
     def observe(self, units: float, seconds: float, *, fixed: float | None = None) -> None:
         """One operation moved `units` in `seconds`; `fixed` is its measured fixed part, if known."""
-        if units <= 0 or seconds <= 0:
-            return
-        rate = units / max(seconds - (fixed or 0.0), 1e-9)
+        variable = seconds - (fixed or 0.0)
+        if units <= 0 or seconds <= 0 or variable <= 0:
+            return  # nothing moved, or the measurement leaves the transfer itself no time
+        rate = units / variable
         w = 1.0 if self.samples == 0 else self.weight
         self.rate = (1 - w) * self.rate + w * rate
         if fixed is not None:

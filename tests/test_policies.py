@@ -283,3 +283,15 @@ def test_a_tenant_at_its_limit_of_requests_in_flight_is_told_so():
     assert tenant_limit_reason("req-1", "acme", 2, 3) is None
     assert tenant_limit_reason("req-1", "acme", 3, 3) == (
         "request req-1: tenant 'acme' has 3 requests in flight (max_tenant_requests 3)")
+
+
+def test_a_rate_meter_ignores_a_measurement_whose_fixed_part_is_all_of_it():
+    from kvctl.policies.tiering import RateMeter
+
+    meter = RateMeter(rate=1e9, latency=1e-3)
+    meter.observe(1 << 20, 0.002, fixed=0.003)  # the fixed part cannot exceed the whole
+    meter.observe(0, 0.5)
+    assert (meter.samples, meter.rate, meter.latency) == (0, 1e9, 1e-3)
+    meter.observe(1 << 20, 0.003, fixed=0.002)
+    assert meter.samples == 1 and meter.rate == pytest.approx((1 << 20) / 0.001) and meter.latency == 0.002
+

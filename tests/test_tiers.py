@@ -176,6 +176,24 @@ def test_write_through_selective_writes_a_block_down_when_it_is_first_reused(dem
     assert engine.cache.pool.evictions == 0
 
 
+def test_a_group_the_disk_already_holds_does_not_move_its_measured_write_rate(demo, tmp_path):
+    """Rewriting blocks the disk holds writes nothing: no sample (it once divided the group's bytes
+    by a few microseconds, less an earlier write's fsync, and reported terabytes a second)."""
+    from kvctl.daemon.cache.tiers import encode_parts
+
+    from .tier_fixtures import block_key, group
+
+    _, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    metas, layers = group(tiered.layout, [block_key(i) for i in range(4)])
+    items = list(zip(metas, encode_parts(tiered.layout, tiered.space, metas, layers)))
+    tiered._publish_to("disk", items, "host")
+    meter = tiered.stats["disk"].write
+    first = (meter.samples, meter.rate)
+    assert first[0] == 1 and tiered.stats["disk"].bytes_in == sum(len(bytes(b)) for _, p in items for b in p)
+    tiered._publish_to("disk", items, "host")
+    assert (meter.samples, meter.rate) == first
+
+
 # ---- Redis -----------------------------------------------------------------------------------
 def test_two_engines_share_a_prefix_through_redis(demo, redis_server):
     first, _ = engine_with(demo, remote_url=redis_server.url, write_policy="write_through")

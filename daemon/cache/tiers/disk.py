@@ -267,6 +267,7 @@ class DiskTier:
         with self.lock:
             items = [(m, p) for m, p in items if m.key not in self.index]
             name = f"{time.time_ns():x}-{os.getpid()}-{next(self._names)}{SUFFIX}"
+        self.last_fsync_seconds = 0.0  # this write's, never an earlier one's
         if not items:
             return 0
         final = self.segment_dir / name

@@ -334,7 +334,8 @@ class TieredCache:
             return
         stats = self.stats[name]
         fixed = self.disk.last_fsync_seconds if name == "disk" else None
-        stats.write.observe(nbytes, time.perf_counter() - started, fixed=fixed)
+        if written:  # a group the tier held already wrote nothing: no measure of its bandwidth
+            stats.write.observe(written, time.perf_counter() - started, fixed=fixed)
         stats.bytes_in += written
         self.moved[(src, name)] += written
 
