@@ -124,9 +124,10 @@ def render_tenants(d: dict) -> Group:
     rows = d["tenants"]
     shares = d.get("shares")
     host = any(row.get("host_blocks") is not None for row in rows)
-    table = compact_table("tenant", "prompt", "hit", "recomputed", "running/waiting", "rejected", "cached",
-                          *(["idle/share"] if shares else []), *(["host"] if host else []), "pinned/budget",
-                          "TTFT p50/p95")
+    # short headers, explained below the table: every figure fits an 80-column terminal uncut
+    table = compact_table("tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached",
+                          *(["idle/share"] if shares else []), *(["host"] if host else []), "pins", "TTFT ms")
+    table.columns[0].overflow = "fold"  # a long tenant name wraps whole, never cut
     for index in range(1, len(table.columns)):
         table.columns[index].justify = "right"
     for row in rows:
@@ -139,12 +140,15 @@ def render_tenants(d: dict) -> Group:
                       f"{row['cached_blocks']:,}", *share, *([_host_cell(row)] if host else []),
                       f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}",
                       "-" if row.get("ttft_p50_s") is None else
-                      f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f} ms")
+                      f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f}")
     parts = [table] if rows else [Text("no tenant seen since kvd started")]
-    parts.append(Text(f"hit: prompt tokens served from the cache; cached: device blocks holding the tenant's "
-                      f"prefixes, of {d['blocks']:,}" + ("; idle/share: unused cached blocks against its share "
-                                                         "(beyond it they are evicted first)" if shares else "")
-                      + ("; host: host-memory slots holding its blocks (against its share there)" if host else "")))
+    parts.append(Text(f"hit: prompt tokens served from the cache; recomp: tokens recomputed after preemption; "
+                      f"run/wait: requests running and waiting; rej: requests turned away; cached: device blocks "
+                      f"holding the tenant's prefixes, of {d['blocks']:,}"
+                      + ("; idle/share: unused cached blocks against its share (beyond it they are evicted first)"
+                         if shares else "")
+                      + ("; host: host-memory slots holding its blocks (against its share there)" if host else "")
+                      + "; pins: pinned blocks against the pin budget; TTFT ms: p50/p95 of its latest requests"))
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)
