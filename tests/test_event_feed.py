@@ -228,6 +228,16 @@ def test_explain_says_which_tier_a_block_last_left_and_why(daemon):
     assert moved["verified_blocks"] == moved["blocks"] == row["blocks"]
     why = call(app, "POST", "/admin/explain", json={"tokens": ids}).json()["first_miss"]
     assert (why["reason"], why["tier"], why["key"]) == ("in_lower_tier", "disk", row["prefix_id"])
+    # what the next request does with it: restore (tiering: always) and wait up to the prefetch timeout
+    blocks = row["blocks"]
+    assert (why["lower_tier_blocks"], why["restores"], why["prefetch_wait_seconds"]) == ({"disk": blocks}, True,
+                                                                                       2.0 + 0.0)
+    assert why["restore_seconds"] > 0 and why["recompute_seconds"] == pytest.approx(
+        blocks * 16 / service.engine.prefill_rate.rate)
+    assert why["detail"].startswith(f"{blocks} blocks from here are in lower tiers ({blocks} on disk): restoring "
+                                    "them takes about ")
+    assert why["detail"].endswith("so the next request restores them; it waits up to 2.00 s for the disk part to "
+                                  "come up (prefetch_policy timeout)")
     call(app, "POST", "/admin/evict", json={"prefix": row["prefix_id"]})
     why = call(app, "POST", "/admin/explain", json={"tokens": ids}).json()["first_miss"]
     assert (why["reason"], why["tier"], why["evicted_by"], why["key"]) == ("evicted", "disk", "operator",

@@ -1293,7 +1293,43 @@ class EngineService:
                 device_clock = engine.clock()
         if "first_miss" not in body:  # outside the lock: reading the event log does not hold up the engine
             body["first_miss"] = self._cached_miss(engine, hits, key, lower, logged, other, device_clock)
+            if lower != "evicted":
+                body["first_miss"].update(self._lower_tier_run(engine, keys[hits:cacheable]))
         return body
+
+    def _lower_tier_run(self, engine: Engine, keys: list[bytes]) -> dict:
+        """What the next request would do with the run of blocks lower tiers hold after the device's
+        part: restore or recompute it (the tiering policy, at the measured rates), and how long it
+        would wait for the disk's or Redis's part to come up (the prefetch policy)."""
+        tiers, size = self.tiers, engine.settings.block_size
+        run = tiers.lower_run(keys)
+        blocks = sum(run.values())
+        if not blocks:
+            return {}
+        restore = restore_seconds(run, tiers.layout.block_bytes, tiers.read_rates())
+        recompute = blocks * size / engine.prefill_rate.rate
+        slowest = next(t for t in ("remote", "disk", "host") if t in run)
+        restores = tiers.policy.should_restore(blocks * size, blocks * tiers.layout.block_bytes,
+                                               tiers.stats[slowest].read)
+        fetched = (run.get("disk", 0) + run.get("remote", 0)) * size
+        policy = engine.prefetch
+        wait = policy.deadline(0.0, fetched) if fetched else 0.0
+        where = ", ".join(f"{n} on {t}" for t, n in run.items())
+        measured = tiers.stats[slowest].read.samples > 0 and engine.prefill_rate.samples > 0
+        rates = "the measured rates" if measured else "assumed rates (nothing measured yet)"
+        detail = (f"{blocks} blocks from here are in lower tiers ({where}): restoring them takes about "
+                  f"{restore * 1e3:,.1f} ms at {rates}, recomputing them about {recompute * 1e3:,.1f} ms, "
+                  f"so the next request {'restores' if restores else 'recomputes'} them")
+        part = " and ".join(name for tier, name in (("disk", "disk"), ("remote", "Redis")) if run.get(tier))
+        if restores and fetched:
+            detail += (f"; it is admitted at once with what has come up from {part} (prefetch_policy best_effort)"
+                       if policy.policy == "best_effort" else
+                       f"; it waits until the {part} reads end (prefetch_policy wait_complete)"
+                       if wait == float("inf") else
+                       f"; it waits up to {wait:,.2f} s for the {part} part to come up (prefetch_policy timeout)")
+        return {"detail": detail, "lower_tier_blocks": run, "restore_seconds": restore,
+                "recompute_seconds": recompute, "restores": restores,
+                "prefetch_wait_seconds": None if wait == float("inf") or not (restores and fetched) else wait}
 
     def _cached_miss(self, engine: Engine, block: int, key: bytes, lower: str, logged, other: list[str],
                      device_clock: float) -> dict:
