@@ -65,6 +65,16 @@ def on_disk(demo, tmp_path, **settings):
     return engine, tiered, clock, cold.sequences[0].output_ids
 
 
+def held_fetch(demo, tmp_path, **settings):
+    """`on_disk`, then a request for TEXT_A whose fetch has staged block 0 and hangs on block 1:
+    (engine, tiers, clock, cold output, gate, request)."""
+    engine, tiered, clock, cold = on_disk(demo, tmp_path, **settings)
+    gate = GatedDisk(tiered)
+    request = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
+    assert gate.entered.wait(10)
+    return engine, tiered, clock, cold, gate, request
+
+
 def blocks_of(demo, text) -> int:
     return (len(demo.tokenizer.encode(text)) - 1) // 16  # whole blocks before the last prompt token
 
@@ -89,11 +99,8 @@ def test_the_policy_s_deadlines_and_outcomes():
 
 
 def test_a_slow_fetch_holds_up_only_its_own_request_until_its_timeout(demo, tmp_path):
-    engine, tiered, clock, cold = on_disk(demo, tmp_path, prefetch_policy="timeout", prefetch_timeout=5.0,
-                                          prefetch_timeout_per_1k_tokens=1.0)
-    gate = GatedDisk(tiered)
-    slow = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
-    assert gate.entered.wait(10)  # block 0 is staged; block 1's read hangs
+    engine, tiered, clock, cold, gate, slow = held_fetch(demo, tmp_path, prefetch_policy="timeout",
+                                                         prefetch_timeout=5.0, prefetch_timeout_per_1k_tokens=1.0)
     fresh = engine.add_request(demo.tokenizer.encode(TEXT_D), GREEDY)
     while not fresh.finished:  # the request behind it runs to the end meanwhile
         engine.step()
@@ -116,10 +123,7 @@ def test_a_slow_fetch_holds_up_only_its_own_request_until_its_timeout(demo, tmp_
 
 
 def test_wait_complete_waits_past_any_timeout_and_restores_the_whole_prefix(demo, tmp_path):
-    engine, tiered, clock, cold = on_disk(demo, tmp_path, prefetch_policy="wait_complete")
-    gate = GatedDisk(tiered)
-    slow = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
-    assert gate.entered.wait(10)
+    engine, tiered, clock, cold, gate, slow = held_fetch(demo, tmp_path, prefetch_policy="wait_complete")
     clock.now += 3600
     for _ in range(3):
         assert engine.step() == [] and slow.metrics.admitted is None
@@ -132,10 +136,7 @@ def test_wait_complete_waits_past_any_timeout_and_restores_the_whole_prefix(demo
 
 
 def test_best_effort_admits_at_once_with_what_is_staged(demo, tmp_path):
-    engine, tiered, clock, cold = on_disk(demo, tmp_path, prefetch_policy="best_effort")
-    gate = GatedDisk(tiered)
-    slow = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
-    assert gate.entered.wait(10)
+    engine, tiered, clock, cold, gate, slow = held_fetch(demo, tmp_path, prefetch_policy="best_effort")
     engine.step()
     assert slow.metrics.admitted == clock.now and slow.metrics.restored_tokens == 16
     gate.settle()
@@ -148,14 +149,11 @@ def test_best_effort_admits_at_once_with_what_is_staged(demo, tmp_path):
 def test_an_idle_engine_waits_for_a_held_fetch_no_longer_than_its_deadline_or_a_poll(demo, tmp_path):
     """With nothing to run the engine does not spin: it waits on the fetch, for at most the poll
     interval (so that new requests are looked at) and never past the request's deadline."""
-    engine, tiered, clock, _ = on_disk(demo, tmp_path, prefetch_policy="timeout", prefetch_timeout=1.0)
-    gate = GatedDisk(tiered)
+    engine, tiered, clock, _, gate, slow = held_fetch(demo, tmp_path, prefetch_policy="timeout", prefetch_timeout=1.0)
     waits = []
     real_wait = tiered.wait_prefetch
     tiered.wait_prefetch = lambda request_id, timeout: (waits.append((request_id, timeout)),
                                                         real_wait(request_id, timeout))
-    slow = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
-    assert gate.entered.wait(10)
     tokens = slow.metrics.prefetch_tokens
     engine.step()
     clock.now += 1.0 - 0.01  # 10 ms before the deadline
@@ -167,10 +165,7 @@ def test_an_idle_engine_waits_for_a_held_fetch_no_longer_than_its_deadline_or_a_
 
 
 def test_cancelling_a_request_that_waits_for_its_fetch_counts_it_cancelled(demo, tmp_path):
-    engine, tiered, _, _ = on_disk(demo, tmp_path, prefetch_policy="wait_complete")
-    gate = GatedDisk(tiered)
-    slow = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
-    assert gate.entered.wait(10)
+    engine, tiered, _, _, gate, slow = held_fetch(demo, tmp_path, prefetch_policy="wait_complete")
     engine.step()
     engine.cancel(slow.request_id)
     gate.settle()

@@ -140,6 +140,16 @@ def test_shares_set_on_a_pool_in_use_adopt_its_idle_blocks_and_can_be_taken_away
 
 
 # ---- kvd -----------------------------------------------------------------------------------------
+def cached_tokens(app, token: str, prompt: list[int]) -> int:
+    """Complete `prompt` as the token's tenant (one greedy token); the prompt tokens it got from the cache."""
+    from .daemon_fixtures import call
+
+    response = call(app, "POST", "/v1/completions", headers={"Authorization": f"Bearer {token}"},
+                    json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
 def test_kvd_keeps_a_quiet_tenant_s_prefix_through_a_noisy_tenant_s_burst_and_says_why(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("fastapi")
@@ -152,10 +162,7 @@ def test_kvd_keeps_a_quiet_tenant_s_prefix_through_a_noisy_tenant_s_burst_and_sa
         unix, tcp = apps(service, token_table(tmp_path))
 
         def complete(token, prompt):
-            response = call(tcp, "POST", "/v1/completions", headers={"Authorization": f"Bearer {token}"},
-                            json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
-            assert response.status_code == 200, response.text
-            return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return cached_tokens(tcp, token, prompt)
 
         quiet = list(range(1, 50))  # three full blocks and one token
         complete(GLOBEX_TOKEN, quiet)
@@ -365,10 +372,7 @@ def test_kvd_shows_each_tenant_s_host_slots_against_its_share_and_reloads_the_ho
         unix, tcp = apps(service, token_table(tmp_path))
 
         def complete(token, prompt):
-            response = call(tcp, "POST", "/v1/completions", headers={"Authorization": f"Bearer {token}"},
-                            json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
-            assert response.status_code == 200, response.text
-            return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            return cached_tokens(tcp, token, prompt)
 
         quiet = list(range(1, 50))  # three full blocks
         complete(GLOBEX_TOKEN, quiet)
