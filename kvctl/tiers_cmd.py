@@ -6,17 +6,27 @@ import json
 import math
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
+from rich.text import Text
 
-from .ops import _client, _emit
+from .ops import _client, _emit, watch_status
 from .tables import compact_table, seconds, size
 
 
 def render_tiers(d: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    (console or Console()).print(tiers_view(d))
+
+
+def tiers_view(d: dict) -> Group:
+    """The tiers table and the lines under it, as one renderable (`kvctl tiers [--watch]`)."""
+    parts: list = []
+
+    def say(line: str) -> None:  # plain text, never markup: a line may quote a path or a reason
+        parts.append(Text(line))
+
     if not d["configured"]:
-        console.print("no lower tier configured (tiers: in the config, or --host-cache-bytes, "
-                      "--disk-cache-bytes, --remote-url)")
+        say("no lower tier configured (tiers: in the config, or --host-cache-bytes, "
+            "--disk-cache-bytes, --remote-url)")
     dev = d["device"]
     device_hits = d["tokens"]["hit"] - d["tokens"]["restored"]
     columns = {"device": {"used": size(dev["used_bytes"]), "capacity": size(dev["capacity_bytes"]),
@@ -45,33 +55,33 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
     for figure in figures:
         if any(figure in c for c in columns.values()):
             table.add_row(figure, *(c.get(figure, "") for c in columns.values()))
-    console.print(table)
+    parts.append(table)
     tokens = d["tokens"]
-    console.print(f"prompt tokens {tokens['prompt']:,}: {tokens['hit']:,} from cache "
-                  f"({tokens['restored']:,} restored from lower tiers), {tokens['recomputed']:,} recomputed "
-                  "after preemption")
+    say(f"prompt tokens {tokens['prompt']:,}: {tokens['hit']:,} from cache "
+        f"({tokens['restored']:,} restored from lower tiers), {tokens['recomputed']:,} recomputed "
+        "after preemption")
     if d.get("moved_bytes"):
-        console.print("moved: " + ", ".join(f"{k} {size(v)}" for k, v in d["moved_bytes"].items()))
+        say("moved: " + ", ".join(f"{k} {size(v)}" for k, v in d["moved_bytes"].items()))
     if d.get("break_even_tokens"):
         measured = d.get("break_even_measured") or {}
-        console.print("restore beats recompute from: " + ", ".join(
+        say("restore beats recompute from: " + ", ".join(
             f"{k} {'never' if math.isinf(v) else f'{v:,.0f} tokens'}"
             + ("" if measured.get(k, True) else " (assumed rates: nothing measured yet)")
             for k, v in d["break_even_tokens"].items()))
     if d.get("prefetch") and ("disk" in d["tiers"] or "remote" in d["tiers"]):
-        console.print(prefetch_line(d["prefetch"]), highlight=False)
+        say(prefetch_line(d["prefetch"]))
     aside = (d["tiers"].get("disk") or {}).get("set_aside")
     if aside:
-        console.print("disk set aside: " + "; ".join(_aside_group(g) for g in aside), highlight=False)
+        say("disk set aside: " + "; ".join(_aside_group(g) for g in aside))
         if any(g.get("model_revision") for g in aside):
-            console.print("kvctl evict --model-revision REV deletes a revision's blocks from disk and the shared Redis",
-                          highlight=False)
+            say("kvctl evict --model-revision REV deletes a revision's blocks from disk and the shared Redis")
     if d.get("disk_scan"):
         s = d["disk_scan"]
         back = f" ({s['readmitted']} segments of them back from a rollback)" if s.get("readmitted") else ""
         dropped = f", {s['set_aside_dropped']} set aside before (for room)" if s.get("set_aside_dropped") else ""
-        console.print(f"disk at start: {s['blocks']:,} blocks re-indexed{back}; set aside {s['corrupt']} corrupt, "
-                      f"{s['foreign']} foreign; removed {s['torn']} unfinished{dropped}")
+        say(f"disk at start: {s['blocks']:,} blocks re-indexed{back}; set aside {s['corrupt']} corrupt, "
+            f"{s['foreign']} foreign; removed {s['torn']} unfinished{dropped}")
+    return Group(*parts)
 
 
 def prefetch_line(p: dict) -> str:
@@ -106,12 +116,17 @@ def _aside_group(g: dict) -> str:
     return head + f" of model {g['model_revision'][:16]}" + (f" ({detail})" if detail else "")
 
 
-def tiers(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def tiers(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
+          as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Each memory tier: capacity, use, hit tokens, bytes moved, transfer rates, checksum failures, health.
 
-    Example: kvctl tiers
+    Example: kvctl tiers --watch
     """
-    data = _client(ctx).get("/admin/tiers")
+    client = _client(ctx)
+    if watch and not as_json:
+        watch_status(lambda: client.get("/admin/tiers"), render=tiers_view)
+        return
+    data = client.get("/admin/tiers")
     if as_json:  # inf is not JSON
         data["break_even_tokens"] = {k: (None if math.isinf(v) else v)
                                      for k, v in (data.get("break_even_tokens") or {}).items()}

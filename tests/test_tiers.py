@@ -1075,3 +1075,33 @@ def test_without_lower_tiers_the_report_says_so_and_swap_refuses(tmp_path):
         assert refused.status_code == 409 and "no lower tier is configured" in refused.json()["error"]["message"]
     finally:
         service.shutdown(deadline=2)
+
+
+def test_kvctl_tiers_watch_redraws_until_stopped_with_the_latest_report():
+    from rich.console import Console
+
+    from kvctl.ops import watch_status
+    from kvctl.tiers_cmd import render_tiers, tiers_view
+
+    def report(hit: int) -> dict:
+        return {"configured": True, "write_policy": "write_back", "tiers": {}, "moved_bytes": {},
+                "device": {"used_bytes": 1 << 20, "capacity_bytes": 1 << 24, "blocks": 64},
+                "tokens": {"prompt": 1000, "hit": hit, "restored": 0, "recomputed": 0}}
+
+    frames, fetched = [report(10), report(640)], []
+
+    def fetch():
+        fetched.append(frames[len(fetched)])
+        return fetched[-1]
+
+    def sleep(_):
+        if len(fetched) == 2:
+            raise KeyboardInterrupt
+
+    console = Console(record=True, width=100)
+    watch_status(fetch, console, sleep=sleep, render=tiers_view)
+    shown = console.export_text()
+    assert len(fetched) == 2 and "prompt tokens 1,000: 640 from cache" in shown
+    once = Console(record=True, width=100)
+    render_tiers(report(640), once)  # `kvctl tiers` prints the same picture once
+    assert once.export_text().strip() == shown.strip()
