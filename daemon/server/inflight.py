@@ -1,8 +1,9 @@
 """The requests in flight, as an operator sees and stops them (`kvctl requests`, `kvctl cancel`).
 
 A row says who asked (tenant, API), where the request stands (waiting for admission, and whether
-for its prefix to come up from disk or Redis; computing its prompt, decoding; preempted and how often), for how long, what the cache gave it (cached and
-restored prompt tokens) and what it holds (blocks): never its prompt or output tokens, nor text.
+for its prefix to come up from disk or Redis; computing its prompt, decoding; preempted and how
+often), for how long, what the cache gave it (cached and restored prompt tokens) and what it holds
+(blocks): never its prompt or output tokens, nor text.
 Cancelling one does what a client that leaves does: its samples finish as `cancelled` (a
 streaming client gets that finish reason), its blocks come back exactly once, and the call is
 audited with the request's tenant.
