@@ -37,7 +37,8 @@ def list_tenants(service: EngineService) -> dict:
         if host is not None:
             with service.tiers.lock:
                 on_host = {tenant: n for tenant, n in host.tenant_blocks.items() if tenant}
-        names = set(tokens) | set(indexed) | (set(on_host) if host is not None else set()) | set(shares or ()) | set(pinned) | {t for t, _ in flight} | set(rejected)
+        names = (set(tokens) | set(indexed) | (set(on_host) if host is not None else set()) | set(shares or ())
+                 | set(pinned) | {t for t, _ in flight} | set(rejected))
         rows = []
         for tenant in sorted(names):
             prompt, hit, recomputed = tokens.get(tenant, (0, 0, 0))
