@@ -65,7 +65,7 @@ def tiers_view(d: dict) -> Group:
     if d.get("break_even_tokens"):
         measured = d.get("break_even_measured") or {}
         say("restore beats recompute from: " + ", ".join(
-            f"{k} {'never' if math.isinf(v) else f'{v:,.0f} tokens'}"
+            f"{k} {'never' if v is None or math.isinf(v) else f'{v:,.0f} tokens'}"
             + ("" if measured.get(k, True) else " (assumed rates: nothing measured yet)")
             for k, v in d["break_even_tokens"].items()))
     if d.get("prefetch") and ("disk" in d["tiers"] or "remote" in d["tiers"]):
@@ -127,8 +127,8 @@ def tiers(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help=
         watch_status(lambda: client.get("/admin/tiers"), render=tiers_view)
         return
     data = client.get("/admin/tiers")
-    if as_json:  # inf is not JSON
-        data["break_even_tokens"] = {k: (None if math.isinf(v) else v)
+    if as_json:  # an older kvd may send inf, which is not JSON
+        data["break_even_tokens"] = {k: (None if v is None or math.isinf(v) else v)
                                      for k, v in (data.get("break_even_tokens") or {}).items()}
         typer.echo(json.dumps(data, indent=2))
     else:

@@ -1105,3 +1105,24 @@ def test_kvctl_tiers_watch_redraws_until_stopped_with_the_latest_report():
     once = Console(record=True, width=100)
     render_tiers(report(640), once)  # `kvctl tiers` prints the same picture once
     assert once.export_text().strip() == shown.strip()
+
+
+def test_kvctl_tiers_answers_when_restoring_from_a_tier_never_beats_recomputing(tmp_path):
+    """A disk slower per token than the prefill (a big model on a GPU, a slow disk) has no
+    break-even: /admin/tiers said so with an infinity, which JSON cannot carry (a 500)."""
+    from rich.console import Console
+
+    from kvctl.daemon.server.app import create_app
+    from kvctl.tiers_cmd import render_tiers
+
+    service = start_service(tmp_path, disk_cache_bytes="16MiB")
+    try:
+        service.tiers.stats["disk"].read.rate = 10.0  # bytes a second
+        response = call(create_app(service, service.metrics, front="unix"), "GET", "/admin/tiers")
+        assert response.status_code == 200, response.text
+        assert response.json()["break_even_tokens"] == {"disk": None}
+        console = Console(record=True, width=120)
+        render_tiers(response.json(), console)
+        assert "restore beats recompute from: disk never" in console.export_text()
+    finally:
+        service.shutdown(deadline=2)

@@ -7,6 +7,7 @@ cache. Disk and Redis I/O happens outside the lock.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -60,13 +61,17 @@ def report(service) -> dict:
         body["disk_scan"] = {"blocks": scan.blocks, "segments": scan.segments, "corrupt": scan.corrupt,
                              "foreign": scan.foreign, "torn": scan.torn, "readmitted": scan.readmitted,
                              "set_aside_dropped": scan.quarantine_dropped}
-    body["break_even_tokens"] = {
-        name: tiers.policy.break_even_tokens(tiers.layout.block_bytes / tiers.layout.block_size,
-                                             tiers.stats[name].read)
+    body["break_even_tokens"] = {  # None: restoring from that tier never beats recomputing (JSON has no inf)
+        name: finite_or_none(tiers.policy.break_even_tokens(tiers.layout.block_bytes / tiers.layout.block_size,
+                                                            tiers.stats[name].read))
         for name in body["tiers"]}
     body["break_even_measured"] = {name: tiers.stats[name].read.samples > 0 and tiers.policy.prefill.samples > 0
                                    for name in body["tiers"]}
     return body
+
+
+def finite_or_none(value: float) -> float | None:
+    return None if math.isinf(value) else value
 
 
 def prefetch_report(engine) -> dict:
