@@ -18,7 +18,10 @@ def render_tiers(d: dict, console: Console | None = None) -> None:
 
 
 def tiers_view(d: dict) -> Group:
-    """The tiers table and the lines under it, as one renderable (`kvctl tiers [--watch]`)."""
+    """The tiers table and the lines under it, as one renderable (`kvctl tiers [--watch]`); at
+    kvd router, each replica's under its name."""
+    if "replicas" in d:
+        return Group(*(part for row in d["replicas"] for part in _replica_tiers(row)))
     parts: list = []
 
     def say(line: str) -> None:  # plain text, never markup: a line may quote a path or a reason
@@ -84,6 +87,12 @@ def tiers_view(d: dict) -> Group:
     return Group(*parts)
 
 
+def _replica_tiers(row: dict) -> list:
+    if "report" not in row:
+        return [Text(f"replica {row['replica']}: no answer ({row.get('error')})", style="yellow"), Text("")]
+    return [Text(f"replica {row['replica']}", style="bold"), tiers_view(row["report"]), Text("")]
+
+
 def prefetch_line(p: dict) -> str:
     """How requests waited for their prefixes from disk or Redis, in one line."""
     policy = p["policy"]
@@ -120,6 +129,8 @@ def tiers(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help=
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Each memory tier: capacity, use, hit tokens, bytes moved, transfer rates, checksum failures, health.
 
+    At kvd router, each replica's tiers under its name.
+
     Example: kvctl tiers --watch
     """
     client = _client(ctx)
@@ -128,8 +139,10 @@ def tiers(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help=
         return
     data = client.get("/admin/tiers")
     if as_json:  # an older kvd may send inf, which is not JSON
-        data["break_even_tokens"] = {k: (None if v is None or math.isinf(v) else v)
-                                     for k, v in (data.get("break_even_tokens") or {}).items()}
+        for report in [data] + [row["report"] for row in data.get("replicas", []) if "report" in row]:
+            if "break_even_tokens" in report:
+                report["break_even_tokens"] = {k: (None if v is None or math.isinf(v) else v)
+                                               for k, v in report["break_even_tokens"].items()}
         typer.echo(json.dumps(data, indent=2))
     else:
         render_tiers(data)

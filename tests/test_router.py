@@ -236,7 +236,7 @@ def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(repl
     assert answer.status_code == 404 and answer.json()["error"]["message"] == (
         "kvd router does not serve /admin/events: it serves /v1/completions, /v1/chat/completions, /v1/models, "
         "/admin/status, /admin/evict, /admin/pins, /admin/prefixes, /admin/requests, /admin/cancel, /admin/tenants, "
-        "/router/status, /router/sync-pins, /router/route, /router/drain, /metrics, /healthz and /readyz; ask a replica "
+        "/admin/tiers, /router/status, /router/sync-pins, /router/route, /router/drain, /metrics, /healthz and /readyz; ask a replica "
         "for the rest "
         "(kvctl "
         "--socket REPLICA_SOCKET ...)")
@@ -1043,6 +1043,22 @@ def test_an_eviction_at_the_router_takes_the_blocks_of_every_replica_and_adds_up
                                  "  replica-0: 0 from the device, 0 from lower tiers",
                                  "  replica-1: not done: ConnectError: connection refused",
                                  "replica-1: not reached (ConnectError: connection refused)"]
+
+
+def test_kvctl_tiers_at_the_router_shows_each_replica_s_tiers_and_which_did_not_answer(replicas):
+    _, app = router_app(replicas, down=(1,))
+    [answer] = drive(app, [lambda c: c.get("/admin/tiers")])
+    assert answer.status_code == 200
+    rows = answer.json()["replicas"]
+    assert [(r["replica"], r["status"]) for r in rows] == [("replica-0", 200), ("replica-1", None)]
+    assert rows[0]["report"]["configured"] is False and rows[0]["report"]["device"]["blocks"] >= 0
+    assert rows[1]["error"].startswith("ConnectError: connection refused")
+    shown = _kvctl_prints(["tiers"], answer.json()).splitlines()
+    assert shown[0] == "replica replica-0" and shown[1].startswith("no lower tier configured")
+    assert "replica replica-1: no answer (ConnectError: connection refused)" in shown
+    _, app = router_app(replicas, down=(0, 1))
+    [answer] = drive(app, [lambda c: c.get("/admin/tiers")])
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_replica"
 
 
 def _render_evict(body: dict) -> str:

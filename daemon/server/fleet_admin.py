@@ -207,6 +207,24 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
     return 200, out
 
 
+def merge_tier_reports(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
+    """Each replica's tier report as it came, in the replicas' order: tiers do not add up across
+    machines (each has its own host memory and disk, and a shared Redis would count once per
+    replica). A replica that did not answer says why."""
+    if not any(status == 200 for status, _ in answers):
+        return none_did(names, answers)
+    rows = []
+    for name, (status, body) in zip(names, answers):
+        row: dict = {"replica": name, "status": status}
+        if status == 200:
+            row["report"] = body
+        else:
+            error = body.get("error")
+            row["error"] = error.get("message") if isinstance(error, dict) else error
+        rows.append(row)
+    return 200, {"replicas": rows}
+
+
 def merge_cancels(done: list[dict]) -> dict:
     """The requests each replica cancelled; `not_found`: the ids none of them had in flight."""
     not_found = set(done[0].get("not_found") or [])

@@ -54,7 +54,8 @@ from kvctl.policies.routing import (NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES, R
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merge_pin_lists, merge_pins,
-                          merge_prefix_lists, merge_request_lists, merge_tenant_lists, merge_unpins)
+                          merge_prefix_lists, merge_request_lists, merge_tenant_lists, merge_tier_reports,
+                          merge_unpins)
 from .fleet_pins import sync_pins
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
@@ -70,7 +71,7 @@ FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
 SERVED = ("/v1/completions, /v1/chat/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /admin/prefixes, "
-          "/admin/requests, /admin/cancel, /admin/tenants, /router/status, /router/sync-pins, "
+          "/admin/requests, /admin/cancel, /admin/tenants, /admin/tiers, /router/status, /router/sync-pins, "
           "/router/route, /router/drain, /metrics, /healthz and /readyz")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 # a forward's failures before any byte of an answer came, where the connection itself ended
@@ -642,6 +643,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.get("/admin/tenants")
     async def tenants_everywhere(http: Request, _: Caller = Depends(admin)):
         return await merged_listing("/admin/tenants", http, merge_tenant_lists)
+
+    @app.get("/admin/tiers")
+    async def tiers_everywhere(http: Request, _: Caller = Depends(admin)):
+        return await merged_listing("/admin/tiers", http, merge_tier_reports)
 
     @app.post("/admin/cancel")
     async def cancel_everywhere(http: Request, _: Caller = Depends(admin)):
