@@ -104,6 +104,10 @@ class TierMachine(RuleBasedStateMachine):
         host = self.tiers.host
         assert len(set(host.index.values())) == len(host.index) <= host.num_slots
         assert host.tenant_blocks == Counter(host._tenant(key) for key in host.index)  # the shares' books
+        order = list(host.index)  # each tenant's LRU order is the global one, and the stamps follow it
+        assert {t: list(entries) for t, entries in host._by_tenant.items()} == {
+            t: [k for k in order if host._tenant(k) == t] for t in host.tenant_blocks}
+        assert [host._stamp[k] for k in order] == sorted(host._stamp.values()) and len(host._stamp) == len(order)
         assert len(host._free) + len(host.index) == host.num_slots  # no slot lost or counted twice
         for key, slot in host.index.items():
             assert same([(k[0], v[0]) for k, v in host.read_slots([slot])], content(LAYOUT, key))

@@ -16,7 +16,8 @@ Device-side users are ordered by the stream itself.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+import itertools
+from collections import Counter, OrderedDict
 from typing import Sequence
 
 import torch
@@ -100,6 +101,11 @@ class HostTier:
         self._copies: dict[int, object] = {}  # slot -> CUDA event of its latest asynchronous copy
         self.events = None  # an EventLog: each key indexed or dropped here is logged there
         self.tenant_blocks: Counter[str] = Counter()  # entries per tenant ("" where not known)
+        # each tenant's entries, least recently used first, and every entry's place in the LRU order:
+        # a share eviction finds a tenant's oldest entry without a scan
+        self._by_tenant: dict[str, OrderedDict[bytes, None]] = {}
+        self._stamp: dict[bytes, int] = {}
+        self._stamps = itertools.count()
         self.shares: dict[str, int] = {}  # tenant ("*": the others) -> its share in slots; empty: no shares
         self.share_evictions = 0  # entries evicted because their tenant held more than its share
 
@@ -124,6 +130,8 @@ class HostTier:
 
     def touch(self, key: bytes) -> None:
         self.index.move_to_end(key)
+        self._by_tenant[self._tenant(key)].move_to_end(key)
+        self._stamp[key] = next(self._stamps)
 
     def take_slots(self, count: int, protect: set[bytes] = frozenset(),
                    tenants: Sequence[str | None] | None = None) -> tuple[list[int], list[bytes], list[int]]:
@@ -143,14 +151,12 @@ class HostTier:
         evicted: list[bytes] = []
         while len(slots) < count and self._free:
             slots.append(self._free.pop())
-        if len(slots) < count:
-            for key in list(self.index):
-                if len(slots) == count:
-                    break
-                if key in self.busy or key in protect:
-                    continue
-                slots.append(self._unindex(key))
-                evicted.append(key)
+        while len(slots) < count:  # no copy of the index: a large host tier costs nothing more per call
+            key = self._oldest_idle(self.index, protect)
+            if key is None:
+                break
+            slots.append(self._unindex(key))
+            evicted.append(key)
         if evicted and self.events is not None:
             self.events.removed("host", evicted, "capacity")
         return slots, evicted, list(range(len(slots)))
@@ -159,46 +165,35 @@ class HostTier:
         slots: list[int] = []
         kept: list[int] = []
         victims: list[tuple[bytes, str]] = []  # (key, reason) in eviction order
-        held = Counter(self.tenant_blocks)
-        candidates = [key for key in self.index if key not in self.busy and key not in protect]  # LRU first
-        age = {key: i for i, key in enumerate(candidates)}
-        lru = deque(candidates)
-        by_tenant: dict[str, deque] = {}
-        for key in candidates:
-            by_tenant.setdefault(self._tenant(key), deque()).append(key)
-        taken: set[bytes] = set()
+        coming: Counter[str] = Counter()  # incoming blocks given a slot, per tenant (indexed by the caller)
 
-        def oldest(queue: deque) -> bytes | None:
-            while queue and queue[0] in taken:
-                queue.popleft()
-            return queue[0] if queue else None
+        def held(tenant: str) -> int:
+            return self.tenant_blocks[tenant] + coming[tenant]
 
         for position, tenant in enumerate(tenants):
             tenant = tenant or ""
             if self._free:
                 slots.append(self._free.pop())
                 kept.append(position)
-                held[tenant] += 1
+                coming[tenant] += 1
                 continue
             victim, reason = None, "tenant_share"
-            for owner, queue in by_tenant.items():  # over its share once this block is in (its own count)
+            for owner, entries in self._by_tenant.items():  # over its share once this block is in (its own count)
                 share = self.share_of(owner)
-                if share is not None and held[owner] + (owner == tenant) > share:
-                    key = oldest(queue)
-                    if key is not None and (victim is None or age[key] < age[victim]):
+                if share is not None and held(owner) + (owner == tenant) > share:
+                    key = self._oldest_idle(entries, protect)
+                    if key is not None and (victim is None or self._stamp[key] < self._stamp[victim]):
                         victim = key
             if victim is None:
                 share = self.share_of(tenant)
-                if share is not None and held[tenant] + 1 > share:
+                if share is not None and held(tenant) + 1 > share:
                     continue  # over its share: it may not push out another tenant's entry
-                victim, reason = oldest(lru), "capacity"
+                victim, reason = self._oldest_idle(self.index, protect), "capacity"
                 if victim is None:
                     break  # nothing left to evict
-            taken.add(victim)
-            held[self._tenant(victim)] -= 1
-            held[tenant] += 1
             slots.append(self._unindex(victim))
             kept.append(position)
+            coming[tenant] += 1
             victims.append((victim, reason))
         for_share = [key for key, reason in victims if reason == "tenant_share"]
         self.share_evictions += len(for_share)
@@ -209,12 +204,25 @@ class HostTier:
                 self.events.removed("host", [key for key, reason in victims if reason == "capacity"], "capacity")
         return slots, [key for key, _ in victims], kept
 
+    def _oldest_idle(self, entries, protect: set[bytes]) -> bytes | None:
+        """The least recently used of `entries` (keys in LRU order) that no transfer reads or
+        protects: those are few, so this is O(1) but for them."""
+        for key in entries:
+            if key not in self.busy and key not in protect:
+                return key
+        return None
+
     def _unindex(self, key: bytes) -> int:
         """Take `key` out of the index (its meta stays until `forget_meta`); returns its slot."""
         tenant = self._tenant(key)
         self.tenant_blocks[tenant] -= 1
         if not self.tenant_blocks[tenant]:
             del self.tenant_blocks[tenant]
+        entries = self._by_tenant[tenant]
+        del entries[key]
+        if not entries:
+            del self._by_tenant[tenant]
+        del self._stamp[key]
         return self.index.pop(key)
 
     def _record(self, slots: Sequence[int], caches) -> None:
@@ -260,7 +268,10 @@ class HostTier:
                 self._free.append(self._unindex(meta.key))  # written again: the old slot is free
             self.index[meta.key] = slot
             self.meta[meta.key] = meta
-            self.tenant_blocks[meta.tenant or ""] += 1
+            tenant = meta.tenant or ""
+            self.tenant_blocks[tenant] += 1
+            self._by_tenant.setdefault(tenant, OrderedDict())[meta.key] = None
+            self._stamp[meta.key] = next(self._stamps)
         if self.events is not None:
             self.events.stored("host", metas)
 
