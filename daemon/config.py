@@ -10,6 +10,7 @@ is a ConfigError naming the field, the value and where it came from.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -58,6 +59,28 @@ def _size(text: str) -> int:
     if unit not in units or not number:
         raise ValueError
     return int(float(number) * units[unit])
+
+
+def whole_number(value: Any) -> int:
+    """A setting that counts: an integer, or its digits as text. A YAML `1.5` or `true` is refused
+    rather than read as 1."""
+    text = str(value).strip()
+    if isinstance(value, (bool, float)) or not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise ValueError("must be a whole number")
+    return int(text)
+
+
+def finite_number(value: Any) -> float:
+    """A setting in seconds or a rate: a finite number (a YAML `true` is refused, not read as 1.0)."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("must be a number") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError("must be a finite number")
+    return number
 
 
 def _count_or_auto(text: Any) -> int | None:
@@ -184,17 +207,18 @@ def redact_url(url: Any) -> Any:
 METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its figures under
 
 _PARSERS = {
-    "block_size": int, "num_blocks": int, "cache_memory": _size, "max_request_bytes": _size,
-    "max_batch_tokens": int, "max_running": int, "max_queue": int, "max_tenant_requests": int,
-    "max_tenant_metric_series": int, "pin_budget_blocks": int, "shutdown_timeout": float,
+    "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
+    "max_batch_tokens": whole_number, "max_running": whole_number, "max_queue": whole_number,
+    "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
+    "pin_budget_blocks": whole_number, "shutdown_timeout": finite_number,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
     "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
     "metrics_aliases": lambda v: tuple(dict.fromkeys(
         n for n in (v if isinstance(v, (list, tuple)) else (x.strip() for x in str(v).split(","))) if n and n != "none")),
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,
-    "host_cache_bytes": _size, "disk_cache_bytes": _size, "remote_cache_bytes": _size, "remote_timeout": float,
-    "prefetch_timeout": float, "prefetch_timeout_per_1k_tokens": float,
+    "host_cache_bytes": _size, "disk_cache_bytes": _size, "remote_cache_bytes": _size, "remote_timeout": finite_number,
+    "prefetch_timeout": finite_number, "prefetch_timeout_per_1k_tokens": finite_number,
     "keep_layers_unquantised": lambda v: ",".join(str(int(x)) for x in (v if isinstance(v, list) else str(v).split(",")) if str(x).strip()),
 }
 
@@ -238,9 +262,9 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be measured or always")
     if name == "prefetch_policy" and value not in PREFETCH_POLICIES:
         raise ValueError(f"must be {', '.join(PREFETCH_POLICIES[:-1])} or {PREFETCH_POLICIES[-1]}")
-    if name == "prefetch_timeout" and not 0 < value < float("inf"):
+    if name == "prefetch_timeout" and not value > 0:
         raise ValueError("must be a number of seconds > 0 (for no limit, use prefetch_policy: wait_complete)")
-    if name == "prefetch_timeout_per_1k_tokens" and not 0 <= value < float("inf"):
+    if name == "prefetch_timeout_per_1k_tokens" and not value >= 0:
         raise ValueError("must be a number of seconds >= 0")
     if name == "remote_url" and value is not None and not str(value).startswith(
             ("redis://", "rediss://", "unix://", "redis+cluster://")):

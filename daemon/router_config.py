@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from kvctl.policies.routing import NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES
 
-from .config import ConfigError, merge_settings, read_settings_file
+from .config import ConfigError, finite_number, merge_settings, read_settings_file, whole_number
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def _replicas(value: Any) -> tuple[str, ...]:
     return tuple(item.strip() for item in items if item.strip())
 
 
-_PARSERS = {"replicas": _replicas, "balance_seconds": float, "new_prefix_slack": int, "prefill_rate": float,
-            "load_interval": float, "pending_seconds": float}
+_PARSERS = {"replicas": _replicas, "balance_seconds": finite_number, "new_prefix_slack": whole_number,
+            "prefill_rate": finite_number, "load_interval": finite_number, "pending_seconds": finite_number}
 
 
 def _check(name: str, value: Any) -> None:

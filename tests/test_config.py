@@ -39,6 +39,25 @@ def test_invalid_values_name_field_value_and_source(flags, env, message):
     assert str(info.value).startswith(message)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("max_queue: 1.5", "max_queue: invalid value 1.5 from {path}: must be a whole number"),
+    ("max_running: true", "max_running: invalid value True from {path}: must be a whole number"),
+    ("shutdown_timeout: .inf", "shutdown_timeout: invalid value inf from {path}: must be a finite number"),
+    ("remote_timeout: yes", "remote_timeout: invalid value True from {path}: must be a number"),
+    ("prefetch_timeout: soon", "prefetch_timeout: invalid value 'soon' from {path}: must be a number"),
+])
+def test_a_yaml_number_of_the_wrong_kind_is_refused_not_rounded(tmp_path, text, message):
+    """YAML reads `1.5`, `true` and `.inf` as numbers: a count of 1.5 was read as 1, `true` as 1."""
+    path = tmp_path / "kvd.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as info:
+        resolve({}, {}, path)
+    assert str(info.value) == message.format(path=path)
+    path.write_text("max_queue: 12\nshutdown_timeout: 2\n")  # a whole number is a number too
+    settings = resolve({}, {"KVD_MAX_RUNNING": "+8"}, path)
+    assert (settings.max_queue, settings.shutdown_timeout, settings.max_running) == (12, 2.0, 8)
+
+
 def test_file_errors(tmp_path):
     path = tmp_path / "kvd.yaml"
     path.write_text("blok_size: 16\n")

@@ -241,8 +241,8 @@ def test_the_daemon_reports_prefetches_and_takes_a_new_policy_live(tmp_path):
                                      "must be timeout, best_effort or wait_complete"),
     ("prefetch_timeout", "0", "prefetch_timeout: invalid value '0' from --prefetch-timeout: must be a number of "
                               "seconds > 0 (for no limit, use prefetch_policy: wait_complete)"),
-    ("prefetch_timeout", "inf", "prefetch_timeout: invalid value 'inf' from --prefetch-timeout: must be a number "
-                                "of seconds > 0 (for no limit, use prefetch_policy: wait_complete)"),
+    ("prefetch_timeout", "inf", "prefetch_timeout: invalid value 'inf' from --prefetch-timeout: must be a finite "
+                                "number"),
     ("prefetch_timeout_per_1k_tokens", "-0.5", "prefetch_timeout_per_1k_tokens: invalid value '-0.5' from "
                                                "--prefetch-timeout-per-1k-tokens: must be a number of seconds >= 0"),
 ])
