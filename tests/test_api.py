@@ -959,6 +959,12 @@ def test_penalties_bias_and_min_tokens_reach_the_sampler(daemon):
     ({"min_tokens": 3, "max_tokens": 2}, "min_tokens", "min_tokens: must be an integer from 0 to max_tokens (2), got 3"),
     ({"repetition_penalty": 0}, "repetition_penalty",
      "repetition_penalty: must be a number in (0, 10]; 1 changes nothing, got 0.0"),
+    # JSON's true is not a number (pydantic's lax mode read it as 1, so logprobs: true meant 1 alternative)
+    ({"logprobs": True}, "logprobs", "logprobs: expected a number, not a boolean (got True)"),
+    ({"max_tokens": True}, "max_tokens", "max_tokens: expected a number, not a boolean (got True)"),
+    ({"temperature": False}, "temperature", "temperature: expected a number, not a boolean (got False)"),
+    ({"logit_bias": {"5": True}}, "logit_bias", "logit_bias: expected a number, not a boolean (got True)"),
+    ({"stop_token_ids": [3, True]}, "stop_token_ids", "stop_token_ids: expected a number, not a boolean (got True)"),
 ])
 def test_a_bad_sampling_control_is_a_400_naming_it(daemon, body, param, message):
     _, unix, _ = daemon

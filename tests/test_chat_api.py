@@ -150,6 +150,8 @@ def test_max_completion_tokens_is_max_tokens(daemon):
      "top_logprobs: must be an integer from 0 to 20, got 21"),
     ({"messages": [{"role": "user", "content": "a"}], "frequency_penalty": 3}, 400, "frequency_penalty",
      "frequency_penalty: must be a number from -2 to 2, got 3.0"),
+    ({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": True}, 400, "top_logprobs",
+     "top_logprobs: expected a number, not a boolean (got True)"),
     ({"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ 1 }}"}, 400, "chat_template",
      "chat_template: not supported by kvd, got '{{ 1 }}'; kvd renders every conversation with the model's own "
      "template (kvd serve --chat-template sets it for the daemon)"),

@@ -30,7 +30,7 @@ from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, Sa
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
 from . import event_feed, inflight
-from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape,
+from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
                    GenerationFields)
 from .chat_messages import MessagesError, chat_messages, messages_size
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
@@ -63,10 +63,10 @@ class CompletionRequest(GenerationFields):
     # pydantic's default ("smart") mode a long list of ids was also tried as strings, one error
     # object per id, 10 s for 10M ids on the event loop (now 1 s, and refused by length at once)
     prompt: Annotated[str | list[StrictInt] | list[list[StrictInt]] | list[str], Field(union_mode="left_to_right")]
-    max_tokens: int = 16
-    logprobs: int | None = None  # each output token's logprob and this many alternatives
+    max_tokens: Count = 16
+    logprobs: Count | None = None  # each output token's logprob and this many alternatives
     echo: bool | None = False  # the prompt before the output (its tokens' logprobs too, with logprobs)
-    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
+    prompt_logprobs: Count | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
 
 
 # Completion fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values

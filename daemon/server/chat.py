@@ -8,9 +8,10 @@ differs: `message` / `delta` instead of `text`, and `chat.completion[.chunk]` ob
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic_core import PydanticCustomError
 
 from kvctl.daemon.engine.sampling import MAX_LOGPROBS
 
@@ -35,6 +36,18 @@ CHAT_HINTS = {
 }
 
 
+def _not_a_boolean(value: Any) -> Any:
+    """JSON's true and false are not numbers (pydantic's lax mode would read them as 1 and 0):
+    refused, as OpenAI refuses them."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("number_not_boolean", "expected a number, not a boolean")
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_not_a_boolean)]  # a whole number in a request (1.0 passes; true does not)
+Number = Annotated[float, BeforeValidator(_not_a_boolean)]
+
+
 class GenerationFields(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share: the model, sampling, stops and
     streaming. Unknown fields are kept, to be refused by name when they ask for something."""
@@ -42,26 +55,26 @@ class GenerationFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    n: int = 1
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: Count = 0
+    seed: Count | None = None
+    n: Count = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Count] | None = None
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
     ignore_eos: bool = False
     # applied to the logits before a token is drawn (daemon/engine/logits.py); the defaults change nothing
     # (null, which OpenAI's clients may send, is the default)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
-    priority: int | None = None  # vLLM's: with queue_order priority, lower runs first (EngineService.queue_priority)
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    min_p: Number | None = None
+    min_tokens: Count | None = None
+    logit_bias: dict[str, Number] | None = None  # token id (a JSON key, so a string) -> bias
+    priority: Count | None = None  # vLLM's: with queue_order priority, lower runs first (EngineService.queue_priority)
 
     def sampling_controls(self) -> dict:
         """The fields above as SamplingParams takes them (null: the value that changes nothing)."""
@@ -83,11 +96,11 @@ class GenerationFields(BaseModel):
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[Any]  # checked by chat_messages, which names the message and field at fault
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = False  # each output token's logprob, and top_logprobs alternatives
-    top_logprobs: int | None = None
-    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
+    top_logprobs: Count | None = None
+    prompt_logprobs: Count | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn opening
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last (assistant) message
 
