@@ -973,6 +973,16 @@ def test_a_bad_sampling_control_is_a_400_naming_it(daemon, body, param, message)
     assert (response.json()["error"]["param"], response.json()["error"]["message"]) == (param, message)
 
 
+@pytest.mark.parametrize("path, body, message", [
+    ("/admin/pins", {"tokens": [1, 2, True]}, "tokens: expected a number, not a boolean (got True)"),
+    ("/admin/explain", {"tokens": [False, 2]}, "tokens: expected a number, not a boolean (got False)"),
+])
+def test_an_admin_call_with_a_boolean_for_a_token_id_is_a_400_naming_it(daemon, path, body, message):
+    _, unix, _ = daemon
+    response = call(unix, "POST", path, json=body)
+    assert response.status_code == 400 and response.json()["error"]["message"] == message
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(daemon):
     """lm-evaluation-harness's loglikelihood request: echo, logprobs, one output token."""
     service, unix, _ = daemon

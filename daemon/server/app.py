@@ -31,7 +31,7 @@ from kvctl.daemon.model.chat_template import ChatTemplateError
 
 from . import event_feed, inflight
 from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
-                   GenerationFields)
+                   GenerationFields, Number)
 from .chat_messages import MessagesError, chat_messages, messages_size
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
@@ -105,7 +105,7 @@ Tenant = Annotated[str, Field(pattern=TENANT_PATTERN.pattern)]
 
 class PinRequest(BaseModel):
     text: str | None = None
-    tokens: list[int] | None = None
+    tokens: list[Count] | None = None
     # chat messages, rendered by the model's chat template without opening a reply: pinning a chat
     # system prompt this way pins the tokens every conversation that starts with it begins with
     messages: list[Any] | None = None
@@ -116,7 +116,7 @@ class PinRequest(BaseModel):
         | None = None
     owner: str | None = None
     tenant: Tenant | None = None
-    ttl: str | float | None = None
+    ttl: str | Number | None = None
     note: str = ""
 
 
@@ -149,14 +149,14 @@ class SwapRequest(BaseModel):
 
 class RolloutStart(BaseModel):
     policy: dict
-    cohort: str | float
+    cohort: str | Number
     stops: list[str] = Field(default_factory=list)
-    adr: int | None = None
+    adr: Count | None = None
     baseline: str = "current"
 
 
 class RolloutAdvance(BaseModel):
-    to: str | float
+    to: str | Number
 
 
 class RolloutRollback(BaseModel):
@@ -165,18 +165,18 @@ class RolloutRollback(BaseModel):
 
 class CalibrateRequest(BaseModel):
     dtype: str = "fp8_e4m3"
-    prompts: list[str | list[int]] | None = None
-    max_tokens: int = Field(16, ge=0, le=256)
-    max_kl: float = Field(0.01, gt=0)
-    margin: float = 1.0
-    slices: list[int] = Field(default_factory=lambda: [512, 2048])
-    if_older_than: float | None = None
+    prompts: list[str | list[Count]] | None = None
+    max_tokens: Count = Field(16, ge=0, le=256)
+    max_kl: Number = Field(0.01, gt=0)
+    margin: Number = 1.0
+    slices: list[Count] = Field(default_factory=lambda: [512, 2048])
+    if_older_than: Number | None = None
     apply: bool = False
 
 
 class ExplainRequest(BaseModel):
     text: str | None = None
-    tokens: list[int] | None = None
+    tokens: list[Count] | None = None
     messages: list[Any] | None = None  # a chat, rendered as /v1/chat/completions renders it
     tenant: Tenant | None = None
 
