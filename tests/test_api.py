@@ -960,6 +960,7 @@ def test_penalties_bias_and_min_tokens_reach_the_sampler(daemon):
     ({"repetition_penalty": 0}, "repetition_penalty",
      "repetition_penalty: must be a number in (0, 10]; 1 changes nothing, got 0.0"),
     # JSON's true is not a number (pydantic's lax mode read it as 1, so logprobs: true meant 1 alternative)
+    ({"top_k": -5}, "top_k", "top_k: must be -1 or 0 (no cut) or a whole number >= 1, got -5"),
     ({"logprobs": True}, "logprobs", "logprobs: expected a number, not a boolean (got True)"),
     ({"max_tokens": True}, "max_tokens", "max_tokens: expected a number, not a boolean (got True)"),
     ({"temperature": False}, "temperature", "temperature: expected a number, not a boolean (got False)"),
@@ -971,6 +972,13 @@ def test_a_bad_sampling_control_is_a_400_naming_it(daemon, body, param, message)
     response = complete(unix, prompt="x", **body)
     assert response.status_code == 400
     assert (response.json()["error"]["param"], response.json()["error"]["message"]) == (param, message)
+
+
+def test_top_k_minus_one_is_vllm_s_no_cut_as_zero_is(daemon):
+    _, unix, _ = daemon
+    drawn = [complete(unix, prompt="the cache", max_tokens=8, temperature=1.0, seed=7, top_k=k).json()
+             for k in (-1, 0)]
+    assert drawn[0]["choices"][0]["token_ids"] == drawn[1]["choices"][0]["token_ids"]
 
 
 @pytest.mark.parametrize("path, body, message", [

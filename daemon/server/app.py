@@ -328,6 +328,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             controls = body.sampling_controls()
         except ValueError as exc:
             raise ApiError(400, str(exc), param="logit_bias") from None
+        if body.top_k < -1:  # -1 is vLLM's "no cut", as 0 is
+            raise ApiError(400, f"top_k: must be -1 or 0 (no cut) or a whole number >= 1, got {body.top_k}",
+                           param="top_k")
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(body.top_k, 0), seed=body.seed, n=body.n, stop=stop,
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
