@@ -41,6 +41,17 @@ def _emit(data, as_json: bool, render) -> None:
         render(data)
 
 
+def show_or_watch(fetch: Callable[[], dict], view, watch: bool, as_json: bool,
+                  for_json: Callable[[dict], dict] = lambda d: d) -> None:
+    """Print what `fetch()` answers: as `view` draws it, as JSON (`for_json` makes it JSON-safe),
+    or redrawn every second until Ctrl-C (`--watch`)."""
+    if watch and not as_json:
+        watch_status(fetch, render=view)
+        return
+    data = fetch()
+    _emit(for_json(data) if as_json else data, as_json, lambda d: Console().print(view(d)))
+
+
 def _tokens(text: str | None, tokens: str | None, file: Path | None, messages: Path | None = None) -> dict:
     given = [x for x in (text, tokens, file, messages) if x is not None]
     if len(given) != 1:

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from .errors import UserError
-from .ops import _client, _emit, replica_lines, watch_status
+from .ops import _client, _emit, replica_lines, show_or_watch
 from .tables import compact_table, keep_whole, seconds
 
 
@@ -31,11 +31,7 @@ def requests(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
     Example: kvctl requests --tenant acme
     """
     client = _client(ctx)
-    if watch and not as_json:
-        watch_status(lambda: client.get("/admin/requests", tenant=tenant), render=render_requests)
-        return
-    data = client.get("/admin/requests", tenant=tenant)
-    _emit(data, as_json, lambda d: Console().print(render_requests(d)))
+    show_or_watch(lambda: client.get("/admin/requests", tenant=tenant), render_requests, watch, as_json)
 
 
 def render_requests(d: dict) -> Group:
@@ -105,11 +101,7 @@ def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", hel
     Example: kvctl tenants --watch
     """
     client = _client(ctx)
-    if watch and not as_json:
-        watch_status(lambda: client.get("/admin/tenants"), render=render_tenants)
-        return
-    data = client.get("/admin/tenants")
-    _emit(data, as_json, lambda d: Console().print(render_tenants(d)))
+    show_or_watch(lambda: client.get("/admin/tenants"), render_tenants, watch, as_json)
 
 
 def _host_cell(row: dict) -> str:

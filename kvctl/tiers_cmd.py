@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 
 import typer
 from rich.console import Console, Group
 from rich.text import Text
 
-from .ops import _client, _emit, watch_status
+from .ops import _client, _emit, show_or_watch
 from .tables import compact_table, seconds, size
 
 
@@ -134,18 +133,16 @@ def tiers(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help=
     Example: kvctl tiers --watch
     """
     client = _client(ctx)
-    if watch and not as_json:
-        watch_status(lambda: client.get("/admin/tiers"), render=tiers_view)
-        return
-    data = client.get("/admin/tiers")
-    if as_json:  # an older kvd may send inf, which is not JSON
-        for report in [data] + [row["report"] for row in data.get("replicas", []) if "report" in row]:
-            if "break_even_tokens" in report:
-                report["break_even_tokens"] = {k: (None if v is None or math.isinf(v) else v)
-                                               for k, v in report["break_even_tokens"].items()}
-        typer.echo(json.dumps(data, indent=2))
-    else:
-        render_tiers(data)
+    show_or_watch(lambda: client.get("/admin/tiers"), tiers_view, watch, as_json, for_json=_finite)
+
+
+def _finite(data: dict) -> dict:
+    """An older kvd sent inf for a tier that never beats recomputing, which JSON cannot carry."""
+    for report in [data] + [row["report"] for row in data.get("replicas", []) if "report" in row]:
+        if "break_even_tokens" in report:
+            report["break_even_tokens"] = {k: (None if v is None or math.isinf(v) else v)
+                                           for k, v in report["break_even_tokens"].items()}
+    return data
 
 
 def swap(ctx: typer.Context, prefix_id: str = typer.Argument(..., help="Prefix id from `kvctl prefixes`."),

@@ -195,8 +195,9 @@ def test_at_the_router_every_replica_s_requests_are_listed_and_a_cancel_finds_it
 def test_kvctl_requests_watch_redraws_the_table_until_stopped():
     from rich.console import Console
 
-    from kvctl.ops import watch_status
     from kvctl.requests_cmd import render_requests
+
+    from .watch_frames import watch_frames
 
     def row(request_id, state):
         return {"request_id": request_id, "tenant": "acme", "api": "chat", "state": state, "age_seconds": 1.5,
@@ -206,19 +207,8 @@ def test_kvctl_requests_watch_redraws_the_table_until_stopped():
 
     frames = [{"requests": [row("req-000000000001", "decode")], "running": 1, "waiting": 0},
               {"requests": [], "running": 0, "waiting": 0}]
-    fetched = []
-
-    def fetch():
-        fetched.append(frames[len(fetched)])
-        return fetched[-1]
-
-    def sleep(_):
-        if len(fetched) == 2:
-            raise KeyboardInterrupt
-
-    console = Console(record=True, width=120)
-    watch_status(fetch, console, sleep=sleep, render=render_requests)
-    assert len(fetched) == 2 and console.export_text().strip() == "0 running, 0 waiting"  # the latest picture
+    fetched, shown = watch_frames(frames, render_requests)
+    assert fetched == 2 and shown.strip() == "0 running, 0 waiting"  # the latest picture
     first = Console(record=True, width=120)
     first.print(render_requests(frames[0]))
     lines = first.export_text().splitlines()

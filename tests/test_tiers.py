@@ -1080,28 +1080,17 @@ def test_without_lower_tiers_the_report_says_so_and_swap_refuses(tmp_path):
 def test_kvctl_tiers_watch_redraws_until_stopped_with_the_latest_report():
     from rich.console import Console
 
-    from kvctl.ops import watch_status
     from kvctl.tiers_cmd import render_tiers, tiers_view
+
+    from .watch_frames import watch_frames
 
     def report(hit: int) -> dict:
         return {"configured": True, "write_policy": "write_back", "tiers": {}, "moved_bytes": {},
                 "device": {"used_bytes": 1 << 20, "capacity_bytes": 1 << 24, "blocks": 64},
                 "tokens": {"prompt": 1000, "hit": hit, "restored": 0, "recomputed": 0}}
 
-    frames, fetched = [report(10), report(640)], []
-
-    def fetch():
-        fetched.append(frames[len(fetched)])
-        return fetched[-1]
-
-    def sleep(_):
-        if len(fetched) == 2:
-            raise KeyboardInterrupt
-
-    console = Console(record=True, width=100)
-    watch_status(fetch, console, sleep=sleep, render=tiers_view)
-    shown = console.export_text()
-    assert len(fetched) == 2 and "prompt tokens 1,000: 640 from cache" in shown
+    fetched, shown = watch_frames([report(10), report(640)], tiers_view, width=100)
+    assert fetched == 2 and "prompt tokens 1,000: 640 from cache" in shown
     once = Console(record=True, width=100)
     render_tiers(report(640), once)  # `kvctl tiers` prints the same picture once
     assert once.export_text().strip() == shown.strip()
@@ -1126,3 +1115,21 @@ def test_kvctl_tiers_answers_when_restoring_from_a_tier_never_beats_recomputing(
         assert "restore beats recompute from: disk never" in console.export_text()
     finally:
         service.shutdown(deadline=2)
+
+
+def test_kvctl_tiers_json_turns_an_older_kvd_s_infinite_break_even_into_null():
+    import json
+
+    from .test_router import _kvctl_prints
+
+    def report() -> dict:
+        return {"configured": True, "write_policy": "write_back", "tiers": {}, "moved_bytes": {},
+                "device": {"used_bytes": 0, "capacity_bytes": 1 << 24, "blocks": 0},
+                "tokens": {"prompt": 0, "hit": 0, "restored": 0, "recomputed": 0},
+                "break_even_tokens": {"host": 12.5, "disk": float("inf")}}
+
+    printed = json.loads(_kvctl_prints(["tiers", "--json"], report()))
+    assert printed["break_even_tokens"] == {"host": 12.5, "disk": None}
+    fleet = {"replicas": [{"replica": "r0", "status": 200, "report": report()}]}
+    printed = json.loads(_kvctl_prints(["tiers", "--json"], fleet))
+    assert printed["replicas"][0]["report"]["break_even_tokens"] == {"host": 12.5, "disk": None}
