@@ -267,6 +267,37 @@ def test_purging_a_tenant_from_redis_takes_every_daemon_s_entries_of_it_and_noth
     assert report == {"dropped": 3, "seen": 6, "complete": True} and only_globex_left and stray == b"hello"
 
 
+@pytest.mark.parametrize("with_shares", [False, True])
+def test_a_tenant_over_its_share_of_the_redis_budget_loses_its_own_oldest_entries_first(redis_server, with_shares):
+    """This daemon's Redis bytes hold 8 payloads. quiet writes 3, then noisy writes 8 in two groups:
+    under LRU quiet's go; with noisy=0.5, noisy (over its 4) loses its own oldest instead."""
+    from kvctl.bench_tiers import _group, _layout
+    from kvctl.daemon.cache.events import EventLog
+    from kvctl.daemon.cache.tiers import BlockMeta, RemoteTier, encode_parts
+
+    layout = _layout(2, 2, 64, 16, "float16")
+    space = b"Q" * 32
+    metas, layers = _group(layout, 11, 3)
+    owned = [BlockMeta(m.key, m.root, m.depth, m.parent, "quiet" if i < 3 else "noisy") for i, m in enumerate(metas)]
+    payloads = encode_parts(layout, space, owned, layers)
+    remote = RemoteTier(redis_server.url, 8 * layout.payload_bytes, space)
+    remote.events = EventLog()
+    remote.set_tenant_shares((("noisy", 0.5),) if with_shares else ())
+    for group in (range(0, 3), range(3, 7), range(7, 11)):
+        remote.write_group([(owned[i], payloads[i]) for i in group])
+    quiet, noisy = [m.key for m in owned[:3]], [m.key for m in owned[3:]]
+    on_server = set(remote.read_many(quiet + noisy))
+    if with_shares:  # noisy, over its share of 4, gave up its own 3 oldest; room is lent, so it keeps 5
+        assert list(remote.written) == quiet + noisy[3:] and on_server == set(quiet + noisy[3:])
+        assert remote.share_evictions == 3 and dict(remote.tenant_bytes) == {
+            "quiet": 3 * layout.payload_bytes, "noisy": 5 * layout.payload_bytes}
+        reasons = {e.reason for e in remote.events.since(0, kinds=("removed",)).events}
+        assert reasons == {"tenant_share"}
+    else:
+        assert list(remote.written) == noisy and on_server == set(noisy) and remote.share_evictions == 0
+    assert remote.used_bytes == 8 * layout.payload_bytes
+
+
 def test_dropping_blocks_from_redis_deletes_them_and_takes_them_off_the_books(redis_server):
     from kvctl.bench_tiers import _group, _layout
     from kvctl.daemon.cache.tiers import RemoteTier, encode_parts

@@ -396,6 +396,8 @@ class EngineService:
                     if self.tiers is not None and self.tiers.host is not None:
                         with self.tiers.lock:
                             self.tiers.host.set_tenant_shares(new.tenant_cache_shares)
+                    if self.tiers is not None and self.tiers.remote is not None:
+                        self.tiers.remote.set_tenant_shares(new.tenant_cache_shares)
                 if "reservation" in changed:
                     engine.reservation = parse_reservation(new.reservation)
                 if new.pin_budget_blocks is not None:

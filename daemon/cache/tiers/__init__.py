@@ -52,10 +52,10 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
     layout, space, record = engine_layout(engine), space_digest(engine), engine_space_record(engine)
     events = getattr(engine, "events", None)  # each tier logs what it indexes and drops
     host = HostTier(host_bytes, layout, pin_memory=torch.cuda.is_available()) if host_bytes else None
+    shares = getattr(getattr(engine, "settings", None), "tenant_cache_shares", ())  # as on the device
     if host is not None:
         host.events = events
-        settings = getattr(engine, "settings", None)
-        host.set_tenant_shares(getattr(settings, "tenant_cache_shares", ()))  # as on the device
+        host.set_tenant_shares(shares)
     disk, report = None, None
     if disk_bytes:
         if disk_path is None:
@@ -67,6 +67,7 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
     if remote_url:
         remote = RemoteTier(remote_url, remote_bytes or UNBOUNDED_BYTES, space, timeout=remote_timeout)
         remote.events = events
+        remote.set_tenant_shares(shares)
         remote.record_space(space, record)
     tiers = TieredCache(engine.kv_caches, layout, space, host=host, disk=disk, remote=remote,
                         write_policy=write_policy, policy=TieringPolicy(mode=tiering))

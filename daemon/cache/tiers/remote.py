@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Callable, Sequence
 
+from kvctl.policies.tenant_shares import OTHERS
 from kvctl.policies.tiering import CircuitBreaker
 
 from .payload import PEEK_BYTES, BlockMeta, PayloadError, payload_length, peek_meta
@@ -71,7 +72,59 @@ class RemoteTier:
         self.events = None  # an EventLog: each block this daemon writes or forgets here is logged there
         self.records: dict[bytes, dict] = {}  # what each space we served is (spaces.py), to record
         self._recorded: set[bytes] = set()  # spaces recorded on the server
+        # tenant shares of our bytes (tenant_cache_shares): bytes and keys (oldest first) per tenant
+        self.shares: dict[str, int] = {}
+        self.tenant_bytes: Counter[str] = Counter()
+        self._by_tenant: dict[str, OrderedDict[bytes, None]] = {}
+        self.share_evictions = 0  # entries deleted because their tenant held more than its share
         self.space = space
+
+    def set_tenant_shares(self, shares) -> None:
+        """(tenant, fraction) pairs as `tenant_cache_shares` gives them: when this daemon's bytes
+        run out, a tenant holding more than its fraction of them loses its own oldest entries
+        first (the most over first), before the oldest of all. No shares without a byte budget."""
+        unbounded = self.capacity_bytes >= 2**62
+        with self.lock:
+            self.shares = {} if unbounded or not shares else {
+                tenant: max(1, int(fraction * self.capacity_bytes)) for tenant, fraction in shares}
+
+    def _book(self, meta: BlockMeta, length: int) -> None:
+        """Put a block we wrote on the books (the lock held)."""
+        tenant = meta.tenant or ""
+        self.written[meta.key] = length
+        self.used_bytes += length
+        self.meta[meta.key] = meta
+        self.tenant_bytes[tenant] += length
+        self._by_tenant.setdefault(tenant, OrderedDict())[meta.key] = None
+
+    def _unbook(self, key: bytes) -> int | None:
+        """Take a block we wrote off the books (the lock held); its bytes, or None."""
+        size = self.written.pop(key, None)
+        meta = self.meta.pop(key, None)
+        if size is None:
+            return None
+        self.used_bytes -= size
+        tenant = (meta.tenant if meta is not None else None) or ""
+        self.tenant_bytes[tenant] -= size
+        if self.tenant_bytes[tenant] <= 0:
+            del self.tenant_bytes[tenant]
+        entries = self._by_tenant.get(tenant)
+        if entries is not None:
+            entries.pop(key, None)
+            if not entries:
+                del self._by_tenant[tenant]
+        return size
+
+    def _share_victim(self) -> bytes | None:
+        """The oldest entry of the tenant most over its share, or None when none is over."""
+        if not self.shares:
+            return None
+        over = [(held - share, tenant) for tenant, held in self.tenant_bytes.items()
+                if (share := self.shares.get(tenant, self.shares.get(OTHERS))) is not None and held > share]
+        if not over:
+            return None
+        _, tenant = max(over)
+        return next(iter(self._by_tenant[tenant]))
 
     @staticmethod
     def space_prefix(space: bytes) -> bytes:
@@ -99,6 +152,8 @@ class RemoteTier:
                 self.retired[old_prefix + key.hex().encode()] = (key, size)
                 self.meta.pop(key, None)
             self.written.clear()
+            self.tenant_bytes.clear()
+            self._by_tenant.clear()
             self.seen.clear()
             if leaving and self.events is not None:
                 self.events.removed("remote", [key for key, _ in leaving], "space")
@@ -175,25 +230,26 @@ class RemoteTier:
             self._call(go)
         with self.lock:
             for meta, payload in items:
-                length = payload_length(payload)
-                if meta.key in self.written:
-                    self.used_bytes -= self.written.pop(meta.key)
-                self.written[meta.key] = length
-                self.used_bytes += length
-                self.meta[meta.key] = meta
-            victims, doomed = [], []
+                self._unbook(meta.key)
+                self._book(meta, payload_length(payload))
+            victims, for_share, doomed = [], [], []
             while self.used_bytes > self.capacity_bytes and self.retired:
                 redis_key, (_, size) = self.retired.popitem(last=False)
                 self.used_bytes -= size
                 doomed.append(redis_key)
             while self.used_bytes > self.capacity_bytes and self.written:
-                key, size = self.written.popitem(last=False)
-                self.used_bytes -= size
-                self.meta.pop(key, None)
-                victims.append(key)
+                key = self._share_victim()
+                if key is not None:
+                    for_share.append(key)
+                else:
+                    key = next(iter(self.written))
+                    victims.append(key)
+                self._unbook(key)
                 doomed.append(self.redis_key(key))
+            self.share_evictions += len(for_share)
             if self.events is not None:  # under the lock: the log's order is the books' order
                 self.events.stored("remote", [meta for meta, _ in items])
+                self.events.removed("remote", for_share, "tenant_share")
                 self.events.removed("remote", victims, "capacity")
         if doomed:
             try:
@@ -387,9 +443,7 @@ class RemoteTier:
         forgotten = []
         with self.lock:
             for key in keys:
-                size = self.written.pop(key, None)
-                if size is not None:
-                    self.used_bytes -= size
+                if self._unbook(key) is not None:
                     forgotten.append(key)
                 self.meta.pop(key, None)
                 self.seen.pop(key, None)

@@ -681,7 +681,7 @@ class TieredCache:
                     "degraded_reason": stats.degraded if tier.name != "remote" else (
                         tier.last_error if health != "ok" else None),
                 }
-                if tier.name == "host" and tier.shares:  # entries evicted from tenants over their share
+                if tier.name in ("host", "remote") and tier.shares:  # evicted from tenants over their share
                     out[tier.name]["share_evictions"] = tier.share_evictions
                 if tier.name == "disk":  # segments set aside (another model's, or corrupt), within its bytes
                     out[tier.name]["set_aside_bytes"] = tier.quarantine_bytes
