@@ -39,6 +39,11 @@ def parse_shares(text: str | Mapping) -> tuple[tuple[str, float], ...]:
     return parse_tenant_map(text, fraction, "fraction", others=True, noun="share")
 
 
+def share_of(shares: Mapping[str, int], tenant: str) -> int | None:
+    """`tenant`'s share from `share_blocks`' answer (`*` for a tenant not named); None: it has none."""
+    return shares.get(tenant, shares.get(OTHERS))
+
+
 def share_blocks(shares: Sequence[tuple[str, float]], num_blocks: int) -> dict[str, int]:
     """Each share as whole blocks of a cache of `num_blocks` (at least one)."""
     return {tenant: max(1, int(fraction * num_blocks)) for tenant, fraction in shares}
@@ -71,7 +76,7 @@ class TenantShares:
     # ---- what a tenant may keep --------------------------------------------------------------
     def share_of(self, tenant: str) -> int | None:
         """The tenant's share in blocks; None: it has none (no share for it and no `*`)."""
-        return self.shares.get(tenant, self.shares.get(OTHERS))
+        return share_of(self.shares, tenant)
 
     def idle_blocks(self) -> dict[str, int]:
         """Evictable blocks per tenant now."""

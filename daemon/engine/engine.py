@@ -79,6 +79,11 @@ class EngineSettings:
     prefetch_timeout_per_1k_tokens: float = 0.0
 
 
+def prefetch_wait(settings: EngineSettings) -> PrefetchWait:
+    """The prefetch policy the settings name (the engine's, and again on a live reload)."""
+    return PrefetchWait(settings.prefetch_policy, settings.prefetch_timeout, settings.prefetch_timeout_per_1k_tokens)
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     request_id: str
@@ -154,8 +159,7 @@ class Engine:
         self.stats = EngineStats()
         self.admission_paused = False  # set while new scales wait for running work to drain
         self.tiers = None  # a TieredCache once attach_tiers() is called
-        self.prefetch = PrefetchWait(settings.prefetch_policy, settings.prefetch_timeout,
-                                     settings.prefetch_timeout_per_1k_tokens)
+        self.prefetch = prefetch_wait(settings)
 
     def attach_tiers(self, tiers) -> None:
         """Demote evicted blocks into `tiers` and restore prefixes from them (see daemon.cache.tiers)."""

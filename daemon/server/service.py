@@ -24,7 +24,7 @@ from kvctl.daemon.cache.events import KeyPrefix
 from kvctl.daemon.cache.prefix_tree import TIER_ORDER, CachedBlock, PrefixTree
 from kvctl.daemon.cache.tiers.remote import RemoteUnavailable
 from kvctl.daemon.config import ConfigError, KvdConfig, cache_dtype_name, quick_prefill_default
-from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
+from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent, prefetch_wait
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
 from kvctl.daemon.model.chat_template import ChatTemplate, load_chat_template
@@ -33,7 +33,7 @@ from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.tiering import PrefetchWait, restore_seconds
+from kvctl.policies.tiering import restore_seconds
 
 from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
 from .notify import Notifier
@@ -389,8 +389,7 @@ class EngineService:
                                           quick_prefill_tokens=self._quick_prefill_tokens(
                                               new, engine.model.device.type),
                                           tenant_cache_shares=new.tenant_cache_shares, **prefetch_settings(new))
-                engine.prefetch = PrefetchWait(new.prefetch_policy, new.prefetch_timeout,
-                                               new.prefetch_timeout_per_1k_tokens)
+                engine.prefetch = prefetch_wait(engine.settings)
                 if "tenant_cache_shares" in changed:
                     engine.cache.set_tenant_shares(new.tenant_cache_shares)
                     if self.tiers is not None and self.tiers.host is not None:

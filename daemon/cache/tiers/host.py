@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from kvctl.policies.tenant_shares import OTHERS, share_blocks
+from kvctl.policies.tenant_shares import share_blocks, share_of
 
 from .payload import BlockLayout, BlockMeta
 
@@ -115,7 +115,7 @@ class HostTier:
 
     def share_of(self, tenant: str) -> int | None:
         """The tenant's share in slots; None: it has none."""
-        return self.shares.get(tenant, self.shares.get(OTHERS)) if self.shares else None
+        return share_of(self.shares, tenant)
 
     def _tenant(self, key: bytes) -> str:
         meta = self.meta.get(key)

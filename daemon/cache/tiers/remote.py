@@ -18,7 +18,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Callable, Sequence
 
-from kvctl.policies.tenant_shares import OTHERS
+from kvctl.policies.tenant_shares import share_blocks, share_of
 from kvctl.policies.tiering import CircuitBreaker
 
 from .payload import PEEK_BYTES, BlockMeta, PayloadError, payload_length, peek_meta
@@ -85,8 +85,7 @@ class RemoteTier:
         first (the most over first), before the oldest of all. No shares without a byte budget."""
         unbounded = self.capacity_bytes >= 2**62
         with self.lock:
-            self.shares = {} if unbounded or not shares else {
-                tenant: max(1, int(fraction * self.capacity_bytes)) for tenant, fraction in shares}
+            self.shares = {} if unbounded or not shares else share_blocks(shares, self.capacity_bytes)
 
     def _book(self, meta: BlockMeta, length: int) -> None:
         """Put a block we wrote on the books (the lock held)."""
@@ -120,7 +119,7 @@ class RemoteTier:
         if not self.shares:
             return None
         over = [(held - share, tenant) for tenant, held in self.tenant_bytes.items()
-                if (share := self.shares.get(tenant, self.shares.get(OTHERS))) is not None and held > share]
+                if (share := share_of(self.shares, tenant)) is not None and held > share]
         if not over:
             return None
         _, tenant = max(over)
