@@ -113,6 +113,9 @@ def serve(
     write_policy: Optional[str] = typer.Option(None, help="write_back (on eviction), write_through (every "
                                                "filled block) or write_through_selective (a block once reused)."),
     tiering: Optional[str] = typer.Option(None, help="measured (judge by measured rates) or always."),
+    tier_compress: Optional[str] = typer.Option(
+        None, help="How disk and Redis store a block: none (the device's bytes), int8 or fp8_e4m3 "
+                   "(about half a 16-bit block, lossy)."),
     prefetch_policy: Optional[str] = typer.Option(
         None, help="How long a waiting request holds out for its prefix from disk or Redis: timeout "
                    "(--prefetch-timeout), best_effort (never) or wait_complete (until the fetch ends)."),
@@ -148,7 +151,7 @@ def serve(
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
                    disk_cache_path=disk_cache_path, remote_url=remote_url, write_policy=write_policy,
-                   tiering=tiering, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
+                   tiering=tiering, tier_compress=tier_compress, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
                    prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
                    max_tenant_metric_series=max_tenant_metric_series)
     try:

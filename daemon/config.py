@@ -19,7 +19,7 @@ from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tenant_map import parse_tenant_map
 from kvctl.policies.tenant_shares import parse_shares
-from kvctl.policies.tiering import PREFETCH_POLICIES
+from kvctl.policies.tiering import PREFETCH_POLICIES, TIER_CODECS
 
 
 class ConfigError(ValueError):
@@ -169,6 +169,9 @@ class KvdConfig:
     remote_timeout: float = 0.5  # seconds per Redis call
     write_policy: str = "write_back"  # or write_through, write_through_selective
     tiering: str = "measured"  # measured (judge from measured rates) or always (keep and restore everything)
+    # how disk and Redis store a block (YAML also `tiers: {compress: int8}`): none (the device's bytes),
+    # int8 or fp8_e4m3 (about half a 16-bit block; lossy, daemon/cache/tiers/codec.py)
+    tier_compress: str = "none"
     # how long a waiting request holds out for its prefix to come up from disk or Redis (SGLang
     # HiCache's policies): timeout (prefetch_timeout + prefetch_timeout_per_1k_tokens per 1,024
     # tokens fetched), best_effort (never wait) or wait_complete (until the fetch ends)
@@ -260,6 +263,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be write_back, write_through or write_through_selective")
     if name == "tiering" and value not in ("measured", "always"):
         raise ValueError("must be measured or always")
+    if name == "tier_compress" and value not in TIER_CODECS:
+        raise ValueError(f"must be {', '.join(TIER_CODECS[:-1])} or {TIER_CODECS[-1]}")
     if name == "prefetch_policy" and value not in PREFETCH_POLICIES:
         raise ValueError(f"must be {', '.join(PREFETCH_POLICIES[:-1])} or {PREFETCH_POLICIES[-1]}")
     if name == "prefetch_timeout" and not value > 0:
@@ -281,7 +286,7 @@ _TIER_FIELDS = {("host", "bytes"): "host_cache_bytes", ("disk", "bytes"): "disk_
 
 
 def _flatten_tiers(values: dict, source: str) -> dict:
-    """`tiers: {host: {bytes}, disk: {bytes, path}, remote: {url, bytes, timeout}}` -> flat fields."""
+    """`tiers: {host: {bytes}, disk: {bytes, path}, remote: {url, bytes, timeout}, compress}` -> flat fields."""
     if "tiers" not in values:
         return values
     out = {k: v for k, v in values.items() if k != "tiers"}
@@ -289,8 +294,11 @@ def _flatten_tiers(values: dict, source: str) -> dict:
     if not isinstance(tiers, dict):
         raise ConfigError(f"tiers: must be a mapping of host, disk, remote in {source!r}")
     for tier, settings in tiers.items():
+        if tier == "compress":  # how disk and Redis store blocks: one setting for both
+            out["tier_compress"] = settings
+            continue
         if tier not in ("host", "disk", "remote"):
-            raise ConfigError(f"tiers: unknown tier {tier!r} in {source!r}; use host, disk or remote")
+            raise ConfigError(f"tiers: unknown tier {tier!r} in {source!r}; use host, disk, remote or compress")
         if not isinstance(settings, dict):
             raise ConfigError(f"tiers.{tier}: must be a mapping in {source!r}")
         for key, value in settings.items():

@@ -72,6 +72,8 @@ def tiers_view(d: dict) -> Group:
             for k, v in d["break_even_tokens"].items()))
     if d.get("prefetch") and ("disk" in d["tiers"] or "remote" in d["tiers"]):
         say(prefetch_line(d["prefetch"]))
+    if d.get("compress") and ("disk" in d["tiers"] or "remote" in d["tiers"]):
+        say(compress_line(d["compress"]))
     aside = (d["tiers"].get("disk") or {}).get("set_aside")
     if aside:
         say("disk set aside: " + "; ".join(_aside_group(g) for g in aside))
@@ -110,6 +112,18 @@ def prefetch_line(p: dict) -> str:
     if p["fetching_now"]:
         line += f"; {p['fetching_now']} waiting for a fetch now"
     return line
+
+
+def compress_line(c: dict) -> str:
+    """How disk and Redis store a block, in one line."""
+    if c["codec"] == "none":
+        line = f"disk and Redis store blocks as the device does ({size(c['block_bytes'])} a block)"
+        if c["setting"] != "none":
+            line += f"; tier_compress {c['setting']} is not applied: {c['inactive_reason']}"
+        return line
+    return (f"disk and Redis store blocks compressed ({c['codec']}, lossy): {size(c['stored_block_bytes'])} a block "
+            f"instead of {size(c['block_bytes'])} ({c['stored_block_bytes'] / c['block_bytes']:.2f}); "
+            "blocks stored before stay as they were")
 
 
 def _aside_group(g: dict) -> str:

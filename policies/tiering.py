@@ -81,6 +81,7 @@ class TieringPolicy:
 
 
 PREFETCH_POLICIES = ("timeout", "best_effort", "wait_complete")
+TIER_CODECS = ("none", "int8", "fp8_e4m3")  # how disk and Redis store a block (daemon/cache/tiers/codec.py)
 
 
 @dataclass(frozen=True)
@@ -148,12 +149,14 @@ def held_run(keys, holders) -> dict[str, int]:
 def restore_seconds(blocks_by_tier: dict[str, int], block_bytes: int, rates: dict[str, dict[str, float]]) -> float:
     """Seconds to bring runs of blocks up from lower tiers, one tier after another: each tier's
     fixed latency plus its bytes at its read rate. `rates`: tier -> {"bytes_per_second",
-    "latency_seconds"} (kvd's measured figures, or its priors). A tier with no rate is left out."""
+    "latency_seconds", and optionally "block_bytes" where a tier stores a block in other than
+    `block_bytes` (compressed)} (kvd's measured figures, or its priors). A tier with no rate is
+    left out."""
     total = 0.0
     for tier, blocks in blocks_by_tier.items():
         rate = rates.get(tier)
         if blocks > 0 and rate is not None:
-            total += rate["latency_seconds"] + blocks * block_bytes / rate["bytes_per_second"]
+            total += rate["latency_seconds"] + blocks * rate.get("block_bytes", block_bytes) / rate["bytes_per_second"]
     return total
 
 

@@ -268,10 +268,12 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
     call(app, "POST", "/admin/swap", json={"prefix": row["prefix_id"], "to": "disk"})
     facts = call(app, "POST", "/admin/route-facts", json={"tokens": ids}).json()
     assert (facts["cached_tokens"], facts["lower_tier"]) == (0, "disk")  # a restore away, not a recompute
-    # the whole run is on disk: restoring it costs the disk's latency and its bytes at the disk's rate
+    # the whole run is on disk: restoring it costs the disk's latency and its bytes at the disk's
+    # rate, a block being a payload as the disk stores it (header and checksum too)
     disk = facts["restore_rates"]["disk"]
     assert facts["lower_tier_tokens"] == {"disk": blocks * 16}
+    assert disk["block_bytes"] == service.tiers.layout.payload_bytes > facts["block_bytes"]
     assert facts["restore_seconds"] == pytest.approx(
-        disk["latency_seconds"] + blocks * facts["block_bytes"] / disk["bytes_per_second"])
+        disk["latency_seconds"] + blocks * disk["block_bytes"] / disk["bytes_per_second"])
     bad = call(app, "POST", "/admin/route-facts", json={"tokens": ids, "text": "both"})
     assert bad.status_code == 400 and bad.json()["error"]["message"] == "give exactly one of text, tokens and messages"

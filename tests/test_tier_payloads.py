@@ -89,7 +89,7 @@ def test_a_payload_of_the_previous_format_is_refused_as_another_version():
         old = payload[:4] + struct.pack("<H", version) + payload[6:]
         with pytest.raises(PayloadError) as err:
             decode_block(old, lay, SPACE, block_key(0))
-        assert (err.value.reason, str(err.value)) == ("version", f"version: format version {version}, this kvd reads 4")
+        assert (err.value.reason, str(err.value)) == ("version", f"version: format version {version}, this kvd reads 4 and 5")
 
 
 def test_payloads_of_another_block_space_or_layout_are_refused():

@@ -306,9 +306,10 @@ class Engine:
         if not missing:
             return
         tiers = self.tiers
-        source = tiers.stats["disk" if tiers.disk is not None else "remote"].read
+        source = "disk" if tiers.disk is not None else "remote"
         size = self.settings.block_size
-        if tiers.policy.should_restore(len(missing) * size, len(missing) * tiers.layout.block_bytes, source):
+        if tiers.policy.should_restore(len(missing) * size, len(missing) * tiers.block_bytes_in(source),
+                                       tiers.stats[source].read):
             if tiers.start_prefetch(request.request_id, missing):
                 request.metrics.prefetch_started = self.clock()
                 request.metrics.prefetch_tokens = len(missing) * size

@@ -373,7 +373,7 @@ class EngineService:
         live = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
                 "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
-                "prefetch_timeout", "prefetch_timeout_per_1k_tokens")
+                "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         previous = {k: getattr(self.config, k) for k in changed}
         ignored = sorted(k for k, v in new.describe().items()
@@ -399,6 +399,8 @@ class EngineService:
                         self.tiers.remote.set_tenant_shares(new.tenant_cache_shares)
                 if "reservation" in changed:
                     engine.reservation = parse_reservation(new.reservation)
+                if self.tiers is not None:  # blocks written from now on; those stored stay as they are
+                    self.tiers.compress = new.tier_compress
                 if new.pin_budget_blocks is not None:
                     engine.cache.pins.default_budget = new.pin_budget_blocks
             sources = {k: v for k, v in self.config.sources.items() if k not in live}  # these wait for a restart
@@ -1310,7 +1312,7 @@ class EngineService:
         restore = restore_seconds(run, tiers.layout.block_bytes, tiers.read_rates())
         recompute = blocks * size / engine.prefill_rate.rate
         slowest = next(t for t in ("remote", "disk", "host") if t in run)
-        restores = tiers.policy.should_restore(blocks * size, blocks * tiers.layout.block_bytes,
+        restores = tiers.policy.should_restore(blocks * size, sum(n * tiers.block_bytes_in(t) for t, n in run.items()),
                                                tiers.stats[slowest].read)
         fetched = (run.get("disk", 0) + run.get("remote", 0)) * size
         policy = engine.prefetch

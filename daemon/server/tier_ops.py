@@ -29,7 +29,7 @@ def attach(service, engine) -> None:
     tiers, scan = build_tiers(engine, host_bytes=cfg.host_cache_bytes, disk_bytes=cfg.disk_cache_bytes,
                               disk_path=disk_path, remote_url=cfg.remote_url,
                               remote_bytes=cfg.remote_cache_bytes, write_policy=cfg.write_policy,
-                              remote_timeout=cfg.remote_timeout, tiering=cfg.tiering)
+                              remote_timeout=cfg.remote_timeout, tiering=cfg.tiering, compress=cfg.tier_compress)
     service.tiers, service.tier_scan = tiers, scan
     if scan is not None:
         log.info("disk tier: %d blocks in %d segments re-indexed (%d of them set aside before, for this model); "
@@ -62,7 +62,7 @@ def report(service) -> dict:
                              "foreign": scan.foreign, "torn": scan.torn, "readmitted": scan.readmitted,
                              "set_aside_dropped": scan.quarantine_dropped}
     body["break_even_tokens"] = {  # None: restoring from that tier never beats recomputing (JSON has no inf)
-        name: finite_or_none(tiers.policy.break_even_tokens(tiers.layout.block_bytes / tiers.layout.block_size,
+        name: finite_or_none(tiers.policy.break_even_tokens(tiers.block_bytes_in(name) / tiers.layout.block_size,
                                                             tiers.stats[name].read))
         for name in body["tiers"]}
     body["break_even_measured"] = {name: tiers.stats[name].read.samples > 0 and tiers.policy.prefill.samples > 0

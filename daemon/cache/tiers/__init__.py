@@ -1,6 +1,7 @@
 """Lower memory tiers for the KV cache: host, disk and remote (Redis), with verified moves.
 
     payload.py   the on-disk / on-wire block format (header, tensors, XXH3-64; no pickle)
+    codec.py     how disk and Redis store a block's K/V: as the device does, or compressed (int8, fp8)
     host.py      pinned (CUDA) or plain CPU slots
     disk.py      durable segment files, re-indexed and verified at start
     remote.py    Redis / Redis Cluster with timeouts and a circuit breaker
@@ -44,7 +45,8 @@ def engine_space_record(engine) -> dict:
 def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None = None,
                 disk_path: str | Path | None = None, remote_url: str | None = None,
                 remote_bytes: int | None = None, write_policy: str = "write_back",
-                remote_timeout: float = 0.5, tiering: str = "measured") -> tuple[TieredCache | None, ScanReport | None]:
+                remote_timeout: float = 0.5, tiering: str = "measured",
+                compress: str = "none") -> tuple[TieredCache | None, ScanReport | None]:
     """The configured tiers for `engine`, attached; (None, None) when none is configured.
     The disk tier is scanned (verified and re-indexed) before this returns."""
     if not (host_bytes or disk_bytes or remote_url):
@@ -70,7 +72,7 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
         remote.set_tenant_shares(shares)
         remote.record_space(space, record)
     tiers = TieredCache(engine.kv_caches, layout, space, host=host, disk=disk, remote=remote,
-                        write_policy=write_policy, policy=TieringPolicy(mode=tiering))
+                        write_policy=write_policy, policy=TieringPolicy(mode=tiering), compress=compress)
     engine.attach_tiers(tiers)
     return tiers, report
 

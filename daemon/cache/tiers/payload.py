@@ -2,7 +2,7 @@
 
     offset  size  field
     0       4     magic b"KVB1"
-    4       2     format version (4)
+    4       2     format version (4: the device's bytes; 5: compressed, see below)
     6       2     header length H (bytes from offset 0 to the end of the scale version)
     8       32    block key (SHA-256 chain key)
     40      32    space digest (namespace without the tenant: model, tokenizer, format, scales)
@@ -17,9 +17,15 @@
     216     2     layers L
     218     L     dtype code per layer
     218+L   2     scale version length S, then S bytes of UTF-8
+    (version 5 only) 1   codec (1 int8, 2 fp8_e4m3: codec.py)
     H       8     payload length P (u64)
-    H+8     P     per layer: K bytes then V bytes ([block_size, heads, head_dim], C order)
+    H+8     P     version 4: per layer, K bytes then V bytes ([block_size, heads, head_dim], C order);
+                  version 5: the codec's body (codec.py): per-row scales, then a byte a value
     H+8+P   8     XXH3-64 of every byte before it
+
+Blocks stored as the device holds them keep version 4, byte for byte, so daemons of an earlier
+release sharing a Redis still read them; only compressed ones (`tier_compress`) are version 5.
+The layer dtypes in the header are always the device cache's: what the block decodes to.
 
 All integers are little-endian. No pickle: a payload is decoded by reading the header and
 viewing the tensor bytes. A payload is accepted only when the magic, version, key, space
@@ -42,12 +48,18 @@ from typing import Sequence
 import torch
 import xxhash
 
+from .codec import CODEC_CODES, CODEC_NAMES, check_codec, compress, decompress, unsupported
+from .codec import body_bytes as codec_body_bytes
+
 MAGIC = b"KVB1"
 VERSION = 4  # 4: parent key and tenant (prefix trees and tenants known from a lower tier); 2: XXH3-64 (1: CRC-32)
+VERSION_COMPRESSED = 5  # 4 with a codec byte: the body is compressed (codec.py)
+READABLE = (VERSION, VERSION_COMPRESSED)
 TENANT_BYTES = 64  # the longest tenant name kvd accepts (daemon/server/auth.py: TENANT_PATTERN)
 _FIXED = struct.Struct(f"<4sHH32s32s32s32s{TENANT_BYTES}sIIIIH")
 _NO_PARENT = bytes(32)
 _U16 = struct.Struct("<H")
+_U8 = struct.Struct("<B")
 _U64 = struct.Struct("<Q")
 _CRC = struct.Struct("<Q")
 
@@ -88,13 +100,29 @@ class BlockLayout:
         """K and V bytes of one block over all layers (the payload body)."""
         return sum(2 * self.layer_bytes(i) for i in range(self.num_layers))
 
-    def header_bytes(self) -> int:
-        return _FIXED.size + self.num_layers + _U16.size + len(self.scale_version.encode()) + _U64.size
+    def header_bytes(self, codec: str = "none") -> int:
+        return (_FIXED.size + self.num_layers + _U16.size + len(self.scale_version.encode()) + _U64.size
+                + (_U8.size if codec != "none" else 0))
+
+    def body_bytes(self, codec: str = "none") -> int:
+        """Bytes of one block's body as stored with `codec`."""
+        if codec == "none":
+            return self.block_bytes
+        return codec_body_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def payload_bytes(self) -> int:
-        """Whole encoded payload: header, body and checksum."""
-        return self.header_bytes() + self.block_bytes + _CRC.size
+        """Whole encoded payload: header, body and checksum (stored as the device holds it)."""
+        return self.stored_bytes("none")
+
+    def stored_bytes(self, codec: str) -> int:
+        """Whole encoded payload of one block stored with `codec`."""
+        return self.header_bytes(codec) + self.body_bytes(codec) + _CRC.size
+
+    def codec_for(self, codec: str) -> str:
+        """The codec blocks of this layout are written with when `codec` is asked for: itself, or
+        none where this layout cannot be compressed (a quantised device cache)."""
+        return codec if unsupported(self.layer_dtypes, codec) is None else "none"
 
     def describe(self) -> str:
         names = [str(d).replace("torch.", "") for d in self.layer_dtypes]
@@ -127,36 +155,45 @@ class BlockMeta:
         return cls(block.key, block.root, block.depth, block.parent, block.tenant, block.hits, block.last_use)
 
 
-def _header(layout: BlockLayout, space: bytes, meta: BlockMeta) -> bytes:
+def _header(layout: BlockLayout, space: bytes, meta: BlockMeta, codec: str = "none") -> bytes:
     scale = layout.scale_version.encode("utf-8")
     codes = bytes(DTYPE_CODES[d] for d in layout.layer_dtypes)
-    length = _FIXED.size + len(codes) + _U16.size + len(scale)
-    return b"".join((_FIXED.pack(MAGIC, VERSION, length, meta.key, space, meta.root,
+    tail = b"" if codec == "none" else _U8.pack(CODEC_CODES[codec])
+    length = _FIXED.size + len(codes) + _U16.size + len(scale) + len(tail)
+    version = VERSION if codec == "none" else VERSION_COMPRESSED
+    return b"".join((_FIXED.pack(MAGIC, version, length, meta.key, space, meta.root,
                                  meta.parent or _NO_PARENT, (meta.tenant or "").encode("ascii"), meta.depth,
                                  layout.block_size, layout.num_kv_heads, layout.head_dim, layout.num_layers),
-                     codes, _U16.pack(len(scale)), scale, _U64.pack(layout.block_bytes)))
+                     codes, _U16.pack(len(scale)), scale, tail, _U64.pack(layout.body_bytes(codec))))
 
 
 def encode_parts(layout: BlockLayout, space: bytes, metas: Sequence[BlockMeta],
-                 layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list]:
+                 layers: Sequence[tuple[torch.Tensor, torch.Tensor]], codec: str = "none") -> list[list]:
     """Each block's payload as a list of buffers (header, K and V of every layer, checksum) that
     concatenate to the payload, without copying the tensor bytes: write them with writev, or
-    stream them as one Redis value. `layers[l]` is (K, V) of the group on the CPU, [n, ...]."""
+    stream them as one Redis value. `layers[l]` is (K, V) of the group on the CPU, [n, ...].
+    With a `codec` (codec.py) the bodies are compressed where this layout and group allow it, and
+    stored as they are where not (see `BlockLayout.codec_for`)."""
     if len(layers) != layout.num_layers:
         raise ValueError(f"layers: expected {layout.num_layers}, got {len(layers)}")
     n = len(metas)
-    views = []
     for k, v in layers:
         if k.shape[0] != n or v.shape[0] != n:
             raise ValueError(f"layers: {k.shape[0]} blocks of tensors for {n} keys")
-        views.append((k.contiguous().view(torch.uint8).reshape(n, -1).numpy(),
-                      v.contiguous().view(torch.uint8).reshape(n, -1).numpy()))
+    codec = layout.codec_for(check_codec(codec))
+    packed = compress(layers, codec) if codec != "none" else None
+    if packed is None:
+        codec = "none"
+        views = [(k.contiguous().view(torch.uint8).reshape(n, -1).numpy(),
+                  v.contiguous().view(torch.uint8).reshape(n, -1).numpy()) for k, v in layers]
+    else:
+        views = [tuple(t.contiguous().numpy() for t in packed)]
     out = []
     for i, meta in enumerate(metas):
-        parts = [_header(layout, space, meta)]
-        for k, v in views:
-            parts.append(k[i].data)
-            parts.append(v[i].data)
+        parts = [_header(layout, space, meta, codec)]
+        for first, second in views:
+            parts.append(first[i].data)
+            parts.append(second[i].data)
         digest = xxhash.xxh3_64()
         for part in parts:
             digest.update(part)
@@ -203,8 +240,8 @@ def peek_meta(data: bytes | memoryview) -> BlockMeta:
     magic, version, _, key, _, root, parent, tenant, depth, *_ = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise PayloadError("magic", "not a kvctl block payload")
-    if version != VERSION:
-        raise PayloadError("version", f"format version {version}, this kvd reads {VERSION}")
+    if version not in READABLE:
+        raise PayloadError("version", f"format version {version}, this kvd reads {READABLE[0]} and {READABLE[1]}")
     try:
         return BlockMeta(key, root, depth, parent if depth else None, tenant.rstrip(b"\0").decode("ascii") or None)
     except ValueError:
@@ -217,7 +254,7 @@ def peek_space(data: bytes | memoryview) -> bytes | None:
     if len(data) < _FIXED.size:
         return None
     magic, version, _, _, space, *_ = _FIXED.unpack_from(data, 0)
-    return space if magic == MAGIC and version == VERSION else None
+    return space if magic == MAGIC and version in READABLE else None
 
 
 class BlockData:
@@ -225,15 +262,20 @@ class BlockData:
     payload's bytes made on demand (indexing, iteration, len); `stacked()` is the whole block
     as one [layers, 2, block, heads, dim] tensor when every layer has the same dtype."""
 
-    __slots__ = ("raw", "layout", "_layers")
+    __slots__ = ("raw", "layout", "codec", "_layers", "_decompressed")
 
-    def __init__(self, raw: torch.Tensor, layout: BlockLayout) -> None:
-        self.raw, self.layout, self._layers = raw, layout, None
+    def __init__(self, raw: torch.Tensor, layout: BlockLayout, codec: str = "none") -> None:
+        self.raw, self.layout, self.codec, self._layers, self._decompressed = raw, layout, codec, None, None
 
     def stacked(self) -> torch.Tensor | None:
         lay = self.layout
         if len(set(lay.layer_dtypes)) != 1:
             return None
+        if self.codec != "none":  # a new tensor in the device's dtype, made once
+            if self._decompressed is None:
+                self._decompressed = decompress(self.raw, self.codec, lay.layer_dtypes[0], lay.num_layers,
+                                                lay.block_size, lay.num_kv_heads, lay.head_dim)
+            return self._decompressed
         return self.raw.view(lay.layer_dtypes[0]).view(lay.num_layers, 2, lay.block_size, lay.num_kv_heads,
                                                        lay.head_dim)
 
@@ -266,13 +308,14 @@ class BlockData:
 
 def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, key: bytes) -> BlockData:
     """Verify a payload against the expected key, space and layout; return its K/V (views of
-    the payload's bytes, no copy)."""
+    the payload's bytes, no copy; a compressed payload is decompressed when first read)."""
     meta, got_space, total = read_header(data)
     if meta.key != key:
         raise PayloadError("key", "payload holds another block")
     if got_space != space:
         raise PayloadError("space", "payload belongs to another model, tokenizer, format or scale set")
-    expected = _header(layout, space, meta)
+    codec = _codec_of(data)
+    expected = _header(layout, space, meta, codec)
     if bytes(data[:len(expected)]) != expected:
         raise PayloadError("layout", f"payload layout differs from {layout.describe()}")
     if len(data) != total:
@@ -284,4 +327,16 @@ def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, ke
     with warnings.catch_warnings():  # a bytes payload is read-only; these views are never written
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(view[len(expected):total - _CRC.size], dtype=torch.uint8)
-    return BlockData(raw, layout)
+    return BlockData(raw, layout, codec)
+
+
+def _codec_of(data: bytes | memoryview) -> str:
+    """The codec a payload names (none for version 4), checked to be one this kvd reads."""
+    _, version, header_len, *_ = _FIXED.unpack_from(data, 0)
+    if version == VERSION:
+        return "none"
+    (code,) = _U8.unpack_from(data, header_len - _U8.size)
+    name = CODEC_NAMES.get(code)
+    if name is None:
+        raise PayloadError("layout", f"unknown compression code {code}")
+    return name

@@ -39,6 +39,7 @@ import torch
 
 from kvctl.policies.tiering import RateMeter, TieringPolicy, held_run
 
+from .codec import check_codec, unsupported
 from .disk import DiskTier, Segment
 from .host import HostTier, copy_rows, select_rows
 from .payload import (BlockData, BlockLayout, BlockMeta, PayloadError, decode_block, encode_parts,
@@ -100,10 +101,11 @@ class TieredCache:
     def __init__(self, kv_caches, layout: BlockLayout, space: bytes, *, host: HostTier | None = None,
                  disk: DiskTier | None = None, remote: RemoteTier | None = None,
                  write_policy: str = "write_back", policy: TieringPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, compress: str = "none") -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy: invalid value {write_policy!r}; use {', '.join(WRITE_POLICIES)}")
         self.kv_caches, self.layout, self.space = kv_caches, layout, space
+        self.compress = check_codec(compress)  # asked for (tier_compress); `codec()` is what is written
         self.host, self.disk, self.remote = host, disk, remote
         self.write_policy, self.clock = write_policy, clock
         self.policy = policy or TieringPolicy()
@@ -149,11 +151,22 @@ class TieredCache:
             return held_run(keys, [("host", self.inflight), *((t.name, t.index) for t in self.tiers())])
 
     def read_rates(self) -> dict[str, dict[str, float]]:
-        """Each tier's read rate and fixed latency as the restore judgement uses them (measured,
-        else its prior): what `kvctl.policies.tiering.restore_seconds` takes."""
+        """Each tier's read rate, fixed latency and bytes a block as the restore judgement uses them
+        (measured, else its prior): what `kvctl.policies.tiering.restore_seconds` takes."""
         with self.lock:
             return {t.name: {"bytes_per_second": self.stats[t.name].read.rate,
-                             "latency_seconds": self.stats[t.name].read.latency} for t in self.tiers()}
+                             "latency_seconds": self.stats[t.name].read.latency,
+                             "block_bytes": self.block_bytes_in(t.name)} for t in self.tiers()}
+
+    def codec(self) -> str:
+        """How blocks are written to disk and Redis now: `compress`, or none where the device
+        cache's format cannot be compressed (codec.py)."""
+        return self.layout.codec_for(self.compress)
+
+    def block_bytes_in(self, tier: str) -> int:
+        """Bytes one block takes to read from a tier: the device's bytes in the host tier, a
+        payload as written now on disk and in Redis."""
+        return self.layout.block_bytes if tier == "host" else self.layout.stored_bytes(self.codec())
 
     def known_metas(self) -> dict[bytes, tuple[BlockMeta, str]]:
         """Every block a lower tier holds, with its fastest tier (for prefix listings)."""
@@ -301,7 +314,7 @@ class TieredCache:
 
     def _publish(self, metas: list[BlockMeta], layers, src: str, targets: list[str]) -> None:
         try:
-            items = list(zip(metas, encode_parts(self.layout, self.space, metas, layers)))
+            items = list(zip(metas, encode_parts(self.layout, self.space, metas, layers, self.codec())))
             for name in targets:
                 self._publish_to(name, items, src)
         finally:
@@ -692,8 +705,12 @@ class TieredCache:
                 {**(summary(g["space"].hex(), book.get(g["space"].hex())) if g["space"] else {"space": None}),
                  "kind": g["kind"], "segments": g["segments"], "bytes": g["bytes"]}
                 for g in self.disk.set_aside()]
+        codec = self.codec()
+        compression = {"setting": self.compress, "codec": codec,
+                       "inactive_reason": unsupported(self.layout.layer_dtypes, self.compress),
+                       "block_bytes": self.layout.payload_bytes, "stored_block_bytes": self.layout.stored_bytes(codec)}
         return {"write_policy": self.write_policy, "tiers": out, "moved_bytes": out_moved,
-                "moving_blocks": len(self.inflight), "staged_blocks": len(self.staged)}
+                "moving_blocks": len(self.inflight), "staged_blocks": len(self.staged), "compress": compression}
 
     def close(self, timeout: float = 10.0) -> None:
         self.flush(timeout)
