@@ -49,11 +49,7 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
 
 def quantise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x [..., num_kv_heads, head_dim] -> dtype, dividing by scale [num_kv_heads]."""
-    return to_format(x.float() / scale.float()[:, None], dtype)
-
-
-def to_format(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Values already divided by their scale -> a quantised format, by its rule (clamp, round)."""
+    scaled = x.float() / scale.float()[:, None]
     limit = QUANT_MAX[dtype]
     if dtype == torch.int8:
         return round_half_away(scaled).clamp(-limit, limit).to(torch.int8)

@@ -9,6 +9,12 @@ Side by side in one process, on the same bytes, in groups of realistic size:
 
 Break-even: the demo model prefills L tokens (recompute) against reading L/block_size blocks
 from each tier, verifying them and copying them into the device cache (restore).
+
+`--compress int8|fp8_e4m3` also measures disk (and Redis) storing the same blocks compressed
+(`tier_compress`), beside the same tier storing them whole: GB/s counts the device's bytes of the
+blocks moved, so the rows compare; compression's time (on write) and decompression's (on read)
+are inside them. And what compression costs in accuracy on these blocks: the largest error as a
+fraction of its row's largest value, and the mean error as a fraction of the values' RMS.
 """
 
 from __future__ import annotations
@@ -100,31 +106,32 @@ def measure_host(layout, group: int, repeats: int) -> dict:
     return _figures(layout.block_bytes * group, repeats, ours_write, ours_read, raw_write, raw_read)
 
 
-def measure_disk(layout, group: int, repeats: int, path: Path) -> dict:
-    from kvctl.daemon.cache.tiers import DiskTier, decode_block, encode_blocks, encode_parts
+def measure_disk(layout, group: int, repeats: int, path: Path, codec: str = "none") -> dict:
+    from kvctl.daemon.cache.tiers import DiskTier, decode_block, encode_parts
 
     space = b"B" * 32
     writes = repeats + 1  # every timed write is a new segment of blocks the tier does not hold
     rounds = [_group(layout, group, seed) for seed in range(writes)]
-    tier = DiskTier(path / "tier", layout.payload_bytes * group * (writes + 1), layout, space)
+    stored = layout.stored_bytes(codec)
+    tier = DiskTier(path / "tier", stored * group * (writes + 1), layout, space)
     state = {"i": 0}
 
     def ours_write():
         metas, layers = rounds[state["i"]]
         state["i"] += 1
-        written = tier.write_group(list(zip(metas, encode_parts(layout, space, metas, layers))))
-        assert written == layout.payload_bytes * group, "bench tiers: a disk write published nothing"
+        written = tier.write_group(list(zip(metas, encode_parts(layout, space, metas, layers, codec))))
+        assert written == stored * group, "bench tiers: a disk write published nothing"
 
     def ours_read():
         metas, _ = rounds[0]
         payloads = tier.read_many([m.key for m in metas])
         for meta in metas:
-            decode_block(payloads[meta.key], layout, space, meta.key)
+            decode_block(payloads[meta.key], layout, space, meta.key).stacked()  # decompressed, if it is
 
     raw_dir = path / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     metas, layers = rounds[0]
-    blob = b"".join(encode_blocks(layout, space, metas, layers))
+    blob = b"".join(b"".join(parts) for parts in encode_parts(layout, space, metas, layers, codec))
     names = iter(range(10**9))
 
     def raw_write():
@@ -141,24 +148,24 @@ def measure_disk(layout, group: int, repeats: int, path: Path) -> dict:
     return _figures(layout.block_bytes * group, repeats, ours_write, ours_read, raw_write, raw_read)
 
 
-def measure_remote(layout, group: int, repeats: int, url: str) -> dict:
-    from kvctl.daemon.cache.tiers import RemoteTier, decode_block, encode_blocks, encode_parts
+def measure_remote(layout, group: int, repeats: int, url: str, codec: str = "none") -> dict:
+    from kvctl.daemon.cache.tiers import RemoteTier, decode_block, encode_parts
     from kvctl.daemon.cache.tiers.remote import connect
 
     space = b"R" * 32
-    metas, layers = _group(layout, group, 7)
+    metas, layers = _group(layout, group, 7 + len(codec))  # other keys for each codec
     tier = RemoteTier(url, 1 << 62, space, timeout=5.0)
     client = connect(url, 5.0)
-    payloads = encode_blocks(layout, space, metas, layers)
+    payloads = [b"".join(parts) for parts in encode_parts(layout, space, metas, layers, codec)]
     raw_keys = [b"kvctl:bench:raw:%d" % i for i in range(group)]
 
     def ours_write():
-        tier.write_group(list(zip(metas, encode_parts(layout, space, metas, layers))))
+        tier.write_group(list(zip(metas, encode_parts(layout, space, metas, layers, codec))))
 
     def ours_read():
         payloads = tier.read_many([m.key for m in metas])
         for meta in metas:
-            decode_block(payloads[meta.key], layout, space, meta.key)
+            decode_block(payloads[meta.key], layout, space, meta.key).stacked()  # decompressed, if it is
 
     def raw_write():
         pipe = client.pipeline(transaction=False)
@@ -176,6 +183,34 @@ def measure_remote(layout, group: int, repeats: int, url: str) -> dict:
         return _figures(layout.block_bytes * group, repeats, ours_write, ours_read, raw_write, raw_read)
     finally:
         client.delete(*raw_keys, *[tier.redis_key(m.key) for m in metas])
+
+
+def compression_error(layout, group: int, codec: str) -> dict:
+    """What `codec` does to these blocks: bytes stored per block against the device's, the largest
+    error as a fraction of its row's largest |value|, and the mean |error| as a fraction of the
+    values' RMS."""
+    import torch
+
+    from kvctl.daemon.cache.tiers import decode_block, encode_parts
+
+    space = b"C" * 32
+    metas, layers = _group(layout, group, 99)
+    worst = total = power = 0.0
+    count = 0
+    for meta, parts in zip(metas, encode_parts(layout, space, metas, layers, codec)):
+        block = decode_block(b"".join(parts), layout, space, meta.key)
+        i = metas.index(meta)
+        for layer, (k, v) in enumerate(block):
+            for got, want in ((k, layers[layer][0][i]), (v, layers[layer][1][i])):
+                want, err = want.float(), (got.float() - want.float()).abs()
+                rows = want.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+                worst = max(worst, float((err / rows).max()))
+                total, power, count = total + float(err.sum()), power + float((want ** 2).sum()), count + want.numel()
+    rms = (power / count) ** 0.5 if count else 1.0
+    return {"codec": codec, "stored_block_bytes": layout.stored_bytes(codec),
+            "device_block_bytes": layout.payload_bytes, "ratio": layout.stored_bytes(codec) / layout.payload_bytes,
+            "max_error_of_row_max": worst, "mean_error_of_rms": (total / count) / rms if count else 0.0,
+            "dtype": str(torch.float32 if not layers else layers[0][0].dtype).replace("torch.", "")}
 
 
 def _figures(nbytes: int, repeats: int, ours_write, ours_read, raw_write, raw_read) -> dict:
@@ -271,6 +306,9 @@ def tiers_command(
     disk_path: Optional[Path] = typer.Option(None, "--disk-path", help="Folder on the disk to measure."),
     lengths: str = typer.Option("16,64,256,1024", help="Prompt lengths for the break-even search."),
     skip_break_even: bool = typer.Option(False, "--skip-break-even", help="Only the throughput table."),
+    compress: Optional[str] = typer.Option(
+        None, "--compress", help="Also measure disk (and Redis) storing blocks compressed: int8 or fp8_e4m3 "
+                                 "(tier_compress), beside storing them whole."),
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -285,17 +323,27 @@ def tiers_command(
                         ("group-blocks", group_blocks), ("repeats", repeats)):
         if value < 1:
             raise typer.BadParameter(f"{name}: must be >= 1, got {value}")
+    if compress is not None and compress not in ("int8", "fp8_e4m3"):
+        raise typer.BadParameter(f"compress: invalid value {compress!r}; use int8 or fp8_e4m3")
     if disk_path is not None and not disk_path.is_dir():
         raise UserError(f"disk_path: {str(disk_path)!r} is not a folder; give one on the disk to measure")
     layout = _layout(layers, kv_heads, head_dim, block_size, dtype)
+    if compress is not None and layout.codec_for(compress) == "none":
+        raise UserError(f"compress: {compress} applies to float32, float16 and bfloat16 caches; dtype is {dtype}")
     scratch = Path(tempfile.mkdtemp(prefix="kvctl-bench-tiers-", dir=disk_path))
     try:
         results = {"host": measure_host(layout, group_blocks, repeats),
                    "disk": measure_disk(layout, group_blocks, repeats, scratch)}
+        if compress is not None:
+            results[f"disk ({compress})"] = measure_disk(layout, group_blocks, repeats, scratch / compress, compress)
         if redis_url:
             results["remote"] = measure_remote(layout, group_blocks, repeats, redis_url)
+            if compress is not None:
+                results[f"remote ({compress})"] = measure_remote(layout, group_blocks, repeats, redis_url, compress)
         document = {"layout": layout.describe(), "block_bytes": layout.block_bytes, "group_blocks": group_blocks,
                     "tiers": results}
+        if compress is not None:
+            document["compression"] = compression_error(layout, group_blocks, compress)
         if not skip_break_even:
             names = ["host", "disk"] + (["remote"] if redis_url else [])
             document["break_even"] = break_even(scratch, names, redis_url,
@@ -323,6 +371,12 @@ def render(document: dict) -> None:
                       f"{r['write_ratio']:.2f}", f"{r['read_bytes_per_second'] / gb:.2f}",
                       f"{r['raw_read_bytes_per_second'] / gb:.2f}", f"{r['read_ratio']:.2f}")
     console.print(table)
+    c = document.get("compression")
+    if c:
+        console.print(f"{c['codec']}: {c['stored_block_bytes']:,} bytes a block stored against "
+                      f"{c['device_block_bytes']:,} ({c['ratio']:.2f}); GB/s above count the device's bytes. "
+                      f"Error on these blocks: largest {c['max_error_of_row_max']:.2%} of its row's largest value, "
+                      f"mean {c['mean_error_of_rms']:.2%} of their RMS", markup=False)
     be = document.get("break_even")
     if be:
         t = Table("prompt tokens", "recompute ms", *[f"restore from {n} ms" for n in be["restore_seconds"]],

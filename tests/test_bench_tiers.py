@@ -45,8 +45,27 @@ def test_bench_tiers_prints_a_table(capsys, tmp_path):
     assert "raw write" in out and "│ host" in out and "│ disk" in out and "│ remote" not in out
 
 
+def test_bench_tiers_compress_measures_the_compressed_tiers_beside_the_whole_ones(capsys, tmp_path, redis_server):
+    status, out, _ = cli(capsys, "bench", "tiers", *SMALL, "--skip-break-even", "--compress", "int8",
+                         "--redis-url", redis_server.url, "--disk-path", str(tmp_path), "--json")
+    assert status == 0
+    doc = json.loads(out)
+    assert sorted(doc["tiers"]) == ["disk", "disk (int8)", "host", "remote", "remote (int8)"]
+    assert doc["tiers"]["disk (int8)"]["bytes"] == doc["tiers"]["disk"]["bytes"]  # GB/s of the device's bytes
+    c = doc["compression"]
+    rows = 2 * 2 * 16 * 1  # layers, K and V, tokens, heads
+    assert (c["codec"], c["stored_block_bytes"] - c["device_block_bytes"]) == ("int8", rows * 4 + rows * 64 + 1
+                                                                               - doc["block_bytes"])
+    assert c["ratio"] == pytest.approx(c["stored_block_bytes"] / c["device_block_bytes"]) and c["ratio"] < 0.6
+    assert 0 < c["max_error_of_row_max"] <= 1 / 254 + 2**-8  # int8's bound, and bfloat16's rounding
+    assert 0 < c["mean_error_of_rms"] < 0.01  # gaussian rows: about a quarter of a step, a step being max/127
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dtype", "fp4"], "dtype: invalid value 'fp4'"),
+    (["--compress", "zstd"], "compress: invalid value 'zstd'; use int8 or fp8_e4m3"),
+    (["--compress", "int8", "--dtype", "fp8_e4m3"],
+     "compress: int8 applies to float32, float16 and bfloat16 caches; dtype is fp8_e4m3"),
     (["--group-blocks", "0"], "group-blocks: must be >= 1, got 0"),
     (["--disk-path", "/nonexistent/kvd-bench"], "disk_path: '/nonexistent/kvd-bench' is not a folder"),
 ])

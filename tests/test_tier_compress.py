@@ -15,10 +15,10 @@ xxhash = pytest.importorskip("xxhash")
 from kvctl.daemon.cache.tiers import BlockLayout, BlockMeta, PayloadError, decode_block, encode_blocks  # noqa: E402
 from kvctl.daemon.cache.tiers.codec import check_codec, compress, decompress, error_bound  # noqa: E402
 from kvctl.daemon.cache.tiers.payload import encode_parts  # noqa: E402
-from kvctl.kernels.formats import round_half_away  # noqa: E402
 
 from .daemon_fixtures import call, start_service  # noqa: E402
 from .tier_engine import TEXT_A, demo, engine_with, generate, push_out  # noqa: E402,F401,F811
+from .tier_fixtures import redis_server  # noqa: E402,F401
 
 SPACE = b"S" * 32
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
@@ -62,22 +62,21 @@ def test_a_compressed_block_comes_back_within_the_codec_s_bound_of_every_value(d
     assert torch.equal(blocks[2][1][0][5, 1], torch.zeros(64, dtype=dtype))
 
 
-def test_int8_stores_value_over_row_maximum_times_127_rounded_half_away_from_zero():
+def test_int8_stores_value_over_row_maximum_times_127_rounded_to_the_nearest_integer():
     k = torch.zeros(1, 8, 1, 4)
-    k[0, 0, 0] = torch.tensor([2.54, -1.27, 0.01, 0.015])  # scale 0.02: 127, -63.5 -> -64, 0.5 -> 1, 0.75 -> 1
+    k[0, 0, 0] = torch.tensor([12.7, -6.3, 0.26, 0.04])  # scale 0.1: 127, -63, 2.6 -> 3, 0.4 -> 0
     v = torch.full((1, 8, 1, 4), -3.0)
     scales, values = compress([(k, v)], "int8")
     rows = scales.view(torch.float32).view(2, 8)
-    assert rows[0, 0].item() == pytest.approx(2.54 / 127) and rows[0, 1].item() == 1.0  # zeros keep scale 1
+    assert rows[0, 0].item() == pytest.approx(0.1) and rows[0, 1].item() == 1.0  # zeros keep scale 1
     assert rows[1].tolist() == pytest.approx([3.0 / 127] * 8)
     q = values.view(torch.int8).view(2, 8, 4)
-    assert q[0, 0].tolist() == [127, -64, 1, 1]
-    assert q[0, 0].tolist() == round_half_away(k[0, 0, 0] / rows[0, 0]).to(torch.int8).tolist()
+    assert q[0, 0].tolist() == [127, -63, 3, 0] and (q[0, 1:] == 0).all()
     assert (q[1] == -127).all()
     body = torch.cat([scales[0], values[0]])
     back = decompress(body, "int8", torch.float32, 1, 8, 1, 4)
     assert back[0, 1].unique().tolist() == pytest.approx([-3.0])  # [layer, K|V, token, head, dim]
-    assert back[0, 0, 0, 0].tolist() == pytest.approx([2.54, -64 * 0.02, 0.02, 0.02], rel=1e-6)
+    assert back[0, 0, 0, 0].tolist() == pytest.approx([12.7, -6.3, 0.3, 0.0], rel=1e-6)
 
 
 def test_sizes_versions_and_codec_byte_of_stored_payloads():
@@ -175,6 +174,21 @@ def test_the_engine_restores_a_prefix_from_a_compressed_disk_tier_as_the_codec_g
         assert all(torch.equal(k, expected[layer, 0]) and torch.equal(v, expected[layer, 1])
                    for layer, (k, v) in enumerate(block_after))
         assert any(not torch.equal(k, k0) for (k, _), (k0, _) in zip(block_after, block_before))  # lossy indeed
+
+
+def test_a_daemon_that_does_not_compress_reads_a_compressing_daemon_s_blocks_from_redis(demo, redis_server):
+    pytest.importorskip("redis")
+    first, written = engine_with(demo, remote_url=redis_server.url, write_policy="write_through", compress="int8")
+    generate(first, TEXT_A, demo)
+    assert first.tiers.flush(timeout=30)
+    blocks = (len(demo.tokenizer.encode(TEXT_A)) - 1) // 16
+    stored = written.stats["remote"].bytes_in
+    assert stored == written.layout.stored_bytes("int8") * len(written.remote.index) and blocks <= len(written.remote.index)
+    second, tiered = engine_with(demo, remote_url=redis_server.url)
+    warm = generate(second, TEXT_A, demo)
+    assert warm.metrics.restored_tokens == blocks * 16
+    assert tiered.stats["remote"].restored_blocks == blocks and tiered.stats["remote"].checksum_failures == 0
+    assert tiered.stats["remote"].bytes_out == blocks * written.layout.stored_bytes("int8")
 
 
 def test_blocks_written_before_compression_was_turned_on_still_restore_exactly(demo, tmp_path):

@@ -443,11 +443,15 @@ class TieredCache:
                         copy_rows(cache.v, ids, v)
                 for i in positions:
                     tier = "host" if source == "host" else self.staged[keys[i]][1]
+                    data = None if source == "host" else self.staged[keys[i]][0]
+                    # what the tier gave: a payload as stored (compressed or not), or the device's bytes
+                    nbytes = self.layout.stored_bytes(data.codec) if isinstance(data, BlockData) \
+                        else self.layout.block_bytes
                     stats = self.stats[tier]
                     stats.restored_blocks += 1
                     stats.hit_tokens += self.layout.block_size
-                    stats.bytes_out += self.layout.block_bytes
-                    self.moved[(tier, "device")] += self.layout.block_bytes
+                    stats.bytes_out += nbytes
+                    self.moved[(tier, "device")] += nbytes
         seconds = time.perf_counter() - started
         self.stats["host"].restore_seconds.append(seconds)
         if keys:
