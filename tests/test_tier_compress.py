@@ -191,6 +191,23 @@ def test_a_daemon_that_does_not_compress_reads_a_compressing_daemon_s_blocks_fro
     assert tiered.stats["remote"].bytes_out == blocks * written.layout.stored_bytes("int8")
 
 
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_disk_budget_holds_as_many_more_blocks_as_compression_saves(tmp_path, codec):
+    from kvctl.daemon.cache.tiers import DiskTier, TieredCache
+
+    layout = BlockLayout((torch.bfloat16,) * 2, 16, 2, 64, "")
+    budget = 40 * layout.payload_bytes
+    disk = DiskTier(tmp_path / "d", budget, layout, SPACE)
+    tiered = TieredCache([], layout, SPACE, disk=disk, compress=codec)
+    for group in range(12):  # 96 blocks offered, in groups of 8
+        metas = [BlockMeta(bytes([group, i + 1]) * 16, b"r" * 32, 0, None) for i in range(8)]
+        assert tiered.copy_to("disk", metas, _group(layout, 8, seed=group), src="device") == 8
+    fits = budget // layout.stored_bytes(codec) // 8 * 8  # whole groups of the newest
+    assert len(disk.index) == fits == {"none": 40, "int8": 72}[codec]
+    assert disk.used_bytes == fits * layout.stored_bytes(codec) <= budget
+    tiered.close()
+
+
 def test_blocks_written_before_compression_was_turned_on_still_restore_exactly(demo, tmp_path):
     engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
     cold = generate(engine, TEXT_A, demo)
