@@ -208,6 +208,29 @@ def test_a_disk_budget_holds_as_many_more_blocks_as_compression_saves(tmp_path, 
     tiered.close()
 
 
+def test_after_a_restart_the_disk_re_indexes_compressed_and_whole_blocks_alike(tmp_path):
+    from kvctl.daemon.cache.tiers import DiskTier, TieredCache
+
+    layout = BlockLayout((torch.float16,) * 2, 16, 1, 64, "")
+    disk = DiskTier(tmp_path / "d", 1 << 22, layout, SPACE)
+    tiered = TieredCache([], layout, SPACE, disk=disk, compress="int8")
+    squeezed, whole = _metas(4)[:2], _metas(4)[2:]
+    layers = _group(layout, 2)
+    tiered.copy_to("disk", squeezed, layers, src="device")
+    tiered.compress = "none"
+    tiered.copy_to("disk", whole, layers, src="device")
+    tiered.close()
+    again = DiskTier(tmp_path / "d", 1 << 22, layout, SPACE)
+    report = again.scan()
+    assert (report.blocks, report.segments, report.corrupt, report.foreign) == (4, 2, 0, 0)
+    got = [decode_block(again.read(m.key), layout, SPACE, m.key) for m in squeezed + whole]
+    assert [b.codec for b in got] == ["int8", "int8", "none", "none"]
+    assert torch.equal(got[2][1][0], layers[1][0][0])  # stored whole: exact
+    assert ((got[0][1][0].float() - layers[1][0][0].float()).abs()
+            <= error_bound(layers[1][0][0], "int8") + layers[1][0][0].float().abs() * 2**-10).all()
+    again.close()
+
+
 def test_blocks_written_before_compression_was_turned_on_still_restore_exactly(demo, tmp_path):
     engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
     cold = generate(engine, TEXT_A, demo)
