@@ -403,3 +403,132 @@ def test_kvd_shows_each_tenant_s_host_slots_against_its_share_and_reloads_the_ho
         assert host.shares == {} and call(unix, "GET", "/admin/tenants").json()["tenants"][0]["host_share_blocks"] is None
     finally:
         service.shutdown(1)
+
+
+# ---- the disk tier ------------------------------------------------------------------------------
+def _disk_cache(tmp_path, shares, capacity_blocks=40):
+    """A TieredCache with only a disk tier of `capacity_blocks` whole payloads of a small layout."""
+    torch = pytest.importorskip("torch")
+    from kvctl.daemon.cache.events import EventLog
+    from kvctl.daemon.cache.tiers import BlockLayout, DiskTier, TieredCache
+
+    layout = BlockLayout((torch.float16,), 16, 1, 8, "")
+    disk = DiskTier(tmp_path / "d", capacity_blocks * layout.payload_bytes, layout, b"S" * 32)
+    disk.events = EventLog(1000)
+    disk.set_tenant_shares(shares)
+    return TieredCache([], layout, b"S" * 32, disk=disk), layout
+
+
+def _write(tiered, layout, tenants: list[str], tag: int) -> list[bytes]:
+    """One group of blocks, the i-th of tenant tenants[i], written to disk; their keys."""
+    import torch
+
+    from kvctl.daemon.cache.tiers import BlockMeta
+
+    from .tier_fixtures import block_key
+
+    metas = [BlockMeta(block_key(tag * 100 + i), block_key(tag * 100 + i), 0, None, t) for i, t in enumerate(tenants)]
+    k = torch.zeros(len(metas), 16, 1, 8, dtype=torch.float16)
+    tiered.copy_to("disk", metas, [(k, k)], src="device")
+    return [m.key for m in metas]
+
+
+@pytest.mark.parametrize("with_shares", [False, True])
+def test_a_noisy_tenant_flooding_the_disk_recycles_its_own_segments(tmp_path, with_shares):
+    tiered, layout = _disk_cache(tmp_path, (("noisy", 0.25),) if with_shares else ())
+    disk = tiered.disk
+    quiet = _write(tiered, layout, ["quiet"] * 8, tag=0)
+    noisy = [_write(tiered, layout, ["noisy"] * 8, tag=g) for g in range(1, 11)]  # 80 blocks into 40
+    held = {k for k in disk.index}
+    if with_shares:
+        assert disk.shares == {"noisy": 10 * layout.payload_bytes}
+        assert set(quiet) <= held  # untouched: noisy, over its share, gave up its own oldest
+        assert held == set(quiet) | {k for group in noisy[-4:] for k in group}  # idle room is still lent
+        assert disk.share_evictions == 6 * 8
+        assert dict(disk.tenant_bytes) == {"quiet": 8 * layout.payload_bytes, "noisy": 32 * layout.payload_bytes}
+        removed = disk.events.since(0, kinds=("removed",)).events
+        assert {e.reason for e in removed} == {"tenant_share"}
+        assert [k for e in removed for k in e.keys] == [k for group in noisy[:6] for k in group]
+        assert tiered.report()["tiers"]["disk"]["share_evictions"] == 48
+    else:
+        assert not set(quiet) & held  # plain LRU: the quiet tenant's segment went first
+        assert "share_evictions" not in tiered.report()["tiers"]["disk"]
+    # the quiet tenant writes again: the tenant over its share makes the room
+    _write(tiered, layout, ["quiet"] * 8, tag=50)
+    if with_shares:
+        assert set(quiet) <= set(disk.index) and not set(noisy[6]) & set(disk.index)
+    tiered.close()
+
+
+def test_with_disk_shares_a_mixed_group_becomes_one_segment_per_tenant_and_a_restart_knows_whose(tmp_path):
+    from kvctl.daemon.cache.tiers import DiskTier
+
+    tiered, layout = _disk_cache(tmp_path, (("a", 0.5),))
+    keys = _write(tiered, layout, ["a", "b", "a", None], tag=1)
+    disk = tiered.disk
+    assert sorted((s.tenant, len(s.keys)) for s in disk.segments.values()) == [("", 1), ("a", 2), ("b", 1)]
+    assert dict(disk.tenant_bytes) == {"a": 2 * layout.payload_bytes, "b": layout.payload_bytes,
+                                       "": layout.payload_bytes}
+    tiered.close()
+    again = DiskTier(tmp_path / "d", 40 * layout.payload_bytes, layout, b"S" * 32)
+    again.scan()
+    assert set(again.index) == set(keys) and dict(again.tenant_bytes) == dict(disk.tenant_bytes)
+    again.close()
+    plain, _ = _disk_cache(tmp_path / "plain", ())
+    _write(plain, layout, ["a", "b", "a", None], tag=1)
+    assert [s.tenant for s in plain.disk.segments.values()] == [None]  # no shares: one segment, mixed
+    plain.close()
+
+
+def test_kvd_gives_its_disk_tier_the_shares_and_a_reload_changes_them(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    from dataclasses import replace
+
+    from .daemon_fixtures import start_service
+
+    service = start_service(tmp_path, disk_cache_bytes="4MiB", tenant_cache_shares="acme=0.25")
+    try:
+        assert service.tiers.disk.shares == {"acme": 2**20}
+        service.reload(replace(service.config, tenant_cache_shares=(("acme", 0.5), ("*", 0.25))))
+        assert service.tiers.disk.shares == {"acme": 2 * 2**20, "*": 2**20}
+        service.reload(replace(service.config, tenant_cache_shares=()))
+        assert service.tiers.disk.shares == {}
+    finally:
+        service.shutdown(deadline=2)
+
+
+@pytest.mark.parametrize("with_shares", [False, True])
+def test_a_noisy_tenant_s_flood_leaves_the_quiet_tenant_s_prefix_on_disk(tmp_path, with_shares):
+    """As in host memory: device and disk both full of a noisy tenant's one-off prompts; with
+    shares, the quiet tenant's prefix is still on disk and comes back from there."""
+    pytest.importorskip("torch")
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.llama import load_model
+
+    from .tier_engine import GREEDY, TEXT_A, engine_with
+
+    demo = load_model(ensure_demo_checkpoint(tmp_path / "state"))
+    shares = (("noisy", 0.25),) if with_shares else ()
+    engine, tiered = engine_with(demo, num_blocks=12, settings={"tenant_cache_shares": shares},
+                                 disk_bytes=12 * 16_622, disk_path=tmp_path / "d")  # 12 payloads of the demo model
+    assert tiered.layout.payload_bytes == 16_622
+    quiet = demo.tokenizer.encode(TEXT_A)
+    blocks = (len(quiet) - 1) // 16
+    cold = engine.add_request(quiet, GREEDY, tenant="quiet")
+    engine.run_until_done()
+    for i in range(8):  # one-off documents, each its own chain
+        engine.add_request(demo.tokenizer.encode(f"noisy document {i}: " + "x" * 90), GREEDY, tenant="noisy")
+        engine.run_until_done()
+        tiered.flush()
+    warm = engine.add_request(quiet, GREEDY, tenant="quiet")
+    engine.run_until_done()
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    if with_shares:  # all of it from the cache: what the device lost, back from disk
+        assert warm.metrics.cached_tokens == blocks * 16 and warm.metrics.restored_tokens >= 4 * 16
+        assert tiered.disk.share_evictions > 0
+    else:  # the flood took it from both
+        assert warm.metrics.cached_tokens == warm.metrics.restored_tokens == 0
+        assert tiered.disk.share_evictions == 0
+    engine.cache.audit()
+    tiered.close()

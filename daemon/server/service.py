@@ -397,6 +397,8 @@ class EngineService:
                             self.tiers.host.set_tenant_shares(new.tenant_cache_shares)
                     if self.tiers is not None and self.tiers.remote is not None:
                         self.tiers.remote.set_tenant_shares(new.tenant_cache_shares)
+                    if self.tiers is not None and self.tiers.disk is not None:
+                        self.tiers.disk.set_tenant_shares(new.tenant_cache_shares)
                 if "reservation" in changed:
                     engine.reservation = parse_reservation(new.reservation)
                 if self.tiers is not None:  # blocks written from now on; those stored stay as they are

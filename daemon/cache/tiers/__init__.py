@@ -63,6 +63,7 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
         if disk_path is None:
             raise ValueError("tiers.disk.path: required with tiers.disk.bytes")
         disk = DiskTier(disk_path, disk_bytes, layout, space, record=record)
+        disk.set_tenant_shares(shares)
         disk.events = events  # before the scan: the blocks it re-indexes are stored events too
         report = disk.scan()
     remote = None

@@ -10,6 +10,12 @@ On start `scan()` verifies every segment: payloads of this space and layout are 
 segments with a corrupt or truncated payload, or written for another model, tokenizer,
 format or scale set, are moved to `quarantine/` and counted. Eviction is LRU by segment.
 
+Tenant shares (`tenant_cache_shares`, as on the device, the host and Redis): with shares set,
+each segment holds one tenant's blocks (the writer splits a group by tenant), and when room is
+needed the least recently used segment of the tenant most over its share of the tier's bytes goes
+first (counting what that tenant is writing now), before the least recently used of all. A
+tenant flooding the disk then recycles its own segments, not a quiet tenant's.
+
 What is set aside counts against the tier's bytes: it is kept (a foreign segment comes back when
 the daemon runs its model again, a rollback; a corrupt one is there to be looked at) only while
 there is room, and goes, oldest first, before any live segment is evicted. A model upgrade
@@ -27,10 +33,12 @@ import mmap
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
+
+from kvctl.policies.tenant_shares import share_blocks, share_of
 
 from .payload import PEEK_BYTES, BlockLayout, BlockMeta, PayloadError, decode_block, payload_length, peek_space, read_header
 from .spaces import SpaceBook
@@ -46,6 +54,7 @@ class Segment:
     keys: list[bytes] = field(default_factory=list)
     live: int = 0
     space: bytes = b""  # the block space its payloads were written under
+    tenant: str | None = None  # whose blocks it holds, when all are one tenant's (else None)
 
 
 @dataclass
@@ -85,6 +94,9 @@ class DiskTier:
         self._dir_dirty = False
         self.last_fsync_seconds = 0.0  # of the latest segment write (the tiering policy's fixed cost)
         self.events = None  # an EventLog: each key indexed or dropped here is logged there
+        self.shares: dict[str, int] = {}  # tenant -> bytes of its share (tenant_cache_shares); empty: none
+        self.tenant_bytes: Counter[str] = Counter()  # bytes of single-tenant segments, by tenant
+        self.share_evictions = 0  # blocks dropped with segments whose tenant held more than its share
         self.segment_dir.mkdir(parents=True, exist_ok=True)
         self._owner = self._claim(self.root)
         self.spaces = SpaceBook(self.root / "spaces.json")
@@ -111,6 +123,12 @@ class DiskTier:
         handle.write(f"pid {os.getpid()}\n")
         handle.flush()
         return handle
+
+    def set_tenant_shares(self, shares) -> None:
+        """(tenant, fraction) pairs as `tenant_cache_shares` gives them, as shares of this tier's
+        bytes (see the module's docstring)."""
+        with self.lock:
+            self.shares = share_blocks(shares, self.capacity_bytes) if shares else {}
 
     def close(self) -> None:
         """Let another daemon (or this one, restarted) take the folder."""
@@ -311,7 +329,10 @@ class DiskTier:
         self._dir_synced_at, self._dir_dirty = now, False
 
     def _publish(self, name: str, size: int, metas: Sequence[tuple[BlockMeta, int, int]], space: bytes) -> None:
-        segment = Segment(name, size, space=space)
+        tenants = {meta.tenant or "" for meta, _, _ in metas}
+        segment = Segment(name, size, space=space, tenant=tenants.pop() if len(tenants) == 1 else None)
+        if segment.tenant is not None:
+            self.tenant_bytes[segment.tenant] += size
         fresh = []
         for meta, offset, length in metas:
             if meta.key in self.index:
@@ -327,30 +348,65 @@ class DiskTier:
             self.events.stored("disk", fresh)
 
     def make_room(self, incoming: int, protect: Callable[[bytes], bool] = lambda k: False,
-                  salvage: Callable[[Segment, bytes], None] | None = None) -> list[Segment]:
-        """Drop least recently used segments until `incoming` more bytes fit; returns them (their
-        files are gone, their keys unindexed). Segments being read or holding a protected key stay.
-        `salvage(segment, bytes)` sees each segment's bytes before its file goes (write-back)."""
+                  salvage: Callable[[Segment, bytes], None] | None = None, tenant: str | None = None) -> list[Segment]:
+        """Drop segments until `incoming` more bytes (`tenant`'s, when one tenant's) fit: with tenant
+        shares, the least recently used of the tenant most over its share first, then the least
+        recently used of all. Returns them (their files are gone, their keys unindexed). Segments
+        being read or holding a protected key stay. `salvage(segment, bytes)` sees each segment's
+        bytes before its file goes (write-back)."""
         dropped = []
+
+        def full() -> bool:
+            return self.used_bytes + self.quarantine_bytes + incoming > self.capacity_bytes
+
+        def movable(segment: Segment) -> bool:
+            return not self.busy.get(segment.name) and not any(protect(k) for k in segment.keys if k in self.index)
+
+        def drop(segment: Segment, reason: str) -> None:
+            if salvage is not None:
+                try:
+                    salvage(segment, self.read_segment(segment))
+                except OSError:
+                    pass
+            if reason == "tenant_share":
+                self.share_evictions += sum(1 for k in segment.keys if self.index.get(k, (None,))[0] == segment.name)
+            self._remove_segment(segment.name, reason)
+            dropped.append(segment)
+
         with self.lock:
             self._shed_quarantine(incoming)  # what was set aside goes before any live segment
-            for name in list(self.segments):
-                if self.used_bytes + self.quarantine_bytes + incoming <= self.capacity_bytes:
+            while self.shares and full():
+                segment = self._share_victim(incoming, tenant, movable)
+                if segment is None:
                     break
-                segment = self.segments[name]
-                if self.busy.get(name) or any(protect(k) for k in segment.keys if k in self.index):
-                    continue
-                if salvage is not None:
-                    try:
-                        salvage(segment, self.read_segment(segment))
-                    except OSError:
-                        pass
-                self._remove_segment(name, "capacity")
-                dropped.append(segment)
+                drop(segment, "tenant_share")
+            for segment in list(self.segments.values()):
+                if not full():
+                    break
+                if movable(segment):
+                    drop(segment, "capacity")
         return dropped
+
+    def _share_victim(self, incoming: int, tenant: str | None, movable) -> Segment | None:
+        """The least recently used segment that can go of the tenant most over its share (counting
+        `incoming` bytes as `tenant`'s), or None when no tenant is over (the lock held)."""
+        held = Counter(self.tenant_bytes)
+        if tenant is not None:
+            held[tenant] += incoming
+        over = sorted(((bytes_ - share, name) for name, bytes_ in held.items()
+                       if (share := share_of(self.shares, name)) is not None and bytes_ > share), reverse=True)
+        for _, name in over:
+            for segment in self.segments.values():
+                if segment.tenant == name and movable(segment):
+                    return segment
+        return None
 
     def _remove_segment(self, name: str, reason: str) -> None:
         segment = self.segments.pop(name)
+        if segment.tenant is not None:
+            self.tenant_bytes[segment.tenant] -= segment.size
+            if self.tenant_bytes[segment.tenant] <= 0:
+                del self.tenant_bytes[segment.tenant]
         removed = []
         for key in segment.keys:
             if self.index.get(key, (None,))[0] == name:

@@ -316,11 +316,22 @@ class TieredCache:
         try:
             items = list(zip(metas, encode_parts(self.layout, self.space, metas, layers, self.codec())))
             for name in targets:
-                self._publish_to(name, items, src)
+                for part in self._segments_for(name, items):
+                    self._publish_to(name, part, src)
         finally:
             with self.lock:
                 for meta in metas:
                     self.inflight.pop(meta.key, None)
+
+    def _segments_for(self, name: str, items: list) -> list[list]:
+        """The writes a group makes to a tier: one, or for a disk with tenant shares one segment per
+        tenant (so that a tenant's segments can go without another's blocks)."""
+        if name != "disk" or not self.disk.shares:
+            return [items]
+        by_tenant: dict[str, list] = {}
+        for item in items:
+            by_tenant.setdefault(item[0].tenant or "", []).append(item)
+        return list(by_tenant.values())
 
     def _publish_to(self, name: str, items: list[tuple[BlockMeta, bytes]], src: str) -> None:
         if not self._usable(name):
@@ -333,7 +344,9 @@ class TieredCache:
                 salvaged: list[tuple[BlockMeta, bytes]] = []
                 salvage = self._salvager(salvaged) if self.remote is not None and self.write_policy == "write_back" \
                     else None
-                self.disk.make_room(nbytes, protect=lambda k: k in self._protected, salvage=salvage)
+                tenants = {meta.tenant or "" for meta, _ in items}
+                self.disk.make_room(nbytes, protect=lambda k: k in self._protected, salvage=salvage,
+                                    tenant=tenants.pop() if len(tenants) == 1 else None)
                 written = self.disk.write_group(items)
                 if salvaged:
                     self._publish_to("remote", salvaged, "disk")
@@ -698,7 +711,7 @@ class TieredCache:
                     "degraded_reason": stats.degraded if tier.name != "remote" else (
                         tier.last_error if health != "ok" else None),
                 }
-                if tier.name in ("host", "remote") and tier.shares:  # evicted from tenants over their share
+                if tier.shares:  # evicted from tenants over their share
                     out[tier.name]["share_evictions"] = tier.share_evictions
                 if tier.name == "disk":  # segments set aside (another model's, or corrupt), within its bytes
                     out[tier.name]["set_aside_bytes"] = tier.quarantine_bytes
