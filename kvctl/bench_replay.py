@@ -55,7 +55,7 @@ def replay_command(
     capacity_tokens: list[str] = typer.Option(
         [str(DEFAULT_CAPACITY_TOKENS)], "--capacity-tokens",
         help="Cache capacity in tokens; repeat or comma-separate for several."),
-    policy: list[str] = typer.Option(["lru,cost"], "--policy", help="Eviction policies: lru, cost."),
+    policy: list[str] = typer.Option(["lru,cost"], "--policy", help="Eviction policies: lru, cost, lfu."),
     reserve: str = typer.Option("fraction:1.0", "--reserve",
                                 help="Output reservation: fixed:N, fraction:F or p95."),
     sequential: bool = typer.Option(False, "--sequential", help="One request at a time."),

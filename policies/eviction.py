@@ -248,14 +248,32 @@ class CostAwareEviction:
                 for b in run[run[0]:] if live.get(b) == serial]
 
 
-EVICTION_POLICIES = ("lru", "cost")
+class LFUEviction(CostAwareEviction):
+    """Least frequently used goes first (SGLang's `lfu`): fewest uses (its first fill plus every
+    hit, never decayed); among equal uses, released earlier first; within one release, in the
+    order the caller gave (a prefix's deepest block before its root).
+
+    That is the cost order with an infinite half-life: the same heap of runs, O(log n) a release.
+    A hit on a block is a hit on every block before it in its chain, so a root has at least its
+    leaves' uses and goes after them. Unlike `cost`, old popularity never fades: a prefix hot
+    yesterday outranks one warming up today."""
+
+    name = "lfu"
+
+    def __init__(self, *, block_tokens: int = 1, block_bytes: int = 1) -> None:
+        super().__init__(half_life=math.inf, block_tokens=block_tokens, block_bytes=block_bytes)
+
+
+EVICTION_POLICIES = ("lru", "cost", "lfu")
 
 
 def make_eviction_policy(name: str, *, block_tokens: int = 1, block_bytes: int = 1,
                          half_life: float = 600.0) -> EvictionPolicy:
-    """Build a policy by name (`lru` or `cost`); unknown names raise ValueError naming them."""
+    """Build a policy by name (`lru`, `cost` or `lfu`); unknown names raise ValueError naming them."""
     if name == "lru":
         return LRUEviction()
     if name == "cost":
         return CostAwareEviction(half_life=half_life, block_tokens=block_tokens, block_bytes=block_bytes)
+    if name == "lfu":
+        return LFUEviction(block_tokens=block_tokens, block_bytes=block_bytes)
     raise ValueError(f"eviction policy: unknown value {name!r}; choose one of {', '.join(EVICTION_POLICIES)}")

@@ -104,7 +104,7 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--block-sizes", "24"], "error: block_size: expected a power of two from 1 to 512, got 24"),
     (["--block-sizes", "sixteen"], "error: block_sizes: expected integers, got 'sixteen'"),
-    (["--policy", "fifo"], "error: policy: unknown value 'fifo'; choose from lru, cost"),
+    (["--policy", "fifo"], "error: policy: unknown value 'fifo'; choose from lru, cost, lfu"),
     (["--capacity-tokens", "8", "--block-sizes", "16"],
      "error: capacity_tokens: 8 is smaller than one block of 16 tokens"),
     (["--reserve", "fraction:2"], "error: output reservation: invalid value 'fraction:2'"),

@@ -22,7 +22,7 @@ def test_precedence_flag_env_file_default(tmp_path):
 
 @pytest.mark.parametrize("flags, env, message", [
     ({"block_size": 24}, {}, "block_size: invalid value 24 from --block-size: must be one of 8, 16, 32"),
-    ({}, {"KVD_EVICTION": "fifo"}, "eviction: invalid value 'fifo' from KVD_EVICTION: must be one of lru, cost"),
+    ({}, {"KVD_EVICTION": "fifo"}, "eviction: invalid value 'fifo' from KVD_EVICTION: must be one of lru, cost, lfu"),
     ({}, {"KVD_CACHE_MEMORY": "lots"}, "cache_memory: invalid value 'lots' from KVD_CACHE_MEMORY"),
     ({"listen": "nowhere"}, {}, "listen: invalid value 'nowhere' from --listen: must be HOST:PORT"),
     ({"listen": "127.0.0.1:8000"}, {}, "listen: '127.0.0.1:8000' needs token_file"),

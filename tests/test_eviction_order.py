@@ -72,14 +72,14 @@ def test_hit_removes_from_the_middle_of_the_queue():
     m.audit()
 
 
-@pytest.mark.parametrize("policy", ["lru", "cost"])
+@pytest.mark.parametrize("policy", ["lru", "cost", "lfu"])
 def test_pinned_blocks_leave_the_queue_and_return_at_its_end(policy):
     m, _ = _scenario(policy)
     result = m.pin(NS, A[:8], owner="ops", note="system prompt")
     assert (result.cached_blocks, result.pending_blocks) == (2, 0)
     assert 0 not in m.pool.policy.order() and 1 not in m.pool.policy.order()
     assert m.state_counts()["pinned"] == 2
-    assert m.pool.policy.order() == {"lru": [2, 3, 5, 4], "cost": [2, 3, 5, 4]}[policy]
+    assert m.pool.policy.order() == {"lru": [2, 3, 5, 4], "cost": [2, 3, 5, 4], "lfu": [2, 3, 5, 4]}[policy]
     m.audit()
 
 

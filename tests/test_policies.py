@@ -57,8 +57,42 @@ def test_cost_policy_compacts_stale_entries_without_changing_order():
 
 
 def test_unknown_policy_names_the_value():
-    with pytest.raises(ValueError, match="eviction policy: unknown value 'lfu'; choose one of lru, cost"):
-        make_eviction_policy("lfu")
+    with pytest.raises(ValueError, match="eviction policy: unknown value 'mru'; choose one of lru, cost, lfu"):
+        make_eviction_policy("mru")
+
+
+def test_lfu_evicts_the_fewest_uses_first_then_the_earliest_released_deepest_first():
+    lfu = make_eviction_policy("lfu")
+    assert lfu.name == "lfu"
+    # chain A: 0 -> 1 -> 2; chain B: 3 -> 4. A's root hit twice, its middle once; B's root once.
+    lfu.on_insert([0, 1, 2, 3, 4], [0, 1, 2, 0, 1], now=0.0)
+    lfu.record_hits([0, 1], now=1.0)
+    lfu.record_hits([0], now=2.0)
+    lfu.record_hits([3], now=3.0)
+    lfu.push([2, 1, 0], now=4.0)  # tail first, as the pool releases a sequence
+    lfu.push([4, 3], now=5.0)
+    assert lfu.order() == [2, 4, 1, 3, 0]  # 1 use: 2 then 4 (released later); 2 uses: 1, then 3; 0 has 3
+    assert [lfu.score(b, now=1e9) for b in (2, 1, 0)] == [1.0, 2.0, 3.0]  # never decayed
+    lfu.remove(1)  # a hit took it back
+    lfu.record_hits([1], now=6.0)
+    lfu.push([1], now=6.0)
+    assert lfu.pop_many(3, now=7.0) == [2, 4, 3]
+    assert lfu.order() == [0, 1] and len(lfu) == 2  # three uses each now: 0 was released first
+
+
+def test_lfu_keeps_yesterday_s_hot_block_where_cost_lets_it_fade():
+    """The one difference from `cost`: uses never decay."""
+    orders = {}
+    for name in ("lfu", "cost"):
+        policy = make_eviction_policy(name, half_life=600.0)
+        policy.on_insert([0], [0], now=0.0)
+        policy.record_hits([0], now=0.0)
+        policy.record_hits([0], now=0.0)  # three uses, long ago
+        policy.on_insert([1], [0], now=10_000.0)
+        policy.record_hits([1], now=10_000.0)  # two uses, just now
+        policy.push([0, 1], now=10_000.0)
+        orders[name] = policy.order()
+    assert orders == {"lfu": [1, 0], "cost": [0, 1]}
 
 
 @pytest.mark.parametrize("spec, max_tokens, expected", [

@@ -101,7 +101,7 @@ def test_reservation_waste_counts_reserved_blocks_never_written():
 
 def test_every_request_comes_back_and_the_books_balance_on_a_generated_trace():
     trace = generate_trace(300, seed=3)
-    for policy in ("lru", "cost"):
+    for policy in ("lru", "cost", "lfu"):
         for sequential in (False, True):
             result = run(trace, 32, 16_384, policy, sequential=sequential)  # audit=True inside
             assert result.admitted + result.rejections == 300

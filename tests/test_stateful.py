@@ -37,7 +37,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.seqs: dict[str, dict] = {}  # seq id -> {"ns", "prompt", "written"}
         self.counter = 0
 
-    @rule(policy=st.sampled_from(["lru", "cost"]))
+    @rule(policy=st.sampled_from(["lru", "cost", "lfu"]))
     @precondition(lambda self: self.m is None)
     def start(self, policy):
         self.m = make_manager(NUM_BLOCKS, BLOCK, policy=policy, clock=self.clock,
