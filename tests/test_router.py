@@ -57,20 +57,27 @@ class Down(httpx.AsyncBaseTransport):
 
 
 class Counting(httpx.AsyncBaseTransport):
-    """Passes requests to an app, counting the route-facts questions that carry a prompt."""
+    """Passes requests to an app, counting the route-facts questions that carry a prompt. With
+    `hold_until`, completions wait until that many questions were asked here: requests sent at
+    once are then all routed before any of them is served (and caches its prefix)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, hold_until: int | None = None) -> None:
         self.inner, self.prompt_questions = httpx.ASGITransport(app=app), 0
+        self.hold_until, self.asked = hold_until, asyncio.Event()
 
     async def handle_async_request(self, request):
         if request.url.path == "/admin/route-facts" and json.loads(request.content).get("tokens") != []:
             self.prompt_questions += 1
+            if self.hold_until is not None and self.prompt_questions >= self.hold_until:
+                self.asked.set()
+        if request.url.path == "/v1/completions" and self.hold_until is not None:
+            await asyncio.wait_for(self.asked.wait(), 30)
         return await self.inner.handle_async_request(request)
 
 
-def router_app(apps, routing="prefix", down=(), view="ask", pending_seconds=30.0):
+def router_app(apps, routing="prefix", down=(), view="ask", pending_seconds=30.0, hold_until=None):
     replicas = [Replica(f"replica-{i}", replica_client(f"/run/replica-{i}.sock",
-                                                       transport=Down() if i in down else Counting(a)))
+                                                       transport=Down() if i in down else Counting(a, hold_until)))
                 for i, a in enumerate(apps)]
     service = RouterService(replicas, make_router(routing), view=view, load_interval=0.05,
                             pending_seconds=pending_seconds)
@@ -472,9 +479,10 @@ def test_a_burst_sharing_a_new_prefix_goes_to_one_replica_by_its_home_or_what_th
     def burst(system):
         return lambda client: asyncio.gather(*(post(client, system + q) for q in ("Q1?", "Q2?", "Q3?")))
 
-    service, app = router_app(replicas, "prefix", view="ask")
+    service, app = router_app(replicas, "prefix", view="ask", hold_until=3)
     [asked] = drive(app, [burst(SYSTEM_E)])
-    # asked at once, no replica holds the prefix yet: each goes to the prefix's home
+    # asked at once (each replica answers all three questions before serving any), no replica
+    # holds the prefix yet: each goes to the prefix's home
     assert {a.headers["x-kvd-replica"] for a in asked} == {"replica-0"}
     assert {a.headers["x-kvd-route"].split(":")[0] for a in asked} == {"no replica caches its prefix"}
 
