@@ -318,10 +318,12 @@ def test_host_shares_never_take_an_entry_a_transfer_reads_and_star_covers_the_ot
     assert host.share_evictions == 1
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("with_shares", [False, True])
-def test_a_noisy_tenant_s_flood_leaves_the_quiet_tenant_s_prefix_in_host_memory(tmp_path, with_shares):
-    """Device and host both full of a noisy tenant's one-off prompts: with shares, the quiet
-    tenant's prefix, pushed off the device, is still in host memory and comes back from there."""
+def test_a_noisy_tenant_s_flood_leaves_the_quiet_tenant_s_prefix_in_a_lower_tier(tmp_path, with_shares, tier):
+    """Device and the tier both full of a noisy tenant's one-off prompts: with shares, the quiet
+    tenant's prefix, pushed off the device, is still in host memory (or on disk) and comes back
+    from there."""
     pytest.importorskip("torch")
     from kvctl.daemon.model.demo import ensure_demo_checkpoint
     from kvctl.daemon.model.llama import load_model
@@ -330,9 +332,13 @@ def test_a_noisy_tenant_s_flood_leaves_the_quiet_tenant_s_prefix_in_host_memory(
 
     demo = load_model(ensure_demo_checkpoint(tmp_path / "state"))
     shares = (("noisy", 0.25),) if with_shares else ()
-    engine, tiered = engine_with(demo, num_blocks=12, settings={"tenant_cache_shares": shares},
-                                 host_bytes=10 * 16 * 2 * 64 * 4 * 2)  # 10 blocks of the demo model
-    assert tiered.host.num_slots == 10 and tiered.host.share_of("noisy") == (2 if with_shares else None)
+    room = {"host": dict(host_bytes=10 * 16 * 2 * 64 * 4 * 2),  # 10 blocks of the demo model
+            "disk": dict(disk_bytes=12 * 16_622, disk_path=tmp_path / "d")}[tier]  # 12 of its payloads
+    engine, tiered = engine_with(demo, num_blocks=12, settings={"tenant_cache_shares": shares}, **room)
+    if tier == "host":
+        assert tiered.host.num_slots == 10 and tiered.host.share_of("noisy") == (2 if with_shares else None)
+    else:
+        assert tiered.layout.payload_bytes == 16_622
     quiet = demo.tokenizer.encode(TEXT_A)
     blocks = (len(quiet) - 1) // 16
     cold = engine.add_request(quiet, GREEDY, tenant="quiet")
@@ -340,16 +346,17 @@ def test_a_noisy_tenant_s_flood_leaves_the_quiet_tenant_s_prefix_in_host_memory(
     for i in range(8):  # one-off documents, each its own chain
         engine.add_request(demo.tokenizer.encode(f"noisy document {i}: " + "x" * 90), GREEDY, tenant="noisy")
         engine.run_until_done()
-    tiered.flush()
+        tiered.flush()
     warm = engine.add_request(quiet, GREEDY, tenant="quiet")
     engine.run_until_done()
     assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
-    if with_shares:  # all of it from the cache: what the device lost, back from host memory
+    if with_shares:  # all of it from the cache: what the device lost, back from the tier
         assert warm.metrics.cached_tokens == blocks * 16 and warm.metrics.restored_tokens >= 4 * 16
     else:  # the flood took it from both
         assert warm.metrics.cached_tokens == warm.metrics.restored_tokens == 0
-    assert (tiered.host.share_evictions > 0) == with_shares
+    assert (getattr(tiered, tier).share_evictions > 0) == with_shares
     engine.cache.audit()
+    tiered.close()
 
 
 def test_kvd_shows_each_tenant_s_host_slots_against_its_share_and_reloads_the_host_s_shares(tmp_path):
@@ -496,39 +503,3 @@ def test_kvd_gives_its_disk_tier_the_shares_and_a_reload_changes_them(tmp_path):
         assert service.tiers.disk.shares == {}
     finally:
         service.shutdown(deadline=2)
-
-
-@pytest.mark.parametrize("with_shares", [False, True])
-def test_a_noisy_tenant_s_flood_leaves_the_quiet_tenant_s_prefix_on_disk(tmp_path, with_shares):
-    """As in host memory: device and disk both full of a noisy tenant's one-off prompts; with
-    shares, the quiet tenant's prefix is still on disk and comes back from there."""
-    pytest.importorskip("torch")
-    from kvctl.daemon.model.demo import ensure_demo_checkpoint
-    from kvctl.daemon.model.llama import load_model
-
-    from .tier_engine import GREEDY, TEXT_A, engine_with
-
-    demo = load_model(ensure_demo_checkpoint(tmp_path / "state"))
-    shares = (("noisy", 0.25),) if with_shares else ()
-    engine, tiered = engine_with(demo, num_blocks=12, settings={"tenant_cache_shares": shares},
-                                 disk_bytes=12 * 16_622, disk_path=tmp_path / "d")  # 12 payloads of the demo model
-    assert tiered.layout.payload_bytes == 16_622
-    quiet = demo.tokenizer.encode(TEXT_A)
-    blocks = (len(quiet) - 1) // 16
-    cold = engine.add_request(quiet, GREEDY, tenant="quiet")
-    engine.run_until_done()
-    for i in range(8):  # one-off documents, each its own chain
-        engine.add_request(demo.tokenizer.encode(f"noisy document {i}: " + "x" * 90), GREEDY, tenant="noisy")
-        engine.run_until_done()
-        tiered.flush()
-    warm = engine.add_request(quiet, GREEDY, tenant="quiet")
-    engine.run_until_done()
-    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
-    if with_shares:  # all of it from the cache: what the device lost, back from disk
-        assert warm.metrics.cached_tokens == blocks * 16 and warm.metrics.restored_tokens >= 4 * 16
-        assert tiered.disk.share_evictions > 0
-    else:  # the flood took it from both
-        assert warm.metrics.cached_tokens == warm.metrics.restored_tokens == 0
-        assert tiered.disk.share_evictions == 0
-    engine.cache.audit()
-    tiered.close()
