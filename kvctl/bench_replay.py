@@ -80,6 +80,11 @@ def replay_command(
     seed: int = typer.Option(0, help="Seed of the generated demo trace."),
     noisy_fraction: float = typer.Option(0.0, help="Generated trace: this fraction of requests are a noisy "
                                          "tenant's one-off documents (kvctl trace generate --noisy-fraction)."),
+    tier_tokens: list[str] = typer.Option(
+        ["0"], "--tier-tokens", help="A lower tier under the device of this many tokens (host, disk or Redis; "
+                                     "LRU): evicted blocks go down, and come back instead of being prefilled. "
+                                     "Comma-separate to compare, e.g. 0,4194304 (0: none)."),
+    restore_rate: float = typer.Option(200_000.0, help="Service model: tokens a second restored from the lower tier."),
     tenant_shares: Optional[str] = typer.Option(
         None, "--tenant-shares", help="Also replay each policy with these tenant cache shares (as kvd's "
                                       "--tenant-cache-shares, e.g. noisy=0.25): rows 'lru' and 'lru+shares'."),
@@ -103,7 +108,8 @@ def replay_command(
                           capacity_tokens=capacities[0] if capacities else 0,
                           reservation=reserve, sequential=sequential, prefill_rate=prefill_rate,
                           decode_rate=decode_rate, max_running=max_running, max_queue=max_queue,
-                          time_scale=time_scale, max_tokens=max_tokens)
+                          time_scale=time_scale, max_tokens=max_tokens, restore_rate=restore_rate)
+    tiers = parse_int_list("tier_tokens", tier_tokens) or [0]
     if tenant_shares is not None:
         try:
             base = replace(base, tenant_shares=parse_shares(tenant_shares))
@@ -120,7 +126,7 @@ def replay_command(
 
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
-        validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix)
+        validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     err = Console(stderr=True)
@@ -136,7 +142,7 @@ def replay_command(
 
     fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings,
                                         "balance_seconds": balance_seconds, "new_prefix": new_prefix}
-    results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet)
+    results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers)
     document = {
         "trace": trace_name,
         "requests": len(requests),
@@ -144,7 +150,8 @@ def replay_command(
             "mode": "sequential" if sequential else "concurrent", "reservation": reserve,
             "prefill_rate": prefill_rate, "decode_rate": decode_rate, "max_running": max_running,
             "max_queue": max_queue, "time_scale": time_scale, "max_tokens": max_tokens,
-            "tenant_shares": dict(base.tenant_shares) or None,
+            "tenant_shares": dict(base.tenant_shares) or None, "tier_tokens": tiers,
+            "restore_rate": restore_rate,
         },
         "runs": [r.as_dict() for r in results],
     }
@@ -173,12 +180,12 @@ def replay_command(
 
 
 def _run_with_progress(console: Console, requests, sizes, capacities, policies,
-                       base: ReplaySettings, fleet: dict | None = None) -> list:
+                       base: ReplaySettings, fleet: dict | None = None, tiers: list[int] = [0]) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = len(requests) * len(sizes) * len(capacities) * len(policies) * (1 if fleet is None else
                                                                             len(fleet["routing"])) \
-        * (2 if base.tenant_shares else 1)
+        * (2 if base.tenant_shares else 1) * len(tiers)
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("replay", total=total)
@@ -192,7 +199,7 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
                 pending = 0
 
         if fleet is None:
-            return sweep(requests, sizes, capacities, policies, base, progress=tick)
+            return sweep(requests, sizes, capacities, policies, base, progress=tick, tier_tokens=tiers)
         return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
                            fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"])
 
@@ -201,23 +208,32 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
     """What decides (hit, recomputation, evictions, fragmentation, occupancy, rejections) in a
     table that fits 80 columns; the unbounded cache's hit ratio by block size in a line; and what
     the cache core itself cost in the replay (allocation latency, block operations per second)."""
-    decision = compact_table("block", "capacity", "policy", "hit", "recomputed", "evictions", "frag",
-                             "occupancy", "rejected", title=f"replay of {trace_name} ({requests} requests)")
-    for index in (0, 1, 3, 4, 5, 6, 7, 8):
-        decision.columns[index].justify = "right"
+    # a lower tier replayed: its size and what came back from it, in place of evictions and
+    # fragmentation (which block size decides), so that the table still fits 80 columns
+    tiered = any(r.tier_tokens for r in results)
+    middle = ["restored", "recomputed", "occupancy"] if tiered else ["recomputed", "evictions", "frag", "occupancy"]
+    decision = compact_table("block", "capacity", *(["tier"] if tiered else []), "policy", "hit", *middle,
+                             "rejected", title=f"replay of {trace_name} ({requests} requests)")
+    for column in decision.columns:
+        if column.header != "policy":
+            column.justify = "right"
     for r in results:
-        decision.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, f"{r.hit_ratio:.1%}",
-                         f"{r.recomputed_tokens:,}", f"{r.evictions:,}", f"{r.fragmentation:.2%}",
-                         f"{r.peak_occupancy:.0%}/{r.mean_occupancy:.0%}", str(r.rejections))
+        figures = {"restored": f"{r.restored_ratio:.1%}", "recomputed": f"{r.recomputed_tokens:,}",
+                   "evictions": f"{r.evictions:,}", "frag": f"{r.fragmentation:.2%}",
+                   "occupancy": f"{r.peak_occupancy:.0%}/{r.mean_occupancy:.0%}"}
+        decision.add_row(str(r.block_size), f"{r.capacity_tokens:,}", *([f"{r.tier_tokens:,}"] if tiered else []),
+                         r.policy, f"{r.hit_ratio:.1%}", *(figures[m] for m in middle), str(r.rejections))
     unbounded = {r.block_size: r.max_hit_ratio for r in results}
     ceiling = Text("hit with an unbounded cache: " + ", ".join(
         f"block {size} {ratio:.1%}" for size, ratio in unbounded.items()) + "; occupancy is peak/mean")
-    cost = compact_table("block", "capacity", "policy", "alloc µs p50/p99", "block ops/s", "seconds",
-                         title="cost of the cache core in the replay")
-    for index in (0, 1, 3, 4, 5):
-        cost.columns[index].justify = "right"
+    cost = compact_table("block", "capacity", *(["tier"] if tiered else []), "policy", "alloc µs p50/p99",
+                         "block ops/s", "seconds", title="cost of the cache core in the replay")
+    for column in cost.columns:
+        if column.header != "policy":
+            column.justify = "right"
     for r in results:
-        cost.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
+        cost.add_row(str(r.block_size), f"{r.capacity_tokens:,}", *([f"{r.tier_tokens:,}"] if tiered else []),
+                     r.policy, f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
                      f"{r.block_ops_per_second:,.0f}", f"{r.seconds:.2f}")
     parts = [decision, ceiling, Text(""), cost]
     tenants = sorted({t for r in results for t in r.tenant_hit_ratio})

@@ -25,16 +25,19 @@ def write_plot(path: Path, results: list[ReplayResult], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines: dict[tuple[str, int], list[ReplayResult]] = defaultdict(list)
+    lines: dict[tuple[str, int, int], list[ReplayResult]] = defaultdict(list)
     for r in results:
-        lines[(r.policy, r.capacity_tokens)].append(r)
+        lines[(r.policy, r.capacity_tokens, r.tier_tokens)].append(r)
+    tiered = any(tier for _, _, tier in lines)  # then the hit line counts what the tier restored too
     fig, (hit_ax, frag_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     maxima: dict[int, float] = {}
-    for (policy, capacity), runs in sorted(lines.items()):
+    for (policy, capacity, tier), runs in sorted(lines.items()):
         runs.sort(key=lambda r: r.block_size)
         sizes = [r.block_size for r in runs]
-        label = policy if len({c for _, c in lines}) == 1 else f"{policy} @ {capacity:,} tokens"
-        hit_ax.plot(sizes, [r.hit_ratio for r in runs], marker="o", label=label)
+        label = policy if len({c for _, c, _ in lines}) == 1 else f"{policy} @ {capacity:,} tokens"
+        if tiered:
+            label += f", tier {tier:,}" if tier else ", no tier"
+        hit_ax.plot(sizes, [r.hit_ratio + r.restored_ratio for r in runs], marker="o", label=label)
         frag_ax.plot(sizes, [r.fragmentation for r in runs], marker="o", label=label)
         for r in runs:
             maxima[r.block_size] = r.max_hit_ratio
@@ -42,7 +45,8 @@ def write_plot(path: Path, results: list[ReplayResult], title: str) -> None:
         sizes = sorted(maxima)
         hit_ax.plot(sizes, [maxima[s] for s in sizes], linestyle="--", color="grey",
                     label="unbounded cache")
-    for ax, ylabel in ((hit_ax, "hit tokens / prompt tokens"), (frag_ax, "internal fragmentation")):
+    hit_label = "(hit + restored tokens) / prompt tokens" if tiered else "hit tokens / prompt tokens"
+    for ax, ylabel in ((hit_ax, hit_label), (frag_ax, "internal fragmentation")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block size (tokens)")
         ax.set_ylabel(ylabel)

@@ -64,6 +64,27 @@ def test_replay_without_a_trace_generates_one_and_prints_a_table(capsys):
     assert "hit with an unbounded cache: block 64 " in out and "cost of the cache core in the replay" in out
 
 
+def test_replay_with_lower_tier_sizes_shows_what_each_restored_within_80_columns(capsys):
+    status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "120", "--block-sizes", "64",
+                         "--policy", "lru", "--capacity-tokens", "4096", "--tier-tokens", "0,65536")
+    assert status == 0
+    lines = out.splitlines()
+    header = lines.index("block capacity   tier policy   hit restored recomputed occupancy rejected")
+    without, tiered = lines[header + 1].split(), lines[header + 2].split()
+    assert without[:4] == ["64", "4,096", "0", "lru"] and without[5] == "0.0%"
+    assert tiered[:4] == ["64", "4,096", "65,536", "lru"] and float(tiered[5].rstrip("%")) > 0
+    assert int(tiered[6].replace(",", "")) < int(without[6].replace(",", ""))  # restored, not recomputed
+    assert len(max(lines, key=len)) <= 80
+    status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "120", "--block-sizes", "64",
+                         "--policy", "lru", "--capacity-tokens", "4096", "--tier-tokens", "0,65536", "--json")
+    doc = json.loads(out)
+    assert doc["settings"]["tier_tokens"] == [0, 65536] and doc["settings"]["restore_rate"] == 200_000.0
+    assert [r["tier_tokens"] for r in doc["runs"]] == [0, 65536]
+    tiered = doc["runs"][1]
+    assert tiered["restored_ratio"] == pytest.approx(tiered["restored_tokens"] / tiered["prompt_tokens"])
+    assert doc["runs"][0]["restored_tokens"] == 0 and tiered["restored_tokens"] > 0
+
+
 def test_a_plot_never_overwrites_what_is_not_a_plot(capsys, small_trace, tmp_path):
     precious = tmp_path / "passwd"
     precious.write_text("root:x:0:0:root:/root:/bin/bash\n")
@@ -118,6 +139,9 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
     (["--tenant-shares", "noisy=2"],
      "error: tenant_shares: invalid value 'noisy=2': share of 'noisy' must be in (0, 1], got '2'"),
     (["--noisy-fraction", "1"], "error: noisy_fraction: must be in [0, 1), got 1.0"),
+    (["--tier-tokens", "-5"], "error: tier_tokens: -5 is neither 0 (no lower tier) nor a block"),
+    (["--tier-tokens", "4096", "--replicas", "2"], "error: tier_tokens: a fleet replay has no lower tier"),
+    (["--restore-rate", "0"], "error: restore_rate: must be > 0, got 0.0"),
 ])
 def test_bad_options_name_field_and_value(capsys, small_trace, args, message):
     status, out, err = cli(capsys, "bench", "replay", str(small_trace), *args)

@@ -243,3 +243,44 @@ def test_tenants_never_share_trace_blocks_and_a_trace_without_tenants_keys_as_be
     with pytest.raises(TraceError, match=r"line 1: field 'tenant' must be a tenant name \(letters, digits, \. _ -\), "
                                          r"got 'a b'"):
         read_trace(path)
+
+
+# ---- a lower tier under the device ---------------------------------------------------------------
+@pytest.mark.parametrize("tier_blocks, restored", [(0, 0), (2, 0), (4, 512)])
+def test_a_lower_tier_takes_what_the_device_evicts_and_gives_back_the_system_prompt(tier_blocks, restored):
+    """SYSTEM_TRACE at 6 device blocks of 256: r2 evicts r0's and r1's own blocks, r3 the system
+    prompt's two (hit by r1, so released later) and two of r2's. A tier of 4 blocks still holds the
+    system prompt when r4 comes; a tier of 2 holds only r2's two."""
+    result = run(SYSTEM_TRACE, 256, 6 * 256, "lru", sequential=True, tier_tokens=tier_blocks * 256)
+    assert result.hit_tokens == 512  # the device's own hits are the same: r1's
+    assert (result.tier_tokens, result.restored_tokens) == (tier_blocks * 256, restored)
+    assert result.restored_ratio == pytest.approx(restored / (5 * 1024))
+    assert result.recomputed_tokens == 512 - restored  # r4's system prompt: restored or prefilled
+
+
+def test_restored_tokens_cost_the_restore_rate_in_the_first_token_time():
+    spaced = [req(i * 10_000, 1024, r.hash_ids) for i, r in enumerate(SYSTEM_TRACE)]  # one at a time
+    settings = dict(max_running=1, prefill_rate=20_000.0, restore_rate=100_000.0)
+    without = run(spaced, 256, 6 * 256, "lru", **settings)
+    tiered = run(spaced, 256, 6 * 256, "lru", tier_tokens=4 * 256, **settings)
+    assert tiered.restored_tokens == 512 and without.restored_tokens == 0
+    # TTFTs: r0, r2, r3 prefill 1024; r1 512 (a device hit); r4 512, plus 512 restored in the tier run
+    assert sorted([1024 / 20_000] * 3 + [512 / 20_000] * 2)[2] == pytest.approx(without.ttft_p50_s)
+    assert tiered.ttft_p50_s == pytest.approx(1024 / 20_000)
+    assert tiered.ttft_p95_s == pytest.approx(without.ttft_p95_s)
+
+
+@pytest.mark.parametrize("tiers, replicas, message", [
+    ([-1], 1, "tier_tokens: -1 is neither 0 (no lower tier) nor a block of 256 tokens or more"),
+    ([100], 1, "tier_tokens: 100 is neither 0"),
+    ([0, 4096], 2, "tier_tokens: a fleet replay has no lower tier; replay one replica with it"),
+    ([], 1, "tier_tokens: give at least one size"),
+])
+def test_bad_tier_sizes_are_refused_naming_the_field(tiers, replicas, message):
+    from kvctl.daemon.replay.sweep import validate_grid
+
+    base = ReplaySettings(block_size=256, capacity_tokens=4096)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_grid([256], [4096], ["lru"], base, replicas, ["prefix"], tier_tokens=tiers)
+    with pytest.raises(ValueError, match="restore_rate: must be > 0, got 0.0"):
+        validate_grid([256], [4096], ["lru"], ReplaySettings(block_size=256, capacity_tokens=4096, restore_rate=0.0))

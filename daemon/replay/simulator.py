@@ -16,13 +16,19 @@ blocks are indexed as soon as they are written, as in a real engine.
 
 Allocator figures time only the calls into the cache core (admit, append,
 release); key hashing is done before the clock starts.
+
+With `tier_tokens`, a lower tier (host memory, disk or Redis, as kvd's) of that many tokens
+sits below the device: every block the device evicts goes down to it, least recently used out
+first, and the blocks of a prompt it holds right after the device's hits are restored instead of
+prefilled, at `restore_rate` tokens a second in the service model. Compressed tiers
+(`tier_compress`) hold about twice the tokens in the same bytes: replay both sizes.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -51,6 +57,8 @@ class ReplaySettings:
     max_tokens: int | None = None  # max_tokens clients ask for (at least the output); None: the output
     # (tenant, fraction) pairs as kvd's tenant_cache_shares; () for none
     tenant_shares: tuple[tuple[str, float], ...] = ()
+    tier_tokens: int = 0  # a lower tier under the device of this many tokens (LRU); 0: none
+    restore_rate: float = 200_000.0  # tokens a second restored from it (service model)
 
     @property
     def policy_label(self) -> str:
@@ -93,6 +101,9 @@ class ReplayResult:
     ttft_p95_s: float | None = None
     # per tenant, when the trace names tenants: hit tokens / prompt tokens of its admitted requests
     tenant_hit_ratio: dict[str, float] = field(default_factory=dict)
+    tier_tokens: int = 0  # the lower tier's size (0: none)
+    restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled
+    restored_ratio: float = 0.0  # restored tokens / prompt tokens of admitted requests
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -127,6 +138,12 @@ class ReplicaRun:
         self.manager = KVCacheManager(settings.num_blocks, settings.block_size,
                                       policy=settings.policy, clock=lambda: self.now)
         self.manager.set_tenant_shares(settings.tenant_shares)
+        self.tier: OrderedDict[BlockKey, None] = OrderedDict()  # the lower tier's keys, least recent first
+        self.tier_blocks = settings.tier_tokens // settings.block_size
+        if self.tier_blocks:
+            self.manager.pool.on_evict = self._demote
+        self.restored: dict[int, int] = {}  # request in service -> prompt tokens it restored
+        self.restored_tokens = 0
         self.tenant_tokens: dict[str, list[int]] = {}  # tenant -> [hit tokens, prompt tokens], admitted
         self.reservation = parse_reservation(settings.reservation)
         self.call_ns: list[int] = []
@@ -153,6 +170,24 @@ class ReplicaRun:
         pool = self.manager.pool
         return pool.num_blocks - pool.num_free - pool.num_evictable
 
+    def _demote(self, blocks) -> None:
+        """Blocks the device evicts go down to the lower tier, its least recent out when full."""
+        tier = self.tier
+        for block in blocks:
+            tier[block.key] = None
+            tier.move_to_end(block.key)
+        while len(tier) > self.tier_blocks:
+            tier.popitem(last=False)
+
+    def _restore(self, keys: Sequence[BlockKey], hit_blocks: int, prompt_tokens: int) -> int:
+        """Blocks of the prompt the lower tier holds right after the device's hits (touched)."""
+        tier, limit = self.tier, self.manager.cacheable_blocks(prompt_tokens)
+        count = 0
+        while hit_blocks + count < limit and keys[hit_blocks + count] in tier:
+            tier.move_to_end(keys[hit_blocks + count])
+            count += 1
+        return count
+
     def reject(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
@@ -162,6 +197,10 @@ class ReplicaRun:
         manager = self.manager
         reserve = self.reserve_tokens(request)
         seq_id = str(index)
+        # what the lower tier holds after the device's hits is read before the admission makes
+        # room (as kvd's prefetch does), so blocks it demotes cannot push them out first
+        restored = self._restore(keys, manager.lookup(keys, request.input_length), request.input_length) \
+            if self.tier_blocks else 0
         t0 = time.perf_counter_ns()
         try:
             admission = manager.admit(seq_id, keys, request.input_length, reserve,
@@ -175,6 +214,8 @@ class ReplicaRun:
         self.call_ns.append(t1 - t0)
         self.call_ns.append(t2 - t1)
         self.block_ops += min(admission.hit_blocks + 1, len(keys)) + admission.reserved_blocks
+        self.restored[index] = restored * self.settings.block_size
+        self.restored_tokens += restored * self.settings.block_size
         self.admitted += 1
         self.prompt_tokens += request.input_length
         self.hit_tokens += admission.hit_tokens
@@ -183,7 +224,7 @@ class ReplicaRun:
             tokens[0] += admission.hit_tokens
             tokens[1] += request.input_length
         self.max_hit_tokens += self.max_hits[index] * self.settings.block_size
-        self.recomputed += max(self.max_hits[index] - admission.hit_blocks, 0) * self.settings.block_size
+        self.recomputed += max(self.max_hits[index] - admission.hit_blocks - restored, 0) * self.settings.block_size
         used = self.used_blocks()
         self.peak_used = max(self.peak_used, used)
         self.used_samples += used
@@ -208,6 +249,7 @@ class ReplicaRun:
         t2 = time.perf_counter_ns()
         released = manager.release(seq_id)
         t3 = time.perf_counter_ns()
+        self.restored.pop(index, None)
         self.call_ns.append(t1 - t0)
         self.call_ns.append(t3 - t2)
         self.block_ops += released
@@ -271,11 +313,13 @@ class ReplicaRun:
             waiting.popleft()
             arrival = self._unqueue(index)
             request, s = self.requests[index], self.settings
-            uncached = request.input_length - self.manager.sequence(str(index)).hit_tokens
+            restored = self.restored[index]
+            uncached = request.input_length - self.manager.sequence(str(index)).hit_tokens - restored
+            first = self.now + (restored / s.restore_rate if restored else 0.0)  # no term without a tier: bit for bit
             # summed left to right, as the replay always has: its finish times stay bit for bit
-            heapq.heappush(self.running, (self.now + uncached / s.prefill_rate + request.output_length / s.decode_rate,
+            heapq.heappush(self.running, (first + uncached / s.prefill_rate + request.output_length / s.decode_rate,
                                           index))
-            self.ttft.append(self.now - arrival + uncached / s.prefill_rate)
+            self.ttft.append(first - arrival + uncached / s.prefill_rate)
 
     def held_blocks(self, index: int) -> int:
         """Leading blocks of request `index`'s prompt this replica holds, or will once the
@@ -379,6 +423,8 @@ class ReplicaRun:
             ttft_p95_s=None if s.sequential else percentile(sorted(self.ttft), 0.95),
             tenant_hit_ratio={tenant: hit / prompt if prompt else 0.0
                               for tenant, (hit, prompt) in sorted(self.tenant_tokens.items())},
+            tier_tokens=s.tier_tokens, restored_tokens=self.restored_tokens,
+            restored_ratio=self.restored_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
         )
 
 

@@ -1,4 +1,4 @@
-"""Replay one trace over a grid of block sizes, capacities and policies.
+"""Replay one trace over a grid of block sizes, capacities, policies and lower-tier sizes.
 
 Keys are hashed once per block size and shared by every run at that size; the
 unbounded-cache maximum is computed once per block size too.
@@ -21,10 +21,20 @@ from kvctl.daemon.cache.keys import validate_block_size
 
 def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policies: Sequence[str],
                   base: ReplaySettings, replicas: int = 1, routings: Sequence[str] = (),
-                  balance_seconds: float = 2.0, new_prefix: str = "home") -> None:
+                  balance_seconds: float = 2.0, new_prefix: str = "home", tier_tokens: Sequence[int] = (0,)) -> None:
     """Raise ValueError naming the first bad field and value, before any work starts."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
+    if not tier_tokens:
+        raise ValueError("tier_tokens: give at least one size (0: no lower tier)")
+    for size in tier_tokens:
+        if size < 0 or (0 < size < max(block_sizes or [0])):
+            raise ValueError(f"tier_tokens: {size} is neither 0 (no lower tier) nor a block of "
+                             f"{max(block_sizes or [0])} tokens or more")
+    if replicas > 1 and any(tier_tokens):
+        raise ValueError("tier_tokens: a fleet replay has no lower tier; replay one replica with it")
+    if not base.restore_rate > 0:
+        raise ValueError(f"restore_rate: must be > 0, got {base.restore_rate!r}")
     if replicas > 1:
         if base.sequential:
             raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
@@ -59,28 +69,31 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
 
 
 def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
-          policies: Sequence[str], base: ReplaySettings) -> Iterator[tuple[ReplaySettings, list, list[int]]]:
+          policies: Sequence[str], base: ReplaySettings,
+          tier_tokens: Sequence[int] = (0,)) -> Iterator[tuple[ReplaySettings, list, list[int]]]:
     """(settings, keys, unbounded-cache hits) for each point of the grid, hashing each block size once."""
     for block_size in block_sizes:
         keyer = TraceKeyer(block_size)
         keys = [keyer.keys(request) for request in requests]
         max_hits = max_hit_blocks(requests, keys, block_size)
         for capacity in capacities:
-            for policy in policies:
-                # with tenant shares, each policy without them and with them: the comparison they are for
-                for shares in ((), base.tenant_shares) if base.tenant_shares else ((),):
-                    yield (replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy,
-                                   tenant_shares=shares), keys, max_hits)
+            for tier in tier_tokens:
+                for policy in policies:
+                    # with tenant shares, each policy without them and with them: the comparison they are for
+                    for shares in ((), base.tenant_shares) if base.tenant_shares else ((),):
+                        yield (replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy,
+                                       tenant_shares=shares, tier_tokens=tier), keys, max_hits)
         del keys, keyer
 
 
 def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
           policies: Sequence[str], base: ReplaySettings,
           progress: Callable[[int], None] | None = None,
-          on_result: Callable[[ReplayResult], None] | None = None) -> list[ReplayResult]:
-    validate_grid(block_sizes, capacities, policies, base)
+          on_result: Callable[[ReplayResult], None] | None = None,
+          tier_tokens: Sequence[int] = (0,)) -> list[ReplayResult]:
+    validate_grid(block_sizes, capacities, policies, base, tier_tokens=tier_tokens)
     results: list[ReplayResult] = []
-    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base):
+    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens):
         results.append(replay(settings, requests, keys, max_hits, progress))
         if on_result:
             on_result(results[-1])
