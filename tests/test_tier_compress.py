@@ -305,3 +305,19 @@ def test_a_quantised_device_cache_says_why_compression_is_not_applied(demo, tmp_
     assert compress_line(report).endswith(
         "tier_compress fp8_e4m3 is not applied: the device cache is int8: only float32, float16 and bfloat16 "
         "caches are compressed")
+
+
+def test_a_compressed_block_is_decompressed_when_fetched_not_when_the_engine_restores_it(demo, tmp_path):
+    from kvctl.daemon.cache.keys import PrefixHasher
+
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d", compress="int8")
+    ids = demo.tokenizer.encode(TEXT_A)
+    keys = PrefixHasher(engine.namespace("default")).feed(ids)[:(len(ids) - 1) // 16]
+    generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    assert tiered.flush(timeout=30)
+    job = tiered.fetch_now(keys)
+    staged = [tiered.staged[k][0] for k in keys]
+    assert [b.codec for b in staged] == ["int8"] * len(keys)
+    assert all(b.decoded for b in staged)  # the reader thread decompressed them
+    tiered.finish_prefetch(job)

@@ -267,6 +267,11 @@ class BlockData:
     def __init__(self, raw: torch.Tensor, layout: BlockLayout, codec: str = "none") -> None:
         self.raw, self.layout, self.codec, self._layers, self._decompressed = raw, layout, codec, None, None
 
+    @property
+    def decoded(self) -> bool:
+        """Whether reading its K/V is free now: stored whole, or already decompressed."""
+        return self.codec == "none" or self._decompressed is not None
+
     def stacked(self) -> torch.Tensor | None:
         lay = self.layout
         if len(set(lay.layer_dtypes)) != 1:

@@ -559,6 +559,8 @@ class TieredCache:
                 except PayloadError as exc:
                     self._bad_payload(source, key, exc)
                     return len(job.staged)
+                if layers.codec != "none":
+                    layers.stacked()  # decompressed here, on the reader thread, not in the serving loop
                 with self.lock:
                     if job.cancelled:
                         return len(job.staged)
