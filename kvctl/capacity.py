@@ -10,6 +10,11 @@
 
 Per-KV-head scales of fp8/int8 (one float32 per head and layer) cost a few KiB in all
 and are not charged per token.
+
+A lower tier (disk, Redis) stores each block as a payload: a header, the body and a checksum
+(daemon/cache/tiers/payload.py). Compressed (`tier_compress` int8 or fp8_e4m3, for float caches)
+the body is a byte a value and a float32 scale per token, KV head and layer: what `int8-token`
+costs per token here.
 """
 
 from __future__ import annotations
@@ -76,6 +81,32 @@ def bytes_per_token(shape: ModelShape, cache_dtype: str) -> int:
         raise ValueError(f"dtype: unknown value {cache_dtype!r}; choose from "
                          f"{', '.join([*ELEMENT_BYTES, *PER_TOKEN_SCALE_FORMATS])}")
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * ELEMENT_BYTES[cache_dtype]
+
+
+COMPRESSIBLE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def payload_overhead(layers: int, compressed: bool, scale_version: str = "") -> int:
+    """Bytes a stored block carries besides its K/V: the header (fixed part, a dtype code per
+    layer, the scale version, the body length, the codec when compressed) and the checksum.
+    Kept equal to `BlockLayout.stored_bytes` by a test (this module imports no torch)."""
+    return 218 + layers + 2 + len(scale_version.encode()) + 8 + (1 if compressed else 0) + 8
+
+
+def tier_plan(shape: ModelShape, *, tier_bytes: int, cache_dtype: str, block_size: int) -> dict:
+    """Blocks and tokens a lower tier of `tier_bytes` holds of this cache dtype: stored whole and,
+    for float caches, compressed (None where compression does not apply)."""
+    if tier_bytes < 1:
+        raise ValueError(f"tier_bytes: must be at least 1, got {tier_bytes!r}")
+    whole = bytes_per_token(shape, cache_dtype) * block_size + payload_overhead(shape.layers, False)
+    out = {"cache_dtype": cache_dtype, "tier_bytes": tier_bytes, "block_bytes": whole,
+           "blocks": tier_bytes // whole, "tokens": tier_bytes // whole * block_size,
+           "compressed_block_bytes": None, "compressed_blocks": None, "compressed_tokens": None}
+    if cache_dtype in COMPRESSIBLE_DTYPES:
+        packed = bytes_per_token(shape, "int8-token") * block_size + payload_overhead(shape.layers, True)
+        out.update(compressed_block_bytes=packed, compressed_blocks=tier_bytes // packed,
+                   compressed_tokens=tier_bytes // packed * block_size)
+    return out
 
 
 def default_workspace(shape: ModelShape, batch_tokens: int = 2048) -> int:

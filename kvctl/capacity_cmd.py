@@ -10,7 +10,7 @@ from rich.console import Console
 from rich import box
 from rich.table import Table
 
-from .capacity import ELEMENT_BYTES, PER_TOKEN_SCALE_FORMATS, ModelShape, compare_dtypes
+from .capacity import ELEMENT_BYTES, PER_TOKEN_SCALE_FORMATS, ModelShape, compare_dtypes, tier_plan
 from .errors import UserError
 
 
@@ -49,6 +49,9 @@ def capacity_command(
     workspace: Optional[str] = typer.Option(None, help="Activation workspace bytes (default: estimated)."),
     reserve: float = typer.Option(0.1, help="Fraction of GPU memory kept free."),
     context: int = typer.Option(8192, help="Context length S for the sequences column."),
+    tier_bytes: Optional[str] = typer.Option(
+        None, "--tier-bytes", help="Also: tokens a lower tier (disk, Redis) of this size holds, whole and "
+                                   "compressed (tier_compress), e.g. 512GiB."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Bytes per token and block, and blocks and sequences that fit, per cache dtype.
@@ -85,6 +88,13 @@ def capacity_command(
         raise UserError(str(exc)) from None
     document = {"shape": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim},
                 "block_size": block_size, "context": context, "rows": rows}
+    if tier_bytes is not None:
+        size = _bytes("tier_bytes", tier_bytes)
+        try:
+            document["tier"] = [tier_plan(shape, tier_bytes=size, cache_dtype=d, block_size=block_size)
+                                for d in dtypes]
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     if as_json:
         typer.echo(json.dumps(document, indent=2))
         return
@@ -104,6 +114,12 @@ def capacity_command(
                       f"{r['sequences_at_context']:,}")
     console = Console()
     console.print(table)
+    for t in document.get("tier", []):
+        held = f"a lower tier of {t['tier_bytes'] / 2**30:,.1f} GiB holds {t['tokens']:,} tokens of {t['cache_dtype']}"
+        if t["compressed_tokens"] is not None:
+            held += (f" stored whole, {t['compressed_tokens']:,} compressed (tier_compress int8 or fp8_e4m3: "
+                     f"{t['compressed_block_bytes']:,} bytes a block against {t['block_bytes']:,})")
+        console.print(held, markup=False)
     if first["shortfall_bytes"]:
         console.print(f"No room for a cache: weights, workspace and reserve exceed the GPU's memory by "
                       f"{first['shortfall_bytes'] / 2**30:.1f} GiB.")

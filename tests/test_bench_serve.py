@@ -267,6 +267,34 @@ def test_capacity_command_compares_dtypes(capsys, tmp_path):
     assert status == 2 and "gpu_memory: invalid size 'lots'" in err
 
 
+def test_capacity_of_a_lower_tier_matches_the_payloads_kvd_writes(capsys):
+    torch = pytest.importorskip("torch")
+    from kvctl.capacity import tier_plan
+    from kvctl.daemon.cache.tiers import BlockLayout
+
+    llama8b = ModelShape(layers=32, kv_heads=8, head_dim=128)
+    layout = BlockLayout((torch.bfloat16,) * 32, 16, 8, 128, "")
+    t = tier_plan(llama8b, tier_bytes=512 * 2**30, cache_dtype="bfloat16", block_size=16)
+    assert (t["block_bytes"], t["compressed_block_bytes"]) == (layout.stored_bytes("none"), layout.stored_bytes("int8"))
+    assert t["blocks"] == 512 * 2**30 // layout.stored_bytes("none") and t["tokens"] == t["blocks"] * 16
+    assert t["compressed_tokens"] == 512 * 2**30 // layout.stored_bytes("int8") * 16
+    quantised = tier_plan(llama8b, tier_bytes=2**30, cache_dtype="fp8_e4m3", block_size=16)
+    fp8 = BlockLayout((torch.float8_e4m3fn,) * 32, 16, 8, 128, "")
+    assert quantised["block_bytes"] == fp8.stored_bytes("none") and quantised["compressed_tokens"] is None
+    status, out, _ = cli(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                         "--gpu-memory", "141GB", "--weights-bytes", "16GB", "--dtype", "bfloat16,int8",
+                         "--tier-bytes", "512GiB")
+    text = " ".join(out.split())
+    assert status == 0
+    assert (f"a lower tier of 512.0 GiB holds {t['tokens']:,} tokens of bfloat16 stored whole, "
+            f"{t['compressed_tokens']:,} compressed (tier_compress int8 or fp8_e4m3: "
+            f"{t['compressed_block_bytes']:,} bytes a block against {t['block_bytes']:,})") in text
+    assert text.endswith(f"a lower tier of 512.0 GiB holds {512 * 2**30 // (65_536 * 16 + 268) * 16:,} tokens of int8")  # header 218 + 32 + 2 + 8, checksum 8
+    status, _, err = cli(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                         "--gpu-memory", "141GB", "--tier-bytes", "0")
+    assert status == 2 and "tier_bytes: must be at least 1, got 0" in err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--layers", "0"], "error: layers: must be a whole number of at least 1, got 0"),
     (["--kv-heads", "-8"], "error: kv_heads: must be a whole number of at least 1, got -8"),
