@@ -18,7 +18,7 @@ from kvctl.daemon.replay.trace import generate_trace, read_trace
 from kvctl.policies.tenant_shares import parse_shares
 
 from .errors import UserError
-from .tables import compact_table
+from .tables import compact_table, keep_whole
 
 DEFAULT_BLOCK_SIZES = "16,32,64,128,256,512"
 DEFAULT_CAPACITY_TOKENS = 262_144
@@ -83,8 +83,12 @@ def replay_command(
     tier_tokens: list[str] = typer.Option(
         ["0"], "--tier-tokens", help="A lower tier under the device of this many tokens (host, disk or Redis; "
                                      "LRU): evicted blocks go down, and come back instead of being prefilled. "
+                                     "With --replicas, one tier shared by the fleet (a shared Redis). "
                                      "Comma-separate to compare, e.g. 0,4194304 (0: none)."),
     restore_rate: float = typer.Option(200_000.0, help="Service model: tokens a second restored from the lower tier."),
+    tier_write: str = typer.Option("write_back", help="What goes down to the lower tier: write_back (what the "
+                                   "device evicts) or write_through (every prompt block as it is computed), "
+                                   "as kvd's write_policy."),
     tenant_shares: Optional[str] = typer.Option(
         None, "--tenant-shares", help="Also replay each policy with these tenant cache shares (as kvd's "
                                       "--tenant-cache-shares, e.g. noisy=0.25): rows 'lru' and 'lru+shares'."),
@@ -108,7 +112,8 @@ def replay_command(
                           capacity_tokens=capacities[0] if capacities else 0,
                           reservation=reserve, sequential=sequential, prefill_rate=prefill_rate,
                           decode_rate=decode_rate, max_running=max_running, max_queue=max_queue,
-                          time_scale=time_scale, max_tokens=max_tokens, restore_rate=restore_rate)
+                          time_scale=time_scale, max_tokens=max_tokens, restore_rate=restore_rate,
+                          tier_write=tier_write)
     tiers = parse_int_list("tier_tokens", tier_tokens) or [0]
     if tenant_shares is not None:
         try:
@@ -151,7 +156,7 @@ def replay_command(
             "prefill_rate": prefill_rate, "decode_rate": decode_rate, "max_running": max_running,
             "max_queue": max_queue, "time_scale": time_scale, "max_tokens": max_tokens,
             "tenant_shares": dict(base.tenant_shares) or None, "tier_tokens": tiers,
-            "restore_rate": restore_rate,
+            "restore_rate": restore_rate, "tier_write": tier_write,
         },
         "runs": [r.as_dict() for r in results],
     }
@@ -201,7 +206,8 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
         if fleet is None:
             return sweep(requests, sizes, capacities, policies, base, progress=tick, tier_tokens=tiers)
         return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
-                           fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"])
+                           fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"],
+                           tier_tokens=tiers)
 
 
 def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list:
@@ -248,19 +254,45 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
     return parts
 
 
+def _short(value: float) -> str:
+    """Three significant figures at most: 0.08, 1.83, 46.2, 110."""
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _millions(tokens: int) -> str:
+    """1048576 -> 1.05M; below a million as it is, with separators."""
+    return f"{tokens / 1e6:.2f}M" if tokens >= 10**6 else f"{tokens:,}"
+
+
 def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, replicas: int) -> list:
     """Per routing policy: the hit ratio the fleet keeps, first-token times in the service model,
     how unevenly it loads the replicas, rejections; the ceiling (one unbounded cache) in a line."""
-    table = compact_table("block", "capacity", "policy", "routing", "hit", "TTFT p50/p95", "imbalance",
-                          "rejected", title=f"replay of {trace_name} ({requests} requests) on {replicas} "
-                                            "replicas, capacity per replica")
-    for index in (0, 1, 4, 5, 6, 7):
-        table.columns[index].justify = "right"
+    tiered = any(r.tier_tokens for r in results)  # a shared tier: its size and what came back from it
+    if tiered:  # two more columns: token counts in millions, shorter headers (80 columns)
+        table = compact_table("block", "capacity", "tier", "policy", "routing", "hit", "restored", "TTFT s",
+                              "imbal", "rejected", title=f"replay of {trace_name} ({requests} requests) on "
+                              f"{replicas} replicas, capacity per replica, one tier shared by them (tokens)")
+    else:
+        table = compact_table("block", "capacity", "policy", "routing", "hit", "TTFT p50/p95", "imbalance",
+                              "rejected", title=f"replay of {trace_name} ({requests} requests) on {replicas} "
+                                                "replicas, capacity per replica")
+    for column in table.columns:
+        if column.header not in ("policy", "routing"):
+            column.justify = "right"
     for r in results:
+        if tiered:
+            ttft = "-" if r.ttft_p50_s is None else f"{_short(r.ttft_p50_s)}/{_short(r.ttft_p95_s)}"
+            table.add_row(str(r.block_size), _millions(r.capacity_tokens), _millions(r.tier_tokens), r.policy,
+                          r.routing, f"{r.hit_ratio:.1%}", f"{r.restored_ratio:.1%}", ttft, f"{r.imbalance:.2f}",
+                          str(r.rejections))
+            continue
         ttft = "-" if r.ttft_p50_s is None else f"{r.ttft_p50_s:.2f}/{r.ttft_p95_s:.2f} s"
         table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, r.routing, f"{r.hit_ratio:.1%}",
                       ttft, f"{r.imbalance:.2f}", str(r.rejections))
+    if tiered:
+        keep_whole(table, 4, 7)  # the routing's name and the times: the title wraps instead
     ceiling = {r.block_size: r.max_hit_ratio for r in results}
     return [table, Text("hit with one unbounded cache for the fleet: " + ", ".join(
         f"block {size} {ratio:.1%}" for size, ratio in ceiling.items())
-        + "; imbalance is the busiest replica's requests over the mean")]
+        + ("; imbal (imbalance)" if tiered else "; imbalance") + " is the busiest replica's requests over the mean"
+        + ("; TTFT p50/p95" if tiered else ""))]

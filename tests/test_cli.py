@@ -85,6 +85,23 @@ def test_replay_with_lower_tier_sizes_shows_what_each_restored_within_80_columns
     assert doc["runs"][0]["restored_tokens"] == 0 and tiered["restored_tokens"] > 0
 
 
+def test_a_fleet_replay_with_a_shared_tier_fits_80_columns(capsys):
+    status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "120", "--block-sizes", "64",
+                         "--policy", "lru", "--capacity-tokens", "4096", "--replicas", "2",
+                         "--routing", "round_robin,least_loaded", "--tier-tokens", "0,1048576",
+                         "--tier-write", "write_through")
+    assert status == 0
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["block", "capacity", "tier"])
+    assert lines[header].split() == ["block", "capacity", "tier", "policy", "routing", "hit", "restored",
+                                     "TTFT", "s", "imbal", "rejected"]
+    rows = [line.split() for line in lines[header + 1:header + 5]]
+    assert [(r[1], r[2], r[4]) for r in rows] == [("4,096", "0", "round_robin"), ("4,096", "0", "least_loaded"),
+                                                 ("4,096", "1.05M", "round_robin"), ("4,096", "1.05M", "least_loaded")]
+    assert [r[6] for r in rows[:2]] == ["0.0%", "0.0%"] and all(float(r[6].rstrip("%")) > 0 for r in rows[2:])
+    assert len(max(lines, key=len)) <= 80
+
+
 def test_a_plot_never_overwrites_what_is_not_a_plot(capsys, small_trace, tmp_path):
     precious = tmp_path / "passwd"
     precious.write_text("root:x:0:0:root:/root:/bin/bash\n")
@@ -140,7 +157,7 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
      "error: tenant_shares: invalid value 'noisy=2': share of 'noisy' must be in (0, 1], got '2'"),
     (["--noisy-fraction", "1"], "error: noisy_fraction: must be in [0, 1), got 1.0"),
     (["--tier-tokens", "-5"], "error: tier_tokens: -5 is neither 0 (no lower tier) nor a block"),
-    (["--tier-tokens", "4096", "--replicas", "2"], "error: tier_tokens: a fleet replay has no lower tier"),
+    (["--tier-write", "sometimes"], "error: tier_write: unknown value 'sometimes'; choose write_back or write_through"),
     (["--restore-rate", "0"], "error: restore_rate: must be > 0, got 0.0"),
 ])
 def test_bad_options_name_field_and_value(capsys, small_trace, args, message):

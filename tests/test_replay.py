@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+from collections import OrderedDict
+
 import pytest
 
 from kvctl.daemon.replay.simulator import ReplaySettings, max_hit_blocks, replay
@@ -167,6 +169,39 @@ def test_routing_decides_how_much_of_the_ceiling_a_fleet_keeps(routing, hits, pe
     assert result.ttft_p50_s == pytest.approx((512 if hits else 1024) / 20_000)
 
 
+@pytest.mark.parametrize("tier_write, restored", [
+    (None, 0),
+    # what a replica evicts: r2 and r3 push r0's and r1's prompt down; r4 to r7 find theirs there
+    ("write_back", 4 * 512),
+    # every prompt block as it is computed: from r1 on, each request finds its system prompt
+    ("write_through", 6 * 512),
+])
+def test_replicas_sharing_a_tier_restore_what_another_computed(tier_write, restored):
+    tier = {} if tier_write is None else {"tier_tokens": 16 * 512, "tier_write": tier_write}
+    result = fleet(GROUPS, 2, "round_robin", restore_rate=100_000.0, **tier)
+    assert result.hit_tokens == 0 and result.requests_per_replica == [4, 4]  # no device hit: as without a tier
+    assert (result.tier_tokens, result.restored_tokens) == (tier.get("tier_tokens", 0), restored)
+    assert result.restored_ratio == pytest.approx(restored / (8 * 1024))
+    assert result.recomputed_tokens == 6 * 512 - restored
+    if restored:  # a restoring request's first token: the restore, then the rest of its prompt
+        assert result.ttft_p50_s == pytest.approx(512 / 100_000 + 512 / 20_000)
+
+
+def test_a_router_counts_the_shared_tier_as_held_by_every_replica():
+    from kvctl.daemon.replay.fleet import _facts
+    from kvctl.daemon.replay.simulator import ReplicaRun
+
+    keyer = TraceKeyer(512)
+    keys = [keyer.keys(r) for r in GROUPS]
+    settings = ReplaySettings(block_size=512, capacity_tokens=1024, tier_tokens=8192, restore_rate=100_000.0)
+    shared = OrderedDict()
+    runs = [ReplicaRun(settings, GROUPS, keys, [0] * 8, tier=shared) for _ in range(2)]
+    shared[keys[0][0]] = None  # the system prompt's block, written by either
+    facts = [_facts(run, 1, f"replica-{i}", 512) for i, run in enumerate(runs)]
+    assert [(f.cached_tokens, f.restorable_tokens, f.restore_seconds) for f in facts] == [(0, 512, 512 / 100_000)] * 2
+    assert list(shared) == [keys[0][0]]  # asking does not touch it
+
+
 def test_a_fleet_of_one_is_the_single_replica_replay():
     trace = generate_trace(120, seed=3)
     one = fleet(trace, 1, "prefix", block_size=64, capacity_tokens=65_536)
@@ -273,7 +308,6 @@ def test_restored_tokens_cost_the_restore_rate_in_the_first_token_time():
 @pytest.mark.parametrize("tiers, replicas, message", [
     ([-1], 1, "tier_tokens: -1 is neither 0 (no lower tier) nor a block of 256 tokens or more"),
     ([100], 1, "tier_tokens: 100 is neither 0"),
-    ([0, 4096], 2, "tier_tokens: a fleet replay has no lower tier; replay one replica with it"),
     ([], 1, "tier_tokens: give at least one size"),
 ])
 def test_bad_tier_sizes_are_refused_naming_the_field(tiers, replicas, message):
@@ -282,5 +316,7 @@ def test_bad_tier_sizes_are_refused_naming_the_field(tiers, replicas, message):
     base = ReplaySettings(block_size=256, capacity_tokens=4096)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_grid([256], [4096], ["lru"], base, replicas, ["prefix"], tier_tokens=tiers)
+    with pytest.raises(ValueError, match="tier_write: unknown value 'sometimes'; choose write_back or write_through"):
+        validate_grid([256], [4096], ["lru"], ReplaySettings(block_size=256, capacity_tokens=4096, tier_write="sometimes"))
     with pytest.raises(ValueError, match="restore_rate: must be > 0, got 0.0"):
         validate_grid([256], [4096], ["lru"], ReplaySettings(block_size=256, capacity_tokens=4096, restore_rate=0.0))

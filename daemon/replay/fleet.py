@@ -10,12 +10,17 @@ What it answers: how much of the hit rate a fleet keeps when its traffic is spre
 unbounded cache for the whole fleet is the ceiling, `max_hit_ratio`), and what each routing
 policy trades between reuse and queueing (first-token times, and how unevenly it loads the
 replicas).
+
+With `tier_tokens`, the replicas share one lower tier of that many tokens, as daemons pointing at
+one Redis do: what one replica's device evicts, any replica restores, and the router counts it
+as held by every replica (priced at `restore_rate`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -50,6 +55,9 @@ class FleetResult:
     imbalance: float  # the busiest replica's admitted requests / the mean
     seconds: float
     reject_reasons: dict[str, int] = field(default_factory=dict)
+    tier_tokens: int = 0  # the shared lower tier's size (0: none)
+    restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled, fleet-wide
+    restored_ratio: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +78,8 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                          f"{settings.block_size} tokens")
     router = make_router(routing, prefill_rate=settings.prefill_rate, balance_seconds=balance_seconds,
                          new_prefix=new_prefix)
-    runs = [ReplicaRun(settings, requests, keys, max_hits) for _ in range(replicas)]
+    shared = OrderedDict() if settings.tier_tokens else None  # one tier for the fleet: a shared Redis
+    runs = [ReplicaRun(settings, requests, keys, max_hits, tier=shared) for _ in range(replicas)]
     names = [f"replica-{i}" for i in range(replicas)]  # where a new prefix goes home, as a live router names them
     tick = progress or (lambda _n: None)
     size = settings.block_size
@@ -80,8 +89,7 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
         for run in runs:
             run.finish_until(arrival, tick)
             run.advance(arrival)
-        facts = [ReplicaFacts(run.held_blocks(index) * size, run.wait_seconds(), len(run.running) + len(run.waiting),
-                              name=name) for run, name in zip(runs, names)]
+        facts = [_facts(run, index, name, size) for run, name in zip(runs, names)]
         affinity = trace_affinity(request) if request.hash_ids else None
         runs[router.choose(request.input_length, facts, affinity).replica].arrive(index, arrival, tick)
     for run in runs:
@@ -93,6 +101,16 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
             if run.manager.num_sequences:
                 raise AssertionError(f"{run.manager.num_sequences} sequences left after the replay")
     return _result(settings, routing, runs, len(requests), seconds)
+
+
+def _facts(run: ReplicaRun, index: int, name: str, size: int) -> ReplicaFacts:
+    """One replica as the router sees it for request `index`: what its device holds (or will), what
+    the shared tier holds after that and what restoring it costs, and how busy it is."""
+    held = run.held_blocks(index)
+    restorable = run.restorable_blocks(index, held) * size
+    return ReplicaFacts(held * size, run.wait_seconds(), len(run.running) + len(run.waiting),
+                        restorable_tokens=restorable,
+                        restore_seconds=restorable / run.settings.restore_rate if restorable else 0.0, name=name)
 
 
 def trace_affinity(request: TraceRequest) -> bytes:
@@ -121,4 +139,6 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
         rejections=sum(reasons.values()),
         ttft_p50_s=percentile(ttft, 0.50), ttft_p95_s=percentile(ttft, 0.95), ttft_p99_s=percentile(ttft, 0.99),
         requests_per_replica=admitted, imbalance=max(admitted) / mean if mean else 0.0,
-        seconds=seconds, reject_reasons=reasons)
+        seconds=seconds, reject_reasons=reasons, tier_tokens=settings.tier_tokens,
+        restored_tokens=sum(r.restored_tokens for r in runs),
+        restored_ratio=sum(r.restored_tokens for r in runs) / prompt if prompt else 0.0)

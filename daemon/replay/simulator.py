@@ -18,9 +18,10 @@ Allocator figures time only the calls into the cache core (admit, append,
 release); key hashing is done before the clock starts.
 
 With `tier_tokens`, a lower tier (host memory, disk or Redis, as kvd's) of that many tokens
-sits below the device: every block the device evicts goes down to it, least recently used out
-first, and the blocks of a prompt it holds right after the device's hits are restored instead of
-prefilled, at `restore_rate` tokens a second in the service model. Compressed tiers
+sits below the device: every block the device evicts goes down to it (`tier_write` write_back,
+kvd's default; with write_through every prompt block goes down as it is computed), least
+recently used out first, and the blocks of a prompt it holds right after the device's hits are
+restored instead of prefilled, at `restore_rate` tokens a second in the service model. Compressed tiers
 (`tier_compress`) hold about twice the tokens in the same bytes: replay both sizes.
 """
 
@@ -59,6 +60,7 @@ class ReplaySettings:
     tenant_shares: tuple[tuple[str, float], ...] = ()
     tier_tokens: int = 0  # a lower tier under the device of this many tokens (LRU); 0: none
     restore_rate: float = 200_000.0  # tokens a second restored from it (service model)
+    tier_write: str = "write_back"  # or write_through: kvd's write_policy names
 
     @property
     def policy_label(self) -> str:
@@ -131,16 +133,18 @@ class ReplicaRun:
     `fleet.replay_fleet` several behind a router."""
 
     def __init__(self, settings: ReplaySettings, requests: Sequence[TraceRequest],
-                 keys: Sequence[list[BlockKey]], max_hits: Sequence[int]) -> None:
+                 keys: Sequence[list[BlockKey]], max_hits: Sequence[int],
+                 tier: OrderedDict | None = None) -> None:
+        """`tier`: the lower tier's keys, when several replicas share one (a fleet's Redis)."""
         self.settings = settings
         self.requests, self.keys, self.max_hits = requests, keys, max_hits
         self.now = 0.0
         self.manager = KVCacheManager(settings.num_blocks, settings.block_size,
                                       policy=settings.policy, clock=lambda: self.now)
         self.manager.set_tenant_shares(settings.tenant_shares)
-        self.tier: OrderedDict[BlockKey, None] = OrderedDict()  # the lower tier's keys, least recent first
+        self.tier: OrderedDict[BlockKey, None] = OrderedDict() if tier is None else tier  # least recent first
         self.tier_blocks = settings.tier_tokens // settings.block_size
-        if self.tier_blocks:
+        if self.tier_blocks and settings.tier_write == "write_back":
             self.manager.pool.on_evict = self._demote
         self.restored: dict[int, int] = {}  # request in service -> prompt tokens it restored
         self.restored_tokens = 0
@@ -171,22 +175,34 @@ class ReplicaRun:
         return pool.num_blocks - pool.num_free - pool.num_evictable
 
     def _demote(self, blocks) -> None:
-        """Blocks the device evicts go down to the lower tier, its least recent out when full."""
+        """Blocks the device evicts go down to the lower tier (write_back)."""
+        self._store([block.key for block in blocks])
+
+    def _store(self, keys: Sequence[BlockKey]) -> None:
+        """Blocks written to the lower tier, its least recent out when full."""
         tier = self.tier
-        for block in blocks:
-            tier[block.key] = None
-            tier.move_to_end(block.key)
+        for key in keys:
+            tier[key] = None
+            tier.move_to_end(key)
         while len(tier) > self.tier_blocks:
             tier.popitem(last=False)
 
-    def _restore(self, keys: Sequence[BlockKey], hit_blocks: int, prompt_tokens: int) -> int:
-        """Blocks of the prompt the lower tier holds right after the device's hits (touched)."""
+    def _restore(self, keys: Sequence[BlockKey], hit_blocks: int, prompt_tokens: int, touch: bool = True) -> int:
+        """Blocks of the prompt the lower tier holds right after the device's hits (touched, as a
+        read: unless `touch` is False, for a router's question)."""
         tier, limit = self.tier, self.manager.cacheable_blocks(prompt_tokens)
         count = 0
         while hit_blocks + count < limit and keys[hit_blocks + count] in tier:
-            tier.move_to_end(keys[hit_blocks + count])
+            if touch:
+                tier.move_to_end(keys[hit_blocks + count])
             count += 1
         return count
+
+    def restorable_blocks(self, index: int, held: int) -> int:
+        """Blocks of request `index`'s prompt after the `held` ones that the lower tier holds."""
+        if not self.tier_blocks:
+            return 0
+        return self._restore(self.keys[index], held, self.requests[index].input_length, touch=False)
 
     def reject(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
@@ -214,6 +230,8 @@ class ReplicaRun:
         self.call_ns.append(t1 - t0)
         self.call_ns.append(t2 - t1)
         self.block_ops += min(admission.hit_blocks + 1, len(keys)) + admission.reserved_blocks
+        if self.tier_blocks and self.settings.tier_write == "write_through":  # what it computed goes down now
+            self._store(keys[admission.hit_blocks + restored:])
         self.restored[index] = restored * self.settings.block_size
         self.restored_tokens += restored * self.settings.block_size
         self.admitted += 1

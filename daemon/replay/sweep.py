@@ -31,8 +31,8 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         if size < 0 or (0 < size < max(block_sizes or [0])):
             raise ValueError(f"tier_tokens: {size} is neither 0 (no lower tier) nor a block of "
                              f"{max(block_sizes or [0])} tokens or more")
-    if replicas > 1 and any(tier_tokens):
-        raise ValueError("tier_tokens: a fleet replay has no lower tier; replay one replica with it")
+    if base.tier_write not in ("write_back", "write_through"):
+        raise ValueError(f"tier_write: unknown value {base.tier_write!r}; choose write_back or write_through")
     if not base.restore_rate > 0:
         raise ValueError(f"restore_rate: must be > 0, got {base.restore_rate!r}")
     if replicas > 1:
@@ -104,11 +104,13 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
                 policies: Sequence[str], replicas: int, routings: Sequence[str], base: ReplaySettings,
                 balance_seconds: float = 2.0, progress: Callable[[int], None] | None = None,
                 on_result: Callable[[FleetResult], None] | None = None,
-                new_prefix: str = "home") -> list[FleetResult]:
-    """`sweep` for a fleet of `replicas` (each with a cache of each capacity), once per routing."""
-    validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix)
+                new_prefix: str = "home", tier_tokens: Sequence[int] = (0,)) -> list[FleetResult]:
+    """`sweep` for a fleet of `replicas` (each with a cache of each capacity, sharing a lower tier of
+    each `tier_tokens`), once per routing."""
+    validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix,
+                  tier_tokens)
     results: list[FleetResult] = []
-    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base):
+    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens):
         for routing in routings:
             results.append(replay_fleet(settings, replicas, routing, requests, keys, max_hits, progress,
                                         balance_seconds=balance_seconds, new_prefix=new_prefix))
