@@ -267,6 +267,9 @@ def test_kvd_compresses_from_its_config_reloads_the_setting_and_kvctl_tiers_says
                                       "block_bytes": layout.payload_bytes,
                                       "stored_block_bytes": layout.stored_bytes("int8")}
         assert report["tiers"]["disk"]["blocks"] == 0
+        assert report["tiers"]["disk"]["block_bytes"] == layout.stored_bytes("int8")
+        metrics = call(app, "GET", "/metrics").text
+        assert f'kvd_tier_block_bytes{{tier="disk"}} {float(layout.stored_bytes("int8"))}' in metrics
         console = Console(record=True, width=200)
         render_tiers(report, console)
         ratio = layout.stored_bytes("int8") / layout.payload_bytes

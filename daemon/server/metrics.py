@@ -30,6 +30,7 @@
     kvd_restored_tokens_total                 prompt tokens restored from a lower tier (not recomputed)
     kvd_tier_bytes{tier}                      bytes held per lower tier (host, disk, remote)
     kvd_tier_capacity_bytes{tier}
+    kvd_tier_block_bytes{tier}                bytes a block takes in each tier as written now (tier_compress)
     kvd_tier_moved_bytes_total{src,dst}       bytes moved between tiers (device included)
     kvd_tier_checksum_failures_total{tier}    payloads that failed verification (misses, deleted)
     kvd_tier_errors_total{tier}               I/O errors and timeouts
@@ -235,8 +236,11 @@ def _tier_metrics(report: dict):
                                    labels=["tier"])
     errors = CounterMetricFamily("kvd_tier_errors", "Tier I/O errors and timeouts", labels=["tier"])
     degraded = GaugeMetricFamily("kvd_tier_degraded", "1 while a tier is degraded or unreachable", labels=["tier"])
+    block = GaugeMetricFamily("kvd_tier_block_bytes", "Bytes a block takes in each lower tier as written now",
+                              labels=["tier"])
     for name, tier in report["tiers"].items():
         used.add_metric([name], tier["used_bytes"])
+        block.add_metric([name], tier["block_bytes"])
         if tier["capacity_bytes"] is not None:  # a remote tier without a budget has no capacity to chart
             capacity.add_metric([name], tier["capacity_bytes"])
         failures.add_metric([name], tier["checksum_failures"])
@@ -246,7 +250,7 @@ def _tier_metrics(report: dict):
     for pair, value in report["moved_bytes"].items():
         src, dst = pair.split("->")
         moved.add_metric([src, dst], value)
-    yield from (used, capacity, failures, errors, degraded, moved)
+    yield from (used, capacity, block, failures, errors, degraded, moved)
 
 
 class Metrics:

@@ -710,6 +710,7 @@ class TieredCache:
                     "write_bytes_per_second": stats.write.rate if stats.write.samples else None,
                     "checksum_failures": stats.checksum_failures, "errors": stats.errors,
                     "dropped_blocks": stats.dropped_blocks, "health": health,
+                    "block_bytes": self.block_bytes_in(tier.name),  # a block as this tier stores it now
                     "degraded_reason": stats.degraded if tier.name != "remote" else (
                         tier.last_error if health != "ok" else None),
                 }
