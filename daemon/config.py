@@ -19,7 +19,7 @@ from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tenant_map import parse_tenant_map
 from kvctl.policies.tenant_shares import parse_shares
-from kvctl.policies.tiering import PREFETCH_POLICIES, TIER_CODECS
+from kvctl.policies.tiering import PREFETCH_POLICIES, TIER_CODECS, WRITE_POLICIES
 
 
 class ConfigError(ValueError):
@@ -259,8 +259,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 1")
     if name == "remote_timeout" and not value > 0:
         raise ValueError("must be > 0")
-    if name == "write_policy" and value not in ("write_back", "write_through", "write_through_selective"):
-        raise ValueError("must be write_back, write_through or write_through_selective")
+    if name == "write_policy" and value not in WRITE_POLICIES:
+        raise ValueError(f"must be {', '.join(WRITE_POLICIES[:-1])} or {WRITE_POLICIES[-1]}")
     if name == "tiering" and value not in ("measured", "always"):
         raise ValueError("must be measured or always")
     if name == "tier_compress" and value not in TIER_CODECS:

@@ -87,8 +87,9 @@ def replay_command(
                                      "Comma-separate to compare, e.g. 0,4194304 (0: none)."),
     restore_rate: float = typer.Option(200_000.0, help="Service model: tokens a second restored from the lower tier."),
     tier_write: str = typer.Option("write_back", help="What goes down to the lower tier: write_back (what the "
-                                   "device evicts) or write_through (every prompt block as it is computed), "
-                                   "as kvd's write_policy."),
+                                   "device evicts), write_through (every prompt block as it is computed) or "
+                                   "write_through_selective (a block when a prompt first reuses it), as kvd's "
+                                   "write_policy."),
     tenant_shares: Optional[str] = typer.Option(
         None, "--tenant-shares", help="Also replay each policy with these tenant cache shares (as kvd's "
                                       "--tenant-cache-shares, e.g. noisy=0.25): rows 'lru' and 'lru+shares'."),

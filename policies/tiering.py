@@ -81,6 +81,7 @@ class TieringPolicy:
 
 
 PREFETCH_POLICIES = ("timeout", "best_effort", "wait_complete")
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")  # when a block goes down (tiered.py)
 TIER_CODECS = ("none", "int8", "fp8_e4m3")  # how disk and Redis store a block (daemon/cache/tiers/codec.py)
 
 

@@ -157,7 +157,7 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
      "error: tenant_shares: invalid value 'noisy=2': share of 'noisy' must be in (0, 1], got '2'"),
     (["--noisy-fraction", "1"], "error: noisy_fraction: must be in [0, 1), got 1.0"),
     (["--tier-tokens", "-5"], "error: tier_tokens: -5 is neither 0 (no lower tier) nor a block"),
-    (["--tier-write", "sometimes"], "error: tier_write: unknown value 'sometimes'; choose write_back or write_through"),
+    (["--tier-write", "sometimes"], "error: tier_write: unknown value 'sometimes'; choose write_back, write_through, write_through_selective"),
     (["--restore-rate", "0"], "error: restore_rate: must be > 0, got 0.0"),
 ])
 def test_bad_options_name_field_and_value(capsys, small_trace, args, message):

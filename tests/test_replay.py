@@ -175,6 +175,8 @@ def test_routing_decides_how_much_of_the_ceiling_a_fleet_keeps(routing, hits, pe
     ("write_back", 4 * 512),
     # every prompt block as it is computed: from r1 on, each request finds its system prompt
     ("write_through", 6 * 512),
+    # a block when a prompt first reuses it: no device hit, so nothing is ever written
+    ("write_through_selective", 0),
 ])
 def test_replicas_sharing_a_tier_restore_what_another_computed(tier_write, restored):
     tier = {} if tier_write is None else {"tier_tokens": 16 * 512, "tier_write": tier_write}
@@ -293,6 +295,14 @@ def test_a_lower_tier_takes_what_the_device_evicts_and_gives_back_the_system_pro
     assert result.recomputed_tokens == 512 - restored  # r4's system prompt: restored or prefilled
 
 
+def test_write_through_selective_writes_down_what_a_prompt_reused():
+    """SYSTEM_TRACE at 6 device blocks: r1 reuses the system prompt, which goes down then; r4 finds
+    it in the tier after r2 and r3 evicted it. Nothing else is ever written down."""
+    result = run(SYSTEM_TRACE, 256, 6 * 256, "lru", sequential=True, tier_tokens=2 * 256,
+                 tier_write="write_through_selective")
+    assert (result.hit_tokens, result.restored_tokens, result.recomputed_tokens) == (512, 512, 0)
+
+
 def test_restored_tokens_cost_the_restore_rate_in_the_first_token_time():
     spaced = [req(i * 10_000, 1024, r.hash_ids) for i, r in enumerate(SYSTEM_TRACE)]  # one at a time
     settings = dict(max_running=1, prefill_rate=20_000.0, restore_rate=100_000.0)
@@ -316,7 +326,7 @@ def test_bad_tier_sizes_are_refused_naming_the_field(tiers, replicas, message):
     base = ReplaySettings(block_size=256, capacity_tokens=4096)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_grid([256], [4096], ["lru"], base, replicas, ["prefix"], tier_tokens=tiers)
-    with pytest.raises(ValueError, match="tier_write: unknown value 'sometimes'; choose write_back or write_through"):
+    with pytest.raises(ValueError, match="tier_write: unknown value 'sometimes'; choose write_back, write_through, write_through_selective"):
         validate_grid([256], [4096], ["lru"], ReplaySettings(block_size=256, capacity_tokens=4096, tier_write="sometimes"))
     with pytest.raises(ValueError, match="restore_rate: must be > 0, got 0.0"):
         validate_grid([256], [4096], ["lru"], ReplaySettings(block_size=256, capacity_tokens=4096, restore_rate=0.0))

@@ -19,8 +19,9 @@ release); key hashing is done before the clock starts.
 
 With `tier_tokens`, a lower tier (host memory, disk or Redis, as kvd's) of that many tokens
 sits below the device: every block the device evicts goes down to it (`tier_write` write_back,
-kvd's default; with write_through every prompt block goes down as it is computed), least
-recently used out first, and the blocks of a prompt it holds right after the device's hits are
+kvd's default; with write_through every prompt block goes down as it is computed; with
+write_through_selective a block goes down when a prompt first reuses it), least recently used
+out first, and the blocks of a prompt it holds right after the device's hits are
 restored instead of prefilled, at `restore_rate` tokens a second in the service model. Compressed tiers
 (`tier_compress`) hold about twice the tokens in the same bytes: replay both sizes.
 """
@@ -60,7 +61,7 @@ class ReplaySettings:
     tenant_shares: tuple[tuple[str, float], ...] = ()
     tier_tokens: int = 0  # a lower tier under the device of this many tokens (LRU); 0: none
     restore_rate: float = 200_000.0  # tokens a second restored from it (service model)
-    tier_write: str = "write_back"  # or write_through: kvd's write_policy names
+    tier_write: str = "write_back"  # or write_through, write_through_selective: kvd's write_policy names
 
     @property
     def policy_label(self) -> str:
@@ -232,6 +233,8 @@ class ReplicaRun:
         self.block_ops += min(admission.hit_blocks + 1, len(keys)) + admission.reserved_blocks
         if self.tier_blocks and self.settings.tier_write == "write_through":  # what it computed goes down now
             self._store(keys[admission.hit_blocks + restored:])
+        elif self.tier_blocks and self.settings.tier_write == "write_through_selective":  # what proved reusable
+            self._store(keys[:admission.hit_blocks])
         self.restored[index] = restored * self.settings.block_size
         self.restored_tokens += restored * self.settings.block_size
         self.admitted += 1

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
 from kvctl.policies.eviction import EVICTION_POLICIES
+from kvctl.policies.tiering import WRITE_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.routing import ROUTING_POLICIES, make_router
 
@@ -31,8 +32,8 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         if size < 0 or (0 < size < max(block_sizes or [0])):
             raise ValueError(f"tier_tokens: {size} is neither 0 (no lower tier) nor a block of "
                              f"{max(block_sizes or [0])} tokens or more")
-    if base.tier_write not in ("write_back", "write_through"):
-        raise ValueError(f"tier_write: unknown value {base.tier_write!r}; choose write_back or write_through")
+    if base.tier_write not in WRITE_POLICIES:
+        raise ValueError(f"tier_write: unknown value {base.tier_write!r}; choose {', '.join(WRITE_POLICIES)}")
     if not base.restore_rate > 0:
         raise ValueError(f"restore_rate: must be > 0, got {base.restore_rate!r}")
     if replicas > 1:

@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from kvctl.policies.tiering import RateMeter, TieringPolicy, held_run
+from kvctl.policies.tiering import WRITE_POLICIES, RateMeter, TieringPolicy, held_run
 
 from .codec import check_codec, unsupported
 from .disk import DiskTier, Segment
@@ -50,7 +50,6 @@ from .spaces import summary
 log = logging.getLogger("kvd.tiers")
 
 LOWER = ("host", "disk", "remote")
-WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 UNBOUNDED_BYTES = 2**62  # a remote tier given no byte budget; reported as capacity None
 
 
