@@ -492,14 +492,30 @@ def test_kvd_gives_its_disk_tier_the_shares_and_a_reload_changes_them(tmp_path):
     pytest.importorskip("fastapi")
     from dataclasses import replace
 
-    from .daemon_fixtures import start_service
+    from kvctl.daemon.server.fleet_admin import merge_tenant_lists
 
-    service = start_service(tmp_path, disk_cache_bytes="4MiB", tenant_cache_shares="acme=0.25")
+    from .daemon_fixtures import USER_TOKEN, apps, call, start_service, token_table
+
+    service = start_service(tmp_path, disk_cache_bytes="4MiB", tenant_cache_shares="acme=0.25",
+                            write_policy="write_through", tiering="always")
     try:
         assert service.tiers.disk.shares == {"acme": 2**20}
+        unix, tcp = apps(service, token_table(tmp_path))
+        cached_tokens(tcp, USER_TOKEN, list(range(1, 50)))  # three full blocks, written through to disk
+        assert service.tiers.flush(timeout=30)
+        payload = service.tiers.layout.payload_bytes
+        assert dict(service.tiers.disk.tenant_bytes) == {"acme": 3 * payload}
+        rows = {row["tenant"]: row for row in call(unix, "GET", "/admin/tenants").json()["tenants"]}
+        assert {k: rows["acme"][k] for k in ("disk_bytes", "disk_share_bytes", "remote_bytes", "remote_share_bytes")} \
+            == {"disk_bytes": 3 * payload, "disk_share_bytes": 2**20, "remote_bytes": None, "remote_share_bytes": None}
+        metrics = call(unix, "GET", "/metrics").text
+        assert f'kvd_tenant_tier_bytes{{tenant="acme",tier="disk"}} {float(3 * payload)}' in metrics
+        _, merged = merge_tenant_lists(["r0", "r1"], [(200, {"tenants": [rows["acme"]], "blocks": 64})] * 2)
+        assert (merged["tenants"][0]["disk_bytes"], merged["tenants"][0]["disk_share_bytes"]) == (6 * payload, 2**21)
         service.reload(replace(service.config, tenant_cache_shares=(("acme", 0.5), ("*", 0.25))))
         assert service.tiers.disk.shares == {"acme": 2 * 2**20, "*": 2**20}
         service.reload(replace(service.config, tenant_cache_shares=()))
         assert service.tiers.disk.shares == {}
+        assert call(unix, "GET", "/admin/tenants").json()["tenants"][0]["disk_share_bytes"] is None
     finally:
         service.shutdown(deadline=2)

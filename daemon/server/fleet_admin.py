@@ -171,6 +171,9 @@ TENANT_SUMS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "running", "w
                "cached_blocks", "pinned_blocks")
 
 
+LOWER_TIER_FIGURES = ("disk_bytes", "disk_share_bytes", "remote_bytes", "remote_share_bytes")  # per tenant
+
+
 def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
     """Each tenant across the fleet: its counts summed over the replicas (shares, idle blocks and
     pin budgets too, as the fleet's), its hit ratio from the sums, its TTFT percentiles the slowest
@@ -185,10 +188,11 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
             into = merged.setdefault(row["tenant"], {"tenant": row["tenant"], **dict.fromkeys(TENANT_SUMS, 0),
                                                      "idle_blocks": None, "share_blocks": None,
                                                      "host_blocks": None, "host_share_blocks": None,
+                                                     **dict.fromkeys(LOWER_TIER_FIGURES),
                                                      "pin_budget_blocks": 0, "ttft_p50_s": None, "ttft_p95_s": None})
             for key in TENANT_SUMS + ("pin_budget_blocks",):
                 into[key] += row.get(key, 0)  # a replica of an earlier kvd may lack one
-            for key in ("idle_blocks", "share_blocks", "host_blocks", "host_share_blocks"):
+            for key in ("idle_blocks", "share_blocks", "host_blocks", "host_share_blocks", *LOWER_TIER_FIGURES):
                 if row.get(key) is not None:
                     into[key] = (into[key] or 0) + row[key]
             for key in ("ttft_p50_s", "ttft_p95_s"):  # percentiles do not add up: the slowest replica's

@@ -11,6 +11,7 @@
     kvd_tenant_ttft_seconds{tenant}           histogram: time to first token per tenant (client requests)
     kvd_tenant_idle_blocks{tenant}            with tenant_cache_shares: idle cached blocks per tenant
     kvd_tenant_share_blocks{tenant}           and each tenant's share in blocks
+    kvd_tenant_tier_bytes{tenant,tier}        bytes a tenant's blocks take in each lower tier (Redis: this daemon's)
                                               (per-tenant families: the first max_tenant_metric_series tenants
                                               seen by name, the rest summed under tenant="*"; tenant_labels.py)
     kvd_cache_stored_blocks_total{tier}       blocks indexed per tier (device, host, disk, remote)
@@ -127,6 +128,14 @@ class _EngineCollector:
         for label, count in labels.fold(cached_by_tenant):
             cached.add_metric([label], count)
         yield cached
+        tiers = self.service.tiers
+        if tiers is not None:
+            lower = GaugeMetricFamily("kvd_tenant_tier_bytes", "Bytes a tenant's blocks take in each lower tier "
+                                      "(Redis: what this daemon wrote)", labels=["tenant", "tier"])
+            for tier, held in tiers.tenant_bytes().items():
+                for label, value in labels.fold((tenant or "-", n) for tenant, n in held.items()):
+                    lower.add_metric([label, tier], value)
+            yield lower
         if shares is not None:
             idle = GaugeMetricFamily("kvd_tenant_idle_blocks", "Cached blocks nobody uses, per tenant (the ones "
                                      "eviction may take), beside each tenant's share", labels=["tenant"])

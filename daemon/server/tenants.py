@@ -5,7 +5,9 @@ tokens, how many the prefix cache served and how many were computed again after 
 totals of `kvctl status`, split by tenant); its requests in flight, and those turned away (a full
 queue, its limit of requests in flight, a request that can never fit); the device blocks holding its
 cached prefixes (in use or idle); with tenant cache shares, its idle blocks against its share;
-with a host tier, the host slots holding its blocks (against its share there, with shares);
+with a host tier, the host slots holding its blocks (against its share there, with shares); with
+a disk or Redis tier, the bytes its blocks take there (this daemon's writes, for Redis) against its
+share;
 its pinned blocks against its pin budget; and the p50 and p95 of its latest TTFTs. Counts only: never
 prompts, tokens or keys.
 """
@@ -13,6 +15,8 @@ prompts, tokens or keys.
 from __future__ import annotations
 
 from collections import Counter
+
+from kvctl.policies.tenant_shares import share_of
 
 from .inflight import request_state
 from .service import EngineService
@@ -37,8 +41,10 @@ def list_tenants(service: EngineService) -> dict:
         if host is not None:
             with service.tiers.lock:
                 on_host = {tenant: n for tenant, n in host.tenant_blocks.items() if tenant}
+        lower = service.tiers.tenant_bytes() if service.tiers is not None else {}
         names = (set(tokens) | set(indexed) | (set(on_host) if host is not None else set()) | set(shares or ())
-                 | set(pinned) | {t for t, _ in flight} | set(rejected))
+                 | set(pinned) | {t for t, _ in flight} | set(rejected)
+                 | {t for tier in ("disk", "remote") for t in lower.get(tier, {}) if t})
         rows = []
         for tenant in sorted(names):
             prompt, hit, recomputed = tokens.get(tenant, (0, 0, 0))
@@ -53,10 +59,22 @@ def list_tenants(service: EngineService) -> dict:
                          "pinned_blocks": pinned.get(tenant, 0),
                          "pin_budget_blocks": pins.budget(tenant),
                          "host_blocks": None if host is None else on_host.get(tenant, 0),
-                         "host_share_blocks": None if host is None else host.share_of(tenant)})
+                         "host_share_blocks": None if host is None else host.share_of(tenant),
+                         **_lower_use(service.tiers, lower, tenant)})
         total = cache.num_blocks
     latency = service.tenant_latency()  # outside the engine's lock: the metrics keep their own
     for row in rows:
         ttft = latency.get(row["tenant"]) or {}
         row["ttft_p50_s"], row["ttft_p95_s"] = ttft.get("p50"), ttft.get("p95")
     return {"tenants": rows, "shares": shares is not None, "blocks": total}
+
+
+def _lower_use(tiers, held: dict[str, dict[str, int]], tenant: str) -> dict:
+    """The tenant's bytes on disk and in Redis, and its share of each (None where there is no such
+    tier, or no shares on it)."""
+    out = {}
+    for name in ("disk", "remote"):
+        tier = getattr(tiers, name, None) if tiers is not None else None
+        out[f"{name}_bytes"] = None if tier is None else held[name].get(tenant, 0)
+        out[f"{name}_share_bytes"] = share_of(tier.shares, tenant) if tier is not None and tier.shares else None
+    return out

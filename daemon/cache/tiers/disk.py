@@ -95,7 +95,7 @@ class DiskTier:
         self.last_fsync_seconds = 0.0  # of the latest segment write (the tiering policy's fixed cost)
         self.events = None  # an EventLog: each key indexed or dropped here is logged there
         self.shares: dict[str, int] = {}  # tenant -> bytes of its share (tenant_cache_shares); empty: none
-        self.tenant_bytes: Counter[str] = Counter()  # bytes of single-tenant segments, by tenant
+        self.tenant_bytes: Counter[str] = Counter()  # payload bytes of indexed blocks, by tenant ("" unknown)
         self.share_evictions = 0  # blocks dropped with segments whose tenant held more than its share
         self.segment_dir.mkdir(parents=True, exist_ok=True)
         self._owner = self._claim(self.root)
@@ -331,14 +331,13 @@ class DiskTier:
     def _publish(self, name: str, size: int, metas: Sequence[tuple[BlockMeta, int, int]], space: bytes) -> None:
         tenants = {meta.tenant or "" for meta, _, _ in metas}
         segment = Segment(name, size, space=space, tenant=tenants.pop() if len(tenants) == 1 else None)
-        if segment.tenant is not None:
-            self.tenant_bytes[segment.tenant] += size
         fresh = []
         for meta, offset, length in metas:
             if meta.key in self.index:
                 continue  # an older segment holds it already
             self.index[meta.key] = (name, offset, length)
             self.meta[meta.key] = meta
+            self.tenant_bytes[meta.tenant or ""] += length
             segment.keys.append(meta.key)
             segment.live += 1
             fresh.append(meta)
@@ -388,8 +387,9 @@ class DiskTier:
         return dropped
 
     def _share_victim(self, incoming: int, tenant: str | None, movable) -> Segment | None:
-        """The least recently used segment that can go of the tenant most over its share (counting
-        `incoming` bytes as `tenant`'s), or None when no tenant is over (the lock held)."""
+        """The least recently used segment that can go, among those holding only the blocks of the
+        tenant most over its share (its blocks' bytes, counting `incoming` bytes as `tenant`'s), or
+        None when no tenant is over or an over tenant has no such segment (the lock held)."""
         held = Counter(self.tenant_bytes)
         if tenant is not None:
             held[tenant] += incoming
@@ -403,20 +403,24 @@ class DiskTier:
 
     def _remove_segment(self, name: str, reason: str) -> None:
         segment = self.segments.pop(name)
-        if segment.tenant is not None:
-            self.tenant_bytes[segment.tenant] -= segment.size
-            if self.tenant_bytes[segment.tenant] <= 0:
-                del self.tenant_bytes[segment.tenant]
-        removed = []
-        for key in segment.keys:
-            if self.index.get(key, (None,))[0] == name:
-                del self.index[key]
-                self.meta.pop(key, None)
-                removed.append(key)
+        removed = [key for key in segment.keys if self.index.get(key, (None,))[0] == name]
+        for key in removed:
+            self._unindex(key)
         if removed and self.events is not None:
             self.events.removed("disk", removed, reason)
         self.used_bytes -= segment.size
         (self.segment_dir / name).unlink(missing_ok=True)
+
+    def _unindex(self, key: bytes) -> tuple[str, int, int] | None:
+        """Take a block off the index and its tenant's bytes (the lock held); where it was."""
+        where = self.index.pop(key, None)
+        meta = self.meta.pop(key, None)
+        if where is not None:
+            tenant = (meta.tenant if meta is not None else None) or ""
+            self.tenant_bytes[tenant] -= where[2]
+            if self.tenant_bytes[tenant] <= 0:
+                del self.tenant_bytes[tenant]
+        return where
 
     # ---- read --------------------------------------------------------------------------------
     def read(self, key: bytes) -> bytes | None:
@@ -490,8 +494,7 @@ class DiskTier:
         """Forget one block (`corrupt`: a failed verification; `operator`: an eviction); the
         segment file goes when none of its blocks is left."""
         with self.lock:
-            where = self.index.pop(key, None)
-            self.meta.pop(key, None)
+            where = self._unindex(key)
             if where is None:
                 return
             if self.events is not None:

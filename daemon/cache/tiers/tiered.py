@@ -690,6 +690,19 @@ class TieredCache:
         return _stack_blocks(per_block, self.layout.num_layers)
 
     # ---- reports -----------------------------------------------------------------------------
+    def tenant_bytes(self) -> dict[str, dict[str, int]]:
+        """Per tier, the bytes each tenant's blocks take there ("" where the tenant is not known):
+        in the host tier its slots times a block's bytes; in Redis, what this daemon wrote."""
+        out: dict[str, dict[str, int]] = {}
+        if self.host is not None:
+            with self.lock:
+                out["host"] = {t: n * self.layout.block_bytes for t, n in self.host.tenant_blocks.items()}
+        for tier in (self.disk, self.remote):
+            if tier is not None:
+                with tier.lock:
+                    out[tier.name] = dict(tier.tenant_bytes)
+        return out
+
     def report(self) -> dict:
         """Per tier: capacity, use, blocks, hit tokens, bytes each way, rates, failures, health."""
         out = {}
