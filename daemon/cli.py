@@ -116,6 +116,8 @@ def serve(
     tier_compress: Optional[str] = typer.Option(
         None, help="How disk and Redis store a block: none (the device's bytes), int8 or fp8_e4m3 "
                    "(about half a 16-bit block, lossy)."),
+    disk_compress: Optional[str] = typer.Option(None, help="The disk tier's own --tier-compress."),
+    remote_compress: Optional[str] = typer.Option(None, help="The Redis tier's own --tier-compress."),
     prefetch_policy: Optional[str] = typer.Option(
         None, help="How long a waiting request holds out for its prefix from disk or Redis: timeout "
                    "(--prefetch-timeout), best_effort (never) or wait_complete (until the fetch ends)."),
@@ -151,7 +153,8 @@ def serve(
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
                    disk_cache_path=disk_cache_path, remote_url=remote_url, write_policy=write_policy,
-                   tiering=tiering, tier_compress=tier_compress, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
+                   tiering=tiering, tier_compress=tier_compress, disk_compress=disk_compress,
+                   remote_compress=remote_compress, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
                    prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
                    max_tenant_metric_series=max_tenant_metric_series)
     try:

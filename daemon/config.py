@@ -170,8 +170,11 @@ class KvdConfig:
     write_policy: str = "write_back"  # or write_through, write_through_selective
     tiering: str = "measured"  # measured (judge from measured rates) or always (keep and restore everything)
     # how disk and Redis store a block (YAML also `tiers: {compress: int8}`): none (the device's bytes),
-    # int8 or fp8_e4m3 (about half a 16-bit block; lossy, daemon/cache/tiers/codec.py)
+    # int8 or fp8_e4m3 (about half a 16-bit block; lossy, daemon/cache/tiers/codec.py); disk_compress
+    # and remote_compress (YAML `tiers: {disk: {compress}}`) set one of them apart (None: tier_compress)
     tier_compress: str = "none"
+    disk_compress: str | None = None
+    remote_compress: str | None = None
     # how long a waiting request holds out for its prefix to come up from disk or Redis (SGLang
     # HiCache's policies): timeout (prefetch_timeout + prefetch_timeout_per_1k_tokens per 1,024
     # tokens fetched), best_effort (never wait) or wait_complete (until the fetch ends)
@@ -185,6 +188,10 @@ class KvdConfig:
     max_tenant_metric_series: int = 100
     # where each setting came from ("--max-queue", "KVD_MAX_QUEUE", the YAML file's path); absent: the default
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def tier_codecs(self) -> dict[str, str]:
+        """The codec asked for each payload tier: its own setting, else `tier_compress`."""
+        return {"disk": self.disk_compress or self.tier_compress, "remote": self.remote_compress or self.tier_compress}
 
     def describe(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
@@ -263,7 +270,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"must be {', '.join(WRITE_POLICIES[:-1])} or {WRITE_POLICIES[-1]}")
     if name == "tiering" and value not in ("measured", "always"):
         raise ValueError("must be measured or always")
-    if name == "tier_compress" and value not in TIER_CODECS:
+    if name in ("tier_compress", "disk_compress", "remote_compress") and value is not None \
+            and value not in TIER_CODECS:
         raise ValueError(f"must be {', '.join(TIER_CODECS[:-1])} or {TIER_CODECS[-1]}")
     if name == "prefetch_policy" and value not in PREFETCH_POLICIES:
         raise ValueError(f"must be {', '.join(PREFETCH_POLICIES[:-1])} or {PREFETCH_POLICIES[-1]}")
@@ -282,7 +290,8 @@ def _check(name: str, value: Any) -> None:
 
 _TIER_FIELDS = {("host", "bytes"): "host_cache_bytes", ("disk", "bytes"): "disk_cache_bytes",
                 ("disk", "path"): "disk_cache_path", ("remote", "url"): "remote_url",
-                ("remote", "bytes"): "remote_cache_bytes", ("remote", "timeout"): "remote_timeout"}
+                ("remote", "bytes"): "remote_cache_bytes", ("remote", "timeout"): "remote_timeout",
+                ("disk", "compress"): "disk_compress", ("remote", "compress"): "remote_compress"}
 
 
 def _flatten_tiers(values: dict, source: str) -> dict:

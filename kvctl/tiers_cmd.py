@@ -114,16 +114,30 @@ def prefetch_line(p: dict) -> str:
     return line
 
 
-def compress_line(c: dict) -> str:
-    """How disk and Redis store a block, in one line."""
-    if c["codec"] == "none":
-        line = f"disk and Redis store blocks as the device does ({size(c['block_bytes'])} a block)"
-        if c["setting"] != "none":
-            line += f"; tier_compress {c['setting']} is not applied: {c['inactive_reason']}"
-        return line
-    return (f"disk and Redis store blocks compressed ({c['codec']}, lossy): {size(c['stored_block_bytes'])} a block "
-            f"instead of {size(c['block_bytes'])} ({c['stored_block_bytes'] / c['block_bytes']:.2f}); "
-            "blocks stored before stay as they were")
+def compress_line(per_tier: dict) -> str:
+    """How disk and Redis store a block, in one line: `{tier: {"setting", "codec", ...}}` as
+    /admin/tiers reports it."""
+    names = {"disk": "disk", "remote": "Redis"}
+    entries = list(per_tier.items())
+    if len(entries) > 1 and all(e == entries[0][1] for _, e in entries):
+        entries = [(" and ".join(names[t] for t in per_tier), entries[0][1])]
+    else:
+        entries = [(names[t], e) for t, e in entries]
+    phrases = []
+    for subject, c in entries:
+        verb = "store" if " and " in subject else "stores"
+        if c["codec"] == "none":
+            phrase = f"{subject} {verb} blocks as the device does ({size(c['block_bytes'])} a block)"
+            if c["setting"] != "none":
+                phrase += f"; compress {c['setting']} is not applied: {c['inactive_reason']}"
+        else:
+            phrase = (f"{subject} {verb} blocks compressed ({c['codec']}, lossy): {size(c['stored_block_bytes'])} a "
+                      f"block instead of {size(c['block_bytes'])} ({c['stored_block_bytes'] / c['block_bytes']:.2f})")
+        phrases.append(phrase)
+    line = "; ".join(phrases)
+    if any(c["codec"] != "none" for c in per_tier.values()):
+        line += "; blocks stored before stay as they were"
+    return line
 
 
 def _aside_group(g: dict) -> str:

@@ -231,6 +231,33 @@ def test_after_a_restart_the_disk_re_indexes_compressed_and_whole_blocks_alike(t
     again.close()
 
 
+def test_disk_and_redis_compress_apart_and_each_payload_says_how_it_is_stored(demo, tmp_path, redis_server):
+    from kvctl.daemon.cache.keys import PrefixHasher
+    from kvctl.tiers_cmd import compress_line
+
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d", remote_url=redis_server.url,
+                                 write_policy="write_through", compress={"disk": "none", "remote": "int8"})
+    cold = generate(engine, TEXT_A, demo)
+    assert tiered.flush(timeout=30)
+    ids = demo.tokenizer.encode(TEXT_A)
+    keys = PrefixHasher(engine.namespace("default")).feed(ids)[:(len(ids) - 1) // 16]
+    layout = tiered.layout
+    assert {tiered.disk.index[k][2] for k in keys} == {layout.stored_bytes("none")}
+    assert {tiered.remote.written[k] for k in keys} == {layout.stored_bytes("int8")}
+    assert (tiered.block_bytes_in("disk"), tiered.block_bytes_in("remote")) == (
+        layout.stored_bytes("none"), layout.stored_bytes("int8"))
+    line = compress_line(tiered.report()["compress"])
+    assert line.startswith("disk stores blocks as the device does (") and \
+        "; Redis stores blocks compressed (int8, lossy): " in line
+    with pytest.raises(ValueError, match="tier_compress: 'host' is not a tier that stores payloads; use disk or remote"):
+        tiered.compress = {"host": "int8"}
+    push_out(engine, demo)
+    assert tiered.flush(timeout=30)
+    warm = generate(engine, TEXT_A, demo)  # from disk, where it is whole: the same tokens
+    assert warm.metrics.restored_tokens == len(keys) * 16
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+
+
 def test_blocks_written_before_compression_was_turned_on_still_restore_exactly(demo, tmp_path):
     engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
     cold = generate(engine, TEXT_A, demo)
@@ -253,19 +280,23 @@ def test_kvd_compresses_from_its_config_reloads_the_setting_and_kvctl_tiers_says
     from kvctl.tiers_cmd import render_tiers
 
     path = tmp_path / "kvd.yaml"
-    path.write_text("tiers:\n  disk: {bytes: 4MiB}\n  compress: int8\n")
-    assert resolve({}, env={}, config_file=path).tier_compress == "int8"
+    path.write_text("tiers:\n  disk: {bytes: 4MiB, compress: none}\n  compress: int8\n")
+    cfg = resolve({}, env={}, config_file=path)
+    assert (cfg.tier_compress, cfg.disk_compress, cfg.tier_codecs()) == ("int8", "none", {"disk": "none", "remote": "int8"})
+    assert resolve({"remote_compress": "fp8_e4m3"}, env={}).tier_codecs() == {"disk": "none", "remote": "fp8_e4m3"}
     assert resolve({}, env={"KVD_TIER_COMPRESS": "fp8_e4m3"}).tier_compress == "fp8_e4m3"
     with pytest.raises(ConfigError, match="tier_compress: invalid value 'zstd'.*must be none, int8 or fp8_e4m3"):
         resolve({"tier_compress": "zstd"}, env={})
+    with pytest.raises(ConfigError, match="disk_compress: invalid value 'lz4'.*must be none, int8 or fp8_e4m3"):
+        resolve({}, env={"KVD_DISK_COMPRESS": "lz4"})
     service = start_service(tmp_path / "state", disk_cache_bytes="4MiB", tier_compress="int8")
     try:
         app = create_app(service, service.metrics, front="unix")
         report = call(app, "GET", "/admin/tiers").json()
         layout = service.tiers.layout
-        assert report["compress"] == {"setting": "int8", "codec": "int8", "inactive_reason": None,
-                                      "block_bytes": layout.payload_bytes,
-                                      "stored_block_bytes": layout.stored_bytes("int8")}
+        assert report["compress"] == {"disk": {"setting": "int8", "codec": "int8", "inactive_reason": None,
+                                               "block_bytes": layout.payload_bytes,
+                                               "stored_block_bytes": layout.stored_bytes("int8")}}
         assert report["tiers"]["disk"]["blocks"] == 0
         assert report["tiers"]["disk"]["block_bytes"] == layout.stored_bytes("int8")
         metrics = call(app, "GET", "/metrics").text
@@ -274,17 +305,18 @@ def test_kvd_compresses_from_its_config_reloads_the_setting_and_kvctl_tiers_says
         render_tiers(report, console)
         ratio = layout.stored_bytes("int8") / layout.payload_bytes
         text = console.export_text()
-        assert "disk and Redis store blocks compressed (int8, lossy)" in text
+        assert "disk stores blocks compressed (int8, lossy)" in text
         assert f"({ratio:.2f}); blocks stored before stay as they were" in text
         facts = service.route_facts([1] * 40, "default")  # what a router prices a restore from disk with
         assert facts["restore_rates"]["disk"]["block_bytes"] == layout.stored_bytes("int8")
         result = service.reload(replace(service.config, tier_compress="none"))
-        assert result["changed"] == {"tier_compress": "none"} and service.tiers.compress == "none"
+        assert result["changed"] == {"tier_compress": "none"}
+        assert service.tiers.compress == {"disk": "none", "remote": "none"}
         report = call(app, "GET", "/admin/tiers").json()
-        assert report["compress"]["codec"] == "none"
+        assert report["compress"]["disk"]["codec"] == "none"
         console = Console(record=True, width=200)
         render_tiers(report, console)
-        assert f"disk and Redis store blocks as the device does ({_size(layout.payload_bytes)} a block)" in \
+        assert f"disk stores blocks as the device does ({_size(layout.payload_bytes)} a block)" in \
             console.export_text()
     finally:
         service.shutdown(deadline=2)
@@ -304,9 +336,9 @@ def test_a_quantised_device_cache_says_why_compression_is_not_applied(demo, tmp_
     engine = Engine(demo, EngineSettings(num_blocks=12, block_size=16, cache_dtype="int8"))
     tiered, _ = build_tiers(engine, disk_bytes=1 << 22, disk_path=tmp_path / "d", compress="fp8_e4m3")
     report = tiered.report()["compress"]
-    assert report["codec"] == "none" and report["setting"] == "fp8_e4m3"
+    assert report["disk"]["codec"] == "none" and report["disk"]["setting"] == "fp8_e4m3"
     assert compress_line(report).endswith(
-        "tier_compress fp8_e4m3 is not applied: the device cache is int8: only float32, float16 and bfloat16 "
+        "compress fp8_e4m3 is not applied: the device cache is int8: only float32, float16 and bfloat16 "
         "caches are compressed")
 
 

@@ -373,7 +373,8 @@ class EngineService:
         live = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
                 "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
-                "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress")
+                "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
+                "remote_compress")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         previous = {k: getattr(self.config, k) for k in changed}
         ignored = sorted(k for k, v in new.describe().items()
@@ -402,7 +403,7 @@ class EngineService:
                 if "reservation" in changed:
                     engine.reservation = parse_reservation(new.reservation)
                 if self.tiers is not None:  # blocks written from now on; those stored stay as they are
-                    self.tiers.compress = new.tier_compress
+                    self.tiers.compress = new.tier_codecs()
                 if new.pin_budget_blocks is not None:
                     engine.cache.pins.default_budget = new.pin_budget_blocks
             sources = {k: v for k, v in self.config.sources.items() if k not in live}  # these wait for a restart

@@ -29,7 +29,7 @@ def attach(service, engine) -> None:
     tiers, scan = build_tiers(engine, host_bytes=cfg.host_cache_bytes, disk_bytes=cfg.disk_cache_bytes,
                               disk_path=disk_path, remote_url=cfg.remote_url,
                               remote_bytes=cfg.remote_cache_bytes, write_policy=cfg.write_policy,
-                              remote_timeout=cfg.remote_timeout, tiering=cfg.tiering, compress=cfg.tier_compress)
+                              remote_timeout=cfg.remote_timeout, tiering=cfg.tiering, compress=cfg.tier_codecs())
     service.tiers, service.tier_scan = tiers, scan
     if scan is not None:
         log.info("disk tier: %d blocks in %d segments re-indexed (%d of them set aside before, for this model); "

@@ -46,7 +46,7 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
                 disk_path: str | Path | None = None, remote_url: str | None = None,
                 remote_bytes: int | None = None, write_policy: str = "write_back",
                 remote_timeout: float = 0.5, tiering: str = "measured",
-                compress: str = "none") -> tuple[TieredCache | None, ScanReport | None]:
+                compress: str | dict[str, str] = "none") -> tuple[TieredCache | None, ScanReport | None]:
     """The configured tiers for `engine`, attached; (None, None) when none is configured.
     The disk tier is scanned (verified and re-indexed) before this returns."""
     if not (host_bytes or disk_bytes or remote_url):

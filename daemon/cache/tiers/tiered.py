@@ -33,7 +33,7 @@ from collections import Counter
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -100,11 +100,11 @@ class TieredCache:
     def __init__(self, kv_caches, layout: BlockLayout, space: bytes, *, host: HostTier | None = None,
                  disk: DiskTier | None = None, remote: RemoteTier | None = None,
                  write_policy: str = "write_back", policy: TieringPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic, compress: str = "none") -> None:
+                 clock: Callable[[], float] = time.monotonic, compress: str | Mapping[str, str] = "none") -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy: invalid value {write_policy!r}; use {', '.join(WRITE_POLICIES)}")
         self.kv_caches, self.layout, self.space = kv_caches, layout, space
-        self.compress = check_codec(compress)  # asked for (tier_compress); `codec()` is what is written
+        self.compress = compress  # asked for, per payload tier (tier_compress); `codec(tier)` is what is written
         self.host, self.disk, self.remote = host, disk, remote
         self.write_policy, self.clock = write_policy, clock
         self.policy = policy or TieringPolicy()
@@ -157,15 +157,31 @@ class TieredCache:
                              "latency_seconds": self.stats[t.name].read.latency,
                              "block_bytes": self.block_bytes_in(t.name)} for t in self.tiers()}
 
-    def codec(self) -> str:
-        """How blocks are written to disk and Redis now: `compress`, or none where the device
-        cache's format cannot be compressed (codec.py)."""
-        return self.layout.codec_for(self.compress)
+    @property
+    def compress(self) -> dict[str, str]:
+        """The codec asked for each payload tier: {"disk": ..., "remote": ...}."""
+        return dict(self._compress)
+
+    @compress.setter
+    def compress(self, value: str | Mapping[str, str]) -> None:
+        """One codec for disk and Redis, or a mapping of either (the other keeps its own)."""
+        given = {"disk": value, "remote": value} if isinstance(value, str) else dict(value)
+        unknown = set(given) - {"disk", "remote"}
+        if unknown:
+            raise ValueError(f"tier_compress: {sorted(unknown)[0]!r} is not a tier that stores payloads; "
+                             "use disk or remote")
+        current = getattr(self, "_compress", {"disk": "none", "remote": "none"})
+        self._compress = {**current, **{tier: check_codec(codec) for tier, codec in given.items()}}
+
+    def codec(self, tier: str) -> str:
+        """How blocks are written to that tier (disk or remote) now: what `compress` asks, or none
+        where the device cache's format cannot be compressed (codec.py)."""
+        return self.layout.codec_for(self._compress[tier])
 
     def block_bytes_in(self, tier: str) -> int:
         """Bytes one block takes to read from a tier: the device's bytes in the host tier, a
         payload as written now on disk and in Redis."""
-        return self.layout.block_bytes if tier == "host" else self.layout.stored_bytes(self.codec())
+        return self.layout.block_bytes if tier == "host" else self.layout.stored_bytes(self.codec(tier))
 
     def known_metas(self) -> dict[bytes, tuple[BlockMeta, str]]:
         """Every block a lower tier holds, with its fastest tier (for prefix listings)."""
@@ -313,9 +329,12 @@ class TieredCache:
 
     def _publish(self, metas: list[BlockMeta], layers, src: str, targets: list[str]) -> None:
         try:
-            items = list(zip(metas, encode_parts(self.layout, self.space, metas, layers, self.codec())))
+            encoded: dict[str, list] = {}  # each codec once, for every target that writes with it
             for name in targets:
-                for part in self._segments_for(name, items):
+                codec = self.codec(name)
+                if codec not in encoded:
+                    encoded[codec] = list(zip(metas, encode_parts(self.layout, self.space, metas, layers, codec)))
+                for part in self._segments_for(name, encoded[codec]):
                     self._publish_to(name, part, src)
         finally:
             with self.lock:
@@ -737,10 +756,12 @@ class TieredCache:
                 {**(summary(g["space"].hex(), book.get(g["space"].hex())) if g["space"] else {"space": None}),
                  "kind": g["kind"], "segments": g["segments"], "bytes": g["bytes"]}
                 for g in self.disk.set_aside()]
-        codec = self.codec()
-        compression = {"setting": self.compress, "codec": codec,
-                       "inactive_reason": unsupported(self.layout.layer_dtypes, self.compress),
-                       "block_bytes": self.layout.payload_bytes, "stored_block_bytes": self.layout.stored_bytes(codec)}
+        compression = {  # per payload tier: the codec asked for, the one written, a block's bytes both ways
+            tier.name: {"setting": self._compress[tier.name], "codec": self.codec(tier.name),
+                        "inactive_reason": unsupported(self.layout.layer_dtypes, self._compress[tier.name]),
+                        "block_bytes": self.layout.payload_bytes,
+                        "stored_block_bytes": self.layout.stored_bytes(self.codec(tier.name))}
+            for tier in (self.disk, self.remote) if tier is not None}
         return {"write_policy": self.write_policy, "tiers": out, "moved_bytes": out_moved,
                 "moving_blocks": len(self.inflight), "staged_blocks": len(self.staged), "compress": compression}
 
