@@ -109,6 +109,11 @@ def test_a_payload_naming_an_unknown_codec_or_with_a_flipped_byte_is_refused():
     forged[-8:] = struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
     with pytest.raises(PayloadError, match="layout: unknown compression code 9"):
         decode_block(bytes(forged), layout, SPACE, key)
+    for header_len in (0, 5, len(payload) + 1):  # a torn or forged header length: refused, never read out of place
+        bad = bytearray(payload)
+        bad[6:8] = struct.pack("<H", header_len)
+        with pytest.raises(PayloadError, match="length: "):
+            decode_block(bytes(bad), layout, SPACE, key)
     flipped = bytearray(payload)
     flipped[len(payload) // 2] ^= 0x10
     with pytest.raises(PayloadError, match="checksum"):

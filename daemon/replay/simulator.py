@@ -18,12 +18,13 @@ Allocator figures time only the calls into the cache core (admit, append,
 release); key hashing is done before the clock starts.
 
 With `tier_tokens`, a lower tier (host memory, disk or Redis, as kvd's) of that many tokens
-sits below the device: every block the device evicts goes down to it (`tier_write` write_back,
-kvd's default; with write_through every prompt block goes down as it is computed; with
-write_through_selective a block goes down when a prompt first reuses it), least recently used
-out first, and the blocks of a prompt it holds right after the device's hits are
-restored instead of prefilled, at `restore_rate` tokens a second in the service model. Compressed tiers
-(`tier_compress`) hold about twice the tokens in the same bytes: replay both sizes.
+sits below the device, least recently used out first. What goes down to it (`tier_write`, kvd's
+write_policy names): every block the device evicts (write_back, kvd's default), every prompt
+block as it is computed (write_through), or a block when a prompt first reuses it
+(write_through_selective). The blocks of a prompt it holds right after the device's hits are
+restored instead of prefilled, at `restore_rate` tokens a second in the service model.
+Compressed tiers (`tier_compress`) hold about twice the tokens in the same bytes: replay both
+sizes.
 """
 
 from __future__ import annotations

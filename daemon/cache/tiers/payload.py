@@ -340,6 +340,8 @@ def _codec_of(data: bytes | memoryview) -> str:
     _, version, header_len, *_ = _FIXED.unpack_from(data, 0)
     if version == VERSION:
         return "none"
+    if not _FIXED.size < header_len <= len(data):
+        raise PayloadError("length", f"header length {header_len} in a payload of {len(data)} bytes")
     (code,) = _U8.unpack_from(data, header_len - _U8.size)
     name = CODEC_NAMES.get(code)
     if name is None:
