@@ -103,7 +103,7 @@ def prefetch_line(p: dict) -> str:
     counts = p["outcomes"]
     ended = ", ".join(f"{counts[k]:,} {label}" for k, label in (
         ("complete", "complete"), ("timeout", "timed out"), ("best_effort", "not waited for"),
-        ("cancelled", "cancelled")) if counts.get(k))
+        ("cancelled", "cancelled"), ("miss", "found nothing")) if counts.get(k))
     waits = p["wait_seconds"]
     line = f"prefetch ({policy}): " + (ended or "none yet")
     if waits["count"]:

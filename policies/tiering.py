@@ -132,7 +132,9 @@ class PrefetchWait:
         return "best_effort" if self.policy == "best_effort" else "timeout"
 
 
-PREFETCH_OUTCOMES = ("complete", "timeout", "best_effort", "cancelled")
+# miss: the fetch ended and found none of the blocks (a shared Redis asked for blocks another daemon
+# may have written, and had none of them): counted apart, so that `complete` means blocks came up
+PREFETCH_OUTCOMES = ("complete", "timeout", "best_effort", "cancelled", "miss")
 
 
 def held_run(keys, holders) -> dict[str, int]:

@@ -19,6 +19,7 @@ from kvctl.policies.tiering import PrefetchWait  # noqa: E402
 
 from .daemon_fixtures import call, start_service  # noqa: E402
 from .tier_engine import GREEDY, TEXT_A, TEXT_B, demo, engine_with, generate, push_out  # noqa: E402,F401
+from .tier_fixtures import redis_server  # noqa: E402,F401
 
 TEXT_D = "Something nobody asked before, with no prefix in any tier at all: it computes from scratch."
 
@@ -174,6 +175,25 @@ def test_cancelling_a_request_that_waits_for_its_fetch_counts_it_cancelled(demo,
     engine.cache.audit()
 
 
+def test_a_fetch_from_a_shared_redis_that_finds_nothing_is_a_miss_not_complete(demo, redis_server):
+    """A Redis tier may hold blocks other daemons wrote, so a new prompt's prefix is asked for
+    there; when none is found, the wait ended as a miss. Blocks that came up are `complete`."""
+    from kvctl.tiers_cmd import prefetch_line
+
+    writer, _ = engine_with(demo, remote_url=redis_server.url, write_policy="write_through")
+    generate(writer, TEXT_A, demo)
+    assert writer.tiers.flush(timeout=30)
+    engine, tiered = engine_with(demo, remote_url=redis_server.url, settings={"prefetch_policy": "wait_complete"})
+    fresh = generate(engine, TEXT_D, demo)  # nobody wrote it
+    assert fresh.metrics.prefetch_outcome == "miss" and fresh.metrics.restored_tokens == 0
+    shared = generate(engine, TEXT_A, demo)  # the writer's blocks come up
+    assert shared.metrics.prefetch_outcome == "complete" and shared.metrics.restored_tokens > 0
+    assert engine.stats.prefetch_outcomes == {"miss": 1, "complete": 1}
+    line = prefetch_line({"policy": "wait_complete", "outcomes": engine.stats.prefetch_outcomes,
+                          "wait_seconds": {"count": 0}, "staged_blocks": 0, "fetching_now": 0})
+    assert line == "prefetch (wait_complete): 1 complete, 1 found nothing"
+
+
 def test_the_daemon_reports_prefetches_and_takes_a_new_policy_live(tmp_path):
     """After a restart TEXT_A is on disk only: its request waits for the fetch. /admin/tiers,
     /metrics, `kvctl tiers` and `kvctl requests` (while a fetch hangs) show it; a reload changes
@@ -215,7 +235,7 @@ def test_the_daemon_reports_prefetches_and_takes_a_new_policy_live(tmp_path):
         prefetch = report["prefetch"]
         assert (prefetch["policy"], prefetch["timeout_seconds"], prefetch["timeout_per_1k_tokens_seconds"]) == \
             ("timeout", 30.0, 0.0)
-        assert prefetch["outcomes"] == {"complete": 1, "timeout": 0, "best_effort": 0, "cancelled": 0}
+        assert prefetch["outcomes"] == {"complete": 1, "timeout": 0, "best_effort": 0, "cancelled": 0, "miss": 0}
         assert prefetch["staged_blocks"] == cached // 16 and prefetch["fetching_now"] == 0
         assert prefetch["wait_seconds"]["count"] == 1 and prefetch["wait_seconds"]["p50"] > 0
         console = Console(width=160, record=True)

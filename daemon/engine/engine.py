@@ -336,6 +336,8 @@ class Engine:
             job = tiers.prefetches.get(request.request_id)
             if outcome is None:
                 outcome = self.prefetch.outcome(not tiers.prefetch_pending(request.request_id))
+                if outcome == "complete" and job is not None and not job.staged:
+                    outcome = "miss"  # it ended finding none of the blocks
             metrics.prefetch_outcome = outcome
             self.stats.prefetch_outcomes[outcome] = self.stats.prefetch_outcomes.get(outcome, 0) + 1
             if outcome != "cancelled":
