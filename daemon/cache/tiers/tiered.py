@@ -577,7 +577,7 @@ class TieredCache:
                 except PayloadError as exc:
                     self._bad_payload(source, key, exc)
                     return len(job.staged)
-                if layers.codec != "none":
+                if not layers.decoded:
                     layers.stacked()  # decompressed here, on the reader thread, not in the serving loop
                 with self.lock:
                     if job.cancelled:
