@@ -361,3 +361,24 @@ def test_a_compressed_block_is_decompressed_when_fetched_not_when_the_engine_res
     assert [b.codec for b in staged] == ["int8"] * len(keys)
     assert all(b.decoded for b in staged)  # the reader thread decompressed them
     tiered.finish_prefetch(job)
+
+
+def test_an_operator_swaps_a_prefix_to_a_compressed_disk_and_back(tmp_path):
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tier_compress="int8", tiering="always")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        response = call(app, "POST", "/v1/completions", json={"prompt": TEXT_A, "max_tokens": 1, "temperature": 0})
+        assert response.status_code == 200
+        [prefix] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        moved = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "disk"}).json()
+        assert moved["verified_blocks"] == moved["blocks"] == prefix["blocks"]  # read back and checked, compressed
+        keys = service.engine.prefix_keys("default", service.engine.tokenizer.encode(TEXT_A))[2][:prefix["blocks"]]
+        assert {service.tiers.disk.index[k][2] for k in keys} == {service.tiers.layout.stored_bytes("int8")}
+        back = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "device"}).json()
+        assert back["verified_blocks"] == back["blocks"] == prefix["blocks"]
+        again = call(app, "POST", "/v1/completions", json={"prompt": TEXT_A, "max_tokens": 1, "temperature": 0})
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix["blocks"] * 16
+    finally:
+        service.shutdown(deadline=2)
