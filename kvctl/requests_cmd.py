@@ -17,7 +17,7 @@ from rich.text import Text
 
 from .errors import UserError
 from .ops import _client, _emit, replica_lines, show_or_watch
-from .tables import compact_table, keep_whole, seconds
+from .tables import compact_table, keep_whole, seconds, size
 
 
 def requests(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help="Only this tenant's."),
@@ -57,9 +57,26 @@ def render_requests(d: dict) -> Group:
         parts.append(table)
     parts.append(Text(f"{d['running']} running, {d['waiting']} waiting"))
     parts += [Text(f"#{mark}: {name}") for name, mark in names.items()]
+    for tier, name in (("disk", "disk"), ("remote", "Redis")):
+        line = _lower_tier_line(rows, tier, name)
+        if line:
+            parts.append(Text(line))
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)
+
+
+def _lower_tier_line(rows: list[dict], tier: str, name: str, most: int = 5) -> str | None:
+    """`disk: acme 1.2 MiB of its 1.0 MiB share, globex 300.0 KiB`: the tenants with the most bytes
+    in that tier first (none when the tier is not there or holds nothing)."""
+    held = sorted(((row.get(f"{tier}_bytes") or 0, row["tenant"], row.get(f"{tier}_share_bytes")) for row in rows
+                   if row.get(f"{tier}_bytes")), key=lambda h: (-h[0], h[1]))
+    if not held:
+        return None
+    shown = [f"{tenant} {size(n)}" + ("" if share is None else f" of its {size(share)} share")
+             for n, tenant, share in held[:most]]
+    more = f", and {len(held) - most} more" if len(held) > most else ""
+    return f"{name}: " + ", ".join(shown) + more
 
 
 def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, help="Request ids (kvctl requests)."),
@@ -141,6 +158,23 @@ def render_tenants(d: dict) -> Group:
                          if shares else "")
                       + ("; host: host-memory slots holding its blocks (against its share there)" if host else "")
                       + "; pins: pinned blocks against the pin budget; TTFT ms: p50/p95 of its latest requests"))
+    for tier, name in (("disk", "disk"), ("remote", "Redis")):
+        line = _lower_tier_line(rows, tier, name)
+        if line:
+            parts.append(Text(line))
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)
+
+
+def _lower_tier_line(rows: list[dict], tier: str, name: str, most: int = 5) -> str | None:
+    """`disk: acme 1.2 MiB of its 1.0 MiB share, globex 300.0 KiB`: the tenants with the most bytes
+    in that tier first (none when the tier is not there or holds nothing)."""
+    held = sorted(((row.get(f"{tier}_bytes") or 0, row["tenant"], row.get(f"{tier}_share_bytes")) for row in rows
+                   if row.get(f"{tier}_bytes")), key=lambda h: (-h[0], h[1]))
+    if not held:
+        return None
+    shown = [f"{tenant} {size(n)}" + ("" if share is None else f" of its {size(share)} share")
+             for n, tenant, share in held[:most]]
+    more = f", and {len(held) - most} more" if len(held) > most else ""
+    return f"{name}: " + ", ".join(shown) + more

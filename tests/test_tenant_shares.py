@@ -510,6 +510,15 @@ def test_kvd_gives_its_disk_tier_the_shares_and_a_reload_changes_them(tmp_path):
             == {"disk_bytes": 3 * payload, "disk_share_bytes": 2**20, "remote_bytes": None, "remote_share_bytes": None}
         metrics = call(unix, "GET", "/metrics").text
         assert f'kvd_tenant_tier_bytes{{tenant="acme",tier="disk"}} {float(3 * payload)}' in metrics
+        from rich.console import Console
+
+        from kvctl.requests_cmd import render_tenants
+        from kvctl.tables import size
+
+        console = Console(width=80, record=True)
+        console.print(render_tenants({"tenants": list(rows.values()), "shares": True, "blocks": 64}))
+        text = " ".join(console.export_text().split())
+        assert f"disk: acme {size(3 * payload)} of its 1.0 MiB share" in text and "Redis:" not in text
         _, merged = merge_tenant_lists(["r0", "r1"], [(200, {"tenants": [rows["acme"]], "blocks": 64})] * 2)
         assert (merged["tenants"][0]["disk_bytes"], merged["tenants"][0]["disk_share_bytes"]) == (6 * payload, 2**21)
         service.reload(replace(service.config, tenant_cache_shares=(("acme", 0.5), ("*", 0.25))))
@@ -519,3 +528,14 @@ def test_kvd_gives_its_disk_tier_the_shares_and_a_reload_changes_them(tmp_path):
         assert call(unix, "GET", "/admin/tenants").json()["tenants"][0]["disk_share_bytes"] is None
     finally:
         service.shutdown(deadline=2)
+
+
+def test_kvctl_tenants_names_the_tenants_holding_most_of_each_lower_tier():
+    from kvctl.requests_cmd import _lower_tier_line
+
+    rows = [{"tenant": f"t{i}", "remote_bytes": i * 2**20, "remote_share_bytes": 4 * 2**20 if i == 6 else None,
+             "disk_bytes": None} for i in range(8)]
+    assert _lower_tier_line(rows, "remote", "Redis") == (
+        "Redis: t7 7.0 MiB, t6 6.0 MiB of its 4.0 MiB share, t5 5.0 MiB, t4 4.0 MiB, t3 3.0 MiB, and 2 more")
+    assert _lower_tier_line(rows, "disk", "disk") is None  # no disk tier there
+    assert _lower_tier_line([{"tenant": "a", "disk_bytes": 0}], "disk", "disk") is None  # it holds nothing
