@@ -230,7 +230,8 @@ def _figures(nbytes: int, repeats: int, ours_write, ours_read, raw_write, raw_re
 
 
 def break_even(state_dir: Path, tiers: list[str], url: str | None, lengths: list[int], repeats: int) -> dict:
-    """Prefill L tokens on the demo model vs restoring L tokens of its blocks from each tier."""
+    """Prefill L tokens on the demo model vs restoring L tokens of its blocks from each tier
+    (`disk (int8)`: the disk storing them compressed with that codec)."""
     import torch
 
     from kvctl.daemon.cache.tiers import build_tiers
@@ -255,26 +256,28 @@ def break_even(state_dir: Path, tiers: list[str], url: str | None, lengths: list
 
         out["recompute_seconds"].append(_best(recompute, repeats))
         for tier in tiers:
+            base, _, codec = tier.partition(" ")
+            codec = codec.strip("()") or "none"
             kwargs = {"host": dict(host_bytes=(blocks + 8) * 2**16),
-                      "disk": dict(disk_bytes=1 << 30, disk_path=state_dir / f"be-{tier}-{length}"),
-                      "remote": dict(remote_url=url)}[tier]
+                      "disk": dict(disk_bytes=1 << 30, disk_path=state_dir / f"be-{base}-{codec}-{length}"),
+                      "remote": dict(remote_url=url)}[base]
             engine = Engine(loaded, EngineSettings(num_blocks=blocks + 8, block_size=16,
                                                    max_batch_tokens=max(256, length + 1)))
-            tiered, _ = build_tiers(engine, tiering="always", write_policy="write_through" if tier != "host"
-                                    else "write_back", **kwargs)
+            tiered, _ = build_tiers(engine, tiering="always", write_policy="write_through" if base != "host"
+                                    else "write_back", compress=codec, **kwargs)
             engine.add_request(prompt, params)
             engine.run_until_done()
             tiered.flush()
             from kvctl.daemon.cache.keys import PrefixHasher
 
             keys = PrefixHasher(engine.namespace("default")).feed(prompt)[:blocks]
-            if tier == "host":
+            if base == "host":
                 tiered._put_host([_meta(engine, k) for k in keys], src="device",
                                  block_ids=[engine.cache.pool.block_of(k) for k in keys])
 
             def restore():
                 engine.cache.evict_prefix(keys)
-                job = tiered.fetch_now(keys) if tier != "host" else None
+                job = tiered.fetch_now(keys) if base != "host" else None
                 tiered.restore_into(engine.cache, keys, 0, len(keys), "default")
                 if job is not None:
                     tiered.finish_prefetch(job)
@@ -345,7 +348,8 @@ def tiers_command(
         if compress is not None:
             document["compression"] = compression_error(layout, group_blocks, compress)
         if not skip_break_even:
-            names = ["host", "disk"] + (["remote"] if redis_url else [])
+            names = ["host", "disk"] + ([f"disk ({compress})"] if compress else []) + (["remote"] if redis_url else []) \
+                + ([f"remote ({compress})"] if compress and redis_url else [])
             document["break_even"] = break_even(scratch, names, redis_url,
                                                 [int(x) for x in lengths.split(",")], repeats)
     finally:

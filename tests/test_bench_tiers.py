@@ -59,6 +59,12 @@ def test_bench_tiers_compress_measures_the_compressed_tiers_beside_the_whole_one
     assert c["ratio"] == pytest.approx(c["stored_block_bytes"] / c["device_block_bytes"]) and c["ratio"] < 0.6
     assert 0 < c["max_error_of_row_max"] <= 1 / 254 + 2**-8  # int8's bound, and bfloat16's rounding
     assert 0 < c["mean_error_of_rms"] < 0.01  # gaussian rows: about a quarter of a step, a step being max/127
+    status, out, _ = cli(capsys, "bench", "tiers", *SMALL, "--compress", "int8", "--lengths", "16,32",
+                         "--redis-url", redis_server.url, "--disk-path", str(tmp_path), "--json")
+    be = json.loads(out)["break_even"]  # restoring from the compressed tiers too, beside recomputing
+    assert list(be["restore_seconds"]) == ["host", "disk", "disk (int8)", "remote", "remote (int8)"]
+    assert all(len(times) == 2 and min(times) > 0 for times in be["restore_seconds"].values())
+    assert set(be["break_even_tokens"]) == set(be["restore_seconds"])
 
 
 @pytest.mark.parametrize("args, message", [
