@@ -263,6 +263,23 @@ def test_disk_and_redis_compress_apart_and_each_payload_says_how_it_is_stored(de
     assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
 
 
+def test_a_disk_segment_salvaged_to_redis_is_stored_as_redis_stores_blocks(demo, tmp_path, redis_server):
+    """write_back: a segment the disk evicts for room goes to Redis; the disk holds it whole, Redis
+    compresses, so it is verified and encoded again on the way."""
+    engine, tiered = engine_with(demo, disk_bytes=6 * 16_622, disk_path=tmp_path / "d", remote_url=redis_server.url,
+                                 compress={"disk": "none", "remote": "int8"})
+    assert tiered.layout.payload_bytes == 16_622
+    generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    assert tiered.flush(timeout=30)
+    salvaged = dict(tiered.remote.written)
+    assert salvaged and set(salvaged.values()) == {tiered.layout.stored_bytes("int8")}
+    assert not set(salvaged) & set(tiered.disk.index)  # what the disk dropped, Redis took
+    assert all(length == tiered.layout.payload_bytes for _, _, length in tiered.disk.index.values())
+    warm = generate(engine, TEXT_A, demo)  # from wherever it is now: disk, or Redis compressed
+    assert warm.metrics.cached_tokens > 0 and tiered.stats["remote"].checksum_failures == 0
+
+
 def test_blocks_written_before_compression_was_turned_on_still_restore_exactly(demo, tmp_path):
     engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
     cold = generate(engine, TEXT_A, demo)

@@ -319,7 +319,7 @@ def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, ke
         raise PayloadError("key", "payload holds another block")
     if got_space != space:
         raise PayloadError("space", "payload belongs to another model, tokenizer, format or scale set")
-    codec = _codec_of(data)
+    codec = payload_codec(data)
     expected = _header(layout, space, meta, codec)
     if bytes(data[:len(expected)]) != expected:
         raise PayloadError("layout", f"payload layout differs from {layout.describe()}")
@@ -335,7 +335,7 @@ def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, ke
     return BlockData(raw, layout, codec)
 
 
-def _codec_of(data: bytes | memoryview) -> str:
+def payload_codec(data: bytes | memoryview) -> str:
     """The codec a payload names (none for version 4), checked to be one this kvd reads."""
     _, version, header_len, *_ = _FIXED.unpack_from(data, 0)
     if version == VERSION:

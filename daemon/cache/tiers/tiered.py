@@ -43,7 +43,7 @@ from .codec import check_codec, unsupported
 from .disk import DiskTier, Segment
 from .host import HostTier, copy_rows, select_rows
 from .payload import (BlockData, BlockLayout, BlockMeta, PayloadError, decode_block, encode_parts,
-                      payload_length, read_header)
+                      payload_codec, payload_length, read_header)
 from .remote import RemoteTier, RemoteUnavailable
 from .spaces import summary
 
@@ -384,6 +384,8 @@ class TieredCache:
         self.moved[(src, name)] += written
 
     def _salvager(self, out: list):
+        """What write-back saves to Redis of a disk segment about to go: its blocks Redis lacks, as
+        Redis stores blocks (re-encoded where the disk stored them otherwise)."""
         def salvage(segment: Segment, data: bytes) -> None:
             offset = 0
             while offset < len(data):
@@ -392,9 +394,26 @@ class TieredCache:
                 except PayloadError:
                     return
                 if meta.key in self.disk.index and meta.key not in self.remote.written:
-                    out.append((meta, data[offset:offset + total]))
+                    payload = self._as_remote(meta, data[offset:offset + total])
+                    if payload is not None:
+                        out.append((meta, payload))
                 offset += total
         return salvage
+
+    def _as_remote(self, meta: BlockMeta, payload):
+        """A disk payload as the remote tier stores blocks: itself when the codecs agree, else
+        verified and encoded again (None when it fails verification: not worth saving)."""
+        want = self.codec("remote")
+        try:
+            if payload_codec(payload) == want:
+                return payload
+            block = decode_block(payload, self.layout, self.space, meta.key).stacked()
+        except PayloadError:
+            return None
+        if block is None:  # per-layer dtypes differ: never compressed, so the codecs agreed
+            return payload
+        layers = [(block[layer, 0][None], block[layer, 1][None]) for layer in range(self.layout.num_layers)]
+        return b"".join(encode_parts(self.layout, self.space, [meta], layers, want)[0])
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued writes; True when all finished within `timeout`."""
