@@ -57,26 +57,9 @@ def render_requests(d: dict) -> Group:
         parts.append(table)
     parts.append(Text(f"{d['running']} running, {d['waiting']} waiting"))
     parts += [Text(f"#{mark}: {name}") for name, mark in names.items()]
-    for tier, name in (("disk", "disk"), ("remote", "Redis")):
-        line = _lower_tier_line(rows, tier, name)
-        if line:
-            parts.append(Text(line))
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)
-
-
-def _lower_tier_line(rows: list[dict], tier: str, name: str, most: int = 5) -> str | None:
-    """`disk: acme 1.2 MiB of its 1.0 MiB share, globex 300.0 KiB`: the tenants with the most bytes
-    in that tier first (none when the tier is not there or holds nothing)."""
-    held = sorted(((row.get(f"{tier}_bytes") or 0, row["tenant"], row.get(f"{tier}_share_bytes")) for row in rows
-                   if row.get(f"{tier}_bytes")), key=lambda h: (-h[0], h[1]))
-    if not held:
-        return None
-    shown = [f"{tenant} {size(n)}" + ("" if share is None else f" of its {size(share)} share")
-             for n, tenant, share in held[:most]]
-    more = f", and {len(held) - most} more" if len(held) > most else ""
-    return f"{name}: " + ", ".join(shown) + more
 
 
 def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, help="Request ids (kvctl requests)."),
