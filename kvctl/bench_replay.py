@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -186,7 +186,7 @@ def replay_command(
 
 
 def _run_with_progress(console: Console, requests, sizes, capacities, policies,
-                       base: ReplaySettings, fleet: dict | None = None, tiers: list[int] = [0]) -> list:
+                       base: ReplaySettings, fleet: dict | None = None, tiers: Sequence[int] = (0,)) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     total = len(requests) * len(sizes) * len(capacities) * len(policies) * (1 if fleet is None else
