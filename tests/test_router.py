@@ -1164,3 +1164,65 @@ def test_kvctl_prefixes_at_the_router_lists_every_replicas_rows_and_their_ids_wo
     assert {r["replica"] for r in under.json()["prefixes"]} == {"replica-1"}
     assert [r["status"] for r in under.json()["replicas"]] == [404, 200]
     assert gone.json()["result"] == "ok" and [r["status"] for r in gone.json()["replicas"]] == [404, 200]
+
+
+class BreaksMidAnswer(httpx.AsyncBaseTransport):
+    """A replica that dies during its answer: the completion's body stops `after` bytes in (inside
+    an event) with the error httpx raises for a connection closed mid-body."""
+
+    def __init__(self, app, after: int) -> None:
+        self.inner, self.after = httpx.ASGITransport(app=app), after
+
+    async def handle_async_request(self, request):
+        answer = await self.inner.handle_async_request(request)
+        if request.url.path != "/v1/completions":
+            return answer
+        body = await answer.aread()
+        assert len(body) > self.after
+        after = self.after
+
+        class Cut(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                yield body[:after]
+                raise httpx.RemoteProtocolError("peer closed connection without sending complete message body "
+                                                "(incomplete chunked read)")
+        return httpx.Response(answer.status_code, headers=answer.headers, stream=Cut())
+
+
+def test_a_replica_that_breaks_off_a_streamed_answer_leaves_whole_events_an_error_event_and_done(replicas, caplog):
+    service, app = router_app(replicas, "round_robin")
+    # the cut falls inside the third event: the first two go out whole, the third not at all
+    whole = drive(app, [lambda c: post(c, SYSTEM_B + "Q55?", stream=True)])[0].content
+    starts = [i for i in range(len(whole)) if whole.startswith(b"data: ", i)]
+    service, app = router_app(replicas, "round_robin")
+    service.replicas[0].client = replica_client("/run/replica-0.sock",
+                                                transport=BreaksMidAnswer(replicas[0], starts[2] + 10))
+    with caplog.at_level("WARNING", logger="kvd.router"):
+        [answer, scraped] = drive(app, [lambda c: post(c, SYSTEM_B + "Q56?", stream=True),
+                                        lambda c: c.get("/metrics")])
+    assert answer.status_code == 200 and answer.headers["x-kvd-replica"] == "replica-0"
+    events = sse_events(answer)
+    assert [len(e["choices"][0]["token_ids"]) for e in events[:2]] == [1, 1]
+    message = ("replica replica-0 failed during the answer: RemoteProtocolError: peer closed connection without "
+               "sending complete message body (incomplete chunked read)")
+    assert events[2:] == [{"error": {"message": message, "type": "router_error", "param": None,
+                                     "code": "replica_failed"}}, "[DONE]"]
+    assert answer.text.endswith("data: [DONE]\n\n")
+    replica = service.replicas[0]
+    assert (replica.failed_forwards, replica.open, replica.rerouted) == (1, 0, 0)
+    assert replica.last_error.startswith("RemoteProtocolError: peer closed")
+    assert 'kvd_router_forward_failures_total{replica="replica-0"} 1.0' in scraped.text.splitlines()
+    assert [r.getMessage() for r in caplog.records if r.name == "kvd.router"] == [
+        "replica replica-0 failed after 2 events of a streamed answer: RemoteProtocolError: peer closed "
+        "connection without sending complete message body (incomplete chunked read)"]
+
+
+def test_a_replica_that_breaks_off_a_whole_answer_is_a_502_and_not_run_again(replicas):
+    service, app = router_app(replicas, "round_robin")
+    service.replicas[0].client = replica_client("/run/replica-0.sock", transport=BreaksMidAnswer(replicas[0], 20))
+    [answer] = drive(app, [lambda c: post(c, SYSTEM_B + "Q57?")])
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "replica_failed"
+    assert answer.json()["error"]["message"].startswith(
+        "replica replica-0 failed during the answer: RemoteProtocolError: peer closed connection")
+    assert [r.failed_forwards for r in service.replicas] == [1, 0] and service.replicas[1].sent == 0
+    assert service.replicas[0].open == 0

@@ -53,6 +53,7 @@ from kvctl.policies.routing import (NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES, R
 
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
+from .event_relay import relay_events
 from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merge_pin_lists, merge_pins,
                           merge_prefix_lists, merge_request_lists, merge_tenant_lists, merge_tier_reports,
                           merge_unpins)
@@ -841,10 +842,17 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             answer_headers["X-KVD-Tried"] = "; ".join(tried)
         media = upstream.headers.get("content-type", "application/json")
 
+        def failed_mid_answer(exc: Exception, events: int) -> str:
+            replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            replica.failed_forwards += 1
+            log.warning("replica %s failed after %d events of a streamed answer: %s", replica.name, events,
+                        replica.last_error)
+            return f"replica {replica.name} failed during the answer: {replica.last_error}"
+
         async def relay():
             try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
+                async for event in relay_events(upstream.aiter_raw(), failed_mid_answer):
+                    yield event
             finally:
                 replica.open -= 1
                 await upstream.aclose()
@@ -856,6 +864,11 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             content = await unless_caller_leaves(upstream.aread())
         except CallerLeft:
             return Response(status_code=499)
+        except httpx.HTTPError as exc:  # it ended during the answer: the request ran there, so not again
+            replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            replica.failed_forwards += 1
+            return error(502, f"replica {replica.name} failed during the answer: {replica.last_error}",
+                         "replica_failed")
         finally:
             replica.open -= 1
             await upstream.aclose()

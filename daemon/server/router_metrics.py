@@ -7,7 +7,8 @@
     kvd_router_questions_total{replica,result}    route-facts asked on a request's path (ok, failed):
                                                   every request with --view ask; with events, only
                                                   while a replica's view is not current
-    kvd_router_forward_failures_total{replica}    requests the replica failed after it may have started them (502)
+    kvd_router_forward_failures_total{replica}    requests the replica failed after it may have started them (502,
+                                                  or an error event ending a streamed answer it broke off)
     kvd_router_rerouted_total{replica}            requests it refused before starting them (429, 503),
                                                   could not be reached for, or closed the connection of
                                                   before any answer (once a request): sent to the next best
