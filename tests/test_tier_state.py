@@ -145,3 +145,54 @@ class TierMachineWithHostShares(TierMachine):
 
 TestTierMachineWithHostShares = TierMachineWithHostShares.TestCase
 TestTierMachineWithHostShares.settings = settings(max_examples=25, stateful_step_count=25, deadline=None)
+
+
+class _FlakyRedis:
+    """Enough of a Redis client for read_many: a pipeline whose execute fails while `up` is False."""
+
+    def __init__(self) -> None:
+        self.up, self.calls = True, 0
+
+    def pipeline(self, transaction=False):
+        client, gets = self, []
+
+        class Pipe:
+            def get(self, key):
+                gets.append(key)
+
+            def execute(self):
+                client.calls += 1
+                if not client.up:
+                    raise ConnectionError("Error 111 connecting to 127.0.0.1:6391. Connection refused.")
+                return [None] * len(gets)
+        return Pipe()
+
+
+def test_a_redis_outage_logs_once_when_it_starts_and_once_when_redis_answers_again(caplog):
+    """Not one warning per failed call or breaker probe: an hour's outage is two lines."""
+    from kvctl.daemon.cache.tiers import RemoteTier
+    from kvctl.daemon.cache.tiers.remote import RemoteUnavailable
+    from kvctl.policies.tiering import CircuitBreaker
+
+    now = [100.0]
+    client = _FlakyRedis()
+    tier = RemoteTier("redis://127.0.0.1:6391/0", 1 << 20, b"S" * 32, client=client, clock=lambda: now[0],
+                      breaker=CircuitBreaker(threshold=2, cooldown=5.0))
+    with caplog.at_level("INFO", logger="kvd.tiers"):
+        assert tier.read_many([b"k" * 32]) == {}
+        client.up = False
+        for _ in range(40):  # calls while the breaker lets them through, refusals while it is open
+            with pytest.raises(RemoteUnavailable):
+                tier.read_many([b"k" * 32])
+            now[0] += 1.0
+        client.up = True
+        now[0] += 5.0  # t = 145: past the cooldown of the probe that failed at 136
+        assert tier.read_many([b"k" * 32]) == {}
+        assert tier.read_many([b"k" * 32]) == {}
+    # failures at t = 100 and 101 open the breaker; then one probe each 5 s: t = 106, 111, ..., 136
+    assert client.calls == 1 + 2 + 7 + 2
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kvd.tiers"] == [
+        ("WARNING", "tier remote failing: ConnectionError: Error 111 connecting to 127.0.0.1:6391. Connection "
+                    "refused.; skipped while its breaker is open, probed every 5 s"),
+        ("WARNING", "tier remote answering again after 45.0 s (9 failed calls)")]
+    assert (tier.down_since, tier.failed_calls, tier.health()) == (None, 0, "ok")

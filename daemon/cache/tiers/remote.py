@@ -13,6 +13,7 @@ any of them can find, and purge, the entries of a model revision none of them se
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -25,6 +26,8 @@ from .payload import PEEK_BYTES, BlockMeta, PayloadError, payload_length, peek_m
 from .spaces import REGISTRY_KEY, is_space_hex, parse_record
 from .vectored import write_vectored
 
+
+log = logging.getLogger("kvd.tiers")
 
 SEEN_LIMIT = 1 << 16  # other daemons' blocks remembered as held by the server (RemoteTier.seen)
 
@@ -69,6 +72,9 @@ class RemoteTier:
         self.meta: dict[bytes, BlockMeta] = {}  # chain positions of the blocks we wrote
         self.seen: OrderedDict[bytes, None] = OrderedDict()  # blocks we read that others wrote, newest last
         self.last_error: str | None = None
+        # the outage in progress: when its first call failed, and how many have failed since
+        self.down_since: float | None = None
+        self.failed_calls = 0
         self.events = None  # an EventLog: each block this daemon writes or forgets here is logged there
         self.records: dict[bytes, dict] = {}  # what each space we served is (spaces.py), to record
         self._recorded: set[bytes] = set()  # spaces recorded on the server
@@ -201,10 +207,32 @@ class RemoteTier:
         except Exception as exc:  # redis.ConnectionError, TimeoutError, ResponseError, ...
             self.breaker.failure(self.clock())
             self.last_error = type(exc).__name__
+            self._note_failure(f"{type(exc).__name__}: {exc}")
             raise RemoteUnavailable(f"{type(exc).__name__}: {exc}") from None
         self.breaker.success()
         self.last_error = None
+        if self.down_since is not None:
+            self._note_recovery()
         return result
+
+    def _note_failure(self, reason: str) -> None:
+        """One warning when an outage starts, not one per failed call or probe (a Redis down for an
+        hour would otherwise log every few seconds)."""
+        with self.lock:
+            self.failed_calls += 1
+            if self.down_since is not None:
+                return
+            self.down_since = self.clock()
+        log.warning("tier remote failing: %s; skipped while its breaker is open, probed every %.0f s",
+                    reason, self.breaker.cooldown)
+
+    def _note_recovery(self) -> None:
+        with self.lock:
+            if self.down_since is None:
+                return
+            seconds, failed = self.clock() - self.down_since, self.failed_calls
+            self.down_since, self.failed_calls = None, 0
+        log.warning("tier remote answering again after %.1f s (%d failed calls)", seconds, failed)
 
     def health(self) -> str:
         state = self.breaker.state(self.clock())

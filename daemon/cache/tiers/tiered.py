@@ -208,7 +208,7 @@ class TieredCache:
     def _degrade(self, name: str, reason: str, seconds: float = 30.0) -> None:
         stats = self.stats[name]
         stats.errors += 1
-        if stats.degraded is None:
+        if stats.degraded is None and name != "remote":  # the remote tier logs its outages itself
             log.warning("tier %s degraded: %s", name, reason)
         stats.degraded, stats.degraded_until = reason, self.clock() + seconds
 
