@@ -97,7 +97,7 @@ def events(ctx: typer.Context,
            ) -> None:
     """What the cache stored and removed in each tier, and why each block left.
 
-    Reasons: capacity, tenant_share, operator, corrupt, unwritten, gone, space. Block keys only, never tokens.
+    Reasons: capacity, tenant_share, filesystem, operator, corrupt, unwritten, gone, space. Block keys only, never tokens.
     `--follow` watches; `--key` follows one block (a prefix's id) from tier to tier.
 
     Example: kvctl events --follow --kind removed --tier device

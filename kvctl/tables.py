@@ -12,6 +12,7 @@ import time
 
 from rich.table import Table
 
+from kvctl.daemon.server.byte_sizes import format_bytes as size  # noqa: F401 (kvctl's tables use it)
 from kvctl.daemon.server.durations import format_duration as duration  # noqa: F401 (kvctl's tables use it)
 
 
@@ -33,17 +34,6 @@ def keep_whole(table: Table, *columns: int) -> None:
 def seconds(value: float | None) -> str:
     """A duration for a status line: 12.5 ms, 1.50 s; '-' when unknown."""
     return "-" if value is None else (f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s")
-
-
-def size(value: float | None) -> str:
-    """Bytes in binary units: 512 B, 1.4 MiB; '-' when unknown."""
-    if value is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
-        value /= 1024
-    return str(value)
 
 
 def when(at: float | None) -> str:

@@ -74,6 +74,9 @@ def tiers_view(d: dict) -> Group:
         say(prefetch_line(d["prefetch"]))
     if d.get("compress") and ("disk" in d["tiers"] or "remote" in d["tiers"]):
         say(compress_line(d["compress"]))
+    disk_room = filesystem_line(d["tiers"].get("disk") or {})
+    if disk_room:
+        say(disk_room)
     aside = (d["tiers"].get("disk") or {}).get("set_aside")
     if aside:
         say("disk set aside: " + "; ".join(_aside_group(g) for g in aside))
@@ -92,6 +95,17 @@ def _replica_tiers(row: dict) -> list:
     if "report" not in row:
         return [Text(f"replica {row['replica']}: no answer ({row.get('error')})", style="yellow"), Text("")]
     return [Text(f"replica {row['replica']}", style="bold"), tiers_view(row["report"]), Text("")]
+
+
+def filesystem_line(disk: dict) -> str | None:
+    """A line when the disk tier's filesystem, not its bytes, bounds it (or has evicted from it)."""
+    bound, evicted = disk.get("filesystem_bound"), disk.get("filesystem_evictions") or 0
+    if bound is None and not evicted:
+        return None
+    line = (f"disk: its filesystem has room for {size(bound['room_bytes'])} more (some is kept free for other "
+            f"files), so the tier holds at most {size(bound['holds_at_most_bytes'])} of its "
+            f"{size(disk['capacity_bytes'])}" if bound else "disk: its filesystem ran short of space")
+    return line + (f"; {evicted:,} blocks evicted for the filesystem" if evicted else "")
 
 
 def prefetch_line(p: dict) -> str:

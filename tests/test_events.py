@@ -217,6 +217,6 @@ def test_a_key_filter_follows_one_block_by_the_leading_hex_digits_of_its_key():
 
 
 def test_a_removal_needs_a_known_reason():
-    with pytest.raises(ValueError, match="reason: unknown value 'lru'; use capacity, tenant_share, operator, "
-                                         "corrupt, unwritten, gone"):
+    with pytest.raises(ValueError, match="reason: unknown value 'lru'; use capacity, tenant_share, filesystem, "
+                                         "operator, corrupt, unwritten, gone"):
         EventLog().removed("device", [k(1)], "lru")

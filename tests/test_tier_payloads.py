@@ -328,3 +328,63 @@ def test_copy_layers_matches_plain_indexing_with_runs_and_scattered_rows(dtype):
             want = torch.zeros(20, 4, 2, 8).to(dtype).view(torch.uint8)
             want[dst_rows] = s.view(torch.uint8)[src_rows]
             assert torch.equal(d.view(torch.uint8), want)
+
+
+def test_the_filesystem_s_room_is_its_free_space_less_a_reserve_of_5_percent_up_to_1_gib(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from kvctl.daemon.cache.tiers.disk import filesystem_room
+
+    def fs(size, free):
+        monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_frsize=4096, f_blocks=size // 4096,
+                                                                        f_bavail=free // 4096))
+    fs(100 << 30, 10 << 30)  # 5 % is 5 GiB: 1 GiB is kept
+    assert filesystem_room(tmp_path) == (10 << 30) - (1 << 30)
+    fs(4 << 20, 3 << 20)  # 5 % of 4 MiB
+    assert filesystem_room(tmp_path) == (3 << 20) - int((4 << 20) * 0.05)
+
+    def gone(path):
+        raise FileNotFoundError(path)
+    monkeypatch.setattr(os, "statvfs", gone)
+    assert filesystem_room(tmp_path) is None
+
+
+def test_a_filesystem_running_short_evicts_least_recently_used_segments_before_a_write(tmp_path):
+    """The tier is within its own bytes, but its filesystem (which other files fill too) has room for
+    less than the next segment: segments go, least recently used first, counted as `filesystem`."""
+    from kvctl.daemon.cache.events import EventLog
+
+    per = layout().payload_bytes
+    tier = disk(tmp_path, capacity=10 * per)
+    tier.events = EventLog()
+    others = [0]  # bytes other files take on the filesystem
+    tier.room = lambda path: 5 * per - tier.used_bytes - others[0]  # a filesystem with room for 5 blocks
+    a, b = write_chain(tier, 0, 2), write_chain(tier, 10, 2)
+    tier.read(a[0])  # b is now the least recently used
+    assert tier.bounded_by_filesystem() == (per, 5 * per)
+    tier.make_room(2 * per)
+    c = write_chain(tier, 20, 2)
+    assert sorted(tier.index) == sorted(a + c) and tier.filesystem_evictions == 2
+    others[0] = 2 * per  # another program writes 2 blocks' worth
+    tier.make_room(2 * per)  # room -1: a goes (room 1), then c (room 3)
+    d = write_chain(tier, 30, 2)
+    assert sorted(tier.index) == sorted(d) and tier.filesystem_evictions == 6
+    assert [(e.keys, e.reason) for e in tier.events.since(0).events if e.kind == "removed"] == [
+        (tuple(b), "filesystem"), (tuple(a), "filesystem"), (tuple(c), "filesystem")]
+    tier.room = lambda path: 1 << 40  # room to spare: the tier's own bytes bound it again
+    assert tier.bounded_by_filesystem() is None
+    tier.make_room(2 * per)
+    assert sorted(tier.index) == sorted(d) and tier.filesystem_evictions == 6
+
+
+def test_what_was_set_aside_goes_first_when_the_filesystem_runs_short(tmp_path):
+    per = layout().payload_bytes
+    before = disk(tmp_path, capacity=10 * per, space=b"O" * 32)
+    write_chain(before, 0, 2)
+    before.close()
+    tier = disk(tmp_path, capacity=10 * per, space=b"N" * 32)
+    assert tier.scan().foreign == 1 and tier.quarantine_bytes == 2 * per
+    live = write_chain(tier, 10, 2)
+    tier.room = lambda path: 5 * per - tier.used_bytes - tier.quarantine_bytes
+    tier.make_room(2 * per)  # room 1: the set-aside segment goes, the live one stays
+    assert tier.quarantine_bytes == 0 and sorted(tier.index) == sorted(live) and tier.filesystem_evictions == 0

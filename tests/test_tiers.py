@@ -1164,3 +1164,45 @@ def test_kvctl_tiers_json_turns_an_older_kvd_s_infinite_break_even_into_null():
     fleet = {"replicas": [{"replica": "r0", "status": 200, "report": report()}]}
     printed = json.loads(_kvctl_prints(["tiers", "--json"], fleet))
     assert printed["replicas"][0]["report"]["break_even_tokens"] == {"host": 12.5, "disk": None}
+
+
+def test_a_disk_tier_larger_than_its_filesystem_says_so_at_start_in_its_report_and_in_kvctl_tiers(
+        tmp_path, monkeypatch, caplog):
+    from rich.console import Console
+
+    from kvctl.daemon.cache.tiers import disk as disk_module
+    from kvctl.daemon.server.app import create_app
+    from kvctl.tiers_cmd import tiers_view
+
+    monkeypatch.setattr(disk_module, "filesystem_room", lambda path: 3 << 20)  # 3 MiB left for the tier
+    with caplog.at_level("WARNING", logger="kvd"):
+        service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tiering="always")
+    try:
+        assert [r.getMessage() for r in caplog.records if "filesystem" in r.getMessage()] == [
+            f"disk tier: tiers.disk.bytes is 16.0 MiB but its filesystem ({tmp_path / 'kvcache'}) has room for "
+            "3.0 MiB more, keeping some free for other files: the tier holds at most 3.0 MiB"]
+        app = create_app(service, service.metrics, front="unix")
+        report = call(app, "GET", "/admin/tiers").json()
+        disk = report["tiers"]["disk"]
+        assert disk["filesystem_bound"] == {"room_bytes": 3 << 20, "holds_at_most_bytes": 3 << 20}
+        assert disk["filesystem_evictions"] == 0
+        console = Console(width=100, record=True)
+        console.print(tiers_view(report))
+        text = " ".join(console.export_text().split())
+        assert ("disk: its filesystem has room for 3.0 MiB more (some is kept free for other files), so the tier "
+                "holds at most 3.0 MiB of its 16.0 MiB") in text
+    finally:
+        service.shutdown(deadline=5)
+
+
+def test_the_filesystem_line_of_kvctl_tiers():
+    from kvctl.tiers_cmd import filesystem_line
+
+    assert filesystem_line({"capacity_bytes": 1 << 30, "filesystem_bound": None, "filesystem_evictions": 0}) is None
+    assert filesystem_line({"capacity_bytes": 1 << 30}) is None  # an older kvd's report
+    assert filesystem_line({"capacity_bytes": 1 << 30, "filesystem_bound": None, "filesystem_evictions": 1200}) == (
+        "disk: its filesystem ran short of space; 1,200 blocks evicted for the filesystem")
+    assert filesystem_line({"capacity_bytes": 1 << 30, "filesystem_evictions": 3,
+                            "filesystem_bound": {"room_bytes": 0, "holds_at_most_bytes": 512 << 20}}) == (
+        "disk: its filesystem has room for 0 B more (some is kept free for other files), so the tier holds at "
+        "most 512.0 MiB of its 1.0 GiB; 3 blocks evicted for the filesystem")

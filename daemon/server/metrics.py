@@ -16,7 +16,7 @@
                                               seen by name, the rest summed under tenant="*"; tenant_labels.py)
     kvd_cache_stored_blocks_total{tier}       blocks indexed per tier (device, host, disk, remote)
     kvd_cache_removed_blocks_total{tier,reason}  blocks dropped per tier and why (capacity, operator,
-                                              corrupt, unwritten, gone, space, tenant_share): the event log's counts
+                                              corrupt, unwritten, gone, space, tenant_share, filesystem): the event log's counts
     kvd_cache_events_dropped_total            events trimmed from the log (a slow reader sees a gap)
     kvd_allocation_seconds                    histogram: time per cache-core call
     kvd_admission_rejections_total{reason}    never_fits, queue_full, tenant_limit

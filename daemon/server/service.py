@@ -1370,7 +1370,8 @@ class EngineService:
 
 
 REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its tenant holding more idle blocks than "
-                 "its cache share", "operator": "by an operator", "corrupt": "after it failed verification",
+                 "its cache share", "filesystem": "to make room on a filesystem running short of space",
+                 "operator": "by an operator", "corrupt": "after it failed verification",
                  "unwritten": "(the step that was to write it never ran)",
                  "gone": "(deleted on the shared Redis by its memory policy or another daemon)",
                  "space": "(written under scales or a format this daemon no longer serves)"}

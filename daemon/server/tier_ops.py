@@ -15,6 +15,7 @@ from kvctl.daemon.cache.tiers import BlockMeta, build_tiers, decode_block
 from kvctl.daemon.stats import percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
+from .byte_sizes import format_bytes
 from .service import ServiceError
 
 log = logging.getLogger("kvd")
@@ -36,6 +37,11 @@ def attach(service, engine) -> None:
                  "set aside %d corrupt, %d foreign; removed %d unfinished and %d set aside for room",
                  scan.blocks, scan.segments, scan.readmitted, scan.corrupt, scan.foreign, scan.torn,
                  scan.quarantine_dropped)
+        bound = tiers.disk.bounded_by_filesystem()
+        if bound is not None:
+            log.warning("disk tier: tiers.disk.bytes is %s but its filesystem (%s) has room for %s more, keeping "
+                        "some free for other files: the tier holds at most %s",
+                        format_bytes(tiers.disk.capacity_bytes), tiers.disk.root, *map(format_bytes, bound))
 
 
 def report(service) -> dict:

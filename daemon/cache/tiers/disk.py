@@ -21,6 +21,13 @@ the daemon runs its model again, a rollback; a corrupt one is there to be looked
 there is room, and goes, oldest first, before any live segment is evicted. A model upgrade
 therefore never leaves the folder holding more than `capacity_bytes`.
 
+The filesystem bounds the tier too: a tier configured larger than the filesystem has room for
+holds what fits, and leaves free at least `min(1 GiB, 5 % of the filesystem)` for everything else
+there (the state directory's SQLite store, logs), as nginx's `proxy_cache_path min_free` does.
+Before each write, segments go (least recently used first, counted as `filesystem`) until the
+write fits in that room as well as in `capacity_bytes`; so a filesystem that other files fill
+shrinks the tier, rather than failing its writes.
+
 `spaces.json` beside them names each space whose blocks the folder held (spaces.py), so what was
 set aside can be told apart by model revision and evicted by it (`purge_spaces`).
 """
@@ -45,6 +52,19 @@ from .spaces import SpaceBook
 from .vectored import write_vectored
 
 SUFFIX = ".kvseg"
+FREE_RESERVE_BYTES = 1 << 30  # the free space the tier leaves on its filesystem: at most this,
+FREE_RESERVE_FRACTION = 0.05  # and at most this fraction of the filesystem's size
+
+
+def filesystem_room(path: Path) -> int | None:
+    """Bytes that files under `path` may still take: the filesystem's free space (for an
+    unprivileged user) less the reserve kept free, or None where the filesystem cannot say."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    reserve = min(FREE_RESERVE_BYTES, int(st.f_blocks * st.f_frsize * FREE_RESERVE_FRACTION))
+    return st.f_bavail * st.f_frsize - reserve
 
 
 @dataclass
@@ -97,6 +117,8 @@ class DiskTier:
         self.shares: dict[str, int] = {}  # tenant -> bytes of its share (tenant_cache_shares); empty: none
         self.tenant_bytes: Counter[str] = Counter()  # payload bytes of indexed blocks, by tenant ("" unknown)
         self.share_evictions = 0  # blocks dropped with segments whose tenant held more than its share
+        self.filesystem_evictions = 0  # blocks dropped with segments because the filesystem ran short
+        self.room = filesystem_room  # (path) -> bytes the filesystem can still give (tests replace it)
         self.segment_dir.mkdir(parents=True, exist_ok=True)
         self._owner = self._claim(self.root)
         self.spaces = SpaceBook(self.root / "spaces.json")
@@ -204,12 +226,17 @@ class DiskTier:
         number deleted. Call under the lock."""
         dropped = 0
         while self.quarantined and self.used_bytes + self.quarantine_bytes + incoming > self.capacity_bytes:
-            path, size = self.quarantined.popitem(last=False)
-            path.unlink(missing_ok=True)
-            self.quarantine_bytes -= size
-            self._aside_space.pop(path, None)
+            self._drop_oldest_aside()
             dropped += 1
         return dropped
+
+    def _drop_oldest_aside(self) -> int:
+        """Delete the oldest set-aside file; its bytes. Call under the lock."""
+        path, size = self.quarantined.popitem(last=False)
+        path.unlink(missing_ok=True)
+        self.quarantine_bytes -= size
+        self._aside_space.pop(path, None)
+        return size
 
     def _verify_segment(self, data: bytes) -> list[tuple[BlockMeta, int, int]]:
         out, offset = [], 0
@@ -346,6 +373,15 @@ class DiskTier:
         if fresh and self.events is not None:
             self.events.stored("disk", fresh)
 
+    def bounded_by_filesystem(self) -> tuple[int, int] | None:
+        """(the filesystem's room, the most the tier can hold with it) when that is less than
+        `capacity_bytes`; None when the tier's own bytes bound it (or the filesystem cannot say)."""
+        room = self.room(self.segment_dir)
+        if room is None:
+            return None
+        most = self.used_bytes + self.quarantine_bytes + max(room, 0)
+        return (max(room, 0), most) if most < self.capacity_bytes else None
+
     def make_room(self, incoming: int, protect: Callable[[bytes], bool] = lambda k: False,
                   salvage: Callable[[Segment, bytes], None] | None = None, tenant: str | None = None) -> list[Segment]:
         """Drop segments until `incoming` more bytes (`tenant`'s, when one tenant's) fit: with tenant
@@ -354,9 +390,13 @@ class DiskTier:
         being read or holding a protected key stay. `salvage(segment, bytes)` sees each segment's
         bytes before its file goes (write-back)."""
         dropped = []
+        room = [self.room(self.segment_dir)]  # the filesystem's, growing as segments go
 
         def full() -> bool:
             return self.used_bytes + self.quarantine_bytes + incoming > self.capacity_bytes
+
+        def short() -> bool:
+            return room[0] is not None and room[0] < incoming
 
         def movable(segment: Segment) -> bool:
             return not self.busy.get(segment.name) and not any(protect(k) for k in segment.keys if k in self.index)
@@ -367,23 +407,30 @@ class DiskTier:
                     salvage(segment, self.read_segment(segment))
                 except OSError:
                     pass
+            live = sum(1 for k in segment.keys if self.index.get(k, (None,))[0] == segment.name)
             if reason == "tenant_share":
-                self.share_evictions += sum(1 for k in segment.keys if self.index.get(k, (None,))[0] == segment.name)
+                self.share_evictions += live
+            elif reason == "filesystem":
+                self.filesystem_evictions += live
             self._remove_segment(segment.name, reason)
+            if room[0] is not None:
+                room[0] += segment.size
             dropped.append(segment)
 
         with self.lock:
             self._shed_quarantine(incoming)  # what was set aside goes before any live segment
+            while self.quarantined and short():
+                room[0] += self._drop_oldest_aside()
             while self.shares and full():
                 segment = self._share_victim(incoming, tenant, movable)
                 if segment is None:
                     break
                 drop(segment, "tenant_share")
             for segment in list(self.segments.values()):
-                if not full():
+                if not full() and not short():
                     break
                 if movable(segment):
-                    drop(segment, "capacity")
+                    drop(segment, "capacity" if full() else "filesystem")
         return dropped
 
     def _share_victim(self, incoming: int, tenant: str | None, movable) -> Segment | None:

@@ -768,6 +768,12 @@ class TieredCache:
                     out[tier.name]["share_evictions"] = tier.share_evictions
                 if tier.name == "disk":  # segments set aside (another model's, or corrupt), within its bytes
                     out[tier.name]["set_aside_bytes"] = tier.quarantine_bytes
+                    # where its filesystem holds it below its bytes: the room left there (less the space
+                    # kept free) and the most the tier can hold; the blocks evicted because that ran short
+                    bound = tier.bounded_by_filesystem()
+                    out[tier.name]["filesystem_bound"] = None if bound is None else {
+                        "room_bytes": bound[0], "holds_at_most_bytes": bound[1]}
+                    out[tier.name]["filesystem_evictions"] = tier.filesystem_evictions
             out_moved = {f"{s}->{d}": b for (s, d), b in sorted(self.moved.items())}
         if self.disk is not None and self.disk.quarantine_bytes:  # whose: the folder's book names the spaces
             book = self.disk.spaces.load()
