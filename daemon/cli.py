@@ -22,6 +22,16 @@ app = typer.Typer(help="kvd hosts a model over a paged KV cache and serves it to
                   no_args_is_help=True, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 log = logging.getLogger("kvd")
+QUIET_BELOW_DEBUG = ("httpx", "httpcore")  # a line per request to a replica (the router's feeds poll many a second)
+
+
+def configure_logging(level: str) -> None:
+    """kvd's and kvd router's log: to stderr (the journal), with the HTTP client libraries' per-request
+    lines only at debug."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet = logging.getLevelName(level.upper()) != logging.DEBUG
+    for name in QUIET_BELOW_DEBUG:
+        logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.NOTSET)
 
 
 @app.callback(invoke_without_command=True)
@@ -138,8 +148,7 @@ def serve(
     """
     from kvctl.daemon.config import ConfigError, resolve
 
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
     flags = _flags(model=model, chat_template=chat_template, state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_batch_tokens=max_batch_tokens,
@@ -287,8 +296,7 @@ def router(
     from kvctl.daemon.server.router import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
     try:
         settings = resolve_router(_flags(
             replicas=replica or None, replicas_file=replicas_file, socket=socket_path, routing=routing,
