@@ -335,6 +335,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
                  membership=None) -> None:
     import uvicorn
 
+    from kvctl.daemon.server.loop_errors import exception_handler
     from kvctl.daemon.server.router import create_router_app
     from kvctl.daemon.server.router_metrics import RouterMetrics
 
@@ -353,6 +354,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
         servers.append((_Server(uvicorn.Config(tcp_app, host=host.strip("[]"), port=int(port), log_level="warning",
                                                lifespan="off")), None))
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(exception_handler)  # anyio's cancelled-read race at debug (loop_errors.py)
 
     def stop() -> None:
         for server, _ in servers:

@@ -1244,3 +1244,32 @@ def test_the_router_s_log_leaves_out_a_line_per_request_to_a_replica_unless_at_d
     finally:
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+def test_anyio_s_cancelled_read_race_is_logged_at_debug_and_every_other_loop_error_as_before(caplog):
+    """A caller that leaves cancels the router's read from its replica; anyio's reader callback can
+    then set the result of that cancelled future: an ERROR with a traceback for nothing lost."""
+    import logging
+
+    from kvctl.daemon.server.loop_errors import exception_handler
+
+    class Loop:
+        def __init__(self):
+            self.defaulted = []
+
+        def default_exception_handler(self, context):
+            self.defaulted.append(context)
+
+    loop = Loop()
+    race = {"message": "Exception in callback <built-in method set_result of _asyncio.Future object at 0x7f>",
+            "exception": asyncio.InvalidStateError("invalid state")}
+    other_state = {"message": "Exception in callback Task.__step()", "exception": asyncio.InvalidStateError("x")}
+    other = {"message": "Exception in callback <built-in method set_result of _asyncio.Future object at 0x7f>",
+             "exception": ValueError("a bug")}
+    with caplog.at_level(logging.DEBUG, logger="kvd.router"):
+        for context in (race, other_state, other):
+            exception_handler(loop, context)
+    assert loop.defaulted == [other_state, other]
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "kvd.router"] == [
+        ("DEBUG", "a socket read given up on (its caller left) became ready after it was cancelled: Exception in "
+                  "callback <built-in method set_result of _asyncio.Future object at 0x7f>")]
