@@ -399,3 +399,44 @@ def test_an_operator_swaps_a_prefix_to_a_compressed_disk_and_back(tmp_path):
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix["blocks"] * 16
     finally:
         service.shutdown(deadline=2)
+
+
+def test_a_prefix_fetched_compressed_is_restored_though_its_whole_bytes_at_the_tier_s_rate_would_lose(demo, tmp_path):
+    """The fetch is judged at the bytes the tier stores (0.28 of a float32 block here) and worth
+    it; once staged, the blocks are in memory as the device holds them. Installing them used to be
+    judged again at the tier's read rate and the whole blocks' bytes: 1.7 times the recompute time
+    here, so the request recomputed a prefix it had just fetched, and every fetch was wasted."""
+    from kvctl.daemon.cache.tiers import build_tiers
+    from kvctl.daemon.engine.engine import Engine, EngineSettings
+    from kvctl.policies.tiering import RateMeter
+
+    from .tier_engine import GREEDY, TEXT_B, TEXT_C
+
+    engine = Engine(demo, EngineSettings(num_blocks=12, block_size=16))
+    tiered, _ = build_tiers(engine, disk_bytes=16 << 20, disk_path=tmp_path / "disk", tiering="measured",
+                            write_policy="write_through", compress="int8")
+    block, stored = tiered.layout.block_bytes, tiered.block_bytes_in("disk")
+    assert stored < 0.3 * block
+    prefill = 1000.0  # tokens per second: a block of 16 recomputes in 16 ms
+    rates = {"prefill": RateMeter(rate=prefill), "disk": RateMeter(rate=block * prefill / 16 * 0.6),
+             "host": RateMeter(rate=block * prefill / 16 * 100)}  # staging to the device: a copy
+    for meter in rates.values():
+        meter.observe = lambda *a, **k: None  # the rates stay as set, whatever this run measures
+    tiered.policy.prefill, tiered.stats["disk"].read, tiered.stats["host"].read = (
+        rates["prefill"], rates["disk"], rates["host"])
+    cold = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
+    engine.run_until_done()
+    for text in (TEXT_B, TEXT_C):  # A's blocks leave the device; written through, they are on disk
+        engine.add_request(demo.tokenizer.encode(text), GREEDY)
+        engine.run_until_done()
+    tiered.flush()
+    prompt = demo.tokenizer.encode(TEXT_A)
+    blocks = (len(prompt) - 1) // 16
+    assert engine.cache.pool.match(engine.prefix_keys("default", prompt)[2], blocks) == []
+    warm = engine.add_request(prompt, GREEDY)
+    engine.run_until_done()
+    engine.cache.audit()
+    assert warm.metrics.prefetch_outcome == "complete"
+    assert warm.metrics.restored_tokens == blocks * 16 and warm.metrics.cached_tokens == blocks * 16
+    assert tiered.stats["disk"].restored_blocks == blocks
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids

@@ -1206,3 +1206,30 @@ def test_the_filesystem_line_of_kvctl_tiers():
                             "filesystem_bound": {"room_bytes": 0, "holds_at_most_bytes": 512 << 20}}) == (
         "disk: its filesystem has room for 0 B more (some is kept free for other files), so the tier holds at "
         "most 512.0 MiB of its 1.0 GiB; 3 blocks evicted for the filesystem")
+
+
+def test_a_prefetch_wait_counts_the_time_held_for_the_fetch_not_the_queue_for_room_after_it(demo, tmp_path):
+    """The fetch ends at once, but the request then waits behind a long one for room on the device.
+    Its wait for the prefix is the fetch's time; it was counted until admission (`kvctl tiers`
+    showed waits of 4.6 s at the p50 under a 2 s timeout)."""
+    from kvctl.daemon.engine.sampling import SamplingParams
+
+    now = [0.0]
+    engine, tiered = engine_with(demo, clock=lambda: now[0], disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    long = engine.add_request(demo.tokenizer.encode(TEXT_C * 2)[:130], SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # it runs, holding most of the 12 blocks until its 40 tokens are out
+    warm = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
+    tiered.wait_prefetch(warm.request_id, 10)  # its fetch has ended
+    fetched = tiered.prefetches[warm.request_id].seconds()
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        now[0] += 1.0  # a second a step
+        steps += 1
+    engine.cache.audit()
+    assert long.metrics.admitted == 0.0 and warm.metrics.admitted >= 30.0  # it waited for room, 30 s and more
+    assert warm.metrics.prefetch_outcome == "complete" and warm.metrics.restored_tokens > 0
+    assert list(engine.stats.prefetch_waits) == [fetched] and fetched < 1.0

@@ -22,6 +22,7 @@ prefix hits never change the tokens a request gets.
 from __future__ import annotations
 
 import heapq
+import math
 import itertools
 import secrets
 import time
@@ -342,21 +343,30 @@ class Engine:
             self.stats.prefetch_outcomes[outcome] = self.stats.prefetch_outcomes.get(outcome, 0) + 1
             if outcome != "cancelled":
                 self.stats.prefetch_staged_blocks += len(job.staged) if job is not None else 0
-                waited = self.clock() - metrics.prefetch_started
+                # held for the fetch: until it stopped or the policy's deadline, not while the request
+                # also queued for room (admission may come long after its fetch ended)
+                fetched = job.seconds() if job is not None else None
+                waited = min(self.clock() - metrics.prefetch_started,
+                             math.inf if fetched is None else fetched,
+                             self.prefetch.deadline(metrics.prefetch_started, metrics.prefetch_tokens)
+                             - metrics.prefetch_started)
                 self.stats.prefetch_waits.append(waited)
                 self.stats.recent_prefetch_waits.append(waited)
         tiers.finish_prefetch(request.request_id)
 
     def _restore(self, seq: Sequence, keys: list, num_tokens: int) -> None:
-        """Before admitting `seq`, put its prefix back on the device from host or staging."""
+        """Before admitting `seq`, put its prefix back on the device from host or staging.
+
+        Either way the blocks are in memory as the device holds them (a fetch from disk or Redis
+        was judged worth it, at that tier's rate and stored bytes, before it started): what is left
+        is a copy, judged at the rate such copies are measured at (the host tier's)."""
         tiers, cache = self.tiers, self.cache
         limit = cache.cacheable_blocks(num_tokens)
         hits = len(cache.pool.match(keys, limit))
         run, nbytes = tiers.available_run(keys[hits:limit])
         if not run:
             return
-        read = tiers.stats[tiers.restore_source(keys[hits:hits + run])].read
-        if not tiers.policy.should_restore(run * self.settings.block_size, nbytes, read):
+        if not tiers.policy.should_restore(run * self.settings.block_size, nbytes, tiers.stats["host"].read):
             return
         restored = tiers.restore_into(cache, keys, hits, run, seq.request.tenant)
         seq.request.metrics.restored_tokens += restored * self.settings.block_size

@@ -39,7 +39,8 @@
     kvd_tier_restore_seconds                  histogram: time to put a prefix back on the device
     kvd_prefetch_requests_total{outcome}      requests whose prefix came from disk or Redis while they waited,
                                               by how the wait ended: complete, timeout, best_effort, cancelled
-    kvd_prefetch_wait_seconds                 histogram: from the start of such a fetch to the request's admission
+    kvd_prefetch_wait_seconds                 histogram: how long a request was held for such a fetch: until the
+                                              fetch ended or the policy stopped waiting (not its queueing after)
     kvd_rollout_info{rollout,state,policy,version}   1 for the running or paused rollout
     kvd_rollout_fraction{rollout}             the share of traffic asked for the cohort
     kvd_rollout_requests_total{rollout,side}  finished requests per side (cohort, baseline); likewise
@@ -281,8 +282,9 @@ class Metrics:
                                  registry=self.registry)
         self._generated = 0
         self._by_reason: dict[str, int] = {}  # finished samples by finish reason (every API)
-        self.prefetch_wait = Histogram("kvd_prefetch_wait_seconds", "From the start of a request's prefix fetch "
-                                       "(disk, Redis) to its admission", buckets=LATENCY_BUCKETS,
+        self.prefetch_wait = Histogram("kvd_prefetch_wait_seconds", "How long a request was held for its prefix's "
+                                       "fetch (disk, Redis): until the fetch ended or the prefetch policy stopped "
+                                       "waiting", buckets=LATENCY_BUCKETS,
                                        registry=self.registry)
         self.restore = Histogram("kvd_tier_restore_seconds", "Time to put a prefix back on the device",
                                  buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1, 5),

@@ -77,6 +77,11 @@ class Prefetch:
     staged: list[bytes] = field(default_factory=list)
     cancelled: bool = False
     started: float = 0.0
+    ended: float | None = None  # when the fetch stopped (everything staged, a miss, or cancelled)
+
+    def seconds(self) -> float | None:
+        """How long the fetch ran, once it has stopped."""
+        return None if self.ended is None else self.ended - self.started
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -442,15 +447,6 @@ class TieredCache:
                     break
         return n, n * self.layout.block_bytes
 
-    def restore_source(self, keys: Sequence[bytes]) -> str:
-        """The slowest tier the run comes from (its rate judges the restore)."""
-        with self.lock:
-            sources = {self.staged[k][1] if k in self.staged else "host" for k in keys}
-        for name in ("remote", "disk", "host"):
-            if name in sources:
-                return name
-        return "host"
-
     @contextmanager
     def protecting(self, keys: Sequence[bytes]):
         """Keep these host entries from being evicted (a restore of them is under way: making
@@ -525,8 +521,14 @@ class TieredCache:
                 return False
             job = Prefetch(request_id, keys, started=self.clock())
             self.prefetches[request_id] = job
-        job.future = self._reader.submit(self._fetch, job)
+        job.future = self._reader.submit(self._fetch_timed, job)
         return True
+
+    def _fetch_timed(self, job: Prefetch) -> int:
+        try:
+            return self._fetch(job)
+        finally:
+            job.ended = self.clock()
 
     def prefetch_pending(self, request_id: str) -> bool:
         job = self.prefetches.get(request_id)
