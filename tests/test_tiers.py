@@ -1233,3 +1233,62 @@ def test_a_prefetch_wait_counts_the_time_held_for_the_fetch_not_the_queue_for_ro
     assert long.metrics.admitted == 0.0 and warm.metrics.admitted >= 30.0  # it waited for room, 30 s and more
     assert warm.metrics.prefetch_outcome == "complete" and warm.metrics.restored_tokens > 0
     assert list(engine.stats.prefetch_waits) == [fetched] and fetched < 1.0
+
+
+def test_a_prefix_evicted_while_its_request_queued_is_fetched_at_its_turn_not_recomputed(demo, tmp_path):
+    """When it came, the device held its prefix, so nothing was fetched; a long request admitted
+    before it then took the device. At its turn the prefix is fetched from disk (written through)
+    and restored: it was recomputed, and under more prefixes than the device holds, every one was
+    (hit tokens 0 of 101,376 in-process at 8 prefixes of 1,024 tokens on 128 blocks; now 90,112)."""
+    from kvctl.daemon.engine.sampling import SamplingParams
+
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d", write_policy="write_through")
+    cold = generate(engine, TEXT_A, demo)
+    tiered.flush()
+    prompt = demo.tokenizer.encode(TEXT_A)
+    blocks = (len(prompt) - 1) // 16
+    keys = engine.prefix_keys("default", prompt)[2]
+    assert len(engine.cache.pool.match(keys, blocks)) == blocks and all(k in tiered.disk.index for k in keys[:blocks])
+    long = engine.add_request(demo.tokenizer.encode(TEXT_C * 2)[:130], SamplingParams(max_tokens=40, ignore_eos=True))
+    warm = engine.add_request(prompt, GREEDY)
+    assert warm.metrics.prefetch_started is None  # all on the device as it came
+    engine.step()  # the long one is admitted and takes the device: most of the prefix is evicted
+    left = len(engine.cache.pool.match(keys, blocks))
+    assert long.metrics.admitted is not None and left < blocks - 2
+    engine.run_until_done()
+    engine.cache.audit()
+    assert warm.metrics.prefetch_outcome == "complete" and warm.metrics.cached_tokens == blocks * 16
+    assert (blocks - left) * 16 <= warm.metrics.restored_tokens <= blocks * 16
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    assert tiered.staged == {} and tiered.prefetches == {}
+
+
+def test_a_second_fetch_for_a_request_keeps_what_its_first_staged_and_waits_for_it_to_end(demo, tmp_path):
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    keys = engine.prefix_keys("default", demo.tokenizer.encode(TEXT_A))[2][:6]
+    assert all(k in tiered.disk.index for k in keys)
+    entered, release = threading.Event(), threading.Event()
+    real_read = tiered.disk._read_range
+
+    def held_read(*where):
+        entered.set()
+        release.wait(10)
+        return real_read(*where)
+
+    tiered.disk._read_range = held_read
+    assert tiered.start_prefetch("r", keys[3:])
+    assert entered.wait(10)
+    assert not tiered.start_prefetch("r", keys[:3])  # one fetch at a time for a request
+    release.set()
+    tiered.wait_prefetch("r", 10)
+    tiered.disk._read_range = real_read
+    assert sorted(tiered.prefetches["r"].staged) == sorted(keys[3:])
+    assert tiered.start_prefetch("r", keys[:3])  # the front, lost from the device meanwhile
+    tiered.wait_prefetch("r", 10)
+    assert sorted(tiered.prefetches["r"].staged) == sorted(keys) and sorted(tiered.staged) == sorted(keys)
+    assert tiered.available_run(keys) == (6, 6 * tiered.layout.block_bytes)
+    tiered.finish_prefetch("r")
+    assert tiered.staged == {} and tiered.prefetches == {}

@@ -298,12 +298,14 @@ class Engine:
             memo = seq.prefix_keys = self.prefix_keys(seq.request.tenant, tokens)
         return memo[2], memo[3].copy()
 
-    def _start_prefetch(self, request: Request) -> None:
-        """Bring the part of the prompt's prefix that sits on disk or in Redis up to staging
-        while the request waits, when restoring beats recomputing it."""
-        keys, _ = self._prefix_keys(request.sequences[0])
-        limit = self.cache.cacheable_blocks(len(request.prompt_ids))
-        missing = keys[len(self.cache.pool.match(keys, limit)):limit]
+    def _start_prefetch(self, request: Request, missing: list | None = None) -> None:
+        """Bring the part of the prompt's prefix that sits on disk or in Redis (`missing`: what
+        the device lacks of it, by default) up to staging while the request waits, when restoring
+        beats recomputing it."""
+        if missing is None:
+            keys, _ = self._prefix_keys(request.sequences[0])
+            limit = self.cache.cacheable_blocks(len(request.prompt_ids))
+            missing = keys[len(self.cache.pool.match(keys, limit)):limit]
         if not missing:
             return
         tiers = self.tiers
@@ -314,6 +316,22 @@ class Engine:
             if tiers.start_prefetch(request.request_id, missing):
                 request.metrics.prefetch_started = self.clock()
                 request.metrics.prefetch_tokens = len(missing) * size
+
+    def _fetch_what_was_lost(self, request: Request, keys: list, num_tokens: int) -> None:
+        """At its turn for admission: blocks of the prefix that the device held when the request
+        came (so nothing was fetched for them then) may have been evicted while it queued, as
+        happens whenever more prefixes are in use than the device holds. Fetch the run that lower
+        tiers hold of them now, rather than recompute it; the request then waits for that fetch
+        under the prefetch policy, as for the fetch started when it came."""
+        tiers = self.tiers
+        if tiers.prefetch_pending(request.request_id):
+            return
+        limit = self.cache.cacheable_blocks(num_tokens)
+        hits = len(self.cache.pool.match(keys, limit))
+        ready, _ = tiers.available_run(keys[hits:limit])  # in host memory or staged already
+        lost = keys[hits + ready:limit]
+        if lost and tiers.lower_run(lost[:1]):  # known to be held below (never a blind Redis ask)
+            self._start_prefetch(request, lost)
 
     def fetching_prefix(self, request: Request) -> bool:
         """Whether the request waits while its prefix comes up from disk or Redis right now."""
@@ -524,6 +542,8 @@ class Engine:
             keys, hasher = self._prefix_keys(seq)
             reuse = not request.scoring  # a prompt scored position by position takes nothing from the cache
             if self.tiers is not None and reuse:
+                if not self._waits_for_prefetch(request):
+                    self._fetch_what_was_lost(request, keys, len(tokens))
                 if self._waits_for_prefetch(request):
                     held.append(request)
                     continue  # its turn passes to the requests behind it meanwhile

@@ -78,6 +78,7 @@ class Prefetch:
     cancelled: bool = False
     started: float = 0.0
     ended: float | None = None  # when the fetch stopped (everything staged, a miss, or cancelled)
+    tried: set = field(default_factory=set)  # every block this request's fetches set out to bring up
 
     def seconds(self) -> float | None:
         """How long the fetch ran, once it has stopped."""
@@ -506,8 +507,14 @@ class TieredCache:
     # ---- prefetch ----------------------------------------------------------------------------
     def start_prefetch(self, request_id: str, keys: Sequence[bytes]) -> bool:
         """Fetch the lower-tier part of a waiting request's prefix into staging, in the background.
-        `keys` are the blocks the device lacks, in chain order. False when nothing to fetch."""
+        `keys` are the blocks the device lacks, in chain order. False when nothing to fetch, while
+        the request's earlier fetch runs, or when an earlier one set out for the same first block
+        (it failed there: a block is asked for once a request). What an earlier fetch of the
+        request staged stays staged for it."""
         with self.lock:
+            earlier = self.prefetches.get(request_id)
+            if earlier is not None and earlier.future is not None and not earlier.future.done():
+                return False
             start = 0
             for key in keys:
                 if key in self.staged or (self.host is not None and key in self.host.index):
@@ -519,7 +526,11 @@ class TieredCache:
                 return False
             if self.remote is None and keys[0] not in self.disk.index and keys[0] not in self.inflight:
                 return False
-            job = Prefetch(request_id, keys, started=self.clock())
+            if earlier is not None and keys[0] in earlier.tried:
+                return False
+            job = Prefetch(request_id, keys, started=self.clock(), tried=set(keys))
+            if earlier is not None:
+                job.staged, job.tried = list(earlier.staged), job.tried | earlier.tried
             self.prefetches[request_id] = job
         job.future = self._reader.submit(self._fetch_timed, job)
         return True
