@@ -13,6 +13,12 @@ with expected_reuse = prior + hits of its prefix (a prefix never reused still ge
 since most prefixes are first reused after their first eviction). A prefix in a lower tier is
 restored when restore_seconds(bytes of the run) < recompute_seconds(tokens of the run).
 A router prices a replica's lower-tier blocks the same way (`restore_seconds`).
+
+Whether to start a fetch from disk or Redis (`should_fetch`) is that judgement with room to learn:
+until a tier's reads are measured `MEASURED_READS` times it is fetched from, and a fetch judged not
+worth it is still made once in `PROBE_EVERY`. A rate measured low once (a first read of a few
+blocks, mostly round trip; a read under a passing load) would otherwise stop every fetch, and with
+them every measurement that could correct it.
 How long a waiting request holds out for such a restore's fetch is `PrefetchWait`'s call.
 """
 
@@ -20,6 +26,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+MEASURED_READS = 3  # reads of a tier measured before its rate may stop a fetch
+PROBE_EVERY = 16  # a fetch judged not worth it is made anyway once in this many (the rate is measured again)
 
 
 @dataclass
@@ -30,6 +39,8 @@ class RateMeter:
     latency: float = 0.0  # prior, seconds per operation
     weight: float = 0.2  # how much one new measurement moves the estimate
     samples: int = 0
+    latency_samples: int = 0
+    refused: int = 0  # fetches judged not worth it since the last one made (`TieringPolicy.should_fetch`)
 
     def observe(self, units: float, seconds: float, *, fixed: float | None = None) -> None:
         """One operation moved `units` in `seconds`; `fixed` is its measured fixed part, if known."""
@@ -42,6 +53,19 @@ class RateMeter:
         if fixed is not None:
             self.latency = (1 - w) * self.latency + w * fixed
         self.samples += 1
+
+    def observe_latency(self, seconds: float) -> None:
+        """A call that moved nothing (a lookup that found nothing): its time is all fixed cost."""
+        if seconds <= 0:
+            return
+        w = 1.0 if self.latency_samples == 0 else self.weight
+        self.latency = (1 - w) * self.latency + w * seconds
+        self.latency_samples += 1
+
+    def observe_net_of_latency(self, units: float, seconds: float) -> None:
+        """One call moved `units` in `seconds`, of which its fixed cost is taken to be the latency
+        measured so far (at most half the call): a small read is not taken for a slow link."""
+        self.observe(units, seconds - min(self.latency, seconds / 2))
 
     def seconds(self, units: float) -> float:
         return self.latency + units / self.rate
@@ -71,6 +95,20 @@ class TieringPolicy:
         if self.mode == "always":
             return tokens > 0
         return tokens > 0 and read.seconds(nbytes) < tokens / self.prefill.rate
+
+    def should_fetch(self, tokens: int, nbytes: int, read: RateMeter) -> bool:
+        """Whether to fetch a run from disk or Redis for a waiting request: `should_restore`, but
+        optimistic until the tier's reads are measured, and probing once in a while when not."""
+        if tokens <= 0:
+            return False
+        if self.should_restore(tokens, nbytes, read) or read.samples < MEASURED_READS:
+            read.refused = 0
+            return True
+        read.refused += 1
+        if read.refused >= PROBE_EVERY:
+            read.refused = 0
+            return True
+        return False
 
     def break_even_tokens(self, bytes_per_token: float, read: RateMeter) -> float:
         """Shortest prompt for which restoring from this tier beats recomputing (inf if never)."""

@@ -329,3 +329,37 @@ def test_a_rate_meter_ignores_a_measurement_whose_fixed_part_is_all_of_it():
     meter.observe(1 << 20, 0.003, fixed=0.002)
     assert meter.samples == 1 and meter.rate == pytest.approx((1 << 20) / 0.001) and meter.latency == 0.002
 
+
+
+def test_a_lookup_that_found_nothing_measures_latency_and_a_read_is_priced_net_of_it():
+    from kvctl.policies.tiering import RateMeter
+
+    meter = RateMeter(rate=1e9)
+    meter.observe_latency(0.002)  # a round trip that brought nothing
+    assert (meter.latency, meter.latency_samples, meter.samples) == (0.002, 1, 0)
+    meter.observe_latency(0.004)
+    assert meter.latency == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)
+    meter.observe_latency(0.0)  # nothing measured
+    assert meter.latency_samples == 2
+    latency = meter.latency
+    meter.observe_net_of_latency(1_000_000, 0.0124)  # 1 MB: the round trip, then 10 ms of transfer
+    assert meter.rate == pytest.approx(1_000_000 / (0.0124 - latency)) and meter.samples == 1
+    small = RateMeter(rate=1e9, latency=0.002, latency_samples=1)
+    small.observe_net_of_latency(18_000, 0.0025)  # mostly round trip: at most half of it is taken off
+    assert small.rate == pytest.approx(18_000 / 0.00125)
+
+
+def test_fetches_are_made_until_a_tier_is_measured_and_probed_once_in_a_while_when_judged_too_slow():
+    from kvctl.policies.tiering import MEASURED_READS, PROBE_EVERY, RateMeter, TieringPolicy
+
+    policy = TieringPolicy(prefill=RateMeter(rate=60_000.0))  # a small model: 1,024 tokens in 17 ms
+    slow = RateMeter(rate=1e6, samples=0)  # 1 MB/s: 288 KB would take 288 ms
+    tokens, nbytes = 1024, 288_000
+    assert not policy.should_restore(tokens, nbytes, slow)
+    assert [policy.should_fetch(tokens, nbytes, slow) for _ in range(2)] == [True, True]  # not measured yet
+    slow.samples = MEASURED_READS
+    answers = [policy.should_fetch(tokens, nbytes, slow) for _ in range(2 * PROBE_EVERY)]
+    assert answers == ([False] * (PROBE_EVERY - 1) + [True]) * 2  # a probe once in PROBE_EVERY
+    fast = RateMeter(rate=1e9, samples=MEASURED_READS)
+    assert all(policy.should_fetch(tokens, nbytes, fast) for _ in range(3 * PROBE_EVERY))
+    assert not policy.should_fetch(0, 0, fast)

@@ -1292,3 +1292,18 @@ def test_a_second_fetch_for_a_request_keeps_what_its_first_staged_and_waits_for_
     assert tiered.available_run(keys) == (6, 6 * tiered.layout.block_bytes)
     tiered.finish_prefetch("r")
     assert tiered.staged == {} and tiered.prefetches == {}
+
+
+def test_redis_lookups_that_find_nothing_measure_its_latency_and_reads_its_bandwidth_net_of_it(demo, redis_server):
+    engine, tiered = engine_with(demo, remote_url=redis_server.url, write_policy="write_through")
+    meter = tiered.stats["remote"].read
+    cold = generate(engine, TEXT_A, demo)  # a new prompt: Redis is asked and has nothing
+    assert cold.metrics.prefetch_outcome == "miss"
+    assert (meter.latency_samples, meter.samples) == (1, 0) and meter.latency > 0
+    tiered.flush()
+    push_out(engine, demo)
+    latency = meter.latency
+    warm = generate(engine, TEXT_A, demo)
+    assert warm.metrics.prefetch_outcome == "complete" and warm.metrics.restored_tokens > 0
+    assert warm.metrics.restored_tokens <= warm.metrics.cached_tokens
+    assert meter.samples == 1 and meter.latency == latency  # the read that brought blocks: bandwidth only

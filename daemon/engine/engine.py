@@ -311,8 +311,8 @@ class Engine:
         tiers = self.tiers
         source = "disk" if tiers.disk is not None else "remote"
         size = self.settings.block_size
-        if tiers.policy.should_restore(len(missing) * size, len(missing) * tiers.block_bytes_in(source),
-                                       tiers.stats[source].read):
+        if tiers.policy.should_fetch(len(missing) * size, len(missing) * tiers.block_bytes_in(source),
+                                     tiers.stats[source].read):
             if tiers.start_prefetch(request.request_id, missing):
                 request.metrics.prefetch_started = self.clock()
                 request.metrics.prefetch_tokens = len(missing) * size
@@ -387,8 +387,7 @@ class Engine:
         if not tiers.policy.should_restore(run * self.settings.block_size, nbytes, tiers.stats["host"].read):
             return
         restored = tiers.restore_into(cache, keys, hits, run, seq.request.tenant)
-        seq.request.metrics.restored_tokens += restored * self.settings.block_size
-        self.stats.restored_tokens += restored * self.settings.block_size
+        seq.request.metrics.installed_tokens += restored * self.settings.block_size
 
     def cancel(self, request_id: str) -> list[TokenEvent]:
         """Stop a request wherever it is; its blocks come back exactly once.
@@ -565,11 +564,15 @@ class Engine:
                 self._end_prefetch(request)
             now = self.clock()
             by_tenant = self.stats.tenant_tokens.setdefault(request.tenant, [0, 0, 0])
+            restored = min(request.metrics.installed_tokens, admission.hit_tokens)
+            request.metrics.installed_tokens = 0
             if request.metrics.admitted is None:
                 request.metrics.admitted = now
                 request.metrics.cached_tokens = admission.hit_tokens
+                request.metrics.restored_tokens = restored  # part of its hits, as they are counted
                 self.stats.prompt_tokens += len(tokens)
                 self.stats.hit_tokens += admission.hit_tokens
+                self.stats.restored_tokens += restored
                 by_tenant[0] += len(tokens)
                 by_tenant[1] += admission.hit_tokens
             else:

@@ -24,6 +24,9 @@ class RequestMetrics:
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     recomputed_tokens: int = 0  # tokens computed again after a preemption
     restored_tokens: int = 0  # prompt tokens brought back from a lower tier (part of cached_tokens)
+    # put back on the device for its next admission and not yet counted: blocks installed while it
+    # waited can be evicted again before it is admitted, so only what that admission hits counts
+    installed_tokens: int = 0
     preemptions: int = 0
     # its prefix's fetch from disk or Redis while it waited (engine clock), if there was one
     prefetch_started: float | None = None

@@ -594,10 +594,16 @@ class TieredCache:
                     payloads = self.remote.read_many(run)
                 except RemoteUnavailable as exc:
                     self._degrade("remote", str(exc), seconds=0.0)
-                    payloads = {}
+                    payloads = None
+                # A round trip that found nothing measures the latency; one that brought blocks, the
+                # bandwidth net of it. Else a first small read, mostly round trip, priced every restore
+                # from Redis as slower than recomputing, and nothing was fetched again to learn better.
+                meter, seconds = self.stats["remote"].read, time.perf_counter() - started
                 if payloads:
-                    self.stats["remote"].read.observe(sum(len(p) for p in payloads.values()),
-                                                      time.perf_counter() - started)
+                    meter.observe_net_of_latency(sum(len(p) for p in payloads.values()), seconds)
+                elif payloads is not None:
+                    meter.observe_latency(seconds)
+                payloads = payloads or {}
             else:
                 break
             for key in run:
