@@ -1307,3 +1307,24 @@ def test_redis_lookups_that_find_nothing_measure_its_latency_and_reads_its_bandw
     assert warm.metrics.prefetch_outcome == "complete" and warm.metrics.restored_tokens > 0
     assert warm.metrics.restored_tokens <= warm.metrics.cached_tokens
     assert meter.samples == 1 and meter.latency == latency  # the read that brought blocks: bandwidth only
+
+
+def test_a_lost_prefix_judged_not_worth_fetching_is_judged_once_not_at_every_pass_while_it_waits(demo, tmp_path):
+    """Each judgement counts towards the next probe (`should_fetch`): judged at every engine step
+    while the request waited at the head of the queue, every waiting request would have probed."""
+    from kvctl.daemon.engine.sampling import SamplingParams
+
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d", write_policy="write_through")
+    generate(engine, TEXT_A, demo)
+    tiered.flush()
+    judged = []
+    tiered.policy.should_fetch = lambda tokens, nbytes, read: judged.append(tokens) or False
+    engine.add_request(demo.tokenizer.encode(TEXT_C * 2)[:130], SamplingParams(max_tokens=40, ignore_eos=True))
+    warm = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    engine.cache.audit()
+    assert steps > 30 and judged == [80]  # at its first pass after the long request took the device
+    assert warm.metrics.prefetch_started is None and warm.metrics.restored_tokens == 0

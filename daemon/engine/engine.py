@@ -22,8 +22,8 @@ prefix hits never change the tokens a request gets.
 from __future__ import annotations
 
 import heapq
-import math
 import itertools
+import math
 import secrets
 import time
 from collections import deque
@@ -306,9 +306,9 @@ class Engine:
             keys, _ = self._prefix_keys(request.sequences[0])
             limit = self.cache.cacheable_blocks(len(request.prompt_ids))
             missing = keys[len(self.cache.pool.match(keys, limit)):limit]
-        if not missing:
-            return
         tiers = self.tiers
+        if not missing or not (tiers.remote is not None or tiers.lower_run(missing[:1])):
+            return  # nothing below to fetch (Redis is asked blind: another daemon may have written it)
         source = "disk" if tiers.disk is not None else "remote"
         size = self.settings.block_size
         if tiers.policy.should_fetch(len(missing) * size, len(missing) * tiers.block_bytes_in(source),
@@ -330,7 +330,8 @@ class Engine:
         hits = len(self.cache.pool.match(keys, limit))
         ready, _ = tiers.available_run(keys[hits:limit])  # in host memory or staged already
         lost = keys[hits + ready:limit]
-        if lost and tiers.lower_run(lost[:1]):  # known to be held below (never a blind Redis ask)
+        if lost and lost[0] != request.lost_judged and tiers.lower_run(lost[:1]):  # held below (never a blind ask)
+            request.lost_judged = lost[0]
             self._start_prefetch(request, lost)
 
     def fetching_prefix(self, request: Request) -> bool:
