@@ -1328,3 +1328,24 @@ def test_a_lost_prefix_judged_not_worth_fetching_is_judged_once_not_at_every_pas
     engine.cache.audit()
     assert steps > 30 and judged == [80]  # at its first pass after the long request took the device
     assert warm.metrics.prefetch_started is None and warm.metrics.restored_tokens == 0
+
+
+def test_a_prefix_only_redis_holds_is_judged_at_redis_s_rate_even_beside_a_disk(demo, tmp_path, redis_server):
+    """Another daemon wrote it to the shared Redis; this one's disk is empty and slow. The fetch was
+    judged at the disk's rate whenever a disk existed, so it was never made."""
+    from kvctl.daemon.cache.tiers import build_tiers
+    from kvctl.daemon.engine.engine import Engine, EngineSettings
+    from kvctl.policies.tiering import MEASURED_READS, RateMeter
+
+    writer, written = engine_with(demo, remote_url=redis_server.url, write_policy="write_through")
+    cold = generate(writer, TEXT_A, demo)
+    written.flush()
+    engine = Engine(demo, EngineSettings(num_blocks=12, block_size=16))
+    tiered, _ = build_tiers(engine, remote_url=redis_server.url, disk_bytes=1 << 22, disk_path=tmp_path / "d",
+                            tiering="measured")
+    tiered.stats["disk"].read = RateMeter(rate=1.0, samples=MEASURED_READS)  # a byte a second
+    tiered.stats["remote"].read = RateMeter(rate=1e12, samples=MEASURED_READS)
+    warm = generate(engine, TEXT_A, demo)
+    assert warm.metrics.prefetch_outcome == "complete" and warm.metrics.restored_tokens > 0
+    assert tiered.stats["remote"].restored_blocks == warm.metrics.restored_tokens // 16
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids

@@ -307,9 +307,10 @@ class Engine:
             limit = self.cache.cacheable_blocks(len(request.prompt_ids))
             missing = keys[len(self.cache.pool.match(keys, limit)):limit]
         tiers = self.tiers
-        if not missing or not (tiers.remote is not None or tiers.lower_run(missing[:1])):
+        held = tiers.lower_run(missing[:1]) if missing else {}
+        if not missing or not (tiers.remote is not None or held):
             return  # nothing below to fetch (Redis is asked blind: another daemon may have written it)
-        source = "disk" if tiers.disk is not None else "remote"
+        source = next(iter(held), "remote")  # judged at the tier its first block would come from
         size = self.settings.block_size
         if tiers.policy.should_fetch(len(missing) * size, len(missing) * tiers.block_bytes_in(source),
                                      tiers.stats[source].read):
