@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .bench_figures import RequestRecord, across_runs, engine_figures, figures, ratios
-from .errors import UserError
+from .errors import KvdUnavailable, UserError
 from .outputs import is_png, refuse_clobber
 from .records_cmd import open_store
 from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
@@ -265,7 +265,12 @@ def serve_command(
         before = status
         for i, work in enumerate(works):
             kvd_records = asyncio.run(_drive(sync, work, None if rate else concurrency, rate, seed + i, tick))
-            after = sync.get("/admin/status")
+            try:
+                after = sync.get("/admin/status")
+            except KvdUnavailable as exc:  # it stopped or restarted meanwhile: the client's figures stand
+                err.print(f"kvd did not answer after the run ({exc}); its engine figures are left out",
+                          markup=False)
+                after = {}
             base_records = None
             if baseline == "transformers":
                 base_records = run_transformers_baseline(status["model"]["path"], work, concurrency or 8, tick,

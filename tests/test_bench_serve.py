@@ -464,3 +464,39 @@ def service_tenants(service) -> list[dict]:
     from kvctl.daemon.server.tenants import list_tenants
 
     return list_tenants(service)["tenants"]
+
+
+def test_a_daemon_that_stops_during_the_run_leaves_the_client_s_figures_and_says_why(capsys, monkeypatch):
+    """The requests it cut short are aborts; the engine's step counters cannot be read after the
+    run, so those figures alone are left out (every figure was lost with an error before)."""
+    import kvctl.bench_serve as bench_serve
+    import kvctl.client as client
+    from kvctl.bench_figures import RequestRecord
+    from kvctl.errors import KvdUnavailable
+
+    status = {"model": {"name": "demo", "revision": "r3v", "path": "/nowhere", "device": "cpu",
+                        "dtype": "torch.float32"}, "steps": {}}
+
+    class Stopping:
+        def __init__(self, **options):
+            self.asked = 0
+
+        def get(self, path, **params):
+            self.asked += 1
+            if self.asked == 1:
+                return status
+            raise KvdUnavailable("kvd answered 503: kvd is shutting down")
+
+    async def drive(sync, work, concurrency, rate, seed, tick):
+        return [RequestRecord(0, 0.0, 40, 0, [0.1, 0.2], 0.2), RequestRecord(1, 0.0, 40, 0, [0.1], 0.1, "aborted")]
+
+    monkeypatch.setattr(client, "Client", Stopping)
+    monkeypatch.setattr(bench_serve, "_drive", drive)
+    code, out, err = cli(capsys, "bench", "serve", "--baseline", "none", "--requests", "2", "--max-tokens", "2",
+                         "--json")
+    assert code == 0
+    assert "kvd did not answer after the run (kvd answered 503: kvd is shutting down); its engine figures are " \
+           "left out" in " ".join(err.split())
+    document = json.loads(out)
+    assert document["engine"] is None and document["kvd"]["aborts"] == 1
+    assert document["kvd"]["output_tokens_per_second"] > 0
