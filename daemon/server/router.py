@@ -845,8 +845,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         def failed_mid_answer(exc: Exception, events: int) -> str:
             replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
             replica.failed_forwards += 1
-            log.warning("replica %s failed after %d events of a streamed answer: %s", replica.name, events,
-                        replica.last_error)
+            log.warning("replica %s failed after %d event%s of a streamed answer: %s", replica.name, events,
+                        "" if events == 1 else "s", replica.last_error)
             return f"replica {replica.name} failed during the answer: {replica.last_error}"
 
         async def relay():
