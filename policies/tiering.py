@@ -16,9 +16,10 @@ A router prices a replica's lower-tier blocks the same way (`restore_seconds`).
 
 Whether to start a fetch from disk or Redis (`should_fetch`) is that judgement with room to learn:
 until a tier's reads are measured `MEASURED_READS` times it is fetched from, and a fetch judged not
-worth it is still made once in `PROBE_EVERY`. A rate measured low once (a first read of a few
-blocks, mostly round trip; a read under a passing load) would otherwise stop every fetch, and with
-them every measurement that could correct it.
+worth it is still made when the tier's rate was last measured `PROBE_AFTER_S` or more ago (one
+such probe at a time). A rate measured low once (a first read of a few blocks, mostly round trip;
+a read under a passing load) would otherwise stop every fetch, and with them every measurement that
+could correct it; a tier that is slow indeed costs one probe a period, whatever the request rate.
 How long a waiting request holds out for such a restore's fetch is `PrefetchWait`'s call.
 """
 
@@ -28,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 MEASURED_READS = 3  # reads of a tier measured before its rate may stop a fetch
-PROBE_EVERY = 16  # a fetch judged not worth it is made anyway once in this many (the rate is measured again)
+PROBE_AFTER_S = 30.0  # a fetch judged not worth it is made anyway when the rate is this old (measured again)
 
 
 @dataclass
@@ -40,10 +41,13 @@ class RateMeter:
     weight: float = 0.2  # how much one new measurement moves the estimate
     samples: int = 0
     latency_samples: int = 0
-    refused: int = 0  # fetches judged not worth it since the last one made (`TieringPolicy.should_fetch`)
+    measured_at: float | None = None  # when a reading last came (or a probe was sent for one), if fed a clock
 
-    def observe(self, units: float, seconds: float, *, fixed: float | None = None) -> None:
-        """One operation moved `units` in `seconds`; `fixed` is its measured fixed part, if known."""
+    def observe(self, units: float, seconds: float, *, fixed: float | None = None, at: float | None = None) -> None:
+        """One operation moved `units` in `seconds`; `fixed` is its measured fixed part, if known;
+        `at` is when (the caller's clock), if it keeps track."""
+        if at is not None:
+            self.measured_at = at
         variable = seconds - (fixed or 0.0)
         if units <= 0 or seconds <= 0 or variable <= 0:
             return  # nothing moved, or the measurement leaves the transfer itself no time
@@ -62,10 +66,10 @@ class RateMeter:
         self.latency = (1 - w) * self.latency + w * seconds
         self.latency_samples += 1
 
-    def observe_net_of_latency(self, units: float, seconds: float) -> None:
+    def observe_net_of_latency(self, units: float, seconds: float, at: float | None = None) -> None:
         """One call moved `units` in `seconds`, of which its fixed cost is taken to be the latency
         measured so far (at most half the call): a small read is not taken for a slow link."""
-        self.observe(units, seconds - min(self.latency, seconds / 2))
+        self.observe(units, seconds - min(self.latency, seconds / 2), at=at)
 
     def seconds(self, units: float) -> float:
         return self.latency + units / self.rate
@@ -96,17 +100,15 @@ class TieringPolicy:
             return tokens > 0
         return tokens > 0 and read.seconds(nbytes) < tokens / self.prefill.rate
 
-    def should_fetch(self, tokens: int, nbytes: int, read: RateMeter) -> bool:
-        """Whether to fetch a run from disk or Redis for a waiting request: `should_restore`, but
-        optimistic until the tier's reads are measured, and probing once in a while when not."""
+    def should_fetch(self, tokens: int, nbytes: int, read: RateMeter, now: float) -> bool:
+        """Whether to fetch a run from disk or Redis for a waiting request at `now`: `should_restore`,
+        but optimistic until the tier's reads are measured, and probing when its rate has grown old."""
         if tokens <= 0:
             return False
         if self.should_restore(tokens, nbytes, read) or read.samples < MEASURED_READS:
-            read.refused = 0
             return True
-        read.refused += 1
-        if read.refused >= PROBE_EVERY:
-            read.refused = 0
+        if read.measured_at is None or now - read.measured_at >= PROBE_AFTER_S:
+            read.measured_at = now  # the probe's own reading follows; no second probe meanwhile
             return True
         return False
 

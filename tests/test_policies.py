@@ -349,17 +349,21 @@ def test_a_lookup_that_found_nothing_measures_latency_and_a_read_is_priced_net_o
     assert small.rate == pytest.approx(18_000 / 0.00125)
 
 
-def test_fetches_are_made_until_a_tier_is_measured_and_probed_once_in_a_while_when_judged_too_slow():
-    from kvctl.policies.tiering import MEASURED_READS, PROBE_EVERY, RateMeter, TieringPolicy
+def test_fetches_are_made_until_a_tier_is_measured_and_probed_when_its_rate_has_grown_old():
+    """One probe a period however many requests come, and none while a probe's reading is awaited."""
+    from kvctl.policies.tiering import MEASURED_READS, PROBE_AFTER_S, RateMeter, TieringPolicy
 
     policy = TieringPolicy(prefill=RateMeter(rate=60_000.0))  # a small model: 1,024 tokens in 17 ms
-    slow = RateMeter(rate=1e6, samples=0)  # 1 MB/s: 288 KB would take 288 ms
+    slow = RateMeter(rate=1e6)  # 1 MB/s: 288 KB would take 288 ms
     tokens, nbytes = 1024, 288_000
     assert not policy.should_restore(tokens, nbytes, slow)
-    assert [policy.should_fetch(tokens, nbytes, slow) for _ in range(2)] == [True, True]  # not measured yet
-    slow.samples = MEASURED_READS
-    answers = [policy.should_fetch(tokens, nbytes, slow) for _ in range(2 * PROBE_EVERY)]
-    assert answers == ([False] * (PROBE_EVERY - 1) + [True]) * 2  # a probe once in PROBE_EVERY
-    fast = RateMeter(rate=1e9, samples=MEASURED_READS)
-    assert all(policy.should_fetch(tokens, nbytes, fast) for _ in range(3 * PROBE_EVERY))
-    assert not policy.should_fetch(0, 0, fast)
+    assert [policy.should_fetch(tokens, nbytes, slow, t) for t in (0.0, 0.1)] == [True, True]  # not measured yet
+    for at in (0.5, 1.0, 1.5):
+        slow.observe(1_000_000, 1.0, at=at)  # three readings, the last at t = 1.5
+    assert slow.samples == MEASURED_READS and slow.measured_at == 1.5
+    times = [1.5 + k for k in range(0, 100)]  # a request a second
+    probes = [t for t in times if policy.should_fetch(tokens, nbytes, slow, t)]
+    assert probes == [1.5 + PROBE_AFTER_S, 1.5 + 2 * PROBE_AFTER_S, 1.5 + 3 * PROBE_AFTER_S]
+    fast = RateMeter(rate=1e9, samples=MEASURED_READS, measured_at=0.0)
+    assert all(policy.should_fetch(tokens, nbytes, fast, t) for t in (1.0, 2.0, 3.0))
+    assert not policy.should_fetch(0, 0, fast, 4.0)

@@ -1310,15 +1310,15 @@ def test_redis_lookups_that_find_nothing_measure_its_latency_and_reads_its_bandw
 
 
 def test_a_lost_prefix_judged_not_worth_fetching_is_judged_once_not_at_every_pass_while_it_waits(demo, tmp_path):
-    """Each judgement counts towards the next probe (`should_fetch`): judged at every engine step
-    while the request waited at the head of the queue, every waiting request would have probed."""
+    """A fetch of it is judged when it reaches its turn; judging again at every engine step while it
+    waits at the head of the queue would redo the work of a decision already made."""
     from kvctl.daemon.engine.sampling import SamplingParams
 
     engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d", write_policy="write_through")
     generate(engine, TEXT_A, demo)
     tiered.flush()
     judged = []
-    tiered.policy.should_fetch = lambda tokens, nbytes, read: judged.append(tokens) or False
+    tiered.policy.should_fetch = lambda tokens, nbytes, read, now: judged.append(tokens) or False
     engine.add_request(demo.tokenizer.encode(TEXT_C * 2)[:130], SamplingParams(max_tokens=40, ignore_eos=True))
     warm = engine.add_request(demo.tokenizer.encode(TEXT_A), GREEDY)
     steps = 0

@@ -313,7 +313,7 @@ class Engine:
         source = next(iter(held), "remote")  # judged at the tier its first block would come from
         size = self.settings.block_size
         if tiers.policy.should_fetch(len(missing) * size, len(missing) * tiers.block_bytes_in(source),
-                                     tiers.stats[source].read):
+                                     tiers.stats[source].read, tiers.clock()):
             if tiers.start_prefetch(request.request_id, missing):
                 request.metrics.prefetch_started = self.clock()
                 request.metrics.prefetch_tokens = len(missing) * size

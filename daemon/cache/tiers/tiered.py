@@ -587,7 +587,7 @@ class TieredCache:
                     self._degrade("disk", "read failed")
                 else:
                     self.stats["disk"].read.observe(sum(len(p) for p in payloads.values()),
-                                                    time.perf_counter() - started)
+                                                    time.perf_counter() - started, at=self.clock())
             elif self.remote is not None and self._usable("remote"):
                 run, source, started = keys[i:i + self.FETCH_GROUP], "remote", time.perf_counter()
                 try:
@@ -600,7 +600,7 @@ class TieredCache:
                 # from Redis as slower than recomputing, and nothing was fetched again to learn better.
                 meter, seconds = self.stats["remote"].read, time.perf_counter() - started
                 if payloads:
-                    meter.observe_net_of_latency(sum(len(p) for p in payloads.values()), seconds)
+                    meter.observe_net_of_latency(sum(len(p) for p in payloads.values()), seconds, at=self.clock())
                 elif payloads is not None:
                     meter.observe_latency(seconds)
                 payloads = payloads or {}
