@@ -298,18 +298,19 @@ class Engine:
             memo = seq.prefix_keys = self.prefix_keys(seq.request.tenant, tokens)
         return memo[2], memo[3].copy()
 
-    def _start_prefetch(self, request: Request, missing: list | None = None) -> None:
+    def _start_prefetch(self, request: Request, missing: list | None = None, blind: bool = True) -> bool:
         """Bring the part of the prompt's prefix that sits on disk or in Redis (`missing`: what
         the device lacks of it, by default) up to staging while the request waits, when restoring
-        beats recomputing it."""
+        beats recomputing it. With `blind`, Redis is asked for blocks no tier is known to hold
+        (another daemon may have written them). Returns whether a fetch was judged at all."""
         if missing is None:
             keys, _ = self._prefix_keys(request.sequences[0])
             limit = self.cache.cacheable_blocks(len(request.prompt_ids))
             missing = keys[len(self.cache.pool.match(keys, limit)):limit]
         tiers = self.tiers
         held = tiers.lower_run(missing[:1]) if missing else {}
-        if not missing or not (tiers.remote is not None or held):
-            return  # nothing below to fetch (Redis is asked blind: another daemon may have written it)
+        if not missing or not (held or (blind and tiers.remote is not None)):
+            return False  # nothing below to fetch
         source = next(iter(held), "remote")  # judged at the tier its first block would come from
         size = self.settings.block_size
         if tiers.policy.should_fetch(len(missing) * size, len(missing) * tiers.block_bytes_in(source),
@@ -317,6 +318,7 @@ class Engine:
             if tiers.start_prefetch(request.request_id, missing):
                 request.metrics.prefetch_started = self.clock()
                 request.metrics.prefetch_tokens = len(missing) * size
+        return True
 
     def _fetch_what_was_lost(self, request: Request, keys: list, num_tokens: int) -> None:
         """At its turn for admission: blocks of the prefix that the device held when the request
@@ -331,9 +333,8 @@ class Engine:
         hits = len(self.cache.pool.match(keys, limit))
         ready, _ = tiers.available_run(keys[hits:limit])  # in host memory or staged already
         lost = keys[hits + ready:limit]
-        if lost and lost[0] != request.lost_judged and tiers.lower_run(lost[:1]):  # held below (never a blind ask)
+        if lost and lost[0] != request.lost_judged and self._start_prefetch(request, lost, blind=False):
             request.lost_judged = lost[0]
-            self._start_prefetch(request, lost)
 
     def fetching_prefix(self, request: Request) -> bool:
         """Whether the request waits while its prefix comes up from disk or Redis right now."""
