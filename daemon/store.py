@@ -66,16 +66,19 @@ class Store:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA busy_timeout=30000")
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("PRAGMA foreign_keys=ON")
+        try:
+            conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA busy_timeout=30000")
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
+        except sqlite3.DatabaseError as exc:  # not a database, unreadable, a read-only folder for its WAL
+            raise StoreError(f"store: {str(path)!r} cannot be opened: {exc}") from None
         self.db = sqlite_utils.Database(conn)
         self.conn = conn
         self.path = path
         self._lock = threading.RLock()  # one connection, shared by the daemon's threads
-        problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
         if problems != ["ok"]:
             raise StoreError(f"store: {str(path)!r} failed quick_check: {'; '.join(problems[:3])}")
         self._migrate()

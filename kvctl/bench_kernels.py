@@ -34,11 +34,11 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
 DTYPES = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
-def _save(document: dict, save: bool, state_dir: str | None) -> None:
+def _save(ctx: typer.Context, document: dict, save: bool, state_dir: str | None) -> None:
     if save:
         from .records_cmd import open_store
 
-        document["run_id"] = open_store(state_dir, create=True).save_run("bench_kernels", document)
+        document["run_id"] = open_store(ctx, state_dir, create=True).save_run("bench_kernels", document)
 
 
 def peak_bandwidth(device_name: str) -> float | None:
@@ -81,6 +81,7 @@ class PrefillFigure:
 
 
 def kernels_command(
+    ctx: typer.Context,
     batches: list[str] = typer.Option(["1,8,32,64,128,256"], "--batch", help="Decode batch sizes."),
     contexts: list[str] = typer.Option(["512,2048,4096,8192,16384,32768"], "--context",
                                        help="Decode context lengths."),
@@ -153,7 +154,7 @@ def kernels_command(
                     "checks": checks}
         if compiled:
             document["compile"] = compiled
-        _save(document, save, state_dir)
+        _save(ctx, document, save, state_dir)
         if as_json:
             typer.echo(json.dumps(document, indent=2))
         else:
@@ -189,7 +190,7 @@ def kernels_command(
                 "triton": triton.__version__}
     if compiled:
         document["compile"] = compiled
-    _save(document, save, state_dir)
+    _save(ctx, document, save, state_dir)
     if as_json:
         typer.echo(json.dumps(document, indent=2))
         return

@@ -48,6 +48,7 @@ def parse_names(field: str, values: list[str]) -> list[str]:
 
 
 def replay_command(
+    ctx: typer.Context,
     trace: Optional[Path] = typer.Argument(
         None, help="Mooncake-format JSONL trace; omit to replay a generated demo trace."),
     block_sizes: list[str] = typer.Option(
@@ -166,7 +167,7 @@ def replay_command(
     if save:
         from .records_cmd import open_store
 
-        document["run_id"] = open_store(state_dir, create=True).save_run("bench_replay", document)
+        document["run_id"] = open_store(ctx, state_dir, create=True).save_run("bench_replay", document)
     if plot is not None:
         from .replay_plot import write_plot  # matplotlib only when asked
 

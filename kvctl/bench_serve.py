@@ -243,7 +243,7 @@ def serve_command(
 
     previous = None
     if compare is not None:  # before the run, which takes minutes
-        previous = open_store(state_dir).get_run(compare)
+        previous = open_store(ctx, state_dir).get_run(compare)
         if previous is None:
             raise UserError(f"compare: no stored run {compare}")
         if previous["kind"] != "bench_serve":
@@ -293,7 +293,7 @@ def serve_command(
         "versions": _versions(),
     }
     if save:
-        document["run_id"] = open_store(state_dir, create=True).save_run("bench_serve", document)
+        document["run_id"] = open_store(ctx, state_dir, create=True).save_run("bench_serve", document)
     if plot is not None:
         write_plots(plot, *plotted)  # the first run's
     if as_json:

@@ -298,6 +298,7 @@ def _meta(engine, key):
 
 
 def tiers_command(
+    ctx: typer.Context,
     layers: int = typer.Option(32, help="Layers of the block layout (default: Llama-3-8B's shape)."),
     kv_heads: int = typer.Option(8, "--kv-heads", help="KV heads."),
     head_dim: int = typer.Option(128, "--head-dim", help="Head dim."),
@@ -357,7 +358,7 @@ def tiers_command(
     if save:
         from .records_cmd import open_store
 
-        document["run_id"] = open_store(state_dir, create=True).save_run("bench_tiers", document)
+        document["run_id"] = open_store(ctx, state_dir, create=True).save_run("bench_tiers", document)
     if as_json:
         typer.echo(json.dumps(document, indent=2))
         return

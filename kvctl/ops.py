@@ -635,7 +635,7 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
     if data is None:
         from .records_cmd import open_store
 
-        data = {"entries": open_store(state_dir).audit_since(start, action=action)}
+        data = {"entries": open_store(None, state_dir).audit_since(start, action=action)}
 
     def render(d):
         table = compact_table("when", "actor", "tenant", "action", "target", "result")

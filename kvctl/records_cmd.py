@@ -1,7 +1,7 @@
 """`kvctl adr ...` and `kvctl db ...`: decision records and store upkeep, no daemon needed.
 
-They open the database in the state directory: --state-dir, else KVD_STATE_DIR, else the
-daemon's default (`$XDG_STATE_HOME/kvd`).
+They open the database in the state directory: --state-dir, else KVD_STATE_DIR, else the store of
+the kvd that kvctl reaches over its Unix socket, else the daemon's default (`$XDG_STATE_HOME/kvd`).
 """
 
 from __future__ import annotations
@@ -24,31 +24,60 @@ adr_app = typer.Typer(help="Architecture decision records (append-only, in the S
                       no_args_is_help=True)
 db_app = typer.Typer(help="The SQLite store: backup and integrity check.", no_args_is_help=True)
 
-STATE_DIR = typer.Option(None, "--state-dir", help="State directory holding kvd.sqlite3 (KVD_STATE_DIR).")
+STATE_DIR = typer.Option(None, "--state-dir", help="State directory holding kvd.sqlite3 (KVD_STATE_DIR; default: the "
+                         "running kvd's).")
 AS_JSON = typer.Option(False, "--json", help="Print JSON.")
 
 
-def open_store(state_dir: str | None, create: bool = False):
-    """The store in `state_dir` (else KVD_STATE_DIR, else kvd's default). Only commands that
-    write (`create`) may start a new one: a reader pointed at a folder without one (a typo, the
-    wrong user's default) is told so, not shown an empty store it has just created."""
+def running_daemon_store(ctx: typer.Context | None) -> Path | None:
+    """The store of the kvd this kvctl reaches over its Unix socket (`--socket`, KVD_SOCKET or the
+    default), as that daemon names it; None when no daemon answers there, or when kvctl is pointed
+    at one over TCP, whose files lie on another machine. A daemon that answers without naming it
+    (an error, an older kvd) is reported on stderr, so the fallback is never silent."""
+    from .client import Client
+
+    options = (ctx.find_root().obj if ctx else None) or {}
+    if options.get("url") or os.environ.get("KVD_URL"):
+        return None
+    try:
+        client = Client(options.get("socket"), timeout=10.0)
+        path = client.get("/admin/config").get("store_path")
+    except UserError as exc:
+        if "not reachable" in str(exc):
+            return None
+        typer.echo(f"note: kvd at {options.get('socket') or os.environ.get('KVD_SOCKET') or 'its default socket'} "
+                   f"did not say where its store is ({exc})", err=True)
+        return None
+    if not path:
+        typer.echo("note: the kvd kvctl reaches does not name its store (an older kvd?)", err=True)
+    return Path(path) if path else None
+
+
+def open_store(ctx: typer.Context | None, state_dir: str | None, create: bool = False):
+    """The store in `state_dir` (else KVD_STATE_DIR, else the running kvd's, else kvd's default).
+    Only commands that write (`create`) may start a new one: a reader pointed at a folder
+    without one (a typo, the wrong user's default) is told so, not shown an empty store it has
+    just created."""
     from kvctl.daemon.config import default_state_dir
     from kvctl.daemon.store import Store, StoreError
 
-    folder = Path(state_dir or os.environ.get("KVD_STATE_DIR") or default_state_dir())
-    if not create and not (folder / "kvd.sqlite3").is_file():
-        raise UserError(f"state_dir: no kvd.sqlite3 in {str(folder)!r}; give kvd's state directory "
+    chosen = state_dir or os.environ.get("KVD_STATE_DIR")
+    path = Path(chosen) / "kvd.sqlite3" if chosen else running_daemon_store(ctx)
+    if path is None:
+        path = Path(default_state_dir()) / "kvd.sqlite3"
+    if not create and not path.is_file():
+        raise UserError(f"state_dir: no kvd.sqlite3 in {str(path.parent)!r}; give kvd's state directory "
                         "(--state-dir or KVD_STATE_DIR)")
     try:
-        return Store(folder / "kvd.sqlite3")
+        return Store(path)
     except (StoreError, OSError) as exc:
         raise UserError(str(exc)) from None
 
 
-def _records(state_dir: str | None, create: bool = False):
+def _records(ctx: typer.Context | None, state_dir: str | None, create: bool = False):
     from kvctl.daemon.records import Records
 
-    return Records(open_store(state_dir, create))
+    return Records(open_store(ctx, state_dir, create))
 
 
 def _guard(fn, *args, **kwargs):
@@ -68,7 +97,7 @@ def _show(adr, as_json: bool) -> None:
 
 
 @adr_app.command("new")
-def adr_new(title: str = typer.Option(..., "--title", help="One line: what is decided."),
+def adr_new(ctx: typer.Context, title: str = typer.Option(..., "--title", help="One line: what is decided."),
             from_file: Optional[Path] = typer.Option(None, "--from-file", help="Markdown with ## sections."),
             edit: bool = typer.Option(False, "--edit", help="Write the record in $EDITOR."),
             author: str = typer.Option(None, help="Who writes it (default: the login name)."),
@@ -88,12 +117,12 @@ def adr_new(title: str = typer.Option(..., "--title", help="One line: what is de
         template = f"# {title}\n\n" + "\n".join(f"## {HEADINGS[f]}\n\n" for f in FIELDS)
         text = typer.edit(template) or ""
     parsed_title, fields = _guard(parse_markdown, text)
-    adr = _guard(_records(state_dir, create=True).new, parsed_title or title, fields, author or getpass.getuser())
+    adr = _guard(_records(ctx, state_dir, create=True).new, parsed_title or title, fields, author or getpass.getuser())
     _show(adr, as_json) if as_json else Console().print(f"ADR {adr.id} recorded (proposed): {adr.title}")
 
 
 @adr_app.command("edit")
-def adr_edit(adr_id: int = typer.Argument(..., help="ADR id."),
+def adr_edit(ctx: typer.Context, adr_id: int = typer.Argument(..., help="ADR id."),
              from_file: Path = typer.Option(..., "--from-file", help="Markdown with the sections to change."),
              author: str = typer.Option(None, help="Who edits (default: the login name)."),
              state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
@@ -104,18 +133,18 @@ def adr_edit(adr_id: int = typer.Argument(..., help="ADR id."),
     from kvctl.daemon.records import parse_markdown
 
     title, fields = _guard(parse_markdown, read_text(from_file, "from_file"))
-    adr = _guard(_records(state_dir).edit, adr_id, title, fields, author or getpass.getuser())
+    adr = _guard(_records(ctx, state_dir).edit, adr_id, title, fields, author or getpass.getuser())
     _show(adr, as_json) if as_json else Console().print(f"ADR {adr.id} is at revision {adr.revision}")
 
 
 @adr_app.command("list")
-def adr_list(status: Optional[str] = typer.Option(None, help="proposed, accepted, rejected, superseded."),
+def adr_list(ctx: typer.Context, status: Optional[str] = typer.Option(None, help="proposed, accepted, rejected, superseded."),
              state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
     """Every record, optionally of one status.
 
     Example: kvctl adr list --status accepted
     """
-    adrs = _guard(_records(state_dir).list, status)
+    adrs = _guard(_records(ctx, state_dir).list, status)
     if as_json:
         typer.echo(json.dumps([a.as_dict() for a in adrs], indent=2))
         return
@@ -127,54 +156,54 @@ def adr_list(status: Optional[str] = typer.Option(None, help="proposed, accepted
 
 
 @adr_app.command("show")
-def adr_show(adr_id: int = typer.Argument(..., help="ADR id."), state_dir: Optional[str] = STATE_DIR,
+def adr_show(ctx: typer.Context, adr_id: int = typer.Argument(..., help="ADR id."), state_dir: Optional[str] = STATE_DIR,
              as_json: bool = AS_JSON) -> None:
     """One record, latest revision.
 
     Example: kvctl adr show 3
     """
-    _show(_guard(_records(state_dir).get, adr_id), as_json)
+    _show(_guard(_records(ctx, state_dir).get, adr_id), as_json)
 
 
-def _transition(method: str, adr_id: int, state_dir, as_json, **kwargs) -> None:
-    records = _records(state_dir)
+def _transition(ctx: typer.Context, method: str, adr_id: int, state_dir, as_json, **kwargs) -> None:
+    records = _records(ctx, state_dir)
     adr = _guard(getattr(records, method), adr_id, author=getpass.getuser(), **kwargs)
     _show(adr, as_json) if as_json else Console().print(f"ADR {adr.id} is {adr.status}")
 
 
 @adr_app.command("accept")
-def adr_accept(adr_id: int = typer.Argument(..., help="ADR id."), state_dir: Optional[str] = STATE_DIR,
+def adr_accept(ctx: typer.Context, adr_id: int = typer.Argument(..., help="ADR id."), state_dir: Optional[str] = STATE_DIR,
                as_json: bool = AS_JSON) -> None:
     """Accept a proposed record.
 
     Example: kvctl adr accept 3
     """
-    _transition("accept", adr_id, state_dir, as_json)
+    _transition(ctx, "accept", adr_id, state_dir, as_json)
 
 
 @adr_app.command("reject")
-def adr_reject(adr_id: int = typer.Argument(..., help="ADR id."), state_dir: Optional[str] = STATE_DIR,
+def adr_reject(ctx: typer.Context, adr_id: int = typer.Argument(..., help="ADR id."), state_dir: Optional[str] = STATE_DIR,
                as_json: bool = AS_JSON) -> None:
     """Reject a proposed record.
 
     Example: kvctl adr reject 4
     """
-    _transition("reject", adr_id, state_dir, as_json)
+    _transition(ctx, "reject", adr_id, state_dir, as_json)
 
 
 @adr_app.command("supersede")
-def adr_supersede(adr_id: int = typer.Argument(..., help="ADR id."),
+def adr_supersede(ctx: typer.Context, adr_id: int = typer.Argument(..., help="ADR id."),
                   by: int = typer.Option(..., "--by", help="The record that replaces it."),
                   state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
     """Mark a record superseded by another.
 
     Example: kvctl adr supersede 3 --by 7
     """
-    _transition("supersede", adr_id, state_dir, as_json, by=by)
+    _transition(ctx, "supersede", adr_id, state_dir, as_json, by=by)
 
 
 @adr_app.command("export")
-def adr_export(folder: Path = typer.Argument(Path("adr"), help="Where to write the Markdown files."),
+def adr_export(ctx: typer.Context, folder: Path = typer.Argument(Path("adr"), help="Where to write the Markdown files."),
                format: str = typer.Option("md", "--format", help="md (one file per record)."),
                state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
     """Write one Markdown file per record (NNNN-title.md).
@@ -189,7 +218,7 @@ def adr_export(folder: Path = typer.Argument(Path("adr"), help="Where to write t
         raise UserError(f"folder: {str(folder)!r} is a file; give a folder for the records")
     folder.mkdir(parents=True, exist_ok=True)
     written, removed = [], []
-    for adr in _guard(_records(state_dir).list):
+    for adr in _guard(_records(ctx, state_dir).list):
         slug = re.sub(r"[^a-z0-9]+", "-", adr.title.lower()).strip("-")[:60]
         path = folder / f"{adr.id:04d}-{slug}.md"
         tmp = path.with_name(path.name + ".tmp")
@@ -214,27 +243,28 @@ def _first_line(path: Path) -> str:
 
 
 @db_app.command("backup")
-def db_backup(destination: Path = typer.Argument(..., help="Backup file to write."),
+def db_backup(ctx: typer.Context, destination: Path = typer.Argument(..., help="Backup file to write."),
               state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
     """A consistent copy through SQLite's backup API, safe while kvd writes.
 
     Example: kvctl db backup /var/backups/kvd-$(date +%F).sqlite3
     """
-    store = open_store(state_dir)
+    store = open_store(ctx, state_dir)
     if destination.resolve() == Path(store.path).resolve():
         raise UserError(f"destination: {str(destination)!r} is the store itself; back it up elsewhere")
     refuse_clobber(destination, "destination", is_sqlite, "a SQLite database")
     path = store.backup(destination)
-    typer.echo(json.dumps({"backup": str(path)}) if as_json else f"backed up to {path}")
+    typer.echo(json.dumps({"backup": str(path), "store": str(store.path)}) if as_json
+               else f"backed up {store.path} to {path}")
 
 
 @db_app.command("check")
-def db_check(state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
+def db_check(ctx: typer.Context, state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
     """Run SQLite's integrity check; exit status 1 when it finds a problem.
 
     Example: kvctl db check --json
     """
-    store = open_store(state_dir)
+    store = open_store(ctx, state_dir)
     problems = store.integrity_check()
     ok = problems == ["ok"]
     document = {"ok": ok, "problems": [] if ok else problems, "schema_version": store.schema_version,

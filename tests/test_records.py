@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("sqlite_utils")
 
 from kvctl.daemon.records import Records, RecordError  # noqa: E402
-from kvctl.daemon.store import SCHEMA_VERSION, Store  # noqa: E402
+from kvctl.daemon.store import SCHEMA_VERSION, Store, StoreError  # noqa: E402
 
 from .test_cli import cli  # noqa: E402
 
@@ -253,3 +253,58 @@ def test_bench_replay_save_gives_a_citable_run(tmp_path, capsys):
     run_id = json.loads(out)["run_id"]
     stored = Store(tmp_path / "kvd.sqlite3").get_run(run_id)
     assert stored["kind"] == "bench_replay" and stored["document"]["requests"] == 20
+
+
+def test_a_store_that_is_not_a_database_is_named(tmp_path, capsys):
+    (tmp_path / "kvd.sqlite3").write_text("not a database\n")
+    with pytest.raises(StoreError, match="cannot be opened: file is not a database"):
+        Store(tmp_path / "kvd.sqlite3")
+    status, _, err = cli(capsys, "adr", "list", "--state-dir", str(tmp_path))
+    assert status == 2 and err.strip() == (f"error: store: {str(tmp_path / 'kvd.sqlite3')!r} cannot be opened: "
+                                           "file is not a database")
+
+
+def test_store_commands_use_the_store_of_the_kvd_kvctl_reaches(tmp_path, capsys, monkeypatch):
+    """With neither --state-dir nor KVD_STATE_DIR, `kvctl adr` and `kvctl db` use the store of the kvd
+    on kvctl's socket: an ADR written next to a systemd kvd lands where `rollout start --adr` looks,
+    and a backup is of the daemon's records, not of an empty store in the operator's home."""
+    import threading
+
+    import uvicorn
+
+    from .daemon_fixtures import apps, call, start_service, token_table
+
+    monkeypatch.delenv("KVD_STATE_DIR", raising=False)
+    monkeypatch.delenv("KVD_URL", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "home"))
+    operator_default = tmp_path / "home" / "kvd" / "kvd.sqlite3"
+    (tmp_path / "kvd").mkdir()
+    service = start_service(tmp_path / "kvd")
+    unix, _ = apps(service, token_table(tmp_path))
+    sock = str(tmp_path / "kvd.sock")
+    server = uvicorn.Server(uvicorn.Config(unix, uds=sock, log_level="warning", lifespan="off"))
+    serving = threading.Thread(target=server.run, daemon=True)
+    serving.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        status, out, _ = cli(capsys, "--socket", sock, "adr", "new", "--title", "Reserve p95")
+        assert status == 0 and out.strip() == "ADR 1 recorded (proposed): Reserve p95"
+        assert Records(service.store).get(1).title == "Reserve p95"
+        assert not operator_default.exists()
+        policy = {"name": "reserve-p95", "settings": {"reservation": "p95"}}
+        started = call(unix, "POST", "/admin/rollouts", json={"policy": policy, "cohort": "10%", "adr": 1})
+        assert started.status_code == 200, started.text
+        backup = tmp_path / "backup.sqlite3"
+        status, out, _ = cli(capsys, "--socket", sock, "db", "backup", str(backup))
+        store_path = (tmp_path / "kvd" / "kvd.sqlite3").resolve()
+        assert status == 0 and out.strip() == f"backed up {store_path} to {backup}"
+        assert [a.title for a in Records(Store(backup)).list()] == ["Reserve p95"]
+        status, out, _ = cli(capsys, "--socket", sock, "adr", "list", "--state-dir", str(tmp_path / "home" / "kvd"))
+        assert status == 2  # --state-dir still wins over the daemon's store
+    finally:
+        server.should_exit = True
+        serving.join(10)
+        service.shutdown(1)
+    status, _, err = cli(capsys, "--socket", sock, "adr", "list")  # no daemon answers: the default
+    assert status == 2 and f"no kvd.sqlite3 in {str(operator_default.parent)!r}" in err

@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 import uuid
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -619,7 +620,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return {"config": service.config.shown(), "effective": service.effective_settings(),
                 "from_rollouts": service.rollout_settings,
                 "sources": {name: service.config.sources.get(name, "default") for name in service.config.describe()},
-                "precedence": "flag > KVD_* env > YAML file > default"}
+                "precedence": "flag > KVD_* env > YAML file > default",
+                # where kvctl's store commands (adr, db, runs) find this daemon's records
+                "store_path": str(Path(service.store.path).resolve())}
 
     @app.post("/admin/reload")
     def reload(who: Principal = Depends(admin)):
