@@ -197,6 +197,10 @@ def render_status(data: dict, console: Console | None = None):
         decode = steps.get("decode")
         mean = f"; decode step {seconds(decode['seconds'] / decode['count'])} mean" if decode else ""
         threads = f" on {data['engine_threads']} threads" if data.get("engine_threads") else ""
+        share = data.get("cpu_share") or {}
+        if share.get("busy_neighbours"):
+            threads += (f" (its {share['cpus']} CPUs shared with {share['busy_neighbours']} other busy kvd"
+                        + (", fixed by OMP_NUM_THREADS" if share.get("fixed_by") else "") + ")")
         facts.add_row("engine", ", ".join(f"{s['count']:,} {kind}" for kind, s in steps.items())
                       + f" steps{threads}, {seconds(sum(s['seconds'] for s in steps.values()))} busy{mean}")
     for gpu in data.get("gpu") or []:
