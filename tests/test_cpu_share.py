@@ -141,6 +141,11 @@ def test_the_engine_thread_takes_up_its_share_between_steps(tmp_path):
         status = service.status()
         assert status["engine_threads"] == 1
         assert status["cpu_share"] == {"cpus": default, "busy_neighbours": default, "threads": 1, "fixed_by": None}
+        from prometheus_client import generate_latest
+
+        exposed = generate_latest(service.metrics.registry).decode()
+        assert "kvd_engine_threads 1.0" in exposed.splitlines()
+        assert f"kvd_cpu_busy_neighbours {float(default)}" in exposed.splitlines()
         clock = [0.0]
         service.cpu_share.clock = lambda: clock[0]
         neighbours.busy = 0

@@ -108,6 +108,12 @@ class _EngineCollector:
             busy.add_metric([kind], step_seconds[kind])
         yield counted
         yield busy
+        yield GaugeMetricFamily("kvd_engine_threads", "torch intra-op threads the engine runs (fewer while other "
+                                "busy kvd engines share the host's CPUs)", value=self.service.engine_threads)
+        share = self.service.cpu_share
+        if share is not None:
+            yield GaugeMetricFamily("kvd_cpu_busy_neighbours", "Other busy kvd engines on this kvd's CPUs at the "
+                                    "last look", value=share.busy_neighbours)
         evicted = CounterMetricFamily("kvd_evicted_blocks", "Cached blocks evicted", labels=["reason"])
         evicted.add_metric(["capacity"], pool.evictions - pool.share_evictions)
         evicted.add_metric(["tenant_share"], pool.share_evictions)  # to make room, from tenants over their share
