@@ -120,6 +120,11 @@ def test_an_operator_s_omp_num_threads_is_kept_and_an_oversubscription_named_onc
     assert share.report()["fixed_by"] == "OMP_NUM_THREADS" and share.report()["busy_neighbours"] == 1
 
 
+def test_cpus_that_cannot_be_read_leave_the_threads_as_they_are():
+    share = CpuShare(2, Neighbours(busy=0, cpus=0))
+    assert share.look() == 2 and share.wanted == 2
+
+
 def test_the_engine_thread_takes_up_its_share_between_steps(tmp_path):
     import torch
 
@@ -174,3 +179,22 @@ def test_status_names_the_kvd_engines_a_cpu_engine_shares_with():
     render_status(data, console)
     assert "10 decode steps on 1 threads (its 2 CPUs shared with 1 other busy kvd), 20.0 ms busy" in " ".join(
         console.export_text().split())
+
+
+def test_a_share_whose_look_fails_says_so_once_and_keeps_its_threads(caplog):
+    import threading
+
+    class Broken:
+        def look(self):
+            raise FileNotFoundError("/proc")
+
+    share = CpuShare(2, Broken())
+    caplog.set_level(logging.INFO, logger="kvd")
+    stop = threading.Event()
+    runner = threading.Thread(target=share.run, args=(stop, 0.01))
+    runner.start()
+    runner.join(5)
+    stop.set()
+    assert not runner.is_alive() and share.wanted == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "looking at other kvd engines failed; the engine keeps 2 threads from now on"]

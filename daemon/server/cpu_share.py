@@ -40,6 +40,8 @@ class CpuShare:
         """Look at the neighbours once; the threads the engine should run."""
         busy, cpus = self.neighbours.look()
         self.busy_neighbours, self.cpus = busy, len(cpus)
+        if not cpus:  # this process's CPUs could not be read: nothing to share out
+            return self.wanted
         share = intra_op_threads(len(cpus), busy, self.default)
         if self.operator_threads:
             if share < self.default and busy != self._warned_at:
@@ -65,8 +67,10 @@ class CpuShare:
         while not stop.wait(every):
             try:
                 self.look()
-            except Exception:  # a /proc oddity must not take the share's thread down silently
-                log.exception("looking at other kvd engines failed; the engine keeps %d threads", self.wanted)
+            except Exception:  # said once, not four times a second: the share stays where it is
+                log.exception("looking at other kvd engines failed; the engine keeps %d threads from now on",
+                              self.wanted)
+                return
 
     def report(self) -> dict:
         return {"cpus": self.cpus, "busy_neighbours": self.busy_neighbours, "threads": self.wanted,

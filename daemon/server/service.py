@@ -207,7 +207,7 @@ class EngineService:
             warmer = threading.Thread(target=tier_ops.warm_pins, args=(self,), name="kvd-warm-pins", daemon=True)
             warmer.start()
             self.pin_warmer = warmer
-        if device == "cpu" and self._share_cpus:
+        if device == "cpu" and self._share_cpus and Path("/proc/self/status").is_file():  # Linux: see cpu_share.py
             self._share_cpus_with_neighbours()
         self.ready.set()
         log.info("model loaded: %s (%s), %d blocks of %d tokens, %s", loaded.config.architecture,
