@@ -95,7 +95,19 @@ def engine_figures(before: dict, after: dict, wall_seconds: float) -> dict | Non
     busy = sum(delta(kind, "seconds") for kind in kinds)
     decodes = steps.get("decode", 0)
     return {"steps": steps, "busy_fraction": busy / wall_seconds,
-            "decode_step_mean_s": delta("decode", "seconds") / decodes if decodes else None}
+            "decode_step_mean_s": delta("decode", "seconds") / decodes if decodes else None,
+            "threads": after.get("engine_threads"),
+            "cpus_shared_fraction": _shared_fraction(before.get("cpu_share"), after.get("cpu_share"))}
+
+
+def _shared_fraction(before: dict | None, after: dict | None) -> float | None:
+    """Of the daemon's looks at its neighbours during the run, the fraction that found other busy
+    kvd engines on its CPUs (its figures then measure a shared host); None where it does not look
+    (a GPU, an older kvd) or did not look during the run."""
+    if not before or not after or "looks" not in before or "looks" not in after:
+        return None
+    looks = after["looks"] - before["looks"]
+    return (after["shared_looks"] - before["shared_looks"]) / looks if looks > 0 else None
 
 
 def across_runs(runs: list[dict | None]) -> tuple[dict | None, dict | None]:

@@ -423,6 +423,11 @@ def _print_report(document: dict, previous: dict | None) -> None:
                         + ", ".join(f"{n} {kind} step{'s' if n != 1 else ''}" for kind, n in engine["steps"].items() if n)
                         + ("" if step is None else f"; decode step {step * 1e3:.2f} ms mean "
                            f"(inter-token p50 {_fmt(kvd.get('itl_p50_s'), 'itl_p50_s')} at the client)"))
+        if engine.get("cpus_shared_fraction"):
+            Console(stderr=True).print(
+                f"[yellow]kvd shared its CPUs with other busy kvd engines for {engine['cpus_shared_fraction']:.0%} "
+                f"of the run (on {engine.get('threads')} intra-op thread(s) at its end): these figures measure a "
+                "shared host[/yellow]")
     if previous is not None:
         for note in comparability_notes(document, previous["document"]):
             Console().print(f"[yellow]not like for like: {note}[/yellow]")

@@ -178,7 +178,13 @@ def test_engine_figures_from_two_status_reports():
     assert got["steps"] == {"decode": 100, "mixed": 4, "prefill": 0}
     assert got["busy_fraction"] == pytest.approx((0.30 + 0.04) / 0.5)
     assert got["decode_step_mean_s"] == pytest.approx(0.003)
+    assert got["threads"] is None and got["cpus_shared_fraction"] is None  # a GPU daemon: no CPU share
     assert engine_figures({}, after, 0.5) is None  # a daemon that does not report steps
+    shared_before = {**before, "cpu_share": {"looks": 10, "shared_looks": 2}}
+    shared_after = {**after, "engine_threads": 1, "cpu_share": {"looks": 14, "shared_looks": 5}}
+    got = engine_figures(shared_before, shared_after, wall_seconds=0.5)
+    assert got["threads"] == 1 and got["cpus_shared_fraction"] == pytest.approx(3 / 4)
+    assert engine_figures(shared_after, shared_after, 0.5)["cpus_shared_fraction"] is None  # no look in the run
     assert engine_figures(after, after, 0.5)["decode_step_mean_s"] is None  # no decode step in the run
 
 

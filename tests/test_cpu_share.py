@@ -103,7 +103,8 @@ def test_the_share_drops_at_once_rises_after_a_quiet_spell_and_says_so(caplog):
     neighbours.busy = 0
     assert share.look() == 1
     clock[0] += RAISE_AFTER_S
-    assert share.look() == 4 and share.report() == {"cpus": 4, "busy_neighbours": 0, "threads": 4, "fixed_by": None}
+    assert share.look() == 4 and share.report() == {"cpus": 4, "busy_neighbours": 0, "threads": 4, "fixed_by": None,
+                                                "looks": 10, "shared_looks": 4}
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
         "engine threads 4 -> 2", "engine threads 2 -> 1", "engine threads 1 -> 4"]
 
@@ -145,7 +146,10 @@ def test_the_engine_thread_takes_up_its_share_between_steps(tmp_path):
         assert service.engine_threads == 1
         status = service.status()
         assert status["engine_threads"] == 1
-        assert status["cpu_share"] == {"cpus": default, "busy_neighbours": default, "threads": 1, "fixed_by": None}
+        shown = status["cpu_share"]
+        assert {k: shown[k] for k in ("cpus", "busy_neighbours", "threads", "fixed_by")} == {
+            "cpus": default, "busy_neighbours": default, "threads": 1, "fixed_by": None}
+        assert shown["shared_looks"] >= 1 and shown["looks"] >= 2
         from prometheus_client import generate_latest
 
         exposed = generate_latest(service.metrics.registry).decode()

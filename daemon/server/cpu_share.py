@@ -35,11 +35,14 @@ class CpuShare:
         self._warned_at = 0  # busy neighbours when the last oversubscription warning was logged
         self.clock = clock
         self._more_since: float | None = None  # since when the share has allowed more threads than wanted
+        self.looks = self.shared_looks = 0  # looks, and those that found busy neighbours (a bench's share of a run)
 
     def look(self) -> int:
         """Look at the neighbours once; the threads the engine should run."""
         busy, cpus = self.neighbours.look()
         self.busy_neighbours, self.cpus = busy, len(cpus)
+        self.looks += 1
+        self.shared_looks += busy > 0
         if not cpus:  # this process's CPUs could not be read: nothing to share out
             return self.wanted
         share = intra_op_threads(len(cpus), busy, self.default)
@@ -74,4 +77,5 @@ class CpuShare:
 
     def report(self) -> dict:
         return {"cpus": self.cpus, "busy_neighbours": self.busy_neighbours, "threads": self.wanted,
-                "fixed_by": "OMP_NUM_THREADS" if self.operator_threads else None}
+                "fixed_by": "OMP_NUM_THREADS" if self.operator_threads else None,
+                "looks": self.looks, "shared_looks": self.shared_looks}
