@@ -592,7 +592,10 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
 
     def render(d):
         console = Console()
-        if not d["changed"]:
+        if d.get("loading_again"):
+            console.print(f"[yellow]kvd could not serve ({d['loading_again']}); it loads again with the settings "
+                          "read now: `kvctl status` answers once it serves[/yellow]", highlight=False)
+        elif not d["changed"]:
             console.print("reloaded: no setting that applies live has changed")
         for key, value in d["changed"].items():
             console.print(f"reloaded: {key} {d['previous'][key]} -> {value}", highlight=False)

@@ -1032,3 +1032,50 @@ def test_echo_streams_the_prompt_in_each_choice_s_first_chunk(daemon):
         assert sum((c["logprobs"]["text_offset"] for c in chunks), []) == choice["logprobs"]["text_offset"]
     echoed = complete(unix, prompt=service.tokenize("ids echo back as text"), echo=True).json()["choices"][0]
     assert echoed["text"].startswith("ids echo back as text") and echoed["logprobs"] is None
+
+
+def test_a_kvd_that_could_not_load_loads_again_on_a_reload(tmp_path):
+    """A quantised cache with no calibration: kvd stays up, unready, and says why. Fixing the config
+    and reloading loads again, without a restart; a setting the process is bound to (its socket)
+    waits for a restart. A reload whose config still fails names the error again."""
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.metrics import Metrics
+    from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.store import Store
+
+    state = tmp_path / "state"
+    config = tmp_path / "kvd.yaml"
+    config.write_text("cache_dtype: fp8_e4m3\nnum_blocks: 64\n")
+    flags = {"state_dir": str(state), "socket": str(tmp_path / "kvd.sock")}
+    service = EngineService(resolve(flags, {}, config), Store(tmp_path / "kvd.sqlite3"))
+    service.metrics = Metrics(service)
+    service.config_source = lambda: resolve(flags, {}, config)
+    from kvctl.daemon.server.app import create_app
+
+    unix = create_app(service, service.metrics, front="unix")
+    service.start()
+    try:
+        deadline = time.monotonic() + 60
+        while service.load_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        unready = call(unix, "GET", "/readyz")
+        assert unready.status_code == 503 and "fp8_e4m3 has no applied calibration" in unready.json()["reason"]
+        result = service.reload_from_source("ops")  # nothing fixed yet: it tries and fails again
+        assert "no applied calibration" in result["loading_again"] and result["changed"] == {}
+        while service.load_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "fp8_e4m3 has no applied calibration" in service.load_error
+        config.write_text("cache_dtype: auto\nnum_blocks: 64\nmax_queue: 9\n")
+        flags["socket"] = str(tmp_path / "elsewhere.sock")
+        result = service.reload_from_source("ops")
+        assert result["changed"] == {"cache_dtype": "auto", "max_queue": 9}
+        assert result["previous"] == {"cache_dtype": "fp8_e4m3", "max_queue": 256}
+        assert result["needs_restart"] == ["socket"] and "no applied calibration" in result["loading_again"]
+        assert service.ready.wait(60), service.load_error
+        assert call(unix, "GET", "/readyz").json() == {"ready": True}
+        assert service.config.socket == str(tmp_path / "kvd.sock") and service.engine.settings.max_queue == 9
+        assert complete(unix, prompt="loaded at last", max_tokens=2).status_code == 200
+        audit = service.store.audit_since(0, action="reload")
+        assert [a["detail"]["changed"] for a in audit][:2] == [{"cache_dtype": "auto", "max_queue": 9}, {}]
+    finally:
+        service.shutdown(1)
