@@ -38,13 +38,14 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     for column in table.columns[1:]:
         column.justify = "right"
     prompt = hit = 0
+    down = []  # (replica, why): under the table, whole, where a cell would fold it into a column
     for status in data["replica_status"]:
         book = books.get(status["replica"], {})
         name = escape(status["replica"])  # a path or URL, never markup
         sent, open_ = f"{book.get('sent', 0):,}", f"{book.get('open', 0):,}"
         if "error" in status:
-            table.add_row(name, sent, open_, _view(book), Text(f"down: {status['error']}", style="red"),
-                          "", "", "", "", "")
+            table.add_row(name, sent, open_, _view(book), Text("down", style="red"), "", "", "", "", "")
+            down.append((status["replica"], status["error"]))
             continue
         blocks = status["blocks"]["device"]
         used = blocks["total"] - blocks["free"]
@@ -58,7 +59,8 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     keep_whole(table, 0)
     summary = Text(f"fleet prefix hits: {hit:,} of {prompt:,} prompt tokens"
                    + (f" ({hit / prompt:.1%})" if prompt else ""))
-    group = Group(table, summary)
+    reasons = [Text.assemble((f"{replica} down: ", "red"), str(why)) for replica, why in down]
+    group = Group(table, *reasons, summary)
     if console is not None:
         console.print(group)
     return group

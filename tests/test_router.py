@@ -232,9 +232,62 @@ def test_kvctl_status_at_the_router_shows_a_row_per_replica_and_the_fleets_hits(
     blocks = live["blocks"]["device"]
     assert lines[2].split()[:6] == ["replica-0", "1", "0", "asks", f"{blocks['total'] - blocks['free']}/{blocks['total']}",
                                     f"{live['tokens']['hit_ratio']:.1%}"]
-    assert lines[3].split()[:5] == ["replica-1", "0", "0", "asks", "down:"]
+    assert lines[3].split() == ["replica-1", "0", "0", "asks", "down"]
+    assert lines[4] == "replica-1 down: ConnectError: connection refused"
     assert lines[-1] == (f"fleet prefix hits: {live['tokens']['hit']:,} of {live['tokens']['prompt']:,} prompt tokens "
                          f"({live['tokens']['hit']/ live['tokens']['prompt']:.1%})")
+
+
+class CannotServe(httpx.AsyncBaseTransport):
+    """A kvd that is up but whose model did not load: every call but /healthz gets its 503."""
+
+    async def handle_async_request(self, request):
+        return httpx.Response(503, json={"error": {"message": UNLOADED, "type": "service_unavailable"}})
+
+
+UNLOADED = "ValueError: cache_dtype: fp8_e4m3 has no applied calibration for model revision 773fc439a2da"
+
+
+def test_a_replica_that_cannot_serve_is_shown_with_its_own_reason_not_httpx_s(replicas):
+    """The router reports what the replica said (503 and its message), in its status, its event
+    feed's error and its route questions, where it showed httpx's sentence with the URL and a link."""
+    from rich.console import Console
+
+    from kvctl.ops import render_status
+
+    unloaded = Replica("replica-1", replica_client("/run/replica-1.sock", transport=CannotServe()))
+    service = RouterService([Replica("replica-0", replica_client("/run/replica-0.sock",
+                                                                 transport=Counting(replicas[0]))), unloaded],
+                            make_router("round_robin"), view="events", load_interval=0.05)
+    app = create_router_app(service)
+    status, route = drive(app, [lambda c: c.get("/admin/status"),
+                                lambda c: c.post("/router/route", json={"prompt": SYSTEM_A + "Q?"})],
+                          service=service, synced=[0])
+    assert status.json()["replica_status"][1]["error"] == f"503: {UNLOADED}"
+    assert unloaded.feed_error == f"feed: 503: {UNLOADED}"
+    assert [row.get("error") for row in route.json()["replicas"]] == [None, f"503: {UNLOADED}"]
+    console = Console(record=True, width=200)
+    render_status(status.json(), console)
+    assert f"replica-1 down: 503: {UNLOADED}" in console.export_text().splitlines()
+
+
+def test_described_names_an_error_answer_by_its_status_and_the_replica_s_message():
+    from kvctl.daemon.server.replica_errors import described
+
+    request = httpx.Request("GET", "http://kvd/admin/status")
+
+    def failed(response):
+        try:
+            response.raise_for_status()
+        except httpx.HTTPStatusError as exc:
+            return described(exc)
+
+    assert failed(httpx.Response(503, json={"error": {"message": "the model is still loading"}},
+                                 request=request)) == "503: the model is still loading"
+    assert failed(httpx.Response(502, text="Bad gateway\n", request=request)) == "502: Bad gateway"
+    assert failed(httpx.Response(500, text="", request=request)) == "500: Internal Server Error"
+    assert described(httpx.ConnectError("connection refused")) == "ConnectError: connection refused"
+    assert len(failed(httpx.Response(503, text="x" * 900, request=request))) == 300
 
 
 def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(replicas):

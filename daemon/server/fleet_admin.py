@@ -25,6 +25,8 @@ from typing import Callable, Sequence
 
 import httpx
 
+from .replica_errors import described
+
 Answer = tuple[int | None, dict]  # a replica's HTTP status (None: not reached) and body
 
 
@@ -36,7 +38,7 @@ async def fan_out(replicas: Sequence, method: str, path: str, content: bytes | N
                                                   headers={"content-type": "application/json"} if content else None)
             return answer.status_code, answer.json()
         except (httpx.HTTPError, ValueError) as exc:
-            return None, {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            return None, {"error": described(exc)}
     return list(await asyncio.gather(*(one(r) for r in replicas)))
 
 

@@ -24,6 +24,7 @@ from kvctl.daemon.model.chat_template import ChatTemplate, special_tokens_of
 from kvctl.daemon.model.config import ModelError
 from kvctl.daemon.model.tokenizer import Tokenizer
 
+from .replica_errors import described
 from .replica_view import ReplicaView
 
 log = logging.getLogger("kvd.router")
@@ -111,7 +112,7 @@ async def follow_events(client: httpx.AsyncClient, view: ReplicaView, tokenizers
             raise
         except (httpx.HTTPError, FeedError, KeyError, TypeError, ValueError) as exc:
             view.lose()
-            on_error(f"feed: {type(exc).__name__}: {exc}"[:300])
+            on_error(f"feed: {described(exc)}")
             if back is None:
                 await asyncio.sleep(pause)
             else:

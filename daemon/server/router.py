@@ -51,6 +51,7 @@ from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import (NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES, ReplicaFacts, Router,
                                     facts_from_answer, make_router)
 
+from .replica_errors import described
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
@@ -322,7 +323,7 @@ class RouterService:
             replica.model = known.get("model")
             replica.drained_there = bool(known.get("draining", False))
         except (httpx.HTTPError, KeyError, ValueError) as exc:
-            replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            replica.last_error = described(exc)
             replica.failed_questions += 1
             return None
         replica.last_error = None
@@ -603,7 +604,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             there = answer.json() if answer.status_code == 200 else {
                 "error": f"{answer.status_code}: {answer.json().get('error', {}).get('message', '')}"}
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
-            there = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            there = {"error": described(exc)}
         if "error" not in there:
             replica.drained_there = bool(there.get("draining"))
             load = replica.view.load if replica.view is not None else None
@@ -709,7 +710,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 answer.raise_for_status()
                 return answer.json()
             except (httpx.HTTPError, ValueError) as exc:
-                return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                return {"error": described(exc)}
 
         statuses = await asyncio.gather(*(one(r) for r in service.replicas))
         live = [st for st in statuses if "error" not in st]
@@ -794,7 +795,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             except CallerLeft:
                 return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached it
-                replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                replica.last_error = described(exc)
                 replica.rerouted += 1
                 refusal = error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
                 tried.append(f"{replica.name} (unreachable)")
@@ -806,7 +807,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 # caller has nothing yet, so it may go elsewhere, once: a replica that was running it
                 # has stopped, or cancels it on seeing the connection gone. Not a second time (a
                 # request that brings replicas down would take a third).
-                replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                replica.last_error = described(exc)
                 if closed_retried:
                     replica.failed_forwards += 1
                     return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
@@ -817,7 +818,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 excluded.add(id(replica))
                 continue
             except httpx.HTTPError as exc:  # it may be running the request (a timeout): not sent twice
-                replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+                replica.last_error = described(exc)
                 replica.failed_forwards += 1
                 return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
             if upstream.status_code not in (429, 503):
@@ -843,7 +844,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         media = upstream.headers.get("content-type", "application/json")
 
         def failed_mid_answer(exc: Exception, events: int) -> str:
-            replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            replica.last_error = described(exc)
             replica.failed_forwards += 1
             log.warning("replica %s failed after %d event%s of a streamed answer: %s", replica.name, events,
                         "" if events == 1 else "s", replica.last_error)
@@ -865,7 +866,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         except CallerLeft:
             return Response(status_code=499)
         except httpx.HTTPError as exc:  # it ended during the answer: the request ran there, so not again
-            replica.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            replica.last_error = described(exc)
             replica.failed_forwards += 1
             return error(502, f"replica {replica.name} failed during the answer: {replica.last_error}",
                          "replica_failed")
