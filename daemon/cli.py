@@ -140,6 +140,15 @@ def serve(
     max_tenant_metric_series: Optional[int] = typer.Option(
         None, help="Per-tenant metrics name the first N tenants seen (default 100); the rest are summed "
                    "under tenant=\"*\", so callers cannot grow the series without bound."),
+    pin_budget_blocks: Optional[int] = typer.Option(None, help="Blocks each tenant may pin (default: no budget)."),
+    shutdown_timeout: Optional[float] = typer.Option(
+        None, help="Seconds in-flight requests get to finish on SIGTERM before they are cancelled (default 30)."),
+    model_name: Optional[str] = typer.Option(
+        None, help="The model's name in /v1/models and requests (vLLM's --served-model-name); default: the "
+                   "checkpoint folder's."),
+    remote_cache_bytes: Optional[str] = typer.Option(
+        None, help="What this daemon may write to the Redis tier, e.g. 8GiB (default: no bound of its own)."),
+    remote_timeout: Optional[float] = typer.Option(None, help="Seconds per Redis call (default 0.5)."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Run the daemon in the foreground (systemd Type=notify aware).
@@ -165,7 +174,9 @@ def serve(
                    tiering=tiering, tier_compress=tier_compress, disk_compress=disk_compress,
                    remote_compress=remote_compress, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
                    prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
-                   max_tenant_metric_series=max_tenant_metric_series)
+                   max_tenant_metric_series=max_tenant_metric_series, pin_budget_blocks=pin_budget_blocks,
+                   shutdown_timeout=shutdown_timeout, model_name=model_name, remote_cache_bytes=remote_cache_bytes,
+                   remote_timeout=remote_timeout)
     try:
         settings = resolve(flags, os.environ, config)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:

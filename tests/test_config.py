@@ -173,3 +173,35 @@ def test_bad_router_settings_are_refused_naming_field_value_and_source(tmp_path,
     with pytest.raises(ConfigError) as caught:
         resolve_router(flags, {}, path)
     assert str(caught.value).startswith(message.format(path=str(path)))
+
+
+
+def test_every_setting_is_a_kvd_serve_flag_too(tmp_path, monkeypatch):
+    """`kvd serve --help` lists every setting the YAML file and KVD_* take (five had none), and a flag
+    reaches the setting it names, with its source."""
+    from dataclasses import fields
+
+    import typer
+    from typer.testing import CliRunner
+
+    import kvctl.daemon.cli as cli
+    from kvctl.daemon.config import KvdConfig
+
+    serve = typer.main.get_command(cli.app).commands["serve"]
+    options = {opt for param in serve.params for opt in param.opts}
+    settings = [f.name for f in fields(KvdConfig) if f.name != "sources"]
+    assert [name for name in settings if "--" + name.replace("_", "-") not in options] == []
+    seen = {}
+
+    async def served(config, re_resolve):  # what `kvd serve` would run with
+        seen["config"] = config
+
+    monkeypatch.setattr(cli, "_serve", served)
+    result = CliRunner().invoke(cli.app, ["serve", "--state-dir", str(tmp_path), "--pin-budget-blocks", "40",
+                                          "--shutdown-timeout", "5", "--model-name", "support-bot",
+                                          "--remote-cache-bytes", "2GiB", "--remote-timeout", "0.25"])
+    assert result.exit_code == 0, result.output
+    config = seen["config"]
+    assert (config.pin_budget_blocks, config.shutdown_timeout, config.model_name, config.remote_cache_bytes,
+            config.remote_timeout) == (40, 5.0, "support-bot", 2 * 2**30, 0.25)
+    assert config.sources["remote_cache_bytes"] == "--remote-cache-bytes"
