@@ -14,12 +14,16 @@ since most prefixes are first reused after their first eviction). A prefix in a 
 restored when restore_seconds(bytes of the run) < recompute_seconds(tokens of the run).
 A router prices a replica's lower-tier blocks the same way (`restore_seconds`).
 
-Whether to start a fetch from disk or Redis (`should_fetch`) is that judgement with room to learn:
-until a tier's reads are measured `MEASURED_READS` times it is fetched from, and a fetch judged not
-worth it is still made when the tier's rate was last measured `PROBE_AFTER_S` or more ago (one
-such probe at a time). A rate measured low once (a first read of a few blocks, mostly round trip;
-a read under a passing load) would otherwise stop every fetch, and with them every measurement that
-could correct it; a tier that is slow indeed costs one probe a period, whatever the request rate.
+Whether to start a fetch from disk or Redis (`should_fetch`) is that judgement with room to learn
+(`should_probe`): until a tier's reads are measured `MEASURED_READS` times it is fetched from, and a
+fetch judged not worth it is still made when the tier's rate was last measured `PROBE_AFTER_S` or
+more ago (one such probe at a time). A rate measured low once (a first read of a few blocks, mostly
+round trip; a read under a passing load) would otherwise stop every fetch, and with them every
+measurement that could correct it; a tier that is slow indeed costs one probe a period, whatever the
+request rate. Writes learn the same way: an eviction whose blocks `worth_keeping` refuses still
+writes them down while the tier's write rate is not measured well enough, or has grown old (a first
+write of two blocks, measured at 78 MB/s on a disk that takes 200 MB/s, had stopped every later
+write).
 How long a waiting request holds out for such a restore's fetch is `PrefetchWait`'s call.
 """
 
@@ -105,10 +109,18 @@ class TieringPolicy:
         but optimistic until the tier's reads are measured, and probing when its rate has grown old."""
         if tokens <= 0:
             return False
-        if self.should_restore(tokens, nbytes, read) or read.samples < MEASURED_READS:
+        return self.should_restore(tokens, nbytes, read) or self.should_probe(read, now)
+
+    @staticmethod
+    def should_probe(meter: RateMeter, now: float) -> bool:
+        """Whether to move blocks a judgement from `meter` refused anyway, to measure the tier: while
+        it has fewer than `MEASURED_READS` readings, and when its last one is `PROBE_AFTER_S` old. A
+        probe marks the meter (`measured_at = now`): no second probe until its own reading is in, or
+        the period passes again."""
+        if meter.samples < MEASURED_READS:
             return True
-        if read.measured_at is None or now - read.measured_at >= PROBE_AFTER_S:
-            read.measured_at = now  # the probe's own reading follows; no second probe meanwhile
+        if meter.measured_at is None or now - meter.measured_at >= PROBE_AFTER_S:
+            meter.measured_at = now
             return True
         return False
 

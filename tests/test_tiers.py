@@ -1349,3 +1349,57 @@ def test_a_prefix_only_redis_holds_is_judged_at_redis_s_rate_even_beside_a_disk(
     assert warm.metrics.prefetch_outcome == "complete" and warm.metrics.restored_tokens > 0
     assert tiered.stats["remote"].restored_blocks == warm.metrics.restored_tokens // 16
     assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+
+
+def test_evictions_refused_at_a_write_rate_measured_once_are_still_written_while_it_learns(demo, tmp_path):
+    """A first write of two blocks measured the disk at 78 MB/s (mostly the write's own overhead),
+    `worth_keeping` then refused every eviction, and nothing was written again to correct it: a kvd
+    with a pin under load kept 2 blocks on disk of 1,612 evicted. Now a refused eviction is written
+    down while the write rate has fewer than MEASURED_READS readings, and once that rate is
+    PROBE_AFTER_S old; in between the judgement stands."""
+    from kvctl.policies.tiering import MEASURED_READS, PROBE_AFTER_S
+
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    tiered.policy.mode = "measured"
+    now = [100.0]
+    tiered.clock = lambda: now[0]
+    write = tiered.stats["disk"].write
+
+    def slow_disk(samples: int) -> None:  # a byte a second: no block is worth keeping at this rate
+        write.rate, write.samples, write.measured_at = 1.0, samples, now[0]
+
+    def on_disk_after(*texts) -> int:
+        for text in texts:
+            generate(engine, text, demo)
+        tiered.flush()
+        return len(tiered.disk.index)
+
+    slow_disk(samples=0)
+    learnt = on_disk_after(TEXT_A, TEXT_B, TEXT_C)
+    assert learnt > 0 and write.samples >= 1  # refused by the judgement, written to measure the disk
+    slow_disk(samples=MEASURED_READS)
+    # new prompts (new keys all through), so that what is evicted is nowhere on disk yet
+    assert on_disk_after("Second round. " + TEXT_A, "Second round. " + TEXT_B) == learnt  # measured, fresh: it stands
+    now[0] += PROBE_AFTER_S
+    probed = on_disk_after("Third round. " + TEXT_C, "Third round. " + TEXT_A)
+    assert probed > learnt and write.samples == MEASURED_READS + 1 and write.measured_at == now[0]
+
+
+def test_a_shutdown_saves_every_cached_block_whatever_the_write_rate_says(tmp_path):
+    """At shutdown nothing is judged against serving: the device's cached blocks all go to disk
+    (before, the eviction-time judgement applied, and a kvd whose disk rate was measured low saved
+    0 of its 95 cached blocks)."""
+    from kvctl.daemon.server.app import create_app
+    from kvctl.daemon.server.tier_ops import save_on_shutdown
+
+    service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB")
+    app = create_app(service, service.metrics, front="unix")
+    _complete(app, TEXT_A)
+    _complete(app, TEXT_B)
+    write = service.tiers.stats["disk"].write
+    write.rate, write.samples, write.measured_at = 1.0, 10, service.tiers.clock()  # far too slow to be worth it
+    cached = sum(1 for b in service.engine.cache.pool.blocks if b.key is not None)
+    saved = save_on_shutdown(service, deadline=time.monotonic() + 30)
+    assert cached > 0 and saved["saved_blocks"] == saved["candidates"] == cached
+    assert len(service.tiers.disk.index) == cached
+    service.shutdown(deadline=2)

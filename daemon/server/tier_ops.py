@@ -240,18 +240,19 @@ def _verify(tiers, to: str, key: bytes) -> bool:
 
 
 def save_on_shutdown(service, deadline: float) -> dict:
-    """Write what would be lost with the process to disk before the deadline (monotonic): the
-    device's cached blocks (roots first), then the host tier's that disk lacks (most recently
-    used first; they were judged worth keeping when they came down)."""
+    """Write what would be lost with the process to disk before the deadline (monotonic): every
+    cached device block disk lacks, the most reused prefixes first and each prefix's blocks in
+    order (a block is of use only after its ancestors), then the host tier's that disk lacks (most
+    recently used first). Nothing is judged against serving here: the process is ending, and what
+    is not written is recomputed after the restart. (A write rate measured low once made the
+    eviction-time judgement refuse every block: a restart found 0 of 95 cached blocks.)"""
     tiers, engine = service.tiers, service.engine
     if tiers is None or tiers.disk is None or engine is None:
         return {"saved_blocks": 0}
     with service.lock:
-        blocks = sorted((b for b in engine.cache.pool.blocks if b.key is not None and b.key not in tiers.disk.index),
-                        key=lambda b: b.depth)
         hits = {root: info.hits for root, info in engine.cache.roots.items()}
-    size, nbytes = tiers.layout.block_size, tiers.layout.block_bytes
-    keep = [b for b in blocks if tiers.policy.worth_keeping(hits.get(b.root, 0), size, nbytes, tiers.stats["disk"].write)]
+        keep = sorted((b for b in engine.cache.pool.blocks if b.key is not None and b.key not in tiers.disk.index),
+                      key=lambda b: (-hits.get(b.root, 0), b.depth))
     saved = 0
     for start in range(0, len(keep), 64):
         if time.monotonic() >= deadline:

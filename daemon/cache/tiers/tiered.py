@@ -231,6 +231,8 @@ class TieredCache:
             return
         write = self.stats[target].write
         keep = [b for b in victims if self.policy.worth_keeping(prefix_hits(b.root), size, nbytes, write)]
+        if len(keep) < len(victims) and self.policy.mode == "measured" and self.policy.should_probe(write, self.clock()):
+            keep = list(victims)  # the write rate is not known well enough, or is old: the group measures it
         if self.write_policy != "write_back" and target != "host":
             keep = [b for b in keep if not self._held_below(b.key)]
         if not keep:
@@ -239,7 +241,7 @@ class TieredCache:
         started = time.perf_counter()
         if target == "host":
             self._put_host(metas, src="device", block_ids=[b.block_id for b in keep])
-            self.stats["host"].write.observe(nbytes * len(keep), time.perf_counter() - started)
+            self.stats["host"].write.observe(nbytes * len(keep), time.perf_counter() - started, at=self.clock())
         else:
             self._write_down(metas, self.gather([b.block_id for b in keep]), src="device", targets=[target])
 
@@ -385,7 +387,7 @@ class TieredCache:
         stats = self.stats[name]
         fixed = self.disk.last_fsync_seconds if name == "disk" else None
         if written:  # a group the tier held already wrote nothing: no measure of its bandwidth
-            stats.write.observe(written, time.perf_counter() - started, fixed=fixed)
+            stats.write.observe(written, time.perf_counter() - started, fixed=fixed, at=self.clock())
         stats.bytes_in += written
         self.moved[(src, name)] += written
 
