@@ -228,6 +228,8 @@ def serve_command(
         raise UserError(f"concurrency: must be >= 1, got {concurrency}")
     if max_tokens < 1:
         raise UserError(f"max_tokens: must be >= 1, got {max_tokens}")
+    if requests is not None and requests < 1:
+        raise UserError(f"requests: must be >= 1, got {requests}")
     if min(groups, system_tokens, question_tokens) < 1:
         raise UserError("groups, system_tokens and question_tokens must be >= 1")
     if repeat < 1:

@@ -168,6 +168,12 @@ def test_bench_serve_refuses_a_repeat_below_one(capsys, tmp_path):
     assert status == 2 and "repeat: must be >= 1, got 0" in err
 
 
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_bench_serve_refuses_requests_below_one_instead_of_running_the_default(capsys, value):
+    status, _, err = cli(capsys, "bench", "serve", "--requests", value)  # it ran 32 requests for 0
+    assert status == 2 and err.strip() == f"error: requests: must be >= 1, got {value}"
+
+
 def test_engine_figures_from_two_status_reports():
     from kvctl.bench_figures import engine_figures
 
