@@ -1034,6 +1034,38 @@ def test_echo_streams_the_prompt_in_each_choice_s_first_chunk(daemon):
     assert echoed["text"].startswith("ids echo back as text") and echoed["logprobs"] is None
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(daemon):
+    """lm-evaluation-harness's loglikelihood request as it sends it (echo, max_tokens 0, logprobs):
+    the answer is the prompt, its logprobs and nothing after, as the same request with one output
+    token answers them; streamed too. Without echo, max_tokens 0 is still refused, saying when it is
+    allowed."""
+    service, unix, _ = daemon
+    text_of = service.loaded.tokenizer.token_text
+    prompt = SYSTEM + "Q: which answer is likelier?"
+    ids = service.tokenize(prompt)
+    one = complete(unix, prompt=prompt, max_tokens=1, temperature=0.0, echo=True, logprobs=2).json()["choices"][0]
+    answer = complete(unix, prompt=prompt, max_tokens=0, temperature=0.0, echo=True, logprobs=2)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    [choice] = body["choices"]
+    assert choice["text"] == prompt and choice["token_ids"] == [] and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [text_of(t) for t in ids]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"][:len(ids)],
+                                                                 abs=1e-4, nan_ok=True)
+    assert choice["logprobs"]["top_logprobs"][1:] == [
+        pytest.approx(top, abs=1e-4) for top in one["logprobs"]["top_logprobs"][1:len(ids)]]
+    assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == 0
+    streamed = sse_events(complete(unix, prompt=prompt, max_tokens=0, temperature=0.0, echo=True, logprobs=2,
+                                   stream=True, stream_options={"include_usage": True}))
+    chunks = [e["choices"][0] for e in streamed[:-1] if e["choices"]]
+    assert "".join(c["text"] for c in chunks) == prompt and all(c["token_ids"] == [] for c in chunks)
+    assert sum((c["logprobs"]["tokens"] for c in chunks), []) == choice["logprobs"]["tokens"]
+    assert chunks[-1]["finish_reason"] == "length" and streamed[-2]["usage"]["completion_tokens"] == 0
+    refused = complete(unix, prompt=prompt, max_tokens=0)
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+        "max_tokens: must be an integer >= 1, got 0 (0 only with echo: the prompt is scored and nothing generated)")
+
+
 def test_a_kvd_that_could_not_load_loads_again_on_a_reload(tmp_path):
     """A quantised cache with no calibration: kvd stays up, unready, and says why. Fixing the config
     and reloading loads again, without a restart; a setting the process is bound to (its socket)

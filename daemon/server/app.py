@@ -282,9 +282,18 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         engine = ready_for(body.model)
         prompts = _prompts(body.prompt)
         scored = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
-        params = sampling(body, body.max_tokens, "completions", body.logprobs, max(scored, default=None))
+        # echo with max_tokens 0 scores the prompt and generates nothing (lm-eval's loglikelihood
+        # requests, as OpenAI's legacy completions and vLLM answer them): the engine samples one
+        # token to get there, which the answer leaves out
+        prompt_only = bool(body.echo) and body.max_tokens == 0
+        if body.max_tokens == 0 and not prompt_only:
+            raise ApiError(400, "max_tokens: must be an integer >= 1, got 0 (0 only with echo: the prompt is "
+                                "scored and nothing generated)", param="max_tokens")
+        params = sampling(body, 1 if prompt_only else body.max_tokens, "completions", body.logprobs,
+                          max(scored, default=None))
         return await generate(engine, prompts, params, body, http, who, CompletionShape(),
-                              echo_texts(body.prompt, prompts, engine.tokenizer) if body.echo else None)
+                              echo_texts(body.prompt, prompts, engine.tokenizer) if body.echo else None,
+                              prompt_only=prompt_only)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request, who: Principal = Depends(principal)):
@@ -338,7 +347,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, extra={"api": api}, **controls)
 
     async def generate(engine, prompts: list[list[int]], params: SamplingParams, body, http: Request,
-                       who: Principal, shape: CompletionShape, echo_texts: list[str] | None = None):
+                       who: Principal, shape: CompletionShape, echo_texts: list[str] | None = None,
+                       prompt_only: bool = False):
         """Run `prompts` (n samples each) and answer in `shape`: streamed as server-sent events, or
         whole once every sample has finished. A client that leaves cancels them. `echo_texts`: each
         prompt's text, put before its choices' text (completions' `echo`)."""
@@ -387,7 +397,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 service.cancel(request.request_id)
 
         prompt_parts = PromptParts(engine.tokenizer.token_text, params, body.prompt_logprobs, echo_texts,
-                                   shape.prompt_logprobs_on)
+                                   shape.prompt_logprobs_on, prompt_only)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
@@ -417,16 +427,18 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         for p, request in enumerate(requests):
             for seq in sorted(request.sequences, key=lambda s: s.index):
                 text, logprobs = prompt_parts.text(p), None
+                output_ids, output_logprobs = ([], []) if prompt_only else (list(seq.output_ids), seq.logprobs)
                 if params.logprobs is not None:
                     before, offset = prompt_parts.logprobs(p, request)
-                    logprobs, _ = shape.logprobs(engine.tokenizer.token_text, seq.output_ids, seq.logprobs, offset)
+                    logprobs, _ = shape.logprobs(engine.tokenizer.token_text, output_ids, output_logprobs, offset)
                     logprobs = joined(before, logprobs) if before is not None else logprobs
-                choice = shape.choice(index_of[(request.request_id, seq.index)], text + engine.text_of(seq),
-                                      list(seq.output_ids), seq.finish_reason, logprobs)
+                choice = shape.choice(index_of[(request.request_id, seq.index)],
+                                      text + ("" if prompt_only else engine.text_of(seq)),
+                                      output_ids, seq.finish_reason, logprobs)
                 choices.append(prompt_parts.add_to_choice(choice, request))
         choices.sort(key=lambda c: c["index"])
         answer = {"id": head["id"], "object": shape.object, "created": head["created"], "model": head["model"],
-                  "choices": choices, "usage": _usage(requests)}
+                  "choices": choices, "usage": _usage(requests, counted=not prompt_only)}
         return JSONResponse(prompt_parts.add_to_answer(answer, requests[0]), headers=named)
 
     def _prompts(prompt: Any) -> list[list[int]]:
@@ -658,9 +670,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     return app
 
 
-def _usage(requests) -> dict:
+def _usage(requests, counted: bool = True) -> dict:
+    """`counted`: False where the answer shows no output token (echo with max_tokens 0)."""
     prompt = sum(len(r.prompt_ids) for r in requests)
-    completion = sum(len(s.output_ids) for r in requests for s in r.sequences)
+    completion = sum(len(s.output_ids) for r in requests for s in r.sequences) if counted else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(r.metrics.cached_tokens for r in requests)}}
 
@@ -718,7 +731,9 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                 elif event.token_id is not None:
                     delta = texts[key].add(event.token_id)
                     sent_text[key] += delta
-                if event.token_id is not None:
+                if prompt_parts is not None and prompt_parts.prompt_only:
+                    delta = ""  # the prompt alone is the answer (echo, max_tokens 0)
+                elif event.token_id is not None:
                     entry[0].append(event.token_id)
                     if event.logprob is not None:
                         entry[3].append(event.logprob)
@@ -749,7 +764,8 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                 yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
             usage_chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
-                           "model": head["model"], "choices": [], "usage": _usage(requests)}
+                           "model": head["model"], "choices": [],
+                           "usage": _usage(requests, counted=not (prompt_parts and prompt_parts.prompt_only))}
             yield f"data: {json.dumps(usage_chunk)}\n\n"
         yield "data: [DONE]\n\n"
         finished_cleanly = True

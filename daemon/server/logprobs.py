@@ -92,8 +92,11 @@ class PromptParts:
     choice's first chunk."""
 
     def __init__(self, token_text, params, prompt_logprobs: int | None, echoed: list[str] | None,
-                 on: str) -> None:
+                 on: str, prompt_only: bool = False) -> None:
         self.token_text, self.params, self.wanted, self.echoed, self.on = token_text, params, prompt_logprobs, echoed, on
+        # echo with max_tokens 0 (an evaluation harness scoring a prompt): the answer is the prompt and
+        # its logprobs alone; the one token the engine samples to get there is not shown or counted
+        self.prompt_only = prompt_only
         self._answered = False
 
     def text(self, prompt: int) -> str:
