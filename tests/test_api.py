@@ -1092,22 +1092,27 @@ def test_a_kvd_that_could_not_load_loads_again_on_a_reload(tmp_path):
             time.sleep(0.05)
         unready = call(unix, "GET", "/readyz")
         assert unready.status_code == 503 and "fp8_e4m3 has no applied calibration" in unready.json()["reason"]
+        config.write_text("cache_dtype: fp8_e4m3\nnum_blocks: 64\nremote_url: redis://ops:hunter2@127.0.0.1:1/0\n")
         result = service.reload_from_source("ops")  # nothing fixed yet: it tries and fails again
-        assert "no applied calibration" in result["loading_again"] and result["changed"] == {}
+        assert "no applied calibration" in result["loading_again"]
+        assert result["changed"] == {"remote_url": "redis://ops:***@127.0.0.1:1/0"}  # never the password
+        assert "hunter2" not in str(service.store.audit_since(0, action="reload"))
         while service.load_error is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "fp8_e4m3 has no applied calibration" in service.load_error
         config.write_text("cache_dtype: auto\nnum_blocks: 64\nmax_queue: 9\n")
         flags["socket"] = str(tmp_path / "elsewhere.sock")
         result = service.reload_from_source("ops")
-        assert result["changed"] == {"cache_dtype": "auto", "max_queue": 9}
-        assert result["previous"] == {"cache_dtype": "fp8_e4m3", "max_queue": 256}
+        assert result["changed"] == {"cache_dtype": "auto", "max_queue": 9, "remote_url": None}
+        assert result["previous"] == {"cache_dtype": "fp8_e4m3", "max_queue": 256,
+                                      "remote_url": "redis://ops:***@127.0.0.1:1/0"}
         assert result["needs_restart"] == ["socket"] and "no applied calibration" in result["loading_again"]
         assert service.ready.wait(60), service.load_error
         assert call(unix, "GET", "/readyz").json() == {"ready": True}
         assert service.config.socket == str(tmp_path / "kvd.sock") and service.engine.settings.max_queue == 9
         assert complete(unix, prompt="loaded at last", max_tokens=2).status_code == 200
         audit = service.store.audit_since(0, action="reload")
-        assert [a["detail"]["changed"] for a in audit][:2] == [{"cache_dtype": "auto", "max_queue": 9}, {}]
+        assert [a["detail"]["changed"] for a in audit][:2] == [
+            {"cache_dtype": "auto", "max_queue": 9, "remote_url": None}, {"remote_url": "redis://ops:***@127.0.0.1:1/0"}]
     finally:
         service.shutdown(1)

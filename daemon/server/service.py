@@ -41,11 +41,6 @@ from .tenant_labels import TenantLabels
 
 log = logging.getLogger("kvd")
 
-
-def _shown(value):
-    """A setting as JSON shows it (tuples of pairs, the YAML mappings, as lists)."""
-    return [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple) else value
-
 EventSink = Callable[[TokenEvent], None]
 
 
@@ -408,9 +403,9 @@ class EngineService:
         with self.lock:
             if self.engine is not None or self.load_error is None or self._thread is None:
                 return self.reload(new, actor)  # loaded since, or a load is running already
-            changed = {k: v for k, v in new.describe().items()
-                       if k not in self.BOUND_AT_START and v != getattr(self.config, k)}
-            previous = {k: getattr(self.config, k) for k in changed}
+            now, before = new.shown(), self.config.shown()  # shown: a Redis password stays out of answer and audit
+            changed = {k: v for k, v in now.items() if k not in self.BOUND_AT_START and v != before[k]}
+            previous = {k: before[k] for k in changed}
             bound = sorted(k for k in self.BOUND_AT_START if getattr(new, k) != getattr(self.config, k))
             earlier_error, self.load_error = self.load_error, None
             if self.tiers is not None:  # a load that failed after building its tiers: their threads end
@@ -421,9 +416,7 @@ class EngineService:
             self._thread = threading.Thread(target=self._loop, args=(self._engine_thread_count,),
                                             name="kvd-engine", daemon=True)
             self._thread.start()
-        result = {"changed": {k: _shown(v) for k, v in changed.items()},
-                  "previous": {k: _shown(v) for k, v in previous.items()},
-                  "needs_restart": bound, "loading_again": earlier_error}
+        result = {"changed": changed, "previous": previous, "needs_restart": bound, "loading_again": earlier_error}
         self.store.audit(actor=actor, tenant="-", action="reload", target="config", result="ok", detail=result)
         log.info("loading again (reload by %s) after: %s; changed %s", actor, earlier_error, sorted(changed))
         return result
