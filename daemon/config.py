@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -282,6 +283,13 @@ def _check(name: str, value: Any) -> None:
     if name == "remote_url" and value is not None and not str(value).startswith(
             ("redis://", "rediss://", "unix://", "redis+cluster://")):
         raise ValueError("must start with redis://, rediss://, unix:// or redis+cluster://")
+    if name == "remote_url" and value is not None and not str(value).startswith("unix://"):
+        try:  # a port that is no number failed only when the tiers were built, naming no setting
+            port = urllib.parse.urlsplit(str(value)).port
+        except ValueError:
+            port = -1
+        if port is not None and not 0 < port < 65536:
+            raise ValueError("the port must be a number from 1 to 65535")
     if name == "listen" and value is not None:
         host, _, port = str(value).rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:

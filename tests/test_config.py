@@ -110,6 +110,13 @@ def test_a_password_in_the_remote_url_is_never_shown():
     with pytest.raises(ConfigError) as refused:
         resolve({"remote_url": "http://:pw@cache:6379"}, {})
     assert "pw" not in str(refused.value) and "'http://:***@cache:6379'" in str(refused.value)
+    for bad in ("redis://u:pw@cache:notaport/0", "redis://cache:70000/0"):  # refused at start, naming the setting
+        with pytest.raises(ConfigError) as refused:
+            resolve({"remote_url": bad}, {})
+        assert str(refused.value).endswith("from --remote-url: the port must be a number from 1 to 65535")
+        assert "pw" not in str(refused.value)
+    assert resolve({"remote_url": "redis+cluster://a:7000"}, {}).remote_url == "redis+cluster://a:7000"
+    assert resolve({"remote_url": "unix:///run/redis.sock"}, {}).remote_url == "unix:///run/redis.sock"
 
 
 def test_fp8_is_vllm_s_name_for_fp8_e4m3_wherever_a_cache_format_is_set(tmp_path):
