@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
 from .daemon_fixtures import (ADMIN_TOKEN, GLOBEX_TOKEN, USER_TOKEN, apps, blocks_all_back, call,  # noqa: E402
@@ -1116,3 +1116,17 @@ def test_a_kvd_that_could_not_load_loads_again_on_a_reload(tmp_path):
             {"cache_dtype": "auto", "max_queue": 9, "remote_url": None}, {"remote_url": "redis://ops:***@127.0.0.1:1/0"}]
     finally:
         service.shutdown(1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_device_cuda_without_cuda_says_so_naming_the_setting(tmp_path):
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.store import Store
+
+    service = EngineService(resolve({"state_dir": str(tmp_path), "socket": str(tmp_path / "s"), "device": "cuda",
+                                     "num_blocks": 16}, {}), Store(tmp_path / "kvd.sqlite3"))
+    with pytest.raises(ValueError) as refused:
+        service.load()
+    assert str(refused.value).startswith(f"device: cuda, but torch {torch.__version__} finds no CUDA device (")
+    assert str(refused.value).endswith("); use device auto or cpu")

@@ -125,6 +125,7 @@ def test_an_fp8_e4m3_cache_on_a_gpu_without_it_is_refused_before_the_model_loads
     from kvctl.daemon.store import Store
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU this test stands in for
     loads = []
     monkeypatch.setattr(service_module, "load_model", lambda *a, **k: loads.append(a) or (_ for _ in ()).throw(
         RuntimeError("model loading reached")))

@@ -1403,3 +1403,19 @@ def test_a_shutdown_saves_every_cached_block_whatever_the_write_rate_says(tmp_pa
     assert cached > 0 and saved["saved_blocks"] == saved["candidates"] == cached
     assert len(service.tiers.disk.index) == cached
     service.shutdown(deadline=2)
+
+
+def test_tier_settings_that_cannot_be_met_are_named(demo, tmp_path):
+    """A host tier larger than the host, a disk folder that cannot be made: the error names the
+    setting (it was torch's allocator message, or a bare errno)."""
+    from kvctl.daemon.cache.tiers import build_tiers
+
+    engine, _ = engine_with(demo)
+    with pytest.raises(ValueError, match=r"^tiers\.host\.bytes: 1,125,899,906,842,624 bytes cannot be allocated "
+                                         r"on this host \("):
+        build_tiers(engine, host_bytes=2**50)
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(ValueError) as refused:
+        build_tiers(engine, disk_bytes=1 << 22, disk_path=tmp_path / "a-file" / "kvcache")
+    assert str(refused.value) == (f"tiers.disk.path: cannot use {str(tmp_path / 'a-file' / 'kvcache')!r} for the "
+                                  "disk tier (Not a directory)")

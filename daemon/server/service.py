@@ -146,6 +146,10 @@ class EngineService:
         """Load the model (the demo checkpoint by default), size the cache, restore pins."""
         cfg = self.config
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: cuda, but torch {torch.__version__} finds no CUDA device ("
+                             + ("a build without CUDA" if torch.version.cuda is None else "none visible to this process")
+                             + "); use device auto or cpu")
         problem = None if cfg.cache_dtype == "auto" else format_unsupported_on(device, cache_dtype(cfg.cache_dtype))
         if problem:  # refused before the model loads
             raise ValueError(f"cache_dtype: {problem}")

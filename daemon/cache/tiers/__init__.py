@@ -53,7 +53,13 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
         return None, None
     layout, space, record = engine_layout(engine), space_digest(engine), engine_space_record(engine)
     events = getattr(engine, "events", None)  # each tier logs what it indexes and drops
-    host = HostTier(host_bytes, layout, pin_memory=torch.cuda.is_available()) if host_bytes else None
+    host = None
+    if host_bytes:
+        try:
+            host = HostTier(host_bytes, layout, pin_memory=torch.cuda.is_available())
+        except (RuntimeError, MemoryError) as exc:  # torch's "DefaultCPUAllocator: can't allocate memory"
+            raise ValueError(f"tiers.host.bytes: {host_bytes:,} bytes cannot be allocated on this host "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); give a smaller host tier") from None
     shares = getattr(getattr(engine, "settings", None), "tenant_cache_shares", ())  # as on the device
     if host is not None:
         host.events = events
@@ -62,7 +68,11 @@ def build_tiers(engine, *, host_bytes: int | None = None, disk_bytes: int | None
     if disk_bytes:
         if disk_path is None:
             raise ValueError("tiers.disk.path: required with tiers.disk.bytes")
-        disk = DiskTier(disk_path, disk_bytes, layout, space, record=record)
+        try:
+            disk = DiskTier(disk_path, disk_bytes, layout, space, record=record)
+        except OSError as exc:  # a folder that cannot be made or opened: the setting, not a bare errno
+            raise ValueError(f"tiers.disk.path: cannot use {str(disk_path)!r} for the disk tier "
+                             f"({exc.strerror or type(exc).__name__})") from None
         disk.set_tenant_shares(shares)
         disk.events = events  # before the scan: the blocks it re-indexes are stored events too
         report = disk.scan()
