@@ -38,6 +38,8 @@ def running_daemon_store(ctx: typer.Context | None) -> Path | None:
 
     options = (ctx.find_root().obj if ctx else None) or {}
     if options.get("url") or os.environ.get("KVD_URL"):
+        typer.echo("note: kvd is reached over TCP, so its store is on its own machine: this is the store "
+                   "on this one (--state-dir or KVD_STATE_DIR names another)", err=True)
         return None
     try:
         client = Client(options.get("socket"), timeout=10.0)
