@@ -428,8 +428,8 @@ def _print_report(document: dict, previous: dict | None) -> None:
         if engine.get("cpus_shared_fraction"):
             Console(stderr=True).print(
                 f"[yellow]kvd shared its CPUs with other busy kvd engines for {engine['cpus_shared_fraction']:.0%} "
-                f"of the run (on {engine.get('threads')} intra-op thread(s) at its end): these figures measure a "
-                "shared host[/yellow]")
+                f"of the run (on {engine.get('threads')} intra-op thread{'s' if engine.get('threads') != 1 else ''} "
+                "at its end): these figures measure a shared host[/yellow]")
     if previous is not None:
         for note in comparability_notes(document, previous["document"]):
             Console().print(f"[yellow]not like for like: {note}[/yellow]")

@@ -196,7 +196,8 @@ def render_status(data: dict, console: Console | None = None):
     if steps:
         decode = steps.get("decode")
         mean = f"; decode step {seconds(decode['seconds'] / decode['count'])} mean" if decode else ""
-        threads = f" on {data['engine_threads']} threads" if data.get("engine_threads") else ""
+        count = data.get("engine_threads")
+        threads = f" on {count} thread{'s' if count != 1 else ''}" if count else ""
         share = data.get("cpu_share") or {}
         if share.get("busy_neighbours"):
             threads += (f" (its {share['cpus']} CPUs shared with {share['busy_neighbours']} other busy kvd"

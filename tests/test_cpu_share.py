@@ -181,7 +181,7 @@ def test_status_names_the_kvd_engines_a_cpu_engine_shares_with():
                 cpu_share={"cpus": 2, "busy_neighbours": 1, "threads": 1, "fixed_by": None})
     console = Console(record=True, width=200)
     render_status(data, console)
-    assert "10 decode steps on 1 threads (its 2 CPUs shared with 1 other busy kvd), 20.0 ms busy" in " ".join(
+    assert "10 decode steps on 1 thread (its 2 CPUs shared with 1 other busy kvd), 20.0 ms busy" in " ".join(
         console.export_text().split())
 
 
