@@ -27,18 +27,23 @@ from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
 
 
 API_PATHS = {"completions": "v1/completions", "chat": "v1/chat/completions"}
+TURNS = 4  # multi-turn: turns per conversation
 
 
 def build_workload(spec: str, *, requests: int | None, max_tokens: int, time_scale: float, seed: int,
                    block_tokens: int, groups: int = 4, system_tokens: int = 1024,
                    question_tokens: int = 32, chat: bool = False) -> list[BenchRequest]:
+    """The requests of a workload. shared-prefix and multi-turn make exactly `requests` (default 32
+    and 16): the question-major shared-prefix list and the conversations' turns are cut at that
+    count, so 30 requests over 4 groups give two groups 7 questions and two 8."""
     if spec == "shared-prefix":
-        questions = max(1, (requests or 32) // groups)
-        return shared_prefix(groups=groups, system_tokens=system_tokens, questions=questions,
-                             question_tokens=question_tokens, max_tokens=max_tokens, seed=seed, chat=chat)
+        wanted = requests or 32
+        return shared_prefix(groups=groups, system_tokens=system_tokens, questions=-(-wanted // groups),
+                             question_tokens=question_tokens, max_tokens=max_tokens, seed=seed, chat=chat)[:wanted]
     if spec == "multi-turn":
-        conversations = max(1, (requests or 16) // 4)
-        return multi_turn(conversations=conversations, turns=4, max_tokens=max_tokens, seed=seed, chat=chat)
+        wanted = requests or 16
+        return multi_turn(conversations=-(-wanted // TURNS), turns=TURNS, max_tokens=max_tokens, seed=seed,
+                          chat=chat)[:wanted]
     if spec.startswith("trace:") and chat:
         raise UserError("api: a trace's prompts are token ids; drive it with --api completions")
     if spec.startswith("trace:"):
@@ -230,8 +235,9 @@ def serve_command(
         raise UserError(f"max_tokens: must be >= 1, got {max_tokens}")
     if requests is not None and requests < 1:
         raise UserError(f"requests: must be >= 1, got {requests}")
-    if min(groups, system_tokens, question_tokens) < 1:
-        raise UserError("groups, system_tokens and question_tokens must be >= 1")
+    for name, value in (("groups", groups), ("system_tokens", system_tokens), ("question_tokens", question_tokens)):
+        if value < 1:
+            raise UserError(f"{name}: must be >= 1, got {value}")
     if repeat < 1:
         raise UserError(f"repeat: must be >= 1, got {repeat}")
     if plot is not None and plot.exists() and not plot.is_dir():

@@ -174,6 +174,31 @@ def test_bench_serve_refuses_requests_below_one_instead_of_running_the_default(c
     assert status == 2 and err.strip() == f"error: requests: must be >= 1, got {value}"
 
 
+@pytest.mark.parametrize("flag,value", [("--groups", "0"), ("--system-tokens", "-1"), ("--question-tokens", "0")])
+def test_bench_serve_names_the_shared_prefix_size_it_refuses(capsys, flag, value):
+    status, _, err = cli(capsys, "bench", "serve", flag, value)
+    name = flag[2:].replace("-", "_")
+    assert status == 2 and err.strip() == f"error: {name}: must be >= 1, got {value}"
+
+
+def test_bench_workloads_make_exactly_the_requests_asked_for():
+    from kvctl.bench_serve import build_workload
+
+    def build(spec, requests, **sizes):
+        return build_workload(spec, requests=requests, max_tokens=4, time_scale=1.0, seed=0, block_tokens=16,
+                              system_tokens=8, question_tokens=2, **sizes)
+
+    thirty = build("shared-prefix", 30)  # 30 over 4 groups: it made 28 (7 questions each)
+    assert len(thirty) == 30
+    assert [sum(r.group == f"group-{g}" for r in thirty) for g in range(4)] == [8, 8, 7, 7]
+    assert [r.prompt for r in thirty] == [r.prompt for r in build("shared-prefix", 32)[:30]]
+    assert [r.group for r in build("shared-prefix", 2)] == ["group-0", "group-1"]  # it made 4
+    assert len(build("shared-prefix", None)) == 32 and len(build("shared-prefix", 5, groups=5)) == 5
+    ten = build("multi-turn", 10)  # it made 8: two conversations of 4 turns
+    assert [(r.group, r.after) for r in ten[8:]] == [("conversation-2", None), ("conversation-2", 8)]
+    assert len(ten) == 10 and len(build("multi-turn", 3)) == 3 and len(build("multi-turn", None)) == 16
+
+
 def test_engine_figures_from_two_status_reports():
     from kvctl.bench_figures import engine_figures
 
