@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from rich.console import Console, Group
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.text import Text
 
-from .tables import compact_table, keep_whole, seconds
+from .tables import compact_table, fit_cells, keep_whole, seconds
 
 
 def is_fleet(data: dict) -> bool:
@@ -56,11 +57,13 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
         table.add_row(name, sent, open_, _view(book), f"{used:,}/{blocks['total']:,}",
                       f"{tokens['hit_ratio']:.1%}", f"{queue['waiting']:,}", f"{queue['running']:,}",
                       seconds(queue.get("predicted_wait_seconds")), seconds(ttft))
-    keep_whole(table, 0)
+    keep_whole(table, 0)  # the name `kvctl fleet drain` takes
+    fit_cells(table, 1, 2, *range(4, len(table.columns)), words=(3,))  # figures whole; views, headers wrap
     summary = Text(f"fleet prefix hits: {hit:,} of {prompt:,} prompt tokens"
                    + (f" ({hit / prompt:.1%})" if prompt else ""))
     reasons = [Text.assemble((f"{replica} down: ", "red"), str(why)) for replica, why in down]
     group = Group(table, *reasons, summary)
-    if console is not None:
-        console.print(group)
+    if console is not None:  # wider than the terminal rather than a figure cut to "1,436…"
+        needed = Measurement.get(console, console.options, table).minimum
+        console.print(group, width=max(console.width, needed), crop=False)
     return group

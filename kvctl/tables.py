@@ -31,6 +31,17 @@ def keep_whole(table: Table, *columns: int) -> None:
         column.min_width = max([len(str(cell)) for cell in column.cells] + [len(str(column.header))])
 
 
+def fit_cells(table: Table, *columns: int, words: tuple[int, ...] = ()) -> None:
+    """Give each of `columns` at least the width of its longest cell, and each of `words` that of
+    its longest word (call after adding the rows), so a narrow terminal never cuts a figure to
+    "1,436…" or a word to "follo…": headers and the cells of `words` wrap at their spaces instead."""
+    for index in (*columns, *words):
+        column = table.columns[index]
+        pieces = [str(cell) for cell in column.cells] if index in columns else \
+            [word for cell in column.cells for word in str(cell).split()]
+        column.min_width = max(len(piece) for piece in [*pieces, *str(column.header).split(), ""])
+
+
 def seconds(value: float | None) -> str:
     """A duration for a status line: 12.5 ms, 1.50 s; '-' when unknown."""
     return "-" if value is None else (f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s")

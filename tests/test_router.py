@@ -238,6 +238,40 @@ def test_kvctl_status_at_the_router_shows_a_row_per_replica_and_the_fleets_hits(
                          f"({live['tokens']['hit']/ live['tokens']['prompt']:.1%})")
 
 
+def test_a_narrow_terminal_wraps_the_fleet_s_views_and_headers_but_cuts_no_figure_or_name():
+    """At 80 columns the table cut "1,436/1,536" to "1,436…" and "follows" to "follo…"."""
+    from rich.console import Console
+
+    from kvctl.fleet_status import render_fleet_status
+
+    names = ["/run/kvd-0/kvd.sock", "/run/kvd-1/kvd.sock", "/run/kvd-2/kvd.sock"]
+    live = {"blocks": {"device": {"total": 1536, "free": 100}},
+            "tokens": {"prompt": 100000, "hit": 90000, "hit_ratio": 0.9},
+            "queue": {"waiting": 12, "running": 8, "predicted_wait_seconds": 0.0123},
+            "latency": {"ttft_seconds": {"p50": 0.0456}}}
+    data = {"routing": "prefix", "view": "events",
+            "replica_status": [{"replica": names[0], **live}, {"replica": names[1], **live},
+                               {"replica": names[2], "error": "503: cannot serve"}],
+            "replicas": [{"replica": names[0], "sent": 12345, "open": 8, "view": {"synced": False, "feed_error": "x"}},
+                         {"replica": names[1], "sent": 12345, "open": 8, "view": {"synced": True}},
+                         {"replica": names[2], "sent": 3, "open": 0, "draining": "at the replica"}]}
+    console = Console(record=True, width=80)
+    render_fleet_status(data, console)
+    lines = console.export_text().splitlines()
+    assert "…" not in "".join(lines)
+    rows = [line.split() for line in lines if line.startswith("/run/")]
+    assert rows[:2] == [[names[0], "12,345", "8", "asks", "1,436/1,536", "90.0%", "12", "8", "12.3", "ms", "45.6", "ms"],
+                        [names[1], "12,345", "8", "follows", "1,436/1,536", "90.0%", "12", "8", "12.3", "ms", "45.6",
+                         "ms"]]
+    assert rows[2] == [names[2], "3", "0", "at", "the", "down"]  # the view wraps at its spaces
+    assert rows[3] == [names[2], "down:", "503:", "cannot", "serve"]
+    assert "(feed" in lines[lines.index(next(x for x in lines if x.startswith(names[0]))) + 1]
+    wide = Console(record=True, width=120)
+    render_fleet_status(data, wide)
+    text = wide.export_text()
+    assert text.splitlines()[2].split()[:4] == [names[0], "12,345", "8", "asks"] and "asks (feed down)" in text
+
+
 class CannotServe(httpx.AsyncBaseTransport):
     """A kvd that is up but whose model did not load: every call but /healthz gets its 503."""
 
