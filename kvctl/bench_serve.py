@@ -18,6 +18,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .bench_figures import RequestRecord, across_runs, engine_figures, figures, ratios
 from .errors import KvdUnavailable, UserError
@@ -389,8 +390,9 @@ def _fmt(value, name: str) -> str:
 def _print_report(document: dict, previous: dict | None) -> None:
     kvd, base, ratio = document["kvd"], document["baseline"], document["ratio"]
     cap = "up to " if document["workload"].startswith("trace:") else ""  # a trace's own lengths, capped
-    table = Table(title=f"bench serve: {document['workload']}, {document['settings']['requests']} requests, "
-                        f"{cap}{document['settings']['max_tokens']} tokens each")
+    title = (f"bench serve: {document['workload']}, {document['settings']['requests']} requests, "
+             f"{cap}{document['settings']['max_tokens']} tokens each")
+    table = Table()
     table.add_column("figure")
     table.add_column("kvd", justify="right")
     if base is not None:
@@ -398,7 +400,7 @@ def _print_report(document: dict, previous: dict | None) -> None:
         table.add_column("kvd ÷ baseline", justify="right")
     spread = document.get("spread")
     if spread is not None:  # --repeat: medians, with each figure's range beside them
-        table.title += f", median of {len(document['runs'])} runs"
+        title += f", median of {len(document['runs'])} runs"
         table.add_column("kvd range", justify="right")
         if base is not None:
             table.add_column("ratio range", justify="right")
@@ -423,6 +425,7 @@ def _print_report(document: dict, previous: dict | None) -> None:
             new = kvd.get(name)
             row += [_fmt(old, name), "-" if not old or new is None else f"{(new - old) / old:+.1%}"]
         table.add_row(*row)
+    Console().print(Text(title, style="bold"))  # a line of its own: a title would wrap at the table's width
     Console().print(table)
     engine = document.get("engine")
     if engine:

@@ -246,7 +246,7 @@ def test_the_report_says_a_trace_s_output_lengths_are_capped_not_fixed(capsys):
         document = {"workload": workload, "settings": {"requests": 16, "max_tokens": 32}, "kvd": {},
                     "baseline": None, "ratio": {}}
         _print_report(document, None)
-        assert title in " ".join(capsys.readouterr().out.split())
+        assert capsys.readouterr().out.splitlines()[0] == f"bench serve: {workload}, {title}"  # one line
 
 
 def test_the_report_shows_counts_as_counts_and_a_ratio_beside_every_figure(capsys, monkeypatch):
