@@ -591,6 +591,7 @@ def test_a_stream_that_fell_behind_sends_the_waiting_tokens_in_one_chunk(tmp_pat
     from kvctl.daemon.model.tokenizer import Tokenizer
     from kvctl.daemon.server.app import _stream
     from kvctl.daemon.server.chat import CompletionShape
+    from kvctl.daemon.server.logprobs import PromptParts, TokenNames
 
     tokenizer = Tokenizer(ensure_demo_checkpoint(tmp_path))
     ids = tokenizer.encode("kv")[1:] + tokenizer.encode("cache")[1:]  # without BOS
@@ -602,7 +603,8 @@ def test_a_stream_that_fell_behind_sends_the_waiting_tokens_in_one_chunk(tmp_pat
         queue: asyncio.Queue = asyncio.Queue()
         chunks = []
         stream = _stream(engine, queue, [request], {"r": request}, {("r", 0): 0},
-                         {"id": "cmpl-x", "created": 0, "model": "demo"}, CompletionShape(), False, lambda: None)
+                         {"id": "cmpl-x", "created": 0, "model": "demo"}, CompletionShape(), False, lambda: None,
+                         False, PromptParts(TokenNames(tokenizer.token_text), None, None, None, "choice"))
         for batch in batches:
             for event in batch:
                 queue.put_nowait(event)
@@ -937,6 +939,32 @@ def test_logprobs_come_in_openai_s_completion_shape_streamed_or_whole(daemon):
     assert sum((p["token_logprobs"] for p in parts), []) == pytest.approx(logprobs["token_logprobs"], abs=1e-5)
     plain = complete(unix, prompt=SYSTEM + "logprobs?", temperature=0.0).json()["choices"][0]
     assert plain["logprobs"] is None and plain["token_ids"] == ids
+
+
+def test_return_tokens_as_token_ids_keeps_apart_tokens_that_decode_alike(daemon):
+    """vLLM's `return_tokens_as_token_ids`: the demo's bytes above 127 all decode to U+FFFD, so as
+    text the 20 most likely tokens shared keys and lost their logprobs."""
+    service, unix, _ = daemon
+    text_of = service.loaded.tokenizer.token_text
+    asked = dict(prompt=SYSTEM + "which bytes?", max_tokens=6, temperature=1.0, seed=11, logprobs=20)
+    as_text = complete(unix, **asked).json()["choices"][0]
+    as_ids = complete(unix, **asked, return_tokens_as_token_ids=True).json()["choices"][0]
+    ids = as_ids["token_ids"]
+    assert ids == as_text["token_ids"] and as_text["logprobs"]["tokens"] == [text_of(t) for t in ids]
+    assert any(len(top) < 20 for top in as_text["logprobs"]["top_logprobs"])  # keys that collided
+    logprobs = as_ids["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in ids]
+    assert logprobs["text_offset"] == as_text["logprobs"]["text_offset"]  # offsets in the text, as before
+    for token, chosen, top in zip(ids, logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert len(top) in (20, 21) and all(key.startswith("token_id:") for key in top)
+        assert top[f"token_id:{token}"] == chosen and max(top.values()) >= chosen
+    streamed = sse_events(complete(unix, **asked, return_tokens_as_token_ids=True, stream=True))
+    assert sum((e["choices"][0]["logprobs"]["tokens"] for e in streamed[:-1]), []) == logprobs["tokens"]
+    echoed = complete(unix, prompt="ab", max_tokens=1, temperature=0.0, echo=True, logprobs=1,
+                      return_tokens_as_token_ids=True).json()["choices"][0]["logprobs"]
+    assert echoed["tokens"][:3] == [f"token_id:{t}" for t in service.tokenize("ab")]
+    assert echoed["text_offset"][:3] == [0, len(text_of(service.tokenize("ab")[0])),
+                                          len(text_of(service.tokenize("ab")[0])) + 1]
 
 
 def test_penalties_bias_and_min_tokens_reach_the_sampler(daemon):

@@ -330,6 +330,20 @@ def test_chat_logprobs_come_in_openai_s_chat_shape_streamed_or_whole(daemon):
     assert chat(unix, messages, temperature=0.0).json()["choices"][0]["logprobs"] is None
 
 
+def test_chat_logprobs_name_tokens_by_id_when_asked_and_keep_their_text_s_bytes(daemon):
+    service, unix, _ = daemon
+    text_of = service.loaded.tokenizer.token_text
+    messages = conversation("Which ids?")
+    choice = chat(unix, messages, temperature=0.0, logprobs=True, top_logprobs=3,
+                  return_tokens_as_token_ids=True).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    for token, item in zip(choice["token_ids"], content):
+        assert item["bytes"] == list(text_of(token).encode("utf-8"))
+        assert len({t["token"] for t in item["top_logprobs"]}) == 3  # three ids, whatever their text
+        assert all(t["token"].startswith("token_id:") for t in item["top_logprobs"])
+
+
 def test_chat_prompt_logprobs_rank_every_rendered_prompt_token_once_per_answer(daemon):
     service, unix, _ = daemon
     messages = conversation("Rank my prompt's tokens")

@@ -36,7 +36,7 @@ from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, C
 from .chat_messages import MessagesError, chat_messages, messages_size
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
-from .logprobs import PromptParts, echo_texts, joined
+from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
 from .tenants import list_tenants
@@ -396,7 +396,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             for request in requests:
                 service.cancel(request.request_id)
 
-        prompt_parts = PromptParts(engine.tokenizer.token_text, params, body.prompt_logprobs, echo_texts,
+        names = TokenNames(engine.tokenizer.token_text, bool(body.return_tokens_as_token_ids))
+        prompt_parts = PromptParts(names, params, body.prompt_logprobs, echo_texts,
                                    shape.prompt_logprobs_on, prompt_only)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -430,7 +431,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 output_ids, output_logprobs = ([], []) if prompt_only else (list(seq.output_ids), seq.logprobs)
                 if params.logprobs is not None:
                     before, offset = prompt_parts.logprobs(p, request)
-                    logprobs, _ = shape.logprobs(engine.tokenizer.token_text, output_ids, output_logprobs, offset)
+                    logprobs, _ = shape.logprobs(names, output_ids, output_logprobs, offset)
                     logprobs = joined(before, logprobs) if before is not None else logprobs
                 choice = shape.choice(index_of[(request.request_id, seq.index)],
                                       text + ("" if prompt_only else engine.text_of(seq)),
@@ -699,7 +700,7 @@ class IncrementalText:
 
 
 async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, include_usage, cancel_all,
-                  with_logprobs: bool = False, prompt_parts: "PromptParts | None" = None):
+                  with_logprobs: bool, prompt_parts: PromptParts):
     """Server-sent events ending with [DONE]; a disconnect cancels.
 
     A chunk carries one choice's new tokens: one token per chunk while the client keeps up,
@@ -731,7 +732,7 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                 elif event.token_id is not None:
                     delta = texts[key].add(event.token_id)
                     sent_text[key] += delta
-                if prompt_parts is not None and prompt_parts.prompt_only:
+                if prompt_parts.prompt_only:
                     delta = ""  # the prompt alone is the answer (echo, max_tokens 0)
                 elif event.token_id is not None:
                     entry[0].append(event.token_id)
@@ -746,26 +747,26 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                 opened.add(key)
                 p, request = prompt_of[key[0]], by_id[key[0]]
                 before = None
-                if first and prompt_parts is not None:
+                if first:
                     delta = prompt_parts.text(p) + delta
                     if with_logprobs:
                         before, offsets[key] = prompt_parts.logprobs(p, request)
                 logprobs = None
                 if with_logprobs:
-                    logprobs, offsets[key] = shape.logprobs(engine.tokenizer.token_text, token_ids, entries,
+                    logprobs, offsets[key] = shape.logprobs(prompt_parts.names, token_ids, entries,
                                                             offsets[key])
                     logprobs = joined(before, logprobs) if before is not None else logprobs
                 choice = shape.chunk_choice(index_of[key], delta, token_ids, finish_reason, logprobs)
                 chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
                          "model": head["model"], "choices": [choice]}
-                if first and prompt_parts is not None:
+                if first:
                     prompt_parts.add_to_choice(choice, request)
                     prompt_parts.add_to_answer(chunk, request, once=True)
                 yield f"data: {json.dumps(chunk)}\n\n"
         if include_usage:
             usage_chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
                            "model": head["model"], "choices": [],
-                           "usage": _usage(requests, counted=not (prompt_parts and prompt_parts.prompt_only))}
+                           "usage": _usage(requests, counted=not prompt_parts.prompt_only)}
             yield f"data: {json.dumps(usage_chunk)}\n\n"
         yield "data: [DONE]\n\n"
         finished_cleanly = True

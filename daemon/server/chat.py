@@ -75,6 +75,8 @@ class GenerationFields(BaseModel):
     min_tokens: Count | None = None
     logit_bias: dict[str, Number] | None = None  # token id (a JSON key, so a string) -> bias
     priority: Count | None = None  # vLLM's: with queue_order priority, lower runs first (EngineService.queue_priority)
+    # vLLM's: logprobs name tokens "token_id:N", so tokens of one text (parts of a character) stay apart
+    return_tokens_as_token_ids: bool | None = False
 
     def sampling_controls(self) -> dict:
         """The fields above as SamplingParams takes them (null: the value that changes nothing)."""
@@ -150,9 +152,10 @@ class CompletionShape:
                      logprobs: dict | None = None) -> dict:
         return self.choice(index, text, token_ids, finish_reason, logprobs)
 
-    def logprobs(self, token_text, token_ids: list[int], entries: list, offset: int = 0) -> tuple[dict, int]:
-        """These tokens' logprobs in this API's shape, and the text offset after them."""
-        return completion_logprobs(token_text, token_ids, entries, offset)
+    def logprobs(self, names, token_ids: list[int], entries: list, offset: int = 0) -> tuple[dict, int]:
+        """These tokens' logprobs in this API's shape (named by `names`, a logprobs.TokenNames), and
+        the text offset after them."""
+        return completion_logprobs(names, token_ids, entries, offset)
 
 
 class ChatShape(CompletionShape):
@@ -181,5 +184,5 @@ class ChatShape(CompletionShape):
         return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    def logprobs(self, token_text, token_ids: list[int], entries: list, offset: int = 0) -> tuple[dict, int]:
-        return chat_logprobs(token_text, token_ids, entries), offset
+    def logprobs(self, names, token_ids: list[int], entries: list, offset: int = 0) -> tuple[dict, int]:
+        return chat_logprobs(names, token_ids, entries), offset

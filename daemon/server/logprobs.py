@@ -12,6 +12,8 @@ vLLM reports by default) and its most likely alternatives. Here they become:
   "bytes", "top_logprobs": [N of the same]}]}`.
 
 A token's text is `Tokenizer.token_text` (special tokens by name); its bytes are that text's UTF-8.
+With vLLM's `return_tokens_as_token_ids` a token is named "token_id:N" instead (`TokenNames`), so
+tokens with one text stay apart; text offsets and bytes still come from the text.
 """
 
 from __future__ import annotations
@@ -21,40 +23,52 @@ from typing import Sequence as Seq
 Entry = tuple[float, tuple[tuple[int, float], ...]]  # (logprob, ((id, logprob), ...)), best first
 
 
-def completion_logprobs(token_text, token_ids: Seq[int], entries: Seq[Entry], offset: int = 0) -> tuple[dict, int]:
-    """The legacy completions shape for these tokens, their text offsets counted from `offset`;
-    and the offset after them (a stream's next chunk goes on from there)."""
+class TokenNames:
+    """How an answer's logprobs name a token: by its text, or as "token_id:N" where the request
+    asked for vLLM's `return_tokens_as_token_ids`."""
+
+    def __init__(self, token_text, as_ids: bool = False) -> None:
+        self.text, self.as_ids = token_text, as_ids
+
+    def __call__(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else self.text(token)
+
+
+def completion_logprobs(names, token_ids: Seq[int], entries: Seq[Entry], offset: int = 0) -> tuple[dict, int]:
+    """The legacy completions shape for these tokens (named by `names`, a TokenNames), their text
+    offsets counted from `offset`; and the offset after them (a stream's next chunk goes on from
+    there)."""
     tokens, chosen, tops, offsets = [], [], [], []
     for token, (logprob, top) in zip(token_ids, entries):
-        text = token_text(token)
-        tokens.append(text)
+        name = names(token)
+        tokens.append(name)
         chosen.append(logprob)
         alternatives = {}
         for alternative, value in top:
-            alternatives.setdefault(token_text(alternative), value)
-        alternatives[text] = logprob  # tokens with one text share a key: the drawn one's logprob stands
+            alternatives.setdefault(names(alternative), value)
+        alternatives[name] = logprob  # tokens with one name share a key: the drawn one's logprob stands
         tops.append(alternatives)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(names.text(token))
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
-def chat_logprobs(token_text, token_ids: Seq[int], entries: Seq[Entry]) -> dict:
-    """The chat shape for these tokens."""
+def chat_logprobs(names, token_ids: Seq[int], entries: Seq[Entry]) -> dict:
+    """The chat shape for these tokens (named by `names`, a TokenNames; bytes of their text)."""
     def described(token: int, logprob: float) -> dict:
-        text = token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": names(token), "logprob": logprob, "bytes": list(names.text(token).encode("utf-8"))}
 
     return {"content": [{**described(token, logprob), "top_logprobs": [described(t, v) for t, v in top]}
                         for token, (logprob, top) in zip(token_ids, entries)]}
 
 
-def echoed_prompt_logprobs(token_text, prompt_ids: Seq[int], entries: Seq, alternatives: int) -> tuple[dict, int]:
+def echoed_prompt_logprobs(names, prompt_ids: Seq[int], entries: Seq, alternatives: int) -> tuple[dict, int]:
     """The prompt's part of an `echo` answer's completion logprobs: the first token has none (null,
     as in OpenAI's API), the rest their logprob and `alternatives` most likely tokens."""
-    first = token_text(prompt_ids[0])
-    rest, offset = completion_logprobs(token_text, prompt_ids[1:],
-                                       [(logprob, top[:alternatives]) for logprob, _, top in entries], len(first))
+    first = names(prompt_ids[0])
+    rest, offset = completion_logprobs(names, prompt_ids[1:],
+                                       [(logprob, top[:alternatives]) for logprob, _, top in entries],
+                                       len(names.text(prompt_ids[0])))
     return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
             "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}, offset
 
@@ -91,9 +105,9 @@ class PromptParts:
     completions) or on the answer (`on="answer"`, chats), as vLLM places them; streamed, in each
     choice's first chunk."""
 
-    def __init__(self, token_text, params, prompt_logprobs: int | None, echoed: list[str] | None,
+    def __init__(self, names: TokenNames, params, prompt_logprobs: int | None, echoed: list[str] | None,
                  on: str, prompt_only: bool = False) -> None:
-        self.token_text, self.params, self.wanted, self.echoed, self.on = token_text, params, prompt_logprobs, echoed, on
+        self.names, self.params, self.wanted, self.echoed, self.on = names, params, prompt_logprobs, echoed, on
         # echo with max_tokens 0 (an evaluation harness scoring a prompt): the answer is the prompt and
         # its logprobs alone; the one token the engine samples to get there is not shown or counted
         self.prompt_only = prompt_only
@@ -106,11 +120,11 @@ class PromptParts:
         """The echoed prompt's completion logprobs (None without echo), and the offset after them."""
         if self.echoed is None:
             return None, 0
-        return echoed_prompt_logprobs(self.token_text, request.prompt_ids, request.prompt_logprobs,
+        return echoed_prompt_logprobs(self.names, request.prompt_ids, request.prompt_logprobs,
                                       self.params.logprobs or 0)
 
     def _vllm(self, request) -> list:
-        return vllm_prompt_logprobs(self.token_text, request.prompt_ids, request.prompt_logprobs, self.wanted)
+        return vllm_prompt_logprobs(self.names.text, request.prompt_ids, request.prompt_logprobs, self.wanted)
 
     def add_to_choice(self, choice: dict, request) -> dict:
         if self.wanted is not None and self.on == "choice":
