@@ -41,7 +41,9 @@ def capacity_command(
     layers: Optional[int] = typer.Option(None, "--layers", help="Decoder layers."),
     kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads."),
     head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Head dimension."),
-    dtype: list[str] = typer.Option(["bfloat16,fp8_e4m3,int8"], "--dtype", help="Cache dtypes to compare."),
+    dtype: Optional[list[str]] = typer.Option(
+        None, "--dtype", help="Cache dtypes to compare (default: the model's own, as kvd's cache_dtype auto takes "
+                              "it, bfloat16 without --model; then fp8_e4m3 and int8)."),
     block_size: int = typer.Option(16, help="Tokens per block."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 141GB."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="'auto': free memory of GPU 0 through NVML."),
@@ -75,6 +77,9 @@ def capacity_command(
     weights = None if weights_bytes == "auto" else _bytes("weights_bytes", weights_bytes)
     from kvctl.daemon.config import cache_dtype_name
 
+    if not dtype:  # what kvd's cache_dtype auto would hold, beside the quantised formats
+        own = shape.dtype if shape.dtype in ELEMENT_BYTES else "bfloat16"
+        dtype = [",".join(dict.fromkeys([own, "fp8_e4m3", "int8"]))]
     dtypes = [cache_dtype_name(d) for value in dtype for d in value.split(",") if d.strip()]
     for name in dtypes:
         if name not in ELEMENT_BYTES and name not in PER_TOKEN_SCALE_FORMATS:

@@ -304,6 +304,20 @@ def test_capacity_command_compares_dtypes(capsys, tmp_path):
     assert status == 2 and "gpu_memory: invalid size 'lots'" in err
 
 
+def test_capacity_compares_the_model_s_own_dtype_first_as_kvd_would_hold_it(capsys, tmp_path):
+    """With --model and no --dtype the table began with bfloat16 for a float32 or float16 checkpoint."""
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+
+    demo = ensure_demo_checkpoint(tmp_path)  # a float32 checkpoint
+    status, out, _ = cli(capsys, "capacity", "--model", str(demo), "--gpu-memory", "1GiB", "--json")
+    rows = json.loads(out)["rows"]
+    assert status == 0 and [r["cache_dtype"] for r in rows] == ["float32", "fp8_e4m3", "int8"]
+    assert rows[0]["bytes_per_token"] == 2 * 2 * 1 * 64 * 4  # layers, KV heads, head dim of the demo
+    status, out, _ = cli(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                         "--gpu-memory", "141GB", "--json")  # no model: bfloat16, as most checkpoints are
+    assert [r["cache_dtype"] for r in json.loads(out)["rows"]] == ["bfloat16", "fp8_e4m3", "int8"]
+
+
 def test_capacity_of_a_lower_tier_matches_the_payloads_kvd_writes(capsys):
     torch = pytest.importorskip("torch")
     from kvctl.capacity import tier_plan
