@@ -88,7 +88,7 @@ def test_the_share_drops_at_once_rises_after_a_quiet_spell_and_says_so(caplog):
     assert share.look() == 4 and not caplog.records
     neighbours.busy = 1
     assert share.look() == 2
-    assert caplog.records[-1].getMessage() == ("engine threads 4 -> 2: 1 other busy kvd engine(s) share this kvd's "
+    assert caplog.records[-1].getMessage() == ("engine threads 4 -> 2: 1 other busy kvd engine shares this kvd's "
                                                "4 CPUs (OMP_NUM_THREADS fixes the count instead)")
     assert share.look() == 2 and len(caplog.records) == 1  # said once
     neighbours.busy = 3
@@ -105,8 +105,9 @@ def test_the_share_drops_at_once_rises_after_a_quiet_spell_and_says_so(caplog):
     clock[0] += RAISE_AFTER_S
     assert share.look() == 4 and share.report() == {"cpus": 4, "busy_neighbours": 0, "threads": 4, "fixed_by": None,
                                                 "looks": 10, "shared_looks": 4}
-    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
-        "engine threads 4 -> 2", "engine threads 2 -> 1", "engine threads 1 -> 4"]
+    assert [r.getMessage().split(" this")[0] for r in caplog.records] == [
+        "engine threads 4 -> 2: 1 other busy kvd engine shares", "engine threads 2 -> 1: 3 other busy kvd engines share",
+        "engine threads 1 -> 4: no other busy kvd engine shares"]
 
 
 def test_an_operator_s_omp_num_threads_is_kept_and_an_oversubscription_named_once(caplog):
@@ -115,7 +116,7 @@ def test_an_operator_s_omp_num_threads_is_kept_and_an_oversubscription_named_onc
     caplog.set_level(logging.INFO, logger="kvd")
     assert share.look() == 2 and share.look() == 2
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == ["1 other busy kvd engine(s) share this kvd's 2 CPUs, and OMP_NUM_THREADS=2 oversubscribes "
+    assert warnings == ["1 other busy kvd engine shares this kvd's 2 CPUs, and OMP_NUM_THREADS=2 oversubscribes "
                         "them: each engine's steps slow many times over; give each kvd OMP_NUM_THREADS=1 or its "
                         "own CPUs (CPUAffinity=)"]
     assert share.report()["fixed_by"] == "OMP_NUM_THREADS" and share.report()["busy_neighbours"] == 1

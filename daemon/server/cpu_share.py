@@ -48,9 +48,9 @@ class CpuShare:
         share = intra_op_threads(len(cpus), busy, self.default)
         if self.operator_threads:
             if share < self.default and busy != self._warned_at:
-                log.warning("%d other busy kvd engine(s) share this kvd's %d CPUs, and OMP_NUM_THREADS=%d "
-                            "oversubscribes them: each engine's steps slow many times over; give each kvd "
-                            "OMP_NUM_THREADS=%d or its own CPUs (CPUAffinity=)", busy, len(cpus), self.default, share)
+                log.warning("%s this kvd's %d CPUs, and OMP_NUM_THREADS=%d oversubscribes them: each engine's "
+                            "steps slow many times over; give each kvd OMP_NUM_THREADS=%d or its own CPUs "
+                            "(CPUAffinity=)", _others_share(busy), len(cpus), self.default, share)
             self._warned_at = busy if share < self.default else 0
             return self.default
         if share > self.wanted:
@@ -60,8 +60,8 @@ class CpuShare:
                 return self.wanted
         self._more_since = None
         if share != self.wanted:
-            log.info("engine threads %d -> %d: %d other busy kvd engine(s) share this kvd's %d CPUs "
-                     "(OMP_NUM_THREADS fixes the count instead)", self.wanted, share, busy, len(cpus))
+            log.info("engine threads %d -> %d: %s this kvd's %d CPUs (OMP_NUM_THREADS fixes the count instead)",
+                     self.wanted, share, _others_share(busy), len(cpus))
         self.wanted = share
         return share
 
@@ -79,3 +79,10 @@ class CpuShare:
         return {"cpus": self.cpus, "busy_neighbours": self.busy_neighbours, "threads": self.wanted,
                 "fixed_by": "OMP_NUM_THREADS" if self.operator_threads else None,
                 "looks": self.looks, "shared_looks": self.shared_looks}
+
+
+def _others_share(busy: int) -> str:
+    """'1 other busy kvd engine shares', '2 other busy kvd engines share', 'no other … shares'."""
+    if busy == 0:
+        return "no other busy kvd engine shares"
+    return f"{busy} other busy kvd engine{'s share' if busy > 1 else ' shares'}"
