@@ -109,6 +109,50 @@ def trace_generate(
     typer.echo(f"wrote {requests} requests to {out}")
 
 
+@trace_app.command("save")
+def trace_save(
+    ctx: typer.Context,
+    out: Path = typer.Argument(..., help="Where to write the JSONL trace."),
+    last: Optional[int] = typer.Option(None, help="Only the last N requests to arrive (default: all kvd keeps)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Save the requests kvd served lately as a Mooncake trace, to replay your own traffic.
+
+    kvd keeps its last 10,000 finished requests: arrivals, prompt and output lengths, tenants, and
+    chained ids of 512-token prompt blocks (keyed hashes numbered from 0; never tokens or text).
+    Replay the file to choose a block size, an eviction policy or tier sizes for this traffic.
+
+    Example: kvctl trace save /tmp/today.jsonl && kvctl bench replay /tmp/today.jsonl
+    """
+    from kvctl.daemon.replay.trace import parse_request, write_trace
+
+    from .client import Client
+
+    if last is not None and last < 1:
+        raise UserError(f"last: must be >= 1, got {last}")
+    refuse_clobber(out, "out", is_trace, "a trace")
+    options = ctx.find_root().obj or {}
+    answer = Client(options.get("socket"), options.get("url"), options.get("token_file")).get("/admin/trace",
+                                                                                             last=last)
+    if not answer["requests"]:
+        raise UserError("trace: kvd has finished no request since it started; nothing to save")
+    trace = [parse_request(line, f"kvd's trace line {i + 1}") for i, line in enumerate(answer["requests"])]
+    write_trace(out, trace)
+    figures = {"path": str(out), "requests": len(trace), "kept": answer["capacity"], "seen": answer["observed"],
+               "input_tokens": sum(r.input_length for r in trace),
+               "output_tokens": sum(r.output_length for r in trace),
+               "seconds": trace[-1].timestamp_ms / 1000.0,
+               "tenants": sorted({r.tenant or "default" for r in trace})}
+    if as_json:
+        typer.echo(json.dumps(figures))
+        return
+    earlier = figures["seen"] - len(trace)
+    typer.echo(f"wrote {len(trace):,} requests over {figures['seconds']:,.1f} s to {out} "
+               f"({figures['input_tokens']:,} prompt tokens, {len(figures['tenants'])} "
+               f"tenant{'s' if len(figures['tenants']) != 1 else ''})"
+               + (f"; {earlier:,} earlier requests are not in it" if earlier > 0 else ""))
+
+
 reflow_help(app)  # after every command is registered
 
 

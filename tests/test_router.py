@@ -238,6 +238,14 @@ def test_kvctl_status_at_the_router_shows_a_row_per_replica_and_the_fleets_hits(
                          f"({live['tokens']['hit']/ live['tokens']['prompt']:.1%})")
 
 
+def test_the_router_sends_an_operator_to_each_replica_s_trace(replicas):
+    service, app = router_app(replicas, "round_robin")
+    [answer] = drive(app, [lambda c: c.get("/admin/trace")])
+    assert answer.status_code == 400 and answer.json()["error"]["message"] == (
+        "trace: kvd router keeps no trace of its own; save each replica's (kvctl --socket REPLICA trace save "
+        "FILE): their block ids are numbered apart")
+
+
 def test_a_narrow_terminal_wraps_the_fleet_s_views_and_headers_but_cuts_no_figure_or_name():
     """At 80 columns the table cut "1,436/1,536" to "1,436…" and "follows" to "follo…"."""
     from rich.console import Console

@@ -40,12 +40,16 @@ class TraceRequest:
     hash_ids: tuple[int, ...]  # one id per 512-token prompt block, chained
     tenant: str | None = None  # whose request (kvctl's extension of the format); None: the default tenant
 
-    def to_json(self) -> str:
+    def to_object(self) -> dict:
+        """The line as a JSON object (no `tenant` for the default tenant's)."""
         record = {"timestamp": self.timestamp_ms, "input_length": self.input_length,
                   "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
         if self.tenant is not None:
             record["tenant"] = self.tenant
-        return json.dumps(record)
+        return record
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_object())
 
 
 def _field(obj: dict, name: str, where: str, *, minimum: int) -> int:

@@ -550,6 +550,13 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         what the cache gave it and the blocks it holds (never its tokens or text)."""
         return inflight.list_requests(service, tenant)
 
+    @app.get("/admin/trace")
+    def request_trace(last: int | None = Query(None, ge=1), _: Principal = Depends(admin)):
+        """The last finished requests (`last` of them, else every one kept) as a Mooncake trace:
+        arrivals, prompt and output lengths, tenants, and chained ids of 512-token prompt blocks
+        (HMACs under a key kvd never shows, numbered from 0); never tokens or text."""
+        return service.trace.report(last, default_tenant="default")
+
     @app.post("/admin/cancel")
     def cancel(body: CancelRequest, who: Principal = Depends(admin)):
         """Cancel requests in flight by id (the X-KVD-Request-Id of their answers), or all of a

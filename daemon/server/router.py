@@ -670,6 +670,13 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def pins_everywhere(http: Request, _: Caller = Depends(admin)):
         return await merged_listing("/admin/pins", http, merge_pin_lists)
 
+    @app.get("/admin/trace")
+    def no_fleet_trace(_: Caller = Depends(admin)):
+        """Each replica keeps its own trace, its block ids keyed and numbered apart from the others'."""
+        return error(400, "trace: kvd router keeps no trace of its own; save each replica's "
+                          "(kvctl --socket REPLICA trace save FILE): their block ids are numbered apart",
+                     "no_fleet_trace")
+
     @app.post("/router/sync-pins")
     async def sync_pins_everywhere(_: Caller = Depends(admin)):
         """Every pin of the fleet on every replica of its block space that lacks it (fleet_pins.py)."""

@@ -35,6 +35,7 @@ from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tiering import restore_seconds
 
+from .request_trace import RequestTrace
 from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
 from .notify import Notifier
 from .tenant_labels import TenantLabels
@@ -120,6 +121,8 @@ class EngineService:
         self._share_cpus = False  # set by start(confine_threads=True)
         self.pin_warmer: threading.Thread | None = None  # brings pinned prefixes back from lower tiers at start
         self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
+        self.trace = RequestTrace()  # the last finished requests, as a trace (`kvctl trace save`)
+        self.on_finished(self.trace.observe)
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
         self.tenant_labels = TenantLabels(config.max_tenant_metric_series)  # per-tenant metrics' labels, bounded

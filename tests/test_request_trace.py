@@ -1,0 +1,113 @@
+"""kvd's trace of the requests it served (`GET /admin/trace`, `kvctl trace save`): the operator's
+own traffic in the Mooncake format, for `kvctl bench replay`; never tokens or text."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from kvctl.daemon.replay.trace import read_trace
+from kvctl.daemon.server.request_trace import RequestTrace, chained_block_ids
+
+from .test_cli import cli
+
+KEY = b"k" * 32
+
+
+def finished(arrival: float, prompt: list[int], outputs=(4,), tenant: str = "default"):
+    """What EngineService.on_finished hands its observers, as far as the trace reads it."""
+    return SimpleNamespace(metrics=SimpleNamespace(arrival=arrival), prompt_ids=prompt, tenant=tenant,
+                           sequences=[SimpleNamespace(output_ids=[7] * n) for n in outputs])
+
+
+def test_block_ids_are_chained_over_512_token_blocks_and_keyed_by_tenant_and_secret():
+    system, other = list(range(512)), list(range(1, 513))
+    a = chained_block_ids(KEY, "default", system + [5] * 100)
+    b = chained_block_ids(KEY, "default", system + [6] * 100)
+    assert len(a) == 2 and len(chained_block_ids(KEY, "default", system)) == 1  # the last id covers the rest
+    assert a[0] == b[0] and a[1] != b[1]  # one system prompt, two questions
+    assert chained_block_ids(KEY, "default", other + [5] * 100)[1] != a[1]  # the same tail after another context
+    assert not set(chained_block_ids(KEY, "acme", system + [5] * 100)) & set(a)  # tenants never share
+    assert not set(chained_block_ids(b"x" * 32, "default", system + [5] * 100)) & set(a)  # another kvd's key
+
+
+def test_a_saved_trace_is_in_arrival_order_with_ids_numbered_as_they_first_appear():
+    trace = RequestTrace(capacity=3, key=KEY)
+    system = list(range(600))
+    for arrival, prompt, outputs, tenant in [(10.0, system + [1], (3,), "default"),
+                                             (10.5, [9] * 20, (0,), "default"),  # turned away: no output
+                                             (10.25, system + [2], (5, 8), "acme"),  # n=2: the longer one
+                                             (11.0, system + [1], (2,), "default")]:
+        trace.observe(finished(arrival, prompt, outputs, tenant))
+    assert trace.observed == 4
+    lines = [r.to_object() for r in trace.requests(default_tenant="default")]
+    assert lines == [  # the first request fell out of the three kept; finished out of order, sorted
+        {"timestamp": 0.0, "input_length": 601, "output_length": 8, "hash_ids": [0, 1], "tenant": "acme"},
+        {"timestamp": 250.0, "input_length": 20, "output_length": 0, "hash_ids": [2]},
+        {"timestamp": 750.0, "input_length": 601, "output_length": 2, "hash_ids": [3, 4]}]
+    assert [r.to_object()["hash_ids"] for r in trace.requests(last=1)] == [[0, 1]]  # numbered within the save
+    assert trace.report(last=2)["requests"][0]["tenant"] == "default"  # no default named: every tenant shown
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, start_service, token_table
+
+    state = tmp_path_factory.mktemp("kvd")
+    service = start_service(state)
+    unix, _ = apps(service, token_table(state))
+    yield service, unix
+    service.shutdown(1)
+
+
+def test_kvd_traces_what_it_served_without_a_token_and_kvctl_saves_it_for_replay(daemon, capsys, tmp_path,
+                                                                                 monkeypatch):
+    from kvctl import client
+
+    from .daemon_fixtures import call
+
+    service, unix = daemon
+    system = [(i * 7) % 250 for i in range(700)]
+    bodies = [{"prompt": system + [1, 2, 3], "max_tokens": 3}, {"prompt": system + [4, 5], "max_tokens": 2},
+              {"prompt": [3] * 40, "max_tokens": 1}]
+    for body in bodies:
+        assert call(unix, "POST", "/v1/completions", json={**body, "temperature": 0.0}).status_code == 200
+    assert call(unix, "GET", "/admin/trace", params={"last": 0}).status_code in (400, 422)
+    answer = call(unix, "GET", "/admin/trace", params={"last": 3}).json()
+    assert (answer["capacity"], answer["block_tokens"]) == (10_000, 512) and answer["observed"] >= 3
+    assert [(r["input_length"], r["output_length"]) for r in answer["requests"]] == [(703, 3), (702, 2), (40, 1)]
+    assert [r["hash_ids"] for r in answer["requests"]] == [[0, 1], [0, 2], [3]]
+    assert all(set(r) == {"timestamp", "input_length", "output_length", "hash_ids"} for r in answer["requests"])
+
+    monkeypatch.setattr(client.Client, "get",
+                        lambda self, path, **params: call(unix, "GET", path, params={k: v for k, v in params.items()
+                                                                                   if v is not None}).json())
+    out = tmp_path / "today.jsonl"
+    status, printed, _ = cli(capsys, "trace", "save", str(out), "--last", "3")
+    assert status == 0 and printed.startswith(f"wrote 3 requests over ") and "1 tenant)" in printed
+    saved = read_trace(out)
+    assert [(r.input_length, r.output_length, r.hash_ids, r.tenant) for r in saved] == [
+        (703, 3, (0, 1), None), (702, 2, (0, 2), None), (40, 1, (3,), None)]
+    assert saved[0].timestamp_ms == 0 and saved[0].timestamp_ms <= saved[1].timestamp_ms <= saved[2].timestamp_ms
+    status, printed, _ = cli(capsys, "bench", "replay", str(out), "--block-sizes", "16", "--json")
+    assert status == 0 and json.loads(printed)  # the saved file is a trace the replay reads
+
+    (tmp_path / "notes.txt").write_text("not a trace\n")
+    status, _, err = cli(capsys, "trace", "save", str(tmp_path / "notes.txt"))
+    assert status == 2 and "out: " in err and "is not a trace" in err
+    assert (tmp_path / "notes.txt").read_text() == "not a trace\n"
+    status, _, err = cli(capsys, "trace", "save", str(out), "--last", "0")
+    assert status == 2 and err.strip() == "error: last: must be >= 1, got 0"
+
+
+def test_kvctl_trace_save_says_when_kvd_has_nothing_to_save(capsys, tmp_path, monkeypatch):
+    from kvctl import client
+
+    monkeypatch.setattr(client.Client, "get", lambda self, path, **params: {
+        "capacity": 10_000, "observed": 0, "block_tokens": 512, "requests": []})
+    status, _, err = cli(capsys, "trace", "save", str(tmp_path / "t.jsonl"))
+    assert status == 2 and "kvd has finished no request since it started" in err
+    assert not (tmp_path / "t.jsonl").exists()
