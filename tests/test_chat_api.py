@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 
+import kvctl
+
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
@@ -328,6 +330,53 @@ def test_chat_logprobs_come_in_openai_s_chat_shape_streamed_or_whole(daemon):
     alone = chat(unix, messages, temperature=0.0, logprobs=True).json()["choices"][0]["logprobs"]["content"]
     assert [c["top_logprobs"] for c in alone] == [[]] * len(alone)  # no alternatives unless asked
     assert chat(unix, messages, temperature=0.0).json()["choices"][0]["logprobs"] is None
+
+
+def test_vllm_s_tokenize_and_detokenize_count_what_completions_and_chats_send(daemon):
+    """Clients written for vLLM's server count tokens with /tokenize before they send."""
+    service, unix, _ = daemon
+    positions = service.loaded.config.max_position_embeddings
+    prompt = SYSTEM + "How many tokens?"
+    counted = call(unix, "POST", "/tokenize", json={"prompt": prompt}).json()
+    usage = call(unix, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()["usage"]
+    assert counted == {"count": usage["prompt_tokens"], "max_model_len": positions,
+                       "tokens": service.tokenize(prompt)}
+    bare = call(unix, "POST", "/tokenize", json={"prompt": prompt, "add_special_tokens": False}).json()
+    assert bare["tokens"] == counted["tokens"][1:]  # without the BOS token
+    messages = conversation("And this chat?")
+    chat_usage = chat(unix, messages, max_tokens=1).json()["usage"]
+    as_chat = call(unix, "POST", "/tokenize", json={"messages": messages}).json()
+    assert as_chat["tokens"] == rendered(service, messages) and as_chat["count"] == chat_usage["prompt_tokens"]
+    unopened = call(unix, "POST", "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert unopened["tokens"] == rendered(service, messages, add_generation_prompt=False)
+    back = call(unix, "POST", "/detokenize", json={"tokens": counted["tokens"]}).json()
+    assert back == {"prompt": prompt}
+    assert call(unix, "GET", "/v1/models").json()["data"][0]["max_model_len"] == positions
+    assert call(unix, "GET", "/health").status_code == 200
+    assert call(unix, "GET", "/version").json() == {"version": kvctl.__version__}
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/tokenize", {}, "prompt", "prompt: give a prompt (text) or messages (a chat), not both or neither"),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt",
+     "prompt: give a prompt (text) or messages (a chat), not both or neither"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", None),
+    ("/tokenize", {"prompt": "x", "model": "gpt-9"}, "model", None),
+    ("/detokenize", {"tokens": [5, 258]}, "tokens[1]", "tokens[1]: must be a token id in [0, 258), got 258"),
+    ("/detokenize", {"tokens": [5, True]}, "tokens", None),
+])
+def test_tokenize_and_detokenize_refuse_a_bad_body_by_field(daemon, path, body, param, message):
+    _, unix, _ = daemon
+    answer = call(unix, "POST", path, json=body)
+    error = answer.json()["error"]
+    assert answer.status_code == (404 if param == "model" else 400) and error["param"] == param
+    assert message is None or error["message"] == message
+
+
+def test_vllm_s_probe_and_version_need_no_token_but_tokenize_does(daemon):
+    _, _, tcp = daemon
+    assert call(tcp, "GET", "/health").json() == {} and "version" in call(tcp, "GET", "/version").json()
+    assert call(tcp, "POST", "/tokenize", json={"prompt": "x"}).status_code == 401
 
 
 def test_chat_logprobs_name_tokens_by_id_when_asked_and_keep_their_text_s_bytes(daemon):

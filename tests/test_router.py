@@ -238,6 +238,23 @@ def test_kvctl_status_at_the_router_shows_a_row_per_replica_and_the_fleets_hits(
                          f"({live['tokens']['hit']/ live['tokens']['prompt']:.1%})")
 
 
+def test_the_router_answers_vllm_s_probe_and_tokenizes_at_a_replica_that_is_up(replicas):
+    service, app = router_app(replicas, "round_robin", down=(0,))
+    health, version, counted, refused = drive(app, [
+        lambda c: c.get("/health"), lambda c: c.get("/version"),
+        lambda c: c.post("/tokenize", json={"prompt": "count me"}),  # replica-0 is down: replica-1 answers
+        lambda c: c.post("/detokenize", json={"tokens": [999]})])
+    assert (health.status_code, health.json()) == (200, {}) and version.json()["version"]
+    assert counted.status_code == 200 and counted.json()["count"] == len(counted.json()["tokens"]) == 9
+    [back] = drive(app, [lambda c: c.post("/detokenize", json={"tokens": counted.json()["tokens"]})])
+    assert back.json() == {"prompt": "count me"}
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens[0]"
+    _, all_down = router_app(replicas, "round_robin", down=(0, 1))
+    [none] = drive(all_down, [lambda c: c.post("/tokenize", json={"prompt": "x"})])
+    assert none.status_code == 503 and none.json()["error"]["message"].startswith(
+        "no replica answered: replica-1: ConnectError")
+
+
 def test_the_router_sends_an_operator_to_each_replica_s_trace(replicas):
     service, app = router_app(replicas, "round_robin")
     [answer] = drive(app, [lambda c: c.get("/admin/trace")])

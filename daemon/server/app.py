@@ -2,7 +2,7 @@
 
 Front ends: "unix" (the socket; its file mode restricts who connects; the tenant comes
 from X-KVD-Tenant, else "default"; callers act as admin) and "tcp" (every request but
-/healthz and /readyz needs a bearer token, which names tenant and role; X-KVD-Tenant is
+the probes (/healthz, /readyz, and vLLM's /health and /version) needs a bearer token, which names tenant and role; X-KVD-Tenant is
 honoured only when the front end is configured as a trusted proxy).
 """
 
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvctl import __version__ as kvctl_version
 from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.engine.engine import AdmissionRejected
 from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, SamplingParams
@@ -40,6 +41,7 @@ from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
 from .tenants import list_tenants
+from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 
 class ApiError(Exception):
@@ -272,9 +274,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     # ---- OpenAI-compatible -------------------------------------------------------------------
     @app.get("/v1/models")
     def models(_: Principal = Depends(principal)):
-        service.require_ready()
+        engine = service.require_ready()
         return {"object": "list", "data": [{"id": service.model_name, "object": "model",
-                                            "created": int(service.started_at), "owned_by": "kvd"}]}
+                                            "created": int(service.started_at), "owned_by": "kvd",
+                                            "max_model_len": engine.loaded.config.max_position_embeddings}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request, who: Principal = Depends(principal)):
@@ -326,10 +329,46 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         if service.draining:  # before it is started: a router passes it to another replica
             raise ApiError(503, "kvd is draining: it takes no new completion until `kvctl resume`",
                            type_="service_unavailable", code="draining", headers={"Retry-After": "5"})
+        return served(model, engine)
+
+    def served(model: str | None, engine):
+        """`engine`, when `model` is the one served (None: whichever is); else a 404 naming it."""
         if model is not None and model != service.model_name:
             raise ApiError(404, f"model: {model!r} is not served here; GET /v1/models lists "
                                 f"{service.model_name!r}", param="model", code="model_not_found")
         return engine
+
+    # ---- vLLM's server extras: its probe, version, and token counting --------------------------
+    @app.get("/health")
+    def health():
+        """vLLM's liveness probe: 200 while the model is loaded (draining or not), else 503 with why."""
+        if service.ready.is_set() and service.engine is not None:
+            return {}
+        return JSONResponse({"healthy": False, "reason": service.load_error or "loading the model"}, status_code=503)
+
+    @app.get("/version")
+    def version():
+        return {"version": kvctl_version}
+
+    @app.post("/tokenize")
+    def tokenize_endpoint(body: TokenizeRequest, _: Principal = Depends(principal)):
+        """A prompt's or a chat's token ids (a chat rendered as /v1/chat/completions renders it)."""
+        served(body.model, service.require_ready())
+        try:
+            return tokenize(service, body)
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param=_param_of(str(exc)), code="chat_template_refused") from None
+
+    @app.post("/detokenize")
+    def detokenize_endpoint(body: DetokenizeRequest, _: Principal = Depends(principal)):
+        """The text of token ids."""
+        served(body.model, service.require_ready())
+        try:
+            return detokenize(service, body)
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
 
     def sampling(body, max_tokens: int, api: str, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The request's sampling fields (checked by the engine, which names a bad one)."""

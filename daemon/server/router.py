@@ -47,6 +47,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvctl import __version__ as kvctl_version
 from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import (NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES, ReplicaFacts, Router,
                                     facts_from_answer, make_router)
@@ -752,6 +753,44 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             for model in models_of_one:
                 data.setdefault(model["id"], model)
         return {"object": "list", "data": list(data.values())}
+
+    @app.get("/health")
+    def health():
+        """vLLM's liveness probe: the router is up (/readyz says whether a replica can serve)."""
+        return {}
+
+    @app.get("/version")
+    def version():
+        return {"version": kvctl_version}
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request, _: Caller = Depends(caller)):
+        return await ask_any("/tokenize", await http.body())
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request, _: Caller = Depends(caller)):
+        return await ask_any("/detokenize", await http.body())
+
+    async def ask_any(path: str, raw: bytes) -> JSONResponse:
+        """The answer of the first replica taking requests that gives one (every replica of a fleet
+        serves one model, so one tokenizer): its refusal of a bad body too; a replica that cannot
+        be reached or is not ready is passed over."""
+        why = "no replica takes requests"
+        for replica in [r for r in service.replicas if r.takes_requests]:
+            try:
+                answer = await replica.client.post(path, content=raw, timeout=ASK_TIMEOUT_S,
+                                                   headers={"Content-Type": "application/json"})
+            except httpx.HTTPError as exc:
+                why = f"{replica.name}: {described(exc)}"
+                continue
+            if answer.status_code == 503:
+                why = f"{replica.name}: {described(httpx.HTTPStatusError('', request=answer.request, response=answer))}"
+                continue
+            try:
+                return JSONResponse(answer.json(), status_code=answer.status_code)
+            except ValueError:
+                why = f"{replica.name}: answered {answer.status_code} without JSON"
+        return error(503, f"no replica answered: {why}", "no_replica")
 
     @app.post("/v1/completions")
     async def completions(http: Request, who: Caller = Depends(caller)):

@@ -1,0 +1,63 @@
+"""vLLM's `/tokenize` and `/detokenize`, so clients and tools written for vLLM's server count
+and decode tokens against kvd unchanged.
+
+    POST /tokenize    {"prompt": TEXT, "add_special_tokens": true}
+                      or {"messages": [...], "add_generation_prompt": true, "continue_final_message": false}
+                      -> {"count", "max_model_len", "tokens"}
+    POST /detokenize  {"tokens": [ID, ...]} -> {"prompt": TEXT}
+
+A chat is rendered by the model's template exactly as /v1/chat/completions renders it, so
+`count` is the prompt that a chat would send. Nothing is queued or cached: the tokenizer only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictInt
+
+from .chat_messages import MessagesError, chat_messages
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool = True  # the BOS token before a prompt, as /v1/completions adds it
+    add_generation_prompt: bool = True  # chats: end with the assistant's turn opening
+    continue_final_message: bool = False  # chats: end inside the last message
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def tokenize(service, body: TokenizeRequest) -> dict:
+    """The token ids of a prompt or a chat; MessagesError naming the field at fault."""
+    if (body.prompt is None) == (body.messages is None):
+        raise MessagesError("prompt: give a prompt (text) or messages (a chat), not both or neither", "prompt")
+    if body.prompt is not None:
+        ids = service.loaded.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
+    else:
+        if body.continue_final_message and body.add_generation_prompt and \
+                "add_generation_prompt" in body.model_fields_set:
+            raise MessagesError("add_generation_prompt: true contradicts continue_final_message: true",
+                                "add_generation_prompt")
+        opens_reply = body.add_generation_prompt and not body.continue_final_message
+        ids = service.chat_prompt(chat_messages(body.messages), opens_reply, body.continue_final_message)
+    return {"count": len(ids), "max_model_len": service.loaded.config.max_position_embeddings, "tokens": ids}
+
+
+def detokenize(service, body: DetokenizeRequest) -> dict:
+    """The text of token ids (special tokens left out, as a completion's text); MessagesError
+    naming the first id outside the vocabulary."""
+    vocab = service.loaded.tokenizer.vocab_size
+    for i, token in enumerate(body.tokens):
+        if not 0 <= token < vocab:
+            raise MessagesError(f"tokens[{i}]: must be a token id in [0, {vocab}), got {token}", f"tokens[{i}]")
+    return {"prompt": service.loaded.tokenizer.decode(body.tokens)}
