@@ -349,6 +349,9 @@ def test_vllm_s_tokenize_and_detokenize_count_what_completions_and_chats_send(da
     assert as_chat["tokens"] == rendered(service, messages) and as_chat["count"] == chat_usage["prompt_tokens"]
     unopened = call(unix, "POST", "/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
     assert unopened["tokens"] == rendered(service, messages, add_generation_prompt=False)
+    both = call(unix, "POST", "/tokenize", json={"messages": messages, "add_generation_prompt": True,
+                                                 "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "add_generation_prompt"
     back = call(unix, "POST", "/detokenize", json={"tokens": counted["tokens"]}).json()
     assert back == {"prompt": prompt}
     assert call(unix, "GET", "/v1/models").json()["data"][0]["max_model_len"] == positions

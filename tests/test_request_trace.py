@@ -75,8 +75,14 @@ def test_kvd_traces_what_it_served_without_a_token_and_kvctl_saves_it_for_replay
               {"prompt": [3] * 40, "max_tokens": 1}]
     for body in bodies:
         assert call(unix, "POST", "/v1/completions", json={**body, "temperature": 0.0}).status_code == 200
-    assert call(unix, "GET", "/admin/trace", params={"last": 0}).status_code in (400, 422)
-    answer = call(unix, "GET", "/admin/trace", params={"last": 3}).json()
+    assert call(unix, "GET", "/admin/trace", params={"last": 0}).status_code == 400
+    never_fits = call(unix, "POST", "/v1/completions", json={"prompt": [3] * 900, "max_tokens": 300})
+    assert never_fits.status_code != 200  # turned away at admission: demand all the same
+    answer = call(unix, "GET", "/admin/trace", params={"last": 4}).json()
+    assert answer["requests"][-1] == {"timestamp": answer["requests"][-1]["timestamp"], "input_length": 900,
+                                      "output_length": 0, "hash_ids": [4, 5]}
+    answer = call(unix, "GET", "/admin/trace", params={"last": 4}).json()
+    answer["requests"] = answer["requests"][:3]
     assert (answer["capacity"], answer["block_tokens"]) == (10_000, 512) and answer["observed"] >= 3
     assert [(r["input_length"], r["output_length"]) for r in answer["requests"]] == [(703, 3), (702, 2), (40, 1)]
     assert [r["hash_ids"] for r in answer["requests"]] == [[0, 1], [0, 2], [3]]
@@ -86,11 +92,11 @@ def test_kvd_traces_what_it_served_without_a_token_and_kvctl_saves_it_for_replay
                         lambda self, path, **params: call(unix, "GET", path, params={k: v for k, v in params.items()
                                                                                    if v is not None}).json())
     out = tmp_path / "today.jsonl"
-    status, printed, _ = cli(capsys, "trace", "save", str(out), "--last", "3")
-    assert status == 0 and printed.startswith(f"wrote 3 requests over ") and "1 tenant)" in printed
+    status, printed, _ = cli(capsys, "trace", "save", str(out), "--last", "4")
+    assert status == 0 and printed.startswith("wrote 4 requests over ") and "1 tenant)" in printed
     saved = read_trace(out)
     assert [(r.input_length, r.output_length, r.hash_ids, r.tenant) for r in saved] == [
-        (703, 3, (0, 1), None), (702, 2, (0, 2), None), (40, 1, (3,), None)]
+        (703, 3, (0, 1), None), (702, 2, (0, 2), None), (40, 1, (3,), None), (900, 0, (4, 5), None)]
     assert saved[0].timestamp_ms == 0 and saved[0].timestamp_ms <= saved[1].timestamp_ms <= saved[2].timestamp_ms
     status, printed, _ = cli(capsys, "bench", "replay", str(out), "--block-sizes", "16", "--json")
     assert status == 0 and json.loads(printed)  # the saved file is a trace the replay reads

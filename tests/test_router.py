@@ -255,6 +255,18 @@ def test_the_router_answers_vllm_s_probe_and_tokenizes_at_a_replica_that_is_up(r
         "no replica answered: replica-1: ConnectError")
 
 
+def test_tokenize_at_the_router_passes_over_a_replica_that_cannot_serve(replicas):
+    unloaded = Replica("replica-0", replica_client("/run/replica-0.sock", transport=CannotServe()))
+    live = Replica("replica-1", replica_client("/run/replica-1.sock", transport=Counting(replicas[1])))
+    app = create_router_app(RouterService([unloaded, live], make_router("round_robin"), view="ask"))
+    [counted] = drive(app, [lambda c: c.post("/tokenize", json={"prompt": "count me"})])
+    assert counted.status_code == 200 and counted.json()["count"] == 9
+    alone = create_router_app(RouterService([Replica("replica-0", replica_client(
+        "/run/replica-0.sock", transport=CannotServe()))], make_router("round_robin"), view="ask"))
+    [none] = drive(alone, [lambda c: c.post("/tokenize", json={"prompt": "count me"})])
+    assert none.status_code == 503 and none.json()["error"]["message"] == f"no replica answered: replica-0: 503: {UNLOADED}"
+
+
 def test_the_router_sends_an_operator_to_each_replica_s_trace(replicas):
     service, app = router_app(replicas, "round_robin")
     [answer] = drive(app, [lambda c: c.get("/admin/trace")])

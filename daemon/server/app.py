@@ -1,9 +1,10 @@
 """The HTTP app: `create_app(service, metrics, front=...)` builds one FastAPI app per front end.
 
 Front ends: "unix" (the socket; its file mode restricts who connects; the tenant comes
-from X-KVD-Tenant, else "default"; callers act as admin) and "tcp" (every request but
-the probes (/healthz, /readyz, and vLLM's /health and /version) needs a bearer token, which names tenant and role; X-KVD-Tenant is
-honoured only when the front end is configured as a trusted proxy).
+from X-KVD-Tenant, else "default"; callers act as admin) and "tcp" (every request but the
+probes, /healthz, /readyz and vLLM's /health and /version, needs a bearer token, which names
+tenant and role; X-KVD-Tenant is honoured only when the front end is configured as a trusted
+proxy).
 """
 
 from __future__ import annotations

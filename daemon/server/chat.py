@@ -96,6 +96,18 @@ class GenerationFields(BaseModel):
         return tuple(sorted(pairs))
 
 
+def generation_prompt(body: BaseModel) -> bool:
+    """A chat body's add_generation_prompt as it applies: off when the prompt is to end inside the
+    last message (continue_final_message; asking for both is a contradiction, refused by name)."""
+    if body.continue_final_message:
+        if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+            raise MessagesError("add_generation_prompt: true contradicts continue_final_message: true (the "
+                                "prompt cannot both end inside the last message and open a new one)",
+                                "add_generation_prompt")
+        return False
+    return body.add_generation_prompt
+
+
 class ChatCompletionRequest(GenerationFields):
     messages: list[Any]  # checked by chat_messages, which names the message and field at fault
     max_tokens: Count | None = None
@@ -107,15 +119,7 @@ class ChatCompletionRequest(GenerationFields):
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last (assistant) message
 
     def generation_prompt(self) -> bool:
-        """add_generation_prompt as it applies: off when the prompt is to end inside the last message
-        (asking for both is a contradiction, refused by name)."""
-        if self.continue_final_message:
-            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
-                raise MessagesError("add_generation_prompt: true contradicts continue_final_message: true (the "
-                                    "prompt cannot both end inside the last message and open a new one)",
-                                    "add_generation_prompt")
-            return False
-        return self.add_generation_prompt
+        return generation_prompt(self)
 
     def logprobs_wanted(self) -> int | None:
         """Alternatives per token when logprobs are asked for (0: the token's own only), else None."""

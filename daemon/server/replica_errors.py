@@ -13,13 +13,17 @@ def described(exc: BaseException) -> str:
     fp8_e4m3 has no applied calibration ...", not httpx's sentence with the URL and a link to MDN.
     Otherwise the exception's type and text ("ConnectError: ...")."""
     if isinstance(exc, httpx.HTTPStatusError):
-        response = exc.response
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError, httpx.ResponseNotRead):
-            try:
-                message = response.text.strip()
-            except httpx.ResponseNotRead:  # a streamed answer: its body was not read
-                message = ""
-        return f"{response.status_code}: {message or response.reason_phrase}"[:LIMIT]
+        return answer_described(exc.response)
     return f"{type(exc).__name__}: {exc}"[:LIMIT]
+
+
+def answer_described(response: httpx.Response) -> str:
+    """An error answer's status and the replica's own message: "503: the model is still loading"."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError, httpx.ResponseNotRead):
+        try:
+            message = response.text.strip()
+        except httpx.ResponseNotRead:  # a streamed answer: its body was not read
+            message = ""
+    return f"{response.status_code}: {message or response.reason_phrase}"[:LIMIT]

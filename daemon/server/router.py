@@ -52,7 +52,7 @@ from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import (NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES, ReplicaFacts, Router,
                                     facts_from_answer, make_router)
 
-from .replica_errors import described
+from .replica_errors import answer_described, described
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
@@ -784,7 +784,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 why = f"{replica.name}: {described(exc)}"
                 continue
             if answer.status_code == 503:
-                why = f"{replica.name}: {described(httpx.HTTPStatusError('', request=answer.request, response=answer))}"
+                why = f"{replica.name}: {answer_described(answer)}"
                 continue
             try:
                 return JSONResponse(answer.json(), status_code=answer.status_code)

@@ -584,6 +584,8 @@ class EngineService:
                     self._sinks[request.request_id] = submission.sink
                     queued.append(request)
             except Exception as exc:  # AdmissionRejected, RequestError, ...: nothing stays queued
+                if isinstance(exc, AdmissionRejected):  # demand all the same: the trace keeps it
+                    self.trace.observe(exc.request)
                 for request in queued:
                     engine.cancel(request.request_id)
                     self._sinks.pop(request.request_id, None)

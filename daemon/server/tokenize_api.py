@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
+from .chat import generation_prompt
 from .chat_messages import MessagesError, chat_messages
 
 
@@ -44,12 +45,7 @@ def tokenize(service, body: TokenizeRequest) -> dict:
     if body.prompt is not None:
         ids = service.loaded.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
     else:
-        if body.continue_final_message and body.add_generation_prompt and \
-                "add_generation_prompt" in body.model_fields_set:
-            raise MessagesError("add_generation_prompt: true contradicts continue_final_message: true",
-                                "add_generation_prompt")
-        opens_reply = body.add_generation_prompt and not body.continue_final_message
-        ids = service.chat_prompt(chat_messages(body.messages), opens_reply, body.continue_final_message)
+        ids = service.chat_prompt(chat_messages(body.messages), generation_prompt(body), body.continue_final_message)
     return {"count": len(ids), "max_model_len": service.loaded.config.max_position_embeddings, "tokens": ids}
 
 
