@@ -141,6 +141,8 @@ def serve(
         None, help="Per-tenant metrics name the first N tenants seen (default 100); the rest are summed "
                    "under tenant=\"*\", so callers cannot grow the series without bound."),
     pin_budget_blocks: Optional[int] = typer.Option(None, help="Blocks each tenant may pin (default: no budget)."),
+    trace_requests: Optional[int] = typer.Option(
+        None, help="Finished requests kept as trace lines for `kvctl trace save` (default 10000; 0: none)."),
     shutdown_timeout: Optional[float] = typer.Option(
         None, help="Seconds in-flight requests get to finish on SIGTERM before they are cancelled (default 30)."),
     model_name: Optional[str] = typer.Option(
@@ -175,6 +177,7 @@ def serve(
                    remote_compress=remote_compress, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
                    prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
                    max_tenant_metric_series=max_tenant_metric_series, pin_budget_blocks=pin_budget_blocks,
+                   trace_requests=trace_requests,
                    shutdown_timeout=shutdown_timeout, model_name=model_name, remote_cache_bytes=remote_cache_bytes,
                    remote_timeout=remote_timeout)
     try:

@@ -187,6 +187,8 @@ class KvdConfig:
     # per-tenant metric families name this many tenants (the first seen) at most; the rest are summed
     # under tenant="*" (daemon/server/tenant_labels.py)
     max_tenant_metric_series: int = 100
+    # finished requests kept as trace lines for `kvctl trace save` (daemon/server/request_trace.py); 0: none
+    trace_requests: int = 10_000
     # where each setting came from ("--max-queue", "KVD_MAX_QUEUE", the YAML file's path); absent: the default
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -220,7 +222,7 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
     "max_batch_tokens": whole_number, "max_running": whole_number, "max_queue": whole_number,
-    "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
+    "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number, "trace_requests": whole_number,
     "pin_budget_blocks": whole_number, "shutdown_timeout": finite_number,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
     "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
@@ -240,7 +242,8 @@ def _check(name: str, value: Any) -> None:
     if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory", "max_tenant_requests") \
             and value is not None and value < 1:
         raise ValueError("must be >= 1")
-    if name in ("pin_budget_blocks", "quick_prefill_tokens", "max_tenant_metric_series") and value is not None \
+    if name in ("pin_budget_blocks", "quick_prefill_tokens", "max_tenant_metric_series", "trace_requests") \
+            and value is not None \
             and value < 0:
         raise ValueError("must be >= 0")
     if name == "max_request_bytes" and value < 4096:

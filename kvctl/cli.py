@@ -118,7 +118,8 @@ def trace_save(
 ) -> None:
     """Save the requests kvd served lately as a Mooncake trace, to replay your own traffic.
 
-    kvd keeps its last 10,000 finished requests: arrivals, prompt and output lengths, tenants, and
+    kvd keeps its last finished requests (trace_requests, 10,000 by default; turned-away ones too):
+    arrivals, prompt and output lengths, tenants, and
     chained ids of 512-token prompt blocks (keyed hashes numbered from 0; never tokens or text).
     Replay the file to choose a block size, an eviction policy or tier sizes for this traffic.
 

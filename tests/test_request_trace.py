@@ -51,6 +51,18 @@ def test_a_saved_trace_is_in_arrival_order_with_ids_numbered_as_they_first_appea
     assert trace.report(last=2)["requests"][0]["tenant"] == "default"  # no default named: every tenant shown
 
 
+def test_a_smaller_trace_keeps_the_newest_and_none_hashes_nothing():
+    trace = RequestTrace(capacity=3, key=KEY)
+    for arrival in (1.0, 2.0, 3.0):
+        trace.observe(finished(arrival, [int(arrival)] * 10))
+    trace.resize(2)
+    assert [r.input_length for r in trace.requests()] == [10, 10] and trace.requests()[0].timestamp_ms == 0
+    assert trace.requests()[1].timestamp_ms == 1000.0  # arrivals 2.0 and 3.0 kept
+    trace.resize(0)
+    trace.observe(finished(4.0, [1] * 10))
+    assert trace.requests() == [] and trace.observed == 3
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     pytest.importorskip("torch")
@@ -117,3 +129,27 @@ def test_kvctl_trace_save_says_when_kvd_has_nothing_to_save(capsys, tmp_path, mo
     status, _, err = cli(capsys, "trace", "save", str(tmp_path / "t.jsonl"))
     assert status == 2 and "kvd has finished no request since it started" in err
     assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_trace_requests_is_a_setting_a_reload_changes_live(daemon):
+    from dataclasses import replace
+
+    service, unix = daemon
+    assert service.trace.capacity == 10_000 == service.config.trace_requests
+    before = service.config
+    try:
+        answer = service.reload(replace(service.config, trace_requests=1), actor="test")
+        assert answer["changed"] == {"trace_requests": 1} and service.trace.capacity == 1
+        assert len(service.trace.requests()) == 1
+    finally:
+        service.reload(before, actor="test")
+    assert service.trace.capacity == 10_000
+
+
+@pytest.mark.parametrize("value, message", [("-1", "must be >= 0"), ("lots", "lots")])
+def test_kvd_refuses_a_bad_trace_requests_by_name(value, message):
+    from kvctl.daemon.config import ConfigError, resolve
+
+    with pytest.raises(ConfigError) as refused:
+        resolve({"trace_requests": value}, env={})
+    assert "trace_requests" in str(refused.value) and message in str(refused.value)

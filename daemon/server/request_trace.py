@@ -2,9 +2,9 @@
 
 `kvctl bench replay` picks a block size, an eviction policy and tier sizes from a trace; this
 gives it the operator's own traffic instead of a synthetic one. kvd keeps the last
-`CAPACITY` finished requests (served, cancelled or turned away), each as its arrival, prompt
-and output lengths, tenant, and one id per 512-token prompt block, chained as the format
-asks (equal ids: the same tokens after the same context).
+`trace_requests` (default 10,000) finished requests (served, cancelled or turned away), each
+as its arrival, prompt and output lengths, tenant, and one id per 512-token prompt block,
+chained as the format asks (equal ids: the same tokens after the same context).
 
 Never the tokens: a block's id is an HMAC-SHA256 chain under a key drawn when kvd starts and
 never shown, cut to 64 bits; a saved trace numbers them again 0, 1, 2, ... in order of first
@@ -49,7 +49,14 @@ class RequestTrace:
         self._lock = threading.Lock()  # observed on the engine's side, read by the API's
         self.observed = 0
 
+    def resize(self, capacity: int) -> None:
+        """Keep `capacity` requests from now on, the newest of those held (a reload)."""
+        with self._lock:
+            self.capacity, self._held = capacity, deque(self._held, maxlen=capacity)
+
     def observe(self, request) -> None:
+        if self.capacity == 0:  # `trace_requests: 0`: nothing kept, nothing hashed
+            return
         outputs = [len(s.output_ids) for s in request.sequences]
         record = (request.metrics.arrival, len(request.prompt_ids), max(outputs, default=0),
                   chained_block_ids(self._key, request.tenant, request.prompt_ids), request.tenant)

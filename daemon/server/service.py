@@ -121,7 +121,7 @@ class EngineService:
         self._share_cpus = False  # set by start(confine_threads=True)
         self.pin_warmer: threading.Thread | None = None  # brings pinned prefixes back from lower tiers at start
         self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
-        self.trace = RequestTrace()  # the last finished requests, as a trace (`kvctl trace save`)
+        self.trace = RequestTrace(config.trace_requests)  # the last finished requests (`kvctl trace save`)
         self.on_finished(self.trace.observe)
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
@@ -435,7 +435,7 @@ class EngineService:
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
                 "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
                 "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
-                "remote_compress")
+                "remote_compress", "trace_requests")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         previous = {k: getattr(self.config, k) for k in changed}
         ignored = sorted(k for k, v in new.describe().items()
@@ -467,6 +467,7 @@ class EngineService:
                     self.tiers.compress = new.tier_codecs()
                 if new.pin_budget_blocks is not None:
                     engine.cache.pins.default_budget = new.pin_budget_blocks
+            self.trace.resize(new.trace_requests)  # the newest kept
             sources = {k: v for k, v in self.config.sources.items() if k not in live}  # these wait for a restart
             sources.update({k: new.sources[k] for k in live if k in new.sources})  # absent: the default
             self.config = replace(self.config, **changed, sources=sources)
