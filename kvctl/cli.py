@@ -118,23 +118,19 @@ def trace_save(
 ) -> None:
     """Save the requests kvd served lately as a Mooncake trace, to replay your own traffic.
 
-    kvd keeps its last finished requests (trace_requests, 10,000 by default; turned-away ones too):
-    arrivals, prompt and output lengths, tenants, and
-    chained ids of 512-token prompt blocks (keyed hashes numbered from 0; never tokens or text).
-    Replay the file to choose a block size, an eviction policy or tier sizes for this traffic.
+    kvd keeps its last finished requests (trace_requests, 10,000 by default; turned-away ones
+    too): arrivals, prompt and output lengths, tenants, and chained ids of 512-token prompt blocks
+    (keyed hashes numbered from 0; never tokens or text). Replay the file to choose a block size,
+    an eviction policy or tier sizes for this traffic.
 
     Example: kvctl trace save /tmp/today.jsonl && kvctl bench replay /tmp/today.jsonl
     """
     from kvctl.daemon.replay.trace import parse_request, write_trace
 
-    from .client import Client
-
     if last is not None and last < 1:
         raise UserError(f"last: must be >= 1, got {last}")
     refuse_clobber(out, "out", is_trace, "a trace")
-    options = ctx.find_root().obj or {}
-    answer = Client(options.get("socket"), options.get("url"), options.get("token_file")).get("/admin/trace",
-                                                                                             last=last)
+    answer = ops._client(ctx).get("/admin/trace", last=last)
     if not answer["requests"]:
         raise UserError("trace: kvd has finished no request since it started; nothing to save")
     trace = [parse_request(line, f"kvd's trace line {i + 1}") for i, line in enumerate(answer["requests"])]

@@ -354,22 +354,22 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.post("/tokenize")
     def tokenize_endpoint(body: TokenizeRequest, _: Principal = Depends(principal)):
         """A prompt's or a chat's token ids (a chat rendered as /v1/chat/completions renders it)."""
-        served(body.model, service.require_ready())
-        try:
-            return tokenize(service, body)
-        except MessagesError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from None
-        except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param=_param_of(str(exc)), code="chat_template_refused") from None
+        return with_tokenizer(tokenize, body)
 
     @app.post("/detokenize")
     def detokenize_endpoint(body: DetokenizeRequest, _: Principal = Depends(principal)):
         """The text of token ids."""
+        return with_tokenizer(detokenize, body)
+
+    def with_tokenizer(work, body):
+        """`work(service, body)` for the model `body` names; a bad message or id is a 400 naming it."""
         served(body.model, service.require_ready())
         try:
-            return detokenize(service, body)
+            return work(service, body)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param=_param_of(str(exc)), code="chat_template_refused") from None
 
     def sampling(body, max_tokens: int, api: str, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The request's sampling fields (checked by the engine, which names a bad one)."""
