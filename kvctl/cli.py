@@ -135,7 +135,7 @@ def trace_save(
         raise UserError("trace: kvd has finished no request since it started; nothing to save")
     trace = [parse_request(line, f"kvd's trace line {i + 1}") for i, line in enumerate(answer["requests"])]
     write_trace(out, trace)
-    figures = {"path": str(out), "requests": len(trace), "kept": answer["capacity"], "seen": answer["observed"],
+    figures = {"path": str(out), "requests": len(trace), "capacity": answer["capacity"], "observed": answer["observed"],
                "input_tokens": sum(r.input_length for r in trace),
                "output_tokens": sum(r.output_length for r in trace),
                "seconds": trace[-1].timestamp_ms / 1000.0,
@@ -143,7 +143,7 @@ def trace_save(
     if as_json:
         typer.echo(json.dumps(figures))
         return
-    earlier = figures["seen"] - len(trace)
+    earlier = figures["observed"] - len(trace)
     typer.echo(f"wrote {len(trace):,} requests over {figures['seconds']:,.1f} s to {out} "
                f"({figures['input_tokens']:,} prompt tokens, {len(figures['tenants'])} "
                f"tenant{'s' if len(figures['tenants']) != 1 else ''})"

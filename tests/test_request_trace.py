@@ -110,6 +110,12 @@ def test_kvd_traces_what_it_served_without_a_token_and_kvctl_saves_it_for_replay
     assert [(r.input_length, r.output_length, r.hash_ids, r.tenant) for r in saved] == [
         (703, 3, (0, 1), None), (702, 2, (0, 2), None), (40, 1, (3,), None), (900, 0, (4, 5), None)]
     assert saved[0].timestamp_ms == 0 and saved[0].timestamp_ms <= saved[1].timestamp_ms <= saved[2].timestamp_ms
+    status, printed, _ = cli(capsys, "trace", "save", str(out), "--last", "2", "--json")
+    figures = json.loads(printed)
+    assert status == 0 and figures["requests"] == 2 and figures["capacity"] == 10_000
+    assert figures["observed"] >= 4 and (figures["input_tokens"], figures["output_tokens"]) == (940, 1)
+    assert figures["tenants"] == ["default"] and len(read_trace(out)) == 2
+    assert cli(capsys, "trace", "save", str(out), "--last", "4")[0] == 0  # the four again, for the replay
     status, printed, _ = cli(capsys, "bench", "replay", str(out), "--block-sizes", "16", "--json")
     assert status == 0 and json.loads(printed)  # the saved file is a trace the replay reads
 
