@@ -42,6 +42,7 @@ from urllib.parse import quote
 
 import httpx
 from fastapi import Depends, FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -73,9 +74,6 @@ WELCOME_TIMEOUT_S = 600.0  # how long a replica that joined may take to answer r
 FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 VIEWS = ("ask", "events")
-SERVED = ("/v1/completions, /v1/chat/completions, /v1/models, /admin/status, /admin/evict, /admin/pins, /admin/prefixes, "
-          "/admin/requests, /admin/cancel, /admin/tenants, /admin/tiers, /router/status, /router/sync-pins, "
-          "/router/route, /router/drain, /metrics, /healthz and /readyz")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 # a forward's failures before any byte of an answer came, where the connection itself ended
 CLOSED_BEFORE_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
@@ -536,8 +534,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code != 404:
             return error(exc.status_code, str(exc.detail), "invalid_request")
-        return error(404, f"kvd router does not serve {request.url.path}: it serves {SERVED}; ask a replica for "
-                          "the rest (kvctl --socket REPLICA_SOCKET ...)", "not_found")
+        served = list(dict.fromkeys(r.path for r in app.routes if isinstance(r, APIRoute)))  # as registered
+        return error(404, f"kvd router does not serve {request.url.path}: it serves {', '.join(served[:-1])} and "
+                          f"{served[-1]}; ask a replica for the rest (kvctl --socket REPLICA_SOCKET ...)", "not_found")
 
     async def caller(request: Request) -> Caller:
         if front == "unix":
