@@ -144,7 +144,9 @@ def trace_save(
         typer.echo(json.dumps(figures))
         return
     earlier = figures["observed"] - len(trace)
-    typer.echo(f"wrote {len(trace):,} requests over {figures['seconds']:,.1f} s to {out} "
+    from .tables import seconds
+
+    typer.echo(f"wrote {len(trace):,} requests over {seconds(figures['seconds'])} to {out} "
                f"({figures['input_tokens']:,} prompt tokens, {len(figures['tenants'])} "
                f"tenant{'s' if len(figures['tenants']) != 1 else ''})"
                + (f"; {earlier:,} earlier requests are not in it" if earlier > 0 else ""))

@@ -10,6 +10,7 @@ import pytest
 
 from kvctl.daemon.replay.trace import read_trace
 from kvctl.daemon.server.request_trace import RequestTrace, chained_block_ids
+from kvctl.tables import seconds
 
 from .test_cli import cli
 
@@ -105,7 +106,8 @@ def test_kvd_traces_what_it_served_without_a_token_and_kvctl_saves_it_for_replay
                                                                                    if v is not None}).json())
     out = tmp_path / "today.jsonl"
     status, printed, _ = cli(capsys, "trace", "save", str(out), "--last", "4")
-    assert status == 0 and printed.startswith("wrote 4 requests over ") and "1 tenant)" in printed
+    span = seconds(read_trace(out)[-1].timestamp_ms / 1000)  # "12.3 ms", "1.50 s": where it took seconds
+    assert status == 0 and printed.startswith(f"wrote 4 requests over {span} to ") and "1 tenant)" in printed
     saved = read_trace(out)
     assert [(r.input_length, r.output_length, r.hash_ids, r.tenant) for r in saved] == [
         (703, 3, (0, 1), None), (702, 2, (0, 2), None), (40, 1, (3,), None), (900, 0, (4, 5), None)]
