@@ -27,6 +27,7 @@ from .rollout_cmd import rollout_app
 from .errors import UserError
 from .help_text import reflow_help
 from .outputs import is_trace, refuse_clobber
+from .tables import seconds
 
 app = typer.Typer(help="Operate the KV cache of LLM serving: inspect, steer, replay, benchmark.",
                   no_args_is_help=True, add_completion=False,
@@ -144,8 +145,6 @@ def trace_save(
         typer.echo(json.dumps(figures))
         return
     earlier = figures["observed"] - len(trace)
-    from .tables import seconds
-
     typer.echo(f"wrote {len(trace):,} requests over {seconds(figures['seconds'])} to {out} "
                f"({figures['input_tokens']:,} prompt tokens, {len(figures['tenants'])} "
                f"tenant{'s' if len(figures['tenants']) != 1 else ''})"

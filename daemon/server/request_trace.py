@@ -23,8 +23,6 @@ from typing import Sequence
 
 from kvctl.daemon.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
-CAPACITY = 10_000  # finished requests kept, newest last; at 64 bits a block, a 40k-token prompt holds 640 bytes
-
 
 def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int]) -> tuple[int, ...]:
     """One 64-bit id per 512-token block of `prompt` (the last covers the remainder), each an
@@ -40,9 +38,10 @@ def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int]) -> tuple[i
 
 
 class RequestTrace:
-    """A bounded record of finished requests; `observe` is an EngineService.on_finished observer."""
+    """A bounded record of the last `capacity` finished requests (kvd's `trace_requests`; at 64 bits
+    a block, a 40k-token prompt holds 640 bytes); `observe` is an EngineService.on_finished observer."""
 
-    def __init__(self, capacity: int = CAPACITY, key: bytes | None = None) -> None:
+    def __init__(self, capacity: int, key: bytes | None = None) -> None:
         self.capacity = capacity
         self._key = key if key is not None else os.urandom(32)
         self._held: deque[tuple[float, int, int, tuple[int, ...], str]] = deque(maxlen=capacity)
