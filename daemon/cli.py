@@ -143,6 +143,9 @@ def serve(
     pin_budget_blocks: Optional[int] = typer.Option(None, help="Blocks each tenant may pin (default: no budget)."),
     trace_requests: Optional[int] = typer.Option(
         None, help="Finished requests kept as trace lines for `kvctl trace save` (default 10000; 0: none)."),
+    trace_key_file: Optional[str] = typer.Option(
+        None, help="A secret file (32 bytes or more) keying the trace's block ids; give a fleet's replicas one, "
+                   "and kvd router saves the fleet's trace (default: a key drawn at start)."),
     shutdown_timeout: Optional[float] = typer.Option(
         None, help="Seconds in-flight requests get to finish on SIGTERM before they are cancelled (default 30)."),
     model_name: Optional[str] = typer.Option(
@@ -177,7 +180,7 @@ def serve(
                    remote_compress=remote_compress, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
                    prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
                    max_tenant_metric_series=max_tenant_metric_series, pin_budget_blocks=pin_budget_blocks,
-                   trace_requests=trace_requests,
+                   trace_requests=trace_requests, trace_key_file=trace_key_file,
                    shutdown_timeout=shutdown_timeout, model_name=model_name, remote_cache_bytes=remote_cache_bytes,
                    remote_timeout=remote_timeout)
     try:

@@ -189,6 +189,10 @@ class KvdConfig:
     max_tenant_metric_series: int = 100
     # finished requests kept as trace lines for `kvctl trace save` (daemon/server/request_trace.py); 0: none
     trace_requests: int = 10_000
+    # a file holding the secret that keys the trace's block ids (at least 32 bytes); the replicas of
+    # a fleet given one file trace equal prompts alike, so kvd router can save the fleet's trace.
+    # None: a key kvd draws at start
+    trace_key_file: str | None = None
     # where each setting came from ("--max-queue", "KVD_MAX_QUEUE", the YAML file's path); absent: the default
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 

@@ -124,6 +124,10 @@ def trace_save(
     (keyed hashes numbered from 0; never tokens or text). Replay the file to choose a block size,
     an eviction policy or tier sizes for this traffic.
 
+    At kvd router, the fleet's trace: every replica's requests in arrival order, for `kvctl bench
+    replay --replicas N` to compare routing policies. The replicas must share one trace_key_file,
+    so that one prompt has one id on all of them. Exit status 3 when a replica was left out.
+
     Example: kvctl trace save /tmp/today.jsonl && kvctl bench replay /tmp/today.jsonl
     """
     from kvctl.daemon.replay.trace import parse_request, write_trace
@@ -141,14 +145,25 @@ def trace_save(
                "output_tokens": sum(r.output_length for r in trace),
                "seconds": trace[-1].timestamp_ms / 1000.0,
                "tenants": sorted({r.tenant or "default" for r in trace})}
+    fleet = answer.get("replicas")  # at kvd router: the replicas whose requests it holds
+    if fleet is not None:
+        figures["replicas"] = [row["replica"] for row in fleet if row["status"] == 200]
+        figures["result"] = answer["result"]
+        if answer.get("message"):
+            figures["message"] = answer["message"]
     if as_json:
         typer.echo(json.dumps(figures))
-        return
-    earlier = figures["observed"] - len(trace)
-    typer.echo(f"wrote {len(trace):,} requests over {seconds(figures['seconds'])} to {out} "
-               f"({figures['input_tokens']:,} prompt tokens, {len(figures['tenants'])} "
-               f"tenant{'s' if len(figures['tenants']) != 1 else ''})"
-               + (f"; {earlier:,} earlier requests are not in it" if earlier > 0 else ""))
+    else:
+        earlier = figures["observed"] - len(trace)
+        typer.echo(f"wrote {len(trace):,} requests over {seconds(figures['seconds'])} to {out} "
+                   f"({figures['input_tokens']:,} prompt tokens, {len(figures['tenants'])} "
+                   f"tenant{'s' if len(figures['tenants']) != 1 else ''}"
+                   + (f", {len(figures['replicas'])} replica{'s' if len(figures['replicas']) != 1 else ''}"
+                      if fleet is not None else "") + ")"
+                   + (f"; {earlier:,} earlier requests are not in it" if earlier > 0 else ""))
+        ops._fleet_message(answer)
+    if answer.get("result") == "partial":
+        raise typer.Exit(3)
 
 
 reflow_help(app)  # after every command is registered

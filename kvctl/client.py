@@ -61,6 +61,11 @@ class Client:
             raise KvdUnavailable(f"kvd at {self.where} did not answer in time") from None
         except httpx.TransportError as exc:  # it went away mid-answer (a restart)
             raise KvdUnavailable(f"kvd at {self.where} broke off its answer ({type(exc).__name__})") from None
+        return self.answered(response)
+
+    @staticmethod
+    def answered(response: httpx.Response) -> Any:
+        """The answer's JSON, or the error kvd (or kvd router) named: a 503 as KvdUnavailable."""
         if response.status_code >= 400:
             try:
                 message = response.json()["error"]["message"]

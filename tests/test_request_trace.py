@@ -161,3 +161,72 @@ def test_kvd_refuses_a_bad_trace_requests_by_name(value, message):
     with pytest.raises(ConfigError) as refused:
         resolve({"trace_requests": value}, env={})
     assert "trace_requests" in str(refused.value) and message in str(refused.value)
+
+
+def test_a_trace_key_file_is_read_as_the_token_file_is_and_refused_by_name(tmp_path):
+    from kvctl.daemon.server.request_trace import key_id, load_trace_key
+
+    path = tmp_path / "trace.key"
+    with pytest.raises(ValueError) as refused:
+        load_trace_key(path)
+    assert str(refused.value) == f"trace_key_file: cannot read {str(path)!r} (No such file or directory)"
+    path.write_bytes(b"s" * 31)
+    path.chmod(0o640)  # the service's group may read it
+    with pytest.raises(ValueError) as refused:
+        load_trace_key(path)
+    assert str(refused.value) == (f"trace_key_file: {str(path)!r} holds 31 bytes; a key needs at least 32 "
+                                  f"(e.g. head -c 32 /dev/urandom > {path})")
+    path.write_bytes(b"s" * 32)
+    path.chmod(0o644)
+    with pytest.raises(ValueError) as refused:
+        load_trace_key(path)
+    assert str(refused.value) == (f"trace_key_file: {str(path)!r} is open to every user on the machine "
+                                  f"(mode 0644); restrict it, e.g. chmod 600 {path}")
+    path.chmod(0o600)
+    assert load_trace_key(path) == b"s" * 32
+    assert key_id(b"s" * 32) == key_id(b"s" * 32) != key_id(b"t" * 32) and len(key_id(KEY)) == 16
+
+
+def test_replicas_given_one_key_trace_one_prompt_alike_and_say_so():
+    system = list(range(600))
+    shared = [RequestTrace(capacity=4, key=KEY, shared=True) for _ in range(2)]
+    own = [RequestTrace(capacity=4), RequestTrace(capacity=4)]
+    for trace in shared + own:
+        trace.observe(finished(5.0, system + [1], (3,)))
+        trace.observe(finished(5.5, [2] * 10, (1,), tenant="acme"))
+    reports = [t.report(keyed=True, unix_time=lambda reading: 1_700_000_000.0 + reading) for t in shared + own]
+    assert [(r["key"], r["key_id"]) for r in reports[:2]] == [("shared", shared[0].key_id)] * 2
+    assert [r["key"] for r in reports[2:]] == ["own", "own"] and reports[2]["key_id"] != reports[3]["key_id"]
+    ids = [f"{i:016x}" for i in chained_block_ids(KEY, "default", system + [1])]
+    assert reports[0]["requests"] == reports[1]["requests"] == [
+        {"arrival": 1_700_000_005.0, "input_length": 601, "output_length": 3, "keyed_ids": ids, "tenant": "default"},
+        {"arrival": 1_700_000_005.5, "input_length": 10, "output_length": 1,
+         "keyed_ids": [f"{chained_block_ids(KEY, 'acme', [2] * 10)[0]:016x}"], "tenant": "acme"}]
+    assert reports[2]["requests"][0]["keyed_ids"] != ids  # a key drawn at start: ids of its own
+    assert reports[0]["started_at"] == 1_700_000_005.0
+    plain = shared[0].report(default_tenant="default")  # what `kvctl trace save` at a replica reads
+    assert plain["started_at"] is None and plain["key"] == "shared" and plain["requests"][0]["hash_ids"] == [0, 1]
+    assert RequestTrace(capacity=4, shared=True).report()["key"] == "own"  # no key given: none shared
+
+
+def test_kvd_refuses_to_start_on_a_bad_trace_key_file_and_a_reload_leaves_it_for_a_restart(daemon, tmp_path):
+    from dataclasses import replace
+
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.service import EngineService
+
+    path = tmp_path / "trace.key"
+    path.write_bytes(b"k" * 8)
+    path.chmod(0o600)
+    config = resolve({"state_dir": str(tmp_path), "trace_key_file": str(path)}, env={})
+    assert config.sources["trace_key_file"] == "--trace-key-file"
+    with pytest.raises(ValueError, match=r"^trace_key_file: .* holds 8 bytes; a key needs at least 32"):
+        EngineService(config, store=None)
+    service, _ = daemon
+    before = service.config
+    try:
+        answer = service.reload(replace(service.config, trace_key_file=str(path)), actor="test")
+        assert answer["changed"] == {} and answer["needs_restart"] == ["trace_key_file"]
+        assert service.trace.shared is False and service.config.trace_key_file is None
+    finally:
+        service.reload(before, actor="test")

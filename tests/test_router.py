@@ -267,12 +267,13 @@ def test_tokenize_at_the_router_passes_over_a_replica_that_cannot_serve(replicas
     assert none.status_code == 503 and none.json()["error"]["message"] == f"no replica answered: replica-0: 503: {UNLOADED}"
 
 
-def test_the_router_sends_an_operator_to_each_replica_s_trace(replicas):
+def test_the_router_merges_no_trace_of_replicas_that_draw_their_own_keys(replicas):
+    """Replicas with no trace_key_file (tests/test_fleet_trace.py: with one)."""
     service, app = router_app(replicas, "round_robin")
     [answer] = drive(app, [lambda c: c.get("/admin/trace")])
-    assert answer.status_code == 400 and answer.json()["error"]["message"] == (
-        "trace: kvd router keeps no trace of its own; save each replica's (kvctl --socket REPLICA trace save "
-        "FILE): their block ids are numbered apart")
+    assert answer.status_code == 409 and answer.json()["error"]["message"].startswith(
+        "trace: the replicas key their block ids apart (replica-0: its own key, drawn at start; replica-1: its own "
+        "key, drawn at start)")
 
 
 def test_a_narrow_terminal_wraps_the_fleet_s_views_and_headers_but_cuts_no_figure_or_name():

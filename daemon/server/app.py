@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -591,11 +591,13 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return inflight.list_requests(service, tenant)
 
     @app.get("/admin/trace")
-    def request_trace(last: int | None = Query(None, ge=1), _: Principal = Depends(admin)):
+    def request_trace(last: int | None = Query(None, ge=1), ids: Literal["numbered", "keyed"] = "numbered",
+                      _: Principal = Depends(admin)):
         """The last finished requests (`last` of them, else every one kept) as a Mooncake trace:
         arrivals, prompt and output lengths, tenants, and chained ids of 512-token prompt blocks
-        (HMACs under a key kvd never shows, numbered from 0); never tokens or text."""
-        return service.trace.report(last, default_tenant="default")
+        (HMACs under a key kvd never shows, numbered from 0); never tokens or text. `ids=keyed`:
+        the ids as keyed and Unix arrivals, for kvd router to merge replicas' traces."""
+        return service.trace_report(last, keyed=ids == "keyed")
 
     @app.post("/admin/cancel")
     def cancel(body: CancelRequest, who: Principal = Depends(admin)):

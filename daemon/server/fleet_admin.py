@@ -56,7 +56,7 @@ def combine(names: Sequence[str], answers: Sequence[Answer], merge: Callable[[li
     out = {**merge(done), "result": "partial" if partial else "ok", "replicas": rows}
     messages = [f"{r['replica']}: {r['message']}" for r in rows if r["status"] == 200 and r.get("message")]
     messages += [f"{r['replica']}: not reached ({r['error']})" for r in unreached]
-    messages += [f"{r['replica']}: refused ({r['status']}: {_said(r)})" for r in failed]
+    messages += [f"{r['replica']}: refused ({r['status']}: {error_said(r)})" for r in failed]
     if messages:
         out["message"] = "; ".join(messages)
     return 200, out
@@ -74,7 +74,8 @@ def none_did(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict
         "param": None, "code": "no_replica"}}
 
 
-def _said(row: dict) -> str:
+def error_said(row: dict) -> str:
+    """What a replica's error said: its message, or the error as it came."""
     error = row.get("error")
     return error.get("message", "") if isinstance(error, dict) else str(error)
 
@@ -138,7 +139,7 @@ def merge_prefix_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
             listed.append({"replica": name, "status": status, "total": body.get("total", len(body["prefixes"]))})
         else:
             listed.append({"replica": name, "status": status,
-                           "error": _said({"error": body.get("error")}) if status is not None else body.get("error")})
+                           "error": error_said({"error": body.get("error")}) if status is not None else body.get("error")})
     if not any(r["status"] == 200 for r in listed):
         return none_did(names, answers)
     out = {"prefixes": rows, "total": sum(r.get("total", 0) for r in listed), "replicas": listed,

@@ -6,10 +6,14 @@ gives it the operator's own traffic instead of a synthetic one. kvd keeps the la
 as its arrival, prompt and output lengths, tenant, and one id per 512-token prompt block,
 chained as the format asks (equal ids: the same tokens after the same context).
 
-Never the tokens: a block's id is an HMAC-SHA256 chain under a key drawn when kvd starts and
-never shown, cut to 64 bits; a saved trace numbers them again 0, 1, 2, ... in order of first
-appearance. So a trace cannot be tested against a guessed prompt, and two kvd processes'
-traces do not share ids. Tenants start their chains apart, as their cache blocks are.
+Never the tokens: a block's id is an HMAC-SHA256 chain under a key, cut to 64 bits; a saved
+trace numbers them again 0, 1, 2, ... in order of first appearance. So a trace cannot be tested
+against a guessed prompt. Tenants start their chains apart, as their cache blocks are.
+
+The key is drawn when kvd starts and never shown, so two kvd processes' ids never meet, unless
+the operator gives the replicas of a fleet one `trace_key_file`: then equal prompts get equal ids
+on every replica, and kvd router merges the replicas' traces into the fleet's
+(daemon/server/fleet_trace.py), for `kvctl bench replay --replicas N --routing ...`.
 """
 
 from __future__ import annotations
@@ -19,9 +23,53 @@ import os
 import threading
 from array import array
 from collections import deque
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Sequence
 
 from kvctl.daemon.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest
+
+
+KEY_BYTES = 32  # the least a trace_key_file holds: `head -c 32 /dev/urandom`
+
+# what kvd holds of a finished request: arrival (a clock reading), prompt tokens, output tokens,
+# keyed block ids, tenant
+Held = tuple[float, int, int, tuple[int, ...], str]
+
+
+def load_trace_key(path: str | Path) -> bytes:
+    """The secret in `trace_key_file` (its bytes as they are): refused, naming the file, when it
+    cannot be read, is open to every user on the machine, or is shorter than KEY_BYTES."""
+    path = Path(path)
+    try:
+        key = path.read_bytes()
+        mode = path.stat().st_mode & 0o777
+    except OSError as exc:
+        raise ValueError(f"trace_key_file: cannot read {str(path)!r} ({exc.strerror})") from None
+    if mode & 0o007:  # as token_file: the service's group may read it, everyone else may not
+        raise ValueError(f"trace_key_file: {str(path)!r} is open to every user on the machine (mode "
+                         f"{mode:04o}); restrict it, e.g. chmod 600 {path}")
+    if len(key) < KEY_BYTES:
+        raise ValueError(f"trace_key_file: {str(path)!r} holds {len(key)} bytes; a key needs at least "
+                         f"{KEY_BYTES} (e.g. head -c {KEY_BYTES} /dev/urandom > {path})")
+    return key
+
+
+def key_id(key: bytes) -> str:
+    """A name for the key that says nothing of it: equal on replicas that share one."""
+    return hmac.digest(key, b"kvd-trace/key-id", "sha256")[:8].hex()
+
+
+def numbered(held: Sequence[Held], default_tenant: str | None = None) -> list[TraceRequest]:
+    """Trace lines for `held` (in arrival order): timestamps in ms from the first arrival, block
+    ids numbered from 0 in order of first appearance. A request of `default_tenant` carries no
+    tenant field, as a single-tenant trace has none."""
+    numbers: dict[int, int] = {}
+    out = []
+    for arrival, prompt, output, ids, tenant in held:
+        renumbered = tuple(numbers.setdefault(i, len(numbers)) for i in ids)
+        out.append(TraceRequest(round((arrival - held[0][0]) * 1000.0, 3), prompt, output, renumbered,
+                                None if tenant == default_tenant else tenant))
+    return out
 
 
 def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int]) -> tuple[int, ...]:
@@ -39,12 +87,15 @@ def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int]) -> tuple[i
 
 class RequestTrace:
     """A bounded record of the last `capacity` finished requests (kvd's `trace_requests`; at 64 bits
-    a block, a 40k-token prompt holds 640 bytes); `observe` is an EngineService.on_finished observer."""
+    a block, a 40k-token prompt holds 640 bytes); `observe` is an EngineService.on_finished observer.
+    `key` None: one drawn here, kvd's own; `shared`: the key came from a trace_key_file."""
 
-    def __init__(self, capacity: int, key: bytes | None = None) -> None:
+    def __init__(self, capacity: int, key: bytes | None = None, *, shared: bool = False) -> None:
         self.capacity = capacity
-        self._key = key if key is not None else os.urandom(32)
-        self._held: deque[tuple[float, int, int, tuple[int, ...], str]] = deque(maxlen=capacity)
+        self._key = key if key is not None else os.urandom(KEY_BYTES)
+        self.shared = shared and key is not None
+        self.key_id = key_id(self._key)
+        self._held: deque[Held] = deque(maxlen=capacity)
         self._lock = threading.Lock()  # observed on the engine's side, read by the API's
         self.observed = 0
 
@@ -63,24 +114,32 @@ class RequestTrace:
             self._held.append(record)
             self.observed += 1
 
-    def requests(self, last: int | None = None, default_tenant: str | None = None) -> list[TraceRequest]:
-        """The held requests (the `last` to arrive, if given) in arrival order, timestamps in ms
-        from the first, block ids numbered from 0 in order of first appearance. A request of
-        `default_tenant` carries no tenant field, as a single-tenant trace has none."""
+    def held(self, last: int | None = None) -> list[Held]:
+        """The held requests (the `last` to arrive, if given) in arrival order."""
         with self._lock:
             held = sorted(self._held, key=lambda r: r[0])
-        if last is not None:
-            held = held[len(held) - last:] if last < len(held) else held
-        numbers: dict[int, int] = {}
-        out = []
-        for arrival, prompt, output, ids, tenant in held:
-            renumbered = tuple(numbers.setdefault(i, len(numbers)) for i in ids)
-            out.append(TraceRequest(round((arrival - held[0][0]) * 1000.0, 3), prompt, output, renumbered,
-                                    None if tenant == default_tenant else tenant))
-        return out
+        return held[len(held) - last:] if last is not None and last < len(held) else held
 
-    def report(self, last: int | None = None, default_tenant: str | None = None) -> dict:
-        """`GET /admin/trace`: the trace's lines as objects, and what kvd keeps."""
-        lines = self.requests(last, default_tenant)
-        return {"capacity": self.capacity, "observed": self.observed, "block_tokens": TRACE_BLOCK_TOKENS,
-                "requests": [r.to_object() for r in lines]}
+    def requests(self, last: int | None = None, default_tenant: str | None = None) -> list[TraceRequest]:
+        """The held requests (the `last` to arrive, if given) as trace lines (`numbered`)."""
+        return numbered(self.held(last), default_tenant)
+
+    def report(self, last: int | None = None, default_tenant: str | None = None, *, keyed: bool = False,
+               unix_time: Callable[[float], float] | None = None) -> dict:
+        """`GET /admin/trace`: the trace's lines as objects, what kvd keeps, and its key: `shared`
+        (a trace_key_file) or `own`, and `key_id`, equal where the key is. `unix_time` reads an
+        arrival as Unix time (`started_at`: the first line's). `keyed` (for kvd router, which
+        merges replicas' traces): each line's Unix `arrival`, its tenant, and its block ids as keyed
+        (16 hex digits each) rather than numbered."""
+        held = self.held(last)
+        body = {"capacity": self.capacity, "observed": self.observed, "block_tokens": TRACE_BLOCK_TOKENS,
+                "key": "shared" if self.shared else "own", "key_id": self.key_id,
+                "started_at": unix_time(held[0][0]) if held and unix_time is not None else None}
+        if not keyed:
+            return {**body, "requests": [r.to_object() for r in numbered(held, default_tenant)]}
+        if unix_time is None:
+            raise ValueError("keyed: needs unix_time, for arrivals other hosts can read")
+        return {**body, "requests": [
+            {"arrival": unix_time(arrival), "input_length": prompt, "output_length": output,
+             "keyed_ids": [f"{i:016x}" for i in ids], "tenant": tenant}
+            for arrival, prompt, output, ids, tenant in held]}

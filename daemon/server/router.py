@@ -61,6 +61,7 @@ from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merg
                           merge_prefix_lists, merge_request_lists, merge_tenant_lists, merge_tier_reports,
                           merge_unpins)
 from .fleet_pins import sync_pins
+from .fleet_trace import merge_traces, trace_query
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
@@ -671,11 +672,17 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         return await merged_listing("/admin/pins", http, merge_pin_lists)
 
     @app.get("/admin/trace")
-    def no_fleet_trace(_: Caller = Depends(admin)):
-        """Each replica keeps its own trace, its block ids keyed and numbered apart from the others'."""
-        return error(400, "trace: kvd router keeps no trace of its own; save each replica's "
-                          "(kvctl --socket REPLICA trace save FILE): their block ids are numbered apart",
-                     "no_fleet_trace")
+    async def fleet_trace(http: Request, _: Caller = Depends(admin)):
+        """The replicas' traces as one, in arrival order (daemon/server/fleet_trace.py); refused
+        when the replicas key their block ids apart."""
+        raw = http.query_params.get("last")
+        if raw is not None and not (raw.isdigit() and int(raw) >= 1):
+            return error(400, f"last: must be a whole number >= 1, got {raw!r}", "invalid_request")
+        last = None if raw is None else int(raw)
+        replicas = service.replicas
+        answers = await fan_out(replicas, "GET", trace_query(last), None, FLEET_ADMIN_TIMEOUT_S)
+        status, body = merge_traces([r.name for r in replicas], answers, last)
+        return JSONResponse(body, status_code=status)
 
     @app.post("/router/sync-pins")
     async def sync_pins_everywhere(_: Caller = Depends(admin)):

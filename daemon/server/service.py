@@ -35,7 +35,7 @@ from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tiering import restore_seconds
 
-from .request_trace import RequestTrace
+from .request_trace import RequestTrace, load_trace_key
 from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
 from .notify import Notifier
 from .tenant_labels import TenantLabels
@@ -121,7 +121,8 @@ class EngineService:
         self._share_cpus = False  # set by start(confine_threads=True)
         self.pin_warmer: threading.Thread | None = None  # brings pinned prefixes back from lower tiers at start
         self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
-        self.trace = RequestTrace(config.trace_requests)  # the last finished requests (`kvctl trace save`)
+        trace_key = load_trace_key(config.trace_key_file) if config.trace_key_file else None  # else kvd's own
+        self.trace = RequestTrace(config.trace_requests, trace_key, shared=trace_key is not None)  # `kvctl trace save`
         self.on_finished(self.trace.observe)
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
@@ -399,7 +400,7 @@ class EngineService:
 
     # what the running process is bound to: its sockets, its store, its auth front, its metric families
     BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",
-                      "max_tenant_metric_series")
+                      "max_tenant_metric_series", "trace_key_file")
 
     def _load_again(self, new: KvdConfig, actor: str) -> dict:
         """kvd could not serve: its model, cache or tiers did not load (a quantised cache with no
@@ -976,6 +977,12 @@ class EngineService:
         """A reading of the engine's clock (monotonic, `now` being its current one) as Unix time:
         what the API hands out, so scripts and other hosts can read it."""
         return None if reading is None else time.time() - (now - reading)
+
+    def trace_report(self, last: int | None = None, keyed: bool = False) -> dict:
+        """`GET /admin/trace` (request_trace.RequestTrace.report), arrivals read as Unix time."""
+        now = self.engine.clock() if self.engine is not None else time.monotonic()
+        return self.trace.report(last, default_tenant="default", keyed=keyed,
+                                 unix_time=lambda reading: self._unix_time(reading, now))
 
     # ---- pins --------------------------------------------------------------------------------
     def pin(self, token_ids: list[int], principal: Principal, ttl: float | None, note: str) -> dict:

@@ -1,0 +1,82 @@
+"""The fleet's trace at `kvd router` (`kvctl trace save` there): the replicas' traces as one.
+
+Each replica keeps its own trace (daemon/server/request_trace.py). The router asks every one for
+its lines with the block ids as keyed (`ids=keyed`) and Unix arrivals, puts them in arrival order,
+keeps the `last` few, and numbers the ids from 0 as a replica does. A prompt served on two replicas
+has one id on both only where they key their ids alike: every replica given one `trace_key_file`.
+Replicas that draw their own keys would make a fleet that shares nothing, and a replay that
+compares routing policies on it would be wrong; so the router refuses to merge them and says how
+to give them one key. The merged trace replays with `kvctl bench replay --replicas N`.
+
+A replica that does not answer is left out and named (`result: partial`). Arrivals come from the
+replicas' own clocks: hosts whose clocks disagree by some milliseconds move their requests by as
+much. A request the router retried on a second replica after the first failed is in both traces.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvctl.daemon.replay.trace import TRACE_BLOCK_TOKENS
+
+from .fleet_admin import Answer, error_said, none_did
+from .request_trace import Held, numbered
+
+
+def trace_query(last: int | None) -> str:
+    """What the router asks each replica for: its last `last` lines (every one kept: None), keyed."""
+    return "/admin/trace?ids=keyed" + (f"&last={last}" if last is not None else "")
+
+
+def _refusal(message: str) -> tuple[int, dict]:
+    return 409, {"error": {"message": message, "type": "router_error", "param": None, "code": "trace_keys_differ"}}
+
+
+def _apart(traced: Sequence[tuple[str, dict]]) -> str | None:
+    """Why the answering replicas' traces cannot be one (None: they can)."""
+    unkeyed = [name for name, body in traced if "key_id" not in body]
+    if unkeyed:
+        return (f"trace: {', '.join(unkeyed)} gave no keyed block ids (a kvd older than this router?); "
+                f"upgrade it, or save each replica's trace (kvctl --socket REPLICA trace save FILE)")
+    if len(traced) < 2 or (all(body["key"] == "shared" for _, body in traced)
+                           and len({body["key_id"] for _, body in traced}) == 1):
+        return None
+    keys = "; ".join(f"{name}: {'its own key, drawn at start' if body['key'] != 'shared' else 'key ' + body['key_id']}"
+                     for name, body in traced)
+    return (f"trace: the replicas key their block ids apart ({keys}), so one prompt on two of them would "
+            f"look like two; give every replica the same trace_key_file (e.g. head -c 32 /dev/urandom > "
+            f"/etc/kvd/trace.key; chmod 600; restart them) to save the fleet's trace, or save each "
+            f"replica's (kvctl --socket REPLICA trace save FILE)")
+
+
+def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | None) -> tuple[int, dict]:
+    """(HTTP status, body) of the fleet's trace: `GET /admin/trace`'s body as a replica's, over
+    every replica that answered (`replicas`: each one's status and lines), `result` partial and a
+    `message` naming those that did not."""
+    traced = [(name, body) for name, (status, body) in zip(names, answers) if status == 200]
+    if not traced:
+        return none_did(names, answers)
+    why = _apart(traced)
+    if why is not None:
+        return _refusal(why)
+    held: list[Held] = sorted(
+        ((line["arrival"], line["input_length"], line["output_length"],
+          tuple(int(i, 16) for i in line["keyed_ids"]), line["tenant"])
+         for _, body in traced for line in body["requests"]), key=lambda line: line[0])
+    if last is not None:
+        held = held[-last:]
+    lines = numbered(held, default_tenant="default")
+    rows = [{"replica": name, "status": status,
+             **({"requests": len(body["requests"]), "key": body["key"]} if status == 200 else {"error": body.get("error")})}
+            for name, (status, body) in zip(names, answers)]
+    out = {"capacity": sum(body["capacity"] for _, body in traced),
+           "observed": sum(body["observed"] for _, body in traced), "block_tokens": TRACE_BLOCK_TOKENS,
+           "key": traced[0][1]["key"], "key_id": traced[0][1]["key_id"],
+           "started_at": held[0][0] if held else None, "requests": [line.to_object() for line in lines],
+           "replicas": rows, "result": "ok" if len(traced) == len(names) else "partial"}
+    missing = [f"{row['replica']} ({'not reached' if row['status'] is None else row['status']}: "
+               f"{error_said(row)})" for row in rows if row["status"] != 200]
+    if missing:
+        out["message"] = "not in the trace: " + "; ".join(missing)
+    return 200, out
+

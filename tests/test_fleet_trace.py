@@ -1,0 +1,146 @@
+"""The fleet's trace at kvd router (`kvctl trace save` there): the replicas' traces merged in
+arrival order, one prompt one id on every replica given one trace_key_file; refused, with the
+way out, where replicas key their ids apart; a replica left out is named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvctl.daemon.replay.trace import read_trace
+from kvctl.daemon.server.fleet_trace import merge_traces, trace_query
+
+from .test_cli import cli
+
+SYSTEM = ["00000000000000aa", "00000000000000bb"]  # a 1,024-token system prompt's keyed ids
+
+
+def keyed(arrival, ids, output=2, tenant="default", prompt=None):
+    return {"arrival": arrival, "input_length": prompt or 512 * len(ids), "output_length": output,
+            "keyed_ids": ids, "tenant": tenant}
+
+
+def replica(*lines, key="shared", key_id="feedfacefeedface", capacity=100, observed=None):
+    return 200, {"capacity": capacity, "observed": len(lines) if observed is None else observed, "block_tokens": 512,
+                 "key": key, "key_id": key_id, "started_at": lines[0]["arrival"] if lines else None,
+                 "requests": list(lines)}
+
+
+def test_the_router_asks_each_replica_for_keyed_ids():
+    assert trace_query(None) == "/admin/trace?ids=keyed"
+    assert trace_query(40) == "/admin/trace?ids=keyed&last=40"
+
+
+def test_replicas_traces_merge_in_arrival_order_one_prompt_one_id_on_every_replica():
+    a = replica(keyed(100.0, SYSTEM + ["0000000000000001"]), keyed(100.9, ["00000000000000cc"], tenant="acme"))
+    b = replica(keyed(100.4, SYSTEM + ["0000000000000002"], output=7), keyed(101.5, SYSTEM), observed=9)
+    status, body = merge_traces(["r0", "r1"], [a, b], last=None)
+    assert status == 200 and body["result"] == "ok" and "message" not in body
+    assert body["requests"] == [
+        {"timestamp": 0.0, "input_length": 1536, "output_length": 2, "hash_ids": [0, 1, 2]},
+        {"timestamp": 400.0, "input_length": 1536, "output_length": 7, "hash_ids": [0, 1, 3]},
+        {"timestamp": 900.0, "input_length": 512, "output_length": 2, "hash_ids": [4], "tenant": "acme"},
+        {"timestamp": 1500.0, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]}]
+    assert (body["capacity"], body["observed"], body["started_at"]) == (200, 11, 100.0)
+    assert (body["key"], body["key_id"], body["block_tokens"]) == ("shared", "feedfacefeedface", 512)
+    assert body["replicas"] == [{"replica": "r0", "status": 200, "requests": 2, "key": "shared"},
+                                {"replica": "r1", "status": 200, "requests": 2, "key": "shared"}]
+    status, body = merge_traces(["r0", "r1"], [a, b], last=2)  # the fleet's last two, numbered again
+    assert [(r["timestamp"], r["hash_ids"]) for r in body["requests"]] == [(0.0, [0]), (600.0, [1, 2])]
+
+
+def test_a_replica_left_out_is_named_and_the_trace_is_partial():
+    a = replica(keyed(10.0, SYSTEM))
+    down = (None, {"error": "ConnectError: connection refused"})
+    status, body = merge_traces(["r0", "r1", "r2"], [a, down, (503, {"error": {"message": "loading the model"}})],
+                                last=None)
+    assert status == 200 and body["result"] == "partial" and len(body["requests"]) == 1
+    assert body["message"] == ("not in the trace: r1 (not reached: ConnectError: connection refused); "
+                               "r2 (503: loading the model)")
+    assert [row["status"] for row in body["replicas"]] == [200, None, 503]
+    lone = replica(keyed(10.0, SYSTEM), key="own", key_id="0123456789abcdef")  # the only one: nothing to meet
+    assert merge_traces(["r0", "r1"], [lone, down], last=None)[0] == 200
+    status, body = merge_traces(["r0", "r1"], [down, down], last=None)
+    assert status == 503 and body["error"]["code"] == "no_replica"
+
+
+def test_replicas_that_key_their_ids_apart_are_not_merged_and_the_operator_is_told_how():
+    own = [replica(keyed(1.0, SYSTEM), key="own", key_id=k) for k in ("0123456789abcdef", "fedcba9876543210")]
+    status, body = merge_traces(["r0", "r1"], own, last=None)
+    assert status == 409 and body["error"]["code"] == "trace_keys_differ"
+    assert body["error"]["message"] == (
+        "trace: the replicas key their block ids apart (r0: its own key, drawn at start; r1: its own key, drawn "
+        "at start), so one prompt on two of them would look like two; give every replica the same trace_key_file "
+        "(e.g. head -c 32 /dev/urandom > /etc/kvd/trace.key; chmod 600; restart them) to save the fleet's trace, "
+        "or save each replica's (kvctl --socket REPLICA trace save FILE)")
+    two_files = [replica(keyed(1.0, SYSTEM), key_id="00000000000000a1"), replica(key_id="00000000000000b2")]
+    status, body = merge_traces(["r0", "r1"], two_files, last=None)
+    assert status == 409 and "(r0: key 00000000000000a1; r1: key 00000000000000b2)" in body["error"]["message"]
+    older = (200, {"capacity": 5, "observed": 1, "block_tokens": 512,
+                   "requests": [{"timestamp": 0.0, "input_length": 1, "output_length": 1, "hash_ids": [0]}]})
+    status, body = merge_traces(["r0", "r1"], [replica(keyed(1.0, SYSTEM)), older], last=None)
+    assert status == 409 and body["error"]["message"].startswith(
+        "trace: r1 gave no keyed block ids (a kvd older than this router?)")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """Two real replicas given one trace_key_file, and two more that draw their own keys."""
+    pytest.importorskip("torch")
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import start_service
+
+    key = tmp_path_factory.mktemp("keys") / "trace.key"
+    key.write_bytes(bytes(range(32)))
+    key.chmod(0o600)
+    shared = [start_service(tmp_path_factory.mktemp(f"keyed{i}"), trace_key_file=str(key)) for i in range(2)]
+    own = [start_service(tmp_path_factory.mktemp(f"own{i}")) for i in range(2)]
+    try:
+        yield [create_app(s, s.metrics, front="unix") for s in shared], [create_app(s, s.metrics, front="unix")
+                                                                          for s in own]
+    finally:
+        for service in shared + own:
+            service.shutdown(deadline=5)
+
+
+def test_kvctl_trace_save_at_kvd_router_writes_the_fleet_s_traffic_for_a_routing_replay(fleet, capsys, tmp_path,
+                                                                                       monkeypatch):
+    from kvctl import client
+
+    from .daemon_fixtures import call
+    from .test_router import drive, post, router_app
+
+    shared, own = fleet
+    _, app = router_app(shared, "round_robin")
+    system = [(i * 7) % 250 for i in range(600)]
+    prompts = [system + [1, 2], system + [3], [9] * 30, system + [1, 2]]  # alternating replicas
+    answers = drive(app, [lambda c, p=p: post(c, p) for p in prompts])
+    assert [a.status_code for a in answers] == [200] * 4
+    body = call(app, "GET", "/admin/trace").json()
+    assert body["result"] == "ok" and [row["requests"] for row in body["replicas"]] == [2, 2]
+    assert [(r["input_length"], r["hash_ids"]) for r in body["requests"]] == [
+        (602, [0, 1]), (601, [0, 2]), (30, [3]), (602, [0, 1])]  # the system prompt's id on both replicas
+    assert call(app, "GET", "/admin/trace", params={"last": 1}).json()["requests"][0]["hash_ids"] == [0, 1]
+    refused = call(app, "GET", "/admin/trace", params={"last": "0"})
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == "last: must be a whole number >= 1, got '0'"
+
+    monkeypatch.setattr(client.Client, "get",
+                        lambda self, path, **params: call(app, "GET", path, params={k: v for k, v in params.items()
+                                                                                  if v is not None}).json())
+    out = tmp_path / "fleet.jsonl"
+    status, printed, _ = cli(capsys, "trace", "save", str(out))
+    assert status == 0 and printed.startswith("wrote 4 requests over ") and printed.rstrip().endswith(
+        f"to {out} (1,835 prompt tokens, 1 tenant, 2 replicas)")
+    assert [r.hash_ids for r in read_trace(out)] == [(0, 1), (0, 2), (3,), (0, 1)]
+    status, printed, _ = cli(capsys, "bench", "replay", str(out), "--block-sizes", "16", "--replicas", "2",
+                             "--routing", "round_robin,prefix", "--json")
+    assert status == 0 and json.loads(printed)  # the fleet's trace replays behind the routing policies
+
+    _, apart = router_app(own, "round_robin")
+    monkeypatch.setattr(client.Client, "get",
+                        lambda self, path, **params: client.Client.answered(call(apart, "GET", path)))
+    status, _, err = cli(capsys, "trace", "save", str(tmp_path / "apart.jsonl"))
+    assert status != 0 and "the replicas key their block ids apart" in " ".join(err.split())
+    assert not (tmp_path / "apart.jsonl").exists()
