@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
@@ -11,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from kvctl.daemon.replay.fleet import FleetResult
+from kvctl.daemon.replay.fleet import FleetResult, places_new_prefixes
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
@@ -76,6 +77,10 @@ def replay_command(
                                           "replica that caches more."),
     new_prefix: str = typer.Option("home", help="prefix routing: where a prompt no replica holds goes: home (by "
                                    "a hash of its opening) or least_loaded."),
+    placements: int = typer.Option(1, help="prefix routing, new prefixes home: replay it this many times, each "
+                                   "placing new prefixes by another hash (as replicas named otherwise would), "
+                                   "and show the spread of hit ratios; with few prefixes, where they land "
+                                   "decides much."),
     limit: Optional[int] = typer.Option(None, help="Replay only the first N requests."),
     demo_requests: int = typer.Option(DEMO_REQUESTS, help="Size of the generated demo trace."),
     seed: int = typer.Option(0, help="Seed of the generated demo trace."),
@@ -133,7 +138,8 @@ def replay_command(
 
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
-        validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers)
+        validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers,
+                      placements)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     err = Console(stderr=True)
@@ -147,8 +153,11 @@ def replay_command(
         requests = read_trace(trace, limit)
         trace_name = str(trace)
 
-    fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings,
-                                        "balance_seconds": balance_seconds, "new_prefix": new_prefix}
+    if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
+        raise UserError(f"placements: {placements} needs --replicas and prefix routing with --new-prefix home "
+                        f"(where a hash places new prefixes)")
+    fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings, "balance_seconds": balance_seconds,
+                                        "new_prefix": new_prefix, "placements": placements}
     results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers)
     document = {
         "trace": trace_name,
@@ -190,8 +199,9 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
                        base: ReplaySettings, fleet: dict | None = None, tiers: Sequence[int] = (0,)) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    total = len(requests) * len(sizes) * len(capacities) * len(policies) * (1 if fleet is None else
-                                                                            len(fleet["routing"])) \
+    runs = 1 if fleet is None else sum(fleet["placements"] if places_new_prefixes(r, fleet["new_prefix"]) else 1
+                                       for r in fleet["routing"])
+    total = len(requests) * len(sizes) * len(capacities) * len(policies) * runs \
         * (2 if base.tenant_shares else 1) * len(tiers)
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
@@ -209,7 +219,7 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
             return sweep(requests, sizes, capacities, policies, base, progress=tick, tier_tokens=tiers)
         return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
                            fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"],
-                           tier_tokens=tiers)
+                           tier_tokens=tiers, placements=fleet["placements"])
 
 
 def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list:
@@ -297,4 +307,15 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
     return [table, Text("hit with one unbounded cache for the fleet: " + ", ".join(
         f"block {size} {ratio:.1%}" for size, ratio in ceiling.items())
         + ("; imbal (imbalance)" if tiered else "; imbalance") + " is the busiest replica's requests over the mean"
-        + ("; TTFT p50/p95" if tiered else ""))]
+        + ("; TTFT p50/p95" if tiered else ""))] + [Text(placement_spread(r)) for r in results if r.placements]
+
+
+def placement_spread(result: FleetResult) -> str:
+    """One line on what the placements of new prefixes gave a row (the table shows placement 0)."""
+    hits = sorted(p["hit_ratio"] for p in result.placements)
+    imbalances = sorted(p["imbalance"] for p in result.placements)
+    where = f"block {result.block_size}, {result.capacity_tokens:,} tokens" + (
+        f", tier {result.tier_tokens:,}" if result.tier_tokens else "")
+    return (f"{result.routing} ({result.policy}, {where}) over {len(hits)} placements of new prefixes: hit "
+            f"{hits[0]:.1%} to {hits[-1]:.1%}, median {statistics.median(hits):.1%}; imbalance "
+            f"{imbalances[0]:.2f} to {imbalances[-1]:.2f}")

@@ -173,7 +173,7 @@ def test_replay_of_a_fleet_compares_routing_policies_in_a_table_and_json(capsys)
     assert status == 0
     doc = json.loads(out)
     assert doc["fleet"] == {"replicas": 3, "routing": ["round_robin", "prefix"], "balance_seconds": 2.0,
-                            "new_prefix": "home"}
+                            "new_prefix": "home", "placements": 1}
     assert [(r["routing"], r["replicas"], r["block_size"]) for r in doc["runs"]] == [
         ("round_robin", 3, 64), ("prefix", 3, 64)]
     for r in doc["runs"]:

@@ -143,9 +143,10 @@ def fleet(requests, replicas, routing, block_size=512, capacity_tokens=1024, **k
     keyer = TraceKeyer(block_size)
     keys = [keyer.keys(r) for r in requests]
     balance = kwargs.pop("balance_seconds", None)
+    placement = kwargs.pop("placement", 0)
     settings = ReplaySettings(block_size=block_size, capacity_tokens=capacity_tokens, **kwargs)
     return replay_fleet(settings, replicas, routing, requests, keys, max_hit_blocks(requests, keys, block_size),
-                        audit=True, **({} if balance is None else {"balance_seconds": balance}))
+                        audit=True, placement=placement, **({} if balance is None else {"balance_seconds": balance}))
 
 
 # two system prompts (hash ids 1 and 2), each asked twice in a row, a second apart; each replica
@@ -330,3 +331,75 @@ def test_bad_tier_sizes_are_refused_naming_the_field(tiers, replicas, message):
         validate_grid([256], [4096], ["lru"], ReplaySettings(block_size=256, capacity_tokens=4096, tier_write="sometimes"))
     with pytest.raises(ValueError, match="restore_rate: must be > 0, got 0.0"):
         validate_grid([256], [4096], ["lru"], ReplaySettings(block_size=256, capacity_tokens=4096, restore_rate=0.0))
+
+
+# four system prompts (hash ids 1 to 4), each asked four times, in turn, a second apart
+FOUR_GROUPS = [req(1000 * i, 1024, [1 + i % 4, 100 + i]) for i in range(16)]
+
+
+def test_each_placement_sends_new_prefixes_home_by_a_hash_of_its_own():
+    import hashlib
+
+    from kvctl.daemon.replay.fleet import trace_affinity
+    from kvctl.policies.routing import home_order
+
+    assert trace_affinity(FOUR_GROUPS[0]) == trace_affinity(FOUR_GROUPS[0], 0) == hashlib.sha256(
+        b"kvctl/affinity/trace/v1\0" + b"1").digest()  # placement 0: the replay's placement as before
+    assert trace_affinity(FOUR_GROUPS[0], 1) != trace_affinity(FOUR_GROUPS[0], 2) != trace_affinity(FOUR_GROUPS[0])
+    for placement in range(6):  # with room for all, every prompt stays at its prefix's home
+        homes = [home_order(trace_affinity(r, placement), ["replica-0", "replica-1"])[0] for r in FOUR_GROUPS[:4]]
+        result = fleet(FOUR_GROUPS, 2, "prefix", capacity_tokens=16 * 1024, placement=placement)
+        assert result.requests_per_replica == [4 * homes.count(0), 4 * homes.count(1)]
+        assert result.hit_tokens == 12 * 512
+
+
+def test_a_sweep_replays_prefix_routing_over_placements_and_keeps_each_one_s_figures():
+    from kvctl.daemon.replay.sweep import sweep_fleet
+
+    settings = ReplaySettings(block_size=512, capacity_tokens=2048)
+    [rr, prefix] = sweep_fleet(FOUR_GROUPS, [512], [2048], ["lru"], 2, ["round_robin", "prefix"], settings,
+                               placements=8)
+    assert rr.placements == []  # blind to prefixes: one placement is all there is
+    assert [p["placement"] for p in prefix.placements] == list(range(8))
+    assert (prefix.placements[0]["hit_ratio"], prefix.placements[0]["requests_per_replica"]) == (
+        prefix.hit_ratio, prefix.requests_per_replica)  # the row is placement 0's
+    again = fleet(FOUR_GROUPS, 2, "prefix", capacity_tokens=2048, placement=5)
+    assert (prefix.placements[5]["hit_ratio"], prefix.placements[5]["imbalance"]) == (again.hit_ratio, again.imbalance)
+    by_split = {}
+    for p in prefix.placements:  # two prompts a replica fit its four blocks; three or four do not
+        by_split.setdefault(tuple(sorted(p["requests_per_replica"])), set()).add(p["hit_ratio"])
+    assert (8, 8) in by_split and len(by_split) > 1
+    assert by_split[(8, 8)] == {12 * 512 / (16 * 1024)}  # every request after a prompt's first hits it
+    assert all(max(hits) < 12 * 512 / (16 * 1024) for split, hits in by_split.items() if split != (8, 8))
+    with pytest.raises(ValueError, match="placements: must be an integer >= 1, got 0"):
+        sweep_fleet(FOUR_GROUPS, [512], [2048], ["lru"], 2, ["prefix"], settings, placements=0)
+
+
+def test_kvctl_bench_replay_shows_the_spread_of_placements_and_refuses_them_where_none_differ(tmp_path, capsys):
+    import json
+    import statistics
+
+    from kvctl.daemon.replay.trace import write_trace
+
+    from .test_cli import cli
+
+    path = tmp_path / "four.jsonl"
+    write_trace(path, FOUR_GROUPS)
+    args = ["bench", "replay", str(path), "--block-sizes", "512", "--capacity-tokens", "2048", "--policy", "lru",
+            "--replicas", "2", "--routing", "round_robin,prefix", "--placements", "8"]
+    status, printed, _ = cli(capsys, *args, "--json")
+    document = json.loads(printed)
+    assert status == 0 and document["fleet"]["placements"] == 8
+    prefix = document["runs"][1]
+    hits = sorted(p["hit_ratio"] for p in prefix["placements"])
+    imbalances = sorted(p["imbalance"] for p in prefix["placements"])
+    status, printed, _ = cli(capsys, *args)
+    assert status == 0 and " ".join(printed.split()).endswith(
+        f"prefix (lru, block 512, 2,048 tokens) over 8 placements of new prefixes: hit {hits[0]:.1%} to "
+        f"{hits[-1]:.1%}, median {statistics.median(hits):.1%}; imbalance {imbalances[0]:.2f} to {imbalances[-1]:.2f}")
+    status, _, err = cli(capsys, "bench", "replay", str(path), "--replicas", "2", "--routing", "round_robin",
+                         "--placements", "8")
+    assert status == 2 and " ".join(err.split()) == ("error: placements: 8 needs --replicas and prefix routing with "
+                                                    "--new-prefix home (where a hash places new prefixes)")
+    status, _, err = cli(capsys, "bench", "replay", str(path), "--placements", "0")
+    assert status == 2 and "placements: must be an integer >= 1, got 0" in err

@@ -4,7 +4,11 @@ router (kvctl.policies.routing). Each replica runs the single-replica service mo
 how many of the prompt's leading tokens its cache holds (or will, once the requests queued there
 are computed: what `kvd router --view events` counts) and its predicted wait, and picks one. A
 prompt no replica holds goes home as with a live router (its first block's hash id stands for the
-prompt's opening; the replicas are named replica-0, replica-1, ...).
+prompt's opening; the replicas are named replica-0, replica-1, ...). Where each new prefix goes
+home is one draw of a hash: another `placement` draws again, as a fleet whose replicas were named
+otherwise would. With few prefixes that draw can decide much (two replicas, six system prompts:
+four and two on a replica, or five and one), so `sweep_fleet` can replay `prefix` routing over
+several placements and report their spread.
 
 What it answers: how much of the hit rate a fleet keeps when its traffic is spread (one
 unbounded cache for the whole fleet is the ceiling, `max_hit_ratio`), and what each routing
@@ -58,6 +62,9 @@ class FleetResult:
     tier_tokens: int = 0  # the shared lower tier's size (0: none)
     restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled, fleet-wide
     restored_ratio: float = 0.0
+    # with several placements of new prefixes (prefix routing, new_prefix home): each one's figures,
+    # this result's (placement 0) first
+    placements: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,9 +73,10 @@ class FleetResult:
 def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests: Sequence[TraceRequest],
                  keys: Sequence[list[BlockKey]], max_hits: Sequence[int],
                  progress: Callable[[int], None] | None = None, audit: bool = False,
-                 balance_seconds: float = 2.0, new_prefix: str = "home") -> FleetResult:
-    """Replay `requests` over `replicas` replicas of `settings`, routed by `routing`.
-    `audit=True` reconciles every replica's books at the end (tests turn it on)."""
+                 balance_seconds: float = 2.0, new_prefix: str = "home", placement: int = 0) -> FleetResult:
+    """Replay `requests` over `replicas` replicas of `settings`, routed by `routing`, new prefixes
+    placed by the hash `placement` draws (`trace_affinity`). `audit=True` reconciles every
+    replica's books at the end (tests turn it on)."""
     if settings.sequential:
         raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
     if not isinstance(replicas, int) or replicas < 1:
@@ -90,7 +98,7 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
             run.finish_until(arrival, tick)
             run.advance(arrival)
         facts = [_facts(run, index, name, size) for run, name in zip(runs, names)]
-        affinity = trace_affinity(request) if request.hash_ids else None
+        affinity = trace_affinity(request, placement) if request.hash_ids else None
         runs[router.choose(request.input_length, facts, affinity).replica].arrive(index, arrival, tick)
     for run in runs:
         run.drain(tick)
@@ -113,9 +121,22 @@ def _facts(run: ReplicaRun, index: int, name: str, size: int) -> ReplicaFacts:
                         restore_seconds=restorable / run.settings.restore_rate if restorable else 0.0, name=name)
 
 
-def trace_affinity(request: TraceRequest) -> bytes:
-    """A trace request's `prompt_affinity`: its first block's hash id stands for its opening."""
-    return hashlib.sha256(b"kvctl/affinity/trace/v1\0" + str(request.hash_ids[0]).encode()).digest()
+def trace_affinity(request: TraceRequest, placement: int = 0) -> bytes:
+    """A trace request's `prompt_affinity`: its first block's hash id stands for its opening. Each
+    `placement` gives every opening another affinity, so new prefixes go home elsewhere."""
+    drawn = f"/{placement}".encode() if placement else b""
+    return hashlib.sha256(b"kvctl/affinity/trace/v1" + drawn + b"\0" + str(request.hash_ids[0]).encode()).digest()
+
+
+def places_new_prefixes(routing: str, new_prefix: str) -> bool:
+    """Whether `routing` sends a new prefix home by its hash (where placements differ)."""
+    return routing == "prefix" and new_prefix == "home"
+
+
+def placement_figures(result: FleetResult, placement: int) -> dict:
+    """What one placement of new prefixes gave, for FleetResult.placements."""
+    return {"placement": placement, "hit_ratio": result.hit_ratio, "imbalance": result.imbalance,
+            "ttft_p50_s": result.ttft_p50_s, "requests_per_replica": result.requests_per_replica}
 
 
 def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requests: int, seconds: float) -> FleetResult:

@@ -14,7 +14,7 @@ from kvctl.policies.tiering import WRITE_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.routing import ROUTING_POLICIES, make_router
 
-from .fleet import FleetResult, replay_fleet
+from .fleet import FleetResult, placement_figures, places_new_prefixes, replay_fleet
 from .simulator import ReplayResult, ReplaySettings, max_hit_blocks, replay
 from .trace import TraceKeyer, TraceRequest
 from kvctl.daemon.cache.keys import validate_block_size
@@ -22,10 +22,13 @@ from kvctl.daemon.cache.keys import validate_block_size
 
 def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policies: Sequence[str],
                   base: ReplaySettings, replicas: int = 1, routings: Sequence[str] = (),
-                  balance_seconds: float = 2.0, new_prefix: str = "home", tier_tokens: Sequence[int] = (0,)) -> None:
+                  balance_seconds: float = 2.0, new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
+                  placements: int = 1) -> None:
     """Raise ValueError naming the first bad field and value, before any work starts."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
+    if not isinstance(placements, int) or isinstance(placements, bool) or placements < 1:
+        raise ValueError(f"placements: must be an integer >= 1, got {placements!r}")
     if not tier_tokens:
         raise ValueError("tier_tokens: give at least one size (0: no lower tier)")
     for size in tier_tokens:
@@ -105,16 +108,23 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
                 policies: Sequence[str], replicas: int, routings: Sequence[str], base: ReplaySettings,
                 balance_seconds: float = 2.0, progress: Callable[[int], None] | None = None,
                 on_result: Callable[[FleetResult], None] | None = None,
-                new_prefix: str = "home", tier_tokens: Sequence[int] = (0,)) -> list[FleetResult]:
+                new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
+                placements: int = 1) -> list[FleetResult]:
     """`sweep` for a fleet of `replicas` (each with a cache of each capacity, sharing a lower tier of
-    each `tier_tokens`), once per routing."""
+    each `tier_tokens`), once per routing; a routing that sends new prefixes home by a hash is
+    replayed `placements` times, each placing them anew (FleetResult.placements)."""
     validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix,
-                  tier_tokens)
+                  tier_tokens, placements)
     results: list[FleetResult] = []
     for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens):
         for routing in routings:
-            results.append(replay_fleet(settings, replicas, routing, requests, keys, max_hits, progress,
-                                        balance_seconds=balance_seconds, new_prefix=new_prefix))
+            draws = placements if placements > 1 and places_new_prefixes(routing, new_prefix) else 1
+            runs = [replay_fleet(settings, replicas, routing, requests, keys, max_hits, progress,
+                                 balance_seconds=balance_seconds, new_prefix=new_prefix, placement=placement)
+                    for placement in range(draws)]
+            if draws > 1:
+                runs[0].placements = [placement_figures(run, placement) for placement, run in enumerate(runs)]
+            results.append(runs[0])
             if on_result:
                 on_result(results[-1])
     return results
