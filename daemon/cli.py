@@ -146,6 +146,9 @@ def serve(
     trace_key_file: Optional[str] = typer.Option(
         None, help="A secret file (32 bytes or more) keying the trace's block ids; give a fleet's replicas one, "
                    "and kvd router saves the fleet's trace (default: a key drawn at start)."),
+    trace_block_tokens: Optional[int] = typer.Option(
+        None, help="Prompt tokens per trace block id: 512 (the Mooncake format's, default) or finer (16 to 256), "
+                   "so a replay keeps sharing past a 512-token boundary."),
     shutdown_timeout: Optional[float] = typer.Option(
         None, help="Seconds in-flight requests get to finish on SIGTERM before they are cancelled (default 30)."),
     model_name: Optional[str] = typer.Option(
@@ -181,6 +184,7 @@ def serve(
                    prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
                    max_tenant_metric_series=max_tenant_metric_series, pin_budget_blocks=pin_budget_blocks,
                    trace_requests=trace_requests, trace_key_file=trace_key_file,
+                   trace_block_tokens=trace_block_tokens,
                    shutdown_timeout=shutdown_timeout, model_name=model_name, remote_cache_bytes=remote_cache_bytes,
                    remote_timeout=remote_timeout)
     try:

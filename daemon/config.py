@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tenant_map import parse_tenant_map
@@ -193,6 +194,9 @@ class KvdConfig:
     # a fleet given one file trace equal prompts alike, so kvd router can save the fleet's trace.
     # None: a key kvd draws at start
     trace_key_file: str | None = None
+    # prompt tokens per trace block id: 512 is the Mooncake format's; finer (16 to 256) keeps sharing
+    # past a 512-token boundary for the replay, for more ids a line (daemon/server/request_trace.py)
+    trace_block_tokens: int = 512
     # where each setting came from ("--max-queue", "KVD_MAX_QUEUE", the YAML file's path); absent: the default
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -227,6 +231,7 @@ _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
     "max_batch_tokens": whole_number, "max_running": whole_number, "max_queue": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number, "trace_requests": whole_number,
+    "trace_block_tokens": whole_number,
     "pin_budget_blocks": whole_number, "shutdown_timeout": finite_number,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
     "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
@@ -250,6 +255,8 @@ def _check(name: str, value: Any) -> None:
             and value is not None \
             and value < 0:
         raise ValueError("must be >= 0")
+    if name == "trace_block_tokens" and value not in TRACE_BLOCK_SIZES:
+        raise ValueError(f"must be one of {', '.join(map(str, TRACE_BLOCK_SIZES))}")
     if name == "max_request_bytes" and value < 4096:
         raise ValueError("must be at least 4KiB")
     if name == "shutdown_timeout" and value <= 0:

@@ -90,9 +90,10 @@ def from_trace(path: str, *, time_scale: float = 1.0, limit: int | None = None, 
     out = []
     for request in read_trace(path, limit):
         length = -(-request.input_length * block_tokens // TRACE_BLOCK_TOKENS)
+        per_id = max(1, request.block_tokens * block_tokens // TRACE_BLOCK_TOKENS)  # a finer trace's ids: fewer
         prompt: list[int] = []
         for hash_id in request.hash_ids:
-            prompt += hash_block_tokens(hash_id, block_tokens, vocab)
+            prompt += hash_block_tokens(hash_id, per_id, vocab)
         output = max(1, request.output_length if max_tokens is None else min(request.output_length, max_tokens))
         out.append(BenchRequest(prompt[:length], output, arrival=request.timestamp_ms / 1000.0 * time_scale,
                                 group="trace"))

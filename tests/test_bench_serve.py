@@ -551,3 +551,15 @@ def test_a_daemon_that_stops_during_the_run_leaves_the_client_s_figures_and_says
     document = json.loads(out)
     assert document["engine"] is None and document["kvd"]["aborts"] == 1
     assert document["kvd"]["output_tokens_per_second"] > 0
+
+
+def test_a_finer_trace_s_prompts_share_exactly_the_tokens_their_ids_say(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_trace(path, [TraceRequest(0.0, 200, 5, (1, 2, 3, 4), None, 64),
+                       TraceRequest(10.0, 150, 5, (1, 2, 9), None, 64)])
+    a, b = from_trace(str(path))  # at full size: 64 tokens an id
+    assert (len(a.prompt), len(b.prompt)) == (200, 150)
+    assert a.prompt[:128] == b.prompt[:128] and a.prompt[128:150] != b.prompt[128:150]
+    assert b.prompt[:64] == hash_block_tokens(1, 64, 256)
+    a, b = from_trace(str(path), block_tokens=16)  # shrunk for a CPU: 2 tokens an id
+    assert (len(a.prompt), len(b.prompt)) == (7, 5) and a.prompt[:4] == b.prompt[:4] != a.prompt[4:]

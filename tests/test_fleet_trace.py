@@ -77,6 +77,12 @@ def test_replicas_that_key_their_ids_apart_are_not_merged_and_the_operator_is_to
     two_files = [replica(keyed(1.0, SYSTEM), key_id="00000000000000a1"), replica(key_id="00000000000000b2")]
     status, body = merge_traces(["r0", "r1"], two_files, last=None)
     assert status == 409 and "(r0: key 00000000000000a1; r1: key 00000000000000b2)" in body["error"]["message"]
+    fine = replica(keyed(1.0, SYSTEM))
+    fine[1]["block_tokens"] = 64
+    status, body = merge_traces(["r0", "r1"], [replica(keyed(1.0, SYSTEM)), fine], last=None)
+    assert status == 409 and body["error"]["message"] == (
+        "trace: the replicas cut prompts into blocks of different sizes for their ids (r0: 512; r1: 64 tokens); "
+        "give every replica one trace_block_tokens to save the fleet's trace")
     older = (200, {"capacity": 5, "observed": 1, "block_tokens": 512,
                    "requests": [{"timestamp": 0.0, "input_length": 1, "output_length": 1, "hash_ids": [0]}]})
     status, body = merge_traces(["r0", "r1"], [replica(keyed(1.0, SYSTEM)), older], last=None)

@@ -403,3 +403,51 @@ def test_kvctl_bench_replay_shows_the_spread_of_placements_and_refuses_them_wher
                                                     "--new-prefix home (where a hash places new prefixes)")
     status, _, err = cli(capsys, "bench", "replay", str(path), "--placements", "0")
     assert status == 2 and "placements: must be an integer >= 1, got 0" in err
+
+
+# ---- finer trace blocks (`block_tokens`, kvctl's extension) ----------------------------------------
+def fine(t_ms, input_length, ids, block_tokens=64):
+    return TraceRequest(float(t_ms), input_length, 0, tuple(ids), None, block_tokens)
+
+
+# two prompts sharing 600 tokens, then apart: at 64 tokens an id, nine whole ids alike (576 tokens),
+# the tenth covers tokens 576 to 639, where they differ
+SHARED_600 = [fine(0, 700, list(range(11))), fine(1000, 700, list(range(9)) + [20, 21])]
+
+
+@pytest.mark.parametrize("block_size, shared_blocks", [(16, 36), (32, 18), (64, 9), (128, 4), (512, 1)])
+def test_finer_trace_ids_keep_a_prefix_shared_to_its_last_whole_block(block_size, shared_blocks):
+    keyer = TraceKeyer(block_size)
+    a, b = (keyer.keys(r) for r in SHARED_600)
+    assert len(a) == len(b) == 700 // block_size  # only whole replay blocks, of several ids too
+    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    assert common == shared_blocks
+    at_512 = TraceKeyer(block_size).keys  # the same prompts in 512-token ids share their first 512 only
+    coarse = [req(0, 700, [0, 1]), req(1000, 700, [0, 2])]
+    x, y = at_512(coarse[0]), at_512(coarse[1])
+    assert next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x)) == 512 // block_size
+    result = run(SHARED_600, block_size, 8192, sequential=True)
+    assert result.hit_tokens == shared_blocks * block_size
+
+
+def test_a_trace_line_says_its_block_size_and_a_trace_keeps_one(tmp_path):
+    from kvctl.daemon.replay.trace import parse_request
+
+    assert SHARED_600[0].to_object()["block_tokens"] == 64 and "block_tokens" not in req(0, 10, [1]).to_object()
+    assert parse_request(SHARED_600[0].to_object(), "x") == SHARED_600[0]
+    with pytest.raises(TraceError) as refused:
+        parse_request({**SHARED_600[0].to_object(), "block_tokens": 100}, "t.jsonl line 1")
+    assert str(refused.value) == ("t.jsonl line 1: field 'block_tokens' must be one of 16, 32, 64, 128, 256, 512, "
+                                  "got 100")
+    with pytest.raises(TraceError) as refused:
+        parse_request({**SHARED_600[0].to_object(), "block_tokens": 512}, "t.jsonl line 1")
+    assert str(refused.value) == ("t.jsonl line 1: field 'hash_ids' has 11 ids but input_length 700 needs 2 "
+                                  "(one per 512 tokens)")
+    path = tmp_path / "mixed.jsonl"
+    write_trace(path, [SHARED_600[0], req(500, 700, [0, 1])])
+    with pytest.raises(TraceError) as refused:
+        read_trace(path)
+    assert str(refused.value) == ("mixed.jsonl line 2: field 'block_tokens' is 512 where the first line's is 64; "
+                                  "a trace keeps one size")
+    write_trace(path, SHARED_600)
+    assert read_trace(path) == SHARED_600

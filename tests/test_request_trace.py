@@ -222,6 +222,13 @@ def test_kvd_refuses_to_start_on_a_bad_trace_key_file_and_a_reload_leaves_it_for
     assert config.sources["trace_key_file"] == "--trace-key-file"
     with pytest.raises(ValueError, match=r"^trace_key_file: .* holds 8 bytes; a key needs at least 32"):
         EngineService(config, store=None)
+    path.write_bytes(b"k" * 32)
+    from kvctl.daemon.store import Store
+
+    store = Store(tmp_path / "kvd.sqlite3")
+    keyed = EngineService(replace(config, trace_block_tokens=64), store)  # not started: no model loaded
+    assert (keyed.trace.shared, keyed.trace.block_tokens) == (True, 64)
+    store.close()
     service, _ = daemon
     before = service.config
     try:
@@ -230,3 +237,29 @@ def test_kvd_refuses_to_start_on_a_bad_trace_key_file_and_a_reload_leaves_it_for
         assert service.trace.shared is False and service.config.trace_key_file is None
     finally:
         service.reload(before, actor="test")
+
+
+def test_finer_trace_blocks_give_an_id_per_that_many_tokens_and_mark_each_line():
+    system = list(range(600))
+    trace = RequestTrace(capacity=4, key=KEY, block_tokens=64)
+    trace.observe(finished(1.0, system + [1] * 100))
+    trace.observe(finished(2.0, system + [2] * 100))
+    assert chained_block_ids(KEY, "default", system, 64)[:9] == chained_block_ids(KEY, "default", system + [1], 64)[:9]
+    report = trace.report(default_tenant="default")
+    assert report["block_tokens"] == 64
+    first, second = report["requests"]
+    assert first["block_tokens"] == second["block_tokens"] == 64
+    assert first["hash_ids"] == list(range(11)) and second["hash_ids"] == list(range(9)) + [11, 12]
+    assert len(trace.report(keyed=True, unix_time=float)["requests"][0]["keyed_ids"]) == 11
+
+
+@pytest.mark.parametrize("value, message", [("100", "must be one of 16, 32, 64, 128, 256, 512"),
+                                            ("8", "must be one of 16, 32, 64, 128, 256, 512")])
+def test_kvd_refuses_a_trace_block_size_the_trace_format_cannot_say(value, message):
+    from kvctl.daemon.config import ConfigError, resolve
+
+    assert resolve({"trace_block_tokens": "64"}, env={}).trace_block_tokens == 64
+    assert resolve({}, env={"KVD_TRACE_BLOCK_TOKENS": "16"}).trace_block_tokens == 16
+    with pytest.raises(ConfigError) as refused:
+        resolve({"trace_block_tokens": value}, env={})
+    assert str(refused.value) == f"trace_block_tokens: invalid value {value!r} from --trace-block-tokens: {message}"

@@ -12,6 +12,12 @@ blocks, as in live traffic. At block size b, 512-token block h splits into
 sub-blocks (h, 0), (h, 1), ...; their keys come from the same SHA-256 chain as
 live traffic (under a namespace of its own), with the pair (h, j) standing in
 for the block's token ids.
+
+An optional `block_tokens` (kvctl's extension, a power of two from 16 to 512; absent: 512) says
+how many prompt tokens each id covers: kvd saves finer ids when told to (`trace_block_tokens`),
+so that a prefix shared past a 512-token boundary replays as shared up to its last whole block
+rather than its last whole 512. At block size b <= B, block h splits into sub-blocks (h, j); at
+b > B, one replay block covers b / B ids, keyed by them together. A trace keeps one size.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from typing import Iterable
 from kvctl.daemon.cache.keys import BlockKey, Namespace, block_key, validate_block_size
 from kvctl.policies.tenant_map import TENANT_NAME
 
-TRACE_BLOCK_TOKENS = 512
+TRACE_BLOCK_TOKENS = 512  # the Mooncake format's; a line's `block_tokens` may say finer
+TRACE_BLOCK_SIZES = (16, 32, 64, 128, 256, 512)  # what `block_tokens` may be
 
 
 class TraceError(ValueError):
@@ -37,15 +44,18 @@ class TraceRequest:
     timestamp_ms: float  # arrival, relative to the first request
     input_length: int  # prompt tokens
     output_length: int  # generated tokens
-    hash_ids: tuple[int, ...]  # one id per 512-token prompt block, chained
+    hash_ids: tuple[int, ...]  # one id per `block_tokens` prompt tokens, chained
     tenant: str | None = None  # whose request (kvctl's extension of the format); None: the default tenant
+    block_tokens: int = TRACE_BLOCK_TOKENS  # prompt tokens per id (kvctl's extension; the format's is 512)
 
     def to_object(self) -> dict:
-        """The line as a JSON object (no `tenant` for the default tenant's)."""
+        """The line as a JSON object (no `tenant` for the default tenant's, no `block_tokens` at 512)."""
         record = {"timestamp": self.timestamp_ms, "input_length": self.input_length,
                   "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
         if self.tenant is not None:
             record["tenant"] = self.tenant
+        if self.block_tokens != TRACE_BLOCK_TOKENS:
+            record["block_tokens"] = self.block_tokens
         return record
 
     def to_json(self) -> str:
@@ -71,14 +81,18 @@ def parse_request(obj: object, where: str) -> TraceRequest:
     if not isinstance(hash_ids, list) or not all(
             isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids):
         raise TraceError(f"{where}: field 'hash_ids' must be a list of integers >= 0")
-    expected = -(-input_length // TRACE_BLOCK_TOKENS)
+    block_tokens = obj.get("block_tokens", TRACE_BLOCK_TOKENS)
+    if block_tokens not in TRACE_BLOCK_SIZES or isinstance(block_tokens, bool):
+        raise TraceError(f"{where}: field 'block_tokens' must be one of {', '.join(map(str, TRACE_BLOCK_SIZES))}, "
+                         f"got {block_tokens!r}")
+    expected = -(-input_length // block_tokens)
     if len(hash_ids) != expected:
         raise TraceError(f"{where}: field 'hash_ids' has {len(hash_ids)} ids but input_length "
-                         f"{input_length} needs {expected} (one per {TRACE_BLOCK_TOKENS} tokens)")
+                         f"{input_length} needs {expected} (one per {block_tokens} tokens)")
     tenant = obj.get("tenant")
     if tenant is not None and not (isinstance(tenant, str) and TENANT_NAME.fullmatch(tenant)):
         raise TraceError(f"{where}: field 'tenant' must be a tenant name (letters, digits, . _ -), got {tenant!r}")
-    return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids), tenant)
+    return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids), tenant, block_tokens)
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -97,6 +111,9 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
             except json.JSONDecodeError as exc:
                 raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
             requests.append(parse_request(obj, where))
+            if requests[-1].block_tokens != requests[0].block_tokens:
+                raise TraceError(f"{where}: field 'block_tokens' is {requests[-1].block_tokens} where the first "
+                                 f"line's is {requests[0].block_tokens}; a trace keeps one size")
             if limit is not None and len(requests) >= limit:
                 break
     if not requests:
@@ -188,6 +205,7 @@ class TraceKeyer:
         self.namespace = namespace or Namespace(model_revision="trace-replay", block_size=block_size)
         self._roots: dict[str | None, BlockKey] = {None: self.namespace.root_key()}  # per tenant
         self._memo: dict[tuple[bytes, int], list[BlockKey]] = {}
+        self._grouped: dict[tuple[bytes, tuple[int, ...]], BlockKey] = {}  # a replay block of several ids
 
     def _root(self, tenant: str | None) -> BlockKey:
         root = self._roots.get(tenant)
@@ -196,7 +214,7 @@ class TraceKeyer:
         return root
 
     def _sub_keys(self, parent: BlockKey, hash_id: int, count: int) -> list[BlockKey]:
-        """Keys of the first `count` sub-blocks of 512-token block `hash_id` after `parent`."""
+        """Keys of the first `count` sub-blocks of trace block `hash_id` after `parent`."""
         memo_key = (parent, hash_id)
         keys = self._memo.get(memo_key)
         if keys is None:
@@ -207,14 +225,24 @@ class TraceKeyer:
 
     def keys(self, request: TraceRequest) -> list[BlockKey]:
         """Keys of every full block of the request's prompt, root first."""
-        size = self.block_size
-        per_hash = TRACE_BLOCK_TOKENS // size
+        size, covered = self.block_size, request.block_tokens
         parent = self._root(request.tenant)
         keys: list[BlockKey] = []
+        if size > covered:  # several ids to a replay block: the ids of each whole one, together
+            group = size // covered
+            for start in range(0, request.input_length // size * group, group):
+                ids = request.hash_ids[start:start + group]
+                memo_key = (parent, ids)
+                key = self._grouped.get(memo_key)
+                if key is None:
+                    key = self._grouped[memo_key] = block_key(parent, ids, extra_keys=("trace-ids",))
+                keys.append(key)
+                parent = key
+            return keys
+        per_hash = covered // size
         last = len(request.hash_ids) - 1
         for position, hash_id in enumerate(request.hash_ids):
-            tokens = TRACE_BLOCK_TOKENS if position < last else \
-                request.input_length - TRACE_BLOCK_TOKENS * last
+            tokens = covered if position < last else request.input_length - covered * last
             count = min(per_hash, tokens // size)
             if count == 0:
                 break

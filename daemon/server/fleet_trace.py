@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvctl.daemon.replay.trace import TRACE_BLOCK_TOKENS
-
 from .fleet_admin import Answer, error_said, none_did
 from .request_trace import Held, numbered
 
@@ -38,6 +36,10 @@ def _apart(traced: Sequence[tuple[str, dict]]) -> str | None:
     if unkeyed:
         return (f"trace: {', '.join(unkeyed)} gave no keyed block ids (a kvd older than this router?); "
                 f"upgrade it, or save each replica's trace (kvctl --socket REPLICA trace save FILE)")
+    if len({body["block_tokens"] for _, body in traced}) > 1:
+        sizes = "; ".join(f"{name}: {body['block_tokens']}" for name, body in traced)
+        return (f"trace: the replicas cut prompts into blocks of different sizes for their ids ({sizes} tokens); "
+                f"give every replica one trace_block_tokens to save the fleet's trace")
     if len(traced) < 2 or (all(body["key"] == "shared" for _, body in traced)
                            and len({body["key_id"] for _, body in traced}) == 1):
         return None
@@ -65,12 +67,13 @@ def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | No
          for _, body in traced for line in body["requests"]), key=lambda line: line[0])
     if last is not None:
         held = held[-last:]
-    lines = numbered(held, default_tenant="default")
+    block_tokens = traced[0][1]["block_tokens"]
+    lines = numbered(held, "default", block_tokens)
     rows = [{"replica": name, "status": status,
              **({"requests": len(body["requests"]), "key": body["key"]} if status == 200 else {"error": body.get("error")})}
             for name, (status, body) in zip(names, answers)]
     out = {"capacity": sum(body["capacity"] for _, body in traced),
-           "observed": sum(body["observed"] for _, body in traced), "block_tokens": TRACE_BLOCK_TOKENS,
+           "observed": sum(body["observed"] for _, body in traced), "block_tokens": block_tokens,
            "key": traced[0][1]["key"], "key_id": traced[0][1]["key_id"],
            "started_at": held[0][0] if held else None, "requests": [line.to_object() for line in lines],
            "replicas": rows, "result": "ok" if len(traced) == len(names) else "partial"}

@@ -4,7 +4,10 @@
 gives it the operator's own traffic instead of a synthetic one. kvd keeps the last
 `trace_requests` (default 10,000) finished requests (served, cancelled or turned away), each
 as its arrival, prompt and output lengths, tenant, and one id per 512-token prompt block,
-chained as the format asks (equal ids: the same tokens after the same context).
+chained as the format asks (equal ids: the same tokens after the same context). With
+`trace_block_tokens` finer (16 to 256), one id per that many tokens, marked on each line
+(`block_tokens`, kvctl's extension): a prefix shared past a 512-token boundary then replays as
+shared up to its last whole block, for the price of more ids (a 40k-token prompt at 64: 625).
 
 Never the tokens: a block's id is an HMAC-SHA256 chain under a key, cut to 64 bits; a saved
 trace numbers them again 0, 1, 2, ... in order of first appearance. So a trace cannot be tested
@@ -59,25 +62,27 @@ def key_id(key: bytes) -> str:
     return hmac.digest(key, b"kvd-trace/key-id", "sha256")[:8].hex()
 
 
-def numbered(held: Sequence[Held], default_tenant: str | None = None) -> list[TraceRequest]:
-    """Trace lines for `held` (in arrival order): timestamps in ms from the first arrival, block
-    ids numbered from 0 in order of first appearance. A request of `default_tenant` carries no
-    tenant field, as a single-tenant trace has none."""
+def numbered(held: Sequence[Held], default_tenant: str | None = None,
+             block_tokens: int = TRACE_BLOCK_TOKENS) -> list[TraceRequest]:
+    """Trace lines for `held` (in arrival order, ids of `block_tokens` tokens each): timestamps in
+    ms from the first arrival, block ids numbered from 0 in order of first appearance. A request of
+    `default_tenant` carries no tenant field, as a single-tenant trace has none."""
     numbers: dict[int, int] = {}
     out = []
     for arrival, prompt, output, ids, tenant in held:
         renumbered = tuple(numbers.setdefault(i, len(numbers)) for i in ids)
         out.append(TraceRequest(round((arrival - held[0][0]) * 1000.0, 3), prompt, output, renumbered,
-                                None if tenant == default_tenant else tenant))
+                                None if tenant == default_tenant else tenant, block_tokens))
     return out
 
 
-def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int]) -> tuple[int, ...]:
-    """One 64-bit id per 512-token block of `prompt` (the last covers the remainder), each an
-    HMAC of the previous block's digest and this block's token ids."""
+def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int],
+                      block_tokens: int = TRACE_BLOCK_TOKENS) -> tuple[int, ...]:
+    """One 64-bit id per `block_tokens` tokens of `prompt` (the last covers the remainder), each
+    an HMAC of the previous block's digest and this block's token ids."""
     digest = hmac.digest(key, b"kvd-trace/v1\0" + tenant.encode("utf-8"), "sha256")
     tokens = memoryview(array("q", prompt).tobytes())
-    step = TRACE_BLOCK_TOKENS * 8
+    step = block_tokens * 8
     ids = []
     for start in range(0, len(tokens), step):
         digest = hmac.digest(key, digest + tokens[start:start + step], "sha256")
@@ -88,10 +93,12 @@ def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int]) -> tuple[i
 class RequestTrace:
     """A bounded record of the last `capacity` finished requests (kvd's `trace_requests`; at 64 bits
     a block, a 40k-token prompt holds 640 bytes); `observe` is an EngineService.on_finished observer.
-    `key` None: one drawn here, kvd's own; `shared`: the key came from a trace_key_file."""
+    `key` None: one drawn here, kvd's own; `shared`: the key came from a trace_key_file;
+    `block_tokens`: prompt tokens per id (kvd's `trace_block_tokens`)."""
 
-    def __init__(self, capacity: int, key: bytes | None = None, *, shared: bool = False) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int, key: bytes | None = None, *, shared: bool = False,
+                 block_tokens: int = TRACE_BLOCK_TOKENS) -> None:
+        self.capacity, self.block_tokens = capacity, block_tokens
         self._key = key if key is not None else os.urandom(KEY_BYTES)
         self.shared = shared and key is not None
         self.key_id = key_id(self._key)
@@ -109,7 +116,7 @@ class RequestTrace:
             return
         outputs = [len(s.output_ids) for s in request.sequences]
         record = (request.metrics.arrival, len(request.prompt_ids), max(outputs, default=0),
-                  chained_block_ids(self._key, request.tenant, request.prompt_ids), request.tenant)
+                  chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens), request.tenant)
         with self._lock:
             self._held.append(record)
             self.observed += 1
@@ -122,7 +129,7 @@ class RequestTrace:
 
     def requests(self, last: int | None = None, default_tenant: str | None = None) -> list[TraceRequest]:
         """The held requests (the `last` to arrive, if given) as trace lines (`numbered`)."""
-        return numbered(self.held(last), default_tenant)
+        return numbered(self.held(last), default_tenant, self.block_tokens)
 
     def report(self, last: int | None = None, default_tenant: str | None = None, *, keyed: bool = False,
                unix_time: Callable[[float], float] | None = None) -> dict:
@@ -132,11 +139,11 @@ class RequestTrace:
         merges replicas' traces): each line's Unix `arrival`, its tenant, and its block ids as keyed
         (16 hex digits each) rather than numbered."""
         held = self.held(last)
-        body = {"capacity": self.capacity, "observed": self.observed, "block_tokens": TRACE_BLOCK_TOKENS,
+        body = {"capacity": self.capacity, "observed": self.observed, "block_tokens": self.block_tokens,
                 "key": "shared" if self.shared else "own", "key_id": self.key_id,
                 "started_at": unix_time(held[0][0]) if held and unix_time is not None else None}
         if not keyed:
-            return {**body, "requests": [r.to_object() for r in numbered(held, default_tenant)]}
+            return {**body, "requests": [r.to_object() for r in numbered(held, default_tenant, self.block_tokens)]}
         if unix_time is None:
             raise ValueError("keyed: needs unix_time, for arrivals other hosts can read")
         return {**body, "requests": [

@@ -122,7 +122,8 @@ class EngineService:
         self.pin_warmer: threading.Thread | None = None  # brings pinned prefixes back from lower tiers at start
         self._observers: list[Callable[[Request], None]] = []  # called when a request finishes
         trace_key = load_trace_key(config.trace_key_file) if config.trace_key_file else None  # else kvd's own
-        self.trace = RequestTrace(config.trace_requests, trace_key, shared=trace_key is not None)  # `kvctl trace save`
+        self.trace = RequestTrace(config.trace_requests, trace_key, shared=trace_key is not None,  # `kvctl trace save`
+                                  block_tokens=config.trace_block_tokens)
         self.on_finished(self.trace.observe)
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
@@ -400,7 +401,7 @@ class EngineService:
 
     # what the running process is bound to: its sockets, its store, its auth front, its metric families
     BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",
-                      "max_tenant_metric_series", "trace_key_file")
+                      "max_tenant_metric_series", "trace_key_file", "trace_block_tokens")
 
     def _load_again(self, new: KvdConfig, actor: str) -> dict:
         """kvd could not serve: its model, cache or tiers did not load (a quantised cache with no
