@@ -150,3 +150,23 @@ def test_kvctl_trace_save_at_kvd_router_writes_the_fleet_s_traffic_for_a_routing
     status, _, err = cli(capsys, "trace", "save", str(tmp_path / "apart.jsonl"))
     assert status != 0 and "the replicas key their block ids apart" in " ".join(err.split())
     assert not (tmp_path / "apart.jsonl").exists()
+
+
+def test_kvctl_trace_save_writes_what_the_fleet_gave_and_exits_3_naming_the_replica_left_out(
+        capsys, tmp_path, monkeypatch):
+    from kvctl import client
+
+    a = replica(keyed(10.0, SYSTEM), keyed(10.5, SYSTEM + ["0000000000000003"]))
+    down = (None, {"error": "ConnectError: connection refused"})
+    _, body = merge_traces(["r0", "r1"], [a, down], last=None)
+    monkeypatch.setattr(client.Client, "get", lambda self, path, **params: body)
+    out = tmp_path / "fleet.jsonl"
+    status, printed, err = cli(capsys, "trace", "save", str(out))
+    assert status == 3 and printed.strip() == (f"wrote 2 requests over 500.0 ms to {out} (2,560 prompt tokens, "
+                                               f"1 tenant, 1 replica)")
+    assert " ".join(err.split()) == "not in the trace: r1 (not reached: ConnectError: connection refused)"
+    assert [r.hash_ids for r in read_trace(out)] == [(0, 1), (0, 1, 2)]
+    status, printed, _ = cli(capsys, "trace", "save", str(out), "--json")
+    figures = json.loads(printed)
+    assert status == 3 and (figures["replicas"], figures["result"]) == (["r0"], "partial")
+    assert figures["message"] == "not in the trace: r1 (not reached: ConnectError: connection refused)"

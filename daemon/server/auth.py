@@ -20,6 +20,22 @@ class TokenFileError(ValueError):
     pass
 
 
+def read_private_file(path: str | Path, setting: str, error: type[ValueError] = ValueError) -> bytes:
+    """A secret file's bytes (`token_file`, `trace_key_file`): `error`, naming the setting and the
+    file, when it cannot be read or every user on the machine may read it (the service's group
+    may: systemd's root:kvd 0640)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+        mode = path.stat().st_mode & 0o777
+    except OSError as exc:
+        raise error(f"{setting}: cannot read {str(path)!r} ({exc.strerror})") from None
+    if mode & 0o007:
+        raise error(f"{setting}: {str(path)!r} is open to every user on the machine (mode "
+                    f"{mode:04o}); restrict it, e.g. chmod 600 {path}")
+    return data
+
+
 @dataclass(frozen=True)
 class TokenEntry:
     token: bytes
@@ -36,13 +52,9 @@ class TokenTable:
     def load(cls, path: str | Path) -> "TokenTable":
         path = Path(path)
         try:
-            text = path.read_text()
-            mode = path.stat().st_mode & 0o777
-        except OSError as exc:
-            raise TokenFileError(f"token_file: cannot read {str(path)!r} ({exc.strerror})") from None
-        if mode & 0o007:  # the service's group may read it (systemd: root:kvd 0640); everyone else may not
-            raise TokenFileError(f"token_file: {str(path)!r} is open to every user on the machine (mode "
-                                 f"{mode:04o}); restrict it, e.g. chmod 600 {path}")
+            text = read_private_file(path, "token_file", TokenFileError).decode("utf-8")
+        except UnicodeDecodeError:
+            raise TokenFileError(f"token_file: {str(path)!r} is not UTF-8 text") from None
         entries = []
         for number, line in enumerate(text.splitlines(), start=1):
             line = line.strip()

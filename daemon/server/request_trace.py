@@ -31,6 +31,8 @@ from typing import Callable, Sequence
 
 from kvctl.daemon.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
+from .auth import read_private_file
+
 
 KEY_BYTES = 32  # the least a trace_key_file holds: `head -c 32 /dev/urandom`
 
@@ -42,15 +44,7 @@ Held = tuple[float, int, int, tuple[int, ...], str]
 def load_trace_key(path: str | Path) -> bytes:
     """The secret in `trace_key_file` (its bytes as they are): refused, naming the file, when it
     cannot be read, is open to every user on the machine, or is shorter than KEY_BYTES."""
-    path = Path(path)
-    try:
-        key = path.read_bytes()
-        mode = path.stat().st_mode & 0o777
-    except OSError as exc:
-        raise ValueError(f"trace_key_file: cannot read {str(path)!r} ({exc.strerror})") from None
-    if mode & 0o007:  # as token_file: the service's group may read it, everyone else may not
-        raise ValueError(f"trace_key_file: {str(path)!r} is open to every user on the machine (mode "
-                         f"{mode:04o}); restrict it, e.g. chmod 600 {path}")
+    key = read_private_file(path, "trace_key_file")
     if len(key) < KEY_BYTES:
         raise ValueError(f"trace_key_file: {str(path)!r} holds {len(key)} bytes; a key needs at least "
                          f"{KEY_BYTES} (e.g. head -c {KEY_BYTES} /dev/urandom > {path})")
