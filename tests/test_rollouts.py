@@ -39,6 +39,15 @@ def test_stop_conditions():
         parse_fraction("150%")
 
 
+def settled(read, done, timeout: float = 10.0):
+    """`read()` again until `done(answer)`, within `timeout`: kvd's engine thread hands a request's
+    last event to its client just before its books (rollouts, metrics) take the request."""
+    deadline = time.monotonic() + timeout
+    while not done(answer := read()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return answer
+
+
 def test_a_worse_policy_trips_its_stop_condition_and_rolls_back_by_itself(tmp_path):
     service = start_service(tmp_path, num_blocks=24, max_running=8)
     try:
@@ -65,12 +74,8 @@ def test_a_worse_policy_trips_its_stop_condition_and_rolls_back_by_itself(tmp_pa
 
         wave(baseline)  # fully reserved: queues, never preempted
         wave(cohort)  # reserves nothing: runs into the pool's end and preempts
-        # a request's last event reaches its client just before kvd's books take the request (the
-        # engine thread delivers, then retires): wait, within bounds, for the last to be counted
-        deadline = time.monotonic() + 10
-        while (status := call(unix, "GET", f"/admin/rollouts/{rollout_id}").json())["traffic"]["requests"] < 16 \
-                and time.monotonic() < deadline:
-            time.sleep(0.01)
+        status = settled(lambda: call(unix, "GET", f"/admin/rollouts/{rollout_id}").json(),
+                         lambda answer: answer["traffic"]["requests"] == 16)
         assert status["baseline"]["recomputed_token_ratio"] == 0.0
         assert status["cohort"]["recomputed_token_ratio"] > 0
         assert status["traffic"] == {"by": "tenant", "requests": 16, "cohort_share": 0.5, "stops_checked": True,
@@ -159,7 +164,8 @@ def test_one_tenant_puts_all_traffic_on_one_side_and_status_says_the_stops_are_u
                            Principal("default", "admin", "test"), lambda e: done.release() if e.finish_reason else None)
         for _ in range(20):
             assert done.acquire(timeout=60)
-        status = call(unix, "GET", f"/admin/rollouts/{rollout_id}").json()
+        status = settled(lambda: call(unix, "GET", f"/admin/rollouts/{rollout_id}").json(),
+                         lambda answer: answer["traffic"]["requests"] == 20)
         other = "baseline" if side == "cohort" else "cohort"
         assert status["traffic"] == {
             "by": "tenant", "requests": 20, "cohort_share": 1.0 if side == "cohort" else 0.0, "stops_checked": False,
@@ -349,7 +355,8 @@ def test_metrics_chart_each_side_of_a_running_rollout(tmp_path):
                     for family in text_string_to_metric_families(text) for s in family.samples
                     if s.name.startswith("kvd_rollout")}
 
-        status = call(unix, "GET", "/admin/rollouts").json()
+        status = settled(lambda: call(unix, "GET", "/admin/rollouts").json(),
+                         lambda answer: answer["cohort"]["requests"] + answer["baseline"]["requests"] == 10)
         got = samples()
         rid = str(started["id"])
         assert got[("kvd_rollout_info", (("policy", "p95"), ("rollout", rid), ("state", "running"),
