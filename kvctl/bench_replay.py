@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from kvctl.daemon.replay.fleet import FleetResult, places_new_prefixes
+from kvctl.daemon.replay.service_rates import measured_rates
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
@@ -63,6 +64,10 @@ def replay_command(
     sequential: bool = typer.Option(False, "--sequential", help="One request at a time."),
     prefill_rate: float = typer.Option(20_000.0, help="Service model: prefill tokens per second."),
     decode_rate: float = typer.Option(40.0, help="Service model: output tokens per second per request."),
+    rates_from_trace: bool = typer.Option(False, "--rates-from-trace",
+                                          help="Service model: the prefill and decode rates at which the replay's "
+                                               "totals equal kvd's, from the trace's own timings (traces kvd saves "
+                                               "say how it served each request)."),
     max_running: int = typer.Option(64, help="Service model: requests in service at once."),
     max_queue: int = typer.Option(4096, help="Admission queue bound; arrivals beyond it are rejected."),
     time_scale: float = typer.Option(1.0, help="Multiply trace timestamps by this."),
@@ -152,6 +157,22 @@ def replay_command(
     else:
         requests = read_trace(trace, limit)
         trace_name = str(trace)
+    measured = None
+    if rates_from_trace:
+        try:
+            measured = measured_rates(requests)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        base = replace(base, prefill_rate=measured.prefill_rate or base.prefill_rate,
+                       decode_rate=measured.decode_rate or base.decode_rate)
+        if not as_json:
+            err.print(f"service model from the trace's own timings ({measured.requests:,} requests): prefill "
+                      + (f"{measured.prefill_rate:,.0f}" if measured.prefill_rate else f"{base.prefill_rate:,.0f} "
+                         "(none to measure it on: --prefill-rate's)")
+                      + " tokens/s, decode "
+                      + (f"{measured.decode_rate:,.0f}" if measured.decode_rate else f"{base.decode_rate:,.0f} "
+                         "(no request made two tokens: --decode-rate's)")
+                      + " tokens/s a request")
 
     if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
         raise UserError(f"placements: {placements} needs --replicas and prefix routing with --new-prefix home "
@@ -164,7 +185,10 @@ def replay_command(
         "requests": len(requests),
         "settings": {
             "mode": "sequential" if sequential else "concurrent", "reservation": reserve,
-            "prefill_rate": prefill_rate, "decode_rate": decode_rate, "max_running": max_running,
+            "prefill_rate": base.prefill_rate, "decode_rate": base.decode_rate, "max_running": max_running,
+            "rates_from_trace": None if measured is None else {
+                "requests": measured.requests, "prefill_rate": measured.prefill_rate,
+                "decode_rate": measured.decode_rate},
             "max_queue": max_queue, "time_scale": time_scale, "max_tokens": max_tokens,
             "tenant_shares": dict(base.tenant_shares) or None, "tier_tokens": tiers,
             "restore_rate": restore_rate, "tier_write": tier_write,

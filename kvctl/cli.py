@@ -120,8 +120,9 @@ def trace_save(
     """Save the requests kvd served lately as a Mooncake trace, to replay your own traffic.
 
     kvd keeps its last finished requests (trace_requests, 10,000 by default; turned-away ones
-    too): arrivals, prompt and output lengths, tenants, and chained ids of 512-token prompt blocks
-    (finer with trace_block_tokens; keyed hashes numbered from 0; never tokens or text). Replay the file to choose a block size,
+    too): arrivals, prompt and output lengths, tenants, how kvd served each (times, cached tokens),
+    and chained ids of 512-token prompt blocks (finer with trace_block_tokens; keyed hashes
+    numbered from 0; never tokens or text). Replay the file to choose a block size,
     an eviction policy or tier sizes for this traffic.
 
     At kvd router, the fleet's trace: every replica's requests in arrival order, for `kvctl bench

@@ -16,9 +16,12 @@ from .test_cli import cli
 SYSTEM = ["00000000000000aa", "00000000000000bb"]  # a 1,024-token system prompt's keyed ids
 
 
-def keyed(arrival, ids, output=2, tenant="default", prompt=None):
+def keyed(arrival, ids, output=2, tenant="default", prompt=None, served=None):
     return {"arrival": arrival, "input_length": prompt or 512 * len(ids), "output_length": output,
-            "keyed_ids": ids, "tenant": tenant}
+            "keyed_ids": ids, "tenant": tenant, "served": served}
+
+
+HOW = {"queued_ms": 1.5, "prefill_ms": 40.0, "decode_ms": 120.25, "cached_tokens": 1024}
 
 
 def replica(*lines, key="shared", key_id="feedfacefeedface", capacity=100, observed=None):
@@ -34,12 +37,12 @@ def test_the_router_asks_each_replica_for_keyed_ids():
 
 def test_replicas_traces_merge_in_arrival_order_one_prompt_one_id_on_every_replica():
     a = replica(keyed(100.0, SYSTEM + ["0000000000000001"]), keyed(100.9, ["00000000000000cc"], tenant="acme"))
-    b = replica(keyed(100.4, SYSTEM + ["0000000000000002"], output=7), keyed(101.5, SYSTEM), observed=9)
+    b = replica(keyed(100.4, SYSTEM + ["0000000000000002"], output=7, served=HOW), keyed(101.5, SYSTEM), observed=9)
     status, body = merge_traces(["r0", "r1"], [a, b], last=None)
     assert status == 200 and body["result"] == "ok" and "message" not in body
     assert body["requests"] == [
         {"timestamp": 0.0, "input_length": 1536, "output_length": 2, "hash_ids": [0, 1, 2]},
-        {"timestamp": 400.0, "input_length": 1536, "output_length": 7, "hash_ids": [0, 1, 3]},
+        {"timestamp": 400.0, "input_length": 1536, "output_length": 7, "hash_ids": [0, 1, 3], "served": HOW},
         {"timestamp": 900.0, "input_length": 512, "output_length": 2, "hash_ids": [4], "tenant": "acme"},
         {"timestamp": 1500.0, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]}]
     assert (body["capacity"], body["observed"], body["started_at"]) == (200, 11, 100.0)

@@ -451,3 +451,66 @@ def test_a_trace_line_says_its_block_size_and_a_trace_keeps_one(tmp_path):
                                   "a trace keeps one size")
     write_trace(path, SHARED_600)
     assert read_trace(path) == SHARED_600
+
+
+# ---- the service model from a trace's own timings (`served`, in the lines kvd saves) --------------
+def served_line(t_ms, input_length, output, cached, prefill_ms, decode_ms, ids=(1, 2)):
+    from kvctl.daemon.replay.trace import Served
+
+    return TraceRequest(float(t_ms), input_length, output, tuple(ids), None, 512,
+                        Served(0.5, prefill_ms, decode_ms, cached))
+
+
+def test_the_rates_that_make_the_replay_s_totals_kvd_s_come_from_the_trace_s_timings():
+    from kvctl.daemon.replay.service_rates import MeasuredRates, measured_rates
+
+    trace = [served_line(0, 1000, 11, 0, 100.0, 200.0), served_line(10, 1000, 1, 900, 20.0, 0.0),
+             req(20, 1000, [1, 3])]  # turned away: says nothing of the rates
+    assert measured_rates(trace) == MeasuredRates(2, 1100 / 0.12, 10 / 0.2)
+    one_token = [served_line(0, 1000, 1, 0, 50.0, 0.0)]
+    assert measured_rates(one_token) == MeasuredRates(1, 1000 / 0.05, None)  # no second token to time
+    with pytest.raises(TraceError) as refused:
+        measured_rates([req(0, 1000, [1, 2])])
+    assert str(refused.value).startswith("rates_from_trace: no line of the trace says how it was served")
+
+
+def test_a_served_field_round_trips_and_bad_ones_are_named(tmp_path):
+    from kvctl.daemon.replay.trace import parse_request
+
+    line = served_line(0, 1000, 11, 64, 100.0, 200.0)
+    assert line.to_object()["served"] == {"queued_ms": 0.5, "prefill_ms": 100.0, "decode_ms": 200.0,
+                                          "cached_tokens": 64}
+    assert parse_request(line.to_object(), "x") == line and "served" not in req(0, 10, [1]).to_object()
+    for served, message in [({"queued_ms": 0, "prefill_ms": -1, "decode_ms": 0, "cached_tokens": 0},
+                             "field 'served.prefill_ms' must be a number >= 0, got -1"),
+                            ({"queued_ms": 0, "prefill_ms": 1, "decode_ms": 0, "cached_tokens": 1001},
+                             "field 'served.cached_tokens' must be an integer from 0 to input_length 1000, got 1001"),
+                            ([1, 2], "field 'served' must be an object, got [1, 2]")]:
+        with pytest.raises(TraceError) as refused:
+            parse_request({**line.to_object(), "served": served}, "t.jsonl line 3")
+        assert str(refused.value) == f"t.jsonl line 3: {message}"
+
+
+def test_kvctl_bench_replay_takes_its_rates_from_the_trace_when_asked(tmp_path, capsys):
+    import json
+
+    from .test_cli import cli
+
+    path = tmp_path / "served.jsonl"
+    write_trace(path, [served_line(0, 1000, 11, 0, 100.0, 200.0), served_line(10, 1000, 1, 900, 20.0, 0.0)])
+    status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--policy", "lru",
+                             "--rates-from-trace", "--json")
+    settings = json.loads(printed)["settings"]
+    assert status == 0 and (settings["prefill_rate"], settings["decode_rate"]) == (1100 / 0.12, 50.0)
+    assert settings["rates_from_trace"] == {"requests": 2, "prefill_rate": 1100 / 0.12, "decode_rate": 50.0}
+    [run] = json.loads(printed)["runs"]  # the first request computes its 1,000 tokens at the trace's rate
+    assert run["ttft_p95_s"] == pytest.approx(1000 / (1100 / 0.12))
+    status, _, err = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--policy", "lru",
+                         "--rates-from-trace")
+    assert status == 0 and " ".join(err.split()) == ("service model from the trace's own timings (2 requests): "
+                                                     "prefill 9,167 tokens/s, decode 50 tokens/s a request")
+    write_trace(path, [req(0, 1000, [1, 2])])
+    status, _, err = cli(capsys, "bench", "replay", str(path), "--rates-from-trace")
+    assert status == 2 and "rates_from_trace: no line of the trace says how it was served" in err
+    status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--json")
+    assert status == 0 and json.loads(printed)["settings"]["rates_from_trace"] is None

@@ -17,9 +17,13 @@ from .test_cli import cli
 KEY = b"k" * 32
 
 
-def finished(arrival: float, prompt: list[int], outputs=(4,), tenant: str = "default"):
-    """What EngineService.on_finished hands its observers, as far as the trace reads it."""
-    return SimpleNamespace(metrics=SimpleNamespace(arrival=arrival), prompt_ids=prompt, tenant=tenant,
+def finished(arrival: float, prompt: list[int], outputs=(4,), tenant: str = "default", times=None, cached=0):
+    """What EngineService.on_finished hands its observers, as far as the trace reads it. `times`:
+    (admitted, token times) on the engine's clock; None: turned away before its first token."""
+    admitted, tokens = times if times is not None else (None, [])
+    metrics = SimpleNamespace(arrival=arrival, admitted=admitted, first_token=tokens[0] if tokens else None,
+                              token_times=list(tokens), cached_tokens=cached)
+    return SimpleNamespace(metrics=metrics, prompt_ids=prompt, tenant=tenant,
                            sequences=[SimpleNamespace(output_ids=[7] * n) for n in outputs])
 
 
@@ -99,7 +103,11 @@ def test_kvd_traces_what_it_served_without_a_token_and_kvctl_saves_it_for_replay
     assert (answer["capacity"], answer["block_tokens"]) == (10_000, 512) and answer["observed"] >= 3
     assert [(r["input_length"], r["output_length"]) for r in answer["requests"]] == [(703, 3), (702, 2), (40, 1)]
     assert [r["hash_ids"] for r in answer["requests"]] == [[0, 1], [0, 2], [3]]
-    assert all(set(r) == {"timestamp", "input_length", "output_length", "hash_ids"} for r in answer["requests"])
+    assert all(set(r) == {"timestamp", "input_length", "output_length", "hash_ids", "served"} for r in answer["requests"])
+    served = [r["served"] for r in answer["requests"]]  # how kvd served each: the cache gave the second 688
+    assert [s["cached_tokens"] for s in served] == [0, 688, 0]
+    assert all(s[k] >= 0 for s in served for k in ("queued_ms", "prefill_ms", "decode_ms"))
+    assert served[0]["decode_ms"] > 0 and served[2]["decode_ms"] == 0  # three tokens; one
 
     monkeypatch.setattr(client.Client, "get",
                         lambda self, path, **params: call(unix, "GET", path, params={k: v for k, v in params.items()
@@ -192,16 +200,17 @@ def test_replicas_given_one_key_trace_one_prompt_alike_and_say_so():
     shared = [RequestTrace(capacity=4, key=KEY, shared=True) for _ in range(2)]
     own = [RequestTrace(capacity=4), RequestTrace(capacity=4)]
     for trace in shared + own:
-        trace.observe(finished(5.0, system + [1], (3,)))
-        trace.observe(finished(5.5, [2] * 10, (1,), tenant="acme"))
+        trace.observe(finished(5.0, system + [1], (3,), times=(5.25, [5.5, 5.625, 5.75]), cached=32))
+        trace.observe(finished(5.5, [2] * 10, (1,), tenant="acme"))  # turned away
     reports = [t.report(keyed=True, unix_time=lambda reading: 1_700_000_000.0 + reading) for t in shared + own]
     assert [(r["key"], r["key_id"]) for r in reports[:2]] == [("shared", shared[0].key_id)] * 2
     assert [r["key"] for r in reports[2:]] == ["own", "own"] and reports[2]["key_id"] != reports[3]["key_id"]
     ids = [f"{i:016x}" for i in chained_block_ids(KEY, "default", system + [1])]
     assert reports[0]["requests"] == reports[1]["requests"] == [
-        {"arrival": 1_700_000_005.0, "input_length": 601, "output_length": 3, "keyed_ids": ids, "tenant": "default"},
+        {"arrival": 1_700_000_005.0, "input_length": 601, "output_length": 3, "keyed_ids": ids, "tenant": "default",
+         "served": {"queued_ms": 250.0, "prefill_ms": 250.0, "decode_ms": 250.0, "cached_tokens": 32}},
         {"arrival": 1_700_000_005.5, "input_length": 10, "output_length": 1,
-         "keyed_ids": [f"{chained_block_ids(KEY, 'acme', [2] * 10)[0]:016x}"], "tenant": "acme"}]
+         "keyed_ids": [f"{chained_block_ids(KEY, 'acme', [2] * 10)[0]:016x}"], "tenant": "acme", "served": None}]
     assert reports[2]["requests"][0]["keyed_ids"] != ids  # a key drawn at start: ids of its own
     assert reports[0]["started_at"] == 1_700_000_005.0
     plain = shared[0].report(default_tenant="default")  # what `kvctl trace save` at a replica reads

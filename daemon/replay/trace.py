@@ -18,6 +18,11 @@ how many prompt tokens each id covers: kvd saves finer ids when told to (`trace_
 so that a prefix shared past a 512-token boundary replays as shared up to its last whole block
 rather than its last whole 512. At block size b <= B, block h splits into sub-blocks (h, j); at
 b > B, one replay block covers b / B ids, keyed by them together. A trace keeps one size.
+
+An optional `served` (kvctl's extension, in the lines kvd saves) says how kvd served the request:
+`{"queued_ms", "prefill_ms", "decode_ms", "cached_tokens"}` (waiting, admission to first token,
+first token to last, prompt tokens the cache gave). `kvctl bench replay --rates-from-trace` sets
+its service model from them (`service_rates`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,35 @@ class TraceError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Served:
+    """How kvd served a request, as its trace line's `served` says (kvctl's extension)."""
+    queued_ms: float  # arrival to admission
+    prefill_ms: float  # admission to first token: its uncached prompt tokens, in batches with others
+    decode_ms: float  # first token to last
+    cached_tokens: int  # prompt tokens the cache gave at admission
+
+    def to_object(self) -> dict:
+        return {"queued_ms": self.queued_ms, "prefill_ms": self.prefill_ms, "decode_ms": self.decode_ms,
+                "cached_tokens": self.cached_tokens}
+
+    @classmethod
+    def parse(cls, obj: object, where: str, input_length: int) -> "Served":
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: field 'served' must be an object, got {obj!r}")
+        times = []
+        for name in ("queued_ms", "prefill_ms", "decode_ms"):
+            value = obj.get(name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+                raise TraceError(f"{where}: field 'served.{name}' must be a number >= 0, got {value!r}")
+            times.append(float(value))
+        cached = obj.get("cached_tokens")
+        if not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached <= input_length:
+            raise TraceError(f"{where}: field 'served.cached_tokens' must be an integer from 0 to input_length "
+                             f"{input_length}, got {cached!r}")
+        return cls(*times, cached)
+
+
+@dataclass(frozen=True, slots=True)
 class TraceRequest:
     timestamp_ms: float  # arrival, relative to the first request
     input_length: int  # prompt tokens
@@ -47,15 +81,19 @@ class TraceRequest:
     hash_ids: tuple[int, ...]  # one id per `block_tokens` prompt tokens, chained
     tenant: str | None = None  # whose request (kvctl's extension of the format); None: the default tenant
     block_tokens: int = TRACE_BLOCK_TOKENS  # prompt tokens per id (kvctl's extension; the format's is 512)
+    served: Served | None = None  # how kvd served it (kvctl's extension); None: not said (turned away)
 
     def to_object(self) -> dict:
-        """The line as a JSON object (no `tenant` for the default tenant's, no `block_tokens` at 512)."""
+        """The line as a JSON object (no `tenant` for the default tenant's, no `block_tokens` at 512,
+        no `served` where it is not known)."""
         record = {"timestamp": self.timestamp_ms, "input_length": self.input_length,
                   "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
         if self.tenant is not None:
             record["tenant"] = self.tenant
         if self.block_tokens != TRACE_BLOCK_TOKENS:
             record["block_tokens"] = self.block_tokens
+        if self.served is not None:
+            record["served"] = self.served.to_object()
         return record
 
     def to_json(self) -> str:
@@ -92,7 +130,8 @@ def parse_request(obj: object, where: str) -> TraceRequest:
     tenant = obj.get("tenant")
     if tenant is not None and not (isinstance(tenant, str) and TENANT_NAME.fullmatch(tenant)):
         raise TraceError(f"{where}: field 'tenant' must be a tenant name (letters, digits, . _ -), got {tenant!r}")
-    return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids), tenant, block_tokens)
+    served = None if obj.get("served") is None else Served.parse(obj["served"], where, input_length)
+    return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids), tenant, block_tokens, served)
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from kvctl.daemon.replay.trace import Served
+
 from .fleet_admin import Answer, error_said, none_did
 from .request_trace import Held, numbered
 
@@ -63,8 +65,9 @@ def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | No
         return _refusal(why)
     held: list[Held] = sorted(
         ((line["arrival"], line["input_length"], line["output_length"],
-          tuple(int(i, 16) for i in line["keyed_ids"]), line["tenant"])
-         for _, body in traced for line in body["requests"]), key=lambda line: line[0])
+          tuple(int(i, 16) for i in line["keyed_ids"]), line["tenant"],
+          None if line.get("served") is None else Served.parse(line["served"], name, line["input_length"]))
+         for name, body in traced for line in body["requests"]), key=lambda line: line[0])
     if last is not None:
         held = held[-last:]
     block_tokens = traced[0][1]["block_tokens"]

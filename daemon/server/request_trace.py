@@ -3,7 +3,9 @@
 `kvctl bench replay` picks a block size, an eviction policy and tier sizes from a trace; this
 gives it the operator's own traffic instead of a synthetic one. kvd keeps the last
 `trace_requests` (default 10,000) finished requests (served, cancelled or turned away), each
-as its arrival, prompt and output lengths, tenant, and one id per 512-token prompt block,
+as its arrival, prompt and output lengths, tenant, how kvd served it (`served`: its waiting,
+prefill and decode times and the tokens the cache gave, for `kvctl bench replay
+--rates-from-trace`), and one id per 512-token prompt block,
 chained as the format asks (equal ids: the same tokens after the same context). With
 `trace_block_tokens` finer (16 to 256), one id per that many tokens, marked on each line
 (`block_tokens`, kvctl's extension): a prefix shared past a 512-token boundary then replays as
@@ -29,7 +31,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Sequence
 
-from kvctl.daemon.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from kvctl.daemon.replay.trace import TRACE_BLOCK_TOKENS, Served, TraceRequest
 
 from .auth import read_private_file
 
@@ -37,8 +39,8 @@ from .auth import read_private_file
 KEY_BYTES = 32  # the least a trace_key_file holds: `head -c 32 /dev/urandom`
 
 # what kvd holds of a finished request: arrival (a clock reading), prompt tokens, output tokens,
-# keyed block ids, tenant
-Held = tuple[float, int, int, tuple[int, ...], str]
+# keyed block ids, tenant, how it was served (None: turned away before a first token)
+Held = tuple[float, int, int, tuple[int, ...], str, "Served | None"]
 
 
 def load_trace_key(path: str | Path) -> bytes:
@@ -63,11 +65,21 @@ def numbered(held: Sequence[Held], default_tenant: str | None = None,
     `default_tenant` carries no tenant field, as a single-tenant trace has none."""
     numbers: dict[int, int] = {}
     out = []
-    for arrival, prompt, output, ids, tenant in held:
+    for arrival, prompt, output, ids, tenant, served in held:
         renumbered = tuple(numbers.setdefault(i, len(numbers)) for i in ids)
         out.append(TraceRequest(round((arrival - held[0][0]) * 1000.0, 3), prompt, output, renumbered,
-                                None if tenant == default_tenant else tenant, block_tokens))
+                                None if tenant == default_tenant else tenant, block_tokens, served))
     return out
+
+
+def served(metrics) -> Served | None:
+    """How a finished request was served, from its RequestMetrics (None: no first token)."""
+    if metrics.admitted is None or metrics.first_token is None:
+        return None
+    last = metrics.token_times[-1] if metrics.token_times else metrics.first_token
+    return Served(round((metrics.admitted - metrics.arrival) * 1000.0, 3),
+                  round((metrics.first_token - metrics.admitted) * 1000.0, 3),
+                  round((last - metrics.first_token) * 1000.0, 3), metrics.cached_tokens)
 
 
 def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int],
@@ -110,7 +122,8 @@ class RequestTrace:
             return
         outputs = [len(s.output_ids) for s in request.sequences]
         record = (request.metrics.arrival, len(request.prompt_ids), max(outputs, default=0),
-                  chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens), request.tenant)
+                  chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens), request.tenant,
+                  served(request.metrics))
         with self._lock:
             self._held.append(record)
             self.observed += 1
@@ -142,5 +155,6 @@ class RequestTrace:
             raise ValueError("keyed: needs unix_time, for arrivals other hosts can read")
         return {**body, "requests": [
             {"arrival": unix_time(arrival), "input_length": prompt, "output_length": output,
-             "keyed_ids": [f"{i:016x}" for i in ids], "tenant": tenant}
-            for arrival, prompt, output, ids, tenant in held]}
+             "keyed_ids": [f"{i:016x}" for i in ids], "tenant": tenant,
+             "served": None if how is None else how.to_object()}
+            for arrival, prompt, output, ids, tenant, how in held]}
