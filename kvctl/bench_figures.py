@@ -62,6 +62,26 @@ def figures(records: list[RequestRecord]) -> dict:
     }
 
 
+def served_figures(lines: list[dict]) -> dict | None:
+    """kvd's own account of a run's requests: the `served` of its trace lines (`GET /admin/trace`).
+    The client's TTFT is the queue plus the prefill plus the way back; these part them:
+    `queued_p50_s` (arrival to admission), `prefill_p50_s` (admission to first token), and
+    `prefill_cached_over_uncached`: the median prefill of requests the cache served some of their
+    prompt over that of requests it served none of. That ratio is what the cache saves, whatever
+    the queue. None when no line says how it was served."""
+    served = [line["served"] for line in lines if line.get("served")]
+    if not served:
+        return None
+    queued = [s["queued_ms"] / 1000.0 for s in served]
+    prefill = [s["prefill_ms"] / 1000.0 for s in served]
+    cached = [s["prefill_ms"] / 1000.0 for s in served if s["cached_tokens"] > 0]
+    uncached = [s["prefill_ms"] / 1000.0 for s in served if s["cached_tokens"] == 0]
+    return {"requests": len(served), "queued_p50_s": median(queued), "queued_p95_s": percentile(queued, 0.95),
+            "prefill_p50_s": median(prefill),
+            "prefill_cached_over_uncached": median(cached) / median(uncached)
+            if cached and uncached and median(uncached) else None}
+
+
 RATIO_FIGURES = ("output_tokens_per_second", "requests_per_second", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s",
                  "itl_p50_s", "itl_p95_s", "e2e_p50_s", "e2e_p95_s", "e2e_p99_s", "cached_token_ratio",
                  "ttft_cached_over_uncached")  # every figure but the counts (rejections, aborts)

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .bench_figures import RequestRecord, across_runs, engine_figures, figures, ratios
+from .bench_figures import RequestRecord, across_runs, engine_figures, figures, ratios, served_figures
 from .errors import KvdUnavailable, UserError
 from .outputs import is_png, refuse_clobber
 from .records_cmd import open_store
@@ -286,9 +286,14 @@ def serve_command(
                                                          device=status["model"].get("device", "cpu"),
                                                          dtype=status["model"].get("dtype"))
             kvd_run = figures(kvd_records)
+            served = None
+            try:  # kvd's own timings of these requests, where its trace keeps them
+                served = served_figures(sync.get("/admin/trace", last=len(work))["requests"])
+            except (KvdUnavailable, UserError):  # gone, or a kvd without a trace (trace_requests: 0, older)
+                pass
             base_run = figures(base_records) if base_records is not None else None
             runs.append({"seed": seed + i, "kvd": kvd_run, "baseline": base_run, "ratio": ratios(kvd_run, base_run),
-                         "engine": engine_figures(before, after, kvd_run["seconds"])})
+                         "engine": engine_figures(before, after, kvd_run["seconds"]), "served": served})
             plotted = plotted or (kvd_records, base_records)
             before = after  # the baseline's run does not step the engine
     document = {
@@ -300,6 +305,7 @@ def serve_command(
         **_summarise(runs, status, after),
         "model": {"name": status["model"]["name"], "revision": status["model"]["revision"]},
         "versions": _versions(),
+        "served": across_runs([run["served"] for run in runs])[0],  # kvd's own timings (one run's, or medians)
     }
     if save:
         document["run_id"] = open_store(ctx, state_dir, create=True).save_run("bench_serve", document)
@@ -439,6 +445,20 @@ def _print_report(document: dict, previous: dict | None) -> None:
                 f"[yellow]kvd shared its CPUs with other busy kvd engines for {engine['cpus_shared_fraction']:.0%} "
                 f"of the run (on {engine.get('threads')} intra-op thread{'s' if engine.get('threads') != 1 else ''} "
                 "at its end): these figures measure a shared host[/yellow]")
+    served = document.get("served")
+    if served:
+        ratio_said = served["prefill_cached_over_uncached"]
+        Console().print(f"kvd's own timings ({served['requests']:,.0f} requests): queued p50 "
+                        f"{_fmt(served['queued_p50_s'], 'queued_p50_s')}, p95 {_fmt(served['queued_p95_s'], 'queued_p95_s')}; "
+                        f"admission to first token p50 {_fmt(served['prefill_p50_s'], 'prefill_p50_s')}"
+                        + ("" if ratio_said is None else f", cached ÷ uncached {ratio_said:.3f}"))
+        if served["queued_p50_s"] > served["prefill_p50_s"]:
+            Console(stderr=True).print(
+                "[yellow]requests waited in kvd's queue longer than their prefill took (p50 "
+                f"{_fmt(served['queued_p50_s'], 'queued_p50_s')} against {_fmt(served['prefill_p50_s'], 'prefill_p50_s')}): "
+                "the client's TTFT figures, ttft_cached_over_uncached most of all, measure that queue; kvd's own "
+                "cached ÷ uncached is what the cache saves. A lower --rate (or --concurrency) measures the "
+                "cache[/yellow]")
     if previous is not None:
         for note in comparability_notes(document, previous["document"]):
             Console().print(f"[yellow]not like for like: {note}[/yellow]")

@@ -398,6 +398,14 @@ def test_a_short_bench_run_against_an_in_process_daemon(tmp_path):
         kvd = figures(records)
         assert kvd["cached_token_ratio"] == pytest.approx(4 * 64 / (6 * 72))
         assert kvd["ttft_cached_over_uncached"] is not None
+        from kvctl.bench_figures import served_figures
+
+        from .daemon_fixtures import call
+
+        lines = call(unix, "GET", "/admin/trace", params={"last": 6}).json()["requests"]
+        assert [line["served"]["cached_tokens"] for line in lines] == [0, 0, 64, 64, 64, 64]
+        kvd_side = served_figures(lines)  # what bench serve prints as kvd's own timings
+        assert kvd_side["requests"] == 6 and 0 < kvd_side["prefill_cached_over_uncached"]
         model = service.status()["model"]  # the baseline runs where kvd's model runs, in its dtype
         assert (model["device"], model["dtype"]) == (str(service.loaded.model.device), str(service.loaded.model.dtype))
         base = run_transformers_baseline(model["path"], work, batch=2, device=model["device"], dtype=model["dtype"])
@@ -563,3 +571,44 @@ def test_a_finer_trace_s_prompts_share_exactly_the_tokens_their_ids_say(tmp_path
     assert b.prompt[:64] == hash_block_tokens(1, 64, 256)
     a, b = from_trace(str(path), block_tokens=16)  # shrunk for a CPU: 2 tokens an id
     assert (len(a.prompt), len(b.prompt)) == (7, 5) and a.prompt[:4] == b.prompt[:4] != a.prompt[4:]
+
+
+def served(queued_ms, prefill_ms, cached_tokens):
+    return {"timestamp": 0.0, "input_length": 1056, "output_length": 8, "hash_ids": [0, 1, 2],
+            "served": {"queued_ms": queued_ms, "prefill_ms": prefill_ms, "decode_ms": 50.0,
+                       "cached_tokens": cached_tokens}}
+
+
+def test_kvd_s_own_timings_part_the_queue_from_the_prefill():
+    from kvctl.bench_figures import served_figures
+
+    lines = [served(100.0, 40.0, 0), served(120.0, 44.0, 0), served(130.0, 4.0, 1024), served(140.0, 5.0, 1024),
+             served(150.0, 6.0, 1024), {"timestamp": 1.0, "input_length": 900, "output_length": 0, "hash_ids": [3, 4]}]
+    figures = served_figures(lines)  # the line turned away says nothing of how kvd served it
+    assert figures == {"requests": 5, "queued_p50_s": 0.13, "queued_p95_s": 0.15, "prefill_p50_s": 0.006,
+                       "prefill_cached_over_uncached": pytest.approx(0.005 / 0.040)}
+    assert served_figures(lines[2:])["prefill_cached_over_uncached"] is None  # no uncached request to compare
+    assert served_figures(lines[-1:]) is None
+
+
+def test_the_report_gives_kvd_s_own_timings_and_says_when_the_queue_outweighs_the_prefill(capsys):
+    from kvctl.bench_serve import _print_report
+
+    document = {"workload": "shared-prefix", "settings": {"requests": 96, "max_tokens": 8},
+                "kvd": {"ttft_cached_over_uncached": 2.127}, "baseline": None, "ratio": {},
+                "served": {"requests": 96, "queued_p50_s": 0.1389, "queued_p95_s": 0.1981, "prefill_p50_s": 0.0055,
+                           "prefill_cached_over_uncached": 0.087}}
+    _print_report(document, None)
+    captured = capsys.readouterr()
+    assert " ".join(captured.out.split()).endswith(
+        "kvd's own timings (96 requests): queued p50 138.9 ms, p95 198.1 ms; admission to first token p50 5.5 ms, "
+        "cached ÷ uncached 0.087")
+    assert " ".join(captured.err.split()) == (
+        "requests waited in kvd's queue longer than their prefill took (p50 138.9 ms against 5.5 ms): the client's "
+        "TTFT figures, ttft_cached_over_uncached most of all, measure that queue; kvd's own cached ÷ uncached is "
+        "what the cache saves. A lower --rate (or --concurrency) measures the cache")
+    _print_report({**document, "served": {**document["served"], "queued_p50_s": 0.0002}}, None)
+    captured = capsys.readouterr()
+    assert "queued p50 0.2 ms" in captured.out and captured.err == ""
+    _print_report({**document, "served": None}, None)  # a kvd that keeps no trace
+    assert "kvd's own timings" not in capsys.readouterr().out
