@@ -110,6 +110,41 @@ def trace_generate(
     typer.echo(f"wrote {requests} requests to {out}")
 
 
+@trace_app.command("stats")
+def trace_stats_command(
+    trace: Path = typer.Argument(..., help="A Mooncake-format JSONL trace (kvctl trace save or generate writes one)."),
+    block_size: int = typer.Option(16, help="Block size in tokens for the reuse figures."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """What a trace holds: its shape, its reuse and working set, its most shared openings, and how
+    kvd served it (a trace kvd saved).
+
+    Example: kvctl trace stats /tmp/today.jsonl
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvctl.daemon.cache.keys import validate_block_size
+    from kvctl.daemon.replay.trace import read_trace
+
+    from .trace_stats import stats_lines, trace_stats
+
+    try:
+        validate_block_size(block_size)
+        figures = trace_stats(read_trace(trace), block_size)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps(figures))
+        return
+    table = Table(title=str(trace), show_header=False, title_justify="left")
+    table.add_column("figure", style="bold")
+    table.add_column("value")
+    for label, value in stats_lines(figures):
+        table.add_row(label, value)
+    Console().print(table)
+
+
 @trace_app.command("save")
 def trace_save(
     ctx: typer.Context,

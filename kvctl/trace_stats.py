@@ -1,0 +1,99 @@
+"""`kvctl trace stats FILE`: what a trace holds, before a replay sizes a cache for it.
+
+Its shape (requests, span, arrival rate, prompt and output lengths, tenants), its reuse (the hit
+ratio of one cache that never forgets, and the tokens such a cache would hold: past that size a
+bigger cache gains nothing), how its requests open (distinct first blocks, those shared: system
+prompts), and, for a trace kvd saved, how kvd served it (its own cached-token ratio, queue and
+prefill times, and the rates `kvctl bench replay --rates-from-trace` would take).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+from kvctl.daemon.replay.service_rates import measured_rates
+from kvctl.daemon.replay.simulator import max_hit_blocks
+from kvctl.daemon.replay.trace import TraceKeyer, TraceRequest
+from kvctl.daemon.stats import percentile
+
+TOP_OPENINGS = 5  # the most shared openings listed
+
+
+def _spread(values: list[int]) -> dict:
+    return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "max": max(values)}
+
+
+def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
+    """The figures of `requests` (a trace read in arrival order); reuse at `block_size` tokens."""
+    keyer = TraceKeyer(block_size)
+    keys = [keyer.keys(r) for r in requests]
+    hits = max_hit_blocks(requests, keys, block_size)
+    prompt = sum(r.input_length for r in requests)
+    seconds = requests[-1].timestamp_ms / 1000.0
+    openings = Counter((r.tenant or "default", r.hash_ids[0]) for r in requests if r.hash_ids)
+    figures = {
+        "requests": len(requests), "seconds": seconds,
+        "requests_per_second": len(requests) / seconds if seconds else None,
+        "tenants": dict(Counter(r.tenant or "default" for r in requests).most_common()),
+        "block_tokens": requests[0].block_tokens,
+        "input_tokens": prompt, "input_length": _spread([r.input_length for r in requests]),
+        "output_tokens": sum(r.output_length for r in requests),
+        "output_length": _spread([r.output_length for r in requests]),
+        "block_size": block_size,
+        "unbounded_hit_ratio": sum(hits) * block_size / prompt if prompt else 0.0,
+        "working_set_tokens": len({key for request_keys in keys for key in request_keys}) * block_size,
+        "openings": len(openings),  # distinct first blocks (a tenant's own)
+        "shared_openings": sum(1 for count in openings.values() if count > 1),
+        "shared_opening_share": sum(count for count in openings.values() if count > 1) / len(requests),
+        "top_openings": [{"tenant": tenant, "first_id": first, "requests": count, "share": count / len(requests)}
+                         for (tenant, first), count in openings.most_common(TOP_OPENINGS) if count > 1],
+        "served": None,
+    }
+    served = [r for r in requests if r.served is not None]
+    if served:
+        rates = measured_rates(requests)
+        figures["served"] = {
+            "requests": len(served),
+            "cached_token_ratio": sum(r.served.cached_tokens for r in served) / sum(r.input_length for r in served),
+            "queued_p50_s": percentile([r.served.queued_ms / 1000.0 for r in served], 0.5),
+            "queued_p95_s": percentile([r.served.queued_ms / 1000.0 for r in served], 0.95),
+            "prefill_p50_s": percentile([r.served.prefill_ms / 1000.0 for r in served], 0.5),
+            "prefill_rate": rates.prefill_rate, "decode_rate": rates.decode_rate,
+        }
+    return figures
+
+
+def stats_lines(figures: dict) -> list[tuple[str, str]]:
+    """(label, value) rows for the table `kvctl trace stats` prints."""
+    def lengths(spread: dict) -> str:
+        return f"p50 {spread['p50']:,}, p95 {spread['p95']:,}, max {spread['max']:,}"
+
+    rate = figures["requests_per_second"]
+    tenants = figures["tenants"]
+    rows = [("requests", f"{figures['requests']:,} over {figures['seconds']:,.1f} s"
+             + (f" ({rate:,.1f} a second)" if rate else "")),
+            ("tenants", ", ".join(f"{t} {n:,}" for t, n in list(tenants.items())[:5])
+             + (f" and {len(tenants) - 5} more" if len(tenants) > 5 else "")),
+            ("prompt tokens", f"{figures['input_tokens']:,}: {lengths(figures['input_length'])}"),
+            ("output tokens", f"{figures['output_tokens']:,}: {lengths(figures['output_length'])}"),
+            ("ids cover", f"{figures['block_tokens']} tokens each"),
+            (f"hit, unbounded cache (block {figures['block_size']})", f"{figures['unbounded_hit_ratio']:.1%}"),
+            ("working set", f"{figures['working_set_tokens']:,} tokens: a cache this size never forgets a block")]
+    top = figures["top_openings"]
+    rows.append(("openings (first blocks)",
+                 f"{figures['openings']:,} distinct; {figures['shared_openings']:,} shared by two requests or more, "
+                 f"opening {figures['shared_opening_share']:.0%} of them"
+                 + ("; the most shared open " + ", ".join(f"{o['requests']:,}" for o in top) + " requests"
+                    if top else "")))
+    served = figures["served"]
+    if served:
+        rows += [("kvd served", f"{served['requests']:,} requests, cached-token ratio {served['cached_token_ratio']:.3f}"),
+                 ("kvd's queue, prefill", f"queued p50 {served['queued_p50_s'] * 1000:.1f} ms, p95 "
+                                          f"{served['queued_p95_s'] * 1000:.1f} ms; admission to first token p50 "
+                                          f"{served['prefill_p50_s'] * 1000:.1f} ms"),
+                 ("rates (--rates-from-trace)",
+                  ("-" if served["prefill_rate"] is None else f"prefill {served['prefill_rate']:,.0f} tokens/s")
+                  + ", " + ("-" if served["decode_rate"] is None else
+                            f"decode {served['decode_rate']:,.0f} tokens/s a request"))]
+    return rows

@@ -1,0 +1,61 @@
+"""`kvctl trace stats FILE`: a trace's shape, reuse, working set, openings and kvd's own account,
+on a trace small enough to work out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvctl.daemon.replay.trace import Served, TraceRequest, write_trace
+from kvctl.trace_stats import trace_stats
+
+from .test_cli import cli
+
+TRACE = [
+    TraceRequest(0.0, 1024, 10, (1, 2), None, 512, Served(1.0, 50.0, 90.0, 0)),
+    TraceRequest(500.0, 1024, 20, (1, 3), None, 512, Served(3.0, 10.0, 190.0, 512)),
+    TraceRequest(1000.0, 600, 0, (4, 5), "acme"),  # turned away: kvd says nothing of how it served it
+    TraceRequest(2000.0, 1100, 5, (1, 2, 6), None, 512, Served(2.0, 20.0, 40.0, 1024)),
+]
+
+
+def test_a_trace_s_figures_worked_out_by_hand():
+    figures = trace_stats(TRACE, block_size=16)
+    assert figures == {
+        "requests": 4, "seconds": 2.0, "requests_per_second": 2.0, "tenants": {"default": 3, "acme": 1},
+        "block_tokens": 512, "input_tokens": 3748, "input_length": {"p50": 1024, "p95": 1100, "max": 1100},
+        "output_tokens": 35, "output_length": {"p50": 5, "p95": 20, "max": 20}, "block_size": 16,
+        # the second reuses its first 512 tokens, the fourth its first 1,024; acme's ids are its own
+        "unbounded_hit_ratio": (32 + 64) * 16 / 3748,
+        # whole blocks of 16: 64 + 32 new + 37 (acme's) + 4 new
+        "working_set_tokens": (64 + 32 + 37 + 4) * 16,
+        "openings": 2, "shared_openings": 1, "shared_opening_share": 0.75,
+        "top_openings": [{"tenant": "default", "first_id": 1, "requests": 3, "share": 0.75}],
+        "served": {"requests": 3, "cached_token_ratio": (512 + 1024) / (1024 + 1024 + 1100),
+                   "queued_p50_s": 0.002, "queued_p95_s": 0.003, "prefill_p50_s": 0.02,
+                   "prefill_rate": pytest.approx((1024 + 512 + 76) / 0.08), "decode_rate": pytest.approx(32 / 0.32)},
+    }
+    # at 512: the second's 1,024 tokens are two blocks, of which one can hit (its last token is computed)
+    assert trace_stats(TRACE, block_size=512)["unbounded_hit_ratio"] == (512 + 1024) / 3748
+
+
+def test_kvctl_trace_stats_prints_them_and_refuses_bad_input_by_name(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    write_trace(path, TRACE)
+    status, printed, _ = cli(capsys, "trace", "stats", str(path), "--json")
+    assert status == 0 and json.loads(printed)["working_set_tokens"] == 2192
+    status, printed, _ = cli(capsys, "trace", "stats", str(path))
+    text = " ".join(printed.replace("│", " ").split())
+    for said in ["requests 4 over 2.0 s (2.0 a second)", "tenants default 3, acme 1",
+                 "prompt tokens 3,748: p50 1,024, p95 1,100, max 1,100", "hit, unbounded cache (block 16) 41.0%",
+                 "working set 2,192 tokens", "openings (first blocks) 2 distinct; 1 shared by two requests or more, "
+                 "opening 75% of them; the most shared open 3 requests",
+                 "kvd served 3 requests, cached-token ratio 0.488",
+                 "queued p50 2.0 ms, p95 3.0 ms; admission to first token p50 20.0 ms",
+                 "prefill 20,150 tokens/s, decode 100 tokens/s a request"]:
+        assert said in text, said
+    status, _, err = cli(capsys, "trace", "stats", str(path), "--block-size", "24")
+    assert status == 2 and "block_size: expected a power of two from 1 to 512, got 24" in err
+    status, _, err = cli(capsys, "trace", "stats", str(tmp_path / "none.jsonl"))
+    assert status == 2 and f"trace: no such file {str(tmp_path / 'none.jsonl')!r}" in err
