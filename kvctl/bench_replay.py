@@ -147,6 +147,9 @@ def replay_command(
                       placements)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
+        raise UserError(f"placements: {placements} needs --replicas and prefix routing with --new-prefix home "
+                        f"(where a hash places new prefixes)")  # before the trace is read, which can take long
     err = Console(stderr=True)
     if trace is None:
         requests = generate_trace(demo_requests, seed=seed, noisy_fraction=noisy_fraction)[:limit]
@@ -174,9 +177,6 @@ def replay_command(
                          "(no request made two tokens: --decode-rate's)")
                       + " tokens/s a request")
 
-    if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
-        raise UserError(f"placements: {placements} needs --replicas and prefix routing with --new-prefix home "
-                        f"(where a hash places new prefixes)")
     fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings, "balance_seconds": balance_seconds,
                                         "new_prefix": new_prefix, "placements": placements}
     results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
+from kvctl.bench_figures import served_figures
 from kvctl.daemon.replay.service_rates import measured_rates
 from kvctl.daemon.replay.simulator import max_hit_blocks
 from kvctl.daemon.replay.trace import TraceKeyer, TraceRequest
@@ -51,14 +52,11 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
         "served": None,
     }
     served = [r for r in requests if r.served is not None]
-    if served:
+    if served:  # what bench serve prints as kvd's own timings, with the live hit ratio and the rates
         rates = measured_rates(requests)
         figures["served"] = {
-            "requests": len(served),
+            **served_figures([r.to_object() for r in served]),
             "cached_token_ratio": sum(r.served.cached_tokens for r in served) / sum(r.input_length for r in served),
-            "queued_p50_s": percentile([r.served.queued_ms / 1000.0 for r in served], 0.5),
-            "queued_p95_s": percentile([r.served.queued_ms / 1000.0 for r in served], 0.95),
-            "prefill_p50_s": percentile([r.served.prefill_ms / 1000.0 for r in served], 0.5),
             "prefill_rate": rates.prefill_rate, "decode_rate": rates.decode_rate,
         }
     return figures
@@ -91,7 +89,9 @@ def stats_lines(figures: dict) -> list[tuple[str, str]]:
         rows += [("kvd served", f"{served['requests']:,} requests, cached-token ratio {served['cached_token_ratio']:.3f}"),
                  ("kvd's queue, prefill", f"queued p50 {served['queued_p50_s'] * 1000:.1f} ms, p95 "
                                           f"{served['queued_p95_s'] * 1000:.1f} ms; admission to first token p50 "
-                                          f"{served['prefill_p50_s'] * 1000:.1f} ms"),
+                                          f"{served['prefill_p50_s'] * 1000:.1f} ms"
+                                          + ("" if served["prefill_cached_over_uncached"] is None else
+                                             f", cached ÷ uncached {served['prefill_cached_over_uncached']:.3f}")),
                  ("rates (--rates-from-trace)",
                   ("-" if served["prefill_rate"] is None else f"prefill {served['prefill_rate']:,.0f} tokens/s")
                   + ", " + ("-" if served["decode_rate"] is None else

@@ -34,6 +34,7 @@ def test_a_trace_s_figures_worked_out_by_hand():
         "top_openings": [{"tenant": "default", "first_id": 1, "requests": 3, "share": 0.75}],
         "served": {"requests": 3, "cached_token_ratio": (512 + 1024) / (1024 + 1024 + 1100),
                    "queued_p50_s": 0.002, "queued_p95_s": 0.003, "prefill_p50_s": 0.02,
+                   "prefill_cached_over_uncached": 0.010 / 0.050,  # the lower median of 10 and 20 ms, over 50
                    "prefill_rate": pytest.approx((1024 + 512 + 76) / 0.08), "decode_rate": pytest.approx(32 / 0.32)},
     }
     # at 512: the second's 1,024 tokens are two blocks, of which one can hit (its last token is computed)
@@ -52,7 +53,7 @@ def test_kvctl_trace_stats_prints_them_and_refuses_bad_input_by_name(tmp_path, c
                  "working set 2,192 tokens", "openings (first blocks) 2 distinct; 1 shared by two requests or more, "
                  "opening 75% of them; the most shared open 3 requests",
                  "kvd served 3 requests, cached-token ratio 0.488",
-                 "queued p50 2.0 ms, p95 3.0 ms; admission to first token p50 20.0 ms",
+                 "queued p50 2.0 ms, p95 3.0 ms; admission to first token p50 20.0 ms, cached ÷ uncached 0.200",
                  "prefill 20,150 tokens/s, decode 100 tokens/s a request"]:
         assert said in text, said
     status, _, err = cli(capsys, "trace", "stats", str(path), "--block-size", "24")

@@ -85,4 +85,3 @@ def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | No
     if missing:
         out["message"] = "not in the trace: " + "; ".join(missing)
     return 200, out
-

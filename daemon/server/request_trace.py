@@ -5,11 +5,11 @@ gives it the operator's own traffic instead of a synthetic one. kvd keeps the la
 `trace_requests` (default 10,000) finished requests (served, cancelled or turned away), each
 as its arrival, prompt and output lengths, tenant, how kvd served it (`served`: its waiting,
 prefill and decode times and the tokens the cache gave, for `kvctl bench replay
---rates-from-trace`), and one id per 512-token prompt block,
-chained as the format asks (equal ids: the same tokens after the same context). With
-`trace_block_tokens` finer (16 to 256), one id per that many tokens, marked on each line
-(`block_tokens`, kvctl's extension): a prefix shared past a 512-token boundary then replays as
-shared up to its last whole block, for the price of more ids (a 40k-token prompt at 64: 625).
+--rates-from-trace`), and one id per 512-token prompt block, chained as the format asks (equal
+ids: the same tokens after the same context). With `trace_block_tokens` finer (16 to 256), one
+id per that many tokens, marked on each line (`block_tokens`, kvctl's extension): a prefix shared
+past a 512-token boundary then replays as shared up to its last whole block, for the price of
+more ids (a 40k-token prompt at 64: 625).
 
 Never the tokens: a block's id is an HMAC-SHA256 chain under a key, cut to 64 bits; a saved
 trace numbers them again 0, 1, 2, ... in order of first appearance. So a trace cannot be tested
@@ -35,12 +35,11 @@ from kvctl.daemon.replay.trace import TRACE_BLOCK_TOKENS, Served, TraceRequest
 
 from .auth import read_private_file
 
-
 KEY_BYTES = 32  # the least a trace_key_file holds: `head -c 32 /dev/urandom`
 
 # what kvd holds of a finished request: arrival (a clock reading), prompt tokens, output tokens,
 # keyed block ids, tenant, how it was served (None: turned away before a first token)
-Held = tuple[float, int, int, tuple[int, ...], str, "Served | None"]
+Held = tuple[float, int, int, tuple[int, ...], str, Served | None]
 
 
 def load_trace_key(path: str | Path) -> bytes:
