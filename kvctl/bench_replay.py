@@ -77,7 +77,8 @@ def replay_command(
                                  "capacity, behind a router."),
     routing: list[str] = typer.Option(["round_robin,least_loaded,prefix,ttft"], "--routing",
                                       help="With --replicas: routing policies to compare (round_robin, "
-                                           "least_loaded, prefix, ttft)."),
+                                           "least_loaded, prefix, ttft; recorded: where the live router sent each "
+                                           "request, in a fleet's trace kvd router saved)."),
     balance_seconds: float = typer.Option(2.0, help="prefix routing: the extra wait it accepts for a "
                                           "replica that caches more."),
     new_prefix: str = typer.Option("home", help="prefix routing: where a prompt no replica holds goes: home (by "

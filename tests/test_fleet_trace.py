@@ -41,16 +41,19 @@ def test_replicas_traces_merge_in_arrival_order_one_prompt_one_id_on_every_repli
     status, body = merge_traces(["r0", "r1"], [a, b], last=None)
     assert status == 200 and body["result"] == "ok" and "message" not in body
     assert body["requests"] == [
-        {"timestamp": 0.0, "input_length": 1536, "output_length": 2, "hash_ids": [0, 1, 2]},
-        {"timestamp": 400.0, "input_length": 1536, "output_length": 7, "hash_ids": [0, 1, 3], "served": HOW},
-        {"timestamp": 900.0, "input_length": 512, "output_length": 2, "hash_ids": [4], "tenant": "acme"},
-        {"timestamp": 1500.0, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]}]
+        {"timestamp": 0.0, "input_length": 1536, "output_length": 2, "hash_ids": [0, 1, 2], "replica": "r0"},
+        {"timestamp": 400.0, "input_length": 1536, "output_length": 7, "hash_ids": [0, 1, 3], "served": HOW,
+         "replica": "r1"},
+        {"timestamp": 900.0, "input_length": 512, "output_length": 2, "hash_ids": [4], "tenant": "acme",
+         "replica": "r0"},
+        {"timestamp": 1500.0, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1], "replica": "r1"}]
     assert (body["capacity"], body["observed"], body["started_at"]) == (200, 11, 100.0)
     assert (body["key"], body["key_id"], body["block_tokens"]) == ("shared", "feedfacefeedface", 512)
     assert body["replicas"] == [{"replica": "r0", "status": 200, "requests": 2, "key": "shared"},
                                 {"replica": "r1", "status": 200, "requests": 2, "key": "shared"}]
     status, body = merge_traces(["r0", "r1"], [a, b], last=2)  # the fleet's last two, numbered again
-    assert [(r["timestamp"], r["hash_ids"]) for r in body["requests"]] == [(0.0, [0]), (600.0, [1, 2])]
+    assert [(r["timestamp"], r["hash_ids"], r["replica"]) for r in body["requests"]] == [
+        (0.0, [0], "r0"), (600.0, [1, 2], "r1")]
 
 
 def test_a_replica_left_out_is_named_and_the_trace_is_partial():
@@ -143,6 +146,7 @@ def test_kvctl_trace_save_at_kvd_router_writes_the_fleet_s_traffic_for_a_routing
     assert status == 0 and printed.startswith("wrote 4 requests over ") and printed.rstrip().endswith(
         f"to {out} (1,835 prompt tokens, 1 tenant, 2 replicas)")
     assert [r.hash_ids for r in read_trace(out)] == [(0, 1), (0, 2), (3,), (0, 1)]
+    assert [r.replica for r in read_trace(out)] == ["replica-0", "replica-1"] * 2  # where round robin sent each
     status, printed, _ = cli(capsys, "bench", "replay", str(out), "--block-sizes", "16", "--replicas", "2",
                              "--routing", "round_robin,prefix", "--json")
     assert status == 0 and json.loads(printed)  # the fleet's trace replays behind the routing policies

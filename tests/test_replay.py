@@ -514,3 +514,44 @@ def test_kvctl_bench_replay_takes_its_rates_from_the_trace_when_asked(tmp_path, 
     assert status == 2 and "rates_from_trace: no line of the trace says how it was served" in err
     status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--json")
     assert status == 0 and json.loads(printed)["settings"]["rates_from_trace"] is None
+
+
+# ---- the live router's own decisions (`replica` on a fleet trace's lines) --------------------------
+def test_recorded_routing_sends_each_request_where_its_line_says_the_live_router_did():
+    from dataclasses import replace
+
+    served_by = ["/run/kvd-b.sock", "/run/kvd-b.sock", "/run/kvd-a.sock", "/run/kvd-a.sock"] * 2
+    trace = [replace(r, replica=name) for r, name in zip(GROUPS, served_by)]
+    # prompt 1 always went to kvd-b (replica 0: named first), prompt 2 to kvd-a: both kept
+    result = fleet(trace, 2, "recorded")
+    assert result.requests_per_replica == [4, 4] and result.hit_tokens == 6 * 512
+    crossed = [replace(r, replica=name) for r, name in zip(GROUPS, ["a", "b"] * 4)]  # each prompt on both
+    assert fleet(crossed, 2, "recorded").hit_tokens == 0  # as round robin: each replica forgets in turn
+    with pytest.raises(ValueError) as refused:
+        fleet(trace[:3] + GROUPS[3:], 2, "recorded")
+    assert str(refused.value) == ("routing: recorded needs each request's replica, and request 4 names none (a "
+                                  "fleet's trace that kvd router saved names them)")
+    with pytest.raises(ValueError) as refused:
+        fleet([replace(r, replica=f"r{i % 3}") for i, r in enumerate(GROUPS)], 2, "recorded")
+    assert str(refused.value) == "replicas: the trace's requests were served by 3 replicas; --replicas 2 is fewer"
+
+
+def test_a_line_names_its_replica_and_kvctl_bench_replay_routes_as_recorded(tmp_path, capsys):
+    import json
+    from dataclasses import replace
+
+    from kvctl.daemon.replay.trace import parse_request
+
+    from .test_cli import cli
+
+    line = replace(GROUPS[0], replica="/run/kvd-0/kvd.sock")
+    assert line.to_object()["replica"] == "/run/kvd-0/kvd.sock" and parse_request(line.to_object(), "x") == line
+    with pytest.raises(TraceError) as refused:
+        parse_request({**line.to_object(), "replica": 7}, "t.jsonl line 2")
+    assert str(refused.value) == "t.jsonl line 2: field 'replica' must be a replica's name (a socket or URL), got 7"
+    path = tmp_path / "fleet.jsonl"
+    write_trace(path, [replace(r, replica=f"r{i % 2}") for i, r in enumerate(GROUPS)])
+    status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "512", "--capacity-tokens",
+                             "1024", "--policy", "lru", "--replicas", "2", "--routing", "recorded,prefix", "--json")
+    runs = json.loads(printed)["runs"]
+    assert status == 0 and [(r["routing"], r["hit_tokens"]) for r in runs] == [("recorded", 0), ("prefix", 6 * 512)]

@@ -84,8 +84,9 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
     if settings.num_blocks < 1:
         raise ValueError(f"capacity_tokens: {settings.capacity_tokens} holds no block of "
                          f"{settings.block_size} tokens")
-    router = make_router(routing, prefill_rate=settings.prefill_rate, balance_seconds=balance_seconds,
-                         new_prefix=new_prefix)
+    recorded = recorded_replicas(requests, replicas) if routing == RECORDED else None  # the live router's choices
+    router = None if recorded is not None else make_router(routing, prefill_rate=settings.prefill_rate,
+                                                           balance_seconds=balance_seconds, new_prefix=new_prefix)
     shared = OrderedDict() if settings.tier_tokens else None  # one tier for the fleet: a shared Redis
     runs = [ReplicaRun(settings, requests, keys, max_hits, tier=shared) for _ in range(replicas)]
     names = [f"replica-{i}" for i in range(replicas)]  # where a new prefix goes home, as a live router names them
@@ -97,9 +98,13 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
         for run in runs:
             run.finish_until(arrival, tick)
             run.advance(arrival)
-        facts = [_facts(run, index, name, size) for run, name in zip(runs, names)]
-        affinity = trace_affinity(request, placement) if request.hash_ids else None
-        runs[router.choose(request.input_length, facts, affinity).replica].arrive(index, arrival, tick)
+        if recorded is not None:
+            chosen = recorded[index]
+        else:
+            facts = [_facts(run, index, name, size) for run, name in zip(runs, names)]
+            affinity = trace_affinity(request, placement) if request.hash_ids else None
+            chosen = router.choose(request.input_length, facts, affinity).replica
+        runs[chosen].arrive(index, arrival, tick)
     for run in runs:
         run.drain(tick)
     seconds = time.perf_counter() - started
@@ -109,6 +114,24 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
             if run.manager.num_sequences:
                 raise AssertionError(f"{run.manager.num_sequences} sequences left after the replay")
     return _result(settings, routing, runs, len(requests), seconds)
+
+
+RECORDED = "recorded"  # a replay's routing: each request to the replica its fleet trace names
+
+
+def recorded_replicas(requests: Sequence[TraceRequest], replicas: int) -> list[int]:
+    """The replica index of each request, as its line's `replica` names it (numbered in order of
+    first appearance): the live router's decisions, to replay a fleet's cache apart from routing."""
+    numbers: dict[str, int] = {}
+    for position, request in enumerate(requests):
+        if request.replica is None:
+            raise ValueError(f"routing: recorded needs each request's replica, and request {position + 1} names none "
+                             f"(a fleet's trace that kvd router saved names them)")
+        numbers.setdefault(request.replica, len(numbers))
+    if len(numbers) > replicas:
+        raise ValueError(f"replicas: the trace's requests were served by {len(numbers)} replicas; "
+                         f"--replicas {replicas} is fewer")
+    return [numbers[request.replica] for request in requests]
 
 
 def _facts(run: ReplicaRun, index: int, name: str, size: int) -> ReplicaFacts:

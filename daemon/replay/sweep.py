@@ -14,7 +14,7 @@ from kvctl.policies.tiering import WRITE_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.routing import ROUTING_POLICIES, make_router
 
-from .fleet import FleetResult, placement_figures, places_new_prefixes, replay_fleet
+from .fleet import RECORDED, FleetResult, placement_figures, places_new_prefixes, replay_fleet
 from .simulator import ReplayResult, ReplaySettings, max_hit_blocks, replay
 from .trace import TraceKeyer, TraceRequest
 from kvctl.daemon.cache.keys import validate_block_size
@@ -45,8 +45,9 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         if not routings:
             raise ValueError("routing: give at least one routing policy")
         for routing in routings:
-            if routing not in ROUTING_POLICIES:
-                raise ValueError(f"routing: unknown value {routing!r}; choose from {', '.join(ROUTING_POLICIES)}")
+            if routing not in (*ROUTING_POLICIES, RECORDED):
+                raise ValueError(f"routing: unknown value {routing!r}; choose from "
+                                 f"{', '.join((*ROUTING_POLICIES, RECORDED))}")
         make_router("prefix", balance_seconds=balance_seconds, new_prefix=new_prefix)  # its own checks
     if not block_sizes:
         raise ValueError("block_sizes: give at least one block size")

@@ -22,7 +22,9 @@ b > B, one replay block covers b / B ids, keyed by them together. A trace keeps 
 An optional `served` (kvctl's extension, in the lines kvd saves) says how kvd served the request:
 `{"queued_ms", "prefill_ms", "decode_ms", "cached_tokens"}` (waiting, admission to first token,
 first token to last, prompt tokens the cache gave). `kvctl bench replay --rates-from-trace` sets
-its service model from them (`service_rates`).
+its service model from them (`service_rates`). An optional `replica` (kvctl's extension, in a
+fleet's trace kvd router saved) names the replica that served the request: `kvctl bench replay
+--replicas N --routing recorded` sends each request where the live router did.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class TraceRequest:
     tenant: str | None = None  # whose request (kvctl's extension of the format); None: the default tenant
     block_tokens: int = TRACE_BLOCK_TOKENS  # prompt tokens per id (kvctl's extension; the format's is 512)
     served: Served | None = None  # how kvd served it (kvctl's extension); None: not said (turned away)
+    replica: str | None = None  # the replica that served it, in a fleet's trace (kvctl's extension)
 
     def to_object(self) -> dict:
         """The line as a JSON object (no `tenant` for the default tenant's, no `block_tokens` at 512,
@@ -94,6 +97,8 @@ class TraceRequest:
             record["block_tokens"] = self.block_tokens
         if self.served is not None:
             record["served"] = self.served.to_object()
+        if self.replica is not None:
+            record["replica"] = self.replica
         return record
 
     def to_json(self) -> str:
@@ -131,7 +136,11 @@ def parse_request(obj: object, where: str) -> TraceRequest:
     if tenant is not None and not (isinstance(tenant, str) and TENANT_NAME.fullmatch(tenant)):
         raise TraceError(f"{where}: field 'tenant' must be a tenant name (letters, digits, . _ -), got {tenant!r}")
     served = None if obj.get("served") is None else Served.parse(obj["served"], where, input_length)
-    return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids), tenant, block_tokens, served)
+    replica = obj.get("replica")
+    if replica is not None and not (isinstance(replica, str) and 0 < len(replica) <= 1024):
+        raise TraceError(f"{where}: field 'replica' must be a replica's name (a socket or URL), got {replica!r}")
+    return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids), tenant, block_tokens, served,
+                        replica)
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:

@@ -2,7 +2,8 @@
 
 Each replica keeps its own trace (daemon/server/request_trace.py). The router asks every one for
 its lines with the block ids as keyed (`ids=keyed`) and Unix arrivals, puts them in arrival order,
-keeps the `last` few, and numbers the ids from 0 as a replica does. A prompt served on two replicas
+keeps the `last` few, and numbers the ids from 0 as a replica does. Each line names the replica
+that served it (`replica`), for a replay that routes as the live router did (`--routing recorded`). A prompt served on two replicas
 has one id on both only where they key their ids alike: every replica given one `trace_key_file`.
 Replicas that draw their own keys would make a fleet that shares nothing, and a replay that
 compares routing policies on it would be wrong; so the router refuses to merge them and says how
@@ -15,6 +16,7 @@ much. A request the router retried on a second replica after the first failed is
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from kvctl.daemon.replay.trace import Served
@@ -63,15 +65,17 @@ def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | No
     why = _apart(traced)
     if why is not None:
         return _refusal(why)
-    held: list[Held] = sorted(
-        ((line["arrival"], line["input_length"], line["output_length"],
-          tuple(int(i, 16) for i in line["keyed_ids"]), line["tenant"],
-          None if line.get("served") is None else Served.parse(line["served"], name, line["input_length"]))
-         for name, body in traced for line in body["requests"]), key=lambda line: line[0])
+    where: list[tuple[Held, str]] = sorted(  # each line, and the replica that served it
+        (((line["arrival"], line["input_length"], line["output_length"],
+           tuple(int(i, 16) for i in line["keyed_ids"]), line["tenant"],
+           None if line.get("served") is None else Served.parse(line["served"], name, line["input_length"])), name)
+         for name, body in traced for line in body["requests"]), key=lambda pair: pair[0][0])
     if last is not None:
-        held = held[-last:]
+        where = where[-last:]
+    held = [line for line, _ in where]
     block_tokens = traced[0][1]["block_tokens"]
-    lines = numbered(held, "default", block_tokens)
+    lines = [replace(line, replica=name)
+             for line, (_, name) in zip(numbered(held, "default", block_tokens), where)]
     rows = [{"replica": name, "status": status,
              **({"requests": len(body["requests"]), "key": body["key"]} if status == 200 else {"error": body.get("error")})}
             for name, (status, body) in zip(names, answers)]
