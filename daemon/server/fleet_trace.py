@@ -3,8 +3,9 @@
 Each replica keeps its own trace (daemon/server/request_trace.py). The router asks every one for
 its lines with the block ids as keyed (`ids=keyed`) and Unix arrivals, puts them in arrival order,
 keeps the `last` few, and numbers the ids from 0 as a replica does. Each line names the replica
-that served it (`replica`), for a replay that routes as the live router did (`--routing recorded`). A prompt served on two replicas
-has one id on both only where they key their ids alike: every replica given one `trace_key_file`.
+that served it (`replica`), for a replay that routes as the live router did (`--routing
+recorded`). A prompt served on two replicas has one id on both only where they key their ids
+alike: every replica given one `trace_key_file`.
 Replicas that draw their own keys would make a fleet that shares nothing, and a replay that
 compares routing policies on it would be wrong; so the router refuses to merge them and says how
 to give them one key. The merged trace replays with `kvctl bench replay --replicas N`.
