@@ -127,7 +127,7 @@ def trace_stats_command(
     from kvctl.daemon.cache.keys import validate_block_size
     from kvctl.daemon.replay.trace import read_trace
 
-    from .trace_stats import stats_lines, trace_stats
+    from .trace_stats import coarse_ids, stats_lines, trace_stats
 
     try:
         validate_block_size(block_size)
@@ -143,6 +143,9 @@ def trace_stats_command(
     for label, value in stats_lines(figures):
         table.add_row(label, value)
     Console().print(table)
+    note = coarse_ids(figures)
+    if note:
+        Console(stderr=True).print(f"[yellow]{note}[/yellow]")
 
 
 @trace_app.command("save")

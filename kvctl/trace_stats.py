@@ -17,6 +17,7 @@ from kvctl.daemon.replay.service_rates import measured_rates
 from kvctl.daemon.replay.simulator import max_hit_blocks
 from kvctl.daemon.replay.trace import TraceKeyer, TraceRequest
 from kvctl.daemon.stats import percentile
+from kvctl.tables import seconds
 
 TOP_OPENINGS = 5  # the most shared openings listed
 
@@ -69,7 +70,7 @@ def stats_lines(figures: dict) -> list[tuple[str, str]]:
 
     rate = figures["requests_per_second"]
     tenants = figures["tenants"]
-    rows = [("requests", f"{figures['requests']:,} over {figures['seconds']:,.1f} s"
+    rows = [("requests", f"{figures['requests']:,} over {seconds(figures['seconds'])}"
              + (f" ({rate:,.1f} a second)" if rate else "")),
             ("tenants", ", ".join(f"{t} {n:,}" for t, n in list(tenants.items())[:5])
              + (f" and {len(tenants) - 5} more" if len(tenants) > 5 else "")),
@@ -97,3 +98,16 @@ def stats_lines(figures: dict) -> list[tuple[str, str]]:
                   + ", " + ("-" if served["decode_rate"] is None else
                             f"decode {served['decode_rate']:,.0f} tokens/s a request"))]
     return rows
+
+
+def coarse_ids(figures: dict) -> str | None:
+    """What to say when kvd cached more of the trace's prompts than a replay of its ids can: the
+    ids are coarser than the prefixes the prompts share (None: they are not)."""
+    served = figures["served"]
+    if not served or served["cached_token_ratio"] <= figures["unbounded_hit_ratio"] + 0.01:
+        return None
+    finer = [size for size in (64, 16) if size < figures["block_tokens"]]
+    return (f"kvd cached {served['cached_token_ratio']:.1%} of these prompts, more than a replay of these ids "
+            f"can ({figures['unbounded_hit_ratio']:.1%}): each id covers {figures['block_tokens']} tokens, "
+            f"coarser than the prefixes the prompts share"
+            + (f"; kvd's trace_block_tokens {' or '.join(map(str, finer))} traces them finer" if finer else ""))

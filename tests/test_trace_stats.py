@@ -48,7 +48,7 @@ def test_kvctl_trace_stats_prints_them_and_refuses_bad_input_by_name(tmp_path, c
     assert status == 0 and json.loads(printed)["working_set_tokens"] == 2192
     status, printed, _ = cli(capsys, "trace", "stats", str(path))
     text = " ".join(printed.replace("│", " ").split())
-    for said in ["requests 4 over 2.0 s (2.0 a second)", "tenants default 3, acme 1",
+    for said in ["requests 4 over 2.00 s (2.0 a second)", "tenants default 3, acme 1",
                  "prompt tokens 3,748: p50 1,024, p95 1,100, max 1,100", "hit, unbounded cache (block 16) 41.0%",
                  "working set 2,192 tokens", "openings (first blocks) 2 distinct; 1 shared by two requests or more, "
                  "opening 75% of them; the most shared open 3 requests",
@@ -60,3 +60,22 @@ def test_kvctl_trace_stats_prints_them_and_refuses_bad_input_by_name(tmp_path, c
     assert status == 2 and "block_size: expected a power of two from 1 to 512, got 24" in err
     status, _, err = cli(capsys, "trace", "stats", str(tmp_path / "none.jsonl"))
     assert status == 2 and f"trace: no such file {str(tmp_path / 'none.jsonl')!r}" in err
+
+
+def test_trace_stats_says_when_kvd_cached_more_than_the_trace_s_ids_can_replay(tmp_path, capsys):
+    """The demo's prompts share a system prompt shorter than 512 tokens: kvd cached 47.9% of them,
+    and a trace of 512-token ids replays none of it."""
+    short = [TraceRequest(0.0, 200, 4, (1,), None, 512, Served(0.1, 5.0, 6.0, 0)),
+             TraceRequest(45.0, 210, 4, (2,), None, 512, Served(0.1, 2.0, 6.0, 192))]
+    path = tmp_path / "short.jsonl"
+    write_trace(path, short)
+    status, printed, err = cli(capsys, "trace", "stats", str(path))
+    assert status == 0 and "requests 2 over 45.0 ms" in " ".join(printed.replace("│", " ").split())
+    assert " ".join(err.split()) == ("kvd cached 46.8% of these prompts, more than a replay of these ids can (0.0%): "
+                                     "each id covers 512 tokens, coarser than the prefixes the prompts share; kvd's "
+                                     "trace_block_tokens 64 or 16 traces them finer")
+    fine = [TraceRequest(0.0, 200, 4, tuple(range(13)), None, 16, Served(0.1, 5.0, 6.0, 0)),
+            TraceRequest(45.0, 210, 4, tuple(range(12)) + (20, 21), None, 16, Served(0.1, 2.0, 6.0, 192))]
+    write_trace(path, fine)
+    status, _, err = cli(capsys, "trace", "stats", str(path))
+    assert status == 0 and err == ""  # at 16 tokens an id the replay sees what kvd cached
