@@ -14,6 +14,7 @@ from rich.text import Text
 
 from kvctl.daemon.replay.fleet import FleetResult, places_new_prefixes
 from kvctl.daemon.replay.service_rates import measured_rates
+from kvctl.trace_stats import coarse_ids, live_cached_ratio
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
@@ -195,6 +196,9 @@ def replay_command(
             "restore_rate": restore_rate, "tier_write": tier_write,
         },
         "runs": [r.as_dict() for r in results],
+        # kvd cached more of a saved trace's prompts than a replay of its ids can: ids too coarse
+        "coarse_ids": coarse_ids(requests[0].block_tokens, live_cached_ratio(requests),
+                                 max(r.max_hit_ratio for r in results)),
     }
     if fleet is not None:
         document["fleet"] = fleet
@@ -214,6 +218,8 @@ def replay_command(
             _fleet_tables(results, trace_name, len(requests), replicas)
         for part in parts:
             out.print(part)
+        if document["coarse_ids"]:
+            err.print(f"[yellow]{document['coarse_ids']}[/yellow]")
         if plot is not None:
             err.print(f"plot written to {plot}")
         if save:

@@ -143,7 +143,8 @@ def trace_stats_command(
     for label, value in stats_lines(figures):
         table.add_row(label, value)
     Console().print(table)
-    note = coarse_ids(figures)
+    note = coarse_ids(figures["block_tokens"], (figures["served"] or {}).get("cached_token_ratio"),
+                      figures["unbounded_hit_ratio"])
     if note:
         Console(stderr=True).print(f"[yellow]{note}[/yellow]")
 

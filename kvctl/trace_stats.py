@@ -56,8 +56,7 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
     if served:  # what bench serve prints as kvd's own timings, with the live hit ratio and the rates
         rates = measured_rates(requests)
         figures["served"] = {
-            **served_figures([r.to_object() for r in served]),
-            "cached_token_ratio": sum(r.served.cached_tokens for r in served) / sum(r.input_length for r in served),
+            **served_figures([r.to_object() for r in served]), "cached_token_ratio": live_cached_ratio(served),
             "prefill_rate": rates.prefill_rate, "decode_rate": rates.decode_rate,
         }
     return figures
@@ -100,14 +99,19 @@ def stats_lines(figures: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def coarse_ids(figures: dict) -> str | None:
-    """What to say when kvd cached more of the trace's prompts than a replay of its ids can: the
-    ids are coarser than the prefixes the prompts share (None: they are not)."""
-    served = figures["served"]
-    if not served or served["cached_token_ratio"] <= figures["unbounded_hit_ratio"] + 0.01:
+def live_cached_ratio(requests: Sequence[TraceRequest]) -> float | None:
+    """The share of prompt tokens kvd's cache gave the requests it says it served (None: none)."""
+    served = [r for r in requests if r.served is not None]
+    return sum(r.served.cached_tokens for r in served) / sum(r.input_length for r in served) if served else None
+
+
+def coarse_ids(block_tokens: int, live_ratio: float | None, ceiling: float) -> str | None:
+    """What to say when kvd cached more of a trace's prompts (`live_ratio`) than a replay of its
+    ids can (`ceiling`: a cache that never forgets): the ids are coarser than the prefixes the
+    prompts share (None: they are not, or kvd did not say)."""
+    if live_ratio is None or live_ratio <= ceiling + 0.01:
         return None
-    finer = [size for size in (64, 16) if size < figures["block_tokens"]]
-    return (f"kvd cached {served['cached_token_ratio']:.1%} of these prompts, more than a replay of these ids "
-            f"can ({figures['unbounded_hit_ratio']:.1%}): each id covers {figures['block_tokens']} tokens, "
-            f"coarser than the prefixes the prompts share"
+    finer = [size for size in (64, 16) if size < block_tokens]
+    return (f"kvd cached {live_ratio:.1%} of these prompts, more than a replay of these ids can ({ceiling:.1%}): "
+            f"each id covers {block_tokens} tokens, coarser than the prefixes the prompts share"
             + (f"; kvd's trace_block_tokens {' or '.join(map(str, finer))} traces them finer" if finer else ""))

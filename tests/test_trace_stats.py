@@ -79,3 +79,18 @@ def test_trace_stats_says_when_kvd_cached_more_than_the_trace_s_ids_can_replay(t
     write_trace(path, fine)
     status, _, err = cli(capsys, "trace", "stats", str(path))
     assert status == 0 and err == ""  # at 16 tokens an id the replay sees what kvd cached
+
+
+def test_kvctl_bench_replay_says_so_too_where_an_operator_picks_a_block_size(tmp_path, capsys):
+    short = [TraceRequest(0.0, 200, 4, (1,), None, 512, Served(0.1, 5.0, 6.0, 0)),
+             TraceRequest(45.0, 210, 4, (2,), None, 512, Served(0.1, 2.0, 6.0, 192))]
+    path = tmp_path / "short.jsonl"
+    write_trace(path, short)
+    status, printed, err = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--policy", "lru")
+    note = ("kvd cached 46.8% of these prompts, more than a replay of these ids can (0.0%): each id covers 512 "
+            "tokens, coarser than the prefixes the prompts share; kvd's trace_block_tokens 64 or 16 traces them finer")
+    assert status == 0 and " ".join(err.split()) == note
+    status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--policy", "lru", "--json")
+    assert status == 0 and json.loads(printed)["coarse_ids"] == note
+    status, printed, _ = cli(capsys, "bench", "replay", "--block-sizes", "16", "--policy", "lru", "--json")
+    assert status == 0 and json.loads(printed)["coarse_ids"] is None  # a generated trace: kvd said nothing
