@@ -108,10 +108,12 @@ def live_cached_ratio(requests: Sequence[TraceRequest]) -> float | None:
 def coarse_ids(block_tokens: int, live_ratio: float | None, ceiling: float) -> str | None:
     """What to say when kvd cached more of a trace's prompts (`live_ratio`) than a replay of its
     ids can (`ceiling`: a cache that never forgets): the ids are coarser than the prefixes the
-    prompts share (None: they are not, or kvd did not say)."""
+    prompts share, or kvd held prefixes from before the trace (None: neither shows, or kvd did
+    not say)."""
     if live_ratio is None or live_ratio <= ceiling + 0.01:
         return None
     finer = [size for size in (64, 16) if size < block_tokens]
     return (f"kvd cached {live_ratio:.1%} of these prompts, more than a replay of these ids can ({ceiling:.1%}): "
-            f"each id covers {block_tokens} tokens, coarser than the prefixes the prompts share"
-            + (f"; kvd's trace_block_tokens {' or '.join(map(str, finer))} traces them finer" if finer else ""))
+            f"its ids of {block_tokens} tokens are coarser than the prefixes the prompts share"
+            + (f" (kvd's trace_block_tokens {' or '.join(map(str, finer))} traces them finer)" if finer else "")
+            + ", or kvd's cache held prefixes from before the trace's first request")

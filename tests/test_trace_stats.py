@@ -72,8 +72,9 @@ def test_trace_stats_says_when_kvd_cached_more_than_the_trace_s_ids_can_replay(t
     status, printed, err = cli(capsys, "trace", "stats", str(path))
     assert status == 0 and "requests 2 over 45.0 ms" in " ".join(printed.replace("│", " ").split())
     assert " ".join(err.split()) == ("kvd cached 46.8% of these prompts, more than a replay of these ids can (0.0%): "
-                                     "each id covers 512 tokens, coarser than the prefixes the prompts share; kvd's "
-                                     "trace_block_tokens 64 or 16 traces them finer")
+                                     "its ids of 512 tokens are coarser than the prefixes the prompts share (kvd's "
+                                     "trace_block_tokens 64 or 16 traces them finer), or kvd's cache held prefixes "
+                                     "from before the trace's first request")
     fine = [TraceRequest(0.0, 200, 4, tuple(range(13)), None, 16, Served(0.1, 5.0, 6.0, 0)),
             TraceRequest(45.0, 210, 4, tuple(range(12)) + (20, 21), None, 16, Served(0.1, 2.0, 6.0, 192))]
     write_trace(path, fine)
@@ -87,8 +88,9 @@ def test_kvctl_bench_replay_says_so_too_where_an_operator_picks_a_block_size(tmp
     path = tmp_path / "short.jsonl"
     write_trace(path, short)
     status, printed, err = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--policy", "lru")
-    note = ("kvd cached 46.8% of these prompts, more than a replay of these ids can (0.0%): each id covers 512 "
-            "tokens, coarser than the prefixes the prompts share; kvd's trace_block_tokens 64 or 16 traces them finer")
+    note = ("kvd cached 46.8% of these prompts, more than a replay of these ids can (0.0%): its ids of 512 tokens "
+            "are coarser than the prefixes the prompts share (kvd's trace_block_tokens 64 or 16 traces them finer), "
+            "or kvd's cache held prefixes from before the trace's first request")
     assert status == 0 and " ".join(err.split()) == note
     status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--policy", "lru", "--json")
     assert status == 0 and json.loads(printed)["coarse_ids"] == note
