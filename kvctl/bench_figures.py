@@ -69,7 +69,11 @@ def served_figures(lines: list[dict]) -> dict | None:
     `prefill_cached_over_uncached`: the median prefill of requests the cache served some of their
     prompt over that of requests it served none of. That ratio is what the cache saves, whatever
     the queue. None when no line says how it was served."""
-    served = [line["served"] for line in lines if line.get("served")]
+    return timing_figures([line["served"] for line in lines if line.get("served")])
+
+
+def timing_figures(served: list[dict]) -> dict | None:
+    """`served_figures` of the lines' `served` objects themselves (None: none)."""
     if not served:
         return None
     queued = [s["queued_ms"] / 1000.0 for s in served]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from kvctl.bench_figures import served_figures
+from kvctl.bench_figures import timing_figures
 from kvctl.daemon.replay.service_rates import measured_rates
 from kvctl.daemon.replay.simulator import max_hit_blocks
 from kvctl.daemon.replay.trace import TraceKeyer, TraceRequest
@@ -56,7 +56,7 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
     if served:  # what bench serve prints as kvd's own timings, with the live hit ratio and the rates
         rates = measured_rates(requests)
         figures["served"] = {
-            **served_figures([r.to_object() for r in served]), "cached_token_ratio": live_cached_ratio(served),
+            **timing_figures([r.served.to_object() for r in served]), "cached_token_ratio": live_cached_ratio(served),
             "prefill_rate": rates.prefill_rate, "decode_rate": rates.decode_rate,
         }
     return figures
