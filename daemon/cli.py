@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import signal
@@ -194,6 +195,44 @@ def serve(
     except (ConfigError, RuntimeError, OSError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         raise typer.Exit(2)
+
+
+# `kvd serve --help` in sections, one per concern: a table of fifty options is hard to scan, and
+# at 80 columns every option's help got squeezed beside the widest name of them all.
+SERVE_HELP_PANELS = {
+    "Model and server": ("config", "model", "chat_template", "model_name", "device", "dtype", "state_dir",
+                         "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
+                         "shutdown_timeout", "log_level"),
+    "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_batch_tokens", "quick_prefill_tokens",
+                           "max_running", "reservation", "eviction", "pin_budget_blocks"),
+    "Admission and tenants": ("max_queue", "max_tenant_requests", "tenant_request_limits", "queue_order",
+                              "tenant_priorities", "tenant_cache_shares"),
+    "Quantised cache formats": ("cache_dtype", "keep_layers_unquantised", "allow_uncalibrated"),
+    "Tiers: host, disk, Redis": ("host_cache_bytes", "disk_cache_bytes", "disk_cache_path", "remote_url",
+                                 "remote_cache_bytes", "remote_timeout", "write_policy", "tiering", "tier_compress",
+                                 "disk_compress", "remote_compress", "prefetch_policy", "prefetch_timeout",
+                                 "prefetch_timeout_per_1k_tokens"),
+    "Metrics and trace": ("metrics_aliases", "max_tenant_metric_series", "trace_requests", "trace_key_file",
+                          "trace_block_tokens"),
+}
+
+
+def place_in_help_panels(command, panels: dict[str, tuple[str, ...]]) -> None:
+    """Give each option of `command` (a Typer command function) its `--help` section; an option
+    placed in none, or in two, is an error here, at import, so a new setting cannot go unlisted."""
+    options = {name: p.default for name, p in inspect.signature(command).parameters.items()}
+    placed = [name for names in panels.values() for name in names]
+    unknown = sorted(set(placed) - set(options))
+    twice = sorted({name for name in placed if placed.count(name) > 1})
+    missing = sorted(set(options) - set(placed))
+    if unknown or twice or missing:
+        raise RuntimeError(f"help panels of {command.__name__}: unknown {unknown}, twice {twice}, missing {missing}")
+    for panel, names in panels.items():
+        for name in names:
+            options[name].rich_help_panel = panel
+
+
+place_in_help_panels(serve, SERVE_HELP_PANELS)
 
 
 def _loop_factory():

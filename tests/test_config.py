@@ -212,3 +212,45 @@ def test_every_setting_is_a_kvd_serve_flag_too(tmp_path, monkeypatch):
     assert (config.pin_budget_blocks, config.shutdown_timeout, config.model_name, config.remote_cache_bytes,
             config.remote_timeout) == (40, 5.0, "support-bot", 2 * 2**30, 0.25)
     assert config.sources["remote_cache_bytes"] == "--remote-cache-bytes"
+
+
+def test_kvd_serve_help_is_in_sections_and_every_option_has_one():
+    """`kvd serve --help` shows its fifty settings in sections by concern, each option in exactly
+    one; a section map that leaves an option out (or names one twice, or one that does not exist)
+    is refused with the names."""
+    import typer
+
+    import kvctl.daemon.cli as cli
+
+    serve = typer.main.get_command(cli.app).commands["serve"]
+    panels = {param.name: getattr(param, "rich_help_panel", None) for param in serve.params}
+    panels.pop("help", None)
+    assert {name for name, panel in panels.items() if panel is None} == set()
+    assert panels["cache_memory"] == "Cache and batching"
+    assert panels["remote_url"] == panels["prefetch_policy"] == "Tiers: host, disk, Redis"
+    assert panels["trace_key_file"] == "Metrics and trace"
+    assert set(panels.values()) == set(cli.SERVE_HELP_PANELS)
+
+    def command(a=typer.Option(None), b=typer.Option(None), c=typer.Option(None)) -> None:
+        """A command with three options."""
+
+    with pytest.raises(RuntimeError) as caught:
+        cli.place_in_help_panels(command, {"One": ("a", "b"), "Two": ("b", "d")})
+    assert str(caught.value) == "help panels of command: unknown ['d'], twice ['b'], missing ['c']"
+
+
+def test_kvd_serve_help_shows_each_option_name_whole_at_100_columns():
+    """Sectioned, each table is as wide as its own names: at 100 columns no option name is cut
+    (before the sections, 16 lines were cut at 80 columns)."""
+    from typer.testing import CliRunner
+
+    import kvctl.daemon.cli as cli
+
+    result = CliRunner().invoke(cli.app, ["serve", "--help"], env={"COLUMNS": "100", "TERMINAL_WIDTH": "100"})
+    assert result.exit_code == 0, result.output
+    for title in cli.SERVE_HELP_PANELS:
+        assert title in result.output
+    assert "…" not in result.output
+    for option in ("--prefetch-timeout-per-1k-tokens", "--keep-layers-unquantised", "--no-allow-uncalibrated",
+                   "--trace-block-tokens", "--quick-prefill-tokens", "--max-tenant-metric-series"):
+        assert option in result.output
