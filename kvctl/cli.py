@@ -166,7 +166,8 @@ def trace_save(
 
     At kvd router, the fleet's trace: every replica's requests in arrival order, for `kvctl bench
     replay --replicas N` to compare routing policies. The replicas must share one trace_key_file,
-    so that one prompt has one id on all of them. Exit status 3 when a replica was left out.
+    so that one prompt has one id on all of them. A request one replica turned away and the
+    router sent to another is one line (its last try). Exit status 3 when a replica was left out.
 
     Example: kvctl trace save /tmp/today.jsonl && kvctl bench replay /tmp/today.jsonl
     """
@@ -189,17 +190,21 @@ def trace_save(
     if fleet is not None:
         figures["replicas"] = [row["replica"] for row in fleet if row["status"] == 200]
         figures["result"] = answer["result"]
+        figures["retries_merged"] = answer.get("retries_merged", 0)
         if answer.get("message"):
             figures["message"] = answer["message"]
     if as_json:
         typer.echo(json.dumps(figures))
     else:
-        earlier = figures["observed"] - len(trace)
+        merged = figures.get("retries_merged", 0)  # a fleet's replicas count each try they saw
+        earlier = figures["observed"] - len(trace) - merged
         typer.echo(f"wrote {len(trace):,} requests over {seconds(figures['seconds'])} to {out} "
                    f"({figures['input_tokens']:,} prompt tokens, {len(figures['tenants'])} "
                    f"tenant{'s' if len(figures['tenants']) != 1 else ''}"
                    + (f", {len(figures['replicas'])} replica{'s' if len(figures['replicas']) != 1 else ''}"
                       if fleet is not None else "") + ")"
+                   + (f"; {merged:,} earlier tr{'ies' if merged != 1 else 'y'} of requests the router sent on to "
+                      f"another replica left out" if merged > 0 else "")
                    + (f"; {earlier:,} earlier requests are not in it" if earlier > 0 else ""))
         ops._fleet_message(answer)
     if answer.get("result") == "partial":

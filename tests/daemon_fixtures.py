@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 
@@ -65,3 +66,12 @@ def blocks_all_back(service) -> bool:
         engine.cache.audit()
         counts = engine.cache.state_counts()
     return counts["reserved"] == counts["active"] == counts["shared"] == 0 and not engine.has_work()
+
+
+def settled(read, done, timeout: float = 10.0):
+    """`read()` again until `done(answer)`, within `timeout`: kvd's engine thread hands a request's
+    last event to its client just before its books (rollouts, metrics, trace) take the request."""
+    deadline = time.monotonic() + timeout
+    while not done(answer := read()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return answer

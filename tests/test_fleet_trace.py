@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from kvctl.daemon.replay.trace import read_trace
@@ -177,3 +178,81 @@ def test_kvctl_trace_save_writes_what_the_fleet_gave_and_exits_3_naming_the_repl
     figures = json.loads(printed)
     assert status == 3 and (figures["replicas"], figures["result"]) == (["r0"], "partial")
     assert figures["message"] == "not in the trace: r1 (not reached: ConnectError: connection refused)"
+
+
+def test_a_request_retried_on_another_replica_is_one_line_of_the_fleet_s_trace(capsys, tmp_path, monkeypatch):
+    """A request r0 turned away (429) and the router sent on to r1 is in both replicas' traces;
+    the fleet's trace keeps its last try alone, and says how many lines it left out. A request
+    every replica turned away is kept once, as the last one turned it away. Lines without the
+    router's name (sent to a replica directly) are all kept."""
+    first, again = "00000000000000a1/1", "00000000000000a1/2"
+    a = replica(dict(keyed(10.0, SYSTEM, output=0), router_attempt=first),
+                dict(keyed(11.0, ["00000000000000dd"], output=0), router_attempt="00000000000000b2/1"),
+                keyed(12.0, ["00000000000000ee"]))
+    b = replica(dict(keyed(10.01, SYSTEM, output=5, served=HOW), router_attempt=again),
+                dict(keyed(11.02, ["00000000000000dd"], output=0), router_attempt="00000000000000b2/2"),
+                keyed(12.5, ["00000000000000ee"]))
+    status, body = merge_traces(["r0", "r1"], [a, b], last=None)
+    assert status == 200 and body["retries_merged"] == 2
+    assert [(r["timestamp"], r["output_length"], r["replica"]) for r in body["requests"]] == [
+        (0.0, 5, "r1"), (1010.0, 0, "r1"), (1990.0, 2, "r0"), (2490.0, 2, "r1")]
+    assert body["requests"][0]["hash_ids"] == [0, 1] and body["started_at"] == 10.01
+    status, body = merge_traces(["r0", "r1"], [a, b], last=2)  # `last` counts the fleet's requests
+    assert [r["replica"] for r in body["requests"]] == ["r0", "r1"] and body["retries_merged"] == 2
+    _, body = merge_traces(["r0", "r1"], [replica(keyed(1.0, SYSTEM)), replica(keyed(1.5, SYSTEM))], last=None)
+    assert body["retries_merged"] == 0 and len(body["requests"]) == 2
+
+    from kvctl import client
+
+    _, body = merge_traces(["r0", "r1"], [a, b], last=None)
+    monkeypatch.setattr(client.Client, "get", lambda self, path, **params: body)
+    out = tmp_path / "fleet.jsonl"
+    status, printed, _ = cli(capsys, "trace", "save", str(out))
+    assert status == 0 and printed.strip() == (  # six lines the replicas observed, four requests: none earlier
+        f"wrote 4 requests over 2.49 s to {out} (2,560 prompt tokens, 1 tenant, 2 replicas); 2 earlier tries of "
+        f"requests the router sent on to another replica left out")
+    assert [r.replica for r in read_trace(out)] == ["r1", "r1", "r0", "r1"]
+    status, printed, _ = cli(capsys, "trace", "save", str(out), "--json")
+    assert json.loads(printed)["retries_merged"] == 2
+
+
+class RunsThenRefuses(httpx.AsyncBaseTransport):
+    """A replica that runs each completion it is sent and then answers 429, as if its queue had
+    been full (so it has a trace line for a request the router then sends elsewhere); it notes
+    the router's name for each try."""
+
+    def __init__(self, app) -> None:
+        self.inner, self.tries = httpx.ASGITransport(app=app), []
+
+    async def handle_async_request(self, request):
+        answer = await self.inner.handle_async_request(request)
+        if request.url.path != "/v1/completions":
+            return answer
+        await answer.aread()
+        self.tries.append(request.headers.get("x-kvd-router-attempt"))
+        return httpx.Response(429, json={"error": {"message": "queue full", "type": "x", "param": None,
+                                                   "code": "queue_full"}}, headers={"Retry-After": "1"})
+
+
+def test_the_router_names_each_try_and_its_trace_counts_a_retried_request_once(fleet):
+    from kvctl.daemon.server.router import replica_client
+
+    from .daemon_fixtures import call, settled
+    from .test_router import drive, post, router_app
+
+    shared, _ = fleet
+    service, app = router_app(shared, "round_robin")
+    refusing = RunsThenRefuses(shared[0])
+    service.replicas[0].client = replica_client("/run/replica-0.sock", transport=refusing)
+    [answer] = drive(app, [lambda c: post(c, [4] * 37)])
+    assert answer.status_code == 200 and answer.headers["x-kvd-tried"] == "replica-0 (429)"
+    [name] = refusing.tries
+    assert name is not None and name.endswith("/1")
+    second = settled(lambda: call(shared[1], "GET", "/admin/trace", params={"last": 1, "ids": "keyed"}).json(),
+                     lambda body: body["requests"] and body["requests"][-1]["input_length"] == 37)
+    assert second["requests"][-1]["router_attempt"] == name[:-1] + "2"  # one name, the second try
+    first = call(shared[0], "GET", "/admin/trace", params={"last": 1, "ids": "keyed"}).json()["requests"][-1]
+    assert first["router_attempt"] == name  # replica-0 ran it too: a line of its own
+    body = call(app, "GET", "/admin/trace", params={"last": 3}).json()
+    assert body["retries_merged"] >= 1
+    assert [r["replica"] for r in body["requests"] if r["input_length"] == 37] == ["replica-1"]

@@ -17,13 +17,16 @@ from .test_cli import cli
 KEY = b"k" * 32
 
 
-def finished(arrival: float, prompt: list[int], outputs=(4,), tenant: str = "default", times=None, cached=0):
+def finished(arrival: float, prompt: list[int], outputs=(4,), tenant: str = "default", times=None, cached=0,
+             routed=None):
     """What EngineService.on_finished hands its observers, as far as the trace reads it. `times`:
-    (admitted, token times) on the engine's clock; None: turned away before its first token."""
+    (admitted, token times) on the engine's clock; None: turned away before its first token.
+    `routed`: kvd router's (id, try) of the request."""
     admitted, tokens = times if times is not None else (None, [])
     metrics = SimpleNamespace(arrival=arrival, admitted=admitted, first_token=tokens[0] if tokens else None,
                               token_times=list(tokens), cached_tokens=cached)
-    return SimpleNamespace(metrics=metrics, prompt_ids=prompt, tenant=tenant,
+    extra = {} if routed is None else {"router_attempt": routed}
+    return SimpleNamespace(metrics=metrics, prompt_ids=prompt, tenant=tenant, params=SimpleNamespace(extra=extra),
                            sequences=[SimpleNamespace(output_ids=[7] * n) for n in outputs])
 
 
@@ -272,3 +275,36 @@ def test_kvd_refuses_a_trace_block_size_the_trace_format_cannot_say(value, messa
     with pytest.raises(ConfigError) as refused:
         resolve({"trace_block_tokens": value}, env={})
     assert str(refused.value) == f"trace_block_tokens: invalid value {value!r} from --trace-block-tokens: {message}"
+
+
+def test_a_routed_request_s_line_carries_the_router_s_name_for_it_and_a_bad_name_is_refused(daemon):
+    """kvd router names each request and each try at it (X-KVD-Router-Attempt): the keyed line
+    kvd gives the router carries it, so the fleet's trace can keep a retried request's last try
+    alone; the saved (numbered) trace does not. A value kvd router would not send is a 400 naming
+    the header, and nothing is run."""
+    from .daemon_fixtures import call, settled
+
+    service, unix = daemon
+
+    def answered_and_traced(prompt, headers=None):  # the request's keyed line, once the trace has taken it
+        before = service.trace.observed
+        assert call(unix, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                    headers=headers or {}).status_code == 200
+        return settled(lambda: call(unix, "GET", "/admin/trace", params={"last": 1, "ids": "keyed"}).json(),
+                       lambda body: body["observed"] == before + 1)["requests"][0]
+
+    line = answered_and_traced([5] * 37, {"X-KVD-Router-Attempt": "0123456789abcdef/2"})
+    assert (line["input_length"], line["router_attempt"]) == (37, "0123456789abcdef/2")
+    assert set(call(unix, "GET", "/admin/trace", params={"last": 1}).json()["requests"][0]) == {
+        "timestamp", "input_length", "output_length", "hash_ids", "served"}
+    observed = service.trace.observed
+    for bad in ("0123456789ABCDEF/2", "0123456789abcdef/0", "0123456789abcdef", "x/1", "0123456789abcdef/10000"):
+        refused = call(unix, "POST", "/v1/completions", json={"prompt": [5] * 37, "max_tokens": 1},
+                       headers={"X-KVD-Router-Attempt": bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-KVD-Router-Attempt"
+        assert refused.json()["error"]["message"] == (
+            f"X-KVD-Router-Attempt: invalid value {bad!r}; kvd router sends 16 lowercase hex digits, '/', and "
+            f"the try (1 to 9999), e.g. 9f86d081884c7d65/2")
+    assert service.trace.observed == observed
+    line = answered_and_traced([6] * 37)
+    assert line["input_length"] == 37 and "router_attempt" not in line

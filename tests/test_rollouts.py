@@ -12,7 +12,7 @@ from kvctl.policies.rollout import StopCondition, in_cohort, parse_fraction
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
-from .daemon_fixtures import apps, call, start_service, token_table  # noqa: E402
+from .daemon_fixtures import apps, call, settled, start_service, token_table  # noqa: E402
 
 
 def test_cohort_assignment_is_stable_and_near_the_fraction():
@@ -37,15 +37,6 @@ def test_stop_conditions():
     assert parse_fraction("10%") == 0.1 and parse_fraction(0.5) == 0.5
     with pytest.raises(ValueError, match=r"cohort: '150%' is not in \(0%, 100%\]"):
         parse_fraction("150%")
-
-
-def settled(read, done, timeout: float = 10.0):
-    """`read()` again until `done(answer)`, within `timeout`: kvd's engine thread hands a request's
-    last event to its client just before its books (rollouts, metrics) take the request."""
-    deadline = time.monotonic() + timeout
-    while not done(answer := read()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return answer
 
 
 def test_a_worse_policy_trips_its_stop_condition_and_rolls_back_by_itself(tmp_path):

@@ -40,6 +40,7 @@ from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
+from .request_trace import ROUTER_ATTEMPT_HEADER, parse_router_attempt
 from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
 from .tenants import list_tenants
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -392,6 +393,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         """Run `prompts` (n samples each) and answer in `shape`: streamed as server-sent events, or
         whole once every sample has finished. A client that leaves cancels them. `echo_texts`: each
         prompt's text, put before its choices' text (completions' `echo`)."""
+        routed = http.headers.get(ROUTER_ATTEMPT_HEADER.lower())
+        if routed is not None:  # kvd router's name for the request: its trace line carries it
+            try:
+                params.extra["router_attempt"] = parse_router_attempt(routed)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param=ROUTER_ATTEMPT_HEADER) from None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         sink = LoopSink(loop, events)

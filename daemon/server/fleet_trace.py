@@ -12,7 +12,14 @@ to give them one key. The merged trace replays with `kvctl bench replay --replic
 
 A replica that does not answer is left out and named (`result: partial`). Arrivals come from the
 replicas' own clocks: hosts whose clocks disagree by some milliseconds move their requests by as
-much. A request the router retried on a second replica after the first failed is in both traces.
+much.
+
+A request one replica turned away (its queue full: 429; stopping: 503) and the router then sent
+to another is in both replicas' traces, but it is one request of the fleet's traffic. The router
+names each request and each try at it (request_trace.ROUTER_ATTEMPT_HEADER), so the fleet's trace
+keeps only the last try's line (`retries_merged` counts the lines left out); a request every
+replica turned away is kept once, as turned away. A request the router refused without asking
+any replica (none could be reached) is in no trace.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Sequence
 from kvctl.daemon.replay.trace import Served
 
 from .fleet_admin import Answer, error_said, none_did
-from .request_trace import Held, numbered
+from .request_trace import Held, numbered, parse_router_attempt
 
 
 def trace_query(last: int | None) -> str:
@@ -56,21 +63,41 @@ def _apart(traced: Sequence[tuple[str, dict]]) -> str | None:
             f"replica's (kvctl --socket REPLICA trace save FILE)")
 
 
+def last_tries(where: list[tuple[Held, str]]) -> list[tuple[Held, str]]:
+    """The lines of `where` (each with its replica) less those of a routed request's earlier tries:
+    of the lines that name one router id, those of the highest try stay."""
+    final: dict[str, int] = {}
+    for line, _ in where:
+        if line.attempt is not None:
+            route_id, attempt = line.attempt
+            final[route_id] = max(attempt, final.get(route_id, 0))
+    return [(line, name) for line, name in where if line.attempt is None or line.attempt[1] == final[line.attempt[0]]]
+
+
+def _held(line: dict, replica: str) -> Held:
+    """A keyed trace line of `replica` (RequestTrace.report, keyed) as held."""
+    routed = line.get("router_attempt")
+    return Held(line["arrival"], line["input_length"], line["output_length"],
+                tuple(int(i, 16) for i in line["keyed_ids"]), line["tenant"],
+                None if line.get("served") is None else Served.parse(line["served"], replica, line["input_length"]),
+                None if routed is None else parse_router_attempt(routed))
+
+
 def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | None) -> tuple[int, dict]:
     """(HTTP status, body) of the fleet's trace: `GET /admin/trace`'s body as a replica's, over
-    every replica that answered (`replicas`: each one's status and lines), `result` partial and a
-    `message` naming those that did not."""
+    every replica that answered (`replicas`: each one's status and lines), a retried request's
+    last try alone (`retries_merged`: the earlier tries' lines left out), `result` partial and a
+    `message` naming the replicas that did not answer."""
     traced = [(name, body) for name, (status, body) in zip(names, answers) if status == 200]
     if not traced:
         return none_did(names, answers)
     why = _apart(traced)
     if why is not None:
         return _refusal(why)
-    where: list[tuple[Held, str]] = sorted(  # each line, and the replica that served it
-        (((line["arrival"], line["input_length"], line["output_length"],
-           tuple(int(i, 16) for i in line["keyed_ids"]), line["tenant"],
-           None if line.get("served") is None else Served.parse(line["served"], name, line["input_length"])), name)
-         for name, body in traced for line in body["requests"]), key=lambda pair: pair[0][0])
+    every = [(_held(line, name), name) for name, body in traced for line in body["requests"]]
+    # each line, and the replica that served it, in arrival order
+    kept = last_tries(every)
+    where: list[tuple[Held, str]] = sorted(kept, key=lambda pair: pair[0].arrival)
     if last is not None:
         where = where[-last:]
     held = [line for line, _ in where]
@@ -83,7 +110,8 @@ def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | No
     out = {"capacity": sum(body["capacity"] for _, body in traced),
            "observed": sum(body["observed"] for _, body in traced), "block_tokens": block_tokens,
            "key": traced[0][1]["key"], "key_id": traced[0][1]["key_id"],
-           "started_at": held[0][0] if held else None, "requests": [line.to_object() for line in lines],
+           "started_at": held[0].arrival if held else None, "requests": [line.to_object() for line in lines],
+           "retries_merged": len(every) - len(kept),
            "replicas": rows, "result": "ok" if len(traced) == len(names) else "partial"}
     missing = [f"{row['replica']} ({'not reached' if row['status'] is None else row['status']}: "
                f"{error_said(row)})" for row in rows if row["status"] != 200]

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 import threading
 from array import array
 from collections import deque
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from kvctl.daemon.replay.trace import TRACE_BLOCK_TOKENS, Served, TraceRequest
 
@@ -37,9 +38,33 @@ from .auth import read_private_file
 
 KEY_BYTES = 32  # the least a trace_key_file holds: `head -c 32 /dev/urandom`
 
-# what kvd holds of a finished request: arrival (a clock reading), prompt tokens, output tokens,
-# keyed block ids, tenant, how it was served (None: turned away before a first token)
-Held = tuple[float, int, int, tuple[int, ...], str, Served | None]
+# kvd router names each request it forwards, and which try at it this is, in this header: a request a
+# replica turned away (429, 503) and the router then sent to another is in both replicas' traces,
+# and the fleet's trace keeps only its last try (fleet_trace.py). 16 hex digits, "/", the try.
+ROUTER_ATTEMPT_HEADER = "X-KVD-Router-Attempt"
+_ROUTER_ATTEMPT = re.compile(r"([0-9a-f]{16})/([1-9][0-9]{0,3})")
+
+
+def parse_router_attempt(value: str) -> tuple[str, int]:
+    """(the router's id of the request, which try) from the header's value; a ValueError naming
+    the header and the value when it is not what kvd router sends."""
+    match = _ROUTER_ATTEMPT.fullmatch(value)
+    if match is None:
+        raise ValueError(f"{ROUTER_ATTEMPT_HEADER}: invalid value {value[:64]!r}; kvd router sends 16 lowercase "
+                         f"hex digits, '/', and the try (1 to 9999), e.g. 9f86d081884c7d65/2")
+    return match.group(1), int(match.group(2))
+
+
+class Held(NamedTuple):
+    """What kvd holds of a finished request."""
+
+    arrival: float  # a clock reading
+    prompt: int  # prompt tokens
+    output: int  # output tokens (the longest of its samples)
+    ids: tuple[int, ...]  # keyed block ids
+    tenant: str
+    served: Served | None  # None: turned away before a first token
+    attempt: tuple[str, int] | None = None  # kvd router's (id, try) of the request; None: not routed
 
 
 def load_trace_key(path: str | Path) -> bytes:
@@ -64,10 +89,11 @@ def numbered(held: Sequence[Held], default_tenant: str | None = None,
     `default_tenant` carries no tenant field, as a single-tenant trace has none."""
     numbers: dict[int, int] = {}
     out = []
-    for arrival, prompt, output, ids, tenant, served in held:
-        renumbered = tuple(numbers.setdefault(i, len(numbers)) for i in ids)
-        out.append(TraceRequest(round((arrival - held[0][0]) * 1000.0, 3), prompt, output, renumbered,
-                                None if tenant == default_tenant else tenant, block_tokens, served))
+    for line in held:
+        renumbered = tuple(numbers.setdefault(i, len(numbers)) for i in line.ids)
+        out.append(TraceRequest(round((line.arrival - held[0].arrival) * 1000.0, 3), line.prompt, line.output,
+                                renumbered, None if line.tenant == default_tenant else line.tenant, block_tokens,
+                                line.served))
     return out
 
 
@@ -120,9 +146,9 @@ class RequestTrace:
         if self.capacity == 0:  # `trace_requests: 0`: nothing kept, nothing hashed
             return
         outputs = [len(s.output_ids) for s in request.sequences]
-        record = (request.metrics.arrival, len(request.prompt_ids), max(outputs, default=0),
-                  chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens), request.tenant,
-                  served(request.metrics))
+        record = Held(request.metrics.arrival, len(request.prompt_ids), max(outputs, default=0),
+                      chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens),
+                      request.tenant, served(request.metrics), request.params.extra.get("router_attempt"))
         with self._lock:
             self._held.append(record)
             self.observed += 1
@@ -130,7 +156,7 @@ class RequestTrace:
     def held(self, last: int | None = None) -> list[Held]:
         """The held requests (the `last` to arrive, if given) in arrival order."""
         with self._lock:
-            held = sorted(self._held, key=lambda r: r[0])
+            held = sorted(self._held, key=lambda r: r.arrival)
         return held[len(held) - last:] if last is not None and last < len(held) else held
 
     def requests(self, last: int | None = None, default_tenant: str | None = None) -> list[TraceRequest]:
@@ -142,18 +168,20 @@ class RequestTrace:
         """`GET /admin/trace`: the trace's lines as objects, what kvd keeps, and its key: `shared`
         (a trace_key_file) or `own`, and `key_id`, equal where the key is. `unix_time` reads an
         arrival as Unix time (`started_at`: the first line's). `keyed` (for kvd router, which
-        merges replicas' traces): each line's Unix `arrival`, its tenant, and its block ids as keyed
-        (16 hex digits each) rather than numbered."""
+        merges replicas' traces): each line's Unix `arrival`, its tenant, its block ids as keyed
+        (16 hex digits each) rather than numbered, and `router_attempt` (the router's id of the
+        request and its try, as ROUTER_ATTEMPT_HEADER said) where the router sent it."""
         held = self.held(last)
         body = {"capacity": self.capacity, "observed": self.observed, "block_tokens": self.block_tokens,
                 "key": "shared" if self.shared else "own", "key_id": self.key_id,
-                "started_at": unix_time(held[0][0]) if held and unix_time is not None else None}
+                "started_at": unix_time(held[0].arrival) if held and unix_time is not None else None}
         if not keyed:
             return {**body, "requests": [r.to_object() for r in numbered(held, default_tenant, self.block_tokens)]}
         if unix_time is None:
             raise ValueError("keyed: needs unix_time, for arrivals other hosts can read")
         return {**body, "requests": [
-            {"arrival": unix_time(arrival), "input_length": prompt, "output_length": output,
-             "keyed_ids": [f"{i:016x}" for i in ids], "tenant": tenant,
-             "served": None if how is None else how.to_object()}
-            for arrival, prompt, output, ids, tenant, how in held]}
+            {"arrival": unix_time(line.arrival), "input_length": line.prompt, "output_length": line.output,
+             "keyed_ids": [f"{i:016x}" for i in line.ids], "tenant": line.tenant,
+             "served": None if line.served is None else line.served.to_object(),
+             **({} if line.attempt is None else {"router_attempt": "%s/%d" % line.attempt})}
+            for line in held]}

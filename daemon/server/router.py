@@ -62,6 +62,7 @@ from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merg
                           merge_unpins)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
+from .request_trace import ROUTER_ATTEMPT_HEADER
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
@@ -832,6 +833,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         # A replica that refuses before starting the request (429: its queue is full; 503: it is
         # stopping or loading) or cannot be connected to has not run it: the next best one is tried.
         tried, excluded, refusal, closed_retried = [], set(), None, False
+        route_id = secrets.token_hex(8)  # each try names it: the fleet's trace keeps its last (fleet_trace.py)
         while True:
             try:
                 replica, reason = await service.choose(body, tenant, excluded)
@@ -841,6 +843,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 if refusal is not None:  # every replica that could take it refused: the last refusal, as it came
                     return refusal
                 return error(503, str(exc), "no_replica")
+            headers[ROUTER_ATTEMPT_HEADER] = f"{route_id}/{len(tried) + 1}"
             request = replica.client.build_request("POST", path, content=raw, headers=headers)
             try:  # a non-streamed answer's headers come only when it is whole: the caller may leave first
                 upstream = await unless_caller_leaves(replica.client.send(request, stream=True))
