@@ -5,6 +5,7 @@ way out, where replicas key their ids apart; a replica left out is named."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -180,38 +181,47 @@ def test_kvctl_trace_save_writes_what_the_fleet_gave_and_exits_3_naming_the_repl
     assert figures["message"] == "not in the trace: r1 (not reached: ConnectError: connection refused)"
 
 
-def test_a_request_retried_on_another_replica_is_one_line_of_the_fleet_s_trace(capsys, tmp_path, monkeypatch):
-    """A request r0 turned away (429) and the router sent on to r1 is in both replicas' traces;
-    the fleet's trace keeps its last try alone, and says how many lines it left out. A request
-    every replica turned away is kept once, as the last one turned it away. Lines without the
-    router's name (sent to a replica directly) are all kept."""
-    first, again = "00000000000000a1/1", "00000000000000a1/2"
-    a = replica(dict(keyed(10.0, SYSTEM, output=0), router_attempt=first),
-                dict(keyed(11.0, ["00000000000000dd"], output=0), router_attempt="00000000000000b2/1"),
-                keyed(12.0, ["00000000000000ee"]))
-    b = replica(dict(keyed(10.01, SYSTEM, output=5, served=HOW), router_attempt=again),
-                dict(keyed(11.02, ["00000000000000dd"], output=0), router_attempt="00000000000000b2/2"),
-                keyed(12.5, ["00000000000000ee"]))
-    status, body = merge_traces(["r0", "r1"], [a, b], last=None)
-    assert status == 200 and body["retries_merged"] == 2
+def routed(line, request, attempt, arrival):
+    """`line` as kvd keeps it for a request kvd router sent: the router's id, try and arrival."""
+    return dict(line, router={"request": request, "try": attempt, "arrival": arrival})
+
+
+def test_the_fleet_s_trace_is_in_the_router_s_order_and_a_retried_request_is_one_line(capsys, tmp_path,
+                                                                                      monkeypatch):
+    """Lines the router sent carry its arrival: the fleet's trace is in the order the router
+    received the requests, on its clock (E reached r0 before D reached r1, but the router had D
+    first). A request r0 turned away (429) and the router sent on to r1 is in both replicas'
+    traces; the fleet's trace keeps its last try alone and says how many lines it left out. A
+    request every replica turned away is kept once, as the last one turned it away. A line of a
+    request sent to a replica directly keeps the replica's arrival."""
+    a_id, b_id, d_id, e_id = "00000000000000a1", "00000000000000b2", "00000000000000d4", "00000000000000e5"
+    r0 = replica(routed(keyed(10.0, SYSTEM, output=0), a_id, 1, 9.99),
+                 routed(keyed(11.0, ["00000000000000dd"], output=0), b_id, 1, 10.98),
+                 keyed(12.0, ["00000000000000ee"]),  # C, sent to r0 directly
+                 routed(keyed(12.46, ["00000000000000ff"]), e_id, 1, 12.45))
+    r1 = replica(routed(keyed(10.01, SYSTEM, output=5, served=HOW), a_id, 2, 9.99),
+                 routed(keyed(11.02, ["00000000000000dd"], output=0), b_id, 2, 10.98),
+                 routed(keyed(12.5, ["00000000000000ee"], output=3), d_id, 1, 12.4))
+    status, body = merge_traces(["r0", "r1"], [r0, r1], last=None)
+    assert status == 200 and body["retries_merged"] == 2 and body["started_at"] == 9.99
     assert [(r["timestamp"], r["output_length"], r["replica"]) for r in body["requests"]] == [
-        (0.0, 5, "r1"), (1010.0, 0, "r1"), (1990.0, 2, "r0"), (2490.0, 2, "r1")]
-    assert body["requests"][0]["hash_ids"] == [0, 1] and body["started_at"] == 10.01
-    status, body = merge_traces(["r0", "r1"], [a, b], last=2)  # `last` counts the fleet's requests
-    assert [r["replica"] for r in body["requests"]] == ["r0", "r1"] and body["retries_merged"] == 2
+        (0.0, 5, "r1"), (990.0, 0, "r1"), (2010.0, 2, "r0"), (2410.0, 3, "r1"), (2460.0, 2, "r0")]
+    assert [r["hash_ids"] for r in body["requests"]] == [[0, 1], [2], [3], [3], [4]]
+    status, body = merge_traces(["r0", "r1"], [r0, r1], last=2)  # `last` counts the fleet's requests
+    assert [r["replica"] for r in body["requests"]] == ["r1", "r0"] and body["retries_merged"] == 2
     _, body = merge_traces(["r0", "r1"], [replica(keyed(1.0, SYSTEM)), replica(keyed(1.5, SYSTEM))], last=None)
     assert body["retries_merged"] == 0 and len(body["requests"]) == 2
 
     from kvctl import client
 
-    _, body = merge_traces(["r0", "r1"], [a, b], last=None)
+    _, body = merge_traces(["r0", "r1"], [r0, r1], last=None)
     monkeypatch.setattr(client.Client, "get", lambda self, path, **params: body)
     out = tmp_path / "fleet.jsonl"
     status, printed, _ = cli(capsys, "trace", "save", str(out))
-    assert status == 0 and printed.strip() == (  # six lines the replicas observed, four requests: none earlier
-        f"wrote 4 requests over 2.49 s to {out} (2,560 prompt tokens, 1 tenant, 2 replicas); 2 earlier tries of "
+    assert status == 0 and printed.strip() == (  # seven lines the replicas observed, five requests: none earlier
+        f"wrote 5 requests over 2.46 s to {out} (3,072 prompt tokens, 1 tenant, 2 replicas); 2 earlier tries of "
         f"requests the router sent on to another replica left out")
-    assert [r.replica for r in read_trace(out)] == ["r1", "r1", "r0", "r1"]
+    assert [r.replica for r in read_trace(out)] == ["r1", "r1", "r0", "r1", "r0"]
     status, printed, _ = cli(capsys, "trace", "save", str(out), "--json")
     assert json.loads(printed)["retries_merged"] == 2
 
@@ -247,12 +257,14 @@ def test_the_router_names_each_try_and_its_trace_counts_a_retried_request_once(f
     [answer] = drive(app, [lambda c: post(c, [4] * 37)])
     assert answer.status_code == 200 and answer.headers["x-kvd-tried"] == "replica-0 (429)"
     [name] = refusing.tries
-    assert name is not None and name.endswith("/1")
+    request, attempt, arrival = name.split("/")
+    assert len(request) == 16 and attempt == "1" and abs(float(arrival) - time.time()) < 60
     second = settled(lambda: call(shared[1], "GET", "/admin/trace", params={"last": 1, "ids": "keyed"}).json(),
                      lambda body: body["requests"] and body["requests"][-1]["input_length"] == 37)
-    assert second["requests"][-1]["router_attempt"] == name[:-1] + "2"  # one name, the second try
+    line = second["requests"][-1]  # one name, the second try, the router's arrival
+    assert line["router"] == {"request": request, "try": 2, "arrival": float(arrival)}
     first = call(shared[0], "GET", "/admin/trace", params={"last": 1, "ids": "keyed"}).json()["requests"][-1]
-    assert first["router_attempt"] == name  # replica-0 ran it too: a line of its own
+    assert first["router"] == {"request": request, "try": 1, "arrival": float(arrival)}  # replica-0 ran it too
     body = call(app, "GET", "/admin/trace", params={"last": 3}).json()
     assert body["retries_merged"] >= 1
     assert [r["replica"] for r in body["requests"] if r["input_length"] == 37] == ["replica-1"]

@@ -278,10 +278,10 @@ def test_kvd_refuses_a_trace_block_size_the_trace_format_cannot_say(value, messa
 
 
 def test_a_routed_request_s_line_carries_the_router_s_name_for_it_and_a_bad_name_is_refused(daemon):
-    """kvd router names each request and each try at it (X-KVD-Router-Attempt): the keyed line
-    kvd gives the router carries it, so the fleet's trace can keep a retried request's last try
-    alone; the saved (numbered) trace does not. A value kvd router would not send is a 400 naming
-    the header, and nothing is run."""
+    """kvd router names each request, each try at it and its own arrival (X-KVD-Router-Attempt):
+    the keyed line kvd gives the router carries it, so the fleet's trace can keep a retried
+    request's last try alone, in the router's order; the saved (numbered) trace does not. A value
+    kvd router would not send is a 400 naming the header, and nothing is run."""
     from .daemon_fixtures import call, settled
 
     service, unix = daemon
@@ -293,18 +293,21 @@ def test_a_routed_request_s_line_carries_the_router_s_name_for_it_and_a_bad_name
         return settled(lambda: call(unix, "GET", "/admin/trace", params={"last": 1, "ids": "keyed"}).json(),
                        lambda body: body["observed"] == before + 1)["requests"][0]
 
-    line = answered_and_traced([5] * 37, {"X-KVD-Router-Attempt": "0123456789abcdef/2"})
-    assert (line["input_length"], line["router_attempt"]) == (37, "0123456789abcdef/2")
+    line = answered_and_traced([5] * 37, {"X-KVD-Router-Attempt": "0123456789abcdef/2/1764561600.25"})
+    assert (line["input_length"], line["router"]) == (37, {"request": "0123456789abcdef", "try": 2,
+                                                           "arrival": 1764561600.25})
     assert set(call(unix, "GET", "/admin/trace", params={"last": 1}).json()["requests"][0]) == {
         "timestamp", "input_length", "output_length", "hash_ids", "served"}
     observed = service.trace.observed
-    for bad in ("0123456789ABCDEF/2", "0123456789abcdef/0", "0123456789abcdef", "x/1", "0123456789abcdef/10000"):
+    for bad in ("0123456789ABCDEF/2/1.5", "0123456789abcdef/0/1.5", "0123456789abcdef/2", "x/1/1.5",
+                "0123456789abcdef/10000/1.5", "0123456789abcdef/2/-1.5", "0123456789abcdef/2/inf"):
         refused = call(unix, "POST", "/v1/completions", json={"prompt": [5] * 37, "max_tokens": 1},
                        headers={"X-KVD-Router-Attempt": bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "X-KVD-Router-Attempt"
         assert refused.json()["error"]["message"] == (
-            f"X-KVD-Router-Attempt: invalid value {bad!r}; kvd router sends 16 lowercase hex digits, '/', and "
-            f"the try (1 to 9999), e.g. 9f86d081884c7d65/2")
+            f"X-KVD-Router-Attempt: invalid value {bad!r}; kvd router sends its id of the request (16 lowercase "
+            f"hex digits), the try (1 to 9999) and when it routed the request (Unix seconds), '/' between, "
+            f"e.g. 9f86d081884c7d65/2/1764561600.123456")
     assert service.trace.observed == observed
     line = answered_and_traced([6] * 37)
-    assert line["input_length"] == 37 and "router_attempt" not in line
+    assert line["input_length"] == 37 and "router" not in line

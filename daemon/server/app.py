@@ -40,7 +40,7 @@ from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
-from .request_trace import ROUTER_ATTEMPT_HEADER, parse_router_attempt
+from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
 from .tenants import list_tenants
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -396,7 +396,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         routed = http.headers.get(ROUTER_ATTEMPT_HEADER.lower())
         if routed is not None:  # kvd router's name for the request: its trace line carries it
             try:
-                params.extra["router_attempt"] = parse_router_attempt(routed)
+                params.extra["router"] = RouterAttempt.parse(routed)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param=ROUTER_ATTEMPT_HEADER) from None
         loop = asyncio.get_running_loop()

@@ -10,16 +10,23 @@ Replicas that draw their own keys would make a fleet that shares nothing, and a 
 compares routing policies on it would be wrong; so the router refuses to merge them and says how
 to give them one key. The merged trace replays with `kvctl bench replay --replicas N`.
 
-A replica that does not answer is left out and named (`result: partial`). Arrivals come from the
-replicas' own clocks: hosts whose clocks disagree by some milliseconds move their requests by as
-much.
+A replica that does not answer is left out and named (`result: partial`).
 
-A request one replica turned away (its queue full: 429; stopping: 503) and the router then sent
-to another is in both replicas' traces, but it is one request of the fleet's traffic. The router
-names each request and each try at it (request_trace.ROUTER_ATTEMPT_HEADER), so the fleet's trace
-keeps only the last try's line (`retries_merged` counts the lines left out); a request every
-replica turned away is kept once, as turned away. A request the router refused without asking
-any replica (none could be reached) is in no trace.
+The router names each request it forwards, each try at it, and when it first chose a replica for
+it (request_trace.ROUTER_ATTEMPT_HEADER), and each replica keeps that name on the request's line:
+
+- Arrivals are the router's, on its one clock, and the lines are in the order the router routed
+  the requests. The replicas' own arrivals come later by the hop, and two requests routed at
+  nearly the same moment can reach their replicas in the other order; a replay of round robin
+  over that order would send later requests elsewhere than the router did. The router's receipt
+  order would not do either: with `view: ask` it asks the replicas before it chooses, so requests
+  are routed in the order their answers came. (A request sent to a replica directly, not through
+  the router, keeps the replica's arrival.)
+- A request one replica turned away (its queue full: 429; stopping: 503) and the router then sent
+  to another is in both replicas' traces, but it is one request of the fleet's traffic: the
+  fleet's trace keeps its last try alone (`retries_merged` counts the lines left out). A request
+  every replica turned away is kept once, as turned away. A request the router refused without
+  asking any replica (none could be reached) is in no trace.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Sequence
 from kvctl.daemon.replay.trace import Served
 
 from .fleet_admin import Answer, error_said, none_did
-from .request_trace import Held, numbered, parse_router_attempt
+from .request_trace import Held, RouterAttempt, numbered
 
 
 def trace_query(last: int | None) -> str:
@@ -68,19 +75,20 @@ def last_tries(where: list[tuple[Held, str]]) -> list[tuple[Held, str]]:
     of the lines that name one router id, those of the highest try stay."""
     final: dict[str, int] = {}
     for line, _ in where:
-        if line.attempt is not None:
-            route_id, attempt = line.attempt
-            final[route_id] = max(attempt, final.get(route_id, 0))
-    return [(line, name) for line, name in where if line.attempt is None or line.attempt[1] == final[line.attempt[0]]]
+        if line.routed is not None:
+            final[line.routed.request] = max(line.routed.attempt, final.get(line.routed.request, 0))
+    return [(line, name) for line, name in where
+            if line.routed is None or line.routed.attempt == final[line.routed.request]]
 
 
 def _held(line: dict, replica: str) -> Held:
-    """A keyed trace line of `replica` (RequestTrace.report, keyed) as held."""
-    routed = line.get("router_attempt")
-    return Held(line["arrival"], line["input_length"], line["output_length"],
+    """A keyed trace line of `replica` (RequestTrace.report, keyed) as held, its arrival the
+    router's where a router sent it."""
+    routed = None if line.get("router") is None else RouterAttempt.from_object(line["router"])
+    return Held(line["arrival"] if routed is None else routed.arrival, line["input_length"], line["output_length"],
                 tuple(int(i, 16) for i in line["keyed_ids"]), line["tenant"],
                 None if line.get("served") is None else Served.parse(line["served"], replica, line["input_length"]),
-                None if routed is None else parse_router_attempt(routed))
+                routed)
 
 
 def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | None) -> tuple[int, dict]:

@@ -38,21 +38,42 @@ from .auth import read_private_file
 
 KEY_BYTES = 32  # the least a trace_key_file holds: `head -c 32 /dev/urandom`
 
-# kvd router names each request it forwards, and which try at it this is, in this header: a request a
-# replica turned away (429, 503) and the router then sent to another is in both replicas' traces,
-# and the fleet's trace keeps only its last try (fleet_trace.py). 16 hex digits, "/", the try.
+# kvd router names each request it forwards in this header: its id for the request, which try at it
+# this is, and when the router first chose a replica for it (Unix time). A request a replica turned
+# away (429, 503) and the router then sent to another is in both replicas' traces, and the fleet's
+# trace keeps its last try alone; the lines are put in the order the router routed them, on its one
+# clock (fleet_trace.py). "9f86d081884c7d65/2/1764561600.123456".
 ROUTER_ATTEMPT_HEADER = "X-KVD-Router-Attempt"
-_ROUTER_ATTEMPT = re.compile(r"([0-9a-f]{16})/([1-9][0-9]{0,3})")
+_ROUTER_ATTEMPT = re.compile(r"([0-9a-f]{16})/([1-9][0-9]{0,3})/([0-9]{1,11}(?:\.[0-9]{1,6})?)")
 
 
-def parse_router_attempt(value: str) -> tuple[str, int]:
-    """(the router's id of the request, which try) from the header's value; a ValueError naming
-    the header and the value when it is not what kvd router sends."""
-    match = _ROUTER_ATTEMPT.fullmatch(value)
-    if match is None:
-        raise ValueError(f"{ROUTER_ATTEMPT_HEADER}: invalid value {value[:64]!r}; kvd router sends 16 lowercase "
-                         f"hex digits, '/', and the try (1 to 9999), e.g. 9f86d081884c7d65/2")
-    return match.group(1), int(match.group(2))
+class RouterAttempt(NamedTuple):
+    """kvd router's name for one try at a request (ROUTER_ATTEMPT_HEADER)."""
+
+    request: str  # 16 hex digits, the same on every try
+    attempt: int  # 1 for the first replica asked, 2 for the next, ...
+    arrival: float  # when the router first chose a replica for the request, Unix time
+
+    def header(self) -> str:
+        return f"{self.request}/{self.attempt}/{self.arrival:.6f}"
+
+    @classmethod
+    def parse(cls, value: str) -> "RouterAttempt":
+        """From the header's value; a ValueError naming the header and the value when it is not
+        what kvd router sends."""
+        match = _ROUTER_ATTEMPT.fullmatch(value)
+        if match is None:
+            raise ValueError(f"{ROUTER_ATTEMPT_HEADER}: invalid value {value[:80]!r}; kvd router sends its id of "
+                             f"the request (16 lowercase hex digits), the try (1 to 9999) and when it routed the "
+                             f"request (Unix seconds), '/' between, e.g. 9f86d081884c7d65/2/1764561600.123456")
+        return cls(match.group(1), int(match.group(2)), float(match.group(3)))
+
+    def to_object(self) -> dict:
+        return {"request": self.request, "try": self.attempt, "arrival": self.arrival}
+
+    @classmethod
+    def from_object(cls, obj: dict) -> "RouterAttempt":
+        return cls(obj["request"], obj["try"], obj["arrival"])
 
 
 class Held(NamedTuple):
@@ -64,7 +85,7 @@ class Held(NamedTuple):
     ids: tuple[int, ...]  # keyed block ids
     tenant: str
     served: Served | None  # None: turned away before a first token
-    attempt: tuple[str, int] | None = None  # kvd router's (id, try) of the request; None: not routed
+    routed: RouterAttempt | None = None  # kvd router's name for the request; None: not sent by a router
 
 
 def load_trace_key(path: str | Path) -> bytes:
@@ -148,7 +169,7 @@ class RequestTrace:
         outputs = [len(s.output_ids) for s in request.sequences]
         record = Held(request.metrics.arrival, len(request.prompt_ids), max(outputs, default=0),
                       chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens),
-                      request.tenant, served(request.metrics), request.params.extra.get("router_attempt"))
+                      request.tenant, served(request.metrics), request.params.extra.get("router"))
         with self._lock:
             self._held.append(record)
             self.observed += 1
@@ -169,8 +190,8 @@ class RequestTrace:
         (a trace_key_file) or `own`, and `key_id`, equal where the key is. `unix_time` reads an
         arrival as Unix time (`started_at`: the first line's). `keyed` (for kvd router, which
         merges replicas' traces): each line's Unix `arrival`, its tenant, its block ids as keyed
-        (16 hex digits each) rather than numbered, and `router_attempt` (the router's id of the
-        request and its try, as ROUTER_ATTEMPT_HEADER said) where the router sent it."""
+        (16 hex digits each) rather than numbered, and `router` (RouterAttempt: the router's id of
+        the request, the try, the router's arrival) where a router sent it."""
         held = self.held(last)
         body = {"capacity": self.capacity, "observed": self.observed, "block_tokens": self.block_tokens,
                 "key": "shared" if self.shared else "own", "key_id": self.key_id,
@@ -183,5 +204,5 @@ class RequestTrace:
             {"arrival": unix_time(line.arrival), "input_length": line.prompt, "output_length": line.output,
              "keyed_ids": [f"{i:016x}" for i in line.ids], "tenant": line.tenant,
              "served": None if line.served is None else line.served.to_object(),
-             **({} if line.attempt is None else {"router_attempt": "%s/%d" % line.attempt})}
+             **({} if line.routed is None else {"router": line.routed.to_object()})}
             for line in held]}

@@ -62,7 +62,7 @@ from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merg
                           merge_unpins)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
-from .request_trace import ROUTER_ATTEMPT_HEADER
+from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
@@ -834,6 +834,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         # stopping or loading) or cannot be connected to has not run it: the next best one is tried.
         tried, excluded, refusal, closed_retried = [], set(), None, False
         route_id = secrets.token_hex(8)  # each try names it: the fleet's trace keeps its last (fleet_trace.py)
+        routed_at = None  # when the first replica was chosen: the fleet's trace is in this order, on this clock
         while True:
             try:
                 replica, reason = await service.choose(body, tenant, excluded)
@@ -843,7 +844,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 if refusal is not None:  # every replica that could take it refused: the last refusal, as it came
                     return refusal
                 return error(503, str(exc), "no_replica")
-            headers[ROUTER_ATTEMPT_HEADER] = f"{route_id}/{len(tried) + 1}"
+            routed_at = routed_at or time.time()
+            headers[ROUTER_ATTEMPT_HEADER] = RouterAttempt(route_id, len(tried) + 1, routed_at).header()
             request = replica.client.build_request("POST", path, content=raw, headers=headers)
             try:  # a non-streamed answer's headers come only when it is whole: the caller may leave first
                 upstream = await unless_caller_leaves(replica.client.send(request, stream=True))
