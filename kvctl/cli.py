@@ -164,10 +164,11 @@ def trace_save(
     numbered from 0; never tokens or text). Replay the file to choose a block size,
     an eviction policy or tier sizes for this traffic.
 
-    At kvd router, the fleet's trace: every replica's requests in arrival order, for `kvctl bench
-    replay --replicas N` to compare routing policies. The replicas must share one trace_key_file,
-    so that one prompt has one id on all of them. A request one replica turned away and the
-    router sent to another is one line (its last try). Exit status 3 when a replica was left out.
+    At kvd router, the fleet's trace: every replica's requests in the order the router routed them
+    (on its clock), for `kvctl bench replay --replicas N` to compare routing policies. The replicas
+    must share one trace_key_file, so that one prompt has one id on all of them. A request one
+    replica turned away and the router sent to another is one line (its last try). Exit status 3
+    when a replica was left out.
 
     Example: kvctl trace save /tmp/today.jsonl && kvctl bench replay /tmp/today.jsonl
     """

@@ -254,11 +254,13 @@ def test_the_router_names_each_try_and_its_trace_counts_a_retried_request_once(f
     service, app = router_app(shared, "round_robin")
     refusing = RunsThenRefuses(shared[0])
     service.replicas[0].client = replica_client("/run/replica-0.sock", transport=refusing)
+    sent = time.time()
     [answer] = drive(app, [lambda c: post(c, [4] * 37)])
+    answered = time.time()
     assert answer.status_code == 200 and answer.headers["x-kvd-tried"] == "replica-0 (429)"
     [name] = refusing.tries
     request, attempt, arrival = name.split("/")
-    assert len(request) == 16 and attempt == "1" and abs(float(arrival) - time.time()) < 60
+    assert len(request) == 16 and attempt == "1" and sent <= float(arrival) <= answered  # the router's clock
     second = settled(lambda: call(shared[1], "GET", "/admin/trace", params={"last": 1, "ids": "keyed"}).json(),
                      lambda body: body["requests"] and body["requests"][-1]["input_length"] == 37)
     line = second["requests"][-1]  # one name, the second try, the router's arrival

@@ -102,10 +102,9 @@ def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | No
     why = _apart(traced)
     if why is not None:
         return _refusal(why)
-    every = [(_held(line, name), name) for name, body in traced for line in body["requests"]]
-    # each line, and the replica that served it, in arrival order
+    every = [(_held(line, name), name) for name, body in traced for line in body["requests"]]  # and its replica
     kept = last_tries(every)
-    where: list[tuple[Held, str]] = sorted(kept, key=lambda pair: pair[0].arrival)
+    where: list[tuple[Held, str]] = sorted(kept, key=lambda pair: pair[0].arrival)  # the router's order
     if last is not None:
         where = where[-last:]
     held = [line for line, _ in where]
