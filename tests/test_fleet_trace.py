@@ -248,15 +248,17 @@ def test_the_router_names_each_try_and_its_trace_counts_a_retried_request_once(f
     from kvctl.daemon.server.router import replica_client
 
     from .daemon_fixtures import call, settled
-    from .test_router import drive, post, router_app
+    from .test_router import drive, router_app
 
     shared, _ = fleet
     service, app = router_app(shared, "round_robin")
     refusing = RunsThenRefuses(shared[0])
     service.replicas[0].client = replica_client("/run/replica-0.sock", transport=refusing)
     sent = time.time()
-    [answer] = drive(app, [lambda c: post(c, [4] * 37)])
+    [answer] = drive(app, [lambda c: c.post("/v1/completions", json={"prompt": [4] * 37, "max_tokens": 3},
+                                            headers={"X-KVD-Router-Attempt": "not the router's"})])
     answered = time.time()
+    # the caller's own X-KVD-Router-Attempt never reaches a replica: the router's replaces it
     assert answer.status_code == 200 and answer.headers["x-kvd-tried"] == "replica-0 (429)"
     [name] = refusing.tries
     request, attempt, arrival = name.split("/")
