@@ -4,12 +4,14 @@ Its shape (requests, span, arrival rate, prompt and output lengths, tenants), it
 ratio of one cache that never forgets, and the tokens such a cache would hold: past that size a
 bigger cache gains nothing), how its requests open (distinct first blocks, those shared: system
 prompts), and, for a trace kvd saved, how kvd served it (its own cached-token ratio, queue and
-prefill times, and the rates `kvctl bench replay --rates-from-trace` would take).
+prefill times, and the rates `kvctl bench replay --rates-from-trace` would take). For a fleet's
+trace (kvd router's: each line names its replica), each replica's share and cached-token ratio,
+and how many shared openings the live router served on more than one replica.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Sequence
 
 from kvctl.bench_figures import timing_figures
@@ -59,7 +61,36 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
             **timing_figures([r.served.to_object() for r in served]), "cached_token_ratio": live_cached_ratio(served),
             "prefill_rate": rates.prefill_rate, "decode_rate": rates.decode_rate,
         }
+    figures["fleet"] = fleet_figures(requests)
     return figures
+
+
+def fleet_figures(requests: Sequence[TraceRequest]) -> dict | None:
+    """For a fleet's trace (lines that name their replica; None when none does): each replica's
+    requests, prompt tokens, those it turned away and its own cached-token ratio; and of the
+    openings two requests or more share, how many the live router served on more than one replica
+    (prefix routing keeps each on one while it can; round robin spreads every one)."""
+    named = [r for r in requests if r.replica is not None]
+    if not named:
+        return None
+    by_replica: dict[str, list[TraceRequest]] = defaultdict(list)
+    places: dict[tuple, set[str]] = defaultdict(set)
+    opened: Counter = Counter()
+    for r in named:
+        by_replica[r.replica].append(r)
+        if r.hash_ids:
+            opening = (r.tenant or "default", r.hash_ids[0])
+            places[opening].add(r.replica)
+            opened[opening] += 1
+    shared = [opening for opening, count in opened.items() if count > 1]
+    return {
+        "replicas": {name: {"requests": len(rs), "input_tokens": sum(r.input_length for r in rs),
+                            "turned_away": sum(1 for r in rs if r.served is None),
+                            "cached_token_ratio": live_cached_ratio(rs)}
+                     for name, rs in sorted(by_replica.items())},
+        "shared_openings": len(shared),
+        "split_openings": sum(1 for opening in shared if len(places[opening]) > 1),
+    }
 
 
 def stats_lines(figures: dict) -> list[tuple[str, str]]:
@@ -96,6 +127,17 @@ def stats_lines(figures: dict) -> list[tuple[str, str]]:
                   ("-" if served["prefill_rate"] is None else f"prefill {served['prefill_rate']:,.0f} tokens/s")
                   + ", " + ("-" if served["decode_rate"] is None else
                             f"decode {served['decode_rate']:,.0f} tokens/s a request"))]
+    fleet = figures["fleet"]
+    if fleet:
+        def replica_row(name: str, row: dict) -> str:
+            ratio = row["cached_token_ratio"]
+            return (f"{name} {row['requests']:,} ({row['requests'] / figures['requests']:.0%}), cached "
+                    + ("-" if ratio is None else f"{ratio:.3f}")
+                    + (f", {row['turned_away']:,} turned away" if row["turned_away"] else ""))
+
+        rows += [("replicas", "; ".join(replica_row(name, row) for name, row in fleet["replicas"].items())),
+                 ("shared openings across replicas",
+                  f"{fleet['split_openings']:,} of {fleet['shared_openings']:,} served on more than one replica")]
     return rows
 
 

@@ -36,6 +36,7 @@ def test_a_trace_s_figures_worked_out_by_hand():
                    "queued_p50_s": 0.002, "queued_p95_s": 0.003, "prefill_p50_s": 0.02,
                    "prefill_cached_over_uncached": 0.010 / 0.050,  # the lower median of 10 and 20 ms, over 50
                    "prefill_rate": pytest.approx((1024 + 512 + 76) / 0.08), "decode_rate": pytest.approx(32 / 0.32)},
+        "fleet": None,  # no line names a replica: not a fleet's trace
     }
     # at 512: the second's 1,024 tokens are two blocks, of which one can hit (its last token is computed)
     assert trace_stats(TRACE, block_size=512)["unbounded_hit_ratio"] == (512 + 1024) / 3748
@@ -60,6 +61,33 @@ def test_kvctl_trace_stats_prints_them_and_refuses_bad_input_by_name(tmp_path, c
     assert status == 2 and "block_size: expected a power of two from 1 to 512, got 24" in err
     status, _, err = cli(capsys, "trace", "stats", str(tmp_path / "none.jsonl"))
     assert status == 2 and f"trace: no such file {str(tmp_path / 'none.jsonl')!r}" in err
+
+
+def test_a_fleet_s_trace_shows_each_replica_and_the_openings_the_router_spread(tmp_path, capsys):
+    """kvd router's trace names each line's replica: each replica's share, what it turned away
+    and its own cached-token ratio, and how many shared openings went to more than one replica
+    (here opening 1 to both, opening 7 to r1 alone; opening 9 is no one's to share)."""
+    how = lambda cached: Served(1.0, 10.0, 20.0, cached)  # noqa: E731
+    fleet = [TraceRequest(0.0, 1024, 4, (1, 2), None, 512, how(0), "r0"),
+             TraceRequest(10.0, 1024, 4, (1, 3), None, 512, how(0), "r1"),
+             TraceRequest(20.0, 1024, 4, (1, 4), None, 512, how(512), "r0"),
+             TraceRequest(30.0, 512, 4, (7,), None, 512, how(0), "r1"),
+             TraceRequest(40.0, 512, 0, (7,), None, 512, None, "r1"),  # turned away
+             TraceRequest(50.0, 512, 4, (9,), None, 512, how(0), "r1")]
+    figures = trace_stats(fleet, block_size=16)
+    assert figures["fleet"] == {
+        "replicas": {"r0": {"requests": 2, "input_tokens": 2048, "turned_away": 0, "cached_token_ratio": 0.25},
+                     "r1": {"requests": 4, "input_tokens": 2560, "turned_away": 1, "cached_token_ratio": 0.0}},
+        "shared_openings": 2, "split_openings": 1}
+    path = tmp_path / "fleet.jsonl"
+    write_trace(path, fleet)
+    status, printed, _ = cli(capsys, "trace", "stats", str(path))
+    text = " ".join(printed.replace("│", " ").split())
+    assert status == 0
+    assert "replicas r0 2 (33%), cached 0.250; r1 4 (67%), cached 0.000, 1 turned away" in text
+    assert "shared openings across replicas 1 of 2 served on more than one replica" in text
+    status, printed, _ = cli(capsys, "trace", "stats", str(path), "--json")
+    assert json.loads(printed)["fleet"]["split_openings"] == 1
 
 
 def test_trace_stats_says_when_kvd_cached_more_than_the_trace_s_ids_can_replay(tmp_path, capsys):
