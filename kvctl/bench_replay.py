@@ -12,9 +12,9 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from kvctl.daemon.replay.fleet import FleetResult, places_new_prefixes
+from kvctl.daemon.replay.fleet import RECORDED, FleetResult, places_new_prefixes
 from kvctl.daemon.replay.service_rates import measured_rates
-from kvctl.trace_stats import coarse_ids, live_cached_ratio
+from kvctl.trace_stats import coarse_ids, fleet_figures, live_cached_ratio
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
@@ -202,6 +202,7 @@ def replay_command(
     }
     if fleet is not None:
         document["fleet"] = fleet
+        document["live"] = live_beside_recorded(requests, results)
     if save:
         from .records_cmd import open_store
 
@@ -218,6 +219,8 @@ def replay_command(
             _fleet_tables(results, trace_name, len(requests), replicas)
         for part in parts:
             out.print(part)
+        if document.get("live"):
+            out.print(Text(live_lines(document["live"])))
         if document["coarse_ids"]:
             err.print(f"[yellow]{document['coarse_ids']}[/yellow]")
         if plot is not None:
@@ -339,6 +342,34 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
         f"block {size} {ratio:.1%}" for size, ratio in ceiling.items())
         + ("; imbal (imbalance)" if tiered else "; imbalance") + " is the busiest replica's requests over the mean"
         + ("; TTFT p50/p95" if tiered else ""))] + [Text(placement_spread(r)) for r in results if r.placements]
+
+
+def live_beside_recorded(requests, results: list[FleetResult]) -> dict | None:
+    """For a fleet's trace kvd router saved (lines that name their replica and say how kvd served
+    them): the live fleet's cached-token ratio, in all and per replica, beside each replay routed
+    as recorded, in all and per replica. Where the two part, the replay's cache model does, not
+    its routing. None for a trace that does not say."""
+    fleet, live = fleet_figures(requests), live_cached_ratio(requests)
+    if fleet is None or live is None:
+        return None
+    names = list(dict.fromkeys(r.replica for r in requests))  # numbered as `recorded` numbers them
+    return {"cached_token_ratio": live,
+            "replicas": {name: fleet["replicas"][name]["cached_token_ratio"] for name in names},
+            "recorded": [{"block_size": r.block_size, "capacity_tokens": r.capacity_tokens, "policy": r.policy,
+                          "hit_ratio": r.hit_ratio, "replicas": dict(zip(names, r.hit_ratio_per_replica))}
+                         for r in results if r.routing == RECORDED]}
+
+
+def live_lines(live: dict) -> str:
+    """The live fleet's figures and the recorded replays', a line each."""
+    def each(ratios: dict) -> str:
+        return ", ".join(f"{name} {'-' if ratio is None else f'{ratio:.1%}'}" for name, ratio in ratios.items())
+
+    lines = [f"live fleet (kvd's own account in the trace): cached {live['cached_token_ratio']:.1%} "
+             f"({each(live['replicas'])})"]
+    lines += [f"replayed as recorded (block {r['block_size']}, {r['capacity_tokens']:,} tokens, {r['policy']}): "
+              f"hit {r['hit_ratio']:.1%} ({each(r['replicas'])})" for r in live["recorded"]]
+    return "\n".join(lines)
 
 
 def placement_spread(result: FleetResult) -> str:

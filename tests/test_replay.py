@@ -525,8 +525,10 @@ def test_recorded_routing_sends_each_request_where_its_line_says_the_live_router
     # prompt 1 always went to kvd-b (replica 0: named first), prompt 2 to kvd-a: both kept
     result = fleet(trace, 2, "recorded")
     assert result.requests_per_replica == [4, 4] and result.hit_tokens == 6 * 512
+    assert result.hit_ratio_per_replica == [3 * 512 / 4096] * 2
     crossed = [replace(r, replica=name) for r, name in zip(GROUPS, ["a", "b"] * 4)]  # each prompt on both
-    assert fleet(crossed, 2, "recorded").hit_tokens == 0  # as round robin: each replica forgets in turn
+    crossed_result = fleet(crossed, 2, "recorded")
+    assert crossed_result.hit_tokens == 0 and crossed_result.hit_ratio_per_replica == [0.0, 0.0]  # as round robin
     with pytest.raises(ValueError) as refused:
         fleet(trace[:3] + GROUPS[3:], 2, "recorded")
     assert str(refused.value) == ("routing: recorded needs each request's replica, and request 4 names none (a "
@@ -555,3 +557,38 @@ def test_a_line_names_its_replica_and_kvctl_bench_replay_routes_as_recorded(tmp_
                              "1024", "--policy", "lru", "--replicas", "2", "--routing", "recorded,prefix", "--json")
     runs = json.loads(printed)["runs"]
     assert status == 0 and [(r["routing"], r["hit_tokens"]) for r in runs] == [("recorded", 0), ("prefix", 6 * 512)]
+
+
+def test_bench_replay_sets_the_live_fleet_beside_its_recorded_replay_per_replica(tmp_path, capsys):
+    """A fleet's trace says how kvd served each request on which replica: bench replay prints the
+    live fleet's cached-token ratio, in all and per replica, beside the replay routed as recorded,
+    so a gap shows on the replica where the replay's cache model parts from kvd's (here kvd-b gave
+    the sixth request nothing, where the replay, with room for the prompt, hits)."""
+    import json
+    from dataclasses import replace
+
+    from kvctl.daemon.replay.trace import Served
+
+    from .test_cli import cli
+
+    served_by = ["kvd-b", "kvd-b", "kvd-a", "kvd-a"] * 2
+    cached = [0, 512, 0, 512, 512, 0, 512, 512]
+    trace = [replace(r, replica=name, served=Served(1.0, 5.0, 10.0, c)) for r, name, c in zip(GROUPS, served_by, cached)]
+    path = tmp_path / "fleet.jsonl"
+    write_trace(path, trace)
+    args = ["bench", "replay", str(path), "--block-sizes", "512", "--capacity-tokens", "1024", "--policy", "lru",
+            "--replicas", "2", "--routing", "recorded,round_robin"]
+    status, printed, _ = cli(capsys, *args, "--json")
+    assert status == 0 and json.loads(printed)["live"] == {
+        "cached_token_ratio": 2560 / 8192, "replicas": {"kvd-b": 0.25, "kvd-a": 0.375},
+        "recorded": [{"block_size": 512, "capacity_tokens": 1024, "policy": "lru", "hit_ratio": 0.375,
+                      "replicas": {"kvd-b": 0.375, "kvd-a": 0.375}}]}
+    status, printed, _ = cli(capsys, *args)
+    text = " ".join(printed.split())
+    assert status == 0 and ("live fleet (kvd's own account in the trace): cached 31.2% (kvd-b 25.0%, kvd-a 37.5%) "
+                            "replayed as recorded (block 512, 1,024 tokens, lru): hit 37.5% (kvd-b 37.5%, kvd-a "
+                            "37.5%)") in text
+    write_trace(path, GROUPS)  # not a fleet's trace: nothing to set beside
+    status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "512", "--replicas", "2",
+                             "--routing", "round_robin", "--json")
+    assert status == 0 and json.loads(printed)["live"] is None

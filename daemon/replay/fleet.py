@@ -56,6 +56,7 @@ class FleetResult:
     ttft_p95_s: float | None
     ttft_p99_s: float | None
     requests_per_replica: list[int]  # admitted
+    hit_ratio_per_replica: list[float]  # each replica's hit tokens / its admitted prompt tokens
     imbalance: float  # the busiest replica's admitted requests / the mean
     seconds: float
     reject_reasons: dict[str, int] = field(default_factory=dict)
@@ -183,6 +184,7 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
         rejections=sum(reasons.values()),
         ttft_p50_s=percentile(ttft, 0.50), ttft_p95_s=percentile(ttft, 0.95), ttft_p99_s=percentile(ttft, 0.99),
         requests_per_replica=admitted, imbalance=max(admitted) / mean if mean else 0.0,
+        hit_ratio_per_replica=[r.hit_tokens / r.prompt_tokens if r.prompt_tokens else 0.0 for r in runs],
         seconds=seconds, reject_reasons=reasons, tier_tokens=settings.tier_tokens,
         restored_tokens=sum(r.restored_tokens for r in runs),
         restored_ratio=sum(r.restored_tokens for r in runs) / prompt if prompt else 0.0)
