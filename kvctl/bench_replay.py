@@ -352,7 +352,7 @@ def live_beside_recorded(requests, results: list[FleetResult]) -> dict | None:
     fleet, live = fleet_figures(requests), live_cached_ratio(requests)
     if fleet is None or live is None:
         return None
-    names = list(dict.fromkeys(r.replica for r in requests))  # numbered as `recorded` numbers them
+    names = list(dict.fromkeys(r.replica for r in requests if r.replica is not None))  # as `recorded` numbers them
     return {"cached_token_ratio": live,
             "replicas": {name: fleet["replicas"][name]["cached_token_ratio"] for name in names},
             "recorded": [{"block_size": r.block_size, "capacity_tokens": r.capacity_tokens, "policy": r.policy,

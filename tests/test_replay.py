@@ -588,6 +588,10 @@ def test_bench_replay_sets_the_live_fleet_beside_its_recorded_replay_per_replica
     assert status == 0 and ("live fleet (kvd's own account in the trace): cached 31.2% (kvd-b 25.0%, kvd-a 37.5%) "
                             "replayed as recorded (block 512, 1,024 tokens, lru): hit 37.5% (kvd-b 37.5%, kvd-a "
                             "37.5%)") in text
+    write_trace(path, trace[:4] + [replace(r, replica=None) for r in trace[4:]])  # lines named in part: no recorded
+    status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "512", "--replicas", "2",
+                             "--routing", "round_robin", "--json")
+    assert status == 0 and json.loads(printed)["live"]["replicas"] == {"kvd-b": 0.25, "kvd-a": 0.25}
     write_trace(path, GROUPS)  # not a fleet's trace: nothing to set beside
     status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "512", "--replicas", "2",
                              "--routing", "round_robin", "--json")
