@@ -24,6 +24,11 @@ from kvctl.tables import seconds
 TOP_OPENINGS = 5  # the most shared openings listed
 
 
+def opening(request: TraceRequest) -> tuple[str, int]:
+    """What a request opens with: its tenant and first block id (a tenant's ids are its own)."""
+    return request.tenant or "default", request.hash_ids[0]
+
+
 def _spread(values: list[int]) -> dict:
     return {"p50": percentile(values, 0.5), "p95": percentile(values, 0.95), "max": max(values)}
 
@@ -35,7 +40,7 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
     hits = max_hit_blocks(requests, keys, block_size)
     prompt = sum(r.input_length for r in requests)
     seconds = requests[-1].timestamp_ms / 1000.0
-    openings = Counter((r.tenant or "default", r.hash_ids[0]) for r in requests if r.hash_ids)
+    openings = Counter(opening(r) for r in requests if r.hash_ids)
     figures = {
         "requests": len(requests), "seconds": seconds,
         "requests_per_second": len(requests) / seconds if seconds else None,
@@ -79,17 +84,16 @@ def fleet_figures(requests: Sequence[TraceRequest]) -> dict | None:
     for r in named:
         by_replica[r.replica].append(r)
         if r.hash_ids:
-            opening = (r.tenant or "default", r.hash_ids[0])
-            places[opening].add(r.replica)
-            opened[opening] += 1
-    shared = [opening for opening, count in opened.items() if count > 1]
+            places[opening(r)].add(r.replica)
+            opened[opening(r)] += 1
+    shared = [first for first, count in opened.items() if count > 1]
     return {
         "replicas": {name: {"requests": len(rs), "input_tokens": sum(r.input_length for r in rs),
                             "turned_away": sum(1 for r in rs if r.served is None),
                             "cached_token_ratio": live_cached_ratio(rs)}
                      for name, rs in sorted(by_replica.items())},
         "shared_openings": len(shared),
-        "split_openings": sum(1 for opening in shared if len(places[opening]) > 1),
+        "split_openings": sum(1 for first in shared if len(places[first]) > 1),
     }
 
 
