@@ -167,8 +167,9 @@ def trace_save(
     At kvd router, the fleet's trace: every replica's requests in the order the router routed them
     (on its clock), for `kvctl bench replay --replicas N` to compare routing policies. The replicas
     must share one trace_key_file, so that one prompt has one id on all of them. A request one
-    replica turned away and the router sent to another is one line (its last try). Exit status 3
-    when a replica was left out.
+    replica turned away and the router sent to another is one line (its last try). A request no
+    replica took in (none reachable, or each stopping: 503) is in no line; it says how many fell in
+    the trace's span. Exit status 3 when a replica was left out.
 
     Example: kvctl trace save /tmp/today.jsonl && kvctl bench replay /tmp/today.jsonl
     """
@@ -178,8 +179,11 @@ def trace_save(
         raise UserError(f"last: must be >= 1, got {last}")
     refuse_clobber(out, "out", is_trace, "a trace")
     answer = ops._client(ctx).get("/admin/trace", last=last)
+    untraced = answer.get("router_untraced", 0)  # at kvd router: requests no replica took in
     if not answer["requests"]:
-        raise UserError("trace: kvd has finished no request since it started; nothing to save")
+        raise UserError("trace: kvd has finished no request since it started; nothing to save"
+                        + (f" ({untraced:,} request{'s' if untraced != 1 else ''} no replica took in, "
+                           f"none reachable or taking requests)" if untraced else ""))
     trace = [parse_request(line, f"kvd's trace line {i + 1}") for i, line in enumerate(answer["requests"])]
     write_trace(out, trace)
     figures = {"path": str(out), "requests": len(trace), "capacity": answer["capacity"], "observed": answer["observed"],
@@ -192,6 +196,7 @@ def trace_save(
         figures["replicas"] = [row["replica"] for row in fleet if row["status"] == 200]
         figures["result"] = answer["result"]
         figures["retries_merged"] = answer.get("retries_merged", 0)
+        figures["router_untraced"] = untraced
         if answer.get("message"):
             figures["message"] = answer["message"]
     if as_json:
@@ -206,7 +211,9 @@ def trace_save(
                       if fleet is not None else "") + ")"
                    + (f"; {merged:,} earlier tr{'ies' if merged != 1 else 'y'} of requests the router sent on to "
                       f"another replica left out" if merged > 0 else "")
-                   + (f"; {earlier:,} earlier requests are not in it" if earlier > 0 else ""))
+                   + (f"; {earlier:,} earlier requests are not in it" if earlier > 0 else "")
+                   + (f"; {untraced:,} request{'s' if untraced != 1 else ''} no replica took in (none "
+                      f"reachable or taking requests) {'are' if untraced != 1 else 'is'} not in it" if untraced else ""))
         ops._fleet_message(answer)
     if answer.get("result") == "partial":
         raise typer.Exit(3)

@@ -272,3 +272,78 @@ def test_the_router_names_each_try_and_its_trace_counts_a_retried_request_once(f
     body = call(app, "GET", "/admin/trace", params={"last": 3}).json()
     assert body["retries_merged"] >= 1
     assert [r["replica"] for r in body["requests"] if r["input_length"] == 37] == ["replica-1"]
+
+
+def test_the_fleet_s_trace_counts_the_requests_no_replica_took_in_within_its_span(capsys, tmp_path, monkeypatch):
+    """The router notes when it gave up on a request no replica took in; the fleet's trace counts
+    those from its first line on (with `last`, from the first line kept), and every one where it
+    holds no line. `trace save` says how many are not in the file."""
+    r0 = replica(keyed(10.0, SYSTEM), keyed(12.0, ["00000000000000cc"]))
+    r1 = replica(keyed(11.0, SYSTEM))
+    untraced = [5.0, 10.5, 13.0]  # one before the first line, one between, one after the last
+    assert merge_traces(["r0", "r1"], [r0, r1], last=None, untraced=untraced)[1]["router_untraced"] == 2
+    assert merge_traces(["r0", "r1"], [r0, r1], last=1, untraced=untraced)[1]["router_untraced"] == 1
+    assert merge_traces(["r0", "r1"], [r0, r1], last=None)[1]["router_untraced"] == 0
+    empty = merge_traces(["r0", "r1"], [replica(), replica()], last=None, untraced=untraced)[1]
+    assert (empty["requests"], empty["router_untraced"]) == ([], 3)
+
+    from kvctl import client
+
+    _, body = merge_traces(["r0", "r1"], [r0, r1], last=None, untraced=untraced)
+    monkeypatch.setattr(client.Client, "get", lambda self, path, **params: body)
+    out = tmp_path / "fleet.jsonl"
+    status, printed, _ = cli(capsys, "trace", "save", str(out))
+    assert status == 0 and printed.strip() == (
+        f"wrote 3 requests over 2.00 s to {out} (2,560 prompt tokens, 1 tenant, 2 replicas); 2 requests no "
+        f"replica took in (none reachable or taking requests) are not in it")
+    status, printed, _ = cli(capsys, "trace", "save", str(out), "--json")
+    assert json.loads(printed)["router_untraced"] == 2
+    monkeypatch.setattr(client.Client, "get", lambda self, path, **params: empty)
+    status, _, err = cli(capsys, "trace", "save", str(tmp_path / "none.jsonl"))
+    assert status != 0 and " ".join(err.split()) == (
+        "error: trace: kvd has finished no request since it started; nothing to save (3 requests no replica "
+        "took in, none reachable or taking requests)")
+
+
+def test_the_router_notes_each_request_no_replica_took_in_and_no_other(fleet):
+    """Given up on with every replica stopping (503) or unreachable, none answering the route
+    question, or each closing the connection before answering: noted, once each. Turned away by a replica (429, which keeps a trace line there) and
+    then unreachable elsewhere, or served: not noted."""
+    from kvctl.daemon.server.router import replica_client
+
+    from .test_router import Down, Failing, Refusing, drive, post, router_app
+
+    shared, _ = fleet
+
+    def routed_over(*transports):
+        service, app = router_app(shared, "round_robin")
+        for i, transport in enumerate(transports):
+            if transport is not None:
+                service.replicas[i].client = replica_client(f"/run/replica-{i}.sock", transport=transport)
+        return service, app
+
+    service, app = routed_over(Refusing(shared[0], 503), Refusing(shared[1], "unreachable"))
+    before = time.time()
+    [answer] = drive(app, [lambda c: post(c, [5] * 20)])
+    after = time.time()
+    assert answer.status_code == 502 and answer.json()["error"]["message"] == (
+        "replica replica-1 failed: ConnectError: connection refused")
+    assert [r.client._transport.completions for r in service.replicas] == [1, 1]  # each asked once
+    [when] = service.untraced
+    assert before <= when <= after  # when the router first chose a replica for it
+
+    service, app = routed_over(Refusing(shared[0], 429), Refusing(shared[1], "unreachable"))
+    [answer] = drive(app, [lambda c: post(c, [5] * 20)])
+    assert answer.status_code == 502 and list(service.untraced) == []  # replica-0 keeps a line of it
+
+    service, app = routed_over(Down(), Down())
+    answers = drive(app, [lambda c: post(c, [5] * 20), lambda c: post(c, [6] * 20)])
+    assert [a.status_code for a in answers] == [503, 503] and len(service.untraced) == 2
+
+    service, app = routed_over(*(Failing(app, httpx.RemoteProtocolError) for app in shared))  # both closed
+    [answer] = drive(app, [lambda c: post(c, [5] * 20)])
+    assert answer.status_code == 502 and len(service.untraced) == 1
+
+    service, app = routed_over(None, None)
+    [answer] = drive(app, [lambda c: post(c, [5] * 20)])
+    assert answer.status_code == 200 and list(service.untraced) == []

@@ -22,11 +22,16 @@ it (request_trace.ROUTER_ATTEMPT_HEADER), and each replica keeps that name on th
   order would not do either: with `view: ask` it asks the replicas before it chooses, so requests
   are routed in the order their answers came. (A request sent to a replica directly, not through
   the router, keeps the replica's arrival.)
-- A request one replica turned away (its queue full: 429; stopping: 503) and the router then sent
-  to another is in both replicas' traces, but it is one request of the fleet's traffic: the
-  fleet's trace keeps its last try alone (`retries_merged` counts the lines left out). A request
-  every replica turned away is kept once, as turned away. A request the router refused without
-  asking any replica (none could be reached) is in no trace.
+- A request one replica turned away (its queue full: 429) and the router then sent to another is
+  in both replicas' traces, but it is one request of the fleet's traffic: the fleet's trace keeps
+  its last try alone (`retries_merged` counts the lines left out). A request every replica turned
+  away is kept once, as turned away.
+- A request no replica took in is in no replica's trace: the router found none to take it or
+  could reach none, or each one it asked was stopping, loading or draining (503, which keeps no
+  line). The router notes when it gave up on each (RouterService.untraced), and the fleet's trace
+  counts those in its span (`router_untraced`), so that a replay of a trace saved after an outage
+  is known to lack that demand. A body a replica refused as invalid (400, 404, 413) is not
+  demand to replay, and is counted nowhere.
 """
 
 from __future__ import annotations
@@ -91,11 +96,14 @@ def _held(line: dict, replica: str) -> Held:
                 routed)
 
 
-def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | None) -> tuple[int, dict]:
+def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | None,
+                 untraced: Sequence[float] = ()) -> tuple[int, dict]:
     """(HTTP status, body) of the fleet's trace: `GET /admin/trace`'s body as a replica's, over
     every replica that answered (`replicas`: each one's status and lines), a retried request's
-    last try alone (`retries_merged`: the earlier tries' lines left out), `result` partial and a
-    `message` naming the replicas that did not answer."""
+    last try alone (`retries_merged`: the earlier tries' lines left out), how many requests no
+    replica took in fell in its span (`router_untraced`, of `untraced`: when the router gave up on
+    each, Unix time; with no line, every one), `result` partial and a `message` naming the
+    replicas that did not answer."""
     traced = [(name, body) for name, (status, body) in zip(names, answers) if status == 200]
     if not traced:
         return none_did(names, answers)
@@ -119,6 +127,7 @@ def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | No
            "key": traced[0][1]["key"], "key_id": traced[0][1]["key_id"],
            "started_at": held[0].arrival if held else None, "requests": [line.to_object() for line in lines],
            "retries_merged": len(every) - len(kept),
+           "router_untraced": sum(1 for when in untraced if not held or when >= held[0].arrival),
            "replicas": rows, "result": "ok" if len(traced) == len(names) else "partial"}
     missing = [f"{row['replica']} ({'not reached' if row['status'] is None else row['status']}: "
                f"{error_said(row)})" for row in rows if row["status"] != 200]

@@ -36,6 +36,7 @@ import json
 import logging
 import secrets
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 from urllib.parse import quote
@@ -79,6 +80,7 @@ VIEWS = ("ask", "events")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 # a forward's failures before any byte of an answer came, where the connection itself ended
 CLOSED_BEFORE_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+UNTRACED_KEPT = 10_000  # times of requests no replica kept a trace line of, for the fleet's trace
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
 
@@ -178,6 +180,10 @@ class RouterService:
     clock: Callable[[], float] = time.monotonic
     tokenizers: Tokenizers = field(default_factory=Tokenizers)
     unrouted: int = 0  # requests no replica could take (503)
+    # When the router gave up on a request no replica took in (none could take it or be reached,
+    # or each one asked was stopping: 503): no replica keeps a trace line of it, so the fleet's
+    # trace says how many fell in its span (fleet_trace.py). Unix times, the newest UNTRACED_KEPT.
+    untraced: deque = field(default_factory=lambda: deque(maxlen=UNTRACED_KEPT))
     on_decision: Callable[[float], None] = lambda seconds: None  # each choice's time (the /metrics histogram)
 
     def __post_init__(self) -> None:
@@ -682,7 +688,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         last = None if raw is None else int(raw)
         replicas = service.replicas
         answers = await fan_out(replicas, "GET", trace_query(last), None, FLEET_ADMIN_TIMEOUT_S)
-        status, body = merge_traces([r.name for r in replicas], answers, last)
+        status, body = merge_traces([r.name for r in replicas], answers, last, list(service.untraced))
         return JSONResponse(body, status_code=status)
 
     @app.post("/router/sync-pins")
@@ -833,6 +839,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         # A replica that refuses before starting the request (429: its queue is full; 503: it is
         # stopping or loading) or cannot be connected to has not run it: the next best one is tried.
         tried, excluded, refusal, closed_retried = [], set(), None, False
+        traced = False  # whether a replica ran a try or turned it away (429): it keeps a trace line of it
         route_id = secrets.token_hex(8)  # each try names it: the fleet's trace keeps its last (fleet_trace.py)
         routed_at = None  # when the first replica was chosen: the fleet's trace is in this order, on this clock
         while True:
@@ -841,6 +848,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             except ModelNotServed as exc:
                 return error(404, str(exc), "model_not_found")
             except LookupError as exc:
+                if not traced:
+                    service.untraced.append(routed_at or time.time())
                 if refusal is not None:  # every replica that could take it refused: the last refusal, as it came
                     return refusal
                 return error(503, str(exc), "no_replica")
@@ -867,6 +876,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 replica.last_error = described(exc)
                 if closed_retried:
                     replica.failed_forwards += 1
+                    if not traced:
+                        service.untraced.append(routed_at)
                     return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
                 closed_retried = True
                 replica.rerouted += 1
@@ -878,6 +889,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 replica.last_error = described(exc)
                 replica.failed_forwards += 1
                 return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
+            traced = traced or upstream.status_code != 503  # a 503 (stopping, loading, draining) keeps none
             if upstream.status_code not in (429, 503):
                 break
             try:
