@@ -34,6 +34,10 @@ def read_prompts(path: Path) -> list:
             prompts.append(item["tokens"])
         elif isinstance(item, str):
             prompts.append(item)
+        elif isinstance(item, dict) and ("text" in item or "tokens" in item):
+            field, want = ("text", "a string") if "text" in item else ("tokens", "a list of token ids")
+            raise UserError(f"prompts: {path.name} line {number}: '{field}' must be {want}, "
+                            f"got {json.dumps(item[field])[:40]}")
         else:
             raise UserError(f"prompts: {path.name} line {number} needs a 'text' or 'tokens' field")
     if len(prompts) < 2:

@@ -226,3 +226,18 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path):
         assert actions == ["applied", "applied", "refused", "stored"]
     finally:
         service.shutdown(1)
+
+
+def test_kvctl_calibrate_names_the_line_and_field_of_a_prompts_file_it_cannot_use(capsys, tmp_path):
+    """The file is refused before kvd is asked: each line's fault by number and field."""
+    from .test_cli import cli
+
+    cases = {'{"text": 5}': "line 2: 'text' must be a string, got 5",
+             '{"tokens": "1,2,3"}': "line 2: 'tokens' must be a list of token ids, got \"1,2,3\"",
+             '{"prompt": "hi"}': "line 2 needs a 'text' or 'tokens' field",
+             "not json": "line 2 is not JSON"}
+    for line, said in cases.items():
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text('{"text": "a good one"}\n' + line + "\n")
+        status, _, err = cli(capsys, "--socket", str(tmp_path / "none.sock"), "calibrate", "--prompts", str(prompts))
+        assert status == 2 and " ".join(err.split()) == f"error: prompts: prompts.jsonl {said}"
