@@ -1419,3 +1419,39 @@ def test_tier_settings_that_cannot_be_met_are_named(demo, tmp_path):
         build_tiers(engine, disk_bytes=1 << 22, disk_path=tmp_path / "a-file" / "kvcache")
     assert str(refused.value) == (f"tiers.disk.path: cannot use {str(tmp_path / 'a-file' / 'kvcache')!r} for the "
                                   "disk tier (Not a directory)")
+
+
+@pytest.mark.parametrize("lands", ["before_the_restore", "before_the_copy"])
+def test_a_prefix_an_operator_evicts_while_a_restore_of_it_is_planned_is_recomputed_not_a_failed_step(
+        demo, monkeypatch, lands):
+    """kvd's eviction drops lower-tier copies outside the engine's lock (it must not stall serving),
+    so it can land between the engine finding a prefix in host memory and copying it back. That
+    step raised KeyError and cancelled every request in flight (found by scripts/fleet-soak). Now
+    the restore takes what is still there: the blocks before the first one evicted (its tail
+    evicted as the restore starts), or nothing (all of it evicted as the copy starts, after the
+    device blocks were allocated: they go back). The request computes the rest, tokens unchanged."""
+    from kvctl.daemon.cache.keys import PrefixHasher
+
+    engine, tiered = engine_with(demo, host_bytes=1 << 20)
+    cold = generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    keys = PrefixHasher(engine.namespace("default")).feed(demo.tokenizer.encode(TEXT_A))
+    blocks = (len(demo.tokenizer.encode(TEXT_A)) - 1) // 16
+    assert engine.cache.lookup(keys) == 0 and all(k in tiered.host.index for k in keys[:blocks])
+    evicted = keys[blocks - 2:blocks] if lands == "before_the_restore" else keys[:blocks]
+    name = "restore_into" if lands == "before_the_restore" else "load_into"
+    step = getattr(tiered, name)
+
+    def evicted_first(*args):  # the operator's eviction, from another thread, lands here
+        assert tiered.drop(evicted) == len(evicted)
+        monkeypatch.setattr(tiered, name, step)  # once
+        return step(*args)
+
+    monkeypatch.setattr(tiered, name, evicted_first)
+    free_before = engine.cache.pool.available()
+    warm = generate(engine, TEXT_A, demo)  # audits the cache: no block leaked or left half-installed
+    restored = (blocks - 2) * 16 if lands == "before_the_restore" else 0
+    assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    assert (warm.metrics.cached_tokens, warm.metrics.restored_tokens) == (restored, restored)
+    assert tiered.report()["tiers"]["host"]["restored_blocks"] == restored // 16
+    assert engine.cache.pool.available() == free_before  # A's blocks are cached again, as after a cold run

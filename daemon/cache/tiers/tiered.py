@@ -102,6 +102,11 @@ def _stack_blocks(per_block: list, num_layers: int) -> list[tuple[torch.Tensor, 
             for layer in range(num_layers)]
 
 
+class SourceGone(LookupError):
+    """A block a restore was to copy back is no longer in host memory or staging: an operator's
+    eviction (`drop`, which runs outside the engine's lock) took it after the restore was planned."""
+
+
 class TieredCache:
     def __init__(self, kv_caches, layout: BlockLayout, space: bytes, *, host: HostTier | None = None,
                  disk: DiskTier | None = None, remote: RemoteTier | None = None,
@@ -466,14 +471,24 @@ class TieredCache:
     def restore_into(self, manager, keys: Sequence[bytes], start: int, count: int, tenant: str) -> int:
         """Put blocks start..start+count of a chain (held in host slots or staged) back in the
         device cache of `manager`; their host slots are protected while making room demotes
-        other blocks. Returns blocks restored."""
+        other blocks. Returns blocks restored: fewer than planned, or none, when an operator's
+        eviction took some of them since (the request computes the rest; no block is left
+        half-installed)."""
         with self.protecting(keys[start:start + count]):
-            return manager.install(keys, start, count, tenant, self.load_into)
+            count = min(count, self.available_run(keys[start:start + count])[0])  # what is still here
+            if count <= 0:
+                return 0
+            try:
+                return manager.install(keys, start, count, tenant, self.load_into)
+            except SourceGone:  # dropped between that look and the copy: install undid its allocation
+                return 0
 
     def load_into(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Scatter the host/staged data of `keys` into device blocks (engine thread)."""
         started = time.perf_counter()
         with self.lock, self.protecting(keys):
+            if any(k not in self.staged and (self.host is None or k not in self.host.index) for k in keys):
+                raise SourceGone("keys: a block to restore left host memory and staging (evicted meanwhile)")
             host_pos = [i for i, k in enumerate(keys) if k not in self.staged]
             staged_pos = [i for i, k in enumerate(keys) if k in self.staged]
             for positions, source in ((host_pos, "host"), (staged_pos, "staged")):
