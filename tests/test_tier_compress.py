@@ -440,3 +440,33 @@ def test_a_prefix_fetched_compressed_is_restored_though_its_whole_bytes_at_the_t
     assert warm.metrics.restored_tokens == blocks * 16 and warm.metrics.cached_tokens == blocks * 16
     assert tiered.stats["disk"].restored_blocks == blocks
     assert warm.sequences[0].output_ids == cold.sequences[0].output_ids
+
+
+@pytest.mark.parametrize("reader", ["read", "read_many"])
+def test_a_segment_whose_blocks_are_all_dropped_while_it_is_read_goes_when_the_read_ends(tmp_path, reader):
+    """An operator's eviction drops blocks while a prefetch reads their segment: the segment must
+    stay for that read, and it went nowhere after it (`kvctl tiers` showed disk bytes used with no
+    block held, until the budget needed room). The last read out now removes it."""
+    from kvctl.daemon.cache.tiers import DiskTier, TieredCache
+
+    layout = BlockLayout((torch.float16,) * 2, 16, 1, 64, "")
+    disk = DiskTier(tmp_path / "d", 1 << 22, layout, SPACE)
+    tiered = TieredCache([], layout, SPACE, disk=disk)
+    metas = _metas(2)
+    assert tiered.copy_to("disk", metas, _group(layout, 2), src="device") == 2
+    [name] = disk.segments
+    keys = [m.key for m in metas]
+    read_range = disk._read_range
+
+    def dropped_meanwhile(*args):
+        for key in keys:
+            disk.drop(key)
+        assert name in disk.segments and (disk.segment_dir / name).exists()  # kept for this read
+        return read_range(*args)
+
+    disk._read_range = dropped_meanwhile
+    got = disk.read(keys[0]) if reader == "read" else disk.read_many(keys)
+    assert got is not None and len(got) > 0  # the read in flight got its bytes
+    assert (list(disk.segments), disk.used_bytes, disk.index) == ([], 0, {})
+    assert not (disk.segment_dir / name).exists()
+    tiered.close()

@@ -485,9 +485,7 @@ class DiskTier:
             return None
         finally:
             with self.lock:
-                self.busy[name] -= 1
-                if not self.busy[name]:
-                    del self.busy[name]
+                self._read_done(name)
 
     def read_many(self, keys: Sequence[bytes]) -> dict[bytes, memoryview]:
         """Payloads of those `keys` on disk, each segment's span read with one pread into one
@@ -516,10 +514,20 @@ class DiskTier:
         finally:
             with self.lock:
                 for name in spans:
-                    self.busy[name] -= 1
-                    if not self.busy[name]:
-                        del self.busy[name]
+                    self._read_done(name)
         return out
+
+    def _read_done(self, name: str) -> None:
+        """A read of segment `name` ended (the lock held). The last one out removes the segment if
+        every block of it was dropped meanwhile: `drop` leaves a segment being read, and nothing
+        else would take it off the books and the disk until room is needed."""
+        self.busy[name] -= 1
+        if self.busy[name]:
+            return
+        del self.busy[name]
+        segment = self.segments.get(name)
+        if segment is not None and segment.live <= 0:
+            self._remove_segment(name, "operator")
 
     def _read_range(self, name: str, offset: int, length: int) -> memoryview:
         """A read-only view of the segment's bytes, mapped straight from the page cache (no copy,
