@@ -1063,6 +1063,29 @@ def test_a_disk_read_error_is_a_miss_and_marks_the_tier_degraded(demo, tmp_path)
     assert report["health"] == "degraded" and report["errors"] >= 1
 
 
+def test_a_prefix_evicted_from_disk_while_its_fetch_reads_it_is_a_miss_not_a_degraded_disk(demo, tmp_path):
+    """An operator's eviction drops the blocks between the fetch finding them on disk and reading
+    them: the read finds none, which is a miss. It was taken for a failed read: the disk tier was
+    marked degraded for 30 s (a warning, and no restore from it meanwhile), seen in
+    scripts/operator-stress. A read that fails while the blocks are still there degrades it as before."""
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    cold = generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    disk, read_many = tiered.disk, tiered.disk.read_many
+
+    def evicted_first(keys):
+        tiered.drop(keys)
+        return read_many(keys)
+
+    disk.read_many = evicted_first
+    warm = generate(engine, TEXT_A, demo)
+    assert warm.metrics.restored_tokens == 0 and warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    report = tiered.report()["tiers"]["disk"]
+    assert (report["health"], report["errors"]) == ("ok", 0)
+    assert engine.stats.prefetch_outcomes == {"miss": 1}
+
+
 def test_swap_to_remote_and_back_through_the_daemon(tmp_path, redis_server):
     from kvctl.daemon.server.app import create_app
 

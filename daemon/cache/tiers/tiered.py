@@ -600,7 +600,8 @@ class TieredCache:
                     run.append(key)
                 source, started = "disk", time.perf_counter()
                 payloads = self.disk.read_many(run)
-                if not payloads:
+                # nothing read: a failed read, unless an eviction dropped them all meanwhile (a miss)
+                if not payloads and any(key in self.disk.index for key in run):
                     self._degrade("disk", "read failed")
                 else:
                     self.stats["disk"].read.observe(sum(len(p) for p in payloads.values()),
