@@ -796,6 +796,56 @@ def test_swap_moves_a_prefix_down_and_back_and_prefixes_show_its_tier(tmp_path):
         service.shutdown(deadline=2)
 
 
+@pytest.mark.parametrize("to", ["host", "disk"])
+def test_a_swap_writes_each_block_as_it_was_when_listed_even_if_the_engine_reuses_it_meanwhile(tmp_path, to):
+    """A swap listed the prefix's device blocks under the engine's lock and read their contents under
+    it again later: between the two, a step could evict an idle block and fill it with another
+    sequence's rows, and the swap wrote those rows under the old key, where a later restore would
+    serve them. It now reads the contents in the same hold of the lock that lists the blocks."""
+    from kvctl.daemon.cache.tiers import decode_block
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="4MiB", disk_cache_bytes="16MiB",
+                            tiering="always", write_policy="write_back")  # the swap alone writes them down
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        _tokens(app, SYSTEM_A + [1] * 16 + [99])
+        tiers, engine = service.tiers, service.engine
+        keys = service.engine.prefix_keys("default", SYSTEM_A + [1] * 16 + [99])[2]
+        with service.lock:
+            ids = [engine.cache.pool.block_of(k) for k in keys]
+            before = tiers.gather(ids)
+        listed, resolve, resolved = tiers.known_metas, service.resolve_prefix, []
+
+        def resolved_first(*args):
+            resolved.append(True)
+            return resolve(*args)
+
+        def reused_meanwhile():  # once the swap has its prefix, a step reuses the blocks for other rows
+            if resolved:
+                with service.lock:
+                    for cache in tiers.kv_caches:
+                        for block_id in ids:
+                            cache.k[block_id] = 7.0
+                            cache.v[block_id] = -7.0
+            return listed()
+
+        service.resolve_prefix, tiers.known_metas = resolved_first, reused_meanwhile
+        moved = call(app, "POST", "/admin/swap", json={"prefix": keys[0].hex()[:16], "to": to, "copy": True}).json()
+        service.resolve_prefix, tiers.known_metas = resolve, listed
+        assert moved["verified_blocks"] == moved["blocks"] == len(keys)
+        for i, key in enumerate(keys):
+            if to == "host":
+                with tiers.lock:
+                    stored = [(k[0], v[0]) for k, v in tiers.host.read_slots([tiers.host.index[key]])]
+            else:
+                stored = decode_block(tiers.disk.read(key), tiers.layout, tiers.space, key).layers()
+            assert all(torch.equal(s_k, b_k[i]) and torch.equal(s_v, b_v[i])
+                       for (s_k, s_v), (b_k, b_v) in zip(stored, before)), f"block {i} written as reused"
+    finally:
+        service.shutdown(deadline=2)
+
+
 SHARED = [5] * 16  # one block every prompt below starts with (as a chat template is)
 SYSTEM_A, SYSTEM_B = SHARED + [10] * 32, SHARED + [20] * 32
 

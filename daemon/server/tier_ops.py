@@ -118,12 +118,12 @@ def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
         body = _to_device(service, engine, tree.leaf_paths(first), keys, tenant)
     else:
         wanted = set(keys)
-        with service.lock:
+        with service.lock:  # the blocks and their contents in one hold: a step may reuse a block after it
             device = sorted((b for b in engine.cache.pool.blocks if b.key in wanted), key=lambda b: b.depth)
             device_metas = [BlockMeta.of(b) for b in device]
-            device_ids = [b.block_id for b in device]
+            device_layers = tiers.gather([b.block_id for b in device]) if device else None
         lower = {k: m for k, (m, _) in tiers.known_metas().items() if k in wanted}
-        body = _to_lower(service, engine, tiers, to, copy, device_metas, device_ids, lower)
+        body = _to_lower(service, engine, tiers, to, copy, device_metas, device_layers, lower)
     body.update({"prefix_id": prefix_id, "to": to, "copy": copy, "seconds": time.perf_counter() - started})
     with service.lock:
         engine.cache.audit()
@@ -187,13 +187,14 @@ def warm_pins(service) -> int:
     return restored
 
 
-def _to_lower(service, engine, tiers, to, copy, device_metas, device_ids, lower) -> dict:
+def _to_lower(service, engine, tiers, to, copy, device_metas, device_layers, lower) -> dict:
+    """Write the prefix's blocks to tier `to`: those on the device from `device_layers` (their
+    contents, read when they were listed), the others from the lower tier holding each; verify
+    them there and, unless `copy`, take them off the device and the other tiers."""
     target = getattr(tiers, to)
     moved = 0
     if device_metas:
-        with service.lock:
-            layers = tiers.gather(device_ids)
-        moved += tiers.copy_to(to, device_metas, layers, src="device")
+        moved += tiers.copy_to(to, device_metas, device_layers, src="device")
     elsewhere = [m for k, m in sorted(lower.items(), key=lambda kv: kv[1].depth)
                  if k not in target.index and k not in {d.key for d in device_metas}]
     for meta in elsewhere:
