@@ -153,6 +153,28 @@ def test_write_through_puts_every_full_block_on_disk_before_any_eviction(demo, t
     assert engine.cache.pool.evictions == 0
 
 
+def test_an_eviction_waits_for_blocks_on_their_way_to_disk_and_drops_them_too(demo, tmp_path):
+    """Written through, a prompt's blocks are `moving` until the writer thread publishes them. An
+    eviction skipped those, and the write then put them on disk after the eviction had said what it
+    removed. It now waits for those writes and drops what they published; what is still moving
+    when it gives up is counted, never silently kept."""
+    import threading
+
+    engine, tiered = engine_with(demo, num_blocks=64, disk_bytes=1 << 22, disk_path=tmp_path / "d",
+                                 write_policy="write_through")
+    gate, write_group = threading.Event(), tiered.disk.write_group
+    tiered.disk.write_group = lambda *args, **kwargs: gate.wait(10) and write_group(*args, **kwargs)
+    generate(engine, TEXT_A, demo)
+    moving = [k for k, (_, tier) in tiered.known_metas().items() if tier == "moving"]
+    full_blocks = (len(demo.tokenizer.encode(TEXT_A)) + 8 - 1) // 16
+    assert len(moving) == full_blocks and not tiered.disk.index
+    assert tiered.wait_for_writes(moving, timeout=0.05) == full_blocks  # the writer is held: all still moving
+    threading.Timer(0.2, gate.set).start()
+    assert tiered.wait_for_writes(moving, timeout=10) == 0
+    assert tiered.drop(moving) == full_blocks
+    assert tiered.flush(timeout=10) and not tiered.disk.index  # nothing lands after the eviction
+
+
 def test_write_through_selective_writes_a_block_down_when_it_is_first_reused(demo, tmp_path):
     """SGLang HiCache's write_through_selective: what a prompt fills stays on the device until a
     prefix hit proves it reusable; then (the same step) it goes to disk, once."""
@@ -757,6 +779,46 @@ def test_evicting_a_tenant_after_listing_prefixes_also_empties_the_lower_tiers(t
         assert evicted["lower_tier_blocks_dropped"] == prefix["blocks"]
         assert call(app, "GET", "/admin/prefixes").json()["prefixes"] == []
         assert call(app, "GET", "/admin/tiers").json()["tiers"]["disk"]["blocks"] == 0
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_kvd_s_eviction_drops_blocks_still_being_written_and_says_so_when_it_cannot(tmp_path, monkeypatch):
+    """`kvctl evict --tenant` while the prompt's blocks are on their way to disk: kvd waits for the
+    writes and drops those blocks too, so the disk holds none afterwards. Writes that do not land
+    within the wait are counted, and the eviction is partial with a message saying what to do."""
+    import threading
+
+    from kvctl.daemon.server import service as service_module
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tiering="always",
+                            write_policy="write_through")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        disk, write_group = service.tiers.disk, service.tiers.disk.write_group
+        for wait, released_after in ((30.0, 0.2), (0.1, None)):
+            monkeypatch.setattr(service_module, "EVICT_WRITE_WAIT_S", wait, raising=False)
+            gate = threading.Event()
+            disk.write_group = lambda *args, gate=gate, **kwargs: gate.wait(10) and write_group(*args, **kwargs)
+            _complete(app, TEXT_A)
+            moving = sum(1 for _, tier in service.tiers.known_metas().values() if tier == "moving")
+            assert moving > 0 and not disk.index
+            if released_after is not None:
+                threading.Timer(released_after, gate.set).start()
+            evicted = call(app, "POST", "/admin/evict", json={"tenant": "default"}).json()
+            gate.set()
+            assert service.tiers.flush(timeout=10)
+            if released_after is not None:  # the writes landed during the wait and went with the rest
+                assert (evicted["result"], evicted["lower_tier_blocks_dropped"]) == ("ok", moving)
+                assert "lower_tier_blocks_still_moving" not in evicted and not disk.index
+            else:
+                assert (evicted["result"], evicted["lower_tier_blocks_still_moving"]) == ("partial", moving)
+                assert evicted["message"] == (f"{moving} blocks were still being written to disk or Redis after "
+                                              f"0.1 s and were not dropped; run the eviction again")
+                assert len(disk.index) == moving  # as it said: the next eviction takes them
+                again = call(app, "POST", "/admin/evict", json={"tenant": "default"}).json()
+                assert (again["result"], again["lower_tier_blocks_dropped"]) == ("ok", moving) and not disk.index
     finally:
         service.shutdown(deadline=2)
 

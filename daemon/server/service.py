@@ -42,6 +42,10 @@ from .tenant_labels import TenantLabels
 
 log = logging.getLogger("kvd")
 
+# How long an eviction waits for blocks on their way to disk or Redis to land, so that it drops them
+# too (a write published after the eviction would bring back what it said it removed).
+EVICT_WRITE_WAIT_S = 30.0
+
 EventSink = Callable[[TokenEvent], None]
 
 
@@ -1207,13 +1211,17 @@ class EngineService:
                 report_blocks, skipped = report.evicted_blocks, report.skipped
             roots = dict(engine.cache.roots)
             pinned = set(engine.cache.pins.key_counts())  # their lower-tier copies stay too
-        lower_dropped = 0
+        lower_dropped = still_moving = 0
+        doomed: list[bytes] = []
         if self.tiers is not None and subtree is not None:  # an eviction removes the prefix from every tier
-            lower_dropped = self.tiers.drop([k for k in subtree if k not in pinned])
+            doomed = [k for k in subtree if k not in pinned]
         elif self.tiers is not None and select is not None:
-            lower_dropped = self.tiers.drop([k for k, (m, _) in self.tiers.known_metas().items()
-                                             if k not in pinned and select(m.root, roots.get(m.root), m.tenant)])
-        result = "ok" if not skipped.get("in_use") else "partial"
+            doomed = [k for k, (m, _) in self.tiers.known_metas().items()
+                      if k not in pinned and select(m.root, roots.get(m.root), m.tenant)]
+        if doomed:  # blocks on their way to disk or Redis land first, then go with the rest
+            still_moving = self.tiers.wait_for_writes(doomed, EVICT_WRITE_WAIT_S)
+            lower_dropped = self.tiers.drop(doomed)
+        result = "ok" if not skipped.get("in_use") and not still_moving else "partial"
         body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target,
                 "lower_tier_blocks_dropped": lower_dropped}
         remote = self.tiers.remote if self.tiers is not None else None
@@ -1240,6 +1248,11 @@ class EngineService:
                 body["message"] = (f"the shared Redis could not be searched: {purge['error']}" if "error" in purge
                                    else f"the shared Redis was searched only in part ({purge['seen']:,} entries "
                                         "before the time limit); run the eviction again")
+        if still_moving:
+            body["lower_tier_blocks_still_moving"] = still_moving
+            body["message"] = "; ".join(filter(None, [body.get("message"), (
+                f"{still_moving} blocks were still being written to disk or Redis after {EVICT_WRITE_WAIT_S:g} s "
+                f"and were not dropped; run the eviction again")]))
         if skipped.get("in_use"):
             body["message"] = "; ".join(filter(None, [f"{skipped['in_use']} blocks are in use by running requests "
                                                       "and were not evicted", body.get("message")]))

@@ -665,6 +665,20 @@ class TieredCache:
                     self.staged.pop(key, None)
 
     # ---- operator actions ------------------------------------------------------------------
+    def wait_for_writes(self, keys: Iterable[bytes], timeout: float) -> int:
+        """Before an eviction drops `keys`: wait up to `timeout` seconds for the writes of those
+        still being written down to land, so that `drop` takes them too instead of a write
+        publishing them after the eviction said what it removed. Returns how many are still being
+        written when it gives up (0: none)."""
+        keys = list(keys)
+        with self.lock:
+            moving = [k for k in keys if k in self.inflight]
+        if moving:
+            self.flush(timeout)
+            with self.lock:
+                moving = [k for k in moving if k in self.inflight]
+        return len(moving)
+
     def drop(self, keys: Iterable[bytes]) -> int:
         """Remove blocks from every lower tier (an operator's eviction). Returns blocks dropped: a
         block only in Redis counts if this call deleted it there (another daemon's purge may have
@@ -675,7 +689,7 @@ class TieredCache:
         for key in keys:
             with self.lock:
                 if key in self.inflight:
-                    continue  # its write finishes first; the next eviction catches it
+                    continue  # being written down (wait_for_writes first): the next eviction catches it
                 self.staged.pop(key, None)
                 hit = self.host is not None and self.host.drop(key)
             if self.disk is not None and key in self.disk.index:
