@@ -1180,6 +1180,23 @@ def test_an_eviction_at_the_router_takes_the_blocks_of_every_replica_and_adds_up
                                  "replica-1: not reached (ConnectError: connection refused)"]
 
 
+def test_a_fleet_eviction_sums_the_blocks_replicas_were_still_writing_down_and_is_partial():
+    from kvctl.daemon.server.fleet_admin import combine, merge_evictions
+
+    done = {"target": "tenant=acme", "skipped": {}, "evicted_blocks": 4, "lower_tier_blocks_dropped": 6,
+            "result": "ok"}
+    moving = {**done, "lower_tier_blocks_dropped": 2, "lower_tier_blocks_still_moving": 3, "result": "partial",
+              "message": "3 blocks were still being written to disk or Redis after 30 s and were not dropped; "
+                         "run the eviction again"}
+    status, body = combine(["r0", "r1"], [(200, done), (200, moving)], merge_evictions)
+    assert status == 200 and body["result"] == "partial"
+    assert (body["evicted_blocks"], body["lower_tier_blocks_dropped"], body["lower_tier_blocks_still_moving"]) == (
+        8, 8, 3)
+    assert body["message"] == "r1: " + moving["message"]
+    _, body = combine(["r0", "r1"], [(200, done), (200, done)], merge_evictions)
+    assert "lower_tier_blocks_still_moving" not in body and body["result"] == "ok"
+
+
 def test_kvctl_tiers_at_the_router_shows_each_replica_s_tiers_and_which_did_not_answer(replicas):
     _, app = router_app(replicas, down=(1,))
     [answer] = drive(app, [lambda c: c.get("/admin/tiers")])

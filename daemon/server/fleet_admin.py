@@ -86,6 +86,9 @@ def merge_evictions(done: list[dict]) -> dict:
         skipped.update(body.get("skipped") or {})
     out = {"target": done[0]["target"], "skipped": dict(skipped),
            **{k: sum(body.get(k) or 0 for body in done) for k in ("evicted_blocks", "lower_tier_blocks_dropped")}}
+    still_moving = sum(body.get("lower_tier_blocks_still_moving") or 0 for body in done)
+    if still_moving:  # blocks some replica was still writing down when it gave up waiting: not dropped
+        out["lower_tier_blocks_still_moving"] = still_moving
     remote = [body["remote_purge"] for body in done if "remote_purge" in body
               and not body["remote_purge"].get("by_another_replica")]  # it left the search to the one below
     if remote:
