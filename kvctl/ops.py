@@ -464,7 +464,8 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
     Blocks in use are refused, not faked. A prefix id takes that prefix and every prefix that
     extends it (its rows in `kvctl prefixes`); the prefix it extends stays for the others that
     share it. A prefix's or a tenant's blocks also go from the shared Redis, whichever daemon
-    wrote them.
+    wrote them. Blocks still being written to disk or Redis are waited for (up to 30 s) and go
+    too; any still moving then make the eviction partial.
 
     A model revision's blocks go from every tier, including a revision this daemon no longer
     serves: what an upgrade set aside on disk, and what any daemon left on the shared Redis
