@@ -46,6 +46,10 @@ def running_daemon_store(ctx: typer.Context | None) -> Path | None:
         path = client.get("/admin/config").get("store_path")
     except UserError as exc:
         if "not reachable" in str(exc):
+            named = options.get("socket") or os.environ.get("KVD_SOCKET")
+            if named:  # the operator meant that daemon: say whose store this is instead
+                typer.echo(f"note: no kvd answers at {named}, so this is the store in the default state "
+                           f"directory (--state-dir or KVD_STATE_DIR names another)", err=True)
             return None
         typer.echo(f"note: kvd at {options.get('socket') or os.environ.get('KVD_SOCKET') or 'its default socket'} "
                    f"did not say where its store is ({exc})", err=True)

@@ -306,8 +306,10 @@ def test_store_commands_use_the_store_of_the_kvd_kvctl_reaches(tmp_path, capsys,
         server.should_exit = True
         serving.join(10)
         service.shutdown(1)
-    status, _, err = cli(capsys, "--socket", sock, "adr", "list")  # no daemon answers: the default
+    status, _, err = cli(capsys, "--socket", sock, "adr", "list")  # no daemon answers: the default, said
     assert status == 2 and f"no kvd.sqlite3 in {str(operator_default.parent)!r}" in err
+    assert " ".join(err.split()).startswith(f"note: no kvd answers at {sock}, so this is the store in the default "
+                                            f"state directory (--state-dir or KVD_STATE_DIR names another)")
     status, _, err = cli(capsys, "--url", "http://10.0.0.9:8000", "adr", "list")  # its files are elsewhere
     assert status == 2 and err.splitlines()[0] == ("note: kvd is reached over TCP, so its store is on its own "
                                                    "machine: this is the store on this one (--state-dir or "
