@@ -782,6 +782,25 @@ def test_a_request_naming_a_model_goes_only_where_that_model_is_served(replicas,
         other.shutdown(deadline=2)
 
 
+def test_a_request_the_only_replica_of_its_model_refuses_gets_that_refusal_not_a_model_not_found(replicas, tmp_path):
+    """Replicas of two models; the one serving the requested model turns it away (429, its queue
+    full). No other replica serves that model, so the retry found none: the router answered 404
+    "not served by any replica" for a model GET /v1/models lists. The caller gets the replica's
+    429 as it came, with its Retry-After, to try again."""
+    other = start_service(tmp_path, num_blocks=64, model_name="kvd-other")
+    try:
+        service, app = router_app([replicas[0], create_app(other, other.metrics, front="unix")], "round_robin")
+        service.replicas[1].client = replica_client("/run/replica-1.sock", transport=Refusing(
+            create_app(other, other.metrics, front="unix"), 429))
+        [answer] = drive(app, [lambda c: post(c, SYSTEM_A + "Q31?", model="kvd-other")])
+        assert answer.status_code == 429 and answer.headers["retry-after"] == "1"
+        assert answer.json()["error"]["message"] == "queue full"
+        assert answer.headers["x-kvd-tried"] == "replica-1 (429)"
+        assert list(service.untraced) == []  # replica-1 keeps a line of it, as turned away
+    finally:
+        other.shutdown(deadline=2)
+
+
 @pytest.mark.parametrize("view", ["ask", "events"])
 def test_a_prefix_moved_to_a_replicas_host_tier_still_draws_its_requests_there(tmp_path, view):
     """Replica 0 computed a prompt, then an operator moved the prefix to its host tier: the

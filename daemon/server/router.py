@@ -845,9 +845,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         while True:
             try:
                 replica, reason = await service.choose(body, tenant, excluded)
-            except ModelNotServed as exc:
-                return error(404, str(exc), "model_not_found")
-            except LookupError as exc:
+            except LookupError as exc:  # ModelNotServed too: on a retry, none left that serves its model
+                if refusal is None and isinstance(exc, ModelNotServed):
+                    return error(404, str(exc), "model_not_found")
                 if not traced:
                     service.untraced.append(routed_at or time.time())
                 if refusal is not None:  # every replica that could take it refused: the last refusal, as it came
