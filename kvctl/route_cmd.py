@@ -22,7 +22,7 @@ from kvctl.policies.routing import ROUTING_POLICIES, facts_from_answer, make_rou
 from .bench_replay import parse_names
 from .client import Client
 from .errors import KvdUnavailable, UserError
-from .ops import _tokens
+from .ops import _client, _tokens
 from .tables import compact_table
 
 ONE_SHOT_POLICIES = tuple(p for p in ROUTING_POLICIES if p != "round_robin")  # a turn means nothing once
@@ -79,8 +79,20 @@ def route(ctx: typer.Context,
     if router is not None:
         if replica:
             raise UserError("replica: give --router or --replica, not both")
-        ask_router(ctx, router, prompt, tenant, routing, as_json)
+        show_router_route(router_client(ctx, router, tenant), prompt, routing, as_json)
         return
+    if not replica:  # kvctl pointed at kvd router (--socket, KVD_SOCKET, --url): ask it
+        try:
+            show_router_route(_client(ctx, tenant), prompt, routing, as_json)
+            return
+        except KvdUnavailable:
+            raise UserError("replica: give two or more (--replica SOCKET_OR_URL, repeated), or --router; no "
+                            "kvd answers where kvctl points") from None
+        except UserError as exc:
+            if not str(exc).startswith("kvd answered 404"):
+                raise
+            raise UserError("replica: give two or more (--replica SOCKET_OR_URL, repeated), or --router; the "
+                            "kvd kvctl points at is a replica, not kvd router") from None
     if len(replica) < 2:
         raise UserError(f"replica: give two or more (--replica SOCKET_OR_URL, repeated), got {len(replica)}")
     policies = parse_names("routing", routing)
@@ -119,15 +131,17 @@ def affinity_of(prompt: dict) -> bytes | None:
     return router_affinity(question_of({"messages": prompt["messages"]}))
 
 
-def ask_router(ctx: typer.Context, spec: str, prompt: dict, tenant: str | None, routing: list[str],
-               as_json: bool) -> None:
-    """`kvctl route --router`: the router's own answer (`POST /router/route`), with the live
-    policy's choice first and then each asked policy's, from the same facts."""
+def router_client(ctx: typer.Context, spec: str, tenant: str | None) -> Client:
+    """A client of the kvd router `--router` names (its socket or URL)."""
     options = ctx.find_root().obj or {}
     if spec.startswith(("http://", "https://")):
-        client = Client(url=spec, token_file=options.get("token_file"), tenant=tenant)
-    else:
-        client = Client(socket=spec, tenant=tenant)
+        return Client(url=spec, token_file=options.get("token_file"), tenant=tenant)
+    return Client(socket=spec, tenant=tenant)
+
+
+def show_router_route(client: Client, prompt: dict, routing: list[str], as_json: bool) -> None:
+    """`kvctl route` at kvd router: the router's own answer (`POST /router/route`), with the live
+    policy's choice first and then each asked policy's, from the same facts."""
     asked = {"messages": prompt["messages"]} if "messages" in prompt else {
         "prompt": prompt["text"] if "text" in prompt else prompt["tokens"]}
     body = {**asked, "routing": parse_names("routing", routing)}  # beside the router's own policy, which comes first

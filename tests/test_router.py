@@ -977,6 +977,36 @@ def test_the_router_says_where_it_would_send_a_prompt_without_sending_it(replica
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("routing: expected a list of ")
 
 
+
+def test_kvctl_route_pointed_at_the_router_asks_it_and_at_a_replica_says_what_to_give(replicas, capsys, monkeypatch):
+    """`KVD_SOCKET=router kvctl route PROMPT`: with no --replica and no --router, kvctl asks the kvd
+    it points at, which is the router: its own view and choice. Pointed at a replica, or at nothing,
+    it says to give replicas or a router (it said only to give two or more replicas)."""
+    from kvctl import client
+
+    from .daemon_fixtures import call
+    from .test_cli import cli
+
+    _, app = router_app(replicas, "prefix")
+    for target, said in ((app, None),
+                         (replicas[0], "the kvd kvctl points at is a replica, not kvd router"),
+                         (None, "no kvd answers where kvctl points")):
+        def post(self, path, body, target=target):
+            if target is None:
+                raise client.KvdUnavailable("kvd is not reachable at /run/none.sock (is it running? `kvd serve`)")
+            return client.Client.answered(call(target, "POST", path, json=body))
+
+        monkeypatch.setattr(client.Client, "post", post)
+        status, out, err = cli(capsys, "route", "--json", SYSTEM_A + "Q60?")
+        if said is None:
+            answer = json.loads(out)
+            assert status == 0 and list(answer["routes"]) == ["prefix", "least_loaded", "ttft"]
+            assert [r["replica"] for r in answer["replicas"]] == ["replica-0", "replica-1"]
+        else:
+            assert status == 2 and " ".join(err.split()) == (
+                f"error: replica: give two or more (--replica SOCKET_OR_URL, repeated), or --router; {said}")
+
+
 @pytest.mark.parametrize("view", ["ask", "events"])
 def test_the_router_is_ready_while_some_replica_can_take_a_request(replicas, view):
     service, app = router_app(replicas, "round_robin", down=(0,), view=view)
