@@ -55,8 +55,13 @@ def render_requests(d: dict) -> Group:
     if rows:
         keep_whole(table, 0)
         parts.append(table)
-    parts.append(Text(f"{d['running']} running, {d['waiting']} waiting"))
-    parts += [Text(f"#{mark}: {name}") for name, mark in names.items()]
+    counts = f"{d['running']} running, {d['waiting']} waiting"
+    if fleet and not rows:  # no row to mark: how many replicas answered is the news
+        answered = sum(1 for r in d.get("replicas") or [] if r.get("status") == 200)
+        counts += f" on {answered} replica{'s' if answered != 1 else ''}"
+    parts.append(Text(counts))
+    if rows:
+        parts += [Text(f"#{mark}: {name}") for name, mark in names.items()]
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)

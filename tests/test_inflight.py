@@ -170,6 +170,9 @@ def test_at_the_router_every_replica_s_requests_are_listed_and_a_cancel_finds_it
         assert status == 0 and "2 running, 1 waiting" in shown and "#0: replica-0" in shown and "#1: replica-1" in shown
         [line] = [x for x in shown.splitlines() if x.startswith(placed[1])]
         assert line.split()[1:5] == ["#0", "acme", "completions", "waiting"]
+        quiet = {"requests": [], "running": 0, "waiting": 0,
+                 "replicas": [{"replica": "replica-0", "status": 200}, {"replica": "replica-1", "status": 200}]}
+        assert kvctl_shows(["requests"], quiet)[1].strip() == "0 running, 0 waiting on 2 replicas"  # no legend
 
         body = by_id.json()
         assert [c["request_id"] for c in body["cancelled"]] == [placed[2]]
