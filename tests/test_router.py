@@ -374,6 +374,10 @@ def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(repl
             "/version", "/admin/trace", "/admin/pins/{pin_id}", "/router/drain", "/metrics", "/healthz",
             "/readyz"} <= set(listed)
     assert len(listed) == len(set(listed)) and "/admin/events" not in listed and "/openapi.json" not in listed
+    [drain] = drive(app, [lambda c: c.post("/admin/drain", json={"drain": True})])  # `kvctl drain` at the router
+    assert drain.status_code == 404 and drain.json()["error"]["message"].startswith(
+        "kvd router does not serve /admin/drain: drain or resume one replica through it with kvctl fleet drain "
+        "(or resume) REPLICA (POST /router/drain); it serves ")
 
 
 @pytest.mark.parametrize("view", ["ask", "events"])

@@ -81,6 +81,9 @@ DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for
 # a forward's failures before any byte of an answer came, where the connection itself ended
 CLOSED_BEFORE_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 UNTRACED_KEPT = 10_000  # times of requests no replica kept a trace line of, for the fleet's trace
+# What to ask the router instead, for replica paths that have a fleet counterpart
+ROUTER_INSTEAD = {"/admin/drain": "drain or resume one replica through it with kvctl fleet drain (or resume) "
+                                  "REPLICA (POST /router/drain)"}
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
 
@@ -543,8 +546,11 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         if exc.status_code != 404:
             return error(exc.status_code, str(exc.detail), "invalid_request")
         served = list(dict.fromkeys(r.path for r in app.routes if isinstance(r, APIRoute)))  # as registered
-        return error(404, f"kvd router does not serve {request.url.path}: it serves {', '.join(served[:-1])} and "
-                          f"{served[-1]}; ask a replica for the rest (kvctl --socket REPLICA_SOCKET ...)", "not_found")
+        instead = ROUTER_INSTEAD.get(request.url.path)
+        return error(404, f"kvd router does not serve {request.url.path}: "
+                          + (f"{instead}; " if instead else "")
+                          + f"it serves {', '.join(served[:-1])} and {served[-1]}; ask a replica for the rest "
+                            f"(kvctl --socket REPLICA_SOCKET ...)", "not_found")
 
     async def caller(request: Request) -> Caller:
         if front == "unix":
