@@ -307,7 +307,8 @@ def test_the_fleet_s_trace_counts_the_requests_no_replica_took_in_within_its_spa
 
 def test_the_router_notes_each_request_no_replica_took_in_and_no_other(fleet):
     """Given up on with every replica stopping (503) or unreachable, none answering the route
-    question, or each closing the connection before answering: noted, once each. Turned away by a replica (429, which keeps a trace line there) and
+    question, or each closing the connection before answering: noted, once each, and counted in
+    kvd_router_unrouted_total. Turned away by a replica (429, which keeps a trace line there) and
     then unreachable elsewhere, or served: not noted."""
     from kvctl.daemon.server.router import replica_client
 
@@ -331,18 +332,20 @@ def test_the_router_notes_each_request_no_replica_took_in_and_no_other(fleet):
     assert [r.client._transport.completions for r in service.replicas] == [1, 1]  # each asked once
     [when] = service.untraced
     assert before <= when <= after  # when the router first chose a replica for it
+    assert service.unrouted == 1  # and kvd_router_unrouted_total counts it (it counted only no replica live)
 
     service, app = routed_over(Refusing(shared[0], 429), Refusing(shared[1], "unreachable"))
     [answer] = drive(app, [lambda c: post(c, [5] * 20)])
     assert answer.status_code == 502 and list(service.untraced) == []  # replica-0 keeps a line of it
+    assert service.unrouted == 0
 
     service, app = routed_over(Down(), Down())
     answers = drive(app, [lambda c: post(c, [5] * 20), lambda c: post(c, [6] * 20)])
-    assert [a.status_code for a in answers] == [503, 503] and len(service.untraced) == 2
+    assert [a.status_code for a in answers] == [503, 503] and len(service.untraced) == service.unrouted == 2
 
     service, app = routed_over(*(Failing(app, httpx.RemoteProtocolError) for app in shared))  # both closed
     [answer] = drive(app, [lambda c: post(c, [5] * 20)])
-    assert answer.status_code == 502 and len(service.untraced) == 1
+    assert answer.status_code == 502 and len(service.untraced) == service.unrouted == 1
 
     service, app = routed_over(None, None)
     [answer] = drive(app, [lambda c: post(c, [5] * 20)])

@@ -182,10 +182,11 @@ class RouterService:
     pending_seconds: float = 30.0  # events: how long a sent prompt counts as cached before the feed says
     clock: Callable[[], float] = time.monotonic
     tokenizers: Tokenizers = field(default_factory=Tokenizers)
-    unrouted: int = 0  # requests no replica could take (503)
-    # When the router gave up on a request no replica took in (none could take it or be reached,
-    # or each one asked was stopping: 503): no replica keeps a trace line of it, so the fleet's
-    # trace says how many fell in its span (fleet_trace.py). Unix times, the newest UNTRACED_KEPT.
+    # Requests the router gave up on with no replica taking them in: none could take one or be
+    # reached, or each one asked was stopping, loading or draining (a 503). `unrouted` counts them
+    # (kvd_router_unrouted_total); no replica keeps a trace line of them, so the fleet's trace says
+    # how many fell in its span from `untraced` (fleet_trace.py): Unix times, the newest UNTRACED_KEPT.
+    unrouted: int = 0
     untraced: deque = field(default_factory=lambda: deque(maxlen=UNTRACED_KEPT))
     on_decision: Callable[[float], None] = lambda seconds: None  # each choice's time (the /metrics histogram)
 
@@ -386,15 +387,14 @@ class RouterService:
         finally:
             self.on_decision(time.perf_counter() - started)
 
-    async def weigh(self, body: dict, question: dict | None, tenant: str | None, excluded: set[int] = frozenset(),
-                    *, count: bool = True) -> tuple[list[tuple[int, ReplicaFacts, int]], list[Local | None], float]:
+    async def weigh(self, body: dict, question: dict | None, tenant: str | None, excluded: set[int] = frozenset()
+                    ) -> tuple[list[tuple[int, ReplicaFacts, int]], list[Local | None], float]:
         """Every replica that could take the request, as the policy weighs it: (index, facts,
         prompt tokens it counted) from its view or by asking it, serving the model the body names;
         `question`: the body's prompt as `question_of` reads it. Also each replica's local
         weighing (None where asked) and the clock reading used. LookupError (ModelNotServed)
-        when none can; `count`: tally an unroutable request."""
+        when none can."""
         now, memo, replicas = self.clock(), {}, self.replicas
-        retry = bool(excluded)  # some refused it already: it was counted on its first try
         excluded = set(excluded) | {id(r) for r in replicas if r.known_draining}  # one asked says so itself
 
         def weigh_all() -> list[Local | None]:
@@ -413,8 +413,6 @@ class RouterService:
         live = [(i, replace(f, name=replicas[i].name), tokens) for i, a in enumerate(facts) if a is not None
                 for f, tokens in [a]]
         if not live:
-            if count and not retry:
-                self.unrouted += 1
             if replicas and not any(r.takes_requests for r in replicas):
                 raise LookupError("every replica is draining: " + ", ".join(r.name for r in replicas))
             raise LookupError("no replica answered: " + "; ".join(
@@ -450,7 +448,7 @@ class RouterService:
         facts as the router sees them (from its view, or asked): nothing is sent, and the live
         policy's own books are not touched (it decides on a copy)."""
         question = question_of(body)
-        live, local, _, replicas = await self.weigh(body, question, tenant, count=False)
+        live, local, _, replicas = await self.weigh(body, question, tenant)
         live = reusing(body, live)
         affinity = affinity_of(question)
         prompt_tokens = max(tokens for _, _, tokens in live)
@@ -474,6 +472,11 @@ class RouterService:
             chosen = policy.choose(prompt_tokens, [f for _, f, _ in live], affinity)
             routes[name] = {"replica": replicas[live[chosen.replica][0]].name, "reason": chosen.reason}
         return {"prompt_tokens": prompt_tokens, "routing": self.router.name, "replicas": rows, "routes": routes}
+
+    def gave_up(self, routed_at: float) -> None:
+        """A request no replica took in, routed (or refused) at `routed_at` (Unix time)."""
+        self.unrouted += 1
+        self.untraced.append(routed_at)
 
     @staticmethod
     def model_of(replica: Replica) -> str | None:
@@ -855,7 +858,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 if refusal is None and isinstance(exc, ModelNotServed):
                     return error(404, str(exc), "model_not_found")
                 if not traced:
-                    service.untraced.append(routed_at or time.time())
+                    service.gave_up(routed_at or time.time())
                 if refusal is not None:  # every replica that could take it refused: the last refusal, as it came
                     return refusal
                 return error(503, str(exc), "no_replica")
@@ -883,7 +886,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 if closed_retried:
                     replica.failed_forwards += 1
                     if not traced:
-                        service.untraced.append(routed_at)
+                        service.gave_up(routed_at)
                     return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
                 closed_retried = True
                 replica.rerouted += 1

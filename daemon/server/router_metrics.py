@@ -12,7 +12,8 @@
     kvd_router_rerouted_total{replica}            requests it refused before starting them (429, 503),
                                                   could not be reached for, or closed the connection of
                                                   before any answer (once a request): sent to the next best
-    kvd_router_unrouted_total                     requests no replica answered for (503)
+    kvd_router_unrouted_total                     requests no replica took in: none could take them or be
+                                                  reached, or each one asked was stopping (503)
     kvd_router_open_requests{replica}             forwarded requests still answering
     kvd_router_replica_draining{replica}          1 while it takes no new request (drained, or leaving the fleet)
     kvd_router_view_synced{replica}               events view: 1 while its feed is followed
@@ -63,7 +64,8 @@ class _RouterCollector:
         yield per_replica(CounterMetricFamily, "rerouted", "Requests the replica refused before starting them, "
                           "could not be reached for, or closed the connection of before answering, sent to the "
                           "next best replica", lambda r: r.rerouted)
-        yield CounterMetricFamily("kvd_router_unrouted", "Requests no replica answered for",
+        yield CounterMetricFamily("kvd_router_unrouted", "Requests the router gave up on with no replica taking "
+                                  "them in: none could take them or be reached, or each one asked was stopping (503)",
                                   value=self.service.unrouted)
         yield per_replica(GaugeMetricFamily, "open_requests", "Forwarded requests still answering", lambda r: r.open)
         yield per_replica(GaugeMetricFamily, "replica_draining", "1 while the replica takes no new request (drained, "
