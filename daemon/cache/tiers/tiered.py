@@ -337,8 +337,9 @@ class TieredCache:
             index = torch.tensor(fresh, dtype=torch.int64)
             metas = [metas[i] for i in fresh]
             layers = [(select_rows(k, index), select_rows(v, index)) for k, v in layers]
-        self._pending_writes.append(self._writer.submit(self._publish, metas, layers, src, targets))
-        self._pending_writes = [f for f in self._pending_writes if not f.done()]
+        future = self._writer.submit(self._publish, metas, layers, src, targets)
+        with self.lock:  # the engine's thread and operator actions both write down: none may drop another's
+            self._pending_writes = [f for f in self._pending_writes if not f.done()] + [future]
 
     def _publish(self, metas: list[BlockMeta], layers, src: str, targets: list[str]) -> None:
         try:
@@ -431,7 +432,9 @@ class TieredCache:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued writes; True when all finished within `timeout`."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for future in list(self._pending_writes):
+        with self.lock:
+            pending = list(self._pending_writes)
+        for future in pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 future.result(timeout=left)
