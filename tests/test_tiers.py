@@ -823,6 +823,33 @@ def test_kvd_s_eviction_drops_blocks_still_being_written_and_says_so_when_it_can
         service.shutdown(deadline=2)
 
 
+def test_a_move_to_host_waits_for_the_prefix_s_writes_to_disk_and_leaves_no_copy_there(tmp_path):
+    """Written through, a prompt's blocks are on their way to disk when `kvctl swap --to host` moves
+    the prefix: the move dropped the copies the disk held then, and the write put them there after
+    it. It now waits for those writes, so that the prefix is in host memory alone, as it said."""
+    import threading
+
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="4MiB", disk_cache_bytes="16MiB",
+                            tiering="always", write_policy="write_through")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        disk, write_group, gate = service.tiers.disk, service.tiers.disk.write_group, threading.Event()
+        disk.write_group = lambda *args, **kwargs: gate.wait(10) and write_group(*args, **kwargs)
+        _complete(app, TEXT_A)
+        [prefix] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        assert not disk.index  # its blocks are on their way to disk
+        threading.Timer(0.2, gate.set).start()
+        moved = call(app, "POST", "/admin/swap", json={"prefix": prefix["prefix_id"], "to": "host"}).json()
+        assert moved["verified_blocks"] == moved["blocks"] == prefix["blocks"]
+        assert service.tiers.flush(timeout=10) and not disk.index  # no copy landed on disk after the move
+        [row] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        assert (row["tier"], row["tiers"]) == ("host", {"host": prefix["blocks"]})
+    finally:
+        service.shutdown(deadline=2)
+
+
 def test_swap_moves_a_prefix_down_and_back_and_prefixes_show_its_tier(tmp_path):
     from kvctl.daemon.server.app import create_app
 

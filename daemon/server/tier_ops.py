@@ -16,7 +16,7 @@ from kvctl.daemon.stats import percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
 from .byte_sizes import format_bytes
-from .service import ServiceError
+from .service import EVICT_WRITE_WAIT_S, ServiceError
 
 log = logging.getLogger("kvd")
 
@@ -210,6 +210,8 @@ def _to_lower(service, engine, tiers, to, copy, device_metas, device_layers, low
             with service.lock:
                 report = engine.cache.evict_prefix([m.key for m in device_metas])
             evicted, kept = report.evicted_blocks, {k: v for k, v in report.skipped.items() if v and k != "not_cached"}
+        # copies on their way to another tier land first and go too, or the move would leave them there
+        tiers.wait_for_writes([m.key for m in all_metas], EVICT_WRITE_WAIT_S)
         for m in all_metas:
             if _verify(tiers, to, m.key):
                 for other in ("host", "disk", "remote"):
