@@ -25,6 +25,7 @@ from .errors import KvdUnavailable, UserError
 from .ops import _client, _tokens
 from .tables import compact_table
 
+GIVE_REPLICAS = "replica: give two or more (--replica SOCKET_OR_URL, repeated)"
 ONE_SHOT_POLICIES = tuple(p for p in ROUTING_POLICIES if p != "round_robin")  # a turn means nothing once
 
 
@@ -86,15 +87,14 @@ def route(ctx: typer.Context,
             show_router_route(_client(ctx, tenant), prompt, routing, as_json)
             return
         except KvdUnavailable:
-            raise UserError("replica: give two or more (--replica SOCKET_OR_URL, repeated), or --router; no "
-                            "kvd answers where kvctl points") from None
+            raise UserError(f"{GIVE_REPLICAS}, or --router; no kvd answers where kvctl points") from None
         except UserError as exc:
             if not str(exc).startswith("kvd answered 404"):
                 raise
-            raise UserError("replica: give two or more (--replica SOCKET_OR_URL, repeated), or --router; the "
-                            "kvd kvctl points at is a replica, not kvd router") from None
+            raise UserError(f"{GIVE_REPLICAS}, or --router; the kvd kvctl points at is a replica, "
+                            "not kvd router") from None
     if len(replica) < 2:
-        raise UserError(f"replica: give two or more (--replica SOCKET_OR_URL, repeated), got {len(replica)}")
+        raise UserError(f"{GIVE_REPLICAS}, got {len(replica)}")
     policies = parse_names("routing", routing)
     for name in policies:
         if name not in ONE_SHOT_POLICIES:

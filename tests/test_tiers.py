@@ -153,6 +153,16 @@ def test_write_through_puts_every_full_block_on_disk_before_any_eviction(demo, t
     assert engine.cache.pool.evictions == 0
 
 
+def hold_disk_writes(disk):
+    """Hold every segment write of `disk` (the writer thread waits) until the returned event is set,
+    so that blocks written through stay `moving`; each write goes on once it is set."""
+    import threading
+
+    gate, write_group = threading.Event(), disk.write_group
+    disk.write_group = lambda *args, **kwargs: gate.wait(10) and write_group(*args, **kwargs)
+    return gate
+
+
 def test_an_eviction_waits_for_blocks_on_their_way_to_disk_and_drops_them_too(demo, tmp_path):
     """Written through, a prompt's blocks are `moving` until the writer thread publishes them. An
     eviction skipped those, and the write then put them on disk after the eviction had said what it
@@ -162,8 +172,7 @@ def test_an_eviction_waits_for_blocks_on_their_way_to_disk_and_drops_them_too(de
 
     engine, tiered = engine_with(demo, num_blocks=64, disk_bytes=1 << 22, disk_path=tmp_path / "d",
                                  write_policy="write_through")
-    gate, write_group = threading.Event(), tiered.disk.write_group
-    tiered.disk.write_group = lambda *args, **kwargs: gate.wait(10) and write_group(*args, **kwargs)
+    gate = hold_disk_writes(tiered.disk)
     generate(engine, TEXT_A, demo)
     moving = [k for k, (_, tier) in tiered.known_metas().items() if tier == "moving"]
     full_blocks = (len(demo.tokenizer.encode(TEXT_A)) + 8 - 1) // 16
@@ -796,11 +805,10 @@ def test_kvd_s_eviction_drops_blocks_still_being_written_and_says_so_when_it_can
                             write_policy="write_through")
     try:
         app = create_app(service, service.metrics, front="unix")
-        disk, write_group = service.tiers.disk, service.tiers.disk.write_group
+        disk = service.tiers.disk
         for wait, released_after in ((30.0, 0.2), (0.1, None)):
             monkeypatch.setattr(service_module, "EVICT_WRITE_WAIT_S", wait, raising=False)
-            gate = threading.Event()
-            disk.write_group = lambda *args, gate=gate, **kwargs: gate.wait(10) and write_group(*args, **kwargs)
+            gate = hold_disk_writes(disk)
             _complete(app, TEXT_A)
             moving = sum(1 for _, tier in service.tiers.known_metas().values() if tier == "moving")
             assert moving > 0 and not disk.index
@@ -835,8 +843,8 @@ def test_a_move_to_host_waits_for_the_prefix_s_writes_to_disk_and_leaves_no_copy
                             tiering="always", write_policy="write_through")
     try:
         app = create_app(service, service.metrics, front="unix")
-        disk, write_group, gate = service.tiers.disk, service.tiers.disk.write_group, threading.Event()
-        disk.write_group = lambda *args, **kwargs: gate.wait(10) and write_group(*args, **kwargs)
+        disk = service.tiers.disk
+        gate = hold_disk_writes(disk)
         _complete(app, TEXT_A)
         [prefix] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
         assert not disk.index  # its blocks are on their way to disk
