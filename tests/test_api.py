@@ -93,6 +93,10 @@ def test_streaming_matches_the_plain_response(daemon):
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "max_tokens: Input should be a valid integer"),
     ({"prompt": []}, 400, "prompt", "prompt: must not be empty"),
     ({"prompt": [1, 999]}, 400, "prompt", "prompt: token ids must lie in [0, 258), found 999"),
+    # echo decodes the ids it gives back: they are checked before (a negative or huge id crashed the decoder)
+    ({"prompt": [[1, 2], [3, -1]], "echo": True}, 400, "prompt[1]", "prompt[1]: token ids must lie in [0, 258), found -1"),
+    ({"prompt": [2**40], "echo": True, "max_tokens": 0, "logprobs": 1}, 400, "prompt",
+     "prompt: token ids must lie in [0, 258), found 1099511627776"),
     ({"prompt": "x", "max_tokens": 9000}, 413, "max_tokens", "exceeds the model's 8192 positions"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "'gpt-4' is not served here"),
     ({"prompt": list(range(200)) * 6}, 400, None, "it can never fit"),

@@ -40,6 +40,7 @@ from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tiering import PrefetchWait, RateMeter
 
 from ..model.llama import ForwardBatch, LoadedModel
+from ..model.tokenizer import first_outside_vocab
 from .logits import adjust_logits
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
 from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
@@ -223,9 +224,9 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > limit:
             raise ContextLengthExceeded(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
                                         f"exceeds the model's {limit} positions")
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = first_outside_vocab(prompt_ids, vocab)
         if bad is not None:
-            raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {bad!r}")
+            raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {prompt_ids[bad]!r}")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default", reservation=None,

@@ -73,3 +73,9 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+
+def first_outside_vocab(ids, vocab_size: int) -> int | None:
+    """The index of the first of `ids` that is not a token id in [0, vocab_size), or None: the one
+    check a prompt, a pin's tokens and /detokenize's ids pass before anything decodes or runs them."""
+    return next((i for i, t in enumerate(ids) if not isinstance(t, int) or not 0 <= t < vocab_size), None)

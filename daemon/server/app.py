@@ -31,6 +31,7 @@ from kvctl.daemon.engine.engine import AdmissionRejected
 from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, SamplingParams
 
 from kvctl.daemon.model.chat_template import ChatTemplateError
+from kvctl.daemon.model.tokenizer import first_outside_vocab
 
 from . import event_feed, inflight
 from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
@@ -496,9 +497,19 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, "prompt: must not be empty", param="prompt")
         if all(isinstance(p, str) for p in prompt):
             return [service.tokenize(p) for p in prompt]
+        engine = service.require_ready()
         if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return [list(p) for p in prompt]
+            return [_checked_ids(list(prompt), "prompt", engine)]
+        return [_checked_ids(list(p), f"prompt[{i}]", engine) for i, p in enumerate(prompt)]
+
+    def _checked_ids(ids: list[int], field: str, engine) -> list[int]:
+        """`ids`, once each is a token id of the model (before echo decodes them or a pin warms
+        them); else a 400 naming `field` and the first id outside."""
+        vocab = engine.loaded.config.vocab_size
+        bad = first_outside_vocab(ids, vocab)
+        if bad is not None:
+            raise ApiError(400, f"{field}: token ids must lie in [0, {vocab}), found {ids[bad]}", param=field)
+        return ids
 
     # ---- admin -------------------------------------------------------------------------------
     @app.get("/admin/status")
@@ -718,11 +729,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 raise ApiError(400, str(exc), param=exc.param) from None
             except ChatTemplateError as exc:
                 raise ApiError(400, str(exc), param="messages", code="chat_template_refused") from None
-        vocab = engine.loaded.config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"tokens: token ids must lie in [0, {vocab}), found {bad}", param="tokens")
-        return list(token_ids)
+        return _checked_ids(list(token_ids), "tokens", engine)
 
     return app
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
+from kvctl.daemon.model.tokenizer import first_outside_vocab
+
 from .chat import generation_prompt
 from .chat_messages import MessagesError, chat_messages
 
@@ -53,7 +55,8 @@ def detokenize(service, body: DetokenizeRequest) -> dict:
     """The text of token ids (special tokens left out, as a completion's text); MessagesError
     naming the first id outside the vocabulary."""
     vocab = service.loaded.tokenizer.vocab_size
-    for i, token in enumerate(body.tokens):
-        if not 0 <= token < vocab:
-            raise MessagesError(f"tokens[{i}]: must be a token id in [0, {vocab}), got {token}", f"tokens[{i}]")
+    bad = first_outside_vocab(body.tokens, vocab)
+    if bad is not None:
+        raise MessagesError(f"tokens[{bad}]: must be a token id in [0, {vocab}), got {body.tokens[bad]}",
+                            f"tokens[{bad}]")
     return {"prompt": service.loaded.tokenizer.decode(body.tokens)}
