@@ -141,6 +141,9 @@ def serve(
     max_tenant_metric_series: Optional[int] = typer.Option(
         None, help="Per-tenant metrics name the first N tenants seen (default 100); the rest are summed "
                    "under tenant=\"*\", so callers cannot grow the series without bound."),
+    max_tracked_tenants: Optional[int] = typer.Option(
+        None, help="Tenants whose counters and latest TTFTs are kept by name, the most recently active "
+                   "(default 10000); the others' counters are summed as retired."),
     pin_budget_blocks: Optional[int] = typer.Option(None, help="Blocks each tenant may pin (default: no budget)."),
     trace_requests: Optional[int] = typer.Option(
         None, help="Finished requests kept as trace lines for `kvctl trace save` (default 10000; 0: none)."),
@@ -183,7 +186,8 @@ def serve(
                    tiering=tiering, tier_compress=tier_compress, disk_compress=disk_compress,
                    remote_compress=remote_compress, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
                    prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
-                   max_tenant_metric_series=max_tenant_metric_series, pin_budget_blocks=pin_budget_blocks,
+                   max_tenant_metric_series=max_tenant_metric_series, max_tracked_tenants=max_tracked_tenants,
+                   pin_budget_blocks=pin_budget_blocks,
                    trace_requests=trace_requests, trace_key_file=trace_key_file,
                    trace_block_tokens=trace_block_tokens,
                    shutdown_timeout=shutdown_timeout, model_name=model_name, remote_cache_bytes=remote_cache_bytes,
@@ -212,7 +216,7 @@ SERVE_HELP_PANELS = {
                                  "remote_cache_bytes", "remote_timeout", "write_policy", "tiering", "tier_compress",
                                  "disk_compress", "remote_compress", "prefetch_policy", "prefetch_timeout",
                                  "prefetch_timeout_per_1k_tokens"),
-    "Metrics and trace": ("metrics_aliases", "max_tenant_metric_series", "trace_requests", "trace_key_file",
+    "Metrics and trace": ("metrics_aliases", "max_tenant_metric_series", "max_tracked_tenants", "trace_requests", "trace_key_file",
                           "trace_block_tokens"),
 }
 

@@ -188,6 +188,10 @@ class KvdConfig:
     # per-tenant metric families name this many tenants (the first seen) at most; the rest are summed
     # under tenant="*" (daemon/server/tenant_labels.py)
     max_tenant_metric_series: int = 100
+    # tenants whose counters (prompt tokens, hits, recomputed tokens, rejections) and latest TTFTs
+    # are kept by name, the most recently active; the others' counters are summed as retired
+    # (daemon/engine/tenant_book.py), so kvd's memory does not grow with its tenants
+    max_tracked_tenants: int = 10_000
     # finished requests kept as trace lines for `kvctl trace save` (daemon/server/request_trace.py); 0: none
     trace_requests: int = 10_000
     # a file holding the secret that keys the trace's block ids (at least 32 bytes); the replicas of
@@ -230,7 +234,8 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
     "max_batch_tokens": whole_number, "max_running": whole_number, "max_queue": whole_number,
-    "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number, "trace_requests": whole_number,
+    "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
+    "max_tracked_tenants": whole_number, "trace_requests": whole_number,
     "trace_block_tokens": whole_number,
     "pin_budget_blocks": whole_number, "shutdown_timeout": finite_number,
     "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
@@ -248,7 +253,8 @@ _PARSERS = {
 def _check(name: str, value: Any) -> None:
     if name == "block_size" and value not in (8, 16, 32, 64, 128, 256):
         raise ValueError("must be one of 8, 16, 32, 64, 128, 256")
-    if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory", "max_tenant_requests") \
+    if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory", "max_tenant_requests",
+                "max_tracked_tenants") \
             and value is not None and value < 1:
         raise ValueError("must be >= 1")
     if name in ("pin_budget_blocks", "quick_prefill_tokens", "max_tenant_metric_series", "trace_requests") \

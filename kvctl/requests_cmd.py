@@ -98,15 +98,20 @@ def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, hel
 
 
 def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
+            top: int = typer.Option(0, "--top", min=0, help="Show the N tenants with the most prompt tokens "
+                                    "(0: every one). --json lists every one."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Each tenant's use of the cache: prompt tokens and hits, requests, cached blocks, share, pins.
 
     Counts only, never prompts. At kvd router, the fleet's (each tenant summed over the replicas).
+    kvd keeps the counters of the tenants active most recently (max_tracked_tenants, default
+    10,000); the others' are summed on the last line, so the rows and that line add up to
+    `kvctl status`'s totals.
 
-    Example: kvctl tenants --watch
+    Example: kvctl tenants --top 20 --watch
     """
     client = _client(ctx)
-    show_or_watch(lambda: client.get("/admin/tenants"), render_tenants, watch, as_json)
+    show_or_watch(lambda: client.get("/admin/tenants"), lambda d: render_tenants(d, top), watch, as_json)
 
 
 def _host_cell(row: dict) -> str:
@@ -117,8 +122,11 @@ def _host_cell(row: dict) -> str:
     return f"{held:,}" + ("" if share is None else f"/{share:,}")
 
 
-def render_tenants(d: dict) -> Group:
-    rows = d["tenants"]
+def render_tenants(d: dict, top: int = 0) -> Group:
+    rows, more = d["tenants"], 0
+    if top and len(rows) > top:  # the busiest, then by name as kvd lists them
+        rows = sorted(rows, key=lambda row: -row["prompt_tokens"])[:top]
+        more = len(d["tenants"]) - top
     shares = d.get("shares")
     host = any(row.get("host_blocks") is not None for row in rows)
     # short headers, explained below the table: every figure fits an 80-column terminal uncut
@@ -138,7 +146,18 @@ def render_tenants(d: dict) -> Group:
                       f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}",
                       "-" if row.get("ttft_p50_s") is None else
                       f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f}")
-    parts = [table] if rows else [Text("no tenant seen since kvd started")]
+    retired = d.get("retired") or {}
+    parts = [table] if rows else [Text("no tenant seen lately" if retired.get("tenants") else
+                                       "no tenant seen since kvd started")]
+    if more:
+        parts.append(Text(f"and {more:,} more tenant{'s' if more != 1 else ''} with fewer prompt tokens "
+                          f"(--top 0 lists every one)"))
+    if retired.get("tenants"):
+        prompt = retired["prompt_tokens"]
+        parts.append(Text(f"retired: {retired['tenants']:,} tenant{'s' if retired['tenants'] != 1 else ''} not active "
+                          f"among the latest {retired['limit']:,} (max_tracked_tenants), summed: {prompt:,} prompt "
+                          f"tokens, {retired['hit_tokens'] / prompt if prompt else 0.0:.1%} hit, "
+                          f"{retired['recomputed_tokens']:,} recomputed, {retired['rejected']:,} rejected"))
     parts.append(Text(f"hit: prompt tokens served from the cache; recomp: tokens recomputed after preemption; "
                       f"run/wait: requests running and waiting; rej: requests turned away; cached: device blocks "
                       f"holding the tenant's prefixes, of {d['blocks']:,}"

@@ -181,6 +181,19 @@ def test_tenants_never_share_blocks():
     assert same.hit_blocks == 2
 
 
+def test_a_tenant_whose_cached_blocks_all_went_leaves_the_books():
+    """kvd may see tenants without end (one per end user): one with no block cached keeps no entry."""
+    m = make_manager(num_blocks=4)
+    run_prompt(m, "a", PROMPT[:8], namespace=Namespace(block_size=4, tenant="acme"))
+    m.release("a")
+    assert dict(m.pool.tenant_blocks) == {"acme": 2}
+    run_prompt(m, "b", list(range(30, 46)), namespace=Namespace(block_size=4, tenant="globex"))  # all 4 blocks
+    assert dict(m.pool.tenant_blocks) == {"globex": 4}  # acme's two blocks were evicted for room
+    m.release("b")
+    m.evict_where(lambda key, root, tenant: True)
+    assert dict(m.pool.tenant_blocks) == {}
+
+
 def test_pin_budget_is_enforced_per_tenant_in_distinct_blocks(clock):
     m = make_manager(clock=clock, pin_budget_blocks=3)
     acme = Namespace(block_size=4, tenant="acme")

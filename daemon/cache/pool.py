@@ -142,10 +142,9 @@ class BlockPool:
                 if for_share:
                     self.events.removed("device", [blocks[b].key for b in victims if b in for_share], "tenant_share")
                 self.events.removed("device", [blocks[b].key for b in victims if b not in for_share], "capacity")
-            tenant_blocks = self.tenant_blocks
             for block_id in victims:
                 block = blocks[block_id]
-                tenant_blocks[block.tenant] -= 1
+                self._count_unindexed(block.tenant)
                 del index[block.key]
                 self._log_eviction(block.key, now, "tenant_share" if block_id in for_share else reason)
                 block.key = None
@@ -157,6 +156,15 @@ class BlockPool:
         for block_id in taken:
             blocks[block_id].ref_count = 1
         return taken
+
+    def _count_unindexed(self, tenant: str | None) -> None:
+        """One block fewer indexed for `tenant`; a tenant with none left leaves the books (kvd may
+        see tenants without end)."""
+        left = self.tenant_blocks[tenant] - 1
+        if left:
+            self.tenant_blocks[tenant] = left
+        else:
+            del self.tenant_blocks[tenant]
 
     def _log_eviction(self, key: BlockKey, now: float, reason: str) -> None:
         log = self.eviction_log
@@ -258,7 +266,7 @@ class BlockPool:
             raise AuditFailure(f"block {block_id}: unindex needs an indexed, held, unpinned block")
         self.policy.forget(block_id)
         del self._index[block.key]
-        self.tenant_blocks[block.tenant] -= 1
+        self._count_unindexed(block.tenant)
         if self.events is not None:
             self.events.removed("device", (block.key,), "unwritten")
         block.key = None
@@ -288,7 +296,7 @@ class BlockPool:
                 self.policy.remove(block_id)
                 self.policy.forget(block_id)
                 del self._index[key]
-                self.tenant_blocks[block.tenant] -= 1
+                self._count_unindexed(block.tenant)
                 self._log_eviction(key, now, "operator")
                 removed_keys.append(key)
                 block.key = None

@@ -44,6 +44,7 @@ from ..model.tokenizer import first_outside_vocab
 from .logits import adjust_logits
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
 from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
+from .tenant_book import HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
 
 
 class AdmissionRejected(Exception):
@@ -74,6 +75,7 @@ class EngineSettings:
     quick_prefill_tokens: int = 0
     # (tenant, fraction) pairs, "*" for the others: under pressure, over-share tenants' idle blocks go first
     tenant_cache_shares: tuple[tuple[str, float], ...] = ()
+    max_tracked_tenants: int = 10_000  # tenants whose counters are kept by name (tenant_book.py)
     # how long a waiting request holds out for its prefix to come up from disk or Redis
     # (policies.tiering.PrefetchWait): timeout, best_effort or wait_complete
     prefetch_policy: str = "timeout"
@@ -112,9 +114,9 @@ class EngineStats:
     # model steps by kind: decode, mixed, prefill, and quick (a short prefill ahead of the decodes)
     steps: dict[str, int] = field(default_factory=dict)
     step_seconds: dict[str, float] = field(default_factory=dict)  # wall time of those steps (admission to tokens)
-    # per tenant: [prompt tokens, hit tokens, recomputed tokens], as the totals above count them
-    tenant_tokens: dict[str, list[int]] = field(default_factory=dict)
-    tenant_rejections: dict[str, int] = field(default_factory=dict)  # tenant -> requests rejected (any reason)
+    # per tenant, for the latest max_tracked_tenants: prompt, hit and recomputed tokens as the totals
+    # above count them, and requests rejected (any reason); the rest summed as retired
+    tenants: TenantBook = field(default_factory=lambda: TenantBook(10_000))
     # requests whose prefix was fetched from disk or Redis, by how their wait ended (PREFETCH_OUTCOMES)
     prefetch_outcomes: dict[str, int] = field(default_factory=dict)
     prefetch_staged_blocks: int = 0  # blocks those fetches had staged when their requests were admitted
@@ -158,7 +160,7 @@ class Engine:
         self._running: dict[str, Sequence] = {}
         self._order = itertools.count()
         self._quick_step_last = False  # the last step was a quick prefill step (see _plan)
-        self.stats = EngineStats()
+        self.stats = EngineStats(tenants=TenantBook(settings.max_tracked_tenants))
         self.admission_paused = False  # set while new scales wait for running work to drain
         self.tiers = None  # a TieredCache once attach_tiers() is called
         self.prefetch = prefetch_wait(settings)
@@ -265,7 +267,7 @@ class Engine:
             kind = "tenant_limit" if request.rejected else None
         if request.rejected:
             self.stats.rejections[kind] = self.stats.rejections.get(kind, 0) + 1
-            self.stats.tenant_rejections[tenant] = self.stats.tenant_rejections.get(tenant, 0) + 1
+            self.stats.tenants.row(tenant)[REJECTED] += 1
             raise AdmissionRejected(request, request.rejected, kind)
         self.requests[request_id] = request
         if prefix_keys is not None and not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids):
@@ -567,7 +569,7 @@ class Engine:
             if self.tiers is not None:
                 self._end_prefetch(request)
             now = self.clock()
-            by_tenant = self.stats.tenant_tokens.setdefault(request.tenant, [0, 0, 0])
+            by_tenant = self.stats.tenants.row(request.tenant)
             restored = min(request.metrics.installed_tokens, admission.hit_tokens)
             request.metrics.installed_tokens = 0
             if request.metrics.admitted is None:
@@ -577,13 +579,13 @@ class Engine:
                 self.stats.prompt_tokens += len(tokens)
                 self.stats.hit_tokens += admission.hit_tokens
                 self.stats.restored_tokens += restored
-                by_tenant[0] += len(tokens)
-                by_tenant[1] += admission.hit_tokens
+                by_tenant[PROMPT] += len(tokens)
+                by_tenant[HIT] += admission.hit_tokens
             else:
                 recomputed = max(0, min(seq.ever_computed, len(tokens)) - admission.hit_tokens)
                 request.metrics.recomputed_tokens += recomputed
                 self.stats.recomputed_tokens += recomputed
-                by_tenant[2] += recomputed
+                by_tenant[RECOMPUTED] += recomputed
             seq.num_computed = admission.hit_tokens
             seq.prefill_target = len(tokens)
             seq.status = SeqStatus.PREFILL

@@ -177,6 +177,7 @@ TENANT_SUMS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "running", "w
                "cached_blocks", "pinned_blocks")
 
 
+RETIRED_SUMS = ("tenants", "prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected", "tracked")
 LOWER_TIER_FIGURES = ("disk_bytes", "disk_share_bytes", "remote_bytes", "remote_share_bytes")  # per tenant
 
 
@@ -212,6 +213,10 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
     out = {"tenants": rows, "shares": any(body.get("shares") for status, body in answers if status == 200),
            "blocks": sum(body["blocks"] for status, body in answers if status == 200),
            "replicas": [{"replica": name, "status": status} for name, (status, _) in zip(names, answers)]}
+    retired = [body["retired"] for status, body in answers if status == 200 and body.get("retired")]
+    if retired:  # each replica's tenants no longer tracked, summed (one tenant may be retired at several)
+        out["retired"] = {key: sum(r.get(key, 0) for r in retired) for key in RETIRED_SUMS}
+        out["retired"]["limit"] = min(r["limit"] for r in retired)
     if missing:
         out["message"] = "not listed: " + "; ".join(missing)
     return 200, out

@@ -54,12 +54,13 @@
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from kvctl.daemon.engine.tenant_book import HIT, PROMPT
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
@@ -86,7 +87,7 @@ class _EngineCollector:
             prompt, hit, recomputed, preemptions = (stats.prompt_tokens, stats.hit_tokens,
                                                     stats.recomputed_tokens, stats.preemptions)
             steps, step_seconds = dict(stats.steps), dict(stats.step_seconds)
-            by_tenant = {tenant: tuple(counts) for tenant, counts in stats.tenant_tokens.items()}
+            by_tenant, retired = stats.tenants.items(), list(stats.tenants.retired)
             cached_by_tenant = sorted((t, n) for t, n in pool.tenant_blocks.items() if t is not None)
             shares = engine.cache.tenant_shares()
             prefetched = dict(stats.prefetch_outcomes)
@@ -124,9 +125,9 @@ class _EngineCollector:
         hit = CounterMetricFamily("kvd_tenant_hit_tokens", "Of those, served from the prefix cache, per tenant",
                                   labels=["tenant"])
         labels = self.service.tenant_labels
-        for label, value in labels.fold((tenant, counts[0]) for tenant, counts in by_tenant.items()):
+        for label, value in labels.fold(((tenant, counts[PROMPT]) for tenant, counts in by_tenant), retired[PROMPT]):
             prompt.add_metric([label], value)
-        for label, value in labels.fold((tenant, counts[1]) for tenant, counts in by_tenant.items()):
+        for label, value in labels.fold(((tenant, counts[HIT]) for tenant, counts in by_tenant), retired[HIT]):
             hit.add_metric([label], value)
         yield prompt
         yield hit
@@ -299,7 +300,8 @@ class Metrics:
         # appended on the engine thread as requests finish, so O(new values), never a copy)
         self._recent_ttft: deque[float] = deque(maxlen=2000)
         self._recent_itl: deque[float] = deque(maxlen=20000)
-        self._tenant_ttft: dict[str, deque[float]] = {}  # per tenant, its latest TTFTs (bounded as above)
+        # per tenant, its latest TTFTs (bounded as above), for the max_tracked_tenants most recent tenants
+        self._tenant_ttft: OrderedDict[str, deque[float]] = OrderedDict()
         self.tenant_ttft = Histogram("kvd_tenant_ttft_seconds", "Time to first token, per tenant", ["tenant"],
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
         self._lock = threading.Lock()
@@ -340,10 +342,7 @@ class Metrics:
                 self._recent_ttft.append(metrics.ttft)
                 if api != "internal":  # a pin's warm-up is no client's wait
                     self.tenant_ttft.labels(self.service.tenant_labels(request.tenant)).observe(metrics.ttft)
-                    recent = self._tenant_ttft.get(request.tenant)
-                    if recent is None:
-                        recent = self._tenant_ttft[request.tenant] = deque(maxlen=2000)
-                    recent.append(metrics.ttft)
+                    self._recent_ttft_of(request.tenant).append(metrics.ttft)
             gaps = metrics.inter_token_latencies
             for gap in gaps:
                 self.itl.observe(gap)
@@ -364,6 +363,19 @@ class Metrics:
                 restores, tiers.stats["host"].restore_seconds = tiers.stats["host"].restore_seconds, []
             for value in restores:
                 self.restore.observe(value)
+
+    def _recent_ttft_of(self, tenant: str) -> deque[float]:
+        """`tenant`'s latest TTFTs, now the most recent tenant's; windows beyond max_tracked_tenants
+        go, the least recent first (called with self._lock held)."""
+        windows = self._tenant_ttft
+        recent = windows.get(tenant)
+        if recent is not None:
+            windows.move_to_end(tenant)
+            return recent
+        recent = windows[tenant] = deque(maxlen=2000)
+        while len(windows) > max(1, self.service.config.max_tracked_tenants):
+            windows.popitem(last=False)
+        return recent
 
     def tenant_summary(self) -> dict:
         """Per tenant: p50 and p95 of its latest TTFTs (up to 2,000), and how many."""

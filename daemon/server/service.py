@@ -206,8 +206,10 @@ class EngineService:
                                   eviction=cfg.eviction, queue_order=cfg.queue_order,
                                   cache_dtype=cfg.cache_dtype, keep_layers=tuple(keep),
                                   quick_prefill_tokens=self._quick_prefill_tokens(cfg, device),
-                                  tenant_cache_shares=cfg.tenant_cache_shares, **prefetch_settings(cfg))
+                                  tenant_cache_shares=cfg.tenant_cache_shares,
+                                  max_tracked_tenants=cfg.max_tracked_tenants, **prefetch_settings(cfg))
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
+        engine.stats.tenants.keep = self.tenant_labels.has_own  # a tenant's own metric series never shrinks
         if cfg.pin_budget_blocks is not None:
             engine.cache.pins.default_budget = cfg.pin_budget_blocks
         from . import tier_ops
@@ -441,7 +443,7 @@ class EngineService:
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
                 "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
                 "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
-                "remote_compress", "trace_requests")
+                "remote_compress", "trace_requests", "max_tracked_tenants")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         previous = {k: getattr(self.config, k) for k in changed}
         ignored = sorted(k for k, v in new.describe().items()
@@ -456,8 +458,10 @@ class EngineService:
                                           reservation=new.reservation, queue_order=new.queue_order,
                                           quick_prefill_tokens=self._quick_prefill_tokens(
                                               new, engine.model.device.type),
-                                          tenant_cache_shares=new.tenant_cache_shares, **prefetch_settings(new))
+                                          tenant_cache_shares=new.tenant_cache_shares,
+                                          max_tracked_tenants=new.max_tracked_tenants, **prefetch_settings(new))
                 engine.prefetch = prefetch_wait(engine.settings)
+                engine.stats.tenants.resize(new.max_tracked_tenants)
                 if "tenant_cache_shares" in changed:
                     engine.cache.set_tenant_shares(new.tenant_cache_shares)
                     if self.tiers is not None and self.tiers.host is not None:

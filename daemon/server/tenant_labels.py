@@ -35,10 +35,16 @@ class TenantLabels:
                 return tenant
             return OTHERS
 
-    def fold(self, values: Iterable[tuple[str, float]]) -> list[tuple[str, float]]:
+    def has_own(self, tenant: str) -> bool:
+        """Whether `tenant` has a label of its own (it keeps it while kvd runs)."""
+        with self._lock:
+            return tenant in self._named
+
+    def fold(self, values: Iterable[tuple[str, float]], others: float = 0) -> list[tuple[str, float]]:
         """(tenant, value) pairs as (label, sum of its tenants' values), by label; tenants taken in
-        name order, so that which ones get their own label does not depend on a dict's order."""
-        sums: dict[str, float] = {}
+        name order, so that which ones get their own label does not depend on a dict's order.
+        `others` (the counters of tenants no longer tracked) is added under `*`."""
+        sums: dict[str, float] = {OTHERS: others} if others else {}
         for tenant, value in sorted(values):
             label = self(tenant)
             sums[label] = sums.get(label, 0) + value

@@ -1,6 +1,6 @@
 """Each tenant's use of the cache, as an operator reads it (`kvctl tenants`, `GET /admin/tenants`).
 
-A row per tenant that kvd has seen since it started (in a request, a pin or a share): its prompt
+A row per tenant that kvd has seen lately (in a request, a pin or a share): its prompt
 tokens, how many the prefix cache served and how many were computed again after preemption (the
 totals of `kvctl status`, split by tenant); its requests in flight, and those turned away (a full
 queue, its limit of requests in flight, a request that can never fit); the device blocks holding its
@@ -10,6 +10,11 @@ a disk or Redis tier, the bytes its blocks take there (this daemon's writes, for
 share;
 its pinned blocks against its pin budget; and the p50 and p95 of its latest TTFTs. Counts only: never
 prompts, tokens or keys.
+
+"Lately": the counters are kept for the `max_tracked_tenants` tenants active most recently
+(daemon/engine/tenant_book.py); `retired` sums the counters of the others, so that the rows and
+`retired` together add up to kvd's totals. A tenant that holds cached blocks, pins, a share or
+requests in flight has a row whatever its counters.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 from collections import Counter
 
 from kvctl.policies.tenant_shares import share_of
+
+from kvctl.daemon.engine.tenant_book import FIELDS
 
 from .inflight import request_state
 from .service import EngineService
@@ -27,8 +34,10 @@ def list_tenants(service: EngineService) -> dict:
     engine = service.require_ready()
     with service.lock:
         cache = engine.cache
-        tokens = {tenant: list(counts) for tenant, counts in engine.stats.tenant_tokens.items()}
-        rejected = dict(engine.stats.tenant_rejections)
+        book = engine.stats.tenants
+        counted = dict(book.items())
+        retired = {"tenants": book.retired_tenants, **dict(zip(FIELDS, book.retired)), "tracked": len(book),
+                   "limit": book.limit}
         indexed = {tenant: n for tenant, n in cache.pool.tenant_blocks.items() if tenant is not None and n > 0}
         shares = cache.tenant_shares()
         pins = cache.pins
@@ -42,17 +51,17 @@ def list_tenants(service: EngineService) -> dict:
             with service.tiers.lock:
                 on_host = {tenant: n for tenant, n in host.tenant_blocks.items() if tenant}
         lower = service.tiers.tenant_bytes() if service.tiers is not None else {}
-        names = (set(tokens) | set(indexed) | (set(on_host) if host is not None else set()) | set(shares or ())
-                 | set(pinned) | {t for t, _ in flight} | set(rejected)
+        names = (set(counted) | set(indexed) | (set(on_host) if host is not None else set()) | set(shares or ())
+                 | set(pinned) | {t for t, _ in flight}
                  | {t for tier in ("disk", "remote") for t in lower.get(tier, {}) if t})
         rows = []
         for tenant in sorted(names):
-            prompt, hit, recomputed = tokens.get(tenant, (0, 0, 0))
+            prompt, hit, recomputed, rejected = counted.get(tenant, (0, 0, 0, 0))
             share = (shares or {}).get(tenant)
             rows.append({"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit,
                          "hit_ratio": hit / prompt if prompt else 0.0, "recomputed_tokens": recomputed,
                          "running": flight[(tenant, "running")], "waiting": flight[(tenant, "waiting")],
-                         "rejected": rejected.get(tenant, 0),
+                         "rejected": rejected,
                          "cached_blocks": indexed.get(tenant, 0),
                          "idle_blocks": None if share is None else share["idle_blocks"],
                          "share_blocks": None if share is None else share["share_blocks"],
@@ -66,7 +75,7 @@ def list_tenants(service: EngineService) -> dict:
     for row in rows:
         ttft = latency.get(row["tenant"]) or {}
         row["ttft_p50_s"], row["ttft_p95_s"] = ttft.get("p50"), ttft.get("p95")
-    return {"tenants": rows, "shares": shares is not None, "blocks": total}
+    return {"tenants": rows, "shares": shares is not None, "blocks": total, "retired": retired}
 
 
 def _lower_use(tiers, held: dict[str, dict[str, int]], tenant: str) -> dict:

@@ -1,0 +1,79 @@
+"""Per-tenant counters for the tenants seen lately, so kvd's memory does not grow with its tenants.
+
+Behind the Unix socket or a trusted proxy, `X-KVD-Tenant` names the tenant, and a gateway that
+keeps each end user's prefixes apart sends as many tenants as it has users. Each tenant's counters
+(prompt tokens, hits, recomputed tokens, requests turned away) are kept for the `limit` tenants
+active most recently. When one more arrives, the least recently active tenant is retired: its
+counters are added to `retired`, so the totals over every tenant stay exact, and a tenant that comes
+back starts a row of its own again.
+
+A tenant `keep` names (one with a metric series of its own) is never retired: its series then only
+grows, and what is retired is summed under `tenant="*"`, which only grows too.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+FIELDS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected")
+PROMPT, HIT, RECOMPUTED, REJECTED = range(len(FIELDS))
+
+
+class TenantBook:
+    def __init__(self, limit: int, keep: Callable[[str], bool] = lambda tenant: False) -> None:
+        if limit < 1:
+            raise ValueError(f"max_tracked_tenants: must be >= 1, got {limit}")
+        self.limit, self.keep = limit, keep
+        self._rows: OrderedDict[str, list[int]] = OrderedDict()  # least recently active first
+        self.retired = [0] * len(FIELDS)  # the counters of every tenant retired, summed
+        self.retired_tenants = 0  # rows retired (a tenant retired twice counts twice)
+
+    def row(self, tenant: str) -> list[int]:
+        """`tenant`'s counters (indexed by PROMPT, HIT, RECOMPUTED, REJECTED), to add to; it becomes
+        the most recently active, and a tenant new to the book may retire the least recent."""
+        row = self._rows.get(tenant)
+        if row is not None:
+            self._rows.move_to_end(tenant)
+            return row
+        row = self._rows[tenant] = [0] * len(FIELDS)
+        self._retire_beyond_limit(spare=tenant)
+        return row
+
+    def resize(self, limit: int) -> None:
+        """Keep `limit` tenants from now on, retiring the least recently active beyond it."""
+        if limit < 1:
+            raise ValueError(f"max_tracked_tenants: must be >= 1, got {limit}")
+        self.limit = limit
+        self._retire_beyond_limit()
+
+    def _retire_beyond_limit(self, spare: str | None = None) -> None:
+        looked = 0  # tenants kept (or spared) move to the end; each is looked at once per call
+        while len(self._rows) > self.limit and looked < len(self._rows):
+            tenant = next(iter(self._rows))
+            looked += 1
+            if tenant == spare or self.keep(tenant):
+                self._rows.move_to_end(tenant)
+                continue
+            row = self._rows.pop(tenant)
+            for i, value in enumerate(row):
+                self.retired[i] += value
+            self.retired_tenants += 1
+
+    def items(self) -> list[tuple[str, list[int]]]:
+        """(tenant, a copy of its counters), least recently active first."""
+        return [(tenant, list(row)) for tenant, row in self._rows.items()]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, tenant: str) -> bool:
+        return tenant in self._rows
+
+    def totals(self) -> list[int]:
+        """Each counter summed over every tenant, retired or not."""
+        out = list(self.retired)
+        for row in self._rows.values():
+            for i, value in enumerate(row):
+                out[i] += value
+        return out
