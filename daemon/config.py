@@ -9,10 +9,11 @@ is a ConfigError naming the field, the value and where it came from.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import urllib.parse
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -51,6 +52,9 @@ def default_socket() -> str:
     return os.path.join(base, "kvd", "kvd.sock")
 
 
+SIZE_EXPECTED = "must be a size in bytes: a number with an optional unit (4096, 512MiB, 2GiB, 500MB)"
+
+
 def _size(text: str) -> int:
     """Bytes from '123', '64MiB', '2GiB', '500MB'."""
     units = {"k": 10**3, "m": 10**6, "g": 10**9, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -58,9 +62,13 @@ def _size(text: str) -> int:
     value = str(text).strip().lower().replace("_", "")
     number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = value[len(number):].strip()
-    if unit not in units or not number:
-        raise ValueError
-    return int(float(number) * units[unit])
+    try:
+        amount = float(number) * units[unit]
+    except (KeyError, ValueError):
+        amount = math.nan
+    if isinstance(text, bool) or not math.isfinite(amount):  # also '1e999', 'inf', 'nan': no size
+        raise ValueError(SIZE_EXPECTED)
+    return int(amount)
 
 
 def whole_number(value: Any) -> int:
@@ -378,12 +386,20 @@ def read_settings_file(config_file: str | Path, names: set[str], flatten=lambda 
     return loaded
 
 
+def field_defaults(settings_class) -> dict[str, Any]:
+    """Each field of a settings dataclass with its default value."""
+    return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+            for f in fields(settings_class) if f.default is not MISSING or f.default_factory is not MISSING}
+
+
 def merge_settings(names: set[str], flags: Mapping[str, Any] | None, env: Mapping[str, str], env_prefix: str,
                    file_values: Mapping[str, Any], config_file: str | Path | None,
-                   parsers: Mapping[str, Any], check) -> tuple[dict[str, Any], dict[str, str]]:
+                   parsers: Mapping[str, Any], check, defaults: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """Each setting from its first source by precedence (flag > env > file; absent: the default),
     parsed and checked: (values, where each came from). A bad value is a ConfigError naming the
-    setting, the value (a URL's password hidden) and its source."""
+    setting, the value (a URL's password hidden) and its source. A key the file leaves empty
+    (`max_running:`) is refused where the setting's default is a value, which an empty key would
+    not mean; where the default is none (None, or an empty list or map) it is that default."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name in names:
@@ -397,6 +413,13 @@ def merge_settings(names: set[str], flags: Mapping[str, Any] | None, env: Mappin
             raw, source = file_values[name], str(config_file)
         else:
             continue
+        default = defaults.get(name)
+        if raw is None and default in ((), {}):  # an empty list or map: none, which is the default
+            values[name], sources[name] = default, source
+            continue
+        if raw is None and default is not None:
+            raise ConfigError(f"{name}: no value given in {source}; give one, or leave the line out for the "
+                              f"default ({redact_url(default)!r})")
         try:
             value = None if raw is None else parsers.get(name, str)(raw)
             check(name, value)
@@ -414,7 +437,8 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     env = os.environ if env is None else env
     names = {f.name for f in fields(KvdConfig)} - {"sources"}
     file_values = read_settings_file(config_file, names, _flatten_tiers) if config_file is not None else {}
-    values, sources = merge_settings(names, flags, env, "KVD_", file_values, config_file, _PARSERS, _check)
+    values, sources = merge_settings(names, flags, env, "KVD_", file_values, config_file, _PARSERS, _check,
+                                     field_defaults(KvdConfig))
     config = KvdConfig(**values, sources=sources)
     if config.listen and not config.token_file:
         raise ConfigError(f"listen: {config.listen!r} needs token_file: TCP requests must carry a bearer token")

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from kvctl.policies.routing import NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES
 
-from .config import ConfigError, finite_number, merge_settings, read_settings_file, whole_number
+from .config import ConfigError, field_defaults, finite_number, merge_settings, read_settings_file, whole_number
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ def resolve_router(flags: Mapping[str, Any] | None = None, env: Mapping[str, str
     env = os.environ if env is None else env
     names = {f.name for f in fields(RouterConfig)} - {"sources"}
     file_values = read_settings_file(config_file, names) if config_file is not None else {}
-    values, sources = merge_settings(names, flags, env, "KVD_ROUTER_", file_values, config_file, _PARSERS, _check)
+    values, sources = merge_settings(names, flags, env, "KVD_ROUTER_", file_values, config_file, _PARSERS, _check,
+                                     field_defaults(RouterConfig))
     config = RouterConfig(**values, sources=sources)
     if config.socket is None:
         raise ConfigError("socket: the router needs a Unix socket to serve on (--socket, KVD_ROUTER_SOCKET or "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvctl.daemon.config import ConfigError, resolve
+from kvctl.daemon.router_config import resolve_router
 
 
 def test_precedence_flag_env_file_default(tmp_path):
@@ -23,7 +24,12 @@ def test_precedence_flag_env_file_default(tmp_path):
 @pytest.mark.parametrize("flags, env, message", [
     ({"block_size": 24}, {}, "block_size: invalid value 24 from --block-size: must be one of 8, 16, 32"),
     ({}, {"KVD_EVICTION": "fifo"}, "eviction: invalid value 'fifo' from KVD_EVICTION: must be one of lru, cost, lfu"),
-    ({}, {"KVD_CACHE_MEMORY": "lots"}, "cache_memory: invalid value 'lots' from KVD_CACHE_MEMORY"),
+    ({}, {"KVD_CACHE_MEMORY": "lots"}, "cache_memory: invalid value 'lots' from KVD_CACHE_MEMORY: must be a size in "
+                                       "bytes: a number with an optional unit (4096, 512MiB, 2GiB, 500MB)"),
+    ({}, {"KVD_HOST_CACHE_BYTES": "1e999"}, "host_cache_bytes: invalid value '1e999' from KVD_HOST_CACHE_BYTES: must be "
+                                            "a size in bytes"),  # was an OverflowError's traceback
+    ({"disk_cache_bytes": "infGiB"}, {}, "disk_cache_bytes: invalid value 'infGiB' from --disk-cache-bytes: must be "
+                                        "a size in bytes"),
     ({"listen": "nowhere"}, {}, "listen: invalid value 'nowhere' from --listen: must be HOST:PORT"),
     ({"listen": "127.0.0.1:8000"}, {}, "listen: '127.0.0.1:8000' needs token_file"),
     ({"reservation": "half"}, {}, "reservation: invalid value 'half' from --reservation"),
@@ -56,6 +62,26 @@ def test_a_yaml_number_of_the_wrong_kind_is_refused_not_rounded(tmp_path, text, 
     path.write_text("max_queue: 12\nshutdown_timeout: 2\n")  # a whole number is a number too
     settings = resolve({}, {"KVD_MAX_RUNNING": "+8"}, path)
     assert (settings.max_queue, settings.shutdown_timeout, settings.max_running) == (12, 2.0, 8)
+
+
+def test_a_key_the_file_leaves_empty_is_refused_where_it_would_not_mean_the_default(tmp_path):
+    """`max_running:` with its value commented out reads as null: it was taken as None and failed
+    later (a TypeError at the first request, or "'<=' not supported" naming no value)."""
+    path = tmp_path / "kvd.yaml"
+    for key, default in (("max_running", "32"), ("reservation", "'fraction:1.0'"), ("shutdown_timeout", "30.0"),
+                         ("trusted_proxy", "False")):
+        path.write_text(f"{key}:\n")
+        with pytest.raises(ConfigError) as info:
+            resolve({}, {}, path)
+        assert str(info.value) == f"{key}: no value given in {path}; give one, or leave the line out for the " \
+                                  f"default ({default})"
+    path.write_text("tenant_cache_shares:\nmax_tenant_requests:\nnum_blocks:\n")  # none: what their defaults are
+    settings = resolve({}, {}, path)
+    assert (settings.tenant_cache_shares, settings.max_tenant_requests, settings.num_blocks) == ((), None, None)
+    path.write_text("replicas: [/run/a.sock, /run/b.sock]\nsocket: /run/r.sock\nbalance_seconds:\n")
+    with pytest.raises(ConfigError, match=r"^balance_seconds: no value given in .*; give one, or leave the line out "
+                                          r"for the default \("):
+        resolve_router({}, {}, path)
 
 
 def test_file_errors(tmp_path):
