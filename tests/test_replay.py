@@ -123,6 +123,11 @@ def test_generated_traces_are_deterministic_and_round_trip(tmp_path):
      "t.jsonl line 2: field 'input_length' must be an integer >= 1, got 0"),
     ('{"timestamp": -5, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
      "t.jsonl line 2: field 'timestamp' must be a number >= 0, got -5"),
+    # Python's json reads NaN and Infinity: a NaN passed `< 0` and was replayed (and counted) as a time
+    ('{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+     "t.jsonl line 2: field 'timestamp' must be a number >= 0, got nan"),
+    ('{"timestamp": Infinity, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+     "t.jsonl line 2: field 'timestamp' must be a number >= 0, got inf"),
     ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}',
      "t.jsonl line 2: field 'hash_ids' has 1 ids but input_length 600 needs 2 (one per 512 tokens)"),
     ('{"timestamp": 0, "input_length": 6', "t.jsonl line 2: not valid JSON"),

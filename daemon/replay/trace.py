@@ -116,7 +116,7 @@ def parse_request(obj: object, where: str) -> TraceRequest:
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     timestamp = obj.get("timestamp")
-    if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool) or timestamp < 0:
+    if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool) or not 0 <= timestamp < float("inf"):
         raise TraceError(f"{where}: field 'timestamp' must be a number >= 0, got {timestamp!r}")
     input_length = _field(obj, "input_length", where, minimum=1)
     output_length = _field(obj, "output_length", where, minimum=0)
