@@ -368,3 +368,33 @@ def test_metrics_chart_each_side_of_a_running_rollout(tmp_path):
         assert samples() == {}  # no series left behind for a finished rollout
     finally:
         service.shutdown(1)
+
+
+def test_nan_and_infinity_are_refused_at_the_edge_and_never_reach_a_stored_rollout(tmp_path):
+    """Python's json reads NaN, Infinity and 1e400 as floats. A policy document carrying one was
+    stored, and the rollout list answered 500 from then on (such a float cannot be rendered)."""
+    service = start_service(tmp_path, num_blocks=24)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        policy = '{"name": "p", "settings": {"reservation": "fixed:0"}, "weight": %s}'
+        for word, message in (("Infinity", "Infinity is not a JSON number"), ("NaN", "NaN is not a JSON number"),
+                              ("-Infinity", "-Infinity is not a JSON number"),
+                              ("1e400", "1e400 is past the largest number a float holds")):
+            refused = call(unix, "POST", "/admin/rollouts", content='{"policy": %s, "cohort": "50%%"}' % (policy % word),
+                           headers={"content-type": "application/json"})
+            assert refused.status_code == 400
+            assert refused.json()["error"] == {"message": f"body: not valid JSON ({message})",
+                                               "type": "invalid_request_error", "param": None, "code": None}
+        listed = call(unix, "GET", "/admin/rollouts/history")
+        assert listed.status_code == 200 and listed.json()["rollouts"] == []
+        for body, message in (('{"prompt": "a",}', "body: not valid JSON (Expecting property name enclosed in double "
+                                                   "quotes, at character 15)"),
+                              ("", "body: a JSON object is required, and the request has none")):
+            bad = call(unix, "POST", "/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert (bad.status_code, bad.json()["error"]["message"]) == (400, message)
+        accepted = call(unix, "POST", "/admin/rollouts", content='{"policy": %s, "cohort": "50%%"}' % (policy % "1e300"),
+                        headers={"content-type": "application/json"})
+        assert accepted.status_code == 200, accepted.text  # a large number that a float holds is a number
+        assert call(unix, "GET", "/admin/rollouts/history").json()["rollouts"][0]["policy"]["weight"] == 1e300
+    finally:
+        service.shutdown(1)

@@ -39,6 +39,7 @@ from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, C
 from .chat_messages import MessagesError, chat_messages, messages_size
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
+from .strict_json import NOT_A_POSITION, StrictJSONRoute
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
@@ -202,6 +203,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         raise ValueError("front tcp needs a token table")
     app = FastAPI(title="kvd", version="0.1.0",
                   description="KV cache daemon: OpenAI-compatible completions and the kvctl admin API.")
+    app.router.route_class = StrictJSONRoute  # NaN and Infinity are not JSON: refused (strict_json.py)
     app.add_middleware(BodyLimit, limit=lambda: service.config.max_request_bytes)
 
     @app.exception_handler(ApiError)
@@ -223,6 +225,14 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         where = fields_[0] if fields_ else None  # the request field, not pydantic's union branch
         got = repr(first.get("input"))
         got = got if len(got) <= 200 else got[:200] + "..."  # never echo a huge body back whole
+        if first.get("type") == "json_invalid":  # loc is ("body", the character where it went wrong)
+            at = loc[1] if len(loc) > 1 and isinstance(loc[1], int) and loc[1] != NOT_A_POSITION else None
+            message = f"body: not valid JSON ({(first.get('ctx') or {}).get('error')}" + \
+                      ("" if at is None else f", at character {at}") + ")"
+            return JSONResponse(error_body(message, "invalid_request_error", None, None), status_code=400)
+        if loc == ["body"] and first.get("type") == "missing":
+            return JSONResponse(error_body("body: a JSON object is required, and the request has none",
+                                           "invalid_request_error", None, None), status_code=400)
         if where == "prompt":  # the union's first branch ("a valid string") would mislead
             message = ("prompt: must be a string, a list of strings, a list of token ids (integers) or a list "
                        f"of lists of token ids (got {got})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, FiniteFloat
 from pydantic_core import PydanticCustomError
 
 from kvctl.daemon.engine.sampling import MAX_LOGPROBS
@@ -45,7 +45,8 @@ def _not_a_boolean(value: Any) -> Any:
 
 
 Count = Annotated[int, BeforeValidator(_not_a_boolean)]  # a whole number in a request (1.0 passes; true does not)
-Number = Annotated[float, BeforeValidator(_not_a_boolean)]
+# a number in a request: finite (Python's json reads NaN and Infinity, which no answer could carry back)
+Number = Annotated[FiniteFloat, BeforeValidator(_not_a_boolean)]
 
 
 class GenerationFields(BaseModel):
