@@ -150,8 +150,7 @@ def render_tenants(d: dict, top: int = 0) -> Group:
     parts = [table] if rows else [Text("no tenant seen lately" if retired.get("tenants") else
                                        "no tenant seen since kvd started")]
     if more:
-        parts.append(Text(f"and {more:,} more tenant{'s' if more != 1 else ''} with fewer prompt tokens "
-                          f"(--top 0 lists every one)"))
+        parts.append(Text(f"and {more:,} more tenant{'s' if more != 1 else ''} (--top 0 lists every one)"))
     if retired.get("tenants"):
         prompt = retired["prompt_tokens"]
         parts.append(Text(f"retired: {retired['tenants']:,} tenant{'s' if retired['tenants'] != 1 else ''} not active "
