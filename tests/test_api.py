@@ -433,6 +433,35 @@ def test_pins_survive_a_restart(tmp_path):
         second.shutdown(1)
 
 
+def test_a_ttl_of_no_finite_span_is_refused_and_one_stored_before_is_kept_until_unpinned(tmp_path):
+    """`--ttl inf` (or 1e308d) pinned a prefix whose expiry could not be rendered: /admin/pins
+    answered 500 from then on, across restarts, so the pin could not even be listed to remove it."""
+    first = start_service(tmp_path)
+    unix, _ = apps(first, token_table(tmp_path))
+    prompt = "A prefix pinned before a restart, long enough for two blocks."
+    for ttl in ("inf", "1e999s", "1e308d", "0"):
+        refused = call(unix, "POST", "/admin/pins", json={"text": prompt, "ttl": ttl})
+        assert (refused.status_code, refused.json()["error"]["message"]) == \
+            (400, f"ttl: must be a finite number of seconds > 0 (or 30m, 1h, 2d), got {ttl!r}")
+    assert call(unix, "GET", "/admin/pins").json()["pins"] == []
+    pin = call(unix, "POST", "/admin/pins", json={"text": prompt, "ttl": "1h"}).json()
+    first.shutdown(1)
+    from kvctl.daemon.store import Store
+
+    store = Store(tmp_path / "kvd.sqlite3")  # as an earlier kvd stored `--ttl inf`
+    [row] = store.pins()
+    store.save_pin({**row, "expires_at": float("inf")})
+    second = start_service(tmp_path)
+    try:
+        unix, _ = apps(second, token_table(tmp_path))
+        listed = call(unix, "GET", "/admin/pins")
+        assert listed.status_code == 200
+        [kept] = listed.json()["pins"]
+        assert (kept["pin_id"], kept["expires_at"], kept["expires_in_seconds"]) == (pin["pin_id"], None, None)
+    finally:
+        second.shutdown(1)
+
+
 def test_a_reload_follows_where_each_live_setting_now_comes_from(tmp_path):
     """A setting whose value stays but whose source changes (the file stops naming the default)
     is shown from its new source; settings that need a restart keep the source they run with."""

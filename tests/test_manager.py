@@ -230,8 +230,10 @@ def test_pin_errors():
     m = make_manager()
     with pytest.raises(InvalidRequest, match=r"token_ids: 3 tokens is less than one block \(4 tokens\)"):
         m.pin(NS, [1, 2, 3])
-    with pytest.raises(InvalidRequest, match="ttl: must be > 0 seconds, got 0"):
+    with pytest.raises(InvalidRequest, match="ttl: must be a finite number of seconds > 0, got 0"):
         m.pin(NS, PROMPT, ttl=0)
+    with pytest.raises(InvalidRequest, match="ttl: must be a finite number of seconds > 0, got inf"):
+        m.pin(NS, PROMPT, ttl=float("inf"))
     with pytest.raises(UnknownPin, match="unknown pin 'pin-nope'"):
         m.unpin("pin-nope")
 

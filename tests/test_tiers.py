@@ -1068,7 +1068,7 @@ def test_a_cached_prefix_is_pinned_by_its_id_without_its_text(tmp_path):
             f"tenant: prefix {c[1]} is tenant 'default''s, not 'acme''s"
         zero = call(app, "POST", "/admin/pins", json={"prefix": c[1], "ttl": 0})
         assert (zero.status_code, zero.json()["error"]["message"], zero.json()["error"]["param"]) == \
-            (400, "ttl: must be > 0 seconds, got 0.0", "ttl")
+            (400, "ttl: must be a finite number of seconds > 0 (or 30m, 1h, 2d), got 0.0", "ttl")
         both = call(app, "POST", "/admin/pins", json={"prefix": c[1], "text": "hello"})
         assert both.status_code == 400 and both.json()["error"]["param"] == "prefix"
         for pin in call(app, "GET", "/admin/pins").json()["pins"]:

@@ -24,6 +24,7 @@ Blocks an operator can see, by state (counted in O(1))::
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable, Sequence
@@ -425,8 +426,8 @@ class KVCacheManager:
                  owner: str = "", note: str = "") -> PinResult:
         if not keys:
             raise InvalidRequest("keys: a pin needs at least one block")
-        if ttl is not None and not ttl > 0:
-            raise InvalidRequest(f"ttl: must be > 0 seconds, got {ttl!r}")
+        if ttl is not None and not 0 < ttl < math.inf:
+            raise InvalidRequest(f"ttl: must be a finite number of seconds > 0, got {ttl!r}")
         now = self._clock()
         key_tuple = tuple(keys)
         pin_id = pin_id_for(tenant, key_tuple)

@@ -581,10 +581,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         try:
             ttl = parse_duration(body.ttl)
         except ValueError:
-            raise ApiError(400, f"ttl: invalid value {body.ttl!r}; use seconds or 30m, 1h, 2d",
+            raise ApiError(400, f"ttl: must be a finite number of seconds > 0 (or 30m, 1h, 2d), got {body.ttl!r}",
                            param="ttl") from None
-        if ttl is not None and not ttl > 0:
-            raise ApiError(400, f"ttl: must be > 0 seconds, got {body.ttl!r}", param="ttl")
         if body.prefix is not None:
             return service.pin_prefix(body.prefix, who, body.tenant, ttl, body.note)
         if body.keys is not None:

@@ -8,6 +8,7 @@ outside the lock. The loop also pings the systemd watchdog.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -1136,6 +1137,9 @@ class EngineService:
         now = time.time()
         for row in self.store.pins():
             remaining = None if row["expires_at"] is None else row["expires_at"] - now
+            if remaining is not None and not math.isfinite(remaining):  # stored before ttls had to be finite
+                log.warning("pin %s: its stored expiry is not a time; kept until unpinned", row["pin_id"])
+                remaining = None
             if remaining is not None and remaining <= 0:
                 self.store.delete_pin(row["pin_id"])
                 continue
