@@ -17,6 +17,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from kvctl.daemon.engine.tenant_book import DEFAULT_LIMIT as DEFAULT_TRACKED_TENANTS
 from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
@@ -199,7 +200,7 @@ class KvdConfig:
     # tenants whose counters (prompt tokens, hits, recomputed tokens, rejections) and latest TTFTs
     # are kept by name, the most recently active; the others' counters are summed as retired
     # (daemon/engine/tenant_book.py), so kvd's memory does not grow with its tenants
-    max_tracked_tenants: int = 10_000
+    max_tracked_tenants: int = DEFAULT_TRACKED_TENANTS
     # finished requests kept as trace lines for `kvctl trace save` (daemon/server/request_trace.py); 0: none
     trace_requests: int = 10_000
     # a file holding the secret that keys the trace's block ids (at least 32 bytes); the replicas of

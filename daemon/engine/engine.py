@@ -44,7 +44,7 @@ from ..model.tokenizer import first_outside_vocab
 from .logits import adjust_logits
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
 from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
-from .tenant_book import HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
+from .tenant_book import DEFAULT_LIMIT, HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
 
 
 class AdmissionRejected(Exception):
@@ -75,7 +75,7 @@ class EngineSettings:
     quick_prefill_tokens: int = 0
     # (tenant, fraction) pairs, "*" for the others: under pressure, over-share tenants' idle blocks go first
     tenant_cache_shares: tuple[tuple[str, float], ...] = ()
-    max_tracked_tenants: int = 10_000  # tenants whose counters are kept by name (tenant_book.py)
+    max_tracked_tenants: int = DEFAULT_LIMIT  # tenants whose counters are kept by name (tenant_book.py)
     # how long a waiting request holds out for its prefix to come up from disk or Redis
     # (policies.tiering.PrefetchWait): timeout, best_effort or wait_complete
     prefetch_policy: str = "timeout"
@@ -116,7 +116,7 @@ class EngineStats:
     step_seconds: dict[str, float] = field(default_factory=dict)  # wall time of those steps (admission to tokens)
     # per tenant, for the latest max_tracked_tenants: prompt, hit and recomputed tokens as the totals
     # above count them, and requests rejected (any reason); the rest summed as retired
-    tenants: TenantBook = field(default_factory=lambda: TenantBook(10_000))
+    tenants: TenantBook = field(default_factory=lambda: TenantBook(DEFAULT_LIMIT))
     # requests whose prefix was fetched from disk or Redis, by how their wait ended (PREFETCH_OUTCOMES)
     prefetch_outcomes: dict[str, int] = field(default_factory=dict)
     prefetch_staged_blocks: int = 0  # blocks those fetches had staged when their requests were admitted

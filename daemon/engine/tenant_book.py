@@ -18,6 +18,7 @@ from typing import Callable
 
 FIELDS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected")
 PROMPT, HIT, RECOMPUTED, REJECTED = range(len(FIELDS))
+DEFAULT_LIMIT = 10_000  # max_tracked_tenants when nothing sets it
 
 
 class TenantBook:
@@ -66,9 +67,6 @@ class TenantBook:
 
     def __len__(self) -> int:
         return len(self._rows)
-
-    def __contains__(self, tenant: str) -> bool:
-        return tenant in self._rows
 
     def totals(self) -> list[int]:
         """Each counter summed over every tenant, retired or not."""

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvctl.policies.tenant_shares import share_of
-
 from kvctl.daemon.engine.tenant_book import FIELDS
+from kvctl.policies.tenant_shares import share_of
 
 from .inflight import request_state
 from .service import EngineService
