@@ -63,17 +63,27 @@ class Client:
             raise KvdUnavailable(f"kvd at {self.where} broke off its answer ({type(exc).__name__})") from None
         return self.answered(response)
 
-    @staticmethod
-    def answered(response: httpx.Response) -> Any:
-        """The answer's JSON, or the error kvd (or kvd router) named: a 503 as KvdUnavailable."""
+    def answered(self, response: httpx.Response) -> Any:
+        """The answer's JSON, or the error kvd (or kvd router) named: a 503 as KvdUnavailable. An
+        answer not in kvd's shape (another server at that address) says so, not a JSON error."""
         if response.status_code >= 400:
             try:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
-                message = response.text[:300]
+                raise UserError(self._not_kvd(response)) from None
             error = KvdUnavailable if response.status_code == 503 else UserError
             raise error(f"kvd answered {response.status_code}: {message}")
-        return response.json()
+        try:
+            return response.json()
+        except ValueError:
+            raise UserError(self._not_kvd(response)) from None
+
+    def _not_kvd(self, response: httpx.Response) -> str:
+        kind = response.headers.get("content-type", "no content type").split(";")[0]
+        first = next((line.strip() for line in response.text.splitlines() if line.strip()), "")[:80]
+        return (f"{self.where} answered {response.request.method} {response.url.path} with {response.status_code} "
+                f"({kind}{': ' + repr(first) if first else ''}), not kvd's JSON: is kvd (or kvd router) what "
+                f"listens there? (--socket, --url)")
 
     def get(self, path: str, **params) -> Any:
         return self.request("GET", path, params={k: v for k, v in params.items() if v is not None})

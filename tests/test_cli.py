@@ -1070,3 +1070,29 @@ def test_config_show_writes_per_tenant_settings_as_an_operator_writes_them():
     assert _setting_text([["acme", 3], ["free", 1]]) == "acme=3,free=1"
     assert _setting_text(["vllm", "sglang"]) == "vllm,sglang" and _setting_text([]) == "none"
     assert _setting_text(256) == "256" and _setting_text(None) == "None"
+
+
+def test_a_server_that_is_not_kvd_is_named_as_such_not_as_a_json_error(tmp_path):
+    """Another server at kvd's address (a typo in --url): kvctl said `Expecting value: line 1
+    column 1 (char 0)` for a 200, or dumped an HTML page for a 404."""
+    import httpx
+
+    from kvctl.client import Client
+    from kvctl.errors import UserError
+
+    answers = {"/admin/status": httpx.Response(200, text="hello\n", headers={"content-type": "text/plain"}),
+               "/admin/tenants": httpx.Response(404, text="<!DOCTYPE HTML>\n<html>...</html>",
+                                                headers={"content-type": "text/html; charset=utf-8"}),
+               "/admin/pins": httpx.Response(400, json={"error": {"message": "ttl: bad"}})}
+    client = Client(socket=str(tmp_path / "kvd.sock"))
+    client.http = httpx.Client(base_url="http://kvd", transport=httpx.MockTransport(lambda r: answers[r.url.path]))
+    with pytest.raises(UserError) as plain:
+        client.get("/admin/status")
+    assert str(plain.value) == (f"{tmp_path / 'kvd.sock'} answered GET /admin/status with 200 (text/plain: 'hello'), "
+                                "not kvd's JSON: is kvd (or kvd router) what listens there? (--socket, --url)")
+    with pytest.raises(UserError) as page:
+        client.get("/admin/tenants")
+    assert str(page.value).startswith(f"{tmp_path / 'kvd.sock'} answered GET /admin/tenants with 404 "
+                                      "(text/html: '<!DOCTYPE HTML>'), not kvd's JSON")
+    with pytest.raises(UserError, match="^kvd answered 400: ttl: bad$"):  # kvd's own errors as before
+        client.post("/admin/pins", {})

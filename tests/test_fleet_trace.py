@@ -155,7 +155,7 @@ def test_kvctl_trace_save_at_kvd_router_writes_the_fleet_s_traffic_for_a_routing
 
     _, apart = router_app(own, "round_robin")
     monkeypatch.setattr(client.Client, "get",
-                        lambda self, path, **params: client.Client.answered(call(apart, "GET", path)))
+                        lambda self, path, **params: self.answered(call(apart, "GET", path)))
     status, _, err = cli(capsys, "trace", "save", str(tmp_path / "apart.jsonl"))
     assert status != 0 and "the replicas key their block ids apart" in " ".join(err.split())
     assert not (tmp_path / "apart.jsonl").exists()

@@ -998,7 +998,7 @@ def test_kvctl_route_pointed_at_the_router_asks_it_and_at_a_replica_says_what_to
         def post(self, path, body, target=target):
             if target is None:
                 raise client.KvdUnavailable("kvd is not reachable at /run/none.sock (is it running? `kvd serve`)")
-            return client.Client.answered(call(target, "POST", path, json=body))
+            return self.answered(call(target, "POST", path, json=body))
 
         monkeypatch.setattr(client.Client, "post", post)
         status, out, err = cli(capsys, "route", "--json", SYSTEM_A + "Q60?")
