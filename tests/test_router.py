@@ -360,6 +360,16 @@ def test_described_names_an_error_answer_by_its_status_and_the_replica_s_message
     assert failed(httpx.Response(500, text="", request=request)) == "500: Internal Server Error"
     assert described(httpx.ConnectError("connection refused")) == "ConnectError: connection refused"
     assert len(failed(httpx.Response(503, text="x" * 900, request=request))) == 300
+    # another server at a replica's address: its page's first line, not the whole page
+    page = httpx.Response(404, text="<!DOCTYPE HTML>\n<html>\n<p>Error code: 404</p>\n</html>\n",
+                          headers={"content-type": "text/html; charset=utf-8"}, request=request)
+    assert failed(page) == "404: <!DOCTYPE HTML> (text/html, not kvd's JSON)"
+    from kvctl.daemon.server.replica_errors import NotKvd, kvd_json
+
+    with pytest.raises(NotKvd) as plain:  # a 200 that is not JSON: was "JSONDecodeError: Expecting value: ..."
+        kvd_json(httpx.Response(200, text="hello\n", headers={"content-type": "text/plain"}, request=request))
+    assert described(plain.value) == "200: 'hello' (text/plain), not kvd's JSON: is kvd what listens there?"
+    assert kvd_json(httpx.Response(200, json={"a": 1}, request=request)) == {"a": 1}
 
 
 def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(replicas):

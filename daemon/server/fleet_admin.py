@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import httpx
 
-from .replica_errors import described
+from .replica_errors import described, kvd_json
 
 Answer = tuple[int | None, dict]  # a replica's HTTP status (None: not reached) and body
 
@@ -36,7 +36,7 @@ async def fan_out(replicas: Sequence, method: str, path: str, content: bytes | N
         try:
             answer = await replica.client.request(method, path, content=content, timeout=timeout,
                                                   headers={"content-type": "application/json"} if content else None)
-            return answer.status_code, answer.json()
+            return answer.status_code, kvd_json(answer)
         except (httpx.HTTPError, ValueError) as exc:
             return None, {"error": described(exc)}
     return list(await asyncio.gather(*(one(r) for r in replicas)))

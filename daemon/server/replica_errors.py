@@ -2,9 +2,37 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 
 LIMIT = 300  # characters: a status table's cell, a log line
+
+
+class NotKvd(ValueError):
+    """A replica's answer that is not kvd's JSON: another server listens at its address."""
+
+
+def kvd_json(response: httpx.Response) -> Any:
+    """The answer's JSON; NotKvd, saying what came instead, when it is none."""
+    try:
+        return response.json()
+    except ValueError:
+        raise NotKvd(f"{response.status_code}: {_not_json(response)}") from None
+
+
+def _not_json(response: httpx.Response) -> str:
+    first, kind = _first_line(response), _kind(response)
+    return f"{first!r} ({kind}), not kvd's JSON: is kvd what listens there?" if first else \
+        f"an empty {kind} answer, not kvd's JSON: is kvd what listens there?"
+
+
+def _first_line(response: httpx.Response) -> str:
+    return next((line.strip() for line in response.text.splitlines() if line.strip()), "")[:LIMIT]
+
+
+def _kind(response: httpx.Response) -> str:
+    return response.headers.get("content-type", "no content type").split(";")[0].strip()
 
 
 def described(exc: BaseException) -> str:
@@ -14,6 +42,8 @@ def described(exc: BaseException) -> str:
     Otherwise the exception's type and text ("ConnectError: ...")."""
     if isinstance(exc, httpx.HTTPStatusError):
         return answer_described(exc.response)
+    if isinstance(exc, NotKvd):
+        return str(exc)[:LIMIT]
     return f"{type(exc).__name__}: {exc}"[:LIMIT]
 
 
@@ -23,7 +53,10 @@ def answer_described(response: httpx.Response) -> str:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError, httpx.ResponseNotRead):
         try:
-            message = response.text.strip()
+            message = _first_line(response)
         except httpx.ResponseNotRead:  # a streamed answer: its body was not read
             message = ""
+        kind = _kind(response)
+        if message and kind not in ("text/plain", "application/json"):  # a page: another server answered
+            message = f"{message} ({kind}, not kvd's JSON)"
     return f"{response.status_code}: {message or response.reason_phrase}"[:LIMIT]

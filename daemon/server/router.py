@@ -54,7 +54,7 @@ from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import (NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES, ReplicaFacts, Router,
                                     facts_from_answer, make_router)
 
-from .replica_errors import answer_described, described
+from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
@@ -329,7 +329,7 @@ class RouterService:
                 replica.last_error = None  # when the request reaches it
                 return ReplicaFacts(0, 0.0, replica.open), 0
             answer.raise_for_status()
-            known = answer.json()
+            known = kvd_json(answer)
             facts = facts_from_answer(known, replica.open)
             replica.model = known.get("model")
             replica.drained_there = bool(known.get("draining", False))
@@ -618,8 +618,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(409, str(exc), "conflict")
         try:  # and at the replica itself, so that every router in front of it leaves it out
             answer = await replica.client.post("/admin/drain", json={"drain": on}, timeout=ASK_TIMEOUT_S)
-            there = answer.json() if answer.status_code == 200 else {
-                "error": f"{answer.status_code}: {answer.json().get('error', {}).get('message', '')}"}
+            there = kvd_json(answer) if answer.status_code == 200 else {"error": answer_described(answer)}
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             there = {"error": described(exc)}
         if "error" not in there:
@@ -738,7 +737,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             try:
                 answer = await replica.client.get("/admin/status", timeout=ASK_TIMEOUT_S)
                 answer.raise_for_status()
-                return answer.json()
+                return kvd_json(answer)
             except (httpx.HTTPError, ValueError) as exc:
                 return {"error": described(exc)}
 
