@@ -398,3 +398,17 @@ def test_nan_and_infinity_are_refused_at_the_edge_and_never_reach_a_stored_rollo
         assert call(unix, "GET", "/admin/rollouts/history").json()["rollouts"][0]["policy"]["weight"] == 1e300
     finally:
         service.shutdown(1)
+
+
+def test_a_cohort_s_ttft_percentiles_cover_its_latest_5000_requests():
+    from types import SimpleNamespace
+
+    from kvctl.daemon.server.rollouts import CohortStats
+
+    cohort = CohortStats()
+    for i in range(6000):  # TTFTs 0 .. 5999 ms: the first 1,000 have gone from the window
+        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=i / 1000)
+        cohort.add(SimpleNamespace(metrics=metrics, prompt_ids=[1, 2]))
+    figures = cohort.figures()
+    assert (figures["requests"], figures["ttft_p50_seconds"], figures["ttft_p95_seconds"]) == (6000, 3.499, 5.749)
+    assert len(cohort.ttfts) == 5000 and sum(cohort.ttft_buckets) == 6000  # the histogram keeps every one

@@ -26,6 +26,7 @@ import hashlib
 import json
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from kvctl.daemon.engine.requests import Request
@@ -48,7 +49,7 @@ class CohortStats:
     hit_tokens: int = 0
     recomputed_tokens: int = 0
     preemptions: int = 0
-    ttfts: list[float] = field(default_factory=list)  # the latest 5,000 (percentiles)
+    ttfts: deque = field(default_factory=lambda: deque(maxlen=5000))  # the latest 5,000 (percentiles)
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))  # every one (metrics)
     ttft_sum: float = 0.0
 
@@ -60,7 +61,7 @@ class CohortStats:
         self.recomputed_tokens += m.recomputed_tokens
         self.preemptions += m.preemptions
         if m.ttft is not None:
-            self.ttfts = (self.ttfts + [m.ttft])[-5000:]
+            self.ttfts.append(m.ttft)  # O(1): each finished request during a rollout, on the engine thread
             self.ttft_buckets[bisect.bisect_left(LATENCY_BUCKETS, m.ttft)] += 1
             self.ttft_sum += m.ttft
 
