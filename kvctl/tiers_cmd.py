@@ -46,6 +46,8 @@ def tiers_view(d: dict) -> Group:
             columns[name]["share evictions"] = f"{t['share_evictions']:,}"
         if t.get("set_aside_bytes"):
             columns[name]["set aside"] = size(t["set_aside_bytes"])
+        if t.get("vanished_segments"):  # deleted from the folder by something other than kvd
+            columns[name]["vanished segments"] = f"{t['vanished_segments']:,}"
         if t.get("degraded_reason"):
             columns[name]["why"] = t["degraded_reason"]
     # one column per tier, one row per figure: four tiers fit an 80-column terminal

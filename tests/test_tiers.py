@@ -1233,6 +1233,35 @@ def test_a_prefix_evicted_from_disk_while_its_fetch_reads_it_is_a_miss_not_a_deg
     assert engine.stats.prefetch_outcomes == {"miss": 1}
 
 
+def test_a_segment_deleted_from_the_folder_is_forgotten_as_gone_not_a_degraded_disk(demo, tmp_path, caplog):
+    """A cleanup job (or an operator's rm) deletes segment files under kvd. Each read of those
+    blocks failed and marked the whole disk tier degraded for 30 s, again every time, while the
+    index kept blocks that no longer existed. Now the missing segment leaves the index as `gone`
+    (one warning, counted), the request is a miss, and the tier stays healthy."""
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    cold = generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    disk = tiered.disk
+    segments, blocks = len(disk.segments), len(disk.index)
+    assert segments >= 1 and blocks >= 1
+    for path in disk.segment_dir.glob("*.kvseg"):
+        path.unlink()
+    with caplog.at_level("WARNING", logger="kvd.tiers"):
+        warm = generate(engine, TEXT_A, demo)
+    assert warm.metrics.restored_tokens == 0 and warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    report = tiered.report()["tiers"]["disk"]
+    assert (report["health"], report["errors"], report["vanished_segments"]) == ("ok", 0, segments)
+    # what the disk holds now is what the recomputed prefix wrote again, each segment in the folder
+    assert disk.segments and all((disk.segment_dir / name).is_file() for name in disk.segments)
+    assert report["used_bytes"] == sum((disk.segment_dir / name).stat().st_size for name in disk.segments)
+    assert engine.stats.prefetch_outcomes == {"miss": 1}
+    assert sum("is gone from" in r.getMessage() and "deleted outside kvd?" in r.getMessage()
+               for r in caplog.records) == segments
+    gone = engine.events.since(0, limit=10_000, kinds=["removed"], tiers=["disk"]).events
+    assert {e.reason for e in gone} == {"gone"} and sum(len(e.keys) for e in gone) == blocks
+
+
 def test_swap_to_remote_and_back_through_the_daemon(tmp_path, redis_server):
     from kvctl.daemon.server.app import create_app
 

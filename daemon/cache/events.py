@@ -13,7 +13,8 @@ my prefix go?", needs the removals as much as the stores (field notes 7 and 9). 
     reason   removed: capacity (the tier needed room), tenant_share (the tier needed room and the
              block's tenant held more idle blocks than its share), operator (kvctl evict or swap),
              corrupt (failed verification), unwritten (indexed by a step that never ran),
-             gone (another daemon or Redis itself deleted it), space (written under scales or a
+             gone (another daemon or Redis itself deleted it, or its disk segment was deleted
+             outside kvd), space (written under scales or a
              format the daemon no longer serves: of no use to it, though still stored)
     tenant   stored: whose namespace the keys were hashed under, where known
 

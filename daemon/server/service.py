@@ -1468,7 +1468,8 @@ REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its 
                  "its cache share", "filesystem": "to make room on a filesystem running short of space",
                  "operator": "by an operator", "corrupt": "after it failed verification",
                  "unwritten": "(the step that was to write it never ran)",
-                 "gone": "(deleted on the shared Redis by its memory policy or another daemon)",
+                 "gone": "(deleted outside this daemon: on the shared Redis by its memory policy or another "
+                         "daemon, or its disk segment from the folder)",
                  "space": "(written under scales or a format this daemon no longer serves)"}
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -50,6 +51,8 @@ from kvctl.policies.tenant_shares import share_blocks, share_of
 from .payload import PEEK_BYTES, BlockLayout, BlockMeta, PayloadError, decode_block, payload_length, peek_space, read_header
 from .spaces import SpaceBook
 from .vectored import write_vectored
+
+log = logging.getLogger("kvd.tiers")
 
 SUFFIX = ".kvseg"
 FREE_RESERVE_BYTES = 1 << 30  # the free space the tier leaves on its filesystem: at most this,
@@ -118,6 +121,7 @@ class DiskTier:
         self.tenant_bytes: Counter[str] = Counter()  # payload bytes of indexed blocks, by tenant ("" unknown)
         self.share_evictions = 0  # blocks dropped with segments whose tenant held more than its share
         self.filesystem_evictions = 0  # blocks dropped with segments because the filesystem ran short
+        self.vanished_segments = 0  # segments deleted from the folder by something other than kvd
         self.room = filesystem_room  # (path) -> bytes the filesystem can still give (tests replace it)
         self.segment_dir.mkdir(parents=True, exist_ok=True)
         self._owner = self._claim(self.root)
@@ -479,12 +483,18 @@ class DiskTier:
             name, offset, length = where
             self.segments.move_to_end(name)
             self.busy[name] = self.busy.get(name, 0) + 1
+        gone = False
         try:
             return self._read_range(name, offset, length)
+        except FileNotFoundError:
+            gone = True
+            return None
         except (OSError, ValueError):
             return None
         finally:
             with self.lock:
+                if gone:
+                    self._forget_vanished(name)
                 self._read_done(name)
 
     def read_many(self, keys: Sequence[bytes]) -> dict[bytes, memoryview]:
@@ -500,12 +510,16 @@ class DiskTier:
                 self.segments.move_to_end(name)
                 self.busy[name] = self.busy.get(name, 0) + 1
         out: dict[bytes, memoryview] = {}
+        gone = []
         try:
             for name, entries in spans.items():
                 first = min(offset for _, offset, _ in entries)
                 last = max(offset + length for _, offset, length in entries)
                 try:
                     view = self._read_range(name, first, last - first)
+                except FileNotFoundError:
+                    gone.append(name)
+                    continue
                 except (OSError, ValueError):
                     continue
                 for key, offset, length in entries:
@@ -513,9 +527,23 @@ class DiskTier:
                         out[key] = view[offset - first:offset - first + length]
         finally:
             with self.lock:
+                for name in gone:
+                    self._forget_vanished(name)
                 for name in spans:
                     self._read_done(name)
         return out
+
+    def _forget_vanished(self, name: str) -> None:
+        """Segment `name` is no longer in the folder (a cleanup job, an operator's rm): its blocks
+        leave the index as `gone`, a miss from now on, rather than a read that fails each time and
+        marks the tier degraded (the lock held)."""
+        segment = self.segments.get(name)
+        if segment is None:
+            return
+        self.vanished_segments += 1
+        log.warning("disk: segment %s is gone from %s (deleted outside kvd?); its %d blocks are forgotten",
+                    name, self.segment_dir, segment.live)
+        self._remove_segment(name, "gone")
 
     def _read_done(self, name: str) -> None:
         """A read of segment `name` ended (the lock held). The last one out removes the segment if

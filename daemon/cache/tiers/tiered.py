@@ -828,6 +828,7 @@ class TieredCache:
                     out[tier.name]["filesystem_bound"] = None if bound is None else {
                         "room_bytes": bound[0], "holds_at_most_bytes": bound[1]}
                     out[tier.name]["filesystem_evictions"] = tier.filesystem_evictions
+                    out[tier.name]["vanished_segments"] = tier.vanished_segments
             out_moved = {f"{s}->{d}": b for (s, d), b in sorted(self.moved.items())}
         if self.disk is not None and self.disk.quarantine_bytes:  # whose: the folder's book names the spaces
             book = self.disk.spaces.load()
