@@ -527,7 +527,10 @@ def test_a_block_size_change_sets_the_disk_aside_within_its_bytes_and_a_rollback
 def _upgraded_checkpoint(tmp_path):
     """The demo checkpoint with another config.json (a new model revision, the same tokenizer)."""
     import json
+    import os
     import shutil
+
+    from kvctl.daemon.cache.tiers.disk import DiskTier
 
     from kvctl.daemon.model.demo import ensure_demo_checkpoint
 
@@ -1260,6 +1263,35 @@ def test_a_segment_deleted_from_the_folder_is_forgotten_as_gone_not_a_degraded_d
                for r in caplog.records) == segments
     gone = engine.events.since(0, limit=10_000, kinds=["removed"], tiers=["disk"]).events
     assert {e.reason for e in gone} == {"gone"} and sum(len(e.keys) for e in gone) == blocks
+
+
+def test_a_disk_tier_whose_folder_was_deleted_makes_it_again_and_goes_on_writing(demo, tmp_path):
+    """`rm -rf` of the tier's folder under kvd: every write failed (No such file or directory)
+    and marked the tier degraded, for as long as kvd ran. Now the first write makes the folder,
+    its lock and its book of spaces again, forgets the segments that went with it, and writes."""
+    import os
+    import shutil
+
+    from kvctl.daemon.cache.tiers.disk import DiskTier
+
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    disk = tiered.disk
+    before = len(disk.segments)
+    shutil.rmtree(tmp_path / "d")
+    cold_b = generate(engine, TEXT_B, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    report = tiered.report()["tiers"]["disk"]
+    assert (report["health"], report["errors"], report["vanished_segments"]) == ("ok", 0, before)
+    assert disk.segments and all((disk.segment_dir / name).is_file() for name in disk.segments)
+    assert (tmp_path / "d" / "kvd.lock").read_text() == f"pid {os.getpid()}\n"
+    with pytest.raises(ValueError, match="is in use by another kvd"):  # the folder is this tier's again
+        DiskTier(tmp_path / "d", 1 << 22, disk.layout, disk.space)
+    warm_b = generate(engine, TEXT_B, demo)  # B's blocks come back from the new segments
+    assert warm_b.metrics.restored_tokens > 0 and warm_b.sequences[0].output_ids == cold_b.sequences[0].output_ids
 
 
 def test_swap_to_remote_and_back_through_the_daemon(tmp_path, redis_server):

@@ -34,6 +34,7 @@ set aside can be told apart by model revision and evicted by it (`purge_spaces`)
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import logging
@@ -126,6 +127,7 @@ class DiskTier:
         self.segment_dir.mkdir(parents=True, exist_ok=True)
         self._owner = self._claim(self.root)
         self.spaces = SpaceBook(self.root / "spaces.json")
+        self._record = record
         if record is not None:
             self.spaces.add(space, record)
 
@@ -323,7 +325,11 @@ class DiskTier:
         tmp = final.with_suffix(".tmp")
         buffers = [b for _, p in items for b in (p if isinstance(p, list) else [p])]
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileNotFoundError:  # the folder itself was deleted under kvd: make it again, once
+                self._folder_gone()
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 write_vectored(lambda chunk: os.writev(fd, chunk), buffers)
                 if fsync:
@@ -532,6 +538,25 @@ class DiskTier:
                 for name in spans:
                     self._read_done(name)
         return out
+
+    def _folder_gone(self) -> None:
+        """The segments folder is not there (`rm -rf` of the tier, a cleanup job): every segment
+        whose file is missing is forgotten as gone, and the folder, its lock and its book of
+        spaces are made again, so that writes go on. Raises OSError (no write) when another
+        daemon took the folder meanwhile."""
+        with self.lock:
+            log.warning("disk: %s is gone (deleted outside kvd?); making it again", self.segment_dir)
+            for name in [n for n in self.segments if not (self.segment_dir / n).exists()]:
+                self._forget_vanished(name)
+            self.segment_dir.mkdir(parents=True, exist_ok=True)
+            if not (self.root / "kvd.lock").exists():  # the lock held is on a deleted file now
+                self.close()
+                try:
+                    self._owner = self._claim(self.root)
+                except ValueError as exc:  # the write fails as a write does: the tier is degraded
+                    raise OSError(errno.EBUSY, str(exc)) from None
+            if self._record is not None and not self.spaces.path.exists():
+                self.spaces.add(self.space, self._record)
 
     def _forget_vanished(self, name: str) -> None:
         """Segment `name` is no longer in the folder (a cleanup job, an operator's rm): its blocks
