@@ -1255,17 +1255,19 @@ def test_a_segment_deleted_from_the_folder_is_forgotten_as_gone_not_a_degraded_d
     assert warm.metrics.restored_tokens == 0 and warm.sequences[0].output_ids == cold.sequences[0].output_ids
     report = tiered.report()["tiers"]["disk"]
     assert (report["health"], report["errors"], report["vanished_segments"]) == ("ok", 0, segments)
-    # what the disk holds now is what the recomputed prefix wrote again, each segment in the folder
-    assert disk.segments and all((disk.segment_dir / name).is_file() for name in disk.segments)
-    assert report["used_bytes"] == sum((disk.segment_dir / name).stat().st_size for name in disk.segments)
     assert engine.stats.prefetch_outcomes == {"miss": 1}
     assert sum("is gone from" in r.getMessage() and "deleted outside kvd?" in r.getMessage()
                for r in caplog.records) == segments
+    push_out(engine, demo)  # the recomputed prefix goes down to the disk again
+    tiered.flush()
+    assert disk.segments and all((disk.segment_dir / name).is_file() for name in disk.segments)
+    assert tiered.report()["tiers"]["disk"]["used_bytes"] == sum(
+        (disk.segment_dir / name).stat().st_size for name in disk.segments)
     gone = engine.events.since(0, limit=10_000, kinds=["removed"], tiers=["disk"]).events
     assert {e.reason for e in gone} == {"gone"} and sum(len(e.keys) for e in gone) == blocks
 
 
-def test_a_disk_tier_whose_folder_was_deleted_makes_it_again_and_goes_on_writing(demo, tmp_path):
+def test_a_disk_tier_whose_folder_was_deleted_makes_it_again_and_goes_on_writing(demo, tmp_path, caplog):
     """`rm -rf` of the tier's folder under kvd: every write failed (No such file or directory)
     and marked the tier degraded, for as long as kvd ran. Now the first write makes the folder,
     its lock and its book of spaces again, forgets the segments that went with it, and writes."""
@@ -1281,13 +1283,20 @@ def test_a_disk_tier_whose_folder_was_deleted_makes_it_again_and_goes_on_writing
     disk = tiered.disk
     before = len(disk.segments)
     shutil.rmtree(tmp_path / "d")
-    cold_b = generate(engine, TEXT_B, demo)
+    with caplog.at_level("WARNING", logger="kvd.tiers"):
+        cold_b = generate(engine, TEXT_B, demo)
     push_out(engine, demo)
     tiered.flush()
     report = tiered.report()["tiers"]["disk"]
     assert (report["health"], report["errors"], report["vanished_segments"]) == ("ok", 0, before)
     assert disk.segments and all((disk.segment_dir / name).is_file() for name in disk.segments)
     assert (tmp_path / "d" / "kvd.lock").read_text() == f"pid {os.getpid()}\n"
+    # the folder in one line (a read that met a missing segment first names that one on its own)
+    said = [r.getMessage() for r in caplog.records]
+    [folder] = [m for m in said if "making it again" in m]
+    assert folder.startswith(f"disk: {tmp_path / 'd' / 'segments'} is gone (deleted outside kvd?); making it again, "
+                             "and forgetting the ")
+    assert len(said) <= 1 + before
     with pytest.raises(ValueError, match="is in use by another kvd"):  # the folder is this tier's again
         DiskTier(tmp_path / "d", 1 << 22, disk.layout, disk.space)
     warm_b = generate(engine, TEXT_B, demo)  # B's blocks come back from the new segments

@@ -545,9 +545,12 @@ class DiskTier:
         spaces are made again, so that writes go on. Raises OSError (no write) when another
         daemon took the folder meanwhile."""
         with self.lock:
-            log.warning("disk: %s is gone (deleted outside kvd?); making it again", self.segment_dir)
-            for name in [n for n in self.segments if not (self.segment_dir / n).exists()]:
-                self._forget_vanished(name)
+            missing = [n for n in self.segments if not (self.segment_dir / n).exists()]
+            log.warning("disk: %s is gone (deleted outside kvd?); making it again, and forgetting the %d "
+                        "segments (%d blocks) that went with it", self.segment_dir, len(missing),
+                        sum(self.segments[n].live for n in missing))
+            for name in missing:
+                self._forget_vanished(name, quiet=True)
             self.segment_dir.mkdir(parents=True, exist_ok=True)
             if not (self.root / "kvd.lock").exists():  # the lock held is on a deleted file now
                 self.close()
@@ -558,7 +561,7 @@ class DiskTier:
             if self._record is not None and not self.spaces.path.exists():
                 self.spaces.add(self.space, self._record)
 
-    def _forget_vanished(self, name: str) -> None:
+    def _forget_vanished(self, name: str, quiet: bool = False) -> None:
         """Segment `name` is no longer in the folder (a cleanup job, an operator's rm): its blocks
         leave the index as `gone`, a miss from now on, rather than a read that fails each time and
         marks the tier degraded (the lock held)."""
@@ -566,8 +569,9 @@ class DiskTier:
         if segment is None:
             return
         self.vanished_segments += 1
-        log.warning("disk: segment %s is gone from %s (deleted outside kvd?); its %d blocks are forgotten",
-                    name, self.segment_dir, segment.live)
+        if not quiet:
+            log.warning("disk: segment %s is gone from %s (deleted outside kvd?); its %d blocks are forgotten",
+                        name, self.segment_dir, segment.live)
         self._remove_segment(name, "gone")
 
     def _read_done(self, name: str) -> None:
