@@ -79,8 +79,9 @@ class Client:
             raise UserError(self._not_kvd(response)) from None
 
     def _not_kvd(self, response: httpx.Response) -> str:
-        kind = response.headers.get("content-type", "no content type").split(";")[0]
-        first = next((line.strip() for line in response.text.splitlines() if line.strip()), "")[:80]
+        from kvctl.daemon.server.replica_errors import content_kind, first_line
+
+        kind, first = content_kind(response), first_line(response)[:80]
         return (f"{self.where} answered {response.request.method} {response.url.path} with {response.status_code} "
                 f"({kind}{': ' + repr(first) if first else ''}), not kvd's JSON: is kvd (or kvd router) what "
                 f"listens there? (--socket, --url)")

@@ -22,16 +22,18 @@ def kvd_json(response: httpx.Response) -> Any:
 
 
 def _not_json(response: httpx.Response) -> str:
-    first, kind = _first_line(response), _kind(response)
+    first, kind = first_line(response), content_kind(response)
     return f"{first!r} ({kind}), not kvd's JSON: is kvd what listens there?" if first else \
         f"an empty {kind} answer, not kvd's JSON: is kvd what listens there?"
 
 
-def _first_line(response: httpx.Response) -> str:
+def first_line(response: httpx.Response) -> str:
+    """The answer's first line that holds anything, cut at LIMIT: an error page's title line."""
     return next((line.strip() for line in response.text.splitlines() if line.strip()), "")[:LIMIT]
 
 
-def _kind(response: httpx.Response) -> str:
+def content_kind(response: httpx.Response) -> str:
+    """The answer's media type ("text/html"), without its parameters."""
     return response.headers.get("content-type", "no content type").split(";")[0].strip()
 
 
@@ -53,10 +55,10 @@ def answer_described(response: httpx.Response) -> str:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError, httpx.ResponseNotRead):
         try:
-            message = _first_line(response)
+            message = first_line(response)
         except httpx.ResponseNotRead:  # a streamed answer: its body was not read
             message = ""
-        kind = _kind(response)
+        kind = content_kind(response)
         if message and kind not in ("text/plain", "application/json"):  # a page: another server answered
             message = f"{message} ({kind}, not kvd's JSON)"
     return f"{response.status_code}: {message or response.reason_phrase}"[:LIMIT]
