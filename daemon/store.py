@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sqlite3
 import tempfile
@@ -23,8 +24,15 @@ from typing import Any, Iterator
 import sqlite_utils
 
 
+log = logging.getLogger("kvd")
+
+
 class StoreError(RuntimeError):
     """The database cannot be used as it is; the message says why and where."""
+
+
+class StoreUnavailable(StoreError):
+    """A write did not land (its filesystem full or read-only, an I/O error): nothing of it did."""
 
 
 MIGRATIONS: list[tuple[int, str]] = [
@@ -79,21 +87,33 @@ class Store:
         self.conn = conn
         self.path = path
         self._lock = threading.RLock()  # one connection, shared by the daemon's threads
+        self.audit_failures = 0  # audit records the database could not take (the log holds them)
         if problems != ["ok"]:
             raise StoreError(f"store: {str(path)!r} failed quick_check: {'; '.join(problems[:3])}")
         self._migrate()
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
-        """One writer transaction (BEGIN IMMEDIATE): all of it lands, or none of it."""
+        """One writer transaction (BEGIN IMMEDIATE): all of it lands, or none of it. A write the
+        database cannot take now (`database or disk is full`, a read-only file) is StoreUnavailable."""
         with self._lock:
-            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                raise self._unavailable(exc) from None
             try:
                 yield self.conn
-            except BaseException:
-                self.conn.execute("ROLLBACK")
+                self.conn.execute("COMMIT")
+            except BaseException as exc:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.OperationalError):
+                    raise self._unavailable(exc) from None
                 raise
-            self.conn.execute("COMMIT")
+
+    def _unavailable(self, exc: sqlite3.OperationalError) -> StoreUnavailable:
+        return StoreUnavailable(f"store: {str(self.path)!r} cannot be written now ({exc}); nothing of this "
+                                f"change was stored")
 
     @property
     def schema_version(self) -> int:
@@ -114,11 +134,19 @@ class Store:
     # ---- audit ---------------------------------------------------------------------------
     def audit(self, *, actor: str, tenant: str, action: str, target: str, result: str,
               detail: dict[str, Any] | None = None) -> None:
-        with self.write() as conn:
-            conn.execute("INSERT INTO audit (at, actor, tenant, action, target, result, detail) "
-                         "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                         (time.time(), actor, tenant, action, target, result,
-                          json.dumps(detail or {}, sort_keys=True)))
+        """Record an operator's action. It has happened by now: when the store cannot take the
+        record, the log does (an ERROR line holding it whole) and `audit_failures` counts it."""
+        at = time.time()
+        try:
+            with self.write() as conn:
+                conn.execute("INSERT INTO audit (at, actor, tenant, action, target, result, detail) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             (at, actor, tenant, action, target, result, json.dumps(detail or {}, sort_keys=True)))
+        except StoreUnavailable as exc:
+            self.audit_failures += 1
+            log.error("audit record not stored: %s; the record: %s", exc, json.dumps(
+                {"at": at, "actor": actor, "tenant": tenant, "action": action, "target": target, "result": result,
+                 "detail": detail or {}}, sort_keys=True))
 
     def audit_since(self, since: float = 0.0, limit: int = 1000, action: str | None = None) -> list[dict]:
         sql = "select * from audit where at >= ?" + (" and action = ?" if action else "") + \

@@ -32,6 +32,7 @@ from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, Sa
 
 from kvctl.daemon.model.chat_template import ChatTemplateError
 from kvctl.daemon.model.tokenizer import first_outside_vocab
+from kvctl.daemon.store import StoreUnavailable
 
 from . import event_feed, inflight
 from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
@@ -216,6 +217,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         kind = {503: "service_unavailable", 404: "not_found_error", 409: "conflict_error"}.get(
             exc.status, "invalid_request_error")
         return JSONResponse(error_body(str(exc), kind, exc.param, None), status_code=exc.status)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(_: Request, exc: StoreUnavailable):  # a rollout, a calibration, a record
+        return JSONResponse(error_body(str(exc), "service_unavailable", None, "store_unavailable"), status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):

@@ -31,7 +31,7 @@ from kvctl.daemon.engine.sampling import RequestError, SamplingParams
 from kvctl.daemon.model.chat_template import ChatTemplate, load_chat_template
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.llama import LoadedModel, load_model
-from kvctl.daemon.store import Store
+from kvctl.daemon.store import Store, StoreUnavailable
 from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tiering import restore_seconds
@@ -1086,10 +1086,17 @@ class EngineService:
         with self.lock:
             cached = engine.cache.lookup(result.pin.keys)
         pin = result.pin
-        self.store.save_pin({"pin_id": pin.pin_id, "tenant": pin.tenant,
-                             "keys": ",".join(k.hex() for k in pin.keys), "owner": pin.owner,
-                             "note": pin.note, "created_at": time.time(),
-                             "expires_at": None if ttl is None else time.time() + ttl})
+        try:
+            self.store.save_pin({"pin_id": pin.pin_id, "tenant": pin.tenant,
+                                 "keys": ",".join(k.hex() for k in pin.keys), "owner": pin.owner,
+                                 "note": pin.note, "created_at": time.time(),
+                                 "expires_at": None if ttl is None else time.time() + ttl})
+        except StoreUnavailable as exc:  # a pin that would not survive a restart is no pin
+            if not result.refreshed:
+                with self.lock:
+                    engine.cache.unpin(pin.pin_id)
+            raise ServiceError(503, f"{exc}: " + ("the pin's new expiry holds until kvd restarts" if result.refreshed
+                                                   else "nothing was pinned"), "pin") from None
         body = {**self._pin_times(pin.describe(), engine.clock()), "cached_blocks": cached, "warmed": warmed,
                 "refreshed": result.refreshed}
         self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin", target=pin.pin_id,
@@ -1107,11 +1114,19 @@ class EngineService:
         engine = self.require_ready()
         with self.lock:
             try:
-                pin = engine.cache.unpin(pin_id)
+                engine.cache.pins.get(pin_id)
             except UnknownPin as exc:
                 hint = "" if pin_id.startswith("pin-") else "; pin ids start with pin- (kvctl pins lists them)"
                 raise ServiceError(404, str(exc) + hint, "pin_id") from None
-        self.store.delete_pin(pin_id)
+        try:  # from the store first: an unpin it could not record would come back at the next start
+            self.store.delete_pin(pin_id)
+        except StoreUnavailable as exc:
+            raise ServiceError(503, f"{exc}: the pin stands", "pin_id") from None
+        with self.lock:
+            try:
+                pin = engine.cache.unpin(pin_id)
+            except UnknownPin as exc:  # it lapsed or went meanwhile
+                raise ServiceError(404, str(exc), "pin_id") from None
         self.store.audit(actor=principal.actor, tenant=principal.tenant, action="unpin", target=pin_id,
                          result="ok", detail={"blocks": pin.num_blocks})
         return {"pin_id": pin_id, "unpinned_blocks": pin.num_blocks}
@@ -1141,7 +1156,7 @@ class EngineService:
                 log.warning("pin %s: its stored expiry is not a time; kept until unpinned", row["pin_id"])
                 remaining = None
             if remaining is not None and remaining <= 0:
-                self.store.delete_pin(row["pin_id"])
+                self._forget_stored_pin(row["pin_id"])
                 continue
             keys = [bytes.fromhex(k) for k in row["keys"].split(",")]
             try:
@@ -1150,11 +1165,19 @@ class EngineService:
             except PinBudgetExceeded as exc:
                 log.warning("pin %s not restored: %s", row["pin_id"], exc)
 
+    def _forget_stored_pin(self, pin_id: str) -> None:
+        """Take a lapsed pin off the store; one the store cannot take now stays there, lapsed, and
+        the next start drops it (a full disk must not stop kvd loading or its expiry loop)."""
+        try:
+            self.store.delete_pin(pin_id)
+        except StoreUnavailable as exc:
+            log.warning("pin %s lapsed but stays in the store until the next start: %s", pin_id, exc)
+
     def expire_pins(self) -> None:
         with self.lock:
             lapsed = self.engine.cache.expire_pins() if self.engine else []
         for pin in lapsed:
-            self.store.delete_pin(pin.pin_id)
+            self._forget_stored_pin(pin.pin_id)
             self.store.audit(actor="ttl", tenant=pin.tenant, action="unpin", target=pin.pin_id,
                              result="expired", detail={})
 
