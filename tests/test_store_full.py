@@ -66,6 +66,7 @@ def test_a_pin_is_stored_or_not_made_and_a_done_action_keeps_its_record_in_the_l
         record = json.loads(line.split("; the record: ", 1)[1])
         assert (record["action"], record["target"], record["result"]) == ("evict", "all_unpinned", "ok")
         assert store.audit_failures == 1
+        assert "kvd_audit_write_failures_total 1.0" in call(unix, "GET", "/metrics").text
 
         store.conn = real
         pinned = call(unix, "POST", "/admin/pins", json={"text": PROMPT}).json()

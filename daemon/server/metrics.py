@@ -29,6 +29,7 @@
     kvd_inter_token_seconds                   histogram: time between output tokens
     kvd_pinned_blocks{tenant}                 distinct blocks pinned per tenant
     kvd_restored_tokens_total                 prompt tokens restored from a lower tier (not recomputed)
+    kvd_audit_write_failures_total            audit records the store could not take (each logged whole)
     kvd_tier_bytes{tier}                      bytes held per lower tier (host, disk, remote)
     kvd_tier_capacity_bytes{tier}
     kvd_tier_block_bytes{tier}                bytes a block takes in each tier as written now (tier_compress)
@@ -168,6 +169,8 @@ class _EngineCollector:
                                 value=max(ages, default=0.0))
         yield GaugeMetricFamily("kvd_cache_uncalibrated", "1 while a quantised cache runs on unit scales",
                                 value=1.0 if engine.scale_version == "unit" else 0.0)
+        yield CounterMetricFamily("kvd_audit_write_failures", "Audit records the SQLite store could not take "
+                                  "(the log holds each whole): alert on any", value=self.service.store.audit_failures)
         yield CounterMetricFamily("kvd_restored_tokens", "Prompt tokens restored from a lower tier",
                                   value=engine.stats.restored_tokens)
         tiers = self.service.tiers
