@@ -1267,6 +1267,31 @@ def test_a_segment_deleted_from_the_folder_is_forgotten_as_gone_not_a_degraded_d
     assert {e.reason for e in gone} == {"gone"} and sum(len(e.keys) for e in gone) == blocks
 
 
+def test_a_segment_cut_short_under_kvd_is_set_aside_as_corrupt_not_a_degraded_disk(demo, tmp_path, caplog):
+    """A segment file shorter than kvd wrote it: each read failed ("shorter than its index says")
+    and marked the whole tier degraded for 30 s, again every time. Now it is set aside as corrupt
+    (as the start scan does), its blocks leave the index, and the request is a miss."""
+    engine, tiered = engine_with(demo, disk_bytes=1 << 22, disk_path=tmp_path / "d")
+    cold = generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    tiered.flush()
+    disk = tiered.disk
+    names = list(disk.segments)
+    for name in names:
+        path = disk.segment_dir / name
+        path.write_bytes(path.read_bytes()[:100])  # cut short
+    with caplog.at_level("WARNING", logger="kvd.tiers"):
+        warm = generate(engine, TEXT_A, demo)
+    assert warm.metrics.restored_tokens == 0 and warm.sequences[0].output_ids == cold.sequences[0].output_ids
+    report = tiered.report()["tiers"]["disk"]
+    assert (report["health"], report["errors"], report["set_aside_bytes"]) == ("ok", 0, 100 * len(names))
+    assert sorted(p.name for p in (tmp_path / "d" / "quarantine" / "corrupt").iterdir()) == sorted(names)
+    assert not set(names) & set(disk.segments)
+    assert sum("is shorter than kvd wrote it" in r.getMessage() for r in caplog.records) == len(names)
+    removed = engine.events.since(0, limit=10_000, kinds=["removed"], tiers=["disk"]).events
+    assert {e.reason for e in removed} == {"corrupt"}
+
+
 def test_a_disk_tier_whose_folder_was_deleted_makes_it_again_and_goes_on_writing(demo, tmp_path, caplog):
     """`rm -rf` of the tier's folder under kvd: every write failed (No such file or directory)
     and marked the tier degraded, for as long as kvd ran. Now the first write makes the folder,

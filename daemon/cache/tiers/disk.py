@@ -56,6 +56,10 @@ from .vectored import write_vectored
 log = logging.getLogger("kvd.tiers")
 
 SUFFIX = ".kvseg"
+
+
+class SegmentShort(OSError):
+    """A segment file shorter than kvd wrote it: cut short outside kvd, or a failing disk."""
 FREE_RESERVE_BYTES = 1 << 30  # the free space the tier leaves on its filesystem: at most this,
 FREE_RESERVE_FRACTION = 0.05  # and at most this fraction of the filesystem's size
 
@@ -458,7 +462,7 @@ class DiskTier:
                     return segment
         return None
 
-    def _remove_segment(self, name: str, reason: str) -> None:
+    def _remove_segment(self, name: str, reason: str, set_aside: bool = False) -> None:
         segment = self.segments.pop(name)
         removed = [key for key in segment.keys if self.index.get(key, (None,))[0] == name]
         for key in removed:
@@ -466,7 +470,11 @@ class DiskTier:
         if removed and self.events is not None:
             self.events.removed("disk", removed, reason)
         self.used_bytes -= segment.size
-        (self.segment_dir / name).unlink(missing_ok=True)
+        if set_aside:  # kept for a look, within the tier's bytes, as the start scan keeps a corrupt one
+            self._set_aside(self.segment_dir / name, "corrupt")
+            self._list_quarantine()
+        else:
+            (self.segment_dir / name).unlink(missing_ok=True)
 
     def _unindex(self, key: bytes) -> tuple[str, int, int] | None:
         """Take a block off the index and its tenant's bytes (the lock held); where it was."""
@@ -489,11 +497,14 @@ class DiskTier:
             name, offset, length = where
             self.segments.move_to_end(name)
             self.busy[name] = self.busy.get(name, 0) + 1
-        gone = False
+        gone = short = False
         try:
             return self._read_range(name, offset, length)
         except FileNotFoundError:
             gone = True
+            return None
+        except SegmentShort:
+            short = True
             return None
         except (OSError, ValueError):
             return None
@@ -501,6 +512,8 @@ class DiskTier:
             with self.lock:
                 if gone:
                     self._forget_vanished(name)
+                if short:
+                    self._set_aside_short(name)
                 self._read_done(name)
 
     def read_many(self, keys: Sequence[bytes]) -> dict[bytes, memoryview]:
@@ -516,7 +529,7 @@ class DiskTier:
                 self.segments.move_to_end(name)
                 self.busy[name] = self.busy.get(name, 0) + 1
         out: dict[bytes, memoryview] = {}
-        gone = []
+        gone, short = [], []
         try:
             for name, entries in spans.items():
                 first = min(offset for _, offset, _ in entries)
@@ -525,6 +538,9 @@ class DiskTier:
                     view = self._read_range(name, first, last - first)
                 except FileNotFoundError:
                     gone.append(name)
+                    continue
+                except SegmentShort:
+                    short.append(name)
                     continue
                 except (OSError, ValueError):
                     continue
@@ -535,6 +551,8 @@ class DiskTier:
             with self.lock:
                 for name in gone:
                     self._forget_vanished(name)
+                for name in short:
+                    self._set_aside_short(name)
                 for name in spans:
                     self._read_done(name)
         return out
@@ -574,6 +592,17 @@ class DiskTier:
                         name, self.segment_dir, segment.live)
         self._remove_segment(name, "gone")
 
+    def _set_aside_short(self, name: str) -> None:
+        """Segment `name` is shorter than kvd wrote it: its blocks leave the index as `corrupt`
+        and the file is set aside (a miss from now on), rather than a read that fails each time
+        and marks the tier degraded (the lock held)."""
+        segment = self.segments.get(name)
+        if segment is None:
+            return
+        log.warning("disk: segment %s is shorter than kvd wrote it (cut short outside kvd, or a failing disk?); "
+                    "its %d blocks are set aside in %s", name, segment.live, self.quarantine / "corrupt")
+        self._remove_segment(name, "corrupt", set_aside=True)
+
     def _read_done(self, name: str) -> None:
         """A read of segment `name` ended (the lock held). The last one out removes the segment if
         every block of it was dropped meanwhile: `drop` leaves a segment being read, and nothing
@@ -594,7 +623,7 @@ class DiskTier:
         with open(self.segment_dir / name, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if offset + length > size:
-                raise OSError(f"segment {name} is shorter than its index says")
+                raise SegmentShort(f"segment {name} is shorter than its index says")
             mapped = mmap.mmap(f.fileno(), offset + length - start, offset=start, prot=mmap.PROT_READ,
                                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         return memoryview(mapped)[offset - start:]
