@@ -301,7 +301,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     async def completions(body: CompletionRequest, http: Request, who: Principal = Depends(principal)):
         refuse_unsupported(body, UNSUPPORTED_FIELDS, UNSUPPORTED_HINTS)
         engine = ready_for(body.model)
-        prompts = _prompts(body.prompt)
+        prompts = _prompts(body.prompt, decoded=bool(body.echo))
         scored = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
         # echo with max_tokens 0 scores the prompt and generates nothing (lm-eval's loglikelihood
         # requests, as OpenAI's legacy completions and vLLM answer them): the engine samples one
@@ -505,17 +505,22 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                   "choices": choices, "usage": _usage(requests, counted=not prompt_only)}
         return JSONResponse(prompt_parts.add_to_answer(answer, requests[0]), headers=named)
 
-    def _prompts(prompt: Any) -> list[list[int]]:
+    def _prompts(prompt: Any, decoded: bool) -> list[list[int]]:
+        """The prompt's token ids, one list per prompt. `decoded` (echo decodes token-id prompts
+        before they are submitted): their ids are checked here; else submitting checks them once."""
         if isinstance(prompt, str):
             return [service.tokenize(prompt)]
         if not prompt:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
         if all(isinstance(p, str) for p in prompt):
             return [service.tokenize(p) for p in prompt]
-        engine = service.require_ready()
-        if all(isinstance(p, int) for p in prompt):
-            return [_checked_ids(list(prompt), "prompt", engine)]
-        return [_checked_ids(list(p), f"prompt[{i}]", engine) for i, p in enumerate(prompt)]
+        flat = all(isinstance(p, int) for p in prompt)
+        prompts = [list(prompt)] if flat else [list(p) for p in prompt]
+        if decoded:
+            engine = service.require_ready()
+            for i, ids in enumerate(prompts):
+                _checked_ids(ids, "prompt" if flat else f"prompt[{i}]", engine)
+        return prompts
 
     def _checked_ids(ids: list[int], field: str, engine) -> list[int]:
         """`ids`, once each is a token id of the model (before echo decodes them or a pin warms

@@ -497,23 +497,16 @@ class DiskTier:
             name, offset, length = where
             self.segments.move_to_end(name)
             self.busy[name] = self.busy.get(name, 0) + 1
-        gone = short = False
+        failed = None
         try:
             return self._read_range(name, offset, length)
-        except FileNotFoundError:
-            gone = True
-            return None
-        except SegmentShort:
-            short = True
-            return None
-        except (OSError, ValueError):
+        except (OSError, ValueError) as exc:
+            failed = exc
             return None
         finally:
             with self.lock:
-                if gone:
-                    self._forget_vanished(name)
-                if short:
-                    self._set_aside_short(name)
+                if failed is not None:
+                    self._lost_on_read(name, failed)
                 self._read_done(name)
 
     def read_many(self, keys: Sequence[bytes]) -> dict[bytes, memoryview]:
@@ -529,30 +522,23 @@ class DiskTier:
                 self.segments.move_to_end(name)
                 self.busy[name] = self.busy.get(name, 0) + 1
         out: dict[bytes, memoryview] = {}
-        gone, short = [], []
+        failed: list[tuple[str, Exception]] = []
         try:
             for name, entries in spans.items():
                 first = min(offset for _, offset, _ in entries)
                 last = max(offset + length for _, offset, length in entries)
                 try:
                     view = self._read_range(name, first, last - first)
-                except FileNotFoundError:
-                    gone.append(name)
-                    continue
-                except SegmentShort:
-                    short.append(name)
-                    continue
-                except (OSError, ValueError):
+                except (OSError, ValueError) as exc:
+                    failed.append((name, exc))
                     continue
                 for key, offset, length in entries:
                     if offset + length - first <= len(view):
                         out[key] = view[offset - first:offset - first + length]
         finally:
             with self.lock:
-                for name in gone:
-                    self._forget_vanished(name)
-                for name in short:
-                    self._set_aside_short(name)
+                for name, exc in failed:
+                    self._lost_on_read(name, exc)
                 for name in spans:
                     self._read_done(name)
         return out
@@ -568,7 +554,8 @@ class DiskTier:
                         "segments (%d blocks) that went with it", self.segment_dir, len(missing),
                         sum(self.segments[n].live for n in missing))
             for name in missing:
-                self._forget_vanished(name, quiet=True)
+                self._remove_segment(name, "gone")
+            self.vanished_segments += len(missing)
             self.segment_dir.mkdir(parents=True, exist_ok=True)
             if not (self.root / "kvd.lock").exists():  # the lock held is on a deleted file now
                 self.close()
@@ -579,29 +566,24 @@ class DiskTier:
             if self._record is not None and not self.spaces.path.exists():
                 self.spaces.add(self.space, self._record)
 
-    def _forget_vanished(self, name: str, quiet: bool = False) -> None:
-        """Segment `name` is no longer in the folder (a cleanup job, an operator's rm): its blocks
-        leave the index as `gone`, a miss from now on, rather than a read that fails each time and
-        marks the tier degraded (the lock held)."""
+    def _lost_on_read(self, name: str, exc: Exception) -> None:
+        """A read of segment `name` failed with `exc` (the lock held). A file gone from the folder
+        (a cleanup job, an operator's rm) leaves the index as `gone`; one shorter than kvd wrote it
+        is set aside as `corrupt`, as the start scan sets one aside. Either is a miss from now on,
+        not a read that fails each time and marks the tier degraded. Any other error (EIO) leaves
+        the segment where it is: the caller marks the tier degraded."""
         segment = self.segments.get(name)
         if segment is None:
             return
-        self.vanished_segments += 1
-        if not quiet:
+        if isinstance(exc, FileNotFoundError):
+            self.vanished_segments += 1
             log.warning("disk: segment %s is gone from %s (deleted outside kvd?); its %d blocks are forgotten",
                         name, self.segment_dir, segment.live)
-        self._remove_segment(name, "gone")
-
-    def _set_aside_short(self, name: str) -> None:
-        """Segment `name` is shorter than kvd wrote it: its blocks leave the index as `corrupt`
-        and the file is set aside (a miss from now on), rather than a read that fails each time
-        and marks the tier degraded (the lock held)."""
-        segment = self.segments.get(name)
-        if segment is None:
-            return
-        log.warning("disk: segment %s is shorter than kvd wrote it (cut short outside kvd, or a failing disk?); "
-                    "its %d blocks are set aside in %s", name, segment.live, self.quarantine / "corrupt")
-        self._remove_segment(name, "corrupt", set_aside=True)
+            self._remove_segment(name, "gone")
+        elif isinstance(exc, SegmentShort):
+            log.warning("disk: segment %s is shorter than kvd wrote it (cut short outside kvd, or a failing "
+                        "disk?); its %d blocks are set aside in %s", name, segment.live, self.quarantine / "corrupt")
+            self._remove_segment(name, "corrupt", set_aside=True)
 
     def _read_done(self, name: str) -> None:
         """A read of segment `name` ended (the lock held). The last one out removes the segment if
