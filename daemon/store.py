@@ -70,24 +70,31 @@ MIGRATIONS: list[tuple[int, str]] = [
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`; None when there is none (or none kvd can reach)."""
+    try:
+        stat = os.stat(path)
+    except OSError:  # gone, its folder gone or a file now, no longer searchable
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 class Store:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA busy_timeout=30000")
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA foreign_keys=ON")
-            problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
+            self._open_connection(path)
+            problems = [row[0] for row in self.conn.execute("PRAGMA quick_check")]
         except sqlite3.DatabaseError as exc:  # not a database, unreadable, a read-only folder for its WAL
             raise StoreError(f"store: {str(path)!r} cannot be opened: {exc}") from None
-        self.db = sqlite_utils.Database(conn)
-        self.conn = conn
         self.path = path
         self._lock = threading.RLock()  # one connection, shared by the daemon's threads
         self.audit_failures = 0  # audit records the database could not take (the log holds them)
+        self.written_back = 0  # times the file was deleted under this Store and written back
+        self._identity = _file_identity(path)  # which file the connection has open
+        self.file_ok = True  # the file at `path` is the one open (False: replaced, or gone and not written back)
+        self._said: str | None = None  # the last trouble with the file check_file logged
         if problems != ["ok"]:
             raise StoreError(f"store: {str(path)!r} failed quick_check: {'; '.join(problems[:3])}")
         self._migrate()
@@ -97,6 +104,7 @@ class Store:
         """One writer transaction (BEGIN IMMEDIATE): all of it lands, or none of it. A write the
         database cannot take now (`database or disk is full`, a read-only file) is StoreUnavailable."""
         with self._lock:
+            self._check_file()
             try:
                 self.conn.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as exc:
@@ -114,6 +122,87 @@ class Store:
     def _unavailable(self, exc: sqlite3.OperationalError) -> StoreUnavailable:
         return StoreUnavailable(f"store: {str(self.path)!r} cannot be written now ({exc}); nothing of this "
                                 f"change was stored")
+
+    def _open_connection(self, path: Path) -> None:
+        conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA busy_timeout=30000")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        self.conn, self.db = conn, sqlite_utils.Database(conn)
+
+    # ---- the file under the open connection -------------------------------------------------
+    def check_file(self) -> bool:
+        """Whether the open database is still the file at `path`, mending what can be mended: the
+        daemon calls this every few seconds, and every write does. A file deleted under it (an
+        `rm`, a cleanup of the state folder) would take every later write with it at the next
+        restart: it is written back from the open connection, whole, and a warning says so. A
+        file put in its place (a backup moved there) is left alone and not written to: each write
+        is StoreUnavailable until kvd restarts and opens it, and an ERROR says so once."""
+        with self._lock:
+            try:
+                self._check_file()
+            except StoreUnavailable as exc:
+                if self._said != str(exc):
+                    self._said = str(exc)
+                    log.error("%s", exc)
+                return False
+            self._said = None
+            return True
+
+    def _check_file(self) -> None:
+        self.file_ok = False  # until it is found (or made) so
+        identity = _file_identity(self.path)
+        if identity == self._identity:
+            self.file_ok = True
+            return
+        self._empty_wal()
+        if identity is not None:
+            raise StoreUnavailable(f"store: {str(self.path)!r} was replaced under kvd (another file stands at "
+                                   f"that path now); nothing is written to either until kvd restarts and "
+                                   f"opens the one there")
+        self._write_back()
+
+    def _empty_wal(self) -> None:
+        """Move what the open connection's WAL holds into the file it has open, and empty the WAL.
+        The WAL lies beside `path` by name: left full, it would be read as part of whatever file
+        stands at `path` now (a backup moved there, a store another process made afresh), pages
+        of one database laid over another."""
+        try:
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as exc:  # another process reading the old file holds it: say so, go on
+            log.warning("store: the WAL beside %r could not be emptied (%s)", str(self.path), exc)
+
+    def _write_back(self) -> None:
+        """Put the database back at `path` from the open connection (it reads the deleted file and
+        its WAL through their open descriptors): copied whole to a temporary file beside it, the old
+        connection closed, then linked in, so that a file someone created there meanwhile is never
+        overwritten. What cannot be written back refuses the write (StoreUnavailable), as a full
+        disk does: a write into the deleted file would be gone at the next restart."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._snapshot(self.path.parent, f".{self.path.name}.restore-")
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreUnavailable(f"store: {str(self.path)!r} was deleted under kvd and cannot be written back "
+                                   f"({exc}); nothing of this change was stored") from None
+        self.conn.close()
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:  # a file appeared there meanwhile: keep ours beside it, and say where
+            kept = self.path.with_name(f"{self.path.name}.deleted-under-kvd-{int(time.time())}")
+            os.replace(tmp, kept)
+            self._open_connection(kept)
+            self._identity = _file_identity(kept)
+            raise StoreUnavailable(f"store: {str(self.path)!r} was deleted under kvd and another file was put "
+                                   f"there; kvd's records are kept in {str(kept)!r}; nothing is written until "
+                                   f"kvd restarts") from None
+        os.unlink(tmp)
+        self._open_connection(self.path)
+        self._identity = _file_identity(self.path)
+        self.written_back += 1
+        self.file_ok = True
+        log.warning("store: %r was deleted under kvd; written back from the open database, nothing lost "
+                    "(stop kvd first to start a store afresh)", str(self.path))
 
     @property
     def schema_version(self) -> int:
@@ -222,18 +311,29 @@ class Store:
         """A consistent copy through SQLite's backup API, published by rename (never torn)."""
         destination = Path(destination)
         destination.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".backup-", dir=destination.parent)
-        os.close(fd)
+        with self._lock:
+            tmp = self._snapshot(destination.parent, ".backup-")
         try:
-            target = sqlite3.connect(tmp)
-            with self._lock:
-                self.conn.backup(target)
-            target.close()
             os.replace(tmp, destination)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return destination
+
+    def _snapshot(self, folder: Path, prefix: str) -> str:
+        """A consistent copy of the open database (SQLite's backup API) in a new file in `folder`."""
+        fd, tmp = tempfile.mkstemp(prefix=prefix, dir=folder)
+        os.close(fd)
+        try:
+            target = sqlite3.connect(tmp)
+            try:
+                self.conn.backup(target)
+            finally:
+                target.close()
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return tmp
 
     def close(self) -> None:
         self.conn.close()

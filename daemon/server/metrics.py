@@ -171,6 +171,11 @@ class _EngineCollector:
                                 value=1.0 if engine.scale_version == "unit" else 0.0)
         yield CounterMetricFamily("kvd_audit_write_failures", "Audit records the SQLite store could not take "
                                   "(the log holds each whole): alert on any", value=self.service.store.audit_failures)
+        yield GaugeMetricFamily("kvd_store_file_ok", "1 while the SQLite store's file is the one kvd opened; 0 once "
+                                "another was put in its place (or it was deleted and cannot be written back): "
+                                "writes are refused until a restart", value=1.0 if self.service.store.file_ok else 0.0)
+        yield CounterMetricFamily("kvd_store_written_back", "Times the SQLite store's file was deleted under kvd "
+                                  "and written back whole", value=self.service.store.written_back)
         yield CounterMetricFamily("kvd_restored_tokens", "Prompt tokens restored from a lower tier",
                                   value=engine.stats.restored_tokens)
         tiers = self.service.tiers

@@ -46,6 +46,7 @@ log = logging.getLogger("kvd")
 # How long an eviction waits for blocks on their way to disk or Redis to land, so that it drops them
 # too (a write published after the eviction would bring back what it said it removed).
 EVICT_WRITE_WAIT_S = 30.0
+STORE_CHECK_SECONDS = 2.0  # how often the idle loop makes sure the store's file is still there
 
 EventSink = Callable[[TokenEvent], None]
 
@@ -276,7 +277,7 @@ class EngineService:
             self.notifier.send(f"STATUS=cannot serve: {self.load_error}"[:1024], timeout=0)
             return
         self.notifier.ready()
-        next_expiry = next_rollout_check = 0.0
+        next_expiry = next_rollout_check = next_store_check = 0.0
         while not self._stop.is_set():
             self.notifier.watchdog()
             if self.cpu_share is not None and self.cpu_share.wanted != self.engine_threads:
@@ -285,6 +286,9 @@ class EngineService:
             if time.monotonic() >= next_expiry:
                 self.expire_pins()
                 next_expiry = time.monotonic() + 1.0
+            if time.monotonic() >= next_store_check:  # its file deleted under kvd: written back
+                self.store.check_file()
+                next_store_check = time.monotonic() + STORE_CHECK_SECONDS
             if time.monotonic() >= next_rollout_check:
                 self.rollouts.evaluate()
                 next_rollout_check = time.monotonic() + self.rollout_check_seconds
