@@ -115,6 +115,24 @@ def test_errors_use_openai_shape_and_status(daemon, body, status, param, fragmen
         assert error["param"] == param
 
 
+@pytest.mark.parametrize("method, path, body, message", [
+    ("POST", "/admin/pins", {"text": "x", "ttl": [1]}, "ttl: must be a string or a number (got [1])"),
+    ("POST", "/admin/pins", {"text": "x", "ttl": True}, "ttl: must be a string or a number (got True)"),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": [1]}, "stop: must be a string or a list of strings (got [1])"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": {"a": 1}},
+     "stop: must be a string or a list of strings (got {'a': 1})"),
+    ("POST", "/admin/rollouts", {"policy": {}, "cohort": []}, "cohort: must be a string or a number (got [])"),
+])
+def test_a_field_of_several_kinds_names_them_all_not_its_first(daemon, method, path, body, message):
+    """pydantic reports such a value once per kind; the first alone ("Input should be a valid
+    string") told a client sending a number of the wrong sort that the field takes strings."""
+    _, unix, _ = daemon
+    response = call(unix, method, path, json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == message
+    assert response.json()["error"]["param"] == message.split(":")[0]
+
+
 @pytest.mark.parametrize("path, params, param, message", [
     ("/admin/prefixes", {"limit": "abc"}, "limit",
      "limit: Input should be a valid integer, unable to parse string as an integer (got 'abc')"),

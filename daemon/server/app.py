@@ -34,13 +34,13 @@ from kvctl.daemon.model.chat_template import ChatTemplateError
 from kvctl.daemon.model.tokenizer import first_outside_vocab
 from kvctl.daemon.store import StoreUnavailable
 
-from . import event_feed, inflight
+from . import event_feed, inflight, invalid_request
 from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
                    GenerationFields, Number)
 from .chat_messages import MessagesError, chat_messages, messages_size
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
-from .strict_json import NOT_A_POSITION, StrictJSONRoute
+from .strict_json import StrictJSONRoute
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
@@ -224,25 +224,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        loc = list(first.get("loc", ()))
-        fields_ = [str(p) for p in (loc[1:] if loc[:1] in (["body"], ["query"], ["path"]) else loc)]
-        where = fields_[0] if fields_ else None  # the request field, not pydantic's union branch
-        got = repr(first.get("input"))
-        got = got if len(got) <= 200 else got[:200] + "..."  # never echo a huge body back whole
-        if first.get("type") == "json_invalid":  # loc is ("body", the character where it went wrong)
-            at = loc[1] if len(loc) > 1 and isinstance(loc[1], int) and loc[1] != NOT_A_POSITION else None
-            message = f"body: not valid JSON ({(first.get('ctx') or {}).get('error')}" + \
-                      ("" if at is None else f", at character {at}") + ")"
-            return JSONResponse(error_body(message, "invalid_request_error", None, None), status_code=400)
-        if loc == ["body"] and first.get("type") == "missing":
-            return JSONResponse(error_body("body: a JSON object is required, and the request has none",
-                                           "invalid_request_error", None, None), status_code=400)
-        if where == "prompt":  # the union's first branch ("a valid string") would mislead
-            message = ("prompt: must be a string, a list of strings, a list of token ids (integers) or a list "
-                       f"of lists of token ids (got {got})")
-        else:
-            message = f"{where or 'body'}: {first.get('msg')} (got {got})"
+        message, where = invalid_request.describe(exc.errors())
         return JSONResponse(error_body(message, "invalid_request_error", where, None), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
