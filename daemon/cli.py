@@ -8,8 +8,6 @@ import inspect
 import logging
 import os
 import signal
-import socket
-import stat
 import sys
 from pathlib import Path
 from typing import Optional
@@ -44,34 +42,6 @@ def _root(ctx: typer.Context,
         raise typer.Exit()
     if ctx.invoked_subcommand is None:
         typer.echo(ctx.get_help())
-
-
-def bind_unix_socket(path: str) -> socket.socket:
-    """Bind the API socket with mode 0660, replacing a stale socket but never a live daemon's,
-    nor anything that is not a socket (a slip in --socket must not delete a file)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
-    if target.exists() or target.is_symlink():
-        if not stat.S_ISSOCK(target.lstat().st_mode):
-            raise RuntimeError(f"socket: {path!r} exists and is not a socket; kvd will not replace it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(target))
-        except OSError:
-            target.unlink()  # stale: nobody listens
-        else:
-            raise RuntimeError(f"socket: another kvd is listening on {path!r}")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o117)
-    try:
-        sock.bind(str(target))
-    finally:
-        os.umask(old_umask)
-    os.chmod(str(target), 0o660)
-    sock.listen(128)
-    return sock
 
 
 def _flags(**values) -> dict:
@@ -252,10 +222,12 @@ def _loop_factory():
 async def _serve(settings, re_resolve) -> None:
     import uvicorn
 
+    from kvctl.daemon.server import unix_front
     from kvctl.daemon.server.app import create_app
     from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.metrics import Metrics
     from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.server.unix_front import UnixFront
     from kvctl.daemon.store import Store
 
     class _Server(uvicorn.Server):
@@ -270,9 +242,9 @@ async def _serve(settings, re_resolve) -> None:
     service.config_source = re_resolve
     service.tokens = tokens
     metrics = Metrics(service)
-    unix_sock = bind_unix_socket(settings.socket)
-    servers = [(_Server(uvicorn.Config(create_app(service, metrics, front="unix"), log_level="warning",
-                                       lifespan="off")), [unix_sock])]
+    front = UnixFront(settings.socket)
+    unix_app = create_app(service, metrics, front="unix")
+    servers = [(_Server(uvicorn.Config(unix_app, log_level="warning", lifespan="off")), [front.sock])]
     if settings.listen:
         host, _, port = settings.listen.rpartition(":")
         tcp_app = create_app(service, metrics, front="tcp", tokens=tokens, trusted_proxy=settings.trusted_proxy)
@@ -299,14 +271,21 @@ async def _serve(settings, re_resolve) -> None:
         loop.add_signal_handler(sig, on_term)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     tasks = [asyncio.create_task(server.serve(sockets=socks)) for server, socks in servers]
+
+    def serve_again(sock) -> None:  # the socket removed under kvd and bound again
+        server = _Server(uvicorn.Config(unix_app, log_level="warning", lifespan="off"))
+        servers.append((server, [sock]))
+        tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
+
+    keeper = asyncio.create_task(unix_front.keep(front, serve_again))
     await stopping.wait()
+    keeper.cancel()
     await loop.run_in_executor(None, service.shutdown)
     for server, _ in servers:
         server.should_exit = True
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(keeper, *tasks, return_exceptions=True)
     store.close()
-    with contextlib.suppress(OSError):
-        os.unlink(settings.socket)
+    front.remove()
     log.info("stopped")
 
 
@@ -399,19 +378,21 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
                  membership=None) -> None:
     import uvicorn
 
+    from kvctl.daemon.server import unix_front
     from kvctl.daemon.server.loop_errors import exception_handler
     from kvctl.daemon.server.router import create_router_app
     from kvctl.daemon.server.router_metrics import RouterMetrics
+    from kvctl.daemon.server.unix_front import UnixFront
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):  # handled below: a stop by SIGTERM is a clean exit, not a re-raised signal
             yield
 
-    sock = bind_unix_socket(socket_path)
+    front = UnixFront(socket_path)
     metrics = RouterMetrics(service)
-    servers = [(_Server(uvicorn.Config(create_router_app(service, metrics=metrics), log_level="warning",
-                                       lifespan="off")), [sock])]
+    unix_app = create_router_app(service, metrics=metrics)
+    servers = [(_Server(uvicorn.Config(unix_app, log_level="warning", lifespan="off")), [front.sock])]
     if listen:
         host, _, port = listen.rpartition(":")
         tcp_app = create_router_app(service, front="tcp", tokens=clients, metrics=metrics)
@@ -453,21 +434,31 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     log.info("kvd router listening on %s%s, %s routing over %s (view: %s)", socket_path,
              f" and {listen}" if listen else "", service.router.name,
              ", ".join(r.name for r in service.replicas), service.view)
+    tasks = [asyncio.create_task(server.serve(sockets=socks)) for server, socks in servers]
+
+    def serve_again(sock) -> None:  # the socket removed under the router and bound again
+        server = _Server(uvicorn.Config(unix_app, log_level="warning", lifespan="off"))
+        servers.append((server, [sock]))
+        tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
+
+    initial = list(tasks)
+    keeper = asyncio.create_task(unix_front.keep(front, serve_again))
     try:
-        results = await asyncio.gather(*(server.serve(sockets=socks) for server, socks in servers),
-                                       return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
+        results = await asyncio.gather(*initial, return_exceptions=True)
+        keeper.cancel()
+        results += await asyncio.gather(keeper, *tasks, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
         if failed:
             raise failed[0]
     finally:
+        keeper.cancel()
         followers = [task for r in service.replicas for task in r.tasks]  # with those that joined later
         for task in followers:
             task.cancel()
         await asyncio.gather(*followers, return_exceptions=True)
         for r in service.replicas:
             await r.client.aclose()
-        with contextlib.suppress(OSError):
-            os.unlink(socket_path)
+        front.remove()
         log.info("router stopped")
 
 

@@ -236,7 +236,7 @@ def test_a_reader_that_falls_behind_never_blocks_the_serving_loop(tmp_path):
 
 def test_the_api_socket_replaces_only_a_stale_socket(tmp_path):
     """A slip in --socket must never delete a file: only a socket nobody listens on is replaced."""
-    from kvctl.daemon.cli import bind_unix_socket
+    from kvctl.daemon.server.unix_front import bind_unix_socket
 
     config = tmp_path / "kvd.yaml"
     config.write_text("block_size: 16\n")
@@ -255,6 +255,36 @@ def test_the_api_socket_replaces_only_a_stale_socket(tmp_path):
             bind_unix_socket(path)
     finally:
         live.close()
+
+
+def test_a_socket_removed_under_kvd_is_bound_again_and_one_put_in_its_place_outlives_kvd(tmp_path):
+    """An `rm` of kvd's socket left kvctl saying no kvd answers while kvd went on serving; and a
+    kvd stopping removed whatever socket stood at its path, a second kvd's among them."""
+    from .kvd_process import kvctl, running_kvd
+
+    with running_kvd(tmp_path, "--eviction", "lru") as (proc, client, sock):
+        os.unlink(sock)
+        deadline = time.monotonic() + 20
+        while not sock.exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        shown = kvctl(sock, "status", "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["blocks"]["device"]["total"] == 24
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660
+        other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # another process's, moved into place
+        other.bind(str(tmp_path / "other.sock"))
+        other.listen(1)
+        os.replace(tmp_path / "other.sock", sock)
+        time.sleep(3)  # a check or two: kvd leaves it, and goes on
+        assert proc.poll() is None
+    try:
+        assert sock.exists() and stat.S_ISSOCK(os.lstat(sock).st_mode)  # kvd stopped; the other's socket stays
+        log = (tmp_path / "kvd.log").read_text()
+        assert f"the Unix socket {str(sock)!r} was removed under this process; bound again" in log
+        assert log.count(f"the Unix socket {str(sock)!r} was replaced under this process") == 1
+    finally:
+        other.close()
 
 
 def test_kvctl_config_reload_applies_the_file_and_refuses_a_bad_one_changing_nothing(tmp_path):

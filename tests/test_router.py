@@ -443,6 +443,13 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
             assert answers[0].headers["x-kvd-replica"] == answers[1].headers["x-kvd-replica"] == home
             assert answers[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             assert client.get("/v1/models").json()["data"][0]["owned_by"] == "kvd"
+            os.unlink(front)  # removed under the router: it binds the socket again
+            while not front.exists():
+                assert time.monotonic() < deadline + 20 and router.poll() is None
+                time.sleep(0.05)
+            with httpx.Client(base_url="http://router", transport=httpx.HTTPTransport(uds=str(front)),
+                              timeout=60) as fresh:
+                assert fresh.get("/healthz").status_code == 200
             # a caller that leaves a non-streamed request: the router closes it, and the replica stops
             with httpx.Client(base_url="http://router", transport=httpx.HTTPTransport(uds=str(front)),
                               timeout=1.0) as impatient:
