@@ -162,6 +162,14 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("queue", f"{waiting}, {queue['running']} running{ahead}")
     if data.get("draining"):
         facts.add_row("draining", Text("no new completion is taken (kvctl resume takes them again)", style="yellow"))
+    store = data.get("store") or {}  # an older kvd does not say
+    if not store.get("file_ok", True):
+        facts.add_row("store", Text("its file was replaced under kvd: pins, rollouts and records are refused until "
+                                    "kvd restarts and opens the one there", style="bold red"))
+    lost = store.get("audit_write_failures")
+    if lost:
+        facts.add_row("audit", Text(f"{lost:,} record{'s' if lost != 1 else ''} the store could not take "
+                                    f"{'are' if lost != 1 else 'is'} only in kvd's log", style="yellow"))
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
     facts.add_row("pins", str(data["pins"]))

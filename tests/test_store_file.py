@@ -144,6 +144,10 @@ def wait_for(condition, seconds: float = 15.0) -> bool:
 def test_kvd_writes_its_deleted_store_back_by_itself_and_refuses_writes_to_a_replaced_one(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("fastapi")
+    from rich.console import Console
+
+    from kvctl.ops import render_status
+
     from .daemon_fixtures import apps, call, start_service, token_table
 
     service = start_service(tmp_path)
@@ -165,6 +169,15 @@ def test_kvd_writes_its_deleted_store_back_by_itself_and_refuses_writes_to_a_rep
         refused = call(unix, "POST", "/admin/pins", json={"text": "Another prompt."})
         assert refused.status_code == 503
         assert refused.json()["error"]["message"].startswith(f"store: {str(path)!r} was replaced under kvd")
+        assert call(unix, "POST", "/admin/drain", json={}).status_code == 200  # done, its record in the log
+        status = call(unix, "GET", "/admin/status").json()
+        assert status["store"] == {"file_ok": False, "written_back": 1, "audit_write_failures": 1}
+        console = Console(record=True, width=200)
+        render_status(status, console)  # what `kvctl status` shows
+        text = " ".join(console.export_text().split())
+        assert ("store its file was replaced under kvd: pins, rollouts and records are refused until kvd restarts "
+                "and opens the one there") in text
+        assert "audit 1 record the store could not take is only in kvd's log" in text
         assert call(unix, "GET", "/admin/pins").json()["pins"][0]["pin_id"] == pinned.json()["pin_id"]
         assert Store(path).pins() == []
     finally:

@@ -874,6 +874,8 @@ class EngineService:
                 "cache": self.cache_status(),
                 "uptime_seconds": time.time() - self.started_at,
                 "draining": self.draining,
+                "store": {"file_ok": self.store.file_ok, "written_back": self.store.written_back,
+                          "audit_write_failures": self.store.audit_failures},
             }
         body["latency"] = self.latency_summary()
         body["gpu"] = gpu_status()
