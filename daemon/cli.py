@@ -222,6 +222,7 @@ def _loop_factory():
 async def _serve(settings, re_resolve) -> None:
     import uvicorn
 
+    from kvctl.daemon.folder_claim import FolderTaken, claim_folder
     from kvctl.daemon.server import unix_front
     from kvctl.daemon.server.app import create_app
     from kvctl.daemon.server.auth import TokenTable
@@ -237,6 +238,11 @@ async def _serve(settings, re_resolve) -> None:
 
     tokens = TokenTable.load(settings.token_file) if settings.token_file else None
     Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
+    try:  # held until kvd exits: the kernel lets it go however kvd ends
+        claim = claim_folder(Path(settings.state_dir), f"pid {os.getpid()}, socket {settings.socket}")
+    except FolderTaken as taken:
+        raise RuntimeError(f"state_dir: {settings.state_dir!r} is in use by another kvd ({taken.holder}); give each "
+                           "kvd a state_dir of its own (--state-dir; kvctl and cron jobs may share one)") from None
     store = Store(Path(settings.state_dir) / "kvd.sqlite3")
     service = EngineService(settings, store)
     service.config_source = re_resolve
@@ -286,6 +292,7 @@ async def _serve(settings, re_resolve) -> None:
     await asyncio.gather(keeper, *tasks, return_exceptions=True)
     store.close()
     front.remove()
+    claim.close()
     log.info("stopped")
 
 

@@ -287,6 +287,33 @@ def test_a_socket_removed_under_kvd_is_bound_again_and_one_put_in_its_place_outl
         other.close()
 
 
+def test_a_second_kvd_on_the_same_state_dir_is_refused_naming_the_first(tmp_path):
+    """Two kvd on one state folder (a systemd template's instances sharing StateDirectory) shared
+    one store: each restored the other's pins at its start, an unpin on one left the pin standing
+    on the other, and their audit records mixed with nothing to tell them apart."""
+    from .kvd_process import launch, running_kvd
+
+    with running_kvd(tmp_path, "--eviction", "lru") as (proc, client, sock):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+        second = subprocess.run([str(BIN / "kvd"), "serve", "--state-dir", str(tmp_path / "state"), "--socket",
+                                 str(tmp_path / "second.sock"), "--num-blocks", "24"], env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines()[-1] == (
+            f"kvd: error: state_dir: {str(tmp_path / 'state')!r} is in use by another kvd (pid {proc.pid}, socket "
+            f"{str(sock)}); give each kvd a state_dir of its own (--state-dir; kvctl and cron jobs may share one)")
+        assert not (tmp_path / "second.sock").exists()
+        assert client.get("/readyz").status_code == 200
+    proc, client = launch(tmp_path / "state", tmp_path / "second.sock", tmp_path / "second.log",
+                          "--eviction", "lru")  # the first gone, the folder is free
+    try:
+        assert client.get("/readyz").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        client.close()
+
+
 def test_kvctl_config_reload_applies_the_file_and_refuses_a_bad_one_changing_nothing(tmp_path):
     """`kvctl config reload` against a real kvd started with --config: what changed (old -> new),
     what needs a restart, and a config that does not validate refused by name with nothing

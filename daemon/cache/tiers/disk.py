@@ -35,7 +35,6 @@ set aside can be told apart by model revision and evicted by it (`purge_spaces`)
 from __future__ import annotations
 
 import errno
-import fcntl
 import itertools
 import logging
 import mmap
@@ -47,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from kvctl.daemon.folder_claim import FolderTaken, claim_folder
 from kvctl.policies.tenant_shares import share_blocks, share_of
 
 from .payload import PEEK_BYTES, BlockLayout, BlockMeta, PayloadError, decode_block, payload_length, peek_space, read_header
@@ -141,20 +141,11 @@ class DiskTier:
         folder would delete the first one's unfinished writes at its start scan, and each would
         trim the folder to its own budget blind to the other's segments. Daemons share blocks
         through a remote tier instead."""
-        handle = open(root / "kvd.lock", "a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise ValueError(f"tiers.disk.path: {str(root)!r} is in use by another kvd ({holder}); give each "
+            return claim_folder(root, f"pid {os.getpid()}")
+        except FolderTaken as taken:
+            raise ValueError(f"tiers.disk.path: {str(root)!r} is in use by another kvd ({taken.holder}); give each "
                              "daemon a disk tier of its own (daemons share blocks through a remote tier)") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}\n")
-        handle.flush()
-        return handle
 
     def set_tenant_shares(self, shares) -> None:
         """(tenant, fraction) pairs as `tenant_cache_shares` gives them, as shares of this tier's
