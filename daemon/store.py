@@ -79,6 +79,12 @@ def _file_identity(path: Path) -> tuple[int, int] | None:
     return stat.st_dev, stat.st_ino
 
 
+def _insert_audit(conn: sqlite3.Connection, at: float, actor: str, tenant: str, action: str, target: str,
+                  result: str, detail: dict[str, Any] | None) -> None:
+    conn.execute("INSERT INTO audit (at, actor, tenant, action, target, result, detail) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                 (at, actor, tenant, action, target, result, json.dumps(detail or {}, sort_keys=True)))
+
+
 class Store:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -228,14 +234,30 @@ class Store:
         at = time.time()
         try:
             with self.write() as conn:
-                conn.execute("INSERT INTO audit (at, actor, tenant, action, target, result, detail) "
-                             "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                             (at, actor, tenant, action, target, result, json.dumps(detail or {}, sort_keys=True)))
+                _insert_audit(conn, at, actor, tenant, action, target, result, detail)
         except StoreUnavailable as exc:
             self.audit_failures += 1
             log.error("audit record not stored: %s; the record: %s", exc, json.dumps(
                 {"at": at, "actor": actor, "tenant": tenant, "action": action, "target": target, "result": result,
                  "detail": detail or {}}, sort_keys=True))
+
+    def prune_audit(self, before: float, *, actor: str, dry_run: bool = False) -> dict:
+        """Remove the audit records from before `before` (a time.time()) and record that, in one
+        transaction: the prune's own record is never among those it removes. `dry_run` counts and
+        changes nothing. The file does not shrink; SQLite reuses the pages it frees."""
+        count = ("SELECT coalesce(sum(at < :before), 0), coalesce(sum(at >= :before), 0), "
+                 "min(CASE WHEN at >= :before THEN at END) FROM audit")
+        if dry_run:
+            with self._lock:
+                removed, kept, oldest = self.conn.execute(count, {"before": before}).fetchone()
+        else:
+            with self.write() as conn:
+                removed = conn.execute(count, {"before": before}).fetchone()[0]
+                conn.execute("DELETE FROM audit WHERE at < ?", (before,))
+                _insert_audit(conn, time.time(), actor, "-", "db.prune", "audit", "ok",
+                              {"before": before, "removed": removed})
+                _, kept, oldest = conn.execute(count, {"before": before}).fetchone()
+        return {"removed": removed, "kept": kept, "oldest_kept": oldest, "before": before, "dry_run": dry_run}
 
     def audit_since(self, since: float = 0.0, limit: int = 1000, action: str | None = None) -> list[dict]:
         sql = "select * from audit where at >= ?" + (" and action = ?" if action else "") + \

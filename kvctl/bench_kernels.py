@@ -36,9 +36,9 @@ DTYPES = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
 
 def _save(ctx: typer.Context, document: dict, save: bool, state_dir: str | None) -> None:
     if save:
-        from .records_cmd import open_store
+        from .records_cmd import save_run
 
-        document["run_id"] = open_store(ctx, state_dir, create=True).save_run("bench_kernels", document)
+        save_run(ctx, state_dir, "bench_kernels", document)
 
 
 def peak_bandwidth(device_name: str) -> float | None:

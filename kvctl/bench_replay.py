@@ -204,9 +204,9 @@ def replay_command(
         document["fleet"] = fleet
         document["live"] = live_beside_recorded(requests, results)
     if save:
-        from .records_cmd import open_store
+        from .records_cmd import save_run
 
-        document["run_id"] = open_store(ctx, state_dir, create=True).save_run("bench_replay", document)
+        save_run(ctx, state_dir, "bench_replay", document)
     if plot is not None:
         from .replay_plot import write_plot  # matplotlib only when asked
 
@@ -225,7 +225,7 @@ def replay_command(
             err.print(f"[yellow]{document['coarse_ids']}[/yellow]")
         if plot is not None:
             err.print(f"plot written to {plot}")
-        if save:
+        if save and document["run_id"] is not None:
             err.print(f"stored as run {document['run_id']} (cite it as run:{document['run_id']})")
 
 

@@ -23,7 +23,7 @@ from rich.text import Text
 from .bench_figures import RequestRecord, across_runs, engine_figures, figures, ratios, served_figures
 from .errors import KvdUnavailable, UserError
 from .outputs import is_png, refuse_clobber
-from .records_cmd import open_store
+from .records_cmd import open_store, save_run
 from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
 
 
@@ -308,7 +308,7 @@ def serve_command(
         "served": across_runs([run["served"] for run in runs])[0],  # kvd's own timings (one run's, or medians)
     }
     if save:
-        document["run_id"] = open_store(ctx, state_dir, create=True).save_run("bench_serve", document)
+        save_run(ctx, state_dir, "bench_serve", document)
     if plot is not None:
         write_plots(plot, *plotted)  # the first run's
     if as_json:

@@ -356,9 +356,9 @@ def tiers_command(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if save:
-        from .records_cmd import open_store
+        from .records_cmd import save_run
 
-        document["run_id"] = open_store(ctx, state_dir, create=True).save_run("bench_tiers", document)
+        save_run(ctx, state_dir, "bench_tiers", document)
     if as_json:
         typer.echo(json.dumps(document, indent=2))
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +20,7 @@ from rich.table import Table
 
 from .errors import UserError
 from .outputs import is_sqlite, read_text, refuse_clobber
+from .tables import when
 
 adr_app = typer.Typer(help="Architecture decision records (append-only, in the SQLite store).",
                       no_args_is_help=True)
@@ -80,6 +82,27 @@ def open_store(ctx: typer.Context | None, state_dir: str | None, create: bool = 
         raise UserError(str(exc)) from None
 
 
+def save_run(ctx: typer.Context | None, state_dir: str | None, kind: str, document: dict) -> None:
+    """`--save`: store a bench run, its id in document["run_id"]. A store that cannot take it costs
+    no figure: run_id is None, the command prints its figures as always, then says why the run was
+    not stored and exits 1."""
+    from kvctl.daemon.store import StoreError
+
+    try:
+        document["run_id"] = open_store(ctx, state_dir, create=True).save_run(kind, document)
+    except (UserError, StoreError) as exc:
+        document["run_id"] = None
+        message = f"--save: {exc}; the figures shown were not stored"
+        if ctx is None:
+            raise UserError(message) from None
+
+        def say_so() -> None:
+            typer.echo(f"error: {message}", err=True)
+            raise typer.Exit(1)
+
+        ctx.call_on_close(say_so)
+
+
 def _records(ctx: typer.Context | None, state_dir: str | None, create: bool = False):
     from kvctl.daemon.records import Records
 
@@ -88,10 +111,11 @@ def _records(ctx: typer.Context | None, state_dir: str | None, create: bool = Fa
 
 def _guard(fn, *args, **kwargs):
     from kvctl.daemon.records import RecordError
+    from kvctl.daemon.store import StoreError
 
     try:
         return fn(*args, **kwargs)
-    except RecordError as exc:
+    except (RecordError, StoreError) as exc:  # StoreError: a write the store cannot take (full, read-only)
         raise UserError(str(exc)) from None
 
 
@@ -279,3 +303,39 @@ def db_check(ctx: typer.Context, state_dir: Optional[str] = STATE_DIR, as_json: 
                (f"{store.path}: ok (schema {store.schema_version})" if ok else "\n".join(problems)))
     if not ok:
         raise typer.Exit(1)
+
+
+@db_app.command("prune")
+def db_prune(ctx: typer.Context,
+             audit_older_than: str = typer.Option(..., "--audit-older-than",
+                                                  help="Remove audit records older than this age: 90d, 12h."),
+             dry_run: bool = typer.Option(False, "--dry-run", help="Count what would go; change nothing."),
+             state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
+    """Remove old audit records, keeping a record of the removal; safe while kvd writes.
+
+    The audit log grows with every operator action (and every pin a TTL ends). The records from
+    before the age given go, in one transaction with a `db.prune` record saying how many and who
+    removed them. The file does not shrink: SQLite reuses the pages freed.
+
+    Example: kvctl db prune --audit-older-than 365d --dry-run
+    """
+    from kvctl.daemon.server.durations import UNITS, parse_duration
+
+    text = audit_older_than.strip().lower()
+    try:
+        if not text or text[-1] not in UNITS:  # a bare 90 (seconds) would take nearly every record
+            raise ValueError
+        age = parse_duration(text)
+    except ValueError:
+        raise UserError(f"audit_older_than: invalid value {audit_older_than!r}; give an age with its unit "
+                        "(s, m, h, d): 90d, 12h") from None
+    store = open_store(ctx, state_dir)
+    result = _guard(store.prune_audit, time.time() - age, actor=getpass.getuser(), dry_run=dry_run)
+    if as_json:
+        typer.echo(json.dumps({**result, "store": str(store.path)}))
+        return
+    verb = "would remove" if dry_run else "removed"
+    oldest = f", the oldest from {when(result['oldest_kept'])}" if result["oldest_kept"] is not None else ""
+    typer.echo(f"{verb} {result['removed']:,} audit record{'s' if result['removed'] != 1 else ''} from before "
+               f"{when(result['before'])} ({audit_older_than} ago) in {store.path}; {result['kept']:,} "
+               f"remain{oldest}")

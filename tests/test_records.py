@@ -229,6 +229,43 @@ def test_db_backup_and_check(tmp_path, capsys):
     assert status == 0 and json.loads(out)["ok"] is True and json.loads(out)["schema_version"] == SCHEMA_VERSION
 
 
+def test_db_prune_removes_old_audit_records_and_records_that_it_did(tmp_path, capsys, monkeypatch):
+    import getpass
+
+    store = Store(tmp_path / "kvd.sqlite3")
+    now = time.time()
+    days = 86400
+    with store.write() as conn:  # a year of records: 400, 200, 100 and 1 days old
+        for age, target in [(400, "a"), (200, "b"), (100, "c"), (1, "d")]:
+            conn.execute("INSERT INTO audit (at, actor, tenant, action, target, result, detail) "
+                         "VALUES (?, 'ops', '-', 'pin', ?, 'ok', '{}')", (now - age * days, target))
+    state = ["--state-dir", str(tmp_path)]
+    monkeypatch.setattr(getpass, "getuser", lambda: "alice")
+    status, out, _ = cli(capsys, "db", "prune", "--audit-older-than", "150d", "--dry-run", "--json", *state)
+    assert status == 0
+    dry = json.loads(out)
+    assert (dry["removed"], dry["kept"], dry["dry_run"]) == (2, 2, True)
+    assert dry["oldest_kept"] == pytest.approx(now - 100 * days)
+    assert [e["target"] for e in store.audit_since(0)] == ["d", "c", "b", "a"]  # nothing changed
+    status, out, _ = cli(capsys, "db", "prune", "--audit-older-than", "150d", *state)
+    assert status == 0
+    assert out.startswith("removed 2 audit records from before ") and out.rstrip().endswith(
+        f"(150d ago) in {tmp_path / 'kvd.sqlite3'}; 3 remain, the oldest from "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now - 100 * days))}")
+    entries = store.audit_since(0)
+    assert [(e["action"], e["target"]) for e in entries] == [("db.prune", "audit"), ("pin", "d"), ("pin", "c")]
+    assert entries[0]["actor"] == "alice" and entries[0]["detail"]["removed"] == 2
+    assert entries[0]["detail"]["before"] == pytest.approx(now - 150 * days, abs=60)
+    status, out, _ = cli(capsys, "db", "prune", "--audit-older-than", "1s", "--json", *state)
+    assert (json.loads(out)["removed"], json.loads(out)["kept"]) == (2, 2)  # the prunes' own records stay
+    assert [e["action"] for e in store.audit_since(0)] == ["db.prune", "db.prune"]
+    for bad in ("90", "-5d", "soon", "infd"):
+        status, _, err = cli(capsys, "db", "prune", "--audit-older-than", bad, *state)
+        assert status == 2 and err.strip() == (f"error: audit_older_than: invalid value {bad!r}; give an age with "
+                                               "its unit (s, m, h, d): 90d, 12h")
+    assert len(store.audit_since(0)) == 2
+
+
 def test_audit_reads_the_store_without_a_daemon(tmp_path, capsys):
     store = Store(tmp_path / "kvd.sqlite3")
     store.audit(actor="ops", tenant="acme", action="evict", target="tenant=acme", result="ok")
@@ -253,6 +290,29 @@ def test_bench_replay_save_gives_a_citable_run(tmp_path, capsys):
     run_id = json.loads(out)["run_id"]
     stored = Store(tmp_path / "kvd.sqlite3").get_run(run_id)
     assert stored["kind"] == "bench_replay" and stored["document"]["requests"] == 20
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_a_bench_whose_run_the_store_cannot_take_still_shows_its_figures_then_fails(tmp_path, capsys, monkeypatch,
+                                                                                    as_json):
+    from kvctl.daemon.store import StoreUnavailable
+
+    def full(self, kind, document):
+        raise StoreUnavailable(f"store: {str(self.path)!r} cannot be written now (database or disk is full); "
+                               "nothing of this change was stored")
+
+    monkeypatch.setattr(Store, "save_run", full)
+    status, out, err = cli(capsys, "bench", "replay", "--demo-requests", "20", "--block-sizes", "64", "--policy",
+                           "lru", "--save", "--state-dir", str(tmp_path), *(["--json"] if as_json else []))
+    assert status == 1
+    assert err.strip().splitlines()[-1] == (
+        f"error: --save: store: {str(tmp_path / 'kvd.sqlite3')!r} cannot be written now (database or disk is full); "
+        "nothing of this change was stored; the figures shown were not stored")
+    if as_json:
+        document = json.loads(out)
+        assert document["run_id"] is None and document["requests"] == 20
+    else:
+        assert "lru" in out and "stored as run" not in err
 
 
 def test_a_store_that_is_not_a_database_is_named(tmp_path, capsys):
