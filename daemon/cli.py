@@ -224,6 +224,7 @@ async def _serve(settings, re_resolve) -> None:
 
     from kvctl.daemon.folder_claim import FolderTaken, claim_folder
     from kvctl.daemon.server import unix_front
+    from kvctl.daemon.server.http_front import front_config, raise_open_file_limit
     from kvctl.daemon.server.app import create_app
     from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.metrics import Metrics
@@ -249,13 +250,13 @@ async def _serve(settings, re_resolve) -> None:
     service.tokens = tokens
     metrics = Metrics(service)
     front = UnixFront(settings.socket)
+    raise_open_file_limit()
     unix_app = create_app(service, metrics, front="unix")
-    servers = [(_Server(uvicorn.Config(unix_app, log_level="warning", lifespan="off")), [front.sock])]
+    servers = [(_Server(front_config(unix_app)), [front.sock])]
     if settings.listen:
         host, _, port = settings.listen.rpartition(":")
         tcp_app = create_app(service, metrics, front="tcp", tokens=tokens, trusted_proxy=settings.trusted_proxy)
-        servers.append((_Server(uvicorn.Config(tcp_app, host=host.strip("[]"), port=int(port),
-                                               log_level="warning", lifespan="off")), None))
+        servers.append((_Server(front_config(tcp_app, host=host.strip("[]"), port=int(port))), None))
     service.start(confine_threads=True)
     log.info("kvd %s listening on %s%s", __version__, settings.socket,
              f" and {settings.listen}" if settings.listen else "")
@@ -279,7 +280,7 @@ async def _serve(settings, re_resolve) -> None:
     tasks = [asyncio.create_task(server.serve(sockets=socks)) for server, socks in servers]
 
     def serve_again(sock) -> None:  # the socket removed under kvd and bound again
-        server = _Server(uvicorn.Config(unix_app, log_level="warning", lifespan="off"))
+        server = _Server(front_config(unix_app))
         servers.append((server, [sock]))
         tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
 
@@ -386,6 +387,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     import uvicorn
 
     from kvctl.daemon.server import unix_front
+    from kvctl.daemon.server.http_front import front_config, raise_open_file_limit
     from kvctl.daemon.server.loop_errors import exception_handler
     from kvctl.daemon.server.router import create_router_app
     from kvctl.daemon.server.router_metrics import RouterMetrics
@@ -397,14 +399,14 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
             yield
 
     front = UnixFront(socket_path)
+    raise_open_file_limit()
     metrics = RouterMetrics(service)
     unix_app = create_router_app(service, metrics=metrics)
-    servers = [(_Server(uvicorn.Config(unix_app, log_level="warning", lifespan="off")), [front.sock])]
+    servers = [(_Server(front_config(unix_app)), [front.sock])]
     if listen:
         host, _, port = listen.rpartition(":")
         tcp_app = create_router_app(service, front="tcp", tokens=clients, metrics=metrics)
-        servers.append((_Server(uvicorn.Config(tcp_app, host=host.strip("[]"), port=int(port), log_level="warning",
-                                               lifespan="off")), None))
+        servers.append((_Server(front_config(tcp_app, host=host.strip("[]"), port=int(port))), None))
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(exception_handler)  # anyio's cancelled-read race at debug (loop_errors.py)
 
@@ -444,7 +446,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     tasks = [asyncio.create_task(server.serve(sockets=socks)) for server, socks in servers]
 
     def serve_again(sock) -> None:  # the socket removed under the router and bound again
-        server = _Server(uvicorn.Config(unix_app, log_level="warning", lifespan="off"))
+        server = _Server(front_config(unix_app))
         servers.append((server, [sock]))
         tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
 

@@ -404,6 +404,16 @@ def test_a_reload_rotates_the_tcp_tokens_and_a_bad_token_file_changes_nothing(tm
         assert refused.returncode == 2
         assert "reload refused, nothing changed: token_file:" in refused.stderr and "mode 0644" in refused.stderr
         assert models("new-token-0123456789") == 200 and models("old-token-0123456789") == 401
+        # a caller that connects and sends no request (slowloris) is let go after 10 s, token or not
+        silent = sockets.create_connection(("127.0.0.1", port))
+        opened = time.monotonic()
+        silent.settimeout(30)
+        answer = b""
+        while chunk := silent.recv(4096):
+            answer += chunk
+        silent.close()
+        assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n") and 9 <= time.monotonic() - opened < 20
+        assert models("new-token-0123456789") == 200
 
 
 def test_a_client_that_leaves_a_non_streamed_completion_stops_its_generation(tmp_path):

@@ -1,0 +1,101 @@
+"""How kvd's and kvd router's HTTP fronts run under uvicorn: one Config shape for every front,
+with a deadline for a request's headers, and the open-file limit raised to what the system allows.
+
+uvicorn times out a keep-alive connection between requests, but not one that has not finished
+sending a request's headers: a client that opens connections and sends nothing, or a byte at a
+time, holds each for as long as it likes. Before a token is ever checked, a few hundred such
+connections on the TCP front took every file descriptor under systemd's default limit of 1,024,
+and with them the SQLite store's, the disk tier's and every new client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from typing import Any
+
+import uvicorn
+
+log = logging.getLogger("kvd")
+
+HEADER_TIMEOUT_S = 10.0  # from a connection's start, or its previous response, to a request's full headers
+
+
+def _timed_out(seconds: float) -> bytes:
+    body = f"request headers did not arrive within {seconds:g} s\n".encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def _base_protocol() -> type:
+    """uvicorn's own choice for http="auto": httptools when installed, else h11."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        return HttpToolsProtocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+        return H11Protocol
+
+
+def with_header_deadline(base: type, seconds: float = HEADER_TIMEOUT_S) -> type:
+    """`base` (one of uvicorn's HTTP protocols), closing a connection whose request headers are not
+    all in `seconds` after it opened or after its previous response: a 408, then the close. A
+    request being answered (a stream of any length, a slow upload) is never cut."""
+
+    timed_out = _timed_out(seconds)
+
+    class HeaderDeadline(base):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(seconds, self._header_deadline_passed)
+
+        def _header_deadline_passed(self) -> None:
+            self._header_timer = None
+            answering = self.cycle is not None and not self.cycle.response_complete
+            if answering or self.transport.is_closing():
+                return  # the next response arms it again
+            log.debug("closed a connection from %s: no request headers in %.0f s", self.client, seconds)
+            self.transport.write(timed_out)
+            self.transport.close()
+
+    HeaderDeadline.__name__ = HeaderDeadline.__qualname__ = f"HeaderDeadline{base.__name__}"
+    return HeaderDeadline
+
+
+def front_config(app: Any, **options: Any) -> uvicorn.Config:
+    """The uvicorn Config of one front (a Unix socket, or host and port in `options`)."""
+    return uvicorn.Config(app, http=with_header_deadline(_base_protocol()), log_level="warning", lifespan="off",
+                          **options)
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (systemd gives 1,024 and
+    524,288): every client connection, Redis connection, disk-tier segment and the store take one.
+    Returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:  # a container that forbids it: keep what there is
+            log.warning("open-file limit stays at %d (%s)", soft, exc)
+    return soft
