@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import resource
 import socket
 import time
@@ -100,3 +101,55 @@ def test_the_open_file_limit_is_raised_to_the_hard_limit():
         assert now == (hard if hard != resource.RLIM_INFINITY else 1 << 20)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def run_body_limit(pieces: list[tuple[float, bytes, bool]], wait_after: float = 0.0) -> list[dict]:
+    """Drive BodyLimit (piece timeout 0.2 s) around an app that reads the whole body, then waits on
+    receive `wait_after` s (as a handler watching for the client to leave does), then answers 200.
+    `pieces`: (delay before it, bytes, more to come); past them the client sends nothing more."""
+    from kvctl.daemon.server.body_limit import BodyLimit
+
+    sent: list[dict] = []
+
+    async def reader_app(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(receive(), wait_after)  # nothing comes: the client stays
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"%d bytes" % len(body)})
+
+    async def scenario():
+        queue = list(pieces)
+
+        async def receive():
+            if not queue:
+                await asyncio.Event().wait()  # a client that sends no more, and stays
+            delay, body, more = queue.pop(0)
+            await asyncio.sleep(delay)
+            return {"type": "http.request", "body": body, "more_body": more}
+
+        async def send(message):
+            sent.append(message)
+
+        limited = BodyLimit(reader_app, limit=lambda: 1 << 20, piece_timeout=0.2)
+        await limited({"type": "http", "headers": []}, receive, send)
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    return sent
+
+
+def test_a_body_that_stops_coming_is_answered_408_and_one_that_keeps_coming_is_read_whole():
+    stalled = run_body_limit([(0.0, b"x" * 100, True)])
+    assert stalled[0]["status"] == 408 and (b"connection", b"close") in stalled[0]["headers"]
+    assert json.loads(stalled[1]["body"])["error"] == {
+        "message": "body: no more of it came within 0.2 s (100 bytes came)", "type": "invalid_request_error",
+        "param": None, "code": "request_timeout"}
+    steady = run_body_limit([(0.1, b"x" * 10, True)] * 5 + [(0.1, b"y", False)], wait_after=0.5)
+    assert [m.get("status") for m in steady] == [200, None] and steady[1]["body"] == b"51 bytes"

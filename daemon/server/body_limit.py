@@ -1,23 +1,29 @@
-"""A cap on request body size, checked before the app reads the body whole.
+"""A cap on request body size, checked before the app reads the body whole, and a deadline for
+each piece of it.
 
 kvd parses a completion's body on its event loop: a 40 MB list of token ids takes about a
 second there, during which no stream moves. `BodyLimit` answers 413 in OpenAI's error shape
 as soon as a request says (Content-Length) or shows (the chunks so far) that its body is over
-`max_request_bytes`, without reading the rest.
+`max_request_bytes`, without reading the rest. A body that stops coming (a client that sends
+headers promising a body, then a byte now and then) is answered 408 once no piece of it has
+come for `BODY_PIECE_TIMEOUT_S`, as http_front does for headers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Callable
+
+BODY_PIECE_TIMEOUT_S = 30.0  # nginx's client_body_timeout is 60 s
 
 
 class BodyLimit:
     """ASGI middleware: 413 for a body over `limit()` bytes, read per request (so a reload
-    applies at once)."""
+    applies at once); 408 for one whose next piece does not come within `piece_timeout` s."""
 
-    def __init__(self, app, limit: Callable[[], int]) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: Callable[[], int], piece_timeout: float = BODY_PIECE_TIMEOUT_S) -> None:
+        self.app, self.limit, self.piece_timeout = app, limit, piece_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -28,14 +34,24 @@ class BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._refuse(send, f"{int(declared):,} bytes", limit)
             return
-        received, started, refused = 0, False, False
+        received, started, refused, whole = 0, False, False, False
 
         async def counted_receive():
-            nonlocal received, refused
+            nonlocal received, refused, whole
             if refused:
                 return {"type": "http.disconnect"}
-            message = await receive()
+            if whole:  # past the body, receive waits for the client to leave: for as long as it stays
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.piece_timeout)
+            except TimeoutError:
+                refused = True
+                if not started:
+                    await self._answer(send, 408, f"body: no more of it came within {self.piece_timeout:g} s "
+                                                  f"({received:,} bytes came)", "request_timeout")
+                return {"type": "http.disconnect"}
             if message["type"] == "http.request":
+                whole = not message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > limit and not started:
                     # answer now and tell the app the client left: it stops reading, and what it
@@ -54,12 +70,16 @@ class BodyLimit:
 
         await self.app(scope, counted_receive, tracked_send)
 
+    @classmethod
+    async def _refuse(cls, send, size: str, limit: int) -> None:
+        await cls._answer(send, 413, f"body: {size} is over max_request_bytes ({limit:,}); send less per request",
+                          "request_too_large")
+
     @staticmethod
-    async def _refuse(send, size: str, limit: int) -> None:
-        message = f"body: {size} is over max_request_bytes ({limit:,}); send less per request"
+    async def _answer(send, status: int, message: str, code: str) -> None:
         body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                     "code": "request_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
+                                     "code": code}}).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
