@@ -55,7 +55,7 @@ def test_a_connection_without_request_headers_in_time_gets_408_and_is_closed(tmp
     async def scenario():
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
-        config = uvicorn.Config(app, http=http_front.with_header_deadline(base, DEADLINE), log_level="warning",
+        config = uvicorn.Config(app, http=http_front.with_deadlines(base, DEADLINE), log_level="warning",
                                 lifespan="off")
         server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve(sockets=[listener]))
@@ -153,3 +153,64 @@ def test_a_body_that_stops_coming_is_answered_408_and_one_that_keeps_coming_is_r
         "param": None, "code": "request_timeout"}
     steady = run_body_limit([(0.1, b"x" * 10, True)] * 5 + [(0.1, b"y", False)], wait_after=0.5)
     assert [m.get("status") for m in steady] == [200, None] and steady[1]["body"] == b"51 bytes"
+
+
+def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_is_not(tmp_path):
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    path = str(tmp_path / "front.sock")
+    chunk = b"x" * 65536
+    finished = []
+
+    async def big(scope, receive, send):  # 2.5 MiB in 40 pieces: far past the socket's buffers
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(40 * len(chunk)).encode())]})
+        for _ in range(40):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        finished.append(time.monotonic())
+
+    async def fetch(pause: float, each: int) -> int:
+        """Bytes of the answer a client gets, reading `each` bytes every `pause` s (pause 0: a client
+        that reads nothing for 1 s, then all it can). A bare socket: nothing reads it behind our back."""
+        loop = asyncio.get_running_loop()
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.setblocking(False)
+        await loop.sock_connect(client, path)
+        await loop.sock_sendall(client, b"GET / HTTP/1.1\r\nhost: kvd\r\nconnection: close\r\n\r\n")
+        await asyncio.sleep(1.0 if pause == 0 else 0)
+        got = 0
+        while True:
+            try:
+                data = await loop.sock_recv(client, each)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+            got += len(data)
+            await asyncio.sleep(pause)
+        client.close()
+        return got
+
+    async def scenario():
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        config = uvicorn.Config(big, http=http_front.with_deadlines(H11Protocol, 5.0, stall_seconds=0.3),
+                                log_level="critical", lifespan="off")
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[listener]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        stalled = await fetch(0, 1 << 22)  # reads nothing for 1 s, then all it can
+        steady = await fetch(0.05, 1 << 18)  # 256 KiB every 50 ms, for about half a second
+        server.should_exit = True
+        await serving
+        return started, stalled, steady
+
+    started, stalled_bytes, steady_bytes = asyncio.run(scenario())
+    assert stalled_bytes < 40 * len(chunk)  # cut: only what the buffers held
+    assert steady_bytes > 40 * len(chunk)  # headers and every byte of the body
+    assert len(finished) == 2 and finished[0] - started < 1.0  # the dropped one's handler ran on, at once

@@ -1,5 +1,6 @@
 """How kvd's and kvd router's HTTP fronts run under uvicorn: one Config shape for every front,
-with a deadline for a request's headers, and the open-file limit raised to what the system allows.
+with deadlines for a request's headers and for a client that reads nothing of its answer, and the
+open-file limit raised to what the system allows.
 
 uvicorn times out a keep-alive connection between requests, but not one that has not finished
 sending a request's headers: a client that opens connections and sends nothing, or a byte at a
@@ -20,6 +21,7 @@ import uvicorn
 log = logging.getLogger("kvd")
 
 HEADER_TIMEOUT_S = 10.0  # from a connection's start, or its previous response, to a request's full headers
+STALL_TIMEOUT_S = 60.0  # how long an answer may wait on a client that reads none of it
 
 
 def _timed_out(seconds: float) -> bytes:
@@ -38,15 +40,35 @@ def _base_protocol() -> type:
         return H11Protocol
 
 
-def with_header_deadline(base: type, seconds: float = HEADER_TIMEOUT_S) -> type:
+def with_deadlines(base: type, seconds: float = HEADER_TIMEOUT_S, stall_seconds: float = STALL_TIMEOUT_S) -> type:
     """`base` (one of uvicorn's HTTP protocols), closing a connection whose request headers are not
-    all in `seconds` after it opened or after its previous response: a 408, then the close. A
-    request being answered (a stream of any length, a slow upload) is never cut."""
+    all in `seconds` after it opened or after its previous response (a 408, then the close), and
+    dropping one whose client has read nothing of its answer for `stall_seconds` (the answer
+    waiting in a full send buffer: the handler sees the client leave, and its request stops). A
+    request being answered to a client that reads (a stream of any length) is never cut."""
 
     timed_out = _timed_out(seconds)
 
-    class HeaderDeadline(base):
+    class Deadlines(base):
         _header_timer: asyncio.TimerHandle | None = None
+        _stall_timer: asyncio.TimerHandle | None = None
+
+        def pause_writing(self) -> None:  # the send buffer is full: the client is not reading
+            super().pause_writing()
+            if self._stall_timer is None:
+                self._stall_timer = self.loop.call_later(stall_seconds, self._stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
+                self._stall_timer = None
+
+        def _stalled(self) -> None:
+            self._stall_timer = None
+            log.debug("dropped a connection from %s: it read nothing of its answer for %.0f s", self.client,
+                      stall_seconds)
+            self.transport.abort()  # close() would wait to send what the client does not read
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -57,9 +79,10 @@ def with_header_deadline(base: type, seconds: float = HEADER_TIMEOUT_S) -> type:
             self._arm_header_deadline()
 
         def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            for timer in (self._header_timer, self._stall_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._header_timer = self._stall_timer = None
             super().connection_lost(exc)
 
         def _arm_header_deadline(self) -> None:
@@ -76,13 +99,13 @@ def with_header_deadline(base: type, seconds: float = HEADER_TIMEOUT_S) -> type:
             self.transport.write(timed_out)
             self.transport.close()
 
-    HeaderDeadline.__name__ = HeaderDeadline.__qualname__ = f"HeaderDeadline{base.__name__}"
-    return HeaderDeadline
+    Deadlines.__name__ = Deadlines.__qualname__ = f"Deadlines{base.__name__}"
+    return Deadlines
 
 
 def front_config(app: Any, **options: Any) -> uvicorn.Config:
     """The uvicorn Config of one front (a Unix socket, or host and port in `options`)."""
-    return uvicorn.Config(app, http=with_header_deadline(_base_protocol()), log_level="warning", lifespan="off",
+    return uvicorn.Config(app, http=with_deadlines(_base_protocol()), log_level="warning", lifespan="off",
                           **options)
 
 
