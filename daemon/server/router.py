@@ -646,25 +646,22 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             raw = json.dumps({**body, "purge_once": secrets.token_hex(16)}).encode()
         return await everywhere("POST", "/admin/evict", raw, merge_evictions)
 
-    async def merged_listing(path: str, http: Request, merge) -> JSONResponse:
-        """Every replica's listing at `path` (with the caller's query), merged."""
-        replicas = service.replicas
-        query = f"?{http.url.query}" if http.url.query else ""
-        answers = await fan_out(replicas, "GET", path + query, None, ASK_TIMEOUT_S)
-        status, body = merge([r.name for r in replicas], answers)
-        return JSONResponse(body, status_code=status)
+    def merged_listing(path: str, merge):
+        """GET `path`: every replica's listing there (with the caller's query), merged by `merge`."""
 
-    @app.get("/admin/requests")
-    async def requests_everywhere(http: Request, _: Caller = Depends(admin)):
-        return await merged_listing("/admin/requests", http, merge_request_lists)
+        async def listing(http: Request, _: Caller = Depends(admin)) -> JSONResponse:
+            replicas = service.replicas
+            query = f"?{http.url.query}" if http.url.query else ""
+            answers = await fan_out(replicas, "GET", path + query, None, ASK_TIMEOUT_S)
+            status, body = merge([r.name for r in replicas], answers)
+            return JSONResponse(body, status_code=status)
 
-    @app.get("/admin/tenants")
-    async def tenants_everywhere(http: Request, _: Caller = Depends(admin)):
-        return await merged_listing("/admin/tenants", http, merge_tenant_lists)
+        app.add_api_route(path, listing, methods=["GET"], name=f"{path.rsplit('/', 1)[-1]}_everywhere")
 
-    @app.get("/admin/tiers")
-    async def tiers_everywhere(http: Request, _: Caller = Depends(admin)):
-        return await merged_listing("/admin/tiers", http, merge_tier_reports)
+    for path, merge in (("/admin/requests", merge_request_lists), ("/admin/tenants", merge_tenant_lists),
+                        ("/admin/tiers", merge_tier_reports), ("/admin/prefixes", merge_prefix_lists),
+                        ("/admin/pins", merge_pin_lists)):
+        merged_listing(path, merge)
 
     @app.post("/admin/cancel")
     async def cancel_everywhere(http: Request, _: Caller = Depends(admin)):
@@ -677,14 +674,6 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.delete("/admin/pins/{pin_id}")
     async def unpin_everywhere(pin_id: str, _: Caller = Depends(admin)):
         return await everywhere("DELETE", f"/admin/pins/{quote(pin_id, safe='')}", None, merge_unpins)
-
-    @app.get("/admin/prefixes")
-    async def prefixes_everywhere(http: Request, _: Caller = Depends(admin)):
-        return await merged_listing("/admin/prefixes", http, merge_prefix_lists)
-
-    @app.get("/admin/pins")
-    async def pins_everywhere(http: Request, _: Caller = Depends(admin)):
-        return await merged_listing("/admin/pins", http, merge_pin_lists)
 
     @app.get("/admin/trace")
     async def fleet_trace(http: Request, _: Caller = Depends(admin)):
