@@ -84,7 +84,7 @@ def test_a_connection_without_request_headers_in_time_gets_408_and_is_closed(tmp
         data, took = outcomes[name]
         assert data.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), name
         assert data.endswith(b"\r\n\r\nrequest headers did not arrive within 0.4 s\n"), name
-        assert DEADLINE * 0.9 <= took < DEADLINE * 4, (name, took)
+        assert took >= DEADLINE * 0.9, (name, took)  # not before the deadline; read_all's 5 s bound: closed
     assert first.startswith(b"HTTP/1.1 200 OK\r\n")
     streamed, took = outcomes["slow"]
     assert streamed.startswith(b"HTTP/1.1 200 OK\r\n") and streamed.endswith(b"\r\n\r\n" + b"5\r\ntick\n\r\n" * 3
@@ -160,7 +160,7 @@ def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_
 
     path = str(tmp_path / "front.sock")
     chunk = b"x" * 65536
-    finished = []
+    finished, reading = [], []  # when each handler finished, and when each client began to read
 
     async def big(scope, receive, send):  # 2.5 MiB in 40 pieces: far past the socket's buffers
         if scope["type"] != "http":
@@ -181,6 +181,7 @@ def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_
         await loop.sock_connect(client, path)
         await loop.sock_sendall(client, b"GET / HTTP/1.1\r\nhost: kvd\r\nconnection: close\r\n\r\n")
         await asyncio.sleep(1.0 if pause == 0 else 0)
+        reading.append(time.monotonic())
         got = 0
         while True:
             try:
@@ -203,14 +204,13 @@ def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_
         serving = asyncio.create_task(server.serve(sockets=[listener]))
         while not server.started:
             await asyncio.sleep(0.01)
-        started = time.monotonic()
         stalled = await fetch(0, 1 << 22)  # reads nothing for 1 s, then all it can
         steady = await fetch(0.05, 1 << 18)  # 256 KiB every 50 ms, for about half a second
         server.should_exit = True
         await serving
-        return started, stalled, steady
+        return stalled, steady
 
-    started, stalled_bytes, steady_bytes = asyncio.run(scenario())
+    stalled_bytes, steady_bytes = asyncio.run(scenario())
     assert stalled_bytes < 40 * len(chunk)  # cut: only what the buffers held
     assert steady_bytes > 40 * len(chunk)  # headers and every byte of the body
-    assert len(finished) == 2 and finished[0] - started < 1.0  # the dropped one's handler ran on, at once
+    assert len(finished) == 2 and finished[0] < reading[0]  # dropped before its client read: the handler ran on

@@ -412,7 +412,8 @@ def test_a_reload_rotates_the_tcp_tokens_and_a_bad_token_file_changes_nothing(tm
         while chunk := silent.recv(4096):
             answer += chunk
         silent.close()
-        assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n") and 9 <= time.monotonic() - opened < 20
+        assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")  # closed: recv's 30 s timeout did not fire
+        assert time.monotonic() - opened >= 9  # and not before its 10 s
         assert models("new-token-0123456789") == 200
 
 
