@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import os
@@ -220,22 +219,15 @@ def _loop_factory():
 
 
 async def _serve(settings, re_resolve) -> None:
-    import uvicorn
-
     from kvctl.daemon.folder_claim import FolderTaken, claim_folder
     from kvctl.daemon.server import unix_front
-    from kvctl.daemon.server.http_front import front_config, raise_open_file_limit
     from kvctl.daemon.server.app import create_app
     from kvctl.daemon.server.auth import TokenTable
+    from kvctl.daemon.server.http_front import Fronts, raise_open_file_limit
     from kvctl.daemon.server.metrics import Metrics
     from kvctl.daemon.server.service import EngineService
     from kvctl.daemon.server.unix_front import UnixFront
     from kvctl.daemon.store import Store
-
-    class _Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # kvd handles signals itself
-            yield
 
     tokens = TokenTable.load(settings.token_file) if settings.token_file else None
     Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
@@ -252,11 +244,8 @@ async def _serve(settings, re_resolve) -> None:
     front = UnixFront(settings.socket)
     raise_open_file_limit()
     unix_app = create_app(service, metrics, front="unix")
-    servers = [(_Server(front_config(unix_app)), [front.sock])]
-    if settings.listen:
-        host, _, port = settings.listen.rpartition(":")
-        tcp_app = create_app(service, metrics, front="tcp", tokens=tokens, trusted_proxy=settings.trusted_proxy)
-        servers.append((_Server(front_config(tcp_app, host=host.strip("[]"), port=int(port))), None))
+    tcp_app = create_app(service, metrics, front="tcp", tokens=tokens, trusted_proxy=settings.trusted_proxy) \
+        if settings.listen else None
     service.start(confine_threads=True)
     log.info("kvd %s listening on %s%s", __version__, settings.socket,
              f" and {settings.listen}" if settings.listen else "")
@@ -277,20 +266,17 @@ async def _serve(settings, re_resolve) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_term)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
-    tasks = [asyncio.create_task(server.serve(sockets=socks)) for server, socks in servers]
-
-    def serve_again(sock) -> None:  # the socket removed under kvd and bound again
-        server = _Server(front_config(unix_app))
-        servers.append((server, [sock]))
-        tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
-
-    keeper = asyncio.create_task(unix_front.keep(front, serve_again))
+    fronts = Fronts()
+    fronts.serve(unix_app, sockets=[front.sock])
+    if tcp_app is not None:
+        host, _, port = settings.listen.rpartition(":")
+        fronts.serve(tcp_app, host=host.strip("[]"), port=int(port))
+    keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock])))
     await stopping.wait()
     keeper.cancel()
     await loop.run_in_executor(None, service.shutdown)
-    for server, _ in servers:
-        server.should_exit = True
-    await asyncio.gather(keeper, *tasks, return_exceptions=True)
+    fronts.stop()
+    await asyncio.gather(keeper, fronts.wait(), return_exceptions=True)
     store.close()
     front.remove()
     claim.close()
@@ -384,38 +370,23 @@ def router(
 
 async def _route(service, socket_path: str, listen: str | None, clients, clients_file: str | None,
                  membership=None) -> None:
-    import uvicorn
-
     from kvctl.daemon.server import unix_front
-    from kvctl.daemon.server.http_front import front_config, raise_open_file_limit
+    from kvctl.daemon.server.http_front import Fronts, raise_open_file_limit
     from kvctl.daemon.server.loop_errors import exception_handler
     from kvctl.daemon.server.router import create_router_app
     from kvctl.daemon.server.router_metrics import RouterMetrics
     from kvctl.daemon.server.unix_front import UnixFront
 
-    class _Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # handled below: a stop by SIGTERM is a clean exit, not a re-raised signal
-            yield
-
     front = UnixFront(socket_path)
     raise_open_file_limit()
     metrics = RouterMetrics(service)
     unix_app = create_router_app(service, metrics=metrics)
-    servers = [(_Server(front_config(unix_app)), [front.sock])]
-    if listen:
-        host, _, port = listen.rpartition(":")
-        tcp_app = create_router_app(service, front="tcp", tokens=clients, metrics=metrics)
-        servers.append((_Server(front_config(tcp_app, host=host.strip("[]"), port=int(port))), None))
+    tcp_app = create_router_app(service, front="tcp", tokens=clients, metrics=metrics) if listen else None
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(exception_handler)  # anyio's cancelled-read race at debug (loop_errors.py)
-
-    def stop() -> None:
-        for server, _ in servers:
-            server.should_exit = True
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop)
+    fronts = Fronts()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a stop by SIGTERM is a clean exit, not a re-raised signal
+        loop.add_signal_handler(sig, fronts.stop)
 
     def reload() -> None:  # SIGHUP: the replicas file, then the TCP callers' tokens; no stream is dropped
         if membership is not None:
@@ -443,20 +414,13 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     log.info("kvd router listening on %s%s, %s routing over %s (view: %s)", socket_path,
              f" and {listen}" if listen else "", service.router.name,
              ", ".join(r.name for r in service.replicas), service.view)
-    tasks = [asyncio.create_task(server.serve(sockets=socks)) for server, socks in servers]
-
-    def serve_again(sock) -> None:  # the socket removed under the router and bound again
-        server = _Server(front_config(unix_app))
-        servers.append((server, [sock]))
-        tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
-
-    initial = list(tasks)
-    keeper = asyncio.create_task(unix_front.keep(front, serve_again))
+    fronts.serve(unix_app, sockets=[front.sock])
+    if tcp_app is not None:
+        host, _, port = listen.rpartition(":")
+        fronts.serve(tcp_app, host=host.strip("[]"), port=int(port))
+    keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock])))
     try:
-        results = await asyncio.gather(*initial, return_exceptions=True)
-        keeper.cancel()
-        results += await asyncio.gather(keeper, *tasks, return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError)]
+        failed = [r for r in await fronts.wait() if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
     finally:

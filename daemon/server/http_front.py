@@ -12,6 +12,7 @@ and with them the SQLite store's, the disk tier's and every new client's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 from typing import Any
@@ -122,3 +123,39 @@ def raise_open_file_limit() -> int:
         except (ValueError, OSError) as exc:  # a container that forbids it: keep what there is
             log.warning("open-file limit stays at %d (%s)", soft, exc)
     return soft
+
+
+class _FrontServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # kvd and kvd router handle signals themselves
+        yield
+
+
+class Fronts:
+    """The uvicorn servers of one process (kvd's or kvd router's): started, told to stop and awaited
+    together, with any that joins while they run (a Unix socket bound again: unix_front.keep)."""
+
+    def __init__(self) -> None:
+        self.servers: list[uvicorn.Server] = []
+        self.tasks: list[asyncio.Task] = []
+        self.stopping = False
+
+    def serve(self, app: Any, sockets: list | None = None, **options: Any) -> None:
+        """Serve `app` on `sockets`, or on host and port in `options`; none joins once stopping."""
+        if self.stopping:
+            return
+        server = _FrontServer(front_config(app, **options))
+        self.servers.append(server)
+        self.tasks.append(asyncio.create_task(server.serve(sockets=sockets)))
+
+    def stop(self) -> None:
+        self.stopping = True
+        for server in self.servers:
+            server.should_exit = True
+
+    async def wait(self) -> list:
+        """How each server ended (None, or what it raised), once every one has."""
+        results: list = []
+        while len(results) < len(self.tasks):
+            results += await asyncio.gather(*self.tasks[len(results):], return_exceptions=True)
+        return results
