@@ -100,6 +100,7 @@ class Store:
         self.written_back = 0  # times the file was deleted under this Store and written back
         self._identity = _file_identity(path)  # which file the connection has open
         self.file_ok = True  # the file at `path` is the one open (False: replaced, or gone and not written back)
+        self._detached = False  # reading a copy in memory: another file stands at `path`
         self._said: str | None = None  # the last trouble with the file check_file logged
         if problems != ["ok"]:
             raise StoreError(f"store: {str(path)!r} failed quick_check: {'; '.join(problems[:3])}")
@@ -143,8 +144,9 @@ class Store:
         daemon calls this every few seconds, and every write does. A file deleted under it (an
         `rm`, a cleanup of the state folder) would take every later write with it at the next
         restart: it is written back from the open connection, whole, and a warning says so. A
-        file put in its place (a backup moved there) is left alone and not written to: each write
-        is StoreUnavailable until kvd restarts and opens it, and an ERROR says so once."""
+        file put in its place (a backup moved there) is left alone and not written to: the old
+        file is let go (its records read from a copy in memory), each write is StoreUnavailable
+        until kvd restarts and opens the new one, and an ERROR says so once."""
         with self._lock:
             try:
                 self._check_file()
@@ -162,22 +164,34 @@ class Store:
         if identity == self._identity:
             self.file_ok = True
             return
-        self._empty_wal()
-        if identity is not None:
-            raise StoreUnavailable(f"store: {str(self.path)!r} was replaced under kvd (another file stands at "
-                                   f"that path now); nothing is written to either until kvd restarts and "
-                                   f"opens the one there")
-        self._write_back()
+        if identity is None:
+            self._write_back()
+            return
+        if not self._detached:
+            self._detach()
+        raise StoreUnavailable(f"store: {str(self.path)!r} was replaced under kvd (another file stands at that "
+                               f"path now); nothing is written to either until kvd restarts and opens the one there")
 
-    def _empty_wal(self) -> None:
-        """Move what the open connection's WAL holds into the file it has open, and empty the WAL.
-        The WAL lies beside `path` by name: left full, it would be read as part of whatever file
-        stands at `path` now (a backup moved there, a store another process made afresh), pages
-        of one database laid over another."""
+    def _let_go(self) -> None:
+        """Empty the open connection's WAL into the file it has open, then close it. The WAL and its
+        index lie beside `path` by name, and whatever file stands at `path` now would read them as
+        its own: pages of one database laid over another, or (a checkpoint by this connection
+        later) another process's writes to that file taken into this one's. Done at once, while
+        those names are still this connection's."""
         try:
             self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error as exc:  # another process reading the old file holds it: say so, go on
             log.warning("store: the WAL beside %r could not be emptied (%s)", str(self.path), exc)
+        self.conn.close()
+
+    def _detach(self) -> None:
+        """Another file stands at `path`: this Store's records are read from a copy in memory from
+        now on (writes are refused before they reach it), and the file it had open is let go."""
+        copy = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        self.conn.backup(copy)
+        self._let_go()
+        self.conn, self.db = copy, sqlite_utils.Database(copy)
+        self._detached = True
 
     def _write_back(self) -> None:
         """Put the database back at `path` from the open connection (it reads the deleted file and
@@ -191,7 +205,7 @@ class Store:
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(f"store: {str(self.path)!r} was deleted under kvd and cannot be written back "
                                    f"({exc}); nothing of this change was stored") from None
-        self.conn.close()
+        self._let_go()
         try:
             os.link(tmp, self.path)
         except FileExistsError:  # a file appeared there meanwhile: keep ours beside it, and say where
@@ -199,12 +213,14 @@ class Store:
             os.replace(tmp, kept)
             self._open_connection(kept)
             self._identity = _file_identity(kept)
+            self._detached = False
             raise StoreUnavailable(f"store: {str(self.path)!r} was deleted under kvd and another file was put "
                                    f"there; kvd's records are kept in {str(kept)!r}; nothing is written until "
                                    f"kvd restarts") from None
         os.unlink(tmp)
         self._open_connection(self.path)
         self._identity = _file_identity(self.path)
+        self._detached = False
         self.written_back += 1
         self.file_ok = True
         log.warning("store: %r was deleted under kvd; written back from the open database, nothing lost "

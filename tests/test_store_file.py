@@ -85,6 +85,29 @@ def test_a_store_replaced_under_kvd_is_not_written_to_until_a_restart_opens_it(t
     assert store.audit_failures == 1
     assert rows(path) == [("evict", "in the backup")]  # the file put there is untouched
     assert Store(path).pins() == []
+    assert [e["target"] for e in store.audit_since()] == ["before"]  # kvd still reads its own records
+
+
+def test_writes_to_the_file_put_in_its_place_are_never_taken_by_kvds_store(tmp_path):
+    """The WAL and its index lie beside the path by name. While kvd's connection kept them, its
+    checks (a checkpoint each) took another process's writes to the new file into the replaced
+    one, and they were gone from the new file."""
+    path = tmp_path / "kvd.sqlite3"
+    store = Store(path)
+    audit(store, "kvd's")
+    restored = Store(tmp_path / "backup.sqlite3")
+    audit(restored, "in the backup")
+    restored.close()
+    os.replace(tmp_path / "backup.sqlite3", path)
+    assert store.check_file() is False  # found out: kvd lets the old file go
+    other = Store(path)  # kvctl, say, writing to the store now there
+    other.audit(actor="kvctl", tenant="-", action="adr.new", target="adr:1", result="ok")
+    assert store.check_file() is False and store.check_file() is False
+    assert rows(path) == [("evict", "in the backup"), ("adr.new", "adr:1")]
+    assert [e["target"] for e in store.audit_since()] == ["kvd's"]
+    other.close()
+    store.close()  # as kvd stopping for the restart does
+    assert rows(path) == [("evict", "in the backup"), ("adr.new", "adr:1")]
 
 
 def test_a_deleted_store_that_cannot_be_written_back_refuses_writes_rather_than_lose_them(tmp_path):
