@@ -219,7 +219,7 @@ def _loop_factory():
 
 
 async def _serve(settings, re_resolve) -> None:
-    from kvctl.daemon.folder_claim import FolderTaken, claim_folder
+    from kvctl.daemon.folder_claim import FolderClaim, FolderTaken
     from kvctl.daemon.server import unix_front
     from kvctl.daemon.server.app import create_app
     from kvctl.daemon.server.auth import TokenTable
@@ -232,7 +232,7 @@ async def _serve(settings, re_resolve) -> None:
     tokens = TokenTable.load(settings.token_file) if settings.token_file else None
     Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
     try:  # held until kvd exits: the kernel lets it go however kvd ends
-        claim = claim_folder(Path(settings.state_dir), f"pid {os.getpid()}, socket {settings.socket}")
+        claim = FolderClaim(Path(settings.state_dir), f"pid {os.getpid()}, socket {settings.socket}")
     except FolderTaken as taken:
         raise RuntimeError(f"state_dir: {settings.state_dir!r} is in use by another kvd ({taken.holder}); give each "
                            "kvd a state_dir of its own (--state-dir; kvctl and cron jobs may share one)") from None
@@ -271,7 +271,8 @@ async def _serve(settings, re_resolve) -> None:
     if tcp_app is not None:
         host, _, port = settings.listen.rpartition(":")
         fronts.serve(tcp_app, host=host.strip("[]"), port=int(port))
-    keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock])))
+    keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock]),
+                                                 also=claim.check))
     await stopping.wait()
     keeper.cancel()
     await loop.run_in_executor(None, service.shutdown)

@@ -23,6 +23,8 @@ from typing import Any, Iterator
 
 import sqlite_utils
 
+from kvctl.daemon.file_identity import file_identity
+
 
 log = logging.getLogger("kvd")
 
@@ -70,15 +72,6 @@ MIGRATIONS: list[tuple[int, str]] = [
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
-def _file_identity(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of the file at `path`; None when there is none (or none kvd can reach)."""
-    try:
-        stat = os.stat(path)
-    except OSError:  # gone, its folder gone or a file now, no longer searchable
-        return None
-    return stat.st_dev, stat.st_ino
-
-
 def _insert_audit(conn: sqlite3.Connection, at: float, actor: str, tenant: str, action: str, target: str,
                   result: str, detail: dict[str, Any] | None) -> None:
     conn.execute("INSERT INTO audit (at, actor, tenant, action, target, result, detail) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -98,7 +91,7 @@ class Store:
         self._lock = threading.RLock()  # one connection, shared by the daemon's threads
         self.audit_failures = 0  # audit records the database could not take (the log holds them)
         self.written_back = 0  # times the file was deleted under this Store and written back
-        self._identity = _file_identity(path)  # which file the connection has open
+        self._identity = file_identity(path)  # which file the connection has open
         self.file_ok = True  # the file at `path` is the one open (False: replaced, or gone and not written back)
         self._detached = False  # reading a copy in memory: another file stands at `path`
         self._said: str | None = None  # the last trouble with the file check_file logged
@@ -160,7 +153,7 @@ class Store:
 
     def _check_file(self) -> None:
         self.file_ok = False  # until it is found (or made) so
-        identity = _file_identity(self.path)
+        identity = file_identity(self.path)
         if identity == self._identity:
             self.file_ok = True
             return
@@ -212,14 +205,14 @@ class Store:
             kept = self.path.with_name(f"{self.path.name}.deleted-under-kvd-{int(time.time())}")
             os.replace(tmp, kept)
             self._open_connection(kept)
-            self._identity = _file_identity(kept)
+            self._identity = file_identity(kept)
             self._detached = False
             raise StoreUnavailable(f"store: {str(self.path)!r} was deleted under kvd and another file was put "
                                    f"there; kvd's records are kept in {str(kept)!r}; nothing is written until "
                                    f"kvd restarts") from None
         os.unlink(tmp)
         self._open_connection(self.path)
-        self._identity = _file_identity(self.path)
+        self._identity = file_identity(self.path)
         self._detached = False
         self.written_back += 1
         self.file_ok = True

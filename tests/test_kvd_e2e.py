@@ -304,6 +304,15 @@ def test_a_second_kvd_on_the_same_state_dir_is_refused_naming_the_first(tmp_path
             f"{str(sock)}); give each kvd a state_dir of its own (--state-dir; kvctl and cron jobs may share one)")
         assert not (tmp_path / "second.sock").exists()
         assert client.get("/readyz").status_code == 200
+        (tmp_path / "state" / "kvd.lock").unlink()  # a cleanup of the folder: kvd claims it again
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "state" / "kvd.lock").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        again = subprocess.run([str(BIN / "kvd"), "serve", "--state-dir", str(tmp_path / "state"), "--socket",
+                                str(tmp_path / "second.sock"), "--num-blocks", "24"], env=env,
+                               capture_output=True, text=True, timeout=120)
+        assert again.returncode == 2 and "is in use by another kvd (pid " in again.stderr
     proc, client = launch(tmp_path / "state", tmp_path / "second.sock", tmp_path / "second.log",
                           "--eviction", "lru")  # the first gone, the folder is free
     try:

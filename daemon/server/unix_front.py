@@ -18,6 +18,8 @@ import stat
 from pathlib import Path
 from typing import Callable
 
+from kvctl.daemon.file_identity import file_identity
+
 log = logging.getLogger("kvd")
 
 CHECK_SECONDS = 2.0  # how often `keep` looks at the path
@@ -51,33 +53,25 @@ def bind_unix_socket(path: str) -> socket.socket:
     return sock
 
 
-def _identity(path: str) -> tuple[int, int] | None:
-    try:
-        found = os.lstat(path)
-    except OSError:
-        return None
-    return found.st_dev, found.st_ino
-
-
 class UnixFront:
     """The socket at `path` that this process bound, and whether the path still holds it."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.sock = bind_unix_socket(path)
-        self._identity = _identity(path)
+        self._identity = file_identity(path)
         self.rebound = 0  # times the socket was removed under this process and bound again
 
     def state(self) -> str:
         """"ours", "gone" (nothing at the path) or "taken" (another socket or file is there)."""
-        identity = _identity(self.path)
+        identity = file_identity(self.path)
         return "ours" if identity == self._identity else "gone" if identity is None else "taken"
 
     def rebind(self) -> socket.socket:
         """Bind the path again (after `state()` said "gone"); the old socket stays open, with the
         connections it serves."""
         self.sock = bind_unix_socket(self.path)
-        self._identity = _identity(self.path)
+        self._identity = file_identity(self.path)
         self.rebound += 1
         return self.sock
 
@@ -92,12 +86,16 @@ class UnixFront:
         return True
 
 
-async def keep(front: UnixFront, serve: Callable[[socket.socket], None], seconds: float = CHECK_SECONDS) -> None:
+async def keep(front: UnixFront, serve: Callable[[socket.socket], None], seconds: float = CHECK_SECONDS,
+               also: Callable[[], object] | None = None) -> None:
     """Every `seconds`, make sure `front` still stands at its path; bound again when it is gone,
-    `serve` is handed the new socket. Runs until cancelled. What it cannot mend it says once."""
+    `serve` is handed the new socket. Runs until cancelled. What it cannot mend it says once.
+    `also` runs at each round too (kvd keeps its state folder's claim so)."""
     said = None
     while True:
         await asyncio.sleep(seconds)
+        if also is not None:
+            also()
         state = front.state()
         problem = None
         if state == "gone":
