@@ -20,6 +20,21 @@ def is_fleet(data: dict) -> bool:
     return "replica_status" in data
 
 
+def store_trouble(status: dict) -> list[tuple[str, Text]]:
+    """(what, a line) for each trouble with a kvd's SQLite store its status reports: its file
+    replaced under it (writes refused until a restart), audit records only in its log."""
+    store = status.get("store") or {}  # an older kvd does not say
+    lines = []
+    if not store.get("file_ok", True):
+        lines.append(("store", Text("its file was replaced under kvd: pins, rollouts and records are refused until "
+                                    "kvd restarts and opens the one there", style="bold red")))
+    lost = store.get("audit_write_failures")
+    if lost:
+        lines.append(("audit", Text(f"{lost:,} record{'s' if lost != 1 else ''} the store could not take "
+                                    f"{'are' if lost != 1 else 'is'} only in kvd's log", style="yellow")))
+    return lines
+
+
 def _view(book: dict) -> Text:
     if book.get("draining"):  # drained by an operator, or leaving the fleet
         return Text(book["draining"], style="yellow")
@@ -40,6 +55,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
         column.justify = "right"
     prompt = hit = 0
     down = []  # (replica, why): under the table, whole, where a cell would fold it into a column
+    troubles = []  # a replica's store trouble, under the table too
     for status in data["replica_status"]:
         book = books.get(status["replica"], {})
         name = escape(status["replica"])  # a path or URL, never markup
@@ -48,6 +64,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
             table.add_row(name, sent, open_, _view(book), Text("down", style="red"), "", "", "", "", "")
             down.append((status["replica"], status["error"]))
             continue
+        troubles += [Text.assemble(f"{status['replica']} {what}: ", line) for what, line in store_trouble(status)]
         blocks = status["blocks"]["device"]
         used = blocks["total"] - blocks["free"]
         tokens = status["tokens"]
@@ -62,7 +79,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     summary = Text(f"fleet prefix hits: {hit:,} of {prompt:,} prompt tokens"
                    + (f" ({hit / prompt:.1%})" if prompt else ""))
     reasons = [Text.assemble((f"{replica} down: ", "red"), str(why)) for replica, why in down]
-    group = Group(table, *reasons, summary)
+    group = Group(table, *reasons, *troubles, summary)
     if console is not None:  # wider than the terminal rather than a figure cut to "1,436…"
         needed = Measurement.get(console, console.options, table).minimum
         console.print(group, width=max(console.width, needed), crop=False)

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from .client import Client
 from .errors import KvdUnavailable, UserError
-from .fleet_status import is_fleet, render_fleet_status
+from .fleet_status import is_fleet, render_fleet_status, store_trouble
 from .outputs import read_text
 from .tables import compact_table, duration, keep_whole, seconds, size, when
 
@@ -162,14 +162,8 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("queue", f"{waiting}, {queue['running']} running{ahead}")
     if data.get("draining"):
         facts.add_row("draining", Text("no new completion is taken (kvctl resume takes them again)", style="yellow"))
-    store = data.get("store") or {}  # an older kvd does not say
-    if not store.get("file_ok", True):
-        facts.add_row("store", Text("its file was replaced under kvd: pins, rollouts and records are refused until "
-                                    "kvd restarts and opens the one there", style="bold red"))
-    lost = store.get("audit_write_failures")
-    if lost:
-        facts.add_row("audit", Text(f"{lost:,} record{'s' if lost != 1 else ''} the store could not take "
-                                    f"{'are' if lost != 1 else 'is'} only in kvd's log", style="yellow"))
+    for what, line in store_trouble(data):
+        facts.add_row(what, line)
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
     facts.add_row("pins", str(data["pins"]))

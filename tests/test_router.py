@@ -310,6 +310,27 @@ def test_a_narrow_terminal_wraps_the_fleet_s_views_and_headers_but_cuts_no_figur
     assert text.splitlines()[2].split()[:4] == [names[0], "12,345", "8", "asks"] and "asks (feed down)" in text
 
 
+def test_the_fleet_status_names_a_replica_whose_store_is_in_trouble():
+    from rich.console import Console
+
+    from kvctl.fleet_status import render_fleet_status
+
+    live = {"blocks": {"device": {"total": 64, "free": 64}}, "tokens": {"prompt": 0, "hit": 0, "hit_ratio": 0.0},
+            "queue": {"waiting": 0, "running": 0}}
+    data = {"routing": "prefix", "replicas": [],
+            "replica_status": [{"replica": "/run/kvd-0/kvd.sock", **live,
+                                "store": {"file_ok": False, "written_back": 0, "audit_write_failures": 3}},
+                               {"replica": "/run/kvd-1/kvd.sock", **live,
+                                "store": {"file_ok": True, "written_back": 2, "audit_write_failures": 0}}]}
+    console = Console(record=True, width=200)
+    render_fleet_status(data, console)
+    text = console.export_text()
+    assert ("/run/kvd-0/kvd.sock store: its file was replaced under kvd: pins, rollouts and records are refused "
+            "until kvd restarts and opens the one there") in text
+    assert "/run/kvd-0/kvd.sock audit: 3 records the store could not take are only in kvd's log" in text
+    assert "kvd-1/kvd.sock store" not in text and "kvd-1/kvd.sock audit" not in text
+
+
 class CannotServe(httpx.AsyncBaseTransport):
     """A kvd that is up but whose model did not load: every call but /healthz gets its 503."""
 
