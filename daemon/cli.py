@@ -219,23 +219,28 @@ def _loop_factory():
 
 
 async def _serve(settings, re_resolve) -> None:
+    from kvctl.daemon.file_identity import os_problem
     from kvctl.daemon.folder_claim import FolderClaim, FolderTaken
     from kvctl.daemon.server import unix_front
     from kvctl.daemon.server.app import create_app
     from kvctl.daemon.server.auth import TokenTable
-    from kvctl.daemon.server.http_front import Fronts, raise_open_file_limit
+    from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.metrics import Metrics
     from kvctl.daemon.server.service import EngineService
     from kvctl.daemon.server.unix_front import UnixFront
     from kvctl.daemon.store import Store
 
     tokens = TokenTable.load(settings.token_file) if settings.token_file else None
-    Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
-    try:  # held until kvd exits: the kernel lets it go however kvd ends
+    try:  # the claim is held until kvd exits: the kernel lets it go however kvd ends
+        Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
         claim = FolderClaim(Path(settings.state_dir), f"pid {os.getpid()}, socket {settings.socket}")
     except FolderTaken as taken:
         raise RuntimeError(f"state_dir: {settings.state_dir!r} is in use by another kvd ({taken.holder}); give each "
                            "kvd a state_dir of its own (--state-dir; kvctl and cron jobs may share one)") from None
+    except OSError as exc:  # a file where the folder should be, a folder kvd's user cannot write
+        raise RuntimeError(f"state_dir: {settings.state_dir!r} cannot be used: {os_problem(exc)}; kvd keeps its "
+                           "store and lock there, and needs to write it") from None
+    tcp_sock = bind_tcp(settings.listen) if settings.listen else None  # a port in use: said before anything starts
     store = Store(Path(settings.state_dir) / "kvd.sqlite3")
     service = EngineService(settings, store)
     service.config_source = re_resolve
@@ -269,8 +274,7 @@ async def _serve(settings, re_resolve) -> None:
     fronts = Fronts()
     fronts.serve(unix_app, sockets=[front.sock])
     if tcp_app is not None:
-        host, _, port = settings.listen.rpartition(":")
-        fronts.serve(tcp_app, host=host.strip("[]"), port=int(port))
+        fronts.serve(tcp_app, sockets=[tcp_sock])
     keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock]),
                                                  also=claim.check))
     await stopping.wait()
@@ -372,12 +376,13 @@ def router(
 async def _route(service, socket_path: str, listen: str | None, clients, clients_file: str | None,
                  membership=None) -> None:
     from kvctl.daemon.server import unix_front
-    from kvctl.daemon.server.http_front import Fronts, raise_open_file_limit
+    from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.loop_errors import exception_handler
     from kvctl.daemon.server.router import create_router_app
     from kvctl.daemon.server.router_metrics import RouterMetrics
     from kvctl.daemon.server.unix_front import UnixFront
 
+    tcp_sock = bind_tcp(listen) if listen else None  # a port in use: said before anything starts
     front = UnixFront(socket_path)
     raise_open_file_limit()
     metrics = RouterMetrics(service)
@@ -417,8 +422,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
              ", ".join(r.name for r in service.replicas), service.view)
     fronts.serve(unix_app, sockets=[front.sock])
     if tcp_app is not None:
-        host, _, port = listen.rpartition(":")
-        fronts.serve(tcp_app, host=host.strip("[]"), port=int(port))
+        fronts.serve(tcp_app, sockets=[tcp_sock])
     keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock])))
     try:
         failed = [r for r in await fronts.wait() if isinstance(r, BaseException)]

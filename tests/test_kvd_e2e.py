@@ -208,6 +208,44 @@ def test_kvd_refuses_bad_settings(tmp_path):
     assert "block_size: invalid value 24 from --block-size" in done.stderr
 
 
+def test_kvd_names_the_setting_whose_path_or_port_it_cannot_use_and_starts_nothing(tmp_path):
+    """These said `[Errno 17] File exists: '/srv/kvd'` or `AF_UNIX path too long`, naming no setting;
+    a port in use aborted kvd (`terminate called without an active exception`) after it had said it
+    was listening, its engine running."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "tokens").write_text("a-token-0123456789 ops admin\n")
+    (tmp_path / "tokens").chmod(0o600)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    state, sock = str(tmp_path / "state"), str(tmp_path / "kvd.sock")
+    long_sock = str(tmp_path / ("s" * 120 + ".sock"))
+    cases = [
+        (["--state-dir", str(tmp_path / "a-file"), "--socket", sock],
+         f"state_dir: {str(tmp_path / 'a-file')!r} cannot be used: a file stands at {str(tmp_path / 'a-file')!r}, "
+         "not a folder; kvd keeps its store and lock there, and needs to write it"),
+        (["--state-dir", state, "--socket", str(tmp_path / "a-file" / "kvd.sock")],
+         f"socket: {str(tmp_path / 'a-file' / 'kvd.sock')!r} cannot be bound: a file stands at "
+         f"{str(tmp_path / 'a-file')!r}, not a folder"),
+        (["--state-dir", state, "--socket", long_sock],
+         f"socket: {long_sock!r} is {len(long_sock.encode())} bytes long, over the 107 a Unix socket's path may "
+         "have; choose a shorter one"),
+        (["--state-dir", state, "--socket", sock, "--listen", f"127.0.0.1:{port}", "--token-file",
+          str(tmp_path / "tokens")],
+         f"listen: '127.0.0.1:{port}' cannot be bound: Address already in use (another process listens there)"),
+    ]
+    try:
+        for flags, message in cases:
+            done = subprocess.run([str(BIN / "kvd"), "serve", "--num-blocks", "24", *flags], capture_output=True,
+                                  text=True, timeout=60)
+            assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (2, f"kvd: error: {message}")
+            assert "listening" not in done.stderr
+        assert not os.path.exists(sock)  # no socket left behind by the port in use
+    finally:
+        taken.close()
+
+
 def test_a_reader_that_falls_behind_never_blocks_the_serving_loop(tmp_path):
     """systemd notifications are datagrams that queue until read; when the queue is full a
     watchdog ping is dropped at once and READY/STOPPING give up after their timeout, so the

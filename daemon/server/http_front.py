@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import resource
+import socket
 from typing import Any
 
 import uvicorn
@@ -108,6 +110,29 @@ def front_config(app: Any, **options: Any) -> uvicorn.Config:
     """The uvicorn Config of one front (a Unix socket, or host and port in `options`)."""
     return uvicorn.Config(app, http=with_deadlines(_base_protocol()), log_level="warning", lifespan="off",
                           **options)
+
+
+def bind_tcp(listen: str) -> socket.socket:
+    """The listening socket for `listen` (HOST:PORT, or [IPv6]:PORT), bound here rather than by
+    uvicorn: uvicorn answers a port in use with sys.exit inside the event loop, after kvd had said it
+    was listening and while its engine thread ran (the process aborted). Raises RuntimeError naming
+    `listen`, before anything has started."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+        sock.listen(2048)
+    except OSError as exc:  # a host name that does not resolve (gaierror) among them
+        sock.close()
+        why = {errno.EADDRINUSE: "another process listens there",
+               errno.EADDRNOTAVAIL: "no interface of this machine has that address",
+               errno.EACCES: "a port under 1024 needs privilege (CAP_NET_BIND_SERVICE)"}.get(exc.errno)
+        raise RuntimeError(f"listen: {listen!r} cannot be bound: {exc.strerror or exc}"
+                           + (f" ({why})" if why else "")) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def raise_open_file_limit() -> int:

@@ -18,16 +18,30 @@ import stat
 from pathlib import Path
 from typing import Callable
 
-from kvctl.daemon.file_identity import file_identity
+from kvctl.daemon.file_identity import file_identity, os_problem
 
 log = logging.getLogger("kvd")
 
 CHECK_SECONDS = 2.0  # how often `keep` looks at the path
 
 
+SUN_PATH_BYTES = 107  # the longest path a Unix socket address holds on Linux (108 with its NUL)
+
+
 def bind_unix_socket(path: str) -> socket.socket:
     """Bind the API socket with mode 0660, replacing a stale socket but never a live daemon's,
-    nor anything that is not a socket (a slip in --socket must not delete a file)."""
+    nor anything that is not a socket (a slip in --socket must not delete a file). Raises
+    RuntimeError naming `socket`."""
+    if len(os.fsencode(path)) > SUN_PATH_BYTES:
+        raise RuntimeError(f"socket: {path!r} is {len(os.fsencode(path))} bytes long, over the {SUN_PATH_BYTES} a "
+                           "Unix socket's path may have; choose a shorter one")
+    try:
+        return _bind_unix_socket(path)
+    except OSError as exc:  # its folder cannot be made (a file there), or written
+        raise RuntimeError(f"socket: {path!r} cannot be bound: {os_problem(exc)}") from None
+
+
+def _bind_unix_socket(path: str) -> socket.socket:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
     if target.exists() or target.is_symlink():
@@ -101,9 +115,9 @@ async def keep(front: UnixFront, serve: Callable[[socket.socket], None], seconds
         if state == "gone":
             try:
                 serve(front.rebind())
-            except (OSError, RuntimeError) as exc:
-                problem = (f"the Unix socket {front.path!r} was removed under this process and cannot be bound "
-                           f"again ({exc}); clients of the socket cannot reach it until it restarts")
+            except RuntimeError as exc:  # bind_unix_socket's, naming the socket and why
+                problem = (f"{exc}: it was removed under this process, and its clients cannot reach this process "
+                           "until it restarts")
             else:
                 log.warning("the Unix socket %r was removed under this process; bound again", front.path)
         elif state == "taken":
