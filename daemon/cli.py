@@ -136,9 +136,11 @@ def serve(
 
     Example: kvd serve --socket /run/kvd/kvd.sock --cache-memory 512MiB --host-cache-bytes 2GiB
     """
-    from kvctl.daemon.config import ConfigError, resolve
+    from kvctl.daemon.config import ConfigError, kvd_env_typos, resolve
 
     configure_logging(log_level)
+    for line in kvd_env_typos(os.environ):
+        log.warning("%s", line)
     flags = _flags(model=model, chat_template=chat_template, state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_batch_tokens=max_batch_tokens,
@@ -332,13 +334,15 @@ def router(
     Example: kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock
     """
     from kvctl.daemon.config import ConfigError
-    from kvctl.daemon.router_config import resolve_router
+    from kvctl.daemon.router_config import resolve_router, router_env_typos
     from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.fleet_file import FleetFile, read_replicas_file
     from kvctl.daemon.server.router import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
     configure_logging(log_level)
+    for line in router_env_typos(os.environ):
+        log.warning("%s", line)
     try:
         settings = resolve_router(_flags(
             replicas=replica or None, replicas_file=replicas_file, socket=socket_path, routing=routing,

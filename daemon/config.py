@@ -350,7 +350,8 @@ def _flatten_tiers(values: dict, source: str) -> dict:
         for key, value in settings.items():
             name = _TIER_FIELDS.get((tier, key))
             if name is None:
-                raise ConfigError(f"tiers.{tier}: unknown field {key!r} in {source!r}")
+                raise ConfigError(f"tiers.{tier}: unknown field {key!r} in {source!r}"
+                                  + did_you_mean(key, [k for t, k in _TIER_FIELDS if t == tier]))
             out[name] = value
     return out
 
@@ -364,6 +365,26 @@ def quick_prefill_default(device: str) -> int:
     tokens/s within the noise; docs/results/2026-11-29-bench-serve-cpu.md). On a GPU a step costs
     about the same with or without the decodes, so a separate step would only make them wait."""
     return 0 if device == "cuda" else 64
+
+
+def did_you_mean(word: str, choices, quote=repr) -> str:
+    """` (did you mean 'block_size'?)` for a near miss among `choices`; empty when none is near."""
+    import difflib
+
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
+    return f" (did you mean {quote(near[0])}?)" if near else ""
+
+
+def env_typos(env: Mapping[str, str], names: set[str], prefix: str, program: str,
+              not_ours: tuple[str, ...] = ()) -> list[str]:
+    """A line for each `prefix`* variable in `env` that names no setting (KVD_MAX_RUNING=8 in a unit
+    file would be ignored without a word), leaving out those that start with `not_ours` (another
+    program's: kvctl's KVD_URL, kvd router's KVD_ROUTER_*)."""
+    known = {prefix + name.upper() for name in names}
+    return [f"{variable} is not a {program} setting and is ignored"
+            + did_you_mean(variable, known, quote=str)
+            for variable in sorted(env) if variable.startswith(prefix) and variable not in known
+            and not variable.startswith(not_ours)]
 
 
 def read_settings_file(config_file: str | Path, names: set[str], flatten=lambda values, source: values) -> dict:
@@ -383,7 +404,7 @@ def read_settings_file(config_file: str | Path, names: set[str], flatten=lambda 
     loaded = flatten(loaded, str(path))
     unknown = sorted(set(loaded) - names)
     if unknown:
-        raise ConfigError(f"config: unknown field {unknown[0]!r} in {str(path)!r}")
+        raise ConfigError(f"config: unknown field {unknown[0]!r} in {str(path)!r}{did_you_mean(unknown[0], names)}")
     return loaded
 
 
@@ -436,7 +457,7 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
             config_file: str | Path | None = None) -> KvdConfig:
     """Merge the sources by precedence (flag > env > file > default) and validate every field."""
     env = os.environ if env is None else env
-    names = {f.name for f in fields(KvdConfig)} - {"sources"}
+    names = kvd_setting_names()
     file_values = read_settings_file(config_file, names, _flatten_tiers) if config_file is not None else {}
     values, sources = merge_settings(names, flags, env, "KVD_", file_values, config_file, _PARSERS, _check,
                                      field_defaults(KvdConfig))
@@ -445,6 +466,15 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
         raise ConfigError(f"listen: {config.listen!r} needs token_file: TCP requests must carry a bearer token")
     check_priorities(config)
     return config
+
+
+def kvd_setting_names() -> set[str]:
+    return {f.name for f in fields(KvdConfig)} - {"sources"}
+
+
+def kvd_env_typos(env: Mapping[str, str]) -> list[str]:
+    """`env_typos` for kvd serve: kvctl's KVD_URL and kvd router's KVD_ROUTER_* are not kvd's."""
+    return env_typos(env, kvd_setting_names(), "KVD_", "kvd serve", not_ours=("KVD_ROUTER_", "KVD_URL"))
 
 
 def check_priorities(config: KvdConfig) -> None:

@@ -87,8 +87,17 @@ def test_a_key_the_file_leaves_empty_is_refused_where_it_would_not_mean_the_defa
 def test_file_errors(tmp_path):
     path = tmp_path / "kvd.yaml"
     path.write_text("blok_size: 16\n")
-    with pytest.raises(ConfigError, match="config: unknown field 'blok_size'"):
+    with pytest.raises(ConfigError) as unknown:
         resolve({}, {}, path)
+    assert str(unknown.value) == f"config: unknown field 'blok_size' in {str(path)!r} (did you mean 'block_size'?)"
+    path.write_text("tiers:\n  disk:\n    byts: 1GiB\n")
+    with pytest.raises(ConfigError) as unknown:
+        resolve({}, {}, path)
+    assert str(unknown.value) == f"tiers.disk: unknown field 'byts' in {str(path)!r} (did you mean 'bytes'?)"
+    path.write_text("colour: blue\n")
+    with pytest.raises(ConfigError) as unknown:
+        resolve({}, {}, path)
+    assert str(unknown.value) == f"config: unknown field 'colour' in {str(path)!r}"  # nothing near: no guess
     path.write_text("block_size: [\n")
     with pytest.raises(ConfigError, match="is not valid YAML"):
         resolve({}, {}, path)
@@ -280,3 +289,17 @@ def test_kvd_serve_help_shows_each_option_name_whole_at_100_columns():
     for option in ("--prefetch-timeout-per-1k-tokens", "--keep-layers-unquantised", "--no-allow-uncalibrated",
                    "--trace-block-tokens", "--quick-prefill-tokens", "--max-tenant-metric-series"):
         assert option in result.output
+
+
+def test_a_kvd_variable_that_names_no_setting_is_named_with_its_near_miss():
+    """KVD_MAX_RUNING=8 in a unit file was ignored without a word."""
+    from kvctl.daemon.config import kvd_env_typos
+    from kvctl.daemon.router_config import router_env_typos
+
+    env = {"KVD_MAX_RUNING": "8", "KVD_BLOCK_SIZE": "32", "KVD_URL": "http://x", "KVD_ROUTER_ROUTING": "ttft",
+           "KVD_COLOUR": "blue", "HOME": "/root", "KVD_SOCKET": "/run/kvd/kvd.sock"}
+    assert kvd_env_typos(env) == [
+        "KVD_COLOUR is not a kvd serve setting and is ignored",
+        "KVD_MAX_RUNING is not a kvd serve setting and is ignored (did you mean KVD_MAX_RUNNING?)"]
+    assert router_env_typos({"KVD_ROUTER_ROUTNG": "ttft", "KVD_ROUTER_ROUTING": "ttft", "KVD_MAX_RUNING": "8"}) == [
+        "KVD_ROUTER_ROUTNG is not a kvd router setting and is ignored (did you mean KVD_ROUTER_ROUTING?)"]
