@@ -14,7 +14,7 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")
 
-from kvctl.daemon.server import http_front  # noqa: E402
+from kvctl.daemon.server import cut_connections, http_front  # noqa: E402
 
 DEADLINE = 0.4
 
@@ -79,7 +79,9 @@ def test_a_connection_without_request_headers_in_time_gets_408_and_is_closed(tmp
         await serving
         return outcomes, first
 
+    before = dict(cut_connections.cut)
     outcomes, first = asyncio.run(scenario())
+    assert cut_connections.cut["header_timeout"] - before.get("header_timeout", 0) == 3  # for /metrics
     for name in ("silent", "partial", "second"):
         data, took = outcomes[name]
         assert data.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), name
@@ -146,7 +148,9 @@ def run_body_limit(pieces: list[tuple[float, bytes, bool]], wait_after: float = 
 
 
 def test_a_body_that_stops_coming_is_answered_408_and_one_that_keeps_coming_is_read_whole():
+    before = cut_connections.cut["body_timeout"]
     stalled = run_body_limit([(0.0, b"x" * 100, True)])
+    assert cut_connections.cut["body_timeout"] - before == 1
     assert stalled[0]["status"] == 408 and (b"connection", b"close") in stalled[0]["headers"]
     assert json.loads(stalled[1]["body"])["error"] == {
         "message": "body: no more of it came within 0.2 s (100 bytes came)", "type": "invalid_request_error",
@@ -210,7 +214,9 @@ def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_
         await serving
         return stalled, steady
 
+    before = cut_connections.cut["stalled"]
     stalled_bytes, steady_bytes = asyncio.run(scenario())
+    assert cut_connections.cut["stalled"] - before == 1
     assert stalled_bytes < 40 * len(chunk)  # cut: only what the buffers held
     assert steady_bytes > 40 * len(chunk)  # headers and every byte of the body
     assert len(finished) == 2 and finished[0] < reading[0]  # dropped before its client read: the handler ran on

@@ -462,6 +462,8 @@ def test_a_reload_rotates_the_tcp_tokens_and_a_bad_token_file_changes_nothing(tm
         assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")  # closed: recv's 30 s timeout did not fire
         assert time.monotonic() - opened >= 9  # and not before its 10 s
         assert models("new-token-0123456789") == 200
+        with httpx.Client(base_url="http://kvd", transport=httpx.HTTPTransport(uds=str(sock))) as unix:
+            assert 'kvd_http_cut_connections_total{reason="header_timeout"} 1.0' in unix.get("/metrics").text
 
 
 def test_a_client_that_leaves_a_non_streamed_completion_stops_its_generation(tmp_path):

@@ -176,6 +176,8 @@ def test_a_replica_that_does_not_answer_is_left_out_and_none_answering_is_a_503(
     assert "kvd_router_unrouted_total 1.0" in scraped.text.splitlines()
     assert 'kvd_router_questions_total{replica="replica-1",result="failed"} 1.0' in scraped.text.splitlines()
     assert "kvd_router_view_synced" not in scraped.text  # the ask view has none
+    from kvctl.daemon.server.cut_connections import cut
+    assert f'kvd_router_http_cut_connections_total{{reason="stalled"}} {float(cut["stalled"])}' in scraped.text
     assert answer.json()["error"]["message"] == (
         "no replica answered: replica-0 (ConnectError: connection refused); "
         "replica-1 (ConnectError: connection refused)")

@@ -15,6 +15,8 @@ import asyncio
 import json
 from typing import Callable
 
+from . import cut_connections
+
 BODY_PIECE_TIMEOUT_S = 30.0  # nginx's client_body_timeout is 60 s
 
 
@@ -46,6 +48,7 @@ class BodyLimit:
                 message = await asyncio.wait_for(receive(), self.piece_timeout)
             except TimeoutError:
                 refused = True
+                cut_connections.cut["body_timeout"] += 1
                 if not started:
                     await self._answer(send, 408, f"body: no more of it came within {self.piece_timeout:g} s "
                                                   f"({received:,} bytes came)", "request_timeout")

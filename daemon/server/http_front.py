@@ -21,6 +21,8 @@ from typing import Any
 
 import uvicorn
 
+from . import cut_connections
+
 log = logging.getLogger("kvd")
 
 HEADER_TIMEOUT_S = 10.0  # from a connection's start, or its previous response, to a request's full headers
@@ -71,6 +73,7 @@ def with_deadlines(base: type, seconds: float = HEADER_TIMEOUT_S, stall_seconds:
             self._stall_timer = None
             log.debug("dropped a connection from %s: it read nothing of its answer for %.0f s", self.client,
                       stall_seconds)
+            cut_connections.cut["stalled"] += 1
             self.transport.abort()  # close() would wait to send what the client does not read
 
         def connection_made(self, transport) -> None:
@@ -99,6 +102,7 @@ def with_deadlines(base: type, seconds: float = HEADER_TIMEOUT_S, stall_seconds:
             if answering or self.transport.is_closing():
                 return  # the next response arms it again
             log.debug("closed a connection from %s: no request headers in %.0f s", self.client, seconds)
+            cut_connections.cut["header_timeout"] += 1
             self.transport.write(timed_out)
             self.transport.close()
 

@@ -65,6 +65,7 @@ from kvctl.daemon.engine.tenant_book import HIT, PROMPT
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
+from .cut_connections import CutConnections
 from .service import EngineService
 
 
@@ -284,6 +285,7 @@ class Metrics:
     def __init__(self, service: EngineService) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(service))
+        self.registry.register(CutConnections("kvd_http_cut_connections"))
         self.ttft = Histogram("kvd_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
                               registry=self.registry)
         self.itl = Histogram("kvd_inter_token_seconds", "Time between output tokens",

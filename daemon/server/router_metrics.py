@@ -29,6 +29,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .cut_connections import CutConnections
+
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -88,6 +90,7 @@ class RouterMetrics:
     def __init__(self, service) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_RouterCollector(service))
+        self.registry.register(CutConnections("kvd_router_http_cut_connections"))
         self.decision = Histogram("kvd_router_decision_seconds", "Time to choose a replica for a request",
                                   buckets=DECISION_BUCKETS, registry=self.registry)
         service.on_decision = self.decision.observe
