@@ -58,6 +58,7 @@ class FolderClaim:
         if file_identity(self.folder / "kvd.lock") == self._identity:
             return True
         try:
+            self.folder.mkdir(parents=True, exist_ok=True)  # the whole folder removed: made again
             handle = claim_folder(self.folder, self.me)
         except (FolderTaken, OSError) as exc:
             problem = (f"{str(self.folder)!r} lost its lock file under this process and cannot be claimed again "

@@ -36,3 +36,18 @@ def test_a_claim_another_process_took_meanwhile_is_said_once(tmp_path, caplog):
         "is held by pid 2): another kvd may start on it"]
     second.close()
     claim.close()
+
+
+def test_a_claim_whose_whole_folder_is_removed_makes_it_again(tmp_path, caplog):
+    import shutil
+
+    folder = tmp_path / "state"
+    folder.mkdir()
+    claim = FolderClaim(folder, "pid 1")
+    shutil.rmtree(folder)
+    with caplog.at_level("WARNING", logger="kvd"):
+        assert claim.check() is True
+    assert [r.levelname for r in caplog.records] == ["WARNING"]  # no error on the way
+    with pytest.raises(FolderTaken):
+        claim_folder(folder, "pid 2")
+    claim.close()

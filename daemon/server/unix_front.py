@@ -23,8 +23,6 @@ from kvctl.daemon.file_identity import file_identity, os_problem
 log = logging.getLogger("kvd")
 
 CHECK_SECONDS = 2.0  # how often `keep` looks at the path
-
-
 SUN_PATH_BYTES = 107  # the longest path a Unix socket address holds on Linux (108 with its NUL)
 
 
