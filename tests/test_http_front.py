@@ -159,9 +159,8 @@ def test_a_body_that_stops_coming_is_answered_408_and_one_that_keeps_coming_is_r
     assert [m.get("status") for m in steady] == [200, None] and steady[1]["body"] == b"51 bytes"
 
 
-def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_is_not(tmp_path):
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
+@pytest.mark.parametrize("base", bases(), ids=lambda b: b.__name__)
+def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_is_not(tmp_path, base):
     path = str(tmp_path / "front.sock")
     chunk = b"x" * 65536
     finished, reading = [], []  # when each handler finished, and when each client began to read
@@ -202,7 +201,7 @@ def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_
     async def scenario():
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
-        config = uvicorn.Config(big, http=http_front.with_deadlines(H11Protocol, 5.0, stall_seconds=0.3),
+        config = uvicorn.Config(big, http=http_front.with_deadlines(base, 5.0, stall_seconds=0.3),
                                 log_level="critical", lifespan="off")
         server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve(sockets=[listener]))
