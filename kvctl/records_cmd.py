@@ -314,8 +314,9 @@ def db_prune(ctx: typer.Context,
     """Remove old audit records, keeping a record of the removal; safe while kvd writes.
 
     The audit log grows with every operator action (and every pin a TTL ends). The records from
-    before the age given go, in one transaction with a `db.prune` record saying how many and who
-    removed them. The file does not shrink: SQLite reuses the pages freed.
+    before the age given go 20,000 at a time, so that kvd's own writes never wait long; the first
+    batch in one transaction with a `db.prune` record saying how many and who removed them. The
+    file does not shrink: SQLite reuses the pages freed.
 
     Example: kvctl db prune --audit-older-than 365d --dry-run
     """

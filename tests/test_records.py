@@ -259,11 +259,34 @@ def test_db_prune_removes_old_audit_records_and_records_that_it_did(tmp_path, ca
     status, out, _ = cli(capsys, "db", "prune", "--audit-older-than", "1s", "--json", *state)
     assert (json.loads(out)["removed"], json.loads(out)["kept"]) == (2, 2)  # the prunes' own records stay
     assert [e["action"] for e in store.audit_since(0)] == ["db.prune", "db.prune"]
+    assert store.prune_audit(now + 1, actor="alice", dry_run=True)["removed"] == 2
     for bad in ("90", "-5d", "soon", "infd"):
         status, _, err = cli(capsys, "db", "prune", "--audit-older-than", bad, *state)
         assert status == 2 and err.strip() == (f"error: audit_older_than: invalid value {bad!r}; give an age with "
                                                "its unit (s, m, h, d): 90d, 12h")
     assert len(store.audit_since(0)) == 2
+
+
+def test_a_prune_goes_a_batch_at_a_time_with_its_record_in_the_first(tmp_path, monkeypatch):
+    """A million rows in one transaction held the database for seconds, kvd's engine thread
+    waiting on it; each batch is now its own transaction, the record of the prune in the first."""
+    store = Store(tmp_path / "kvd.sqlite3")
+    with store.write() as conn:
+        for i in range(7):
+            conn.execute("INSERT INTO audit (at, actor, tenant, action, target, result, detail) "
+                         "VALUES (?, 'ops', '-', 'pin', ?, 'ok', '{}')", (1000.0 + i, f"old-{i}"))
+    transactions = []
+    write = Store.write
+
+    def counted(self):
+        transactions.append(self.conn.execute("SELECT count(*) FROM audit WHERE action = 'db.prune'").fetchone()[0])
+        return write(self)
+
+    monkeypatch.setattr(Store, "write", counted)
+    result = store.prune_audit(2000.0, actor="alice", batch=3)
+    assert (result["removed"], result["kept"]) == (7, 1)
+    assert transactions == [0, 1, 1]  # 3 (with the record), then 3, then 1: three transactions
+    assert [(e["action"], e["detail"]["removed"]) for e in store.audit_since(0)] == [("db.prune", 7)]
 
 
 def test_audit_reads_the_store_without_a_daemon(tmp_path, capsys):
