@@ -229,7 +229,6 @@ async def _serve(settings, re_resolve) -> None:
     from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.metrics import Metrics
     from kvctl.daemon.server.service import EngineService
-    from kvctl.daemon.server.unix_front import UnixFront
     from kvctl.daemon.store import Store
 
     tokens = TokenTable.load(settings.token_file) if settings.token_file else None
@@ -248,7 +247,7 @@ async def _serve(settings, re_resolve) -> None:
     service.config_source = re_resolve
     service.tokens = tokens
     metrics = Metrics(service)
-    front = UnixFront(settings.socket)
+    front = unix_front.UnixFront(settings.socket)
     raise_open_file_limit()
     unix_app = create_app(service, metrics, front="unix")
     tcp_app = create_app(service, metrics, front="tcp", tokens=tokens, trusted_proxy=settings.trusted_proxy) \
@@ -384,10 +383,9 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     from kvctl.daemon.server.loop_errors import exception_handler
     from kvctl.daemon.server.router import create_router_app
     from kvctl.daemon.server.router_metrics import RouterMetrics
-    from kvctl.daemon.server.unix_front import UnixFront
 
     tcp_sock = bind_tcp(listen) if listen else None  # a port in use: said before anything starts
-    front = UnixFront(socket_path)
+    front = unix_front.UnixFront(socket_path)
     raise_open_file_limit()
     metrics = RouterMetrics(service)
     unix_app = create_router_app(service, metrics=metrics)

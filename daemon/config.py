@@ -408,6 +408,11 @@ def read_settings_file(config_file: str | Path, names: set[str], flatten=lambda 
     return loaded
 
 
+def setting_names(settings_class) -> set[str]:
+    """The settings a settings dataclass holds (`sources`, where each came from, is not one)."""
+    return {f.name for f in fields(settings_class)} - {"sources"}
+
+
 def field_defaults(settings_class) -> dict[str, Any]:
     """Each field of a settings dataclass with its default value."""
     return {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
@@ -457,7 +462,7 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
             config_file: str | Path | None = None) -> KvdConfig:
     """Merge the sources by precedence (flag > env > file > default) and validate every field."""
     env = os.environ if env is None else env
-    names = kvd_setting_names()
+    names = setting_names(KvdConfig)
     file_values = read_settings_file(config_file, names, _flatten_tiers) if config_file is not None else {}
     values, sources = merge_settings(names, flags, env, "KVD_", file_values, config_file, _PARSERS, _check,
                                      field_defaults(KvdConfig))
@@ -468,13 +473,9 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     return config
 
 
-def kvd_setting_names() -> set[str]:
-    return {f.name for f in fields(KvdConfig)} - {"sources"}
-
-
 def kvd_env_typos(env: Mapping[str, str]) -> list[str]:
     """`env_typos` for kvd serve: kvctl's KVD_URL and kvd router's KVD_ROUTER_* are not kvd's."""
-    return env_typos(env, kvd_setting_names(), "KVD_", "kvd serve", not_ours=("KVD_ROUTER_", "KVD_URL"))
+    return env_typos(env, setting_names(KvdConfig), "KVD_", "kvd serve", not_ours=("KVD_ROUTER_", "KVD_URL"))
 
 
 def check_priorities(config: KvdConfig) -> None:

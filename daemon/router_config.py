@@ -11,14 +11,14 @@ value is a ConfigError naming the setting, the value and where it came from.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from kvctl.policies.routing import NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES
 
 from .config import (ConfigError, env_typos, field_defaults, finite_number, merge_settings, read_settings_file,
-                     whole_number)
+                     setting_names, whole_number)
 
 
 @dataclass(frozen=True)
@@ -69,19 +69,15 @@ def _check(name: str, value: Any) -> None:
             raise ValueError("must be HOST:PORT")
 
 
-def router_setting_names() -> set[str]:
-    return {f.name for f in fields(RouterConfig)} - {"sources"}
-
-
 def router_env_typos(env: Mapping[str, str]) -> list[str]:
-    return env_typos(env, router_setting_names(), "KVD_ROUTER_", "kvd router")
+    return env_typos(env, setting_names(RouterConfig), "KVD_ROUTER_", "kvd router")
 
 
 def resolve_router(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                    config_file: str | Path | None = None) -> RouterConfig:
     """Merge the sources by precedence (flag > env > file > default) and check the whole."""
     env = os.environ if env is None else env
-    names = router_setting_names()
+    names = setting_names(RouterConfig)
     file_values = read_settings_file(config_file, names) if config_file is not None else {}
     values, sources = merge_settings(names, flags, env, "KVD_ROUTER_", file_values, config_file, _PARSERS, _check,
                                      field_defaults(RouterConfig))
