@@ -127,28 +127,27 @@ class Records:
         return self.get(adr_id)
 
     def get(self, adr_id: int) -> Adr:
-        row = self.store.conn.execute("SELECT id, created_at, status, superseded_by FROM adrs WHERE id = ?",
-                                      (adr_id,)).fetchone()
+        row = self.store.read_one("SELECT id, created_at, status, superseded_by FROM adrs WHERE id = ?", (adr_id,))
         if row is None:
             raise RecordError(f"adr {adr_id}: no such record")
-        rev = self.store.conn.execute(
+        rev = self.store.read_one(
             "SELECT revision, at, author, title, body FROM adr_revisions WHERE adr_id = ? "
-            "ORDER BY revision DESC LIMIT 1", (adr_id,)).fetchone()
-        rollouts = [{"id": r[0], "state": r[1], "fraction": r[2]} for r in self.store.conn.execute(
+            "ORDER BY revision DESC LIMIT 1", (adr_id,))
+        rollouts = [{"id": r[0], "state": r[1], "fraction": r[2]} for r in self.store.read(
             "SELECT id, state, fraction FROM rollouts WHERE adr_id = ? ORDER BY id", (adr_id,))]
         return Adr(id=row[0], status=row[2], title=rev[3], fields=json.loads(rev[4]), revision=rev[0],
                    created_at=row[1], updated_at=rev[1], author=rev[2], superseded_by=row[3], rollouts=rollouts)
 
     def revisions(self, adr_id: int) -> list[dict]:
         self.get(adr_id)
-        rows = self.store.conn.execute("SELECT revision, at, author, title FROM adr_revisions WHERE adr_id = ? "
-                                       "ORDER BY revision", (adr_id,)).fetchall()
+        rows = self.store.read("SELECT revision, at, author, title FROM adr_revisions WHERE adr_id = ? "
+                               "ORDER BY revision", (adr_id,))
         return [{"revision": r[0], "at": r[1], "author": r[2], "title": r[3]} for r in rows]
 
     def list(self, status: str | None = None) -> list[Adr]:
         if status is not None and status not in STATUSES:
             raise RecordError(f"status: unknown value {status!r}; use {', '.join(STATUSES)}")
-        ids = [r[0] for r in self.store.conn.execute(
+        ids = [r[0] for r in self.store.read(
             "SELECT id FROM adrs" + (" WHERE status = ?" if status else "") + " ORDER BY id",
             (status,) if status else ())]
         return [self.get(i) for i in ids]

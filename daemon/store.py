@@ -88,7 +88,7 @@ class Store:
         except sqlite3.DatabaseError as exc:  # not a database, unreadable, a read-only folder for its WAL
             raise StoreError(f"store: {str(path)!r} cannot be opened: {exc}") from None
         self.path = path
-        self._lock = threading.RLock()  # one connection, shared by the daemon's threads
+        self._lock = threading.RLock()  # one connection, shared by the daemon's threads: every use holds this
         self.audit_failures = 0  # audit records the database could not take (the log holds them)
         self.written_back = 0  # times the file was deleted under this Store and written back
         self._identity = file_identity(path)  # which file the connection has open
@@ -118,6 +118,22 @@ class Store:
                 if isinstance(exc, sqlite3.OperationalError):
                     raise self._unavailable(exc) from None
                 raise
+
+    def read(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
+        """The rows of one query. Every use of the connection goes through `_lock`, reads too.
+        NOTE: SQLite waits for another process's write lock holding the connection's mutex, and
+        pysqlite binds a cached statement's parameters holding the GIL: a read by another thread
+        beside a write that waited froze every thread of kvd, the engine's and the event loop's,
+        for as long as the write waited (24 s of no token, scripts/store-locked). A read also
+        must not run inside another thread's open write transaction. Under the lock, a read
+        waits for such a write without holding up anything else."""
+        with self._lock:
+            return self.conn.execute(sql, params).fetchall()
+
+    def read_one(self, sql: str, params: tuple | dict = ()) -> tuple | None:
+        """The first row of one query (None: no row), as `read`."""
+        rows = self.read(sql, params)
+        return rows[0] if rows else None
 
     def _unavailable(self, exc: sqlite3.OperationalError) -> StoreUnavailable:
         return StoreUnavailable(f"store: {str(self.path)!r} cannot be written now ({exc}); nothing of this "
@@ -221,7 +237,7 @@ class Store:
 
     @property
     def schema_version(self) -> int:
-        return self.conn.execute("PRAGMA user_version").fetchone()[0]
+        return self.read("PRAGMA user_version")[0][0]
 
     def _migrate(self) -> None:
         with self.write() as conn:
