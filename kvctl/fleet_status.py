@@ -22,12 +22,22 @@ def is_fleet(data: dict) -> bool:
 
 def store_trouble(status: dict) -> list[tuple[str, Text]]:
     """(what, a line) for each trouble with a kvd's SQLite store its status reports: its file
-    replaced under it (writes refused until a restart), audit records only in its log."""
+    replaced under it (writes refused until a restart), a rollback it has not stored, periodic
+    jobs failing, audit records only in its log."""
     store = status.get("store") or {}  # an older kvd does not say
     lines = []
     if not store.get("file_ok", True):
         lines.append(("store", Text("its file was replaced under kvd: pins, rollouts and records are refused until "
                                     "kvd restarts and opens the one there", style="bold red")))
+    rollout = store.get("unstored_rollback")
+    if rollout is not None:
+        lines.append(("rollout", Text(f"kvd rolled rollout {rollout} back on a stop condition and the store has not "
+                                      "taken that yet: a restart before it does resumes the rollout",
+                                      style="bold red")))
+    failing = store.get("failing_jobs")
+    if failing:
+        lines.append(("jobs", Text(f"failing now: {', '.join(failing)} (kvd's log says why; each is tried again)",
+                                   style="yellow")))
     lost = store.get("audit_write_failures")
     if lost:
         lines.append(("audit", Text(f"{lost:,} record{'s' if lost != 1 else ''} the store could not take "

@@ -97,6 +97,8 @@ def _render(d: dict, console: Console | None = None) -> None:
         console.print(f"stop when: {stop}")
     if d.get("note"):
         console.print(f"[yellow]{d['note']}[/yellow]")
+    if d.get("unstored"):
+        console.print(f"[red]not stored: {d['unstored']}[/red]")
     for hint in (d.get("keep") or {}).values():
         console.print(f"[yellow]to keep it: {hint}[/yellow]")
     events = d["events"]
@@ -166,7 +168,7 @@ def list_rollouts(ctx: typer.Context, limit: int = typer.Option(20, "--limit", h
         now = time.time()
         table = compact_table("id", "state", "cohort", "policy", "started", "latest", "adr")
         for r in d["rollouts"]:
-            table.add_row(str(r["id"]), r["state"], f"{r['fraction']:.0%}", r["policy"].get("name", "-"),
+            table.add_row(str(r["id"]), r["state"] + (" (not stored)" if r.get("unstored") else ""), f"{r['fraction']:.0%}", r["policy"].get("name", "-"),
                           when(r["created_at"]), f"{r['last_action']} {duration(now - r['last_at'])} ago",
                           "-" if r["adr_id"] is None else str(r["adr_id"]))
         keep_whole(table, 0, 4, 5)

@@ -833,7 +833,7 @@ def test_many_threads_submitting_at_once_each_get_their_own_requests_run_to_the_
 
 
 def test_a_sleeping_engine_wakes_for_a_submission_and_a_stopped_one_refuses_it(tmp_path):
-    """The idle engine thread sleeps (here up to a minute between housekeeping rounds) and a
+    """The idle engine thread sleeps (here up to a minute between watchdog pings) and a
     submission wakes it; a blocking submit on the engine thread itself is refused (it would
     wait for ever); once the engine thread has stopped, a submission fails with 503."""
     import threading

@@ -412,3 +412,80 @@ def test_a_cohort_s_ttft_percentiles_cover_its_latest_5000_requests():
     figures = cohort.figures()
     assert (figures["requests"], figures["ttft_p50_seconds"], figures["ttft_p95_seconds"]) == (6000, 3.499, 5.749)
     assert len(cohort.ttfts) == 5000 and sum(cohort.ttft_buckets) == 6000  # the histogram keeps every one
+
+
+def test_a_stop_that_trips_while_the_store_is_locked_stops_the_cohort_at_once_and_is_stored_later(tmp_path):
+    """A stop condition is there to stop harm: when it trips while another process holds the
+    store's write lock (past the busy timeout), the cohort still goes at once and the engine
+    serves on; the rollback is stored, with the time it happened, by the first check the store
+    can take. Before, the failed write escaped the engine thread and kvd served nothing more."""
+    import sqlite3
+
+    from rich.console import Console
+
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.server.service import Principal
+    from kvctl.ops import render_status
+    from kvctl.rollout_cmd import _render
+
+    service = start_service(tmp_path, num_blocks=24, max_running=8)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        body = {"policy": {"name": "any", "by": "request", "min_requests": 1, "settings": {"reservation": "fixed:0"}},
+                "cohort": "50%", "stops": ["hit_ratio < 2"]}  # a ratio is never 2: trips at the first check
+        rollout_id = call(unix, "POST", "/admin/rollouts", json=body).json()["id"]
+
+        def run(n):
+            done = threading.Semaphore(0)
+            for _ in range(n):
+                service.submit([list(range(1, 20))], SamplingParams(max_tokens=2, ignore_eos=True),
+                               Principal("acme", "admin", "t"), lambda e: done.release() if e.finish_reason else None)
+            for _ in range(n):
+                assert done.acquire(timeout=60)
+
+        run(10)
+        settled(lambda: service.rollouts.status(rollout_id)["traffic"]["requests"], lambda n: n == 10)
+        service.store.conn.execute("PRAGMA busy_timeout=50")
+        shell = sqlite3.connect(tmp_path / "kvd.sqlite3", isolation_level=None)
+        shell.execute("BEGIN IMMEDIATE")
+        try:
+            result = service.rollouts.evaluate()
+            assert result["state"] == "rolled_back" and result["unstored"].startswith("kvd rolled it back")
+            console = Console(record=True, width=200)
+            _render(result, console)
+            text = " ".join(console.export_text().split())
+            assert text.startswith(f"rollout {rollout_id}: rolled_back, cohort 50%")
+            assert ("not stored: kvd rolled it back on a stop condition, and the store could not take that yet: kvd "
+                    "tries again at each check; a restart before then resumes the rollout") in text
+            assert "rollback by kvd: stop condition tripped: hit_ratio < 2" in text
+            status = call(unix, "GET", "/admin/status").json()
+            assert status["rollout"] is None and status["store"]["unstored_rollback"] == rollout_id
+            console = Console(record=True, width=200)
+            render_status(status, console)  # what `kvctl status` shows
+            assert (f"rollout kvd rolled rollout {rollout_id} back on a stop condition and the store has not taken "
+                    "that yet: a restart before it does resumes the rollout") in " ".join(console.export_text().split())
+            assert result["events"][-1]["action"] == "rollback"
+            assert result["events"][-1]["detail"]["reason"] == "stop condition tripped: hit_ratio < 2"
+            assert service.rollouts.assign("acme", "r1") == (None, None)  # the cohort is gone now
+            assert service.rollouts.summary() is None
+            [listed] = call(unix, "GET", "/admin/rollouts/history").json()["rollouts"]
+            assert (listed["state"], listed["last_action"]) == ("rolled_back", "rollback") and listed["unstored"]
+            refused = call(unix, "POST", "/admin/rollouts", json=body)  # the pending rollback must land first
+            assert refused.status_code == 503 and "database is locked" in refused.json()["error"]["message"]
+            with pytest.raises(Exception, match="database is locked"):
+                service.rollouts.evaluate()  # still waiting; it raises, housekeeping logs and tries again
+            run(2)  # the engine serves on
+            stored = sqlite3.connect(tmp_path / "kvd.sqlite3").execute(
+                "SELECT state FROM rollouts WHERE id = ?", (rollout_id,)).fetchone()
+            assert stored == ("running",)
+        finally:
+            shell.execute("ROLLBACK")
+        at = result["events"][-1]["at"]
+        assert service.rollouts.evaluate() is None  # stored now, nothing active to check
+        after = call(unix, "GET", f"/admin/rollouts/{rollout_id}").json()
+        assert after["state"] == "rolled_back" and "unstored" not in after
+        assert [(e["action"], e["at"]) for e in after["events"]][-1] == ("rollback", at)
+        audit = [e["action"] for e in call(unix, "GET", "/admin/audit").json()["entries"]]
+        assert audit[0] == "rollout.rollback"
+    finally:
+        service.shutdown(1)

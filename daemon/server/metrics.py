@@ -30,6 +30,8 @@
     kvd_pinned_blocks{tenant}                 distinct blocks pinned per tenant
     kvd_restored_tokens_total                 prompt tokens restored from a lower tier (not recomputed)
     kvd_audit_write_failures_total            audit records the store could not take (each logged whole)
+    kvd_housekeeping_failures_total{job}      failed runs of the periodic jobs (pin expiry, store file check,
+                                              rollout stop conditions); each is tried again
     kvd_tier_bytes{tier}                      bytes held per lower tier (host, disk, remote)
     kvd_tier_capacity_bytes{tier}
     kvd_tier_block_bytes{tier}                bytes a block takes in each tier as written now (tier_compress)
@@ -177,6 +179,12 @@ class _EngineCollector:
                                 "writes are refused until a restart", value=1.0 if self.service.store.file_ok else 0.0)
         yield CounterMetricFamily("kvd_store_written_back", "Times the SQLite store's file was deleted under kvd "
                                   "and written back whole", value=self.service.store.written_back)
+        failures = CounterMetricFamily("kvd_housekeeping_failures", "Failed runs of kvd's periodic jobs (pin "
+                                       "expiry, store file check, rollout stop conditions), each tried again at its "
+                                       "next turn: the log says why", labels=["job"])
+        for job, count in self.service.housekeeping.failures.items():
+            failures.add_metric([job], count)
+        yield failures
         yield CounterMetricFamily("kvd_restored_tokens", "Prompt tokens restored from a lower tier",
                                   value=engine.stats.restored_tokens)
         tiers = self.service.tiers

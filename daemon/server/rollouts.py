@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
-from kvctl.daemon.store import Store
+from kvctl.daemon.store import Store, StoreUnavailable
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.rollout import MIN_REQUESTS, StopCondition, in_cohort, parse_fraction
 
@@ -40,6 +41,10 @@ from .service import ServiceError
 COHORT_SETTINGS = ("reservation",)
 POOL_SETTINGS = ("eviction", "block_size", "cache_dtype", "num_blocks")
 ACTIVE_STATES = ("running", "paused")
+
+log = logging.getLogger("kvd")
+UNSTORED = ("kvd rolled it back on a stop condition, and the store could not take that yet: kvd tries again at "
+            "each check; a restart before then resumes the rollout")
 
 
 @dataclass
@@ -123,10 +128,22 @@ def validate_policy(policy: object) -> dict:
 
 
 class RolloutManager:
+    """The rollout in force, its live figures, and its transitions.
+
+    NOTE: two locks. `lock` guards the state in memory and is held only briefly: the engine
+    thread takes it for every request it admits (`assign`) and finishes (`observe`). `_moves`
+    puts the transitions one after another and is held across their store writes, which wait
+    while another process holds the store's write lock; held under `lock`, such a wait stopped
+    every token."""
+
     def __init__(self, store: Store, clock=time.time) -> None:
         self.store, self.clock = store, clock
         self.lock = threading.RLock()
+        self._moves = threading.Lock()
         self.active: dict | None = None  # the running or paused rollout
+        # a rollback kvd made on a tripped stop condition that the store could not take yet: in
+        # force (the cohort is gone), stored by the next evaluate() that can; lost if kvd stops first
+        self.unstored: dict | None = None
         self.candidate = None  # its reservation policy instance (learns as its cohort finishes)
         self.cohort = CohortStats()
         self.baseline = CohortStats()
@@ -135,20 +152,20 @@ class RolloutManager:
 
     # ---- persistence -------------------------------------------------------------------------
     def _row(self, rollout_id: int) -> dict:
-        row = self.store.conn.execute("SELECT id, created_at, state, fraction, policy, stops, adr_id, actor "
-                                      "FROM rollouts WHERE id = ?", (rollout_id,)).fetchone()
+        row = self.store.read_one("SELECT id, created_at, state, fraction, policy, stops, adr_id, actor "
+                                  "FROM rollouts WHERE id = ?", (rollout_id,))
         if row is None:
             raise ServiceError(404, f"rollout {rollout_id}: no such rollout", "rollout_id")
         return {"id": row[0], "created_at": row[1], "state": row[2], "fraction": row[3],
                 "policy": json.loads(row[4]), "stops": json.loads(row[5]), "adr_id": row[6], "actor": row[7]}
 
-    def _event(self, conn, rollout_id: int, actor: str, action: str, detail: dict) -> None:
+    def _event(self, conn, rollout_id: int, actor: str, action: str, detail: dict, at: float | None = None) -> None:
         conn.execute("INSERT INTO rollout_events (rollout_id, at, actor, action, detail) VALUES (?, ?, ?, ?, ?)",
-                     (rollout_id, self.clock(), actor, action, json.dumps(detail, sort_keys=True)))
+                     (rollout_id, self.clock() if at is None else at, actor, action, json.dumps(detail, sort_keys=True)))
 
     def restore(self) -> None:
-        row = self.store.conn.execute("SELECT id FROM rollouts WHERE state IN ('running', 'paused') "
-                                      "ORDER BY id DESC LIMIT 1").fetchone()
+        row = self.store.read_one("SELECT id FROM rollouts WHERE state IN ('running', 'paused') "
+                                  "ORDER BY id DESC LIMIT 1")
         if row is not None:
             self._activate(self._row(row[0]))
 
@@ -169,13 +186,14 @@ class RolloutManager:
             conditions = [StopCondition.parse(s).text for s in stops]
         except ValueError as exc:
             raise ServiceError(400, str(exc), "stop" if "stop" in str(exc) else "cohort") from None
-        if adr_id is not None and self.store.conn.execute("SELECT 1 FROM adrs WHERE id = ?",
-                                                           (adr_id,)).fetchone() is None:
+        if adr_id is not None and self.store.read_one("SELECT 1 FROM adrs WHERE id = ?", (adr_id,)) is None:
             raise ServiceError(404, f"adr: no record {adr_id}", "adr")
-        with self.lock:
-            if self.active is not None:
-                raise ServiceError(409, f"rollout {self.active['id']} is {self.active['state']}; complete or "
-                                        "roll it back first")
+        with self._moves:
+            self._store_unstored()
+            with self.lock:
+                if self.active is not None:
+                    raise ServiceError(409, f"rollout {self.active['id']} is {self.active['state']}; complete or "
+                                            "roll it back first")
             digest = hashlib.sha256(json.dumps(policy, sort_keys=True).encode()).hexdigest()[:12]
             policy = {**policy, "version": digest}
             with self.store.write() as conn:
@@ -184,47 +202,89 @@ class RolloutManager:
                     "VALUES (?, 'running', ?, ?, ?, ?, ?)",
                     (self.clock(), share, json.dumps(policy), json.dumps(conditions), adr_id, actor)).lastrowid
                 self._event(conn, rollout_id, actor, "start", {"fraction": share, "stops": conditions})
-            self._activate(self._row(rollout_id))
+            row = self._row(rollout_id)
+            with self.lock:
+                self._activate(row)
         self.store.audit(actor=actor, tenant="-", action="rollout.start", target=f"rollout:{rollout_id}",
                          result="ok", detail={"fraction": share, "policy_version": policy["version"]})
         return self.status(rollout_id)
 
     def _move(self, rollout_id: int, state: str, actor: str, action: str, allowed: tuple[str, ...],
               detail: dict, fraction: float | None = None) -> dict:
-        with self.lock:
+        """An operator's transition: stored, then in force; one the store cannot take is refused
+        whole (StoreUnavailable: 503). (A tripped stop condition is `evaluate`'s.)"""
+        with self._moves:
+            self._store_unstored()  # a tripped rollback first: this one then sees it
             row = self._row(rollout_id)
             if row["state"] not in allowed:
                 raise ServiceError(409, f"rollout {rollout_id}: cannot {action} while {row['state']}")
-            if self.active is not None and self.active["id"] == rollout_id:  # what it was judged on
-                detail = {**detail, "figures": {"cohort": self.cohort.figures(), "baseline": self.baseline.figures(),
-                                                "since": self.figures_since}}
+            with self.lock:
+                if self.active is not None and self.active["id"] == rollout_id:  # what it was judged on
+                    detail = {**detail, "figures": {"cohort": self.cohort.figures(),
+                                                    "baseline": self.baseline.figures(),
+                                                    "since": self.figures_since}}
             with self.store.write() as conn:
                 if fraction is not None:
                     conn.execute("UPDATE rollouts SET fraction = ? WHERE id = ?", (fraction, rollout_id))
                 conn.execute("UPDATE rollouts SET state = ? WHERE id = ?", (state, rollout_id))
                 self._event(conn, rollout_id, actor, action, detail)
-            if state in ACTIVE_STATES:
-                figures = (self.cohort, self.baseline, self.figures_since)
-                self._activate(self._row(rollout_id))
-                self.cohort, self.baseline, self.figures_since = figures
-            else:
-                self._activate(None)
+            row = self._row(rollout_id)
+            with self.lock:
+                if self.unstored is not None and self.unstored["rollout_id"] == rollout_id:
+                    pass  # a stop condition tripped meanwhile: rolled back, stored next
+                elif state in ACTIVE_STATES:
+                    figures = (self.cohort, self.baseline, self.figures_since)
+                    self._activate(row)
+                    self.cohort, self.baseline, self.figures_since = figures
+                else:
+                    self._activate(None)
         self.store.audit(actor=actor, tenant="-", action=f"rollout.{action}", target=f"rollout:{rollout_id}",
                          result="ok", detail={k: v for k, v in detail.items() if k != "figures"})
         return self.status(rollout_id)
 
+    def _store_unstored(self) -> None:
+        """Store the rollback that waits for the store, if one does (under `_moves`). Raises
+        StoreUnavailable while the store still cannot take it."""
+        pending = self.unstored
+        if pending is None:
+            return
+        with self.store.write() as conn:
+            conn.execute("UPDATE rollouts SET state = 'rolled_back' WHERE id = ?", (pending["rollout_id"],))
+            self._event(conn, pending["rollout_id"], pending["actor"], pending["action"], pending["detail"],
+                        pending["at"])
+        self.unstored = None
+        if pending.get("said"):
+            log.info("rollout %d: its rollback is stored now", pending["rollout_id"])
+        self.store.audit(actor=pending["actor"], tenant="-", action="rollout.rollback",
+                         target=f"rollout:{pending['rollout_id']}", result="ok",
+                         detail={k: v for k, v in pending["detail"].items() if k != "figures"})
+
     def record_figures(self, action: str, actor: str) -> None:
         """Store the running or paused rollout's live figures as an event that changes nothing
         (at shutdown: they would otherwise be lost with the process); nothing without a rollout
-        or before its first request."""
-        with self.lock:
-            rollout = self.active
-            if rollout is None or self.cohort.requests + self.baseline.requests == 0:
-                return
-            figures = {"cohort": self.cohort.figures(), "baseline": self.baseline.figures(),
-                       "since": self.figures_since}
-            with self.store.write() as conn:
-                self._event(conn, rollout["id"], actor, action, {"figures": figures})
+        or before its first request. What the store cannot take is logged whole."""
+        with self._moves:
+            with self.lock:
+                rollout = self.active
+                if rollout is None or self.cohort.requests + self.baseline.requests == 0:
+                    figures = None
+                else:
+                    figures = {"cohort": self.cohort.figures(), "baseline": self.baseline.figures(),
+                               "since": self.figures_since}
+            try:
+                self._store_unstored()
+                if figures is not None:
+                    with self.store.write() as conn:
+                        self._event(conn, rollout["id"], actor, action, {"figures": figures})
+            except StoreUnavailable as exc:
+                if self.unstored is not None:
+                    log.error("rollout %d: kvd rolled it back (%s) and the store never took it (%s): it resumes "
+                              "at the next start; roll it back then (kvctl rollout rollback %d)",
+                              self.unstored["rollout_id"], self.unstored["detail"]["reason"], exc,
+                              self.unstored["rollout_id"])
+                if figures is not None:
+                    log.error("rollout %d: its figures at %s were not stored (%s): %s", rollout["id"], action, exc,
+                              json.dumps(figures, sort_keys=True))
 
     def advance(self, rollout_id: int, to: str | float, actor: str) -> dict:
         try:
@@ -240,9 +300,8 @@ class RolloutManager:
     def resume(self, rollout_id: int, actor: str) -> dict:
         return self._move(rollout_id, "running", actor, "resume", ("paused",), {})
 
-    def rollback(self, rollout_id: int, reason: str, actor: str, detail: dict | None = None) -> dict:
-        return self._move(rollout_id, "rolled_back", actor, "rollback", ACTIVE_STATES,
-                          {"reason": reason, **(detail or {})})
+    def rollback(self, rollout_id: int, reason: str, actor: str) -> dict:
+        return self._move(rollout_id, "rolled_back", actor, "rollback", ACTIVE_STATES, {"reason": reason})
 
     def complete(self, rollout_id: int, actor: str) -> dict:
         return self._move(rollout_id, "completed", actor, "complete", ACTIVE_STATES, {})
@@ -266,46 +325,75 @@ class RolloutManager:
 
     def evaluate(self) -> dict | None:
         """Check the stop conditions that have enough requests on each side (`min_requests`);
-        roll back (and say why) when one trips."""
+        when one trips, roll back (and say why): in force at once, then stored (`unstored` until
+        the store takes it; each evaluate tries again, and raises StoreUnavailable while it
+        still cannot)."""
         with self.lock:
             rollout = self.active
-            if rollout is None or rollout["state"] != "running":
-                return None
-            cohort, baseline = self.cohort.figures(), self.baseline.figures()
-            for text in rollout["stops"]:
-                condition = StopCondition.parse(text)
-                needed = min_requests(rollout, condition)
-                if self.cohort.requests < needed or self.baseline.requests < needed:
-                    continue
-                tripped, values = condition.tripped(cohort, baseline)
-                if tripped:
-                    return self.rollback(rollout["id"], f"stop condition tripped: {text}", "kvd",
-                                         {"condition": text, **values})
-        return None
+            tripped = None
+            if rollout is not None and rollout["state"] == "running":
+                cohort, baseline = self.cohort.figures(), self.baseline.figures()
+                for text in rollout["stops"]:
+                    condition = StopCondition.parse(text)
+                    needed = min_requests(rollout, condition)
+                    if self.cohort.requests < needed or self.baseline.requests < needed:
+                        continue
+                    trips, values = condition.tripped(cohort, baseline)
+                    if trips:
+                        tripped = {"reason": f"stop condition tripped: {text}", "condition": text, **values,
+                                   "figures": {"cohort": cohort, "baseline": baseline, "since": self.figures_since}}
+                        break
+            if tripped is not None:  # the cohort goes now, whatever the store does
+                self._activate(None)
+                self.unstored = {"rollout_id": rollout["id"], "at": self.clock(), "actor": "kvd",
+                                 "action": "rollback", "detail": tripped}
+        with self._moves:
+            try:
+                self._store_unstored()
+            except StoreUnavailable as exc:
+                if tripped is not None:
+                    log.error("rollout %d rolled back (%s); the store cannot take that now (%s): kvd tries again "
+                              "at each check, and a restart before it does resumes the rollout; the record: %s",
+                              rollout["id"], tripped["reason"], exc, json.dumps(self.unstored, sort_keys=True))
+                    self.unstored["said"] = True
+                    return self.status(rollout["id"])
+                raise
+        return None if tripped is None else self.status(rollout["id"])
 
     def status(self, rollout_id: int | None = None) -> dict:
+        """A rollout (default: the active one, else the latest) with its transitions, and its live
+        figures while it is active. NOTE: the store is read outside `lock`: a read waits while
+        another of kvd's threads waits for the store's write lock (they share one connection)."""
+        active = self.active
+        if rollout_id is None:
+            if active is None:
+                row = self.store.read_one("SELECT max(id) FROM rollouts")
+                if row[0] is None:
+                    raise ServiceError(404, "rollout: none has been started", "rollout_id")
+                rollout_id = row[0]
+            else:
+                rollout_id = active["id"]
+        row = self._row(rollout_id)
+        events = [{"at": e[0], "actor": e[1], "action": e[2], "detail": json.loads(e[3])}
+                  for e in self.store.read("SELECT at, actor, action, detail FROM rollout_events "
+                                           "WHERE rollout_id = ? ORDER BY id", (rollout_id,))]
         with self.lock:
-            if rollout_id is None:
-                if self.active is None:
-                    row = self.store.conn.execute("SELECT max(id) FROM rollouts").fetchone()
-                    if row[0] is None:
-                        raise ServiceError(404, "rollout: none has been started", "rollout_id")
-                    rollout_id = row[0]
-                else:
-                    rollout_id = self.active["id"]
-            row = self._row(rollout_id)
-            events = [{"at": e[0], "actor": e[1], "action": e[2], "detail": json.loads(e[3])}
-                      for e in self.store.conn.execute("SELECT at, actor, action, detail FROM rollout_events "
-                                                       "WHERE rollout_id = ? ORDER BY id", (rollout_id,))]
+            pending = self.unstored
+            unstored = pending is not None and pending["rollout_id"] == rollout_id
+            if unstored:  # in force, not yet in the store
+                row["state"] = "rolled_back"
+                events.append({key: pending[key] for key in ("at", "actor", "action", "detail")})
             live = self.active is not None and self.active["id"] == rollout_id
             cohort = self.cohort.figures() if live else None
             baseline = self.baseline.figures() if live else None
-            recorded = [e for e in events if "figures" in e["detail"]]
-            return {**row, "events": events, "cohort": cohort, "baseline": baseline,
-                    "figures_since": self.figures_since if live else None,
-                    "last_figures": None if not recorded else {
-                        "at": recorded[-1]["at"], "action": recorded[-1]["action"], **recorded[-1]["detail"]["figures"]},
-                    "traffic": traffic_split(row, cohort, baseline) if live else None}
+            since = self.figures_since if live else None
+        recorded = [e for e in events if "figures" in e["detail"]]
+        return {**row, "events": events, "cohort": cohort, "baseline": baseline,
+                **({"unstored": UNSTORED} if unstored else {}),
+                "figures_since": since,
+                "last_figures": None if not recorded else {
+                    "at": recorded[-1]["at"], "action": recorded[-1]["action"], **recorded[-1]["detail"]["figures"]},
+                "traffic": traffic_split(row, cohort, baseline) if live else None}
 
     def summary(self) -> dict | None:
         """The running or paused rollout in a line's worth of fields (for `kvctl status`); None without one."""
@@ -333,10 +421,16 @@ class RolloutManager:
 
     def history(self, limit: int) -> list[dict]:
         """The newest `limit` rollouts, each with its latest transition."""
-        rows = self.store.conn.execute(
+        rows = self.store.read(
             "SELECT r.id, r.created_at, r.state, r.fraction, r.policy, r.adr_id, r.actor, "
             "(SELECT at FROM rollout_events WHERE rollout_id = r.id ORDER BY id DESC LIMIT 1), "
             "(SELECT action FROM rollout_events WHERE rollout_id = r.id ORDER BY id DESC LIMIT 1) "
-            "FROM rollouts r ORDER BY r.id DESC LIMIT ?", (limit,)).fetchall()
-        return [{"id": r[0], "created_at": r[1], "state": r[2], "fraction": r[3], "policy": json.loads(r[4]),
-                 "adr_id": r[5], "actor": r[6], "last_at": r[7], "last_action": r[8]} for r in rows]
+            "FROM rollouts r ORDER BY r.id DESC LIMIT ?", (limit,))
+        listed = [{"id": r[0], "created_at": r[1], "state": r[2], "fraction": r[3], "policy": json.loads(r[4]),
+                   "adr_id": r[5], "actor": r[6], "last_at": r[7], "last_action": r[8]} for r in rows]
+        pending = self.unstored
+        for rollout in listed:
+            if pending is not None and rollout["id"] == pending["rollout_id"]:
+                rollout.update(state="rolled_back", last_at=pending["at"], last_action=pending["action"],
+                               unstored=UNSTORED)
+        return listed

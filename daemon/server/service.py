@@ -38,6 +38,7 @@ from kvctl.policies.tiering import restore_seconds
 
 from .request_trace import RequestTrace, load_trace_key
 from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
+from .housekeeping import Housekeeping, Job
 from .notify import Notifier
 from .tenant_labels import TenantLabels
 
@@ -46,7 +47,8 @@ log = logging.getLogger("kvd")
 # How long an eviction waits for blocks on their way to disk or Redis to land, so that it drops them
 # too (a write published after the eviction would bring back what it said it removed).
 EVICT_WRITE_WAIT_S = 30.0
-STORE_CHECK_SECONDS = 2.0  # how often the idle loop makes sure the store's file is still there
+STORE_CHECK_SECONDS = 2.0  # how often housekeeping makes sure the store's file is still there
+PIN_EXPIRY_SECONDS = 1.0  # how often housekeeping ends the pins whose TTL is over
 
 EventSink = Callable[[TokenEvent], None]
 
@@ -119,7 +121,7 @@ class EngineService:
         self._sinks: dict[str, EventSink] = {}
         self._inbox: deque[_Submission] = deque()  # handed in by submit_nowait, queued by the engine thread
         self._engine_idle = False  # set (under the lock) before the engine thread looks at the inbox to sleep
-        self.idle_wait = 0.5  # seconds the idle engine thread sleeps between its housekeeping rounds
+        self.idle_wait = 0.5  # seconds the idle engine thread sleeps between its watchdog pings
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.engine_threads = 0  # torch intra-op threads of the engine thread, once it runs
@@ -139,6 +141,12 @@ class EngineService:
         self.rollouts = RolloutManager(store)
         self._observers.append(self.rollouts.observe)
         self.rollout_check_seconds = 10.0
+        # the jobs that write to the store, off the engine thread (housekeeping.py says why)
+        self.housekeeping = Housekeeping([
+            Job("pin expiry", lambda: PIN_EXPIRY_SECONDS, self.expire_pins),
+            Job("store file check", lambda: STORE_CHECK_SECONDS, self.store.check_file),  # deleted: written back
+            Job("rollout stop conditions", lambda: self.rollout_check_seconds, self.rollouts.evaluate)])
+        self._housekeepers: list[threading.Thread] = []
         # settings a completed rollout made everyone's, not (yet) in the config: {name: {value, rollout}};
         # a reload whose config says otherwise reverts them, and says so
         self.rollout_settings: dict[str, dict] = {}
@@ -258,6 +266,7 @@ class EngineService:
         entered = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(threads, entered), name="kvd-engine", daemon=True)
         self._thread.start()
+        self._housekeepers = self.housekeeping.start(self._stop)
         if threads > 1:
             entered.wait()
             torch.set_num_threads(1)  # this thread's count, and the default of every thread started later
@@ -277,21 +286,11 @@ class EngineService:
             self.notifier.send(f"STATUS=cannot serve: {self.load_error}"[:1024], timeout=0)
             return
         self.notifier.ready()
-        next_expiry = next_rollout_check = next_store_check = 0.0
         while not self._stop.is_set():
             self.notifier.watchdog()
             if self.cpu_share is not None and self.cpu_share.wanted != self.engine_threads:
                 torch.set_num_threads(self.cpu_share.wanted)  # this thread's count: only it can set it
                 self.engine_threads = self.cpu_share.wanted
-            if time.monotonic() >= next_expiry:
-                self.expire_pins()
-                next_expiry = time.monotonic() + 1.0
-            if time.monotonic() >= next_store_check:  # its file deleted under kvd: written back
-                self.store.check_file()
-                next_store_check = time.monotonic() + STORE_CHECK_SECONDS
-            if time.monotonic() >= next_rollout_check:
-                self.rollouts.evaluate()
-                next_rollout_check = time.monotonic() + self.rollout_check_seconds
             with self.lock:
                 answered = self._queue_submissions()
                 if self.pending_scales is not None and not self.engine.num_running:
@@ -382,6 +381,8 @@ class EngineService:
             self.lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        for thread in self._housekeepers:  # a job waiting on a locked store holds it up to the busy timeout
+            thread.join(timeout=10)
         self.rollouts.record_figures("shutdown", "kvd")  # a restart starts them again from zero
 
     def reload_from_source(self, actor: str) -> dict:
@@ -743,9 +744,9 @@ class EngineService:
         answer says which settings to write into the config, and a reload or restart with a
         config that says otherwise reverts them (the reload says so; `rollout_status` shows
         whether they are still in effect)."""
+        rollout = self.rollouts.status(rollout_id)
+        body = self.rollouts.complete(rollout_id, principal.actor)  # (its store write may wait: not under the lock)
         with self.lock:
-            rollout = self.rollouts.status(rollout_id)
-            body = self.rollouts.complete(rollout_id, principal.actor)
             applied = {}
             reservation = rollout["policy"]["settings"].get("reservation")
             if reservation is not None:
@@ -875,7 +876,11 @@ class EngineService:
                 "uptime_seconds": time.time() - self.started_at,
                 "draining": self.draining,
                 "store": {"file_ok": self.store.file_ok, "written_back": self.store.written_back,
-                          "audit_write_failures": self.store.audit_failures},
+                          "audit_write_failures": self.store.audit_failures,
+                          # a rollback kvd made that the store has not taken (a restart would undo it)
+                          "unstored_rollback": None if self.rollouts.unstored is None
+                          else self.rollouts.unstored["rollout_id"],
+                          "failing_jobs": self.housekeeping.failing()},
             }
         body["latency"] = self.latency_summary()
         body["gpu"] = gpu_status()
@@ -1004,15 +1009,15 @@ class EngineService:
     def pin(self, token_ids: list[int], principal: Principal, ttl: float | None, note: str) -> dict:
         engine = self.require_ready()
         namespace = engine.namespace(principal.tenant)
-        with self.lock:
-            try:
+        try:
+            with self.lock:
                 result = engine.cache.pin(namespace, token_ids, ttl=ttl, owner=principal.actor, note=note)
-            except PinBudgetExceeded as exc:
-                self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin",
-                                 target="-", result="refused", detail={"reason": str(exc)})
-                raise ServiceError(409, str(exc)) from None
-            except InvalidRequest as exc:
-                raise ServiceError(400, str(exc), "tokens") from None
+        except PinBudgetExceeded as exc:  # (audited outside the lock: the engine thread takes it, a store write may wait)
+            self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin",
+                             target="-", result="refused", detail={"reason": str(exc)})
+            raise ServiceError(409, str(exc)) from None
+        except InvalidRequest as exc:
+            raise ServiceError(400, str(exc), "tokens") from None
         warmed = False
         if result.pending_blocks:
             try:
@@ -1071,15 +1076,15 @@ class EngineService:
         """Pin `keys` for `tenant` (its budget pays), bring what lower tiers hold of them up, and
         record it; a refusal is audited under `target` and named by `param`."""
         engine = self.engine
-        with self.lock:
-            try:
+        try:
+            with self.lock:
                 result = engine.cache.pin_keys(tenant, keys, ttl=ttl, owner=owner, note=note)
-            except PinBudgetExceeded as exc:
-                self.store.audit(actor=principal.actor, tenant=tenant, action="pin", target=target,
-                                 result="refused", detail={"reason": str(exc)})
-                raise ServiceError(409, str(exc)) from None
-            except InvalidRequest as exc:
-                raise ServiceError(400, str(exc), param) from None
+        except PinBudgetExceeded as exc:  # (audited outside the lock, as in pin())
+            self.store.audit(actor=principal.actor, tenant=tenant, action="pin", target=target,
+                             result="refused", detail={"reason": str(exc)})
+            raise ServiceError(409, str(exc)) from None
+        except InvalidRequest as exc:
+            raise ServiceError(400, str(exc), param) from None
         if result.pending_blocks and self.tiers is not None:  # what a lower tier holds comes up, pinned
             from . import tier_ops
 

@@ -1,0 +1,134 @@
+"""kvd's periodic jobs run off the engine thread: a store another process holds locked delays
+them, never a token; a job that fails is retried and never ends the thread."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+
+import pytest
+
+from kvctl.daemon.server.housekeeping import Housekeeping, Job
+from kvctl.daemon.store import StoreUnavailable
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_job_that_fails_is_counted_said_once_and_tried_again_at_its_next_turn(caplog):
+    clock, ran = FakeClock(), []
+    outcomes = iter([RuntimeError("boom"), StoreUnavailable("store: locked"), None, None])
+
+    def flaky():
+        ran.append(clock.now)
+        outcome = next(outcomes)
+        if outcome is not None:
+            raise outcome
+
+    job = Job("flaky", lambda: 1.5, flaky)
+    house = Housekeeping([job], clock=clock)
+    with caplog.at_level(logging.INFO, logger="kvd"):
+        for _ in range(4):
+            assert house.run_once(job) == 1.5
+            assert job.due == clock.now + 1.5
+            clock.now = job.due
+    assert ran == [100.0, 101.5, 103.0, 104.5]
+    assert house.failures == {"flaky": 2} and job.failing == 0
+    said = [(r.levelname, r.getMessage(), bool(r.exc_info)) for r in caplog.records]
+    assert said == [("ERROR", "housekeeping: flaky failed; tried again every 1.5 s (said once): boom", True),
+                    ("INFO", "housekeeping: flaky works again after 2 failures", False)]
+
+
+def test_a_store_that_cannot_take_writes_is_said_in_one_line_without_a_traceback(caplog):
+    def locked():
+        raise StoreUnavailable("store: 'kvd.sqlite3' cannot be written now (database is locked)")
+
+    job = Job("pin expiry", lambda: 1.0, locked)
+    with caplog.at_level(logging.ERROR, logger="kvd"):
+        Housekeeping([job], clock=FakeClock()).run_once(job)
+    [record] = caplog.records
+    assert record.getMessage() == ("housekeeping: pin expiry failed; tried again every 1 s (said once): store: "
+                                   "'kvd.sqlite3' cannot be written now (database is locked)")
+    assert not record.exc_info
+
+
+def test_a_job_that_waits_holds_up_only_itself_and_the_threads_stop_when_told():
+    stop, release, ticks = threading.Event(), threading.Event(), []
+    house = Housekeeping([Job("stuck", lambda: 0.01, release.wait), Job("tick", lambda: 0.01, lambda: ticks.append(1))])
+    threads = house.start(stop)
+    assert [t.name for t in threads] == ["kvd-housekeeping-stuck", "kvd-housekeeping-tick"]
+    deadline = time.monotonic() + 5
+    while len(ticks) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(ticks) >= 3 and not release.is_set()  # ticking while the other waits
+    stop.set()
+    release.set()
+    for thread in threads:
+        thread.join(5)
+        assert not thread.is_alive()
+
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+from .daemon_fixtures import apps, call, settled, start_service, token_table  # noqa: E402
+
+
+def test_tokens_keep_coming_while_another_process_holds_the_store_s_write_lock(tmp_path):
+    """A pin's TTL ends and an operator completes a rollout while a `sqlite3` shell holds the
+    store's write lock: both wait for it, and a request runs to its end meanwhile. Before, the
+    pin's expiry waited on the engine thread and the rollout's write under the locks the engine
+    thread takes, and no token moved until the lock went. Once it goes, both land."""
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.server.service import Principal
+
+    service = start_service(tmp_path, max_running=8)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        rollout = call(unix, "POST", "/admin/rollouts", json={
+            "policy": {"name": "p", "settings": {"reservation": "fixed:0"}}, "cohort": "50%", "stops": []}).json()
+        pin = call(unix, "POST", "/admin/pins", json={"text": "a system prompt " * 8, "ttl": 1}).json()
+        path = tmp_path / "kvd.sqlite3"
+        shell = sqlite3.connect(path, isolation_level=None)
+        shell.execute("BEGIN IMMEDIATE")
+        try:
+            completed: list[dict] = []
+            operator = threading.Thread(target=lambda: completed.append(
+                service.complete_rollout(rollout["id"], Principal("default", "admin", "ops"))))
+            operator.start()
+            assert settled(lambda: call(unix, "GET", "/admin/pins").json()["pins"], lambda pins: pins == []) == []
+            done, tokens = threading.Event(), []
+
+            def sink(event):
+                if event.token_id is not None:
+                    tokens.append(event.token_id)
+                if event.finish_reason:
+                    done.set()
+
+            service.submit([list(range(1, 30))], SamplingParams(max_tokens=16, ignore_eos=True),
+                           Principal("acme", "admin", "t"), sink)
+            assert done.wait(20), "no token moved while the store was locked"
+            assert len(tokens) == 16
+            assert operator.is_alive() and completed == []  # still waiting for the lock
+            reader = sqlite3.connect(path)
+            assert reader.execute("SELECT pin_id FROM pins").fetchall() == [(pin["pin_id"],)]  # not yet gone
+        finally:
+            shell.execute("ROLLBACK")
+        operator.join(30)
+        assert completed[0]["state"] == "completed"
+        assert settled(lambda: reader.execute("SELECT pin_id FROM pins").fetchall(), lambda rows: rows == []) == []
+        audit = call(unix, "GET", "/admin/audit").json()["entries"]
+        assert {(e["action"], e["result"], e["target"]) for e in audit} >= {
+            ("unpin", "expired", pin["pin_id"]), ("rollout.complete", "ok", f"rollout:{rollout['id']}")}
+        metrics = call(unix, "GET", "/metrics").text
+        assert 'kvd_housekeeping_failures_total{job="pin expiry"} 0.0' in metrics  # each waited; none failed
+        assert 'kvd_housekeeping_failures_total{job="rollout stop conditions"} 0.0' in metrics
+    finally:
+        service.shutdown(1)
