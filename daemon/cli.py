@@ -263,11 +263,14 @@ async def _serve(settings, re_resolve) -> None:
             log.info("shutting down (deadline %.0fs)", service.config.shutdown_timeout)
             stopping.set()
 
-    def on_hup() -> None:
+    def reload() -> None:
         try:
             service.reload_from_source("sighup")
         except Exception as exc:  # a bad edit must not take the daemon down
             log.error("%s", exc)
+
+    def on_hup() -> None:  # off the event loop: the reload's audit record may wait for the store (up to 30 s)
+        loop.run_in_executor(None, reload)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_term)

@@ -3,7 +3,8 @@
 One database file in the state directory, opened through sqlite-utils with WAL journaling,
 `synchronous=FULL`, a busy timeout and foreign keys; every write is one `BEGIN IMMEDIATE`
 transaction, so the daemon and several kvctl processes (a cron job among them) can write at
-once without losing a row. The schema version lives in `PRAGMA user_version` and moves
+once without losing a row. A Store holds two connections, one that writes (under its lock)
+and one that reads (see `Store.read` for why). The schema version lives in `PRAGMA user_version` and moves
 forward through `MIGRATIONS`; `PRAGMA quick_check` runs at every open. Pins are stored by
 block keys (hex), never by token ids or text.
 """
@@ -88,7 +89,7 @@ class Store:
         except sqlite3.DatabaseError as exc:  # not a database, unreadable, a read-only folder for its WAL
             raise StoreError(f"store: {str(path)!r} cannot be opened: {exc}") from None
         self.path = path
-        self._lock = threading.RLock()  # one connection, shared by the daemon's threads: every use holds this
+        self._lock = threading.RLock()  # the writing connection, shared by the daemon's threads: every use holds this
         self.audit_failures = 0  # audit records the database could not take (the log holds them)
         self.written_back = 0  # times the file was deleted under this Store and written back
         self._identity = file_identity(path)  # which file the connection has open
@@ -120,15 +121,21 @@ class Store:
                 raise
 
     def read(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
-        """The rows of one query. Every use of the connection goes through `_lock`, reads too.
-        NOTE: SQLite waits for another process's write lock holding the connection's mutex, and
-        pysqlite binds a cached statement's parameters holding the GIL: a read by another thread
-        beside a write that waited froze every thread of kvd, the engine's and the event loop's,
-        for as long as the write waited (24 s of no token, scripts/store-locked). A read also
-        must not run inside another thread's open write transaction. Under the lock, a read
-        waits for such a write without holding up anything else."""
-        with self._lock:
-            return self.conn.execute(sql, params).fetchall()
+        """The rows of one query, through the reading connection (`_reader`).
+
+        NOTE: reads never use the writing connection. SQLite waits for another process's write
+        lock holding that connection's mutex, and pysqlite binds a cached statement's parameters
+        holding the GIL: a read by another thread beside a write that waited froze every thread
+        of kvd, the engine's and the event loop's, for as long as the write waited (24 s of no
+        token, scripts/store-locked). A read there could also land inside another thread's open
+        write transaction. In WAL mode a reader waits for no writer."""
+        with self._read_lock:
+            return self._reader.execute(sql, params).fetchall()
+
+    def _query(self, sql: str, params: list | tuple = ()) -> list[dict]:
+        """`read`, each row a dict by column name."""
+        with self._read_lock:
+            return list(self._read_db.query(sql, params))
 
     def read_one(self, sql: str, params: tuple | dict = ()) -> tuple | None:
         """The first row of one query (None: no row), as `read`."""
@@ -140,12 +147,29 @@ class Store:
                                 f"change was stored")
 
     def _open_connection(self, path: Path) -> None:
+        """The writing connection (`conn`, used under `_lock`) and the reading one (`_reader`,
+        under `_read_lock`; see `read`)."""
         conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA busy_timeout=30000")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
+        reader = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
+        reader.execute("PRAGMA query_only=ON")
+        reader.execute("SELECT count(*) FROM sqlite_master").fetchone()  # its WAL and index open now, as the writer's
         self.conn, self.db = conn, sqlite_utils.Database(conn)
+        self._set_reader(reader)
+
+    def _set_reader(self, reader: sqlite3.Connection | None) -> None:
+        """Put `reader` in place of the reading connection, closing the one there (None: none now)."""
+        if not hasattr(self, "_read_lock"):
+            self._read_lock = threading.RLock()  # held across a swap of connections too (_let_go and after)
+        with self._read_lock:
+            old = getattr(self, "_reader", None)
+            if old is not None and old is not reader and old is not self.conn:
+                old.close()
+            self._reader = reader
+            self._read_db = None if reader is None else sqlite_utils.Database(reader)
 
     # ---- the file under the open connection -------------------------------------------------
     def check_file(self) -> bool:
@@ -187,6 +211,7 @@ class Store:
         its own: pages of one database laid over another, or (a checkpoint by this connection
         later) another process's writes to that file taken into this one's. Done at once, while
         those names are still this connection's."""
+        self._set_reader(None)  # first: the last connection to close would checkpoint by those names
         try:
             self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error as exc:  # another process reading the old file holds it: say so, go on
@@ -198,8 +223,10 @@ class Store:
         now on (writes are refused before they reach it), and the file it had open is let go."""
         copy = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         self.conn.backup(copy)
-        self._let_go()
-        self.conn, self.db = copy, sqlite_utils.Database(copy)
+        with self._read_lock:  # no read meanwhile
+            self._let_go()
+            self.conn, self.db = copy, sqlite_utils.Database(copy)
+            self._set_reader(copy)  # (writes are refused before they reach it)
         self._detached = True
 
     def _write_back(self) -> None:
@@ -214,6 +241,11 @@ class Store:
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(f"store: {str(self.path)!r} was deleted under kvd and cannot be written back "
                                    f"({exc}); nothing of this change was stored") from None
+        with self._read_lock:  # no read meanwhile
+            self._swap_in(tmp)
+
+    def _swap_in(self, tmp: str) -> None:
+        """`_write_back`'s second half: the old connections closed, the copy `tmp` linked in and opened."""
         self._let_go()
         try:
             os.link(tmp, self.path)
@@ -297,8 +329,7 @@ class Store:
         sql = "select * from audit where at >= ?" + (" and action = ?" if action else "") + \
               " order by id desc limit ?"
         args = [since] + ([action] if action else []) + [limit]
-        with self._lock:
-            rows = list(self.db.query(sql, args))
+        rows = self._query(sql, args)
         return [{**row, "detail": json.loads(row["detail"])} for row in rows]
 
     # ---- pins ----------------------------------------------------------------------------
@@ -312,8 +343,7 @@ class Store:
             conn.execute("DELETE FROM pins WHERE pin_id = ?", (pin_id,))
 
     def pins(self) -> list[dict]:
-        with self._lock:
-            return list(self.db.query("select * from pins order by created_at"))
+        return self._query("select * from pins order by created_at")
 
     # ---- runs ----------------------------------------------------------------------------
     def save_run(self, kind: str, document: dict) -> int:
@@ -324,8 +354,7 @@ class Store:
             return cursor.lastrowid
 
     def get_run(self, run_id: int) -> dict | None:
-        with self._lock:
-            rows = list(self.db.query("select * from runs where id = ?", [run_id]))
+        rows = self._query("select * from runs where id = ?", [run_id])
         if not rows:
             return None
         return {**rows[0], "document": json.loads(rows[0]["document"])}
@@ -349,8 +378,7 @@ class Store:
         sql = ("SELECT * FROM calibrations WHERE model_revision = ? AND dtype = ?"
                + (" AND applied_at IS NOT NULL ORDER BY applied_at DESC" if applied else " ORDER BY id DESC")
                + " LIMIT 1")
-        with self._lock:
-            rows = list(self.db.query(sql, [model_revision, dtype]))
+        rows = self._query(sql, [model_revision, dtype])
         if not rows:
             return None
         row = rows[0]
@@ -392,4 +420,5 @@ class Store:
         return tmp
 
     def close(self) -> None:
+        self._set_reader(None)
         self.conn.close()

@@ -132,3 +132,33 @@ def test_tokens_keep_coming_while_another_process_holds_the_store_s_write_lock(t
         assert 'kvd_housekeeping_failures_total{job="rollout stop conditions"} 0.0' in metrics
     finally:
         service.shutdown(1)
+
+
+def test_a_sighup_while_the_store_is_locked_holds_up_no_request(tmp_path):
+    """SIGHUP's reload ran on kvd's event loop, and its audit record waited there for the store:
+    no request was answered until the lock went (up to 30 s). It runs off the loop now."""
+    import signal
+
+    from .kvd_process import launch
+
+    proc, client = launch(tmp_path / "state", tmp_path / "kvd.sock", tmp_path / "kvd.log", "--max-running", "4")
+    try:
+        shell = sqlite3.connect(tmp_path / "state" / "kvd.sqlite3", isolation_level=None)
+        shell.execute("BEGIN IMMEDIATE")
+        try:
+            proc.send_signal(signal.SIGHUP)
+            time.sleep(0.5)  # the reload waits for the store by now
+            assert client.get("/healthz", timeout=10).status_code == 200
+            done = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True},
+                               timeout=10)
+            assert done.json()["usage"]["completion_tokens"] == 4
+            assert client.get("/admin/audit", timeout=10).json()["entries"] == []  # the reload's record waits
+        finally:
+            shell.execute("ROLLBACK")
+        deadline = time.monotonic() + 10
+        while not (entries := client.get("/admin/audit").json()["entries"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [(e["action"], e["actor"], e["result"]) for e in entries] == [("reload", "sighup", "ok")]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

@@ -362,8 +362,8 @@ class RolloutManager:
 
     def status(self, rollout_id: int | None = None) -> dict:
         """A rollout (default: the active one, else the latest) with its transitions, and its live
-        figures while it is active. NOTE: the store is read outside `lock`: a read waits while
-        another of kvd's threads waits for the store's write lock (they share one connection)."""
+        figures while it is active. NOTE: the store is read outside `lock`, which the engine
+        thread takes: no file I/O under it."""
         active = self.active
         if rollout_id is None:
             if active is None:
