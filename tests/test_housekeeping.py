@@ -162,3 +162,46 @@ def test_a_sighup_while_the_store_is_locked_holds_up_no_request(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_admin_calls_waiting_for_a_locked_store_leave_the_probes_answering(tmp_path):
+    """Sync handlers share 40 worker threads. Sixty `drain` calls, each waiting for a store that
+    a shell holds locked, took them all, and /healthz, /readyz and /health timed out: a
+    supervisor would have restarted a kvd that was serving. The probes answer on the event
+    loop now."""
+    import signal
+
+    import httpx
+
+    from .kvd_process import launch
+
+    sock = tmp_path / "kvd.sock"
+    proc, client = launch(tmp_path / "state", sock, tmp_path / "kvd.log", "--max-running", "4")
+    try:
+        shell = sqlite3.connect(tmp_path / "state" / "kvd.sqlite3", isolation_level=None)
+        shell.execute("BEGIN IMMEDIATE")
+        answers: list[int] = []
+
+        def drain():
+            with httpx.Client(base_url="http://kvd", transport=httpx.HTTPTransport(uds=str(sock)), timeout=60) as c:
+                answers.append(c.post("/admin/drain", json={}).status_code)
+
+        callers = [threading.Thread(target=drain) for _ in range(60)]
+        try:
+            for caller in callers:
+                caller.start()
+            time.sleep(1.0)  # every worker thread waits for the store by now
+            assert answers == []
+            assert client.get("/healthz", timeout=5).json() == {"status": "ok"}
+            readyz = client.get("/readyz", timeout=5)
+            assert (readyz.status_code, readyz.json()) == (503, {"ready": False, "reason": "draining (kvctl resume "
+                                                                 "takes completions again)"})
+            assert client.get("/health", timeout=5).status_code == 200
+        finally:
+            shell.execute("ROLLBACK")
+        for caller in callers:
+            caller.join(60)
+        assert answers == [200] * 60
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

@@ -254,12 +254,16 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return who
 
     # ---- health ------------------------------------------------------------------------------
+    # NOTE: the probes are `async def`, answered on the event loop: a sync handler waits for a
+    # worker thread, and 40 admin calls waiting for a store another process holds locked (30 s
+    # each) took them all, so that /healthz timed out and a supervisor would restart a kvd that
+    # was serving. They read flags only: nothing in them may wait.
     @app.get("/healthz")
-    def healthz():
+    async def healthz():
         return {"status": "ok"}
 
     @app.get("/readyz")
-    def readyz():
+    async def readyz():
         if service.ready.is_set() and service.accepting and not service.draining:
             return {"ready": True}
         reason = service.load_error or ("shutting down" if not service.accepting else
@@ -340,14 +344,14 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     # ---- vLLM's server extras: its probe, version, and token counting --------------------------
     @app.get("/health")
-    def health():
+    async def health():
         """vLLM's liveness probe: 200 while the model is loaded (draining or not), else 503 with why."""
         if service.ready.is_set() and service.engine is not None:
             return {}
         return JSONResponse({"healthy": False, "reason": service.load_error or "loading the model"}, status_code=503)
 
     @app.get("/version")
-    def version():
+    async def version():
         return {"version": kvctl_version}
 
     @app.post("/tokenize")

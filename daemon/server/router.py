@@ -570,7 +570,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         return who
 
     @app.get("/healthz")
-    def healthz():
+    async def healthz():  # on the event loop, as kvd's: never waits for a worker thread
         return {"ok": True}
 
     @app.get("/readyz")
@@ -765,12 +765,12 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         return {"object": "list", "data": list(data.values())}
 
     @app.get("/health")
-    def health():
+    async def health():
         """vLLM's liveness probe: the router is up (/readyz says whether a replica can serve)."""
         return {}
 
     @app.get("/version")
-    def version():
+    async def version():
         return {"version": kvctl_version}
 
     @app.post("/tokenize")
