@@ -164,11 +164,12 @@ def test_a_sighup_while_the_store_is_locked_holds_up_no_request(tmp_path):
         assert proc.wait(60) == 0
 
 
-def test_admin_calls_waiting_for_a_locked_store_leave_the_probes_answering(tmp_path):
+def test_admin_calls_waiting_for_a_locked_store_leave_the_probes_and_metrics_answering(tmp_path):
     """Sync handlers share 40 worker threads. Sixty `drain` calls, each waiting for a store that
-    a shell holds locked, took them all, and /healthz, /readyz and /health timed out: a
-    supervisor would have restarted a kvd that was serving. The probes answer on the event
-    loop now."""
+    a shell holds locked, took them all, and /healthz, /readyz, /health, /v1/models and /metrics
+    timed out: a supervisor would have restarted a kvd that was serving, and the scrape that
+    says why was missing. The probes and the model list answer on the event loop now, and
+    /metrics has worker threads of its own."""
     import signal
 
     import httpx
@@ -197,6 +198,9 @@ def test_admin_calls_waiting_for_a_locked_store_leave_the_probes_answering(tmp_p
             assert (readyz.status_code, readyz.json()) == (503, {"ready": False, "reason": "draining (kvctl resume "
                                                                  "takes completions again)"})
             assert client.get("/health", timeout=5).status_code == 200
+            assert client.get("/v1/models", timeout=5).json()["data"][0]["owned_by"] == "kvd"
+            scraped = client.get("/metrics", timeout=5).text  # from the metrics' own threads
+            assert 'kvd_housekeeping_failures_total{job="pin expiry"} 0.0' in scraped
         finally:
             shell.execute("ROLLBACK")
         for caller in callers:

@@ -16,6 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import anyio
+import anyio.to_thread
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -194,6 +196,7 @@ class ExplainRequest(BaseModel):
 # does not hold up the streams the loop serves. A worker-thread hop costs 1-2 ms on a busy host.
 HAND_IN_ON_LOOP_TOKENS = 4096
 DISCONNECT_CHECK_S = 0.5  # how often a non-streamed request looks for its client having left
+METRICS_THREADS = 2  # worker threads of /metrics' own, apart from the 40 every sync handler shares
 
 
 def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
@@ -271,13 +274,21 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                         else "loading the model")
         return JSONResponse({"ready": False, "reason": reason}, status_code=503)
 
+    scrapers: list = []  # the metrics' own worker threads (an anyio CapacityLimiter, made on the first scrape)
+
     @app.get("/metrics")
-    def metrics_endpoint(_: Principal = Depends(principal)):
-        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_endpoint(_: Principal = Depends(principal)):
+        """Collected in a worker thread (the collectors take the engine's lock, held for a step) from
+        a pool of its own: with the shared one taken by admin calls waiting on a locked store, a
+        scrape waited too, and the figures that say why were the ones missing."""
+        if not scrapers:
+            scrapers.append(anyio.CapacityLimiter(METRICS_THREADS))
+        text = await anyio.to_thread.run_sync(generate_latest, metrics.registry, limiter=scrapers[0])
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     # ---- OpenAI-compatible -------------------------------------------------------------------
     @app.get("/v1/models")
-    def models(_: Principal = Depends(principal)):
+    async def models(_: Principal = Depends(principal)):  # flags and fields only: on the loop, as the probes
         engine = service.require_ready()
         return {"object": "list", "data": [{"id": service.model_name, "object": "model",
                                             "created": int(service.started_at), "owned_by": "kvd",
