@@ -501,6 +501,41 @@ def test_a_reload_follows_where_each_live_setting_now_comes_from(tmp_path):
         service.shutdown(1)
 
 
+def test_a_reload_refuses_a_config_file_found_empty_and_changes_nothing(tmp_path):
+    """A tool that truncates the file before it writes it leaves it empty for a moment; a
+    reload (a SIGHUP from a path watcher) then read no settings and put every live one from the
+    file back to its default. A file with nothing in it is refused when settings came from it;
+    `{}` says "no settings" on purpose."""
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.service import ServiceError
+
+    config = tmp_path / "kvd.yaml"
+    config.write_text("max_queue: 100\nmax_running: 3\n")
+    service = start_service(tmp_path / "state")
+    try:
+        service.config_source = lambda: resolve({}, {}, config)
+        service.reload_from_source("ops")
+        assert (service.config.max_queue, service.config.max_running) == (100, 3)
+        for emptied in ("", "\n  \n"):
+            config.write_text(emptied)
+            with pytest.raises(ServiceError) as refused:
+                service.reload_from_source("ops")
+            assert refused.value.status == 400
+            assert str(refused.value) == (
+                f"reload refused, nothing changed: config: {str(config)!r} is empty, and max_queue, max_running "
+                "came from it: a reload would put them back to their defaults (a file caught mid-write?); "
+                "write {} there to mean no settings")
+            assert (service.config.max_queue, service.config.max_running) == (100, 3)
+        assert service.reloads["refused"] == 2 and service.last_reload["result"] == "refused"
+        config.write_text("{}\n")
+        result = service.reload_from_source("ops")
+        assert result["changed"] == {"max_queue": 256, "max_running": 32}  # the defaults, asked for
+        config.write_text("")  # nothing came from it now: empty is no news
+        assert service.reload_from_source("ops")["changed"] == {}
+    finally:
+        service.shutdown(1)
+
+
 def test_reload_applies_live_settings_and_names_the_rest(daemon):
     service, unix, _ = daemon
     from dataclasses import replace

@@ -395,6 +395,7 @@ class EngineService:
 
         try:
             new = self.config_source()
+            self._refuse_an_emptied_file()
             fresh = TokenTable.load(self.config.token_file) if self.tokens is not None else None
         except (ConfigError, TokenFileError) as exc:
             self.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
@@ -410,6 +411,25 @@ class EngineService:
             self.store.audit(actor=actor, tenant="-", action="reload", target="token_file", result="ok",
                              detail=result["tokens"])
         return result
+
+    def _refuse_an_emptied_file(self) -> None:
+        """ConfigError when the file live settings came from holds nothing now (whitespace only). A
+        tool that truncates before it writes leaves it so for a moment, and a reload then (a SIGHUP
+        from a path watcher) put every one of them back to its default. `{}` there means no
+        settings on purpose."""
+        from_file: dict[str, list[str]] = {}
+        for name, source in sorted(self.config.sources.items()):
+            if not source.startswith(("--", "KVD_", "rollout ")):  # a flag, the environment, a completed rollout
+                from_file.setdefault(source, []).append(name)
+        for path, names in from_file.items():
+            try:
+                text = Path(path).read_text()
+            except OSError:
+                continue
+            if not text.strip():
+                raise ConfigError(f"config: {path!r} is empty, and {', '.join(names)} came from it: a reload would "
+                                  "put them back to their defaults (a file caught mid-write?); write {} there to "
+                                  "mean no settings")
 
     # what the running process is bound to: its sockets, its store, its auth front, its metric families
     BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",
