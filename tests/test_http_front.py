@@ -219,3 +219,74 @@ def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_
     assert stalled_bytes < 40 * len(chunk)  # cut: only what the buffers held
     assert steady_bytes > 40 * len(chunk)  # headers and every byte of the body
     assert len(finished) == 2 and finished[0] < reading[0]  # dropped before its client read: the handler ran on
+
+
+@pytest.mark.parametrize("base", bases(), ids=lambda b: b.__name__)
+def test_a_client_that_reads_slowly_is_not_cut_and_one_that_stops_reading_is(tmp_path, base):
+    """The stall deadline is about a client that reads nothing. A slow one (a bad link) drains
+    the full send buffer below its low-water mark only after several deadlines; it used to be
+    cut as stalled (below about 800 B/s at kvd's 60 s). Reading at least STALL_MIN_BYTES of it
+    within a deadline keeps the connection; one that stops reading is cut a deadline later."""
+    path = str(tmp_path / "front.sock")
+    chunk = b"x" * 65536
+
+    async def quarter(scope, receive, send):  # 256 KiB in 4 pieces
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(4 * len(chunk)).encode())]})
+        for _ in range(4):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def fetch(each: int, pause: float, stop_after: int | None) -> int:
+        loop = asyncio.get_running_loop()
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        await loop.sock_connect(client, path)
+        await loop.sock_sendall(client, b"GET / HTTP/1.1\r\nhost: kvd\r\nconnection: close\r\n\r\n")
+        got = 0
+        while stop_after is None or got < stop_after:
+            try:
+                data = await loop.sock_recv(client, each)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+            got += len(data)
+            await asyncio.sleep(pause)
+        if stop_after is not None:  # then reads nothing more: kvd cuts it
+            await asyncio.sleep(1.5)
+            with contextlib.suppress(ConnectionResetError, BlockingIOError):
+                while data := client.recv(1 << 20):
+                    got += len(data)
+        client.close()
+        return got
+
+    async def scenario():
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+
+        class SmallKernelBuffer(http_front.with_deadlines(base, 5.0, stall_seconds=0.1)):
+            def connection_made(self, transport) -> None:  # the answer waits in the front's buffer, not the kernel's
+                transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                super().connection_made(transport)
+
+        config = uvicorn.Config(quarter, http=SmallKernelBuffer,
+                                log_level="critical", lifespan="off")
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[listener]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        slow = await fetch(4096, 0.02, None)  # about 200 KiB/s: two 0.1 s deadlines to drain 48 KiB
+        stopped = await fetch(4096, 0.02, 64 * 1024)
+        server.should_exit = True
+        await serving
+        return slow, stopped
+
+    before = cut_connections.cut["stalled"]
+    slow, stopped = asyncio.run(scenario())
+    assert slow > 4 * len(chunk)  # headers and every byte of the body
+    assert stopped < 4 * len(chunk)  # cut
+    assert cut_connections.cut["stalled"] - before == 1

@@ -27,6 +27,7 @@ log = logging.getLogger("kvd")
 
 HEADER_TIMEOUT_S = 10.0  # from a connection's start, or its previous response, to a request's full headers
 STALL_TIMEOUT_S = 60.0  # how long an answer may wait on a client that reads none of it
+STALL_MIN_BYTES = 1024  # what a client must read of a full send buffer within STALL_TIMEOUT_S to be kept
 
 
 def _timed_out(seconds: float) -> bytes:
@@ -48,20 +49,26 @@ def _base_protocol() -> type:
 def with_deadlines(base: type, seconds: float = HEADER_TIMEOUT_S, stall_seconds: float = STALL_TIMEOUT_S) -> type:
     """`base` (one of uvicorn's HTTP protocols), closing a connection whose request headers are not
     all in `seconds` after it opened or after its previous response (a 408, then the close), and
-    dropping one whose client has read nothing of its answer for `stall_seconds` (the answer
-    waiting in a full send buffer: the handler sees the client leave, and its request stops). A
-    request being answered to a client that reads (a stream of any length) is never cut."""
+    dropping one whose client has read less than STALL_MIN_BYTES of its answer in `stall_seconds`
+    (the answer waiting in a full send buffer: the handler sees the client leave, and its request
+    stops). A request being answered to a client that reads (a stream of any length, over a slow
+    link) is never cut."""
 
     timed_out = _timed_out(seconds)
 
     class Deadlines(base):
         _header_timer: asyncio.TimerHandle | None = None
         _stall_timer: asyncio.TimerHandle | None = None
+        _buffered = 0  # bytes in the send buffer when the stall deadline was last set
 
-        def pause_writing(self) -> None:  # the send buffer is full: the client is not reading
+        def pause_writing(self) -> None:  # the send buffer is full: the client is not reading, or slowly
             super().pause_writing()
             if self._stall_timer is None:
-                self._stall_timer = self.loop.call_later(stall_seconds, self._stalled)
+                self._arm_stall_deadline()
+
+        def _arm_stall_deadline(self) -> None:
+            self._buffered = self.transport.get_write_buffer_size()
+            self._stall_timer = self.loop.call_later(stall_seconds, self._stalled)
 
         def resume_writing(self) -> None:
             super().resume_writing()
@@ -71,8 +78,13 @@ def with_deadlines(base: type, seconds: float = HEADER_TIMEOUT_S, stall_seconds:
 
         def _stalled(self) -> None:
             self._stall_timer = None
-            log.debug("dropped a connection from %s: it read nothing of its answer for %.0f s", self.client,
-                      stall_seconds)
+            # NOTE: a slow reader drains a full buffer below its low-water mark only after several
+            # deadlines (48 KiB at 800 B/s is 60 s); what it read meanwhile keeps it
+            if self._buffered - self.transport.get_write_buffer_size() >= STALL_MIN_BYTES:
+                self._arm_stall_deadline()
+                return
+            log.debug("dropped a connection from %s: it read less than %d bytes of its answer in %.0f s",
+                      self.client, STALL_MIN_BYTES, stall_seconds)
             cut_connections.cut["stalled"] += 1
             self.transport.abort()  # close() would wait to send what the client does not read
 
