@@ -31,6 +31,55 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"done\n"})
 
 
+def answer_in_pieces(pieces: int, chunk: bytes, finished: list | None = None):
+    """An ASGI app that answers every request with `pieces` times `chunk` (noting in `finished`
+    when it sent the last)."""
+    async def answer(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(pieces * len(chunk)).encode())]})
+        for _ in range(pieces):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        if finished is not None:
+            finished.append(time.monotonic())
+    return answer
+
+
+async def read_answer(path: str, each: int, pause: float, *, wait_first: float = 0.0,
+                      stop_after: int | None = None, began: list | None = None) -> int:
+    """Bytes of an answer to GET / that a client on the Unix socket `path` gets, reading `each`
+    bytes every `pause` s after `wait_first` s (noted in `began`); with `stop_after`, it reads no
+    more once it has that many, and what else came is counted 1.5 s later. A bare socket: nothing
+    reads it behind the test's back."""
+    loop = asyncio.get_running_loop()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.setblocking(False)
+    await loop.sock_connect(client, path)
+    await loop.sock_sendall(client, b"GET / HTTP/1.1\r\nhost: kvd\r\nconnection: close\r\n\r\n")
+    await asyncio.sleep(wait_first)
+    if began is not None:
+        began.append(time.monotonic())
+    got = 0
+    while stop_after is None or got < stop_after:
+        try:
+            data = await loop.sock_recv(client, each)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        got += len(data)
+        await asyncio.sleep(pause)
+    if stop_after is not None:  # then it reads nothing more: the front cuts it
+        await asyncio.sleep(1.5)
+        with contextlib.suppress(ConnectionResetError, BlockingIOError):
+            while data := client.recv(1 << 20):
+                got += len(data)
+    client.close()
+    return got
+
+
 def bases() -> list:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -165,38 +214,12 @@ def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_
     chunk = b"x" * 65536
     finished, reading = [], []  # when each handler finished, and when each client began to read
 
-    async def big(scope, receive, send):  # 2.5 MiB in 40 pieces: far past the socket's buffers
-        if scope["type"] != "http":
-            return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", str(40 * len(chunk)).encode())]})
-        for _ in range(40):
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-        finished.append(time.monotonic())
+    big = answer_in_pieces(40, chunk, finished)  # 2.5 MiB: far past the socket's buffers
 
     async def fetch(pause: float, each: int) -> int:
         """Bytes of the answer a client gets, reading `each` bytes every `pause` s (pause 0: a client
-        that reads nothing for 1 s, then all it can). A bare socket: nothing reads it behind our back."""
-        loop = asyncio.get_running_loop()
-        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        client.setblocking(False)
-        await loop.sock_connect(client, path)
-        await loop.sock_sendall(client, b"GET / HTTP/1.1\r\nhost: kvd\r\nconnection: close\r\n\r\n")
-        await asyncio.sleep(1.0 if pause == 0 else 0)
-        reading.append(time.monotonic())
-        got = 0
-        while True:
-            try:
-                data = await loop.sock_recv(client, each)
-            except ConnectionResetError:
-                break
-            if not data:
-                break
-            got += len(data)
-            await asyncio.sleep(pause)
-        client.close()
-        return got
+        that reads nothing for 1 s, then all it can)."""
+        return await read_answer(path, each, pause, wait_first=1.0 if pause == 0 else 0.0, began=reading)
 
     async def scenario():
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -230,39 +253,7 @@ def test_a_client_that_reads_slowly_is_not_cut_and_one_that_stops_reading_is(tmp
     path = str(tmp_path / "front.sock")
     chunk = b"x" * 65536
 
-    async def quarter(scope, receive, send):  # 256 KiB in 4 pieces
-        if scope["type"] != "http":
-            return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", str(4 * len(chunk)).encode())]})
-        for _ in range(4):
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-
-    async def fetch(each: int, pause: float, stop_after: int | None) -> int:
-        loop = asyncio.get_running_loop()
-        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.setblocking(False)
-        await loop.sock_connect(client, path)
-        await loop.sock_sendall(client, b"GET / HTTP/1.1\r\nhost: kvd\r\nconnection: close\r\n\r\n")
-        got = 0
-        while stop_after is None or got < stop_after:
-            try:
-                data = await loop.sock_recv(client, each)
-            except ConnectionResetError:
-                break
-            if not data:
-                break
-            got += len(data)
-            await asyncio.sleep(pause)
-        if stop_after is not None:  # then reads nothing more: kvd cuts it
-            await asyncio.sleep(1.5)
-            with contextlib.suppress(ConnectionResetError, BlockingIOError):
-                while data := client.recv(1 << 20):
-                    got += len(data)
-        client.close()
-        return got
+    quarter = answer_in_pieces(4, chunk)  # 256 KiB
 
     async def scenario():
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -279,8 +270,8 @@ def test_a_client_that_reads_slowly_is_not_cut_and_one_that_stops_reading_is(tmp
         serving = asyncio.create_task(server.serve(sockets=[listener]))
         while not server.started:
             await asyncio.sleep(0.01)
-        slow = await fetch(4096, 0.02, None)  # about 200 KiB/s: two 0.1 s deadlines to drain 48 KiB
-        stopped = await fetch(4096, 0.02, 64 * 1024)
+        slow = await read_answer(path, 4096, 0.02)  # about 200 KiB/s: two 0.1 s deadlines to drain 48 KiB
+        stopped = await read_answer(path, 4096, 0.02, stop_after=64 * 1024)
         server.should_exit = True
         await serving
         return slow, stopped
