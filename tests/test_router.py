@@ -323,7 +323,8 @@ def test_the_fleet_status_names_a_replica_whose_store_is_in_trouble():
             "replica_status": [{"replica": "/run/kvd-0/kvd.sock", **live,
                                 "store": {"file_ok": False, "written_back": 0, "audit_write_failures": 3}},
                                {"replica": "/run/kvd-1/kvd.sock", **live,
-                                "store": {"file_ok": True, "written_back": 2, "audit_write_failures": 0}}]}
+                                "store": {"file_ok": True, "written_back": 2, "audit_write_failures": 0,
+                                          "unstored_rollback": 4, "failing_jobs": ["rollout stop conditions"]}}]}
     console = Console(record=True, width=200)
     render_fleet_status(data, console)
     text = console.export_text()
@@ -331,6 +332,11 @@ def test_the_fleet_status_names_a_replica_whose_store_is_in_trouble():
             "until kvd restarts and opens the one there") in text
     assert "/run/kvd-0/kvd.sock audit: 3 records the store could not take are only in kvd's log" in text
     assert "kvd-1/kvd.sock store" not in text and "kvd-1/kvd.sock audit" not in text
+    assert ("/run/kvd-1/kvd.sock rollout: kvd rolled rollout 4 back on a stop condition and the store has not taken "
+            "that yet: a restart before it does resumes the rollout") in text
+    assert ("/run/kvd-1/kvd.sock jobs: failing now: rollout stop conditions (kvd's log says why; each is tried "
+            "again)") in text
+    assert "kvd-0/kvd.sock rollout" not in text and "kvd-0/kvd.sock jobs" not in text  # an older kvd says nothing
 
 
 class CannotServe(httpx.AsyncBaseTransport):
