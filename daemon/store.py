@@ -12,6 +12,7 @@ block keys (hex), never by token ids or text.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -90,6 +91,11 @@ class Store:
             raise StoreError(f"store: {str(path)!r} cannot be opened: {exc}") from None
         self.path = path
         self._lock = threading.RLock()  # the writing connection, shared by the daemon's threads: every use holds this
+        self._waits_lock = threading.Lock()
+        self._tickets = itertools.count()
+        self._waiting: dict[int, float] = {}  # writes waiting to begin, by ticket: since when (monotonic)
+        self.writes = 0  # writes begun or refused
+        self.write_wait_seconds = 0.0  # their waits to begin, summed
         self.audit_failures = 0  # audit records the database could not take (the log holds them)
         self.written_back = 0  # times the file was deleted under this Store and written back
         self._identity = file_identity(path)  # which file the connection has open
@@ -103,13 +109,24 @@ class Store:
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         """One writer transaction (BEGIN IMMEDIATE): all of it lands, or none of it. A write the
-        database cannot take now (`database or disk is full`, a read-only file) is StoreUnavailable."""
+        database cannot take now (`database or disk is full`, a read-only file) is StoreUnavailable.
+        Writes waiting to begin (for kvd's other writes, or for another process that holds the
+        write lock) are counted: `waiting_writes`, `write_wait_seconds`."""
+        ticket, began = next(self._tickets), time.monotonic()
+        with self._waits_lock:
+            self._waiting[ticket] = began
         with self._lock:
-            self._check_file()
             try:
-                self.conn.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as exc:
-                raise self._unavailable(exc) from None
+                self._check_file()
+                try:
+                    self.conn.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError as exc:
+                    raise self._unavailable(exc) from None
+            finally:
+                with self._waits_lock:
+                    del self._waiting[ticket]
+                    self.writes += 1
+                    self.write_wait_seconds += time.monotonic() - began
             try:
                 yield self.conn
                 self.conn.execute("COMMIT")
@@ -119,6 +136,12 @@ class Store:
                 if isinstance(exc, sqlite3.OperationalError):
                     raise self._unavailable(exc) from None
                 raise
+
+    def waiting_writes(self) -> tuple[int, float]:
+        """(writes waiting to begin now, seconds the longest of them has waited)."""
+        with self._waits_lock:
+            starts = list(self._waiting.values())
+        return len(starts), (time.monotonic() - min(starts)) if starts else 0.0
 
     def read(self, sql: str, params: tuple | dict = ()) -> list[tuple]:
         """The rows of one query, through the reading connection (`_reader`).

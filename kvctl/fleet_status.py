@@ -20,6 +20,9 @@ def is_fleet(data: dict) -> bool:
     return "replica_status" in data
 
 
+WRITE_WAIT_SHOWN_S = 1.0  # a store write waiting longer than this is shown by kvctl status
+
+
 def store_trouble(status: dict) -> list[tuple[str, Text]]:
     """(what, a line) for each trouble with a kvd's SQLite store its status reports: its file
     replaced under it (writes refused until a restart), a rollback it has not stored, periodic
@@ -34,6 +37,11 @@ def store_trouble(status: dict) -> list[tuple[str, Text]]:
         lines.append(("rollout", Text(f"kvd rolled rollout {rollout} back on a stop condition and the store has not "
                                       "taken that yet: a restart before it does resumes the rollout",
                                       style="bold red")))
+    waiting, longest = store.get("waiting_writes") or 0, store.get("longest_write_wait_seconds") or 0.0
+    if waiting and longest >= WRITE_WAIT_SHOWN_S:
+        lines.append(("writes", Text(f"{waiting} waiting {longest:.0f} s for the store's write lock (another process "
+                                     "holds it? a sqlite3 shell, a long kvctl db command); after 30 s each fails",
+                                     style="yellow")))
     failing = store.get("failing_jobs")
     if failing:
         lines.append(("jobs", Text(f"failing now: {', '.join(failing)} (kvd's log says why; each is tried again)",

@@ -4,6 +4,7 @@ them, never a token; a job that fails is retried and never ends the thread."""
 from __future__ import annotations
 
 import logging
+import re
 import sqlite3
 import threading
 import time
@@ -86,8 +87,11 @@ def test_tokens_keep_coming_while_another_process_holds_the_store_s_write_lock(t
     store's write lock: both wait for it, and a request runs to its end meanwhile. Before, the
     pin's expiry waited on the engine thread and the rollout's write under the locks the engine
     thread takes, and no token moved until the lock went. Once it goes, both land."""
+    from rich.console import Console
+
     from kvctl.daemon.engine.sampling import SamplingParams
     from kvctl.daemon.server.service import Principal
+    from kvctl.ops import render_status
 
     service = start_service(tmp_path, max_running=8)
     try:
@@ -119,6 +123,16 @@ def test_tokens_keep_coming_while_another_process_holds_the_store_s_write_lock(t
             assert operator.is_alive() and completed == []  # still waiting for the lock
             reader = sqlite3.connect(path)
             assert reader.execute("SELECT pin_id FROM pins").fetchall() == [(pin["pin_id"],)]  # not yet gone
+            status = settled(lambda: call(unix, "GET", "/admin/status").json(),
+                             lambda s: s["store"]["longest_write_wait_seconds"] >= 1.0)
+            assert status["store"]["waiting_writes"] >= 2  # the rollout's and the pin's, at least
+            console = Console(record=True, width=200)
+            render_status(status, console)  # what `kvctl status` shows
+            assert re.search(r"writes \d waiting \d+ s for the store's write lock \(another process holds it\? a "
+                             r"sqlite3 shell, a long kvctl db command\); after 30 s each fails",
+                             " ".join(console.export_text().split()))
+            scraped = call(unix, "GET", "/metrics").text
+            assert re.search(r"^kvd_store_waiting_writes [2-9]\.0$", scraped, re.M)
         finally:
             shell.execute("ROLLBACK")
         operator.join(30)

@@ -30,6 +30,8 @@
     kvd_pinned_blocks{tenant}                 distinct blocks pinned per tenant
     kvd_restored_tokens_total                 prompt tokens restored from a lower tier (not recomputed)
     kvd_audit_write_failures_total            audit records the store could not take (each logged whole)
+    kvd_store_waiting_writes                  store writes waiting to begin now; kvd_store_longest_write_wait_seconds
+    kvd_store_writes_total, kvd_store_write_wait_seconds_total   writes, and their waits to begin, summed
     kvd_housekeeping_failures_total{job}      failed runs of the periodic jobs (pin expiry, store file check,
                                               rollout stop conditions); each is tried again
     kvd_tier_bytes{tier}                      bytes held per lower tier (host, disk, remote)
@@ -179,6 +181,16 @@ class _EngineCollector:
                                 "writes are refused until a restart", value=1.0 if self.service.store.file_ok else 0.0)
         yield CounterMetricFamily("kvd_store_written_back", "Times the SQLite store's file was deleted under kvd "
                                   "and written back whole", value=self.service.store.written_back)
+        store = self.service.store
+        waiting, longest = store.waiting_writes()
+        yield GaugeMetricFamily("kvd_store_waiting_writes", "Writes to the SQLite store waiting to begin now (another "
+                                "process may hold its write lock: they wait up to 30 s, then fail)", value=waiting)
+        yield GaugeMetricFamily("kvd_store_longest_write_wait_seconds", "How long the longest of those has waited",
+                                value=longest)
+        yield CounterMetricFamily("kvd_store_writes", "Writes to the SQLite store, begun or refused", value=store.writes)
+        yield CounterMetricFamily("kvd_store_write_wait_seconds", "Time writes to the SQLite store waited to begin, "
+                                  "summed (its rate over kvd_store_writes_total's: the mean wait)",
+                                  value=store.write_wait_seconds)
         failures = CounterMetricFamily("kvd_housekeeping_failures", "Failed runs of kvd's periodic jobs (pin "
                                        "expiry, store file check, rollout stop conditions), each tried again at its "
                                        "next turn: the log says why", labels=["job"])

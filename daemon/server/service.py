@@ -900,7 +900,9 @@ class EngineService:
                           # a rollback kvd made that the store has not taken (a restart would undo it)
                           "unstored_rollback": None if self.rollouts.unstored is None
                           else self.rollouts.unstored["rollout_id"],
-                          "failing_jobs": self.housekeeping.failing()},
+                          "failing_jobs": self.housekeeping.failing(),
+                          # writes waiting to begin now (another process may hold the write lock), the longest wait
+                          **dict(zip(("waiting_writes", "longest_write_wait_seconds"), self.store.waiting_writes()))},
             }
         body["latency"] = self.latency_summary()
         body["gpu"] = gpu_status()
