@@ -84,6 +84,8 @@ class Store:
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._read_lock = threading.RLock()  # the reading connection's; held across a swap of connections too
+        self._reader: sqlite3.Connection | None = None
         try:
             self._open_connection(path)
             problems = [row[0] for row in self.conn.execute("PRAGMA quick_check")]
@@ -180,15 +182,13 @@ class Store:
         reader = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
         reader.execute("PRAGMA query_only=ON")
         reader.execute("SELECT count(*) FROM sqlite_master").fetchone()  # its WAL and index open now, as the writer's
-        self.conn, self.db = conn, sqlite_utils.Database(conn)
+        self.conn = conn
         self._set_reader(reader)
 
     def _set_reader(self, reader: sqlite3.Connection | None) -> None:
         """Put `reader` in place of the reading connection, closing the one there (None: none now)."""
-        if not hasattr(self, "_read_lock"):
-            self._read_lock = threading.RLock()  # held across a swap of connections too (_let_go and after)
         with self._read_lock:
-            old = getattr(self, "_reader", None)
+            old = self._reader
             if old is not None and old is not reader and old is not self.conn:
                 old.close()
             self._reader = reader
@@ -248,7 +248,7 @@ class Store:
         self.conn.backup(copy)
         with self._read_lock:  # no read meanwhile
             self._let_go()
-            self.conn, self.db = copy, sqlite_utils.Database(copy)
+            self.conn = copy
             self._set_reader(copy)  # (writes are refused before they reach it)
         self._detached = True
 

@@ -849,6 +849,7 @@ class EngineService:
     # ---- operator views ----------------------------------------------------------------------
     def status(self, with_blocks: bool = False) -> dict:
         engine = self.require_ready()
+        waiting_writes, longest_write_wait = self.store.waiting_writes()
         with self.lock:
             cache = engine.cache
             counts = cache.state_counts()
@@ -902,7 +903,7 @@ class EngineService:
                           else self.rollouts.unstored["rollout_id"],
                           "failing_jobs": self.housekeeping.failing(),
                           # writes waiting to begin now (another process may hold the write lock), the longest wait
-                          **dict(zip(("waiting_writes", "longest_write_wait_seconds"), self.store.waiting_writes()))},
+                          "waiting_writes": waiting_writes, "longest_write_wait_seconds": longest_write_wait},
             }
         body["latency"] = self.latency_summary()
         body["gpu"] = gpu_status()
