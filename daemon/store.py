@@ -123,7 +123,7 @@ class Store:
                 try:
                     self.conn.execute("BEGIN IMMEDIATE")
                 except sqlite3.OperationalError as exc:
-                    raise self._unavailable(exc) from None
+                    raise self._unavailable(exc, waited=time.monotonic() - began) from None
             finally:
                 with self._waits_lock:
                     del self._waiting[ticket]
@@ -167,8 +167,12 @@ class Store:
         rows = self.read(sql, params)
         return rows[0] if rows else None
 
-    def _unavailable(self, exc: sqlite3.OperationalError) -> StoreUnavailable:
-        return StoreUnavailable(f"store: {str(self.path)!r} cannot be written now ({exc}); nothing of this "
+    def _unavailable(self, exc: sqlite3.OperationalError, waited: float | None = None) -> StoreUnavailable:
+        why = str(exc)
+        if waited is not None and (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_BUSY:
+            why = (f"{exc}: another process held its write lock for the {waited:.0f} s this write waited; a "
+                   "sqlite3 shell left in a transaction? a long kvctl db command?")
+        return StoreUnavailable(f"store: {str(self.path)!r} cannot be written now ({why}); nothing of this "
                                 f"change was stored")
 
     def _open_connection(self, path: Path) -> None:

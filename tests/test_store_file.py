@@ -221,7 +221,7 @@ def test_a_read_beside_a_write_that_waits_for_another_process_does_not_wait(tmp_
     store.audit(actor="ops", tenant="-", action="pin", target="pin-1", result="ok")
     query = "SELECT count(*) FROM audit WHERE actor = ?"
     assert store.read(query, ("ops",)) == [(1,)]  # its statement cached now
-    store.conn.execute("PRAGMA busy_timeout=1500")
+    store.conn.execute("PRAGMA busy_timeout=2000")
     shell = sqlite3.connect(tmp_path / "kvd.sqlite3", isolation_level=None)
     shell.execute("BEGIN IMMEDIATE")
     failed: list[str] = []
@@ -242,7 +242,8 @@ def test_a_read_beside_a_write_that_waits_for_another_process_does_not_wait(tmp_
     assert writer.is_alive() and failed == []  # the reads did not wait for the write
     writer.join(10)
     shell.execute("ROLLBACK")
-    assert failed == [f"store: {str(tmp_path / 'kvd.sqlite3')!r} cannot be written now (database is locked); "
-                      "nothing of this change was stored"]
+    assert failed == [f"store: {str(tmp_path / 'kvd.sqlite3')!r} cannot be written now (database is locked: another "
+                      "process held its write lock for the 2 s this write waited; a sqlite3 shell left in a "
+                      "transaction? a long kvctl db command?); nothing of this change was stored"]
     store.save_pin(pin)  # the lock gone: it lands, and the reader sees it
     assert [p["pin_id"] for p in store.pins()] == ["pin-2"]
