@@ -266,10 +266,10 @@ class EngineService:
         entered = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(threads, entered), name="kvd-engine", daemon=True)
         self._thread.start()
-        self._housekeepers = self.housekeeping.start(self._stop)
         if threads > 1:
             entered.wait()
             torch.set_num_threads(1)  # this thread's count, and the default of every thread started later
+        self._housekeepers = self.housekeeping.start(self._stop)  # (after: they run torch on one thread too)
 
     def _loop(self, threads: int = 0, entered: threading.Event | None = None) -> None:
         if threads:
