@@ -178,12 +178,13 @@ def test_a_sighup_while_the_store_is_locked_holds_up_no_request(tmp_path):
         assert proc.wait(60) == 0
 
 
-def test_admin_calls_waiting_for_a_locked_store_leave_the_probes_and_metrics_answering(tmp_path):
+def test_admin_calls_waiting_for_a_locked_store_leave_the_probes_status_and_metrics_answering(tmp_path):
     """Sync handlers share 40 worker threads. Sixty `drain` calls, each waiting for a store that
-    a shell holds locked, took them all, and /healthz, /readyz, /health, /v1/models and /metrics
-    timed out: a supervisor would have restarted a kvd that was serving, and the scrape that
-    says why was missing. The probes and the model list answer on the event loop now, and
-    /metrics has worker threads of its own."""
+    a shell holds locked, took them all, and /healthz, /readyz, /health, /v1/models, /metrics,
+    /admin/status and /tokenize timed out: a supervisor would have restarted a kvd that was
+    serving, and `kvctl status` and the scrape that say why were missing. The probes and the
+    model list answer on the event loop now, /metrics has worker threads of its own, and at most
+    16 admin calls that change something hold a worker thread at once."""
     import signal
 
     import httpx
@@ -215,6 +216,11 @@ def test_admin_calls_waiting_for_a_locked_store_leave_the_probes_and_metrics_ans
             assert client.get("/v1/models", timeout=5).json()["data"][0]["owned_by"] == "kvd"
             scraped = client.get("/metrics", timeout=5).text  # from the metrics' own threads
             assert 'kvd_housekeeping_failures_total{job="pin expiry"} 0.0' in scraped
+            # at most 16 of the drains hold a worker thread; the rest wait on the event loop
+            status = client.get("/admin/status", timeout=5).json()
+            assert status["store"]["waiting_writes"] == 16 and status["draining"]
+            assert client.post("/tokenize", json={"prompt": "hello"}, timeout=5).json()["count"] > 0
+            assert client.post("/admin/explain", json={"text": "hello"}, timeout=5).status_code == 200
         finally:
             shell.execute("ROLLBACK")
         for caller in callers:
@@ -223,3 +229,17 @@ def test_admin_calls_waiting_for_a_locked_store_leave_the_probes_and_metrics_ans
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_only_admin_calls_that_change_something_take_a_slot():
+    from kvctl.daemon.server.admin_slots import changes_something
+
+    def http(method, path):
+        return {"type": "http", "method": method, "path": path}
+
+    assert changes_something(http("POST", "/admin/pins")) and changes_something(http("DELETE", "/admin/pins/pin-1"))
+    assert changes_something(http("POST", "/admin/rollouts/3/complete"))
+    assert not changes_something(http("POST", "/admin/explain"))  # reads sent by POST
+    assert not changes_something(http("POST", "/admin/route-facts"))  # a router asks often
+    assert not changes_something(http("GET", "/admin/status")) and not changes_something(http("POST", "/v1/completions"))
+    assert not changes_something({"type": "websocket", "path": "/admin/pins"})

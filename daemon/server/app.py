@@ -41,6 +41,7 @@ from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, C
                    GenerationFields, Number)
 from .chat_messages import MessagesError, chat_messages, messages_size
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
+from .admin_slots import AdminWriteSlots
 from .body_limit import BodyLimit
 from .strict_json import StrictJSONRoute
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
@@ -209,6 +210,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                   description="KV cache daemon: OpenAI-compatible completions and the kvctl admin API.")
     app.router.route_class = StrictJSONRoute  # NaN and Infinity are not JSON: refused (strict_json.py)
     app.add_middleware(BodyLimit, limit=lambda: service.config.max_request_bytes)
+    app.add_middleware(AdminWriteSlots)  # outermost: a call waits for its slot before its body is read
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):
