@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import sqlite_utils
 
@@ -80,9 +80,15 @@ def _insert_audit(conn: sqlite3.Connection, at: float, actor: str, tenant: str, 
                  (at, actor, tenant, action, target, result, json.dumps(detail or {}, sort_keys=True)))
 
 
+WAIT_SAID_AFTER_S = 1.0  # a write that has waited this long to begin calls the Store's `on_wait`
+
+
 class Store:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, on_wait: Callable[[], object] | None = None) -> None:
+        """`on_wait`: called (on a timer thread) once a write has waited WAIT_SAID_AFTER_S to begin, as
+        while another process holds the write lock: kvctl says so rather than hang without a word."""
         path = Path(path)
+        self.on_wait = on_wait
         path.parent.mkdir(parents=True, exist_ok=True)
         self._read_lock = threading.RLock()  # the reading connection's; held across a swap of connections too
         self._reader: sqlite3.Connection | None = None
@@ -117,6 +123,11 @@ class Store:
         ticket, began = next(self._tickets), time.monotonic()
         with self._waits_lock:
             self._waiting[ticket] = began
+        said = None
+        if self.on_wait is not None:
+            said = threading.Timer(WAIT_SAID_AFTER_S, self.on_wait)
+            said.daemon = True
+            said.start()
         with self._lock:
             try:
                 self._check_file()
@@ -125,6 +136,8 @@ class Store:
                 except sqlite3.OperationalError as exc:
                     raise self._unavailable(exc, waited=time.monotonic() - began) from None
             finally:
+                if said is not None:
+                    said.cancel()
                 with self._waits_lock:
                     del self._waiting[ticket]
                     self.writes += 1

@@ -76,8 +76,12 @@ def open_store(ctx: typer.Context | None, state_dir: str | None, create: bool = 
     if not create and not path.is_file():
         raise UserError(f"state_dir: no kvd.sqlite3 in {str(path.parent)!r}; give kvd's state directory "
                         "(--state-dir or KVD_STATE_DIR)")
+    def waiting() -> None:
+        typer.echo(f"waiting for the write lock of {str(path)!r}: another process holds it (a sqlite3 shell, a "
+                   "long kvctl db command?); kvctl waits up to 30 s", err=True)
+
     try:
-        return Store(path)
+        return Store(path, on_wait=waiting)
     except (StoreError, OSError) as exc:
         raise UserError(str(exc)) from None
 

@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -397,3 +398,24 @@ def test_store_commands_use_the_store_of_the_kvd_kvctl_reaches(tmp_path, capsys,
     assert status == 2 and err.splitlines()[0] == ("note: kvd is reached over TCP, so its store is on its own "
                                                    "machine: this is the store on this one (--state-dir or "
                                                    "KVD_STATE_DIR names another)")
+
+
+def test_kvctl_says_it_waits_for_a_store_another_process_holds_locked_then_writes(tmp_path):
+    """`kvctl adr new` against a store a shell holds locked waited without a word (up to 30 s);
+    after a second it says why it waits, and writes once the lock goes."""
+    import threading
+
+    store = tmp_path / "kvd.sqlite3"
+    Store(store).close()
+    shell = sqlite3.connect(store, isolation_level=None, check_same_thread=False)
+    shell.execute("BEGIN IMMEDIATE")
+    threading.Timer(2.5, lambda: shell.execute("ROLLBACK")).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    done = subprocess.run([str(Path(sys.executable).parent / "kvctl"), "adr", "new", "--title", "Block size 32",
+                           "--state-dir", str(tmp_path), "--author", "ops"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("waiting for the write lock of") == 1
+    assert (f"waiting for the write lock of {str(store)!r}: another process holds it (a sqlite3 shell, a long kvctl "
+            "db command?); kvctl waits up to 30 s") in " ".join(done.stderr.split())
+    assert [adr.title for adr in Records(Store(store)).list()] == ["Block size 32"]
