@@ -24,18 +24,28 @@ def changes_something(scope) -> bool:
             and scope["path"].startswith("/admin/") and scope["path"] not in READS_BY_POST)
 
 
-class AdminWriteSlots:
-    """ASGI middleware: at most `slots` admin calls that change something run at once."""
+class WriteSlots:
+    """The slots, one set for every front of a kvd: its fronts share one pool of worker threads."""
 
-    def __init__(self, app, slots: int = ADMIN_WRITE_SLOTS) -> None:
-        self.app, self.slots = app, slots
+    def __init__(self, slots: int = ADMIN_WRITE_SLOTS) -> None:
+        self.slots = slots
         self._free: asyncio.Semaphore | None = None  # made on the serving loop, at the first such call
+
+    def free(self) -> asyncio.Semaphore:
+        if self._free is None:
+            self._free = asyncio.Semaphore(self.slots)
+        return self._free
+
+
+class AdminWriteSlots:
+    """ASGI middleware: at most `slots.slots` admin calls that change something run at once."""
+
+    def __init__(self, app, slots: WriteSlots) -> None:
+        self.app, self.slots = app, slots
 
     async def __call__(self, scope, receive, send) -> None:
         if not changes_something(scope):
             await self.app(scope, receive, send)
             return
-        if self._free is None:
-            self._free = asyncio.Semaphore(self.slots)
-        async with self._free:
+        async with self.slots.free():
             await self.app(scope, receive, send)

@@ -210,7 +210,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                   description="KV cache daemon: OpenAI-compatible completions and the kvctl admin API.")
     app.router.route_class = StrictJSONRoute  # NaN and Infinity are not JSON: refused (strict_json.py)
     app.add_middleware(BodyLimit, limit=lambda: service.config.max_request_bytes)
-    app.add_middleware(AdminWriteSlots)  # outermost: a call waits for its slot before its body is read
+    app.add_middleware(AdminWriteSlots, slots=service.admin_write_slots)  # outermost: waits before its body is read
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError):

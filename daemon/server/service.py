@@ -38,6 +38,7 @@ from kvctl.policies.tiering import restore_seconds
 
 from .request_trace import RequestTrace, load_trace_key
 from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
+from .admin_slots import WriteSlots
 from .housekeeping import Housekeeping, Job
 from .notify import Notifier
 from .tenant_labels import TenantLabels
@@ -147,6 +148,7 @@ class EngineService:
             Job("store file check", lambda: STORE_CHECK_SECONDS, self.store.check_file),  # deleted: written back
             Job("rollout stop conditions", lambda: self.rollout_check_seconds, self.rollouts.evaluate)])
         self._housekeepers: list[threading.Thread] = []
+        self.admin_write_slots = WriteSlots()  # the admin calls that change something, at once, on every front
         # settings a completed rollout made everyone's, not (yet) in the config: {name: {value, rollout}};
         # a reload whose config says otherwise reverts them, and says so
         self.rollout_settings: dict[str, dict] = {}
