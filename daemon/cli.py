@@ -226,6 +226,7 @@ async def _serve(settings, re_resolve) -> None:
     from kvctl.daemon.server import unix_front
     from kvctl.daemon.server.app import create_app
     from kvctl.daemon.server.auth import TokenTable
+    from kvctl.daemon.server.housekeeping import Job
     from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.metrics import Metrics
     from kvctl.daemon.server.service import EngineService
@@ -252,6 +253,7 @@ async def _serve(settings, re_resolve) -> None:
     unix_app = create_app(service, metrics, front="unix")
     tcp_app = create_app(service, metrics, front="tcp", tokens=tokens, trusted_proxy=settings.trusted_proxy) \
         if settings.listen else None
+    service.housekeeping.add(Job("state folder claim", lambda: unix_front.CHECK_SECONDS, claim.check))  # lock deleted
     service.start(confine_threads=True)
     log.info("kvd %s listening on %s%s", __version__, settings.socket,
              f" and {settings.listen}" if settings.listen else "")
@@ -279,8 +281,7 @@ async def _serve(settings, re_resolve) -> None:
     fronts.serve(unix_app, sockets=[front.sock])
     if tcp_app is not None:
         fronts.serve(tcp_app, sockets=[tcp_sock])
-    keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock]),
-                                                 also=claim.check))
+    keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock])))
     await stopping.wait()
     keeper.cancel()
     await loop.run_in_executor(None, service.shutdown)

@@ -1,6 +1,7 @@
 """kvd's periodic jobs, each on a thread of its own: never on the engine thread.
 
-The jobs (a pin's TTL ending, the store's file check, a rollout's stop conditions) write to the
+The jobs (a pin's TTL ending, the store's file check, a rollout's stop conditions; under `kvd
+serve`, the state folder's claim too) touch files, and most write to the
 SQLite store. A write waits while another process holds the store's write lock (a `sqlite3`
 shell in a transaction, a long `kvctl db` command), for up to the store's busy timeout (30 s),
 and then fails. On the engine thread that wait stopped every token; a failure there ended the
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from kvctl.daemon.store import StoreUnavailable
@@ -32,7 +33,7 @@ class Job:
     every: Callable[[], float]  # seconds between the end of one run and the start of the next
     run: Callable[[], object]
     due: float = 0.0  # the clock's time of the next run (0: at once)
-    failing: int = field(default=0)  # failures in a row; 0 when the last run worked
+    failing: int = 0  # failures in a row; 0 when the last run worked
 
 
 class Housekeeping:
@@ -40,6 +41,11 @@ class Housekeeping:
         self.jobs = jobs
         self.clock = clock
         self.failures: dict[str, int] = {job.name: 0 for job in jobs}  # every failure, by job
+
+    def add(self, job: Job) -> None:
+        """One more job (before `start`)."""
+        self.jobs.append(job)
+        self.failures[job.name] = 0
 
     def failing(self) -> list[str]:
         """The jobs whose latest run failed."""

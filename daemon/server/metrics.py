@@ -33,7 +33,7 @@
     kvd_store_waiting_writes                  store writes waiting to begin now; kvd_store_longest_write_wait_seconds
     kvd_store_writes_total, kvd_store_write_wait_seconds_total   writes, and their waits to begin, summed
     kvd_housekeeping_failures_total{job}      failed runs of the periodic jobs (pin expiry, store file check,
-                                              rollout stop conditions); each is tried again
+                                              rollout stop conditions, state folder claim); each is tried again
     kvd_tier_bytes{tier}                      bytes held per lower tier (host, disk, remote)
     kvd_tier_capacity_bytes{tier}
     kvd_tier_block_bytes{tier}                bytes a block takes in each tier as written now (tier_compress)
@@ -192,8 +192,8 @@ class _EngineCollector:
                                   "summed (its rate over kvd_store_writes_total's: the mean wait)",
                                   value=store.write_wait_seconds)
         failures = CounterMetricFamily("kvd_housekeeping_failures", "Failed runs of kvd's periodic jobs (pin "
-                                       "expiry, store file check, rollout stop conditions), each tried again at its "
-                                       "next turn: the log says why", labels=["job"])
+                                       "expiry, store file check, rollout stop conditions, state folder claim), each "
+                                       "tried again at its next turn: the log says why", labels=["job"])
         for job, count in self.service.housekeeping.failures.items():
             failures.add_metric([job], count)
         yield failures

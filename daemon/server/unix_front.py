@@ -98,16 +98,12 @@ class UnixFront:
         return True
 
 
-async def keep(front: UnixFront, serve: Callable[[socket.socket], None], seconds: float = CHECK_SECONDS,
-               also: Callable[[], object] | None = None) -> None:
+async def keep(front: UnixFront, serve: Callable[[socket.socket], None], seconds: float = CHECK_SECONDS) -> None:
     """Every `seconds`, make sure `front` still stands at its path; bound again when it is gone,
-    `serve` is handed the new socket. Runs until cancelled. What it cannot mend it says once.
-    `also` runs at each round too (kvd keeps its state folder's claim so)."""
+    `serve` is handed the new socket. Runs until cancelled. What it cannot mend it says once."""
     said = None
     while True:
         await asyncio.sleep(seconds)
-        if also is not None:
-            also()
         state = front.state()
         problem = None
         if state == "gone":
