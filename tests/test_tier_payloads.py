@@ -137,17 +137,17 @@ def test_disk_segments_are_published_whole_and_reindexed_after_a_restart(tmp_pat
     assert again.meta[keys[3]].depth == 3 and again.meta[keys[3]].root == keys[0]
 
 
-def test_corrupt_truncated_foreign_and_unfinished_files_are_set_aside_and_counted(tmp_path):
+def test_damaged_truncated_foreign_and_unfinished_files_are_set_aside_and_counted(tmp_path):
     tier = disk(tmp_path)
     good = write_chain(tier, 0, 2)
     write_chain(tier, 10, 2)
     write_chain(tier, 20, 2)
     names = sorted(p.name for p in tier.segment_dir.glob("*.kvseg"))
     seg_of = {key: tier.index[key][0] for key in tier.index}
-    corrupt = tier.segment_dir / seg_of[block_key(10)]
-    data = bytearray(corrupt.read_bytes())
-    data[500] ^= 0x40
-    corrupt.write_bytes(bytes(data))
+    damaged = tier.segment_dir / seg_of[block_key(10)]
+    data = bytearray(damaged.read_bytes())
+    data[tier.index[block_key(11)][1]] ^= 0x40  # the second payload's magic
+    damaged.write_bytes(bytes(data))
     truncated = tier.segment_dir / seg_of[block_key(20)]
     truncated.write_bytes(truncated.read_bytes()[:-7])
     foreign = disk(tmp_path / "other", space=b"F" * 32)
@@ -163,6 +163,51 @@ def test_corrupt_truncated_foreign_and_unfinished_files_are_set_aside_and_counte
     assert len(list((again.quarantine / "corrupt").iterdir())) == 2
     assert len(list((again.quarantine / "foreign").iterdir())) == 1
     assert len(names) == 3
+
+
+def test_the_start_scan_reads_headers_only_and_a_damaged_body_fails_its_checksum_when_read(tmp_path):
+    """A flipped bit in a body is not looked for at start (that read every byte of the tier before
+    kvd served); the block is indexed, and the checksum refuses it when it is read."""
+    tier = disk(tmp_path)
+    keys = write_chain(tier, 0, 3)
+    name, offset, length = tier.index[keys[1]]
+    path = tier.segment_dir / name
+    data = bytearray(path.read_bytes())
+    data[offset + length // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    tier.close()
+    again = disk(tmp_path)
+    report = again.scan()
+    assert (report.segments, report.blocks, report.corrupt, report.foreign) == (1, 3, 0, 0)
+    for key in (keys[0], keys[2]):
+        assert same(decode_block(again.read(key), again.layout, SPACE, key), content(again.layout, key))
+    with pytest.raises(PayloadError) as err:
+        decode_block(again.read(keys[1]), again.layout, SPACE, keys[1])
+    assert err.value.reason == "checksum"
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["read-whole", "headers-only"])
+def test_the_start_scan_sees_every_header_damage_the_full_check_saw(tmp_path, whole, monkeypatch):
+    """Both ways of reading a segment at start (whole, for small payloads; a header at a time, for
+    large ones) set aside the same damage: a header cut short, a payload cut short, a wrong layout."""
+    import kvctl.daemon.cache.tiers.disk as disk_module
+
+    lay = layout()
+    monkeypatch.setattr(disk_module, "READ_WHOLE_BELOW", lay.payload_bytes + (1 if whole else 0))
+    tier = disk(tmp_path, lay)
+    chains = [write_chain(tier, 10 * i, 2) for i in range(4)]
+    path_of = [tier.segment_dir / tier.index[chain[0]][0] for chain in chains]
+    second = tier.index[chains[0][1]][1]
+    path_of[0].write_bytes(path_of[0].read_bytes()[:second + 100])  # the second header cut short
+    path_of[1].write_bytes(path_of[1].read_bytes()[:-1])  # the last payload cut short
+    data = bytearray(path_of[2].read_bytes())
+    data[204] = 32  # the first payload's block size: another layout's
+    path_of[2].write_bytes(bytes(data))
+    tier.close()
+    again = disk(tmp_path, lay)
+    report = again.scan()
+    assert (report.segments, report.blocks, report.corrupt, report.foreign) == (1, 2, 2, 1)
+    assert sorted(again.index) == sorted(chains[3])
 
 
 def test_what_an_upgrade_sets_aside_counts_against_the_disk_and_goes_before_live_segments(tmp_path):
@@ -194,8 +239,8 @@ def test_what_an_upgrade_sets_aside_counts_against_the_disk_and_goes_before_live
 
     rolled_back = disk(tmp_path, capacity=6 * per, space=old_space)
     verified = []
-    check = rolled_back._verify_segment
-    rolled_back._verify_segment = lambda data: verified.append(len(data)) or check(data)
+    check = rolled_back._check_segment_file
+    rolled_back._check_segment_file = lambda path: verified.append(path.name) or check(path)
     report = rolled_back.scan()  # b comes back; c and d are now the foreign ones
     assert len(verified) == 3  # b (once, as it comes back), then c and d
     assert (report.readmitted, report.foreign, report.segments, report.quarantine_dropped) == (1, 2, 1, 0)

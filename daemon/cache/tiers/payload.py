@@ -232,6 +232,15 @@ def read_header(data: bytes | memoryview, offset: int = 0) -> tuple[BlockMeta, b
 PEEK_BYTES = _FIXED.size  # a payload's first bytes that `peek_meta` needs
 
 
+def header_span(data: bytes | memoryview) -> int:
+    """Bytes from a payload's start to its body (the header and the body's length), from its
+    first PEEK_BYTES bytes: how much to read to check the header alone."""
+    if len(data) < _FIXED.size:
+        raise PayloadError("length", f"{len(data)} bytes is shorter than a header")
+    (header_len,) = _U16.unpack_from(data, 6)
+    return header_len + _U64.size
+
+
 def peek_meta(data: bytes | memoryview) -> BlockMeta:
     """The chain position and tenant from a payload's first PEEK_BYTES bytes (a Redis GETRANGE),
     to choose entries without fetching them whole. Checks the magic and version only."""
@@ -311,11 +320,13 @@ class BlockData:
         return self.layout.num_layers
 
 
-def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, key: bytes) -> BlockData:
-    """Verify a payload against the expected key, space and layout; return its K/V (views of
-    the payload's bytes, no copy; a compressed payload is decompressed when first read)."""
+def check_header(data: bytes | memoryview, layout: BlockLayout, space: bytes,
+                 key: bytes | None = None) -> tuple[BlockMeta, str, int, int]:
+    """Verify a payload's header, not its body, against the expected space and layout (and
+    `key`, when given): (chain position, codec, header bytes, whole payload's length). `data`
+    may stop anywhere after the header: the disk tier's start scan reads headers alone."""
     meta, got_space, total = read_header(data)
-    if meta.key != key:
+    if key is not None and meta.key != key:
         raise PayloadError("key", "payload holds another block")
     if got_space != space:
         raise PayloadError("space", "payload belongs to another model, tokenizer, format or scale set")
@@ -323,6 +334,13 @@ def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, ke
     expected = _header(layout, space, meta, codec)
     if bytes(data[:len(expected)]) != expected:
         raise PayloadError("layout", f"payload layout differs from {layout.describe()}")
+    return meta, codec, len(expected), total
+
+
+def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, key: bytes) -> BlockData:
+    """Verify a payload against the expected key, space and layout; return its K/V (views of
+    the payload's bytes, no copy; a compressed payload is decompressed when first read)."""
+    _, codec, header_len, total = check_header(data, layout, space, key)
     if len(data) != total:
         raise PayloadError("length", f"{len(data)} bytes where the header says {total}")
     (stored,) = _CRC.unpack_from(data, total - _CRC.size)
@@ -331,7 +349,7 @@ def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, ke
         raise PayloadError("checksum", "XXH3-64 mismatch")
     with warnings.catch_warnings():  # a bytes payload is read-only; these views are never written
         warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(view[len(expected):total - _CRC.size], dtype=torch.uint8)
+        raw = torch.frombuffer(view[header_len:total - _CRC.size], dtype=torch.uint8)
     return BlockData(raw, layout, codec)
 
 
