@@ -5,6 +5,8 @@ Side by side in one process, on the same bytes, in groups of realistic size:
 
     host    HostTier.fill + read_slots     vs  a plain tensor copy into a preallocated buffer
     disk    DiskTier.write_group + read + verify  vs  plain file write + fsync / read
+    start   (--start-scan SIZE) kvd's start scan of a tier that size (headers)  vs  every byte read
+            and verified (kvctl tiers verify; the start before it read headers only)
     remote  RemoteTier SET/GET + verify    vs  plain pipelined SET / GET of the same bytes
 
 Break-even: the demo model prefills L tokens (recompute) against reading L/block_size blocks
@@ -146,6 +148,63 @@ def measure_disk(layout, group: int, repeats: int, path: Path, codec: str = "non
         (raw_dir / "blob-0").read_bytes()
 
     return _figures(layout.block_bytes * group, repeats, ours_write, ours_read, raw_write, raw_read)
+
+
+def drop_page_cache() -> bool:
+    """Write dirty pages out and drop the page cache (root, Linux): a read after it comes from the
+    disk, as after a reboot. False where that is not allowed (the reads then come from memory)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def measure_start_scan(layout, group: int, total_bytes: int, repeats: int, path: Path) -> dict:
+    """kvd's start on a disk tier holding `total_bytes`: the scan as it is (each payload's header)
+    beside reading and verifying every byte (`kvctl tiers verify`; what the start did before),
+    on the same folder, the page cache dropped before each when allowed. Best of `repeats`."""
+    from kvctl.daemon.cache.tiers import DiskTier, encode_parts
+
+    space = b"S" * 32
+    folder = path / "scan"
+    tier = DiskTier(folder, 2 * total_bytes + layout.payload_bytes * group, layout, space)
+    seed = 0
+    while tier.used_bytes < total_bytes:
+        metas, layers = _group(layout, group, 10_000 + seed)
+        tier.write_group(list(zip(metas, encode_parts(layout, space, metas, layers))), fsync=False)
+        seed += 1
+    written, segments, blocks = tier.used_bytes, len(tier.segments), len(tier.index)
+    tier.close()
+
+    def opened() -> DiskTier:
+        return DiskTier(folder, tier.capacity_bytes, layout, space)
+
+    def headers() -> None:
+        again = opened()
+        again.scan()
+        again.close()
+
+    def every_byte() -> None:
+        again = opened()
+        again.scan()
+        for name in again.segment_names():
+            check = again.check_segment(name)
+            assert check is not None and not check.bad, "bench tiers: a segment failed verification"
+        again.close()
+
+    cold, times = True, {"headers": [], "every_byte": []}
+    for _ in range(repeats):
+        for name, fn in (("headers", headers), ("every_byte", every_byte)):
+            cold = drop_page_cache() and cold
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    scan, full = min(times["headers"]), min(times["every_byte"])
+    return {"bytes": written, "segments": segments, "blocks": blocks, "page_cache_dropped": cold,
+            "scan_seconds": scan, "verify_seconds": full, "ratio": full / scan if scan > 0 else None}
 
 
 def measure_remote(layout, group: int, repeats: int, url: str, codec: str = "none") -> dict:
@@ -313,6 +372,9 @@ def tiers_command(
     compress: Optional[str] = typer.Option(
         None, "--compress", help="Also measure disk (and Redis) storing blocks compressed: int8 or fp8_e4m3 "
                                  "(tier_compress), beside storing them whole."),
+    start_scan: Optional[str] = typer.Option(
+        None, "--start-scan", help="Also time kvd's start on a disk tier holding this much (2GiB): its scan of "
+        "the headers beside reading and verifying every byte. Page cache dropped first where allowed (root)."),
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -331,6 +393,16 @@ def tiers_command(
         raise typer.BadParameter(f"compress: invalid value {compress!r}; use int8 or fp8_e4m3")
     if disk_path is not None and not disk_path.is_dir():
         raise UserError(f"disk_path: {str(disk_path)!r} is not a folder; give one on the disk to measure")
+    scan_bytes = None
+    if start_scan is not None:
+        from kvctl.daemon.config import _size
+
+        try:
+            scan_bytes = _size(start_scan)
+        except ValueError:
+            scan_bytes = 0
+        if scan_bytes <= 0:
+            raise UserError(f"start_scan: must be a size > 0 (512MiB, 2GiB), got {start_scan!r}")
     layout = _layout(layers, kv_heads, head_dim, block_size, dtype)
     if compress is not None and layout.codec_for(compress) == "none":
         raise UserError(f"compress: {compress} applies to float32, float16 and bfloat16 caches; dtype is {dtype}")
@@ -348,6 +420,8 @@ def tiers_command(
                     "tiers": results}
         if compress is not None:
             document["compression"] = compression_error(layout, group_blocks, compress)
+        if scan_bytes is not None:
+            document["start_scan"] = measure_start_scan(layout, group_blocks, scan_bytes, min(repeats, 3), scratch)
         if not skip_break_even:
             names = ["host", "disk"] + ([f"disk ({compress})"] if compress else []) + (["remote"] if redis_url else []) \
                 + ([f"remote ({compress})"] if compress and redis_url else [])
@@ -382,6 +456,12 @@ def render(document: dict) -> None:
                       f"{c['device_block_bytes']:,} ({c['ratio']:.2f}); GB/s above count the device's bytes. "
                       f"Error on these blocks: largest {c['max_error_of_row_max']:.2%} of its row's largest value, "
                       f"mean {c['mean_error_of_rms']:.2%} of their RMS", markup=False)
+    scan = document.get("start_scan")
+    if scan:
+        where = "page cache dropped before each" if scan["page_cache_dropped"] else "from the page cache (not root)"
+        console.print(f"start on a disk tier of {scan['bytes'] / 2**30:.2f} GiB ({scan['blocks']:,} blocks in "
+                      f"{scan['segments']:,} segments, {where}): headers read {scan['scan_seconds']:.3f} s; every "
+                      f"byte read and verified {scan['verify_seconds']:.3f} s ({scan['ratio']:.1f}x)", markup=False)
     be = document.get("break_even")
     if be:
         t = Table("prompt tokens", "recompute ms", *[f"restore from {n} ms" for n in be["restore_seconds"]],

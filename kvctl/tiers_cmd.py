@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import time
+from typing import Optional
 
 import typer
 from rich.console import Console, Group
 from rich.text import Text
 
+from .errors import UserError
 from .ops import _client, _emit, show_or_watch
 from .tables import compact_table, seconds, size
 
@@ -88,8 +91,11 @@ def tiers_view(d: dict) -> Group:
         s = d["disk_scan"]
         back = f" ({s['readmitted']} segments of them back from a rollback)" if s.get("readmitted") else ""
         dropped = f", {s['set_aside_dropped']} set aside before (for room)" if s.get("set_aside_dropped") else ""
-        say(f"disk at start: {s['blocks']:,} blocks re-indexed{back}; set aside {s['corrupt']} corrupt, "
+        took = f" in {seconds(s['seconds'])}" if s.get("seconds") is not None else ""
+        say(f"disk at start: {s['blocks']:,} blocks re-indexed{took}{back}; set aside {s['corrupt']} corrupt, "
             f"{s['foreign']} foreign; removed {s['torn']} unfinished{dropped}")
+    if d.get("verify"):
+        say(verify_line(d["verify"]))
     return Group(*parts)
 
 
@@ -168,6 +174,10 @@ def _aside_group(g: dict) -> str:
     return head + f" of model {g['model_revision'][:16]}" + (f" ({detail})" if detail else "")
 
 
+tiers_app = typer.Typer(no_args_is_help=False)
+
+
+@tiers_app.callback(invoke_without_command=True)
 def tiers(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Each memory tier: capacity, use, hit tokens, bytes moved, transfer rates, checksum failures, health.
@@ -176,8 +186,131 @@ def tiers(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help=
 
     Example: kvctl tiers --watch
     """
+    if ctx.invoked_subcommand is not None:
+        return
     client = _client(ctx)
     show_or_watch(lambda: client.get("/admin/tiers"), tiers_view, watch, as_json, for_json=_finite)
+
+
+@tiers_app.command("verify")
+def verify(ctx: typer.Context,
+           rate: Optional[str] = typer.Option(None, "--rate", help="Read at most this much a second (200MiB); "
+                                              "default: as fast as the disk gives."),
+           wait: bool = typer.Option(False, "--wait", help="Wait for the end, showing progress; exit status 1 "
+                                     "when a block failed or a segment could not be read."),
+           stop: bool = typer.Option(False, "--stop", help="Stop the verification that is running."),
+           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Read the disk tier through and verify every block's checksum, in the background.
+
+    kvd's start reads only the blocks' headers, and checks a block's checksum when it restores it.
+    This checks them all now; a block that fails is dropped (a miss, never served). kvd keeps serving.
+
+    At kvd router, every replica verifies its own disk (exit status 3 when some replica did not).
+
+    Example: kvctl tiers verify --rate 200MiB --wait
+    """
+    client = _client(ctx)
+    if stop:
+        if rate is not None or wait:
+            raise UserError("--stop: give it alone (not with --rate or --wait)")
+        answer = client.delete("/admin/tiers/verify")
+    else:
+        body = {} if rate is None else {"rate": _rate(rate)}
+        answer = client.post("/admin/tiers/verify", body)
+    fleet = "replicas" in answer  # kvd router: each replica's run in its row
+    if wait:
+        answer = _wait_for_fleet(client, answer, as_json) if fleet else {"verify": _wait_for_verify(client, as_json)}
+    _emit(answer, as_json, lambda d: typer.echo(verify_text(d)))
+    runs = [row["verify"] for row in answer["replicas"] if row.get("verify")] if fleet else [answer["verify"]]
+    if wait and any(run["bad_blocks"] or run["unreadable_segments"] or run["state"] == "failed" for run in runs):
+        raise typer.Exit(1)
+    if fleet and (answer.get("result") == "partial" or len(runs) < len(answer["replicas"])):
+        raise typer.Exit(3)  # a replica refused, was not reached, or stopped answering while waited for
+
+
+def _rate(text: str) -> int:
+    from kvctl.daemon.config import _size
+
+    try:
+        value = _size(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise UserError(f"rate: must be a size a second > 0 (200MiB, 1GiB, 500MB), got {text!r}")
+    return value
+
+
+def _wait_for_verify(client, quiet: bool, interval: float = 0.5, sleep=time.sleep) -> dict:
+    """Poll kvd until the verification ends; its last report. Progress goes to stderr."""
+    while True:
+        run = client.get("/admin/tiers").get("verify")
+        if run is None:
+            raise UserError("kvd has no disk verification to wait for (did kvd restart?)")
+        if run["state"] != "running":
+            return run
+        if not quiet:
+            typer.echo("\r" + verify_line(run), nl=False, err=True)
+        sleep(interval)
+
+
+def _wait_for_fleet(client, started: dict, quiet: bool, interval: float = 0.5, sleep=time.sleep) -> dict:
+    """At kvd router: poll until the run of every replica that began one ends; the rows as
+    `started` had them, each that began with its last report (None: the replica stopped answering)."""
+    rows = [dict(row) for row in started["replicas"]]
+    waiting = {row["replica"] for row in rows if row.get("verify")}
+    while True:
+        reports = {row["replica"]: (row.get("report") or {}).get("verify")
+                   for row in client.get("/admin/tiers")["replicas"]}
+        for row in rows:
+            if row["replica"] in waiting:
+                row["verify"] = reports.get(row["replica"])
+        running = [row for row in rows if row["replica"] in waiting and row["verify"] and
+                   row["verify"]["state"] == "running"]
+        if not running:
+            return {**started, "replicas": rows}
+        if not quiet:
+            done = sum(r["verify"]["segments_done"] for r in rows if r.get("verify"))
+            total = sum(r["verify"]["segments_total"] for r in rows if r.get("verify"))
+            typer.echo(f"\rdisk verify: {len(running)} replicas running, {done:,} of {total:,} segments read",
+                       nl=False, err=True)
+        sleep(interval)
+
+
+def verify_text(answer: dict) -> str:
+    """What `kvctl tiers verify` prints: kvd's run, or at kvd router one line per replica."""
+    if "replicas" not in answer:
+        return verify_line(answer["verify"])
+    lines = []
+    for row in answer["replicas"]:
+        if row.get("verify"):
+            lines.append(f"{row['replica']}: {verify_line(row['verify'])}")
+        elif row.get("status") == 200:  # it began one, then stopped answering
+            lines.append(f"{row['replica']}: no answer while waiting for its verification")
+        else:
+            error = row.get("error")
+            said = error.get("message") if isinstance(error, dict) else error
+            lines.append(f"{row['replica']}: " + (f"refused ({said})" if row.get("status") else f"not reached ({said})"))
+    return "\n".join(lines)
+
+
+def verify_line(run: dict) -> str:
+    """One line for a disk verification's report (`kvctl tiers verify`, `kvctl tiers`)."""
+    done = (f"{run['segments_done']:,} of {run['segments_total']:,} segments, {run['blocks']:,} blocks, "
+            f"{size(run['bytes'])} read in {seconds(run['seconds'])}")
+    bad, unreadable = run["bad_blocks"], run["unreadable_segments"]
+    failed = ("no block failed verification" if not bad else "1 block failed verification and was dropped"
+              if bad == 1 else f"{bad:,} blocks failed verification and were dropped")
+    if unreadable:
+        failed += f"; {unreadable:,} segment{'s' if unreadable > 1 else ''} could not be read"
+    paced = f" at most {size(run['rate_bytes_per_second'])}/s" if run.get("rate_bytes_per_second") else ""
+    state = run["state"]
+    if state == "running":
+        return f"disk verify: running{paced} (started by {run['actor']}): {done}; {failed}"
+    if state == "stopped":
+        state = f"stopped by {run['stopped_by']}" if run.get("stopped_by") else "stopped"
+    elif state == "failed":
+        state = f"failed ({run['error']})"
+    return f"disk verify: {state} (started by {run['actor']}): {done}; {failed}"
 
 
 def _finite(data: dict) -> dict:

@@ -67,7 +67,29 @@ def test_bench_tiers_compress_measures_the_compressed_tiers_beside_the_whole_one
     assert set(be["break_even_tokens"]) == set(be["restore_seconds"])
 
 
+def test_bench_tiers_start_scan_times_the_header_scan_beside_every_byte_verified(capsys, tmp_path):
+    status, out, _ = cli(capsys, "bench", "tiers", *SMALL, "--skip-break-even", "--start-scan", "256KiB",
+                         "--disk-path", str(tmp_path), "--json")
+    assert status == 0
+    doc = json.loads(out)
+    # a block's bytes; its header: 218 fixed, a dtype byte a layer, the scale version's length and
+    # text ("bench"), the body's length; its checksum
+    scan, payload = doc["start_scan"], doc["block_bytes"] + 218 + 2 + 2 + len("bench") + 8 + 8
+    group = 4 * payload  # --group-blocks 4: one segment a write, until 256 KiB is there
+    assert (scan["segments"], scan["blocks"], scan["bytes"]) == (-(-(256 << 10) // group),
+                                                                 4 * -(-(256 << 10) // group),
+                                                                 group * -(-(256 << 10) // group))
+    assert scan["scan_seconds"] > 0 and scan["verify_seconds"] > 0
+    assert scan["ratio"] == pytest.approx(scan["verify_seconds"] / scan["scan_seconds"])
+    assert isinstance(scan["page_cache_dropped"], bool)
+    status, out, _ = cli(capsys, "bench", "tiers", *SMALL, "--skip-break-even", "--start-scan", "256KiB",
+                         "--disk-path", str(tmp_path))
+    assert status == 0 and "start on a disk tier of 0.00 GiB (" in out and "every byte read and verified" in out
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--start-scan", "lots"], "start_scan: must be a size > 0 (512MiB, 2GiB), got 'lots'"),
+    (["--start-scan", "0"], "start_scan: must be a size > 0 (512MiB, 2GiB), got '0'"),
     (["--dtype", "fp4"], "dtype: invalid value 'fp4'"),
     (["--compress", "zstd"], "compress: invalid value 'zstd'; use int8 or fp8_e4m3"),
     (["--compress", "int8", "--dtype", "fp8_e4m3"],

@@ -152,6 +152,11 @@ class DrainRequest(BaseModel):
     drain: StrictBool = True
 
 
+class VerifyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rate: Number | None = Field(None, gt=0)  # bytes a second at most; None: as fast as the disk gives
+
+
 class SwapRequest(BaseModel):
     prefix: str
     to: str
@@ -705,6 +710,19 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         from . import tier_ops
 
         return tier_ops.report(service)
+
+    @app.post("/admin/tiers/verify")
+    def verify_tiers(body: VerifyRequest, who: Principal = Depends(admin)):
+        """Read the disk tier through and verify every block, in the background (tier_verify.py)."""
+        from . import tier_ops
+
+        return tier_ops.start_verify(service, body.rate, who)
+
+    @app.delete("/admin/tiers/verify")
+    def stop_verifying_tiers(who: Principal = Depends(admin)):
+        from . import tier_ops
+
+        return tier_ops.stop_verify(service, who)
 
     @app.post("/admin/swap")
     async def swap(body: SwapRequest, who: Principal = Depends(admin)):

@@ -240,6 +240,12 @@ def merge_tier_reports(names: Sequence[str], answers: Sequence[Answer]) -> tuple
     return 200, {"replicas": rows}
 
 
+def merge_verifies(done: list[dict]) -> dict:
+    """Disk verifications begun or stopped: each replica's report stays in its row; the segments
+    they read together."""
+    return {"segments_total": sum(body["verify"]["segments_total"] for body in done)}
+
+
 def merge_cancels(done: list[dict]) -> dict:
     """The requests each replica cancelled; `not_found`: the ids none of them had in flight."""
     not_found = set(done[0].get("not_found") or [])

@@ -60,7 +60,7 @@ from .body_limit import BodyLimit
 from .event_relay import relay_events
 from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merge_pin_lists, merge_pins,
                           merge_prefix_lists, merge_request_lists, merge_tenant_lists, merge_tier_reports,
-                          merge_unpins)
+                          merge_unpins, merge_verifies)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
@@ -662,6 +662,14 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                         ("/admin/tiers", merge_tier_reports), ("/admin/prefixes", merge_prefix_lists),
                         ("/admin/pins", merge_pin_lists)):
         merged_listing(path, merge)
+
+    @app.post("/admin/tiers/verify")
+    async def verify_everywhere(http: Request, _: Caller = Depends(admin)):
+        return await everywhere("POST", "/admin/tiers/verify", await http.body(), merge_verifies)
+
+    @app.delete("/admin/tiers/verify")
+    async def stop_verifying_everywhere(_: Caller = Depends(admin)):
+        return await everywhere("DELETE", "/admin/tiers/verify", None, merge_verifies)
 
     @app.post("/admin/cancel")
     async def cancel_everywhere(http: Request, _: Caller = Depends(admin)):

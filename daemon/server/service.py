@@ -160,6 +160,8 @@ class EngineService:
         self.last_reload: dict | None = None
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.tiers = None  # TieredCache when lower tiers are configured (see tier_ops)
+        self.disk_verify = None  # the latest `kvctl tiers verify` run (tier_verify.py)
+        self.verify_lock = threading.Lock()  # one run at a time
         self.tier_scan = None
 
     # ---- life cycle --------------------------------------------------------------------------
@@ -375,6 +377,7 @@ class EngineService:
             for request_id in pending:
                 self.cancel(request_id)
         self._stop.set()
+        self._stop_verify("shutdown")
         if self.tiers is not None:
             from . import tier_ops
 
@@ -386,6 +389,13 @@ class EngineService:
         for thread in self._housekeepers:  # a job waiting on a locked store holds it up to the busy timeout
             thread.join(timeout=10)
         self.rollouts.record_figures("shutdown", "kvd")  # a restart starts them again from zero
+
+    def _stop_verify(self, why: str) -> None:
+        """A disk verification ends with the tiers it reads (kvd stopping, a load tried again)."""
+        run = self.disk_verify
+        if run is not None and run.running:
+            run.stop(why)
+            run.join(timeout=10)
 
     def reload_from_source(self, actor: str) -> dict:
         """Read the settings again as at start (the same flags and KVD_* environment, the YAML
@@ -452,6 +462,7 @@ class EngineService:
             bound = sorted(k for k in self.BOUND_AT_START if getattr(new, k) != getattr(self.config, k))
             earlier_error, self.load_error = self.load_error, None
             if self.tiers is not None:  # a load that failed after building its tiers: their threads end
+                self._stop_verify("reload")
                 self.tiers.close()
                 self.tiers = self.tier_scan = None
             self.config = replace(new, **{k: getattr(self.config, k) for k in self.BOUND_AT_START})

@@ -17,6 +17,7 @@ from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
 from .byte_sizes import format_bytes
 from .service import EVICT_WRITE_WAIT_S, ServiceError
+from .tier_verify import DiskVerification
 
 log = logging.getLogger("kvd")
 
@@ -66,7 +67,9 @@ def report(service) -> dict:
     if scan is not None:
         body["disk_scan"] = {"blocks": scan.blocks, "segments": scan.segments, "corrupt": scan.corrupt,
                              "foreign": scan.foreign, "torn": scan.torn, "readmitted": scan.readmitted,
-                             "set_aside_dropped": scan.quarantine_dropped}
+                             "set_aside_dropped": scan.quarantine_dropped, "seconds": scan.seconds}
+    run = service.disk_verify
+    body["verify"] = None if run is None or run.tiers is not tiers else run.report()
     body["break_even_tokens"] = {  # None: restoring from that tier never beats recomputing (JSON has no inf)
         name: finite_or_none(tiers.policy.break_even_tokens(tiers.block_bytes_in(name) / tiers.layout.block_size,
                                                             tiers.stats[name].read))
@@ -74,6 +77,44 @@ def report(service) -> dict:
     body["break_even_measured"] = {name: tiers.stats[name].read.samples > 0 and tiers.policy.prefill.samples > 0
                                    for name in body["tiers"]}
     return body
+
+
+def start_verify(service, rate: float | None, principal) -> dict:
+    """Begin reading the disk tier through and verifying every block (tier_verify.py); refused
+    while one runs, or with no disk tier."""
+    service.require_ready()
+    tiers = service.tiers
+    if tiers is None or tiers.disk is None:
+        raise ServiceError(409, "tiers verify: no disk tier is configured (tiers.disk.bytes, --disk-cache-bytes)",
+                           "tiers")
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise ServiceError(400, f"rate: must be a number of bytes a second > 0, got {rate!r}", "rate")
+    with service.verify_lock:
+        current = service.disk_verify
+        if current is not None and current.running and current.tiers is tiers:
+            report = current.report()
+            raise ServiceError(409, f"tiers verify: one is running (started by {report['actor']}, "
+                                    f"{report['segments_done']:,} of {report['segments_total']:,} segments read); "
+                                    "stop it first (kvctl tiers verify --stop)", "tiers")
+        run = service.disk_verify = DiskVerification(tiers, principal.actor, rate)
+        run.start()
+    service.store.audit(actor=principal.actor, tenant=principal.tenant, action="tiers.verify", target="disk",
+                        result="ok", detail={"rate_bytes_per_second": rate, "segments": run.report()["segments_total"]})
+    return {"verify": run.report()}
+
+
+def stop_verify(service, principal) -> dict:
+    """End the running verification after the segment it is reading; its report so far."""
+    with service.verify_lock:
+        run = service.disk_verify
+        if run is None or not run.running:
+            raise ServiceError(409, "tiers verify: none is running", "tiers")
+        run.stop(principal.actor)
+    run.join(timeout=10)
+    report = run.report()
+    service.store.audit(actor=principal.actor, tenant=principal.tenant, action="tiers.verify.stop", target="disk",
+                        result="ok", detail={k: report[k] for k in ("segments_done", "segments_total", "bad_blocks")})
+    return {"verify": report}
 
 
 def finite_or_none(value: float) -> float | None:

@@ -54,7 +54,8 @@ from typing import Callable, Sequence
 from kvctl.daemon.folder_claim import FolderTaken, claim_folder
 from kvctl.policies.tenant_shares import share_blocks, share_of
 
-from .payload import PEEK_BYTES, BlockLayout, BlockMeta, PayloadError, check_header, header_span, payload_length, peek_space
+from .payload import (PEEK_BYTES, BlockLayout, BlockMeta, PayloadError, check_header, decode_block, header_span,
+                      payload_length, peek_space)
 from .spaces import SpaceBook
 from .vectored import write_vectored
 
@@ -102,6 +103,17 @@ class ScanReport:
     torn: int = 0  # unfinished .tmp files removed
     readmitted: int = 0  # set-aside foreign segments that match again (a rollback), indexed
     quarantine_dropped: int = 0  # set-aside segments deleted to keep the folder within its bytes
+    seconds: float = 0.0  # how long the scan took
+
+
+@dataclass
+class SegmentCheck:
+    """What reading one segment whole and verifying its blocks found (`DiskTier.check_segment`)."""
+
+    blocks: int = 0  # blocks verified (those still indexed in it)
+    bytes: int = 0  # bytes read
+    bad: list[tuple[bytes, PayloadError]] = field(default_factory=list)  # (key, why) of those that failed
+    unreadable: OSError | None = None  # the read failed: gone or cut short (the index was told), or EIO
 
 
 class DiskTier:
@@ -170,7 +182,7 @@ class DiskTier:
     # ---- start -------------------------------------------------------------------------------
     def scan(self) -> ScanReport:
         """Verify and index what is on disk (call once, before serving)."""
-        report = ScanReport()
+        report, started = ScanReport(), time.perf_counter()
         for tmp in self.segment_dir.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
             report.torn += 1
@@ -195,6 +207,7 @@ class DiskTier:
         with self.lock:
             self._list_quarantine()
             report.quarantine_dropped = self._shed_quarantine(0)
+        report.seconds = time.perf_counter() - started
         return report
 
     def _readmit(self) -> dict[str, tuple[int, list]]:
@@ -627,6 +640,43 @@ class DiskTier:
             mapped = mmap.mmap(f.fileno(), offset + length - start, offset=start, prot=mmap.PROT_READ,
                                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         return memoryview(mapped)[offset - start:]
+
+    def segment_names(self) -> list[str]:
+        """The indexed segments, least recently used first."""
+        with self.lock:
+            return list(self.segments)
+
+    def check_segment(self, name: str) -> SegmentCheck | None:
+        """Read segment `name` whole and verify each block still indexed in it as a restore does
+        (key, space, layout, XXH3-64); None when it is no longer indexed. It is kept from eviction
+        while it is read. A file gone or cut short is forgotten or set aside as a failed read's is
+        (`_lost_on_read`); the caller drops the blocks that failed."""
+        with self.lock:
+            segment = self.segments.get(name)
+            if segment is None:
+                return None
+            entries = [(key, where[1], where[2]) for key in segment.keys
+                       if (where := self.index.get(key)) is not None and where[0] == name]
+            self.busy[name] = self.busy.get(name, 0) + 1
+        check = SegmentCheck()
+        try:
+            view = self._read_range(name, 0, segment.size)
+        except (OSError, ValueError) as exc:
+            check.unreadable = exc if isinstance(exc, OSError) else OSError(str(exc))
+            return check
+        finally:
+            with self.lock:
+                if check.unreadable is not None:
+                    self._lost_on_read(name, check.unreadable)
+                self._read_done(name)
+        check.bytes = segment.size
+        for key, offset, length in entries:
+            try:
+                decode_block(view[offset:offset + length], self.layout, self.space, key)
+            except PayloadError as exc:
+                check.bad.append((key, exc))
+        check.blocks = len(entries)
+        return check
 
     def read_segment(self, segment: Segment) -> bytes:
         return (self.segment_dir / segment.name).read_bytes()

@@ -40,7 +40,7 @@ import torch
 from kvctl.policies.tiering import WRITE_POLICIES, RateMeter, TieringPolicy, held_run
 
 from .codec import check_codec, unsupported
-from .disk import DiskTier, Segment
+from .disk import DiskTier, Segment, SegmentShort
 from .host import HostTier, copy_rows, select_rows
 from .payload import (BlockData, BlockLayout, BlockMeta, PayloadError, decode_block, encode_parts,
                       payload_codec, payload_length, read_header)
@@ -655,6 +655,22 @@ class TieredCache:
         tier = {"disk": self.disk, "remote": self.remote}.get(source)
         if tier is not None:
             tier.drop(key, "corrupt")
+
+    def verify_disk_segment(self, name: str):
+        """Read one disk segment whole and verify its blocks (`DiskTier.check_segment`); each that
+        fails is dropped as a failed restore's is (counted in checksum failures, logged, a `corrupt`
+        removal event). A read error other than a file gone or cut short marks the tier degraded,
+        as a failed read does. The SegmentCheck, or None when the segment is gone."""
+        check = self.disk.check_segment(name)
+        if check is None:
+            return None
+        for key, exc in check.bad:
+            self._bad_payload("disk", key, exc)
+        failed = check.unreadable
+        if failed is not None and not isinstance(failed, (FileNotFoundError, SegmentShort)):
+            with self.lock:
+                self._degrade("disk", f"verify read failed: {failed.strerror or failed}")
+        return check
 
     def finish_prefetch(self, request_id: str) -> None:
         """The request was admitted or cancelled: stop its fetch and drop what it staged."""
