@@ -190,8 +190,10 @@ class DiskTier:
         report.readmitted = len(back)
         paths = sorted(self.segment_dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
         fresh = [p for p in paths if p.name not in back]  # those that came back were checked as they did
-        with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="kvd-disk-scan") as pool:
-            checked = dict(zip((p.name for p in fresh), pool.map(self._check_segment_file, fresh)))
+        shares = [fresh[i::SCAN_THREADS] for i in range(min(SCAN_THREADS, len(fresh)))]  # a list a thread: no
+        with ThreadPoolExecutor(max(1, len(shares)), thread_name_prefix="kvd-disk-scan") as pool:  # task a file
+            checked = {p.name: found for share, results in zip(shares, pool.map(self._check_segment_files, shares))
+                       for p, found in zip(share, results)}
         for path in paths:
             found = back[path.name] if path.name in back else checked[path.name]
             if isinstance(found, Exception):
@@ -254,6 +256,9 @@ class DiskTier:
         self.quarantine_bytes -= size
         self._aside_space.pop(path, None)
         return size
+
+    def _check_segment_files(self, paths: list[Path]) -> list:
+        return [self._check_segment_file(path) for path in paths]
 
     def _check_segment_file(self, path: Path) -> tuple[int, list[tuple[BlockMeta, int, int]]] | Exception:
         """(bytes, [(chain position, offset, length)]) of a segment whose payloads' headers all

@@ -40,6 +40,7 @@ they are only ever copied into the cache.
 
 from __future__ import annotations
 
+import functools
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -331,10 +332,24 @@ def check_header(data: bytes | memoryview, layout: BlockLayout, space: bytes,
     if got_space != space:
         raise PayloadError("space", "payload belongs to another model, tokenizer, format or scale set")
     codec = payload_codec(data)
-    expected = _header(layout, space, meta, codec)
-    if bytes(data[:len(expected)]) != expected:
+    lengths, shape = _layout_fields(layout, codec)
+    # the header as this layout writes it: the fields before the depth came from `data` (meta) or
+    # were checked above (magic, space), so the version and lengths and all after the depth remain
+    if (data[4:8] != lengths or data[_DEPTH_END:_DEPTH_END + len(shape)] != shape
+            or (meta.depth == 0 and data[104:136] != _NO_PARENT)):
         raise PayloadError("layout", f"payload layout differs from {layout.describe()}")
-    return meta, codec, len(expected), total
+    return meta, codec, _DEPTH_END + len(shape), total
+
+
+_DEPTH_END = 204  # offset of the block size, the first field a layout fixes after the depth
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_fields(layout: BlockLayout, codec: str) -> tuple[bytes, bytes]:
+    """(version and header length, the bytes from the block size to the body's length) of every
+    header of this layout and codec: what `check_header` compares, made once, not per payload."""
+    header = _header(layout, bytes(32), BlockMeta(bytes(32), bytes(32), 0, None), codec)
+    return header[4:8], header[_DEPTH_END:]
 
 
 def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, key: bytes) -> BlockData:
