@@ -100,6 +100,21 @@ def map_cells(block_map: str, max_cells: int = MAP_MAX_CELLS) -> tuple[str, int]
     return "".join(cells), per_cell
 
 
+def start_line(start: dict, uptime: float | None) -> str:
+    """How long kvd's latest start took and where the time went, in one line (`kvctl status`)."""
+    names = {"model": "model", "cache": "cache", "tiers": "tiers (disk scan)", "pins": "pins"}
+    parts = ", ".join(f"{names.get(phase, phase)} {seconds(took)}" for phase, took in start["phases"].items())
+    ready = start["ready_after_seconds"]
+    before = "" if ready is None else f"{seconds(max(0.0, ready - start['load_seconds']))} before the load (imports, " \
+                                      "settings), "
+    line = f"ready {seconds(ready)} after the process began: {before}{parts}"
+    if start.get("pins_warmed_seconds") is not None:
+        line += f"; pinned prefixes back from the lower tiers {seconds(start['pins_warmed_seconds'])} later"
+    if uptime is not None:
+        line += f"; up {duration(uptime)}"
+    return line
+
+
 def render_status(data: dict, console: Console | None = None):
     if is_fleet(data):  # pointed at kvd router: a row per replica
         return render_fleet_status(data, console)
@@ -167,6 +182,8 @@ def render_status(data: dict, console: Console | None = None):
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
     facts.add_row("pins", str(data["pins"]))
+    if data.get("start"):  # absent from an older kvd
+        facts.add_row("started", start_line(data["start"], data.get("uptime_seconds")))
     reload = data.get("last_reload")
     if reload and reload["result"] == "refused":
         facts.add_row("config", Text(f"the latest reload ({when(reload['at'])}, by {reload['actor']}) was refused, "

@@ -34,6 +34,8 @@
     kvd_store_writes_total, kvd_store_write_wait_seconds_total   writes, and their waits to begin, summed
     kvd_housekeeping_failures_total{job}      failed runs of the periodic jobs (pin expiry, store file check,
                                               rollout stop conditions, state folder claim); each is tried again
+    kvd_start_seconds{phase}                  the latest start: ready (from the process's start), model,
+                                              cache, tiers (the disk tier's scan), pins, pins_warmed
     kvd_tier_bytes{tier}                      bytes held per lower tier (host, disk, remote)
     kvd_tier_capacity_bytes{tier}
     kvd_tier_block_bytes{tier}                bytes a block takes in each tier as written now (tier_compress)
@@ -197,6 +199,16 @@ class _EngineCollector:
         for job, count in self.service.housekeeping.failures.items():
             failures.add_metric([job], count)
         yield failures
+        timer = self.service.start_timer
+        if timer is not None:
+            start = GaugeMetricFamily("kvd_start_seconds", "How long kvd's latest start took: ready (from the "
+                                      "process's start), and the load's phases (model, cache, tiers: the disk "
+                                      "tier's scan, pins); pins_warmed once pinned prefixes are back from the "
+                                      "lower tiers", labels=["phase"])
+            for phase, took in [("ready", timer.ready_after), *timer.phases.items(), ("pins_warmed", timer.pins_warmed)]:
+                if took is not None:
+                    start.add_metric([phase], took)
+            yield start
         yield CounterMetricFamily("kvd_restored_tokens", "Prompt tokens restored from a lower tier",
                                   value=engine.stats.restored_tokens)
         tiers = self.service.tiers

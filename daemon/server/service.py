@@ -40,6 +40,7 @@ from .request_trace import RequestTrace, load_trace_key
 from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
 from .admin_slots import WriteSlots
 from .housekeeping import Housekeeping, Job
+from .start_timing import StartTimer
 from .notify import Notifier
 from .tenant_labels import TenantLabels
 
@@ -160,6 +161,7 @@ class EngineService:
         self.last_reload: dict | None = None
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.tiers = None  # TieredCache when lower tiers are configured (see tier_ops)
+        self.start_timer: StartTimer | None = None  # the latest load's phases (start_timing.py)
         self.disk_verify = None  # the latest `kvctl tiers verify` run (tier_verify.py)
         self.verify_lock = threading.Lock()  # one run at a time
         self.tier_scan = None
@@ -167,6 +169,7 @@ class EngineService:
     # ---- life cycle --------------------------------------------------------------------------
     def load(self) -> None:
         """Load the model (the demo checkpoint by default), size the cache, restore pins."""
+        timer = StartTimer()
         cfg = self.config
         device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cuda" and not torch.cuda.is_available():
@@ -179,6 +182,7 @@ class EngineService:
         model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
         chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template)
+        timer.mark("model")
         scales, scale_version, keep = None, "", ()
         self.calibration: dict | None = None
         if cfg.cache_dtype != "auto":
@@ -223,24 +227,37 @@ class EngineService:
                                   tenant_cache_shares=cfg.tenant_cache_shares,
                                   max_tracked_tenants=cfg.max_tracked_tenants, **prefetch_settings(cfg))
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
+        timer.mark("cache")
         engine.stats.tenants.keep = self.tenant_labels.has_own  # a tenant's own metric series never shrinks
         if cfg.pin_budget_blocks is not None:
             engine.cache.pins.default_budget = cfg.pin_budget_blocks
         from . import tier_ops
 
         tier_ops.attach(self, engine)
+        timer.mark("tiers")
         with self.lock:
             self.loaded, self.engine, self.chat_template = loaded, engine, chat_template
             self._restore_pins()
+        timer.mark("pins")
+        self.start_timer = timer
         if self.tiers is not None and engine.cache.pins.all():  # pinned prefixes a lower tier kept
-            warmer = threading.Thread(target=tier_ops.warm_pins, args=(self,), name="kvd-warm-pins", daemon=True)
+            warmer = threading.Thread(target=self._warm_pins, args=(timer,), name="kvd-warm-pins", daemon=True)
             warmer.start()
             self.pin_warmer = warmer
         if device == "cpu" and self._share_cpus and Path("/proc/self/status").is_file():  # Linux: see cpu_share.py
             self._share_cpus_with_neighbours()
+        timer.ready()
         self.ready.set()
-        log.info("model loaded: %s (%s), %d blocks of %d tokens, %s", loaded.config.architecture,
-                 loaded.revision[:12], num_blocks, cfg.block_size, device)
+        log.info("model loaded: %s (%s), %d blocks of %d tokens, %s; ready %.1f s after kvd started (%s)",
+                 loaded.config.architecture, loaded.revision[:12], num_blocks, cfg.block_size, device,
+                 timer.ready_after, ", ".join(f"{phase} {took:.2f} s" for phase, took in timer.phases.items()))
+
+    def _warm_pins(self, timer: StartTimer) -> None:
+        from . import tier_ops
+
+        began = time.perf_counter()
+        tier_ops.warm_pins(self)
+        timer.pins_warmed = time.perf_counter() - began
 
     def _share_cpus_with_neighbours(self, neighbours=None) -> None:
         """Start looking at the other kvd engines on this host's CPUs (cpu_share.py): the engine
@@ -908,6 +925,7 @@ class EngineService:
                 "last_reload": self.last_reload,
                 "cache": self.cache_status(),
                 "uptime_seconds": time.time() - self.started_at,
+                "start": None if self.start_timer is None else self.start_timer.report(),
                 "draining": self.draining,
                 "store": {"file_ok": self.store.file_ok, "written_back": self.store.written_back,
                           "audit_write_failures": self.store.audit_failures,
