@@ -68,6 +68,7 @@ def test_a_body_damaged_while_kvd_was_down_is_indexed_at_start_and_dropped_by_a_
         started = call(app, "POST", "/admin/tiers/verify", json={})
         assert started.status_code == 200, started.text
         assert started.json()["verify"]["segments_total"] == segments
+        assert started.json()["verify"]["rate_bytes_per_second"] == 256 << 20  # paced unless asked otherwise
         run = until_ended(app)
         assert {k: run[k] for k in ("state", "actor", "segments_total", "segments_done", "blocks", "bytes",
                                     "bad_blocks", "unreadable_segments", "error")} == {
@@ -118,10 +119,15 @@ def test_one_verification_at_a_time_an_operator_can_stop_it_and_it_stops_with_kv
         assert [e["action"] for e in entries if e["action"].startswith("tiers.")] == [  # newest first
             "tiers.verify.stop", "tiers.verify"]
 
-        for bad in ({"rate": 0}, {"rate": -5}, {"rate": "fast"}, {"speed": 1}):
+        for bad in ({"rate": 0}, {"rate": -5}, {"rate": "fast"}, {"speed": 1}, {"unpaced": "yes"},
+                    {"rate": 1 << 20, "unpaced": True}):
             refused = call(app, "POST", "/admin/tiers/verify", json=bad)
             assert refused.status_code == 400, (bad, refused.text)
-            assert refused.json()["error"]["param"] in ("rate", "speed"), refused.text
+            assert refused.json()["error"]["param"] in ("rate", "speed", "unpaced"), refused.text
+        assert refused.json()["error"]["message"] == "rate: give a rate or unpaced, not both"
+        unpaced = call(app, "POST", "/admin/tiers/verify", json={"unpaced": True}).json()["verify"]
+        assert unpaced["rate_bytes_per_second"] is None
+        until_ended(app)
 
         held = call(app, "POST", "/admin/tiers/verify", json={"rate": 1}).json()["verify"]
         assert held["state"] == "running"
@@ -203,7 +209,7 @@ def test_kvctl_tiers_verify_waits_shows_the_result_and_fails_when_a_block_failed
                                                       "ignore_eos": True})
         assert answer.status_code == 200
     with running_kvd(sock_dir) as (_, client, sock):
-        clean = kvctl(sock, "tiers", "verify", "--wait")
+        clean = kvctl(sock, "tiers", "verify", "--wait", "--rate", "max")
         assert clean.returncode == 0, clean.stderr
         assert re.fullmatch(r"disk verify: done \(started by unix-socket\): (\d+) of \1 segments, \d+ blocks, "
                             r"[\d.]+ [KMG]iB read in [\d.]+ m?s; no block failed verification\n", clean.stdout), clean.stdout
@@ -220,7 +226,7 @@ def test_kvctl_tiers_verify_waits_shows_the_result_and_fails_when_a_block_failed
         stop = kvctl(sock, "tiers", "verify", "--stop", "--rate", "1MiB")
         assert stop.returncode == 2 and "--stop: give it alone (not with --rate or --wait)" in stop.stderr
         bad = kvctl(sock, "tiers", "verify", "--rate", "fast")
-        assert bad.returncode == 2 and "rate: must be a size a second > 0 (200MiB, 1GiB, 500MB), got 'fast'" in bad.stderr
+        assert bad.returncode == 2 and "rate: must be a size a second > 0 (200MiB, 1GiB, 500MB) or max, got 'fast'" in bad.stderr
 
 
 def test_at_kvd_router_each_replica_verifies_its_own_disk_and_one_without_a_disk_says_why(tmp_path):

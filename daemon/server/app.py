@@ -154,7 +154,8 @@ class DrainRequest(BaseModel):
 
 class VerifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    rate: Number | None = Field(None, gt=0)  # bytes a second at most; None: as fast as the disk gives
+    rate: Number | None = Field(None, gt=0)  # bytes a second at most; None: tier_verify.DEFAULT_RATE
+    unpaced: StrictBool = False  # as fast as the disk and a core allow (the engine then has less CPU)
 
 
 class SwapRequest(BaseModel):
@@ -716,7 +717,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         """Read the disk tier through and verify every block, in the background (tier_verify.py)."""
         from . import tier_ops
 
-        return tier_ops.start_verify(service, body.rate, who)
+        return tier_ops.start_verify(service, body.rate, who, unpaced=body.unpaced)
 
     @app.delete("/admin/tiers/verify")
     def stop_verifying_tiers(who: Principal = Depends(admin)):

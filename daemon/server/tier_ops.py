@@ -17,7 +17,7 @@ from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
 from .byte_sizes import format_bytes
 from .service import EVICT_WRITE_WAIT_S, ServiceError
-from .tier_verify import DiskVerification
+from .tier_verify import DEFAULT_RATE, DiskVerification
 
 log = logging.getLogger("kvd")
 
@@ -79,9 +79,10 @@ def report(service) -> dict:
     return body
 
 
-def start_verify(service, rate: float | None, principal) -> dict:
-    """Begin reading the disk tier through and verifying every block (tier_verify.py); refused
-    while one runs, or with no disk tier."""
+def start_verify(service, rate: float | None, principal, unpaced: bool = False) -> dict:
+    """Begin reading the disk tier through and verifying every block (tier_verify.py), at `rate`
+    bytes a second (DEFAULT_RATE when None), or as fast as the disk and a core allow (`unpaced`);
+    refused while one runs, or with no disk tier."""
     service.require_ready()
     tiers = service.tiers
     if tiers is None or tiers.disk is None:
@@ -89,6 +90,9 @@ def start_verify(service, rate: float | None, principal) -> dict:
                            "tiers")
     if rate is not None and not (math.isfinite(rate) and rate > 0):
         raise ServiceError(400, f"rate: must be a number of bytes a second > 0, got {rate!r}", "rate")
+    if rate is not None and unpaced:
+        raise ServiceError(400, "rate: give a rate or unpaced, not both", "rate")
+    rate = None if unpaced else (rate or DEFAULT_RATE)
     with service.verify_lock:
         current = service.disk_verify
         if current is not None and current.running and current.tiers is tiers:

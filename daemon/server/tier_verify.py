@@ -4,7 +4,10 @@ kvd's start scan reads the disk tier's payload headers only (disk.py), so a larg
 hold up the start; a body's XXH3-64 is checked when a restore reads it. An operator who wants to
 know now (after a disk error, or before trusting a folder copied from another host) runs a
 verification: one segment at a time, least recently used first, on a thread of its own, at most
-`rate` bytes a second when one is given. A block that fails is dropped as a failed restore's is
+`rate` bytes a second (DEFAULT_RATE unless the operator asks for another, or for none). Reading
+and hashing cost CPU the engine would use, so a pace is the default: on the 2-core development VM
+an unpaced run (about 1 GB/s) cut the engine's streaming to a fifth while it ran
+(`scripts/disk-start`). A block that fails is dropped as a failed restore's is
 (`checksum fails` in `kvctl tiers`, a `corrupt` removal in `kvctl events`), so it is a miss rather
 than a failed restore later. Segments written after it began were checksummed as they were
 written and are not read again. One run at a time; an operator can stop it, and it stops with kvd.
@@ -20,6 +23,8 @@ from typing import Callable
 from .byte_sizes import format_bytes
 
 log = logging.getLogger("kvd")
+
+DEFAULT_RATE = 256 << 20  # bytes a second a verification reads unless asked otherwise
 
 
 class DiskVerification:

@@ -54,8 +54,8 @@ from typing import Callable, Sequence
 from kvctl.daemon.folder_claim import FolderTaken, claim_folder
 from kvctl.policies.tenant_shares import share_blocks, share_of
 
-from .payload import (PEEK_BYTES, BlockLayout, BlockMeta, PayloadError, check_header, decode_block, header_span,
-                      payload_length, peek_space)
+from .payload import (PEEK_BYTES, BlockLayout, BlockMeta, PayloadError, check_header, header_span, payload_length,
+                      peek_space, verify_payload)
 from .spaces import SpaceBook
 from .vectored import write_vectored
 
@@ -677,7 +677,7 @@ class DiskTier:
         check.bytes = segment.size
         for key, offset, length in entries:
             try:
-                decode_block(view[offset:offset + length], self.layout, self.space, key)
+                verify_payload(view[offset:offset + length], self.layout, self.space, key)
             except PayloadError as exc:
                 check.bad.append((key, exc))
         check.blocks = len(entries)

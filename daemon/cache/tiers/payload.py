@@ -352,16 +352,23 @@ def _layout_fields(layout: BlockLayout, codec: str) -> tuple[bytes, bytes]:
     return header[4:8], header[_DEPTH_END:]
 
 
-def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, key: bytes) -> BlockData:
-    """Verify a payload against the expected key, space and layout; return its K/V (views of
-    the payload's bytes, no copy; a compressed payload is decompressed when first read)."""
+def verify_payload(data: bytes | memoryview, layout: BlockLayout, space: bytes, key: bytes) -> tuple[str, int, int]:
+    """Check a payload whole against the expected key, space and layout, and its XXH3-64, without
+    making tensors of it: (codec, header bytes, length). Raises PayloadError naming the check."""
     _, codec, header_len, total = check_header(data, layout, space, key)
     if len(data) != total:
         raise PayloadError("length", f"{len(data)} bytes where the header says {total}")
     (stored,) = _CRC.unpack_from(data, total - _CRC.size)
-    view = memoryview(data)
-    if xxhash.xxh3_64_intdigest(view[:total - _CRC.size]) != stored:
+    if xxhash.xxh3_64_intdigest(memoryview(data)[:total - _CRC.size]) != stored:
         raise PayloadError("checksum", "XXH3-64 mismatch")
+    return codec, header_len, total
+
+
+def decode_block(data: bytes | memoryview, layout: BlockLayout, space: bytes, key: bytes) -> BlockData:
+    """Verify a payload against the expected key, space and layout; return its K/V (views of
+    the payload's bytes, no copy; a compressed payload is decompressed when first read)."""
+    codec, header_len, total = verify_payload(data, layout, space, key)
+    view = memoryview(data)
     with warnings.catch_warnings():  # a bytes payload is read-only; these views are never written
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(view[header_len:total - _CRC.size], dtype=torch.uint8)
