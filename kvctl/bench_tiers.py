@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import UserError
+from .sizes import positive_size
 
 DTYPES = ("float32", "float16", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2")
 
@@ -393,16 +394,7 @@ def tiers_command(
         raise typer.BadParameter(f"compress: invalid value {compress!r}; use int8 or fp8_e4m3")
     if disk_path is not None and not disk_path.is_dir():
         raise UserError(f"disk_path: {str(disk_path)!r} is not a folder; give one on the disk to measure")
-    scan_bytes = None
-    if start_scan is not None:
-        from kvctl.daemon.config import _size
-
-        try:
-            scan_bytes = _size(start_scan)
-        except ValueError:
-            scan_bytes = 0
-        if scan_bytes <= 0:
-            raise UserError(f"start_scan: must be a size > 0 (512MiB, 2GiB), got {start_scan!r}")
+    scan_bytes = None if start_scan is None else positive_size("start_scan", start_scan, "512MiB, 2GiB")
     layout = _layout(layers, kv_heads, head_dim, block_size, dtype)
     if compress is not None and layout.codec_for(compress) == "none":
         raise UserError(f"compress: {compress} applies to float32, float16 and bfloat16 caches; dtype is {dtype}")

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from .errors import UserError
 from .ops import _client, _emit, show_or_watch
+from .sizes import positive_size
 from .tables import compact_table, seconds, size
 
 
@@ -216,7 +217,7 @@ def verify(ctx: typer.Context,
             raise UserError("--stop: give it alone (not with --rate or --wait)")
         answer = client.delete("/admin/tiers/verify")
     else:
-        body = {} if rate is None else {"unpaced": True} if rate == "max" else {"rate": _rate(rate)}
+        body = {} if rate is None else {"unpaced": True} if rate == "max" else {"rate": positive_size("rate", rate, "a size a second: 200MiB, 1GiB; or max")}
         answer = client.post("/admin/tiers/verify", body)
     fleet = "replicas" in answer  # kvd router: each replica's run in its row
     if wait:
@@ -227,18 +228,6 @@ def verify(ctx: typer.Context,
         raise typer.Exit(1)
     if fleet and (answer.get("result") == "partial" or len(runs) < len(answer["replicas"])):
         raise typer.Exit(3)  # a replica refused, was not reached, or stopped answering while waited for
-
-
-def _rate(text: str) -> int:
-    from kvctl.daemon.config import _size
-
-    try:
-        value = _size(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise UserError(f"rate: must be a size a second > 0 (200MiB, 1GiB, 500MB) or max, got {text!r}")
-    return value
 
 
 def _wait_for_verify(client, quiet: bool, interval: float = 0.5, sleep=time.sleep) -> dict:

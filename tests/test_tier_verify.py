@@ -226,7 +226,7 @@ def test_kvctl_tiers_verify_waits_shows_the_result_and_fails_when_a_block_failed
         stop = kvctl(sock, "tiers", "verify", "--stop", "--rate", "1MiB")
         assert stop.returncode == 2 and "--stop: give it alone (not with --rate or --wait)" in stop.stderr
         bad = kvctl(sock, "tiers", "verify", "--rate", "fast")
-        assert bad.returncode == 2 and "rate: must be a size a second > 0 (200MiB, 1GiB, 500MB) or max, got 'fast'" in bad.stderr
+        assert bad.returncode == 2 and "rate: must be a size > 0 (a size a second: 200MiB, 1GiB; or max), got 'fast'" in bad.stderr
 
 
 def test_at_kvd_router_each_replica_verifies_its_own_disk_and_one_without_a_disk_says_why(tmp_path):
