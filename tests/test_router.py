@@ -68,8 +68,10 @@ class Counting(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request):
         if request.url.path == "/admin/route-facts" and json.loads(request.content).get("tokens") != []:
             self.prompt_questions += 1
+            answer = await self.inner.handle_async_request(request)  # the facts, made before any completion
             if self.hold_until is not None and self.prompt_questions >= self.hold_until:
-                self.asked.set()
+                self.asked.set()  # (set on the question's arrival, a completion could cache before it was answered)
+            return answer
         if request.url.path == "/v1/completions" and self.hold_until is not None:
             await asyncio.wait_for(self.asked.wait(), 30)
         return await self.inner.handle_async_request(request)
