@@ -34,9 +34,11 @@ def store_trouble(status: dict) -> list[tuple[str, Text]]:
                                     "kvd restarts and opens the one there", style="bold red")))
     rollout = store.get("unstored_rollback")
     if rollout is not None:
+        kept = store.get("unstored_rollback_kept")
         lines.append(("rollout", Text(f"kvd rolled rollout {rollout} back on a stop condition and the store has not "
-                                      "taken that yet: a restart before it does resumes the rollout",
-                                      style="bold red")))
+                                      "taken that yet: " + (f"{kept} keeps it meanwhile (a restart keeps it rolled "
+                                                            "back)" if kept else "a restart before it does resumes "
+                                                            "the rollout"), style="bold red")))
     waiting, longest = store.get("waiting_writes") or 0, store.get("longest_write_wait_seconds") or 0.0
     if waiting and longest >= WRITE_WAIT_SHOWN_S:
         lines.append(("writes", Text(f"{waiting} waiting {longest:.0f} s for the store's write lock (another process "

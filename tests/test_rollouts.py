@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -455,15 +456,21 @@ def test_a_stop_that_trips_while_the_store_is_locked_stops_the_cohort_at_once_an
             _render(result, console)
             text = " ".join(console.export_text().split())
             assert text.startswith(f"rollout {rollout_id}: rolled_back, cohort 50%")
+            kept = tmp_path / "rollback-pending.json"
             assert ("not stored: kvd rolled it back on a stop condition, and the store could not take that yet: kvd "
-                    "tries again at each check; a restart before then resumes the rollout") in text
+                    f"tries again at each check and keeps it in {kept} meanwhile, so a restart keeps it rolled back"
+                    ) in text
+            record = json.loads(kept.read_text())  # whole, beside the store: a restart now keeps it rolled back
+            assert (record["rollout_id"], record["actor"], record["action"], record["detail"]["reason"]) == (
+                rollout_id, "kvd", "rollback", "stop condition tripped: hit_ratio < 2")
             assert "rollback by kvd: stop condition tripped: hit_ratio < 2" in text
             status = call(unix, "GET", "/admin/status").json()
             assert status["rollout"] is None and status["store"]["unstored_rollback"] == rollout_id
             console = Console(record=True, width=200)
             render_status(status, console)  # what `kvctl status` shows
             assert (f"rollout kvd rolled rollout {rollout_id} back on a stop condition and the store has not taken "
-                    "that yet: a restart before it does resumes the rollout") in " ".join(console.export_text().split())
+                    f"that yet: {kept} keeps it meanwhile (a restart keeps it rolled back)"
+                    ) in " ".join(console.export_text().split())
             assert result["events"][-1]["action"] == "rollback"
             assert result["events"][-1]["detail"]["reason"] == "stop condition tripped: hit_ratio < 2"
             assert service.rollouts.assign("acme", "r1") == (None, None)  # the cohort is gone now
@@ -482,6 +489,7 @@ def test_a_stop_that_trips_while_the_store_is_locked_stops_the_cohort_at_once_an
             shell.execute("ROLLBACK")
         at = result["events"][-1]["at"]
         assert service.rollouts.evaluate() is None  # stored now, nothing active to check
+        assert not kept.exists()
         after = call(unix, "GET", f"/admin/rollouts/{rollout_id}").json()
         assert after["state"] == "rolled_back" and "unstored" not in after
         assert [(e["action"], e["at"]) for e in after["events"]][-1] == ("rollback", at)
@@ -489,3 +497,85 @@ def test_a_stop_that_trips_while_the_store_is_locked_stops_the_cohort_at_once_an
         assert audit[0] == "rollout.rollback"
     finally:
         service.shutdown(1)
+
+
+def _tripped_while_locked(tmp_path, pending):
+    """A rollout whose stop condition trips while another process holds the store's write lock:
+    (store, the held lock's connection, the rollout's id). The manager kvd ran is gone (kvd stopped)."""
+    import sqlite3
+    from types import SimpleNamespace
+
+    from kvctl.daemon.server.rollouts import RolloutManager
+    from kvctl.daemon.store import Store
+
+    store = Store(tmp_path / "kvd.sqlite3")
+    manager = RolloutManager(store, pending_path=pending)
+    rollout_id = manager.start({"by": "request", "min_requests": 1, "settings": {"reservation": "fixed:0"}}, "50%",
+                               ["hit_ratio < 2"], None, "ops")["id"]
+    for cohort in ("candidate", "baseline"):
+        metrics = SimpleNamespace(cached_tokens=4, recomputed_tokens=0, preemptions=0, ttft=0.1)
+        manager.observe(SimpleNamespace(metrics=metrics, prompt_ids=[1] * 8, cohort=cohort, cancelled=False))
+    store.conn.execute("PRAGMA busy_timeout=50")
+    shell = sqlite3.connect(tmp_path / "kvd.sqlite3", isolation_level=None)
+    shell.execute("BEGIN IMMEDIATE")
+    assert manager.evaluate()["state"] == "rolled_back" and pending.exists()
+    return store, shell, rollout_id
+
+
+def test_a_rollback_the_store_had_not_taken_when_kvd_stopped_stays_rolled_back_after_a_restart(tmp_path):
+    """kvd kept the rollback beside the store; the next start stores it (at the time it happened,
+    by kvd) instead of resuming the cohort that the stop condition had stopped."""
+    from kvctl.daemon.server.rollouts import RolloutManager
+    from kvctl.daemon.store import Store
+
+    pending = tmp_path / "rollback-pending.json"
+    _, shell, rollout_id = _tripped_while_locked(tmp_path, pending)
+    at = json.loads(pending.read_text())["at"]
+    shell.execute("ROLLBACK")  # the other process lets go; kvd starts again
+    again = RolloutManager(Store(tmp_path / "kvd.sqlite3"), pending_path=pending)
+    assert again.active is None and again.unstored is None and not pending.exists()
+    status = again.status(rollout_id)
+    assert status["state"] == "rolled_back" and "unstored" not in status
+    assert [(e["action"], e["actor"], e["at"]) for e in status["events"]][-1] == ("rollback", "kvd", at)
+    assert status["events"][-1]["detail"]["reason"] == "stop condition tripped: hit_ratio < 2"
+
+
+def test_a_restart_while_the_store_still_cannot_take_the_rollback_keeps_it_rolled_back_until_it_can(tmp_path):
+    from kvctl.daemon.server.rollouts import RolloutManager
+    from kvctl.daemon.store import Store
+
+    pending = tmp_path / "rollback-pending.json"
+    store = Store(tmp_path / "kvd.sqlite3")  # (opened first: opening a store writes its schema)
+    store.conn.execute("PRAGMA busy_timeout=50")
+    _, shell, rollout_id = _tripped_while_locked(tmp_path, pending)
+    again = RolloutManager(store, pending_path=pending)  # kvd starts again; the lock is still held
+    assert again.active is None and again.unstored["rollout_id"] == rollout_id and pending.exists()
+    assert again.assign("acme", "r1") == (None, None)  # the cohort does not come back
+    assert again.status(rollout_id)["state"] == "rolled_back"
+    assert again.status(rollout_id)["unstored"].endswith(f"keeps it in {pending} meanwhile, so a restart keeps it "
+                                                         "rolled back")
+    shell.execute("ROLLBACK")
+    assert again.evaluate() is None and not pending.exists()  # stored by the next check
+    assert store.read_one("SELECT state FROM rollouts WHERE id = ?", (rollout_id,)) == ("rolled_back",)
+
+
+def test_a_pending_rollback_of_a_rollout_settled_since_is_dropped_and_a_torn_one_is_ignored(tmp_path, caplog):
+    """An operator rolled the rollout back (or completed it) with kvctl while kvd was down: the kept
+    record has nothing left to do. A file that does not parse changes nothing and is named in the log."""
+    from kvctl.daemon.server.rollouts import RolloutManager
+    from kvctl.daemon.store import Store
+
+    pending = tmp_path / "rollback-pending.json"
+    _, shell, rollout_id = _tripped_while_locked(tmp_path, pending)
+    shell.execute("ROLLBACK")
+    shell.execute("UPDATE rollouts SET state = 'completed' WHERE id = ?", (rollout_id,))
+    again = RolloutManager(Store(tmp_path / "kvd.sqlite3"), pending_path=pending)
+    assert again.active is None and again.unstored is None and not pending.exists()
+    assert again.status(rollout_id)["state"] == "completed"
+
+    started = again.start({"settings": {"reservation": "p95"}}, "10%", [], None, "ops")["id"]
+    pending.write_text('{"rollout_id": ')
+    with caplog.at_level("ERROR", logger="kvd"):
+        third = RolloutManager(Store(tmp_path / "kvd.sqlite3"), pending_path=pending)
+    assert third.active["id"] == started and third.unstored is None and pending.exists()
+    assert f"{pending}: cannot be read as a pending rollback" in caplog.text

@@ -195,7 +195,8 @@ def test_kvd_writes_its_deleted_store_back_by_itself_and_refuses_writes_to_a_rep
         assert call(unix, "POST", "/admin/drain", json={}).status_code == 200  # done, its record in the log
         status = call(unix, "GET", "/admin/status").json()
         assert status["store"] == {"file_ok": False, "written_back": 1, "audit_write_failures": 1,
-                                   "unstored_rollback": None, "failing_jobs": [], "waiting_writes": 0,
+                                   "unstored_rollback": None, "unstored_rollback_kept": None,
+                                   "failing_jobs": [], "waiting_writes": 0,
                                    "longest_write_wait_seconds": 0.0}
         console = Console(record=True, width=200)
         render_status(status, console)  # what `kvctl status` shows

@@ -10,6 +10,11 @@ so a finished rollout still shows what it was judged on. A restart resumes the r
 recorded state; the figures up to the stop are stored as a "shutdown" event, and the live
 ones start again from zero (`figures_since` says from when).
 
+A rollback kvd makes on a tripped stop condition is in force at once. When the store cannot take
+it (another process holds its write lock, a full disk), kvd keeps it whole in
+`STATE_DIR/rollback-pending.json` until the store does, so a restart meanwhile keeps the rollout
+rolled back instead of resuming the cohort a stop condition had stopped.
+
 Policy file (YAML)::
 
     name: reserve-p95
@@ -29,10 +34,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.daemon.store import Store, StoreUnavailable
+from kvctl.daemon.whole_file import write_json_whole
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.rollout import MIN_REQUESTS, StopCondition, in_cohort, parse_fraction
 
@@ -45,6 +52,16 @@ ACTIVE_STATES = ("running", "paused")
 log = logging.getLogger("kvd")
 UNSTORED = ("kvd rolled it back on a stop condition, and the store could not take that yet: kvd tries again at "
             "each check; a restart before then resumes the rollout")
+PENDING_FILE = "rollback-pending.json"  # in the state folder: a rollback the store has not taken yet
+
+
+def unstored_text(pending: dict) -> str:
+    """What a rollback the store has not taken means for the operator: kept on disk beside the
+    store (a restart keeps it), or only in kvd's memory (a restart resumes the rollout)."""
+    if pending.get("kept"):
+        return ("kvd rolled it back on a stop condition, and the store could not take that yet: kvd tries again at "
+                f"each check and keeps it in {pending['kept']} meanwhile, so a restart keeps it rolled back")
+    return UNSTORED
 
 
 @dataclass
@@ -136,8 +153,9 @@ class RolloutManager:
     while another process holds the store's write lock; held under `lock`, such a wait stopped
     every token."""
 
-    def __init__(self, store: Store, clock=time.time) -> None:
+    def __init__(self, store: Store, clock=time.time, pending_path: str | Path | None = None) -> None:
         self.store, self.clock = store, clock
+        self.pending_path = None if pending_path is None else Path(pending_path)  # see the module's docstring
         self.lock = threading.RLock()
         self._moves = threading.Lock()
         self.active: dict | None = None  # the running or paused rollout
@@ -166,8 +184,61 @@ class RolloutManager:
     def restore(self) -> None:
         row = self.store.read_one("SELECT id FROM rollouts WHERE state IN ('running', 'paused') "
                                   "ORDER BY id DESC LIMIT 1")
+        pending = self._read_pending()
+        if pending is not None and row is not None and row[0] == pending["rollout_id"]:
+            # kvd rolled it back before it stopped, and the store had not taken that: it stays rolled back
+            self.unstored = {**pending, "kept": str(self.pending_path), "said": True}
+            log.warning("rollout %d: kvd rolled it back before it stopped (%s), and the store had not taken that; "
+                        "it stays rolled back", pending["rollout_id"], pending["detail"]["reason"])
+            with self._moves:
+                try:
+                    self._store_unstored()
+                except StoreUnavailable as exc:
+                    log.error("rollout %d: its rollback is still not stored (%s): kvd tries again at each check",
+                              pending["rollout_id"], exc)
+            return
+        if pending is not None:  # stored after all, or moved on since (an operator with kvctl): nothing to do
+            self._forget_pending()
         if row is not None:
             self._activate(self._row(row[0]))
+
+    def _read_pending(self) -> dict | None:
+        """The rollback kept beside the store by a kvd that stopped before the store took it, if
+        one is there and whole; one that does not parse is named in the log and left where it is."""
+        if self.pending_path is None or not self.pending_path.exists():
+            return None
+        try:
+            pending = json.loads(self.pending_path.read_text())
+            if not (isinstance(pending, dict) and isinstance(pending.get("rollout_id"), int)
+                    and isinstance(pending.get("at"), (int, float)) and isinstance(pending.get("actor"), str)
+                    and pending.get("action") == "rollback" and isinstance(pending.get("detail"), dict)
+                    and isinstance(pending["detail"].get("reason"), str)):
+                raise ValueError("not a pending rollback")
+        except (OSError, ValueError) as exc:
+            log.error("%s: cannot be read as a pending rollback (%s); left where it is, and ignored",
+                      self.pending_path, exc)
+            return None
+        return {key: pending[key] for key in ("rollout_id", "at", "actor", "action", "detail")}
+
+    def _keep_pending(self) -> None:
+        """Write the rollback the store could not take beside it (the lock held); say where it went."""
+        if self.pending_path is None:
+            return
+        record = {key: self.unstored[key] for key in ("rollout_id", "at", "actor", "action", "detail")}
+        try:
+            write_json_whole(self.pending_path, record)
+        except OSError as exc:
+            log.error("rollout %d: its rollback could not be kept in %s either (%s): a restart before the store "
+                      "takes it resumes the rollout", record["rollout_id"], self.pending_path, exc)
+            return
+        self.unstored["kept"] = str(self.pending_path)
+
+    def _forget_pending(self) -> None:
+        if self.pending_path is not None:
+            try:
+                self.pending_path.unlink(missing_ok=True)
+            except OSError as exc:  # the next start finds the rollout stored and deletes it then
+                log.warning("%s: not deleted (%s)", self.pending_path, exc)
 
     def _activate(self, rollout: dict | None) -> None:
         self.active = rollout
@@ -253,6 +324,7 @@ class RolloutManager:
             self._event(conn, pending["rollout_id"], pending["actor"], pending["action"], pending["detail"],
                         pending["at"])
         self.unstored = None
+        self._forget_pending()
         if pending.get("said"):
             log.info("rollout %d: its rollback is stored now", pending["rollout_id"])
         self.store.audit(actor=pending["actor"], tenant="-", action="rollout.rollback",
@@ -277,7 +349,11 @@ class RolloutManager:
                     with self.store.write() as conn:
                         self._event(conn, rollout["id"], actor, action, {"figures": figures})
             except StoreUnavailable as exc:
-                if self.unstored is not None:
+                if self.unstored is not None and self.unstored.get("kept"):
+                    log.error("rollout %d: kvd rolled it back (%s) and the store has not taken it (%s): %s keeps "
+                              "it, and the next start stores it", self.unstored["rollout_id"],
+                              self.unstored["detail"]["reason"], exc, self.unstored["kept"])
+                elif self.unstored is not None:
                     log.error("rollout %d: kvd rolled it back (%s) and the store never took it (%s): it resumes "
                               "at the next start; roll it back then (kvctl rollout rollback %d)",
                               self.unstored["rollout_id"], self.unstored["detail"]["reason"], exc,
@@ -352,9 +428,13 @@ class RolloutManager:
                 self._store_unstored()
             except StoreUnavailable as exc:
                 if tripped is not None:
+                    self._keep_pending()
+                    kept = self.unstored.get("kept")
                     log.error("rollout %d rolled back (%s); the store cannot take that now (%s): kvd tries again "
-                              "at each check, and a restart before it does resumes the rollout; the record: %s",
-                              rollout["id"], tripped["reason"], exc, json.dumps(self.unstored, sort_keys=True))
+                              "at each check%s; the record: %s", rollout["id"], tripped["reason"], exc,
+                              f" and keeps it in {kept} meanwhile (a restart keeps it rolled back)" if kept else
+                              ", and a restart before it does resumes the rollout",
+                              json.dumps({k: v for k, v in self.unstored.items() if k != "kept"}, sort_keys=True))
                     self.unstored["said"] = True
                     return self.status(rollout["id"])
                 raise
@@ -389,7 +469,7 @@ class RolloutManager:
             since = self.figures_since if live else None
         recorded = [e for e in events if "figures" in e["detail"]]
         return {**row, "events": events, "cohort": cohort, "baseline": baseline,
-                **({"unstored": UNSTORED} if unstored else {}),
+                **({"unstored": unstored_text(pending)} if unstored else {}),
                 "figures_since": since,
                 "last_figures": None if not recorded else {
                     "at": recorded[-1]["at"], "action": recorded[-1]["action"], **recorded[-1]["detail"]["figures"]},
@@ -432,5 +512,5 @@ class RolloutManager:
         for rollout in listed:
             if pending is not None and rollout["id"] == pending["rollout_id"]:
                 rollout.update(state="rolled_back", last_at=pending["at"], last_action=pending["action"],
-                               unstored=UNSTORED)
+                               unstored=unstored_text(pending))
         return listed

@@ -138,9 +138,9 @@ class EngineService:
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
         self.tenant_labels = TenantLabels(config.max_tenant_metric_series)  # per-tenant metrics' labels, bounded
-        from .rollouts import RolloutManager  # NOTE: late import; rollouts imports ServiceError from here
+        from .rollouts import PENDING_FILE, RolloutManager  # NOTE: late import; rollouts imports ServiceError from here
 
-        self.rollouts = RolloutManager(store)
+        self.rollouts = RolloutManager(store, pending_path=Path(config.state_dir) / PENDING_FILE)
         self._observers.append(self.rollouts.observe)
         self.rollout_check_seconds = 10.0
         # the jobs that write to the store, off the engine thread (housekeeping.py says why)
@@ -932,6 +932,9 @@ class EngineService:
                           # a rollback kvd made that the store has not taken (a restart would undo it)
                           "unstored_rollback": None if self.rollouts.unstored is None
                           else self.rollouts.unstored["rollout_id"],
+                          # where kvd keeps it meanwhile (a restart then keeps it rolled back); None: only in memory
+                          "unstored_rollback_kept": None if self.rollouts.unstored is None
+                          else self.rollouts.unstored.get("kept"),
                           "failing_jobs": self.housekeeping.failing(),
                           # writes waiting to begin now (another process may hold the write lock), the longest wait
                           "waiting_writes": waiting_writes, "longest_write_wait_seconds": longest_write_wait},

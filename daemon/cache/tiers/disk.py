@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from kvctl.daemon.folder_claim import FolderTaken, claim_folder
+from kvctl.daemon.whole_file import sync_folder
 from kvctl.policies.tenant_shares import share_blocks, share_of
 
 from .payload import (PEEK_BYTES, BlockLayout, BlockMeta, PayloadError, check_header, header_span, payload_length,
@@ -398,11 +399,7 @@ class DiskTier:
         now = self.clock()
         if not self._dir_dirty or (not force and now - self._dir_synced_at < 1.0):
             return
-        fd = os.open(self.segment_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        sync_folder(self.segment_dir)
         self._dir_synced_at, self._dir_dirty = now, False
 
     def _publish(self, name: str, size: int, metas: Sequence[tuple[BlockMeta, int, int]], space: bytes) -> None:

@@ -14,9 +14,10 @@ A record is plain JSON, written once per space; one that does not parse is skipp
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
+
+from kvctl.daemon.whole_file import write_json_whole
 
 RECORD_FIELDS = ("model_revision", "tokenizer_digest", "adapter_id", "position_policy", "multimodal_digest",
                  "cache_dtype", "scale_version", "block_size")
@@ -84,9 +85,4 @@ class SpaceBook:
         if space.hex() in book:
             return
         book[space.hex()] = record
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(book, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_json_whole(self.path, book)
