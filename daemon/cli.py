@@ -229,7 +229,7 @@ async def _serve(settings, re_resolve) -> None:
     from kvctl.daemon.server.housekeeping import Job
     from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.metrics import Metrics
-    from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.server.service import STOP_STORE_WAIT_S, EngineService
     from kvctl.daemon.store import Store
 
     tokens = TokenTable.load(settings.token_file) if settings.token_file else None
@@ -287,7 +287,8 @@ async def _serve(settings, re_resolve) -> None:
     await loop.run_in_executor(None, service.shutdown)
     fronts.stop()
     await asyncio.gather(keeper, fronts.wait(), return_exceptions=True)
-    store.close()
+    if not store.close(wait=STOP_STORE_WAIT_S):
+        log.warning("a write to the store was still waiting for another process's write lock; it ends with kvd")
     front.remove()
     claim.close()
     log.info("stopped")

@@ -80,6 +80,7 @@ def _insert_audit(conn: sqlite3.Connection, at: float, actor: str, tenant: str, 
                  (at, actor, tenant, action, target, result, json.dumps(detail or {}, sort_keys=True)))
 
 
+BUSY_TIMEOUT_MS = 30_000  # how long a write waits for another process's write lock before it fails
 WAIT_SAID_AFTER_S = 1.0  # a write that has waited this long to begin calls the Store's `on_wait`
 
 
@@ -115,11 +116,13 @@ class Store:
         self._migrate()
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[sqlite3.Connection]:
+    def write(self, wait: float | None = None) -> Iterator[sqlite3.Connection]:
         """One writer transaction (BEGIN IMMEDIATE): all of it lands, or none of it. A write the
         database cannot take now (`database or disk is full`, a read-only file) is StoreUnavailable.
         Writes waiting to begin (for kvd's other writes, or for another process that holds the
-        write lock) are counted: `waiting_writes`, `write_wait_seconds`."""
+        write lock) are counted: `waiting_writes`, `write_wait_seconds`. `wait`: seconds to wait
+        to begin at most (default: the busy timeout, 30 s), for a write that must not hold up
+        what comes after it, such as kvd's stop."""
         ticket, began = next(self._tickets), time.monotonic()
         with self._waits_lock:
             self._waiting[ticket] = began
@@ -128,20 +131,33 @@ class Store:
             said = threading.Timer(WAIT_SAID_AFTER_S, self.on_wait)
             said.daemon = True
             said.start()
-        with self._lock:
+        def begun_or_refused() -> None:
+            if said is not None:
+                said.cancel()
+            with self._waits_lock:
+                del self._waiting[ticket]
+                self.writes += 1
+                self.write_wait_seconds += time.monotonic() - began
+
+        if not self._lock.acquire(timeout=-1 if wait is None else wait):  # behind kvd's other writes
+            begun_or_refused()
+            raise StoreUnavailable(f"store: {str(self.path)!r} cannot be written now (another of kvd's writes held "
+                                   f"it for the {wait:.0f} s this write could wait); nothing of this change was stored")
+        try:
             try:
                 self._check_file()
+                if wait is not None:  # what is left of it, after kvd's other writes
+                    left = max(0.0, wait - (time.monotonic() - began))
+                    self.conn.execute(f"PRAGMA busy_timeout={int(left * 1000)}")
                 try:
                     self.conn.execute("BEGIN IMMEDIATE")
                 except sqlite3.OperationalError as exc:
                     raise self._unavailable(exc, waited=time.monotonic() - began) from None
+                finally:
+                    if wait is not None:
+                        self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             finally:
-                if said is not None:
-                    said.cancel()
-                with self._waits_lock:
-                    del self._waiting[ticket]
-                    self.writes += 1
-                    self.write_wait_seconds += time.monotonic() - began
+                begun_or_refused()
             try:
                 yield self.conn
                 self.conn.execute("COMMIT")
@@ -151,6 +167,8 @@ class Store:
                 if isinstance(exc, sqlite3.OperationalError):
                     raise self._unavailable(exc) from None
                 raise
+        finally:
+            self._lock.release()
 
     def waiting_writes(self) -> tuple[int, float]:
         """(writes waiting to begin now, seconds the longest of them has waited)."""
@@ -192,7 +210,7 @@ class Store:
         """The writing connection (`conn`, used under `_lock`) and the reading one (`_reader`,
         under `_read_lock`; see `read`)."""
         conn = sqlite3.connect(str(path), timeout=30, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA busy_timeout=30000")
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
@@ -459,6 +477,15 @@ class Store:
             raise
         return tmp
 
-    def close(self) -> None:
+    def close(self, wait: float | None = None) -> bool:
+        """Close both connections; False when a write of another thread still held the writing one
+        after `wait` seconds (one waiting for another process's write lock holds its mutex, so a
+        close would wait with it): that one is left to end with the process."""
         self._set_reader(None)
-        self.conn.close()
+        if not self._lock.acquire(timeout=-1 if wait is None else wait):
+            return False
+        try:
+            self.conn.close()
+        finally:
+            self._lock.release()
+        return True

@@ -243,3 +243,77 @@ def test_only_admin_calls_that_change_something_take_a_slot():
     assert not changes_something(http("POST", "/admin/route-facts"))  # a router asks often
     assert not changes_something(http("GET", "/admin/status")) and not changes_something(http("POST", "/v1/completions"))
     assert not changes_something({"type": "websocket", "path": "/admin/pins"})
+
+
+def test_a_write_given_a_wait_gives_up_after_it_and_the_busy_timeout_is_the_default_again(tmp_path):
+    from kvctl.daemon.store import Store
+
+    store = Store(tmp_path / "kvd.sqlite3")
+    shell = sqlite3.connect(tmp_path / "kvd.sqlite3", isolation_level=None)
+    shell.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StoreUnavailable) as refused:
+            with store.write(wait=0.2) as conn:
+                conn.execute("INSERT INTO audit (at, actor, tenant, action, target, result, detail) "
+                             "VALUES (1, 'a', '-', 'x', '-', 'ok', '{}')")
+        assert "database is locked: another process held its write lock for the 0 s this write waited" in str(
+            refused.value)
+        assert store.conn.execute("PRAGMA busy_timeout").fetchone() == (30_000,)  # for every other write
+    finally:
+        shell.execute("ROLLBACK")
+    assert store.read_one("SELECT count(*) FROM audit WHERE action = 'x'") == (0,)
+
+
+def test_a_write_given_a_wait_behind_another_of_kvd_s_writes_gives_up_and_a_close_leaves_that_one_be(tmp_path):
+    """One of kvd's threads waits for another process's write lock (holding the writing
+    connection); kvd's stop neither waits for it to write nor to close."""
+    from kvctl.daemon.store import Store
+
+    store = Store(tmp_path / "kvd.sqlite3")
+    shell = sqlite3.connect(tmp_path / "kvd.sqlite3", isolation_level=None)
+    shell.execute("BEGIN IMMEDIATE")
+    outcomes = []
+
+    def write_and_wait() -> None:
+        try:
+            with store.write():
+                pass
+            outcomes.append("written")
+        except StoreUnavailable:
+            outcomes.append("refused")
+    waiting = threading.Thread(target=write_and_wait, daemon=True)
+    try:
+        store.conn.execute("PRAGMA busy_timeout=3000")
+        waiting.start()
+        settled(lambda: store.waiting_writes()[0], lambda n: n == 1)
+        with pytest.raises(StoreUnavailable, match="another of kvd's writes held it for the 0 s this write could wait"):
+            with store.write(wait=0.1):
+                pass
+        assert store.close(wait=0.1) is False  # the waiting write holds the connection: left to end with kvd
+    finally:
+        shell.execute("ROLLBACK")
+    waiting.join(10)
+    assert outcomes == ["written"]  # it began once the other process let go
+    assert store.close(wait=1) is True
+
+
+def test_kvd_s_stop_does_not_wait_out_the_busy_timeout_of_a_locked_store_and_logs_the_figures_it_could_not_store(
+        tmp_path, caplog):
+    """Before, the stop waited for each periodic job's write (up to 30 s each) and then for the
+    rollout's last figures (30 s more) while another process held the store's write lock."""
+    service = start_service(tmp_path, num_blocks=24)
+    unix, _ = apps(service, token_table(tmp_path))
+    body = {"policy": {"name": "any", "by": "request", "settings": {"reservation": "fixed:0"}}, "cohort": "50%"}
+    assert call(unix, "POST", "/admin/rollouts", json=body).status_code == 200
+    assert call(unix, "POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
+    shell = sqlite3.connect(tmp_path / "kvd.sqlite3", isolation_level=None)
+    shell.execute("BEGIN IMMEDIATE")
+    try:
+        stopping = threading.Thread(target=service.shutdown, args=(1,))
+        with caplog.at_level(logging.ERROR, logger="kvd"):
+            stopping.start()
+            stopping.join(20)  # the busy timeout is 30 s: the stop is not waiting it out
+            assert not stopping.is_alive()
+        assert "rollout 1: its figures at shutdown were not stored" in caplog.text
+    finally:
+        shell.execute("ROLLBACK")

@@ -313,13 +313,13 @@ class RolloutManager:
                          result="ok", detail={k: v for k, v in detail.items() if k != "figures"})
         return self.status(rollout_id)
 
-    def _store_unstored(self) -> None:
+    def _store_unstored(self, wait: float | None = None) -> None:
         """Store the rollback that waits for the store, if one does (under `_moves`). Raises
-        StoreUnavailable while the store still cannot take it."""
+        StoreUnavailable while the store still cannot take it (`wait`: as `Store.write`'s)."""
         pending = self.unstored
         if pending is None:
             return
-        with self.store.write() as conn:
+        with self.store.write(wait) as conn:
             conn.execute("UPDATE rollouts SET state = 'rolled_back' WHERE id = ?", (pending["rollout_id"],))
             self._event(conn, pending["rollout_id"], pending["actor"], pending["action"], pending["detail"],
                         pending["at"])
@@ -331,11 +331,15 @@ class RolloutManager:
                          target=f"rollout:{pending['rollout_id']}", result="ok",
                          detail={k: v for k, v in pending["detail"].items() if k != "figures"})
 
-    def record_figures(self, action: str, actor: str) -> None:
+    def record_figures(self, action: str, actor: str, wait: float | None = None) -> None:
         """Store the running or paused rollout's live figures as an event that changes nothing
         (at shutdown: they would otherwise be lost with the process); nothing without a rollout
-        or before its first request. What the store cannot take is logged whole."""
-        with self._moves:
+        or before its first request. What the store cannot take within `wait` seconds (default:
+        its busy timeout) is logged whole."""
+        if not self._moves.acquire(timeout=-1 if wait is None else wait):
+            log.error("rollout figures at %s not stored: a transition held the store past %.0f s", action, wait)
+            return
+        try:
             with self.lock:
                 rollout = self.active
                 if rollout is None or self.cohort.requests + self.baseline.requests == 0:
@@ -344,9 +348,9 @@ class RolloutManager:
                     figures = {"cohort": self.cohort.figures(), "baseline": self.baseline.figures(),
                                "since": self.figures_since}
             try:
-                self._store_unstored()
+                self._store_unstored(wait)
                 if figures is not None:
-                    with self.store.write() as conn:
+                    with self.store.write(wait) as conn:
                         self._event(conn, rollout["id"], actor, action, {"figures": figures})
             except StoreUnavailable as exc:
                 if self.unstored is not None and self.unstored.get("kept"):
@@ -361,6 +365,8 @@ class RolloutManager:
                 if figures is not None:
                     log.error("rollout %d: its figures at %s were not stored (%s): %s", rollout["id"], action, exc,
                               json.dumps(figures, sort_keys=True))
+        finally:
+            self._moves.release()
 
     def advance(self, rollout_id: int, to: str | float, actor: str) -> dict:
         try:

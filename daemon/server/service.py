@@ -92,6 +92,9 @@ def is_short_hex(text: str) -> bool:
     return len(text) >= 4 and all(c in "0123456789abcdef" for c in text)
 
 
+STOP_STORE_WAIT_S = 5.0  # at kvd's stop: the most the periodic jobs, then the rollout's last figures, wait
+
+
 class ServiceError(Exception):
     """An operator request that cannot be done; `status` is the HTTP status to answer with."""
 
@@ -403,9 +406,11 @@ class EngineService:
             self.lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        for thread in self._housekeepers:  # a job waiting on a locked store holds it up to the busy timeout
-            thread.join(timeout=10)
-        self.rollouts.record_figures("shutdown", "kvd")  # a restart starts them again from zero
+        joined_by = time.monotonic() + STOP_STORE_WAIT_S
+        for thread in self._housekeepers:  # one waiting on a locked store is left to end with the process
+            thread.join(timeout=max(0.0, joined_by - time.monotonic()))
+        # a restart starts them again from zero; a locked store holds the stop this long at most
+        self.rollouts.record_figures("shutdown", "kvd", wait=STOP_STORE_WAIT_S)
 
     def _stop_verify(self, why: str) -> None:
         """A disk verification ends with the tiers it reads (kvd stopping, a load tried again)."""
