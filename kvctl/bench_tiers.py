@@ -6,7 +6,8 @@ Side by side in one process, on the same bytes, in groups of realistic size:
     host    HostTier.fill + read_slots     vs  a plain tensor copy into a preallocated buffer
     disk    DiskTier.write_group + read + verify  vs  plain file write + fsync / read
     start   (--start-scan SIZE) kvd's start scan of a tier that size (headers)  vs  every byte read
-            and verified (kvctl tiers verify; the start before it read headers only)
+            and verified (kvctl tiers verify; what the start did before it read headers only);
+            --drop-caches drops the host's page cache before each pass (root: cold figures)
     remote  RemoteTier SET/GET + verify    vs  plain pipelined SET / GET of the same bytes
 
 Break-even: the demo model prefills L tokens (recompute) against reading L/block_size blocks
@@ -163,10 +164,11 @@ def drop_page_cache() -> bool:
         return False
 
 
-def measure_start_scan(layout, group: int, total_bytes: int, repeats: int, path: Path) -> dict:
+def measure_start_scan(layout, group: int, total_bytes: int, repeats: int, path: Path, cold: bool = False) -> dict:
     """kvd's start on a disk tier holding `total_bytes`: the scan as it is (each payload's header)
     beside reading and verifying every byte (`kvctl tiers verify`; what the start did before),
-    on the same folder, the page cache dropped before each when allowed. Best of `repeats`."""
+    on the same folder; with `cold`, the page cache dropped before each where allowed. Best of
+    `repeats`."""
     from kvctl.daemon.cache.tiers import DiskTier, encode_parts
 
     space = b"S" * 32
@@ -196,10 +198,10 @@ def measure_start_scan(layout, group: int, total_bytes: int, repeats: int, path:
             assert check is not None and not check.bad, "bench tiers: a segment failed verification"
         again.close()
 
-    cold, times = True, {"headers": [], "every_byte": []}
+    times: dict[str, list[float]] = {"headers": [], "every_byte": []}
     for _ in range(repeats):
         for name, fn in (("headers", headers), ("every_byte", every_byte)):
-            cold = drop_page_cache() and cold
+            cold = cold and drop_page_cache()
             started = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - started)
@@ -375,7 +377,10 @@ def tiers_command(
                                  "(tier_compress), beside storing them whole."),
     start_scan: Optional[str] = typer.Option(
         None, "--start-scan", help="Also time kvd's start on a disk tier holding this much (2GiB): its scan of "
-        "the headers beside reading and verifying every byte. Page cache dropped first where allowed (root)."),
+        "the headers beside reading and verifying every byte."),
+    drop_caches: bool = typer.Option(False, "--drop-caches", help="With --start-scan: drop the page cache before "
+                                     "each pass (root), for figures as after a reboot. It drops it for every "
+                                     "process on the host: not on a serving machine."),
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -413,7 +418,8 @@ def tiers_command(
         if compress is not None:
             document["compression"] = compression_error(layout, group_blocks, compress)
         if scan_bytes is not None:
-            document["start_scan"] = measure_start_scan(layout, group_blocks, scan_bytes, min(repeats, 3), scratch)
+            document["start_scan"] = measure_start_scan(layout, group_blocks, scan_bytes, min(repeats, 3), scratch,
+                                                         cold=drop_caches)
         if not skip_break_even:
             names = ["host", "disk"] + ([f"disk ({compress})"] if compress else []) + (["remote"] if redis_url else []) \
                 + ([f"remote ({compress})"] if compress and redis_url else [])
@@ -450,7 +456,7 @@ def render(document: dict) -> None:
                       f"mean {c['mean_error_of_rms']:.2%} of their RMS", markup=False)
     scan = document.get("start_scan")
     if scan:
-        where = "page cache dropped before each" if scan["page_cache_dropped"] else "from the page cache (not root)"
+        where = "page cache dropped before each" if scan["page_cache_dropped"] else "from the page cache"
         console.print(f"start on a disk tier of {scan['bytes'] / 2**30:.2f} GiB ({scan['blocks']:,} blocks in "
                       f"{scan['segments']:,} segments, {where}): headers read {scan['scan_seconds']:.3f} s; every "
                       f"byte read and verified {scan['verify_seconds']:.3f} s ({scan['ratio']:.1f}x)", markup=False)

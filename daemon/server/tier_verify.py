@@ -6,7 +6,7 @@ know now (after a disk error, or before trusting a folder copied from another ho
 verification: one segment at a time, least recently used first, on a thread of its own, at most
 `rate` bytes a second (DEFAULT_RATE unless the operator asks for another, or for none). Reading
 and hashing cost CPU the engine would use, so a pace is the default: on the 2-core development VM
-an unpaced run (about 1 GB/s) cut the engine's streaming to a fifth while it ran
+an unpaced run (about 0.9 GB/s) cut the engine's streaming to a third while it ran
 (`scripts/disk-start`). A block that fails is dropped as a failed restore's is
 (`checksum fails` in `kvctl tiers`, a `corrupt` removal in `kvctl events`), so it is a miss rather
 than a failed restore later. Segments written after it began were checksummed as they were

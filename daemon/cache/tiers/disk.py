@@ -67,6 +67,8 @@ SUFFIX = ".kvseg"
 
 class SegmentShort(OSError):
     """A segment file shorter than kvd wrote it: cut short outside kvd, or a failing disk."""
+
+
 HEAD_READ = 4096  # bytes the start scan reads at each payload's start: its header, with room to spare
 READ_WHOLE_BELOW = 256 << 10  # payloads smaller than this: the scan reads the segment whole, in one read
 SCAN_THREADS = 8  # segments the start scan reads at once (a disk answers several small reads at a time)
