@@ -317,3 +317,43 @@ def test_kvd_s_stop_does_not_wait_out_the_busy_timeout_of_a_locked_store_and_log
         assert "rollout 1: its figures at shutdown were not stored" in caplog.text
     finally:
         shell.execute("ROLLBACK")
+
+
+def test_kvd_starts_while_another_process_holds_its_store_s_write_lock_and_drops_a_lapsed_pin_later(tmp_path):
+    """Opening a store whose schema is current writes nothing, and a pin that lapsed while kvd was
+    down leaves the store off the start's path: before, the start waited out the 30 s busy
+    timeout opening the store, then failed (kvd exited with status 2)."""
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.metrics import Metrics
+    from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.store import Store
+
+    path = tmp_path / "kvd.sqlite3"
+    store = Store(path)
+    store.save_pin({"pin_id": "lapsed-pin", "tenant": "default", "keys": "ab" * 32, "owner": "ops", "note": "",
+                    "created_at": 1.0, "expires_at": 2.0})
+    store.close()
+    shell = sqlite3.connect(path, isolation_level=None)
+    shell.execute("BEGIN IMMEDIATE")
+    started: list = []
+    try:
+        def start() -> None:
+            config = resolve({"state_dir": str(tmp_path), "socket": str(tmp_path / "kvd.sock"), "num_blocks": 24},
+                             env={})
+            service = EngineService(config, Store(path))
+            service.metrics = Metrics(service)
+            service.start()
+            started.append(service)
+        opener = threading.Thread(target=start, daemon=True)
+        opener.start()
+        opener.join(20)  # the busy timeout is 30 s: the start is not waiting it out
+        assert started and started[0].ready.wait(20) and started[0].load_error is None
+        assert started[0].store.read_one("SELECT count(*) FROM pins") == (1,)  # still locked: not dropped yet
+    finally:
+        shell.execute("ROLLBACK")
+    try:
+        assert settled(lambda: started[0].store.read_one("SELECT count(*) FROM pins"), lambda n: n == (0,),
+                       timeout=40) == (0,)  # the lock let go: the waiting delete lands
+        assert started[0].engine.cache.pins.all() == []
+    finally:
+        started[0].shutdown(1)

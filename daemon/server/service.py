@@ -240,8 +240,11 @@ class EngineService:
         timer.mark("tiers")
         with self.lock:
             self.loaded, self.engine, self.chat_template = loaded, engine, chat_template
-            self._restore_pins()
+            lapsed = self._restore_pins()
         timer.mark("pins")
+        if lapsed:  # off the start: a store another process holds locked must not hold it up
+            threading.Thread(target=lambda: [self._forget_stored_pin(pin_id) for pin_id in lapsed],
+                             name="kvd-lapsed-pins", daemon=True).start()
         self.start_timer = timer
         if self.tiers is not None and engine.cache.pins.all():  # pinned prefixes a lower tier kept
             warmer = threading.Thread(target=self._warm_pins, args=(timer,), name="kvd-warm-pins", daemon=True)
@@ -1220,16 +1223,18 @@ class EngineService:
                 "expires_at": self._unix_time(expires, now),
                 "expires_in_seconds": None if expires is None else max(expires - now, 0.0)}
 
-    def _restore_pins(self) -> None:
-        """Pins survive restarts: re-register them by key (they re-pin blocks as they fill)."""
-        now = time.time()
+    def _restore_pins(self) -> list[str]:
+        """Pins survive restarts: re-register them by key (they re-pin blocks as they fill).
+        Returns the ids of those that lapsed while kvd was down, for the caller to take off the
+        store (not here, under the engine's lock, where a locked store would hold up the start)."""
+        now, lapsed = time.time(), []
         for row in self.store.pins():
             remaining = None if row["expires_at"] is None else row["expires_at"] - now
             if remaining is not None and not math.isfinite(remaining):  # stored before ttls had to be finite
                 log.warning("pin %s: its stored expiry is not a time; kept until unpinned", row["pin_id"])
                 remaining = None
             if remaining is not None and remaining <= 0:
-                self._forget_stored_pin(row["pin_id"])
+                lapsed.append(row["pin_id"])
                 continue
             keys = [bytes.fromhex(k) for k in row["keys"].split(",")]
             try:
@@ -1237,6 +1242,7 @@ class EngineService:
                                            note=row["note"])
             except PinBudgetExceeded as exc:
                 log.warning("pin %s not restored: %s", row["pin_id"], exc)
+        return lapsed
 
     def _forget_stored_pin(self, pin_id: str) -> None:
         """Take a lapsed pin off the store; one the store cannot take now stays there, lapsed, and
