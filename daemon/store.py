@@ -332,9 +332,7 @@ class Store:
     def _migrate(self) -> None:
         """Bring the schema to SCHEMA_VERSION. A store already there is only read: a kvd that starts
         while another process holds the write lock (a sqlite3 shell) waits for nothing."""
-        with self._lock:
-            current = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        if current == SCHEMA_VERSION:
+        if self.schema_version == SCHEMA_VERSION:
             return
         with self.write() as conn:
             current = conn.execute("PRAGMA user_version").fetchone()[0]
