@@ -232,14 +232,18 @@ def verify(ctx: typer.Context,
 
 def _wait_for_verify(client, quiet: bool, interval: float = 0.5, sleep=time.sleep) -> dict:
     """Poll kvd until the verification ends; its last report. Progress goes to stderr."""
+    shown = False
     while True:
         run = client.get("/admin/tiers").get("verify")
         if run is None:
             raise UserError("kvd has no disk verification to wait for (did kvd restart?)")
         if run["state"] != "running":
+            if shown:  # the progress line ends before the result's
+                typer.echo("", err=True)
             return run
         if not quiet:
             typer.echo("\r" + verify_line(run), nl=False, err=True)
+            shown = True
         sleep(interval)
 
 
@@ -248,6 +252,7 @@ def _wait_for_fleet(client, started: dict, quiet: bool, interval: float = 0.5, s
     `started` had them, each that began with its last report (None: the replica stopped answering)."""
     rows = [dict(row) for row in started["replicas"]]
     waiting = {row["replica"] for row in rows if row.get("verify")}
+    shown = False
     while True:
         reports = {row["replica"]: (row.get("report") or {}).get("verify")
                    for row in client.get("/admin/tiers")["replicas"]}
@@ -257,12 +262,15 @@ def _wait_for_fleet(client, started: dict, quiet: bool, interval: float = 0.5, s
         running = [row for row in rows if row["replica"] in waiting and row["verify"] and
                    row["verify"]["state"] == "running"]
         if not running:
+            if shown:  # the progress line ends before the results'
+                typer.echo("", err=True)
             return {**started, "replicas": rows}
         if not quiet:
             done = sum(r["verify"]["segments_done"] for r in rows if r.get("verify"))
             total = sum(r["verify"]["segments_total"] for r in rows if r.get("verify"))
             typer.echo(f"\rdisk verify: {len(running)} replicas running, {done:,} of {total:,} segments read",
                        nl=False, err=True)
+            shown = True
         sleep(interval)
 
 

@@ -267,3 +267,24 @@ def test_at_kvd_router_each_replica_verifies_its_own_disk_and_one_without_a_disk
     finally:
         for service in services:
             service.shutdown(deadline=2)
+
+
+def test_kvctl_tiers_verify_wait_shows_progress_on_stderr_and_ends_that_line_before_the_result(capsys):
+    from kvctl.tiers_cmd import _wait_for_verify, verify_line
+
+    report = {"state": "running", "actor": "ops", "stopped_by": None, "seconds": 1.5, "rate_bytes_per_second": None,
+              "segments_total": 4, "segments_done": 1, "blocks": 8, "bytes": 1 << 20, "bad_blocks": 0,
+              "unreadable_segments": 0, "error": None}
+    answers = iter([report, {**report, "segments_done": 3}, {**report, "state": "done", "segments_done": 4}])
+
+    class Kvd:
+        def get(self, path):
+            assert path == "/admin/tiers"
+            return {"verify": next(answers)}
+
+    done = _wait_for_verify(Kvd(), quiet=False, sleep=lambda s: None)
+    assert done["state"] == "done"
+    err = capsys.readouterr().err
+    assert err == "\r" + verify_line(report) + "\r" + verify_line({**report, "segments_done": 3}) + "\n"
+    assert verify_line(report) == ("disk verify: running (started by ops): 1 of 4 segments, 8 blocks, 1.0 MiB read "
+                                   "in 1.50 s; no block failed verification")
