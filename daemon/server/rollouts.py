@@ -53,6 +53,7 @@ log = logging.getLogger("kvd")
 UNSTORED = ("kvd rolled it back on a stop condition, and the store could not take that yet: kvd tries again at "
             "each check; a restart before then resumes the rollout")
 PENDING_FILE = "rollback-pending.json"  # in the state folder: a rollback the store has not taken yet
+PENDING_FIELDS = ("rollout_id", "at", "actor", "action", "detail")  # what that file holds of one
 
 
 def unstored_text(pending: dict) -> str:
@@ -191,8 +192,8 @@ class RolloutManager:
             log.warning("rollout %d: kvd rolled it back before it stopped (%s), and the store had not taken that; "
                         "it stays rolled back", pending["rollout_id"], pending["detail"]["reason"])
             with self._moves:
-                try:
-                    self._store_unstored()
+                try:  # a moment at most: a store another process holds locked must not hold up the start
+                    self._store_unstored(wait=1.0)
                 except StoreUnavailable as exc:
                     log.error("rollout %d: its rollback is still not stored (%s): kvd tries again at each check",
                               pending["rollout_id"], exc)
@@ -218,13 +219,13 @@ class RolloutManager:
             log.error("%s: cannot be read as a pending rollback (%s); left where it is, and ignored",
                       self.pending_path, exc)
             return None
-        return {key: pending[key] for key in ("rollout_id", "at", "actor", "action", "detail")}
+        return {key: pending[key] for key in PENDING_FIELDS}
 
     def _keep_pending(self) -> None:
         """Write the rollback the store could not take beside it (the lock held); say where it went."""
         if self.pending_path is None:
             return
-        record = {key: self.unstored[key] for key in ("rollout_id", "at", "actor", "action", "detail")}
+        record = {key: self.unstored[key] for key in PENDING_FIELDS}
         try:
             write_json_whole(self.pending_path, record)
         except OSError as exc:
