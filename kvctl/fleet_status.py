@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.text import Text
 
-from .tables import compact_table, fit_cells, keep_whole, seconds
+from .tables import compact_table, duration, fit_cells, keep_whole, seconds
 
 
 def is_fleet(data: dict) -> bool:
@@ -55,6 +55,26 @@ def store_trouble(status: dict) -> list[tuple[str, Text]]:
     return lines
 
 
+FRESH_START_S = 3600.0  # a replica up less than this is named under the fleet's table, with its start
+
+
+def fresh_start(status: dict) -> str | None:
+    """'started 2m ago, ready 6.00 s after its process began (tiers (disk scan) 4.51 s)' for a replica
+    up less than FRESH_START_S (a rolling restart's progress, and what each start cost); None
+    otherwise, or from an older kvd that does not say."""
+    start, uptime = status.get("start"), status.get("uptime_seconds")
+    if not start or uptime is None or uptime >= FRESH_START_S:
+        return None
+    ready = start["ready_after_seconds"]
+    parts = dict(start["phases"])
+    if ready is not None:
+        parts["before the load"] = max(0.0, ready - start["load_seconds"])  # imports, settings
+    longest = max(parts.items(), key=lambda item: item[1], default=None)
+    names = {"tiers": "tiers (disk scan)"}
+    part = f" ({names.get(longest[0], longest[0])} {seconds(longest[1])} of it)" if longest else ""
+    return f"started {duration(uptime)} ago, ready {seconds(ready)} after its process began{part}"
+
+
 def _view(book: dict) -> Text:
     if book.get("draining"):  # drained by an operator, or leaving the fleet
         return Text(book["draining"], style="yellow")
@@ -76,6 +96,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     prompt = hit = 0
     down = []  # (replica, why): under the table, whole, where a cell would fold it into a column
     troubles = []  # a replica's store trouble, under the table too
+    restarts = []  # replicas started within the hour: when, and how long their start took
     for status in data["replica_status"]:
         book = books.get(status["replica"], {})
         name = escape(status["replica"])  # a path or URL, never markup
@@ -85,6 +106,9 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
             down.append((status["replica"], status["error"]))
             continue
         troubles += [Text.assemble(f"{status['replica']} {what}: ", line) for what, line in store_trouble(status)]
+        fresh = fresh_start(status)
+        if fresh:
+            restarts.append(Text(f"{status['replica']} {fresh}"))
         blocks = status["blocks"]["device"]
         used = blocks["total"] - blocks["free"]
         tokens = status["tokens"]
@@ -99,7 +123,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     summary = Text(f"fleet prefix hits: {hit:,} of {prompt:,} prompt tokens"
                    + (f" ({hit / prompt:.1%})" if prompt else ""))
     reasons = [Text.assemble((f"{replica} down: ", "red"), str(why)) for replica, why in down]
-    group = Group(table, *reasons, *troubles, summary)
+    group = Group(table, *reasons, *troubles, *restarts, summary)
     if console is not None:  # wider than the terminal rather than a figure cut to "1,436…"
         needed = Measurement.get(console, console.options, table).minimum
         console.print(group, width=max(console.width, needed), crop=False)

@@ -314,6 +314,31 @@ def test_a_narrow_terminal_wraps_the_fleet_s_views_and_headers_but_cuts_no_figur
     assert text.splitlines()[2].split()[:4] == [names[0], "12,345", "8", "asks"] and "asks (feed down)" in text
 
 
+def test_the_fleet_status_names_each_replica_started_within_the_hour_and_what_its_start_took():
+    from rich.console import Console
+
+    from kvctl.fleet_status import render_fleet_status
+
+    live = {"blocks": {"device": {"total": 64, "free": 64}}, "tokens": {"prompt": 0, "hit": 0, "hit_ratio": 0.0},
+            "queue": {"waiting": 0, "running": 0}}
+    start = {"ready_after_seconds": 6.0, "load_seconds": 4.6, "pins_warmed_seconds": None,
+             "phases": {"model": 0.03, "cache": 0.001, "tiers": 4.51, "pins": 0.0}}
+    data = {"routing": "prefix", "replicas": [],
+            "replica_status": [{"replica": "/run/kvd-0/kvd.sock", **live, "start": start, "uptime_seconds": 125.0},
+                               {"replica": "/run/kvd-1/kvd.sock", **live, "start": start, "uptime_seconds": 7200.0},
+                               {"replica": "/run/kvd-2/kvd.sock", **live}]}  # an older kvd: says neither
+    console = Console(record=True, width=200)
+    render_fleet_status(data, console)
+    text = console.export_text()
+    assert ("/run/kvd-0/kvd.sock started 2m ago, ready 6.00 s after its process began (tiers (disk scan) 4.51 s of "
+            "it)") in text
+    assert "kvd-1/kvd.sock started" not in text and "kvd-2/kvd.sock started" not in text
+    data["replica_status"][0]["start"] = {**start, "ready_after_seconds": 10.0}  # most of it before the load
+    render_fleet_status(data, console := Console(record=True, width=200))
+    assert ("/run/kvd-0/kvd.sock started 2m ago, ready 10.00 s after its process began (before the load 5.40 s of "
+            "it)") in console.export_text()
+
+
 def test_the_fleet_status_names_a_replica_whose_store_is_in_trouble():
     from rich.console import Console
 
