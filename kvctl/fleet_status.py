@@ -56,6 +56,13 @@ def store_trouble(status: dict) -> list[tuple[str, Text]]:
 
 
 FRESH_START_S = 3600.0  # a replica up less than this is named under the fleet's table, with its start
+PHASE_NAMES = {"tiers": "tiers (disk scan)"}  # a start's phases as kvctl names them
+
+
+def before_load(start: dict) -> float | None:
+    """Seconds of a start (`/admin/status` start) before the load: imports, settings."""
+    ready = start["ready_after_seconds"]
+    return None if ready is None else max(0.0, ready - start["load_seconds"])
 
 
 def fresh_start(status: dict) -> str | None:
@@ -65,14 +72,12 @@ def fresh_start(status: dict) -> str | None:
     start, uptime = status.get("start"), status.get("uptime_seconds")
     if not start or uptime is None or uptime >= FRESH_START_S:
         return None
-    ready = start["ready_after_seconds"]
-    parts = dict(start["phases"])
-    if ready is not None:
-        parts["before the load"] = max(0.0, ready - start["load_seconds"])  # imports, settings
+    parts, early = dict(start["phases"]), before_load(start)
+    if early is not None:
+        parts["before the load"] = early
     longest = max(parts.items(), key=lambda item: item[1], default=None)
-    names = {"tiers": "tiers (disk scan)"}
-    part = f" ({names.get(longest[0], longest[0])} {seconds(longest[1])} of it)" if longest else ""
-    return f"started {duration(uptime)} ago, ready {seconds(ready)} after its process began{part}"
+    part = f" ({PHASE_NAMES.get(longest[0], longest[0])} {seconds(longest[1])} of it)" if longest else ""
+    return f"started {duration(uptime)} ago, ready {seconds(start['ready_after_seconds'])} after its process began{part}"
 
 
 def _view(book: dict) -> Text:

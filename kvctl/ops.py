@@ -20,7 +20,7 @@ from rich.text import Text
 
 from .client import Client
 from .errors import KvdUnavailable, UserError
-from .fleet_status import is_fleet, render_fleet_status, store_trouble
+from .fleet_status import PHASE_NAMES, before_load, is_fleet, render_fleet_status, store_trouble
 from .outputs import read_text
 from .tables import compact_table, duration, keep_whole, seconds, size, when
 
@@ -102,12 +102,10 @@ def map_cells(block_map: str, max_cells: int = MAP_MAX_CELLS) -> tuple[str, int]
 
 def start_line(start: dict, uptime: float | None) -> str:
     """How long kvd's latest start took and where the time went, in one line (`kvctl status`)."""
-    names = {"model": "model", "cache": "cache", "tiers": "tiers (disk scan)", "pins": "pins"}
-    parts = ", ".join(f"{names.get(phase, phase)} {seconds(took)}" for phase, took in start["phases"].items())
-    ready = start["ready_after_seconds"]
-    before = "" if ready is None else f"{seconds(max(0.0, ready - start['load_seconds']))} before the load (imports, " \
-                                      "settings), "
-    line = f"ready {seconds(ready)} after the process began: {before}{parts}"
+    parts = ", ".join(f"{PHASE_NAMES.get(phase, phase)} {seconds(took)}" for phase, took in start["phases"].items())
+    early = before_load(start)
+    before = "" if early is None else f"{seconds(early)} before the load (imports, settings), "
+    line = f"ready {seconds(start['ready_after_seconds'])} after the process began: {before}{parts}"
     if start.get("pins_warmed_seconds") is not None:
         line += f"; pinned prefixes back from the lower tiers {seconds(start['pins_warmed_seconds'])} later"
     if uptime is not None:

@@ -230,21 +230,30 @@ def verify(ctx: typer.Context,
         raise typer.Exit(3)  # a replica refused, was not reached, or stopped answering while waited for
 
 
-def _wait_for_verify(client, quiet: bool, interval: float = 0.5, sleep=time.sleep) -> dict:
-    """Poll kvd until the verification ends; its last report. Progress goes to stderr."""
+def _poll_until_done(poll, quiet: bool, interval: float, sleep) -> dict:
+    """Call `poll()` -> (result, a progress line while the run goes on, else None) until the run
+    ends; the progress stays on one stderr line, ended before the result is printed."""
     shown = False
     while True:
+        result, progress = poll()
+        if progress is None:
+            if shown:
+                typer.echo("", err=True)
+            return result
+        if not quiet:
+            typer.echo("\r" + progress, nl=False, err=True)
+            shown = True
+        sleep(interval)
+
+
+def _wait_for_verify(client, quiet: bool, interval: float = 0.5, sleep=time.sleep) -> dict:
+    """Poll kvd until the verification ends; its last report. Progress goes to stderr."""
+    def poll():
         run = client.get("/admin/tiers").get("verify")
         if run is None:
             raise UserError("kvd has no disk verification to wait for (did kvd restart?)")
-        if run["state"] != "running":
-            if shown:  # the progress line ends before the result's
-                typer.echo("", err=True)
-            return run
-        if not quiet:
-            typer.echo("\r" + verify_line(run), nl=False, err=True)
-            shown = True
-        sleep(interval)
+        return run, verify_line(run) if run["state"] == "running" else None
+    return _poll_until_done(poll, quiet, interval, sleep)
 
 
 def _wait_for_fleet(client, started: dict, quiet: bool, interval: float = 0.5, sleep=time.sleep) -> dict:
@@ -252,8 +261,8 @@ def _wait_for_fleet(client, started: dict, quiet: bool, interval: float = 0.5, s
     `started` had them, each that began with its last report (None: the replica stopped answering)."""
     rows = [dict(row) for row in started["replicas"]]
     waiting = {row["replica"] for row in rows if row.get("verify")}
-    shown = False
-    while True:
+
+    def poll():
         reports = {row["replica"]: (row.get("report") or {}).get("verify")
                    for row in client.get("/admin/tiers")["replicas"]}
         for row in rows:
@@ -262,16 +271,11 @@ def _wait_for_fleet(client, started: dict, quiet: bool, interval: float = 0.5, s
         running = [row for row in rows if row["replica"] in waiting and row["verify"] and
                    row["verify"]["state"] == "running"]
         if not running:
-            if shown:  # the progress line ends before the results'
-                typer.echo("", err=True)
-            return {**started, "replicas": rows}
-        if not quiet:
-            done = sum(r["verify"]["segments_done"] for r in rows if r.get("verify"))
-            total = sum(r["verify"]["segments_total"] for r in rows if r.get("verify"))
-            typer.echo(f"\rdisk verify: {len(running)} replicas running, {done:,} of {total:,} segments read",
-                       nl=False, err=True)
-            shown = True
-        sleep(interval)
+            return {**started, "replicas": rows}, None
+        done = sum(r["verify"]["segments_done"] for r in rows if r.get("verify"))
+        total = sum(r["verify"]["segments_total"] for r in rows if r.get("verify"))
+        return None, f"disk verify: {len(running)} replicas running, {done:,} of {total:,} segments read"
+    return _poll_until_done(poll, quiet, interval, sleep)
 
 
 def verify_text(answer: dict) -> str:

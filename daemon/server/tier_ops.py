@@ -88,9 +88,7 @@ def start_verify(service, rate: float | None, principal, unpaced: bool = False) 
     if tiers is None or tiers.disk is None:
         raise ServiceError(409, "tiers verify: no disk tier is configured (tiers.disk.bytes, --disk-cache-bytes)",
                            "tiers")
-    if rate is not None and not (math.isfinite(rate) and rate > 0):
-        raise ServiceError(400, f"rate: must be a number of bytes a second > 0, got {rate!r}", "rate")
-    if rate is not None and unpaced:
+    if rate is not None and unpaced:  # (the request's model has checked the rate: finite, > 0)
         raise ServiceError(400, "rate: give a rate or unpaced, not both", "rate")
     rate = None if unpaced else (rate or DEFAULT_RATE)
     with service.verify_lock:
