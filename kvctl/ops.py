@@ -113,6 +113,23 @@ def start_line(start: dict, uptime: float | None) -> str:
     return line
 
 
+def gc_line(gc: dict) -> Text:
+    """Python's garbage collections at kvd (`kvctl status`): whether the start's heap is frozen, the
+    whole-heap walks and their longest, and the pauses past gc_warn_seconds (yellow)."""
+    collections, longest = gc["collections"], gc["longest_seconds"]
+    frozen = (f"start's heap frozen ({gc['frozen_objects']:,} objects)" if gc["frozen_objects"]
+              else "heap not frozen (gc_freeze off)")
+    whole = (f"{collections['2']:,} whole-heap collection{'s' if collections['2'] != 1 else ''}, longest "
+             f"{seconds(longest['2'])}" if collections["2"] else "no whole-heap collection yet")
+    line = (f"{frozen}; {whole}; {collections['0'] + collections['1']:,} younger, longest "
+            f"{seconds(max(longest['0'], longest['1']))}")
+    last = gc.get("last_slow")
+    if not gc.get("slow") or last is None:
+        return Text(line)
+    return Text(f"{line}; {gc['slow']:,} stopped every thread {seconds(gc['warn_seconds'])} or longer, the latest "
+                f"{seconds(last['seconds'])} at {when(last['at'])}", style="yellow")
+
+
 def render_status(data: dict, console: Console | None = None):
     if is_fleet(data):  # pointed at kvd router: a row per replica
         return render_fleet_status(data, console)
@@ -221,6 +238,8 @@ def render_status(data: dict, console: Console | None = None):
                         + (", fixed by OMP_NUM_THREADS" if share.get("fixed_by") else "") + ")")
         facts.add_row("engine", ", ".join(f"{s['count']:,} {kind}" for kind, s in steps.items())
                       + f" steps{threads}, {seconds(sum(s['seconds'] for s in steps.values()))} busy{mean}")
+    if (data.get("gc") or {}).get("watching"):  # kvd serve (absent from an older kvd)
+        facts.add_row("gc", gc_line(data["gc"]))
     for gpu in data.get("gpu") or []:
         facts.add_row(f"GPU {gpu['index']}", f"{gpu['name']}: {gpu['memory_used'] / 2**30:.1f} of "
                                              f"{gpu['memory_total'] / 2**30:.1f} GiB, {gpu['utilization']}% busy")

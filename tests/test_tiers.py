@@ -1122,6 +1122,7 @@ def test_every_metric_the_grafana_dashboard_charts_is_exported(tmp_path):
     try:
         app = create_app(service, service.metrics, front="unix")
         service.rollouts.start({"settings": {"reservation": "p95"}}, "50%", [], None, "test")  # its panels too
+        service.gc_pauses.install()  # as kvd serve does: the collector's panel too
         _complete(app, TEXT_A)
         text = call(app, "GET", "/metrics").text
         exported = set(re.findall(r"^(kvd_[a-z_]+)", text, re.MULTILINE))  # families with samples
@@ -1130,6 +1131,7 @@ def test_every_metric_the_grafana_dashboard_charts_is_exported(tmp_path):
             exported.update(name + suffix for suffix in suffixes.get(kind, ("",)))
         assert sorted(wanted - exported) == []
     finally:
+        service.gc_pauses.uninstall()
         service.shutdown(deadline=2)
 
 

@@ -40,6 +40,7 @@ from .request_trace import RequestTrace, load_trace_key
 from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
 from .admin_slots import WriteSlots
 from .housekeeping import Housekeeping, Job
+from .gc_pauses import GcPauses
 from .start_timing import StartTimer
 from .notify import Notifier
 from .tenant_labels import TenantLabels
@@ -168,6 +169,10 @@ class EngineService:
         self.disk_verify = None  # the latest `kvctl tiers verify` run (tier_verify.py)
         self.verify_lock = threading.Lock()  # one run at a time
         self.tier_scan = None
+        # Python's collections timed (gc_pauses.py; `kvd serve` installs the callback), and whether
+        # the load freezes the heap it made (start(freeze_heap=True): kvd serve's gc_freeze)
+        self.gc_pauses = GcPauses(warn_seconds=lambda: self.config.gc_warn_seconds or None)
+        self._freeze_heap = False
 
     # ---- life cycle --------------------------------------------------------------------------
     def load(self) -> None:
@@ -182,6 +187,8 @@ class EngineService:
         problem = None if cfg.cache_dtype == "auto" else format_unsupported_on(device, cache_dtype(cfg.cache_dtype))
         if problem:  # refused before the model loads
             raise ValueError(f"cache_dtype: {problem}")
+        if self._freeze_heap:  # the imports (torch's: 200,000 objects) are there for good
+            self.gc_pauses.freeze()
         model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
         chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template)
@@ -252,6 +259,8 @@ class EngineService:
             self.pin_warmer = warmer
         if device == "cpu" and self._share_cpus and Path("/proc/self/status").is_file():  # Linux: see cpu_share.py
             self._share_cpus_with_neighbours()
+        if self._freeze_heap:  # the model, the cache and a disk tier's index: they live as long as kvd
+            self.gc_pauses.frozen_at_ready = self.gc_pauses.freeze()
         timer.ready()
         self.ready.set()
         log.info("model loaded: %s (%s), %d blocks of %d tokens, %s; ready %.1f s after kvd started (%s)",
@@ -277,7 +286,7 @@ class EngineService:
         self.cpu_share.look()  # a first look: notes who is there; busy ones show from the next look
         threading.Thread(target=self.cpu_share.run, args=(self._stop,), name="kvd-cpu-share", daemon=True).start()
 
-    def start(self, confine_threads: bool = False) -> None:
+    def start(self, confine_threads: bool = False, freeze_heap: bool = False) -> None:
         """Start the engine thread.
 
         `confine_threads` (what `kvd serve` asks for): only the engine thread runs torch's CPU ops
@@ -286,9 +295,15 @@ class EngineService:
         ~1,000 times before sleeping once it manages more threads than there are CPUs. A second
         OpenMP team anywhere in the process, such as one tier copy in a request thread, made
         every parallel region of the engine pay a wake-up from then on: on 2 cores, decode steps
-        went from 3.3 ms to 6.7-8.4 ms after a single `kvctl swap`."""
+        went from 3.3 ms to 6.7-8.4 ms after a single `kvctl swap`.
+
+        `freeze_heap` (kvd serve's `gc_freeze`): the load freezes the heap that the imports made,
+        then the one the load made (gc_pauses.py), so that Python's collector does not walk them
+        while kvd serves. Only for a process that loads once and lives on: a test that builds
+        services one after another would keep each one's reference cycles for good."""
         threads = torch.get_num_threads() if confine_threads else 0
         self._share_cpus = confine_threads
+        self._freeze_heap = freeze_heap
         self._engine_thread_count = threads  # for an engine thread started again (_load_again)
         entered = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(threads, entered), name="kvd-engine", daemon=True)
@@ -507,7 +522,7 @@ class EngineService:
                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
                 "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
                 "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
-                "remote_compress", "trace_requests", "max_tracked_tenants")
+                "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds")
         changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
         previous = {k: getattr(self.config, k) for k in changed}
         ignored = sorted(k for k, v in new.describe().items()
@@ -934,6 +949,7 @@ class EngineService:
                 "cache": self.cache_status(),
                 "uptime_seconds": time.time() - self.started_at,
                 "start": None if self.start_timer is None else self.start_timer.report(),
+                "gc": self.gc_pauses.report(),
                 "draining": self.draining,
                 "store": {"file_ok": self.store.file_ok, "written_back": self.store.written_back,
                           "audit_write_failures": self.store.audit_failures,
