@@ -186,6 +186,87 @@ def test_the_start_scan_reads_headers_only_and_a_damaged_body_fails_its_checksum
     assert err.value.reason == "checksum"
 
 
+def test_small_payloads_segments_are_checked_in_order_reading_ahead_and_leave_no_file_open(tmp_path, monkeypatch):
+    """The start scan of small payloads reads one segment after another while the next ones are
+    opened and asked of the disk; each result lands with its own path, one that cannot be read
+    says why, and a scan stopped early closes what it had opened ahead."""
+    import kvctl.daemon.cache.tiers.disk as disk_module
+
+    monkeypatch.setattr(disk_module, "READ_AHEAD", 2)
+    tier = disk(tmp_path)
+    chains = [write_chain(tier, 10 * i, i + 1) for i in range(5)]
+    paths = [tier.segment_dir / tier.index[chain[0]][0] for chain in chains]
+    unreadable = tier.segment_dir / "not-a-file.kvseg"
+    unreadable.mkdir()
+    paths.insert(2, unreadable)
+    open_fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = open_fds()
+    results = list(tier._check_segments(paths))
+    assert open_fds() == before
+    assert isinstance(results[2], OSError)
+    found = [r for i, r in enumerate(results) if i != 2]
+    for chain, (size, metas) in zip(chains, found):
+        assert [meta.key for meta, _, _ in metas] == chain and size == len(chain) * tier.layout.payload_bytes
+    walk = tier._check_segments(paths)
+    next(walk)
+    assert open_fds() == before + 2  # the two read ahead
+    walk.close()
+    assert open_fds() == before
+
+
+def _header_offsets(lay):
+    """Offsets in a header of this layout: (dtype codes, scale version length, body length)."""
+    codes = 218
+    scale_len = codes + lay.num_layers
+    return codes, scale_len, scale_len + 2 + len(lay.scale_version.encode())
+
+
+@pytest.mark.parametrize("dtype, codec", [(torch.float16, "none"), (torch.float16, "int8"),
+                                          (torch.bfloat16, "fp8_e4m3"), (torch.int8, "none")], ids=str)
+def test_the_scan_s_fast_header_check_accepts_what_check_header_accepts_and_no_more(dtype, codec):
+    """The start scan compares a layout's fixed header bytes whole (HeaderScanner); it must agree
+    with check_header on every good payload, and hand every damaged one to check_header, which
+    names the failed check."""
+    from kvctl.daemon.cache.tiers.payload import HeaderScanner, check_header, encode_parts
+
+    lay = BlockLayout((dtype, dtype), block_size=16, num_kv_heads=2, head_dim=8, scale_version="cal-1")
+    keys = [block_key(i) for i in range(3)]
+    metas, layers = group(lay, keys)
+    metas = [BlockMeta(m.key, m.root, m.depth, m.parent, "acme" if m.depth == 1 else None) for m in metas]
+    payloads = [b"".join(parts) for parts in encode_parts(lay, SPACE, metas, layers, codec)]
+    scanner = HeaderScanner(lay, SPACE)
+    for meta, payload in zip(metas, payloads):
+        expected, _, _, total = check_header(payload, lay, SPACE)
+        assert expected == meta and total == len(payload)
+        assert scanner.check(payload) == (meta, total)
+        assert scanner.check(memoryview(payload)[:4096]) == (meta, total)  # what the scan reads of it
+
+    codes, scale_len, body_len = _header_offsets(lay)
+    if codec != "none":
+        body_len += 1  # the codec byte
+
+    def at(offset, value):
+        return lambda p: p[:offset] + value + p[offset + len(value):]
+
+    root, child = payloads[0], payloads[1]
+    damaged = {
+        "magic": at(0, b"XXXX")(root), "version": at(4, (9).to_bytes(2, "little"))(root),
+        "header length": at(6, (999).to_bytes(2, "little"))(root), "space": at(40, b"T" * 32)(root),
+        "block size": at(204, (32).to_bytes(4, "little"))(root), "heads": at(208, (4).to_bytes(4, "little"))(root),
+        "head dim": at(212, (16).to_bytes(4, "little"))(root), "layers": at(216, (3).to_bytes(2, "little"))(root),
+        "dtype code": at(codes, bytes([6 if dtype != torch.float8_e5m2 else 5]))(root),
+        "scale version": at(scale_len + 2, b"X")(root), "body length": at(body_len, (1).to_bytes(8, "little"))(root),
+        "a root with a parent": at(104, b"P" * 32)(root), "a tenant not ASCII": at(136, b"\xff")(child),
+        "cut inside the header": root[:body_len],
+    }
+    if codec != "none":
+        damaged["codec byte"] = at(body_len - 1, bytes([3]))(root)
+    for what, payload in damaged.items():
+        assert scanner.check(payload) is None, what
+        with pytest.raises(PayloadError):
+            check_header(payload, lay, SPACE)
+
+
 @pytest.mark.parametrize("whole", [True, False], ids=["read-whole", "headers-only"])
 def test_the_start_scan_sees_every_header_damage_the_full_check_saw(tmp_path, whole, monkeypatch):
     """Both ways of reading a segment at start (whole, for small payloads; a header at a time, for
@@ -239,10 +320,10 @@ def test_what_an_upgrade_sets_aside_counts_against_the_disk_and_goes_before_live
 
     rolled_back = disk(tmp_path, capacity=6 * per, space=old_space)
     verified = []
-    check = rolled_back._check_segment_file
-    rolled_back._check_segment_file = lambda path: verified.append(path.name) or check(path)
+    check = rolled_back._check_headers
+    rolled_back._check_headers = lambda read, size: verified.append(size) or check(read, size)
     report = rolled_back.scan()  # b comes back; c and d are now the foreign ones
-    assert len(verified) == 3  # b (once, as it comes back), then c and d
+    assert len(verified) == 3  # b's headers (once, as it comes back), then c's and d's
     assert (report.readmitted, report.foreign, report.segments, report.quarantine_dropped) == (1, 2, 1, 0)
     assert sorted(rolled_back.index) == sorted(b) and not set(a) & set(rolled_back.index)
     for key in b:

@@ -352,6 +352,46 @@ def _layout_fields(layout: BlockLayout, codec: str) -> tuple[bytes, bytes]:
     return header[4:8], header[_DEPTH_END:]
 
 
+_CHAIN = struct.Struct(f"<32s32x32s32s{TENANT_BYTES}sI")  # from offset 8: key, (space), root, parent, tenant, depth
+
+
+class HeaderScanner:
+    """Checks the headers of one layout and space as `check_header` does, with the bytes a layout
+    fixes compared whole (the start scan's cost a block is this, for a tier of small payloads):
+    `check(head)` is (chain position, whole payload's length), or None where `head` is not such a
+    header of a codec this kvd writes; then `check_header` says which check fails."""
+
+    def __init__(self, layout: BlockLayout, space: bytes) -> None:
+        self.space = space
+        # first 8 bytes -> [(the bytes the layout fixes after the depth, the header's end, payload length)]
+        self._shapes: dict[bytes, list[tuple[bytes, int, int]]] = {}
+        for codec in CODEC_CODES:
+            if layout.codec_for(codec) != codec:
+                continue
+            header = _header(layout, space, BlockMeta(bytes(32), bytes(32), 0, None), codec)
+            total = len(header) + layout.body_bytes(codec) + _CRC.size
+            # compressed codecs share the first 8 bytes and differ in the codec byte: keep each
+            self._shapes.setdefault(header[:8], []).append((header[_DEPTH_END:], len(header), total))
+
+    def check(self, head: bytes | memoryview) -> tuple[BlockMeta, int] | None:
+        shapes = self._shapes.get(bytes(head[:8]))
+        if shapes is None or head[40:72] != self.space:
+            return None
+        for shape, end, total in shapes:
+            if len(head) >= end and head[_DEPTH_END:end] == shape:
+                break
+        else:
+            return None
+        key, root, parent, tenant, depth = _CHAIN.unpack_from(head, 8)
+        if depth == 0 and parent != _NO_PARENT:
+            return None
+        try:
+            return BlockMeta(key, root, depth, parent if depth else None,
+                             tenant.rstrip(b"\0").decode("ascii") or None), total
+        except ValueError:
+            return None
+
+
 def verify_payload(data: bytes | memoryview, layout: BlockLayout, space: bytes, key: bytes) -> tuple[str, int, int]:
     """Check a payload whole against the expected key, space and layout, and its XXH3-64, without
     making tensors of it: (codec, header bytes, length). Raises PayloadError naming the check."""
