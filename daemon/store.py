@@ -72,6 +72,9 @@ MIGRATIONS: list[tuple[int, str]] = [
     """),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
+# in the state folder beside the store: a rollback kvd made that the store has not taken yet
+# (daemon/server/rollouts.py); it belongs to this store's rollouts (daemon/store_restore.py)
+ROLLBACK_PENDING_FILE = "rollback-pending.json"
 
 
 def _insert_audit(conn: sqlite3.Connection, at: float, actor: str, tenant: str, action: str, target: str,

@@ -24,7 +24,7 @@ from .tables import when
 
 adr_app = typer.Typer(help="Architecture decision records (append-only, in the SQLite store).",
                       no_args_is_help=True)
-db_app = typer.Typer(help="The SQLite store: backup and integrity check.", no_args_is_help=True)
+db_app = typer.Typer(help="The SQLite store: backup, restore, integrity check, pruning.", no_args_is_help=True)
 
 STATE_DIR = typer.Option(None, "--state-dir", help="State directory holding kvd.sqlite3 (KVD_STATE_DIR; default: the "
                          "running kvd's).")
@@ -344,3 +344,61 @@ def db_prune(ctx: typer.Context,
     typer.echo(f"{verb} {result['removed']:,} audit record{'s' if result['removed'] != 1 else ''} from before "
                f"{when(result['before'])} ({audit_older_than} ago) in {store.path}; {result['kept']:,} "
                f"remain{oldest}")
+
+
+@db_app.command("restore")
+def db_restore(ctx: typer.Context, backup: Path = typer.Argument(..., help="A backup (kvctl db backup) to put back."),
+               dry_run: bool = typer.Option(False, "--dry-run", help="Check the backup and show what it holds beside "
+                                            "the store; change nothing."),
+               state_dir: Optional[str] = STATE_DIR, as_json: bool = AS_JSON) -> None:
+    """Put a backup back in place of the store, keeping the store it replaces; kvd must be stopped.
+
+    The backup must pass SQLite's integrity check. The replaced store is kept beside it as
+    kvd.sqlite3.replaced-STAMP (with its WAL, and a rollback kvd had kept for it), so records newer
+    than the backup are not lost: `kvctl db restore` of that file undoes the restore. The old WAL
+    is never replayed onto the backup. The restored store records a db.restore audit record.
+
+    Example: kvctl db restore /var/backups/kvd-2026-11-30.sqlite3 --dry-run
+    """
+    from kvctl.daemon.config import default_state_dir
+    from kvctl.daemon.store import StoreError
+    from kvctl.daemon.store_restore import RestoreRefused, restore
+
+    chosen = state_dir or os.environ.get("KVD_STATE_DIR")
+    store = Path(chosen) / "kvd.sqlite3" if chosen else running_daemon_store(ctx)
+    folder = store.parent if store is not None else Path(default_state_dir())
+    try:
+        report = restore(folder, backup, actor=getpass.getuser(), dry_run=dry_run)
+    except RestoreRefused as exc:
+        raise UserError(str(exc)) from None
+    except (OSError, StoreError) as exc:
+        raise UserError(f"restore: {exc}") from None
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    console = Console()
+    table = Table(title=f"{'would restore' if dry_run else 'restored'} {report['store']} from {backup}")
+    table.add_column("")
+    table.add_column("the backup", justify="right")
+    table.add_column("the store " + ("now" if dry_run else "it replaced"), justify="right")
+    restored, replaced = report["backup"], report["replaced"] or {"counts": {}, "newest_at": None, "problem": None,
+                                                                  "schema": None}
+    for name in restored["counts"] | replaced["counts"]:
+        table.add_row(name, _count(restored["counts"].get(name)), _count(replaced["counts"].get(name)))
+    table.add_row("newest record", when(restored["newest_at"]), when(replaced["newest_at"]))
+    table.add_row("schema", str(restored["schema"]), "-" if replaced["schema"] is None else str(replaced["schema"]))
+    console.print(table)
+    if report["replaced"] is None:
+        console.print("there was no store in its place")
+    elif replaced["problem"]:
+        console.print(f"the store {'now' if dry_run else 'replaced'} failed its check: {replaced['problem']}")
+    if (replaced["newest_at"] or 0) > (restored["newest_at"] or 0):
+        console.print("the store " + ("now" if dry_run else "it replaced") + f" holds records newer than the backup "
+                      f"(up to {when(replaced['newest_at'])})" + ("" if dry_run else "; they are in the kept file"))
+    if report["kept_as"]:
+        console.print(f"the replaced store is kept as {report['kept_as']} (kvctl db restore {report['kept_as']} "
+                      "undoes this)")
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
