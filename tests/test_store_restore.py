@@ -52,6 +52,19 @@ def store_files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != "kvd.lock"}
 
 
+def state_with_backup(tmp_path: Path, before: list[str], after: list[str]) -> Path:
+    """A state folder whose store held the records titled `before` when it was backed up to
+    tmp_path/b.sqlite3, and holds those titled `after` too now."""
+    folder = tmp_path / "state"
+    folder.mkdir()
+    for title in before:
+        new_adr(folder / "kvd.sqlite3", title)
+    back_up(folder / "kvd.sqlite3", tmp_path / "b.sqlite3")
+    for title in after:
+        new_adr(folder / "kvd.sqlite3", title)
+    return folder
+
+
 def killed_with_wal(folder: Path, title: str) -> None:
     """The store as a kvd killed -9 leaves it: its latest record only in kvd.sqlite3-wal."""
     live = folder.parent / "live"
@@ -67,11 +80,7 @@ def killed_with_wal(folder: Path, title: str) -> None:
 
 
 def test_a_backup_goes_back_in_place_and_the_replaced_store_with_its_wal_is_kept_whole(tmp_path):
-    folder = tmp_path / "state"
-    folder.mkdir()
-    new_adr(folder / "kvd.sqlite3", "before the backup")
-    back_up(folder / "kvd.sqlite3", tmp_path / "b.sqlite3")
-    new_adr(folder / "kvd.sqlite3", "after the backup")
+    folder = state_with_backup(tmp_path, ["before the backup"], ["after the backup"])
     killed_with_wal(folder, "only in the WAL")
     (folder / ROLLBACK_PENDING_FILE).write_text('{"rollout_id": 1}')
 
@@ -105,15 +114,13 @@ def test_a_backup_goes_back_in_place_and_the_replaced_store_with_its_wal_is_kept
 
 
 def test_nothing_is_changed_while_a_kvd_holds_the_folder_or_for_a_backup_that_is_not_whole(tmp_path):
-    folder = tmp_path / "state"
-    folder.mkdir()
-    new_adr(folder / "kvd.sqlite3", "current")
-    back_up(folder / "kvd.sqlite3", tmp_path / "good.sqlite3")
+    folder = state_with_backup(tmp_path, ["current"], [])
+    good = tmp_path / "b.sqlite3"
     before = store_files(folder)
 
     held = claim_folder(folder, "pid 4242, socket /run/kvd/kvd.sock")
     with pytest.raises(RestoreRefused) as refused:
-        restore(folder, tmp_path / "good.sqlite3", actor="ops")
+        restore(folder, good, actor="ops")
     held.close()
     assert str(refused.value) == (f"state_dir: {str(folder)!r} is in use by pid 4242, socket /run/kvd/kvd.sock; "
                                   "stop that kvd first (systemctl stop kvd), then restore")
@@ -122,12 +129,12 @@ def test_nothing_is_changed_while_a_kvd_holds_the_folder_or_for_a_backup_that_is
     plain = tmp_path / "plain.sqlite3"
     sqlite3.connect(plain).execute("CREATE TABLE t (x)").connection.close()
     newer = tmp_path / "newer.sqlite3"
-    shutil.copy(tmp_path / "good.sqlite3", newer)
+    shutil.copy(good, newer)
     conn = sqlite3.connect(newer)
     conn.execute("PRAGMA user_version = 99")
     conn.close()
     damaged = tmp_path / "damaged.sqlite3"
-    data = bytearray((tmp_path / "good.sqlite3").read_bytes())
+    data = bytearray(good.read_bytes())
     page = int.from_bytes(data[16:18], "big")
     data[page + 8: 2 * page] = bytes(page - 8)  # the second page's cells gone: the schema points at nothing
     damaged.write_bytes(bytes(data))
@@ -148,11 +155,7 @@ def test_nothing_is_changed_while_a_kvd_holds_the_folder_or_for_a_backup_that_is
 
 
 def test_a_dry_run_shows_both_stores_and_changes_nothing(tmp_path):
-    folder = tmp_path / "state"
-    folder.mkdir()
-    new_adr(folder / "kvd.sqlite3", "one")
-    back_up(folder / "kvd.sqlite3", tmp_path / "b.sqlite3")
-    new_adr(folder / "kvd.sqlite3", "two")
+    folder = state_with_backup(tmp_path, ["one"], ["two"])
     before = store_files(folder)
     report = restore(folder, tmp_path / "b.sqlite3", actor="ops", dry_run=True)
     assert report["dry_run"] is True and report["kept_as"] is None
@@ -184,11 +187,7 @@ def test_a_backup_of_an_older_schema_is_migrated_and_a_damaged_store_is_kept_as_
 
 
 def test_kvctl_db_restore_prints_both_stores_and_where_the_replaced_one_is_kept(tmp_path, capsys):
-    folder = tmp_path / "state"
-    folder.mkdir()
-    new_adr(folder / "kvd.sqlite3", "one")
-    back_up(folder / "kvd.sqlite3", tmp_path / "b.sqlite3")
-    new_adr(folder / "kvd.sqlite3", "two")
+    folder = state_with_backup(tmp_path, ["one"], ["two"])
     state = ["--state-dir", str(folder)]
     status, out, _ = cli(capsys, "db", "restore", str(tmp_path / "b.sqlite3"), *state, "--dry-run")
     assert status == 0 and "would restore" in out and "the store now" in out
@@ -211,10 +210,7 @@ def test_kvctl_db_restore_prints_both_stores_and_where_the_replaced_one_is_kept(
 @pytest.mark.skipif(os.geteuid() != 0, reason="gives files to another user: needs root")
 def test_the_restored_store_keeps_the_owner_and_mode_of_the_one_it_replaces(tmp_path):
     """kvd runs as a user of its own; `sudo kvctl db restore` must not leave it a root-owned store."""
-    folder = tmp_path / "state"
-    folder.mkdir()
-    new_adr(folder / "kvd.sqlite3", "one")
-    back_up(folder / "kvd.sqlite3", tmp_path / "b.sqlite3")
+    folder = state_with_backup(tmp_path, ["one"], [])
     os.chown(folder / "kvd.sqlite3", 65534, 65534)
     os.chmod(folder / "kvd.sqlite3", 0o640)
     restore(folder, tmp_path / "b.sqlite3", actor="ops")
