@@ -56,8 +56,8 @@ from kvctl.daemon.folder_claim import FolderTaken, claim_folder
 from kvctl.daemon.whole_file import sync_folder
 from kvctl.policies.tenant_shares import share_blocks, share_of
 
-from .payload import (PEEK_BYTES, BlockLayout, BlockMeta, HeaderScanner, PayloadError, check_header, header_span, payload_length,
-                      peek_space, verify_payload)
+from .payload import (PEEK_BYTES, BlockLayout, BlockMeta, HeaderScanner, MetaBook, PayloadError, check_header,
+                      header_span, payload_length, peek_space, verify_payload)
 from .spaces import SpaceBook
 from .vectored import write_vectored
 
@@ -160,7 +160,7 @@ class DiskTier:
                              f"{layout.payload_bytes} bytes")
         self.lock = threading.RLock()
         self.index: dict[bytes, tuple[str, int, int]] = {}  # key -> (segment, offset, length)
-        self.meta: dict[bytes, BlockMeta] = {}
+        self.meta: MetaBook = MetaBook()
         self.segments: OrderedDict[str, Segment] = OrderedDict()  # least recently used first
         self.used_bytes = 0
         self.quarantined: OrderedDict[Path, int] = OrderedDict()  # set-aside files, oldest first -> bytes

@@ -24,7 +24,7 @@ import torch
 
 from kvctl.policies.tenant_shares import share_blocks, share_of
 
-from .payload import BlockLayout, BlockMeta
+from .payload import BlockLayout, BlockMeta, MetaBook
 
 
 def pair_runs(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -96,7 +96,7 @@ class HostTier:
                         torch.empty(shape, dtype=d, pin_memory=pin_memory)) for d in layout.layer_dtypes]
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out low slots first, in runs
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
-        self.meta: dict[bytes, BlockMeta] = {}
+        self.meta: MetaBook = MetaBook()
         self.busy: dict[bytes, int] = {}  # key -> transfers reading the slot now
         self._copies: dict[int, object] = {}  # slot -> CUDA event of its latest asynchronous copy
         self.events = None  # an EventLog: each key indexed or dropped here is logged there

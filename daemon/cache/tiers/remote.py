@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 from kvctl.policies.tenant_shares import share_blocks, share_of
 from kvctl.policies.tiering import CircuitBreaker
 
-from .payload import PEEK_BYTES, BlockMeta, PayloadError, payload_length, peek_meta
+from .payload import PEEK_BYTES, BlockMeta, MetaBook, PayloadError, payload_length, peek_meta
 from .spaces import REGISTRY_KEY, is_space_hex, parse_record
 from .vectored import write_vectored
 
@@ -69,7 +69,7 @@ class RemoteTier:
         # first; it still counts against our bytes and goes first when room is needed
         self.retired: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
         self.used_bytes = 0
-        self.meta: dict[bytes, BlockMeta] = {}  # chain positions of the blocks we wrote
+        self.meta: MetaBook = MetaBook()  # chain positions of the blocks we wrote
         self.seen: OrderedDict[bytes, None] = OrderedDict()  # blocks we read that others wrote, newest last
         self.last_error: str | None = None
         # the outage in progress: when its first call failed, and how many have failed since
