@@ -214,7 +214,7 @@ def test_small_payloads_segments_are_checked_in_order_reading_ahead_and_leave_no
     assert open_fds() == before
 
 
-def test_a_tier_s_index_of_chain_positions_is_not_walked_by_python_s_collector():
+def test_a_tier_s_index_of_chain_positions_is_not_walked_by_python_s_collector(tmp_path):
     """MetaBook holds each BlockMeta as a plain tuple: the collector untracks it once seen, so a
     tier of a million blocks adds nothing to a whole-heap collection (a BlockMeta added 133 ns)."""
     import gc
@@ -234,6 +234,12 @@ def test_a_tier_s_index_of_chain_positions_is_not_walked_by_python_s_collector()
     assert book.pop(block_key(0)) == metas[0] and book.pop(block_key(0), None) is None and len(book) == 1
     with pytest.raises(KeyError):
         book[block_key(0)]
+    tier = disk(tmp_path)  # a disk tier's index and its segments' keys: one tracked object a segment
+    keys = write_chain(tier, 0, 3)
+    gc.collect()
+    [segment] = tier.segments.values()
+    assert segment.keys == tuple(keys) and not gc.is_tracked(segment.keys)
+    assert not any(gc.is_tracked(row) for row in tier.meta._rows.values())
 
 
 def _header_offsets(lay):

@@ -118,7 +118,7 @@ def filesystem_room(path: Path) -> int | None:
 class Segment:
     name: str
     size: int
-    keys: list[bytes] = field(default_factory=list)
+    keys: tuple[bytes, ...] = ()  # a tuple of bytes: Python's collector stops tracking it (see MetaBook)
     live: int = 0
     space: bytes = b""  # the block space its payloads were written under
     tenant: str | None = None  # whose blocks it holds, when all are one tenant's (else None)
@@ -495,9 +495,8 @@ class DiskTier:
             self.index[meta.key] = (name, offset, length)
             self.meta[meta.key] = meta
             self.tenant_bytes[meta.tenant or ""] += length
-            segment.keys.append(meta.key)
-            segment.live += 1
             fresh.append(meta)
+        segment.keys, segment.live = tuple(meta.key for meta in fresh), len(fresh)
         self.segments[name] = segment
         self.used_bytes += size
         if fresh and self.events is not None:
