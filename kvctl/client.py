@@ -7,12 +7,31 @@
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
 from .errors import KvdUnavailable, UserError
+
+STORE_WAIT_NOTE_AFTER_S = 2.0  # an admin call that changes something and has not answered by then: ask kvd why
+
+
+def waiting_writes_note(status: dict) -> str | None:
+    """What an operator waiting on kvd should know when its store's writes wait for another
+    process's write lock (an /admin/status answer, kvd's or kvd router's); None when none wait."""
+    rows = status.get("replica_status")
+    stores = [(row.get("replica"), row.get("store") or {}) for row in rows] if rows else [(None, status.get("store") or {})]
+    waiting = [(name, store["waiting_writes"], store.get("longest_write_wait_seconds") or 0.0)
+               for name, store in stores if store.get("waiting_writes")]
+    if not waiting:
+        return None
+    parts = [(f"{name}: " if name else "") + f"{count} write{'s' if count != 1 else ''} waiting {longest:.0f} s"
+             for name, count, longest in waiting]
+    return (f"note: kvd is waiting for its store's write lock ({'; '.join(parts)}): another process holds it (a "
+            "sqlite3 shell left in a transaction, a long kvctl db command?); this call fails after 30 s if it goes on")
 
 
 class Client:
@@ -34,12 +53,15 @@ class Client:
                 raise UserError(f"token_file: cannot read a token from {token_file!r}") from None
             headers["Authorization"] = f"Bearer {token}"
             self.where, self.socket = url, None
-            self.http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+            self._connect: Callable[[float], httpx.Client] = \
+                lambda seconds: httpx.Client(base_url=url, headers=headers, timeout=seconds)
         else:
             path = socket or os.environ.get("KVD_SOCKET") or default_socket()
             self.where, self.socket = path, path
-            self.http = httpx.Client(base_url="http://kvd", headers=headers, timeout=timeout,
-                                     transport=httpx.HTTPTransport(uds=path))
+            self._connect = lambda seconds: httpx.Client(base_url="http://kvd", headers=headers, timeout=seconds,
+                                                         transport=httpx.HTTPTransport(uds=path))
+        self.http = self._connect(timeout)
+        self.say: Callable[[str], object] = lambda line: print(line, file=sys.stderr, flush=True)
 
     def async_session(self, timeout: float = 600.0):
         """An aiohttp session to the same place with the same headers, for load generation:
@@ -53,6 +75,11 @@ class Client:
                                      connector=connector, timeout=aiohttp.ClientTimeout(total=timeout))
 
     def request(self, method: str, path: str, **kwargs) -> Any:
+        watch = None
+        if method != "GET" and path.startswith("/admin/"):  # it may write kvd's store: say so if that waits
+            watch = threading.Timer(STORE_WAIT_NOTE_AFTER_S, self._note_store_wait)
+            watch.daemon = True
+            watch.start()
         try:
             response = self.http.request(method, path, **kwargs)
         except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
@@ -61,7 +88,21 @@ class Client:
             raise KvdUnavailable(f"kvd at {self.where} did not answer in time") from None
         except httpx.TransportError as exc:  # it went away mid-answer (a restart)
             raise KvdUnavailable(f"kvd at {self.where} broke off its answer ({type(exc).__name__})") from None
+        finally:
+            if watch is not None:
+                watch.cancel()
         return self.answered(response)
+
+    def _note_store_wait(self) -> None:
+        """Asked on a connection of its own while a call waits: kvd answers /admin/status at once
+        while its writes wait for the store (they hold worker threads, not the event loop)."""
+        try:
+            with self._connect(5.0) as http:
+                note = waiting_writes_note(http.get("/admin/status").json())
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError, KeyError):
+            return  # only a note: the call itself says what went wrong, if anything
+        if note:
+            self.say(note)
 
     def answered(self, response: httpx.Response) -> Any:
         """The answer's JSON, or the error kvd (or kvd router) named: a 503 as KvdUnavailable. An

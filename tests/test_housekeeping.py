@@ -357,3 +357,48 @@ def test_kvd_starts_while_another_process_holds_its_store_s_write_lock_and_drops
         assert started[0].engine.cache.pins.all() == []
     finally:
         started[0].shutdown(1)
+
+
+def test_kvctl_says_why_an_admin_call_waits_when_kvd_s_store_is_locked(tmp_path):
+    """`kvctl drain` waited up to 30 s on a store another process held locked, without a word. After
+    2 s it asks kvd (on a connection of its own) and says why it waits; the call then lands."""
+    import os
+    import signal
+    import subprocess
+
+    from .kvd_process import BIN, launch
+
+    proc, client = launch(tmp_path / "state", tmp_path / "kvd.sock", tmp_path / "kvd.log", "--max-running", "4")
+    try:
+        shell = sqlite3.connect(tmp_path / "state" / "kvd.sqlite3", isolation_level=None)
+        shell.execute("BEGIN IMMEDIATE")
+        try:
+            drain = subprocess.Popen([str(BIN / "kvctl"), "drain"], env={**os.environ, "KVD_SOCKET": str(tmp_path / "kvd.sock")},
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            time.sleep(4.0)
+            assert drain.poll() is None  # still waiting for the store
+        finally:
+            shell.execute("ROLLBACK")
+        out, err = drain.communicate(timeout=30)
+        assert drain.returncode == 0, err
+        assert err.startswith("note: kvd is waiting for its store's write lock (1 write waiting ")
+        assert "another process holds it (a sqlite3 shell left in a transaction, a long kvctl db command?)" in err
+        started = subprocess.run([str(BIN / "kvctl"), "resume"], env={**os.environ, "KVD_SOCKET": str(tmp_path / "kvd.sock")},
+                                 capture_output=True, text=True, timeout=30)
+        assert started.returncode == 0 and started.stderr == ""  # nothing waits: no note
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+def test_the_waiting_note_names_each_replica_whose_store_waits():
+    from kvctl.client import waiting_writes_note
+
+    assert waiting_writes_note({"store": {"waiting_writes": 0}}) is None
+    assert waiting_writes_note({"store": {"waiting_writes": 2, "longest_write_wait_seconds": 3.4}}).startswith(
+        "note: kvd is waiting for its store's write lock (2 writes waiting 3 s): another process holds it")
+    fleet = {"replica_status": [{"replica": "a", "store": {"waiting_writes": 0}},
+                                {"replica": "b", "store": {"waiting_writes": 1, "longest_write_wait_seconds": 12.0}},
+                                {"replica": "c", "error": "not reachable"}]}
+    assert waiting_writes_note(fleet).startswith("note: kvd is waiting for its store's write lock (b: 1 write waiting "
+                                                 "12 s): ")
