@@ -38,7 +38,7 @@ from pathlib import Path
 
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
-from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store, StoreUnavailable
+from kvctl.daemon.store import Store, StoreUnavailable
 from kvctl.daemon.whole_file import write_json_whole
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.rollout import MIN_REQUESTS, StopCondition, in_cohort, parse_fraction
@@ -52,7 +52,6 @@ ACTIVE_STATES = ("running", "paused")
 log = logging.getLogger("kvd")
 UNSTORED = ("kvd rolled it back on a stop condition, and the store could not take that yet: kvd tries again at "
             "each check; a restart before then resumes the rollout")
-PENDING_FILE = ROLLBACK_PENDING_FILE  # in the state folder: a rollback the store has not taken yet
 PENDING_FIELDS = ("rollout_id", "at", "actor", "action", "detail")  # what that file holds of one
 
 

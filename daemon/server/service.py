@@ -31,7 +31,7 @@ from kvctl.daemon.engine.sampling import RequestError, SamplingParams
 from kvctl.daemon.model.chat_template import ChatTemplate, load_chat_template
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.llama import LoadedModel, load_model
-from kvctl.daemon.store import Store, StoreUnavailable
+from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store, StoreUnavailable
 from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tiering import restore_seconds
@@ -142,9 +142,9 @@ class EngineService:
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
         self.tenant_labels = TenantLabels(config.max_tenant_metric_series)  # per-tenant metrics' labels, bounded
-        from .rollouts import PENDING_FILE, RolloutManager  # NOTE: late import; rollouts imports ServiceError from here
+        from .rollouts import RolloutManager  # NOTE: late import; rollouts imports ServiceError from here
 
-        self.rollouts = RolloutManager(store, pending_path=Path(config.state_dir) / PENDING_FILE)
+        self.rollouts = RolloutManager(store, pending_path=Path(config.state_dir) / ROLLBACK_PENDING_FILE)
         self._observers.append(self.rollouts.observe)
         self.rollout_check_seconds = 10.0
         # the jobs that write to the store, off the engine thread (housekeeping.py says why)

@@ -426,6 +426,12 @@ class HeaderScanner:
             return None
 
 
+@functools.lru_cache(maxsize=16)
+def header_scanner(layout: BlockLayout, space: bytes) -> HeaderScanner:
+    """The HeaderScanner of a layout and space, made once (a segment's walk asks for it)."""
+    return HeaderScanner(layout, space)
+
+
 def verify_payload(data: bytes | memoryview, layout: BlockLayout, space: bytes, key: bytes) -> tuple[str, int, int]:
     """Check a payload whole against the expected key, space and layout, and its XXH3-64, without
     making tensors of it: (codec, header bytes, length). Raises PayloadError naming the check."""
