@@ -200,21 +200,23 @@ def restore(folder: Path, backup: Path, *, actor: str, dry_run: bool = False,
         copy = _copy_in(backup, folder)
         try:
             _match_owner(copy, store if current is not None else folder)
-            if current is not None:
-                _checkpoint(store)
+            pending = folder / ROLLBACK_PENDING_FILE  # the replaced store's rollouts' business
+            if current is not None or pending.exists():
                 aside = _aside_name(folder, clock())
-                _keep(store, aside)
-                for suffix in ("-wal", "-shm"):
-                    if Path(str(store) + suffix).exists():
-                        _keep(Path(str(store) + suffix), Path(str(aside) + suffix))
-                pending = folder / ROLLBACK_PENDING_FILE
-                if pending.exists():  # the replaced store's rollouts' business
-                    os.replace(pending, Path(f"{aside}.{ROLLBACK_PENDING_FILE}"))
+                if current is not None:
+                    _checkpoint(store)
+                    _keep(store, aside)
+                    for suffix in ("-wal", "-shm"):
+                        if Path(str(store) + suffix).exists():
+                            _keep(Path(str(store) + suffix), Path(str(aside) + suffix))
+                    report["kept_as"] = str(aside)
+                if pending.exists():
+                    _keep(pending, Path(f"{aside}.{ROLLBACK_PENDING_FILE}"))
                 sync_folder(folder)
-                report["kept_as"] = str(aside)
             for suffix in ("-wal", "-shm"):  # the old store's: replayed onto the copy, they would corrupt it
                 Path(str(store) + suffix).unlink(missing_ok=True)
             os.replace(copy, store)
+            pending.unlink(missing_ok=True)  # kept above; until the swap it stayed with the old store
             sync_folder(folder)
         except BaseException:
             copy.unlink(missing_ok=True)

@@ -221,3 +221,22 @@ def test_the_restored_store_keeps_the_owner_and_mode_of_the_one_it_replaces(tmp_
     restore(folder, tmp_path / "b.sqlite3", actor="ops")  # no store there: the folder's owner, 0600
     found = os.stat(folder / "kvd.sqlite3")
     assert (found.st_uid, found.st_gid, found.st_mode & 0o777) == (65534, 65534, 0o600)
+
+
+def test_a_restore_that_fails_at_the_swap_leaves_the_store_and_its_kept_rollback_as_they_were(tmp_path, monkeypatch):
+    import kvctl.daemon.store_restore as store_restore
+
+    folder = state_with_backup(tmp_path, ["one"], ["two"])
+    (folder / ROLLBACK_PENDING_FILE).write_text('{"rollout_id": 1}')
+    before = store_files(folder)
+
+    def no_room(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_restore.os, "replace", no_room)
+    with pytest.raises(OSError):
+        restore(folder, tmp_path / "b.sqlite3", actor="ops")
+    monkeypatch.undo()
+    assert {name: data for name, data in store_files(folder).items() if ".replaced-" not in name} == before
+    assert not list(folder.glob(".restore-*"))
+    assert titles(folder / "kvd.sqlite3") == ["one", "two"]
