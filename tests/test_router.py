@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -900,7 +901,11 @@ def test_a_prefix_moved_to_a_replicas_host_tier_still_draws_its_requests_there(t
                 assert moved.status_code == 200, moved.text
                 facts = (await kvd.post("/admin/route-facts", json={"text": system + "Q2?"})).json()
             followed = service.replicas[0].view
+            deadline = time.monotonic() + 20
             while view == "events" and (followed.keys or not followed.lower.get("host")):  # its feed tells the router
+                assert time.monotonic() < deadline, (f"the router's view of replica 0 after the swap: {len(followed.keys)} "
+                                                     f"device keys, {followed.lower}; "
+                                                     f"{service.status()['replicas'][0]['view']}")
                 await asyncio.sleep(0.02)
             if view == "events":
                 shown = service.status()["replicas"][0]["view"]
