@@ -414,6 +414,47 @@ def test_dozens_of_clients_with_cancellations_end_with_every_block_free(tmp_path
         service.shutdown(1)
 
 
+def test_a_whole_answer_cancelled_as_its_first_token_arrives_is_cancelled_in_the_engine(daemon, monkeypatch):
+    """A completion answered whole, whose handler is cancelled (the client gone, kvd stopping) in
+    the same turn as its first token arrives, must cancel its request in the engine. CPython
+    3.11's asyncio.wait_for, which the handler waited for tokens with, swallows such a
+    cancellation (gh-86296): the request ran to its last token for no one."""
+    import kvctl.daemon.server.app as app_module
+    from kvctl.daemon.server.service import LoopSink
+
+    service, unix, _ = daemon
+    seen, handler = [], {}
+
+    class CancelsOnFirstToken:
+        """The handler's queue, but the first token put in it also cancels the handler's task."""
+
+        def __init__(self, queue) -> None:
+            self.queue = queue
+
+        def put_nowait(self, event) -> None:
+            self.queue.put_nowait(event)
+            seen.append((event.token_id is not None, event.finish_reason))
+            if len(seen) == 1:
+                handler["task"].cancel()
+
+    monkeypatch.setattr(app_module, "LoopSink", lambda loop, queue: LoopSink(loop, CancelsOnFirstToken(queue)))
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=unix), base_url="http://kvd") as client:
+            handler["task"] = asyncio.create_task(client.post("/v1/completions", json={
+                "prompt": SYSTEM + " cancelled early", "max_tokens": 100, "ignore_eos": True, "temperature": 0}))
+            await asyncio.wait([handler["task"]], timeout=30)
+            for _ in range(200):  # the engine's answer to the cancel comes through the same sink
+                if seen[-1][1] is not None:
+                    break
+                await asyncio.sleep(0.01)
+        return handler["task"]
+
+    task = asyncio.run(scenario())
+    assert task.cancelled()
+    assert seen[-1] == (False, "cancelled") and sum(token for token, _ in seen) < 100
+
+
 def test_a_pin_that_cannot_be_made_leaves_nothing_behind(tmp_path):
     service = start_service(tmp_path, num_blocks=16, pin_budget_blocks=64)
     unix, _ = apps(service, token_table(tmp_path))

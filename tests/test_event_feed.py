@@ -159,6 +159,29 @@ def test_a_stopping_kvd_answers_a_waiting_read_at_once_and_refuses_new_ones(tmp_
     assert again.status_code == 503 and again.json()["error"]["message"] == "kvd is shutting down"
 
 
+def test_a_waiting_read_cancelled_as_an_event_arrives_ends_cancelled():
+    """A held-open read whose task is cancelled (kvd stopping, the caller gone) in the same turn as
+    the event it waits for arrives must end cancelled: CPython 3.11's asyncio.wait_for, which
+    the read waited with, swallows such a cancellation (gh-86296), and the read went on."""
+    from kvctl.daemon.cache.events import EventLog
+    from kvctl.daemon.server.event_feed import wait_for_events
+
+    log = EventLog()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(wait_for_events(log, 0, 100, None, None, wait=30))
+        while not log._waiters:  # the read waits for an event
+            await asyncio.sleep(0.01)
+        log.removed("device", [bytes(16)], "capacity")  # wakes it (a callback on the loop)...
+        loop.call_soon_threadsafe(task.cancel)  # ...and cancels it in the same turn
+        await asyncio.wait([task], timeout=5)
+        return task
+
+    task = asyncio.run(scenario())
+    assert task.done() and task.cancelled()
+
+
 def test_the_key_filter_shows_one_prefix_going_from_tier_to_tier(daemon):
     service, app = daemon
     for text in PROMPTS:

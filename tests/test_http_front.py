@@ -208,6 +208,39 @@ def test_a_body_that_stops_coming_is_answered_408_and_one_that_keeps_coming_is_r
     assert [m.get("status") for m in steady] == [200, None] and steady[1]["body"] == b"51 bytes"
 
 
+def test_a_request_cancelled_as_its_body_arrives_ends_cancelled_and_is_not_served():
+    """A request's task cancelled in the same turn as a piece of its body arrives must end there:
+    CPython 3.11's asyncio.wait_for, which the body's piece timeout used, returns the piece and
+    swallows the cancellation (gh-86296), and the app served the request on."""
+    from kvctl.daemon.server.body_limit import BodyLimit
+
+    served, sent = [], []
+
+    async def app(scope, receive, send):
+        served.append(await receive())
+
+    async def scenario():
+        piece = asyncio.Event()
+
+        async def receive():
+            await piece.wait()
+            return {"type": "http.request", "body": b"x", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        limited = BodyLimit(app, limit=lambda: 1 << 20, piece_timeout=30)
+        task = asyncio.create_task(limited({"type": "http", "headers": []}, receive, send))
+        await asyncio.sleep(0.05)
+        piece.set()
+        task.cancel()
+        await asyncio.wait([task], timeout=5)
+        return task
+
+    task = asyncio.run(scenario())
+    assert task.cancelled() and served == [] and sent == []
+
+
 @pytest.mark.parametrize("base", bases(), ids=lambda b: b.__name__)
 def test_a_client_that_reads_nothing_of_its_answer_is_dropped_and_a_slow_reader_is_not(tmp_path, base):
     path = str(tmp_path / "front.sock")

@@ -1,5 +1,5 @@
 """Layering: kernels and policies import nothing of the project; no torch at kvctl start-up;
-the four packages load from this repository."""
+the four packages load from this repository; no asyncio.wait_for in them."""
 
 from __future__ import annotations
 
@@ -43,6 +43,24 @@ def test_daemon_never_imports_the_cli():
     for path in sorted((REPO / "daemon").rglob("*.py")):
         for module, level in _imports(path):
             assert not module.startswith("kvctl.cli") and not module.startswith("kvctl.bench"), path
+
+
+def test_no_package_waits_with_asyncio_wait_for():
+    """CPython 3.11's asyncio.wait_for returns what it waited for, and swallows the cancellation,
+    when the task is cancelled in the same turn as that thing finishes (gh-86296; 3.12 rewrote
+    it). A router follower went on following after its stop that way, and a cancelled request's
+    handler went on serving: `async with asyncio.timeout(...)` passes the cancellation on."""
+    used = []
+    for package in ("daemon", "kvctl", "kernels", "policies"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if (isinstance(node, ast.Attribute) and node.attr == "wait_for"
+                        and isinstance(node.value, ast.Name) and node.value.id == "asyncio"):
+                    used.append(f"{path.relative_to(REPO)}:{node.lineno}")
+                elif isinstance(node, ast.ImportFrom) and node.module == "asyncio" and any(
+                        alias.name == "wait_for" for alias in node.names):
+                    used.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert used == []
 
 
 _PROBE = """

@@ -478,8 +478,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         try:
             while pending:
                 try:
-                    event = await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(DISCONNECT_CHECK_S):  # not wait_for: test_import_rules says why
+                        event = await events.get()
+                except TimeoutError:
                     event = None
                 # every so often, tokens flowing or not: a client that left must not keep the model busy
                 if loop.time() - checked >= DISCONNECT_CHECK_S:

@@ -45,7 +45,8 @@ class BodyLimit:
             if whole:  # past the body, receive waits for the client to leave: for as long as it stays
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.piece_timeout)
+                async with asyncio.timeout(self.piece_timeout):  # not wait_for: test_import_rules says why
+                    message = await receive()
             except TimeoutError:
                 refused = True
                 cut_connections.cut["body_timeout"] += 1

@@ -118,7 +118,8 @@ async def follow_events(client: httpx.AsyncClient, view: ReplicaView, tokenizers
             else:
                 back.clear()
                 try:
-                    await asyncio.wait_for(back.wait(), pause)
+                    async with asyncio.timeout(pause):  # not wait_for: test_import_rules says why
+                        await back.wait()
                 except TimeoutError:
                     pass
             pause = min(pause * 2, RETRY_MAX_S)
