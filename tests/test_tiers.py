@@ -242,7 +242,7 @@ def test_redis_down_opens_the_breaker_serving_goes_on_and_it_reconnects(demo, re
     engine, tiered = engine_with(demo, remote_url=redis_server.url)
     tiered.remote.breaker.cooldown = 0.2
     redis_server.stop()
-    cold = generate(engine, TEXT_A, demo)
+    generate(engine, TEXT_A, demo)
     push_out(engine, demo)
     tiered.flush()
     assert tiered.report()["tiers"]["remote"]["health"] in ("down", "probing")
@@ -527,10 +527,7 @@ def test_a_block_size_change_sets_the_disk_aside_within_its_bytes_and_a_rollback
 def _upgraded_checkpoint(tmp_path):
     """The demo checkpoint with another config.json (a new model revision, the same tokenizer)."""
     import json
-    import os
     import shutil
-
-    from kvctl.daemon.cache.tiers.disk import DiskTier
 
     from kvctl.daemon.model.demo import ensure_demo_checkpoint
 
