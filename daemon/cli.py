@@ -337,6 +337,12 @@ def router(
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --clients-file)."),
     clients_file: Optional[str] = typer.Option(None, help="The TCP callers' tokens: TOKEN TENANT ROLE lines, "
                                                "as kvd's --token-file (mode 0600 or 0640); SIGHUP reloads it."),
+    gc_freeze: Optional[bool] = typer.Option(
+        None, help="Freeze the heap the router's start made (its imports), so that Python's garbage collector "
+                   "does not walk it while the router serves (default on)."),
+    gc_warn_seconds: Optional[float] = typer.Option(
+        None, help="Log a WARNING (at most once a minute) when a garbage collection stops the router this long "
+                   "or longer (default 0.1; 0: never)."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Serve one OpenAI-compatible front for several replicas, each request routed by a policy.
@@ -362,7 +368,8 @@ def router(
             replicas=replica or None, replicas_file=replicas_file, socket=socket_path, routing=routing,
             balance_seconds=balance_seconds, new_prefix=new_prefix, new_prefix_slack=new_prefix_slack,
             prefill_rate=prefill_rate, view=view, load_interval=load_interval, pending_seconds=pending_seconds,
-            token_file=token_file, listen=listen, clients_file=clients_file), os.environ, config)
+            token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
+            gc_warn_seconds=gc_warn_seconds), os.environ, config)
         fixed = list(settings.replicas)
         listed = read_replicas_file(settings.replicas_file) if settings.replicas_file else []
         if settings.replicas_file and not fixed + listed:
@@ -380,19 +387,21 @@ def router(
         replicas = [Replica(spec, replica_client(spec, token)) for spec in fixed + listed]
         service = RouterService(replicas, policy, view=settings.view, load_interval=settings.load_interval,
                                 pending_seconds=settings.pending_seconds)
+        service.gc_pauses.warn_seconds = lambda: settings.gc_warn_seconds or None
         membership = None
         if settings.replicas_file:
             membership = FleetFile(settings.replicas_file, fixed=set(fixed),
                                    client=lambda spec: replica_client(spec, token))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_route(service, settings.socket, settings.listen, clients, settings.clients_file, membership))
+            runner.run(_route(service, settings.socket, settings.listen, clients, settings.clients_file, membership,
+                              settings.gc_freeze))
     except (ConfigError, RuntimeError, OSError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         raise typer.Exit(2)
 
 
 async def _route(service, socket_path: str, listen: str | None, clients, clients_file: str | None,
-                 membership=None) -> None:
+                 membership=None, gc_freeze: bool = True) -> None:
     from kvctl.daemon.server import unix_front
     from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.loop_errors import exception_handler
@@ -437,6 +446,10 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     log.info("kvd router listening on %s%s, %s routing over %s (view: %s)", socket_path,
              f" and {listen}" if listen else "", service.router.name,
              ", ".join(r.name for r in service.replicas), service.view)
+    pauses = service.gc_pauses.install()
+    if gc_freeze:  # the imports and the apps: they live as long as the router (gc_pauses.py)
+        pauses.frozen_at_ready = pauses.freeze()
+    slow_pauses = asyncio.create_task(_every(1.0, pauses.log_slow))
     fronts.serve(unix_app, sockets=[front.sock])
     if tcp_app is not None:
         fronts.serve(tcp_app, sockets=[tcp_sock])
@@ -447,6 +460,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
             raise failed[0]
     finally:
         keeper.cancel()
+        slow_pauses.cancel()
         followers = [task for r in service.replicas for task in r.tasks]  # with those that joined later
         for task in followers:
             task.cancel()
@@ -454,7 +468,16 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
         for r in service.replicas:
             await r.client.aclose()
         front.remove()
+        pauses.uninstall()
+        pauses.unfreeze()
         log.info("router stopped")
+
+
+async def _every(seconds: float, job) -> None:
+    """Run `job` every `seconds` on the loop, until cancelled."""
+    while True:
+        await asyncio.sleep(seconds)
+        job()
 
 
 reflow_help(app)  # after every command is registered

@@ -121,7 +121,8 @@ def _priority(tenant: str, value: Any) -> int:
         raise ValueError(f"priority of {tenant!r} must be an integer, got {value!r}") from None
 
 
-def _bool(text: Any) -> bool:
+def on_or_off(text: Any) -> bool:
+    """A switch: a YAML boolean, or 1/0, true/false, yes/no, on/off as text."""
     if isinstance(text, bool):
         return text
     value = str(text).strip().lower()
@@ -129,7 +130,7 @@ def _bool(text: Any) -> bool:
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError
+    raise ValueError("must be on or off (true/false, yes/no, 1/0)")
 
 
 @dataclass(frozen=True)
@@ -252,8 +253,8 @@ _PARSERS = {
     "max_tracked_tenants": whole_number, "trace_requests": whole_number,
     "trace_block_tokens": whole_number,
     "pin_budget_blocks": whole_number, "shutdown_timeout": finite_number,
-    "gc_freeze": _bool, "gc_warn_seconds": finite_number,
-    "trusted_proxy": _bool, "allow_uncalibrated": _bool, "tenant_cache_shares": parse_shares,
+    "gc_freeze": on_or_off, "gc_warn_seconds": finite_number,
+    "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "tenant_cache_shares": parse_shares,
     "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
     "metrics_aliases": lambda v: tuple(dict.fromkeys(

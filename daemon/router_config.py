@@ -17,8 +17,8 @@ from typing import Any, Mapping
 
 from kvctl.policies.routing import NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES
 
-from .config import (ConfigError, env_typos, field_defaults, finite_number, merge_settings, read_settings_file,
-                     setting_names, whole_number)
+from .config import (ConfigError, env_typos, field_defaults, finite_number, merge_settings, on_or_off,
+                     read_settings_file, setting_names, whole_number)
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class RouterConfig:
     token_file: str | None = None  # an admin bearer token for URL replicas
     listen: str | None = None  # HOST:PORT for TCP callers (needs clients_file)
     clients_file: str | None = None  # the TCP callers' tokens: TOKEN TENANT ROLE lines
+    gc_freeze: bool = True  # freeze the heap the start made (gc_pauses.py), as kvd serve does
+    gc_warn_seconds: float = 0.1  # a WARNING for a collection that stops the router this long (0: none)
     # where each setting came from ("--routing", "KVD_ROUTER_ROUTING", the file); absent: the default
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -49,7 +51,8 @@ def _replicas(value: Any) -> tuple[str, ...]:
 
 
 _PARSERS = {"replicas": _replicas, "balance_seconds": finite_number, "new_prefix_slack": whole_number,
-            "prefill_rate": finite_number, "load_interval": finite_number, "pending_seconds": finite_number}
+            "prefill_rate": finite_number, "load_interval": finite_number, "pending_seconds": finite_number,
+            "gc_freeze": on_or_off, "gc_warn_seconds": finite_number}
 
 
 def _check(name: str, value: Any) -> None:
@@ -61,6 +64,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be events or ask")
     if name in ("balance_seconds", "pending_seconds", "new_prefix_slack") and value < 0:
         raise ValueError("must be >= 0")
+    if name == "gc_warn_seconds" and value < 0:
+        raise ValueError("must be >= 0 (0: no warning)")
     if name in ("prefill_rate", "load_interval") and not value > 0:
         raise ValueError("must be > 0")
     if name == "listen" and value is not None:

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.text import Text
 
+from .gc_status import gc_line
 from .tables import compact_table, duration, fit_cells, keep_whole, seconds
 
 
@@ -128,7 +129,9 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     summary = Text(f"fleet prefix hits: {hit:,} of {prompt:,} prompt tokens"
                    + (f" ({hit / prompt:.1%})" if prompt else ""))
     reasons = [Text.assemble((f"{replica} down: ", "red"), str(why)) for replica, why in down]
-    group = Group(table, *reasons, *troubles, *restarts, summary)
+    router = ([Text.assemble("kvd router's garbage collector: ", gc_line(data["gc"]))]
+              if (data.get("gc") or {}).get("watching") else [])  # kvd router (absent from an older one)
+    group = Group(table, *reasons, *troubles, *restarts, *router, summary)
     if console is not None:  # wider than the terminal rather than a figure cut to "1,436…"
         needed = Measurement.get(console, console.options, table).minimum
         console.print(group, width=max(console.width, needed), crop=False)

@@ -21,6 +21,7 @@ from rich.text import Text
 from .client import Client
 from .errors import KvdUnavailable, UserError
 from .fleet_status import PHASE_NAMES, before_load, is_fleet, render_fleet_status, store_trouble
+from .gc_status import gc_line
 from .outputs import read_text
 from .tables import compact_table, duration, keep_whole, seconds, size, when
 
@@ -111,23 +112,6 @@ def start_line(start: dict, uptime: float | None) -> str:
     if uptime is not None:
         line += f"; up {duration(uptime)}"
     return line
-
-
-def gc_line(gc: dict) -> Text:
-    """Python's garbage collections at kvd (`kvctl status`): whether the start's heap is frozen, the
-    whole-heap walks and their longest, and the pauses past gc_warn_seconds (yellow)."""
-    collections, longest = gc["collections"], gc["longest_seconds"]
-    frozen = (f"start's heap frozen ({gc['frozen_objects']:,} objects)" if gc["frozen_objects"]
-              else "heap not frozen (gc_freeze off)")
-    whole = (f"{collections['2']:,} whole-heap collection{'s' if collections['2'] != 1 else ''}, longest "
-             f"{seconds(longest['2'])}" if collections["2"] else "no whole-heap collection yet")
-    line = (f"{frozen}; {whole}; {collections['0'] + collections['1']:,} younger, longest "
-            f"{seconds(max(longest['0'], longest['1']))}")
-    last = gc.get("last_slow")
-    if not gc.get("slow") or last is None:
-        return Text(line)
-    return Text(f"{line}; {gc['slow']:,} stopped every thread {seconds(gc['warn_seconds'])} or longer, the latest "
-                f"{seconds(last['seconds'])} at {when(last['at'])}", style="yellow")
 
 
 def render_status(data: dict, console: Console | None = None):

@@ -193,6 +193,9 @@ def test_router_settings_follow_the_same_precedence_and_name_their_source(tmp_pa
     assert (merged.routing, merged.view, merged.replicas) == ("prefix", "events", ("/run/c.sock", "/run/d.sock"))
     assert (merged.sources["routing"], merged.sources["replicas"], merged.sources["load_interval"]) == (
         "--routing", "KVD_ROUTER_REPLICAS", str(path))
+    assert (from_file.gc_freeze, from_file.gc_warn_seconds) == (True, 0.1)  # as kvd serve's
+    unfrozen = resolve_router({}, {"KVD_ROUTER_GC_FREEZE": "off", "KVD_ROUTER_GC_WARN_SECONDS": "0.05"}, path)
+    assert (unfrozen.gc_freeze, unfrozen.gc_warn_seconds) == (False, 0.05)
 
 
 @pytest.mark.parametrize("text, flags, message", [
@@ -206,6 +209,8 @@ def test_router_settings_follow_the_same_precedence_and_name_their_source(tmp_pa
     ("socket: /r.sock\nreplicas_file: /etc/kvd/router-replicas\nlisten: 0.0.0.0:8000\n", {},
      "clients_file: --listen needs the TCP callers' tokens (--clients-file)"),
     ("socket: /r.sock\nreplicas: [/a, 3]\n", {}, "replicas: invalid value ['/a', 3] from {path}: must be socket paths"),
+    ("socket: /r.sock\nreplicas: [/a, /b]\ngc_freeze: sometimes\n", {},
+     "gc_freeze: invalid value 'sometimes' from {path}: must be on or off (true/false, yes/no, 1/0)"),
 ])
 def test_bad_router_settings_are_refused_naming_field_value_and_source(tmp_path, text, flags, message):
     from kvctl.daemon.router_config import resolve_router

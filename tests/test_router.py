@@ -499,7 +499,9 @@ def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(repl
 @pytest.mark.parametrize("view", ["ask", "events"])
 def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view):
     """Real processes: two kvd, then `kvd router` in front of them; prompts sharing a system
-    prompt land together, the router stops cleanly on SIGTERM and removes its socket."""
+    prompt land together, the router stops cleanly on SIGTERM and removes its socket. Its start's
+    heap is frozen out of the garbage collector's walks, as kvd's is (not with --no-gc-freeze),
+    and its collections are timed."""
     import os
     import signal
     import socket
@@ -526,8 +528,10 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
         if view == "ask":  # the second replica from a replicas file, which SIGHUP applies again
             (tmp_path / "replicas").write_text(f"# behind this router\n{sock_b}\n")
             fleet = ["--replicas-file", str(tmp_path / "replicas")]
+        freeze = ["--no-gc-freeze"] if view == "ask" else []
         router = subprocess.Popen([str(BIN / "kvd"), "router", "--replica", str(sock_a), *fleet,
-                                   "--socket", str(front), "--view", view, *tcp, "--log-level", "warning"], env=env,
+                                   "--socket", str(front), "--view", view, *tcp, *freeze, "--log-level", "warning"],
+                                  env=env,
                                   stdout=open(tmp_path / "router.log", "ab"), stderr=subprocess.STDOUT)
         client = httpx.Client(base_url="http://router", transport=httpx.HTTPTransport(uds=str(front)), timeout=60)
         try:
@@ -549,6 +553,23 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
             assert answers[0].headers["x-kvd-replica"] == answers[1].headers["x-kvd-replica"] == home
             assert answers[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             assert client.get("/v1/models").json()["data"][0]["owned_by"] == "kvd"
+            gc_report = client.get("/router/status").json()["gc"]
+            assert gc_report["watching"] is True and gc_report["slow"] == 0
+            metrics = client.get("/metrics").text
+            frozen = [float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("kvd_gc_frozen_objects ")]
+            status = subprocess.run([str(BIN / "kvctl"), "--socket", str(front), "status"], env=env,
+                                    capture_output=True, text=True, timeout=60)
+            shown = " ".join(status.stdout.split())  # rich wraps the line at the terminal's width
+            if freeze:
+                assert gc_report["frozen_objects"] == 0 and gc_report["frozen_at_ready"] is None
+                assert frozen == [0.0]
+                assert "kvd router's garbage collector: heap not frozen (gc_freeze off);" in shown
+            else:  # its imports (fastapi, pydantic, httpx, uvicorn): no torch
+                assert 30_000 < gc_report["frozen_objects"] <= gc_report["frozen_at_ready"] < 200_000
+                assert 30_000 < frozen[0] <= gc_report["frozen_at_ready"]
+                assert "kvd router's garbage collector: start's heap frozen (" in shown, status.stdout
+            assert 'kvd_gc_pause_seconds_count{generation="0"}' in metrics
             os.unlink(front)  # removed under the router: it binds the socket again
             while not front.exists():
                 assert time.monotonic() < deadline + 20 and router.poll() is None
@@ -625,6 +646,8 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
             router.send_signal(signal.SIGTERM)
             assert router.wait(30) == 0
         assert not front.exists()
+        log = (tmp_path / "router.log").read_text()
+        assert "Traceback" not in log and "leaked" not in log
 
 
 def test_kvd_router_refuses_bad_settings_by_name(tmp_path):
@@ -652,6 +675,8 @@ def test_kvd_router_refuses_bad_settings_by_name(tmp_path):
               "kvd: error: view: invalid value 'gossip' from --view: must be events or ask"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "events", "--load-interval", "0"],
               "kvd: error: load_interval: invalid value 0.0 from --load-interval: must be > 0"),
+             (["--replica", "/a.sock", "--replica", "/b.sock", "--gc-warn-seconds", "-1"],
+              "kvd: error: gc_warn_seconds: invalid value -1.0 from --gc-warn-seconds: must be >= 0 (0: no warning)"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--token-file", str(tmp_path / "none")],
               f"kvd: error: token_file: cannot read a token from {str(tmp_path / 'none')!r}")]
     for args, message in cases:

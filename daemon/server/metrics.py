@@ -63,7 +63,6 @@
 
 from __future__ import annotations
 
-import gc
 import threading
 from collections import OrderedDict, deque
 
@@ -76,7 +75,7 @@ from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
 from .cut_connections import CutConnections
-from .gc_pauses import GENERATIONS as GC_GENERATIONS
+from .gc_pauses import metric_families as gc_metric_families
 from .service import EngineService
 
 
@@ -214,7 +213,7 @@ class _EngineCollector:
                 if took is not None:
                     start.add_metric([phase], took)
             yield start
-        yield from _gc_metrics(self.service.gc_pauses)
+        yield from gc_metric_families(self.service.gc_pauses)
         yield CounterMetricFamily("kvd_restored_tokens", "Prompt tokens restored from a lower tier",
                                   value=engine.stats.restored_tokens)
         tiers = self.service.tiers
@@ -233,20 +232,6 @@ class _EngineCollector:
         if rollout is not None:
             yield from _rollout_metrics(rollout)
         yield from _reload_metrics(self.service.reloads, self.service.last_reload)
-
-
-def _gc_metrics(pauses):
-    if not pauses.installed:  # kvd serve watches; an in-process service has nothing to say
-        return
-    histogram = HistogramMetricFamily("kvd_gc_pause_seconds", "How long each collection of Python's garbage "
-                                      "collector stopped every thread (no token moves meanwhile), by generation",
-                                      labels=["generation"])
-    for generation in GC_GENERATIONS:
-        buckets, total = pauses.histogram(generation)
-        histogram.add_metric([str(generation)], [(floatToGoString(b), n) for b, n in buckets], total)
-    yield histogram
-    yield GaugeMetricFamily("kvd_gc_frozen_objects", "Objects frozen out of the collector's walks (gc_freeze: "
-                            "what kvd's start made)", value=gc.get_freeze_count())
 
 
 def _event_metrics(log):

@@ -64,6 +64,7 @@ from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merg
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
+from .gc_pauses import GcPauses
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
@@ -189,6 +190,8 @@ class RouterService:
     unrouted: int = 0
     untraced: deque = field(default_factory=lambda: deque(maxlen=UNTRACED_KEPT))
     on_decision: Callable[[float], None] = lambda seconds: None  # each choice's time (the /metrics histogram)
+    # the router process's garbage collections (gc_pauses.py): `kvd router` installs and freezes it
+    gc_pauses: GcPauses = field(default_factory=lambda: GcPauses(stalls="no request is routed meanwhile"))
 
     def __post_init__(self) -> None:
         if self.view not in VIEWS:
@@ -503,7 +506,8 @@ class RouterService:
                                "feed_error": r.feed_error}
             return row
 
-        return {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas]}
+        return {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas],
+                "gc": self.gc_pauses.report()}
 
 
 @dataclass(frozen=True)

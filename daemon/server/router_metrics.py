@@ -22,6 +22,9 @@
     kvd_router_view_snapshots_total{replica}      events view: feeds started from a snapshot (1 + restarts,
                                                   gaps and lost connections)
     kvd_router_decision_seconds                   histogram: time to choose a replica
+    kvd_gc_pause_seconds{generation}              histogram: how long each of Python's garbage collections
+                                                  stopped the router (kvd router; gc_pauses.py)
+    kvd_gc_frozen_objects                         objects frozen out of the collector's walks (gc_freeze)
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .cut_connections import CutConnections
+from .gc_pauses import metric_families as gc_metric_families
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -66,6 +70,7 @@ class _RouterCollector:
         yield per_replica(CounterMetricFamily, "rerouted", "Requests the replica refused before starting them, "
                           "could not be reached for, or closed the connection of before answering, sent to the "
                           "next best replica", lambda r: r.rerouted)
+        yield from gc_metric_families(self.service.gc_pauses)
         yield CounterMetricFamily("kvd_router_unrouted", "Requests the router gave up on with no replica taking "
                                   "them in: none could take them or be reached, or each one asked was stopping (503)",
                                   value=self.service.unrouted)
