@@ -53,6 +53,23 @@ def test_events_come_in_order_with_their_fields():
     assert log.seq == 3
 
 
+def test_the_events_held_leave_the_garbage_collectors_books_and_read_back_whole():
+    """A serving kvd holds up to DEFAULT_KEY_LIMIT keys of events: as objects, 131,072 one-block
+    events cost every whole-heap collection 16 ms (scripts/gc-heap-census --event-log). The log
+    holds plain tuples, which the collector stops tracking once it has seen them."""
+    import gc
+
+    log = EventLog(clock=lambda: 100.0)
+    log.stored("device", [B(k(1), None, 0)])
+    log.removed("device", [k(1)], "capacity")
+    gc.collect()
+    gc.collect()  # the keys' tuple leaves first, the event's after it
+    assert not any(gc.is_tracked(held) for held in log._events)
+    removed = log.since(1).events[0]
+    assert (removed.seq, removed.kind, removed.tier, removed.keys, removed.reason) == (
+        2, "removed", "device", (k(1),), "capacity")
+
+
 def test_a_filtered_read_moves_past_what_it_filters_and_a_limit_stops_early():
     log = EventLog()
     for n in range(1, 7):

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
 
 KINDS = ("stored", "removed")
 TIERS = ("device", "host", "disk", "remote")
@@ -44,8 +44,12 @@ DEFAULT_KEY_LIMIT = 1 << 17  # keys held across all events: ~10 MiB
 EVENT_KEYS = 512  # at most per event (a larger change is several in a row): a page stays small
 
 
-@dataclass(frozen=True, slots=True)
-class CacheEvent:
+class CacheEvent(NamedTuple):
+    """One change to a tier's index, as readers get it. The log holds each as a plain tuple of
+    these fields: a plain tuple of plain values leaves the garbage collector's books at its first
+    collection, and a serving kvd holds tens of thousands of events (up to DEFAULT_KEY_LIMIT keys
+    in all), which every whole-heap collection walked as objects (daemon/server/gc_pauses.py)."""
+
     seq: int
     at: float  # wall-clock seconds
     kind: str
@@ -120,9 +124,12 @@ class KeyPrefix:
         return self.nibble is None or key[len(self.whole)] >> 4 == self.nibble
 
 
-def _passes(event: CacheEvent, kinds, tiers, key: KeyPrefix | None) -> bool:
-    return ((kinds is None or event.kind in kinds) and (tiers is None or event.tier in tiers)
-            and (key is None or any(key.matches(k) for k in event.keys)))
+_SEQ, _KIND, _TIER, _KEYS = 0, 2, 3, 4  # a held event's fields: the log keeps plain tuples (CacheEvent)
+
+
+def _passes(event: tuple, kinds, tiers, key: KeyPrefix | None) -> bool:
+    return ((kinds is None or event[_KIND] in kinds) and (tiers is None or event[_TIER] in tiers)
+            and (key is None or any(key.matches(k) for k in event[_KEYS])))
 
 
 class EventLog:
@@ -133,7 +140,7 @@ class EventLog:
             raise ValueError(f"key_limit: expected a positive integer, got {key_limit!r}")
         self.key_limit, self.clock = key_limit, clock
         self.stream_id = secrets.token_hex(8)
-        self._events: deque[CacheEvent] = deque()
+        self._events: deque[tuple] = deque()  # CacheEvent's fields, as a plain tuple
         self._keys_held = 0
         self._seq = 0
         self._lock = threading.Lock()
@@ -172,11 +179,11 @@ class EventLog:
         with self._lock:
             for kind, tier, keys, reason, parent, depth, tenant in parts:
                 self._seq += 1
-                self._events.append(CacheEvent(self._seq, now, kind, tier, keys, reason, parent, depth, tenant))
+                self._events.append((self._seq, now, kind, tier, keys, reason, parent, depth, tenant))
                 self._keys_held += len(keys)
                 self.blocks[(kind, tier, reason or "")] += len(keys)
             while self._keys_held > self.key_limit and len(self._events) > 1:
-                self._keys_held -= len(self._events.popleft().keys)
+                self._keys_held -= len(self._events.popleft()[_KEYS])
                 self.dropped_events += 1
             waiters, self._waiters = self._waiters, []
         self._wake(waiters)
@@ -211,7 +218,7 @@ class EventLog:
         A `seq` this stream has not reached (the daemon restarted) reads as a gap."""
         with self._lock:
             events = self._events
-            oldest = events[0].seq if events else self._seq + 1
+            oldest = events[0][_SEQ] if events else self._seq + 1
             ahead = seq > self._seq
             if ahead:
                 seq = oldest - 1
@@ -221,10 +228,10 @@ class EventLog:
             for i in range(max(seq + 1, oldest) - oldest, len(events)):
                 event = events[i]
                 if len(picked) == limit:
-                    next_seq = event.seq - 1
+                    next_seq = event[_SEQ] - 1
                     break
                 if _passes(event, kinds, tiers, key):
-                    picked.append(event)
+                    picked.append(CacheEvent._make(event))
         return EventPage(picked, next_seq, oldest, gap)
 
     def last(self, count: int, kinds: Sequence[str] | None = None,
@@ -237,9 +244,9 @@ class EventLog:
                 if len(picked) == count:
                     break
                 if _passes(event, kinds, tiers, key):
-                    picked.append(event)
+                    picked.append(CacheEvent._make(event))
             picked.reverse()
-            oldest = self._events[0].seq if self._events else self._seq + 1
+            oldest = self._events[0][_SEQ] if self._events else self._seq + 1
             return EventPage(picked, self._seq, oldest, False)
 
     def notify_after(self, seq: int, wake: Callable[[], None]) -> bool:
