@@ -124,7 +124,8 @@ class KeyPrefix:
         return self.nibble is None or key[len(self.whole)] >> 4 == self.nibble
 
 
-_SEQ, _KIND, _TIER, _KEYS = 0, 2, 3, 4  # a held event's fields: the log keeps plain tuples (CacheEvent)
+# where a held event's fields are: the log keeps plain tuples in CacheEvent's order
+_SEQ, _KIND, _TIER, _KEYS = (CacheEvent._fields.index(name) for name in ("seq", "kind", "tier", "keys"))
 
 
 def _passes(event: tuple, kinds, tiers, key: KeyPrefix | None) -> bool:
