@@ -1007,12 +1007,18 @@ def test_every_metric_the_router_dashboard_charts_is_exported(replicas):
 
     dashboard = json.loads((Path(__file__).parent.parent / "examples" / "grafana" / "kvd-router.json").read_text())
     wanted = {name for panel in dashboard["panels"] for target in panel["targets"]
-              for name in re.findall(r"kvd_router_[a-z_]+", target["expr"])}
-    assert {"kvd_router_cached_tokens_total", "kvd_router_view_synced", "kvd_router_decision_seconds_bucket"} <= wanted
+              for name in re.findall(r"kvd_(?:router|gc)_[a-z_]+", target["expr"])}
+    assert {"kvd_router_cached_tokens_total", "kvd_router_view_synced", "kvd_router_decision_seconds_bucket",
+            "kvd_gc_pause_seconds_bucket"} <= wanted
     service, app = router_app(replicas, "prefix", view="events")
-    [_, scraped] = drive(app, [lambda c: post(c, SYSTEM_B + "Q40?"), lambda c: c.get("/metrics")], service=service)
+    service.gc_pauses.install()  # as kvd router does
+    try:
+        [_, scraped] = drive(app, [lambda c: post(c, SYSTEM_B + "Q40?"), lambda c: c.get("/metrics")],
+                             service=service)
+    finally:
+        service.gc_pauses.uninstall()
     text = scraped.text
-    exported = set(re.findall(r"^(kvd_router_[a-z_]+)", text, re.MULTILINE))
+    exported = set(re.findall(r"^(kvd_(?:router|gc)_[a-z_]+)", text, re.MULTILINE))
     assert sorted(wanted - exported) == []
 
 
