@@ -364,9 +364,10 @@ class DiskTier:
         if size == 0:
             raise PayloadError("length", "empty segment")
         out, offset, want = [], 0, max(HEAD_READ, self.layout.header_bytes("int8"))
+        scanner = header_scanner(self.layout, self.space)
         while offset < size:
             head = read(offset, min(want, size - offset))
-            found = header_scanner(self.layout, self.space).check(head)
+            found = scanner.check(head)
             if found is not None:
                 meta, total = found
             else:  # not this layout's header as it is written: which check fails, or a longer header
