@@ -337,7 +337,7 @@ def test_queue_full_is_429_with_retry_after(tmp_path):
     try:
         unix, _ = apps(service, token_table(tmp_path))
         from kvctl.daemon.engine.sampling import SamplingParams
-        from kvctl.daemon.server.service import Principal
+        from kvctl.daemon.server.calls import Principal
 
         who = Principal("default", "admin", "test")
         busy = service.submit([[1] * 20], SamplingParams(max_tokens=500, ignore_eos=True), who, lambda e: None)
@@ -359,7 +359,7 @@ def test_a_tenant_over_its_share_of_requests_in_flight_gets_a_429_and_others_do_
     try:
         unix, _ = apps(service, token_table(tmp_path))
         from kvctl.daemon.engine.sampling import SamplingParams
-        from kvctl.daemon.server.service import Principal
+        from kvctl.daemon.server.calls import Principal
 
         busy = service.submit([[1] * 20], SamplingParams(max_tokens=400, ignore_eos=True),
                               Principal("acme", "admin", "test"), lambda e: None)
@@ -548,7 +548,7 @@ def test_a_reload_refuses_a_config_file_found_empty_and_changes_nothing(tmp_path
     file back to its default. A file with nothing in it is refused when settings came from it;
     `{}` says "no settings" on purpose."""
     from kvctl.daemon.config import resolve
-    from kvctl.daemon.server.service import ServiceError
+    from kvctl.daemon.server.calls import ServiceError
 
     config = tmp_path / "kvd.yaml"
     config.write_text("max_queue: 100\nmax_running: 3\n")
@@ -784,7 +784,7 @@ def test_only_the_engine_thread_runs_torch_ops_on_several_threads(tmp_path):
             release.set()
             thread.join()
         from kvctl.daemon.engine.sampling import SamplingParams
-        from kvctl.daemon.server.service import Principal
+        from kvctl.daemon.server.calls import Principal
 
         done = threading.Event()
         [request] = service.submit([[5] * 40], SamplingParams(max_tokens=3, ignore_eos=True),
@@ -824,7 +824,7 @@ def test_a_submission_does_not_wait_for_the_step_in_progress(tmp_path):
     import threading
 
     from kvctl.daemon.engine.sampling import SamplingParams
-    from kvctl.daemon.server.service import Principal
+    from kvctl.daemon.server.calls import Principal
 
     service = start_service(tmp_path)
     try:
@@ -870,7 +870,7 @@ def test_many_threads_submitting_at_once_each_get_their_own_requests_run_to_the_
     import threading
 
     from kvctl.daemon.engine.sampling import SamplingParams
-    from kvctl.daemon.server.service import Principal
+    from kvctl.daemon.server.calls import Principal
 
     service = start_service(tmp_path, num_blocks=256, max_queue=64)
     try:
@@ -915,7 +915,7 @@ def test_a_sleeping_engine_wakes_for_a_submission_and_a_stopped_one_refuses_it(t
     import threading
 
     from kvctl.daemon.engine.sampling import SamplingParams
-    from kvctl.daemon.server.service import Principal, ServiceError
+    from kvctl.daemon.server.calls import Principal, ServiceError
 
     service = start_service(tmp_path)
     try:
@@ -963,7 +963,7 @@ def test_a_submitted_prompt_is_hashed_in_the_submitting_thread_not_in_a_step(tmp
 
     from kvctl.daemon.engine.engine import Engine
     from kvctl.daemon.engine.sampling import SamplingParams
-    from kvctl.daemon.server.service import Principal
+    from kvctl.daemon.server.calls import Principal
 
     hashing_threads: list[str] = []
     original = Engine.prefix_keys

@@ -146,15 +146,16 @@ def test_an_fp8_e4m3_cache_on_a_gpu_without_it_is_refused_before_the_model_loads
 def test_calibrating_for_fp8_e4m3_on_a_gpu_without_it_is_refused_by_name(tmp_path, monkeypatch):
     import torch
 
-    from kvctl.daemon.server.service import ServiceError
+    from kvctl.daemon.server.calibrate_ops import calibrate
+    from kvctl.daemon.server.calls import ServiceError
 
     service = start_service(tmp_path)
     try:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
         monkeypatch.setattr(service.loaded.model, "device", torch.device("cuda"))  # as on an A100
         with pytest.raises(ServiceError) as info:
-            service.calibrate(dtype="fp8_e4m3", prompts=None, greedy_tokens=4, max_kl=0.1, margin=1.0,
-                              slices=[64], if_older_than=None, apply=False, principal=None)
+            calibrate(service, dtype="fp8_e4m3", prompts=None, greedy_tokens=4, max_kl=0.1, margin=1.0,
+                      slices=[64], if_older_than=None, apply=False, principal=None)
         assert info.value.status == 400 and info.value.param == "dtype"
         assert str(info.value).startswith("dtype: fp8_e4m3 needs a GPU of compute capability 8.9 or newer")
         assert service.store.calibration(service.loaded.revision, "fp8_e4m3", applied=False) is None

@@ -130,7 +130,7 @@ def unix_app(service):
 def test_at_the_router_every_replica_s_requests_are_listed_and_a_cancel_finds_its_replica(tmp_path):
     from kvctl.daemon.engine.sampling import SamplingParams
     from kvctl.daemon.server.router import Replica, RouterService, create_router_app, replica_client
-    from kvctl.daemon.server.service import Principal
+    from kvctl.daemon.server.calls import Principal
     from kvctl.policies.routing import make_router
 
     services = [start_service(tmp_path / name, num_blocks=512, max_running=1) for name in "ab"]

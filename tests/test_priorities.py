@@ -12,7 +12,7 @@ pytest.importorskip("fastapi")
 
 from kvctl.daemon.config import ConfigError, resolve  # noqa: E402
 from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
-from kvctl.daemon.server.service import Principal  # noqa: E402
+from kvctl.daemon.server.calls import Principal  # noqa: E402
 
 from .daemon_fixtures import USER_TOKEN, apps, blocks_all_back, call, start_service, token_table  # noqa: E402
 

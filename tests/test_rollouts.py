@@ -53,7 +53,7 @@ def test_a_worse_policy_trips_its_stop_condition_and_rolls_back_by_itself(tmp_pa
         cohort = [t for t in tenants if in_cohort(rollout_id, t, 0.5)][:8]
         baseline = [t for t in tenants if not in_cohort(rollout_id, t, 0.5)][:8]
         from kvctl.daemon.engine.sampling import SamplingParams
-        from kvctl.daemon.server.service import Principal
+        from kvctl.daemon.server.calls import Principal
 
         def wave(names):
             done = threading.Semaphore(0)
@@ -140,7 +140,7 @@ def test_one_tenant_puts_all_traffic_on_one_side_and_status_says_the_stops_are_u
     from rich.console import Console
 
     from kvctl.daemon.engine.sampling import SamplingParams
-    from kvctl.daemon.server.service import Principal
+    from kvctl.daemon.server.calls import Principal
     from kvctl.rollout_cmd import _render
 
     service = start_service(tmp_path)
@@ -327,7 +327,7 @@ def test_metrics_chart_each_side_of_a_running_rollout(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvctl.daemon.engine.sampling import SamplingParams
-    from kvctl.daemon.server.service import Principal
+    from kvctl.daemon.server.calls import Principal
 
     service = start_service(tmp_path)
     try:
@@ -425,7 +425,7 @@ def test_a_stop_that_trips_while_the_store_is_locked_stops_the_cohort_at_once_an
     from rich.console import Console
 
     from kvctl.daemon.engine.sampling import SamplingParams
-    from kvctl.daemon.server.service import Principal
+    from kvctl.daemon.server.calls import Principal
     from kvctl.ops import render_status
     from kvctl.rollout_cmd import _render
 

@@ -299,6 +299,7 @@ def test_kvd_compresses_from_its_config_reloads_the_setting_and_kvctl_tiers_says
 
     from kvctl.daemon.config import ConfigError, resolve
     from kvctl.daemon.server.app import create_app
+    from kvctl.daemon.server.cache_questions import route_facts
     from kvctl.tiers_cmd import render_tiers
 
     path = tmp_path / "kvd.yaml"
@@ -329,7 +330,7 @@ def test_kvd_compresses_from_its_config_reloads_the_setting_and_kvctl_tiers_says
         text = console.export_text()
         assert "disk stores blocks compressed (int8, lossy)" in text
         assert f"({ratio:.2f}); blocks stored before stay as they were" in text
-        facts = service.route_facts([1] * 40, "default")  # what a router prices a restore from disk with
+        facts = route_facts(service, [1] * 40, "default")  # what a router prices a restore from disk with
         assert facts["restore_rates"]["disk"]["block_bytes"] == layout.stored_bytes("int8")
         result = service.reload(replace(service.config, tier_compress="none"))
         assert result["changed"] == {"tier_compress": "none"}

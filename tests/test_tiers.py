@@ -798,7 +798,7 @@ def test_kvd_s_eviction_drops_blocks_still_being_written_and_says_so_when_it_can
     within the wait are counted, and the eviction is partial with a message saying what to do."""
     import threading
 
-    from kvctl.daemon.server import service as service_module
+    from kvctl.daemon.server import evict_ops
     from kvctl.daemon.server.app import create_app
 
     service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB", tiering="always",
@@ -807,7 +807,7 @@ def test_kvd_s_eviction_drops_blocks_still_being_written_and_says_so_when_it_can
         app = create_app(service, service.metrics, front="unix")
         disk = service.tiers.disk
         for wait, released_after in ((30.0, 0.2), (0.1, None)):
-            monkeypatch.setattr(service_module, "EVICT_WRITE_WAIT_S", wait, raising=False)
+            monkeypatch.setattr(evict_ops, "EVICT_WRITE_WAIT_S", wait)
             gate = hold_disk_writes(disk)
             _complete(app, TEXT_A)
             moving = sum(1 for _, tier in service.tiers.known_metas().values() if tier == "moving")
@@ -894,12 +894,14 @@ def test_swap_moves_a_prefix_down_and_back_and_prefixes_show_its_tier(tmp_path):
 
 
 @pytest.mark.parametrize("to", ["host", "disk"])
-def test_a_swap_writes_each_block_as_it_was_when_listed_even_if_the_engine_reuses_it_meanwhile(tmp_path, to):
+def test_a_swap_writes_each_block_as_it_was_when_listed_even_if_the_engine_reuses_it_meanwhile(
+        tmp_path, to, monkeypatch):
     """A swap listed the prefix's device blocks under the engine's lock and read their contents under
     it again later: between the two, a step could evict an idle block and fill it with another
     sequence's rows, and the swap wrote those rows under the old key, where a later restore would
     serve them. It now reads the contents in the same hold of the lock that lists the blocks."""
     from kvctl.daemon.cache.tiers import decode_block
+    from kvctl.daemon.server import tier_ops
     from kvctl.daemon.server.app import create_app
 
     service = start_service(tmp_path, num_blocks=64, host_cache_bytes="4MiB", disk_cache_bytes="16MiB",
@@ -912,7 +914,7 @@ def test_a_swap_writes_each_block_as_it_was_when_listed_even_if_the_engine_reuse
         with service.lock:
             ids = [engine.cache.pool.block_of(k) for k in keys]
             before = tiers.gather(ids)
-        listed, resolve, resolved = tiers.known_metas, service.resolve_prefix, []
+        listed, resolve, resolved = tiers.known_metas, tier_ops.resolve_prefix, []
 
         def resolved_first(*args):
             resolved.append(True)
@@ -927,9 +929,12 @@ def test_a_swap_writes_each_block_as_it_was_when_listed_even_if_the_engine_reuse
                             cache.v[block_id] = -7.0
             return listed()
 
-        service.resolve_prefix, tiers.known_metas = resolved_first, reused_meanwhile
+        monkeypatch.setattr(tier_ops, "resolve_prefix", resolved_first)
+        tiers.known_metas = reused_meanwhile
         moved = call(app, "POST", "/admin/swap", json={"prefix": keys[0].hex()[:16], "to": to, "copy": True}).json()
-        service.resolve_prefix, tiers.known_metas = resolve, listed
+        monkeypatch.undo()
+        tiers.known_metas = listed
+        assert resolved  # the blocks were reused after the swap found its prefix
         assert moved["verified_blocks"] == moved["blocks"] == len(keys)
         for i, key in enumerate(keys):
             if to == "host":

@@ -36,7 +36,8 @@ from kvctl.daemon.model.chat_template import ChatTemplateError
 from kvctl.daemon.model.tokenizer import first_outside_vocab
 from kvctl.daemon.store import StoreUnavailable
 
-from . import event_feed, inflight, invalid_request
+from . import (cache_questions, calibrate_ops, event_feed, evict_ops, inflight, invalid_request, pin_ops, prefix_ops,
+               tier_ops)
 from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
                    GenerationFields, Number)
 from .chat_messages import MessagesError, chat_messages, messages_size
@@ -47,7 +48,9 @@ from .strict_json import StrictJSONRoute
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
-from .service import EngineService, LoopSink, Principal, ServiceError, parse_duration
+from .calls import Principal, ServiceError
+from .durations import parse_duration
+from .service import EngineService, LoopSink
 from .tenants import list_tenants
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
@@ -545,7 +548,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.get("/admin/prefixes")
     def prefixes(tenant: str | None = None, pinned: bool = False, sort: str = "recent", limit: int = 0,
                  under: str | None = None, _: Principal = Depends(admin)):
-        rows, total = service.prefixes(tenant, pinned, sort, limit, under)
+        rows, total = prefix_ops.prefixes(service, tenant, pinned, sort, limit, under)
         return {"prefixes": rows, "total": total, "sort": sort}
 
     @app.get("/admin/events")
@@ -585,8 +588,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         """Every pin; `keys`: with its block keys and the block space they belong to, for a copy on
         another replica (`kvd router`'s sync-pins)."""
         if not keys:
-            return {"pins": service.list_pins()}
-        return {"pins": service.list_pins(with_keys=True), "space": service.block_space()}
+            return {"pins": pin_ops.list_pins(service)}
+        return {"pins": pin_ops.list_pins(service, with_keys=True), "space": service.block_space()}
 
     @app.post("/admin/pins")
     def pin(body: PinRequest, who: Principal = Depends(admin)):
@@ -600,25 +603,26 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, f"ttl: must be a finite number of seconds > 0 (or 30m, 1h, 2d), got {body.ttl!r}",
                            param="ttl") from None
         if body.prefix is not None:
-            return service.pin_prefix(body.prefix, who, body.tenant, ttl, body.note)
+            return pin_ops.pin_prefix(service, body.prefix, who, body.tenant, ttl, body.note)
         if body.keys is not None:
-            return service.pin_copy([bytes.fromhex(k) for k in body.keys], body.tenant, who, ttl, body.note, body.owner)
+            return pin_ops.pin_copy(service, [bytes.fromhex(k) for k in body.keys], body.tenant, who, ttl, body.note,
+                                    body.owner)
         token_ids = _tokens_of(body, opens_reply=False)
         target = Principal(body.tenant or who.tenant, who.role, who.actor)
-        return service.pin(token_ids, target, ttl, body.note)
+        return pin_ops.pin(service, token_ids, target, ttl, body.note)
 
     @app.delete("/admin/pins/{pin_id}")
     def unpin(pin_id: str, who: Principal = Depends(admin)):
-        return service.unpin(pin_id, who)
+        return pin_ops.unpin(service, pin_id, who)
 
     @app.post("/admin/evict")
     def evict(body: EvictRequest, who: Principal = Depends(admin)):
-        return service.evict(prefix_id=body.prefix, tenant=body.tenant, model_revision=body.model_revision,
-                             all_unpinned=body.all_unpinned, principal=who, purge_once=body.purge_once)
+        return evict_ops.evict(service, prefix_id=body.prefix, tenant=body.tenant, model_revision=body.model_revision,
+                               all_unpinned=body.all_unpinned, principal=who, purge_once=body.purge_once)
 
     @app.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
-        return service.explain(_tokens_of(body), body.tenant or who.tenant)
+        return cache_questions.explain(service, _tokens_of(body), body.tenant or who.tenant)
 
     @app.get("/admin/tenants")
     def tenants(_: Principal = Depends(admin)):
@@ -657,7 +661,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         holds, and how busy this replica is (its predicted wait, running and waiting requests).
         `tenant_header`: whether this front serves a request under the X-KVD-Tenant it names (else
         under the caller's token's tenant, `tenant` here when the body names none)."""
-        facts = service.route_facts(_tokens_of(body), body.tenant or who.tenant)
+        facts = cache_questions.route_facts(service, _tokens_of(body), body.tenant or who.tenant)
         return {**facts, "tenant_header": front == "unix" or trusted_proxy}
 
     @app.post("/admin/rollouts")
@@ -703,33 +707,25 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         service.require_ready()
         prompts = None if body.prompts is None else [
             service.tokenize(p) if isinstance(p, str) else list(p) for p in body.prompts]
-        return service.calibrate(dtype=body.dtype, prompts=prompts, greedy_tokens=body.max_tokens,
-                                 max_kl=body.max_kl, margin=body.margin, slices=body.slices,
-                                 if_older_than=body.if_older_than, apply=body.apply, principal=who)
+        return calibrate_ops.calibrate(service, dtype=body.dtype, prompts=prompts, greedy_tokens=body.max_tokens,
+                                       max_kl=body.max_kl, margin=body.margin, slices=body.slices,
+                                       if_older_than=body.if_older_than, apply=body.apply, principal=who)
 
     @app.get("/admin/tiers")
     def tiers(_: Principal = Depends(admin)):
-        from . import tier_ops
-
         return tier_ops.report(service)
 
     @app.post("/admin/tiers/verify")
     def verify_tiers(body: VerifyRequest, who: Principal = Depends(admin)):
         """Read the disk tier through and verify every block, in the background (tier_verify.py)."""
-        from . import tier_ops
-
         return tier_ops.start_verify(service, body.rate, who, unpaced=body.unpaced)
 
     @app.delete("/admin/tiers/verify")
     def stop_verifying_tiers(who: Principal = Depends(admin)):
-        from . import tier_ops
-
         return tier_ops.stop_verify(service, who)
 
     @app.post("/admin/swap")
     async def swap(body: SwapRequest, who: Principal = Depends(admin)):
-        from . import tier_ops
-
         return await run_in_threadpool(tier_ops.swap, service, body.prefix, body.to, body.keep_source, who)
 
     @app.get("/admin/config")

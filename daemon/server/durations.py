@@ -1,6 +1,8 @@
-"""Durations as operators write them: 90, 90s, 30m, 1h, 2d."""
+"""Durations as operators write them (90, 90s, 30m, 1h, 2d), and the engine clock's readings as
+the Unix times the API hands out."""
 
 import math
+import time
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -36,3 +38,9 @@ def format_duration(seconds: float | None) -> str:
     if seconds < 86400:
         return f"{hours}h {minutes % 60}m" if minutes % 60 else f"{hours}h"
     return f"{days}d {hours % 24}h" if hours % 24 else f"{days}d"
+
+
+def unix_time(reading: float | None, now: float) -> float | None:
+    """A reading of the engine's clock (monotonic, `now` being its current one) as Unix time:
+    what the API hands out, so scripts and other hosts can read it."""
+    return None if reading is None else time.time() - (now - reading)

@@ -13,7 +13,7 @@ import asyncio
 
 from kvctl.daemon.cache.events import EventLog, EventPage, KeyPrefix
 
-from .service import ServiceError
+from .calls import ServiceError
 
 WAIT_LIMIT_S = 30.0  # longest a request may hold the connection open
 PAGE_LIMIT = 10_000

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from kvctl.daemon.engine.requests import Request, SeqStatus
 
-from .service import EngineService, Principal, ServiceError
+from .calls import Principal, ServiceError
+from .service import EngineService
 
 
 def request_state(request: Request) -> str:

@@ -43,7 +43,7 @@ from kvctl.daemon.whole_file import write_json_whole
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.rollout import MIN_REQUESTS, StopCondition, in_cohort, parse_fraction
 
-from .service import ServiceError
+from .calls import ServiceError
 
 COHORT_SETTINGS = ("reservation",)
 POOL_SETTINGS = ("eviction", "block_size", "cache_dtype", "num_blocks")

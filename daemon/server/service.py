@@ -1,55 +1,55 @@
-"""EngineService: the engine on its own thread, and every operation the APIs expose.
+"""EngineService: the engine on its own thread, its life cycle (load, reload, drain, stop), the
+requests handed to it, and the views of it (status).
 
 The serving loop owns the engine; HTTP handlers call in under one lock (short critical
 sections) and receive token events through a per-request callback that the loop invokes
 outside the lock. The loop also pings the systemd watchdog.
+
+An operator's actions on the cache are modules of their own, each a set of functions that take
+the service: pin_ops (pins), evict_ops (evictions), tier_ops (the lower tiers), prefix_ops (the
+prefix tree and its ids), cache_questions (route facts, "why did this miss?") and calibrate_ops.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin, chain_keys
-from kvctl.daemon.cache.events import KeyPrefix
-from kvctl.daemon.cache.prefix_tree import TIER_ORDER, CachedBlock, PrefixTree
-from kvctl.daemon.cache.tiers.remote import RemoteUnavailable
-from kvctl.daemon.config import ConfigError, KvdConfig, cache_dtype_name, quick_prefill_default
+from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent, prefetch_wait
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
 from kvctl.daemon.model.chat_template import ChatTemplate, load_chat_template
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.llama import LoadedModel, load_model
-from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store, StoreUnavailable
+from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.tiering import restore_seconds
 
-from .request_trace import RequestTrace, load_trace_key
-from .durations import format_duration, parse_duration  # noqa: F401  (parse_duration re-exported for the app)
+from . import pin_ops, tier_ops
 from .admin_slots import WriteSlots
-from .housekeeping import Housekeeping, Job
+from .calls import Principal, ServiceError
+from .durations import unix_time
 from .gc_pauses import GcPauses
-from .start_timing import StartTimer
+from .housekeeping import Housekeeping, Job
 from .notify import Notifier
+from .request_trace import RequestTrace, load_trace_key
+from .rollouts import RolloutManager
+from .start_timing import StartTimer
 from .tenant_labels import TenantLabels
 
 log = logging.getLogger("kvd")
 
-# How long an eviction waits for blocks on their way to disk or Redis to land, so that it drops them
-# too (a write published after the eviction would bring back what it said it removed).
-EVICT_WRITE_WAIT_S = 30.0
 STORE_CHECK_SECONDS = 2.0  # how often housekeeping makes sure the store's file is still there
 PIN_EXPIRY_SECONDS = 1.0  # how often housekeeping ends the pins whose TTL is over
 
@@ -87,28 +87,7 @@ class _Submission:
     priority: int = 0  # the engine's (higher first): EngineService.queue_priority
 
 
-def is_short_hex(text: str) -> bool:
-    """At least 4 lowercase hex digits: a prefix id or a model revision, shortened as git shortens
-    a hash."""
-    return len(text) >= 4 and all(c in "0123456789abcdef" for c in text)
-
-
 STOP_STORE_WAIT_S = 5.0  # at kvd's stop: the most the periodic jobs, then the rollout's last figures, wait
-
-
-class ServiceError(Exception):
-    """An operator request that cannot be done; `status` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        self.status, self.param = status, param
-        super().__init__(message)
-
-
-@dataclass
-class Principal:
-    tenant: str
-    role: str  # "user" or "admin"
-    actor: str  # who, for the audit log ("unix-socket", or the token's name)
 
 
 class EngineService:
@@ -142,14 +121,12 @@ class EngineService:
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
         self.tenant_labels = TenantLabels(config.max_tenant_metric_series)  # per-tenant metrics' labels, bounded
-        from .rollouts import RolloutManager  # NOTE: late import; rollouts imports ServiceError from here
-
         self.rollouts = RolloutManager(store, pending_path=Path(config.state_dir) / ROLLBACK_PENDING_FILE)
         self._observers.append(self.rollouts.observe)
         self.rollout_check_seconds = 10.0
         # the jobs that write to the store, off the engine thread (housekeeping.py says why)
         self.housekeeping = Housekeeping([
-            Job("pin expiry", lambda: PIN_EXPIRY_SECONDS, self.expire_pins),
+            Job("pin expiry", lambda: PIN_EXPIRY_SECONDS, partial(pin_ops.expire_pins, self)),
             Job("store file check", lambda: STORE_CHECK_SECONDS, self.store.check_file),  # deleted: written back
             Job("rollout stop conditions", lambda: self.rollout_check_seconds, self.rollouts.evaluate)])
         self._housekeepers: list[threading.Thread] = []
@@ -241,16 +218,14 @@ class EngineService:
         engine.stats.tenants.keep = self.tenant_labels.has_own  # a tenant's own metric series never shrinks
         if cfg.pin_budget_blocks is not None:
             engine.cache.pins.default_budget = cfg.pin_budget_blocks
-        from . import tier_ops
-
         tier_ops.attach(self, engine)
         timer.mark("tiers")
         with self.lock:
             self.loaded, self.engine, self.chat_template = loaded, engine, chat_template
-            lapsed = self._restore_pins()
+            lapsed = pin_ops.restore_pins(self)
         timer.mark("pins")
         if lapsed:  # off the start: a store another process holds locked must not hold it up
-            threading.Thread(target=lambda: [self._forget_stored_pin(pin_id) for pin_id in lapsed],
+            threading.Thread(target=lambda: [pin_ops.forget_stored_pin(self, pin_id) for pin_id in lapsed],
                              name="kvd-lapsed-pins", daemon=True).start()
         self.start_timer = timer
         if self.tiers is not None and engine.cache.pins.all():  # pinned prefixes a lower tier kept
@@ -268,8 +243,6 @@ class EngineService:
                  timer.ready_after, ", ".join(f"{phase} {took:.2f} s" for phase, took in timer.phases.items()))
 
     def _warm_pins(self, timer: StartTimer) -> None:
-        from . import tier_ops
-
         began = time.perf_counter()
         tier_ops.warm_pins(self)
         timer.pins_warmed = time.perf_counter() - began
@@ -417,9 +390,7 @@ class EngineService:
         self._stop.set()
         self._stop_verify("shutdown")
         if self.tiers is not None:
-            from . import tier_ops
-
-            tier_ops.save_on_shutdown(self, max(limit, time.monotonic() + 1.0))
+                tier_ops.save_on_shutdown(self, max(limit, time.monotonic() + 1.0))
         with self.lock:
             self.lock.notify_all()
         if self._thread is not None:
@@ -728,74 +699,6 @@ class EngineService:
         self.engine.admission_paused = False
         log.info("calibration %d loaded into the kernels", calibration["id"])
 
-    def calibrate(self, *, dtype: str, prompts: list[list[int]] | None, greedy_tokens: int, max_kl: float,
-                  margin: float, slices: list[int], if_older_than: float | None, apply: bool,
-                  principal: Principal) -> dict:
-        """Measure, derive scales, evaluate by slice, rank layers; store; apply if it meets the target."""
-        from kvctl.daemon import calibration as cal
-
-        self.require_ready()
-        loaded = self.loaded
-        dtype = cache_dtype_name(dtype)
-        if dtype not in ("fp8_e4m3", "fp8_e5m2", "int8"):
-            raise ServiceError(400, f"dtype: invalid value {dtype!r}; use fp8_e4m3 (or fp8), fp8_e5m2 or int8",
-                               "dtype")
-        problem = format_unsupported_on(loaded.model.device, cache_dtype(dtype))
-        if problem:  # scales for a format this GPU cannot serve would never be used
-            raise ServiceError(400, f"dtype: {problem}", "dtype")
-        if not margin >= 1.0:
-            raise ServiceError(400, f"margin: must be >= 1.0, got {margin}", "margin")
-        if if_older_than is not None:
-            latest = self.store.calibration(loaded.revision, dtype, applied=False)
-            age = None if latest is None else time.time() - latest["created_at"]
-            if age is not None and age < if_older_than:
-                return {"skipped": True, "calibration_id": latest["id"], "dtype": dtype, "age_seconds": age,
-                        "reason": f"calibration {latest['id']} was made {format_duration(age)} ago, within "
-                                  f"if_older_than {format_duration(if_older_than)}"}
-        calib, held = cal.builtin_prompts(loaded.tokenizer)
-        if prompts:
-            split = max(1, len(prompts) // 2)
-            calib, held = prompts[:split], prompts[split:] or prompts[:split]
-        k_max, v_max = cal.measure_absmax(loaded, calib)
-        scales = cal.derive_scales(k_max, v_max, dtype, margin)
-        sensitivity_set = [p for p in held if len(p) <= min(slices)][:3] or held[:1]
-        sensitivity = cal.layer_sensitivity(loaded, sensitivity_set, dtype, scales)
-        keep, _ = cal.recommend_keep(loaded, sensitivity_set, dtype, scales, sensitivity, max_kl)
-        slice_results = [r.as_dict() for r in cal.evaluate(loaded, held, dtype, scales, keep, slices, greedy_tokens)]
-        worst = max((r["kl"] for r in slice_results), default=0.0)
-        meets = worst <= max_kl
-        report = {"slices": slice_results, "layer_sensitivity": sensitivity, "margin": margin,
-                  "absmax": {"k": k_max.tolist(), "v": v_max.tolist()}}
-        calibration_id = self.store.save_calibration({
-            "model_revision": loaded.revision, "dtype": dtype, "margin": margin, "max_kl": max_kl,
-            "scales": {str(k): v for k, v in scales.items()}, "keep_layers": list(keep), "report": report,
-            "prompts_digest": cal.prompts_digest(calib + held), "meets_target": meets})
-        body = {"calibration_id": calibration_id, "dtype": dtype, "model_revision": loaded.revision,
-                "margin": margin, "max_kl": max_kl, "slices": slice_results, "layer_sensitivity": sensitivity,
-                "recommended_keep_layers": list(keep), "meets_target": meets, "worst_kl": worst,
-                "applied": False, "skipped": False}
-        if apply and not meets:
-            body["refused"] = (f"apply: calibration {calibration_id} misses the target: worst slice KL "
-                               f"{worst:.3g} > max_kl {max_kl:.3g} (by {worst - max_kl:.3g})")
-        elif apply:
-            self.store.mark_calibration_applied(calibration_id)
-            body["applied"] = True
-            stored = self.store.calibration(loaded.revision, dtype, applied=True)
-            with self.lock:
-                if self.engine.settings.cache_dtype == dtype:
-                    self.engine.admission_paused = True
-                    self.pending_scales = stored
-                    body["takes_effect"] = "now: new scales load as soon as running requests finish"
-                    if tuple(keep) != tuple(self.engine.settings.keep_layers):
-                        body["needs_restart_for_keep_layers"] = True
-                    self.lock.notify_all()
-                else:
-                    body["takes_effect"] = f"when kvd serves cache_dtype {dtype}"
-        self.store.audit(actor=principal.actor, tenant="-", action="calibrate", target=f"calibration:{calibration_id}",
-                         result="applied" if body["applied"] else ("refused" if "refused" in body else "stored"),
-                         detail={"dtype": dtype, "worst_kl": worst, "max_kl": max_kl})
-        return body
-
     def cache_status(self) -> dict:
         """Format, scale set and a check that the kernels read the stored scales."""
         engine = self.engine
@@ -1011,595 +914,17 @@ class EngineService:
             return self.config.model_name
         return Path(self.loaded.path).name if self.loaded else "kvd"
 
-    def prefix_tree(self) -> tuple[PrefixTree, dict]:
-        """The cached prefixes of every tier as one tree (see daemon/cache/prefix_tree.py), and
-        what the cache knows of each tree's root (tenant, hits, last use)."""
-        engine = self.require_ready()
-        known = self.tiers.known_metas() if self.tiers is not None else {}
-        lower = [CachedBlock(meta.key, meta.parent, meta.root, meta.depth, tier, meta.tenant, meta.hits, meta.last_use)
-                 for meta, tier in known.values()]
-        with self.lock:  # roots only lower tiers hold keep their tenant and hits
-            device = engine.cache.cached_blocks()
-            engine.cache.forget_roots(keep={meta.root for meta, _ in known.values()})
-            roots = dict(engine.cache.roots)
-        tree = PrefixTree(device + lower)
-        for node in tree.nodes.values():  # where no block records its tenant, its root's record may
-            if node.tenant is None and node.root in roots:
-                node.tenant = roots[node.root].tenant
-        return tree, roots
-
-    def prefixes(self, tenant: str | None, pinned_only: bool, sort: str = "recent",
-                 limit: int = 0, under: str | None = None) -> tuple[list[dict], int]:
-        """One row per node of the prefix tree: a run of cached blocks between branch points.
-        `sort`: recent (the tree, most recently used first), hits or size (largest first, ties in
-        tree order). `under`: only the row that id names and the rows that extend it. Returns
-        (the first `limit` rows, or all for 0; how many there are)."""
-        if sort not in PREFIX_SORTS:
-            raise ServiceError(400, f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}", "sort")
-        if limit < 0:
-            raise ServiceError(400, f"limit: must be >= 0, got {limit}", "limit")
-        engine = self.require_ready()
-        tree, roots = self.prefix_tree()
-        nodes = tree.nodes.values()
-        if under is not None:
-            try:
-                nodes = tree.subtree(tree.node_of[self.resolve_prefix(under, tree)])
-            except ServiceError as exc:  # name the parameter the caller gave
-                raise ServiceError(exc.status, str(exc).replace("prefix:", "under:", 1), "under") from None
-        size, nbytes = engine.cache.block_size, engine.cache.block_bytes
-        now = engine.clock()
-        rows = []
-        for node in nodes:
-            info = roots.get(node.root)
-            hits, last_use = node.hits, node.last_use
-            if node.start_depth == 0 and info is not None:  # a tree's first node: its root's record spans tiers
-                hits = max(hits or 0, info.hits)
-                last_use = info.last_use if last_use is None else max(last_use, info.last_use)
-            rows.append({
-                "prefix_id": node.key.hex()[:16], "parent_id": node.parent.hex()[:16] if node.parent else None,
-                "root_id": node.root.hex()[:16],  # the tree's first block: the row every row of it descends from
-                "tenant": node.tenant,
-                "start_token": node.start_depth * size, "tokens": (node.end_depth + 1) * size,
-                "blocks": len(node.keys), "bytes": len(node.keys) * nbytes, "hits": hits,
-                "idle_seconds": None if last_use is None else now - last_use,
-                "last_use": self._unix_time(last_use, now), "tier": node.tier,
-                "tiers": {t: node.tiers[t] for t in TIER_ORDER if t in node.tiers},
-                "pinned": node.pinned_blocks > 0, "pinned_blocks": node.pinned_blocks,
-                "in_use_blocks": node.in_use_blocks, "children": len(node.children), "detached": node.detached,
-            })
-        rows = [r for r in _tree_order(rows) if (tenant is None or r["tenant"] == tenant)
-                and (not pinned_only or r["pinned"])]
-        figure = PREFIX_SORTS[sort]
-        if figure is not None:  # largest first; unknown last; sorted() keeps the tree order in ties
-            rows = sorted(rows, key=lambda r: float("-inf") if r[figure] is None else r[figure], reverse=True)
-        return (rows[:limit] if limit else rows), len(rows)
-
-    @staticmethod
-    def _unix_time(reading: float | None, now: float) -> float | None:
-        """A reading of the engine's clock (monotonic, `now` being its current one) as Unix time:
-        what the API hands out, so scripts and other hosts can read it."""
-        return None if reading is None else time.time() - (now - reading)
-
     def trace_report(self, last: int | None = None, keyed: bool = False) -> dict:
         """`GET /admin/trace` (request_trace.RequestTrace.report), arrivals read as Unix time."""
         now = self.engine.clock() if self.engine is not None else time.monotonic()
         return self.trace.report(last, default_tenant="default", keyed=keyed,
-                                 unix_time=lambda reading: self._unix_time(reading, now))
-
-    # ---- pins --------------------------------------------------------------------------------
-    def pin(self, token_ids: list[int], principal: Principal, ttl: float | None, note: str) -> dict:
-        engine = self.require_ready()
-        namespace = engine.namespace(principal.tenant)
-        try:
-            with self.lock:
-                result = engine.cache.pin(namespace, token_ids, ttl=ttl, owner=principal.actor, note=note)
-        except PinBudgetExceeded as exc:  # (audited outside the lock: the engine thread takes it, a store write may wait)
-            self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin",
-                             target="-", result="refused", detail={"reason": str(exc)})
-            raise ServiceError(409, str(exc)) from None
-        except InvalidRequest as exc:
-            raise ServiceError(400, str(exc), "tokens") from None
-        warmed = False
-        if result.pending_blocks:
-            try:
-                self._warm(token_ids, principal)
-            except Exception as exc:  # the prefix cannot be prefilled: a new pin goes again, whole
-                if not result.refreshed:
-                    with self.lock:
-                        engine.cache.unpin(result.pin.pin_id)
-                self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin", target="-",
-                                 result="refused", detail={"reason": str(exc)})
-                status = 400  # a bad prompt; 409 when the cache cannot take it; the service's own otherwise
-                if isinstance(exc, ServiceError):
-                    status = exc.status
-                elif isinstance(exc, AdmissionRejected):
-                    status = 409
-                raise ServiceError(status, f"tokens: the prefix cannot be warmed: {exc}", "tokens") from None
-            warmed = True
-        return self._pinned(result, principal, ttl, note, warmed)
-
-    def pin_prefix(self, prefix_id: str, principal: Principal, tenant: str | None, ttl: float | None,
-                   note: str) -> dict:
-        """Pin a cached prefix by its id from `kvctl prefixes`: the prefix as that row lists it (from
-        the first token to the end of the row). No text needed; its tenant pays. Parts of it in
-        a lower tier come back to the device and pin as they land."""
-        self.require_ready()
-        tree, _ = self.prefix_tree()
-        first = self.resolve_prefix(prefix_id, tree)
-        keys = tree.path(first)
-        node, top = tree.nodes[tree.node_of[first]], tree.nodes[tree.node_of[keys[0]]]
-        if top.detached:
-            raise ServiceError(409, f"prefix: {prefix_id!r} is unreachable (the blocks before it are cached "
-                                    "nowhere); pin it by its text to compute them again", "prefix")
-        owner = node.tenant
-        if owner is None:
-            raise ServiceError(409, f"prefix: whose prefix {prefix_id!r} is, is not known; pin it by its text "
-                                    "with --tenant", "prefix")
-        if tenant is not None and tenant != owner:
-            raise ServiceError(400, f"tenant: prefix {first.hex()[:16]} is tenant {owner!r}'s, not {tenant!r}'s",
-                               "tenant")
-        body = self._pin_keys(keys, owner, principal, ttl, note, principal.actor, f"prefix={first.hex()[:16]}",
-                              "prefix")
-        body["prefix_id"] = first.hex()[:16]
-        return body
-
-    def pin_copy(self, keys: list[bytes], tenant: str, principal: Principal, ttl: float | None, note: str,
-                 owner: str | None) -> dict:
-        """Pin a prefix by its block keys, as another replica of the fleet has it pinned (kvd
-        router's `kvctl fleet sync-pins`): no text needed. What a lower tier here holds of it (a
-        shared Redis, say) comes up pinned; the rest is pinned as the prefix is computed here."""
-        self.require_ready()
-        return self._pin_keys(keys, tenant, principal, ttl, note, owner or principal.actor,
-                              f"keys={keys[-1].hex()[:16]}", "keys")
-
-    def _pin_keys(self, keys: list[bytes], tenant: str, principal: Principal, ttl: float | None, note: str,
-                  owner: str, target: str, param: str) -> dict:
-        """Pin `keys` for `tenant` (its budget pays), bring what lower tiers hold of them up, and
-        record it; a refusal is audited under `target` and named by `param`."""
-        engine = self.engine
-        try:
-            with self.lock:
-                result = engine.cache.pin_keys(tenant, keys, ttl=ttl, owner=owner, note=note)
-        except PinBudgetExceeded as exc:  # (audited outside the lock, as in pin())
-            self.store.audit(actor=principal.actor, tenant=tenant, action="pin", target=target,
-                             result="refused", detail={"reason": str(exc)})
-            raise ServiceError(409, str(exc)) from None
-        except InvalidRequest as exc:
-            raise ServiceError(400, str(exc), param) from None
-        if result.pending_blocks and self.tiers is not None:  # what a lower tier holds comes up, pinned
-            from . import tier_ops
-
-            tier_ops.restore_chain(self, keys, tenant)
-        return self._pinned(result, Principal(tenant, principal.role, principal.actor), ttl, note, warmed=False)
-
-    def _pinned(self, result, principal: Principal, ttl: float | None, note: str, warmed: bool) -> dict:
-        """Record a pin that took (store and audit) and describe it."""
-        engine = self.engine
-        with self.lock:
-            cached = engine.cache.lookup(result.pin.keys)
-        pin = result.pin
-        try:
-            self.store.save_pin({"pin_id": pin.pin_id, "tenant": pin.tenant,
-                                 "keys": ",".join(k.hex() for k in pin.keys), "owner": pin.owner,
-                                 "note": pin.note, "created_at": time.time(),
-                                 "expires_at": None if ttl is None else time.time() + ttl})
-        except StoreUnavailable as exc:  # a pin that would not survive a restart is no pin
-            if not result.refreshed:
-                with self.lock:
-                    engine.cache.unpin(pin.pin_id)
-            raise ServiceError(503, f"{exc}: " + ("the pin's new expiry holds until kvd restarts" if result.refreshed
-                                                   else "nothing was pinned"), "pin") from None
-        body = {**self._pin_times(pin.describe(), engine.clock()), "cached_blocks": cached, "warmed": warmed,
-                "refreshed": result.refreshed}
-        self.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin", target=pin.pin_id,
-                         result="ok", detail={"blocks": pin.num_blocks, "ttl": ttl, "note": note})
-        return body
-
-    def _warm(self, token_ids: list[int], principal: Principal) -> None:
-        """Prefill a prefix so its blocks are cached (and so pinned): one token of output."""
-        done = threading.Event()
-        self.submit([token_ids], SamplingParams(max_tokens=1, ignore_eos=True), principal,
-                    lambda event: done.set() if event.finish_reason else None)
-        done.wait(timeout=120)
-
-    def unpin(self, pin_id: str, principal: Principal) -> dict:
-        engine = self.require_ready()
-        with self.lock:
-            try:
-                engine.cache.pins.get(pin_id)
-            except UnknownPin as exc:
-                hint = "" if pin_id.startswith("pin-") else "; pin ids start with pin- (kvctl pins lists them)"
-                raise ServiceError(404, str(exc) + hint, "pin_id") from None
-        try:  # from the store first: an unpin it could not record would come back at the next start
-            self.store.delete_pin(pin_id)
-        except StoreUnavailable as exc:
-            raise ServiceError(503, f"{exc}: the pin stands", "pin_id") from None
-        with self.lock:
-            try:
-                pin = engine.cache.unpin(pin_id)
-            except UnknownPin as exc:  # it lapsed or went meanwhile
-                raise ServiceError(404, str(exc), "pin_id") from None
-        self.store.audit(actor=principal.actor, tenant=principal.tenant, action="unpin", target=pin_id,
-                         result="ok", detail={"blocks": pin.num_blocks})
-        return {"pin_id": pin_id, "unpinned_blocks": pin.num_blocks}
-
-    def list_pins(self, with_keys: bool = False) -> list[dict]:
-        """Every pin; `with_keys`: also its block keys (hex), which another replica of the same block
-        space can pin by (`pin_copy`)."""
-        engine = self.require_ready()
-        with self.lock:
-            pins, now = engine.cache.pins.all(), engine.clock()
-            return [{**self._pin_times(p.describe(), now), "cached_blocks": engine.cache.lookup(p.keys),
-                     **({"keys": [k.hex() for k in p.keys]} if with_keys else {})} for p in pins]
-
-    def _pin_times(self, described: dict, now: float) -> dict:
-        """A pin's engine-clock times as Unix times, with the seconds it has left (None: until unpinned)."""
-        expires = described["expires_at"]
-        return {**described, "created_at": self._unix_time(described["created_at"], now),
-                "expires_at": self._unix_time(expires, now),
-                "expires_in_seconds": None if expires is None else max(expires - now, 0.0)}
-
-    def _restore_pins(self) -> list[str]:
-        """Pins survive restarts: re-register them by key (they re-pin blocks as they fill).
-        Returns the ids of those that lapsed while kvd was down, for the caller to take off the
-        store (not here, under the engine's lock, where a locked store would hold up the start)."""
-        now, lapsed = time.time(), []
-        for row in self.store.pins():
-            remaining = None if row["expires_at"] is None else row["expires_at"] - now
-            if remaining is not None and not math.isfinite(remaining):  # stored before ttls had to be finite
-                log.warning("pin %s: its stored expiry is not a time; kept until unpinned", row["pin_id"])
-                remaining = None
-            if remaining is not None and remaining <= 0:
-                lapsed.append(row["pin_id"])
-                continue
-            keys = [bytes.fromhex(k) for k in row["keys"].split(",")]
-            try:
-                self.engine.cache.pin_keys(row["tenant"], keys, ttl=remaining, owner=row["owner"],
-                                           note=row["note"])
-            except PinBudgetExceeded as exc:
-                log.warning("pin %s not restored: %s", row["pin_id"], exc)
-        return lapsed
-
-    def _forget_stored_pin(self, pin_id: str) -> None:
-        """Take a lapsed pin off the store; one the store cannot take now stays there, lapsed, and
-        the next start drops it (a full disk must not stop kvd loading or its expiry loop)."""
-        try:
-            self.store.delete_pin(pin_id)
-        except StoreUnavailable as exc:
-            log.warning("pin %s lapsed but stays in the store until the next start: %s", pin_id, exc)
-
-    def expire_pins(self) -> None:
-        with self.lock:
-            lapsed = self.engine.cache.expire_pins() if self.engine else []
-        for pin in lapsed:
-            self._forget_stored_pin(pin.pin_id)
-            self.store.audit(actor="ttl", tenant=pin.tenant, action="unpin", target=pin.pin_id,
-                             result="expired", detail={})
-
-    # ---- eviction and explanation ------------------------------------------------------------
-    def resolve_prefix(self, prefix_id: str, tree: PrefixTree) -> bytes:
-        """The block key that `prefix_id` names, as git resolves a short hash: at least 4 hex
-        digits, and refused when several prefixes match, so that a short id never evicts or moves
-        more than the prefix meant. Ids of `tree`'s nodes (what `kvctl prefixes` lists) come
-        first; any other cached block's id works too, so that an id listed before the tree
-        changed (a sibling evicted, nodes merged) still names the same block."""
-        text = prefix_id.strip().lower()
-        if not is_short_hex(text):
-            raise ServiceError(400, f"prefix: give at least 4 hex digits of an id from `kvctl prefixes`, "
-                                    f"got {prefix_id!r}", "prefix")
-        matches = sorted(k for k in tree.nodes if k.hex().startswith(text)) or \
-            sorted(k for k in tree.node_of if k.hex().startswith(text))
-        if not matches:
-            raise ServiceError(404, f"prefix: no cached prefix {prefix_id!r}", "prefix")
-        if len(matches) > 1:
-            shown = ", ".join(r.hex()[:16] for r in matches[:4]) + (", ..." if len(matches) > 4 else "")
-            raise ServiceError(409, f"prefix: {prefix_id!r} matches {len(matches)} prefixes ({shown}); "
-                                    "give more digits", "prefix")
-        return matches[0]
-
-    def evict(self, *, prefix_id: str | None, tenant: str | None, model_revision: str | None,
-              all_unpinned: bool, principal: Principal, purge_once: str | None = None) -> dict:
-        """Evict from every tier and say exactly what went. A tenant's or an old revision's entries
-        are also searched for on the shared Redis, whichever daemon wrote them; with `purge_once`
-        (a fleet eviction's token, from kvd router) only if this daemon is the first to claim it
-        there: another replica on the same Redis searches it once for all."""
-        engine = self.require_ready()
-        chosen = [x for x in (prefix_id, tenant, model_revision) if x] + ([True] if all_unpinned else [])
-        if len(chosen) != 1:
-            raise ServiceError(400, "evict: give exactly one of prefix, tenant, model_revision, all_unpinned")
-        subtree: list[bytes] | None = None
-        if prefix_id:  # the prefix and every prefix that extends it; the one it branches from stays
-            tree, _ = self.prefix_tree()
-            first = self.resolve_prefix(prefix_id, tree)
-            subtree = tree.subtree_keys(first)
-        other_spaces, records_error = {}, None  # the revision's spaces but the served one: from disk and Redis
-        if model_revision:
-            revision, other_spaces, records_error = self._revision_spaces(model_revision)
-            served = revision == self.loaded.revision
-        with self.lock:
-            if model_revision and revision != self.loaded.revision:
-                report_blocks, skipped, select = 0, {}, None
-                target = f"model_revision={revision[:16]}"
-            else:
-                if subtree is not None:
-                    select = None
-                    target = f"prefix={first.hex()[:16]}"
-                elif tenant:  # a block's own record of its tenant, else its tree's
-                    select = lambda root, info, owner: (owner or (info.tenant if info else None)) == tenant  # noqa: E731
-                    target = f"tenant={tenant}"
-                else:
-                    select = lambda root, info, owner: True  # noqa: E731
-                    target = "model_revision=current" if model_revision else "all_unpinned"
-                if subtree is None:
-                    report = engine.cache.evict_where(select)
-                else:  # the device's part of it (lower tiers' copies are dropped below)
-                    report = engine.cache.evict_prefix([k for k in subtree if engine.cache.pool.block_of(k) is not None])
-                report_blocks, skipped = report.evicted_blocks, report.skipped
-            roots = dict(engine.cache.roots)
-            pinned = set(engine.cache.pins.key_counts())  # their lower-tier copies stay too
-        lower_dropped = still_moving = 0
-        doomed: list[bytes] = []
-        if self.tiers is not None and subtree is not None:  # an eviction removes the prefix from every tier
-            doomed = [k for k in subtree if k not in pinned]
-        elif self.tiers is not None and select is not None:
-            doomed = [k for k, (m, _) in self.tiers.known_metas().items()
-                      if k not in pinned and select(m.root, roots.get(m.root), m.tenant)]
-        if doomed:  # blocks on their way to disk or Redis land first, then go with the rest
-            still_moving = self.tiers.wait_for_writes(doomed, EVICT_WRITE_WAIT_S)
-            lower_dropped = self.tiers.drop(doomed)
-        result = "ok" if not skipped.get("in_use") and not still_moving else "partial"
-        body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target,
-                "lower_tier_blocks_dropped": lower_dropped}
-        remote = self.tiers.remote if self.tiers is not None else None
-        if model_revision and (other_spaces or (records_error and not served)):
-            # another revision: its blocks everywhere, the shared Redis too. The served one: what this
-            # daemon's disk holds of its older scales (daemons still serving them share the Redis's)
-            body.update(self._purge_spaces(other_spaces, None if served else records_error, shared=not served,
-                                           purge_once=purge_once))
-            result = body["result"] = "partial" if body.get("message") else result
-        elif remote is not None and (subtree is not None or (tenant and select is not None)):
-            try:  # the shared Redis: every daemon's entries of the prefix, or of the tenant
-                if subtree is not None:  # the keys this daemon's tree names: deleted by name, no search
-                    body["remote_purge"] = remote.purge_keys([k for k in subtree if k not in pinned])
-                elif purge_once is not None and not remote.claim(purge_once):
-                    body["remote_purge"] = {"by_another_replica": True}  # it searches the shared Redis
-                else:
-                    body["remote_purge"] = remote.purge(
-                        lambda m: m.key not in pinned and select(m.root, roots.get(m.root), m.tenant))
-            except RemoteUnavailable as exc:
-                body["remote_purge"] = {"error": str(exc)}
-            purge = body["remote_purge"]
-            if not purge.get("complete") and not purge.get("by_another_replica"):
-                result = body["result"] = "partial"
-                body["message"] = (f"the shared Redis could not be searched: {purge['error']}" if "error" in purge
-                                   else f"the shared Redis was searched only in part ({purge['seen']:,} entries "
-                                        "before the time limit); run the eviction again")
-        if still_moving:
-            body["lower_tier_blocks_still_moving"] = still_moving
-            body["message"] = "; ".join(filter(None, [body.get("message"), (
-                f"{still_moving} blocks were still being written to disk or Redis after {EVICT_WRITE_WAIT_S:g} s "
-                f"and were not dropped; run the eviction again")]))
-        if skipped.get("in_use"):
-            body["message"] = "; ".join(filter(None, [f"{skipped['in_use']} blocks are in use by running requests "
-                                                      "and were not evicted", body.get("message")]))
-        self.store.audit(actor=principal.actor, tenant=principal.tenant, action="evict", target=target,
-                         result=result, detail=body)
-        return body
-
-    def _revision_spaces(self, text: str) -> tuple[str, dict[str, dict], str | None]:
-        """The model revision `text` (hex digits) names, the block spaces of it that the disk
-        folder or the shared Redis records other than the one served now (older scales, another
-        format, another revision: spaces.py), and why the shared Redis could not be asked."""
-        from kvctl.daemon.cache.tiers import space_digest
-        from kvctl.daemon.cache.tiers.spaces import with_revision
-
-        if not is_short_hex(text):
-            raise ServiceError(400, f"model_revision: give at least 4 lowercase hex digits of a revision (kvctl "
-                                    f"status shows the model's), got {text!r}", "model_revision")
-        records, error = self.tiers.space_records() if self.tiers is not None else ({}, None)
-        served = space_digest(self.engine).hex()
-        matched = {s: r for s, r in with_revision(records, text).items() if s != served}
-        revisions = {r["model_revision"] for r in matched.values()}
-        if self.loaded.revision.startswith(text):
-            revisions.add(self.loaded.revision)
-        if len(revisions) > 1:
-            shown = ", ".join(sorted(r[:16] for r in revisions))
-            raise ServiceError(409, f"model_revision: {text!r} matches {len(revisions)} revisions ({shown}); "
-                                    "give more digits", "model_revision")
-        if not revisions:
-            known = sorted({r["model_revision"][:16] for r in records.values()} - {self.loaded.revision[:16]})
-            where = (f"; the shared Redis could not be asked ({error})" if error else "") + \
-                (f"; the tiers have held blocks of {', '.join(known)}" if known else "")
-            raise ServiceError(503 if error else 404,
-                               f"model_revision: no tier here holds blocks of {text!r} (this daemon serves "
-                               f"{self.loaded.revision[:16]}{where})", "model_revision")
-        return revisions.pop(), matched, error
-
-    def _purge_spaces(self, spaces: dict[str, dict], records_error: str | None, shared: bool = True,
-                      purge_once: str | None = None) -> dict:
-        """Delete the blocks of these spaces (none served here) from the disk folder and, with
-        `shared`, from the shared Redis, whichever daemon wrote them (with `purge_once`, unless
-        another replica claimed it there): the body's part that says what went."""
-        from kvctl.daemon.cache.tiers.spaces import summary
-
-        chosen = {bytes.fromhex(s) for s in spaces}
-        out: dict = {"spaces": [summary(s, r) for s, r in sorted(spaces.items())]}
-        messages = [f"the shared Redis could not be asked which spaces it holds: {records_error}"] if records_error else []
-        disk = self.tiers.disk if self.tiers is not None else None
-        if disk is not None and chosen:
-            out["disk_purge"] = disk.purge_spaces(chosen)
-        remote = self.tiers.remote if self.tiers is not None else None
-        if remote is not None and chosen and shared and not records_error:
-            total = {"dropped": 0, "seen": 0, "complete": True}
-            try:
-                if purge_once is not None and not remote.claim(purge_once):
-                    out["remote_purge"] = {"by_another_replica": True}
-                    chosen = set()  # searched by the replica that claimed it
-                for space in sorted(chosen):
-                    done = remote.purge_space(space)
-                    total = {"dropped": total["dropped"] + done["dropped"], "seen": total["seen"] + done["seen"],
-                             "complete": total["complete"] and done["complete"]}
-                    if not done["complete"]:
-                        break
-            except RemoteUnavailable as exc:
-                total = {**total, "complete": False, "error": str(exc)}
-            out.setdefault("remote_purge", total)
-            if "error" in total:
-                messages.append(f"the shared Redis could not be searched: {total['error']}")
-            elif not total["complete"]:
-                messages.append(f"the shared Redis was searched only in part ({total['seen']:,} entries before the "
-                                "time limit); run the eviction again")
-        if messages:
-            out["message"] = "; ".join(messages)
-        return out
-
-    def route_facts(self, token_ids: list[int], tenant: str) -> dict:
-        """This replica for this prompt, as a router weighs it: the prompt's tokens its device
-        cache holds, and its load (see `Engine.predicted_wait`). Also the tenant it looked in, the
-        namespace's other fields (a router that computes keys itself notices a change: new
-        scales, say) and the model it serves (a router sends a request naming one only where it is
-        served). Hashes before taking the lock."""
-        engine = self.require_ready()
-        keys = engine.prefix_keys(tenant, token_ids)[2]
-        size = engine.settings.block_size
-        with self.lock:
-            hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
-            limit = engine.cache.cacheable_blocks(len(token_ids))
-            queue = engine.queue_figures()
-        # the run after the device's part that lower tiers hold, per tier (the next block's tier
-        # first), and what restoring it costs: the tiers have locks of their own
-        run = self.tiers.lower_run(keys[hits:limit]) if self.tiers is not None else {}
-        rates = self.tiers.read_rates() if self.tiers is not None else {}
-        block_bytes = self.tiers.layout.block_bytes if self.tiers is not None else 0
-        return {"prompt_tokens": len(token_ids), "cached_tokens": hits * size,
-                # where the next block is, when a lower tier holds it (a restore, not a recompute)
-                "lower_tier": next(iter(run), None), **queue, "tenant": tenant,
-                "namespace": engine.namespace_fields(), "model": self.model_name,
-                "lower_tier_tokens": {tier: blocks * size for tier, blocks in run.items()},
-                "restore_seconds": restore_seconds(run, block_bytes, rates), "restore_rates": rates,
-                "block_bytes": block_bytes, "draining": self.draining, "chat_template": self.chat_template_digest}
-
-    def explain(self, token_ids: list[int], tenant: str) -> dict:
-        engine = self.require_ready()
-        size = engine.settings.block_size
-        with self.lock:
-            cache = engine.cache
-            keys = chain_keys(engine.namespace(tenant), token_ids)
-            cacheable = cache.cacheable_blocks(len(token_ids))
-            hits = cache.lookup(keys, len(token_ids))
-            body = {"prompt_tokens": len(token_ids), "block_size": size, "full_blocks": len(keys),
-                    "hit_blocks": hits, "hit_tokens": hits * size, "tenant": tenant}
-            if len(token_ids) < size:
-                body["first_miss"] = {"block": 0, "reason": "shorter_than_a_block",
-                                      "detail": f"{len(token_ids)} tokens is less than one block of {size}; "
-                                                "only full blocks are cached"}
-            elif hits >= cacheable and len(token_ids) % size:
-                rest = len(token_ids) % size
-                body["first_miss"] = {"block": hits, "reason": "partial_block",
-                                      "detail": f"every full block hit; the last {rest} tokens fill only part "
-                                                f"of a block of {size}, and only full blocks are cached"}
-            elif hits >= cacheable:
-                body["first_miss"] = {"block": hits, "reason": "last_token_computed",
-                                      "detail": f"every block but the last hit; the last token is always computed, "
-                                                f"so its block of {size} is computed again"}
-            else:
-                key = keys[hits]
-                logged = cache.pool.eviction_log.get(key)
-                lower = self.tiers.location(key) if self.tiers is not None else "evicted"
-                other = [t for t in sorted({i.tenant for i in cache.roots.values()}) if t != tenant
-                         and cache.pool.block_of(chain_keys(engine.namespace(t), token_ids[:(hits + 1) * size])[hits])
-                         is not None]
-                device_clock = engine.clock()
-        if "first_miss" not in body:  # outside the lock: reading the event log does not hold up the engine
-            body["first_miss"] = self._cached_miss(engine, hits, key, lower, logged, other, device_clock)
-            if lower != "evicted":
-                body["first_miss"].update(self._lower_tier_run(engine, keys[hits:cacheable]))
-        return body
-
-    def _lower_tier_run(self, engine: Engine, keys: list[bytes]) -> dict:
-        """What the next request would do with the run of blocks lower tiers hold after the device's
-        part: restore or recompute it (the tiering policy, at the measured rates), and how long it
-        would wait for the disk's or Redis's part to come up (the prefetch policy)."""
-        tiers, size = self.tiers, engine.settings.block_size
-        run = tiers.lower_run(keys)
-        blocks = sum(run.values())
-        if not blocks:
-            return {}
-        restore = restore_seconds(run, tiers.layout.block_bytes, tiers.read_rates())
-        recompute = blocks * size / engine.prefill_rate.rate
-        slowest = next(t for t in ("remote", "disk", "host") if t in run)
-        restores = tiers.policy.should_restore(blocks * size, sum(n * tiers.block_bytes_in(t) for t, n in run.items()),
-                                               tiers.stats[slowest].read)
-        fetched = (run.get("disk", 0) + run.get("remote", 0)) * size
-        policy = engine.prefetch
-        wait = policy.deadline(0.0, fetched) if fetched else 0.0
-        where = ", ".join(f"{n} on {t}" for t, n in run.items())
-        measured = tiers.stats[slowest].read.samples > 0 and engine.prefill_rate.samples > 0
-        rates = "the measured rates" if measured else "assumed rates (nothing measured yet)"
-        detail = (f"{blocks} blocks from here are in lower tiers ({where}): restoring them takes about "
-                  f"{restore * 1e3:,.1f} ms at {rates}, recomputing them about {recompute * 1e3:,.1f} ms, "
-                  f"so the next request {'restores' if restores else 'recomputes'} them")
-        part = " and ".join(name for tier, name in (("disk", "disk"), ("remote", "Redis")) if run.get(tier))
-        if restores and fetched:
-            detail += (f"; it is admitted at once with what has come up from {part} (prefetch_policy best_effort)"
-                       if policy.policy == "best_effort" else
-                       f"; it waits until the {part} reads end (prefetch_policy wait_complete)"
-                       if wait == float("inf") else
-                       f"; it waits up to {wait:,.2f} s for the {part} part to come up (prefetch_policy timeout)")
-        return {"detail": detail, "lower_tier_blocks": run, "restore_seconds": restore,
-                "recompute_seconds": recompute, "restores": restores,
-                "prefetch_wait_seconds": None if wait == float("inf") or not (restores and fetched) else wait}
-
-    def _cached_miss(self, engine: Engine, block: int, key: bytes, lower: str, logged, other: list[str],
-                     device_clock: float) -> dict:
-        """Why a block that could be cached is not on the device: in a lower tier; dropped from
-        one (the event log says which and why); evicted from the device (its eviction log);
-        another tenant's; or unknown to kvd since it started. Names the block for `kvctl events --key`."""
-        removal = engine.events.last(1, ("removed",), key=KeyPrefix(key, None)).events
-        if lower != "evicted":
-            miss = {"reason": "in_lower_tier", "tier": lower,
-                    "detail": f"on the {lower} tier; the next request restores it instead of recomputing"}
-        elif removal and removal[0].tier != "device":  # it left the device, then a lower tier too
-            event = removal[0]
-            ago = max(0.0, time.time() - event.at)
-            miss = {"reason": "evicted", "tier": event.tier,
-                    "detail": f"evicted from the {event.tier} tier {now_minus(ago, 0.0)} ago "
-                              f"{REMOVAL_WORDS[event.reason]}",
-                    "evicted_by": event.reason, "seconds_ago": ago}
-        elif logged is not None:
-            at, reason = logged
-            miss = {"reason": "evicted", "tier": "device",
-                    "detail": f"evicted {now_minus(device_clock, at)} ago " + (
-                        "to make room: its tenant held more idle blocks than its cache share" if reason == "tenant_share"
-                        else f"by {'an operator' if reason == 'operator' else reason + ' eviction'}"),
-                    "evicted_by": reason, "seconds_ago": device_clock - at}
-        elif other:
-            miss = {"reason": "other_namespace", "detail": f"cached for tenant {other[0]!r}; tenants never share blocks"}
-        else:
-            started = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.started_at))
-            miss = {"reason": "never_cached",
-                    "detail": f"no request has filled this block under this namespace since kvd started ({started})"}
-        return {"block": block, **miss, "key": key.hex()[:16]}  # the key: its life in `kvctl events --key`
-
-
-REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its tenant holding more idle blocks than "
-                 "its cache share", "filesystem": "to make room on a filesystem running short of space",
-                 "operator": "by an operator", "corrupt": "after it failed verification",
-                 "unwritten": "(the step that was to write it never ran)",
-                 "gone": "(deleted outside this daemon: on the shared Redis by its memory policy or another "
-                         "daemon, or its disk segment from the folder)",
-                 "space": "(written under scales or a format this daemon no longer serves)"}
+                                 unix_time=lambda reading: unix_time(reading, now))
 
 
 def prefetch_settings(cfg: KvdConfig) -> dict:
     """The engine's prefetch settings from the daemon's config."""
     return {"prefetch_policy": cfg.prefetch_policy, "prefetch_timeout": cfg.prefetch_timeout,
             "prefetch_timeout_per_1k_tokens": cfg.prefetch_timeout_per_1k_tokens}
-
-
-def now_minus(now: float, then: float) -> str:
-    seconds = max(0.0, now - then)
-    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
 
 
 def gpu_status() -> list[dict] | None:
@@ -1624,25 +949,3 @@ def gpu_status() -> list[dict] | None:
         return out
     finally:
         pynvml.nvmlShutdown()
-
-
-PREFIX_SORTS = {"recent": None, "hits": "hits", "size": "bytes"}  # the figure each order sorts by
-
-
-def _tree_order(rows: list[dict]) -> list[dict]:
-    """Prefix rows depth first, each row's children right after it; trees, and the children of a
-    row, most recently used first. (A client that sorts by one figure keeps this order in ties.)"""
-    def recency(row: dict) -> tuple:
-        return (-(row["last_use"] or 0), row["prefix_id"])
-
-    ids = {row["prefix_id"] for row in rows}
-    children: dict[str | None, list[dict]] = {}
-    for row in rows:  # a row whose parent is not among them (a tree's first, or a subtree's) is a top
-        children.setdefault(row["parent_id"] if row["parent_id"] in ids else None, []).append(row)
-    out: list[dict] = []
-    todo = sorted(children.get(None, []), key=recency, reverse=True)
-    while todo:
-        row = todo.pop()
-        out.append(row)
-        todo.extend(sorted(children.get(row["prefix_id"], []), key=recency, reverse=True))
-    return out

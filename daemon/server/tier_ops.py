@@ -16,7 +16,9 @@ from kvctl.daemon.stats import percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
 from .byte_sizes import format_bytes
-from .service import EVICT_WRITE_WAIT_S, ServiceError
+from .calls import ServiceError
+from .evict_ops import EVICT_WRITE_WAIT_S
+from .prefix_ops import prefix_tree, resolve_prefix
 from .tier_verify import DEFAULT_RATE, DiskVerification
 
 log = logging.getLogger("kvd")
@@ -151,8 +153,8 @@ def swap(service, prefix_id: str, to: str, copy: bool, principal) -> dict:
                                 "--host-cache-bytes / --disk-cache-bytes / --remote-url)")
     if to != "device" and getattr(tiers, to) is None:
         raise ServiceError(400, f"to: the {to} tier is not configured", "to")
-    tree, _ = service.prefix_tree()
-    first = service.resolve_prefix(prefix_id, tree)
+    tree, _ = prefix_tree(service)
+    first = resolve_prefix(prefix_id, tree)
     prefix_id = first.hex()[:16]
     keys = tree.subtree_keys(first)
     started = time.perf_counter()

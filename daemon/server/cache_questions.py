@@ -1,0 +1,158 @@
+"""What this daemon's cache holds of a prompt, asked two ways: by a router weighing where to
+send it (`route_facts`), and by an operator asking why it missed (`explain`: the first block
+not on the device and the reason, with what the next request would do about it).
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvctl.daemon.cache import chain_keys
+from kvctl.daemon.cache.events import KeyPrefix
+from kvctl.daemon.engine.engine import Engine
+from kvctl.policies.tiering import restore_seconds
+
+REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its tenant holding more idle blocks than "
+                 "its cache share", "filesystem": "to make room on a filesystem running short of space",
+                 "operator": "by an operator", "corrupt": "after it failed verification",
+                 "unwritten": "(the step that was to write it never ran)",
+                 "gone": "(deleted outside this daemon: on the shared Redis by its memory policy or another "
+                         "daemon, or its disk segment from the folder)",
+                 "space": "(written under scales or a format this daemon no longer serves)"}
+
+
+def route_facts(service, token_ids: list[int], tenant: str) -> dict:
+    """This replica for this prompt, as a router weighs it: the prompt's tokens its device
+    cache holds, and its load (see `Engine.predicted_wait`). Also the tenant it looked in, the
+    namespace's other fields (a router that computes keys itself notices a change: new
+    scales, say) and the model it serves (a router sends a request naming one only where it is
+    served). Hashes before taking the lock."""
+    engine = service.require_ready()
+    keys = engine.prefix_keys(tenant, token_ids)[2]
+    size = engine.settings.block_size
+    with service.lock:
+        hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
+        limit = engine.cache.cacheable_blocks(len(token_ids))
+        queue = engine.queue_figures()
+    # the run after the device's part that lower tiers hold, per tier (the next block's tier
+    # first), and what restoring it costs: the tiers have locks of their own
+    run = service.tiers.lower_run(keys[hits:limit]) if service.tiers is not None else {}
+    rates = service.tiers.read_rates() if service.tiers is not None else {}
+    block_bytes = service.tiers.layout.block_bytes if service.tiers is not None else 0
+    return {"prompt_tokens": len(token_ids), "cached_tokens": hits * size,
+            # where the next block is, when a lower tier holds it (a restore, not a recompute)
+            "lower_tier": next(iter(run), None), **queue, "tenant": tenant,
+            "namespace": engine.namespace_fields(), "model": service.model_name,
+            "lower_tier_tokens": {tier: blocks * size for tier, blocks in run.items()},
+            "restore_seconds": restore_seconds(run, block_bytes, rates), "restore_rates": rates,
+            "block_bytes": block_bytes, "draining": service.draining, "chat_template": service.chat_template_digest}
+
+
+def explain(service, token_ids: list[int], tenant: str) -> dict:
+    engine = service.require_ready()
+    size = engine.settings.block_size
+    with service.lock:
+        cache = engine.cache
+        keys = chain_keys(engine.namespace(tenant), token_ids)
+        cacheable = cache.cacheable_blocks(len(token_ids))
+        hits = cache.lookup(keys, len(token_ids))
+        body = {"prompt_tokens": len(token_ids), "block_size": size, "full_blocks": len(keys),
+                "hit_blocks": hits, "hit_tokens": hits * size, "tenant": tenant}
+        if len(token_ids) < size:
+            body["first_miss"] = {"block": 0, "reason": "shorter_than_a_block",
+                                  "detail": f"{len(token_ids)} tokens is less than one block of {size}; "
+                                            "only full blocks are cached"}
+        elif hits >= cacheable and len(token_ids) % size:
+            rest = len(token_ids) % size
+            body["first_miss"] = {"block": hits, "reason": "partial_block",
+                                  "detail": f"every full block hit; the last {rest} tokens fill only part "
+                                            f"of a block of {size}, and only full blocks are cached"}
+        elif hits >= cacheable:
+            body["first_miss"] = {"block": hits, "reason": "last_token_computed",
+                                  "detail": f"every block but the last hit; the last token is always computed, "
+                                            f"so its block of {size} is computed again"}
+        else:
+            key = keys[hits]
+            logged = cache.pool.eviction_log.get(key)
+            lower = service.tiers.location(key) if service.tiers is not None else "evicted"
+            other = [t for t in sorted({i.tenant for i in cache.roots.values()}) if t != tenant
+                     and cache.pool.block_of(chain_keys(engine.namespace(t), token_ids[:(hits + 1) * size])[hits])
+                     is not None]
+            device_clock = engine.clock()
+    if "first_miss" not in body:  # outside the lock: reading the event log does not hold up the engine
+        body["first_miss"] = _cached_miss(service, engine, hits, key, lower, logged, other, device_clock)
+        if lower != "evicted":
+            body["first_miss"].update(_lower_tier_run(service, engine, keys[hits:cacheable]))
+    return body
+
+
+def _lower_tier_run(service, engine: Engine, keys: list[bytes]) -> dict:
+    """What the next request would do with the run of blocks lower tiers hold after the device's
+    part: restore or recompute it (the tiering policy, at the measured rates), and how long it
+    would wait for the disk's or Redis's part to come up (the prefetch policy)."""
+    tiers, size = service.tiers, engine.settings.block_size
+    run = tiers.lower_run(keys)
+    blocks = sum(run.values())
+    if not blocks:
+        return {}
+    restore = restore_seconds(run, tiers.layout.block_bytes, tiers.read_rates())
+    recompute = blocks * size / engine.prefill_rate.rate
+    slowest = next(t for t in ("remote", "disk", "host") if t in run)
+    restores = tiers.policy.should_restore(blocks * size, sum(n * tiers.block_bytes_in(t) for t, n in run.items()),
+                                           tiers.stats[slowest].read)
+    fetched = (run.get("disk", 0) + run.get("remote", 0)) * size
+    policy = engine.prefetch
+    wait = policy.deadline(0.0, fetched) if fetched else 0.0
+    where = ", ".join(f"{n} on {t}" for t, n in run.items())
+    measured = tiers.stats[slowest].read.samples > 0 and engine.prefill_rate.samples > 0
+    rates = "the measured rates" if measured else "assumed rates (nothing measured yet)"
+    detail = (f"{blocks} blocks from here are in lower tiers ({where}): restoring them takes about "
+              f"{restore * 1e3:,.1f} ms at {rates}, recomputing them about {recompute * 1e3:,.1f} ms, "
+              f"so the next request {'restores' if restores else 'recomputes'} them")
+    part = " and ".join(name for tier, name in (("disk", "disk"), ("remote", "Redis")) if run.get(tier))
+    if restores and fetched:
+        detail += (f"; it is admitted at once with what has come up from {part} (prefetch_policy best_effort)"
+                   if policy.policy == "best_effort" else
+                   f"; it waits until the {part} reads end (prefetch_policy wait_complete)"
+                   if wait == float("inf") else
+                   f"; it waits up to {wait:,.2f} s for the {part} part to come up (prefetch_policy timeout)")
+    return {"detail": detail, "lower_tier_blocks": run, "restore_seconds": restore,
+            "recompute_seconds": recompute, "restores": restores,
+            "prefetch_wait_seconds": None if wait == float("inf") or not (restores and fetched) else wait}
+
+
+def _cached_miss(service, engine: Engine, block: int, key: bytes, lower: str, logged, other: list[str],
+                 device_clock: float) -> dict:
+    """Why a block that could be cached is not on the device: in a lower tier; dropped from
+    one (the event log says which and why); evicted from the device (its eviction log);
+    another tenant's; or unknown to kvd since it started. Names the block for `kvctl events --key`."""
+    removal = engine.events.last(1, ("removed",), key=KeyPrefix(key, None)).events
+    if lower != "evicted":
+        miss = {"reason": "in_lower_tier", "tier": lower,
+                "detail": f"on the {lower} tier; the next request restores it instead of recomputing"}
+    elif removal and removal[0].tier != "device":  # it left the device, then a lower tier too
+        event = removal[0]
+        ago = max(0.0, time.time() - event.at)
+        miss = {"reason": "evicted", "tier": event.tier,
+                "detail": f"evicted from the {event.tier} tier {now_minus(ago, 0.0)} ago "
+                          f"{REMOVAL_WORDS[event.reason]}",
+                "evicted_by": event.reason, "seconds_ago": ago}
+    elif logged is not None:
+        at, reason = logged
+        miss = {"reason": "evicted", "tier": "device",
+                "detail": f"evicted {now_minus(device_clock, at)} ago " + (
+                    "to make room: its tenant held more idle blocks than its cache share" if reason == "tenant_share"
+                    else f"by {'an operator' if reason == 'operator' else reason + ' eviction'}"),
+                "evicted_by": reason, "seconds_ago": device_clock - at}
+    elif other:
+        miss = {"reason": "other_namespace", "detail": f"cached for tenant {other[0]!r}; tenants never share blocks"}
+    else:
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(service.started_at))
+        miss = {"reason": "never_cached",
+                "detail": f"no request has filled this block under this namespace since kvd started ({started})"}
+    return {"block": block, **miss, "key": key.hex()[:16]}  # the key: its life in `kvctl events --key`
+
+
+def now_minus(now: float, then: float) -> str:
+    seconds = max(0.0, now - then)
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"

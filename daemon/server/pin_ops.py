@@ -1,0 +1,226 @@
+"""Pins: an operator's hold on a prefix (by its text, its id in `kvctl prefixes`, or its block
+keys as another replica pins it), with a TTL, an owner and a budget per tenant; each pin is
+stored, so it survives a restart, and audited.
+
+The cache's own pin table (daemon/cache/pins.py) decides what a pin holds; these functions
+take the service lock for it, and write to the store outside that lock (a store another
+process holds locked must not hold up the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin
+from kvctl.daemon.engine.engine import AdmissionRejected
+from kvctl.daemon.engine.sampling import SamplingParams
+from kvctl.daemon.store import StoreUnavailable
+
+from . import tier_ops
+from .calls import Principal, ServiceError
+from .durations import unix_time
+from .prefix_ops import prefix_tree, resolve_prefix
+
+log = logging.getLogger("kvd")
+
+
+def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, note: str) -> dict:
+    engine = service.require_ready()
+    namespace = engine.namespace(principal.tenant)
+    try:
+        with service.lock:
+            result = engine.cache.pin(namespace, token_ids, ttl=ttl, owner=principal.actor, note=note)
+    except PinBudgetExceeded as exc:  # (audited outside the lock: the engine thread takes it, a store write may wait)
+        service.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin",
+                            target="-", result="refused", detail={"reason": str(exc)})
+        raise ServiceError(409, str(exc)) from None
+    except InvalidRequest as exc:
+        raise ServiceError(400, str(exc), "tokens") from None
+    warmed = False
+    if result.pending_blocks:
+        try:
+            _warm(service, token_ids, principal)
+        except Exception as exc:  # the prefix cannot be prefilled: a new pin goes again, whole
+            if not result.refreshed:
+                with service.lock:
+                    engine.cache.unpin(result.pin.pin_id)
+            service.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin", target="-",
+                                result="refused", detail={"reason": str(exc)})
+            status = 400  # a bad prompt; 409 when the cache cannot take it; the service's own otherwise
+            if isinstance(exc, ServiceError):
+                status = exc.status
+            elif isinstance(exc, AdmissionRejected):
+                status = 409
+            raise ServiceError(status, f"tokens: the prefix cannot be warmed: {exc}", "tokens") from None
+        warmed = True
+    return _pinned(service, result, principal, ttl, note, warmed)
+
+
+def pin_prefix(service, prefix_id: str, principal: Principal, tenant: str | None, ttl: float | None,
+               note: str) -> dict:
+    """Pin a cached prefix by its id from `kvctl prefixes`: the prefix as that row lists it (from
+    the first token to the end of the row). No text needed; its tenant pays. Parts of it in
+    a lower tier come back to the device and pin as they land."""
+    service.require_ready()
+    tree, _ = prefix_tree(service)
+    first = resolve_prefix(prefix_id, tree)
+    keys = tree.path(first)
+    node, top = tree.nodes[tree.node_of[first]], tree.nodes[tree.node_of[keys[0]]]
+    if top.detached:
+        raise ServiceError(409, f"prefix: {prefix_id!r} is unreachable (the blocks before it are cached "
+                                "nowhere); pin it by its text to compute them again", "prefix")
+    owner = node.tenant
+    if owner is None:
+        raise ServiceError(409, f"prefix: whose prefix {prefix_id!r} is, is not known; pin it by its text "
+                                "with --tenant", "prefix")
+    if tenant is not None and tenant != owner:
+        raise ServiceError(400, f"tenant: prefix {first.hex()[:16]} is tenant {owner!r}'s, not {tenant!r}'s",
+                           "tenant")
+    body = _pin_keys(service, keys, owner, principal, ttl, note, principal.actor, f"prefix={first.hex()[:16]}",
+                     "prefix")
+    body["prefix_id"] = first.hex()[:16]
+    return body
+
+
+def pin_copy(service, keys: list[bytes], tenant: str, principal: Principal, ttl: float | None, note: str,
+             owner: str | None) -> dict:
+    """Pin a prefix by its block keys, as another replica of the fleet has it pinned (kvd
+    router's `kvctl fleet sync-pins`): no text needed. What a lower tier here holds of it (a
+    shared Redis, say) comes up pinned; the rest is pinned as the prefix is computed here."""
+    service.require_ready()
+    return _pin_keys(service, keys, tenant, principal, ttl, note, owner or principal.actor,
+                     f"keys={keys[-1].hex()[:16]}", "keys")
+
+
+def _pin_keys(service, keys: list[bytes], tenant: str, principal: Principal, ttl: float | None, note: str,
+              owner: str, target: str, param: str) -> dict:
+    """Pin `keys` for `tenant` (its budget pays), bring what lower tiers hold of them up, and
+    record it; a refusal is audited under `target` and named by `param`."""
+    engine = service.engine
+    try:
+        with service.lock:
+            result = engine.cache.pin_keys(tenant, keys, ttl=ttl, owner=owner, note=note)
+    except PinBudgetExceeded as exc:  # (audited outside the lock, as in pin())
+        service.store.audit(actor=principal.actor, tenant=tenant, action="pin", target=target,
+                            result="refused", detail={"reason": str(exc)})
+        raise ServiceError(409, str(exc)) from None
+    except InvalidRequest as exc:
+        raise ServiceError(400, str(exc), param) from None
+    if result.pending_blocks and service.tiers is not None:  # what a lower tier holds comes up, pinned
+        tier_ops.restore_chain(service, keys, tenant)
+    return _pinned(service, result, Principal(tenant, principal.role, principal.actor), ttl, note, warmed=False)
+
+
+def _pinned(service, result, principal: Principal, ttl: float | None, note: str, warmed: bool) -> dict:
+    """Record a pin that took (store and audit) and describe it."""
+    engine = service.engine
+    with service.lock:
+        cached = engine.cache.lookup(result.pin.keys)
+    pin = result.pin
+    try:
+        service.store.save_pin({"pin_id": pin.pin_id, "tenant": pin.tenant,
+                                "keys": ",".join(k.hex() for k in pin.keys), "owner": pin.owner,
+                                "note": pin.note, "created_at": time.time(),
+                                "expires_at": None if ttl is None else time.time() + ttl})
+    except StoreUnavailable as exc:  # a pin that would not survive a restart is no pin
+        if not result.refreshed:
+            with service.lock:
+                engine.cache.unpin(pin.pin_id)
+        raise ServiceError(503, f"{exc}: " + ("the pin's new expiry holds until kvd restarts" if result.refreshed
+                                               else "nothing was pinned"), "pin") from None
+    body = {**_pin_times(pin.describe(), engine.clock()), "cached_blocks": cached, "warmed": warmed,
+            "refreshed": result.refreshed}
+    service.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin", target=pin.pin_id,
+                        result="ok", detail={"blocks": pin.num_blocks, "ttl": ttl, "note": note})
+    return body
+
+
+def _warm(service, token_ids: list[int], principal: Principal) -> None:
+    """Prefill a prefix so its blocks are cached (and so pinned): one token of output."""
+    done = threading.Event()
+    service.submit([token_ids], SamplingParams(max_tokens=1, ignore_eos=True), principal,
+                   lambda event: done.set() if event.finish_reason else None)
+    done.wait(timeout=120)
+
+
+def unpin(service, pin_id: str, principal: Principal) -> dict:
+    engine = service.require_ready()
+    with service.lock:
+        try:
+            engine.cache.pins.get(pin_id)
+        except UnknownPin as exc:
+            hint = "" if pin_id.startswith("pin-") else "; pin ids start with pin- (kvctl pins lists them)"
+            raise ServiceError(404, str(exc) + hint, "pin_id") from None
+    try:  # from the store first: an unpin it could not record would come back at the next start
+        service.store.delete_pin(pin_id)
+    except StoreUnavailable as exc:
+        raise ServiceError(503, f"{exc}: the pin stands", "pin_id") from None
+    with service.lock:
+        try:
+            pin = engine.cache.unpin(pin_id)
+        except UnknownPin as exc:  # it lapsed or went meanwhile
+            raise ServiceError(404, str(exc), "pin_id") from None
+    service.store.audit(actor=principal.actor, tenant=principal.tenant, action="unpin", target=pin_id,
+                        result="ok", detail={"blocks": pin.num_blocks})
+    return {"pin_id": pin_id, "unpinned_blocks": pin.num_blocks}
+
+
+def list_pins(service, with_keys: bool = False) -> list[dict]:
+    """Every pin; `with_keys`: also its block keys (hex), which another replica of the same block
+    space can pin by (`pin_copy`)."""
+    engine = service.require_ready()
+    with service.lock:
+        pins, now = engine.cache.pins.all(), engine.clock()
+        return [{**_pin_times(p.describe(), now), "cached_blocks": engine.cache.lookup(p.keys),
+                 **({"keys": [k.hex() for k in p.keys]} if with_keys else {})} for p in pins]
+
+
+def _pin_times(described: dict, now: float) -> dict:
+    """A pin's engine-clock times as Unix times, with the seconds it has left (None: until unpinned)."""
+    expires = described["expires_at"]
+    return {**described, "created_at": unix_time(described["created_at"], now),
+            "expires_at": unix_time(expires, now),
+            "expires_in_seconds": None if expires is None else max(expires - now, 0.0)}
+
+
+def restore_pins(service) -> list[str]:
+    """Pins survive restarts: re-register them by key (they re-pin blocks as they fill).
+    Returns the ids of those that lapsed while kvd was down, for the caller to take off the
+    store (not here, under the engine's lock, where a locked store would hold up the start)."""
+    now, lapsed = time.time(), []
+    for row in service.store.pins():
+        remaining = None if row["expires_at"] is None else row["expires_at"] - now
+        if remaining is not None and not math.isfinite(remaining):  # stored before ttls had to be finite
+            log.warning("pin %s: its stored expiry is not a time; kept until unpinned", row["pin_id"])
+            remaining = None
+        if remaining is not None and remaining <= 0:
+            lapsed.append(row["pin_id"])
+            continue
+        keys = [bytes.fromhex(k) for k in row["keys"].split(",")]
+        try:
+            service.engine.cache.pin_keys(row["tenant"], keys, ttl=remaining, owner=row["owner"],
+                                          note=row["note"])
+        except PinBudgetExceeded as exc:
+            log.warning("pin %s not restored: %s", row["pin_id"], exc)
+    return lapsed
+
+
+def forget_stored_pin(service, pin_id: str) -> None:
+    """Take a lapsed pin off the store; one the store cannot take now stays there, lapsed, and
+    the next start drops it (a full disk must not stop kvd loading or its expiry loop)."""
+    try:
+        service.store.delete_pin(pin_id)
+    except StoreUnavailable as exc:
+        log.warning("pin %s lapsed but stays in the store until the next start: %s", pin_id, exc)
+
+
+def expire_pins(service) -> None:
+    with service.lock:
+        lapsed = service.engine.cache.expire_pins() if service.engine else []
+    for pin in lapsed:
+        forget_stored_pin(service, pin.pin_id)
+        service.store.audit(actor="ttl", tenant=pin.tenant, action="unpin", target=pin.pin_id,
+                            result="expired", detail={})
