@@ -357,7 +357,7 @@ def router(
     from kvctl.daemon.router_config import resolve_router, router_env_typos
     from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.fleet_file import FleetFile, read_replicas_file
-    from kvctl.daemon.server.router import Replica, RouterService, replica_client
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
     configure_logging(log_level)

@@ -24,7 +24,8 @@ def unix_app(service):
 
 
 def router_over(services):
-    from kvctl.daemon.server.router import Replica, RouterService, create_router_app, replica_client
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
     replicas = [Replica(f"replica-{i}", replica_client(f"/run/r{i}.sock",
@@ -132,7 +133,7 @@ def test_kvctl_fleet_sync_pins_prints_what_went_where():
 
 
 def test_a_replica_that_joins_gets_the_fleet_s_pins_once_it_answers_ready(tmp_path):
-    from kvctl.daemon.server.router import Replica, RouterService, replica_client
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
     services = [start_service(tmp_path / name, num_blocks=128) for name in "ab"]

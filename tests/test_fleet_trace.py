@@ -245,7 +245,7 @@ class RunsThenRefuses(httpx.AsyncBaseTransport):
 
 
 def test_the_router_names_each_try_and_its_trace_counts_a_retried_request_once(fleet):
-    from kvctl.daemon.server.router import replica_client
+    from kvctl.daemon.server.router_service import replica_client
 
     from .daemon_fixtures import call, settled
     from .test_router import drive, router_app
@@ -310,7 +310,7 @@ def test_the_router_notes_each_request_no_replica_took_in_and_no_other(fleet):
     question, or each closing the connection before answering: noted, once each, and counted in
     kvd_router_unrouted_total. Turned away by a replica (429, which keeps a trace line there) and
     then unreachable elsewhere, or served: not noted."""
-    from kvctl.daemon.server.router import replica_client
+    from kvctl.daemon.server.router_service import replica_client
 
     from .test_router import Down, Failing, Refusing, drive, post, router_app
 

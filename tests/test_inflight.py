@@ -129,7 +129,8 @@ def unix_app(service):
 
 def test_at_the_router_every_replica_s_requests_are_listed_and_a_cancel_finds_its_replica(tmp_path):
     from kvctl.daemon.engine.sampling import SamplingParams
-    from kvctl.daemon.server.router import Replica, RouterService, create_router_app, replica_client
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
     from kvctl.daemon.server.calls import Principal
     from kvctl.policies.routing import make_router
 

@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
 from kvctl.daemon.server.app import create_app  # noqa: E402
-from kvctl.daemon.server.router import Replica, RouterService, create_router_app, replica_client  # noqa: E402
+from kvctl.daemon.server.router import create_router_app  # noqa: E402
+from kvctl.daemon.server.router_service import Replica, RouterService, replica_client  # noqa: E402
 from kvctl.policies.routing import make_router  # noqa: E402
 
 from .daemon_fixtures import sse_events, start_service  # noqa: E402
@@ -813,9 +814,9 @@ def test_a_replica_serves_its_tokenizer_with_the_digest_its_keys_are_made_under(
 def test_the_events_view_weighs_a_long_prompt_in_a_worker_thread_as_it_weighs_a_short_one(replicas, monkeypatch):
     import threading
 
-    from kvctl.daemon.server import router as router_module
+    from kvctl.daemon.server import router_service
 
-    monkeypatch.setattr(router_module, "LARGE_PROMPT", 8)
+    monkeypatch.setattr(router_service, "LARGE_PROMPT", 8)
     service, app = router_app(replicas, "prefix", view="events")
     threads = []
     weigh = service.weigh_locally

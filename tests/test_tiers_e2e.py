@@ -101,7 +101,8 @@ def test_a_fleet_eviction_searches_a_shared_redis_once_and_each_replica_drops_it
     import asyncio
 
     from kvctl.daemon.cache.tiers.remote import RemoteTier
-    from kvctl.daemon.server.router import Replica, RouterService, create_router_app, replica_client
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
     settings = {"num_blocks": 64, "remote_url": redis_server.url, "write_policy": "write_through",

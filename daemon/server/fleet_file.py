@@ -50,7 +50,7 @@ class FleetFile:
     def apply(self, service) -> dict:
         """Bring the fleet in line with the file: {"added", "leaving"} (names). ValueError (nothing
         changed) for a file that cannot be read, names a replica wrongly or names none at all."""
-        from .router import Replica
+        from .router_service import Replica
 
         wanted = read_replicas_file(self.path)
         if not wanted and not self.fixed:
