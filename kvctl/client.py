@@ -17,6 +17,9 @@ import httpx
 from .errors import KvdUnavailable, UserError
 
 STORE_WAIT_NOTE_AFTER_S = 2.0  # an admin call that changes something and has not answered by then: ask kvd why
+STORE_WRITE_WAIT_S = 30  # how long a write to kvd's store waits for another process's lock (daemon/store.py)
+# who holds a store's write lock, most likely, when a write waits for it: every kvctl message about such a wait says
+LOCK_HOLDERS = "a sqlite3 shell left in a transaction, a long kvctl db command"
 
 
 def waiting_writes_note(status: dict) -> str | None:
@@ -30,8 +33,8 @@ def waiting_writes_note(status: dict) -> str | None:
         return None
     parts = [(f"{name}: " if name else "") + f"{count} write{'s' if count != 1 else ''} waiting {longest:.0f} s"
              for name, count, longest in waiting]
-    return (f"note: kvd is waiting for its store's write lock ({'; '.join(parts)}): another process holds it (a "
-            "sqlite3 shell left in a transaction, a long kvctl db command?); this call fails after 30 s if it goes on")
+    return (f"note: kvd is waiting for its store's write lock ({'; '.join(parts)}): another process holds it "
+            f"({LOCK_HOLDERS}?); this call fails after {STORE_WRITE_WAIT_S} s if it goes on")
 
 
 class Client:

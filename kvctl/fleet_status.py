@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.text import Text
 
+from .client import LOCK_HOLDERS, STORE_WRITE_WAIT_S
 from .gc_status import gc_line
 from .tables import compact_table, duration, fit_cells, keep_whole, seconds
 
@@ -43,7 +44,7 @@ def store_trouble(status: dict) -> list[tuple[str, Text]]:
     waiting, longest = store.get("waiting_writes") or 0, store.get("longest_write_wait_seconds") or 0.0
     if waiting and longest >= WRITE_WAIT_SHOWN_S:
         lines.append(("writes", Text(f"{waiting} waiting {longest:.0f} s for the store's write lock (another process "
-                                     "holds it? a sqlite3 shell, a long kvctl db command); after 30 s each fails",
+                                     f"holds it: {LOCK_HOLDERS}?); after {STORE_WRITE_WAIT_S} s each fails",
                                      style="yellow")))
     failing = store.get("failing_jobs")
     if failing:

@@ -69,6 +69,8 @@ def open_store(ctx: typer.Context | None, state_dir: str | None, create: bool = 
     from kvctl.daemon.config import default_state_dir
     from kvctl.daemon.store import Store, StoreError
 
+    from .client import LOCK_HOLDERS, STORE_WRITE_WAIT_S
+
     chosen = state_dir or os.environ.get("KVD_STATE_DIR")
     path = Path(chosen) / "kvd.sqlite3" if chosen else running_daemon_store(ctx)
     if path is None:
@@ -77,8 +79,8 @@ def open_store(ctx: typer.Context | None, state_dir: str | None, create: bool = 
         raise UserError(f"state_dir: no kvd.sqlite3 in {str(path.parent)!r}; give kvd's state directory "
                         "(--state-dir or KVD_STATE_DIR)")
     def waiting() -> None:
-        typer.echo(f"waiting for the write lock of {str(path)!r}: another process holds it (a sqlite3 shell, a "
-                   "long kvctl db command?); kvctl waits up to 30 s", err=True)
+        typer.echo(f"waiting for the write lock of {str(path)!r}: another process holds it ({LOCK_HOLDERS}?); "
+                   f"kvctl waits up to {STORE_WRITE_WAIT_S} s", err=True)
 
     try:
         return Store(path, on_wait=waiting)

@@ -128,8 +128,8 @@ def test_tokens_keep_coming_while_another_process_holds_the_store_s_write_lock(t
             assert status["store"]["waiting_writes"] >= 2  # the rollout's and the pin's, at least
             console = Console(record=True, width=200)
             render_status(status, console)  # what `kvctl status` shows
-            assert re.search(r"writes \d waiting \d+ s for the store's write lock \(another process holds it\? a "
-                             r"sqlite3 shell, a long kvctl db command\); after 30 s each fails",
+            assert re.search(r"writes \d waiting \d+ s for the store's write lock \(another process holds it: a "
+                             r"sqlite3 shell left in a transaction, a long kvctl db command\?\); after 30 s each fails",
                              " ".join(console.export_text().split()))
             scraped = call(unix, "GET", "/metrics").text
             assert re.search(r"^kvd_store_waiting_writes [2-9]\.0$", scraped, re.M)

@@ -417,6 +417,6 @@ def test_kvctl_says_it_waits_for_a_store_another_process_holds_locked_then_write
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("waiting for the write lock of") == 1
-    assert (f"waiting for the write lock of {str(store)!r}: another process holds it (a sqlite3 shell, a long kvctl "
-            "db command?); kvctl waits up to 30 s") in " ".join(done.stderr.split())
+    assert (f"waiting for the write lock of {str(store)!r}: another process holds it (a sqlite3 shell left in a "
+            "transaction, a long kvctl db command?); kvctl waits up to 30 s") in " ".join(done.stderr.split())
     assert [adr.title for adr in Records(Store(store)).list()] == ["Block size 32"]
