@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, Field, StrictInt
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,19 +38,21 @@ from kvctl.daemon.store import StoreUnavailable
 
 from . import (cache_questions, calibrate_ops, event_feed, evict_ops, inflight, invalid_request, pin_ops, prefix_ops,
                tier_ops)
-from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
-                   GenerationFields, Number)
-from .chat_messages import MessagesError, chat_messages, messages_size
-from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
+from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest, PinRequest,
+                           RolloutAdvance, RolloutRollback, RolloutStart, SwapRequest, VerifyRequest)
 from .admin_slots import AdminWriteSlots
+from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
-from .strict_json import StrictJSONRoute
+from .calls import Principal, ServiceError
+from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
+                   GenerationFields)
+from .chat_messages import MessagesError, chat_messages, messages_size
+from .durations import parse_duration
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
-from .calls import Principal, ServiceError
-from .durations import parse_duration
 from .service import EngineService, LoopSink
+from .strict_json import StrictJSONRoute
 from .tenants import list_tenants
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
@@ -110,95 +112,6 @@ def refuse_unsupported(body: BaseModel, unsupported: dict, hints: dict) -> None:
         raise ApiError(400, f"{name}: not supported by kvd, got {shown}; "
                             + hints.get(name, UNSUPPORTED_HINTS.get(name, "leave it out")), param=name,
                        code="unsupported_parameter")
-
-
-# a tenant named in an admin request follows the token file's and X-KVD-Tenant's rule: a pin for
-# a tenant no request can carry would hold blocks (and budget) nobody can hit
-Tenant = Annotated[str, Field(pattern=TENANT_PATTERN.pattern)]
-
-
-class PinRequest(BaseModel):
-    text: str | None = None
-    tokens: list[Count] | None = None
-    # chat messages, rendered by the model's chat template without opening a reply: pinning a chat
-    # system prompt this way pins the tokens every conversation that starts with it begins with
-    messages: list[Any] | None = None
-    prefix: str | None = None  # an id from /admin/prefixes, instead of text or tokens
-    # block keys (hex), as `GET /admin/pins?keys=true` lists another replica's pin: a copy of it
-    # (kvd router's sync-pins), with its tenant and owner
-    keys: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]], Field(min_length=1, max_length=65536)] \
-        | None = None
-    owner: str | None = None
-    tenant: Tenant | None = None
-    ttl: str | Number | None = None
-    note: str = ""
-
-
-class EvictRequest(BaseModel):
-    prefix: str | None = None
-    tenant: Tenant | None = None
-    model_revision: str | None = None
-    all_unpinned: bool = False
-    # set by kvd router, the same for every replica it sends the eviction to: of the replicas on
-    # one shared Redis, only the first to claim it searches that Redis for other daemons' entries
-    purge_once: Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")] | None = None
-
-
-class CancelRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    request_ids: Annotated[list[str], Field(min_length=1, max_length=1000)] | None = None
-    tenant: Tenant | None = None
-
-
-class DrainRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    drain: StrictBool = True
-
-
-class VerifyRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    rate: Number | None = Field(None, gt=0)  # bytes a second at most; None: tier_verify.DEFAULT_RATE
-    unpaced: StrictBool = False  # as fast as the disk and a core allow (the engine then has less CPU)
-
-
-class SwapRequest(BaseModel):
-    prefix: str
-    to: str
-    keep_source: bool = Field(False, alias="copy")
-
-
-class RolloutStart(BaseModel):
-    policy: dict
-    cohort: str | Number
-    stops: list[str] = Field(default_factory=list)
-    adr: Count | None = None
-    baseline: str = "current"
-
-
-class RolloutAdvance(BaseModel):
-    to: str | Number
-
-
-class RolloutRollback(BaseModel):
-    reason: str
-
-
-class CalibrateRequest(BaseModel):
-    dtype: str = "fp8_e4m3"
-    prompts: list[str | list[Count]] | None = None
-    max_tokens: Count = Field(16, ge=0, le=256)
-    max_kl: Number = Field(0.01, gt=0)
-    margin: Number = 1.0
-    slices: list[Count] = Field(default_factory=lambda: [512, 2048])
-    if_older_than: Number | None = None
-    apply: bool = False
-
-
-class ExplainRequest(BaseModel):
-    text: str | None = None
-    tokens: list[Count] | None = None
-    messages: list[Any] | None = None  # a chat, rendered as /v1/chat/completions renders it
-    tenant: Tenant | None = None
 
 
 # Prompts of up to this many tokens in all are hashed on the event loop when they are handed in

@@ -1,0 +1,100 @@
+"""The bodies of kvd's admin calls (`/admin/...`), checked at the edge: a field of the wrong
+type or shape is refused with a 400 that names it, before any operation sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from .auth import TENANT_PATTERN
+from .chat import Count, Number
+
+# a tenant named in an admin request follows the token file's and X-KVD-Tenant's rule: a pin for
+# a tenant no request can carry would hold blocks (and budget) nobody can hit
+Tenant = Annotated[str, Field(pattern=TENANT_PATTERN.pattern)]
+
+
+class PinRequest(BaseModel):
+    text: str | None = None
+    tokens: list[Count] | None = None
+    # chat messages, rendered by the model's chat template without opening a reply: pinning a chat
+    # system prompt this way pins the tokens every conversation that starts with it begins with
+    messages: list[Any] | None = None
+    prefix: str | None = None  # an id from /admin/prefixes, instead of text or tokens
+    # block keys (hex), as `GET /admin/pins?keys=true` lists another replica's pin: a copy of it
+    # (kvd router's sync-pins), with its tenant and owner
+    keys: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]], Field(min_length=1, max_length=65536)] \
+        | None = None
+    owner: str | None = None
+    tenant: Tenant | None = None
+    ttl: str | Number | None = None
+    note: str = ""
+
+
+class EvictRequest(BaseModel):
+    prefix: str | None = None
+    tenant: Tenant | None = None
+    model_revision: str | None = None
+    all_unpinned: bool = False
+    # set by kvd router, the same for every replica it sends the eviction to: of the replicas on
+    # one shared Redis, only the first to claim it searches that Redis for other daemons' entries
+    purge_once: Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")] | None = None
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_ids: Annotated[list[str], Field(min_length=1, max_length=1000)] | None = None
+    tenant: Tenant | None = None
+
+
+class DrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    drain: StrictBool = True
+
+
+class VerifyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rate: Number | None = Field(None, gt=0)  # bytes a second at most; None: tier_verify.DEFAULT_RATE
+    unpaced: StrictBool = False  # as fast as the disk and a core allow (the engine then has less CPU)
+
+
+class SwapRequest(BaseModel):
+    prefix: str
+    to: str
+    keep_source: bool = Field(False, alias="copy")
+
+
+class RolloutStart(BaseModel):
+    policy: dict
+    cohort: str | Number
+    stops: list[str] = Field(default_factory=list)
+    adr: Count | None = None
+    baseline: str = "current"
+
+
+class RolloutAdvance(BaseModel):
+    to: str | Number
+
+
+class RolloutRollback(BaseModel):
+    reason: str
+
+
+class CalibrateRequest(BaseModel):
+    dtype: str = "fp8_e4m3"
+    prompts: list[str | list[Count]] | None = None
+    max_tokens: Count = Field(16, ge=0, le=256)
+    max_kl: Number = Field(0.01, gt=0)
+    margin: Number = 1.0
+    slices: list[Count] = Field(default_factory=lambda: [512, 2048])
+    if_older_than: Number | None = None
+    apply: bool = False
+
+
+class ExplainRequest(BaseModel):
+    text: str | None = None
+    tokens: list[Count] | None = None
+    messages: list[Any] | None = None  # a chat, rendered as /v1/chat/completions renders it
+    tenant: Tenant | None = None
