@@ -245,6 +245,47 @@ def test_tenants_never_share_blocks(daemon):
     assert header.status_code == 400 and header.json()["error"]["param"] == "X-KVD-Tenant"
 
 
+def test_a_pin_whose_warm_was_cancelled_or_is_still_running_says_it_was_not_warmed_and_stands(tmp_path,
+                                                                                               monkeypatch):
+    """A pin by text computes its prefix (one token of output). When that request ends cancelled
+    (an operator's `kvctl cancel`, kvd stopping) or has not ended within the wait, the answer says
+    "warmed": false (it said true), the pin stands, and its blocks pin as a later request fills them."""
+    from kvctl.daemon.engine.engine import TokenEvent
+    from kvctl.daemon.server import pin_ops
+
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        submitted = []
+
+        def cancelled_at_once(prompts, params, principal, sink):
+            submitted.append((len(prompts), params.max_tokens))
+            sink(TokenEvent("req-warm", 0, None, "cancelled"))
+            return []
+
+        monkeypatch.setattr(service, "submit", cancelled_at_once)
+        prompt = SYSTEM + "A pinned prompt whose warm an operator cancelled."
+        blocks = len(service.tokenize(prompt)) // 16
+        pinned = call(unix, "POST", "/admin/pins", json={"text": prompt}).json()
+        assert submitted == [(1, 1)]
+        assert (pinned["warmed"], pinned["blocks"], pinned["cached_blocks"]) == (False, blocks, 0)
+        monkeypatch.setattr(service, "submit", lambda *args: submitted.append("never ends") or [])
+        monkeypatch.setattr(pin_ops, "WARM_WAIT_S", 0.05)
+        other = call(unix, "POST", "/admin/pins", json={"text": SYSTEM + "Another, still warming."}).json()
+        assert submitted[-1] == "never ends" and (other["warmed"], other["cached_blocks"]) == (False, 0)
+        monkeypatch.undo()
+        assert complete(unix, prompt=prompt).status_code == 200  # a request fills the prefix: it pins
+        listed = {p["pin_id"]: p for p in call(unix, "GET", "/admin/pins").json()["pins"]}
+        assert listed[pinned["pin_id"]]["cached_blocks"] == blocks
+        evicted = call(unix, "POST", "/admin/evict", json={"all_unpinned": True}).json()
+        assert evicted["skipped"]["pinned"] == blocks
+        audit = [(r["action"], r["result"]) for r in call(unix, "GET", "/admin/audit").json()["entries"]
+                 if r["action"] == "pin"]
+        assert audit == [("pin", "ok"), ("pin", "ok")]
+    finally:
+        service.shutdown(1)
+
+
 def test_trusted_front_end_may_name_the_tenant(tmp_path, daemon):
     service, _, _ = daemon
     _, trusted = apps(service, token_table(tmp_path), trusted_proxy=True)

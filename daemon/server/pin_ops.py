@@ -26,6 +26,8 @@ from .prefix_ops import prefix_tree, resolve_prefix
 
 log = logging.getLogger("kvd")
 
+WARM_WAIT_S = 120.0  # how long a pin by text waits for its prefix to be computed before it answers
+
 
 def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, note: str) -> dict:
     engine = service.require_ready()
@@ -42,7 +44,7 @@ def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, 
     warmed = False
     if result.pending_blocks:
         try:
-            _warm(service, token_ids, principal)
+            ended = _warm(service, token_ids, principal)
         except Exception as exc:  # the prefix cannot be prefilled: a new pin goes again, whole
             if not result.refreshed:
                 with service.lock:
@@ -55,7 +57,9 @@ def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, 
             elif isinstance(exc, AdmissionRejected):
                 status = 409
             raise ServiceError(status, f"tokens: the prefix cannot be warmed: {exc}", "tokens") from None
-        warmed = True
+        # a warm cancelled (an operator's cancel, kvd stopping) or still running: the pin stands, and
+        # its blocks pin as a later request fills them
+        warmed = ended is not None and ended != "cancelled"
     return _pinned(service, result, principal, ttl, note, warmed)
 
 
@@ -138,12 +142,20 @@ def _pinned(service, result, principal: Principal, ttl: float | None, note: str,
     return body
 
 
-def _warm(service, token_ids: list[int], principal: Principal) -> None:
-    """Prefill a prefix so its blocks are cached (and so pinned): one token of output."""
+def _warm(service, token_ids: list[int], principal: Principal) -> str | None:
+    """Prefill a prefix so its blocks are cached (and so pinned): one token of output. Returns
+    how the warm request ended (its finish reason), or None when it had not within WARM_WAIT_S."""
+    ended: list[str] = []
     done = threading.Event()
-    service.submit([token_ids], SamplingParams(max_tokens=1, ignore_eos=True), principal,
-                   lambda event: done.set() if event.finish_reason else None)
-    done.wait(timeout=120)
+
+    def sink(event) -> None:
+        if event.finish_reason:
+            ended.append(event.finish_reason)
+            done.set()
+
+    service.submit([token_ids], SamplingParams(max_tokens=1, ignore_eos=True), principal, sink)
+    done.wait(timeout=WARM_WAIT_S)
+    return ended[0] if ended else None
 
 
 def unpin(service, pin_id: str, principal: Principal) -> dict:
