@@ -286,6 +286,40 @@ def test_a_pin_whose_warm_was_cancelled_or_is_still_running_says_it_was_not_warm
         service.shutdown(1)
 
 
+def test_explain_names_the_tenant_that_holds_a_prompt_and_hashes_it_outside_the_engines_lock(tmp_path,
+                                                                                              monkeypatch):
+    """"Why did this miss?" for a prompt another tenant has cached: the answer names that tenant.
+    The prompt's keys, and each other tenant's, are hashed outside the engine's lock (a long prompt
+    times many tenants held up every running request while it hashed), and a tenant's chain past
+    its first block only where that block begins one of its cached trees."""
+    from kvctl.daemon.server import cache_questions
+
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        prompt = SYSTEM + "Which tenant holds this one?"
+        for tenant, text in (("acme", prompt), ("initech", "Something else entirely, long enough for a block.")):
+            answer = call(unix, "POST", "/v1/completions", json={"prompt": text, "max_tokens": 1},
+                          headers={"X-KVD-Tenant": tenant})
+            assert answer.status_code == 200
+        hashed, chain_keys = [], cache_questions.chain_keys
+
+        def watched(namespace, token_ids):
+            hashed.append((namespace.tenant, len(token_ids), service.lock._is_owned()))
+            return chain_keys(namespace, token_ids)
+
+        monkeypatch.setattr(cache_questions, "chain_keys", watched)
+        why = call(unix, "POST", "/admin/explain", json={"text": prompt, "tenant": "globex"}).json()
+        assert (why["hit_blocks"], why["first_miss"]["reason"]) == (0, "other_namespace")
+        assert why["first_miss"]["detail"] == "cached for tenant 'acme'; tenants never share blocks"
+        prompt_tokens = len(service.tokenize(prompt))
+        assert hashed == [("globex", prompt_tokens, False),  # the prompt, as globex's
+                          ("acme", 16, False), ("acme", 16, False),  # acme's tree begins with it: its block 0
+                          ("initech", 16, False)]  # initech's does not: no further
+    finally:
+        service.shutdown(1)
+
+
 def test_trusted_front_end_may_name_the_tenant(tmp_path, daemon):
     service, _, _ = daemon
     _, trusted = apps(service, token_table(tmp_path), trusted_proxy=True)

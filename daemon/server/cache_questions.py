@@ -49,11 +49,13 @@ def route_facts(service, token_ids: list[int], tenant: str) -> dict:
 
 
 def explain(service, token_ids: list[int], tenant: str) -> dict:
+    """How much of the prompt hits the device cache for `tenant`, and why its first missing block
+    misses. Hashes outside the service lock (the engine steps meanwhile)."""
     engine = service.require_ready()
     size = engine.settings.block_size
+    keys = chain_keys(engine.namespace(tenant), token_ids)
     with service.lock:
         cache = engine.cache
-        keys = chain_keys(engine.namespace(tenant), token_ids)
         cacheable = cache.cacheable_blocks(len(token_ids))
         hits = cache.lookup(keys, len(token_ids))
         body = {"prompt_tokens": len(token_ids), "block_size": size, "full_blocks": len(keys),
@@ -75,15 +77,31 @@ def explain(service, token_ids: list[int], tenant: str) -> dict:
             key = keys[hits]
             logged = cache.pool.eviction_log.get(key)
             lower = service.tiers.location(key) if service.tiers is not None else "evicted"
-            other = [t for t in sorted({i.tenant for i in cache.roots.values()}) if t != tenant
-                     and cache.pool.block_of(chain_keys(engine.namespace(t), token_ids[:(hits + 1) * size])[hits])
-                     is not None]
+            roots = {root: info.tenant for root, info in cache.roots.items() if info.tenant != tenant}
             device_clock = engine.clock()
     if "first_miss" not in body:  # outside the lock: reading the event log does not hold up the engine
+        other = _other_tenants_holding(service, engine, token_ids, hits, roots)
         body["first_miss"] = _cached_miss(service, engine, hits, key, lower, logged, other, device_clock)
         if lower != "evicted":
             body["first_miss"].update(_lower_tier_run(service, engine, keys[hits:cacheable]))
     return body
+
+
+def _other_tenants_holding(service, engine: Engine, token_ids: list[int], block: int, roots: dict) -> list[str]:
+    """The other tenants whose device cache holds the prompt's block `block` (the same text is
+    cached apart for each tenant). `roots`: the cache's prefix trees' first blocks, each with its
+    tenant. Hashed outside the service lock, and a tenant's chain only past its first block where
+    that block begins one of those trees (a cached block's tree is always among them)."""
+    size = engine.settings.block_size
+    wanted: dict[str, bytes] = {}
+    for other in sorted(set(roots.values())):
+        namespace = engine.namespace(other)
+        if roots.get(chain_keys(namespace, token_ids[:size])[0]) == other:
+            wanted[other] = chain_keys(namespace, token_ids[:(block + 1) * size])[block]
+    if not wanted:
+        return []
+    with service.lock:
+        return [other for other, key in wanted.items() if engine.cache.pool.block_of(key) is not None]
 
 
 def _lower_tier_run(service, engine: Engine, keys: list[bytes]) -> dict:
