@@ -12,7 +12,7 @@ from rich.table import Table
 
 from .bench_replay import parse_int_list
 from .errors import UserError
-from .ops import _client
+from .command_kit import client_for
 
 
 def read_prompts(path: Path) -> list:
@@ -73,7 +73,7 @@ def calibrate_command(
             "prompts": read_prompts(prompts) if prompts else None}
     console = Console(stderr=True)
     with console.status("calibrating: measuring maxima, deriving scales, evaluating slices, ranking layers"):
-        data = _client(ctx).post("/admin/calibrate", body)
+        data = client_for(ctx).post("/admin/calibrate", body)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
     elif data.get("skipped"):

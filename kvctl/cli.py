@@ -14,13 +14,14 @@ import typer
 
 from kvctl import __version__
 
-from . import ops, records_cmd
+from . import ops, records_cmd, status_view
 from .bench_kernels import kernels_command
 from .bench_replay import replay_command
 from .bench_serve import serve_command
 from .bench_tiers import tiers_command as tiers_bench_command
 from .calibrate_cmd import calibrate_command
 from .capacity_cmd import capacity_command
+from .command_kit import client_for
 from . import events_cmd, requests_cmd, route_cmd, tiers_cmd
 from .fleet_cmd import drain_daemon, fleet_app, resume_daemon
 from .rollout_cmd import rollout_app
@@ -41,7 +42,7 @@ bench.command("replay")(replay_command)
 bench.command("kernels")(kernels_command)
 bench.command("serve")(serve_command)
 bench.command("tiers")(tiers_bench_command)
-for _command in (ops.status, ops.prefixes, ops.pin, ops.pins, ops.unpin, ops.evict, ops.explain, ops.audit):
+for _command in (status_view.status, ops.prefixes, ops.pin, ops.pins, ops.unpin, ops.evict, ops.explain, ops.audit):
     app.command(_command.__name__)(_command)
 app.add_typer(ops.config_app, name="config")
 app.command("capacity")(capacity_command)
@@ -178,7 +179,7 @@ def trace_save(
     if last is not None and last < 1:
         raise UserError(f"last: must be >= 1, got {last}")
     refuse_clobber(out, "out", is_trace, "a trace")
-    answer = ops._client(ctx).get("/admin/trace", last=last)
+    answer = client_for(ctx).get("/admin/trace", last=last)
     untraced = answer.get("router_untraced", 0)  # at kvd router: requests no replica took in
     if not answer["requests"]:
         raise UserError("trace: kvd has finished no request since it started; nothing to save"
@@ -214,7 +215,7 @@ def trace_save(
                    + (f"; {earlier:,} earlier requests are not in it" if earlier > 0 else "")
                    + (f"; {untraced:,} request{'s' if untraced != 1 else ''} no replica took in (none "
                       f"reachable or taking requests) {'are' if untraced != 1 else 'is'} not in it" if untraced else ""))
-        ops._fleet_message(answer)
+        ops.fleet_message(answer)
     if answer.get("result") == "partial":
         raise typer.Exit(3)
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import KvdUnavailable, UserError
-from .ops import _client
+from .command_kit import client_for
 
 WAIT_S = 25.0  # each follow request is held open this long at most (kvd allows 30)
 
@@ -108,7 +108,7 @@ def events(ctx: typer.Context,
         raise UserError(f"count: must be >= 1, got {count}")
     if since is not None and since < 0:
         raise UserError(f"since: must be >= 0, got {since}")
-    client = _client(ctx)
+    client = client_for(ctx)
     filters = {"tier": tier, "kind": kind, "key": key}
     key = key.strip().lower() if key else None
     console = Console()

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from .errors import UserError
-from .ops import _client, _emit
+from .command_kit import client_for, emit
 
 fleet_app = typer.Typer(help="The replicas behind kvd router: drain one for a restart, take it back.",
                         no_args_is_help=True)
@@ -57,7 +57,7 @@ def drain(ctx: typer.Context, replica: str = typer.Argument(..., help=REPLICA_HE
     """
     if not wait >= 0:
         raise UserError(f"wait: must be >= 0 seconds, got {wait!r}")
-    client = _client(ctx)
+    client = client_for(ctx)
     data = client.post("/router/drain", {"replica": replica, "drain": True})
     there = data.get("at_replica") or {}
     if "running" in there:  # the replica's own queue: every router's requests
@@ -74,7 +74,7 @@ def drain(ctx: typer.Context, replica: str = typer.Argument(..., help=REPLICA_HE
         if "error" in (d.get("at_replica") or {}):
             Console(stderr=True).print(f"the replica was not told (other routers still send there): "
                                        f"{d['at_replica']['error']}", highlight=False, soft_wrap=True)
-    _emit(data, as_json, render)
+    emit(data, as_json, render)
     if wait > 0 and data["open"] > 0:
         raise typer.Exit(3)
 
@@ -86,9 +86,9 @@ def resume(ctx: typer.Context, replica: str = typer.Argument(..., help=REPLICA_H
 
     Example: kvctl fleet resume /run/kvd-1/kvd.sock
     """
-    data = _client(ctx).post("/router/drain", {"replica": replica, "drain": False})
-    _emit(data, as_json, lambda d: Console().print(f"resumed {d['replica']}: it takes new requests again",
-                                                   highlight=False, soft_wrap=True))
+    data = client_for(ctx).post("/router/drain", {"replica": replica, "drain": False})
+    emit(data, as_json, lambda d: Console().print(f"resumed {d['replica']}: it takes new requests again",
+                                                  highlight=False, soft_wrap=True))
 
 
 def drain_daemon(ctx: typer.Context,
@@ -104,7 +104,7 @@ def drain_daemon(ctx: typer.Context,
     """
     if not wait >= 0:
         raise UserError(f"wait: must be >= 0 seconds, got {wait!r}")
-    client = _client(ctx)
+    client = client_for(ctx)
     data = client.post("/admin/drain", {"drain": True})
 
     def left_here() -> int:
@@ -117,7 +117,7 @@ def drain_daemon(ctx: typer.Context,
         Console().print("draining: no new completion is taken here; "
                         + ("nothing running or waiting: it can be stopped" if not left
                            else f"{d['running']} running, {d['waiting']} waiting"), highlight=False)
-    _emit({k: data[k] for k in ("draining", "running", "waiting")}, as_json, render)
+    emit({k: data[k] for k in ("draining", "running", "waiting")}, as_json, render)
     if wait > 0 and left:
         raise typer.Exit(3)
 
@@ -127,8 +127,8 @@ def resume_daemon(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
 
     Example: kvctl resume
     """
-    data = _client(ctx).post("/admin/drain", {"drain": False})
-    _emit(data, as_json, lambda d: Console().print("taking completions again", highlight=False))
+    data = client_for(ctx).post("/admin/drain", {"drain": False})
+    emit(data, as_json, lambda d: Console().print("taking completions again", highlight=False))
 
 
 @fleet_app.command("sync-pins")
@@ -142,7 +142,7 @@ def sync_pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", 
 
     Example: kvctl fleet sync-pins   # kvctl --socket ROUTER_SOCKET, or KVD_SOCKET
     """
-    data = _client(ctx).post("/router/sync-pins", {})
+    data = client_for(ctx).post("/router/sync-pins", {})
 
     def render(d):
         console = Console()
@@ -156,6 +156,6 @@ def sync_pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", 
         console.print(f"{d['copied']} copies made, {len(d['pins'])} pins in the fleet", highlight=False)
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
-    _emit(data, as_json, render)
+    emit(data, as_json, render)
     if data.get("result") == "partial":
         raise typer.Exit(3)

@@ -1,287 +1,23 @@
-"""Operator commands: status, prefixes, pin, unpin, evict, explain, config, audit.
+"""Operator commands: prefixes, pin, unpin, evict, explain, config, audit (status: status_view.py).
 
 kvctl presents; the daemon decides. Every command talks to kvd over its API and has --json.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import typer
-from rich.console import Console, Group
+from rich.console import Console
 from rich.markup import escape
-from rich.panel import Panel
 from rich.table import Table
-from rich.text import Text
 
-from .client import Client
-from .errors import KvdUnavailable, UserError
-from .fleet_status import PHASE_NAMES, before_load, is_fleet, render_fleet_status, store_trouble
-from .gc_status import gc_line
-from .outputs import read_text
-from .tables import compact_table, duration, keep_whole, seconds, size, when
-
-STATE_STYLES = {"free": "grey50", "reserved": "yellow", "active": "green", "shared": "cyan",
-                "cached": "blue", "pinned": "magenta"}
-MAP_STYLES = {".": "grey50", "r": "yellow", "a": "green", "s": "cyan", "c": "blue", "p": "magenta"}
-
-
-def _client(ctx: typer.Context, tenant: str | None = None) -> Client:
-    options = ctx.find_root().obj or {}
-    return Client(options.get("socket"), options.get("url"), options.get("token_file"), tenant=tenant)
-
-
-def _emit(data, as_json: bool, render) -> None:
-    if as_json:
-        typer.echo(json.dumps(data, indent=2))
-    else:
-        render(data)
-
-
-def show_or_watch(fetch: Callable[[], dict], view, watch: bool, as_json: bool,
-                  for_json: Callable[[dict], dict] = lambda d: d) -> None:
-    """Print what `fetch()` answers: as `view` draws it, as JSON (`for_json` makes it JSON-safe),
-    or redrawn every second until Ctrl-C (`--watch`)."""
-    if watch and not as_json:
-        watch_status(fetch, render=view)
-        return
-    data = fetch()
-    _emit(for_json(data) if as_json else data, as_json, lambda d: Console().print(view(d)))
-
-
-def _tokens(text: str | None, tokens: str | None, file: Path | None, messages: Path | None = None) -> dict:
-    given = [x for x in (text, tokens, file, messages) if x is not None]
-    if len(given) != 1:
-        raise UserError("give exactly one of TEXT, --tokens, --file or --messages")
-    if messages is not None:
-        return {"messages": chat_messages_file(messages)}
-    if tokens is not None:
-        try:
-            return {"tokens": [int(t) for t in tokens.split(",") if t.strip()]}
-        except ValueError:
-            raise UserError(f"tokens: expected comma-separated integers, got {tokens!r}") from None
-    if file is not None:
-        return {"text": read_text(file, "file", "give the prompt's text, or its token ids with --tokens")}
-    return {"text": text}
-
-
-def chat_messages_file(path: Path) -> list:
-    """The chat messages of a JSON file: a list of {role, content}, or a chat request's body (an
-    object with `messages`). kvd checks them and renders them with the model's chat template."""
-    raw = read_text(path, "messages", "give a JSON list of {\"role\", \"content\"} messages")
-    try:
-        loaded = json.loads(raw)
-    except ValueError as exc:
-        raise UserError(f"messages: {str(path)!r} is not JSON ({exc})") from None
-    if isinstance(loaded, dict) and "messages" in loaded:
-        loaded = loaded["messages"]
-    if not isinstance(loaded, list):
-        raise UserError(f"messages: {str(path)!r} holds a {type(loaded).__name__}; give a list of "
-                        "{\"role\", \"content\"} messages, or a chat request with \"messages\"")
-    return loaded
-
-
-MAP_MAX_CELLS = 2048  # 32 lines of 64: a GPU cache's hundred thousand blocks still fit a screen
-
-
-def map_cells(block_map: str, max_cells: int = MAP_MAX_CELLS) -> tuple[str, int]:
-    """The block map in at most `max_cells` cells: each cell covers `per_cell` consecutive blocks
-    and shows the state most of them are in (ties: the first of them). Returns (cells, per_cell)."""
-    per_cell = max(1, -(-len(block_map) // max_cells))
-    if per_cell == 1:
-        return block_map, 1
-    cells = []
-    for start in range(0, len(block_map), per_cell):
-        run = block_map[start:start + per_cell]
-        cells.append(max(dict.fromkeys(run), key=run.count))
-    return "".join(cells), per_cell
-
-
-def start_line(start: dict, uptime: float | None) -> str:
-    """How long kvd's latest start took and where the time went, in one line (`kvctl status`)."""
-    parts = ", ".join(f"{PHASE_NAMES.get(phase, phase)} {seconds(took)}" for phase, took in start["phases"].items())
-    early = before_load(start)
-    before = "" if early is None else f"{seconds(early)} before the load (imports, settings), "
-    line = f"ready {seconds(start['ready_after_seconds'])} after the process began: {before}{parts}"
-    if start.get("pins_warmed_seconds") is not None:
-        line += f"; pinned prefixes back from the lower tiers {seconds(start['pins_warmed_seconds'])} later"
-    if uptime is not None:
-        line += f"; up {duration(uptime)}"
-    return line
-
-
-def render_status(data: dict, console: Console | None = None):
-    if is_fleet(data):  # pointed at kvd router: a row per replica
-        return render_fleet_status(data, console)
-    blocks = data["blocks"]["device"]
-    total = blocks["total"]
-    table = Table(title=f"KV cache blocks (device, {total:,} blocks of {data['block_size']} tokens, "
-                        f"{data['bytes_per_token']:,} bytes/token)")
-    table.add_column("state")
-    table.add_column("blocks", justify="right")
-    table.add_column("share", justify="right")
-    table.add_column("")
-    for state in ("free", "reserved", "active", "shared", "cached", "pinned"):
-        count = blocks[state]
-        bar = "█" * round(30 * count / total) if total else ""
-        table.add_row(Text(state, style=STATE_STYLES[state]), f"{count:,}", f"{count / total:.1%}",
-                      Text(bar, style=STATE_STYLES[state]))
-    tokens = data["tokens"]
-    latency = data.get("latency") or {}
-    ttft, itl = latency.get("ttft_seconds") or {}, latency.get("inter_token_seconds") or {}
-    facts = Table.grid(padding=(0, 2))
-    facts.add_column(style="bold")
-    facts.add_column()
-    facts.add_row("model", f"{data['model']['name']} ({data['model']['architecture']}, "
-                           f"rev {data['model']['revision'][:12]}, {data['model']['device']})")
-    if "chat_template" in data["model"]:  # an older kvd does not say
-        template = data["model"]["chat_template"]
-        facts.add_row("chat template", "none: /v1/chat/completions refuses chats (kvd serve --chat-template FILE)"
-                      if template is None else f"{template['source']} ({template['digest'][:12]})")
-    facts.add_row("prefix hits", f"{tokens['hit']:,} of {tokens['prompt']:,} prompt tokens "
-                                 f"({tokens['hit_ratio']:.1%})")
-    facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")
-    if data.get("tiers"):
-        facts.add_row("restored", f"{tokens.get('restored', 0):,} prompt tokens from lower tiers (part of the hits)")
-        facts.add_row("tiers", "  ".join(
-            f"{name} {size(t['used_bytes'])}"
-            + (" (no budget)" if t["capacity_bytes"] is None else f" of {size(t['capacity_bytes'])}")
-            + ("" if t["health"] == "ok" else f" [{t['health'].upper()}]")
-            for name, t in data["tiers"].items()))
-    evictions = data["evictions"]
-    by_share = evictions.get("tenant_share", 0)
-    facts.add_row("evictions", f"{evictions['capacity']:,} by {data['eviction_policy']}"
-                  + (f" ({by_share:,} of them from tenants over their share)" if by_share else "")
-                  + f", {evictions['operator']:,} by operators")
-    if data.get("tenant_shares"):  # absent from an older kvd, null without shares
-        facts.add_row("tenant shares", "; ".join(
-            f"{tenant} {row['idle_blocks']:,} idle" + (", no share" if row["share_blocks"] is None else
-                                                        f", share {row['share_blocks']:,}"
-                                                        + (" (over: evicted first)"
-                                                           if row["idle_blocks"] > row["share_blocks"] else ""))
-            for tenant, row in data["tenant_shares"].items()))
-    queue = data["queue"]
-    waiting = f"{queue['waiting']} waiting" + (f" (oldest {seconds(queue['oldest_age_seconds'])})"
-                                               if queue["waiting"] else "")
-    ahead = ""
-    if queue.get("predicted_wait_seconds") is not None:
-        rate = f"prefill {queue['prefill_tokens_per_second']:,.0f} tokens/s"
-        ahead = f"; {rate}" if not queue["tokens_ahead"] else (
-            f"; {queue['tokens_ahead']:,} prompt tokens ahead: a new request waits "
-            f"~{seconds(queue['predicted_wait_seconds'])} ({rate})")
-    facts.add_row("queue", f"{waiting}, {queue['running']} running{ahead}")
-    if data.get("draining"):
-        facts.add_row("draining", Text("no new completion is taken (kvctl resume takes them again)", style="yellow"))
-    for what, line in store_trouble(data):
-        facts.add_row(what, line)
-    rejections = data["rejections"]
-    facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
-    facts.add_row("pins", str(data["pins"]))
-    if data.get("start"):  # absent from an older kvd
-        facts.add_row("started", start_line(data["start"], data.get("uptime_seconds")))
-    reload = data.get("last_reload")
-    if reload and reload["result"] == "refused":
-        facts.add_row("config", Text(f"the latest reload ({when(reload['at'])}, by {reload['actor']}) was refused, "
-                                     f"kvd runs on its earlier settings: {reload['error'].splitlines()[0]}",
-                                     style="yellow"))
-    rollout = data.get("rollout")
-    if rollout:
-        settings = ", ".join(f"{name} {value}" for name, value in rollout["settings"].items())
-        facts.add_row("rollout", f"{rollout['id']} {rollout['state']}: {settings} for {rollout['fraction']:.0%} "
-                                 f"of traffic ({rollout['policy'] or 'unnamed'}; kvctl rollout status {rollout['id']})")
-    cache = data.get("cache") or {}
-    if cache.get("uncalibrated"):
-        facts.add_row("cache format", Text(f"{cache['layout']}: UNCALIBRATED, unit scales", style="bold red"))
-    elif cache.get("scale_set"):
-        scale_set = cache["scale_set"]
-        facts.add_row("cache format", f"{cache['layout']}, scale set {scale_set['id']} (prompts "
-                                      f"{scale_set['prompts_digest']}), loaded in kernels: "
-                                      f"{'verified' if cache['scales_verified'] else 'MISMATCH'}")
-    elif cache:
-        facts.add_row("cache format", cache["layout"])
-    if data.get("extra_tokens_vs_model_dtype"):
-        facts.add_row("format gain", f"{data['capacity_tokens']:,} tokens, {data['extra_tokens_vs_model_dtype']:,} "
-                                     "more than the model dtype in the same memory")
-    facts.add_row("TTFT", f"p50 {seconds(ttft.get('p50'))}  p95 {seconds(ttft.get('p95'))}  "
-                          f"p99 {seconds(ttft.get('p99'))}")
-    facts.add_row("inter-token", f"p50 {seconds(itl.get('p50'))}  p95 {seconds(itl.get('p95'))}  "
-                                 f"p99 {seconds(itl.get('p99'))}")
-    steps = data.get("steps") or {}
-    if steps:
-        decode = steps.get("decode")
-        mean = f"; decode step {seconds(decode['seconds'] / decode['count'])} mean" if decode else ""
-        count = data.get("engine_threads")
-        threads = f" on {count} thread{'s' if count != 1 else ''}" if count else ""
-        share = data.get("cpu_share") or {}
-        if share.get("busy_neighbours"):
-            threads += (f" (its {share['cpus']} CPUs shared with {share['busy_neighbours']} other busy kvd"
-                        + (", fixed by OMP_NUM_THREADS" if share.get("fixed_by") else "") + ")")
-        facts.add_row("engine", ", ".join(f"{s['count']:,} {kind}" for kind, s in steps.items())
-                      + f" steps{threads}, {seconds(sum(s['seconds'] for s in steps.values()))} busy{mean}")
-    if (data.get("gc") or {}).get("watching"):  # kvd serve (absent from an older kvd)
-        facts.add_row("gc", gc_line(data["gc"]))
-    for gpu in data.get("gpu") or []:
-        facts.add_row(f"GPU {gpu['index']}", f"{gpu['name']}: {gpu['memory_used'] / 2**30:.1f} of "
-                                             f"{gpu['memory_total'] / 2**30:.1f} GiB, {gpu['utilization']}% busy")
-    parts = [table, facts]
-    if data.get("block_map"):
-        cells, per_cell = map_cells(data["block_map"])
-        text = Text()
-        for i, char in enumerate(cells):
-            text.append("■", style=MAP_STYLES[char])
-            if i % 64 == 63 and i + 1 < len(cells):
-                text.append("\n")
-        scale = "" if per_cell == 1 else f" (a cell is {per_cell} blocks, in its most common state)"
-        parts.append(Panel(text, title=f"block map{scale}: free reserved active shared cached pinned"))
-    group = Group(*parts)
-    if console is not None:
-        console.print(group)
-    return group
-
-
-def status(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
-           blocks: bool = typer.Option(False, "--blocks", help="Draw the physical block map."),
-           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Blocks by state, hits and recomputation, queue, rejections, latency, GPU.
-
-    Example: kvctl status --blocks
-    """
-    client = _client(ctx)
-    if not watch or as_json:
-        data = client.get("/admin/status", blocks=blocks or None)
-        _emit(data, as_json, lambda d: render_status(d, Console()))
-        return
-    watch_status(lambda: client.get("/admin/status", blocks=blocks or None))
-
-
-def watch_status(fetch, console: Console | None = None, interval: float = 1.0, sleep=time.sleep,
-                 render=None) -> None:
-    """Redraw the status (or what `render` makes of `fetch()`) every `interval` until Ctrl-C.
-    While kvd cannot answer (a restart, a reload of the model) the last picture stays up under a
-    line that says since when, and the watch carries on once kvd is back; any other error ends it."""
-    from rich.live import Live
-
-    render = render or render_status
-    frame = render(fetch())
-    lost_since = None
-    with Live(frame, console=console, refresh_per_second=2) as live:
-        try:
-            while True:
-                sleep(interval)
-                try:
-                    frame, lost_since = render(fetch()), None
-                    live.update(frame)
-                except KvdUnavailable as exc:
-                    lost_since = lost_since or time.strftime("%H:%M:%S")
-                    live.update(Group(frame, Text(f"{exc} — since {lost_since}; still watching (Ctrl-C stops)",
-                                                  style="yellow")))
-        except KeyboardInterrupt:
-            pass
-
+from .command_kit import client_for, emit, prompt_body
+from .errors import UserError
+from .tables import compact_table, duration, keep_whole, size, when
 
 PREFIX_SORTS = ("recent", "hits", "size")  # kvd sorts and cuts the list (a large cache has many rows)
 
@@ -312,8 +48,8 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         raise UserError(f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}")
     if limit < 0:
         raise UserError(f"limit: must be >= 0, got {limit}")
-    data = _client(ctx).get("/admin/prefixes", tenant=tenant, pinned=pinned or None, sort=sort,
-                            limit=None if as_json or not limit else limit, under=under)
+    data = client_for(ctx).get("/admin/prefixes", tenant=tenant, pinned=pinned or None, sort=sort,
+                               limit=None if as_json or not limit else limit, under=under)
 
     def render(d):
         shown = d["prefixes"]
@@ -356,7 +92,7 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
             console.print(f"#{i} {escape(name)}", highlight=False, soft_wrap=True)
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
-    _emit(data, as_json, render)
+    emit(data, as_json, render)
 
 
 def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Prefix text to pin."),
@@ -388,8 +124,8 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
             raise UserError("give exactly one of TEXT, --tokens, --file, --messages or --prefix")
         body = {"prefix": prefix, "tenant": tenant, "ttl": ttl, "note": note}
     else:
-        body = {**_tokens(text, tokens, file, messages), "tenant": tenant, "ttl": ttl, "note": note}
-    data = _client(ctx).post("/admin/pins", body)
+        body = {**prompt_body(text, tokens, file, messages), "tenant": tenant, "ttl": ttl, "note": note}
+    data = client_for(ctx).post("/admin/pins", body)
 
     def render(d):
         fleet = "replicas" in d  # at kvd router: what each replica holds is on a line of its own
@@ -398,8 +134,8 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
                         + f": {d['blocks']} blocks for tenant {d['tenant']}{cached}"
                         + (f", expires in {duration(d['expires_in_seconds'])}" if d.get("expires_in_seconds") else ""))
         replica_lines(d, lambda row: f"{row['cached_blocks']} cached" + (", warmed" if row["warmed"] else ""))
-        _fleet_message(d)
-    _emit(data, as_json, render)
+        fleet_message(d)
+    emit(data, as_json, render)
     if data.get("result") == "partial":
         raise typer.Exit(3)
 
@@ -412,7 +148,7 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
 
     Example: kvctl pins --json
     """
-    data = _client(ctx).get("/admin/pins")
+    data = client_for(ctx).get("/admin/pins")
 
     def render(d):
         fleet = "replica_count" in d  # at kvd router: the fleet's pins, each once
@@ -429,7 +165,7 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
         Console().print(table if d["pins"] else "no pins")
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
-    _emit(data, as_json, render)
+    emit(data, as_json, render)
 
 
 def replica_lines(d: dict, done: Callable[[dict], str]) -> None:
@@ -448,7 +184,7 @@ def replica_lines(d: dict, done: Callable[[dict], str]) -> None:
         Console().print(f"  {escape(row['replica'])}: {escape(str(what))}", highlight=False, soft_wrap=True)
 
 
-def _fleet_message(d: dict) -> None:
+def fleet_message(d: dict) -> None:
     if d.get("message") and "replicas" in d:
         Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
 
@@ -461,14 +197,14 @@ def unpin(ctx: typer.Context, pin_id: str = typer.Argument(..., help="Pin id fro
 
     Example: kvctl unpin pin-0123456789abcdef
     """
-    data = _client(ctx).delete(f"/admin/pins/{pin_id}")
+    data = client_for(ctx).delete(f"/admin/pins/{pin_id}")
 
     def render(d):
         Console().print(f"unpinned {d['pin_id']} ({d['unpinned_blocks']} blocks"
                         + (f" over {len(d['replicas'])} replicas)" if "replicas" in d else ")"))
         replica_lines(d, lambda row: f"{row['unpinned_blocks']} blocks")
-        _fleet_message(d)
-    _emit(data, as_json, render)
+        fleet_message(d)
+    emit(data, as_json, render)
     if data.get("result") == "partial":
         raise typer.Exit(3)
 
@@ -498,7 +234,7 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
     Example: kvctl evict --tenant acme
     """
     body = {"prefix": prefix, "tenant": tenant, "model_revision": model_revision, "all_unpinned": all_unpinned}
-    data = _client(ctx).post("/admin/evict", body)
+    data = client_for(ctx).post("/admin/evict", body)
 
     def render(d):
         if "replicas" in d:  # at kvd router: the fleet's sum, then each replica's answer
@@ -523,7 +259,7 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
                                      + ("" if row.get("result") == "ok" else " (partial)"))
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
-    _emit(data, as_json, render)
+    emit(data, as_json, render)
     if data.get("result") == "partial":
         raise typer.Exit(3)
 
@@ -549,8 +285,8 @@ def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help=
 
     Example: kvctl explain --file system_prompt.txt --tenant acme
     """
-    body = {**_tokens(text, tokens, file, messages), "tenant": tenant}
-    data = _client(ctx).post("/admin/explain", body)
+    body = {**prompt_body(text, tokens, file, messages), "tenant": tenant}
+    data = client_for(ctx).post("/admin/explain", body)
 
     def render(d):
         Console().print(f"{d['hit_tokens']} of {d['prompt_tokens']} tokens would hit "
@@ -560,7 +296,7 @@ def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help=
             Console().print(f"first miss at block {miss['block']}: {miss['reason']} — {miss['detail']}")
             if miss.get("key") and miss["reason"] in ("evicted", "in_lower_tier"):
                 Console().print(f"its moves between tiers: kvctl events --key {miss['key']}", highlight=False)
-    _emit(data, as_json, render)
+    emit(data, as_json, render)
 
 
 config_app = typer.Typer(help="The daemon's settings.", no_args_is_help=True)
@@ -581,7 +317,7 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
 
     Example: kvctl config show --json
     """
-    data = _client(ctx).get("/admin/config")
+    data = client_for(ctx).get("/admin/config")
 
     def render(d):
         sources = d.get("sources") or {}
@@ -600,7 +336,7 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
         for key, held in from_rollouts.items():
             console.print(f"[yellow]{key} {held['value']} came from completed rollout {held['rollout']}: a reload "
                           f"or restart reverts it unless the config says {key}: {held['value']}[/yellow]")
-    _emit(data, as_json, render)
+    emit(data, as_json, render)
 
 
 @config_app.command("reload")
@@ -610,7 +346,7 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
     A config that does not validate changes nothing, and the error names the setting.
     Example: kvctl config reload
     """
-    data = _client(ctx).post("/admin/reload", {})
+    data = client_for(ctx).post("/admin/reload", {})
 
     def render(d):
         console = Console()
@@ -631,7 +367,7 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
         for key, held in (d.get("reverted_rollout_settings") or {}).items():
             console.print(f"[yellow]{key} {held['value']} from completed rollout {held['rollout']} is reverted to "
                           f"the config's {held['now']}[/yellow]", highlight=False)
-    _emit(data, as_json, render)
+    emit(data, as_json, render)
 
 
 def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="Only entries newer than 1h, 2d, ..."),
@@ -657,7 +393,7 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
     data = None
     if not (state_dir or os.environ.get("KVD_STATE_DIR")):
         try:
-            data = _client(ctx).get("/admin/audit", since=start, action=action)
+            data = client_for(ctx).get("/admin/audit", since=start, action=action)
         except UserError as exc:
             if "not reachable" not in str(exc):
                 raise
@@ -678,4 +414,4 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
         if len(entries) < len(d["entries"]):
             console.print(f"the newest {len(entries)} of {len(d['entries']):,} entries; --limit 0 shows all, "
                           "--since and --action narrow them")
-    _emit(data, as_json, render)
+    emit(data, as_json, render)

@@ -16,7 +16,8 @@ from rich.markup import escape
 from rich.text import Text
 
 from .errors import UserError
-from .ops import _client, _emit, replica_lines, show_or_watch
+from .command_kit import client_for, emit, show_or_watch
+from .ops import replica_lines
 from .tables import compact_table, keep_whole, seconds, size
 
 
@@ -30,7 +31,7 @@ def requests(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
 
     Example: kvctl requests --tenant acme
     """
-    client = _client(ctx)
+    client = client_for(ctx)
     show_or_watch(lambda: client.get("/admin/requests", tenant=tenant), render_requests, watch, as_json)
 
 
@@ -80,7 +81,7 @@ def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, hel
     if bool(request_ids) == (tenant is not None):
         raise UserError("give request ids or --tenant")
     body = {"tenant": tenant} if tenant is not None else {"request_ids": request_ids}
-    data = _client(ctx).post("/admin/cancel", body)
+    data = client_for(ctx).post("/admin/cancel", body)
 
     def render(d):
         console = Console()
@@ -92,7 +93,7 @@ def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, hel
         replica_lines(d, lambda row: f"{len(row['cancelled'])} cancelled")
         if d.get("not_found"):
             Console(stderr=True).print("not in flight: " + ", ".join(d["not_found"]), highlight=False)
-    _emit(data, as_json, render)
+    emit(data, as_json, render)
     if data.get("not_found"):
         raise typer.Exit(3)
 
@@ -110,7 +111,7 @@ def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", hel
 
     Example: kvctl tenants --top 20 --watch
     """
-    client = _client(ctx)
+    client = client_for(ctx)
     show_or_watch(lambda: client.get("/admin/tenants"), lambda d: render_tenants(d, top), watch, as_json)
 
 

@@ -12,8 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import UserError
-from .ops import _client
-from .ops import _emit as emit
+from .command_kit import client_for, emit
 from .tables import compact_table, duration, keep_whole, when
 
 rollout_app = typer.Typer(help="Gradual rollouts of cache settings with stop conditions.", no_args_is_help=True)
@@ -128,7 +127,7 @@ def start(ctx: typer.Context, policy: Path = typer.Option(..., "--policy", help=
     except (OSError, yaml.YAMLError) as exc:
         raise UserError(f"policy: cannot read {str(policy)!r} ({exc})") from None
     body = {"policy": document, "cohort": cohort, "stops": stop, "adr": adr, "baseline": baseline}
-    _emit(_client(ctx).post("/admin/rollouts", body), as_json)
+    _emit(client_for(ctx).post("/admin/rollouts", body), as_json)
 
 
 @rollout_app.command("status")
@@ -138,7 +137,7 @@ def status(ctx: typer.Context, rollout_id: Optional[int] = typer.Argument(None, 
 
     Example: kvctl rollout status 3
     """
-    client = _client(ctx)
+    client = client_for(ctx)
     if rollout_id is None and not client.get("/admin/rollouts/history?limit=1")["rollouts"]:
         if as_json:
             typer.echo("null")
@@ -158,7 +157,7 @@ def list_rollouts(ctx: typer.Context, limit: int = typer.Option(20, "--limit", h
     """
     if limit < 1:
         raise UserError(f"limit: must be at least 1, got {limit}")
-    data = _client(ctx).get(f"/admin/rollouts/history?limit={limit}")
+    data = client_for(ctx).get(f"/admin/rollouts/history?limit={limit}")
 
     def render(d: dict) -> None:
         console = Console()
@@ -184,7 +183,7 @@ def advance(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Roll
 
     Example: kvctl rollout advance 3 --to 50%
     """
-    _emit(_client(ctx).post(f"/admin/rollouts/{rollout_id}/advance", {"to": to}), as_json)
+    _emit(client_for(ctx).post(f"/admin/rollouts/{rollout_id}/advance", {"to": to}), as_json)
 
 
 @rollout_app.command("pause")
@@ -193,7 +192,7 @@ def pause(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rollou
 
     Example: kvctl rollout pause 3
     """
-    _emit(_client(ctx).post(f"/admin/rollouts/{rollout_id}/pause", {}), as_json)
+    _emit(client_for(ctx).post(f"/admin/rollouts/{rollout_id}/pause", {}), as_json)
 
 
 @rollout_app.command("resume")
@@ -202,7 +201,7 @@ def resume(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rollo
 
     Example: kvctl rollout resume 3
     """
-    _emit(_client(ctx).post(f"/admin/rollouts/{rollout_id}/resume", {}), as_json)
+    _emit(client_for(ctx).post(f"/admin/rollouts/{rollout_id}/resume", {}), as_json)
 
 
 @rollout_app.command("rollback")
@@ -212,7 +211,7 @@ def rollback(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rol
 
     Example: kvctl rollout rollback 3 --reason "TTFT regression in eu-west"
     """
-    _emit(_client(ctx).post(f"/admin/rollouts/{rollout_id}/rollback", {"reason": reason}), as_json)
+    _emit(client_for(ctx).post(f"/admin/rollouts/{rollout_id}/rollback", {"reason": reason}), as_json)
 
 
 @rollout_app.command("complete")
@@ -221,4 +220,4 @@ def complete(ctx: typer.Context, rollout_id: int = typer.Argument(..., help="Rol
 
     Example: kvctl rollout complete 3
     """
-    _emit(_client(ctx).post(f"/admin/rollouts/{rollout_id}/complete", {}), as_json)
+    _emit(client_for(ctx).post(f"/admin/rollouts/{rollout_id}/complete", {}), as_json)

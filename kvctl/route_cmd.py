@@ -22,7 +22,7 @@ from kvctl.policies.routing import ROUTING_POLICIES, facts_from_answer, make_rou
 from .bench_replay import parse_names
 from .client import Client
 from .errors import KvdUnavailable, UserError
-from .ops import _client, _tokens
+from .command_kit import client_for, prompt_body
 from .tables import compact_table
 
 GIVE_REPLICAS = "replica: give two or more (--replica SOCKET_OR_URL, repeated)"
@@ -76,7 +76,7 @@ def route(ctx: typer.Context,
 
     Example: kvctl route --file prompt.txt --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock
     """
-    prompt = _tokens(text, tokens, file, messages)
+    prompt = prompt_body(text, tokens, file, messages)
     if router is not None:
         if replica:
             raise UserError("replica: give --router or --replica, not both")
@@ -84,7 +84,7 @@ def route(ctx: typer.Context,
         return
     if not replica:  # kvctl pointed at kvd router (--socket, KVD_SOCKET, --url): ask it
         try:
-            show_router_route(_client(ctx, tenant), prompt, routing, as_json)
+            show_router_route(client_for(ctx, tenant), prompt, routing, as_json)
             return
         except KvdUnavailable:
             raise UserError(f"{GIVE_REPLICAS}, or --router; no kvd answers where kvctl points") from None

@@ -11,7 +11,7 @@ from rich.console import Console, Group
 from rich.text import Text
 
 from .errors import UserError
-from .ops import _client, _emit, show_or_watch
+from .command_kit import client_for, emit, show_or_watch
 from .sizes import positive_size
 from .tables import compact_table, seconds, size
 
@@ -189,7 +189,7 @@ def tiers(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help=
     """
     if ctx.invoked_subcommand is not None:
         return
-    client = _client(ctx)
+    client = client_for(ctx)
     show_or_watch(lambda: client.get("/admin/tiers"), tiers_view, watch, as_json, for_json=_finite)
 
 
@@ -211,7 +211,7 @@ def verify(ctx: typer.Context,
 
     Example: kvctl tiers verify --rate 200MiB --wait
     """
-    client = _client(ctx)
+    client = client_for(ctx)
     if stop:
         if rate is not None or wait:
             raise UserError("--stop: give it alone (not with --rate or --wait)")
@@ -222,7 +222,7 @@ def verify(ctx: typer.Context,
     fleet = "replicas" in answer  # kvd router: each replica's run in its row
     if wait:
         answer = _wait_for_fleet(client, answer, as_json) if fleet else {"verify": _wait_for_verify(client, as_json)}
-    _emit(answer, as_json, lambda d: typer.echo(verify_text(d)))
+    emit(answer, as_json, lambda d: typer.echo(verify_text(d)))
     runs = [row["verify"] for row in answer["replicas"] if row.get("verify")] if fleet else [answer["verify"]]
     if wait and any(run["bad_blocks"] or run["unreadable_segments"] or run["state"] == "failed" for run in runs):
         raise typer.Exit(1)
@@ -335,7 +335,7 @@ def swap(ctx: typer.Context, prefix_id: str = typer.Argument(..., help="Prefix i
 
     Example: kvctl swap 3f9a1c0b2d4e5f60 --to disk
     """
-    data = _client(ctx).post("/admin/swap", {"prefix": prefix_id, "to": to, "copy": copy})
+    data = client_for(ctx).post("/admin/swap", {"prefix": prefix_id, "to": to, "copy": copy})
 
     def render(d):
         ok = d["verified_blocks"] == d["blocks"]
@@ -349,6 +349,6 @@ def swap(ctx: typer.Context, prefix_id: str = typer.Argument(..., help="Prefix i
         if d.get("extended_blocks"):
             Console().print(f"the prefix it extends: {d['extended_on_device']} of {d['extended_blocks']} blocks "
                             "on the device")
-    _emit(data, as_json, render)
+    emit(data, as_json, render)
     if data["verified_blocks"] != data["blocks"]:
         raise typer.Exit(3)

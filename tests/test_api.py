@@ -1091,7 +1091,7 @@ def test_a_drained_kvd_takes_no_new_completion_says_so_everywhere_and_resumes(da
     front of it leaves it out), the drain and the resume are audited; resumed, it serves again."""
     from rich.console import Console
 
-    from kvctl.ops import render_status
+    from kvctl.status_view import render_status
 
     service, unix, tcp = daemon
     drained = call(unix, "POST", "/admin/drain", json={})

@@ -565,7 +565,7 @@ def test_table_helpers_print_spans_and_sizes_at_a_glance_and_keep_ids_whole():
 def test_a_large_block_map_is_drawn_in_at_most_2048_cells_of_their_most_common_state():
     from rich.console import Console
 
-    from kvctl.ops import map_cells, render_status
+    from kvctl.status_view import map_cells, render_status
 
     assert map_cells("..aa", max_cells=8) == ("..aa", 1)
     assert map_cells("..a" + "ppc" + "sss" + ".", max_cells=4) == (".ps.", 3)  # 10 blocks in cells of 3
@@ -604,7 +604,7 @@ def test_prefixes_asks_kvd_to_sort_and_cut_and_says_how_many_there_are(capsys, m
             limit = params.get("limit") or len(rows)
             return {"prefixes": rows[:limit], "total": len(rows), "sort": params["sort"]}
 
-    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: Fake())
     status, out, _ = cli(capsys, "prefixes", "--sort", "hits", "--limit", "2")
     lines = out.splitlines()
     assert status == 0 and asked[-1] == {"sort": "hits", "limit": 2}
@@ -635,8 +635,8 @@ def test_evict_and_swap_say_what_went_in_every_tier(capsys, monkeypatch):
         def post(self, path, body):
             return answers[path]
 
-    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
-    monkeypatch.setattr(tiers_cmd, "_client", lambda ctx, tenant=None: Fake())
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: Fake())
+    monkeypatch.setattr(tiers_cmd, "client_for", lambda ctx, tenant=None: Fake())
     status, out, _ = cli(capsys, "evict", "--prefix", "0435de85")
     assert (status, out) == (0, "evicted prefix=0435de855e2354d8: 4 blocks from the device, 3 from lower tiers\n")
     answers["/admin/evict"].update(target="tenant=acme", evicted_blocks=0, lower_tier_blocks_dropped=0,
@@ -669,7 +669,7 @@ def test_pin_by_prefix_id_sends_the_id_and_refuses_text_beside_it(capsys, monkey
             return {"pin_id": "pin-0123456789abcdef", "blocks": 3, "tenant": "acme", "cached_blocks": 3,
                     "warmed": False, "expires_in_seconds": 3600.0, "prefix_id": "0435de855e2354d8"}
 
-    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: Fake())
     status, out, _ = cli(capsys, "pin", "--prefix", "0435de85", "--ttl", "1h", "--note", "support bot")
     assert (status, posted) == (0, [("/admin/pins", {"prefix": "0435de85", "tenant": None, "ttl": "1h",
                                                      "note": "support bot"})])
@@ -692,7 +692,7 @@ def test_pin_and_explain_take_chat_messages_from_a_json_file(capsys, monkeypatch
             return {"pin_id": "pin-0123456789abcdef", "blocks": 2, "tenant": "default", "cached_blocks": 0,
                     "warmed": True, "expires_in_seconds": None, "prefix_id": "0435de855e2354d8"}
 
-    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: Fake())
     system = [{"role": "system", "content": "Be brief."}]
     listed, request = tmp_path / "system.json", tmp_path / "request.json"
     listed.write_text(json.dumps(system))
@@ -724,7 +724,7 @@ def test_prefixes_table_shows_the_tree_and_fits_80_columns(capsys, monkeypatch):
     rows[2].update(tier="device", tiers={"device": 1, "disk": 1}, bytes=32768, blocks=2, tokens=48)
     rows[3].update(parent_id=None, detached=True, start_token=1024, tokens=1040, hits=None, tier="disk",
                    tiers={"disk": 1}, idle_seconds=None)
-    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: type("Fake", (), {  # as kvd sorts by size
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: type("Fake", (), {  # as kvd sorts by size
         "get": lambda self, path, **params: {"prefixes": [rows[i] for i in (3, 2, 0, 1)], "total": 4}})())
     monkeypatch.setenv("COLUMNS", "80")
     status, out, _ = cli(capsys, "prefixes", "--sort", "size")
@@ -754,7 +754,7 @@ def test_explain_and_pin_read_a_prompt_file_and_name_one_that_is_not_text(capsys
             posted.append((path, body))
             return {"hit_tokens": 0, "prompt_tokens": 3, "hit_blocks": 0, "full_blocks": 0, "tenant": "acme"}
 
-    monkeypatch.setattr(ops, "_client", lambda ctx, tenant=None: Fake())
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: Fake())
     prompt = tmp_path / "system.txt"
     prompt.write_text("Système: réponds brièvement.\n", encoding="utf-8")
     assert cli(capsys, "explain", "--file", str(prompt), "--tenant", "acme")[0] == 0
@@ -778,11 +778,36 @@ def _status_data(pins: int) -> dict:
             "queue": {"waiting": 0, "oldest_age_seconds": 0.0, "running": 0}, "rejections": {}, "pins": pins}
 
 
+def test_a_view_with_watch_redraws_until_ctrl_c_and_with_json_prints_one_answer(capsys):
+    """`kvctl tiers --watch`, `kvctl requests --watch`: the view is drawn from each answer until
+    Ctrl-C; with --json the first answer is printed once, as JSON, and nothing is redrawn."""
+    import json
+
+    from kvctl.command_kit import show_or_watch
+
+    def answers(*given):
+        fetched, left = [], list(given)
+
+        def fetch():
+            if not left:
+                raise KeyboardInterrupt  # as Ctrl-C during the watch's wait ends it
+            fetched.append(left.pop(0))
+            return fetched[-1]
+        return fetched, fetch
+
+    fetched, fetch = answers({"blocks": 3}, {"blocks": 5})
+    show_or_watch(fetch, lambda d: f"{d['blocks']} blocks on disk", watch=True, as_json=False)
+    assert fetched == [{"blocks": 3}, {"blocks": 5}] and "5 blocks on disk" in capsys.readouterr().out
+    fetched, fetch = answers({"blocks": 3}, {"blocks": 5})
+    show_or_watch(fetch, lambda d: f"{d['blocks']} blocks on disk", watch=True, as_json=True)
+    assert fetched == [{"blocks": 3}] and json.loads(capsys.readouterr().out) == {"blocks": 3}
+
+
 def test_status_watch_keeps_watching_through_a_restart_and_stops_on_other_errors():
     from rich.console import Console
 
     from kvctl.errors import KvdUnavailable, UserError
-    from kvctl.ops import watch_status
+    from kvctl.status_view import watch_status
 
     def run(answers, stop_after):
         """Watch with `answers` (data, or an exception to raise) until the sleep after `stop_after` fetches."""
@@ -816,7 +841,7 @@ def test_status_watch_keeps_watching_through_a_restart_and_stops_on_other_errors
 def test_status_shows_the_engine_steps_and_mean_decode_step():
     from rich.console import Console
 
-    from kvctl.ops import render_status
+    from kvctl.status_view import render_status
 
     data = {"blocks": {"device": {"total": 8, "free": 8, "reserved": 0, "active": 0, "shared": 0, "cached": 0,
                                   "pinned": 0}},
@@ -919,7 +944,7 @@ def test_events_lists_the_newest_and_says_what_it_holds(capsys, monkeypatch):
                 _event(8, "stored", "host", 3, parent="ab" * 32, depth=4, tenant="acme"),
                 _event(9, "removed", "device", 1, reason="capacity")]}
 
-    monkeypatch.setattr(events_cmd, "_client", lambda ctx: Fake())
+    monkeypatch.setattr(events_cmd, "client_for", lambda ctx: Fake())
     monkeypatch.setattr(time_module, "localtime", time_module.gmtime)
     status, out, _ = cli(capsys, "events", "--tail", "2", "--tier", "host,device")
     assert status == 0 and asked[-1] == {"tail": 2, "tier": "host,device"}

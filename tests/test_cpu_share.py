@@ -173,7 +173,7 @@ def test_the_engine_thread_takes_up_its_share_between_steps(tmp_path):
 def test_status_names_the_kvd_engines_a_cpu_engine_shares_with():
     from rich.console import Console
 
-    from kvctl.ops import render_status
+    from kvctl.status_view import render_status
 
     from .test_cli import _status_data
 

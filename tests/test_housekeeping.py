@@ -91,7 +91,7 @@ def test_tokens_keep_coming_while_another_process_holds_the_store_s_write_lock(t
 
     from kvctl.daemon.engine.sampling import SamplingParams
     from kvctl.daemon.server.calls import Principal
-    from kvctl.ops import render_status
+    from kvctl.status_view import render_status
 
     service = start_service(tmp_path, max_running=8)
     try:

@@ -116,7 +116,7 @@ def kvctl_shows(args: list[str], body: dict) -> tuple[int, str]:
             return body
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("kvctl.requests_cmd._client", lambda ctx, tenant=None: Answering())
+        patch.setattr("kvctl.requests_cmd.client_for", lambda ctx, tenant=None: Answering())
         result = CliRunner().invoke(kvctl_app, args, env={"COLUMNS": "120"})
     return result.exit_code, result.output
 

@@ -426,7 +426,7 @@ def test_a_stop_that_trips_while_the_store_is_locked_stops_the_cohort_at_once_an
 
     from kvctl.daemon.engine.sampling import SamplingParams
     from kvctl.daemon.server.calls import Principal
-    from kvctl.ops import render_status
+    from kvctl.status_view import render_status
     from kvctl.rollout_cmd import _render
 
     service = start_service(tmp_path, num_blocks=24, max_running=8)

@@ -240,7 +240,7 @@ def test_the_routers_status_sums_the_fleets_steps_and_queues(replicas):
 def test_kvctl_status_at_the_router_shows_a_row_per_replica_and_the_fleets_hits(replicas):
     from rich.console import Console
 
-    from kvctl.ops import render_status
+    from kvctl.status_view import render_status
 
     service, app = router_app(replicas, "round_robin", down=(1,))
     drive(app, [lambda c: post(c, SYSTEM_A + "Q11?")])
@@ -432,7 +432,7 @@ def test_a_replica_that_cannot_serve_is_shown_with_its_own_reason_not_httpx_s(re
     feed's error and its route questions, where it showed httpx's sentence with the URL and a link."""
     from rich.console import Console
 
-    from kvctl.ops import render_status
+    from kvctl.status_view import render_status
 
     unloaded = Replica("replica-1", replica_client("/run/replica-1.sock", transport=CannotServe()))
     service = RouterService([Replica("replica-0", replica_client("/run/replica-0.sock",
@@ -1446,7 +1446,7 @@ def _kvctl_prints(args: list[str], body: dict) -> str:
         get = delete = lambda self, path, **params: body
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("kvctl.ops.Client", Answering)
+        patch.setattr("kvctl.command_kit.Client", Answering)
         result = CliRunner().invoke(kvctl_app, args, env={"COLUMNS": "100"})
     assert result.exit_code == (3 if body.get("result") == "partial" else 0), result.output
     return result.output

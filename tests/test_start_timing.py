@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvctl.daemon.server.start_timing import StartTimer, process_age
-from kvctl.ops import start_line
+from kvctl.status_view import start_line
 
 
 class Clock:

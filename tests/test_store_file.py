@@ -169,7 +169,7 @@ def test_kvd_writes_its_deleted_store_back_by_itself_and_refuses_writes_to_a_rep
     pytest.importorskip("fastapi")
     from rich.console import Console
 
-    from kvctl.ops import render_status
+    from kvctl.status_view import render_status
 
     from .daemon_fixtures import apps, call, start_service, token_table
 

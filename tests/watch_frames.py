@@ -8,7 +8,7 @@ def watch_frames(frames: list[dict], render, width: int = 120) -> tuple[int, str
     (answers fetched, the text of the latest picture)."""
     from rich.console import Console
 
-    from kvctl.ops import watch_status
+    from kvctl.status_view import watch_status
 
     fetched = []
 

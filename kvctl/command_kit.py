@@ -1,0 +1,97 @@
+"""What kvctl's commands share: the client for the daemon the root options name, printing an
+answer (as JSON or drawn), redrawing it (`--watch`), and a prompt given as text, token ids, a
+file or chat messages.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import typer
+from rich.console import Console, Group
+from rich.text import Text
+
+from .client import Client
+from .errors import KvdUnavailable, UserError
+from .outputs import read_text
+
+
+def client_for(ctx: typer.Context, tenant: str | None = None) -> Client:
+    options = ctx.find_root().obj or {}
+    return Client(options.get("socket"), options.get("url"), options.get("token_file"), tenant=tenant)
+
+
+def emit(data, as_json: bool, render) -> None:
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        render(data)
+
+
+def show_or_watch(fetch: Callable[[], dict], view, watch: bool, as_json: bool,
+                  for_json: Callable[[dict], dict] = lambda d: d) -> None:
+    """Print what `fetch()` answers: as `view` draws it, as JSON (`for_json` makes it JSON-safe),
+    or redrawn every second until Ctrl-C (`--watch`)."""
+    if watch and not as_json:
+        redraw(fetch, view)
+        return
+    data = fetch()
+    emit(for_json(data) if as_json else data, as_json, lambda d: Console().print(view(d)))
+
+
+def prompt_body(text: str | None, tokens: str | None, file: Path | None, messages: Path | None = None) -> dict:
+    given = [x for x in (text, tokens, file, messages) if x is not None]
+    if len(given) != 1:
+        raise UserError("give exactly one of TEXT, --tokens, --file or --messages")
+    if messages is not None:
+        return {"messages": chat_messages_file(messages)}
+    if tokens is not None:
+        try:
+            return {"tokens": [int(t) for t in tokens.split(",") if t.strip()]}
+        except ValueError:
+            raise UserError(f"tokens: expected comma-separated integers, got {tokens!r}") from None
+    if file is not None:
+        return {"text": read_text(file, "file", "give the prompt's text, or its token ids with --tokens")}
+    return {"text": text}
+
+
+def chat_messages_file(path: Path) -> list:
+    """The chat messages of a JSON file: a list of {role, content}, or a chat request's body (an
+    object with `messages`). kvd checks them and renders them with the model's chat template."""
+    raw = read_text(path, "messages", "give a JSON list of {\"role\", \"content\"} messages")
+    try:
+        loaded = json.loads(raw)
+    except ValueError as exc:
+        raise UserError(f"messages: {str(path)!r} is not JSON ({exc})") from None
+    if isinstance(loaded, dict) and "messages" in loaded:
+        loaded = loaded["messages"]
+    if not isinstance(loaded, list):
+        raise UserError(f"messages: {str(path)!r} holds a {type(loaded).__name__}; give a list of "
+                        "{\"role\", \"content\"} messages, or a chat request with \"messages\"")
+    return loaded
+
+
+def redraw(fetch, render, console: Console | None = None, interval: float = 1.0, sleep=time.sleep) -> None:
+    """Redraw what `render` makes of `fetch()` every `interval` until Ctrl-C (`--watch`).
+    While kvd cannot answer (a restart, a reload of the model) the last picture stays up under a
+    line that says since when, and the watch carries on once kvd is back; any other error ends it."""
+    from rich.live import Live
+
+    frame = render(fetch())
+    lost_since = None
+    with Live(frame, console=console, refresh_per_second=2) as live:
+        try:
+            while True:
+                sleep(interval)
+                try:
+                    frame, lost_since = render(fetch()), None
+                    live.update(frame)
+                except KvdUnavailable as exc:
+                    lost_since = lost_since or time.strftime("%H:%M:%S")
+                    live.update(Group(frame, Text(f"{exc} — since {lost_since}; still watching (Ctrl-C stops)",
+                                                  style="yellow")))
+        except KeyboardInterrupt:
+            pass

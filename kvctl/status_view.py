@@ -1,0 +1,203 @@
+"""`kvctl status`: one daemon's blocks by state, hits and recomputation, queue, tiers, latency,
+start and store, with the block map (`--blocks`); pointed at kvd router, a row per replica
+(fleet_status.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import typer
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .command_kit import client_for, emit, redraw
+from .fleet_status import PHASE_NAMES, before_load, is_fleet, render_fleet_status, store_trouble
+from .gc_status import gc_line
+from .tables import duration, seconds, size, when
+
+STATE_STYLES = {"free": "grey50", "reserved": "yellow", "active": "green", "shared": "cyan",
+                "cached": "blue", "pinned": "magenta"}
+MAP_STYLES = {".": "grey50", "r": "yellow", "a": "green", "s": "cyan", "c": "blue", "p": "magenta"}
+
+
+MAP_MAX_CELLS = 2048  # 32 lines of 64: a GPU cache's hundred thousand blocks still fit a screen
+
+
+def map_cells(block_map: str, max_cells: int = MAP_MAX_CELLS) -> tuple[str, int]:
+    """The block map in at most `max_cells` cells: each cell covers `per_cell` consecutive blocks
+    and shows the state most of them are in (ties: the first of them). Returns (cells, per_cell)."""
+    per_cell = max(1, -(-len(block_map) // max_cells))
+    if per_cell == 1:
+        return block_map, 1
+    cells = []
+    for start in range(0, len(block_map), per_cell):
+        run = block_map[start:start + per_cell]
+        cells.append(max(dict.fromkeys(run), key=run.count))
+    return "".join(cells), per_cell
+
+
+def start_line(start: dict, uptime: float | None) -> str:
+    """How long kvd's latest start took and where the time went, in one line (`kvctl status`)."""
+    parts = ", ".join(f"{PHASE_NAMES.get(phase, phase)} {seconds(took)}" for phase, took in start["phases"].items())
+    early = before_load(start)
+    before = "" if early is None else f"{seconds(early)} before the load (imports, settings), "
+    line = f"ready {seconds(start['ready_after_seconds'])} after the process began: {before}{parts}"
+    if start.get("pins_warmed_seconds") is not None:
+        line += f"; pinned prefixes back from the lower tiers {seconds(start['pins_warmed_seconds'])} later"
+    if uptime is not None:
+        line += f"; up {duration(uptime)}"
+    return line
+
+
+def render_status(data: dict, console: Console | None = None):
+    if is_fleet(data):  # pointed at kvd router: a row per replica
+        return render_fleet_status(data, console)
+    blocks = data["blocks"]["device"]
+    total = blocks["total"]
+    table = Table(title=f"KV cache blocks (device, {total:,} blocks of {data['block_size']} tokens, "
+                        f"{data['bytes_per_token']:,} bytes/token)")
+    table.add_column("state")
+    table.add_column("blocks", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("")
+    for state in ("free", "reserved", "active", "shared", "cached", "pinned"):
+        count = blocks[state]
+        bar = "█" * round(30 * count / total) if total else ""
+        table.add_row(Text(state, style=STATE_STYLES[state]), f"{count:,}", f"{count / total:.1%}",
+                      Text(bar, style=STATE_STYLES[state]))
+    tokens = data["tokens"]
+    latency = data.get("latency") or {}
+    ttft, itl = latency.get("ttft_seconds") or {}, latency.get("inter_token_seconds") or {}
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column()
+    facts.add_row("model", f"{data['model']['name']} ({data['model']['architecture']}, "
+                           f"rev {data['model']['revision'][:12]}, {data['model']['device']})")
+    if "chat_template" in data["model"]:  # an older kvd does not say
+        template = data["model"]["chat_template"]
+        facts.add_row("chat template", "none: /v1/chat/completions refuses chats (kvd serve --chat-template FILE)"
+                      if template is None else f"{template['source']} ({template['digest'][:12]})")
+    facts.add_row("prefix hits", f"{tokens['hit']:,} of {tokens['prompt']:,} prompt tokens "
+                                 f"({tokens['hit_ratio']:.1%})")
+    facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")
+    if data.get("tiers"):
+        facts.add_row("restored", f"{tokens.get('restored', 0):,} prompt tokens from lower tiers (part of the hits)")
+        facts.add_row("tiers", "  ".join(
+            f"{name} {size(t['used_bytes'])}"
+            + (" (no budget)" if t["capacity_bytes"] is None else f" of {size(t['capacity_bytes'])}")
+            + ("" if t["health"] == "ok" else f" [{t['health'].upper()}]")
+            for name, t in data["tiers"].items()))
+    evictions = data["evictions"]
+    by_share = evictions.get("tenant_share", 0)
+    facts.add_row("evictions", f"{evictions['capacity']:,} by {data['eviction_policy']}"
+                  + (f" ({by_share:,} of them from tenants over their share)" if by_share else "")
+                  + f", {evictions['operator']:,} by operators")
+    if data.get("tenant_shares"):  # absent from an older kvd, null without shares
+        facts.add_row("tenant shares", "; ".join(
+            f"{tenant} {row['idle_blocks']:,} idle" + (", no share" if row["share_blocks"] is None else
+                                                        f", share {row['share_blocks']:,}"
+                                                        + (" (over: evicted first)"
+                                                           if row["idle_blocks"] > row["share_blocks"] else ""))
+            for tenant, row in data["tenant_shares"].items()))
+    queue = data["queue"]
+    waiting = f"{queue['waiting']} waiting" + (f" (oldest {seconds(queue['oldest_age_seconds'])})"
+                                               if queue["waiting"] else "")
+    ahead = ""
+    if queue.get("predicted_wait_seconds") is not None:
+        rate = f"prefill {queue['prefill_tokens_per_second']:,.0f} tokens/s"
+        ahead = f"; {rate}" if not queue["tokens_ahead"] else (
+            f"; {queue['tokens_ahead']:,} prompt tokens ahead: a new request waits "
+            f"~{seconds(queue['predicted_wait_seconds'])} ({rate})")
+    facts.add_row("queue", f"{waiting}, {queue['running']} running{ahead}")
+    if data.get("draining"):
+        facts.add_row("draining", Text("no new completion is taken (kvctl resume takes them again)", style="yellow"))
+    for what, line in store_trouble(data):
+        facts.add_row(what, line)
+    rejections = data["rejections"]
+    facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
+    facts.add_row("pins", str(data["pins"]))
+    if data.get("start"):  # absent from an older kvd
+        facts.add_row("started", start_line(data["start"], data.get("uptime_seconds")))
+    reload = data.get("last_reload")
+    if reload and reload["result"] == "refused":
+        facts.add_row("config", Text(f"the latest reload ({when(reload['at'])}, by {reload['actor']}) was refused, "
+                                     f"kvd runs on its earlier settings: {reload['error'].splitlines()[0]}",
+                                     style="yellow"))
+    rollout = data.get("rollout")
+    if rollout:
+        settings = ", ".join(f"{name} {value}" for name, value in rollout["settings"].items())
+        facts.add_row("rollout", f"{rollout['id']} {rollout['state']}: {settings} for {rollout['fraction']:.0%} "
+                                 f"of traffic ({rollout['policy'] or 'unnamed'}; kvctl rollout status {rollout['id']})")
+    cache = data.get("cache") or {}
+    if cache.get("uncalibrated"):
+        facts.add_row("cache format", Text(f"{cache['layout']}: UNCALIBRATED, unit scales", style="bold red"))
+    elif cache.get("scale_set"):
+        scale_set = cache["scale_set"]
+        facts.add_row("cache format", f"{cache['layout']}, scale set {scale_set['id']} (prompts "
+                                      f"{scale_set['prompts_digest']}), loaded in kernels: "
+                                      f"{'verified' if cache['scales_verified'] else 'MISMATCH'}")
+    elif cache:
+        facts.add_row("cache format", cache["layout"])
+    if data.get("extra_tokens_vs_model_dtype"):
+        facts.add_row("format gain", f"{data['capacity_tokens']:,} tokens, {data['extra_tokens_vs_model_dtype']:,} "
+                                     "more than the model dtype in the same memory")
+    facts.add_row("TTFT", f"p50 {seconds(ttft.get('p50'))}  p95 {seconds(ttft.get('p95'))}  "
+                          f"p99 {seconds(ttft.get('p99'))}")
+    facts.add_row("inter-token", f"p50 {seconds(itl.get('p50'))}  p95 {seconds(itl.get('p95'))}  "
+                                 f"p99 {seconds(itl.get('p99'))}")
+    steps = data.get("steps") or {}
+    if steps:
+        decode = steps.get("decode")
+        mean = f"; decode step {seconds(decode['seconds'] / decode['count'])} mean" if decode else ""
+        count = data.get("engine_threads")
+        threads = f" on {count} thread{'s' if count != 1 else ''}" if count else ""
+        share = data.get("cpu_share") or {}
+        if share.get("busy_neighbours"):
+            threads += (f" (its {share['cpus']} CPUs shared with {share['busy_neighbours']} other busy kvd"
+                        + (", fixed by OMP_NUM_THREADS" if share.get("fixed_by") else "") + ")")
+        facts.add_row("engine", ", ".join(f"{s['count']:,} {kind}" for kind, s in steps.items())
+                      + f" steps{threads}, {seconds(sum(s['seconds'] for s in steps.values()))} busy{mean}")
+    if (data.get("gc") or {}).get("watching"):  # kvd serve (absent from an older kvd)
+        facts.add_row("gc", gc_line(data["gc"]))
+    for gpu in data.get("gpu") or []:
+        facts.add_row(f"GPU {gpu['index']}", f"{gpu['name']}: {gpu['memory_used'] / 2**30:.1f} of "
+                                             f"{gpu['memory_total'] / 2**30:.1f} GiB, {gpu['utilization']}% busy")
+    parts = [table, facts]
+    if data.get("block_map"):
+        cells, per_cell = map_cells(data["block_map"])
+        text = Text()
+        for i, char in enumerate(cells):
+            text.append("■", style=MAP_STYLES[char])
+            if i % 64 == 63 and i + 1 < len(cells):
+                text.append("\n")
+        scale = "" if per_cell == 1 else f" (a cell is {per_cell} blocks, in its most common state)"
+        parts.append(Panel(text, title=f"block map{scale}: free reserved active shared cached pinned"))
+    group = Group(*parts)
+    if console is not None:
+        console.print(group)
+    return group
+
+
+def status(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
+           blocks: bool = typer.Option(False, "--blocks", help="Draw the physical block map."),
+           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Blocks by state, hits and recomputation, queue, rejections, latency, GPU.
+
+    Example: kvctl status --blocks
+    """
+    client = client_for(ctx)
+    if not watch or as_json:
+        data = client.get("/admin/status", blocks=blocks or None)
+        emit(data, as_json, lambda d: render_status(d, Console()))
+        return
+    watch_status(lambda: client.get("/admin/status", blocks=blocks or None))
+
+
+def watch_status(fetch, console: Console | None = None, interval: float = 1.0, sleep=time.sleep,
+                 render=None) -> None:
+    """Redraw the status (or what `render` makes of `fetch()`) every `interval` until Ctrl-C
+    (command_kit.redraw)."""
+    redraw(fetch, render or render_status, console, interval, sleep)
