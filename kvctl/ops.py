@@ -134,6 +134,11 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
                         + f": {d['blocks']} blocks for tenant {d['tenant']}{cached}"
                         + (f", expires in {duration(d['expires_in_seconds'])}" if d.get("expires_in_seconds") else ""))
         replica_lines(d, lambda row: f"{row['cached_blocks']} cached" + (", warmed" if row["warmed"] else ""))
+        missing = d["blocks"] - d["cached_blocks"]
+        if not fleet and missing > 0 and not d["warmed"]:  # the warm was cancelled or is still running
+            them = "them" if missing != 1 else "it"
+            Console().print(f"the other {missing} block{'s pin' if missing != 1 else ' pins'} as requests compute "
+                            f"{them} (or a lower tier brings {them} back)", highlight=False, soft_wrap=True)
         fleet_message(d)
     emit(data, as_json, render)
     if data.get("result") == "partial":

@@ -678,6 +678,24 @@ def test_pin_by_prefix_id_sends_the_id_and_refuses_text_beside_it(capsys, monkey
     assert status != 0 and err.strip() == "error: give exactly one of TEXT, --tokens, --file, --messages or --prefix"
 
 
+def test_a_pin_not_warmed_says_how_its_other_blocks_come_to_be_pinned(capsys, monkeypatch):
+    """kvd answers "warmed": false when the warm request was cancelled or had not ended: kvctl
+    says what becomes of the blocks not cached yet."""
+    import kvctl.ops as ops
+
+    answers = [{"pin_id": "pin-0123456789abcdef", "blocks": 7, "tenant": "default", "cached_blocks": 0,
+                "warmed": False, "expires_in_seconds": None},
+               {"pin_id": "pin-0123456789abcdef", "blocks": 7, "tenant": "default", "cached_blocks": 6,
+                "warmed": False, "expires_in_seconds": None}]
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: type("Fake", (), {
+        "post": lambda self, path, body: answers.pop(0)})())
+    assert cli(capsys, "pin", "A system prompt.")[:2] == (
+        0, "pinned pin-0123456789abcdef: 7 blocks for tenant default (0 cached)\n"
+           "the other 7 blocks pin as requests compute them (or a lower tier brings them back)\n")
+    assert cli(capsys, "pin", "A system prompt.")[1].endswith(
+        "(6 cached)\nthe other 1 block pins as requests compute it (or a lower tier brings it back)\n")
+
+
 def test_pin_and_explain_take_chat_messages_from_a_json_file(capsys, monkeypatch, tmp_path):
     """A list of messages, or a chat request's body, is sent as it is: kvd checks and renders it."""
     import kvctl.ops as ops
