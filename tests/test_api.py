@@ -320,6 +320,35 @@ def test_explain_names_the_tenant_that_holds_a_prompt_and_hashes_it_outside_the_
         service.shutdown(1)
 
 
+def test_a_pin_by_text_hashes_its_prefix_outside_the_engines_lock(tmp_path, monkeypatch):
+    """The prefix's keys are computed before the engine's lock is taken (an 8k-token system prompt
+    hashes for a millisecond or two, which held up every running request); the pin is the same."""
+    import threading
+
+    from kvctl.daemon.cache import manager
+
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        hashed, chain_keys = [], manager.chain_keys
+
+        def watched(namespace, token_ids):
+            if threading.current_thread() is not service._thread:  # the engine's own steps aside
+                hashed.append((len(token_ids), service.lock._is_owned()))
+            return chain_keys(namespace, token_ids)
+
+        monkeypatch.setattr(manager, "chain_keys", watched)
+        prompt = SYSTEM + "A pinned prompt, hashed before the lock."
+        pinned = call(unix, "POST", "/admin/pins", json={"text": prompt}).json()
+        assert hashed == [(len(service.tokenize(prompt)), False)]
+        assert pinned["blocks"] == pinned["cached_blocks"] == len(service.tokenize(prompt)) // 16 and pinned["warmed"]
+        short = call(unix, "POST", "/admin/pins", json={"text": "Hi."})
+        assert (short.status_code, short.json()["error"]["param"]) == (400, "tokens")
+        assert short.json()["error"]["message"].endswith("tokens is less than one block (16 tokens); nothing to pin")
+    finally:
+        service.shutdown(1)
+
+
 def test_trusted_front_end_may_name_the_tenant(tmp_path, daemon):
     service, _, _ = daemon
     _, trusted = apps(service, token_table(tmp_path), trusted_proxy=True)

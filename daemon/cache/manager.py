@@ -413,6 +413,13 @@ class KVCacheManager:
     def pin(self, namespace: Namespace, token_ids: Sequence[int], *, ttl: float | None = None,
             owner: str = "", note: str = "") -> PinResult:
         """Pin the full blocks of a token prefix under `namespace` (its tenant pays)."""
+        return self.pin_keys(namespace.tenant, self.keys_to_pin(namespace, token_ids), ttl=ttl, owner=owner,
+                             note=note)
+
+    def keys_to_pin(self, namespace: Namespace, token_ids: Sequence[int]) -> list[BlockKey]:
+        """The block keys `pin` would pin: hashing only, no state read or changed, so a caller can
+        hash outside the lock it holds around `pin_keys`. InvalidRequest for a namespace of another
+        block size or a prefix shorter than a block."""
         if namespace.block_size != self.block_size:
             raise InvalidRequest(f"namespace.block_size: {namespace.block_size} does not match the "
                                  f"pool's block size {self.block_size}")
@@ -420,7 +427,7 @@ class KVCacheManager:
         if not keys:
             raise InvalidRequest(f"token_ids: {len(token_ids)} tokens is less than one block "
                                  f"({self.block_size} tokens); nothing to pin")
-        return self.pin_keys(namespace.tenant, keys, ttl=ttl, owner=owner, note=note)
+        return keys
 
     def pin_keys(self, tenant: str, keys: Sequence[BlockKey], *, ttl: float | None = None,
                  owner: str = "", note: str = "") -> PinResult:

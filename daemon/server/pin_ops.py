@@ -30,11 +30,14 @@ WARM_WAIT_S = 120.0  # how long a pin by text waits for its prefix to be compute
 
 
 def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, note: str) -> dict:
+    """Pin a prefix by its tokens for `principal`'s tenant, computing what the cache lacks of it
+    (one token of output: `_warm`). Hashes outside the service lock."""
     engine = service.require_ready()
     namespace = engine.namespace(principal.tenant)
     try:
+        keys = engine.cache.keys_to_pin(namespace, token_ids)
         with service.lock:
-            result = engine.cache.pin(namespace, token_ids, ttl=ttl, owner=principal.actor, note=note)
+            result = engine.cache.pin_keys(namespace.tenant, keys, ttl=ttl, owner=principal.actor, note=note)
     except PinBudgetExceeded as exc:  # (audited outside the lock: the engine thread takes it, a store write may wait)
         service.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin",
                             target="-", result="refused", detail={"reason": str(exc)})
