@@ -22,9 +22,11 @@ from typing import Iterable
 TIER_ORDER = ("device", "moving", "host", "disk", "remote")  # fastest first
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CachedBlock:
-    """One cached copy of a block: where it is and what is known of it there."""
+    """One cached copy of a block: where it is and what is known of it there. A snapshot, which
+    nothing changes once made (not frozen: a frozen dataclass takes six times as long to make, and
+    a listing makes one a cached block)."""
 
     key: bytes
     parent: bytes | None  # the previous block's key; None for a chain's first block

@@ -27,11 +27,12 @@ def prefix_tree(service) -> tuple[PrefixTree, dict]:
     known = service.tiers.known_metas() if service.tiers is not None else {}
     lower = [CachedBlock(meta.key, meta.parent, meta.root, meta.depth, tier, meta.tenant, meta.hits, meta.last_use)
              for meta, tier in known.values()]
+    keep = {meta.root for meta, _ in known.values()}
     with service.lock:  # roots only lower tiers hold keep their tenant and hits
-        device = engine.cache.cached_blocks()
-        engine.cache.forget_roots(keep={meta.root for meta, _ in known.values()})
+        rows = engine.cache.cached_block_rows()  # (the CachedBlocks are made after: the engine steps meanwhile)
+        engine.cache.forget_roots(keep=keep)
         roots = dict(engine.cache.roots)
-    tree = PrefixTree(device + lower)
+    tree = PrefixTree([CachedBlock(*row) for row in rows] + lower)
     for node in tree.nodes.values():  # where no block records its tenant, its root's record may
         if node.tenant is None and node.root in roots:
             node.tenant = roots[node.root].tenant
