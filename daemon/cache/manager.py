@@ -38,7 +38,6 @@ from .errors import (AuditFailure, CacheFull, DuplicateSequence, InvalidRequest,
 from .keys import BlockKey, Namespace, PrefixHasher, chain_keys, validate_block_size
 from .pins import Pin, PinRegistry, pin_id_for
 from .pool import BlockPool
-from .prefix_tree import CachedBlock
 
 
 @dataclass(slots=True)
@@ -473,14 +472,11 @@ class KVCacheManager:
         chosen.sort(key=lambda b: -b.depth)
         return self.evict_prefix([b.key for b in reversed(chosen)])
 
-    def cached_blocks(self) -> list[CachedBlock]:
-        """Every indexed block of the pool, as `PrefixTree` reads them (tier "device"). Never tokens."""
-        return [CachedBlock(*row) for row in self.cached_block_rows()]
-
     def cached_block_rows(self) -> list[tuple]:
-        """`cached_blocks` as plain tuples in CachedBlock's field order: the part a caller's lock must
-        cover, five to ten times quicker than making the CachedBlocks (about 15 ms for 100,000 blocks
-        on one core, against 130 ms), which it then makes outside the lock: `CachedBlock(*row)`."""
+        """Every indexed block of the pool (tier "device"), never its tokens, as a plain tuple in
+        CachedBlock's field order: `CachedBlock(*row)` makes what `PrefixTree` reads. Tuples, so that
+        the caller's lock covers only the read (15-25 ms for 100,000 blocks, where making the
+        CachedBlocks there held it for 112-125 ms: scripts/prefix-tree-time --pool-blocks)."""
         return [(b.key, b.parent, b.root, b.depth, "device", b.tenant, b.hits, b.last_use, b.pin_count > 0,
                  b.ref_count > 0) for b in self.pool.blocks if b.key is not None]
 
