@@ -475,7 +475,7 @@ class KVCacheManager:
     def cached_block_rows(self) -> list[tuple]:
         """Every indexed block of the pool (tier "device"), never its tokens, as a plain tuple in
         CachedBlock's field order: `CachedBlock(*row)` makes what `PrefixTree` reads. Tuples, so that
-        the caller's lock covers only the read (15-25 ms for 100,000 blocks, where making the
+        the caller's lock covers only the read (13-30 ms for 100,000 blocks, where making the
         CachedBlocks there held it for 112-125 ms: scripts/prefix-tree-time --pool-blocks)."""
         return [(b.key, b.parent, b.root, b.depth, "device", b.tenant, b.hits, b.last_use, b.pin_count > 0,
                  b.ref_count > 0) for b in self.pool.blocks if b.key is not None]
