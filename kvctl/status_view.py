@@ -13,6 +13,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from kvctl.daemon.server.block_map import fold_block_map
+
 from .command_kit import client_for, emit, redraw
 from .fleet_status import PHASE_NAMES, before_load, is_fleet, render_fleet_status, store_trouble
 from .gc_status import gc_line
@@ -26,17 +28,13 @@ MAP_STYLES = {".": "grey50", "r": "yellow", "a": "green", "s": "cyan", "c": "blu
 MAP_MAX_CELLS = 2048  # 32 lines of 64: a GPU cache's hundred thousand blocks still fit a screen
 
 
-def map_cells(block_map: str, max_cells: int = MAP_MAX_CELLS) -> tuple[str, int]:
-    """The block map in at most `max_cells` cells: each cell covers `per_cell` consecutive blocks
-    and shows the state most of them are in (ties: the first of them). Returns (cells, per_cell)."""
-    per_cell = max(1, -(-len(block_map) // max_cells))
-    if per_cell == 1:
-        return block_map, 1
-    cells = []
-    for start in range(0, len(block_map), per_cell):
-        run = block_map[start:start + per_cell]
-        cells.append(max(dict.fromkeys(run), key=run.count))
-    return "".join(cells), per_cell
+def map_cells(data: dict, max_cells: int = MAP_MAX_CELLS) -> tuple[str, int]:
+    """The status answer's block map in at most `max_cells` cells, and the blocks a cell covers:
+    as kvd folded it (`cells=`), or folded here when kvd sent a character per block (an older kvd)."""
+    block_map, per_cell = data["block_map"], data.get("block_map_per_cell", 1)
+    if len(block_map) <= max_cells:
+        return block_map, per_cell
+    return fold_block_map(block_map, max_cells)
 
 
 def start_line(start: dict, uptime: float | None) -> str:
@@ -167,7 +165,7 @@ def render_status(data: dict, console: Console | None = None):
                                              f"{gpu['memory_total'] / 2**30:.1f} GiB, {gpu['utilization']}% busy")
     parts = [table, facts]
     if data.get("block_map"):
-        cells, per_cell = map_cells(data["block_map"])
+        cells, per_cell = map_cells(data)
         text = Text()
         for i, char in enumerate(cells):
             text.append("■", style=MAP_STYLES[char])
@@ -182,18 +180,20 @@ def render_status(data: dict, console: Console | None = None):
 
 
 def status(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
-           blocks: bool = typer.Option(False, "--blocks", help="Draw the physical block map."),
+           blocks: bool = typer.Option(False, "--blocks", help="Draw the physical block map (with --json: a character per block)."),
            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Blocks by state, hits and recomputation, queue, rejections, latency, GPU.
 
     Example: kvctl status --blocks
     """
     client = client_for(ctx)
+    # drawn, the map is folded by kvd to a screen's cells; --json keeps a character per block
+    query = {"blocks": True, "cells": None if as_json else MAP_MAX_CELLS} if blocks else {}
     if not watch or as_json:
-        data = client.get("/admin/status", blocks=blocks or None)
+        data = client.get("/admin/status", **query)
         emit(data, as_json, lambda d: render_status(d, Console()))
         return
-    watch_status(lambda: client.get("/admin/status", blocks=blocks or None))
+    watch_status(lambda: client.get("/admin/status", **query))
 
 
 def watch_status(fetch, console: Console | None = None, interval: float = 1.0, sleep=time.sleep,

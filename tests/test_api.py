@@ -391,10 +391,19 @@ def test_admin_status_prefixes_pin_evict_explain_and_audit(daemon):
     device = status["blocks"]["device"]
     assert set(device) == {"total", "free", "reserved", "active", "shared", "cached", "pinned"}
     assert sum(v for k, v in device.items() if k != "total") == device["total"] == 64
-    assert len(status["block_map"]) == 64
+    assert len(status["block_map"]) == 64 and status["block_map_per_cell"] == 1
     prompt = "Pinned system prompt for the support bot, long enough for three blocks of tokens."
     pinned = call(unix, "POST", "/admin/pins", json={"text": prompt, "tenant": "acme", "ttl": "1h",
                                                      "note": "support"}).json()
+    every = call(unix, "GET", "/admin/status", params={"blocks": True}).json()["block_map"]
+    assert every.count("p") == pinned["blocks"] and len(every) == 64
+    folded = call(unix, "GET", "/admin/status", params={"blocks": True, "cells": 8}).json()
+    # eight cells of eight blocks, each in its cell's most common state, folded by kvd
+    assert folded["block_map_per_cell"] == 8 and folded["block_map"] == "".join(
+        max(dict.fromkeys(run), key=run.count) for run in (every[i:i + 8] for i in range(0, 64, 8)))
+    assert call(unix, "GET", "/admin/status", params={"blocks": True, "cells": 64}).json()["block_map"] == every
+    refused = call(unix, "GET", "/admin/status", params={"blocks": True, "cells": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "cells", refused.text
     assert pinned["blocks"] == pinned["cached_blocks"] == len(service.tokenize(prompt)) // 16
     assert pinned["warmed"] is True and pinned["tenant"] == "acme"
     queue = call(unix, "GET", "/admin/status").json()["queue"]  # warming it measured a prefill step

@@ -565,22 +565,49 @@ def test_table_helpers_print_spans_and_sizes_at_a_glance_and_keep_ids_whole():
 def test_a_large_block_map_is_drawn_in_at_most_2048_cells_of_their_most_common_state():
     from rich.console import Console
 
+    from kvctl.daemon.server.block_map import fold_block_map
     from kvctl.status_view import map_cells, render_status
 
-    assert map_cells("..aa", max_cells=8) == ("..aa", 1)
-    assert map_cells("..a" + "ppc" + "sss" + ".", max_cells=4) == (".ps.", 3)  # 10 blocks in cells of 3
-    assert map_cells("acca", max_cells=2) == ("ac", 2)  # a tie goes to the state met first
+    assert fold_block_map("..aa", max_cells=8) == ("..aa", 1)
+    assert fold_block_map("..a" + "ppc" + "sss" + ".", max_cells=4) == (".ps.", 3)  # 10 blocks in cells of 3
+    assert fold_block_map("acca", max_cells=2) == ("ac", 2)  # a tie goes to the state met first
     big = "." * 100_000 + "a" * 28_000 + "p" * 3_072  # a GPU's 131,072 blocks
-    cells, per_cell = map_cells(big)
+    cells, per_cell = fold_block_map(big, 2048)
     # the cell across 99,968..100,031 holds 32 free and 32 active blocks: a tie, so free
     assert (per_cell, len(cells)) == (64, 2048) and [cells.count(c) for c in ".ap"] == [1563, 437, 48]
-    data = {**_status_data(0), "block_map": big}
-    data["blocks"]["device"] = {**data["blocks"]["device"], "total": len(big), "free": len(big)}
-    console = Console(record=True, width=100)
-    render_status(data, console)
-    text = console.export_text()
-    assert "block map (a cell is 64 blocks, in its most common state)" in text
-    assert sum(line.count("■") for line in text.splitlines()) == 2048  # 32 rows, not 2,048
+    # kvd folded it (the answer says how many blocks a cell is): drawn as it came
+    assert map_cells({"block_map": cells, "block_map_per_cell": 64}) == (cells, 64)
+    # an older kvd sent a character per block: kvctl folds it the same way
+    assert map_cells({"block_map": big}) == (cells, 64)
+    for answer in ({"block_map": big}, {"block_map": cells, "block_map_per_cell": 64}):
+        data = {**_status_data(0), **answer}
+        data["blocks"]["device"] = {**data["blocks"]["device"], "total": len(big), "free": len(big)}
+        console = Console(record=True, width=100)
+        render_status(data, console)
+        text = console.export_text()
+        assert "block map (a cell is 64 blocks, in its most common state)" in text
+        assert sum(line.count("■") for line in text.splitlines()) == 2048  # 32 rows, not 2,048
+
+
+def test_status_blocks_asks_kvd_to_fold_the_map_and_json_asks_for_every_block(capsys, monkeypatch):
+    import kvctl.status_view as status_view
+
+    asked = []
+
+    class Fake:
+        def get(self, path, **params):
+            assert path == "/admin/status"
+            asked.append({k: v for k, v in params.items() if v is not None})
+            return {**_status_data(0), "block_map": "..ac", "block_map_per_cell": 2}
+
+    monkeypatch.setattr(status_view, "client_for", lambda ctx: Fake())
+    status, out, _ = cli(capsys, "status", "--blocks")
+    assert status == 0 and asked[-1] == {"blocks": True, "cells": 2048}
+    assert "block map (a cell is 2 blocks, in its most common state)" in out
+    cli(capsys, "status", "--blocks", "--json")
+    assert asked[-1] == {"blocks": True}
+    cli(capsys, "status")
+    assert asked[-1] == {}
 
 
 def _prefix_rows():

@@ -455,8 +455,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     # ---- admin -------------------------------------------------------------------------------
     @app.get("/admin/status")
-    def status(blocks: bool = Query(False), _: Principal = Depends(admin)):
-        return service.status(with_blocks=blocks)
+    def status(blocks: bool = Query(False), cells: int | None = Query(None, ge=1), _: Principal = Depends(admin)):
+        """kvd's state; `blocks`: the block map too, a character per block, or per cell of
+        consecutive blocks (their most common state) when `cells` caps how many."""
+        return service.status(with_blocks=blocks, cells=cells)
 
     @app.get("/admin/prefixes")
     def prefixes(tenant: str | None = None, pinned: bool = False, sort: str = "recent", limit: int = 0,

@@ -38,6 +38,7 @@ from kvctl.policies.reservation import parse_reservation
 
 from . import pin_ops, tier_ops
 from .admin_slots import WriteSlots
+from .block_map import fold_block_map, read_block_map
 from .calls import Principal, ServiceError
 from .durations import unix_time
 from .gc_pauses import GcPauses
@@ -803,7 +804,9 @@ class EngineService:
         return self.loaded.tokenizer.encode(text, add_bos=False)
 
     # ---- operator views ----------------------------------------------------------------------
-    def status(self, with_blocks: bool = False) -> dict:
+    def status(self, with_blocks: bool = False, cells: int | None = None) -> dict:
+        """`GET /admin/status`: with `with_blocks`, the block map too, in at most `cells` cells
+        (block_map.fold_block_map; None: a character per block)."""
         engine = self.require_ready()
         waiting_writes, longest_write_wait = self.store.waiting_writes()
         with self.lock:
@@ -811,9 +814,7 @@ class EngineService:
             counts = cache.state_counts()
             stats = engine.stats
             queue = engine.queue_figures()
-            block_map = None
-            if with_blocks:
-                block_map = self._block_map()
+            block_map = read_block_map(cache) if with_blocks else None
             body = {
                 "model": {"name": self.model_name, "architecture": self.loaded.config.architecture,
                           "path": str(self.loaded.path),
@@ -872,8 +873,8 @@ class EngineService:
             report = self.tiers.report()
             body["tiers"] = {name: {k: t[k] for k in ("used_bytes", "capacity_bytes", "blocks", "health")}
                              for name, t in report["tiers"].items()}
-        if block_map is not None:
-            body["block_map"] = block_map
+        if block_map is not None:  # folded after the lock: a character per block, or per cell of blocks
+            body["block_map"], body["block_map_per_cell"] = fold_block_map(block_map, cells or len(block_map) or 1)
         return body
 
     def drain(self, on: bool, principal: Principal) -> dict:
@@ -889,24 +890,6 @@ class EngineService:
         log.info("%s: %d running, %d waiting", "draining" if on else "taking completions again",
                  queue["running"], queue["waiting"])
         return {"draining": on, "running": queue["running"], "waiting": queue["waiting"]}
-
-    def _block_map(self) -> str:
-        """One character per block: . free  r reserved  a active  s shared  c cached  p pinned."""
-        engine = self.engine
-        reserved = engine.cache.reserved_block_ids()
-        chars = []
-        for block in engine.cache.pool.blocks:
-            if block.block_id in reserved:
-                chars.append("r")
-            elif block.ref_count > 1:
-                chars.append("s")
-            elif block.ref_count == 1:
-                chars.append("a")
-            elif block.key is not None:
-                chars.append("p" if block.pin_count else "c")
-            else:
-                chars.append(".")
-        return "".join(chars)
 
     @property
     def model_name(self) -> str:
