@@ -13,7 +13,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from kvctl.daemon.server.block_map import fold_block_map
+from kvctl.daemon.server.block_map import BLOCK_STATES, fold_block_map
 
 from .command_kit import client_for, emit, redraw
 from .fleet_status import PHASE_NAMES, before_load, is_fleet, render_fleet_status, store_trouble
@@ -171,8 +171,11 @@ def render_status(data: dict, console: Console | None = None):
             text.append("■", style=MAP_STYLES[char])
             if i % 64 == 63 and i + 1 < len(cells):
                 text.append("\n")
+        text.append("\n\n")  # the legend under the map, in the map's colours: a title would be cut at 80 columns
+        for char, state in BLOCK_STATES.items():
+            text.append("■", style=MAP_STYLES[char]).append(f" {state}  ")
         scale = "" if per_cell == 1 else f" (a cell is {per_cell} blocks, in its most common state)"
-        parts.append(Panel(text, title=f"block map{scale}: free reserved active shared cached pinned"))
+        parts.append(Panel(text, title=f"block map{scale}"))
     group = Group(*parts)
     if console is not None:
         console.print(group)
@@ -180,7 +183,8 @@ def render_status(data: dict, console: Console | None = None):
 
 
 def status(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
-           blocks: bool = typer.Option(False, "--blocks", help="Draw the physical block map (with --json: a character per block)."),
+           blocks: bool = typer.Option(False, "--blocks",
+                                       help="Draw the physical block map (with --json: a character per block)."),
            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Blocks by state, hits and recomputation, queue, rejections, latency, GPU.
 

@@ -582,11 +582,15 @@ def test_a_large_block_map_is_drawn_in_at_most_2048_cells_of_their_most_common_s
     for answer in ({"block_map": big}, {"block_map": cells, "block_map_per_cell": 64}):
         data = {**_status_data(0), **answer}
         data["blocks"]["device"] = {**data["blocks"]["device"], "total": len(big), "free": len(big)}
-        console = Console(record=True, width=100)
+        console = Console(record=True, width=80)
         render_status(data, console)
         text = console.export_text()
         assert "block map (a cell is 64 blocks, in its most common state)" in text
-        assert sum(line.count("■") for line in text.splitlines()) == 2048  # 32 rows, not 2,048
+        # the legend stands whole under the map in an 80-column terminal, a square of each colour
+        legend = [line for line in text.splitlines() if "■ free" in line]
+        assert [part.strip() for part in legend[0].strip("│ ").split("■")[1:]] == [
+            "free", "reserved", "active", "shared", "cached", "pinned"]
+        assert sum(line.count("■") for line in text.splitlines()) == 2048 + 6  # 32 rows of 64, the legend
 
 
 def test_status_blocks_asks_kvd_to_fold_the_map_and_json_asks_for_every_block(capsys, monkeypatch):
