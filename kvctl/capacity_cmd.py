@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich import box
 from rich.table import Table
+
+from kvctl.daemon.gpu_nvml import Nvml
 
 from .capacity import ELEMENT_BYTES, PER_TOKEN_SCALE_FORMATS, ModelShape, compare_dtypes, tier_plan
 from .errors import UserError
@@ -24,16 +27,14 @@ def _bytes(field: str, text: str) -> int:
 
 
 def nvml_free_memory() -> int:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        raise UserError("gpu: --gpu auto needs an NVIDIA GPU with NVML; give --gpu-memory BYTES") from None
-    try:
-        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free
-    finally:
-        pynvml.nvmlShutdown()
+    """Free bytes on the GPU that CUDA device 0 of this process is (CUDA_VISIBLE_DEVICES honoured)."""
+    free = Nvml().free_memory(0)
+    if free is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+        raise UserError(f"gpu: --gpu auto needs an NVIDIA GPU visible through NVML{seen}; "
+                        "give --gpu-memory BYTES")
+    return free
 
 
 def capacity_command(
@@ -46,7 +47,7 @@ def capacity_command(
                               "it, bfloat16 without --model; then fp8_e4m3 and int8)."),
     block_size: int = typer.Option(16, help="Tokens per block."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 141GB."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="'auto': free memory of GPU 0 through NVML."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="'auto': free memory through NVML of the first GPU CUDA_VISIBLE_DEVICES leaves visible."),
     weights_bytes: str = typer.Option("auto", help="Weights: auto (safetensors sizes) or bytes."),
     workspace: Optional[str] = typer.Option(None, help="Activation workspace bytes (default: estimated)."),
     reserve: float = typer.Option(0.1, help="Fraction of GPU memory kept free."),

@@ -160,9 +160,10 @@ def render_status(data: dict, console: Console | None = None):
                       + f" steps{threads}, {seconds(sum(s['seconds'] for s in steps.values()))} busy{mean}")
     if (data.get("gc") or {}).get("watching"):  # kvd serve (absent from an older kvd)
         facts.add_row("gc", gc_line(data["gc"]))
-    for gpu in data.get("gpu") or []:
-        facts.add_row(f"GPU {gpu['index']}", f"{gpu['name']}: {gpu['memory_used'] / 2**30:.1f} of "
-                                             f"{gpu['memory_total'] / 2**30:.1f} GiB, {gpu['utilization']}% busy")
+    for gpu in data.get("gpu") or []:  # the GPU kvd runs on, by NVML's (nvidia-smi's) index
+        busy = "" if gpu.get("utilization") is None else f", {gpu['utilization']}% busy"  # None: MIG
+        facts.add_row("GPU" if gpu.get("index") is None else f"GPU {gpu['index']}",
+                      f"{gpu['name']}: {gpu['memory_used'] / 2**30:.1f} of {gpu['memory_total'] / 2**30:.1f} GiB{busy}")
     parts = [table, facts]
     if data.get("block_map"):
         cells, per_cell = map_cells(data)

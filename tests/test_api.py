@@ -385,6 +385,24 @@ def test_trusted_front_end_may_name_the_tenant(tmp_path, daemon):
     assert other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_admin_status_shows_the_gpu_kvd_runs_on_as_nvml_numbers_it(daemon, monkeypatch):
+    """kvd on cuda:1 under CUDA_VISIBLE_DEVICES=2,3 runs on NVML's GPU 3: only that one is shown."""
+    from kvctl.daemon import gpu_nvml
+
+    from .test_gpu_nvml import FakeNvml
+
+    service, unix, _ = daemon
+    fake = FakeNvml()
+    monkeypatch.setattr(gpu_nvml, "NVML", gpu_nvml.Nvml(fake))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert call(unix, "GET", "/admin/status").json()["gpu"] is None  # on the CPU: no GPU of its own
+    monkeypatch.setattr(service.engine.model, "device", torch.device("cuda", 1))  # read by the status only
+    gpus = call(unix, "GET", "/admin/status").json()["gpu"]
+    assert [(g["index"], g["uuid"], g["utilization"]) for g in gpus] == [(3, "GPU-2c34dddd-0000", 60)]
+    call(unix, "GET", "/admin/status")
+    assert fake.inits == 1
+
+
 def test_admin_status_prefixes_pin_evict_explain_and_audit(daemon):
     service, unix, _ = daemon
     status = call(unix, "GET", "/admin/status", params={"blocks": True}).json()

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default
+from kvctl.daemon import gpu_nvml
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent, prefetch_wait
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
@@ -868,7 +869,8 @@ class EngineService:
                           "waiting_writes": waiting_writes, "longest_write_wait_seconds": longest_write_wait},
             }
         body["latency"] = self.latency_summary()
-        body["gpu"] = gpu_status()
+        device = engine.model.device  # the GPU kvd runs on, as NVML numbers it (None on the CPU)
+        body["gpu"] = gpu_nvml.NVML.rows((device.index or 0) if device.type == "cuda" else None)
         if self.tiers is not None:
             report = self.tiers.report()
             body["tiers"] = {name: {k: t[k] for k in ("used_bytes", "capacity_bytes", "blocks", "health")}
@@ -908,27 +910,3 @@ def prefetch_settings(cfg: KvdConfig) -> dict:
     """The engine's prefetch settings from the daemon's config."""
     return {"prefetch_policy": cfg.prefetch_policy, "prefetch_timeout": cfg.prefetch_timeout,
             "prefetch_timeout_per_1k_tokens": cfg.prefetch_timeout_per_1k_tokens}
-
-
-def gpu_status() -> list[dict] | None:
-    """Memory and utilisation of each GPU through NVML, or None where there is none."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # no driver, no GPU
-        return None
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
-            name = pynvml.nvmlDeviceGetName(handle)
-            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                        "memory_used": memory.used, "memory_total": memory.total, "utilization": util.gpu})
-        return out
-    finally:
-        pynvml.nvmlShutdown()
