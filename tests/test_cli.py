@@ -928,20 +928,21 @@ def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():
 
     examples = Path(__file__).parent.parent / "examples"
     calls = []
-    for path in (examples / "kvd.service", examples / "kvd-calibrate.service", examples / "crontab"):
+    names = ("kvd.service", "kvd-calibrate.service", "crontab", "kvd@.service", "kvd-calibrate@.service")
+    for path in (examples / name for name in names):
         for line in path.read_text().splitlines():
             if line.lstrip().startswith("#") or "bin/kvctl " not in line:
                 continue
             words = shlex.split(line.split("bin/kvctl ", 1)[1])
             calls.append((path.name, words[:words.index(">>")] if ">>" in words else words))
-    assert {name for name, _ in calls} == {"kvd.service", "kvd-calibrate.service", "crontab"}
+    assert {name for name, _ in calls} == set(names)
     root = typer.main.get_command(app)
     for name, words in calls:
         group, args = root, list(words)
         while hasattr(group, "commands"):
             group = group.commands[args.pop(0)]
         group.make_context(name, args)  # raises on an unknown option or a bad value
-    assert ("kvd.service", ["config", "reload"]) in calls
+    assert ("kvd.service", ["config", "reload"]) in calls and ("kvd@.service", ["config", "reload"]) in calls
 
 
 def test_the_router_unit_runs_a_kvd_router_command_kvd_accepts():
