@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
-from .daemon_fixtures import apps, call, start_service, token_table  # noqa: E402
+from .daemon_fixtures import apps, call, settled, start_service, token_table  # noqa: E402
 
 
 def sample(text: str, name: str, labels: str = "") -> float:
@@ -28,7 +28,9 @@ def test_vllm_and_sglang_names_carry_kvd_s_figures(tmp_path):
             body = call(unix, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
                                                               "temperature": 0, "ignore_eos": True}).json()
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
-        text = call(unix, "GET", "/metrics").text
+        # the last request's client has its answer just before kvd's metrics take the request
+        text = settled(lambda: call(unix, "GET", "/metrics").text,
+                       lambda text: sample(text, "kvd_inter_token_seconds_count") == 2 + 4)
         model = f'model_name="{service.model_name}"'
         assert sample(text, "vllm:prefix_cache_queries_total", model) == sample(text, "kvd_prompt_tokens_total") == 78
         assert sample(text, "vllm:prefix_cache_hits_total", model) == sample(text, "kvd_prefix_hit_tokens_total") == 32

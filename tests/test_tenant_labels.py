@@ -26,7 +26,7 @@ def test_kvd_s_per_tenant_series_stop_at_the_limit_and_kvctl_tenants_still_lists
     pytest.importorskip("fastapi")
     from kvctl.daemon.server.app import create_app
 
-    from .daemon_fixtures import call, start_service
+    from .daemon_fixtures import call, settled, start_service
 
     service = start_service(tmp_path, max_tenant_metric_series=1)
     try:
@@ -36,7 +36,9 @@ def test_kvd_s_per_tenant_series_stop_at_the_limit_and_kvctl_tenants_still_lists
             response = call(app, "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant},
                             json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
             assert response.status_code == 200, response.text
-        text = call(app, "GET", "/metrics").text
+        # the last request's client has its answer just before kvd's metrics take the request
+        text = settled(lambda: call(app, "GET", "/metrics").text,
+                       lambda text: 'kvd_tenant_ttft_seconds_count{tenant="*"} 2.0' in text)
         series = dict(re.findall(r'^kvd_tenant_prompt_tokens_total\{tenant="([^"]+)"\} (\S+)$', text, re.MULTILINE))
         assert series == {"acme": "39.0", "*": "49.0"}  # globex's 29 and initech's 20 under "*"
         assert 'kvd_tenant_ttft_seconds_count{tenant="*"} 2.0' in text
