@@ -68,7 +68,7 @@ class Nvml:
     def free_memory(self, cuda_index: int = 0, environ: Mapping[str, str] = os.environ) -> int | None:
         """Free bytes on CUDA device `cuda_index` of this process, or None where it cannot be told."""
         handle = self.cuda_device_handle(cuda_index, environ)
-        return None if handle is None else self._opened.nvmlDeviceGetMemoryInfo(handle).free
+        return None if handle is None else _or_none(lambda h: self._opened.nvmlDeviceGetMemoryInfo(h).free, handle)
 
     def rows(self, cuda_index: int | None, environ: Mapping[str, str] = os.environ) -> list[dict] | None:
         """Memory and utilisation of the GPU a process on CUDA device `cuda_index` uses (`kvctl

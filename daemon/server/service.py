@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default
 from kvctl.daemon import gpu_nvml
+from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent, prefetch_wait
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
