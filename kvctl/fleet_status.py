@@ -14,6 +14,7 @@ from rich.text import Text
 
 from .client import LOCK_HOLDERS, STORE_WRITE_WAIT_S
 from .gc_status import gc_line
+from .gpu_status import gpu_label, gpu_line
 from .tables import compact_table, duration, fit_cells, keep_whole, seconds
 
 
@@ -104,6 +105,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     down = []  # (replica, why): under the table, whole, where a cell would fold it into a column
     troubles = []  # a replica's store trouble, under the table too
     restarts = []  # replicas started within the hour: when, and how long their start took
+    gpus = []  # the GPU each replica runs on: which replica is which GPU of a host
     for status in data["replica_status"]:
         book = books.get(status["replica"], {})
         name = escape(status["replica"])  # a path or URL, never markup
@@ -116,6 +118,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
         fresh = fresh_start(status)
         if fresh:
             restarts.append(Text(f"{status['replica']} {fresh}"))
+        gpus += [Text(f"{status['replica']} on {gpu_label(gpu)}, {gpu_line(gpu)}") for gpu in status.get("gpu") or []]
         blocks = status["blocks"]["device"]
         used = blocks["total"] - blocks["free"]
         tokens = status["tokens"]
@@ -132,7 +135,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     reasons = [Text.assemble((f"{replica} down: ", "red"), str(why)) for replica, why in down]
     router = ([Text.assemble("kvd router's garbage collector: ", gc_line(data["gc"]))]
               if (data.get("gc") or {}).get("watching") else [])  # kvd router (absent from an older one)
-    group = Group(table, *reasons, *troubles, *restarts, *router, summary)
+    group = Group(table, *reasons, *troubles, *restarts, *gpus, *router, summary)
     if console is not None:  # wider than the terminal rather than a figure cut to "1,436…"
         needed = Measurement.get(console, console.options, table).minimum
         console.print(group, width=max(console.width, needed), crop=False)

@@ -18,6 +18,7 @@ from kvctl.daemon.server.block_map import BLOCK_STATES, fold_block_map
 from .command_kit import client_for, emit, redraw
 from .fleet_status import PHASE_NAMES, before_load, is_fleet, render_fleet_status, store_trouble
 from .gc_status import gc_line
+from .gpu_status import gpu_label, gpu_line
 from .tables import duration, seconds, size, when
 
 STATE_STYLES = {"free": "grey50", "reserved": "yellow", "active": "green", "shared": "cyan",
@@ -161,9 +162,7 @@ def render_status(data: dict, console: Console | None = None):
     if (data.get("gc") or {}).get("watching"):  # kvd serve (absent from an older kvd)
         facts.add_row("gc", gc_line(data["gc"]))
     for gpu in data.get("gpu") or []:  # the GPU kvd runs on, by NVML's (nvidia-smi's) index
-        busy = "" if gpu.get("utilization") is None else f", {gpu['utilization']}% busy"  # None: MIG
-        facts.add_row("GPU" if gpu.get("index") is None else f"GPU {gpu['index']}",
-                      f"{gpu['name']}: {gpu['memory_used'] / 2**30:.1f} of {gpu['memory_total'] / 2**30:.1f} GiB{busy}")
+        facts.add_row(gpu_label(gpu), gpu_line(gpu))
     parts = [table, facts]
     if data.get("block_map"):
         cells, per_cell = map_cells(data)

@@ -101,6 +101,23 @@ def test_status_rows_are_kvds_own_gpu_and_nvml_is_opened_once():
     assert fake.inits == 1  # kvctl status --watch asks each second; nvmlInit walks every GPU
 
 
+def test_an_nvml_error_reading_free_memory_is_none_and_capacity_says_so(capsys, monkeypatch):
+    import kvctl.capacity_cmd as capacity_cmd
+
+    from .test_cli import cli
+
+    class Lost(FakeNvml):
+        def nvmlDeviceGetMemoryInfo(self, handle):
+            raise RuntimeError("GPU is lost")
+
+    assert Nvml(Lost()).free_memory(0, {}) is None
+    monkeypatch.setattr(capacity_cmd, "Nvml", lambda: Nvml(Lost()))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    status, _, err = cli(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--gpu", "auto")
+    assert status == 2 and " ".join(err.split()) == (
+        "error: gpu: --gpu auto needs an NVIDIA GPU visible through NVML; give --gpu-memory BYTES")
+
+
 def test_without_a_driver_nvml_is_tried_once_and_nothing_is_reported():
     fake = FakeNvml(fail_init=True)
     nvml = Nvml(fake)

@@ -365,6 +365,30 @@ def test_a_narrow_terminal_wraps_the_fleet_s_views_and_headers_but_cuts_no_figur
     assert text.splitlines()[2].split()[:4] == [names[0], "12,345", "8", "asks"] and "asks (feed down)" in text
 
 
+def test_the_fleet_status_says_which_gpu_each_replica_runs_on():
+    """kvd@0 and kvd@1 on one host: a line each under the table, as nvidia-smi numbers the GPUs."""
+    from rich.console import Console
+
+    from kvctl.fleet_status import render_fleet_status
+
+    live = {"blocks": {"device": {"total": 64, "free": 64}}, "tokens": {"prompt": 0, "hit": 0, "hit_ratio": 0.0},
+            "queue": {"waiting": 0, "running": 0}}
+
+    def gpu(index, used, busy):
+        return [{"index": index, "name": "NVIDIA H200", "uuid": f"GPU-{index}", "memory_used": used * 2**30,
+                 "memory_total": 141 * 2**30, "utilization": busy}]
+
+    data = {"routing": "prefix", "replicas": [],
+            "replica_status": [{"replica": "/run/kvd-0/kvd.sock", **live, "gpu": gpu(0, 120, 87)},
+                               {"replica": "/run/kvd-1/kvd.sock", **live, "gpu": gpu(1, 118.5, 91)},
+                               {"replica": "/run/kvd-2/kvd.sock", **live, "gpu": None}]}  # on a CPU
+    console = Console(record=True, width=120)
+    render_fleet_status(data, console)
+    assert [line.strip() for line in console.export_text().splitlines() if " on GPU" in line] == [
+        "/run/kvd-0/kvd.sock on GPU 0, NVIDIA H200: 120.0 of 141.0 GiB, 87% busy",
+        "/run/kvd-1/kvd.sock on GPU 1, NVIDIA H200: 118.5 of 141.0 GiB, 91% busy"]
+
+
 def test_the_fleet_status_names_each_replica_started_within_the_hour_and_what_its_start_took():
     from rich.console import Console
 
