@@ -286,7 +286,10 @@ def _check(name: str, value: Any) -> None:
     if name == "gc_warn_seconds" and value < 0:
         raise ValueError("must be >= 0 (0: no warning)")
     if name == "device" and value not in ("auto", "cpu", "cuda"):
-        raise ValueError("must be auto, cpu or cuda")
+        one_of_several = str(value).startswith("cuda:")  # kvd runs on its process's first GPU
+        raise ValueError("must be auto, cpu or cuda" + ("; for GPU N of several, start kvd with "
+                                                        "CUDA_VISIBLE_DEVICES=N (examples/kvd@.service)"
+                                                        if one_of_several else ""))
     if name == "dtype" and value not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError("must be auto, float32, bfloat16 or float16")
     if name == "eviction" and value not in EVICTION_POLICIES:

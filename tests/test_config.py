@@ -31,6 +31,9 @@ def test_precedence_flag_env_file_default(tmp_path):
     ({"disk_cache_bytes": "infGiB"}, {}, "disk_cache_bytes: invalid value 'infGiB' from --disk-cache-bytes: must be "
                                         "a size in bytes"),
     ({"listen": "nowhere"}, {}, "listen: invalid value 'nowhere' from --listen: must be HOST:PORT"),
+    ({"device": "gpu"}, {}, "device: invalid value 'gpu' from --device: must be auto, cpu or cuda"),
+    ({}, {"KVD_DEVICE": "cuda:1"}, "device: invalid value 'cuda:1' from KVD_DEVICE: must be auto, cpu or cuda; "
+                                   "for GPU N of several, start kvd with CUDA_VISIBLE_DEVICES=N (examples/kvd@.service)"),
     ({"listen": "127.0.0.1:8000"}, {}, "listen: '127.0.0.1:8000' needs token_file"),
     ({"reservation": "half"}, {}, "reservation: invalid value 'half' from --reservation"),
     ({"max_queue": 0}, {}, "max_queue: invalid value 0 from --max-queue: must be >= 1"),
