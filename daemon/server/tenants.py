@@ -50,26 +50,28 @@ def list_tenants(service: EngineService) -> dict:
             with service.tiers.lock:
                 on_host = {tenant: n for tenant, n in host.tenant_blocks.items() if tenant}
         lower = service.tiers.tenant_bytes() if service.tiers is not None else {}
-        names = (set(counted) | set(indexed) | (set(on_host) if host is not None else set()) | set(shares or ())
-                 | set(pinned) | {t for t, _ in flight}
-                 | {t for tier in ("disk", "remote") for t in lower.get(tier, {}) if t})
-        rows = []
-        for tenant in sorted(names):
-            prompt, hit, recomputed, rejected = counted.get(tenant, (0, 0, 0, 0))
-            share = (shares or {}).get(tenant)
-            rows.append({"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit,
-                         "hit_ratio": hit / prompt if prompt else 0.0, "recomputed_tokens": recomputed,
-                         "running": flight[(tenant, "running")], "waiting": flight[(tenant, "waiting")],
-                         "rejected": rejected,
-                         "cached_blocks": indexed.get(tenant, 0),
-                         "idle_blocks": None if share is None else share["idle_blocks"],
-                         "share_blocks": None if share is None else share["share_blocks"],
-                         "pinned_blocks": pinned.get(tenant, 0),
-                         "pin_budget_blocks": pins.budget(tenant),
-                         "host_blocks": None if host is None else on_host.get(tenant, 0),
-                         "host_share_blocks": None if host is None else host.share_of(tenant),
-                         **_lower_use(service.tiers, lower, tenant)})
         total = cache.num_blocks
+    # the rows are made after the lock (a row per tenant seen lately: up to max_tracked_tenants);
+    # budgets and shares are settings, read as they stand
+    names = (set(counted) | set(indexed) | (set(on_host) if host is not None else set()) | set(shares or ())
+             | set(pinned) | {t for t, _ in flight}
+             | {t for tier in ("disk", "remote") for t in lower.get(tier, {}) if t})
+    rows = []
+    for tenant in sorted(names):
+        prompt, hit, recomputed, rejected = counted.get(tenant, (0, 0, 0, 0))
+        share = (shares or {}).get(tenant)
+        rows.append({"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit,
+                     "hit_ratio": hit / prompt if prompt else 0.0, "recomputed_tokens": recomputed,
+                     "running": flight[(tenant, "running")], "waiting": flight[(tenant, "waiting")],
+                     "rejected": rejected,
+                     "cached_blocks": indexed.get(tenant, 0),
+                     "idle_blocks": None if share is None else share["idle_blocks"],
+                     "share_blocks": None if share is None else share["share_blocks"],
+                     "pinned_blocks": pinned.get(tenant, 0),
+                     "pin_budget_blocks": pins.budget(tenant),
+                     "host_blocks": None if host is None else on_host.get(tenant, 0),
+                     "host_share_blocks": None if host is None else host.share_of(tenant),
+                     **_lower_use(service.tiers, lower, tenant)})
     latency = service.tenant_latency()  # outside the engine's lock: the metrics keep their own
     for row in rows:
         ttft = latency.get(row["tenant"]) or {}
