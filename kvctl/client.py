@@ -1,6 +1,7 @@
 """The HTTP client kvctl uses to reach kvd: the Unix socket by default, or TCP with a token.
 
-    --socket PATH  / KVD_SOCKET      (default: the daemon's default socket)
+    --socket PATH  / KVD_SOCKET      (default: the daemon's default socket; where no kvd is there,
+                                      the one socket kvd's systemd units keep in /run/kvd*, if one)
     --url URL      / KVD_URL         (TCP; needs --token-file / KVD_TOKEN_FILE)
 """
 
@@ -20,6 +21,27 @@ STORE_WAIT_NOTE_AFTER_S = 2.0  # an admin call that changes something and has no
 STORE_WRITE_WAIT_S = 30  # how long a write to kvd's store waits for another process's lock (daemon/store.py)
 # who holds a store's write lock, most likely, when a write waits for it: every kvctl message about such a wait says
 LOCK_HOLDERS = "a sqlite3 shell left in a transaction, a long kvctl db command"
+
+
+SYSTEMD_RUN = Path("/run")  # kvd.service's /run/kvd, kvd@N's /run/kvd-N, kvd router's /run/kvd-router
+
+
+def systemd_sockets() -> tuple[list[str], list[str]]:
+    """The sockets in systemd's runtime folders for kvd and kvd router (RuntimeDirectory=kvd,
+    kvd-N, kvd-router), and the folders this user may not look into (0750: the kvd group's)."""
+    found, closed = [], []
+    try:
+        folders = sorted(path for path in SYSTEMD_RUN.glob("kvd*") if path.is_dir())
+    except OSError:
+        return [], []
+    for folder in folders:
+        try:
+            found += sorted(str(path) for path in folder.iterdir() if path.suffix == ".sock" and path.is_socket())
+        except PermissionError:
+            closed.append(str(folder))
+        except OSError:
+            continue
+    return found, closed
 
 
 def waiting_writes_note(status: dict) -> str | None:
@@ -44,7 +66,7 @@ class Client:
 
         url = url or os.environ.get("KVD_URL")
         token_file = token_file or os.environ.get("KVD_TOKEN_FILE")
-        headers = {}
+        headers, self.named = {}, None  # named: the socket kvctl was told (--socket, KVD_SOCKET)
         if tenant:
             headers["X-KVD-Tenant"] = tenant
         if url:
@@ -59,7 +81,11 @@ class Client:
             self._connect: Callable[[float], httpx.Client] = \
                 lambda seconds: httpx.Client(base_url=url, headers=headers, timeout=seconds)
         else:
-            path = socket or os.environ.get("KVD_SOCKET") or default_socket()
+            self.named = socket or os.environ.get("KVD_SOCKET")
+            path = self.named or default_socket()
+            if not self.named and not os.path.exists(path):  # no kvd of this user's: the one systemd runs
+                found, _ = systemd_sockets()
+                path = found[0] if len(found) == 1 else path
             self.where, self.socket = path, path
             self._connect = lambda seconds: httpx.Client(base_url="http://kvd", headers=headers, timeout=seconds,
                                                          transport=httpx.HTTPTransport(uds=path))
@@ -86,7 +112,8 @@ class Client:
         try:
             response = self.http.request(method, path, **kwargs)
         except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
-            raise KvdUnavailable(f"kvd is not reachable at {self.where} (is it running? `kvd serve`)") from None
+            raise KvdUnavailable(f"kvd is not reachable at {self.where} (is it running? `kvd serve`)"
+                                 + self._elsewhere()) from None
         except httpx.TimeoutException:
             raise KvdUnavailable(f"kvd at {self.where} did not answer in time") from None
         except httpx.TransportError as exc:  # it went away mid-answer (a restart)
@@ -95,6 +122,19 @@ class Client:
             if watch is not None:
                 watch.cancel()
         return self.answered(response)
+
+    def _elsewhere(self) -> str:
+        """Where else kvd may answer, when kvctl was not told where (--socket, KVD_SOCKET): the
+        sockets systemd's kvd units keep, and their folders this user cannot look into."""
+        if self.socket is None or self.named:
+            return ""
+        found, closed = systemd_sockets()
+        found = [path for path in found if path != self.socket]
+        said = f"; kvd sockets on this host: {', '.join(found)} (--socket or KVD_SOCKET)" if found else ""
+        if closed:
+            said += (f"; {', '.join(closed)} may hold one, open to the kvd group only "
+                     f"(join it, or run kvctl as its user)")
+        return said
 
     def _note_store_wait(self) -> None:
         """Asked on a connection of its own while a call waits: kvd answers /admin/status at once
