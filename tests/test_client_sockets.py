@@ -39,6 +39,13 @@ def host(tmp_path, monkeypatch):
         sock.close()
 
 
+def refusal(client: Client) -> str:
+    """What kvctl says when nothing answers where `client` looks."""
+    with pytest.raises(KvdUnavailable) as error:
+        client.get("/admin/status")
+    return str(error.value)
+
+
 def test_the_one_socket_a_kvd_unit_keeps_is_used_when_the_default_has_none(host, monkeypatch):
     run, unit_socket, default = host
     (run / "kvd-notes").mkdir()  # a folder without a socket is no kvd
@@ -54,10 +61,8 @@ def test_with_several_kvd_units_kvctl_names_them_rather_than_guess(host):
     replicas = [unit_socket("kvd-0"), unit_socket("kvd-1"), unit_socket("kvd-router", "router.sock")]
     client = Client(timeout=2.0)
     assert client.socket == str(default)
-    with pytest.raises(KvdUnavailable) as error:
-        client.get("/admin/status")
-    assert str(error.value) == (f"kvd is not reachable at {default} (is it running? `kvd serve`); kvd sockets on "
-                                f"this host: {', '.join(replicas)} (--socket or KVD_SOCKET)")
+    assert refusal(client) == (f"kvd is not reachable at {default} (is it running? `kvd serve`); kvd sockets on "
+                               f"this host: {', '.join(replicas)} (--socket or KVD_SOCKET)")
 
 
 def test_a_kvd_folder_this_user_cannot_read_is_named_with_the_group_it_needs(host, monkeypatch):
@@ -75,10 +80,8 @@ def test_a_kvd_folder_this_user_cannot_read_is_named_with_the_group_it_needs(hos
     monkeypatch.setattr(Path, "iterdir", refused)
     client = Client(timeout=2.0)
     assert client.socket == str(default)
-    with pytest.raises(KvdUnavailable) as error:
-        client.get("/admin/status")
-    assert str(error.value) == (f"kvd is not reachable at {default} (is it running? `kvd serve`); {run / 'kvd'} may "
-                                f"hold one, open to the kvd group only (join it, or run kvctl as its user)")
+    assert refusal(client) == (f"kvd is not reachable at {default} (is it running? `kvd serve`); {run / 'kvd'} may "
+                               f"hold one, open to the kvd group only (join it, or run kvctl as its user)")
 
 
 def test_a_socket_kvctl_was_told_gets_no_guesses(host, tmp_path):
@@ -86,6 +89,4 @@ def test_a_socket_kvctl_was_told_gets_no_guesses(host, tmp_path):
     unit_socket("kvd-0")
     unit_socket("kvd-1")
     told = str(tmp_path / "none.sock")
-    with pytest.raises(KvdUnavailable) as error:
-        Client(socket=told, timeout=2.0).get("/admin/status")
-    assert str(error.value) == f"kvd is not reachable at {told} (is it running? `kvd serve`)"
+    assert refusal(Client(socket=told, timeout=2.0)) == f"kvd is not reachable at {told} (is it running? `kvd serve`)"
