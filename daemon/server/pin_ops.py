@@ -187,10 +187,11 @@ def list_pins(service, with_keys: bool = False) -> list[dict]:
     """Every pin; `with_keys`: also its block keys (hex), which another replica of the same block
     space can pin by (`pin_copy`)."""
     engine = service.require_ready()
-    with service.lock:
-        pins, now = engine.cache.pins.all(), engine.clock()
-        return [{**_pin_times(p.describe(), now), "cached_blocks": engine.cache.lookup(p.keys),
-                 **({"keys": [k.hex() for k in p.keys]} if with_keys else {})} for p in pins]
+    with service.lock:  # what only the lock makes consistent; the rows and the keys' hex after it
+        now = engine.clock()
+        listed = [(p.describe(), engine.cache.lookup(p.keys), p.keys) for p in engine.cache.pins.all()]
+    return [{**_pin_times(described, now), "cached_blocks": cached,
+             **({"keys": [k.hex() for k in keys]} if with_keys else {})} for described, cached, keys in listed]
 
 
 def _pin_times(described: dict, now: float) -> dict:
