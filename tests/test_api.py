@@ -302,20 +302,42 @@ def test_explain_names_the_tenant_that_holds_a_prompt_and_hashes_it_outside_the_
             answer = call(unix, "POST", "/v1/completions", json={"prompt": text, "max_tokens": 1},
                           headers={"X-KVD-Tenant": tenant})
             assert answer.status_code == 200
-        hashed, chain_keys = [], cache_questions.chain_keys
+        hashed, chain_keys, hasher = [], cache_questions.chain_keys, cache_questions.PrefixHasher
 
         def watched(namespace, token_ids):
             hashed.append((namespace.tenant, len(token_ids), service.lock._is_owned()))
             return chain_keys(namespace, token_ids)
 
+        class Watched(hasher):
+            __slots__ = ("tenant",)
+
+            def __init__(self, namespace):
+                super().__init__(namespace)
+                self.tenant = namespace.tenant
+
+            def feed(self, token_ids):
+                hashed.append((self.tenant, len(token_ids), service.lock._is_owned()))
+                return super().feed(token_ids)
+
         monkeypatch.setattr(cache_questions, "chain_keys", watched)
+        monkeypatch.setattr(cache_questions, "PrefixHasher", Watched)
+        prompt_tokens = len(service.tokenize(prompt))
         why = call(unix, "POST", "/admin/explain", json={"text": prompt, "tenant": "globex"}).json()
         assert (why["hit_blocks"], why["first_miss"]["reason"]) == (0, "other_namespace")
         assert why["first_miss"]["detail"] == "cached for tenant 'acme'; tenants never share blocks"
-        prompt_tokens = len(service.tokenize(prompt))
         assert hashed == [("globex", prompt_tokens, False),  # the prompt, as globex's
-                          ("acme", 16, False), ("acme", 16, False),  # acme's tree begins with it: its block 0
+                          ("acme", 16, False),  # acme's tree begins with its block 0, the miss: no more
                           ("initech", 16, False)]  # initech's does not: no further
+        # globex caches the first two blocks itself: the miss is block 2, which acme's chain reaches
+        # from its first block on, each block hashed once
+        assert call(unix, "POST", "/v1/completions", json={"prompt": service.tokenize(prompt)[:40], "max_tokens": 1},
+                    headers={"X-KVD-Tenant": "globex"}).status_code == 200
+        hashed.clear()
+        why = call(unix, "POST", "/admin/explain", json={"text": prompt, "tenant": "globex"}).json()
+        assert (why["hit_blocks"], why["first_miss"]["block"], why["first_miss"]["reason"]) == (2, 2, "other_namespace")
+        assert why["first_miss"]["detail"] == "cached for tenant 'acme'; tenants never share blocks"
+        assert hashed == [("globex", prompt_tokens, False), ("acme", 16, False), ("acme", 32, False),
+                          ("initech", 16, False)]
     finally:
         service.shutdown(1)
 

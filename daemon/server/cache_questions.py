@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from kvctl.daemon.cache import chain_keys
+from kvctl.daemon.cache import PrefixHasher, chain_keys
 from kvctl.daemon.cache.events import KeyPrefix
 from kvctl.daemon.engine.engine import Engine
 from kvctl.policies.tiering import restore_seconds
@@ -95,9 +95,10 @@ def _other_tenants_holding(service, engine: Engine, token_ids: list[int], block:
     size = engine.settings.block_size
     wanted: dict[str, bytes] = {}
     for other in sorted(set(roots.values())):
-        namespace = engine.namespace(other)
-        if roots.get(chain_keys(namespace, token_ids[:size])[0]) == other:
-            wanted[other] = chain_keys(namespace, token_ids[:(block + 1) * size])[block]
+        hasher = PrefixHasher(engine.namespace(other))
+        keys = hasher.feed(token_ids[:size])
+        if roots.get(keys[0]) == other:  # the rest of its chain, from where the first block left it
+            wanted[other] = (keys + hasher.feed(token_ids[size:(block + 1) * size]) if block else keys)[block]
     if not wanted:
         return []
     with service.lock:
