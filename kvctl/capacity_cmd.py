@@ -47,7 +47,8 @@ def capacity_command(
                               "it, bfloat16 without --model; then fp8_e4m3 and int8)."),
     block_size: int = typer.Option(16, help="Tokens per block."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="GPU memory, e.g. 141GB."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="'auto': free memory through NVML of the first GPU CUDA_VISIBLE_DEVICES leaves visible."),
+    gpu: Optional[str] = typer.Option(
+        None, "--gpu", help="'auto': free memory through NVML of the first GPU CUDA_VISIBLE_DEVICES leaves visible."),
     weights_bytes: str = typer.Option("auto", help="Weights: auto (safetensors sizes) or bytes."),
     workspace: Optional[str] = typer.Option(None, help="Activation workspace bytes (default: estimated)."),
     reserve: float = typer.Option(0.1, help="Fraction of GPU memory kept free."),
