@@ -158,3 +158,4 @@ def test_capacity_gpu_auto_reads_the_gpu_cuda_visible_devices_leaves_visible(cap
     assert status == 2 and " ".join(err.split()) == (
         "error: gpu: --gpu auto needs an NVIDIA GPU visible through NVML (CUDA_VISIBLE_DEVICES=''); "
         "give --gpu-memory BYTES")
+

@@ -43,6 +43,7 @@ from .block_map import fold_block_map, read_block_map
 from .calls import Principal, ServiceError
 from .durations import unix_time
 from .gc_pauses import GcPauses
+from .gpu_cache_size import gpu_cache_blocks
 from .housekeeping import Housekeeping, Job
 from .notify import Notifier
 from .request_trace import RequestTrace, load_trace_key
@@ -200,7 +201,10 @@ class EngineService:
         elif cfg.cache_memory:
             num_blocks = cfg.cache_memory // per_block
         elif device == "cuda":
-            num_blocks = int(torch.cuda.mem_get_info()[0] * 0.8) // per_block
+            free, total = torch.cuda.mem_get_info()
+            num_blocks, crowded = gpu_cache_blocks(free, total, torch.cuda.memory_reserved(), per_block)
+            if crowded:
+                log.warning("%s", crowded)
         else:
             num_blocks = (256 * 2**20) // per_block
         if num_blocks < 1:
