@@ -64,3 +64,28 @@ def test_kvd_on_gpu_n_answers_where_the_router_and_its_calibration_look(monkeypa
     assert setting(calibrate, "Requires", "3") == setting(calibrate, "After", "3") == "kvd@3.service"
     timer = unit_lines("kvd-calibrate@.timer")
     assert unit_lines("kvd-calibrate.timer")[2:] == timer[2:]  # the same schedule as the single kvd's
+
+
+def test_each_kvd_on_a_host_listens_on_a_port_of_its_own_and_prometheus_scrapes_them():
+    """kvd.yaml's one `listen` would bind every kvd@N to the same port (the second fails to start):
+    kvd-N.env gives each its own, kvd router keeps its own, and prometheus.yml scrapes those."""
+    import yaml
+
+    from kvctl.daemon.config import kvd_env_typos, resolve
+    from kvctl.daemon.router_config import resolve_router
+
+    env = dict(line.split("=", 1) for line in unit_lines("kvd-0.env"))
+    assert kvd_env_typos(env) == []  # every variable is a kvd serve setting
+    ports = []
+    for n in (0, 1):  # kvd-1.env is kvd-0.env with each port one up, as kvd-0.env says
+        mine = {name: value.replace("8100", str(8100 + n)) for name, value in env.items()}
+        config = resolve({}, mine, EXAMPLES / "kvd.yaml")
+        assert config.token_file == "/etc/kvd/tokens"  # TCP's tokens, from the shared file
+        ports.append(int(config.listen.rsplit(":", 1)[1]))
+    router = int(resolve_router({}, {}, EXAMPLES / "kvd-router.yaml").listen.rsplit(":", 1)[1])
+    assert ports == [8100, 8101] and router not in ports
+    jobs = {job["job_name"]: job for job in yaml.safe_load((EXAMPLES / "prometheus.yml").read_text())["scrape_configs"]}
+    scraped = {name: [int(t.rsplit(":", 1)[1]) for c in job["static_configs"] for t in c["targets"]]
+               for name, job in jobs.items()}
+    assert scraped == {"kvd": ports, "kvd-router": [router]}
+    assert all(job["authorization"]["credentials_file"] for job in jobs.values())
