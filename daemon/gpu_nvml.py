@@ -84,6 +84,15 @@ class Nvml:
         except Exception:  # a GPU fell off the bus between two calls: the status goes on without it
             return None
 
+    def describe(self, cuda_index: int, environ: Mapping[str, str] = os.environ) -> str:
+        """'cuda (GPU 3 of the host, NVIDIA H200)' for kvd's start line; 'cuda' where NVML cannot tell."""
+        rows = self.rows(cuda_index, environ) if self.cuda_device_handle(cuda_index, environ) is not None else None
+        if not rows:
+            return "cuda"
+        row = rows[0]
+        where = "a MIG instance" if row["index"] is None else f"GPU {row['index']} of the host"
+        return f"cuda ({where}, {row['name']})"
+
     @staticmethod
     def _handles(nvml) -> list:
         return [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]

@@ -118,6 +118,14 @@ def test_an_nvml_error_reading_free_memory_is_none_and_capacity_says_so(capsys, 
         "error: gpu: --gpu auto needs an NVIDIA GPU visible through NVML; give --gpu-memory BYTES")
 
 
+def test_kvds_start_line_names_the_gpu_of_the_host_it_runs_on():
+    nvml = Nvml(FakeNvml())
+    assert nvml.describe(0, {"CUDA_VISIBLE_DEVICES": "3"}) == "cuda (GPU 3 of the host, NVIDIA H200)"
+    assert nvml.describe(0, {"CUDA_VISIBLE_DEVICES": MIG}) == "cuda (a MIG instance, NVIDIA H200 MIG 1g.18gb)"
+    assert nvml.describe(0, {"CUDA_VISIBLE_DEVICES": "GPU-2c3"}) == "cuda"  # not told apart: no guess
+    assert Nvml(FakeNvml(fail_init=True)).describe(0, {}) == "cuda"
+
+
 def test_without_a_driver_nvml_is_tried_once_and_nothing_is_reported():
     fake = FakeNvml(fail_init=True)
     nvml = Nvml(fake)

@@ -245,7 +245,8 @@ class EngineService:
         timer.ready()
         self.ready.set()
         log.info("model loaded: %s (%s), %d blocks of %d tokens, %s; ready %.1f s after kvd started (%s)",
-                 loaded.config.architecture, loaded.revision[:12], num_blocks, cfg.block_size, device,
+                 loaded.config.architecture, loaded.revision[:12], num_blocks, cfg.block_size,
+                 gpu_nvml.NVML.describe(loaded.model.device.index or 0) if device == "cuda" else device,
                  timer.ready_after, ", ".join(f"{phase} {took:.2f} s" for phase, took in timer.phases.items()))
 
     def _warm_pins(self, timer: StartTimer) -> None:
