@@ -23,7 +23,7 @@ from .tables import duration, seconds, size, when
 
 STATE_STYLES = {"free": "grey50", "reserved": "yellow", "active": "green", "shared": "cyan",
                 "cached": "blue", "pinned": "magenta"}
-MAP_STYLES = {".": "grey50", "r": "yellow", "a": "green", "s": "cyan", "c": "blue", "p": "magenta"}
+MAP_STYLES = {char: STATE_STYLES[state] for char, state in BLOCK_STATES.items()}  # the map's characters
 
 
 MAP_MAX_CELLS = 2048  # 32 lines of 64: a GPU cache's hundred thousand blocks still fit a screen
