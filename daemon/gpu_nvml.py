@@ -86,10 +86,10 @@ class Nvml:
 
     def describe(self, cuda_index: int, environ: Mapping[str, str] = os.environ) -> str:
         """'cuda (GPU 3 of the host, NVIDIA H200)' for kvd's start line; 'cuda' where NVML cannot tell."""
-        rows = self.rows(cuda_index, environ) if self.cuda_device_handle(cuda_index, environ) is not None else None
-        if not rows:
+        handle = self.cuda_device_handle(cuda_index, environ)
+        row = None if handle is None else _or_none(lambda h: self._row(self._opened, h), handle)
+        if row is None:
             return "cuda"
-        row = rows[0]
         where = "a MIG instance" if row["index"] is None else f"GPU {row['index']} of the host"
         return f"cuda ({where}, {row['name']})"
 
