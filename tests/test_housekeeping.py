@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvctl.daemon.server.housekeeping import Housekeeping, Job
+from kvctl.daemon.server import rollout_ops
 from kvctl.daemon.store import StoreUnavailable
 
 
@@ -105,7 +106,7 @@ def test_tokens_keep_coming_while_another_process_holds_the_store_s_write_lock(t
         try:
             completed: list[dict] = []
             operator = threading.Thread(target=lambda: completed.append(
-                service.complete_rollout(rollout["id"], Principal("default", "admin", "ops"))))
+                rollout_ops.complete_rollout(service, rollout["id"], Principal("default", "admin", "ops"))))
             operator.start()
             assert settled(lambda: call(unix, "GET", "/admin/pins").json()["pins"], lambda pins: pins == []) == []
             done, tokens = threading.Event(), []

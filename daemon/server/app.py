@@ -37,7 +37,7 @@ from kvctl.daemon.model.tokenizer import first_outside_vocab
 from kvctl.daemon.store import StoreUnavailable
 
 from . import (cache_questions, calibrate_ops, event_feed, evict_ops, inflight, invalid_request, pin_ops, prefix_ops,
-               tier_ops)
+               rollout_ops, tier_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest, PinRequest,
                            RolloutAdvance, RolloutRollback, RolloutStart, SwapRequest, VerifyRequest)
 from .admin_slots import AdminWriteSlots
@@ -583,11 +583,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     def rollout_start(body: RolloutStart, who: Principal = Depends(admin)):
         if body.baseline != "current":
             raise ApiError(400, f"baseline: only 'current' is supported, got {body.baseline!r}", param="baseline")
-        return service.start_rollout(body.policy, body.cohort, body.stops, body.adr, who.actor)
+        return rollout_ops.start_rollout(service, body.policy, body.cohort, body.stops, body.adr, who.actor)
 
     @app.get("/admin/rollouts")
     def rollout_latest(_: Principal = Depends(admin)):
-        return service.rollout_status()
+        return rollout_ops.rollout_status(service)
 
     @app.get("/admin/rollouts/history")
     def rollout_history(limit: int = Query(50, ge=1, le=10_000), _: Principal = Depends(admin)):
@@ -595,7 +595,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/admin/rollouts/{rollout_id}")
     def rollout_status(rollout_id: int, _: Principal = Depends(admin)):
-        return service.rollout_status(rollout_id)
+        return rollout_ops.rollout_status(service, rollout_id)
 
     @app.post("/admin/rollouts/{rollout_id}/advance")
     def rollout_advance(rollout_id: int, body: RolloutAdvance, who: Principal = Depends(admin)):
@@ -615,7 +615,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.post("/admin/rollouts/{rollout_id}/complete")
     def rollout_complete(rollout_id: int, who: Principal = Depends(admin)):
-        return service.complete_rollout(rollout_id, who)
+        return rollout_ops.complete_rollout(service, rollout_id, who)
 
     @app.post("/admin/calibrate")
     def calibrate(body: CalibrateRequest, who: Principal = Depends(admin)):

@@ -8,6 +8,8 @@ outside the lock. The loop also pings the systemd watchdog.
 An operator's actions on the cache are modules of their own, each a set of functions that take
 the service: pin_ops (pins), evict_ops (evictions), tier_ops (the lower tiers), prefix_ops (the
 prefix tree and its ids), cache_questions (route facts, "why did this miss?") and calibrate_ops.
+So are reload_ops (settings read again), rollout_ops (a rollout's settings made everyone's) and
+status_body (what `kvctl status` shows).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -26,8 +28,8 @@ from typing import Callable
 import torch
 
 from kvctl.daemon import gpu_nvml
-from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default
-from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent, prefetch_wait
+from kvctl.daemon.config import KvdConfig
+from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
 from kvctl.daemon.model.chat_template import ChatTemplate, load_chat_template
@@ -35,20 +37,20 @@ from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
-from kvctl.policies.reservation import parse_reservation
 
-from . import pin_ops, tier_ops
+from . import pin_ops, reload_ops, tier_ops
 from .admin_slots import WriteSlots
-from .block_map import fold_block_map, read_block_map
 from .calls import Principal, ServiceError
 from .durations import unix_time
 from .gc_pauses import GcPauses
 from .gpu_cache_size import gpu_cache_blocks
 from .housekeeping import Housekeeping, Job
 from .notify import Notifier
+from .reload_ops import prefetch_settings, quick_prefill_tokens
 from .request_trace import RequestTrace, load_trace_key
 from .rollouts import RolloutManager
 from .start_timing import StartTimer
+from .status_body import status_body
 from .tenant_labels import TenantLabels
 
 log = logging.getLogger("kvd")
@@ -216,7 +218,7 @@ class EngineService:
                                   reservation=cfg.reservation,
                                   eviction=cfg.eviction, queue_order=cfg.queue_order,
                                   cache_dtype=cfg.cache_dtype, keep_layers=tuple(keep),
-                                  quick_prefill_tokens=self._quick_prefill_tokens(cfg, device),
+                                  quick_prefill_tokens=quick_prefill_tokens(cfg, device),
                                   tenant_cache_shares=cfg.tenant_cache_shares,
                                   max_tracked_tenants=cfg.max_tracked_tenants, **prefetch_settings(cfg))
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
@@ -284,7 +286,7 @@ class EngineService:
         threads = torch.get_num_threads() if confine_threads else 0
         self._share_cpus = confine_threads
         self._freeze_heap = freeze_heap
-        self._engine_thread_count = threads  # for an engine thread started again (_load_again)
+        self._engine_thread_count = threads  # for an engine thread started again (load_again)
         entered = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(threads, entered), name="kvd-engine", daemon=True)
         self._thread.start()
@@ -408,150 +410,39 @@ class EngineService:
         # a restart starts them again from zero; a locked store holds the stop this long at most
         self.rollouts.record_figures("shutdown", "kvd", wait=STOP_STORE_WAIT_S)
 
+    def failed_to_load(self) -> bool:
+        """Whether the load failed and no load runs now (a reload then loads again: reload_ops)."""
+        return self.engine is None and self.load_error is not None and self._thread is not None
+
+    def load_again(self, config: KvdConfig) -> None:
+        """Start the engine thread again to load with `config` (caller holds the lock, and
+        `failed_to_load()`): the failed load's tiers end first."""
+        self.load_error = None
+        if self.tiers is not None:  # a load that failed after building its tiers: their threads end
+            self._stop_verify("reload")
+            self.tiers.close()
+            self.tiers = self.tier_scan = None
+        self.config = config
+        self._thread.join(timeout=10)  # the failed load's thread has returned, or is about to
+        self._thread = threading.Thread(target=self._loop, args=(self._engine_thread_count,),
+                                        name="kvd-engine", daemon=True)
+        self._thread.start()
+
+    def reload_from_source(self, actor: str) -> dict:
+        """Read the settings again as at start and apply what can change live (reload_ops)."""
+        return reload_ops.reload_from_source(self, actor)
+
+    def reload(self, new: KvdConfig, actor: str = "sighup") -> dict:
+        """Apply the settings of `new` that can change live; the answer says which wait for a
+        restart (reload_ops)."""
+        return reload_ops.reload(self, new, actor)
+
     def _stop_verify(self, why: str) -> None:
         """A disk verification ends with the tiers it reads (kvd stopping, a load tried again)."""
         run = self.disk_verify
         if run is not None and run.running:
             run.stop(why)
             run.join(timeout=10)
-
-    def reload_from_source(self, actor: str) -> dict:
-        """Read the settings again as at start (the same flags and KVD_* environment, the YAML
-        file as it is now) and apply what can change live (`reload`). A config that does not
-        validate changes nothing: the refusal names the setting and is audited."""
-        if self.config_source is None:
-            raise ServiceError(409, "reload: this kvd has no settings source to read again", "config")
-        from .auth import TokenFileError, TokenTable
-
-        try:
-            new = self.config_source()
-            self._refuse_an_emptied_file()
-            fresh = TokenTable.load(self.config.token_file) if self.tokens is not None else None
-        except (ConfigError, TokenFileError) as exc:
-            self.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
-                             detail={"error": str(exc)})
-            self.reloads["refused"] += 1
-            self.last_reload = {"at": time.time(), "result": "refused", "error": str(exc), "actor": actor}
-            raise ServiceError(400, f"reload refused, nothing changed: {exc}", "config") from None
-        result = self._load_again(new, actor) if self.load_error is not None else self.reload(new, actor)
-        self.reloads["ok"] += 1
-        self.last_reload = {"at": time.time(), "result": "ok", "error": None, "actor": actor}
-        if fresh is not None:  # rotated tokens take effect for the next request; counts only, never tokens
-            result["tokens"] = self.tokens.adopt(fresh)
-            self.store.audit(actor=actor, tenant="-", action="reload", target="token_file", result="ok",
-                             detail=result["tokens"])
-        return result
-
-    def _refuse_an_emptied_file(self) -> None:
-        """ConfigError when the file live settings came from holds nothing now (whitespace only). A
-        tool that truncates before it writes leaves it so for a moment, and a reload then (a SIGHUP
-        from a path watcher) put every one of them back to its default. `{}` there means no
-        settings on purpose."""
-        from_file: dict[str, list[str]] = {}
-        for name, source in sorted(self.config.sources.items()):
-            if not source.startswith(("--", "KVD_", "rollout ")):  # a flag, the environment, a completed rollout
-                from_file.setdefault(source, []).append(name)
-        for path, names in from_file.items():
-            try:
-                text = Path(path).read_text()
-            except OSError:
-                continue
-            if not text.strip():
-                raise ConfigError(f"config: {path!r} is empty, and {', '.join(names)} came from it: a reload would "
-                                  "put them back to their defaults (a file caught mid-write?); write {} there to "
-                                  "mean no settings")
-
-    # what the running process is bound to: its sockets, its store, its auth front, its metric families
-    BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",
-                      "max_tenant_metric_series", "trace_key_file", "trace_block_tokens")
-
-    def _load_again(self, new: KvdConfig, actor: str) -> dict:
-        """kvd could not serve: its model, cache or tiers did not load (a quantised cache with no
-        calibration yet, a checkpoint not there yet, a tier setting refused). A reload then loads
-        again with the settings read now, all but those the process is bound to, so that fixing the
-        config needs no restart. The answer names the earlier error; /readyz says "loading the
-        model" until the load ends, and names the new error if it fails again."""
-        with self.lock:
-            if self.engine is not None or self.load_error is None or self._thread is None:
-                return self.reload(new, actor)  # loaded since, or a load is running already
-            now, before = new.shown(), self.config.shown()  # shown: a Redis password stays out of answer and audit
-            changed = {k: v for k, v in now.items() if k not in self.BOUND_AT_START and v != before[k]}
-            previous = {k: before[k] for k in changed}
-            bound = sorted(k for k in self.BOUND_AT_START if getattr(new, k) != getattr(self.config, k))
-            earlier_error, self.load_error = self.load_error, None
-            if self.tiers is not None:  # a load that failed after building its tiers: their threads end
-                self._stop_verify("reload")
-                self.tiers.close()
-                self.tiers = self.tier_scan = None
-            self.config = replace(new, **{k: getattr(self.config, k) for k in self.BOUND_AT_START})
-            self._thread.join(timeout=10)  # the failed load's thread has returned, or is about to
-            self._thread = threading.Thread(target=self._loop, args=(self._engine_thread_count,),
-                                            name="kvd-engine", daemon=True)
-            self._thread.start()
-        result = {"changed": changed, "previous": previous, "needs_restart": bound, "loading_again": earlier_error}
-        self.store.audit(actor=actor, tenant="-", action="reload", target="config", result="ok", detail=result)
-        log.info("loading again (reload by %s) after: %s; changed %s", actor, earlier_error, sorted(changed))
-        return result
-
-    def reload(self, new: KvdConfig, actor: str = "sighup") -> dict:
-        """Apply policy settings that can change live (SIGHUP, `kvctl config reload`); the cache is
-        kept. `reload_from_source` also re-reads the token file (token rotation)."""
-        live = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
-                "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
-                "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
-                "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
-                "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds")
-        changed = {k: getattr(new, k) for k in live if getattr(new, k) != getattr(self.config, k)}
-        previous = {k: getattr(self.config, k) for k in changed}
-        ignored = sorted(k for k, v in new.describe().items()
-                         if k not in live and v != getattr(self.config, k))
-        with self.lock:
-            engine = self.engine
-            if engine is not None:
-                engine.settings = replace(engine.settings, max_batch_tokens=new.max_batch_tokens,
-                                          max_running=new.max_running, max_queue=new.max_queue,
-                                          max_tenant_requests=new.max_tenant_requests,
-                                          tenant_request_limits=new.tenant_request_limits,
-                                          reservation=new.reservation, queue_order=new.queue_order,
-                                          quick_prefill_tokens=self._quick_prefill_tokens(
-                                              new, engine.model.device.type),
-                                          tenant_cache_shares=new.tenant_cache_shares,
-                                          max_tracked_tenants=new.max_tracked_tenants, **prefetch_settings(new))
-                engine.prefetch = prefetch_wait(engine.settings)
-                engine.stats.tenants.resize(new.max_tracked_tenants)
-                if "tenant_cache_shares" in changed:
-                    engine.cache.set_tenant_shares(new.tenant_cache_shares)
-                    if self.tiers is not None and self.tiers.host is not None:
-                        with self.tiers.lock:
-                            self.tiers.host.set_tenant_shares(new.tenant_cache_shares)
-                    if self.tiers is not None and self.tiers.remote is not None:
-                        self.tiers.remote.set_tenant_shares(new.tenant_cache_shares)
-                    if self.tiers is not None and self.tiers.disk is not None:
-                        self.tiers.disk.set_tenant_shares(new.tenant_cache_shares)
-                if "reservation" in changed:
-                    engine.reservation = parse_reservation(new.reservation)
-                if self.tiers is not None:  # blocks written from now on; those stored stay as they are
-                    self.tiers.compress = new.tier_codecs()
-                if new.pin_budget_blocks is not None:
-                    engine.cache.pins.default_budget = new.pin_budget_blocks
-            self.trace.resize(new.trace_requests)  # the newest kept
-            sources = {k: v for k, v in self.config.sources.items() if k not in live}  # these wait for a restart
-            sources.update({k: new.sources[k] for k in live if k in new.sources})  # absent: the default
-            self.config = replace(self.config, **changed, sources=sources)
-            # a completed rollout's setting is now either the config's too, or reverted by it
-            reverted = {name: {**held, "now": changed[name]} for name, held in self.rollout_settings.items()
-                        if name in changed}
-            self.rollout_settings = {}
-        result = {"changed": changed, "previous": previous, "needs_restart": ignored}
-        if reverted:
-            result["reverted_rollout_settings"] = reverted
-        self.store.audit(actor=actor, tenant="-", action="reload", target="config",
-                         result="ok", detail=result)
-        log.info("reloaded by %s: changed %s; needs restart: %s", actor, sorted(changed), ignored)
-        for name, held in reverted.items():
-            log.warning("reload reverted %s from %s (completed rollout %s) to the config's %s",
-                        name, held["value"], held["rollout"], held["now"])
-        return result
 
     def effective_settings(self) -> dict:
         """What the daemon chose for settings left to it ("auto", unset): the device, the cache
@@ -561,10 +452,6 @@ class EngineService:
             return {}
         return {"device": engine.model.device.type, "num_blocks": engine.settings.num_blocks,
                 "quick_prefill_tokens": engine.settings.quick_prefill_tokens}
-
-    @staticmethod
-    def _quick_prefill_tokens(cfg: KvdConfig, device: str) -> int:
-        return quick_prefill_default(device) if cfg.quick_prefill_tokens is None else cfg.quick_prefill_tokens
 
     # ---- requests ----------------------------------------------------------------------------
     def require_ready(self) -> Engine:
@@ -706,74 +593,6 @@ class EngineService:
         self.engine.admission_paused = False
         log.info("calibration %d loaded into the kernels", calibration["id"])
 
-    def cache_status(self) -> dict:
-        """Format, scale set and a check that the kernels read the stored scales."""
-        engine = self.engine
-        body = {"dtype": engine.settings.cache_dtype if engine.cache_dtype is not None else "auto",
-                "layout": engine.layout(), "scale_version": engine.scale_version or None,
-                "uncalibrated": engine.scale_version == "unit", "scale_set": None, "scales_verified": None}
-        if self.calibration is not None:
-            c = self.calibration
-            body["scale_set"] = {"id": c["id"], "calibrated_at": c["created_at"], "applied_at": c["applied_at"],
-                                 "prompts_digest": c["prompts_digest"], "margin": c["margin"]}
-            loaded = engine.loaded_scales()
-            body["scales_verified"] = all(
-                all(abs(a - b) <= 1e-6 * max(abs(b), 1e-12) for a, b in zip(loaded[layer][i], c["scales"][layer][i]))
-                for layer in loaded for i in (0, 1))
-        return body
-
-    def complete_rollout(self, rollout_id: int, principal: Principal) -> dict:
-        """Finish a rollout: its settings become everyone's now. They live in memory only: the
-        answer says which settings to write into the config, and a reload or restart with a
-        config that says otherwise reverts them (the reload says so; `rollout_status` shows
-        whether they are still in effect)."""
-        rollout = self.rollouts.status(rollout_id)
-        body = self.rollouts.complete(rollout_id, principal.actor)  # (its store write may wait: not under the lock)
-        with self.lock:
-            applied = {}
-            reservation = rollout["policy"]["settings"].get("reservation")
-            if reservation is not None:
-                applied["reservation"] = {"value": str(reservation), "was": self.config.reservation}
-                if self.engine is not None:
-                    self.engine.reservation = parse_reservation(str(reservation))
-                    self.engine.settings = replace(self.engine.settings, reservation=str(reservation))
-                self.config = replace(self.config, reservation=str(reservation),
-                                      sources={**self.config.sources, "reservation": f"rollout {rollout_id}"})
-            for name, change in applied.items():
-                if change["value"] != change["was"]:
-                    self.rollout_settings[name] = {"value": change["value"], "rollout": rollout_id}
-        body = self._with_settings_in_effect(body)
-        body["applied"] = applied
-        body["keep"] = {name: f"set {name}: {change['value']} in kvd's config (YAML, KVD_{name.upper()} or "
-                              f"--{name.replace('_', '-')}); until then a reload or restart reverts it"
-                        for name, change in applied.items() if name in self.rollout_settings}
-        return body
-
-    def start_rollout(self, policy, fraction, stops: list[str], adr_id: int | None, actor: str) -> dict:
-        """`RolloutManager.start`; the answer also says when the cohort's settings are everyone's
-        already (the two sides cannot differ: nothing to learn from it)."""
-        body = self.rollouts.start(policy, fraction, stops, adr_id, actor)
-        settings = body["policy"]["settings"]
-        if all(self._settings_in_effect(settings).values()):
-            body["note"] = ("the cohort's settings are everyone's already ("
-                            + ", ".join(f"{name} {value}" for name, value in settings.items())
-                            + "): cohort and baseline run alike")
-        return body
-
-    def rollout_status(self, rollout_id: int | None = None) -> dict:
-        """A rollout as `RolloutManager.status` reports it; a completed one also says whether its
-        settings are still in effect (a reload or restart may have reverted them)."""
-        return self._with_settings_in_effect(self.rollouts.status(rollout_id))
-
-    def _settings_in_effect(self, settings: dict) -> dict[str, bool]:
-        """For each of a policy's settings, whether everyone has that value now."""
-        return {name: str(getattr(self.config, name, None)) == str(value) for name, value in settings.items()}
-
-    def _with_settings_in_effect(self, body: dict) -> dict:
-        if body["state"] == "completed":
-            body["settings_in_effect"] = self._settings_in_effect(body["policy"]["settings"])
-        return body
-
     def cancel(self, request_id: str) -> None:
         with self.lock:
             if self.engine is None:
@@ -811,78 +630,9 @@ class EngineService:
 
     # ---- operator views ----------------------------------------------------------------------
     def status(self, with_blocks: bool = False, cells: int | None = None) -> dict:
-        """`GET /admin/status`: with `with_blocks`, the block map too, in at most `cells` cells
-        (block_map.fold_block_map; None: a character per block)."""
-        engine = self.require_ready()
-        waiting_writes, longest_write_wait = self.store.waiting_writes()
-        with self.lock:
-            cache = engine.cache
-            counts = cache.state_counts()
-            stats = engine.stats
-            queue = engine.queue_figures()
-            block_map = read_block_map(cache) if with_blocks else None
-            body = {
-                "model": {"name": self.model_name, "architecture": self.loaded.config.architecture,
-                          "path": str(self.loaded.path),
-                          "revision": self.loaded.revision, "dtype": str(engine.model.dtype),
-                          "device": str(engine.model.device),
-                          "chat_template": None if self.chat_template is None else {
-                              "source": self.chat_template.source, "digest": self.chat_template.digest}},
-                "blocks": {"device": {"total": cache.num_blocks, **counts}},
-                "block_size": cache.block_size,
-                "bytes_per_block": engine.cache.block_bytes,
-                "bytes_per_token": engine.cache.block_bytes // cache.block_size,
-                "capacity_tokens": cache.num_blocks * cache.block_size,
-                # how many more tokens the active format holds than the model dtype would in the same bytes
-                "extra_tokens_vs_model_dtype": cache.num_blocks * cache.block_size * (
-                    engine.model.cache_bytes_per_block(cache.block_size) - engine.cache.block_bytes)
-                    // engine.cache.block_bytes,
-                "eviction_policy": cache.policy_name,
-                "tokens": {"prompt": stats.prompt_tokens, "hit": stats.hit_tokens,
-                           "recomputed": stats.recomputed_tokens, "restored": stats.restored_tokens,
-                           "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
-                "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions,
-                              "tenant_share": cache.pool.share_evictions},
-                # per tenant: idle (evictable) blocks and share in blocks; None when no shares are set
-                "tenant_shares": cache.tenant_shares(),
-                "queue": queue,
-                "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
-                # model steps by kind and their summed wall time: Δseconds / Δwall is how busy the engine is
-                "steps": {kind: {"count": stats.steps[kind], "seconds": stats.step_seconds[kind]}
-                          for kind in sorted(stats.steps)},
-                "engine_threads": self.engine_threads,  # torch intra-op threads of the engine (others use one)
-                # the host's CPUs shared with other busy kvd engines (CPU device under kvd serve), else None
-                "cpu_share": self.cpu_share.report() if self.cpu_share is not None else None,
-                "pins": len(cache.pins.all()),
-                "rollout": self.rollouts.summary(),
-                "last_reload": self.last_reload,
-                "cache": self.cache_status(),
-                "uptime_seconds": time.time() - self.started_at,
-                "start": None if self.start_timer is None else self.start_timer.report(),
-                "gc": self.gc_pauses.report(),
-                "draining": self.draining,
-                "store": {"file_ok": self.store.file_ok, "written_back": self.store.written_back,
-                          "audit_write_failures": self.store.audit_failures,
-                          # a rollback kvd made that the store has not taken (a restart would undo it)
-                          "unstored_rollback": None if self.rollouts.unstored is None
-                          else self.rollouts.unstored["rollout_id"],
-                          # where kvd keeps it meanwhile (a restart then keeps it rolled back); None: only in memory
-                          "unstored_rollback_kept": None if self.rollouts.unstored is None
-                          else self.rollouts.unstored.get("kept"),
-                          "failing_jobs": self.housekeeping.failing(),
-                          # writes waiting to begin now (another process may hold the write lock), the longest wait
-                          "waiting_writes": waiting_writes, "longest_write_wait_seconds": longest_write_wait},
-            }
-        body["latency"] = self.latency_summary()
-        device = engine.model.device  # the GPU kvd runs on, as NVML numbers it (None on the CPU)
-        body["gpu"] = gpu_nvml.NVML.rows((device.index or 0) if device.type == "cuda" else None)
-        if self.tiers is not None:
-            report = self.tiers.report()
-            body["tiers"] = {name: {k: t[k] for k in ("used_bytes", "capacity_bytes", "blocks", "health")}
-                             for name, t in report["tiers"].items()}
-        if block_map is not None:  # folded after the lock: a character per block, or per cell of blocks
-            body["block_map"], body["block_map_per_cell"] = fold_block_map(block_map, cells or len(block_map) or 1)
-        return body
+        """`GET /admin/status` (status_body.py): with `with_blocks`, the block map too, in at most
+        `cells` cells (None: a character per block)."""
+        return status_body(self, with_blocks, cells)
 
     def drain(self, on: bool, principal: Principal) -> dict:
         """Take no new completion (`on`), letting what runs and waits finish, or take them again.
@@ -910,8 +660,3 @@ class EngineService:
         return self.trace.report(last, default_tenant="default", keyed=keyed,
                                  unix_time=lambda reading: unix_time(reading, now))
 
-
-def prefetch_settings(cfg: KvdConfig) -> dict:
-    """The engine's prefetch settings from the daemon's config."""
-    return {"prefetch_policy": cfg.prefetch_policy, "prefetch_timeout": cfg.prefetch_timeout,
-            "prefetch_timeout_per_1k_tokens": cfg.prefetch_timeout_per_1k_tokens}

@@ -1,0 +1,163 @@
+"""Reloading kvd's settings (SIGHUP, `kvctl config reload`): what can change live changes, the
+rest waits for a restart and the answer says which; a kvd that could not load loads again.
+Functions that take the EngineService (service.py), as the operator actions do."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default
+from kvctl.daemon.engine.engine import prefetch_wait
+from kvctl.policies.reservation import parse_reservation
+
+from .auth import TokenFileError, TokenTable
+from .calls import ServiceError
+
+log = logging.getLogger("kvd")
+
+# settings a reload applies to the running kvd
+LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
+                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
+                 "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
+                 "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
+                 "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds")
+
+# what the running process is bound to: its sockets, its store, its auth front, its metric families
+BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",
+                  "max_tenant_metric_series", "trace_key_file", "trace_block_tokens")
+
+
+def quick_prefill_tokens(cfg: KvdConfig, device: str) -> int:
+    """The quick prefill size in effect: the config's, or the device's default."""
+    return quick_prefill_default(device) if cfg.quick_prefill_tokens is None else cfg.quick_prefill_tokens
+
+
+def prefetch_settings(cfg: KvdConfig) -> dict:
+    """The engine's prefetch settings from the daemon's config."""
+    return {"prefetch_policy": cfg.prefetch_policy, "prefetch_timeout": cfg.prefetch_timeout,
+            "prefetch_timeout_per_1k_tokens": cfg.prefetch_timeout_per_1k_tokens}
+
+
+def reload_from_source(service, actor: str) -> dict:
+    """Read the settings again as at start (the same flags and KVD_* environment, the YAML
+    file as it is now) and apply what can change live (`reload`). A config that does not
+    validate changes nothing: the refusal names the setting and is audited."""
+    if service.config_source is None:
+        raise ServiceError(409, "reload: this kvd has no settings source to read again", "config")
+    try:
+        new = service.config_source()
+        refuse_an_emptied_file(service.config)
+        fresh = TokenTable.load(service.config.token_file) if service.tokens is not None else None
+    except (ConfigError, TokenFileError) as exc:
+        service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
+                            detail={"error": str(exc)})
+        service.reloads["refused"] += 1
+        service.last_reload = {"at": time.time(), "result": "refused", "error": str(exc), "actor": actor}
+        raise ServiceError(400, f"reload refused, nothing changed: {exc}", "config") from None
+    result = load_again(service, new, actor) if service.load_error is not None else reload(service, new, actor)
+    service.reloads["ok"] += 1
+    service.last_reload = {"at": time.time(), "result": "ok", "error": None, "actor": actor}
+    if fresh is not None:  # rotated tokens take effect for the next request; counts only, never tokens
+        result["tokens"] = service.tokens.adopt(fresh)
+        service.store.audit(actor=actor, tenant="-", action="reload", target="token_file", result="ok",
+                            detail=result["tokens"])
+    return result
+
+
+def refuse_an_emptied_file(config) -> None:
+    """ConfigError when the file live settings came from holds nothing now (whitespace only). A
+    tool that truncates before it writes leaves it so for a moment, and a reload then (a SIGHUP
+    from a path watcher) put every one of them back to its default. `{}` there means no
+    settings on purpose."""
+    from_file: dict[str, list[str]] = {}
+    for name, source in sorted(config.sources.items()):
+        if not source.startswith(("--", "KVD_", "rollout ")):  # a flag, the environment, a completed rollout
+            from_file.setdefault(source, []).append(name)
+    for path, names in from_file.items():
+        try:
+            text = Path(path).read_text()
+        except OSError:
+            continue
+        if not text.strip():
+            raise ConfigError(f"config: {path!r} is empty, and {', '.join(names)} came from it: a reload would "
+                              "put them back to their defaults (a file caught mid-write?); write {} there to "
+                              "mean no settings")
+
+
+def load_again(service, new: KvdConfig, actor: str) -> dict:
+    """kvd could not serve: its model, cache or tiers did not load (a quantised cache with no
+    calibration yet, a checkpoint not there yet, a tier setting refused). A reload then loads
+    again with the settings read now, all but those the process is bound to, so that fixing the
+    config needs no restart. The answer names the earlier error; /readyz says "loading the
+    model" until the load ends, and names the new error if it fails again."""
+    with service.lock:
+        if not service.failed_to_load():
+            return reload(service, new, actor)  # loaded since, or a load is running already
+        now, before = new.shown(), service.config.shown()  # shown: a Redis password stays out of answer and audit
+        changed = {k: v for k, v in now.items() if k not in BOUND_AT_START and v != before[k]}
+        previous = {k: before[k] for k in changed}
+        bound = sorted(k for k in BOUND_AT_START if getattr(new, k) != getattr(service.config, k))
+        earlier_error = service.load_error
+        service.load_again(replace(new, **{k: getattr(service.config, k) for k in BOUND_AT_START}))
+    result = {"changed": changed, "previous": previous, "needs_restart": bound, "loading_again": earlier_error}
+    service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="ok", detail=result)
+    log.info("loading again (reload by %s) after: %s; changed %s", actor, earlier_error, sorted(changed))
+    return result
+
+
+def reload(service, new: KvdConfig, actor: str = "sighup") -> dict:
+    """Apply policy settings that can change live (SIGHUP, `kvctl config reload`); the cache is
+    kept. `reload_from_source` also re-reads the token file (token rotation)."""
+    changed = {k: getattr(new, k) for k in LIVE_SETTINGS if getattr(new, k) != getattr(service.config, k)}
+    previous = {k: getattr(service.config, k) for k in changed}
+    ignored = sorted(k for k, v in new.describe().items()
+                     if k not in LIVE_SETTINGS and v != getattr(service.config, k))
+    with service.lock:
+        engine = service.engine
+        if engine is not None:
+            engine.settings = replace(engine.settings, max_batch_tokens=new.max_batch_tokens,
+                                      max_running=new.max_running, max_queue=new.max_queue,
+                                      max_tenant_requests=new.max_tenant_requests,
+                                      tenant_request_limits=new.tenant_request_limits,
+                                      reservation=new.reservation, queue_order=new.queue_order,
+                                      quick_prefill_tokens=quick_prefill_tokens(new, engine.model.device.type),
+                                      tenant_cache_shares=new.tenant_cache_shares,
+                                      max_tracked_tenants=new.max_tracked_tenants, **prefetch_settings(new))
+            engine.prefetch = prefetch_wait(engine.settings)
+            engine.stats.tenants.resize(new.max_tracked_tenants)
+            if "tenant_cache_shares" in changed:
+                engine.cache.set_tenant_shares(new.tenant_cache_shares)
+                if service.tiers is not None and service.tiers.host is not None:
+                    with service.tiers.lock:
+                        service.tiers.host.set_tenant_shares(new.tenant_cache_shares)
+                if service.tiers is not None and service.tiers.remote is not None:
+                    service.tiers.remote.set_tenant_shares(new.tenant_cache_shares)
+                if service.tiers is not None and service.tiers.disk is not None:
+                    service.tiers.disk.set_tenant_shares(new.tenant_cache_shares)
+            if "reservation" in changed:
+                engine.reservation = parse_reservation(new.reservation)
+            if service.tiers is not None:  # blocks written from now on; those stored stay as they are
+                service.tiers.compress = new.tier_codecs()
+            if new.pin_budget_blocks is not None:
+                engine.cache.pins.default_budget = new.pin_budget_blocks
+        service.trace.resize(new.trace_requests)  # the newest kept
+        # the sources of settings that wait for a restart stay; a live one's is the new config's
+        sources = {k: v for k, v in service.config.sources.items() if k not in LIVE_SETTINGS}
+        sources.update({k: new.sources[k] for k in LIVE_SETTINGS if k in new.sources})  # absent: the default
+        service.config = replace(service.config, **changed, sources=sources)
+        # a completed rollout's setting is now either the config's too, or reverted by it
+        reverted = {name: {**held, "now": changed[name]} for name, held in service.rollout_settings.items()
+                    if name in changed}
+        service.rollout_settings = {}
+    result = {"changed": changed, "previous": previous, "needs_restart": ignored}
+    if reverted:
+        result["reverted_rollout_settings"] = reverted
+    service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="ok", detail=result)
+    log.info("reloaded by %s: changed %s; needs restart: %s", actor, sorted(changed), ignored)
+    for name, held in reverted.items():
+        log.warning("reload reverted %s from %s (completed rollout %s) to the config's %s",
+                    name, held["value"], held["rollout"], held["now"])
+    return result

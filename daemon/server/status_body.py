@@ -1,0 +1,104 @@
+"""The body of `GET /admin/status` (what `kvctl status` shows): blocks by state, tokens and hits,
+evictions, queue, rollout, store, start, GC, latency, the GPU, the tiers and, when asked, the
+block map. Counters are copied under the engine's lock; what takes longer (the block map's fold,
+latency percentiles, NVML, tier reports) is made after it."""
+
+from __future__ import annotations
+
+import time
+
+from kvctl.daemon import gpu_nvml
+
+from .block_map import fold_block_map, read_block_map
+
+
+def cache_status(service) -> dict:
+    """Format, scale set and a check that the kernels read the stored scales."""
+    engine = service.engine
+    body = {"dtype": engine.settings.cache_dtype if engine.cache_dtype is not None else "auto",
+            "layout": engine.layout(), "scale_version": engine.scale_version or None,
+            "uncalibrated": engine.scale_version == "unit", "scale_set": None, "scales_verified": None}
+    if service.calibration is not None:
+        c = service.calibration
+        body["scale_set"] = {"id": c["id"], "calibrated_at": c["created_at"], "applied_at": c["applied_at"],
+                             "prompts_digest": c["prompts_digest"], "margin": c["margin"]}
+        loaded = engine.loaded_scales()
+        body["scales_verified"] = all(
+            all(abs(a - b) <= 1e-6 * max(abs(b), 1e-12) for a, b in zip(loaded[layer][i], c["scales"][layer][i]))
+            for layer in loaded for i in (0, 1))
+    return body
+
+
+def status_body(service, with_blocks: bool = False, cells: int | None = None) -> dict:
+    """`GET /admin/status`: with `with_blocks`, the block map too, in at most `cells` cells
+    (block_map.fold_block_map; None: a character per block)."""
+    engine = service.require_ready()
+    waiting_writes, longest_write_wait = service.store.waiting_writes()
+    with service.lock:
+        cache = engine.cache
+        counts = cache.state_counts()
+        stats = engine.stats
+        queue = engine.queue_figures()
+        block_map = read_block_map(cache) if with_blocks else None
+        body = {
+            "model": {"name": service.model_name, "architecture": service.loaded.config.architecture,
+                      "path": str(service.loaded.path),
+                      "revision": service.loaded.revision, "dtype": str(engine.model.dtype),
+                      "device": str(engine.model.device),
+                      "chat_template": None if service.chat_template is None else {
+                          "source": service.chat_template.source, "digest": service.chat_template.digest}},
+            "blocks": {"device": {"total": cache.num_blocks, **counts}},
+            "block_size": cache.block_size,
+            "bytes_per_block": engine.cache.block_bytes,
+            "bytes_per_token": engine.cache.block_bytes // cache.block_size,
+            "capacity_tokens": cache.num_blocks * cache.block_size,
+            # how many more tokens the active format holds than the model dtype would in the same bytes
+            "extra_tokens_vs_model_dtype": cache.num_blocks * cache.block_size * (
+                engine.model.cache_bytes_per_block(cache.block_size) - engine.cache.block_bytes)
+                // engine.cache.block_bytes,
+            "eviction_policy": cache.policy_name,
+            "tokens": {"prompt": stats.prompt_tokens, "hit": stats.hit_tokens,
+                       "recomputed": stats.recomputed_tokens, "restored": stats.restored_tokens,
+                       "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
+            "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions,
+                          "tenant_share": cache.pool.share_evictions},
+            # per tenant: idle (evictable) blocks and share in blocks; None when no shares are set
+            "tenant_shares": cache.tenant_shares(),
+            "queue": queue,
+            "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
+            # model steps by kind and their summed wall time: Δseconds / Δwall is how busy the engine is
+            "steps": {kind: {"count": stats.steps[kind], "seconds": stats.step_seconds[kind]}
+                      for kind in sorted(stats.steps)},
+            "engine_threads": service.engine_threads,  # torch intra-op threads of the engine (others use one)
+            # the host's CPUs shared with other busy kvd engines (CPU device under kvd serve), else None
+            "cpu_share": service.cpu_share.report() if service.cpu_share is not None else None,
+            "pins": len(cache.pins.all()),
+            "rollout": service.rollouts.summary(),
+            "last_reload": service.last_reload,
+            "cache": cache_status(service),
+            "uptime_seconds": time.time() - service.started_at,
+            "start": None if service.start_timer is None else service.start_timer.report(),
+            "gc": service.gc_pauses.report(),
+            "draining": service.draining,
+            "store": {"file_ok": service.store.file_ok, "written_back": service.store.written_back,
+                      "audit_write_failures": service.store.audit_failures,
+                      # a rollback kvd made that the store has not taken (a restart would undo it)
+                      "unstored_rollback": None if service.rollouts.unstored is None
+                      else service.rollouts.unstored["rollout_id"],
+                      # where kvd keeps it meanwhile (a restart then keeps it rolled back); None: only in memory
+                      "unstored_rollback_kept": None if service.rollouts.unstored is None
+                      else service.rollouts.unstored.get("kept"),
+                      "failing_jobs": service.housekeeping.failing(),
+                      # writes waiting to begin now (another process may hold the write lock), the longest wait
+                      "waiting_writes": waiting_writes, "longest_write_wait_seconds": longest_write_wait},
+        }
+    body["latency"] = service.latency_summary()
+    device = engine.model.device  # the GPU kvd runs on, as NVML numbers it (None on the CPU)
+    body["gpu"] = gpu_nvml.NVML.rows((device.index or 0) if device.type == "cuda" else None)
+    if service.tiers is not None:
+        report = service.tiers.report()
+        body["tiers"] = {name: {k: t[k] for k in ("used_bytes", "capacity_bytes", "blocks", "health")}
+                         for name, t in report["tiers"].items()}
+    if block_map is not None:  # folded after the lock: a character per block, or per cell of blocks
+        body["block_map"], body["block_map_per_cell"] = fold_block_map(block_map, cells or len(block_map) or 1)
+    return body
