@@ -1548,9 +1548,10 @@ def test_kvctl_prefixes_at_the_router_lists_every_replicas_rows_and_their_ids_wo
 
 class BreaksMidAnswer(httpx.AsyncBaseTransport):
     """A replica that dies during its answer: the completion's body stops `after` bytes in (inside
-    an event) with the error httpx raises for a connection closed mid-body."""
+    an event) with the error httpx raises for a connection closed mid-body. `after` may be a
+    function of the whole body: events' lengths differ from one answer to the next."""
 
-    def __init__(self, app, after: int) -> None:
+    def __init__(self, app, after) -> None:
         self.inner, self.after = httpx.ASGITransport(app=app), after
 
     async def handle_async_request(self, request):
@@ -1558,8 +1559,8 @@ class BreaksMidAnswer(httpx.AsyncBaseTransport):
         if request.url.path != "/v1/completions":
             return answer
         body = await answer.aread()
-        assert len(body) > self.after
-        after = self.after
+        after = self.after(body) if callable(self.after) else self.after
+        assert len(body) > after
 
         class Cut(httpx.AsyncByteStream):
             async def __aiter__(self):
@@ -1571,12 +1572,12 @@ class BreaksMidAnswer(httpx.AsyncBaseTransport):
 
 def test_a_replica_that_breaks_off_a_streamed_answer_leaves_whole_events_an_error_event_and_done(replicas, caplog):
     service, app = router_app(replicas, "round_robin")
-    # the cut falls inside the third event: the first two go out whole, the third not at all
-    whole = drive(app, [lambda c: post(c, SYSTEM_B + "Q55?", stream=True)])[0].content
-    starts = [i for i in range(len(whole)) if whole.startswith(b"data: ", i)]
-    service, app = router_app(replicas, "round_robin")
+
+    def inside_the_third_event(body: bytes) -> int:  # the first two go out whole, the third not at all
+        return [i for i in range(len(body)) if body.startswith(b"data: ", i)][2] + 10
+
     service.replicas[0].client = replica_client("/run/replica-0.sock",
-                                                transport=BreaksMidAnswer(replicas[0], starts[2] + 10))
+                                                transport=BreaksMidAnswer(replicas[0], inside_the_third_event))
     with caplog.at_level("WARNING", logger="kvd.router"):
         [answer, scraped] = drive(app, [lambda c: post(c, SYSTEM_B + "Q56?", stream=True),
                                         lambda c: c.get("/metrics")])
