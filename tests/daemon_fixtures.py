@@ -68,6 +68,13 @@ def blocks_all_back(service) -> bool:
     return counts["reserved"] == counts["active"] == counts["shared"] == 0 and not engine.has_work()
 
 
+def holds_engine_lock(service) -> bool:
+    """Whether the calling thread holds kvd's engine lock, for tests that record where a view does
+    its work. The lock is a Condition over an RLock; Python has no public way to ask an RLock for
+    its owner, so this is the one place that uses Condition's own check (CPython's `_is_owned`)."""
+    return service.lock._is_owned()
+
+
 def settled(read, done, timeout: float = 10.0):
     """`read()` again until `done(answer)`, within `timeout`: kvd's engine thread hands a request's
     last event to its client just before its books (rollouts, metrics, trace) take the request."""

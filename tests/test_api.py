@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
 from .daemon_fixtures import (ADMIN_TOKEN, GLOBEX_TOKEN, USER_TOKEN, apps, blocks_all_back, call,  # noqa: E402
-                              sse_events, start_service, token_table)
+                              holds_engine_lock, sse_events, start_service, token_table)
 
 SYSTEM = "System: you answer questions about paged KV caches, briefly and exactly. "
 
@@ -305,7 +305,7 @@ def test_explain_names_the_tenant_that_holds_a_prompt_and_hashes_it_outside_the_
         hashed, chain_keys, hasher = [], cache_questions.chain_keys, cache_questions.PrefixHasher
 
         def watched(namespace, token_ids):
-            hashed.append((namespace.tenant, len(token_ids), service.lock._is_owned()))
+            hashed.append((namespace.tenant, len(token_ids), holds_engine_lock(service)))
             return chain_keys(namespace, token_ids)
 
         class Watched(hasher):
@@ -316,7 +316,7 @@ def test_explain_names_the_tenant_that_holds_a_prompt_and_hashes_it_outside_the_
                 self.tenant = namespace.tenant
 
             def feed(self, token_ids):
-                hashed.append((self.tenant, len(token_ids), service.lock._is_owned()))
+                hashed.append((self.tenant, len(token_ids), holds_engine_lock(service)))
                 return super().feed(token_ids)
 
         monkeypatch.setattr(cache_questions, "chain_keys", watched)
@@ -356,7 +356,7 @@ def test_a_pin_by_text_hashes_its_prefix_outside_the_engines_lock(tmp_path, monk
 
         def watched(namespace, token_ids):
             if threading.current_thread() is not service._thread:  # the engine's own steps aside
-                hashed.append((len(token_ids), service.lock._is_owned()))
+                hashed.append((len(token_ids), holds_engine_lock(service)))
             return chain_keys(namespace, token_ids)
 
         monkeypatch.setattr(manager, "chain_keys", watched)
@@ -384,7 +384,7 @@ def test_listing_prefixes_reads_the_device_under_the_engines_lock_and_groups_it_
         made, cached_block = [], prefix_ops.CachedBlock
 
         def watched(*row):
-            made.append(service.lock._is_owned())
+            made.append(holds_engine_lock(service))
             return cached_block(*row)
 
         monkeypatch.setattr(prefix_ops, "CachedBlock", watched)
@@ -410,7 +410,7 @@ def test_the_tenants_rows_are_made_after_the_engines_lock(tmp_path, monkeypatch)
         held, lower_use = [], tenants._lower_use
 
         def watched(tiers, lower, tenant):
-            held.append((tenant, service.lock._is_owned()))
+            held.append((tenant, holds_engine_lock(service)))
             return lower_use(tiers, lower, tenant)
 
         monkeypatch.setattr(tenants, "_lower_use", watched)

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
 
-from .daemon_fixtures import call, start_service  # noqa: E402
+from .daemon_fixtures import call, holds_engine_lock, start_service  # noqa: E402
 from .tier_fixtures import redis_server  # noqa: E402,F401
 
 SYSTEM = ("You are the support desk of a fleet of KV caches; answer in one line and name the setting. " * 3)
@@ -133,7 +133,7 @@ def test_the_pin_list_with_keys_is_made_after_the_engines_lock(tmp_path, monkeyp
         held, pin_times = [], pin_ops._pin_times
 
         def watched(described, now):
-            held.append((described["tenant"], service.lock._is_owned()))
+            held.append((described["tenant"], holds_engine_lock(service)))
             return pin_times(described, now)
 
         monkeypatch.setattr(pin_ops, "_pin_times", watched)
