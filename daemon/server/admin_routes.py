@@ -1,0 +1,264 @@
+"""The admin API that kvctl drives (`/admin/...`): status, prefixes, pins, evictions, the "why did
+this miss?" explainer, tenants, requests in flight, the request trace, drain, route facts for a
+router, rollouts, calibration, tiers, config and reload, and the audit log.
+
+The handlers are thin: each reads its body and calls the service, or one of the modules of
+operator actions that take it (pin_ops, evict_ops, tier_ops, ...). `create_app` (app.py) mounts
+them on each front end, behind that front's `admin` dependency.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Query
+from starlette.concurrency import run_in_threadpool
+
+from kvctl.daemon.cache.events import KINDS, TIERS
+from kvctl.daemon.model.chat_template import ChatTemplateError
+
+from . import (cache_questions, calibrate_ops, event_feed, evict_ops, inflight, pin_ops, prefix_ops, rollout_ops,
+               tier_ops)
+from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest, PinRequest,
+                           RolloutAdvance, RolloutRollback, RolloutStart, SwapRequest, VerifyRequest)
+from .api_errors import ApiError, checked_ids
+from .calls import Principal
+from .chat_messages import MessagesError, chat_messages
+from .durations import parse_duration
+from .strict_json import StrictJSONRoute
+from .tenants import list_tenants
+
+
+def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
+    """The admin routes over `service`, each behind the `admin` dependency (which answers 403 to
+    a caller without the admin role). `tenant_header`: whether this front serves a request under
+    the X-KVD-Tenant it names (route facts tell a router)."""
+    router = APIRouter(route_class=StrictJSONRoute)  # NaN and Infinity are not JSON: refused
+
+    @router.get("/admin/status")
+    def status(blocks: bool = Query(False), cells: int | None = Query(None, ge=1), _: Principal = Depends(admin)):
+        """kvd's state; `blocks`: the block map too, a character per block, or per cell of
+        consecutive blocks (their most common state) when `cells` caps how many."""
+        return service.status(with_blocks=blocks, cells=cells)
+
+    @router.get("/admin/prefixes")
+    def prefixes(tenant: str | None = None, pinned: bool = False, sort: str = "recent", limit: int = 0,
+                 under: str | None = None, _: Principal = Depends(admin)):
+        rows, total = prefix_ops.prefixes(service, tenant, pinned, sort, limit, under)
+        return {"prefixes": rows, "total": total, "sort": sort}
+
+    @router.get("/admin/events")
+    async def events(since: int = 0, limit: int = 1000, kind: str | None = None, tier: str | None = None,
+                     wait: float = 0.0, tail: int | None = None, key: str | None = None,
+                     _: Principal = Depends(admin)):
+        """The cache's events after `since` (blocks stored in and removed from each tier, with why);
+        with `wait`, held open up to that many seconds until there is one. `tail`: the newest
+        that many instead. `key`: only events naming a block whose key starts with these hex digits."""
+        event_feed.check_page(since, limit, wait, tail)
+        kinds = event_feed.parse_filter(kind, KINDS, "kind")
+        tiers = event_feed.parse_filter(tier, TIERS, "tier")
+        prefix = event_feed.parse_key(key)
+        log = service.require_ready().events
+        if tail is not None:
+            return event_feed.read_tail(log, tail, kinds, tiers, prefix)
+        return await event_feed.wait_for_events(log, since, limit, kinds, tiers, wait, prefix)
+
+    @router.get("/admin/events/snapshot")
+    def events_snapshot(_: Principal = Depends(admin)):
+        return event_feed.snapshot(service)
+
+    @router.get("/admin/tokenizer")
+    def tokenizer(_: Principal = Depends(admin)):
+        """The model's tokenizer files as text, with the digest the cache keys' namespace records,
+        and the chat template (text and digest; null when there is none): a router that computes
+        prompts' keys itself (`kvd router --view events`) loads them from here."""
+        tok = service.require_ready().tokenizer
+        tokenizer_json, config_json = tok.texts
+        template = service.chat_template
+        return {"digest": tok.digest, "tokenizer_json": tokenizer_json, "tokenizer_config_json": config_json,
+                "chat_template": None if template is None else template.text,
+                "chat_template_digest": service.chat_template_digest}
+
+    @router.get("/admin/pins")
+    def pins(keys: bool = False, _: Principal = Depends(admin)):
+        """Every pin; `keys`: with its block keys and the block space they belong to, for a copy on
+        another replica (`kvd router`'s sync-pins)."""
+        if not keys:
+            return {"pins": pin_ops.list_pins(service)}
+        return {"pins": pin_ops.list_pins(service, with_keys=True), "space": service.block_space()}
+
+    @router.post("/admin/pins")
+    def pin(body: PinRequest, who: Principal = Depends(admin)):
+        if sum(x is not None for x in (body.text, body.tokens, body.messages, body.prefix, body.keys)) > 1:
+            raise ApiError(400, "give exactly one of text, tokens, messages, prefix and keys", param="prefix")
+        if body.keys is not None and body.tenant is None:
+            raise ApiError(400, "tenant: a pin by keys names its tenant (the keys were made under it)", param="tenant")
+        try:
+            ttl = parse_duration(body.ttl)
+        except ValueError:
+            raise ApiError(400, f"ttl: must be a finite number of seconds > 0 (or 30m, 1h, 2d), got {body.ttl!r}",
+                           param="ttl") from None
+        if body.prefix is not None:
+            return pin_ops.pin_prefix(service, body.prefix, who, body.tenant, ttl, body.note)
+        if body.keys is not None:
+            return pin_ops.pin_copy(service, [bytes.fromhex(k) for k in body.keys], body.tenant, who, ttl, body.note,
+                                    body.owner)
+        token_ids = tokens_of(body, opens_reply=False)
+        target = Principal(body.tenant or who.tenant, who.role, who.actor)
+        return pin_ops.pin(service, token_ids, target, ttl, body.note)
+
+    @router.delete("/admin/pins/{pin_id}")
+    def unpin(pin_id: str, who: Principal = Depends(admin)):
+        return pin_ops.unpin(service, pin_id, who)
+
+    @router.post("/admin/evict")
+    def evict(body: EvictRequest, who: Principal = Depends(admin)):
+        return evict_ops.evict(service, prefix_id=body.prefix, tenant=body.tenant, model_revision=body.model_revision,
+                               all_unpinned=body.all_unpinned, principal=who, purge_once=body.purge_once)
+
+    @router.post("/admin/explain")
+    def explain(body: ExplainRequest, who: Principal = Depends(admin)):
+        return cache_questions.explain(service, tokens_of(body), body.tenant or who.tenant)
+
+    @router.get("/admin/tenants")
+    def tenants(_: Principal = Depends(admin)):
+        """Each tenant's prompt and hit tokens, requests in flight, cached blocks, share and pins
+        (counts only)."""
+        return list_tenants(service)
+
+    @router.get("/admin/requests")
+    def requests_in_flight(tenant: str | None = None, _: Principal = Depends(admin)):
+        """Every request in flight, oldest first: who, which API, where it stands, for how long,
+        what the cache gave it and the blocks it holds (never its tokens or text)."""
+        return inflight.list_requests(service, tenant)
+
+    @router.get("/admin/trace")
+    def request_trace(last: int | None = Query(None, ge=1), ids: Literal["numbered", "keyed"] = "numbered",
+                      _: Principal = Depends(admin)):
+        """The last finished requests (`last` of them, else every one kept) as a Mooncake trace:
+        arrivals, prompt and output lengths, tenants, and chained ids of 512-token prompt blocks
+        (HMACs under a key kvd never shows, numbered from 0); never tokens or text. `ids=keyed`:
+        the ids as keyed and Unix arrivals, for kvd router to merge replicas' traces."""
+        return service.trace_report(last, keyed=ids == "keyed")
+
+    @router.post("/admin/cancel")
+    def cancel(body: CancelRequest, who: Principal = Depends(admin)):
+        """Cancel requests in flight by id (the X-KVD-Request-Id of their answers), or all of a
+        tenant's: as if their clients had left. Audited."""
+        return inflight.cancel_requests(service, who, body.request_ids, body.tenant)
+
+    @router.post("/admin/drain")
+    def drain(body: DrainRequest, who: Principal = Depends(admin)):
+        return service.drain(body.drain, who)
+
+    @router.post("/admin/route-facts")
+    def route_facts(body: ExplainRequest, who: Principal = Depends(admin)):
+        """What a router weighs for this prompt, in one call: how much of it the device cache
+        holds, and how busy this replica is (its predicted wait, running and waiting requests).
+        `tenant_header`: whether this front serves a request under the X-KVD-Tenant it names (else
+        under the caller's token's tenant, `tenant` here when the body names none)."""
+        facts = cache_questions.route_facts(service, tokens_of(body), body.tenant or who.tenant)
+        return {**facts, "tenant_header": tenant_header}
+
+    @router.post("/admin/rollouts")
+    def rollout_start(body: RolloutStart, who: Principal = Depends(admin)):
+        if body.baseline != "current":
+            raise ApiError(400, f"baseline: only 'current' is supported, got {body.baseline!r}", param="baseline")
+        return rollout_ops.start_rollout(service, body.policy, body.cohort, body.stops, body.adr, who.actor)
+
+    @router.get("/admin/rollouts")
+    def rollout_latest(_: Principal = Depends(admin)):
+        return rollout_ops.rollout_status(service)
+
+    @router.get("/admin/rollouts/history")
+    def rollout_history(limit: int = Query(50, ge=1, le=10_000), _: Principal = Depends(admin)):
+        return {"rollouts": service.rollouts.history(limit)}
+
+    @router.get("/admin/rollouts/{rollout_id}")
+    def rollout_status(rollout_id: int, _: Principal = Depends(admin)):
+        return rollout_ops.rollout_status(service, rollout_id)
+
+    @router.post("/admin/rollouts/{rollout_id}/advance")
+    def rollout_advance(rollout_id: int, body: RolloutAdvance, who: Principal = Depends(admin)):
+        return service.rollouts.advance(rollout_id, body.to, who.actor)
+
+    @router.post("/admin/rollouts/{rollout_id}/pause")
+    def rollout_pause(rollout_id: int, who: Principal = Depends(admin)):
+        return service.rollouts.pause(rollout_id, who.actor)
+
+    @router.post("/admin/rollouts/{rollout_id}/resume")
+    def rollout_resume(rollout_id: int, who: Principal = Depends(admin)):
+        return service.rollouts.resume(rollout_id, who.actor)
+
+    @router.post("/admin/rollouts/{rollout_id}/rollback")
+    def rollout_rollback(rollout_id: int, body: RolloutRollback, who: Principal = Depends(admin)):
+        return service.rollouts.rollback(rollout_id, body.reason, who.actor)
+
+    @router.post("/admin/rollouts/{rollout_id}/complete")
+    def rollout_complete(rollout_id: int, who: Principal = Depends(admin)):
+        return rollout_ops.complete_rollout(service, rollout_id, who)
+
+    @router.post("/admin/calibrate")
+    def calibrate(body: CalibrateRequest, who: Principal = Depends(admin)):
+        service.require_ready()
+        prompts = None if body.prompts is None else [
+            service.tokenize(p) if isinstance(p, str) else list(p) for p in body.prompts]
+        return calibrate_ops.calibrate(service, dtype=body.dtype, prompts=prompts, greedy_tokens=body.max_tokens,
+                                       max_kl=body.max_kl, margin=body.margin, slices=body.slices,
+                                       if_older_than=body.if_older_than, apply=body.apply, principal=who)
+
+    @router.get("/admin/tiers")
+    def tiers(_: Principal = Depends(admin)):
+        return tier_ops.report(service)
+
+    @router.post("/admin/tiers/verify")
+    def verify_tiers(body: VerifyRequest, who: Principal = Depends(admin)):
+        """Read the disk tier through and verify every block, in the background (tier_verify.py)."""
+        return tier_ops.start_verify(service, body.rate, who, unpaced=body.unpaced)
+
+    @router.delete("/admin/tiers/verify")
+    def stop_verifying_tiers(who: Principal = Depends(admin)):
+        return tier_ops.stop_verify(service, who)
+
+    @router.post("/admin/swap")
+    async def swap(body: SwapRequest, who: Principal = Depends(admin)):
+        return await run_in_threadpool(tier_ops.swap, service, body.prefix, body.to, body.keep_source, who)
+
+    @router.get("/admin/config")
+    def config(_: Principal = Depends(admin)):
+        return {"config": service.config.shown(), "effective": service.effective_settings(),
+                "from_rollouts": service.rollout_settings,
+                "sources": {name: service.config.sources.get(name, "default") for name in service.config.describe()},
+                "precedence": "flag > KVD_* env > YAML file > default",
+                # where kvctl's store commands (adr, db, runs) find this daemon's records
+                "store_path": str(Path(service.store.path).resolve())}
+
+    @router.post("/admin/reload")
+    def reload(who: Principal = Depends(admin)):
+        return service.reload_from_source(who.actor)
+
+    @router.get("/admin/audit")
+    def audit(since: float = 0.0, action: str | None = None, _: Principal = Depends(admin)):
+        return {"entries": service.store.audit_since(since, action=action)}
+
+    def tokens_of(body: ExplainRequest | PinRequest, opens_reply: bool = True) -> list[int]:
+        """The prompt an admin request names: its text, its token ids, or its chat messages rendered
+        by the chat template (`opens_reply`: ending with the assistant's turn opening, as a chat
+        request's prompt does)."""
+        text, token_ids, messages = body.text, body.tokens, body.messages
+        if sum(x is not None for x in (text, token_ids, messages)) != 1:
+            raise ApiError(400, "give exactly one of text, tokens and messages", param="text")
+        engine = service.require_ready()
+        if text is not None:
+            return service.tokenize(text)
+        if messages is not None:
+            try:
+                return service.chat_prompt(chat_messages(messages), add_generation_prompt=opens_reply)
+            except MessagesError as exc:
+                raise ApiError(400, str(exc), param=exc.param) from None
+            except ChatTemplateError as exc:
+                raise ApiError(400, str(exc), param="messages", code="chat_template_refused") from None
+        return checked_ids(list(token_ids), "tokens", engine)
+
+    return router

@@ -1,0 +1,27 @@
+"""The errors the HTTP API answers with, in OpenAI's shape, and the check of token ids at its edge."""
+
+from __future__ import annotations
+
+from kvctl.daemon.model.tokenizer import first_outside_vocab
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+        super().__init__(message)
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def checked_ids(ids: list[int], field: str, engine) -> list[int]:
+    """`ids`, once each is a token id of the model (before echo decodes them or a pin warms
+    them); else an ApiError 400 naming `field` and the first id outside."""
+    vocab = engine.loaded.config.vocab_size
+    bad = first_outside_vocab(ids, vocab)
+    if bad is not None:
+        raise ApiError(400, f"{field}: token ids must lie in [0, {vocab}), found {ids[bad]}", param=field)
+    return ids
