@@ -214,8 +214,16 @@ def unpin(ctx: typer.Context, pin_id: str = typer.Argument(..., help="Pin id fro
         raise typer.Exit(3)
 
 
-def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--prefix", help="Prefix id."),
-          tenant: Optional[str] = typer.Option(None, "--tenant", help="Every prefix of a tenant."),
+def evict(ctx: typer.Context,
+          text: Optional[str] = typer.Argument(None, help="A prompt's text: the conversation to forget."),
+          prefix: Optional[str] = typer.Option(None, "--prefix", help="Prefix id."),
+          tokens: Optional[str] = typer.Option(None, "--tokens", help="A prompt's token ids, comma-separated."),
+          file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt's text from a file."),
+          messages: Optional[Path] = typer.Option(
+              None, "--messages", help="A JSON file of chat messages (or a chat request's body), rendered as "
+                                       "/v1/chat/completions renders them."),
+          tenant: Optional[str] = typer.Option(None, "--tenant", help="Every prefix of a tenant; with a prompt, the "
+                                                                      "tenant whose namespace it was served in."),
           model_revision: Optional[str] = typer.Option(None, "--model-revision",
                                                        help="A model revision (4 or more hex digits), served or not."),
           all_unpinned: bool = typer.Option(False, "--all-unpinned", help="Everything not pinned."),
@@ -224,9 +232,16 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
 
     Blocks in use are refused, not faked. A prefix id takes that prefix and every prefix that
     extends it (its rows in `kvctl prefixes`); the prefix it extends stays for the others that
-    share it. A prefix's or a tenant's blocks also go from the shared Redis, whichever daemon
+    share it. A prefix's, a prompt's or a tenant's blocks also go from the shared Redis, whichever daemon
     wrote them. Blocks still being written to disk or Redis are waited for (up to 30 s) and go
     too; any still moving then make the eviction partial.
+
+    A prompt (TEXT, --tokens, --file or --messages) is a conversation to forget, named by one of
+    its requests: its blocks go from every tier, with every block that extends it (the reply,
+    later turns), but not the blocks it shares with other cached prefixes (a system prompt that
+    other conversations go on from). To forget a whole chat, name its first request (`--messages
+    first-request.json`): every later turn extends it. A prompt that stops short names less: the
+    system prompt alone takes every conversation on from it, as its prefix id would.
 
     A model revision's blocks go from every tier, including a revision this daemon no longer
     serves: what an upgrade set aside on disk, and what any daemon left on the shared Redis
@@ -236,9 +251,15 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
     each replica's. A shared Redis is searched for other daemons' entries once, by one of the
     replicas on it.
 
-    Example: kvctl evict --tenant acme
+    Example: kvctl evict --tenant acme; kvctl evict --messages chat.json --tenant acme
     """
-    body = {"prefix": prefix, "tenant": tenant, "model_revision": model_revision, "all_unpinned": all_unpinned}
+    if any(x is not None for x in (text, tokens, file, messages)):
+        if prefix is not None or model_revision is not None or all_unpinned:
+            raise UserError("give exactly one of a prompt (TEXT, --tokens, --file, --messages), --prefix, --tenant, "
+                            "--model-revision or --all-unpinned")
+        body = {**prompt_body(text, tokens, file, messages), "tenant": tenant}
+    else:
+        body = {"prefix": prefix, "tenant": tenant, "model_revision": model_revision, "all_unpinned": all_unpinned}
     data = client_for(ctx).post("/admin/evict", body)
 
     def render(d):
@@ -254,6 +275,11 @@ def evict(ctx: typer.Context, prefix: Optional[str] = typer.Option(None, "--pref
                            if aside.get("segments") else "")
                         + (f", {shared} from the shared Redis" if shared else "")
                         + (f"; left alone: {skipped}" if skipped else ""), highlight=False)
+        if "prompt_blocks" in d:
+            kept = d["shared_blocks_kept"]
+            Console().print(f"the prompt has {d['prompt_blocks']} full blocks"
+                            + (f"; {kept} of them stay, shared with other cached prefixes" if kept else ""),
+                            highlight=False)
         if d.get("spaces"):
             Console().print("spaces purged (not served here): " + ", ".join(
                 f"{s['space']} ({s.get('cache_dtype') or '?'}{', scales ' + s['scale_version'] if s.get('scale_version') else ''})"

@@ -689,6 +689,38 @@ def test_evict_and_swap_say_what_went_in_every_tier(capsys, monkeypatch):
     assert status == 3 and out.splitlines()[0].endswith("0 of 3 blocks verified in 12 ms (partial)")
 
 
+def test_evict_a_prompt_sends_it_with_its_tenant_and_says_what_stayed_shared(capsys, monkeypatch, tmp_path):
+    import kvctl.ops as ops
+
+    posted = []
+    answer = {"evicted_blocks": 3, "skipped": {}, "result": "ok", "target": "prompt of 88 tokens (tenant acme)",
+              "lower_tier_blocks_dropped": 0, "prompt_blocks": 5, "shared_blocks_kept": 3}
+
+    class Fake:
+        def post(self, path, body):
+            posted.append((path, body))
+            return answer
+
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: Fake())
+    status, out, _ = cli(capsys, "evict", "What is a pin?", "--tenant", "acme")
+    assert posted[-1] == ("/admin/evict", {"text": "What is a pin?", "tenant": "acme"})
+    assert (status, out.splitlines()) == (0, [
+        "evicted prompt of 88 tokens (tenant acme): 3 blocks from the device",
+        "the prompt has 5 full blocks; 3 of them stay, shared with other cached prefixes"])
+    chat = tmp_path / "chat.json"
+    chat.write_text(json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}]}))
+    answer.update(shared_blocks_kept=0)
+    status, out, _ = cli(capsys, "evict", "--messages", str(chat))
+    assert posted[-1] == ("/admin/evict", {"messages": [{"role": "user", "content": "hi"}], "tenant": None})
+    assert out.splitlines()[-1] == "the prompt has 5 full blocks"
+    cli(capsys, "evict", "--tokens", "1,2,3")
+    assert posted[-1] == ("/admin/evict", {"tokens": [1, 2, 3], "tenant": None})
+    status, _, err = cli(capsys, "evict", "--tokens", "1,2", "--prefix", "0435de85")
+    assert (status, err.strip()) == (2, "error: give exactly one of a prompt (TEXT, --tokens, --file, --messages), "
+                                        "--prefix, --tenant, --model-revision or --all-unpinned")
+    assert len(posted) == 3
+
+
 def test_pin_by_prefix_id_sends_the_id_and_refuses_text_beside_it(capsys, monkeypatch):
     import kvctl.ops as ops
 

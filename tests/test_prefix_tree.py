@@ -74,3 +74,40 @@ def test_pins_and_holders_are_counted_per_node():
     tree = PrefixTree(blocks)
     a, c, d = (tree.nodes[k(x)] for x in "acd")
     assert (a.pinned_blocks, a.in_use_blocks, c.pinned_blocks, c.in_use_blocks, d.in_use_blocks) == (2, 0, 0, 1, 0)
+
+
+def keys(letters: str) -> list[bytes]:
+    return [k(x) for x in letters]
+
+
+def test_a_prompt_s_eviction_takes_its_own_blocks_and_its_reply_and_leaves_the_system_prompt_it_shares():
+    # a b c: a system prompt; d e: conversation A's prompt on from it, g: A's reply; f: conversation B
+    blocks = chain("abc") + chain("de", parent="c", depth=3, root="a") + chain("g", parent="e", depth=5, root="a") \
+        + chain("f", parent="c", depth=3, root="a")
+    tree = PrefixTree(blocks)
+    assert tree.prompt_subtree(keys("abcde")) == (keys("deg"), 3)
+    assert tree.prompt_subtree(keys("abcf")) == (keys("f"), 3)
+    # the system prompt alone: every conversation extends it, and goes with it (as its prefix id would)
+    assert tree.prompt_subtree(keys("abc")) == (keys("abcdfeg"), 0)
+
+
+def test_a_conversation_alone_in_the_cache_goes_whole():
+    tree = PrefixTree(chain("abcde") + chain("gh", parent="e", depth=5, root="a"))
+    assert tree.prompt_subtree(keys("abcde")) == (keys("abcdegh"), 0)
+    # named by its first request (a b c), the later turns (d e, g h) extend it: they go too
+    assert tree.prompt_subtree(keys("abc")) == (keys("abcdegh"), 0)
+
+
+def test_a_prompt_cached_only_as_far_as_another_ran_on_leaves_everything():
+    # the prompt is a b c d; only a b are cached, and x, another prompt's block, goes on from b
+    tree = PrefixTree(chain("abx"))
+    assert tree.prompt_subtree(keys("abcd")) == ([], 2)
+    assert tree.prompt_subtree(keys("pqr")) == ([], 0)  # nothing of it cached
+
+
+def test_a_prompt_s_detached_blocks_go_too_and_are_judged_as_the_attached_ones():
+    # a b on the device, y another prompt's block on from a; d on disk, its parent c cached nowhere
+    blocks = chain("ab") + chain("y", parent="a", depth=1, root="a") \
+        + chain("d", parent="c", depth=3, root="a", tier="disk")
+    tree = PrefixTree(blocks)
+    assert tree.prompt_subtree(keys("abcd")) == (keys("bd"), 1)

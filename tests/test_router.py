@@ -1401,7 +1401,7 @@ def test_an_eviction_at_the_router_takes_the_blocks_of_every_replica_and_adds_up
     assert again.status_code == 404  # no replica holds it any more: the replicas' own 404
     assert again.json()["error"]["message"].startswith("prefix: no cached prefix")
     assert bad.status_code == 400 and bad.json()["error"]["message"] == (
-        "evict: give exactly one of prefix, tenant, model_revision, all_unpinned")
+        "evict: give exactly one of prefix, a prompt (text, tokens or messages), tenant, model_revision, all_unpinned")
 
     service, app = router_app(replicas, "prefix", down=(1,))
     [one_down] = drive(app, [lambda c: c.post("/admin/evict", json={"tenant": "evictee"})])
@@ -1414,6 +1414,39 @@ def test_an_eviction_at_the_router_takes_the_blocks_of_every_replica_and_adds_up
                                  "  replica-0: 0 from the device, 0 from lower tiers",
                                  "  replica-1: not done: ConnectError: connection refused",
                                  "replica-1: not reached (ConnectError: connection refused)"]
+
+
+def test_a_conversation_evicted_at_the_router_goes_from_every_replica_that_served_it(replicas):
+    """`kvctl evict --messages chat.json` at the router: each replica hashes the prompt in its own
+    namespace and takes its own blocks of it; the answer sums them and the blocks kept as shared."""
+    forgetter = {"X-KVD-Tenant": "forgetter"}
+    service, app = router_app(replicas, "prefix")
+    prompt = SYSTEM_B + "Q41, a conversation to forget?"
+
+    async def on_both(client):
+        out = []
+        for name in ("replica-1", "replica-0"):
+            await client.post("/router/drain", json={"replica": name})
+            out.append(await client.post("/v1/completions", headers=forgetter, json={
+                "prompt": prompt, "max_tokens": 1, "temperature": 0}))
+            await client.post("/router/drain", json={"replica": name, "drain": False})
+        return out
+
+    async def held(client):
+        return [sum(r["blocks"] for r in (await c.get("/admin/prefixes", params={"tenant": "forgetter"})).json()[
+            "prefixes"]) for c in [httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://kvd")
+                                   for a in replicas]]
+
+    [placed, blocks] = drive(app, [on_both, held])
+    assert [a.headers["x-kvd-replica"] for a in placed] == ["replica-0", "replica-1"] and min(blocks) > 0
+    [gone, left] = drive(app, [lambda c: c.post("/admin/evict", json={"text": prompt, "tenant": "forgetter"}), held])
+    body = gone.json()
+    assert gone.status_code == 200 and body["result"] == "ok"
+    assert (body["target"], body["evicted_blocks"], body["shared_blocks_kept"]) == (
+        f"prompt of {placed[0].json()['usage']['prompt_tokens']} tokens (tenant forgetter)", sum(blocks), 0)
+    assert [(r["replica"], r["evicted_blocks"]) for r in body["replicas"]] == [
+        ("replica-0", blocks[0]), ("replica-1", blocks[1])]
+    assert left == [0, 0]
 
 
 def test_a_fleet_eviction_sums_the_blocks_replicas_were_still_writing_down_and_is_partial():

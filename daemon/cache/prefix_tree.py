@@ -17,7 +17,7 @@ under their own locks, and this module only groups it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 TIER_ORDER = ("device", "moving", "host", "disk", "remote")  # fastest first
 
@@ -89,7 +89,8 @@ class PrefixTree:
                 children.setdefault(block.parent, []).append(key)
         self.nodes: dict[bytes, PrefixNode] = {}
         self.node_of: dict[bytes, bytes] = {}  # block key -> id of the node holding it
-        node_of = self.node_of
+        self.depth_of: dict[bytes, int] = {}  # block key -> its depth (0: a chain's first block)
+        node_of, depth_of = self.node_of, self.depth_of
         for start, first in by_key.items():
             parent = first.parent
             if parent is not None and parent in by_key and len(children[parent]) == 1:
@@ -105,6 +106,7 @@ class PrefixTree:
                 pinned_here = in_use_here = False
                 keys.append(key)
                 node_of[key] = start
+                depth_of[key] = block.depth
                 held = [block, *copies[key]] if key in copies else (block,)
                 for tier in {c.tier for c in held} if len(held) > 1 else (block.tier,):
                     tiers[tier] = tiers.get(tier, 0) + 1
@@ -150,6 +152,34 @@ class PrefixTree:
         keys = [(node.start_depth + i, k) for i, k in enumerate(node.keys) if i >= start]
         keys += [(below.start_depth + i, k) for below in self.subtree(node.key)[1:] for i, k in enumerate(below.keys)]
         return [k for _, k in sorted(keys, key=lambda pair: pair[0])]
+
+    def prompt_subtree(self, chain: Sequence[bytes]) -> tuple[list[bytes], int]:
+        """What evicting a prompt takes, given its blocks' keys (`chain`, first to last): its cached
+        blocks from the last one another cached prefix extends onwards, and every block that
+        extends the prompt (a reply, the turns after it), shallowest first. A block of the prompt
+        that another prefix extends stays, and so does every block before it: they are shared (a
+        system prompt, the template's opening). Returns (those keys, how many of the prompt's cached
+        blocks stay as shared).
+
+        Blocks are judged by what is cached: a prompt whose deepest cached block another prefix
+        extends (a prompt that runs on where another one, not cached further, ran on) leaves
+        nothing to take."""
+        cached = [i for i, key in enumerate(chain) if key in self.node_of]
+        own_from = 0
+        for i in cached:
+            if i + 1 < len(chain) and any(child != chain[i + 1] for child in self._children(chain[i])):
+                own_from = i + 1  # another prefix goes on from here: this block, and those before, are shared
+        taken: dict[bytes, None] = {}
+        for i in cached:
+            if i >= own_from and chain[i] not in taken:
+                taken.update(dict.fromkeys(self.subtree_keys(chain[i])))
+        return sorted(taken, key=self.depth_of.__getitem__), sum(1 for i in cached if i < own_from)
+
+    def _children(self, key: bytes) -> list[bytes]:
+        """The cached blocks whose parent is the block `key`."""
+        node = self.nodes[self.node_of[key]]
+        at = self.depth_of[key] - node.start_depth
+        return [node.keys[at + 1]] if at + 1 < len(node.keys) else list(node.children)
 
     def path(self, key: bytes) -> list[bytes]:
         """Block keys from the tree's first block (or a detached node's) to the end of the node

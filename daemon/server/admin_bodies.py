@@ -35,6 +35,11 @@ class PinRequest(BaseModel):
 
 class EvictRequest(BaseModel):
     prefix: str | None = None
+    # a prompt (a conversation, named by a request of it), as /admin/explain takes one; `tenant` is
+    # then the namespace it is hashed in (default: the caller's), not the tenant to evict
+    text: str | None = None
+    tokens: list[Count] | None = None
+    messages: list[Any] | None = None  # a chat request's messages, rendered as /v1/chat/completions renders them
     tenant: Tenant | None = None
     model_revision: str | None = None
     all_unpinned: bool = False

@@ -114,8 +114,14 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
 
     @router.post("/admin/evict")
     def evict(body: EvictRequest, who: Principal = Depends(admin)):
-        return evict_ops.evict(service, prefix_id=body.prefix, tenant=body.tenant, model_revision=body.model_revision,
-                               all_unpinned=body.all_unpinned, principal=who, purge_once=body.purge_once)
+        """Evict a prefix, a prompt, a tenant's blocks, a model revision's, or everything unpinned,
+        from every tier (evict_ops.py)."""
+        prompt = None
+        if any(x is not None for x in (body.text, body.tokens, body.messages)):
+            prompt = (tokens_of(body), body.tenant or who.tenant)  # `tenant`: the prompt's namespace
+        return evict_ops.evict(service, prefix_id=body.prefix, tenant=None if prompt else body.tenant,
+                               model_revision=body.model_revision, all_unpinned=body.all_unpinned, principal=who,
+                               purge_once=body.purge_once, prompt=prompt)
 
     @router.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
@@ -242,7 +248,7 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     def audit(since: float = 0.0, action: str | None = None, _: Principal = Depends(admin)):
         return {"entries": service.store.audit_since(since, action=action)}
 
-    def tokens_of(body: ExplainRequest | PinRequest, opens_reply: bool = True) -> list[int]:
+    def tokens_of(body: ExplainRequest | PinRequest | EvictRequest, opens_reply: bool = True) -> list[int]:
         """The prompt an admin request names: its text, its token ids, or its chat messages rendered
         by the chat template (`opens_reply`: ending with the assistant's turn opening, as a chat
         request's prompt does)."""

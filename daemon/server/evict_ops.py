@@ -1,10 +1,12 @@
-"""Evictions an operator asks for: a prefix and every prefix that extends it, a tenant's
-blocks, an old model revision's, or everything unpinned, from every tier (the shared Redis
-too, whichever daemon wrote them), with an answer that says exactly what went and what did not.
+"""Evictions an operator asks for: a prefix and every prefix that extends it, a prompt (a
+conversation: its own blocks and what extends it, not what it shares), a tenant's blocks, an old
+model revision's, or everything unpinned, from every tier (the shared Redis too, whichever daemon
+wrote them), with an answer that says exactly what went and what did not.
 """
 
 from __future__ import annotations
 
+from kvctl.daemon.cache.keys import chain_keys
 from kvctl.daemon.cache.tiers.remote import RemoteUnavailable
 
 from .calls import Principal, ServiceError
@@ -16,20 +18,33 @@ EVICT_WRITE_WAIT_S = 30.0
 
 
 def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision: str | None,
-          all_unpinned: bool, principal: Principal, purge_once: str | None = None) -> dict:
+          all_unpinned: bool, principal: Principal, purge_once: str | None = None,
+          prompt: tuple[list[int], str] | None = None) -> dict:
     """Evict from every tier and say exactly what went. A tenant's or an old revision's entries
     are also searched for on the shared Redis, whichever daemon wrote them; with `purge_once`
     (a fleet eviction's token, from kvd router) only if this daemon is the first to claim it
-    there: another replica on the same Redis searches it once for all."""
+    there: another replica on the same Redis searches it once for all. `prompt`: (token ids, the
+    tenant whose namespace they are hashed in), as PrefixTree.prompt_subtree judges them."""
     engine = service.require_ready()
-    chosen = [x for x in (prefix_id, tenant, model_revision) if x] + ([True] if all_unpinned else [])
+    chosen = [x for x in (prefix_id, tenant, model_revision) if x] + ([True] if all_unpinned else []) \
+        + ([True] if prompt is not None else [])
     if len(chosen) != 1:
-        raise ServiceError(400, "evict: give exactly one of prefix, tenant, model_revision, all_unpinned")
+        raise ServiceError(400, "evict: give exactly one of prefix, a prompt (text, tokens or messages), tenant, "
+                                "model_revision, all_unpinned")
     subtree: list[bytes] | None = None
+    prompt_figures: dict = {}
     if prefix_id:  # the prefix and every prefix that extends it; the one it branches from stays
         tree, _ = prefix_tree(service)
         first = resolve_prefix(prefix_id, tree)
         subtree = tree.subtree_keys(first)
+        target = f"prefix={first.hex()[:16]}"
+    elif prompt is not None:  # hashed outside the lock; never its text or ids in the answer or the audit
+        token_ids, prompt_tenant = prompt
+        keys = chain_keys(engine.namespace(prompt_tenant), token_ids)
+        tree, _ = prefix_tree(service)
+        subtree, shared = tree.prompt_subtree(keys)
+        target = f"prompt of {len(token_ids)} tokens (tenant {prompt_tenant})"
+        prompt_figures = {"prompt_blocks": len(keys), "shared_blocks_kept": shared}
     other_spaces, records_error = {}, None  # the revision's spaces but the served one: from disk and Redis
     if model_revision:
         revision, other_spaces, records_error = _revision_spaces(service, model_revision)
@@ -41,7 +56,6 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
         else:
             if subtree is not None:
                 select = None
-                target = f"prefix={first.hex()[:16]}"
             elif tenant:  # a block's own record of its tenant, else its tree's
                 select = lambda root, info, owner: (owner or (info.tenant if info else None)) == tenant  # noqa: E731
                 target = f"tenant={tenant}"
@@ -67,7 +81,7 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
         lower_dropped = service.tiers.drop(doomed)
     result = "ok" if not skipped.get("in_use") and not still_moving else "partial"
     body = {"evicted_blocks": report_blocks, "skipped": skipped, "result": result, "target": target,
-            "lower_tier_blocks_dropped": lower_dropped}
+            "lower_tier_blocks_dropped": lower_dropped, **prompt_figures}
     remote = service.tiers.remote if service.tiers is not None else None
     if model_revision and (other_spaces or (records_error and not served)):
         # another revision: its blocks everywhere, the shared Redis too. The served one: what this

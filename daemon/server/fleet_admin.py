@@ -89,6 +89,9 @@ def merge_evictions(done: list[dict]) -> dict:
     still_moving = sum(body.get("lower_tier_blocks_still_moving") or 0 for body in done)
     if still_moving:  # blocks some replica was still writing down when it gave up waiting: not dropped
         out["lower_tier_blocks_still_moving"] = still_moving
+    if "prompt_blocks" in done[0]:  # a prompt's eviction: its blocks, and those each replica kept as shared
+        out["prompt_blocks"] = done[0]["prompt_blocks"]
+        out["shared_blocks_kept"] = sum(body.get("shared_blocks_kept") or 0 for body in done)
     remote = [body["remote_purge"] for body in done if "remote_purge" in body
               and not body["remote_purge"].get("by_another_replica")]  # it left the search to the one below
     if remote:
