@@ -83,6 +83,9 @@ def serve(
         None, help="Tenants' shares of the cache, e.g. acme=0.25,*=0.5: when room is needed, a tenant holding "
                    "more idle blocks than its share loses its own first."),
     trusted_proxy: Optional[bool] = typer.Option(None, help="Honour X-KVD-Tenant on TCP."),
+    report_cached_tokens: Optional[str] = typer.Option(
+        None, help="Who sees usage's cached_tokens: all, admin (callers with the admin role) or none. A count of "
+                   "cached tokens lets a caller probe the cache for a guessed prompt."),
     cache_dtype: Optional[str] = typer.Option(None, help="auto, fp8_e4m3 (or fp8, as vLLM names it), fp8_e5m2 or int8."),
     keep_layers_unquantised: Optional[str] = typer.Option(None, help="Layers kept in the model dtype, e.g. 0,31."),
     allow_uncalibrated: Optional[bool] = typer.Option(None, help="Serve a quantised cache with unit scales."),
@@ -156,7 +159,7 @@ def serve(
                    max_request_bytes=max_request_bytes, reservation=reservation,
                    eviction=eviction, tenant_cache_shares=tenant_cache_shares, queue_order=queue_order,
                    tenant_priorities=tenant_priorities,
-                   trusted_proxy=trusted_proxy, cache_dtype=cache_dtype,
+                   trusted_proxy=trusted_proxy, report_cached_tokens=report_cached_tokens, cache_dtype=cache_dtype,
                    keep_layers_unquantised=keep_layers_unquantised, allow_uncalibrated=allow_uncalibrated,
                    host_cache_bytes=host_cache_bytes, disk_cache_bytes=disk_cache_bytes,
                    disk_cache_path=disk_cache_path, remote_url=remote_url, write_policy=write_policy,
@@ -187,7 +190,7 @@ SERVE_HELP_PANELS = {
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_batch_tokens", "quick_prefill_tokens",
                            "max_running", "reservation", "eviction", "pin_budget_blocks"),
     "Admission and tenants": ("max_queue", "max_tenant_requests", "tenant_request_limits", "queue_order",
-                              "tenant_priorities", "tenant_cache_shares"),
+                              "tenant_priorities", "tenant_cache_shares", "report_cached_tokens"),
     "Quantised cache formats": ("cache_dtype", "keep_layers_unquantised", "allow_uncalibrated"),
     "Tiers: host, disk, Redis": ("host_cache_bytes", "disk_cache_bytes", "disk_cache_path", "remote_url",
                                  "remote_cache_bytes", "remote_timeout", "write_policy", "tiering", "tier_compress",

@@ -133,6 +133,9 @@ def on_or_off(text: Any) -> bool:
     raise ValueError("must be on or off (true/false, yes/no, 1/0)")
 
 
+CACHED_TOKEN_REPORTS = ("all", "admin", "none")  # report_cached_tokens: who sees usage's cached_tokens
+
+
 @dataclass(frozen=True)
 class KvdConfig:
     model: str | None = None  # checkpoint directory; None = the built-in demo checkpoint
@@ -141,6 +144,11 @@ class KvdConfig:
     listen: str | None = None  # HOST:PORT for TCP (needs token_file)
     token_file: str | None = None  # lines "TOKEN TENANT ROLE", role user or admin
     trusted_proxy: bool = False  # honour X-KVD-Tenant on TCP (a trusted front end sets it)
+    # who sees `usage.prompt_tokens_details.cached_tokens`: all (as OpenAI reports it), admin (callers
+    # with the admin role; the others get usage without it, as vLLM answers by default) or none. A
+    # count of cached tokens tells a caller whether a guessed prompt is in the cache, block by block
+    # (prompt-cache probing, CVE-2025-46570): `admin` where one tenant's callers do not trust each other
+    report_cached_tokens: str = "all"
     device: str = "auto"  # auto, cpu or cuda
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
     block_size: int = 16
@@ -296,6 +304,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"must be one of {', '.join(EVICTION_POLICIES)}")
     if name == "queue_order" and value not in ("fifo", "priority"):
         raise ValueError("must be fifo or priority")
+    if name == "report_cached_tokens" and value not in CACHED_TOKEN_REPORTS:
+        raise ValueError(f"must be {', '.join(CACHED_TOKEN_REPORTS[:-1])} or {CACHED_TOKEN_REPORTS[-1]}")
     if name == "reservation":
         parse_reservation(value)
     if name == "metrics_aliases":

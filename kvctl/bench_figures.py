@@ -13,7 +13,7 @@ class RequestRecord:
     index: int
     start: float  # when the request was sent (seconds, shared clock)
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int | None = 0  # None: kvd did not report it to this caller (report_cached_tokens)
     token_times: list[float] = field(default_factory=list)  # when each output token arrived
     end: float | None = None
     status: str = "ok"  # ok, rejected (429), aborted (error or cut short)
@@ -42,8 +42,9 @@ def figures(records: list[RequestRecord]) -> dict:
     itls = [gap for r in ok for gap in r.itls]
     e2e = [r.end - r.start for r in ok]
     prompt = sum(r.prompt_tokens for r in ok)
-    cached = [r.ttft for r in ok if r.cached_tokens > 0 and r.ttft is not None]
-    uncached = [r.ttft for r in ok if r.cached_tokens == 0 and r.ttft is not None]
+    reported = all(r.cached_tokens is not None for r in ok)  # else the cache's figures are not known
+    cached = [r.ttft for r in ok if reported and r.cached_tokens > 0 and r.ttft is not None]
+    uncached = [r.ttft for r in ok if reported and r.cached_tokens == 0 and r.ttft is not None]
     ratio = median(cached) / median(uncached) if cached and uncached and median(uncached) else None
     return {
         "requests": len(records), "completed": len(ok),
@@ -57,7 +58,7 @@ def figures(records: list[RequestRecord]) -> dict:
         "ttft_p99_s": percentile(ttfts, 0.99),
         "itl_p50_s": percentile(itls, 0.5), "itl_p95_s": percentile(itls, 0.95),
         "e2e_p50_s": percentile(e2e, 0.5), "e2e_p95_s": percentile(e2e, 0.95), "e2e_p99_s": percentile(e2e, 0.99),
-        "cached_token_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "cached_token_ratio": (sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0) if reported else None,
         "ttft_cached_over_uncached": ratio,
     }
 

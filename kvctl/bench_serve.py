@@ -104,7 +104,8 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
                             record.token_times += [now] * len(choice.get("token_ids") or [])
                         usage = chunk.get("usage")
                         if usage:
-                            record.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                            # absent where kvd reports it to admins only (report_cached_tokens): not known
+                            record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                             # a chat's prompt is known here only as the server's template rendered it
                             record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
                     record.end = clock()
@@ -512,7 +513,7 @@ def write_plots(folder: Path, kvd_records: list[RequestRecord], base_records: li
     xs, ys = [], []
     origin = min((r.start for r in kvd_records), default=0.0)
     for r in finished:
-        cached += r.cached_tokens
+        cached += r.cached_tokens or 0
         prompt += r.prompt_tokens
         xs.append(r.end - origin)
         ys.append(cached / prompt if prompt else 0.0)

@@ -145,6 +145,12 @@ def test_percentiles_and_figures_on_a_synthetic_latency_set():
     # the report shows a ratio for every figure, the tails as well as the medians; not for the counts
     assert set(ratios(f, f)) == {name for name in f if name.endswith("_s") or "ratio" in name or "over" in name
                                  or name.endswith("_per_second")}
+    # a kvd that reports cached_tokens to admins only (report_cached_tokens: admin), benched as a user:
+    # the cache's figures are not known, rather than a ratio of 0
+    records[1].cached_tokens = None
+    hidden = figures(records)
+    assert (hidden["cached_token_ratio"], hidden["ttft_cached_over_uncached"]) == (None, None)
+    assert hidden["output_tokens_per_second"] == 4.5
 
 
 def test_figures_across_repeated_runs_are_medians_with_their_range():

@@ -51,6 +51,7 @@ from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .service import EngineService, LoopSink
 from .strict_json import StrictJSONRoute
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from .usage_report import CALLER_ROLE_HEADER, shows_cached_tokens, usage
 
 
 def _param_of(message: str) -> str | None:
@@ -367,11 +368,17 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         names = TokenNames(engine.tokenizer.token_text, bool(body.return_tokens_as_token_ids))
         prompt_parts = PromptParts(names, params, body.prompt_logprobs, echo_texts,
                                    shape.prompt_logprobs_on, prompt_only)
+        shown = shows_cached_tokens(service.config.report_cached_tokens, who.role,
+                                    http.headers.get(CALLER_ROLE_HEADER.lower()))
+
+        def usage_of() -> dict:
+            return usage(requests, counted=not prompt_only, cached=shown)
+
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
-                _stream(engine, events, requests, by_id, index_of, head, shape, include_usage, cancel_all,
-                        params.logprobs is not None, prompt_parts),
+                _stream(engine, events, requests, by_id, index_of, head, shape, usage_of if include_usage else None,
+                        cancel_all, params.logprobs is not None, prompt_parts),
                 media_type="text/event-stream", headers=named)
         pending = set(index_of)
         checked = loop.time()
@@ -408,7 +415,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 choices.append(prompt_parts.add_to_choice(choice, request))
         choices.sort(key=lambda c: c["index"])
         answer = {"id": head["id"], "object": shape.object, "created": head["created"], "model": head["model"],
-                  "choices": choices, "usage": _usage(requests, counted=not prompt_only)}
+                  "choices": choices, "usage": usage_of()}
         return JSONResponse(prompt_parts.add_to_answer(answer, requests[0]), headers=named)
 
     def _prompts(prompt: Any, decoded: bool) -> list[list[int]]:
@@ -433,14 +440,6 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     return app
 
 
-def _usage(requests, counted: bool = True) -> dict:
-    """`counted`: False where the answer shows no output token (echo with max_tokens 0)."""
-    prompt = sum(len(r.prompt_ids) for r in requests)
-    completion = sum(len(s.output_ids) for r in requests for s in r.sequences) if counted else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.metrics.cached_tokens for r in requests)}}
-
-
 class IncrementalText:
     """Text of a growing token sequence, decoding only a short window per token (not the whole
     output each time): the tokens since the last emitted text, with the ones before them as
@@ -461,9 +460,10 @@ class IncrementalText:
         return after[len(before):]
 
 
-async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, include_usage, cancel_all,
+async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, usage_of, cancel_all,
                   with_logprobs: bool, prompt_parts: PromptParts):
-    """Server-sent events ending with [DONE]; a disconnect cancels.
+    """Server-sent events ending with [DONE]; a disconnect cancels. `usage_of`: makes the usage of
+    the chunk before [DONE] (stream_options.include_usage); None (or False): no such chunk.
 
     A chunk carries one choice's new tokens: one token per chunk while the client keeps up,
     and every token that waited in the queue once it falls behind (one chunk instead of many,
@@ -525,10 +525,9 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                     prompt_parts.add_to_choice(choice, request)
                     prompt_parts.add_to_answer(chunk, request, once=True)
                 yield f"data: {json.dumps(chunk)}\n\n"
-        if include_usage:
+        if usage_of:
             usage_chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
-                           "model": head["model"], "choices": [],
-                           "usage": _usage(requests, counted=not prompt_parts.prompt_only)}
+                           "model": head["model"], "choices": [], "usage": usage_of()}
             yield f"data: {json.dumps(usage_chunk)}\n\n"
         yield "data: [DONE]\n\n"
         finished_cleanly = True

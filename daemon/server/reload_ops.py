@@ -23,7 +23,7 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_req
                  "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
                  "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
-                 "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds")
+                 "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens")
 
 # what the running process is bound to: its sockets, its store, its auth front, its metric families
 BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",

@@ -53,6 +53,7 @@ from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .router_metrics import RouterMetrics
 from .router_service import ASK_TIMEOUT_S, ModelNotServed, Replica, RouterService
+from .usage_report import CALLER_ROLE_HEADER
 
 log = logging.getLogger("kvd.router")
 
@@ -414,6 +415,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         headers = {k: v for k, v in http.headers.items() if k.lower() in PASSED_HEADERS}
         if tenant is not None:
             headers["X-KVD-Tenant"] = tenant
+        if who.role != "admin":  # the replica reports to this caller as to a user of its own (usage_report.py)
+            headers[CALLER_ROLE_HEADER] = who.role
         # A replica that refuses before starting the request (429: its queue is full; 503: it is
         # stopping or loading) or cannot be connected to has not run it: the next best one is tried.
         tried, excluded, refusal, closed_retried = [], set(), None, False
