@@ -71,7 +71,7 @@ def test_a_user_behind_kvd_router_gets_what_the_replica_would_tell_the_user_itse
         replica = apps(service, token_table(tmp_path))[0]  # the router reaches it on its socket, as an admin
         router = RouterService([Replica("replica-0", replica_client("/run/replica-0.sock",
                                                                     transport=httpx.ASGITransport(app=replica)))],
-                               make_router("round_robin"), load_interval=0.05)
+                               make_router("prefix"), view="ask")
         tokens = TokenTable([TokenEntry(b"u" * 24, "acme", "user", "token:1"),
                              TokenEntry(b"a" * 24, "acme", "admin", "token:2")])
         front = create_router_app(router, front="tcp", tokens=tokens)
@@ -79,5 +79,15 @@ def test_a_user_behind_kvd_router_gets_what_the_replica_would_tell_the_user_itse
         usage(front, as_user)
         assert "prompt_tokens_details" not in usage(front, as_user)
         assert usage(front, as_admin)["prompt_tokens_details"]["cached_tokens"] > 0
+        # the router's reason names what the replica caches of the prompt: an admin's answer carries it,
+        # a user's does not, since the replica would not tell the user
+        answers = [call(front, "POST", "/v1/completions", headers=who, json={"prompt": SYSTEM, "max_tokens": 1})
+                   for who in (as_admin, as_user)]
+        assert answers[0].headers["x-kvd-route"].startswith("caches ")
+        assert "x-kvd-route" not in answers[1].headers and answers[1].headers["x-kvd-replica"] == "replica-0"
+        # a replica that reports to everyone: the user sees the reason too
+        service.reload(replace(service.config, report_cached_tokens="all"), actor="test")
+        told = call(front, "POST", "/v1/completions", headers=as_user, json={"prompt": SYSTEM, "max_tokens": 1})
+        assert told.headers["x-kvd-route"].startswith("caches ")
     finally:
         service.shutdown(1)

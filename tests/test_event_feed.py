@@ -284,7 +284,8 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
                      "restore_rates": service.tiers.read_rates(), "block_bytes": service.tiers.layout.block_bytes,
                      "draining": False,  # kvctl drain: every router leaves it out
                      "chat_template": service.chat_template.digest,  # a router renders chats with it
-                     "tenant_header": True}  # the Unix front serves a request under the tenant it names
+                     "tenant_header": True,  # the Unix front serves a request under the tenant it names
+                     "report_cached_tokens": "all"}  # who may see what it caches (a router's X-KVD-Route keeps to it)
     assert facts["prefill_tokens_per_second"] > 0 and facts["namespace"]["tokenizer_digest"] == service.engine.tokenizer.digest
     assert set(facts["restore_rates"]) == {"host", "disk"}
     row = call(app, "GET", "/admin/prefixes").json()["prefixes"][0]

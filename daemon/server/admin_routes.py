@@ -165,7 +165,8 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         `tenant_header`: whether this front serves a request under the X-KVD-Tenant it names (else
         under the caller's token's tenant, `tenant` here when the body names none)."""
         facts = cache_questions.route_facts(service, tokens_of(body), body.tenant or who.tenant)
-        return {**facts, "tenant_header": tenant_header}
+        return {**facts, "tenant_header": tenant_header,
+                "report_cached_tokens": service.config.report_cached_tokens}  # a router's X-KVD-Route keeps to it
 
     @router.post("/admin/rollouts")
     def rollout_start(body: RolloutStart, who: Principal = Depends(admin)):

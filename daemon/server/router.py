@@ -486,7 +486,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             tried.append(f"{replica.name} ({upstream.status_code})")
             excluded.add(id(replica))
         replica.open += 1
-        answer_headers = {"X-KVD-Replica": replica.name, "X-KVD-Route": reason}
+        answer_headers = {"X-KVD-Replica": replica.name}
+        if who.role == "admin" or replica.tells_users_cached_tokens:  # the reason may name its cached tokens
+            answer_headers["X-KVD-Route"] = reason
         if "x-kvd-request-id" in upstream.headers:  # the replica's ids: kvctl requests / cancel there
             answer_headers["X-KVD-Request-Id"] = upstream.headers["x-kvd-request-id"]
         if tried:

@@ -69,6 +69,7 @@ class Replica:
     rerouted: int = 0  # requests it refused before starting (429, 503) or was unreachable for: tried elsewhere
     draining: bool = False  # takes no new request: an operator's drain, or it is leaving
     drained_there: bool = False  # the replica itself said it is draining (kvctl drain; seen by every router)
+    cached_tokens_report: str = "all"  # its report_cached_tokens, as its latest answer to a question said
     leaving: bool = False  # taken out of the fleet: it goes once its open requests have answered
     welcomed: dict | None = None  # joined while the router ran: the fleet's pins copied to it (fleet_pins.py)
     tasks: list = field(default_factory=list)  # events view: its feed and load followers
@@ -78,6 +79,15 @@ class Replica:
         """Drained here, or draining by its latest load poll (events view): left out unasked."""
         load = self.view.load if self.view is not None else None
         return self.draining or (load is not None and load.get("draining", False))
+
+    @property
+    def tells_users_cached_tokens(self) -> bool:
+        """Whether it shows callers without the admin role how much of their prompt it caches
+        (report_cached_tokens: all), by its latest load poll, else its latest answer: where it does
+        not, the router's X-KVD-Route, which names what it caches, must not tell them either."""
+        load = self.view.load if self.view is not None else None
+        said = load.get("report_cached_tokens", "all") if load is not None else self.cached_tokens_report
+        return said == "all"
 
     @property
     def takes_requests(self) -> bool:
@@ -282,6 +292,7 @@ class RouterService:
             facts = facts_from_answer(known, replica.open)
             replica.model = known.get("model")
             replica.drained_there = bool(known.get("draining", False))
+            replica.cached_tokens_report = known.get("report_cached_tokens", "all")
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             replica.last_error = described(exc)
             replica.failed_questions += 1
