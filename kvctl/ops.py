@@ -227,14 +227,15 @@ def evict(ctx: typer.Context,
           model_revision: Optional[str] = typer.Option(None, "--model-revision",
                                                        help="A model revision (4 or more hex digits), served or not."),
           all_unpinned: bool = typer.Option(False, "--all-unpinned", help="Everything not pinned."),
+          dry_run: bool = typer.Option(False, "--dry-run", help="Say what would go, and evict nothing."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Evict cached blocks from every tier and report exactly what went.
 
     Blocks in use are refused, not faked. A prefix id takes that prefix and every prefix that
     extends it (its rows in `kvctl prefixes`); the prefix it extends stays for the others that
-    share it. A prefix's, a prompt's or a tenant's blocks also go from the shared Redis, whichever daemon
-    wrote them. Blocks still being written to disk or Redis are waited for (up to 30 s) and go
-    too; any still moving then make the eviction partial.
+    share it. A prefix's, a prompt's or a tenant's blocks also go from the shared Redis,
+    whichever daemon wrote them. Blocks still being written to disk or Redis are waited for (up
+    to 30 s) and go too; any still moving then make the eviction partial.
 
     A prompt (TEXT, --tokens, --file or --messages) is a conversation to forget, named by one of
     its requests: its blocks go from every tier, with every block that extends it (the reply,
@@ -251,7 +252,11 @@ def evict(ctx: typer.Context,
     each replica's. A shared Redis is searched for other daemons' entries once, by one of the
     replicas on it.
 
-    Example: kvctl evict --tenant acme; kvctl evict --messages chat.json --tenant acme
+    --dry-run answers as the eviction would, and evicts nothing: the device's blocks as they stand
+    now, the copies in lower tiers that kvd knows of; other daemons' entries on a shared Redis are
+    found only by the eviction itself.
+
+    Example: kvctl evict --tenant acme; kvctl evict --messages chat.json --tenant acme --dry-run
     """
     if any(x is not None for x in (text, tokens, file, messages)):
         if prefix is not None or model_revision is not None or all_unpinned:
@@ -260,7 +265,7 @@ def evict(ctx: typer.Context,
         body = {**prompt_body(text, tokens, file, messages), "tenant": tenant}
     else:
         body = {"prefix": prefix, "tenant": tenant, "model_revision": model_revision, "all_unpinned": all_unpinned}
-    data = client_for(ctx).post("/admin/evict", body)
+    data = client_for(ctx).post("/admin/evict/preview" if dry_run else "/admin/evict", body)
 
     def render(d):
         if "replicas" in d:  # at kvd router: the fleet's sum, then each replica's answer
@@ -269,7 +274,8 @@ def evict(ctx: typer.Context,
         lower = d.get("lower_tier_blocks_dropped") or 0
         shared = (d.get("remote_purge") or {}).get("dropped")
         aside = d.get("disk_purge") or {}
-        Console().print(f"evicted {d['target']}: {d['evicted_blocks']} blocks from the device"
+        Console().print(f"{'would evict' if d.get('dry_run') else 'evicted'} {d['target']}: "
+                        f"{d['evicted_blocks']} blocks from the device"
                         + (f", {lower} from lower tiers" if lower else "")
                         + (f", {aside['segments']} disk segment{'s' if aside['segments'] != 1 else ''} ({size(aside['bytes'])})"
                            if aside.get("segments") else "")

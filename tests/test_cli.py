@@ -715,10 +715,15 @@ def test_evict_a_prompt_sends_it_with_its_tenant_and_says_what_stayed_shared(cap
     assert out.splitlines()[-1] == "the prompt has 5 full blocks"
     cli(capsys, "evict", "--tokens", "1,2,3")
     assert posted[-1] == ("/admin/evict", {"tokens": [1, 2, 3], "tenant": None})
+    # --dry-run asks a path of its own (a kvd that does not know it answers 404 rather than evict)
+    answer.update(dry_run=True)
+    status, out, _ = cli(capsys, "evict", "--tokens", "1,2,3", "--dry-run")
+    assert posted[-1] == ("/admin/evict/preview", {"tokens": [1, 2, 3], "tenant": None})
+    assert (status, out.splitlines()[0]) == (0, "would evict prompt of 88 tokens (tenant acme): 3 blocks from the device")
     status, _, err = cli(capsys, "evict", "--tokens", "1,2", "--prefix", "0435de85")
     assert (status, err.strip()) == (2, "error: give exactly one of a prompt (TEXT, --tokens, --file, --messages), "
                                         "--prefix, --tenant, --model-revision or --all-unpinned")
-    assert len(posted) == 3
+    assert len(posted) == 4
 
 
 def test_pin_by_prefix_id_sends_the_id_and_refuses_text_beside_it(capsys, monkeypatch):

@@ -1439,6 +1439,10 @@ def test_a_conversation_evicted_at_the_router_goes_from_every_replica_that_serve
 
     [placed, blocks] = drive(app, [on_both, held])
     assert [a.headers["x-kvd-replica"] for a in placed] == ["replica-0", "replica-1"] and min(blocks) > 0
+    [preview, still] = drive(app, [lambda c: c.post("/admin/evict/preview", json={"text": prompt,
+                                                                                  "tenant": "forgetter"}), held])
+    assert preview.status_code == 200 and still == blocks  # nothing went
+    assert (preview.json()["dry_run"], preview.json()["evicted_blocks"]) == (True, sum(blocks))
     [gone, left] = drive(app, [lambda c: c.post("/admin/evict", json={"text": prompt, "tenant": "forgetter"}), held])
     body = gone.json()
     assert gone.status_code == 200 and body["result"] == "ok"

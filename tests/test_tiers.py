@@ -584,8 +584,17 @@ def test_after_an_upgrade_the_old_revision_s_blocks_are_shown_and_evicted_from_d
         [line] = [x for x in console.export_text().splitlines() if x.startswith("disk set aside:")]
         assert f"in {aside['segments']} segment" in line and f"of model {old_revision[:16]} (float32" in line
 
+        preview = call(app, "POST", "/admin/evict/preview", json={"model_revision": old_revision[:8]}).json()
+        assert preview == {"dry_run": True, "evicted_blocks": 0, "skipped": {}, "result": "ok",
+                           "target": f"model_revision={old_revision[:16]}", "lower_tier_blocks_dropped": 0,
+                           "spaces": preview["spaces"], "message": (
+                               "the disk segments of those spaces are counted only when they are purged; other "
+                               "daemons' entries on the shared Redis are searched for only by the eviction itself")}
+        assert [s["model_revision"] for s in preview["spaces"]] == [old_revision]
+        assert len(client.keys(old_prefix + b"*")) == old_entries + 1  # nothing went, nothing claimed
         gone = call(app, "POST", "/admin/evict", json={"model_revision": old_revision[:8]}).json()
         assert gone["result"] == "ok" and gone["target"] == f"model_revision={old_revision[:16]}"
+        assert gone["spaces"] == preview["spaces"]
         assert gone["evicted_blocks"] == 0 and gone["disk_purge"] == {"segments": aside["segments"], "blocks": 0,
                                                                        "bytes": saved}
         assert gone["remote_purge"] == {"dropped": old_entries, "seen": old_entries + 1, "complete": True}

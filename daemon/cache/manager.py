@@ -460,17 +460,19 @@ class KVCacheManager:
         return [self.unpin(pin_id) for pin_id in self.pins.expired(now)]
 
     # ---- operator eviction -----------------------------------------------------------------
-    def evict_prefix(self, keys: Sequence[BlockKey]) -> EvictionReport:
-        """Evict the cached blocks of a prefix, deepest first; in-use and pinned blocks stay."""
-        evicted, skipped = self.pool.evict_keys(reversed(keys), self._clock())
+    def evict_prefix(self, keys: Sequence[BlockKey], dry_run: bool = False) -> EvictionReport:
+        """Evict the cached blocks of a prefix, deepest first; in-use and pinned blocks stay.
+        `dry_run`: report what would go, and change nothing."""
+        evicted, skipped = self.pool.evict_keys(reversed(keys), self._clock(), dry_run=dry_run)
         return EvictionReport(len(evicted), {k: v for k, v in skipped.items() if v})
 
-    def evict_where(self, select: Callable[[BlockKey, RootInfo | None, str | None], bool]) -> EvictionReport:
+    def evict_where(self, select: Callable[[BlockKey, RootInfo | None, str | None], bool],
+                    dry_run: bool = False) -> EvictionReport:
         """Evict every indexed block whose (root key, root info, tenant) `select` accepts, deepest first."""
         chosen = [b for b in self.pool.blocks
                   if b.key is not None and select(b.root, self.roots.get(b.root), b.tenant)]
         chosen.sort(key=lambda b: -b.depth)
-        return self.evict_prefix([b.key for b in reversed(chosen)])
+        return self.evict_prefix([b.key for b in reversed(chosen)], dry_run=dry_run)
 
     def cached_block_rows(self) -> list[tuple]:
         """Every indexed block of the pool (tier "device"), never its tokens, as a plain tuple in

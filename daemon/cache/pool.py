@@ -273,11 +273,13 @@ class BlockPool:
         block.root = None
         block.parent = None
 
-    def evict_keys(self, keys: Iterable[BlockKey], now: float = 0.0) -> tuple[list[int], dict[str, int]]:
+    def evict_keys(self, keys: Iterable[BlockKey], now: float = 0.0,
+                   dry_run: bool = False) -> tuple[list[int], dict[str, int]]:
         """Drop the given keys from the cache where they are evictable now.
 
         Returns the evicted block ids and a count of keys left alone by reason
         (`in_use`, `pinned`, `not_cached`). Blocks in use or pinned are never touched.
+        `dry_run`: the same answer, of the blocks that would go, and nothing changes.
         """
         evicted: list[int] = []
         removed_keys: list[BlockKey] = []
@@ -292,6 +294,8 @@ class BlockPool:
                 skipped["in_use"] += 1
             elif block.pin_count:
                 skipped["pinned"] += 1
+            elif dry_run:
+                evicted.append(block_id)
             else:
                 self.policy.remove(block_id)
                 self.policy.forget(block_id)
@@ -304,6 +308,8 @@ class BlockPool:
                 block.parent = None
                 self._free.append(block_id)
                 evicted.append(block_id)
+        if dry_run:
+            return evicted, skipped
         self.operator_evictions += len(evicted)
         if self.events is not None:
             self.events.removed("device", removed_keys, "operator")

@@ -116,12 +116,22 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     def evict(body: EvictRequest, who: Principal = Depends(admin)):
         """Evict a prefix, a prompt, a tenant's blocks, a model revision's, or everything unpinned,
         from every tier (evict_ops.py)."""
+        return evicting(body, who, dry_run=False)
+
+    @router.post("/admin/evict/preview")
+    def evict_preview(body: EvictRequest, who: Principal = Depends(admin)):
+        """What `POST /admin/evict` with this body would take, with nothing evicted (`kvctl evict
+        --dry-run`). A path of its own: a kvd that does not know it answers 404, where a field it
+        did not know would have been ignored, and the eviction done."""
+        return evicting(body, who, dry_run=True)
+
+    def evicting(body: EvictRequest, who: Principal, dry_run: bool) -> dict:
         prompt = None
         if any(x is not None for x in (body.text, body.tokens, body.messages)):
             prompt = (tokens_of(body), body.tenant or who.tenant)  # `tenant`: the prompt's namespace
         return evict_ops.evict(service, prefix_id=body.prefix, tenant=None if prompt else body.tenant,
                                model_revision=body.model_revision, all_unpinned=body.all_unpinned, principal=who,
-                               purge_once=body.purge_once, prompt=prompt)
+                               purge_once=body.purge_once, prompt=prompt, dry_run=dry_run)
 
     @router.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 ADMIN_WRITE_SLOTS = 16  # of the 40 shared worker threads
-READS_BY_POST = ("/admin/explain", "/admin/route-facts")  # POSTs that change nothing (a router asks often)
+READS_BY_POST = ("/admin/explain", "/admin/route-facts", "/admin/evict/preview")  # POSTs that change nothing
 
 
 def changes_something(scope) -> bool:

@@ -19,12 +19,14 @@ EVICT_WRITE_WAIT_S = 30.0
 
 def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision: str | None,
           all_unpinned: bool, principal: Principal, purge_once: str | None = None,
-          prompt: tuple[list[int], str] | None = None) -> dict:
+          prompt: tuple[list[int], str] | None = None, dry_run: bool = False) -> dict:
     """Evict from every tier and say exactly what went. A tenant's or an old revision's entries
     are also searched for on the shared Redis, whichever daemon wrote them; with `purge_once`
     (a fleet eviction's token, from kvd router) only if this daemon is the first to claim it
     there: another replica on the same Redis searches it once for all. `prompt`: (token ids, the
-    tenant whose namespace they are hashed in), as PrefixTree.prompt_subtree judges them."""
+    tenant whose namespace they are hashed in), as PrefixTree.prompt_subtree judges them.
+    `dry_run`: the same answer, of what would go, with nothing evicted, searched or audited
+    (`_preview`)."""
     engine = service.require_ready()
     chosen = [x for x in (prefix_id, tenant, model_revision) if x] + ([True] if all_unpinned else []) \
         + ([True] if prompt is not None else [])
@@ -63,9 +65,10 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
                 select = lambda root, info, owner: True  # noqa: E731
                 target = "model_revision=current" if model_revision else "all_unpinned"
             if subtree is None:
-                report = engine.cache.evict_where(select)
+                report = engine.cache.evict_where(select, dry_run=dry_run)
             else:  # the device's part of it (lower tiers' copies are dropped below)
-                report = engine.cache.evict_prefix([k for k in subtree if engine.cache.pool.block_of(k) is not None])
+                report = engine.cache.evict_prefix([k for k in subtree if engine.cache.pool.block_of(k) is not None],
+                                                   dry_run=dry_run)
             report_blocks, skipped = report.evicted_blocks, report.skipped
         roots = dict(engine.cache.roots)
         pinned = set(engine.cache.pins.key_counts())  # their lower-tier copies stay too
@@ -76,6 +79,9 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
     elif service.tiers is not None and select is not None:
         doomed = [k for k, (m, _) in service.tiers.known_metas().items()
                   if k not in pinned and select(m.root, roots.get(m.root), m.tenant)]
+    if dry_run:
+        searched = bool(tenant and select is not None) or bool(model_revision and not served)
+        return _preview(service, target, report_blocks, skipped, doomed, prompt_figures, other_spaces, searched)
     if doomed:  # blocks on their way to disk or Redis land first, then go with the rest
         still_moving = service.tiers.wait_for_writes(doomed, EVICT_WRITE_WAIT_S)
         lower_dropped = service.tiers.drop(doomed)
@@ -116,6 +122,31 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
                                                   "and were not evicted", body.get("message")]))
     service.store.audit(actor=principal.actor, tenant=principal.tenant, action="evict", target=target,
                         result=result, detail=body)
+    return body
+
+
+def _preview(service, target: str, device_blocks: int, skipped: dict, doomed: list[bytes], prompt_figures: dict,
+             other_spaces: dict[str, dict], searched: bool) -> dict:
+    """What an eviction would take (`kvctl evict --dry-run`), in the answer's own shape with
+    `dry_run: true`: the device's blocks as they stand, the lower tiers' copies this daemon knows
+    of (blocks still on their way down included), and the spaces of another revision. What only the
+    eviction finds (other daemons' entries on the shared Redis, a space's disk segments) is named,
+    not counted."""
+    from kvctl.daemon.cache.tiers.spaces import summary
+
+    known = service.tiers.known_metas() if service.tiers is not None else {}
+    body = {"dry_run": True, "evicted_blocks": device_blocks, "skipped": skipped, "result": "ok", "target": target,
+            "lower_tier_blocks_dropped": sum(1 for key in doomed if key in known), **prompt_figures}
+    notes = []
+    if skipped.get("in_use"):
+        notes.append(f"{skipped['in_use']} blocks are in use by running requests now and would stay")
+    if other_spaces:
+        body["spaces"] = [summary(s, r) for s, r in sorted(other_spaces.items())]
+        notes.append("the disk segments of those spaces are counted only when they are purged")
+    if searched and service.tiers is not None and service.tiers.remote is not None:
+        notes.append("other daemons' entries on the shared Redis are searched for only by the eviction itself")
+    if notes:
+        body["message"] = "; ".join(notes)
     return body
 
 

@@ -89,6 +89,8 @@ def merge_evictions(done: list[dict]) -> dict:
     still_moving = sum(body.get("lower_tier_blocks_still_moving") or 0 for body in done)
     if still_moving:  # blocks some replica was still writing down when it gave up waiting: not dropped
         out["lower_tier_blocks_still_moving"] = still_moving
+    if done[0].get("dry_run"):  # what each replica would evict: nothing went
+        out["dry_run"] = True
     if "prompt_blocks" in done[0]:  # a prompt's eviction: its blocks, and those each replica kept as shared
         out["prompt_blocks"] = done[0]["prompt_blocks"]
         out["shared_blocks_kept"] = sum(body.get("shared_blocks_kept") or 0 for body in done)

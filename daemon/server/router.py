@@ -220,6 +220,11 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             raw = json.dumps({**body, "purge_once": secrets.token_hex(16)}).encode()
         return await everywhere("POST", "/admin/evict", raw, merge_evictions)
 
+    @app.post("/admin/evict/preview")
+    async def evict_preview_everywhere(http: Request, _: Caller = Depends(admin)):
+        """What every replica would evict (kvctl evict --dry-run): nothing goes, nothing is searched."""
+        return await everywhere("POST", "/admin/evict/preview", await http.body(), merge_evictions)
+
     def merged_listing(path: str, merge):
         """GET `path`: every replica's listing there (with the caller's query), merged by `merge`."""
 
