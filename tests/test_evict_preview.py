@@ -7,18 +7,8 @@ from kvctl.daemon.engine.sampling import SamplingParams
 from kvctl.daemon.server import evict_ops
 from kvctl.daemon.server.calls import Principal
 
-from .daemon_fixtures import apps, call, start_service, token_table
-
-BLOCK = 16
-SYSTEM = [(7 * i + 3) % 200 + 20 for i in range(3 * BLOCK)]
-ASK_A = SYSTEM + [(11 * i + 5) % 200 + 20 for i in range(2 * BLOCK + 8)]
-ASK_B = SYSTEM + [(13 * i + 1) % 200 + 20 for i in range(2 * BLOCK + 8)]
-
-
-def ask(app, tokens, tenant: str = "default"):
-    answer = call(app, "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant}, json={
-        "prompt": tokens, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
-    assert answer.status_code == 200, answer.text
+from .daemon_fixtures import call
+from .evict_cases import ASK_A, ASK_B, BLOCK, ask, serving
 
 
 def state(unix) -> tuple:
@@ -31,10 +21,8 @@ def state(unix) -> tuple:
 
 
 def test_a_preview_answers_as_the_eviction_then_does_and_changes_nothing(tmp_path):
-    service = start_service(tmp_path, block_size=BLOCK, disk_cache_bytes="16MiB", tiering="always",
-                            write_policy="write_through")
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with serving(tmp_path, disk_cache_bytes="16MiB", tiering="always",
+                 write_policy="write_through") as (service, unix):
         ask(unix, ASK_A)
         ask(unix, ASK_B)
         ask(unix, ASK_B, tenant="acme")
@@ -49,14 +37,10 @@ def test_a_preview_answers_as_the_eviction_then_does_and_changes_nothing(tmp_pat
             assert service.tiers.flush(timeout=10)
             assert preview == done and done["evicted_blocks"] > 0 and done["lower_tier_blocks_dropped"] > 0, body
         assert call(unix, "GET", "/admin/status").json()["blocks"]["device"]["cached"] == 0
-    finally:
-        service.shutdown(1)
 
 
 def test_a_preview_is_refused_as_the_eviction_is_and_says_what_in_use_would_keep(tmp_path):
-    service = start_service(tmp_path, block_size=BLOCK)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with serving(tmp_path) as (service, unix):
         bad = call(unix, "POST", "/admin/evict/preview", json={"tenant": "acme", "prefix": "abcd"})
         assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("evict: give exactly one of")
         ask(unix, ASK_A)
@@ -72,6 +56,4 @@ def test_a_preview_is_refused_as_the_eviction_is_and_says_what_in_use_would_keep
         assert held == len(ASK_A) // BLOCK  # the prompt's full blocks
         assert preview["message"] == f"{held} blocks are in use by running requests now and would stay"
         assert preview["result"] == "ok"  # the preview itself did all it was asked
-    finally:
-        service.shutdown(1)
 

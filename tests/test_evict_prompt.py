@@ -4,20 +4,8 @@ blocks it shares with other cached prefixes (a system prompt) stay, and the answ
 
 from __future__ import annotations
 
-from .daemon_fixtures import apps, call, start_service, token_table
-
-BLOCK = 16
-SYSTEM = [(7 * i + 3) % 200 + 20 for i in range(3 * BLOCK)]  # three blocks every conversation starts with
-ASK_A = SYSTEM + [(11 * i + 5) % 200 + 20 for i in range(2 * BLOCK + 8)]
-ASK_B = SYSTEM + [(13 * i + 1) % 200 + 20 for i in range(2 * BLOCK + 8)]
-
-
-def ask(app, tokens, tenant: str | None = None):
-    headers = {"X-KVD-Tenant": tenant} if tenant else {}
-    answer = call(app, "POST", "/v1/completions", headers=headers, json={
-        "prompt": tokens, "max_tokens": 20, "temperature": 0, "ignore_eos": True})
-    assert answer.status_code == 200, answer.text
-    return answer.json()
+from .daemon_fixtures import call
+from .evict_cases import ASK_A, ASK_B, BLOCK, ask, serving
 
 
 def rows(app) -> dict[str, dict]:
@@ -25,9 +13,7 @@ def rows(app) -> dict[str, dict]:
 
 
 def test_evicting_a_conversation_takes_its_own_blocks_and_reply_and_leaves_the_system_prompt_to_the_others(tmp_path):
-    service = start_service(tmp_path, block_size=BLOCK)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with serving(tmp_path) as (service, unix):
         ask(unix, ASK_A)
         ask(unix, ASK_B)
         before = rows(unix)
@@ -51,14 +37,10 @@ def test_evicting_a_conversation_takes_its_own_blocks_and_reply_and_leaves_the_s
         # audited, newest first, with what the answer said: never the prompt's text or ids
         entries = call(unix, "GET", "/admin/audit", params={"action": "evict"}).json()["entries"]
         assert [(e["target"], e["detail"]) for e in entries] == [(gone["target"], again), (gone["target"], gone)]
-    finally:
-        service.shutdown(1)
 
 
 def test_a_prompt_is_looked_for_in_its_tenant_s_namespace_and_named_alone(tmp_path):
-    service = start_service(tmp_path, block_size=BLOCK)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with serving(tmp_path) as (service, unix):
         ask(unix, ASK_A, tenant="acme")
         cached = call(unix, "GET", "/admin/status").json()["blocks"]["device"]["cached"]
         elsewhere = call(unix, "POST", "/admin/evict", json={"tokens": ASK_A}).json()  # the caller's: default
@@ -68,22 +50,19 @@ def test_a_prompt_is_looked_for_in_its_tenant_s_namespace_and_named_alone(tmp_pa
             "evict: give exactly one of prefix, a prompt (text, tokens or messages), tenant, model_revision, "
             "all_unpinned")
         two = call(unix, "POST", "/admin/evict", json={"tokens": ASK_A, "text": "and text"})
-        assert two.status_code == 400 and two.json()["error"]["message"] == "give exactly one of text, tokens and messages"
+        assert (two.status_code, two.json()["error"]["message"]) == (
+            400, "give exactly one of text, tokens and messages")
         outside = call(unix, "POST", "/admin/evict", json={"tokens": [5, 10**6]})
         assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
         assert call(unix, "GET", "/admin/status").json()["blocks"]["device"]["cached"] == cached  # nothing went
         theirs = call(unix, "POST", "/admin/evict", json={"tokens": ASK_A, "tenant": "acme"}).json()
         assert (theirs["evicted_blocks"], theirs["target"]) == (cached, f"prompt of {len(ASK_A)} tokens (tenant acme)")
         assert call(unix, "GET", "/admin/status").json()["blocks"]["device"]["cached"] == 0
-    finally:
-        service.shutdown(1)
 
 
 def test_a_prompt_given_as_text_is_tokenized_as_its_completion_was_and_leaves_no_tier_a_copy(tmp_path):
-    service = start_service(tmp_path, block_size=BLOCK, disk_cache_bytes="16MiB", tiering="always",
-                            write_policy="write_through")
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with serving(tmp_path, disk_cache_bytes="16MiB", tiering="always",
+                 write_policy="write_through") as (service, unix):
         text = "Forget this conversation, block by block, in every tier that holds a copy of it. " * 2
         ask(unix, text)
         assert service.tiers.flush(timeout=10)
@@ -94,16 +73,12 @@ def test_a_prompt_given_as_text_is_tokenized_as_its_completion_was_and_leaves_no
         assert (gone["evicted_blocks"], gone["lower_tier_blocks_dropped"], gone["result"]) == (cached, on_disk, "ok")
         assert call(unix, "GET", "/admin/tiers").json()["tiers"]["disk"]["blocks"] == 0
         assert call(unix, "GET", "/admin/prefixes").json()["prefixes"] == []
-    finally:
-        service.shutdown(1)
 
 
 def test_a_chat_named_by_its_first_request_goes_with_its_later_turns(tmp_path):
     """The messages are rendered as /v1/chat/completions rendered the request, so its blocks are
     the ones found; the second turn extends the first, and goes with it."""
-    service = start_service(tmp_path, block_size=BLOCK, num_blocks=256)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with serving(tmp_path, num_blocks=256) as (service, unix):
         system = {"role": "system", "content": "You answer questions about KV caches, in one short line. " * 3}
         first = [system, {"role": "user", "content": "Which tier survives a restart of kvd?"}]
         other = [system, {"role": "user", "content": "What does a pin cost?"}]
@@ -131,5 +106,3 @@ def test_a_chat_named_by_its_first_request_goes_with_its_later_turns(tmp_path):
         left = call(unix, "GET", "/admin/status").json()["blocks"]["device"]["cached"]
         assert gone["evicted_blocks"] == cached - left > 0
         assert (hit(first), hit(second), hit(other)) == (shared, shared, other_hits)  # the other chat keeps all
-    finally:
-        service.shutdown(1)
