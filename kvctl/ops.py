@@ -286,8 +286,11 @@ def evict(ctx: typer.Context,
             Console().print(f"the prompt has {d['prompt_blocks']} full blocks"
                             + (f"; {kept} of them stay, shared with other cached prefixes" if kept else ""),
                             highlight=False)
+        if d.get("not_counted"):
+            Console().print("not counted: " + "; ".join(d["not_counted"]), highlight=False)
         if d.get("spaces"):
-            Console().print("spaces purged (not served here): " + ", ".join(
+            purged = "spaces to purge" if d.get("dry_run") else "spaces purged"
+            Console().print(f"{purged} (not served here): " + ", ".join(
                 f"{s['space']} ({s.get('cache_dtype') or '?'}{', scales ' + s['scale_version'] if s.get('scale_version') else ''})"
                 for s in d["spaces"]), highlight=False)
         replica_lines(d, lambda row: f"{row['evicted_blocks']} from the device, "

@@ -716,10 +716,13 @@ def test_evict_a_prompt_sends_it_with_its_tenant_and_says_what_stayed_shared(cap
     cli(capsys, "evict", "--tokens", "1,2,3")
     assert posted[-1] == ("/admin/evict", {"tokens": [1, 2, 3], "tenant": None})
     # --dry-run asks a path of its own (a kvd that does not know it answers 404 rather than evict)
-    answer.update(dry_run=True)
+    answer.update(dry_run=True, not_counted=["other daemons' entries on the shared Redis (searched for by the "
+                                             "eviction itself)"])
     status, out, _ = cli(capsys, "evict", "--tokens", "1,2,3", "--dry-run")
     assert posted[-1] == ("/admin/evict/preview", {"tokens": [1, 2, 3], "tenant": None})
     assert (status, out.splitlines()[0]) == (0, "would evict prompt of 88 tokens (tenant acme): 3 blocks from the device")
+    assert " ".join(out.split()).endswith("not counted: other daemons' entries on the shared Redis (searched for by "
+                                          "the eviction itself)")
     status, _, err = cli(capsys, "evict", "--tokens", "1,2", "--prefix", "0435de85")
     assert (status, err.strip()) == (2, "error: give exactly one of a prompt (TEXT, --tokens, --file, --messages), "
                                         "--prefix, --tenant, --model-revision or --all-unpinned")

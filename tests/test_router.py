@@ -1468,6 +1468,11 @@ def test_a_fleet_eviction_sums_the_blocks_replicas_were_still_writing_down_and_i
     assert body["message"] == "r1: " + moving["message"]
     _, body = combine(["r0", "r1"], [(200, done), (200, done)], merge_evictions)
     assert "lower_tier_blocks_still_moving" not in body and body["result"] == "ok"
+    # previews: what each would evict, and what none of them counted, said once
+    note = "other daemons' entries on the shared Redis (searched for by the eviction itself)"
+    preview = {**done, "dry_run": True, "not_counted": [note]}
+    _, body = combine(["r0", "r1"], [(200, preview), (200, {**preview, "evicted_blocks": 1})], merge_evictions)
+    assert (body["dry_run"], body["evicted_blocks"], body["not_counted"], body["result"]) == (True, 5, [note], "ok")
 
 
 def test_kvctl_tiers_at_the_router_shows_each_replica_s_tiers_and_which_did_not_answer(replicas):

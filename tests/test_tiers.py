@@ -587,9 +587,9 @@ def test_after_an_upgrade_the_old_revision_s_blocks_are_shown_and_evicted_from_d
         preview = call(app, "POST", "/admin/evict/preview", json={"model_revision": old_revision[:8]}).json()
         assert preview == {"dry_run": True, "evicted_blocks": 0, "skipped": {}, "result": "ok",
                            "target": f"model_revision={old_revision[:16]}", "lower_tier_blocks_dropped": 0,
-                           "spaces": preview["spaces"], "message": (
-                               "the disk segments of those spaces are counted only when they are purged; other "
-                               "daemons' entries on the shared Redis are searched for only by the eviction itself")}
+                           "spaces": preview["spaces"], "not_counted": [
+                               "the disk segments of those spaces (counted when they are purged)",
+                               "other daemons' entries on the shared Redis (searched for by the eviction itself)"]}
         assert [s["model_revision"] for s in preview["spaces"]] == [old_revision]
         assert len(client.keys(old_prefix + b"*")) == old_entries + 1  # nothing went, nothing claimed
         gone = call(app, "POST", "/admin/evict", json={"model_revision": old_revision[:8]}).json()

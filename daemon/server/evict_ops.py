@@ -130,23 +130,23 @@ def _preview(service, target: str, device_blocks: int, skipped: dict, doomed: li
     """What an eviction would take (`kvctl evict --dry-run`), in the answer's own shape with
     `dry_run: true`: the device's blocks as they stand, the lower tiers' copies this daemon knows
     of (blocks still on their way down included), and the spaces of another revision. What only the
-    eviction finds (other daemons' entries on the shared Redis, a space's disk segments) is named,
-    not counted."""
+    eviction finds (other daemons' entries on the shared Redis, a space's disk segments) is named
+    under `not_counted`; `message` warns of blocks the eviction would leave (in use now)."""
     from kvctl.daemon.cache.tiers.spaces import summary
 
     known = service.tiers.known_metas() if service.tiers is not None else {}
     body = {"dry_run": True, "evicted_blocks": device_blocks, "skipped": skipped, "result": "ok", "target": target,
             "lower_tier_blocks_dropped": sum(1 for key in doomed if key in known), **prompt_figures}
-    notes = []
     if skipped.get("in_use"):
-        notes.append(f"{skipped['in_use']} blocks are in use by running requests now and would stay")
+        body["message"] = f"{skipped['in_use']} blocks are in use by running requests now and would stay"
+    not_counted = []
     if other_spaces:
         body["spaces"] = [summary(s, r) for s, r in sorted(other_spaces.items())]
-        notes.append("the disk segments of those spaces are counted only when they are purged")
+        not_counted.append("the disk segments of those spaces (counted when they are purged)")
     if searched and service.tiers is not None and service.tiers.remote is not None:
-        notes.append("other daemons' entries on the shared Redis are searched for only by the eviction itself")
-    if notes:
-        body["message"] = "; ".join(notes)
+        not_counted.append("other daemons' entries on the shared Redis (searched for by the eviction itself)")
+    if not_counted:
+        body["not_counted"] = not_counted
     return body
 
 

@@ -91,6 +91,9 @@ def merge_evictions(done: list[dict]) -> dict:
         out["lower_tier_blocks_still_moving"] = still_moving
     if done[0].get("dry_run"):  # what each replica would evict: nothing went
         out["dry_run"] = True
+        not_counted = [note for body in done for note in body.get("not_counted", ())]
+        if not_counted:
+            out["not_counted"] = list(dict.fromkeys(not_counted))
     if "prompt_blocks" in done[0]:  # a prompt's eviction: its blocks, and those each replica kept as shared
         out["prompt_blocks"] = done[0]["prompt_blocks"]
         out["shared_blocks_kept"] = sum(body.get("shared_blocks_kept") or 0 for body in done)
