@@ -80,8 +80,11 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
         doomed = [k for k, (m, _) in service.tiers.known_metas().items()
                   if k not in pinned and select(m.root, roots.get(m.root), m.tenant)]
     if dry_run:
+        if subtree is not None and doomed:  # the tree's blocks on the device alone are no lower tier's to drop
+            known = service.tiers.known_metas()
+            doomed = [k for k in doomed if k in known]
         searched = bool(tenant and select is not None) or bool(model_revision and not served)
-        return _preview(service, target, report_blocks, skipped, doomed, prompt_figures, other_spaces, searched)
+        return _preview(service, target, report_blocks, skipped, len(doomed), prompt_figures, other_spaces, searched)
     if doomed:  # blocks on their way to disk or Redis land first, then go with the rest
         still_moving = service.tiers.wait_for_writes(doomed, EVICT_WRITE_WAIT_S)
         lower_dropped = service.tiers.drop(doomed)
@@ -125,7 +128,7 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
     return body
 
 
-def _preview(service, target: str, device_blocks: int, skipped: dict, doomed: list[bytes], prompt_figures: dict,
+def _preview(service, target: str, device_blocks: int, skipped: dict, lower_blocks: int, prompt_figures: dict,
              other_spaces: dict[str, dict], searched: bool) -> dict:
     """What an eviction would take (`kvctl evict --dry-run`), in the answer's own shape with
     `dry_run: true`: the device's blocks as they stand, the lower tiers' copies this daemon knows
@@ -134,9 +137,8 @@ def _preview(service, target: str, device_blocks: int, skipped: dict, doomed: li
     under `not_counted`; `message` warns of blocks the eviction would leave (in use now)."""
     from kvctl.daemon.cache.tiers.spaces import summary
 
-    known = service.tiers.known_metas() if service.tiers is not None else {}
     body = {"dry_run": True, "evicted_blocks": device_blocks, "skipped": skipped, "result": "ok", "target": target,
-            "lower_tier_blocks_dropped": sum(1 for key in doomed if key in known), **prompt_figures}
+            "lower_tier_blocks_dropped": lower_blocks, **prompt_figures}
     if skipped.get("in_use"):
         body["message"] = f"{skipped['in_use']} blocks are in use by running requests now and would stay"
     not_counted = []
