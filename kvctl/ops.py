@@ -17,7 +17,7 @@ from rich.table import Table
 
 from .command_kit import client_for, emit, prompt_body
 from .errors import UserError
-from .tables import compact_table, duration, keep_whole, size, when
+from .tables import compact_table, duration, fit_cells, keep_whole, size, when
 
 PREFIX_SORTS = ("recent", "hits", "size")  # kvd sorts and cuts the list (a large cache has many rows)
 
@@ -442,14 +442,23 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
 
         data = {"entries": open_store(None, state_dir).audit_since(start, action=action)}
 
-    def render(d):
+    def audit_table(entries, time_below_date: bool):
         table = compact_table("when", "actor", "tenant", "action", "target", "result")
-        entries = d["entries"] if limit == 0 else d["entries"][:limit]  # newest first
         for e in entries:
-            table.add_row(when(e["at"]), e["actor"],
+            at = when(e["at"])
+            table.add_row(at.replace(" ", "\n") if time_below_date else at, e["actor"],
                           e["tenant"], e["action"], e["target"], e["result"])
-        keep_whole(table, 0, 4)
+        keep_whole(table, 0, 1, 3, 5)
+        fit_cells(table, words=(2, 4))  # the target wraps at its spaces; an id is never cut
+        return table
+
+    def render(d):
+        entries = d["entries"] if limit == 0 else d["entries"][:limit]  # newest first
         console = Console()
+        table = audit_table(entries, time_below_date=False)
+        narrowest = sum(column.min_width for column in table.columns) + len(table.columns) - 1
+        if narrowest > console.width:  # 80 columns: the time goes below the date
+            table = audit_table(entries, time_below_date=True)
         console.print(table if d["entries"] else "no audit entries")
         if len(entries) < len(d["entries"]):
             console.print(f"the newest {len(entries)} of {len(d['entries']):,} entries; --limit 0 shows all, "

@@ -28,7 +28,8 @@ def keep_whole(table: Table, *columns: int) -> None:
     for index in columns:
         column = table.columns[index]
         column.no_wrap = True
-        column.min_width = max([len(str(cell)) for cell in column.cells] + [len(str(column.header))])
+        column.min_width = max([len(line) for cell in column.cells for line in str(cell).splitlines()]
+                               + [len(str(column.header))])
 
 
 def fit_cells(table: Table, *columns: int, words: tuple[int, ...] = ()) -> None:

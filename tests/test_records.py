@@ -308,6 +308,31 @@ def test_audit_reads_the_store_without_a_daemon(tmp_path, capsys):
     assert len(json.loads(out)["entries"]) == 5
 
 
+def test_audit_table_fits_80_columns_without_cutting_an_action_a_result_or_an_id(tmp_path, capsys, monkeypatch):
+    """An 80-column terminal once cut "rollout.complete" to "roll…" and "result" to "resu…". Now the
+    target wraps at its spaces and, when that is not enough, each row's time goes below its date."""
+    store = Store(tmp_path / "kvd.sqlite3")
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.0)
+    store.audit(actor="unix-socket", tenant="default", action="pin", target="pin-94776163be18f80b", result="ok")
+    store.audit(actor="unix-socket", tenant="-", action="rollout.complete", target="rollout:2", result="refused")
+    store.audit(actor="unix-socket", tenant="default", action="evict",
+                target="prompt of 104 tokens (tenant default)", result="ok")
+    monkeypatch.undo()
+    monkeypatch.setenv("COLUMNS", "80")
+    status, out, _ = cli(capsys, "audit", "--state-dir", str(tmp_path))
+    lines = out.splitlines()
+    day, clock = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1_700_000_000.0)).split()
+    assert status == 0 and max(map(len, lines)) <= 80
+    assert lines[0].split() == ["when", "actor", "tenant", "action", "target", "result"]
+    assert lines[1].split() == [day, "unix-socket", "default", "evict", "prompt", "of", "104", "tokens", "ok"]
+    assert lines[2].split() == [clock, "(tenant", "default)"]
+    assert lines[3].split() == [day, "unix-socket", "-", "rollout.complete", "rollout:2", "refused"]
+    assert lines[5].split() == [day, "unix-socket", "default", "pin", "pin-94776163be18f80b", "ok"]
+    monkeypatch.setenv("COLUMNS", "120")  # room for the time beside its date: one line a row
+    status, out, _ = cli(capsys, "audit", "--state-dir", str(tmp_path))
+    assert [line.split()[:2] for line in out.splitlines()[1:]] == [[day, clock]] * 3
+
+
 def test_bench_replay_save_gives_a_citable_run(tmp_path, capsys):
     status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "20", "--block-sizes", "64", "--policy",
                          "lru", "--json", "--save", "--state-dir", str(tmp_path))
