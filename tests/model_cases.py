@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 / Mistral checkpoints built with transformers (a test-only dependency)."""
+"""Tiny Llama / Qwen2 / Qwen3 / Mistral checkpoints built with transformers (a test-only dependency)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,13 @@ def tiny_config(kind: str):
         return transformers.LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=True)
     if kind == "qwen2":
         return transformers.Qwen2Config(**TINY, num_key_value_heads=1, tie_word_embeddings=True)
+    if kind == "qwen3":  # q_norm and k_norm; GQA 2:1 like the real ones (32 or 64 Q heads to 8 KV heads)
+        return transformers.Qwen3Config(**{**TINY, "num_attention_heads": 4}, num_key_value_heads=2,
+                                        tie_word_embeddings=False)
     if kind == "mistral":
         return transformers.MistralConfig(**TINY, num_key_value_heads=1, sliding_window=None)
+    if kind == "mistral-window":  # Mistral 7B v0.1's sliding window, short enough for a test to pass it
+        return transformers.MistralConfig(**TINY, num_key_value_heads=1, sliding_window=24)
     raise ValueError(kind)
 
 
@@ -35,6 +40,10 @@ def build_checkpoint(kind: str, directory: Path, seed: int = 0, max_shard_size: 
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
+    with torch.no_grad():  # norms start at ones: random ones catch a weight read for the wrong norm
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(directory), **kwargs)
     write_byte_tokenizer(Path(directory))

@@ -34,7 +34,7 @@ def full_forward_logits(loaded, ids):
     return loaded.model.forward(batch, caches)[0]
 
 
-@pytest.mark.parametrize("kind", ["llama3", "llama2-tied-mha", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama3", "llama2-tied-mha", "qwen2", "qwen3", "mistral"])
 def test_greedy_tokens_and_logits_match_transformers(kind, tmp_path):
     hf = build_checkpoint(kind, tmp_path)
     loaded = load_model(tmp_path)
@@ -80,6 +80,88 @@ def test_unsupported_architecture_and_missing_tensor_are_named(tmp_path):
     empty.mkdir()
     with pytest.raises(ModelError, match="no config.json"):
         load_model(empty)
+
+
+def test_a_sliding_window_model_serves_contexts_up_to_its_window_with_transformers_tokens(tmp_path):
+    """Mistral 7B v0.1 slides a 4,096-token window; kvd attends in full, which equals the window
+    only while the context fits in it. So the window is the longest context kvd serves."""
+    from kvctl.daemon.engine.sampling import ContextLengthExceeded
+
+    hf = build_checkpoint("mistral-window", tmp_path)  # a window of 24 tokens, 512 positions
+    loaded = load_model(tmp_path)
+    assert (loaded.config.sliding_window, loaded.config.context_limit) == (24, 24)
+    engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
+    request = engine.add_request(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))  # 20 + 4: the window
+    engine.run_until_done()
+    assert request.sequences[0].output_ids == hf_greedy(hf, PROMPT, 4)
+    with pytest.raises(ContextLengthExceeded) as refused:
+        engine.add_request(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert str(refused.value) == ("max_tokens: prompt (20) + max_tokens (5) exceeds the model's sliding window of 24 "
+                                  "tokens (kvd attends in full, which equals the window only for contexts that fit "
+                                  "in it)")
+    longer = PROMPT + PROMPT[:10]  # why: past the window, full attention gives other logits than the model's
+    with torch.no_grad():
+        windowed = hf(torch.tensor([longer])).logits[0, -1]
+    assert not torch.allclose(full_forward_logits(loaded, longer), windowed, atol=1e-3, rtol=1e-3)
+
+
+def test_kvd_serving_a_sliding_window_model_says_its_window_and_refuses_past_it(tmp_path, caplog):
+    """What a client is told: `max_model_len` is the window, a longer request a 413 naming it, and
+    the operator a warning at start."""
+    from .daemon_fixtures import call, start_service
+    from kvctl.daemon.server.app import create_app
+
+    build_checkpoint("mistral-window", tmp_path / "model")
+    with caplog.at_level("WARNING", logger="kvd"):
+        service = start_service(tmp_path, model=str(tmp_path / "model"))
+    try:
+        unix = create_app(service, service.metrics, front="unix")
+        assert call(unix, "GET", "/v1/models").json()["data"][0]["max_model_len"] == 24
+        assert call(unix, "POST", "/tokenize", json={"prompt": "hello"}).json()["max_model_len"] == 24
+        fits = call(unix, "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
+        assert fits.status_code == 200 and len(fits.json()["choices"][0]["token_ids"]) == 4
+        past = call(unix, "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
+        assert past.status_code == 413 and past.json()["error"]["code"] == "context_length_exceeded"
+        assert "exceeds the model's sliding window of 24 tokens" in past.json()["error"]["message"]
+        assert any("slide a window of 24 tokens" in r.getMessage() and "up to 24 tokens, not the model's 512 "
+                   "positions" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    finally:
+        service.shutdown(1)
+
+
+@pytest.mark.parametrize("fields, window", [
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, None),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, 4096),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False, "sliding_window": 32768}, None),
+    ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 4096,
+      "max_window_layers": 1}, 4096),
+    ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 4096,
+      "max_window_layers": 2}, None),  # no layer from max_window_layers on: every layer attends in full
+    ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 4096,
+      "layer_types": ["full_attention", "full_attention"]}, None),  # the file's layer types decide
+    ({"architectures": ["LlamaForCausalLM"], "layer_types": ["full_attention", "sliding_attention"],
+      "sliding_window": 64}, 64),
+    ({"architectures": ["LlamaForCausalLM"], "sliding_window": 64}, None),
+])
+def test_the_sliding_window_is_read_as_transformers_reads_it(fields, window):
+    from kvctl.daemon.model.config import ModelConfig
+
+    base = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=8192)
+    config = ModelConfig.from_dict({**base, **fields})
+    assert config.sliding_window == window
+    assert config.context_limit == (window or 8192)
+
+
+def test_a_sliding_window_that_is_not_a_positive_integer_is_named():
+    from kvctl.daemon.model.config import ModelConfig
+
+    base = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                architectures=["MistralForCausalLM"])
+    with pytest.raises(ModelError) as refused:
+        ModelConfig.from_dict({**base, "sliding_window": "4096"})
+    assert str(refused.value) == ("config.json: field 'sliding_window' must be a positive integer where layers "
+                                  "slide (got '4096')")
 
 
 def test_revision_changes_with_the_weights_so_old_blocks_are_unreachable(tmp_path):

@@ -222,10 +222,10 @@ class Engine:
         params.validate(vocab)
         if not prompt_ids:
             raise RequestError("prompt: must hold at least one token")
-        limit = self.loaded.config.max_position_embeddings
-        if len(prompt_ids) + params.max_tokens > limit:
+        config = self.loaded.config
+        if len(prompt_ids) + params.max_tokens > config.context_limit:
             raise ContextLengthExceeded(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
-                                        f"exceeds the model's {limit} positions")
+                                        f"exceeds {config.context_limit_text()}")
         bad = first_outside_vocab(prompt_ids, vocab)
         if bad is not None:
             raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {prompt_ids[bad]!r}")

@@ -10,6 +10,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -30,7 +31,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral" or "qwen2"
+    architecture: str  # "llama", "mistral", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,6 +48,22 @@ class ModelConfig:
     dtype: str  # float32, bfloat16 or float16
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of Q and K, before RoPE
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to, where one does
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context kvd serves: the model's positions, or its sliding window when one
+        is shorter. kvd attends in full, which equals a window's attention only while the whole
+        context fits in the window (position i sees the W positions up to i)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+    def context_limit_text(self) -> str:
+        """What `context_limit` is, for an error message: "the model's 4096 positions"."""
+        if self.context_limit < self.max_position_embeddings:
+            return (f"the model's sliding window of {self.context_limit} tokens (kvd attends in full, which equals "
+                    "the window only for contexts that fit in it)")
+        return f"the model's {self.context_limit} positions"
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":
@@ -96,6 +113,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             dtype=dtype, bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
+            qk_norm=arch == "qwen3", sliding_window=_sliding_window(raw, arch, need("num_hidden_layers"), where),
         )
 
     @classmethod
@@ -108,3 +126,26 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ModelError(f"{path}: not valid JSON ({exc.msg})") from None
         return cls.from_dict(raw, str(path))
+
+
+def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> int | None:
+    """The window of the checkpoint's sliding-window layers, or None when every layer attends in
+    full: as transformers reads it, `layer_types` where the file has them; else Mistral slides
+    every layer by `sliding_window`; Qwen2 and Qwen3 slide the layers from `max_window_layers` on,
+    only with `use_sliding_window`."""
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        slides = "sliding_attention" in layer_types
+    elif arch == "mistral":
+        slides = window is not None
+    elif arch in ("qwen2", "qwen3"):
+        slides = bool(raw.get("use_sliding_window")) and int(raw.get("max_window_layers") or 0) < num_layers
+    else:
+        slides = False
+    if not slides:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelError(f"{where}: field 'sliding_window' must be a positive integer where layers slide "
+                         f"(got {window!r})")
+    return window

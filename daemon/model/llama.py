@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2) that reads and writes the paged KV cache.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) that reads and writes the paged KV cache.
 
 One forward pass takes a flat batch of new tokens from many sequences (prefill chunks and
 decodes mixed), writes their K/V into the cache at `slot_mapping`, and attends through the
@@ -113,6 +113,7 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2·intermediate, hidden]
     down: torch.Tensor
+    qk_norm: torch.Tensor | None = None  # Qwen3: [H + Hkv, D], q_norm's weight on each Q head, k_norm's on each K head
 
 
 def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[LayerWeights]:
@@ -127,9 +128,13 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
         if p + "self_attn.q_proj.bias" in weights:
             bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        qk_norm = None
+        if config.qk_norm:  # one weight per row of the [T, H + Hkv, D] view that RoPE rotates
+            qk_norm = torch.cat([take(p + "self_attn.q_norm.weight").expand(config.num_heads, -1),
+                                 take(p + "self_attn.k_norm.weight").expand(config.num_kv_heads, -1)])
         layers.append(LayerWeights(take(p + "input_layernorm.weight"), qkv, bias, take(p + "self_attn.o_proj.weight"),
                                    take(p + "post_attention_layernorm.weight"), gate_up,
-                                   take(p + "mlp.down_proj.weight")))
+                                   take(p + "mlp.down_proj.weight"), qk_norm))
     return layers
 
 
@@ -232,6 +237,8 @@ class LlamaModel:
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             qk = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+            if layer.qk_norm is not None:  # Qwen3: each head of Q and K normalised before RoPE
+                qk = rms_norm(qk, layer.qk_norm, eps)
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin  # RoPE on Q and K at once
             q, k = qk[:, :heads].contiguous(), qk[:, heads:]
             v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)

@@ -58,6 +58,8 @@ def expected_tensors(config: ModelConfig) -> list[str]:
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
         if config.qkv_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     return names
 

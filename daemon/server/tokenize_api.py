@@ -48,7 +48,7 @@ def tokenize(service, body: TokenizeRequest) -> dict:
         ids = service.loaded.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
     else:
         ids = service.chat_prompt(chat_messages(body.messages), generation_prompt(body), body.continue_final_message)
-    return {"count": len(ids), "max_model_len": service.loaded.config.max_position_embeddings, "tokens": ids}
+    return {"count": len(ids), "max_model_len": service.loaded.config.context_limit, "tokens": ids}
 
 
 def detokenize(service, body: DetokenizeRequest) -> dict:
