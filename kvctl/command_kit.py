@@ -47,7 +47,7 @@ def prompt_body(text: str | None, tokens: str | None, file: Path | None, message
     if len(given) != 1:
         raise UserError("give exactly one of TEXT, --tokens, --file or --messages")
     if messages is not None:
-        return {"messages": chat_messages_file(messages)}
+        return chat_messages_file(messages)
     if tokens is not None:
         try:
             return {"tokens": [int(t) for t in tokens.split(",") if t.strip()]}
@@ -58,20 +58,22 @@ def prompt_body(text: str | None, tokens: str | None, file: Path | None, message
     return {"text": text}
 
 
-def chat_messages_file(path: Path) -> list:
-    """The chat messages of a JSON file: a list of {role, content}, or a chat request's body (an
-    object with `messages`). kvd checks them and renders them with the model's chat template."""
+def chat_messages_file(path: Path) -> dict:
+    """`{"messages": [...]}` from a JSON file: a list of {role, content}, or a chat request's body (an
+    object with `messages`, whose `chat_template_kwargs` come too). kvd checks them and renders them
+    with the model's chat template."""
     raw = read_text(path, "messages", "give a JSON list of {\"role\", \"content\"} messages")
     try:
         loaded = json.loads(raw)
     except ValueError as exc:
         raise UserError(f"messages: {str(path)!r} is not JSON ({exc})") from None
+    kwargs = None
     if isinstance(loaded, dict) and "messages" in loaded:
-        loaded = loaded["messages"]
+        loaded, kwargs = loaded["messages"], loaded.get("chat_template_kwargs")
     if not isinstance(loaded, list):
         raise UserError(f"messages: {str(path)!r} holds a {type(loaded).__name__}; give a list of "
                         "{\"role\", \"content\"} messages, or a chat request with \"messages\"")
-    return loaded
+    return {"messages": loaded} if kwargs is None else {"messages": loaded, "chat_template_kwargs": kwargs}
 
 
 def redraw(fetch, render, console: Console | None = None, interval: float = 1.0, sleep=time.sleep) -> None:

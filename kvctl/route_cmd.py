@@ -53,8 +53,8 @@ def route(ctx: typer.Context,
           tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma-separated."),
           file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt text from a file."),
           messages: Optional[Path] = typer.Option(
-              None, "--messages", help="A JSON file of chat messages (or a chat request's body): routed as "
-                                       "/v1/chat/completions is."),
+              None, "--messages", help="A JSON file of chat messages (or a chat request's body, with its "
+                                       "chat_template_kwargs): routed as /v1/chat/completions is."),
           replica: list[str] = typer.Option([], "--replica", help="A replica: its Unix socket, or an "
                                             "http(s):// URL (with --token-file). Repeat for each."),
           router: Optional[str] = typer.Option(None, "--router", help="Ask a running kvd router instead (its "

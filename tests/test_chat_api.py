@@ -157,6 +157,9 @@ def test_max_completion_tokens_is_max_tokens(daemon):
     ({"messages": [{"role": "user", "content": "a"}], "chat_template": "{{ 1 }}"}, 400, "chat_template",
      "chat_template: not supported by kvd, got '{{ 1 }}'; kvd renders every conversation with the model's own "
      "template (kvd serve --chat-template sets it for the daemon)"),
+    ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"enable_thinking": False}}, 400,
+     "chat_template_kwargs.enable_thinking", "chat_template_kwargs.enable_thinking: the model's chat template does not "
+     "read 'enable_thinking'; it reads: none"),
     ({"messages": [{"role": "user", "content": "a"}], "max_tokens": 4, "max_completion_tokens": 5}, 400,
      "max_completion_tokens", "max_completion_tokens: 5 differs from max_tokens 4; give one of them"),
     ({"messages": [{"role": "user", "content": "a"}], "continue_final_message": True,

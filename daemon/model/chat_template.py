@@ -16,6 +16,13 @@ handed), `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, a `toj
 that keeps non-ASCII text as it is, and the globals `raise_exception(message)` and
 `strftime_now(format)`. The tokenizer's special tokens (`bos_token`, `eos_token`, ...) are
 passed as strings. The text is then encoded without adding a BOS: the template writes its own.
+
+A request's `chat_template_kwargs` (vLLM's and SGLang's field: Qwen3's `enable_thinking`, say) reach
+the template only where it reads them: a name the template does not read is refused with the
+names it does, and no request can replace the template itself (`chat_template`, which let a caller
+run a Jinja loop of its own on vLLM's and SGLang's servers: GHSA-6fvq-23cw-5628), the values kvd
+passes (`messages`, `add_generation_prompt`, the special tokens), or hand it `tools` or
+`documents`, which kvd does not use.
 """
 
 from __future__ import annotations
@@ -30,10 +37,26 @@ from .config import ModelError
 
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# what kvd passes a template itself: a request's chat_template_kwargs cannot set these
+KVD_PASSES = ("messages", "add_generation_prompt", "raise_exception", "strftime_now", *SPECIAL_TOKEN_FIELDS)
+# what a request's chat_template_kwargs may not hand a template even where it reads them, and why
+REFUSED_KWARGS = {
+    "chat_template": "a request cannot replace the model's chat template (kvd serve --chat-template sets it)",
+    "tools": "kvd does not call tools; describe them in a message instead",
+    "documents": "kvd does not take documents; put them in a message instead",
+}
 
 
 class ChatTemplateError(ValueError):
     """The template refused the messages (its own `raise_exception`, or an error while rendering)."""
+
+
+class TemplateKwargsError(ValueError):
+    """A request's chat_template_kwargs cannot be passed to the template; `param` names the key."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _raise_exception(message: str):
@@ -66,6 +89,16 @@ def compile_template(text: str, source: str):
         raise ModelError(f"chat_template: {source} does not parse: {exc.message} (line {exc.lineno})") from None
 
 
+def variables_read(text: str) -> frozenset[str]:
+    """The names a template reads that it does not set itself (`enable_thinking`, `messages`, ...)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2 import meta
+
+    env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
+    return frozenset(meta.find_undeclared_variables(env.parse(text)))
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """One compiled chat template and where it came from."""
@@ -74,11 +107,42 @@ class ChatTemplate:
     source: str  # the file (or "tokenizer_config.json") it was read from, for status and errors
     special_tokens: dict  # bos_token, eos_token, ... as strings, as the template sees them
     compiled: object = field(compare=False, repr=False)  # the jinja2 Template of `text`
+    # the names a request's chat_template_kwargs may set: those the template reads, less KVD_PASSES
+    # and REFUSED_KWARGS
+    request_kwargs: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod
     def compile(cls, text: str, source: str, special_tokens: dict) -> "ChatTemplate":
         """ModelError naming `source` when `text` does not parse."""
-        return cls(text, source, special_tokens, compile_template(text, source))
+        compiled = compile_template(text, source)
+        takes = variables_read(text) - set(KVD_PASSES) - set(REFUSED_KWARGS)
+        return cls(text, source, special_tokens, compiled, frozenset(takes))
+
+    def checked_kwargs(self, kwargs) -> dict:
+        """A request's `chat_template_kwargs` (None: none) as the template will get them;
+        TemplateKwargsError naming the key the template cannot take, and why."""
+        import difflib
+
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, dict):
+            raise TemplateKwargsError(f"chat_template_kwargs: must be a JSON object of names the chat template "
+                                      f"reads, got {type(kwargs).__name__}", "chat_template_kwargs")
+        for key in kwargs:
+            where = f"chat_template_kwargs.{key}"
+            if key in REFUSED_KWARGS:
+                raise TemplateKwargsError(f"{where}: {REFUSED_KWARGS[key]}", where)
+            if key in KVD_PASSES:
+                raise TemplateKwargsError(f"{where}: kvd sets {key} itself" + (
+                    "" if key not in ("messages", "add_generation_prompt") else f" (send {key} as the request's field)"),
+                    where)
+            if key not in self.request_kwargs:
+                near = difflib.get_close_matches(key, sorted(self.request_kwargs), n=1)
+                takes = ", ".join(sorted(self.request_kwargs)) or "none"
+                raise TemplateKwargsError(f"{where}: the model's chat template does not read {key!r}"
+                                          + (f" (did you mean {near[0]!r}?)" if near else "")
+                                          + f"; it reads: {takes}", where)
+        return dict(kwargs)
 
     @property
     def digest(self) -> str:
@@ -86,16 +150,19 @@ class ChatTemplate:
         return hashlib.sha256(b"kvctl/chat-template/v1\0" + self.text.encode("utf-8")).hexdigest()
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> str:
+               continue_final_message: bool = False, kwargs: dict | None = None) -> str:
         """The prompt text for `messages` (already checked: roles and string contents).
 
         `continue_final_message`: the prompt ends inside the last message (an assistant reply the
-        model is to go on with) instead of after it; the text after that message's content is cut."""
+        model is to go on with) instead of after it; the text after that message's content is cut.
+        `kwargs`: a request's chat_template_kwargs (TemplateKwargsError unless `checked_kwargs`
+        passes them)."""
         import jinja2
 
+        given = self.checked_kwargs(kwargs)
         try:
             text = self.compiled.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                **given, messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"messages: the chat template refused them: {exc.message or exc}") from None
         except (TypeError, ValueError, LookupError, AttributeError) as exc:

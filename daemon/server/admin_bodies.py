@@ -22,6 +22,7 @@ class PinRequest(BaseModel):
     # chat messages, rendered by the model's chat template without opening a reply: pinning a chat
     # system prompt this way pins the tokens every conversation that starts with it begins with
     messages: list[Any] | None = None
+    chat_template_kwargs: Any = None  # with messages: as /v1/chat/completions takes them
     prefix: str | None = None  # an id from /admin/prefixes, instead of text or tokens
     # block keys (hex), as `GET /admin/pins?keys=true` lists another replica's pin: a copy of it
     # (kvd router's sync-pins), with its tenant and owner
@@ -40,6 +41,7 @@ class EvictRequest(BaseModel):
     text: str | None = None
     tokens: list[Count] | None = None
     messages: list[Any] | None = None  # a chat request's messages, rendered as /v1/chat/completions renders them
+    chat_template_kwargs: Any = None  # with messages: as /v1/chat/completions takes them
     tenant: Tenant | None = None
     model_revision: str | None = None
     all_unpinned: bool = False
@@ -102,4 +104,5 @@ class ExplainRequest(BaseModel):
     text: str | None = None
     tokens: list[Count] | None = None
     messages: list[Any] | None = None  # a chat, rendered as /v1/chat/completions renders it
+    chat_template_kwargs: Any = None  # with messages: as /v1/chat/completions takes them
     tenant: Tenant | None = None

@@ -267,11 +267,15 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         if sum(x is not None for x in (text, token_ids, messages)) != 1:
             raise ApiError(400, "give exactly one of text, tokens and messages", param="text")
         engine = service.require_ready()
+        if body.chat_template_kwargs is not None and messages is None:
+            raise ApiError(400, "chat_template_kwargs: only with messages (a chat's prompt)",
+                           param="chat_template_kwargs")
         if text is not None:
             return service.tokenize(text)
         if messages is not None:
             try:
-                return service.chat_prompt(chat_messages(messages), add_generation_prompt=opens_reply)
+                return service.chat_prompt(chat_messages(messages), add_generation_prompt=opens_reply,
+                                           template_kwargs=body.chat_template_kwargs)
             except MessagesError as exc:
                 raise ApiError(400, str(exc), param=exc.param) from None
             except ChatTemplateError as exc:

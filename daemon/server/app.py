@@ -231,10 +231,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         engine = ready_for(body.model)
-        chat = (messages, opens_reply, body.continue_final_message)
+        chat = (messages, opens_reply, body.continue_final_message, body.chat_template_kwargs)
         try:  # a long conversation is rendered and tokenized off the loop that streams every answer
             ids = service.chat_prompt(*chat) if messages_size(messages) <= HAND_IN_ON_LOOP_TOKENS \
                 else await run_in_threadpool(service.chat_prompt, *chat)
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param=_param_of(str(exc)), code="chat_template_refused") from None
         if limit is None:  # what the context has left, as vLLM does

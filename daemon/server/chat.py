@@ -25,7 +25,7 @@ UNSUPPORTED_CHAT_FIELDS = {
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "response_format": (None, {"type": "text"}), "cache_salt": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None, []),
+    "chat_template": (None,), "documents": (None, []),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "echo": (None, False),
 }
@@ -118,6 +118,9 @@ class ChatCompletionRequest(GenerationFields):
     prompt_logprobs: Count | None = None  # vLLM's: each prompt token's logprob, rank and alternatives
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn opening
     continue_final_message: bool = False  # vLLM's: the prompt ends inside the last (assistant) message
+    # vLLM's and SGLang's: names the chat template reads (Qwen3's enable_thinking), checked against it
+    # (ChatTemplate.checked_kwargs)
+    chat_template_kwargs: Any = None
 
     def generation_prompt(self) -> bool:
         return generation_prompt(self)

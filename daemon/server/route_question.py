@@ -1,14 +1,14 @@
 """What the router reads of a request to weigh it: its prompt as a question for the replicas.
 
 A question is what `/admin/route-facts` takes: `{"text": ...}`, `{"tokens": [...]}`, or, for a
-chat, `{"messages": [...]}` (checked, contents as text), which a replica renders with its own chat
-template. The events view renders a chat itself with the template the replica serves (fetched
+chat, `{"messages": [...]}` (checked, contents as text, with the request's `chat_template_kwargs`
+where it has them), which a replica renders with its own chat template. The events view renders a chat itself with the template the replica serves (fetched
 once, by digest, with its tokenizer) and hashes the ids, as it does a completion's text.
 """
 
 from __future__ import annotations
 
-from kvctl.daemon.model.chat_template import ChatTemplate, ChatTemplateError
+from kvctl.daemon.model.chat_template import ChatTemplate, ChatTemplateError, TemplateKwargsError
 from kvctl.daemon.model.tokenizer import Tokenizer
 from kvctl.policies.routing import prompt_affinity
 
@@ -20,9 +20,12 @@ def question_of(body: dict) -> dict | None:
     (the replica then says what is wrong with it)."""
     if "messages" in body and "prompt" not in body:
         try:
-            return {"messages": chat_messages(body["messages"] if isinstance(body["messages"], list) else [])}
+            question = {"messages": chat_messages(body["messages"] if isinstance(body["messages"], list) else [])}
         except MessagesError:
             return None
+        if body.get("chat_template_kwargs") is not None:
+            question["chat_template_kwargs"] = body["chat_template_kwargs"]
+        return question
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch: routed by its first prompt
@@ -69,6 +72,7 @@ def local_ids(question: dict, tokenizer: Tokenizer, template: ChatTemplate | Non
     if template is None:
         return []
     try:
-        return tokenizer.encode(template.render(question["messages"]), add_bos=False)
-    except ChatTemplateError:
+        text = template.render(question["messages"], kwargs=question.get("chat_template_kwargs"))
+    except (ChatTemplateError, TemplateKwargsError):
         return []
+    return tokenizer.encode(text, add_bos=False)

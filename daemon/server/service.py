@@ -32,7 +32,7 @@ from kvctl.daemon.config import KvdConfig
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
-from kvctl.daemon.model.chat_template import ChatTemplate, load_chat_template
+from kvctl.daemon.model.chat_template import ChatTemplate, TemplateKwargsError, load_chat_template
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
@@ -41,6 +41,7 @@ from kvctl.kernels import cache_dtype, format_unsupported_on
 from . import pin_ops, reload_ops, tier_ops
 from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
+from .chat_messages import MessagesError
 from .durations import unix_time
 from .gc_pauses import GcPauses
 from .gpu_cache_size import gpu_cache_blocks
@@ -622,15 +623,19 @@ class EngineService:
         return None if self.chat_template is None else self.chat_template.digest
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """The token ids of `messages` (checked by chat_messages.chat_messages) rendered by the model's chat
-        template; ServiceError 400 when the model has none, ChatTemplateError when it refuses them."""
+        template, with a request's `chat_template_kwargs`; ServiceError 400 when the model has none,
+        MessagesError naming a kwarg the template cannot take, ChatTemplateError when it refuses them."""
         if self.chat_template is None:
             raise ServiceError(400, f"messages: model {self.model_name!r} has no chat template (none in its "
                                     "tokenizer_config.json or chat_template.jinja); start kvd with --chat-template "
                                     "FILE, or send the prompt to /v1/completions", param="messages")
-        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message)
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, kwargs=template_kwargs)
+        except TemplateKwargsError as exc:
+            raise MessagesError(str(exc), exc.param) from None
         return self.loaded.tokenizer.encode(text, add_bos=False)
 
     # ---- operator views ----------------------------------------------------------------------

@@ -2,7 +2,8 @@
 and decode tokens against kvd unchanged.
 
     POST /tokenize    {"prompt": TEXT, "add_special_tokens": true}
-                      or {"messages": [...], "add_generation_prompt": true, "continue_final_message": false}
+                      or {"messages": [...], "add_generation_prompt": true, "continue_final_message": false,
+                          "chat_template_kwargs": {...}}
                       -> {"count", "max_model_len", "tokens"}
     POST /detokenize  {"tokens": [ID, ...]} -> {"prompt": TEXT}
 
@@ -31,6 +32,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True  # the BOS token before a prompt, as /v1/completions adds it
     add_generation_prompt: bool = True  # chats: end with the assistant's turn opening
     continue_final_message: bool = False  # chats: end inside the last message
+    chat_template_kwargs: Any = None  # chats: names the chat template reads, as /v1/chat/completions takes them
 
 
 class DetokenizeRequest(BaseModel):
@@ -47,7 +49,8 @@ def tokenize(service, body: TokenizeRequest) -> dict:
     if body.prompt is not None:
         ids = service.loaded.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
     else:
-        ids = service.chat_prompt(chat_messages(body.messages), generation_prompt(body), body.continue_final_message)
+        ids = service.chat_prompt(chat_messages(body.messages), generation_prompt(body), body.continue_final_message,
+                                  body.chat_template_kwargs)
     return {"count": len(ids), "max_model_len": service.loaded.config.context_limit, "tokens": ids}
 
 
