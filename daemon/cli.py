@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from kvctl import __version__
-from kvctl.help_text import reflow_help
+from kvctl.help_text import keep_names_whole, reflow_help
 
 app = typer.Typer(help="kvd hosts a model over a paged KV cache and serves it to kvctl and OpenAI clients.",
                   no_args_is_help=True, add_completion=False,
@@ -484,6 +484,7 @@ async def _every(seconds: float, job) -> None:
 
 
 reflow_help(app)  # after every command is registered
+keep_names_whole()
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from . import events_cmd, requests_cmd, route_cmd, tiers_cmd
 from .fleet_cmd import drain_daemon, fleet_app, resume_daemon
 from .rollout_cmd import rollout_app
 from .errors import UserError
-from .help_text import reflow_help
+from .help_text import keep_names_whole, reflow_help
 from .outputs import is_trace, refuse_clobber
 from .tables import seconds
 
@@ -221,6 +221,7 @@ def trace_save(
 
 
 reflow_help(app)  # after every command is registered
+keep_names_whole()
 
 
 def main(argv: list[str] | None = None) -> None:

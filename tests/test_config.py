@@ -282,6 +282,41 @@ def test_kvd_serve_help_is_in_sections_and_every_option_has_one():
     assert str(caught.value) == "help panels of command: unknown ['d'], twice ['b'], missing ['c']"
 
 
+def _commands(command, path=()):
+    """Every command of a click group, with the words that run it."""
+    if hasattr(command, "commands"):  # a group (Typer's own click, not necessarily the installed one)
+        for name, sub in command.commands.items():
+            yield from _commands(sub, (*path, name))
+    else:
+        yield path, command
+
+
+@pytest.mark.parametrize("program", ["kvd", "kvctl"])
+def test_every_option_name_of_every_command_shows_whole_at_80_columns(program):
+    """Typer's tables cut "--prefetch-timeout-per-1k-tokens" to "--prefetch-timeout-per-1k-tok…"
+    and "--no-allow-uncalibrated" to "--no-allow-uncalib…" at 80 columns (help_text.keep_names_whole)."""
+    import re
+
+    import typer
+    from typer.testing import CliRunner
+
+    import kvctl.cli
+    import kvctl.daemon.cli
+
+    app = kvctl.daemon.cli.app if program == "kvd" else kvctl.cli.app
+    checked = 0
+    for path, command in _commands(typer.main.get_command(app)):
+        result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+        assert result.exit_code == 0, (path, result.output)
+        assert max(len(line) for line in result.output.splitlines()) <= 80, path
+        shown = set(re.findall(r"(?<![\w-])--?[a-z0-9][a-z0-9-]*(?![\w…-])", result.output))
+        for option in (o for param in command.params for o in (*param.opts, *param.secondary_opts)
+                       if o.startswith("-")):
+            assert option in shown, (path, option)
+            checked += 1
+    assert checked > (200 if program == "kvctl" else 70)  # the walk reached every command
+
+
 def test_kvd_serve_help_shows_each_option_name_whole_at_100_columns():
     """Sectioned, each table is as wide as its own names: at 100 columns no option name is cut
     (before the sections, 16 lines were cut at 80 columns)."""
