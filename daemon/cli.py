@@ -53,6 +53,9 @@ def serve(
     model: Optional[str] = typer.Option(None, help="Checkpoint directory; default: the built-in demo."),
     chat_template: Optional[str] = typer.Option(
         None, help="Jinja chat template file for /v1/chat/completions; default: the checkpoint's own."),
+    chat_template_kwargs: Optional[str] = typer.Option(
+        None, help="What every chat's template gets unless its request says otherwise, as a JSON object: "
+                   "'{\"enable_thinking\": false}' (names the template reads)."),
     state_dir: Optional[str] = typer.Option(None, help="State directory (demo checkpoint, SQLite)."),
     socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),
@@ -150,7 +153,8 @@ def serve(
     configure_logging(log_level)
     for line in kvd_env_typos(os.environ):
         log.warning("%s", line)
-    flags = _flags(model=model, chat_template=chat_template, state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
+    flags = _flags(model=model, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                   state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_batch_tokens=max_batch_tokens,
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
@@ -184,7 +188,7 @@ def serve(
 # `kvd serve --help` in sections, one per concern: a table of fifty options is hard to scan, and
 # at 80 columns every option's help got squeezed beside the widest name of them all.
 SERVE_HELP_PANELS = {
-    "Model and server": ("config", "model", "chat_template", "model_name", "device", "dtype", "state_dir",
+    "Model and server": ("config", "model", "chat_template", "chat_template_kwargs", "model_name", "device", "dtype", "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_batch_tokens", "quick_prefill_tokens",

@@ -9,6 +9,7 @@ is a ConfigError naming the field, the value and where it came from.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -70,6 +71,21 @@ def _size(text: str) -> int:
     if isinstance(text, bool) or not math.isfinite(amount):  # also '1e999', 'inf', 'nan': no size
         raise ValueError(SIZE_EXPECTED)
     return int(amount)
+
+
+def template_kwargs(value: Any) -> str | None:
+    """chat_template_kwargs as canonical JSON text (None: none): a YAML mapping, or a JSON object
+    from a flag or KVD_CHAT_TEMPLATE_KWARGS. Which names the template reads is checked at load."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            raise ValueError("must be a JSON object of names the chat template reads, e.g. "
+                             "'{\"enable_thinking\": false}'") from None
+    if not isinstance(value, Mapping):
+        raise ValueError("must be a mapping (YAML) or a JSON object of names the chat template reads, e.g. "
+                         "'{\"enable_thinking\": false}'")
+    return json.dumps(dict(value), sort_keys=True) if value else None
 
 
 def whole_number(value: Any) -> int:
@@ -177,6 +193,9 @@ class KvdConfig:
     max_request_bytes: int = 32 * 2**20  # a bigger request body is refused (413) before it is read whole
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
     chat_template: str | None = None  # a Jinja file for /v1/chat/completions; default: the checkpoint's own
+    # what every chat's template gets unless the request's chat_template_kwargs say otherwise, as JSON
+    # text ('{"enable_thinking": false}'; YAML: a mapping), vLLM's --default-chat-template-kwargs
+    chat_template_kwargs: str | None = None
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
     allow_uncalibrated: bool = False  # serve a quantised cache with unit scales (loudly)
@@ -263,6 +282,7 @@ _PARSERS = {
     "pin_budget_blocks": whole_number, "shutdown_timeout": finite_number,
     "gc_freeze": on_or_off, "gc_warn_seconds": finite_number,
     "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "tenant_cache_shares": parse_shares,
+    "chat_template_kwargs": template_kwargs,
     "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
     "metrics_aliases": lambda v: tuple(dict.fromkeys(

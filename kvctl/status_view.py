@@ -5,6 +5,7 @@ start and store, with the block map (`--blocks`); pointed at kvd router, a row p
 
 from __future__ import annotations
 
+import json
 import time
 
 import typer
@@ -78,7 +79,9 @@ def render_status(data: dict, console: Console | None = None):
     if "chat_template" in data["model"]:  # an older kvd does not say
         template = data["model"]["chat_template"]
         facts.add_row("chat template", "none: /v1/chat/completions refuses chats (kvd serve --chat-template FILE)"
-                      if template is None else f"{template['source']} ({template['digest'][:12]})")
+                      if template is None else f"{template['source']} ({template['digest'][:12]})" + "".join(
+                          f"; {name} {json.dumps(value)} unless a request says otherwise"
+                          for name, value in sorted((template.get("defaults") or {}).items())))
     facts.add_row("prefix hits", f"{tokens['hit']:,} of {tokens['prompt']:,} prompt tokens "
                                  f"({tokens['hit_ratio']:.1%})")
     facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")

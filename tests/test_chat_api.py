@@ -235,7 +235,8 @@ def test_a_template_given_at_start_renders_and_its_refusals_are_400s(tmp_path):
         assert answer["usage"]["prompt_tokens"] == len(service.loaded.tokenizer.encode("user: hi\nassistant:",
                                                                                         add_bos=False))
         assert service.status()["model"]["chat_template"] == {"source": str(template),
-                                                              "digest": service.chat_template.digest}
+                                                              "digest": service.chat_template.digest,
+                                                              "defaults": {}}
     finally:
         service.shutdown(1)
 

@@ -4,6 +4,7 @@ template wherever a chat's prompt is rendered, and nothing else does."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -170,3 +171,104 @@ def test_kvctl_reads_a_chat_request_s_kwargs_from_its_messages_file(tmp_path):
     listed.write_text(json.dumps(CHAT))
     assert prompt_body(None, None, None, listed) == {"messages": CHAT}
 
+
+
+# ---- the operator's defaults: the chat_template_kwargs setting ----------------------------------
+
+OFF = '{"enable_thinking": false}'
+
+
+@pytest.mark.parametrize("flags, env, yaml_text, expected", [
+    ({"chat_template_kwargs": OFF}, {}, None, OFF),
+    ({}, {"KVD_CHAT_TEMPLATE_KWARGS": '{"enable_thinking":false}'}, None, OFF),  # canonical JSON
+    ({}, {}, "chat_template_kwargs:\n  enable_thinking: false\n", OFF),
+    ({"chat_template_kwargs": "{}"}, {}, None, None),
+])
+def test_the_setting_is_a_json_object_from_a_flag_or_the_environment_and_a_mapping_in_yaml(tmp_path, flags, env,
+                                                                                          yaml_text, expected):
+    from kvctl.daemon.config import resolve
+
+    path = None
+    if yaml_text:
+        path = tmp_path / "kvd.yaml"
+        path.write_text(yaml_text)
+    assert resolve(flags, env, path).chat_template_kwargs == expected
+
+
+@pytest.mark.parametrize("value", ["enable_thinking=false", "[1]"])
+def test_a_setting_that_is_not_a_json_object_is_refused_naming_it(value):
+    from kvctl.daemon.config import ConfigError, resolve
+
+    with pytest.raises(ConfigError) as refused:
+        resolve({"chat_template_kwargs": value}, {})
+    assert str(refused.value).startswith(f"chat_template_kwargs: invalid value {value!r} from --chat-template-kwargs: "
+                                         "must be ")
+
+
+def test_defaults_render_unless_a_request_says_otherwise_and_the_digest_names_them():
+    from kvctl.daemon.model.config import ModelError
+
+    plain, off = template(), template().with_defaults({"enable_thinking": False})
+    assert off.render(CHAT) == plain.render(CHAT, kwargs={"enable_thinking": False})
+    assert off.render(CHAT, kwargs={"enable_thinking": True}) == plain.render(CHAT)
+    assert off.digest != plain.digest == template().with_defaults({}).digest
+    assert off.digest == template().with_defaults({"enable_thinking": False}).digest
+    with pytest.raises(ModelError) as refused:
+        template().with_defaults({"enable_thinkng": False})
+    assert str(refused.value) == ("chat_template_kwargs.enable_thinkng: the model's chat template does not read "
+                                  "'enable_thinkng' (did you mean 'enable_thinking'?); it reads: enable_thinking "
+                                  "(the setting chat_template_kwargs, for thinking.jinja)")
+
+
+def test_kvd_with_defaults_serves_them_says_them_and_a_router_renders_with_them(tmp_path):
+    from rich.console import Console
+
+    from kvctl.daemon.server.replica_feed import served_template
+    from kvctl.status_view import render_status
+
+    (tmp_path / "thinking.jinja").write_text(THINKING)
+    service = start_service(tmp_path, num_blocks=256, chat_template=str(tmp_path / "thinking.jinja"),
+                            chat_template_kwargs=OFF)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        think_block = len("<think>\n\n</think>\n\n")
+        defaulted = chat(unix).json()["usage"]["prompt_tokens"]
+        thinking = chat(unix, chat_template_kwargs={"enable_thinking": True}).json()["usage"]["prompt_tokens"]
+        assert defaulted == thinking + think_block
+        status = call(unix, "GET", "/admin/status").json()
+        assert status["model"]["chat_template"]["defaults"] == {"enable_thinking": False}
+        console = Console(width=200, record=True)
+        render_status(status, console)
+        assert re.search(r"chat template +\S+thinking\.jinja \([0-9a-f]{12}\); enable_thinking false unless a "
+                         r"request says otherwise", console.export_text())
+        served = call(unix, "GET", "/admin/tokenizer").json()
+        assert served["chat_template_kwargs"] == {"enable_thinking": False}
+        rendered = served_template(served, served["chat_template_digest"], service.loaded.tokenizer)
+        assert local_ids(question_of({"messages": CHAT}), service.loaded.tokenizer, rendered) == \
+            service.chat_prompt(CHAT)
+    finally:
+        service.shutdown(1)
+
+
+def test_a_default_the_template_does_not_read_keeps_kvd_from_serving_and_says_why(tmp_path):
+    import time
+
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.metrics import Metrics
+    from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.store import Store
+
+    config = resolve({"state_dir": str(tmp_path), "socket": str(tmp_path / "kvd.sock"), "num_blocks": 64,
+                      "chat_template_kwargs": OFF}, env={})  # the demo template reads no such name
+    service = EngineService(config, Store(tmp_path / "kvd.sqlite3"))
+    service.metrics = Metrics(service)
+    service.start()
+    try:
+        deadline = time.monotonic() + 60
+        while service.load_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "chat_template_kwargs.enable_thinking: the model's chat template does not read 'enable_thinking'; " \
+               "it reads: none (the setting chat_template_kwargs, for " in service.load_error
+        assert not service.ready.is_set()
+    finally:
+        service.shutdown(1)

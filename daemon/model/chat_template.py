@@ -22,14 +22,16 @@ the template only where it reads them: a name the template does not read is refu
 names it does, and no request can replace the template itself (`chat_template`, which let a caller
 run a Jinja loop of its own on vLLM's and SGLang's servers: GHSA-6fvq-23cw-5628), the values kvd
 passes (`messages`, `add_generation_prompt`, the special tokens), or hand it `tools` or
-`documents`, which kvd does not use.
+`documents`, which kvd does not use. The operator's `chat_template_kwargs` setting gives every chat
+defaults (vLLM's --default-chat-template-kwargs), checked the same way when kvd starts; a request's
+own win, name by name, and the template's digest names the defaults too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -110,6 +112,8 @@ class ChatTemplate:
     # the names a request's chat_template_kwargs may set: those the template reads, less KVD_PASSES
     # and REFUSED_KWARGS
     request_kwargs: frozenset[str] = field(default=frozenset(), compare=False)
+    # the operator's chat_template_kwargs: what every render gets unless its request says otherwise
+    defaults: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def compile(cls, text: str, source: str, special_tokens: dict) -> "ChatTemplate":
@@ -117,6 +121,17 @@ class ChatTemplate:
         compiled = compile_template(text, source)
         takes = variables_read(text) - set(KVD_PASSES) - set(REFUSED_KWARGS)
         return cls(text, source, special_tokens, compiled, frozenset(takes))
+
+    def with_defaults(self, defaults: dict | None) -> "ChatTemplate":
+        """This template with the operator's `chat_template_kwargs`; ModelError naming the one it
+        cannot take."""
+        if not defaults:
+            return self
+        try:
+            checked = self.checked_kwargs(defaults)
+        except TemplateKwargsError as exc:
+            raise ModelError(f"{exc} (the setting chat_template_kwargs, for {self.source})") from None
+        return replace(self, defaults=checked)
 
     def checked_kwargs(self, kwargs) -> dict:
         """A request's `chat_template_kwargs` (None: none) as the template will get them;
@@ -147,7 +162,10 @@ class ChatTemplate:
     @property
     def digest(self) -> str:
         """SHA-256 of the template's text: two replicas whose digests match render alike."""
-        return hashlib.sha256(b"kvctl/chat-template/v1\0" + self.text.encode("utf-8")).hexdigest()
+        digest = hashlib.sha256(b"kvctl/chat-template/v1\0" + self.text.encode("utf-8"))
+        if self.defaults:  # they change what it renders: a router renders with them too
+            digest.update(b"\0defaults\0" + json.dumps(self.defaults, sort_keys=True).encode("utf-8"))
+        return digest.hexdigest()
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False, kwargs: dict | None = None) -> str:
@@ -159,7 +177,7 @@ class ChatTemplate:
         passes them)."""
         import jinja2
 
-        given = self.checked_kwargs(kwargs)
+        given = {**self.defaults, **self.checked_kwargs(kwargs)}
         try:
             text = self.compiled.render(
                 **given, messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
@@ -207,10 +225,19 @@ def template_from_config(tokenizer_config: dict) -> str | None:
                      "expected a string or a list of {name, template}")
 
 
-def load_chat_template(model_dir: Path, tokenizer_config: dict, override: str | Path | None = None
-                       ) -> ChatTemplate | None:
+def load_chat_template(model_dir: Path, tokenizer_config: dict, override: str | Path | None = None,
+                       defaults: dict | None = None) -> ChatTemplate | None:
     """The checkpoint's chat template (see the module's docstring for the order), compiled once
-    here so that a template that does not parse stops kvd at start, not at the first chat."""
+    here so that a template that does not parse stops kvd at start, not at the first chat; with
+    the operator's `defaults` (chat_template_kwargs), checked against it."""
+    template = _load_chat_template(model_dir, tokenizer_config, override)
+    if template is None and defaults:
+        raise ModelError("chat_template_kwargs: set, but the model has no chat template to give them to "
+                         "(kvd serve --chat-template FILE gives it one)")
+    return None if template is None else template.with_defaults(defaults)
+
+
+def _load_chat_template(model_dir: Path, tokenizer_config: dict, override: str | Path | None) -> ChatTemplate | None:
     special = special_tokens_of(tokenizer_config)
     if override is not None:
         path = Path(override)

@@ -78,6 +78,7 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         template = service.chat_template
         return {"digest": tok.digest, "tokenizer_json": tokenizer_json, "tokenizer_config_json": config_json,
                 "chat_template": None if template is None else template.text,
+                "chat_template_kwargs": None if template is None else template.defaults,
                 "chat_template_digest": service.chat_template_digest}
 
     @router.get("/admin/pins")

@@ -76,8 +76,10 @@ def served_template(body: dict, digest: str, tokenizer: Tokenizer) -> ChatTempla
     text = body.get("chat_template")
     if not isinstance(text, str):
         raise FeedError(f"chat_template: the replica names template {digest[:12]} but serves none")
+    defaults = body.get("chat_template_kwargs") or {}  # the replica's own setting (an older kvd has none)
     try:
         template = ChatTemplate.compile(text, "the replica's chat template", special_tokens_of(tokenizer.config))
+        template = template.with_defaults(defaults)
     except ModelError as exc:
         raise FeedError(str(exc)) from None
     if template.digest != digest:

@@ -14,6 +14,7 @@ status_body (what `kvctl status` shows).
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -174,7 +175,8 @@ class EngineService:
             self.gc_pauses.freeze()
         model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
-        chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template)
+        chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template,
+                                           json.loads(cfg.chat_template_kwargs or "{}"))
         timer.mark("model")
         scales, scale_version, keep = None, "", ()
         self.calibration: dict | None = None

@@ -46,7 +46,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                       "revision": service.loaded.revision, "dtype": str(engine.model.dtype),
                       "device": str(engine.model.device),
                       "chat_template": None if service.chat_template is None else {
-                          "source": service.chat_template.source, "digest": service.chat_template.digest}},
+                          "source": service.chat_template.source, "digest": service.chat_template.digest,
+                          "defaults": service.chat_template.defaults}},
             "blocks": {"device": {"total": cache.num_blocks, **counts}},
             "block_size": cache.block_size,
             "bytes_per_block": engine.cache.block_bytes,
