@@ -27,6 +27,13 @@ def tiny_config(kind: str):
     if kind == "qwen3":  # q_norm and k_norm; GQA 2:1 like the real ones (32 or 64 Q heads to 8 KV heads)
         return transformers.Qwen3Config(**{**TINY, "num_attention_heads": 4}, num_key_value_heads=2,
                                         tie_word_embeddings=False)
+    if kind == "qwen3-yarn":  # YaRN as Qwen3's model cards turn it on for long contexts, scaled down
+        return transformers.Qwen3Config(**{**TINY, "num_attention_heads": 4}, num_key_value_heads=2,
+                                        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 128})
+    if kind == "llama-linear":
+        return transformers.LlamaConfig(**TINY, num_key_value_heads=1,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0})
     if kind == "mistral":
         return transformers.MistralConfig(**TINY, num_key_value_heads=1, sliding_window=None)
     if kind == "mistral-window":  # Mistral 7B v0.1's sliding window, short enough for a test to pass it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -34,7 +35,8 @@ def full_forward_logits(loaded, ids):
     return loaded.model.forward(batch, caches)[0]
 
 
-@pytest.mark.parametrize("kind", ["llama3", "llama2-tied-mha", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama3", "llama2-tied-mha", "qwen2", "qwen3", "mistral", "qwen3-yarn",
+                                  "llama-linear"])
 def test_greedy_tokens_and_logits_match_transformers(kind, tmp_path):
     hf = build_checkpoint(kind, tmp_path)
     loaded = load_model(tmp_path)
@@ -151,6 +153,49 @@ def test_the_sliding_window_is_read_as_transformers_reads_it(fields, window):
     config = ModelConfig.from_dict({**base, **fields})
     assert config.sliding_window == window
     assert config.context_limit == (window or 8192)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     "config.json: rope_scaling type 'dynamic' is not supported (it rescales every position as the context grows, "
+     "which K already in the cache cannot follow); supported: default, llama3, linear, yarn"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}},
+     "config.json: rope_scaling type 'longrope' is not supported; supported: default, llama3, linear, yarn"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}},
+     "config.json: rope_scaling llama3 needs high_freq_factor as a positive number (got None)"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": "4"}},
+     "config.json: rope_scaling yarn needs original_max_position_embeddings as a positive number (got None)"),
+    ({"rope_scaling": {"type": "linear", "factor": 0}},
+     "config.json: rope_scaling linear needs factor as a positive number (got 0)"),
+    ({"partial_rotary_factor": 0.5},
+     "config.json: partial_rotary_factor 0.5 is not supported (kvd rotates whole heads)"),
+    ({"rope_scaling": "yarn"}, "config.json: field 'rope_scaling' must be an object (got 'yarn')"),
+])
+def test_rope_a_config_asks_for_that_kvd_cannot_follow_is_refused_by_name(fields, message):
+    """Served with plain RoPE instead, such a model would answer, and answer wrongly."""
+    from kvctl.daemon.model.config import ModelConfig
+
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=128, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=2)
+    with pytest.raises(ModelError) as refused:
+        ModelConfig.from_dict({**base, **fields})
+    assert str(refused.value) == message
+
+
+def test_yarn_without_a_factor_takes_the_ratio_of_positions_and_its_mscale_pair():
+    """DeepSeek-V3's configs give no factor (the positions over the original ones) and an mscale
+    pair, whose ratio is the attention factor (1 when they are equal)."""
+    from kvctl.daemon.model.config import ModelConfig
+    from kvctl.daemon.model.rope import YarnScaling
+
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=128, intermediate_size=256,
+                num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=16384)
+    config = ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 4096,
+                                                             "mscale": 1.0, "mscale_all_dim": 1.0}})
+    assert config.rope_scaling == YarnScaling(4.0, 4096, 1.0)
+    plain = ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 4096}})
+    assert plain.rope_scaling.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)
 
 
 def test_a_sliding_window_that_is_not_a_positive_integer_is_named():

@@ -6,6 +6,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ModelError
+from .rope import RopeScaling, read_scaling
+
+__all__ = ["ModelConfig", "ModelError", "SUPPORTED_ARCHITECTURES"]
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -13,20 +18,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ModelError(ValueError):
-    """The checkpoint cannot be used; the message names the file, field or tensor."""
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """`llama3` scaling of RoPE frequencies (None of this for plain RoPE)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -89,14 +80,13 @@ class ModelConfig:
                              f"num_key_value_heads {num_kv_heads}")
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or {})
-        rope_type = scaling.get("rope_type", scaling.get("type"))
-        rope_scaling = None
-        if rope_type == "llama3":
-            rope_scaling = RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                       float(scaling["high_freq_factor"]),
-                                       int(scaling["original_max_position_embeddings"]))
-        elif rope_type not in (None, "default"):
-            raise ModelError(f"{where}: rope_scaling type {rope_type!r} is not supported (only llama3)")
+        if not isinstance(scaling, dict):
+            raise ModelError(f"{where}: field 'rope_scaling' must be an object (got {scaling!r})")
+        max_positions = int(raw.get("max_position_embeddings", 4096))
+        rope_scaling = read_scaling(scaling, max_positions, where)
+        partial = raw.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:  # rotating part of each head is not written here: refused, not served wrongly
+            raise ModelError(f"{where}: partial_rotary_factor {partial!r} is not supported (kvd rotates whole heads)")
         rope_theta = raw.get("rope_theta", scaling.get("rope_theta", 10000.0))
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
         if dtype not in DTYPES:
@@ -109,7 +99,7 @@ class ModelConfig:
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             dtype=dtype, bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,

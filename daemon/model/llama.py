@@ -14,7 +14,6 @@ checked against the references) elsewhere.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Hashable
@@ -27,6 +26,7 @@ from kvctl.kernels import (is_quantised, paged_attention_torch, paged_decode_att
 from kvctl.kernels.formats import to_cache
 
 from .config import ModelConfig, ModelError
+from .rope import attention_factor, inverse_frequencies
 from .tokenizer import Tokenizer
 from .weights import load_weights, model_revision
 
@@ -60,21 +60,8 @@ class ForwardBatch:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies, with the `llama3` long-context scaling when configured."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    """Inverse RoPE frequencies, with the config's scaling (rope.py: llama3, linear, yarn)."""
+    return inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,8 +71,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rope_table(inv_freq: torch.Tensor, positions: int, dtype: torch.dtype) -> torch.Tensor:
-    """cos and sign-folded sin for every position: [positions, 2, D] in `dtype`.
+def rope_table(inv_freq: torch.Tensor, positions: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """cos and sign-folded sin for every position: [positions, 2, D] in `dtype`, times `scale`
+    (YaRN's attention factor; 1 otherwise).
 
     Row p holds cos(p·f) and (-sin, +sin)(p·f) over the two halves, so that rotate-half RoPE
     is x·cos + swap_halves(x)·sin_signed. Precomputed once (as vLLM's cos/sin cache); a step
@@ -95,7 +83,7 @@ def rope_table(inv_freq: torch.Tensor, positions: int, dtype: torch.dtype) -> to
     sin = emb.sin()
     half = inv_freq.shape[0]
     signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-    return torch.stack((emb.cos().to(dtype), signed.to(dtype)), dim=1)
+    return torch.stack(((emb.cos() * scale).to(dtype), (signed * scale).to(dtype)), dim=1)
 
 
 ROPE_ROWS = 4096  # positions the RoPE table covers at first; it grows with the contexts served
@@ -146,7 +134,8 @@ class LlamaModel:
         self.config, self.w, self.device, self.dtype = config, weights, device, dtype
         self.layers = pack_layers(config, weights)
         self.inv_freq = rope_inv_freq(config).to(device)
-        self.rope = rope_table(self.inv_freq, min(ROPE_ROWS, config.max_position_embeddings), dtype)
+        self.rope_scale = attention_factor(config.rope_scaling)
+        self.rope = rope_table(self.inv_freq, min(ROPE_ROWS, config.max_position_embeddings), dtype, self.rope_scale)
         self.scale = config.head_dim ** -0.5
         self.use_triton = device.type == "cuda"
         self._last_plan = None  # the CPU attention plan of the last forward pass, reused while it fits
@@ -187,7 +176,7 @@ class LlamaModel:
         128k-position model does not hold a table for contexts it is never asked to serve."""
         if positions > self.rope.shape[0]:
             rows = min(max(positions, 2 * self.rope.shape[0]), self.config.max_position_embeddings)
-            self.rope = rope_table(self.inv_freq, rows, self.dtype)
+            self.rope = rope_table(self.inv_freq, rows, self.dtype, self.rope_scale)
         return self.rope
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
