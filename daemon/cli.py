@@ -56,6 +56,9 @@ def serve(
     chat_template_kwargs: Optional[str] = typer.Option(
         None, help="What every chat's template gets unless its request says otherwise, as a JSON object: "
                    "'{\"enable_thinking\": false}' (names the template reads)."),
+    generation_config: Optional[str] = typer.Option(
+        None, help="auto (the checkpoint's generation_config.json gives requests' sampling defaults), none, or a "
+                   "path to one."),
     state_dir: Optional[str] = typer.Option(None, help="State directory (demo checkpoint, SQLite)."),
     socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),
@@ -154,6 +157,7 @@ def serve(
     for line in kvd_env_typos(os.environ):
         log.warning("%s", line)
     flags = _flags(model=model, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
+                   generation_config=generation_config,
                    state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_batch_tokens=max_batch_tokens,
@@ -188,7 +192,8 @@ def serve(
 # `kvd serve --help` in sections, one per concern: a table of fifty options is hard to scan, and
 # at 80 columns every option's help got squeezed beside the widest name of them all.
 SERVE_HELP_PANELS = {
-    "Model and server": ("config", "model", "chat_template", "chat_template_kwargs", "model_name", "device", "dtype", "state_dir",
+    "Model and server": ("config", "model", "chat_template", "chat_template_kwargs", "generation_config",
+                         "model_name", "device", "dtype", "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_batch_tokens", "quick_prefill_tokens",

@@ -196,6 +196,9 @@ class KvdConfig:
     # what every chat's template gets unless the request's chat_template_kwargs say otherwise, as JSON
     # text ('{"enable_thinking": false}'; YAML: a mapping), vLLM's --default-chat-template-kwargs
     chat_template_kwargs: str | None = None
+    # vLLM's --generation-config: auto (the checkpoint's generation_config.json gives a request's
+    # sampling defaults), none (kvd's own), or a path (daemon/model/generation_config.py)
+    generation_config: str = "auto"
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
     allow_uncalibrated: bool = False  # serve a quantised cache with unit scales (loudly)
@@ -313,6 +316,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be > 0")
     if name == "gc_warn_seconds" and value < 0:
         raise ValueError("must be >= 0 (0: no warning)")
+    if name == "generation_config" and not str(value).strip():
+        raise ValueError("must be auto, none, or a path to generation_config.json or its folder")
     if name == "device" and value not in ("auto", "cpu", "cuda"):
         one_of_several = str(value).startswith("cuda:")  # kvd runs on its process's first GPU
         raise ValueError("must be auto, cpu or cuda" + ("; for GPU N of several, start kvd with "

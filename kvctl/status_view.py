@@ -82,6 +82,10 @@ def render_status(data: dict, console: Console | None = None):
                       if template is None else f"{template['source']} ({template['digest'][:12]})" + "".join(
                           f"; {name} {json.dumps(value)} unless a request says otherwise"
                           for name, value in sorted((template.get("defaults") or {}).items())))
+    sampling = data["model"].get("sampling_defaults")  # an older kvd does not say
+    if sampling and sampling["values"]:
+        facts.add_row("sampling", ", ".join(f"{name} {value}" for name, value in sampling["values"].items())
+                      + f" unless a request says otherwise ({sampling['source']})")
     facts.add_row("prefix hits", f"{tokens['hit']:,} of {tokens['prompt']:,} prompt tokens "
                                  f"({tokens['hit_ratio']:.1%})")
     facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")

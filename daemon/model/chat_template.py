@@ -161,7 +161,8 @@ class ChatTemplate:
 
     @property
     def digest(self) -> str:
-        """SHA-256 of the template's text: two replicas whose digests match render alike."""
+        """SHA-256 of the template's text and the operator's defaults: two replicas whose digests
+        match render alike."""
         digest = hashlib.sha256(b"kvctl/chat-template/v1\0" + self.text.encode("utf-8"))
         if self.defaults:  # they change what it renders: a router renders with them too
             digest.update(b"\0defaults\0" + json.dumps(self.defaults, sort_keys=True).encode("utf-8"))

@@ -14,7 +14,7 @@ checked against the references) elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Hashable
 
@@ -26,6 +26,7 @@ from kvctl.kernels import (is_quantised, paged_attention_torch, paged_decode_att
 from kvctl.kernels.formats import to_cache
 
 from .config import ModelConfig, ModelError
+from .generation_config import GenerationConfig, merged_eos, read_generation_config
 from .rope import attention_factor, inverse_frequencies
 from .tokenizer import Tokenizer
 from .weights import load_weights, model_revision
@@ -251,15 +252,23 @@ class LoadedModel:
     tokenizer: Tokenizer
     revision: str  # digest of config.json and the weight files
     path: Path
+    # generation_config.json: its EOS tokens are in config.eos_token_ids already; its sampling
+    # defaults are for requests that leave those fields out
+    generation: GenerationConfig = GenerationConfig()
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: str | None = None) -> LoadedModel:
-    """Load config, weights and tokenizer from a Hugging Face style directory."""
+               dtype: str | None = None, generation_config: str = "auto") -> LoadedModel:
+    """Load config, weights and tokenizer from a Hugging Face style directory, with the EOS tokens
+    and sampling defaults of its generation_config.json (`generation_config`: auto, none or a
+    path; daemon/model/generation_config.py)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelError(f"model: {str(model_dir)!r} is not a directory")
     config = ModelConfig.load(model_dir)
+    generation = read_generation_config(model_dir, generation_config)
+    config = replace(config, eos_token_ids=merged_eos(config.eos_token_ids, generation))
+    _check_sampling_defaults(generation, config.vocab_size)
     dtype_name = dtype or config.dtype
     if dtype_name not in TORCH_DTYPES:
         raise ModelError(f"dtype: {dtype_name!r} unsupported; use one of {', '.join(TORCH_DTYPES)}")
@@ -267,4 +276,17 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     weights = load_weights(model_dir, config, TORCH_DTYPES[dtype_name], device)
     tokenizer = Tokenizer(model_dir)
     model = LlamaModel(config, weights, device, TORCH_DTYPES[dtype_name])
-    return LoadedModel(config, model, tokenizer, model_revision(model_dir), model_dir)
+    return LoadedModel(config, model, tokenizer, model_revision(model_dir), model_dir, generation)
+
+
+def _check_sampling_defaults(generation: GenerationConfig, vocab_size: int) -> None:
+    """A default no request could use stops the load, naming the file, not every request."""
+    from kvctl.daemon.engine.sampling import RequestError, SamplingParams
+
+    try:
+        SamplingParams(max_tokens=1, **generation.sampling).validate(vocab_size)
+    except RequestError as exc:
+        raise ModelError(f"{generation.source}: {exc}") from None
+    for token in generation.eos_token_ids:
+        if token >= vocab_size:
+            raise ModelError(f"{generation.source}: eos_token_id {token} is outside the vocabulary of {vocab_size}")

@@ -306,8 +306,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         if body.top_k < -1:  # -1 is vLLM's "no cut", as 0 is
             raise ApiError(400, f"top_k: must be -1 or 0 (no cut) or a whole number >= 1, got {body.top_k}",
                            param="top_k")
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=max(body.top_k, 0), seed=body.seed, n=body.n, stop=stop,
+        chosen = {"temperature": body.temperature, "top_p": body.top_p, "top_k": max(body.top_k, 0),
+                  "min_p": controls.pop("min_p"), "repetition_penalty": controls.pop("repetition_penalty")}
+        for name, default in service.sampling_defaults.items():  # the checkpoint's, for a field left out
+            if name not in body.model_fields_set or getattr(body, name) is None:
+                chosen[name] = default
+        return SamplingParams(max_tokens=max_tokens, seed=body.seed, n=body.n, stop=stop, **chosen,
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, extra={"api": api}, **controls)
 

@@ -174,7 +174,8 @@ class EngineService:
         if self._freeze_heap:  # the imports (torch's: 200,000 objects) are there for good
             self.gc_pauses.freeze()
         model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
-        loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype)
+        loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype,
+                            generation_config=cfg.generation_config)
         chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template,
                                            json.loads(cfg.chat_template_kwargs or "{}"))
         timer.mark("model")
@@ -617,6 +618,12 @@ class EngineService:
         from kvctl.daemon.cache.tiers import space_digest
 
         return space_digest(self.require_ready()).hex()
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """What a request that leaves out temperature, top_p, top_k, min_p or repetition_penalty
+        gets: the checkpoint's generation_config.json (unless generation_config: none)."""
+        return self.loaded.generation.sampling if self.loaded is not None else {}
 
     @property
     def chat_template_digest(self) -> str | None:

@@ -47,7 +47,10 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                       "device": str(engine.model.device),
                       "chat_template": None if service.chat_template is None else {
                           "source": service.chat_template.source, "digest": service.chat_template.digest,
-                          "defaults": service.chat_template.defaults}},
+                          "defaults": service.chat_template.defaults},
+                      # what a request that leaves a sampling field out gets (generation_config.json)
+                      "sampling_defaults": {"source": service.loaded.generation.source,
+                                            "values": service.sampling_defaults}},
             "blocks": {"device": {"total": cache.num_blocks, **counts}},
             "block_size": cache.block_size,
             "bytes_per_block": engine.cache.block_bytes,
