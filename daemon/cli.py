@@ -68,6 +68,9 @@ def serve(
     block_size: Optional[int] = typer.Option(None, help="Tokens per cache block."),
     num_blocks: Optional[int] = typer.Option(None, help="Cache blocks (wins over --cache-memory)."),
     cache_memory: Optional[str] = typer.Option(None, help="Cache bytes, e.g. 512MiB."),
+    max_model_len: Optional[int] = typer.Option(
+        None, help="The longest context served (prompt + reply), below the model's own; a chat without "
+                   "max_tokens reserves up to it."),
     max_batch_tokens: Optional[int] = typer.Option(None, help="Prompt tokens per step."),
     quick_prefill_tokens: Optional[str] = typer.Option(
         None, help="Prompts with at most this many tokens left get a step of their own ahead of the "
@@ -160,7 +163,7 @@ def serve(
                    generation_config=generation_config,
                    state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                   cache_memory=cache_memory, max_batch_tokens=max_batch_tokens,
+                   cache_memory=cache_memory, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
                    max_queue=max_queue, max_tenant_requests=max_tenant_requests,
                    tenant_request_limits=tenant_request_limits,
@@ -196,7 +199,8 @@ SERVE_HELP_PANELS = {
                          "model_name", "device", "dtype", "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
-    "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_batch_tokens", "quick_prefill_tokens",
+    "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",
+                           "quick_prefill_tokens",
                            "max_running", "reservation", "eviction", "pin_budget_blocks"),
     "Admission and tenants": ("max_queue", "max_tenant_requests", "tenant_request_limits", "queue_order",
                               "tenant_priorities", "tenant_cache_shares", "report_cached_tokens"),

@@ -171,6 +171,9 @@ class KvdConfig:
     num_blocks: int | None = None  # wins over cache_memory
     cache_memory: int | None = None  # bytes for the KV cache; default 256 MiB on CPU, 80% free on GPU
     max_batch_tokens: int = 256
+    # the longest context served, below the model's own limit (vLLM's --max-model-len): a chat that
+    # leaves max_tokens out reserves what its context has left up to it; None: the model's limit
+    max_model_len: int | None = None
     # prompts with at most this many tokens left get a step of their own ahead of the decodes;
     # None: auto (64 on a CPU, 0 on a GPU, see quick_prefill_default)
     quick_prefill_tokens: int | None = None
@@ -278,7 +281,7 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
-    "max_batch_tokens": whole_number, "max_running": whole_number, "max_queue": whole_number,
+    "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number, "max_queue": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
     "max_tracked_tenants": whole_number, "trace_requests": whole_number,
     "trace_block_tokens": whole_number,
@@ -301,7 +304,7 @@ def _check(name: str, value: Any) -> None:
     if name == "block_size" and value not in (8, 16, 32, 64, 128, 256):
         raise ValueError("must be one of 8, 16, 32, 64, 128, 256")
     if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory", "max_tenant_requests",
-                "max_tracked_tenants") \
+                "max_tracked_tenants", "max_model_len") \
             and value is not None and value < 1:
         raise ValueError("must be >= 1")
     if name in ("pin_budget_blocks", "quick_prefill_tokens", "max_tenant_metric_series", "trace_requests") \

@@ -74,8 +74,9 @@ def render_status(data: dict, console: Console | None = None):
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
     facts.add_column()
+    context = f", contexts up to {data['model']['max_model_len']:,} tokens" if "max_model_len" in data["model"] else ""
     facts.add_row("model", f"{data['model']['name']} ({data['model']['architecture']}, "
-                           f"rev {data['model']['revision'][:12]}, {data['model']['device']})")
+                           f"rev {data['model']['revision'][:12]}, {data['model']['device']}{context})")
     if "chat_template" in data["model"]:  # an older kvd does not say
         template = data["model"]["chat_template"]
         facts.add_row("chat template", "none: /v1/chat/completions refuses chats (kvd serve --chat-template FILE)"

@@ -81,6 +81,9 @@ class EngineSettings:
     prefetch_policy: str = "timeout"
     prefetch_timeout: float = 2.0
     prefetch_timeout_per_1k_tokens: float = 0.0
+    # the longest context served (prompt + max_tokens), below the model's own limit (vLLM's
+    # --max-model-len); None: the model's. A chat that leaves max_tokens out reserves up to it.
+    max_model_len: int | None = None
 
 
 def prefetch_wait(settings: EngineSettings) -> PrefetchWait:
@@ -152,6 +155,9 @@ class Engine:
         self.kv_caches = self.model.allocate_cache(settings.num_blocks, settings.block_size, self.cache_dtype,
                                                    settings.keep_layers, scales)
         self.reservation = parse_reservation(settings.reservation)
+        if settings.max_model_len is not None and settings.max_model_len > loaded.config.context_limit:
+            raise ValueError(f"max_model_len: {settings.max_model_len} is more than kvd can serve of this model: "
+                             f"{loaded.config.context_limit_text()}")
         self.eos_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
@@ -214,6 +220,17 @@ class Engine:
                 if c.k_scale is not None}
 
     # ---- requests ----------------------------------------------------------------------------
+    @property
+    def context_limit(self) -> int:
+        """The longest context served: max_model_len where set, else the model's (config.context_limit)."""
+        return self.settings.max_model_len or self.loaded.config.context_limit
+
+    def context_limit_text(self) -> str:
+        """What `context_limit` is, for an error message."""
+        if self.settings.max_model_len:
+            return f"max_model_len {self.settings.max_model_len}"
+        return self.loaded.config.context_limit_text()
+
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError (ContextLengthExceeded for length) naming what is wrong with a prompt
         and its sampling parameters; cheap checks first, so an oversized prompt is refused
@@ -222,10 +239,9 @@ class Engine:
         params.validate(vocab)
         if not prompt_ids:
             raise RequestError("prompt: must hold at least one token")
-        config = self.loaded.config
-        if len(prompt_ids) + params.max_tokens > config.context_limit:
+        if len(prompt_ids) + params.max_tokens > self.context_limit:
             raise ContextLengthExceeded(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) "
-                                        f"exceeds {config.context_limit_text()}")
+                                        f"exceeds {self.context_limit_text()}")
         bad = first_outside_vocab(prompt_ids, vocab)
         if bad is not None:
             raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {prompt_ids[bad]!r}")

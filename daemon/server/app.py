@@ -201,7 +201,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         engine = service.require_ready()
         return {"object": "list", "data": [{"id": service.model_name, "object": "model",
                                             "created": int(service.started_at), "owned_by": "kvd",
-                                            "max_model_len": engine.loaded.config.context_limit}]}
+                                            "max_model_len": engine.context_limit}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request, who: Principal = Depends(principal)):
@@ -240,11 +240,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param=_param_of(str(exc)), code="chat_template_refused") from None
         if limit is None:  # what the context has left, as vLLM does
-            config = engine.loaded.config
-            limit = config.context_limit - len(ids)
+            limit = engine.context_limit - len(ids)
             if limit < 1:
                 raise ApiError(413, f"messages: the conversation is {len(ids)} tokens, which leaves no room for a "
-                                    f"reply in {config.context_limit_text()}", param="messages",
+                                    f"reply in {engine.context_limit_text()}", param="messages",
                                code="context_length_exceeded")
         return await generate(engine, [ids], sampling(body, limit, "chat", logprobs, body.prompt_logprobs), body, http,
                               who, ChatShape())

@@ -224,7 +224,8 @@ class EngineService:
                                   cache_dtype=cfg.cache_dtype, keep_layers=tuple(keep),
                                   quick_prefill_tokens=quick_prefill_tokens(cfg, device),
                                   tenant_cache_shares=cfg.tenant_cache_shares,
-                                  max_tracked_tenants=cfg.max_tracked_tenants, **prefetch_settings(cfg))
+                                  max_tracked_tenants=cfg.max_tracked_tenants, max_model_len=cfg.max_model_len,
+                                  **prefetch_settings(cfg))
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         timer.mark("cache")
         engine.stats.tenants.keep = self.tenant_labels.has_own  # a tenant's own metric series never shrinks

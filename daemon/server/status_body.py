@@ -45,6 +45,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                       "path": str(service.loaded.path),
                       "revision": service.loaded.revision, "dtype": str(engine.model.dtype),
                       "device": str(engine.model.device),
+                      "max_model_len": engine.context_limit,
                       "chat_template": None if service.chat_template is None else {
                           "source": service.chat_template.source, "digest": service.chat_template.digest,
                           "defaults": service.chat_template.defaults},

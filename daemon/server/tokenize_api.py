@@ -51,7 +51,7 @@ def tokenize(service, body: TokenizeRequest) -> dict:
     else:
         ids = service.chat_prompt(chat_messages(body.messages), generation_prompt(body), body.continue_final_message,
                                   body.chat_template_kwargs)
-    return {"count": len(ids), "max_model_len": service.loaded.config.context_limit, "tokens": ids}
+    return {"count": len(ids), "max_model_len": service.require_ready().context_limit, "tokens": ids}
 
 
 def detokenize(service, body: DetokenizeRequest) -> dict:
