@@ -959,6 +959,20 @@ def test_a_request_naming_a_model_goes_only_where_that_model_is_served(replicas,
         other.shutdown(deadline=2)
 
 
+def test_the_router_lists_a_model_with_the_least_max_model_len_of_its_replicas(replicas, tmp_path):
+    """A client sizes its request to max_model_len: at the router, it must fit every replica."""
+    capped = start_service(tmp_path, num_blocks=64, max_model_len=512)
+    try:
+        service, app = router_app([replicas[0], create_app(capped, capped.metrics, front="unix")], "round_robin")
+        [alone] = drive(replicas[0], [lambda c: c.get("/v1/models")])
+        assert alone.json()["data"][0]["max_model_len"] == 8192
+        [listed] = drive(app, [lambda c: c.get("/v1/models")])
+        assert [(m["id"], m["max_model_len"]) for m in listed.json()["data"]] == \
+            [(alone.json()["data"][0]["id"], 512)]
+    finally:
+        capped.shutdown(deadline=2)
+
+
 def test_a_request_the_only_replica_of_its_model_refuses_gets_that_refusal_not_a_model_not_found(replicas, tmp_path):
     """Replicas of two models; the one serving the requested model turns it away (429, its queue
     full). No other replica serves that model, so the retry found none: the router answered 404

@@ -333,7 +333,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     @app.get("/v1/models")
     async def models(_: Caller = Depends(caller)):
-        """Every model some replica serves, once each."""
+        """Every model some replica serves, once each; its max_model_len the least of theirs, so a
+        request sized to it fits whichever replica it is sent to."""
         async def one(replica: Replica):
             try:
                 answer = await replica.client.get("/v1/models", timeout=ASK_TIMEOUT_S)
@@ -348,7 +349,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         data = {}
         for models_of_one in listed:
             for model in models_of_one:
-                data.setdefault(model["id"], model)
+                seen = data.setdefault(model["id"], dict(model))
+                if isinstance(model.get("max_model_len"), int) and isinstance(seen.get("max_model_len"), int):
+                    seen["max_model_len"] = min(seen["max_model_len"], model["max_model_len"])
         return {"object": "list", "data": list(data.values())}
 
     @app.get("/health")
