@@ -57,7 +57,7 @@ def reload_from_source(service, actor: str) -> dict:
         service.reloads["refused"] += 1
         service.last_reload = {"at": time.time(), "result": "refused", "error": str(exc), "actor": actor}
         raise ServiceError(400, f"reload refused, nothing changed: {exc}", "config") from None
-    result = load_again(service, new, actor) if service.load_error is not None else reload(service, new, actor)
+    result = reload_after_failed_load(service, new, actor) if service.load_error is not None else reload(service, new, actor)
     service.reloads["ok"] += 1
     service.last_reload = {"at": time.time(), "result": "ok", "error": None, "actor": actor}
     if fresh is not None:  # rotated tokens take effect for the next request; counts only, never tokens
@@ -87,7 +87,7 @@ def refuse_an_emptied_file(config) -> None:
                               "mean no settings")
 
 
-def load_again(service, new: KvdConfig, actor: str) -> dict:
+def reload_after_failed_load(service, new: KvdConfig, actor: str) -> dict:
     """kvd could not serve: its model, cache or tiers did not load (a quantised cache with no
     calibration yet, a checkpoint not there yet, a tier setting refused). A reload then loads
     again with the settings read now, all but those the process is bound to, so that fixing the
