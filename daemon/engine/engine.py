@@ -134,6 +134,9 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic,
                  scales: dict[int, tuple[list[float], list[float]]] | None = None,
                  scale_version: str = "") -> None:
+        if settings.max_model_len is not None and settings.max_model_len > loaded.config.context_limit:
+            raise ValueError(f"max_model_len: {settings.max_model_len} is more than kvd can serve of this model: "
+                             f"{loaded.config.context_limit_text()}")
         if settings.queue_order not in ("fifo", "priority"):
             raise ValueError(f"queue_order: unknown value {settings.queue_order!r}; use fifo or priority")
         if settings.max_batch_tokens < 1 or settings.max_running < 1 or settings.max_queue < 1:
@@ -155,9 +158,6 @@ class Engine:
         self.kv_caches = self.model.allocate_cache(settings.num_blocks, settings.block_size, self.cache_dtype,
                                                    settings.keep_layers, scales)
         self.reservation = parse_reservation(settings.reservation)
-        if settings.max_model_len is not None and settings.max_model_len > loaded.config.context_limit:
-            raise ValueError(f"max_model_len: {settings.max_model_len} is more than kvd can serve of this model: "
-                             f"{loaded.config.context_limit_text()}")
         self.eos_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
