@@ -50,7 +50,8 @@ def _flags(**values) -> dict:
 @app.command()
 def serve(
     config: Optional[Path] = typer.Option(None, "--config", help="YAML settings file (flags and KVD_* win)."),
-    model: Optional[str] = typer.Option(None, help="Checkpoint directory; default: the built-in demo."),
+    model: Optional[str] = typer.Option(None, help="Checkpoint directory, or a Hugging Face id in the local cache "
+                                                   "(kvd downloads nothing); default: the built-in demo."),
     chat_template: Optional[str] = typer.Option(
         None, help="Jinja chat template file for /v1/chat/completions; default: the checkpoint's own."),
     chat_template_kwargs: Optional[str] = typer.Option(

@@ -45,7 +45,10 @@ class ModelShape:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ModelShape":
-        model_dir = Path(model_dir)
+        """The shape in a checkpoint's config.json: a folder, or a Hugging Face id in the local cache."""
+        from kvctl.daemon.model.hub_cache import resolve_model
+
+        model_dir, _ = resolve_model(str(model_dir))
         try:
             raw = json.loads((model_dir / "config.json").read_text())
         except OSError:

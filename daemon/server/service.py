@@ -35,6 +35,7 @@ from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
 from kvctl.daemon.model.chat_template import ChatTemplate, TemplateKwargsError, load_chat_template
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
+from kvctl.daemon.model.hub_cache import resolve_model
 from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
@@ -105,6 +106,7 @@ class EngineService:
         self.engine: Engine | None = None
         self.loaded: LoadedModel | None = None
         self.chat_template: ChatTemplate | None = None  # renders /v1/chat/completions' messages
+        self.hub_name: str | None = None  # the model's Hugging Face id, where --model named one (hub_cache.py)
         self.ready = threading.Event()
         self.accepting = True
         self.draining = False  # an operator's drain: no new completion; what runs finishes (kvctl drain)
@@ -173,7 +175,10 @@ class EngineService:
             raise ValueError(f"cache_dtype: {problem}")
         if self._freeze_heap:  # the imports (torch's: 200,000 objects) are there for good
             self.gc_pauses.freeze()
-        model_dir = Path(cfg.model) if cfg.model else ensure_demo_checkpoint(cfg.state_dir)
+        if cfg.model:  # a folder, or a Hugging Face id found in the local cache
+            model_dir, self.hub_name = resolve_model(cfg.model)
+        else:
+            model_dir, self.hub_name = ensure_demo_checkpoint(cfg.state_dir), None
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype,
                             generation_config=cfg.generation_config)
         chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template,
@@ -670,8 +675,12 @@ class EngineService:
 
     @property
     def model_name(self) -> str:
+        """The name /v1/models lists: model_name, else the Hub id --model gave (as vLLM names it),
+        else the checkpoint's folder."""
         if self.config.model_name:
             return self.config.model_name
+        if self.hub_name:
+            return self.hub_name
         return Path(self.loaded.path).name if self.loaded else "kvd"
 
     def trace_report(self, last: int | None = None, keyed: bool = False) -> dict:
