@@ -13,7 +13,6 @@ from typing import Callable, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from .command_kit import client_for, emit, prompt_body
 from .errors import UserError
@@ -361,7 +360,7 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
 
     def render(d):
         sources = d.get("sources") or {}
-        table = Table("setting", "value", "from", title=f"kvd settings ({d['precedence']})")
+        table = compact_table("setting", "value", "from", title=f"kvd settings ({d['precedence']})")
         effective = d.get("effective") or {}
         from_rollouts = d.get("from_rollouts") or {}
         for key, value in d["config"].items():
@@ -372,6 +371,13 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
                 shown += " (not in the config yet)"
             table.add_row(key, shown, sources.get(key, "-"))
         console = Console()
+        keep_whole(table, 0)  # a setting's name is what goes in the YAML file or after --
+        fit_cells(table, words=(1, 2))  # a path or a flag whole where it fits ("/run/kvd/kvd.so…" was cut)
+        value, source = table.columns[1], table.columns[2]
+        source.min_width = min(source.min_width, 24)
+        value.min_width = max(8, min(value.min_width, console.width - table.columns[0].min_width - source.min_width - 2))
+        for column in (value, source):
+            column.overflow = "fold"  # what is wider than that folds onto the next line, never cut
         console.print(table)
         for key, held in from_rollouts.items():
             console.print(f"[yellow]{key} {held['value']} came from completed rollout {held['rollout']}: a reload "

@@ -804,6 +804,36 @@ def test_pin_and_explain_take_chat_messages_from_a_json_file(capsys, monkeypatch
     assert len(posted) == 2
 
 
+@pytest.mark.parametrize("socket", ["/run/kvd/kvd.sock", "/tmp/pytest-of-root/pytest-614/test_a_long_name0/kvd.sock"])
+def test_config_show_fits_80_columns_with_every_name_and_source_whole(capsys, monkeypatch, socket):
+    """At 80 columns a boxed table cut the socket's path to "…/kvd.so…" and the name
+    "prefetch_timeout_per_1k_tok…"; with a longer path the "from" column was not shown at all."""
+    import kvctl.ops as ops
+
+    config = {"socket": socket, "prefetch_timeout_per_1k_tokens": 0.0, "max_queue": 9, "reservation": "p95"}
+    sources = {"socket": "--socket", "prefetch_timeout_per_1k_tokens": "default", "max_queue": "KVD_MAX_QUEUE",
+               "reservation": "/etc/kvd/kvd.yaml"}
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: type("Fake", (), {
+        "get": lambda self, path, **params: {"config": config, "sources": sources, "effective": {},
+                                              "from_rollouts": {}, "precedence": "flag > default"}})())
+    monkeypatch.setenv("COLUMNS", "80")
+    status, out, _ = cli(capsys, "config", "show")
+    lines = [line.rstrip() for line in out.splitlines()]
+    assert status == 0 and max(map(len, lines)) <= 80 and "…" not in out
+    assert lines[1].split() == ["setting", "value", "from"]
+    rows, folded = {}, []  # a path too wide for its column goes on below its row, whole words never cut
+    for line in lines[2:]:
+        if line.startswith(" "):
+            folded += line.split()
+        else:
+            rows[line.split()[0]] = line.split()[1:]
+    assert rows["prefetch_timeout_per_1k_tokens"] == ["0.0", "default"]
+    assert rows["max_queue"] == ["9", "KVD_MAX_QUEUE"]
+    assert rows["reservation"] == ["p95", "/etc/kvd/kvd.yaml"]
+    assert rows["socket"][-1] == "--socket" and "".join(rows["socket"][:-1] + folded) == socket
+    assert bool(folded) == (len(socket) > 40)
+
+
 def test_prefixes_table_shows_the_tree_and_fits_80_columns(capsys, monkeypatch):
     """Each row says which row it extends and which tokens it covers; columns that would say the
     same on every row (one tenant, nothing pinned or in use) become one line below the table."""

@@ -129,9 +129,9 @@ def test_kvd_end_to_end(tmp_path):
         quick = 0 if device == "cuda" else 64
         assert config["effective"] == {"device": device, "num_blocks": 128, "quick_prefill_tokens": quick}
         shown = " ".join(kvd.kvctl("config", "show").stdout.split())
-        assert f"quick_prefill_tokens │ auto ({quick} in effect)" in shown
-        assert f"device │ auto ({device} in effect)" in shown and "block_size │ 16 " in shown
-        assert "tenant_cache_shares │ none " in shown  # per-tenant settings as an operator writes them
+        assert f"quick_prefill_tokens auto ({quick} in effect)" in shown
+        assert f"device auto ({device} in effect)" in shown and "block_size 16 " in shown
+        assert "tenant_cache_shares none " in shown  # per-tenant settings as an operator writes them
 
         # The same daemon serves chat through the openai client: the system prompt is shared
         # across conversations, and a stream's deltas make up the whole answer.

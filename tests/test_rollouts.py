@@ -276,7 +276,7 @@ def test_an_operator_completes_a_rollout_keeps_its_figures_and_is_told_a_reload_
         assert status["settings_in_effect"] == {"reservation": True}
         assert json.loads(kvctl(sock, "status", "--json").stdout)["rollout"] is None
         shown = " ".join(kvctl(sock, "config", "show").stdout.split())
-        assert f"reservation │ p95 (not in the config yet) │ rollout {rollout_id}" in shown
+        assert f"reservation p95 (not in the config yet) rollout {rollout_id}" in shown
         proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 30
         while json.loads(kvctl(sock, "config", "show", "--json").stdout)["config"]["reservation"] != "fraction:1.0":
