@@ -37,7 +37,7 @@ class GenerationConfig:
     sampling: dict = field(default_factory=dict, compare=False)
 
 
-def _path(model_dir: Path, setting: str) -> Path | None:
+def _path(model_dir: Path, setting: str) -> Path:
     if setting in ("auto", "none"):
         return Path(model_dir) / FILE
     given = Path(setting)
