@@ -87,15 +87,19 @@ def test_a_default_no_request_could_use_stops_the_load(demo, tmp_path):
         load_model(model)
 
 
-def test_the_file_s_eos_token_ends_a_reply_and_its_defaults_fill_what_a_request_leaves_out(demo, greedy, tmp_path):
+def test_the_file_s_eos_token_ends_a_reply_and_its_defaults_fill_what_a_request_leaves_out(demo, greedy, tmp_path,
+                                                                                          caplog):
     """The greedy reply's third token is made an EOS token, as an instruct checkpoint's
     generation_config.json names its end-of-turn token; top_k 1 as the default makes sampling
     greedy unless a request asks for its own top_k."""
     eos = greedy[2]
     ends = greedy[:greedy.index(eos) + 1]
     model = checkpoint_with(demo, tmp_path, {"eos_token_id": [257, eos], "top_k": 1, "temperature": 1.0})
-    service = start_service(tmp_path, model=str(model))
+    with caplog.at_level("INFO", logger="kvd"):
+        service = start_service(tmp_path, model=str(model))
     try:
+        assert f"sampling defaults from {model / 'generation_config.json'} for requests that leave them out: temperature 1.0, " \
+               "top_k 1 (generation_config: none keeps kvd's own)" in caplog.text
         unix, _ = apps(service, token_table(tmp_path))
 
         def complete(**body):

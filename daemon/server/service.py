@@ -260,6 +260,10 @@ class EngineService:
                  loaded.config.architecture, loaded.revision[:12], num_blocks, cfg.block_size,
                  gpu_nvml.NVML.describe(loaded.model.device.index or 0) if device == "cuda" else device,
                  timer.ready_after, ", ".join(f"{phase} {took:.2f} s" for phase, took in timer.phases.items()))
+        if loaded.generation.sampling:  # as vLLM says it: the operator may not expect it
+            log.info("sampling defaults from %s for requests that leave them out: %s (generation_config: none "
+                     "keeps kvd's own)", loaded.generation.source,
+                     ", ".join(f"{name} {value}" for name, value in loaded.generation.sampling.items()))
         if engine.context_limit == loaded.config.context_limit < loaded.config.max_position_embeddings:
             log.warning("model: its layers slide a window of %d tokens and kvd attends in full, which equals the "
                         "window only for contexts that fit in it: kvd serves contexts up to %d tokens, not the "
