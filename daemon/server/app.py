@@ -246,7 +246,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                     f"reply in {engine.context_limit_text()}", param="messages",
                                code="context_length_exceeded")
         return await generate(engine, [ids], sampling(body, limit, "chat", logprobs, body.prompt_logprobs), body, http,
-                              who, ChatShape())
+                              who, ChatShape(service.config.reasoning_parser))
 
     def ready_for(model: str | None):
         """The engine, once it takes completions for `model` (None: whichever is served)."""

@@ -17,6 +17,7 @@ from kvctl.daemon.engine.sampling import MAX_LOGPROBS
 
 from .chat_messages import MessagesError
 from .logprobs import chat_logprobs, completion_logprobs
+from .reasoning import ThinkSplitter, reasoning_fields, split_reply
 
 # chat fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values that ask for
 # nothing; any other value is refused by name (see app.refuse_unsupported)
@@ -174,21 +175,32 @@ class ChatShape(CompletionShape):
     id_prefix = "chatcmpl-"
     prompt_logprobs_on = "answer"
 
-    def __init__(self) -> None:
+    def __init__(self, reasoning_parser: str = "none") -> None:
         self.opened: set[int] = set()
+        self.reasoning_parser = reasoning_parser  # reasoning.py: where thinking goes apart from the answer
+        self.splitters: dict[int, ThinkSplitter] = {}
 
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
                logprobs: dict | None = None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "token_ids": token_ids,
-                "logprobs": logprobs, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if self.reasoning_parser != "none":
+            reasoning, message["content"] = split_reply(text, self.reasoning_parser)
+            message.update(reasoning_fields(reasoning))
+        return {"index": index, "message": message, "token_ids": token_ids, "logprobs": logprobs,
+                "finish_reason": finish_reason}
 
     def chunk_choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
                      logprobs: dict | None = None) -> dict:
-        if index in self.opened:
-            delta = {"content": text}
-        else:
-            delta = {"role": "assistant", "content": text}
-            self.opened.add(index)
+        delta = {"content": text} if index in self.opened else {"role": "assistant", "content": text}
+        self.opened.add(index)
+        if self.reasoning_parser != "none":
+            splitter = self.splitters.setdefault(index, ThinkSplitter(self.reasoning_parser == "deepseek_r1"))
+            reasoning, delta["content"] = splitter.feed(text)
+            if finish_reason is not None:
+                more_reasoning, more_answer = splitter.close()
+                reasoning, delta["content"] = reasoning + more_reasoning, delta["content"] + more_answer
+            if reasoning:
+                delta.update(reasoning_fields(reasoning))
         return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
