@@ -139,9 +139,12 @@ def test_an_operator_names_a_chat_with_its_kwargs_to_explain_pin_and_evict_it(da
     plain = call(unix, "POST", "/admin/explain", json={"messages": CHAT}).json()
     assert (named["prompt_tokens"], named["hit_tokens"]) == (served, served // 16 * 16)
     assert plain["prompt_tokens"] == served - len("<think>\n\n</think>\n\n")
-    text_with_kwargs = call(unix, "POST", "/admin/explain", json={"text": "hello", **off})
-    assert text_with_kwargs.status_code == 400
-    assert text_with_kwargs.json()["error"]["message"] == "chat_template_kwargs: only with messages (a chat's prompt)"
+    for path in ("/admin/explain", "/tokenize"):  # a prompt given as text has no template to pass them to
+        text_with_kwargs = call(unix, "POST", path, json={"prompt" if path == "/tokenize" else "text": "hello", **off})
+        assert text_with_kwargs.status_code == 400
+        assert text_with_kwargs.json()["error"]["message"] == \
+            "chat_template_kwargs: only with messages (a chat's prompt)"
+        assert text_with_kwargs.json()["error"]["param"] == "chat_template_kwargs"
     evicted = call(unix, "POST", "/admin/evict", json={"messages": CHAT, **off}).json()
     assert evicted["prompt_blocks"] == served // 16
     after = call(unix, "POST", "/admin/explain", json={"messages": CHAT, **off}).json()

@@ -46,6 +46,8 @@ def tokenize(service, body: TokenizeRequest) -> dict:
     """The token ids of a prompt or a chat; MessagesError naming the field at fault."""
     if (body.prompt is None) == (body.messages is None):
         raise MessagesError("prompt: give a prompt (text) or messages (a chat), not both or neither", "prompt")
+    if body.prompt is not None and body.chat_template_kwargs is not None:
+        raise MessagesError("chat_template_kwargs: only with messages (a chat's prompt)", "chat_template_kwargs")
     if body.prompt is not None:
         ids = service.loaded.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
     else:
