@@ -285,7 +285,8 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
-    "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number, "max_queue": whole_number,
+    "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
+    "max_queue": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
     "max_tracked_tenants": whole_number, "trace_requests": whole_number,
     "trace_block_tokens": whole_number,

@@ -38,7 +38,8 @@ def nvml_free_memory() -> int:
 
 
 def capacity_command(
-    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory (config.json), or a Hugging Face id in the local cache."),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="Checkpoint directory (config.json), or a Hugging Face id in the local cache."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Decoder layers."),
     kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="KV heads."),
     head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Head dimension."),

@@ -375,7 +375,8 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
         fit_cells(table, words=(1, 2))  # a path or a flag whole where it fits ("/run/kvd/kvd.so…" was cut)
         value, source = table.columns[1], table.columns[2]
         source.min_width = min(source.min_width, 24)
-        value.min_width = max(8, min(value.min_width, console.width - table.columns[0].min_width - source.min_width - 2))
+        room = console.width - table.columns[0].min_width - source.min_width - 2
+        value.min_width = max(8, min(value.min_width, room))
         for column in (value, source):
             column.overflow = "fold"  # what is wider than that folds onto the next line, never cut
         console.print(table)

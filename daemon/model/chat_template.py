@@ -148,9 +148,9 @@ class ChatTemplate:
             if key in REFUSED_KWARGS:
                 raise TemplateKwargsError(f"{where}: {REFUSED_KWARGS[key]}", where)
             if key in KVD_PASSES:
-                raise TemplateKwargsError(f"{where}: kvd sets {key} itself" + (
-                    "" if key not in ("messages", "add_generation_prompt") else f" (send {key} as the request's field)"),
-                    where)
+                as_field = key in ("messages", "add_generation_prompt")
+                field_hint = f" (send {key} as the request's field)" if as_field else ""
+                raise TemplateKwargsError(f"{where}: kvd sets {key} itself{field_hint}", where)
             if key not in self.request_kwargs:
                 near = difflib.get_close_matches(key, sorted(self.request_kwargs), n=1)
                 takes = ", ".join(sorted(self.request_kwargs)) or "none"

@@ -24,7 +24,7 @@ from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictR
                            RolloutAdvance, RolloutRollback, RolloutStart, SwapRequest, VerifyRequest)
 from .api_errors import ApiError, checked_ids
 from .calls import Principal
-from .chat_messages import MessagesError, chat_messages
+from .chat_messages import MessagesError, chat_messages, refuse_template_kwargs_without_messages
 from .durations import parse_duration
 from .strict_json import StrictJSONRoute
 from .tenants import list_tenants
@@ -268,19 +268,18 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         if sum(x is not None for x in (text, token_ids, messages)) != 1:
             raise ApiError(400, "give exactly one of text, tokens and messages", param="text")
         engine = service.require_ready()
-        if body.chat_template_kwargs is not None and messages is None:
-            raise ApiError(400, "chat_template_kwargs: only with messages (a chat's prompt)",
-                           param="chat_template_kwargs")
-        if text is not None:
-            return service.tokenize(text)
-        if messages is not None:
-            try:
+        try:
+            if messages is None:
+                refuse_template_kwargs_without_messages(body.chat_template_kwargs)
+            else:
                 return service.chat_prompt(chat_messages(messages), add_generation_prompt=opens_reply,
                                            template_kwargs=body.chat_template_kwargs)
-            except MessagesError as exc:
-                raise ApiError(400, str(exc), param=exc.param) from None
-            except ChatTemplateError as exc:
-                raise ApiError(400, str(exc), param="messages", code="chat_template_refused") from None
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages", code="chat_template_refused") from None
+        if text is not None:
+            return service.tokenize(text)
         return checked_ids(list(token_ids), "tokens", engine)
 
     return router

@@ -17,7 +17,7 @@ from kvctl.daemon.engine.sampling import MAX_LOGPROBS
 
 from .chat_messages import MessagesError
 from .logprobs import chat_logprobs, completion_logprobs
-from .reasoning import ThinkSplitter, reasoning_fields, split_reply
+from .reasoning import ThinkSplitter, reasoning_fields, split_reply, splitter_for
 
 # chat fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values that ask for
 # nothing; any other value is refused by name (see app.refuse_unsupported)
@@ -194,7 +194,9 @@ class ChatShape(CompletionShape):
         delta = {"content": text} if index in self.opened else {"role": "assistant", "content": text}
         self.opened.add(index)
         if self.reasoning_parser != "none":
-            splitter = self.splitters.setdefault(index, ThinkSplitter(self.reasoning_parser == "deepseek_r1"))
+            splitter = self.splitters.get(index)
+            if splitter is None:
+                splitter = self.splitters[index] = splitter_for(self.reasoning_parser)
             reasoning, delta["content"] = splitter.feed(text)
             if finish_reason is not None:
                 more_reasoning, more_answer = splitter.close()

@@ -68,6 +68,13 @@ def chat_messages(raw: list[Any]) -> list[dict]:
     return messages
 
 
+def refuse_template_kwargs_without_messages(kwargs: Any) -> None:
+    """A prompt given as text or ids has no chat template to hand `chat_template_kwargs` to:
+    MessagesError naming the field, not kwargs quietly ignored."""
+    if kwargs is not None:
+        raise MessagesError("chat_template_kwargs: only with messages (a chat's prompt)", "chat_template_kwargs")
+
+
 def messages_size(messages: list[dict]) -> int:
     """Characters of content in all: how much rendering and tokenizing there is to do."""
     return sum(len(m["content"]) for m in messages)

@@ -49,8 +49,8 @@ class ThinkSplitter:
         if self.state == "thinking":
             end = self.pending.find(CLOSE)
             if end < 0:
-                keep = _held_back(self.pending, CLOSE)
-                reasoning, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+                given = len(self.pending) - _held_back(self.pending, CLOSE)
+                reasoning, self.pending = self.pending[:given], self.pending[given:]
                 return reasoning, ""
             reasoning, self.pending, self.state = self.pending[:end], self.pending[end + len(CLOSE):], "answer"
         answer, self.pending = self.pending, ""
@@ -64,11 +64,16 @@ class ThinkSplitter:
         return (rest, "") if self.state == "thinking" else ("", rest)
 
 
+def splitter_for(parser: str) -> ThinkSplitter:
+    """A reply's splitter under `parser` (qwen3 or deepseek_r1)."""
+    return ThinkSplitter(starts_inside=parser == "deepseek_r1")
+
+
 def split_reply(text: str, parser: str) -> tuple[str | None, str]:
     """A whole reply as (reasoning or None, answer) under `parser`."""
     if parser == "none":
         return None, text
-    splitter = ThinkSplitter(starts_inside=parser == "deepseek_r1")
+    splitter = splitter_for(parser)
     reasoning, answer = splitter.feed(text)
     more_reasoning, more_answer = splitter.close()
     return (reasoning + more_reasoning) or None, answer + more_answer

@@ -57,7 +57,8 @@ def reload_from_source(service, actor: str) -> dict:
         service.reloads["refused"] += 1
         service.last_reload = {"at": time.time(), "result": "refused", "error": str(exc), "actor": actor}
         raise ServiceError(400, f"reload refused, nothing changed: {exc}", "config") from None
-    result = reload_after_failed_load(service, new, actor) if service.load_error is not None else reload(service, new, actor)
+    failed = service.load_error is not None
+    result = reload_after_failed_load(service, new, actor) if failed else reload(service, new, actor)
     service.reloads["ok"] += 1
     service.last_reload = {"at": time.time(), "result": "ok", "error": None, "actor": actor}
     if fresh is not None:  # rotated tokens take effect for the next request; counts only, never tokens

@@ -2,8 +2,9 @@
 
 A question is what `/admin/route-facts` takes: `{"text": ...}`, `{"tokens": [...]}`, or, for a
 chat, `{"messages": [...]}` (checked, contents as text, with the request's `chat_template_kwargs`
-where it has them), which a replica renders with its own chat template. The events view renders a chat itself with the template the replica serves (fetched
-once, by digest, with its tokenizer) and hashes the ids, as it does a completion's text.
+where it has them), which a replica renders with its own chat template. The events view renders a
+chat itself with the template the replica serves (fetched once, by digest, with its tokenizer) and
+hashes the ids, as it does a completion's text.
 """
 
 from __future__ import annotations

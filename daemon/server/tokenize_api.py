@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 from kvctl.daemon.model.tokenizer import first_outside_vocab
 
 from .chat import generation_prompt
-from .chat_messages import MessagesError, chat_messages
+from .chat_messages import MessagesError, chat_messages, refuse_template_kwargs_without_messages
 
 
 class TokenizeRequest(BaseModel):
@@ -46,9 +46,8 @@ def tokenize(service, body: TokenizeRequest) -> dict:
     """The token ids of a prompt or a chat; MessagesError naming the field at fault."""
     if (body.prompt is None) == (body.messages is None):
         raise MessagesError("prompt: give a prompt (text) or messages (a chat), not both or neither", "prompt")
-    if body.prompt is not None and body.chat_template_kwargs is not None:
-        raise MessagesError("chat_template_kwargs: only with messages (a chat's prompt)", "chat_template_kwargs")
     if body.prompt is not None:
+        refuse_template_kwargs_without_messages(body.chat_template_kwargs)
         ids = service.loaded.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
     else:
         ids = service.chat_prompt(chat_messages(body.messages), generation_prompt(body), body.continue_final_message,
