@@ -63,6 +63,9 @@ def serve(
     reasoning_parser: Optional[str] = typer.Option(
         None, help="none, qwen3 or deepseek_r1: a chat reply's <think>...</think> goes to reasoning (and "
                    "reasoning_content), apart from content."),
+    tool_call_parser: Optional[str] = typer.Option(
+        None, help="none or hermes (Qwen2.5, Qwen3, Hermes): a chat reply's <tool_call> blocks become tool_calls "
+                   "when the chat sends tools (tool_choice auto)."),
     state_dir: Optional[str] = typer.Option(None, help="State directory (demo checkpoint, SQLite)."),
     socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),
@@ -165,6 +168,7 @@ def serve(
         log.warning("%s", line)
     flags = _flags(model=model, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                    generation_config=generation_config, reasoning_parser=reasoning_parser,
+                   tool_call_parser=tool_call_parser,
                    state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
@@ -200,7 +204,7 @@ def serve(
 # at 80 columns every option's help got squeezed beside the widest name of them all.
 SERVE_HELP_PANELS = {
     "Model and server": ("config", "model", "chat_template", "chat_template_kwargs", "generation_config",
-                         "reasoning_parser", "model_name", "device", "dtype", "state_dir",
+                         "reasoning_parser", "tool_call_parser", "model_name", "device", "dtype", "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",

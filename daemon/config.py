@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from kvctl.daemon.engine.tenant_book import DEFAULT_LIMIT as DEFAULT_TRACKED_TENANTS
 from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
 from kvctl.daemon.server.reasoning import REASONING_PARSERS
+from kvctl.daemon.server.tool_calls import TOOL_CALL_PARSERS
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tenant_map import parse_tenant_map
@@ -206,6 +207,9 @@ class KvdConfig:
     # where a reasoning model's thinking goes (vLLM's --reasoning-parser): none (in content, as
     # written), qwen3 or deepseek_r1 (apart, in reasoning and reasoning_content; server/reasoning.py)
     reasoning_parser: str = "none"
+    # how a chat reply's tool calls are read (vLLM's --tool-call-parser): none (chats may show the model
+    # tools with tool_choice none; no calls are parsed) or hermes (server/tool_calls.py)
+    tool_call_parser: str = "none"
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
     allow_uncalibrated: bool = False  # serve a quantised cache with unit scales (loudly)
@@ -326,6 +330,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 0 (0: no warning)")
     if name == "reasoning_parser" and value not in REASONING_PARSERS:
         raise ValueError(f"must be one of {', '.join(REASONING_PARSERS)}")
+    if name == "tool_call_parser" and value not in TOOL_CALL_PARSERS:
+        raise ValueError(f"must be one of {', '.join(TOOL_CALL_PARSERS)}")
     if name == "generation_config" and not str(value).strip():
         raise ValueError("must be auto, none, or a path to generation_config.json or its folder")
     if name == "device" and value not in ("auto", "cpu", "cuda"):

@@ -60,20 +60,21 @@ def prompt_body(text: str | None, tokens: str | None, file: Path | None, message
 
 def chat_messages_file(path: Path) -> dict:
     """`{"messages": [...]}` from a JSON file: a list of {role, content}, or a chat request's body (an
-    object with `messages`, whose `chat_template_kwargs` come too). kvd checks them and renders them
-    with the model's chat template."""
+    object with `messages`, whose `chat_template_kwargs` and `tools` come too). kvd checks them and
+    renders them with the model's chat template."""
     raw = read_text(path, "messages", "give a JSON list of {\"role\", \"content\"} messages")
     try:
         loaded = json.loads(raw)
     except ValueError as exc:
         raise UserError(f"messages: {str(path)!r} is not JSON ({exc})") from None
-    kwargs = None
+    extra = {}
     if isinstance(loaded, dict) and "messages" in loaded:
-        loaded, kwargs = loaded["messages"], loaded.get("chat_template_kwargs")
+        extra = {key: loaded[key] for key in ("chat_template_kwargs", "tools") if loaded.get(key) is not None}
+        loaded = loaded["messages"]
     if not isinstance(loaded, list):
         raise UserError(f"messages: {str(path)!r} holds a {type(loaded).__name__}; give a list of "
                         "{\"role\", \"content\"} messages, or a chat request with \"messages\"")
-    return {"messages": loaded} if kwargs is None else {"messages": loaded, "chat_template_kwargs": kwargs}
+    return {"messages": loaded, **extra}
 
 
 def redraw(fetch, render, console: Console | None = None, interval: float = 1.0, sleep=time.sleep) -> None:

@@ -220,7 +220,7 @@ def evict(ctx: typer.Context,
           file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt's text from a file."),
           messages: Optional[Path] = typer.Option(
               None, "--messages", help="A JSON file of chat messages (or a chat request's body, with its "
-                                       "chat_template_kwargs), rendered as /v1/chat/completions renders them."),
+                                       "chat_template_kwargs and tools), rendered as /v1/chat/completions renders them."),
           tenant: Optional[str] = typer.Option(None, "--tenant", help="Every prefix of a tenant; with a prompt, the "
                                                                       "tenant whose namespace it was served in."),
           model_revision: Optional[str] = typer.Option(None, "--model-revision",
@@ -317,7 +317,7 @@ def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help=
             file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt text from a file."),
             messages: Optional[Path] = typer.Option(
                 None, "--messages", help="A JSON file of chat messages (or a chat request's body, with its "
-                                         "chat_template_kwargs), rendered as /v1/chat/completions renders them."),
+                                         "chat_template_kwargs and tools), rendered as /v1/chat/completions renders them."),
             tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """How much of a prompt would hit the cache, and why the first miss misses.

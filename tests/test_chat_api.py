@@ -134,14 +134,22 @@ def test_max_completion_tokens_is_max_tokens(daemon):
 @pytest.mark.parametrize("body, status, param, message", [
     ({"messages": []}, 400, "messages", "messages: must not be empty"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}, 400, "messages[1].role",
-     "messages[1].role: must be one of system, user, assistant, got 'bot'"),
+     "messages[1].role: must be one of system, user, assistant, tool, got 'bot'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages[0].content[0].type",
      "messages[0].content[0].type: kvd takes text parts only ({\"type\": \"text\", \"text\": ...}), got 'image_url'"),
     ({"messages": "hello"}, 400, "messages", "messages: Input should be a valid list (got 'hello')"),
-    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools",
-     "tools: not supported by kvd, got [{'type': 'function'}]; kvd does not call tools; describe them in a message "
-     "instead"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools[0].function",
+     "tools[0].function: must be an object with name, description and parameters"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes); send tool_choice: "
+     "\"none\" to show the model the tools without calls"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "none"}, 400, "tools",
+     "tools: the model's chat template (TEMPLATE) does not write tools, so the model could not see them; describe "
+     "them in a message, or start kvd with a --chat-template that renders tools"),
+    ({"messages": [{"role": "user", "content": "a"}], "functions": [{"name": "f"}]}, 400, "functions",
+     "functions: not supported by kvd, got [{'name': 'f'}]; OpenAI's older form of tools: send tools"),
     ({"messages": [{"role": "user", "content": "a"}], "echo": True}, 400, "echo",
      "echo: not supported by kvd, got True; leave it out"),
     ({"messages": [{"role": "user", "content": "a"}], "prompt_logprobs": 21}, 400, "prompt_logprobs",
@@ -179,7 +187,7 @@ def test_bad_chat_requests_are_refused_by_name_and_leave_nothing_behind(daemon, 
     answer = call(unix, "POST", "/v1/chat/completions", json=body)
     assert answer.status_code == status
     error = answer.json()["error"]
-    assert (error["param"], error["message"]) == (param, message)
+    assert (error["param"], error["message"]) == (param, message.replace("TEMPLATE", service.chat_template.source))
     assert blocks_all_back(service)
 
 

@@ -50,7 +50,7 @@ def test_a_template_takes_the_names_it_reads_less_those_kvd_passes_and_refuses()
      "chat_template_kwargs.chat_template: a request cannot replace the model's chat template (kvd serve "
      "--chat-template sets it)"),
     ({"tools": [{"type": "function"}]}, "chat_template_kwargs.tools",
-     "chat_template_kwargs.tools: kvd does not call tools; describe them in a message instead"),
+     "chat_template_kwargs.tools: kvd sets tools itself (send tools as the request's field)"),
     ({"messages": []}, "chat_template_kwargs.messages",
      "chat_template_kwargs.messages: kvd sets messages itself (send messages as the request's field)"),
     ({"eos_token": ""}, "chat_template_kwargs.eos_token", "chat_template_kwargs.eos_token: kvd sets eos_token itself"),

@@ -21,8 +21,10 @@ A request's `chat_template_kwargs` (vLLM's and SGLang's field: Qwen3's `enable_t
 the template only where it reads them: a name the template does not read is refused with the
 names it does, and no request can replace the template itself (`chat_template`, which let a caller
 run a Jinja loop of its own on vLLM's and SGLang's servers: GHSA-6fvq-23cw-5628), the values kvd
-passes (`messages`, `add_generation_prompt`, the special tokens), or hand it `tools` or
-`documents`, which kvd does not use. The operator's `chat_template_kwargs` setting gives every chat
+passes (`messages`, `add_generation_prompt`, `tools`, the special tokens), or hand it `documents`,
+which kvd does not use. A chat's `tools` are passed as `transformers` passes them (None when there
+are none); a template that does not read `tools` cannot show them to the model, so a chat that
+brings tools to it is refused rather than served without them. The operator's `chat_template_kwargs` setting gives every chat
 defaults (vLLM's --default-chat-template-kwargs), checked the same way when kvd starts; a request's
 own win, name by name, and the template's digest names the defaults too.
 """
@@ -40,11 +42,11 @@ from .config import ModelError
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 # what kvd passes a template itself: a request's chat_template_kwargs cannot set these
-KVD_PASSES = ("messages", "add_generation_prompt", "raise_exception", "strftime_now", *SPECIAL_TOKEN_FIELDS)
+KVD_PASSES = ("messages", "add_generation_prompt", "tools", "raise_exception", "strftime_now",
+              *SPECIAL_TOKEN_FIELDS)
 # what a request's chat_template_kwargs may not hand a template even where it reads them, and why
 REFUSED_KWARGS = {
     "chat_template": "a request cannot replace the model's chat template (kvd serve --chat-template sets it)",
-    "tools": "kvd does not call tools; describe them in a message instead",
     "documents": "kvd does not take documents; put them in a message instead",
 }
 
@@ -114,13 +116,15 @@ class ChatTemplate:
     request_kwargs: frozenset[str] = field(default=frozenset(), compare=False)
     # the operator's chat_template_kwargs: what every render gets unless its request says otherwise
     defaults: dict = field(default_factory=dict, compare=False)
+    reads_tools: bool = field(default=False, compare=False)  # the template writes a chat's tools
 
     @classmethod
     def compile(cls, text: str, source: str, special_tokens: dict) -> "ChatTemplate":
         """ModelError naming `source` when `text` does not parse."""
         compiled = compile_template(text, source)
-        takes = variables_read(text) - set(KVD_PASSES) - set(REFUSED_KWARGS)
-        return cls(text, source, special_tokens, compiled, frozenset(takes))
+        reads = variables_read(text)
+        takes = reads - set(KVD_PASSES) - set(REFUSED_KWARGS)
+        return cls(text, source, special_tokens, compiled, frozenset(takes), reads_tools="tools" in reads)
 
     def with_defaults(self, defaults: dict | None) -> "ChatTemplate":
         """This template with the operator's `chat_template_kwargs`; ModelError naming the one it
@@ -148,7 +152,7 @@ class ChatTemplate:
             if key in REFUSED_KWARGS:
                 raise TemplateKwargsError(f"{where}: {REFUSED_KWARGS[key]}", where)
             if key in KVD_PASSES:
-                as_field = key in ("messages", "add_generation_prompt")
+                as_field = key in ("messages", "add_generation_prompt", "tools")
                 field_hint = f" (send {key} as the request's field)" if as_field else ""
                 raise TemplateKwargsError(f"{where}: kvd sets {key} itself{field_hint}", where)
             if key not in self.request_kwargs:
@@ -169,19 +173,25 @@ class ChatTemplate:
         return digest.hexdigest()
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, kwargs: dict | None = None) -> str:
+               continue_final_message: bool = False, kwargs: dict | None = None,
+               tools: list[dict] | None = None) -> str:
         """The prompt text for `messages` (already checked: roles and string contents).
 
         `continue_final_message`: the prompt ends inside the last message (an assistant reply the
         model is to go on with) instead of after it; the text after that message's content is cut.
         `kwargs`: a request's chat_template_kwargs (TemplateKwargsError unless `checked_kwargs`
-        passes them)."""
+        passes them). `tools`: a chat's tools (chat_messages.checked_tools); TemplateKwargsError
+        when the template does not read them."""
         import jinja2
 
         given = {**self.defaults, **self.checked_kwargs(kwargs)}
+        if tools and not self.reads_tools:
+            raise TemplateKwargsError(f"tools: the model's chat template ({self.source}) does not write tools, so "
+                                      "the model could not see them; describe them in a message, or start kvd with "
+                                      "a --chat-template that renders tools", "tools")
         try:
-            text = self.compiled.render(
-                **given, messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            text = self.compiled.render(**given, messages=messages, add_generation_prompt=add_generation_prompt,
+                                        tools=tools or None, documents=None, **self.special_tokens)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"messages: the chat template refused them: {exc.message or exc}") from None
         except (TypeError, ValueError, LookupError, AttributeError) as exc:

@@ -23,6 +23,7 @@ class PinRequest(BaseModel):
     # system prompt this way pins the tokens every conversation that starts with it begins with
     messages: list[Any] | None = None
     chat_template_kwargs: Any = None  # with messages: as /v1/chat/completions takes them
+    tools: Any = None  # with messages: as /v1/chat/completions takes them
     prefix: str | None = None  # an id from /admin/prefixes, instead of text or tokens
     # block keys (hex), as `GET /admin/pins?keys=true` lists another replica's pin: a copy of it
     # (kvd router's sync-pins), with its tenant and owner
@@ -42,6 +43,7 @@ class EvictRequest(BaseModel):
     tokens: list[Count] | None = None
     messages: list[Any] | None = None  # a chat request's messages, rendered as /v1/chat/completions renders them
     chat_template_kwargs: Any = None  # with messages: as /v1/chat/completions takes them
+    tools: Any = None  # with messages: as /v1/chat/completions takes them
     tenant: Tenant | None = None
     model_revision: str | None = None
     all_unpinned: bool = False
@@ -105,4 +107,5 @@ class ExplainRequest(BaseModel):
     tokens: list[Count] | None = None
     messages: list[Any] | None = None  # a chat, rendered as /v1/chat/completions renders it
     chat_template_kwargs: Any = None  # with messages: as /v1/chat/completions takes them
+    tools: Any = None  # with messages: as /v1/chat/completions takes them
     tenant: Tenant | None = None

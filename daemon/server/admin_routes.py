@@ -24,7 +24,7 @@ from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictR
                            RolloutAdvance, RolloutRollback, RolloutStart, SwapRequest, VerifyRequest)
 from .api_errors import ApiError, checked_ids
 from .calls import Principal
-from .chat_messages import MessagesError, chat_messages, refuse_template_kwargs_without_messages
+from .chat_messages import MessagesError, chat_messages, checked_tools, refuse_chat_fields_without_messages
 from .durations import parse_duration
 from .strict_json import StrictJSONRoute
 from .tenants import list_tenants
@@ -270,10 +270,10 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         engine = service.require_ready()
         try:
             if messages is None:
-                refuse_template_kwargs_without_messages(body.chat_template_kwargs)
+                refuse_chat_fields_without_messages(body)
             else:
                 return service.chat_prompt(chat_messages(messages), add_generation_prompt=opens_reply,
-                                           template_kwargs=body.chat_template_kwargs)
+                                           template_kwargs=body.chat_template_kwargs, tools=checked_tools(body.tools))
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except ChatTemplateError as exc:

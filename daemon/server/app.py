@@ -44,13 +44,14 @@ from .body_limit import BodyLimit
 from .calls import Principal, ServiceError
 from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
                    GenerationFields)
-from .chat_messages import MessagesError, chat_messages, messages_size
+from .chat_messages import MessagesError, chat_messages, checked_tools, messages_size
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .service import EngineService, LoopSink
 from .strict_json import StrictJSONRoute
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from .tool_calls import tool_choice_mode
 from .usage_report import CALLER_ROLE_HEADER, shows_cached_tokens, usage
 
 
@@ -226,14 +227,15 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     async def chat_completions(body: ChatCompletionRequest, http: Request, who: Principal = Depends(principal)):
         refuse_unsupported(body, UNSUPPORTED_CHAT_FIELDS, CHAT_HINTS)
         try:
-            messages = chat_messages(body.messages)
+            messages, tools = chat_messages(body.messages), checked_tools(body.tools)
+            tool_mode = tool_choice_mode(body.tool_choice, tools, service.config.tool_call_parser)
             limit, opens_reply, logprobs = body.output_limit(), body.generation_prompt(), body.logprobs_wanted()
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         engine = ready_for(body.model)
-        chat = (messages, opens_reply, body.continue_final_message, body.chat_template_kwargs)
+        chat = (messages, opens_reply, body.continue_final_message, body.chat_template_kwargs, tools)
         try:  # a long conversation is rendered and tokenized off the loop that streams every answer
-            ids = service.chat_prompt(*chat) if messages_size(messages) <= HAND_IN_ON_LOOP_TOKENS \
+            ids = service.chat_prompt(*chat) if messages_size(messages, tools) <= HAND_IN_ON_LOOP_TOKENS \
                 else await run_in_threadpool(service.chat_prompt, *chat)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
@@ -245,8 +247,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 raise ApiError(413, f"messages: the conversation is {len(ids)} tokens, which leaves no room for a "
                                     f"reply in {engine.context_limit_text()}", param="messages",
                                code="context_length_exceeded")
+        shape = ChatShape(service.config.reasoning_parser,
+                          service.config.tool_call_parser if tool_mode == "auto" else "none",
+                          parallel_tool_calls=body.parallel_tool_calls is not False)
         return await generate(engine, [ids], sampling(body, limit, "chat", logprobs, body.prompt_logprobs), body, http,
-                              who, ChatShape(service.config.reasoning_parser))
+                              who, shape)
 
     def ready_for(model: str | None):
         """The engine, once it takes completions for `model` (None: whichever is served)."""

@@ -18,6 +18,7 @@ from kvctl.daemon.engine.sampling import MAX_LOGPROBS
 from .chat_messages import MessagesError
 from .logprobs import chat_logprobs, completion_logprobs
 from .reasoning import ThinkSplitter, reasoning_fields, split_reply, splitter_for
+from .tool_calls import ToolCallSplitter, split_tool_calls
 
 # chat fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values that ask for
 # nothing; any other value is refused by name (see app.refuse_unsupported)
@@ -25,13 +26,14 @@ UNSUPPORTED_CHAT_FIELDS = {
     "best_of": (None, 1),
     "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "response_format": (None, {"type": "text"}), "cache_salt": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "chat_template": (None,), "documents": (None, []),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "echo": (None, False),
 }
 CHAT_HINTS = {
-    "tools": "kvd does not call tools; describe them in a message instead",
+    "functions": "OpenAI's older form of tools: send tools",
+    "function_call": "OpenAI's older form of tool_choice: send tool_choice",
     "chat_template": "kvd renders every conversation with the model's own template (kvd serve --chat-template "
                      "sets it for the daemon)",
 }
@@ -122,6 +124,9 @@ class ChatCompletionRequest(GenerationFields):
     # vLLM's and SGLang's: names the chat template reads (Qwen3's enable_thinking), checked against it
     # (ChatTemplate.checked_kwargs)
     chat_template_kwargs: Any = None
+    tools: Any = None  # checked by chat_messages.checked_tools, which names the tool and field at fault
+    tool_choice: Any = None  # "none" or "auto" (tool_calls.tool_choice_mode)
+    parallel_tool_calls: bool | None = None  # false: the reply's first call only
 
     def generation_prompt(self) -> bool:
         return generation_prompt(self)
@@ -175,10 +180,15 @@ class ChatShape(CompletionShape):
     id_prefix = "chatcmpl-"
     prompt_logprobs_on = "answer"
 
-    def __init__(self, reasoning_parser: str = "none") -> None:
+    def __init__(self, reasoning_parser: str = "none", tool_call_parser: str = "none",
+                 parallel_tool_calls: bool = True) -> None:
         self.opened: set[int] = set()
         self.reasoning_parser = reasoning_parser  # reasoning.py: where thinking goes apart from the answer
         self.splitters: dict[int, ThinkSplitter] = {}
+        # tool_calls.py: the answer's calls as tool_calls ("none": not parsed, as with tool_choice none)
+        self.tool_call_parser = tool_call_parser
+        self.parallel_tool_calls = parallel_tool_calls
+        self.tool_splitters: dict[int, ToolCallSplitter] = {}
 
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
                logprobs: dict | None = None) -> dict:
@@ -186,6 +196,11 @@ class ChatShape(CompletionShape):
         if self.reasoning_parser != "none":
             reasoning, message["content"] = split_reply(text, self.reasoning_parser)
             message.update(reasoning_fields(reasoning))
+        if self.tool_call_parser != "none":
+            message["content"], calls = split_tool_calls(message["content"], self.parallel_tool_calls)
+            if calls:
+                message["tool_calls"] = calls
+                finish_reason = called_finish(finish_reason)
         return {"index": index, "message": message, "token_ids": token_ids, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
@@ -203,8 +218,24 @@ class ChatShape(CompletionShape):
                 reasoning, delta["content"] = reasoning + more_reasoning, delta["content"] + more_answer
             if reasoning:
                 delta.update(reasoning_fields(reasoning))
+        if self.tool_call_parser != "none":
+            tools = self.tool_splitters.get(index)
+            if tools is None:
+                tools = self.tool_splitters[index] = ToolCallSplitter(self.parallel_tool_calls)
+            delta["content"], calls = tools.feed(delta["content"])
+            if finish_reason is not None:
+                delta["content"] += tools.close()
+                finish_reason = called_finish(finish_reason) if tools.calls else finish_reason
+            if calls:
+                delta["tool_calls"] = calls
         return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
     def logprobs(self, names, token_ids: list[int], entries: list, offset: int = 0) -> tuple[dict, int]:
         return chat_logprobs(names, token_ids, entries), offset
+
+
+def called_finish(finish_reason: str | None) -> str | None:
+    """A reply that ended by itself after calling tools finished for "tool_calls" (OpenAI's reason);
+    one cut off (length) says so."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason

@@ -6,11 +6,13 @@ Plain Python (no pydantic, no torch): `kvctl route --messages` computes a chat's
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # OpenAI's newer name for the system role: checkpoints' templates know `system`, so it is rendered so
 ROLE_ALIASES = {"developer": "system"}
+TOOL_NAME_MAX = 64  # OpenAI's longest function name
 
 
 class MessagesError(ValueError):
@@ -38,9 +40,17 @@ def message_text(content: Any, where: str) -> str:
     raise MessagesError(f"{where}: must be a string or a list of text parts, got {type(content).__name__}", where)
 
 
+def _string_field(message: dict, key: str, where: str) -> str | None:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise MessagesError(f"{where}.{key}: must be a string, got {type(value).__name__}", f"{where}.{key}")
+    return value
+
+
 def chat_messages(raw: list[Any]) -> list[dict]:
-    """The messages as the template takes them ({role, content[, name]}, contents as text), or
-    MessagesError naming the first message and field at fault."""
+    """The messages as the template takes them ({role, content[, name]}, contents as text; an
+    assistant's `tool_calls` with their arguments as objects, a tool's `tool_call_id`, an
+    assistant's `reasoning_content`), or MessagesError naming the first message and field at fault."""
     if not raw:
         raise MessagesError("messages: must not be empty", "messages")
     messages = []
@@ -51,36 +61,120 @@ def chat_messages(raw: list[Any]) -> list[dict]:
                                 where)
         role = ROLE_ALIASES.get(message.get("role"), message.get("role"))
         if role not in ROLES:
-            hint = "; kvd does not call tools" if role in ("tool", "function") else ""
+            hint = " (role function is OpenAI's older form of tool)" if role == "function" else ""
             raise MessagesError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}{hint}",
                                 f"{where}.role")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise MessagesError(f"{where}.tool_calls: kvd does not call tools", f"{where}.tool_calls")
-        if "content" not in message or message["content"] is None:
+        if message.get("function_call") is not None:
+            raise MessagesError(f"{where}.function_call: OpenAI's older form; send tool_calls",
+                                f"{where}.function_call")
+        calls = message.get("tool_calls")
+        if calls is not None and role != "assistant":
+            raise MessagesError(f"{where}.tool_calls: only an assistant's message calls tools, this is {role!r}'s",
+                                f"{where}.tool_calls")
+        if (message.get("content") is None) and not calls:
             raise MessagesError(f"{where}.content: missing", f"{where}.content")
-        shaped = {"role": role, "content": message_text(message["content"], f"{where}.content")}
-        name = message.get("name")
-        if name is not None:
-            if not isinstance(name, str):
-                raise MessagesError(f"{where}.name: must be a string, got {type(name).__name__}", f"{where}.name")
-            shaped["name"] = name
+        content = message.get("content")
+        shaped = {"role": role, "content": "" if content is None else message_text(content, f"{where}.content")}
+        for key in ("name", "tool_call_id") if role == "tool" else ("name",):
+            value = _string_field(message, key, where)
+            if value is not None:
+                shaped[key] = value
+        if calls:
+            shaped["tool_calls"] = tool_calls_of(calls, f"{where}.tool_calls")
+        if role == "assistant":  # thinking sent back: templates that keep it read reasoning_content
+            thought = _string_field(message, "reasoning_content", where)
+            thought = thought if thought is not None else _string_field(message, "reasoning", where)
+            if thought is not None:
+                shaped["reasoning_content"] = thought
         messages.append(shaped)
     return messages
 
 
-def refuse_template_kwargs_without_messages(kwargs: Any) -> None:
-    """A prompt given as text or ids has no chat template to hand `chat_template_kwargs` to:
-    MessagesError naming the field, not kwargs quietly ignored."""
-    if kwargs is not None:
-        raise MessagesError("chat_template_kwargs: only with messages (a chat's prompt)", "chat_template_kwargs")
+def tool_calls_of(calls: Any, where: str) -> list[dict]:
+    """An assistant's `tool_calls` as templates take them: each {id, type, function: {name,
+    arguments}}, the arguments an object where the JSON text holds one (as `transformers` asks of
+    templates; text that is not a JSON object stays text)."""
+    if not isinstance(calls, list):
+        raise MessagesError(f"{where}: must be a list of calls, got {type(calls).__name__}", where)
+    shaped = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise MessagesError(f"{at}.function: must be an object with name and arguments", f"{at}.function")
+        if call.get("type", "function") != "function":
+            raise MessagesError(f"{at}.type: must be \"function\", got {call.get('type')!r}", f"{at}.type")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise MessagesError(f"{at}.function.name: must be a function's name, got {name!r}", f"{at}.function.name")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        elif not isinstance(arguments, dict):
+            raise MessagesError(f"{at}.function.arguments: must be JSON text, got {type(arguments).__name__}",
+                                f"{at}.function.arguments")
+        entry = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        call_id = _string_field(call, "id", at)
+        if call_id is not None:
+            entry["id"] = call_id
+        shaped.append(entry)
+    return shaped
 
 
-def messages_size(messages: list[dict]) -> int:
+def checked_tools(tools: Any) -> list[dict] | None:
+    """A chat's `tools` as its template gets them (None: none, or an empty list), or
+    MessagesError naming the tool and field at fault: each `{"type": "function", "function":
+    {"name", "description"?, "parameters"?}}`, names unique."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise MessagesError(f"tools: must be a list of functions, got {type(tools).__name__}", "tools")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            got = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise MessagesError(f"{where}.type: must be \"function\", got {got!r}", f"{where}.type")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise MessagesError(f"{where}.function: must be an object with name, description and parameters",
+                                f"{where}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= TOOL_NAME_MAX:
+            raise MessagesError(f"{where}.function.name: must be a name of 1 to {TOOL_NAME_MAX} characters, got "
+                                f"{name!r}", f"{where}.function.name")
+        if name in seen:
+            raise MessagesError(f"{where}.function.name: {name!r} names two tools", f"{where}.function.name")
+        seen.add(name)
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise MessagesError(f"{where}.function.description: must be a string", f"{where}.function.description")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise MessagesError(f"{where}.function.parameters: must be a JSON Schema object, got "
+                                f"{type(function['parameters']).__name__}", f"{where}.function.parameters")
+    return tools or None
+
+
+def refuse_chat_fields_without_messages(body: Any) -> None:
+    """A prompt given as text or ids has no chat template to hand `chat_template_kwargs` or `tools`
+    to: MessagesError naming the field, not the field quietly ignored."""
+    for name in ("chat_template_kwargs", "tools"):
+        if getattr(body, name, None) is not None:
+            raise MessagesError(f"{name}: only with messages (a chat's prompt)", name)
+
+
+def messages_size(messages: list[dict], tools: list[dict] | None = None) -> int:
     """Characters of content in all: how much rendering and tokenizing there is to do."""
-    return sum(len(m["content"]) for m in messages)
+    calls = sum(len(json.dumps(m["tool_calls"])) for m in messages if "tool_calls" in m)
+    return sum(len(m["content"]) for m in messages) + calls + (len(json.dumps(tools)) if tools else 0)
 
 
-def affinity_text(messages: list[dict]) -> str:
+def affinity_text(messages: list[dict], tools: list[dict] | None = None) -> str:
     """The conversation's opening as one text, for where a new prefix goes home: every router
-    computes it alike from the request alone, whatever template a replica renders with."""
-    return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+    computes it alike from the request alone, whatever template a replica renders with. Tools
+    come first: templates write them at the top, and agents that share them share that prefix."""
+    opening = f"<tools>{json.dumps(tools, sort_keys=True)}" if tools else ""
+    return opening + "".join(f"<{m['role']}>{m['content']}" for m in messages)

@@ -2,7 +2,7 @@
 
 A question is what `/admin/route-facts` takes: `{"text": ...}`, `{"tokens": [...]}`, or, for a
 chat, `{"messages": [...]}` (checked, contents as text, with the request's `chat_template_kwargs`
-where it has them), which a replica renders with its own chat template. The events view renders a
+and `tools` where it has them), which a replica renders with its own chat template. The events view renders a
 chat itself with the template the replica serves (fetched once, by digest, with its tokenizer) and
 hashes the ids, as it does a completion's text.
 """
@@ -13,7 +13,7 @@ from kvctl.daemon.model.chat_template import ChatTemplate, ChatTemplateError, Te
 from kvctl.daemon.model.tokenizer import Tokenizer
 from kvctl.policies.routing import prompt_affinity
 
-from .chat_messages import MessagesError, affinity_text, chat_messages, messages_size
+from .chat_messages import MessagesError, affinity_text, chat_messages, checked_tools, messages_size
 
 
 def question_of(body: dict) -> dict | None:
@@ -22,10 +22,13 @@ def question_of(body: dict) -> dict | None:
     if "messages" in body and "prompt" not in body:
         try:
             question = {"messages": chat_messages(body["messages"] if isinstance(body["messages"], list) else [])}
+            tools = checked_tools(body.get("tools"))
         except MessagesError:
             return None
         if body.get("chat_template_kwargs") is not None:
             question["chat_template_kwargs"] = body["chat_template_kwargs"]
+        if tools:
+            question["tools"] = tools
         return question
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -48,7 +51,7 @@ def question_size(question: dict | None) -> int:
     if question is None:
         return 0
     if "messages" in question:
-        return messages_size(question["messages"])
+        return messages_size(question["messages"], question.get("tools"))
     return len(question["text"] if "text" in question else question["tokens"])
 
 
@@ -59,7 +62,7 @@ def affinity_of(question: dict | None) -> bytes | None:
     if question is None:
         return None
     if "messages" in question:
-        return prompt_affinity(affinity_text(question["messages"]))
+        return prompt_affinity(affinity_text(question["messages"], question.get("tools")))
     return prompt_affinity(question["text"] if "text" in question else question["tokens"])
 
 
@@ -73,7 +76,8 @@ def local_ids(question: dict, tokenizer: Tokenizer, template: ChatTemplate | Non
     if template is None:
         return []
     try:
-        text = template.render(question["messages"], kwargs=question.get("chat_template_kwargs"))
+        text = template.render(question["messages"], kwargs=question.get("chat_template_kwargs"),
+                               tools=question.get("tools"))
     except (ChatTemplateError, TemplateKwargsError):
         return []
     return tokenizer.encode(text, add_bos=False)

@@ -642,17 +642,20 @@ class EngineService:
         return None if self.chat_template is None else self.chat_template.digest
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """The token ids of `messages` (checked by chat_messages.chat_messages) rendered by the model's chat
-        template, with a request's `chat_template_kwargs`; ServiceError 400 when the model has none,
-        MessagesError naming a kwarg the template cannot take, ChatTemplateError when it refuses them."""
+        template, with a request's `chat_template_kwargs` and `tools` (chat_messages.checked_tools);
+        ServiceError 400 when the model has none, MessagesError naming a kwarg the template cannot take
+        (or tools it does not write), ChatTemplateError when it refuses them."""
         if self.chat_template is None:
             raise ServiceError(400, f"messages: model {self.model_name!r} has no chat template (none in its "
                                     "tokenizer_config.json or chat_template.jinja); start kvd with --chat-template "
                                     "FILE, or send the prompt to /v1/completions", param="messages")
         try:
             text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, kwargs=template_kwargs)
+                                             continue_final_message=continue_final_message, kwargs=template_kwargs,
+                                             tools=tools)
         except TemplateKwargsError as exc:
             raise MessagesError(str(exc), exc.param) from None
         return self.loaded.tokenizer.encode(text, add_bos=False)

@@ -3,7 +3,7 @@ and decode tokens against kvd unchanged.
 
     POST /tokenize    {"prompt": TEXT, "add_special_tokens": true}
                       or {"messages": [...], "add_generation_prompt": true, "continue_final_message": false,
-                          "chat_template_kwargs": {...}}
+                          "chat_template_kwargs": {...}, "tools": [...]}
                       -> {"count", "max_model_len", "tokens"}
     POST /detokenize  {"tokens": [ID, ...]} -> {"prompt": TEXT}
 
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 from kvctl.daemon.model.tokenizer import first_outside_vocab
 
 from .chat import generation_prompt
-from .chat_messages import MessagesError, chat_messages, refuse_template_kwargs_without_messages
+from .chat_messages import MessagesError, chat_messages, checked_tools, refuse_chat_fields_without_messages
 
 
 class TokenizeRequest(BaseModel):
@@ -33,6 +33,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True  # chats: end with the assistant's turn opening
     continue_final_message: bool = False  # chats: end inside the last message
     chat_template_kwargs: Any = None  # chats: names the chat template reads, as /v1/chat/completions takes them
+    tools: Any = None  # chats: the tools the template writes, as /v1/chat/completions takes them
 
 
 class DetokenizeRequest(BaseModel):
@@ -47,11 +48,11 @@ def tokenize(service, body: TokenizeRequest) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise MessagesError("prompt: give a prompt (text) or messages (a chat), not both or neither", "prompt")
     if body.prompt is not None:
-        refuse_template_kwargs_without_messages(body.chat_template_kwargs)
+        refuse_chat_fields_without_messages(body)
         ids = service.loaded.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
     else:
         ids = service.chat_prompt(chat_messages(body.messages), generation_prompt(body), body.continue_final_message,
-                                  body.chat_template_kwargs)
+                                  body.chat_template_kwargs, checked_tools(body.tools))
     return {"count": len(ids), "max_model_len": service.require_ready().context_limit, "tokens": ids}
 
 

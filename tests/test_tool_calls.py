@@ -1,0 +1,398 @@
+"""Tool calls (vLLM's --tool-call-parser hermes): a chat's tools reach the template as transformers
+passes them, a reply's <tool_call> blocks come back as OpenAI's tool_calls, whole or streamed alike,
+and the conversation sent back with the calls and their results renders, and hits the cache, as the
+model wrote it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("jinja2")
+
+from kvctl.daemon.model.chat_template import ChatTemplate  # noqa: E402
+from kvctl.daemon.server.chat import ChatShape  # noqa: E402
+from kvctl.daemon.server.chat_messages import (MessagesError, affinity_text, chat_messages,  # noqa: E402
+                                               checked_tools)
+from kvctl.daemon.server.tool_calls import ToolCallSplitter, split_tool_calls, tool_choice_mode  # noqa: E402
+
+# In the style of Qwen2.5's and Qwen3's templates (Hermes' format): the tools' signatures in the system
+# turn, an assistant's calls as <tool_call> blocks of JSON, a tool's result as its own turn.
+HERMES = """{{ bos_token }}{% if tools %}<|system|>
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}Functions you may call:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}For each call, write <tool_call>{"name": ..., "arguments": ...}</tool_call>.{{ eos_token }}
+{% elif messages[0].role == 'system' %}<|system|>
+{{ messages[0].content }}{{ eos_token }}
+{% endif %}{% for message in messages %}{% if message.role == 'system' %}{% continue %}{% endif %}
+{% if message.role == 'assistant' and message.tool_calls %}<|assistant|>
+{% if message.content %}{{ message.content }}
+{% endif %}{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {% if call.function.arguments is string %}{{ call.function.arguments }}\
+{% else %}{{ call.function.arguments | tojson }}{% endif %}}
+</tool_call>{% endfor %}{{ eos_token }}
+{% else %}<|{{ message.role }}|>
+{{ message.content }}{{ eos_token }}
+{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>
+{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER, CLOCK]
+ASK = [{"role": "system", "content": "You help operators."}, {"role": "user", "content": "Weather in Paris?"}]
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def template() -> ChatTemplate:
+    return ChatTemplate.compile(HERMES, "hermes.jinja", {"bos_token": "<|begin|>", "eos_token": "<|end|>"})
+
+
+def names_and_arguments(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+# ---- a reply's calls --------------------------------------------------------------------------
+REPLIES = [  # (answer text, parallel, (content, [(name, arguments)]))
+    (CALL_TEXT, True, (None, [("get_weather", '{"city": "Paris"}')])),
+    ("Let me look.\n\n" + CALL_TEXT + "\n" + CALL_TEXT.replace("get_weather", "get_time").replace(
+        '{"city": "Paris"}', "{}") + "\n", True,
+     ("Let me look.", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])),
+    (CALL_TEXT + "\n" + CALL_TEXT, False, (None, [("get_weather", '{"city": "Paris"}')])),  # the first only
+    ('<tool_call>{"name": "get_weather", "parameters": {"city": "Oslo"}}</tool_call>', True,
+     (None, [("get_weather", '{"city": "Oslo"}')])),  # Llama-style "parameters"
+    ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>', True,
+     (None, [("get_weather", '{"city": "Oslo"}')])),  # arguments written as JSON text: kept as written
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par', True,  # cut off by max_tokens: text
+     ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par', [])),
+    ("x <tool_call>not json</tool_call> y", True, ("x <tool_call>not json</tool_call> y", [])),
+    ("Sunny, 21 °C.\n", True, ("Sunny, 21 °C.\n", [])),  # no call: as written, whitespace and all
+    ("  \n", True, ("  \n", [])),
+    ("a <tool_", True, ("a <tool_", [])),  # begins like the tag, never is
+    (CALL_TEXT + "\nDone.", True, ("Done.", [("get_weather", '{"city": "Paris"}')])),
+    ("Checking.\n" + CALL_TEXT + "\n\n" + CALL_TEXT + " Done.\n", True,
+     ("Checking.\nDone.", [("get_weather", '{"city": "Paris"}')] * 2)),
+]
+
+
+@pytest.mark.parametrize("text, parallel, expected", REPLIES)
+def test_a_whole_reply_s_calls_are_taken_out_and_the_rest_kept(text, parallel, expected):
+    content, calls = split_tool_calls(text, parallel)
+    assert (content, names_and_arguments(calls)) == expected
+    assert all(c["type"] == "function" and c["id"].startswith("call_") and len(c["id"]) == 29 for c in calls)
+    assert len({c["id"] for c in calls}) == len(calls)
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=st.sampled_from(REPLIES), cuts=st.lists(st.integers(0, 200), max_size=14))
+def test_streamed_in_any_pieces_the_calls_and_content_are_the_whole_reply_s(case, cuts):
+    """Deltas cut anywhere, inside a tag or a call's JSON too: the content joined and the calls
+    in order are the whole reply's, indexed from 0, and no piece of content holds part of a tag."""
+    text, parallel, (content, calls) = case
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    splitter = ToolCallSplitter(parallel)
+    pieces = [splitter.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])]
+    streamed_calls = [call for _, made in pieces for call in made]
+    joined = "".join(piece for piece, _ in pieces) + splitter.close()
+    assert joined == (content or "")
+    assert names_and_arguments(streamed_calls) == calls
+    assert [c["index"] for c in streamed_calls] == list(range(len(calls)))
+    if calls:
+        for piece, _ in pieces:
+            assert "<tool_call>" not in piece and not piece.endswith("<tool")
+
+
+def test_the_chat_shape_gives_calls_whole_and_as_one_delta_each_with_the_finish_reason_openai_gives():
+    whole = ChatShape("none", "hermes").choice(0, "Let me look. " + CALL_TEXT, [1, 2], "stop")
+    assert whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["content"] == "Let me look."
+    assert names_and_arguments(whole["message"]["tool_calls"]) == [("get_weather", '{"city": "Paris"}')]
+    cut = ChatShape("none", "hermes").choice(0, CALL_TEXT, [1], "length")
+    assert cut["finish_reason"] == "length"  # the model did not end its turn: said so
+    plain = ChatShape("none", "hermes").choice(0, "Sunny.", [1], "stop")
+    assert plain["message"] == {"role": "assistant", "content": "Sunny."} and plain["finish_reason"] == "stop"
+    unparsed = ChatShape("none", "none").choice(0, CALL_TEXT, [1], "stop")  # tool_choice none: text as written
+    assert unparsed["message"] == {"role": "assistant", "content": CALL_TEXT} and unparsed["finish_reason"] == "stop"
+
+    shape = ChatShape("qwen3", "hermes")
+    pieces = ["<think>Paris", "?</think>\n\nOn it.\n<tool", "_call>\n{\"name\": \"get_weather\", ",
+              "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>", ""]
+    chunks = [shape.chunk_choice(0, piece, [], "stop" if i == len(pieces) - 1 else None)
+              for i, piece in enumerate(pieces)]
+    deltas = [c["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": "", "reasoning": "Paris", "reasoning_content": "Paris"}
+    assert deltas[1] == {"content": "\n\nOn it.", "reasoning": "?", "reasoning_content": "?"}
+    assert deltas[2] == {"content": ""}
+    [call] = deltas[3]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert deltas[4] == {"content": ""} and chunks[4]["finish_reason"] == "tool_calls"
+    assert [c["finish_reason"] for c in chunks[:4]] == [None] * 4
+
+
+# ---- what a request may ask ----------------------------------------------------------------------
+@pytest.mark.parametrize("choice, tools, parser, expected", [
+    (None, TOOLS, "hermes", "auto"), (None, None, "none", "none"), ("none", TOOLS, "none", "none"),
+    ("auto", TOOLS, "hermes", "auto"),
+    ("required", TOOLS, "hermes", "tool_choice: 'required' is not supported: kvd does not constrain decoding, so it "
+                                  "cannot force a call; send \"auto\" (the model chooses) or \"none\""),
+    ({"type": "function", "function": {"name": "get_time"}}, TOOLS, "hermes",
+     "tool_choice: {'type': 'function', 'function': {'name': 'get_time'}} is not supported: kvd does not constrain "
+     "decoding, so it cannot force a call of 'get_time'; send \"auto\" (the model chooses) or \"none\""),
+    ("always", TOOLS, "hermes", "tool_choice: must be \"none\" or \"auto\", got 'always'"),
+    ("auto", None, "hermes", "tool_choice: \"auto\" needs tools to choose from"),
+    (None, TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes); send "
+                          "tool_choice: \"none\" to show the model the tools without calls"),
+])
+def test_tool_choice_is_auto_or_none_and_what_kvd_cannot_honour_is_refused_by_name(choice, tools, parser, expected):
+    if expected in ("auto", "none"):
+        assert tool_choice_mode(choice, tools, parser) == expected
+        return
+    with pytest.raises(MessagesError) as refused:
+        tool_choice_mode(choice, tools, parser)
+    assert str(refused.value) == expected and expected.startswith(refused.value.param + ":")
+
+
+@pytest.mark.parametrize("tools, message", [
+    ({"get_weather": {}}, "tools: must be a list of functions, got dict"),
+    ([WEATHER, {"type": "retrieval"}], "tools[1].type: must be \"function\", got 'retrieval'"),
+    ([{"type": "function", "function": "get_weather"}],
+     "tools[0].function: must be an object with name, description and parameters"),
+    ([{"type": "function", "function": {"name": ""}}], "tools[0].function.name: must be a name of 1 to 64 characters, "
+                                                       "got ''"),
+    ([WEATHER, WEATHER], "tools[1].function.name: 'get_weather' names two tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+     "tools[0].function.parameters: must be a JSON Schema object, got str"),
+    ([{"type": "function", "function": {"name": "f", "description": 3}}],
+     "tools[0].function.description: must be a string"),
+])
+def test_bad_tools_are_named_with_what_was_found(tools, message):
+    with pytest.raises(MessagesError) as refused:
+        checked_tools(tools)
+    assert str(refused.value) == message and message.startswith(refused.value.param + ":")
+    assert checked_tools([]) is None and checked_tools(TOOLS) == TOOLS
+
+
+def test_a_conversation_with_calls_and_results_is_shaped_as_templates_take_it():
+    sent = [*ASK, {"role": "assistant", "content": None, "reasoning_content": "Paris, so get_weather.",
+                   "tool_calls": [{"id": "call_1", "type": "function",
+                                   "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                                  {"id": "call_2", "type": "function",
+                                   "function": {"name": "get_time", "arguments": "not json"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 °C"},
+            {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "12:00"}]}]
+    assert chat_messages(sent)[2:] == [
+        {"role": "assistant", "content": "", "reasoning_content": "Paris, so get_weather.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "not json"}}]},
+        {"role": "tool", "content": "Sunny, 21 °C", "tool_call_id": "call_1"},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call_2"}]
+
+
+@pytest.mark.parametrize("message, param, text", [
+    ({"role": "user", "content": "a", "tool_calls": [{"function": {"name": "f"}}]}, "messages[0].tool_calls",
+     "messages[0].tool_calls: only an assistant's message calls tools, this is 'user''s"),
+    ({"role": "assistant", "content": None, "tool_calls": {"id": "1"}}, "messages[0].tool_calls",
+     "messages[0].tool_calls: must be a list of calls, got dict"),
+    ({"role": "assistant", "tool_calls": [{"type": "code", "function": {"name": "f"}}]}, "messages[0].tool_calls[0].type",
+     "messages[0].tool_calls[0].type: must be \"function\", got 'code'"),
+    ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, "messages[0].tool_calls[0].function.name",
+     "messages[0].tool_calls[0].function.name: must be a function's name, got None"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]},
+     "messages[0].tool_calls[0].function.arguments", "messages[0].tool_calls[0].function.arguments: must be JSON "
+                                                     "text, got int"),
+    ({"role": "assistant", "content": None}, "messages[0].content", "messages[0].content: missing"),
+    ({"role": "tool", "content": "42", "tool_call_id": 7}, "messages[0].tool_call_id",
+     "messages[0].tool_call_id: must be a string, got int"),
+    ({"role": "assistant", "content": "a", "function_call": {"name": "f"}}, "messages[0].function_call",
+     "messages[0].function_call: OpenAI's older form; send tool_calls"),
+])
+def test_bad_tool_turns_are_named_with_what_was_found(message, param, text):
+    with pytest.raises(MessagesError) as refused:
+        chat_messages([message])
+    assert (refused.value.param, str(refused.value)) == (param, text)
+
+
+def test_kvd_renders_tools_and_tool_turns_as_transformers_does(tmp_path):
+    """The tools, the assistant's calls (arguments sent as JSON text, as OpenAI sends them; handed to
+    the template as objects, as transformers asks) and the results: token for token."""
+    pytest.importorskip("tokenizers")
+    from kvctl.daemon.model.chat_template import load_chat_template
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.tokenizer import Tokenizer
+
+    from .test_chat_template import hf_tokenizer
+
+    directory = ensure_demo_checkpoint(tmp_path)
+    (directory / "chat_template.jinja").write_text(HERMES, encoding="utf-8")
+    tokenizer = Tokenizer(directory)
+    ours = load_chat_template(directory, tokenizer.config)
+    sent = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]
+    as_transformers_takes_it = json.loads(json.dumps(sent))
+    as_transformers_takes_it[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    as_transformers_takes_it[2]["content"] = ""
+    hf = hf_tokenizer(directory)
+    for conversation, theirs in ((ASK, ASK), (sent, as_transformers_takes_it)):
+        text = ours.render(chat_messages(conversation), tools=checked_tools(TOOLS))
+        assert text == hf.apply_chat_template(theirs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+        assert CALL_TEXT.replace("\n</tool_call>", "") in text or conversation is ASK
+    plain = ours.render(chat_messages(ASK))
+    assert plain == hf.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    assert "Functions you may call" not in plain
+
+
+def test_a_template_that_does_not_write_tools_refuses_them_rather_than_hide_them():
+    from kvctl.daemon.model.chat_template import TemplateKwargsError
+    from kvctl.daemon.model.demo import DEMO_CHAT_TEMPLATE
+
+    demo = ChatTemplate.compile(DEMO_CHAT_TEMPLATE, "demo.jinja", {"bos_token": "<|begin|>", "eos_token": "<|end|>"})
+    assert not demo.reads_tools and template().reads_tools
+    with pytest.raises(TemplateKwargsError) as refused:
+        demo.render(chat_messages(ASK), tools=TOOLS)
+    assert refused.value.param == "tools" and str(refused.value).startswith(
+        "tools: the model's chat template (demo.jinja) does not write tools")
+    assert demo.render(chat_messages(ASK), tools=None) == demo.render(chat_messages(ASK))
+
+
+def test_agents_that_share_tools_share_a_home_and_other_tools_another():
+    messages = chat_messages(ASK)
+    assert affinity_text(messages, TOOLS) == affinity_text(messages, [dict(WEATHER), CLOCK])
+    assert affinity_text(messages, TOOLS) != affinity_text(messages, [WEATHER])
+    assert affinity_text(messages, None) == affinity_text(messages) == "<system>You help operators.<user>Weather in Paris?"
+
+
+# ---- kvd serving tools ---------------------------------------------------------------------------
+DEMO_EOS = 257
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """The model's reply, scripted: the engine draws these token ids in turn, then the EOS, whatever
+    its logits say (the demo model's weights are random; everything after the draw runs as served)."""
+    pytest.importorskip("torch")
+    from kvctl.daemon.engine import engine as engine_module
+
+    script: list[int] = []
+    monkeypatch.setattr(engine_module, "sample_token",
+                        lambda logits, params, seed, index, step: script[step] if step < len(script) else DEMO_EOS)
+    return script
+
+
+@pytest.fixture
+def hermes_kvd(tmp_path):
+    from .daemon_fixtures import apps, start_service, token_table
+
+    path = tmp_path / "hermes.jinja"
+    path.write_text(HERMES, encoding="utf-8")
+    service = start_service(tmp_path, chat_template=str(path), tool_call_parser="hermes")
+    try:
+        yield service, apps(service, token_table(tmp_path))[0]
+    finally:
+        service.shutdown(1)
+
+
+def test_kvd_answers_a_call_whole_and_streamed_and_the_next_turn_hits_the_cache_through_it(hermes_kvd, scripted):
+    from .daemon_fixtures import blocks_all_back, call, sse_events
+
+    service, unix = hermes_kvd
+    tokenizer = service.loaded.tokenizer
+    scripted.extend(tokenizer.encode("Let me look.\n" + CALL_TEXT, add_bos=False))
+    ask = {"messages": ASK, "tools": TOOLS, "max_tokens": 200}
+    answer = call(unix, "POST", "/v1/chat/completions", json=ask).json()
+    [choice] = answer["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look."
+    assert names_and_arguments(choice["message"]["tool_calls"]) == [("get_weather", '{"city": "Paris"}')]
+    assert answer["usage"]["completion_tokens"] == len(scripted) + 1  # and the EOS
+
+    events = sse_events(call(unix, "POST", "/v1/chat/completions", json={**ask, "stream": True}))
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    streamed_calls = [c for chunk in chunks for c in chunk["delta"].get("tool_calls", [])]
+    assert "".join(chunk["delta"].get("content") or "" for chunk in chunks) == "Let me look."
+    assert [c["index"] for c in streamed_calls] == [0]
+    assert names_and_arguments(streamed_calls) == [("get_weather", '{"city": "Paris"}')]
+    assert chunks[-1]["finish_reason"] == "tool_calls" and events[-1] == "[DONE]"
+
+    first_prompt = service.chat_prompt(chat_messages(ASK), tools=TOOLS)
+    sent_back = [*ASK, {**choice["message"]}, {"role": "tool", "tool_call_id": choice["message"]["tool_calls"][0]["id"],
+                                               "content": "Sunny, 21 °C"}]
+    scripted[:] = tokenizer.encode("Sunny in Paris.", add_bos=False)
+    second = call(unix, "POST", "/v1/chat/completions",
+                  json={"messages": sent_back, "tools": TOOLS, "max_tokens": 50}).json()
+    assert second["choices"][0]["message"]["content"] == "Sunny in Paris."
+    assert second["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in second["choices"][0]["message"]
+    second_prompt = service.chat_prompt(chat_messages(sent_back), tools=TOOLS)
+    written = first_prompt + tokenizer.encode("Let me look.\n" + CALL_TEXT, add_bos=False) + [DEMO_EOS]
+    assert second_prompt[:len(written)] == written  # the template writes the call back as the model wrote it
+    block = service.config.block_size
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(written) // block * block
+    assert blocks_all_back(service)
+
+
+def test_tool_choice_none_shows_the_tools_and_leaves_the_reply_as_written(hermes_kvd, scripted):
+    from .daemon_fixtures import call
+
+    service, unix = hermes_kvd
+    scripted.extend(service.loaded.tokenizer.encode(CALL_TEXT, add_bos=False))
+    answer = call(unix, "POST", "/v1/chat/completions",
+                  json={"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 100})
+    [choice] = answer.json()["choices"]
+    assert choice["message"] == {"role": "assistant", "content": CALL_TEXT} and choice["finish_reason"] == "stop"
+    with_tools = call(unix, "POST", "/tokenize", json={"messages": ASK, "tools": TOOLS}).json()
+    assert answer.json()["usage"]["prompt_tokens"] == with_tools["count"]
+    assert with_tools["tokens"] == service.chat_prompt(chat_messages(ASK), tools=TOOLS)
+    assert with_tools["count"] > call(unix, "POST", "/tokenize", json={"messages": ASK}).json()["count"]
+    refused = call(unix, "POST", "/tokenize", json={"prompt": "hi", "tools": TOOLS})
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == "tools: only with messages (a chat's prompt)"
+    forced = call(unix, "POST", "/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "tool_choice": "required"})
+    assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"
+
+
+def test_an_operator_names_an_agent_s_prompt_with_its_tools_to_explain_pin_and_route(hermes_kvd, scripted, tmp_path):
+    from kvctl.command_kit import prompt_body
+    from kvctl.daemon.model.tokenizer import Tokenizer
+    from kvctl.daemon.server.route_question import affinity_of, local_ids, question_of
+
+    from .daemon_fixtures import call
+
+    service, unix = hermes_kvd
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"model": "m", "messages": ASK, "tools": TOOLS}))
+    named = prompt_body(None, None, None, request)
+    assert named == {"messages": ASK, "tools": TOOLS}
+    cold = call(unix, "POST", "/admin/explain", json=named).json()
+    assert cold["prompt_tokens"] == len(service.chat_prompt(chat_messages(ASK), tools=TOOLS)) and cold["hit_tokens"] == 0
+    pinned = call(unix, "POST", "/admin/pins", json={**named, "ttl": "1h"})
+    assert pinned.status_code == 200, pinned.text
+    warm = call(unix, "POST", "/admin/explain", json=named).json()
+    assert warm["hit_tokens"] == pinned.json()["blocks"] * service.config.block_size > 16
+    with_tools, without = (service.chat_prompt(chat_messages(ASK), tools=t) for t in (TOOLS, None))
+    common = next(i for i, (a, b) in enumerate(zip(with_tools, without)) if a != b)
+    block = service.config.block_size
+    # without the tools the prompt parts from the pinned one where the tools begin
+    assert call(unix, "POST", "/admin/explain", json={"messages": ASK}).json()["hit_tokens"] == common // block * block
+
+    question = question_of({"messages": ASK, "tools": TOOLS, "max_tokens": 5})
+    assert question == {"messages": chat_messages(ASK), "tools": TOOLS}
+    texts = service.loaded.tokenizer.texts
+    assert local_ids(question, Tokenizer.from_texts(*texts), service.chat_template) == \
+        service.chat_prompt(chat_messages(ASK), tools=TOOLS)
+    assert affinity_of(question) != affinity_of(question_of({"messages": ASK}))
+    assert question_of({"messages": ASK, "tools": "all"}) is None  # the replica names what is wrong
+
+
+def test_a_tool_call_parser_kvd_does_not_have_is_refused_naming_those_it_has():
+    from kvctl.daemon.config import ConfigError, resolve
+
+    with pytest.raises(ConfigError) as refused:
+        resolve({"tool_call_parser": "llama4_json"}, {})
+    assert str(refused.value) == ("tool_call_parser: invalid value 'llama4_json' from --tool-call-parser: must be one "
+                                  "of none, hermes")
