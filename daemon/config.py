@@ -208,7 +208,7 @@ class KvdConfig:
     # written), qwen3 or deepseek_r1 (apart, in reasoning and reasoning_content; server/reasoning.py)
     reasoning_parser: str = "none"
     # how a chat reply's tool calls are read (vLLM's --tool-call-parser): none (chats may show the model
-    # tools with tool_choice none; no calls are parsed) or hermes (server/tool_calls.py)
+    # tools with tool_choice none; no calls are parsed), hermes or llama3_json (server/tool_calls.py)
     tool_call_parser: str = "none"
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation

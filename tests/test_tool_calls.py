@@ -17,7 +17,7 @@ from kvctl.daemon.model.chat_template import ChatTemplate  # noqa: E402
 from kvctl.daemon.server.chat import ChatShape  # noqa: E402
 from kvctl.daemon.server.chat_messages import (MessagesError, affinity_text, chat_messages,  # noqa: E402
                                                checked_tools)
-from kvctl.daemon.server.tool_calls import ToolCallSplitter, split_tool_calls, tool_choice_mode  # noqa: E402
+from kvctl.daemon.server.tool_calls import split_tool_calls, splitter_for, tool_choice_mode  # noqa: E402
 
 # In the style of Qwen2.5's and Qwen3's templates (Hermes' format): the tools' signatures in the system
 # turn, an assistant's calls as <tool_call> blocks of JSON, a tool's result as its own turn.
@@ -59,31 +59,49 @@ def names_and_arguments(calls: list[dict]) -> list[tuple[str, str]]:
 
 
 # ---- a reply's calls --------------------------------------------------------------------------
-REPLIES = [  # (answer text, parallel, (content, [(name, arguments)]))
-    (CALL_TEXT, True, (None, [("get_weather", '{"city": "Paris"}')])),
-    ("Let me look.\n\n" + CALL_TEXT + "\n" + CALL_TEXT.replace("get_weather", "get_time").replace(
+REPLIES = [  # (parser, answer text, parallel, (content, [(name, arguments)]))
+    ("hermes", CALL_TEXT, True, (None, [("get_weather", '{"city": "Paris"}')])),
+    ("hermes", "Let me look.\n\n" + CALL_TEXT + "\n" + CALL_TEXT.replace("get_weather", "get_time").replace(
         '{"city": "Paris"}', "{}") + "\n", True,
      ("Let me look.", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])),
-    (CALL_TEXT + "\n" + CALL_TEXT, False, (None, [("get_weather", '{"city": "Paris"}')])),  # the first only
-    ('<tool_call>{"name": "get_weather", "parameters": {"city": "Oslo"}}</tool_call>', True,
+    ("hermes", CALL_TEXT + "\n" + CALL_TEXT, False, (None, [("get_weather", '{"city": "Paris"}')])),  # the first only
+    ("hermes", '<tool_call>{"name": "get_weather", "parameters": {"city": "Oslo"}}</tool_call>', True,
      (None, [("get_weather", '{"city": "Oslo"}')])),  # Llama-style "parameters"
-    ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>', True,
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>', True,
      (None, [("get_weather", '{"city": "Oslo"}')])),  # arguments written as JSON text: kept as written
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par', True,  # cut off by max_tokens: text
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Par', True,  # cut off by max_tokens: text
      ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par', [])),
-    ("x <tool_call>not json</tool_call> y", True, ("x <tool_call>not json</tool_call> y", [])),
-    ("Sunny, 21 °C.\n", True, ("Sunny, 21 °C.\n", [])),  # no call: as written, whitespace and all
-    ("  \n", True, ("  \n", [])),
-    ("a <tool_", True, ("a <tool_", [])),  # begins like the tag, never is
-    (CALL_TEXT + "\nDone.", True, ("Done.", [("get_weather", '{"city": "Paris"}')])),
-    ("Checking.\n" + CALL_TEXT + "\n\n" + CALL_TEXT + " Done.\n", True,
+    ("hermes", "x <tool_call>not json</tool_call> y", True, ("x <tool_call>not json</tool_call> y", [])),
+    ("hermes", "Sunny, 21 °C.\n", True, ("Sunny, 21 °C.\n", [])),  # no call: as written, whitespace and all
+    ("hermes", "  \n", True, ("  \n", [])),
+    ("hermes", "a <tool_", True, ("a <tool_", [])),  # begins like the tag, never is
+    ("hermes", CALL_TEXT + "\nDone.", True, ("Done.", [("get_weather", '{"city": "Paris"}')])),
+    ("hermes", "Checking.\n" + CALL_TEXT + "\n\n" + CALL_TEXT + " Done.\n", True,
      ("Checking.\nDone.", [("get_weather", '{"city": "Paris"}')] * 2)),
+    # llama3_json: the reply is the calls, or it is text
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', True,
+     (None, [("get_weather", '{"city": "Paris"}')])),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', True,
+     (None, [("get_weather", '{"city": "Paris"}')])),  # the tag, where special tokens are decoded
+    ("llama3_json", ' {"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", '
+                    '"parameters": {}}\n', True, (None, [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")])),
+    ("llama3_json", '{"name": "get_weather", "parameters": {}}; {"name": "get_time", "parameters": {}}', False,
+     (None, [("get_weather", "{}")])),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par', True,  # cut off: text
+     ('{"name": "get_weather", "parameters": {"city": "Par', [])),
+    ("llama3_json", '{"city": "Paris"}', True, ('{"city": "Paris"}', [])),  # JSON, but no call
+    ("llama3_json", '{"name": "get_weather", "parameters": {}} and then', True,
+     ('{"name": "get_weather", "parameters": {}} and then', [])),
+    ("llama3_json", 'The call would be {"name": "get_weather"}.', True,
+     ('The call would be {"name": "get_weather"}.', [])),
+    ("llama3_json", "\n <|python", True, ("\n <|python", [])),
+    ("llama3_json", "", True, ("", [])),
 ]
 
 
-@pytest.mark.parametrize("text, parallel, expected", REPLIES)
-def test_a_whole_reply_s_calls_are_taken_out_and_the_rest_kept(text, parallel, expected):
-    content, calls = split_tool_calls(text, parallel)
+@pytest.mark.parametrize("parser, text, parallel, expected", REPLIES)
+def test_a_whole_reply_s_calls_are_taken_out_and_the_rest_kept(parser, text, parallel, expected):
+    content, calls = split_tool_calls(text, parallel, parser)
     assert (content, names_and_arguments(calls)) == expected
     assert all(c["type"] == "function" and c["id"].startswith("call_") and len(c["id"]) == 29 for c in calls)
     assert len({c["id"] for c in calls}) == len(calls)
@@ -94,12 +112,12 @@ def test_a_whole_reply_s_calls_are_taken_out_and_the_rest_kept(text, parallel, e
 def test_streamed_in_any_pieces_the_calls_and_content_are_the_whole_reply_s(case, cuts):
     """Deltas cut anywhere, inside a tag or a call's JSON too: the content joined and the calls
     in order are the whole reply's, indexed from 0, and no piece of content holds part of a tag."""
-    text, parallel, (content, calls) = case
+    parser, text, parallel, (content, calls) = case
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    splitter = ToolCallSplitter(parallel)
-    pieces = [splitter.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])]
+    splitter = splitter_for(parser, parallel)
+    pieces = [splitter.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [splitter.close()]
     streamed_calls = [call for _, made in pieces for call in made]
-    joined = "".join(piece for piece, _ in pieces) + splitter.close()
+    joined = "".join(piece for piece, _ in pieces)
     assert joined == (content or "")
     assert names_and_arguments(streamed_calls) == calls
     assert [c["index"] for c in streamed_calls] == list(range(len(calls)))
@@ -135,6 +153,18 @@ def test_the_chat_shape_gives_calls_whole_and_as_one_delta_each_with_the_finish_
     assert [c["finish_reason"] for c in chunks[:4]] == [None] * 4
 
 
+def test_under_llama3_json_a_json_reply_is_held_to_its_end_and_text_streams_as_it_comes():
+    shape = ChatShape("none", "llama3_json")
+    pieces = [' {"name": "get_wea', 'ther", "parameters": {"city": "Paris"}}', ""]
+    chunks = [shape.chunk_choice(0, p, [], "stop" if i == 2 else None) for i, p in enumerate(pieces)]
+    assert [c["delta"]["content"] for c in chunks] == ["", "", ""]
+    assert names_and_arguments(chunks[2]["delta"]["tool_calls"]) == [("get_weather", '{"city": "Paris"}')]
+    assert chunks[2]["finish_reason"] == "tool_calls"
+    text = ChatShape("none", "llama3_json")
+    assert [text.chunk_choice(0, p, [], f)["delta"]["content"] for p, f in (("\nSun", None), ("ny.", "stop"))] == [
+        "\nSun", "ny."]
+
+
 # ---- what a request may ask ----------------------------------------------------------------------
 @pytest.mark.parametrize("choice, tools, parser, expected", [
     (None, TOOLS, "hermes", "auto"), (None, None, "none", "none"), ("none", TOOLS, "none", "none"),
@@ -146,8 +176,8 @@ def test_the_chat_shape_gives_calls_whole_and_as_one_delta_each_with_the_finish_
      "decoding, so it cannot force a call of 'get_time'; send \"auto\" (the model chooses) or \"none\""),
     ("always", TOOLS, "hermes", "tool_choice: must be \"none\" or \"auto\", got 'always'"),
     ("auto", None, "hermes", "tool_choice: \"auto\" needs tools to choose from"),
-    (None, TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes); send "
-                          "tool_choice: \"none\" to show the model the tools without calls"),
+    (None, TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes or "
+                          "llama3_json); send tool_choice: \"none\" to show the model the tools without calls"),
 ])
 def test_tool_choice_is_auto_or_none_and_what_kvd_cannot_honour_is_refused_by_name(choice, tools, parser, expected):
     if expected in ("auto", "none"):
@@ -395,4 +425,4 @@ def test_a_tool_call_parser_kvd_does_not_have_is_refused_naming_those_it_has():
     with pytest.raises(ConfigError) as refused:
         resolve({"tool_call_parser": "llama4_json"}, {})
     assert str(refused.value) == ("tool_call_parser: invalid value 'llama4_json' from --tool-call-parser: must be one "
-                                  "of none, hermes")
+                                  "of none, hermes, llama3_json")

@@ -18,7 +18,7 @@ from kvctl.daemon.engine.sampling import MAX_LOGPROBS
 from .chat_messages import MessagesError
 from .logprobs import chat_logprobs, completion_logprobs
 from .reasoning import ThinkSplitter, reasoning_fields, split_reply, splitter_for
-from .tool_calls import ToolCallSplitter, split_tool_calls
+from . import tool_calls
 
 # chat fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values that ask for
 # nothing; any other value is refused by name (see app.refuse_unsupported)
@@ -188,7 +188,7 @@ class ChatShape(CompletionShape):
         # tool_calls.py: the answer's calls as tool_calls ("none": not parsed, as with tool_choice none)
         self.tool_call_parser = tool_call_parser
         self.parallel_tool_calls = parallel_tool_calls
-        self.tool_splitters: dict[int, ToolCallSplitter] = {}
+        self.tool_splitters: dict = {}  # choice index -> its tool_calls.splitter_for
 
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
                logprobs: dict | None = None) -> dict:
@@ -197,7 +197,8 @@ class ChatShape(CompletionShape):
             reasoning, message["content"] = split_reply(text, self.reasoning_parser)
             message.update(reasoning_fields(reasoning))
         if self.tool_call_parser != "none":
-            message["content"], calls = split_tool_calls(message["content"], self.parallel_tool_calls)
+            message["content"], calls = tool_calls.split_tool_calls(message["content"], self.parallel_tool_calls,
+                                                                    self.tool_call_parser)
             if calls:
                 message["tool_calls"] = calls
                 finish_reason = called_finish(finish_reason)
@@ -221,10 +222,12 @@ class ChatShape(CompletionShape):
         if self.tool_call_parser != "none":
             tools = self.tool_splitters.get(index)
             if tools is None:
-                tools = self.tool_splitters[index] = ToolCallSplitter(self.parallel_tool_calls)
+                tools = self.tool_splitters[index] = tool_calls.splitter_for(self.tool_call_parser,
+                                                                             self.parallel_tool_calls)
             delta["content"], calls = tools.feed(delta["content"])
             if finish_reason is not None:
-                delta["content"] += tools.close()
+                more_content, more_calls = tools.close()
+                delta["content"], calls = delta["content"] + more_content, calls + more_calls
                 finish_reason = called_finish(finish_reason) if tools.calls else finish_reason
             if calls:
                 delta["tool_calls"] = calls

@@ -4,6 +4,9 @@
 - `hermes`: a call is a JSON object `{"name": ..., "arguments": {...}}` between `<tool_call>` and
   `</tool_call>` (the format of Hermes 2 Pro, Qwen2.5 and Qwen3, whose chat templates ask for it);
   several blocks are several calls;
+- `llama3_json`: a reply that is JSON, `{"name": ..., "parameters": {...}}` (several separated by
+  `;`), after Llama 3.1's `<|python_tag|>` where it is decoded, is its calls (the format Llama 3.1,
+  3.2 and 3.3's templates ask for); a reply that opens otherwise, or is not such JSON, is text;
 - `none`: kvd parses no calls; a chat may still show the model its tools with `tool_choice: "none"`.
 
 A call's `arguments` are given out as JSON text, as OpenAI gives them. A block that is not such an
@@ -14,7 +17,8 @@ its content exactly as written.
 
 Streamed, the text before a block goes out as it comes; a block is held until it closes and then
 goes out whole, as one `tool_calls` delta (OpenAI's clients join a call's deltas by `index`, and
-one delta is a whole call); a tag split across deltas is held back until it is whole. Whole and
+one delta is a whole call); a tag split across deltas is held back until it is whole. Under
+`llama3_json` a reply that opens with `{` is held to its end (it is a call or it is not). Whole and
 streamed replies split alike: a whole reply is one delta.
 """
 
@@ -25,8 +29,9 @@ import secrets
 
 from .chat_messages import MessagesError
 
-TOOL_CALL_PARSERS = ("none", "hermes")
+TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before a call; gone where special tokens are not decoded
 
 
 def held_back(text: str, tag: str) -> int:
@@ -57,8 +62,9 @@ def tool_choice_mode(tool_choice, tools: list[dict] | None, parser: str) -> str:
     if not tools:
         raise MessagesError("tool_choice: \"auto\" needs tools to choose from", "tool_choice")
     if parser == "none":
-        raise MessagesError("tools: kvd parses no tool calls here (start it with --tool-call-parser hermes); send "
-                            "tool_choice: \"none\" to show the model the tools without calls", "tools")
+        raise MessagesError("tools: kvd parses no tool calls here (start it with --tool-call-parser hermes or "
+                            "llama3_json); send tool_choice: \"none\" to show the model the tools without calls",
+                            "tools")
     return "auto"
 
 
@@ -68,6 +74,11 @@ def parse_call(body: str) -> dict | None:
         call = json.loads(body)
     except ValueError:
         return None
+    return call_of(call)
+
+
+def call_of(call) -> dict | None:
+    """A parsed JSON value as a call {name, arguments (JSON text)}, or None when it is not one."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -84,6 +95,8 @@ def new_call_id() -> str:
 
 class ToolCallSplitter:
     """One reply's answer text, fed as it comes, split into content and calls (hermes blocks).
+    `feed` and `close` give (content, calls), each call {index, id, type, function: {name,
+    arguments}}; a parser of another format is a class with the same two methods.
 
     `parallel`: False keeps only the first call (OpenAI's `parallel_tool_calls: false`)."""
 
@@ -96,8 +109,7 @@ class ToolCallSplitter:
         self.calls = 0
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
-        """The content that can be given out now, and the calls whose blocks have closed (each
-        {index, id, type, function: {name, arguments}})."""
+        """The content that can be given out now, and the calls whose blocks have closed."""
         self.pending += text
         content, calls = "", []
         while True:
@@ -122,10 +134,10 @@ class ToolCallSplitter:
             # around it, if text follows (else close drops it)
             self.after_call = True
             if self.parallel or self.calls == 0:
-                calls.append({"index": self.calls, "id": new_call_id(), "type": "function", "function": call})
+                calls.append(numbered(call, self.calls))
                 self.calls += 1
 
-    def close(self) -> str:
+    def close(self) -> tuple[str, list[dict]]:
         """The content held back, once the reply has ended (an unclosed block is text)."""
         rest = (OPEN if self.inside else "") + self.pending
         self.pending, self.inside = "", False
@@ -133,7 +145,7 @@ class ToolCallSplitter:
         if not self.calls:  # no call: the reply as written, whitespace and all
             content += self.space
         self.space = ""
-        return content
+        return content, []
 
     def _outside(self, text: str) -> str:
         """Text outside blocks as it can be given out: trailing whitespace kept back."""
@@ -148,11 +160,79 @@ class ToolCallSplitter:
         return kept
 
 
-def split_tool_calls(text: str, parallel: bool = True) -> tuple[str | None, list[dict]]:
+def numbered(call: dict, index: int) -> dict:
+    """A call as a reply gives it out: its stream index, a new id."""
+    return {"index": index, "id": new_call_id(), "type": "function", "function": call}
+
+
+class JsonReplySplitter:
+    """llama3_json: a reply that opens with JSON (or the python tag) is held to its end, then read
+    as calls: one object, or several separated by `;`. Any other reply is content as it comes."""
+
+    def __init__(self, parallel: bool = True) -> None:
+        self.parallel = parallel
+        self.state = "opening"  # opening -> holding (JSON, perhaps calls) | text
+        self.pending = ""
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self.state == "text":
+            return text, []
+        self.pending += text
+        start = self.pending.lstrip()
+        if self.state == "opening":
+            if not start or (PYTHON_TAG.startswith(start) and start != PYTHON_TAG):
+                return "", []  # only whitespace so far, or perhaps the tag
+            self.state = "holding" if start.startswith(("{", PYTHON_TAG)) else "text"
+        if self.state == "text":
+            out, self.pending = self.pending, ""
+            return out, []
+        return "", []
+
+    def close(self) -> tuple[str, list[dict]]:
+        text, self.pending = self.pending, ""
+        calls = json_calls(text) if self.state == "holding" else None
+        if not calls:
+            return text, []
+        calls = calls if self.parallel else calls[:1]
+        self.calls = len(calls)
+        return "", [numbered(call, index) for index, call in enumerate(calls)]
+
+
+def json_calls(text: str) -> list[dict] | None:
+    """The calls a llama3_json reply holds, or None when it is not calls alone."""
+    text = text.strip()
+    text = text[len(PYTHON_TAG):] if text.startswith(PYTHON_TAG) else text
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        at = len(text) - len(text[at:].lstrip())
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        call = call_of(value)
+        if call is None:
+            return None
+        calls.append(call)
+        rest = text[at:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            return None
+        at = len(text) - len(rest) + 1
+
+
+def splitter_for(parser: str, parallel: bool = True):
+    """A reply's tool-call splitter under `parser` (hermes or llama3_json)."""
+    return JsonReplySplitter(parallel) if parser == "llama3_json" else ToolCallSplitter(parallel)
+
+
+def split_tool_calls(text: str, parallel: bool = True, parser: str = "hermes") -> tuple[str | None, list[dict]]:
     """A whole reply's answer as (content, or None when there are calls and nothing else, calls
     without their stream `index`)."""
-    splitter = ToolCallSplitter(parallel)
+    splitter = splitter_for(parser, parallel)
     content, calls = splitter.feed(text)
-    content += splitter.close()
+    more_content, more_calls = splitter.close()
+    content, calls = content + more_content, calls + more_calls
     return (None if calls and not content else content), [
         {key: value for key, value in call.items() if key != "index"} for call in calls]
