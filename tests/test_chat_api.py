@@ -38,7 +38,7 @@ def conversation(question, *turns):
 
 def rendered(service, messages, add_generation_prompt=True):
     text = service.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
-    return service.loaded.tokenizer.encode(text, add_bos=False)
+    return service.loaded.tokenizer.encode(text, add_special_tokens=False)
 
 
 def common_blocks(a, b):
@@ -115,7 +115,7 @@ def test_continue_final_message_goes_on_with_the_assistant_s_words(daemon):
     service, unix, _ = daemon
     messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "one, two,"}]
     body = chat(unix, messages, continue_final_message=True, add_generation_prompt=False, temperature=0).json()
-    ids = service.loaded.tokenizer.encode("<|begin|><|user|>\nCount.<|end|>\n<|assistant|>\none, two,", add_bos=False)
+    ids = service.loaded.tokenizer.encode("<|begin|><|user|>\nCount.<|end|>\n<|assistant|>\none, two,", add_special_tokens=False)
     assert body["usage"]["prompt_tokens"] == len(ids)
     plain = call(unix, "POST", "/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0}).json()
     assert body["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
@@ -241,7 +241,7 @@ def test_a_template_given_at_start_renders_and_its_refusals_are_400s(tmp_path):
             "param": "messages", "code": "chat_template_refused", "type": None}
         answer = chat(unix, [{"role": "user", "content": "hi"}]).json()
         assert answer["usage"]["prompt_tokens"] == len(service.loaded.tokenizer.encode("user: hi\nassistant:",
-                                                                                        add_bos=False))
+                                                                                        add_special_tokens=False))
         assert service.status()["model"]["chat_template"] == {"source": str(template),
                                                               "digest": service.chat_template.digest,
                                                               "defaults": {}}

@@ -74,8 +74,8 @@ def test_the_demo_template_renders_and_encodes_as_transformers_does(demo_dir, co
     assert text == hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
     expected = hf.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt)
     expected = expected if isinstance(expected, list) else expected["input_ids"]
-    assert tokenizer.encode(text, add_bos=False) == expected
-    assert tokenizer.encode(text, add_bos=False)[0] == tokenizer.bos_token_id  # the template's one BOS, not two
+    assert tokenizer.encode(text, add_special_tokens=False) == expected
+    assert tokenizer.encode(text, add_special_tokens=False)[0] == tokenizer.bos_token_id  # the template's one BOS, not two
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
@@ -232,7 +232,7 @@ def test_the_example_template_renders_as_transformers_does_and_opens_every_chat_
         expected = hf.apply_chat_template(conversation, chat_template=example.read_text(), tokenize=False,
                                           add_generation_prompt=True)
         assert template.render(chat_messages(conversation)) == expected
-    one, two = (tokenizer.encode(template.render(chat_messages(c)), add_bos=False) for c in CONVERSATIONS[:2])
+    one, two = (tokenizer.encode(template.render(chat_messages(c)), add_special_tokens=False) for c in CONVERSATIONS[:2])
     assert one[:48] == two[:48]  # three blocks of 16 before any message's content: the header and the date
     with pytest.raises(ChatTemplateError, match="only the first message may be a system message"):
         template.render(chat_messages([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]))

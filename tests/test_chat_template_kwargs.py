@@ -97,7 +97,7 @@ def test_a_chat_s_kwargs_reach_its_prompt_and_its_cache(daemon):
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     first = chat(unix, **off).json()["usage"]
     expected = service.loaded.tokenizer.encode(template_of(service).render(CHAT, kwargs={"enable_thinking": False}),
-                                               add_bos=False)
+                                               add_special_tokens=False)
     assert first["prompt_tokens"] == len(expected) == len(service.chat_prompt(CHAT)) + len("<think>\n\n</think>\n\n")
     again = chat(unix, **off).json()["usage"]
     assert again["prompt_tokens_details"]["cached_tokens"] == len(expected) // 16 * 16

@@ -334,7 +334,7 @@ def test_kvd_answers_a_call_whole_and_streamed_and_the_next_turn_hits_the_cache_
 
     service, unix = hermes_kvd
     tokenizer = service.loaded.tokenizer
-    scripted.extend(tokenizer.encode("Let me look.\n" + CALL_TEXT, add_bos=False))
+    scripted.extend(tokenizer.encode("Let me look.\n" + CALL_TEXT, add_special_tokens=False))
     ask = {"messages": ASK, "tools": TOOLS, "max_tokens": 200}
     answer = call(unix, "POST", "/v1/chat/completions", json=ask).json()
     [choice] = answer["choices"]
@@ -354,13 +354,13 @@ def test_kvd_answers_a_call_whole_and_streamed_and_the_next_turn_hits_the_cache_
     first_prompt = service.chat_prompt(chat_messages(ASK), tools=TOOLS)
     sent_back = [*ASK, {**choice["message"]}, {"role": "tool", "tool_call_id": choice["message"]["tool_calls"][0]["id"],
                                                "content": "Sunny, 21 °C"}]
-    scripted[:] = tokenizer.encode("Sunny in Paris.", add_bos=False)
+    scripted[:] = tokenizer.encode("Sunny in Paris.", add_special_tokens=False)
     second = call(unix, "POST", "/v1/chat/completions",
                   json={"messages": sent_back, "tools": TOOLS, "max_tokens": 50}).json()
     assert second["choices"][0]["message"]["content"] == "Sunny in Paris."
     assert second["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in second["choices"][0]["message"]
     second_prompt = service.chat_prompt(chat_messages(sent_back), tools=TOOLS)
-    written = first_prompt + tokenizer.encode("Let me look.\n" + CALL_TEXT, add_bos=False) + [DEMO_EOS]
+    written = first_prompt + tokenizer.encode("Let me look.\n" + CALL_TEXT, add_special_tokens=False) + [DEMO_EOS]
     assert second_prompt[:len(written)] == written  # the template writes the call back as the model wrote it
     block = service.config.block_size
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(written) // block * block
@@ -371,7 +371,7 @@ def test_tool_choice_none_shows_the_tools_and_leaves_the_reply_as_written(hermes
     from .daemon_fixtures import call
 
     service, unix = hermes_kvd
-    scripted.extend(service.loaded.tokenizer.encode(CALL_TEXT, add_bos=False))
+    scripted.extend(service.loaded.tokenizer.encode(CALL_TEXT, add_special_tokens=False))
     answer = call(unix, "POST", "/v1/chat/completions",
                   json={"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 100})
     [choice] = answer.json()["choices"]

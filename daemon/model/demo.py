@@ -44,8 +44,9 @@ DEMO_CHAT_TEMPLATE = (
 
 
 def write_byte_tokenizer(directory: Path) -> None:
-    """A byte-level tokenizer: one token per byte, plus BOS and EOS (ids 256, 257)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level tokenizer: one token per byte, plus BOS and EOS (ids 256, 257); its
+    post-processor puts BOS before a prompt, for kvd as for `transformers`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {symbol: index for index, symbol in enumerate(alphabet)}
@@ -54,6 +55,8 @@ def write_byte_tokenizer(directory: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([BOS, EOS])
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                             special_tokens=[(BOS, 256)])
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))

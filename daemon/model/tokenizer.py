@@ -20,7 +20,13 @@ def tokenizer_digest(tokenizer_json: str, config_json: str | None) -> str:
 class Tokenizer:
     """A model's tokenizer: `tokenizer.json` (and `tokenizer_config.json`, for the special
     tokens) read with the `tokenizers` library. Its `digest` names those two files' bytes: two
-    tokenizers with one digest encode alike (it is part of every cache key's namespace)."""
+    tokenizers with one digest encode alike (it is part of every cache key's namespace).
+
+    The special tokens a prompt gets (`encode(text)`, as /v1/completions encodes a prompt) are
+    those `tokenizer.json`'s post-processor adds, as `transformers` (from 5.0, which sets
+    `tokenizer_config.json`'s `add_bos_token` aside where there is a `tokenizer.json`) and so vLLM
+    add them: Llama 3's `<|begin_of_text|>`; Qwen's, nothing; none where there is no
+    post-processor. A chat's prompt is encoded without them: its template writes its own."""
 
     def __init__(self, model_dir: Path) -> None:
         model_dir = Path(model_dir)
@@ -55,9 +61,10 @@ class Tokenizer:
             token = token.get("content")
         return None if token is None else self._tok.token_to_id(token)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_token_id] if add_bos and self.bos_token_id is not None else []) + ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids, with the special tokens a prompt gets (see the class) unless
+        `add_special_tokens` is false."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

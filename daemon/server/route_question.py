@@ -80,4 +80,4 @@ def local_ids(question: dict, tokenizer: Tokenizer, template: ChatTemplate | Non
                                tools=question.get("tools"))
     except (ChatTemplateError, TemplateKwargsError):
         return []
-    return tokenizer.encode(text, add_bos=False)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -658,7 +658,7 @@ class EngineService:
                                              tools=tools)
         except TemplateKwargsError as exc:
             raise MessagesError(str(exc), exc.param) from None
-        return self.loaded.tokenizer.encode(text, add_bos=False)
+        return self.loaded.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- operator views ----------------------------------------------------------------------
     def status(self, with_blocks: bool = False, cells: int | None = None) -> dict:

@@ -29,7 +29,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None
-    add_special_tokens: bool = True  # the BOS token before a prompt, as /v1/completions adds it
+    add_special_tokens: bool = True  # what the tokenizer adds to a prompt (a BOS, mostly), as /v1/completions does
     add_generation_prompt: bool = True  # chats: end with the assistant's turn opening
     continue_final_message: bool = False  # chats: end inside the last message
     chat_template_kwargs: Any = None  # chats: names the chat template reads, as /v1/chat/completions takes them
@@ -49,7 +49,7 @@ def tokenize(service, body: TokenizeRequest) -> dict:
         raise MessagesError("prompt: give a prompt (text) or messages (a chat), not both or neither", "prompt")
     if body.prompt is not None:
         refuse_chat_fields_without_messages(body)
-        ids = service.loaded.tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
+        ids = service.loaded.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         ids = service.chat_prompt(chat_messages(body.messages), generation_prompt(body), body.continue_final_message,
                                   body.chat_template_kwargs, checked_tools(body.tools))
