@@ -159,8 +159,7 @@ def test_an_oversized_prompt_is_refused_before_it_is_hashed_or_reaches_the_engin
     assert hashed == [] and service.engine.stats.rejections == before and not service._inbox
 
 
-@pytest.mark.parametrize("field, value", [("best_of", 3), ("suffix", " end"), ("guided_regex", "a+"),
-                                          ("use_beam_search", True)])
+@pytest.mark.parametrize("field, value", [("best_of", 3), ("suffix", " end"), ("use_beam_search", True)])
 def test_parameters_kvd_does_not_implement_are_refused_not_ignored(daemon, field, value):
     _, unix, _ = daemon
     response = call(unix, "POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2, field: value})

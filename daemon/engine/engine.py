@@ -44,6 +44,7 @@ from ..model.tokenizer import first_outside_vocab
 from .logits import adjust_logits
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
 from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
+from .structured import GrammarVocabulary
 from .tenant_book import DEFAULT_LIMIT, HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
 
 
@@ -161,6 +162,7 @@ class Engine:
         self.eos_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        self._grammar_vocabulary: GrammarVocabulary | None = None  # built on the first structured request
         self.requests: dict[str, Request] = {}
         self._waiting: list[tuple[tuple, Sequence]] = []
         self._running: dict[str, Sequence] = {}
@@ -245,6 +247,16 @@ class Engine:
         bad = first_outside_vocab(prompt_ids, vocab)
         if bad is not None:
             raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {prompt_ids[bad]!r}")
+        if params.constraint is not None:
+            self.grammar_vocabulary.check(params.constraint)
+
+    @property
+    def grammar_vocabulary(self) -> GrammarVocabulary:
+        """The vocabulary structured outputs are followed in (structured.py)."""
+        if self._grammar_vocabulary is None:
+            self._grammar_vocabulary = GrammarVocabulary(self.tokenizer.texts[0], self.loaded.config.vocab_size,
+                                                         self.eos_ids)
+        return self._grammar_vocabulary
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default", reservation=None,
@@ -767,15 +779,21 @@ class Engine:
             new_children = self._fork_children(seq)
             params = seq.request.params
             logprobs = None if params.logprobs is None else torch.log_softmax(logits[row].float(), dim=-1)
-            adjusts = params.adjusts_logits
+            adjusts, shaped = params.adjusts_logits, params.constraint is not None
             for s in [seq] + new_children:
-                if params.temperature == 0 and not adjusts:
+                if params.temperature == 0 and not adjusts and not shaped:
                     token = greedy[row]  # the batch's argmax: no tensor op per row (each costs µs on a CPU)
                 else:
                     scores = logits[row]
                     if adjusts:
                         scores = adjust_logits(scores, params, s.request.prompt_ids, s.output_ids, self.eos_ids)
+                    if shaped:
+                        if s.grammar is None:
+                            s.grammar = self.grammar_vocabulary.follow(params.constraint)
+                        scores = s.grammar.masked(scores)
                     token = sample_token(scores, params, s.request.seed, s.index, len(s.output_ids))
+                    if shaped:
+                        s.grammar.consume(token)
                 events.append(self._emit(s, token, now, None if logprobs is None else
                                          _token_logprobs(logprobs, token, params.logprobs)))
         return events
@@ -828,6 +846,8 @@ class Engine:
             if cuts:
                 seq.text_end = min(cuts)
                 return "stop"
+        if seq.grammar is not None and seq.grammar.done:  # the reply's shape is complete
+            return "stop"
         if len(seq.output_ids) >= params.max_tokens:
             return "length"
         return None

@@ -63,6 +63,7 @@ class Sequence:
     # per output token when the request asks for logprobs: (its logprob, ((id, logprob), ...) of the
     # most likely alternatives, best first)
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
+    grammar: object | None = None  # structured.GrammarState: where the reply is in its shape, if it has one
 
     @property
     def all_tokens(self) -> list[int]:

@@ -47,6 +47,8 @@ class SamplingParams:
     # report each prompt token's logprob (after the first) and this many alternatives: every prompt
     # position is computed, none taken from the cache (Request.prompt_logprobs)
     prompt_logprobs: int | None = None
+    # structured.Constraint: the shape the reply is held to (a JSON Schema, a regex, choices), or None
+    constraint: object | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     @property

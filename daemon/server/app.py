@@ -48,6 +48,7 @@ from .chat_messages import MessagesError, chat_messages, checked_tools, messages
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
+from .response_format import constraint_of
 from .service import EngineService, LoopSink
 from .strict_json import StrictJSONRoute
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -57,7 +58,7 @@ from .usage_report import CALLER_ROLE_HEADER, shows_cached_tokens, usage
 
 def _param_of(message: str) -> str | None:
     head = message.split(":", 1)[0].split("[", 1)[0]  # "logit_bias[5]: ..." is about logit_bias
-    return head if head.replace("_", "").isalnum() else None
+    return head if head.replace("_", "").replace(".", "").isalnum() else None
 
 
 class CompletionRequest(GenerationFields):
@@ -77,14 +78,13 @@ class CompletionRequest(GenerationFields):
 # Fields nobody has defined are ignored, as OpenAI-compatible servers do.
 UNSUPPORTED_FIELDS = {
     "suffix": (None, ""), "best_of": (None, 1),
-    "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "response_format": (None,),
-    "cache_salt": (None, ""),
+    "use_beam_search": (None, False), "guided_grammar": (None,), "cache_salt": (None, ""),
 }
 # why, where "leave it out" is not the whole answer
 UNSUPPORTED_HINTS = {
     "cache_salt": "kvd keeps prefixes apart by tenant (the caller's token, or the tenant header behind a trusted "
                   "proxy), never by a salt the client picks; send requests that must not share as another tenant",
+    "guided_grammar": "kvd holds replies to guided_json, guided_regex, guided_choice or response_format",
 }
 
 
@@ -218,7 +218,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, "max_tokens: must be an integer >= 1, got 0 (0 only with echo: the prompt is "
                                 "scored and nothing generated)", param="max_tokens")
         params = sampling(body, 1 if prompt_only else body.max_tokens, "completions", body.logprobs,
-                          max(scored, default=None))
+                          max(scored, default=None), shape_of(body))
         return await generate(engine, prompts, params, body, http, who, CompletionShape(),
                               echo_texts(body.prompt, prompts, engine.tokenizer) if body.echo else None,
                               prompt_only=prompt_only)
@@ -230,6 +230,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             messages, tools = chat_messages(body.messages), checked_tools(body.tools)
             tool_mode = tool_choice_mode(body.tool_choice, tools, service.config.tool_call_parser)
             limit, opens_reply, logprobs = body.output_limit(), body.generation_prompt(), body.logprobs_wanted()
+            constraint = constraint_of(body)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         engine = ready_for(body.model)
@@ -250,8 +251,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         shape = ChatShape(service.config.reasoning_parser,
                           service.config.tool_call_parser if tool_mode == "auto" else "none",
                           parallel_tool_calls=body.parallel_tool_calls is not False)
-        return await generate(engine, [ids], sampling(body, limit, "chat", logprobs, body.prompt_logprobs), body, http,
-                              who, shape)
+        params = sampling(body, limit, "chat", logprobs, body.prompt_logprobs, constraint)
+        return await generate(engine, [ids], params, body, http, who, shape)
 
     def ready_for(model: str | None):
         """The engine, once it takes completions for `model` (None: whichever is served)."""
@@ -300,8 +301,17 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param=_param_of(str(exc)), code="chat_template_refused") from None
 
-    def sampling(body, max_tokens: int, api: str, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """The request's sampling fields (checked by the engine, which names a bad one)."""
+    def shape_of(body):
+        """The reply's shape the request asks for (response_format.py), or a 400 naming the field."""
+        try:
+            return constraint_of(body)
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+
+    def sampling(body, max_tokens: int, api: str, logprobs: int | None, prompt_logprobs: int | None,
+                 constraint=None) -> SamplingParams:
+        """The request's sampling fields (checked by the engine, which names a bad one), and the
+        shape the reply is held to (`constraint`, checked by the engine too)."""
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
             controls = body.sampling_controls()
@@ -317,7 +327,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 chosen[name] = default
         return SamplingParams(max_tokens=max_tokens, seed=body.seed, n=body.n, stop=stop, **chosen,
                               stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, extra={"api": api}, **controls)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint,
+                              extra={"api": api}, **controls)
 
     async def generate(engine, prompts: list[list[int]], params: SamplingParams, body, http: Request,
                        who: Principal, shape: CompletionShape, echo_texts: list[str] | None = None,

@@ -24,8 +24,7 @@ from . import tool_calls
 # nothing; any other value is refused by name (see app.refuse_unsupported)
 UNSUPPORTED_CHAT_FIELDS = {
     "best_of": (None, 1),
-    "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "response_format": (None, {"type": "text"}), "cache_salt": (None, ""),
+    "use_beam_search": (None, False), "guided_grammar": (None,), "cache_salt": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),
     "chat_template": (None,), "documents": (None, []),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
@@ -81,6 +80,12 @@ class GenerationFields(BaseModel):
     priority: Count | None = None  # vLLM's: with queue_order priority, lower runs first (EngineService.queue_priority)
     # vLLM's: logprobs name tokens "token_id:N", so tokens of one text (parts of a character) stay apart
     return_tokens_as_token_ids: bool | None = False
+    # the reply's shape (response_format.py): OpenAI's, and vLLM's guided_* and structured_outputs
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
 
     def sampling_controls(self) -> dict:
         """The fields above as SamplingParams takes them (null: the value that changes nothing)."""

@@ -1,0 +1,127 @@
+"""Structured outputs: a reply held to a JSON Schema, a regular expression or a list of choices.
+
+A request names the shape (`daemon/server/response_format.py` reads OpenAI's `response_format` and
+vLLM's `guided_*` fields); it becomes one `Constraint`, an llguidance grammar that the engine
+checks when the request is submitted and then follows token by token. Before each draw, the
+tokens that cannot continue the grammar get -inf (after penalties and biases; temperature, top-k
+and top-p then apply to what is left), so greedy and sampled replies alike stay inside it, and a
+sample ends ("stop") as soon as the grammar can go no further, without spending a step on EOS. A
+reply cut off by max_tokens ends where it was, as OpenAI's does ("length").
+
+llguidance (the grammar engine vLLM and SGLang offer) computes a step's mask from the tokenizer's
+vocabulary in tens of microseconds, with limits on how much work a grammar may ask for, so a
+caller's schema cannot stall the engine thread. It is imported only when a request asks for a
+shape.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import RequestError
+
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A reply's shape: llguidance's grammar text, and the request field it came from (errors
+    name it)."""
+
+    field: str
+    grammar: str
+
+    @classmethod
+    def json_schema(cls, schema: dict, field: str) -> "Constraint":
+        """JSON that the schema accepts, written as `json.dumps` writes it (", " and ": ", no other
+        whitespace) unless the schema's own `x-guidance` options say otherwise: a grammar that
+        allows whitespace anywhere lets a model loop on newlines until max_tokens (vLLM's
+        --structured-outputs-config disable_any_whitespace is the cure there)."""
+        from llguidance import LLMatcher
+
+        return cls(field, LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
+
+    @classmethod
+    def regex(cls, pattern: str, field: str) -> "Constraint":
+        from llguidance import LLMatcher
+
+        return cls(field, LLMatcher.grammar_from_regex(pattern))
+
+    @classmethod
+    def choice(cls, choices: list[str], field: str) -> "Constraint":
+        """Exactly one of `choices`, as written (vLLM's guided_choice)."""
+        from llguidance import LLMatcher
+
+        return cls(field, LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices)))
+
+
+class GrammarVocabulary:
+    """The model's vocabulary as llguidance reads it: built once per loaded model, on the first
+    request that asks for a shape (a large vocabulary takes about a second)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids) -> None:
+        self.tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
+        self._built = None
+
+    @property
+    def built(self):
+        if self._built is None:
+            from llguidance import LLTokenizer
+
+            self._built = LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
+        return self._built
+
+    def check(self, constraint: Constraint) -> None:
+        """RequestError naming the field when the grammar cannot be followed."""
+        from llguidance import LLMatcher
+
+        problem = LLMatcher.validate_grammar(constraint.grammar, self.built)
+        if problem and not problem.startswith("WARNING"):
+            lines = [line.strip() for line in problem.strip().splitlines()]
+            why = next((line.removeprefix("error: ") for line in lines[1:] if line.startswith("error:")), "")
+            raise RequestError(f"{constraint.field}: {lines[0]}" + (f" {why}" if why else ""))
+
+    def follow(self, constraint: Constraint) -> "GrammarState":
+        return GrammarState(self, constraint)
+
+
+class GrammarState:
+    """One sample's place in its grammar."""
+
+    def __init__(self, vocabulary: GrammarVocabulary, constraint: Constraint) -> None:
+        from llguidance import LLMatcher
+
+        self.vocabulary = vocabulary
+        self.matcher = LLMatcher(vocabulary.built, constraint.grammar, log_level=0)
+        self._bits = torch.arange(8, dtype=torch.uint8)
+
+    def allowed(self) -> torch.Tensor:
+        """bool [vocab]: the tokens that continue the grammar now."""
+        packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+        return ((packed[:, None] >> self._bits) & 1).flatten()[:self.vocabulary.vocab_size].bool()
+
+    def masked(self, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` [vocab] with the tokens that cannot continue the grammar at -inf; where none can
+        (a grammar in error), only the EOS tokens are left, so the sample ends."""
+        allowed = self.allowed()
+        if not bool(allowed.any()):
+            if not self.vocabulary.eos_ids:
+                return scores
+            allowed[self.vocabulary.eos_ids] = True
+        scores = scores.float().clone()
+        width = min(scores.shape[-1], allowed.shape[-1])
+        scores[:width] = scores[:width].masked_fill(~allowed[:width], float("-inf"))
+        scores[width:] = float("-inf")
+        return scores
+
+    def consume(self, token: int) -> None:
+        self.matcher.consume_token(token)
+
+    @property
+    def done(self) -> bool:
+        """The grammar can go no further (or is in error): the sample ends here."""
+        return self.matcher.is_stopped() or self.matcher.is_error()

@@ -1,0 +1,198 @@
+"""Structured outputs: response_format (json_object, json_schema) and vLLM's guided_json,
+guided_regex, guided_choice and structured_outputs hold a reply to its shape whatever the model's
+weights say (the demo model's are random), greedy or sampled, whole or streamed, and end it where
+the shape ends; what cannot be followed is refused by field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("llguidance")
+
+from .daemon_fixtures import apps, blocks_all_back, call, sse_events, start_service, token_table  # noqa: E402
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["blocks", "tier", "pinned"],
+          "properties": {"blocks": {"type": "integer", "minimum": 0, "maximum": 4096},
+                         "tier": {"enum": ["device", "host", "disk"]},
+                         "pinned": {"type": "boolean"},
+                         "note": {"type": "string", "maxLength": 12}}}
+# no strings of the model's own: the whole text is layout, which json.dumps writes alike
+NUMBERS_ONLY = {**SCHEMA, "properties": {k: v for k, v in SCHEMA["properties"].items() if k != "note"}}
+ASK = [{"role": "user", "content": "Where is the system prompt cached?"}]
+
+
+@pytest.fixture(scope="module")
+def kvd(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("structured")
+    service = start_service(tmp_path)
+    try:
+        yield service, apps(service, token_table(tmp_path))[0]
+    finally:
+        service.shutdown(1)
+
+
+def chat(unix, **fields):
+    answer = call(unix, "POST", "/v1/chat/completions", json={"messages": ASK, "max_tokens": 200, **fields})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def complete(unix, **fields):
+    answer = call(unix, "POST", "/v1/completions", json={"prompt": "Answer:", "max_tokens": 200, **fields})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def walk(service, constraint, token_ids: list[int]) -> str:
+    """What the tokens are to the shape, read by a fresh matcher: "whole" (it takes them all and can
+    go no further), "prefix" (it takes them all and wants more) or "off" (it refuses one)."""
+    state = service.engine.grammar_vocabulary.follow(constraint)
+    for token in token_ids:
+        if not state.allowed()[token]:
+            return "off"
+        state.consume(token)
+    return "whole" if state.done else "prefix"
+
+
+def obeys_schema(reply: dict) -> bool:
+    return (set(reply) - {"note"} == {"blocks", "tier", "pinned"} and type(reply["blocks"]) is int
+            and 0 <= reply["blocks"] <= 4096 and reply["tier"] in ("device", "host", "disk")
+            and type(reply["pinned"]) is bool and len(reply.get("note", "")) <= 12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_json_schema_reply_obeys_the_schema_sampled_or_greedy_and_ends_where_it_closes(kvd, seed):
+    service, unix = kvd
+    from kvctl.daemon.engine.structured import Constraint
+
+    shape = {"response_format": {"type": "json_schema", "json_schema": {"name": "where", "schema": NUMBERS_ONLY}}}
+    sampling = {"temperature": 0.0} if seed == 0 else {"temperature": 1.0, "seed": seed}
+    answer = chat(unix, **shape, **sampling)
+    [choice] = answer["choices"]
+    text = choice["message"]["content"]
+    assert obeys_schema(json.loads(text)) and choice["finish_reason"] == "stop"
+    assert text == json.dumps(json.loads(text))  # written as json.dumps writes it: no stray whitespace
+    assert walk(service, Constraint.json_schema(NUMBERS_ONLY, "x"), choice["token_ids"]) == "whole"
+    # the reply ends with the object's last token: no EOS drawn, nothing after it
+    assert answer["usage"]["completion_tokens"] == len(choice["token_ids"]) == \
+        len(service.loaded.tokenizer.encode(text, add_special_tokens=False))
+    assert blocks_all_back(service)
+
+
+def test_json_object_and_vllm_s_fields_give_the_same_shapes(kvd):
+    from kvctl.daemon.engine.structured import Constraint
+
+    service, unix = kvd
+    for fields in ({"guided_json": SCHEMA}, {"guided_json": json.dumps(SCHEMA)}, {"structured_outputs": {"json": SCHEMA}}):
+        text = complete(unix, temperature=1.0, seed=3, **fields)["choices"][0]["text"]
+        assert obeys_schema(json.loads(text)), fields
+    # any object: the random model may write a key until max_tokens; every token it wrote is the shape's
+    any_object = Constraint.json_schema({"type": "object"}, "x")
+    for fields in ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"json_object": True}}):
+        for seed in range(3):
+            choice = complete(unix, temperature=1.0, seed=seed, max_tokens=40, **fields)["choices"][0]
+            assert choice["text"].startswith("{")
+            if choice["finish_reason"] == "stop":
+                assert isinstance(json.loads(choice["text"]), dict)
+                assert walk(service, any_object, choice["token_ids"]) == "whole"
+            else:
+                assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 40
+                assert walk(service, any_object, choice["token_ids"]) == "prefix"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_choice_is_one_of_the_choices_as_written_and_a_regex_is_matched_whole(kvd, seed):
+    _, unix = kvd
+    choices = ["device", "host (pinned)", "disk \"cold\"", "über"]
+    picked = complete(unix, guided_choice=choices, temperature=1.0, seed=seed)["choices"][0]
+    assert picked["text"] in choices and picked["finish_reason"] == "stop"
+    pattern = r"blk-[0-9]{3}\.[a-f]{2,4}"
+    matched = complete(unix, structured_outputs={"regex": pattern}, temperature=1.0, seed=seed)["choices"][0]
+    assert re.fullmatch(pattern, matched["text"])
+    assert matched["finish_reason"] in ("stop", "length") and len(matched["text"]) <= 12
+
+
+def test_every_sample_and_every_streamed_delta_keeps_the_shape(kvd):
+    service, unix = kvd
+    fields = {"guided_json": SCHEMA, "temperature": 1.0, "seed": 11, "n": 3}
+    whole = chat(unix, **fields)
+    texts = sorted(c["message"]["content"] for c in whole["choices"])
+    assert all(obeys_schema(json.loads(t)) for t in texts)
+    events = sse_events(call(unix, "POST", "/v1/chat/completions",
+                             json={"messages": ASK, "max_tokens": 200, "stream": True, **fields}))
+    streamed: dict[int, str] = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            streamed[choice["index"]] = streamed.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    assert sorted(streamed.values()) == texts  # a seeded stream is the whole answer, delta by delta
+    assert blocks_all_back(service)
+
+
+def test_a_reply_cut_off_by_max_tokens_ends_where_it_was(kvd):
+    _, unix = kvd
+    cut = chat(unix, guided_json=SCHEMA, max_tokens=5)["choices"][0]
+    assert cut["finish_reason"] == "length" and len(cut["token_ids"]) == 5
+    assert cut["message"]["content"].startswith('{"')
+
+
+def test_without_a_shape_the_reply_is_what_it_was(kvd):
+    _, unix = kvd
+    free = chat(unix, temperature=0.0, max_tokens=12)["choices"][0]["message"]["content"]
+    assert chat(unix, temperature=0.0, max_tokens=12, response_format={"type": "text"}
+                )["choices"][0]["message"]["content"] == free
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    ({"response_format": {"type": "yaml"}}, "response_format.type",
+     "response_format.type: must be text, json_object or json_schema, got 'yaml'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
+     "response_format.json_schema.schema: must be a JSON Schema object ({\"type\": \"json_schema\", \"json_schema\": "
+     "{\"name\": ..., \"schema\": {...}}})"),
+    ({"response_format": "json"}, "response_format", "response_format: must be an object with type, got str"),
+    ({"guided_json": {"type": "bogus"}}, "guided_json", "guided_json: Invalid type: bogus"),
+    ({"guided_json": "{not json"}, "guided_json", "guided_json: not JSON text of a schema"),
+    ({"guided_regex": "[0-9"}, "guided_regex",
+     "guided_regex: at 1(8): invalid regex \"[0-9\" (in regex): regex parse error: unclosed character class"),
+    ({"guided_choice": []}, "guided_choice", "guided_choice: must be a list of one or more non-empty strings, got []"),
+    ({"guided_choice": ["a", ""]}, "guided_choice",
+     "guided_choice: must be a list of one or more non-empty strings, got ['a', '']"),
+    ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex",
+     "guided_regex: give one shape for the reply, not response_format and guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= \"a\""}}, "structured_outputs",
+     "structured_outputs: give one of json, regex, choice, json_object, got ['grammar']"),
+    ({"guided_grammar": "root ::= \"a\""}, "guided_grammar",
+     "guided_grammar: not supported by kvd, got 'root ::= \"a\"'; kvd holds replies to guided_json, guided_regex, "
+     "guided_choice or response_format"),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_shape_kvd_cannot_follow_is_refused_by_field_and_leaves_nothing_behind(kvd, path, fields, param, message):
+    service, unix = kvd
+    body = {"prompt": "Answer:"} if path == "/v1/completions" else {"messages": ASK}
+    answer = call(unix, "POST", path, json={**body, "max_tokens": 8, **fields})
+    assert answer.status_code == 400
+    assert (answer.json()["error"]["param"], answer.json()["error"]["message"]) == (param, message)
+    assert blocks_all_back(service)
+
+
+def test_the_mask_leaves_allowed_scores_as_they_were_and_the_rest_at_minus_infinity(kvd):
+    import torch
+
+    from kvctl.daemon.engine.structured import Constraint
+
+    service, _ = kvd
+    vocabulary = service.engine.grammar_vocabulary
+    state = vocabulary.follow(Constraint.choice(["ab", "ac"], "guided_choice"))
+    tokenizer = service.loaded.tokenizer
+    [a], [b], [c] = (tokenizer.encode(x, add_special_tokens=False) for x in "abc")
+    scores = torch.randn(vocabulary.vocab_size)
+    masked = state.masked(scores)
+    assert masked[a] == scores[a] and torch.isinf(masked).sum() == vocabulary.vocab_size - 1
+    state.consume(a)
+    masked = state.masked(scores)
+    assert {int(i) for i in torch.nonzero(~torch.isinf(masked))} == {b, c} and not state.done
+    state.consume(c)
+    assert state.done
