@@ -105,3 +105,14 @@ def test_console_scripts_run(tmp_path):
                           capture_output=True, text=True, check=True)
     doc = json.loads(done.stdout)
     assert doc["requests"] == 30 and doc["runs"][0]["policy"] == "cost"
+
+
+def test_kvd_router_s_modules_never_import_torch():
+    """kvd router weighs prompts with the tokenizer and chat template alone: torch (and triton)
+    would add seconds to its start and a large heap to every collection."""
+    probe = ("import json, sys\n"
+             "import kvctl.daemon.config, kvctl.daemon.router_config, kvctl.daemon.server.router\n"
+             "import kvctl.daemon.server.router_service, kvctl.daemon.server.route_question\n"
+             "print(json.dumps({'torch': 'torch' in sys.modules, 'triton': 'triton' in sys.modules}))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torch": False, "triton": False}

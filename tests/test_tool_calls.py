@@ -48,6 +48,7 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"ty
 TOOLS = [WEATHER, CLOCK]
 ASK = [{"role": "system", "content": "You help operators."}, {"role": "user", "content": "Weather in Paris?"}]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+FORCED_STATE = __import__("pathlib").Path(__import__("tempfile").mkdtemp(prefix="kvd-forced-"))
 
 
 def template() -> ChatTemplate:
@@ -167,25 +168,66 @@ def test_under_llama3_json_a_json_reply_is_held_to_its_end_and_text_streams_as_i
 
 # ---- what a request may ask ----------------------------------------------------------------------
 @pytest.mark.parametrize("choice, tools, parser, expected", [
-    (None, TOOLS, "hermes", "auto"), (None, None, "none", "none"), ("none", TOOLS, "none", "none"),
-    ("auto", TOOLS, "hermes", "auto"),
-    ("required", TOOLS, "hermes", "tool_choice: 'required' is not supported: kvd does not constrain decoding, so it "
-                                  "cannot force a call; send \"auto\" (the model chooses) or \"none\""),
-    ({"type": "function", "function": {"name": "get_time"}}, TOOLS, "hermes",
-     "tool_choice: {'type': 'function', 'function': {'name': 'get_time'}} is not supported: kvd does not constrain "
-     "decoding, so it cannot force a call of 'get_time'; send \"auto\" (the model chooses) or \"none\""),
-    ("always", TOOLS, "hermes", "tool_choice: must be \"none\" or \"auto\", got 'always'"),
+    (None, TOOLS, "hermes", ("auto", None)), (None, None, "none", ("none", None)),
+    ("none", TOOLS, "none", ("none", None)), ("auto", TOOLS, "hermes", ("auto", None)),
+    ("required", TOOLS, "llama3_json", ("required", None)),
+    ({"type": "function", "function": {"name": "get_time"}}, TOOLS, "hermes", ("named", "get_time")),
+    ({"type": "function", "function": {"name": "get_date"}}, TOOLS, "hermes",
+     "tool_choice.function.name: 'get_date' is not one of the tools (get_weather, get_time)"),
+    ({"type": "function", "name": "get_time"}, TOOLS, "hermes",
+     "tool_choice: name a function as {\"type\": \"function\", \"function\": {\"name\": ...}}, got "
+     "{'type': 'function', 'name': 'get_time'}"),
+    ("always", TOOLS, "hermes", "tool_choice: must be \"none\", \"auto\", \"required\" or a function, got 'always'"),
     ("auto", None, "hermes", "tool_choice: \"auto\" needs tools to choose from"),
+    ({"type": "function", "function": {"name": "get_time"}}, [], "hermes",
+     "tool_choice: {\"function\": {\"name\": 'get_time'}} needs tools to choose from"),
     (None, TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes or "
                           "llama3_json); send tool_choice: \"none\" to show the model the tools without calls"),
+    ("required", TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes or "
+                                "llama3_json); send tool_choice: \"none\" to show the model the tools without calls"),
 ])
-def test_tool_choice_is_auto_or_none_and_what_kvd_cannot_honour_is_refused_by_name(choice, tools, parser, expected):
-    if expected in ("auto", "none"):
+def test_tool_choice_is_honoured_and_what_kvd_cannot_honour_is_refused_by_name(choice, tools, parser, expected):
+    if isinstance(expected, tuple):
         assert tool_choice_mode(choice, tools, parser) == expected
         return
     with pytest.raises(MessagesError) as refused:
         tool_choice_mode(choice, tools, parser)
     assert str(refused.value) == expected and expected.startswith(refused.value.param + ":")
+
+
+@pytest.mark.parametrize("parser, only, parallel, text, verdict", [
+    ("hermes", None, True, CALL_TEXT, "prefix"),  # another call may follow, or the reply may end
+    ("hermes", None, True, CALL_TEXT + "\n" + CALL_TEXT.replace('"get_weather", "arguments": {"city": "Paris"}',
+                                                                 '"get_time", "arguments": {}'), "prefix"),
+    ("hermes", None, False, CALL_TEXT, "whole"),
+    ("hermes", "get_time", True, CALL_TEXT, "off at weather"),  # the named tool only
+    ("hermes", None, True, "Sure: " + CALL_TEXT, "off at Sure"),  # calls, nothing else
+    ("hermes", None, True, CALL_TEXT.replace('{"city": "Paris"}', '{"town": "Paris"}'), "off at town"),
+    ("llama3_json", "get_weather", True, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "whole"),
+    ("llama3_json", None, True, '{"name": "get_time", "parameters": {}}; {"name": "get_time", "parameters": {}}',
+     "prefix"),
+])
+def test_a_forced_call_s_grammar_takes_calls_of_the_tools_in_the_parser_s_format_only(parser, only, parallel, text,
+                                                                                      verdict):
+    from kvctl.daemon.engine.structured import GrammarVocabulary
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.tokenizer import Tokenizer
+    from kvctl.daemon.server.tool_calls import forced_calls
+
+    pytest.importorskip("llguidance")
+    tokenizer = Tokenizer(ensure_demo_checkpoint(FORCED_STATE))
+    vocabulary = GrammarVocabulary(tokenizer.texts[0], 258, [257])
+    state = vocabulary.follow(forced_calls(TOOLS, parser, only, parallel))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    taken = 0
+    while taken < len(ids) and state.allowed()[ids[taken]]:
+        state.consume(ids[taken])
+        taken += 1
+    if taken < len(ids):  # the byte tokenizer: a token per character here
+        got = f"off at {text[taken:taken + len(verdict) - 7]}"
+    else:
+        got = "whole" if state.done else "prefix"
+    assert got == verdict
 
 
 @pytest.mark.parametrize("tools, message", [
@@ -382,8 +424,11 @@ def test_tool_choice_none_shows_the_tools_and_leaves_the_reply_as_written(hermes
     assert with_tools["count"] > call(unix, "POST", "/tokenize", json={"messages": ASK}).json()["count"]
     refused = call(unix, "POST", "/tokenize", json={"prompt": "hi", "tools": TOOLS})
     assert refused.status_code == 400 and refused.json()["error"]["message"] == "tools: only with messages (a chat's prompt)"
-    forced = call(unix, "POST", "/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "tool_choice": "required"})
-    assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"
+    both = call(unix, "POST", "/v1/chat/completions", json={"messages": ASK, "tools": TOOLS, "tool_choice": "required",
+                                                            "response_format": {"type": "json_object"}})
+    assert both.status_code == 400 and both.json()["error"] == {
+        "message": "tool_choice: a forced call and response_format cannot both shape the reply; give one",
+        "type": "invalid_request_error", "param": "tool_choice", "code": None}
 
 
 def test_an_operator_names_an_agent_s_prompt_with_its_tools_to_explain_pin_and_route(hermes_kvd, scripted, tmp_path):
@@ -426,3 +471,36 @@ def test_a_tool_call_parser_kvd_does_not_have_is_refused_naming_those_it_has():
         resolve({"tool_call_parser": "llama4_json"}, {})
     assert str(refused.value) == ("tool_call_parser: invalid value 'llama4_json' from --tool-call-parser: must be one "
                                   "of none, hermes, llama3_json")
+
+
+BOUNDED = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                                          "properties": {"city": {"enum": ["Paris", "Oslo"]}}}}}, CLOCK]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_required_or_named_call_is_made_whatever_the_weights_and_obeys_the_tool_s_schema(hermes_kvd, seed):
+    """The demo model's weights are random: only the grammar makes its reply a call."""
+    pytest.importorskip("llguidance")
+    from .daemon_fixtures import blocks_all_back, call, sse_events
+
+    service, unix = hermes_kvd
+    ask = {"messages": ASK, "tools": BOUNDED, "max_tokens": 120, "temperature": 1.0, "seed": seed}
+    required = call(unix, "POST", "/v1/chat/completions",
+                    json={**ask, "tool_choice": "required", "parallel_tool_calls": False}).json()["choices"][0]
+    assert required["finish_reason"] == "tool_calls" and required["message"]["content"] is None
+    [made] = required["message"]["tool_calls"]
+    arguments = json.loads(made["function"]["arguments"])
+    assert (made["function"]["name"], arguments) in [("get_time", {}), ("get_weather", {"city": "Paris"}),
+                                                     ("get_weather", {"city": "Oslo"})]
+    named = {**ask, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    whole = call(unix, "POST", "/v1/chat/completions", json=named).json()["choices"][0]
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather"]
+    assert json.loads(whole["message"]["tool_calls"][0]["function"]["arguments"])["city"] in ("Paris", "Oslo")
+    events = sse_events(call(unix, "POST", "/v1/chat/completions", json={**named, "stream": True}))
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    [streamed] = [c for chunk in chunks for c in chunk["delta"].get("tool_calls", [])]
+    assert streamed["function"] == whole["message"]["tool_calls"][0]["function"]  # seeded: the same call
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    assert "".join(chunk["delta"].get("content") or "" for chunk in chunks) == ""
+    assert blocks_all_back(service)

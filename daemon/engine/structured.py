@@ -52,6 +52,13 @@ class Constraint:
         return cls(field, LLMatcher.grammar_from_regex(pattern))
 
     @classmethod
+    def lark(cls, grammar: str, field: str) -> "Constraint":
+        """A Lark grammar (llguidance's dialect: `%json {schema}` embeds a JSON Schema)."""
+        from llguidance import LLMatcher
+
+        return cls(field, LLMatcher.grammar_from_lark(grammar))
+
+    @classmethod
     def choice(cls, choices: list[str], field: str) -> "Constraint":
         """Exactly one of `choices`, as written (vLLM's guided_choice)."""
         from llguidance import LLMatcher

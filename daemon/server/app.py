@@ -52,7 +52,7 @@ from .response_format import constraint_of
 from .service import EngineService, LoopSink
 from .strict_json import StrictJSONRoute
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from .tool_calls import tool_choice_mode
+from .tool_calls import forced_calls, tool_choice_mode
 from .usage_report import CALLER_ROLE_HEADER, shows_cached_tokens, usage
 
 
@@ -228,9 +228,15 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         refuse_unsupported(body, UNSUPPORTED_CHAT_FIELDS, CHAT_HINTS)
         try:
             messages, tools = chat_messages(body.messages), checked_tools(body.tools)
-            tool_mode = tool_choice_mode(body.tool_choice, tools, service.config.tool_call_parser)
+            parser = service.config.tool_call_parser
+            tool_mode, tool_name = tool_choice_mode(body.tool_choice, tools, parser)
             limit, opens_reply, logprobs = body.output_limit(), body.generation_prompt(), body.logprobs_wanted()
             constraint = constraint_of(body)
+            if tool_mode in ("required", "named"):  # the reply is held to calls
+                if constraint is not None:
+                    raise MessagesError(f"tool_choice: a forced call and {constraint.field} cannot both shape the "
+                                        "reply; give one", "tool_choice")
+                constraint = forced_calls(tools, parser, tool_name, body.parallel_tool_calls is not False)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         engine = ready_for(body.model)
@@ -248,8 +254,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 raise ApiError(413, f"messages: the conversation is {len(ids)} tokens, which leaves no room for a "
                                     f"reply in {engine.context_limit_text()}", param="messages",
                                code="context_length_exceeded")
-        shape = ChatShape(service.config.reasoning_parser,
-                          service.config.tool_call_parser if tool_mode == "auto" else "none",
+        shape = ChatShape(service.config.reasoning_parser, "none" if tool_mode == "none" else parser,
                           parallel_tool_calls=body.parallel_tool_calls is not False)
         params = sampling(body, limit, "chat", logprobs, body.prompt_logprobs, constraint)
         return await generate(engine, [ids], params, body, http, who, shape)

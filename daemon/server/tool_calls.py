@@ -9,6 +9,11 @@
   3.2 and 3.3's templates ask for); a reply that opens otherwise, or is not such JSON, is text;
 - `none`: kvd parses no calls; a chat may still show the model its tools with `tool_choice: "none"`.
 
+`tool_choice` "auto" (the model chooses) and "none" leave the reply to the model; "required" and a
+named function (`{"type": "function", "function": {"name": ...}}`) hold it to calls in the
+parser's format (`forced_calls`: a grammar of the tools' parameter schemas, followed as structured
+outputs are), so the model calls a tool, with arguments its schema accepts.
+
 A call's `arguments` are given out as JSON text, as OpenAI gives them. A block that is not such an
 object (JSON cut off by max_tokens, say) is no call: it stays in `content`, tags and all, so
 nothing the model wrote is lost; so is the text around the calls, less the whitespace that only
@@ -42,30 +47,62 @@ def held_back(text: str, tag: str) -> int:
     return 0
 
 
-def tool_choice_mode(tool_choice, tools: list[dict] | None, parser: str) -> str:
-    """`tool_choice` as kvd honours it: "auto" (calls in the reply become `tool_calls`) or "none"
-    (the model sees the tools, if any, and its reply is text); MessagesError naming the field for
-    what kvd cannot honour."""
+def tool_choice_mode(tool_choice, tools: list[dict] | None, parser: str) -> tuple[str, str | None]:
+    """`tool_choice` as kvd honours it, as (mode, function name): ("auto", None) (calls in the
+    reply become `tool_calls`), ("none", None) (the model sees the tools, if any, and its reply is
+    text), ("required", None) or ("named", NAME) (the reply is held to calls: `forced_calls`);
+    MessagesError naming the field for what kvd cannot honour."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
-        return "none"
-    forced = tool_choice == "required" or isinstance(tool_choice, dict)
-    if forced:
-        named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) \
-            and isinstance(tool_choice.get("function"), dict) else None
-        wanted = f"a call of {named!r}" if isinstance(named, str) else "a call"
-        raise MessagesError(f"tool_choice: {tool_choice!r} is not supported: kvd does not constrain decoding, so it "
-                            f"cannot force {wanted}; send \"auto\" (the model chooses) or \"none\"", "tool_choice")
-    if tool_choice != "auto":
-        raise MessagesError(f"tool_choice: must be \"none\" or \"auto\", got {tool_choice!r}", "tool_choice")
+        return "none", None
+    named = None
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        named = function.get("name") if isinstance(function, dict) else None
+        if tool_choice.get("type") != "function" or not isinstance(named, str):
+            raise MessagesError(f"tool_choice: name a function as {{\"type\": \"function\", \"function\": {{\"name\": "
+                                f"...}}}}, got {tool_choice!r}", "tool_choice")
+    elif tool_choice not in ("auto", "required"):
+        raise MessagesError(f"tool_choice: must be \"none\", \"auto\", \"required\" or a function, got "
+                            f"{tool_choice!r}", "tool_choice")
+    shown = f"{{\"function\": {{\"name\": {named!r}}}}}" if named else f"\"{tool_choice}\""
     if not tools:
-        raise MessagesError("tool_choice: \"auto\" needs tools to choose from", "tool_choice")
+        raise MessagesError(f"tool_choice: {shown} needs tools to choose from", "tool_choice")
     if parser == "none":
         raise MessagesError("tools: kvd parses no tool calls here (start it with --tool-call-parser hermes or "
                             "llama3_json); send tool_choice: \"none\" to show the model the tools without calls",
                             "tools")
-    return "auto"
+    if named is not None:
+        names = [tool["function"]["name"] for tool in tools]
+        if named not in names:
+            raise MessagesError(f"tool_choice.function.name: {named!r} is not one of the tools ({', '.join(names)})",
+                                "tool_choice.function.name")
+        return "named", named
+    return tool_choice, None
+
+
+def forced_calls(tools: list[dict], parser: str, only: str | None = None, parallel: bool = True):
+    """The reply as calls in `parser`'s format and nothing else (a structured.Constraint): one call
+    of `only` (a named tool_choice), else one or more calls (one without `parallel`) of any of the
+    tools, each with the arguments its parameters' schema accepts, laid out as the model's own calls
+    are. (Imported here: kvd router reads this module's parser names, and needs no engine.)"""
+    from kvctl.daemon.engine.structured import JSON_LAYOUT, Constraint
+
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+              "properties": {"name": {"const": tool["function"]["name"]},
+                             key: tool["function"].get("parameters") or {"type": "object"}}}
+             for tool in tools if only is None or tool["function"]["name"] == only]
+    call = json.dumps({"anyOf": calls, "x-guidance": JSON_LAYOUT})
+    more = only is None and parallel
+    if parser == "llama3_json":
+        rules = ['start: call ("; " call)*' if more else "start: call"]
+    else:
+        rules = ['start: block ("\\n" block)*' if more else "start: block",
+                 f'block: "{OPEN}\\n" call "\\n{CLOSE}"']
+    lark = "\n".join([*rules, f"call: %json {call}"])
+    return Constraint.lark(lark, "tool_choice" if only is None else "tool_choice.function.name")
 
 
 def parse_call(body: str) -> dict | None:
