@@ -146,6 +146,19 @@ def test_without_a_shape_the_reply_is_what_it_was(kvd):
                 )["choices"][0]["message"]["content"] == free
 
 
+def test_a_shape_that_fails_part_way_ends_its_sample_with_error_not_stop(kvd, caplog):
+    """llguidance's limits on one step's work can stop a grammar mid-reply (a regex of a million
+    repeats): the sample says "error", never passes an unfinished shape off as whole."""
+    service, unix = kvd
+    with caplog.at_level("WARNING", logger="kvd.engine"):
+        choice = complete(unix, guided_regex="a{1000000}", max_tokens=20)["choices"][0]
+    assert choice["finish_reason"] == "error" and choice["text"] == "a"
+    [line] = [r.getMessage() for r in caplog.records if "could not be followed" in r.getMessage()]
+    assert line.endswith("its reply's shape (guided_regex) could not be followed after 1 tokens: lexer error: too "
+                         "many expressions constructed")
+    assert blocks_all_back(service)
+
+
 @pytest.mark.parametrize("fields, param, message", [
     ({"response_format": {"type": "yaml"}}, "response_format.type",
      "response_format.type: must be text, json_object or json_schema, got 'yaml'"),
@@ -155,6 +168,9 @@ def test_without_a_shape_the_reply_is_what_it_was(kvd):
     ({"response_format": "json"}, "response_format", "response_format: must be an object with type, got str"),
     ({"guided_json": {"type": "bogus"}}, "guided_json", "guided_json: Invalid type: bogus"),
     ({"guided_json": "{not json"}, "guided_json", "guided_json: not JSON text of a schema"),
+    ({"guided_json": {"$ref": "#"}}, "guided_json", "guided_json: no reply fits this shape (NoExtensionBias)"),
+    ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 3}}, "guided_json",
+     "guided_json: Unsatisfiable schema: minimum (5) is greater than maximum (3)"),
     ({"guided_regex": "[0-9"}, "guided_regex",
      "guided_regex: at 1(8): invalid regex \"[0-9\" (in regex): regex parse error: unclosed character class"),
     ({"guided_choice": []}, "guided_choice", "guided_choice: must be a list of one or more non-empty strings, got []"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 import secrets
 import time
@@ -45,6 +46,8 @@ from .logits import adjust_logits
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
 from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
 from .structured import GrammarVocabulary
+
+log = logging.getLogger("kvd.engine")
 from .tenant_book import DEFAULT_LIMIT, HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
 
 
@@ -846,8 +849,14 @@ class Engine:
             if cuts:
                 seq.text_end = min(cuts)
                 return "stop"
-        if seq.grammar is not None and seq.grammar.done:  # the reply's shape is complete
-            return "stop"
+        if seq.grammar is not None:
+            if seq.grammar.done:  # the reply's shape is complete
+                return "stop"
+            if seq.grammar.failed:  # llguidance's limits: the shape cannot be followed further
+                log.warning("request %s sample %d: its reply's shape (%s) could not be followed after %d tokens: %s",
+                            seq.request.request_id, seq.index, params.constraint.field, len(seq.output_ids),
+                            seq.grammar.failed)
+                return "error"
         if len(seq.output_ids) >= params.max_tokens:
             return "length"
         return None

@@ -6,7 +6,9 @@ checks when the request is submitted and then follows token by token. Before eac
 tokens that cannot continue the grammar get -inf (after penalties and biases; temperature, top-k
 and top-p then apply to what is left), so greedy and sampled replies alike stay inside it, and a
 sample ends ("stop") as soon as the grammar can go no further, without spending a step on EOS. A
-reply cut off by max_tokens ends where it was, as OpenAI's does ("length").
+reply cut off by max_tokens ends where it was, as OpenAI's does ("length"). A grammar that fails
+part-way (llguidance's limits on the work one step may take) ends its sample with "error", never
+with a "stop" that would pass an unfinished shape off as a whole one.
 
 llguidance (the grammar engine vLLM and SGLang offer) computes a step's mask from the tokenizer's
 vocabulary in tens of microseconds, with limits on how much work a grammar may ask for, so a
@@ -68,7 +70,11 @@ class Constraint:
 
 class GrammarVocabulary:
     """The model's vocabulary as llguidance reads it: built once per loaded model, on the first
-    request that asks for a shape (a large vocabulary takes about a second)."""
+    request that asks for a shape (a large vocabulary takes about a second).
+
+    Each sample compiles its grammar afresh (as vLLM does): copies of one compiled matcher share
+    its lexer's cache and the limit on it, so a grammar cached for reuse would let one request's
+    work use up the next one's budget."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids) -> None:
         self.tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
@@ -83,7 +89,8 @@ class GrammarVocabulary:
         return self._built
 
     def check(self, constraint: Constraint) -> None:
-        """RequestError naming the field when the grammar cannot be followed."""
+        """RequestError naming the field when the grammar cannot be followed, or no reply fits it
+        (a schema that only refers to itself, say)."""
         from llguidance import LLMatcher
 
         problem = LLMatcher.validate_grammar(constraint.grammar, self.built)
@@ -91,19 +98,27 @@ class GrammarVocabulary:
             lines = [line.strip() for line in problem.strip().splitlines()]
             why = next((line.removeprefix("error: ") for line in lines[1:] if line.startswith("error:")), "")
             raise RequestError(f"{constraint.field}: {lines[0]}" + (f" {why}" if why else ""))
+        probe = self._start(constraint)
+        probe.compute_bitmask()
+        if probe.is_error() or probe.is_stopped():
+            raise RequestError(f"{constraint.field}: no reply fits this shape ({first_line(probe.get_error())})")
 
     def follow(self, constraint: Constraint) -> "GrammarState":
-        return GrammarState(self, constraint)
+        return GrammarState(self, self._start(constraint))
+
+    def _start(self, constraint: Constraint):
+        """A matcher at the start of the grammar, of its own."""
+        from llguidance import LLMatcher
+
+        return LLMatcher(self.built, constraint.grammar, log_level=0)
 
 
 class GrammarState:
     """One sample's place in its grammar."""
 
-    def __init__(self, vocabulary: GrammarVocabulary, constraint: Constraint) -> None:
-        from llguidance import LLMatcher
-
+    def __init__(self, vocabulary: GrammarVocabulary, matcher) -> None:
         self.vocabulary = vocabulary
-        self.matcher = LLMatcher(vocabulary.built, constraint.grammar, log_level=0)
+        self.matcher = matcher  # an llguidance LLMatcher of this sample's own
         self._bits = torch.arange(8, dtype=torch.uint8)
 
     def allowed(self) -> torch.Tensor:
@@ -130,5 +145,14 @@ class GrammarState:
 
     @property
     def done(self) -> bool:
-        """The grammar can go no further (or is in error): the sample ends here."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        """The shape is complete and can go no further: the sample ends here."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+    @property
+    def failed(self) -> str | None:
+        """Why the grammar could not be followed further (its first line), or None."""
+        return first_line(self.matcher.get_error()) if self.matcher.is_error() else None
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
