@@ -212,3 +212,78 @@ def test_the_mask_leaves_allowed_scores_as_they_were_and_the_rest_at_minus_infin
     assert {int(i) for i in torch.nonzero(~torch.isinf(masked))} == {b, c} and not state.done
     state.consume(c)
     assert state.done
+
+
+# ---- a reasoning model thinks first; the shape holds its answer ------------------------------------
+def gated(service, opens):
+    from dataclasses import replace
+
+    from kvctl.daemon.engine.structured import Constraint
+
+    shape = replace(Constraint.json_schema({"type": "object"}, "response_format"), after="</think>", opens=opens)
+    service.engine.grammar_vocabulary.check(shape)  # as the engine checks a request before it queues it
+    return service.engine.grammar_vocabulary.follow(shape)
+
+
+def feed(service, state, text: str) -> list[bool]:
+    """Each token of `text` in turn: whether the mask let it through, then consumed."""
+    import torch
+
+    let = []
+    for token in service.loaded.tokenizer.encode(text, add_special_tokens=False):
+        masked = state.masked(torch.zeros(state.vocabulary.vocab_size))
+        let.append(bool(masked[token] == 0))
+        state.consume(token)
+    return let
+
+
+def test_the_shape_waits_for_the_thinking_to_end_and_then_holds_the_answer(kvd):
+    import torch
+
+    service, _ = kvd
+    state = gated(service, "<think>")
+    assert all(feed(service, state, "<think>The cache {holds} <b>blocks</b>.</think>"))
+    assert state.phase == "answer" and not state.done
+    x = service.loaded.tokenizer.encode("x", add_special_tokens=False)[0]
+    assert torch.isinf(state.masked(torch.zeros(state.vocabulary.vocab_size))[x])  # the answer is the shape's
+    assert all(feed(service, state, '{"a": 1}')) and state.done
+
+
+def test_a_reply_that_does_not_open_its_thinking_is_held_from_its_first_token(kvd):
+    import torch
+
+    service, _ = kvd
+    state = gated(service, "<think>")
+    first = state.masked(torch.zeros(state.vocabulary.vocab_size))
+    allowed = {service.loaded.tokenizer.token_text(int(t)) for t in torch.nonzero(~torch.isinf(first))}
+    assert allowed == {"<", "{"}  # the opening's first token, or the object's
+    assert feed(service, state, "<t") == [True, True] and state.phase == "opening"
+    after = state.masked(torch.zeros(state.vocabulary.vocab_size))
+    assert {service.loaded.tokenizer.token_text(int(t)) for t in torch.nonzero(~torch.isinf(after))} == {"h"}
+    plain = gated(service, "<think>")
+    assert all(feed(service, plain, '{"b": [true]}')) and plain.phase == "answer" and plain.done
+    inside = gated(service, None)  # the template opened the block: the reply starts inside it
+    assert inside.phase == "thinking" and all(feed(service, inside, "x < y.</think>{}")) and inside.done
+
+
+def test_kvd_with_a_reasoning_parser_lets_the_model_think_before_the_shaped_answer(tmp_path, monkeypatch):
+    """The engine's draws scripted (as in test_tool_calls): thinking, then the object; the mask is
+    the unit tests' above. Without the reasoning parser the same reply breaks the shape at '<'."""
+    from kvctl.daemon.engine import engine as engine_module
+
+    script: list[int] = []
+    monkeypatch.setattr(engine_module, "sample_token",
+                        lambda logits, params, seed, index, step: script[step] if step < len(script) else 257)
+    ask = {"messages": ASK, "max_tokens": 80, "response_format": {"type": "json_object"}}
+    for parser, expected in (("qwen3", ("stop", "It is pinned.", '{"pinned": true}')),
+                             ("none", ("error", None, "<"))):
+        service = start_service(tmp_path / parser, reasoning_parser=parser)
+        try:
+            unix = apps(service, token_table(tmp_path))[0]
+            script[:] = service.loaded.tokenizer.encode('<think>It is pinned.</think>{"pinned": true}',
+                                                        add_special_tokens=False)
+            [choice] = call(unix, "POST", "/v1/chat/completions", json=ask).json()["choices"]
+            assert (choice["finish_reason"], choice["message"].get("reasoning"),
+                    choice["message"]["content"]) == expected
+        finally:
+            service.shutdown(1)

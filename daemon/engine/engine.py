@@ -257,8 +257,9 @@ class Engine:
     def grammar_vocabulary(self) -> GrammarVocabulary:
         """The vocabulary structured outputs are followed in (structured.py)."""
         if self._grammar_vocabulary is None:
-            self._grammar_vocabulary = GrammarVocabulary(self.tokenizer.texts[0], self.loaded.config.vocab_size,
-                                                         self.eos_ids)
+            self._grammar_vocabulary = GrammarVocabulary(
+                self.tokenizer.texts[0], self.loaded.config.vocab_size, self.eos_ids, self.tokenizer.token_text,
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         return self._grammar_vocabulary
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,

@@ -6,7 +6,11 @@ checks when the request is submitted and then follows token by token. Before eac
 tokens that cannot continue the grammar get -inf (after penalties and biases; temperature, top-k
 and top-p then apply to what is left), so greedy and sampled replies alike stay inside it, and a
 sample ends ("stop") as soon as the grammar can go no further, without spending a step on EOS. A
-reply cut off by max_tokens ends where it was, as OpenAI's does ("length"). A grammar that fails
+reply cut off by max_tokens ends where it was, as OpenAI's does ("length"). With a reasoning model
+(`Constraint.after`, set where kvd splits thinking from the answer) the shape holds the answer
+only: the model thinks freely and the grammar starts after `</think>`, as vLLM's reasoning-aware
+structured outputs do; where the reply may first open the block (`opens`, Qwen3), its first tokens
+may be those of `<think>` or the shape's. A grammar that fails
 part-way (llguidance's limits on the work one step may take) ends its sample with "error", never
 with a "stop" that would pass an unfinished shape off as a whole one.
 
@@ -36,6 +40,8 @@ class Constraint:
 
     field: str
     grammar: str
+    after: str | None = None  # the shape starts after this text (a thinking block's end), not at once
+    opens: str | None = None  # with `after`: the reply may first open the block so (else it starts inside)
 
     @classmethod
     def json_schema(cls, schema: dict, field: str) -> "Constraint":
@@ -76,9 +82,12 @@ class GrammarVocabulary:
     its lexer's cache and the limit on it, so a grammar cached for reuse would let one request's
     work use up the next one's budget."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids, token_text=None, encode=None) -> None:
         self.tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
         self._built = None
+        # the model tokenizer's, for a shape that starts after a thinking block (Constraint.after)
+        self.token_text, self.encode = token_text, encode
+        self._openers: dict[str, torch.Tensor] = {}
 
     @property
     def built(self):
@@ -102,9 +111,32 @@ class GrammarVocabulary:
         probe.compute_bitmask()
         if probe.is_error() or probe.is_stopped():
             raise RequestError(f"{constraint.field}: no reply fits this shape ({first_line(probe.get_error())})")
+        if constraint.opens:
+            self.learn_opening(constraint.opens)
 
     def follow(self, constraint: Constraint) -> "GrammarState":
-        return GrammarState(self, self._start(constraint))
+        return GrammarState(self, self._start(constraint), constraint)
+
+    def openers(self, rest: str) -> torch.Tensor:
+        """bool [vocab]: the tokens whose text goes on with `rest` (what is left of an opening such
+        as `<think>`): a part of its beginning, or all of it and more. `learn_opening` finds them."""
+        return self._openers[rest]
+
+    def learn_opening(self, opening: str) -> None:
+        """The tokens that go on with each part of `opening` that may be left, in one pass over the
+        vocabulary (a third of a second for 150,000 tokens): done when a request is checked, in
+        its submitter's thread, not in the engine's step."""
+        rests = [opening[i:] for i in range(len(opening)) if opening[i:] not in self._openers]
+        if not rests:
+            return
+        found = {rest: torch.zeros(self.vocab_size, dtype=torch.bool) for rest in rests}
+        for token in range(self.vocab_size):
+            text = self.token_text(token)
+            if text:
+                for rest, mask in found.items():
+                    if rest.startswith(text) or text.startswith(rest):
+                        mask[token] = True
+        self._openers.update(found)
 
     def _start(self, constraint: Constraint):
         """A matcher at the start of the grammar, of its own."""
@@ -114,11 +146,18 @@ class GrammarVocabulary:
 
 
 class GrammarState:
-    """One sample's place in its grammar."""
+    """One sample's place in its grammar (and, with `Constraint.after`, in its thinking first:
+    phase "opening" while the reply may still open the block, "thinking" inside it, "answer"
+    once the grammar applies)."""
 
-    def __init__(self, vocabulary: GrammarVocabulary, matcher) -> None:
+    def __init__(self, vocabulary: GrammarVocabulary, matcher, constraint: Constraint | None = None) -> None:
         self.vocabulary = vocabulary
         self.matcher = matcher  # an llguidance LLMatcher of this sample's own
+        self.after = constraint.after if constraint is not None else None
+        self.opens = constraint.opens if constraint is not None else None
+        self.phase = "answer" if self.after is None else "opening" if self.opens else "thinking"
+        self.text = ""  # the reply so far, while it is not yet the answer
+        self.held: list[int] = []  # the tokens of an opening that turned out to be the answer's
 
     def allowed(self) -> torch.Tensor:
         """bool [vocab]: the tokens that continue the grammar now (llguidance's bitmask, a bit per
@@ -131,8 +170,14 @@ class GrammarState:
 
     def masked(self, scores: torch.Tensor) -> torch.Tensor:
         """`scores` [vocab] with the tokens that cannot continue the grammar at -inf; where none can
-        (a grammar in error), only the EOS tokens are left, so the sample ends."""
-        allowed = self.allowed()
+        (a grammar in error), only the EOS tokens are left, so the sample ends. While thinking, as
+        they are; while the reply may still open its thinking, the grammar's or the opening's."""
+        if self.phase == "thinking":
+            return scores
+        if self.phase == "opening":
+            allowed = self.vocabulary.openers(self.opens[len(self.text):]) | self._answer_after_held()
+        else:
+            allowed = self.allowed()
         if not bool(allowed.any()):
             if not self.vocabulary.eos_ids:
                 return scores
@@ -140,13 +185,46 @@ class GrammarState:
             allowed[self.vocabulary.eos_ids] = True
         return torch.where(allowed, scores.float(), float("-inf"))
 
+    def _answer_after_held(self) -> torch.Tensor:
+        """While the reply may still open its thinking: the tokens that would go on with the shape
+        after the tokens held so far, were they the answer's (none, where the grammar refuses them)."""
+        taken = self.matcher.try_consume_tokens(self.held) if self.held else 0
+        try:
+            if taken < len(self.held):
+                return torch.zeros(self.vocabulary.vocab_size, dtype=torch.bool)
+            return self.allowed()
+        finally:
+            if taken:
+                self.matcher.rollback(taken)
+
     def consume(self, token: int) -> None:
-        self.matcher.consume_token(token)
+        if self.phase == "answer":
+            self.matcher.consume_token(token)
+            return
+        self.text += self.vocabulary.token_text(token)
+        if self.phase == "opening":
+            self.held.append(token)
+            if self.opens.startswith(self.text) and self.text != self.opens:
+                return  # the opening so far
+            if not self.text.startswith(self.opens):  # no thinking: those tokens began the answer
+                self.phase, held, self.held = "answer", self.held, []
+                self.matcher.consume_tokens(held)
+                return
+            self.phase, self.text, self.held = "thinking", self.text[len(self.opens):], []
+        end = self.text.find(self.after)
+        if end < 0:  # keep only what may begin the end marker: no pass over all the thinking per token
+            self.text = self.text[-(len(self.after) - 1):] if len(self.after) > 1 else ""
+            return
+        # thinking ends: the shape starts with what follows (whitespace aside)
+        rest = self.text[end + len(self.after):].lstrip()
+        self.phase, self.text = "answer", ""
+        if rest:
+            self.matcher.consume_tokens(self.vocabulary.encode(rest))
 
     @property
     def done(self) -> bool:
         """The shape is complete and can go no further: the sample ends here."""
-        return self.matcher.is_stopped() and not self.matcher.is_error()
+        return self.phase == "answer" and self.matcher.is_stopped() and not self.matcher.is_error()
 
     @property
     def failed(self) -> str | None:

@@ -47,6 +47,7 @@ from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, C
 from .chat_messages import MessagesError, chat_messages, checked_tools, messages_size
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
+from .reasoning import answer_only
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .response_format import constraint_of
 from .service import EngineService, LoopSink
@@ -237,6 +238,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                     raise MessagesError(f"tool_choice: a forced call and {constraint.field} cannot both shape the "
                                         "reply; give one", "tool_choice")
                 constraint = forced_calls(tools, parser, tool_name, body.parallel_tool_calls is not False)
+            constraint = answer_only(constraint, service.config.reasoning_parser)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         engine = ready_for(body.model)

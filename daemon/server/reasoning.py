@@ -82,3 +82,13 @@ def split_reply(text: str, parser: str) -> tuple[str | None, str]:
 def reasoning_fields(reasoning: str | None) -> dict:
     """The message's (or delta's) reasoning under both names clients read."""
     return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def answer_only(constraint, parser: str):
+    """A reply's shape (structured.Constraint) held to its answer under `parser`: the model thinks
+    freely first, as vLLM's reasoning-aware structured outputs let it."""
+    from dataclasses import replace
+
+    if constraint is None or parser == "none":
+        return constraint
+    return replace(constraint, after=CLOSE, opens=None if parser == "deepseek_r1" else OPEN)
