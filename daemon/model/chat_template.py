@@ -24,9 +24,10 @@ run a Jinja loop of its own on vLLM's and SGLang's servers: GHSA-6fvq-23cw-5628)
 passes (`messages`, `add_generation_prompt`, `tools`, the special tokens), or hand it `documents`,
 which kvd does not use. A chat's `tools` are passed as `transformers` passes them (None when there
 are none); a template that does not read `tools` cannot show them to the model, so a chat that
-brings tools to it is refused rather than served without them. The operator's `chat_template_kwargs` setting gives every chat
-defaults (vLLM's --default-chat-template-kwargs), checked the same way when kvd starts; a request's
-own win, name by name, and the template's digest names the defaults too.
+brings tools to it is refused rather than served without them. The operator's
+`chat_template_kwargs` setting gives every chat defaults (vLLM's --default-chat-template-kwargs),
+checked the same way when kvd starts; a request's own win, name by name, and the template's digest
+names the defaults too.
 """
 
 from __future__ import annotations

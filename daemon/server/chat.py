@@ -130,7 +130,7 @@ class ChatCompletionRequest(GenerationFields):
     # (ChatTemplate.checked_kwargs)
     chat_template_kwargs: Any = None
     tools: Any = None  # checked by chat_messages.checked_tools, which names the tool and field at fault
-    tool_choice: Any = None  # "none" or "auto" (tool_calls.tool_choice_mode)
+    tool_choice: Any = None  # "none", "auto", "required" or a named function (tool_calls.tool_choice_mode)
     parallel_tool_calls: bool | None = None  # false: the reply's first call only
 
     def generation_prompt(self) -> bool:

@@ -15,11 +15,13 @@ a tag split across two deltas is held back until it is whole, so no client sees 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def _held_back(text: str, tag: str) -> int:
+def held_back(text: str, tag: str) -> int:
     """How many characters at the end of `text` could begin `tag` (kept until the next delta)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
@@ -49,7 +51,7 @@ class ThinkSplitter:
         if self.state == "thinking":
             end = self.pending.find(CLOSE)
             if end < 0:
-                given = len(self.pending) - _held_back(self.pending, CLOSE)
+                given = len(self.pending) - held_back(self.pending, CLOSE)
                 reasoning, self.pending = self.pending[:given], self.pending[given:]
                 return reasoning, ""
             reasoning, self.pending, self.state = self.pending[:end], self.pending[end + len(CLOSE):], "answer"
@@ -87,8 +89,6 @@ def reasoning_fields(reasoning: str | None) -> dict:
 def answer_only(constraint, parser: str):
     """A reply's shape (structured.Constraint) held to its answer under `parser`: the model thinks
     freely first, as vLLM's reasoning-aware structured outputs let it."""
-    from dataclasses import replace
-
     if constraint is None or parser == "none":
         return constraint
     return replace(constraint, after=CLOSE, opens=None if parser == "deepseek_r1" else OPEN)

@@ -33,18 +33,11 @@ import json
 import secrets
 
 from .chat_messages import MessagesError
+from .reasoning import held_back
 
 TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before a call; gone where special tokens are not decoded
-
-
-def held_back(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could begin `tag` (kept until the next delta)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def tool_choice_mode(tool_choice, tools: list[dict] | None, parser: str) -> tuple[str, str | None]:
