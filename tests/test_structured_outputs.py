@@ -287,3 +287,16 @@ def test_kvd_with_a_reasoning_parser_lets_the_model_think_before_the_shaped_answ
                     choice["message"]["content"]) == expected
         finally:
             service.shutdown(1)
+
+
+def test_a_shape_is_compiled_off_the_event_loop_that_streams_every_answer(kvd, monkeypatch):
+    import threading
+
+    service, unix = kvd
+    vocabulary = service.engine.grammar_vocabulary
+    checked_in = []
+    original = type(vocabulary).check
+    monkeypatch.setattr(type(vocabulary), "check",
+                        lambda self, constraint: checked_in.append(threading.current_thread()) or original(self, constraint))
+    complete(unix, guided_choice=["yes", "no"], max_tokens=4)
+    assert len(checked_in) == 1 and checked_in[0] is not threading.current_thread()  # the loop runs in this thread

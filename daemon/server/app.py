@@ -359,7 +359,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(exc.status, str(exc), param=exc.param) from None
 
         async def hand_in():  # queued by the engine thread before its next step, with no wait for this one
-            if sum(map(len, prompts)) <= HAND_IN_ON_LOOP_TOKENS:
+            # a reply's shape is compiled when the request is checked (ms; the first one builds the
+            # vocabulary's index, up to a second): off the loop that streams every answer
+            if sum(map(len, prompts)) <= HAND_IN_ON_LOOP_TOKENS and params.constraint is None:
                 return await asyncio.wrap_future(service.submit_nowait(prompts, params, who, sink, priority))
             handed = await run_in_threadpool(service.submit_nowait, prompts, params, who, sink, priority)
             return await asyncio.wrap_future(handed)
