@@ -100,15 +100,13 @@ class GrammarVocabulary:
 
     def check(self, constraint: Constraint) -> None:
         """RequestError naming the field when the grammar cannot be followed, or no reply fits it
-        (a schema that only refers to itself, say)."""
-        from llguidance import LLMatcher
-
-        problem = LLMatcher.validate_grammar(constraint.grammar, self.built)
-        if problem and not problem.startswith("WARNING"):
-            lines = [line.strip() for line in problem.strip().splitlines()]
+        (a schema that only refers to itself, say). One compile: a matcher whose grammar does not
+        build starts in error, with the message llguidance's validate_grammar would give."""
+        probe = self._start(constraint)
+        if probe.is_error():
+            lines = [line.strip() for line in probe.get_error().strip().splitlines()]
             why = next((line.removeprefix("error: ") for line in lines[1:] if line.startswith("error:")), "")
             raise RequestError(f"{constraint.field}: {lines[0]}" + (f" {why}" if why else ""))
-        probe = self._start(constraint)
         probe.compute_bitmask()
         if probe.is_error() or probe.is_stopped():
             raise RequestError(f"{constraint.field}: no reply fits this shape ({first_line(probe.get_error())})")
