@@ -1,7 +1,7 @@
-"""Structured outputs: response_format (json_object, json_schema) and vLLM's guided_json,
-guided_regex, guided_choice and structured_outputs hold a reply to its shape whatever the model's
-weights say (the demo model's are random), greedy or sampled, whole or streamed, and end it where
-the shape ends; what cannot be followed is refused by field."""
+"""Structured outputs: response_format (json_object, json_schema, structural_tag) and vLLM's
+guided_json, guided_regex, guided_choice, guided_grammar and structured_outputs hold a reply to its
+shape whatever the model's weights say (the demo model's are random), greedy or sampled, whole or
+streamed, and end it where the shape ends; what cannot be followed is refused by field."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def test_a_shape_that_fails_part_way_ends_its_sample_with_error_not_stop(kvd, ca
 
 @pytest.mark.parametrize("fields, param, message", [
     ({"response_format": {"type": "yaml"}}, "response_format.type",
-     "response_format.type: must be text, json_object or json_schema, got 'yaml'"),
+     "response_format.type: must be text, json_object, json_schema or structural_tag, got 'yaml'"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
      "response_format.json_schema.schema: must be a JSON Schema object ({\"type\": \"json_schema\", \"json_schema\": "
      "{\"name\": ..., \"schema\": {...}}})"),
@@ -178,11 +178,37 @@ def test_a_shape_that_fails_part_way_ends_its_sample_with_error_not_stop(kvd, ca
      "guided_choice: must be a list of one or more non-empty strings, got ['a', '']"),
     ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex",
      "guided_regex: give one shape for the reply, not response_format and guided_regex"),
-    ({"structured_outputs": {"grammar": "root ::= \"a\""}}, "structured_outputs",
-     "structured_outputs: give one of json, regex, choice, json_object, got ['grammar']"),
-    ({"guided_grammar": "root ::= \"a\""}, "guided_grammar",
-     "guided_grammar: not supported by kvd, got 'root ::= \"a\"'; kvd holds replies to guided_json, guided_regex, "
-     "guided_choice or response_format"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs",
+     "structured_outputs: give one of json, regex, choice, grammar, json_object, structural_tag, got ['xml']"),
+    ({"guided_grammar": "hello world"}, "guided_grammar",
+     "guided_grammar: read as GBNF (a Lark grammar has a start: rule): Expected ::= at line 1, 'hello ' ^ 'world'"),
+    ({"guided_grammar": "root ::= tier\n"}, "guided_grammar",
+     "guided_grammar: read as GBNF (a Lark grammar has a start: rule): Rule 'tier' not found"),
+    ({"structured_outputs": {"grammar": "start: tier"}}, "structured_outputs.grammar",
+     "structured_outputs.grammar: at 1(8): unknown name: \"tier\""),
+    ({"guided_grammar": ["root ::= \"a\""]}, "guided_grammar",
+     "guided_grammar: must be the text of a grammar (GBNF or Lark), got ['root ::= \"a\"']"),
+    ({"guided_grammar": "root ::= \"a\"" + " " * 65_536}, "guided_grammar",
+     "guided_grammar: 65,548 characters; kvd takes grammars of up to 65,536"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {}, "end": ""}]}},
+     "response_format.triggers", "response_format.triggers: must be a list of one or more non-empty strings, got None"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<function="], "structures": []}},
+     "response_format.structures", "response_format.structures: must be a list of one or more {begin, schema, end} "
+     "objects, got []"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<function="],
+                          "structures": [{"begin": "<function=a>", "schema": {}, "end": ""},
+                                         {"begin": "<tool>", "schema": {}, "end": "</tool>"}]}},
+     "response_format.structures[1].begin",
+     "response_format.structures[1].begin: '<tool>' starts with none of the triggers ['<function=']"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f"],
+                          "structures": [{"begin": "<f>", "schema": "object", "end": "</f>"}]}},
+     "response_format.structures[0].schema",
+     "response_format.structures[0].schema: must be a JSON Schema object, got 'object'"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f"],
+                          "structures": [{"begin": "<f>", "schema": {"type": "bogus"}, "end": "</f>"}]}},
+     "response_format.structures[0].schema", "response_format.structures[0].schema: Invalid type: bogus"),
+    ({"structured_outputs": {"structural_tag": "{\"triggers\": "}}, "structured_outputs.structural_tag",
+     "structured_outputs.structural_tag: not JSON text of structural tags"),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_shape_kvd_cannot_follow_is_refused_by_field_and_leaves_nothing_behind(kvd, path, fields, param, message):
@@ -289,14 +315,100 @@ def test_kvd_with_a_reasoning_parser_lets_the_model_think_before_the_shaped_answ
             service.shutdown(1)
 
 
-def test_a_shape_is_compiled_off_the_event_loop_that_streams_every_answer(kvd, monkeypatch):
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_shape_is_built_and_compiled_off_the_event_loop_that_streams_every_answer(kvd, monkeypatch, path):
+    """Building a shape (a GBNF grammar is converted in Python) and compiling it both run in worker
+    threads: the loop runs in this thread."""
     import threading
+
+    from kvctl.daemon.server import app as app_module
 
     service, unix = kvd
     vocabulary = service.engine.grammar_vocabulary
-    checked_in = []
-    original = type(vocabulary).check
+    built_in, checked_in = [], []
+    original, build = type(vocabulary).check, app_module.constraint_of
     monkeypatch.setattr(type(vocabulary), "check",
                         lambda self, constraint: checked_in.append(threading.current_thread()) or original(self, constraint))
-    complete(unix, guided_choice=["yes", "no"], max_tokens=4)
-    assert len(checked_in) == 1 and checked_in[0] is not threading.current_thread()  # the loop runs in this thread
+    monkeypatch.setattr(app_module, "constraint_of", lambda body: built_in.append(threading.current_thread()) or build(body))
+    body = {"prompt": "Answer:"} if path == "/v1/completions" else {"messages": ASK}
+    assert call(unix, "POST", path, json={**body, "guided_grammar": GBNF, "max_tokens": 4}).status_code == 200
+    assert len(checked_in) == len(built_in) == 1
+    assert threading.current_thread() not in (checked_in[0], built_in[0])
+    # a request with no shape is not sent to a worker thread for one
+    assert call(unix, "POST", path, json={**body, "max_tokens": 2}).status_code == 200
+    assert len(built_in) == 1
+
+
+GBNF = 'root ::= verdict "-" digit digit\nverdict ::= "hit" | "miss"\ndigit ::= [0-9]\n'
+LARK = 'start: "tier=" TIER ";"\nTIER: "device" | "host" | "disk"\n'
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_grammar_in_gbnf_or_lark_holds_the_reply_whole(kvd, seed):
+    """vLLM's guided_grammar, in either dialect its backends read (xgrammar's GBNF, guidance's Lark),
+    and structured_outputs' grammar."""
+    _, unix = kvd
+    sampled = {"temperature": 1.0, "seed": seed}
+    for fields, pattern in (({"guided_grammar": GBNF}, r"(hit|miss)-[0-9][0-9]"),
+                            ({"structured_outputs": {"grammar": GBNF}}, r"(hit|miss)-[0-9][0-9]"),
+                            ({"guided_grammar": LARK}, r"tier=(device|host|disk);")):
+        choice = complete(unix, **fields, **sampled)["choices"][0]
+        assert re.fullmatch(pattern, choice["text"]) and choice["finish_reason"] == "stop", (fields, choice)
+    answer = chat(unix, guided_grammar=LARK, **sampled)["choices"][0]
+    assert re.fullmatch(r"tier=(device|host|disk);", answer["message"]["content"])
+
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 6}}}
+CLOCK = {"type": "object", "additionalProperties": False, "required": ["zone"],
+         "properties": {"zone": {"enum": ["UTC", "CET"]}}}
+TAGS = {"type": "structural_tag", "triggers": ["<function="],
+        "structures": [{"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"},
+                       {"begin": "<function=get_time>", "schema": CLOCK, "end": "</function>"}]}
+
+
+@pytest.fixture
+def steered(monkeypatch):
+    """The model is steered to write `steered.ids` (the demo's tokens are single bytes, so a text's
+    n-th token is its n-th byte): each draw takes the next id where the shape allows it, else the
+    best token the shape allows, and EOS once the ids are spent (where allowed)."""
+    from kvctl.daemon.engine import engine as engine_module
+
+    class Steer:
+        ids: list[int] = []
+
+    def draw(scores, params, seed, index, step):
+        want = Steer.ids[step] if step < len(Steer.ids) else 257  # the demo's EOS
+        return want if scores[want] > float("-inf") else int(scores.argmax())
+
+    monkeypatch.setattr(engine_module, "sample_token", draw)
+    return Steer
+
+
+def test_structural_tags_leave_text_free_and_hold_what_follows_a_trigger(kvd, steered):
+    service, unix = kvd
+    # the model means a key the schema has not ("town"), a zone it has not ("PST") and stops before
+    # the tag's end; each swap is as long as what it replaces, so the steering stays in step
+    text = 'Noted. <function=get_weather>{"town": "Oslo"}</function> then <function=get_time>{"zone": "PST"}'
+    steered.ids = service.loaded.tokenizer.encode(text, add_special_tokens=False)
+    assert len(steered.ids) == len(text)
+    reply = chat(unix, response_format=TAGS, max_tokens=150)["choices"][0]["message"]["content"]
+    zone = reply[len(text) - 5:len(text) - 2]
+    assert zone in ("UTC", "CET")
+    assert reply == ('Noted. <function=get_weather>{"city": "Oslo"}</function> then '
+                     '<function=get_time>{"zone": "' + zone + '"}</function>')
+    # vLLM's structured_outputs form, the tags as JSON text: the same reply
+    again = chat(unix, structured_outputs={"structural_tag": json.dumps({k: v for k, v in TAGS.items()
+                                                                           if k != "type"})}, max_tokens=150)
+    assert again["choices"][0]["message"]["content"] == reply
+    assert blocks_all_back(service)
+
+
+def test_structural_tags_change_nothing_in_a_reply_that_never_writes_a_trigger(kvd, steered):
+    """Text outside the tags is the model's own (as text: the grammar's free text is UTF-8, so the
+    random demo model's stray bytes are not a fair comparison; steered text is)."""
+    service, unix = kvd
+    text = "Plain words <function but no trigger: {\"zone\": \"PST\"} </function>"
+    steered.ids = service.loaded.tokenizer.encode(text, add_special_tokens=False)
+    choice = complete(unix, response_format=TAGS, max_tokens=150)["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (text, "stop")

@@ -31,6 +31,9 @@ import torch
 from .sampling import RequestError
 
 
+# GBNF is turned into Lark by llguidance's converter, in Python, at about 1.4 µs a character on a CPU
+# core: a grammar is capped so that a request's body (32 MiB by default) cannot hold a thread for a minute
+MAX_GRAMMAR_CHARS = 65_536
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -66,6 +69,43 @@ class Constraint:
         from llguidance import LLMatcher
 
         return cls(field, LLMatcher.grammar_from_lark(grammar))
+
+    @classmethod
+    def grammar_text(cls, grammar: str, field: str) -> "Constraint":
+        """A context-free grammar as vLLM's `guided_grammar` takes it: GBNF (llama.cpp's EBNF, with a
+        `root ::=` rule, as vLLM's xgrammar backend reads it) or Lark (a `start:` rule, as its guidance
+        backend reads it), told apart as llguidance tells them. ValueError where GBNF does not parse."""
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        if len(grammar) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{len(grammar):,} characters; kvd takes grammars of up to {MAX_GRAMMAR_CHARS:,}")
+        try:
+            lark = any_to_lark(grammar)
+        except Exception as exc:  # the converter's errors: GbnfToLarkError, ValueError, RecursionError
+            raise ValueError(f"read as GBNF (a Lark grammar has a start: rule): {exc}") from None
+        return cls(field, LLMatcher.grammar_from_lark(lark))
+
+    @classmethod
+    def structural_tags(cls, tags: list[tuple[str, str, dict, str]], field: str) -> "Constraint":
+        """Free text in which each (trigger, begin, schema, end) holds what follows its trigger: once
+        the reply writes `trigger`, it goes on with the rest of `begin`, JSON that `schema` accepts
+        (laid out as json_schema lays it out, unless the schema's `x-guidance` says otherwise) and
+        `end`, then free text again (vLLM's structural tags). Triggers are matched as text: kvd's
+        replies leave special tokens out, so a tag a client is to find must be written as text."""
+        from llguidance import LLMatcher, StructTag
+
+        built = [StructTag(trigger=trigger, begin=begin, end=end,
+                           grammar=schema if "x-guidance" in schema else {**schema, "x-guidance": JSON_LAYOUT})
+                 for trigger, begin, schema, end in tags]
+        return cls(field, LLMatcher.grammar_from_lark(StructTag.to_grammar(built, assume_special=False)))
+
+    def problem(self) -> str:
+        """What is wrong with the grammar, read without a vocabulary ("" where nothing is found; a
+        vocabulary's check finds more, such as no reply fitting it)."""
+        from llguidance import LLMatcher
+
+        return first_line(LLMatcher.validate_grammar(self.grammar))
 
     @classmethod
     def choice(cls, choices: list[str], field: str) -> "Constraint":

@@ -49,7 +49,7 @@ from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .reasoning import answer_only
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
-from .response_format import constraint_of
+from .response_format import asks_for_a_shape, constraint_of
 from .service import EngineService, LoopSink
 from .strict_json import StrictJSONRoute
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -79,13 +79,12 @@ class CompletionRequest(GenerationFields):
 # Fields nobody has defined are ignored, as OpenAI-compatible servers do.
 UNSUPPORTED_FIELDS = {
     "suffix": (None, ""), "best_of": (None, 1),
-    "use_beam_search": (None, False), "guided_grammar": (None,), "cache_salt": (None, ""),
+    "use_beam_search": (None, False), "cache_salt": (None, ""),
 }
 # why, where "leave it out" is not the whole answer
 UNSUPPORTED_HINTS = {
     "cache_salt": "kvd keeps prefixes apart by tenant (the caller's token, or the tenant header behind a trusted "
                   "proxy), never by a salt the client picks; send requests that must not share as another tenant",
-    "guided_grammar": "kvd holds replies to guided_json, guided_regex, guided_choice or response_format",
 }
 
 
@@ -219,7 +218,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             raise ApiError(400, "max_tokens: must be an integer >= 1, got 0 (0 only with echo: the prompt is "
                                 "scored and nothing generated)", param="max_tokens")
         params = sampling(body, 1 if prompt_only else body.max_tokens, "completions", body.logprobs,
-                          max(scored, default=None), shape_of(body))
+                          max(scored, default=None), await shape_of(body))
         return await generate(engine, prompts, params, body, http, who, CompletionShape(),
                               echo_texts(body.prompt, prompts, engine.tokenizer) if body.echo else None,
                               prompt_only=prompt_only)
@@ -227,12 +226,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request, who: Principal = Depends(principal)):
         refuse_unsupported(body, UNSUPPORTED_CHAT_FIELDS, CHAT_HINTS)
+        constraint = await shape_of(body)
         try:
             messages, tools = chat_messages(body.messages), checked_tools(body.tools)
             parser = service.config.tool_call_parser
             tool_mode, tool_name = tool_choice_mode(body.tool_choice, tools, parser)
             limit, opens_reply, logprobs = body.output_limit(), body.generation_prompt(), body.logprobs_wanted()
-            constraint = constraint_of(body)
             if tool_mode in ("required", "named"):  # the reply is held to calls
                 if constraint is not None:
                     raise MessagesError(f"tool_choice: a forced call and {constraint.field} cannot both shape the "
@@ -308,10 +307,14 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param=_param_of(str(exc)), code="chat_template_refused") from None
 
-    def shape_of(body):
-        """The reply's shape the request asks for (response_format.py), or a 400 naming the field."""
+    async def shape_of(body):
+        """The reply's shape the request asks for (response_format.py), or a 400 naming the field;
+        built in a worker thread (a GBNF grammar is converted in Python, up to 0.1 s for the longest
+        kvd takes), never on the event loop that streams every answer."""
+        if not asks_for_a_shape(body):
+            return None
         try:
-            return constraint_of(body)
+            return await run_in_threadpool(constraint_of, body)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
 

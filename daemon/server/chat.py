@@ -24,7 +24,7 @@ from . import tool_calls
 # nothing; any other value is refused by name (see app.refuse_unsupported)
 UNSUPPORTED_CHAT_FIELDS = {
     "best_of": (None, 1),
-    "use_beam_search": (None, False), "guided_grammar": (None,), "cache_salt": (None, ""),
+    "use_beam_search": (None, False), "cache_salt": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),
     "chat_template": (None,), "documents": (None, []),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
@@ -85,6 +85,7 @@ class GenerationFields(BaseModel):
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
+    guided_grammar: Any = None
     structured_outputs: Any = None
 
     def sampling_controls(self) -> dict:
