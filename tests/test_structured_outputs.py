@@ -339,6 +339,53 @@ def test_a_shape_is_built_and_compiled_off_the_event_loop_that_streams_every_ans
     assert len(built_in) == 1
 
 
+def test_the_engine_step_compiles_no_grammar_each_sample_s_is_compiled_when_its_request_is_checked(kvd, monkeypatch):
+    """A grammar's compile (0.5-2 ms for a tool-sized schema) in the step would hold up every running
+    sequence: each of the n samples gets its own matcher, compiled in the submitter's thread."""
+    import threading
+
+    service, unix = kvd
+    vocabulary = service.engine.grammar_vocabulary
+    compiled_in, original = [], type(vocabulary)._start
+    monkeypatch.setattr(type(vocabulary), "_start",
+                        lambda self, constraint: compiled_in.append(threading.current_thread().name)
+                        or original(self, constraint))
+    answer = chat(unix, guided_json=SCHEMA, n=3, temperature=1.0, seed=5)
+    assert all(obeys_schema(json.loads(c["message"]["content"])) for c in answer["choices"])
+    assert len(compiled_in) == 3 and "kvd-engine" not in compiled_in
+    # two prompts in one completion: each prompt's samples, compiled apart
+    compiled_in.clear()
+    answer = call(unix, "POST", "/v1/completions", json={"prompt": ["A:", "B:"], "n": 2, "guided_choice": ["x", "y"],
+                                                          "max_tokens": 4})
+    assert len(answer.json()["choices"]) == 4 and all(c["text"] in ("x", "y") for c in answer.json()["choices"])
+    assert len(compiled_in) == 4 and "kvd-engine" not in compiled_in
+    assert blocks_all_back(service)
+
+
+def test_an_engine_driven_without_the_service_compiles_each_sample_s_grammar_itself(kvd):
+    """Engine.add_request without a checked prompt (scripts, replay) checks and compiles there."""
+    from kvctl.daemon.engine.engine import Engine, EngineSettings
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.engine.structured import Constraint
+
+    service, _ = kvd
+    engine = Engine(service.loaded, EngineSettings(num_blocks=64, block_size=16))
+    on_off = Constraint.choice(["on", "off"], "guided_choice")
+    request = engine.add_request(engine.tokenizer.encode("Q:"), SamplingParams(
+        max_tokens=4, n=2, temperature=1.0, seed=1, constraint=on_off))
+    assert len(request.grammars) == 2 and request.grammars[0] is not request.grammars[1]
+    first = request.grammars[0]
+    assert request.take_grammar(0) is first and request.take_grammar(0) is None and request.take_grammar(5) is None
+    request.grammars[0] = first
+    texts = {}
+    while engine.has_work():
+        for event in engine.step():
+            if event.token_id is not None:
+                texts[event.index] = texts.get(event.index, "") + engine.tokenizer.token_text(event.token_id)
+    assert sorted(texts) == [0, 1] and all(text in ("on", "off") for text in texts.values())
+    assert request.grammars == [None, None]  # each sample took its own
+
+
 GBNF = 'root ::= verdict "-" digit digit\nverdict ::= "hit" | "miss"\ndigit ::= [0-9]\n'
 LARK = 'start: "tier=" TIER ";"\nTIER: "device" | "host" | "disk"\n'
 

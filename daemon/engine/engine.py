@@ -236,10 +236,12 @@ class Engine:
             return f"max_model_len {self.settings.max_model_len}"
         return self.loaded.config.context_limit_text()
 
-    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list | None:
         """Raise RequestError (ContextLengthExceeded for length) naming what is wrong with a prompt
         and its sampling parameters; cheap checks first, so an oversized prompt is refused
-        before anything walks its tokens. Safe from any thread."""
+        before anything walks its tokens. Safe from any thread. For a shaped request, returns
+        each sample's start in its grammar (structured.GrammarState), compiled here, to hand to
+        `add_request` (`grammars`) so that no step compiles one."""
         vocab = self.loaded.config.vocab_size
         params.validate(vocab)
         if not prompt_ids:
@@ -251,7 +253,8 @@ class Engine:
         if bad is not None:
             raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {prompt_ids[bad]!r}")
         if params.constraint is not None:
-            self.grammar_vocabulary.check(params.constraint)
+            return self.grammar_vocabulary.prepare(params.constraint, params.n)
+        return None
 
     @property
     def grammar_vocabulary(self) -> GrammarVocabulary:
@@ -265,23 +268,24 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default", reservation=None,
                     cohort: str | None = None, prefix_keys: tuple | None = None,
-                    prompt_checked: bool = False) -> Request:
+                    prompt_checked: bool = False, grammars: list | None = None) -> Request:
         """Queue a request, or raise AdmissionRejected (nothing allocated) / RequestError.
 
         `prefix_keys`: what `prefix_keys(tenant, prompt_ids)` returned, computed by the submitter
         outside the engine's step, so a long prompt is not hashed inside one (where every decode
         of the batch would wait for it). Keys computed for other ids are ignored; admission also
         checks that the namespace has not changed since. `prompt_checked`: the submitter ran
-        `check_prompt` already (outside the step), so its walk over the tokens is not repeated here."""
+        `check_prompt` already (outside the step), so its walk over the tokens is not repeated here;
+        `grammars`, what it returned for this prompt."""
         if not prompt_checked:
-            self.check_prompt(prompt_ids, params)
+            grammars = self.check_prompt(prompt_ids, params)
         request_id = request_id or f"req-{secrets.token_hex(6)}"
         if request_id in self.requests and not self.requests[request_id].finished:
             raise RequestError(f"request_id: {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(request_id, list(prompt_ids), params, seed, tenant, priority,
                           next(self._order), RequestMetrics(arrival=self.clock()), reservation=reservation,
-                          cohort=cohort)
+                          cohort=cohort, grammars=list(grammars) if grammars else None)
         size, total = self.settings.block_size, self.settings.num_blocks
         needed = blocks_for_tokens(len(prompt_ids) + self._reservation(request).reserve(params.max_tokens), size)
         kind = None
@@ -792,8 +796,9 @@ class Engine:
                     if adjusts:
                         scores = adjust_logits(scores, params, s.request.prompt_ids, s.output_ids, self.eos_ids)
                     if shaped:
-                        if s.grammar is None:
-                            s.grammar = self.grammar_vocabulary.follow(params.constraint)
+                        if s.grammar is None:  # compiled when the request was checked, else here
+                            s.grammar = s.request.take_grammar(s.index) or self.grammar_vocabulary.follow(
+                                params.constraint)
                         scores = s.grammar.masked(scores)
                     token = sample_token(scores, params, s.request.seed, s.index, len(s.output_ids))
                     if shaped:

@@ -100,6 +100,16 @@ class Request:
     # the first block of the prefix found lost from the device at its turn, once a fetch of it was
     # judged (engine._fetch_what_was_lost): judged once, not again at every pass while it waits
     lost_judged: bytes | None = None
+    # with params.constraint: each sample's start in its grammar, compiled when the request was
+    # checked (Engine.check_prompt), taken by the sample at its first draw
+    grammars: list | None = None
+
+    def take_grammar(self, index: int):
+        """Sample `index`'s start in its grammar, once (None: none was compiled for it)."""
+        if self.grammars is None or index >= len(self.grammars):
+            return None
+        grammar, self.grammars[index] = self.grammars[index], None
+        return grammar
 
     @property
     def scoring(self) -> bool:

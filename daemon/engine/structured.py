@@ -121,7 +121,9 @@ class GrammarVocabulary:
 
     Each sample compiles its grammar afresh (as vLLM does): copies of one compiled matcher share
     its lexer's cache and the limit on it, so a grammar cached for reuse would let one request's
-    work use up the next one's budget."""
+    work use up the next one's budget. A request's samples are compiled when it is checked
+    (`prepare`, in its submitter's thread; llguidance lets go of the GIL while it compiles), so the
+    engine's step, which every running sequence waits for, compiles none."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids, token_text=None, encode=None) -> None:
         self.tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
@@ -138,9 +140,15 @@ class GrammarVocabulary:
             self._built = LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
         return self._built
 
-    def check(self, constraint: Constraint) -> None:
+    def prepare(self, constraint: Constraint, samples: int) -> list["GrammarState"]:
+        """`check`, then a start in the grammar for each of a request's `samples`, each of its own."""
+        first = GrammarState(self, self.check(constraint), constraint)
+        return [first] + [self.follow(constraint) for _ in range(samples - 1)]
+
+    def check(self, constraint: Constraint):
         """RequestError naming the field when the grammar cannot be followed, or no reply fits it
-        (a schema that only refers to itself, say). One compile: a matcher whose grammar does not
+        (a schema that only refers to itself, say); else the matcher that checked it, at the
+        grammar's start, for a sample to follow. One compile: a matcher whose grammar does not
         build starts in error, with the message llguidance's validate_grammar would give."""
         probe = self._start(constraint)
         if probe.is_error():
@@ -152,6 +160,7 @@ class GrammarVocabulary:
             raise RequestError(f"{constraint.field}: no reply fits this shape ({first_line(probe.get_error())})")
         if constraint.opens:
             self.learn_opening(constraint.opens)
+        return probe
 
     def follow(self, constraint: Constraint) -> "GrammarState":
         return GrammarState(self, self._start(constraint), constraint)

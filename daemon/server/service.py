@@ -93,6 +93,7 @@ class _Submission:
     hashed: list[tuple | None]  # each prompt's block keys, computed by the submitter
     future: Future
     priority: int = 0  # the engine's (higher first): EngineService.queue_priority
+    grammars: list | None = None  # each prompt's samples' grammars, compiled by the submitter (check_prompt)
 
 
 STOP_STORE_WAIT_S = 5.0  # at kvd's stop: the most the periodic jobs, then the rollout's last figures, wait
@@ -513,8 +514,7 @@ class EngineService:
         Prompts are hashed here, in the calling thread, not in a step."""
         engine = self.require_ready()
         try:  # in this thread, before hashing: a bad or oversized prompt never reaches the engine thread
-            for prompt_ids in prompts:
-                engine.check_prompt(prompt_ids, params)
+            grammars = [engine.check_prompt(prompt_ids, params) for prompt_ids in prompts]
             if len(prompts) > engine.settings.max_queue:
                 raise RequestError(f"prompt: {len(prompts)} prompts in one request can never be queued at once "
                                    f"(max_queue {engine.settings.max_queue}); send at most that many per request")
@@ -523,7 +523,7 @@ class EngineService:
             refused.set_exception(exc)
             return refused
         hashed = [self._hash_outside_the_step(engine, principal.tenant, p) for p in prompts]
-        submission = _Submission(prompts, params, principal, sink, hashed, Future(), priority)
+        submission = _Submission(prompts, params, principal, sink, hashed, Future(), priority, grammars)
         self._inbox.append(submission)
         self._wake_engine()
         if self._stop.is_set():  # the engine thread is gone or going: it may never look again
@@ -548,12 +548,13 @@ class EngineService:
             submission = self._inbox.popleft()
             queued: list[Request] = []
             try:
-                for prompt_ids, keys in zip(submission.prompts, submission.hashed):
+                for prompt_ids, keys, grammars in zip(submission.prompts, submission.hashed,
+                                                      submission.grammars or [None] * len(submission.prompts)):
                     request_id = f"req-{secrets.token_hex(6)}"
                     reservation, cohort = self.rollouts.assign(submission.principal.tenant, request_id)
                     request = engine.add_request(prompt_ids, submission.params, tenant=submission.principal.tenant,
                                                  request_id=request_id, reservation=reservation, cohort=cohort,
-                                                 prefix_keys=keys, prompt_checked=True,
+                                                 prefix_keys=keys, prompt_checked=True, grammars=grammars,
                                                  priority=submission.priority)
                     self._sinks[request.request_id] = submission.sink
                     queued.append(request)
