@@ -64,8 +64,9 @@ def serve(
         None, help="none, qwen3 or deepseek_r1: a chat reply's <think>...</think> goes to reasoning (and "
                    "reasoning_content), apart from content."),
     tool_call_parser: Optional[str] = typer.Option(
-        None, help="none, hermes (Qwen2.5, Qwen3: <tool_call> blocks) or llama3_json (Llama 3.1-3.3: a JSON "
-                   "reply): a chat reply's calls become tool_calls when the chat sends tools."),
+        None, help="none, hermes (Qwen2.5, Qwen3: <tool_call> blocks), llama3_json (Llama 3.1-3.3: a JSON "
+                   "reply) or mistral (Mistral: [TOOL_CALLS]): a chat reply's calls become tool_calls when the "
+                   "chat sends tools."),
     state_dir: Optional[str] = typer.Option(None, help="State directory (demo checkpoint, SQLite)."),
     socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),

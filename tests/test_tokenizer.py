@@ -65,3 +65,31 @@ def test_the_demo_s_prompts_start_with_its_bos_for_kvd_and_transformers_alike(tm
     assert ours.encode(TEXT) == [256, *ours.encode(TEXT, add_special_tokens=False)] == \
         transformers.AutoTokenizer.from_pretrained(str(directory)).encode(TEXT)
     assert ours.encode("") == [256]  # an empty prompt is still a prompt
+
+
+def test_a_parser_s_markers_are_kept_in_decoded_text_and_every_other_special_token_left_out():
+    """Mistral's [TOOL_CALLS] and [ARGS] are special tokens: decoded text keeps them once a
+    tool-call parser asks (kvd serve --tool-call-parser mistral), and still leaves EOS out."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_str(write_and_read_byte_tokenizer())
+    hf.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True), AddedToken("[ARGS]", special=True)])
+    tokenizer = Tokenizer.from_texts(hf.to_str(), None)
+    calls, args = hf.token_to_id("[TOOL_CALLS]"), hf.token_to_id("[ARGS]")
+    ids = tokenizer.encode('Sure.[TOOL_CALLS]get_time[ARGS]{}', add_special_tokens=False) + [257]
+    assert ids.count(calls) == ids.count(args) == 1  # each a token of its own
+    assert tokenizer.decode(ids) == "Sure.get_time{}"  # as before: special tokens left out
+    tokenizer.keep_in_text(["[TOOL_CALLS]", "[ARGS]", "[NOT_IN_THIS_VOCABULARY]"])
+    assert tokenizer.decode(ids) == "Sure.[TOOL_CALLS]get_time[ARGS]{}"  # EOS (257) still left out
+    assert tokenizer.decode(ids[:3]) == "Sur"  # no marker: decoded as it always was
+    assert tokenizer.decode([calls]) == "[TOOL_CALLS]"
+
+
+def write_and_read_byte_tokenizer() -> str:
+    import tempfile
+    from pathlib import Path
+
+    directory = Path(tempfile.mkdtemp(prefix="kvd-markers-"))
+    write_byte_tokenizer(directory)
+    return (directory / "tokenizer.json").read_text()

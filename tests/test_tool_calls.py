@@ -1,11 +1,12 @@
-"""Tool calls (vLLM's --tool-call-parser hermes): a chat's tools reach the template as transformers
-passes them, a reply's <tool_call> blocks come back as OpenAI's tool_calls, whole or streamed alike,
+"""Tool calls (vLLM's --tool-call-parser hermes, llama3_json, mistral): a chat's tools reach the
+template as transformers passes them, a reply's calls come back as OpenAI's tool_calls, whole or streamed alike,
 and the conversation sent back with the calls and their results renders, and hits the cache, as the
 model wrote it."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -48,6 +49,8 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"ty
 TOOLS = [WEATHER, CLOCK]
 ASK = [{"role": "system", "content": "You help operators."}, {"role": "user", "content": "Weather in Paris?"}]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+MISTRAL_TWO = ('Let me look. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+               '{"name": "get_time", "arguments": {}}]')
 FORCED_STATE = __import__("pathlib").Path(__import__("tempfile").mkdtemp(prefix="kvd-forced-"))
 
 
@@ -97,14 +100,35 @@ REPLIES = [  # (parser, answer text, parallel, (content, [(name, arguments)]))
      ('The call would be {"name": "get_weather"}.', [])),
     ("llama3_json", "\n <|python", True, ("\n <|python", [])),
     ("llama3_json", "", True, ("", [])),
+    # mistral: a JSON list after [TOOL_CALLS] (v0.3), or name[ARGS]{...} after each (later tokenizers)
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', True,
+     (None, [("get_weather", '{"city": "Paris"}')])),
+    ("mistral", MISTRAL_TWO, True, ("Let me look.", [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")])),
+    ("mistral", MISTRAL_TWO, False, ("Let me look.", [("get_weather", '{"city": "Oslo"}')])),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}\n', True,
+     (None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])),
+    ("mistral", '[TOOL_CALLS] {"name": "get_time", "arguments": {}}', True, (None, [("get_time", "{}")])),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par', True,  # cut off: text
+     ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Par', [])),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}] and more', True,
+     ('[TOOL_CALLS][{"name": "get_time", "arguments": {}}] and more', [])),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"}', True, ('[TOOL_CALLS]get_weather{"city": "Paris"}', [])),
+    ("mistral", '[TOOL_CALLS] [{"city": "Paris"}]', True, ('[TOOL_CALLS] [{"city": "Paris"}]', [])),  # no name
+    ("mistral", "Sunny. [TOOL_CALLS]", True, ("Sunny. [TOOL_CALLS]", [])),
+    ("mistral", "Sunny, 21 °C.\n", True, ("Sunny, 21 °C.\n", [])),
+    ("mistral", "a [TOOL_", True, ("a [TOOL_", [])),
 ]
+TAGS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
 
 
 @pytest.mark.parametrize("parser, text, parallel, expected", REPLIES)
 def test_a_whole_reply_s_calls_are_taken_out_and_the_rest_kept(parser, text, parallel, expected):
     content, calls = split_tool_calls(text, parallel, parser)
     assert (content, names_and_arguments(calls)) == expected
-    assert all(c["type"] == "function" and c["id"].startswith("call_") and len(c["id"]) == 29 for c in calls)
+    if parser == "mistral":  # Mistral's templates take back ids of 9 letters and digits only
+        assert all(c["type"] == "function" and re.fullmatch("[A-Za-z0-9]{9}", c["id"]) for c in calls)
+    else:
+        assert all(c["type"] == "function" and c["id"].startswith("call_") and len(c["id"]) == 29 for c in calls)
     assert len({c["id"] for c in calls}) == len(calls)
 
 
@@ -122,9 +146,10 @@ def test_streamed_in_any_pieces_the_calls_and_content_are_the_whole_reply_s(case
     assert joined == (content or "")
     assert names_and_arguments(streamed_calls) == calls
     assert [c["index"] for c in streamed_calls] == list(range(len(calls)))
-    if calls:
+    tag = TAGS.get(parser)
+    if calls and tag:
         for piece, _ in pieces:
-            assert "<tool_call>" not in piece and not piece.endswith("<tool")
+            assert tag not in piece and not piece.endswith(tag[:5])
 
 
 def test_the_chat_shape_gives_calls_whole_and_as_one_delta_each_with_the_finish_reason_openai_gives():
@@ -181,10 +206,12 @@ def test_under_llama3_json_a_json_reply_is_held_to_its_end_and_text_streams_as_i
     ("auto", None, "hermes", "tool_choice: \"auto\" needs tools to choose from"),
     ({"type": "function", "function": {"name": "get_time"}}, [], "hermes",
      "tool_choice: {\"function\": {\"name\": 'get_time'}} needs tools to choose from"),
-    (None, TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes or "
-                          "llama3_json); send tool_choice: \"none\" to show the model the tools without calls"),
-    ("required", TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes or "
-                                "llama3_json); send tool_choice: \"none\" to show the model the tools without calls"),
+    (None, TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, "
+                          "llama3_json or mistral); send tool_choice: \"none\" to show the model the tools without "
+                          "calls"),
+    ("required", TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, "
+                                "llama3_json or mistral); send tool_choice: \"none\" to show the model the tools "
+                                "without calls"),
 ])
 def test_tool_choice_is_honoured_and_what_kvd_cannot_honour_is_refused_by_name(choice, tools, parser, expected):
     if isinstance(expected, tuple):
@@ -206,6 +233,14 @@ def test_tool_choice_is_honoured_and_what_kvd_cannot_honour_is_refused_by_name(c
     ("llama3_json", "get_weather", True, '{"name": "get_weather", "parameters": {"city": "Oslo"}}', "whole"),
     ("llama3_json", None, True, '{"name": "get_time", "parameters": {}}; {"name": "get_time", "parameters": {}}',
      "prefix"),
+    # mistral: either form, the model's choice
+    ("mistral", None, True, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "whole"),
+    ("mistral", None, False, '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]', "whole"),
+    ("mistral", None, True, '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', "prefix"),  # another may follow
+    ("mistral", "get_time", True, '[TOOL_CALLS]get_time[ARGS]{}', "whole"),
+    ("mistral", "get_time", True, '[TOOL_CALLS]get_weather[ARGS]{}', "off at w"),
+    ("mistral", None, True, 'Sure [TOOL_CALLS]', "off at S"),
+    ("mistral", None, True, '[TOOL_CALLS]get_weather[ARGS]{"town": "Oslo"}', "off at t"),
 ])
 def test_a_forced_call_s_grammar_takes_calls_of_the_tools_in_the_parser_s_format_only(parser, only, parallel, text,
                                                                                       verdict):
@@ -228,6 +263,40 @@ def test_a_forced_call_s_grammar_takes_calls_of_the_tools_in_the_parser_s_format
     else:
         got = "whole" if state.done else "prefix"
     assert got == verdict
+
+
+def test_where_mistral_s_marker_is_a_special_token_a_forced_call_opens_with_that_token():
+    """Mistral's tokenizers hold [TOOL_CALLS] as one special token: the grammar's first token is it,
+    not the marker spelled out (which the model never wrote)."""
+    pytest.importorskip("llguidance")
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kvctl.daemon.engine.structured import GrammarVocabulary
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.server.tool_calls import forced_calls
+
+    from kvctl.daemon.model.tokenizer import Tokenizer
+
+    hf = HFTokenizer.from_str((ensure_demo_checkpoint(FORCED_STATE) / "tokenizer.json").read_text())
+    hf.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True), AddedToken("[ARGS]", special=True)])
+    tokenizer = Tokenizer.from_texts(hf.to_str(), None)
+    tokenizer.keep_in_text(["[TOOL_CALLS]", "[ARGS]"])
+    marker = hf.token_to_id("[TOOL_CALLS]")
+    assert tokenizer.kept_specials == {"[TOOL_CALLS]": marker, "[ARGS]": marker + 1}
+    vocabulary = GrammarVocabulary(hf.to_str(), hf.get_vocab_size(), [257])
+    state = vocabulary.follow(forced_calls(TOOLS, "mistral", special_tokens=tokenizer.kept_specials))
+    assert state.allowed().nonzero().flatten().tolist() == [marker]
+    state.consume(marker)
+    args = hf.token_to_id("[ARGS]")
+    assert state.allowed()[args] == False  # noqa: E712 (the name comes first)
+    for token in hf.encode("get_time", add_special_tokens=False).ids:
+        state.consume(token)
+    assert state.allowed().nonzero().flatten().tolist() == [args]
+    state.consume(args)
+    for token in hf.encode("{}", add_special_tokens=False).ids:
+        state.consume(token)
+    assert not state.failed and state.allowed()[marker]  # another call may follow
 
 
 @pytest.mark.parametrize("tools, message", [
@@ -358,17 +427,22 @@ def scripted(monkeypatch):
     return script
 
 
-@pytest.fixture
-def hermes_kvd(tmp_path):
+def kvd_with(tmp_path, template: str, parser: str):
+    """A kvd on the demo model with this chat template and tool-call parser: (service, its app)."""
     from .daemon_fixtures import apps, start_service, token_table
 
-    path = tmp_path / "hermes.jinja"
-    path.write_text(HERMES, encoding="utf-8")
-    service = start_service(tmp_path, chat_template=str(path), tool_call_parser="hermes")
+    path = tmp_path / f"{parser}.jinja"
+    path.write_text(template, encoding="utf-8")
+    service = start_service(tmp_path, chat_template=str(path), tool_call_parser=parser)
     try:
         yield service, apps(service, token_table(tmp_path))[0]
     finally:
         service.shutdown(1)
+
+
+@pytest.fixture
+def hermes_kvd(tmp_path):
+    yield from kvd_with(tmp_path, HERMES, "hermes")
 
 
 def test_kvd_answers_a_call_whole_and_streamed_and_the_next_turn_hits_the_cache_through_it(hermes_kvd, scripted):
@@ -470,7 +544,7 @@ def test_a_tool_call_parser_kvd_does_not_have_is_refused_naming_those_it_has():
     with pytest.raises(ConfigError) as refused:
         resolve({"tool_call_parser": "llama4_json"}, {})
     assert str(refused.value) == ("tool_call_parser: invalid value 'llama4_json' from --tool-call-parser: must be one "
-                                  "of none, hermes, llama3_json")
+                                  "of none, hermes, llama3_json, mistral")
 
 
 BOUNDED = [{"type": "function", "function": {
@@ -504,3 +578,82 @@ def test_a_required_or_named_call_is_made_whatever_the_weights_and_obeys_the_too
     assert chunks[-1]["finish_reason"] == "tool_calls"
     assert "".join(chunk["delta"].get("content") or "" for chunk in chunks) == ""
     assert blocks_all_back(service)
+
+
+# In the style of Mistral 7B Instruct v0.3's template: the tools before the last user turn, an
+# assistant's calls as a JSON list after [TOOL_CALLS] (ids of 9 letters and digits, or it refuses),
+# a tool's result between [TOOL_RESULTS] and [/TOOL_RESULTS].
+MISTRAL = """{{ bos_token }}{% for message in messages %}{% if message.role == 'system' %}{% continue %}{% endif %}\
+{% if message.role == 'user' %}{% if tools and loop.index0 == 1 %}[AVAILABLE_TOOLS] {{ tools | tojson }}\
+[/AVAILABLE_TOOLS]{% endif %}[INST] {{ message.content }}[/INST]\
+{% elif message.role == 'assistant' and message.tool_calls %}{% if message.content %}{{ message.content }} {% endif %}\
+[TOOL_CALLS] [{% for call in message.tool_calls %}{% if call.id is not defined or call.id | length != 9 %}\
+{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}\
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\
+{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}\
+{% elif message.role == 'tool' %}[TOOL_RESULTS] {"content": {{ message.content | tojson }}, \
+"call_id": "{{ message.tool_call_id }}"}[/TOOL_RESULTS]\
+{% else %}{{ message.content }}{{ eos_token }}{% endif %}{% endfor %}"""
+MISTRAL_CALL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+@pytest.fixture
+def mistral_kvd(tmp_path):
+    yield from kvd_with(tmp_path, MISTRAL, "mistral")
+
+
+def test_under_mistral_a_call_gets_an_id_its_template_takes_back_and_the_next_turn_hits_the_cache(mistral_kvd,
+                                                                                                  scripted):
+    from .daemon_fixtures import blocks_all_back, call, sse_events
+
+    service, unix = mistral_kvd
+    tokenizer = service.loaded.tokenizer
+    scripted.extend(tokenizer.encode("Checking. " + MISTRAL_CALL, add_special_tokens=False))
+    ask = {"messages": ASK, "tools": TOOLS, "max_tokens": 200}
+    [choice] = call(unix, "POST", "/v1/chat/completions", json=ask).json()["choices"]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", "Checking.")
+    [made] = choice["message"]["tool_calls"]
+    assert names_and_arguments([made]) == [("get_weather", '{"city": "Paris"}')]
+    assert re.fullmatch("[A-Za-z0-9]{9}", made["id"])
+    events = sse_events(call(unix, "POST", "/v1/chat/completions", json={**ask, "stream": True}))
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert "".join(chunk["delta"].get("content") or "" for chunk in chunks) == "Checking."
+    assert names_and_arguments([c for chunk in chunks for c in chunk["delta"].get("tool_calls", [])]) == \
+        [("get_weather", '{"city": "Paris"}')]
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+    first_prompt = service.chat_prompt(chat_messages(ASK), tools=TOOLS)
+    sent_back = [*ASK, choice["message"], {"role": "tool", "tool_call_id": made["id"], "content": "Sunny"}]
+    scripted[:] = tokenizer.encode("Sunny in Paris.", add_special_tokens=False)
+    second = call(unix, "POST", "/v1/chat/completions", json={**ask, "messages": sent_back}).json()
+    assert second["choices"][0]["message"]["content"] == "Sunny in Paris."
+    written = first_prompt + tokenizer.encode("Checking. " + MISTRAL_CALL, add_special_tokens=False) + [DEMO_EOS]
+    assert service.chat_prompt(chat_messages(sent_back), tools=TOOLS)[:len(written)] == written
+    block = service.config.block_size
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(written) // block * block
+    # an id of OpenAI's form, which this template refuses, is its 400
+    other = [*ASK, {**choice["message"], "tool_calls": [{**made, "id": "call_0123456789"}]}, sent_back[-1]]
+    refused = call(unix, "POST", "/v1/chat/completions", json={**ask, "messages": other})
+    assert refused.status_code == 400
+    assert "Tool call IDs should be alphanumeric strings with length 9!" in refused.json()["error"]["message"]
+    assert blocks_all_back(service)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_under_mistral_a_required_call_is_made_in_one_of_its_forms_whatever_the_weights(mistral_kvd, seed):
+    pytest.importorskip("llguidance")
+    from .daemon_fixtures import call
+
+    service, unix = mistral_kvd
+    # the clock's arguments closed too: an open object lets the random model write keys until max_tokens
+    strict = [BOUNDED[0], {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
+    ask = {"messages": ASK, "tools": strict, "max_tokens": 120, "temperature": 1.0, "seed": seed,
+           "tool_choice": "required", "parallel_tool_calls": False}
+    [choice] = call(unix, "POST", "/v1/chat/completions", json=ask).json()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [made] = choice["message"]["tool_calls"]
+    assert (made["function"]["name"], json.loads(made["function"]["arguments"])) in [
+        ("get_time", {}), ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    assert choice["token_ids"][:len(service.loaded.tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False))] == \
+        service.loaded.tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False)

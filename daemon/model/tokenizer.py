@@ -55,6 +55,8 @@ class Tokenizer:
         self.digest = tokenizer_digest(tokenizer_json, config_json)
         self.eos_token_id = self._special(self.config.get("eos_token"))
         self.bos_token_id = self._special(self.config.get("bos_token"))
+        self._kept: frozenset[int] = frozenset()  # special tokens decoded text keeps (keep_in_text)
+        self.kept_specials: dict[str, int] = {}  # those tokens by text
 
     def _special(self, token) -> int | None:
         if isinstance(token, dict):
@@ -66,8 +68,25 @@ class Tokenizer:
         `add_special_tokens` is false."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def keep_in_text(self, tokens) -> None:
+        """Keep these special tokens (by text; those the vocabulary lacks, or holds as plain text,
+        need nothing) in decoded text, where every other special token is left out: the markers a
+        tool-call parser reads (tool_calls.MARKERS), as vLLM decodes a request's special tokens for
+        such a parser."""
+        special = {added.content: i for i, added in self._tok.get_added_tokens_decoder().items() if added.special}
+        self.kept_specials = {text: special[text] for text in tokens if text in special}
+        self._kept = frozenset(self.kept_specials.values())
+
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        if not self._kept or self._kept.isdisjoint(ids):
+            return self._tok.decode(ids, skip_special_tokens=True)
+        parts, start = [], 0
+        for at, token in enumerate(ids):
+            if token in self._kept:
+                parts += [self._tok.decode(ids[start:at], skip_special_tokens=True), self.token_text(token)]
+                start = at + 1
+        parts.append(self._tok.decode(ids[start:], skip_special_tokens=True))
+        return "".join(parts)
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens by name (how logprobs show a token): a token that

@@ -236,7 +236,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 if constraint is not None:
                     raise MessagesError(f"tool_choice: a forced call and {constraint.field} cannot both shape the "
                                         "reply; give one", "tool_choice")
-                constraint = forced_calls(tools, parser, tool_name, body.parallel_tool_calls is not False)
+                loaded = service.loaded  # the markers that are special tokens of its tokenizer, by id
+                constraint = forced_calls(tools, parser, tool_name, body.parallel_tool_calls is not False,
+                                          loaded.tokenizer.kept_specials if loaded is not None else None)
             constraint = answer_only(constraint, service.config.reasoning_parser)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None

@@ -40,7 +40,7 @@ from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 
-from . import pin_ops, reload_ops, tier_ops
+from . import pin_ops, reload_ops, tier_ops, tool_calls
 from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
@@ -182,6 +182,7 @@ class EngineService:
             model_dir, self.hub_name = ensure_demo_checkpoint(cfg.state_dir), None
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype,
                             generation_config=cfg.generation_config)
+        loaded.tokenizer.keep_in_text(tool_calls.MARKERS.get(cfg.tool_call_parser, ()))
         chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template,
                                            json.loads(cfg.chat_template_kwargs or "{}"))
         timer.mark("model")

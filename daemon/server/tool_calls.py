@@ -7,6 +7,11 @@
 - `llama3_json`: a reply that is JSON, `{"name": ..., "parameters": {...}}` (several separated by
   `;`), after Llama 3.1's `<|python_tag|>` where it is decoded, is its calls (the format Llama 3.1,
   3.2 and 3.3's templates ask for); a reply that opens otherwise, or is not such JSON, is text;
+- `mistral`: what follows `[TOOL_CALLS]` is calls: a JSON list of `{"name", "arguments"}` objects
+  (Mistral 7B Instruct v0.3's template), or `name[ARGS]{...}`, one per `[TOOL_CALLS]` (the form of
+  Mistral's later tokenizers); text before it is content. Where the markers are special tokens, kvd
+  keeps them in its decoded text (as vLLM decodes a Mistral tool request's special tokens), and a
+  call's id is 9 letters and digits, the only ids Mistral's templates take back;
 - `none`: kvd parses no calls; a chat may still show the model its tools with `tool_choice: "none"`.
 
 `tool_choice` "auto" (the model chooses) and "none" leave the reply to the model; "required" and a
@@ -23,21 +28,26 @@ its content exactly as written.
 Streamed, the text before a block goes out as it comes; a block is held until it closes and then
 goes out whole, as one `tool_calls` delta (OpenAI's clients join a call's deltas by `index`, and
 one delta is a whole call); a tag split across deltas is held back until it is whole. Under
-`llama3_json` a reply that opens with `{` is held to its end (it is a call or it is not). Whole and
-streamed replies split alike: a whole reply is one delta.
+`llama3_json` a reply that opens with `{` is held to its end (it is a call or it is not); under
+`mistral`, what follows `[TOOL_CALLS]`. Whole and streamed replies split alike: a whole reply is one
+delta.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import string
 
 from .chat_messages import MessagesError
 from .reasoning import held_back
 
-TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json", "mistral")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before a call; gone where special tokens are not decoded
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+# special tokens a parser reads in the reply's text: kvd's decoded text keeps them (Tokenizer.keep_in_text)
+MARKERS = {"mistral": (MISTRAL_CALLS, MISTRAL_ARGS)}
 
 
 def tool_choice_mode(tool_choice, tools: list[dict] | None, parser: str) -> tuple[str, str | None]:
@@ -63,8 +73,9 @@ def tool_choice_mode(tool_choice, tools: list[dict] | None, parser: str) -> tupl
     if not tools:
         raise MessagesError(f"tool_choice: {shown} needs tools to choose from", "tool_choice")
     if parser == "none":
-        raise MessagesError("tools: kvd parses no tool calls here (start it with --tool-call-parser hermes or "
-                            "llama3_json); send tool_choice: \"none\" to show the model the tools without calls",
+        raise MessagesError("tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, "
+                            "llama3_json or mistral); send tool_choice: \"none\" to show the model the tools "
+                            "without calls",
                             "tools")
     if named is not None:
         names = [tool["function"]["name"] for tool in tools]
@@ -75,11 +86,14 @@ def tool_choice_mode(tool_choice, tools: list[dict] | None, parser: str) -> tupl
     return tool_choice, None
 
 
-def forced_calls(tools: list[dict], parser: str, only: str | None = None, parallel: bool = True):
+def forced_calls(tools: list[dict], parser: str, only: str | None = None, parallel: bool = True,
+                 special_tokens: dict[str, int] | None = None):
     """The reply as calls in `parser`'s format and nothing else (a structured.Constraint): one call
     of `only` (a named tool_choice), else one or more calls (one without `parallel`) of any of the
     tools, each with the arguments its parameters' schema accepts, laid out as the model's own calls
-    are. (Imported here: kvd router reads this module's parser names, and needs no engine.)"""
+    are. `special_tokens`: the parser's markers that are special tokens of the model's tokenizer
+    (Tokenizer.kept_specials), by id: a grammar's text cannot be one. (Imported here: kvd router
+    reads this module's parser names, and needs no engine.)"""
     from kvctl.daemon.engine.structured import JSON_LAYOUT, Constraint
 
     key = "parameters" if parser == "llama3_json" else "arguments"
@@ -89,7 +103,20 @@ def forced_calls(tools: list[dict], parser: str, only: str | None = None, parall
              for tool in tools if only is None or tool["function"]["name"] == only]
     call = json.dumps({"anyOf": calls, "x-guidance": JSON_LAYOUT})
     more = only is None and parallel
-    if parser == "llama3_json":
+    if parser == "mistral":  # either of the two forms: the model writes the one it was taught
+        def marker(text: str) -> str:
+            token = (special_tokens or {}).get(text)
+            return json.dumps(text) if token is None else f"<[{token}]>"
+
+        named = [(tool["function"]["name"], tool["function"].get("parameters") or {"type": "object"})
+                 for tool in tools if only is None or tool["function"]["name"] == only]
+        opening = marker(MISTRAL_CALLS)
+        rules = [f"start: {opening} (listed | named" + (f" ({opening} named)*)" if more else ")"),
+                 'listed: " "? "[" call (", " call)* "]"' if more else 'listed: " "? "[" call "]"',
+                 "named: " + " | ".join(f"named_{i}" for i in range(len(named)))]
+        rules += [f"named_{i}: {json.dumps(name)} {marker(MISTRAL_ARGS)} "
+                  f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}" for i, (name, schema) in enumerate(named)]
+    elif parser == "llama3_json":
         rules = ['start: call ("; " call)*' if more else "start: call"]
     else:
         rules = ['start: block ("\\n" block)*' if more else "start: block",
@@ -119,7 +146,13 @@ def call_of(call) -> dict | None:
     return {"name": call["name"], "arguments": arguments}
 
 
-def new_call_id() -> str:
+MISTRAL_ID_CHARACTERS = string.ascii_letters + string.digits
+
+
+def new_call_id(parser: str = "hermes") -> str:
+    """A call's id: OpenAI's form, or 9 letters and digits under mistral (its templates refuse others)."""
+    if parser == "mistral":
+        return "".join(secrets.choice(MISTRAL_ID_CHARACTERS) for _ in range(9))
     return "call_" + secrets.token_hex(12)
 
 
@@ -190,9 +223,9 @@ class ToolCallSplitter:
         return kept
 
 
-def numbered(call: dict, index: int) -> dict:
+def numbered(call: dict, index: int, parser: str = "hermes") -> dict:
     """A call as a reply gives it out: its stream index, a new id."""
-    return {"index": index, "id": new_call_id(), "type": "function", "function": call}
+    return {"index": index, "id": new_call_id(parser), "type": "function", "function": call}
 
 
 class JsonReplySplitter:
@@ -252,8 +285,74 @@ def json_calls(text: str) -> list[dict] | None:
         at = len(text) - len(rest) + 1
 
 
+class MistralSplitter:
+    """mistral: text before `[TOOL_CALLS]` is content as it comes (whitespace at its end kept back
+    until text follows it, or the reply ends without calls); what follows is held to the reply's end,
+    then read as calls. What does not read as calls is content as written, the marker with it."""
+
+    def __init__(self, parallel: bool = True) -> None:
+        self.parallel = parallel
+        self.pending = ""  # what may begin the marker, or (once it is seen) everything after it
+        self.holding = False
+        self.space = ""
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.pending += text
+        if self.holding:
+            return "", []
+        start = self.pending.find(MISTRAL_CALLS)
+        if start >= 0:
+            content, self.pending, self.holding = self.pending[:start], self.pending[start + len(MISTRAL_CALLS):], True
+        else:
+            given = len(self.pending) - held_back(self.pending, MISTRAL_CALLS)
+            content, self.pending = self.pending[:given], self.pending[given:]
+        content = self.space + content
+        kept = content.rstrip()
+        self.space = content[len(kept):]
+        return kept, []
+
+    def close(self) -> tuple[str, list[dict]]:
+        held, self.pending = self.pending, ""
+        calls = mistral_calls(held) if self.holding else None
+        if not calls:
+            space, self.space = self.space, ""
+            return space + (MISTRAL_CALLS if self.holding else "") + held, []
+        self.space = ""
+        calls = calls if self.parallel else calls[:1]
+        self.calls = len(calls)
+        return "", [numbered(call, index, "mistral") for index, call in enumerate(calls)]
+
+
+def mistral_calls(text: str) -> list[dict] | None:
+    """The calls after a reply's first `[TOOL_CALLS]`: a JSON list of calls (or one call), or
+    `name[ARGS]{...}` pieces each after its own marker; None when that is not all the text holds."""
+    if text.lstrip().startswith(("[", "{")):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        calls = [call_of(item) for item in (value if isinstance(value, list) else [value])]
+        return calls if calls and None not in calls else None
+    calls = []
+    for piece in text.split(MISTRAL_CALLS):
+        name, marker, arguments = piece.partition(MISTRAL_ARGS)
+        if not marker:
+            return None
+        try:
+            call = call_of({"name": name.strip(), "arguments": json.loads(arguments)})
+        except ValueError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
 def splitter_for(parser: str, parallel: bool = True):
-    """A reply's tool-call splitter under `parser` (hermes or llama3_json)."""
+    """A reply's tool-call splitter under `parser` (hermes, llama3_json or mistral)."""
+    if parser == "mistral":
+        return MistralSplitter(parallel)
     return JsonReplySplitter(parallel) if parser == "llama3_json" else ToolCallSplitter(parallel)
 
 
