@@ -48,7 +48,8 @@ def render_requests(d: dict) -> Group:
         mark = [f"#{names.setdefault(row['replica'], len(names))}"] if fleet else []
         state = row["state"] + (" (fetching prefix)" if row.get("fetching_prefix") else "") \
             + (f", preempted {row['preemptions']}x" if row["preemptions"] else "")
-        table.add_row(row["request_id"], *mark, escape(row["tenant"]), row["api"], state,
+        api = row["api"] + (f":{row['shape']}" if row.get("shape") else "")  # the field that shapes its reply
+        table.add_row(row["request_id"], *mark, escape(row["tenant"]), api, state,
                       seconds(row["age_seconds"]), f"{row['prompt_tokens']:,}", f"{row['cached_tokens']:,}",
                       f"{row['output_tokens']:,}/{row['max_tokens']:,}" + (f" ×{row['n']}" if row["n"] > 1 else ""),
                       f"{row['blocks']:,}")

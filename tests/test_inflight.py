@@ -43,7 +43,8 @@ def test_requests_in_flight_are_listed_and_cancelled_by_id_or_tenant(tmp_path):
                     lines = first.aiter_lines()
                     assert (await anext(lines)).startswith("data: ")  # it decodes
                     async with client.stream("POST", "/v1/completions", headers={"X-KVD-Tenant": "globex"},
-                                             json={"prompt": "Wait your turn.", **LONG}) as second:
+                                             json={"prompt": "Wait your turn.", "guided_regex": "[a-z]{1,4000}",
+                                                   **LONG}) as second:
                         listed = (await client.get("/admin/requests")).json()
                         only = (await client.get("/admin/requests", params={"tenant": "globex"})).json()
                         cancelled = (await client.post("/admin/cancel", json={
@@ -76,7 +77,10 @@ def test_requests_in_flight_are_listed_and_cancelled_by_id_or_tenant(tmp_path):
         assert waiting["output_tokens"] == 0 and waiting["queued_seconds"] == waiting["age_seconds"]
         assert set(running) == {"request_id", "tenant", "api", "state", "age_seconds", "queued_seconds",
                                 "prompt_tokens", "cached_tokens", "restored_tokens", "output_tokens", "max_tokens",
-                                "n", "preemptions", "blocks", "fetching_prefix", "priority", "cohort"}  # no tokens, no text
+                                "n", "preemptions", "blocks", "fetching_prefix", "priority", "cohort",
+                                "shape"}  # no tokens, no text
+        # the field that holds a reply to a shape (never the shape itself), or None
+        assert (running["shape"], waiting["shape"]) == (None, "guided_regex")
         assert (running["fetching_prefix"], waiting["fetching_prefix"]) == (False, False)  # no lower tier here
         assert [r["request_id"] for r in only["requests"]] == [ids[1]]
 
@@ -207,7 +211,7 @@ def test_kvctl_requests_watch_redraws_the_table_until_stopped():
         return {"request_id": request_id, "tenant": "acme", "api": "chat", "state": state, "age_seconds": 1.5,
                 "queued_seconds": 0.1, "prompt_tokens": 120, "cached_tokens": 96, "restored_tokens": 0,
                 "output_tokens": 7, "max_tokens": 64, "n": 1, "preemptions": 0, "blocks": 9, "priority": 0,
-                "cohort": None}
+                "cohort": None, "shape": None}
 
     frames = [{"requests": [row("req-000000000001", "decode")], "running": 1, "waiting": 0},
               {"requests": [], "running": 0, "waiting": 0}]
@@ -218,3 +222,8 @@ def test_kvctl_requests_watch_redraws_the_table_until_stopped():
     lines = first.export_text().splitlines()
     assert lines[1].split() == ["req-000000000001", "acme", "chat", "decode", "1.50", "s", "120", "96", "7/64", "9"]
     assert lines[2] == "1 running, 0 waiting"
+    shaped = Console(record=True, width=120)
+    shaped.print(render_requests({"requests": [{**row("req-000000000002", "decode"), "shape": "tool_choice"}],
+                                  "running": 1, "waiting": 0}))
+    assert shaped.export_text().splitlines()[1].split()[:4] == ["req-000000000002", "acme", "chat:tool_choice",
+                                                                "decode"]

@@ -2,8 +2,8 @@
 
 A row says who asked (tenant, API), where the request stands (waiting for admission, and whether
 for its prefix to come up from disk or Redis; computing its prompt, decoding; preempted and how
-often), for how long, what the cache gave it (cached and restored prompt tokens) and what it holds
-(blocks): never its prompt or output tokens, nor text.
+often), for how long, what the cache gave it (cached and restored prompt tokens), what it holds
+(blocks) and which field holds its reply to a shape: never its prompt or output tokens, nor text.
 Cancelling one does what a client that leaves does: its samples finish as `cancelled` (a
 streaming client gets that finish reason), its blocks come back exactly once, and the call is
 audited with the request's tenant.
@@ -42,7 +42,16 @@ def request_row(service: EngineService, request: Request, now: float) -> dict:
             "preemptions": metrics.preemptions, "blocks": blocks,
             "fetching_prefix": service.engine.fetching_prefix(request),  # from disk or Redis, while it waits
             "priority": -request.priority,  # as requests and tenant_priorities give it: lower runs first
-            "cohort": request.cohort}
+            "cohort": request.cohort,
+            "shape": shape_field(request)}
+
+
+def shape_field(request: Request) -> str | None:
+    """The request field that holds its reply to a shape (guided_json, response_format, tool_choice,
+    ...; structured.Constraint.field, less any part inside it), never the shape itself: shaped
+    replies cost a mask a step, and a shape can end a sample with "error"."""
+    constraint = request.params.constraint
+    return None if constraint is None else constraint.field.split(".")[0].split("[")[0]
 
 
 def list_requests(service: EngineService, tenant: str | None = None) -> dict:
