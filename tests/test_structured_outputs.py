@@ -459,3 +459,44 @@ def test_structural_tags_change_nothing_in_a_reply_that_never_writes_a_trigger(k
     steered.ids = service.loaded.tokenizer.encode(text, add_special_tokens=False)
     choice = complete(unix, response_format=TAGS, max_tokens=150)["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == (text, "stop")
+
+
+def test_the_first_shaped_requests_checked_at_once_build_the_vocabulary_s_index_and_opening_once(kvd, monkeypatch):
+    """Several submitter threads may check the first shaped requests together: one builds
+    llguidance's index (a second and 75 MiB for a 128,000-token vocabulary) and one learns the
+    thinking block's opening; the others wait for them and use theirs."""
+    import threading
+    import time
+
+    import llguidance
+
+    from kvctl.daemon.engine.structured import Constraint, GrammarVocabulary
+
+    service, _ = kvd
+    engine = service.engine
+    texts_read = []
+
+    def token_text(token):
+        texts_read.append(token)
+        return engine.tokenizer.token_text(token)
+
+    fresh = GrammarVocabulary(engine.tokenizer.texts[0], engine.grammar_vocabulary.vocab_size, engine.eos_ids,
+                              token_text, lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
+    builds, real = [], llguidance.LLTokenizer
+
+    def slow_build(*args, **kwargs):
+        builds.append(threading.current_thread().name)
+        time.sleep(0.2)  # long enough for every other thread to arrive while it builds
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", slow_build)
+    shape = Constraint("guided_choice", Constraint.choice(["a", "b"], "guided_choice").grammar, after="</think>",
+                       opens="<think>")
+    checks = [threading.Thread(target=fresh.check, args=(shape,), name=f"submitter-{i}") for i in range(4)]
+    for thread in checks:
+        thread.start()
+    for thread in checks:
+        thread.join()
+    assert len(builds) == 1
+    assert len(texts_read) == fresh.vocab_size  # one pass over the vocabulary
+    assert fresh.openers("<think>").any() and fresh.openers(">").any()

@@ -165,7 +165,10 @@ class Engine:
         self.eos_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self._grammar_vocabulary: GrammarVocabulary | None = None  # built on the first structured request
+        # the vocabulary structured outputs are followed in (its llguidance index is built on the first shaped request)
+        self.grammar_vocabulary = GrammarVocabulary(
+            self.tokenizer.texts[0], loaded.config.vocab_size, self.eos_ids, self.tokenizer.token_text,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         self.requests: dict[str, Request] = {}
         self._waiting: list[tuple[tuple, Sequence]] = []
         self._running: dict[str, Sequence] = {}
@@ -255,15 +258,6 @@ class Engine:
         if params.constraint is not None:
             return self.grammar_vocabulary.prepare(params.constraint, params.n)
         return None
-
-    @property
-    def grammar_vocabulary(self) -> GrammarVocabulary:
-        """The vocabulary structured outputs are followed in (structured.py)."""
-        if self._grammar_vocabulary is None:
-            self._grammar_vocabulary = GrammarVocabulary(
-                self.tokenizer.texts[0], self.loaded.config.vocab_size, self.eos_ids, self.tokenizer.token_text,
-                lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        return self._grammar_vocabulary
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default", reservation=None,

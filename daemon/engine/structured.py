@@ -23,6 +23,7 @@ shape.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 
 import numpy
@@ -128,16 +129,23 @@ class GrammarVocabulary:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids, token_text=None, encode=None) -> None:
         self.tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
         self._built = None
+        # the first shaped requests may be checked in several threads at once: one builds, the others wait
+        # for it (each building its own cost a second of CPU and 75 MiB for a 128,000-token vocabulary)
+        self._building = threading.Lock()
         # the model tokenizer's, for a shape that starts after a thinking block (Constraint.after)
         self.token_text, self.encode = token_text, encode
         self._openers: dict[str, torch.Tensor] = {}
 
     @property
     def built(self):
+        """llguidance's index of the vocabulary, built once."""
         if self._built is None:
-            from llguidance import LLTokenizer
+            with self._building:
+                if self._built is None:
+                    from llguidance import LLTokenizer
 
-            self._built = LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
+                    self._built = LLTokenizer(self.tokenizer_json, n_vocab=self.vocab_size,
+                                              eos_token=self.eos_ids or None)
         return self._built
 
     def prepare(self, constraint: Constraint, samples: int) -> list["GrammarState"]:
@@ -174,6 +182,10 @@ class GrammarVocabulary:
         """The tokens that go on with each part of `opening` that may be left, in one pass over the
         vocabulary (0.18 s for a 128,000-token one on a 2-core CPU): done when a request is
         checked, in its submitter's thread, not in the engine's step."""
+        with self._building:  # one pass at a time: two threads checking their first requests do it once
+            self._learn_opening(opening)
+
+    def _learn_opening(self, opening: str) -> None:
         rests = [opening[i:] for i in range(len(opening)) if opening[i:] not in self._openers]
         if not rests:
             return
