@@ -117,6 +117,22 @@ REPLIES = [  # (parser, answer text, parallel, (content, [(name, arguments)]))
     ("mistral", "Sunny. [TOOL_CALLS]", True, ("Sunny. [TOOL_CALLS]", [])),
     ("mistral", "Sunny, 21 °C.\n", True, ("Sunny, 21 °C.\n", [])),
     ("mistral", "a [TOOL_", True, ("a [TOOL_", [])),
+    # pythonic: the reply is a Python list of calls, or it is text
+    ("pythonic", '[get_weather(city="Paris"), get_time()]', True,
+     (None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])),
+    ("pythonic", '[get_weather(city="Paris"), get_time()]', False, (None, [("get_weather", '{"city": "Paris"}')])),
+    ("pythonic", '<|python_start|>[get_weather(city=\'Oslo\', days=2, at=None)]<|python_end|>', True,
+     (None, [("get_weather", '{"city": "Oslo", "days": 2, "at": null}')])),
+    ("pythonic", ' [f(a={"b": true, "c": [1, -2.5]}, d=(1, "x"))]\n', True,
+     (None, [("f", '{"a": {"b": true, "c": [1, -2.5]}, "d": [1, "x"]}')])),
+    ("pythonic", '[get_weather(city="Par', True, ('[get_weather(city="Par', [])),  # cut off: text
+    ("pythonic", "[get_weather(city=paris)]", True, ("[get_weather(city=paris)]", [])),  # a name, not a value
+    ("pythonic", "[get_weather('Paris')]", True, ("[get_weather('Paris')]", [])),  # by position: no name for it
+    ("pythonic", "[os.system(cmd='ls')]", True, ("[os.system(cmd='ls')]", [])),
+    ("pythonic", "[f(a=1), 2]", True, ("[f(a=1), 2]", [])),
+    ("pythonic", "[1, 2, 3] are the blocks.", True, ("[1, 2, 3] are the blocks.", [])),
+    ("pythonic", "Blocks [1, 2].", True, ("Blocks [1, 2].", [])),
+    ("pythonic", "[" * 300 + "]" * 300, True, ("[" * 300 + "]" * 300, [])),  # nested past ast's limit: text
 ]
 TAGS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
 
@@ -207,11 +223,11 @@ def test_under_llama3_json_a_json_reply_is_held_to_its_end_and_text_streams_as_i
     ({"type": "function", "function": {"name": "get_time"}}, [], "hermes",
      "tool_choice: {\"function\": {\"name\": 'get_time'}} needs tools to choose from"),
     (None, TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, "
-                          "llama3_json or mistral); send tool_choice: \"none\" to show the model the tools without "
-                          "calls"),
+                          "llama3_json, mistral or pythonic); send tool_choice: \"none\" to show the model the "
+                          "tools without calls"),
     ("required", TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, "
-                                "llama3_json or mistral); send tool_choice: \"none\" to show the model the tools "
-                                "without calls"),
+                                "llama3_json, mistral or pythonic); send tool_choice: \"none\" to show the model "
+                                "the tools without calls"),
 ])
 def test_tool_choice_is_honoured_and_what_kvd_cannot_honour_is_refused_by_name(choice, tools, parser, expected):
     if isinstance(expected, tuple):
@@ -241,6 +257,15 @@ def test_tool_choice_is_honoured_and_what_kvd_cannot_honour_is_refused_by_name(c
     ("mistral", "get_time", True, '[TOOL_CALLS]get_weather[ARGS]{}', "off at w"),
     ("mistral", None, True, 'Sure [TOOL_CALLS]', "off at S"),
     ("mistral", None, True, '[TOOL_CALLS]get_weather[ARGS]{"town": "Oslo"}', "off at t"),
+    # pythonic: keyword arguments of the schema's properties, in its order, values its schema takes
+    ("pythonic", None, True, '[get_weather(city="Oslo")', "prefix"),  # another call may follow
+    ("pythonic", None, True, '[get_weather(city="Oslo"), get_time()]', "whole"),
+    ("pythonic", None, False, '[get_weather(city="Oslo"), get_time()]', "off at ,"),
+    ("pythonic", "get_weather", True, '[get_weather(city="Oslo")]', "whole"),
+    ("pythonic", "get_weather", True, '[get_weather()]', "off at )"),  # city is required
+    ("pythonic", "get_weather", True, '[get_weather(city=3)]', "off at 3"),
+    ("pythonic", "get_weather", True, '[get_weather(town="Oslo")]', "off at t"),
+    ("pythonic", None, True, 'Sure: [get_time()]', "off at S"),
 ])
 def test_a_forced_call_s_grammar_takes_calls_of_the_tools_in_the_parser_s_format_only(parser, only, parallel, text,
                                                                                       verdict):
@@ -544,7 +569,7 @@ def test_a_tool_call_parser_kvd_does_not_have_is_refused_naming_those_it_has():
     with pytest.raises(ConfigError) as refused:
         resolve({"tool_call_parser": "llama4_json"}, {})
     assert str(refused.value) == ("tool_call_parser: invalid value 'llama4_json' from --tool-call-parser: must be one "
-                                  "of none, hermes, llama3_json, mistral")
+                                  "of none, hermes, llama3_json, mistral, pythonic")
 
 
 BOUNDED = [{"type": "function", "function": {
@@ -657,3 +682,44 @@ def test_under_mistral_a_required_call_is_made_in_one_of_its_forms_whatever_the_
         ("get_time", {}), ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
     assert choice["token_ids"][:len(service.loaded.tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False))] == \
         service.loaded.tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False)
+
+
+@pytest.fixture
+def pythonic_kvd(tmp_path):
+    yield from kvd_with(tmp_path, HERMES, "pythonic")
+
+
+def test_under_pythonic_a_reply_s_calls_come_back_with_their_arguments_as_json(pythonic_kvd, scripted):
+    from .daemon_fixtures import call
+
+    service, unix = pythonic_kvd
+    scripted.extend(service.loaded.tokenizer.encode('[get_weather(city="Paris", days=2)]', add_special_tokens=False))
+    [choice] = call(unix, "POST", "/v1/chat/completions",
+                    json={"messages": ASK, "tools": TOOLS, "max_tokens": 100}).json()["choices"]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", None)
+    assert names_and_arguments(choice["message"]["tool_calls"]) == [("get_weather", '{"city": "Paris", "days": 2}')]
+
+
+def test_under_pythonic_a_required_call_is_made_whatever_the_weights(pythonic_kvd):
+    """The demo model's weights are random: only the grammar makes its reply a call."""
+    pytest.importorskip("llguidance")
+    from .daemon_fixtures import blocks_all_back, call
+
+    service, unix = pythonic_kvd
+    strict = [BOUNDED[0], {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
+    for seed in range(3):
+        [choice] = call(unix, "POST", "/v1/chat/completions", json={
+            "messages": ASK, "tools": strict, "max_tokens": 60, "temperature": 1.0, "seed": seed,
+            "tool_choice": "required", "parallel_tool_calls": False}).json()["choices"]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        [made] = choice["message"]["tool_calls"]
+        assert (made["function"]["name"], json.loads(made["function"]["arguments"])) in [
+            ("get_time", {}), ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"max-items": {"type": "integer"}}}}}]
+    refused = call(unix, "POST", "/v1/chat/completions",
+                   json={"messages": ASK, "tools": odd, "tool_choice": "required", "max_tokens": 5})
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+        "tools[0].function.parameters.properties: 'max-items' cannot be a keyword argument of a pythonic call")
+    assert blocks_all_back(service)

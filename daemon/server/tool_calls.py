@@ -12,6 +12,9 @@
   Mistral's later tokenizers); text before it is content. Where the markers are special tokens, kvd
   keeps them in its decoded text (as vLLM decodes a Mistral tool request's special tokens), and a
   call's id is 9 letters and digits, the only ids Mistral's templates take back;
+- `pythonic`: a reply that is a Python list of calls, `[get_weather(city="Paris"), get_time()]`,
+  after Llama 4's `<|python_start|>` where it is decoded, is its calls (the format of Llama 4 and of
+  Llama 3.2's pythonic template); the arguments, Python literals, are given out as JSON;
 - `none`: kvd parses no calls; a chat may still show the model its tools with `tool_choice: "none"`.
 
 `tool_choice` "auto" (the model chooses) and "none" leave the reply to the model; "required" and a
@@ -26,25 +29,29 @@ separates them from it ("Checking.\n<call>\nDone." is "Checking.\nDone."). A rep
 its content exactly as written.
 
 Streamed, the text before a block goes out as it comes; a block is held until it closes and then
-goes out whole, as one `tool_calls` delta (OpenAI's clients join a call's deltas by `index`, and
-one delta is a whole call); a tag split across deltas is held back until it is whole. Under
-`llama3_json` a reply that opens with `{` is held to its end (it is a call or it is not); under
-`mistral`, what follows `[TOOL_CALLS]`. Whole and streamed replies split alike: a whole reply is one
-delta.
+goes out whole, as one `tool_calls` delta (OpenAI's clients join a call's deltas by `index`, and one
+delta is a whole call); a tag split across deltas is held back until it is whole. Under
+`llama3_json` a reply that opens with `{` is held to its end (it is a call or it is not), under
+`pythonic` one that opens with `[`; under `mistral`, what follows `[TOOL_CALLS]`. Whole and streamed
+replies split alike: a whole reply is one delta.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import secrets
 import string
 
 from .chat_messages import MessagesError
 from .reasoning import held_back
 
-TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json", "mistral", "pythonic")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before a call; gone where special tokens are not decoded
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls; likewise
+JSON_NAMES = {"true": True, "false": False, "null": None}  # JSON's, which a pythonic call's value may use
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 # special tokens a parser reads in the reply's text: kvd's decoded text keeps them (Tokenizer.keep_in_text)
 MARKERS = {"mistral": (MISTRAL_CALLS, MISTRAL_ARGS)}
@@ -74,7 +81,7 @@ def tool_choice_mode(tool_choice, tools: list[dict] | None, parser: str) -> tupl
         raise MessagesError(f"tool_choice: {shown} needs tools to choose from", "tool_choice")
     if parser == "none":
         raise MessagesError("tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, "
-                            "llama3_json or mistral); send tool_choice: \"none\" to show the model the tools "
+                            "llama3_json, mistral or pythonic); send tool_choice: \"none\" to show the model the tools "
                             "without calls",
                             "tools")
     if named is not None:
@@ -115,13 +122,16 @@ def forced_calls(tools: list[dict], parser: str, only: str | None = None, parall
                  'listed: " "? "[" call (", " call)* "]"' if more else 'listed: " "? "[" call "]"',
                  "named: " + " | ".join(f"named_{i}" for i in range(len(named)))]
         rules += [f"named_{i}: {json.dumps(name)} {marker(MISTRAL_ARGS)} "
-                  f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}" for i, (name, schema) in enumerate(named)]
+                  f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
+                  for i, (name, schema) in enumerate(named)]
+    elif parser == "pythonic":
+        rules = [pythonic_grammar(tools, only, parallel, JSON_LAYOUT)]
     elif parser == "llama3_json":
         rules = ['start: call ("; " call)*' if more else "start: call"]
     else:
         rules = ['start: block ("\\n" block)*' if more else "start: block",
                  f'block: "{OPEN}\\n" call "\\n{CLOSE}"']
-    lark = "\n".join([*rules, f"call: %json {call}"])
+    lark = "\n".join(rules if parser == "pythonic" else [*rules, f"call: %json {call}"])
     return Constraint.lark(lark, "tool_choice" if only is None else "tool_choice.function.name")
 
 
@@ -230,13 +240,17 @@ def numbered(call: dict, index: int, parser: str = "hermes") -> dict:
 
 class JsonReplySplitter:
     """llama3_json: a reply that opens with JSON (or the python tag) is held to its end, then read
-    as calls: one object, or several separated by `;`. Any other reply is content as it comes."""
+    as calls: one object, or several separated by `;`. Any other reply is content as it comes.
+    (pythonic: the same, for a reply that opens with `[` or Llama 4's python tag.)"""
 
-    def __init__(self, parallel: bool = True) -> None:
+    def __init__(self, parallel: bool = True, parser: str = "llama3_json") -> None:
         self.parallel = parallel
         self.state = "opening"  # opening -> holding (JSON, perhaps calls) | text
         self.pending = ""
         self.calls = 0
+        self.tag, self.opener, self.read = ((PYTHON_START, "[", pythonic_calls) if parser == "pythonic"
+                                            else (PYTHON_TAG, "{", json_calls))
+        self.parser = parser
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self.state == "text":
@@ -244,9 +258,9 @@ class JsonReplySplitter:
         self.pending += text
         start = self.pending.lstrip()
         if self.state == "opening":
-            if not start or (PYTHON_TAG.startswith(start) and start != PYTHON_TAG):
+            if not start or (self.tag.startswith(start) and start != self.tag):
                 return "", []  # only whitespace so far, or perhaps the tag
-            self.state = "holding" if start.startswith(("{", PYTHON_TAG)) else "text"
+            self.state = "holding" if start.startswith((self.opener, self.tag)) else "text"
         if self.state == "text":
             out, self.pending = self.pending, ""
             return out, []
@@ -254,12 +268,12 @@ class JsonReplySplitter:
 
     def close(self) -> tuple[str, list[dict]]:
         text, self.pending = self.pending, ""
-        calls = json_calls(text) if self.state == "holding" else None
+        calls = self.read(text) if self.state == "holding" else None
         if not calls:
             return text, []
         calls = calls if self.parallel else calls[:1]
         self.calls = len(calls)
-        return "", [numbered(call, index) for index, call in enumerate(calls)]
+        return "", [numbered(call, index, self.parser) for index, call in enumerate(calls)]
 
 
 def json_calls(text: str) -> list[dict] | None:
@@ -350,10 +364,105 @@ def mistral_calls(text: str) -> list[dict] | None:
 
 
 def splitter_for(parser: str, parallel: bool = True):
-    """A reply's tool-call splitter under `parser` (hermes, llama3_json or mistral)."""
+    """A reply's tool-call splitter under `parser` (hermes, llama3_json, mistral or pythonic)."""
     if parser == "mistral":
         return MistralSplitter(parallel)
-    return JsonReplySplitter(parallel) if parser == "llama3_json" else ToolCallSplitter(parallel)
+    if parser in ("llama3_json", "pythonic"):
+        return JsonReplySplitter(parallel, parser)
+    return ToolCallSplitter(parallel)
+
+
+
+
+def pythonic_calls(text: str) -> list[dict] | None:
+    """The calls a pythonic reply holds (`[name(key=value, ...), ...]`), or None when it is not
+    calls alone. Values are Python literals, or JSON's (true, false, null: an object written as
+    JSON); anything else (a name, an expression, *args) makes it text."""
+    text = text.strip()
+    if text.startswith(PYTHON_START):
+        text = text[len(PYTHON_START):].removesuffix(PYTHON_END).strip()
+    if not (text.startswith("[") and text.endswith("]")):
+        return None
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        arguments = {}
+        for keyword in node.keywords:
+            if keyword.arg is None or keyword.arg in arguments:  # **kwargs, or a name twice
+                return None
+            try:
+                arguments[keyword.arg] = python_value(keyword.value)
+            except (ValueError, TypeError, RecursionError, MemoryError):
+                return None
+        calls.append({"name": node.func.id, "arguments": json.dumps(arguments, ensure_ascii=False)})
+    return calls
+
+
+def python_value(node: ast.AST):
+    """A call's literal argument as JSON holds it; ValueError for what JSON cannot."""
+    if isinstance(node, ast.Name) and node.id in JSON_NAMES:
+        return JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [python_value(item) for item in node.elts]
+    if isinstance(node, ast.Dict):
+        if not all(isinstance(key, ast.Constant) and isinstance(key.value, str) for key in node.keys):
+            raise ValueError("a key that is not a string")
+        return {key.value: python_value(value) for key, value in zip(node.keys, node.values)}
+    value = ast.literal_eval(node)
+    if isinstance(value, bool) or value is None or isinstance(value, (str, int)):
+        return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    raise ValueError(f"not a JSON value: {type(value).__name__}")
+
+
+def pythonic_grammar(tools: list[dict], only: str | None, parallel: bool, layout: dict) -> str:
+    """Lark rules for pythonic calls: each tool's schema properties as keyword arguments in the
+    order the schema gives them (the required ones always, the others where the model writes them),
+    each value JSON its property's schema accepts (a Python literal too, but for true, false and
+    null, which pythonic_calls reads); a tool whose schema names no properties takes any."""
+    rules = ['start: "[" call (", " call)* "]"' if only is None and parallel else 'start: "[" call "]"']
+    chosen = [(at, tool["function"]) for at, tool in enumerate(tools)
+              if only is None or tool["function"]["name"] == only]
+    rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(chosen))))
+    for i, (at, function) in enumerate(chosen):
+        schema = function.get("parameters") or {"type": "object"}
+        properties = list((schema.get("properties") or {}).items())
+        required = set(schema.get("required") or [])
+        name = json.dumps(function["name"] + "(")
+        for prop, _ in properties:
+            if not prop.isidentifier():
+                where = f"tools[{at}].function.parameters.properties"
+                raise MessagesError(f"{where}: {prop!r} cannot be a keyword argument of a pythonic call", where)
+        if not properties:
+            free = schema.get("additionalProperties", True) is not False
+            rules.append(f'call_{i}: {name} (any_{i} (", " any_{i})*)? ")"' if free else f'call_{i}: {name} ")"')
+            if free:
+                rules.append(f'any_{i}: /[A-Za-z_][A-Za-z0-9_]*/ "=" %json {json.dumps({"x-guidance": layout})}')
+            continue
+        n = len(properties)
+        emptiable = [all(p not in required for p, _ in properties[k:]) for k in range(n + 1)]
+
+        def ref(kind: str, k: int) -> str:
+            return "" if k == n else f"{kind}_{i}_{k}" + ("?" if emptiable[k] else "")
+
+        rules.append(f'call_{i}: {name} {ref("first", 0)} ")"')
+        for k, (prop, prop_schema) in enumerate(properties):
+            value = json.dumps({**prop_schema, "x-guidance": layout}) if isinstance(prop_schema, dict) else "{}"
+            rules.append(f"arg_{i}_{k}: {json.dumps(prop + '=')} %json {value}")
+            first = [f"arg_{i}_{k} {ref('rest', k + 1)}"] + ([f"first_{i}_{k + 1}"]
+                                                            if prop not in required and k + 1 < n else [])
+            rest = [f'", " arg_{i}_{k} {ref("rest", k + 1)}'] + ([f"rest_{i}_{k + 1}"]
+                                                                 if prop not in required and k + 1 < n else [])
+            rules += [f"first_{i}_{k}: " + " | ".join(first), f"rest_{i}_{k}: " + " | ".join(rest)]
+    return "\n".join(rules)
 
 
 def split_tool_calls(text: str, parallel: bool = True, parser: str = "hermes") -> tuple[str | None, list[dict]]:
