@@ -723,3 +723,22 @@ def test_under_pythonic_a_required_call_is_made_whatever_the_weights(pythonic_kv
     assert refused.status_code == 400 and refused.json()["error"]["message"] == (
         "tools[0].function.parameters.properties: 'max-items' cannot be a keyword argument of a pythonic call")
     assert blocks_all_back(service)
+
+
+@settings(max_examples=400, deadline=None)
+@given(parser=st.sampled_from(["hermes", "llama3_json", "mistral", "pythonic"]),
+       text=st.lists(st.sampled_from(list('[](){}"\'=,;:. \\\n0123456789abcfnrtux_-') +
+                                     ["[TOOL_CALLS]", "[ARGS]", "<tool_call>", "</tool_call>", "true", "get_time",
+                                      "\x00", "<|python_start|>", "\\d", 'f(a="\\d")']), max_size=40).map("".join))
+def test_whatever_a_model_writes_is_calls_and_content_or_its_text_as_written(parser, text):
+    """No reply makes a parser raise (ast's errors and warnings included); a reply without calls is
+    its text exactly."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a parser must not warn on a model's text either (invalid escapes)
+        content, calls = split_tool_calls(text, True, parser)
+    if not calls:
+        assert content == text
+    for made in calls:
+        assert isinstance(json.loads(made["function"]["arguments"]), dict) and made["function"]["name"]
