@@ -209,6 +209,10 @@ def test_a_shape_that_fails_part_way_ends_its_sample_with_error_not_stop(kvd, ca
      "response_format.structures[0].schema", "response_format.structures[0].schema: Invalid type: bogus"),
     ({"structured_outputs": {"structural_tag": "{\"triggers\": "}}, "structured_outputs.structural_tag",
      "structured_outputs.structural_tag: not JSON text of structural tags"),
+    # JSON text nested deeper than Python's parser recurses: refused as any text that is no JSON
+    ({"guided_json": "[" * 100_000 + "]" * 100_000}, "guided_json", "guided_json: not JSON text of a schema"),
+    ({"structured_outputs": {"structural_tag": "[" * 100_000}}, "structured_outputs.structural_tag",
+     "structured_outputs.structural_tag: not JSON text of structural tags"),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_shape_kvd_cannot_follow_is_refused_by_field_and_leaves_nothing_behind(kvd, path, fields, param, message):
@@ -359,6 +363,13 @@ def test_the_engine_step_compiles_no_grammar_each_sample_s_is_compiled_when_its_
                                                           "max_tokens": 4})
     assert len(answer.json()["choices"]) == 4 and all(c["text"] in ("x", "y") for c in answer.json()["choices"])
     assert len(compiled_in) == 4 and "kvd-engine" not in compiled_in
+    # past GRAMMARS_COMPILED_AHEAD (64) samples, the rest compile at their first draw: the shape is
+    # checked once, and what waits in the queue holds no more than 64 matchers
+    compiled_in.clear()
+    answer = call(unix, "POST", "/v1/completions", json={"prompt": ["A:", "B:", "C:"], "n": 30,
+                                                          "guided_choice": ["x", "y"], "max_tokens": 2})
+    assert len(answer.json()["choices"]) == 90
+    assert (len(compiled_in), compiled_in.count("kvd-engine")) == (90, 26)
     assert blocks_all_back(service)
 
 

@@ -742,3 +742,24 @@ def test_whatever_a_model_writes_is_calls_and_content_or_its_text_as_written(par
         assert content == text
     for made in calls:
         assert isinstance(json.loads(made["function"]["arguments"]), dict) and made["function"]["name"]
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # nested deeper than Python's parsers recurse
+
+
+@pytest.mark.parametrize("parser, text", [("hermes", f"<tool_call>{DEEP}</tool_call>"),
+                                          ("llama3_json", '{"name": "f", "parameters": ' + DEEP + "}"),
+                                          ("mistral", f"[TOOL_CALLS]{DEEP}"), ("mistral", f"[TOOL_CALLS]f[ARGS]{DEEP}"),
+                                          ("pythonic", DEEP)],
+                         ids=["hermes", "llama3_json", "mistral-list", "mistral-args", "pythonic"])
+def test_a_reply_nested_deeper_than_python_recurses_is_its_text_not_a_crash(parser, text):
+    assert split_tool_calls(text, True, parser) == (text, [])
+
+
+def test_a_call_s_arguments_nested_deeper_than_python_recurses_go_to_the_template_as_written():
+    [_, sent] = chat_messages([{"role": "user", "content": "a"},
+                               {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": DEEP}}]}])
+    assert sent["tool_calls"][0]["function"]["arguments"] == DEEP
+    from kvctl.daemon.server.router import json_object
+
+    assert json_object(('{"a": ' + DEEP + "}").encode()) is None

@@ -239,12 +239,11 @@ class Engine:
             return f"max_model_len {self.settings.max_model_len}"
         return self.loaded.config.context_limit_text()
 
-    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list | None:
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError (ContextLengthExceeded for length) naming what is wrong with a prompt
         and its sampling parameters; cheap checks first, so an oversized prompt is refused
-        before anything walks its tokens. Safe from any thread. For a shaped request, returns
-        each sample's start in its grammar (structured.GrammarState), compiled here, to hand to
-        `add_request` (`grammars`) so that no step compiles one."""
+        before anything walks its tokens. Safe from any thread. (A shape is checked by
+        `prepare_grammars`.)"""
         vocab = self.loaded.config.vocab_size
         params.validate(vocab)
         if not prompt_ids:
@@ -255,9 +254,15 @@ class Engine:
         bad = first_outside_vocab(prompt_ids, vocab)
         if bad is not None:
             raise RequestError(f"prompt: token ids must lie in [0, {vocab}), found {prompt_ids[bad]!r}")
-        if params.constraint is not None:
-            return self.grammar_vocabulary.prepare(params.constraint, params.n)
-        return None
+
+    def prepare_grammars(self, params: SamplingParams, samples: int) -> list | None:
+        """For a shaped request: RequestError naming the field when its shape cannot be followed,
+        else the starts in its grammar (structured.GrammarState) of its first `samples` samples
+        (at least one: the matcher that checked it), compiled here, in the caller's thread, to hand
+        to `add_request` (`grammars`), so that no step compiles them. None without a shape."""
+        if params.constraint is None:
+            return None
+        return self.grammar_vocabulary.prepare(params.constraint, max(1, samples))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default", reservation=None,
@@ -269,10 +274,12 @@ class Engine:
         outside the engine's step, so a long prompt is not hashed inside one (where every decode
         of the batch would wait for it). Keys computed for other ids are ignored; admission also
         checks that the namespace has not changed since. `prompt_checked`: the submitter ran
-        `check_prompt` already (outside the step), so its walk over the tokens is not repeated here;
-        `grammars`, what it returned for this prompt."""
+        `check_prompt` and `prepare_grammars` already (outside the step), so its walk over the
+        tokens is not repeated here; `grammars`, the starts `prepare_grammars` compiled for this
+        prompt's samples (a sample without one compiles its own at its first draw)."""
         if not prompt_checked:
-            grammars = self.check_prompt(prompt_ids, params)
+            self.check_prompt(prompt_ids, params)
+            grammars = self.prepare_grammars(params, params.n)
         request_id = request_id or f"req-{secrets.token_hex(6)}"
         if request_id in self.requests and not self.requests[request_id].finished:
             raise RequestError(f"request_id: {request_id!r} is already in flight")

@@ -101,7 +101,7 @@ class Request:
     # judged (engine._fetch_what_was_lost): judged once, not again at every pass while it waits
     lost_judged: bytes | None = None
     # with params.constraint: each sample's start in its grammar, compiled when the request was
-    # checked (Engine.check_prompt), taken by the sample at its first draw
+    # checked (Engine.prepare_grammars), taken by the sample at its first draw
     grammars: list | None = None
 
     def take_grammar(self, index: int):

@@ -111,7 +111,7 @@ def tool_calls_of(calls: Any, where: str) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 parsed = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than Python recurses
                 parsed = None
             arguments = parsed if isinstance(parsed, dict) else arguments
         elif not isinstance(arguments, dict):

@@ -91,7 +91,7 @@ def _structured_outputs(value: Any) -> Constraint:
         if isinstance(spec, str):  # vLLM takes it as JSON text
             try:
                 spec = json.loads(spec)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than Python recurses
                 raise MessagesError(f"{field}: not JSON text of structural tags", field) from None
         return _structural_tag(spec, field)
     return _shape(kind, value[kind], f"structured_outputs.{kind}")
@@ -105,12 +105,12 @@ def _structural_tag(spec: Any, field: str) -> Constraint:
                             field)
     triggers = spec.get("triggers")
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
-        raise MessagesError(f"{field}.triggers: must be a list of one or more non-empty strings, got {triggers!r}",
-                            f"{field}.triggers")
+        raise MessagesError(f"{field}.triggers: must be a list of one or more non-empty strings, got "
+                            f"{_short(triggers)}", f"{field}.triggers")
     structures = spec.get("structures")
     if not isinstance(structures, list) or not structures:
         raise MessagesError(f"{field}.structures: must be a list of one or more {{begin, schema, end}} objects, "
-                            f"got {structures!r}", f"{field}.structures")
+                            f"got {_short(structures)}", f"{field}.structures")
     tags = []
     for i, structure in enumerate(structures):
         where = f"{field}.structures[{i}]"
@@ -124,11 +124,11 @@ def _structural_tag(spec: Any, field: str) -> Constraint:
             if not ok:
                 wanted = "a JSON Schema object" if name == "schema" else "a string" + (
                     " (may be empty)" if name == "end" else " that starts with a trigger")
-                raise MessagesError(f"{where}.{name}: must be {wanted}, got {given!r}", f"{where}.{name}")
+                raise MessagesError(f"{where}.{name}: must be {wanted}, got {_short(given)}", f"{where}.{name}")
         trigger = max((t for t in triggers if begin.startswith(t)), key=len, default=None)
         if trigger is None:
-            raise MessagesError(f"{where}.begin: {begin!r} starts with none of the triggers {triggers!r}",
-                                f"{where}.begin")
+            raise MessagesError(f"{where}.begin: {_short(begin)} starts with none of the triggers "
+                                f"{_short(triggers)}", f"{where}.begin")
         problem = _shape("json", schema, f"{where}.schema").problem()  # named by its structure, not the whole
         if problem:
             raise MessagesError(f"{where}.schema: {problem}", f"{where}.schema")
@@ -145,7 +145,7 @@ def _shape(kind: str, value: Any, field: str) -> Constraint:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise MessagesError(f"{field}: not JSON text of a schema", field) from None
         if not isinstance(value, dict):
             raise MessagesError(f"{field}: must be a JSON Schema object, got {type(value).__name__}", field)
@@ -170,5 +170,6 @@ def _shape(kind: str, value: Any, field: str) -> Constraint:
 
 
 def _short(value: Any) -> str:
+    """A value a client sent, as an error shows it: its repr, cut to 80 characters."""
     shown = repr(value)
     return shown if len(shown) <= 80 else shown[:77] + "..."

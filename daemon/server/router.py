@@ -71,7 +71,7 @@ def json_object(raw: bytes) -> dict | None:
     """A request body that is a JSON object, or None."""
     try:
         body = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python recurses
         return None
     return body if isinstance(body, dict) else None
 

@@ -93,9 +93,10 @@ class _Submission:
     hashed: list[tuple | None]  # each prompt's block keys, computed by the submitter
     future: Future
     priority: int = 0  # the engine's (higher first): EngineService.queue_priority
-    grammars: list | None = None  # each prompt's samples' grammars, compiled by the submitter (check_prompt)
+    grammars: list | None = None  # each prompt's samples' grammars, compiled by the submitter (prepare_grammars)
 
 
+GRAMMARS_COMPILED_AHEAD = 64  # a shaped request's samples whose grammars its submitter compiles (n is at most 64)
 STOP_STORE_WAIT_S = 5.0  # at kvd's stop: the most the periodic jobs, then the rollout's last figures, wait
 
 
@@ -515,10 +516,16 @@ class EngineService:
         Prompts are hashed here, in the calling thread, not in a step."""
         engine = self.require_ready()
         try:  # in this thread, before hashing: a bad or oversized prompt never reaches the engine thread
-            grammars = [engine.check_prompt(prompt_ids, params) for prompt_ids in prompts]
+            for prompt_ids in prompts:
+                engine.check_prompt(prompt_ids, params)
             if len(prompts) > engine.settings.max_queue:
                 raise RequestError(f"prompt: {len(prompts)} prompts in one request can never be queued at once "
                                    f"(max_queue {engine.settings.max_queue}); send at most that many per request")
+            # a shape is checked once, and its first samples' grammars compiled here (at most
+            # GRAMMARS_COMPILED_AHEAD: 100 prompts of n 64 would hold 6,400 matchers while they wait)
+            starts = engine.prepare_grammars(params, min(len(prompts) * params.n, GRAMMARS_COMPILED_AHEAD))
+            grammars = None if starts is None else [starts[p * params.n:(p + 1) * params.n] or None
+                                                    for p in range(len(prompts))]
         except RequestError as exc:
             refused: Future = Future()
             refused.set_exception(exc)

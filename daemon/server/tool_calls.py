@@ -139,7 +139,7 @@ def parse_call(body: str) -> dict | None:
     """One block's call as {name, arguments (JSON text)}, or None when it is not one."""
     try:
         call = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python recurses ("[[[[...")
         return None
     return call_of(call)
 
@@ -285,7 +285,7 @@ def json_calls(text: str) -> list[dict] | None:
         at = len(text) - len(text[at:].lstrip())
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = call_of(value)
         if call is None:
@@ -344,7 +344,7 @@ def mistral_calls(text: str) -> list[dict] | None:
     if text.lstrip().startswith(("[", "{")):
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         calls = [call_of(item) for item in (value if isinstance(value, list) else [value])]
         return calls if calls and None not in calls else None
@@ -355,7 +355,7 @@ def mistral_calls(text: str) -> list[dict] | None:
             return None
         try:
             call = call_of({"name": name.strip(), "arguments": json.loads(arguments)})
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if call is None:
             return None
@@ -370,8 +370,6 @@ def splitter_for(parser: str, parallel: bool = True):
     if parser in ("llama3_json", "pythonic"):
         return JsonReplySplitter(parallel, parser)
     return ToolCallSplitter(parallel)
-
-
 
 
 def pythonic_calls(text: str) -> list[dict] | None:
