@@ -763,3 +763,33 @@ def test_a_call_s_arguments_nested_deeper_than_python_recurses_go_to_the_templat
     from kvctl.daemon.server.router import json_object
 
     assert json_object(('{"a": ' + DEEP + "}").encode()) is None
+
+
+ORDERED = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "required": ["a", "c"],
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}}}}}]
+
+
+@pytest.mark.parametrize("text, verdict", [
+    ("[f(a=1, c=3)]", "whole"), ("[f(a=1, b=2, c=3)]", "whole"),
+    ("[f(b=2, c=3)]", "off at b"),  # a is required, and first
+    ("[f(a=1, b=2)]", "off at )"),  # c is required
+    ("[f(c=3, a=1)]", "off at c"),  # the schema's order
+    ("[f(a=1, c=3, b=2)]", "off at ,"),
+])
+def test_a_forced_pythonic_call_writes_required_arguments_always_and_the_rest_in_the_schema_s_order(text, verdict):
+    from kvctl.daemon.engine.structured import GrammarVocabulary
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+    from kvctl.daemon.model.tokenizer import Tokenizer
+    from kvctl.daemon.server.tool_calls import forced_calls
+
+    pytest.importorskip("llguidance")
+    tokenizer = Tokenizer(ensure_demo_checkpoint(FORCED_STATE))
+    state = GrammarVocabulary(tokenizer.texts[0], 258, [257]).follow(forced_calls(ORDERED, "pythonic", "f"))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    taken = 0
+    while taken < len(ids) and state.allowed()[ids[taken]]:
+        state.consume(ids[taken])
+        taken += 1
+    got = f"off at {text[taken]}" if taken < len(ids) else "whole" if state.done else "prefix"
+    assert got == verdict

@@ -459,7 +459,11 @@ def pythonic_grammar(tools: list[dict], only: str | None, parallel: bool, layout
                                                             if prop not in required and k + 1 < n else [])
             rest = [f'", " arg_{i}_{k} {ref("rest", k + 1)}'] + ([f"rest_{i}_{k + 1}"]
                                                                  if prop not in required and k + 1 < n else [])
-            rules += [f"first_{i}_{k}: " + " | ".join(first), f"rest_{i}_{k}: " + " | ".join(rest)]
+            # first_k (nothing written yet) is reached while every property before k is left out; rest_k, past k-1
+            if all(p not in required for p, _ in properties[:k]):
+                rules.append(f"first_{i}_{k}: " + " | ".join(first))
+            if k > 0:
+                rules.append(f"rest_{i}_{k}: " + " | ".join(rest))
     return "\n".join(rules)
 
 
