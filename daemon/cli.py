@@ -65,8 +65,8 @@ def serve(
                    "reasoning_content), apart from content."),
     tool_call_parser: Optional[str] = typer.Option(
         None, help="none, hermes (Qwen2.5, Qwen3: <tool_call> blocks), llama3_json (Llama 3.1-3.3: a JSON "
-                   "reply), mistral (Mistral: [TOOL_CALLS]) or pythonic (Llama 4, Llama 3.2's pythonic template: "
-                   "[f(a=1)]): a chat reply's calls become tool_calls when the chat sends tools."),
+                   "reply), mistral (Mistral: [TOOL_CALLS]) or pythonic (Llama 4, Llama 3.2's pythonic template: a "
+                   "Python list of calls): a chat reply's calls become tool_calls when the chat sends tools."),
     state_dir: Optional[str] = typer.Option(None, help="State directory (demo checkpoint, SQLite)."),
     socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),
