@@ -103,36 +103,40 @@ def forced_calls(tools: list[dict], parser: str, only: str | None = None, parall
     reads this module's parser names, and needs no engine.)"""
     from kvctl.daemon.engine.structured import JSON_LAYOUT, Constraint
 
+    field = "tool_choice" if only is None else "tool_choice.function.name"
+    chosen = [(at, tool["function"]) for at, tool in enumerate(tools)  # (its place in tools, the function)
+              if only is None or tool["function"]["name"] == only]
+    more = only is None and parallel
+    if parser == "pythonic":  # keyword arguments, not a JSON object: a grammar of its own
+        return Constraint.lark(pythonic_grammar(chosen, more, JSON_LAYOUT), field)
     key = "parameters" if parser == "llama3_json" else "arguments"
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-              "properties": {"name": {"const": tool["function"]["name"]},
-                             key: tool["function"].get("parameters") or {"type": "object"}}}
-             for tool in tools if only is None or tool["function"]["name"] == only]
+              "properties": {"name": {"const": function["name"]}, key: parameters_of(function)}}
+             for _, function in chosen]
     call = json.dumps({"anyOf": calls, "x-guidance": JSON_LAYOUT})
-    more = only is None and parallel
     if parser == "mistral":  # either of the two forms: the model writes the one it was taught
         def marker(text: str) -> str:
             token = (special_tokens or {}).get(text)
             return json.dumps(text) if token is None else f"<[{token}]>"
 
-        named = [(tool["function"]["name"], tool["function"].get("parameters") or {"type": "object"})
-                 for tool in tools if only is None or tool["function"]["name"] == only]
         opening = marker(MISTRAL_CALLS)
         rules = [f"start: {opening} (listed | named" + (f" ({opening} named)*)" if more else ")"),
                  'listed: " "? "[" call (", " call)* "]"' if more else 'listed: " "? "[" call "]"',
-                 "named: " + " | ".join(f"named_{i}" for i in range(len(named)))]
-        rules += [f"named_{i}: {json.dumps(name)} {marker(MISTRAL_ARGS)} "
-                  f"%json {json.dumps({**schema, 'x-guidance': JSON_LAYOUT})}"
-                  for i, (name, schema) in enumerate(named)]
-    elif parser == "pythonic":
-        rules = [pythonic_grammar(tools, only, parallel, JSON_LAYOUT)]
+                 "named: " + " | ".join(f"named_{i}" for i in range(len(chosen)))]
+        rules += [f"named_{i}: {json.dumps(function['name'])} {marker(MISTRAL_ARGS)} "
+                  f"%json {json.dumps({**parameters_of(function), 'x-guidance': JSON_LAYOUT})}"
+                  for i, (_, function) in enumerate(chosen)]
     elif parser == "llama3_json":
         rules = ['start: call ("; " call)*' if more else "start: call"]
     else:
         rules = ['start: block ("\\n" block)*' if more else "start: block",
                  f'block: "{OPEN}\\n" call "\\n{CLOSE}"']
-    lark = "\n".join(rules if parser == "pythonic" else [*rules, f"call: %json {call}"])
-    return Constraint.lark(lark, "tool_choice" if only is None else "tool_choice.function.name")
+    return Constraint.lark("\n".join([*rules, f"call: %json {call}"]), field)
+
+
+def parameters_of(function: dict) -> dict:
+    """A tool function's parameters schema (any object where it gives none)."""
+    return function.get("parameters") or {"type": "object"}
 
 
 def parse_call(body: str) -> dict | None:
@@ -227,10 +231,15 @@ class ToolCallSplitter:
             if not text:
                 return ""
             self.after_call = False
-        text = self.space + text
-        kept = text.rstrip()
-        self.space = text[len(kept):]
+        kept, self.space = space_held_back(self.space + text)
         return kept
+
+
+def space_held_back(text: str) -> tuple[str, str]:
+    """(text to give out now, its trailing whitespace): kept back until text follows it, since
+    whitespace just before a call only separates it from the text and is dropped with calls."""
+    kept = text.rstrip()
+    return kept, text[len(kept):]
 
 
 def numbered(call: dict, index: int, parser: str = "hermes") -> dict:
@@ -321,9 +330,7 @@ class MistralSplitter:
         else:
             given = len(self.pending) - held_back(self.pending, MISTRAL_CALLS)
             content, self.pending = self.pending[:given], self.pending[given:]
-        content = self.space + content
-        kept = content.rstrip()
-        self.space = content[len(kept):]
+        kept, self.space = space_held_back(self.space + content)
         return kept, []
 
     def close(self) -> tuple[str, list[dict]]:
@@ -421,17 +428,16 @@ def python_value(node: ast.AST):
     raise ValueError(f"not a JSON value: {type(value).__name__}")
 
 
-def pythonic_grammar(tools: list[dict], only: str | None, parallel: bool, layout: dict) -> str:
-    """Lark rules for pythonic calls: each tool's schema properties as keyword arguments in the
-    order the schema gives them (the required ones always, the others where the model writes them),
-    each value JSON its property's schema accepts (a Python literal too, but for true, false and
-    null, which pythonic_calls reads); a tool whose schema names no properties takes any."""
-    rules = ['start: "[" call (", " call)* "]"' if only is None and parallel else 'start: "[" call "]"']
-    chosen = [(at, tool["function"]) for at, tool in enumerate(tools)
-              if only is None or tool["function"]["name"] == only]
+def pythonic_grammar(chosen: list[tuple[int, dict]], more: bool, layout: dict) -> str:
+    """Lark rules for pythonic calls of the `chosen` (place in tools, function) pairs, several where
+    `more`: each tool's schema properties as keyword arguments in the order the schema gives them
+    (the required ones always, the others where the model writes them), each value JSON its
+    property's schema accepts (a Python literal too, but for true, false and null, which
+    pythonic_calls reads); a tool whose schema names no properties takes any."""
+    rules = ['start: "[" call (", " call)* "]"' if more else 'start: "[" call "]"']
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(chosen))))
     for i, (at, function) in enumerate(chosen):
-        schema = function.get("parameters") or {"type": "object"}
+        schema = parameters_of(function)
         properties = list((schema.get("properties") or {}).items())
         required = set(schema.get("required") or [])
         name = json.dumps(function["name"] + "(")
