@@ -207,7 +207,12 @@ def test_admin_calls_waiting_for_a_locked_store_leave_the_probes_status_and_metr
         try:
             for caller in callers:
                 caller.start()
-            time.sleep(1.0)  # every worker thread waits for the store by now
+            # every worker thread a drain may take waits for the store (within 1 s on an idle machine;
+            # a loaded one took longer: 15 of the 16 were there after 1 s)
+            deadline = time.monotonic() + 20
+            while client.get("/admin/status", timeout=5).json()["store"]["waiting_writes"] < 16:
+                assert time.monotonic() < deadline, "the drains never filled the 16 slots"
+                time.sleep(0.05)
             assert answers == []
             assert client.get("/healthz", timeout=5).json() == {"status": "ok"}
             readyz = client.get("/readyz", timeout=5)
