@@ -67,6 +67,9 @@ def serve(
         None, help="none, hermes (Qwen2.5, Qwen3: <tool_call> blocks), llama3_json (Llama 3.1-3.3: a JSON "
                    "reply), mistral (Mistral: [TOOL_CALLS]) or pythonic (Llama 4, Llama 3.2's pythonic template: a "
                    "Python list of calls): a chat reply's calls become tool_calls when the chat sends tools."),
+    lora_modules: Optional[str] = typer.Option(
+        None, help="LoRA adapters served beside the model, as NAME=DIR,NAME2=DIR2 (PEFT adapter folders): a "
+                   "request's model field names one; each has its own blocks in the prefix cache."),
     state_dir: Optional[str] = typer.Option(None, help="State directory (demo checkpoint, SQLite)."),
     socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),
@@ -169,7 +172,7 @@ def serve(
         log.warning("%s", line)
     flags = _flags(model=model, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                    generation_config=generation_config, reasoning_parser=reasoning_parser,
-                   tool_call_parser=tool_call_parser,
+                   tool_call_parser=tool_call_parser, lora_modules=lora_modules,
                    state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
@@ -205,7 +208,7 @@ def serve(
 # at 80 columns every option's help got squeezed beside the widest name of them all.
 SERVE_HELP_PANELS = {
     "Model and server": ("config", "model", "chat_template", "chat_template_kwargs", "generation_config",
-                         "reasoning_parser", "tool_call_parser", "model_name", "device", "dtype", "state_dir",
+                         "reasoning_parser", "tool_call_parser", "lora_modules", "model_name", "device", "dtype", "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",

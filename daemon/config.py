@@ -139,6 +139,28 @@ def _priority(tenant: str, value: Any) -> int:
         raise ValueError(f"priority of {tenant!r} must be an integer, got {value!r}") from None
 
 
+def parse_lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
+    """lora_modules: "name=DIR,name2=DIR2" or a mapping of name to folder -> (name, folder) pairs in
+    the order given; ValueError names a part that is not NAME=DIR, or a name given twice."""
+    if isinstance(value, dict):
+        items = [(str(k).strip(), str(v).strip() if v is not None else "") for k, v in value.items()]
+    else:
+        items = []
+        for part in (p.strip() for p in str(value).split(",") if p.strip()):
+            name, sep, path = part.partition("=")
+            if not sep:
+                raise ValueError(f"expected NAME=DIR, got {part!r}")
+            items.append((name.strip(), path.strip()))
+    seen: set[str] = set()
+    for name, path in items:
+        if not name or not path:
+            raise ValueError(f"expected NAME=DIR, got {name!r}={path!r}")
+        if name in seen:
+            raise ValueError(f"adapter {name!r} is given twice")
+        seen.add(name)
+    return tuple(items)
+
+
 def on_or_off(text: Any) -> bool:
     """A switch: a YAML boolean, or 1/0, true/false, yes/no, on/off as text."""
     if isinstance(text, bool):
@@ -210,6 +232,9 @@ class KvdConfig:
     # how a chat reply's tool calls are read (vLLM's --tool-call-parser): none (chats may show the model
     # tools with tool_choice none; no calls are parsed), hermes or llama3_json (server/tool_calls.py)
     tool_call_parser: str = "none"
+    # LoRA adapters served beside the model (vLLM's --lora-modules): "name=DIR,name2=DIR2" (YAML: a
+    # mapping), each a PEFT adapter folder; a request names one in `model` (daemon/model/lora.py)
+    lora_modules: tuple[tuple[str, str], ...] = ()
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
     allow_uncalibrated: bool = False  # serve a quantised cache with unit scales (loudly)
@@ -300,6 +325,7 @@ _PARSERS = {
     "chat_template_kwargs": template_kwargs,
     "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
+    "lora_modules": parse_lora_modules,
     "metrics_aliases": lambda v: tuple(dict.fromkeys(
         n for n in (v if isinstance(v, (list, tuple)) else (x.strip() for x in str(v).split(","))) if n and n != "none")),
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,

@@ -102,6 +102,8 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
                                      "model's chat template as every chat that starts with them begins."),
         prefix: Optional[str] = typer.Option(None, "--prefix", help="A cached prefix's id from `kvctl prefixes`."),
         tenant: Optional[str] = typer.Option(None, help="Tenant whose namespace and budget to use."),
+        model: Optional[str] = typer.Option(None, help="With a prompt: the LoRA adapter (lora_modules) whose own "
+                                                       "blocks to warm and pin. Default: the model's."),
         ttl: Optional[str] = typer.Option(None, help="Lifetime: 90s, 30m, 1h, 2d; default: until unpinned."),
         note: str = typer.Option("", help="Why, for the record."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
@@ -121,9 +123,12 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
     if prefix is not None:
         if any(x is not None for x in (text, tokens, file, messages)):
             raise UserError("give exactly one of TEXT, --tokens, --file, --messages or --prefix")
+        if model is not None:
+            raise UserError("--model is for a prompt; a prefix id names its LoRA adapter's blocks already")
         body = {"prefix": prefix, "tenant": tenant, "ttl": ttl, "note": note}
     else:
-        body = {**prompt_body(text, tokens, file, messages), "tenant": tenant, "ttl": ttl, "note": note}
+        body = {**prompt_body(text, tokens, file, messages), "tenant": tenant, "ttl": ttl, "note": note,
+                **({"model": model} if model else {})}
     data = client_for(ctx).post("/admin/pins", body)
 
     def render(d):
@@ -226,6 +231,8 @@ def evict(ctx: typer.Context,
           model_revision: Optional[str] = typer.Option(None, "--model-revision",
                                                        help="A model revision (4 or more hex digits), served or not."),
           all_unpinned: bool = typer.Option(False, "--all-unpinned", help="Everything not pinned."),
+          model: Optional[str] = typer.Option(None, "--model", help="With a prompt: the LoRA adapter (lora_modules) "
+                                                                   "whose blocks of it go. Default: the model's."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Say what would go, and evict nothing."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Evict cached blocks from every tier and report exactly what went.
@@ -261,8 +268,10 @@ def evict(ctx: typer.Context,
         if prefix is not None or model_revision is not None or all_unpinned:
             raise UserError("give exactly one of a prompt (TEXT, --tokens, --file, --messages), --prefix, --tenant, "
                             "--model-revision or --all-unpinned")
-        body = {**prompt_body(text, tokens, file, messages), "tenant": tenant}
+        body = {**prompt_body(text, tokens, file, messages), "tenant": tenant, **({"model": model} if model else {})}
     else:
+        if model is not None:
+            raise UserError("--model names the LoRA adapter a prompt is hashed under: give a prompt with it")
         body = {"prefix": prefix, "tenant": tenant, "model_revision": model_revision, "all_unpinned": all_unpinned}
     data = client_for(ctx).post("/admin/evict/preview" if dry_run else "/admin/evict", body)
 
@@ -319,17 +328,20 @@ def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help=
                 None, "--messages", help="A JSON file of chat messages (or a chat request's body, with its "
                                          "chat_template_kwargs and tools), rendered as /v1/chat/completions renders them."),
             tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
+            model: Optional[str] = typer.Option(None, help="A LoRA adapter's name (lora_modules): look in its own "
+                                                           "blocks. Default: the model's."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """How much of a prompt would hit the cache, and why the first miss misses.
 
     Example: kvctl explain --file system_prompt.txt --tenant acme
     """
-    body = {**prompt_body(text, tokens, file, messages), "tenant": tenant}
+    body = {**prompt_body(text, tokens, file, messages), "tenant": tenant, **({"model": model} if model else {})}
     data = client_for(ctx).post("/admin/explain", body)
 
     def render(d):
         Console().print(f"{d['hit_tokens']} of {d['prompt_tokens']} tokens would hit "
-                        f"({d['hit_blocks']} of {d['full_blocks']} full blocks, tenant {d['tenant']})")
+                        f"({d['hit_blocks']} of {d['full_blocks']} full blocks, tenant {d['tenant']}"
+                        + (f", LoRA adapter {d['adapter']}" if d.get("adapter") else "") + ")")
         miss = d.get("first_miss")
         if miss:
             Console().print(f"first miss at block {miss['block']}: {miss['reason']} — {miss['detail']}")

@@ -39,9 +39,10 @@ def render_requests(d: dict) -> Group:
     """The table of requests in flight (with the replica of each at kvd router), and the counts."""
     rows = d["requests"]
     fleet = any("replica" in row for row in rows) or "replicas" in d
-    table = compact_table("request", *(["replica"] if fleet else []), "tenant", "api", "state", "age",
-                          "prompt", "cached", "output", "blocks")
-    for index in range(4 + fleet, 9 + fleet):  # age .. blocks
+    adapters = any(row.get("adapter") for row in rows)  # a column only where some request runs on a LoRA adapter
+    table = compact_table("request", *(["replica"] if fleet else []), "tenant", *(["adapter"] if adapters else []),
+                          "api", "state", "age", "prompt", "cached", "output", "blocks")
+    for index in range(4 + fleet + adapters, 9 + fleet + adapters):  # age .. blocks
         table.columns[index].justify = "right"
     names = {r["replica"]: i for i, r in enumerate(d.get("replicas") or [])}  # in the router's order
     for row in rows:
@@ -49,7 +50,8 @@ def render_requests(d: dict) -> Group:
         state = row["state"] + (" (fetching prefix)" if row.get("fetching_prefix") else "") \
             + (f", preempted {row['preemptions']}x" if row["preemptions"] else "")
         api = row["api"] + (f":{row['shape']}" if row.get("shape") else "")  # the field that shapes its reply
-        table.add_row(row["request_id"], *mark, escape(row["tenant"]), api, state,
+        adapter = [escape(row.get("adapter") or "-")] if adapters else []
+        table.add_row(row["request_id"], *mark, escape(row["tenant"]), *adapter, api, state,
                       seconds(row["age_seconds"]), f"{row['prompt_tokens']:,}", f"{row['cached_tokens']:,}",
                       f"{row['output_tokens']:,}/{row['max_tokens']:,}" + (f" ×{row['n']}" if row["n"] > 1 else ""),
                       f"{row['blocks']:,}")

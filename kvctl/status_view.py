@@ -83,6 +83,10 @@ def render_status(data: dict, console: Console | None = None):
                       if template is None else f"{template['source']} ({template['digest'][:12]})" + "".join(
                           f"; {name} {json.dumps(value)} unless a request says otherwise"
                           for name, value in sorted((template.get("defaults") or {}).items())))
+    for adapter in data["model"].get("adapters") or ():  # LoRA adapters (an older kvd does not say)
+        modules = ",".join(m.removesuffix("_proj") for m in adapter["modules"])
+        facts.add_row("LoRA adapter", f"{adapter['name']} (rank {adapter['rank']}, {modules}; "
+                                      f"{adapter['digest'][:12]}): {adapter['requests']} in flight")
     sampling = data["model"].get("sampling_defaults")  # an older kvd does not say
     if sampling and sampling["values"]:
         facts.add_row("sampling", ", ".join(f"{name} {value}" for name, value in sampling["values"].items())

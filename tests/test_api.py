@@ -257,8 +257,8 @@ def test_a_pin_whose_warm_was_cancelled_or_is_still_running_says_it_was_not_warm
         unix, _ = apps(service, token_table(tmp_path))
         submitted = []
 
-        def cancelled_at_once(prompts, params, principal, sink):
-            submitted.append((len(prompts), params.max_tokens))
+        def cancelled_at_once(prompts, params, principal, sink, adapter):
+            submitted.append((len(prompts), params.max_tokens, adapter))
             sink(TokenEvent("req-warm", 0, None, "cancelled"))
             return []
 
@@ -266,7 +266,7 @@ def test_a_pin_whose_warm_was_cancelled_or_is_still_running_says_it_was_not_warm
         prompt = SYSTEM + "A pinned prompt whose warm an operator cancelled."
         blocks = len(service.tokenize(prompt)) // 16
         pinned = call(unix, "POST", "/admin/pins", json={"text": prompt}).json()
-        assert submitted == [(1, 1)]
+        assert submitted == [(1, 1, "")]  # warmed by the model (no LoRA adapter named)
         assert (pinned["warmed"], pinned["blocks"], pinned["cached_blocks"]) == (False, blocks, 0)
         monkeypatch.setattr(service, "submit", lambda *args: submitted.append("never ends") or [])
         monkeypatch.setattr(pin_ops, "WARM_WAIT_S", 0.05)
@@ -1170,9 +1170,9 @@ def test_a_submitted_prompt_is_hashed_in_the_submitting_thread_not_in_a_step(tmp
     hashing_threads: list[str] = []
     original = Engine.prefix_keys
 
-    def spy(self, tenant, token_ids):
+    def spy(self, tenant, token_ids, adapter=""):
         hashing_threads.append(threading.current_thread().name)
-        return original(self, tenant, token_ids)
+        return original(self, tenant, token_ids, adapter)
 
     monkeypatch.setattr(Engine, "prefix_keys", spy)
     service = start_service(tmp_path)

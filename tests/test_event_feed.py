@@ -281,6 +281,7 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
                      "prefill_tokens_per_second": facts["prefill_tokens_per_second"], "tenant": "default",
                      "namespace": call(app, "GET", "/admin/events/snapshot").json()["namespace"],
                      "model": service.model_name, "lower_tier_tokens": {}, "restore_seconds": 0.0,
+                     "adapters": {},  # its LoRA adapters: name -> id in the namespace (a router hashes their prompts)
                      "restore_rates": service.tiers.read_rates(), "block_bytes": service.tiers.layout.block_bytes,
                      "draining": False,  # kvctl drain: every router leaves it out
                      "chat_template": service.chat_template.digest,  # a router renders chats with it

@@ -78,7 +78,8 @@ def test_requests_in_flight_are_listed_and_cancelled_by_id_or_tenant(tmp_path):
         assert set(running) == {"request_id", "tenant", "api", "state", "age_seconds", "queued_seconds",
                                 "prompt_tokens", "cached_tokens", "restored_tokens", "output_tokens", "max_tokens",
                                 "n", "preemptions", "blocks", "fetching_prefix", "priority", "cohort",
-                                "shape"}  # no tokens, no text
+                                "shape", "adapter"}  # no tokens, no text
+        assert running["adapter"] is None  # the model's own, not a LoRA adapter's
         # the field that holds a reply to a shape (never the shape itself), or None
         assert (running["shape"], waiting["shape"]) == (None, "guided_regex")
         assert (running["fetching_prefix"], waiting["fetching_prefix"]) == (False, False)  # no lower tier here
@@ -227,3 +228,11 @@ def test_kvctl_requests_watch_redraws_the_table_until_stopped():
                                   "running": 1, "waiting": 0}))
     assert shaped.export_text().splitlines()[1].split()[:4] == ["req-000000000002", "acme", "chat:tool_choice",
                                                                 "decode"]
+    adapted = Console(record=True, width=120)
+    adapted.print(render_requests({"requests": [{**row("req-000000000003", "decode"), "adapter": "sql"},
+                                                row("req-000000000004", "prefill")], "running": 2, "waiting": 0}))
+    lines = adapted.export_text().splitlines()
+    assert lines[0].split()[:4] == ["request", "tenant", "adapter", "api"]
+    assert lines[1].split()[:5] == ["req-000000000003", "acme", "sql", "chat", "decode"]
+    assert lines[2].split()[:5] == ["req-000000000004", "acme", "-", "chat", "prefill"]
+    assert lines[1].split()[-1] == "9"  # the counts stay in their columns

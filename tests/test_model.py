@@ -22,8 +22,9 @@ from .model_cases import build_checkpoint, hf_greedy  # noqa: E402
 PROMPT = [5, 17, 200, 33, 33, 101, 7, 250, 64, 9, 12, 180, 44, 3, 98, 120, 77, 31, 2, 150]
 
 
-def full_forward_logits(loaded, ids):
-    """Last-position logits of one fresh prefill over `ids` (block size 16, identity table)."""
+def full_forward_logits(loaded, ids, lora=None):
+    """Last-position logits of one fresh prefill over `ids` (block size 16, identity table);
+    `lora`: ForwardBatch.lora, the adapters of its rows."""
     n = len(ids)
     caches = loaded.model.allocate_cache(-(-n // 16) + 1, 16)
     batch = ForwardBatch(
@@ -31,7 +32,7 @@ def full_forward_logits(loaded, ids):
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         context_lens=torch.tensor([n], dtype=torch.int32),
         block_tables=torch.arange(-(-n // 16) + 1, dtype=torch.int32)[None],
-        logits_indices=torch.tensor([n - 1]), max_new_tokens=n, max_context=n)
+        logits_indices=torch.tensor([n - 1]), max_new_tokens=n, max_context=n, lora=lora)
     return loaded.model.forward(batch, caches)[0]
 
 

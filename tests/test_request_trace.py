@@ -18,7 +18,7 @@ KEY = b"k" * 32
 
 
 def finished(arrival: float, prompt: list[int], outputs=(4,), tenant: str = "default", times=None, cached=0,
-             routed=None):
+             routed=None, adapter=""):
     """What EngineService.on_finished hands its observers, as far as the trace reads it. `times`:
     (admitted, token times) on the engine's clock; None: turned away before its first token.
     `routed`: kvd router's (id, try) of the request."""
@@ -27,6 +27,7 @@ def finished(arrival: float, prompt: list[int], outputs=(4,), tenant: str = "def
                               token_times=list(tokens), cached_tokens=cached)
     extra = {} if routed is None else {"router_attempt": routed}
     return SimpleNamespace(metrics=metrics, prompt_ids=prompt, tenant=tenant, params=SimpleNamespace(extra=extra),
+                           adapter=adapter,
                            sequences=[SimpleNamespace(output_ids=[7] * n) for n in outputs])
 
 
@@ -219,6 +220,19 @@ def test_replicas_given_one_key_trace_one_prompt_alike_and_say_so():
     plain = shared[0].report(default_tenant="default")  # what `kvctl trace save` at a replica reads
     assert plain["started_at"] is None and plain["key"] == "shared" and plain["requests"][0]["hash_ids"] == [0, 1]
     assert RequestTrace(capacity=4, shared=True).report()["key"] == "own"  # no key given: none shared
+
+
+def test_a_lora_adapters_prompt_chains_apart_from_the_models_as_its_blocks_do():
+    """An adapter's K/V are not the model's (its blocks are its own), so a replay must not count
+    its prompt as a hit on the model's: the trace seeds its chain with the adapter."""
+    trace = RequestTrace(capacity=4, key=KEY, shared=True)
+    system = list(range(600))
+    for adapter in ("", "sql", "sql", "support"):
+        trace.observe(finished(5.0, system, (1,), adapter=adapter))
+    ids = [line["keyed_ids"] for line in trace.report(keyed=True, unix_time=float)["requests"]]
+    assert ids[0] == [f"{i:016x}" for i in chained_block_ids(KEY, "default", system)]  # the model's: as before
+    assert ids[1] == ids[2] == [f"{i:016x}" for i in chained_block_ids(KEY, "default", system, adapter="sql")]
+    assert len({ids[0][0], ids[1][0], ids[3][0]}) == 3 and len({ids[0][1], ids[1][1], ids[3][1]}) == 3
 
 
 def test_kvd_refuses_to_start_on_a_bad_trace_key_file_and_a_reload_leaves_it_for_a_restart(daemon, tmp_path):

@@ -194,10 +194,21 @@ class Engine:
         tiers.policy.prefill = self.prefill_rate  # restore-vs-recompute judged on the rate measured here
 
     # ---- identity ----------------------------------------------------------------------------
-    def namespace(self, tenant: str) -> Namespace:
+    def namespace(self, tenant: str, adapter: str = "") -> Namespace:
+        """The prefix cache's namespace of `tenant`'s prompts, under LoRA adapter `adapter` ("": the
+        base model): an adapter's K/V differ from the base model's, so its blocks are its own."""
         return Namespace(model_revision=self.loaded.revision, tokenizer_digest=self.tokenizer.digest,
+                         adapter_id=self.adapter(adapter).digest if adapter else "",
                          cache_dtype=self.layout(), scale_version=self.scale_version,
                          block_size=self.settings.block_size, tenant=tenant)
+
+    def adapter(self, name: str):
+        """The LoRA adapter served as `name` (daemon/model/lora.py); RequestError names it if none is."""
+        adapter = self.loaded.adapters.get(name)
+        if adapter is None:
+            served = ", ".join(repr(a) for a in self.loaded.adapters) or "none"
+            raise RequestError(f"model: no LoRA adapter {name!r} is loaded (adapters: {served})")
+        return adapter
 
     def namespace_fields(self) -> dict:
         """The namespace's fields less the tenant: with a tenant, what anyone needs to compute
@@ -267,7 +278,7 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default", reservation=None,
                     cohort: str | None = None, prefix_keys: tuple | None = None,
-                    prompt_checked: bool = False, grammars: list | None = None) -> Request:
+                    prompt_checked: bool = False, grammars: list | None = None, adapter: str = "") -> Request:
         """Queue a request, or raise AdmissionRejected (nothing allocated) / RequestError.
 
         `prefix_keys`: what `prefix_keys(tenant, prompt_ids)` returned, computed by the submitter
@@ -276,7 +287,10 @@ class Engine:
         checks that the namespace has not changed since. `prompt_checked`: the submitter ran
         `check_prompt` and `prepare_grammars` already (outside the step), so its walk over the
         tokens is not repeated here; `grammars`, the starts `prepare_grammars` compiled for this
-        prompt's samples (a sample without one compiles its own at its first draw)."""
+        prompt's samples (a sample without one compiles its own at its first draw). `adapter`: the
+        LoRA adapter that computes it ("": the base model)."""
+        if adapter:
+            self.adapter(adapter)  # one not loaded is refused before anything is queued
         if not prompt_checked:
             self.check_prompt(prompt_ids, params)
             grammars = self.prepare_grammars(params, params.n)
@@ -286,7 +300,7 @@ class Engine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(request_id, list(prompt_ids), params, seed, tenant, priority,
                           next(self._order), RequestMetrics(arrival=self.clock()), reservation=reservation,
-                          cohort=cohort, grammars=list(grammars) if grammars else None)
+                          cohort=cohort, grammars=list(grammars) if grammars else None, adapter=adapter)
         size, total = self.settings.block_size, self.settings.num_blocks
         needed = blocks_for_tokens(len(prompt_ids) + self._reservation(request).reserve(params.max_tokens), size)
         kind = None
@@ -320,11 +334,11 @@ class Engine:
         """The most requests `tenant` may have in flight: its own limit, else max_tenant_requests."""
         return dict(self.settings.tenant_request_limits).get(tenant, self.settings.max_tenant_requests)
 
-    def prefix_keys(self, tenant: str, token_ids: list[int]) -> tuple:
+    def prefix_keys(self, tenant: str, token_ids: list[int], adapter: str = "") -> tuple:
         """(namespace, token count, block keys, hasher after them, the ids) for these tokens: safe
         to call without the engine's lock (it reads configuration only; a namespace that changes
         before admission is noticed there)."""
-        namespace = self.namespace(tenant)
+        namespace = self.namespace(tenant, adapter)
         hasher = PrefixHasher(namespace)
         return namespace, len(token_ids), hasher.feed(token_ids), hasher, token_ids
 
@@ -334,8 +348,9 @@ class Engine:
         or namespace change."""
         tokens = seq.all_tokens
         memo = seq.prefix_keys
-        if memo is None or memo[0] != self.namespace(seq.request.tenant) or memo[1] != len(tokens):
-            memo = seq.prefix_keys = self.prefix_keys(seq.request.tenant, tokens)
+        request = seq.request
+        if memo is None or memo[0] != self.namespace(request.tenant, request.adapter) or memo[1] != len(tokens):
+            memo = seq.prefix_keys = self.prefix_keys(request.tenant, tokens, request.adapter)
         return memo[2], memo[3].copy()
 
     def _start_prefetch(self, request: Request, missing: list | None = None, blind: bool = True) -> bool:
@@ -740,6 +755,7 @@ class Engine:
                     row0 = starts[-2] + (first - 1 - begin)
                     scored_rows.extend(range(row0, row0 + last - first + 1))
         rows += scored_rows
+        lora = self._lora_rows(plan, starts)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         batch = ForwardBatch(
@@ -750,8 +766,28 @@ class Engine:
             context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             logits_indices=torch.tensor(rows, dtype=torch.int64, device=device),
-            max_new_tokens=max(n for _, n in plan), max_context=max(lengths), block_content=self._block_content)
+            max_new_tokens=max(n for _, n in plan), max_context=max(lengths), block_content=self._block_content,
+            lora=lora)
         return batch, sample_rows, scored
+
+    def _lora_rows(self, plan: list[tuple[Sequence, int]], starts: list[int]) -> list | None:
+        """The step's LoRA adapters, each with the token rows of its sequences (None: every row is
+        its); None when every sequence is the base model's."""
+        if not self.loaded.adapters:
+            return None
+        spans: dict[str, list[range]] = {}
+        for (seq, _), begin, end in zip(plan, starts, starts[1:]):
+            if seq.request.adapter:
+                spans.setdefault(seq.request.adapter, []).append(range(begin, end))
+        if not spans:
+            return None
+        device, total = self.model.device, starts[-1]
+        groups = []
+        for name, ranges in spans.items():
+            rows = [row for span in ranges for row in span]
+            groups.append((self.loaded.adapters[name], None if len(rows) == total else
+                           torch.tensor(rows, dtype=torch.int64, device=device)))
+        return groups
 
     def _block_content(self, block_id: int):
         """What a block holds: its prefix-index key (which names the tokens, the model and the

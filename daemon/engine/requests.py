@@ -103,6 +103,7 @@ class Request:
     # with params.constraint: each sample's start in its grammar, compiled when the request was
     # checked (Engine.prepare_grammars), taken by the sample at its first draw
     grammars: list | None = None
+    adapter: str = ""  # the LoRA adapter that computes it (daemon/model/lora.py); "": the base model
 
     def take_grammar(self, index: int):
         """Sample `index`'s start in its grammar, once (None: none was compiled for it)."""

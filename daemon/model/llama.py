@@ -14,9 +14,9 @@ checked against the references) elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from kvctl.kernels.formats import to_cache
 
 from .config import ModelConfig, ModelError
 from .generation_config import GenerationConfig, merged_eos, read_generation_config
+from .lora import lora_delta
 from .rope import attention_factor, inverse_frequencies
 from .tokenizer import Tokenizer
 from .weights import load_weights, model_revision
@@ -58,6 +59,9 @@ class ForwardBatch:
     # block id -> what the block holds (its prefix-index key) or None: lets the CPU attention plan
     # keep copies of cached blocks across steps (see kernels.torch_paged.plan_decode)
     block_content: Callable[[int], Hashable | None] | None = None
+    # LoRA adapters (daemon/model/lora.py) and the token rows each serves, an int64 tensor or None
+    # for every row; None: the base model for every row
+    lora: list[tuple[Any, torch.Tensor | None]] | None = None
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -218,6 +222,7 @@ class LlamaModel:
         cos, sin = rope[:, None, 0], rope[:, None, 1]
         half = dim // 2
         tokens = hidden.shape[0]
+        lora = batch.lora
         plan = None
         if not self.use_triton and kv_caches:  # grouped once, used by every layer (and by the next step)
             plan = self._last_plan = plan_attention(batch.block_tables, batch.query_start_loc, batch.context_lens,
@@ -226,6 +231,8 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            if lora:
+                lora_delta(qkv, x, lora, i, "qkv")
             qk = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
             if layer.qk_norm is not None:  # Qwen3: each head of Q and K normalised before RoPE
                 qk = rms_norm(qk, layer.qk_norm, eps)
@@ -237,6 +244,19 @@ class LlamaModel:
                 observer(i, k, v)
             self._write(k, v, cache, batch.slot_mapping)
             attn = self._attention(q, cache, batch, plan).reshape(tokens, heads * dim)
+            if lora:  # each projection's output gains its adapters' terms on their rows
+                out = F.linear(attn, layer.o_proj)
+                lora_delta(out, attn, lora, i, "o")
+                hidden = hidden + out
+                x = rms_norm(hidden, layer.post_norm, eps)
+                gate_up = F.linear(x, layer.gate_up)
+                lora_delta(gate_up, x, lora, i, "gate_up")
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+                out = F.linear(act, layer.down)
+                lora_delta(out, act, lora, i, "down")
+                hidden = hidden + out
+                continue
             hidden = hidden + F.linear(attn, layer.o_proj)
             x = rms_norm(hidden, layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
@@ -255,6 +275,8 @@ class LoadedModel:
     # generation_config.json: its EOS tokens are in config.eos_token_ids already; its sampling
     # defaults are for requests that leave those fields out
     generation: GenerationConfig = GenerationConfig()
+    # LoRA adapters served beside the model, by the name a request's `model` gives (daemon/model/lora.py)
+    adapters: dict = field(default_factory=dict)
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",

@@ -33,6 +33,7 @@ class PinRequest(BaseModel):
     tenant: Tenant | None = None
     ttl: str | Number | None = None
     note: str = ""
+    model: str | None = None  # with text, tokens or messages: a LoRA adapter's name, its own blocks
 
 
 class EvictRequest(BaseModel):
@@ -45,6 +46,7 @@ class EvictRequest(BaseModel):
     chat_template_kwargs: Any = None  # with messages: as /v1/chat/completions takes them
     tools: Any = None  # with messages: as /v1/chat/completions takes them
     tenant: Tenant | None = None
+    model: str | None = None  # with a prompt: a LoRA adapter's name, its own blocks (default: the model's)
     model_revision: str | None = None
     all_unpinned: bool = False
     # set by kvd router, the same for every replica it sends the eviction to: of the replicas on
@@ -109,3 +111,4 @@ class ExplainRequest(BaseModel):
     chat_template_kwargs: Any = None  # with messages: as /v1/chat/completions takes them
     tools: Any = None  # with messages: as /v1/chat/completions takes them
     tenant: Tenant | None = None
+    model: str | None = None  # a LoRA adapter's name: its blocks (None, or the model's name: the model's)

@@ -93,6 +93,9 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     def pin(body: PinRequest, who: Principal = Depends(admin)):
         if sum(x is not None for x in (body.text, body.tokens, body.messages, body.prefix, body.keys)) > 1:
             raise ApiError(400, "give exactly one of text, tokens, messages, prefix and keys", param="prefix")
+        if body.model is not None and (body.prefix is not None or body.keys is not None):
+            raise ApiError(400, "model: names the LoRA adapter a prompt is hashed under; a prefix or keys name their "
+                                "blocks already", param="model")
         if body.keys is not None and body.tenant is None:
             raise ApiError(400, "tenant: a pin by keys names its tenant (the keys were made under it)", param="tenant")
         try:
@@ -107,7 +110,7 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
                                     body.owner)
         token_ids = tokens_of(body, opens_reply=False)
         target = Principal(body.tenant or who.tenant, who.role, who.actor)
-        return pin_ops.pin(service, token_ids, target, ttl, body.note)
+        return pin_ops.pin(service, token_ids, target, ttl, body.note, service.adapter_named(body.model))
 
     @router.delete("/admin/pins/{pin_id}")
     def unpin(pin_id: str, who: Principal = Depends(admin)):
@@ -129,14 +132,19 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     def evicting(body: EvictRequest, who: Principal, dry_run: bool) -> dict:
         prompt = None
         if any(x is not None for x in (body.text, body.tokens, body.messages)):
-            prompt = (tokens_of(body), body.tenant or who.tenant)  # `tenant`: the prompt's namespace
+            # `tenant` and `model` (a LoRA adapter): the prompt's namespace
+            prompt = (tokens_of(body), body.tenant or who.tenant, service.adapter_named(body.model))
+        elif body.model is not None:
+            raise ApiError(400, "model: names the LoRA adapter a prompt is hashed under; give a prompt (text, tokens "
+                                "or messages) with it", param="model")
         return evict_ops.evict(service, prefix_id=body.prefix, tenant=None if prompt else body.tenant,
                                model_revision=body.model_revision, all_unpinned=body.all_unpinned, principal=who,
                                purge_once=body.purge_once, prompt=prompt, dry_run=dry_run)
 
     @router.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
-        return cache_questions.explain(service, tokens_of(body), body.tenant or who.tenant)
+        return cache_questions.explain(service, tokens_of(body), body.tenant or who.tenant,
+                                       service.adapter_named(body.model))
 
     @router.get("/admin/tenants")
     def tenants(_: Principal = Depends(admin)):
@@ -175,7 +183,9 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         holds, and how busy this replica is (its predicted wait, running and waiting requests).
         `tenant_header`: whether this front serves a request under the X-KVD-Tenant it names (else
         under the caller's token's tenant, `tenant` here when the body names none)."""
-        facts = cache_questions.route_facts(service, tokens_of(body), body.tenant or who.tenant)
+        # a model it does not serve is the router's to refuse (route-facts weighs; the model's blocks)
+        adapter = body.model if body.model in service.adapters() else ""
+        facts = cache_questions.route_facts(service, tokens_of(body), body.tenant or who.tenant, adapter)
         return {**facts, "tenant_header": tenant_header,
                 "report_cached_tokens": service.config.report_cached_tokens}  # a router's X-KVD-Route keeps to it
 

@@ -200,9 +200,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     @app.get("/v1/models")
     async def models(_: Principal = Depends(principal)):  # flags and fields only: on the loop, as the probes
         engine = service.require_ready()
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model",
-                                            "created": int(service.started_at), "owned_by": "kvd",
-                                            "max_model_len": engine.context_limit}]}
+        base = {"id": service.model_name, "object": "model", "created": int(service.started_at), "owned_by": "kvd",
+                "root": service.model_name, "parent": None, "max_model_len": engine.context_limit}
+        # each LoRA adapter under its own name, its parent the model (as vLLM lists them)
+        return {"object": "list", "data": [base] + [{**base, "id": name, "root": name, "parent": service.model_name}
+                                                    for name in service.adapters()]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request, who: Principal = Depends(principal)):
@@ -271,10 +273,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return served(model, engine)
 
     def served(model: str | None, engine):
-        """`engine`, when `model` is the one served (None: whichever is); else a 404 naming it."""
-        if model is not None and model != service.model_name:
-            raise ApiError(404, f"model: {model!r} is not served here; GET /v1/models lists "
-                                f"{service.model_name!r}", param="model", code="model_not_found")
+        """`engine`, when `model` is the one served or one of its LoRA adapters (None: the model);
+        else a 404 naming it."""
+        try:
+            service.adapter_named(model)
+        except ServiceError as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
         return engine
 
     # ---- vLLM's server extras: its probe, version, and token counting --------------------------
@@ -362,13 +366,14 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             priority = service.queue_priority(who.tenant, body.priority)
         except ServiceError as exc:
             raise ApiError(exc.status, str(exc), param=exc.param) from None
+        adapter = service.adapter_named(body.model)  # a LoRA adapter's name, or "" for the model itself
 
         async def hand_in():  # queued by the engine thread before its next step, with no wait for this one
             # a reply's shape is compiled when the request is checked (ms; the first one builds the
             # vocabulary's index, up to a second): off the loop that streams every answer
             if sum(map(len, prompts)) <= HAND_IN_ON_LOOP_TOKENS and params.constraint is None:
-                return await asyncio.wrap_future(service.submit_nowait(prompts, params, who, sink, priority))
-            handed = await run_in_threadpool(service.submit_nowait, prompts, params, who, sink, priority)
+                return await asyncio.wrap_future(service.submit_nowait(prompts, params, who, sink, priority, adapter))
+            handed = await run_in_threadpool(service.submit_nowait, prompts, params, who, sink, priority, adapter)
             return await asyncio.wrap_future(handed)
 
         submitting = asyncio.ensure_future(hand_in())
@@ -389,7 +394,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                headers={"Retry-After": "1"}) from None
             raise ApiError(400, str(exc), code="cache_capacity_exceeded") from None
         head = {"id": shape.id_prefix + uuid.uuid4().hex[:24], "created": int(time.time()),
-                "model": service.model_name}
+                "model": adapter or service.model_name}
         # the engine's ids, which `kvctl requests` lists and `kvctl cancel` takes
         named = {"X-KVD-Request-Id": ",".join(r.request_id for r in requests)}
         n = params.n

@@ -21,14 +21,15 @@ REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its 
                  "space": "(written under scales or a format this daemon no longer serves)"}
 
 
-def route_facts(service, token_ids: list[int], tenant: str) -> dict:
+def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "") -> dict:
     """This replica for this prompt, as a router weighs it: the prompt's tokens its device
     cache holds, and its load (see `Engine.predicted_wait`). Also the tenant it looked in, the
     namespace's other fields (a router that computes keys itself notices a change: new
     scales, say) and the model it serves (a router sends a request naming one only where it is
-    served). Hashes before taking the lock."""
+    served, and its LoRA adapters by name with their ids in the namespace). `adapter`: the prompt
+    is for that LoRA adapter (its own blocks). Hashes before taking the lock."""
     engine = service.require_ready()
-    keys = engine.prefix_keys(tenant, token_ids)[2]
+    keys = engine.prefix_keys(tenant, token_ids, adapter)[2]
     size = engine.settings.block_size
     with service.lock:
         hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
@@ -43,23 +44,25 @@ def route_facts(service, token_ids: list[int], tenant: str) -> dict:
             # where the next block is, when a lower tier holds it (a restore, not a recompute)
             "lower_tier": next(iter(run), None), **queue, "tenant": tenant,
             "namespace": engine.namespace_fields(), "model": service.model_name,
+            "adapters": {name: adapter.digest for name, adapter in service.adapters().items()},
             "lower_tier_tokens": {tier: blocks * size for tier, blocks in run.items()},
             "restore_seconds": restore_seconds(run, block_bytes, rates), "restore_rates": rates,
             "block_bytes": block_bytes, "draining": service.draining, "chat_template": service.chat_template_digest}
 
 
-def explain(service, token_ids: list[int], tenant: str) -> dict:
-    """How much of the prompt hits the device cache for `tenant`, and why its first missing block
-    misses. Hashes outside the service lock (the engine steps meanwhile)."""
+def explain(service, token_ids: list[int], tenant: str, adapter: str = "") -> dict:
+    """How much of the prompt hits the device cache for `tenant` (under LoRA adapter `adapter`:
+    its own blocks), and why its first missing block misses. Hashes outside the service lock (the
+    engine steps meanwhile)."""
     engine = service.require_ready()
     size = engine.settings.block_size
-    keys = chain_keys(engine.namespace(tenant), token_ids)
+    keys = chain_keys(engine.namespace(tenant, adapter), token_ids)
     with service.lock:
         cache = engine.cache
         cacheable = cache.cacheable_blocks(len(token_ids))
         hits = cache.lookup(keys, len(token_ids))
         body = {"prompt_tokens": len(token_ids), "block_size": size, "full_blocks": len(keys),
-                "hit_blocks": hits, "hit_tokens": hits * size, "tenant": tenant}
+                "hit_blocks": hits, "hit_tokens": hits * size, "tenant": tenant, "adapter": adapter or None}
         if len(token_ids) < size:
             body["first_miss"] = {"block": 0, "reason": "shorter_than_a_block",
                                   "detail": f"{len(token_ids)} tokens is less than one block of {size}; "
@@ -80,14 +83,16 @@ def explain(service, token_ids: list[int], tenant: str) -> dict:
             roots = {root: info.tenant for root, info in cache.roots.items() if info.tenant != tenant}
             device_clock = engine.clock()
     if "first_miss" not in body:  # outside the lock: reading the event log does not hold up the engine
-        other = _other_tenants_holding(service, engine, token_ids, hits, roots)
-        body["first_miss"] = _cached_miss(service, engine, hits, key, lower, logged, other, device_clock)
+        other = _other_tenants_holding(service, engine, token_ids, hits, roots, adapter)
+        models = _other_models_holding(service, engine, token_ids, hits, tenant, adapter)
+        body["first_miss"] = _cached_miss(service, engine, hits, key, lower, logged, other, device_clock, models)
         if lower != "evicted":
             body["first_miss"].update(_lower_tier_run(service, engine, keys[hits:cacheable]))
     return body
 
 
-def _other_tenants_holding(service, engine: Engine, token_ids: list[int], block: int, roots: dict) -> list[str]:
+def _other_tenants_holding(service, engine: Engine, token_ids: list[int], block: int, roots: dict,
+                           adapter: str = "") -> list[str]:
     """The other tenants whose device cache holds the prompt's block `block` (the same text is
     cached apart for each tenant). `roots`: the cache's prefix trees' first blocks, each with its
     tenant. Hashed outside the service lock, and a tenant's chain only past its first block where
@@ -95,7 +100,7 @@ def _other_tenants_holding(service, engine: Engine, token_ids: list[int], block:
     size = engine.settings.block_size
     wanted: dict[str, bytes] = {}
     for other in sorted(set(roots.values())):
-        hasher = PrefixHasher(engine.namespace(other))
+        hasher = PrefixHasher(engine.namespace(other, adapter))
         keys = hasher.feed(token_ids[:size])
         if roots.get(keys[0]) == other:  # the rest of its chain, from where the first block left it
             wanted[other] = (keys + hasher.feed(token_ids[size:(block + 1) * size]) if block else keys)[block]
@@ -103,6 +108,21 @@ def _other_tenants_holding(service, engine: Engine, token_ids: list[int], block:
         return []
     with service.lock:
         return [other for other, key in wanted.items() if engine.cache.pool.block_of(key) is not None]
+
+
+def _other_models_holding(service, engine: Engine, token_ids: list[int], block: int, tenant: str,
+                          adapter: str) -> list[str]:
+    """The model or LoRA adapters, other than `adapter` ("": the model), whose blocks of `tenant`
+    hold the prompt's block `block` on the device (an adapter's blocks are its own). Hashed outside
+    the service lock; nothing to hash where kvd serves no adapter."""
+    names = [name for name in ("", *service.adapters()) if name != adapter]
+    if not service.adapters():
+        return []
+    end = (block + 1) * engine.settings.block_size
+    wanted = {name: chain_keys(engine.namespace(tenant, name), token_ids[:end])[block] for name in names}
+    with service.lock:
+        return [name or service.model_name for name, key in wanted.items()
+                if engine.cache.pool.block_of(key) is not None]
 
 
 def _lower_tier_run(service, engine: Engine, keys: list[bytes]) -> dict:
@@ -141,10 +161,11 @@ def _lower_tier_run(service, engine: Engine, keys: list[bytes]) -> dict:
 
 
 def _cached_miss(service, engine: Engine, block: int, key: bytes, lower: str, logged, other: list[str],
-                 device_clock: float) -> dict:
+                 device_clock: float, models: list[str] = ()) -> dict:
     """Why a block that could be cached is not on the device: in a lower tier; dropped from
     one (the event log says which and why); evicted from the device (its eviction log);
-    another tenant's; or unknown to kvd since it started. Names the block for `kvctl events --key`."""
+    another tenant's; the model's or another LoRA adapter's (`models`); or unknown to kvd since it
+    started. Names the block for `kvctl events --key`."""
     removal = engine.events.last(1, ("removed",), key=KeyPrefix(key, None)).events
     if lower != "evicted":
         miss = {"reason": "in_lower_tier", "tier": lower,
@@ -165,6 +186,10 @@ def _cached_miss(service, engine: Engine, block: int, key: bytes, lower: str, lo
                 "evicted_by": reason, "seconds_ago": device_clock - at}
     elif other:
         miss = {"reason": "other_namespace", "detail": f"cached for tenant {other[0]!r}; tenants never share blocks"}
+    elif models:
+        whose = f"the model {models[0]!r}" if models[0] == service.model_name else f"LoRA adapter {models[0]!r}"
+        miss = {"reason": "other_namespace", "detail": f"cached for {whose}; a LoRA adapter's blocks are its own "
+                                                       "(its K and V are not the model's)"}
     else:
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(service.started_at))
         miss = {"reason": "never_cached",

@@ -19,12 +19,13 @@ EVICT_WRITE_WAIT_S = 30.0
 
 def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision: str | None,
           all_unpinned: bool, principal: Principal, purge_once: str | None = None,
-          prompt: tuple[list[int], str] | None = None, dry_run: bool = False) -> dict:
+          prompt: tuple[list[int], str, str] | None = None, dry_run: bool = False) -> dict:
     """Evict from every tier and say exactly what went. A tenant's or an old revision's entries
     are also searched for on the shared Redis, whichever daemon wrote them; with `purge_once`
     (a fleet eviction's token, from kvd router) only if this daemon is the first to claim it
     there: another replica on the same Redis searches it once for all. `prompt`: (token ids, the
-    tenant whose namespace they are hashed in), as PrefixTree.prompt_subtree judges them.
+    tenant whose namespace they are hashed in, the LoRA adapter: "" for the model), as
+    PrefixTree.prompt_subtree judges them.
     `dry_run`: the same answer, of what would go, with nothing evicted, searched or audited
     (`_preview`)."""
     engine = service.require_ready()
@@ -41,11 +42,12 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
         subtree = tree.subtree_keys(first)
         target = f"prefix={first.hex()[:16]}"
     elif prompt is not None:  # hashed outside the lock; never its text or ids in the answer or the audit
-        token_ids, prompt_tenant = prompt
-        keys = chain_keys(engine.namespace(prompt_tenant), token_ids)
+        token_ids, prompt_tenant, adapter = prompt
+        keys = chain_keys(engine.namespace(prompt_tenant, adapter), token_ids)
         tree, _ = prefix_tree(service)
         subtree, shared = tree.prompt_subtree(keys)
-        target = f"prompt of {len(token_ids)} tokens (tenant {prompt_tenant})"
+        target = f"prompt of {len(token_ids)} tokens (tenant {prompt_tenant}" + (
+            f", LoRA adapter {adapter})" if adapter else ")")
         prompt_figures = {"prompt_blocks": len(keys), "shared_blocks_kept": shared}
     other_spaces, records_error = {}, None  # the revision's spaces but the served one: from disk and Redis
     if model_revision:

@@ -43,7 +43,8 @@ def request_row(service: EngineService, request: Request, now: float) -> dict:
             "fetching_prefix": service.engine.fetching_prefix(request),  # from disk or Redis, while it waits
             "priority": -request.priority,  # as requests and tenant_priorities give it: lower runs first
             "cohort": request.cohort,
-            "shape": shape_field(request)}
+            "shape": shape_field(request),
+            "adapter": request.adapter or None}  # the LoRA adapter computing it (lora_modules); None: the model
 
 
 def shape_field(request: Request) -> str | None:

@@ -29,11 +29,13 @@ log = logging.getLogger("kvd")
 WARM_WAIT_S = 120.0  # how long a pin by text waits for its prefix to be computed before it answers
 
 
-def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, note: str) -> dict:
-    """Pin a prefix by its tokens for `principal`'s tenant, computing what the cache lacks of it
-    (one token of output: `_warm`). Hashes outside the service lock."""
+def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, note: str,
+        adapter: str = "") -> dict:
+    """Pin a prefix by its tokens for `principal`'s tenant (under LoRA adapter `adapter`: its own
+    blocks), computing what the cache lacks of it (one token of output: `_warm`). Hashes outside
+    the service lock."""
     engine = service.require_ready()
-    namespace = engine.namespace(principal.tenant)
+    namespace = engine.namespace(principal.tenant, adapter)
     try:
         keys = engine.cache.keys_to_pin(namespace, token_ids)
         with service.lock:
@@ -47,7 +49,7 @@ def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, 
     warmed = False
     if result.pending_blocks:
         try:
-            ended = _warm(service, token_ids, principal)
+            ended = _warm(service, token_ids, principal, adapter)
         except Exception as exc:  # the prefix cannot be prefilled: a new pin goes again, whole
             if not result.refreshed:
                 with service.lock:
@@ -145,7 +147,7 @@ def _pinned(service, result, principal: Principal, ttl: float | None, note: str,
     return body
 
 
-def _warm(service, token_ids: list[int], principal: Principal) -> str | None:
+def _warm(service, token_ids: list[int], principal: Principal, adapter: str = "") -> str | None:
     """Prefill a prefix so its blocks are cached (and so pinned): one token of output. Returns
     how the warm request ended (its finish reason), or None when it had not within WARM_WAIT_S."""
     ended: list[str] = []
@@ -156,7 +158,7 @@ def _warm(service, token_ids: list[int], principal: Principal) -> str | None:
             ended.append(event.finish_reason)
             done.set()
 
-    service.submit([token_ids], SamplingParams(max_tokens=1, ignore_eos=True), principal, sink)
+    service.submit([token_ids], SamplingParams(max_tokens=1, ignore_eos=True), principal, sink, adapter)
     done.wait(timeout=WARM_WAIT_S)
     return ended[0] if ended else None
 

@@ -45,6 +45,7 @@ class ReplicaView:
     default_tenant: str = "default"  # whom it takes a request naming no tenant for (its answer says)
     tenant_header: bool = True  # whether it serves a request under the X-KVD-Tenant it names (its answer says)
     model: str | None = None  # the model it serves (its answer says)
+    adapters: dict = field(default_factory=dict)  # its LoRA adapters: name -> their id in its namespace
     chat_template: str | None = None  # digest of the chat template it renders chats with (its snapshot says)
     load_asked_at: float | None = None
     sent_since: list[tuple[float, int]] = field(default_factory=list)  # (when, prompt tokens it lacked)
@@ -138,6 +139,7 @@ class ReplicaView:
         under the new one from now on, and what was sent under the old one is no longer expected."""
         self.load, self.load_asked_at = answer, asked_at
         self.model = answer.get("model")
+        self.adapters = dict(answer.get("adapters") or {})  # its LoRA adapters: name -> id in the namespace
         self.sent_since = [(t, n) for t, n in self.sent_since if t >= asked_at]
         self.default_tenant = answer.get("tenant") or "default"
         self.tenant_header = answer.get("tenant_header", True)

@@ -129,10 +129,12 @@ def served(metrics) -> Served | None:
 
 
 def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int],
-                      block_tokens: int = TRACE_BLOCK_TOKENS) -> tuple[int, ...]:
+                      block_tokens: int = TRACE_BLOCK_TOKENS, adapter: str = "") -> tuple[int, ...]:
     """One 64-bit id per `block_tokens` tokens of `prompt` (the last covers the remainder), each
-    an HMAC of the previous block's digest and this block's token ids."""
-    digest = hmac.digest(key, b"kvd-trace/v1\0" + tenant.encode("utf-8"), "sha256")
+    an HMAC of the previous block's digest and this block's token ids. Under a LoRA adapter
+    (`adapter`, its name) the chain starts elsewhere: its blocks are not the model's."""
+    seed = tenant.encode("utf-8") + (b"\0lora\0" + adapter.encode("utf-8") if adapter else b"")
+    digest = hmac.digest(key, b"kvd-trace/v1\0" + seed, "sha256")
     tokens = memoryview(array("q", prompt).tobytes())
     step = block_tokens * 8
     ids = []
@@ -168,7 +170,8 @@ class RequestTrace:
             return
         outputs = [len(s.output_ids) for s in request.sequences]
         record = Held(request.metrics.arrival, len(request.prompt_ids), max(outputs, default=0),
-                      chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens),
+                      chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens,
+                                        request.adapter),
                       request.tenant, served(request.metrics), request.params.extra.get("router"))
         with self._lock:
             self._held.append(record)

@@ -17,8 +17,17 @@ from .chat_messages import MessagesError, affinity_text, chat_messages, checked_
 
 
 def question_of(body: dict) -> dict | None:
-    """The question for the request's (first) prompt; None when it has none the router can read
-    (the replica then says what is wrong with it)."""
+    """The question for the request's (first) prompt, with the model it names (a LoRA adapter's
+    blocks are its own); None when it has none the router can read (the replica then says what is
+    wrong with it)."""
+    question = prompt_question(body)
+    if question is not None and isinstance(body.get("model"), str):
+        question["model"] = body["model"]
+    return question
+
+
+def prompt_question(body: dict) -> dict | None:
+    """The question for the request's (first) prompt, as `question_of` asks it, less the model."""
     if "messages" in body and "prompt" not in body:
         try:
             question = {"messages": chat_messages(body["messages"] if isinstance(body["messages"], list) else [])}

@@ -58,6 +58,7 @@ class Replica:
     last_error: str | None = None
     view: ReplicaView | None = None  # with --view events: what its feed and load polls say
     model: str | None = None  # the model it serves, as its latest answer to a question said
+    adapters: list[str] = field(default_factory=list)  # and its LoRA adapters, by name
     feed_error: str | None = None
     snapshots: int = 0  # times its feed was (re)started from a snapshot
     # the router's tallies, for /metrics
@@ -291,6 +292,7 @@ class RouterService:
             known = kvd_json(answer)
             facts = facts_from_answer(known, replica.open)
             replica.model = known.get("model")
+            replica.adapters = list(known.get("adapters") or ())
             replica.drained_there = bool(known.get("draining", False))
             replica.cached_tokens_report = known.get("report_cached_tokens", "all")
         except (httpx.HTTPError, KeyError, ValueError) as exc:
@@ -309,6 +311,9 @@ class RouterService:
         if view is None or not view.synced or view.load is None or view.load_age(now) > self.load_stale_seconds:
             return None
         namespace = view.namespace
+        adapter = view.adapters.get(question.get("model")) if question is not None else None
+        if adapter is not None:  # a LoRA adapter's blocks: its id in the namespace
+            namespace = {**namespace, "adapter_id": adapter}
         if question is None:
             ids = None
         elif "tokens" in question:
@@ -379,9 +384,10 @@ class RouterService:
                 f"{r.name} ({r.last_error or r.feed_error})" for r in replicas if id(r) not in excluded))
         wanted = body.get("model")
         if isinstance(wanted, str):  # only where it is served (a replica whose model is unknown may say)
-            serving = [entry for entry in live if self.model_of(replicas[entry[0]]) in (None, wanted)]
+            serving = [entry for entry in live if (names := self.models_of(replicas[entry[0]])) is None
+                       or wanted in names]
             if not serving:
-                served = sorted({m for r in replicas if (m := self.model_of(r)) is not None})
+                served = sorted({m for r in replicas for m in self.models_of(r) or ()})
                 raise ModelNotServed(f"model: {wanted!r} is not served by any replica; GET /v1/models lists "
                                      + ", ".join(repr(m) for m in served))
             live = serving
@@ -439,11 +445,12 @@ class RouterService:
         self.untraced.append(routed_at)
 
     @staticmethod
-    def model_of(replica: Replica) -> str | None:
-        """The model a replica serves, as its latest answer (a load poll or a question) said."""
+    def models_of(replica: Replica) -> list[str] | None:
+        """The models a replica serves, as its latest answer (a load poll or a question) said: its
+        model, then its LoRA adapters; None when it has not said."""
         if replica.view is not None and replica.view.model is not None and replica.view.synced:
-            return replica.view.model
-        return replica.model
+            return [replica.view.model, *replica.view.adapters]
+        return None if replica.model is None else [replica.model, *replica.adapters]
 
     def status(self) -> dict:
         now = self.clock()

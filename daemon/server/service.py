@@ -37,6 +37,7 @@ from kvctl.daemon.model.chat_template import ChatTemplate, TemplateKwargsError, 
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.hub_cache import resolve_model
 from kvctl.daemon.model.llama import LoadedModel, load_model
+from kvctl.daemon.model.lora import load_adapters
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 
@@ -94,6 +95,7 @@ class _Submission:
     future: Future
     priority: int = 0  # the engine's (higher first): EngineService.queue_priority
     grammars: list | None = None  # each prompt's samples' grammars, compiled by the submitter (prepare_grammars)
+    adapter: str = ""  # the LoRA adapter that computes them ("": the base model)
 
 
 GRAMMARS_COMPILED_AHEAD = 64  # a shaped request's samples whose grammars its submitter compiles (n is at most 64)
@@ -184,6 +186,11 @@ class EngineService:
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype,
                             generation_config=cfg.generation_config)
         loaded.tokenizer.keep_in_text(tool_calls.MARKERS.get(cfg.tool_call_parser, ()))
+        loaded.adapters = load_adapters(cfg.lora_modules, loaded, cfg.model_name or self.hub_name or Path(model_dir).name)
+        if loaded.adapters and cfg.cache_dtype != "auto" and any(
+                set(a.modules) & {"k_proj", "v_proj"} for a in loaded.adapters.values()):
+            log.warning("lora_modules: an adapter changes K or V, and the %s cache's scales were calibrated on the "
+                        "base model: its K/V may fall outside them", cfg.cache_dtype)
         chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template,
                                            json.loads(cfg.chat_template_kwargs or "{}"))
         timer.mark("model")
@@ -484,12 +491,12 @@ class EngineService:
         return self.engine
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, principal: Principal,
-               sink: EventSink) -> list[Request]:
+               sink: EventSink, adapter: str = "") -> list[Request]:
         """Queue one request per prompt and wait until they are queued (see `submit_nowait`).
         Not from the engine thread, which is the one that queues them."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("submit() on the engine thread would wait for itself; use submit_nowait()")
-        return self.submit_nowait(prompts, params, principal, sink).result()
+        return self.submit_nowait(prompts, params, principal, sink, adapter=adapter).result()
 
     def queue_priority(self, tenant: str, requested: int | None) -> int:
         """The engine's priority (higher first) for a request of `tenant` that asks `requested`
@@ -508,14 +515,17 @@ class EngineService:
         return -(dict(self.config.tenant_priorities).get(tenant, 0) + requested)
 
     def submit_nowait(self, prompts: list[list[int]], params: SamplingParams, principal: Principal,
-                      sink: EventSink, priority: int = 0) -> Future:
+                      sink: EventSink, priority: int = 0, adapter: str = "") -> Future:
         """Hand prompts to the engine thread, which queues them at the top of its next loop,
         just before the next step: a submitter never waits for the engine's lock, which is held
         for a whole step. The future gives the requests, one per prompt, or the error that
         `Engine.add_request` raised (all or nothing: a rejection cancels the ones queued).
-        Prompts are hashed here, in the calling thread, not in a step."""
+        Prompts are hashed here, in the calling thread, not in a step. `adapter`: the LoRA adapter
+        that computes them, by its name ("": the base model)."""
         engine = self.require_ready()
         try:  # in this thread, before hashing: a bad or oversized prompt never reaches the engine thread
+            if adapter:
+                engine.adapter(adapter)
             for prompt_ids in prompts:
                 engine.check_prompt(prompt_ids, params)
             if len(prompts) > engine.settings.max_queue:
@@ -530,8 +540,8 @@ class EngineService:
             refused: Future = Future()
             refused.set_exception(exc)
             return refused
-        hashed = [self._hash_outside_the_step(engine, principal.tenant, p) for p in prompts]
-        submission = _Submission(prompts, params, principal, sink, hashed, Future(), priority, grammars)
+        hashed = [self._hash_outside_the_step(engine, principal.tenant, p, adapter) for p in prompts]
+        submission = _Submission(prompts, params, principal, sink, hashed, Future(), priority, grammars, adapter)
         self._inbox.append(submission)
         self._wake_engine()
         if self._stop.is_set():  # the engine thread is gone or going: it may never look again
@@ -563,7 +573,7 @@ class EngineService:
                     request = engine.add_request(prompt_ids, submission.params, tenant=submission.principal.tenant,
                                                  request_id=request_id, reservation=reservation, cohort=cohort,
                                                  prefix_keys=keys, prompt_checked=True, grammars=grammars,
-                                                 priority=submission.priority)
+                                                 priority=submission.priority, adapter=submission.adapter)
                     self._sinks[request.request_id] = submission.sink
                     queued.append(request)
             except Exception as exc:  # AdmissionRejected, RequestError, ...: nothing stays queued
@@ -600,11 +610,11 @@ class EngineService:
                 submission.future.set_exception(error)
 
     @staticmethod
-    def _hash_outside_the_step(engine: Engine, tenant: str, prompt_ids: list[int]) -> tuple | None:
+    def _hash_outside_the_step(engine: Engine, tenant: str, prompt_ids: list[int], adapter: str = "") -> tuple | None:
         """A prompt's block keys, computed in the submitting thread, not in a step; None for
         ids the hasher refuses (add_request then names the bad field)."""
         try:
-            return engine.prefix_keys(tenant, prompt_ids)
+            return engine.prefix_keys(tenant, prompt_ids, adapter)
         except (TypeError, ValueError):
             return None
 
@@ -698,6 +708,20 @@ class EngineService:
         if self.hub_name:
             return self.hub_name
         return Path(self.loaded.path).name if self.loaded else "kvd"
+
+    def adapters(self) -> dict:
+        """The LoRA adapters served beside the model, by name (lora_modules; none before the load)."""
+        return self.loaded.adapters if self.loaded is not None else {}
+
+    def adapter_named(self, model: str | None) -> str:
+        """The LoRA adapter a request's `model` names ("": the model itself, or None); a name served
+        neither way is a 404 naming what is."""
+        if model is None or model == self.model_name:
+            return ""
+        if model in self.adapters():
+            return model
+        names = ", ".join(repr(name) for name in [self.model_name, *self.adapters()])
+        raise ServiceError(404, f"model: {model!r} is not served here; GET /v1/models lists {names}", "model")
 
     def trace_report(self, last: int | None = None, keyed: bool = False) -> dict:
         """`GET /admin/trace` (request_trace.RequestTrace.report), arrivals read as Unix time."""

@@ -51,7 +51,11 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                           "defaults": service.chat_template.defaults},
                       # what a request that leaves a sampling field out gets (generation_config.json)
                       "sampling_defaults": {"source": service.loaded.generation.source,
-                                            "values": service.sampling_defaults}},
+                                            "values": service.sampling_defaults},
+                      # LoRA adapters served beside it (lora_modules), each with its requests in flight
+                      "adapters": [{**adapter.describe(), "requests": sum(
+                          1 for r in engine.requests.values() if r.adapter == name and not r.finished)}
+                          for name, adapter in service.adapters().items()]},
             "blocks": {"device": {"total": cache.num_blocks, **counts}},
             "block_size": cache.block_size,
             "bytes_per_block": engine.cache.block_bytes,

@@ -1,0 +1,238 @@
+"""LoRA adapters in PEFT's on-disk format, served beside the base model.
+
+An adapter folder holds `adapter_config.json` and `adapter_model.safetensors` (what PEFT's
+`save_pretrained` writes). Each adapted projection W gains `scaling · B·A`: kvd never merges it
+into W, so one batch mixes requests for the base model and for any number of adapters
+(`LlamaModel.forward` adds each adapter's term to its own rows, `lora_delta`).
+
+The adapter's weights are packed like the base model's (daemon/model/llama.py `pack_layers`):
+the A matrices of q, k and v stacked into one, their B matrices into one block-diagonal matrix,
+so a step makes two small GEMMs per packed projection and adapter, whichever projections the
+adapter trains. The scaling is folded into B.
+
+An adapter's identity in the prefix cache (daemon/cache/keys.py `Namespace.adapter_id`) is the
+SHA-256 of its two files: K/V computed under one adapter never serves another, nor the base model,
+and a folder whose weights change is another adapter, whatever its name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import ModelError
+from .weights import file_digest
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# the projections kvd adapts, in the order the packed weights hold them
+ATTENTION = ("q_proj", "k_proj", "v_proj")
+MLP = ("gate_proj", "up_proj")
+PACKED = {"qkv": ("self_attn", ATTENTION), "o": ("self_attn", ("o_proj",)),
+          "gate_up": ("mlp", MLP), "down": ("mlp", ("down_proj",))}
+GROUP_OF = {module: group for group, modules in PACKED.values() for module in modules}  # q_proj -> self_attn
+KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
+
+
+@dataclass
+class PackedLora:
+    """One packed projection's LoRA term: delta(x) = (x @ a.T) @ b.T, the scaling in b."""
+
+    a: torch.Tensor  # [ranks, in]
+    b: torch.Tensor  # [out, ranks]
+
+
+@dataclass
+class LoraAdapter:
+    name: str  # what a request's `model` field says to use it
+    path: Path
+    digest: str  # SHA-256 over its config and weights: its identity in the prefix cache
+    rank: int  # the largest rank of its projections
+    alpha: float
+    modules: tuple[str, ...]  # the projections it adapts, e.g. ("q_proj", "v_proj")
+    layers: list[dict[str, PackedLora]] = field(repr=False)  # per layer: packed projection -> its term
+
+    def describe(self) -> dict:
+        return {"name": self.name, "path": str(self.path), "digest": self.digest, "rank": self.rank,
+                "alpha": self.alpha, "modules": list(self.modules)}
+
+
+def adapter_digest(path: Path) -> str:
+    """SHA-256 over the adapter's config and weights (each by its own SHA-256)."""
+    digest = hashlib.sha256(b"kvctl/lora-adapter/v1\0")
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        digest.update(name.encode() + b"\0" + file_digest(path / name).encode())
+    return digest.hexdigest()
+
+
+def check_adapter_name(name: str, base_name: str | None = None) -> str:
+    if not ADAPTER_NAME.fullmatch(name or ""):
+        raise ModelError(f"lora_modules: adapter name {name!r} must be 1-128 letters, digits or . _ / : - "
+                         "(starting with a letter or digit)")
+    if base_name is not None and name == base_name:
+        raise ModelError(f"lora_modules: adapter name {name!r} is the base model's name; give the adapter "
+                         "another")
+    return name
+
+
+def _read_config(path: Path) -> dict:
+    source = path / ADAPTER_CONFIG
+    if not source.is_file():
+        raise ModelError(f"lora_modules: {str(path)!r} has no {ADAPTER_CONFIG} (a PEFT adapter folder, as "
+                         "save_pretrained writes it)")
+    try:
+        config = json.loads(source.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{source}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{source}: expected a JSON object")
+    kind = config.get("peft_type", "LORA")
+    if str(kind).upper() != "LORA":
+        raise ModelError(f"{source}: peft_type {kind!r} is not LORA; kvd serves LoRA adapters only")
+    for name, unsupported in (("use_dora", True), ("fan_in_fan_out", True)):
+        if config.get(name) is unsupported:
+            raise ModelError(f"{source}: {name} true is not supported")
+    if config.get("bias", "none") != "none":
+        raise ModelError(f"{source}: bias {config['bias']!r} is not supported (only none: the adapter "
+                         "trains no bias)")
+    if config.get("modules_to_save"):
+        raise ModelError(f"{source}: modules_to_save {config['modules_to_save']!r} is not supported (the "
+                         "adapter would replace whole modules of the base model)")
+    alpha = config.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ModelError(f"{source}: lora_alpha must be a number, got {alpha!r}")
+    return config
+
+
+def _alpha_for(config: dict, module: str) -> float:
+    """A module's alpha: PEFT's alpha_pattern entry whose key ends its name, else lora_alpha."""
+    for key, value in (config.get("alpha_pattern") or {}).items():
+        if module == key or module.endswith("." + key) or re.fullmatch(rf"(.*\.)?{key}", module):
+            return float(value)
+    return float(config.get("lora_alpha", 8))
+
+
+def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch.device,
+                 dtype: torch.dtype) -> LoraAdapter:
+    """Read and check a PEFT LoRA adapter for a model of `config`; a problem names the file and
+    the tensor or field."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelError(f"lora_modules: {name}={str(path)!r} is not a directory")
+    settings = _read_config(path)
+    weights_file = path / ADAPTER_WEIGHTS
+    if not weights_file.is_file():
+        raise ModelError(f"lora_modules: {str(path)!r} has no {ADAPTER_WEIGHTS}")
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights_file), framework="pt", device="cpu") as handle:
+            for key in handle.keys():
+                match = KEY.fullmatch(key)
+                if match is None:
+                    raise ModelError(f"{weights_file}: tensor {key!r} is not a LoRA weight of a layer's q, k, v, "
+                                     "o, gate, up or down projection; kvd adapts only those")
+                layer, group, module, which = int(match[1]), match[2], match[3], match[4]
+                if layer >= config.num_layers:
+                    raise ModelError(f"{weights_file}: tensor {key!r} is for layer {layer}, and the model has "
+                                     f"{config.num_layers}")
+                if GROUP_OF.get(module) != group:
+                    raise ModelError(f"{weights_file}: tensor {key!r} adapts {group}.{module}, which kvd does not")
+                pairs.setdefault((layer, module), {})[which] = handle.get_tensor(key)
+    except ModelError:
+        raise
+    except Exception as exc:  # a torn or foreign file: safetensors' own error, named
+        raise ModelError(f"{weights_file}: cannot be read as safetensors ({exc})") from None
+    if not pairs:
+        raise ModelError(f"{weights_file}: holds no LoRA weights")
+    sizes = _projection_sizes(config)
+    terms: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for (layer, module), found in sorted(pairs.items()):
+        where = f"{weights_file}: layer {layer} {module}"
+        if set(found) != {"A", "B"}:
+            raise ModelError(f"{where} has lora_{next(iter(found))} without lora_{'B' if 'A' in found else 'A'}")
+        a, b = found["A"], found["B"]
+        out_features, in_features = sizes[module]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape[0] != out_features \
+                or a.shape[0] != b.shape[1] or a.shape[0] < 1:
+            raise ModelError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a "
+                             f"[{out_features}, {in_features}] projection (expected A [r, {in_features}], "
+                             f"B [{out_features}, r])")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ModelError(f"{where}: holds a value that is not finite")
+        r = a.shape[0]
+        alpha = _alpha_for(settings, f"model.layers.{layer}.{GROUP_OF[module]}.{module}")
+        scaling = alpha / math.sqrt(r) if settings.get("use_rslora") else alpha / r
+        terms[layer, module] = (a.float(), b.float() * scaling)
+        rank = max(rank, r)
+    layers = [_pack(terms, layer, sizes, device, dtype) for layer in range(config.num_layers)]
+    modules = tuple(m for _, ms in PACKED.values() for m in ms if any(k[1] == m for k in terms))
+    return LoraAdapter(name, path, adapter_digest(path), rank, float(settings.get("lora_alpha", 8)), modules, layers)
+
+
+def _projection_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) features of each projection kvd can adapt."""
+    hidden, dim = config.hidden_size, config.head_dim
+    return {"q_proj": (config.num_heads * dim, hidden), "k_proj": (config.num_kv_heads * dim, hidden),
+            "v_proj": (config.num_kv_heads * dim, hidden), "o_proj": (hidden, config.num_heads * dim),
+            "gate_proj": (config.intermediate_size, hidden), "up_proj": (config.intermediate_size, hidden),
+            "down_proj": (hidden, config.intermediate_size)}
+
+
+def _pack(terms: dict, layer: int, sizes: dict, device: torch.device, dtype: torch.dtype) -> dict[str, PackedLora]:
+    """One layer's terms as the packed projections hold them: A matrices stacked, B matrices
+    block-diagonal (each projection's rows of the packed output see only its own ranks)."""
+    packed = {}
+    for name, (_, modules) in PACKED.items():
+        present = [(m, terms[layer, m]) for m in modules if (layer, m) in terms]
+        if not present:
+            continue
+        ranks = sum(a.shape[0] for _, (a, _) in present)
+        out_total = sum(sizes[m][0] for m in modules)
+        b_packed = torch.zeros(out_total, ranks)
+        row = col = 0
+        for module in modules:
+            if (layer, module) in terms:
+                a, b = terms[layer, module]
+                b_packed[row:row + b.shape[0], col:col + a.shape[0]] = b
+                col += a.shape[0]
+            row += sizes[module][0]
+        a_packed = torch.cat([a for _, (a, _) in present])
+        packed[name] = PackedLora(a_packed.to(device=device, dtype=dtype), b_packed.to(device=device, dtype=dtype))
+    return packed
+
+
+def lora_delta(out: torch.Tensor, x: torch.Tensor, groups, layer: int, projection: str) -> None:
+    """Add each adapter's term for `projection` of `layer` to its rows of `out` (in place).
+
+    `groups`: (adapter, rows) pairs, rows an int64 tensor of token rows, or None for every row."""
+    for adapter, rows in groups:
+        term = adapter.layers[layer].get(projection)
+        if term is None:
+            continue
+        if rows is None:
+            out += (x @ term.a.T) @ term.b.T
+        else:
+            out.index_add_(0, rows, (x.index_select(0, rows) @ term.a.T) @ term.b.T)
+
+
+
+def load_adapters(modules: tuple[tuple[str, str], ...], loaded, base_name: str) -> dict[str, LoraAdapter]:
+    """Every adapter of `lora_modules` ((name, folder) pairs) for `loaded`, by name, on its device
+    and in its dtype; ModelError names the first that cannot be served."""
+    adapters: dict[str, LoraAdapter] = {}
+    model = loaded.model
+    for name, path in modules:
+        check_adapter_name(name, base_name)
+        adapters[name] = load_adapter(name, Path(path).expanduser(), loaded.config, model.device, model.dtype)
+    return adapters
