@@ -282,6 +282,19 @@ def test_kvd_serves_each_adapter_under_its_name_with_its_own_cached_prefixes(bas
             assert all(pool.block_of(k) is not None for k in base_keys)
         alone = call(unix, "POST", "/admin/evict", json={"tenant": "default", "model": "sql"})
         assert alone.status_code == 400 and alone.json()["error"]["param"] == "model"
+        scraped = call(unix, "GET", "/metrics").text
+        assert [line for line in scraped.splitlines() if line.startswith("kvd_lora_requests{")] == [
+            'kvd_lora_requests{adapter="sql",state="running"} 0.0',
+            'kvd_lora_requests{adapter="sql",state="waiting"} 0.0',
+            'kvd_lora_requests{adapter="chat-b",state="running"} 0.0',
+            'kvd_lora_requests{adapter="chat-b",state="waiting"} 0.0']
+        from prometheus_client import generate_latest
+        with service.lock:  # a request the engine has queued and not yet admitted: waiting
+            queued = service.engine.add_request(PROMPT, GREEDY, adapter="chat-b")
+            lines = generate_latest(service.metrics.registry).decode().splitlines()
+            service.engine.cancel(queued.request_id)
+            service.engine.requests.pop(queued.request_id)
+        assert 'kvd_lora_requests{adapter="chat-b",state="waiting"} 1.0' in lines
         # kvctl status: each adapter, what it adapts and its id
         status = call(unix, "GET", "/admin/status").json()
         assert [(a["name"], a["rank"], a["modules"], a["requests"]) for a in status["model"]["adapters"]] == [

@@ -28,6 +28,8 @@
     kvd_ttft_seconds                          histogram: time to first token
     kvd_inter_token_seconds                   histogram: time between output tokens
     kvd_pinned_blocks{tenant}                 distinct blocks pinned per tenant
+    kvd_lora_requests{adapter,state}          requests in flight per LoRA adapter (lora_modules): running
+                                              (some sample admitted) or waiting
     kvd_restored_tokens_total                 prompt tokens restored from a lower tier (not recomputed)
     kvd_audit_write_failures_total            audit records the store could not take (each logged whole)
     kvd_store_waiting_writes                  store writes waiting to begin now; kvd_store_longest_write_wait_seconds
@@ -70,6 +72,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from kvctl.daemon.engine.requests import SeqStatus
 from kvctl.daemon.engine.tenant_book import HIT, PROMPT
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
@@ -103,10 +106,22 @@ class _EngineCollector:
             cached_by_tenant = sorted((t, n) for t, n in pool.tenant_blocks.items() if t is not None)
             shares = engine.cache.tenant_shares()
             prefetched = dict(stats.prefetch_outcomes)
+            adapters = {name: {"running": 0, "waiting": 0} for name in self.service.adapters()}
+            for request in engine.requests.values():
+                if request.adapter and not request.finished:
+                    waiting = all(s.status is SeqStatus.WAITING for s in request.sequences)
+                    adapters[request.adapter]["waiting" if waiting else "running"] += 1
         blocks = GaugeMetricFamily("kvd_blocks", "KV cache blocks by state and tier", labels=["state", "tier"])
         for state, value in counts.items():
             blocks.add_metric([state, "device"], value)
         yield blocks
+        if adapters:
+            lora = GaugeMetricFamily("kvd_lora_requests", "Requests in flight per LoRA adapter: running (some "
+                                     "sample admitted) or waiting", labels=["adapter", "state"])
+            for name, states in adapters.items():
+                for state, value in states.items():
+                    lora.add_metric([name, state], value)
+            yield lora
         yield CounterMetricFamily("kvd_prompt_tokens", "Prompt tokens of admitted requests", value=prompt)
         yield CounterMetricFamily("kvd_prefix_hit_tokens", "Prompt tokens served from the prefix cache",
                                   value=hit)
