@@ -208,7 +208,8 @@ def serve(
 # at 80 columns every option's help got squeezed beside the widest name of them all.
 SERVE_HELP_PANELS = {
     "Model and server": ("config", "model", "chat_template", "chat_template_kwargs", "generation_config",
-                         "reasoning_parser", "tool_call_parser", "lora_modules", "model_name", "device", "dtype", "state_dir",
+                         "reasoning_parser", "tool_call_parser", "lora_modules", "model_name", "device", "dtype",
+                         "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",

@@ -24,7 +24,7 @@ from kvctl.daemon.server.reasoning import REASONING_PARSERS
 from kvctl.daemon.server.tool_calls import TOOL_CALL_PARSERS
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.tenant_map import parse_tenant_map
+from kvctl.policies.tenant_map import named_values, parse_tenant_map
 from kvctl.policies.tenant_shares import parse_shares
 from kvctl.policies.tiering import PREFETCH_POLICIES, TIER_CODECS, WRITE_POLICIES
 
@@ -142,15 +142,8 @@ def _priority(tenant: str, value: Any) -> int:
 def parse_lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
     """lora_modules: "name=DIR,name2=DIR2" or a mapping of name to folder -> (name, folder) pairs in
     the order given; ValueError names a part that is not NAME=DIR, or a name given twice."""
-    if isinstance(value, dict):
-        items = [(str(k).strip(), str(v).strip() if v is not None else "") for k, v in value.items()]
-    else:
-        items = []
-        for part in (p.strip() for p in str(value).split(",") if p.strip()):
-            name, sep, path = part.partition("=")
-            if not sep:
-                raise ValueError(f"expected NAME=DIR, got {part!r}")
-            items.append((name.strip(), path.strip()))
+    items = [(name.strip(), "" if path is None else str(path).strip())
+             for name, path in named_values(value, "NAME=DIR")]
     seen: set[str] = set()
     for name, path in items:
         if not name or not path:

@@ -61,6 +61,8 @@ def route(ctx: typer.Context,
                                                "socket or URL): its own view of every replica, and where it "
                                                "would send the prompt now."),
           tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
+          model: Optional[str] = typer.Option(None, help="A LoRA adapter's name (lora_modules): weigh its own "
+                                                         "blocks, and at kvd router only replicas serving it."),
           routing: list[str] = typer.Option([",".join(ONE_SHOT_POLICIES)], "--routing",
                                             help="Policies to ask: least_loaded, prefix, ttft."),
           prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second of a replica "
@@ -76,7 +78,7 @@ def route(ctx: typer.Context,
 
     Example: kvctl route --file prompt.txt --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock
     """
-    prompt = prompt_body(text, tokens, file, messages)
+    prompt = {**prompt_body(text, tokens, file, messages), **({"model": model} if model else {})}
     if router is not None:
         if replica:
             raise UserError("replica: give --router or --replica, not both")

@@ -8,22 +8,27 @@ from typing import Any, Callable, Mapping
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
+def named_values(value: str | Mapping, form: str) -> list[tuple[str, Any]]:
+    """(name, value) pairs in the order given, from `a=1,b=2` (each stripped) or a mapping (names as
+    text, values as they are); ValueError names a part without `=`, showing `form` (NAME=DIR)."""
+    if isinstance(value, Mapping):
+        return [(str(k), v) for k, v in value.items()]
+    items = []
+    for part in (p.strip() for p in str(value).split(",") if p.strip()):
+        name, sep, text = part.partition("=")
+        if not sep:
+            raise ValueError(f"expected {form}, got {part!r}")
+        items.append((name.strip(), text.strip()))
+    return items
+
+
 def parse_tenant_map(value: str | Mapping, convert: Callable[[str, Any], Any], what: str,
                      others: bool = False, noun: str = "setting") -> tuple[tuple[str, Any], ...]:
     """(tenant, convert(tenant, value)) pairs, sorted by tenant: `what` names the value, `noun`
     the entry in messages. `others`: `*` names every tenant not named. ValueError says what is
     wrong (`convert` raises its own for a bad value)."""
-    if isinstance(value, Mapping):
-        items = [(str(k), v) for k, v in value.items()]
-    else:
-        items = []
-        for part in (p.strip() for p in str(value).split(",") if p.strip()):
-            tenant, sep, text = part.partition("=")
-            if not sep:
-                raise ValueError(f"expected TENANT={what.upper()}, got {part!r}")
-            items.append((tenant.strip(), text.strip()))
     out: dict[str, Any] = {}
-    for tenant, text in items:
+    for tenant, text in named_values(value, f"TENANT={what.upper()}"):
         if not tenant:
             raise ValueError(f"a {noun} names its tenant" + (" (or * for the others)" if others else ""))
         if not (TENANT_NAME.fullmatch(tenant) or (others and tenant == "*")):

@@ -419,6 +419,7 @@ def test_kvctl_explain_pin_and_evict_send_the_adapter_a_prompt_is_hashed_under()
     from typer.testing import CliRunner
 
     from kvctl.cli import app as kvctl_app
+    from kvctl.errors import KvdUnavailable
 
     sent: list[tuple[str, dict]] = []
     answers = {"/admin/explain": {"hit_tokens": 0, "prompt_tokens": 5, "hit_blocks": 0, "full_blocks": 0,
@@ -434,10 +435,13 @@ def test_kvctl_explain_pin_and_evict_send_the_adapter_a_prompt_is_hashed_under()
 
         def post(self, path, body):
             sent.append((path, body))
+            if path == "/admin/route-facts":  # kvctl route: the body is what counts here
+                raise KvdUnavailable("kvd is not running")
             return answers[path]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("kvctl.command_kit.Client", Answering)
+        patch.setattr("kvctl.route_cmd.Client", Answering)
         runner = CliRunner()
         explained = runner.invoke(kvctl_app, ["explain", "hello", "--model", "sql"], env={"COLUMNS": "120"})
         assert explained.exit_code == 0 and "0 of 5 tokens would hit (0 of 0 full blocks, tenant default, LoRA " \
@@ -445,11 +449,13 @@ def test_kvctl_explain_pin_and_evict_send_the_adapter_a_prompt_is_hashed_under()
         runner.invoke(kvctl_app, ["pin", "hello", "--model", "sql", "--json"])
         runner.invoke(kvctl_app, ["evict", "hello", "--model", "sql", "--json"])
         runner.invoke(kvctl_app, ["explain", "hello", "--json"])
+        runner.invoke(kvctl_app, ["route", "hello", "--model", "sql", "--replica", "/a.sock", "--replica", "/b.sock"])
         refused = [runner.invoke(kvctl_app, args) for args in (["evict", "--tenant", "acme", "--model", "sql"],
                                                                 ["pin", "--prefix", "abcd", "--model", "sql"])]
     assert [(path, body.get("model"), body.get("text")) for path, body in sent] == [
         ("/admin/explain", "sql", "hello"), ("/admin/pins", "sql", "hello"), ("/admin/evict", "sql", "hello"),
-        ("/admin/explain", None, "hello")]
+        ("/admin/explain", None, "hello"), ("/admin/route-facts", "sql", "hello"),
+        ("/admin/route-facts", "sql", "hello")]
     # refused before anything is sent (kvctl's main prints a UserError and exits 2)
     assert [type(r.exception).__name__ for r in refused] == ["UserError", "UserError"]
     assert str(refused[0].exception) == "--model names the LoRA adapter a prompt is hashed under: give a prompt with it"

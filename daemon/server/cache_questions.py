@@ -115,9 +115,9 @@ def _other_models_holding(service, engine: Engine, token_ids: list[int], block: 
     """The model or LoRA adapters, other than `adapter` ("": the model), whose blocks of `tenant`
     hold the prompt's block `block` on the device (an adapter's blocks are its own). Hashed outside
     the service lock; nothing to hash where kvd serves no adapter."""
-    names = [name for name in ("", *service.adapters()) if name != adapter]
     if not service.adapters():
         return []
+    names = [name for name in ("", *service.adapters()) if name != adapter]
     end = (block + 1) * engine.settings.block_size
     wanted = {name: chain_keys(engine.namespace(tenant, name), token_ids[:end])[block] for name in names}
     with service.lock:

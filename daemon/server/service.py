@@ -186,7 +186,8 @@ class EngineService:
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype,
                             generation_config=cfg.generation_config)
         loaded.tokenizer.keep_in_text(tool_calls.MARKERS.get(cfg.tool_call_parser, ()))
-        loaded.adapters = load_adapters(cfg.lora_modules, loaded, cfg.model_name or self.hub_name or Path(model_dir).name)
+        loaded.adapters = load_adapters(cfg.lora_modules, loaded,
+                                        cfg.model_name or self.hub_name or Path(model_dir).name)
         if loaded.adapters and cfg.cache_dtype != "auto" and any(
                 set(a.modules) & {"k_proj", "v_proj"} for a in loaded.adapters.values()):
             log.warning("lora_modules: an adapter changes K or V, and the %s cache's scales were calibrated on the "
