@@ -492,6 +492,16 @@ class Engine:
             return None
         return (self.tokens_ahead() if ahead is None else ahead) / self.prefill_rate.rate
 
+    def adapter_requests(self) -> dict[str, dict[str, int]]:
+        """Each LoRA adapter's requests in flight: running (some sample admitted) and waiting.
+        Call under the service lock."""
+        counts = {name: {"running": 0, "waiting": 0} for name in self.loaded.adapters}
+        for request in self.requests.values():
+            if request.adapter and not request.finished:
+                waiting = all(s.status is SeqStatus.WAITING for s in request.sequences)
+                counts[request.adapter]["waiting" if waiting else "running"] += 1
+        return counts
+
     def queue_figures(self) -> dict:
         """The queue as /admin/status and /admin/route-facts report it: waiting and running
         requests, the oldest's age, the prompt tokens ahead of a new request and its predicted

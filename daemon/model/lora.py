@@ -106,18 +106,28 @@ def _read_config(path: Path) -> dict:
     if config.get("modules_to_save"):
         raise ModelError(f"{source}: modules_to_save {config['modules_to_save']!r} is not supported (the "
                          "adapter would replace whole modules of the base model)")
-    alpha = config.get("lora_alpha", 8)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise ModelError(f"{source}: lora_alpha must be a number, got {alpha!r}")
+    config["lora_alpha"] = _number(source, "lora_alpha", config.get("lora_alpha", 8))  # PEFT's default
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise ModelError(f"{source}: alpha_pattern must be an object of module name to alpha, got {patterns!r}")
+    config["alpha_pattern"] = {key: _number(source, f"alpha_pattern[{key!r}]", v) for key, v in patterns.items()}
     return config
 
 
+def _number(source: Path, field_name: str, value) -> float:
+    """`value` as a float; ModelError names the file and the field when it is no finite number."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ModelError(f"{source}: {field_name} must be a number, got {value!r}")
+    return float(value)
+
+
 def _alpha_for(config: dict, module: str) -> float:
-    """A module's alpha: PEFT's alpha_pattern entry whose key ends its name, else lora_alpha."""
-    for key, value in (config.get("alpha_pattern") or {}).items():
+    """A module's alpha: PEFT's alpha_pattern entry whose key ends its name, else lora_alpha (both
+    checked numbers, `_read_config`)."""
+    for key, value in config["alpha_pattern"].items():
         if module == key or module.endswith("." + key) or re.fullmatch(rf"(.*\.)?{key}", module):
-            return float(value)
-    return float(config.get("lora_alpha", 8))
+            return value
+    return config["lora_alpha"]
 
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch.device,
@@ -177,7 +187,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
         rank = max(rank, r)
     layers = [_pack(terms, layer, sizes, device, dtype) for layer in range(config.num_layers)]
     modules = tuple(m for _, ms in PACKED.values() for m in ms if any(k[1] == m for k in terms))
-    return LoraAdapter(name, path, adapter_digest(path), rank, float(settings.get("lora_alpha", 8)), modules, layers)
+    return LoraAdapter(name, path, adapter_digest(path), rank, settings["lora_alpha"], modules, layers)
 
 
 def _projection_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -224,7 +234,6 @@ def lora_delta(out: torch.Tensor, x: torch.Tensor, groups, layer: int, projectio
             out += (x @ term.a.T) @ term.b.T
         else:
             out.index_add_(0, rows, (x.index_select(0, rows) @ term.a.T) @ term.b.T)
-
 
 
 def load_adapters(modules: tuple[tuple[str, str], ...], loaded, base_name: str) -> dict[str, LoraAdapter]:

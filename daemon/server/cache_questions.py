@@ -44,7 +44,7 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "") -
             # where the next block is, when a lower tier holds it (a restore, not a recompute)
             "lower_tier": next(iter(run), None), **queue, "tenant": tenant,
             "namespace": engine.namespace_fields(), "model": service.model_name,
-            "adapters": {name: adapter.digest for name, adapter in service.adapters().items()},
+            "adapters": {name: served.digest for name, served in service.adapters().items()},
             "lower_tier_tokens": {tier: blocks * size for tier, blocks in run.items()},
             "restore_seconds": restore_seconds(run, block_bytes, rates), "restore_rates": rates,
             "block_bytes": block_bytes, "draining": service.draining, "chat_template": service.chat_template_digest}

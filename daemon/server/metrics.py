@@ -72,7 +72,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from kvctl.daemon.engine.requests import SeqStatus
 from kvctl.daemon.engine.tenant_book import HIT, PROMPT
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
@@ -106,11 +105,7 @@ class _EngineCollector:
             cached_by_tenant = sorted((t, n) for t, n in pool.tenant_blocks.items() if t is not None)
             shares = engine.cache.tenant_shares()
             prefetched = dict(stats.prefetch_outcomes)
-            adapters = {name: {"running": 0, "waiting": 0} for name in self.service.adapters()}
-            for request in engine.requests.values():
-                if request.adapter and not request.finished:
-                    waiting = all(s.status is SeqStatus.WAITING for s in request.sequences)
-                    adapters[request.adapter]["waiting" if waiting else "running"] += 1
+            adapters = engine.adapter_requests()
         blocks = GaugeMetricFamily("kvd_blocks", "KV cache blocks by state and tier", labels=["state", "tier"])
         for state, value in counts.items():
             blocks.add_metric([state, "device"], value)

@@ -37,6 +37,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
     with service.lock:
         cache = engine.cache
         counts = cache.state_counts()
+        in_flight = engine.adapter_requests()
         stats = engine.stats
         queue = engine.queue_figures()
         block_map = read_block_map(cache) if with_blocks else None
@@ -53,9 +54,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                       "sampling_defaults": {"source": service.loaded.generation.source,
                                             "values": service.sampling_defaults},
                       # LoRA adapters served beside it (lora_modules), each with its requests in flight
-                      "adapters": [{**adapter.describe(), "requests": sum(
-                          1 for r in engine.requests.values() if r.adapter == name and not r.finished)}
-                          for name, adapter in service.adapters().items()]},
+                      "adapters": [{**adapter.describe(), "requests": sum(in_flight[name].values())}
+                                   for name, adapter in service.adapters().items()]},
             "blocks": {"device": {"total": cache.num_blocks, **counts}},
             "block_size": cache.block_size,
             "bytes_per_block": engine.cache.block_bytes,
