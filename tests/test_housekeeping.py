@@ -139,9 +139,12 @@ def test_tokens_keep_coming_while_another_process_holds_the_store_s_write_lock(t
         operator.join(30)
         assert completed[0]["state"] == "completed"
         assert settled(lambda: reader.execute("SELECT pin_id FROM pins").fetchall(), lambda rows: rows == []) == []
-        audit = call(unix, "GET", "/admin/audit").json()["entries"]
-        assert {(e["action"], e["result"], e["target"]) for e in audit} >= {
-            ("unpin", "expired", pin["pin_id"]), ("rollout.complete", "ok", f"rollout:{rollout['id']}")}
+        wanted = {("unpin", "expired", pin["pin_id"]), ("rollout.complete", "ok", f"rollout:{rollout['id']}")}
+        # the expiry deletes the pin's row, then writes its audit entry: wait for both writes
+        audit = settled(lambda: {(e["action"], e["result"], e["target"])
+                                 for e in call(unix, "GET", "/admin/audit").json()["entries"]},
+                        lambda entries: entries >= wanted)
+        assert audit >= wanted
         metrics = call(unix, "GET", "/metrics").text
         assert 'kvd_housekeeping_failures_total{job="pin expiry"} 0.0' in metrics  # each waited; none failed
         assert 'kvd_housekeeping_failures_total{job="rollout stop conditions"} 0.0' in metrics
