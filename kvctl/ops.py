@@ -402,7 +402,9 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
 def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Read kvd's config again and apply what can change live (as SIGHUP, with the answer here).
 
-    A config that does not validate changes nothing, and the error names the setting.
+    A config that does not validate changes nothing, and the error names the setting. LoRA
+    adapters (lora_modules) change too: those added, replaced and removed are listed, and
+    requests in flight finish on the adapter they came for.
     Example: kvctl config reload
     """
     data = client_for(ctx).post("/admin/reload", {})
@@ -412,10 +414,18 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
         if d.get("loading_again"):
             console.print(f"[yellow]kvd could not serve ({d['loading_again']}); it loads again with the settings "
                           "read now: `kvctl status` answers once it serves[/yellow]", highlight=False)
-        elif not d["changed"]:
+        elif not d["changed"] and not d.get("adapters"):
             console.print("reloaded: no setting that applies live has changed")
         for key, value in d["changed"].items():
-            console.print(f"reloaded: {key} {d['previous'][key]} -> {value}", highlight=False)
+            console.print(f"reloaded: {key} {_setting_text(d['previous'][key])} -> {_setting_text(value)}",
+                          highlight=False)
+        adapters = d.get("adapters") or {}
+        for change in ("added", "replaced", "removed"):
+            if adapters.get(change):
+                console.print(f"LoRA adapters {change}: {', '.join(adapters[change])}", highlight=False)
+        if adapters.get("replaced") or adapters.get("removed"):
+            console.print("requests in flight finish on the adapter they came for; `kvctl status` lists them "
+                          "until they have", highlight=False)
         if d["needs_restart"]:
             console.print(f"[yellow]changed in the config but applied only at a restart: "
                           f"{', '.join(d['needs_restart'])}[/yellow]")

@@ -87,6 +87,10 @@ def render_status(data: dict, console: Console | None = None):
         modules = ",".join(m.removesuffix("_proj") for m in adapter["modules"])
         facts.add_row("LoRA adapter", f"{adapter['name']} (rank {adapter['rank']}, {modules}; "
                                       f"{adapter['digest'][:12]}): {adapter['requests']} in flight")
+    for old in data["model"].get("retiring_adapters") or ():
+        why = "replaced by a reload" if old["replaced"] else "taken away by a reload"
+        facts.add_row("LoRA adapter", f"{old['name']} ({old['digest'][:12]}): {why}; {old['requests']} "
+                                      f"in flight finish on it")
     sampling = data["model"].get("sampling_defaults")  # an older kvd does not say
     if sampling and sampling["values"]:
         facts.add_row("sampling", ", ".join(f"{name} {value}" for name, value in sampling["values"].items())

@@ -197,10 +197,16 @@ class Engine:
     def namespace(self, tenant: str, adapter: str = "") -> Namespace:
         """The prefix cache's namespace of `tenant`'s prompts, under LoRA adapter `adapter` ("": the
         base model): an adapter's K/V differ from the base model's, so its blocks are its own."""
+        return self._namespace(tenant, self.adapter(adapter).digest if adapter else "")
+
+    def _namespace(self, tenant: str, adapter_id: str) -> Namespace:
         return Namespace(model_revision=self.loaded.revision, tokenizer_digest=self.tokenizer.digest,
-                         adapter_id=self.adapter(adapter).digest if adapter else "",
-                         cache_dtype=self.layout(), scale_version=self.scale_version,
+                         adapter_id=adapter_id, cache_dtype=self.layout(), scale_version=self.scale_version,
                          block_size=self.settings.block_size, tenant=tenant)
+
+    def request_namespace(self, request: Request) -> Namespace:
+        """The namespace of `request`'s blocks: under the adapter it came for, as it was then."""
+        return self._namespace(request.tenant, request.lora.digest if request.lora is not None else "")
 
     def adapter(self, name: str):
         """The LoRA adapter served as `name` (daemon/model/lora.py); RequestError names it if none is."""
@@ -289,8 +295,7 @@ class Engine:
         tokens is not repeated here; `grammars`, the starts `prepare_grammars` compiled for this
         prompt's samples (a sample without one compiles its own at its first draw). `adapter`: the
         LoRA adapter that computes it ("": the base model)."""
-        if adapter:
-            self.adapter(adapter)  # one not loaded is refused before anything is queued
+        lora = self.adapter(adapter) if adapter else None  # one not loaded is refused before anything is queued
         if not prompt_checked:
             self.check_prompt(prompt_ids, params)
             grammars = self.prepare_grammars(params, params.n)
@@ -300,7 +305,8 @@ class Engine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(request_id, list(prompt_ids), params, seed, tenant, priority,
                           next(self._order), RequestMetrics(arrival=self.clock()), reservation=reservation,
-                          cohort=cohort, grammars=list(grammars) if grammars else None, adapter=adapter)
+                          cohort=cohort, grammars=list(grammars) if grammars else None, adapter=adapter,
+                          lora=lora)
         size, total = self.settings.block_size, self.settings.num_blocks
         needed = blocks_for_tokens(len(prompt_ids) + self._reservation(request).reserve(params.max_tokens), size)
         kind = None
@@ -338,7 +344,10 @@ class Engine:
         """(namespace, token count, block keys, hasher after them, the ids) for these tokens: safe
         to call without the engine's lock (it reads configuration only; a namespace that changes
         before admission is noticed there)."""
-        namespace = self.namespace(tenant, adapter)
+        return self._keys_in(self.namespace(tenant, adapter), token_ids)
+
+    @staticmethod
+    def _keys_in(namespace: Namespace, token_ids: list[int]) -> tuple:
         hasher = PrefixHasher(namespace)
         return namespace, len(token_ids), hasher.feed(token_ids), hasher, token_ids
 
@@ -349,8 +358,9 @@ class Engine:
         tokens = seq.all_tokens
         memo = seq.prefix_keys
         request = seq.request
-        if memo is None or memo[0] != self.namespace(request.tenant, request.adapter) or memo[1] != len(tokens):
-            memo = seq.prefix_keys = self.prefix_keys(request.tenant, tokens, request.adapter)
+        namespace = self.request_namespace(request)
+        if memo is None or memo[0] != namespace or memo[1] != len(tokens):
+            memo = seq.prefix_keys = self._keys_in(namespace, tokens)
         return memo[2], memo[3].copy()
 
     def _start_prefetch(self, request: Request, missing: list | None = None, blind: bool = True) -> bool:
@@ -494,13 +504,28 @@ class Engine:
 
     def adapter_requests(self) -> dict[str, dict[str, int]]:
         """Each LoRA adapter's requests in flight: running (some sample admitted) and waiting.
-        Call under the service lock."""
+        An adapter a reload took away is counted while its requests finish. Call under the
+        service lock."""
         counts = {name: {"running": 0, "waiting": 0} for name in self.loaded.adapters}
         for request in self.requests.values():
             if request.adapter and not request.finished:
                 waiting = all(s.status is SeqStatus.WAITING for s in request.sequences)
-                counts[request.adapter]["waiting" if waiting else "running"] += 1
+                counts.setdefault(request.adapter, {"running": 0, "waiting": 0})[
+                    "waiting" if waiting else "running"] += 1
         return counts
+
+    def retiring_adapters(self) -> list[dict]:
+        """The LoRA adapters a reload took away or gave other weights to that requests in flight
+        still run on: name, digest (the weights they run on) and their requests. Call under the
+        service lock."""
+        found: dict[int, dict] = {}
+        for request in self.requests.values():
+            lora = request.lora
+            if lora is not None and not request.finished and self.loaded.adapters.get(request.adapter) is not lora:
+                row = found.setdefault(id(lora), {"name": request.adapter, "digest": lora.digest, "requests": 0,
+                                                  "replaced": request.adapter in self.loaded.adapters})
+                row["requests"] += 1
+        return list(found.values())
 
     def queue_figures(self) -> dict:
         """The queue as /admin/status and /admin/route-facts report it: waiting and running
@@ -782,21 +807,20 @@ class Engine:
 
     def _lora_rows(self, plan: list[tuple[Sequence, int]], starts: list[int]) -> list | None:
         """The step's LoRA adapters, each with the token rows of its sequences (None: every row is
-        its); None when every sequence is the base model's."""
-        if not self.loaded.adapters:
-            return None
-        spans: dict[str, list[range]] = {}
+        its); None when every sequence is the base model's. Each request runs on the adapter it
+        came for (`Request.lora`), whatever a reload has served under its name since."""
+        spans: dict[int, tuple[object, list[range]]] = {}
         for (seq, _), begin, end in zip(plan, starts, starts[1:]):
-            if seq.request.adapter:
-                spans.setdefault(seq.request.adapter, []).append(range(begin, end))
+            lora = seq.request.lora
+            if lora is not None:
+                spans.setdefault(id(lora), (lora, []))[1].append(range(begin, end))
         if not spans:
             return None
         device, total = self.model.device, starts[-1]
         groups = []
-        for name, ranges in spans.items():
+        for lora, ranges in spans.values():
             rows = [row for span in ranges for row in span]
-            groups.append((self.loaded.adapters[name], None if len(rows) == total else
-                           torch.tensor(rows, dtype=torch.int64, device=device)))
+            groups.append((lora, None if len(rows) == total else torch.tensor(rows, dtype=torch.int64, device=device)))
         return groups
 
     def _block_content(self, block_id: int):

@@ -104,6 +104,9 @@ class Request:
     # checked (Engine.prepare_grammars), taken by the sample at its first draw
     grammars: list | None = None
     adapter: str = ""  # the LoRA adapter that computes it (daemon/model/lora.py); "": the base model
+    # that adapter as it was served when the request came (a LoraAdapter; None: the base model): a
+    # reload that gives the name other weights, or takes it away, leaves the request on these
+    lora: object | None = None
 
     def take_grammar(self, index: int):
         """Sample `index`'s start in its grammar, once (None: none was compiled for it)."""

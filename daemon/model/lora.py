@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class LoraAdapter:
     alpha: float
     modules: tuple[str, ...]  # the projections it adapts, e.g. ("q_proj", "v_proj")
     layers: list[dict[str, PackedLora]] = field(repr=False)  # per layer: packed projection -> its term
+    stamp: tuple = field(default=(), repr=False, compare=False)  # its files as read (source_stamp)
 
     def describe(self) -> dict:
         return {"name": self.name, "path": str(self.path), "digest": self.digest, "rank": self.rank,
@@ -71,6 +73,20 @@ def adapter_digest(path: Path) -> str:
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         digest.update(name.encode() + b"\0" + file_digest(path / name).encode())
     return digest.hexdigest()
+
+
+def source_stamp(path: Path) -> tuple:
+    """What moves when an adapter's files change: each file's inode, size, modification and
+    change times (the change time moves at any write or rename, whatever a copy sets as the
+    modification time). () when a file cannot be read."""
+    stamp = []
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        try:
+            st = (path / name).stat()
+        except OSError:
+            return ()
+        stamp.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(stamp)
 
 
 def check_adapter_name(name: str, base_name: str | None = None) -> str:
@@ -139,6 +155,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
     path = Path(path)
     if not path.is_dir():
         raise ModelError(f"lora_modules: {name}={str(path)!r} is not a directory")
+    stamp = source_stamp(path)  # before the reads: a file written meanwhile is read again at the next reload
     settings = _read_config(path)
     weights_file = path / ADAPTER_WEIGHTS
     if not weights_file.is_file():
@@ -187,7 +204,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
         rank = max(rank, r)
     layers = [_pack(terms, layer, sizes, device, dtype) for layer in range(config.num_layers)]
     modules = tuple(m for _, ms in PACKED.values() for m in ms if any(k[1] == m for k in terms))
-    return LoraAdapter(name, path, adapter_digest(path), rank, settings["lora_alpha"], modules, layers)
+    return LoraAdapter(name, path, adapter_digest(path), rank, settings["lora_alpha"], modules, layers, stamp)
 
 
 def _projection_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -236,12 +253,37 @@ def lora_delta(out: torch.Tensor, x: torch.Tensor, groups, layer: int, projectio
             out.index_add_(0, rows, (x.index_select(0, rows) @ term.a.T) @ term.b.T)
 
 
-def load_adapters(modules: tuple[tuple[str, str], ...], loaded, base_name: str) -> dict[str, LoraAdapter]:
+def load_adapters(modules: tuple[tuple[str, str], ...], loaded, base_name: str,
+                  current: dict[str, LoraAdapter] | None = None) -> dict[str, LoraAdapter]:
     """Every adapter of `lora_modules` ((name, folder) pairs) for `loaded`, by name, on its device
-    and in its dtype; ModelError names the first that cannot be served."""
+    and in its dtype; ModelError names the first that cannot be served. `current`: the adapters
+    served now (a reload): one under the same name and folder whose files have not changed since
+    it was read (`source_stamp`) is kept as it is, not read again."""
     adapters: dict[str, LoraAdapter] = {}
     model = loaded.model
     for name, path in modules:
         check_adapter_name(name, base_name)
-        adapters[name] = load_adapter(name, Path(path).expanduser(), loaded.config, model.device, model.dtype)
+        folder = Path(path).expanduser()
+        kept = (current or {}).get(name)
+        if kept is not None and kept.path == folder and kept.stamp and kept.stamp == source_stamp(folder):
+            adapters[name] = kept
+        else:
+            adapters[name] = load_adapter(name, folder, loaded.config, model.device, model.dtype)
     return adapters
+
+
+def warn_if_kv_changes(adapters: dict[str, LoraAdapter], cache_dtype: str) -> None:
+    """Log a warning when the cache is quantised and an adapter changes K or V: the cache's scales
+    were calibrated on the base model alone."""
+    if cache_dtype != "auto" and any({"k_proj", "v_proj"} & set(a.modules) for a in adapters.values()):
+        logging.getLogger("kvd").warning(
+            "lora_modules: an adapter changes K or V, and the %s cache's scales were calibrated on the base "
+            "model: its K/V may fall outside them", cache_dtype)
+
+
+def adapter_changes(before: dict[str, LoraAdapter], after: dict[str, LoraAdapter]) -> dict[str, list[str]]:
+    """What serving `after` in place of `before` changes, by adapter name: added, removed, and
+    replaced (other weights under the same name: its blocks cached so far serve it no more)."""
+    return {"added": [name for name in after if name not in before],
+            "removed": [name for name in before if name not in after],
+            "replaced": [name for name in after if name in before and after[name].digest != before[name].digest]}

@@ -1,5 +1,7 @@
 """Reloading kvd's settings (SIGHUP, `kvctl config reload`): what can change live changes, the
 rest waits for a restart and the answer says which; a kvd that could not load loads again.
+LoRA adapters (lora_modules) change live too: added, taken away, or read again where their
+files changed, while requests in flight finish on the adapter they came for.
 Functions that take the EngineService (service.py), as the operator actions do."""
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from pathlib import Path
 
 from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default
 from kvctl.daemon.engine.engine import prefetch_wait
+from kvctl.daemon.model.errors import ModelError
+from kvctl.daemon.model.lora import adapter_changes, load_adapters, warn_if_kv_changes
 from kvctl.policies.reservation import parse_reservation
 
 from .auth import TokenFileError, TokenTable
@@ -23,7 +27,8 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_req
                  "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
                  "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
-                 "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens")
+                 "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens",
+                 "lora_modules")
 
 # what the running process is bound to: its sockets, its store, its auth front, its metric families
 BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",
@@ -51,6 +56,7 @@ def reload_from_source(service, actor: str) -> dict:
         new = service.config_source()
         refuse_an_emptied_file(service.config)
         fresh = TokenTable.load(service.config.token_file) if service.tokens is not None else None
+        adapters = read_adapters(service, new)
     except (ConfigError, TokenFileError) as exc:
         service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
                             detail={"error": str(exc)})
@@ -58,7 +64,7 @@ def reload_from_source(service, actor: str) -> dict:
         service.last_reload = {"at": time.time(), "result": "refused", "error": str(exc), "actor": actor}
         raise ServiceError(400, f"reload refused, nothing changed: {exc}", "config") from None
     failed = service.load_error is not None
-    result = reload_after_failed_load(service, new, actor) if failed else reload(service, new, actor)
+    result = reload_after_failed_load(service, new, actor) if failed else reload(service, new, actor, adapters)
     service.reloads["ok"] += 1
     service.last_reload = {"at": time.time(), "result": "ok", "error": None, "actor": actor}
     if fresh is not None:  # rotated tokens take effect for the next request; counts only, never tokens
@@ -66,6 +72,20 @@ def reload_from_source(service, actor: str) -> dict:
         service.store.audit(actor=actor, tenant="-", action="reload", target="token_file", result="ok",
                             detail=result["tokens"])
     return result
+
+
+def read_adapters(service, new: KvdConfig) -> dict | None:
+    """The LoRA adapters `new.lora_modules` names, for the model served now, read outside the
+    lock while kvd serves on: one whose name, folder and files are as they were is kept as it
+    is, the others are read (load_adapters). None while no model is loaded. ConfigError names
+    the adapter that cannot be served, and the reload then changes nothing."""
+    loaded = service.loaded
+    if loaded is None:
+        return None
+    try:
+        return load_adapters(new.lora_modules, loaded, service.model_name, current=loaded.adapters)
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def refuse_an_emptied_file(config) -> None:
@@ -109,9 +129,15 @@ def reload_after_failed_load(service, new: KvdConfig, actor: str) -> dict:
     return result
 
 
-def reload(service, new: KvdConfig, actor: str = "sighup") -> dict:
+def reload(service, new: KvdConfig, actor: str = "sighup", adapters: dict | None = None) -> dict:
     """Apply policy settings that can change live (SIGHUP, `kvctl config reload`); the cache is
-    kept. `reload_from_source` also re-reads the token file (token rotation)."""
+    kept. `reload_from_source` also re-reads the token file (token rotation). `adapters`: what
+    `read_adapters` read for `new` (read here when not given)."""
+    if adapters is None:
+        try:
+            adapters = read_adapters(service, new)
+        except ConfigError as exc:
+            raise ServiceError(400, f"reload refused, nothing changed: {exc}", "lora_modules") from None
     changed = {k: getattr(new, k) for k in LIVE_SETTINGS if getattr(new, k) != getattr(service.config, k)}
     previous = {k: getattr(service.config, k) for k in changed}
     ignored = sorted(k for k, v in new.describe().items()
@@ -144,6 +170,10 @@ def reload(service, new: KvdConfig, actor: str = "sighup") -> dict:
                 service.tiers.compress = new.tier_codecs()
             if new.pin_budget_blocks is not None:
                 engine.cache.pins.default_budget = new.pin_budget_blocks
+        lora = None
+        if adapters is not None and service.loaded is not None:
+            lora = adapter_changes(service.loaded.adapters, adapters)
+            service.loaded.adapters = adapters  # a new dict: whoever read the old one reads it whole
         service.trace.resize(new.trace_requests)  # the newest kept
         # the sources of settings that wait for a restart stay; a live one's is the new config's
         sources = {k: v for k, v in service.config.sources.items() if k not in LIVE_SETTINGS}
@@ -154,6 +184,10 @@ def reload(service, new: KvdConfig, actor: str = "sighup") -> dict:
                     if name in changed}
         service.rollout_settings = {}
     result = {"changed": changed, "previous": previous, "needs_restart": ignored}
+    if lora is not None and any(lora.values()):
+        result["adapters"] = lora  # requests in flight finish on the adapter they came for
+        warn_if_kv_changes({name: adapters[name] for name in lora["added"] + lora["replaced"]},
+                           service.config.cache_dtype)
     if reverted:
         result["reverted_rollout_settings"] = reverted
     service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="ok", detail=result)

@@ -37,7 +37,7 @@ from kvctl.daemon.model.chat_template import ChatTemplate, TemplateKwargsError, 
 from kvctl.daemon.model.demo import ensure_demo_checkpoint
 from kvctl.daemon.model.hub_cache import resolve_model
 from kvctl.daemon.model.llama import LoadedModel, load_model
-from kvctl.daemon.model.lora import load_adapters
+from kvctl.daemon.model.lora import load_adapters, warn_if_kv_changes
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 
@@ -188,10 +188,7 @@ class EngineService:
         loaded.tokenizer.keep_in_text(tool_calls.MARKERS.get(cfg.tool_call_parser, ()))
         loaded.adapters = load_adapters(cfg.lora_modules, loaded,
                                         cfg.model_name or self.hub_name or Path(model_dir).name)
-        if loaded.adapters and cfg.cache_dtype != "auto" and any(
-                set(a.modules) & {"k_proj", "v_proj"} for a in loaded.adapters.values()):
-            log.warning("lora_modules: an adapter changes K or V, and the %s cache's scales were calibrated on the "
-                        "base model: its K/V may fall outside them", cfg.cache_dtype)
+        warn_if_kv_changes(loaded.adapters, cfg.cache_dtype)
         chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template,
                                            json.loads(cfg.chat_template_kwargs or "{}"))
         timer.mark("model")

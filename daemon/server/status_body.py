@@ -37,7 +37,10 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
     with service.lock:
         cache = engine.cache
         counts = cache.state_counts()
-        in_flight = engine.adapter_requests()
+        in_flight, retiring = engine.adapter_requests(), engine.retiring_adapters()
+        on_old: dict[str, int] = {}  # a replaced adapter's requests on its earlier weights, not the served ones
+        for row in retiring:
+            on_old[row["name"]] = on_old.get(row["name"], 0) + row["requests"]
         stats = engine.stats
         queue = engine.queue_figures()
         block_map = read_block_map(cache) if with_blocks else None
@@ -54,8 +57,11 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                       "sampling_defaults": {"source": service.loaded.generation.source,
                                             "values": service.sampling_defaults},
                       # LoRA adapters served beside it (lora_modules), each with its requests in flight
-                      "adapters": [{**adapter.describe(), "requests": sum(in_flight[name].values())}
-                                   for name, adapter in service.adapters().items()]},
+                      "adapters": [{**adapter.describe(),
+                                    "requests": sum(in_flight[name].values()) - on_old.get(name, 0)}
+                                   for name, adapter in service.adapters().items()],
+                      # adapters a reload took away or replaced, while requests still run on them
+                      "retiring_adapters": retiring},
             "blocks": {"device": {"total": cache.num_blocks, **counts}},
             "block_size": cache.block_size,
             "bytes_per_block": engine.cache.block_bytes,
