@@ -6,6 +6,7 @@ kvctl presents; the daemon decides. Every command talks to kvd over its API and 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -28,11 +29,14 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
              limit: int = typer.Option(50, help="Rows in the table (0: all); --json always has all."),
              under: Optional[str] = typer.Option(None, "--under", help="Only this row (an id) and the rows "
                                                                        "that extend it."),
+             model: Optional[str] = typer.Option(None, "--model", help="Only a LoRA adapter's rows (lora_modules); "
+                                                                      "the model's name: the model's own."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Cached prefixes as a tree, in every tier: one row per run of blocks between branch points.
 
-    Each row has the row it extends (parent), tenant, tokens, blocks, size, hits, idle time,
-    tier and pin; never text.
+    Each row has the row it extends (parent), tenant, LoRA adapter, tokens, blocks, size, hits,
+    idle time, tier and pin; never text. An adapter's rows name it; rows of weights a reload
+    replaced or took away show their id (`kvctl evict --adapter-id` takes them).
 
     Prompts that share a start (a chat template, a system prompt) share a row, and each way they
     go on from it is a row of its own whose parent is that row. An id given to `kvctl evict
@@ -48,7 +52,7 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
     if limit < 0:
         raise UserError(f"limit: must be >= 0, got {limit}")
     data = client_for(ctx).get("/admin/prefixes", tenant=tenant, pinned=pinned or None, sort=sort,
-                               limit=None if as_json or not limit else limit, under=under)
+                               limit=None if as_json or not limit else limit, under=under, model=model)
 
     def render(d):
         shown = d["prefixes"]
@@ -56,11 +60,14 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         # Columns that would say the same on every row are left out (said once below the table)
         # so that the table fits 80 columns; --json has every field.
         tenants = {"-" if p["tenant"] is None else p["tenant"] for p in shown}  # None: not known
+        models = {_prefix_model(p) for p in shown}
         optional = {"tenant": len(tenants) > 1, "pinned": any(p["pinned"] for p in shown),
-                    "in use": any(p["in_use_blocks"] for p in shown)}
+                    "in use": any(p["in_use_blocks"] for p in shown),
+                    "model": len(models) > 1}  # the model and its LoRA adapters (an older kvd does not say)
         fleet = [r["replica"] for r in d.get("replicas") or []]  # at kvd router: rows replica by replica
         optional["replica"] = bool(fleet)
-        headers = ["replica", "prefix", "parent", "tenant", "tokens", "size", "hits", "idle", "tier", "pinned", "in use"]
+        headers = ["replica", "prefix", "parent", "tenant", "model", "tokens", "size", "hits", "idle", "tier", "pinned",
+                   "in use"]
         headers = [h for h in headers if optional.get(h, True)]
         table = compact_table(*headers)
         for column in table.columns:
@@ -68,7 +75,7 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         for p in shown:
             cells = {"prefix": p["prefix_id"],
                      "parent": "detached" if p.get("detached") else (p.get("parent_id") or "-")[:8],
-                     "tenant": "-" if p["tenant"] is None else p["tenant"],
+                     "tenant": "-" if p["tenant"] is None else p["tenant"], "model": _prefix_model(p),
                      "tokens": f"{p.get('start_token', 0):,}-{p['tokens']:,}", "size": size(p["bytes"]),
                      "hits": "-" if p["hits"] is None else f"{p['hits']:,}", "idle": duration(p.get("idle_seconds")),
                      "tier": "+".join(p.get("tiers") or [p["tier"]]), "pinned": "yes" if p["pinned"] else "",
@@ -81,7 +88,9 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         if len(shown) < total:
             console.print(f"{len(shown)} of {total:,} prefixes, by {sort}; --limit 0 shows all")
         quiet = [name for name in ("pinned", "in use") if not optional[name]]
+        only_adapter = len(models) == 1 and any(p.get("adapter_id") for p in shown)  # the model's alone: unsaid
         same = ([f"tenant {next(iter(tenants))}"] if len(tenants) == 1 else []) + \
+            ([f"model {next(iter(models))}"] if only_adapter else []) + \
             (["none " + " or ".join(quiet)] if quiet else [])
         if shown and same:
             console.print("; ".join(same))
@@ -92,6 +101,15 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     emit(data, as_json, render)
+
+
+def _prefix_model(row: dict) -> str:
+    """Who a prefix row's blocks are for: the model or a LoRA adapter by name, an adapter no longer
+    served by its id, "-" where kvd does not know (or an older kvd does not say)."""
+    if row.get("model"):
+        return row["model"]
+    adapter_id = row.get("adapter_id")
+    return f"lora {adapter_id[:12]}" if adapter_id else "-"
 
 
 def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Prefix text to pin."),
@@ -232,7 +250,11 @@ def evict(ctx: typer.Context,
                                                        help="A model revision (4 or more hex digits), served or not."),
           all_unpinned: bool = typer.Option(False, "--all-unpinned", help="Everything not pinned."),
           model: Optional[str] = typer.Option(None, "--model", help="With a prompt: the LoRA adapter (lora_modules) "
-                                                                   "whose blocks of it go. Default: the model's."),
+                                                                   "whose blocks of it go (default: the model's). "
+                                                                   "Alone: every block of that adapter."),
+          adapter_id: Optional[str] = typer.Option(None, "--adapter-id",
+                                                   help="Every block of the LoRA adapter of this id (8 or more hex "
+                                                        "digits), served or not: weights a reload replaced."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Say what would go, and evict nothing."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Evict cached blocks from every tier and report exactly what went.
@@ -250,6 +272,11 @@ def evict(ctx: typer.Context,
     first-request.json`): every later turn extends it. A prompt that stops short names less: the
     system prompt alone takes every conversation on from it, as its prefix id would.
 
+    --model ADAPTER alone takes every block of a LoRA adapter, in every tier; --adapter-id takes
+    those of an adapter's earlier weights, which a reload replaced or took away (`kvctl prefixes`
+    and `kvctl status` show the id). The model's own name takes the model's blocks and none of
+    its adapters'.
+
     A model revision's blocks go from every tier, including a revision this daemon no longer
     serves: what an upgrade set aside on disk, and what any daemon left on the shared Redis
     under it (`kvctl tiers` shows what is set aside, and whose).
@@ -262,16 +289,24 @@ def evict(ctx: typer.Context,
     now, the copies in lower tiers that kvd knows of; other daemons' entries on a shared Redis are
     found only by the eviction itself.
 
-    Example: kvctl evict --tenant acme; kvctl evict --messages chat.json --tenant acme --dry-run
+    Example: kvctl evict --tenant acme; kvctl evict --messages chat.json --tenant acme --dry-run;
+    kvctl evict --adapter-id 3f2a9c1b
     """
     if any(x is not None for x in (text, tokens, file, messages)):
-        if prefix is not None or model_revision is not None or all_unpinned:
+        if prefix is not None or model_revision is not None or all_unpinned or adapter_id is not None:
             raise UserError("give exactly one of a prompt (TEXT, --tokens, --file, --messages), --prefix, --tenant, "
-                            "--model-revision or --all-unpinned")
+                            "--model, --adapter-id, --model-revision or --all-unpinned")
         body = {**prompt_body(text, tokens, file, messages), "tenant": tenant, **({"model": model} if model else {})}
+    elif model is not None or adapter_id is not None:
+        if prefix is not None or tenant is not None or model_revision is not None or all_unpinned or (
+                model is not None and adapter_id is not None):
+            raise UserError("--model alone takes every block of a LoRA adapter, and with a prompt that prompt's "
+                            "blocks under it; --adapter-id goes alone")
+        if adapter_id is not None and not re.fullmatch(r"[0-9a-f]{8,64}", adapter_id.strip().lower()):
+            raise UserError(f"--adapter-id: give 8 or more hex digits of a LoRA adapter's id (kvctl prefixes and kvctl "
+                            f"status show them), got {adapter_id!r}")
+        body = {"model": model} if model is not None else {"adapter_id": adapter_id.strip().lower()}
     else:
-        if model is not None:
-            raise UserError("--model names the LoRA adapter a prompt is hashed under: give a prompt with it")
         body = {"prefix": prefix, "tenant": tenant, "model_revision": model_revision, "all_unpinned": all_unpinned}
     data = client_for(ctx).post("/admin/evict/preview" if dry_run else "/admin/evict", body)
 

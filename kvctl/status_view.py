@@ -86,11 +86,12 @@ def render_status(data: dict, console: Console | None = None):
     for adapter in data["model"].get("adapters") or ():  # LoRA adapters (an older kvd does not say)
         modules = ",".join(m.removesuffix("_proj") for m in adapter["modules"])
         facts.add_row("LoRA adapter", f"{adapter['name']} (rank {adapter['rank']}, {modules}; "
-                                      f"{adapter['digest'][:12]}): {adapter['requests']} in flight")
+                                      f"{adapter['digest'][:12]}): {adapter['requests']} in flight"
+                                      + _cached_blocks(adapter))
     for old in data["model"].get("retiring_adapters") or ():
         why = "replaced by a reload" if old["replaced"] else "taken away by a reload"
         facts.add_row("LoRA adapter", f"{old['name']} ({old['digest'][:12]}): {why}; {old['requests']} "
-                                      f"in flight finish on it")
+                                      f"in flight finish on it" + _cached_blocks(old))
     sampling = data["model"].get("sampling_defaults")  # an older kvd does not say
     if sampling and sampling["values"]:
         facts.add_row("sampling", ", ".join(f"{name} {value}" for name, value in sampling["values"].items())
@@ -221,3 +222,9 @@ def watch_status(fetch, console: Console | None = None, interval: float = 1.0, s
     """Redraw the status (or what `render` makes of `fetch()`) every `interval` until Ctrl-C
     (command_kit.redraw)."""
     redraw(fetch, render or render_status, console, interval, sleep)
+
+
+def _cached_blocks(adapter: dict) -> str:
+    """", N blocks cached" for an adapter's line (an older kvd does not say)."""
+    count = adapter.get("cached_blocks")
+    return "" if count is None else f", {count:,} block{'s' if count != 1 else ''} cached"

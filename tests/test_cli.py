@@ -725,7 +725,8 @@ def test_evict_a_prompt_sends_it_with_its_tenant_and_says_what_stayed_shared(cap
                                           "the eviction itself)")
     status, _, err = cli(capsys, "evict", "--tokens", "1,2", "--prefix", "0435de85")
     assert (status, err.strip()) == (2, "error: give exactly one of a prompt (TEXT, --tokens, --file, --messages), "
-                                        "--prefix, --tenant, --model-revision or --all-unpinned")
+                                        "--prefix, --tenant, --model, --adapter-id, --model-revision or "
+                                        "--all-unpinned")
     assert len(posted) == 4
 
 

@@ -307,8 +307,9 @@ def test_kvd_serves_each_adapter_under_its_name_with_its_own_cached_prefixes(bas
         text = console.export_text()
         digest = service.adapters()["sql"].digest[:12]
         rows = [line.split() for line in text.splitlines() if line.startswith("LoRA adapter")]
+        held = status["model"]["adapters"][0]["cached_blocks"]  # its device blocks (test_lora_reload counts them)
         assert rows[0] == ["LoRA", "adapter", "sql", "(rank", "4,", "q,k,v,o,gate,up,down;", f"{digest}):", "0", "in",
-                           "flight"]
+                           "flight,", str(held), "block" if held == 1 else "blocks", "cached"]
         assert rows[1][:6] == ["LoRA", "adapter", "chat-b", "(rank", "2,", "q,v;"] and len(rows) == 2
         # the trace: an adapter's prompt chains apart from the model's, as its blocks do
         lines = call(unix, "GET", "/admin/trace").json()["requests"]
@@ -458,5 +459,6 @@ def test_kvctl_explain_pin_and_evict_send_the_adapter_a_prompt_is_hashed_under()
         ("/admin/route-facts", "sql", "hello")]
     # refused before anything is sent (kvctl's main prints a UserError and exits 2)
     assert [type(r.exception).__name__ for r in refused] == ["UserError", "UserError"]
-    assert str(refused[0].exception) == "--model names the LoRA adapter a prompt is hashed under: give a prompt with it"
+    assert str(refused[0].exception) == ("--model alone takes every block of a LoRA adapter, and with a prompt that "
+                                         "prompt's blocks under it; --adapter-id goes alone")
     assert str(refused[1].exception) == "--model is for a prompt; a prefix id names its LoRA adapter's blocks already"

@@ -1,7 +1,9 @@
 """LoRA adapters change without a restart: a reload (SIGHUP, `kvctl config reload`) adds, replaces
 and takes away adapters as lora_modules says, reads again only the adapters whose files changed,
 and leaves every request in flight on the adapter it came for (its tokens, its blocks); an
-adapter it cannot serve refuses the whole reload."""
+adapter it cannot serve refuses the whole reload. And an adapter's blocks are seen as its own
+(`kvctl prefixes`, `kvctl status`) and evicted whole (`kvctl evict --model`, `--adapter-id` for
+weights a reload replaced)."""
 
 from __future__ import annotations
 
@@ -169,11 +171,12 @@ def test_kvd_reloads_its_adapters_and_requests_in_flight_finish_on_theirs(base_d
             "model: 'chat-b' is not served here")
         status = call(unix, "GET", "/admin/status").json()
         assert [(a["name"], a["requests"]) for a in status["model"]["adapters"]] == [("sql", 0), ("again", 0)]
-        assert status["model"]["retiring_adapters"] == [
-            {"name": "sql", "digest": old_sql.digest, "requests": 1, "replaced": True}]
+        assert status["model"]["retiring_adapters"] == [  # the prompt's full blocks: cached under its weights
+            {"name": "sql", "digest": old_sql.digest, "requests": 1, "replaced": True, "cached_blocks": FULL // 16}]
         console = Console(record=True, width=160)
         console.print(render_status(status))
-        assert f"LoRA adapter sql ({old_sql.digest[:12]}): replaced by a reload; 1 in flight finish on it" in \
+        assert f"LoRA adapter sql ({old_sql.digest[:12]}): replaced by a reload; 1 in flight finish on it, " \
+               f"{FULL // 16} blocks cached" in \
             " ".join(console.export_text().split())
         go.set()
         assert done.wait(30)
@@ -230,3 +233,136 @@ def test_kvctl_config_reload_prints_the_adapters_a_reload_changed():
         "LoRA adapters replaced: sql",
         "LoRA adapters removed: chat-b",
         "requests in flight finish on the adapter they came for; `kvctl status` lists them until they have"]
+
+
+def test_kvd_names_each_prefix_s_adapter_and_evicts_an_adapter_s_blocks_whole(base_dir, expected, tmp_path):
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from kvctl.daemon.server.app import create_app
+    from kvctl.status_view import render_status
+
+    from .daemon_fixtures import call, start_service
+
+    folders, _ = expected
+    other = write_adapter(tmp_path / "c", ("q_proj",), rank=2, alpha=4, seed=3)
+    shutil.copytree(base_dir, tmp_path / "models" / base_dir.name)  # the demo checkpoint, in place
+    service = start_service(tmp_path, lora_modules=f"sql={folders['a']},chat={folders['b']}")
+    try:
+        unix = create_app(service, service.metrics, front="unix")
+        second = list(b"Another conversation for the sql adapter, two blocks and more. ")
+        body = {"max_tokens": 12, "ignore_eos": True, "temperature": 0}
+        sent = [("sql", PROMPT), ("sql", second), ("chat", PROMPT), (base_dir.name, PROMPT)]
+        outs = [call(unix, "POST", "/v1/completions", json={**body, "model": m, "prompt": p}).json()
+                ["choices"][0]["token_ids"] for m, p in sent]
+        engine = service.engine
+        # the blocks each one left: its prompt and output but the last token (whose K/V no step wrote)
+        keys = {}
+        for (model, prompt), out in zip(sent, outs):
+            adapter = "" if model == base_dir.name else model
+            keys.setdefault(model, []).extend(engine.prefix_keys("default", prompt + out[:-1], adapter)[2])
+        digests = {"sql": service.adapters()["sql"].digest, "chat": service.adapters()["chat"].digest,
+                   base_dir.name: ""}
+        rows = call(unix, "GET", "/admin/prefixes").json()["prefixes"]
+        assert {(r["model"], r["adapter_id"]) for r in rows} == {(m, d) for m, d in digests.items()}
+        for model in digests:
+            mine = call(unix, "GET", "/admin/prefixes", params={"model": model}).json()["prefixes"]
+            assert {r["model"] for r in mine} == {model}
+            assert sum(r["blocks"] for r in mine) == len(keys[model])
+        assert call(unix, "GET", "/admin/prefixes", params={"model": "nope"}).status_code == 404
+        status = call(unix, "GET", "/admin/status").json()
+        assert [(a["name"], a["cached_blocks"]) for a in status["model"]["adapters"]] == [
+            ("sql", len(keys["sql"])), ("chat", len(keys["chat"]))]
+        console = Console(record=True, width=200)
+        console.print(render_status(status))
+        assert f"LoRA adapter sql (rank 4, q,k,v,o,gate,up,down; {digests['sql'][:12]}): 0 in flight, " \
+               f"{len(keys['sql'])} blocks cached" in " ".join(console.export_text().split())
+
+        def cached(model):
+            with service.lock:
+                return [engine.cache.pool.block_of(k) is not None for k in keys[model]]
+
+        preview = call(unix, "POST", "/admin/evict/preview", json={"model": "sql"}).json()
+        assert (preview["evicted_blocks"], preview["target"]) == (len(keys["sql"]), "LoRA adapter sql")
+        assert all(cached("sql"))
+        gone = call(unix, "POST", "/admin/evict", json={"model": "sql"}).json()
+        assert (gone["evicted_blocks"], gone["result"]) == (len(keys["sql"]), "ok")
+        assert not any(cached("sql")) and all(cached("chat")) and all(cached(base_dir.name))
+        # chat's weights replaced: its blocks stay, under an id no name serves now, until taken by it
+        service.reload(replace(service.config, lora_modules=(("sql", str(folders["a"])), ("chat", str(other)))))
+        rows = call(unix, "GET", "/admin/prefixes").json()["prefixes"]
+        assert {(r["model"], r["adapter_id"]) for r in rows} == {(None, digests["chat"]), (base_dir.name, "")}
+        assert call(unix, "POST", "/admin/evict", json={"adapter_id": "deadbeef"}).json()["error"]["message"] == (
+            "adapter_id: no LoRA adapter 'deadbeef' is served or has blocks cached here (kvctl prefixes and kvctl "
+            "status show their ids)")
+        bad = call(unix, "POST", "/admin/evict", json={"adapter_id": "xyz"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "adapter_id", bad.json()
+        both = call(unix, "POST", "/admin/evict", json={"model": "sql", "tenant": "default"})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "model"
+        old = call(unix, "POST", "/admin/evict", json={"adapter_id": digests["chat"][:8]}).json()
+        assert old["evicted_blocks"] == len(keys["chat"])
+        assert old["target"] == f"LoRA adapter {digests['chat'][:12]} (not served)"
+        assert not any(cached("chat")) and all(cached(base_dir.name))
+        own = call(unix, "POST", "/admin/evict", json={"model": base_dir.name}).json()
+        assert own["evicted_blocks"] == len(keys[base_dir.name]) and not any(cached(base_dir.name))
+        assert own["target"] == f"model {base_dir.name} (its own blocks, none of its LoRA adapters')"
+        audited = [e["target"] for e in service.store.audit_since(0, action="evict")]
+        assert audited[:3] == [own["target"], old["target"], "LoRA adapter sql"]
+    finally:
+        service.shutdown(1)
+
+
+def test_kvctl_prefixes_names_the_adapters_and_kvctl_evict_takes_one_whole():
+    from typer.testing import CliRunner
+
+    from kvctl.cli import app as kvctl_app
+
+    def row(prefix_id, model, adapter_id):
+        return {"prefix_id": prefix_id, "parent_id": None, "root_id": prefix_id, "tenant": "default",
+                "adapter_id": adapter_id, "model": model, "start_token": 0, "tokens": 64, "blocks": 4,
+                "bytes": 4096, "hits": 1, "idle_seconds": 5.0, "last_use": 0, "tier": "device",
+                "tiers": {"device": 4}, "pinned": False, "pinned_blocks": 0, "in_use_blocks": 0, "children": 0,
+                "detached": False}
+
+    listings = [{"prefixes": [row("aaaa000011112222", "sql", "3f2a" * 16), row("bbbb000011112222", None, "9c1b" * 16),
+                              row("cccc000011112222", "demo", ""), row("dddd000011112222", None, None)], "total": 4},
+                {"prefixes": [row("aaaa000011112222", "sql", "3f2a" * 16)], "total": 1}]
+    asked, sent = [], []
+
+    class Answering:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def get(self, path, **params):
+            asked.append((path, params.get("model")))
+            return listings[len(asked) - 1]
+
+        def post(self, path, body):
+            sent.append((path, body))
+            return {"evicted_blocks": 4, "skipped": {}, "result": "ok", "target": "LoRA adapter sql"}
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("kvctl.command_kit.Client", Answering)
+        runner = CliRunner()
+        mixed = runner.invoke(kvctl_app, ["prefixes"], env={"COLUMNS": "120"})
+        alone = runner.invoke(kvctl_app, ["prefixes", "--model", "sql"], env={"COLUMNS": "120"})
+        evicted = [runner.invoke(kvctl_app, args) for args in (["evict", "--model", "sql"],
+                                                                ["evict", "--adapter-id", "9C1B9C1B", "--dry-run"])]
+        refused = [runner.invoke(kvctl_app, args) for args in (["evict", "--model", "sql", "--tenant", "acme"],
+                                                                ["evict", "--adapter-id", "9c1b"])]
+    assert mixed.exit_code == 0, mixed.output
+    models = {line.split()[0]: line.split()[2] for line in mixed.output.splitlines() if line[:4] in
+              ("aaaa", "bbbb", "cccc", "dddd")}
+    assert models == {"aaaa000011112222": "sql", "bbbb000011112222": "lora", "cccc000011112222": "demo",
+                      "dddd000011112222": "-"}
+    assert "lora 9c1b9c1b9c1b" in mixed.output
+    assert alone.exit_code == 0 and "tenant default; model sql; none pinned or in use" in alone.output
+    assert asked == [("/admin/prefixes", None), ("/admin/prefixes", "sql")]
+    assert [e.exit_code for e in evicted] == [0, 0]
+    assert sent == [("/admin/evict", {"model": "sql"}), ("/admin/evict/preview", {"adapter_id": "9c1b9c1b"})]
+    assert [str(r.exception) for r in refused] == [
+        "--model alone takes every block of a LoRA adapter, and with a prompt that prompt's blocks under it; "
+        "--adapter-id goes alone",
+        "--adapter-id: give 8 or more hex digits of a LoRA adapter's id (kvctl prefixes and kvctl status show them), "
+        "got '9c1b'"]

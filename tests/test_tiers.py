@@ -1660,7 +1660,11 @@ def test_evictions_refused_at_a_write_rate_measured_once_are_still_written_while
     assert on_disk_after("Second round. " + TEXT_A, "Second round. " + TEXT_B) == learnt  # measured, fresh: it stands
     now[0] += PROBE_AFTER_S
     probed = on_disk_after("Third round. " + TEXT_C, "Third round. " + TEXT_A)
-    assert probed > learnt and write.samples == MEASURED_READS + 1 and write.measured_at == now[0]
+    # the probe measured the disk again, at its real rate; once the writer thread has landed it
+    # (before the second prompt's evictions or after: thread timing), those are judged by that
+    # rate and written too, a reading each
+    assert probed > learnt and write.samples >= MEASURED_READS + 1 and write.rate > 1.0
+    assert write.measured_at == now[0]
 
 
 def test_a_shutdown_saves_every_cached_block_whatever_the_write_rate_says(tmp_path):

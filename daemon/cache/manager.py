@@ -80,6 +80,9 @@ class RootInfo:
     first_seen: float  # clock value of the first admission that reached it
     last_use: float  # clock value of the latest admission that reached it
     hits: int = 0  # admissions that reused at least its first block
+    # the LoRA adapter it was hashed under (its digest, Namespace.adapter_id; "": the base model);
+    # None where not known (restored from a lower tier before any admission reached it)
+    adapter_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +202,12 @@ class KVCacheManager:
                       queue_length=queue_length, queue_limit=queue_limit)
 
     def admit(self, seq_id: str, keys: Sequence[BlockKey], prompt_tokens: int, reserve_tokens: int,
-              *, tenant: str = "default", hasher: PrefixHasher | None = None, reuse: bool = True) -> Admission:
+              *, tenant: str = "default", hasher: PrefixHasher | None = None, reuse: bool = True,
+              adapter_id: str | None = None) -> Admission:
         """Take the cached prefix and reserve blocks for the rest of the prompt and the output.
 
-        `keys` are the chain keys of the prompt's full blocks. All or nothing:
+        `keys` are the chain keys of the prompt's full blocks; `adapter_id`, the LoRA adapter of
+        their namespace ("": the base model), recorded for their tree. All or nothing:
         CacheFull leaves every block as it was. `reuse=False` takes nothing from the cache (a
         prompt whose every position must be computed); its full blocks are still indexed as they
         fill, where no other block holds their key.
@@ -225,6 +230,8 @@ class KVCacheManager:
             root = self.roots.get(keys[0])
             if root is None:
                 root = self.roots[keys[0]] = RootInfo(tenant, now, now)
+            if root.adapter_id is None:
+                root.adapter_id = adapter_id
             root.last_use = now
             root.hits += bool(hits)
         reserve.reverse()  # pop() hands them out in allocation order
@@ -245,7 +252,7 @@ class KVCacheManager:
         hasher = PrefixHasher(namespace)
         keys = hasher.feed(prompt_token_ids)
         return self.admit(seq_id, keys, len(prompt_token_ids), reserve_tokens,
-                          tenant=namespace.tenant, hasher=hasher)
+                          tenant=namespace.tenant, hasher=hasher, adapter_id=namespace.adapter_id)
 
     def _check_counts(self, request: str, prompt_tokens: int, reserve_tokens: int) -> None:
         if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
@@ -473,6 +480,18 @@ class KVCacheManager:
                   if b.key is not None and select(b.root, self.roots.get(b.root), b.tenant)]
         chosen.sort(key=lambda b: -b.depth)
         return self.evict_prefix([b.key for b in reversed(chosen)], dry_run=dry_run)
+
+    def adapter_blocks(self) -> dict[str | None, int]:
+        """Indexed blocks of the pool by the LoRA adapter their tree was hashed under (its digest;
+        "": the base model; None: not known)."""
+        counts: dict[str | None, int] = {}
+        roots = self.roots
+        for b in self.pool.blocks:
+            if b.key is not None:
+                info = roots.get(b.root)
+                adapter = info.adapter_id if info is not None else None
+                counts[adapter] = counts.get(adapter, 0) + 1
+        return counts
 
     def cached_block_rows(self) -> list[tuple]:
         """Every indexed block of the pool (tier "device"), never its tokens, as a plain tuple in

@@ -46,7 +46,12 @@ class EvictRequest(BaseModel):
     chat_template_kwargs: Any = None  # with messages: as /v1/chat/completions takes them
     tools: Any = None  # with messages: as /v1/chat/completions takes them
     tenant: Tenant | None = None
-    model: str | None = None  # with a prompt: a LoRA adapter's name, its own blocks (default: the model's)
+    # with a prompt: a LoRA adapter's name, its own blocks (default: the model's); alone: every
+    # block of that adapter (or of the model itself, by its name)
+    model: str | None = None
+    # alone: every block hashed under the LoRA adapter of this digest (8 or more hex digits, as
+    # `kvctl prefixes` and `kvctl status` show it), served or not: weights a reload replaced
+    adapter_id: Annotated[str, Field(pattern=r"^[0-9a-f]{8,64}$")] | None = None
     model_revision: str | None = None
     all_unpinned: bool = False
     # set by kvd router, the same for every replica it sends the eviction to: of the replicas on

@@ -44,8 +44,8 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
 
     @router.get("/admin/prefixes")
     def prefixes(tenant: str | None = None, pinned: bool = False, sort: str = "recent", limit: int = 0,
-                 under: str | None = None, _: Principal = Depends(admin)):
-        rows, total = prefix_ops.prefixes(service, tenant, pinned, sort, limit, under)
+                 under: str | None = None, model: str | None = None, _: Principal = Depends(admin)):
+        rows, total = prefix_ops.prefixes(service, tenant, pinned, sort, limit, under, model)
         return {"prefixes": rows, "total": total, "sort": sort}
 
     @router.get("/admin/events")
@@ -134,9 +134,16 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         if any(x is not None for x in (body.text, body.tokens, body.messages)):
             # `tenant` and `model` (a LoRA adapter): the prompt's namespace
             prompt = (tokens_of(body), body.tenant or who.tenant, service.adapter_named(body.model))
-        elif body.model is not None:
-            raise ApiError(400, "model: names the LoRA adapter a prompt is hashed under; give a prompt (text, tokens "
-                                "or messages) with it", param="model")
+        elif body.model is not None or body.adapter_id is not None:  # every block of an adapter
+            field = "model" if body.model is not None else "adapter_id"
+            if body.prefix or body.tenant or body.model_revision or body.all_unpinned or (
+                    body.model is not None and body.adapter_id is not None):
+                raise ApiError(400, f"{field}: alone, takes every block of the LoRA adapter it names; with a prompt "
+                                    "(text, tokens or messages), model takes the prompt's blocks under the adapter; "
+                                    "give neither with prefix, tenant, model_revision or all_unpinned", param=field)
+            adapter = evict_ops.adapter_target(service, body.model, body.adapter_id)
+            return evict_ops.evict(service, prefix_id=None, tenant=None, model_revision=None, all_unpinned=False,
+                                   principal=who, purge_once=body.purge_once, adapter=adapter, dry_run=dry_run)
         return evict_ops.evict(service, prefix_id=body.prefix, tenant=None if prompt else body.tenant,
                                model_revision=body.model_revision, all_unpinned=body.all_unpinned, principal=who,
                                purge_once=body.purge_once, prompt=prompt, dry_run=dry_run)

@@ -1,7 +1,7 @@
 """Evictions an operator asks for: a prefix and every prefix that extends it, a prompt (a
-conversation: its own blocks and what extends it, not what it shares), a tenant's blocks, an old
-model revision's, or everything unpinned, from every tier (the shared Redis too, whichever daemon
-wrote them), with an answer that says exactly what went and what did not.
+conversation: its own blocks and what extends it, not what it shares), a tenant's blocks, a LoRA
+adapter's, an old model revision's, or everything unpinned, from every tier (the shared Redis
+too, whichever daemon wrote them), with an answer that says exactly what went and what did not.
 """
 
 from __future__ import annotations
@@ -19,18 +19,20 @@ EVICT_WRITE_WAIT_S = 30.0
 
 def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision: str | None,
           all_unpinned: bool, principal: Principal, purge_once: str | None = None,
-          prompt: tuple[list[int], str, str] | None = None, dry_run: bool = False) -> dict:
+          prompt: tuple[list[int], str, str] | None = None, dry_run: bool = False,
+          adapter: tuple[str, str] | None = None) -> dict:
     """Evict from every tier and say exactly what went. A tenant's or an old revision's entries
     are also searched for on the shared Redis, whichever daemon wrote them; with `purge_once`
     (a fleet eviction's token, from kvd router) only if this daemon is the first to claim it
     there: another replica on the same Redis searches it once for all. `prompt`: (token ids, the
     tenant whose namespace they are hashed in, the LoRA adapter: "" for the model), as
-    PrefixTree.prompt_subtree judges them.
+    PrefixTree.prompt_subtree judges them. `adapter`: (its digest, "" for the model itself; how
+    the answer names it), from `adapter_target`: every tree hashed under it.
     `dry_run`: the same answer, of what would go, with nothing evicted, searched or audited
     (`_preview`)."""
     engine = service.require_ready()
     chosen = [x for x in (prefix_id, tenant, model_revision) if x] + ([True] if all_unpinned else []) \
-        + ([True] if prompt is not None else [])
+        + ([True] if prompt is not None else []) + ([True] if adapter is not None else [])
     if len(chosen) != 1:
         raise ServiceError(400, "evict: give exactly one of prefix, a prompt (text, tokens or messages), tenant, "
                                 "model_revision, all_unpinned")
@@ -49,6 +51,13 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
         target = f"prompt of {len(token_ids)} tokens (tenant {prompt_tenant}" + (
             f", LoRA adapter {adapter})" if adapter else ")")
         prompt_figures = {"prompt_blocks": len(keys), "shared_blocks_kept": shared}
+    elif adapter is not None:  # its trees whole, in every tier, shallowest blocks first
+        adapter_id, target = adapter
+        tree, roots = prefix_tree(service)
+        subtree = [key for _, key in sorted(
+            ((node.start_depth + i, key) for node in tree.nodes.values()
+             if roots.get(node.root) is not None and roots[node.root].adapter_id == adapter_id
+             for i, key in enumerate(node.keys)), key=lambda pair: pair[0])]
     other_spaces, records_error = {}, None  # the revision's spaces but the served one: from disk and Redis
     if model_revision:
         revision, other_spaces, records_error = _revision_spaces(service, model_revision)
@@ -128,6 +137,31 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
     service.store.audit(actor=principal.actor, tenant=principal.tenant, action="evict", target=target,
                         result=result, detail=body)
     return body
+
+
+def adapter_target(service, model: str | None, adapter_id: str | None) -> tuple[str, str]:
+    """(digest, how an answer names it) of the adapter whose blocks an eviction takes: `model`, a
+    name served (the model's own: its blocks, none of its adapters'), or `adapter_id`, hex digits
+    of a digest that cached trees were hashed under (an adapter a reload replaced or took away).
+    An id that matches none or several is refused, as a short prefix id is."""
+    engine = service.require_ready()
+    if model is not None:
+        name = service.adapter_named(model)
+        if not name:
+            return "", f"model {service.model_name} (its own blocks, none of its LoRA adapters')"
+        return service.adapters()[name].digest, f"LoRA adapter {name}"
+    with service.lock:
+        known = {info.adapter_id for info in engine.cache.roots.values() if info.adapter_id}
+    served = {a.digest: name for name, a in service.adapters().items()}
+    matches = sorted(d for d in known | set(served) if d.startswith(adapter_id))
+    if not matches:
+        raise ServiceError(404, f"adapter_id: no LoRA adapter {adapter_id!r} is served or has blocks cached here "
+                                "(kvctl prefixes and kvctl status show their ids)", "adapter_id")
+    if len(matches) > 1:
+        raise ServiceError(409, f"adapter_id: {adapter_id!r} matches {len(matches)} adapters "
+                                f"({', '.join(d[:16] for d in matches)}); give more digits", "adapter_id")
+    digest = matches[0]
+    return digest, f"LoRA adapter {served[digest]}" if digest in served else f"LoRA adapter {digest[:12]} (not served)"
 
 
 def _preview(service, target: str, device_blocks: int, skipped: dict, lower_blocks: int, prompt_figures: dict,

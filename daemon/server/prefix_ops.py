@@ -40,16 +40,28 @@ def prefix_tree(service) -> tuple[PrefixTree, dict]:
 
 
 def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent",
-             limit: int = 0, under: str | None = None) -> tuple[list[dict], int]:
+             limit: int = 0, under: str | None = None, model: str | None = None) -> tuple[list[dict], int]:
     """One row per node of the prefix tree: a run of cached blocks between branch points.
     `sort`: recent (the tree, most recently used first), hits or size (largest first, ties in
-    tree order). `under`: only the row that id names and the rows that extend it. Returns
-    (the first `limit` rows, or all for 0; how many there are)."""
+    tree order). `under`: only the row that id names and the rows that extend it. `model`: only
+    the rows of that LoRA adapter (the model's name: the model's own). Returns (the first
+    `limit` rows, or all for 0; how many there are).
+
+    Each row names the adapter its tree was hashed under: `adapter_id` (its digest; "": the model
+    itself; None where kvd does not know, a tree restored from a lower tier that no request has
+    reached since kvd started) and `model`, the name it is served under (None: not served now)."""
     if sort not in PREFIX_SORTS:
         raise ServiceError(400, f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}", "sort")
     if limit < 0:
         raise ServiceError(400, f"limit: must be >= 0, got {limit}", "limit")
     engine = service.require_ready()
+    wanted = None
+    if model is not None:
+        name = service.adapter_named(model)
+        wanted = service.adapters()[name].digest if name else ""
+    names = {"": service.model_name}
+    for name, adapter in service.adapters().items():
+        names.setdefault(adapter.digest, name)  # two names for the same files: the first
     tree, roots = prefix_tree(service)
     nodes = tree.nodes.values()
     if under is not None:
@@ -62,6 +74,7 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
     rows = []
     for node in nodes:
         info = roots.get(node.root)
+        adapter_id = info.adapter_id if info is not None else None
         hits, last_use = node.hits, node.last_use
         if node.start_depth == 0 and info is not None:  # a tree's first node: its root's record spans tiers
             hits = max(hits or 0, info.hits)
@@ -69,7 +82,7 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
         rows.append({
             "prefix_id": node.key.hex()[:16], "parent_id": node.parent.hex()[:16] if node.parent else None,
             "root_id": node.root.hex()[:16],  # the tree's first block: the row every row of it descends from
-            "tenant": node.tenant,
+            "tenant": node.tenant, "adapter_id": adapter_id, "model": names.get(adapter_id),
             "start_token": node.start_depth * size, "tokens": (node.end_depth + 1) * size,
             "blocks": len(node.keys), "bytes": len(node.keys) * nbytes, "hits": hits,
             "idle_seconds": None if last_use is None else now - last_use,
@@ -79,7 +92,7 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
             "in_use_blocks": node.in_use_blocks, "children": len(node.children), "detached": node.detached,
         })
     rows = [r for r in _tree_order(rows) if (tenant is None or r["tenant"] == tenant)
-            and (not pinned_only or r["pinned"])]
+            and (not pinned_only or r["pinned"]) and (wanted is None or r["adapter_id"] == wanted)]
     figure = PREFIX_SORTS[sort]
     if figure is not None:  # largest first; unknown last; sorted() keeps the tree order in ties
         rows = sorted(rows, key=lambda r: float("-inf") if r[figure] is None else r[figure], reverse=True)

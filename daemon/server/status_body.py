@@ -38,6 +38,9 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
         cache = engine.cache
         counts = cache.state_counts()
         in_flight, retiring = engine.adapter_requests(), engine.retiring_adapters()
+        cached = cache.adapter_blocks() if service.adapters() or retiring else {}
+        for row in retiring:
+            row["cached_blocks"] = cached.get(row["digest"], 0)
         on_old: dict[str, int] = {}  # a replaced adapter's requests on its earlier weights, not the served ones
         for row in retiring:
             on_old[row["name"]] = on_old.get(row["name"], 0) + row["requests"]
@@ -58,7 +61,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                                             "values": service.sampling_defaults},
                       # LoRA adapters served beside it (lora_modules), each with its requests in flight
                       "adapters": [{**adapter.describe(),
-                                    "requests": sum(in_flight[name].values()) - on_old.get(name, 0)}
+                                    "requests": sum(in_flight[name].values()) - on_old.get(name, 0),
+                                    "cached_blocks": cached.get(adapter.digest, 0)}  # device blocks hashed under it
                                    for name, adapter in service.adapters().items()],
                       # adapters a reload took away or replaced, while requests still run on them
                       "retiring_adapters": retiring},
