@@ -70,6 +70,9 @@ def serve(
     lora_modules: Optional[str] = typer.Option(
         None, help="LoRA adapters served beside the model, as NAME=DIR,NAME2=DIR2 (PEFT adapter folders): a "
                    "request's model field names one; each has its own blocks in the prefix cache."),
+    lora_runtime_updates: Optional[bool] = typer.Option(
+        None, help="Let admin callers load and unload LoRA adapters at runtime (POST /v1/load_lora_adapter, "
+                   "/v1/unload_lora_adapter, as vLLM's); until a restart."),
     state_dir: Optional[str] = typer.Option(None, help="State directory (demo checkpoint, SQLite)."),
     socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),
@@ -173,6 +176,7 @@ def serve(
     flags = _flags(model=model, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                    generation_config=generation_config, reasoning_parser=reasoning_parser,
                    tool_call_parser=tool_call_parser, lora_modules=lora_modules,
+                   lora_runtime_updates=lora_runtime_updates,
                    state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
@@ -208,7 +212,8 @@ def serve(
 # at 80 columns every option's help got squeezed beside the widest name of them all.
 SERVE_HELP_PANELS = {
     "Model and server": ("config", "model", "chat_template", "chat_template_kwargs", "generation_config",
-                         "reasoning_parser", "tool_call_parser", "lora_modules", "model_name", "device", "dtype",
+                         "reasoning_parser", "tool_call_parser", "lora_modules", "lora_runtime_updates", "model_name",
+                         "device", "dtype",
                          "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),

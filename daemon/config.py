@@ -228,6 +228,9 @@ class KvdConfig:
     # LoRA adapters served beside the model (vLLM's --lora-modules): "name=DIR,name2=DIR2" (YAML: a
     # mapping), each a PEFT adapter folder; a request names one in `model` (daemon/model/lora.py)
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, under its
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING) for admin callers; off, they answer 403
+    lora_runtime_updates: bool = False
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
     allow_uncalibrated: bool = False  # serve a quantised cache with unit scales (loudly)
@@ -314,7 +317,8 @@ _PARSERS = {
     "trace_block_tokens": whole_number,
     "pin_budget_blocks": whole_number, "shutdown_timeout": finite_number,
     "gc_freeze": on_or_off, "gc_warn_seconds": finite_number,
-    "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "tenant_cache_shares": parse_shares,
+    "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "lora_runtime_updates": on_or_off,
+    "tenant_cache_shares": parse_shares,
     "chat_template_kwargs": template_kwargs,
     "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),

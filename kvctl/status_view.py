@@ -87,7 +87,9 @@ def render_status(data: dict, console: Console | None = None):
         modules = ",".join(m.removesuffix("_proj") for m in adapter["modules"])
         facts.add_row("LoRA adapter", f"{adapter['name']} (rank {adapter['rank']}, {modules}; "
                                       f"{adapter['digest'][:12]}): {adapter['requests']} in flight"
-                                      + _cached_blocks(adapter))
+                                      + _cached_blocks(adapter)
+                                      + ("; loaded at runtime, until a restart" if adapter.get("source") == "runtime"
+                                         else ""))
     for old in data["model"].get("retiring_adapters") or ():
         why = "replaced by a reload" if old["replaced"] else "taken away by a reload"
         facts.add_row("LoRA adapter", f"{old['name']} ({old['digest'][:12]}): {why}; {old['requests']} "

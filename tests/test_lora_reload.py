@@ -20,7 +20,7 @@ from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams  # noqa: E402
 from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
 from kvctl.daemon.model.llama import load_model  # noqa: E402
-from kvctl.daemon.model.lora import adapter_changes, load_adapters  # noqa: E402
+from kvctl.daemon.model.lora import adapter_changes, adapter_digest, load_adapters  # noqa: E402
 
 from .lora_cases import merged_checkpoint, write_adapter  # noqa: E402
 
@@ -366,3 +366,125 @@ def test_kvctl_prefixes_names_the_adapters_and_kvctl_evict_takes_one_whole():
         "--adapter-id goes alone",
         "--adapter-id: give 8 or more hex digits of a LoRA adapter's id (kvctl prefixes and kvctl status show them), "
         "got '9c1b'"]
+
+
+def test_admin_callers_load_and_unload_adapters_at_runtime_through_vllm_s_endpoints(base_dir, expected, tmp_path):
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM's: off unless
+    lora_runtime_updates, admin callers only, each change audited; what they change outlasts a
+    reload of lora_modules (a restart serves lora_modules alone)."""
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.metrics import Metrics
+    from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.store import Store
+
+    from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, apps, call, token_table
+
+    folders, tokens = expected
+    shutil.copytree(base_dir, tmp_path / "state" / "models" / base_dir.name)
+    config = tmp_path / "kvd.yaml"
+    config.write_text(f"num_blocks: 64\nlora_modules:\n  sql: {folders['a']}\n")
+    flags = {"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "kvd.sock")}
+    service = EngineService(resolve(flags, {}, config), Store(tmp_path / "kvd.sqlite3"))
+    service.metrics = Metrics(service)
+    service.config_source = lambda: resolve(flags, {}, config)
+    service.start()
+    try:
+        assert service.ready.wait(60), service.load_error
+        _, tcp = apps(service, token_table(tmp_path))
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+        def load(headers=admin, **body):
+            return call(tcp, "POST", "/v1/load_lora_adapter", json=body, headers=headers)
+
+        def unload(name):
+            return call(tcp, "POST", "/v1/unload_lora_adapter", json={"lora_name": name}, headers=admin)
+
+        def complete(model):
+            return call(tcp, "POST", "/v1/completions", headers=admin, json={
+                "model": model, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "temperature": 0})
+
+        off = load(lora_name="chat", lora_path=str(folders["b"]))
+        assert off.status_code == 403 and off.json()["error"]["message"].startswith(
+            "LoRA adapters change at runtime only with lora_runtime_updates on")
+        config.write_text(f"num_blocks: 64\nlora_runtime_updates: true\nlora_modules:\n  sql: {folders['a']}\n")
+        assert service.reload_from_source("ops")["changed"] == {"lora_runtime_updates": True}
+        user = load({"Authorization": f"Bearer {USER_TOKEN}"}, lora_name="chat", lora_path=str(folders["b"]))
+        assert user.status_code == 403
+        added = load(lora_name="chat", lora_path=str(folders["b"]))
+        assert added.status_code == 200, added.json()
+        assert (added.json()["name"], added.json()["loaded"], added.json()["replaced"]) == ("chat", True, False)
+        assert [m["id"] for m in call(tcp, "GET", "/v1/models", headers=admin).json()["data"]] == [
+            base_dir.name, "sql", "chat"]
+        assert complete("chat").json()["choices"][0]["token_ids"] == tokens["b"]
+        refusals = [load(lora_name="chat", lora_path=str(folders["b"])),
+                    load(lora_name="chat2", lora_path="adapters/b"),
+                    load(lora_name="chat2", lora_path=str(tmp_path / "missing")),
+                    load(lora_name=base_dir.name, lora_path=str(folders["b"])),
+                    load(lora_name="bad", lora_path=str(tmp_path))]  # a folder with no adapter in it
+        assert [(r.status_code, r.json()["error"]["param"]) for r in refusals] == [
+            (400, "lora_name"), (400, "lora_path"), (400, "lora_path"), (400, "lora_name"), (400, "lora_path")]
+        assert [r.json()["error"]["message"] for r in refusals] == [
+            "lora_name: the LoRA adapter 'chat' has already been loaded (load_inplace: true gives it new weights)",
+            "lora_path: give the adapter folder's absolute path, got 'adapters/b'",
+            f"lora_path: {str(tmp_path / 'missing')!r} is not a directory on kvd's machine",
+            f"lora_name: adapter name {base_dir.name!r} is the base model's name; give the adapter another",
+            f"lora_modules: {str(tmp_path)!r} has no adapter_config.json (a PEFT adapter folder, as save_pretrained "
+            "writes it)"]
+        # new weights under a name served: requests that come after get them
+        swapped = load(lora_name="sql", lora_path=str(folders["b"]), load_inplace=True)
+        assert swapped.json()["replaced"] is True and complete("sql").json()["choices"][0]["token_ids"] == tokens["b"]
+        assert unload("sql").json() == {"name": "sql", "digest": adapter_digest(folders["b"]), "unloaded": True}
+        assert complete("sql").status_code == 404
+        gone = unload("sql")
+        assert gone.status_code == 404 and gone.json()["error"]["message"] == (
+            "lora_name: no LoRA adapter 'sql' is loaded (adapters: 'chat')")
+        # a reload reads lora_modules again, over which the runtime changes stand until a restart
+        again = service.reload_from_source("ops")
+        assert "adapters" not in again and list(service.adapters()) == ["chat"]
+        status = call(tcp, "GET", "/admin/status", headers=admin).json()
+        assert [(a["name"], a["source"]) for a in status["model"]["adapters"]] == [("chat", "runtime")]
+        audited = [(e["action"], e["target"], e["result"], e["actor"])
+                   for e in service.store.audit_since(0) if e["action"].startswith("lora.")]
+        actor = "token:2"  # the admin token's line in the token file
+        assert audited == [("lora.unload", "lora:sql", "ok", actor), ("lora.load", "lora:sql", "ok", actor),
+                           ("lora.load", "lora:bad", "refused", actor), ("lora.load", "lora:chat", "ok", actor)]
+    finally:
+        service.shutdown(1)
+
+
+def test_kvd_router_loads_and_unloads_an_adapter_on_every_replica(base_dir, expected, tmp_path):
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import start_service
+    from .test_router import drive, post, router_app
+
+    folders, _ = expected
+    for name in ("r0", "r1"):
+        shutil.copytree(base_dir, tmp_path / name / "models" / base_dir.name)
+    services = [start_service(tmp_path / name, lora_runtime_updates=True) for name in ("r0", "r1")]
+    try:
+        _, app = router_app([create_app(s, s.metrics, front="unix") for s in services], "prefix")
+        served = []
+
+        async def adapters_served(client):
+            served.append([list(s.adapters()) for s in services])
+
+        load = {"lora_name": "sql", "lora_path": str(folders["a"])}
+        steps = [lambda c: c.post("/v1/load_lora_adapter", json=load), adapters_served,
+                 lambda c: post(c, "Served by either replica now.", model="sql"),
+                 lambda c: c.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}), adapters_served,
+                 lambda c: c.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})]
+        loaded, _, answered, unloaded, _, again = drive(app, steps)
+        assert loaded.status_code == 200, loaded.json()
+        assert (loaded.json()["result"], loaded.json()["digests"]) == ("ok", [adapter_digest(folders["a"])])
+        assert [(r["replica"], r["status"]) for r in loaded.json()["replicas"]] == [
+            ("replica-0", 200), ("replica-1", 200)]
+        assert answered.status_code == 200 and answered.json()["model"] == "sql"
+        assert (unloaded.json()["result"], unloaded.json()["unloaded"], "message" in unloaded.json()) == (
+            "ok", True, False)
+        assert served == [[["sql"], ["sql"]], [[], []]]
+        assert again.status_code == 404 and again.json()["error"]["message"] == (
+            "lora_name: no LoRA adapter 'sql' is loaded (adapters: none)")
+    finally:
+        for service in services:
+            service.shutdown(deadline=5)

@@ -89,12 +89,13 @@ def source_stamp(path: Path) -> tuple:
     return tuple(stamp)
 
 
-def check_adapter_name(name: str, base_name: str | None = None) -> str:
+def check_adapter_name(name: str, base_name: str | None = None, field_name: str = "lora_modules") -> str:
+    """`name` if it can name an adapter; ModelError, its message starting with `field_name`, if not."""
     if not ADAPTER_NAME.fullmatch(name or ""):
-        raise ModelError(f"lora_modules: adapter name {name!r} must be 1-128 letters, digits or . _ / : - "
+        raise ModelError(f"{field_name}: adapter name {name!r} must be 1-128 letters, digits or . _ / : - "
                          "(starting with a letter or digit)")
     if base_name is not None and name == base_name:
-        raise ModelError(f"lora_modules: adapter name {name!r} is the base model's name; give the adapter "
+        raise ModelError(f"{field_name}: adapter name {name!r} is the base model's name; give the adapter "
                          "another")
     return name
 

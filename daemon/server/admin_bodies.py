@@ -59,6 +59,21 @@ class EvictRequest(BaseModel):
     purge_once: Annotated[str, Field(pattern=r"^[0-9a-f]{16,64}$")] | None = None
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter, as vLLM takes it."""
+
+    lora_name: str
+    lora_path: str  # the PEFT adapter folder, an absolute path on kvd's machine
+    load_inplace: StrictBool = False  # a name served already: new weights under it
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter, as vLLM takes it (its lora_int_id is accepted and unused)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class CancelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     request_ids: Annotated[list[str], Field(min_length=1, max_length=1000)] | None = None

@@ -18,10 +18,11 @@ from starlette.concurrency import run_in_threadpool
 from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
-from . import (cache_questions, calibrate_ops, event_feed, evict_ops, inflight, pin_ops, prefix_ops, rollout_ops,
-               tier_ops)
-from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest, PinRequest,
-                           RolloutAdvance, RolloutRollback, RolloutStart, SwapRequest, VerifyRequest)
+from . import (cache_questions, calibrate_ops, event_feed, evict_ops, inflight, lora_ops, pin_ops, prefix_ops,
+               rollout_ops, tier_ops)
+from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
+                           LoadLoraAdapterRequest, PinRequest, RolloutAdvance, RolloutRollback, RolloutStart,
+                           SwapRequest, UnloadLoraAdapterRequest, VerifyRequest)
 from .api_errors import ApiError, checked_ids
 from .calls import Principal
 from .chat_messages import MessagesError, chat_messages, checked_tools, refuse_chat_fields_without_messages
@@ -272,6 +273,15 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     @router.post("/admin/reload")
     def reload(who: Principal = Depends(admin)):
         return service.reload_from_source(who.actor)
+
+    # LoRA adapters at runtime, as vLLM's endpoints (lora_ops.py; lora_runtime_updates)
+    @router.post("/v1/load_lora_adapter")
+    def load_lora_adapter(body: LoadLoraAdapterRequest, who: Principal = Depends(admin)):
+        return lora_ops.load(service, body.lora_name, body.lora_path, who, in_place=body.load_inplace)
+
+    @router.post("/v1/unload_lora_adapter")
+    def unload_lora_adapter(body: UnloadLoraAdapterRequest, who: Principal = Depends(admin)):
+        return lora_ops.unload(service, body.lora_name, who)
 
     @router.get("/admin/audit")
     def audit(since: float = 0.0, action: str | None = None, _: Principal = Depends(admin)):

@@ -1,5 +1,5 @@
-"""Operator actions at `kvd router` that every replica carries out: evict, pin, unpin, cancel, and
-the listings an operator takes ids from (pins, prefixes, requests in flight).
+"""Operator actions at `kvd router` that every replica carries out: evict, pin, unpin, cancel, a
+LoRA adapter's load and unload, and the listings an operator takes ids from (pins, prefixes, requests in flight).
 
 Block keys are content-addressed and pin ids derive from the tenant and the prefix's keys, so a
 prefix id, a tenant, a model revision or a pin id names the same thing on every replica. The
@@ -104,6 +104,13 @@ def merge_evictions(done: list[dict]) -> dict:
                                "complete": all(r.get("complete") for r in remote),
                                "searches": sum("seen" in r for r in remote)}
     return out
+
+
+def merge_lora_changes(done: list[dict]) -> dict:
+    """A LoRA adapter loaded or unloaded (one name everywhere), with the ids the replicas read for it:
+    one, unless their folders under that path hold different files."""
+    return {"name": done[0]["name"], "digests": sorted({body["digest"] for body in done}),
+            **{k: True for k in ("loaded", "unloaded") if done[0].get(k)}}
 
 
 def merge_pins(done: list[dict]) -> dict:

@@ -19,6 +19,7 @@ from kvctl.policies.reservation import parse_reservation
 
 from .auth import TokenFileError, TokenTable
 from .calls import ServiceError
+from .lora_ops import served_modules
 
 log = logging.getLogger("kvd")
 
@@ -28,7 +29,7 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_req
                  "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
                  "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens",
-                 "lora_modules")
+                 "lora_modules", "lora_runtime_updates")
 
 # what the running process is bound to: its sockets, its store, its auth front, its metric families
 BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",
@@ -50,6 +51,11 @@ def reload_from_source(service, actor: str) -> dict:
     """Read the settings again as at start (the same flags and KVD_* environment, the YAML
     file as it is now) and apply what can change live (`reload`). A config that does not
     validate changes nothing: the refusal names the setting and is audited."""
+    with service.adapter_updates:  # the adapters read here are the ones served (lora_ops changes none meanwhile)
+        return _reload_from_source(service, actor)
+
+
+def _reload_from_source(service, actor: str) -> dict:
     if service.config_source is None:
         raise ServiceError(409, "reload: this kvd has no settings source to read again", "config")
     try:
@@ -75,15 +81,17 @@ def reload_from_source(service, actor: str) -> dict:
 
 
 def read_adapters(service, new: KvdConfig) -> dict | None:
-    """The LoRA adapters `new.lora_modules` names, for the model served now, read outside the
-    lock while kvd serves on: one whose name, folder and files are as they were is kept as it
+    """The LoRA adapters `new.lora_modules` names (with what admin callers loaded or unloaded
+    at runtime over it: lora_ops), for the model served now, read outside the lock while kvd
+    serves on: one whose name, folder and files are as they were is kept as it
     is, the others are read (load_adapters). None while no model is loaded. ConfigError names
     the adapter that cannot be served, and the reload then changes nothing."""
     loaded = service.loaded
     if loaded is None:
         return None
     try:
-        return load_adapters(new.lora_modules, loaded, service.model_name, current=loaded.adapters)
+        return load_adapters(served_modules(service, new.lora_modules), loaded, service.model_name,
+                             current=loaded.adapters)
     except ModelError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -133,6 +141,11 @@ def reload(service, new: KvdConfig, actor: str = "sighup", adapters: dict | None
     """Apply policy settings that can change live (SIGHUP, `kvctl config reload`); the cache is
     kept. `reload_from_source` also re-reads the token file (token rotation). `adapters`: what
     `read_adapters` read for `new` (read here when not given)."""
+    with service.adapter_updates:
+        return _reload(service, new, actor, adapters)
+
+
+def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
     if adapters is None:
         try:
             adapters = read_adapters(service, new)

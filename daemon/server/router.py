@@ -45,8 +45,8 @@ from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
-from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merge_pin_lists, merge_pins,
-                          merge_prefix_lists, merge_request_lists, merge_tenant_lists, merge_tier_reports,
+from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merge_lora_changes, merge_pin_lists,
+                          merge_pins, merge_prefix_lists, merge_request_lists, merge_tenant_lists, merge_tier_reports,
                           merge_unpins, merge_verifies)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
@@ -224,6 +224,16 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def evict_preview_everywhere(http: Request, _: Caller = Depends(admin)):
         """What every replica would evict (kvctl evict --dry-run): nothing goes, nothing is searched."""
         return await everywhere("POST", "/admin/evict/preview", await http.body(), merge_evictions)
+
+    # LoRA adapters at runtime (vLLM's endpoints): every replica loads or unloads it, each under its own
+    # lora_runtime_updates; the router sends the adapter's requests where it is served from its next poll
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter_everywhere(http: Request, _: Caller = Depends(admin)):
+        return await everywhere("POST", "/v1/load_lora_adapter", await http.body(), merge_lora_changes)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter_everywhere(http: Request, _: Caller = Depends(admin)):
+        return await everywhere("POST", "/v1/unload_lora_adapter", await http.body(), merge_lora_changes)
 
     def merged_listing(path: str, merge):
         """GET `path`: every replica's listing there (with the caller's query), merged by `merge`."""

@@ -41,7 +41,7 @@ from kvctl.daemon.model.lora import load_adapters, warn_if_kv_changes
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 
-from . import pin_ops, reload_ops, tier_ops, tool_calls
+from . import lora_ops, pin_ops, reload_ops, tier_ops, tool_calls
 from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
@@ -148,6 +148,10 @@ class EngineService:
         # a reload whose config says otherwise reverts them, and says so
         self.rollout_settings: dict[str, dict] = {}
         self.config_source: Callable[[], KvdConfig] | None = None  # reads the settings again (reload)
+        # LoRA adapters admin callers loaded (name -> folder) or unloaded (None) over lora_modules
+        # until kvd stops (lora_ops.py); one change of the served adapters at a time
+        self.runtime_lora: dict[str, str | None] = {}
+        self.adapter_updates = threading.RLock()
         self.tokens = None  # the TCP front's TokenTable, re-read by a reload (token rotation)
         # reloads by result, and the latest one (at, result, error): a refused reload leaves kvd on its
         # old settings, which /metrics and `kvctl status` say (Prometheus' own convention)
@@ -186,7 +190,7 @@ class EngineService:
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype,
                             generation_config=cfg.generation_config)
         loaded.tokenizer.keep_in_text(tool_calls.MARKERS.get(cfg.tool_call_parser, ()))
-        loaded.adapters = load_adapters(cfg.lora_modules, loaded,
+        loaded.adapters = load_adapters(lora_ops.served_modules(self, cfg.lora_modules), loaded,
                                         cfg.model_name or self.hub_name or Path(model_dir).name)
         warn_if_kv_changes(loaded.adapters, cfg.cache_dtype)
         chat_template = load_chat_template(model_dir, loaded.tokenizer.config, cfg.chat_template,

@@ -62,7 +62,9 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                       # LoRA adapters served beside it (lora_modules), each with its requests in flight
                       "adapters": [{**adapter.describe(),
                                     "requests": sum(in_flight[name].values()) - on_old.get(name, 0),
-                                    "cached_blocks": cached.get(adapter.digest, 0)}  # device blocks hashed under it
+                                    "cached_blocks": cached.get(adapter.digest, 0),  # device blocks hashed under it
+                                    # lora_modules, or an admin caller at runtime (lora_ops: until a restart)
+                                    "source": "runtime" if service.runtime_lora.get(name) else "lora_modules"}
                                    for name, adapter in service.adapters().items()],
                       # adapters a reload took away or replaced, while requests still run on them
                       "retiring_adapters": retiring},
