@@ -61,9 +61,10 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         # so that the table fits 80 columns; --json has every field.
         tenants = {"-" if p["tenant"] is None else p["tenant"] for p in shown}  # None: not known
         models = {_prefix_model(p) for p in shown}
+        adapters = any(p.get("adapter_id") for p in shown)  # some row is a LoRA adapter's (an older kvd: none)
         optional = {"tenant": len(tenants) > 1, "pinned": any(p["pinned"] for p in shown),
                     "in use": any(p["in_use_blocks"] for p in shown),
-                    "model": len(models) > 1}  # the model and its LoRA adapters (an older kvd does not say)
+                    "model": len(models) > 1 and adapters}  # with no adapter, every row is the model's
         fleet = [r["replica"] for r in d.get("replicas") or []]  # at kvd router: rows replica by replica
         optional["replica"] = bool(fleet)
         headers = ["replica", "prefix", "parent", "tenant", "model", "tokens", "size", "hits", "idle", "tier", "pinned",
@@ -88,7 +89,7 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         if len(shown) < total:
             console.print(f"{len(shown)} of {total:,} prefixes, by {sort}; --limit 0 shows all")
         quiet = [name for name in ("pinned", "in use") if not optional[name]]
-        only_adapter = len(models) == 1 and any(p.get("adapter_id") for p in shown)  # the model's alone: unsaid
+        only_adapter = len(models) == 1 and adapters  # the model's alone: unsaid
         same = ([f"tenant {next(iter(tenants))}"] if len(tenants) == 1 else []) + \
             ([f"model {next(iter(models))}"] if only_adapter else []) + \
             (["none " + " or ".join(quiet)] if quiet else [])

@@ -57,6 +57,25 @@ def modules(**folders) -> tuple[tuple[str, str], ...]:
     return tuple((name.replace("_", "-"), str(path)) for name, path in folders.items())
 
 
+def reloadable_service(base_dir, tmp_path, settings: str):
+    """A started EngineService whose settings come from the YAML file `kvd.yaml` (`settings`, as
+    written there at first), read again by reload_from_source as at a SIGHUP: (service, the file)."""
+    from kvctl.daemon.config import resolve
+    from kvctl.daemon.server.metrics import Metrics
+    from kvctl.daemon.server.service import EngineService
+    from kvctl.daemon.store import Store
+
+    shutil.copytree(base_dir, tmp_path / "state" / "models" / base_dir.name)  # the demo checkpoint, in place
+    config = tmp_path / "kvd.yaml"
+    config.write_text(settings)
+    flags = {"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "kvd.sock")}
+    service = EngineService(resolve(flags, {}, config), Store(tmp_path / "kvd.sqlite3"))
+    service.metrics = Metrics(service)
+    service.config_source = lambda: resolve(flags, {}, config)
+    service.start()
+    return service, config
+
+
 def test_a_request_in_flight_finishes_on_the_adapter_it_came_for_when_its_name_is_replaced_or_taken_away(
         base_dir, expected):
     folders, tokens = expected
@@ -123,26 +142,16 @@ def test_kvd_reloads_its_adapters_and_requests_in_flight_finish_on_theirs(base_d
     reload refused for an adapter kvd cannot serve, changing nothing."""
     from rich.console import Console
 
-    from kvctl.daemon.config import resolve
     from kvctl.daemon.server.app import create_app
     from kvctl.daemon.server.calls import Principal, ServiceError
-    from kvctl.daemon.server.metrics import Metrics
-    from kvctl.daemon.server.service import EngineService
-    from kvctl.daemon.store import Store
     from kvctl.status_view import render_status
 
     from .daemon_fixtures import call
 
     folders, tokens = expected
     a_again = shutil.copytree(folders["a"], tmp_path / "a-again")
-    shutil.copytree(base_dir, tmp_path / "state" / "models" / base_dir.name)  # the demo checkpoint, in place
-    config = tmp_path / "kvd.yaml"
-    config.write_text(f"num_blocks: 64\nlora_modules:\n  sql: {folders['a']}\n  chat-b: {folders['b']}\n")
-    flags = {"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "kvd.sock")}
-    service = EngineService(resolve(flags, {}, config), Store(tmp_path / "kvd.sqlite3"))
-    service.metrics = Metrics(service)
-    service.config_source = lambda: resolve(flags, {}, config)
-    service.start()
+    service, config = reloadable_service(
+        base_dir, tmp_path, f"num_blocks: 64\nlora_modules:\n  sql: {folders['a']}\n  chat-b: {folders['b']}\n")
     try:
         assert service.ready.wait(60), service.load_error
         unix = create_app(service, service.metrics, front="unix")
@@ -327,7 +336,9 @@ def test_kvctl_prefixes_names_the_adapters_and_kvctl_evict_takes_one_whole():
 
     listings = [{"prefixes": [row("aaaa000011112222", "sql", "3f2a" * 16), row("bbbb000011112222", None, "9c1b" * 16),
                               row("cccc000011112222", "demo", ""), row("dddd000011112222", None, None)], "total": 4},
-                {"prefixes": [row("aaaa000011112222", "sql", "3f2a" * 16)], "total": 1}]
+                {"prefixes": [row("aaaa000011112222", "sql", "3f2a" * 16)], "total": 1},
+                # no adapter: a tree restored from disk (adapter not known) beside the model's own
+                {"prefixes": [row("cccc000011112222", "demo", ""), row("dddd000011112222", None, None)], "total": 2}]
     asked, sent = [], []
 
     class Answering:
@@ -347,6 +358,7 @@ def test_kvctl_prefixes_names_the_adapters_and_kvctl_evict_takes_one_whole():
         runner = CliRunner()
         mixed = runner.invoke(kvctl_app, ["prefixes"], env={"COLUMNS": "120"})
         alone = runner.invoke(kvctl_app, ["prefixes", "--model", "sql"], env={"COLUMNS": "120"})
+        plain = runner.invoke(kvctl_app, ["prefixes"], env={"COLUMNS": "120"})
         evicted = [runner.invoke(kvctl_app, args) for args in (["evict", "--model", "sql"],
                                                                 ["evict", "--adapter-id", "9C1B9C1B", "--dry-run"])]
         refused = [runner.invoke(kvctl_app, args) for args in (["evict", "--model", "sql", "--tenant", "acme"],
@@ -358,7 +370,9 @@ def test_kvctl_prefixes_names_the_adapters_and_kvctl_evict_takes_one_whole():
                       "dddd000011112222": "-"}
     assert "lora 9c1b9c1b9c1b" in mixed.output
     assert alone.exit_code == 0 and "tenant default; model sql; none pinned or in use" in alone.output
-    assert asked == [("/admin/prefixes", None), ("/admin/prefixes", "sql")]
+    assert plain.exit_code == 0 and plain.output.splitlines()[0].split() == [
+        "prefix", "parent", "tokens", "size", "hits", "idle", "tier"]  # no model column without an adapter
+    assert asked == [("/admin/prefixes", None), ("/admin/prefixes", "sql"), ("/admin/prefixes", None)]
     assert [e.exit_code for e in evicted] == [0, 0]
     assert sent == [("/admin/evict", {"model": "sql"}), ("/admin/evict/preview", {"adapter_id": "9c1b9c1b"})]
     assert [str(r.exception) for r in refused] == [
@@ -372,22 +386,10 @@ def test_admin_callers_load_and_unload_adapters_at_runtime_through_vllm_s_endpoi
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM's: off unless
     lora_runtime_updates, admin callers only, each change audited; what they change outlasts a
     reload of lora_modules (a restart serves lora_modules alone)."""
-    from kvctl.daemon.config import resolve
-    from kvctl.daemon.server.metrics import Metrics
-    from kvctl.daemon.server.service import EngineService
-    from kvctl.daemon.store import Store
-
     from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, apps, call, token_table
 
     folders, tokens = expected
-    shutil.copytree(base_dir, tmp_path / "state" / "models" / base_dir.name)
-    config = tmp_path / "kvd.yaml"
-    config.write_text(f"num_blocks: 64\nlora_modules:\n  sql: {folders['a']}\n")
-    flags = {"state_dir": str(tmp_path / "state"), "socket": str(tmp_path / "kvd.sock")}
-    service = EngineService(resolve(flags, {}, config), Store(tmp_path / "kvd.sqlite3"))
-    service.metrics = Metrics(service)
-    service.config_source = lambda: resolve(flags, {}, config)
-    service.start()
+    service, config = reloadable_service(base_dir, tmp_path, f"num_blocks: 64\nlora_modules:\n  sql: {folders['a']}\n")
     try:
         assert service.ready.wait(60), service.load_error
         _, tcp = apps(service, token_table(tmp_path))

@@ -227,13 +227,15 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     # LoRA adapters at runtime (vLLM's endpoints): every replica loads or unloads it, each under its own
     # lora_runtime_updates; the router sends the adapter's requests where it is served from its next poll
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter_everywhere(http: Request, _: Caller = Depends(admin)):
-        return await everywhere("POST", "/v1/load_lora_adapter", await http.body(), merge_lora_changes)
+    def relayed(path: str, merge):
+        """POST `path`: the caller's body to every replica, the answers merged by `merge`."""
+        async def everywhere_post(http: Request, _: Caller = Depends(admin)) -> JSONResponse:
+            return await everywhere("POST", path, await http.body(), merge)
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter_everywhere(http: Request, _: Caller = Depends(admin)):
-        return await everywhere("POST", "/v1/unload_lora_adapter", await http.body(), merge_lora_changes)
+        app.add_api_route(path, everywhere_post, methods=["POST"], name=f"{path.rsplit('/', 1)[-1]}_everywhere")
+
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        relayed(path, merge_lora_changes)
 
     def merged_listing(path: str, merge):
         """GET `path`: every replica's listing there (with the caller's query), merged by `merge`."""
