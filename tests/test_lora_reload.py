@@ -445,6 +445,13 @@ def test_admin_callers_load_and_unload_adapters_at_runtime_through_vllm_s_endpoi
         assert "adapters" not in again and list(service.adapters()) == ["chat"]
         status = call(tcp, "GET", "/admin/status", headers=admin).json()
         assert [(a["name"], a["source"]) for a in status["model"]["adapters"]] == [("chat", "runtime")]
+        # the config's entry for sql edited: the edit wins over the runtime unload; chat stays as loaded
+        config.write_text(f"num_blocks: 64\nlora_runtime_updates: true\nlora_modules:\n  sql: {folders['b']}\n")
+        back = service.reload_from_source("ops")
+        assert back["adapters"] == {"added": ["sql"], "removed": [], "replaced": []}
+        assert [(name, str(a.path)) for name, a in service.adapters().items()] == [
+            ("sql", str(folders["b"])), ("chat", str(folders["b"]))]
+        assert service.runtime_lora == {"chat": str(folders["b"])}
         audited = [(e["action"], e["target"], e["result"], e["actor"])
                    for e in service.store.audit_since(0) if e["action"].startswith("lora.")]
         actor = "token:2"  # the admin token's line in the token file

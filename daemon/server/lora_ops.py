@@ -4,7 +4,8 @@ the `lora_runtime_updates` setting), beside the adapters lora_modules names.
 
 What a caller changes lasts until kvd stops: `service.runtime_lora` records it over lora_modules
 (a name loaded at runtime and its folder, or a lora_modules name unloaded: None), so that a
-reload, which reads lora_modules again, keeps it; a restart serves lora_modules alone. Requests
+reload, which reads lora_modules again, keeps it, unless the config's entry for that name has
+changed (the edit wins: `standing_changes`); a restart serves lora_modules alone. Requests
 in flight finish on the adapter they came for (Request.lora), as after a reload. Functions that
 take the EngineService (service.py), as the operator actions do.
 """
@@ -19,10 +20,18 @@ from kvctl.daemon.model.lora import check_adapter_name, load_adapter, warn_if_kv
 from .calls import Principal, ServiceError
 
 
+def standing_changes(service, modules: tuple[tuple[str, str], ...]) -> dict[str, str | None]:
+    """The runtime changes that stand over `modules` (lora_modules as a reload reads it): those
+    of names whose entry there is as it was. A name whose entry the config added, dropped or
+    pointed elsewhere since is the config's again."""
+    before, now = dict(service.config.lora_modules), dict(modules)
+    return {name: path for name, path in service.runtime_lora.items() if before.get(name) == now.get(name)}
+
+
 def served_modules(service, modules: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
     """`modules` (lora_modules) with what admin callers changed over it at runtime: the adapters
-    kvd serves now, as (name, folder) pairs."""
-    runtime = service.runtime_lora
+    kvd serves, as (name, folder) pairs."""
+    runtime = standing_changes(service, modules)
     kept = tuple((name, path) for name, path in modules if name not in runtime)
     return kept + tuple((name, path) for name, path in runtime.items() if path is not None)
 

@@ -19,7 +19,7 @@ from kvctl.policies.reservation import parse_reservation
 
 from .auth import TokenFileError, TokenTable
 from .calls import ServiceError
-from .lora_ops import served_modules
+from .lora_ops import served_modules, standing_changes
 
 log = logging.getLogger("kvd")
 
@@ -187,6 +187,7 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
         if adapters is not None and service.loaded is not None:
             lora = adapter_changes(service.loaded.adapters, adapters)
             service.loaded.adapters = adapters  # a new dict: whoever read the old one reads it whole
+            service.runtime_lora = standing_changes(service, new.lora_modules)  # before the config changes
         service.trace.resize(new.trace_requests)  # the newest kept
         # the sources of settings that wait for a restart stay; a live one's is the new config's
         sources = {k: v for k, v in service.config.sources.items() if k not in LIVE_SETTINGS}
