@@ -39,10 +39,9 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
         counts = cache.state_counts()
         in_flight, retiring = engine.adapter_requests(), engine.retiring_adapters()
         cached = cache.adapter_blocks() if service.adapters() or retiring else {}
-        for row in retiring:
-            row["cached_blocks"] = cached.get(row["digest"], 0)
         on_old: dict[str, int] = {}  # a replaced adapter's requests on its earlier weights, not the served ones
         for row in retiring:
+            row["cached_blocks"] = cached.get(row["digest"], 0)
             on_old[row["name"]] = on_old.get(row["name"], 0) + row["requests"]
         stats = engine.stats
         queue = engine.queue_figures()
