@@ -70,6 +70,10 @@ MIGRATIONS: list[tuple[int, str]] = [
             dtype TEXT, margin FLOAT, max_kl FLOAT, scales TEXT, keep_layers TEXT, report TEXT,
             prompts_digest TEXT, meets_target INTEGER, applied_at FLOAT);
     """),
+    (6, """
+        ALTER TABLE pins ADD COLUMN space TEXT;
+        ALTER TABLE pins ADD COLUMN adapter_id TEXT;
+    """),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 # in the state folder beside the store: a rollback kvd made that the store has not taken yet
@@ -399,9 +403,13 @@ class Store:
 
     # ---- pins ----------------------------------------------------------------------------
     def save_pin(self, pin: dict) -> None:
+        """Store a pin: pin_id, tenant, keys (hex, comma-separated), owner, note, created_at,
+        expires_at, and where its keys were made (space, adapter_id: None where not known)."""
+        row = {"space": None, "adapter_id": None, **pin}
         with self.write() as conn:
-            conn.execute("INSERT OR REPLACE INTO pins (pin_id, tenant, keys, owner, note, created_at, expires_at) "
-                         "VALUES (:pin_id, :tenant, :keys, :owner, :note, :created_at, :expires_at)", pin)
+            conn.execute("INSERT OR REPLACE INTO pins (pin_id, tenant, keys, owner, note, created_at, expires_at, "
+                         "space, adapter_id) VALUES (:pin_id, :tenant, :keys, :owner, :note, :created_at, "
+                         ":expires_at, :space, :adapter_id)", row)
 
     def delete_pin(self, pin_id: str) -> None:
         with self.write() as conn:

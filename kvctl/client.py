@@ -176,5 +176,5 @@ class Client:
     def post(self, path: str, body: dict) -> Any:
         return self.request("POST", path, json=body)
 
-    def delete(self, path: str) -> Any:
-        return self.request("DELETE", path)
+    def delete(self, path: str, **params) -> Any:
+        return self.request("DELETE", path, params={k: v for k, v in params.items() if v is not None})

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from .command_kit import client_for, emit, prompt_body
 from .errors import UserError
@@ -169,7 +170,12 @@ def pin(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Pre
 
 
 def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Every pin: id, tenant, blocks, how many are cached now, owner, note, expiry.
+    """Every pin: id, tenant, model or LoRA adapter, blocks, how many are cached now, owner, note, expiry.
+
+    A pin made under LoRA weights a reload or an unload took away, or under scales, a model
+    revision or a cache format kvd no longer serves, is marked stranded: no request reaches its
+    blocks, which stay pinned and count against the tenant's budget. Pin the prompt again and
+    `kvctl unpin --stranded`.
 
     At kvd router, the fleet's pins, each once, with how many replicas hold it and how many of its
     blocks each has cached (a range where they differ).
@@ -180,20 +186,33 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
 
     def render(d):
         fleet = "replica_count" in d  # at kvd router: the fleet's pins, each once
-        table = compact_table("pin", "tenant", "blocks", "cached", *(["replicas"] if fleet else []), "owner",
-                              "expires in", "note")
+        adapters = any(p.get("adapter_id") for p in d["pins"])  # some pin is a LoRA adapter's (an older kvd: none)
+        stranded = any(p.get("stranded") for p in d["pins"])
+        table = compact_table("pin", "tenant", *(["model"] if adapters else []), "blocks", "cached",
+                              *(["replicas"] if fleet else []), "owner", "expires in", "note")
         for p in d["pins"]:
             left = p.get("expires_in_seconds")
             where = [f"{len(p['replicas'])}/{d['replica_count']}"] if fleet else []
             each = sorted(set((p.get("cached_by_replica") or {"": p["cached_blocks"]}).values()))
             cached = f"{each[0]:,}" if len(each) == 1 else f"{each[0]:,}-{each[-1]:,}"  # on each replica
-            table.add_row(p["pin_id"], p["tenant"], f"{p['blocks']:,}", cached, *where, p["owner"],
-                          "never" if p["expires_at"] is None else duration(left), p["note"])
+            if p.get("stranded"):
+                cached = Text(f"{cached} stranded", style="yellow")
+            table.add_row(p["pin_id"], p["tenant"], *([_prefix_model(p)] if adapters else []), f"{p['blocks']:,}",
+                          cached, *where, p["owner"], "never" if p["expires_at"] is None else duration(left), p["note"])
         keep_whole(table, 0)
         Console().print(table if d["pins"] else "no pins")
+        if stranded:
+            why = {p["stranded"] for p in d["pins"] if p.get("stranded")}
+            Console().print(Text("stranded: made under " + " or under ".join(
+                STRANDED_CAUSES[w] for w in sorted(why) if w in STRANDED_CAUSES) + ", so no request reaches them; "
+                "pin the prompts again, then `kvctl unpin --stranded`", style="yellow"))
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     emit(data, as_json, render)
+
+
+STRANDED_CAUSES = {"adapter": "LoRA weights kvd no longer serves (a reload or an unload took them away)",
+                   "space": "scales, a model revision or a cache format kvd no longer serves"}
 
 
 def replica_lines(d: dict, done: Callable[[dict], str]) -> None:
@@ -217,19 +236,39 @@ def fleet_message(d: dict) -> None:
         Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
 
 
-def unpin(ctx: typer.Context, pin_id: str = typer.Argument(..., help="Pin id from `kvctl pin`."),
+def unpin(ctx: typer.Context, pin_id: Optional[str] = typer.Argument(None, help="Pin id from `kvctl pins`."),
+          stranded: bool = typer.Option(False, "--stranded", help="Every stranded pin (kvctl pins marks them): "
+                                                                 "made under weights, scales or a format no longer "
+                                                                 "served."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Remove a pin; its blocks become evictable again.
 
+    `--stranded` removes every pin no request can reach any more: made under LoRA weights a
+    reload or an unload took away, or under scales, a model revision or a cache format kvd no
+    longer serves. Each is audited as an unpin.
+
     At kvd router, every replica removes it.
 
-    Example: kvctl unpin pin-0123456789abcdef
+    Example: kvctl unpin pin-0123456789abcdef; kvctl unpin --stranded
     """
-    data = client_for(ctx).delete(f"/admin/pins/{pin_id}")
+    if (pin_id is None) == (not stranded):
+        raise UserError("pin_id: give a pin's id or --stranded, not " + ("both" if stranded else "neither"))
+    if stranded:
+        data = client_for(ctx).delete("/admin/pins", stranded="true")
+    else:
+        data = client_for(ctx).delete(f"/admin/pins/{pin_id}")
 
     def render(d):
-        Console().print(f"unpinned {d['pin_id']} ({d['unpinned_blocks']} blocks"
-                        + (f" over {len(d['replicas'])} replicas)" if "replicas" in d else ")"))
+        if "unpinned" in d:  # --stranded
+            for p in d["unpinned"]:
+                Console().print(f"unpinned {p['pin_id']} (tenant {escape(p['tenant'])}, {p['blocks']} blocks): "
+                                f"{STRANDED_CAUSES.get(p['stranded'], p['stranded'])}", highlight=False, soft_wrap=True)
+            Console().print(f"{len(d['unpinned'])} stranded pins unpinned, {d['unpinned_blocks']} blocks"
+                            + (f" over {len(d['replicas'])} replicas" if "replicas" in d else "")
+                            if d["unpinned"] else "no stranded pins", highlight=False)
+        else:
+            Console().print(f"unpinned {d['pin_id']} ({d['unpinned_blocks']} blocks"
+                            + (f" over {len(d['replicas'])} replicas)" if "replicas" in d else ")"))
         replica_lines(d, lambda row: f"{row['unpinned_blocks']} blocks")
         fleet_message(d)
     emit(data, as_json, render)
@@ -434,6 +473,15 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
     emit(data, as_json, render)
 
 
+def stranded_lines(pins: list[dict] | None) -> None:
+    """The pins a change of the served LoRA weights stranded (in a reload's answer, say)."""
+    if pins:
+        Console().print(Text(f"pins stranded on the weights taken away ({', '.join(p['pin_id'] for p in pins)}: "
+                             f"{sum(p['blocks'] for p in pins):,} blocks): no request reaches them now; pin their "
+                             "prompts again (--model NAME), then `kvctl unpin --stranded`", style="yellow"),
+                        soft_wrap=True)
+
+
 @config_app.command("reload")
 def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Read kvd's config again and apply what can change live (as SIGHUP, with the answer here).
@@ -462,6 +510,7 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
         if adapters.get("replaced") or adapters.get("removed"):
             console.print("requests in flight finish on the adapter they came for; `kvctl status` lists them "
                           "until they have", highlight=False)
+        stranded_lines(d.get("stranded_pins"))
         if d["needs_restart"]:
             console.print(f"[yellow]changed in the config but applied only at a restart: "
                           f"{', '.join(d['needs_restart'])}[/yellow]")

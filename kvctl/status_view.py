@@ -136,7 +136,10 @@ def render_status(data: dict, console: Console | None = None):
         facts.add_row(what, line)
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
-    facts.add_row("pins", str(data["pins"]))
+    stranded = data.get("stranded_pins")  # absent from an older kvd
+    facts.add_row("pins", Text.assemble(str(data["pins"]), ("" if not stranded else (
+        f"; {stranded} stranded: made under weights, scales or a format no longer served, so no request reaches "
+        "them (kvctl pins; kvctl unpin --stranded)", "yellow"))))
     if data.get("start"):  # absent from an older kvd
         facts.add_row("started", start_line(data["start"], data.get("uptime_seconds")))
     reload = data.get("last_reload")

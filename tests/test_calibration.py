@@ -175,11 +175,16 @@ def test_only_fp8_e4m3_depends_on_the_compute_capability():
     assert format_unsupported(torch.float8_e4m3fn, (8, 9)) is None
 
 
-def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path):
+def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path, caplog):
+    """Also: a pin made under one cache format or set of scales is stranded once kvd serves
+    another (its keys name them): kvd says so at the start and when new scales load."""
+    import logging
+
     service = start_service(tmp_path)
     unix, _ = apps(service, token_table(tmp_path))
     body = {"dtype": "fp8_e4m3", "prompts": TEXTS, "max_tokens": 4, "slices": [512], "max_kl": 1.0}
     try:
+        float_pin = call(unix, "POST", "/admin/pins", json={"text": TEXTS[2]}).json()
         first = call(unix, "POST", "/admin/calibrate", json=body).json()
         assert first["calibration_id"] == 1 and first["meets_target"] is True and first["applied"] is False
         assert [s["max_context"] for s in first["slices"]] == [512]
@@ -199,10 +204,22 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path):
         assert applied["applied"] is True and applied["takes_effect"] == "when kvd serves cache_dtype fp8_e4m3"
     finally:
         service.shutdown(1)
-    service = start_service(tmp_path, cache_dtype="fp8_e4m3")
+    with caplog.at_level(logging.WARNING, logger="kvd"):
+        service = start_service(tmp_path, cache_dtype="fp8_e4m3")
+    stranded_logs = [r.getMessage() for r in caplog.records if "no request can reach" in r.getMessage()]
+    assert stranded_logs == [
+        f"pins restored from the store: 1 pins ({float_pin['pin_id']}) hold {float_pin['blocks']} blocks no request "
+        "can reach now (made under a model revision, tokenizer, cache format, scales or block size kvd no longer "
+        "serves); pin their prompts again, then kvctl unpin --stranded"]
     try:
         unix, _ = apps(service, token_table(tmp_path))
+        [restored] = call(unix, "GET", "/admin/pins").json()["pins"]
+        assert (restored["pin_id"], restored["stranded"]) == (float_pin["pin_id"], "space")
+        assert restored["space"] != service.block_space()
+        fp8_pin = call(unix, "POST", "/admin/pins", json={"text": TEXTS[2]}).json()
+        assert fp8_pin["pin_id"] != float_pin["pin_id"]
         status = call(unix, "GET", "/admin/status").json()
+        assert status["stranded_pins"] == 1
         cache = status["cache"]
         assert cache["scale_set"]["id"] == applied["calibration_id"] and cache["scales_verified"] is True
         # float32 demo model: an fp8 cache holds four times the tokens in the same bytes
@@ -222,6 +239,13 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path):
             time.sleep(0.05)
         after = call(unix, "POST", "/v1/completions", json=prompt).json()
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # new scales, new namespace
+        # the pin made under the scales before: stranded as they went (logged by the engine's thread)
+        assert [(p["pin_id"], p["stranded"]) for p in call(unix, "GET", "/admin/pins").json()["pins"]] == [
+            (float_pin["pin_id"], "space"), (fp8_pin["pin_id"], "space")]
+        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("calibration ")][-1] == (
+            f"calibration {live['calibration_id']}: 1 pins ({fp8_pin['pin_id']}) hold {fp8_pin['blocks']} blocks no "
+            "request can reach now (made under a model revision, tokenizer, cache format, scales or block size kvd "
+            "no longer serves); pin their prompts again, then kvctl unpin --stranded")
         assert call(unix, "GET", "/admin/status").json()["cache"]["scales_verified"] is True
         actions = [e["result"] for e in call(unix, "GET", "/admin/audit", params={"action": "calibrate"}).json()["entries"]]
         assert actions == ["applied", "applied", "refused", "stored"]

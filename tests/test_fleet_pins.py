@@ -61,8 +61,9 @@ def test_a_pin_is_copied_to_the_replicas_that_lack_it_and_holds_the_prefix_there
         assert row["copied_to"] == {"replica-1": {"cached_blocks": 0}}  # nothing of it cached there yet
         assert row["left_out"] == {"replica-2": "serves another block space"}
         [copy] = pins_of(services[1])
-        assert {k: copy[k] for k in ("pin_id", "tenant", "blocks", "owner", "note")} == {
-            k: made[k] for k in ("pin_id", "tenant", "blocks", "owner", "note")}
+        assert {k: copy[k] for k in ("pin_id", "tenant", "blocks", "owner", "note", "adapter_id", "space")} == {
+            k: made[k] for k in ("pin_id", "tenant", "blocks", "owner", "note", "adapter_id", "space")}
+        assert (made["adapter_id"], made["space"]) == ("", services[1].block_space())  # the base model's
         assert 3590 < copy["expires_in_seconds"] <= 3600  # the time it had left where it was made
         assert pins_of(services[2]) == []
 
@@ -97,6 +98,70 @@ def test_a_copy_comes_up_from_a_shared_redis_at_once(tmp_path, redis_server):
         assert body["pins"][0]["copied_to"] == {"replica-1": {"cached_blocks": made["blocks"]}}
         [copy] = pins_of(services[1])
         assert copy["cached_blocks"] == made["blocks"] and copy["expires_in_seconds"] is None
+    finally:
+        for service in services:
+            service.shutdown(deadline=2)
+
+
+def test_a_stranded_pin_is_copied_nowhere_and_a_copy_keeps_the_adapter_its_keys_were_made_under(tmp_path):
+    """A pin whose keys were made in a block space its replica no longer serves (scales since
+    recalibrated, say) reaches nothing on any replica of the fleet's space: sync-pins leaves it
+    where it is. A copy records the LoRA adapter the keys were made under, as its source says."""
+    services = [start_service(tmp_path / name, num_blocks=128) for name in "ab"]
+    try:
+        app = unix_app(services[0])
+        made = [call(app, "POST", "/admin/pins", json={"text": SYSTEM + tail}).json() for tail in ("A", "B" * 40)]
+        with services[0].lock:  # as restored from a store written under other scales
+            services[0].engine.cache.pins.get(made[0]["pin_id"]).space = "ab" * 32
+            services[0].engine.cache.pins.get(made[1]["pin_id"]).adapter_id = "cd" * 32
+        body = sync(router_over(services)).json()
+        assert [(row["pin_id"], row["copied_to"], row["left_out"]) for row in body["pins"]] == [
+            (made[0]["pin_id"], {}, {"replica-1": "serves another block space"}),
+            (made[1]["pin_id"], {"replica-1": {"cached_blocks": 0}}, {})]
+        [copy] = pins_of(services[1])
+        assert (copy["pin_id"], copy["adapter_id"], copy["model"], copy["stranded"]) == (
+            made[1]["pin_id"], "cd" * 32, None, "adapter")  # no adapter of that digest is served there either
+        wrong = call(app, "POST", "/admin/pins", json={"text": SYSTEM, "adapter_id": "cd" * 32})
+        assert wrong.status_code == 400 and wrong.json()["error"]["message"] == (
+            "adapter_id: names the LoRA adapter that keys were made under; give it with keys")
+    finally:
+        for service in services:
+            service.shutdown(deadline=2)
+
+
+def test_kvd_router_lists_stranded_pins_and_unpins_them_on_every_replica(tmp_path):
+    from .test_router import _kvctl_prints
+
+    services = [start_service(tmp_path / name, num_blocks=128) for name in "ab"]
+    try:
+        router = router_over(services)
+
+        async def ask(*calls):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://r") as client:
+                return [await client.request(method, path, **kw) for method, path, kw in calls]
+
+        [made] = asyncio.run(ask(("POST", "/admin/pins", {"json": {"text": SYSTEM, "tenant": "acme"}})))
+        pin_id, blocks = made.json()["pin_id"], made.json()["blocks"]
+        for service in services:
+            with service.lock:  # as restored from a store written under other scales
+                service.engine.cache.pins.get(pin_id).space = "ab" * 32
+        listed, refused, swept, after = asyncio.run(ask(
+            ("GET", "/admin/pins", {}), ("DELETE", "/admin/pins", {}),
+            ("DELETE", "/admin/pins", {"params": {"stranded": "true"}}), ("GET", "/admin/pins", {})))
+        [row] = listed.json()["pins"]
+        assert (row["pin_id"], row["stranded"], row["replicas"]) == (pin_id, "space", ["replica-0", "replica-1"])
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "stranded"
+        body = swept.json()
+        assert swept.status_code == 200 and body["result"] == "ok"
+        assert body["unpinned"] == [{"pin_id": pin_id, "tenant": "acme", "blocks": blocks, "adapter_id": "",
+                                     "stranded": "space", "unpinned_blocks": blocks}]
+        assert body["unpinned_blocks"] == 2 * blocks and [r["status"] for r in body["replicas"]] == [200, 200]
+        assert after.json()["pins"] == []
+        assert _kvctl_prints(["unpin", "--stranded"], body).splitlines() == [
+            f"unpinned {pin_id} (tenant acme, {blocks} blocks): scales, a model revision or a cache format kvd no "
+            "longer serves",
+            f"1 stranded pins unpinned, {2 * blocks} blocks over 2 replicas",
+            f"  replica-0: {blocks} blocks", f"  replica-1: {blocks} blocks"]
     finally:
         for service in services:
             service.shutdown(deadline=2)

@@ -497,3 +497,132 @@ def test_kvd_router_loads_and_unloads_an_adapter_on_every_replica(base_dir, expe
     finally:
         for service in services:
             service.shutdown(deadline=5)
+
+
+def test_pins_made_under_weights_a_reload_or_an_unload_takes_away_are_stranded_and_unpinned_at_once(
+        base_dir, expected, tmp_path, caplog):
+    """A pin is block keys made under one adapter's weights: when a reload replaces them or an
+    unload takes them away, no request reaches its blocks, which stay pinned against the budget.
+    kvd says which pins that stranded (the answer, the log), lists them as stranded (`kvctl pins`,
+    `kvctl status`), and `kvctl unpin --stranded` takes exactly those."""
+    import logging
+
+    from rich.console import Console
+
+    from kvctl.status_view import render_status
+
+    from .daemon_fixtures import call
+
+    folders, _ = expected
+    c = write_adapter(tmp_path / "c", rank=2, alpha=4, seed=3)
+    settings = "num_blocks: 64\nlora_runtime_updates: true\nlora_modules:\n  sql: {}\n  chat: {}\n"
+    service, config = reloadable_service(base_dir, tmp_path, settings.format(folders["a"], folders["b"]))
+    try:
+        assert service.ready.wait(60), service.load_error
+        from kvctl.daemon.server.app import create_app
+
+        unix = create_app(service, service.metrics, front="unix")
+        digests = {name: a.digest for name, a in service.adapters().items()}
+        made = {model: call(unix, "POST", "/admin/pins", json={"tokens": PROMPT, "model": model}).json()
+                for model in ("sql", "chat", None)}
+        assert [made[m]["blocks"] for m in made] == [FULL // 16] * 3
+        listed = call(unix, "GET", "/admin/pins").json()["pins"]
+        assert [(p["pin_id"], p["model"], p["adapter_id"], p["space"], p["stranded"]) for p in listed] == [
+            (made["sql"]["pin_id"], "sql", digests["sql"], service.block_space(), None),
+            (made["chat"]["pin_id"], "chat", digests["chat"], service.block_space(), None),
+            (made[None]["pin_id"], base_dir.name, "", service.block_space(), None)]
+        stored = {row["pin_id"]: (row["space"], row["adapter_id"]) for row in service.store.pins()}
+        assert stored == {made["sql"]["pin_id"]: (service.block_space(), digests["sql"]),
+                          made["chat"]["pin_id"]: (service.block_space(), digests["chat"]),
+                          made[None]["pin_id"]: (service.block_space(), "")}
+
+        # a reload gives sql other weights: its pin is stranded, and the answer and the log say so
+        config.write_text(settings.format(c, folders["b"]))
+        with caplog.at_level(logging.WARNING, logger="kvd"):
+            result = service.reload_from_source("ops")
+        assert result["adapters"] == {"added": [], "removed": [], "replaced": ["sql"]}
+        sql_row = {"pin_id": made["sql"]["pin_id"], "tenant": "default", "blocks": FULL // 16,
+                   "adapter_id": digests["sql"], "stranded": "adapter"}
+        assert result["stranded_pins"] == [sql_row]
+        assert service.store.audit_since(0, action="reload")[0]["detail"]["stranded_pins"] == [sql_row]
+        assert [r.getMessage() for r in caplog.records if "no request can reach" in r.getMessage()] == [
+            f"reload by ops: 1 pins ({made['sql']['pin_id']}) hold {FULL // 16} blocks no request can reach now "
+            "(made under LoRA weights kvd no longer serves); pin their prompts again, then kvctl unpin --stranded"]
+        listed = call(unix, "GET", "/admin/pins").json()["pins"]
+        assert [(p["model"], p["stranded"]) for p in listed] == [(None, "adapter"), ("chat", None),
+                                                                 (base_dir.name, None)]
+        assert call(unix, "GET", "/admin/status").json()["stranded_pins"] == 1
+        # sql's new weights do not reach the old pin's blocks; pinned again, the prompt pins new keys
+        again = call(unix, "POST", "/admin/pins", json={"tokens": PROMPT, "model": "sql"}).json()
+        assert again["pin_id"] not in {p["pin_id"] for p in made.values()} and again["refreshed"] is False
+
+        # a runtime unload of chat strands its pin; the reload kept nothing else of it
+        unloaded = call(unix, "POST", "/v1/unload_lora_adapter", json={"lora_name": "chat"}).json()
+        assert unloaded["stranded_pins"] == [{**sql_row, "pin_id": made["chat"]["pin_id"],
+                                              "adapter_id": digests["chat"]}]
+        status = call(unix, "GET", "/admin/status").json()
+        assert (status["pins"], status["stranded_pins"]) == (4, 2)
+        console = Console(record=True, width=400)
+        console.print(render_status(status))
+        [line] = [line for line in console.export_text().splitlines() if line.startswith("pins ")]
+        assert line.split(None, 1)[1].rstrip() == (
+            "4; 2 stranded: made under weights, scales or a format no longer served, so no request reaches them "
+            "(kvctl pins; kvctl unpin --stranded)")
+
+        refused = call(unix, "DELETE", "/admin/pins")
+        assert refused.status_code == 400 and refused.json()["error"] == {
+            "message": "stranded: DELETE /admin/pins unpins the stranded pins only (stranded=true); unpin one pin by "
+                       "its id, DELETE /admin/pins/{pin_id}", "type": "invalid_request_error", "param": "stranded",
+            "code": None}
+        swept = call(unix, "DELETE", "/admin/pins", params={"stranded": "true"}).json()
+        assert swept == {"unpinned": [{**sql_row, "unpinned_blocks": FULL // 16},
+                                      {**sql_row, "pin_id": made["chat"]["pin_id"], "adapter_id": digests["chat"],
+                                       "unpinned_blocks": FULL // 16}],
+                         "unpinned_blocks": 2 * FULL // 16}
+        assert [p["pin_id"] for p in call(unix, "GET", "/admin/pins").json()["pins"]] == [
+            made[None]["pin_id"], again["pin_id"]]
+        assert sorted(row["pin_id"] for row in service.store.pins()) == sorted([made[None]["pin_id"], again["pin_id"]])
+        unpins = [(e["target"], e["detail"]) for e in service.store.audit_since(0, action="unpin")]
+        assert sorted(unpins) == sorted([(made["sql"]["pin_id"], {"blocks": FULL // 16, "stranded": "adapter"}),
+                                         (made["chat"]["pin_id"], {"blocks": FULL // 16, "stranded": "adapter"})])
+        assert call(unix, "GET", "/admin/status").json()["stranded_pins"] == 0
+        assert call(unix, "DELETE", "/admin/pins", params={"stranded": "true"}).json() == {
+            "unpinned": [], "unpinned_blocks": 0}
+    finally:
+        service.shutdown(1)
+
+
+def test_kvctl_pins_marks_stranded_pins_and_kvctl_unpin_takes_an_id_or_stranded(capsys):
+    from .test_router import _kvctl_prints
+
+    def pin(pin_id, **fields):
+        return {"pin_id": pin_id, "tenant": "default", "blocks": 4, "cached_blocks": 4, "owner": "ops", "note": "",
+                "expires_at": None, "expires_in_seconds": None, "space": "ef" * 32, **fields}
+
+    body = {"pins": [pin("pin-00000000000000a1", adapter_id="12" * 32, model="sql", stranded=None, note="sql prompt"),
+                     pin("pin-00000000000000b2", adapter_id="ab" * 32, model=None, stranded="adapter",
+                         cached_blocks=0)]}
+    assert [line.rstrip() for line in _kvctl_prints(["pins"], body).splitlines()] == [
+        "pin                  tenant  model             blocks cached     owner expires in note",
+        "pin-00000000000000a1 default sql               4      4          ops   never      sql prompt",
+        "pin-00000000000000b2 default lora abababababab 4      0 stranded ops   never",
+        "stranded: made under LoRA weights kvd no longer serves (a reload or an unload took them away), so no",
+        "request reaches them; pin the prompts again, then `kvctl unpin --stranded`"]
+    plain = {"pins": [pin("pin-00000000000000c3", adapter_id="", model="kvd-demo", stranded=None)]}
+    assert _kvctl_prints(["pins"], plain).splitlines()[0].split() == [  # no adapter: no model column
+        "pin", "tenant", "blocks", "cached", "owner", "expires", "in", "note"]
+    from kvctl.cli import main
+
+    for args, said in ((["unpin"], "neither"), (["unpin", "pin-00000000000000a1", "--stranded"], "both")):
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err == f"error: pin_id: give a pin's id or --stranded, not {said}\n"
+    assert _kvctl_prints(["unpin", "--stranded"], {"unpinned": [], "unpinned_blocks": 0}) == "no stranded pins\n"
+    reloaded = {"changed": {}, "previous": {}, "needs_restart": [], "adapters": {"added": [], "removed": [],
+                                                                               "replaced": ["sql"]},
+                "stranded_pins": [{"pin_id": "pin-00000000000000a1", "tenant": "default", "blocks": 4,
+                                   "adapter_id": "12" * 32, "stranded": "adapter"}]}
+    assert _kvctl_prints(["config", "reload"], reloaded).splitlines()[-1] == (
+        "pins stranded on the weights taken away (pin-00000000000000a1: 4 blocks): no request reaches them now; pin "
+        "their prompts again (--model NAME), then `kvctl unpin --stranded`")

@@ -149,11 +149,15 @@ def test_migration_from_the_first_schema_version(tmp_path):
                            created_at FLOAT, expires_at FLOAT);
         INSERT INTO audit (at, actor, tenant, action, target, result, detail)
             VALUES (1.0, 'ops', 'acme', 'pin', 'pin-1', 'ok', '{}');
+        INSERT INTO pins VALUES ('pin-1', 'acme', 'ab', 'ops', 'old', 1.0, NULL);
         PRAGMA user_version = 1;
     """)
     conn.close()
     store = Store(path)
-    assert store.schema_version == SCHEMA_VERSION == 5
+    assert store.schema_version == SCHEMA_VERSION == 6
+    # where a pin's keys were made was not recorded then: not known (never taken for stranded)
+    assert store.pins() == [{"pin_id": "pin-1", "tenant": "acme", "keys": "ab", "owner": "ops", "note": "old",
+                             "created_at": 1.0, "expires_at": None, "space": None, "adapter_id": None}]
     assert [e["target"] for e in store.audit_since(0)] == ["pin-1"]
     assert Records(store).new("after migration", {}, "ops").id == 1
     assert store.save_run("x", {}) == 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 from typing import Iterable, NewType, Sequence
 
 BlockKey = NewType("BlockKey", bytes)
@@ -78,6 +78,12 @@ class Namespace:
         for index, value in enumerate(astuple(self)):
             parts.append(_field(index, str(value).encode("utf-8")))
         return BlockKey(hashlib.sha256(b"".join(parts)).digest())
+
+    def space_key(self) -> BlockKey:
+        """The block space this namespace's keys belong to: the namespace less its tenant and its
+        adapter (model revision, tokenizer, cache format, scales, block size). The tiers accept
+        only payloads of the space served; a pin remembers the one it was made in."""
+        return replace(self, tenant="*", adapter_id="").root_key()
 
     def describe(self) -> dict[str, str | int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

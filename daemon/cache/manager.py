@@ -36,7 +36,7 @@ from kvctl.policies.tenant_shares import OTHERS, TenantShares, share_blocks
 from .errors import (AuditFailure, CacheFull, DuplicateSequence, InvalidRequest, UnknownPin,
                      UnknownSequence)
 from .keys import BlockKey, Namespace, PrefixHasher, chain_keys, validate_block_size
-from .pins import Pin, PinRegistry, pin_id_for
+from .pins import Pin, PinRegistry, pin_id_for, pin_origin
 from .pool import BlockPool
 
 
@@ -420,7 +420,7 @@ class KVCacheManager:
             owner: str = "", note: str = "") -> PinResult:
         """Pin the full blocks of a token prefix under `namespace` (its tenant pays)."""
         return self.pin_keys(namespace.tenant, self.keys_to_pin(namespace, token_ids), ttl=ttl, owner=owner,
-                             note=note)
+                             note=note, **pin_origin(namespace))
 
     def keys_to_pin(self, namespace: Namespace, token_ids: Sequence[int]) -> list[BlockKey]:
         """The block keys `pin` would pin: hashing only, no state read or changed, so a caller can
@@ -436,7 +436,11 @@ class KVCacheManager:
         return keys
 
     def pin_keys(self, tenant: str, keys: Sequence[BlockKey], *, ttl: float | None = None,
-                 owner: str = "", note: str = "") -> PinResult:
+                 owner: str = "", note: str = "", space: str | None = None,
+                 adapter_id: str | None = None) -> PinResult:
+        """Pin a chain of block keys for `tenant` (its budget pays). `space` and `adapter_id`:
+        where the keys were made (Pin), when known; pinning the same keys again refreshes the
+        pin's owner, note and TTL, and fills in what it did not know of where they were made."""
         if not keys:
             raise InvalidRequest("keys: a pin needs at least one block")
         if ttl is not None and not 0 < ttl < math.inf:
@@ -449,9 +453,11 @@ class KVCacheManager:
         if pin_id in self.pins:
             existing = self.pins.get(pin_id)
             existing.owner, existing.note, existing.expires_at = owner, note, expires
+            existing.space = existing.space if space is None else space
+            existing.adapter_id = existing.adapter_id if adapter_id is None else adapter_id
             return PinResult(existing, cached, len(key_tuple) - cached, refreshed=True)
         self.pins.check_budget(tenant, key_tuple)
-        pin = Pin(pin_id, tenant, key_tuple, owner, note, now, expires)
+        pin = Pin(pin_id, tenant, key_tuple, owner, note, now, expires, space, adapter_id)
         self.pins.add(pin)
         self.pool.add_pin_refs(key_tuple, now)
         return PinResult(pin, cached, len(key_tuple) - cached, refreshed=False)

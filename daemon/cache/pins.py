@@ -13,9 +13,10 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass
+from typing import Collection
 
 from .errors import PinBudgetExceeded, UnknownPin
-from .keys import BlockKey
+from .keys import BlockKey, Namespace
 
 
 @dataclass(slots=True)
@@ -27,6 +28,12 @@ class Pin:
     note: str  # why, in the operator's words
     created_at: float  # clock value when first pinned
     expires_at: float | None  # clock value when it lapses; None = until unpinned
+    # where its keys were made, so that kvd can tell a pin no request reaches any more (its
+    # weights replaced, scales recalibrated): the block space (Namespace.space_key, hex) and the
+    # LoRA adapter (its digest; "": the base model); None where not known (pinned before kvd
+    # recorded them)
+    space: str | None = None
+    adapter_id: str | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -36,13 +43,31 @@ class Pin:
         return {
             "pin_id": self.pin_id, "tenant": self.tenant, "blocks": len(self.keys),
             "owner": self.owner, "note": self.note, "created_at": self.created_at,
-            "expires_at": self.expires_at,
+            "expires_at": self.expires_at, "space": self.space, "adapter_id": self.adapter_id,
         }
 
 
 def pin_id_for(tenant: str, keys: tuple[BlockKey, ...]) -> str:
     digest = hashlib.sha256(b"kvctl/pin/v1" + tenant.encode("utf-8") + b"\0" + keys[-1]).hexdigest()
     return "pin-" + digest[:16]
+
+
+def pin_origin(namespace: Namespace) -> dict[str, str]:
+    """Where a pin's keys were made when they are hashed under `namespace` (Pin.space, Pin.adapter_id)."""
+    return {"space": namespace.space_key().hex(), "adapter_id": namespace.adapter_id}
+
+
+def stranded_reason(pin: Pin, space: str, adapter_ids: Collection[str]) -> str | None:
+    """Why no request can reach `pin` at a daemon serving block space `space` and the LoRA
+    adapters `adapter_ids` (digests): "space" where its keys were made in another block space (a
+    model revision, tokenizer, cache format, scales or block size since changed), "adapter"
+    where under LoRA weights not served; None where it can be reached, or where kvd does not
+    know where it was made."""
+    if pin.space is not None and pin.space != space:
+        return "space"
+    if pin.adapter_id and pin.adapter_id not in adapter_ids:
+        return "adapter"
+    return None
 
 
 class PinRegistry:

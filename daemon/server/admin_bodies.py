@@ -34,6 +34,9 @@ class PinRequest(BaseModel):
     ttl: str | Number | None = None
     note: str = ""
     model: str | None = None  # with text, tokens or messages: a LoRA adapter's name, its own blocks
+    # with keys: the LoRA adapter they were made under ("": the base model), as the replica they
+    # come from knows it (kvd router's sync-pins), so that the copy knows when it is stranded
+    adapter_id: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")] | None = None
 
 
 class EvictRequest(BaseModel):

@@ -97,6 +97,9 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         if body.model is not None and (body.prefix is not None or body.keys is not None):
             raise ApiError(400, "model: names the LoRA adapter a prompt is hashed under; a prefix or keys name their "
                                 "blocks already", param="model")
+        if body.adapter_id is not None and body.keys is None:
+            raise ApiError(400, "adapter_id: names the LoRA adapter that keys were made under; give it with keys",
+                           param="adapter_id")
         if body.keys is not None and body.tenant is None:
             raise ApiError(400, "tenant: a pin by keys names its tenant (the keys were made under it)", param="tenant")
         try:
@@ -108,10 +111,19 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
             return pin_ops.pin_prefix(service, body.prefix, who, body.tenant, ttl, body.note)
         if body.keys is not None:
             return pin_ops.pin_copy(service, [bytes.fromhex(k) for k in body.keys], body.tenant, who, ttl, body.note,
-                                    body.owner)
+                                    body.owner, body.adapter_id)
         token_ids = tokens_of(body, opens_reply=False)
         target = Principal(body.tenant or who.tenant, who.role, who.actor)
         return pin_ops.pin(service, token_ids, target, ttl, body.note, service.adapter_named(body.model))
+
+    @router.delete("/admin/pins")
+    def unpin_stranded(stranded: bool = False, who: Principal = Depends(admin)):
+        """Every stranded pin (made under LoRA weights or a block space kvd no longer serves:
+        pin_ops.stranded_pins), unpinned; the only bulk unpin there is."""
+        if not stranded:
+            raise ApiError(400, "stranded: DELETE /admin/pins unpins the stranded pins only (stranded=true); "
+                                "unpin one pin by its id, DELETE /admin/pins/{pin_id}", param="stranded")
+        return pin_ops.unpin_stranded(service, who)
 
     @router.delete("/admin/pins/{pin_id}")
     def unpin(pin_id: str, who: Principal = Depends(admin)):

@@ -110,7 +110,14 @@ def merge_lora_changes(done: list[dict]) -> dict:
     """A LoRA adapter loaded or unloaded (one name everywhere), with the ids the replicas read for it:
     one, unless their folders under that path hold different files."""
     return {"name": done[0]["name"], "digests": sorted({body["digest"] for body in done}),
-            **{k: True for k in ("loaded", "unloaded") if done[0].get(k)}}
+            **{k: True for k in ("loaded", "unloaded") if done[0].get(k)}, **_stranded(done, "stranded_pins")}
+
+
+def _stranded(done: list[dict], field: str) -> dict:
+    """`field`'s pins (each a row with pin_id) of every replica's answer, each pin once: {field: rows}
+    ({} where none has any)."""
+    rows = {row["pin_id"]: row for body in done for row in body.get(field) or []}
+    return {field: list(rows.values())} if rows else {}
 
 
 def merge_pins(done: list[dict]) -> dict:
@@ -121,6 +128,13 @@ def merge_pins(done: list[dict]) -> dict:
 
 def merge_unpins(done: list[dict]) -> dict:
     return {"pin_id": done[0]["pin_id"], "unpinned_blocks": sum(b["unpinned_blocks"] for b in done)}
+
+
+def merge_stranded_unpins(done: list[dict]) -> dict:
+    """The stranded pins the replicas unpinned, each once (`replicas` has each one's), and their
+    blocks summed over the replicas."""
+    return {"unpinned": _stranded(done, "unpinned").get("unpinned", []),
+            "unpinned_blocks": sum(b["unpinned_blocks"] for b in done)}
 
 
 def merge_pin_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:

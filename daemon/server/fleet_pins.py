@@ -8,8 +8,9 @@ text it never saw. The router lists every replica's pins with their keys (`GET
 with `keys`, its tenant, owner, note and the time it has left). The replica pins the keys:
 what its lower tiers hold of the prefix (a shared Redis, a disk that kept it) comes up pinned
 at once, and the rest is pinned as the prefix is computed there. Keys are made under a block
-space (model revision, tokenizer, cache format, scales, block size); a replica that serves
-another one is left out of that pin, and the answer says so.
+space (model revision, tokenizer, cache format, scales, block size), which the pin records; a
+replica that serves another one is left out of that pin, and the answer says so (a pin stranded
+where it is, its scales recalibrated say, goes nowhere).
 
 A replica that joins a running router (`--replicas-file` and SIGHUP) gets the fleet's pins this
 way by itself, once it answers ready (`RouterService.add`); `kvctl fleet sync-pins` does it for
@@ -40,7 +41,8 @@ async def sync_pins(replicas: Sequence, only: str | None = None) -> tuple[int, d
         if status != 200:
             continue
         for pin in body["pins"]:
-            entry = held.setdefault(pin["pin_id"], {"pin": pin, "space": spaces[i], "on": []})
+            # the space its keys were made in (a pin a recalibration stranded names the earlier one)
+            entry = held.setdefault(pin["pin_id"], {"pin": pin, "space": pin.get("space") or spaces[i], "on": []})
             entry["on"].append(i)
     copies = []  # (pin id, replica index, request body)
     rows = []
@@ -57,8 +59,11 @@ async def sync_pins(replicas: Sequence, only: str | None = None) -> tuple[int, d
             elif left is not None and left <= 0:
                 row["left_out"][names[i]] = "the pin has expired"
             else:
-                copies.append((row, i, {"keys": pin["keys"], "tenant": pin["tenant"], "owner": pin.get("owner"),
-                                        "note": pin.get("note", ""), "ttl": left}))
+                body = {"keys": pin["keys"], "tenant": pin["tenant"], "owner": pin.get("owner"),
+                        "note": pin.get("note", ""), "ttl": left}
+                if pin.get("adapter_id") is not None:  # the LoRA adapter its keys were made under
+                    body["adapter_id"] = pin["adapter_id"]
+                copies.append((row, i, body))
         rows.append(row)
     results = await asyncio.gather(*(_copy(replicas[i], body) for _, i, body in copies))
     for (row, i, _), (status, answer) in zip(copies, results):

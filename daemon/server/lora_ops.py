@@ -17,6 +17,7 @@ from pathlib import Path
 from kvctl.daemon.model.errors import ModelError
 from kvctl.daemon.model.lora import check_adapter_name, load_adapter, warn_if_kv_changes
 
+from . import pin_ops
 from .calls import Principal, ServiceError
 
 
@@ -71,8 +72,9 @@ def load(service, name: str, path: str, principal: Principal, in_place: bool = F
     detail = {"path": str(folder), "digest": adapter.digest, "replaced": replaced}
     service.store.audit(actor=principal.actor, tenant=principal.tenant, action="lora.load", target=f"lora:{name}",
                         result="ok", detail=detail)
+    stranded = pin_ops.stranded_by(service, {before.digest} if replaced else set(), f"LoRA adapter {name!r} loaded")
     # (no `message`: in kvd's answers that is a warning, and kvd router passes it on as one)
-    return {**adapter.describe(), "loaded": True, "replaced": replaced}
+    return {**adapter.describe(), "loaded": True, "replaced": replaced, **stranded}
 
 
 def unload(service, name: str, principal: Principal) -> dict:
@@ -93,7 +95,8 @@ def unload(service, name: str, principal: Principal) -> dict:
                 service.runtime_lora.pop(name, None)
     service.store.audit(actor=principal.actor, tenant=principal.tenant, action="lora.unload", target=f"lora:{name}",
                         result="ok", detail={"digest": adapter.digest})
-    return {"name": name, "digest": adapter.digest, "unloaded": True}
+    stranded = pin_ops.stranded_by(service, {adapter.digest}, f"LoRA adapter {name!r} unloaded")
+    return {"name": name, "digest": adapter.digest, "unloaded": True, **stranded}
 
 
 def _allowed(service) -> None:

@@ -15,6 +15,7 @@ import threading
 import time
 
 from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin
+from kvctl.daemon.cache.pins import pin_origin, stranded_reason
 from kvctl.daemon.engine.engine import AdmissionRejected
 from kvctl.daemon.engine.sampling import SamplingParams
 from kvctl.daemon.store import StoreUnavailable
@@ -39,7 +40,8 @@ def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, 
     try:
         keys = engine.cache.keys_to_pin(namespace, token_ids)
         with service.lock:
-            result = engine.cache.pin_keys(namespace.tenant, keys, ttl=ttl, owner=principal.actor, note=note)
+            result = engine.cache.pin_keys(namespace.tenant, keys, ttl=ttl, owner=principal.actor, note=note,
+                                           **pin_origin(namespace))
     except PinBudgetExceeded as exc:  # (audited outside the lock: the engine thread takes it, a store write may wait)
         service.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin",
                             target="-", result="refused", detail={"reason": str(exc)})
@@ -74,7 +76,7 @@ def pin_prefix(service, prefix_id: str, principal: Principal, tenant: str | None
     the first token to the end of the row). No text needed; its tenant pays. Parts of it in
     a lower tier come back to the device and pin as they land."""
     service.require_ready()
-    tree, _ = prefix_tree(service)
+    tree, roots = prefix_tree(service)
     first = resolve_prefix(prefix_id, tree)
     keys = tree.path(first)
     node, top = tree.nodes[tree.node_of[first]], tree.nodes[tree.node_of[keys[0]]]
@@ -88,30 +90,34 @@ def pin_prefix(service, prefix_id: str, principal: Principal, tenant: str | None
     if tenant is not None and tenant != owner:
         raise ServiceError(400, f"tenant: prefix {first.hex()[:16]} is tenant {owner!r}'s, not {tenant!r}'s",
                            "tenant")
+    root = roots.get(keys[0])  # the adapter its tree was hashed under, where known
+    origin = {"space": service.block_space(), "adapter_id": None if root is None else root.adapter_id}
     body = _pin_keys(service, keys, owner, principal, ttl, note, principal.actor, f"prefix={first.hex()[:16]}",
-                     "prefix")
+                     "prefix", origin)
     body["prefix_id"] = first.hex()[:16]
     return body
 
 
 def pin_copy(service, keys: list[bytes], tenant: str, principal: Principal, ttl: float | None, note: str,
-             owner: str | None) -> dict:
+             owner: str | None, adapter_id: str | None = None) -> dict:
     """Pin a prefix by its block keys, as another replica of the fleet has it pinned (kvd
     router's `kvctl fleet sync-pins`): no text needed. What a lower tier here holds of it (a
-    shared Redis, say) comes up pinned; the rest is pinned as the prefix is computed here."""
+    shared Redis, say) comes up pinned; the rest is pinned as the prefix is computed here.
+    `adapter_id`: the LoRA adapter the keys were made under, as that replica knows it."""
     service.require_ready()
     return _pin_keys(service, keys, tenant, principal, ttl, note, owner or principal.actor,
-                     f"keys={keys[-1].hex()[:16]}", "keys")
+                     f"keys={keys[-1].hex()[:16]}", "keys", {"space": service.block_space(), "adapter_id": adapter_id})
 
 
 def _pin_keys(service, keys: list[bytes], tenant: str, principal: Principal, ttl: float | None, note: str,
-              owner: str, target: str, param: str) -> dict:
+              owner: str, target: str, param: str, origin: dict) -> dict:
     """Pin `keys` for `tenant` (its budget pays), bring what lower tiers hold of them up, and
-    record it; a refusal is audited under `target` and named by `param`."""
+    record it; a refusal is audited under `target` and named by `param`. `origin`: where the
+    keys were made (space, adapter_id: Pin)."""
     engine = service.engine
     try:
         with service.lock:
-            result = engine.cache.pin_keys(tenant, keys, ttl=ttl, owner=owner, note=note)
+            result = engine.cache.pin_keys(tenant, keys, ttl=ttl, owner=owner, note=note, **origin)
     except PinBudgetExceeded as exc:  # (audited outside the lock, as in pin())
         service.store.audit(actor=principal.actor, tenant=tenant, action="pin", target=target,
                             result="refused", detail={"reason": str(exc)})
@@ -133,7 +139,8 @@ def _pinned(service, result, principal: Principal, ttl: float | None, note: str,
         service.store.save_pin({"pin_id": pin.pin_id, "tenant": pin.tenant,
                                 "keys": ",".join(k.hex() for k in pin.keys), "owner": pin.owner,
                                 "note": pin.note, "created_at": time.time(),
-                                "expires_at": None if ttl is None else time.time() + ttl})
+                                "expires_at": None if ttl is None else time.time() + ttl,
+                                "space": pin.space, "adapter_id": pin.adapter_id})
     except StoreUnavailable as exc:  # a pin that would not survive a restart is no pin
         if not result.refreshed:
             with service.lock:
@@ -163,7 +170,8 @@ def _warm(service, token_ids: list[int], principal: Principal, adapter: str = ""
     return ended[0] if ended else None
 
 
-def unpin(service, pin_id: str, principal: Principal) -> dict:
+def unpin(service, pin_id: str, principal: Principal, detail: dict | None = None) -> dict:
+    """Remove a pin (from the store first); audited with `detail` beside its blocks."""
     engine = service.require_ready()
     with service.lock:
         try:
@@ -181,19 +189,86 @@ def unpin(service, pin_id: str, principal: Principal) -> dict:
         except UnknownPin as exc:  # it lapsed or went meanwhile
             raise ServiceError(404, str(exc), "pin_id") from None
     service.store.audit(actor=principal.actor, tenant=principal.tenant, action="unpin", target=pin_id,
-                        result="ok", detail={"blocks": pin.num_blocks})
+                        result="ok", detail={"blocks": pin.num_blocks, **(detail or {})})
     return {"pin_id": pin_id, "unpinned_blocks": pin.num_blocks}
 
 
 def list_pins(service, with_keys: bool = False) -> list[dict]:
     """Every pin; `with_keys`: also its block keys (hex), which another replica of the same block
-    space can pin by (`pin_copy`)."""
+    space can pin by (`pin_copy`). Each names the model or LoRA adapter it was made under
+    (`model`: its name served now; None where not served or not known) and, where no request
+    can reach it any more, why (`stranded`: stranded_reason)."""
     engine = service.require_ready()
+    space, names = service.block_space(), _served_names(service)
     with service.lock:  # what only the lock makes consistent; the rows and the keys' hex after it
         now = engine.clock()
-        listed = [(p.describe(), engine.cache.lookup(p.keys), p.keys) for p in engine.cache.pins.all()]
-    return [{**_pin_times(described, now), "cached_blocks": cached,
-             **({"keys": [k.hex() for k in keys]} if with_keys else {})} for described, cached, keys in listed]
+        listed = [(p.describe(), engine.cache.lookup(p.keys), p.keys, stranded_reason(p, space, names))
+                  for p in engine.cache.pins.all()]
+    return [{**_pin_times(described, now), "cached_blocks": cached, "model": names.get(described["adapter_id"]),
+             "stranded": stranded, **({"keys": [k.hex() for k in keys]} if with_keys else {})}
+            for described, cached, keys, stranded in listed]
+
+
+STRANDED_WHY = {"space": "made under a model revision, tokenizer, cache format, scales or block size kvd no longer "
+                         "serves",
+                "adapter": "made under LoRA weights kvd no longer serves"}
+
+
+def stranded_pins(service, adapter_ids: set[str] | None = None, space: str | None = None) -> list[dict]:
+    """The pins no request can reach any more (stranded_reason): their blocks stay pinned and
+    count against their tenant's budget until unpinned. `adapter_ids` / `space`: only those made
+    under these LoRA weights (digests) / in this block space, as a change that retired them
+    reports them. Each: pin_id, tenant, blocks, adapter_id, stranded (the reason)."""
+    served_space, names = service.engine.namespace("*").space_key().hex(), _served_names(service)
+    with service.lock:
+        pins = [(p, stranded_reason(p, served_space, names)) for p in service.engine.cache.pins.all()]
+    return [{"pin_id": p.pin_id, "tenant": p.tenant, "blocks": p.num_blocks, "adapter_id": p.adapter_id,
+             "stranded": reason} for p, reason in pins
+            if reason is not None and (adapter_ids is None or p.adapter_id in adapter_ids)
+            and (space is None or p.space == space)]
+
+
+def warn_stranded(stranded: list[dict], cause: str) -> None:
+    """Log the pins `cause` stranded (ids only: never their text, which kvd does not keep)."""
+    if stranded:
+        log.warning("%s: %d pins (%s) hold %d blocks no request can reach now (%s); pin their prompts again, "
+                    "then kvctl unpin --stranded", cause, len(stranded), ", ".join(p["pin_id"] for p in stranded),
+                    sum(p["blocks"] for p in stranded), STRANDED_WHY[stranded[0]["stranded"]])
+
+
+def stranded_by(service, retired: set[str], cause: str) -> dict:
+    """What an answer says of the pins that retiring the LoRA weights `retired` (digests no
+    longer served) stranded: {"stranded_pins": [...]}, logged too; {} where it stranded none."""
+    retired = retired - {a.digest for a in service.adapters().values()}  # the same files under another name
+    stranded = stranded_pins(service, adapter_ids=retired) if retired else []
+    warn_stranded(stranded, cause)
+    return {"stranded_pins": stranded} if stranded else {}
+
+
+def unpin_stranded(service, principal: Principal) -> dict:
+    """Unpin every stranded pin (stranded_pins), each taken off the store first and audited as
+    an unpin; one that lapsed or went meanwhile is left out."""
+    service.require_ready()
+    done = []
+    for row in stranded_pins(service):
+        try:
+            body = unpin(service, row["pin_id"], principal, detail={"stranded": row["stranded"]})
+        except ServiceError as exc:
+            if exc.status != 404:
+                raise ServiceError(exc.status, f"{exc} (unpinned before it: {len(done)} stranded pins)",
+                                   "pin_id") from None
+            continue
+        done.append({**row, "unpinned_blocks": body["unpinned_blocks"]})
+    return {"unpinned": done, "unpinned_blocks": sum(p["unpinned_blocks"] for p in done)}
+
+
+def _served_names(service) -> dict[str, str]:
+    """The adapters served, by digest, with their names ("": the model's own); two names for the
+    same files: the first."""
+    names = {"": service.model_name}
+    for name, adapter in service.adapters().items():
+        names.setdefault(adapter.digest, name)
+    return names
 
 
 def _pin_times(described: dict, now: float) -> dict:
@@ -220,7 +295,7 @@ def restore_pins(service) -> list[str]:
         keys = [bytes.fromhex(k) for k in row["keys"].split(",")]
         try:
             service.engine.cache.pin_keys(row["tenant"], keys, ttl=remaining, owner=row["owner"],
-                                          note=row["note"])
+                                          note=row["note"], space=row.get("space"), adapter_id=row.get("adapter_id"))
         except PinBudgetExceeded as exc:
             log.warning("pin %s not restored: %s", row["pin_id"], exc)
     return lapsed

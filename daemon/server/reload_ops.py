@@ -17,6 +17,7 @@ from kvctl.daemon.model.errors import ModelError
 from kvctl.daemon.model.lora import adapter_changes, load_adapters, warn_if_kv_changes
 from kvctl.policies.reservation import parse_reservation
 
+from . import pin_ops
 from .auth import TokenFileError, TokenTable
 from .calls import ServiceError
 from .lora_ops import served_modules, standing_changes
@@ -183,9 +184,10 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                 service.tiers.compress = new.tier_codecs()
             if new.pin_budget_blocks is not None:
                 engine.cache.pins.default_budget = new.pin_budget_blocks
-        lora = None
+        lora, retired = None, set()
         if adapters is not None and service.loaded is not None:
             lora = adapter_changes(service.loaded.adapters, adapters)
+            retired = {service.loaded.adapters[name].digest for name in lora["removed"] + lora["replaced"]}
             service.loaded.adapters = adapters  # a new dict: whoever read the old one reads it whole
             service.runtime_lora = standing_changes(service, new.lora_modules)  # before the config changes
         service.trace.resize(new.trace_requests)  # the newest kept
@@ -204,6 +206,7 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                            service.config.cache_dtype)
     if reverted:
         result["reverted_rollout_settings"] = reverted
+    result.update(pin_ops.stranded_by(service, retired, f"reload by {actor}"))
     service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="ok", detail=result)
     log.info("reloaded by %s: changed %s; needs restart: %s", actor, sorted(changed), ignored)
     for name, held in reverted.items():

@@ -47,7 +47,7 @@ from .body_limit import BodyLimit
 from .event_relay import relay_events
 from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merge_lora_changes, merge_pin_lists,
                           merge_pins, merge_prefix_lists, merge_request_lists, merge_tenant_lists, merge_tier_reports,
-                          merge_unpins, merge_verifies)
+                          merge_stranded_unpins, merge_unpins, merge_verifies)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
@@ -269,6 +269,12 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.post("/admin/pins")
     async def pin_everywhere(http: Request, _: Caller = Depends(admin)):
         return await everywhere("POST", "/admin/pins", await http.body(), merge_pins)
+
+    @app.delete("/admin/pins")
+    async def unpin_stranded_everywhere(http: Request, _: Caller = Depends(admin)):
+        """Every replica unpins its stranded pins (stranded=true; each replica refuses anything else)."""
+        query = f"?{http.url.query}" if http.url.query else ""
+        return await everywhere("DELETE", "/admin/pins" + query, None, merge_stranded_unpins)
 
     @app.delete("/admin/pins/{pin_id}")
     async def unpin_everywhere(pin_id: str, _: Caller = Depends(admin)):

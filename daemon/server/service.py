@@ -253,6 +253,7 @@ class EngineService:
         with self.lock:
             self.loaded, self.engine, self.chat_template = loaded, engine, chat_template
             lapsed = pin_ops.restore_pins(self)
+            pin_ops.warn_stranded(pin_ops.stranded_pins(self), "pins restored from the store")
         timer.mark("pins")
         if lapsed:  # off the start: a store another process holds locked must not hold it up
             threading.Thread(target=lambda: [pin_ops.forget_stored_pin(self, pin_id) for pin_id in lapsed],
@@ -621,7 +622,9 @@ class EngineService:
             return None
 
     def _load_scales(self, calibration: dict) -> None:
-        """Swap in applied scales (caller holds the lock, nothing is running)."""
+        """Swap in applied scales (caller holds the lock, nothing is running). Pins made under the
+        scales before are stranded (their keys name those scales): the log says which."""
+        before = self.engine.namespace("*").space_key().hex()
         self.engine.set_scales(calibration["scales"], f"cal-{calibration['id']}")
         if self.tiers is not None:
             from kvctl.daemon.cache.tiers import engine_layout, engine_space_record, space_digest
@@ -632,6 +635,8 @@ class EngineService:
         self.pending_scales = None
         self.engine.admission_paused = False
         log.info("calibration %d loaded into the kernels", calibration["id"])
+        if self.engine.namespace("*").space_key().hex() != before:
+            pin_ops.warn_stranded(pin_ops.stranded_pins(self, space=before), f"calibration {calibration['id']}")
 
     def cancel(self, request_id: str) -> None:
         with self.lock:
@@ -646,9 +651,7 @@ class EngineService:
     def block_space(self) -> str:
         """The block space this daemon serves (its namespace less the tenant: model revision,
         tokenizer, format, scales, block size): two replicas with the same one make the same keys."""
-        from kvctl.daemon.cache.tiers import space_digest
-
-        return space_digest(self.require_ready()).hex()
+        return self.require_ready().namespace("*").space_key().hex()
 
     @property
     def sampling_defaults(self) -> dict:

@@ -9,6 +9,7 @@ import time
 
 from kvctl.daemon import gpu_nvml
 
+from . import pin_ops
 from .block_map import fold_block_map, read_block_map
 
 
@@ -93,6 +94,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             # the host's CPUs shared with other busy kvd engines (CPU device under kvd serve), else None
             "cpu_share": service.cpu_share.report() if service.cpu_share is not None else None,
             "pins": len(cache.pins.all()),
+            "stranded_pins": len(pin_ops.stranded_pins(service)),  # pins no request reaches any more
             "rollout": service.rollouts.summary(),
             "last_reload": service.last_reload,
             "cache": cache_status(service),

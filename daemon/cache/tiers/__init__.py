@@ -33,8 +33,8 @@ def engine_layout(engine) -> BlockLayout:
 
 
 def space_digest(engine) -> bytes:
-    """The engine's namespace with the tenant left out: what every payload must match."""
-    return engine.namespace("*").root_key()
+    """The engine's block space (its namespace less tenant and adapter): what every payload must match."""
+    return engine.namespace("*").space_key()
 
 
 def engine_space_record(engine) -> dict:
