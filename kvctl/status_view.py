@@ -85,7 +85,8 @@ def render_status(data: dict, console: Console | None = None):
                           for name, value in sorted((template.get("defaults") or {}).items())))
     for adapter in data["model"].get("adapters") or ():  # LoRA adapters (an older kvd does not say)
         modules = ",".join(m.removesuffix("_proj") for m in adapter["modules"])
-        facts.add_row("LoRA adapter", f"{adapter['name']} (rank {adapter['rank']}, {modules}; "
+        memory = f", {size(adapter['bytes'])}" if adapter.get("bytes") else ""  # its weights (an older kvd: -)
+        facts.add_row("LoRA adapter", f"{adapter['name']} (rank {adapter['rank']}, {modules}{memory}; "
                                       f"{adapter['digest'][:12]}): {adapter['requests']} in flight"
                                       + _cached_blocks(adapter)
                                       + ("; loaded at runtime, until a restart" if adapter.get("source") == "runtime"

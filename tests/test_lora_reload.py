@@ -251,6 +251,7 @@ def test_kvd_names_each_prefix_s_adapter_and_evicts_an_adapter_s_blocks_whole(ba
 
     from kvctl.daemon.server.app import create_app
     from kvctl.status_view import render_status
+    from kvctl.tables import size
 
     from .daemon_fixtures import call, start_service
 
@@ -285,7 +286,8 @@ def test_kvd_names_each_prefix_s_adapter_and_evicts_an_adapter_s_blocks_whole(ba
             ("sql", len(keys["sql"])), ("chat", len(keys["chat"]))]
         console = Console(record=True, width=200)
         console.print(render_status(status))
-        assert f"LoRA adapter sql (rank 4, q,k,v,o,gate,up,down; {digests['sql'][:12]}): 0 in flight, " \
+        sql_memory = size(service.adapters()["sql"].nbytes)
+        assert f"LoRA adapter sql (rank 4, q,k,v,o,gate,up,down, {sql_memory}; {digests['sql'][:12]}): 0 in flight, " \
                f"{len(keys['sql'])} blocks cached" in " ".join(console.export_text().split())
 
         def cached(model):
@@ -515,7 +517,8 @@ def test_pins_made_under_weights_a_reload_or_an_unload_takes_away_are_stranded_a
 
     folders, _ = expected
     c = write_adapter(tmp_path / "c", rank=2, alpha=4, seed=3)
-    settings = "num_blocks: 64\nlora_runtime_updates: true\nlora_modules:\n  sql: {}\n  chat: {}\n"
+    settings = ("num_blocks: 64\npin_budget_blocks: 12\nlora_runtime_updates: true\n"
+                "lora_modules:\n  sql: {}\n  chat: {}\n")
     service, config = reloadable_service(base_dir, tmp_path, settings.format(folders["a"], folders["b"]))
     try:
         assert service.ready.wait(60), service.load_error
@@ -552,21 +555,24 @@ def test_pins_made_under_weights_a_reload_or_an_unload_takes_away_are_stranded_a
         assert [(p["model"], p["stranded"]) for p in listed] == [(None, "adapter"), ("chat", None),
                                                                  (base_dir.name, None)]
         assert call(unix, "GET", "/admin/status").json()["stranded_pins"] == 1
-        # sql's new weights do not reach the old pin's blocks; pinned again, the prompt pins new keys
-        again = call(unix, "POST", "/admin/pins", json={"tokens": PROMPT, "model": "sql"}).json()
-        assert again["pin_id"] not in {p["pin_id"] for p in made.values()} and again["refreshed"] is False
+        # the stranded pin holds its share of the budget, and a refusal says so
+        over = call(unix, "POST", "/admin/pins", json={"tokens": PROMPT, "model": "sql"})
+        assert over.status_code == 409 and over.json()["error"]["message"] == (
+            f"tenant 'default': pin budget is 12 blocks, 12 already pinned, this pin adds {FULL // 16}; "
+            f"{FULL // 16} of them are held by pins no request reaches any more (kvctl pins marks them stranded), "
+            "which `kvctl unpin --stranded` frees")
 
         # a runtime unload of chat strands its pin; the reload kept nothing else of it
         unloaded = call(unix, "POST", "/v1/unload_lora_adapter", json={"lora_name": "chat"}).json()
         assert unloaded["stranded_pins"] == [{**sql_row, "pin_id": made["chat"]["pin_id"],
                                               "adapter_id": digests["chat"]}]
         status = call(unix, "GET", "/admin/status").json()
-        assert (status["pins"], status["stranded_pins"]) == (4, 2)
+        assert (status["pins"], status["stranded_pins"]) == (3, 2)
         console = Console(record=True, width=400)
         console.print(render_status(status))
         [line] = [line for line in console.export_text().splitlines() if line.startswith("pins ")]
         assert line.split(None, 1)[1].rstrip() == (
-            "4; 2 stranded: made under weights, scales or a format no longer served, so no request reaches them "
+            "3; 2 stranded: made under weights, scales or a format no longer served, so no request reaches them "
             "(kvctl pins; kvctl unpin --stranded)")
 
         refused = call(unix, "DELETE", "/admin/pins")
@@ -579,6 +585,9 @@ def test_pins_made_under_weights_a_reload_or_an_unload_takes_away_are_stranded_a
                                       {**sql_row, "pin_id": made["chat"]["pin_id"], "adapter_id": digests["chat"],
                                        "unpinned_blocks": FULL // 16}],
                          "unpinned_blocks": 2 * FULL // 16}
+        # sql's new weights do not reach the old pin's blocks; pinned again, the prompt pins new keys
+        again = call(unix, "POST", "/admin/pins", json={"tokens": PROMPT, "model": "sql"}).json()
+        assert again["pin_id"] not in {p["pin_id"] for p in made.values()} and again["refreshed"] is False
         assert [p["pin_id"] for p in call(unix, "GET", "/admin/pins").json()["pins"]] == [
             made[None]["pin_id"], again["pin_id"]]
         assert sorted(row["pin_id"] for row in service.store.pins()) == sorted([made[None]["pin_id"], again["pin_id"]])
@@ -626,3 +635,73 @@ def test_kvctl_pins_marks_stranded_pins_and_kvctl_unpin_takes_an_id_or_stranded(
     assert _kvctl_prints(["config", "reload"], reloaded).splitlines()[-1] == (
         "pins stranded on the weights taken away (pin-00000000000000a1: 4 blocks): no request reaches them now; pin "
         "their prompts again (--model NAME), then `kvctl unpin --stranded`")
+
+
+def test_an_adapter_read_while_kvd_serves_is_weighed_against_the_gpu_room_beside_the_steps_workspace(
+        base_dir, expected, tmp_path, monkeypatch):
+    """Its packed weights' bytes (what the model's device holds of them, block-diagonal B and
+    all), asked of the room check before they go to the device; one that does not fit beside the
+    largest step's workspace is refused, at runtime (409) and in a reload, with nothing loaded."""
+    from kvctl.daemon.model.demo import DEMO_CONFIG
+    from kvctl.daemon.model.llama import load_model
+    from kvctl.daemon.model.lora import load_adapter
+    from kvctl.daemon.server import lora_ops, reload_ops
+    from kvctl.daemon.server.adapter_room import NoRoomForAdapter, gpu_room, room_refusal
+
+    from .daemon_fixtures import call
+
+    # fits exactly what is free beside the workspace; one byte more does not
+    assert room_refusal("sql", 1000, 3000, 2000) is None
+    assert room_refusal("sql", 3 * 2**20 + 1, 5 * 2**20, 2 * 2**20) == (
+        "LoRA adapter 'sql' needs 3.0 MiB of GPU memory, and 3.0 MiB is free beside the 2.0 MiB the largest step so "
+        "far has needed: unload an adapter, or give the cache less memory (cache_memory) at the next start")
+    assert gpu_room(torch.device("cpu")) is None  # the host's memory is not planned the same way
+
+    folders, tokens = expected
+    loaded = load_model(base_dir)
+    asked = []
+    adapter = load_adapter("sql", folders["a"], loaded.config, torch.device("cpu"), torch.float32,
+                           lambda name, nbytes: asked.append((name, nbytes)))
+    hidden, inter, r = DEMO_CONFIG["hidden_size"], DEMO_CONFIG["intermediate_size"], 4
+    q = DEMO_CONFIG["num_attention_heads"] * DEMO_CONFIG["head_dim"]
+    kv = DEMO_CONFIG["num_key_value_heads"] * DEMO_CONFIG["head_dim"]
+    per_layer = (3 * r * hidden + (q + 2 * kv) * 3 * r  # qkv: A stacked, B block-diagonal
+                 + r * q + hidden * r  # o
+                 + 2 * r * hidden + 2 * inter * 2 * r  # gate_up
+                 + r * inter + hidden * r)  # down
+    assert asked == [("sql", per_layer * DEMO_CONFIG["num_hidden_layers"] * 4)]  # float32
+    assert adapter.nbytes == asked[0][1] and adapter.describe()["bytes"] == adapter.nbytes
+
+    def no_room(device):
+        def check(name, nbytes):
+            raise NoRoomForAdapter(room_refusal(name, nbytes, 2**10, 0))
+        return check
+
+    service, config = reloadable_service(
+        base_dir, tmp_path, f"num_blocks: 64\nlora_runtime_updates: true\nlora_modules:\n  sql: {folders['a']}\n")
+    try:
+        assert service.ready.wait(60), service.load_error
+        from kvctl.daemon.server.app import create_app
+
+        unix = create_app(service, service.metrics, front="unix")
+        monkeypatch.setattr(lora_ops, "gpu_room", no_room)
+        monkeypatch.setattr(reload_ops, "gpu_room", no_room)
+        refused = call(unix, "POST", "/v1/load_lora_adapter",
+                       json={"lora_name": "chat", "lora_path": str(folders["b"])})
+        b_bytes = load_adapter("chat", folders["b"], loaded.config, torch.device("cpu"), torch.float32).nbytes
+        message = (f"LoRA adapter 'chat' needs {b_bytes / 2**10:,.1f} KiB of GPU memory, and 1.0 KiB is free beside "
+                   "the 0 B the largest step so far has needed: unload an adapter, or give the cache less memory "
+                   "(cache_memory) at the next start")
+        assert refused.status_code == 409 and refused.json()["error"]["message"] == message
+        assert refused.json()["error"]["param"] == "lora_path" and list(service.adapters()) == ["sql"]
+        [entry] = service.store.audit_since(0, action="lora.load")
+        assert (entry["result"], entry["detail"]) == ("refused", {"error": message})
+        config.write_text(f"num_blocks: 64\nlora_runtime_updates: true\nlora_modules:\n  sql: {folders['a']}\n"
+                          f"  chat: {folders['b']}\n")
+        with pytest.raises(Exception, match="reload refused, nothing changed: LoRA adapter 'chat' needs"):
+            service.reload_from_source("ops")
+        assert list(service.adapters()) == ["sql"]
+        status = call(unix, "GET", "/admin/status").json()
+        assert [a["bytes"] for a in status["model"]["adapters"]] == [adapter.nbytes]
+    finally:
+        service.shutdown(1)

@@ -24,6 +24,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -61,10 +62,11 @@ class LoraAdapter:
     modules: tuple[str, ...]  # the projections it adapts, e.g. ("q_proj", "v_proj")
     layers: list[dict[str, PackedLora]] = field(repr=False)  # per layer: packed projection -> its term
     stamp: tuple = field(default=(), repr=False, compare=False)  # its files as read (source_stamp)
+    nbytes: int = field(default=0, compare=False)  # what its packed weights take on the model's device
 
     def describe(self) -> dict:
         return {"name": self.name, "path": str(self.path), "digest": self.digest, "rank": self.rank,
-                "alpha": self.alpha, "modules": list(self.modules)}
+                "alpha": self.alpha, "modules": list(self.modules), "bytes": self.nbytes}
 
 
 def adapter_digest(path: Path) -> str:
@@ -148,9 +150,11 @@ def _alpha_for(config: dict, module: str) -> float:
 
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch.device,
-                 dtype: torch.dtype) -> LoraAdapter:
+                 dtype: torch.dtype, room: Callable[[str, int], None] | None = None) -> LoraAdapter:
     """Read and check a PEFT LoRA adapter for a model of `config`; a problem names the file and
-    the tensor or field."""
+    the tensor or field. `room(name, nbytes)`, given, is asked before the packed weights go to
+    `device` (kvd serving: daemon/server/adapter_room.py) and raises ModelError where they do not
+    fit beside what serving needs."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -203,9 +207,15 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
         scaling = alpha / math.sqrt(r) if settings.get("use_rslora") else alpha / r
         terms[layer, module] = (a.float(), b.float() * scaling)
         rank = max(rank, r)
-    layers = [_pack(terms, layer, sizes, device, dtype) for layer in range(config.num_layers)]
+    layers = [_pack(terms, layer, sizes, dtype) for layer in range(config.num_layers)]
+    nbytes = sum(t.numel() * t.element_size() for layer in layers for p in layer.values() for t in (p.a, p.b))
+    if room is not None:
+        room(name, nbytes)
+    if device.type != "cpu":
+        layers = [{k: PackedLora(p.a.to(device), p.b.to(device)) for k, p in layer.items()} for layer in layers]
     modules = tuple(m for _, ms in PACKED.values() for m in ms if any(k[1] == m for k in terms))
-    return LoraAdapter(name, path, adapter_digest(path), rank, settings["lora_alpha"], modules, layers, stamp)
+    return LoraAdapter(name, path, adapter_digest(path), rank, settings["lora_alpha"], modules, layers, stamp,
+                       nbytes)
 
 
 def _projection_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -217,9 +227,10 @@ def _projection_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             "down_proj": (hidden, config.intermediate_size)}
 
 
-def _pack(terms: dict, layer: int, sizes: dict, device: torch.device, dtype: torch.dtype) -> dict[str, PackedLora]:
-    """One layer's terms as the packed projections hold them: A matrices stacked, B matrices
-    block-diagonal (each projection's rows of the packed output see only its own ranks)."""
+def _pack(terms: dict, layer: int, sizes: dict, dtype: torch.dtype) -> dict[str, PackedLora]:
+    """One layer's terms as the packed projections hold them (in host memory): A matrices
+    stacked, B matrices block-diagonal (each projection's rows of the packed output see only its
+    own ranks)."""
     packed = {}
     for name, (_, modules) in PACKED.items():
         present = [(m, terms[layer, m]) for m in modules if (layer, m) in terms]
@@ -236,7 +247,7 @@ def _pack(terms: dict, layer: int, sizes: dict, device: torch.device, dtype: tor
                 col += a.shape[0]
             row += sizes[module][0]
         a_packed = torch.cat([a for _, (a, _) in present])
-        packed[name] = PackedLora(a_packed.to(device=device, dtype=dtype), b_packed.to(device=device, dtype=dtype))
+        packed[name] = PackedLora(a_packed.to(dtype=dtype), b_packed.to(dtype=dtype))
     return packed
 
 
@@ -255,11 +266,12 @@ def lora_delta(out: torch.Tensor, x: torch.Tensor, groups, layer: int, projectio
 
 
 def load_adapters(modules: tuple[tuple[str, str], ...], loaded, base_name: str,
-                  current: dict[str, LoraAdapter] | None = None) -> dict[str, LoraAdapter]:
+                  current: dict[str, LoraAdapter] | None = None,
+                  room: Callable[[str, int], None] | None = None) -> dict[str, LoraAdapter]:
     """Every adapter of `lora_modules` ((name, folder) pairs) for `loaded`, by name, on its device
     and in its dtype; ModelError names the first that cannot be served. `current`: the adapters
     served now (a reload): one under the same name and folder whose files have not changed since
-    it was read (`source_stamp`) is kept as it is, not read again."""
+    it was read (`source_stamp`) is kept as it is, not read again. `room`: as load_adapter takes it."""
     adapters: dict[str, LoraAdapter] = {}
     model = loaded.model
     for name, path in modules:
@@ -269,7 +281,7 @@ def load_adapters(modules: tuple[tuple[str, str], ...], loaded, base_name: str,
         if kept is not None and kept.path == folder and kept.stamp and kept.stamp == source_stamp(folder):
             adapters[name] = kept
         else:
-            adapters[name] = load_adapter(name, folder, loaded.config, model.device, model.dtype)
+            adapters[name] = load_adapter(name, folder, loaded.config, model.device, model.dtype, room)
     return adapters
 
 

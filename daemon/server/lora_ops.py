@@ -18,6 +18,7 @@ from kvctl.daemon.model.errors import ModelError
 from kvctl.daemon.model.lora import check_adapter_name, load_adapter, warn_if_kv_changes
 
 from . import pin_ops
+from .adapter_room import NoRoomForAdapter, gpu_room
 from .calls import Principal, ServiceError
 
 
@@ -59,11 +60,13 @@ def load(service, name: str, path: str, principal: Principal, in_place: bool = F
             raise ServiceError(400, f"lora_name: the LoRA adapter {name!r} has already been loaded (load_inplace: "
                                     "true gives it new weights)", "lora_name")
         try:
-            adapter = load_adapter(name, folder, loaded.config, loaded.model.device, loaded.model.dtype)
+            adapter = load_adapter(name, folder, loaded.config, loaded.model.device, loaded.model.dtype,
+                                   gpu_room(loaded.model.device))
         except ModelError as exc:
             service.store.audit(actor=principal.actor, tenant=principal.tenant, action="lora.load",
                                 target=f"lora:{name}", result="refused", detail={"error": str(exc)})
-            raise ServiceError(400, str(exc), "lora_path") from None
+            # no room on the GPU: the adapter is fine, the device is full (409, as a full cache is)
+            raise ServiceError(409 if isinstance(exc, NoRoomForAdapter) else 400, str(exc), "lora_path") from None
         with service.lock:
             loaded.adapters = {**loaded.adapters, name: adapter}  # a new dict: readers see one whole
             service.runtime_lora[name] = str(folder)

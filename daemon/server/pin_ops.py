@@ -45,7 +45,7 @@ def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, 
     except PinBudgetExceeded as exc:  # (audited outside the lock: the engine thread takes it, a store write may wait)
         service.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin",
                             target="-", result="refused", detail={"reason": str(exc)})
-        raise ServiceError(409, str(exc)) from None
+        raise ServiceError(409, _over_budget(service, exc)) from None
     except InvalidRequest as exc:
         raise ServiceError(400, str(exc), "tokens") from None
     warmed = False
@@ -121,7 +121,7 @@ def _pin_keys(service, keys: list[bytes], tenant: str, principal: Principal, ttl
     except PinBudgetExceeded as exc:  # (audited outside the lock, as in pin())
         service.store.audit(actor=principal.actor, tenant=tenant, action="pin", target=target,
                             result="refused", detail={"reason": str(exc)})
-        raise ServiceError(409, str(exc)) from None
+        raise ServiceError(409, _over_budget(service, exc)) from None
     except InvalidRequest as exc:
         raise ServiceError(400, str(exc), param) from None
     if result.pending_blocks and service.tiers is not None:  # what a lower tier holds comes up, pinned
@@ -219,13 +219,26 @@ def stranded_pins(service, adapter_ids: set[str] | None = None, space: str | Non
     count against their tenant's budget until unpinned. `adapter_ids` / `space`: only those made
     under these LoRA weights (digests) / in this block space, as a change that retired them
     reports them. Each: pin_id, tenant, blocks, adapter_id, stranded (the reason)."""
+    return [{"pin_id": p.pin_id, "tenant": p.tenant, "blocks": p.num_blocks, "adapter_id": p.adapter_id,
+             "stranded": reason} for p, reason in _stranded(service)
+            if (adapter_ids is None or p.adapter_id in adapter_ids) and (space is None or p.space == space)]
+
+
+def _stranded(service) -> list[tuple]:
+    """(pin, why) for each pin no request can reach any more (stranded_reason)."""
     served_space, names = service.engine.namespace("*").space_key().hex(), _served_names(service)
     with service.lock:
         pins = [(p, stranded_reason(p, served_space, names)) for p in service.engine.cache.pins.all()]
-    return [{"pin_id": p.pin_id, "tenant": p.tenant, "blocks": p.num_blocks, "adapter_id": p.adapter_id,
-             "stranded": reason} for p, reason in pins
-            if reason is not None and (adapter_ids is None or p.adapter_id in adapter_ids)
-            and (space is None or p.space == space)]
+    return [(p, reason) for p, reason in pins if reason is not None]
+
+
+def _over_budget(service, exc: PinBudgetExceeded) -> str:
+    """A pin's refusal over its tenant's budget, saying how much of the budget stranded pins hold."""
+    held = {key for pin, _ in _stranded(service) if pin.tenant == exc.tenant for key in pin.keys}
+    if not held:
+        return str(exc)
+    return (f"{exc}; {len(held)} of them are held by pins no request reaches any more (kvctl pins marks them "
+            "stranded), which `kvctl unpin --stranded` frees")
 
 
 def warn_stranded(stranded: list[dict], cause: str) -> None:

@@ -18,6 +18,7 @@ from kvctl.daemon.model.lora import adapter_changes, load_adapters, warn_if_kv_c
 from kvctl.policies.reservation import parse_reservation
 
 from . import pin_ops
+from .adapter_room import gpu_room
 from .auth import TokenFileError, TokenTable
 from .calls import ServiceError
 from .lora_ops import served_modules, standing_changes
@@ -92,7 +93,7 @@ def read_adapters(service, new: KvdConfig) -> dict | None:
         return None
     try:
         return load_adapters(served_modules(service, new.lora_modules), loaded, service.model_name,
-                             current=loaded.adapters)
+                             current=loaded.adapters, room=gpu_room(loaded.model.device))
     except ModelError as exc:
         raise ConfigError(str(exc)) from None
 
