@@ -212,7 +212,7 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
 
 
 STRANDED_CAUSES = {"adapter": "LoRA weights kvd no longer serves (a reload or an unload took them away)",
-                   "space": "scales, a model revision or a cache format kvd no longer serves"}
+                   "space": "a model revision, tokenizer, cache format, scales or block size kvd no longer serves"}
 
 
 def replica_lines(d: dict, done: Callable[[dict], str]) -> None:
@@ -262,7 +262,8 @@ def unpin(ctx: typer.Context, pin_id: Optional[str] = typer.Argument(None, help=
         if "unpinned" in d:  # --stranded
             for p in d["unpinned"]:
                 Console().print(f"unpinned {p['pin_id']} (tenant {escape(p['tenant'])}, {p['blocks']} blocks): "
-                                f"{STRANDED_CAUSES.get(p['stranded'], p['stranded'])}", highlight=False, soft_wrap=True)
+                                f"made under {STRANDED_CAUSES.get(p['stranded'], p['stranded'])}", highlight=False,
+                                soft_wrap=True)
             Console().print(f"{len(d['unpinned'])} stranded pins unpinned, {d['unpinned_blocks']} blocks"
                             + (f" over {len(d['replicas'])} replicas" if "replicas" in d else "")
                             if d["unpinned"] else "no stranded pins", highlight=False)

@@ -158,8 +158,8 @@ def test_kvd_router_lists_stranded_pins_and_unpins_them_on_every_replica(tmp_pat
         assert body["unpinned_blocks"] == 2 * blocks and [r["status"] for r in body["replicas"]] == [200, 200]
         assert after.json()["pins"] == []
         assert _kvctl_prints(["unpin", "--stranded"], body).splitlines() == [
-            f"unpinned {pin_id} (tenant acme, {blocks} blocks): scales, a model revision or a cache format kvd no "
-            "longer serves",
+            f"unpinned {pin_id} (tenant acme, {blocks} blocks): made under a model revision, tokenizer, cache format, "
+            "scales or block size kvd no longer serves",
             f"1 stranded pins unpinned, {2 * blocks} blocks over 2 replicas",
             f"  replica-0: {blocks} blocks", f"  replica-1: {blocks} blocks"]
     finally:
