@@ -73,6 +73,9 @@ def serve(
     lora_runtime_updates: Optional[bool] = typer.Option(
         None, help="Let admin callers load and unload LoRA adapters at runtime (POST /v1/load_lora_adapter, "
                    "/v1/unload_lora_adapter, as vLLM's); until a restart."),
+    max_loras: Optional[int] = typer.Option(
+        None, help="LoRA adapters in one batch at most (vLLM's --max-loras): a request for another waits its turn, "
+                   "and adapter requests behind it wait with it. Default: no limit."),
     state_dir: Optional[str] = typer.Option(None, help="State directory (demo checkpoint, SQLite)."),
     socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),
@@ -176,7 +179,7 @@ def serve(
     flags = _flags(model=model, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
                    generation_config=generation_config, reasoning_parser=reasoning_parser,
                    tool_call_parser=tool_call_parser, lora_modules=lora_modules,
-                   lora_runtime_updates=lora_runtime_updates,
+                   lora_runtime_updates=lora_runtime_updates, max_loras=max_loras,
                    state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
@@ -212,7 +215,8 @@ def serve(
 # at 80 columns every option's help got squeezed beside the widest name of them all.
 SERVE_HELP_PANELS = {
     "Model and server": ("config", "model", "chat_template", "chat_template_kwargs", "generation_config",
-                         "reasoning_parser", "tool_call_parser", "lora_modules", "lora_runtime_updates", "model_name",
+                         "reasoning_parser", "tool_call_parser", "lora_modules", "lora_runtime_updates", "max_loras",
+                         "model_name",
                          "device", "dtype",
                          "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",

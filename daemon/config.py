@@ -231,6 +231,9 @@ class KvdConfig:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, under its
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING) for admin callers; off, they answer 403
     lora_runtime_updates: bool = False
+    # LoRA adapters in one batch at most (vLLM's --max-loras, SGLang's --max-loras-per-batch): each
+    # adds its own small GEMMs to every step; None: no limit
+    max_loras: int | None = None
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
     allow_uncalibrated: bool = False  # serve a quantised cache with unit scales (loudly)
@@ -311,7 +314,7 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
     "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
-    "max_queue": whole_number,
+    "max_queue": whole_number, "max_loras": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
     "max_tracked_tenants": whole_number, "trace_requests": whole_number,
     "trace_block_tokens": whole_number,
@@ -336,7 +339,7 @@ def _check(name: str, value: Any) -> None:
     if name == "block_size" and value not in (8, 16, 32, 64, 128, 256):
         raise ValueError("must be one of 8, 16, 32, 64, 128, 256")
     if name in ("num_blocks", "max_batch_tokens", "max_running", "max_queue", "cache_memory", "max_tenant_requests",
-                "max_tracked_tenants", "max_model_len") \
+                "max_tracked_tenants", "max_model_len", "max_loras") \
             and value is not None and value < 1:
         raise ValueError("must be >= 1")
     if name in ("pin_budget_blocks", "quick_prefill_tokens", "max_tenant_metric_series", "trace_requests") \

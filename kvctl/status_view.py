@@ -91,6 +91,10 @@ def render_status(data: dict, console: Console | None = None):
                                       + _cached_blocks(adapter)
                                       + ("; loaded at runtime, until a restart" if adapter.get("source") == "runtime"
                                          else ""))
+    if data["model"].get("max_loras") and data["model"].get("adapters"):  # an older kvd does not say
+        waiting = data["model"].get("lora_turns_waiting") or 0
+        facts.add_row("LoRA batch", f"at most {data['model']['max_loras']} adapters in a batch"
+                      + (f"; {waiting} requests wait for an adapter's turn" if waiting else ""))
     for old in data["model"].get("retiring_adapters") or ():
         why = "replaced by a reload" if old["replaced"] else "taken away by a reload"
         facts.add_row("LoRA adapter", f"{old['name']} ({old['digest'][:12]}): {why}; {old['requests']} "

@@ -37,6 +37,7 @@ def test_precedence_flag_env_file_default(tmp_path):
     ({"listen": "127.0.0.1:8000"}, {}, "listen: '127.0.0.1:8000' needs token_file"),
     ({"reservation": "half"}, {}, "reservation: invalid value 'half' from --reservation"),
     ({"max_queue": 0}, {}, "max_queue: invalid value 0 from --max-queue: must be >= 1"),
+    ({}, {"KVD_MAX_LORAS": "0"}, "max_loras: invalid value '0' from KVD_MAX_LORAS: must be >= 1"),
     ({"max_request_bytes": "1KiB"}, {}, "max_request_bytes: invalid value '1KiB' from --max-request-bytes: "
                                         "must be at least 4KiB"),
     ({}, {"KVD_QUICK_PREFILL_TOKENS": "-8"},

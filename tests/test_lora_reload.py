@@ -27,6 +27,7 @@ from .lora_cases import merged_checkpoint, write_adapter  # noqa: E402
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 PROMPT = list(b"A reload swaps the adapter; the request keeps the weights it began on. ")
 FULL = len(PROMPT) // 16 * 16  # the prompt's tokens in full blocks: what a later request can hit
+OTHER = list(b"Another prompt for the same adapter, sharing no block with the first one. ")
 
 
 @pytest.fixture(scope="module")
@@ -642,11 +643,14 @@ def test_an_adapter_read_while_kvd_serves_is_weighed_against_the_gpu_room_beside
     """Its packed weights' bytes (what the model's device holds of them, block-diagonal B and
     all), asked of the room check before they go to the device; one that does not fit beside the
     largest step's workspace is refused, at runtime (409) and in a reload, with nothing loaded."""
+    from rich.console import Console
+
     from kvctl.daemon.model.demo import DEMO_CONFIG
     from kvctl.daemon.model.llama import load_model
     from kvctl.daemon.model.lora import load_adapter
     from kvctl.daemon.server import lora_ops, reload_ops
     from kvctl.daemon.server.adapter_room import NoRoomForAdapter, gpu_room, room_refusal
+    from kvctl.status_view import render_status
 
     from .daemon_fixtures import call
 
@@ -703,5 +707,55 @@ def test_an_adapter_read_while_kvd_serves_is_weighed_against_the_gpu_room_beside
         assert list(service.adapters()) == ["sql"]
         status = call(unix, "GET", "/admin/status").json()
         assert [a["bytes"] for a in status["model"]["adapters"]] == [adapter.nbytes]
+        # max_loras changes live (and an unchanged adapter is not weighed again)
+        config.write_text(f"num_blocks: 64\nlora_runtime_updates: true\nmax_loras: 1\nlora_modules:\n"
+                          f"  sql: {folders['a']}\n")
+        assert service.reload_from_source("ops")["changed"] == {"max_loras": 1}
+        assert service.engine.settings.max_loras == 1
+        status = call(unix, "GET", "/admin/status").json()
+        assert (status["model"]["max_loras"], status["model"]["lora_turns_waiting"]) == (1, 0)
+        console = Console(record=True, width=200)
+        console.print(render_status(status))
+        assert [line.split(None, 2)[2].rstrip() for line in console.export_text().splitlines()
+                if line.startswith("LoRA batch")] == ["at most 1 adapters in a batch"]
     finally:
         service.shutdown(1)
+
+
+def test_max_loras_holds_a_new_adapter_s_requests_until_a_running_one_drains_and_never_starves_them(
+        base_dir, expected, tmp_path):
+    """With max_loras 2: a request for a third adapter waits while two run; the model's requests
+    go past it, adapter requests behind it (even of an adapter running) wait with it, so it gets
+    the first turn that frees. Each request's tokens are its adapter's."""
+    folders, tokens = expected
+    c = write_adapter(tmp_path / "c", rank=2, alpha=4, seed=3)
+    loaded = load_model(base_dir)
+    loaded.adapters = load_adapters(modules(a=folders["a"], b=folders["b"], c=c), loaded, "demo")
+
+    def admitted_in_turns(max_loras):
+        engine = Engine(loaded, EngineSettings(num_blocks=128, block_size=16, max_loras=max_loras))
+        sent = {"a1": engine.add_request(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), adapter="a"),
+                "b1": engine.add_request(PROMPT, GREEDY, adapter="b"),
+                "c1": engine.add_request(PROMPT, GREEDY, adapter="c"),
+                # (another prompt: one sharing a1's would wait a step for a1's blocks, in-batch sharing)
+                "a2": engine.add_request(OTHER, GREEDY, adapter="a"),
+                "b2": engine.add_request(OTHER, GREEDY, adapter="b"),  # b runs: it would go ahead of c1
+                "base": engine.add_request(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))}
+        turns, seen, waiting = [], set(), []
+        while engine.has_work():
+            engine.step()
+            new = [name for name, r in sent.items() if name not in seen and r.metrics.admitted is not None]
+            if new:
+                turns.append(new)
+                seen.update(new)
+                waiting.append(engine.lora_turns_waiting)
+        assert sent["a1"].sequences[0].output_ids == tokens["a"][:2]
+        assert sent["b1"].sequences[0].output_ids == tokens["b"]
+        return turns, waiting
+
+    assert admitted_in_turns(None) == ([["a1", "b1", "c1", "a2", "b2", "base"]], [0])
+    # a1 ends after two tokens: c1 takes its turn, and b2 (b running) does not pass it; b1 ends: a2's
+    # turn; then b2's
+    assert admitted_in_turns(2) == ([["a1", "b1", "base"], ["c1"], ["a2"], ["b2"]], [3, 2, 1, 0])
+    with pytest.raises(ValueError, match=r"^max_loras: must be >= 1, got 0$"):
+        Engine(loaded, EngineSettings(num_blocks=16, max_loras=0))

@@ -66,6 +66,7 @@ class EngineSettings:
     block_size: int = 16
     max_batch_tokens: int = 256  # prompt chunk budget per step (decodes count one each)
     max_running: int = 16  # sequences in the batch at most
+    max_loras: int | None = None  # LoRA adapters (their weights) in the batch at most; None: no limit
     max_queue: int = 256  # waiting requests before new ones are rejected
     max_tenant_requests: int | None = None  # one tenant's requests in flight (waiting, running) at most
     tenant_request_limits: tuple[tuple[str, int], ...] = ()  # (tenant, limit): overrides max_tenant_requests
@@ -147,6 +148,8 @@ class Engine:
             raise ValueError("max_batch_tokens, max_running and max_queue must be >= 1")
         if settings.quick_prefill_tokens < 0:
             raise ValueError(f"quick_prefill_tokens: must be >= 0, got {settings.quick_prefill_tokens}")
+        if settings.max_loras is not None and settings.max_loras < 1:
+            raise ValueError(f"max_loras: must be >= 1, got {settings.max_loras}")
         self.loaded, self.model, self.settings, self.clock = loaded, loaded.model, settings, clock
         self.tokenizer = loaded.tokenizer
         self.cache_dtype = None if settings.cache_dtype == "auto" else cache_dtype(settings.cache_dtype)
@@ -176,6 +179,7 @@ class Engine:
         self._quick_step_last = False  # the last step was a quick prefill step (see _plan)
         self.stats = EngineStats(tenants=TenantBook(settings.max_tracked_tenants))
         self.admission_paused = False  # set while new scales wait for running work to drain
+        self.lora_turns_waiting = 0  # requests the latest admission pass left waiting for an adapter's turn
         self.tiers = None  # a TieredCache once attach_tiers() is called
         self.prefetch = prefetch_wait(settings)
 
@@ -619,16 +623,31 @@ class Engine:
             self.tiers.wait_prefetch(held[0].request_id, max(0.0, min(self.PREFETCH_POLL, left)))
 
     def _admit_in_order(self, held: list[Request]) -> None:
-        """The admission pass of `_admit`; requests passed over for their fetch go into `held`."""
+        """The admission pass of `_admit`; requests passed over for their fetch go into `held`.
+
+        With `max_loras`, a request for an adapter whose weights the batch does not run yet waits
+        while the batch runs that many; the model's own requests go on past it, and so do none
+        of the adapters' (those of the adapters running too): it would otherwise wait as long as
+        they keep coming (SGLang's lora draining fixed the same starvation). Its turn comes once
+        every running request of one of the adapters in the batch has finished."""
         while self._waiting and self._waiting[0][1].status is not SeqStatus.WAITING:
             heapq.heappop(self._waiting)  # entries of cancelled sequences
         upcoming = self._upcoming_keys()
         size = self.settings.block_size
+        max_loras = self.settings.max_loras
+        loras = {id(s.request.lora) for s in self._running.values() if s.request.lora is not None}
+        passed: set[str] = set()  # requests left waiting for an adapter's turn
+        self.lora_turns_waiting = 0
         for entry in sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING):
             if len(self._running) >= self.settings.max_running:
                 return
             seq = entry[1]
             request = seq.request
+            if max_loras is not None and request.lora is not None and (
+                    passed or (id(request.lora) not in loras and len(loras) >= max_loras)):
+                passed.add(request.request_id)
+                self.lora_turns_waiting = len(passed)
+                continue
             tokens = seq.all_tokens
             reserve = self._reservation(request).reserve(request.params.max_tokens - len(seq.output_ids))
             keys, hasher = self._prefix_keys(seq)
@@ -679,6 +698,8 @@ class Engine:
             seq.status = SeqStatus.PREFILL
             seq.prefix_keys = None  # the cache holds them now
             self._running[seq.seq_id] = seq
+            if request.lora is not None:
+                loras.add(id(request.lora))
             upcoming.update(keys[admission.hit_blocks:len(tokens) // size])  # what it will compute
 
     def _upcoming_keys(self) -> set:

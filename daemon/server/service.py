@@ -234,6 +234,7 @@ class EngineService:
             raise ValueError(f"cache_memory: {cfg.cache_memory} bytes holds no block of {per_block} bytes")
         settings = EngineSettings(num_blocks=num_blocks, block_size=cfg.block_size,
                                   max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running,
+                                  max_loras=cfg.max_loras,
                                   max_queue=cfg.max_queue, max_tenant_requests=cfg.max_tenant_requests,
                                   tenant_request_limits=cfg.tenant_request_limits,
                                   reservation=cfg.reservation,

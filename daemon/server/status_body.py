@@ -67,7 +67,9 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                                     "source": "runtime" if service.runtime_lora.get(name) else "lora_modules"}
                                    for name, adapter in service.adapters().items()],
                       # adapters a reload took away or replaced, while requests still run on them
-                      "retiring_adapters": retiring},
+                      "retiring_adapters": retiring,
+                      # adapters in one batch at most (None: no limit), and the requests waiting for a turn
+                      "max_loras": engine.settings.max_loras, "lora_turns_waiting": engine.lora_turns_waiting},
             "blocks": {"device": {"total": cache.num_blocks, **counts}},
             "block_size": cache.block_size,
             "bytes_per_block": engine.cache.block_bytes,
