@@ -649,7 +649,8 @@ def test_an_adapter_read_while_kvd_serves_is_weighed_against_the_gpu_room_beside
     from kvctl.daemon.model.llama import load_model
     from kvctl.daemon.model.lora import load_adapter
     from kvctl.daemon.server import lora_ops, reload_ops
-    from kvctl.daemon.server.adapter_room import NoRoomForAdapter, gpu_room, room_refusal
+    from kvctl.daemon.model.lora import NoRoomForAdapter
+    from kvctl.daemon.server.adapter_room import gpu_room, room_refusal
     from kvctl.status_view import render_status
 
     from .daemon_fixtures import call

@@ -203,6 +203,11 @@ class Engine:
         base model): an adapter's K/V differ from the base model's, so its blocks are its own."""
         return self._namespace(tenant, self.adapter(adapter).digest if adapter else "")
 
+    def block_space(self) -> str:
+        """The block space served (Namespace.space_key, hex): what the tiers' payloads and a pin's
+        keys must have been made in to be of use here."""
+        return self.namespace("*").space_key().hex()
+
     def _namespace(self, tenant: str, adapter_id: str) -> Namespace:
         return Namespace(model_revision=self.loaded.revision, tokenizer_digest=self.tokenizer.digest,
                          adapter_id=adapter_id, cache_dtype=self.layout(), scale_version=self.scale_version,

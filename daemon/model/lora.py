@@ -44,6 +44,10 @@ KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
 
 
+class NoRoomForAdapter(ModelError):
+    """A LoRA adapter's weights do not fit on the model's device beside what serving needs."""
+
+
 @dataclass
 class PackedLora:
     """One packed projection's LoRA term: delta(x) = (x @ a.T) @ b.T, the scaling in b."""
@@ -212,7 +216,11 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
     if room is not None:
         room(name, nbytes)
     if device.type != "cpu":
-        layers = [{k: PackedLora(p.a.to(device), p.b.to(device)) for k, p in layer.items()} for layer in layers]
+        try:
+            layers = [{k: PackedLora(p.a.to(device), p.b.to(device)) for k, p in layer.items()} for layer in layers]
+        except torch.OutOfMemoryError:  # what the room check saw was taken meanwhile: nothing of it stays
+            raise NoRoomForAdapter(f"LoRA adapter {name!r} needs {nbytes:,} bytes on {device}, and the device ran "
+                                   "out of memory copying it") from None
     modules = tuple(m for _, ms in PACKED.values() for m in ms if any(k[1] == m for k in terms))
     return LoraAdapter(name, path, adapter_digest(path), rank, settings["lora_alpha"], modules, layers, stamp,
                        nbytes)

@@ -16,13 +16,9 @@ from typing import Callable
 
 import torch
 
-from kvctl.daemon.model.errors import ModelError
+from kvctl.daemon.model.lora import NoRoomForAdapter
 
 from .byte_sizes import format_bytes
-
-
-class NoRoomForAdapter(ModelError):
-    """A LoRA adapter's weights do not fit on the GPU beside what serving needs."""
 
 
 def room_refusal(name: str, nbytes: int, free: int, workspace: int) -> str | None:

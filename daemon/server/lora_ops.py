@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvctl.daemon.model.errors import ModelError
-from kvctl.daemon.model.lora import check_adapter_name, load_adapter, warn_if_kv_changes
+from kvctl.daemon.model.lora import NoRoomForAdapter, check_adapter_name, load_adapter, warn_if_kv_changes
 
 from . import pin_ops
-from .adapter_room import NoRoomForAdapter, gpu_room
+from .adapter_room import gpu_room
 from .calls import Principal, ServiceError
 
 

@@ -23,7 +23,7 @@ from kvctl.daemon.store import StoreUnavailable
 from . import tier_ops
 from .calls import Principal, ServiceError
 from .durations import unix_time
-from .prefix_ops import prefix_tree, resolve_prefix
+from .prefix_ops import prefix_tree, resolve_prefix, served_names
 
 log = logging.getLogger("kvd")
 
@@ -199,7 +199,7 @@ def list_pins(service, with_keys: bool = False) -> list[dict]:
     (`model`: its name served now; None where not served or not known) and, where no request
     can reach it any more, why (`stranded`: stranded_reason)."""
     engine = service.require_ready()
-    space, names = service.block_space(), _served_names(service)
+    space, names = _served(service)
     with service.lock:  # what only the lock makes consistent; the rows and the keys' hex after it
         now = engine.clock()
         listed = [(p.describe(), engine.cache.lookup(p.keys), p.keys, stranded_reason(p, space, names))
@@ -226,10 +226,16 @@ def stranded_pins(service, adapter_ids: set[str] | None = None, space: str | Non
 
 def _stranded(service) -> list[tuple]:
     """(pin, why) for each pin no request can reach any more (stranded_reason)."""
-    served_space, names = service.engine.namespace("*").space_key().hex(), _served_names(service)
+    served_space, names = _served(service)
     with service.lock:
         pins = [(p, stranded_reason(p, served_space, names)) for p in service.engine.cache.pins.all()]
     return [(p, reason) for p, reason in pins if reason is not None]
+
+
+def _served(service) -> tuple[str, dict[str, str]]:
+    """The block space served (hex; also while kvd starts, before it answers ready) and the model
+    and adapters served by their ids (served_names): what a pin must have been made under."""
+    return service.engine.block_space(), served_names(service)
 
 
 def _over_budget(service, exc: PinBudgetExceeded) -> str:
@@ -246,13 +252,14 @@ def warn_stranded(stranded: list[dict], cause: str) -> None:
     if stranded:
         log.warning("%s: %d pins (%s) hold %d blocks no request can reach now (%s); pin their prompts again, "
                     "then kvctl unpin --stranded", cause, len(stranded), ", ".join(p["pin_id"] for p in stranded),
-                    sum(p["blocks"] for p in stranded), STRANDED_WHY[stranded[0]["stranded"]])
+                    sum(p["blocks"] for p in stranded),
+                    "; ".join(dict.fromkeys(STRANDED_WHY[p["stranded"]] for p in stranded)))
 
 
 def stranded_by(service, retired: set[str], cause: str) -> dict:
     """What an answer says of the pins that retiring the LoRA weights `retired` (digests no
     longer served) stranded: {"stranded_pins": [...]}, logged too; {} where it stranded none."""
-    retired = retired - {a.digest for a in service.adapters().values()}  # the same files under another name
+    retired = retired - set(served_names(service))  # the same files served under another name
     stranded = stranded_pins(service, adapter_ids=retired) if retired else []
     warn_stranded(stranded, cause)
     return {"stranded_pins": stranded} if stranded else {}
@@ -273,15 +280,6 @@ def unpin_stranded(service, principal: Principal) -> dict:
             continue
         done.append({**row, "unpinned_blocks": body["unpinned_blocks"]})
     return {"unpinned": done, "unpinned_blocks": sum(p["unpinned_blocks"] for p in done)}
-
-
-def _served_names(service) -> dict[str, str]:
-    """The adapters served, by digest, with their names ("": the model's own); two names for the
-    same files: the first."""
-    names = {"": service.model_name}
-    for name, adapter in service.adapters().items():
-        names.setdefault(adapter.digest, name)
-    return names
 
 
 def _pin_times(described: dict, now: float) -> dict:

@@ -39,6 +39,15 @@ def prefix_tree(service) -> tuple[PrefixTree, dict]:
     return tree, roots
 
 
+def served_names(service) -> dict[str, str]:
+    """The model and the LoRA adapters served, by the id their blocks are hashed under (an
+    adapter's digest; "": the model's own), with their names; two names for the same files: the first."""
+    names = {"": service.model_name}
+    for name, adapter in service.adapters().items():
+        names.setdefault(adapter.digest, name)
+    return names
+
+
 def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent",
              limit: int = 0, under: str | None = None, model: str | None = None) -> tuple[list[dict], int]:
     """One row per node of the prefix tree: a run of cached blocks between branch points.
@@ -59,9 +68,7 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
     if model is not None:
         name = service.adapter_named(model)
         wanted = service.adapters()[name].digest if name else ""
-    names = {"": service.model_name}
-    for name, adapter in service.adapters().items():
-        names.setdefault(adapter.digest, name)  # two names for the same files: the first
+    names = served_names(service)
     tree, roots = prefix_tree(service)
     nodes = tree.nodes.values()
     if under is not None:

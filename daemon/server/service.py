@@ -625,7 +625,7 @@ class EngineService:
     def _load_scales(self, calibration: dict) -> None:
         """Swap in applied scales (caller holds the lock, nothing is running). Pins made under the
         scales before are stranded (their keys name those scales): the log says which."""
-        before = self.engine.namespace("*").space_key().hex()
+        before = self.engine.block_space()
         self.engine.set_scales(calibration["scales"], f"cal-{calibration['id']}")
         if self.tiers is not None:
             from kvctl.daemon.cache.tiers import engine_layout, engine_space_record, space_digest
@@ -636,7 +636,7 @@ class EngineService:
         self.pending_scales = None
         self.engine.admission_paused = False
         log.info("calibration %d loaded into the kernels", calibration["id"])
-        if self.engine.namespace("*").space_key().hex() != before:
+        if self.engine.block_space() != before:
             pin_ops.warn_stranded(pin_ops.stranded_pins(self, space=before), f"calibration {calibration['id']}")
 
     def cancel(self, request_id: str) -> None:
@@ -652,7 +652,7 @@ class EngineService:
     def block_space(self) -> str:
         """The block space this daemon serves (its namespace less the tenant: model revision,
         tokenizer, format, scales, block size): two replicas with the same one make the same keys."""
-        return self.require_ready().namespace("*").space_key().hex()
+        return self.require_ready().block_space()
 
     @property
     def sampling_defaults(self) -> dict:
