@@ -48,6 +48,7 @@ def render_requests(d: dict) -> Group:
     for row in rows:
         mark = [f"#{names.setdefault(row['replica'], len(names))}"] if fleet else []
         state = row["state"] + (" (fetching prefix)" if row.get("fetching_prefix") else "") \
+            + (" (for an adapter's turn)" if row.get("waiting_for_lora_turn") else "") \
             + (f", preempted {row['preemptions']}x" if row["preemptions"] else "")
         api = row["api"] + (f":{row['shape']}" if row.get("shape") else "")  # the field that shapes its reply
         adapter = [escape(row.get("adapter") or "-")] if adapters else []

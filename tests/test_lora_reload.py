@@ -556,6 +556,9 @@ def test_pins_made_under_weights_a_reload_or_an_unload_takes_away_are_stranded_a
         assert [(p["model"], p["stranded"]) for p in listed] == [(None, "adapter"), ("chat", None),
                                                                  (base_dir.name, None)]
         assert call(unix, "GET", "/admin/status").json()["stranded_pins"] == 1
+        scraped = [line for line in call(unix, "GET", "/metrics").text.splitlines()
+                   if line.startswith("kvd_stranded_pins{")]
+        assert scraped == ['kvd_stranded_pins{reason="adapter"} 1.0', 'kvd_stranded_pins{reason="space"} 0.0']
         # the stranded pin holds its share of the budget, and a refusal says so
         over = call(unix, "POST", "/admin/pins", json={"tokens": PROMPT, "model": "sql"})
         assert over.status_code == 409 and over.json()["error"]["message"] == (
@@ -735,13 +738,15 @@ def test_max_loras_holds_a_new_adapter_s_requests_until_a_running_one_drains_and
 
     def admitted_in_turns(max_loras):
         engine = Engine(loaded, EngineSettings(num_blocks=128, block_size=16, max_loras=max_loras))
-        sent = {"a1": engine.add_request(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), adapter="a"),
-                "b1": engine.add_request(PROMPT, GREEDY, adapter="b"),
-                "c1": engine.add_request(PROMPT, GREEDY, adapter="c"),
+        def send(name, prompt, params=GREEDY, adapter=""):
+            return engine.add_request(prompt, params, request_id=name, adapter=adapter)
+
+        sent = {"a1": send("a1", PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), "a"),
+                "b1": send("b1", PROMPT, adapter="b"), "c1": send("c1", PROMPT, adapter="c"),
                 # (another prompt: one sharing a1's would wait a step for a1's blocks, in-batch sharing)
-                "a2": engine.add_request(OTHER, GREEDY, adapter="a"),
-                "b2": engine.add_request(OTHER, GREEDY, adapter="b"),  # b runs: it would go ahead of c1
-                "base": engine.add_request(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))}
+                "a2": send("a2", OTHER, adapter="a"),
+                "b2": send("b2", OTHER, adapter="b"),  # b runs: it would go ahead of c1
+                "base": send("base", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))}
         turns, seen, waiting = [], set(), []
         while engine.has_work():
             engine.step()
@@ -749,14 +754,64 @@ def test_max_loras_holds_a_new_adapter_s_requests_until_a_running_one_drains_and
             if new:
                 turns.append(new)
                 seen.update(new)
-                waiting.append(engine.lora_turns_waiting)
+                waiting.append(sorted(engine.lora_turn_waiters))
         assert sent["a1"].sequences[0].output_ids == tokens["a"][:2]
         assert sent["b1"].sequences[0].output_ids == tokens["b"]
         return turns, waiting
 
-    assert admitted_in_turns(None) == ([["a1", "b1", "c1", "a2", "b2", "base"]], [0])
+    assert admitted_in_turns(None) == ([["a1", "b1", "c1", "a2", "b2", "base"]], [[]])
     # a1 ends after two tokens: c1 takes its turn, and b2 (b running) does not pass it; b1 ends: a2's
     # turn; then b2's
-    assert admitted_in_turns(2) == ([["a1", "b1", "base"], ["c1"], ["a2"], ["b2"]], [3, 2, 1, 0])
+    assert admitted_in_turns(2) == ([["a1", "b1", "base"], ["c1"], ["a2"], ["b2"]],
+                                    [["a2", "b2", "c1"], ["a2", "b2"], ["b2"], []])
     with pytest.raises(ValueError, match=r"^max_loras: must be >= 1, got 0$"):
         Engine(loaded, EngineSettings(num_blocks=16, max_loras=0))
+
+
+def test_kvctl_requests_and_status_show_a_request_waiting_for_an_adapter_s_turn(base_dir, expected, tmp_path):
+    import time
+
+    from rich.console import Console
+
+    from kvctl.daemon.server.app import create_app
+    from kvctl.daemon.server.calls import Principal
+    from kvctl.requests_cmd import render_requests
+    from kvctl.status_view import render_status
+
+    from .daemon_fixtures import call
+
+    folders, tokens = expected
+    service, _ = reloadable_service(base_dir, tmp_path, f"num_blocks: 512\nmax_loras: 1\nlora_modules:\n"
+                                                         f"  sql: {folders['a']}\n  chat: {folders['b']}\n")
+    try:
+        assert service.ready.wait(60), service.load_error
+        unix = create_app(service, service.metrics, front="unix")
+        long = SamplingParams(max_tokens=7000, ignore_eos=True)  # runs until it is cancelled
+        [busy] = service.submit([PROMPT], long, Principal("default", "admin", "t"), lambda event: None, "sql")
+        answers = []
+        waiter = threading.Thread(target=lambda: answers.append(call(unix, "POST", "/v1/completions", json={
+            "model": "chat", "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "temperature": 0})))
+        waiter.start()
+        for _ in range(200):
+            listed = call(unix, "GET", "/admin/requests").json()
+            rows = listed["requests"]
+            if any(row["waiting_for_lora_turn"] for row in rows):
+                break
+            time.sleep(0.02)
+        assert [(r["adapter"], r["state"], r["waiting_for_lora_turn"]) for r in rows] == [
+            ("sql", "decode", False), ("chat", "waiting", True)]
+        console = Console(width=160, record=True)
+        console.print(render_requests(listed))
+        assert "waiting (for an adapter's turn)" in console.export_text()
+        status = call(unix, "GET", "/admin/status").json()
+        assert (status["model"]["max_loras"], status["model"]["lora_turns_waiting"]) == (1, 1)
+        console = Console(record=True, width=200)
+        console.print(render_status(status))
+        assert [line.split(None, 2)[2].rstrip() for line in console.export_text().splitlines()
+                if line.startswith("LoRA batch")] == [
+            "at most 1 adapters in a batch; 1 requests wait for an adapter's turn"]
+        service.cancel(busy.request_id)  # sql's turn ends: chat's comes
+        waiter.join(60)
+        assert answers[0].json()["choices"][0]["token_ids"] == tokens["b"]
+    finally:
+        service.shutdown(1)

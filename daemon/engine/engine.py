@@ -179,7 +179,8 @@ class Engine:
         self._quick_step_last = False  # the last step was a quick prefill step (see _plan)
         self.stats = EngineStats(tenants=TenantBook(settings.max_tracked_tenants))
         self.admission_paused = False  # set while new scales wait for running work to drain
-        self.lora_turns_waiting = 0  # requests the latest admission pass left waiting for an adapter's turn
+        # ids of the requests the latest admission pass left waiting for an adapter's turn (max_loras)
+        self.lora_turn_waiters: set[str] = set()
         self.tiers = None  # a TieredCache once attach_tiers() is called
         self.prefetch = prefetch_wait(settings)
 
@@ -641,8 +642,7 @@ class Engine:
         size = self.settings.block_size
         max_loras = self.settings.max_loras
         loras = {id(s.request.lora) for s in self._running.values() if s.request.lora is not None}
-        passed: set[str] = set()  # requests left waiting for an adapter's turn
-        self.lora_turns_waiting = 0
+        passed = self.lora_turn_waiters = set()  # requests left waiting for an adapter's turn
         for entry in sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING):
             if len(self._running) >= self.settings.max_running:
                 return
@@ -651,7 +651,6 @@ class Engine:
             if max_loras is not None and request.lora is not None and (
                     passed or (id(request.lora) not in loras and len(loras) >= max_loras)):
                 passed.add(request.request_id)
-                self.lora_turns_waiting = len(passed)
                 continue
             tokens = seq.all_tokens
             reserve = self._reservation(request).reserve(request.params.max_tokens - len(seq.output_ids))

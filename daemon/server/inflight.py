@@ -41,6 +41,7 @@ def request_row(service: EngineService, request: Request, now: float) -> dict:
             "max_tokens": request.params.max_tokens, "n": request.params.n,
             "preemptions": metrics.preemptions, "blocks": blocks,
             "fetching_prefix": service.engine.fetching_prefix(request),  # from disk or Redis, while it waits
+            "waiting_for_lora_turn": request.request_id in service.engine.lora_turn_waiters,  # max_loras
             "priority": -request.priority,  # as requests and tenant_priorities give it: lower runs first
             "cohort": request.cohort,
             "shape": shape_field(request),

@@ -28,6 +28,8 @@
     kvd_ttft_seconds                          histogram: time to first token
     kvd_inter_token_seconds                   histogram: time between output tokens
     kvd_pinned_blocks{tenant}                 distinct blocks pinned per tenant
+    kvd_stranded_pins{reason}                 pins no request can reach any more: made under LoRA weights
+                                              (adapter) or a block space (space) kvd no longer serves
     kvd_lora_requests{adapter,state}          requests in flight per LoRA adapter (lora_modules): running
                                               (some sample admitted) or waiting
     kvd_restored_tokens_total                 prompt tokens restored from a lower tier (not recomputed)
@@ -66,6 +68,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter as Tally
 from collections import OrderedDict, deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -76,6 +79,7 @@ from kvctl.daemon.engine.tenant_book import HIT, PROMPT
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
+from . import pin_ops
 from .cut_connections import CutConnections
 from .gc_pauses import metric_families as gc_metric_families
 from .service import EngineService
@@ -238,6 +242,13 @@ class _EngineCollector:
         for label, value in labels.fold(pins.items()):
             pinned.add_metric([label], value)
         yield pinned
+        reasons = Tally(row["stranded"] for row in pin_ops.stranded_pins(self.service))
+        stranded = GaugeMetricFamily("kvd_stranded_pins", "Pins no request can reach any more: made under LoRA "
+                                     "weights (adapter) or a block space (space) kvd no longer serves",
+                                     labels=["reason"])
+        for reason in ("adapter", "space"):
+            stranded.add_metric([reason], reasons[reason])
+        yield stranded
         rollout = self.service.rollouts.counts()
         if rollout is not None:
             yield from _rollout_metrics(rollout)

@@ -69,7 +69,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                       # adapters a reload took away or replaced, while requests still run on them
                       "retiring_adapters": retiring,
                       # adapters in one batch at most (None: no limit), and the requests waiting for a turn
-                      "max_loras": engine.settings.max_loras, "lora_turns_waiting": engine.lora_turns_waiting},
+                      "max_loras": engine.settings.max_loras, "lora_turns_waiting": len(engine.lora_turn_waiters)},
             "blocks": {"device": {"total": cache.num_blocks, **counts}},
             "block_size": cache.block_size,
             "bytes_per_block": engine.cache.block_bytes,
