@@ -3,10 +3,15 @@
     bytes per token  = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
                        (+ 2 x layers x kv_heads x 4 for formats with per-token scales)
     bytes per block  = bytes per token x block size
-    cache budget     = GPU memory - weights - activation workspace - reserve x GPU memory
+    cache budget     = GPU memory - weights - LoRA adapters - activation workspace - reserve x GPU memory
     blocks           = floor(cache budget / bytes per block)  (none when the budget is negative:
                        `shortfall_bytes` says by how much the rest overcommits the GPU)
     sequences at S   = floor(blocks / ceil(S / block size))
+
+A LoRA adapter of rank r on every projection kvd adapts takes, per layer, as kvd packs it
+(daemon/model/lora.py: A matrices stacked, B block-diagonal, in the model's dtype)
+
+    r x (7 x hidden + 4 x heads x head_dim + 6 x kv_heads x head_dim + 5 x intermediate) elements
 
 Per-KV-head scales of fp8/int8 (one float32 per head and layer) cost a few KiB in all
 and are not charged per token.
@@ -36,6 +41,7 @@ class ModelShape:
     intermediate_size: int | None = None
     dtype: str = "bfloat16"
     weights_bytes: int | None = None
+    heads: int | None = None  # attention (query) heads
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim"):
@@ -62,7 +68,8 @@ class ModelShape:
         return cls(layers=int(raw["num_hidden_layers"]), kv_heads=int(raw.get("num_key_value_heads") or heads),
                    head_dim=int(raw.get("head_dim") or hidden // heads), hidden_size=int(hidden),
                    intermediate_size=raw.get("intermediate_size"),
-                   dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), weights_bytes=weights)
+                   dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), weights_bytes=weights,
+                   heads=int(heads))
 
 
 @dataclass
@@ -84,6 +91,19 @@ def bytes_per_token(shape: ModelShape, cache_dtype: str) -> int:
         raise ValueError(f"dtype: unknown value {cache_dtype!r}; choose from "
                          f"{', '.join([*ELEMENT_BYTES, *PER_TOKEN_SCALE_FORMATS])}")
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * ELEMENT_BYTES[cache_dtype]
+
+
+def lora_bytes(shape: ModelShape, rank: int) -> int:
+    """What one LoRA adapter of `rank` on every projection (q, k, v, o, gate, up, down) takes on the
+    device as kvd holds it, in the model's dtype: the figure `kvctl status` gives a loaded one."""
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"lora_rank: must be a whole number of at least 1, got {rank!r}")
+    if not (shape.hidden_size and shape.intermediate_size and shape.heads):
+        raise ValueError("lora_rank: needs the model's hidden_size, intermediate_size and attention heads "
+                         "(--model DIR)")
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = rank * (7 * shape.hidden_size + 4 * q + 6 * kv + 5 * int(shape.intermediate_size))
+    return shape.layers * per_layer * ELEMENT_BYTES.get(shape.dtype, 2)
 
 
 COMPRESSIBLE_DTYPES = ("float32", "float16", "bfloat16")
@@ -121,26 +141,28 @@ def default_workspace(shape: ModelShape, batch_tokens: int = 2048) -> int:
 
 
 def plan(shape: ModelShape, *, gpu_memory: int, cache_dtype: str, block_size: int, context: int,
-         reserve: float = 0.1, workspace: int | None = None, weights_bytes: int | None = None) -> dict:
-    """Capacity for one cache dtype, with the budget broken down."""
+         reserve: float = 0.1, workspace: int | None = None, weights_bytes: int | None = None,
+         lora_bytes: int = 0) -> dict:
+    """Capacity for one cache dtype, with the budget broken down. `lora_bytes`: what the LoRA
+    adapters served beside the model take (lora_bytes() each)."""
     if not 0 <= reserve < 1:
         raise ValueError(f"reserve: must be in [0, 1), got {reserve!r}")
     for name, value in (("block_size", block_size), ("context", context), ("gpu_memory", gpu_memory)):
         if value < 1:
             raise ValueError(f"{name}: must be at least 1, got {value!r}")
-    for name, value in (("workspace", workspace), ("weights_bytes", weights_bytes)):
+    for name, value in (("workspace", workspace), ("weights_bytes", weights_bytes), ("lora_bytes", lora_bytes)):
         if value is not None and value < 0:
             raise ValueError(f"{name}: must not be negative, got {value!r}")
     weights = weights_bytes if weights_bytes is not None else (shape.weights_bytes or 0)
     work = default_workspace(shape) if workspace is None else workspace
-    budget = gpu_memory - weights - work - int(reserve * gpu_memory)
+    budget = gpu_memory - weights - lora_bytes - work - int(reserve * gpu_memory)
     per_token = bytes_per_token(shape, cache_dtype)
     per_block = per_token * block_size
     blocks = max(budget, 0) // per_block
     per_sequence = -(-context // block_size)
     row = CapacityRow(cache_dtype, per_token, per_block, max(budget, 0), blocks, blocks * block_size,
                       blocks // per_sequence)
-    return {"gpu_memory": gpu_memory, "weights_bytes": weights, "workspace_bytes": work,
+    return {"gpu_memory": gpu_memory, "weights_bytes": weights, "lora_bytes": lora_bytes, "workspace_bytes": work,
             "reserve_bytes": int(reserve * gpu_memory), "shortfall_bytes": max(-budget, 0), **asdict(row)}
 
 

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from kvctl.daemon.gpu_nvml import Nvml
 
-from .capacity import ELEMENT_BYTES, PER_TOKEN_SCALE_FORMATS, ModelShape, compare_dtypes, tier_plan
+from .capacity import ELEMENT_BYTES, PER_TOKEN_SCALE_FORMATS, ModelShape, compare_dtypes, lora_bytes, tier_plan
 from .errors import UserError
 
 
@@ -57,9 +57,15 @@ def capacity_command(
     tier_bytes: Optional[str] = typer.Option(
         None, "--tier-bytes", help="Also: tokens a lower tier (disk, Redis) of this size holds, whole and "
                                    "compressed (tier_compress), e.g. 512GiB."),
+    loras: int = typer.Option(0, "--loras", help="LoRA adapters served beside the model (lora_modules); "
+                                                  "with --lora-rank and --model."),
+    lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="Their rank, on every projection."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Bytes per token and block, and blocks and sequences that fit, per cache dtype.
+
+    `--loras N --lora-rank R` takes N LoRA adapters of rank R on every projection out of the
+    cache's memory, at what kvd holds of each (`kvctl status` gives a loaded one's bytes).
 
     Example: kvctl capacity --layers 32 --kv-heads 8 --head-dim 128 --gpu-memory 141GB --weights-bytes 16GB
     """
@@ -78,6 +84,14 @@ def capacity_command(
     else:
         raise UserError("gpu_memory: give --gpu-memory BYTES or --gpu auto")
     weights = None if weights_bytes == "auto" else _bytes("weights_bytes", weights_bytes)
+    if loras < 0:
+        raise UserError(f"loras: must be >= 0, got {loras}")
+    if (loras > 0) != (lora_rank is not None):
+        raise UserError("loras: give --loras N with --lora-rank R (both or neither)")
+    try:
+        adapters = loras * lora_bytes(shape, lora_rank) if loras else 0
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     from kvctl.daemon.config import cache_dtype_name
 
     if not dtype:  # what kvd's cache_dtype auto would hold, beside the quantised formats
@@ -91,11 +105,13 @@ def capacity_command(
     try:
         rows = compare_dtypes(shape, dtypes, gpu_memory=memory, block_size=block_size, context=context,
                               reserve=reserve, workspace=None if workspace is None else _bytes("workspace", workspace),
-                              weights_bytes=weights)
+                              weights_bytes=weights, lora_bytes=adapters)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     document = {"shape": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim},
                 "block_size": block_size, "context": context, "rows": rows}
+    if loras:
+        document["loras"] = {"count": loras, "rank": lora_rank, "bytes_each": adapters // loras}
     if tier_bytes is not None:
         size = _bytes("tier_bytes", tier_bytes)
         try:
@@ -110,7 +126,9 @@ def capacity_command(
     table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False,
                   title=f"KV cache capacity: {shape.layers} layers x {shape.kv_heads} KV heads x "
                         f"{shape.head_dim} dims; GPU {first['gpu_memory'] / 2**30:.1f} GiB - weights "
-                        f"{first['weights_bytes'] / 2**30:.1f} - workspace {first['workspace_bytes'] / 2**30:.1f}"
+                        f"{first['weights_bytes'] / 2**30:.1f}"
+                        + (f" - {loras} LoRA {adapters / 2**30:.1f}" if loras else "")
+                        + f" - workspace {first['workspace_bytes'] / 2**30:.1f}"
                         f" - reserve {first['reserve_bytes'] / 2**30:.1f} GiB; "
                         f"sequences of {context:,} tokens")
     for column in ("cache dtype", "B/token", "B/block", "cache GiB", "blocks", "tokens",

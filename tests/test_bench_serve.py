@@ -290,6 +290,39 @@ def test_capacity_matches_hand_computed_llama3_figures():
     assert row70["blocks"] == (2 * h200 - 140 * 10**9 - 2**30 - int(0.2 * h200)) // (163_840 * 16)
 
 
+def test_capacity_takes_lora_adapters_out_of_the_cache_at_what_kvd_holds_of_each(capsys, tmp_path):
+    """Llama-3-8B, rank 16 on every projection: per layer 16 x (7 x 4096 + 4 x 4096 + 6 x 1024 +
+    5 x 14336) bf16 values as kvd packs them (B block-diagonal: 1.5x PEFT's 80 MiB file)."""
+    from kvctl.capacity import lora_bytes
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+
+    llama8b = ModelShape(layers=32, kv_heads=8, head_dim=128, hidden_size=4096, intermediate_size=14336, heads=32)
+    assert lora_bytes(llama8b, 16) == 32 * 16 * (7 * 4096 + 4 * 4096 + 6 * 1024 + 5 * 14336) * 2 == 125_829_120
+    h200 = 141 * 10**9
+    row = plan(llama8b, gpu_memory=h200, cache_dtype="bfloat16", block_size=16, context=8192, reserve=0.1,
+               workspace=2**30, weights_bytes=16 * 10**9, lora_bytes=8 * 125_829_120)
+    assert row["cache_bytes"] == h200 - 16 * 10**9 - 8 * 125_829_120 - 2**30 - int(0.1 * h200)
+    assert row["lora_bytes"] == 8 * 125_829_120
+    with pytest.raises(ValueError, match=r"^lora_rank: needs the model's hidden_size"):
+        lora_bytes(ModelShape(layers=32, kv_heads=8, head_dim=128), 16)
+
+    demo = ensure_demo_checkpoint(tmp_path)
+    status, out, _ = cli(capsys, "capacity", "--model", str(demo), "--gpu-memory", "1GiB", "--workspace", "0",
+                         "--loras", "3", "--lora-rank", "4", "--dtype", "float32", "--json")
+    document = json.loads(out)
+    each = lora_bytes(ModelShape.from_model_dir(demo), 4)
+    assert status == 0 and document["loras"] == {"count": 3, "rank": 4, "bytes_each": each}
+    [row] = document["rows"]
+    assert row["lora_bytes"] == 3 * each
+    assert row["cache_bytes"] == 2**30 - row["weights_bytes"] - 3 * each - int(0.1 * 2**30)
+    status, _, err = cli(capsys, "capacity", "--model", str(demo), "--gpu-memory", "1GiB", "--loras", "3")
+    assert status == 2 and err.strip() == "error: loras: give --loras N with --lora-rank R (both or neither)"
+    status, _, err = cli(capsys, "capacity", "--layers", "2", "--kv-heads", "1", "--head-dim", "64",
+                         "--gpu-memory", "1GiB", "--loras", "1", "--lora-rank", "8")
+    assert status == 2 and err.strip() == ("error: lora_rank: needs the model's hidden_size, intermediate_size "
+                                           "and attention heads (--model DIR)")
+
+
 def test_capacity_command_compares_dtypes(capsys, tmp_path):
     status, out, _ = cli(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
                          "--gpu-memory", "141GB", "--weights-bytes", "16GB", "--workspace", "1GiB",

@@ -679,6 +679,9 @@ def test_an_adapter_read_while_kvd_serves_is_weighed_against_the_gpu_room_beside
                  + r * inter + hidden * r)  # down
     assert asked == [("sql", per_layer * DEMO_CONFIG["num_hidden_layers"] * 4)]  # float32
     assert adapter.nbytes == asked[0][1] and adapter.describe()["bytes"] == adapter.nbytes
+    from kvctl.capacity import ModelShape, lora_bytes
+
+    assert lora_bytes(ModelShape.from_model_dir(base_dir), 4) == adapter.nbytes  # kvctl capacity plans the same
 
     def no_room(device):
         def check(name, nbytes):
