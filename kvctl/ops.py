@@ -195,8 +195,10 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
             where = [f"{len(p['replicas'])}/{d['replica_count']}"] if fleet else []
             each = sorted(set((p.get("cached_by_replica") or {"": p["cached_blocks"]}).values()))
             cached = f"{each[0]:,}" if len(each) == 1 else f"{each[0]:,}-{each[-1]:,}"  # on each replica
-            if p.get("stranded"):
-                cached = Text(f"{cached} stranded", style="yellow")
+            if p.get("stranded"):  # at kvd router: on some replicas, or on every one
+                on = p.get("stranded_on") or []
+                cached = Text(f"{cached} stranded" + (f" on {len(on)}/{len(p['replicas'])}" if fleet and on
+                                                      and len(on) < len(p["replicas"]) else ""), style="yellow")
             table.add_row(p["pin_id"], p["tenant"], *([_prefix_model(p)] if adapters else []), f"{p['blocks']:,}",
                           cached, *where, p["owner"], "never" if p["expires_at"] is None else duration(left), p["note"])
         keep_whole(table, 0)

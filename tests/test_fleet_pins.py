@@ -142,14 +142,18 @@ def test_kvd_router_lists_stranded_pins_and_unpins_them_on_every_replica(tmp_pat
 
         [made] = asyncio.run(ask(("POST", "/admin/pins", {"json": {"text": SYSTEM, "tenant": "acme"}})))
         pin_id, blocks = made.json()["pin_id"], made.json()["blocks"]
-        for service in services:
-            with service.lock:  # as restored from a store written under other scales
-                service.engine.cache.pins.get(pin_id).space = "ab" * 32
-        listed, refused, swept, after = asyncio.run(ask(
-            ("GET", "/admin/pins", {}), ("DELETE", "/admin/pins", {}),
+        with services[1].lock:  # as restored from a store written under other scales
+            services[1].engine.cache.pins.get(pin_id).space = "ab" * 32
+        [listed] = asyncio.run(ask(("GET", "/admin/pins", {})))
+        with services[0].lock:
+            services[0].engine.cache.pins.get(pin_id).space = "ab" * 32
+        refused, swept, after = asyncio.run(ask(("DELETE", "/admin/pins", {}),
             ("DELETE", "/admin/pins", {"params": {"stranded": "true"}}), ("GET", "/admin/pins", {})))
         [row] = listed.json()["pins"]
         assert (row["pin_id"], row["stranded"], row["replicas"]) == (pin_id, "space", ["replica-0", "replica-1"])
+        assert row["stranded_on"] == ["replica-1"]  # on replica-1 alone so far
+        [line] = [line for line in _kvctl_prints(["pins"], listed.json()).splitlines() if pin_id in line]
+        assert "stranded on 1/2" in line
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "stranded"
         body = swept.json()
         assert swept.status_code == 200 and body["result"] == "ok"

@@ -139,17 +139,21 @@ def merge_stranded_unpins(done: list[dict]) -> dict:
 
 def merge_pin_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
     """Every pin of the fleet once, with the replicas that hold it, its blocks cached on each
-    (`cached_by_replica`) and summed (`cached_blocks`)."""
+    (`cached_by_replica`) and summed (`cached_blocks`), and the replicas where no request reaches
+    it any more (`stranded_on`; `stranded`: why, as the first of them says)."""
     by_id: dict[str, dict] = {}
     for name, (status, body) in zip(names, answers):
         if status != 200:
             continue
         for pin in body["pins"]:
             seen = by_id.setdefault(pin["pin_id"], {**pin, "cached_blocks": 0, "replicas": [],
-                                                    "cached_by_replica": {}})
+                                                    "cached_by_replica": {}, "stranded": None, "stranded_on": []})
             seen["cached_blocks"] += pin["cached_blocks"]
             seen["cached_by_replica"][name] = pin["cached_blocks"]
             seen["replicas"].append(name)
+            if pin.get("stranded"):
+                seen["stranded"] = seen["stranded"] or pin["stranded"]
+                seen["stranded_on"].append(name)
     if not any(status == 200 for status, _ in answers):
         return none_did(names, answers)
     missing = [f"{name} ({body.get('error') if status is None else status})"
