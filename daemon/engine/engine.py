@@ -641,7 +641,8 @@ class Engine:
         upcoming = self._upcoming_keys()
         size = self.settings.block_size
         max_loras = self.settings.max_loras
-        loras = {id(s.request.lora) for s in self._running.values() if s.request.lora is not None}
+        loras = set() if max_loras is None else {  # (no walk of the batch when there is no limit)
+            id(s.request.lora) for s in self._running.values() if s.request.lora is not None}
         passed = self.lora_turn_waiters = set()  # requests left waiting for an adapter's turn
         for entry in sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING):
             if len(self._running) >= self.settings.max_running:
@@ -702,7 +703,7 @@ class Engine:
             seq.status = SeqStatus.PREFILL
             seq.prefix_keys = None  # the cache holds them now
             self._running[seq.seq_id] = seq
-            if request.lora is not None:
+            if max_loras is not None and request.lora is not None:
                 loras.add(id(request.lora))
             upcoming.update(keys[admission.hit_blocks:len(tokens) // size])  # what it will compute
 
