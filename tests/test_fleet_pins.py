@@ -116,7 +116,8 @@ def test_a_stranded_pin_is_copied_nowhere_and_a_copy_keeps_the_adapter_its_keys_
             services[0].engine.cache.pins.get(made[1]["pin_id"]).adapter_id = "cd" * 32
         body = sync(router_over(services)).json()
         assert [(row["pin_id"], row["copied_to"], row["left_out"]) for row in body["pins"]] == [
-            (made[0]["pin_id"], {}, {"replica-1": "serves another block space"}),
+            (made[0]["pin_id"], {}, {"replica-1": "the pin is stranded: its keys were made in a block space no "
+                                                  "longer served"}),
             (made[1]["pin_id"], {"replica-1": {"cached_blocks": 0}}, {})]
         [copy] = pins_of(services[1])
         assert (copy["pin_id"], copy["adapter_id"], copy["model"], copy["stranded"]) == (

@@ -54,8 +54,10 @@ async def sync_pins(replicas: Sequence, only: str | None = None) -> tuple[int, d
         for i in spaces:
             if i in entry["on"] or (only is not None and names[i] != only):
                 continue
-            if spaces[i] != entry["space"]:
-                row["left_out"][names[i]] = "serves another block space"
+            if spaces[i] != entry["space"]:  # (a pin stranded where it is: its keys are of a space gone there)
+                row["left_out"][names[i]] = ("the pin is stranded: its keys were made in a block space no longer "
+                                             "served" if pin.get("stranded") == "space" else
+                                             "serves another block space")
             elif left is not None and left <= 0:
                 row["left_out"][names[i]] = "the pin has expired"
             else:
