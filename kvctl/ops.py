@@ -76,7 +76,7 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
             column.justify = "right" if column.header in ("tokens", "size", "hits", "idle", "in use") else "left"
         for p in shown:
             cells = {"prefix": p["prefix_id"],
-                     "parent": "detached" if p.get("detached") else (p.get("parent_id") or "-")[:8],
+                     "parent": _prefix_parent(p),
                      "tenant": "-" if p["tenant"] is None else p["tenant"], "model": _prefix_model(p),
                      "tokens": f"{p.get('start_token', 0):,}-{p['tokens']:,}", "size": size(p["bytes"]),
                      "hits": "-" if p["hits"] is None else f"{p['hits']:,}", "idle": duration(p.get("idle_seconds")),
@@ -96,13 +96,23 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
             (["none " + " or ".join(quiet)] if quiet else [])
         if shown and same:
             console.print("; ".join(same))
-        if any(p.get("detached") for p in shown):
+        if any(p.get("detached") and not p.get("stale") for p in shown):
             console.print("detached: the blocks before it are cached nowhere, so no request reaches it")
+        if any(p.get("stale") for p in shown):
+            console.print("stale: made under a model revision, tokenizer, cache format, scales or block size kvd no "
+                          "longer serves, so no request reaches it; it goes as the cache needs room")
         for i, name in enumerate(fleet):
             console.print(f"#{i} {escape(name)}", highlight=False, soft_wrap=True)
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     emit(data, as_json, render)
+
+
+def _prefix_parent(row: dict) -> str:
+    """A prefix row's parent column: the row it branches from, or why no request reaches it."""
+    if row.get("stale"):
+        return "stale"
+    return "detached" if row.get("detached") else (row.get("parent_id") or "-")[:8]
 
 
 def _prefix_model(row: dict) -> str:

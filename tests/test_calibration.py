@@ -239,6 +239,14 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path, caplog):
             time.sleep(0.05)
         after = call(unix, "POST", "/v1/completions", json=prompt).json()
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # new scales, new namespace
+        # the trees cached under the scales before stay listed, marked stale: no request reaches them
+        rows = call(unix, "GET", "/admin/prefixes").json()["prefixes"]
+        assert [(r["tokens"], r["hits"], r["pinned"], r["stale"]) for r in rows] == [
+            (256, 0, False, False), (256, 1, False, True), (240, 0, True, True)]
+        refused = call(unix, "POST", "/admin/pins", json={"prefix": rows[1]["prefix_id"]})
+        assert refused.status_code == 409 and refused.json()["error"]["message"] == (
+            f"prefix: {rows[1]['prefix_id']!r} is unreachable (made under a model revision, tokenizer, cache format, "
+            "scales or block size kvd no longer serves); pin it by its text to compute it again")
         # the pin made under the scales before: stranded as they went (logged by the engine's thread)
         assert [(p["pin_id"], p["stranded"]) for p in call(unix, "GET", "/admin/pins").json()["pins"]] == [
             (float_pin["pin_id"], "space"), (fp8_pin["pin_id"], "space")]

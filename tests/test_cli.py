@@ -864,6 +864,28 @@ def test_prefixes_table_shows_the_tree_and_fits_80_columns(capsys, monkeypatch):
     assert "tenant acme" not in out and "none pinned" not in out
 
 
+def test_prefixes_table_marks_the_trees_of_a_block_space_no_longer_served(capsys, monkeypatch):
+    """A tree cached under scales since replaced (a live calibration) is listed stale: kvd keeps
+    it until the cache needs room, and no request reaches it meanwhile."""
+    import kvctl.ops as ops
+
+    rows = _prefix_rows()
+    for row in rows[:3]:  # one tree, made under the scales before
+        row.update(stale=True)
+    rows[3].update(parent_id=None, start_token=0, tokens=16, blocks=1, stale=False)  # a tree of the served ones
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: type("Fake", (), {
+        "get": lambda self, path, **params: {"prefixes": rows, "total": 4}})())
+    monkeypatch.setenv("COLUMNS", "80")
+    status, out, _ = cli(capsys, "prefixes")
+    lines = [line.rstrip() for line in out.splitlines()]
+    assert status == 0 and [line.split()[:2] for line in lines[1:5]] == [
+        ["0000000000000000", "stale"], ["0000000000000001", "stale"], ["0000000000000002", "stale"],
+        ["0000000000000003", "-"]]
+    assert lines[5] == "tenant acme; none pinned or in use" and max(map(len, lines)) <= 80
+    assert " ".join(lines[6:]) == ("stale: made under a model revision, tokenizer, cache format, scales or block size "
+                                   "kvd no longer serves, so no request reaches it; it goes as the cache needs room")
+
+
 def test_explain_and_pin_read_a_prompt_file_and_name_one_that_is_not_text(capsys, monkeypatch, tmp_path):
     import kvctl.ops as ops
 

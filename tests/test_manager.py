@@ -291,3 +291,27 @@ def test_what_is_known_of_prefix_trees_stays_bounded_by_the_pool(monkeypatch):
         assert m.roots[m.sequence(f"r{i}").keys[0]].tenant == NS.tenant
         m.release(f"r{i}")
     m.audit()
+
+
+def test_a_tree_records_the_block_space_it_was_hashed_in():
+    """A prompt's tree records its namespace's block space (not its tenant's or adapter's part of
+    it), so a listing can tell the trees of scales since replaced; a restored tree takes the space
+    its tier holds it in; keys admitted without their hasher leave it unknown."""
+    from dataclasses import replace
+
+    m = make_manager()
+    new_scales, tenant_b = replace(NS, scale_version="cal-2"), replace(NS, tenant="b", adapter_id="lora1")
+    spaces = {}
+    for seq, namespace in (("old", NS), ("new", new_scales), ("b", tenant_b)):
+        m.admit_tokens(seq, namespace, PROMPT, 0)
+        spaces[seq] = m.roots[m.sequence(seq).keys[0]].space
+        m.release(seq)
+    assert spaces == {"old": NS.space_key(), "new": new_scales.space_key(), "b": NS.space_key()}
+    assert NS.space_key() != new_scales.space_key()
+    keys = chain_keys(replace(NS, tenant="c"), PROMPT)
+    m.admit("bare", keys, len(PROMPT), 0, tenant="c")
+    assert m.roots[keys[0]].space is None
+    m.release("bare")
+    restored = chain_keys(replace(NS, tenant="d"), PROMPT)
+    assert m.install(restored, 0, 2, "d", lambda keys, ids: None, space=new_scales.space_key()) == 2
+    assert (m.roots[restored[0]].tenant, m.roots[restored[0]].space) == ("d", new_scales.space_key())

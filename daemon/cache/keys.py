@@ -149,9 +149,10 @@ class PrefixHasher:
     an independent hasher for a forked sequence.
     """
 
-    __slots__ = ("block_size", "_extra", "_parent", "_pending")
+    __slots__ = ("namespace", "block_size", "_extra", "_parent", "_pending")
 
     def __init__(self, namespace: Namespace, extra_keys: Iterable[str | bytes | int] = ()) -> None:
+        self.namespace = namespace  # what its chain is hashed under
         self.block_size = namespace.block_size
         self._extra = tuple(extra_keys)
         self._parent = namespace.root_key()
@@ -173,6 +174,7 @@ class PrefixHasher:
 
     def copy(self) -> "PrefixHasher":
         twin = PrefixHasher.__new__(PrefixHasher)
+        twin.namespace = self.namespace
         twin.block_size = self.block_size
         twin._extra = self._extra
         twin._parent = self._parent

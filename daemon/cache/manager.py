@@ -83,6 +83,9 @@ class RootInfo:
     # the LoRA adapter it was hashed under (its digest, Namespace.adapter_id; "": the base model);
     # None where not known (restored from a lower tier before any admission reached it)
     adapter_id: str | None = None
+    # the block space it was hashed in (Namespace.space_key): a tree of another space than the
+    # served one (older scales, say) is cached but no request reaches it; None where not known
+    space: BlockKey | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +235,8 @@ class KVCacheManager:
                 root = self.roots[keys[0]] = RootInfo(tenant, now, now)
             if root.adapter_id is None:
                 root.adapter_id = adapter_id
+            if root.space is None and hasher is not None:
+                root.space = hasher.namespace.space_key()
             root.last_use = now
             root.hits += bool(hits)
         reserve.reverse()  # pop() hands them out in allocation order
@@ -381,13 +386,14 @@ class KVCacheManager:
 
     # ---- restores from lower tiers ---------------------------------------------------------
     def install(self, keys: Sequence[BlockKey], start: int, count: int, tenant: str,
-                load: Callable[[Sequence[BlockKey], list[int]], None]) -> int:
+                load: Callable[[Sequence[BlockKey], list[int]], None], space: BlockKey | None = None) -> int:
         """Put blocks start..start+count of a chain back into the cache from a lower tier.
 
         keys[:start] must be cached now (they are held meanwhile so that making room never
         evicts them); `load(keys, block_ids)` writes the data. The new blocks end up cached
         and idle, ready for the admission that follows. All or nothing if `load` raises.
-        Returns blocks installed (fewer than `count` when the cache lacks room).
+        Returns blocks installed (fewer than `count` when the cache lacks room). `space`: the
+        block space the lower tier holds them in, recorded for their tree.
         """
         pool, now = self.pool, self._clock()
         hits = pool.match(keys[:start])
@@ -411,7 +417,7 @@ class KVCacheManager:
         pool.insert_many(table, keys, start, start + count, now, tenant)
         pool.release(reversed(table), now)
         if keys[0] not in self.roots:
-            self.roots[keys[0]] = RootInfo(tenant, now, now)
+            self.roots[keys[0]] = RootInfo(tenant, now, now, space=space)
             self._bound_roots()  # the restored blocks are indexed: their root is kept
         return count
 

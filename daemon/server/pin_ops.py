@@ -23,7 +23,7 @@ from kvctl.daemon.store import StoreUnavailable
 from . import tier_ops
 from .calls import Principal, ServiceError
 from .durations import unix_time
-from .prefix_ops import prefix_tree, resolve_prefix, served_names
+from .prefix_ops import is_stale, prefix_tree, resolve_prefix, served_names
 
 log = logging.getLogger("kvd")
 
@@ -91,6 +91,9 @@ def pin_prefix(service, prefix_id: str, principal: Principal, tenant: str | None
         raise ServiceError(400, f"tenant: prefix {first.hex()[:16]} is tenant {owner!r}'s, not {tenant!r}'s",
                            "tenant")
     root = roots.get(keys[0])  # the adapter its tree was hashed under, where known
+    if is_stale(root, bytes.fromhex(service.block_space())):
+        raise ServiceError(409, f"prefix: {prefix_id!r} is unreachable ({STRANDED_WHY['space']}); pin it by its "
+                                "text to compute it again", "prefix")
     origin = {"space": service.block_space(), "adapter_id": None if root is None else root.adapter_id}
     body = _pin_keys(service, keys, owner, principal, ttl, note, principal.actor, f"prefix={first.hex()[:16]}",
                      "prefix", origin)

@@ -58,7 +58,9 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
 
     Each row names the adapter its tree was hashed under: `adapter_id` (its digest; "": the model
     itself; None where kvd does not know, a tree restored from a lower tier that no request has
-    reached since kvd started) and `model`, the name it is served under (None: not served now)."""
+    reached since kvd started) and `model`, the name it is served under (None: not served now).
+    `stale`: its tree was hashed in a block space kvd no longer serves (scales since replaced by a
+    live calibration, say), so no request reaches it; it goes as the cache needs room."""
     if sort not in PREFIX_SORTS:
         raise ServiceError(400, f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}", "sort")
     if limit < 0:
@@ -77,7 +79,7 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
         except ServiceError as exc:  # name the parameter the caller gave
             raise ServiceError(exc.status, str(exc).replace("prefix:", "under:", 1), "under") from None
     size, nbytes = engine.cache.block_size, engine.cache.block_bytes
-    now = engine.clock()
+    now, served = engine.clock(), bytes.fromhex(engine.block_space())
     rows = []
     for node in nodes:
         info = roots.get(node.root)
@@ -97,6 +99,7 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
             "tiers": {t: node.tiers[t] for t in TIER_ORDER if t in node.tiers},
             "pinned": node.pinned_blocks > 0, "pinned_blocks": node.pinned_blocks,
             "in_use_blocks": node.in_use_blocks, "children": len(node.children), "detached": node.detached,
+            "stale": is_stale(info, served),
         })
     rows = [r for r in _tree_order(rows) if (tenant is None or r["tenant"] == tenant)
             and (not pinned_only or r["pinned"]) and (wanted is None or r["adapter_id"] == wanted)]
@@ -104,6 +107,11 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
     if figure is not None:  # largest first; unknown last; sorted() keeps the tree order in ties
         rows = sorted(rows, key=lambda r: float("-inf") if r[figure] is None else r[figure], reverse=True)
     return (rows[:limit] if limit else rows), len(rows)
+
+
+def is_stale(root, served: bytes) -> bool:
+    """Whether a tree (its RootInfo, or None) was hashed in another block space than `served`."""
+    return root is not None and root.space is not None and root.space != served
 
 
 def resolve_prefix(prefix_id: str, tree: PrefixTree) -> bytes:

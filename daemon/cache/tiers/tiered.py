@@ -482,7 +482,7 @@ class TieredCache:
             if count <= 0:
                 return 0
             try:
-                return manager.install(keys, start, count, tenant, self.load_into)
+                return manager.install(keys, start, count, tenant, self.load_into, self.space)
             except SourceGone:  # dropped between that look and the copy: install undid its allocation
                 return 0
 
