@@ -100,12 +100,19 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
             console.print("detached: the blocks before it are cached nowhere, so no request reaches it")
         if any(p.get("stale") for p in shown):
             console.print("stale: made under a model revision, tokenizer, cache format, scales or block size kvd no "
-                          "longer serves, so no request reaches it; it goes as the cache needs room")
+                          "longer serves; no request reaches it, and a stranded pin keeps it (kvctl unpin --stranded)")
         for i, name in enumerate(fleet):
             console.print(f"#{i} {escape(name)}", highlight=False, soft_wrap=True)
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     emit(data, as_json, render)
+
+
+def _dropped(unpinned: dict) -> str:
+    """What an unpin answer says of the cached blocks that went with stranded pins, if any (kvd
+    drops the blocks of a pin made in a block space no longer served)."""
+    dropped = unpinned.get("dropped_stale_blocks")
+    return f"; {dropped:,} cached blocks dropped with them" if dropped else ""
 
 
 def _prefix_parent(row: dict) -> str:
@@ -277,11 +284,12 @@ def unpin(ctx: typer.Context, pin_id: Optional[str] = typer.Argument(None, help=
                                 f"made under {STRANDED_CAUSES.get(p['stranded'], p['stranded'])}", highlight=False,
                                 soft_wrap=True)
             Console().print(f"{len(d['unpinned'])} stranded pins unpinned, {d['unpinned_blocks']} blocks"
-                            + (f" over {len(d['replicas'])} replicas" if "replicas" in d else "")
+                            + (f" over {len(d['replicas'])} replicas" if "replicas" in d else "") + _dropped(d)
                             if d["unpinned"] else "no stranded pins", highlight=False)
         else:
             Console().print(f"unpinned {d['pin_id']} ({d['unpinned_blocks']} blocks"
-                            + (f" over {len(d['replicas'])} replicas)" if "replicas" in d else ")"))
+                            + (f" over {len(d['replicas'])} replicas)" if "replicas" in d else ")") + _dropped(d),
+                            highlight=False)
         replica_lines(d, lambda row: f"{row['unpinned_blocks']} blocks")
         fleet_message(d)
     emit(data, as_json, render)

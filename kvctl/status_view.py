@@ -117,7 +117,8 @@ def render_status(data: dict, console: Console | None = None):
     by_share = evictions.get("tenant_share", 0)
     facts.add_row("evictions", f"{evictions['capacity']:,} by {data['eviction_policy']}"
                   + (f" ({by_share:,} of them from tenants over their share)" if by_share else "")
-                  + f", {evictions['operator']:,} by operators")
+                  + f", {evictions['operator']:,} by operators"
+                  + (f", {evictions['space']:,} made under scales since replaced" if evictions.get("space") else ""))
     if data.get("tenant_shares"):  # absent from an older kvd, null without shares
         facts.add_row("tenant shares", "; ".join(
             f"{tenant} {row['idle_blocks']:,} idle" + (", no share" if row["share_blocks"] is None else

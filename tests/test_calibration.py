@@ -230,6 +230,7 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path, caplog):
         call(unix, "POST", "/v1/completions", json=prompt)
         warm = call(unix, "POST", "/v1/completions", json=prompt).json()
         assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        caplog.set_level(logging.INFO, logger="kvd")
         live = call(unix, "POST", "/admin/calibrate", json={**body, "margin": 1.2, "apply": True}).json()
         assert live["takes_effect"].startswith("now")
         for _ in range(100):
@@ -239,10 +240,20 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path, caplog):
             time.sleep(0.05)
         after = call(unix, "POST", "/v1/completions", json=prompt).json()
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # new scales, new namespace
-        # the trees cached under the scales before stay listed, marked stale: no request reaches them
+        # the trees cached under the scales before went as the new ones loaded (no request reaches
+        # them; a hot one would have outlived fresh blocks under lfu), but for the pinned one: stale
         rows = call(unix, "GET", "/admin/prefixes").json()["prefixes"]
         assert [(r["tokens"], r["hits"], r["pinned"], r["stale"]) for r in rows] == [
-            (256, 0, False, False), (256, 1, False, True), (240, 0, True, True)]
+            (256, 0, False, False), (240, 0, True, True)]
+        status = call(unix, "GET", "/admin/status").json()
+        assert status["evictions"] == {"capacity": 0, "operator": 0, "tenant_share": 0, "space": 16}
+        assert 'kvd_evicted_blocks_total{reason="space"} 16.0' in call(unix, "GET", "/metrics").text
+        from .test_router import _kvctl_prints
+
+        [evictions] = [line for line in _kvctl_prints(["status"], status).splitlines() if "evictions" in line]
+        assert evictions.split(None, 1)[1].rstrip() == "0 by lru, 0 by operators, 16 made under scales since replaced"
+        assert f"calibration {live['calibration_id']} loaded into the kernels; 16 cached blocks made under the " \
+               "scales before were dropped (no request reaches them)" in [r.getMessage() for r in caplog.records]
         refused = call(unix, "POST", "/admin/pins", json={"prefix": rows[1]["prefix_id"]})
         assert refused.status_code == 409 and refused.json()["error"]["message"] == (
             f"prefix: {rows[1]['prefix_id']!r} is unreachable (made under a model revision, tokenizer, cache format, "
@@ -255,6 +266,11 @@ def test_calibrate_store_skip_refuse_apply_and_serve(tmp_path, caplog):
             "request can reach now (made under a model revision, tokenizer, cache format, scales or block size kvd "
             "no longer serves); pin their prompts again, then kvctl unpin --stranded")
         assert call(unix, "GET", "/admin/status").json()["cache"]["scales_verified"] is True
+        # unpinning the stranded pin drops its cached blocks too
+        assert call(unix, "DELETE", f"/admin/pins/{fp8_pin['pin_id']}").json() == {
+            "pin_id": fp8_pin["pin_id"], "unpinned_blocks": 15, "dropped_stale_blocks": 15}
+        assert [r["stale"] for r in call(unix, "GET", "/admin/prefixes").json()["prefixes"]] == [False]
+        assert call(unix, "GET", "/admin/status").json()["evictions"]["space"] == 31
         actions = [e["result"] for e in call(unix, "GET", "/admin/audit", params={"action": "calibrate"}).json()["entries"]]
         assert actions == ["applied", "applied", "refused", "stored"]
     finally:

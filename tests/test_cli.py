@@ -865,8 +865,8 @@ def test_prefixes_table_shows_the_tree_and_fits_80_columns(capsys, monkeypatch):
 
 
 def test_prefixes_table_marks_the_trees_of_a_block_space_no_longer_served(capsys, monkeypatch):
-    """A tree cached under scales since replaced (a live calibration) is listed stale: kvd keeps
-    it until the cache needs room, and no request reaches it meanwhile."""
+    """A tree cached under scales since replaced (a live calibration) is listed stale: no request
+    reaches it; kvd dropped the rest of such trees as the scales changed, so a stranded pin keeps it."""
     import kvctl.ops as ops
 
     rows = _prefix_rows()
@@ -883,7 +883,8 @@ def test_prefixes_table_marks_the_trees_of_a_block_space_no_longer_served(capsys
         ["0000000000000003", "-"]]
     assert lines[5] == "tenant acme; none pinned or in use" and max(map(len, lines)) <= 80
     assert " ".join(lines[6:]) == ("stale: made under a model revision, tokenizer, cache format, scales or block size "
-                                   "kvd no longer serves, so no request reaches it; it goes as the cache needs room")
+                                   "kvd no longer serves; no request reaches it, and a stranded pin keeps it (kvctl "
+                                   "unpin --stranded)")
 
 
 def test_explain_and_pin_read_a_prompt_file_and_name_one_that_is_not_text(capsys, monkeypatch, tmp_path):

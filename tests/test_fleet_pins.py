@@ -148,6 +148,10 @@ def test_kvd_router_lists_stranded_pins_and_unpins_them_on_every_replica(tmp_pat
         [listed] = asyncio.run(ask(("GET", "/admin/pins", {})))
         with services[0].lock:
             services[0].engine.cache.pins.get(pin_id).space = "ab" * 32
+        for service in services:  # its tree too, on both: then its cached blocks go as it is unpinned
+            with service.lock:
+                cache = service.engine.cache
+                cache.roots[cache.pins.get(pin_id).keys[0]].space = bytes.fromhex("ab" * 32)
         refused, swept, after = asyncio.run(ask(("DELETE", "/admin/pins", {}),
             ("DELETE", "/admin/pins", {"params": {"stranded": "true"}}), ("GET", "/admin/pins", {})))
         [row] = listed.json()["pins"]
@@ -161,11 +165,14 @@ def test_kvd_router_lists_stranded_pins_and_unpins_them_on_every_replica(tmp_pat
         assert body["unpinned"] == [{"pin_id": pin_id, "tenant": "acme", "blocks": blocks, "adapter_id": "",
                                      "stranded": "space", "unpinned_blocks": blocks}]
         assert body["unpinned_blocks"] == 2 * blocks and [r["status"] for r in body["replicas"]] == [200, 200]
+        assert body["dropped_stale_blocks"] == 2 * blocks
+        assert [service.engine.cache.pool.space_evictions for service in services] == [blocks, blocks]
         assert after.json()["pins"] == []
         assert _kvctl_prints(["unpin", "--stranded"], body).splitlines() == [
             f"unpinned {pin_id} (tenant acme, {blocks} blocks): made under a model revision, tokenizer, cache format, "
             "scales or block size kvd no longer serves",
-            f"1 stranded pins unpinned, {2 * blocks} blocks over 2 replicas",
+            f"1 stranded pins unpinned, {2 * blocks} blocks over 2 replicas; {2 * blocks} cached blocks dropped "
+            "with them",
             f"  replica-0: {blocks} blocks", f"  replica-1: {blocks} blocks"]
     finally:
         for service in services:

@@ -632,6 +632,9 @@ def test_kvctl_pins_marks_stranded_pins_and_kvctl_unpin_takes_an_id_or_stranded(
         assert exited.value.code == 2
         assert capsys.readouterr().err == f"error: pin_id: give a pin's id or --stranded, not {said}\n"
     assert _kvctl_prints(["unpin", "--stranded"], {"unpinned": [], "unpinned_blocks": 0}) == "no stranded pins\n"
+    assert _kvctl_prints(["unpin", "pin-00000000000000a1"], {"pin_id": "pin-00000000000000a1", "unpinned_blocks": 3,
+                                                             "dropped_stale_blocks": 3}) == (
+        "unpinned pin-00000000000000a1 (3 blocks); 3 cached blocks dropped with them\n")
     reloaded = {"changed": {}, "previous": {}, "needs_restart": [], "adapters": {"added": [], "removed": [],
                                                                                "replaced": ["sql"]},
                 "stranded_pins": [{"pin_id": "pin-00000000000000a1", "tenant": "default", "blocks": 4,

@@ -315,3 +315,37 @@ def test_a_tree_records_the_block_space_it_was_hashed_in():
     restored = chain_keys(replace(NS, tenant="d"), PROMPT)
     assert m.install(restored, 0, 2, "d", lambda keys, ids: None, space=new_scales.space_key()) == 2
     assert (m.roots[restored[0]].tenant, m.roots[restored[0]].space) == ("d", new_scales.space_key())
+
+
+def test_new_scales_drop_the_trees_of_the_old_space_but_pinned_blocks():
+    """Under `lfu` a hot tree hashed under the old scales would outlive every fresh block; kvd drops
+    the old space's unpinned blocks instead, as `space` evictions (the eviction log, the counter),
+    deepest first, and a pin's blocks stay."""
+    from dataclasses import replace
+
+    from .conftest import FakeClock
+
+    m = make_manager(num_blocks=12, policy="lfu", clock=FakeClock())
+    hot, pinned, fresh = PROMPT, [7] * 10, [9] * 10  # two full blocks each
+    for i in range(5):  # hot: five uses
+        run_prompt(m, f"hot{i}", hot)
+        m.release(f"hot{i}")
+    run_prompt(m, "pinned", pinned)
+    m.release("pinned")
+    m.pin(NS, pinned)
+    new = replace(NS, scale_version="cal-2")
+    run_prompt(m, "fresh", fresh, namespace=new)
+    m.release("fresh")
+    hot_keys, pinned_keys = chain_keys(NS, hot), chain_keys(NS, pinned)
+    fresh_keys = chain_keys(new, fresh)
+    by_key = {m.pool.blocks[b].key: b for b in m.pool.policy.order()}
+    assert m.pool.policy.order()[:2] == [by_key[fresh_keys[1]], by_key[fresh_keys[0]]]  # lfu: fresh goes first
+    report = m.evict_stale(new.space_key())
+    assert (report.evicted_blocks, report.skipped) == (2, {"pinned": 2})
+    assert [m.pool.block_of(k) is None for k in hot_keys + pinned_keys + fresh_keys] == [
+        True, True, False, False, False, False]
+    assert [m.pool.eviction_log[k][1] for k in hot_keys] == ["space", "space"]
+    assert (m.pool.space_evictions, m.pool.operator_evictions, m.pool.evictions) == (2, 0, 0)
+    assert m.evict_stale(new.space_key()).evicted_blocks == 0
+    assert m.evict_stale(NS.space_key()).evicted_blocks == 2  # the other way round: fresh's two
+    m.audit()

@@ -87,6 +87,10 @@ class RootInfo:
     # served one (older scales, say) is cached but no request reaches it; None where not known
     space: BlockKey | None = None
 
+    def stale(self, served: BlockKey) -> bool:
+        """Whether its tree was hashed in another block space than `served` (no request reaches it)."""
+        return self.space is not None and self.space != served
+
 
 @dataclass(frozen=True, slots=True)
 class EvictionReport:
@@ -479,19 +483,27 @@ class KVCacheManager:
         return [self.unpin(pin_id) for pin_id in self.pins.expired(now)]
 
     # ---- operator eviction -----------------------------------------------------------------
-    def evict_prefix(self, keys: Sequence[BlockKey], dry_run: bool = False) -> EvictionReport:
+    def evict_prefix(self, keys: Sequence[BlockKey], dry_run: bool = False,
+                     reason: str = "operator") -> EvictionReport:
         """Evict the cached blocks of a prefix, deepest first; in-use and pinned blocks stay.
-        `dry_run`: report what would go, and change nothing."""
-        evicted, skipped = self.pool.evict_keys(reversed(keys), self._clock(), dry_run=dry_run)
+        `dry_run`: report what would go, and change nothing. `reason`: BlockPool.evict_keys."""
+        evicted, skipped = self.pool.evict_keys(reversed(keys), self._clock(), dry_run=dry_run, reason=reason)
         return EvictionReport(len(evicted), {k: v for k, v in skipped.items() if v})
 
     def evict_where(self, select: Callable[[BlockKey, RootInfo | None, str | None], bool],
-                    dry_run: bool = False) -> EvictionReport:
+                    dry_run: bool = False, reason: str = "operator") -> EvictionReport:
         """Evict every indexed block whose (root key, root info, tenant) `select` accepts, deepest first."""
         chosen = [b for b in self.pool.blocks
                   if b.key is not None and select(b.root, self.roots.get(b.root), b.tenant)]
         chosen.sort(key=lambda b: -b.depth)
-        return self.evict_prefix([b.key for b in reversed(chosen)], dry_run=dry_run)
+        return self.evict_prefix([b.key for b in reversed(chosen)], dry_run=dry_run, reason=reason)
+
+    def evict_stale(self, served: BlockKey) -> EvictionReport:
+        """Drop the cached blocks of every tree hashed in another block space than `served` (new
+        scales made them unreachable; a pin's blocks stay, as its stranded pin says), so that they
+        neither wait for the policy (a hot tree's hits keep it under `lfu` or `cost`) nor go down
+        to a lower tier when it comes to them."""
+        return self.evict_where(lambda root, info, tenant: info is not None and info.stale(served), reason="space")
 
     def adapter_blocks(self) -> dict[str | None, int]:
         """Indexed blocks of the pool by the LoRA adapter their tree was hashed under (its digest;

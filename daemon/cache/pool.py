@@ -69,6 +69,7 @@ class BlockPool:
         self.evictions = 0  # indexed blocks dropped to make room
         self.share_evictions = 0  # of those, the ones whose tenant held more idle blocks than its share
         self.operator_evictions = 0  # indexed blocks dropped on an operator's request
+        self.space_evictions = 0  # dropped as new scales loaded: made under the old ones, no request reaches them
         # key -> (clock value, reason) of recent evictions, oldest first; answers "why did this miss?"
         self.eviction_log: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
         self.eviction_log_size = 65536
@@ -274,12 +275,14 @@ class BlockPool:
         block.parent = None
 
     def evict_keys(self, keys: Iterable[BlockKey], now: float = 0.0,
-                   dry_run: bool = False) -> tuple[list[int], dict[str, int]]:
+                   dry_run: bool = False, reason: str = "operator") -> tuple[list[int], dict[str, int]]:
         """Drop the given keys from the cache where they are evictable now.
 
         Returns the evicted block ids and a count of keys left alone by reason
         (`in_use`, `pinned`, `not_cached`). Blocks in use or pinned are never touched.
         `dry_run`: the same answer, of the blocks that would go, and nothing changes.
+        `reason`: "operator" (an operator asked) or "space" (kvd dropped what new scales made
+        unreachable), as the eviction log, the counters and the event feed say it.
         """
         evicted: list[int] = []
         removed_keys: list[BlockKey] = []
@@ -301,7 +304,7 @@ class BlockPool:
                 self.policy.forget(block_id)
                 del self._index[key]
                 self._count_unindexed(block.tenant)
-                self._log_eviction(key, now, "operator")
+                self._log_eviction(key, now, reason)
                 removed_keys.append(key)
                 block.key = None
                 block.root = None
@@ -310,9 +313,12 @@ class BlockPool:
                 evicted.append(block_id)
         if dry_run:
             return evicted, skipped
-        self.operator_evictions += len(evicted)
+        if reason == "space":
+            self.space_evictions += len(evicted)
+        else:
+            self.operator_evictions += len(evicted)
         if self.events is not None:
-            self.events.removed("device", removed_keys, "operator")
+            self.events.removed("device", removed_keys, reason)
         return evicted, skipped
 
     # ---- pins ------------------------------------------------------------------------------

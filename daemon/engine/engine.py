@@ -240,14 +240,16 @@ class Engine:
         keep = ",".join(str(i) for i in sorted(self.settings.keep_layers))
         return self.settings.cache_dtype + (f" keep={keep}" if keep else "")
 
-    def set_scales(self, scales: dict[int, tuple[list[float], list[float]]], scale_version: str) -> None:
+    def set_scales(self, scales: dict[int, tuple[list[float], list[float]]], scale_version: str) -> int:
         """Load new scales into every quantised layer. Blocks written under the old ones become
-        unreachable (the scale version is in the namespace); call only with nothing running."""
+        unreachable (the scale version is in the namespace): they go now, but for pinned ones.
+        Returns how many went. Call only with nothing running."""
         for layer, cache in enumerate(self.kv_caches):
             if cache.k_scale is not None and layer in scales:
                 cache.k_scale.copy_(torch.tensor(scales[layer][0]))
                 cache.v_scale.copy_(torch.tensor(scales[layer][1]))
         self.scale_version = scale_version
+        return self.cache.evict_stale(bytes.fromhex(self.block_space())).evicted_blocks
 
     def loaded_scales(self) -> dict[int, tuple[list[float], list[float]]]:
         """The scales the kernels will read, straight from the cache tensors (for the status check)."""

@@ -127,14 +127,22 @@ def merge_pins(done: list[dict]) -> dict:
 
 
 def merge_unpins(done: list[dict]) -> dict:
-    return {"pin_id": done[0]["pin_id"], "unpinned_blocks": sum(b["unpinned_blocks"] for b in done)}
+    return {"pin_id": done[0]["pin_id"], **_summed(done, "unpinned_blocks", "dropped_stale_blocks")}
 
 
 def merge_stranded_unpins(done: list[dict]) -> dict:
     """The stranded pins the replicas unpinned, each once (`replicas` has each one's), and their
     blocks summed over the replicas."""
     return {"unpinned": _stranded(done, "unpinned").get("unpinned", []),
-            "unpinned_blocks": sum(b["unpinned_blocks"] for b in done)}
+            **_summed(done, "unpinned_blocks", "dropped_stale_blocks")}
+
+
+def _summed(done: list[dict], always: str, where_any: str) -> dict:
+    """`always` summed over the replicas' answers, and `where_any` too where some answer has it."""
+    body = {always: sum(b[always] for b in done)}
+    if any(b.get(where_any) for b in done):
+        body[where_any] = sum(b.get(where_any, 0) for b in done)
+    return body
 
 
 def merge_pin_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:

@@ -145,6 +145,7 @@ class _EngineCollector:
         evicted.add_metric(["capacity"], pool.evictions - pool.share_evictions)
         evicted.add_metric(["tenant_share"], pool.share_evictions)  # to make room, from tenants over their share
         evicted.add_metric(["operator"], pool.operator_evictions)
+        evicted.add_metric(["space"], pool.space_evictions)  # made under scales since replaced
         yield evicted
         prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",
                                      labels=["tenant"])

@@ -23,7 +23,7 @@ from kvctl.daemon.store import StoreUnavailable
 from . import tier_ops
 from .calls import Principal, ServiceError
 from .durations import unix_time
-from .prefix_ops import is_stale, prefix_tree, resolve_prefix, served_names
+from .prefix_ops import prefix_tree, resolve_prefix, served_names
 
 log = logging.getLogger("kvd")
 
@@ -91,7 +91,7 @@ def pin_prefix(service, prefix_id: str, principal: Principal, tenant: str | None
         raise ServiceError(400, f"tenant: prefix {first.hex()[:16]} is tenant {owner!r}'s, not {tenant!r}'s",
                            "tenant")
     root = roots.get(keys[0])  # the adapter its tree was hashed under, where known
-    if is_stale(root, bytes.fromhex(service.block_space())):
+    if root is not None and root.stale(bytes.fromhex(service.block_space())):
         raise ServiceError(409, f"prefix: {prefix_id!r} is unreachable ({STRANDED_WHY['space']}); pin it by its "
                                 "text to compute it again", "prefix")
     origin = {"space": service.block_space(), "adapter_id": None if root is None else root.adapter_id}
@@ -174,7 +174,8 @@ def _warm(service, token_ids: list[int], principal: Principal, adapter: str = ""
 
 
 def unpin(service, pin_id: str, principal: Principal, detail: dict | None = None) -> dict:
-    """Remove a pin (from the store first); audited with `detail` beside its blocks."""
+    """Remove a pin (from the store first); audited with `detail` beside its blocks. The blocks of
+    a pin made in a block space no longer served go with it (no request reaches them)."""
     engine = service.require_ready()
     with service.lock:
         try:
@@ -191,9 +192,13 @@ def unpin(service, pin_id: str, principal: Principal, detail: dict | None = None
             pin = engine.cache.unpin(pin_id)
         except UnknownPin as exc:  # it lapsed or went meanwhile
             raise ServiceError(404, str(exc), "pin_id") from None
+        served = engine.block_space()
+        dropped = engine.cache.evict_stale(bytes.fromhex(served)).evicted_blocks \
+            if pin.space not in (None, served) else 0
+    freed = {"dropped_stale_blocks": dropped} if dropped else {}
     service.store.audit(actor=principal.actor, tenant=principal.tenant, action="unpin", target=pin_id,
-                        result="ok", detail={"blocks": pin.num_blocks, **(detail or {})})
-    return {"pin_id": pin_id, "unpinned_blocks": pin.num_blocks}
+                        result="ok", detail={"blocks": pin.num_blocks, **freed, **(detail or {})})
+    return {"pin_id": pin_id, "unpinned_blocks": pin.num_blocks, **freed}
 
 
 def list_pins(service, with_keys: bool = False) -> list[dict]:
@@ -270,9 +275,10 @@ def stranded_by(service, retired: set[str], cause: str) -> dict:
 
 def unpin_stranded(service, principal: Principal) -> dict:
     """Unpin every stranded pin (stranded_pins), each taken off the store first and audited as
-    an unpin; one that lapsed or went meanwhile is left out."""
+    an unpin; one that lapsed or went meanwhile is left out. The cached blocks of those made in a
+    block space no longer served go with them (`dropped_stale_blocks`)."""
     service.require_ready()
-    done = []
+    done, dropped = [], 0
     for row in stranded_pins(service):
         try:
             body = unpin(service, row["pin_id"], principal, detail={"stranded": row["stranded"]})
@@ -282,7 +288,9 @@ def unpin_stranded(service, principal: Principal) -> dict:
                                    "pin_id") from None
             continue
         done.append({**row, "unpinned_blocks": body["unpinned_blocks"]})
-    return {"unpinned": done, "unpinned_blocks": sum(p["unpinned_blocks"] for p in done)}
+        dropped += body.get("dropped_stale_blocks", 0)
+    return {"unpinned": done, "unpinned_blocks": sum(p["unpinned_blocks"] for p in done),
+            **({"dropped_stale_blocks": dropped} if dropped else {})}
 
 
 def _pin_times(described: dict, now: float) -> dict:

@@ -60,7 +60,8 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
     itself; None where kvd does not know, a tree restored from a lower tier that no request has
     reached since kvd started) and `model`, the name it is served under (None: not served now).
     `stale`: its tree was hashed in a block space kvd no longer serves (scales since replaced by a
-    live calibration, say), so no request reaches it; it goes as the cache needs room."""
+    live calibration, say), so no request reaches it; kvd drops such blocks as the scales change
+    (Engine.set_scales) and as their stranded pin goes (pin_ops.unpin), so a pin keeps these."""
     if sort not in PREFIX_SORTS:
         raise ServiceError(400, f"sort: unknown value {sort!r}; use {', '.join(PREFIX_SORTS)}", "sort")
     if limit < 0:
@@ -99,7 +100,7 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
             "tiers": {t: node.tiers[t] for t in TIER_ORDER if t in node.tiers},
             "pinned": node.pinned_blocks > 0, "pinned_blocks": node.pinned_blocks,
             "in_use_blocks": node.in_use_blocks, "children": len(node.children), "detached": node.detached,
-            "stale": is_stale(info, served),
+            "stale": info is not None and info.stale(served),
         })
     rows = [r for r in _tree_order(rows) if (tenant is None or r["tenant"] == tenant)
             and (not pinned_only or r["pinned"]) and (wanted is None or r["adapter_id"] == wanted)]
@@ -107,11 +108,6 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
     if figure is not None:  # largest first; unknown last; sorted() keeps the tree order in ties
         rows = sorted(rows, key=lambda r: float("-inf") if r[figure] is None else r[figure], reverse=True)
     return (rows[:limit] if limit else rows), len(rows)
-
-
-def is_stale(root, served: bytes) -> bool:
-    """Whether a tree (its RootInfo, or None) was hashed in another block space than `served`."""
-    return root is not None and root.space is not None and root.space != served
 
 
 def resolve_prefix(prefix_id: str, tree: PrefixTree) -> bytes:

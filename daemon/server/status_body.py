@@ -84,7 +84,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                        "recomputed": stats.recomputed_tokens, "restored": stats.restored_tokens,
                        "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
             "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions,
-                          "tenant_share": cache.pool.share_evictions},
+                          "tenant_share": cache.pool.share_evictions, "space": cache.pool.space_evictions},
             # per tenant: idle (evictable) blocks and share in blocks; None when no shares are set
             "tenant_shares": cache.tenant_shares(),
             "queue": queue,
