@@ -100,7 +100,9 @@ def serve(
         None, help="Per-tenant limits overriding --max-tenant-requests, e.g. acme=128,free=4."),
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
     reservation: Optional[str] = typer.Option(None, help="Output reservation: fixed:N, fraction:F, p95."),
-    eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru, cost or lfu (fewest uses first, never decayed)."),
+    eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru, cost, lfu (fewest uses first, never "
+                                          "decayed) or priority (the prefixes of the requests that run first go "
+                                          "last; with --queue-order priority)."),
     queue_order: Optional[str] = typer.Option(None, help="fifo, or priority (by tenant_priorities and each "
                                               "request's priority, lower first)."),
     tenant_priorities: Optional[str] = typer.Option(

@@ -24,7 +24,7 @@ from kvctl.daemon.server.reasoning import REASONING_PARSERS
 from kvctl.daemon.server.tool_calls import TOOL_CALL_PARSERS
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.tenant_map import named_values, parse_tenant_map
+from kvctl.policies.tenant_map import named_values, parse_tenant_map, priority_of
 from kvctl.policies.tenant_shares import parse_shares
 from kvctl.policies.tiering import PREFETCH_POLICIES, TIER_CODECS, WRITE_POLICIES
 
@@ -130,13 +130,6 @@ def _limit(tenant: str, value: Any) -> int:
     if number < 1:
         raise ValueError(f"limit of {tenant!r} must be a whole number >= 1, got {value!r}")
     return number
-
-
-def _priority(tenant: str, value: Any) -> int:
-    try:
-        return int(str(value))
-    except ValueError:
-        raise ValueError(f"priority of {tenant!r} must be an integer, got {value!r}") from None
 
 
 def parse_lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
@@ -323,7 +316,7 @@ _PARSERS = {
     "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "lora_runtime_updates": on_or_off,
     "tenant_cache_shares": parse_shares,
     "chat_template_kwargs": template_kwargs,
-    "tenant_priorities": lambda v: parse_tenant_map(v, _priority, "priority"),
+    "tenant_priorities": lambda v: parse_tenant_map(v, priority_of, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
     "lora_modules": parse_lora_modules,
     "metrics_aliases": lambda v: tuple(dict.fromkeys(
@@ -568,7 +561,13 @@ def kvd_env_typos(env: Mapping[str, str]) -> list[str]:
 
 
 def check_priorities(config: KvdConfig) -> None:
-    """Tenant priorities order a priority queue only: with a FIFO queue they would be ignored."""
+    """Tenant priorities order a priority queue only: with a FIFO queue they would be ignored; so
+    would the `priority` eviction policy, every request being at 0 there (it would be lru)."""
     if config.tenant_priorities and config.queue_order != "priority":
         raise ConfigError(f"tenant_priorities: set (from {config.sources.get('tenant_priorities', 'the config')}) but "
                           f"queue_order is {config.queue_order!r}; set queue_order: priority for them to order the queue")
+    if config.eviction == "priority" and config.queue_order != "priority":
+        raise ConfigError(f"eviction: priority (from {config.sources.get('eviction', 'the config')}) keeps the "
+                          f"prefixes of the requests that run first, but queue_order is {config.queue_order!r}, "
+                          "where every request is equal (it would be lru); set queue_order: priority, with "
+                          "tenant_priorities")

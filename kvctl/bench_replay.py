@@ -18,6 +18,7 @@ from kvctl.trace_stats import coarse_ids, fleet_figures, live_cached_ratio
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
+from kvctl.policies.tenant_map import parse_tenant_map, priority_of
 from kvctl.policies.tenant_shares import parse_shares
 
 from .errors import UserError
@@ -59,7 +60,8 @@ def replay_command(
     capacity_tokens: list[str] = typer.Option(
         [str(DEFAULT_CAPACITY_TOKENS)], "--capacity-tokens",
         help="Cache capacity in tokens; repeat or comma-separate for several."),
-    policy: list[str] = typer.Option(["lru,cost"], "--policy", help="Eviction policies: lru, cost, lfu."),
+    policy: list[str] = typer.Option(["lru,cost"], "--policy", help="Eviction policies: lru, cost, lfu, priority "
+                                     "(with --tenant-priorities)."),
     reserve: str = typer.Option("fraction:1.0", "--reserve",
                                 help="Output reservation: fixed:N, fraction:F or p95."),
     sequential: bool = typer.Option(False, "--sequential", help="One request at a time."),
@@ -106,6 +108,10 @@ def replay_command(
     tenant_shares: Optional[str] = typer.Option(
         None, "--tenant-shares", help="Also replay each policy with these tenant cache shares (as kvd's "
                                       "--tenant-cache-shares, e.g. noisy=0.25): rows 'lru' and 'lru+shares'."),
+    tenant_priorities: Optional[str] = typer.Option(
+        None, "--tenant-priorities", help="Tenants' priorities as kvd's --tenant-priorities (lower first, e.g. "
+                                          "quiet=-10), which --policy priority keeps the prefixes of; the replay's "
+                                          "queue stays first come, first served."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG file (.png): hit rate and "
                                         "fragmentation against block size."),
@@ -134,6 +140,14 @@ def replay_command(
             base = replace(base, tenant_shares=parse_shares(tenant_shares))
         except ValueError as exc:
             raise UserError(f"tenant_shares: invalid value {tenant_shares!r}: {exc}") from None
+    if tenant_priorities is not None:
+        if "priority" not in policies:
+            raise UserError(f"tenant_priorities: {tenant_priorities!r} are read by the priority eviction policy only; "
+                            "add it to --policy (e.g. --policy lru,priority)")
+        try:
+            base = replace(base, tenant_priorities=parse_tenant_map(tenant_priorities, priority_of, "priority"))
+        except ValueError as exc:
+            raise UserError(f"tenant_priorities: invalid value {tenant_priorities!r}: {exc}") from None
     if not 0 <= noisy_fraction < 1:
         raise UserError(f"noisy_fraction: must be in [0, 1), got {noisy_fraction}")
     if limit is not None and limit < 1:
@@ -193,6 +207,7 @@ def replay_command(
                 "decode_rate": measured.decode_rate},
             "max_queue": max_queue, "time_scale": time_scale, "max_tokens": max_tokens,
             "tenant_shares": dict(base.tenant_shares) or None, "tier_tokens": tiers,
+            "tenant_priorities": dict(base.tenant_priorities) or None,
             "restore_rate": restore_rate, "tier_write": tier_write,
         },
         "runs": [r.as_dict() for r in results],

@@ -8,9 +8,12 @@ caller. Policies never read the wall clock, so a replay is deterministic.
 
 Life of a block as a policy sees it::
 
-    on_insert([b, ...], [depth, ...], now)
-                                  the blocks now hold indexed content
-    record_hits([b, ...], now)    a lookup reused it (it may be in use or evictable)
+    on_insert([b, ...], [depth, ...], now, priority)
+                                  the blocks now hold indexed content (written by a
+                                  request of that priority: the engine's, higher first)
+    record_hits([b, ...], now, priority)
+                                  a lookup (a request of that priority) reused it
+                                  (it may be in use or evictable)
     push([b, ...], now)           it became evictable (ref count fell to zero)
     remove(b)                     a hit took it back before it was evicted   O(1)
     pop(now) -> b                 it is the victim; the policy forgets it
@@ -33,9 +36,9 @@ class EvictionPolicy(Protocol):
 
     name: str
 
-    def on_insert(self, block_ids: Sequence[int], depths: Sequence[int], now: float) -> None: ...
+    def on_insert(self, block_ids: Sequence[int], depths: Sequence[int], now: float, priority: int = 0) -> None: ...
 
-    def record_hits(self, block_ids: Sequence[int], now: float) -> None: ...
+    def record_hits(self, block_ids: Sequence[int], now: float, priority: int = 0) -> None: ...
 
     def push(self, block_ids: Iterable[int], now: float) -> None: ...
 
@@ -72,10 +75,10 @@ class LRUEviction:
     def __init__(self) -> None:
         self._queue: OrderedDict[int, None] = OrderedDict()
 
-    def on_insert(self, block_ids: Sequence[int], depths: Sequence[int], now: float) -> None:
+    def on_insert(self, block_ids: Sequence[int], depths: Sequence[int], now: float, priority: int = 0) -> None:
         pass
 
-    def record_hits(self, block_ids: Sequence[int], now: float) -> None:
+    def record_hits(self, block_ids: Sequence[int], now: float, priority: int = 0) -> None:
         pass
 
     def push(self, block_ids: Iterable[int], now: float) -> None:
@@ -152,13 +155,13 @@ class CostAwareEviction:
         self._stored = 0  # block ids held in runs, live or stale
         self._serial = 0
 
-    def on_insert(self, block_ids: Sequence[int], depths: Sequence[int], now: float) -> None:
+    def on_insert(self, block_ids: Sequence[int], depths: Sequence[int], now: float, priority: int = 0) -> None:
         fresh = now / self.half_life  # log2(1 use) + now / half_life
-        priority = self._priority
+        anchored = self._priority
         for block_id in block_ids:
-            priority[block_id] = fresh
+            anchored[block_id] = fresh
 
-    def record_hits(self, block_ids: Sequence[int], now: float) -> None:
+    def record_hits(self, block_ids: Sequence[int], now: float, priority: int = 0) -> None:
         priority, shift = self._priority, now / self.half_life
         for block_id in block_ids:
             p = priority.get(block_id)
@@ -172,7 +175,7 @@ class CostAwareEviction:
 
     def push(self, block_ids: Iterable[int], now: float) -> None:
         priority, live = self._priority, self._live
-        default = now / self.half_life
+        default = self._unknown(now)
         run: list | None = None
         run_p = 0.0
         for block_id in block_ids:
@@ -186,6 +189,10 @@ class CostAwareEviction:
             live[block_id] = self._serial
         if run is not None:
             self._add_run(run_p, run)
+
+    def _unknown(self, now: float) -> float:
+        """The priority of a block pushed that was never inserted (one use, now)."""
+        return now / self.half_life
 
     def _add_run(self, p: float, run: list) -> None:
         heapq.heappush(self._heap, (p, self._serial, run))
@@ -264,16 +271,54 @@ class LFUEviction(CostAwareEviction):
         super().__init__(half_life=math.inf, block_tokens=block_tokens, block_bytes=block_bytes)
 
 
-EVICTION_POLICIES = ("lru", "cost", "lfu")
+class PriorityEviction(CostAwareEviction):
+    """The blocks of the least important requests go first (SGLang's `priority`): a block keeps
+    the highest priority of the requests that wrote or reused it (the engine's priority, higher
+    first: kvd's `tenant_priorities` and a request's own `priority`, which run first in the queue,
+    keep their prefixes longest); among equal priorities, released earlier first (LRU); within
+    one release, in the order the caller gave (a prefix's deepest block before its root).
+
+    A block's priority never falls below its descendants': a hit on a block is a hit on every
+    block before it, so a prefix's root goes after its leaves. With every request at priority 0
+    (a FIFO queue) this is `lru`. The same heap of runs as `cost`, with the priority as p."""
+
+    name = "priority"
+
+    def __init__(self) -> None:
+        super().__init__(half_life=math.inf)
+
+    def on_insert(self, block_ids: Sequence[int], depths: Sequence[int], now: float, priority: int = 0) -> None:
+        held = self._priority
+        for block_id in block_ids:
+            held[block_id] = priority
+
+    def record_hits(self, block_ids: Sequence[int], now: float, priority: int = 0) -> None:
+        held = self._priority
+        for block_id in block_ids:
+            p = held.get(block_id)
+            if p is not None and priority > p:
+                held[block_id] = priority
+
+    def _unknown(self, now: float) -> float:
+        return 0
+
+    def score(self, block_id: int, now: float) -> float:
+        """The block's priority: the highest of the requests that wrote or reused it."""
+        return self._priority[block_id]
+
+
+EVICTION_POLICIES = ("lru", "cost", "lfu", "priority")
 
 
 def make_eviction_policy(name: str, *, block_tokens: int = 1, block_bytes: int = 1,
                          half_life: float = 600.0) -> EvictionPolicy:
-    """Build a policy by name (`lru`, `cost` or `lfu`); unknown names raise ValueError naming them."""
+    """Build a policy by name (`lru`, `cost`, `lfu` or `priority`); unknown names raise ValueError naming them."""
     if name == "lru":
         return LRUEviction()
     if name == "cost":
         return CostAwareEviction(half_life=half_life, block_tokens=block_tokens, block_bytes=block_bytes)
     if name == "lfu":
         return LFUEviction(block_tokens=block_tokens, block_bytes=block_bytes)
+    if name == "priority":
+        return PriorityEviction()
     raise ValueError(f"eviction policy: unknown value {name!r}; choose one of {', '.join(EVICTION_POLICIES)}")

@@ -38,3 +38,11 @@ def parse_tenant_map(value: str | Mapping, convert: Callable[[str, Any], Any], w
             raise ValueError(f"tenant {tenant!r} is given twice")
         out[tenant] = convert(tenant, text)
     return tuple(sorted(out.items()))
+
+
+def priority_of(tenant: str, value: Any) -> int:
+    """A tenant's priority (`tenant_priorities`: an integer, lower first); ValueError names both."""
+    try:
+        return int(str(value))
+    except ValueError:
+        raise ValueError(f"priority of {tenant!r} must be an integer, got {value!r}") from None

@@ -92,11 +92,11 @@ class TenantShares:
         return sorted(over, key=lambda item: (-item[1], item[0]))
 
     # ---- the EvictionPolicy interface ----------------------------------------------------------
-    def on_insert(self, block_ids: Sequence[int], depths: Sequence[int], now: float) -> None:
-        self.inner.on_insert(block_ids, depths, now)
+    def on_insert(self, block_ids: Sequence[int], depths: Sequence[int], now: float, priority: int = 0) -> None:
+        self.inner.on_insert(block_ids, depths, now, priority)
 
-    def record_hits(self, block_ids: Sequence[int], now: float) -> None:
-        self.inner.record_hits(block_ids, now)
+    def record_hits(self, block_ids: Sequence[int], now: float, priority: int = 0) -> None:
+        self.inner.record_hits(block_ids, now, priority)
 
     def push(self, block_ids: Iterable[int], now: float) -> None:
         block_ids = list(block_ids)

@@ -41,9 +41,9 @@ def make_manager(num_blocks: int = 10, block_size: int = 4, policy: str = "lru",
 
 
 def run_prompt(manager: KVCacheManager, seq_id: str, tokens: list[int], *, reserve: int = 0,
-               namespace: Namespace | None = None):
+               namespace: Namespace | None = None, priority: int = 0):
     """Admit a prompt and write all of it (prefill), as an engine would."""
     ns = namespace or Namespace(block_size=manager.block_size)
-    admission = manager.admit_tokens(seq_id, ns, tokens, reserve)
+    admission = manager.admit_tokens(seq_id, ns, tokens, reserve, priority)
     manager.append(seq_id, len(tokens) - admission.hit_tokens)
     return admission

@@ -142,7 +142,11 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--block-sizes", "24"], "error: block_size: expected a power of two from 1 to 512, got 24"),
     (["--block-sizes", "sixteen"], "error: block_sizes: expected integers, got 'sixteen'"),
-    (["--policy", "fifo"], "error: policy: unknown value 'fifo'; choose from lru, cost, lfu"),
+    (["--policy", "fifo"], "error: policy: unknown value 'fifo'; choose from lru, cost, lfu, priority"),
+    (["--tenant-priorities", "quiet=-10"], "error: tenant_priorities: 'quiet=-10' are read by the priority eviction "
+                                           "policy only; add it to --policy (e.g. --policy lru,priority)"),
+    (["--policy", "priority", "--tenant-priorities", "quiet=high"],
+     "error: tenant_priorities: invalid value 'quiet=high': priority of 'quiet' must be an integer, got 'high'"),
     (["--capacity-tokens", "8", "--block-sizes", "16"],
      "error: capacity_tokens: 8 is smaller than one block of 16 tokens"),
     (["--reserve", "fraction:2"], "error: output reservation: invalid value 'fraction:2'"),
@@ -1231,6 +1235,21 @@ def test_replay_with_tenant_shares_compares_each_policy_with_and_without_them(ca
     assert lines[header + 1].split() == ["block", "capacity", "policy", "noisy", "quiet"]
     assert [line.split()[2] for line in lines[header + 2:header + 6]] == ["lru", "lru+shares", "cost", "cost+shares"]
     assert len(max(lines, key=len)) <= 80
+
+
+def test_replay_with_tenant_priorities_shows_what_the_priority_policy_keeps_of_each_tenant(capsys):
+    status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "300", "--noisy-fraction", "0.5",
+                         "--block-sizes", "16", "--capacity-tokens", "65536", "--policy", "lru,priority",
+                         "--tenant-priorities", "quiet=-10", "--json")
+    assert status == 0
+    doc = json.loads(out)
+    assert doc["settings"]["tenant_priorities"] == {"quiet": -10}
+    lru, priority = doc["runs"]
+    assert (lru["policy"], priority["policy"]) == ("lru", "priority")
+    # the noisy tenant's one-off documents take less of quiet's prefixes (deterministic: the same trace and keys)
+    quiet = [round(run["tenant_hit_ratio"]["quiet"], 3) for run in (lru, priority)]
+    assert quiet == [0.501, 0.579]
+    assert priority["tenant_hit_ratio"]["noisy"] == lru["tenant_hit_ratio"]["noisy"] == 0
 
 
 def test_config_show_writes_per_tenant_settings_as_an_operator_writes_them():

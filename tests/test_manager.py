@@ -349,3 +349,31 @@ def test_new_scales_drop_the_trees_of_the_old_space_but_pinned_blocks():
     assert m.evict_stale(new.space_key()).evicted_blocks == 0
     assert m.evict_stale(NS.space_key()).evicted_blocks == 2  # the other way round: fresh's two
     m.audit()
+
+
+def test_the_priority_policy_keeps_an_important_request_s_prefix_through_a_burst_lru_gives_up():
+    """Blocks carry the priority of the requests that wrote or reused them (forks too): a burst of
+    priority-0 prompts evicts each other and leaves the priority-10 prefix; `lru` evicts it first."""
+    from .conftest import FakeClock
+
+    gold, batch = list(range(100, 113)), [[200 + i] * 13 for i in range(4)]  # 3 full blocks and 1 token each
+    kept = {}
+    for name in ("lru", "priority"):
+        clock = FakeClock()
+        m = make_manager(num_blocks=12, policy=name, clock=clock)
+        run_prompt(m, "gold", gold, priority=10)
+        m.fork("gold", "gold-2")  # a second sample of it: the same priority
+        assert m.sequence("gold-2").priority == 10
+        m.release("gold-2")
+        m.release("gold")
+        for i, prompt in enumerate(batch):
+            clock.advance(1)
+            run_prompt(m, f"batch{i}", prompt)
+            m.release(f"batch{i}")
+        kept[name] = [m.pool.block_of(k) is not None for k in chain_keys(NS, gold)]
+        if name == "priority":  # the burst's oldest blocks went, deepest first, and the order says why
+            evicted = [key for key, (_, reason) in m.pool.eviction_log.items() if reason == "priority"]
+            assert evicted == chain_keys(NS, batch[0])[::-1] + chain_keys(NS, batch[1])[2:]
+            assert sorted(m.pool.policy.score(b, clock()) for b in m.pool.policy.order()) == [0] * 8 + [10] * 3
+        m.audit()
+    assert kept == {"lru": [False, False, False], "priority": [True, True, True]}

@@ -57,7 +57,8 @@ def test_cost_policy_compacts_stale_entries_without_changing_order():
 
 
 def test_unknown_policy_names_the_value():
-    with pytest.raises(ValueError, match="eviction policy: unknown value 'mru'; choose one of lru, cost, lfu"):
+    with pytest.raises(ValueError, match="eviction policy: unknown value 'mru'; choose one of lru, cost, lfu, "
+                                         "priority"):
         make_eviction_policy("mru")
 
 
@@ -93,6 +94,63 @@ def test_lfu_keeps_yesterday_s_hot_block_where_cost_lets_it_fade():
         policy.push([0, 1], now=10_000.0)
         orders[name] = policy.order()
     assert orders == {"lfu": [1, 0], "cost": [0, 1]}
+
+
+def test_priority_evicts_the_least_important_requests_blocks_first_then_the_earliest_released():
+    """A block keeps the highest priority (the engine's, higher first) of the requests that wrote
+    or reused it; lower goes first; ties in release order, tail first within a release."""
+    policy = make_eviction_policy("priority")
+    assert policy.name == "priority"
+    # chain A 0 -> 1 -> 2 written at priority 5; chain B 3 -> 4 and block 5 at 0
+    policy.on_insert([0, 1, 2], [0, 1, 2], now=0.0, priority=5)
+    policy.on_insert([3, 4], [0, 1], now=1.0, priority=0)
+    policy.on_insert([5], [0], now=2.0, priority=0)
+    policy.record_hits([3], now=3.0, priority=5)  # a priority-5 request reused B's root
+    policy.record_hits([1, 0], now=3.0, priority=-3)  # a less important one takes nothing from A
+    policy.push([2, 1, 0], now=4.0)
+    policy.push([4, 3], now=5.0)
+    policy.push([5], now=6.0)
+    assert policy.order() == [4, 5, 2, 1, 0, 3]
+    assert [policy.score(b, now=7.0) for b in (4, 1, 3)] == [0, 5, 5]
+    for block in (4, 3):  # a priority-9 request takes chain B back (as the pool does a hit) and releases it
+        policy.remove(block)
+    policy.record_hits([3, 4], now=8.0, priority=9)
+    policy.push([4, 3], now=9.0)
+    assert policy.pop_many(4, now=10.0) == [5, 2, 1, 0]
+    assert policy.order() == [4, 3] and len(policy) == 2 and policy.score(3, now=10.0) == 9
+
+
+def test_priority_with_every_request_at_0_is_lru():
+    """With a FIFO queue every request is at priority 0: the same victims as lru, in the same order."""
+    import random
+
+    rng = random.Random(7)
+    lru, priority = make_eviction_policy("lru"), make_eviction_policy("priority")
+    evictable: set[int] = set()
+    indexed: set[int] = set()
+    for step in range(2000):
+        now = float(step)
+        action = rng.random()
+        if action < 0.4:  # index and release a new run
+            run = [b for b in rng.sample(range(200), 4) if b not in indexed]
+            for policy in (lru, priority):
+                policy.on_insert(run, list(range(len(run))), now)
+                policy.push(run[::-1], now)
+            indexed.update(run)
+            evictable.update(run)
+        elif action < 0.7 and evictable:  # a hit takes one back, then it is released again
+            block = rng.choice(sorted(evictable))
+            for policy in (lru, priority):
+                policy.remove(block)
+                policy.record_hits([block], now)
+                policy.push([block], now)
+        elif evictable:
+            count = rng.randint(1, min(3, len(evictable)))
+            victims = lru.pop_many(count, now)
+            assert priority.pop_many(count, now) == victims
+            evictable.difference_update(victims)
+            indexed.difference_update(victims)
+        assert priority.order() == lru.order()
 
 
 @pytest.mark.parametrize("spec, max_tokens, expected", [

@@ -82,3 +82,38 @@ def test_tenant_priorities_need_a_priority_queue_and_tenant_names():
         resolve({"tenant_priorities": "acme=high", "queue_order": "priority"}, {})
     assert resolve({"tenant_priorities": {"b": 2, "a": -1}, "queue_order": "priority"}, {}).tenant_priorities == \
         (("a", -1), ("b", 2))
+
+
+def test_the_priority_eviction_policy_keeps_the_first_tenant_s_prefix_through_another_s_burst(tmp_path):
+    """eviction: priority keeps the blocks of the requests that run first (acme, at -10) through a
+    burst of another tenant's new prompts, which evict each other; under lru the burst takes it."""
+    from .daemon_fixtures import GLOBEX_TOKEN
+    from .test_tenant_shares import cached_tokens
+
+    quiet = list(range(1, 50))  # three full blocks and one token
+    burst = [[200 + i] + list(range(1, 49)) for i in range(8)]  # 8 x 4 blocks through a 24-block cache
+    cached = {}
+    for policy in ("priority", "lru"):
+        service = start_service(tmp_path / policy, num_blocks=24, queue_order="priority",
+                                tenant_priorities="acme=-10", eviction=policy)
+        try:
+            unix, tcp = apps(service, token_table(tmp_path / policy))
+            assert cached_tokens(tcp, USER_TOKEN, quiet) == 0
+            for prompt in burst:
+                cached_tokens(tcp, GLOBEX_TOKEN, prompt)
+            cached[policy] = cached_tokens(tcp, USER_TOKEN, quiet)
+            status = call(unix, "GET", "/admin/status").json()
+            assert status["eviction_policy"] == policy and status["evictions"]["capacity"] > 0
+            assert blocks_all_back(service)
+        finally:
+            service.shutdown(1)
+    assert cached == {"priority": 48, "lru": 0}
+
+
+def test_the_priority_eviction_policy_needs_a_priority_queue():
+    with pytest.raises(ConfigError) as refused:
+        resolve({"eviction": "priority"}, {})
+    assert str(refused.value) == (
+        "eviction: priority (from --eviction) keeps the prefixes of the requests that run first, but queue_order is "
+        "'fifo', where every request is equal (it would be lru); set queue_order: priority, with tenant_priorities")
+    assert resolve({"eviction": "priority", "queue_order": "priority"}, {}).eviction == "priority"

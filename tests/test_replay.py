@@ -270,6 +270,17 @@ def test_tenant_shares_keep_part_of_a_quiet_tenant_s_prefix_through_a_noisy_burs
     assert shared.tenant_hit_ratio == {"noisy": 0.0, "quiet": pytest.approx(768 / 3072)}
 
 
+def test_the_priority_policy_keeps_the_quiet_tenant_s_whole_prefix_through_the_noisy_burst():
+    """quiet at -10 (kvd's tenant_priorities): the noisy documents evict quiet's own extensions
+    (LRU among equals), then each other, and the system prompt stays; without priorities it is lru."""
+    kept = run(TENANT_TRACE, 256, 6 * 256, "priority", sequential=True, tenant_priorities=(("quiet", -10),))
+    assert kept.policy == "priority" and kept.hit_tokens == 512 + 512 and kept.evictions == 4 + 4 + 2
+    assert kept.tenant_hit_ratio == {"noisy": 0.0, "quiet": pytest.approx(1024 / 3072)}
+    equal = run(TENANT_TRACE, 256, 6 * 256, "priority", sequential=True)
+    plain = run(TENANT_TRACE, 256, 6 * 256, "lru", sequential=True)
+    assert (equal.hit_tokens, equal.evictions) == (plain.hit_tokens, plain.evictions) == (512, 12)
+
+
 def test_tenants_never_share_trace_blocks_and_a_trace_without_tenants_keys_as_before(tmp_path):
     keyer = TraceKeyer(256)
     quiet, noisy, anyone = (keyer.keys(TraceRequest(0, 1024, 0, (1, 2), tenant)) for tenant in ("quiet", "noisy", None))

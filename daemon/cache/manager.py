@@ -51,6 +51,7 @@ class SequenceState:
     hasher: PrefixHasher | None  # continues the chain for appended tokens; None: keys given by caller
     hit_tokens: int = 0  # prompt tokens served from the cache at admission
     prompt_tokens: int = 0  # prompt length at admission
+    priority: int = 0  # the engine's (higher first): the `priority` eviction policy keeps its blocks longer
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,11 +211,12 @@ class KVCacheManager:
 
     def admit(self, seq_id: str, keys: Sequence[BlockKey], prompt_tokens: int, reserve_tokens: int,
               *, tenant: str = "default", hasher: PrefixHasher | None = None, reuse: bool = True,
-              adapter_id: str | None = None) -> Admission:
+              adapter_id: str | None = None, priority: int = 0) -> Admission:
         """Take the cached prefix and reserve blocks for the rest of the prompt and the output.
 
         `keys` are the chain keys of the prompt's full blocks; `adapter_id`, the LoRA adapter of
-        their namespace ("": the base model), recorded for their tree. All or nothing:
+        their namespace ("": the base model), recorded for their tree; `priority`, the engine's
+        (higher first), what the blocks it reuses and writes are worth to the eviction policy. All or nothing:
         CacheFull leaves every block as it was. `reuse=False` takes nothing from the cache (a
         prompt whose every position must be computed); its full blocks are still indexed as they
         fill, where no other block holds their key.
@@ -231,7 +233,7 @@ class KVCacheManager:
         available = pool.available() - pool.evictable_in(hits)
         if needed > available:
             raise CacheFull(seq_id, needed, available, self.num_blocks)
-        pool.acquire(hits, now, hit=True)
+        pool.acquire(hits, now, hit=True, priority=priority)
         reserve = pool.allocate(needed, now, seq_id)
         if keys:
             root = self.roots.get(keys[0])
@@ -248,12 +250,12 @@ class KVCacheManager:
         self._seqs[seq_id] = SequenceState(
             seq_id=seq_id, tenant=tenant, table=hits, reserve=reserve,
             num_tokens=len(hits) * self.block_size, keys=list(keys), hasher=hasher,
-            hit_tokens=len(hits) * self.block_size, prompt_tokens=prompt_tokens)
+            hit_tokens=len(hits) * self.block_size, prompt_tokens=prompt_tokens, priority=priority)
         self._bound_roots()  # after the sequence is registered: its root is kept
         return Admission(seq_id, len(hits), len(hits) * self.block_size, needed)
 
     def admit_tokens(self, seq_id: str, namespace: Namespace, prompt_token_ids: Sequence[int],
-                     reserve_tokens: int) -> Admission:
+                     reserve_tokens: int, priority: int = 0) -> Admission:
         """`admit` for a prompt given as token ids; later `append_tokens` continues the chain."""
         if namespace.block_size != self.block_size:
             raise InvalidRequest(f"namespace.block_size: {namespace.block_size} does not match the "
@@ -261,7 +263,7 @@ class KVCacheManager:
         hasher = PrefixHasher(namespace)
         keys = hasher.feed(prompt_token_ids)
         return self.admit(seq_id, keys, len(prompt_token_ids), reserve_tokens,
-                          tenant=namespace.tenant, hasher=hasher, adapter_id=namespace.adapter_id)
+                          tenant=namespace.tenant, hasher=hasher, adapter_id=namespace.adapter_id, priority=priority)
 
     def _check_counts(self, request: str, prompt_tokens: int, reserve_tokens: int) -> None:
         if not isinstance(prompt_tokens, int) or prompt_tokens < 1:
@@ -315,7 +317,7 @@ class KVCacheManager:
         keys = seq.keys
         first_full, last_full = old_tokens // size, min(new_tokens // size, len(keys))
         if last_full > first_full:
-            pool.insert_many(table, keys, first_full, last_full, now, seq.tenant)
+            pool.insert_many(table, keys, first_full, last_full, now, seq.tenant, seq.priority)
         return copies
 
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -359,7 +361,7 @@ class KVCacheManager:
             seq_id=child_id, tenant=parent.tenant, table=list(parent.table), reserve=reserve,
             num_tokens=parent.num_tokens, keys=list(parent.keys),
             hasher=None if parent.hasher is None else parent.hasher.copy(),
-            hit_tokens=parent.hit_tokens, prompt_tokens=parent.prompt_tokens)
+            hit_tokens=parent.hit_tokens, prompt_tokens=parent.prompt_tokens, priority=parent.priority)
         return Admission(child_id, 0, 0, needed)
 
     # ---- the one release path --------------------------------------------------------------

@@ -173,8 +173,9 @@ class BlockPool:
         if len(log) > self.eviction_log_size:
             log.popitem(last=False)
 
-    def acquire(self, block_ids: Sequence[int], now: float, *, hit: bool) -> None:
-        """Add one reference to each block (a prefix hit, or a fork sharing a table)."""
+    def acquire(self, block_ids: Sequence[int], now: float, *, hit: bool, priority: int = 0) -> None:
+        """Add one reference to each block (a prefix hit, or a fork sharing a table); `priority`:
+        the engine's, of the request a hit is for (the policy may keep its blocks longer)."""
         blocks, policy = self.blocks, self.policy
         for block_id in block_ids:
             block = blocks[block_id]
@@ -192,7 +193,7 @@ class BlockPool:
             if hit and block.hits == 1 and self.reused is not None:
                 self.reused.append(block_id)
         if hit:
-            policy.record_hits(block_ids, now)
+            policy.record_hits(block_ids, now, priority)
 
     def release(self, block_ids: Iterable[int], now: float) -> None:
         """Drop one reference from each block, in the order given.
@@ -224,8 +225,9 @@ class BlockPool:
 
     # ---- the prefix index ------------------------------------------------------------------
     def insert_many(self, table: Sequence[int], keys: Sequence[BlockKey], start: int, stop: int,
-                    now: float, tenant: str | None = None) -> int:
-        """Index `table[i]` under `keys[i]` for start <= i < stop (blocks that just became full).
+                    now: float, tenant: str | None = None, priority: int = 0) -> int:
+        """Index `table[i]` under `keys[i]` for start <= i < stop (blocks that just became full),
+        written by a request of `priority` (the engine's).
 
         A key another block already holds is skipped (that block stays unindexed
         and is freed on release). Returns how many blocks were indexed.
@@ -253,7 +255,7 @@ class BlockPool:
             inserted.append(block_id)
             depths.append(position)
         if inserted:
-            self.policy.on_insert(inserted, depths, now)
+            self.policy.on_insert(inserted, depths, now, priority)
             if self.inserted is not None:
                 self.inserted.extend(inserted)
             if self.events is not None:

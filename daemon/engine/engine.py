@@ -677,7 +677,7 @@ class Engine:
             heapq.heapify(self._waiting)
             started = time.perf_counter()
             admission = self.cache.admit(seq.seq_id, keys, len(tokens), reserve, tenant=request.tenant,
-                                         hasher=hasher, reuse=reuse,
+                                         hasher=hasher, reuse=reuse, priority=request.priority,
                                          adapter_id=request.lora.digest if request.lora is not None else "")
             self.stats.alloc_seconds.append(time.perf_counter() - started)
             if self.tiers is not None:

@@ -60,6 +60,9 @@ class ReplaySettings:
     max_tokens: int | None = None  # max_tokens clients ask for (at least the output); None: the output
     # (tenant, fraction) pairs as kvd's tenant_cache_shares; () for none
     tenant_shares: tuple[tuple[str, float], ...] = ()
+    # (tenant, priority) pairs as kvd's tenant_priorities (lower first): what the `priority` eviction
+    # policy keeps; the replay's queue stays first come, first served
+    tenant_priorities: tuple[tuple[str, int], ...] = ()
     tier_tokens: int = 0  # a lower tier under the device of this many tokens (LRU); 0: none
     restore_rate: float = 200_000.0  # tokens a second restored from it (service model)
     tier_write: str = "write_back"  # or write_through, write_through_selective: kvd's write_policy names
@@ -144,6 +147,7 @@ class ReplicaRun:
         self.manager = KVCacheManager(settings.num_blocks, settings.block_size,
                                       policy=settings.policy, clock=lambda: self.now)
         self.manager.set_tenant_shares(settings.tenant_shares)
+        self.priorities = dict(settings.tenant_priorities)  # tenant -> kvd's place (lower first)
         self.tier: OrderedDict[BlockKey, None] = OrderedDict() if tier is None else tier  # least recent first
         self.tier_blocks = settings.tier_tokens // settings.block_size
         if self.tier_blocks and settings.tier_write == "write_back":
@@ -221,8 +225,9 @@ class ReplicaRun:
             if self.tier_blocks else 0
         t0 = time.perf_counter_ns()
         try:
-            admission = manager.admit(seq_id, keys, request.input_length, reserve,
-                                      tenant=request.tenant or "default")
+            tenant = request.tenant or "default"
+            admission = manager.admit(seq_id, keys, request.input_length, reserve, tenant=tenant,
+                                      priority=-self.priorities.get(tenant, 0))  # the engine's: higher first
         except CacheFull:
             self.call_ns.append(time.perf_counter_ns() - t0)
             return False
