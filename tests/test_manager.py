@@ -377,3 +377,22 @@ def test_the_priority_policy_keeps_an_important_request_s_prefix_through_a_burst
             assert sorted(m.pool.policy.score(b, clock()) for b in m.pool.policy.order()) == [0] * 8 + [10] * 3
         m.audit()
     assert kept == {"lru": [False, False, False], "priority": [True, True, True]}
+
+
+def test_blocks_restored_from_a_lower_tier_take_the_priority_of_the_request_they_come_back_for():
+    """A deferred request (engine priority -5) restoring its prefix leaves it at -5, below what a
+    neutral request's blocks keep; the next request to reuse them raises them to its own."""
+    m = make_manager(num_blocks=8, policy="priority")
+    keys = chain_keys(NS, PROMPT)
+    assert m.install(keys, 0, 2, NS.tenant, lambda keys, ids: None, priority=-5) == 2
+    restored = [m.pool.block_of(k) for k in keys]
+    assert m.pool.policy.order() == restored[::-1]  # released tail first, as a sequence is
+    assert [m.pool.policy.score(b, 0.0) for b in restored] == [-5, -5]
+    run_prompt(m, "r1", list(range(50, 60)))  # priority 0: its blocks go after the restored ones
+    m.release("r1")
+    assert m.pool.policy.order()[:2] == restored[::-1]
+    run_prompt(m, "r2", PROMPT, priority=3)
+    m.release("r2")
+    assert [m.pool.policy.score(b, 0.0) for b in restored] == [3, 3]
+    assert m.pool.policy.order()[-2:] == restored[::-1]
+    m.audit()

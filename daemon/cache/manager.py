@@ -392,14 +392,16 @@ class KVCacheManager:
 
     # ---- restores from lower tiers ---------------------------------------------------------
     def install(self, keys: Sequence[BlockKey], start: int, count: int, tenant: str,
-                load: Callable[[Sequence[BlockKey], list[int]], None], space: BlockKey | None = None) -> int:
+                load: Callable[[Sequence[BlockKey], list[int]], None], space: BlockKey | None = None,
+                priority: int = 0) -> int:
         """Put blocks start..start+count of a chain back into the cache from a lower tier.
 
         keys[:start] must be cached now (they are held meanwhile so that making room never
         evicts them); `load(keys, block_ids)` writes the data. The new blocks end up cached
         and idle, ready for the admission that follows. All or nothing if `load` raises.
         Returns blocks installed (fewer than `count` when the cache lacks room). `space`: the
-        block space the lower tier holds them in, recorded for their tree.
+        block space the lower tier holds them in, recorded for their tree; `priority`: the
+        engine's, of the request they come back for (what the eviction policy weighs them at).
         """
         pool, now = self.pool, self._clock()
         hits = pool.match(keys[:start])
@@ -420,7 +422,7 @@ class KVCacheManager:
             pool.release(reversed(hits + ids), now)
             raise
         table = hits + ids
-        pool.insert_many(table, keys, start, start + count, now, tenant)
+        pool.insert_many(table, keys, start, start + count, now, tenant, priority)
         pool.release(reversed(table), now)
         if keys[0] not in self.roots:
             self.roots[keys[0]] = RootInfo(tenant, now, now, space=space)

@@ -466,7 +466,7 @@ class Engine:
             return
         if not tiers.policy.should_restore(run * self.settings.block_size, nbytes, tiers.stats["host"].read):
             return
-        restored = tiers.restore_into(cache, keys, hits, run, seq.request.tenant)
+        restored = tiers.restore_into(cache, keys, hits, run, seq.request.tenant, seq.request.priority)
         seq.request.metrics.installed_tokens += restored * self.settings.block_size
 
     def cancel(self, request_id: str) -> list[TokenEvent]:

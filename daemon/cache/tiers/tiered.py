@@ -471,18 +471,19 @@ class TieredCache:
             with self.lock:
                 self._protected.difference_update(added)
 
-    def restore_into(self, manager, keys: Sequence[bytes], start: int, count: int, tenant: str) -> int:
+    def restore_into(self, manager, keys: Sequence[bytes], start: int, count: int, tenant: str,
+                     priority: int = 0) -> int:
         """Put blocks start..start+count of a chain (held in host slots or staged) back in the
-        device cache of `manager`; their host slots are protected while making room demotes
-        other blocks. Returns blocks restored: fewer than planned, or none, when an operator's
-        eviction took some of them since (the request computes the rest; no block is left
-        half-installed)."""
+        device cache of `manager`, for a request of `priority` (the engine's); their host slots are
+        protected while making room demotes other blocks. Returns blocks restored: fewer than
+        planned, or none, when an operator's eviction took some of them since (the request computes
+        the rest; no block is left half-installed)."""
         with self.protecting(keys[start:start + count]):
             count = min(count, self.available_run(keys[start:start + count])[0])  # what is still here
             if count <= 0:
                 return 0
             try:
-                return manager.install(keys, start, count, tenant, self.load_into, self.space)
+                return manager.install(keys, start, count, tenant, self.load_into, self.space, priority)
             except SourceGone:  # dropped between that look and the copy: install undid its allocation
                 return 0
 
