@@ -49,6 +49,31 @@ def test_an_evicted_prefix_comes_back_from_a_lower_tier_with_identical_tokens(de
     assert report["moving_blocks"] == 0 and report["staged_blocks"] == 0
 
 
+def test_new_scales_drop_the_old_trees_from_the_device_and_host_memory_but_not_disk(demo, tmp_path):
+    """Blocks written under scales since replaced can never be hit (the scale version is in their
+    keys): kvd drops them from the device and host memory as the new scales load, with `space` as
+    the reason; disk keeps its segments (replicas still on the old scales may share them)."""
+    engine, tiered = engine_with(demo, host_bytes=1 << 20, disk_bytes=1 << 22, disk_path=tmp_path / "d",
+                                 write_policy="write_through")
+    generate(engine, TEXT_A, demo)
+    push_out(engine, demo)
+    assert tiered.flush(timeout=30)
+    a_keys = engine.prefix_keys("default", demo.tokenizer.encode(TEXT_A))[2]
+    on_device = engine.cache.pool.num_indexed
+    in_host = [key for key in tiered.host.index]
+    on_disk = len(tiered.disk.index)
+    assert set(a_keys) <= set(in_host) and engine.cache.lookup(a_keys) == 0  # A went down to host memory
+    assert engine.set_scales({}, "cal-9") == (on_device, len(in_host))
+    assert engine.cache.pool.num_indexed == 0 and len(tiered.host.index) == 0
+    assert len(tiered.disk.index) == on_disk > 0  # disk's are another matter (kvctl evict --model-revision)
+    assert engine.cache.pool.space_evictions == on_device
+    removed = engine.events.last(100, ("removed",)).events
+    assert {(e.tier, e.reason) for e in removed} >= {("device", "space"), ("host", "space")}
+    again = generate(engine, TEXT_A, demo)
+    assert again.metrics.cached_tokens == 0 and again.metrics.restored_tokens == 0
+    assert engine.set_scales({}, "cal-9") == (0, 0)  # nothing left to drop: the served space is unchanged
+
+
 def test_without_tiers_the_same_sequence_recomputes(demo):
     engine = Engine(demo, EngineSettings(num_blocks=12, block_size=16))
     generate(engine, TEXT_A, demo)

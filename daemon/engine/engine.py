@@ -240,16 +240,23 @@ class Engine:
         keep = ",".join(str(i) for i in sorted(self.settings.keep_layers))
         return self.settings.cache_dtype + (f" keep={keep}" if keep else "")
 
-    def set_scales(self, scales: dict[int, tuple[list[float], list[float]]], scale_version: str) -> int:
+    def set_scales(self, scales: dict[int, tuple[list[float], list[float]]], scale_version: str) -> tuple[int, int]:
         """Load new scales into every quantised layer. Blocks written under the old ones become
-        unreachable (the scale version is in the namespace): they go now, but for pinned ones.
-        Returns how many went. Call only with nothing running."""
+        unreachable (the scale version is in the namespace): they go now, from the device but for
+        pinned ones, and from host memory (disk and Redis keep theirs, which `kvctl evict
+        --model-revision` purges, and which replicas still on the old scales share). Returns how
+        many went (device, host). Call only with nothing running."""
         for layer, cache in enumerate(self.kv_caches):
             if cache.k_scale is not None and layer in scales:
                 cache.k_scale.copy_(torch.tensor(scales[layer][0]))
                 cache.v_scale.copy_(torch.tensor(scales[layer][1]))
         self.scale_version = scale_version
-        return self.cache.evict_stale(bytes.fromhex(self.block_space())).evicted_blocks
+        served = bytes.fromhex(self.block_space())
+        device = self.cache.evict_stale(served).evicted_blocks
+        host = 0
+        if self.tiers is not None:
+            host = self.tiers.drop_host_trees({root for root, info in self.cache.roots.items() if info.stale(served)})
+        return device, host
 
     def loaded_scales(self) -> dict[int, tuple[list[float], list[float]]]:
         """The scales the kernels will read, straight from the cache tensors (for the status check)."""

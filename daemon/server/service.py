@@ -626,7 +626,7 @@ class EngineService:
         """Swap in applied scales (caller holds the lock, nothing is running). Pins made under the
         scales before are stranded (their keys name those scales): the log says which."""
         before = self.engine.block_space()
-        freed = self.engine.set_scales(calibration["scales"], f"cal-{calibration['id']}")
+        freed, freed_host = self.engine.set_scales(calibration["scales"], f"cal-{calibration['id']}")
         if self.tiers is not None:
             from kvctl.daemon.cache.tiers import engine_layout, engine_space_record, space_digest
 
@@ -636,8 +636,9 @@ class EngineService:
         self.pending_scales = None
         self.engine.admission_paused = False
         log.info("calibration %d loaded into the kernels%s", calibration["id"],
-                 f"; {freed} cached blocks made under the scales before were dropped (no request reaches them)"
-                 if freed else "")
+                 f"; {freed} cached blocks made under the scales before were dropped"
+                 + (f" (and {freed_host} in host memory)" if freed_host else "") + " (no request reaches them)"
+                 if freed or freed_host else "")
         if self.engine.block_space() != before:
             pin_ops.warn_stranded(pin_ops.stranded_pins(self, space=before), f"calibration {calibration['id']}")
 

@@ -725,9 +725,19 @@ class TieredCache:
             dropped += sum(1 for key in only_remote if key in deleted)
         return dropped
 
-    def drop_host(self, key: bytes) -> bool:
+    def drop_host(self, key: bytes, reason: str = "operator") -> bool:
         with self.lock:
-            return self.host is not None and key not in self._protected and self.host.drop(key)
+            return self.host is not None and key not in self._protected and self.host.drop(key, reason)
+
+    def drop_host_trees(self, roots: set[bytes], reason: str = "space") -> int:
+        """Drop what host memory holds of the trees with these first blocks (new scales made
+        their keys unreachable). Returns blocks dropped."""
+        if self.host is None or not roots:
+            return 0
+        with self.lock:
+            meta = self.host.meta
+            keys = [key for key in list(self.host.index) if (m := meta.get(key)) is not None and m.root in roots]
+        return sum(self.drop_host(key, reason) for key in keys)
 
     def retarget(self, layout: BlockLayout, space: bytes, record: dict | None = None) -> None:
         """New scales (or format): payloads are now written and checked under this layout and space
