@@ -162,12 +162,12 @@ class CostAwareEviction:
             anchored[block_id] = fresh
 
     def record_hits(self, block_ids: Sequence[int], now: float, priority: int = 0) -> None:
-        priority, shift = self._priority, now / self.half_life
+        anchored, shift = self._priority, now / self.half_life  # (a request's priority plays no part)
         for block_id in block_ids:
-            p = priority.get(block_id)
+            p = anchored.get(block_id)
             if p is not None:
                 # uses(now) = 2 ** (p - shift); one more use, re-anchored at now
-                priority[block_id] = math.log2(2.0 ** (p - shift) + 1.0) + shift
+                anchored[block_id] = math.log2(2.0 ** (p - shift) + 1.0) + shift
 
     def score(self, block_id: int, now: float) -> float:
         """The block's current score: decayed uses x tokens saved / bytes."""

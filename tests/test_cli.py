@@ -170,12 +170,16 @@ def test_bad_options_name_field_and_value(capsys, small_trace, args, message):
     assert err.startswith(message)
 
 
-def test_replay_of_a_fleet_compares_routing_policies_in_a_table_and_json(capsys):
-    status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "80", "--block-sizes", "64",
-                         "--policy", "lru", "--capacity-tokens", "20000", "--replicas", "3",
-                         "--routing", "round_robin,prefix", "--json")
+def replay_json(capsys, *args: str) -> dict:
+    """`kvctl bench replay ARGS --json`, which must succeed: its document."""
+    status, out, _ = cli(capsys, "bench", "replay", *args, "--json")
     assert status == 0
-    doc = json.loads(out)
+    return json.loads(out)
+
+
+def test_replay_of_a_fleet_compares_routing_policies_in_a_table_and_json(capsys):
+    doc = replay_json(capsys, "--demo-requests", "80", "--block-sizes", "64", "--policy", "lru",
+                      "--capacity-tokens", "20000", "--replicas", "3", "--routing", "round_robin,prefix")
     assert doc["fleet"] == {"replicas": 3, "routing": ["round_robin", "prefix"], "balance_seconds": 2.0,
                             "new_prefix": "home", "placements": 1}
     assert [(r["routing"], r["replicas"], r["block_size"]) for r in doc["runs"]] == [
@@ -1238,11 +1242,8 @@ def test_replay_with_tenant_shares_compares_each_policy_with_and_without_them(ca
 
 
 def test_replay_with_tenant_priorities_shows_what_the_priority_policy_keeps_of_each_tenant(capsys):
-    status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "300", "--noisy-fraction", "0.5",
-                         "--block-sizes", "16", "--capacity-tokens", "65536", "--policy", "lru,priority",
-                         "--tenant-priorities", "quiet=-10", "--json")
-    assert status == 0
-    doc = json.loads(out)
+    doc = replay_json(capsys, "--demo-requests", "300", "--noisy-fraction", "0.5", "--block-sizes", "16",
+                      "--capacity-tokens", "65536", "--policy", "lru,priority", "--tenant-priorities", "quiet=-10")
     assert doc["settings"]["tenant_priorities"] == {"quiet": -10}
     lru, priority = doc["runs"]
     assert (lru["policy"], priority["policy"]) == ("lru", "priority")
