@@ -106,7 +106,7 @@ def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", hel
             top: int = typer.Option(0, "--top", min=0, help="Show the N tenants with the most prompt tokens "
                                     "(0: every one). --json lists every one."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Each tenant's use of the cache: prompt tokens and hits, requests, cached blocks, share, pins.
+    """Each tenant's use of the cache: prompt tokens and hits, requests, cached and evicted blocks, share, pins.
 
     Counts only, never prompts. At kvd router, the fleet's (each tenant summed over the replicas).
     kvd keeps the counters of the tenants active most recently (max_tracked_tenants, default
@@ -135,7 +135,7 @@ def render_tenants(d: dict, top: int = 0) -> Group:
     shares = d.get("shares")
     host = any(row.get("host_blocks") is not None for row in rows)
     # short headers, explained below the table: every figure fits an 80-column terminal uncut
-    table = compact_table("tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached",
+    table = compact_table("tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached", "evict",
                           *(["idle/share"] if shares else []), *(["host"] if host else []), "pins", "TTFT ms")
     table.columns[0].overflow = "fold"  # a long tenant name wraps whole, never cut
     for index in range(1, len(table.columns)):
@@ -147,7 +147,8 @@ def render_tenants(d: dict, top: int = 0) -> Group:
                      f"{row['idle_blocks'] or 0:,}/" + ("-" if row["share_blocks"] is None else f"{row['share_blocks']:,}")]
         table.add_row(escape(row["tenant"]), f"{row['prompt_tokens']:,}", f"{row['hit_ratio']:.1%}",
                       f"{row['recomputed_tokens']:,}", f"{row['running']}/{row['waiting']}", f"{row.get('rejected', 0):,}",
-                      f"{row['cached_blocks']:,}", *share, *([_host_cell(row)] if host else []),
+                      f"{row['cached_blocks']:,}", f"{row.get('evicted_blocks', 0):,}", *share,
+                      *([_host_cell(row)] if host else []),
                       f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}",
                       "-" if row.get("ttft_p50_s") is None else
                       f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f}")
@@ -164,7 +165,8 @@ def render_tenants(d: dict, top: int = 0) -> Group:
                           f"{retired['recomputed_tokens']:,} recomputed, {retired['rejected']:,} rejected"))
     parts.append(Text(f"hit: prompt tokens served from the cache; recomp: tokens recomputed after preemption; "
                       f"run/wait: requests running and waiting; rej: requests turned away; cached: device blocks "
-                      f"holding the tenant's prefixes, of {d['blocks']:,}"
+                      f"holding the tenant's prefixes, of {d['blocks']:,}; evict: its cached blocks evicted to "
+                      "make room"
                       + ("; idle/share: unused cached blocks against its share (beyond it they are evicted first)"
                          if shares else "")
                       + ("; host: host-memory slots holding its blocks (against its share there)" if host else "")

@@ -86,13 +86,14 @@ def test_tenant_priorities_need_a_priority_queue_and_tenant_names():
 
 def test_the_priority_eviction_policy_keeps_the_first_tenant_s_prefix_through_another_s_burst(tmp_path):
     """eviction: priority keeps the blocks of the requests that run first (acme, at -10) through a
-    burst of another tenant's new prompts, which evict each other; under lru the burst takes it."""
+    burst of another tenant's new prompts, which evict each other; under lru the burst takes it.
+    Each tenant's evicted blocks say whose blocks made the room."""
     from .daemon_fixtures import GLOBEX_TOKEN
     from .test_tenant_shares import cached_tokens
 
     quiet = list(range(1, 50))  # three full blocks and one token
     burst = [[200 + i] + list(range(1, 49)) for i in range(8)]  # 8 x 4 blocks through a 24-block cache
-    cached = {}
+    cached, evicted = {}, {}
     for policy in ("priority", "lru"):
         service = start_service(tmp_path / policy, num_blocks=24, queue_order="priority",
                                 tenant_priorities="acme=-10", eviction=policy)
@@ -101,6 +102,10 @@ def test_the_priority_eviction_policy_keeps_the_first_tenant_s_prefix_through_an
             assert cached_tokens(tcp, USER_TOKEN, quiet) == 0
             for prompt in burst:
                 cached_tokens(tcp, GLOBEX_TOKEN, prompt)
+            rows = {row["tenant"]: row for row in call(unix, "GET", "/admin/tenants").json()["tenants"]}
+            evicted[policy] = (rows["acme"]["evicted_blocks"], rows["globex"]["evicted_blocks"])
+            metrics = call(unix, "GET", "/metrics").text
+            assert f'kvd_tenant_evicted_blocks_total{{tenant="acme"}} {evicted[policy][0]}.0' in metrics
             cached[policy] = cached_tokens(tcp, USER_TOKEN, quiet)
             status = call(unix, "GET", "/admin/status").json()
             assert status["eviction_policy"] == policy and status["evictions"]["capacity"] > 0
@@ -108,6 +113,8 @@ def test_the_priority_eviction_policy_keeps_the_first_tenant_s_prefix_through_an
         finally:
             service.shutdown(1)
     assert cached == {"priority": 48, "lru": 0}
+    # whose blocks made the room (acme's three full blocks under lru), as kvctl tenants counts them
+    assert evicted == {"priority": (0, 4), "lru": (3, 1)}
 
 
 def test_the_priority_eviction_policy_needs_a_priority_queue():

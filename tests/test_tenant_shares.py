@@ -230,11 +230,11 @@ def test_kvctl_tenants_splits_tokens_hits_blocks_and_pins_by_tenant(tmp_path):
         assert 0 < acme["ttft_p50_s"] <= acme["ttft_p95_s"] and globex["ttft_p50_s"] == globex["ttft_p95_s"] > 0
         assert 'kvd_tenant_ttft_seconds_count{tenant="acme"} 2.0' in call(unix, "GET", "/metrics").text
         shown = _kvctl_prints(["tenants"], body).splitlines()
-        assert shown[0].split() == ["tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached", "idle/share",
-                                    "pins", "TTFT", "ms"]
+        assert shown[0].split() == ["tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached", "evict",
+                                    "idle/share", "pins", "TTFT", "ms"]
         ttft = [f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f}" for row in (acme, globex)]
-        assert shown[1].split() == ["acme", "70", "45.7%", "0", "0/0", "0", "2", "0/12", "2/24", ttft[0]]
-        assert shown[2].split() == ["globex", "40", "0.0%", "0", "0/0", "1", "2", "2/-", "0/24", ttft[1]]
+        assert shown[1].split() == ["acme", "70", "45.7%", "0", "0/0", "0", "2", "0", "0/12", "2/24", ttft[0]]
+        assert shown[2].split() == ["globex", "40", "0.0%", "0", "0/0", "1", "2", "0", "2/-", "0/24", ttft[1]]
     finally:
         service.shutdown(1)
 
@@ -244,7 +244,7 @@ def test_the_router_sums_each_tenant_over_the_replicas():
 
     def row(tenant, prompt, hit, share=None, idle=None, ttft=None):
         return {"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit, "hit_ratio": 0.0, "recomputed_tokens": 1,
-                "running": 1, "waiting": 0, "rejected": 2, "cached_blocks": 3, "idle_blocks": idle,
+                "running": 1, "waiting": 0, "rejected": 2, "cached_blocks": 3, "evicted_blocks": 5, "idle_blocks": idle,
                 "share_blocks": share, "pinned_blocks": 0, "pin_budget_blocks": 10,
                 "ttft_p50_s": ttft, "ttft_p95_s": None if ttft is None else 2 * ttft}
 
@@ -255,7 +255,8 @@ def test_the_router_sums_each_tenant_over_the_replicas():
     assert status == 200 and body["blocks"] == 128 and body["shares"]
     acme, globex = body["tenants"]
     assert (acme["prompt_tokens"], acme["hit_tokens"], acme["hit_ratio"], acme["running"]) == (400, 100, 0.25, 2)
-    assert acme["rejected"] == 4 and (acme["ttft_p50_s"], acme["ttft_p95_s"]) == (0.05, 0.1)  # the slowest's
+    assert (acme["rejected"], acme["evicted_blocks"]) == (4, 10)
+    assert (acme["ttft_p50_s"], acme["ttft_p95_s"]) == (0.05, 0.1)  # the slowest's
     assert globex["ttft_p50_s"] is None
     assert (acme["share_blocks"], acme["idle_blocks"], acme["pin_budget_blocks"]) == (16, 11, 20)
     assert (globex["share_blocks"], globex["idle_blocks"], globex["cached_blocks"]) == (None, None, 3)

@@ -76,6 +76,8 @@ class BlockPool:
         # called with the victims of a capacity eviction while their data is still intact
         # (the tiers copy them down); None when there are no lower tiers
         self.on_evict: Callable[[list[Block]], None] | None = None
+        # called with the victims of a capacity eviction counted by tenant (None: not known)
+        self.on_tenant_evictions: Callable[[Counter[str | None]], None] | None = None
         self.inserted: list[int] | None = None  # when a list, insert_many records indexed ids here
         self.reused: list[int] | None = None  # when a list, acquire records blocks on their first hit here
         self.tenant_blocks: Counter[str | None] = Counter()  # indexed blocks per tenant (in use or idle)
@@ -139,6 +141,8 @@ class BlockPool:
             for_share = getattr(self.policy, "evicted_for_share", None) or {}
             if self.on_evict is not None:
                 self.on_evict([blocks[b] for b in victims])
+            if self.on_tenant_evictions is not None:
+                self.on_tenant_evictions(Counter(blocks[b].tenant for b in victims))
             if self.events is not None:
                 if for_share:
                     self.events.removed("device", [blocks[b].key for b in victims if b in for_share], "tenant_share")

@@ -48,7 +48,7 @@ from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sampl
 from .structured import GrammarVocabulary
 
 log = logging.getLogger("kvd.engine")
-from .tenant_book import DEFAULT_LIMIT, HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
+from .tenant_book import DEFAULT_LIMIT, EVICTED, HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
 
 
 class AdmissionRejected(Exception):
@@ -178,6 +178,7 @@ class Engine:
         self._order = itertools.count()
         self._quick_step_last = False  # the last step was a quick prefill step (see _plan)
         self.stats = EngineStats(tenants=TenantBook(settings.max_tracked_tenants))
+        self.cache.pool.on_tenant_evictions = self._count_evictions
         self.admission_paused = False  # set while new scales wait for running work to drain
         # ids of the requests the latest admission pass left waiting for an adapter's turn (max_loras)
         self.lora_turn_waiters: set[str] = set()
@@ -257,6 +258,13 @@ class Engine:
         if self.tiers is not None:
             host = self.tiers.drop_host_trees({root for root, info in self.cache.roots.items() if info.stale(served)})
         return device, host
+
+    def _count_evictions(self, by_tenant) -> None:
+        """Each tenant's cached blocks evicted to make room, in its counters (kvctl tenants)."""
+        book = self.stats.tenants
+        for tenant, count in by_tenant.items():
+            if tenant is not None:
+                book.add_quietly(tenant, EVICTED, count)
 
     def loaded_scales(self) -> dict[int, tuple[list[float], list[float]]]:
         """The scales the kernels will read, straight from the cache tensors (for the status check)."""

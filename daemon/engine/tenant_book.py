@@ -2,7 +2,7 @@
 
 Behind the Unix socket or a trusted proxy, `X-KVD-Tenant` names the tenant, and a gateway that
 keeps each end user's prefixes apart sends as many tenants as it has users. Each tenant's counters
-(prompt tokens, hits, recomputed tokens, requests turned away) are kept for the `limit` tenants
+(prompt tokens, hits, recomputed tokens, requests turned away, cached blocks evicted) are kept for the `limit` tenants
 active most recently. When one more arrives, the least recently active tenant is retired: its
 counters are added to `retired`, so the totals over every tenant stay exact, and a tenant that comes
 back starts a row of its own again.
@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-FIELDS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected")
-PROMPT, HIT, RECOMPUTED, REJECTED = range(len(FIELDS))
+# evicted_blocks: its cached blocks the pool evicted to make room (for anyone's request)
+FIELDS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected", "evicted_blocks")
+PROMPT, HIT, RECOMPUTED, REJECTED, EVICTED = range(len(FIELDS))
 DEFAULT_LIMIT = 10_000  # max_tracked_tenants when nothing sets it
 
 
@@ -40,6 +41,16 @@ class TenantBook:
         row = self._rows[tenant] = [0] * len(FIELDS)
         self._retire_beyond_limit(spare=tenant)
         return row
+
+    def add_quietly(self, tenant: str, index: int, value: int) -> None:
+        """Add to one of `tenant`'s counters without making it the most recently active (losing
+        blocks to another tenant's requests is not activity); a tenant not tracked adds to
+        `retired`, so the totals stay exact."""
+        row = self._rows.get(tenant)
+        if row is None:
+            self.retired[index] += value
+        else:
+            row[index] += value
 
     def resize(self, limit: int) -> None:
         """Keep `limit` tenants from now on, retiring the least recently active beyond it."""

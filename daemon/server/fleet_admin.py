@@ -215,10 +215,11 @@ def merge_request_lists(names: Sequence[str], answers: Sequence[Answer]) -> tupl
 
 
 TENANT_SUMS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "running", "waiting", "rejected",
-               "cached_blocks", "pinned_blocks")
+               "cached_blocks", "evicted_blocks", "pinned_blocks")
 
 
-RETIRED_SUMS = ("tenants", "prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected", "tracked")
+RETIRED_SUMS = ("tenants", "prompt_tokens", "hit_tokens", "recomputed_tokens", "rejected", "evicted_blocks",
+                "tracked")
 LOWER_TIER_FIGURES = ("disk_bytes", "disk_share_bytes", "remote_bytes", "remote_share_bytes")  # per tenant
 
 

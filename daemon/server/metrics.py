@@ -75,7 +75,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from kvctl.daemon.engine.tenant_book import HIT, PROMPT
+from kvctl.daemon.engine.tenant_book import EVICTED, HIT, PROMPT
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
@@ -158,6 +158,11 @@ class _EngineCollector:
             hit.add_metric([label], value)
         yield prompt
         yield hit
+        lost = CounterMetricFamily("kvd_tenant_evicted_blocks", "A tenant's cached blocks evicted to make room, "
+                                   "per tenant", labels=["tenant"])
+        for label, value in labels.fold(((tenant, counts[EVICTED]) for tenant, counts in by_tenant), retired[EVICTED]):
+            lost.add_metric([label], value)
+        yield lost
         cached = GaugeMetricFamily("kvd_tenant_cached_blocks", "Device blocks holding a tenant's cached prefixes "
                                    "(in use or idle)", labels=["tenant"])
         for label, count in labels.fold(cached_by_tenant):

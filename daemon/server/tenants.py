@@ -4,11 +4,12 @@ A row per tenant that kvd has seen lately (in a request, a pin or a share): its 
 tokens, how many the prefix cache served and how many were computed again after preemption (the
 totals of `kvctl status`, split by tenant); its requests in flight, and those turned away (a full
 queue, its limit of requests in flight, a request that can never fit); the device blocks holding its
-cached prefixes (in use or idle); with tenant cache shares, its idle blocks against its share;
-with a host tier, the host slots holding its blocks (against its share there, with shares); with
-a disk or Redis tier, the bytes its blocks take there (this daemon's writes, for Redis) against its
-share;
-its pinned blocks against its pin budget; and the p50 and p95 of its latest TTFTs. Counts only: never
+cached prefixes (in use or idle), and how many of its cached blocks were evicted to make room (whose
+blocks pay for the others' requests: what tenant shares and `eviction: priority` change); with
+tenant cache shares, its idle blocks against its share; with a host tier, the host slots holding
+its blocks (against its share there, with shares); with a disk or Redis tier, the bytes its blocks
+take there (this daemon's writes, for Redis) against its share; its pinned blocks against its pin
+budget; and the p50 and p95 of its latest TTFTs. Counts only: never
 prompts, tokens or keys.
 
 "Lately": the counters are kept for the `max_tracked_tenants` tenants active most recently
@@ -58,13 +59,13 @@ def list_tenants(service: EngineService) -> dict:
              | {t for tier in ("disk", "remote") for t in lower.get(tier, {}) if t})
     rows = []
     for tenant in sorted(names):
-        prompt, hit, recomputed, rejected = counted.get(tenant, (0, 0, 0, 0))
+        prompt, hit, recomputed, rejected, evicted = counted.get(tenant, (0,) * len(FIELDS))
         share = (shares or {}).get(tenant)
         rows.append({"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit,
                      "hit_ratio": hit / prompt if prompt else 0.0, "recomputed_tokens": recomputed,
                      "running": flight[(tenant, "running")], "waiting": flight[(tenant, "waiting")],
                      "rejected": rejected,
-                     "cached_blocks": indexed.get(tenant, 0),
+                     "cached_blocks": indexed.get(tenant, 0), "evicted_blocks": evicted,
                      "idle_blocks": None if share is None else share["idle_blocks"],
                      "share_blocks": None if share is None else share["share_blocks"],
                      "pinned_blocks": pinned.get(tenant, 0),
