@@ -106,7 +106,7 @@ def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", hel
             top: int = typer.Option(0, "--top", min=0, help="Show the N tenants with the most prompt tokens "
                                     "(0: every one). --json lists every one."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Each tenant's use of the cache: prompt tokens and hits, requests, cached and evicted blocks, share, pins.
+    """Each tenant's use of the cache: prompt tokens and hits, requests, cached blocks, share, pins, evictions.
 
     Counts only, never prompts. At kvd router, the fleet's (each tenant summed over the replicas).
     kvd keeps the counters of the tenants active most recently (max_tracked_tenants, default
@@ -135,7 +135,7 @@ def render_tenants(d: dict, top: int = 0) -> Group:
     shares = d.get("shares")
     host = any(row.get("host_blocks") is not None for row in rows)
     # short headers, explained below the table: every figure fits an 80-column terminal uncut
-    table = compact_table("tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached", "evict",
+    table = compact_table("tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached",
                           *(["idle/share"] if shares else []), *(["host"] if host else []), "pins", "TTFT ms")
     table.columns[0].overflow = "fold"  # a long tenant name wraps whole, never cut
     for index in range(1, len(table.columns)):
@@ -147,8 +147,7 @@ def render_tenants(d: dict, top: int = 0) -> Group:
                      f"{row['idle_blocks'] or 0:,}/" + ("-" if row["share_blocks"] is None else f"{row['share_blocks']:,}")]
         table.add_row(escape(row["tenant"]), f"{row['prompt_tokens']:,}", f"{row['hit_ratio']:.1%}",
                       f"{row['recomputed_tokens']:,}", f"{row['running']}/{row['waiting']}", f"{row.get('rejected', 0):,}",
-                      f"{row['cached_blocks']:,}", f"{row.get('evicted_blocks', 0):,}", *share,
-                      *([_host_cell(row)] if host else []),
+                      f"{row['cached_blocks']:,}", *share, *([_host_cell(row)] if host else []),
                       f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}",
                       "-" if row.get("ttft_p50_s") is None else
                       f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f}")
@@ -165,12 +164,14 @@ def render_tenants(d: dict, top: int = 0) -> Group:
                           f"{retired['recomputed_tokens']:,} recomputed, {retired['rejected']:,} rejected"))
     parts.append(Text(f"hit: prompt tokens served from the cache; recomp: tokens recomputed after preemption; "
                       f"run/wait: requests running and waiting; rej: requests turned away; cached: device blocks "
-                      f"holding the tenant's prefixes, of {d['blocks']:,}; evict: its cached blocks evicted to "
-                      "make room"
+                      f"holding the tenant's prefixes, of {d['blocks']:,}"
                       + ("; idle/share: unused cached blocks against its share (beyond it they are evicted first)"
                          if shares else "")
                       + ("; host: host-memory slots holding its blocks (against its share there)" if host else "")
                       + "; pins: pinned blocks against the pin budget; TTFT ms: p50/p95 of its latest requests"))
+    lost = _evicted_line(rows)
+    if lost:
+        parts.append(Text(lost))
     for tier, name in (("disk", "disk"), ("remote", "Redis")):
         line = _lower_tier_line(rows, tier, name)
         if line:
@@ -178,6 +179,17 @@ def render_tenants(d: dict, top: int = 0) -> Group:
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)
+
+
+def _evicted_line(rows: list[dict], most: int = 5) -> str | None:
+    """`evicted to make room: globex 1,200 blocks, acme 3`: whose cached blocks paid for the others'
+    requests, the most first (none when nothing was evicted; an older kvd does not say)."""
+    lost = sorted(((row.get("evicted_blocks") or 0, row["tenant"]) for row in rows if row.get("evicted_blocks")),
+                  key=lambda item: (-item[0], item[1]))
+    if not lost:
+        return None
+    shown = [f"{tenant} {count:,}" + (" blocks" if i == 0 else "") for i, (count, tenant) in enumerate(lost[:most])]
+    return "evicted to make room: " + ", ".join(shown) + (f", and {len(lost) - most} more" if len(lost) > most else "")
 
 
 def _lower_tier_line(rows: list[dict], tier: str, name: str, most: int = 5) -> str | None:

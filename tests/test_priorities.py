@@ -93,7 +93,9 @@ def test_the_priority_eviction_policy_keeps_the_first_tenant_s_prefix_through_an
 
     quiet = list(range(1, 50))  # three full blocks and one token
     burst = [[200 + i] + list(range(1, 49)) for i in range(8)]  # 8 x 4 blocks through a 24-block cache
-    cached, evicted = {}, {}
+    from .test_router import _kvctl_prints
+
+    cached, evicted, said = {}, {}, {}
     for policy in ("priority", "lru"):
         service = start_service(tmp_path / policy, num_blocks=24, queue_order="priority",
                                 tenant_priorities="acme=-10", eviction=policy)
@@ -106,6 +108,8 @@ def test_the_priority_eviction_policy_keeps_the_first_tenant_s_prefix_through_an
             evicted[policy] = (rows["acme"]["evicted_blocks"], rows["globex"]["evicted_blocks"])
             metrics = call(unix, "GET", "/metrics").text
             assert f'kvd_tenant_evicted_blocks_total{{tenant="acme"}} {evicted[policy][0]}.0' in metrics
+            said[policy] = [line for line in _kvctl_prints(["tenants"], call(unix, "GET", "/admin/tenants").json())
+                            .splitlines() if line.startswith("evicted")]
             cached[policy] = cached_tokens(tcp, USER_TOKEN, quiet)
             status = call(unix, "GET", "/admin/status").json()
             assert status["eviction_policy"] == policy and status["evictions"]["capacity"] > 0
@@ -115,6 +119,8 @@ def test_the_priority_eviction_policy_keeps_the_first_tenant_s_prefix_through_an
     assert cached == {"priority": 48, "lru": 0}
     # whose blocks made the room (acme's three full blocks under lru), as kvctl tenants counts them
     assert evicted == {"priority": (0, 4), "lru": (3, 1)}
+    assert said == {"priority": ["evicted to make room: globex 4 blocks"],
+                    "lru": ["evicted to make room: acme 3 blocks, globex 1"]}
 
 
 def test_the_priority_eviction_policy_needs_a_priority_queue():

@@ -230,11 +230,13 @@ def test_kvctl_tenants_splits_tokens_hits_blocks_and_pins_by_tenant(tmp_path):
         assert 0 < acme["ttft_p50_s"] <= acme["ttft_p95_s"] and globex["ttft_p50_s"] == globex["ttft_p95_s"] > 0
         assert 'kvd_tenant_ttft_seconds_count{tenant="acme"} 2.0' in call(unix, "GET", "/metrics").text
         shown = _kvctl_prints(["tenants"], body).splitlines()
-        assert shown[0].split() == ["tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached", "evict",
-                                    "idle/share", "pins", "TTFT", "ms"]
+        assert shown[0].split() == ["tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached", "idle/share",
+                                    "pins", "TTFT", "ms"]
         ttft = [f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f}" for row in (acme, globex)]
-        assert shown[1].split() == ["acme", "70", "45.7%", "0", "0/0", "0", "2", "0", "0/12", "2/24", ttft[0]]
-        assert shown[2].split() == ["globex", "40", "0.0%", "0", "0/0", "1", "2", "0", "2/-", "0/24", ttft[1]]
+        assert shown[1].split() == ["acme", "70", "45.7%", "0", "0/0", "0", "2", "0/12", "2/24", ttft[0]]
+        assert shown[2].split() == ["globex", "40", "0.0%", "0", "0/0", "1", "2", "2/-", "0/24", ttft[1]]
+        assert (acme["evicted_blocks"], globex["evicted_blocks"]) == (0, 0)
+        assert not any(line.startswith("evicted to make room") for line in shown)  # nothing was
     finally:
         service.shutdown(1)
 
