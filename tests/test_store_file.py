@@ -181,6 +181,8 @@ def test_kvd_writes_its_deleted_store_back_by_itself_and_refuses_writes_to_a_rep
         assert pinned.status_code == 200
         path.unlink()
         assert wait_for(path.exists)  # no write prompted it: the daemon's own check did
+        # the file shows before the write-back is done (then it reopens it and counts): wait for the count
+        assert wait_for(lambda: service.store.written_back == 1)
         assert [p["pin_id"] for p in Store(path).pins()] == [pinned.json()["pin_id"]]
         metrics = call(unix, "GET", "/metrics").text
         assert "kvd_store_written_back_total 1.0" in metrics and "kvd_store_file_ok 1.0" in metrics

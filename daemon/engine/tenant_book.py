@@ -2,10 +2,10 @@
 
 Behind the Unix socket or a trusted proxy, `X-KVD-Tenant` names the tenant, and a gateway that
 keeps each end user's prefixes apart sends as many tenants as it has users. Each tenant's counters
-(prompt tokens, hits, recomputed tokens, requests turned away, cached blocks evicted) are kept for the `limit` tenants
-active most recently. When one more arrives, the least recently active tenant is retired: its
-counters are added to `retired`, so the totals over every tenant stay exact, and a tenant that comes
-back starts a row of its own again.
+(prompt tokens, hits, recomputed tokens, requests turned away, cached blocks evicted) are kept for
+the `limit` tenants active most recently. When one more arrives, the least recently active tenant
+is retired: its counters are added to `retired`, so the totals over every tenant stay exact, and a
+tenant that comes back starts a row of its own again.
 
 A tenant `keep` names (one with a metric series of its own) is never retired: its series then only
 grows, and what is retired is summed under `tenant="*"`, which only grows too.
