@@ -99,8 +99,8 @@ def prefixes(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help
         if any(p.get("detached") and not p.get("stale") for p in shown):
             console.print("detached: the blocks before it are cached nowhere, so no request reaches it")
         if any(p.get("stale") for p in shown):
-            console.print("stale: made under a model revision, tokenizer, cache format, scales or block size kvd no "
-                          "longer serves; no request reaches it, and a stranded pin keeps it (kvctl unpin --stranded)")
+            console.print(f"stale: made under {STRANDED_CAUSES['space']}; no request reaches it, and a stranded pin "
+                          "keeps it (kvctl unpin --stranded)")
         for i, name in enumerate(fleet):
             console.print(f"#{i} {escape(name)}", highlight=False, soft_wrap=True)
         if d.get("message"):

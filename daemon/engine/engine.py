@@ -205,10 +205,14 @@ class Engine:
         base model): an adapter's K/V differ from the base model's, so its blocks are its own."""
         return self._namespace(tenant, self.adapter(adapter).digest if adapter else "")
 
+    def space_key(self) -> bytes:
+        """The block space served (Namespace.space_key): what the tiers' payloads, a pin's keys and
+        a cached tree must have been made in to be of use here."""
+        return self.namespace("*").space_key()
+
     def block_space(self) -> str:
-        """The block space served (Namespace.space_key, hex): what the tiers' payloads and a pin's
-        keys must have been made in to be of use here."""
-        return self.namespace("*").space_key().hex()
+        """The block space served, in hex (as pins, answers and the store name it)."""
+        return self.space_key().hex()
 
     def _namespace(self, tenant: str, adapter_id: str) -> Namespace:
         return Namespace(model_revision=self.loaded.revision, tokenizer_digest=self.tokenizer.digest,
@@ -252,7 +256,7 @@ class Engine:
                 cache.k_scale.copy_(torch.tensor(scales[layer][0]))
                 cache.v_scale.copy_(torch.tensor(scales[layer][1]))
         self.scale_version = scale_version
-        served = bytes.fromhex(self.block_space())
+        served = self.space_key()
         device = self.cache.evict_stale(served).evicted_blocks
         host = 0
         if self.tiers is not None:

@@ -91,7 +91,7 @@ def pin_prefix(service, prefix_id: str, principal: Principal, tenant: str | None
         raise ServiceError(400, f"tenant: prefix {first.hex()[:16]} is tenant {owner!r}'s, not {tenant!r}'s",
                            "tenant")
     root = roots.get(keys[0])  # the adapter its tree was hashed under, where known
-    if root is not None and root.stale(bytes.fromhex(service.block_space())):
+    if root is not None and root.stale(service.require_ready().space_key()):
         raise ServiceError(409, f"prefix: {prefix_id!r} is unreachable ({STRANDED_WHY['space']}); pin it by its "
                                 "text to compute it again", "prefix")
     origin = {"space": service.block_space(), "adapter_id": None if root is None else root.adapter_id}
@@ -192,9 +192,8 @@ def unpin(service, pin_id: str, principal: Principal, detail: dict | None = None
             pin = engine.cache.unpin(pin_id)
         except UnknownPin as exc:  # it lapsed or went meanwhile
             raise ServiceError(404, str(exc), "pin_id") from None
-        served = engine.block_space()
-        dropped = engine.cache.evict_stale(bytes.fromhex(served)).evicted_blocks \
-            if pin.space not in (None, served) else 0
+        served = engine.space_key()
+        dropped = engine.cache.evict_stale(served).evicted_blocks if pin.space not in (None, served.hex()) else 0
     freed = {"dropped_stale_blocks": dropped} if dropped else {}
     service.store.audit(actor=principal.actor, tenant=principal.tenant, action="unpin", target=pin_id,
                         result="ok", detail={"blocks": pin.num_blocks, **freed, **(detail or {})})

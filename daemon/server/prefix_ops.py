@@ -80,7 +80,7 @@ def prefixes(service, tenant: str | None, pinned_only: bool, sort: str = "recent
         except ServiceError as exc:  # name the parameter the caller gave
             raise ServiceError(exc.status, str(exc).replace("prefix:", "under:", 1), "under") from None
     size, nbytes = engine.cache.block_size, engine.cache.block_bytes
-    now, served = engine.clock(), bytes.fromhex(engine.block_space())
+    now, served = engine.clock(), engine.space_key()
     rows = []
     for node in nodes:
         info = roots.get(node.root)
