@@ -146,8 +146,8 @@ def test_tokens_keep_coming_while_another_process_holds_the_store_s_write_lock(t
                         lambda entries: entries >= wanted)
         assert audit >= wanted
         metrics = call(unix, "GET", "/metrics").text
-        assert 'kvd_housekeeping_failures_total{job="pin expiry"} 0.0' in metrics  # each waited; none failed
-        assert 'kvd_housekeeping_failures_total{job="rollout stop conditions"} 0.0' in metrics
+        assert 'kvd_housekeeping_failures_total{task="pin expiry"} 0.0' in metrics  # each waited; none failed
+        assert 'kvd_housekeeping_failures_total{task="rollout stop conditions"} 0.0' in metrics
     finally:
         service.shutdown(1)
 
@@ -224,7 +224,7 @@ def test_admin_calls_waiting_for_a_locked_store_leave_the_probes_status_and_metr
             assert client.get("/health", timeout=5).status_code == 200
             assert client.get("/v1/models", timeout=5).json()["data"][0]["owned_by"] == "kvd"
             scraped = client.get("/metrics", timeout=5).text  # from the metrics' own threads
-            assert 'kvd_housekeeping_failures_total{job="pin expiry"} 0.0' in scraped
+            assert 'kvd_housekeeping_failures_total{task="pin expiry"} 0.0' in scraped
             # at most 16 of the drains hold a worker thread; the rest wait on the event loop
             status = client.get("/admin/status", timeout=5).json()
             assert status["store"]["waiting_writes"] == 16 and status["draining"]

@@ -8,7 +8,7 @@ and then fails. On the engine thread that wait stopped every token; a failure th
 thread, and kvd served nothing more. Here a job that waits delays only itself (a pin's TTL
 still ends while the file check waits), and a job that fails is logged (the first failure of a
 run, with its traceback unless the store says why, then one line when it works again), counted
-in `failures` (`kvd_housekeeping_failures_total{job}`) and run again at its next turn.
+in `failures` (`kvd_housekeeping_failures_total{task}`) and run again at its next turn.
 
 A job is a name, a period and a function. The period is a callable, read after each run, so
 that a setting changed at run time applies from the next turn.

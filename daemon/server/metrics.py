@@ -36,7 +36,7 @@
     kvd_audit_write_failures_total            audit records the store could not take (each logged whole)
     kvd_store_waiting_writes                  store writes waiting to begin now; kvd_store_longest_write_wait_seconds
     kvd_store_writes_total, kvd_store_write_wait_seconds_total   writes, and their waits to begin, summed
-    kvd_housekeeping_failures_total{job}      failed runs of the periodic jobs (pin expiry, store file check,
+    kvd_housekeeping_failures_total{task}     failed runs of the periodic jobs (pin expiry, store file check,
                                               rollout stop conditions, state folder claim); each is tried again
     kvd_start_seconds{phase}                  the latest start: ready (from the process's start), model,
                                               cache, tiers (the disk tier's scan), pins, pins_warmed
@@ -219,7 +219,7 @@ class _EngineCollector:
                                   value=store.write_wait_seconds)
         failures = CounterMetricFamily("kvd_housekeeping_failures", "Failed runs of kvd's periodic jobs (pin "
                                        "expiry, store file check, rollout stop conditions, state folder claim), each "
-                                       "tried again at its next turn: the log says why", labels=["job"])
+                                       "tried again at its next turn: the log says why", labels=["task"])
         for job, count in self.service.housekeeping.failures.items():
             failures.add_metric([job], count)
         yield failures
