@@ -82,3 +82,25 @@ def settled(read, done, timeout: float = 10.0):
     while not done(answer := read()) and time.monotonic() < deadline:
         time.sleep(0.01)
     return answer
+
+
+def scrape_every_family(state_dir) -> str:
+    """kvd's /metrics with every family it may export showing: host and disk tiers, tenant shares,
+    a running rollout and the garbage collector's pauses (as kvd serve installs them), after one
+    completion. For the tests that check what the dashboards and alert rules read is exported."""
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(state_dir, num_blocks=64, host_cache_bytes="1MiB", disk_cache_bytes="4MiB",
+                            disk_cache_path=str(state_dir / "disk"), tiering="always",
+                            tenant_cache_shares="default=0.5")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        service.rollouts.start({"settings": {"reservation": "p95"}}, "50%", [], None, "test")
+        service.gc_pauses.install()
+        answer = call(app, "POST", "/v1/completions", json={"prompt": "Every family shows after one completion.",
+                                                            "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert answer.status_code == 200, answer.text
+        return call(app, "GET", "/metrics").text
+    finally:
+        service.gc_pauses.uninstall()
+        service.shutdown(deadline=2)

@@ -1023,9 +1023,13 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
 
 
 def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():
-    """The unit files and the crontab call kvctl; each call must parse (command, options and
-    values), so that `systemctl reload kvd` and the calibration timer do not rot silently."""
+    """The unit files and the crontab call kvctl, and the alert rules tell operators to; each call
+    must parse (command, options and values), so that `systemctl reload kvd`, the calibration timer
+    and the alerts' advice do not rot silently."""
+    import re
     import shlex
+
+    import yaml
     from pathlib import Path
 
     examples = Path(__file__).parent.parent / "examples"
@@ -1038,13 +1042,18 @@ def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():
             words = shlex.split(line.split("bin/kvctl ", 1)[1])
             calls.append((path.name, words[:words.index(">>")] if ">>" in words else words))
     assert {name for name, _ in calls} == set(names)
+    alerts = yaml.safe_load((examples / "kvd-alerts.yml").read_text())
+    for rule in (rule for group in alerts["groups"] for rule in group["rules"]):
+        text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", r"\1", " ".join(rule["annotations"].values()))
+        calls += [("kvd-alerts.yml", shlex.split(found)) for found in re.findall(r"`kvctl ([^`]+)`", text)]
     root = typer.main.get_command(app)
     for name, words in calls:
         group, args = root, list(words)
-        while hasattr(group, "commands"):
+        while hasattr(group, "commands") and (args or not group.invoke_without_command):  # `kvctl tiers` shows
             group = group.commands[args.pop(0)]
         group.make_context(name, args)  # raises on an unknown option or a bad value
     assert ("kvd.service", ["config", "reload"]) in calls and ("kvd@.service", ["config", "reload"]) in calls
+    assert ("kvd-alerts.yml", ["fleet", "resume", "replica"]) in calls
 
 
 def test_the_router_unit_runs_a_kvd_router_command_kvd_accepts():

@@ -1146,29 +1146,19 @@ def test_every_metric_the_grafana_dashboard_charts_is_exported(tmp_path):
     import re
     from pathlib import Path
 
-    from kvctl.daemon.server.app import create_app
+    from .daemon_fixtures import scrape_every_family
 
     dashboard = json.loads((Path(__file__).parent.parent / "examples" / "grafana" / "kvd.json").read_text())
     wanted = {name for panel in dashboard["panels"] for target in panel["targets"]
               for name in re.findall(r"kvd_[a-z_]+", target["expr"])}
     assert {"kvd_tier_bytes", "kvd_tier_moved_bytes_total", "kvd_tier_restore_seconds_bucket",
-            "kvd_rollout_ttft_seconds_bucket"} <= wanted
-    service = start_service(tmp_path, num_blocks=64, host_cache_bytes="1MiB", tiering="always",
-                            tenant_cache_shares="default=0.5")  # the shares' panel too
-    try:
-        app = create_app(service, service.metrics, front="unix")
-        service.rollouts.start({"settings": {"reservation": "p95"}}, "50%", [], None, "test")  # its panels too
-        service.gc_pauses.install()  # as kvd serve does: the collector's panel too
-        _complete(app, TEXT_A)
-        text = call(app, "GET", "/metrics").text
-        exported = set(re.findall(r"^(kvd_[a-z_]+)", text, re.MULTILINE))  # families with samples
-        suffixes = {"histogram": ("_bucket", "_sum", "_count")}  # a counter's TYPE line names it with _total
-        for name, kind in re.findall(r"^# TYPE (kvd_[a-z_]+) (\w+)", text, re.MULTILINE):  # and without
-            exported.update(name + suffix for suffix in suffixes.get(kind, ("",)))
-        assert sorted(wanted - exported) == []
-    finally:
-        service.gc_pauses.uninstall()
-        service.shutdown(deadline=2)
+            "kvd_rollout_ttft_seconds_bucket", "kvd_gc_pause_seconds_bucket"} <= wanted
+    text = scrape_every_family(tmp_path)
+    exported = set(re.findall(r"^(kvd_[a-z_]+)", text, re.MULTILINE))  # families with samples
+    suffixes = {"histogram": ("_bucket", "_sum", "_count")}  # a counter's TYPE line names it with _total
+    for name, kind in re.findall(r"^# TYPE (kvd_[a-z_]+) (\w+)", text, re.MULTILINE):  # and without
+        exported.update(name + suffix for suffix in suffixes.get(kind, ("",)))
+    assert sorted(wanted - exported) == []
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(

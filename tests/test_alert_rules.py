@@ -1,0 +1,237 @@
+"""examples/kvd-alerts.yml: every rule reads metrics and labels kvd (or kvd router) exports, stays
+quiet on a healthy kvd, and fires on the condition it names, with the labels its text uses.
+
+The rules run on two scrapes of a real kvd through tests/promql_eval.py; `for:` durations are
+Prometheus's part and not modelled. (The kvctl commands the rules name are parsed in test_cli.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+promql_parser = pytest.importorskip("promql_parser")
+
+from kvctl.daemon.config import ConfigError  # noqa: E402
+from kvctl.daemon.server.app import create_app  # noqa: E402
+from kvctl.daemon.store import Store  # noqa: E402
+
+from .daemon_fixtures import call, scrape_every_family, start_service  # noqa: E402
+from .promql_eval import Scrapes, Unsupported, samples  # noqa: E402
+from .test_router import drive, router_app  # noqa: E402
+
+RULES = Path(__file__).parent.parent / "examples" / "kvd-alerts.yml"
+KVD = {"job": "kvd", "instance": "gpu-node-1:8100"}  # the target labels Prometheus adds (examples/prometheus.yml)
+ROUTER = {"job": "kvd-router", "instance": "gpu-node-1:8000"}
+TARGET_LABELS = set(KVD)
+# rules the evaluator cannot run (offset, histogram_quantile): checked for the names they use only
+NOT_EVALUATED = {"KvdPrefixHitRatioFell", "KvdSlowFirstToken"}
+
+
+def rules() -> list[dict]:
+    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+
+
+def up(value: float, target: dict) -> dict:
+    return {"up": {frozenset(target.items()): value}}
+
+
+def fired(scrapes: Scrapes) -> dict[str, dict]:
+    """Alert name -> the series it fires for (sorted label pairs -> value), for the rules that fire."""
+    out = {}
+    for rule in rules():
+        if rule["alert"] in NOT_EVALUATED:
+            continue
+        firing = scrapes.firing(rule["expr"])
+        if firing:
+            out[rule["alert"]] = firing
+    return out
+
+
+def series(target: dict, value: float, **labels: str) -> dict:
+    return {tuple(sorted({**target, **labels}.items())): value}
+
+
+def scrape(app, target=KVD) -> dict:
+    return samples(call(app, "GET", "/metrics").text, **target)
+
+
+def test_the_rules_file_is_well_formed():
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
+    names = [rule["alert"] for rule in rules()]
+    assert len(names) == len(set(names)) == 23
+    for rule in rules():
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
+        assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
+        assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
+        assert set(rule["annotations"]) == {"summary", "description"}, rule["alert"]
+        assert "kvctl " in rule["annotations"]["description"], f"{rule['alert']} names no kvctl command"
+        promql_parser.parse(rule["expr"])  # raises on a syntax error
+        if "for" in rule:
+            promql_parser.parse_duration(rule["for"])
+    assert {rule["alert"] for rule in rules() if rule["alert"] in NOT_EVALUATED} == NOT_EVALUATED
+
+
+def test_every_rule_reads_metrics_and_labels_that_kvd_or_its_router_exports(tmp_path):
+    """Each selector names a series with samples in kvd's (every family showing) or kvd router's
+    /metrics, each matcher a label it carries (and, for =, a value it takes); each grouping and
+    each {{ $labels.X }} of the text a label the result keeps. No family uses a label Prometheus
+    sets on a target (job, instance): it would be renamed exported_job at the scrape."""
+    kvd_text = scrape_every_family(tmp_path / "kvd")
+    service = start_service(tmp_path / "replica", num_blocks=64)
+    try:
+        router, app = router_app([create_app(service, service.metrics, front="unix")], view="events")
+        [router_text] = drive(app, [lambda c: c.get("/metrics")], service=router)
+        router_text = router_text.text
+    finally:
+        service.shutdown(deadline=2)
+    exported = {**samples(kvd_text), **samples(router_text)}
+    assert all(not TARGET_LABELS & {name for name, _ in labels} for named in exported.values() for labels in named)
+    exported["up"] = {frozenset(): 1.0}
+    for rule in rules():
+        tree, kept = promql_parser.parse(rule["expr"]), set(TARGET_LABELS)
+        nodes = []
+        promql_parser.walk(tree, nodes.append)
+        for node in nodes:
+            if isinstance(node, promql_parser.MatrixSelector):
+                node = node.vector_selector
+            if isinstance(node, promql_parser.VectorSelector):
+                assert node.name in exported, f"{rule['alert']}: {node.name} is not exported"
+                carried = {}
+                for labels in exported[node.name]:
+                    for name, value in labels:
+                        carried.setdefault(name, set()).add(value)
+                kept |= set(carried)
+                for matcher in node.matchers.matchers:
+                    if matcher.name in TARGET_LABELS:
+                        continue
+                    assert matcher.name in carried, f"{rule['alert']}: {node.name} has no label {matcher.name}"
+                    if str(matcher.op).endswith(".Equal"):
+                        assert matcher.value in carried[matcher.name], (rule["alert"], matcher.value)
+        for node in nodes:
+            grouping = node.modifier if isinstance(node, promql_parser.AggregateExpr) else None
+            if grouping is not None:
+                assert set(grouping.labels) <= kept | {"le"}, rule["alert"]
+                kept &= set(grouping.labels)
+        text = " ".join(rule["annotations"].values())
+        for name in re.findall(r"\$labels\.(\w+)", text):
+            assert name in kept, f"{rule['alert']}: its text uses $labels.{name}, which the result does not keep"
+
+
+def test_the_kvd_rules_stay_quiet_on_a_healthy_kvd_and_fire_on_what_they_name(tmp_path):
+    service = start_service(tmp_path, num_blocks=64)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        healthy = scrape(app)
+        for question in ("What is a block?", "What is a pin?"):
+            answer = call(app, "POST", "/v1/completions", json={"prompt": "Answer briefly. " + question,
+                                                                "max_tokens": 4})
+            assert answer.status_code == 200
+        now = scrape(app)
+        assert fired(Scrapes(healthy | up(1, KVD), now | up(1, KVD))) == {}
+        assert fired(Scrapes(now | up(1, KVD), now | up(0, KVD))) == {"KvdDown": series(KVD, 0.0)}
+
+        refused = call(app, "POST", "/v1/completions", json={"prompt": list(range(200)) * 6, "max_tokens": 4})
+        assert refused.status_code == 400 and "it can never fit" in refused.text
+        before, now = now, scrape(app)
+        assert fired(Scrapes(before, now)) == {"KvdRequestsNeverFit": series(KVD, 1.0, reason="never_fits")}
+
+        def broken():
+            raise ConfigError("max_queue: must be a positive integer, got 0 (from /etc/kvd/kvd.yaml)")
+        service.config_source = broken
+        with pytest.raises(Exception, match="reload refused, nothing changed: max_queue"):
+            service.reload_from_source("ops")
+        before, now = now, scrape(app)
+        refused_reload = {"KvdConfigReloadRefused": series(KVD, 0.0)}
+        assert fired(Scrapes(before, now)) == refused_reload
+
+        path = tmp_path / "kvd.sqlite3"
+        Store(tmp_path / "other.sqlite3").close()
+        os.replace(tmp_path / "other.sqlite3", path)  # another file put in the store's place
+        deadline = 100
+        while service.store.file_ok and deadline:
+            deadline -= 1
+            service.store.check_file()
+        assert call(app, "POST", "/admin/drain", json={}).status_code == 200  # audited: the record goes to the log
+        before, now = now, scrape(app)
+        assert fired(Scrapes(before, now)) == {**refused_reload, "KvdStoreFileReplaced": series(KVD, 0.0),
+                                                   "KvdAuditWriteFailures": series(KVD, 1.0)}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_tier_and_format_rules_fire_on_a_corrupt_disk_block_and_unit_scales(tmp_path):
+    service = start_service(tmp_path, num_blocks=64, cache_dtype="fp8_e4m3", allow_uncalibrated=True,
+                            disk_cache_bytes="4MiB", disk_cache_path=str(tmp_path / "disk"), tiering="always")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        prompt = {"prompt": "A prompt whose blocks go down to disk and come back corrupt. " * 4, "max_tokens": 2,
+                  "temperature": 0}
+        assert call(app, "POST", "/v1/completions", json=prompt).status_code == 200
+        [row] = call(app, "GET", "/admin/prefixes").json()["prefixes"]
+        moved = call(app, "POST", "/admin/swap", json={"prefix": row["prefix_id"], "to": "disk"}).json()
+        assert moved["verified_blocks"] == moved["blocks"] == row["blocks"]
+        before = scrape(app)
+        uncalibrated = {"KvdCacheUncalibrated": series(KVD, 1.0)}
+        assert fired(Scrapes(before, before)) == uncalibrated
+        disk = service.engine.tiers.disk
+        name, offset, length = next(iter(disk.index.values()))
+        segment = disk.segment_dir / name
+        data = bytearray(segment.read_bytes())
+        data[offset + length // 2] ^= 0x01
+        segment.write_bytes(bytes(data))
+        again = call(app, "POST", "/v1/completions", json=prompt)
+        assert again.status_code == 200
+        after = scrape(app)
+        assert fired(Scrapes(before, after)) == {**uncalibrated,
+                                                     "KvdTierChecksumFailures": series(KVD, 1.0, tier="disk")}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_router_rules_fire_for_a_replica_left_drained(tmp_path):
+    service = start_service(tmp_path, num_blocks=64)
+    try:
+        router, app = router_app([create_app(service, service.metrics, front="unix")], view="events")
+
+        async def metrics(client):
+            return samples((await client.get("/metrics")).text, **ROUTER)
+
+        async def drain(client):
+            answer = await client.post("/router/drain", json={"replica": "replica-0", "drain": True})
+            assert answer.status_code == 200, answer.text
+
+        healthy, drained = drive(app, [metrics, drain, metrics], service=router)[::2]
+        assert fired(Scrapes(healthy | up(1, ROUTER), healthy | up(1, ROUTER))) == {}
+        assert fired(Scrapes(healthy | up(1, ROUTER), drained | up(1, ROUTER))) == {
+            "KvdRouterReplicaLeftDrained": series(ROUTER, 1.0, replica="replica-0")}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_evaluator_refuses_what_it_does_not_implement():
+    scrapes = Scrapes({}, {})
+    for expr in ("x offset 1d", "histogram_quantile(0.9, x)", "x > bool 1"):
+        with pytest.raises(Unsupported):
+            scrapes.evaluate(expr)
+    now = {"x": {frozenset({("tier", "disk")}): 5.0, frozenset({("tier", "host")}): 1.0}}
+    was = {"x": {frozenset({("tier", "disk")}): 2.0}}
+    assert Scrapes(was, now).firing("increase(x[1m]) > 2") == {(("tier", "disk"),): 3.0}
+    assert Scrapes(was, now).firing("rate(x[1m]) * 60") == {(("tier", "disk"),): 3.0}
+    assert Scrapes(was, now).firing("sum by (tier) (x{tier=~'d.*|h.*'}) >= 1") == {
+        (("tier", "disk"),): 5.0, (("tier", "host"),): 1.0}
+    assert Scrapes(was, now).firing("x and on(tier) increase(x[5m]) > 0") == {(("tier", "disk"),): 5.0}
+
+
+def test_prometheus_loads_the_rules_and_scrapes_the_jobs_they_name():
+    prometheus = yaml.safe_load((RULES.parent / "prometheus.yml").read_text())
+    assert prometheus["rule_files"] == [RULES.name]
+    named = set(re.findall(r'job="([^"]+)"', " ".join(rule["expr"] for rule in rules())))
+    assert named == {job["job_name"] for job in prometheus["scrape_configs"]} == {KVD["job"], ROUTER["job"]}
