@@ -524,6 +524,10 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
         for key, value in d["changed"].items():
             console.print(f"reloaded: {key} {_setting_text(d['previous'][key])} -> {_setting_text(value)}",
                           highlight=False)
+        reranked = d.get("reranked_blocks")
+        if reranked:
+            console.print("cached blocks now ranked at their tenant's new priority (eviction: priority): "
+                          + ", ".join(f"{tenant} {count:,}" for tenant, count in reranked.items()), highlight=False)
         adapters = d.get("adapters") or {}
         for change in ("added", "replaced", "removed"):
             if adapters.get(change):

@@ -19,6 +19,8 @@ Life of a block as a policy sees it::
     pop(now) -> b                 it is the victim; the policy forgets it
     pop_many(n, now) -> [b, ...]  the next n victims, in order
     forget(b)                     its content was dropped some other way
+    reprioritise(change) -> n     each held block's priority moves by change(b) (an operator
+                                  changed its tenant's): policies without priorities ignore it
 
 Adding a policy: implement `EvictionPolicy` and register it in `make_eviction_policy`.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 
 class EvictionPolicy(Protocol):
@@ -51,6 +53,10 @@ class EvictionPolicy(Protocol):
         ...
 
     def forget(self, block_id: int) -> None: ...
+
+    def reprioritise(self, change: Callable[[int], int]) -> int:
+        """Move each held block's priority by `change(block_id)`; how many moved (0: no priorities)."""
+        ...
 
     def __len__(self) -> int: ...
 
@@ -102,6 +108,9 @@ class LRUEviction:
 
     def forget(self, block_id: int) -> None:
         self._queue.pop(block_id, None)
+
+    def reprioritise(self, change: Callable[[int], int]) -> int:
+        return 0
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -243,6 +252,9 @@ class CostAwareEviction:
         self._live.pop(block_id, None)
         self._priority.pop(block_id, None)
 
+    def reprioritise(self, change: Callable[[int], int]) -> int:
+        return 0  # scores are reuse estimates; a request's priority plays no part
+
     def __len__(self) -> int:
         return len(self._live)
 
@@ -301,6 +313,41 @@ class PriorityEviction(CostAwareEviction):
 
     def _unknown(self, now: float) -> float:
         return 0
+
+    def reprioritise(self, change: Callable[[int], int]) -> int:
+        """Move each held block's priority by `change(block_id)` (its tenant's `tenant_priorities`
+        changed: every block of the tenant moves alike, so a prefix's root still ranks at or above
+        its leaves). Among equal priorities the blocks keep their release order. Returns how many
+        moved. O(n log n): a reload's cost, never a request's."""
+        held, moved = self._priority, 0
+        for block_id, p in held.items():
+            delta = change(block_id)
+            if delta:
+                held[block_id] = p + delta
+                moved += 1
+        if moved:
+            self._rerank()
+        return moved
+
+    def _rerank(self) -> None:
+        """Rebuild the heap from the live blocks at their priorities now; each keeps its release
+        (the serial of its run) and its place within it."""
+        live, held = self._live, self._priority
+        heap: list[tuple[float, int, list]] = []
+        stored = 0
+        for _, serial, run in self._heap:
+            current, current_p = None, None
+            for block_id in run[run[0]:]:
+                if live.get(block_id) != serial:
+                    continue
+                p = held.get(block_id, 0)
+                if current is None or p != current_p:
+                    current, current_p = [1], p
+                    heap.append((p, serial, current))
+                current.append(block_id)
+                stored += 1
+        heapq.heapify(heap)
+        self._heap, self._stored = heap, stored
 
     def score(self, block_id: int, now: float) -> float:
         """The block's priority: the highest of the requests that wrote or reused it."""

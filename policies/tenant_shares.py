@@ -111,6 +111,9 @@ class TenantShares:
         self.inner.forget(block_id)
         self._drop(block_id)
 
+    def reprioritise(self, change: Callable[[int], int]) -> int:
+        return self.inner.reprioritise(change)
+
     def pop(self, now: float) -> int:
         return self.pop_many(1, now)[0]
 

@@ -120,6 +120,47 @@ def test_priority_evicts_the_least_important_requests_blocks_first_then_the_earl
     assert policy.order() == [4, 3] and len(policy) == 2 and policy.score(3, now=10.0) == 9
 
 
+def test_reprioritised_blocks_rank_at_their_new_priority_and_keep_their_release_order():
+    """An operator moves a tenant (tenant_priorities on a reload): the policy moves that tenant's
+    blocks, idle or in use, by the change; among equal priorities, release order stays."""
+    tenant = {0: "acme", 1: "acme", 2: "acme", 3: "globex", 4: "globex", 5: "acme", 6: "globex"}
+    policy = make_eviction_policy("priority")
+    policy.on_insert([0, 1, 2], [0, 1, 2], now=0.0, priority=10)  # acme's chain, acme first in the queue
+    policy.on_insert([3, 4], [0, 1], now=1.0, priority=0)  # globex's
+    policy.on_insert([5], [0], now=2.0, priority=10)  # acme's, still in use
+    policy.on_insert([6], [0], now=2.0, priority=0)
+    policy.push([2, 1, 0], now=3.0)
+    policy.push([4, 3], now=4.0)
+    policy.push([6], now=5.0)
+    assert policy.order() == [4, 3, 6, 2, 1, 0]
+    moved = policy.reprioritise(lambda b: -20 if tenant[b] == "acme" else 0)
+    assert moved == 4  # 0, 1, 2 and the block in use
+    assert policy.order() == [2, 1, 0, 4, 3, 6]  # acme's now go first, tail first; globex's keep their order
+    assert [policy.score(b, now=6.0) for b in (0, 5, 3)] == [-10, -10, 0]
+    policy.push([5], now=6.0)  # released: at its new priority, after acme's earlier release
+    assert policy.pop_many(5, now=7.0) == [2, 1, 0, 5, 4]
+    assert policy.reprioritise(lambda b: 0) == 0 and policy.order() == [3, 6]
+    for name in ("lru", "cost", "lfu"):  # no priorities to move: their order stays
+        other = make_eviction_policy(name)
+        other.on_insert([0, 1], [0, 1], now=0.0, priority=10)
+        other.push([1, 0], now=1.0)
+        assert other.reprioritise(lambda b: -20) == 0 and other.order() == [1, 0]
+
+
+def test_tenant_shares_pass_a_reprioritisation_to_the_policy_they_wrap():
+    from kvctl.policies.tenant_shares import TenantShares
+
+    tenant = {0: "acme", 1: "acme", 2: "globex"}
+    shares = TenantShares(make_eviction_policy("priority"), tenant.get, {"acme": 4, "globex": 4})
+    shares.on_insert([0, 1], [0, 1], now=0.0, priority=5)
+    shares.on_insert([2], [0], now=0.0, priority=0)
+    shares.push([1, 0], now=1.0)
+    shares.push([2], now=2.0)
+    assert shares.order() == [2, 1, 0]
+    assert shares.reprioritise(lambda b: -10 if tenant[b] == "acme" else 0) == 2
+    assert shares.order() == [1, 0, 2] and shares.problems() == []
+
+
 def test_priority_with_every_request_at_0_is_lru():
     """With a FIFO queue every request is at priority 0: the same victims as lru, in the same order."""
     import random

@@ -123,6 +123,50 @@ def test_the_priority_eviction_policy_keeps_the_first_tenant_s_prefix_through_an
                     "lru": ["evicted to make room: acme 3 blocks, globex 1"]}
 
 
+def test_a_reload_that_moves_a_tenant_moves_its_cached_blocks_with_it(tmp_path):
+    """acme, first in the queue (-10), cached a prompt it keeps reusing; the operator moves it
+    last (10) with a reload. Its cached blocks rank at its new place at once (hits would otherwise
+    keep the old one for as long as they come), so globex's burst takes them first."""
+    from kvctl.daemon.config import resolve as resolve_config
+
+    from .daemon_fixtures import GLOBEX_TOKEN
+    from .test_router import _kvctl_prints
+    from .test_tenant_shares import cached_tokens
+
+    quiet = list(range(1, 50))  # three full blocks and one token
+    burst = [[200 + i] + list(range(1, 49)) for i in range(8)]
+    config = tmp_path / "kvd.yaml"
+    config.write_text("queue_order: priority\neviction: priority\ntenant_priorities: {acme: 10}\n")
+    state = tmp_path / "state"
+    service = start_service(state, num_blocks=24, queue_order="priority", tenant_priorities="acme=-10",
+                            eviction="priority")
+    try:
+        unix, tcp = apps(service, token_table(tmp_path))
+        assert [cached_tokens(tcp, USER_TOKEN, quiet) for _ in range(3)] == [0, 48, 48]
+        cached_tokens(tcp, GLOBEX_TOKEN, [250] + list(range(1, 49)))
+        pool = service.engine.cache.pool
+
+        def owners():
+            with service.lock:
+                return [pool.blocks[b].tenant for b in pool.policy.order()]
+        assert owners() == ["globex"] * 3 + ["acme"] * 3  # acme's go last
+        service.config_source = lambda: resolve_config({"state_dir": str(state), "socket": str(state / "kvd.sock"),
+                                                        "num_blocks": 24}, {}, config)
+        result = call(unix, "POST", "/admin/reload", json={}).json()
+        assert (result["changed"], result["reranked_blocks"]) == ({"tenant_priorities": [["acme", 10]]}, {"acme": 3})
+        assert owners() == ["acme"] * 3 + ["globex"] * 3  # now first
+        assert "cached blocks now ranked at their tenant's new priority (eviction: priority): acme 3" in \
+            _kvctl_prints(["config", "reload"], result)
+        for prompt in burst:
+            cached_tokens(tcp, GLOBEX_TOKEN, prompt)
+        rows = {row["tenant"]: row for row in call(unix, "GET", "/admin/tenants").json()["tenants"]}
+        assert rows["acme"]["evicted_blocks"] == 3
+        assert cached_tokens(tcp, USER_TOKEN, quiet) == 0
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
 def test_the_priority_eviction_policy_needs_a_priority_queue():
     with pytest.raises(ConfigError) as refused:
         resolve({"eviction": "priority"}, {})

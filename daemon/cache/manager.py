@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterable, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from kvctl.policies.admission import AdmissionDecision, Verdict, blocks_for_tokens, decide
 from kvctl.policies.eviction import EvictionPolicy, make_eviction_policy
@@ -508,6 +508,11 @@ class KVCacheManager:
         neither wait for the policy (a hot tree's hits keep it under `lfu` or `cost`) nor go down
         to a lower tier when it comes to them."""
         return self.evict_where(lambda root, info, tenant: info is not None and info.stale(served), reason="space")
+
+    def reprioritise_tenants(self, changes: Mapping[str, int]) -> dict[str, int]:
+        """Cached blocks of each tenant in `changes` move to its new priority (`eviction: priority`
+        ranks them by the engine's priority, which counts the tenant's): {tenant: blocks moved}."""
+        return dict(self.pool.reprioritise_tenants(changes))
 
     def adapter_blocks(self) -> dict[str | None, int]:
         """Indexed blocks of the pool by the LoRA adapter their tree was hashed under (its digest;

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from kvctl.policies.eviction import EvictionPolicy
 
@@ -362,6 +362,24 @@ class BlockPool:
 
     def pin_refs(self) -> dict[BlockKey, int]:
         return dict(self._pin_refs)
+
+    # ---- priorities ------------------------------------------------------------------------
+    def reprioritise_tenants(self, changes: Mapping[str, int]) -> Counter[str]:
+        """Move the priority the policy holds for each block of a tenant in `changes` by that
+        tenant's change (the engine's priority, higher kept longer; `eviction: priority` alone
+        keeps one): the operator changed its `tenant_priorities`. Blocks in use, idle and pinned
+        alike. Returns the blocks moved per tenant (none under other policies)."""
+        blocks, moved = self.blocks, Counter()
+
+        def change(block_id: int) -> int:
+            tenant = blocks[block_id].tenant
+            delta = changes.get(tenant, 0) if tenant is not None else 0
+            if delta:
+                moved[tenant] += 1
+            return delta
+
+        self.policy.reprioritise(change)
+        return moved
 
     # ---- books -----------------------------------------------------------------------------
     def audit(self, holders: dict[int, int]) -> list[str]:

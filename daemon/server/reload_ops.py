@@ -139,6 +139,14 @@ def reload_after_failed_load(service, new: KvdConfig, actor: str) -> dict:
     return result
 
 
+def tenant_priority_changes(old, new) -> dict[str, int]:
+    """How the engine's priority (higher first) of a tenant's requests moves when `tenant_priorities`
+    (lower first; a tenant not named is at 0) go from `old` to `new`: the tenants that moved."""
+    before, after = dict(old), dict(new)
+    return {tenant: before.get(tenant, 0) - after.get(tenant, 0) for tenant in sorted(before.keys() | after.keys())
+            if before.get(tenant, 0) != after.get(tenant, 0)}
+
+
 def reload(service, new: KvdConfig, actor: str = "sighup", adapters: dict | None = None) -> dict:
     """Apply policy settings that can change live (SIGHUP, `kvctl config reload`); the cache is
     kept. `reload_from_source` also re-reads the token file (token rotation). `adapters`: what
@@ -154,6 +162,7 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
         except ConfigError as exc:
             raise ServiceError(400, f"reload refused, nothing changed: {exc}", "lora_modules") from None
     changed = {k: getattr(new, k) for k in LIVE_SETTINGS if getattr(new, k) != getattr(service.config, k)}
+    reranked: dict[str, int] = {}
     previous = {k: getattr(service.config, k) for k in changed}
     ignored = sorted(k for k, v in new.describe().items()
                      if k not in LIVE_SETTINGS and v != getattr(service.config, k))
@@ -182,6 +191,9 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                     service.tiers.disk.set_tenant_shares(new.tenant_cache_shares)
             if "reservation" in changed:
                 engine.reservation = parse_reservation(new.reservation)
+            if "tenant_priorities" in changed:  # cached blocks rank at their tenant's new place too
+                reranked = engine.cache.reprioritise_tenants(
+                    tenant_priority_changes(service.config.tenant_priorities, new.tenant_priorities))
             if service.tiers is not None:  # blocks written from now on; those stored stay as they are
                 service.tiers.compress = new.tier_codecs()
             if new.pin_budget_blocks is not None:
@@ -208,9 +220,14 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                            service.config.cache_dtype)
     if reverted:
         result["reverted_rollout_settings"] = reverted
+    if reranked:
+        result["reranked_blocks"] = reranked
     result.update(pin_ops.stranded_by(service, retired, f"reload by {actor}"))
     service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="ok", detail=result)
     log.info("reloaded by %s: changed %s; needs restart: %s", actor, sorted(changed), ignored)
+    if reranked:
+        log.info("cached blocks moved to their tenant's new priority: %s",
+                 ", ".join(f"{tenant} {count}" for tenant, count in sorted(reranked.items())))
     for name, held in reverted.items():
         log.warning("reload reverted %s from %s (completed rollout %s) to the config's %s",
                     name, held["value"], held["rollout"], held["now"])
