@@ -9,10 +9,12 @@ them on each front end, behind that front's `admin` dependency.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Query
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from kvctl.daemon.cache.events import KINDS, TIERS
@@ -27,6 +29,7 @@ from .api_errors import ApiError, checked_ids
 from .calls import Principal
 from .chat_messages import MessagesError, chat_messages, checked_tools, refuse_chat_fields_without_messages
 from .durations import parse_duration
+from .fleet_admin import RESET_WAIT_MAX_S
 from .strict_json import StrictJSONRoute
 from .tenants import list_tenants
 
@@ -160,6 +163,25 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         return evict_ops.evict(service, prefix_id=body.prefix, tenant=None if prompt else body.tenant,
                                model_revision=body.model_revision, all_unpinned=body.all_unpinned, principal=who,
                                purge_once=body.purge_once, prompt=prompt, dry_run=dry_run)
+
+    # vLLM's and SGLang's cache resets, for the scripts and benchmark harnesses (AIPerf's
+    # --reset-kv-cache) that call them between runs: every unpinned block, as `kvctl evict
+    # --all-unpinned` (the host and disk copies too; a shared Redis stays, other replicas use it).
+    # `timeout` (SGLang's): wait up to that many seconds for the requests in flight to finish
+    # first. Not all of it (blocks in use): a 409 whose body says what went and what stayed,
+    # where vLLM answers 200 and SGLang 400 with nothing done.
+    @router.post("/reset_prefix_cache", operation_id="reset_prefix_cache")
+    @router.post("/flush_cache", operation_id="flush_cache")
+    @router.get("/flush_cache", operation_id="flush_cache_get")
+    def reset_prefix_cache(timeout: float = Query(0.0, ge=0.0, le=RESET_WAIT_MAX_S),
+                           who: Principal = Depends(admin)):
+        engine = service.require_ready()
+        deadline = time.monotonic() + timeout
+        while engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        body = evict_ops.evict(service, prefix_id=None, tenant=None, model_revision=None, all_unpinned=True,
+                               principal=who)
+        return JSONResponse(body, status_code=200 if body["result"] == "ok" else 409)
 
     @router.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):

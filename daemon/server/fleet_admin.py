@@ -27,6 +27,8 @@ import httpx
 
 from .replica_errors import described, kvd_json
 
+RESET_WAIT_MAX_S = 600.0  # the longest a cache reset (/reset_prefix_cache, /flush_cache) waits for requests in flight
+
 Answer = tuple[int | None, dict]  # a replica's HTTP status (None: not reached) and body
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 import httpx
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
@@ -45,9 +45,9 @@ from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
-from .fleet_admin import (combine, fan_out, merge_cancels, merge_evictions, merge_lora_changes, merge_pin_lists,
-                          merge_pins, merge_prefix_lists, merge_request_lists, merge_tenant_lists, merge_tier_reports,
-                          merge_stranded_unpins, merge_unpins, merge_verifies)
+from .fleet_admin import (RESET_WAIT_MAX_S, combine, fan_out, merge_cancels, merge_evictions, merge_lora_changes,
+                          merge_pin_lists, merge_pins, merge_prefix_lists, merge_request_lists, merge_tenant_lists,
+                          merge_tier_reports, merge_stranded_unpins, merge_unpins, merge_verifies)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
@@ -219,6 +219,23 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         if body is not None and "purge_once" not in body:  # one search per shared Redis (fleet_admin.py)
             raw = json.dumps({**body, "purge_once": secrets.token_hex(16)}).encode()
         return await everywhere("POST", "/admin/evict", raw, merge_evictions)
+
+    @app.post("/reset_prefix_cache", operation_id="reset_prefix_cache")
+    @app.post("/flush_cache", operation_id="flush_cache")
+    @app.get("/flush_cache", operation_id="flush_cache_get")
+    async def reset_everywhere(timeout: float = Query(0.0, ge=0.0, le=RESET_WAIT_MAX_S),
+                               _: Caller = Depends(admin)):
+        """vLLM's and SGLang's cache resets: every replica's unpinned blocks (`kvctl evict
+        --all-unpinned` at the router), after waiting up to `timeout` seconds for the requests
+        this router sent to finish; a 409 when some blocks stayed (in use, or a replica not
+        reached), the body saying which."""
+        deadline = time.monotonic() + timeout
+        while any(r.open for r in service.replicas) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        answer = await everywhere("POST", "/admin/evict", b'{"all_unpinned": true}', merge_evictions)
+        if answer.status_code == 200 and json.loads(answer.body)["result"] != "ok":
+            answer.status_code = 409
+        return answer
 
     @app.post("/admin/evict/preview")
     async def evict_preview_everywhere(http: Request, _: Caller = Depends(admin)):
