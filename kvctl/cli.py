@@ -24,6 +24,7 @@ from .capacity_cmd import capacity_command
 from .command_kit import client_for
 from . import events_cmd, requests_cmd, route_cmd, tiers_cmd
 from .fleet_cmd import drain_daemon, fleet_app, resume_daemon
+from .profile_cmd import profile_app
 from .rollout_cmd import rollout_app
 from .errors import UserError
 from .help_text import keep_names_whole, reflow_help
@@ -60,6 +61,7 @@ app.command("resume")(resume_daemon)
 app.command("requests")(requests_cmd.requests)
 app.command("cancel")(requests_cmd.cancel)
 app.command("tenants")(requests_cmd.tenants)
+app.add_typer(profile_app, name="profile")
 
 
 def _version(value: bool) -> None:

@@ -41,7 +41,8 @@ def test_a_reset_takes_every_unpinned_block_keeps_the_pins_and_is_audited(tmp_pa
         assert body["lower_tier_blocks_dropped"] == on_disk - pins  # the pinned prefix's disk copies stay
         assert cached_and_pinned(unix) == (0, pins)
         [row] = call(unix, "GET", "/admin/prefixes").json()["prefixes"]  # the pinned system prompt alone
-        assert (row["start_token"], row["tokens"], row["pinned"], row["tiers"]) == (0, len(SYSTEM), True, {"device": 3, "disk": 3})
+        assert (row["start_token"], row["tokens"], row["pinned"], row["tiers"]) == (0, len(SYSTEM), True,
+                                                                                   {"device": 3, "disk": 3})
         entry = call(unix, "GET", "/admin/audit").json()["entries"][0]
         assert (entry["action"], entry["target"], entry["result"], entry["actor"]) == (
             "evict", "all_unpinned", "ok", "unix-socket")
@@ -99,7 +100,8 @@ def test_blocks_in_use_stay_and_make_it_a_409_unless_the_reset_waits_for_them(tm
             thread.join(30)
         thread = running(unix, ASK_A)
         waited = call(unix, "POST", "/flush_cache?timeout=120")  # until the request is done
-        assert waited.status_code == 200 and waited.json()["result"] == "ok" and "in_use" not in waited.json()["skipped"]
+        assert waited.status_code == 200 and waited.json()["result"] == "ok"
+        assert "in_use" not in waited.json()["skipped"]
         thread.join(30)
         assert not thread.is_alive()
         assert call(unix, "GET", "/admin/requests").json()["requests"] == []

@@ -83,6 +83,11 @@ class CancelRequest(BaseModel):
     tenant: Tenant | None = None
 
 
+class ProfileStartRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_seconds: float = 30.0  # it stops by itself after this long (engine_profile.MAX_SECONDS_LIMIT at most)
+
+
 class DrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     drain: StrictBool = True

@@ -20,11 +20,11 @@ from starlette.concurrency import run_in_threadpool
 from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
-from . import (cache_questions, calibrate_ops, event_feed, evict_ops, inflight, lora_ops, pin_ops, prefix_ops,
-               rollout_ops, tier_ops)
+from . import (cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops, inflight, lora_ops, pin_ops,
+               prefix_ops, rollout_ops, tier_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
-                           LoadLoraAdapterRequest, PinRequest, RolloutAdvance, RolloutRollback, RolloutStart,
-                           SwapRequest, UnloadLoraAdapterRequest, VerifyRequest)
+                           LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, RolloutAdvance, RolloutRollback,
+                           RolloutStart, SwapRequest, UnloadLoraAdapterRequest, VerifyRequest)
 from .api_errors import ApiError, checked_ids
 from .calls import Principal
 from .chat_messages import MessagesError, chat_messages, checked_tools, refuse_chat_fields_without_messages
@@ -214,6 +214,29 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         """Cancel requests in flight by id (the X-KVD-Request-Id of their answers), or all of a
         tenant's: as if their clients had left. Audited."""
         return inflight.cancel_requests(service, who, body.request_ids, body.tenant)
+
+    # ---- profiling the engine thread (engine_profile.py); vLLM's and SGLang's names too ----------
+    @router.post("/admin/profile/start")
+    def profile_start(body: ProfileStartRequest, who: Principal = Depends(admin)):
+        return engine_profile.start_profile(service, who, body.max_seconds)
+
+    @router.post("/admin/profile/stop")
+    def profile_stop(who: Principal = Depends(admin)):
+        return engine_profile.stop_profile(service, who)
+
+    @router.get("/admin/profile")
+    def profile_status(_: Principal = Depends(admin)):
+        """The profile running (since when, by whom, steps so far) and the latest one written."""
+        return service.profiler.status()
+
+    @router.post("/start_profile", operation_id="start_profile")
+    def start_profile_compat(who: Principal = Depends(admin)):
+        """vLLM's and SGLang's start (an empty POST, as AIPerf sends it): the default max_seconds."""
+        return engine_profile.start_profile(service, who, ProfileStartRequest().max_seconds)
+
+    @router.post("/stop_profile", operation_id="stop_profile")
+    def stop_profile_compat(who: Principal = Depends(admin)):
+        return engine_profile.stop_profile(service, who)
 
     @router.post("/admin/drain")
     def drain(body: DrainRequest, who: Principal = Depends(admin)):

@@ -46,6 +46,7 @@ from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
 from .durations import unix_time
+from .engine_profile import EngineProfiler
 from .gc_pauses import GcPauses
 from .gpu_cache_size import gpu_cache_blocks
 from .housekeeping import Housekeeping, Job
@@ -135,6 +136,7 @@ class EngineService:
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
         self.tenant_labels = TenantLabels(config.max_tenant_metric_series)  # per-tenant metrics' labels, bounded
         self.rollouts = RolloutManager(store, pending_path=Path(config.state_dir) / ROLLBACK_PENDING_FILE)
+        self.profiler = EngineProfiler(Path(config.state_dir) / "profiles")  # kvctl profile
         self._observers.append(self.rollouts.observe)
         self.rollout_check_seconds = 10.0
         # the jobs that write to the store, off the engine thread (housekeeping.py says why)
@@ -343,8 +345,10 @@ class EngineService:
             self.notifier.send(f"STATUS=cannot serve: {self.load_error}"[:1024], timeout=0)
             return
         self.notifier.ready()
+        device = self.engine.model.device.type
         while not self._stop.is_set():
             self.notifier.watchdog()
+            self.profiler.turn(device)  # `kvctl profile`: started and stopped here, between steps
             if self.cpu_share is not None and self.cpu_share.wanted != self.engine_threads:
                 torch.set_num_threads(self.cpu_share.wanted)  # this thread's count: only it can set it
                 self.engine_threads = self.cpu_share.wanted
@@ -362,11 +366,13 @@ class EngineService:
                 events = []
                 if busy:  # (all of what was handed in may have been refused)
                     try:
-                        events = self.engine.step()
+                        with self.profiler.step_context():
+                            events = self.engine.step()
                     except Exception:  # a failed step must not strand clients or leak blocks
                         log.exception("engine step failed; cancelling the requests in flight")
                         events = [e for rid in list(self.engine.requests) for e in self.engine.cancel(rid)]
             self._dispatch(events)
+        self.profiler.turn(device, stopping=True)  # a profile running is written, not lost
         self._refuse_submissions(ServiceError(503, "kvd is shutting down"))
 
     def _dispatch(self, events: list[TokenEvent]) -> None:

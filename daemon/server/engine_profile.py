@@ -1,0 +1,249 @@
+"""torch.profiler over kvd's engine thread, for an operator asking where a step's time goes
+(`kvctl profile`; vLLM's and SGLang's /start_profile and /stop_profile, which benchmark harnesses
+such as AIPerf call around a run).
+
+The profiler starts and stops on the engine thread, between steps: the engine loop calls `turn()`
+at the top of each round and runs each step inside `step_context()`, so a profile records the
+engine's own ops, each step under `kvd.step`. A profile stops when an operator stops it, when kvd
+stops, or by itself after its `max_seconds` (one an operator forgot must not grow without end).
+It is written as a gzipped Chrome trace (`.json.gz`: Perfetto and chrome://tracing open it; a
+second of a busy CPU engine is about 15 MiB of JSON before gzip) under the state directory's
+`profiles/`, whole (beside its name, then renamed), and the newest PROFILES_KEPT are kept. The
+answer lists the ops that took the most time: counts and times, never a prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .calls import Principal, ServiceError
+
+log = logging.getLogger("kvd")
+
+PROFILES_KEPT = 10  # the newest profile files kept in the state directory's profiles/
+MAX_SECONDS_LIMIT = 600.0  # the longest profile one may ask for
+TOP_OPS = 25  # ops listed in a profile's answer, most self time first
+TURN_WAIT_S = 60.0  # how long a start or a stop waits for the engine thread to come round (a long step)
+WRITE_WAIT_S = 300.0  # how long a stop waits for its profile to be written
+STEP_NAME = "kvd.step"
+
+
+class EngineProfiler:
+    """One profile at a time over the engine thread. `start` and `stop` are called from request
+    threads and wait for the engine thread's `turn`, which starts and stops the profiler; a
+    stopped profile is written on a thread of its own (a big trace takes seconds to write, and
+    the engine goes on meanwhile), but at kvd's stop, where the engine thread writes it."""
+
+    def __init__(self, folder: Path, clock=time.monotonic) -> None:
+        self.folder = folder
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._turned = threading.Condition(self._lock)
+        self._asked: str | None = None  # "start" or "stop", until the engine thread takes it
+        self._asked_by = ""
+        self._asked_seconds = 0.0
+        self._profile = None  # the running torch.profiler.profile
+        self.running: dict | None = None  # {"since", "by", "max_seconds", "steps", ...} while one runs
+        self.latest: dict | None = None  # the answer of the latest profile written
+        self._serial = 0  # of the latest profile stopped (being written, or written)
+        self._failed: dict[int, str] = {}  # serial -> why writing it failed
+        self._start_error: str | None = None  # why the latest start failed on the engine thread
+        self._begun: dict = {}  # the latest start, for its caller (the profile may be over by the time it looks)
+
+    # ---- request threads --------------------------------------------------------------------
+    def start(self, by: str, max_seconds: float, wake) -> dict:
+        """Ask the engine thread to start a profile and wait until it has; 409 while one runs."""
+        with self._lock:
+            if self.running is not None or self._asked is not None:
+                held = self.running or {"by": self._asked_by}
+                raise ServiceError(409, f"profile: one is running (started by {held['by']}); `kvctl profile stop` "
+                                        "ends it", "profile")
+            self._asked, self._asked_by, self._asked_seconds, self._start_error = "start", by, max_seconds, None
+        wake()
+        self._wait_for_turn("start")
+        with self._lock:
+            if self._start_error is not None:
+                raise ServiceError(500, f"profile: could not start it: {self._start_error}", "profile")
+            return dict(self._begun)
+
+    def stop(self, by: str, wake) -> dict:
+        """Ask the engine thread to stop the running profile, and wait until it is written: its
+        answer. 409 when none runs."""
+        with self._lock:
+            if self.running is None:
+                latest = self.latest
+                raise ServiceError(409, "profile: none is running; `kvctl profile start` starts one" + (
+                    f" (the latest, {latest['seconds']:.1f} s stopped by {latest['stopped_by']}, is {latest['path']})"
+                    if latest else ""), "profile")
+            self._asked, self._asked_by = "stop", by
+        wake()
+        self._wait_for_turn("stop")
+        deadline = self.clock() + WRITE_WAIT_S
+        with self._turned:  # the profile stopped (by this stop, or by its max_seconds meanwhile): its file
+            serial = self._serial
+            while (self.latest or {}).get("serial") != serial and serial not in self._failed \
+                    and self.clock() < deadline:
+                self._turned.wait(timeout=0.05)
+            if serial in self._failed:
+                raise ServiceError(500, f"profile: stopped, but could not write it: {self._failed[serial]}", "profile")
+            if (self.latest or {}).get("serial") != serial:
+                raise ServiceError(503, f"profile: stopped, still being written after {WRITE_WAIT_S:.0f} s; "
+                                        "`kvctl profile show` lists it once written", "profile")
+            return dict(self.latest)
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"running": dict(self.running) if self.running else None, "latest": self.latest,
+                    "folder": str(self.folder)}
+
+    def _wait_for_turn(self, asked: str) -> None:
+        deadline = self.clock() + TURN_WAIT_S
+        with self._turned:
+            while self._asked == asked and self.clock() < deadline:
+                self._turned.wait(timeout=0.05)
+            if self._asked == asked:  # the engine thread did not come round: take the question back
+                self._asked = None
+                raise ServiceError(503, f"profile: the engine thread did not come round in {TURN_WAIT_S:.0f} s "
+                                        f"to {asked} it (a step that long, or kvd stopping)", "profile")
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def turn(self, device: str = "cpu", stopping: bool = False) -> None:
+        """Engine thread, between steps: start or stop what was asked, and stop a profile past its
+        max_seconds (or any, when kvd is `stopping`). Cheap when there is nothing to do."""
+        if self._asked is None and self.running is None:
+            return
+        written = None
+        with self._turned:
+            if self._asked == "start" and not stopping:
+                try:
+                    self._begin(device)
+                except Exception as exc:  # a profile that fails must not stop the engine
+                    self._start_error = f"{type(exc).__name__}: {exc}"
+                    log.error("profile: could not start it: %s", self._start_error)
+            elif self.running is not None:
+                over = self.clock() - self.running["started"] >= self.running["max_seconds"]
+                if self._asked == "stop" or stopping or over:
+                    written = self._end(self._asked_by if self._asked == "stop" else
+                                        "kvd stopping" if stopping else "max_seconds")
+            self._asked = None
+            self._turned.notify_all()
+        if written is not None:
+            if stopping:
+                self._write(*written)
+            else:
+                threading.Thread(target=self._write, args=written, name="kvd-profile-write", daemon=True).start()
+
+    def step_context(self):
+        """What the engine runs a step in: a `kvd.step` range while a profile runs."""
+        if self.running is None:
+            return contextlib.nullcontext()
+        self.running["steps"] += 1
+        import torch.profiler
+
+        return torch.profiler.record_function(STEP_NAME)
+
+    def _begin(self, device: str) -> None:
+        import torch.profiler
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profile = torch.profiler.profile(activities=activities)
+        profile.start()
+        self._profile = profile
+        self.running = {"since": time.time(), "started": self.clock(), "by": self._asked_by,
+                        "max_seconds": self._asked_seconds, "steps": 0, "device": device}
+        self._begun = dict(self.running)
+        log.info("profile started by %s (at most %.0f s)", self._asked_by, self._asked_seconds)
+
+    def _end(self, stopped_by: str) -> tuple:
+        """Stop the profiler (lock held): what `_write` needs."""
+        profile, running = self._profile, self.running
+        self._profile, self.running = None, None
+        self._serial += 1
+        seconds = round(self.clock() - running["started"], 3)
+        try:
+            profile.stop()
+        except Exception as exc:
+            self._failed[self._serial] = f"{type(exc).__name__}: {exc}"
+            log.error("profile: could not stop it: %s", self._failed[self._serial])
+            return None
+        return profile, running, stopped_by, self._serial, seconds
+
+    def _write(self, profile, running: dict, stopped_by: str, serial: int, seconds: float) -> None:
+        """Write a stopped profile whole and make it the latest (any thread)."""
+        stamp = datetime.fromtimestamp(running["since"], timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        name = f"kvd-profile-{stamp}-{os.getpid()}-{serial}"
+        path, partial = self.folder / f"{name}.json.gz", self.folder / f"{name}.partial.json.gz"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            try:
+                profile.export_chrome_trace(str(partial))
+                os.replace(partial, path)  # whole or not at all
+            finally:
+                partial.unlink(missing_ok=True)
+            answer = {"serial": serial, "path": str(path), "bytes": path.stat().st_size, "since": running["since"],
+                      "seconds": seconds, "steps": running["steps"], "started_by": running["by"],
+                      "stopped_by": stopped_by, "device": running["device"], **top_ops(profile, running["device"])}
+            self._prune()
+        except Exception as exc:
+            with self._turned:
+                self._failed[serial] = f"{type(exc).__name__}: {exc}"
+                self._turned.notify_all()
+            log.error("profile: could not write it: %s", self._failed[serial])
+            return
+        with self._turned:
+            self.latest = answer
+            self._turned.notify_all()
+        log.info("profile of %.1f s (%d steps) written to %s (stopped by %s)", seconds, running["steps"], path,
+                 stopped_by)
+
+    def _prune(self) -> None:
+        written = sorted((p for p in self.folder.glob("kvd-profile-*.json.gz") if ".partial." not in p.name),
+                         key=lambda p: p.stat().st_mtime_ns)
+        for old in written[:-PROFILES_KEPT]:
+            old.unlink(missing_ok=True)
+
+
+def top_ops(profile, device: str, count: int = TOP_OPS) -> dict:
+    """`top`: the ops that took the most self time (the device's on CUDA, else the CPU's), as plain
+    rows; `self_ms_total`: the self time of every op, that one's share of which each row is."""
+    rows = []
+    for event in profile.key_averages():
+        self_device = getattr(event, "self_device_time_total", None)
+        if self_device is None:
+            self_device = getattr(event, "self_cuda_time_total", 0.0)
+        rows.append({"name": event.key, "calls": event.count,
+                     "self_cpu_ms": round(event.self_cpu_time_total / 1e3, 3),
+                     "cpu_ms": round(event.cpu_time_total / 1e3, 3),
+                     **({"self_device_ms": round(self_device / 1e3, 3)} if device == "cuda" else {})})
+    key = "self_device_ms" if device == "cuda" else "self_cpu_ms"
+    rows.sort(key=lambda row: (-row[key], row["name"]))
+    return {"top": rows[:count], "self_ms_total": round(sum(row[key] for row in rows), 3), "ranked_by": key}
+
+
+def start_profile(service, principal: Principal, max_seconds: float) -> dict:
+    """Start profiling the engine thread for at most `max_seconds`; audited."""
+    service.require_ready()
+    if not 0 < max_seconds <= MAX_SECONDS_LIMIT:
+        raise ServiceError(400, f"max_seconds: must be more than 0 and at most {MAX_SECONDS_LIMIT:g}, got "
+                                f"{max_seconds!r}", "max_seconds")
+    started = service.profiler.start(principal.actor, max_seconds, service._wake_engine)
+    service.store.audit(actor=principal.actor, tenant=principal.tenant, action="profile_start", target="engine",
+                        result="ok", detail={"max_seconds": max_seconds})
+    return {"profiling": True, "max_seconds": max_seconds, "since": started["since"], "by": started["by"]}
+
+
+def stop_profile(service, principal: Principal) -> dict:
+    """Stop the running profile and write it; its answer (where it is, the ops that took longest); audited."""
+    service.require_ready()
+    written = service.profiler.stop(principal.actor, service._wake_engine)
+    service.store.audit(actor=principal.actor, tenant=principal.tenant, action="profile_stop", target="engine",
+                        result="ok", detail={k: written[k] for k in ("path", "seconds", "steps")})
+    return written

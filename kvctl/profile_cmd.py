@@ -1,0 +1,115 @@
+"""kvctl profile: where the engine's time goes, from torch.profiler over kvd's engine thread
+(daemon/server/engine_profile.py). kvd records and writes the trace; kvctl asks for it and shows
+the ops that took the most time."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.text import Text
+
+from .command_kit import client_for, emit
+from .errors import UserError
+from .tables import compact_table, size
+
+MAX_SECONDS = 600.0  # kvd's own limit (engine_profile.MAX_SECONDS_LIMIT); kvctl does not import the daemon
+GRACE_S = 5.0  # kvd stops a profile by itself this long after kvctl should have (kvctl killed meanwhile)
+
+profile_app = typer.Typer(no_args_is_help=False)
+
+
+@profile_app.callback(invoke_without_command=True)
+def profile(ctx: typer.Context,
+            seconds: float = typer.Option(10.0, "--seconds", help="How long to record; Ctrl-C stops it sooner."),
+            top: int = typer.Option(15, "--top", help="Ops listed, the most self time first."),
+            as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Record kvd's engine thread with torch.profiler: the ops that took the most time, and a trace.
+
+    kvd starts and stops the profiler between steps and writes a Chrome trace under its state
+    directory (profiles/, the newest 10 kept); open it in https://ui.perfetto.dev. Each step shows
+    as kvd.step, whose own time is the engine's Python around its ops. A profile slows the steps
+    it records, and its trace grows with them: record seconds, not hours.
+    Example: kvctl profile --seconds 30
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if not 0 < seconds <= MAX_SECONDS - GRACE_S:
+        raise UserError(f"--seconds: must be more than 0 and at most {MAX_SECONDS - GRACE_S:g}, got {seconds:g}")
+    client = client_for(ctx)
+    client.post("/admin/profile/start", {"max_seconds": seconds + GRACE_S})
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        pass  # stop now: what was recorded so far
+    emit(client.post("/admin/profile/stop", {}), as_json, lambda d: Console().print(profile_view(d, top)))
+
+
+@profile_app.command("start")
+def start(ctx: typer.Context,
+          max_seconds: float = typer.Option(30.0, "--max-seconds", help="kvd stops it by itself after this long."),
+          as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Start recording kvd's engine thread; `kvctl profile stop` ends it (a script's start and stop).
+
+    Example: kvctl profile start --max-seconds 120
+    """
+    if not 0 < max_seconds <= MAX_SECONDS:
+        raise UserError(f"--max-seconds: must be more than 0 and at most {MAX_SECONDS:g}, got {max_seconds:g}")
+    data = client_for(ctx).post("/admin/profile/start", {"max_seconds": max_seconds})
+    emit(data, as_json, lambda d: Console().print(
+        f"profiling kvd's engine thread, for at most {d['max_seconds']:g} s: `kvctl profile stop` ends it",
+        highlight=False))
+
+
+@profile_app.command("stop")
+def stop(ctx: typer.Context, top: int = typer.Option(15, "--top", help="Ops listed, the most self time first."),
+         as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Stop the running profile: where kvd wrote its trace, and the ops that took the most time.
+
+    Example: kvctl profile stop --top 30
+    """
+    emit(client_for(ctx).post("/admin/profile/stop", {}), as_json,
+         lambda d: Console().print(profile_view(d, top)))
+
+
+@profile_app.command("show")
+def show(ctx: typer.Context, top: int = typer.Option(15, "--top", help="Ops listed, the most self time first."),
+         as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """The profile running now, if one is, and the latest one kvd wrote.
+
+    Example: kvctl profile show
+    """
+    def render(d: dict) -> None:
+        console, running = Console(), d["running"]
+        if running:
+            console.print(f"a profile is running: started by {running['by']}, {running['steps']:,} steps so far, "
+                          f"for at most {running['max_seconds']:g} s", highlight=False)
+        if d["latest"]:
+            console.print(profile_view(d["latest"], top))
+        elif not running:
+            console.print(f"no profile since kvd started (they are written to {d['folder']})", highlight=False)
+    emit(client_for(ctx).get("/admin/profile"), as_json, render)
+
+
+def profile_view(d: dict, top: int = 15) -> Group:
+    """A profile's answer: where its trace is, then its ops, the most self time first."""
+    ranked = d.get("ranked_by", "self_cpu_ms")
+    device = ranked == "self_device_ms"
+    total = d.get("self_ms_total") or 0.0
+    steps = f"{d['steps']:,} step{'s' if d['steps'] != 1 else ''}"
+    head = Text(f"profile of {d['seconds']:.1f} s, {steps} ({d['device']}), stopped by {d['stopped_by']}; its "
+                f"trace ({size(d['bytes'])}):\n{d['path']}")
+    table = compact_table("op", "calls", *(["self GPU ms"] if device else []), "self CPU ms", "CPU ms", "self share")
+    for column in table.columns[1:]:
+        column.justify = "right"
+    table.columns[0].overflow = "fold"
+    for row in d["top"][:top] if top > 0 else d["top"]:
+        share = row[ranked] / total if total else 0.0
+        table.add_row(escape(row["name"]), f"{row['calls']:,}",
+                      *([f"{row['self_device_ms']:,.1f}"] if device else []),
+                      f"{row['self_cpu_ms']:,.1f}", f"{row['cpu_ms']:,.1f}", f"{share:.1%}")
+    note = Text("self share: of every op's self " + ("GPU" if device else "CPU") + " time; kvd.step's own time "
+                "is the engine's Python around its ops. Open the trace in https://ui.perfetto.dev")
+    return Group(head, table, note) if d["top"] else Group(head, Text("no op was recorded (no step ran)"))

@@ -1,0 +1,186 @@
+"""`kvctl profile` (POST /admin/profile/start and /stop; vLLM's and SGLang's /start_profile and
+/stop_profile): torch.profiler over the engine thread, started and stopped between steps, each step
+under kvd.step, written whole as a gzipped Chrome trace, one at a time, stopped by itself after
+max_seconds, and written when kvd stops."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+from kvctl.daemon.server import engine_profile  # noqa: E402
+
+from .daemon_fixtures import USER_TOKEN, apps, call, settled, start_service, token_table  # noqa: E402
+from .test_router import _kvctl_prints  # noqa: E402
+
+
+def steps_run(unix) -> int:
+    return sum(kind["count"] for kind in call(unix, "GET", "/admin/status").json()["steps"].values())
+
+
+def complete(unix, text: str) -> None:
+    answer = call(unix, "POST", "/v1/completions", json={"prompt": text, "max_tokens": 4, "ignore_eos": True})
+    assert answer.status_code == 200, answer.text
+
+
+def test_a_profile_records_each_engine_step_and_is_written_whole(tmp_path):
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        complete(unix, "A first request, before the profile.")
+        before = steps_run(unix)
+        started = call(unix, "POST", "/admin/profile/start", json={"max_seconds": 120})
+        assert started.status_code == 200
+        assert (started.json()["profiling"], started.json()["max_seconds"], started.json()["by"]) == (
+            True, 120.0, "unix-socket")
+        complete(unix, "Profile me.")
+        complete(unix, "And me too, please.")
+        steps = steps_run(unix) - before
+        written = call(unix, "POST", "/admin/profile/stop").json()
+        assert (written["steps"], written["stopped_by"], written["started_by"], written["device"]) == (
+            steps, "unix-socket", "unix-socket", "cpu")
+        path = tmp_path / "profiles" / written["path"].rsplit("/", 1)[-1]
+        assert str(path) == written["path"] and path.stat().st_size == written["bytes"]
+        assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no partial file beside it
+        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+        assert sum(e.get("name") == "kvd.step" and e.get("ph") == "X" for e in events) == steps
+        top = written["top"]
+        assert [row["self_cpu_ms"] for row in top] == sorted((row["self_cpu_ms"] for row in top), reverse=True)
+        [step_row] = [row for row in top if row["name"] == "kvd.step"]
+        assert step_row["calls"] == steps and step_row["cpu_ms"] >= step_row["self_cpu_ms"] > 0
+        assert any(row["name"] == "aten::mm" for row in top) and written["ranked_by"] == "self_cpu_ms"
+        assert written["self_ms_total"] >= sum(row["self_cpu_ms"] for row in top) - 0.01 * len(top)
+        assert call(unix, "GET", "/admin/profile").json() == {"running": None, "latest": written,
+                                                              "folder": str(tmp_path / "profiles")}
+        audit = call(unix, "GET", "/admin/audit").json()["entries"]
+        assert [(e["action"], e["target"], e["actor"]) for e in audit[:2]] == [
+            ("profile_stop", "engine", "unix-socket"), ("profile_start", "engine", "unix-socket")]
+        assert audit[0]["detail"] == {"path": written["path"], "seconds": written["seconds"], "steps": steps}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_one_profile_runs_at_a_time_and_stops_by_itself_after_max_seconds(tmp_path):
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        for bad in (0, -1, 601):
+            refused = call(unix, "POST", "/admin/profile/start", json={"max_seconds": bad})
+            assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+                f"max_seconds: must be more than 0 and at most 600, got {float(bad)!r}")
+        none = call(unix, "POST", "/admin/profile/stop")
+        assert none.status_code == 409 and none.json()["error"]["message"] == (
+            "profile: none is running; `kvctl profile start` starts one")
+        assert call(unix, "POST", "/admin/profile/start", json={"max_seconds": 0.2}).status_code == 200
+        again = call(unix, "POST", "/admin/profile/start", json={})
+        assert again.status_code == 409 and again.json()["error"]["message"] == (
+            "profile: one is running (started by unix-socket); `kvctl profile stop` ends it")
+        status = settled(lambda: call(unix, "GET", "/admin/profile").json(), lambda d: d["latest"] is not None)
+        assert status["running"] is None and status["latest"]["stopped_by"] == "max_seconds"
+        late = call(unix, "POST", "/admin/profile/stop")
+        assert late.status_code == 409 and late.json()["error"]["message"] == (
+            "profile: none is running; `kvctl profile start` starts one (the latest, "
+            f"{status['latest']['seconds']:.1f} s stopped by max_seconds, is {status['latest']['path']})")
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_vllm_s_and_sglang_s_names_need_the_admin_role_and_kvd_writes_a_profile_as_it_stops(tmp_path):
+    service = start_service(tmp_path)
+    try:
+        unix, tcp = apps(service, token_table(tmp_path))
+        user = call(tcp, "POST", "/start_profile", headers={"Authorization": f"Bearer {USER_TOKEN}"})
+        assert user.status_code == 403
+        assert call(unix, "POST", "/start_profile").json()["max_seconds"] == 30.0  # an empty POST, as AIPerf's
+        complete(unix, "Between the start and the stop.")
+        stopped = call(unix, "POST", "/stop_profile")
+        assert stopped.status_code == 200 and stopped.json()["steps"] > 0
+        assert call(unix, "POST", "/start_profile").status_code == 200
+    finally:
+        service.shutdown(deadline=2)
+    latest = service.profiler.latest  # the one running when kvd stopped: written, not lost
+    assert latest["stopped_by"] == "kvd stopping" and latest["serial"] == 2
+    assert sorted(p.name for p in (tmp_path / "profiles").iterdir()) == sorted(
+        [stopped.json()["path"].rsplit("/", 1)[-1], latest["path"].rsplit("/", 1)[-1]])
+
+
+def test_only_the_newest_profiles_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_profile, "PROFILES_KEPT", 2)
+    service = start_service(tmp_path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        paths = []
+        for _ in range(3):
+            assert call(unix, "POST", "/admin/profile/start", json={}).status_code == 200
+            paths.append(call(unix, "POST", "/admin/profile/stop").json()["path"])
+        assert sorted(str(p) for p in (tmp_path / "profiles").iterdir()) == sorted(paths[1:])
+    finally:
+        service.shutdown(deadline=2)
+
+
+WRITTEN = {"serial": 3, "path": "/var/lib/kvd/profiles/kvd-profile-20261203T010130Z-77-3.json.gz",
+           "bytes": 2_300_000, "since": 1796259690.0, "seconds": 9.87, "steps": 1234, "started_by": "ops",
+           "stopped_by": "ops", "device": "cpu", "self_ms_total": 1000.0, "ranked_by": "self_cpu_ms",
+           "top": [{"name": "kvd.step", "calls": 1234, "self_cpu_ms": 462.0, "cpu_ms": 997.5},
+                   {"name": "aten::mm", "calls": 11106, "self_cpu_ms": 98.25, "cpu_ms": 99.0},
+                   {"name": "aten::index_select", "calls": 6170, "self_cpu_ms": 57.0, "cpu_ms": 72.4}]}
+
+
+def test_kvctl_profile_shows_where_the_trace_is_and_the_ops_that_took_longest():
+    lines = [line.rstrip() for line in _kvctl_prints(["profile", "stop", "--top", "2"], WRITTEN).splitlines()]
+    assert lines == [
+        "profile of 9.9 s, 1,234 steps (cpu), stopped by ops; its trace (2.2 MiB):",
+        "/var/lib/kvd/profiles/kvd-profile-20261203T010130Z-77-3.json.gz",
+        "op        calls self CPU ms CPU ms self share",
+        "kvd.step  1,234       462.0  997.5      46.2%",
+        "aten::mm 11,106        98.2   99.0       9.8%",
+        "self share: of every op's self CPU time; kvd.step's own time is the engine's Python around its ops.",
+        "Open the trace in https://ui.perfetto.dev"]
+    gpu = {**WRITTEN, "device": "cuda", "ranked_by": "self_device_ms", "self_ms_total": 500.0,
+           "top": [{"name": "paged_decode_attention", "calls": 80, "self_cpu_ms": 1.5, "cpu_ms": 2.0,
+                    "self_device_ms": 250.0}]}
+    shown = _kvctl_prints(["profile", "stop"], gpu).splitlines()
+    assert shown[2].split() == ["op", "calls", "self", "GPU", "ms", "self", "CPU", "ms", "CPU", "ms", "self", "share"]
+    assert shown[3].split() == ["paged_decode_attention", "80", "250.0", "1.5", "2.0", "50.0%"]
+    running = {"running": {"by": "ops", "steps": 40, "max_seconds": 30.0, "since": 1.0}, "latest": None,
+               "folder": "/var/lib/kvd/profiles"}
+    assert _kvctl_prints(["profile", "show"], running).splitlines() == [
+        "a profile is running: started by ops, 40 steps so far, for at most 30 s"]
+
+
+def test_kvctl_profile_refuses_a_length_kvd_would_refuse(capsys):
+    from .test_cli import cli
+
+    status, _, err = cli(capsys, "profile", "--seconds", "0")
+    assert status == 2 and "--seconds: must be more than 0 and at most 595, got 0" in err
+    status, _, err = cli(capsys, "profile", "start", "--max-seconds", "700")
+    assert status == 2 and "--max-seconds: must be more than 0 and at most 600, got 700" in err
+
+
+def test_kvctl_profile_starts_waits_and_stops(monkeypatch):
+    """`kvctl profile --seconds S`: a start with S and a little more as kvd's own limit (kvd stops
+    it by itself if kvctl is killed meanwhile), S seconds, then the stop, whose answer it shows."""
+    import kvctl.profile_cmd as profile_cmd
+
+    asked, slept = [], []
+
+    class Client:
+        def post(self, path, body):
+            asked.append((path, body))
+            return WRITTEN if path.endswith("/stop") else {"profiling": True, "max_seconds": body["max_seconds"]}
+
+    monkeypatch.setattr(profile_cmd, "client_for", lambda ctx: Client())
+    monkeypatch.setattr(profile_cmd.time, "sleep", slept.append)
+    from typer.testing import CliRunner
+
+    from kvctl.cli import app
+
+    result = CliRunner().invoke(app, ["profile", "--seconds", "12.5"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    assert asked == [("/admin/profile/start", {"max_seconds": 17.5}), ("/admin/profile/stop", {})]
+    assert slept == [12.5] and result.output.startswith("profile of 9.9 s, 1,234 steps (cpu)")
