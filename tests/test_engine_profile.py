@@ -184,3 +184,23 @@ def test_kvctl_profile_starts_waits_and_stops(monkeypatch):
     assert result.exit_code == 0, result.output
     assert asked == [("/admin/profile/start", {"max_seconds": 17.5}), ("/admin/profile/stop", {})]
     assert slept == [12.5] and result.output.startswith("profile of 9.9 s, 1,234 steps (cpu)")
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_profile_ranks_the_ops_by_their_gpu_time(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    service = start_service(tmp_path, device="cuda")
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        assert call(unix, "POST", "/admin/profile/start", json={}).status_code == 200
+        complete(unix, "Profile the kernels.")
+        written = call(unix, "POST", "/admin/profile/stop").json()
+        assert (written["device"], written["ranked_by"]) == ("cuda", "self_device_ms")
+        top = written["top"]
+        assert top[0]["self_device_ms"] > 0
+        assert [row["self_device_ms"] for row in top] == sorted((row["self_device_ms"] for row in top), reverse=True)
+    finally:
+        service.shutdown(deadline=2)
