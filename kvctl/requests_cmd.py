@@ -18,7 +18,7 @@ from rich.text import Text
 from .errors import UserError
 from .command_kit import client_for, emit, show_or_watch
 from .ops import replica_lines
-from .tables import compact_table, keep_whole, seconds, size
+from .tables import compact_table, count, keep_whole, seconds, size
 
 
 def requests(ctx: typer.Context, tenant: Optional[str] = typer.Option(None, help="Only this tenant's."),
@@ -119,12 +119,73 @@ def tenants(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", hel
     show_or_watch(lambda: client.get("/admin/tenants"), lambda d: render_tenants(d, top), watch, as_json)
 
 
+class TenantTable:
+    """The tenants' table, drawn to the width it is given: each figure whole on one line, and where
+    that is wider than the terminal, the pairs (running/waiting, idle/share, host, pins, TTFT) on
+    two lines, the second part under the first; the tenant name wraps. No figure is ever cut."""
+
+    def __init__(self, rows: list[dict], shares: bool, host: bool) -> None:
+        self.rows, self.shares, self.host = rows, shares, host
+
+    def cells(self, row: dict) -> list[str]:
+        """A row's cells; a pair is `first/second` (`split_pair` may put them on two lines)."""
+        share = []
+        if self.shares:
+            share = ["-" if row["share_blocks"] is None and row["idle_blocks"] is None else
+                     f"{count(row['idle_blocks'] or 0)}/" + ("-" if row["share_blocks"] is None else
+                                                             count(row["share_blocks"]))]
+        return [escape(row["tenant"]), count(row["prompt_tokens"]), f"{row['hit_ratio']:.1%}",
+                count(row["recomputed_tokens"]), f"{row['running']}/{row['waiting']}",
+                count(row.get("rejected", 0)), count(row["cached_blocks"]), *share,
+                *([_host_cell(row)] if self.host else []),
+                f"{count(row['pinned_blocks'])}/{count(row['pin_budget_blocks'])}",
+                "-" if row.get("ttft_p50_s") is None else
+                f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f}"]
+
+    def headers(self) -> list[str]:
+        # short headers, explained below the table
+        return ["tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached",
+                *(["idle/share"] if self.shares else []), *(["host"] if self.host else []), "pins", "TTFT ms"]
+
+    def table(self, split: bool):
+        headers, rows = self.headers(), [self.cells(row) for row in self.rows]
+        if split:
+            headers = [split_pair(h) if "/" in h else h.replace(" ", "\n") for h in headers]
+            rows = [[cells[0]] + [split_pair(cell) for cell in cells[1:]] for cells in rows]
+        table = compact_table(*headers)
+        table.columns[0].overflow = "fold"  # a long tenant name wraps whole, never cut
+        for index in range(1, len(table.columns)):
+            table.columns[index].justify = "right"
+        for cells in rows:
+            table.add_row(*cells)
+        for column in table.columns[1:]:  # figures whole: the name wraps first
+            column.min_width = max(len(line) for cell in [*column.cells, column.header]
+                                   for line in str(cell).splitlines())
+        return table
+
+    def needed(self, split: bool) -> int:
+        """Columns the table takes with each figure whole and the tenant names at 8 columns or less."""
+        table = self.table(split)
+        names = min(8, max(len(line) for cell in [*table.columns[0].cells, table.columns[0].header]
+                           for line in str(cell).splitlines()))
+        return names + sum(c.min_width for c in table.columns[1:]) + len(table.columns) - 1
+
+    def __rich_console__(self, console, options):
+        yield self.table(split=self.needed(False) > options.max_width)
+
+
+def split_pair(text: str) -> str:
+    """`45.0k/60.0k` as two lines, `45.0k` over `/60.0k`."""
+    first, slash, second = text.partition("/")
+    return f"{first}\n{slash}{second}" if slash else text
+
+
 def _host_cell(row: dict) -> str:
     held = row.get("host_blocks")
     if held is None:
         return "-"
     share = row.get("host_share_blocks")
-    return f"{held:,}" + ("" if share is None else f"/{share:,}")
+    return count(held) + ("" if share is None else f"/{count(share)}")
 
 
 def render_tenants(d: dict, top: int = 0) -> Group:
@@ -134,23 +195,7 @@ def render_tenants(d: dict, top: int = 0) -> Group:
         more = len(d["tenants"]) - top
     shares = d.get("shares")
     host = any(row.get("host_blocks") is not None for row in rows)
-    # short headers, explained below the table: every figure fits an 80-column terminal uncut
-    table = compact_table("tenant", "prompt", "hit", "recomp", "run/wait", "rej", "cached",
-                          *(["idle/share"] if shares else []), *(["host"] if host else []), "pins", "TTFT ms")
-    table.columns[0].overflow = "fold"  # a long tenant name wraps whole, never cut
-    for index in range(1, len(table.columns)):
-        table.columns[index].justify = "right"
-    for row in rows:
-        share = []
-        if shares:
-            share = ["-" if row["share_blocks"] is None and row["idle_blocks"] is None else
-                     f"{row['idle_blocks'] or 0:,}/" + ("-" if row["share_blocks"] is None else f"{row['share_blocks']:,}")]
-        table.add_row(escape(row["tenant"]), f"{row['prompt_tokens']:,}", f"{row['hit_ratio']:.1%}",
-                      f"{row['recomputed_tokens']:,}", f"{row['running']}/{row['waiting']}", f"{row.get('rejected', 0):,}",
-                      f"{row['cached_blocks']:,}", *share, *([_host_cell(row)] if host else []),
-                      f"{row['pinned_blocks']:,}/{row['pin_budget_blocks']:,}",
-                      "-" if row.get("ttft_p50_s") is None else
-                      f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f}")
+    table = TenantTable(rows, bool(shares), host)
     retired = d.get("retired") or {}
     parts = [table] if rows else [Text("no tenant seen lately" if retired.get("tenants") else
                                        "no tenant seen since kvd started")]
@@ -168,7 +213,9 @@ def render_tenants(d: dict, top: int = 0) -> Group:
                       + ("; idle/share: unused cached blocks against its share (beyond it they are evicted first)"
                          if shares else "")
                       + ("; host: host-memory slots holding its blocks (against its share there)" if host else "")
-                      + "; pins: pinned blocks against the pin budget; TTFT ms: p50/p95 of its latest requests"))
+                      + "; pins: pinned blocks against the pin budget; TTFT ms: p50/p95 of its latest requests"
+                      + ("; figures of 100,000 or more are rounded (123k, 1.23M; --json has them whole)"
+                         if any(_rounded(row) for row in rows) else "")))
     lost = _evicted_line(rows)
     if lost:
         parts.append(Text(lost))
@@ -179,6 +226,13 @@ def render_tenants(d: dict, top: int = 0) -> Group:
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)
+
+
+def _rounded(row: dict) -> bool:
+    """Whether the table rounds a figure of this row (`count`)."""
+    return max(row["prompt_tokens"], row["recomputed_tokens"], row.get("rejected", 0), row["cached_blocks"],
+               row.get("idle_blocks") or 0, row.get("share_blocks") or 0, row.get("host_blocks") or 0,
+               row.get("host_share_blocks") or 0, row["pinned_blocks"], row["pin_budget_blocks"]) >= 100_000
 
 
 def _evicted_line(rows: list[dict], most: int = 5) -> str | None:

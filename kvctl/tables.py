@@ -43,6 +43,20 @@ def fit_cells(table: Table, *columns: int, words: tuple[int, ...] = ()) -> None:
         column.min_width = max(len(piece) for piece in [*pieces, *str(column.header).split(), ""])
 
 
+def count(n: int) -> str:
+    """A count for a narrow column: whole below 100,000 (99,999), else three significant figures
+    and k, M, B or T (123k, 1.23M, 45.6B): six characters at most, so a fleet's figures fit an
+    80-column table. `--json` has them whole."""
+    if n < 100_000:
+        return f"{n:,}"
+    for power, suffix in ((1, "k"), (2, "M"), (3, "B"), (4, "T")):
+        value = n / 1000 ** power
+        text = f"{value:.2f}" if value < 9.995 else f"{value:.1f}" if value < 99.95 else f"{value:.0f}"
+        if float(text) < 1000 or suffix == "T":
+            return text + suffix
+    raise AssertionError("unreachable")
+
+
 def seconds(value: float | None) -> str:
     """A duration for a status line: 12.5 ms, 1.50 s; '-' when unknown."""
     return "-" if value is None else (f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s")

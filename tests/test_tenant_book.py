@@ -169,3 +169,52 @@ def test_max_tracked_tenants_below_one_is_refused_naming_the_setting():
         resolve({}, env={"KVD_MAX_TRACKED_TENANTS": "0"})
     assert str(raised.value) == "max_tracked_tenants: invalid value '0' from KVD_MAX_TRACKED_TENANTS: must be >= 1"
     assert resolve({}, env={}).max_tracked_tenants == 10_000
+
+
+def test_kvctl_tenants_keeps_a_fleet_s_figures_whole_at_80_columns():
+    """A fleet's figures (billions of prompt tokens, a 262k-block cache, shares and a host tier) fit
+    80 columns: counts of 100,000 or more are rounded to three figures, and where the pairs would
+    still not fit, each goes on two lines. A figure is never cut; the tenant name wraps."""
+    from rich.console import Console
+
+    from kvctl.requests_cmd import render_tenants
+
+    def row(tenant, prompt, hit):
+        return {"tenant": tenant, "prompt_tokens": prompt, "hit_tokens": hit, "hit_ratio": hit / prompt,
+                "recomputed_tokens": 1_234_567, "running": 12, "waiting": 340, "rejected": 12_345,
+                "cached_blocks": 123_456, "pinned_blocks": 2048, "pin_budget_blocks": 65536, "ttft_p50_s": 0.123,
+                "ttft_p95_s": 1.234, "idle_blocks": 45_000, "share_blocks": 60_000, "host_blocks": 1_000_000,
+                "host_share_blocks": 2_000_000}
+
+    answer = {"tenants": [row("acme-production", 12_345_678_901, 5_000_000_000), row("globex", 900_000, 0)],
+              "blocks": 262144, "shares": {"acme": 0.25}}
+    shown = {}
+    for width in (80, 120):
+        console = Console(width=width, record=True)
+        console.print(render_tenants(answer))
+        shown[width] = [line.rstrip() for line in console.export_text().splitlines()]
+    assert shown[80][:6] == [
+        "                                  run                  idle                 TTFT",
+        "tenant      prompt   hit recomp /wait    rej cached  /share   host    pins    ms",
+        "acme-produc  12.3B 40.5%  1.23M    12 12,345   123k  45,000  1.00M   2,048   123",
+        "tion                             /340               /60,000 /2.00M /65,536 /1234",
+        "globex        900k  0.0%  1.23M    12 12,345   123k  45,000  1.00M   2,048   123",
+        "                                 /340               /60,000 /2.00M /65,536 /1234"]
+    assert shown[120][:3] == [
+        "tenant          prompt   hit recomp run/wait    rej cached    idle/share        host         pins  TTFT ms",
+        "acme-production  12.3B 40.5%  1.23M   12/340 12,345   123k 45,000/60,000 1.00M/2.00M 2,048/65,536 123/1234",
+        "globex            900k  0.0%  1.23M   12/340 12,345   123k 45,000/60,000 1.00M/2.00M 2,048/65,536 123/1234"]
+    assert "figures of 100,000 or more are rounded (123k, 1.23M; --json has them whole)" in " ".join(shown[80])
+    small = {**answer, "tenants": [{**row("acme", 1000, 10), "recomputed_tokens": 0, "cached_blocks": 12,
+                                    "host_blocks": 3, "host_share_blocks": 8, "pin_budget_blocks": 32}]}
+    console = Console(width=80, record=True)
+    console.print(render_tenants(small))
+    assert "rounded" not in console.export_text()
+
+
+def test_counts_round_to_three_figures_from_100_000():
+    from kvctl.tables import count
+
+    assert [count(n) for n in (0, 99_999, 100_000, 999_499, 999_500, 1_234_567, 9_995_000, 99_950_000,
+                               12_345_678_901, 10**15)] == [
+        "0", "99,999", "100k", "999k", "1.00M", "1.23M", "10.0M", "100M", "12.3B", "1000T"]
