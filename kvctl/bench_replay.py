@@ -311,7 +311,14 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
         for r in results:
             by_tenant.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy,
                               *(f"{r.tenant_hit_ratio[t]:.1%}" if t in r.tenant_hit_ratio else "-" for t in tenants))
-        parts += [Text(""), by_tenant]
+        evicted = compact_table("block", "capacity", "policy", *tenants, title="evicted to make room, by tenant")
+        for index in (0, 1, *range(3, 3 + len(tenants))):
+            evicted.columns[index].justify = "right"
+        for r in results:
+            evicted.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy,
+                            *(f"{r.tenant_evicted_blocks[t]:,}" if t in r.tenant_evicted_blocks else "-"
+                              for t in tenants))
+        parts += [Text(""), by_tenant, Text(""), evicted]
     return parts
 
 

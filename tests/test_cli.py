@@ -1247,6 +1247,10 @@ def test_replay_with_tenant_shares_compares_each_policy_with_and_without_them(ca
     header = next(i for i, line in enumerate(lines) if line.strip() == "hit by tenant")
     assert lines[header + 1].split() == ["block", "capacity", "policy", "noisy", "quiet"]
     assert [line.split()[2] for line in lines[header + 2:header + 6]] == ["lru", "lru+shares", "cost", "cost+shares"]
+    evicted = next(i for i, line in enumerate(lines) if line.strip() == "evicted to make room, by tenant")
+    assert lines[evicted + 1].split() == ["block", "capacity", "policy", "noisy", "quiet"]
+    assert [line.split()[3:] for line in lines[evicted + 2:evicted + 6]] == [
+        [f"{r['tenant_evicted_blocks']['noisy']:,}", f"{r['tenant_evicted_blocks']['quiet']:,}"] for r in doc["runs"]]
     assert len(max(lines, key=len)) <= 80
 
 
@@ -1260,6 +1264,9 @@ def test_replay_with_tenant_priorities_shows_what_the_priority_policy_keeps_of_e
     quiet = [round(run["tenant_hit_ratio"]["quiet"], 3) for run in (lru, priority)]
     assert quiet == [0.501, 0.579]
     assert priority["tenant_hit_ratio"]["noisy"] == lru["tenant_hit_ratio"]["noisy"] == 0
+    # whose blocks paid for the room: a third fewer of quiet's under priority, more of noisy's own
+    assert [run["tenant_evicted_blocks"] for run in (lru, priority)] == [{"noisy": 17142, "quiet": 9493},
+                                                                          {"noisy": 18631, "quiet": 6285}]
 
 
 def test_config_show_writes_per_tenant_settings_as_an_operator_writes_them():

@@ -263,11 +263,15 @@ def test_tenant_shares_keep_part_of_a_quiet_tenant_s_prefix_through_a_noisy_burs
     plain = run(TENANT_TRACE, 256, 6 * 256, sequential=True)
     assert plain.policy == "lru" and plain.hit_tokens == 512  # the second request only: LRU took it all
     assert plain.tenant_hit_ratio == {"noisy": 0.0, "quiet": pytest.approx(512 / 3072)}
+    # whose blocks paid: quiet's two extensions for the first document, then its system prompt and two
+    # of that document's for the second, and the second's for quiet's last request
+    assert plain.tenant_evicted_blocks == {"noisy": 6, "quiet": 6}
     shared = run(TENANT_TRACE, 256, 6 * 256, sequential=True, tenant_shares=(("noisy", 1 / 6),))
     # the second noisy document takes the first's three blocks beyond noisy's one-block share, then
     # one by LRU (the system prompt's second block): the last request still hits the first
     assert shared.policy == "lru+shares" and shared.hit_tokens == 512 + 256 and shared.evictions == 11
     assert shared.tenant_hit_ratio == {"noisy": 0.0, "quiet": pytest.approx(768 / 3072)}
+    assert shared.tenant_evicted_blocks == {"noisy": 6, "quiet": 5}  # quiet keeps its system prompt's first block
 
 
 def test_the_priority_policy_keeps_the_quiet_tenant_s_whole_prefix_through_the_noisy_burst():
@@ -276,6 +280,7 @@ def test_the_priority_policy_keeps_the_quiet_tenant_s_whole_prefix_through_the_n
     kept = run(TENANT_TRACE, 256, 6 * 256, "priority", sequential=True, tenant_priorities=(("quiet", -10),))
     assert kept.policy == "priority" and kept.hit_tokens == 512 + 512 and kept.evictions == 4 + 4 + 2
     assert kept.tenant_hit_ratio == {"noisy": 0.0, "quiet": pytest.approx(1024 / 3072)}
+    assert kept.tenant_evicted_blocks == {"noisy": 6, "quiet": 4}  # quiet's two extensions only
     equal = run(TENANT_TRACE, 256, 6 * 256, "priority", sequential=True)
     plain = run(TENANT_TRACE, 256, 6 * 256, "lru", sequential=True)
     assert (equal.hit_tokens, equal.evictions) == (plain.hit_tokens, plain.evictions) == (512, 12)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -108,6 +108,8 @@ class ReplayResult:
     ttft_p95_s: float | None = None
     # per tenant, when the trace names tenants: hit tokens / prompt tokens of its admitted requests
     tenant_hit_ratio: dict[str, float] = field(default_factory=dict)
+    # and its cached blocks evicted to make room (kvd's evicted_blocks per tenant): whose blocks pay
+    tenant_evicted_blocks: dict[str, int] = field(default_factory=dict)
     tier_tokens: int = 0  # the lower tier's size (0: none)
     restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled
     restored_ratio: float = 0.0  # restored tokens / prompt tokens of admitted requests
@@ -155,6 +157,8 @@ class ReplicaRun:
         self.restored: dict[int, int] = {}  # request in service -> prompt tokens it restored
         self.restored_tokens = 0
         self.tenant_tokens: dict[str, list[int]] = {}  # tenant -> [hit tokens, prompt tokens], admitted
+        self.tenant_evicted: Counter[str | None] = Counter()  # tenant -> its blocks evicted to make room
+        self.manager.pool.on_tenant_evictions = self.tenant_evicted.update
         self.reservation = parse_reservation(settings.reservation)
         self.call_ns: list[int] = []
         self.block_ops = 0
@@ -450,6 +454,7 @@ class ReplicaRun:
             ttft_p95_s=None if s.sequential else percentile(sorted(self.ttft), 0.95),
             tenant_hit_ratio={tenant: hit / prompt if prompt else 0.0
                               for tenant, (hit, prompt) in sorted(self.tenant_tokens.items())},
+            tenant_evicted_blocks={tenant: self.tenant_evicted[tenant] for tenant in sorted(self.tenant_tokens)},
             tier_tokens=s.tier_tokens, restored_tokens=self.restored_tokens,
             restored_ratio=self.restored_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
         )
