@@ -15,7 +15,8 @@ pytest.importorskip("fastapi")
 
 from kvctl.daemon.server import engine_profile  # noqa: E402
 
-from .daemon_fixtures import USER_TOKEN, apps, call, settled, start_service, token_table  # noqa: E402
+from .daemon_fixtures import USER_TOKEN, apps, call, settled, token_table  # noqa: E402
+from .evict_cases import serving  # noqa: E402
 from .test_router import _kvctl_prints  # noqa: E402
 
 
@@ -29,9 +30,7 @@ def complete(unix, text: str) -> None:
 
 
 def test_a_profile_records_each_engine_step_and_is_written_whole(tmp_path):
-    service = start_service(tmp_path)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with serving(tmp_path) as (service, unix):
         complete(unix, "A first request, before the profile.")
         before = steps_run(unix)
         started = call(unix, "POST", "/admin/profile/start", json={"max_seconds": 120})
@@ -61,14 +60,10 @@ def test_a_profile_records_each_engine_step_and_is_written_whole(tmp_path):
         assert [(e["action"], e["target"], e["actor"]) for e in audit[:2]] == [
             ("profile_stop", "engine", "unix-socket"), ("profile_start", "engine", "unix-socket")]
         assert audit[0]["detail"] == {"path": written["path"], "seconds": written["seconds"], "steps": steps}
-    finally:
-        service.shutdown(deadline=2)
 
 
 def test_one_profile_runs_at_a_time_and_stops_by_itself_after_max_seconds(tmp_path):
-    service = start_service(tmp_path)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with serving(tmp_path) as (service, unix):
         for bad in (0, -1, 601):
             refused = call(unix, "POST", "/admin/profile/start", json={"max_seconds": bad})
             assert refused.status_code == 400 and refused.json()["error"]["message"] == (
@@ -86,14 +81,11 @@ def test_one_profile_runs_at_a_time_and_stops_by_itself_after_max_seconds(tmp_pa
         assert late.status_code == 409 and late.json()["error"]["message"] == (
             "profile: none is running; `kvctl profile start` starts one (the latest, "
             f"{status['latest']['seconds']:.1f} s stopped by max_seconds, is {status['latest']['path']})")
-    finally:
-        service.shutdown(deadline=2)
 
 
 def test_vllm_s_and_sglang_s_names_need_the_admin_role_and_kvd_writes_a_profile_as_it_stops(tmp_path):
-    service = start_service(tmp_path)
-    try:
-        unix, tcp = apps(service, token_table(tmp_path))
+    with serving(tmp_path) as (service, unix):
+        _, tcp = apps(service, token_table(tmp_path))
         user = call(tcp, "POST", "/start_profile", headers={"Authorization": f"Bearer {USER_TOKEN}"})
         assert user.status_code == 403
         assert call(unix, "POST", "/start_profile").json()["max_seconds"] == 30.0  # an empty POST, as AIPerf's
@@ -101,8 +93,6 @@ def test_vllm_s_and_sglang_s_names_need_the_admin_role_and_kvd_writes_a_profile_
         stopped = call(unix, "POST", "/stop_profile")
         assert stopped.status_code == 200 and stopped.json()["steps"] > 0
         assert call(unix, "POST", "/start_profile").status_code == 200
-    finally:
-        service.shutdown(deadline=2)
     latest = service.profiler.latest  # the one running when kvd stopped: written, not lost
     assert latest["stopped_by"] == "kvd stopping" and latest["serial"] == 2
     assert sorted(p.name for p in (tmp_path / "profiles").iterdir()) == sorted(
@@ -111,16 +101,12 @@ def test_vllm_s_and_sglang_s_names_need_the_admin_role_and_kvd_writes_a_profile_
 
 def test_only_the_newest_profiles_are_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_profile, "PROFILES_KEPT", 2)
-    service = start_service(tmp_path)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with serving(tmp_path) as (service, unix):
         paths = []
         for _ in range(3):
             assert call(unix, "POST", "/admin/profile/start", json={}).status_code == 200
             paths.append(call(unix, "POST", "/admin/profile/stop").json()["path"])
         assert sorted(str(p) for p in (tmp_path / "profiles").iterdir()) == sorted(paths[1:])
-    finally:
-        service.shutdown(deadline=2)
 
 
 WRITTEN = {"serial": 3, "path": "/var/lib/kvd/profiles/kvd-profile-20261203T010130Z-77-3.json.gz",
@@ -192,9 +178,7 @@ def test_on_cuda_a_profile_ranks_the_ops_by_their_gpu_time(tmp_path):
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    service = start_service(tmp_path, device="cuda")
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with serving(tmp_path, device="cuda") as (service, unix):
         assert call(unix, "POST", "/admin/profile/start", json={}).status_code == 200
         complete(unix, "Profile the kernels.")
         written = call(unix, "POST", "/admin/profile/stop").json()
@@ -202,5 +186,3 @@ def test_on_cuda_a_profile_ranks_the_ops_by_their_gpu_time(tmp_path):
         top = written["top"]
         assert top[0]["self_device_ms"] > 0
         assert [row["self_device_ms"] for row in top] == sorted((row["self_device_ms"] for row in top), reverse=True)
-    finally:
-        service.shutdown(deadline=2)
