@@ -213,14 +213,22 @@ class CostAwareEviction:
             self._compact()
 
     def _compact(self) -> None:
-        live = self._live
+        """Rebuild the heap from the live blocks: each keeps its release (its run's serial) and its
+        place in it, at its priority now (a run splits where `reprioritise` moved some of it)."""
+        live, held = self._live, self._priority
         heap: list[tuple[float, int, list]] = []
         stored = 0
-        for p, serial, run in self._heap:
-            kept = [b for b in run[run[0]:] if live.get(b) == serial]
-            if kept:
-                heap.append((p, serial, [1, *kept]))
-                stored += len(kept)
+        for run_p, serial, run in self._heap:
+            current, current_p = None, None
+            for block_id in run[run[0]:]:
+                if live.get(block_id) != serial:
+                    continue
+                p = held.get(block_id, run_p)
+                if current is None or p != current_p:
+                    current, current_p = [1], p
+                    heap.append((p, serial, current))
+                current.append(block_id)
+                stored += 1
         heapq.heapify(heap)
         self._heap, self._stored = heap, stored
 
@@ -326,28 +334,8 @@ class PriorityEviction(CostAwareEviction):
                 held[block_id] = p + delta
                 moved += 1
         if moved:
-            self._rerank()
+            self._compact()  # the runs again, split where their blocks' priorities now differ
         return moved
-
-    def _rerank(self) -> None:
-        """Rebuild the heap from the live blocks at their priorities now; each keeps its release
-        (the serial of its run) and its place within it."""
-        live, held = self._live, self._priority
-        heap: list[tuple[float, int, list]] = []
-        stored = 0
-        for _, serial, run in self._heap:
-            current, current_p = None, None
-            for block_id in run[run[0]:]:
-                if live.get(block_id) != serial:
-                    continue
-                p = held.get(block_id, 0)
-                if current is None or p != current_p:
-                    current, current_p = [1], p
-                    heap.append((p, serial, current))
-                current.append(block_id)
-                stored += 1
-        heapq.heapify(heap)
-        self._heap, self._stored = heap, stored
 
     def score(self, block_id: int, now: float) -> float:
         """The block's priority: the highest of the requests that wrote or reused it."""

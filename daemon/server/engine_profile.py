@@ -162,8 +162,8 @@ class EngineProfiler:
         self._begun = dict(self.running)
         log.info("profile started by %s (at most %.0f s)", self._asked_by, self._asked_seconds)
 
-    def _end(self, stopped_by: str) -> tuple:
-        """Stop the profiler (lock held): what `_write` needs."""
+    def _end(self, stopped_by: str) -> tuple | None:
+        """Stop the profiler (lock held): what `_write` needs (None: it would not stop)."""
         profile, running = self._profile, self.running
         self._profile, self.running = None, None
         self._serial += 1
