@@ -44,7 +44,7 @@ def profile(ctx: typer.Context,
         time.sleep(seconds)
     except KeyboardInterrupt:
         pass  # stop now: what was recorded so far
-    emit(client.post("/admin/profile/stop", {}), as_json, lambda d: Console().print(profile_view(d, top)))
+    show_written(client.post("/admin/profile/stop", {}), top, as_json)
 
 
 @profile_app.command("start")
@@ -58,9 +58,15 @@ def start(ctx: typer.Context,
     if not 0 < max_seconds <= MAX_SECONDS:
         raise UserError(f"--max-seconds: must be more than 0 and at most {MAX_SECONDS:g}, got {max_seconds:g}")
     data = client_for(ctx).post("/admin/profile/start", {"max_seconds": max_seconds})
-    emit(data, as_json, lambda d: Console().print(
-        f"profiling kvd's engine thread, for at most {d['max_seconds']:g} s: `kvctl profile stop` ends it",
-        highlight=False))
+
+    def render(d: dict) -> None:
+        count = d.get("replicas_profiled", 0)
+        where = f" on {count} replica{'s' if count != 1 else ''}" if "replicas" in d else ""
+        Console().print(f"profiling kvd's engine thread{where}, for at most {d['max_seconds']:g} s: `kvctl profile "
+                        "stop` ends it", highlight=False)
+        _partial_line(d)
+    emit(data, as_json, render)
+    _exit_if_partial(data)
 
 
 @profile_app.command("stop")
@@ -70,8 +76,7 @@ def stop(ctx: typer.Context, top: int = typer.Option(15, "--top", help="Ops list
 
     Example: kvctl profile stop --top 30
     """
-    emit(client_for(ctx).post("/admin/profile/stop", {}), as_json,
-         lambda d: Console().print(profile_view(d, top)))
+    show_written(client_for(ctx).post("/admin/profile/stop", {}), top, as_json)
 
 
 @profile_app.command("show")
@@ -81,16 +86,56 @@ def show(ctx: typer.Context, top: int = typer.Option(15, "--top", help="Ops list
 
     Example: kvctl profile show
     """
-    def render(d: dict) -> None:
-        console, running = Console(), d["running"]
+    def one(d: dict) -> list:
+        running, parts = d["running"], []
         if running:
-            console.print(f"a profile is running: started by {running['by']}, {running['steps']:,} steps so far, "
-                          f"for at most {running['max_seconds']:g} s", highlight=False)
+            parts.append(Text(f"a profile is running: started by {running['by']}, {running['steps']:,} steps so "
+                              f"far, for at most {running['max_seconds']:g} s"))
         if d["latest"]:
-            console.print(profile_view(d["latest"], top))
+            parts.append(profile_view(d["latest"], top))
         elif not running:
-            console.print(f"no profile since kvd started (they are written to {d['folder']})", highlight=False)
+            parts.append(Text(f"no profile since kvd started (they are written to {d['folder']})"))
+        return parts
+
+    def render(d: dict) -> None:  # at kvd router, each replica's under its name
+        rows = d.get("replicas")
+        Console().print(Group(*one(d)) if rows is None else Group(*(
+            part for row in rows for part in [Text(f"replica {row['replica']}", style="bold"),
+                                              *(one(row["report"]) if "report" in row else
+                                                [Text(f"no answer: {row.get('error')}", style="yellow")]),
+                                              Text("")])))
     emit(client_for(ctx).get("/admin/profile"), as_json, render)
+
+
+def show_written(d: dict, top: int, as_json: bool) -> None:
+    """A stop's answer: the profile written; at kvd router, each replica's under its name (exit 3
+    when some replica wrote none)."""
+    def render(d: dict) -> None:
+        if "replicas" not in d:
+            Console().print(profile_view(d, top))
+            return
+        for row in d["replicas"]:
+            Console().print(Text(f"replica {row['replica']}", style="bold"))
+            Console().print(profile_view(row, top) if row["status"] == 200 else
+                            Text(f"no profile: {_said(row)}", style="yellow"))
+        _partial_line(d)
+    emit(d, as_json, render)
+    _exit_if_partial(d)
+
+
+def _said(row: dict) -> str:
+    error = row.get("error")
+    return error.get("message", "") if isinstance(error, dict) else str(error)
+
+
+def _partial_line(d: dict) -> None:
+    if d.get("result") == "partial" and d.get("message"):
+        Console(stderr=True).print(Text(d["message"], style="yellow"), soft_wrap=True)
+
+
+def _exit_if_partial(d: dict) -> None:
+    if d.get("result") == "partial":
+        raise typer.Exit(3)
 
 
 def profile_view(d: dict, top: int = 15) -> Group:

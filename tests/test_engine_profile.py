@@ -186,3 +186,75 @@ def test_on_cuda_a_profile_ranks_the_ops_by_their_gpu_time(tmp_path):
         top = written["top"]
         assert top[0]["self_device_ms"] > 0
         assert [row["self_device_ms"] for row in top] == sorted((row["self_device_ms"] for row in top), reverse=True)
+
+
+def profiling_stub():
+    """A replica that answers the profile calls as a kvd does (torch's profiler is one per process:
+    two real replicas in this test process could not both profile)."""
+    from fastapi import FastAPI
+
+    stub = FastAPI()
+    for path in ("/admin/profile/start", "/start_profile"):
+        stub.post(path)(lambda: {"profiling": True, "max_seconds": 30.0, "since": 1.0, "by": "router"})
+    for path in ("/admin/profile/stop", "/stop_profile"):
+        stub.post(path)(lambda: WRITTEN)
+    stub.get("/admin/profile")(lambda: {"running": None, "latest": WRITTEN, "folder": "/var/lib/kvd/profiles"})
+    return stub
+
+
+def test_at_kvd_router_each_replica_profiles_its_own_engine(tmp_path):
+    """kvctl profile (and AIPerf's /start_profile, /stop_profile) at kvd router: every replica
+    profiles its engine and writes its own trace; the answer keeps each one's under its name, and a
+    replica that could not start one makes it partial (exit 3 in kvctl)."""
+    from kvctl.daemon.server.app import create_app
+
+    from .test_router import drive, router_app
+
+    with serving(tmp_path) as (service, unix):
+        _, app = router_app([create_app(service, service.metrics, front="unix"), profiling_stub()])
+
+        async def start(client):
+            return (await client.post("/start_profile")).json()
+
+        async def stop(client):
+            return (await client.post("/stop_profile")).json()
+
+        async def show(client):
+            return (await client.get("/admin/profile")).json()
+
+        [started] = drive(app, [start])
+        assert (started["result"], started["replicas_profiled"], started["max_seconds"]) == ("ok", 2, 30.0)
+        complete(unix, "At the replica.")
+        written, shown = drive(app, [stop, show])
+        assert [(row["replica"], row["status"]) for row in written["replicas"]] == [("replica-0", 200),
+                                                                                     ("replica-1", 200)]
+        mine = written["replicas"][0]
+        assert mine["path"].startswith(str(tmp_path / "profiles")) and mine["steps"] == 4  # a prefill, 3 decodes
+        assert [row["report"]["latest"]["path"] for row in shown["replicas"]] == [mine["path"], WRITTEN["path"]]
+        printed = _kvctl_prints(["profile", "stop"], written).splitlines()
+        assert [line for line in printed if line.startswith(("replica ", "profile of"))] == [
+            "replica replica-0", printed[1], "replica replica-1",
+            "profile of 9.9 s, 1,234 steps (cpu), stopped by ops; its trace (2.2 MiB):"]
+        assert printed[1].startswith("profile of ")
+        assert "4 steps (cpu), stopped by unix-socket; its trace (" in printed[1]
+
+        assert call(unix, "POST", "/admin/profile/start", json={}).status_code == 200  # replica-0 is busy
+        [half] = drive(app, [start])
+        assert half["result"] == "partial" and half["replicas_profiled"] == 1
+        assert half["message"] == ("replica-0: refused (409: profile: one is running (started by unix-socket); "
+                                   "`kvctl profile stop` ends it)")
+        assert _kvctl_prints(["profile", "start"], half).splitlines()[0] == (
+            "profiling kvd's engine thread on 1 replica, for at most 30 s: `kvctl profile stop` ends it")
+
+
+def test_two_engines_in_one_process_take_turns_at_the_profiler(tmp_path):
+    """torch's profiler is one per process (two at once crashed it): a second engine in the same
+    process (tests; never kvd serve) is refused until the first profile is written."""
+    with serving(tmp_path / "a") as (_, first), serving(tmp_path / "b") as (_, second):
+        assert call(first, "POST", "/admin/profile/start", json={}).status_code == 200
+        refused = call(second, "POST", "/admin/profile/start", json={})
+        assert refused.status_code == 409 and refused.json()["error"]["message"] == (
+            "profile: another engine in this process is being profiled (torch's profiler is one per process)")
+        assert call(first, "POST", "/admin/profile/stop").status_code == 200
+        assert call(second, "POST", "/admin/profile/start", json={}).status_code == 200
+        assert call(second, "POST", "/admin/profile/stop").status_code == 200

@@ -32,6 +32,8 @@ TOP_OPS = 25  # ops listed in a profile's answer, most self time first
 TURN_WAIT_S = 60.0  # how long a start or a stop waits for the engine thread to come round (a long step)
 WRITE_WAIT_S = 300.0  # how long a stop waits for its profile to be written
 STEP_NAME = "kvd.step"
+# torch's profiler is one per process: two engines in one process (tests; never `kvd serve`) take turns
+_PROCESS_PROFILE = threading.Lock()
 
 
 class EngineProfiler:
@@ -55,22 +57,42 @@ class EngineProfiler:
         self._failed: dict[int, str] = {}  # serial -> why writing it failed
         self._start_error: str | None = None  # why the latest start failed on the engine thread
         self._begun: dict = {}  # the latest start, for its caller (the profile may be over by the time it looks)
+        self._writing = False  # a stopped profile is being written (it holds the process's profiler until then)
 
     # ---- request threads --------------------------------------------------------------------
     def start(self, by: str, max_seconds: float, wake) -> dict:
         """Ask the engine thread to start a profile and wait until it has; 409 while one runs."""
         with self._lock:
-            if self.running is not None or self._asked is not None:
-                held = self.running or {"by": self._asked_by}
-                raise ServiceError(409, f"profile: one is running (started by {held['by']}); `kvctl profile stop` "
-                                        "ends it", "profile")
+            self._refuse_a_second()
+            writing = self._writing
+        # held until this profile is written: a start waits for this engine's latest to be written
+        if not _PROCESS_PROFILE.acquire(timeout=WRITE_WAIT_S if writing else 0):
+            raise ServiceError(409, "profile: another engine in this process is being profiled (torch's profiler "
+                                    "is one per process)", "profile")
+        with self._lock:
+            try:
+                self._refuse_a_second()
+            except ServiceError:
+                _PROCESS_PROFILE.release()
+                raise
             self._asked, self._asked_by, self._asked_seconds, self._start_error = "start", by, max_seconds, None
         wake()
-        self._wait_for_turn("start")
+        try:
+            self._wait_for_turn("start")
+        except ServiceError:
+            _PROCESS_PROFILE.release()
+            raise
         with self._lock:
             if self._start_error is not None:
+                _PROCESS_PROFILE.release()
                 raise ServiceError(500, f"profile: could not start it: {self._start_error}", "profile")
             return dict(self._begun)
+
+    def _refuse_a_second(self) -> None:
+        if self.running is not None or self._asked is not None:
+            held = self.running or {"by": self._asked_by}
+            raise ServiceError(409, f"profile: one is running (started by {held['by']}); `kvctl profile stop` "
+                                    "ends it", "profile")
 
     def stop(self, by: str, wake) -> dict:
         """Ask the engine thread to stop the running profile, and wait until it is written: its
@@ -131,6 +153,7 @@ class EngineProfiler:
                 if self._asked == "stop" or stopping or over:
                     written = self._end(self._asked_by if self._asked == "stop" else
                                         "kvd stopping" if stopping else "max_seconds")
+                    self._writing = written is not None
             self._asked = None
             self._turned.notify_all()
         if written is not None:
@@ -173,6 +196,7 @@ class EngineProfiler:
         except Exception as exc:
             self._failed[self._serial] = f"{type(exc).__name__}: {exc}"
             log.error("profile: could not stop it: %s", self._failed[self._serial])
+            _PROCESS_PROFILE.release()
             return None
         return profile, running, stopped_by, self._serial, seconds
 
@@ -198,6 +222,9 @@ class EngineProfiler:
                 self._turned.notify_all()
             log.error("profile: could not write it: %s", self._failed[serial])
             return
+        finally:
+            self._writing = False
+            _PROCESS_PROFILE.release()  # the next profile may start: this one is written (or given up)
         with self._turned:
             self.latest = answer
             self._turned.notify_all()

@@ -266,10 +266,10 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
     return 200, out
 
 
-def merge_tier_reports(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
-    """Each replica's tier report as it came, in the replicas' order: tiers do not add up across
-    machines (each has its own host memory and disk, and a shared Redis would count once per
-    replica). A replica that did not answer says why."""
+def replica_reports(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
+    """Each replica's report as it came, in the replicas' order, for what does not add up across
+    machines: tiers (each has its own host memory and disk, and a shared Redis would count once per
+    replica), profiles. A replica that did not answer says why."""
     if not any(status == 200 for status, _ in answers):
         return none_did(names, answers)
     rows = []
@@ -282,6 +282,15 @@ def merge_tier_reports(names: Sequence[str], answers: Sequence[Answer]) -> tuple
             row["error"] = error.get("message") if isinstance(error, dict) else error
         rows.append(row)
     return 200, {"replicas": rows}
+
+
+def merge_profiles(done: list[dict]) -> dict:
+    """Profiles started or written, one per replica (each one's answer stays in its row): how many,
+    and a start's limit."""
+    out: dict = {"replicas_profiled": len(done)}
+    if "max_seconds" in done[0]:  # a start
+        out.update(profiling=True, max_seconds=done[0]["max_seconds"])
+    return out
 
 
 def merge_verifies(done: list[dict]) -> dict:

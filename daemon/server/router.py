@@ -46,8 +46,8 @@ from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
 from .fleet_admin import (RESET_WAIT_MAX_S, combine, fan_out, merge_cancels, merge_evictions, merge_lora_changes,
-                          merge_pin_lists, merge_pins, merge_prefix_lists, merge_request_lists, merge_tenant_lists,
-                          merge_tier_reports, merge_stranded_unpins, merge_unpins, merge_verifies)
+                          merge_pin_lists, merge_pins, merge_prefix_lists, merge_profiles, merge_request_lists,
+                          merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies, replica_reports)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
@@ -253,6 +253,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         relayed(path, merge_lora_changes)
+    # profiles (kvctl profile; vLLM's and SGLang's names, which AIPerf's --server-profiler calls):
+    # each replica profiles its own engine thread and writes its own trace
+    for path in ("/admin/profile/start", "/admin/profile/stop", "/start_profile", "/stop_profile"):
+        relayed(path, merge_profiles)
 
     def merged_listing(path: str, merge):
         """GET `path`: every replica's listing there (with the caller's query), merged by `merge`."""
@@ -267,8 +271,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         app.add_api_route(path, listing, methods=["GET"], name=f"{path.rsplit('/', 1)[-1]}_everywhere")
 
     for path, merge in (("/admin/requests", merge_request_lists), ("/admin/tenants", merge_tenant_lists),
-                        ("/admin/tiers", merge_tier_reports), ("/admin/prefixes", merge_prefix_lists),
-                        ("/admin/pins", merge_pin_lists)):
+                        ("/admin/tiers", replica_reports), ("/admin/prefixes", merge_prefix_lists),
+                        ("/admin/pins", merge_pin_lists), ("/admin/profile", replica_reports)):
         merged_listing(path, merge)
 
     @app.post("/admin/tiers/verify")
