@@ -15,8 +15,12 @@ from .command_kit import client_for, emit
 from .errors import UserError
 from .tables import compact_table, size
 
-MAX_SECONDS = 600.0  # kvd's own limit (engine_profile.MAX_SECONDS_LIMIT); kvctl does not import the daemon
+MAX_SECONDS = 600.0  # kvd's own limits (engine_profile.MAX_SECONDS_LIMIT, MAX_STEPS_LIMIT); kvctl does not
+MAX_STEPS = 10_000  # import the daemon
 GRACE_S = 5.0  # kvd stops a profile by itself this long after kvctl should have (kvctl killed meanwhile)
+LOOK_EVERY_S = 0.5  # how often kvctl profile asks whether the profile stopped by itself (its steps)
+STEPS_HELP = ("Stop after this many engine steps, if sooner: the trace grows with the steps (a busy CPU "
+              "engine's 450 steps are about 60 MiB of JSON).")
 
 profile_app = typer.Typer(no_args_is_help=False)
 
@@ -24,6 +28,7 @@ profile_app = typer.Typer(no_args_is_help=False)
 @profile_app.callback(invoke_without_command=True)
 def profile(ctx: typer.Context,
             seconds: float = typer.Option(10.0, "--seconds", help="How long to record; Ctrl-C stops it sooner."),
+            steps: int = typer.Option(200, "--steps", help=STEPS_HELP),
             top: int = typer.Option(15, "--top", help="Ops listed, the most self time first."),
             as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Record kvd's engine thread with torch.profiler: the ops that took the most time, and a trace.
@@ -31,25 +36,43 @@ def profile(ctx: typer.Context,
     kvd starts and stops the profiler between steps and writes a Chrome trace under its state
     directory (profiles/, the newest 10 kept); open it in https://ui.perfetto.dev. Each step shows
     as kvd.step, whose own time is the engine's Python around its ops. A profile slows the steps
-    it records, and its trace grows with them: record seconds, not hours.
-    Example: kvctl profile --seconds 30
+    it records, and its trace grows with them: record seconds and hundreds of steps, not hours.
+    Example: kvctl profile --seconds 30 --steps 500
     """
     if ctx.invoked_subcommand is not None:
         return
     if not 0 < seconds <= MAX_SECONDS - GRACE_S:
         raise UserError(f"--seconds: must be more than 0 and at most {MAX_SECONDS - GRACE_S:g}, got {seconds:g}")
+    _check_steps(steps)
     client = client_for(ctx)
-    client.post("/admin/profile/start", {"max_seconds": seconds + GRACE_S})
+    client.post("/admin/profile/start", {"max_seconds": seconds + GRACE_S, "max_steps": steps})
+    deadline = time.monotonic() + seconds
     try:
-        time.sleep(seconds)
+        while time.monotonic() < deadline:
+            time.sleep(min(LOOK_EVERY_S, max(deadline - time.monotonic(), 0)))
+            if not _still_running(client.get("/admin/profile")):
+                break  # it stopped by itself: its steps
     except KeyboardInterrupt:
         pass  # stop now: what was recorded so far
-    show_written(client.post("/admin/profile/stop", {}), top, as_json)
+    show_written(client.post("/admin/profile/stop", {}), top, as_json)  # (or the one that stopped by itself)
+
+
+def _check_steps(steps: int) -> None:
+    if not 0 < steps <= MAX_STEPS:
+        raise UserError(f"--steps: must be from 1 to {MAX_STEPS:,}, got {steps}")
+
+
+def _still_running(state: dict) -> bool:
+    """Whether a profile runs (at kvd router: on any replica)."""
+    if "replicas" in state:
+        return any((row.get("report") or {}).get("running") for row in state["replicas"])
+    return bool(state.get("running"))
 
 
 @profile_app.command("start")
 def start(ctx: typer.Context,
           max_seconds: float = typer.Option(30.0, "--max-seconds", help="kvd stops it by itself after this long."),
+          steps: int = typer.Option(200, "--steps", help=STEPS_HELP),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Start recording kvd's engine thread; `kvctl profile stop` ends it (a script's start and stop).
 
@@ -57,13 +80,14 @@ def start(ctx: typer.Context,
     """
     if not 0 < max_seconds <= MAX_SECONDS:
         raise UserError(f"--max-seconds: must be more than 0 and at most {MAX_SECONDS:g}, got {max_seconds:g}")
-    data = client_for(ctx).post("/admin/profile/start", {"max_seconds": max_seconds})
+    _check_steps(steps)
+    data = client_for(ctx).post("/admin/profile/start", {"max_seconds": max_seconds, "max_steps": steps})
 
     def render(d: dict) -> None:
         count = d.get("replicas_profiled", 0)
         where = f" on {count} replica{'s' if count != 1 else ''}" if "replicas" in d else ""
-        Console().print(f"profiling kvd's engine thread{where}, for at most {d['max_seconds']:g} s: `kvctl profile "
-                        "stop` ends it", highlight=False)
+        Console().print(f"profiling kvd's engine thread{where}, for at most {d['max_seconds']:g} s and "
+                        f"{d['max_steps']:,} steps: `kvctl profile stop` ends it", highlight=False)
         _partial_line(d)
     emit(data, as_json, render)
     _exit_if_partial(data)
@@ -90,7 +114,7 @@ def show(ctx: typer.Context, top: int = typer.Option(15, "--top", help="Ops list
         running, parts = d["running"], []
         if running:
             parts.append(Text(f"a profile is running: started by {running['by']}, {running['steps']:,} steps so "
-                              f"far, for at most {running['max_seconds']:g} s"))
+                              f"far, for at most {running['max_seconds']:g} s and {running['max_steps']:,} steps"))
         if d["latest"]:
             parts.append(profile_view(d["latest"], top))
         elif not running:
@@ -139,22 +163,38 @@ def _exit_if_partial(d: dict) -> None:
 
 
 def profile_view(d: dict, top: int = 15) -> Group:
-    """A profile's answer: where its trace is, then its ops, the most self time first."""
-    ranked = d.get("ranked_by", "self_cpu_ms")
-    device = ranked == "self_device_ms"
-    total = d.get("self_ms_total") or 0.0
+    """A profile's answer: where its trace is, then its CPU ops, the most self time first, and on a
+    GPU its kernels, the most GPU time first."""
     steps = f"{d['steps']:,} step{'s' if d['steps'] != 1 else ''}"
-    head = Text(f"profile of {d['seconds']:.1f} s, {steps} ({d['device']}), stopped by {d['stopped_by']}; its "
-                f"trace ({size(d['bytes'])}):\n{d['path']}")
-    table = compact_table("op", "calls", *(["self GPU ms"] if device else []), "self CPU ms", "CPU ms", "self share")
+    parts: list = [Text(f"profile of {d['seconds']:.1f} s, {steps} ({d['device']}), stopped by {d['stopped_by']}; "
+                        f"its trace ({size(d['bytes'])}):\n{d['path']}")]
+    if not d["top"]:
+        return Group(*parts, Text("no op was recorded (no step ran)"))
+    total = d.get("self_ms_total") or 0.0
+    ops = compact_table("op", "calls", "self CPU ms", "CPU ms", "self share")
+    for row in _first(d["top"], top):
+        ops.add_row(escape(row["name"]), f"{row['calls']:,}", f"{row['self_cpu_ms']:,.1f}", f"{row['cpu_ms']:,.1f}",
+                    f"{row['self_cpu_ms'] / total if total else 0.0:.1%}")
+    parts.append(_figures_right(ops))
+    kernels = d.get("top_device")
+    if kernels:
+        total = d.get("device_ms_total") or 0.0
+        table = compact_table("GPU kernel", "calls", "GPU ms", "share")
+        for row in _first(kernels, top):
+            table.add_row(escape(row["name"]), f"{row['calls']:,}", f"{row['device_ms']:,.1f}",
+                          f"{row['device_ms'] / total if total else 0.0:.1%}")
+        parts.append(_figures_right(table))
+    parts.append(Text("self share: of every op's own CPU time (less the ops inside it); kvd.step's own time is the "
+                      "engine's Python around its ops. Open the trace in https://ui.perfetto.dev"))
+    return Group(*parts)
+
+
+def _first(rows: list[dict], top: int) -> list[dict]:
+    return rows[:top] if top > 0 else rows
+
+
+def _figures_right(table):
     for column in table.columns[1:]:
         column.justify = "right"
     table.columns[0].overflow = "fold"
-    for row in d["top"][:top] if top > 0 else d["top"]:
-        share = row[ranked] / total if total else 0.0
-        table.add_row(escape(row["name"]), f"{row['calls']:,}",
-                      *([f"{row['self_device_ms']:,.1f}"] if device else []),
-                      f"{row['self_cpu_ms']:,.1f}", f"{row['cpu_ms']:,.1f}", f"{share:.1%}")
-    note = Text("self share: of every op's self " + ("GPU" if device else "CPU") + " time; kvd.step's own time "
-                "is the engine's Python around its ops. Open the trace in https://ui.perfetto.dev")
-    return Group(head, table, note) if d["top"] else Group(head, Text("no op was recorded (no step ran)"))
+    return table

@@ -86,6 +86,7 @@ class CancelRequest(BaseModel):
 class ProfileStartRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     max_seconds: float = 30.0  # it stops by itself after this long (engine_profile.MAX_SECONDS_LIMIT at most)
+    max_steps: int = 200  # or after this many engine steps, whichever comes first (MAX_STEPS_LIMIT at most)
 
 
 class DrainRequest(BaseModel):

@@ -218,7 +218,7 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     # ---- profiling the engine thread (engine_profile.py); vLLM's and SGLang's names too ----------
     @router.post("/admin/profile/start")
     def profile_start(body: ProfileStartRequest, who: Principal = Depends(admin)):
-        return engine_profile.start_profile(service, who, body.max_seconds)
+        return engine_profile.start_profile(service, who, body.max_seconds, body.max_steps)
 
     @router.post("/admin/profile/stop")
     def profile_stop(who: Principal = Depends(admin)):
@@ -231,8 +231,9 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
 
     @router.post("/start_profile", operation_id="start_profile")
     def start_profile_compat(who: Principal = Depends(admin)):
-        """vLLM's and SGLang's start (an empty POST, as AIPerf sends it): the default max_seconds."""
-        return engine_profile.start_profile(service, who, ProfileStartRequest().max_seconds)
+        """vLLM's and SGLang's start (an empty POST, as AIPerf sends it): the default limits."""
+        defaults = ProfileStartRequest()
+        return engine_profile.start_profile(service, who, defaults.max_seconds, defaults.max_steps)
 
     @router.post("/stop_profile", operation_id="stop_profile")
     def stop_profile_compat(who: Principal = Depends(admin)):

@@ -289,7 +289,7 @@ def merge_profiles(done: list[dict]) -> dict:
     and a start's limit."""
     out: dict = {"replicas_profiled": len(done)}
     if "max_seconds" in done[0]:  # a start
-        out.update(profiling=True, max_seconds=done[0]["max_seconds"])
+        out.update(profiling=True, max_seconds=done[0]["max_seconds"], max_steps=done[0].get("max_steps"))
     return out
 
 
