@@ -152,12 +152,14 @@ class EngineProfiler:
     # ---- the engine thread ------------------------------------------------------------------
     def turn(self, device: str = "cpu", stopping: bool = False) -> None:
         """Engine thread, between steps: start or stop what was asked, and stop a profile past its
-        max_seconds (or any, when kvd is `stopping`). Cheap when there is nothing to do."""
+        max_seconds or max_steps (or any, when kvd is `stopping`). Cheap when there is nothing to do."""
         if self._asked is None and self.running is None:
             return
         written = None
         with self._turned:
-            if self._asked == "start" and not stopping:
+            if self._asked == "start" and stopping:
+                self._start_error = "kvd is stopping"
+            elif self._asked == "start":
                 try:
                     self._begin(device)
                 except Exception as exc:  # a profile that fails must not stop the engine
@@ -242,6 +244,9 @@ class EngineProfiler:
                       "seconds": seconds, "steps": running["steps"], "started_by": running["by"],
                       "stopped_by": stopped_by, "device": running["device"], **summary}
             self._prune()
+            with self._turned:
+                self.latest = answer
+                self._turned.notify_all()
         except Exception as exc:
             with self._turned:
                 self._failed[serial] = f"{type(exc).__name__}: {exc}"
@@ -251,9 +256,6 @@ class EngineProfiler:
         finally:
             self._writing = False
             _PROCESS_PROFILE.release()  # the next profile may start: this one is written (or given up)
-        with self._turned:
-            self.latest = answer
-            self._turned.notify_all()
         log.info("profile of %.1f s (%d steps) written to %s (stopped by %s)", seconds, running["steps"], path,
                  stopped_by)
 
