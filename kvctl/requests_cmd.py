@@ -125,10 +125,18 @@ class TenantTable:
     two lines, the second part under the first; the tenant name wraps. No figure is ever cut."""
 
     def __init__(self, rows: list[dict], shares: bool, host: bool) -> None:
-        self.rows, self.shares, self.host = rows, shares, host
+        self.shares, self.host = shares, host
+        self.rounded = False  # whether a figure is shown rounded (`count`): the table says so below it
+        self.rows = [self.cells(row) for row in rows]
+
+    def count(self, n: int) -> str:
+        shown = count(n)
+        self.rounded = self.rounded or shown != f"{n:,}"
+        return shown
 
     def cells(self, row: dict) -> list[str]:
         """A row's cells; a pair is `first/second` (`split_pair` may put them on two lines)."""
+        count = self.count
         share = []
         if self.shares:
             share = ["-" if row["share_blocks"] is None and row["idle_blocks"] is None else
@@ -137,7 +145,7 @@ class TenantTable:
         return [escape(row["tenant"]), count(row["prompt_tokens"]), f"{row['hit_ratio']:.1%}",
                 count(row["recomputed_tokens"]), f"{row['running']}/{row['waiting']}",
                 count(row.get("rejected", 0)), count(row["cached_blocks"]), *share,
-                *([_host_cell(row)] if self.host else []),
+                *([self.host_cell(row)] if self.host else []),
                 f"{count(row['pinned_blocks'])}/{count(row['pin_budget_blocks'])}",
                 "-" if row.get("ttft_p50_s") is None else
                 f"{row['ttft_p50_s'] * 1e3:.0f}/{row['ttft_p95_s'] * 1e3:.0f}"]
@@ -148,7 +156,7 @@ class TenantTable:
                 *(["idle/share"] if self.shares else []), *(["host"] if self.host else []), "pins", "TTFT ms"]
 
     def table(self, split: bool):
-        headers, rows = self.headers(), [self.cells(row) for row in self.rows]
+        headers, rows = self.headers(), self.rows
         if split:
             headers = [split_pair(h) if "/" in h else h.replace(" ", "\n") for h in headers]
             rows = [[cells[0]] + [split_pair(cell) for cell in cells[1:]] for cells in rows]
@@ -174,18 +182,18 @@ class TenantTable:
         yield self.table(split=self.needed(False) > options.max_width)
 
 
+    def host_cell(self, row: dict) -> str:
+        held = row.get("host_blocks")
+        if held is None:
+            return "-"
+        share = row.get("host_share_blocks")
+        return self.count(held) + ("" if share is None else f"/{self.count(share)}")
+
+
 def split_pair(text: str) -> str:
     """`45.0k/60.0k` as two lines, `45.0k` over `/60.0k`."""
     first, slash, second = text.partition("/")
     return f"{first}\n{slash}{second}" if slash else text
-
-
-def _host_cell(row: dict) -> str:
-    held = row.get("host_blocks")
-    if held is None:
-        return "-"
-    share = row.get("host_share_blocks")
-    return count(held) + ("" if share is None else f"/{count(share)}")
 
 
 def render_tenants(d: dict, top: int = 0) -> Group:
@@ -215,7 +223,7 @@ def render_tenants(d: dict, top: int = 0) -> Group:
                       + ("; host: host-memory slots holding its blocks (against its share there)" if host else "")
                       + "; pins: pinned blocks against the pin budget; TTFT ms: p50/p95 of its latest requests"
                       + ("; figures of 100,000 or more are rounded (123k, 1.23M; --json has them whole)"
-                         if any(_rounded(row) for row in rows) else "")))
+                         if table.rounded else "")))
     lost = _evicted_line(rows)
     if lost:
         parts.append(Text(lost))
@@ -226,13 +234,6 @@ def render_tenants(d: dict, top: int = 0) -> Group:
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)
-
-
-def _rounded(row: dict) -> bool:
-    """Whether the table rounds a figure of this row (`count`)."""
-    return max(row["prompt_tokens"], row["recomputed_tokens"], row.get("rejected", 0), row["cached_blocks"],
-               row.get("idle_blocks") or 0, row.get("share_blocks") or 0, row.get("host_blocks") or 0,
-               row.get("host_share_blocks") or 0, row["pinned_blocks"], row["pin_budget_blocks"]) >= 100_000
 
 
 def _evicted_line(rows: list[dict], most: int = 5) -> str | None:
