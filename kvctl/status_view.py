@@ -118,7 +118,8 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("evictions", f"{evictions['capacity']:,} by {data['eviction_policy']}"
                   + (f" ({by_share:,} of them from tenants over their share)" if by_share else "")
                   + f", {evictions['operator']:,} by operators"
-                  + (f", {evictions['space']:,} made under scales since replaced" if evictions.get("space") else ""))
+                  + (f", {evictions['space']:,} made under scales since replaced" if evictions.get("space") else "")
+                  + (f", {evictions['sleep']:,} as kvd went to sleep" if evictions.get("sleep") else ""))
     if data.get("tenant_shares"):  # absent from an older kvd, null without shares
         facts.add_row("tenant shares", "; ".join(
             f"{tenant} {row['idle_blocks']:,} idle" + (", no share" if row["share_blocks"] is None else
@@ -138,6 +139,12 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("queue", f"{waiting}, {queue['running']} running{ahead}")
     if data.get("draining"):
         facts.add_row("draining", Text("no new completion is taken (kvctl resume takes them again)", style="yellow"))
+    asleep = data.get("asleep")  # absent from an older kvd, null while awake
+    if asleep:
+        given = " and ".join({"kv_cache": "the cache's memory", "weights": "the weights"}[t]
+                             for t in asleep["released"]) or "nothing"
+        facts.add_row("asleep", Text(f"level {asleep['level']} since {when(asleep['since'])}, by {asleep['by']}: "
+                                     f"{given} given back; completions get 503 until `kvctl wake`", style="yellow"))
     for what, line in store_trouble(data):
         facts.add_row(what, line)
     rejections = data["rejections"]

@@ -284,6 +284,7 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
                      "adapters": {},  # its LoRA adapters: name -> id in the namespace (a router hashes their prompts)
                      "restore_rates": service.tiers.read_rates(), "block_bytes": service.tiers.layout.block_bytes,
                      "draining": False,  # kvctl drain: every router leaves it out
+                     "asleep": False,  # kvctl sleep: said as draining too
                      "chat_template": service.chat_template.digest,  # a router renders chats with it
                      "tenant_header": True,  # the Unix front serves a request under the tenant it names
                      "report_cached_tokens": "all"}  # who may see what it caches (a router's X-KVD-Route keeps to it)

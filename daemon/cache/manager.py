@@ -502,6 +502,18 @@ class KVCacheManager:
         chosen.sort(key=lambda b: -b.depth)
         return self.evict_prefix([b.key for b in reversed(chosen)], dry_run=dry_run, reason=reason)
 
+    def release_all(self) -> EvictionReport:
+        """Drop every cached block, pinned ones too (kvd going to sleep: the memory they are in is
+        given back). Their pins stay: a pinned block pins again as it is filled or restored. Refused
+        (AuditFailure) while a sequence holds blocks: nothing is dropped then."""
+        if self._seqs:
+            raise AuditFailure(f"release_all: {len(self._seqs)} sequences hold blocks; the cache is released "
+                               "only when none does")
+        chosen = sorted((b for b in self.pool.blocks if b.key is not None), key=lambda b: -b.depth)
+        evicted, skipped = self.pool.evict_keys([b.key for b in chosen], self._clock(), reason="sleep",
+                                                pinned_too=True)
+        return EvictionReport(len(evicted), {k: v for k, v in skipped.items() if v})
+
     def evict_stale(self, served: BlockKey) -> EvictionReport:
         """Drop the cached blocks of every tree hashed in another block space than `served` (new
         scales made them unreachable; a pin's blocks stay, as its stranded pin says), so that they

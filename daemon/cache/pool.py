@@ -70,6 +70,7 @@ class BlockPool:
         self.share_evictions = 0  # of those, the ones whose tenant held more idle blocks than its share
         self.operator_evictions = 0  # indexed blocks dropped on an operator's request
         self.space_evictions = 0  # dropped as new scales loaded: made under the old ones, no request reaches them
+        self.sleep_evictions = 0  # dropped as kvd went to sleep and gave back the cache's memory
         # key -> (clock value, reason) of recent evictions, oldest first; answers "why did this miss?"
         self.eviction_log: OrderedDict[BlockKey, tuple[float, str]] = OrderedDict()
         self.eviction_log_size = 65536
@@ -281,14 +282,17 @@ class BlockPool:
         block.parent = None
 
     def evict_keys(self, keys: Iterable[BlockKey], now: float = 0.0,
-                   dry_run: bool = False, reason: str = "operator") -> tuple[list[int], dict[str, int]]:
+                   dry_run: bool = False, reason: str = "operator",
+                   pinned_too: bool = False) -> tuple[list[int], dict[str, int]]:
         """Drop the given keys from the cache where they are evictable now.
 
         Returns the evicted block ids and a count of keys left alone by reason
-        (`in_use`, `pinned`, `not_cached`). Blocks in use or pinned are never touched.
+        (`in_use`, `pinned`, `not_cached`). Blocks in use are never touched, pinned ones only
+        with `pinned_too` (kvd going to sleep gives back the memory they are in: their pins stay,
+        and a block pins again as it is filled or restored).
         `dry_run`: the same answer, of the blocks that would go, and nothing changes.
-        `reason`: "operator" (an operator asked) or "space" (kvd dropped what new scales made
-        unreachable), as the eviction log, the counters and the event feed say it.
+        `reason`: "operator" (an operator asked), "space" (kvd dropped what new scales made
+        unreachable) or "sleep", as the eviction log, the counters and the event feed say it.
         """
         evicted: list[int] = []
         removed_keys: list[BlockKey] = []
@@ -301,12 +305,16 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_count:
                 skipped["in_use"] += 1
-            elif block.pin_count:
+            elif block.pin_count and not pinned_too:
                 skipped["pinned"] += 1
             elif dry_run:
                 evicted.append(block_id)
             else:
-                self.policy.remove(block_id)
+                if block.pin_count:  # idle and pinned: out of the policy's queue already
+                    self.num_pinned_idle -= 1
+                    block.pin_count = 0
+                else:
+                    self.policy.remove(block_id)
                 self.policy.forget(block_id)
                 del self._index[key]
                 self._count_unindexed(block.tenant)
@@ -321,6 +329,8 @@ class BlockPool:
             return evicted, skipped
         if reason == "space":
             self.space_evictions += len(evicted)
+        elif reason == "sleep":
+            self.sleep_evictions += len(evicted)
         else:
             self.operator_evictions += len(evicted)
         if self.events is not None:

@@ -41,6 +41,7 @@ from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tiering import PrefetchWait, RateMeter
 
 from ..model.llama import ForwardBatch, LoadedModel
+from ..model.memory import caches_released, release_caches, restore_caches
 from ..model.tokenizer import first_outside_vocab
 from .logits import adjust_logits
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
@@ -198,6 +199,27 @@ class Engine:
         pool.inserted = [] if tiers.write_policy == "write_through" else None
         pool.reused = [] if tiers.write_policy == "write_through_selective" else None
         tiers.policy.prefill = self.prefill_rate  # restore-vs-recompute judged on the rate measured here
+
+    # ---- the cache's memory while kvd sleeps (daemon/server/sleep_ops.py) ---------------------
+    @property
+    def cache_released(self) -> bool:
+        return caches_released(self.kv_caches)
+
+    def release_cache(self) -> tuple[int, int]:
+        """Give back the KV cache's memory: every cached block goes from the pool, pinned ones too
+        (their pins stay), and the K/V storage is freed; the books (hits, evictions) stay. Only
+        with no request here (RuntimeError, and nothing changes). Returns (blocks dropped, bytes
+        given back)."""
+        live = sum(1 for r in self.requests.values() if not r.finished)
+        if live or self.has_work():
+            raise RuntimeError(f"the KV cache is released only with no request in the engine ({live} there)")
+        report = self.cache.release_all()
+        self.model._last_plan = None  # its copies and slices of cached blocks
+        return report.evicted_blocks, release_caches(self.kv_caches)
+
+    def restore_cache(self) -> int:
+        """Take the KV cache's memory again, empty; returns its bytes."""
+        return restore_caches(self.kv_caches)
 
     # ---- identity ----------------------------------------------------------------------------
     def namespace(self, tenant: str, adapter: str = "") -> Namespace:
@@ -593,6 +615,8 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         step_started = time.perf_counter()
+        if self.cache_released:  # the service refuses work while asleep: never here
+            raise RuntimeError("the KV cache is released (kvd is asleep): no step runs until it is taken again")
         self._admit()
         plan = self._plan()
         if not plan:

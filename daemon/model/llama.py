@@ -14,7 +14,7 @@ checked against the references) elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
@@ -131,21 +131,81 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
     return layers
 
 
+def _layer_tensors(layer: LayerWeights) -> list[torch.Tensor]:
+    return [t for t in (getattr(layer, f.name) for f in fields(layer)) if t is not None]
+
+
+def _layer_to(layer: LayerWeights, device: torch.device, copy: bool = False) -> LayerWeights:
+    return LayerWeights(**{f.name: None if (t := getattr(layer, f.name)) is None else t.to(device, copy=copy)
+                           for f in fields(layer)})
+
+
 class LlamaModel:
     """The decoder's forward pass; weights are plain tensors keyed by their checkpoint names."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype) -> None:
-        self.config, self.w, self.device, self.dtype = config, weights, device, dtype
-        self.layers = pack_layers(config, weights)
+        self.config, self.device, self.dtype = config, device, dtype
+        self._take_weights(weights)
+        self._host_weights: tuple[dict, list] | None = None  # the weights' copy in host memory while offloaded
         self.inv_freq = rope_inv_freq(config).to(device)
         self.rope_scale = attention_factor(config.rope_scaling)
         self.rope = rope_table(self.inv_freq, min(ROPE_ROWS, config.max_position_embeddings), dtype, self.rope_scale)
         self.scale = config.head_dim ** -0.5
         self.use_triton = device.type == "cuda"
         self._last_plan = None  # the CPU attention plan of the last forward pass, reused while it fits
-        self.lm_head = weights["model.embed_tokens.weight"] if config.tie_word_embeddings \
+
+    def _take_weights(self, weights: dict[str, torch.Tensor], layers: list[LayerWeights] | None = None) -> None:
+        """Serve `weights` (checkpoint names; each layer's are packed out of it unless `layers` are)."""
+        self.w = weights
+        self.layers = pack_layers(self.config, weights) if layers is None else layers
+        self.lm_head = weights["model.embed_tokens.weight"] if self.config.tie_word_embeddings \
             else weights["lm_head.weight"]
+
+    # ---- the weights' memory while kvd sleeps (daemon/server/sleep_ops.py) ------------------------
+    @property
+    def weights_released(self) -> bool:
+        return not self.layers
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take where they serve from (each storage once: tied embeddings share one)."""
+        seen: dict[int, int] = {}
+        for tensor in [*self.w.values(), *(t for layer in self.layers for t in _layer_tensors(layer))]:
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def release_weights(self, keep_host_copy: bool) -> int:
+        """Let go of the weights; returns the bytes they took. `keep_host_copy`: copy them to host
+        memory first (waking copies them back); else waking reads the checkpoint again. Released
+        already: a host copy goes too unless `keep_host_copy` (0 bytes)."""
+        if self.weights_released:
+            if not keep_host_copy:
+                self._host_weights = None
+            return 0
+        held = self.weight_bytes()
+        if keep_host_copy:
+            host = torch.device("cpu")  # (a copy even from the CPU: the originals go, as from a GPU)
+            self._host_weights = ({name: t.to(host, copy=True) for name, t in self.w.items()},
+                                  [_layer_to(layer, host, copy=True) for layer in self.layers])
+        self.w, self.layers, self.lm_head, self._last_plan = {}, [], None, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return held
+
+    def restore_weights(self, weights: dict[str, torch.Tensor] | None = None) -> int:
+        """Serve again from the host copy `release_weights` kept, or from `weights` (the checkpoint
+        read again, on this device in this dtype); returns the bytes they take."""
+        if weights is None:
+            if self._host_weights is None:
+                raise ModelError("weights: released without a host copy; read the checkpoint again to restore them")
+            names, layers = self._host_weights
+            self._take_weights({n: t.to(self.device) for n, t in names.items()},
+                               [_layer_to(layer, self.device) for layer in layers])
+        else:
+            self._take_weights(weights)
+        self._host_weights = None
+        return self.weight_bytes()
 
     def allocate_cache(self, num_blocks: int, block_size: int, cache_dtype: torch.dtype | None = None,
                        keep_layers: tuple[int, ...] = (),

@@ -89,6 +89,20 @@ class ProfileStartRequest(BaseModel):
     max_steps: int = 200  # or after this many engine steps, whichever comes first (MAX_STEPS_LIMIT at most)
 
 
+class SleepRequest(BaseModel):
+    """POST /admin/sleep (sleep_ops.py); `tags` as vLLM's and SGLang's (None: the cache and the weights)."""
+    model_config = ConfigDict(extra="forbid")
+    level: int = 1
+    timeout: Number = 0.0  # seconds to wait for the requests in flight
+    tags: list[str] | None = None
+
+
+class WakeRequest(BaseModel):
+    """POST /admin/wake and SGLang's /resume_memory_occupation (its /release_memory_occupation too)."""
+    model_config = ConfigDict(extra="forbid")
+    tags: list[str] | None = None
+
+
 class DrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     drain: StrictBool = True

@@ -21,10 +21,11 @@ from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
 from . import (cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops, inflight, lora_ops, pin_ops,
-               prefix_ops, rollout_ops, tier_ops)
+               prefix_ops, rollout_ops, sleep_ops, tier_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
                            LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, RolloutAdvance, RolloutRollback,
-                           RolloutStart, SwapRequest, UnloadLoraAdapterRequest, VerifyRequest)
+                           RolloutStart, SleepRequest, SwapRequest, UnloadLoraAdapterRequest, VerifyRequest,
+                           WakeRequest)
 from .api_errors import ApiError, checked_ids
 from .calls import Principal
 from .chat_messages import MessagesError, chat_messages, checked_tools, refuse_chat_fields_without_messages
@@ -238,6 +239,38 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     @router.post("/stop_profile", operation_id="stop_profile")
     def stop_profile_compat(who: Principal = Depends(admin)):
         return engine_profile.stop_profile(service, who)
+
+    # ---- sleep: the cache's memory (and the weights') given back, and taken again (sleep_ops.py) --
+    @router.post("/admin/sleep")
+    def go_to_sleep(body: SleepRequest, who: Principal = Depends(admin)):
+        return sleep_ops.sleep(service, who, body.level, float(body.timeout), body.tags)
+
+    @router.post("/admin/wake")
+    def wake(body: WakeRequest, who: Principal = Depends(admin)):
+        return sleep_ops.wake(service, who, body.tags)
+
+    @router.post("/sleep", operation_id="sleep")
+    def sleep_compat(level: int = Query(1), timeout: float = Query(0.0), who: Principal = Depends(admin)):
+        """vLLM's sleep mode: POST /sleep?level=1|2 (`timeout`: kvd's, as the cache resets take it)."""
+        return sleep_ops.sleep(service, who, level, timeout)
+
+    @router.post("/wake_up", operation_id="wake_up")
+    def wake_up_compat(tags: list[str] | None = Query(None), who: Principal = Depends(admin)):
+        """vLLM's: POST /wake_up, or ?tags=weights then ?tags=kv_cache (the weights first, to update them)."""
+        return sleep_ops.wake(service, who, tags)
+
+    @router.get("/is_sleeping", operation_id="is_sleeping")
+    def is_sleeping(_: Principal = Depends(admin)):
+        return sleep_ops.status(service)
+
+    @router.post("/release_memory_occupation", operation_id="release_memory_occupation")
+    def release_memory(body: WakeRequest | None = None, who: Principal = Depends(admin)):
+        """SGLang's: {"tags": ["kv_cache", "weights"]} (none: both), at level 1."""
+        return sleep_ops.sleep(service, who, 1, 0.0, None if body is None else body.tags)
+
+    @router.post("/resume_memory_occupation", operation_id="resume_memory_occupation")
+    def resume_memory(body: WakeRequest | None = None, who: Principal = Depends(admin)):
+        return sleep_ops.wake(service, who, None if body is None else body.tags)
 
     @router.post("/admin/drain")
     def drain(body: DrainRequest, who: Principal = Depends(admin)):

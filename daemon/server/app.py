@@ -177,10 +177,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/readyz")
     async def readyz():
-        if service.ready.is_set() and service.accepting and not service.draining:
+        if service.ready.is_set() and service.accepting and not service.draining and service.asleep is None:
             return {"ready": True}
         reason = service.load_error or ("shutting down" if not service.accepting else
                                         "draining (kvctl resume takes completions again)" if service.draining
+                                        else service.asleep.refusal() if service.asleep is not None
                                         else "loading the model")
         return JSONResponse({"ready": False, "reason": reason}, status_code=503)
 
@@ -270,6 +271,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         if service.draining:  # before it is started: a router passes it to another replica
             raise ApiError(503, "kvd is draining: it takes no new completion until `kvctl resume`",
                            type_="service_unavailable", code="draining", headers={"Retry-After": "5"})
+        asleep = service.asleep
+        if asleep is not None:  # (sleep_ops.py) a router passes it to another replica too
+            raise ApiError(503, asleep.refusal(), type_="service_unavailable", code="asleep",
+                           headers={"Retry-After": "5"})
         return served(model, engine)
 
     def served(model: str | None, engine):

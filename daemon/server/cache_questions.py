@@ -18,7 +18,8 @@ REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its 
                  "unwritten": "(the step that was to write it never ran)",
                  "gone": "(deleted outside this daemon: on the shared Redis by its memory policy or another "
                          "daemon, or its disk segment from the folder)",
-                 "space": "(written under scales or a format this daemon no longer serves)"}
+                 "space": "(written under scales or a format this daemon no longer serves)",
+                 "sleep": "as kvd went to sleep and gave back its cache's memory"}
 
 
 def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "") -> dict:
@@ -47,7 +48,8 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "") -
             "adapters": {name: served.digest for name, served in service.adapters().items()},
             "lower_tier_tokens": {tier: blocks * size for tier, blocks in run.items()},
             "restore_seconds": restore_seconds(run, block_bytes, rates), "restore_rates": rates,
-            "block_bytes": block_bytes, "draining": service.draining, "chat_template": service.chat_template_digest}
+            "block_bytes": block_bytes, "draining": service.draining or service.asleep is not None,
+            "asleep": service.asleep is not None, "chat_template": service.chat_template_digest}
 
 
 def explain(service, token_ids: list[int], tenant: str, adapter: str = "") -> dict:

@@ -21,7 +21,7 @@ def calibrate(service, *, dtype: str, prompts: list[list[int]] | None, greedy_to
     """Measure, derive scales, evaluate by slice, rank layers; store; apply if it meets the target."""
     from kvctl.daemon import calibration as cal
 
-    service.require_ready()
+    service.require_awake()  # it runs the model
     loaded = service.loaded
     dtype = cache_dtype_name(dtype)
     if dtype not in ("fp8_e4m3", "fp8_e5m2", "int8"):

@@ -122,6 +122,21 @@ def _stranded(done: list[dict], field: str) -> dict:
     return {field: list(rows.values())} if rows else {}
 
 
+SLEEP_FIGURES = ("cache_bytes", "weight_bytes", "dropped_blocks", "saved_blocks", "held_below", "discarded_blocks",
+                 "pins_warming")
+
+
+def merge_sleeps(done: list[dict]) -> dict:
+    """Replicas put to sleep or woken (sleep_ops.py): the first one's answer, its figures summed
+    over all of them; asleep while any one is, `already` where each one was."""
+    out = {**done[0], **{f: sum(body.get(f) or 0 for body in done) for f in SLEEP_FIGURES if f in done[0]}}
+    out["is_sleeping"] = any(body["is_sleeping"] for body in done)
+    out["already"] = all(body.get("already") for body in done)
+    if "still_released" in out:
+        out["still_released"] = sorted({t for body in done for t in body.get("still_released") or []})
+    return out
+
+
 def merge_pins(done: list[dict]) -> dict:
     """One pin (the same id everywhere): its blocks cached summed over the replicas."""
     return {**done[0], "cached_blocks": sum(b["cached_blocks"] for b in done),

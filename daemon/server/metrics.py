@@ -5,7 +5,9 @@
     kvd_prefix_hit_tokens_total               of those, served from the prefix cache
     kvd_recomputed_tokens_total               tokens computed again after preemption
     kvd_evicted_blocks_total{reason}          capacity (by the policy), tenant_share (from a tenant over its
-                                              share, tenant_cache_shares) or operator
+                                              share, tenant_cache_shares), operator, space, or sleep (the
+                                              cache's memory given back)
+    kvd_sleep_level                           0 awake; 1 or 2 asleep at that level (sleep_ops.py)
     kvd_tenant_prompt_tokens_total{tenant}    prompt tokens per tenant, and kvd_tenant_hit_tokens_total{tenant}
     kvd_tenant_cached_blocks{tenant}          device blocks holding a tenant's cached prefixes
     kvd_tenant_ttft_seconds{tenant}           histogram: time to first token per tenant (client requests)
@@ -16,7 +18,7 @@
                                               seen by name, the rest summed under tenant="*"; tenant_labels.py)
     kvd_cache_stored_blocks_total{tier}       blocks indexed per tier (device, host, disk, remote)
     kvd_cache_removed_blocks_total{tier,reason}  blocks dropped per tier and why (capacity, operator,
-                                              corrupt, unwritten, gone, space, tenant_share, filesystem): the event log's counts
+                                              corrupt, unwritten, gone, space, tenant_share, filesystem, sleep): the event log's counts
     kvd_cache_events_dropped_total            events trimmed from the log (a slow reader sees a gap)
     kvd_allocation_seconds                    histogram: time per cache-core call
     kvd_admission_rejections_total{reason}    never_fits, queue_full, tenant_limit
@@ -146,7 +148,11 @@ class _EngineCollector:
         evicted.add_metric(["tenant_share"], pool.share_evictions)  # to make room, from tenants over their share
         evicted.add_metric(["operator"], pool.operator_evictions)
         evicted.add_metric(["space"], pool.space_evictions)  # made under scales since replaced
+        evicted.add_metric(["sleep"], pool.sleep_evictions)  # the cache's memory given back (sleep_ops.py)
         yield evicted
+        asleep = self.service.asleep
+        yield GaugeMetricFamily("kvd_sleep_level", "0 while awake; 1 or 2 while asleep at that level (the cache's "
+                                "memory given back; at 2 the weights too)", value=0 if asleep is None else asleep.level)
         prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",
                                      labels=["tenant"])
         hit = CounterMetricFamily("kvd_tenant_hit_tokens", "Of those, served from the prefix cache, per tenant",

@@ -49,7 +49,7 @@ def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, 
     except InvalidRequest as exc:
         raise ServiceError(400, str(exc), "tokens") from None
     warmed = False
-    if result.pending_blocks:
+    if result.pending_blocks and service.asleep is None:  # asleep: it warms as kvd wakes (sleep_ops.wake)
         try:
             ended = _warm(service, token_ids, principal, adapter)
         except Exception as exc:  # the prefix cannot be prefilled: a new pin goes again, whole

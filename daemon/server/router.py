@@ -47,7 +47,8 @@ from .body_limit import BodyLimit
 from .event_relay import relay_events
 from .fleet_admin import (RESET_WAIT_MAX_S, combine, fan_out, merge_cancels, merge_evictions, merge_lora_changes,
                           merge_pin_lists, merge_pins, merge_prefix_lists, merge_profiles, merge_request_lists,
-                          merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies, replica_reports)
+                          merge_sleeps, merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies,
+                          replica_reports)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
@@ -253,6 +254,28 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         relayed(path, merge_lora_changes)
+    # sleep (kvctl sleep and wake; vLLM's names below): every replica gives back its memory, or takes it again
+    for path in ("/admin/sleep", "/admin/wake"):
+        relayed(path, merge_sleeps)
+
+    @app.post("/sleep", operation_id="sleep")
+    async def sleep_everywhere(level: int = Query(1), timeout: float = Query(0.0), _: Caller = Depends(admin)):
+        body = json.dumps({"level": level, "timeout": timeout}).encode()
+        return await everywhere("POST", "/admin/sleep", body, merge_sleeps)
+
+    @app.post("/wake_up", operation_id="wake_up")
+    async def wake_everywhere(tags: list[str] | None = Query(None), _: Caller = Depends(admin)):
+        return await everywhere("POST", "/admin/wake", json.dumps({"tags": tags}).encode(), merge_sleeps)
+
+    @app.get("/is_sleeping", operation_id="is_sleeping")
+    async def is_sleeping_everywhere(_: Caller = Depends(admin)):
+        """Asleep while any replica is; each one's answer in its row."""
+        replicas = service.replicas
+        answers = await fan_out(replicas, "GET", "/is_sleeping", None, ASK_TIMEOUT_S)
+        status, body = replica_reports([r.name for r in replicas], answers)
+        if status == 200:
+            body["is_sleeping"] = any(row.get("report", {}).get("is_sleeping") for row in body["replicas"])
+        return JSONResponse(body, status_code=status)
     # profiles (kvctl profile; vLLM's and SGLang's names, which AIPerf's --server-profiler calls):
     # each replica profiles its own engine thread and writes its own trace
     for path in ("/admin/profile/start", "/admin/profile/stop", "/start_profile", "/stop_profile"):

@@ -115,6 +115,8 @@ class EngineService:
         self.ready = threading.Event()
         self.accepting = True
         self.draining = False  # an operator's drain: no new completion; what runs finishes (kvctl drain)
+        self.asleep = None  # sleep_ops.Sleep while the cache's memory (or the weights') is given back
+        self.sleep_lock = threading.Lock()  # one sleep or wake at a time
         self.started_at = time.time()
         self.load_error: str | None = None
         self._sinks: dict[str, EventSink] = {}
@@ -500,6 +502,19 @@ class EngineService:
             raise ServiceError(503, "kvd is shutting down")
         return self.engine
 
+    def require_awake(self) -> Engine:
+        """The engine, for work that needs the cache's memory (and the weights): a 503 while kvd
+        is asleep (sleep_ops.py)."""
+        engine = self.require_ready()
+        asleep = self.asleep
+        if asleep is not None:
+            raise ServiceError(503, asleep.refusal())
+        return engine
+
+    def inbox_size(self) -> int:
+        """Submissions handed to the engine thread and not yet queued by it."""
+        return len(self._inbox)
+
     def submit(self, prompts: list[list[int]], params: SamplingParams, principal: Principal,
                sink: EventSink, adapter: str = "") -> list[Request]:
         """Queue one request per prompt and wait until they are queued (see `submit_nowait`).
@@ -532,7 +547,7 @@ class EngineService:
         `Engine.add_request` raised (all or nothing: a rejection cancels the ones queued).
         Prompts are hashed here, in the calling thread, not in a step. `adapter`: the LoRA adapter
         that computes them, by its name ("": the base model)."""
-        engine = self.require_ready()
+        engine = self.require_awake()
         try:  # in this thread, before hashing: a bad or oversized prompt never reaches the engine thread
             if adapter:
                 engine.adapter(adapter)
@@ -575,6 +590,9 @@ class EngineService:
         while self._inbox:
             submission = self._inbox.popleft()
             queued: list[Request] = []
+            if self.asleep is not None:  # handed in as kvd went to sleep: its cache's memory is going
+                answers.append((submission.future, ServiceError(503, self.asleep.refusal())))
+                continue
             try:
                 for prompt_ids, keys, grammars in zip(submission.prompts, submission.hashed,
                                                       submission.grammars or [None] * len(submission.prompts)):

@@ -84,7 +84,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                        "recomputed": stats.recomputed_tokens, "restored": stats.restored_tokens,
                        "hit_ratio": stats.hit_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0},
             "evictions": {"capacity": cache.pool.evictions, "operator": cache.pool.operator_evictions,
-                          "tenant_share": cache.pool.share_evictions, "space": cache.pool.space_evictions},
+                          "tenant_share": cache.pool.share_evictions, "space": cache.pool.space_evictions,
+                          "sleep": cache.pool.sleep_evictions},
             # per tenant: idle (evictable) blocks and share in blocks; None when no shares are set
             "tenant_shares": cache.tenant_shares(),
             "queue": queue,
@@ -104,6 +105,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "start": None if service.start_timer is None else service.start_timer.report(),
             "gc": service.gc_pauses.report(),
             "draining": service.draining,
+            # what sleeps (sleep_ops.Sleep.describe) while the cache's memory, or the weights', is given back
+            "asleep": None if service.asleep is None else service.asleep.describe(),
             "store": {"file_ok": service.store.file_ok, "written_back": service.store.written_back,
                       "audit_write_failures": service.store.audit_failures,
                       # a rollback kvd made that the store has not taken (a restart would undo it)

@@ -202,6 +202,8 @@ def restore_chain(service, keys: list[bytes], tenant: str) -> tuple[int, int]:
     job = tiers.fetch_now(keys[start:])
     try:
         with service.lock:
+            if service.asleep is not None:  # the device cache's memory is given back (sleep_ops.py)
+                raise ServiceError(503, service.asleep.refusal())
             start = len(engine.cache.pool.match(keys))
             run, _ = tiers.available_run(keys[start:])
             installed = tiers.restore_into(engine.cache, keys, start, run, tenant)
@@ -221,6 +223,8 @@ def warm_pins(service) -> int:
         pins = [(pin.pin_id, pin.tenant, list(pin.keys)) for pin in service.engine.cache.pins.all()]
     restored = 0
     for pin_id, tenant, keys in pins:
+        if service.asleep is not None:  # asleep again: waking warms them
+            break
         try:
             installed, on_device = restore_chain(service, keys, tenant)
         except Exception as exc:  # a tier that fails is reported by its health; the pin stays

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from kvctl.daemon.model.memory import caches_released
 from kvctl.policies.tiering import WRITE_POLICIES, RateMeter, TieringPolicy, held_run
 
 from .codec import check_codec, unsupported
@@ -224,7 +225,13 @@ class TieredCache:
         stats.degraded, stats.degraded_until = reason, self.clock() + seconds
 
     # ---- device side (the serving loop calls these, holding the service lock) ---------------
+    def _device_present(self) -> None:
+        """Refuse a copy to or from the device cache while its memory is given back (kvd asleep)."""
+        if caches_released(self.kv_caches):
+            raise RuntimeError("the device cache is released (kvd is asleep): no block is copied to or from it")
+
     def gather(self, block_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self._device_present()
         index = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
         return [(select_rows(c.k, index).cpu(), select_rows(c.v, index).cpu()) for c in self.kv_caches]
 
@@ -277,6 +284,8 @@ class TieredCache:
         tier (write_back) or are dropped and counted. The data comes from CPU `layers` ([n, ...]
         per layer) or straight from device `block_ids`."""
         host = self.host
+        if block_ids is not None:
+            self._device_present()
 
         def pick(positions: list[int]):
             if block_ids is not None:
@@ -490,6 +499,7 @@ class TieredCache:
     def load_into(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Scatter the host/staged data of `keys` into device blocks (engine thread)."""
         started = time.perf_counter()
+        self._device_present()
         with self.lock, self.protecting(keys):
             if any(k not in self.staged and (self.host is None or k not in self.host.index) for k in keys):
                 raise SourceGone("keys: a block to restore left host memory and staging (evicted meanwhile)")
