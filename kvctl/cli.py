@@ -27,6 +27,7 @@ from .fleet_cmd import drain_daemon, fleet_app, resume_daemon
 from .profile_cmd import profile_app
 from .rollout_cmd import rollout_app
 from .sleep_cmd import sleep_daemon, wake_daemon
+from .weights_cmd import update_weights
 from .errors import UserError
 from .help_text import keep_names_whole, reflow_help
 from .outputs import is_trace, refuse_clobber
@@ -61,6 +62,7 @@ app.command("drain")(drain_daemon)
 app.command("resume")(resume_daemon)
 app.command("sleep")(sleep_daemon)
 app.command("wake")(wake_daemon)
+app.command("update-weights")(update_weights)
 app.command("requests")(requests_cmd.requests)
 app.command("cancel")(requests_cmd.cancel)
 app.command("tenants")(requests_cmd.tenants)

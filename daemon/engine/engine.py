@@ -278,6 +278,21 @@ class Engine:
                 cache.k_scale.copy_(torch.tensor(scales[layer][0]))
                 cache.v_scale.copy_(torch.tensor(scales[layer][1]))
         self.scale_version = scale_version
+        return self._drop_unreachable()
+
+    def serve_weights(self, weights: dict[str, torch.Tensor], revision: str, path) -> tuple[int, int]:
+        """Serve other weights of the same architecture and tokenizer (daemon/server/weights_ops.py),
+        from `path`, whose revision is `revision`. The revision is in the namespace, so the blocks
+        cached under the one before become unreachable: they go now, as after new scales (returns
+        how many, device and host). Call only with nothing running."""
+        self.model.restore_weights(weights)
+        self.model._last_plan = None
+        self.loaded.revision, self.loaded.path = revision, path
+        return self._drop_unreachable()
+
+    def _drop_unreachable(self) -> tuple[int, int]:
+        """Drop the cached trees of another block space than the one served now: from the device
+        but for pinned blocks, and from host memory. Returns how many went (device, host)."""
         served = self.space_key()
         device = self.cache.evict_stale(served).evicted_blocks
         host = 0

@@ -103,6 +103,23 @@ class WakeRequest(BaseModel):
     tags: list[str] | None = None
 
 
+class WeightsRequest(BaseModel):
+    """POST /admin/weights (weights_ops.py): the checkpoint folder whose weights serve next."""
+    model_config = ConfigDict(extra="forbid")
+    model_path: str
+    timeout: Number = 60.0  # seconds to wait for the running requests to finish
+    abort_running: StrictBool = False  # cancel them instead
+
+
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """SGLang's POST /update_weights_from_disk. Its other fields (load_format, weight_version,
+    flush_cache, ...) differ between its versions and change nothing here: kvd reads safetensors
+    and always drops what the weights before computed (they are in the cache identity)."""
+    model_config = ConfigDict(extra="ignore")
+    model_path: str
+    abort_all_requests: StrictBool = False
+
+
 class DrainRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     drain: StrictBool = True

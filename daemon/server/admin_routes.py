@@ -21,13 +21,13 @@ from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
 from . import (cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops, inflight, lora_ops, pin_ops,
-               prefix_ops, rollout_ops, sleep_ops, tier_ops)
+               prefix_ops, rollout_ops, sleep_ops, tier_ops, weights_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
                            LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, RolloutAdvance, RolloutRollback,
-                           RolloutStart, SleepRequest, SwapRequest, UnloadLoraAdapterRequest, VerifyRequest,
-                           WakeRequest)
+                           RolloutStart, SleepRequest, SwapRequest, UnloadLoraAdapterRequest,
+                           UpdateWeightsFromDiskRequest, VerifyRequest, WakeRequest, WeightsRequest)
 from .api_errors import ApiError, checked_ids
-from .calls import Principal
+from .calls import Principal, ServiceError
 from .chat_messages import MessagesError, chat_messages, checked_tools, refuse_chat_fields_without_messages
 from .durations import parse_duration
 from .fleet_admin import RESET_WAIT_MAX_S
@@ -271,6 +271,21 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     @router.post("/resume_memory_occupation", operation_id="resume_memory_occupation")
     def resume_memory(body: WakeRequest | None = None, who: Principal = Depends(admin)):
         return sleep_ops.wake(service, who, None if body is None else body.tags)
+
+    # ---- new weights in place (weights_ops.py); SGLang's name too --------------------------------
+    @router.post("/admin/weights")
+    def update_weights(body: WeightsRequest, who: Principal = Depends(admin)):
+        return weights_ops.update(service, who, body.model_path, float(body.timeout), body.abort_running)
+
+    @router.post("/update_weights_from_disk", operation_id="update_weights_from_disk")
+    def update_weights_from_disk(body: UpdateWeightsFromDiskRequest, who: Principal = Depends(admin)):
+        """SGLang's answer: {"success", "message"}, with kvd's figures; a refusal as
+        {"success": false, "message"} under its status."""
+        try:
+            return weights_ops.update(service, who, body.model_path, weights_ops.UPDATE_WAIT_MAX_S,
+                                      body.abort_all_requests)
+        except ServiceError as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=exc.status)
 
     @router.post("/admin/drain")
     def drain(body: DrainRequest, who: Principal = Depends(admin)):

@@ -27,6 +27,7 @@ import httpx
 
 from .replica_errors import described, kvd_json
 
+UPDATE_WAIT_MAX_S = 600.0  # the longest new weights wait for running requests to finish (weights_ops.py)
 RESET_WAIT_MAX_S = 600.0  # the longest a cache reset (/reset_prefix_cache, /flush_cache) waits for requests in flight
 
 Answer = tuple[int | None, dict]  # a replica's HTTP status (None: not reached) and body
@@ -135,6 +136,17 @@ def merge_sleeps(done: list[dict]) -> dict:
     if "still_released" in out:
         out["still_released"] = sorted({t for body in done for t in body.get("still_released") or []})
     return out
+
+
+def merge_weight_updates(done: list[dict]) -> dict:
+    """New weights on every replica (weights_ops.py): the revisions they serve now (one, unless the
+    folders under that path differ between machines) and what they dropped, summed."""
+    return {"success": True, "updated": any(body.get("updated") for body in done),
+            "model_path": done[0]["model_path"], "revision": done[0]["revision"],
+            "revisions": sorted({body["revision"] for body in done}),
+            "previous_revision": done[0].get("previous_revision"),
+            **{f: sum(body.get(f) or 0 for body in done) for f in ("dropped_blocks", "dropped_host_blocks")},
+            **_stranded(done, "stranded_pins")}
 
 
 def merge_pins(done: list[dict]) -> dict:

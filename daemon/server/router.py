@@ -45,10 +45,10 @@ from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
-from .fleet_admin import (RESET_WAIT_MAX_S, combine, fan_out, merge_cancels, merge_evictions, merge_lora_changes,
-                          merge_pin_lists, merge_pins, merge_prefix_lists, merge_profiles, merge_request_lists,
-                          merge_sleeps, merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies,
-                          replica_reports)
+from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, fan_out, merge_cancels, merge_evictions,
+                          merge_lora_changes, merge_pin_lists, merge_pins, merge_prefix_lists, merge_profiles,
+                          merge_request_lists, merge_sleeps, merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies,
+                          merge_weight_updates, replica_reports)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
@@ -257,6 +257,16 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     # sleep (kvctl sleep and wake; vLLM's names below): every replica gives back its memory, or takes it again
     for path in ("/admin/sleep", "/admin/wake"):
         relayed(path, merge_sleeps)
+
+    # new weights in place (kvctl update-weights; SGLang's name, whose router sends it to every worker too)
+    relayed("/admin/weights", merge_weight_updates)
+
+    @app.post("/update_weights_from_disk", operation_id="update_weights_from_disk")
+    async def update_weights_everywhere(http: Request, _: Caller = Depends(admin)):
+        body = json_object(await http.body()) or {}
+        asked = {"model_path": body.get("model_path"), "timeout": UPDATE_WAIT_MAX_S,
+                 "abort_running": bool(body.get("abort_all_requests", False))}
+        return await everywhere("POST", "/admin/weights", json.dumps(asked).encode(), merge_weight_updates)
 
     @app.post("/sleep", operation_id="sleep")
     async def sleep_everywhere(level: int = Query(1), timeout: float = Query(0.0), _: Caller = Depends(admin)):

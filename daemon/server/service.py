@@ -41,7 +41,7 @@ from kvctl.daemon.model.lora import load_adapters, warn_if_kv_changes
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 
-from . import lora_ops, pin_ops, reload_ops, tier_ops, tool_calls
+from . import lora_ops, pin_ops, reload_ops, tier_ops, tool_calls, weights_ops
 from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
@@ -162,6 +162,8 @@ class EngineService:
         self.reloads = {"ok": 0, "refused": 0}
         self.last_reload: dict | None = None
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
+        self.pending_weights = None  # weights_ops.PendingWeights: new weights to swap in once running work drains
+        self.weight_updates = threading.Lock()  # one update of the weights at a time
         self.tiers = None  # TieredCache when lower tiers are configured (see tier_ops)
         self.start_timer: StartTimer | None = None  # the latest load's phases (start_timing.py)
         self.disk_verify = None  # the latest `kvctl tiers verify` run (tier_verify.py)
@@ -358,6 +360,8 @@ class EngineService:
                 answered = self._queue_submissions()
                 if self.pending_scales is not None and not self.engine.num_running:
                     self._load_scales(self.pending_scales)
+                if self.pending_weights is not None and not self.engine.num_running:
+                    weights_ops.apply(self, self.pending_weights)
                 busy = self.engine.has_work()
                 if not busy and not answered:
                     self._engine_idle = True  # before the inbox is read: see _wake_engine
