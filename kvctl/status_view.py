@@ -160,6 +160,12 @@ def render_status(data: dict, console: Console | None = None):
         facts.add_row("config", Text(f"the latest reload ({when(reload['at'])}, by {reload['actor']}) was refused, "
                                      f"kvd runs on its earlier settings: {reload['error'].splitlines()[0]}",
                                      style="yellow"))
+    updated = data.get("weights_updated")  # absent from an older kvd, null unless kvctl update-weights ran
+    if updated:
+        facts.add_row("weights", Text(f"from {updated['model_path']} (revision {updated['revision'][:12]}) since "
+                                      f"{when(updated['at'])}, by {updated['by']}: a restart serves "
+                                      f"{updated['config_model'] or 'the demo checkpoint'} again (set model in the "
+                                      "config to keep them)", style="yellow"))
     rollout = data.get("rollout")
     if rollout:
         settings = ", ".join(f"{name} {value}" for name, value in rollout["settings"].items())

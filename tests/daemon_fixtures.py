@@ -43,6 +43,13 @@ def apps(service, tokens, trusted_proxy=False):
             create_app(service, service.metrics, front="tcp", tokens=tokens, trusted_proxy=trusted_proxy))
 
 
+def assert_admin_only(tcp, method: str, path: str, **kwargs) -> None:
+    """`path` on kvd's TCP app `tcp`: a 403 naming the role for a user's token, a 401 without one."""
+    user = call(tcp, method, path, headers={"Authorization": f"Bearer {USER_TOKEN}"}, **kwargs)
+    assert user.status_code == 403 and user.json()["error"]["message"] == "this endpoint needs the admin role"
+    assert call(tcp, method, path, **kwargs).status_code == 401
+
+
 def call(app, method: str, path: str, **kwargs) -> httpx.Response:
     async def go():
         transport = httpx.ASGITransport(app=app)

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
-from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, apps, call, token_table  # noqa: E402
+from .daemon_fixtures import ADMIN_TOKEN, apps, assert_admin_only, call, token_table  # noqa: E402
 from .evict_cases import ASK_A, ASK_B, BLOCK, SYSTEM, ask, serving  # noqa: E402
 from .test_router import drive, router_app  # noqa: E402
 
@@ -56,9 +56,8 @@ def test_a_reset_takes_every_unpinned_block_keeps_the_pins_and_is_audited(tmp_pa
 def test_a_reset_needs_the_admin_role_on_tcp_and_refuses_a_bad_timeout(tmp_path):
     with serving(tmp_path) as (service, _):
         _, tcp = apps(service, token_table(tmp_path))
-        user = call(tcp, "POST", "/flush_cache", headers={"Authorization": f"Bearer {USER_TOKEN}"})
-        assert user.status_code == 403 and user.json()["error"]["message"] == "this endpoint needs the admin role"
-        assert call(tcp, "POST", "/reset_prefix_cache").status_code == 401
+        assert_admin_only(tcp, "POST", "/flush_cache")
+        assert_admin_only(tcp, "POST", "/reset_prefix_cache")
         admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         assert call(tcp, "POST", "/reset_prefix_cache", headers=admin).status_code == 200
         bad = call(tcp, "POST", "/flush_cache?timeout=-1", headers=admin)

@@ -26,7 +26,7 @@ from kvctl.daemon.cache.keys import Namespace  # noqa: E402
 from kvctl.errors import UserError  # noqa: E402
 
 from .conftest import run_prompt  # noqa: E402
-from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, apps, call, token_table  # noqa: E402
+from .daemon_fixtures import ADMIN_TOKEN, apps, assert_admin_only, call, token_table  # noqa: E402
 from .evict_cases import ASK_A, ASK_B, BLOCK, SYSTEM, ask, serving  # noqa: E402
 from .test_cache_reset import running  # noqa: E402
 from .test_router import drive, router_app  # noqa: E402
@@ -299,10 +299,9 @@ def test_a_submission_handed_in_as_kvd_falls_asleep_is_refused_by_the_engine_thr
 def test_sleep_and_wake_need_the_admin_role_on_tcp(tmp_path):
     with serving(tmp_path) as (service, _):
         _, tcp = apps(service, token_table(tmp_path))
-        user = call(tcp, "POST", "/sleep", headers={"Authorization": f"Bearer {USER_TOKEN}"})
-        assert user.status_code == 403 and user.json()["error"]["message"] == "this endpoint needs the admin role"
-        assert call(tcp, "POST", "/wake_up").status_code == 401
-        assert call(tcp, "GET", "/is_sleeping", headers={"Authorization": f"Bearer {USER_TOKEN}"}).status_code == 403
+        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"),
+                             ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation")):
+            assert_admin_only(tcp, method, path)
         admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         slept = call(tcp, "POST", "/sleep", headers=admin)
         assert slept.status_code == 200 and slept.json()["by"] == "token:2"  # the token file's line, as audited

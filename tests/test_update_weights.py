@@ -6,6 +6,7 @@ ones; another model or tokenizer is refused; running requests finish on the weig
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -21,7 +22,7 @@ from kvctl.daemon.model.tokenizer import Tokenizer  # noqa: E402
 from kvctl.daemon.model.weights import model_revision  # noqa: E402
 from kvctl.daemon.server import weights_ops  # noqa: E402
 
-from .daemon_fixtures import ADMIN_TOKEN, USER_TOKEN, apps, call, token_table  # noqa: E402
+from .daemon_fixtures import ADMIN_TOKEN, apps, assert_admin_only, call, token_table  # noqa: E402
 from .evict_cases import ASK_A, ASK_B, BLOCK, SYSTEM, ask, serving  # noqa: E402
 from .test_cache_reset import running  # noqa: E402
 from .test_router import drive, router_app  # noqa: E402
@@ -136,9 +137,8 @@ def test_running_requests_finish_on_the_weights_before_and_a_short_timeout_chang
 def test_the_sglang_answer_and_the_admin_role(tmp_path):
     with serving(tmp_path / "kvd") as (service, unix):
         _, tcp = apps(service, token_table(tmp_path))
-        user = call(tcp, "POST", "/admin/weights", json={"model_path": "/x"},
-                    headers={"Authorization": f"Bearer {USER_TOKEN}"})
-        assert user.status_code == 403
+        assert_admin_only(tcp, "POST", "/admin/weights", json={"model_path": "/x"})
+        assert_admin_only(tcp, "POST", "/update_weights_from_disk", json={"model_path": "/x"})
         missing = call(tcp, "POST", "/update_weights_from_disk", json={"model_path": "/nowhere"},
                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         assert missing.status_code == 400 and missing.json() == {
@@ -206,6 +206,11 @@ def test_kvctl_update_weights_says_what_changed(tmp_path):
         assert lines[2] == "until kvd restarts: set model in its config to keep it"
         code, out = kvctl_on(unix, ["update-weights", str(tuned)])
         assert out.strip() == f"revision {model_revision(tuned)[:12]} of {tuned} is served already: nothing changed"
+        code, out = kvctl_on(unix, ["status"])
+        words = " ".join(out.split())  # the table wraps the row
+        assert re.search(rf"weights from {re.escape(str(tuned))} \(revision {model_revision(tuned)[:12]}\) since "
+                         r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d, by unix-socket: a restart serves the demo checkpoint again "
+                         r"\(set model in the config to keep them\)", words)
 
 
 def test_weights_ops_compares_every_field_of_the_model_config_but_the_dtype_and_eos():

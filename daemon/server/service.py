@@ -164,6 +164,7 @@ class EngineService:
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.pending_weights = None  # weights_ops.PendingWeights: new weights to swap in once running work drains
         self.weight_updates = threading.Lock()  # one update of the weights at a time
+        self.weights_updated: dict | None = None  # the latest update_weights (weights_ops.py): lasts until a restart
         self.tiers = None  # TieredCache when lower tiers are configured (see tier_ops)
         self.start_timer: StartTimer | None = None  # the latest load's phases (start_timing.py)
         self.disk_verify = None  # the latest `kvctl tiers verify` run (tier_verify.py)

@@ -107,6 +107,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "draining": service.draining,
             # what sleeps (sleep_ops.Sleep.describe) while the cache's memory, or the weights', is given back
             "asleep": None if service.asleep is None else service.asleep.describe(),
+            # weights an admin caller swapped in (weights_ops.py), which a restart does not keep
+            "weights_updated": service.weights_updated,
             "store": {"file_ok": service.store.file_ok, "written_back": service.store.written_back,
                       "audit_write_failures": service.store.audit_failures,
                       # a rollback kvd made that the store has not taken (a restart would undo it)
