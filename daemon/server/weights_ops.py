@@ -73,11 +73,12 @@ def update(service, principal: Principal, model_path: str, timeout: float = 60.0
                            "model_path")
     if not folder.is_dir():
         raise ServiceError(400, f"model_path: {model_path!r} is not a directory on kvd's machine", "model_path")
-    asleep = service.asleep
-    if asleep is not None and "weights" in asleep.released:
-        raise ServiceError(409, "model_path: kvd's weights are asleep; `kvctl wake --only weights` (POST "
-                                "/wake_up?tags=weights) first, then update them", "model_path")
-    with service.weight_updates:  # one at a time
+    # one update at a time, and no sleep or wake meanwhile (sleep_ops.py: the weights' memory)
+    with service.weight_updates, service.sleep_lock:
+        asleep = service.asleep
+        if asleep is not None and "weights" in asleep.released:
+            raise ServiceError(409, "model_path: kvd's weights are asleep; `kvctl wake --only weights` (POST "
+                                    "/wake_up?tags=weights) first, then update them", "model_path")
         loaded = service.loaded
         started = time.perf_counter()
         try:
