@@ -91,7 +91,7 @@ def asleep_text(d: dict) -> str:
     if "kv_cache" in d["released"]:
         saved = (f"{d['saved_blocks']:,} written to the {d['saved_to']} tier, {d['held_below']:,} there already, "
                  if d["saved_to"] else "no lower tier to keep them, ")
-        lines.append(f"  cache    {size(d['cache_bytes'])} given back; of {d['dropped_blocks']:,} cached blocks "
+        lines.append(f"  cache    {size(d['cache_bytes'])} given back; of {d['dropped_blocks']:,} cached blocks: "
                      f"{saved}{d['discarded_blocks']:,} dropped")
     if d["weights"]:
         took = f"{size(d['weight_bytes'])} " if d["weight_bytes"] else ""

@@ -484,3 +484,38 @@ def test_a_client_that_leaves_a_non_streamed_completion_stops_its_generation(tmp
                 break
             time.sleep(0.1)
         assert queue["running"] == queue["waiting"] == 0
+
+
+def test_an_rl_loop_through_kvctl_sleep_wake_and_update_weights(tmp_path):
+    """What an RL trainer's loop does to the real process, through kvctl: sleep, wake the weights,
+    swap in a training step's checkpoint, wake the cache; completions refused while asleep, and
+    kvctl's error (exit 2) where kvd refuses."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    kvd = Kvd(tmp_path)
+    try:
+        prompt = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+        before = kvd.http.post("/v1/completions", json=prompt).json()["choices"][0]["text"]
+        slept = kvd.kvctl("sleep", "--json")
+        assert slept.returncode == 0, slept.stderr
+        assert json.loads(slept.stdout)["released"] == ["kv_cache"]
+        refused = kvd.http.post("/v1/completions", json=prompt)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "asleep"
+        woke = kvd.kvctl("wake", "--only", "weights")
+        assert woke.returncode == 0 and woke.stdout.startswith("still asleep: kv_cache given back"), woke.stdout
+        demo = tmp_path / "state" / "models" / "kvd-demo-llama-v1"
+        step = shutil.copytree(demo, tmp_path / "step-1")
+        weights = load_file(str(step / "model.safetensors"))
+        save_file({name: t * 1.05 for name, t in weights.items()}, str(step / "model.safetensors"))
+        wrong = kvd.kvctl("update-weights", "step-1")
+        assert wrong.returncode == 2 and wrong.stderr.strip() == (
+            "error: kvd answered 400: model_path: give the checkpoint folder's absolute path, got 'step-1'")
+        updated = kvd.kvctl("update-weights", str(step))
+        assert updated.returncode == 0 and updated.stdout.startswith(f"serving {step}: revision "), updated.stdout
+        assert kvd.kvctl("wake").returncode == 0
+        after = kvd.http.post("/v1/completions", json=prompt).json()
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and after["choices"][0]["text"] != before
+    finally:
+        assert kvd.stop() == 0

@@ -381,7 +381,7 @@ def test_kvctl_sleep_and_wake_say_what_went_and_what_came_back(tmp_path):
         assert code == 0, out
         lines = out.splitlines()
         assert lines[0] == "asleep at level 2: completions get 503 until `kvctl wake`"
-        assert lines[1] == (f"  cache    {total / 2**20:.1f} MiB given back; of 6 cached blocks 6 written to the host "
+        assert lines[1] == (f"  cache    {total / 2**20:.1f} MiB given back; of 6 cached blocks: 6 written to the host "
                             "tier, 0 there already, 0 dropped")
         assert lines[2].startswith("  weights  ") and lines[2].endswith(" MiB dropped; waking reads the checkpoint "
                                                                          "again")

@@ -150,6 +150,7 @@ def test_the_sglang_answer_and_the_admin_role(tmp_path):
 def test_weights_asleep_are_woken_first_and_a_sleeping_cache_takes_new_weights(tmp_path):
     with serving(tmp_path / "kvd", host_cache_bytes="16MiB", tiering="always") as (service, unix):
         ask(unix, ASK_A)
+        call(unix, "POST", "/admin/pins", json={"tokens": SYSTEM, "owner": "ops"})
         tuned = tuned_copy(service.loaded.path, tmp_path / "step-1")
         call(unix, "POST", "/sleep?level=2")
         refused = call(unix, "POST", "/admin/weights", json={"model_path": str(tuned)})
@@ -160,7 +161,8 @@ def test_weights_asleep_are_woken_first_and_a_sleeping_cache_takes_new_weights(t
         updated = call(unix, "POST", "/admin/weights", json={"model_path": str(tuned)})
         assert updated.status_code == 200 and updated.json()["revision"] == model_revision(tuned)
         assert updated.json()["dropped_host_blocks"] == 6  # what sleep kept of the weights before
-        call(unix, "POST", "/wake_up?tags=kv_cache")
+        woke = call(unix, "POST", "/wake_up?tags=kv_cache").json()
+        assert woke["pins_warming"] == 0  # the pin made under the weights before is stranded: nothing to warm
         assert ask(unix, ASK_A)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 

@@ -263,13 +263,15 @@ def _take_weights(service, state: Sleep, principal: Principal) -> dict:
 
 def _warm_pins(service) -> int:
     """Bring the pinned prefixes the lower tiers hold back to the device, in a thread of their own
-    (tier_ops.warm_pins). Returns how many pins there are to warm."""
-    from . import tier_ops
+    (tier_ops.warm_pins). Returns how many pins there are to warm: not the stranded ones (new
+    weights, say, while asleep), which no request reaches and no tier holds in the served space."""
+    from . import pin_ops, tier_ops
 
     if service.tiers is None:
         return 0
     with service.lock:
-        count = len(service.engine.cache.pins.all())
+        pins = len(service.engine.cache.pins.all())
+    count = pins - len(pin_ops.stranded_pins(service))
     if count:
         warmer = threading.Thread(target=tier_ops.warm_pins, args=(service,), name="kvd-warm-pins", daemon=True)
         warmer.start()
