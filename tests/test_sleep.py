@@ -433,3 +433,25 @@ def test_pins_do_not_warm_while_asleep(tmp_path):
         call(unix, "POST", "/admin/wake", json={})
         service.pin_warmer.join(30)
         assert device_counts(unix)["pinned"] == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_level_1_gives_the_gpu_memory_back_and_waking_serves_the_same_tokens(tmp_path):
+    """Level 1 on a GPU: the cache's memory and the weights leave the device (the weights to host
+    memory), torch's allocator gives it back to the driver, and waking copies the weights back."""
+    with serving(tmp_path, device="cuda", dtype="bfloat16", **HOST) as (service, unix):
+        ask(unix, ASK_A)
+        before = ask(unix, ASK_A)  # from the cache, as after waking: bf16 sums alike, the same tokens
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        body = call(unix, "POST", "/admin/sleep", json={"level": 1}).json()
+        assert (body["released"], body["weights"]) == (["kv_cache", "weights"], "offloaded")
+        torch.cuda.synchronize()
+        assert held - torch.cuda.memory_allocated() >= body["cache_bytes"] + body["weight_bytes"]
+        assert torch.cuda.memory_reserved() <= torch.cuda.memory_allocated() + 64 * 2**20  # back to the driver
+        woke = call(unix, "POST", "/admin/wake", json={}).json()
+        assert woke["woke"] == ["kv_cache", "weights"] and woke["weights"] == "copied back from host memory"
+        after = ask(unix, ASK_A)
+        assert after["choices"][0]["text"] == before["choices"][0]["text"]
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * BLOCK

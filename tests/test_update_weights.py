@@ -221,3 +221,16 @@ def test_weights_ops_compares_every_field_of_the_model_config_but_the_dtype_and_
     from kvctl.daemon.model.config import ModelConfig
 
     assert set(weights_ops.NOT_COMPARED) < {f.name for f in fields(ModelConfig)}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_new_weights_are_read_onto_the_gpu_and_serve(tmp_path):
+    with serving(tmp_path / "kvd", device="cuda") as (service, unix):
+        before = text_of(ask(unix, ASK_A))
+        tuned = tuned_copy(service.loaded.path, tmp_path / "step-1")
+        body = call(unix, "POST", "/admin/weights", json={"model_path": str(tuned)}).json()
+        assert body["updated"] and body["revision"] == model_revision(tuned)
+        assert service.loaded.model.layers[0].qkv.is_cuda
+        after = ask(unix, ASK_A)
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and text_of(after) != before
