@@ -285,8 +285,7 @@ class Engine:
         from `path`, whose revision is `revision`. The revision is in the namespace, so the blocks
         cached under the one before become unreachable: they go now, as after new scales (returns
         how many, device and host). Call only with nothing running."""
-        self.model.restore_weights(weights)
-        self.model._last_plan = None
+        self.model.use_weights(weights)
         self.loaded.revision, self.loaded.path = revision, path
         return self._drop_unreachable()
 

@@ -193,18 +193,20 @@ class LlamaModel:
             torch.cuda.empty_cache()
         return held
 
-    def restore_weights(self, weights: dict[str, torch.Tensor] | None = None) -> int:
-        """Serve again from the host copy `release_weights` kept, or from `weights` (the checkpoint
-        read again, on this device in this dtype); returns the bytes they take."""
-        if weights is None:
-            if self._host_weights is None:
-                raise ModelError("weights: released without a host copy; read the checkpoint again to restore them")
-            names, layers = self._host_weights
-            self._take_weights({n: t.to(self.device) for n, t in names.items()},
-                               [_layer_to(layer, self.device) for layer in layers])
-        else:
-            self._take_weights(weights)
-        self._host_weights = None
+    def restore_weights(self) -> int:
+        """Serve again from the host copy `release_weights` kept; returns the bytes they take."""
+        if self._host_weights is None:
+            raise ModelError("weights: released without a host copy; read the checkpoint again to restore them")
+        names, layers = self._host_weights
+        return self.use_weights({n: t.to(self.device) for n, t in names.items()},
+                                [_layer_to(layer, self.device) for layer in layers])
+
+    def use_weights(self, weights: dict[str, torch.Tensor], layers: list[LayerWeights] | None = None) -> int:
+        """Serve `weights` from the next forward pass (checkpoint names, on this device in this
+        dtype: the checkpoint read again, or another one's), any host copy dropped; returns the
+        bytes they take."""
+        self._take_weights(weights, layers)
+        self._host_weights, self._last_plan = None, None
         return self.weight_bytes()
 
     def allocate_cache(self, num_blocks: int, block_size: int, cache_dtype: torch.dtype | None = None,

@@ -72,8 +72,11 @@ class Sleep:
     def refusal(self) -> str:
         """Why a call that needs the cache's memory is refused, and what wakes kvd."""
         at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
-        return (f"kvd is asleep (level {self.level} since {at}, by {self.by}): its cache's memory is given back; "
-                "`kvctl wake` (POST /wake_up) takes it again")
+        given = " and ".join({"kv_cache": "its cache's memory", "weights": "its weights"}[t] for t in self.released)
+        verb = "is" if self.released == ["kv_cache"] else "are"
+        what = f"{given} {verb} given back" if given else "it is falling asleep"
+        return f"kvd is asleep (level {self.level} since {at}, by {self.by}): {what}; `kvctl wake` (POST /wake_up) " \
+               "takes it again"
 
 
 def checked_tags(tags: list[str] | None, field_name: str = "tags") -> list[str]:
@@ -257,7 +260,7 @@ def _take_weights(service, state: Sleep, principal: Principal) -> dict:
     except (ModelError, OSError) as exc:
         raise ServiceError(409, f"model: the checkpoint at {loaded.path} could not be read again ({exc}); kvd stays "
                                 "asleep", "model") from None
-    return {"weight_bytes": model.restore_weights(weights), "weights": "read again from the checkpoint",
+    return {"weight_bytes": model.use_weights(weights), "weights": "read again from the checkpoint",
             "weights_seconds": time.perf_counter() - started}
 
 
