@@ -145,19 +145,24 @@ def test_asleep_the_cache_memory_is_given_back_and_waking_restores_what_was_cach
         # a pin made asleep stands, unwarmed; a swap to the device is refused
         later = call(unix, "POST", "/admin/pins", json={"tokens": ASK_B[:4 * BLOCK], "owner": "ops"})
         assert later.status_code == 200 and later.json()["warmed"] is False
-        prefix = call(unix, "GET", "/admin/prefixes").json()["prefixes"][0]["prefix_id"]
+        rows = call(unix, "GET", "/admin/prefixes").json()["prefixes"]
+        [prefix] = [r["prefix_id"] for r in rows if (r["tokens"], r["tiers"]) == (96, {"host": 6})]  # ASK_A, whole
         swap = call(unix, "POST", "/admin/swap", json={"prefix": prefix, "to": "device"})
         assert swap.status_code == 503 and swap.json()["error"]["message"] == error["message"]
+        by_id = call(unix, "POST", "/admin/pins", json={"prefix": prefix, "owner": "ops"})  # in host memory now
+        assert by_id.status_code == 200 and by_id.json()["cached_blocks"] == 0  # stored and audited: it warms later
+        assert by_id.json()["pin_id"] in {row["pin_id"] for row in call(unix, "GET", "/admin/pins").json()["pins"]}
         again = call(unix, "POST", "/admin/sleep", json={"level": 1})
         assert again.json()["already"] is True and again.json()["since"] == body["since"]
         # awake: the storage is back, the pinned prefix warms, the same prompt gives the same tokens
         woke = call(unix, "POST", "/wake_up")
         assert woke.status_code == 200, woke.text
         assert {k: woke.json()[k] for k in ("is_sleeping", "woke", "cache_bytes", "pins_warming")} == {
-            "is_sleeping": False, "woke": ["kv_cache"], "cache_bytes": total_bytes, "pins_warming": 2}
+            "is_sleeping": False, "woke": ["kv_cache"], "cache_bytes": total_bytes, "pins_warming": 3}
         assert storage_bytes(service) == [t.numel() * t.element_size() for c in engine.kv_caches for t in (c.k, c.v)]
         service.pin_warmer.join(30)
-        assert device_counts(unix)["pinned"] == 3  # SYSTEM back from host memory; ASK_B's pin was never computed
+        # ASK_A's 6 blocks (SYSTEM's among them) back from host memory, pinned; ASK_B's pin was never computed
+        assert device_counts(unix)["pinned"] == 6
         after = ask(unix, ASK_A)
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * BLOCK  # restored, not computed

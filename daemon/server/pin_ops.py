@@ -128,7 +128,10 @@ def _pin_keys(service, keys: list[bytes], tenant: str, principal: Principal, ttl
     except InvalidRequest as exc:
         raise ServiceError(400, str(exc), param) from None
     if result.pending_blocks and service.tiers is not None:  # what a lower tier holds comes up, pinned
-        tier_ops.restore_chain(service, keys, tenant)
+        try:
+            tier_ops.restore_chain(service, keys, tenant)
+        except ServiceError:  # kvd is asleep (sleep_ops.py): the pin stands, and warms as kvd wakes
+            pass
     return _pinned(service, result, Principal(tenant, principal.role, principal.actor), ttl, note, warmed=False)
 
 
