@@ -335,13 +335,19 @@ def test_sleep_at_the_router_puts_every_replica_to_sleep_and_it_routes_nowhere_u
         async def wake(client):
             return await client.post("/wake_up")
 
-        [slept, state, refused] = drive(app, [go_to_sleep, asked, complete])
+        async def fleet(client):
+            return await client.get("/router/status")
+
+        [slept, state, refused, seen] = drive(app, [go_to_sleep, asked, complete, fleet])
         body = slept.json()
         assert slept.status_code == 200 and body["result"] == "ok"
         assert (body["is_sleeping"], body["dropped_blocks"], body["discarded_blocks"]) == (True, 12, 12)
         assert [(r["replica"], r["dropped_blocks"]) for r in body["replicas"]] == [("replica-0", 6), ("replica-1", 6)]
         assert state.json()["is_sleeping"] is True and first.asleep is not None and second.asleep is not None
         assert refused.status_code == 503
+        # the route facts of the request it could not place said so: each replica shows as asleep
+        assert [(r["replica"], r.get("draining")) for r in seen.json()["replicas"]] == [
+            ("replica-0", "asleep"), ("replica-1", "asleep")]
         [woke, served] = drive(app, [wake, complete])
         assert woke.json()["is_sleeping"] is False and [r["woke"] for r in woke.json()["replicas"]] == [
             ["kv_cache"], ["kv_cache"]]

@@ -70,6 +70,7 @@ class Replica:
     rerouted: int = 0  # requests it refused before starting (429, 503) or was unreachable for: tried elsewhere
     draining: bool = False  # takes no new request: an operator's drain, or it is leaving
     drained_there: bool = False  # the replica itself said it is draining (kvctl drain; seen by every router)
+    asleep_there: bool = False  # and that it is asleep (kvctl sleep there), as its latest answer to a question said
     cached_tokens_report: str = "all"  # its report_cached_tokens, as its latest answer to a question said
     leaving: bool = False  # taken out of the fleet: it goes once its open requests have answered
     welcomed: dict | None = None  # joined while the router ran: the fleet's pins copied to it (fleet_pins.py)
@@ -80,6 +81,13 @@ class Replica:
         """Drained here, or draining by its latest load poll (events view): left out unasked."""
         load = self.view.load if self.view is not None else None
         return self.draining or (load is not None and load.get("draining", False))
+
+    @property
+    def asleep(self) -> bool:
+        """Asleep by its own latest word (a load poll, else an answer to a question): `kvctl sleep`
+        there (its route facts say it is draining too, so it takes no request)."""
+        load = self.view.load if self.view is not None else None
+        return load.get("asleep", False) if load is not None else self.asleep_there
 
     @property
     def tells_users_cached_tokens(self) -> bool:
@@ -294,6 +302,7 @@ class RouterService:
             replica.model = known.get("model")
             replica.adapters = list(known.get("adapters") or ())
             replica.drained_there = bool(known.get("draining", False))
+            replica.asleep_there = bool(known.get("asleep", False))
             replica.cached_tokens_report = known.get("report_cached_tokens", "all")
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             replica.last_error = described(exc)
@@ -458,7 +467,8 @@ class RouterService:
         def one(r: Replica) -> dict:
             row = {"replica": r.name, "sent": r.sent, "open": r.open, "last_error": r.last_error}
             if not r.takes_requests:  # leaving: it goes once `open` is 0; "at the replica": kvctl drain there
-                row["draining"] = "leaving" if r.leaving else "drained" if r.draining else "at the replica"
+                row["draining"] = "leaving" if r.leaving else "drained" if r.draining else \
+                    "asleep" if r.asleep else "at the replica"
             if r.welcomed is not None:
                 row["welcomed"] = r.welcomed
             if r.view is not None:
