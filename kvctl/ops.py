@@ -250,6 +250,19 @@ def replica_lines(d: dict, done: Callable[[dict], str]) -> None:
         Console().print(f"  {escape(row['replica'])}: {escape(str(what))}", highlight=False, soft_wrap=True)
 
 
+def show_fleet_answer(data: dict, as_json: bool, print_answer: Callable[[dict], None],
+                      each: Callable[[dict], str]) -> None:
+    """kvd's answer as `print_answer` prints it; at kvd router, a line per replica (`each`: what it
+    did) and what some replica could not do (exit 3)."""
+    def render(d):
+        print_answer(d)
+        replica_lines(d, each)
+        fleet_message(d)
+    emit(data, as_json, render)
+    if data.get("result") == "partial":
+        raise typer.Exit(3)
+
+
 def fleet_message(d: dict) -> None:
     if d.get("message") and "replicas" in d:
         Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")

@@ -9,9 +9,9 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .command_kit import client_for, emit
+from .command_kit import client_for
 from .errors import UserError
-from .ops import fleet_message, replica_lines
+from .ops import show_fleet_answer
 from .tables import seconds, size, when
 
 ONLY = {"kv-cache": "kv_cache", "kv_cache": "kv_cache", "weights": "weights"}
@@ -66,15 +66,7 @@ def wake_daemon(ctx: typer.Context,
 
 
 def _show(data: dict, as_json: bool, text, each) -> None:
-    """kvd's answer as `text` words it; at kvd router, a line per replica (`each`) and what some
-    replica could not do (exit 3)."""
-    def render(d):
-        Console().print(text(d), highlight=False)
-        replica_lines(d, each)
-        fleet_message(d)
-    emit(data, as_json, render)
-    if data.get("result") == "partial":
-        raise typer.Exit(3)
+    show_fleet_answer(data, as_json, lambda d: Console().print(text(d), highlight=False), each)
 
 
 WEIGHTS = {"discarded": "dropped; waking reads the checkpoint again",

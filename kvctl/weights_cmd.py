@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .command_kit import client_for, emit
+from .command_kit import client_for
 from .errors import UserError
-from .ops import fleet_message, replica_lines
+from .ops import show_fleet_answer
 from .tables import seconds
 
 
@@ -36,15 +36,10 @@ def update_weights(ctx: typer.Context,
         raise UserError(f"timeout: 0 to 600 seconds, got {timeout!r}")
     data = client_for(ctx).post("/admin/weights", {"model_path": model_path, "timeout": timeout,
                                                    "abort_running": abort_running})
-
-    def render(d):
-        Console().print(escape(updated_text(d)), highlight=False, soft_wrap=True)
-        replica_lines(d, lambda row: f"revision {row['revision'][:12]}"
+    show_fleet_answer(data, as_json,
+                      lambda d: Console().print(escape(updated_text(d)), highlight=False, soft_wrap=True),
+                      lambda row: f"revision {row['revision'][:12]}"
                       + (f", {row['dropped_blocks']:,} blocks dropped" if row.get("updated") else " already"))
-        fleet_message(d)
-    emit(data, as_json, render)
-    if data.get("result") == "partial":
-        raise typer.Exit(3)
 
 
 def updated_text(d: dict) -> str:

@@ -197,7 +197,6 @@ def _save_and_release(service, engine, state: Sleep) -> None:
     with service.lock:
         hits = {root: info.hits for root, info in engine.cache.roots.items()}
         cached = [b for b in engine.cache.pool.blocks if b.key is not None]
-    state.dropped_blocks = len(cached)
     target = None if tiers is None else next((t.name for t in tiers.tiers()), None)
     if target is not None:
         below = {b.key for b in cached if tiers.location(b.key) != "evicted"}
@@ -216,9 +215,7 @@ def _save_and_release(service, engine, state: Sleep) -> None:
             except Exception as exc:  # noqa: BLE001  (a tier that fails: what is not written is computed again)
                 log.warning("going to sleep: cached blocks not written to the %s tier: %s", target, exc)
                 break
-    with service.lock:
-        if service.inbox_size() or engine.has_work():  # (cannot be: the engine thread refuses new work)
-            raise ServiceError(409, "a request arrived as kvd went to sleep; it stays awake")
+    with service.lock:  # (Engine.release_cache refuses with a request there; the engine thread takes none now)
         state.dropped_blocks, state.cache_bytes = engine.release_cache()
     state.released.append("kv_cache")
 

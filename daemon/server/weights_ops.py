@@ -116,14 +116,16 @@ def update(service, principal: Principal, model_path: str, timeout: float = 60.0
                 service.cancel(request_id)
         if not pending.done.wait(timeout):
             with service.lock:
-                if not pending.done.is_set():  # withdrawn before the engine thread took it: nothing changed
+                withdrawn = not pending.done.is_set()
+                if withdrawn:  # before the engine thread took it: nothing changed
                     service.pending_weights = None
                     engine.admission_paused = False
-                    queue = engine.queue_figures()
-                    message = (f"model_path: {queue['running']} requests still running after {timeout:g} s; the "
-                               "weights served stay (a longer timeout waits for them; `kvctl drain` first)")
-                    _refused(service, principal, folder, message)
-                    raise ServiceError(409, message, "model_path")
+                    running = engine.queue_figures()["running"]
+            if withdrawn:  # (audited outside the engine's lock: a store write may wait)
+                message = (f"model_path: {running} requests still running after {timeout:g} s; the weights served "
+                           "stay (a longer timeout waits for them; `kvctl drain` first)")
+                _refused(service, principal, folder, message)
+                raise ServiceError(409, message, "model_path")
         if pending.error is not None:
             raise pending.error
     body = {**pending.result, "read_seconds": read_seconds, "waited_seconds": time.perf_counter() - waiting}
