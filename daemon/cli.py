@@ -26,7 +26,8 @@ QUIET_BELOW_DEBUG = ("httpx", "httpcore")  # a line per request to a replica (th
 def configure_logging(level: str) -> None:
     """kvd's and kvd router's log: to stderr (the journal), with the HTTP client libraries' per-request
     lines only at debug."""
-    logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet = logging.getLevelName(level.upper()) != logging.DEBUG
     for name in QUIET_BELOW_DEBUG:
         logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.NOTSET)
@@ -114,7 +115,8 @@ def serve(
     report_cached_tokens: Optional[str] = typer.Option(
         None, help="Who sees usage's cached_tokens: all, admin (callers with the admin role) or none. A count of "
                    "cached tokens lets a caller probe the cache for a guessed prompt."),
-    cache_dtype: Optional[str] = typer.Option(None, help="auto, fp8_e4m3 (or fp8, as vLLM names it), fp8_e5m2 or int8."),
+    cache_dtype: Optional[str] = typer.Option(None, help="auto, fp8_e4m3 (or fp8, as vLLM names it), fp8_e5m2 "
+                                              "or int8."),
     keep_layers_unquantised: Optional[str] = typer.Option(None, help="Layers kept in the model dtype, e.g. 0,31."),
     allow_uncalibrated: Optional[bool] = typer.Option(None, help="Serve a quantised cache with unit scales."),
     host_cache_bytes: Optional[str] = typer.Option(None, help="Host tier bytes, e.g. 8GiB (pinned on CUDA)."),
@@ -233,8 +235,8 @@ SERVE_HELP_PANELS = {
                                  "remote_cache_bytes", "remote_timeout", "write_policy", "tiering", "tier_compress",
                                  "disk_compress", "remote_compress", "prefetch_policy", "prefetch_timeout",
                                  "prefetch_timeout_per_1k_tokens"),
-    "Metrics and trace": ("metrics_aliases", "max_tenant_metric_series", "max_tracked_tenants", "trace_requests", "trace_key_file",
-                          "trace_block_tokens"),
+    "Metrics and trace": ("metrics_aliases", "max_tenant_metric_series", "max_tracked_tenants", "trace_requests",
+                          "trace_key_file", "trace_block_tokens"),
 }
 
 
@@ -349,6 +351,14 @@ def router(
     config: Optional[Path] = typer.Option(None, "--config", help="YAML settings file (flags and KVD_ROUTER_* win)."),
     replica: list[str] = typer.Option([], "--replica", help="A kvd replica: its Unix socket, or an http(s):// "
                                       "URL (with --token-file). Repeat for each."),
+    prefill: list[str] = typer.Option([], "--prefill", help="A replica that computes prompts for the decode "
+                                      "replicas, writing their KV blocks to the Redis they share (disaggregated "
+                                      "prefill and decode). Repeat for each."),
+    decode: list[str] = typer.Option([], "--decode", help="A replica that decodes only, its prompts' blocks from "
+                                     "a --prefill replica through Redis. Repeat for each."),
+    local_prefill_tokens: Optional[int] = typer.Option(None, help="With --prefill: a replica that decodes "
+                                                       "computes a prompt itself when it holds all but this many "
+                                                       "tokens of it (default 256)."),
     replicas_file: Optional[str] = typer.Option(None, help="More replicas, one per line (# comments); SIGHUP "
                                                 "re-reads it: new lines join the fleet, removed ones are "
                                                 "drained and leave once their requests have answered."),
@@ -392,6 +402,9 @@ def router(
     Every setting is also a KVD_ROUTER_* variable and a field of the YAML file (--config).
 
     Example: kvd router --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock --socket /run/kvd/router.sock
+
+    Disaggregated prefill and decode, every replica with the same remote_url (Redis): kvd router
+    --prefill /run/kvd-p/kvd.sock --decode /run/kvd-d/kvd.sock --socket /run/kvd/router.sock
     """
     from kvctl.daemon.config import ConfigError
     from kvctl.daemon.router_config import resolve_router, router_env_typos
@@ -405,7 +418,9 @@ def router(
         log.warning("%s", line)
     try:
         settings = resolve_router(_flags(
-            replicas=replica or None, replicas_file=replicas_file, socket=socket_path, routing=routing,
+            replicas=replica or None, prefill_replicas=prefill or None, decode_replicas=decode or None,
+            local_prefill_tokens=local_prefill_tokens,
+            replicas_file=replicas_file, socket=socket_path, routing=routing,
             balance_seconds=balance_seconds, new_prefix=new_prefix, new_prefix_slack=new_prefix_slack,
             prefill_rate=prefill_rate, view=view, load_interval=load_interval, pending_seconds=pending_seconds,
             token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
@@ -424,13 +439,17 @@ def router(
             except (OSError, IndexError):
                 raise ValueError(f"token_file: cannot read a token from {settings.token_file!r}") from None
         clients = TokenTable.load(settings.clients_file) if settings.listen else None
-        replicas = [Replica(spec, replica_client(spec, token)) for spec in fixed + listed]
+        roles = {**{spec: "prefill" for spec in settings.prefill_replicas},
+                 **{spec: "decode" for spec in settings.decode_replicas}}
+        replicas = [Replica(spec, replica_client(spec, token), role=roles.get(spec, "both"))
+                    for spec in fixed + [*roles] + listed]
         service = RouterService(replicas, policy, view=settings.view, load_interval=settings.load_interval,
-                                pending_seconds=settings.pending_seconds)
+                                pending_seconds=settings.pending_seconds,
+                                local_prefill_tokens=settings.local_prefill_tokens)
         service.gc_pauses.warn_seconds = lambda: settings.gc_warn_seconds or None
         membership = None
         if settings.replicas_file:
-            membership = FleetFile(settings.replicas_file, fixed=set(fixed),
+            membership = FleetFile(settings.replicas_file, fixed=set(fixed) | set(roles),
                                    client=lambda spec: replica_client(spec, token))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_route(service, settings.socket, settings.listen, clients, settings.clients_file, membership,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from kvctl.policies.routing import NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES
+from kvctl.policies.routing import LOCAL_PREFILL_TOKENS, NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES
 
 from .config import (ConfigError, env_typos, field_defaults, finite_number, merge_settings, on_or_off,
                      read_settings_file, setting_names, whole_number)
@@ -25,6 +25,11 @@ from .config import (ConfigError, env_typos, field_defaults, finite_number, merg
 class RouterConfig:
     replicas: tuple[str, ...] = ()  # Unix sockets or http(s) URLs; more may come from replicas_file
     replicas_file: str | None = None  # one replica per line, re-read on SIGHUP
+    # disaggregated prefill and decode (router.py): replicas that compute prompts into the shared Redis,
+    # and replicas that only decode from it (`replicas` do both: whole requests, and decodes)
+    prefill_replicas: tuple[str, ...] = ()
+    decode_replicas: tuple[str, ...] = ()
+    local_prefill_tokens: int = LOCAL_PREFILL_TOKENS  # a decode replica computes this many uncached tokens itself
     socket: str | None = None  # the Unix socket the router serves on (required)
     routing: str = "prefix"
     balance_seconds: float = 2.0  # prefix: the extra wait it accepts for a replica that caches more
@@ -50,7 +55,8 @@ def _replicas(value: Any) -> tuple[str, ...]:
     return tuple(item.strip() for item in items if item.strip())
 
 
-_PARSERS = {"replicas": _replicas, "balance_seconds": finite_number, "new_prefix_slack": whole_number,
+_PARSERS = {"replicas": _replicas, "prefill_replicas": _replicas, "decode_replicas": _replicas,
+            "balance_seconds": finite_number, "new_prefix_slack": whole_number, "local_prefill_tokens": whole_number,
             "prefill_rate": finite_number, "load_interval": finite_number, "pending_seconds": finite_number,
             "gc_freeze": on_or_off, "gc_warn_seconds": finite_number}
 
@@ -62,7 +68,7 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"must be one of {', '.join(NEW_PREFIX)}")
     if name == "view" and value not in ("events", "ask"):
         raise ValueError("must be events or ask")
-    if name in ("balance_seconds", "pending_seconds", "new_prefix_slack") and value < 0:
+    if name in ("balance_seconds", "pending_seconds", "new_prefix_slack", "local_prefill_tokens") and value < 0:
         raise ValueError("must be >= 0")
     if name == "gc_warn_seconds" and value < 0:
         raise ValueError("must be >= 0 (0: no warning)")
@@ -90,9 +96,17 @@ def resolve_router(flags: Mapping[str, Any] | None = None, env: Mapping[str, str
     if config.socket is None:
         raise ConfigError("socket: the router needs a Unix socket to serve on (--socket, KVD_ROUTER_SOCKET or "
                           "socket: in the file)")
-    if not config.replicas_file and len(config.replicas) < 2:
+    named = config.replicas + config.prefill_replicas + config.decode_replicas
+    if not config.replicas_file and len(named) < 2:
         raise ConfigError(f"replicas: give two or more (--replica, repeated; replicas: in the file), or a "
-                          f"replicas_file, got {len(config.replicas)}")
+                          f"replicas_file, got {len(named)}")
+    lists = (set(config.replicas), set(config.prefill_replicas), set(config.decode_replicas))
+    twice = sorted({spec for spec in named if sum(spec in names for names in lists) > 1})
+    if twice:  # (twice in one list: RouterService says so)
+        raise ConfigError(f"replicas: {twice[0]!r} is named in two roles (replicas, prefill_replicas, "
+                          "decode_replicas); each replica in one")
+    if config.prefill_replicas and not (config.replicas or config.decode_replicas or config.replicas_file):
+        raise ConfigError("decode_replicas: prefill replicas need a replica that decodes (--decode, or --replica)")
     if config.listen and not config.clients_file:
         raise ConfigError("clients_file: --listen needs the TCP callers' tokens (--clients-file)")
     return config

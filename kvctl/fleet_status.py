@@ -94,6 +94,22 @@ def _view(book: dict) -> Text:
     return Text("asks (feed down)" if view.get("feed_error") else "asks (syncing)", style="yellow")
 
 
+def disaggregated_line(books: list[dict], outcomes: dict) -> Text:
+    """Which replicas compute prompts and which decode, and how the requests' prefills went."""
+    roles: dict[str, list[str]] = {}
+    for book in books:
+        roles.setdefault(book.get("role", "both"), []).append(book["replica"])
+    where = "; ".join(f"{what} at {', '.join(roles[role])}" for role, what in (
+        ("prefill", "prefill"), ("decode", "decode"), ("both", "decode and whole requests")) if role in roles)
+    failed = outcomes.get("prefill_failed", 0) + outcomes.get("no_prefill_replica", 0)
+    local = outcomes.get("local", 0)
+    return Text.assemble(
+        "disaggregated prefill and decode: ", where, f"; {outcomes.get('transferred', 0):,} prompts passed through "
+        "Redis", f", {local:,} computed where they decoded (little to compute there)" if local else "",
+        (f", {failed:,} computed whole where they decoded: no prefill replica did them (kvd router's log says why)",
+         "yellow") if failed else "")
+
+
 def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     books = {r["replica"]: r for r in data.get("replicas", [])}
     table = compact_table("replica", "sent", "open", "view", "blocks", "hits", "waiting", "running", "wait",
@@ -135,6 +151,8 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     reasons = [Text.assemble((f"{replica} down: ", "red"), str(why)) for replica, why in down]
     router = ([Text.assemble("kvd router's garbage collector: ", gc_line(data["gc"]))]
               if (data.get("gc") or {}).get("watching") else [])  # kvd router (absent from an older one)
+    if data.get("disaggregated") is not None:  # prefill replicas (absent from an older router)
+        router.append(disaggregated_line(data["replicas"], data["disaggregated"]))
     group = Group(table, *reasons, *troubles, *restarts, *gpus, *router, summary)
     if console is not None:  # wider than the terminal rather than a figure cut to "1,436…"
         needed = Measurement.get(console, console.options, table).minimum

@@ -52,6 +52,18 @@ def start_line(start: dict, uptime: float | None) -> str:
     return line
 
 
+def transfer_line(counts: dict) -> str:
+    """What kvd passed through Redis as a prefill replica and took as a decode one (kv_transfer.py)."""
+    parts = []
+    if counts.get("prefills"):
+        parts.append(f"computed {counts['prefills']:,} prompts for decode replicas "
+                     f"({counts.get('published_blocks', 0):,} blocks written to Redis)")
+    if counts.get("decodes"):
+        parts.append(f"decoded {counts['decodes']:,} prompts after a prefill replica "
+                     f"({counts.get('fetched_blocks', 0):,} blocks read from Redis)")
+    return "; ".join(parts) or "none"
+
+
 def render_status(data: dict, console: Console | None = None):
     if is_fleet(data):  # pointed at kvd router: a row per replica
         return render_fleet_status(data, console)
@@ -166,6 +178,9 @@ def render_status(data: dict, console: Console | None = None):
                                       f"{when(updated['at'])}, by {updated['by']}: a restart serves "
                                       f"{updated['config_model'] or 'the demo checkpoint'} again (set model in the "
                                       "config to keep them)", style="yellow"))
+    transfers = data.get("kv_transfers")  # absent from an older kvd, {} until a transfer
+    if transfers:
+        facts.add_row("kv transfer", transfer_line(transfers))
     rollout = data.get("rollout")
     if rollout:
         settings = ", ".join(f"{name} {value}" for name, value in rollout["settings"].items())

@@ -45,6 +45,10 @@ NEW_PREFIX = ("home", "least_loaded")  # where `prefix` sends a prompt no replic
 # conversation to the replica that served the first (scripts/router-pair-bench, chat: the whole
 # fleet's traffic to one of two replicas). Replicas that hold a prompt equally leave it to its home.
 NEW_PREFIX_SLACK_TOKENS = 128
+# Disaggregated prefill and decode (kvd router --prefill): a replica that decodes computes a prompt
+# itself when it would compute this many tokens of it or fewer (it holds the rest): passing a short
+# prompt, or a conversation's next turn, through a prefill replica and Redis costs more than it saves.
+LOCAL_PREFILL_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)

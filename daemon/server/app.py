@@ -35,7 +35,7 @@ from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, Sa
 from kvctl.daemon.model.chat_template import ChatTemplateError
 from kvctl.daemon.store import StoreUnavailable
 
-from . import invalid_request
+from . import invalid_request, kv_transfer
 from .admin_routes import admin_routes
 from .admin_slots import AdminWriteSlots
 from .api_errors import ApiError, checked_ids, error_body
@@ -372,6 +372,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except ServiceError as exc:
             raise ApiError(exc.status, str(exc), param=exc.param) from None
         adapter = service.adapter_named(body.model)  # a LoRA adapter's name, or "" for the model itself
+        # a KV transfer with another kvd (kv_transfer.py): a decode's prompt comes up from Redis first
+        transfer = kv_transfer.asked(body, who.role, bool(body.stream), service)
+        transferred = None
+        if transfer == "decode":
+            transferred = await run_in_threadpool(kv_transfer.fetch, service, prompts, who.tenant, adapter)
 
         async def hand_in():  # queued by the engine thread before its next step, with no wait for this one
             # a reply's shape is compiled when the request is checked (ms; the first one builds the
@@ -461,6 +466,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         choices.sort(key=lambda c: c["index"])
         answer = {"id": head["id"], "object": shape.object, "created": head["created"], "model": head["model"],
                   "choices": choices, "usage": usage_of()}
+        if transfer == "prefill":  # the prompt's blocks in Redis before the answer names them
+            transferred = await run_in_threadpool(kv_transfer.publish, service, requests)
+        if transferred is not None and (transfer == "prefill" or shown):  # what came says what it cached
+            answer[kv_transfer.FIELD] = transferred
         return JSONResponse(prompt_parts.add_to_answer(answer, requests[0]), headers=named)
 
     def _prompts(prompt: Any, decoded: bool) -> list[list[int]]:

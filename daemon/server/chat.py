@@ -87,6 +87,8 @@ class GenerationFields(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # vLLM's: a KV transfer between a prefill kvd and a decode kvd (kv_transfer.py); checked there
+    kv_transfer_params: Any = None
 
     def sampling_controls(self) -> dict:
         """The fields above as SamplingParams takes them (null: the value that changes nothing)."""

@@ -8,6 +8,9 @@
                                               share, tenant_cache_shares), operator, space, or sleep (the
                                               cache's memory given back)
     kvd_sleep_level                           0 awake; 1 or 2 asleep at that level (sleep_ops.py)
+    kvd_kv_transfer_requests_total{side}      prompts of disaggregated requests (kv_transfer.py): prefill (computed
+                                              here for a decode kvd) or decode (decoded here after a prefill kvd)
+    kvd_kv_transfer_blocks_total{direction}   their blocks written to Redis (published) or read from it (fetched)
     kvd_tenant_prompt_tokens_total{tenant}    prompt tokens per tenant, and kvd_tenant_hit_tokens_total{tenant}
     kvd_tenant_cached_blocks{tenant}          device blocks holding a tenant's cached prefixes
     kvd_tenant_ttft_seconds{tenant}           histogram: time to first token per tenant (client requests)
@@ -151,6 +154,19 @@ class _EngineCollector:
         evicted.add_metric(["sleep"], pool.sleep_evictions)  # the cache's memory given back (sleep_ops.py)
         yield evicted
         asleep = self.service.asleep
+        transfers = self.service.kv_transfers.snapshot()
+        sides = CounterMetricFamily("kvd_kv_transfer_requests", "Prompts of disaggregated requests: prefill (computed "
+                                    "here for a decode kvd) or decode (decoded here after a prefill kvd)",
+                                    labels=["side"])
+        sides.add_metric(["prefill"], transfers.get("prefills", 0))
+        sides.add_metric(["decode"], transfers.get("decodes", 0))
+        yield sides
+        moved = CounterMetricFamily("kvd_kv_transfer_blocks", "Blocks of disaggregated requests' prompts written to "
+                                    "Redis for a decode kvd (published) or read from it for a decode here (fetched)",
+                                    labels=["direction"])
+        moved.add_metric(["published"], transfers.get("published_blocks", 0))
+        moved.add_metric(["fetched"], transfers.get("fetched_blocks", 0))
+        yield moved
         yield GaugeMetricFamily("kvd_sleep_level", "0 while awake; 1 or 2 while asleep at that level (the cache's "
                                 "memory given back; at 2 the weights too)", value=0 if asleep is None else asleep.level)
         prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",

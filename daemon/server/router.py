@@ -47,17 +47,23 @@ from .body_limit import BodyLimit
 from .event_relay import relay_events
 from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, fan_out, merge_cancels, merge_evictions,
                           merge_lora_changes, merge_pin_lists, merge_pins, merge_prefix_lists, merge_profiles,
-                          merge_request_lists, merge_sleeps, merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies,
-                          merge_weight_updates, replica_reports)
+                          merge_request_lists, merge_sleeps, merge_tenant_lists, merge_stranded_unpins, merge_unpins,
+                          merge_verifies, merge_weight_updates, replica_reports)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .router_metrics import RouterMetrics
+from .route_question import computes_whole_prompt
 from .router_service import ASK_TIMEOUT_S, ModelNotServed, Replica, RouterService
 from .usage_report import CALLER_ROLE_HEADER
 
 log = logging.getLogger("kvd.router")
 
+# disaggregated prefill and decode (prefill_first): vLLM's request field for a KV transfer, and the
+# fields the prefill's request leaves out (it makes one token, not streamed, for no one to read)
+TRANSFER_FIELD = "kv_transfer_params"
+PREFILL_DROPPED = ("stream_options", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens", "n",
+                   "best_of", "max_completion_tokens", TRANSFER_FIELD)
 FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
 PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
@@ -472,6 +478,78 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def chat_completions(http: Request, who: Caller = Depends(caller)):
         return await forward("/v1/chat/completions", http, who)
 
+    async def prefill_first(path: str, body: dict, headers: dict, route_id: str, routed_at: float,
+                            unless_caller_leaves) -> tuple[dict | None, str, int]:
+        """Disaggregated prefill and decode (daemon/server/kv_transfer.py): have a prefill replica
+        compute the prompt (one token of output, not streamed) and write its blocks to the shared
+        Redis. Not when a replica that decodes holds all but `local_prefill_tokens` of the prompt
+        or fewer (Dynamo's conditional disaggregation: a short prompt, or a conversation's next
+        turn, costs less computed there than passed through Redis), nor for a request that scores
+        its whole prompt (echo, prompt_logprobs: the decode replica computes it all anyway).
+
+        Returns (the kv_transfer_params the prefill's answer gives the decode, or None when the
+        decode replica computes the prompt; what X-KVD-Prefill says: the prefill replica, or why
+        none; how many prefill replicas were asked). A prefill replica that refuses (429, 503),
+        cannot be reached or fails is passed over for the next: a prefill twice costs time, never a
+        wrong answer. CallerLeft when the caller leaves meanwhile."""
+        tenant = headers.get("X-KVD-Tenant")
+        if computes_whole_prompt(body):  # it scores its prompt: the decode replica computes it all anyway
+            service.pd_outcomes["local"] += 1
+            return None, "local: the request scores its whole prompt", 0
+        try:
+            uncached = await unless_caller_leaves(service.uncached_at_decode(body, tenant))
+        except LookupError:  # no replica decodes it: the forward says why, as without a prefill
+            uncached = None
+        if uncached is not None and uncached <= service.local_prefill_tokens:
+            service.pd_outcomes["local"] += 1
+            return None, f"local: {uncached} prompt tokens to compute at the decode replica", 0
+        asked = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
+        asked.update(max_tokens=1, stream=False)
+        asked[TRANSFER_FIELD] = {"do_remote_decode": True}
+        content, excluded, tried = json.dumps(asked).encode(), set(), []
+        while True:
+            try:
+                replica, _ = await service.choose(asked, tenant, excluded, phase="prefill")
+            except LookupError as exc:
+                outcome, why = "no_prefill_replica", "; ".join(tried) or str(exc)
+                break
+            headers[ROUTER_ATTEMPT_HEADER] = RouterAttempt(route_id, len(tried) + 1, routed_at).header()
+            replica.open += 1
+            try:
+                answer = await unless_caller_leaves(replica.client.post(path, content=content, headers=headers))
+            except httpx.HTTPError as exc:
+                replica.last_error = described(exc)
+                replica.failed_forwards += 1
+                tried.append(f"{replica.name} ({replica.last_error})")
+                excluded.add(id(replica))
+                continue
+            finally:
+                replica.open -= 1
+            if answer.status_code in (429, 503):  # full or stopping: the next prefill replica
+                replica.rerouted += 1
+                tried.append(f"{replica.name} ({answer.status_code})")
+                excluded.add(id(replica))
+                continue
+            params = None
+            if answer.status_code == 200:
+                try:
+                    params = kvd_json(answer).get(TRANSFER_FIELD)
+                except (ValueError, AttributeError):  # not kvd's JSON object: no transfer
+                    params = None
+            if isinstance(params, dict):
+                service.pd_outcomes["transferred"] += 1
+                return params, replica.name, len(tried) + 1
+            # refused (a bad request, which the decode replica then refuses to the caller itself; no
+            # Redis tier there, 409) or no transfer in its answer: the decode replica computes it all
+            outcome = "prefill_failed"
+            tried.append(f"{replica.name} (" + (answer_described(answer) if answer.status_code != 200 else
+                                                f"answered without {TRANSFER_FIELD}") + ")")
+            why = tried[-1]
+            break
+        service.pd_outcomes[outcome] += 1
+        log.warning("disaggregated prefill not done (%s): the decode replica computes the whole prompt", why)
+        return None, f"none: {why}", len(tried)
+
     async def forward(path: str, http: Request, who: Caller):
         """Route the request, send it to the chosen replica's `path` as it came, and stream the
         answer back; refusals before a start are passed to the next best replica."""
@@ -491,18 +569,32 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         body = json_object(raw)
         if body is None:
             return error(400, "body: expected a JSON object", "invalid_json")
+        if TRANSFER_FIELD in body:  # the router decides KV transfers: a caller's own is not passed on
+            del body[TRANSFER_FIELD]
+            raw = json.dumps(body).encode()
         tenant = who.tenant
         headers = {k: v for k, v in http.headers.items() if k.lower() in PASSED_HEADERS}
         if tenant is not None:
             headers["X-KVD-Tenant"] = tenant
         if who.role != "admin":  # the replica reports to this caller as to a user of its own (usage_report.py)
             headers[CALLER_ROLE_HEADER] = who.role
+        route_id = secrets.token_hex(8)  # each try names it: the fleet's trace keeps its last (fleet_trace.py)
+        routed_at = None  # when the first replica was chosen: the fleet's trace is in this order, on this clock
+        hops, prefilled = 0, None
+        if service.disaggregated:  # the prompt is computed at a prefill replica first (prefill_first)
+            routed_at = time.time()
+            try:
+                params, prefilled, hops = await prefill_first(path, body, dict(headers), route_id, routed_at,
+                                                              unless_caller_leaves)
+            except CallerLeft:
+                return Response(status_code=499)
+            if params is not None:
+                body = {**body, TRANSFER_FIELD: params}
+                raw = json.dumps(body).encode()
         # A replica that refuses before starting the request (429: its queue is full; 503: it is
         # stopping or loading) or cannot be connected to has not run it: the next best one is tried.
         tried, excluded, refusal, closed_retried = [], set(), None, False
-        traced = False  # whether a replica ran a try or turned it away (429): it keeps a trace line of it
-        route_id = secrets.token_hex(8)  # each try names it: the fleet's trace keeps its last (fleet_trace.py)
-        routed_at = None  # when the first replica was chosen: the fleet's trace is in this order, on this clock
+        traced = hops > 0  # whether a replica ran a try or turned it away (429): it keeps a trace line of it
         while True:
             try:
                 replica, reason = await service.choose(body, tenant, excluded)
@@ -515,7 +607,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                     return refusal
                 return error(503, str(exc), "no_replica")
             routed_at = routed_at or time.time()
-            headers[ROUTER_ATTEMPT_HEADER] = RouterAttempt(route_id, len(tried) + 1, routed_at).header()
+            headers[ROUTER_ATTEMPT_HEADER] = RouterAttempt(route_id, hops + len(tried) + 1, routed_at).header()
             request = replica.client.build_request("POST", path, content=raw, headers=headers)
             try:  # a non-streamed answer's headers come only when it is whole: the caller may leave first
                 upstream = await unless_caller_leaves(replica.client.send(request, stream=True))
@@ -573,6 +665,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             answer_headers["X-KVD-Request-Id"] = upstream.headers["x-kvd-request-id"]
         if tried:
             answer_headers["X-KVD-Tried"] = "; ".join(tried)
+        if prefilled is not None:
+            answer_headers["X-KVD-Prefill"] = prefilled
         media = upstream.headers.get("content-type", "application/json")
 
         def failed_mid_answer(exc: Exception, events: int) -> str:

@@ -21,14 +21,15 @@ import asyncio
 import copy
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import httpx
 
 from kvctl.daemon.cache.keys import Namespace, chain_keys
-from kvctl.policies.routing import NEW_PREFIX_SLACK_TOKENS, ReplicaFacts, Router, facts_from_answer, make_router
+from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX_SLACK_TOKENS, ReplicaFacts, Router,
+                                   facts_from_answer, make_router)
 
 from .fleet_pins import sync_pins
 from .gc_pauses import GcPauses
@@ -43,6 +44,10 @@ ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left
 FORWARD_TIMEOUT_S = 600.0
 WELCOME_TIMEOUT_S = 600.0  # how long a replica that joined may take to answer ready before its pins are copied
 VIEWS = ("ask", "events")
+ROLES = ("both", "prefill", "decode")  # a replica's part in disaggregated prefill and decode
+# how a request's disaggregated prefill went: done at a prefill replica; left to the decode replica
+# (local: little to compute there, or a prompt it scores whole); or failed there or nowhere to go
+PD_OUTCOMES = ("transferred", "local", "prefill_failed", "no_prefill_replica")
 UNTRACED_KEPT = 10_000  # times of requests no replica kept a trace line of, for the fleet's trace
 LARGE_PROMPT = 32_768  # characters or token ids: the events view weighs a longer prompt in a worker thread
 
@@ -53,6 +58,9 @@ class Replica:
 
     name: str  # as given: a socket path or a URL
     client: httpx.AsyncClient
+    # what it takes (router.py, disaggregated prefill and decode): "both" (whole requests, and
+    # decodes), "prefill" (computes prompts for the decode replicas), or "decode" (decodes only)
+    role: str = "both"
     sent: int = 0
     open: int = 0  # forwarded requests still answering
     last_error: str | None = None
@@ -153,6 +161,11 @@ class RouterService:
     # (kvd_router_unrouted_total); no replica keeps a trace line of them, so the fleet's trace says
     # how many fell in its span from `untraced` (fleet_trace.py): Unix times, the newest UNTRACED_KEPT.
     unrouted: int = 0
+    # disaggregated: a replica that decodes computes the prompt itself when it would compute this many
+    # tokens of it or fewer (it holds the rest), rather than take it from a prefill replica (router.py)
+    local_prefill_tokens: int = LOCAL_PREFILL_TOKENS
+    # disaggregated prefill and decode: requests by how their prefill went (router.py, PD_OUTCOMES)
+    pd_outcomes: Counter = field(default_factory=Counter)
     untraced: deque = field(default_factory=lambda: deque(maxlen=UNTRACED_KEPT))
     on_decision: Callable[[float], None] = lambda seconds: None  # each choice's time (the /metrics histogram)
     # the router process's garbage collections (gc_pauses.py): `kvd router` installs and freezes it
@@ -165,10 +178,17 @@ class RouterService:
             raise ValueError(f"load_interval: must be > 0 seconds, got {self.load_interval!r}")
         if not self.pending_seconds >= 0:
             raise ValueError(f"pending_seconds: must be >= 0, got {self.pending_seconds!r}")
+        if not (isinstance(self.local_prefill_tokens, int) and self.local_prefill_tokens >= 0):
+            raise ValueError(f"local_prefill_tokens: must be a whole number >= 0, got {self.local_prefill_tokens!r}")
         names = [r.name for r in self.replicas]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"replica: {twice[0]!r} is given twice; each replica once")
+        for replica in self.replicas:
+            if replica.role not in ROLES:
+                raise ValueError(f"role: unknown value {replica.role!r} for {replica.name}; use {', '.join(ROLES)}")
+        if self.disaggregated and not any(r.role != "prefill" for r in self.replicas):
+            raise ValueError("decode: prefill replicas need a replica that decodes (--decode, or --replica)")
         self._following = False
         self._leaving: set[asyncio.Task] = set()  # replicas on their way out (`remove`)
         self._welcoming: set[asyncio.Task] = set()  # replicas joining: the fleet's pins are copied to them
@@ -351,11 +371,26 @@ class RouterService:
         restorable = sum(run.values()) * view.block_size
         return Local(view.facts(cached, replica.open, restorable, view.restore_seconds(run)), keys, len(ids))
 
-    async def choose(self, body: dict, tenant: str | None, excluded: set[int] = frozenset()
-                     ) -> tuple[Replica, str]:
+    @property
+    def disaggregated(self) -> bool:
+        """Whether prompts are computed at prefill replicas and decoded at others (router.py)."""
+        return any(r.role == "prefill" for r in self.replicas)
+
+    async def uncached_at_decode(self, body: dict, tenant: str | None) -> int:
+        """The fewest prompt tokens a replica that decodes would compute of this request: its
+        prompt less what that replica holds of it in any tier. LookupError as `choose`'s."""
+        live, _, _, _ = await self.weigh(body, question_of(body), tenant,
+                                         {id(r) for r in self.replicas if r.role == "prefill"})
+        return min(max(tokens - facts.held_tokens, 0) for _, facts, tokens in live)
+
+    async def choose(self, body: dict, tenant: str | None, excluded: set[int] = frozenset(),
+                     phase: str = "whole") -> tuple[Replica, str]:
         """The replica for this request, and why; replicas whose id() is in `excluded` (they
-        refused it already) are not weighed. LookupError when none can take it."""
+        refused it already) are not weighed, nor those whose role is not for `phase` ("prefill":
+        prefill replicas alone; "whole", a request or its decode: the others). LookupError when
+        none can take it."""
         started = time.perf_counter()
+        excluded = set(excluded) | {id(r) for r in self.replicas if (r.role == "prefill") != (phase == "prefill")}
         try:
             return await self._choose(body, tenant, excluded)
         finally:
@@ -423,7 +458,8 @@ class RouterService:
         facts as the router sees them (from its view, or asked): nothing is sent, and the live
         policy's own books are not touched (it decides on a copy)."""
         question = question_of(body)
-        live, local, _, replicas = await self.weigh(body, question, tenant)
+        live, local, _, replicas = await self.weigh(body, question, tenant,
+                                                    {id(r) for r in self.replicas if r.role == "prefill"})
         live = reusing(body, live)
         affinity = affinity_of(question)
         prompt_tokens = max(tokens for _, _, tokens in live)
@@ -466,6 +502,8 @@ class RouterService:
 
         def one(r: Replica) -> dict:
             row = {"replica": r.name, "sent": r.sent, "open": r.open, "last_error": r.last_error}
+            if r.role != "both":
+                row["role"] = r.role
             if not r.takes_requests:  # leaving: it goes once `open` is 0; "at the replica": kvctl drain there
                 row["draining"] = "leaving" if r.leaving else "drained" if r.draining else \
                     "asleep" if r.asleep else "at the replica"
@@ -480,5 +518,8 @@ class RouterService:
                                "feed_error": r.feed_error}
             return row
 
-        return {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas],
+        body = {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas],
                 "gc": self.gc_pauses.report()}
+        if self.disaggregated:
+            body["disaggregated"] = dict(self.pd_outcomes)
+        return body

@@ -50,6 +50,7 @@ from .engine_profile import EngineProfiler
 from .gc_pauses import GcPauses
 from .gpu_cache_size import gpu_cache_blocks
 from .housekeeping import Housekeeping, Job
+from .kv_transfer import TransferBook
 from .notify import Notifier
 from .reload_ops import prefetch_settings, quick_prefill_tokens
 from .request_trace import RequestTrace, load_trace_key
@@ -164,6 +165,7 @@ class EngineService:
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.pending_weights = None  # weights_ops.PendingWeights: new weights to swap in once running work drains
         self.weight_updates = threading.Lock()  # one update of the weights at a time
+        self.kv_transfers = TransferBook()  # blocks passed to and taken from other kvds through Redis (kv_transfer.py)
         self.weights_updated: dict | None = None  # the latest update_weights (weights_ops.py): lasts until a restart
         self.tiers = None  # TieredCache when lower tiers are configured (see tier_ops)
         self.start_timer: StartTimer | None = None  # the latest load's phases (start_timing.py)

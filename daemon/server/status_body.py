@@ -109,6 +109,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "asleep": None if service.asleep is None else service.asleep.describe(),
             # weights an admin caller swapped in (weights_ops.py), which a restart does not keep
             "weights_updated": service.weights_updated,
+            # blocks passed to other kvds through Redis, and taken from them (kv_transfer.py); {} if none
+            "kv_transfers": service.kv_transfers.snapshot(),
             "store": {"file_ok": service.store.file_ok, "written_back": service.store.written_back,
                       "audit_write_failures": service.store.audit_failures,
                       # a rollback kvd made that the store has not taken (a restart would undo it)

@@ -193,13 +193,14 @@ def _to_device(service, engine, paths: list[list[bytes]], keys: list[bytes], ten
             "extended_blocks": len(before), "extended_on_device": extended}
 
 
-def restore_chain(service, keys: list[bytes], tenant: str) -> tuple[int, int]:
+def restore_chain(service, keys: list[bytes], tenant: str, timeout: float = 30.0) -> tuple[int, int]:
     """Bring the part of a chain of block keys that the device lacks back from the lower tiers
-    (as far as they hold it unbroken). Returns (blocks restored, blocks of the chain on the device)."""
+    (as far as they hold it unbroken; a fetch from disk or Redis waits up to `timeout` seconds).
+    Returns (blocks restored, blocks of the chain on the device)."""
     engine, tiers = service.engine, service.tiers
     with service.lock:
         start = len(engine.cache.pool.match(keys))
-    job = tiers.fetch_now(keys[start:])
+    job = tiers.fetch_now(keys[start:], timeout)
     try:
         with service.lock:
             if service.asleep is not None:  # the device cache's memory is given back (sleep_ops.py)

@@ -1,0 +1,363 @@
+"""Disaggregated prefill and decode: a prefill kvd computes a prompt and writes its blocks to the
+shared Redis (vLLM's kv_transfer_params, do_remote_decode), a decode kvd takes them from there
+(do_remote_prefill) and computes only its prompt's tail; kvd router --prefill/--decode does both
+hops for each completion (daemon/server/kv_transfer.py, router.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+
+from .daemon_fixtures import USER_TOKEN, apps, call, sse_events, start_service, token_table  # noqa: E402
+from .tier_fixtures import redis_server  # noqa: E402,F401
+
+BLOCK = 16
+PROMPT = ("You are the support desk of a fleet of KV caches; answer in one line and name the setting. " * 4)
+GREEDY = {"max_tokens": 8, "temperature": 0}
+PREFILL = {"kv_transfer_params": {"do_remote_decode": True}}
+
+
+def unix_app(service):
+    from kvctl.daemon.server.app import create_app
+
+    return create_app(service, service.metrics, front="unix")
+
+
+@pytest.fixture
+def pair(tmp_path, redis_server):
+    """A prefill kvd and a decode kvd sharing one Redis (write_back: nothing goes there unasked)."""
+    settings = {"num_blocks": 128, "remote_url": redis_server.url}
+    services = [start_service(tmp_path / name, **settings) for name in ("prefill", "decode")]
+    try:
+        yield services
+    finally:
+        for service in services:
+            service.shutdown(deadline=2)
+
+
+def prompt_blocks(service, text: str) -> int:
+    """Full blocks of the prompt a request may take from a cache (all but the last token's)."""
+    ids = service.tokenize(text)
+    return (len(ids) - 1) // BLOCK
+
+
+def metric(text: str, line_start: str) -> float:
+    [line] = [line for line in text.splitlines() if line.startswith(line_start + " ")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_decode_kvd_takes_the_prompt_a_prefill_kvd_computed_through_redis_and_answers_the_same(pair):
+    prefill, decode = pair
+    blocks = prompt_blocks(prefill, PROMPT)
+    first = call(unix_app(prefill), "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, **PREFILL})
+    assert first.status_code == 200, first.text
+    params = first.json()["kv_transfer_params"]
+    assert params == {"do_remote_decode": False, "do_remote_prefill": True, "remote_tier": "redis",
+                      "remote_blocks": blocks, "remote_tokens": blocks * BLOCK, "published_blocks": blocks,
+                      "prompt_blocks": blocks, "block_size": BLOCK}
+    assert decode.engine.cache.pool.match(prefill.engine.prefix_keys("default", prefill.tokenize(PROMPT))[2]) == []
+    answer = call(unix_app(decode), "POST", "/v1/completions", json={"prompt": PROMPT, **GREEDY,
+                                                                     "kv_transfer_params": params})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * BLOCK
+    assert body["kv_transfer_params"] == {"do_remote_prefill": True, "fetched_blocks": blocks,
+                                          "fetched_tokens": blocks * BLOCK, "cached_blocks": blocks,
+                                          "prompt_blocks": blocks, "block_size": BLOCK}
+    # the tokens of a kvd that computed the whole prompt itself
+    whole = call(unix_app(prefill), "POST", "/v1/completions", json={"prompt": PROMPT, **GREEDY}).json()
+    assert body["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
+    # the decode computed the prompt's tail only: its hit tokens are the transferred blocks
+    assert decode.engine.stats.hit_tokens == blocks * BLOCK
+    assert decode.engine.stats.prompt_tokens == len(decode.tokenize(PROMPT))
+    # a second prefill of the same prompt writes nothing again
+    again = call(unix_app(prefill), "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, **PREFILL})
+    assert again.json()["kv_transfer_params"]["published_blocks"] == 0
+    assert again.json()["kv_transfer_params"]["remote_blocks"] == blocks
+    metrics_p, metrics_d = (call(unix_app(s), "GET", "/metrics").text for s in pair)
+    assert metric(metrics_p, 'kvd_kv_transfer_requests_total{side="prefill"}') == 2
+    assert metric(metrics_p, 'kvd_kv_transfer_blocks_total{direction="published"}') == blocks
+    assert metric(metrics_d, 'kvd_kv_transfer_requests_total{side="decode"}') == 1
+    assert metric(metrics_d, 'kvd_kv_transfer_blocks_total{direction="fetched"}') == blocks
+    status = call(unix_app(decode), "GET", "/admin/status").json()
+    assert status["kv_transfers"] == {"decodes": 1, "fetched_blocks": blocks}
+
+
+def test_a_transfer_stays_within_its_tenant(pair):
+    """The tenant is in every block key: another tenant's decode finds none of the blocks."""
+    prefill, decode = pair
+    acme = {"X-KVD-Tenant": "acme"}
+    params = call(unix_app(prefill), "POST", "/v1/completions", headers=acme,
+                  json={"prompt": PROMPT, "max_tokens": 1, **PREFILL}).json()["kv_transfer_params"]
+    other = call(unix_app(decode), "POST", "/v1/completions", headers={"X-KVD-Tenant": "globex"},
+                 json={"prompt": PROMPT, **GREEDY, "kv_transfer_params": params}).json()
+    assert other["kv_transfer_params"]["fetched_blocks"] == 0
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    same = call(unix_app(decode), "POST", "/v1/completions", headers=acme,
+                json={"prompt": PROMPT, **GREEDY, "kv_transfer_params": params}).json()
+    assert same["kv_transfer_params"]["fetched_blocks"] == params["remote_blocks"] > 0
+
+
+def test_a_chat_is_decoded_streamed_after_its_prefill(pair):
+    prefill, decode = pair
+    chat = {"messages": [{"role": "system", "content": PROMPT}, {"role": "user", "content": "Which setting?"}]}
+    params = call(unix_app(prefill), "POST", "/v1/chat/completions",
+                  json={**chat, "max_tokens": 1, **PREFILL}).json()["kv_transfer_params"]
+    assert params["remote_blocks"] == params["prompt_blocks"] > 0
+    streamed = call(unix_app(decode), "POST", "/v1/chat/completions",
+                    json={**chat, **GREEDY, "stream": True, "stream_options": {"include_usage": True},
+                          "kv_transfer_params": params})
+    events = sse_events(streamed)
+    usage = [e for e in events if isinstance(e, dict) and e.get("usage")][-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == params["remote_tokens"]
+
+
+@pytest.mark.parametrize("params, status, message", [
+    ({"do_remote_decode": "yes"}, 400, "kv_transfer_params.do_remote_decode: expected true or false, got 'yes'"),
+    ({"do_remote_decode": True, "do_remote_prefill": True}, 400,
+     "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true (one kvd computes the prompt, "
+     "another decodes from it)"),
+    ([True], 400, "kv_transfer_params: expected an object, got list"),
+])
+def test_a_malformed_transfer_is_refused_by_name_before_anything_runs(pair, params, status, message):
+    prefill, _ = pair
+    answer = call(unix_app(prefill), "POST", "/v1/completions",
+                  json={"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": params})
+    assert answer.status_code == status and answer.json()["error"]["message"] == message
+    assert prefill.engine.stats.prompt_tokens == 0 and prefill.kv_transfers.snapshot() == {}
+
+
+def test_a_streamed_prefill_a_user_caller_and_a_kvd_without_redis_are_refused(pair, tmp_path):
+    prefill, _ = pair
+    streamed = call(unix_app(prefill), "POST", "/v1/completions",
+                    json={"prompt": PROMPT, "max_tokens": 1, "stream": True, **PREFILL})
+    assert streamed.status_code == 400
+    assert streamed.json()["error"]["message"] == ("kv_transfer_params.do_remote_decode: ask without stream: the "
+                                                   "answer carries the transfer for the decode")
+    _, tcp = apps(prefill, token_table(tmp_path))
+    user = call(tcp, "POST", "/v1/completions", headers={"Authorization": f"Bearer {USER_TOKEN}"},
+                json={"prompt": PROMPT, "max_tokens": 1, **PREFILL})
+    assert user.status_code == 403
+    assert user.json()["error"]["message"] == "kv_transfer_params: only an admin caller (kvd router) asks for a KV " \
+                                              "transfer"
+    alone = start_service(tmp_path / "alone")
+    try:
+        refused = call(unix_app(alone), "POST", "/v1/completions",
+                       json={"prompt": PROMPT, **GREEDY, "kv_transfer_params": {"do_remote_prefill": True}})
+        assert refused.status_code == 409
+        assert refused.json()["error"]["message"] == (
+            "kv_transfer_params.do_remote_prefill: kvd has no Redis tier to pass the prompt's blocks through (set "
+            "remote_url, the same one at the prefill and the decode kvds)")
+        assert alone.engine.stats.prompt_tokens == 0
+        # without either flag the field asks for nothing: vLLM's clients may send it empty
+        plain = call(unix_app(alone), "POST", "/v1/completions",
+                     json={"prompt": PROMPT, **GREEDY, "kv_transfer_params": {}})
+        assert plain.status_code == 200 and "kv_transfer_params" not in plain.json()
+    finally:
+        alone.shutdown(deadline=2)
+    assert prefill.engine.stats.prompt_tokens == 0
+
+
+# ---- kvd router --prefill --decode -----------------------------------------------------------------------------
+
+def router_of(roles: list[tuple[str, object]], view: str = "ask", **settings):
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    replicas = [Replica(f"replica-{role}", replica_client(f"/run/{role}.sock",
+                                                         transport=httpx.ASGITransport(app=unix_app(s))), role=role)
+                for role, s in roles]
+    service = RouterService(replicas, make_router("prefix"), view=view, **settings)
+    return service, create_router_app(service)
+
+
+def through(app, *calls):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            return [await step(client) for step in calls]
+    return asyncio.run(go())
+
+
+def test_kvd_router_prefills_at_the_prefill_replica_and_decodes_at_the_decode_replica(pair):
+    prefill, decode = pair
+    service, app = router_of([("prefill", prefill), ("decode", decode)], local_prefill_tokens=0)
+    blocks = prompt_blocks(prefill, PROMPT)
+    [answer, status, metrics] = through(app, lambda c: c.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}),
+                                        lambda c: c.get("/router/status"), lambda c: c.get("/metrics"))
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-kvd-prefill"] == "replica-prefill"
+    assert answer.headers["x-kvd-replica"] == "replica-decode"
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * BLOCK
+    # the prefill replica made one token, for no one; the decode replica the eight asked for
+    generated = [metric(call(unix_app(s), "GET", "/metrics").text, "kvd_generation_tokens_total") for s in pair]
+    assert generated == [1, 8]
+    assert prefill.kv_transfers.snapshot() == {"prefills": 1, "published_blocks": blocks}
+    assert decode.kv_transfers.snapshot() == {"decodes": 1, "fetched_blocks": blocks}
+    body = status.json()
+    assert body["disaggregated"] == {"transferred": 1}
+    assert [(r["replica"], r.get("role"), r["sent"]) for r in body["replicas"]] == [
+        ("replica-prefill", "prefill", 1), ("replica-decode", "decode", 1)]
+    assert 'kvd_router_disaggregated_total{outcome="transferred"} 1.0' in metrics.text
+    # both hops are tries of one request: the fleet's trace keeps the last, the decode (fleet_trace.py)
+    traced = [call(unix_app(s), "GET", "/admin/trace?ids=keyed").json()["requests"] for s in pair]
+    assert [[(line["router"]["try"], line["output_length"]) for line in lines] for lines in traced] == [[(1, 1)],
+                                                                                                      [(2, 8)]]
+    assert traced[0][0]["router"]["request"] == traced[1][0]["router"]["request"]
+    # a caller's own kv_transfer_params is not passed on: the router decides transfers
+    [mine] = through(app, lambda c: c.post("/v1/completions", json={
+        "prompt": PROMPT, **GREEDY, "kv_transfer_params": {"do_remote_decode": True}}))
+    assert mine.status_code == 200 and mine.headers["x-kvd-replica"] == "replica-decode"
+
+
+def test_a_prompt_the_decode_replica_holds_nearly_whole_is_computed_there(pair):
+    """Dynamo's conditional disaggregation: all but local_prefill_tokens held where it decodes."""
+    prefill, decode = pair
+    service, app = router_of([("prefill", prefill), ("decode", decode)], local_prefill_tokens=64)
+    short = "Which setting?"
+    [first, second, third] = through(
+        app, lambda c: c.post("/v1/completions", json={"prompt": short, **GREEDY}),
+        lambda c: c.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}),
+        lambda c: c.post("/v1/completions", json={"prompt": PROMPT + " And the block size?", **GREEDY}))
+    assert first.headers["x-kvd-prefill"].startswith("local: ")  # a few tokens: no hop
+    assert second.headers["x-kvd-prefill"] == "replica-prefill"
+    held = prompt_blocks(prefill, PROMPT) * BLOCK  # the decode replica holds the prompt now
+    extra = len(decode.tokenize(PROMPT + " And the block size?")) - held
+    assert third.headers["x-kvd-prefill"] == f"local: {extra} prompt tokens to compute at the decode replica"
+    assert third.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+    assert service.pd_outcomes == {"local": 2, "transferred": 1}
+    assert prefill.kv_transfers.snapshot() == {"prefills": 1, "published_blocks": held // BLOCK}
+    # a request that scores its prompt is computed whole where it decodes, whatever it holds
+    [scored] = through(app, lambda c: c.post("/v1/completions", json={"prompt": PROMPT + " New?", "max_tokens": 1,
+                                                                        "prompt_logprobs": 0}))
+    assert scored.headers["x-kvd-prefill"] == "local: the request scores its whole prompt"
+
+
+def test_a_prefill_replica_that_cannot_transfer_leaves_the_whole_prompt_to_the_decode_replica(tmp_path, redis_server):
+    """No Redis at the prefill replica: its 409 is in X-KVD-Prefill, and the caller is answered."""
+    prefill = start_service(tmp_path / "prefill", num_blocks=128)
+    decode = start_service(tmp_path / "decode", num_blocks=128, remote_url=redis_server.url)
+    try:
+        service, app = router_of([("prefill", prefill), ("decode", decode)], local_prefill_tokens=0)
+        [answer] = through(app, lambda c: c.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}))
+        assert answer.status_code == 200
+        assert answer.headers["x-kvd-prefill"] == (
+            "none: replica-prefill (409: kv_transfer_params.do_remote_decode: kvd has no Redis tier to pass the "
+            "prompt's blocks through (set remote_url, the same one at the prefill and the decode kvds))")
+        assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert service.pd_outcomes == {"prefill_failed": 1}
+        assert prefill.engine.stats.prompt_tokens == 0
+    finally:
+        prefill.shutdown(deadline=2)
+        decode.shutdown(deadline=2)
+
+
+def test_a_prefill_replica_that_is_down_is_passed_over(pair):
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    class Down(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            raise httpx.ConnectError("connection refused", request=request)
+
+    prefill, decode = pair
+    replicas = [Replica("down", replica_client("/run/down.sock", transport=Down()), role="prefill"),
+                Replica("up", replica_client("/run/up.sock", transport=httpx.ASGITransport(app=unix_app(prefill))),
+                        role="prefill"),
+                Replica("decode", replica_client("/run/d.sock", transport=httpx.ASGITransport(app=unix_app(decode))),
+                        role="decode")]
+    service = RouterService(replicas, make_router("round_robin"), view="ask", local_prefill_tokens=0)
+    app = create_router_app(service)
+    answers = through(app, *[lambda c: c.post("/v1/completions", json={"prompt": PROMPT, **GREEDY})] * 2)
+    assert [a.headers["x-kvd-prefill"] for a in answers] == ["up", "up"]
+    assert all(a.headers["x-kvd-replica"] == "decode" for a in answers)
+    assert service.pd_outcomes == {"transferred": 2}
+
+
+def test_prefill_roles_are_checked_where_the_router_is_set_up():
+    from kvctl.daemon.config import ConfigError
+    from kvctl.daemon.router_config import resolve_router
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    config = resolve_router({"socket": "/run/r.sock", "prefill_replicas": ["/run/p.sock"],
+                             "decode_replicas": "/run/d1.sock,/run/d2.sock", "local_prefill_tokens": 512}, env={})
+    assert config.prefill_replicas == ("/run/p.sock",) and config.decode_replicas == ("/run/d1.sock", "/run/d2.sock")
+    assert config.local_prefill_tokens == 512
+    with pytest.raises(ConfigError, match="decode_replicas: prefill replicas need a replica that decodes"):
+        resolve_router({"socket": "/run/r.sock", "prefill_replicas": ["/run/p1.sock", "/run/p2.sock"]}, env={})
+    with pytest.raises(ConfigError, match=r"replicas: '/run/a.sock' is named in two roles \(replicas, "
+                                          r"prefill_replicas, decode_replicas\); each replica in one"):
+        resolve_router({"socket": "/run/r.sock", "replicas": ["/run/a.sock", "/run/b.sock"],
+                        "prefill_replicas": ["/run/a.sock"]}, env={})
+    with pytest.raises(ConfigError, match="local_prefill_tokens"):
+        resolve_router({"socket": "/run/r.sock", "replicas": ["/run/a.sock", "/run/b.sock"],
+                        "local_prefill_tokens": -1}, env={})
+    with pytest.raises(ValueError, match="role: unknown value 'prefil' for /run/a.sock; use both, prefill, decode"):
+        RouterService([Replica("/run/a.sock", replica_client("/run/a.sock"), role="prefil")], make_router("prefix"))
+    with pytest.raises(ValueError, match="decode: prefill replicas need a replica that decodes"):
+        RouterService([Replica("/run/a.sock", replica_client("/run/a.sock"), role="prefill")], make_router("prefix"))
+
+
+def test_kvctl_status_says_what_each_side_passed_through_redis():
+    from rich.console import Console
+
+    from kvctl.fleet_status import disaggregated_line
+    from kvctl.status_view import transfer_line
+
+    assert transfer_line({"prefills": 3, "published_blocks": 66}) == \
+        "computed 3 prompts for decode replicas (66 blocks written to Redis)"
+    assert transfer_line({"decodes": 2, "fetched_blocks": 44}) == \
+        "decoded 2 prompts after a prefill replica (44 blocks read from Redis)"
+    books = [{"replica": "/run/p.sock", "role": "prefill"}, {"replica": "/run/d.sock", "role": "decode"},
+             {"replica": "/run/b.sock"}]
+    console = Console(record=True, width=400)
+    console.print(disaggregated_line(books, {"transferred": 12, "local": 3, "prefill_failed": 1}))
+    assert console.export_text().strip() == (
+        "disaggregated prefill and decode: prefill at /run/p.sock; decode at /run/d.sock; decode and whole requests "
+        "at /run/b.sock; 12 prompts passed through Redis, 3 computed where they decoded (little to compute there), "
+        "1 computed whole where they decoded: no prefill replica did them (kvd router's log says why)")
+
+
+def test_the_kvd_router_command_takes_prefill_and_decode_replicas(monkeypatch, tmp_path):
+    """`kvd router --prefill P --decode D` builds the replicas in their roles."""
+    from typer.testing import CliRunner
+
+    from kvctl.daemon import cli as daemon_cli
+
+    seen = {}
+
+    async def fake_route(service, *args, **kwargs):
+        seen["roles"] = [(r.name, r.role) for r in service.replicas]
+        seen["local"] = service.local_prefill_tokens
+
+    monkeypatch.setattr(daemon_cli, "_route", fake_route)
+    result = CliRunner().invoke(daemon_cli.app, ["router", "--prefill", "/run/p.sock", "--decode", "/run/d.sock",
+                                                 "--replica", "/run/b.sock", "--local-prefill-tokens", "128",
+                                                 "--socket", str(tmp_path / "r.sock"), "--no-gc-freeze"], env={})
+    assert result.exit_code == 0, result.output
+    assert seen == {"roles": [("/run/b.sock", "both"), ("/run/p.sock", "prefill"), ("/run/d.sock", "decode")],
+                    "local": 128}
+
+
+def test_the_decode_answer_keeps_what_it_cached_from_a_user_who_may_not_see_it(pair, tmp_path):
+    """report_cached_tokens admin: a user's answer names no transferred blocks either."""
+    prefill, decode = pair
+    params = call(unix_app(prefill), "POST", "/v1/completions", headers={"X-KVD-Tenant": "acme"},
+                  json={"prompt": PROMPT, "max_tokens": 1, **PREFILL}).json()["kv_transfer_params"]
+    from kvctl.daemon.server.usage_report import CALLER_ROLE_HEADER
+
+    decode.config = dataclasses.replace(decode.config, report_cached_tokens="admin")
+    answer = call(unix_app(decode), "POST", "/v1/completions",
+                  headers={"X-KVD-Tenant": "acme", CALLER_ROLE_HEADER: "user"},
+                  json={"prompt": PROMPT, **GREEDY, "kv_transfer_params": params})
+    assert answer.status_code == 200, answer.text
+    assert "kv_transfer_params" not in answer.json()
+    assert json.dumps(answer.json()["usage"]).count("cached_tokens") == 0
