@@ -57,10 +57,12 @@ def transfer_line(counts: dict) -> str:
     parts = []
     if counts.get("prefills"):
         parts.append(f"computed {counts['prefills']:,} prompts for decode replicas "
-                     f"({counts.get('published_blocks', 0):,} blocks written to Redis)")
+                     f"({counts.get('published_blocks', 0):,} blocks written to Redis, "
+                     f"{seconds(counts.get('publish_seconds', 0.0) / counts['prefills'])} a prompt)")
     if counts.get("decodes"):
         parts.append(f"decoded {counts['decodes']:,} prompts after a prefill replica "
-                     f"({counts.get('fetched_blocks', 0):,} blocks read from Redis)")
+                     f"({counts.get('fetched_blocks', 0):,} blocks read from Redis, "
+                     f"{seconds(counts.get('fetch_seconds', 0.0) / counts['decodes'])} a prompt)")
     return "; ".join(parts) or "none"
 
 

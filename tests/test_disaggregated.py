@@ -58,6 +58,7 @@ def test_a_decode_kvd_takes_the_prompt_a_prefill_kvd_computed_through_redis_and_
     first = call(unix_app(prefill), "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, **PREFILL})
     assert first.status_code == 200, first.text
     params = first.json()["kv_transfer_params"]
+    assert 0 < params.pop("publish_seconds") < 30
     assert params == {"do_remote_decode": False, "do_remote_prefill": True, "remote_tier": "redis",
                       "remote_blocks": blocks, "remote_tokens": blocks * BLOCK, "published_blocks": blocks,
                       "prompt_blocks": blocks, "block_size": BLOCK}
@@ -67,6 +68,7 @@ def test_a_decode_kvd_takes_the_prompt_a_prefill_kvd_computed_through_redis_and_
     assert answer.status_code == 200, answer.text
     body = answer.json()
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * BLOCK
+    fetch_seconds = body["kv_transfer_params"].pop("fetch_seconds")
     assert body["kv_transfer_params"] == {"do_remote_prefill": True, "fetched_blocks": blocks,
                                           "fetched_tokens": blocks * BLOCK, "cached_blocks": blocks,
                                           "prompt_blocks": blocks, "block_size": BLOCK}
@@ -85,8 +87,9 @@ def test_a_decode_kvd_takes_the_prompt_a_prefill_kvd_computed_through_redis_and_
     assert metric(metrics_p, 'kvd_kv_transfer_blocks_total{direction="published"}') == blocks
     assert metric(metrics_d, 'kvd_kv_transfer_requests_total{side="decode"}') == 1
     assert metric(metrics_d, 'kvd_kv_transfer_blocks_total{direction="fetched"}') == blocks
+    assert metric(metrics_d, 'kvd_kv_transfer_seconds_total{side="decode"}') == pytest.approx(fetch_seconds)
     status = call(unix_app(decode), "GET", "/admin/status").json()
-    assert status["kv_transfers"] == {"decodes": 1, "fetched_blocks": blocks}
+    assert status["kv_transfers"] == {"decodes": 1, "fetched_blocks": blocks, "fetch_seconds": fetch_seconds}
 
 
 def test_a_transfer_stays_within_its_tenant(pair):
@@ -193,13 +196,17 @@ def test_kvd_router_prefills_at_the_prefill_replica_and_decodes_at_the_decode_re
                                         lambda c: c.get("/router/status"), lambda c: c.get("/metrics"))
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-kvd-prefill"] == "replica-prefill"
+    [ready] = through(app, lambda c: c.get("/readyz"))
+    assert ready.json() == {"ready": True, "replicas": ["replica-decode"]}  # the prefill replica answers no caller
     assert answer.headers["x-kvd-replica"] == "replica-decode"
     assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * BLOCK
     # the prefill replica made one token, for no one; the decode replica the eight asked for
     generated = [metric(call(unix_app(s), "GET", "/metrics").text, "kvd_generation_tokens_total") for s in pair]
     assert generated == [1, 8]
-    assert prefill.kv_transfers.snapshot() == {"prefills": 1, "published_blocks": blocks}
-    assert decode.kv_transfers.snapshot() == {"decodes": 1, "fetched_blocks": blocks}
+    assert {k: v for k, v in prefill.kv_transfers.snapshot().items() if k != "publish_seconds"} == {
+        "prefills": 1, "published_blocks": blocks}
+    assert {k: v for k, v in decode.kv_transfers.snapshot().items() if k != "fetch_seconds"} == {
+        "decodes": 1, "fetched_blocks": blocks}
     body = status.json()
     assert body["disaggregated"] == {"transferred": 1}
     assert [(r["replica"], r.get("role"), r["sent"]) for r in body["replicas"]] == [
@@ -232,7 +239,7 @@ def test_a_prompt_the_decode_replica_holds_nearly_whole_is_computed_there(pair):
     assert third.headers["x-kvd-prefill"] == f"local: {extra} prompt tokens to compute at the decode replica"
     assert third.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == held
     assert service.pd_outcomes == {"local": 2, "transferred": 1}
-    assert prefill.kv_transfers.snapshot() == {"prefills": 1, "published_blocks": held // BLOCK}
+    assert prefill.kv_transfers.snapshot()["published_blocks"] == held // BLOCK
     # a request that scores its prompt is computed whole where it decodes, whatever it holds
     [scored] = through(app, lambda c: c.post("/v1/completions", json={"prompt": PROMPT + " New?", "max_tokens": 1,
                                                                         "prompt_logprobs": 0}))
@@ -312,10 +319,10 @@ def test_kvctl_status_says_what_each_side_passed_through_redis():
     from kvctl.fleet_status import disaggregated_line
     from kvctl.status_view import transfer_line
 
-    assert transfer_line({"prefills": 3, "published_blocks": 66}) == \
-        "computed 3 prompts for decode replicas (66 blocks written to Redis)"
-    assert transfer_line({"decodes": 2, "fetched_blocks": 44}) == \
-        "decoded 2 prompts after a prefill replica (44 blocks read from Redis)"
+    assert transfer_line({"prefills": 3, "published_blocks": 66, "publish_seconds": 0.036}) == \
+        "computed 3 prompts for decode replicas (66 blocks written to Redis, 12.0 ms a prompt)"
+    assert transfer_line({"decodes": 2, "fetched_blocks": 44, "fetch_seconds": 0.05}) == \
+        "decoded 2 prompts after a prefill replica (44 blocks read from Redis, 25.0 ms a prompt)"
     books = [{"replica": "/run/p.sock", "role": "prefill"}, {"replica": "/run/d.sock", "role": "decode"},
              {"replica": "/run/b.sock"}]
     console = Console(record=True, width=400)

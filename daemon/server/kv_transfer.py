@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -46,7 +47,7 @@ KNOWN_FLAGS = ("do_remote_decode", "do_remote_prefill")
 @dataclass
 class TransferBook:
     """What this kvd passed through Redis for other kvds (prefill) and took from them (decode),
-    for /metrics and kvctl status."""
+    and the seconds those took, summed, for /metrics and kvctl status."""
 
     counts: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -107,7 +108,7 @@ def publish(service, requests) -> dict:
     the device to Redis, wait for the writes, and say what Redis holds of the prompts now
     (the decode's `kv_transfer_params`)."""
     engine, tiers = service.engine, service.tiers
-    remote = tiers.remote
+    remote, started = tiers.remote, time.perf_counter()
     prompt_blocks = written = held = 0
     for request in requests:
         keys = prompt_keys(engine, engine.request_namespace(request), request.prompt_ids)
@@ -132,11 +133,12 @@ def publish(service, requests) -> dict:
                 break
             on_redis += 1
         held += on_redis
-    service.kv_transfers.add(prefills=len(requests), published_blocks=written)
+    seconds = time.perf_counter() - started
+    service.kv_transfers.add(prefills=len(requests), published_blocks=written, publish_seconds=seconds)
     size = engine.settings.block_size
     return {"do_remote_decode": False, "do_remote_prefill": True, "remote_tier": "redis",
             "remote_blocks": held, "remote_tokens": held * size, "published_blocks": written,
-            "prompt_blocks": prompt_blocks, "block_size": size}
+            "prompt_blocks": prompt_blocks, "block_size": size, "publish_seconds": seconds}
 
 
 def fetch(service, prompts: list[list[int]], tenant: str, adapter: str) -> dict:
@@ -145,7 +147,7 @@ def fetch(service, prompts: list[list[int]], tenant: str, adapter: str) -> dict:
     device holds of the prompts now."""
     from .tier_ops import restore_chain
 
-    engine = service.engine
+    engine, started = service.engine, time.perf_counter()
     namespace = engine.namespace(tenant, adapter)
     prompt_blocks = fetched = on_device = 0
     for ids in prompts:
@@ -155,7 +157,8 @@ def fetch(service, prompts: list[list[int]], tenant: str, adapter: str) -> dict:
             continue
         restored, held = restore_chain(service, keys, tenant, timeout=FETCH_TIMEOUT_S)
         fetched, on_device = fetched + restored, on_device + held
-    service.kv_transfers.add(decodes=len(prompts), fetched_blocks=fetched)
+    seconds = time.perf_counter() - started
+    service.kv_transfers.add(decodes=len(prompts), fetched_blocks=fetched, fetch_seconds=seconds)
     size = engine.settings.block_size
     return {"do_remote_prefill": True, "fetched_blocks": fetched, "fetched_tokens": fetched * size,
-            "cached_blocks": on_device, "prompt_blocks": prompt_blocks, "block_size": size}
+            "cached_blocks": on_device, "prompt_blocks": prompt_blocks, "block_size": size, "fetch_seconds": seconds}

@@ -11,6 +11,7 @@
     kvd_kv_transfer_requests_total{side}      prompts of disaggregated requests (kv_transfer.py): prefill (computed
                                               here for a decode kvd) or decode (decoded here after a prefill kvd)
     kvd_kv_transfer_blocks_total{direction}   their blocks written to Redis (published) or read from it (fetched)
+    kvd_kv_transfer_seconds_total{side}       and the time those took, summed (over the requests: the mean)
     kvd_tenant_prompt_tokens_total{tenant}    prompt tokens per tenant, and kvd_tenant_hit_tokens_total{tenant}
     kvd_tenant_cached_blocks{tenant}          device blocks holding a tenant's cached prefixes
     kvd_tenant_ttft_seconds{tenant}           histogram: time to first token per tenant (client requests)
@@ -167,6 +168,12 @@ class _EngineCollector:
         moved.add_metric(["published"], transfers.get("published_blocks", 0))
         moved.add_metric(["fetched"], transfers.get("fetched_blocks", 0))
         yield moved
+        took = CounterMetricFamily("kvd_kv_transfer_seconds", "Time disaggregated requests' prompts took to write "
+                                   "to Redis (prefill) or to read from it onto the device (decode), summed",
+                                   labels=["side"])
+        took.add_metric(["prefill"], transfers.get("publish_seconds", 0.0))
+        took.add_metric(["decode"], transfers.get("fetch_seconds", 0.0))
+        yield took
         yield GaugeMetricFamily("kvd_sleep_level", "0 while awake; 1 or 2 while asleep at that level (the cache's "
                                 "memory given back; at 2 the weights too)", value=0 if asleep is None else asleep.level)
         prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",

@@ -157,10 +157,12 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.get("/readyz")
     async def readyz():
         """200 while some replica can take a request: with the events view, one whose feed is
-        followed and whose load is current; with ask, one whose own /readyz says so."""
+        followed and whose load is current; with ask, one whose own /readyz says so. A prefill
+        replica answers no caller itself: it does not count."""
         now = service.clock()
+        deciding = [r for r in service.replicas if r.role != "prefill"]
         if service.view == "events":
-            ready = [r.name for r in service.replicas if r.takes_requests and r.view.synced and r.view.load is not None
+            ready = [r.name for r in deciding if r.takes_requests and r.view.synced and r.view.load is not None
                      and r.view.load_age(now) <= service.load_stale_seconds]
         else:
             async def one(replica: Replica) -> bool:
@@ -168,7 +170,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                     return (await replica.client.get("/readyz", timeout=ASK_TIMEOUT_S)).status_code == 200
                 except httpx.HTTPError:
                     return False
-            taking = [r for r in service.replicas if r.takes_requests]
+            taking = [r for r in deciding if r.takes_requests]
             answers = await asyncio.gather(*(one(r) for r in taking))
             ready = [r.name for r, ok in zip(taking, answers) if ok]
         if ready:

@@ -14,7 +14,7 @@
                                                   before any answer (once a request): sent to the next best
     kvd_router_unrouted_total                     requests no replica took in: none could take them or be
                                                   reached, or each one asked was stopping (503)
-    kvd_router_disaggregated_total{outcome}       with prefill replicas: requests by how their prefill went:
+    kvd_router_disaggregated_total{outcome}       requests by how their prefill went (0 without prefill replicas):
                                                   transferred (a prefill replica computed the prompt and wrote it to
                                                   Redis), local (the replica that decodes it holds all but
                                                   local_prefill_tokens of it, or it scores its prompt), prefill_failed
@@ -80,15 +80,14 @@ class _RouterCollector:
         yield CounterMetricFamily("kvd_router_unrouted", "Requests the router gave up on with no replica taking "
                                   "them in: none could take them or be reached, or each one asked was stopping (503)",
                                   value=self.service.unrouted)
-        if self.service.disaggregated:
-            outcomes = CounterMetricFamily("kvd_router_disaggregated", "Requests by how their disaggregated prefill "
-                                           "went: transferred (a prefill replica computed the prompt into Redis), "
-                                           "local (little to compute where it decoded), prefill_failed or "
-                                           "no_prefill_replica (the decode replica computed it all)",
-                                           labels=["outcome"])
-            for outcome in PD_OUTCOMES:
-                outcomes.add_metric([outcome], self.service.pd_outcomes[outcome])
-            yield outcomes
+        outcomes = CounterMetricFamily("kvd_router_disaggregated", "Requests by how their disaggregated prefill "
+                                       "went (zero without --prefill replicas): transferred (a prefill replica "
+                                       "computed the prompt into Redis), local (little to compute where it decoded), "
+                                       "prefill_failed or no_prefill_replica (the decode replica computed it all)",
+                                       labels=["outcome"])
+        for outcome in PD_OUTCOMES:
+            outcomes.add_metric([outcome], self.service.pd_outcomes[outcome])
+        yield outcomes
         yield per_replica(GaugeMetricFamily, "open_requests", "Forwarded requests still answering", lambda r: r.open)
         yield per_replica(GaugeMetricFamily, "replica_draining", "1 while the replica takes no new request (drained, "
                           "or leaving the fleet)", lambda r: float(r.draining))
