@@ -409,7 +409,7 @@ def router(
     from kvctl.daemon.config import ConfigError
     from kvctl.daemon.router_config import resolve_router, router_env_typos
     from kvctl.daemon.server.auth import TokenTable
-    from kvctl.daemon.server.fleet_file import FleetFile, read_replicas_file
+    from kvctl.daemon.server.fleet_file import FleetFile, replica_lines
     from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
@@ -426,8 +426,9 @@ def router(
             token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
             gc_warn_seconds=gc_warn_seconds), os.environ, config)
         fixed = list(settings.replicas)
-        listed = read_replicas_file(settings.replicas_file) if settings.replicas_file else []
-        if settings.replicas_file and not fixed + listed:
+        lines = replica_lines(settings.replicas_file) if settings.replicas_file else []
+        listed = [spec for spec, _ in lines]
+        if settings.replicas_file and not fixed + listed + [*settings.prefill_replicas, *settings.decode_replicas]:
             raise ValueError(f"replicas_file: {settings.replicas_file!r} names no replica, and no --replica is given")
         policy = make_router(settings.routing, prefill_rate=settings.prefill_rate,
                              balance_seconds=settings.balance_seconds, new_prefix=settings.new_prefix,
@@ -441,8 +442,8 @@ def router(
         clients = TokenTable.load(settings.clients_file) if settings.listen else None
         roles = {**{spec: "prefill" for spec in settings.prefill_replicas},
                  **{spec: "decode" for spec in settings.decode_replicas}}
-        replicas = [Replica(spec, replica_client(spec, token), role=roles.get(spec, "both"))
-                    for spec in fixed + [*roles] + listed]
+        replicas = [Replica(spec, replica_client(spec, token), role=role)
+                    for spec, role in [(spec, "both") for spec in fixed] + [*roles.items()] + lines]
         service = RouterService(replicas, policy, view=settings.view, load_interval=settings.load_interval,
                                 pending_seconds=settings.pending_seconds,
                                 local_prefill_tokens=settings.local_prefill_tokens)
@@ -486,9 +487,10 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
             except ValueError as exc:
                 log.error("replicas file not applied, the fleet stays as it is: %s", exc)
             else:
-                log.info("replicas file applied: %d added (%s), %d leaving once their requests answer (%s)",
+                log.info("replicas file applied: %d added (%s), %d leaving once their requests answer (%s)%s",
                          len(changed["added"]), ", ".join(changed["added"]) or "-",
-                         len(changed["leaving"]), ", ".join(changed["leaving"]) or "-")
+                         len(changed["leaving"]), ", ".join(changed["leaving"]) or "-",
+                         "".join(f"; {name} now {role}" for name, role in changed["roles"].items()))
         if clients is None:
             return
         from kvctl.daemon.server.auth import TokenFileError, TokenTable

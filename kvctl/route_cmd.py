@@ -157,17 +157,23 @@ def show_router_route(client: Client, prompt: dict, routing: list[str], as_json:
     for index in (2, 4, 5):
         table.columns[index].justify = "right"
     for row in data["replicas"]:
+        name = escape(row["replica"]) + (f" ({row['role']})" if row.get("role") else "")  # disaggregated
         if "error" in row:
-            table.add_row(escape(row["replica"]), "-", "", escape(row["error"]), "", "")
+            table.add_row(name, "-", "", escape(row["error"]), "", "")
             continue
         lower = f"{row['restorable_tokens']:,} ({row['restore_seconds']:.2f} s)" if row["restorable_tokens"] else "-"
-        table.add_row(escape(row["replica"]), row["source"], f"{row['cached_tokens']:,}/{data['prompt_tokens']:,}",
+        table.add_row(name, row["source"], f"{row['cached_tokens']:,}/{data['prompt_tokens']:,}",
                       lower, str(row["in_flight"]), f"{row['wait_seconds']:.2f} s")
     console.print(table)
     choices = compact_table("routing", "replica", "why")
     for name, chosen in data["routes"].items():
         choices.add_row(name + (" (live)" if name == live else ""), escape(chosen["replica"]), escape(chosen["reason"]))
     console.print(choices)
+    prefill = data.get("prefill")  # a router with prefill replicas (absent from an older one)
+    if prefill:
+        where = (f"at {prefill['replica']} ({prefill['reason']}), its blocks through Redis to the replica that decodes"
+                 if prefill["replica"] else prefill["reason"])
+        console.print(f"prefill: {escape(where)}", highlight=False)
 
 
 def lower_tier(answer: dict) -> str:

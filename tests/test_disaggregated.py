@@ -368,3 +368,75 @@ def test_the_decode_answer_keeps_what_it_cached_from_a_user_who_may_not_see_it(p
     assert answer.status_code == 200, answer.text
     assert "kv_transfer_params" not in answer.json()
     assert json.dumps(answer.json()["usage"]).count("cached_tokens") == 0
+
+
+def test_the_replicas_file_gives_roles_and_a_reload_changes_them(tmp_path):
+    """`prefill SPEC` / `decode SPEC` lines; a changed role takes effect on the reload; a file
+    that would leave prefill replicas with no replica that decodes changes nothing."""
+    from kvctl.daemon.server.fleet_file import FleetFile, replica_lines
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    listing = tmp_path / "replicas"
+    listing.write_text("prefill /run/p.sock  # the big-batch box\ndecode /run/d.sock\n/run/b.sock\n")
+    lines = replica_lines(str(listing))
+    assert lines == [("/run/p.sock", "prefill"), ("/run/d.sock", "decode"), ("/run/b.sock", "both")]
+    service = RouterService([Replica(spec, replica_client(spec), role=role) for spec, role in lines],
+                            make_router("prefix"), view="ask")
+    fleet = FleetFile(str(listing), fixed=set(), client=replica_client)
+
+    async def go():
+        listing.write_text("prefill /run/p.sock\nprefill /run/d.sock\n/run/b.sock\nprefill /run/p2.sock\n")
+        changed = fleet.apply(service)
+        roles = {r.name: r.role for r in service.replicas}
+        listing.write_text("prefill /run/p.sock\nprefill /run/d.sock\nprefill /run/b.sock\n")
+        with pytest.raises(ValueError) as refused:
+            fleet.apply(service)
+        listing.write_text("stage /run/p.sock\n")
+        with pytest.raises(ValueError) as bad:
+            fleet.apply(service)
+        return changed, roles, str(refused.value), str(bad.value), {r.name: r.role for r in service.replicas}
+
+    changed, roles, refused, bad, after = asyncio.run(go())
+    assert changed == {"added": ["/run/p2.sock"], "leaving": [], "roles": {"/run/d.sock": "prefill"}}
+    assert roles == {"/run/p.sock": "prefill", "/run/d.sock": "prefill", "/run/b.sock": "both",
+                     "/run/p2.sock": "prefill"}
+    assert refused == (f"replicas_file: {str(listing)!r} leaves prefill replicas with no replica that decodes (a "
+                       "decode or both line): the fleet is left as it is")
+    assert bad == (f"replicas_file: {listing}:1: expected a socket path or an http(s) URL, a role (both, prefill, "
+                   "decode) before it where given, got 'stage /run/p.sock'")
+    assert after == roles  # neither changed anything
+
+
+def test_the_router_s_what_if_says_where_the_prompt_would_be_computed(pair, capsys, monkeypatch):
+    """POST /router/route (kvctl route at the router): the decode's routes as before, each prefill
+    replica's facts, and the prefill plan: a replica and why, or why the decode replica computes it."""
+    prefill, decode = pair
+    service, app = router_of([("prefill", prefill), ("decode", decode)], local_prefill_tokens=64)
+    [long_, short] = through(app, lambda c: c.post("/router/route", json={"prompt": PROMPT}),
+                             lambda c: c.post("/router/route", json={"prompt": "Which setting?"}))
+    body = long_.json()
+    assert body["prefill"]["replica"] == "replica-prefill"
+    assert [(r["replica"], r.get("role"), r["cached_tokens"]) for r in body["replicas"]] == [
+        ("replica-prefill", "prefill", 0), ("replica-decode", "decode", 0)]
+    assert body["routes"]["prefix"]["replica"] == "replica-decode"
+    prompt_tokens = len(decode.tokenize("Which setting?"))
+    assert short.json()["prefill"] == {"replica": None,
+                                       "reason": f"local: {prompt_tokens} prompt tokens to compute at the decode "
+                                                 "replica"}
+    assert service.pd_outcomes == {} and prefill.engine.stats.prompt_tokens == 0  # nothing was sent
+
+    from kvctl.route_cmd import show_router_route
+
+    class Answering:
+        def post(self, path, asked):
+            assert path == "/router/route" and asked == {"prompt": PROMPT, "routing": ["prefix"]}
+            return body
+
+    monkeypatch.setenv("COLUMNS", "200")
+    show_router_route(Answering(), {"text": PROMPT}, ["prefix"], as_json=False)
+    printed = capsys.readouterr().out
+    assert f"prefill: at replica-prefill ({body['prefill']['reason']}), its blocks through Redis to the replica " \
+           "that decodes" in printed
+    assert [line.split()[:3] for line in printed.splitlines() if line.startswith("replica-")][:2] == [
+        ["replica-prefill", "(prefill)", "asked"], ["replica-decode", "(decode)", "asked"]]

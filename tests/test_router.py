@@ -1367,11 +1367,12 @@ def test_the_replicas_file_adds_and_takes_out_replicas_and_a_bad_one_changes_not
         return changed, names, back, str(bad.value), [r.name for r in service.replicas]
 
     changed, names, back, bad, left = asyncio.run(go())
-    assert changed == {"added": ["/run/kvd-2/kvd.sock"], "leaving": ["/run/kvd-0/kvd.sock"]}
+    assert changed == {"added": ["/run/kvd-2/kvd.sock"], "leaving": ["/run/kvd-0/kvd.sock"], "roles": {}}
     assert names == {"/run/kvd-fixed/kvd.sock": False, "/run/kvd-0/kvd.sock": True, "/run/kvd-1/kvd.sock": False,
                      "/run/kvd-2/kvd.sock": False}
-    assert back == {"added": ["/run/kvd-0/kvd.sock"], "leaving": []}
-    assert bad == (f"replicas_file: {listing}:2: expected a socket path or an http(s) URL, got 'kvd-3.sock'")
+    assert back == {"added": ["/run/kvd-0/kvd.sock"], "leaving": [], "roles": {}}
+    assert bad == (f"replicas_file: {listing}:2: expected a socket path or an http(s) URL, a role (both, prefill, "
+                   "decode) before it where given, got 'kvd-3.sock'")
     assert left == ["/run/kvd-fixed/kvd.sock"]
     with pytest.raises(ValueError, match="replica: '/run/kvd-fixed/kvd.sock' is given twice; each replica once"):
         RouterService([Replica(r.name, r.client) for r in replicas[:1]] * 2, make_router("prefix"))

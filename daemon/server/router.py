@@ -53,7 +53,6 @@ from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .router_metrics import RouterMetrics
-from .route_question import computes_whole_prompt
 from .router_service import ASK_TIMEOUT_S, ModelNotServed, Replica, RouterService
 from .usage_report import CALLER_ROLE_HEADER
 
@@ -481,30 +480,25 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         return await forward("/v1/chat/completions", http, who)
 
     async def prefill_first(path: str, body: dict, headers: dict, route_id: str, routed_at: float,
-                            unless_caller_leaves) -> tuple[dict | None, str, int]:
+                            unless_caller_leaves) -> tuple[dict | None, str | None, int]:
         """Disaggregated prefill and decode (daemon/server/kv_transfer.py): have a prefill replica
         compute the prompt (one token of output, not streamed) and write its blocks to the shared
-        Redis. Not when a replica that decodes holds all but `local_prefill_tokens` of the prompt
-        or fewer (Dynamo's conditional disaggregation: a short prompt, or a conversation's next
-        turn, costs less computed there than passed through Redis), nor for a request that scores
-        its whole prompt (echo, prompt_logprobs: the decode replica computes it all anyway).
+        Redis, unless the replica that decodes it is to compute it (RouterService.local_prefill).
 
         Returns (the kv_transfer_params the prefill's answer gives the decode, or None when the
         decode replica computes the prompt; what X-KVD-Prefill says: the prefill replica, or why
-        none; how many prefill replicas were asked). A prefill replica that refuses (429, 503),
-        cannot be reached or fails is passed over for the next: a prefill twice costs time, never a
-        wrong answer. CallerLeft when the caller leaves meanwhile."""
+        none, or None when no replica decodes the request; how many prefill replicas were asked).
+        A prefill replica that refuses (429, 503), cannot be reached or fails is passed over for
+        the next: a prefill twice costs time, never a wrong answer. CallerLeft when the caller
+        leaves meanwhile."""
         tenant = headers.get("X-KVD-Tenant")
-        if computes_whole_prompt(body):  # it scores its prompt: the decode replica computes it all anyway
-            service.pd_outcomes["local"] += 1
-            return None, "local: the request scores its whole prompt", 0
         try:
-            uncached = await unless_caller_leaves(service.uncached_at_decode(body, tenant))
-        except LookupError:  # no replica decodes it: the forward says why, as without a prefill
-            uncached = None
-        if uncached is not None and uncached <= service.local_prefill_tokens:
+            local = await unless_caller_leaves(service.local_prefill(body, tenant))
+        except LookupError:  # no replica decodes it: the forward says why, with nothing computed for it
+            return None, None, 0
+        if local is not None:
             service.pd_outcomes["local"] += 1
-            return None, f"local: {uncached} prompt tokens to compute at the decode replica", 0
+            return None, local, 0
         asked = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
         asked.update(max_tokens=1, stream=False)
         asked[TRANSFER_FIELD] = {"do_remote_decode": True}

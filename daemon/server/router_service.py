@@ -31,6 +31,7 @@ from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX_SLACK_TOKENS, ReplicaFacts, Router,
                                    facts_from_answer, make_router)
 
+from .fleet_file import ROLES
 from .fleet_pins import sync_pins
 from .gc_pauses import GcPauses
 from .replica_errors import described, kvd_json
@@ -44,7 +45,6 @@ ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left
 FORWARD_TIMEOUT_S = 600.0
 WELCOME_TIMEOUT_S = 600.0  # how long a replica that joined may take to answer ready before its pins are copied
 VIEWS = ("ask", "events")
-ROLES = ("both", "prefill", "decode")  # a replica's part in disaggregated prefill and decode
 # how a request's disaggregated prefill went: done at a prefill replica; left to the decode replica
 # (local: little to compute there, or a prompt it scores whole); or failed there or nowhere to go
 PD_OUTCOMES = ("transferred", "local", "prefill_failed", "no_prefill_replica")
@@ -376,12 +376,21 @@ class RouterService:
         """Whether prompts are computed at prefill replicas and decoded at others (router.py)."""
         return any(r.role == "prefill" for r in self.replicas)
 
-    async def uncached_at_decode(self, body: dict, tenant: str | None) -> int:
-        """The fewest prompt tokens a replica that decodes would compute of this request: its
-        prompt less what that replica holds of it in any tier. LookupError as `choose`'s."""
+    async def local_prefill(self, body: dict, tenant: str | None) -> str | None:
+        """Disaggregated: why the replica that decodes this request computes its prompt itself
+        (X-KVD-Prefill's "local: ..."), or None when a prefill replica is to. Local when a replica
+        that decodes would compute `local_prefill_tokens` of it or fewer (the prompt less what it
+        holds in any tier: a short prompt, or a conversation's next turn), as Dynamo's conditional
+        disaggregation decides, and for a request that scores its whole prompt (it is computed
+        whole where it decodes anyway). LookupError, as `choose`'s, when no replica decodes it."""
+        if computes_whole_prompt(body):
+            return "local: the request scores its whole prompt"
         live, _, _, _ = await self.weigh(body, question_of(body), tenant,
                                          {id(r) for r in self.replicas if r.role == "prefill"})
-        return min(max(tokens - facts.held_tokens, 0) for _, facts, tokens in live)
+        uncached = min(max(tokens - facts.held_tokens, 0) for _, facts, tokens in live)
+        if uncached <= self.local_prefill_tokens:
+            return f"local: {uncached} prompt tokens to compute at the decode replica"
+        return None
 
     async def choose(self, body: dict, tenant: str | None, excluded: set[int] = frozenset(),
                      phase: str = "whole") -> tuple[Replica, str]:
@@ -471,7 +480,7 @@ class RouterService:
                 row.update(asdict(facts[index]), source="view" if local[index] is not None else "asked")
             else:
                 row["error"] = ("draining" if not replica.takes_requests else replica.last_error or replica.feed_error
-                                or "serves another model")
+                                or ("did not answer" if replica.role == "prefill" else "serves another model"))
             rows.append(row)
         settings = {"prefill_rate": getattr(self.router, "prefill_rate", 20_000.0),
                     "balance_seconds": getattr(self.router, "balance_seconds", 2.0),
@@ -482,7 +491,33 @@ class RouterService:
             policy = copy.deepcopy(self.router) if name == self.router.name else make_router(name, **settings)
             chosen = policy.choose(prompt_tokens, [f for _, f, _ in live], affinity)
             routes[name] = {"replica": replicas[live[chosen.replica][0]].name, "reason": chosen.reason}
-        return {"prompt_tokens": prompt_tokens, "routing": self.router.name, "replicas": rows, "routes": routes}
+        answer = {"prompt_tokens": prompt_tokens, "routing": self.router.name, "replicas": rows, "routes": routes}
+        if self.disaggregated:
+            answer["prefill"] = await self._prefill_what_if(body, question, tenant, rows)
+        return answer
+
+    async def _prefill_what_if(self, body: dict, question: dict | None, tenant: str | None, rows: list[dict]) -> dict:
+        """Where the live policy would compute the request's prompt (the prefill replica, and
+        why), or why the replica that decodes it would; each prefill replica's row gets its facts."""
+        prefill = {id(r) for r in self.replicas if r.role != "prefill"}
+        try:
+            live, local, _, replicas = await self.weigh(body, question, tenant, prefill)
+        except LookupError as exc:
+            live, local, replicas, why = [], [], self.replicas, str(exc)
+        for index, facts, _ in live:
+            rows[index].pop("error", None)
+            rows[index].update(asdict(facts), source="view" if local[index] is not None else "asked")
+        for row, replica in zip(rows, replicas):
+            if replica.role != "both":
+                row["role"] = replica.role
+        reason = await self.local_prefill(body, tenant)
+        if reason is not None:
+            return {"replica": None, "reason": reason}
+        if not live:
+            return {"replica": None, "reason": f"none: {why}; the decode replica computes the whole prompt"}
+        chosen = copy.deepcopy(self.router).choose(max(t for _, _, t in live), [f for _, f, _ in live],
+                                                   affinity_of(question))
+        return {"replica": replicas[live[chosen.replica][0]].name, "reason": chosen.reason}
 
     def gave_up(self, routed_at: float) -> None:
         """A request no replica took in, routed (or refused) at `routed_at` (Unix time)."""
