@@ -50,7 +50,8 @@ def updated_text(d: dict) -> str:
     lines = [f"serving {d['model_path']}: revision {', '.join(r[:12] for r in revisions)} "
              f"(was {d['previous_revision'][:12]})"
              + (f", read in {seconds(d['read_seconds'])}, after {seconds(d['waited_seconds'])} waiting for running "
-                "requests" if "read_seconds" in d else "")]
+                "requests" if "read_seconds" in d else "")
+             + (" (copied into the served tensors in place: the GPU held one set)" if d.get("in_place") else "")]
     lines.append(f"cache: {d['dropped_blocks']:,} blocks of the revision before dropped from the device, "
                  f"{d['dropped_host_blocks']:,} from host memory; disk and Redis keep theirs for `kvctl evict "
                  f"--model-revision {d['previous_revision'][:12]}`")

@@ -229,8 +229,66 @@ def test_on_cuda_new_weights_are_read_onto_the_gpu_and_serve(tmp_path):
     with serving(tmp_path / "kvd", device="cuda") as (service, unix):
         before = text_of(ask(unix, ASK_A))
         tuned = tuned_copy(service.loaded.path, tmp_path / "step-1")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         body = call(unix, "POST", "/admin/weights", json={"model_path": str(tuned)}).json()
-        assert body["updated"] and body["revision"] == model_revision(tuned)
+        assert body["updated"] and body["revision"] == model_revision(tuned) and body["in_place"] is True
+        # the new weights waited in host memory: the GPU never held a second set
+        assert torch.cuda.max_memory_allocated() - base < service.loaded.model.weight_bytes() // 2
         assert service.loaded.model.layers[0].qkv.is_cuda
         after = ask(unix, ASK_A)
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and text_of(after) != before
+
+
+def served_tensors(model) -> list[torch.Tensor]:
+    from dataclasses import fields
+
+    return [*model.w.values(), *(t for layer in model.layers for f in fields(layer)
+                                 if (t := getattr(layer, f.name)) is not None)]
+
+
+def test_on_a_gpu_new_weights_are_copied_into_the_served_tensors_in_place(tmp_path, monkeypatch):
+    """IN_PLACE_DEVICES (a GPU's path, taken here on the CPU): the new weights wait in host
+    memory and the swap copies them into the tensors served, whose memory stays where it was
+    (the device never holds two sets); the tokens are a fresh kvd's on the new checkpoint."""
+    monkeypatch.setattr(weights_ops, "IN_PLACE_DEVICES", ("cuda", "cpu"))
+    with serving(tmp_path / "kvd") as (service, unix):
+        model = service.loaded.model
+        addresses = [t.data_ptr() for t in served_tensors(model)]
+        tuned = tuned_copy(service.loaded.path, tmp_path / "step-1")
+        code, out = kvctl_on(unix, ["update-weights", str(tuned), "--json"])
+        body = json.loads(out)
+        assert (body["updated"], body["in_place"], body["revision"]) == (True, True, model_revision(tuned))
+        assert service.loaded.model is model and [t.data_ptr() for t in served_tensors(model)] == addresses
+        after = ask(unix, ASK_A)
+        from kvctl.weights_cmd import updated_text
+
+        assert updated_text(body).splitlines()[0].endswith(
+            " waiting for running requests (copied into the served tensors in place: the GPU held one set)")
+    with serving(tmp_path / "fresh", model=str(tuned)) as (_, fresh):
+        assert text_of(ask(fresh, ASK_A)) == text_of(after)
+
+
+def test_staged_weights_of_another_shape_are_refused_before_anything_is_copied(tmp_path):
+    from kvctl.daemon.model.errors import ModelError
+    from kvctl.daemon.model.llama import stage_weights
+    from kvctl.daemon.model.weights import load_weights
+
+    with serving(tmp_path / "kvd") as (service, unix):
+        loaded = service.loaded
+        model = loaded.model
+        before = [t.clone() for t in served_tensors(model)]
+        tuned = tuned_copy(loaded.path, tmp_path / "step-1")
+        host = load_weights(tuned, loaded.config, model.dtype, torch.device("cpu"))
+        host["model.norm.weight"] = host["model.norm.weight"][:-1]  # the last of the staged tensors outside layers
+        staged = stage_weights(loaded.config, host, pin=False)
+        staged.layers[-1].down = staged.layers[-1].down[:, :-1]
+        with pytest.raises(ModelError) as refused:
+            model.copy_weights_in(staged)
+        hidden = loaded.config.hidden_size
+        assert str(refused.value) == (f"weights: model.norm.weight is ({hidden - 1},) in the new weights, ({hidden},) "
+                                      "served")
+        assert all(torch.equal(a, b) for a, b in zip(before, served_tensors(model)))  # nothing was copied
+        body = call(unix, "POST", "/admin/weights", json={"model_path": str(tuned)}).json()
+        assert body["in_place"] is False  # on the CPU the new tensors take the old ones' place

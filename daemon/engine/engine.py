@@ -40,7 +40,7 @@ from kvctl.policies.admission import Verdict, blocks_for_tokens, tenant_limit_re
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.tiering import PrefetchWait, RateMeter
 
-from ..model.llama import ForwardBatch, LoadedModel
+from ..model.llama import ForwardBatch, LoadedModel, StagedWeights
 from ..model.memory import caches_released, release_caches, restore_caches
 from ..model.tokenizer import first_outside_vocab
 from .logits import adjust_logits
@@ -280,12 +280,17 @@ class Engine:
         self.scale_version = scale_version
         return self._drop_unreachable()
 
-    def serve_weights(self, weights: dict[str, torch.Tensor], revision: str, path) -> tuple[int, int]:
+    def serve_weights(self, weights, revision: str, path) -> tuple[int, int]:
         """Serve other weights of the same architecture and tokenizer (daemon/server/weights_ops.py),
-        from `path`, whose revision is `revision`. The revision is in the namespace, so the blocks
-        cached under the one before become unreachable: they go now, as after new scales (returns
-        how many, device and host). Call only with nothing running."""
-        self.model.use_weights(weights)
+        from `path`, whose revision is `revision`: `weights` on the device (checkpoint names) take
+        the place of those served, or StagedWeights in host memory are copied into them in place.
+        The revision is in the namespace, so the blocks cached under the one before become
+        unreachable: they go now, as after new scales (returns how many, device and host). Call
+        only with nothing running."""
+        if isinstance(weights, StagedWeights):
+            self.model.copy_weights_in(weights)
+        else:
+            self.model.use_weights(weights)
         self.loaded.revision, self.loaded.path = revision, path
         return self._drop_unreachable()
 

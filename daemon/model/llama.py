@@ -131,6 +131,31 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
     return layers
 
 
+@dataclass
+class StagedWeights:
+    """Another checkpoint's weights of the served model, packed as the model serves them and held
+    in host memory (pinned for a GPU) until `LlamaModel.copy_weights_in` copies them into the
+    tensors served: a GPU then never holds two sets of weights (daemon/server/weights_ops.py)."""
+
+    names: dict[str, torch.Tensor]  # the tensors outside the layers (embeddings, final norm, lm_head)
+    layers: list[LayerWeights]
+
+    def nbytes(self) -> int:
+        layered = (t for layer in self.layers for t in _layer_tensors(layer))
+        return sum(t.nbytes for t in [*self.names.values(), *layered])
+
+
+def stage_weights(config: ModelConfig, weights: dict[str, torch.Tensor], pin: bool) -> StagedWeights:
+    """Pack `weights` (checkpoint names, in host memory; packing takes them out of the dict) for
+    `copy_weights_in`; `pin`: in page-locked memory, so that the copy to a GPU runs at the bus's rate."""
+    layers = pack_layers(config, weights)
+    if pin:
+        weights = {name: t.pin_memory() for name, t in weights.items()}
+        layers = [LayerWeights(**{f.name: None if (t := getattr(layer, f.name)) is None else t.pin_memory()
+                                  for f in fields(layer)}) for layer in layers]
+    return StagedWeights(weights, layers)
+
+
 def _layer_tensors(layer: LayerWeights) -> list[torch.Tensor]:
     return [t for t in (getattr(layer, f.name) for f in fields(layer)) if t is not None]
 
@@ -200,6 +225,32 @@ class LlamaModel:
         names, layers = self._host_weights
         return self.use_weights({n: t.to(self.device) for n, t in names.items()},
                                 [_layer_to(layer, self.device) for layer in layers])
+
+    def copy_weights_in(self, staged: StagedWeights) -> int:
+        """Serve `staged` from the next forward pass by copying it into the tensors served now, in
+        place (their memory, and so any address taken of it, stays): the device holds one set of
+        weights throughout. Every shape is checked before anything is copied (ModelError naming
+        the first that differs: nothing changed). Returns the bytes copied."""
+        if self.weights_released:
+            raise ModelError("weights: released while kvd sleeps; wake them before new weights are copied in")
+        pairs = [(name, self.w[name], staged.names.get(name)) for name in self.w]
+        for i, (old, new) in enumerate(zip(self.layers, staged.layers)):
+            pairs += [(f"layer {i} {f.name}", getattr(old, f.name), getattr(new, f.name)) for f in fields(old)]
+        if len(staged.layers) != len(self.layers):
+            raise ModelError(f"weights: {len(staged.layers)} layers staged, {len(self.layers)} served")
+        for name, served, new in pairs:
+            if (served is None) != (new is None) or (served is not None and served.shape != new.shape):
+                raise ModelError(f"weights: {name} is {None if new is None else tuple(new.shape)} in the new "
+                                 f"weights, {None if served is None else tuple(served.shape)} served")
+        copied = 0
+        for _, served, new in pairs:
+            if served is not None:
+                served.copy_(new, non_blocking=True)
+                copied += new.nbytes
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the staged host memory may go once this returns
+        self._host_weights, self._last_plan = None, None
+        return copied
 
     def use_weights(self, weights: dict[str, torch.Tensor], layers: list[LayerWeights] | None = None) -> int:
         """Serve `weights` from the next forward pass (checkpoint names, on this device in this

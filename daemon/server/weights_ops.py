@@ -15,12 +15,14 @@ How it goes:
      served one, else a 409 that names the difference (a restart serves another model);
   2. a quantised cache needs an applied calibration of the new revision, or allow_uncalibrated
      (unit scales), as at start;
-  3. the weights are read onto the device while kvd serves (the old and new weights are both held
-     for that long: on a GPU, update with the cache asleep, `kvctl sleep` then `kvctl wake --only
-     weights`, to have the room);
+  3. the weights are read while kvd serves. On a GPU they wait in host memory (pinned), packed as
+     the model serves them, and at the swap are copied into the tensors served, in place: the GPU
+     never holds two sets of weights, as vLLM's and SGLang's in-place loads do not either. On the
+     CPU the new tensors simply take the old ones' place (host memory holds both until then);
   4. admission pauses: running requests finish on the old weights, new ones wait in the queue;
-     with none running the engine thread swaps them in, and admission resumes. Still running
-     after `timeout` seconds: nothing changes, 409.
+     with none running the engine thread swaps them in (on a GPU, the copy: the pause is as long
+     as the bus takes to carry them, ~0.3 s for 16 GB at 50 GB/s), and admission resumes. Still
+     running after `timeout` seconds: nothing changes, 409.
 
 What changes lasts until kvd stops: a restart serves the config's `model`. Audited.
 """
@@ -33,8 +35,11 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import torch
+
 from kvctl.daemon.model.config import ModelConfig
 from kvctl.daemon.model.errors import ModelError
+from kvctl.daemon.model.llama import StagedWeights, stage_weights
 from kvctl.daemon.model.tokenizer import Tokenizer
 from kvctl.daemon.model.weights import load_weights, model_revision
 
@@ -45,13 +50,15 @@ from .fleet_admin import UPDATE_WAIT_MAX_S
 log = logging.getLogger("kvd")
 
 NOT_COMPARED = ("dtype", "eos_token_ids")  # kvd loads in its own dtype; EOS ids stay the served ones
+# devices whose new weights wait in host memory and are copied into the served tensors in place
+IN_PLACE_DEVICES = ("cuda",)
 
 
 @dataclass
 class PendingWeights:
     """New weights read, waiting for the engine thread to swap them in between steps."""
 
-    weights: dict
+    weights: dict | StagedWeights  # on the device, to take the served ones' place; or staged, to copy in
     path: Path
     revision: str
     calibration: dict | None  # the new revision's applied calibration (a quantised cache), if any
@@ -95,8 +102,8 @@ def update(service, principal: Principal, model_path: str, timeout: float = 60.0
             return {"success": True, "updated": False, "model_path": str(folder), "revision": revision,
                     "message": f"revision {revision[:12]} is the one served already; nothing changed"}
         try:
-            weights = load_weights(folder, loaded.config, loaded.model.dtype, loaded.model.device)
-        except (ModelError, OSError) as exc:
+            weights = _read(loaded, folder)
+        except (ModelError, OSError, RuntimeError) as exc:  # RuntimeError: host memory could not be pinned
             _refused(service, principal, folder, str(exc))
             raise ServiceError(400, f"model_path: {exc}", "model_path") from None
         read_seconds = time.perf_counter() - started
@@ -156,6 +163,7 @@ def apply(service, pending: PendingWeights) -> None:
         stranded = pin_ops.stranded_pins(service, space=before)
         pending.result = {
             "success": True, "updated": True, "model_path": str(pending.path), "revision": pending.revision,
+            "in_place": isinstance(pending.weights, StagedWeights),  # copied into the served tensors
             "previous_revision": previous, "dropped_blocks": dropped, "dropped_host_blocks": dropped_host,
             "stranded_pins": stranded, "scale_version": engine.scale_version or None, "until_restart": True,
             "message": f"serving revision {pending.revision[:12]} (was {previous[:12]}) until kvd restarts; "
@@ -170,6 +178,16 @@ def apply(service, pending: PendingWeights) -> None:
         service.pending_weights = None
         engine.admission_paused = False
         pending.done.set()
+
+
+def _read(loaded, folder: Path) -> dict | StagedWeights:
+    """The checkpoint's weights as the swap takes them: staged in host memory for a device of
+    IN_PLACE_DEVICES (pinned for a GPU), else on the device to take the served ones' place."""
+    model = loaded.model
+    if model.device.type not in IN_PLACE_DEVICES:
+        return load_weights(folder, loaded.config, model.dtype, model.device)
+    host = load_weights(folder, loaded.config, model.dtype, torch.device("cpu"))
+    return stage_weights(loaded.config, host, pin=model.device.type == "cuda")
 
 
 def _check_same_model(loaded, folder: Path) -> None:
