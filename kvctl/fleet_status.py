@@ -80,7 +80,8 @@ def fresh_start(status: dict) -> str | None:
         parts["before the load"] = early
     longest = max(parts.items(), key=lambda item: item[1], default=None)
     part = f" ({PHASE_NAMES.get(longest[0], longest[0])} {seconds(longest[1])} of it)" if longest else ""
-    return f"started {duration(uptime)} ago, ready {seconds(start['ready_after_seconds'])} after its process began{part}"
+    ready = seconds(start["ready_after_seconds"])
+    return f"started {duration(uptime)} ago, ready {ready} after its process began{part}"
 
 
 def _view(book: dict) -> Text:
@@ -94,6 +95,10 @@ def _view(book: dict) -> Text:
     return Text("asks (feed down)" if view.get("feed_error") else "asks (syncing)", style="yellow")
 
 
+def prompts(count: int) -> str:
+    return f"{count:,} prompt" + ("" if count == 1 else "s")
+
+
 def disaggregated_line(books: list[dict], outcomes: dict) -> Text:
     """Which replicas compute prompts and which decode, and how the requests' prefills went."""
     roles: dict[str, list[str]] = {}
@@ -104,7 +109,7 @@ def disaggregated_line(books: list[dict], outcomes: dict) -> Text:
     failed = outcomes.get("prefill_failed", 0) + outcomes.get("no_prefill_replica", 0)
     local = outcomes.get("local", 0)
     return Text.assemble(
-        "disaggregated prefill and decode: ", where, f"; {outcomes.get('transferred', 0):,} prompts passed through "
+        "disaggregated prefill and decode: ", where, f"; {prompts(outcomes.get('transferred', 0))} passed through "
         "Redis", f", {local:,} computed where they decoded (little to compute there)" if local else "",
         (f", {failed:,} computed whole where they decoded: no prefill replica did them (kvd router's log says why)",
          "yellow") if failed else "")

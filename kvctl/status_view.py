@@ -17,7 +17,7 @@ from rich.text import Text
 from kvctl.daemon.server.block_map import BLOCK_STATES, fold_block_map
 
 from .command_kit import client_for, emit, redraw
-from .fleet_status import PHASE_NAMES, before_load, is_fleet, render_fleet_status, store_trouble
+from .fleet_status import PHASE_NAMES, before_load, is_fleet, prompts, render_fleet_status, store_trouble
 from .gc_status import gc_line
 from .gpu_status import gpu_label, gpu_line
 from .tables import duration, seconds, size, when
@@ -56,11 +56,11 @@ def transfer_line(counts: dict) -> str:
     """What kvd passed through Redis as a prefill replica and took as a decode one (kv_transfer.py)."""
     parts = []
     if counts.get("prefills"):
-        parts.append(f"computed {counts['prefills']:,} prompts for decode replicas "
+        parts.append(f"computed {prompts(counts['prefills'])} for decode replicas "
                      f"({counts.get('published_blocks', 0):,} blocks written to Redis, "
                      f"{seconds(counts.get('publish_seconds', 0.0) / counts['prefills'])} a prompt)")
     if counts.get("decodes"):
-        parts.append(f"decoded {counts['decodes']:,} prompts after a prefill replica "
+        parts.append(f"decoded {prompts(counts['decodes'])} after a prefill replica "
                      f"({counts.get('fetched_blocks', 0):,} blocks read from Redis, "
                      f"{seconds(counts.get('fetch_seconds', 0.0) / counts['decodes'])} a prompt)")
     return "; ".join(parts) or "none"

@@ -66,7 +66,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 23
+    assert len(names) == len(set(names)) == 24
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -235,3 +235,38 @@ def test_prometheus_loads_the_rules_and_scrapes_the_jobs_they_name():
     assert prometheus["rule_files"] == [RULES.name]
     named = set(re.findall(r'job="([^"]+)"', " ".join(rule["expr"] for rule in rules())))
     assert named == {job["job_name"] for job in prometheus["scrape_configs"]} == {KVD["job"], ROUTER["job"]}
+
+
+def test_the_router_rule_fires_when_decode_replicas_compute_whole_prompts(tmp_path):
+    """A prefill replica without Redis refuses the transfer (409): the decode replica computes the
+    whole prompt, and KvdRouterPrefillFailing names the outcome."""
+    import asyncio
+
+    import httpx
+
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    services = [start_service(tmp_path / name, num_blocks=64) for name in ("prefill", "decode")]
+    try:
+        replicas = [Replica(f"replica-{role}", replica_client(f"/run/{role}.sock", transport=httpx.ASGITransport(
+            app=create_app(s, s.metrics, front="unix"))), role=role)
+            for role, s in zip(("prefill", "decode"), services)]
+        router = RouterService(replicas, make_router("prefix"), view="ask", local_prefill_tokens=0)
+        app = create_router_app(router)
+
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+                healthy = samples((await client.get("/metrics")).text, **ROUTER)
+                answer = await client.post("/v1/completions", json={"prompt": "fleet " * 60, "max_tokens": 2})
+                assert answer.status_code == 200 and answer.headers["x-kvd-prefill"].startswith("none: ")
+                return healthy, samples((await client.get("/metrics")).text, **ROUTER)
+
+        healthy, failed = asyncio.run(go())
+        assert fired(Scrapes(healthy | up(1, ROUTER), healthy | up(1, ROUTER))) == {}
+        assert fired(Scrapes(healthy | up(1, ROUTER), failed | up(1, ROUTER))) == {
+            "KvdRouterPrefillFailing": series(ROUTER, 1.0, outcome="prefill_failed")}
+    finally:
+        for service in services:
+            service.shutdown(deadline=2)

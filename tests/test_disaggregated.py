@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import signal
 
 import pytest
 
@@ -440,3 +441,67 @@ def test_the_router_s_what_if_says_where_the_prompt_would_be_computed(pair, caps
            "that decodes" in printed
     assert [line.split()[:3] for line in printed.splitlines() if line.startswith("replica-")][:2] == [
         ["replica-prefill", "(prefill)", "asked"], ["replica-decode", "(decode)", "asked"]]
+
+
+def test_kvd_router_prefill_and_decode_processes_end_to_end(tmp_path, redis_server):
+    """The real processes: two `kvd serve` on one Redis behind `kvd router --prefill --decode`;
+    the answer's tokens are those of the decode kvd computing the prompt itself, and `kvctl
+    status` at the router and at each kvd says what passed through Redis."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from .kvd_process import running_kvd
+
+    bin_ = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")} | {"COLUMNS": "200"}
+    redis = ["--remote-url", redis_server.url, "--num-blocks", "128"]
+    for name in ("p", "d"):
+        (tmp_path / name).mkdir()
+    with running_kvd(tmp_path / "p", *redis) as (_, client_p, sock_p), \
+            running_kvd(tmp_path / "d", *redis) as (_, client_d, sock_d):
+        front = tmp_path / "router.sock"
+        router = subprocess.Popen([str(bin_ / "kvd"), "router", "--prefill", str(sock_p), "--decode", str(sock_d),
+                                   "--local-prefill-tokens", "32", "--socket", str(front), "--log-level", "warning"],
+                                  env=env, stdout=open(tmp_path / "router.log", "ab"), stderr=subprocess.STDOUT)
+        client = httpx.Client(base_url="http://router", transport=httpx.HTTPTransport(uds=str(front)), timeout=60)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                assert router.poll() is None and time.monotonic() < deadline, (tmp_path / "router.log").read_text()
+                try:
+                    if client.get("/readyz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            answer = client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY})
+            assert answer.status_code == 200, answer.text
+            assert (answer.headers["x-kvd-prefill"], answer.headers["x-kvd-replica"]) == (str(sock_p), str(sock_d))
+            ids = client_d.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+            blocks = (len(ids) - 1) // BLOCK
+            assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * BLOCK
+            # the decode kvd computing the prompt itself (another tenant: nothing of it cached) answers the same
+            alone = client_d.post("/v1/completions", headers={"X-KVD-Tenant": "solo"},
+                                  json={"prompt": PROMPT, **GREEDY}).json()
+            assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert answer.json()["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+
+            def kvctl(sock):
+                shown = subprocess.run([str(bin_ / "kvctl"), "--socket", str(sock), "status"], env=env,
+                                       capture_output=True, text=True, timeout=60)
+                assert shown.returncode == 0, shown.stderr
+                return " ".join(shown.stdout.split())
+
+            assert (f"disaggregated prefill and decode: prefill at {sock_p}; decode at {sock_d}; 1 prompt passed "
+                    "through Redis") in kvctl(front)
+            assert f"kv transfer computed 1 prompt for decode replicas ({blocks} blocks written to Redis, " in \
+                kvctl(sock_p)
+            assert f"kv transfer decoded 1 prompt after a prefill replica ({blocks} blocks read from Redis, " in \
+                kvctl(sock_d)
+        finally:
+            client.close()
+            router.send_signal(signal.SIGTERM)
+            assert router.wait(30) == 0
