@@ -140,19 +140,18 @@ class StagedWeights:
     names: dict[str, torch.Tensor]  # the tensors outside the layers (embeddings, final norm, lm_head)
     layers: list[LayerWeights]
 
-    def nbytes(self) -> int:
-        layered = (t for layer in self.layers for t in _layer_tensors(layer))
-        return sum(t.nbytes for t in [*self.names.values(), *layered])
-
 
 def stage_weights(config: ModelConfig, weights: dict[str, torch.Tensor], pin: bool) -> StagedWeights:
     """Pack `weights` (checkpoint names, in host memory; packing takes them out of the dict) for
     `copy_weights_in`; `pin`: in page-locked memory, so that the copy to a GPU runs at the bus's rate."""
     layers = pack_layers(config, weights)
-    if pin:
-        weights = {name: t.pin_memory() for name, t in weights.items()}
-        layers = [LayerWeights(**{f.name: None if (t := getattr(layer, f.name)) is None else t.pin_memory()
-                                  for f in fields(layer)}) for layer in layers]
+    if pin:  # a tensor at a time, each pageable copy dropped as its pinned one takes its place
+        for name in list(weights):
+            weights[name] = weights[name].pin_memory()
+        for layer in layers:
+            for f in fields(layer):
+                if (t := getattr(layer, f.name)) is not None:
+                    setattr(layer, f.name, t.pin_memory())
     return StagedWeights(weights, layers)
 
 
@@ -233,11 +232,11 @@ class LlamaModel:
         the first that differs: nothing changed). Returns the bytes copied."""
         if self.weights_released:
             raise ModelError("weights: released while kvd sleeps; wake them before new weights are copied in")
+        if len(staged.layers) != len(self.layers):
+            raise ModelError(f"weights: {len(staged.layers)} layers staged, {len(self.layers)} served")
         pairs = [(name, self.w[name], staged.names.get(name)) for name in self.w]
         for i, (old, new) in enumerate(zip(self.layers, staged.layers)):
             pairs += [(f"layer {i} {f.name}", getattr(old, f.name), getattr(new, f.name)) for f in fields(old)]
-        if len(staged.layers) != len(self.layers):
-            raise ModelError(f"weights: {len(staged.layers)} layers staged, {len(self.layers)} served")
         for name, served, new in pairs:
             if (served is None) != (new is None) or (served is not None and served.shape != new.shape):
                 raise ModelError(f"weights: {name} is {None if new is None else tuple(new.shape)} in the new "

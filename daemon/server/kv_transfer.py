@@ -1,6 +1,6 @@
 """Disaggregated prefill and decode: one kvd computes a prompt's KV cache, another generates from
 it, the blocks passed between them through the shared Redis tier. kvd router does this for every
-completion when it has --prefill and --decode replicas (router.py, `pd_forward`); any admin
+completion when it has --prefill and --decode replicas (router.py, `prefill_first`); any admin
 caller can too, with vLLM's request field for it, `kv_transfer_params`:
 
   at the prefill kvd, {"kv_transfer_params": {"do_remote_decode": true}} (and max_tokens 1,
@@ -26,7 +26,6 @@ says how much of a prompt Redis holds. Neither side logs prompt text or token id
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
@@ -36,8 +35,6 @@ from kvctl.daemon.cache import PrefixHasher
 from kvctl.daemon.cache.tiers import BlockMeta
 
 from .calls import ServiceError
-
-log = logging.getLogger("kvd")
 
 FIELD = "kv_transfer_params"
 FETCH_TIMEOUT_S = 30.0  # a decode waits this long at most for its prompt's blocks from Redis

@@ -92,6 +92,18 @@ from .service import EngineService
 
 
 
+# disaggregated prefill and decode (kv_transfer.py): (family, help, label, ((label value, TransferBook key), ...))
+TRANSFER_FAMILIES = (
+    ("kvd_kv_transfer_requests", "Prompts of disaggregated requests: prefill (computed here for a decode kvd) or "
+     "decode (decoded here after a prefill kvd)", "side", (("prefill", "prefills"), ("decode", "decodes"))),
+    ("kvd_kv_transfer_blocks", "Blocks of disaggregated requests' prompts written to Redis for a decode kvd "
+     "(published) or read from it for a decode here (fetched)", "direction",
+     (("published", "published_blocks"), ("fetched", "fetched_blocks"))),
+    ("kvd_kv_transfer_seconds", "Time disaggregated requests' prompts took to write to Redis (prefill) or to read "
+     "from it onto the device (decode), summed", "side", (("prefill", "publish_seconds"), ("decode", "fetch_seconds"))),
+)
+
+
 class _EngineCollector:
     def __init__(self, service: EngineService) -> None:
         self.service = service
@@ -156,24 +168,11 @@ class _EngineCollector:
         yield evicted
         asleep = self.service.asleep
         transfers = self.service.kv_transfers.snapshot()
-        sides = CounterMetricFamily("kvd_kv_transfer_requests", "Prompts of disaggregated requests: prefill (computed "
-                                    "here for a decode kvd) or decode (decoded here after a prefill kvd)",
-                                    labels=["side"])
-        sides.add_metric(["prefill"], transfers.get("prefills", 0))
-        sides.add_metric(["decode"], transfers.get("decodes", 0))
-        yield sides
-        moved = CounterMetricFamily("kvd_kv_transfer_blocks", "Blocks of disaggregated requests' prompts written to "
-                                    "Redis for a decode kvd (published) or read from it for a decode here (fetched)",
-                                    labels=["direction"])
-        moved.add_metric(["published"], transfers.get("published_blocks", 0))
-        moved.add_metric(["fetched"], transfers.get("fetched_blocks", 0))
-        yield moved
-        took = CounterMetricFamily("kvd_kv_transfer_seconds", "Time disaggregated requests' prompts took to write "
-                                   "to Redis (prefill) or to read from it onto the device (decode), summed",
-                                   labels=["side"])
-        took.add_metric(["prefill"], transfers.get("publish_seconds", 0.0))
-        took.add_metric(["decode"], transfers.get("fetch_seconds", 0.0))
-        yield took
+        for name, text, label, values in TRANSFER_FAMILIES:
+            family = CounterMetricFamily(name, text, labels=[label])
+            for value, key in values:
+                family.add_metric([value], transfers.get(key, 0))
+            yield family
         yield GaugeMetricFamily("kvd_sleep_level", "0 while awake; 1 or 2 while asleep at that level (the cache's "
                                 "memory given back; at 2 the weights too)", value=0 if asleep is None else asleep.level)
         prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",

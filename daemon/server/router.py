@@ -58,8 +58,9 @@ from .usage_report import CALLER_ROLE_HEADER
 
 log = logging.getLogger("kvd.router")
 
-# disaggregated prefill and decode (prefill_first): vLLM's request field for a KV transfer, and the
-# fields the prefill's request leaves out (it makes one token, not streamed, for no one to read)
+# disaggregated prefill and decode (prefill_first): vLLM's request field for a KV transfer (kv_transfer.FIELD,
+# not imported: the router imports no torch), and the fields the prefill's request leaves out (it makes
+# one token, not streamed, for no one to read)
 TRANSFER_FIELD = "kv_transfer_params"
 PREFILL_DROPPED = ("stream_options", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens", "n",
                    "best_of", "max_completion_tokens", TRANSFER_FIELD)
@@ -657,12 +658,12 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         answer_headers = {"X-KVD-Replica": replica.name}
         if who.role == "admin" or replica.tells_users_cached_tokens:  # the reason may name its cached tokens
             answer_headers["X-KVD-Route"] = reason
+            if prefilled is not None:  # and so may why no prefill replica computed the prompt ("local: N ...")
+                answer_headers["X-KVD-Prefill"] = prefilled
         if "x-kvd-request-id" in upstream.headers:  # the replica's ids: kvctl requests / cancel there
             answer_headers["X-KVD-Request-Id"] = upstream.headers["x-kvd-request-id"]
         if tried:
             answer_headers["X-KVD-Tried"] = "; ".join(tried)
-        if prefilled is not None:
-            answer_headers["X-KVD-Prefill"] = prefilled
         media = upstream.headers.get("content-type", "application/json")
 
         def failed_mid_answer(exc: Exception, events: int) -> str:

@@ -376,6 +376,11 @@ class RouterService:
         """Whether prompts are computed at prefill replicas and decoded at others (router.py)."""
         return any(r.role == "prefill" for r in self.replicas)
 
+    def not_for(self, phase: str) -> set[int]:
+        """The id()s of the replicas whose role is not for `phase`: "prefill" is for prefill
+        replicas alone; "whole" (a request, or its decode) for the others."""
+        return {id(r) for r in self.replicas if (r.role == "prefill") != (phase == "prefill")}
+
     async def local_prefill(self, body: dict, tenant: str | None) -> str | None:
         """Disaggregated: why the replica that decodes this request computes its prompt itself
         (X-KVD-Prefill's "local: ..."), or None when a prefill replica is to. Local when a replica
@@ -385,8 +390,7 @@ class RouterService:
         whole where it decodes anyway). LookupError, as `choose`'s, when no replica decodes it."""
         if computes_whole_prompt(body):
             return "local: the request scores its whole prompt"
-        live, _, _, _ = await self.weigh(body, question_of(body), tenant,
-                                         {id(r) for r in self.replicas if r.role == "prefill"})
+        live, _, _, _ = await self.weigh(body, question_of(body), tenant, self.not_for("whole"))
         uncached = min(max(tokens - facts.held_tokens, 0) for _, facts, tokens in live)
         if uncached <= self.local_prefill_tokens:
             return f"local: {uncached} prompt tokens to compute at the decode replica"
@@ -399,7 +403,7 @@ class RouterService:
         prefill replicas alone; "whole", a request or its decode: the others). LookupError when
         none can take it."""
         started = time.perf_counter()
-        excluded = set(excluded) | {id(r) for r in self.replicas if (r.role == "prefill") != (phase == "prefill")}
+        excluded = set(excluded) | self.not_for(phase)
         try:
             return await self._choose(body, tenant, excluded)
         finally:
@@ -467,8 +471,7 @@ class RouterService:
         facts as the router sees them (from its view, or asked): nothing is sent, and the live
         policy's own books are not touched (it decides on a copy)."""
         question = question_of(body)
-        live, local, _, replicas = await self.weigh(body, question, tenant,
-                                                    {id(r) for r in self.replicas if r.role == "prefill"})
+        live, local, _, replicas = await self.weigh(body, question, tenant, self.not_for("whole"))
         live = reusing(body, live)
         affinity = affinity_of(question)
         prompt_tokens = max(tokens for _, _, tokens in live)
@@ -499,9 +502,8 @@ class RouterService:
     async def _prefill_what_if(self, body: dict, question: dict | None, tenant: str | None, rows: list[dict]) -> dict:
         """Where the live policy would compute the request's prompt (the prefill replica, and
         why), or why the replica that decodes it would; each prefill replica's row gets its facts."""
-        prefill = {id(r) for r in self.replicas if r.role != "prefill"}
         try:
-            live, local, _, replicas = await self.weigh(body, question, tenant, prefill)
+            live, local, _, replicas = await self.weigh(body, question, tenant, self.not_for("prefill"))
         except LookupError as exc:
             live, local, replicas, why = [], [], self.replicas, str(exc)
         for index, facts, _ in live:
