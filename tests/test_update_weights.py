@@ -196,7 +196,7 @@ def test_update_weights_at_the_router_updates_every_replica(tmp_path):
 def test_kvctl_update_weights_says_what_changed(tmp_path):
     with serving(tmp_path / "kvd") as (service, unix):
         ask(unix, ASK_A)
-        previous = service.loaded.revision
+        previous, original = service.loaded.revision, service.loaded.path
         tuned = tuned_copy(service.loaded.path, tmp_path / "step-1")
         code, out = kvctl_on(unix, ["update-weights", str(tuned)])
         lines = out.splitlines()
@@ -213,6 +213,12 @@ def test_kvctl_update_weights_says_what_changed(tmp_path):
         assert re.search(rf"weights from {re.escape(str(tuned))} \(revision {model_revision(tuned)[:12]}\) since "
                          r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d, by unix-socket: a restart serves the demo checkpoint again "
                          r"\(set model in the config to keep them\)", words)
+        # back to the config's own weights: what a restart serves, so the row goes
+        code, out = kvctl_on(unix, ["update-weights", str(original)])
+        assert code == 0, out
+        assert call(unix, "GET", "/admin/status").json()["weights_updated"] is None
+        code, out = kvctl_on(unix, ["status"])
+        assert "a restart serves" not in " ".join(out.split())
 
 
 def test_weights_ops_compares_every_field_of_the_model_config_but_the_dtype_and_eos():

@@ -136,8 +136,11 @@ def update(service, principal: Principal, model_path: str, timeout: float = 60.0
         if pending.error is not None:
             raise pending.error
     body = {**pending.result, "read_seconds": read_seconds, "waited_seconds": time.perf_counter() - waiting}
-    service.weights_updated = {"model_path": body["model_path"], "revision": body["revision"], "at": time.time(),
-                               "by": principal.actor, "config_model": service.config.model or None}
+    # the revision a restart serves (the config's model): the one before the first update
+    config_revision = (service.weights_updated or {}).get("config_revision", body["previous_revision"])
+    service.weights_updated = None if body["revision"] == config_revision else {
+        "model_path": body["model_path"], "revision": body["revision"], "at": time.time(), "by": principal.actor,
+        "config_model": service.config.model or None, "config_revision": config_revision}
     service.store.audit(actor=principal.actor, tenant=principal.tenant, action="weights.update",
                         target=f"model:{body['previous_revision'][:12]}", result="ok",
                         detail={k: body[k] for k in ("model_path", "revision", "previous_revision", "dropped_blocks",
