@@ -94,6 +94,10 @@ def serve(
         None, help="Prompts with at most this many tokens left get a step of their own ahead of the "
                    "decodes (0: never; auto: 64 on a CPU, 0 on a GPU)."),
     max_running: Optional[int] = typer.Option(None, help="Sequences in a batch at most."),
+    speculative_config: Optional[str] = typer.Option(
+        None, help="Speculative decoding by prompt lookup, as vLLM's: '{\"method\": \"ngram\", "
+                   "\"num_speculative_tokens\": 4}' (also prompt_lookup_max, prompt_lookup_min, "
+                   "disable_by_batch_size). Greedy requests only; the replies do not change."),
     max_queue: Optional[int] = typer.Option(None, help="Waiting requests before 429."),
     max_tenant_requests: Optional[int] = typer.Option(
         None, help="One tenant's requests in flight (waiting and running) at most; 429 beyond. Default: no limit."),
@@ -188,6 +192,7 @@ def serve(
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
+                   speculative_config=speculative_config,
                    max_queue=max_queue, max_tenant_requests=max_tenant_requests,
                    tenant_request_limits=tenant_request_limits,
                    max_request_bytes=max_request_bytes, reservation=reservation,
@@ -227,7 +232,7 @@ SERVE_HELP_PANELS = {
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",
                            "quick_prefill_tokens",
-                           "max_running", "reservation", "eviction", "pin_budget_blocks"),
+                           "max_running", "speculative_config", "reservation", "eviction", "pin_budget_blocks"),
     "Admission and tenants": ("max_queue", "max_tenant_requests", "tenant_request_limits", "queue_order",
                               "tenant_priorities", "tenant_cache_shares", "report_cached_tokens"),
     "Quantised cache formats": ("cache_dtype", "keep_layers_unquantised", "allow_uncalibrated"),

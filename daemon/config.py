@@ -24,6 +24,7 @@ from kvctl.daemon.server.reasoning import REASONING_PARSERS
 from kvctl.daemon.server.tool_calls import TOOL_CALL_PARSERS
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
+from kvctl.policies.speculation import NgramSpeculation, parse_speculation
 from kvctl.policies.tenant_map import named_values, parse_tenant_map, priority_of
 from kvctl.policies.tenant_shares import parse_shares
 from kvctl.policies.tiering import PREFETCH_POLICIES, TIER_CODECS, WRITE_POLICIES
@@ -88,6 +89,25 @@ def template_kwargs(value: Any) -> str | None:
         raise ValueError("must be a mapping (YAML) or a JSON object of names the chat template reads, e.g. "
                          "'{\"enable_thinking\": false}'")
     return json.dumps(dict(value), sort_keys=True) if value else None
+
+
+def speculative_config(value: Any) -> str | None:
+    """speculative_config as canonical JSON text with every key (None: off): a YAML mapping, or a
+    JSON object from --speculative-config or KVD_SPECULATIVE_CONFIG, as vLLM takes it
+    ('{"method": "ngram", "num_speculative_tokens": 4}'); each key checked (policies/speculation.py)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() and value.strip() != "none" else None
+        except ValueError:
+            raise ValueError("must be a JSON object such as '{\"method\": \"ngram\", "
+                             "\"num_speculative_tokens\": 4}'") from None
+    spec = parse_speculation(value)
+    return None if spec is None else json.dumps(spec.describe(), sort_keys=True)
+
+
+def speculation_of(text: str | None) -> NgramSpeculation | None:
+    """The engine's speculation from the config's canonical text."""
+    return None if text is None else parse_speculation(json.loads(text))
 
 
 def whole_number(value: Any) -> int:
@@ -227,6 +247,10 @@ class KvdConfig:
     # LoRA adapters in one batch at most (vLLM's --max-loras, SGLang's --max-loras-per-batch): each
     # adds its own small GEMMs to every step; None: no limit
     max_loras: int | None = None
+    # speculative decoding by prompt lookup (vLLM's --speculative-config, method ngram), as canonical
+    # JSON text ({"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+    # "disable_by_batch_size"}; YAML: a mapping); None: off. Greedy requests only (engine/speculative.py)
+    speculative_config: str | None = None
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation
     allow_uncalibrated: bool = False  # serve a quantised cache with unit scales (loudly)
@@ -315,7 +339,7 @@ _PARSERS = {
     "gc_freeze": on_or_off, "gc_warn_seconds": finite_number,
     "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "lora_runtime_updates": on_or_off,
     "tenant_cache_shares": parse_shares,
-    "chat_template_kwargs": template_kwargs,
+    "chat_template_kwargs": template_kwargs, "speculative_config": speculative_config,
     "tenant_priorities": lambda v: parse_tenant_map(v, priority_of, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
     "lora_modules": parse_lora_modules,

@@ -18,6 +18,7 @@ from . import ops, records_cmd, status_view
 from .bench_kernels import kernels_command
 from .bench_replay import replay_command
 from .bench_serve import serve_command
+from .bench_speculation import speculation_command
 from .bench_tiers import tiers_command as tiers_bench_command
 from .calibrate_cmd import calibrate_command
 from .capacity_cmd import capacity_command
@@ -45,6 +46,7 @@ bench.command("replay")(replay_command)
 bench.command("kernels")(kernels_command)
 bench.command("serve")(serve_command)
 bench.command("tiers")(tiers_bench_command)
+bench.command("speculation")(speculation_command)
 for _command in (status_view.status, ops.prefixes, ops.pin, ops.pins, ops.unpin, ops.evict, ops.explain, ops.audit):
     app.command(_command.__name__)(_command)
 app.add_typer(ops.config_app, name="config")

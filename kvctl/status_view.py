@@ -66,6 +66,20 @@ def transfer_line(counts: dict) -> str:
     return "; ".join(parts) or "none"
 
 
+def speculation_line(spec: dict) -> str:
+    """Speculative decoding's config and what it gave (engine/speculative.py), in one line."""
+    config = spec.get("config")
+    said = "off" if config is None else (
+        f"ngram, up to {config['num_speculative_tokens']} draft tokens after a {config['prompt_lookup_min']}"
+        f"-{config['prompt_lookup_max']} token match"
+        + ("" if config.get("disable_by_batch_size") is None
+           else f", none while over {config['disable_by_batch_size']} sequences run"))
+    if not spec.get("drafts"):
+        return said + ("" if config is None else "; no draft yet")
+    return (f"{said}; {spec['accepted_tokens']:,} of {spec['draft_tokens']:,} drafted tokens kept "
+            f"({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} tokens a step where a draft ran")
+
+
 def render_status(data: dict, console: Console | None = None):
     if is_fleet(data):  # pointed at kvd router: a row per replica
         return render_fleet_status(data, console)
@@ -120,6 +134,9 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("prefix hits", f"{tokens['hit']:,} of {tokens['prompt']:,} prompt tokens "
                                  f"({tokens['hit_ratio']:.1%})")
     facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")
+    spec = data.get("speculation")  # absent from an older kvd
+    if spec and (spec.get("config") or spec.get("drafts")):
+        facts.add_row("speculation", speculation_line(spec))
     if data.get("tiers"):
         facts.add_row("restored", f"{tokens.get('restored', 0):,} prompt tokens from lower tiers (part of the hits)")
         facts.add_row("tiers", "  ".join(

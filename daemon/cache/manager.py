@@ -9,6 +9,9 @@ moves the data. A sequence's life::
                             fill reserved blocks (then new ones); full blocks are
                             indexed under their chain keys; a shared partial block
                             is copied first and the (src, dst) pair returned
+    append_draft(n) / drop_draft()
+                            a speculative draft's slots at the tail, never indexed,
+                            taken back whole once the model has judged it
     fork()                  share every block with a child (n > 1 sampling, beams)
     release()               the one release path: tail blocks first, idempotent
 
@@ -52,6 +55,8 @@ class SequenceState:
     hit_tokens: int = 0  # prompt tokens served from the cache at admission
     prompt_tokens: int = 0  # prompt length at admission
     priority: int = 0  # the engine's (higher first): the `priority` eviction policy keeps its blocks longer
+    draft: int = 0  # tokens at its tail written as a speculative draft (append_draft), not indexed
+    draft_borrowed: int = 0  # free blocks the draft took beyond the sequence's reservation
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,6 +328,8 @@ class KVCacheManager:
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """`append` for tokens given by id (decode); their full blocks get chain keys."""
         seq = self.sequence(seq_id)
+        if seq.draft:
+            raise InvalidRequest(f"request {seq_id}: {seq.draft} draft tokens at its tail; drop_draft() first")
         if seq.hasher is None:
             raise InvalidRequest(f"request {seq_id}: admitted by keys, so append_tokens cannot hash "
                                  "its tokens; use append() with keys")
@@ -334,6 +341,54 @@ class KVCacheManager:
         copies = self.append(seq_id, len(token_ids), keys)
         seq.hasher = hasher
         return copies
+
+    def append_draft(self, seq_id: str, num_tokens: int) -> list[tuple[int, int]]:
+        """Slots for `num_tokens` speculative tokens after the sequence's last: the model writes
+        their K/V while it checks them, and `drop_draft` takes them all back before the accepted
+        ones are appended again by id (into the same slots, so what the model wrote there stays).
+
+        A draft is a guess: it takes the sequence's reservation and free blocks, never a cached
+        block (CacheFull, with nothing changed, where those do not cover it). Its blocks are not
+        indexed, so no other request can match a token the model has not accepted."""
+        seq = self.sequence(seq_id)
+        if seq.draft:
+            raise InvalidRequest(f"request {seq_id}: already holds a draft of {seq.draft} tokens")
+        if not isinstance(num_tokens, int) or num_tokens < 1:
+            raise InvalidRequest(f"request {seq_id}: draft num_tokens must be >= 1, got {num_tokens!r}")
+        size, pool = self.block_size, self.pool
+        grow = -(-(seq.num_tokens + num_tokens) // size) - len(seq.table)
+        tail_shared = seq.num_tokens % size != 0 and pool.blocks[seq.table[-1]].ref_count > 1
+        borrowed = max(0, grow + tail_shared - len(seq.reserve))
+        if borrowed > pool.num_free:
+            raise CacheFull(seq_id, borrowed, pool.num_free, self.num_blocks)
+        known = len(seq.keys)
+        copies = self.append(seq_id, num_tokens)
+        assert len(seq.keys) == known  # nothing of a draft is indexed
+        seq.draft, seq.draft_borrowed = num_tokens, borrowed
+        return copies
+
+    def drop_draft(self, seq_id: str) -> int:
+        """Take back the sequence's draft slots (see `append_draft`); returns the tokens dropped.
+
+        Blocks the draft alone filled go back on top of the reservation, in table order, so that
+        appending the accepted tokens takes the same blocks again; those it borrowed from the
+        free list beyond the reservation go back there."""
+        seq = self.sequence(seq_id)
+        dropped = seq.draft
+        if not dropped:
+            return 0
+        seq.num_tokens -= dropped
+        keep = -(-seq.num_tokens // self.block_size)
+        surplus = seq.table[keep:]
+        del seq.table[keep:]
+        seq.reserve.extend(reversed(surplus))  # the top of the stack is handed out first
+        borrowed = min(seq.draft_borrowed, len(seq.reserve))
+        if borrowed:
+            self.pool.release(seq.reserve[:borrowed], self._clock())
+            del seq.reserve[:borrowed]
+        self.num_reserved += len(surplus) - borrowed
+        seq.draft = seq.draft_borrowed = 0
+        return dropped
 
     def fork(self, parent_id: str, child_id: str, reserve_tokens: int = 0) -> Admission:
         """A child sequence sharing every block of its parent (ref counts +1).

@@ -15,6 +15,10 @@ Each `step()`:
    keeping its output, and later recomputes it (with prefix hits) before continuing;
 4. runs the model once over the batch and samples where a prompt completed or a decode ran.
 
+With `speculation` (speculative.py), a greedy decode also carries a draft of the tokens that
+followed its latest words earlier in its context; the step keeps the draft's run the model
+agrees with and one token more, so a repetitive reply takes fewer steps.
+
 Sampling randomness depends only on (seed, sample index, step), so preemption, chunking and
 prefix hits never change the tokens a request gets.
 """
@@ -38,6 +42,7 @@ from kvctl.daemon.cache.events import EventLog
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
 from kvctl.policies.admission import Verdict, blocks_for_tokens, tenant_limit_reason
 from kvctl.policies.reservation import parse_reservation
+from kvctl.policies.speculation import NgramSpeculation
 from kvctl.policies.tiering import PrefetchWait, RateMeter
 
 from ..model.llama import ForwardBatch, LoadedModel, StagedWeights
@@ -46,6 +51,7 @@ from ..model.tokenizer import first_outside_vocab
 from .logits import adjust_logits
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
 from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
+from .speculative import Speculator
 from .structured import GrammarVocabulary
 
 log = logging.getLogger("kvd.engine")
@@ -90,6 +96,8 @@ class EngineSettings:
     # the longest context served (prompt + max_tokens), below the model's own limit (vLLM's
     # --max-model-len); None: the model's. A chat that leaves max_tokens out reserves up to it.
     max_model_len: int | None = None
+    # speculative decoding by prompt lookup (vLLM's speculative_config, method ngram); None: off
+    speculation: NgramSpeculation | None = None
 
 
 def prefetch_wait(settings: EngineSettings) -> PrefetchWait:
@@ -185,6 +193,7 @@ class Engine:
         self.lora_turn_waiters: set[str] = set()
         self.tiers = None  # a TieredCache once attach_tiers() is called
         self.prefetch = prefetch_wait(settings)
+        self.speculator = Speculator(settings.speculation)  # drafts when settings.speculation is set
 
     def attach_tiers(self, tiers) -> None:
         """Demote evicted blocks into `tiers` and restore prefixes from them (see daemon.cache.tiers)."""
@@ -809,6 +818,14 @@ class Engine:
                 chunk = min(seq.prefill_target - seq.num_computed, budget)
                 plan.append((seq, chunk))
                 budget -= chunk
+        if self.speculator.config is not None and budget > 0:  # drafts take what the prompts left of the budget
+            running = len(self._running)
+            for i, (seq, n) in enumerate(plan):
+                if seq.status is not SeqStatus.DECODE:
+                    break  # the decodes come first
+                seq.draft = self.speculator.draft(seq, running, budget)
+                budget -= len(seq.draft)
+                plan[i] = (seq, 1 + len(seq.draft))
         return plan
 
     def _take_slots(self, plan: list[tuple[Sequence, int]]):
@@ -821,6 +838,12 @@ class Engine:
                 try:
                     if seq.status is SeqStatus.DECODE:
                         copies += self.cache.append_tokens(seq.seq_id, [seq.output_ids[-1]])
+                        if seq.draft:
+                            try:
+                                copies += self.cache.append_draft(seq.seq_id, len(seq.draft))
+                            except CacheFull:  # a guess never evicts a cached prefix or preempts
+                                seq.draft = []
+                            n = 1 + len(seq.draft)
                     else:
                         copies += self.cache.append(seq.seq_id, n)
                     done.append((seq, n))
@@ -835,6 +858,7 @@ class Engine:
     def _preempt(self, seq: Sequence) -> None:
         self.cache.release(seq.seq_id, written_tokens=seq.num_computed)
         del self._running[seq.seq_id]
+        seq.draft = []  # its draft's slots went with its blocks
         seq.ever_computed = max(seq.ever_computed, seq.num_computed)
         seq.num_computed = 0
         seq.request.metrics.preemptions += 1
@@ -861,7 +885,7 @@ class Engine:
         for seq, n in plan:
             table = self.cache.block_table(seq.seq_id)
             begin = seq.num_computed
-            ids += seq.tokens_between(begin, begin + n)
+            ids += seq.tokens_between(begin, begin + n - len(seq.draft)) + seq.draft
             positions += range(begin, begin + n)
             slots += [table[p // size] * size + p % size for p in range(begin, begin + n)]
             starts.append(starts[-1] + n)
@@ -869,8 +893,8 @@ class Engine:
             tables.append(table)
             samples = seq.status is SeqStatus.DECODE or begin + n == seq.prefill_target
             sample_rows.append(len(rows) if samples else None)
-            if samples:
-                rows.append(starts[-1] - 1)
+            if samples:  # the last row; a draft's rows too, from the row before its first token
+                rows.extend(range(starts[-1] - 1 - len(seq.draft), starts[-1]))
             request = seq.request
             if request.scoring and seq.index == 0 and seq.status is SeqStatus.PREFILL:
                 # position p's logits give the logprob of prompt token p + 1: those not recorded yet
@@ -941,6 +965,9 @@ class Engine:
         now = self.clock()
         greedy = logits.argmax(-1).tolist()  # one call for the batch; sampled rows draw their own
         for (seq, n), row in zip(plan, sample_rows):
+            if seq.draft:
+                events += self._verify(seq, row, greedy, logits, now)
+                continue
             seq.num_computed += n
             if row is None:
                 continue
@@ -967,6 +994,26 @@ class Engine:
                         s.grammar.consume(token)
                 events.append(self._emit(s, token, now, None if logprobs is None else
                                          _token_logprobs(logprobs, token, params.logprobs)))
+        return events
+
+    def _verify(self, seq: Sequence, row: int, greedy: list[int], logits: torch.Tensor, now: float) -> list[TokenEvent]:
+        """A draft's verdict: the tokens the model agrees with and its own next one are emitted,
+        in order, until one ends the sequence; the rejected draft slots go back to the cache."""
+        draft, seq.draft = seq.draft, []
+        tokens = self.speculator.judge(draft, greedy[row:row + len(draft) + 1])
+        self.cache.drop_draft(seq.seq_id)
+        if len(tokens) > 1:  # into the slots the model wrote them in: nothing to copy
+            self.cache.append_tokens(seq.seq_id, tokens[:-1])
+        seq.num_computed += len(tokens)  # the token before the draft, and the accepted ones
+        params = seq.request.params
+        events = []
+        for i, token in enumerate(tokens):
+            logprob = None
+            if params.logprobs is not None:
+                logprob = _token_logprobs(torch.log_softmax(logits[row + i].float(), dim=-1), token, params.logprobs)
+            events.append(self._emit(seq, token, now, logprob))
+            if seq.status is SeqStatus.FINISHED:
+                break
         return events
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:

@@ -64,6 +64,8 @@ class Sequence:
     # most likely alternatives, best first)
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     grammar: object | None = None  # structured.GrammarState: where the reply is in its shape, if it has one
+    draft: list[int] = field(default_factory=list)  # this step's speculative tokens after its next one
+    ngrams: object | None = None  # speculation's NgramIndex of its tokens, built at its first draft
 
     @property
     def all_tokens(self) -> list[int]:

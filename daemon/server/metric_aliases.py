@@ -10,6 +10,9 @@ Each alias is computed from the same books as kvd's own families, at scrape time
     vllm:num_preemptions_total, vllm:prompt_tokens_total, vllm:generation_tokens_total
     vllm:request_success_total{finished_reason}                stop, length, abort (a cancelled sample)
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds   histograms (kvd's buckets)
+    vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
+    vllm:spec_decode_num_accepted_tokens_total, vllm:spec_decode_num_accepted_tokens_per_pos_total{position}
+                                   speculative decoding (speculative_config), as kvd_spec_decode_* count it
     sglang:num_running_reqs / sglang:num_queue_reqs, sglang:token_usage (as vLLM's usage),
     sglang:cache_hit_rate (hit ÷ prompt tokens since start), sglang:evicted_tokens_total
 
@@ -48,7 +51,7 @@ class AliasCollector:
             figures = {"running": engine.num_running, "waiting": len(engine.waiting()),
                        "prompt": stats.prompt_tokens, "hit": stats.hit_tokens, "preemptions": stats.preemptions,
                        "evicted_blocks": engine.cache.pool.evictions, "block_size": engine.cache.block_size,
-                       "total": engine.cache.num_blocks}
+                       "total": engine.cache.num_blocks, "speculation": engine.speculator.stats.describe()}
         held = counts["reserved"] + counts["active"] + counts["shared"]
         figures["usage"] = held / figures["total"] if figures["total"] else 0.0
         model = self.service.model_name or "kvd"
@@ -74,6 +77,16 @@ class AliasCollector:
         yield success
         yield self._renamed(self.metrics.ttft, "vllm:time_to_first_token_seconds", model)
         yield self._renamed(self.metrics.itl, "vllm:inter_token_latency_seconds", model)
+        spec = f["speculation"]
+        yield counter("vllm:spec_decode_num_drafts", "Speculative drafts (kvd)", spec["drafts"])
+        yield counter("vllm:spec_decode_num_draft_tokens", "Speculative tokens drafted (kvd)", spec["draft_tokens"])
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted (kvd)",
+                      spec["accepted_tokens"])
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted speculative "
+                                           "tokens per draft position (kvd)", labels=["model_name", "position"])
+        for position, value in enumerate(spec["accepted_per_position"]):
+            per_position.add_metric([model, str(position)], value)
+        yield per_position
 
     def _sglang(self, f: dict, model: str):
         gauge, counter = _labelled(GaugeMetricFamily, model), _labelled(CounterMetricFamily, model)

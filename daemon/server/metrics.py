@@ -30,6 +30,11 @@
     kvd_finished_total{api,finish_reason}     samples (choices) finished: api completions, chat or internal
                                               (a pin's warm-up); stop, length or cancelled
     kvd_preemptions_total
+    kvd_spec_decode_drafts_total              speculative decoding (speculative_config): decode steps that
+                                              carried a draft; kvd_spec_decode_draft_tokens_total, the
+                                              tokens drafted; kvd_spec_decode_accepted_tokens_total, those the
+                                              model agreed with (kept); and
+    kvd_spec_decode_accepted_tokens_per_pos_total{position}  drafts whose token at position (0 first) was kept
     kvd_queue_age_seconds                     age of the oldest waiting request
     kvd_ttft_seconds                          histogram: time to first token
     kvd_inter_token_seconds                   histogram: time between output tokens
@@ -104,6 +109,21 @@ TRANSFER_FAMILIES = (
 )
 
 
+def _speculation_metrics(figures: dict):
+    """Speculative decoding's totals (engine/speculative.py SpeculationStats.describe)."""
+    yield CounterMetricFamily("kvd_spec_decode_drafts", "Decode steps of a sequence that carried a speculative "
+                              "draft (speculative_config)", value=figures["drafts"])
+    yield CounterMetricFamily("kvd_spec_decode_draft_tokens", "Speculative tokens drafted",
+                              value=figures["draft_tokens"])
+    yield CounterMetricFamily("kvd_spec_decode_accepted_tokens", "Speculative tokens the model agreed with (kept)",
+                              value=figures["accepted_tokens"])
+    per_position = CounterMetricFamily("kvd_spec_decode_accepted_tokens_per_pos", "Drafts whose token at this "
+                                       "position (0: the first) was kept", labels=["position"])
+    for position, value in enumerate(figures["accepted_per_position"]):
+        per_position.add_metric([str(position)], value)
+    yield per_position
+
+
 class _EngineCollector:
     def __init__(self, service: EngineService) -> None:
         self.service = service
@@ -128,6 +148,7 @@ class _EngineCollector:
             shares = engine.cache.tenant_shares()
             prefetched = dict(stats.prefetch_outcomes)
             adapters = engine.adapter_requests()
+            speculation = engine.speculator.stats.describe()
         blocks = GaugeMetricFamily("kvd_blocks", "KV cache blocks by state and tier", labels=["state", "tier"])
         for state, value in counts.items():
             blocks.add_metric([state, "device"], value)
@@ -224,6 +245,7 @@ class _EngineCollector:
         yield rejected
         yield CounterMetricFamily("kvd_preemptions", "Sequences preempted for recomputation",
                                   value=preemptions)
+        yield from _speculation_metrics(speculation)
         yield GaugeMetricFamily("kvd_queue_age_seconds", "Age of the oldest waiting request",
                                 value=max(ages, default=0.0))
         yield GaugeMetricFamily("kvd_cache_uncalibrated", "1 while a quantised cache runs on unit scales",

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default
+from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default, speculation_of
 from kvctl.daemon.engine.engine import prefetch_wait
 from kvctl.daemon.model.errors import ModelError
 from kvctl.daemon.model.lora import adapter_changes, load_adapters, warn_if_kv_changes
@@ -31,7 +31,7 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_req
                  "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
                  "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens",
-                 "lora_modules", "lora_runtime_updates", "max_loras")
+                 "lora_modules", "lora_runtime_updates", "max_loras", "speculative_config")
 
 # what the running process is bound to: its sockets, its store, its auth front, its metric families
 BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",
@@ -177,8 +177,10 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                                       reservation=new.reservation, queue_order=new.queue_order,
                                       quick_prefill_tokens=quick_prefill_tokens(new, engine.model.device.type),
                                       tenant_cache_shares=new.tenant_cache_shares,
-                                      max_tracked_tenants=new.max_tracked_tenants, **prefetch_settings(new))
+                                      max_tracked_tenants=new.max_tracked_tenants,
+                                      speculation=speculation_of(new.speculative_config), **prefetch_settings(new))
             engine.prefetch = prefetch_wait(engine.settings)
+            engine.speculator.configure(engine.settings.speculation)
             engine.stats.tenants.resize(new.max_tracked_tenants)
             if "tenant_cache_shares" in changed:
                 engine.cache.set_tenant_shares(new.tenant_cache_shares)

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from kvctl.daemon import gpu_nvml
-from kvctl.daemon.config import KvdConfig
+from kvctl.daemon.config import KvdConfig, speculation_of
 from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings, TokenEvent
 from kvctl.daemon.engine.requests import Request
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams
@@ -252,7 +252,7 @@ class EngineService:
                                   quick_prefill_tokens=quick_prefill_tokens(cfg, device),
                                   tenant_cache_shares=cfg.tenant_cache_shares,
                                   max_tracked_tenants=cfg.max_tracked_tenants, max_model_len=cfg.max_model_len,
-                                  **prefetch_settings(cfg))
+                                  speculation=speculation_of(cfg.speculative_config), **prefetch_settings(cfg))
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         timer.mark("cache")
         engine.stats.tenants.keep = self.tenant_labels.has_own  # a tenant's own metric series never shrinks

@@ -90,6 +90,9 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "tenant_shares": cache.tenant_shares(),
             "queue": queue,
             "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
+            # speculative decoding (engine/speculative.py): the config served (None: off) and its totals
+            "speculation": {"config": None if engine.speculator.config is None else engine.speculator.config.describe(),
+                            **engine.speculator.stats.describe()},
             # model steps by kind and their summed wall time: Δseconds / Δwall is how busy the engine is
             "steps": {kind: {"count": stats.steps[kind], "seconds": stats.step_seconds[kind]}
                       for kind in sorted(stats.steps)},

@@ -1,0 +1,98 @@
+"""Speculative decoding for the engine: who gets a draft, and what the model made of it.
+
+With `speculative_config` set, a greedy decoding sequence gets up to k draft tokens a step from
+prompt lookup (policies/speculation.py). The engine writes their slots at the sequence's tail
+(`KVCacheManager.append_draft`), computes them in the same step as the sequence's next token,
+and keeps the longest run of draft tokens equal to the model's own choice at each position,
+plus the model's token after that run. The rejected tail's slots go back (`drop_draft`); the
+accepted tokens are appended by id into the same slots, so their blocks are indexed only once
+they hold what the model chose.
+
+A reply is the one the model would have given without speculation: each kept token is the
+argmax of the model's own logits at its position. Only greedy requests with nothing that
+reshapes the logits (penalties, biases, a minimum length, a grammar) speculate; the others decode
+a token a step as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvctl.policies.speculation import NgramIndex, NgramSpeculation
+
+from .requests import Sequence
+
+
+@dataclass
+class SpeculationStats:
+    """Running totals for metrics and status (vLLM's spec_decode families count the same)."""
+
+    drafts: int = 0  # sequences' steps that carried a draft
+    draft_tokens: int = 0  # tokens proposed in them
+    accepted_tokens: int = 0  # of those, the tokens the model agreed with
+    emitted_tokens: int = 0  # tokens those steps gave (accepted plus the model's own next one)
+    # accepted_per_position[i]: drafts whose token i was accepted
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def describe(self) -> dict:
+        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "emitted_tokens": self.emitted_tokens, "accepted_per_position": list(self.accepted_per_position),
+                "acceptance_rate": round(self.accepted_tokens / self.draft_tokens, 4) if self.draft_tokens else None,
+                "mean_accepted_length": round(self.emitted_tokens / self.drafts, 3) if self.drafts else None}
+
+
+class Speculator:
+    """Drafts for the engine's decoding sequences and the verdict on them."""
+
+    def __init__(self, config: NgramSpeculation | None) -> None:
+        self.stats = SpeculationStats()
+        self.config: NgramSpeculation | None = None
+        self.configure(config)
+
+    def configure(self, config: NgramSpeculation | None) -> None:
+        """Serve `config` from the next step on (None: no drafts); the totals carry on."""
+        self.config = config
+        per_position = self.stats.accepted_per_position
+        if config is not None and len(per_position) < config.num_speculative_tokens:
+            per_position += [0] * (config.num_speculative_tokens - len(per_position))
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        """Whether the sequence's next tokens are the argmax of the model's raw logits."""
+        params = seq.request.params
+        return params.temperature == 0 and not params.adjusts_logits and params.constraint is None
+
+    def draft(self, seq: Sequence, running: int, budget: int) -> list[int]:
+        """Up to k draft tokens for `seq` (which decodes this step), within `budget` rows and its
+        own max_tokens (the step gives at most one token more than the draft); [] for none."""
+        config = self.config
+        if config is None or budget < 1 or not self.eligible(seq) or (
+                config.disable_by_batch_size is not None and running > config.disable_by_batch_size):
+            return []
+        left = seq.request.params.max_tokens - len(seq.output_ids) - 1
+        limit = min(config.num_speculative_tokens, budget, left)
+        if limit < 1:
+            return []
+        index = seq.ngrams
+        if index is None or (index.low, index.high) != (config.prompt_lookup_min, config.prompt_lookup_max):
+            index = seq.ngrams = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+        total = len(seq.request.prompt_ids) + len(seq.output_ids)
+        if len(index) < total:
+            index.extend(seq.tokens_between(len(index), total))
+        return index.propose(limit)
+
+    def judge(self, draft: list[int], chosen: list[int]) -> list[int]:
+        """The tokens the step gives: the draft's leading run that equals the model's choices
+        (`chosen`, one per row: the row before each draft token, then the last) and the model's
+        choice after it."""
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+            accepted += 1
+        stats = self.stats
+        stats.drafts += 1
+        stats.draft_tokens += len(draft)
+        stats.accepted_tokens += accepted
+        stats.emitted_tokens += accepted + 1
+        for position in range(accepted):
+            stats.accepted_per_position[position] += 1
+        return chosen[:accepted + 1]
