@@ -182,6 +182,22 @@ def test_rejections_say_which_limit_and_allocate_nothing(demo):
     assert engine.cache.state_counts() == before
 
 
+def test_a_request_the_whole_cache_could_never_hold_at_its_longest_is_refused_whatever_it_reserves(demo):
+    # reserving less than max_tokens (fixed:N, p95) once let such a request in: after its prompt and
+    # 108 tokens it was preempted, and waited at the head of the queue for room that never came
+    engine = Engine(demo, EngineSettings(num_blocks=8, block_size=16, reservation="fixed:0"))
+    before = engine.cache.state_counts()
+    with pytest.raises(AdmissionRejected) as info:
+        engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=200, ignore_eos=True), request_id="long")
+    assert str(info.value) == ("request long: its prompt and max_tokens (200) need 14 blocks but the cache has 8; "
+                               "it could never finish (its output reservation, 0 tokens, fits): lower max_tokens")
+    assert info.value.kind == "never_fits" and engine.stats.rejections == {"never_fits": 1}
+    assert engine.cache.state_counts() == before
+    request = engine.add_request(list(range(3, 23)), SamplingParams(max_tokens=108, ignore_eos=True))
+    engine.run_until_done()  # 128 tokens: the whole cache, and no more
+    assert len(request.sequences[0].output_ids) == 108 and all_blocks_back(engine)
+
+
 def test_a_tenant_s_own_request_limit_overrides_the_default_both_ways(demo):
     engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, max_tenant_requests=2,
                                          tenant_request_limits=(("free", 1), ("paid", 3))))

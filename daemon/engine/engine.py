@@ -389,11 +389,20 @@ class Engine:
                           cohort=cohort, grammars=list(grammars) if grammars else None, adapter=adapter,
                           lora=lora)
         size, total = self.settings.block_size, self.settings.num_blocks
-        needed = blocks_for_tokens(len(prompt_ids) + self._reservation(request).reserve(params.max_tokens), size)
+        reserve = self._reservation(request).reserve(params.max_tokens)
+        needed = blocks_for_tokens(len(prompt_ids) + reserve, size)
+        # at its longest: a sequence the whole cache cannot hold would, once alone, wait for room
+        # that never comes (and every request behind it with it), however little it reserved
+        longest = blocks_for_tokens(len(prompt_ids) + params.max_tokens, size)
         kind = None
         if needed > total:
             kind, request.rejected = "never_fits", (f"request {request_id}: needs {needed} blocks for its prompt and "
                                                     f"output reservation but the cache has {total}; it can never fit")
+        elif longest > total:
+            kind, request.rejected = "never_fits", (
+                f"request {request_id}: its prompt and max_tokens ({params.max_tokens}) need {longest} blocks but the "
+                f"cache has {total}; it could never finish (its output reservation, {reserve} tokens, fits): lower "
+                "max_tokens")
         elif self._queued_requests() >= self.settings.max_queue:
             kind, request.rejected = "queue_full", (f"request {request_id}: admission queue full "
                                                     f"({self._queued_requests()} of {self.settings.max_queue} waiting)")
