@@ -97,7 +97,7 @@ def serve(
     speculative_config: Optional[str] = typer.Option(
         None, help="Speculative decoding by prompt lookup, as vLLM's: '{\"method\": \"ngram\", "
                    "\"num_speculative_tokens\": 4}' (also prompt_lookup_max, prompt_lookup_min, "
-                   "disable_by_batch_size). Greedy requests only; the replies do not change."),
+                   "disable_by_batch_size). Replies do not change: fewer steps give them."),
     max_queue: Optional[int] = typer.Option(None, help="Waiting requests before 429."),
     max_tenant_requests: Optional[int] = typer.Option(
         None, help="One tenant's requests in flight (waiting and running) at most; 429 beyond. Default: no limit."),

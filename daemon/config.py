@@ -249,7 +249,7 @@ class KvdConfig:
     max_loras: int | None = None
     # speculative decoding by prompt lookup (vLLM's --speculative-config, method ngram), as canonical
     # JSON text ({"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-    # "disable_by_batch_size"}; YAML: a mapping); None: off. Greedy requests only (engine/speculative.py)
+    # "disable_by_batch_size"}; YAML: a mapping); None: off (engine/speculative.py)
     speculative_config: str | None = None
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2, int8
     keep_layers_unquantised: str | None = None  # "0,31"; default: the calibration's recommendation

@@ -1,11 +1,12 @@
-"""kvctl bench speculation: the same greedy requests through kvd's engine with speculative
-decoding (prompt lookup, `speculative_config`) and without, side by side in one process.
+"""kvctl bench speculation: the same requests through kvd's engine with speculative decoding
+(prompt lookup, `speculative_config`) and without, side by side in one process.
 
 Each configuration runs the same prompts `--repeats` times, interleaved, and the fastest run of
 each is kept. Reported for both: output tokens per second, engine steps, time per output token
 (a request's decode time over its tokens after the first), end-to-end latency, and for the
-speculative run the acceptance rate and tokens a drafted step gave. Greedy replies must not
-change: the report counts the replies that equal the baseline's token for token.
+speculative run the acceptance rate and tokens a drafted step gave. Replies must not change,
+greedy or (`--temperature`, seeded) sampled: the report counts the replies that equal the
+baseline's token for token.
 
 The built-in prompts are the kinds prompt lookup is for (code to edit, a passage to quote from,
 JSON to extend). The demo checkpoint's random weights make it repeat itself, which flatters
@@ -57,7 +58,8 @@ def _prompts(path: Optional[Path]) -> list[str]:
     return prompts
 
 
-def _run(loaded, prompt_ids: list[list[int]], max_tokens: int, concurrency: int, speculation) -> dict:
+def _run(loaded, prompt_ids: list[list[int]], max_tokens: int, concurrency: int, speculation,
+         temperature: float = 0.0) -> dict:
     """One pass: every prompt through a fresh engine, `concurrency` at a time."""
     from kvctl.daemon.engine.engine import Engine, EngineSettings
     from kvctl.daemon.engine.sampling import SamplingParams
@@ -66,7 +68,7 @@ def _run(loaded, prompt_ids: list[list[int]], max_tokens: int, concurrency: int,
     blocks = concurrency * -(-longest // 16) + 8
     engine = Engine(loaded, EngineSettings(num_blocks=blocks, block_size=16, max_running=concurrency,
                                            speculation=speculation))
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0, ignore_eos=True)
     started = time.perf_counter()
     requests = [engine.add_request(p, params) for p in prompt_ids]
     steps = 0
@@ -84,13 +86,14 @@ def _run(loaded, prompt_ids: list[list[int]], max_tokens: int, concurrency: int,
             "speculation": engine.speculator.stats.describe()}
 
 
-def measure(loaded, prompts: list[str], max_tokens: int, concurrency: int, speculation, repeats: int) -> dict:
+def measure(loaded, prompts: list[str], max_tokens: int, concurrency: int, speculation, repeats: int,
+            temperature: float = 0.0) -> dict:
     """Baseline and speculative passes, interleaved; the fastest of each."""
     prompt_ids = [loaded.tokenizer.encode(p) for p in prompts]
     best: dict[str, dict] = {}
     for _ in range(repeats):
         for name, spec in (("baseline", None), ("speculative", speculation)):
-            run = _run(loaded, prompt_ids, max_tokens, concurrency, spec)
+            run = _run(loaded, prompt_ids, max_tokens, concurrency, spec, temperature)
             if name not in best or run["seconds"] < best[name]["seconds"]:
                 best[name] = run
     base, fast = best["baseline"], best["speculative"]
@@ -100,7 +103,8 @@ def measure(loaded, prompts: list[str], max_tokens: int, concurrency: int, specu
                                                     "e2e_p50_s", "steps")
              if base.get(key) and fast.get(key) is not None}
     return {"settings": {"requests": len(prompts), "max_tokens": max_tokens, "concurrency": concurrency,
-                         "repeats": repeats, "speculative_config": speculation.describe()},
+                         "temperature": temperature, "repeats": repeats,
+                         "speculative_config": speculation.describe()},
             "baseline": base, "speculative": fast, "ratio": ratio, "identical_replies": same}
 
 
@@ -114,12 +118,13 @@ def speculation_command(
         None, "--prompts", help="Prompts, one a line (text, or a JSON string for one with newlines)."),
     max_tokens: int = typer.Option(128, "--max-tokens", help="Tokens generated per request."),
     concurrency: int = typer.Option(1, help="Requests in the batch at once (1: latency, as one user sees it)."),
+    temperature: float = typer.Option(0.0, help="Sampling temperature (0: greedy); sampled requests are seeded."),
     repeats: int = typer.Option(3, help="Passes of each configuration, interleaved (the fastest is kept)."),
     save: bool = typer.Option(False, "--save", help="Store the result so an ADR can cite it (run:ID)."),
     state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Where the store lives (KVD_STATE_DIR)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Greedy decoding with speculative decoding beside the same requests without it.
+    """Decoding with speculative decoding beside the same requests without it.
 
     Example: kvctl bench speculation --speculative-config '{"num_speculative_tokens": 6}' --concurrency 4
     """
@@ -134,13 +139,15 @@ def speculation_command(
         raise UserError(str(exc)) from None
     if speculation is None:
         raise UserError("speculative_config: give a speculation to measure, e.g. '{\"num_speculative_tokens\": 4}'")
+    if not 0 <= temperature <= 100:
+        raise typer.BadParameter(f"temperature: must be between 0 and 100, got {temperature}")
     prompts = _prompts(prompts_file)
     from kvctl.daemon.model.demo import ensure_demo_checkpoint
     from kvctl.daemon.model.llama import load_model
 
     with tempfile.TemporaryDirectory(prefix="kvctl-bench-spec-") as scratch:
         loaded = load_model(model or ensure_demo_checkpoint(Path(scratch)))
-        document = measure(loaded, prompts, max_tokens, concurrency, speculation, repeats)
+        document = measure(loaded, prompts, max_tokens, concurrency, speculation, repeats, temperature)
     document["model"] = model or "demo"
     if save:
         from .records_cmd import save_run
@@ -157,7 +164,9 @@ def render(document: dict, console: Console | None = None) -> None:
     base, fast, ratio = document["baseline"], document["speculative"], document["ratio"]
     settings = document["settings"]
     table = Table("", "without", "with speculation", "ratio",
-                  title=f"{settings['requests']} greedy requests of {settings['max_tokens']} tokens, "
+                  title=f"{settings['requests']} "
+                        + ("greedy" if not settings.get("temperature") else f"temperature {settings['temperature']:g}")
+                        + f" requests of {settings['max_tokens']} tokens, "
                         f"{settings['concurrency']} at a time ({document.get('model', 'demo')}; best of "
                         f"{settings['repeats']})")
 

@@ -4,7 +4,7 @@ A sequence's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_mi
 up among its earlier tokens, prompt and output alike; the tokens that followed their latest
 earlier occurrence are the draft. The engine computes the draft's rows beside the sequence's
 next token in one step and keeps the longest run the model agrees with, plus the model's own
-next token: a greedy reply is the one it would have been without speculation, in fewer steps
+next token: a reply is the one it would have been without speculation, in fewer steps
 when the text repeats itself (code edits, quoted documents, JSON keys, a looping small model).
 
 `NgramIndex` keeps, per n-gram, where its latest occurrence's follower is, fed token by token,

@@ -78,13 +78,32 @@ def test_preempted_sequences_with_drafts_recompute_to_the_same_replies(demo):
     assert fast == plain
 
 
-def test_sampled_or_reshaped_requests_decode_a_token_a_step(demo):
-    for params in (SamplingParams(max_tokens=40, temperature=0.9, seed=3, ignore_eos=True),
-                   SamplingParams(max_tokens=40, repetition_penalty=1.3, ignore_eos=True),
-                   SamplingParams(max_tokens=40, logit_bias=((5, 2.0),), ignore_eos=True)):
-        plain, base = generate(demo, params)
-        same, engine = generate(demo, params, NgramSpeculation(4))
-        assert same == plain and engine.speculator.stats.drafts == 0 and engine.steps_run == base.steps_run
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=60, temperature=0.7, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=60, temperature=0.3, top_k=20, top_p=0.9, seed=5, n=2, ignore_eos=True),
+    SamplingParams(max_tokens=60, repetition_penalty=1.1, frequency_penalty=0.2, ignore_eos=True),
+    SamplingParams(max_tokens=60, logit_bias=((5, 2.0),), min_tokens=20),
+], ids=["sampled", "sampled-n2", "penalised", "biased"])
+def test_sampled_and_reshaped_requests_keep_their_replies_with_drafts(demo, params):
+    # each kept draft token is the sequence's own draw at its position (the same seeded generator,
+    # after the same tokens): a sampled reply is the one it is without speculation
+    plain, base = generate(demo, params)
+    same, engine = generate(demo, params, NgramSpeculation(4))
+    assert same == plain
+    figures = engine.speculator.stats
+    assert figures.drafts > 0 and figures.accepted_tokens > 0 and engine.steps_run <= base.steps_run
+
+
+def test_a_reply_held_to_a_shape_keeps_it_with_drafts(demo):
+    from kvctl.daemon.engine.structured import Constraint
+
+    shape = Constraint.regex("(ab|cd){3,30}", "guided_regex")
+    for params in (SamplingParams(max_tokens=50, constraint=shape),
+                   SamplingParams(max_tokens=50, temperature=0.8, seed=7, constraint=shape)):
+        plain, _ = generate(demo, params, prompts=[demo.tokenizer.encode("abcd")])
+        same, engine = generate(demo, params, NgramSpeculation(4), prompts=[demo.tokenizer.encode("abcd")])
+        assert same == plain and re.fullmatch("(ab|cd){3,30}", demo.tokenizer.decode(same[0][0]))
+        assert engine.speculator.stats.accepted_tokens > 0
 
 
 def test_max_tokens_and_a_stop_token_end_the_reply_exactly_where_they_would(demo):
@@ -238,7 +257,7 @@ def test_bench_speculation_prints_both_runs_side_by_side(tmp_path, capsys):
                            "--repeats", "1", "--concurrency", "2", "--json")
     assert status == 0, err
     document = json.loads(out)
-    assert document["settings"] == {"requests": 2, "max_tokens": 40, "concurrency": 2, "repeats": 1,
+    assert document["settings"] == {"requests": 2, "max_tokens": 40, "concurrency": 2, "repeats": 1, "temperature": 0.0,
                                     "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
                                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2,
                                                            "disable_by_batch_size": None}}
@@ -250,6 +269,10 @@ def test_bench_speculation_prints_both_runs_side_by_side(tmp_path, capsys):
     status, out, _ = cli(capsys, "bench", "speculation", "--prompts", str(prompts), "--max-tokens", "8",
                          "--repeats", "1")
     assert status == 0 and "replies identical to the baseline's: 2 of 2" in " ".join(out.split())
+    status, out, _ = cli(capsys, "bench", "speculation", "--prompts", str(prompts), "--max-tokens", "40",
+                         "--repeats", "1", "--temperature", "0.5", "--json")
+    sampled = json.loads(out)
+    assert status == 0 and sampled["settings"]["temperature"] == 0.5 and sampled["identical_replies"] == 2
     status, _, err = cli(capsys, "bench", "speculation", "--speculative-config", '{"method": "medusa"}')
     assert status == 2 and "method: kvd serves ngram (prompt lookup) only, got 'medusa'" in " ".join(err.split())
     empty = tmp_path / "empty.txt"

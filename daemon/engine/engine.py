@@ -15,9 +15,9 @@ Each `step()`:
    keeping its output, and later recomputes it (with prefix hits) before continuing;
 4. runs the model once over the batch and samples where a prompt completed or a decode ran.
 
-With `speculation` (speculative.py), a greedy decode also carries a draft of the tokens that
-followed its latest words earlier in its context; the step keeps the draft's run the model
-agrees with and one token more, so a repetitive reply takes fewer steps.
+With `speculation` (speculative.py), a decode also carries a draft of the tokens that followed
+its latest words earlier in its context; the step keeps the draft's run the sequence would have
+taken anyway and one token more, so a repetitive reply takes fewer steps.
 
 Sampling randomness depends only on (seed, sample index, step), so preemption, chunking and
 prefix hits never change the tokens a request gets.
@@ -985,31 +985,50 @@ class Engine:
             new_children = self._fork_children(seq)
             params = seq.request.params
             logprobs = None if params.logprobs is None else torch.log_softmax(logits[row].float(), dim=-1)
-            adjusts, shaped = params.adjusts_logits, params.constraint is not None
             for s in [seq] + new_children:
-                if params.temperature == 0 and not adjusts and not shaped:
-                    token = greedy[row]  # the batch's argmax: no tensor op per row (each costs µs on a CPU)
-                else:
-                    scores = logits[row]
-                    if adjusts:
-                        scores = adjust_logits(scores, params, s.request.prompt_ids, s.output_ids, self.eos_ids)
-                    if shaped:
-                        if s.grammar is None:  # compiled when the request was checked, else here
-                            s.grammar = s.request.take_grammar(s.index) or self.grammar_vocabulary.follow(
-                                params.constraint)
-                        scores = s.grammar.masked(scores)
-                    token = sample_token(scores, params, s.request.seed, s.index, len(s.output_ids))
-                    if shaped:
-                        s.grammar.consume(token)
+                token = self._choose(s, logits, row, greedy)
                 events.append(self._emit(s, token, now, None if logprobs is None else
                                          _token_logprobs(logprobs, token, params.logprobs)))
         return events
 
+    def _choose(self, s: Sequence, logits: torch.Tensor, row: int, greedy: list[int], ahead: list[int] = ()) -> int:
+        """The token sample `s` takes from row `row` of the step's logits, after its output and
+        `ahead` (tokens this step chose before this row and has not emitted yet): the batch's argmax
+        where nothing reshapes a greedy choice, else its logits adjusted, masked by its grammar
+        (which takes the token) and drawn with the generator of its position."""
+        params = s.request.params
+        adjusts, shaped = params.adjusts_logits, params.constraint is not None
+        if params.temperature == 0 and not adjusts and not shaped:
+            return greedy[row]  # the batch's argmax: no tensor op per row (each costs µs on a CPU)
+        scores = logits[row]
+        if adjusts:
+            output = s.output_ids + ahead if ahead else s.output_ids
+            scores = adjust_logits(scores, params, s.request.prompt_ids, output, self.eos_ids)
+        if shaped:
+            if s.grammar is None:  # compiled when the request was checked, else here
+                s.grammar = s.request.take_grammar(s.index) or self.grammar_vocabulary.follow(params.constraint)
+            scores = s.grammar.masked(scores)
+        token = sample_token(scores, params, s.request.seed, s.index, len(s.output_ids) + len(ahead))
+        if shaped:
+            s.grammar.consume(token)
+        return token
+
     def _verify(self, seq: Sequence, row: int, greedy: list[int], logits: torch.Tensor, now: float) -> list[TokenEvent]:
-        """A draft's verdict: the tokens the model agrees with and its own next one are emitted,
-        in order, until one ends the sequence; the rejected draft slots go back to the cache."""
+        """A draft's verdict. Row by row, the sequence takes the token it would take without a
+        draft (`_choose`: the same argmax, or the same seeded draw at the same position, after the
+        same tokens); while that token is the draft's, the next row holds on from it. The tokens
+        taken are emitted in order until one ends the sequence, and the draft's slots after them
+        go back to the cache. For a draft of fixed tokens, keeping one exactly when the model's own
+        draw equals it keeps it with the model's probability of it, as rejection sampling would,
+        and leaves every reply, seeded or greedy, as it is without speculation."""
         draft, seq.draft = seq.draft, []
-        tokens = self.speculator.judge(draft, greedy[row:row + len(draft) + 1])
+        tokens: list[int] = []
+        for i in range(len(draft) + 1):
+            tokens.append(self._choose(seq, logits, row + i, greedy, tokens))
+            if i == len(draft) or tokens[-1] != draft[i] or (
+                    seq.grammar is not None and (seq.grammar.done or seq.grammar.failed)):
+                break
+        self.speculator.judge(draft, tokens)
         self.cache.drop_draft(seq.seq_id)
         if len(tokens) > 1:  # into the slots the model wrote them in: nothing to copy
             self.cache.append_tokens(seq.seq_id, tokens[:-1])

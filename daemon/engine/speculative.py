@@ -1,6 +1,6 @@
 """Speculative decoding for the engine: who gets a draft, and what the model made of it.
 
-With `speculative_config` set, a greedy decoding sequence gets up to k draft tokens a step from
+With `speculative_config` set, a decoding sequence gets up to k draft tokens a step from
 prompt lookup (policies/speculation.py). The engine writes their slots at the sequence's tail
 (`KVCacheManager.append_draft`), computes them in the same step as the sequence's next token,
 and keeps the longest run of draft tokens equal to the model's own choice at each position,
@@ -8,10 +8,10 @@ plus the model's token after that run. The rejected tail's slots go back (`drop_
 accepted tokens are appended by id into the same slots, so their blocks are indexed only once
 they hold what the model chose.
 
-A reply is the one the model would have given without speculation: each kept token is the
-argmax of the model's own logits at its position. Only greedy requests with nothing that
-reshapes the logits (penalties, biases, a minimum length, a grammar) speculate; the others decode
-a token a step as before.
+A reply is the one the model would have given without speculation: each kept token is the one
+the sequence takes at its position without a draft (the argmax, or the seeded draw from its
+adjusted and grammar-masked logits; Engine._verify), so greedy and sampled requests alike keep
+their replies, and a sampled draft token is kept with the model's probability of it.
 """
 
 from __future__ import annotations
@@ -56,17 +56,11 @@ class Speculator:
         if config is not None and len(per_position) < config.num_speculative_tokens:
             per_position += [0] * (config.num_speculative_tokens - len(per_position))
 
-    @staticmethod
-    def eligible(seq: Sequence) -> bool:
-        """Whether the sequence's next tokens are the argmax of the model's raw logits."""
-        params = seq.request.params
-        return params.temperature == 0 and not params.adjusts_logits and params.constraint is None
-
     def draft(self, seq: Sequence, running: int, budget: int) -> list[int]:
         """Up to k draft tokens for `seq` (which decodes this step), within `budget` rows and its
         own max_tokens (the step gives at most one token more than the draft); [] for none."""
         config = self.config
-        if config is None or budget < 1 or not self.eligible(seq) or (
+        if config is None or budget < 1 or (
                 config.disable_by_batch_size is not None and running > config.disable_by_batch_size):
             return []
         left = seq.request.params.max_tokens - len(seq.output_ids) - 1
@@ -81,18 +75,18 @@ class Speculator:
             index.extend(seq.tokens_between(len(index), total))
         return index.propose(limit)
 
-    def judge(self, draft: list[int], chosen: list[int]) -> list[int]:
-        """The tokens the step gives: the draft's leading run that equals the model's choices
-        (`chosen`, one per row: the row before each draft token, then the last) and the model's
-        choice after it."""
+    def judge(self, draft: list[int], tokens: list[int]) -> int:
+        """Count a drafted step: `tokens`, the ones it gave (its draft's leading run the sequence
+        took, then the token after that run, if the sequence did not end on the run); returns the
+        draft tokens kept."""
         accepted = 0
-        while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        while accepted < min(len(draft), len(tokens)) and draft[accepted] == tokens[accepted]:
             accepted += 1
         stats = self.stats
         stats.drafts += 1
         stats.draft_tokens += len(draft)
         stats.accepted_tokens += accepted
-        stats.emitted_tokens += accepted + 1
+        stats.emitted_tokens += len(tokens)
         for position in range(accepted):
             stats.accepted_per_position[position] += 1
-        return chosen[:accepted + 1]
+        return accepted
