@@ -49,7 +49,9 @@ def render_requests(d: dict) -> Group:
         mark = [f"#{names.setdefault(row['replica'], len(names))}"] if fleet else []
         state = row["state"] + (" (fetching prefix)" if row.get("fetching_prefix") else "") \
             + (" (for an adapter's turn)" if row.get("waiting_for_lora_turn") else "") \
-            + (f", preempted {row['preemptions']}x" if row["preemptions"] else "")
+            + (f", preempted {row['preemptions']}x" if row["preemptions"] else "") \
+            + (f", {row['kept_draft_tokens']:,} of {row['drafted_tokens']:,} drafted kept"
+               if row.get("drafted_tokens") else "")  # speculative decoding (an older kvd does not say)
         api = row["api"] + (f":{row['shape']}" if row.get("shape") else "")  # the field that shapes its reply
         adapter = [escape(row.get("adapter") or "-")] if adapters else []
         table.add_row(row["request_id"], *mark, escape(row["tenant"]), *adapter, api, state,

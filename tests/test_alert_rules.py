@@ -66,7 +66,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 24
+    assert len(names) == len(set(names)) == 25
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -270,3 +270,29 @@ def test_the_router_rule_fires_when_decode_replicas_compute_whole_prompts(tmp_pa
     finally:
         for service in services:
             service.shutdown(deadline=2)
+
+
+def test_the_speculation_rule_fires_when_few_draft_tokens_are_kept(tmp_path):
+    """Speculative decoding on the demo checkpoint keeps most drafts (it repeats itself): quiet. Drafts
+    of 1,000 tokens with 50 kept in the range fire KvdSpeculationRarelyKept."""
+    service = start_service(tmp_path, num_blocks=64, speculative_config='{"num_speculative_tokens": 4}')
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        before = scrape(app)
+        answer = call(app, "POST", "/v1/completions", json={"prompt": "Answer briefly. What is a block?",
+                                                            "max_tokens": 64, "temperature": 0, "ignore_eos": True})
+        assert answer.status_code == 200
+        now = scrape(app)
+        drafted, kept = (sum(now[name].values()) for name in ("kvd_spec_decode_draft_tokens_total",
+                                                              "kvd_spec_decode_accepted_tokens_total"))
+        assert drafted > 0 and kept / drafted >= 0.1
+        assert fired(Scrapes(before, now)) == {}
+        wasteful = {**now}
+        for name, more in (("kvd_spec_decode_draft_tokens_total", 1000),
+                           ("kvd_spec_decode_accepted_tokens_total", 50)):
+            wasteful[name] = {labels: value + more for labels, value in now[name].items()}
+        [(labels, share)] = fired(Scrapes(now, wasteful))["KvdSpeculationRarelyKept"].items()
+        assert labels == (("instance", KVD["instance"]),) and share == pytest.approx(0.05)  # by instance
+        assert fired(Scrapes(now, now)) == {}  # no draft in the range: no ratio, no alert
+    finally:
+        service.shutdown(deadline=2)

@@ -78,8 +78,10 @@ def test_requests_in_flight_are_listed_and_cancelled_by_id_or_tenant(tmp_path):
         assert set(running) == {"request_id", "tenant", "api", "state", "age_seconds", "queued_seconds",
                                 "prompt_tokens", "cached_tokens", "restored_tokens", "output_tokens", "max_tokens",
                                 "n", "preemptions", "blocks", "fetching_prefix", "waiting_for_lora_turn", "priority",
-                                "cohort", "shape", "adapter"}  # no tokens, no text
+                                "cohort", "shape", "adapter", "drafted_tokens",
+                                "kept_draft_tokens"}  # no tokens, no text
         assert running["adapter"] is None  # the model's own, not a LoRA adapter's
+        assert running["drafted_tokens"] == running["kept_draft_tokens"] == 0  # no speculative_config here
         # the field that holds a reply to a shape (never the shape itself), or None
         assert (running["shape"], waiting["shape"]) == (None, "guided_regex")
         assert (running["fetching_prefix"], waiting["fetching_prefix"]) == (False, False)  # no lower tier here

@@ -66,6 +66,9 @@ def test_greedy_replies_are_the_same_in_fewer_steps(demo, k, block_size):
     assert figures.emitted_tokens == figures.accepted_tokens + figures.drafts
     per_position = figures.accepted_per_position
     assert sum(per_position) == figures.accepted_tokens and per_position == sorted(per_position, reverse=True)
+    requests = list(engine.requests.values())  # each request's own share of the totals
+    assert sum(r.metrics.drafted_tokens for r in requests) == figures.draft_tokens
+    assert sum(r.metrics.kept_draft_tokens for r in requests) == figures.accepted_tokens
     # the prefix index holds what it holds without speculation: no block of a rejected guess
     assert indexed_keys(engine) == indexed_keys(base)
 
@@ -167,6 +170,25 @@ def test_speculation_can_be_turned_off_and_on_between_steps_and_its_totals_carry
     assert engine.speculator.stats.drafts > drafts and len(engine.speculator.stats.accepted_per_position) == 6
     [[plain]], _ = generate(demo, GREEDY, prompts=[demo.tokenizer.encode(TEXTS[0])])
     assert request.sequences[0].output_ids == plain
+
+
+def test_kvctl_requests_shows_a_request_s_kept_drafts():
+    from rich.console import Console
+
+    from kvctl.requests_cmd import render_requests
+
+    row = {"request_id": "req-000000000001", "tenant": "acme", "api": "completions", "state": "decode",
+           "age_seconds": 1.5, "queued_seconds": 0.1, "prompt_tokens": 120, "cached_tokens": 96, "restored_tokens": 0,
+           "output_tokens": 37, "max_tokens": 64, "n": 1, "preemptions": 0, "blocks": 9, "priority": 0,
+           "cohort": None, "shape": None, "drafted_tokens": 1200, "kept_draft_tokens": 912}
+    console = Console(record=True, width=160)
+    console.print(render_requests({"requests": [row], "running": 1, "waiting": 0}))
+    line = " ".join(console.export_text().splitlines()[1].split())
+    assert line == "req-000000000001 acme completions decode, 912 of 1,200 drafted kept 1.50 s 120 96 37/64 9"
+    console = Console(record=True, width=160)
+    console.print(render_requests({"requests": [{**row, "drafted_tokens": 0, "kept_draft_tokens": 0}],
+                                   "running": 1, "waiting": 0}))
+    assert console.export_text().splitlines()[1].split()[3] == "decode"
 
 
 # ---- at kvd ---------------------------------------------------------------------------------------

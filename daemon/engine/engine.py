@@ -1028,7 +1028,9 @@ class Engine:
             if i == len(draft) or tokens[-1] != draft[i] or (
                     seq.grammar is not None and (seq.grammar.done or seq.grammar.failed)):
                 break
-        self.speculator.judge(draft, tokens)
+        metrics = seq.request.metrics
+        metrics.drafted_tokens += len(draft)
+        metrics.kept_draft_tokens += self.speculator.judge(draft, tokens)
         self.cache.drop_draft(seq.seq_id)
         if len(tokens) > 1:  # into the slots the model wrote them in: nothing to copy
             self.cache.append_tokens(seq.seq_id, tokens[:-1])

@@ -28,6 +28,8 @@ class RequestMetrics:
     # waited can be evicted again before it is admitted, so only what that admission hits counts
     installed_tokens: int = 0
     preemptions: int = 0
+    drafted_tokens: int = 0  # speculative draft tokens its samples' steps carried (engine/speculative.py)
+    kept_draft_tokens: int = 0  # of those, the ones its samples took
     # its prefix's fetch from disk or Redis while it waited (engine clock), if there was one
     prefetch_started: float | None = None
     prefetch_tokens: int = 0  # tokens that fetch set out to bring up

@@ -40,6 +40,8 @@ def request_row(service: EngineService, request: Request, now: float) -> dict:
             "output_tokens": sum(len(s.output_ids) for s in request.sequences),
             "max_tokens": request.params.max_tokens, "n": request.params.n,
             "preemptions": metrics.preemptions, "blocks": blocks,
+            # speculative decoding (speculative_config): draft tokens its steps carried, and those kept
+            "drafted_tokens": metrics.drafted_tokens, "kept_draft_tokens": metrics.kept_draft_tokens,
             "fetching_prefix": service.engine.fetching_prefix(request),  # from disk or Redis, while it waits
             "waiting_for_lora_turn": request.request_id in service.engine.lora_turn_waiters,  # max_loras
             "priority": -request.priority,  # as requests and tenant_priorities give it: lower runs first
