@@ -149,14 +149,9 @@ def speculation_command(
         loaded = load_model(model or ensure_demo_checkpoint(Path(scratch)))
         document = measure(loaded, prompts, max_tokens, concurrency, speculation, repeats, temperature)
     document["model"] = model or "demo"
-    if save:
-        from .records_cmd import save_run
+    from .records_cmd import save_and_show
 
-        save_run(ctx, state_dir, "bench_speculation", document)
-    if as_json:
-        typer.echo(json.dumps(document, indent=2))
-        return
-    render(document)
+    save_and_show(ctx, state_dir, "bench_speculation", document, save, as_json, render)
 
 
 def render(document: dict, console: Console | None = None) -> None:

@@ -23,7 +23,6 @@ fraction of its row's largest value, and the mean error as a fraction of the val
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shutil
 import tempfile
@@ -433,14 +432,9 @@ def tiers_command(
                                                 [int(x) for x in lengths.split(",")], repeats)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    if save:
-        from .records_cmd import save_run
+    from .records_cmd import save_and_show
 
-        save_run(ctx, state_dir, "bench_tiers", document)
-    if as_json:
-        typer.echo(json.dumps(document, indent=2))
-        return
-    render(document)
+    save_and_show(ctx, state_dir, "bench_tiers", document, save, as_json, render)
 
 
 def render(document: dict) -> None:

@@ -88,6 +88,18 @@ def open_store(ctx: typer.Context | None, state_dir: str | None, create: bool = 
         raise UserError(str(exc)) from None
 
 
+def save_and_show(ctx: typer.Context, state_dir: str | None, kind: str, document: dict, save: bool, as_json: bool,
+                  render) -> None:
+    """A bench command's end: with `--save`, store the run (`save_run`); then print the document as
+    JSON with `--json`, else `render(document)`."""
+    if save:
+        save_run(ctx, state_dir, kind, document)
+    if as_json:
+        typer.echo(json.dumps(document, indent=2))
+        return
+    render(document)
+
+
 def save_run(ctx: typer.Context | None, state_dir: str | None, kind: str, document: dict) -> None:
     """`--save`: store a bench run, its id in document["run_id"]. A store that cannot take it costs
     no figure: run_id is None, the command prints its figures as always, then says why the run was

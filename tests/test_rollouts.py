@@ -83,7 +83,7 @@ def test_a_worse_policy_trips_its_stop_condition_and_rolls_back_by_itself(tmp_pa
         assert result["last_figures"]["cohort"] == status["cohort"]
         assert result["last_figures"]["baseline"] == status["baseline"]
         assert result["last_figures"]["since"] == status["figures_since"] == started["figures_since"]
-        assert service.rollouts.assign("t0", "r") == (None, None)
+        assert service.rollouts.assign("t0", "r") == (None, None, None)
         audit = [e["action"] for e in call(unix, "GET", "/admin/audit").json()["entries"]]
         assert audit[:2] == ["rollout.rollback", "rollout.start"]
     finally:
@@ -198,7 +198,7 @@ def test_a_slow_cohort_rolls_back_on_its_p95_only_once_each_side_has_20_requests
     manager.start({"settings": {"reservation": "p95"}}, "50%", ["ttft_p95_seconds > 1.5 * baseline"], None, "ops")
 
     def finished(cohort: str, ttft: float):
-        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=ttft)
+        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=ttft, token_times=[])
         return SimpleNamespace(metrics=metrics, prompt_ids=[1] * 8, cohort=cohort, cancelled=False)
 
     for _ in range(19):
@@ -408,11 +408,29 @@ def test_a_cohort_s_ttft_percentiles_cover_its_latest_5000_requests():
 
     cohort = CohortStats()
     for i in range(6000):  # TTFTs 0 .. 5999 ms: the first 1,000 have gone from the window
-        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=i / 1000)
+        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=i / 1000, token_times=[])
         cohort.add(SimpleNamespace(metrics=metrics, prompt_ids=[1, 2]))
     figures = cohort.figures()
     assert (figures["requests"], figures["ttft_p50_seconds"], figures["ttft_p95_seconds"]) == (6000, 3.499, 5.749)
     assert len(cohort.ttfts) == 5000 and sum(cohort.ttft_buckets) == 6000  # the histogram keeps every one
+
+
+def test_a_cohort_s_time_per_output_token_counts_the_tokens_after_the_first():
+    from types import SimpleNamespace
+
+    from kvctl.daemon.server.rollouts import CohortStats
+    from kvctl.policies.rollout import StopCondition
+
+    cohort = CohortStats()
+    for times in ([5.0, 5.1, 5.3], [1.0, 1.4], [2.0], []):  # 0.15 s, 0.4 s; one token or none: no figure
+        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=None, token_times=times)
+        cohort.add(SimpleNamespace(metrics=metrics, prompt_ids=[1, 2]))
+    figures = cohort.figures()
+    assert figures["requests"] == 4 and list(cohort.tpots) == pytest.approx([0.15, 0.4])
+    assert figures["tpot_p50_seconds"] == pytest.approx(0.15) and figures["tpot_p95_seconds"] == pytest.approx(0.4)
+    condition = StopCondition.parse("tpot_p95_seconds > 1.1 * baseline")
+    assert condition.min_requests == 20
+    assert condition.tripped(figures, {"tpot_p95_seconds": 0.3})[0] is True
 
 
 def test_a_stop_that_trips_while_the_store_is_locked_stops_the_cohort_at_once_and_is_stored_later(tmp_path):
@@ -473,7 +491,7 @@ def test_a_stop_that_trips_while_the_store_is_locked_stops_the_cohort_at_once_an
                     ) in " ".join(console.export_text().split())
             assert result["events"][-1]["action"] == "rollback"
             assert result["events"][-1]["detail"]["reason"] == "stop condition tripped: hit_ratio < 2"
-            assert service.rollouts.assign("acme", "r1") == (None, None)  # the cohort is gone now
+            assert service.rollouts.assign("acme", "r1") == (None, None, None)  # the cohort is gone now
             assert service.rollouts.summary() is None
             [listed] = call(unix, "GET", "/admin/rollouts/history").json()["rollouts"]
             assert (listed["state"], listed["last_action"]) == ("rolled_back", "rollback") and listed["unstored"]
@@ -513,7 +531,7 @@ def _tripped_while_locked(tmp_path, pending):
     rollout_id = manager.start({"by": "request", "min_requests": 1, "settings": {"reservation": "fixed:0"}}, "50%",
                                ["hit_ratio < 2"], None, "ops")["id"]
     for cohort in ("candidate", "baseline"):
-        metrics = SimpleNamespace(cached_tokens=4, recomputed_tokens=0, preemptions=0, ttft=0.1)
+        metrics = SimpleNamespace(cached_tokens=4, recomputed_tokens=0, preemptions=0, ttft=0.1, token_times=[])
         manager.observe(SimpleNamespace(metrics=metrics, prompt_ids=[1] * 8, cohort=cohort, cancelled=False))
     store.conn.execute("PRAGMA busy_timeout=50")
     shell = sqlite3.connect(tmp_path / "kvd.sqlite3", isolation_level=None)
@@ -550,7 +568,7 @@ def test_a_restart_while_the_store_still_cannot_take_the_rollback_keeps_it_rolle
     _, shell, rollout_id = _tripped_while_locked(tmp_path, pending)
     again = RolloutManager(store, pending_path=pending)  # kvd starts again; the lock is still held
     assert again.active is None and again.unstored["rollout_id"] == rollout_id and pending.exists()
-    assert again.assign("acme", "r1") == (None, None)  # the cohort does not come back
+    assert again.assign("acme", "r1") == (None, None, None)  # the cohort does not come back
     assert again.status(rollout_id)["state"] == "rolled_back"
     assert again.status(rollout_id)["unstored"].endswith(f"keeps it in {pending} meanwhile, so a restart keeps it "
                                                          "rolled back")

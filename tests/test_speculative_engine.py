@@ -301,3 +301,48 @@ def test_bench_speculation_prints_both_runs_side_by_side(tmp_path, capsys):
     empty.write_text("\n")
     status, _, err = cli(capsys, "bench", "speculation", "--prompts", str(empty))
     assert status == 2 and f"prompts: {str(empty)!r} holds no prompt" in " ".join(err.split())
+
+
+def test_a_rollout_turns_speculation_on_for_its_cohort_and_completing_it_makes_it_everyone_s(tmp_path, demo):
+    pytest.importorskip("fastapi")
+    from .daemon_fixtures import apps, call, settled, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=64)  # no speculative_config of its own
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        refused = call(unix, "POST", "/admin/rollouts", json={
+            "policy": {"settings": {"speculative_config": {"num_speculative_tokens": 99}}}, "cohort": "50%"})
+        assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+            "policy.settings.speculative_config: num_speculative_tokens: must be an integer from 1 to 16, got 99")
+        body = {"policy": {"name": "spec-4", "settings": {"speculative_config": {"num_speculative_tokens": 4}}},
+                "cohort": "100%", "stops": ["tpot_p95_seconds > 100 * baseline"]}
+        started = call(unix, "POST", "/admin/rollouts", json=body).json()
+        completion = {"prompt": TEXTS[1], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        [[expected]], _ = generate(demo, replace(GREEDY, max_tokens=32), prompts=[demo.tokenizer.encode(TEXTS[1])])
+        for _ in range(3):
+            answer = call(unix, "POST", "/v1/completions", json=completion)
+            assert answer.json()["choices"][0]["text"] == demo.tokenizer.decode(expected)
+        status = settled(lambda: call(unix, "GET", f"/admin/rollouts/{started['id']}").json(),
+                         lambda s: s["cohort"]["requests"] == 3)
+        assert status["cohort"]["tpot_p50_seconds"] > 0 and status["baseline"]["tpot_p50_seconds"] is None
+        drafts = service.engine.speculator.stats.drafts
+        assert drafts > 0 and service.engine.settings.speculation is None  # the cohort's own, not the engine's
+        done = call(unix, "POST", f"/admin/rollouts/{started['id']}/complete").json()
+        canonical = json.dumps({"disable_by_batch_size": None, "method": "ngram", "num_speculative_tokens": 4,
+                                "prompt_lookup_max": 4, "prompt_lookup_min": 2}, sort_keys=True)
+        assert done["applied"] == {"speculative_config": {"value": canonical, "was": None}}
+        assert done["settings_in_effect"] == {"speculative_config": True}
+        assert done["keep"]["speculative_config"].startswith(f"set speculative_config: {canonical} in kvd's config")
+        assert service.engine.settings.speculation == NgramSpeculation(4)
+        assert service.config.sources["speculative_config"] == f"rollout {started['id']}"
+        assert call(unix, "POST", "/v1/completions", json=completion).status_code == 200
+        assert service.engine.speculator.stats.drafts > drafts  # everyone's now
+        # and a cohort can be held off it: null turns speculation off for its requests alone
+        off = call(unix, "POST", "/admin/rollouts", json={
+            "policy": {"name": "no-spec", "settings": {"speculative_config": None}}, "cohort": "100%"}).json()
+        drafts = service.engine.speculator.stats.drafts
+        assert call(unix, "POST", "/v1/completions", json=completion).status_code == 200
+        assert service.engine.speculator.stats.drafts == drafts
+        call(unix, "POST", f"/admin/rollouts/{off['id']}/rollback")
+    finally:
+        service.shutdown(1)

@@ -365,7 +365,8 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, tenant: str = "default", reservation=None,
                     cohort: str | None = None, prefix_keys: tuple | None = None,
-                    prompt_checked: bool = False, grammars: list | None = None, adapter: str = "") -> Request:
+                    prompt_checked: bool = False, grammars: list | None = None, adapter: str = "",
+                    speculation=None) -> Request:
         """Queue a request, or raise AdmissionRejected (nothing allocated) / RequestError.
 
         `prefix_keys`: what `prefix_keys(tenant, prompt_ids)` returned, computed by the submitter
@@ -375,7 +376,8 @@ class Engine:
         `check_prompt` and `prepare_grammars` already (outside the step), so its walk over the
         tokens is not repeated here; `grammars`, the starts `prepare_grammars` compiled for this
         prompt's samples (a sample without one compiles its own at its first draw). `adapter`: the
-        LoRA adapter that computes it ("": the base model)."""
+        LoRA adapter that computes it ("": the base model). `speculation`: a SpeculationOverride (a
+        rollout cohort's speculative_config) in place of the engine's; None: the engine's."""
         lora = self.adapter(adapter) if adapter else None  # one not loaded is refused before anything is queued
         if not prompt_checked:
             self.check_prompt(prompt_ids, params)
@@ -387,7 +389,7 @@ class Engine:
         request = Request(request_id, list(prompt_ids), params, seed, tenant, priority,
                           next(self._order), RequestMetrics(arrival=self.clock()), reservation=reservation,
                           cohort=cohort, grammars=list(grammars) if grammars else None, adapter=adapter,
-                          lora=lora)
+                          lora=lora, speculation=speculation)
         size, total = self.settings.block_size, self.settings.num_blocks
         reserve = self._reservation(request).reserve(params.max_tokens)
         needed = blocks_for_tokens(len(prompt_ids) + reserve, size)
@@ -827,7 +829,7 @@ class Engine:
                 chunk = min(seq.prefill_target - seq.num_computed, budget)
                 plan.append((seq, chunk))
                 budget -= chunk
-        if self.speculator.config is not None and budget > 0:  # drafts take what the prompts left of the budget
+        if budget > 0:  # drafts take what the prompts left of the budget (none without a speculative_config)
             running = len(self._running)
             for i, (seq, n) in enumerate(plan):
                 if seq.status is not SeqStatus.DECODE:

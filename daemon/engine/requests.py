@@ -101,6 +101,8 @@ class Request:
     # rank in the model's distribution (1: the most likely) and the most likely alternatives
     prompt_logprobs: list[tuple[float, int, tuple[tuple[int, float], ...]]] = field(default_factory=list)
     cohort: str | None = None  # "candidate" or "baseline" while a rollout runs
+    # a speculative.SpeculationOverride: its rollout cohort's own speculative_config; None: the engine's
+    speculation: object | None = None
     # the first block of the prefix found lost from the device at its turn, once a fetch of it was
     # judged (engine._fetch_what_was_lost): judged once, not again at every pass while it waits
     lost_judged: bytes | None = None

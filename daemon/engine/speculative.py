@@ -23,6 +23,14 @@ from kvctl.policies.speculation import NgramIndex, NgramSpeculation
 from .requests import Sequence
 
 
+@dataclass(frozen=True)
+class SpeculationOverride:
+    """A request's own speculation in place of the engine's: a rollout cohort's `speculative_config`
+    (daemon/server/rollouts.py); `config` None: no drafts for it."""
+
+    config: NgramSpeculation | None
+
+
 @dataclass
 class SpeculationStats:
     """Running totals for metrics and status (vLLM's spec_decode families count the same)."""
@@ -59,7 +67,8 @@ class Speculator:
     def draft(self, seq: Sequence, running: int, budget: int) -> list[int]:
         """Up to k draft tokens for `seq` (which decodes this step), within `budget` rows and its
         own max_tokens (the step gives at most one token more than the draft); [] for none."""
-        config = self.config
+        override = seq.request.speculation
+        config = self.config if override is None else override.config
         if config is None or budget < 1 or (
                 config.disable_by_batch_size is not None and running > config.disable_by_batch_size):
             return []
@@ -87,6 +96,8 @@ class Speculator:
         stats.draft_tokens += len(draft)
         stats.accepted_tokens += accepted
         stats.emitted_tokens += len(tokens)
+        if accepted > len(stats.accepted_per_position):  # a cohort's k above the engine's
+            stats.accepted_per_position += [0] * (accepted - len(stats.accepted_per_position))
         for position in range(accepted):
             stats.accepted_per_position[position] += 1
         return accepted

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvctl.daemon.config import speculation_of, speculative_config
 from kvctl.policies.reservation import parse_reservation
 
 from .calls import Principal
@@ -21,14 +22,18 @@ def complete_rollout(service, rollout_id: int, principal: Principal) -> dict:
     body = service.rollouts.complete(rollout_id, principal.actor)  # (its store write may wait: not under the lock)
     with service.lock:
         applied = {}
-        reservation = rollout["policy"]["settings"].get("reservation")
-        if reservation is not None:
-            applied["reservation"] = {"value": str(reservation), "was": service.config.reservation}
-            if service.engine is not None:
-                service.engine.reservation = parse_reservation(str(reservation))
-                service.engine.settings = replace(service.engine.settings, reservation=str(reservation))
-            service.config = replace(service.config, reservation=str(reservation),
-                                     sources={**service.config.sources, "reservation": f"rollout {rollout_id}"})
+        engine = service.engine
+        for name, given in rollout["policy"]["settings"].items():
+            value = canonical(name, given)
+            applied[name] = {"value": value, "was": getattr(service.config, name)}
+            if engine is not None and name == "reservation":
+                engine.reservation = parse_reservation(value)
+                engine.settings = replace(engine.settings, reservation=value)
+            if engine is not None and name == "speculative_config":
+                engine.settings = replace(engine.settings, speculation=speculation_of(value))
+                engine.speculator.configure(engine.settings.speculation)
+            service.config = replace(service.config, **{name: value},
+                                     sources={**service.config.sources, name: f"rollout {rollout_id}"})
         for name, change in applied.items():
             if change["value"] != change["was"]:
                 service.rollout_settings[name] = {"value": change["value"], "rollout": rollout_id}
@@ -58,9 +63,15 @@ def rollout_status(service, rollout_id: int | None = None) -> dict:
     return with_settings_in_effect(service.config, service.rollouts.status(rollout_id))
 
 
+def canonical(name: str, value):
+    """A policy's setting as kvd's config holds it: reservation as text, speculative_config as its
+    canonical JSON text (None: off)."""
+    return speculative_config(value) if name == "speculative_config" else str(value)
+
+
 def settings_in_effect(config, settings: dict) -> dict[str, bool]:
     """For each of a policy's settings, whether everyone has that value now."""
-    return {name: str(getattr(config, name, None)) == str(value) for name, value in settings.items()}
+    return {name: getattr(config, name, None) == canonical(name, value) for name, value in settings.items()}
 
 
 def with_settings_in_effect(config, body: dict) -> dict:

@@ -1,7 +1,9 @@
 """Rollouts of live policy settings to a cohort, with stop conditions that roll back by themselves.
 
-A policy file versions the settings a cohort gets (today: the output `reservation`; the
-eviction policy is one per cache pool and changes through the config and SIGHUP). Requests
+A policy file versions the settings a cohort gets (the output `reservation`, and
+`speculative_config`: speculative decoding on, off or tuned for the cohort alone, judged by its time
+per output token; the eviction policy is one per cache pool and changes through the config and
+SIGHUP). Requests
 join the cohort by a stable hash of their tenant (or of the request id with `by: request`);
 cohort and baseline figures are kept apart. `evaluate()` runs on a schedule: when a stop
 condition trips, the rollout rolls back and records which condition and the values. Every
@@ -22,6 +24,7 @@ Policy file (YAML)::
     min_requests: 50      # optional; else 5 a side, 20 for a p95 condition (`min_requests`)
     settings:
       reservation: p95
+      speculative_config: {num_speculative_tokens: 4}    # or null: none for the cohort
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvctl.daemon.config import speculation_of, speculative_config
 from kvctl.daemon.engine.requests import Request
+from kvctl.daemon.engine.speculative import SpeculationOverride
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.daemon.store import Store, StoreUnavailable
 from kvctl.daemon.whole_file import write_json_whole
@@ -45,7 +50,7 @@ from kvctl.policies.rollout import MIN_REQUESTS, StopCondition, in_cohort, parse
 
 from .calls import ServiceError
 
-COHORT_SETTINGS = ("reservation",)
+COHORT_SETTINGS = ("reservation", "speculative_config")
 POOL_SETTINGS = ("eviction", "block_size", "cache_dtype", "num_blocks")
 ACTIVE_STATES = ("running", "paused")
 
@@ -74,6 +79,7 @@ class CohortStats:
     ttfts: deque = field(default_factory=lambda: deque(maxlen=5000))  # the latest 5,000 (percentiles)
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))  # every one (metrics)
     ttft_sum: float = 0.0
+    tpots: deque = field(default_factory=lambda: deque(maxlen=5000))  # time per output token, the latest 5,000
 
     def add(self, request: Request) -> None:
         m = request.metrics
@@ -86,6 +92,8 @@ class CohortStats:
             self.ttfts.append(m.ttft)  # O(1): each finished request during a rollout, on the engine thread
             self.ttft_buckets[bisect.bisect_left(LATENCY_BUCKETS, m.ttft)] += 1
             self.ttft_sum += m.ttft
+        if len(m.token_times) > 1:  # decode time over the tokens after the first (sample 0's)
+            self.tpots.append((m.token_times[-1] - m.token_times[0]) / (len(m.token_times) - 1))
 
     def figures(self) -> dict:
         prompt = self.prompt_tokens
@@ -93,7 +101,8 @@ class CohortStats:
                 "recomputed_token_ratio": self.recomputed_tokens / prompt if prompt else None,
                 "hit_ratio": self.hit_tokens / prompt if prompt else None,
                 "ttft_p50_seconds": percentile(self.ttfts, 0.5), "ttft_p95_seconds": percentile(self.ttfts, 0.95),
-                "preemptions_per_request": self.preemptions / self.requests if self.requests else None}
+                "preemptions_per_request": self.preemptions / self.requests if self.requests else None,
+                "tpot_p50_seconds": percentile(self.tpots, 0.5), "tpot_p95_seconds": percentile(self.tpots, 0.95)}
 
 
 def min_requests(rollout: dict, condition: StopCondition) -> int:
@@ -135,6 +144,11 @@ def validate_policy(policy: object) -> dict:
                 parse_reservation(str(value))
             except ValueError as exc:
                 raise ServiceError(400, f"policy.settings.reservation: {exc}", "policy") from None
+        if key == "speculative_config":
+            try:
+                speculative_config(value)
+            except ValueError as exc:
+                raise ServiceError(400, f"policy.settings.speculative_config: {exc}", "policy") from None
     wanted = policy.get("min_requests")
     if wanted is not None and (not isinstance(wanted, int) or isinstance(wanted, bool) or wanted < 1):
         raise ServiceError(400, f"policy.min_requests: must be a whole number of at least 1, got {wanted!r}",
@@ -163,6 +177,7 @@ class RolloutManager:
         # force (the cohort is gone), stored by the next evaluate() that can; lost if kvd stops first
         self.unstored: dict | None = None
         self.candidate = None  # its reservation policy instance (learns as its cohort finishes)
+        self.candidate_speculation = None  # its cohort's SpeculationOverride (speculative_config); None: the engine's
         self.cohort = CohortStats()
         self.baseline = CohortStats()
         self.figures_since: float | None = None  # when the live figures started counting
@@ -245,8 +260,13 @@ class RolloutManager:
         self.cohort, self.baseline = CohortStats(), CohortStats()
         self.figures_since = None if rollout is None else self.clock()
         self.candidate = None
-        if rollout is not None and "reservation" in rollout["policy"]["settings"]:
-            self.candidate = parse_reservation(str(rollout["policy"]["settings"]["reservation"]))
+        self.candidate_speculation = None  # the cohort's SpeculationOverride; None: the engine's speculation
+        settings = {} if rollout is None else rollout["policy"]["settings"]
+        if "reservation" in settings:
+            self.candidate = parse_reservation(str(settings["reservation"]))
+        if "speculative_config" in settings:
+            self.candidate_speculation = SpeculationOverride(speculation_of(speculative_config(
+                settings["speculative_config"])))
 
     # ---- transitions -------------------------------------------------------------------------
     def start(self, policy: dict, fraction: str | float, stops: list[str], adr_id: int | None,
@@ -390,14 +410,15 @@ class RolloutManager:
 
     # ---- traffic -----------------------------------------------------------------------------
     def assign(self, tenant: str, request_id: str):
-        """(reservation policy, cohort label) for a new request; (None, None) with no rollout."""
+        """(reservation policy, SpeculationOverride, cohort label) for a new request: the cohort's
+        own where the policy sets them, else None (the engine's); (None, None, None) with no rollout."""
         with self.lock:
             rollout = self.active
             if rollout is None:
-                return None, None
+                return None, None, None
             key = request_id if rollout["policy"].get("by") == "request" else tenant
             chosen = rollout["state"] == "running" and in_cohort(rollout["id"], key, rollout["fraction"])
-            return (self.candidate, "candidate") if chosen else (None, "baseline")
+            return (self.candidate, self.candidate_speculation, "candidate") if chosen else (None, None, "baseline")
 
     def observe(self, request: Request) -> None:
         with self.lock:

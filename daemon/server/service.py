@@ -604,9 +604,10 @@ class EngineService:
                 for prompt_ids, keys, grammars in zip(submission.prompts, submission.hashed,
                                                       submission.grammars or [None] * len(submission.prompts)):
                     request_id = f"req-{secrets.token_hex(6)}"
-                    reservation, cohort = self.rollouts.assign(submission.principal.tenant, request_id)
+                    reservation, speculation, cohort = self.rollouts.assign(submission.principal.tenant, request_id)
                     request = engine.add_request(prompt_ids, submission.params, tenant=submission.principal.tenant,
                                                  request_id=request_id, reservation=reservation, cohort=cohort,
+                                                 speculation=speculation,
                                                  prefix_keys=keys, prompt_checked=True, grammars=grammars,
                                                  priority=submission.priority, adapter=submission.adapter)
                     self._sinks[request.request_id] = submission.sink
