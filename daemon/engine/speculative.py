@@ -60,9 +60,13 @@ class Speculator:
     def configure(self, config: NgramSpeculation | None) -> None:
         """Serve `config` from the next step on (None: no drafts); the totals carry on."""
         self.config = config
+        if config is not None:
+            self._count_positions(config.num_speculative_tokens)
+
+    def _count_positions(self, k: int) -> None:
+        """Per-position totals for drafts of up to k tokens (zeros until one is kept there)."""
         per_position = self.stats.accepted_per_position
-        if config is not None and len(per_position) < config.num_speculative_tokens:
-            per_position += [0] * (config.num_speculative_tokens - len(per_position))
+        per_position += [0] * (k - len(per_position))
 
     def draft(self, seq: Sequence, running: int, budget: int) -> list[int]:
         """Up to k draft tokens for `seq` (which decodes this step), within `budget` rows and its
@@ -96,8 +100,7 @@ class Speculator:
         stats.draft_tokens += len(draft)
         stats.accepted_tokens += accepted
         stats.emitted_tokens += len(tokens)
-        if accepted > len(stats.accepted_per_position):  # a cohort's k above the engine's
-            stats.accepted_per_position += [0] * (accepted - len(stats.accepted_per_position))
+        self._count_positions(accepted)  # a rollout cohort's k may be above the engine's
         for position in range(accepted):
             stats.accepted_per_position[position] += 1
         return accepted

@@ -1,11 +1,10 @@
 """Rollouts of live policy settings to a cohort, with stop conditions that roll back by themselves.
 
-A policy file versions the settings a cohort gets (the output `reservation`, and
-`speculative_config`: speculative decoding on, off or tuned for the cohort alone, judged by its time
-per output token; the eviction policy is one per cache pool and changes through the config and
-SIGHUP). Requests
-join the cohort by a stable hash of their tenant (or of the request id with `by: request`);
-cohort and baseline figures are kept apart. `evaluate()` runs on a schedule: when a stop
+A policy file versions the settings a cohort gets: the output `reservation`, and
+`speculative_config` (speculative decoding on, off or tuned for the cohort alone, judged by its
+time per output token). The eviction policy is one per cache pool and changes through the config
+and SIGHUP. Requests join the cohort by a stable hash of their tenant (or of the request id with
+`by: request`); cohort and baseline figures are kept apart. `evaluate()` runs on a schedule: when a stop
 condition trips, the rollout rolls back and records which condition and the values. Every
 transition is stored with who and when, with the cohort and baseline figures at that moment,
 so a finished rollout still shows what it was judged on. A restart resumes the rollout in its
