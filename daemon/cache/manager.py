@@ -291,10 +291,7 @@ class KVCacheManager:
         table, reserve = seq.table, seq.reserve
         old_tokens = seq.num_tokens
         new_tokens = old_tokens + num_tokens
-        grow = -(-new_tokens // size) - len(table)
-        tail_shared = (num_tokens > 0 and old_tokens % size != 0
-                       and pool.blocks[table[-1]].ref_count > 1)
-        from_pool = grow + tail_shared - len(reserve)
+        grow, tail_shared, from_pool = self._growth(seq, num_tokens)
         now = self._clock()
         if from_pool > 0:
             available = pool.available()
@@ -324,6 +321,15 @@ class KVCacheManager:
         if last_full > first_full:
             pool.insert_many(table, keys, first_full, last_full, now, seq.tenant, seq.priority)
         return copies
+
+    def _growth(self, seq: SequenceState, num_tokens: int) -> tuple[int, bool, int]:
+        """What writing `num_tokens` more takes: blocks the table grows by, whether its shared
+        partial tail block must be copied first, and blocks needed beyond the reservation."""
+        size = self.block_size
+        grow = -(-(seq.num_tokens + num_tokens) // size) - len(seq.table)
+        tail_shared = (num_tokens > 0 and seq.num_tokens % size != 0
+                       and self.pool.blocks[seq.table[-1]].ref_count > 1)
+        return grow, tail_shared, grow + tail_shared - len(seq.reserve)
 
     def append_tokens(self, seq_id: str, token_ids: Sequence[int]) -> list[tuple[int, int]]:
         """`append` for tokens given by id (decode); their full blocks get chain keys."""
@@ -355,12 +361,9 @@ class KVCacheManager:
             raise InvalidRequest(f"request {seq_id}: already holds a draft of {seq.draft} tokens")
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise InvalidRequest(f"request {seq_id}: draft num_tokens must be >= 1, got {num_tokens!r}")
-        size, pool = self.block_size, self.pool
-        grow = -(-(seq.num_tokens + num_tokens) // size) - len(seq.table)
-        tail_shared = seq.num_tokens % size != 0 and pool.blocks[seq.table[-1]].ref_count > 1
-        borrowed = max(0, grow + tail_shared - len(seq.reserve))
-        if borrowed > pool.num_free:
-            raise CacheFull(seq_id, borrowed, pool.num_free, self.num_blocks)
+        borrowed = max(0, self._growth(seq, num_tokens)[2])
+        if borrowed > self.pool.num_free:
+            raise CacheFull(seq_id, borrowed, self.pool.num_free, self.num_blocks)
         known = len(seq.keys)
         copies = self.append(seq_id, num_tokens)
         assert len(seq.keys) == known  # nothing of a draft is indexed
