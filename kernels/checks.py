@@ -24,6 +24,12 @@ def check(condition: bool, name: str, message: str) -> None:
         raise KernelArgumentError(f"{name}: {message}")
 
 
+def check_window(window: int | None) -> None:
+    """A sliding window is a positive number of tokens, or None for full attention."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        check(False, "window", f"must be a positive number of tokens or None, got {window!r}")
+
+
 def check_tensor(name: str, t: torch.Tensor, *, ndim: int, dtypes: tuple[torch.dtype, ...],
                  contiguous: bool = True) -> None:
     # The messages are built only on failure: these checks run for every layer of every step.

@@ -144,8 +144,12 @@ def launches_for(config: Config) -> list:
         for partition in (128, 64):  # one split (the output written directly), then two merged
             paged_decode_attention(decode_q, k_cache, v_cache, decode_tables, decode_lengths, scale=dim ** -0.5,
                                    partition_size=partition, **scales)
-        paged_prefill_attention(torch.zeros((5, config.heads, dim), dtype=query), k_cache, v_cache, tables,
-                                torch.tensor([0, 2, 5], dtype=torch.int32), lengths, scale=dim ** -0.5, **scales)
+        paged_decode_attention(decode_q, k_cache, v_cache, decode_tables, decode_lengths, scale=dim ** -0.5,
+                               partition_size=64, window=96, **scales)  # a sliding-window layer
+        for window in (None, 24):
+            paged_prefill_attention(torch.zeros((5, config.heads, dim), dtype=query), k_cache, v_cache, tables,
+                                    torch.tensor([0, 2, 5], dtype=torch.int32), lengths, scale=dim ** -0.5,
+                                    window=window, **scales)
         copy_blocks(k_cache, v_cache, torch.tensor([0]), torch.tensor([1]))
     return launches
 

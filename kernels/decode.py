@@ -15,12 +15,14 @@ Layouts::
     k/v_cache     [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables  [num_seqs, max_blocks] int32   logical block -> physical block
     context_lens  [num_seqs] int32               tokens to attend (>= 1)
+    window        int or None                    a sliding-window layer: the last `window` tokens only
     k/v_scale     [num_kv_heads] float32         quantised caches only
     out           [num_seqs, num_heads, head_dim]
 
-Tokens are read a tile (`DecodeLaunch.tile`) at a time; a token's address is computed from its own
-block-table entry, so any block size works and the tables may be scattered.
-Offsets are 64-bit.
+With a window, the partitions cover only the window's tokens, so the tokens before it are never
+read and a long context costs what its window costs. Tokens are read a tile (`DecodeLaunch.tile`)
+at a time; a token's address is computed from its own block-table entry, so any block size works
+and the tables may be scattered. Offsets are 64-bit.
 """
 
 from dataclasses import dataclass, replace
@@ -29,7 +31,7 @@ import torch
 
 from ._triton import interpreting, tl, triton
 from .checks import (CheckedOnce, check, check_cache, check_device, check_query, check_scales,
-                     check_tensor, next_power_of_2)
+                     check_tensor, check_window, next_power_of_2)
 from .formats import from_cache
 from .launch import TritonLaunch, check_tile
 from .paged_tile import head_scales, load_kv_tile, online_softmax_step
@@ -114,6 +116,7 @@ def _decode_partial_kernel(
     stride_cb, stride_co, stride_ch,
     stride_bt,
     partition_size, block_size, head_dim, group_size, num_splits, head_chunks,
+    window,  # tokens a sliding-window layer attends to (SLIDING only)
     GROUP_P: tl.constexpr,  # query heads per program (of one KV head), padded to >= 16 for tl.dot
     DIM_P: tl.constexpr,  # head_dim padded to a power of two
     TILE: tl.constexpr,  # tokens per step
@@ -122,13 +125,17 @@ def _decode_partial_kernel(
     DOT_F32: tl.constexpr,  # multiply in float32 (float32 queries, or the CPU interpreter)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for float32, the default otherwise
     DIRECT: tl.constexpr,  # one split: normalise and write `out` here (the part buffers are unused)
+    SLIDING: tl.constexpr,  # attend to the last `window` tokens only
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // head_chunks
     chunk = tl.program_id(1) % head_chunks
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = split * partition_size
+    if SLIDING:  # the splits cover the window, from its first token
+        start = tl.maximum(context_len - window, 0) + split * partition_size
+    else:
+        start = split * partition_size
     end = tl.minimum(start + partition_size, context_len)
 
     group = chunk * GROUP_P + tl.arange(0, GROUP_P)  # this program's query heads within the group
@@ -154,7 +161,7 @@ def _decode_partial_kernel(
                             block_size)
         row_max, row_sum, acc = online_softmax_step(
             q, k.to(q.dtype), v.to(q.dtype), token_mask[None, :], qk_scale, row_max, row_sum, acc,
-            PRECISION)
+            PRECISION, False)
 
     if DIRECT:  # what the merge makes of a single split: the output over its own sum
         out = acc * (out_scale / row_sum)[:, None]
@@ -298,19 +305,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            max_context: int | None = None,
                            partition_size: int | None = None,
-                           launch: DecodeLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
+                           launch: DecodeLaunch = DEFAULT_LAUNCH, window: int | None = None) -> torch.Tensor:
     """Decode attention over the paged cache (Triton). See the module docstring for layouts.
 
     `max_context` (the largest context length) saves a device sync when the caller knows it.
     `launch` sets tile, warps, stages and split target (`DecodeLaunch`).
+    `window`: a sliding-window layer's span; each sequence attends to its last `window` tokens.
     """
+    check_window(window)
     if max_context is None or (isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] == 0):
         _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)  # before reading them
         if q.shape[0] == 0:
             return torch.empty_like(q)
         if max_context is None:
             max_context = int(context_lens.max())
-    plan = _plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, max_context, partition_size,
+    span = max_context if window is None else min(max_context, window)  # the most tokens any sequence attends to
+    plan = _plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, span, partition_size,
                  launch)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -331,11 +341,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
-        plan.partition_size, block_size, head_dim, plan.group, num_splits, plan.head_chunks,
+        plan.partition_size, block_size, head_dim, plan.group, num_splits, plan.head_chunks, window or 0,
         GROUP_P=plan.heads_per_program, DIM_P=next_power_of_2(head_dim),
         TILE=launch.tile, QUANT=quantised,
         FP16_DOT=plan.fp16_dot, DOT_F32=plan.dot_f32, PRECISION="ieee" if plan.dot_f32 else "tf32",
-        DIRECT=plan.direct, **launch.compile_options(),
+        DIRECT=plan.direct, SLIDING=window is not None, **launch.compile_options(),
     )
     if plan.direct:
         return out
@@ -357,10 +367,11 @@ def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 
 
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               causal_offset: int | None = None) -> torch.Tensor:
+               causal_offset: int | None = None, window: int | None = None) -> torch.Tensor:
     """Softmax attention in float32. q [n, H, D]; k, v [t, H_kv, D] -> [n, H, D].
 
-    With `causal_offset` c, query i sits at position c + i and sees keys 0..c+i.
+    With `causal_offset` c, query i sits at position c + i and sees keys 0..c+i; with a
+    `window` W as well, only the last W of them: keys c+i-W+1..c+i (transformers' sliding window).
     """
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -368,7 +379,10 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     scores = torch.einsum("nhd,thd->hnt", q.float(), k) * scale
     if causal_offset is not None:
         positions = causal_offset + torch.arange(q.shape[0], device=q.device)
-        visible = torch.arange(k.shape[0], device=q.device)[None, :] <= positions[:, None]
+        keys = torch.arange(k.shape[0], device=q.device)[None, :]
+        visible = keys <= positions[:, None]
+        if window is not None:
+            visible &= keys > positions[:, None] - window
         scores = scores.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), v)
 
@@ -376,8 +390,9 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
                                k_scale: torch.Tensor | None = None,
-                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                               v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Plain-torch twin of `paged_decode_attention`: gathers each sequence through its table."""
+    check_window(window)
     _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     out = torch.empty_like(q)
     for seq in range(q.shape[0]):
@@ -385,7 +400,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         check(length >= 1, "context_lens", f"sequence {seq} has length {length}; need >= 1")
         k = gather_sequence(k_cache, block_tables[seq], length, k_scale)
         v = gather_sequence(v_cache, block_tables[seq], length, v_scale)
-        out[seq] = attend_ref(q[seq:seq + 1], k, v, scale)[0].to(q.dtype)
+        out[seq] = attend_ref(q[seq:seq + 1], k, v, scale, causal_offset=length - 1, window=window)[0].to(q.dtype)
     return out
 
 

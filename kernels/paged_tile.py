@@ -43,13 +43,20 @@ def head_scales(sm_scale, kv_head, k_scale_ptr, v_scale_ptr, QUANT: tl.constexpr
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, sm_scale, row_max, row_sum, acc, PRECISION: tl.constexpr):
-    """q [M, D], k/v [TILE, D] in q's dtype, visible [M, TILE]; returns the updated triple."""
+def online_softmax_step(q, k, v, visible, sm_scale, row_max, row_sum, acc, PRECISION: tl.constexpr,
+                        MAY_SEE_NONE: tl.constexpr):
+    """q [M, D], k/v [TILE, D] in q's dtype, visible [M, TILE]; returns the updated triple.
+    MAY_SEE_NONE: a row may have seen no key yet after this tile (a sliding window that starts
+    in a later tile); its max stays -inf and it must not turn into NaN."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
-    probs = tl.exp(scores - new_max[:, None])
-    alpha = tl.exp(row_max - new_max)
+    if MAY_SEE_NONE:  # exp(-inf - -inf) is NaN: subtract 0 instead, which leaves every term 0
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    else:
+        shift = new_max
+    probs = tl.exp(scores - shift[:, None])
+    alpha = tl.exp(row_max - shift)
     row_sum = row_sum * alpha + tl.sum(probs, 1)
     acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), v, input_precision=PRECISION)
     return new_max, row_sum, acc

@@ -3,7 +3,9 @@
 Each sequence brings `n` new query tokens (already written to the cache) after a
 cached prefix of `context_len - n` tokens: a prefix hit or an earlier chunk of a
 long prompt. Only the new rows are computed. Program (seq, row tile, head)
-streams key tiles up to the tile's last position with an online softmax.
+streams key tiles up to the tile's last position with an online softmax. A sliding-window
+layer (`window`) sees only the last `window` keys of each row; the key tiles start at the
+first row's window, so keys before every row's window are never read.
 
 Layouts::
 
@@ -20,7 +22,7 @@ import torch
 
 from ._triton import interpreting, tl, triton
 from .checks import (CheckedOnce, check, check_cache, check_device, check_query, check_scales,
-                     check_tensor, next_power_of_2)
+                     check_tensor, check_window, next_power_of_2)
 from . import decode
 from .decode import attend_ref, gather_sequence, step_fits
 from .launch import TritonLaunch, check_tile
@@ -80,12 +82,14 @@ def _prefill_kernel(
     stride_cb, stride_co, stride_ch,
     stride_bt,
     block_size, head_dim, group_size,
+    window,  # tokens a sliding-window layer attends to (SLIDING only)
     ROWS: tl.constexpr,
     TILE: tl.constexpr,
     DIM_P: tl.constexpr,
     QUANT: tl.constexpr,
     DOT_F32: tl.constexpr,  # multiply in float32 (float32 queries, or the CPU interpreter)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for float32, the default otherwise
+    SLIDING: tl.constexpr,  # each row sees its last `window` keys only
 ):
     seq = tl.program_id(0).to(tl.int64)
     row_tile = tl.program_id(1)
@@ -113,15 +117,22 @@ def _prefill_kernel(
     acc = tl.zeros([ROWS, DIM_P], tl.float32)
     qk_scale, out_scale = head_scales(sm_scale, kv_head, k_scale_ptr, v_scale_ptr, QUANT)
     key_end = tl.minimum(context_len, prefix + (row_tile + 1) * ROWS)
-    for tile_start in range(0, key_end, TILE):
+    if SLIDING:  # from the first row's window on
+        key_start = tl.maximum(prefix + row_tile * ROWS - window + 1, 0)
+    else:
+        key_start = 0
+    for tile_start in range(key_start, key_end, TILE):
         keys = tile_start + tl.arange(0, TILE)
         key_mask = keys < key_end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, keys,
                             key_mask, kv_head, dims, dim_mask, stride_cb, stride_co, stride_ch,
                             block_size)
         visible = key_mask[None, :] & (keys[None, :] <= positions[:, None])
+        if SLIDING:
+            visible = visible & (keys[None, :] > positions[:, None] - window)
         row_max, row_sum, acc = online_softmax_step(
-            q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, row_max, row_sum, acc, PRECISION)
+            q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, row_max, row_sum, acc, PRECISION,
+            SLIDING)
 
     out = acc * (out_scale / row_sum)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -163,12 +174,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             context_lens: torch.Tensor, *, scale: float,
                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                             max_new_tokens: int | None = None,
-                            launch: PrefillLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
+                            launch: PrefillLaunch = DEFAULT_LAUNCH, window: int | None = None) -> torch.Tensor:
     """Causal attention of new tokens over prefix + themselves (Triton); see the module docstring.
 
     `max_new_tokens` (the most new tokens of any sequence) saves a device sync when known.
     `launch` sets rows, tile, warps and stages (`PrefillLaunch`).
+    `window`: a sliding-window layer's span; each row attends to its last `window` keys.
     """
+    check_window(window)
     group, quantised, launch, dot_f32 = _CHECKED.get(
         (q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale),
         (launch, decode.STEP_TILE_BYTES),  # the budget the launch is fitted to
@@ -188,9 +201,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_scale if quantised else placeholder, v_scale if quantised else placeholder, out,
         float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        block_size, head_dim, group,
+        block_size, head_dim, group, window or 0,
         ROWS=launch.rows, TILE=launch.tile, DIM_P=next_power_of_2(head_dim), QUANT=quantised,
-        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", **launch.compile_options(),
+        DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", SLIDING=window is not None,
+        **launch.compile_options(),
     )
     return out
 
@@ -199,8 +213,9 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                 context_lens: torch.Tensor, *, scale: float,
                                 k_scale: torch.Tensor | None = None,
-                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                                v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Plain-torch twin of `paged_prefill_attention`."""
+    check_window(window)
     _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale)
     out = torch.empty_like(q)
     for seq in range(context_lens.shape[0]):
@@ -213,5 +228,5 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k = gather_sequence(k_cache, block_tables[seq], length, k_scale)
         v = gather_sequence(v_cache, block_tables[seq], length, v_scale)
         out[start:stop] = attend_ref(q[start:stop], k, v, scale,
-                                     causal_offset=length - (stop - start)).to(q.dtype)
+                                     causal_offset=length - (stop - start), window=window).to(q.dtype)
     return out

@@ -23,6 +23,11 @@ reused by every layer, and kept across steps while the decoding sequences keep t
 A prompt chunk attends to its cached prefix without a mask and to itself with a causal square
 (so the masked half is skipped), merged the same way.
 
+A sliding-window layer (`window`, planned apart from the full layers) shares nothing: each
+decode reads only the blocks its rows' windows reach, masked below the window, and a prompt
+chunk whose window has moved past the first key attends once over the keys its rows can see,
+with a band mask.
+
     q                [total_new_tokens, num_heads, head_dim]
     query_start_loc  [num_seqs + 1] int32
     context_lens     [num_seqs] int32
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .checks import check, check_window
 from .formats import from_cache
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -99,6 +105,7 @@ class DecodePlan:
     rows: int = 1  # query rows per sequence (1: plain decode)
     row_index: torch.Tensor | None = None  # padded row of each real row, batch order
     stack: PrefixStack | None = None  # the groups' prefixes in one call, when worth it
+    window: int | None = None  # a sliding-window layer's span (no groups then; see plan_decode)
 
 
 @dataclass
@@ -108,6 +115,7 @@ class AttentionPlan:
     decode_rows: torch.Tensor | None  # rows of q that decode; None when every row does
     decode: DecodePlan | None
     prefills: list[tuple[int, int, int, int]]  # (first row, end row, sequence, blocks used)
+    window: int | None = None  # planned for a sliding-window layer of this span; None: full attention
 
 
 DECODE_MAX_ROWS = 16  # a sequence with at most this many new tokens is attended as decode rows
@@ -118,11 +126,13 @@ BlockContent = Callable[[int], Hashable | None]  # block id -> what it holds (a 
 
 def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                    block_size: int, max_new_tokens: int | None = None,
-                   previous: AttentionPlan | None = None, block_content: BlockContent | None = None) -> AttentionPlan:
+                   previous: AttentionPlan | None = None, block_content: BlockContent | None = None,
+                   window: int | None = None) -> AttentionPlan:
     """Group a batch once per step: decodes (cascaded over shared prefixes) and prefills.
     `previous` (the last step's plan): its decode grouping is kept when this step's decoding
     sequences are laid out as before, beside prompt chunks or not; its stacked prefix copy is
-    kept when the new grouping stacks the same contents (`block_content`, see `plan_decode`)."""
+    kept when the new grouping stacks the same contents (`block_content`, see `plan_decode`).
+    `window`: the plan of a sliding-window layer of that span (see `plan_decode`)."""
     splits = torch.get_num_threads()
     if max_new_tokens == 1:
         counts = None
@@ -133,19 +143,20 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, co
     if decodes is None or len(decodes) == len(counts):
         reuse = previous.decode if previous is not None else None
         return AttentionPlan(None, plan_decode(block_tables, context_lens, block_size, splits, reuse=reuse,
-                                               counts=counts, block_content=block_content), [])
+                                               counts=counts, block_content=block_content, window=window), [],
+                             window)
     decode = rows = None
     if decodes:
         index = torch.tensor(decodes, device=block_tables.device)
         decode = plan_decode(block_tables[index], context_lens[index], block_size, splits,
                              reuse=previous.decode if previous is not None else None,
-                             counts=[counts[s] for s in decodes], block_content=block_content)
+                             counts=[counts[s] for s in decodes], block_content=block_content, window=window)
         rows = torch.tensor([r for s in decodes for r in range(starts[s], starts[s + 1])], device=block_tables.device)
     lengths = context_lens.tolist()
     chosen = set(decodes)
     prefills = [(starts[s], starts[s + 1], s, -(-lengths[s] // block_size))
                 for s in range(len(counts)) if s not in chosen]
-    return AttentionPlan(rows, decode, prefills)
+    return AttentionPlan(rows, decode, prefills, window)
 
 
 DECODE_MAX_PADDING = 2  # decode rows, padding included, stay within this many times the real ones
@@ -182,7 +193,8 @@ SOLO_MAX = 4  # ...for at most this many decodes of a batch (each is one more ca
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, splits: int = 1,
                 min_split_keys: int = SPLIT_MIN_KEYS, reuse: DecodePlan | None = None,
-                counts: list[int] | None = None, block_content: BlockContent | None = None) -> DecodePlan:
+                counts: list[int] | None = None, block_content: BlockContent | None = None,
+                window: int | None = None) -> DecodePlan:
     """Group decodes by shared leading blocks (those with the same first block share what all of
     them share) and lay out every sequence's remaining blocks as one padded suffix table.
 
@@ -204,21 +216,30 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     Otherwise (a sequence took a new block, joined or left) the grouping is redone, but the
     copy of the stacked prefixes is kept when they hold the same contents as `reuse`'s:
     `block_content(block)` names what a block holds (the prefix index's content key, which
-    covers the tokens, the model and the scales), None when nothing vouches for it."""
+    covers the tokens, the model and the scales), None when nothing vouches for it.
+
+    With a `window` (a sliding-window layer) nothing is grouped: a shared prefix soon falls out of
+    every member's window. Each sequence's suffix starts at the block holding the first key its
+    earliest row sees, so the blocks before the window are never read, and the mask hides the
+    keys below each row's window as well as those after it."""
     tables, lengths = block_tables.tolist(), context_lens.tolist()
     num_seqs, device = len(lengths), block_tables.device
     rows = max(counts) if counts else 1
     ends = [-(-n // block_size) for n in lengths]  # blocks in use per sequence
     used = [row[:end] for row, end in zip(tables, ends)]  # the batch pads tables to its widest
-    layout = (used, block_size, splits, min_split_keys, counts if rows > 1 else None)
+    skipped = None  # with a window: each sequence's blocks before its first real row's window
+    if window is not None:
+        firsts = [n - (counts[s] if counts else 1) for s, n in enumerate(lengths)]  # its first new token
+        skipped = tuple(max(0, first + 1 - window) // block_size for first in firsts)
+    layout = (used, block_size, splits, min_split_keys, counts if rows > 1 else None, window, skipped)
     if reuse is not None and reuse.layout == layout:
         return replace(reuse, suffix_mask=_suffix_mask(reuse.key_positions, [lengths[s] for s in reuse.order_list],
-                                                       rows))
+                                                       rows, window))
     by_first: dict[int, list[int]] = {}
     for seq, (row, length) in enumerate(zip(tables, lengths)):
-        if length - rows >= block_size:
+        if window is None and length - rows >= block_size:
             by_first.setdefault(row[0], []).append(seq)
-    prefix = [0] * num_seqs
+    prefix = [0] * num_seqs if skipped is None else list(skipped)  # blocks before each suffix
     groups: list[PrefixGroup] = []
     order: list[int] = []
     for first, members in by_first.items():
@@ -260,9 +281,9 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
                                  device=device)
     return DecodePlan(num_seqs, groups, prefix, order_t, inverse,
                       torch.tensor(suffix, dtype=torch.long, device=device),
-                      _suffix_mask(positions, [lengths[s] for s in order], rows), layout, tuple(order), positions,
-                      rows, row_index, _plan_stack(stacked_groups, tables, block_size, device, block_content,
-                                                   reuse.stack if reuse is not None else None))
+                      _suffix_mask(positions, [lengths[s] for s in order], rows, window), layout, tuple(order),
+                      positions, rows, row_index, _plan_stack(stacked_groups, tables, block_size, device, block_content,
+                                                              reuse.stack if reuse is not None else None), window)
 
 
 def _solo_groups(tables: list[list[int]], lengths: list[int], rows: int, block_size: int, splits: int,
@@ -344,17 +365,26 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return rows.view(*blocks.shape, *cache.shape[1:])
 
 
-def _suffix_mask(positions: torch.Tensor, lengths: list[int], rows: int = 1) -> torch.Tensor:
+def _suffix_mask(positions: torch.Tensor, lengths: list[int], rows: int = 1,
+                 window: int | None = None) -> torch.Tensor:
     """[S, 1, rows, T] additive mask: row j of a sequence of context length n sees the suffix
-    keys before n - rows + j + 1 (0), not the later ones (-inf). Every row sees at least key 0,
-    so a padding row never turns into NaN."""
+    keys before n - rows + j + 1 (0), not the later ones (-inf), and with a `window` W only the
+    last W of those. Every row sees at least one key, so a padding row never turns into NaN."""
     length = torch.tensor(lengths, device=positions.device)
     if rows == 1:
         mask = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
-        return mask.masked_fill_(positions >= length[:, None], float("-inf"))[:, None, None, :]
+        hidden = positions >= length[:, None]
+        if window is not None:
+            hidden |= positions < length[:, None] - window
+        return mask.masked_fill_(hidden, float("-inf"))[:, None, None, :]
     ends = (length[:, None] - rows + 1 + torch.arange(rows, device=positions.device)[None, :]).clamp_(min=1)
     mask = torch.zeros((len(lengths), rows, positions.shape[1]), dtype=torch.float32, device=positions.device)
-    return mask.masked_fill_(positions[:, None, :] >= ends[:, :, None], float("-inf"))[:, None]
+    if window is not None:  # a padding row before the suffix's first key sees that key
+        ends = torch.maximum(ends, positions[:, :1] + 1)
+    hidden = positions[:, None, :] >= ends[:, :, None]
+    if window is not None:
+        hidden |= positions[:, None, :] < ends[:, :, None] - window
+    return mask.masked_fill_(hidden, float("-inf"))[:, None]
 
 
 def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -386,12 +416,17 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                           context_lens: torch.Tensor, *, scale: float, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None, max_new_tokens: int | None = None,
-                          plan: AttentionPlan | None = None) -> torch.Tensor:
+                          plan: AttentionPlan | None = None, window: int | None = None) -> torch.Tensor:
     """Decodes (one new token) are attended together; each prefill on its own, so a mixed
     batch never pads every decode row to the longest prompt chunk. `plan` (from
-    `plan_attention`, the same for every layer of a step) saves regrouping per layer."""
+    `plan_attention`, the same for every layer of a step) saves regrouping per layer; it must
+    have been planned for the same `window` (a sliding-window layer's span, None: full)."""
+    check_window(window)
     if plan is None:
-        plan = plan_attention(block_tables, query_start_loc, context_lens, k_cache.shape[1], max_new_tokens)
+        plan = plan_attention(block_tables, query_start_loc, context_lens, k_cache.shape[1], max_new_tokens,
+                              window=window)
+    elif plan.window != window:
+        check(False, "plan", f"was planned for window {plan.window}, not {window}")
     if plan.decode_rows is None and not plan.prefills:
         return _attend_decode(q, k_cache, v_cache, plan.decode, scale, k_scale, v_scale)
     out = torch.empty_like(q)
@@ -400,7 +435,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                                k_scale, v_scale)
     for begin, end, seq, used in plan.prefills:
         out[begin:end] = _attend_prefill(q[begin:end], k_cache, v_cache, block_tables[seq, :used],
-                                         int(context_lens[seq]), scale, k_scale, v_scale)
+                                         int(context_lens[seq]), scale, k_scale, v_scale, window)
     return out
 
 
@@ -524,25 +559,35 @@ def _rows(cache: torch.Tensor, blocks: list[int], lo: int, hi: int, block_size: 
 
 def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                     context_len: int, scale: float, k_scale: torch.Tensor | None,
-                    v_scale: torch.Tensor | None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
     """One sequence's new rows q [N, H, D] over its blocks `table`: the new rows causal among
     themselves (a square: one causal call that skips the masked half), and every cached key
     before them visible without a mask: the leading run of consecutive blocks (usually the
-    shared prompt) read in place, the rest gathered. Partial results merge by log-sum-exp."""
+    shared prompt) read in place, the rest gathered. Partial results merge by log-sum-exp.
+    With a `window` that hides keys from some row, one call over the keys from the first row's
+    window on, with a band mask."""
     width = q.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     blocks = table.tolist()
     queries = q.float().view(width, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, N, D]
 
-    def attend(lo: int, hi: int, causal: bool = False):
+    def attend(lo: int, hi: int, causal: bool = False, mask: torch.Tensor | None = None):
         # K/V as [Hkv, G, T, D] with a stride-0 G axis: each KV head serves its query heads uncopied
         shape = (num_kv_heads, group, hi - lo, head_dim)
         k = from_cache(_rows(k_cache, blocks, lo, hi, block_size), k_scale).transpose(0, 1).unsqueeze(1)
         v = from_cache(_rows(v_cache, blocks, lo, hi, block_size), v_scale).transpose(0, 1).unsqueeze(1)
-        return _attend_lse(queries, k.expand(shape), v.expand(shape), scale, causal=causal)
+        return _attend_lse(queries, k.expand(shape), v.expand(shape), scale, mask=mask, causal=causal)
 
     cached = context_len - width
+    if window is not None and context_len > window:  # the last row's window starts past key 0
+        lo = max(0, cached - window + 1)
+        keys = torch.arange(lo, context_len, device=q.device)[None, :]
+        rows = cached + torch.arange(width, device=q.device)[:, None]
+        band = torch.zeros((width, context_len - lo), dtype=torch.float32, device=q.device)
+        band.masked_fill_((keys > rows) | (keys <= rows - window), float("-inf"))
+        out, _ = attend(lo, context_len, mask=band[None, None])
+        return out.permute(2, 0, 1, 3).reshape(width, q.shape[1], head_dim).to(q.dtype)
     out, lse = attend(cached, context_len, causal=True)
     in_place = min(_leading_run(blocks) * block_size, cached)
     parts = [(lo, hi) for lo, hi in ((0, in_place), (in_place, cached)) if hi > lo]
