@@ -38,6 +38,9 @@ def tiny_config(kind: str):
         return transformers.MistralConfig(**TINY, num_key_value_heads=1, sliding_window=None)
     if kind == "mistral-window":  # Mistral 7B v0.1's sliding window, short enough for a test to pass it
         return transformers.MistralConfig(**TINY, num_key_value_heads=1, sliding_window=24)
+    if kind == "qwen2-window":  # Qwen's use_sliding_window: layer 0 attends in full, layer 1 slides
+        return transformers.Qwen2Config(**TINY, num_key_value_heads=1, tie_word_embeddings=True,
+                                        use_sliding_window=True, sliding_window=24, max_window_layers=1)
     raise ValueError(kind)
 
 

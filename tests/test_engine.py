@@ -388,7 +388,7 @@ def test_the_stacked_system_prompts_are_copied_once_while_decodes_take_new_block
         plans = []
         while engine.has_work():
             engine.step()
-            plan = engine.model._last_plan.decode
+            plan = engine.model._plans[None].decode
             if plan is not None and plan.stack is not None:
                 plans.append(plan)
     finally:

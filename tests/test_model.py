@@ -85,75 +85,89 @@ def test_unsupported_architecture_and_missing_tensor_are_named(tmp_path):
         load_model(empty)
 
 
-def test_a_sliding_window_model_serves_contexts_up_to_its_window_with_transformers_tokens(tmp_path):
-    """Mistral 7B v0.1 slides a 4,096-token window; kvd attends in full, which equals the window
-    only while the context fits in it. So the window is the longest context kvd serves."""
-    from kvctl.daemon.engine.sampling import ContextLengthExceeded
+LONG_PROMPT = [(i * 37 + 5) % 300 for i in range(70)]  # three windows of 24 tokens
 
-    hf = build_checkpoint("mistral-window", tmp_path)  # a window of 24 tokens, 512 positions
+
+@pytest.mark.parametrize("kind", ["mistral-window", "qwen2-window"])
+def test_a_sliding_window_model_attends_to_its_window_past_it_as_transformers_does(kind, tmp_path):
+    """Mistral 7B v0.1 slides every layer's window (4,096 tokens); Qwen's `use_sliding_window` the
+    layers from `max_window_layers` on. Here a window of 24 tokens and a 70-token prompt: logits
+    of a whole prefill, then greedy tokens through prompt chunks of 32 tokens (whose windows start
+    in the chunk before) and decodes, and a second request that hits the first one's blocks."""
+    hf = build_checkpoint(kind, tmp_path)
     loaded = load_model(tmp_path)
-    assert (loaded.config.sliding_window, loaded.config.context_limit) == (24, 24)
-    engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
-    request = engine.add_request(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))  # 20 + 4: the window
-    engine.run_until_done()
-    assert request.sequences[0].output_ids == hf_greedy(hf, PROMPT, 4)
-    with pytest.raises(ContextLengthExceeded) as refused:
-        engine.add_request(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
-    assert str(refused.value) == ("max_tokens: prompt (20) + max_tokens (5) exceeds the model's sliding window of 24 "
-                                  "tokens (kvd attends in full, which equals the window only for contexts that fit "
-                                  "in it)")
-    longer = PROMPT + PROMPT[:10]  # why: past the window, full attention gives other logits than the model's
+    assert (loaded.config.sliding_window, loaded.config.context_limit) == (24, 512)
+    assert loaded.config.sliding_layers == ((0, 1) if kind == "mistral-window" else (1,))
     with torch.no_grad():
-        windowed = hf(torch.tensor([longer])).logits[0, -1]
-    assert not torch.allclose(full_forward_logits(loaded, longer), windowed, atol=1e-3, rtol=1e-3)
+        expected = hf(torch.tensor([LONG_PROMPT])).logits[0, -1]
+    torch.testing.assert_close(full_forward_logits(loaded, LONG_PROMPT), expected, atol=1e-4, rtol=1e-4)
+    engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16, max_batch_tokens=32))
+    first = engine.add_request(LONG_PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.run_until_done()
+    want = hf_greedy(hf, LONG_PROMPT, 12)
+    assert first.sequences[0].output_ids == want
+    again = engine.add_request(LONG_PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.run_until_done()
+    assert again.metrics.cached_tokens == 64 and again.sequences[0].output_ids == want
 
 
-def test_kvd_serving_a_sliding_window_model_says_its_window_and_refuses_past_it(tmp_path, caplog):
-    """What a client is told: `max_model_len` is the window, a longer request a 413 naming it, and
-    the operator a warning at start."""
+def test_kvd_serving_a_sliding_window_model_serves_the_models_positions_and_says_its_window(tmp_path, caplog):
+    """What a client is told: `max_model_len` is the model's positions; a request past the
+    window is served; the operator is told which layers slide at start."""
     from .daemon_fixtures import call, start_service
     from kvctl.daemon.server.app import create_app
 
     build_checkpoint("mistral-window", tmp_path / "model")
-    with caplog.at_level("WARNING", logger="kvd"):
+    with caplog.at_level("INFO", logger="kvd"):
         service = start_service(tmp_path, model=str(tmp_path / "model"))
     try:
         unix = create_app(service, service.metrics, front="unix")
-        assert call(unix, "GET", "/v1/models").json()["data"][0]["max_model_len"] == 24
-        assert call(unix, "POST", "/tokenize", json={"prompt": "hello"}).json()["max_model_len"] == 24
-        fits = call(unix, "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
-        assert fits.status_code == 200 and len(fits.json()["choices"][0]["token_ids"]) == 4
-        past = call(unix, "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 5})
-        assert past.status_code == 413 and past.json()["error"]["code"] == "context_length_exceeded"
-        assert "exceeds the model's sliding window of 24 tokens" in past.json()["error"]["message"]
-        assert any("slide a window of 24 tokens" in r.getMessage() and "up to 24 tokens, not the model's 512 "
-                   "positions" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+        assert call(unix, "GET", "/v1/models").json()["data"][0]["max_model_len"] == 512
+        assert call(unix, "POST", "/tokenize", json={"prompt": "hello"}).json()["max_model_len"] == 512
+        past = call(unix, "POST", "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 30, "ignore_eos": True})
+        assert past.status_code == 200 and len(past.json()["choices"][0]["token_ids"]) == 30
+        assert any(r.getMessage() == "model: every one of its 2 layers attends to a sliding window of 24 tokens: "
+                   "a sequence holds the blocks of its window, not of its whole context"
+                   for r in caplog.records if r.levelname == "INFO")
     finally:
         service.shutdown(1)
 
 
-@pytest.mark.parametrize("fields, window", [
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, None),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, 4096),
-    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False, "sliding_window": 32768}, None),
+@pytest.mark.parametrize("fields, window, layers", [
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": None}, None, ()),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, 4096, (0, 1, 2)),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False, "sliding_window": 32768}, None, ()),
     ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 4096,
-      "max_window_layers": 1}, 4096),
+      "max_window_layers": 1}, 4096, (1, 2)),
     ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 4096,
-      "max_window_layers": 2}, None),  # no layer from max_window_layers on: every layer attends in full
+      "max_window_layers": 3}, None, ()),  # no layer from max_window_layers on: every layer attends in full
     ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "sliding_window": 4096,
-      "layer_types": ["full_attention", "full_attention"]}, None),  # the file's layer types decide
-    ({"architectures": ["LlamaForCausalLM"], "layer_types": ["full_attention", "sliding_attention"],
-      "sliding_window": 64}, 64),
-    ({"architectures": ["LlamaForCausalLM"], "sliding_window": 64}, None),
+      "layer_types": ["full_attention"] * 3}, None, ()),  # the file's layer types decide
+    ({"architectures": ["LlamaForCausalLM"], "sliding_window": 64,
+      "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, (0, 2)),
+    ({"architectures": ["LlamaForCausalLM"], "sliding_window": 64}, None, ()),
 ])
-def test_the_sliding_window_is_read_as_transformers_reads_it(fields, window):
+def test_the_sliding_window_is_read_as_transformers_reads_it(fields, window, layers):
     from kvctl.daemon.model.config import ModelConfig
 
-    base = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+    base = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=2,
                 max_position_embeddings=8192)
     config = ModelConfig.from_dict({**base, **fields})
-    assert config.sliding_window == window
-    assert config.context_limit == (window or 8192)
+    assert (config.sliding_window, config.sliding_layers) == (window, layers)
+    assert config.layer_windows() == tuple(window if i in layers else None for i in range(3))
+    assert config.every_layer_slides == (len(layers) == 3)
+    assert config.context_limit == 8192  # a window limits what a layer sees, not the context served
+
+
+def test_layer_types_that_do_not_list_every_layer_are_named():
+    from kvctl.daemon.model.config import ModelConfig
+
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=128, intermediate_size=256,
+                num_hidden_layers=3, num_attention_heads=2, sliding_window=64)
+    with pytest.raises(ModelError) as refused:
+        ModelConfig.from_dict({**base, "layer_types": ["sliding_attention"]})
+    assert str(refused.value) == ("config.json: field 'layer_types' must list one type for each of the 3 layers "
+                                  "(got ['sliding_attention'])")
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -223,7 +223,7 @@ class Engine:
         if live or self.has_work():
             raise RuntimeError(f"the KV cache is released only with no request in the engine ({live} there)")
         report = self.cache.release_all()
-        self.model._last_plan = None  # its copies and slices of cached blocks
+        self.model.forget_plans()  # its copies and slices of cached blocks
         return report.evicted_blocks, release_caches(self.kv_caches)
 
     def restore_cache(self) -> int:

@@ -41,20 +41,27 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of Q and K, before RoPE
     sliding_window: int | None = None  # tokens a sliding-window layer attends to, where one does
+    sliding_layers: tuple[int, ...] = ()  # the layers that slide that window (the others attend in full)
 
     @property
     def context_limit(self) -> int:
-        """The longest context kvd serves: the model's positions, or its sliding window when one
-        is shorter. kvd attends in full, which equals a window's attention only while the whole
-        context fits in the window (position i sees the W positions up to i)."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+        """The longest context kvd serves: the model's positions (a sliding-window layer attends
+        to the last `sliding_window` of them, position i to i-W+1..i)."""
+        return self.max_position_embeddings
 
     def context_limit_text(self) -> str:
         """What `context_limit` is, for an error message: "the model's 4096 positions"."""
-        if self.context_limit < self.max_position_embeddings:
-            return (f"the model's sliding window of {self.context_limit} tokens (kvd attends in full, which equals "
-                    "the window only for contexts that fit in it)")
         return f"the model's {self.context_limit} positions"
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention span: the sliding window for a sliding layer, None for full attention."""
+        sliding = set(self.sliding_layers)
+        return tuple(self.sliding_window if i in sliding else None for i in range(self.num_layers))
+
+    @property
+    def every_layer_slides(self) -> bool:
+        """Whether no layer attends in full: then a sequence needs only its window's blocks."""
+        return self.sliding_window is not None and len(self.sliding_layers) == self.num_layers
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> "ModelConfig":
@@ -103,7 +110,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             dtype=dtype, bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
-            qk_norm=arch == "qwen3", sliding_window=_sliding_window(raw, arch, need("num_hidden_layers"), where),
+            qk_norm=arch == "qwen3", **_sliding_window(raw, arch, need("num_hidden_layers"), where),
         )
 
     @classmethod
@@ -118,24 +125,27 @@ class ModelConfig:
         return cls.from_dict(raw, str(path))
 
 
-def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> int | None:
-    """The window of the checkpoint's sliding-window layers, or None when every layer attends in
-    full: as transformers reads it, `layer_types` where the file has them; else Mistral slides
-    every layer by `sliding_window`; Qwen2 and Qwen3 slide the layers from `max_window_layers` on,
-    only with `use_sliding_window`."""
+def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> dict:
+    """`sliding_window` (the window of the checkpoint's sliding-window layers, or None when every
+    layer attends in full) and `sliding_layers` (which layers slide), as transformers reads them:
+    `layer_types` where the file has them; else Mistral slides every layer by `sliding_window`;
+    Qwen2 and Qwen3 slide the layers from `max_window_layers` on, only with `use_sliding_window`."""
     window = raw.get("sliding_window")
     layer_types = raw.get("layer_types")
     if layer_types is not None:
-        slides = "sliding_attention" in layer_types
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ModelError(f"{where}: field 'layer_types' must list one type for each of the {num_layers} layers "
+                             f"(got {layer_types!r})")
+        layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     elif arch == "mistral":
-        slides = window is not None
-    elif arch in ("qwen2", "qwen3"):
-        slides = bool(raw.get("use_sliding_window")) and int(raw.get("max_window_layers") or 0) < num_layers
+        layers = tuple(range(num_layers)) if window is not None else ()
+    elif arch in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        layers = tuple(range(int(raw.get("max_window_layers") or 0), num_layers))
     else:
-        slides = False
-    if not slides:
-        return None
+        layers = ()
+    if not layers:
+        return {"sliding_window": None, "sliding_layers": ()}
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ModelError(f"{where}: field 'sliding_window' must be a positive integer where layers slide "
                          f"(got {window!r})")
-    return window
+    return {"sliding_window": window, "sliding_layers": layers}

@@ -177,7 +177,9 @@ class LlamaModel:
         self.rope = rope_table(self.inv_freq, min(ROPE_ROWS, config.max_position_embeddings), dtype, self.rope_scale)
         self.scale = config.head_dim ** -0.5
         self.use_triton = device.type == "cuda"
-        self._last_plan = None  # the CPU attention plan of the last forward pass, reused while it fits
+        self.windows = config.layer_windows()  # each layer's span: its sliding window, or None (full attention)
+        # the CPU attention plans of the last forward pass, one per span (full, sliding), reused while they fit
+        self._plans: dict[int | None, Any] = {}
 
     def _take_weights(self, weights: dict[str, torch.Tensor], layers: list[LayerWeights] | None = None) -> None:
         """Serve `weights` (checkpoint names; each layer's are packed out of it unless `layers` are)."""
@@ -212,7 +214,7 @@ class LlamaModel:
             host = torch.device("cpu")  # (a copy even from the CPU: the originals go, as from a GPU)
             self._host_weights = ({name: t.to(host, copy=True) for name, t in self.w.items()},
                                   [_layer_to(layer, host, copy=True) for layer in self.layers])
-        self.w, self.layers, self.lm_head, self._last_plan = {}, [], None, None
+        self.w, self.layers, self.lm_head, self._plans = {}, [], None, {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return held
@@ -248,7 +250,7 @@ class LlamaModel:
                 copied += new.nbytes
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the staged host memory may go once this returns
-        self._host_weights, self._last_plan = None, None
+        self._host_weights, self._plans = None, {}
         return copied
 
     def use_weights(self, weights: dict[str, torch.Tensor], layers: list[LayerWeights] | None = None) -> int:
@@ -256,7 +258,7 @@ class LlamaModel:
         dtype: the checkpoint read again, or another one's), any host copy dropped; returns the
         bytes they take."""
         self._take_weights(weights, layers)
-        self._host_weights, self._last_plan = None, None
+        self._host_weights, self._plans = None, {}
         return self.weight_bytes()
 
     def allocate_cache(self, num_blocks: int, block_size: int, cache_dtype: torch.dtype | None = None,
@@ -307,8 +309,13 @@ class LlamaModel:
         cache.k.view(rows, *cache.k.shape[2:])[slots] = to_cache(k, cache.k.dtype, cache.k_scale)
         cache.v.view(rows, *cache.v.shape[2:])[slots] = to_cache(v, cache.v.dtype, cache.v_scale)
 
-    def _attention(self, q, cache: LayerCache, batch: ForwardBatch, plan=None) -> torch.Tensor:
-        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    def forget_plans(self) -> None:
+        """Drop the CPU attention plans kept from the last step (they hold copies and slices of
+        cached blocks): the cache's blocks are about to change under them."""
+        self._plans = {}
+
+    def _attention(self, q, cache: LayerCache, batch: ForwardBatch, plan=None, window: int | None = None):
+        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, window=window)
         if self.use_triton and batch.max_new_tokens == 1:
             return paged_decode_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
                                           scale=self.scale, max_context=batch.max_context, **scales)
@@ -335,11 +342,13 @@ class LlamaModel:
         half = dim // 2
         tokens = hidden.shape[0]
         lora = batch.lora
-        plan = None
-        if not self.use_triton and kv_caches:  # grouped once, used by every layer (and by the next step)
-            plan = self._last_plan = plan_attention(batch.block_tables, batch.query_start_loc, batch.context_lens,
-                                                    kv_caches[0].k.shape[1], batch.max_new_tokens, self._last_plan,
-                                                    batch.block_content)
+        plans: dict[int | None, Any] = {}
+        if not self.use_triton and kv_caches:  # grouped once per span, used by its layers (and by the next step)
+            for window in dict.fromkeys(self.windows):
+                plans[window] = plan_attention(batch.block_tables, batch.query_start_loc, batch.context_lens,
+                                               kv_caches[0].k.shape[1], batch.max_new_tokens, self._plans.get(window),
+                                               batch.block_content, window=window)
+            self._plans = plans
         for i, layer in enumerate(self.layers):
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
@@ -355,7 +364,8 @@ class LlamaModel:
             if observer is not None:
                 observer(i, k, v)
             self._write(k, v, cache, batch.slot_mapping)
-            attn = self._attention(q, cache, batch, plan).reshape(tokens, heads * dim)
+            attn = self._attention(q, cache, batch, plans.get(self.windows[i]), self.windows[i]).reshape(
+                tokens, heads * dim)
             if lora:  # each projection's output gains its adapters' terms on their rows
                 out = F.linear(attn, layer.o_proj)
                 lora_delta(out, attn, lora, i, "o")

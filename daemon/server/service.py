@@ -287,11 +287,14 @@ class EngineService:
             log.info("sampling defaults from %s for requests that leave them out: %s (generation_config: none "
                      "keeps kvd's own)", loaded.generation.source,
                      ", ".join(f"{name} {value}" for name, value in loaded.generation.sampling.items()))
-        if engine.context_limit == loaded.config.context_limit < loaded.config.max_position_embeddings:
-            log.warning("model: its layers slide a window of %d tokens and kvd attends in full, which equals the "
-                        "window only for contexts that fit in it: kvd serves contexts up to %d tokens, not the "
-                        "model's %d positions", loaded.config.sliding_window, loaded.config.context_limit,
-                        loaded.config.max_position_embeddings)
+        model = loaded.config
+        if model.every_layer_slides:
+            log.info("model: every one of its %d layers attends to a sliding window of %d tokens: a sequence holds "
+                     "the blocks of its window, not of its whole context", model.num_layers, model.sliding_window)
+        elif model.sliding_window is not None:
+            log.info("model: %d of its %d layers attend to a sliding window of %d tokens, the others to the whole "
+                     "context, which a sequence keeps every block of", len(model.sliding_layers), model.num_layers,
+                     model.sliding_window)
 
     def _warm_pins(self, timer: StartTimer) -> None:
         began = time.perf_counter()
