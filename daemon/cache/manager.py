@@ -13,7 +13,15 @@ moves the data. A sequence's life::
                             a speculative draft's slots at the tail, never indexed,
                             taken back whole once the model has judged it
     fork()                  share every block with a child (n > 1 sampling, beams)
+    slide(computed)         a model whose every layer slides a window: give back the
+                            blocks before the window of the next token (they stay
+                            cached), and top the reservation up again
     release()               the one release path: tail blocks first, idempotent
+
+Sliding windows (`window=W`): a token at position p attends to p-W+1..p only, so a sequence
+needs the blocks of its last W tokens and of the tokens it computes next. Its table keeps one
+entry per logical block; those it gave back read `DROPPED`. It reserves at most what its window
+and a step's tokens span (`window_blocks`), not its whole prompt and output.
 
 Blocks an operator can see, by state (counted in O(1))::
 
@@ -43,6 +51,9 @@ from .pins import Pin, PinRegistry, pin_id_for, pin_origin
 from .pool import BlockPool
 
 
+DROPPED = -1  # a table entry a sliding-window sequence gave back (no block: nothing reads it again)
+
+
 @dataclass(slots=True)
 class SequenceState:
     seq_id: str  # caller's id, unique among live sequences
@@ -57,6 +68,13 @@ class SequenceState:
     priority: int = 0  # the engine's (higher first): the `priority` eviction policy keeps its blocks longer
     draft: int = 0  # tokens at its tail written as a speculative draft (append_draft), not indexed
     draft_borrowed: int = 0  # free blocks the draft took beyond the sequence's reservation
+    dropped: int = 0  # leading table entries given back (DROPPED) under a sliding window
+    promised: int = 0  # table entries its prompt and output reservation come to (blocks_for_tokens)
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks its table holds now (the entries not given back under a sliding window)."""
+        return len(self.table) - self.dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +128,16 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, *, policy: str | EvictionPolicy = "lru",
                  block_bytes: int = 1, pin_budget_blocks: int | None = None,
                  pin_budgets: dict[str, int] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None,
+                 window: int | None = None, step_tokens: int = 1) -> None:
+        """`window`: the model's sliding window where every layer slides one (see the module
+        docstring); `step_tokens`: the most tokens one sequence computes in a step (a prompt
+        chunk), which a sliding sequence holds blocks for beside its window."""
         self.block_size = validate_block_size(block_size)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise InvalidRequest(f"window: must be a positive number of tokens or None, got {window!r}")
+        self.window = window
+        self.step_tokens = step_tokens  # (kvd's max_batch_tokens: a reload sets it again)
         if isinstance(policy, str):
             policy = make_eviction_policy(policy, block_tokens=block_size, block_bytes=block_bytes)
         self.pool = BlockPool(num_blocks, policy)
@@ -175,7 +201,36 @@ class KVCacheManager:
             raise UnknownSequence(seq_id) from None
 
     def block_table(self, seq_id: str) -> list[int]:
+        """One physical block per logical block; DROPPED where a sliding sequence gave it back."""
         return list(self.sequence(seq_id).table)
+
+    @property
+    def window_blocks(self) -> int | None:
+        """The most blocks a sliding sequence holds at once: its window's keys, a step's new
+        tokens, a partial block at either end, and the tail block it keeps once the window has
+        passed it. None without a window."""
+        if self.window is None:
+            return None
+        return -(-(self.window - 1 + max(self.step_tokens, 1)) // self.block_size) + 2
+
+    def peak_blocks(self, tokens: int) -> int:
+        """The most blocks a sequence of `tokens` tokens holds at once: all of them, or under a
+        sliding window no more than `window_blocks`."""
+        blocks = blocks_for_tokens(tokens, self.block_size)
+        return blocks if self.window_blocks is None else min(blocks, self.window_blocks)
+
+    def _first_needed(self, computed_tokens: int) -> int:
+        """The first logical block the token after `computed_tokens` attends to (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, computed_tokens - self.window + 1) // self.block_size
+
+    def _reservation(self, promised: int, entries: int, held: int) -> int:
+        """Blocks to hold in reserve for a sequence whose table has `entries` of its `promised`
+        entries, `held` of them held: all it still appends, or under a window what keeps it
+        within `window_blocks`."""
+        rest = max(promised - entries, 0)
+        return rest if self.window_blocks is None else max(0, min(rest, self.window_blocks - held))
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -208,8 +263,10 @@ class KVCacheManager:
         """Would `admit` succeed now? Reads only."""
         self._check_counts(request, prompt_tokens, reserve_tokens)
         hits = self.pool.match(keys, self.cacheable_blocks(prompt_tokens)) if reuse else []
-        needed = blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size) - len(hits)
-        available = self.pool.available() - self.pool.evictable_in(hits)
+        held = hits[self._first_needed(len(hits) * self.block_size):]
+        needed = self._reservation(blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size), len(hits),
+                                   len(held))
+        available = self.pool.available() - self.pool.evictable_in(held)
         return decide(request=request, needed_blocks=needed, available_blocks=available,
                       total_blocks=self.num_blocks, hit_blocks=len(hits),
                       queue_length=queue_length, queue_limit=queue_limit)
@@ -218,6 +275,8 @@ class KVCacheManager:
               *, tenant: str = "default", hasher: PrefixHasher | None = None, reuse: bool = True,
               adapter_id: str | None = None, priority: int = 0) -> Admission:
         """Take the cached prefix and reserve blocks for the rest of the prompt and the output.
+        Under a sliding window only the hit blocks the next token's window reaches are taken
+        (the rest of the hit is counted, and stays cached), and the reservation is capped.
 
         `keys` are the chain keys of the prompt's full blocks; `adapter_id`, the LoRA adapter of
         their namespace ("": the base model), recorded for their tree; `priority`, the engine's
@@ -234,11 +293,17 @@ class KVCacheManager:
                                  f"at block size {self.block_size}")
         pool, now = self.pool, self._clock()
         hits = pool.match(keys, self.cacheable_blocks(prompt_tokens)) if reuse else []
-        needed = blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size) - len(hits)
-        available = pool.available() - pool.evictable_in(hits)
+        skipped = self._first_needed(len(hits) * self.block_size)
+        held = hits[skipped:]
+        promised = blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size)
+        needed = self._reservation(promised, len(hits), len(held))
+        available = pool.available() - pool.evictable_in(held)
         if needed > available:
             raise CacheFull(seq_id, needed, available, self.num_blocks)
-        pool.acquire(hits, now, hit=True, priority=priority)
+        pool.acquire(held, now, hit=True, priority=priority)
+        if skipped:  # the hit's blocks before the window are reused as the engine counts them: touched, not held
+            pool.acquire(hits[:skipped], now, hit=True, priority=priority)
+            pool.release(reversed(hits[:skipped]), now)
         reserve = pool.allocate(needed, now, seq_id)
         if keys:
             root = self.roots.get(keys[0])
@@ -253,9 +318,10 @@ class KVCacheManager:
         reserve.reverse()  # pop() hands them out in allocation order
         self.num_reserved += needed
         self._seqs[seq_id] = SequenceState(
-            seq_id=seq_id, tenant=tenant, table=hits, reserve=reserve,
+            seq_id=seq_id, tenant=tenant, table=[DROPPED] * skipped + held, reserve=reserve,
             num_tokens=len(hits) * self.block_size, keys=list(keys), hasher=hasher,
-            hit_tokens=len(hits) * self.block_size, prompt_tokens=prompt_tokens, priority=priority)
+            hit_tokens=len(hits) * self.block_size, prompt_tokens=prompt_tokens, priority=priority,
+            dropped=skipped, promised=promised)
         self._bound_roots()  # after the sequence is registered: its root is kept
         return Admission(seq_id, len(hits), len(hits) * self.block_size, needed)
 
@@ -406,12 +472,13 @@ class KVCacheManager:
             raise InvalidRequest(f"request {child_id}: reserve_tokens must be >= 0, got {reserve_tokens!r}")
         size = self.block_size
         partial_tail = parent.num_tokens % size != 0
-        needed = (blocks_for_tokens(parent.num_tokens + reserve_tokens, size) - len(parent.table)
-                  + partial_tail)
+        promised = blocks_for_tokens(parent.num_tokens + reserve_tokens, size)
+        # the block for the copy of a shared partial tail counts within a window's blocks too
+        needed = self._reservation(promised, len(parent.table), parent.held_blocks + partial_tail) + partial_tail
         pool, now = self.pool, self._clock()
         if needed > pool.available():
             raise CacheFull(child_id, needed, pool.available(), self.num_blocks)
-        pool.acquire(parent.table, now, hit=False)
+        pool.acquire(parent.table[parent.dropped:], now, hit=False)
         reserve = pool.allocate(needed, now, child_id)
         reserve.reverse()
         self.num_reserved += needed
@@ -419,8 +486,40 @@ class KVCacheManager:
             seq_id=child_id, tenant=parent.tenant, table=list(parent.table), reserve=reserve,
             num_tokens=parent.num_tokens, keys=list(parent.keys),
             hasher=None if parent.hasher is None else parent.hasher.copy(),
-            hit_tokens=parent.hit_tokens, prompt_tokens=parent.prompt_tokens, priority=parent.priority)
+            hit_tokens=parent.hit_tokens, prompt_tokens=parent.prompt_tokens, priority=parent.priority,
+            dropped=parent.dropped, promised=promised)
         return Admission(child_id, 0, 0, needed)
+
+    # ---- sliding windows -------------------------------------------------------------------
+    def slide(self, seq_id: str, computed_tokens: int) -> int:
+        """Under a sliding window, give back the blocks before the window of the token after
+        the sequence's first `computed_tokens` (no later token attends to them): they stay
+        cached, as a finished sequence's do, and the reservation is topped up again to what
+        the sequence still needs within `window_blocks`. The tail block is always kept.
+        Returns the blocks given back (0 without a window)."""
+        seq = self.sequence(seq_id)
+        if self.window is None:
+            return 0
+        if not isinstance(computed_tokens, int) or not 0 <= computed_tokens <= seq.num_tokens:
+            raise InvalidRequest(f"request {seq_id}: computed_tokens must be 0..{seq.num_tokens}, "
+                                 f"got {computed_tokens!r}")
+        first = min(self._first_needed(computed_tokens), len(seq.table) - 1)
+        if first <= seq.dropped:
+            return 0
+        pool, now = self.pool, self._clock()
+        gone = seq.table[seq.dropped:first]
+        pool.release(reversed(gone), now)  # the deepest first, as `release` gives a table back
+        seq.table[seq.dropped:first] = [DROPPED] * len(gone)
+        seq.dropped = first
+        # no more than it gave back, nor than the pool has (a block another sequence shares stays held)
+        top_up = min(self._reservation(seq.promised, len(seq.table), seq.held_blocks) - len(seq.reserve),
+                     len(gone), pool.available())
+        if top_up > 0:
+            taken = pool.allocate(top_up, now, seq_id)
+            taken.reverse()
+            seq.reserve[:0] = taken
+            self.num_reserved += len(taken)
+        return len(gone)
 
     # ---- the one release path --------------------------------------------------------------
     def release(self, seq_id: str, written_tokens: int | None = None) -> int:
@@ -438,15 +537,15 @@ class KVCacheManager:
         now = self._clock()
         if written_tokens is not None and written_tokens < seq.num_tokens:
             pool = self.pool
-            for position in range(written_tokens // self.block_size, len(seq.table)):
+            for position in range(max(written_tokens // self.block_size, seq.dropped), len(seq.table)):
                 block = pool.blocks[seq.table[position]]
                 if (block.key is not None and position < len(seq.keys) and block.key == seq.keys[position]
                         and block.ref_count == 1 and not block.pin_count):
                     pool.unindex(block.block_id)
-        self.pool.release(reversed(seq.table), now)
+        self.pool.release(reversed(seq.table[seq.dropped:]), now)
         self.pool.release(seq.reserve, now)
         self.num_reserved -= len(seq.reserve)
-        return len(seq.table) + len(seq.reserve)
+        return seq.held_blocks + len(seq.reserve)
 
     # ---- restores from lower tiers ---------------------------------------------------------
     def install(self, keys: Sequence[BlockKey], start: int, count: int, tenant: str,
@@ -629,13 +728,16 @@ class KVCacheManager:
         reserved = 0
         size = self.block_size
         for seq in self._seqs.values():
-            holders.update(seq.table)
+            held = seq.table[seq.dropped:]
+            if seq.table[:seq.dropped] != [DROPPED] * seq.dropped or DROPPED in held:
+                problems.append(f"sequence {seq.seq_id}: entries given back are not its first {seq.dropped}")
+            holders.update(held)
             holders.update(seq.reserve)
             reserved += len(seq.reserve)
             if len(seq.table) != -(-seq.num_tokens // size):
                 problems.append(f"sequence {seq.seq_id}: {len(seq.table)} blocks for "
                                 f"{seq.num_tokens} tokens")
-            if len(set(seq.table)) != len(seq.table):
+            if len(set(held)) != len(held):
                 problems.append(f"sequence {seq.seq_id}: a block appears twice in its table")
             for block_id in seq.reserve:
                 if block_id in owners:
@@ -666,5 +768,5 @@ def _logical_clock() -> Callable[[], float]:
     return tick
 
 
-__all__ = ["Admission", "EvictionReport", "KVCacheManager", "PinResult", "SequenceState",
+__all__ = ["DROPPED", "Admission", "EvictionReport", "KVCacheManager", "PinResult", "SequenceState",
            "UnknownPin", "Verdict"]

@@ -40,7 +40,7 @@ import torch
 from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHasher
 from kvctl.daemon.cache.events import EventLog
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
-from kvctl.policies.admission import Verdict, blocks_for_tokens, tenant_limit_reason
+from kvctl.policies.admission import Verdict, tenant_limit_reason
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation
 from kvctl.policies.tiering import PrefetchWait, RateMeter
@@ -166,7 +166,9 @@ class Engine:
         self.cache = KVCacheManager(settings.num_blocks, settings.block_size, policy=settings.eviction,
                                     block_bytes=self.model.cache_bytes_per_block(
                                         settings.block_size, self.cache_dtype, settings.keep_layers),
-                                    clock=clock)
+                                    clock=clock, window=loaded.config.sliding_window
+                                    if loaded.config.every_layer_slides else None,
+                                    step_tokens=settings.max_batch_tokens)
         self.cache.set_tenant_shares(settings.tenant_cache_shares)
         self.events = EventLog()  # every block indexed in or dropped from a tier, for routers and operators
         self.prefill_rate = RateMeter(rate=2000.0)  # prompt tokens per second, measured on prefill steps
@@ -390,12 +392,13 @@ class Engine:
                           next(self._order), RequestMetrics(arrival=self.clock()), reservation=reservation,
                           cohort=cohort, grammars=list(grammars) if grammars else None, adapter=adapter,
                           lora=lora, speculation=speculation)
-        size, total = self.settings.block_size, self.settings.num_blocks
+        total = self.settings.num_blocks
         reserve = self._reservation(request).reserve(params.max_tokens)
-        needed = blocks_for_tokens(len(prompt_ids) + reserve, size)
+        needed = self.cache.peak_blocks(len(prompt_ids) + reserve)
         # at its longest: a sequence the whole cache cannot hold would, once alone, wait for room
         # that never comes (and every request behind it with it), however little it reserved
-        longest = blocks_for_tokens(len(prompt_ids) + params.max_tokens, size)
+        # (under a sliding window, its longest is its window's blocks)
+        longest = self.cache.peak_blocks(len(prompt_ids) + params.max_tokens)
         kind = None
         if needed > total:
             kind, request.rejected = "never_fits", (f"request {request_id}: needs {needed} blocks for its prompt and "
@@ -679,6 +682,10 @@ class Engine:
         if scored:
             self._record_prompt_logprobs(scored, logits[len(logits) - sum(count for _, _, count in scored):])
         events = self._advance(plan, sample_rows, logits)
+        if self.cache.window is not None:  # blocks before each window go back (cached) for others to use
+            for seq, _ in plan:
+                if seq.seq_id in self._running:
+                    self.cache.slide(seq.seq_id, seq.num_computed)
         stats = self.stats
         stats.steps[kind] = stats.steps.get(kind, 0) + 1
         stats.step_seconds[kind] = stats.step_seconds.get(kind, 0.0) + time.perf_counter() - step_started
@@ -1054,6 +1061,7 @@ class Engine:
         if parent.index != 0 or parent.output_ids or len(request.sequences) >= request.params.n:
             return []
         children = []
+        self.cache.slide(parent.seq_id, parent.num_computed)  # the children share only what its window needs
         for index in range(1, request.params.n):
             child = Sequence(f"{request.request_id}/{index}", request, index)
             request.sequences.append(child)

@@ -30,7 +30,7 @@ def request_state(request: Request) -> str:
 def request_row(service: EngineService, request: Request, now: float) -> dict:
     """One request in flight (engine thread's lock held)."""
     cache, metrics = service.engine.cache, request.metrics
-    blocks = sum(len(cache.block_table(s.seq_id)) for s in request.sequences if s.seq_id in cache)
+    blocks = sum(cache.sequence(s.seq_id).held_blocks for s in request.sequences if s.seq_id in cache)
     waited_until = metrics.admitted if metrics.admitted is not None else now
     return {"request_id": request.request_id, "tenant": request.tenant,
             "api": request.params.extra.get("api", "completions"), "state": request_state(request),

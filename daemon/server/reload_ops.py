@@ -180,6 +180,7 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                                       max_tracked_tenants=new.max_tracked_tenants,
                                       speculation=speculation_of(new.speculative_config), **prefetch_settings(new))
             engine.prefetch = prefetch_wait(engine.settings)
+            engine.cache.step_tokens = new.max_batch_tokens  # what a sliding-window sequence holds beside its window
             engine.speculator.configure(engine.settings.speculation)
             engine.stats.tenants.resize(new.max_tracked_tenants)
             if "tenant_cache_shares" in changed:

@@ -1,0 +1,119 @@
+"""The engine serving a model whose every layer slides a window (Mistral 7B v0.1's kind; here a
+window of 24 tokens): transformers' tokens past the window, in a cache too small to hold the
+sequences whole, each sequence holding at most its window's blocks, with prompt chunks,
+preemptions, n > 1 and speculative drafts."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from kvctl.daemon.engine.engine import AdmissionRejected, Engine, EngineSettings  # noqa: E402
+from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
+from kvctl.daemon.cache.manager import DROPPED  # noqa: E402
+from kvctl.daemon.model.llama import load_model  # noqa: E402
+from kvctl.policies.speculation import NgramSpeculation  # noqa: E402
+
+from .model_cases import build_checkpoint, hf_greedy  # noqa: E402
+
+PROMPTS = [[(i * step + first) % 300 for i in range(70)] for step, first in ((37, 5), (11, 2), (53, 9))]
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("mistral-window")
+    hf = build_checkpoint("mistral-window", directory)
+    return hf, load_model(directory)
+
+
+@pytest.fixture(scope="module")
+def expected(mistral):
+    hf, _ = mistral
+    return [hf_greedy(hf, prompt, 40) for prompt in PROMPTS]
+
+
+def run(engine, requests):
+    """Every step, each running sequence holds at most `window_blocks` (held and reserved), and
+    every entry before its window reads DROPPED."""
+    cache = engine.cache
+    most = 0
+    while engine.has_work():
+        engine.step()
+        cache.audit()
+        for seq_id in list(cache._seqs):
+            state = cache.sequence(seq_id)
+            most = max(most, state.held_blocks + len(state.reserve))
+            assert state.held_blocks + len(state.reserve) <= cache.window_blocks
+            assert state.table[:state.dropped] == [DROPPED] * state.dropped
+    return [[s.output_ids for s in r.sequences] for r in requests], most
+
+
+def test_three_long_sequences_run_in_a_cache_too_small_for_one_whole_with_transformers_tokens(mistral, expected):
+    """110 tokens a sequence is 7 blocks of 16; the cache has 12. With a window of 24 and prompt
+    chunks of 32 a sequence holds at most ceil((24 - 1 + 32) / 16) + 2 = 6, so two run at once."""
+    _, loaded = mistral
+    engine = Engine(loaded, EngineSettings(num_blocks=12, block_size=16, max_batch_tokens=32))
+    assert (engine.cache.window, engine.cache.window_blocks) == (24, 6)
+    requests = [engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS]
+    outputs, most = run(engine, requests)
+    assert outputs == [[e] for e in expected]
+    assert most == 6
+    counts = engine.cache.state_counts()
+    assert counts["free"] + counts["cached"] == 12
+
+
+def test_a_request_longer_than_the_cache_is_served_when_its_window_fits(mistral):
+    """220 tokens need 14 blocks of a 12-block cache: without a window that could never finish
+    (never_fits); with one it holds 6 at a time."""
+    hf, loaded = mistral
+    engine = Engine(loaded, EngineSettings(num_blocks=12, block_size=16, max_batch_tokens=32))
+    request = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=150, ignore_eos=True))
+    outputs, _ = run(engine, [request])
+    assert outputs == [[hf_greedy(hf, PROMPTS[0], 150)]]
+    # a chunk budget so large that a window and one step's tokens pass the cache is refused by that
+    wide = Engine(loaded, EngineSettings(num_blocks=12, block_size=16, max_batch_tokens=256))
+    with pytest.raises(AdmissionRejected) as refused:
+        wide.add_request(PROMPTS[0], SamplingParams(max_tokens=150, ignore_eos=True))
+    assert refused.value.kind == "never_fits"
+
+
+@pytest.fixture(scope="module")
+def sliding_demo(tmp_path_factory):
+    """The demo checkpoint as a Mistral whose layers slide a window of 24 tokens: its random
+    weights make it loop, so prompt lookup drafts (the tiny transformers model's never repeat)."""
+    import json
+    import shutil
+
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+
+    source = ensure_demo_checkpoint(tmp_path_factory.mktemp("state"))
+    target = tmp_path_factory.mktemp("sliding-demo")
+    for path in source.iterdir():
+        shutil.copy(path, target / path.name)
+    config = json.loads((source / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=24)
+    (target / "config.json").write_text(json.dumps(config))
+    return load_model(target)
+
+
+def test_preemptions_n_and_drafts_under_a_window_give_the_same_tokens(sliding_demo):
+    """A cache of 10 blocks with nothing reserved for output preempts; n = 2 forks a sequence whose
+    first blocks are given back; prompt-lookup drafts are written past the window and taken back.
+    Every sample is the token list a roomy cache without drafts gives."""
+    prompts = [sliding_demo.tokenizer.encode(text) for text in (
+        "Operators pin hot prefixes such as system prompts, and the window slides past them.",
+        "def f(x):\n    return x + 1\n\ndef g(x):\n    return f(x) + f(x + 1)\n")]
+    params = SamplingParams(max_tokens=60, ignore_eos=True, n=2)
+    roomy = Engine(sliding_demo, EngineSettings(num_blocks=64, block_size=16, max_batch_tokens=32))
+    plain, _ = run(roomy, [roomy.add_request(p, params) for p in prompts])
+    engine = Engine(sliding_demo, EngineSettings(num_blocks=10, block_size=16, max_batch_tokens=32,
+                                                 reservation="fixed:0",
+                                                 speculation=NgramSpeculation(num_speculative_tokens=4)))
+    requests = [engine.add_request(p, params) for p in prompts]
+    outputs, _ = run(engine, requests)
+    assert outputs == plain
+    assert engine.stats.preemptions > 0
+    assert sum(r.metrics.kept_draft_tokens for r in requests) > 0
