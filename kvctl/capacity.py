@@ -7,6 +7,8 @@
     blocks           = floor(cache budget / bytes per block)  (none when the budget is negative:
                        `shortfall_bytes` says by how much the rest overcommits the GPU)
     sequences at S   = floor(blocks / ceil(S / block size))
+                       (a model whose every layer slides a window W holds at most
+                       ceil((W - 1 + batch tokens) / block size) + 2 blocks a sequence, as kvd does)
 
 A LoRA adapter of rank r on every projection kvd adapts takes, per layer, as kvd packs it
 (daemon/model/lora.py: A matrices stacked, B block-diagonal, in the model's dtype)
@@ -42,12 +44,16 @@ class ModelShape:
     dtype: str = "bfloat16"
     weights_bytes: int | None = None
     heads: int | None = None  # attention (query) heads
+    sliding_window: int | None = None  # where every layer slides one: a sequence holds only its window's blocks
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a whole number of at least 1, got {value!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window: must be a whole number of at least 1, got {window!r}")
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ModelShape":
@@ -69,7 +75,31 @@ class ModelShape:
                    head_dim=int(raw.get("head_dim") or hidden // heads), hidden_size=int(hidden),
                    intermediate_size=raw.get("intermediate_size"),
                    dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), weights_bytes=weights,
-                   heads=int(heads))
+                   heads=int(heads), sliding_window=_every_layer_window(raw))
+
+
+def _every_layer_window(raw: dict) -> int | None:
+    """The sliding window of a config whose every layer slides one, as kvd reads it; None for any
+    other (a layer that attends in full needs every block; an architecture kvd does not serve)."""
+    from kvctl.daemon.model.config import ModelConfig, ModelError
+
+    try:
+        config = ModelConfig.from_dict(raw)
+    except ModelError:
+        return None
+    return config.sliding_window if config.every_layer_slides else None
+
+
+def blocks_per_sequence(shape: ModelShape, context: int, block_size: int, batch_tokens: int = 256) -> int:
+    """Blocks a sequence of `context` tokens holds at its longest: all of them, or under a window
+    every layer slides no more than kvd keeps (`sliding_window_blocks`, with `batch_tokens` as
+    kvd's max_batch_tokens)."""
+    from kvctl.policies.admission import sliding_window_blocks
+
+    whole = -(-context // block_size)
+    if shape.sliding_window is None:
+        return whole
+    return min(whole, sliding_window_blocks(shape.sliding_window, batch_tokens, block_size))
 
 
 @dataclass
@@ -142,12 +172,14 @@ def default_workspace(shape: ModelShape, batch_tokens: int = 2048) -> int:
 
 def plan(shape: ModelShape, *, gpu_memory: int, cache_dtype: str, block_size: int, context: int,
          reserve: float = 0.1, workspace: int | None = None, weights_bytes: int | None = None,
-         lora_bytes: int = 0) -> dict:
+         lora_bytes: int = 0, batch_tokens: int = 256) -> dict:
     """Capacity for one cache dtype, with the budget broken down. `lora_bytes`: what the LoRA
-    adapters served beside the model take (lora_bytes() each)."""
+    adapters served beside the model take (lora_bytes() each); `batch_tokens`: kvd's
+    max_batch_tokens, what a sliding-window sequence holds beside its window."""
     if not 0 <= reserve < 1:
         raise ValueError(f"reserve: must be in [0, 1), got {reserve!r}")
-    for name, value in (("block_size", block_size), ("context", context), ("gpu_memory", gpu_memory)):
+    for name, value in (("block_size", block_size), ("context", context), ("gpu_memory", gpu_memory),
+                        ("batch_tokens", batch_tokens)):
         if value < 1:
             raise ValueError(f"{name}: must be at least 1, got {value!r}")
     for name, value in (("workspace", workspace), ("weights_bytes", weights_bytes), ("lora_bytes", lora_bytes)):
@@ -159,7 +191,7 @@ def plan(shape: ModelShape, *, gpu_memory: int, cache_dtype: str, block_size: in
     per_token = bytes_per_token(shape, cache_dtype)
     per_block = per_token * block_size
     blocks = max(budget, 0) // per_block
-    per_sequence = -(-context // block_size)
+    per_sequence = blocks_per_sequence(shape, context, block_size, batch_tokens)
     row = CapacityRow(cache_dtype, per_token, per_block, max(budget, 0), blocks, blocks * block_size,
                       blocks // per_sequence)
     return {"gpu_memory": gpu_memory, "weights_bytes": weights, "lora_bytes": lora_bytes, "workspace_bytes": work,

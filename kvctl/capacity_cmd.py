@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from typing import Optional
 
 import typer
@@ -13,7 +14,8 @@ from rich.table import Table
 
 from kvctl.daemon.gpu_nvml import Nvml
 
-from .capacity import ELEMENT_BYTES, PER_TOKEN_SCALE_FORMATS, ModelShape, compare_dtypes, lora_bytes, tier_plan
+from .capacity import (ELEMENT_BYTES, PER_TOKEN_SCALE_FORMATS, ModelShape, blocks_per_sequence, compare_dtypes,
+                       lora_bytes, tier_plan)
 from .errors import UserError
 
 
@@ -54,6 +56,11 @@ def capacity_command(
     workspace: Optional[str] = typer.Option(None, help="Activation workspace bytes (default: estimated)."),
     reserve: float = typer.Option(0.1, help="Fraction of GPU memory kept free."),
     context: int = typer.Option(8192, help="Context length S for the sequences column."),
+    sliding_window: Optional[int] = typer.Option(
+        None, "--sliding-window", help="Every layer slides a window of this many tokens (read from --model's "
+                                       "config.json): a sequence holds only its window's blocks."),
+    batch_tokens: int = typer.Option(256, "--batch-tokens", help="kvd's max_batch_tokens: what a sliding-window "
+                                                                   "sequence holds beside its window."),
     tier_bytes: Optional[str] = typer.Option(
         None, "--tier-bytes", help="Also: tokens a lower tier (disk, Redis) of this size holds, whole and "
                                    "compressed (tier_compress), e.g. 512GiB."),
@@ -73,6 +80,8 @@ def capacity_command(
         raise UserError("model: give --model DIR, or --layers, --kv-heads and --head-dim")
     try:
         shape = ModelShape.from_model_dir(model) if model else ModelShape(layers, kv_heads, head_dim)
+        if sliding_window is not None:
+            shape = replace(shape, sliding_window=sliding_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if gpu == "auto":
@@ -105,11 +114,16 @@ def capacity_command(
     try:
         rows = compare_dtypes(shape, dtypes, gpu_memory=memory, block_size=block_size, context=context,
                               reserve=reserve, workspace=None if workspace is None else _bytes("workspace", workspace),
-                              weights_bytes=weights, lora_bytes=adapters)
+                              weights_bytes=weights, lora_bytes=adapters, batch_tokens=batch_tokens)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     document = {"shape": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim},
                 "block_size": block_size, "context": context, "rows": rows}
+    if shape.sliding_window is not None:
+        document["sliding_window"] = {"tokens": shape.sliding_window, "batch_tokens": batch_tokens,
+                                      "blocks_per_sequence": blocks_per_sequence(shape, context, block_size,
+                                                                                 batch_tokens),
+                                      "blocks_per_sequence_without": -(-context // block_size)}
     if loras:
         document["loras"] = {"count": loras, "rank": lora_rank, "bytes_each": adapters // loras}
     if tier_bytes is not None:
@@ -140,6 +154,11 @@ def capacity_command(
                       f"{r['sequences_at_context']:,}")
     console = Console()
     console.print(table)
+    if "sliding_window" in document:
+        window = document["sliding_window"]
+        console.print(f"Every layer slides a window of {window['tokens']:,} tokens: a sequence of {context:,} tokens "
+                      f"holds at most {window['blocks_per_sequence']:,} blocks at once (its window and "
+                      f"{batch_tokens:,} batch tokens), not {window['blocks_per_sequence_without']:,}.", markup=False)
     for t in document.get("tier", []):
         held = f"a lower tier of {t['tier_bytes'] / 2**30:,.1f} GiB holds {t['tokens']:,} tokens of {t['cache_dtype']}"
         if t["compressed_tokens"] is not None:

@@ -105,6 +105,13 @@ def render_status(data: dict, console: Console | None = None):
     context = f", contexts up to {data['model']['max_model_len']:,} tokens" if "max_model_len" in data["model"] else ""
     facts.add_row("model", f"{data['model']['name']} ({data['model']['architecture']}, "
                            f"rev {data['model']['revision'][:12]}, {data['model']['device']}{context})")
+    window = data["model"].get("sliding_window")  # an older kvd does not say
+    if window:
+        facts.add_row("sliding window", f"{window['tokens']:,} tokens, " + (
+            f"every layer: a sequence holds at most {window['blocks_per_sequence']:,} blocks; "
+            f"{window['released_blocks']:,} given back as windows passed them (they stay cached)"
+            if window["blocks_per_sequence"] is not None else
+            f"{window['layers']} of {window['of']} layers: the others attend in full, so a sequence keeps every block"))
     if "chat_template" in data["model"]:  # an older kvd does not say
         template = data["model"]["chat_template"]
         facts.add_row("chat template", "none: /v1/chat/completions refuses chats (kvd serve --chat-template FILE)"

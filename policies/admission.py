@@ -31,6 +31,13 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def sliding_window_blocks(window: int, step_tokens: int, block_size: int) -> int:
+    """The most blocks a sequence of a model whose every layer slides a `window` holds at once:
+    its window's keys and a step's new tokens (`step_tokens`, kvd's max_batch_tokens), a partial
+    block at either end, and the tail block it keeps once the window has passed it."""
+    return blocks_for_tokens(window - 1 + max(step_tokens, 1), block_size) + 2
+
+
 def blocks_needed(prompt_tokens: int, hit_blocks: int, reserve_tokens: int, block_size: int) -> int:
     return blocks_for_tokens(prompt_tokens + reserve_tokens, block_size) - hit_blocks
 

@@ -290,6 +290,43 @@ def test_capacity_matches_hand_computed_llama3_figures():
     assert row70["blocks"] == (2 * h200 - 140 * 10**9 - 2**30 - int(0.2 * h200)) // (163_840 * 16)
 
 
+def test_capacity_of_a_model_whose_every_layer_slides_counts_its_windows_blocks(capsys, tmp_path):
+    """Mistral 7B v0.1: 32 layers of 8 KV heads of 128, every one sliding a 4,096-token window. A
+    32k-token sequence holds at most ceil((4,095 + 256) / 16) + 2 = 274 blocks as kvd keeps it, not
+    2,048; a model with one full-attention layer keeps every block."""
+    mistral = ModelShape(layers=32, kv_heads=8, head_dim=128, sliding_window=4096)
+    h200 = 141 * 10**9
+    row = plan(mistral, gpu_memory=h200, cache_dtype="bfloat16", block_size=16, context=32768, reserve=0.1,
+               workspace=2**30, weights_bytes=14_483_464_192)
+    assert row["sequences_at_context"] == row["blocks"] // 274
+    assert plan(mistral, gpu_memory=h200, cache_dtype="bfloat16", block_size=16, context=2048, workspace=2**30,
+                weights_bytes=0)["sequences_at_context"] == (h200 - 2**30 - int(0.1 * h200)) // 2**21 // 128
+    config = {"architectures": ["MistralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "sliding_window": 4096, "max_position_embeddings": 32768}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ModelShape.from_model_dir(tmp_path).sliding_window == 4096
+    status, out, _ = cli(capsys, "capacity", "--model", str(tmp_path), "--gpu-memory", "141GB", "--weights-bytes",
+                         "14483464192", "--workspace", "1GiB", "--context", "32768", "--dtype", "bfloat16", "--json")
+    document = json.loads(out)
+    assert status == 0 and document["sliding_window"] == {"tokens": 4096, "batch_tokens": 256,
+                                                          "blocks_per_sequence": 274,
+                                                          "blocks_per_sequence_without": 2048}
+    assert document["rows"][0]["sequences_at_context"] == row["sequences_at_context"]
+    status, out, _ = cli(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                         "--sliding-window", "4096", "--batch-tokens", "2048", "--gpu-memory", "141GB",
+                         "--context", "32768", "--dtype", "bfloat16")
+    assert status == 0 and ("Every layer slides a window of 4,096 tokens: a sequence of 32,768 tokens holds at "
+                            "most 386 blocks at once (its window and 2,048 batch tokens), not 2,048.") in " ".join(
+        out.split())
+    mixed = {**config, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "max_window_layers": 16}
+    (tmp_path / "config.json").write_text(json.dumps(mixed))
+    assert ModelShape.from_model_dir(tmp_path).sliding_window is None  # 16 full-attention layers keep every block
+    status, _, err = cli(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
+                         "--sliding-window", "0", "--gpu-memory", "141GB")
+    assert status == 2 and err.strip() == "error: sliding_window: must be a whole number of at least 1, got 0"
+
+
 def test_capacity_takes_lora_adapters_out_of_the_cache_at_what_kvd_holds_of_each(capsys, tmp_path):
     """Llama-3-8B, rank 16 on every projection: per layer 16 x (7 x 4096 + 4 x 4096 + 6 x 1024 +
     5 x 14336) bf16 values as kvd packs them (B block-diagonal: 1.5x PEFT's 80 MiB file)."""

@@ -98,6 +98,13 @@ def test_a_sliding_window_model_attends_to_its_window_past_it_as_transformers_do
     loaded = load_model(tmp_path)
     assert (loaded.config.sliding_window, loaded.config.context_limit) == (24, 512)
     assert loaded.config.sliding_layers == ((0, 1) if kind == "mistral-window" else (1,))
+    if kind == "qwen2-window":  # a full-attention layer needs every block: the cache gives none back
+        from kvctl.daemon.server.status_body import sliding_window
+
+        engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
+        assert engine.cache.window is None
+        assert sliding_window(loaded.config, engine.cache) == {"tokens": 24, "layers": 1, "of": 2,
+                                                               "blocks_per_sequence": None, "released_blocks": 0}
     with torch.no_grad():
         expected = hf(torch.tensor([LONG_PROMPT])).logits[0, -1]
     torch.testing.assert_close(full_forward_logits(loaded, LONG_PROMPT), expected, atol=1e-4, rtol=1e-4)
@@ -113,19 +120,37 @@ def test_a_sliding_window_model_attends_to_its_window_past_it_as_transformers_do
 
 def test_kvd_serving_a_sliding_window_model_serves_the_models_positions_and_says_its_window(tmp_path, caplog):
     """What a client is told: `max_model_len` is the model's positions; a request past the
-    window is served; the operator is told which layers slide at start."""
-    from .daemon_fixtures import call, start_service
+    window is served. What the operator is told: which layers slide, at start; in /admin/status,
+    /metrics and kvctl status, the window, what a sequence holds under it and the blocks given back."""
+    import re
+
+    from rich.console import Console
+
+    from .daemon_fixtures import call, settled, start_service
     from kvctl.daemon.server.app import create_app
+    from kvctl.status_view import render_status
 
     build_checkpoint("mistral-window", tmp_path / "model")
-    with caplog.at_level("INFO", logger="kvd"):
-        service = start_service(tmp_path, model=str(tmp_path / "model"))
+    caplog.set_level("INFO", logger="kvd")  # for the whole test: the model may finish loading after start_service
+    service = start_service(tmp_path, model=str(tmp_path / "model"), max_batch_tokens=32)
     try:
         unix = create_app(service, service.metrics, front="unix")
         assert call(unix, "GET", "/v1/models").json()["data"][0]["max_model_len"] == 512
         assert call(unix, "POST", "/tokenize", json={"prompt": "hello"}).json()["max_model_len"] == 512
         past = call(unix, "POST", "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 30, "ignore_eos": True})
         assert past.status_code == 200 and len(past.json()["choices"][0]["token_ids"]) == 30
+        status = settled(lambda: call(unix, "GET", "/admin/status").json(), lambda s: not s["queue"]["running"])
+        # 99 tokens computed when it finished: the window of the next (76..99) starts in block 4, so 0-3 had gone
+        assert status["model"]["sliding_window"] == {"tokens": 24, "layers": 2, "of": 2, "blocks_per_sequence": 6,
+                                                     "released_blocks": 4}
+        metrics = call(unix, "GET", "/metrics").text
+        assert re.search(r"^kvd_sliding_window_released_blocks_total 4\.0$", metrics, re.MULTILINE)
+        console = Console(record=True, width=200)
+        render_status(status, console)
+        [row] = [line.split(None, 2)[2].strip() for line in console.export_text().splitlines()
+                 if line.startswith("sliding window")]
+        assert row == ("24 tokens, every layer: a sequence holds at most 6 blocks; 4 given back as windows passed "
+                       "them (they stay cached)")
         assert any(r.getMessage() == "model: every one of its 2 layers attends to a sliding window of 24 tokens: "
                    "a sequence holds the blocks of its window, not of its whole context"
                    for r in caplog.records if r.levelname == "INFO")

@@ -40,7 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
-from kvctl.policies.admission import AdmissionDecision, Verdict, blocks_for_tokens, decide
+from kvctl.policies.admission import AdmissionDecision, Verdict, blocks_for_tokens, decide, sliding_window_blocks
 from kvctl.policies.eviction import EvictionPolicy, make_eviction_policy
 from kvctl.policies.tenant_shares import OTHERS, TenantShares, share_blocks
 
@@ -138,6 +138,7 @@ class KVCacheManager:
             raise InvalidRequest(f"window: must be a positive number of tokens or None, got {window!r}")
         self.window = window
         self.step_tokens = step_tokens  # (kvd's max_batch_tokens: a reload sets it again)
+        self.window_released = 0  # blocks sequences gave back as their window passed them (`slide`)
         if isinstance(policy, str):
             policy = make_eviction_policy(policy, block_tokens=block_size, block_bytes=block_bytes)
         self.pool = BlockPool(num_blocks, policy)
@@ -206,12 +207,8 @@ class KVCacheManager:
 
     @property
     def window_blocks(self) -> int | None:
-        """The most blocks a sliding sequence holds at once: its window's keys, a step's new
-        tokens, a partial block at either end, and the tail block it keeps once the window has
-        passed it. None without a window."""
-        if self.window is None:
-            return None
-        return -(-(self.window - 1 + max(self.step_tokens, 1)) // self.block_size) + 2
+        """The most blocks a sliding sequence holds at once (`sliding_window_blocks`); None without a window."""
+        return None if self.window is None else sliding_window_blocks(self.window, self.step_tokens, self.block_size)
 
     def peak_blocks(self, tokens: int) -> int:
         """The most blocks a sequence of `tokens` tokens holds at once: all of them, or under a
@@ -511,6 +508,7 @@ class KVCacheManager:
         pool.release(reversed(gone), now)  # the deepest first, as `release` gives a table back
         seq.table[seq.dropped:first] = [DROPPED] * len(gone)
         seq.dropped = first
+        self.window_released += len(gone)
         # no more than it gave back, nor than the pool has (a block another sequence shares stays held)
         top_up = min(self._reservation(seq.promised, len(seq.table), seq.held_blocks) - len(seq.reserve),
                      len(gone), pool.available())

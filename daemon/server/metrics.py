@@ -136,6 +136,7 @@ class _EngineCollector:
             counts = engine.cache.state_counts()
             stats = engine.stats
             pool = engine.cache.pool
+            window_released = engine.cache.window_released
             now = engine.clock()
             ages = [now - s.request.metrics.arrival for s in engine.waiting()]
             pins = {t: engine.cache.pins.used(t) for t in {p.tenant for p in engine.cache.pins.all()}}
@@ -187,6 +188,9 @@ class _EngineCollector:
         evicted.add_metric(["space"], pool.space_evictions)  # made under scales since replaced
         evicted.add_metric(["sleep"], pool.sleep_evictions)  # the cache's memory given back (sleep_ops.py)
         yield evicted
+        yield CounterMetricFamily("kvd_sliding_window_released_blocks", "Blocks sequences gave back as their "
+                                  "sliding window passed them (they stay cached); 0 unless every layer slides one",
+                                  value=window_released)
         asleep = self.service.asleep
         transfers = self.service.kv_transfers.snapshot()
         for name, text, label, values in TRANSFER_FAMILIES:

@@ -30,6 +30,14 @@ def cache_status(service) -> dict:
     return body
 
 
+def sliding_window(config, cache) -> dict | None:
+    """The model's sliding window as /admin/status gives it, or None when no layer slides one."""
+    if config.sliding_window is None:
+        return None
+    return {"tokens": config.sliding_window, "layers": len(config.sliding_layers), "of": config.num_layers,
+            "blocks_per_sequence": cache.window_blocks, "released_blocks": cache.window_released}
+
+
 def status_body(service, with_blocks: bool = False, cells: int | None = None) -> dict:
     """`GET /admin/status`: with `with_blocks`, the block map too, in at most `cells` cells
     (block_map.fold_block_map; None: a character per block)."""
@@ -53,6 +61,9 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                       "revision": service.loaded.revision, "dtype": str(engine.model.dtype),
                       "device": str(engine.model.device),
                       "max_model_len": engine.context_limit,
+                      # layers that slide a window, and what a sequence holds under it (None: every layer attends
+                      # in full; blocks_per_sequence None: a full-attention layer keeps every block)
+                      "sliding_window": sliding_window(service.loaded.config, cache),
                       "chat_template": None if service.chat_template is None else {
                           "source": service.chat_template.source, "digest": service.chat_template.digest,
                           "defaults": service.chat_template.defaults},
