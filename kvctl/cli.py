@@ -20,6 +20,7 @@ from .bench_replay import replay_command
 from .bench_serve import serve_command
 from .bench_speculation import speculation_command
 from .bench_tiers import tiers_command as tiers_bench_command
+from .bench_window import window_command
 from .calibrate_cmd import calibrate_command
 from .capacity_cmd import capacity_command
 from .command_kit import client_for
@@ -47,6 +48,7 @@ bench.command("kernels")(kernels_command)
 bench.command("serve")(serve_command)
 bench.command("tiers")(tiers_bench_command)
 bench.command("speculation")(speculation_command)
+bench.command("window")(window_command)
 for _command in (status_view.status, ops.prefixes, ops.pin, ops.pins, ops.unpin, ops.evict, ops.explain, ops.audit):
     app.command(_command.__name__)(_command)
 app.add_typer(ops.config_app, name="config")

@@ -117,3 +117,48 @@ def test_preemptions_n_and_drafts_under_a_window_give_the_same_tokens(sliding_de
     assert outputs == plain
     assert engine.stats.preemptions > 0
     assert sum(r.metrics.kept_draft_tokens for r in requests) > 0
+
+
+def test_bench_window_serves_more_at_once_with_the_same_replies(capsys, tmp_path):
+    """160-token sequences are 10 blocks whole and at most 6 under a window of 24 (chunks of 32):
+    a 20-block cache runs two at once keeping every block, all four giving them back, each of
+    which gives back 8 blocks (token 159's window starts in block 8)."""
+    import json
+
+    from .test_cli import cli
+
+    status, out, _ = cli(capsys, "bench", "window", "--window", "24", "--requests", "4", "--prompt-tokens", "128",
+                         "--max-tokens", "32", "--max-batch-tokens", "32", "--json")
+    document = json.loads(out)
+    keep, give = document["keep_every_block"], document["give_back"]
+    assert status == 0 and document["identical_replies"] == 4
+    assert document["settings"] == {"window": 24, "requests": 4, "prompt_tokens": 128, "max_tokens": 32,
+                                    "num_blocks": 20, "block_size": 16, "max_batch_tokens": 32,
+                                    "blocks_per_sequence_whole": 10, "blocks_per_sequence_window": 6}
+    assert (keep["most_running"], give["most_running"]) == (2, 4)
+    assert (keep["blocks_given_back"], give["blocks_given_back"]) == (0, 32)
+    assert (keep["preemptions"], give["preemptions"]) == (0, 0)
+    assert keep["output_tokens"] == give["output_tokens"] == 128 and give["steps"] < keep["steps"]
+    assert keep["most_blocks_held"] <= 20 and give["most_blocks_held"] <= 20
+    assert document["ratio"]["most_running"] == 2.0
+
+    from rich.console import Console
+
+    from kvctl.bench_window import render
+
+    console = Console(record=True, width=120)
+    render(document, console)
+    text = " ".join(console.export_text().split())
+    assert "4 requests of 128 + 32 tokens, window 24, 20 blocks of 16 (demo)" in text
+    assert ("A sequence needs 10 blocks kept whole, at most 6 under its window; 32 blocks given back (they stay "
+            "cached); replies identical: 4 of 4") in text
+
+    from kvctl.daemon.model.demo import ensure_demo_checkpoint
+
+    demo = ensure_demo_checkpoint(tmp_path)
+    status, _, err = cli(capsys, "bench", "window", "--model", str(demo))
+    assert status == 2 and err.strip() == (f"error: model: {str(demo)!r}: no layer slides a window; a layer that "
+                                           "attends in full needs every block, so there is nothing to give back")
+    status, _, err = cli(capsys, "bench", "window", "--num-blocks", "20")
+    assert status == 2 and err.strip() == ("error: num_blocks: 20 cannot hold one whole sequence (48 blocks), which "
+                                           "the pass that keeps every block needs")

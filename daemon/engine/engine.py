@@ -98,6 +98,9 @@ class EngineSettings:
     max_model_len: int | None = None
     # speculative decoding by prompt lookup (vLLM's speculative_config, method ngram); None: off
     speculation: NgramSpeculation | None = None
+    # a model whose every layer slides a window: give back each sequence's blocks before its window
+    # (False keeps them all, as for full attention: `kvctl bench window`'s baseline)
+    release_window_blocks: bool = True
 
 
 def prefetch_wait(settings: EngineSettings) -> PrefetchWait:
@@ -167,7 +170,7 @@ class Engine:
                                     block_bytes=self.model.cache_bytes_per_block(
                                         settings.block_size, self.cache_dtype, settings.keep_layers),
                                     clock=clock, window=loaded.config.sliding_window
-                                    if loaded.config.every_layer_slides else None,
+                                    if loaded.config.every_layer_slides and settings.release_window_blocks else None,
                                     step_tokens=settings.max_batch_tokens)
         self.cache.set_tenant_shares(settings.tenant_cache_shares)
         self.events = EventLog()  # every block indexed in or dropped from a tier, for routers and operators
