@@ -162,3 +162,32 @@ def test_cache_full_under_a_window_changes_nothing():
         m.admit_tokens("r2", NS, list(range(50, 60)), 0)  # needs 3 blocks, 1 left
     assert list(m._seqs) == ["r1"]
     m.audit()
+
+
+def test_a_hit_needs_only_the_blocks_its_window_reaches_not_the_chain_from_the_root():
+    """A sliding sequence gives its first blocks back first, so LRU evicts them first. A prompt
+    that starts the same way still hits as far as the blocks the next token attends to are
+    cached; a block missing inside that window ends the hit before it."""
+    m = sliding()
+    prompt = PROMPT + list(range(20, 30))  # 20 tokens
+    prefill_in_chunks(m, "r1", prompt, reserve=0)
+    m.release("r1")
+    keys = chain_keys(NS, prompt)
+    assert m.lookup(keys, 20) == 4  # blocks 0-3 cached
+    m.pool.evict_keys(keys[:2])  # the first two blocks went
+    assert m.pool.match(keys) == []  # nothing from the root
+    assert m.lookup(keys, 20) == 4  # position 16 attends to 11..16: blocks 2 and 3
+    admission = m.admit_tokens("r2", NS, prompt, 0)
+    assert (admission.hit_blocks, admission.hit_tokens) == (4, 16)
+    assert m.block_table("r2") == [D, D, 2, 3]
+    m.append("r2", 4)
+    m.slide("r2", 20)
+    m.audit()
+    m.release("r2")
+    m.pool.evict_keys(keys[2:3])  # now a block inside the window of position 16 is missing
+    assert m.lookup(keys, 20) == 0  # block 3 alone: position 16 would need 11..15 from block 2 as well
+    plain = make_manager(12, 4)  # no window: the chain from the root, as before
+    prefill_in_chunks(plain, "r1", prompt, reserve=0)
+    plain.release("r1")
+    plain.pool.evict_keys(keys[:1])
+    assert plain.lookup(keys, 20) == 0

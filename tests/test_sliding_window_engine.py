@@ -162,3 +162,24 @@ def test_bench_window_serves_more_at_once_with_the_same_replies(capsys, tmp_path
     status, _, err = cli(capsys, "bench", "window", "--num-blocks", "20")
     assert status == 2 and err.strip() == ("error: num_blocks: 20 cannot hold one whole sequence (48 blocks), which "
                                            "the pass that keeps every block needs")
+
+
+def test_a_second_turn_hits_its_window_after_the_conversations_first_blocks_were_evicted(mistral):
+    """Turn 1 gives its first blocks back as it goes; they are evicted. Turn 2 (turn 1, its reply
+    and 6 more tokens) still takes the blocks its next token's window reaches and computes only
+    the rest, with transformers' tokens."""
+    from kvctl.daemon.cache.keys import chain_keys
+
+    hf, loaded = mistral
+    engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16, max_batch_tokens=32))
+    first = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    run(engine, [first])
+    conversation = PROMPTS[0] + first.sequences[0].output_ids + [7, 8, 9, 10, 11, 12]  # 96 tokens
+    keys = chain_keys(engine.request_namespace(first), conversation)
+    assert engine.cache.lookup(keys, 96) == 5  # blocks 0-4 cached (80 tokens); token 95 is always computed
+    engine.cache.pool.evict_keys(keys[:3])
+    assert engine.cache.pool.match(keys) == []
+    second = engine.add_request(conversation, SamplingParams(max_tokens=10, ignore_eos=True))
+    outputs, _ = run(engine, [second])
+    assert second.metrics.cached_tokens == 80  # position 80 attends to 57..80: blocks 3 and 4
+    assert outputs == [[hf_greedy(hf, conversation, 10)]]

@@ -249,9 +249,29 @@ class KVCacheManager:
         return max(prompt_tokens - 1, 0) // self.block_size
 
     def lookup(self, keys: Sequence[BlockKey], prompt_tokens: int | None = None) -> int:
-        """Cached blocks for the longest prefix of `keys`. Reads only."""
+        """Blocks of the longest prefix of `keys` a prompt takes from the cache (under a window,
+        see `_hit`). Reads only."""
         limit = None if prompt_tokens is None else self.cacheable_blocks(prompt_tokens)
-        return len(self.pool.match(keys, limit))
+        return self._hit(keys, limit)[0]
+
+    def _hit(self, keys: Sequence[BlockKey], limit: int | None) -> tuple[int, int, list[int]]:
+        """The prefix hit of `keys` (at most `limit` blocks): its length in blocks, how many of its
+        first blocks the next token's window does not reach, and the cached blocks it does reach.
+
+        Without a window every block from the root must be cached. Under one only those the next
+        token attends to: a prompt whose first blocks were evicted (a sliding sequence gives them
+        back first, so LRU takes them first) still hits the rest, as vLLM's sliding-window
+        prefix caching does."""
+        if self.window is None:
+            hits = self.pool.match(keys, limit)
+            return len(hits), 0, hits
+        block_of, length, run = self.pool.block_of, 0, 0
+        for i, key in enumerate(keys if limit is None else keys[:limit]):
+            run = run + 1 if block_of(key) is not None else 0
+            if run and run >= i + 1 - self._first_needed((i + 1) * self.block_size):
+                length = i + 1  # blocks first_needed..i are all cached
+        skipped = self._first_needed(length * self.block_size)
+        return length, skipped, [block_of(key) for key in keys[skipped:length]]
 
     # ---- admission -------------------------------------------------------------------------
     def can_admit(self, keys: Sequence[BlockKey], prompt_tokens: int, reserve_tokens: int, *,
@@ -259,13 +279,12 @@ class KVCacheManager:
                   queue_limit: int | None = None, reuse: bool = True) -> AdmissionDecision:
         """Would `admit` succeed now? Reads only."""
         self._check_counts(request, prompt_tokens, reserve_tokens)
-        hits = self.pool.match(keys, self.cacheable_blocks(prompt_tokens)) if reuse else []
-        held = hits[self._first_needed(len(hits) * self.block_size):]
-        needed = self._reservation(blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size), len(hits),
+        length, _, held = self._hit(keys, self.cacheable_blocks(prompt_tokens)) if reuse else (0, 0, [])
+        needed = self._reservation(blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size), length,
                                    len(held))
         available = self.pool.available() - self.pool.evictable_in(held)
         return decide(request=request, needed_blocks=needed, available_blocks=available,
-                      total_blocks=self.num_blocks, hit_blocks=len(hits),
+                      total_blocks=self.num_blocks, hit_blocks=length,
                       queue_length=queue_length, queue_limit=queue_limit)
 
     def admit(self, seq_id: str, keys: Sequence[BlockKey], prompt_tokens: int, reserve_tokens: int,
@@ -289,18 +308,17 @@ class KVCacheManager:
             raise InvalidRequest(f"request {seq_id}: {len(keys)} keys for {prompt_tokens} prompt tokens "
                                  f"at block size {self.block_size}")
         pool, now = self.pool, self._clock()
-        hits = pool.match(keys, self.cacheable_blocks(prompt_tokens)) if reuse else []
-        skipped = self._first_needed(len(hits) * self.block_size)
-        held = hits[skipped:]
+        length, skipped, held = self._hit(keys, self.cacheable_blocks(prompt_tokens)) if reuse else (0, 0, [])
         promised = blocks_for_tokens(prompt_tokens + reserve_tokens, self.block_size)
-        needed = self._reservation(promised, len(hits), len(held))
+        needed = self._reservation(promised, length, len(held))
         available = pool.available() - pool.evictable_in(held)
         if needed > available:
             raise CacheFull(seq_id, needed, available, self.num_blocks)
         pool.acquire(held, now, hit=True, priority=priority)
-        if skipped:  # the hit's blocks before the window are reused as the engine counts them: touched, not held
-            pool.acquire(hits[:skipped], now, hit=True, priority=priority)
-            pool.release(reversed(hits[:skipped]), now)
+        touched = [b for b in map(pool.block_of, keys[:skipped]) if b is not None]
+        if touched:  # the hit's cached blocks before the window are reused as the engine counts them: touched, not held
+            pool.acquire(touched, now, hit=True, priority=priority)
+            pool.release(reversed(touched), now)
         reserve = pool.allocate(needed, now, seq_id)
         if keys:
             root = self.roots.get(keys[0])
@@ -311,16 +329,16 @@ class KVCacheManager:
             if root.space is None and hasher is not None:
                 root.space = hasher.namespace.space_key()
             root.last_use = now
-            root.hits += bool(hits)
+            root.hits += bool(length)
         reserve.reverse()  # pop() hands them out in allocation order
         self.num_reserved += needed
         self._seqs[seq_id] = SequenceState(
             seq_id=seq_id, tenant=tenant, table=[DROPPED] * skipped + held, reserve=reserve,
-            num_tokens=len(hits) * self.block_size, keys=list(keys), hasher=hasher,
-            hit_tokens=len(hits) * self.block_size, prompt_tokens=prompt_tokens, priority=priority,
+            num_tokens=length * self.block_size, keys=list(keys), hasher=hasher,
+            hit_tokens=length * self.block_size, prompt_tokens=prompt_tokens, priority=priority,
             dropped=skipped, promised=promised)
         self._bound_roots()  # after the sequence is registered: its root is kept
-        return Admission(seq_id, len(hits), len(hits) * self.block_size, needed)
+        return Admission(seq_id, length, length * self.block_size, needed)
 
     def admit_tokens(self, seq_id: str, namespace: Namespace, prompt_token_ids: Sequence[int],
                      reserve_tokens: int, priority: int = 0) -> Admission:

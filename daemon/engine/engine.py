@@ -759,7 +759,7 @@ class Engine:
                     continue  # its turn passes to the requests behind it meanwhile
                 self._restore(seq, keys, len(tokens))
             if upcoming and reuse:
-                hits = len(self.cache.pool.match(keys, self.cache.cacheable_blocks(len(tokens))))
+                hits = self.cache.lookup(keys, len(tokens))  # (under a sliding window, past blocks evicted)
                 if hits < len(keys) and keys[hits] in upcoming:
                     continue  # its prefix is being computed right now: take it next step
             decision = self.cache.can_admit(keys, len(tokens), reserve, request=seq.seq_id, reuse=reuse)
