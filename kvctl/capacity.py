@@ -91,15 +91,11 @@ def _every_layer_window(raw: dict) -> int | None:
 
 
 def blocks_per_sequence(shape: ModelShape, context: int, block_size: int, batch_tokens: int = 256) -> int:
-    """Blocks a sequence of `context` tokens holds at its longest: all of them, or under a window
-    every layer slides no more than kvd keeps (`sliding_window_blocks`, with `batch_tokens` as
-    kvd's max_batch_tokens)."""
-    from kvctl.policies.admission import sliding_window_blocks
+    """Blocks a sequence of `context` tokens holds at its longest, as kvd's cache keeps it
+    (`policies.admission.peak_blocks`, with `batch_tokens` as kvd's max_batch_tokens)."""
+    from kvctl.policies.admission import peak_blocks
 
-    whole = -(-context // block_size)
-    if shape.sliding_window is None:
-        return whole
-    return min(whole, sliding_window_blocks(shape.sliding_window, batch_tokens, block_size))
+    return peak_blocks(context, block_size, shape.sliding_window, batch_tokens)
 
 
 @dataclass

@@ -38,6 +38,13 @@ def sliding_window_blocks(window: int, step_tokens: int, block_size: int) -> int
     return blocks_for_tokens(window - 1 + max(step_tokens, 1), block_size) + 2
 
 
+def peak_blocks(tokens: int, block_size: int, window: int | None = None, step_tokens: int = 1) -> int:
+    """The most blocks a sequence of `tokens` tokens holds at once: all of them, or under a
+    sliding `window` every layer slides no more than `sliding_window_blocks`."""
+    blocks = blocks_for_tokens(tokens, block_size)
+    return blocks if window is None else min(blocks, sliding_window_blocks(window, step_tokens, block_size))
+
+
 def blocks_needed(prompt_tokens: int, hit_blocks: int, reserve_tokens: int, block_size: int) -> int:
     return blocks_for_tokens(prompt_tokens + reserve_tokens, block_size) - hit_blocks
 

@@ -82,21 +82,14 @@ def test_a_request_longer_than_the_cache_is_served_when_its_window_fits(mistral)
 
 @pytest.fixture(scope="module")
 def sliding_demo(tmp_path_factory):
-    """The demo checkpoint as a Mistral whose layers slide a window of 24 tokens: its random
-    weights make it loop, so prompt lookup drafts (the tiny transformers model's never repeat)."""
-    import json
-    import shutil
-
+    """The demo checkpoint as a Mistral whose layers slide a window of 24 tokens (as `kvctl bench
+    window` makes it): its random weights make it loop, so prompt lookup drafts (the tiny
+    transformers model's never repeat)."""
+    from kvctl.bench_window import sliding_copy
     from kvctl.daemon.model.demo import ensure_demo_checkpoint
 
     source = ensure_demo_checkpoint(tmp_path_factory.mktemp("state"))
-    target = tmp_path_factory.mktemp("sliding-demo")
-    for path in source.iterdir():
-        shutil.copy(path, target / path.name)
-    config = json.loads((source / "config.json").read_text())
-    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=24)
-    (target / "config.json").write_text(json.dumps(config))
-    return load_model(target)
+    return load_model(sliding_copy(source, tmp_path_factory.mktemp("sliding-demo"), 24))
 
 
 def test_preemptions_n_and_drafts_under_a_window_give_the_same_tokens(sliding_demo):

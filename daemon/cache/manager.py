@@ -40,7 +40,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable, Mapping, Sequence
 
-from kvctl.policies.admission import AdmissionDecision, Verdict, blocks_for_tokens, decide, sliding_window_blocks
+from kvctl.policies.admission import (AdmissionDecision, Verdict, blocks_for_tokens, decide, peak_blocks,
+                                      sliding_window_blocks)
 from kvctl.policies.eviction import EvictionPolicy, make_eviction_policy
 from kvctl.policies.tenant_shares import OTHERS, TenantShares, share_blocks
 
@@ -211,10 +212,8 @@ class KVCacheManager:
         return None if self.window is None else sliding_window_blocks(self.window, self.step_tokens, self.block_size)
 
     def peak_blocks(self, tokens: int) -> int:
-        """The most blocks a sequence of `tokens` tokens holds at once: all of them, or under a
-        sliding window no more than `window_blocks`."""
-        blocks = blocks_for_tokens(tokens, self.block_size)
-        return blocks if self.window_blocks is None else min(blocks, self.window_blocks)
+        """The most blocks a sequence of `tokens` tokens holds at once (`policies.admission.peak_blocks`)."""
+        return peak_blocks(tokens, self.block_size, self.window, self.step_tokens)
 
     def _first_needed(self, computed_tokens: int) -> int:
         """The first logical block the token after `computed_tokens` attends to (0 without a window)."""
