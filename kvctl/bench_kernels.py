@@ -103,6 +103,9 @@ def kernels_command(
         "calls", "--timer", help="calls: each call launched from Python, as a caller sees it (where the GPU "
                                  "is faster, the host's launch cost is the time); graph: GPU time alone, the "
                                  "calls replayed from a CUDA graph. SDPA is timed the same way."),
+    window: Optional[int] = typer.Option(
+        None, "--window", help="Decode as a sliding-window layer: each query attends to its last W tokens "
+                               "(SDPA to the same tokens)."),
     compile_for: list[str] = typer.Option(
         [], "--compile-for", help="Also compile every kernel configuration for these GPU architectures "
                                   "(sm_80, sm_86, sm_89, sm_90, sm_100; no GPU needed): shared memory, "
@@ -136,6 +139,8 @@ def kernels_command(
         raise UserError(f"dtype: unknown value {dtype!r}; choose from {', '.join(DTYPES)}")
     if repeat < 1:
         raise UserError(f"repeat: must be at least 1, got {repeat}")
+    if window is not None and window < 1:
+        raise UserError(f"window: must be at least 1, got {window}")
     if timer not in TIMERS:
         raise UserError(f"timer: unknown value {timer!r}; choose from {', '.join(TIMERS)}")
     from kvctl.kernels import DecodeLaunch, PrefillLaunch
@@ -178,13 +183,13 @@ def kernels_command(
     peak = peak_bandwidth(device_name)
     decode = [asdict(f) for f in run_decode(shape_list, batch_list, context_list, dtype, block_size,
                                             max_tokens, peak, launch=decode_config, repeat=repeat,
-                                            timer=TIMERS[timer])]
+                                            timer=TIMERS[timer], window=window)]
     prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size, launch=prefill_config,
                                               repeat=repeat, timer=TIMERS[timer])]
     import triton
 
     document = {"device": device_name, "peak_bytes_per_second": peak, "block_size": block_size,
-                "repeat": repeat, "timer": timer,
+                "repeat": repeat, "timer": timer, "window": window,
                 "decode_launch": asdict(decode_config), "prefill_launch": asdict(prefill_config),
                 "decode": decode, "prefill": prefill, "torch": torch.__version__,
                 "triton": triton.__version__}
@@ -195,7 +200,8 @@ def kernels_command(
         typer.echo(json.dumps(document, indent=2))
         return
     timed = "GPU time, CUDA graph" if timer == "graph" else "time per call"
-    table = Table(title=f"paged decode on {device_name} ({dtype} cache, block {block_size}; {timed})")
+    attends = "" if window is None else f", the last {window:,} tokens of each context"
+    table = Table(title=f"paged decode on {device_name} ({dtype} cache, block {block_size}{attends}; {timed})")
     for column in ("shape", "batch", "context", "ms", "GB/s", "% of peak", "SDPA ms", "vs SDPA", "max diff"):
         table.add_column(column, justify="right")
     for f in decode:
@@ -390,13 +396,15 @@ def _timed(timer, fn, repeat: int) -> tuple[float, list[float]]:
 
 
 def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max_tokens, peak, *,
-               device: str = "cuda", timer=_do_bench, launch=None, repeat: int = 1):
+               device: str = "cuda", timer=_do_bench, launch=None, repeat: int = 1, window: int | None = None):
     """Decode figures for every (shape, context, batch) with batch x context <= max_tokens.
 
     Each case also runs torch's SDPA on the same K/V (dequantised, stored contiguously) and
     records how far its output lies from the kernel's, so the baseline is the same attention.
     `timer(fn) -> ms`, taken `repeat` times (the median is reported, with the range);
-    `launch` is a `DecodeLaunch` (None: the kernel's defaults).
+    `launch` is a `DecodeLaunch` (None: the kernel's defaults). With a sliding `window` the
+    kernel attends to each sequence's last `window` tokens, SDPA to those same tokens, and the
+    bytes counted are theirs.
     """
     import torch
     import torch.nn.functional as F
@@ -419,11 +427,12 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
 
                 def kernel():
                     return paged_decode_attention(q, k, v, tables, lens, scale=scale, k_scale=k_scale,
-                                                  v_scale=v_scale, max_context=context, launch=launch)
+                                                  v_scale=v_scale, max_context=context, launch=launch, window=window)
 
                 ms, ms_range = _timed(timer, kernel, repeat)
-                k_contig = _contiguous(k, k_scale, tables, batch, context)
-                v_contig = _contiguous(v, v_scale, tables, batch, context)
+                span = context if window is None else min(context, window)  # the tokens each query attends to
+                k_contig = _contiguous(k, k_scale, tables, batch, context)[:, :, context - span:]
+                v_contig = _contiguous(v, v_scale, tables, batch, context)[:, :, context - span:]
                 q4 = q[:, :, None, :]
 
                 def baseline():
@@ -431,7 +440,7 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
 
                 sdpa_ms, sdpa_range = _timed(timer, baseline, repeat)
                 diff = float((kernel().float() - baseline()[:, :, 0].float()).abs().max())
-                kv_bytes = 2 * batch * context * kv_heads * head_dim * k.element_size()
+                kv_bytes = 2 * batch * span * kv_heads * head_dim * k.element_size()
                 scale_bytes = 0 if k_scale is None else 2 * k_scale.numel() * k_scale.element_size()
                 io_bytes = 2 * q.numel() * q.element_size() + tables.numel() * tables.element_size()
                 bandwidth = (kv_bytes + scale_bytes + io_bytes) / (ms / 1e3)
@@ -592,6 +601,12 @@ def correctness_checks() -> list[dict]:
     record("paged_prefill_attention float32 (GQA 4)",
            paged_prefill_attention(qp, k, v, tables, qsl, lens, scale=0.125),
            paged_prefill_attention_ref(qp, k, v, tables, qsl, lens, scale=0.125), 1e-5)
+    record("paged_decode_attention float32, window 20",
+           paged_decode_attention(q, k, v, tables, lens, scale=0.125, window=20),
+           paged_decode_attention_ref(q, k, v, tables, lens, scale=0.125, window=20), 1e-5)
+    record("paged_prefill_attention float32, window 20",
+           paged_prefill_attention(qp, k, v, tables, qsl, lens, scale=0.125, window=20),
+           paged_prefill_attention_ref(qp, k, v, tables, qsl, lens, scale=0.125, window=20), 1e-5)
     k2, v2 = k.clone(), v.clone()
     src, dst = torch.tensor([int(tables[4, 0])]), torch.tensor([int(tables[0, 1])])
     copy_blocks(k, v, src, dst)

@@ -284,7 +284,8 @@ def test_bench_kernels_without_cuda_checks_correctness_only(capsys, tmp_path):
     assert doc["figures"] is None and doc["note"] == "figures need CUDA; correctness only"
     assert [c["check"] for c in doc["checks"]] == [
         "write_kv float32", "paged_decode_attention float32 (GQA 4)",
-        "paged_prefill_attention float32 (GQA 4)", "copy_blocks"]
+        "paged_prefill_attention float32 (GQA 4)", "paged_decode_attention float32, window 20",
+        "paged_prefill_attention float32, window 20", "copy_blocks"]
     assert all(c["ok"] and c["max_abs_diff"] <= c["tolerance"] for c in doc["checks"])
 
 
@@ -377,6 +378,12 @@ def test_bench_decode_figures_count_the_bytes_moved_and_check_the_baseline():
     assert f.speedup_vs_sdpa == pytest.approx(1.5)
     assert f.max_abs_diff_vs_sdpa < 2e-3  # outputs near 0.01 (cache scale 0.01)
     assert not run_decode(["llama3-8b"], [4], [40], "int8", 16, 100, 1e12, device=device, timer=lambda fn: 1.0)
+
+    times = iter([2.0, 3.0])  # a sliding window of 24: the kernel and SDPA attend to the last 24 tokens
+    (w,) = run_decode(["llama3-8b"], [2], [40], "int8", 16, 1 << 20, 1e12, device=device,
+                      timer=lambda fn: next(times), window=24)
+    assert w.bytes_per_second == pytest.approx((moved - 2 * 2 * 16 * kv_heads * head_dim) / 2e-3)
+    assert w.max_abs_diff_vs_sdpa < 2e-3 and w.speedup_vs_sdpa == pytest.approx(1.5)
 
     times = iter([3.0, 1.0, 2.0, 5.0, 4.0, 6.0])  # --repeat 3: three kernel timings, then three of SDPA
     (r,) = run_decode(["llama3-8b"], [2], [40], "int8", 16, 1 << 20, 1e12, device=device,
@@ -484,6 +491,12 @@ def test_bench_kernels_on_a_gpu_reports_medians_ranges_and_the_launch(capsys, mo
     assert status == 0
     assert "paged decode on NVIDIA H200 (bfloat16 cache, block 16; time per call)" in out
     assert "2.000 (1.000-3.000)" in out and "2.50x" in out
+    status, out, _ = cli(capsys, *args, "--window", "24")
+    assert status == 0
+    assert ("paged decode on NVIDIA H200 (bfloat16 cache, block 16, the last 24 tokens of each context; time per "
+            "call)") in " ".join(out.split())  # (the title wraps)
+    status, _, err = cli(capsys, *args, "--window", "0")
+    assert status == 2 and err.strip() == "error: window: must be at least 1, got 0"
 
 
 def test_bench_kernels_timer_graph_times_kernel_and_sdpa_from_cuda_graphs(capsys, monkeypatch):
