@@ -105,7 +105,6 @@ class DecodePlan:
     rows: int = 1  # query rows per sequence (1: plain decode)
     row_index: torch.Tensor | None = None  # padded row of each real row, batch order
     stack: PrefixStack | None = None  # the groups' prefixes in one call, when worth it
-    window: int | None = None  # a sliding-window layer's span (no groups then; see plan_decode)
 
 
 @dataclass
@@ -283,7 +282,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
                       torch.tensor(suffix, dtype=torch.long, device=device),
                       _suffix_mask(positions, [lengths[s] for s in order], rows, window), layout, tuple(order),
                       positions, rows, row_index, _plan_stack(stacked_groups, tables, block_size, device, block_content,
-                                                              reuse.stack if reuse is not None else None), window)
+                                                              reuse.stack if reuse is not None else None))
 
 
 def _solo_groups(tables: list[list[int]], lengths: list[int], rows: int, block_size: int, splits: int,
