@@ -58,24 +58,53 @@ class ModelShape:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> "ModelShape":
         """The shape in a checkpoint's config.json: a folder, or a Hugging Face id in the local cache."""
+        from kvctl.daemon.model.config import ModelError, language_model_fields
         from kvctl.daemon.model.hub_cache import resolve_model
 
         model_dir, _ = resolve_model(str(model_dir))
         try:
-            raw = json.loads((model_dir / "config.json").read_text())
+            outer = json.loads((model_dir / "config.json").read_text())
         except OSError:
             raise ValueError(f"model: no readable config.json in {str(model_dir)!r}") from None
+        try:  # a multimodal checkpoint's language model (Gemma 3 4B and up): its text_config
+            raw = language_model_fields(outer, f"{str(model_dir)!r}/config.json")
+        except ModelError as exc:
+            raise ValueError(f"model: {exc}") from None
         heads = raw.get("num_attention_heads")
         hidden = raw.get("hidden_size")
         if not heads or not hidden or not raw.get("num_hidden_layers"):
             raise ValueError(f"model: {str(model_dir)!r}/config.json lacks num_hidden_layers, "
                              "num_attention_heads or hidden_size")
-        weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or None
+        multimodal = raw is not outer and "text_config" in outer  # kvd reads only its language model's tensors
+        weights = (language_model_bytes(model_dir) if multimodal
+                   else sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))) or None
         return cls(layers=int(raw["num_hidden_layers"]), kv_heads=int(raw.get("num_key_value_heads") or heads),
                    head_dim=int(raw.get("head_dim") or hidden // heads), hidden_size=int(hidden),
                    intermediate_size=raw.get("intermediate_size"),
                    dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), weights_bytes=weights,
                    heads=int(heads), sliding_window=_every_layer_window(raw))
+
+
+def language_model_bytes(model_dir: Path) -> int:
+    """Bytes of the tensors kvd reads from a multimodal checkpoint (its language model's; the
+    vision tower stays on disk), from the safetensors headers: no tensor is read."""
+    import struct
+
+    from kvctl.daemon.model.weights import text_model_name
+
+    total = 0
+    for path in model_dir.glob("*.safetensors"):
+        with open(path, "rb") as handle:
+            try:
+                header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
+            except (struct.error, ValueError):
+                raise ValueError(f"model: {str(path)!r} is not a safetensors file") from None
+        for name, entry in header.items():
+            if name != "__metadata__" and text_model_name(name).startswith(("model.layers.", "model.embed_tokens.",
+                                                                             "model.norm.", "lm_head.")):
+                start, end = entry["data_offsets"]
+                total += end - start
+    return total
 
 
 def _every_layer_window(raw: dict) -> int | None:

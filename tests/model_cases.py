@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 / Qwen3 / Mistral checkpoints built with transformers (a test-only dependency)."""
+"""Tiny Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoints built with transformers (a test-only dependency)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,21 @@ def tiny_config(kind: str):
     if kind == "qwen2-window":  # Qwen's use_sliding_window: layer 0 attends in full, layer 1 slides
         return transformers.Qwen2Config(**TINY, num_key_value_heads=1, tie_word_embeddings=True,
                                         use_sliding_window=True, sliding_window=24, max_window_layers=1)
+    if kind in ("gemma3", "gemma3-text"):
+        # Gemma 3's 5:1 sliding:full layers scaled to 2:1, a window of 24 tokens; its own RoPE for
+        # each kind of layer, the full layers' scaled as the 4B and larger ones are; "gemma3" also
+        # caps its logits (Gemma 3 does not, Gemma 2 did) so that the cap is checked too
+        return transformers.Gemma3TextConfig(
+            **{**TINY, "num_hidden_layers": 3, "num_attention_heads": 4}, num_key_value_heads=2, sliding_window=24,
+            sliding_window_pattern=3, query_pre_attn_scalar=48,
+            final_logit_softcapping=10.0 if kind == "gemma3" else None,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    if kind == "gemma3-multimodal":  # Gemma 3 4B and up: the language model beside a (tiny) vision tower
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        return transformers.Gemma3Config(text_config=tiny_config("gemma3-text"), vision_config=vision,
+                                         mm_tokens_per_image=4)
     raise ValueError(kind)
 
 

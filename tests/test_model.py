@@ -37,7 +37,7 @@ def full_forward_logits(loaded, ids, lora=None):
 
 
 @pytest.mark.parametrize("kind", ["llama3", "llama2-tied-mha", "qwen2", "qwen3", "mistral", "qwen3-yarn",
-                                  "llama-linear"])
+                                  "llama-linear", "gemma3", "gemma3-multimodal"])
 def test_greedy_tokens_and_logits_match_transformers(kind, tmp_path):
     hf = build_checkpoint(kind, tmp_path)
     loaded = load_model(tmp_path)
@@ -88,23 +88,28 @@ def test_unsupported_architecture_and_missing_tensor_are_named(tmp_path):
 LONG_PROMPT = [(i * 37 + 5) % 300 for i in range(70)]  # three windows of 24 tokens
 
 
-@pytest.mark.parametrize("kind", ["mistral-window", "qwen2-window"])
+SLIDING = {"mistral-window": (0, 1), "qwen2-window": (1,), "gemma3": (0, 1)}  # the layers that slide
+
+
+@pytest.mark.parametrize("kind", list(SLIDING))
 def test_a_sliding_window_model_attends_to_its_window_past_it_as_transformers_does(kind, tmp_path):
     """Mistral 7B v0.1 slides every layer's window (4,096 tokens); Qwen's `use_sliding_window` the
-    layers from `max_window_layers` on. Here a window of 24 tokens and a 70-token prompt: logits
-    of a whole prefill, then greedy tokens through prompt chunks of 32 tokens (whose windows start
-    in the chunk before) and decodes, and a second request that hits the first one's blocks."""
+    layers from `max_window_layers` on; Gemma 3 five layers in six, with their own RoPE. Here a
+    window of 24 tokens and a 70-token prompt: logits of a whole prefill, then greedy tokens
+    through prompt chunks of 32 tokens (whose windows start in the chunk before) and decodes,
+    and a second request that hits the first one's blocks."""
     hf = build_checkpoint(kind, tmp_path)
     loaded = load_model(tmp_path)
     assert (loaded.config.sliding_window, loaded.config.context_limit) == (24, 512)
-    assert loaded.config.sliding_layers == ((0, 1) if kind == "mistral-window" else (1,))
-    if kind == "qwen2-window":  # a full-attention layer needs every block: the cache gives none back
+    assert loaded.config.sliding_layers == SLIDING[kind]
+    if not loaded.config.every_layer_slides:  # a full-attention layer needs every block: the cache gives none back
         from kvctl.daemon.server.status_body import sliding_window
 
         engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
         assert engine.cache.window is None
-        assert sliding_window(loaded.config, engine.cache) == {"tokens": 24, "layers": 1, "of": 2,
-                                                               "blocks_per_sequence": None, "released_blocks": 0}
+        assert sliding_window(loaded.config, engine.cache) == {
+            "tokens": 24, "layers": len(SLIDING[kind]), "of": loaded.config.num_layers,
+            "blocks_per_sequence": None, "released_blocks": 0}
     with torch.no_grad():
         expected = hf(torch.tensor([LONG_PROMPT])).logits[0, -1]
     torch.testing.assert_close(full_forward_logits(loaded, LONG_PROMPT), expected, atol=1e-4, rtol=1e-4)
@@ -279,11 +284,11 @@ def test_the_rope_table_grows_with_the_contexts_served_and_matches_a_full_one(tm
     from kvctl.daemon.model.llama import rope_table
 
     loaded = load_model(ensure_demo_checkpoint(tmp_path))  # 8,192 positions
-    model = loaded.model
-    assert model.rope.shape[0] == 4096
-    full = rope_table(model.inv_freq, 8192, model.dtype)
-    assert model.rope_rows(4000).shape[0] == 4096
-    grown = model.rope_rows(5000)
+    [rope] = loaded.model.ropes  # one RoPE for every layer
+    assert rope.table.shape[0] == 4096
+    full = rope_table(rope.inv_freq, 8192, loaded.model.dtype)
+    assert rope.rows(4000).shape[0] == 4096
+    grown = rope.rows(5000)
     assert grown.shape[0] == 8192
     torch.testing.assert_close(grown[[0, 4095, 4999, 8191]], full[[0, 4095, 4999, 8191]], atol=0, rtol=0)
-    assert model.rope_rows(8192).shape[0] == 8192
+    assert rope.rows(8192).shape[0] == 8192

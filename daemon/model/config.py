@@ -16,13 +16,27 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+    # Gemma 3 4B, 12B and 27B: kvd serves their language model, text in and text out
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
 DTYPES = ("float32", "bfloat16", "float16")
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config's name -> kvd's
+
+# transformers' Gemma3TextConfig defaults: Gemma 3's multimodal checkpoints give only the fields
+# that differ from them in their `text_config`
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral", "qwen2" or "qwen3"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3" or "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,6 +56,25 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of Q and K, before RoPE
     sliding_window: int | None = None  # tokens a sliding-window layer attends to, where one does
     sliding_layers: tuple[int, ...] = ()  # the layers that slide that window (the others attend in full)
+    # Gemma 3: the sliding layers' own RoPE (base 10,000, unscaled) where the full layers' differs
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: RopeScaling | None = None
+    activation: str = "silu"  # of the gated MLP: "silu" (Llama, Qwen, Mistral) or "gelu_tanh" (Gemma)
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scores scale by its -1/2 power, not head_dim's
+    # Gemma: RMSNorm scales by (1 + weight) in float32, embeddings by sqrt(hidden_size), and each
+    # layer also normalises its attention's and its MLP's output ("sandwich" norms)
+    gemma_norms: bool = False
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap), where a config sets it
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """What the token embeddings are multiplied by (Gemma: sqrt(hidden_size)); None: by nothing."""
+        return self.hidden_size ** 0.5 if self.gemma_norms else None
 
     @property
     def context_limit(self) -> int:
@@ -70,6 +103,7 @@ class ModelConfig:
         if arch is None:
             raise ModelError(f"{where}: unsupported architecture {archs!r}; supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        raw = language_model_fields(raw, where)
 
         def need(name: str, kind=int):
             value = raw.get(name)
@@ -86,31 +120,36 @@ class ModelConfig:
             raise ModelError(f"{where}: num_attention_heads {num_heads} is not a multiple of "
                              f"num_key_value_heads {num_kv_heads}")
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
-        scaling = raw.get("rope_scaling") or (raw.get("rope_parameters") or {})
-        if not isinstance(scaling, dict):
-            raise ModelError(f"{where}: field 'rope_scaling' must be an object (got {scaling!r})")
         max_positions = int(raw.get("max_position_embeddings", 4096))
-        rope_scaling = read_scaling(scaling, max_positions, where)
-        partial = raw.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:  # rotating part of each head is not written here: refused, not served wrongly
-            raise ModelError(f"{where}: partial_rotary_factor {partial!r} is not supported (kvd rotates whole heads)")
-        rope_theta = raw.get("rope_theta", scaling.get("rope_theta", 10000.0))
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
         if dtype not in DTYPES:
             raise ModelError(f"{where}: torch_dtype {dtype!r} unsupported; use one of {', '.join(DTYPES)}")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        _refuse_what_kvd_does_not_compute(raw, where)
+        act_field = "hidden_activation" if arch == "gemma3" else "hidden_act"
+        activation = raw.get(act_field) or "silu"
+        if activation not in ACTIVATIONS:
+            raise ModelError(f"{where}: field {act_field!r} {activation!r} is not supported; "
+                             f"supported: {', '.join(ACTIVATIONS)}")
+        scalar = raw.get("query_pre_attn_scalar") if arch == "gemma3" else None
+        cap = raw.get("final_logit_softcapping")
+        for name, value in (("query_pre_attn_scalar", scalar), ("final_logit_softcapping", cap)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ModelError(f"{where}: field {name!r} must be a positive number (got {value!r})")
         return cls(
             architecture=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
             intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             dtype=dtype, bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
-            qk_norm=arch == "qwen3", **_sliding_window(raw, arch, need("num_hidden_layers"), where),
+            qk_norm=arch in ("qwen3", "gemma3"), **_sliding_window(raw, arch, need("num_hidden_layers"), where),
+            **_rope(raw, arch, max_positions, where), activation=ACTIVATIONS[activation],
+            query_pre_attn_scalar=None if scalar is None else float(scalar), gemma_norms=arch == "gemma3",
+            final_logit_softcapping=None if cap is None else float(cap),
         )
 
     @classmethod
@@ -123,6 +162,61 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ModelError(f"{path}: not valid JSON ({exc.msg})") from None
         return cls.from_dict(raw, str(path))
+
+
+def language_model_fields(raw: dict, where: str = "config.json") -> dict:
+    """The fields of the language model a config.json describes: a multimodal Gemma 3's
+    `text_config` (which names only what differs from transformers' defaults, filled in here,
+    and leaves dtype and EOS to the outer config); a text model's own fields otherwise."""
+    text = raw.get("text_config")
+    archs = raw.get("architectures") or []
+    if "Gemma3ForConditionalGeneration" in archs:
+        if not isinstance(text, dict):
+            raise ModelError(f"{where}: field 'text_config' must be an object for Gemma3ForConditionalGeneration "
+                             f"(got {text!r})")
+        outer = {k: raw[k] for k in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id") if raw.get(k) is not None}
+        # (transformers' Gemma3ForConditionalGeneration caps no logits, whatever its text_config says)
+        return {**GEMMA3_TEXT_DEFAULTS, **outer, **text, "architectures": archs, "final_logit_softcapping": None}
+    if "Gemma3ForCausalLM" in archs:
+        return {**GEMMA3_TEXT_DEFAULTS, **raw}
+    return raw
+
+
+def _refuse_what_kvd_does_not_compute(raw: dict, where: str) -> None:
+    """Fields that change what a model computes in ways kvd does not follow: refused by name at
+    load, never served wrongly."""
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ModelError(f"{where}: attn_logit_softcapping {raw['attn_logit_softcapping']!r} is not supported "
+                         "(kvd's attention kernels do not cap scores)")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelError(f"{where}: use_bidirectional_attention true is not supported (kvd decodes causally)")
+
+
+def _rope(raw: dict, arch: str, max_positions: int, where: str) -> dict:
+    """RoPE's base and scaling, as `rope_scaling` (or transformers 5's `rope_parameters`) gives
+    them; Gemma 3's sliding layers rotate with their own (`rope_local_base_freq`, unscaled, or
+    `rope_parameters.sliding_attention`)."""
+    params = raw.get("rope_parameters")
+    by_layer_type = isinstance(params, dict) and "full_attention" in params
+    scaling = params["full_attention"] if by_layer_type else (raw.get("rope_scaling") or (params or {}))
+    if not isinstance(scaling, dict):
+        raise ModelError(f"{where}: field 'rope_scaling' must be an object (got {scaling!r})")
+    partial = raw.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:  # rotating part of each head is not written here: refused, not served wrongly
+        raise ModelError(f"{where}: partial_rotary_factor {partial!r} is not supported (kvd rotates whole heads)")
+    fields = {"rope_theta": float(scaling.get("rope_theta", raw.get("rope_theta", 10000.0))) if by_layer_type
+              else float(raw.get("rope_theta", scaling.get("rope_theta", 10000.0))),
+              "rope_scaling": read_scaling(scaling, max_positions, where)}
+    if arch != "gemma3":
+        return fields
+    local = params.get("sliding_attention") if by_layer_type else None
+    if local is not None and not isinstance(local, dict):
+        raise ModelError(f"{where}: field 'rope_parameters.sliding_attention' must be an object (got {local!r})")
+    theta = (local or {}).get("rope_theta", raw.get("rope_local_base_freq", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ModelError(f"{where}: the sliding layers' rope_theta must be a positive number (got {theta!r})")
+    return {**fields, "sliding_rope_theta": float(theta),
+            "sliding_rope_scaling": read_scaling(local or {}, max_positions, where)}
 
 
 def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> dict:
@@ -141,6 +235,11 @@ def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> dict:
         layers = tuple(range(num_layers)) if window is not None else ()
     elif arch in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
         layers = tuple(range(int(raw.get("max_window_layers") or 0), num_layers))
+    elif arch == "gemma3":  # every `sliding_window_pattern`-th layer attends in full, the others slide
+        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern"))
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+            raise ModelError(f"{where}: field 'sliding_window_pattern' must be a positive integer (got {pattern!r})")
+        layers = tuple(i for i in range(num_layers) if (i + 1) % pattern)
     else:
         layers = ()
     if not layers:

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) that reads and writes the paged KV cache.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3) that reads and writes the paged KV cache.
 
 One forward pass takes a flat batch of new tokens from many sequences (prefill chunks and
 decodes mixed), writes their K/V into the cache at `slot_mapping`, and attends through the
@@ -64,16 +64,19 @@ class ForwardBatch:
     lora: list[tuple[Any, torch.Tensor | None]] | None = None
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies, with the config's scaling (rope.py: llama3, linear, yarn)."""
-    return inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+    """RMSNorm as Llama computes it (normalised in float32, cast back, times `weight`), or with
+    `plus_one` as Gemma does (times 1 + `weight`, in float32, then cast back)."""
+    if plus_one:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
     if x.dtype == torch.float32:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def rope_table(inv_freq: torch.Tensor, positions: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
@@ -94,6 +97,26 @@ def rope_table(inv_freq: torch.Tensor, positions: int, dtype: torch.dtype, scale
 ROPE_ROWS = 4096  # positions the RoPE table covers at first; it grows with the contexts served
 
 
+class RopeTable:
+    """One RoPE (base `theta`, `scaling`: rope.py's llama3, linear or yarn) as a `rope_table`,
+    grown (doubling, up to `limit` positions) to cover the contexts served: a 128k-position model
+    does not hold a table for contexts it is never asked to serve."""
+
+    def __init__(self, head_dim: int, theta: float, scaling, limit: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
+        self.scale = attention_factor(scaling)
+        self.limit, self.dtype = limit, dtype
+        self.table = rope_table(self.inv_freq, min(ROPE_ROWS, limit), dtype, self.scale)
+
+    def rows(self, positions: int) -> torch.Tensor:
+        """The table, grown to cover `positions` if it does not."""
+        if positions > self.table.shape[0]:
+            rows = min(max(positions, 2 * self.table.shape[0]), self.limit)
+            self.table = rope_table(self.inv_freq, rows, self.dtype, self.scale)
+        return self.table
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer's weights, packed so a step makes one GEMM for Q, K and V and one for
@@ -107,6 +130,8 @@ class LayerWeights:
     gate_up: torch.Tensor  # [2·intermediate, hidden]
     down: torch.Tensor
     qk_norm: torch.Tensor | None = None  # Qwen3: [H + Hkv, D], q_norm's weight on each Q head, k_norm's on each K head
+    attn_out_norm: torch.Tensor | None = None  # Gemma 3: normalises the attention's output before the residual
+    mlp_out_norm: torch.Tensor | None = None  # Gemma 3: normalises the MLP's output before the residual
 
 
 def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[LayerWeights]:
@@ -125,9 +150,15 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
         if config.qk_norm:  # one weight per row of the [T, H + Hkv, D] view that RoPE rotates
             qk_norm = torch.cat([take(p + "self_attn.q_norm.weight").expand(config.num_heads, -1),
                                  take(p + "self_attn.k_norm.weight").expand(config.num_kv_heads, -1)])
+        # Gemma 3's post_attention_layernorm normalises the attention's output; the norm before its
+        # MLP is pre_feedforward_layernorm (Llama's post_attention_layernorm is that one)
+        sandwich = config.gemma_norms
+        attn_out_norm = take(p + "post_attention_layernorm.weight") if sandwich else None
+        mlp_norm = take(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"))
+        mlp_out_norm = take(p + "post_feedforward_layernorm.weight") if sandwich else None
         layers.append(LayerWeights(take(p + "input_layernorm.weight"), qkv, bias, take(p + "self_attn.o_proj.weight"),
-                                   take(p + "post_attention_layernorm.weight"), gate_up,
-                                   take(p + "mlp.down_proj.weight"), qk_norm))
+                                   mlp_norm, gate_up, take(p + "mlp.down_proj.weight"), qk_norm, attn_out_norm,
+                                   mlp_out_norm))
     return layers
 
 
@@ -172,12 +203,17 @@ class LlamaModel:
         self.config, self.device, self.dtype = config, device, dtype
         self._take_weights(weights)
         self._host_weights: tuple[dict, list] | None = None  # the weights' copy in host memory while offloaded
-        self.inv_freq = rope_inv_freq(config).to(device)
-        self.rope_scale = attention_factor(config.rope_scaling)
-        self.rope = rope_table(self.inv_freq, min(ROPE_ROWS, config.max_position_embeddings), dtype, self.rope_scale)
-        self.scale = config.head_dim ** -0.5
+        limit = config.max_position_embeddings
+        # one RoPE for every layer; Gemma 3's sliding layers rotate with their own
+        self.ropes = [RopeTable(config.head_dim, config.rope_theta, config.rope_scaling, limit, dtype, device)]
+        if config.sliding_rope_theta is not None:
+            self.ropes.append(RopeTable(config.head_dim, config.sliding_rope_theta, config.sliding_rope_scaling,
+                                        limit, dtype, device))
+        self.scale = config.attention_scale
         self.use_triton = device.type == "cuda"
         self.windows = config.layer_windows()  # each layer's span: its sliding window, or None (full attention)
+        self.layer_rope = [1 if len(self.ropes) > 1 and window is not None else 0 for window in self.windows]
+        self.activation = ACTIVATIONS[config.activation]
         # the CPU attention plans of the last forward pass, one per span (full, sliding), reused while they fit
         self._plans: dict[int | None, Any] = {}
 
@@ -290,14 +326,6 @@ class LlamaModel:
             total += 2 * block_size * c.num_kv_heads * c.head_dim * element
         return total
 
-    def rope_rows(self, positions: int) -> torch.Tensor:
-        """The RoPE table, grown (doubling, up to the model's positions) to cover `positions`: a
-        128k-position model does not hold a table for contexts it is never asked to serve."""
-        if positions > self.rope.shape[0]:
-            rows = min(max(positions, 2 * self.rope.shape[0]), self.config.max_position_embeddings)
-            self.rope = rope_table(self.inv_freq, rows, self.dtype, self.rope_scale)
-        return self.rope
-
     def _write(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
         """Store the step's new K/V: the Triton kernel on CUDA; on the CPU the same rows through
         plain indexing (the engine hands only slots it allocated, so the reference's checks are
@@ -336,9 +364,14 @@ class LlamaModel:
         written (calibration measures them)."""
         c, w = self.config, self.w
         heads, kv_heads, dim, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        plus_one = c.gemma_norms
         hidden = F.embedding(batch.input_ids, w["model.embed_tokens.weight"])
-        rope = self.rope_rows(batch.max_context)[batch.positions]  # [T, 2, D]: cos, signed sin
-        cos, sin = rope[:, None, 0], rope[:, None, 1]
+        if c.embedding_scale is not None:  # Gemma: scaled in the model's dtype, as transformers does
+            hidden = hidden * torch.tensor(c.embedding_scale, dtype=hidden.dtype, device=hidden.device)
+        rotations = []  # each RoPE's cos and signed sin at the step's positions: [T, 1, D] each
+        for rope in self.ropes:
+            rows = rope.rows(batch.max_context)[batch.positions]
+            rotations.append((rows[:, None, 0], rows[:, None, 1]))
         half = dim // 2
         tokens = hidden.shape[0]
         lora = batch.lora
@@ -350,13 +383,14 @@ class LlamaModel:
                                                batch.block_content, window=window)
             self._plans = plans
         for i, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, eps)
+            x = rms_norm(hidden, layer.input_norm, eps, plus_one)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             if lora:
                 lora_delta(qkv, x, lora, i, "qkv")
             qk = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
-            if layer.qk_norm is not None:  # Qwen3: each head of Q and K normalised before RoPE
-                qk = rms_norm(qk, layer.qk_norm, eps)
+            if layer.qk_norm is not None:  # Qwen3, Gemma 3: each head of Q and K normalised before RoPE
+                qk = rms_norm(qk, layer.qk_norm, eps, plus_one)
+            cos, sin = rotations[self.layer_rope[i]]
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin  # RoPE on Q and K at once
             q, k = qk[:, :heads].contiguous(), qk[:, heads:]
             v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
@@ -366,25 +400,29 @@ class LlamaModel:
             self._write(k, v, cache, batch.slot_mapping)
             attn = self._attention(q, cache, batch, plans.get(self.windows[i]), self.windows[i]).reshape(
                 tokens, heads * dim)
+            out = F.linear(attn, layer.o_proj)
             if lora:  # each projection's output gains its adapters' terms on their rows
-                out = F.linear(attn, layer.o_proj)
                 lora_delta(out, attn, lora, i, "o")
-                hidden = hidden + out
-                x = rms_norm(hidden, layer.post_norm, eps)
-                gate_up = F.linear(x, layer.gate_up)
+            if layer.attn_out_norm is not None:
+                out = rms_norm(out, layer.attn_out_norm, eps, plus_one)
+            hidden = hidden + out
+            x = rms_norm(hidden, layer.post_norm, eps, plus_one)
+            gate_up = F.linear(x, layer.gate_up)
+            if lora:
                 lora_delta(gate_up, x, lora, i, "gate_up")
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-                out = F.linear(act, layer.down)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = self.activation(gate) * up
+            out = F.linear(act, layer.down)
+            if lora:
                 lora_delta(out, act, lora, i, "down")
-                hidden = hidden + out
-                continue
-            hidden = hidden + F.linear(attn, layer.o_proj)
-            x = rms_norm(hidden, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
-        last = rms_norm(hidden[batch.logits_indices], w["model.norm.weight"], c.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+            if layer.mlp_out_norm is not None:
+                out = rms_norm(out, layer.mlp_out_norm, eps, plus_one)
+            hidden = hidden + out
+        last = rms_norm(hidden[batch.logits_indices], w["model.norm.weight"], eps, plus_one)
+        logits = F.linear(last, self.lm_head).float()
+        if c.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
 
 
 @dataclass

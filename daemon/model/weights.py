@@ -55,6 +55,8 @@ def expected_tensors(config: ModelConfig) -> list[str]:
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if config.gemma_norms:
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
         if config.qkv_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
@@ -64,17 +66,34 @@ def expected_tensors(config: ModelConfig) -> list[str]:
     return names
 
 
+# where a multimodal checkpoint keeps its language model's tensors (transformers 4's layout, then
+# 5's), and the names a text model gives them; the vision tower's tensors are not read
+LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                           ("model.language_model.", "model."))
+
+
+def text_model_name(name: str) -> str:
+    """The name a text model gives the checkpoint's tensor `name`: itself, unless a multimodal
+    checkpoint's language model holds it under its own prefix."""
+    for prefix, text in LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return text + name[len(prefix):]
+    return name
+
+
 def load_weights(model_dir: Path, config: ModelConfig, dtype, device) -> dict:
-    """Every tensor the model needs, cast to `dtype` on `device`; a missing one is named."""
+    """Every tensor the model needs, cast to `dtype` on `device`; a missing one is named. Only
+    those are read: a multimodal checkpoint's vision tower stays on disk."""
     from safetensors import safe_open
 
+    wanted = set(expected_tensors(config))
     tensors = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                tensors[name] = handle.get_tensor(name)
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
+                text = text_model_name(name)
+                if text in wanted:
+                    tensors[text] = handle.get_tensor(name)
     for name in expected_tensors(config):
         if name not in tensors:
             raise ModelError(f"model: tensor {name!r} is missing from the weights in {str(model_dir)!r}")
