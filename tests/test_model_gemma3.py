@@ -171,3 +171,31 @@ def test_kvd_serves_gemma_3_with_transformers_tokens_and_says_which_layers_slide
                    "the whole context, which a sequence keeps every block of" for r in caplog.records)
     finally:
         service.shutdown(1)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma3-multimodal"])
+def test_a_peft_lora_adapter_of_gemma_3_gives_peft_s_logits(kind, tmp_path):
+    """PEFT names a multimodal model's language-model tensors under its own prefix and adapts its
+    vision tower's projections too: kvd reads the first as the text model's and skips the second
+    (the tower is not served: it changes nothing kvd computes)."""
+    peft = pytest.importorskip("peft")
+    from safetensors import safe_open
+
+    from kvctl.daemon.model.lora import load_adapters
+
+    hf = build_checkpoint(kind, tmp_path / "model")
+    torch.manual_seed(0)
+    tuned = peft.get_peft_model(hf, peft.LoraConfig(init_lora_weights=False, lora_dropout=0.0, r=4, lora_alpha=8,
+                                                    target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])).eval()
+    tuned.save_pretrained(tmp_path / "adapter")
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as handle:
+        assert any("vision_tower" in name for name in handle.keys()) == (kind == "gemma3-multimodal")
+    loaded = load_model(tmp_path / "model")
+    loaded.adapters = load_adapters((("x", str(tmp_path / "adapter")),), loaded, "gemma")
+    adapter = loaded.adapters["x"]
+    assert adapter.modules == ("q_proj", "v_proj", "o_proj", "down_proj") and adapter.rank == 4
+    with torch.no_grad():
+        expected = tuned(torch.tensor([LONG_PROMPT])).logits[0, -1]
+    adapted = full_forward_logits(loaded, LONG_PROMPT, lora=[(adapter, None)])
+    torch.testing.assert_close(adapted, expected, atol=1e-4, rtol=1e-4)
+    assert (adapted - full_forward_logits(loaded, LONG_PROMPT)).abs().max() > 0.05

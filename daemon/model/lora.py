@@ -30,7 +30,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import ModelError
-from .weights import file_digest
+from .weights import file_digest, text_model_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -41,6 +41,21 @@ PACKED = {"qkv": ("self_attn", ATTENTION), "o": ("self_attn", ("o_proj",)),
           "gate_up": ("mlp", MLP), "down": ("mlp", ("down_proj",))}
 GROUP_OF = {module: group for group, modules in PACKED.values() for module in modules}  # q_proj -> self_attn
 KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
+PEFT_PREFIX = "base_model.model."
+# a multimodal model's parts kvd does not run (it serves text in, text out): their adapters change nothing served
+UNSERVED_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def adapted_name(key: str) -> str | None:
+    """An adapter tensor's name as KEY reads it: a multimodal checkpoint's language model under
+    the text model's names (daemon/model/weights.py `text_model_name`); None for a part of the
+    model kvd does not run (a vision tower)."""
+    if not key.startswith(PEFT_PREFIX):
+        return key
+    inner = key[len(PEFT_PREFIX):]
+    if inner.startswith(UNSERVED_PARTS):
+        return None
+    return PEFT_PREFIX + text_model_name(inner)
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
 
 
@@ -173,7 +188,10 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
     try:
         with safe_open(str(weights_file), framework="pt", device="cpu") as handle:
             for key in handle.keys():
-                match = KEY.fullmatch(key)
+                read_as = adapted_name(key)
+                if read_as is None:
+                    continue
+                match = KEY.fullmatch(read_as)
                 if match is None:
                     raise ModelError(f"{weights_file}: tensor {key!r} is not a LoRA weight of a layer's q, k, v, "
                                      "o, gate, up or down projection; kvd adapts only those")
