@@ -30,6 +30,13 @@ def check_window(window: int | None) -> None:
         check(False, "window", f"must be a positive number of tokens or None, got {window!r}")
 
 
+def check_softcap(softcap: float | None) -> None:
+    """A score cap (Gemma 2's attn_logit_softcapping) is a positive finite number, or None for none."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not softcap > 0 or softcap == float("inf")):
+        check(False, "softcap", f"must be a positive number or None, got {softcap!r}")
+
+
 def check_tensor(name: str, t: torch.Tensor, *, ndim: int, dtypes: tuple[torch.dtype, ...],
                  contiguous: bool = True) -> None:
     # The messages are built only on failure: these checks run for every layer of every step.

@@ -146,10 +146,12 @@ def launches_for(config: Config) -> list:
                                    partition_size=partition, **scales)
         paged_decode_attention(decode_q, k_cache, v_cache, decode_tables, decode_lengths, scale=dim ** -0.5,
                                partition_size=64, window=96, **scales)  # a sliding-window layer
-        for window in (None, 24):
+        paged_decode_attention(decode_q, k_cache, v_cache, decode_tables, decode_lengths, scale=dim ** -0.5,
+                               partition_size=64, softcap=50.0, **scales)  # scores capped (Gemma 2)
+        for window, softcap in ((None, None), (24, None), (None, 50.0)):
             paged_prefill_attention(torch.zeros((5, config.heads, dim), dtype=query), k_cache, v_cache, tables,
                                     torch.tensor([0, 2, 5], dtype=torch.int32), lengths, scale=dim ** -0.5,
-                                    window=window, **scales)
+                                    window=window, softcap=softcap, **scales)
         copy_blocks(k_cache, v_cache, torch.tensor([0]), torch.tensor([1]))
     return launches
 

@@ -31,7 +31,7 @@ import torch
 
 from ._triton import interpreting, tl, triton
 from .checks import (CheckedOnce, check, check_cache, check_device, check_query, check_scales,
-                     check_tensor, check_window, next_power_of_2)
+                     check_softcap, check_tensor, check_window, next_power_of_2)
 from .formats import from_cache
 from .launch import TritonLaunch, check_tile
 from .paged_tile import head_scales, load_kv_tile, online_softmax_step
@@ -117,6 +117,7 @@ def _decode_partial_kernel(
     stride_bt,
     partition_size, block_size, head_dim, group_size, num_splits, head_chunks,
     window,  # tokens a sliding-window layer attends to (SLIDING only)
+    softcap,  # scores are capped at +-softcap (SOFTCAP only)
     GROUP_P: tl.constexpr,  # query heads per program (of one KV head), padded to >= 16 for tl.dot
     DIM_P: tl.constexpr,  # head_dim padded to a power of two
     TILE: tl.constexpr,  # tokens per step
@@ -126,6 +127,7 @@ def _decode_partial_kernel(
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for float32, the default otherwise
     DIRECT: tl.constexpr,  # one split: normalise and write `out` here (the part buffers are unused)
     SLIDING: tl.constexpr,  # attend to the last `window` tokens only
+    SOFTCAP: tl.constexpr,  # cap each score: softcap * tanh(score / softcap) (Gemma 2)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // head_chunks
@@ -161,7 +163,7 @@ def _decode_partial_kernel(
                             block_size)
         row_max, row_sum, acc = online_softmax_step(
             q, k.to(q.dtype), v.to(q.dtype), token_mask[None, :], qk_scale, row_max, row_sum, acc,
-            PRECISION, False)
+            PRECISION, False, softcap, SOFTCAP)
 
     if DIRECT:  # what the merge makes of a single split: the output over its own sum
         out = acc * (out_scale / row_sum)[:, None]
@@ -305,14 +307,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                            max_context: int | None = None,
                            partition_size: int | None = None,
-                           launch: DecodeLaunch = DEFAULT_LAUNCH, window: int | None = None) -> torch.Tensor:
+                           launch: DecodeLaunch = DEFAULT_LAUNCH, window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Decode attention over the paged cache (Triton). See the module docstring for layouts.
 
     `max_context` (the largest context length) saves a device sync when the caller knows it.
     `launch` sets tile, warps, stages and split target (`DecodeLaunch`).
     `window`: a sliding-window layer's span; each sequence attends to its last `window` tokens.
+    `softcap`: each score s becomes softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping).
     """
     check_window(window)
+    check_softcap(softcap)
     if max_context is None or (isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] == 0):
         _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)  # before reading them
         if q.shape[0] == 0:
@@ -342,10 +347,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         plan.partition_size, block_size, head_dim, plan.group, num_splits, plan.head_chunks, window or 0,
-        GROUP_P=plan.heads_per_program, DIM_P=next_power_of_2(head_dim),
+        float(softcap or 1.0), GROUP_P=plan.heads_per_program, DIM_P=next_power_of_2(head_dim),
         TILE=launch.tile, QUANT=quantised,
         FP16_DOT=plan.fp16_dot, DOT_F32=plan.dot_f32, PRECISION="ieee" if plan.dot_f32 else "tf32",
-        DIRECT=plan.direct, SLIDING=window is not None, **launch.compile_options(),
+        DIRECT=plan.direct, SLIDING=window is not None, SOFTCAP=softcap is not None, **launch.compile_options(),
     )
     if plan.direct:
         return out
@@ -367,16 +372,20 @@ def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 
 
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               causal_offset: int | None = None, window: int | None = None) -> torch.Tensor:
+               causal_offset: int | None = None, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
     """Softmax attention in float32. q [n, H, D]; k, v [t, H_kv, D] -> [n, H, D].
 
     With `causal_offset` c, query i sits at position c + i and sees keys 0..c+i; with a
     `window` W as well, only the last W of them: keys c+i-W+1..c+i (transformers' sliding window).
+    With `softcap` C, each score s becomes C * tanh(s / C) before the mask (Gemma 2).
     """
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,thd->hnt", q.float(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal_offset is not None:
         positions = causal_offset + torch.arange(q.shape[0], device=q.device)
         keys = torch.arange(k.shape[0], device=q.device)[None, :]
@@ -390,9 +399,11 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
                                k_scale: torch.Tensor | None = None,
-                               v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                               v_scale: torch.Tensor | None = None, window: int | None = None,
+                               softcap: float | None = None) -> torch.Tensor:
     """Plain-torch twin of `paged_decode_attention`: gathers each sequence through its table."""
     check_window(window)
+    check_softcap(softcap)
     _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     out = torch.empty_like(q)
     for seq in range(q.shape[0]):
@@ -400,7 +411,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         check(length >= 1, "context_lens", f"sequence {seq} has length {length}; need >= 1")
         k = gather_sequence(k_cache, block_tables[seq], length, k_scale)
         v = gather_sequence(v_cache, block_tables[seq], length, v_scale)
-        out[seq] = attend_ref(q[seq:seq + 1], k, v, scale, causal_offset=length - 1, window=window)[0].to(q.dtype)
+        out[seq] = attend_ref(q[seq:seq + 1], k, v, scale, causal_offset=length - 1, window=window,
+                              softcap=softcap)[0].to(q.dtype)
     return out
 
 

@@ -4,7 +4,8 @@
 A quantised cache's scales are per KV head, constant within a program, so the kernels
 never scale a tile: `head_scales` folds the key scale into the score scale and the value
 scale into the output. `online_softmax_step` folds one tile into a running (max, sum,
-accumulator) triple, flash-attention style.
+accumulator) triple, flash-attention style; with SOFTCAP it caps each score first, as Gemma 2
+does: cap * tanh(score / cap).
 """
 
 from ._triton import tl, triton
@@ -44,11 +45,14 @@ def head_scales(sm_scale, kv_head, k_scale_ptr, v_scale_ptr, QUANT: tl.constexpr
 
 @triton.jit
 def online_softmax_step(q, k, v, visible, sm_scale, row_max, row_sum, acc, PRECISION: tl.constexpr,
-                        MAY_SEE_NONE: tl.constexpr):
+                        MAY_SEE_NONE: tl.constexpr, softcap, SOFTCAP: tl.constexpr):
     """q [M, D], k/v [TILE, D] in q's dtype, visible [M, TILE]; returns the updated triple.
     MAY_SEE_NONE: a row may have seen no key yet after this tile (a sliding window that starts
-    in a later tile); its max stays -inf and it must not turn into NaN."""
+    in a later tile); its max stays -inf and it must not turn into NaN. SOFTCAP: scores are
+    capped at +-`softcap` (tanh written as 2 sigmoid(2x) - 1, which every Triton backend has)."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    if SOFTCAP:
+        scores = softcap * (2.0 * tl.sigmoid(scores * (2.0 / softcap)) - 1.0)
     scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     if MAY_SEE_NONE:  # exp(-inf - -inf) is NaN: subtract 0 instead, which leaves every term 0

@@ -22,7 +22,7 @@ import torch
 
 from ._triton import interpreting, tl, triton
 from .checks import (CheckedOnce, check, check_cache, check_device, check_query, check_scales,
-                     check_tensor, check_window, next_power_of_2)
+                     check_softcap, check_tensor, check_window, next_power_of_2)
 from . import decode
 from .decode import attend_ref, gather_sequence, step_fits
 from .launch import TritonLaunch, check_tile
@@ -83,6 +83,7 @@ def _prefill_kernel(
     stride_bt,
     block_size, head_dim, group_size,
     window,  # tokens a sliding-window layer attends to (SLIDING only)
+    softcap,  # scores are capped at +-softcap (SOFTCAP only)
     ROWS: tl.constexpr,
     TILE: tl.constexpr,
     DIM_P: tl.constexpr,
@@ -90,6 +91,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr,  # multiply in float32 (float32 queries, or the CPU interpreter)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for float32, the default otherwise
     SLIDING: tl.constexpr,  # each row sees its last `window` keys only
+    SOFTCAP: tl.constexpr,  # cap each score: softcap * tanh(score / softcap) (Gemma 2)
 ):
     seq = tl.program_id(0).to(tl.int64)
     row_tile = tl.program_id(1)
@@ -132,7 +134,7 @@ def _prefill_kernel(
             visible = visible & (keys[None, :] > positions[:, None] - window)
         row_max, row_sum, acc = online_softmax_step(
             q, k.to(q.dtype), v.to(q.dtype), visible, qk_scale, row_max, row_sum, acc, PRECISION,
-            SLIDING)
+            SLIDING, softcap, SOFTCAP)
 
     out = acc * (out_scale / row_sum)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -174,14 +176,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             context_lens: torch.Tensor, *, scale: float,
                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                             max_new_tokens: int | None = None,
-                            launch: PrefillLaunch = DEFAULT_LAUNCH, window: int | None = None) -> torch.Tensor:
+                            launch: PrefillLaunch = DEFAULT_LAUNCH, window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Causal attention of new tokens over prefix + themselves (Triton); see the module docstring.
 
     `max_new_tokens` (the most new tokens of any sequence) saves a device sync when known.
     `launch` sets rows, tile, warps and stages (`PrefillLaunch`).
     `window`: a sliding-window layer's span; each row attends to its last `window` keys.
+    `softcap`: each score s becomes softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping).
     """
     check_window(window)
+    check_softcap(softcap)
     group, quantised, launch, dot_f32 = _CHECKED.get(
         (q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale),
         (launch, decode.STEP_TILE_BYTES),  # the budget the launch is fitted to
@@ -201,9 +206,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_scale if quantised else placeholder, v_scale if quantised else placeholder, out,
         float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        block_size, head_dim, group, window or 0,
+        block_size, head_dim, group, window or 0, float(softcap or 1.0),
         ROWS=launch.rows, TILE=launch.tile, DIM_P=next_power_of_2(head_dim), QUANT=quantised,
         DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", SLIDING=window is not None,
+        SOFTCAP=softcap is not None,
         **launch.compile_options(),
     )
     return out
@@ -213,9 +219,11 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                 context_lens: torch.Tensor, *, scale: float,
                                 k_scale: torch.Tensor | None = None,
-                                v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                                v_scale: torch.Tensor | None = None, window: int | None = None,
+                                softcap: float | None = None) -> torch.Tensor:
     """Plain-torch twin of `paged_prefill_attention`."""
     check_window(window)
+    check_softcap(softcap)
     _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale)
     out = torch.empty_like(q)
     for seq in range(context_lens.shape[0]):
@@ -228,5 +236,6 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k = gather_sequence(k_cache, block_tables[seq], length, k_scale)
         v = gather_sequence(v_cache, block_tables[seq], length, v_scale)
         out[start:stop] = attend_ref(q[start:stop], k, v, scale,
-                                     causal_offset=length - (stop - start), window=window).to(q.dtype)
+                                     causal_offset=length - (stop - start), window=window,
+                                     softcap=softcap).to(q.dtype)
     return out

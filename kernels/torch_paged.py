@@ -28,6 +28,10 @@ decode reads only the blocks its rows' windows reach, masked below the window, a
 chunk whose window has moved past the first key attends once over the keys its rows can see,
 with a band mask.
 
+A `softcap` C (Gemma 2's attn_logit_softcapping) turns each score s into C * tanh(s / C) before
+the mask: such a layer attends through the plain matmul path (torch's fused CPU attention has no
+cap), planned and merged by log-sum-exp as any other, since the cap acts on each score alone.
+
     q                [total_new_tokens, num_heads, head_dim]
     query_start_loc  [num_seqs + 1] int32
     context_lens     [num_seqs] int32
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .checks import check, check_window
+from .checks import check, check_softcap, check_window
 from .formats import from_cache
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -387,21 +391,26 @@ def _suffix_mask(positions: torch.Tensor, lengths: list[int], rows: int = 1,
 
 
 def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                mask: torch.Tensor | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None = None, causal: bool = False,
+                softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention and its log-sum-exp. q [B, H, L, D], k and v [B, H, T, D] (float32,
     any strides with a unit last one: a stride-0 head axis shares K/V across grouped query
     heads), mask additive [B or 1, 1, L or 1, T]; `causal` (square L = T only) lets query i
-    see keys 0..i. Returns out [B, H, L, D] and lse [B, H, L]."""
-    if _FLASH_CPU is not None and q.device.type == "cpu":
+    see keys 0..i; `softcap` C caps each score at C * tanh(s / C) before the mask. Returns
+    out [B, H, L, D] and lse [B, H, L] (a row that sees no key: out 0, lse -inf)."""
+    if _FLASH_CPU is not None and q.device.type == "cpu" and softcap is None:
         return _FLASH_CPU(q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask
     if causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
                                     float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+    shift = torch.where(torch.isinf(lse), 0.0, lse)  # exp(-inf - -inf) would be NaN
+    return torch.matmul(torch.exp(scores - shift[..., None]), v), lse
 
 
 def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
@@ -415,26 +424,29 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                           context_lens: torch.Tensor, *, scale: float, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None, max_new_tokens: int | None = None,
-                          plan: AttentionPlan | None = None, window: int | None = None) -> torch.Tensor:
+                          plan: AttentionPlan | None = None, window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
     """Decodes (one new token) are attended together; each prefill on its own, so a mixed
     batch never pads every decode row to the longest prompt chunk. `plan` (from
     `plan_attention`, the same for every layer of a step) saves regrouping per layer; it must
-    have been planned for the same `window` (a sliding-window layer's span, None: full)."""
+    have been planned for the same `window` (a sliding-window layer's span, None: full).
+    `softcap`: each score s becomes softcap * tanh(s / softcap)."""
     check_window(window)
+    check_softcap(softcap)
     if plan is None:
         plan = plan_attention(block_tables, query_start_loc, context_lens, k_cache.shape[1], max_new_tokens,
                               window=window)
     elif plan.window != window:
         check(False, "plan", f"was planned for window {plan.window}, not {window}")
     if plan.decode_rows is None and not plan.prefills:
-        return _attend_decode(q, k_cache, v_cache, plan.decode, scale, k_scale, v_scale)
+        return _attend_decode(q, k_cache, v_cache, plan.decode, scale, k_scale, v_scale, softcap)
     out = torch.empty_like(q)
     if plan.decode is not None:
         out[plan.decode_rows] = _attend_decode(q[plan.decode_rows], k_cache, v_cache, plan.decode, scale,
-                                               k_scale, v_scale)
+                                               k_scale, v_scale, softcap)
     for begin, end, seq, used in plan.prefills:
         out[begin:end] = _attend_prefill(q[begin:end], k_cache, v_cache, block_tables[seq, :used],
-                                         int(context_lens[seq]), scale, k_scale, v_scale, window)
+                                         int(context_lens[seq]), scale, k_scale, v_scale, window, softcap)
     return out
 
 
@@ -444,7 +456,8 @@ def _heads_first(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor
 
 
 def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
-                   scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor:
+                   scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                   softcap: float | None = None) -> torch.Tensor:
     """A few new tokens per sequence (`plan.rows`, usually one); cascade over shared prefixes
     (see the module docstring). Query rows are laid out [S, Hkv, rows x group, D], token-major."""
     num_seqs, rows = plan.num_seqs, plan.rows
@@ -464,13 +477,14 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # Every sequence's own blocks (all of them where it shares nothing), batched and masked.
     k = _heads_first(_gather(k_cache, plan.suffix_tables).flatten(1, 2), k_scale)  # [S, Hkv, W * block, D]
     v = _heads_first(_gather(v_cache, plan.suffix_tables).flatten(1, 2), v_scale)
-    out, lse = _attend_lse(queries, k, v, scale, mask)
+    out, lse = _attend_lse(queries, k, v, scale, mask, softcap=softcap)
     if plan.groups:
         stacked = _stacked_rows(plan.stack, k_cache, v_cache) if plan.stack is not None else None
         count = 0 if stacked is None else len(plan.stack.blocks)  # the stack covers the first groups
-        parts = [_attend_stacked(queries, stacked, plan, scale, k_scale, v_scale)] if count else []
+        parts = [_attend_stacked(queries, stacked, plan, scale, k_scale, v_scale, softcap)] if count else []
         if count < len(plan.groups):  # the rest (solos, or every group when nothing is stacked) one by one
-            parts.append(_attend_each_group(queries, k_cache, v_cache, plan.groups[count:], scale, k_scale, v_scale))
+            parts.append(_attend_each_group(queries, k_cache, v_cache, plan.groups[count:], scale, k_scale, v_scale,
+                                            softcap))
         shared_out, shared_lse = parts[0] if len(parts) == 1 else (torch.cat((parts[0][0], parts[1][0])),
                                                                    torch.cat((parts[0][1], parts[1][1])))
         n = plan.groups[-1].end
@@ -487,7 +501,7 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def _attend_stacked(queries: torch.Tensor, stacked: tuple, plan: DecodePlan, scale: float,
-                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, softcap: float | None = None):
     """Every group's queries over its shared prefix in one call, from the stacked copy.
     queries [S, Hkv, W, D] in plan order; returns out [members, Hkv, W, D] and lse [members, Hkv, W]
     for the grouped sequences, in plan order."""
@@ -497,7 +511,8 @@ def _attend_stacked(queries: torch.Tensor, stacked: tuple, plan: DecodePlan, sca
     k, v = _heads_first(stacked[0], k_scale), _heads_first(stacked[1], v_scale)  # [G, Hkv, keys, D]
     grouped = queries[st.rows] if st.rows is not None else queries[:count * st.members]
     grouped = grouped.view(count, st.members, num_kv_heads, width, head_dim).transpose(1, 2)
-    o, l = _attend_lse(grouped.reshape(count, num_kv_heads, st.members * width, head_dim), k, v, scale, st.mask)
+    o, l = _attend_lse(grouped.reshape(count, num_kv_heads, st.members * width, head_dim), k, v, scale, st.mask,
+                       softcap=softcap)
     o = o.view(count, num_kv_heads, st.members, width, head_dim).transpose(1, 2).flatten(0, 1)
     l = l.view(count, num_kv_heads, st.members, width).transpose(1, 2).flatten(0, 1)
     return (o[st.valid], l[st.valid]) if st.valid is not None else (o, l)
@@ -505,7 +520,7 @@ def _attend_stacked(queries: torch.Tensor, stacked: tuple, plan: DecodePlan, sca
 
 def _attend_each_group(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        groups: list[PrefixGroup], scale: float, k_scale: torch.Tensor | None,
-                       v_scale: torch.Tensor | None):
+                       v_scale: torch.Tensor | None, softcap: float | None = None):
     """Each group's shared prefix once for all its members' queries, one call per group (split
     parts merged); the groups' rows follow each other in plan order. Same results as
     `_attend_stacked` for the groups it stacks."""
@@ -521,7 +536,7 @@ def _attend_each_group(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         v = _heads_first(v_rows.view(parts), v_scale)
         members = g.end - g.start
         grouped = queries[g.start:g.end].transpose(0, 1).reshape(1, num_kv_heads, members * width, head_dim)
-        o, l = _attend_lse(grouped.expand(g.splits, -1, -1, -1), k, v, scale)
+        o, l = _attend_lse(grouped.expand(g.splits, -1, -1, -1), k, v, scale, softcap=softcap)
         if g.splits > 1:  # merge the parts
             whole = torch.logsumexp(l, 0, keepdim=True)
             o, l = (o * torch.exp(l - whole)[..., None]).sum(0, keepdim=True), whole
@@ -558,7 +573,8 @@ def _rows(cache: torch.Tensor, blocks: list[int], lo: int, hi: int, block_size: 
 
 def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                     context_len: int, scale: float, k_scale: torch.Tensor | None,
-                    v_scale: torch.Tensor | None, window: int | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """One sequence's new rows q [N, H, D] over its blocks `table`: the new rows causal among
     themselves (a square: one causal call that skips the masked half), and every cached key
     before them visible without a mask: the leading run of consecutive blocks (usually the
@@ -576,7 +592,8 @@ def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         shape = (num_kv_heads, group, hi - lo, head_dim)
         k = from_cache(_rows(k_cache, blocks, lo, hi, block_size), k_scale).transpose(0, 1).unsqueeze(1)
         v = from_cache(_rows(v_cache, blocks, lo, hi, block_size), v_scale).transpose(0, 1).unsqueeze(1)
-        return _attend_lse(queries, k.expand(shape), v.expand(shape), scale, mask=mask, causal=causal)
+        return _attend_lse(queries, k.expand(shape), v.expand(shape), scale, mask=mask, causal=causal,
+                           softcap=softcap)
 
     cached = context_len - width
     if window is not None and context_len > window:  # the last row's window starts past key 0

@@ -45,6 +45,9 @@ class ModelShape:
     weights_bytes: int | None = None
     heads: int | None = None  # attention (query) heads
     sliding_window: int | None = None  # where every layer slides one: a sequence holds only its window's blocks
+    # (window, layers that slide it) where some layers slide one and others attend in full (Gemma 2
+    # and 3, Qwen's max_window_layers): kvd keeps every block, since the full layers read them all
+    mixed_window: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim"):
@@ -82,7 +85,7 @@ class ModelShape:
                    head_dim=int(raw.get("head_dim") or hidden // heads), hidden_size=int(hidden),
                    intermediate_size=raw.get("intermediate_size"),
                    dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), weights_bytes=weights,
-                   heads=int(heads), sliding_window=_every_layer_window(raw))
+                   heads=int(heads), **_windows(outer))
 
 
 def language_model_bytes(model_dir: Path) -> int:
@@ -107,16 +110,21 @@ def language_model_bytes(model_dir: Path) -> int:
     return total
 
 
-def _every_layer_window(raw: dict) -> int | None:
-    """The sliding window of a config whose every layer slides one, as kvd reads it; None for any
-    other (a layer that attends in full needs every block; an architecture kvd does not serve)."""
+def _windows(raw: dict) -> dict:
+    """`sliding_window` (a config whose every layer slides one) and `mixed_window` (one whose
+    layers slide it only in part), as kvd reads config.json `raw`; neither for a model with no
+    window, or of an architecture kvd does not serve."""
     from kvctl.daemon.model.config import ModelConfig, ModelError
 
     try:
         config = ModelConfig.from_dict(raw)
     except ModelError:
-        return None
-    return config.sliding_window if config.every_layer_slides else None
+        return {}
+    if config.sliding_window is None:
+        return {}
+    if config.every_layer_slides:
+        return {"sliding_window": config.sliding_window}
+    return {"mixed_window": (config.sliding_window, len(config.sliding_layers))}
 
 
 def blocks_per_sequence(shape: ModelShape, context: int, block_size: int, batch_tokens: int = 256) -> int:

@@ -124,6 +124,9 @@ def capacity_command(
                                       "blocks_per_sequence": blocks_per_sequence(shape, context, block_size,
                                                                                  batch_tokens),
                                       "blocks_per_sequence_without": -(-context // block_size)}
+    elif shape.mixed_window is not None:  # counted at every block: say why
+        document["mixed_sliding_window"] = {"tokens": shape.mixed_window[0], "layers": shape.mixed_window[1],
+                                            "of": shape.layers}
     if loras:
         document["loras"] = {"count": loras, "rank": lora_rank, "bytes_each": adapters // loras}
     if tier_bytes is not None:
@@ -159,6 +162,11 @@ def capacity_command(
         console.print(f"Every layer slides a window of {window['tokens']:,} tokens: a sequence of {context:,} tokens "
                       f"holds at most {window['blocks_per_sequence']:,} blocks at once (its window and "
                       f"{batch_tokens:,} batch tokens), not {window['blocks_per_sequence_without']:,}.", markup=False)
+    if "mixed_sliding_window" in document:
+        mixed = document["mixed_sliding_window"]
+        console.print(f"{mixed['layers']} of the {mixed['of']} layers slide a window of {mixed['tokens']:,} tokens; "
+                      "the others attend to the whole context, so kvd keeps every block of a sequence, as counted "
+                      "here.", markup=False)
     for t in document.get("tier", []):
         held = f"a lower tier of {t['tier_bytes'] / 2**30:,.1f} GiB holds {t['tokens']:,} tokens of {t['cache_dtype']}"
         if t["compressed_tokens"] is not None:

@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 checkpoints built with transformers (a test-only dependency)."""
+"""Tiny Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 and 3 checkpoints built with transformers (a test-only dependency)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ def tiny_config(kind: str):
             final_logit_softcapping=10.0 if kind == "gemma3" else None,
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    if kind == "gemma2":  # every other layer slides a window (24 tokens here); scores and logits capped
+        return transformers.Gemma2Config(**{**TINY, "num_hidden_layers": 3, "num_attention_heads": 4},
+                                         num_key_value_heads=2, sliding_window=24, query_pre_attn_scalar=48,
+                                         attn_logit_softcapping=3.0, final_logit_softcapping=10.0)
     if kind == "gemma3-multimodal":  # Gemma 3 4B and up: the language model beside a (tiny) vision tower
         vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                  num_attention_heads=2, image_size=28, patch_size=14)

@@ -321,7 +321,8 @@ def test_capacity_of_a_model_whose_every_layer_slides_counts_its_windows_blocks(
         out.split())
     mixed = {**config, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "max_window_layers": 16}
     (tmp_path / "config.json").write_text(json.dumps(mixed))
-    assert ModelShape.from_model_dir(tmp_path).sliding_window is None  # 16 full-attention layers keep every block
+    mixed_shape = ModelShape.from_model_dir(tmp_path)  # 16 full-attention layers keep every block
+    assert (mixed_shape.sliding_window, mixed_shape.mixed_window) == (None, (4096, 16))
     status, _, err = cli(capsys, "capacity", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
                          "--sliding-window", "0", "--gpu-memory", "141GB")
     assert status == 2 and err.strip() == "error: sliding_window: must be a whole number of at least 1, got 0"

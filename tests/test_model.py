@@ -37,7 +37,7 @@ def full_forward_logits(loaded, ids, lora=None):
 
 
 @pytest.mark.parametrize("kind", ["llama3", "llama2-tied-mha", "qwen2", "qwen3", "mistral", "qwen3-yarn",
-                                  "llama-linear", "gemma3", "gemma3-multimodal"])
+                                  "llama-linear", "gemma2", "gemma3", "gemma3-multimodal"])
 def test_greedy_tokens_and_logits_match_transformers(kind, tmp_path):
     hf = build_checkpoint(kind, tmp_path)
     loaded = load_model(tmp_path)
@@ -88,13 +88,14 @@ def test_unsupported_architecture_and_missing_tensor_are_named(tmp_path):
 LONG_PROMPT = [(i * 37 + 5) % 300 for i in range(70)]  # three windows of 24 tokens
 
 
-SLIDING = {"mistral-window": (0, 1), "qwen2-window": (1,), "gemma3": (0, 1)}  # the layers that slide
+SLIDING = {"mistral-window": (0, 1), "qwen2-window": (1,), "gemma2": (0, 2), "gemma3": (0, 1)}  # the layers that slide
 
 
 @pytest.mark.parametrize("kind", list(SLIDING))
 def test_a_sliding_window_model_attends_to_its_window_past_it_as_transformers_does(kind, tmp_path):
     """Mistral 7B v0.1 slides every layer's window (4,096 tokens); Qwen's `use_sliding_window` the
-    layers from `max_window_layers` on; Gemma 3 five layers in six, with their own RoPE. Here a
+    layers from `max_window_layers` on; Gemma 2 every other layer, its scores capped; Gemma 3
+    five layers in six, with their own RoPE. Here a
     window of 24 tokens and a 70-token prompt: logits of a whole prefill, then greedy tokens
     through prompt chunks of 32 tokens (whose windows start in the chunk before) and decodes,
     and a second request that hits the first one's blocks."""

@@ -1,5 +1,6 @@
-"""Gemma 3: its configs as the Hub ships them, what kvd refuses of them, and its multimodal
-checkpoints' language model (the model itself is checked against transformers in test_model.py)."""
+"""Gemma 2 and 3: their configs as the Hub ships them, what kvd refuses of them, and Gemma 3's
+multimodal checkpoints' language model (the models themselves are checked against transformers
+in test_model.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,19 @@ GEMMA3_4B = {
 }
 
 
+# google/gemma-2-9b-it's, as transformers 4.42 wrote it: scores capped at 50, logits at 30, every
+# other layer slides a window of 4,096 tokens
+GEMMA2_9B = {
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": 50.0,
+    "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1, "final_logit_softcapping": 30.0,
+    "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 3584, "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "gemma2",
+    "num_attention_heads": 16, "num_hidden_layers": 42, "num_key_value_heads": 8, "pad_token_id": 0,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+    "sliding_window_size": 4096, "torch_dtype": "float32", "vocab_size": 256000,
+}
+
+
 def full_layers(layers: int, pattern: int = 6) -> tuple[int, ...]:
     return tuple(i for i in range(layers) if (i + 1) % pattern == 0)
 
@@ -73,9 +87,20 @@ def test_gemma_3_4b_reads_its_text_config_with_transformers_defaults():
     assert config.attention_scale == 256 ** -0.5 and config.final_logit_softcapping is None
 
 
+def test_gemma_2_9b_reads_as_transformers_reads_it():
+    config = ModelConfig.from_dict(GEMMA2_9B)
+    assert (config.architecture, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        "gemma2", 42, 16, 8, 256)
+    assert config.sliding_window == 4096 and config.sliding_layers == tuple(range(0, 42, 2))
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    assert (config.rope_theta, config.rope_scaling, config.sliding_rope_theta) == (10_000.0, None, None)
+    assert (config.activation, config.gemma_norms, config.qk_norm) == ("gelu_tanh", True, False)
+    assert config.attention_scale == 256 ** -0.5 and config.embedding_scale == 3584 ** 0.5
+
+
 @pytest.mark.parametrize("fields, message", [
-    ({"attn_logit_softcapping": 50.0},
-     "config.json: attn_logit_softcapping 50.0 is not supported (kvd's attention kernels do not cap scores)"),
+    ({"attn_logit_softcapping": 0},
+     "config.json: field 'attn_logit_softcapping' must be a positive number (got 0)"),
     ({"use_bidirectional_attention": True},
      "config.json: use_bidirectional_attention true is not supported (kvd decodes causally)"),
     ({"hidden_activation": "relu"},
@@ -89,8 +114,8 @@ def test_gemma_3_4b_reads_its_text_config_with_transformers_defaults():
      "config.json: the sliding layers' rope_theta must be a positive number (got 0)"),
 ])
 def test_what_kvd_does_not_compute_is_refused_by_name(fields, message):
-    """Gemma 2's attention soft-capping, EmbeddingGemma's bidirectional attention: served as
-    Gemma 3 they would answer, and answer wrongly."""
+    """EmbeddingGemma's bidirectional attention, an activation or a cap kvd cannot follow:
+    served anyway they would answer, and answer wrongly."""
     with pytest.raises(ModelError) as refused:
         ModelConfig.from_dict({**GEMMA3_1B, **fields})
     assert str(refused.value) == message
@@ -138,6 +163,7 @@ def test_a_multimodal_checkpoint_serves_its_language_model_and_leaves_the_vision
     shape = ModelShape.from_model_dir(tmp_path)
     assert (shape.layers, shape.kv_heads, shape.head_dim, shape.weights_bytes, shape.sliding_window) == (
         3, 2, 64, text_bytes, None)
+    assert shape.mixed_window == (24, 2)  # read from the multimodal config's text_config
 
 
 def test_kvctl_capacity_plans_gemma_3_4b_from_its_config(tmp_path, capsys):
@@ -146,8 +172,15 @@ def test_kvctl_capacity_plans_gemma_3_4b_from_its_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B))
     status, out, _ = cli(capsys, "capacity", "--model", str(tmp_path), "--gpu-memory", "80GB", "--weights-bytes",
                          "8600000000", "--context", "8192", "--dtype", "bfloat16", "--json")
-    row = json.loads(out)["rows"][0]
-    assert status == 0 and row["bytes_per_token"] == 2 * 34 * 4 * 256 * 2  # 139,264: every layer keeps every block
+    document = json.loads(out)
+    assert status == 0 and document["rows"][0]["bytes_per_token"] == 2 * 34 * 4 * 256 * 2  # 139,264
+    # its full layers read every block: counted whole, and said why
+    assert "sliding_window" not in document
+    assert document["mixed_sliding_window"] == {"tokens": 1024, "layers": 29, "of": 34}
+    status, out, _ = cli(capsys, "capacity", "--model", str(tmp_path), "--gpu-memory", "80GB", "--weights-bytes",
+                         "8600000000", "--context", "8192", "--dtype", "bfloat16")
+    assert status == 0 and ("29 of the 34 layers slide a window of 1,024 tokens; the others attend to the whole "
+                            "context, so kvd keeps every block of a sequence, as counted here.") in " ".join(out.split())
 
 
 def test_kvd_serves_gemma_3_with_transformers_tokens_and_says_which_layers_slide(tmp_path, caplog):

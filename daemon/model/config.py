@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     # Gemma 3 4B, 12B and 27B: kvd serves their language model, text in and text out
     "Gemma3ForConditionalGeneration": "gemma3",
@@ -23,6 +24,14 @@ SUPPORTED_ARCHITECTURES = {
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config's name -> kvd's
 
+# transformers' Gemma2Config defaults, which its configs may lean on
+GEMMA2_DEFAULTS = {
+    "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "sliding_window_pattern": 2, "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
+}
 # transformers' Gemma3TextConfig defaults: Gemma 3's multimodal checkpoints give only the fields
 # that differ from them in their `text_config`
 GEMMA3_TEXT_DEFAULTS = {
@@ -36,7 +45,7 @@ GEMMA3_TEXT_DEFAULTS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3" or "gemma3"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "gemma2" or "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -65,6 +74,7 @@ class ModelConfig:
     # layer also normalises its attention's and its MLP's output ("sandwich" norms)
     gemma_norms: bool = False
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap), where a config sets it
+    attn_logit_softcapping: float | None = None  # Gemma 2: each attention score s becomes cap * tanh(s / cap)
 
     @property
     def attention_scale(self) -> float:
@@ -127,14 +137,16 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         _refuse_what_kvd_does_not_compute(raw, where)
-        act_field = "hidden_activation" if arch == "gemma3" else "hidden_act"
+        gemma = arch in ("gemma2", "gemma3")
+        act_field = "hidden_activation" if gemma else "hidden_act"
         activation = raw.get(act_field) or "silu"
         if activation not in ACTIVATIONS:
             raise ModelError(f"{where}: field {act_field!r} {activation!r} is not supported; "
                              f"supported: {', '.join(ACTIVATIONS)}")
-        scalar = raw.get("query_pre_attn_scalar") if arch == "gemma3" else None
-        cap = raw.get("final_logit_softcapping")
-        for name, value in (("query_pre_attn_scalar", scalar), ("final_logit_softcapping", cap)):
+        scalar = raw.get("query_pre_attn_scalar") if gemma else None
+        cap, score_cap = raw.get("final_logit_softcapping"), raw.get("attn_logit_softcapping")
+        for name, value in (("query_pre_attn_scalar", scalar), ("final_logit_softcapping", cap),
+                            ("attn_logit_softcapping", score_cap)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ModelError(f"{where}: field {name!r} must be a positive number (got {value!r})")
         return cls(
@@ -148,8 +160,9 @@ class ModelConfig:
             dtype=dtype, bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
             qk_norm=arch in ("qwen3", "gemma3"), **_sliding_window(raw, arch, need("num_hidden_layers"), where),
             **_rope(raw, arch, max_positions, where), activation=ACTIVATIONS[activation],
-            query_pre_attn_scalar=None if scalar is None else float(scalar), gemma_norms=arch == "gemma3",
+            query_pre_attn_scalar=None if scalar is None else float(scalar), gemma_norms=gemma,
             final_logit_softcapping=None if cap is None else float(cap),
+            attn_logit_softcapping=None if score_cap is None else float(score_cap),
         )
 
     @classmethod
@@ -179,15 +192,14 @@ def language_model_fields(raw: dict, where: str = "config.json") -> dict:
         return {**GEMMA3_TEXT_DEFAULTS, **outer, **text, "architectures": archs, "final_logit_softcapping": None}
     if "Gemma3ForCausalLM" in archs:
         return {**GEMMA3_TEXT_DEFAULTS, **raw}
+    if "Gemma2ForCausalLM" in archs:
+        return {**GEMMA2_DEFAULTS, **raw}
     return raw
 
 
 def _refuse_what_kvd_does_not_compute(raw: dict, where: str) -> None:
     """Fields that change what a model computes in ways kvd does not follow: refused by name at
     load, never served wrongly."""
-    if raw.get("attn_logit_softcapping") is not None:
-        raise ModelError(f"{where}: attn_logit_softcapping {raw['attn_logit_softcapping']!r} is not supported "
-                         "(kvd's attention kernels do not cap scores)")
     if raw.get("use_bidirectional_attention"):
         raise ModelError(f"{where}: use_bidirectional_attention true is not supported (kvd decodes causally)")
 
@@ -235,7 +247,7 @@ def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> dict:
         layers = tuple(range(num_layers)) if window is not None else ()
     elif arch in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
         layers = tuple(range(int(raw.get("max_window_layers") or 0), num_layers))
-    elif arch == "gemma3":  # every `sliding_window_pattern`-th layer attends in full, the others slide
+    elif arch in ("gemma2", "gemma3"):  # every `sliding_window_pattern`-th layer attends in full, the others slide
         pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern"))
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
             raise ModelError(f"{where}: field 'sliding_window_pattern' must be a positive integer (got {pattern!r})")

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3) that reads and writes the paged KV cache.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2 and 3) that reads and writes the paged KV
+cache.
 
 One forward pass takes a flat batch of new tokens from many sequences (prefill chunks and
 decodes mixed), writes their K/V into the cache at `slot_mapping`, and attends through the
@@ -130,8 +131,8 @@ class LayerWeights:
     gate_up: torch.Tensor  # [2·intermediate, hidden]
     down: torch.Tensor
     qk_norm: torch.Tensor | None = None  # Qwen3: [H + Hkv, D], q_norm's weight on each Q head, k_norm's on each K head
-    attn_out_norm: torch.Tensor | None = None  # Gemma 3: normalises the attention's output before the residual
-    mlp_out_norm: torch.Tensor | None = None  # Gemma 3: normalises the MLP's output before the residual
+    attn_out_norm: torch.Tensor | None = None  # Gemma: normalises the attention's output before the residual
+    mlp_out_norm: torch.Tensor | None = None  # Gemma: normalises the MLP's output before the residual
 
 
 def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[LayerWeights]:
@@ -150,7 +151,7 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
         if config.qk_norm:  # one weight per row of the [T, H + Hkv, D] view that RoPE rotates
             qk_norm = torch.cat([take(p + "self_attn.q_norm.weight").expand(config.num_heads, -1),
                                  take(p + "self_attn.k_norm.weight").expand(config.num_kv_heads, -1)])
-        # Gemma 3's post_attention_layernorm normalises the attention's output; the norm before its
+        # Gemma's post_attention_layernorm normalises the attention's output; the norm before its
         # MLP is pre_feedforward_layernorm (Llama's post_attention_layernorm is that one)
         sandwich = config.gemma_norms
         attn_out_norm = take(p + "post_attention_layernorm.weight") if sandwich else None
@@ -210,6 +211,7 @@ class LlamaModel:
             self.ropes.append(RopeTable(config.head_dim, config.sliding_rope_theta, config.sliding_rope_scaling,
                                         limit, dtype, device))
         self.scale = config.attention_scale
+        self.softcap = config.attn_logit_softcapping  # Gemma 2 caps each attention score
         self.use_triton = device.type == "cuda"
         self.windows = config.layer_windows()  # each layer's span: its sliding window, or None (full attention)
         self.layer_rope = [1 if len(self.ropes) > 1 and window is not None else 0 for window in self.windows]
@@ -343,7 +345,7 @@ class LlamaModel:
         self._plans = {}
 
     def _attention(self, q, cache: LayerCache, batch: ForwardBatch, plan=None, window: int | None = None):
-        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, window=window)
+        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, window=window, softcap=self.softcap)
         if self.use_triton and batch.max_new_tokens == 1:
             return paged_decode_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
                                           scale=self.scale, max_context=batch.max_context, **scales)
