@@ -1,4 +1,4 @@
-"""Tiny Llama / Qwen2 / Qwen3 / Mistral / Gemma 2 and 3 checkpoints built with transformers (a test-only dependency)."""
+"""Tiny Llama / Qwen2 / Qwen3 / Phi-3 / Mistral / Gemma 2 and 3 checkpoints built with transformers (a test-only dependency)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def tiny_config(kind: str):
     if kind == "llama-linear":
         return transformers.LlamaConfig(**TINY, num_key_value_heads=1,
                                         rope_scaling={"rope_type": "linear", "factor": 2.0})
+    if kind in ("phi3", "phi3-window"):  # Phi-3 mini 4k slides every layer's window (2,047 tokens; 24 here)
+        return transformers.Phi3Config(**TINY, num_key_value_heads=1, pad_token_id=0, eos_token_id=2,
+                                       sliding_window=24 if kind == "phi3-window" else None)
     if kind == "mistral":
         return transformers.MistralConfig(**TINY, num_key_value_heads=1, sliding_window=None)
     if kind == "mistral-window":  # Mistral 7B v0.1's sliding window, short enough for a test to pass it

@@ -37,7 +37,7 @@ def full_forward_logits(loaded, ids, lora=None):
 
 
 @pytest.mark.parametrize("kind", ["llama3", "llama2-tied-mha", "qwen2", "qwen3", "mistral", "qwen3-yarn",
-                                  "llama-linear", "gemma2", "gemma3", "gemma3-multimodal"])
+                                  "llama-linear", "phi3", "gemma2", "gemma3", "gemma3-multimodal"])
 def test_greedy_tokens_and_logits_match_transformers(kind, tmp_path):
     hf = build_checkpoint(kind, tmp_path)
     loaded = load_model(tmp_path)
@@ -88,7 +88,8 @@ def test_unsupported_architecture_and_missing_tensor_are_named(tmp_path):
 LONG_PROMPT = [(i * 37 + 5) % 300 for i in range(70)]  # three windows of 24 tokens
 
 
-SLIDING = {"mistral-window": (0, 1), "qwen2-window": (1,), "gemma2": (0, 2), "gemma3": (0, 1)}  # the layers that slide
+SLIDING = {"mistral-window": (0, 1), "phi3-window": (0, 1), "qwen2-window": (1,), "gemma2": (0, 2),
+           "gemma3": (0, 1)}  # the layers that slide
 
 
 @pytest.mark.parametrize("kind", list(SLIDING))
@@ -177,6 +178,8 @@ def test_kvd_serving_a_sliding_window_model_serves_the_models_positions_and_says
     ({"architectures": ["LlamaForCausalLM"], "sliding_window": 64,
       "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}, 64, (0, 2)),
     ({"architectures": ["LlamaForCausalLM"], "sliding_window": 64}, None, ()),
+    ({"architectures": ["Phi3ForCausalLM"], "sliding_window": 2047}, 2047, (0, 1, 2)),  # Phi-3 mini 4k
+    ({"architectures": ["Phi3ForCausalLM"], "sliding_window": None}, None, ()),  # Phi-4
 ])
 def test_the_sliding_window_is_read_as_transformers_reads_it(fields, window, layers):
     from kvctl.daemon.model.config import ModelConfig

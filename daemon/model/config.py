@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4: Q, K and V in one projection, gate and up in another
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     # Gemma 3 4B, 12B and 27B: kvd serves their language model, text in and text out
@@ -45,7 +46,7 @@ GEMMA3_TEXT_DEFAULTS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "gemma2" or "gemma3"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2" or "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -75,6 +76,12 @@ class ModelConfig:
     gemma_norms: bool = False
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap), where a config sets it
     attn_logit_softcapping: float | None = None  # Gemma 2: each attention score s becomes cap * tanh(s / cap)
+
+    @property
+    def fused_projections(self) -> bool:
+        """Whether the checkpoint stores Q, K and V as one `qkv_proj` and gate and up as one
+        `gate_up_proj` (Phi-3), stacked in the order kvd packs them."""
+        return self.architecture == "phi3"
 
     @property
     def attention_scale(self) -> float:
@@ -235,7 +242,8 @@ def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> dict:
     """`sliding_window` (the window of the checkpoint's sliding-window layers, or None when every
     layer attends in full) and `sliding_layers` (which layers slide), as transformers reads them:
     `layer_types` where the file has them; else Mistral slides every layer by `sliding_window`;
-    Qwen2 and Qwen3 slide the layers from `max_window_layers` on, only with `use_sliding_window`."""
+    Qwen2 and Qwen3 slide the layers from `max_window_layers` on, only with `use_sliding_window`;
+    Gemma 2 and 3 every layer but each `sliding_window_pattern`-th."""
     window = raw.get("sliding_window")
     layer_types = raw.get("layer_types")
     if layer_types is not None:
@@ -243,7 +251,7 @@ def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> dict:
             raise ModelError(f"{where}: field 'layer_types' must list one type for each of the {num_layers} layers "
                              f"(got {layer_types!r})")
         layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
-    elif arch == "mistral":
+    elif arch in ("mistral", "phi3"):
         layers = tuple(range(num_layers)) if window is not None else ()
     elif arch in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
         layers = tuple(range(int(raw.get("max_window_layers") or 0), num_layers))

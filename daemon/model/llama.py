@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2 and 3) that reads and writes the paged KV
-cache.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 2 and 3) that reads and writes the
+paged KV cache.
 
 One forward pass takes a flat batch of new tokens from many sequences (prefill chunks and
 decodes mixed), writes their K/V into the cache at `slot_mapping`, and attends through the
@@ -142,11 +142,14 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         take = weights.pop
-        qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
         bias = None
-        if p + "self_attn.q_proj.bias" in weights:
-            bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-        gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+        if config.fused_projections:  # Phi-3 stores them packed as kvd packs them: [q; k; v] and [gate; up]
+            qkv, gate_up = take(p + "self_attn.qkv_proj.weight"), take(p + "mlp.gate_up_proj.weight")
+        else:
+            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            if p + "self_attn.q_proj.bias" in weights:
+                bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
         qk_norm = None
         if config.qk_norm:  # one weight per row of the [T, H + Hkv, D] view that RoPE rotates
             qk_norm = torch.cat([take(p + "self_attn.q_norm.weight").expand(config.num_heads, -1),

@@ -57,6 +57,10 @@ def expected_tensors(config: ModelConfig) -> list[str]:
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         if config.gemma_norms:
             names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
+        if config.fused_projections:  # Phi-3: Q, K and V in one tensor, gate and up in another
+            names += [p + "self_attn.qkv_proj.weight", p + "self_attn.o_proj.weight", p + "mlp.gate_up_proj.weight",
+                      p + "mlp.down_proj.weight"]
+            continue
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
         if config.qkv_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
