@@ -607,6 +607,13 @@ def correctness_checks() -> list[dict]:
     record("paged_prefill_attention float32, window 20",
            paged_prefill_attention(qp, k, v, tables, qsl, lens, scale=0.125, window=20),
            paged_prefill_attention_ref(qp, k, v, tables, qsl, lens, scale=0.125, window=20), 1e-5)
+    capped = dict(scale=0.125, softcap=2.0)  # Gemma 2 caps at 50; a low cap bends these random scores
+    record("paged_decode_attention float32, softcap 2",
+           paged_decode_attention(q * 4, k, v, tables, lens, **capped),
+           paged_decode_attention_ref(q * 4, k, v, tables, lens, **capped), 1e-5)
+    record("paged_prefill_attention float32, softcap 2",
+           paged_prefill_attention(qp * 4, k, v, tables, qsl, lens, **capped),
+           paged_prefill_attention_ref(qp * 4, k, v, tables, qsl, lens, **capped), 1e-5)
     k2, v2 = k.clone(), v.clone()
     src, dst = torch.tensor([int(tables[4, 0])]), torch.tensor([int(tables[0, 1])])
     copy_blocks(k, v, src, dst)

@@ -14,6 +14,8 @@ A LoRA adapter of rank r on every projection kvd adapts takes, per layer, as kvd
 (daemon/model/lora.py: A matrices stacked, B block-diagonal, in the model's dtype)
 
     r x (7 x hidden + 4 x heads x head_dim + 6 x kv_heads x head_dim + 5 x intermediate) elements
+    r x (4 x hidden + 2 x heads x head_dim + 2 x kv_heads x head_dim + 3 x intermediate)
+                                   where the checkpoint fuses Q, K and V, and gate and up (Phi-3)
 
 Per-KV-head scales of fp8/int8 (one float32 per head and layer) cost a few KiB in all
 and are not charged per token.
@@ -48,6 +50,7 @@ class ModelShape:
     # (window, layers that slide it) where some layers slide one and others attend in full (Gemma 2
     # and 3, Qwen's max_window_layers): kvd keeps every block, since the full layers read them all
     mixed_window: tuple[int, int] | None = None
+    fused_projections: bool = False  # Phi-3: one qkv_proj and one gate_up_proj, each adapted as one
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim"):
@@ -85,7 +88,7 @@ class ModelShape:
                    head_dim=int(raw.get("head_dim") or hidden // heads), hidden_size=int(hidden),
                    intermediate_size=raw.get("intermediate_size"),
                    dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), weights_bytes=weights,
-                   heads=int(heads), **_windows(outer))
+                   heads=int(heads), **_as_kvd_reads(outer))
 
 
 def language_model_bytes(model_dir: Path) -> int:
@@ -110,21 +113,22 @@ def language_model_bytes(model_dir: Path) -> int:
     return total
 
 
-def _windows(raw: dict) -> dict:
-    """`sliding_window` (a config whose every layer slides one) and `mixed_window` (one whose
-    layers slide it only in part), as kvd reads config.json `raw`; neither for a model with no
-    window, or of an architecture kvd does not serve."""
+def _as_kvd_reads(raw: dict) -> dict:
+    """What kvd's reading of config.json `raw` adds to its shape: `sliding_window` (every layer
+    slides one), `mixed_window` (layers slide it only in part), `fused_projections`; nothing for
+    an architecture kvd does not serve."""
     from kvctl.daemon.model.config import ModelConfig, ModelError
 
     try:
         config = ModelConfig.from_dict(raw)
     except ModelError:
         return {}
+    fields = {"fused_projections": config.fused_projections}
     if config.sliding_window is None:
-        return {}
+        return fields
     if config.every_layer_slides:
-        return {"sliding_window": config.sliding_window}
-    return {"mixed_window": (config.sliding_window, len(config.sliding_layers))}
+        return {**fields, "sliding_window": config.sliding_window}
+    return {**fields, "mixed_window": (config.sliding_window, len(config.sliding_layers))}
 
 
 def blocks_per_sequence(shape: ModelShape, context: int, block_size: int, batch_tokens: int = 256) -> int:
@@ -165,7 +169,10 @@ def lora_bytes(shape: ModelShape, rank: int) -> int:
         raise ValueError("lora_rank: needs the model's hidden_size, intermediate_size and attention heads "
                          "(--model DIR)")
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    per_layer = rank * (7 * shape.hidden_size + 4 * q + 6 * kv + 5 * int(shape.intermediate_size))
+    if shape.fused_projections:
+        per_layer = rank * (4 * shape.hidden_size + 2 * q + 2 * kv + 3 * int(shape.intermediate_size))
+    else:
+        per_layer = rank * (7 * shape.hidden_size + 4 * q + 6 * kv + 5 * int(shape.intermediate_size))
     return shape.layers * per_layer * ELEMENT_BYTES.get(shape.dtype, 2)
 
 

@@ -285,7 +285,8 @@ def test_bench_kernels_without_cuda_checks_correctness_only(capsys, tmp_path):
     assert [c["check"] for c in doc["checks"]] == [
         "write_kv float32", "paged_decode_attention float32 (GQA 4)",
         "paged_prefill_attention float32 (GQA 4)", "paged_decode_attention float32, window 20",
-        "paged_prefill_attention float32, window 20", "copy_blocks"]
+        "paged_prefill_attention float32, window 20", "paged_decode_attention float32, softcap 2",
+        "paged_prefill_attention float32, softcap 2", "copy_blocks"]
     assert all(c["ok"] and c["max_abs_diff"] <= c["tolerance"] for c in doc["checks"])
 
 

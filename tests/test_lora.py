@@ -465,3 +465,48 @@ def test_kvctl_explain_pin_and_evict_send_the_adapter_a_prompt_is_hashed_under()
     assert str(refused[0].exception) == ("--model alone takes every block of a LoRA adapter, and with a prompt that "
                                          "prompt's blocks under it; --adapter-id goes alone")
     assert str(refused[1].exception) == "--model is for a prompt; a prefix id names its LoRA adapter's blocks already"
+
+
+def test_a_phi3_adapter_of_its_fused_projections_gives_peft_s_logits_and_the_bytes_capacity_plans(tmp_path):
+    """Phi-3 stores Q, K and V as one qkv_proj and gate and up as one gate_up_proj; PEFT adapts
+    each fused projection with one A and one B, which is already how kvd packs them."""
+    peft = pytest.importorskip("peft")
+    from dataclasses import replace
+
+    from kvctl.capacity import ModelShape, lora_bytes
+
+    from .model_cases import build_checkpoint, hf_greedy
+
+    hf = build_checkpoint("phi3", tmp_path / "model")
+    torch.manual_seed(0)
+    tuned = peft.get_peft_model(hf, peft.LoraConfig(
+        init_lora_weights=False, lora_dropout=0.0, r=4, lora_alpha=8,
+        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])).eval()
+    tuned.save_pretrained(tmp_path / "adapter")
+    loaded = serving(tmp_path / "model", {"x": tmp_path / "adapter"})
+    adapter = loaded.adapters["x"]
+    assert adapter.modules == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") and adapter.rank == 4
+    with torch.no_grad():
+        expected = tuned(torch.tensor([PROMPT])).logits[0, -1]
+    torch.testing.assert_close(full_forward_logits(loaded, PROMPT, lora=[(adapter, None)]), expected,
+                               atol=1e-4, rtol=1e-4)
+    engine = Engine(loaded, EngineSettings(num_blocks=64, block_size=16))
+    request = engine.add_request(PROMPT, GREEDY, adapter="x")
+    engine.run_until_done()
+    assert request.sequences[0].output_ids == hf_greedy(tuned, PROMPT, GREEDY.max_tokens)
+    shape = ModelShape.from_model_dir(tmp_path / "model")
+    assert shape.fused_projections and lora_bytes(replace(shape, dtype="float32"), 4) == adapter.nbytes
+
+
+def test_an_adapter_of_separate_projections_is_refused_for_a_fused_checkpoint(tmp_path):
+    from .model_cases import build_checkpoint
+
+    build_checkpoint("phi3", tmp_path / "model")
+    folder = write_adapter(tmp_path / "adapter", ("q_proj",), rank=2, alpha=4, seed=1)
+    loaded = load_model(tmp_path / "model")
+    with pytest.raises(ModelError) as refused:
+        load_adapters((("x", str(folder)),), loaded, "phi")
+    assert str(refused.value) == (
+        f"{folder / 'adapter_model.safetensors'}: tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A."
+        "weight' adapts self_attn.q_proj, which kvd does not in this model (its checkpoint fuses Q, K and V, and "
+        "gate and up)")

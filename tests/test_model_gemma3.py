@@ -101,6 +101,8 @@ def test_gemma_2_9b_reads_as_transformers_reads_it():
 @pytest.mark.parametrize("fields, message", [
     ({"attn_logit_softcapping": 0},
      "config.json: field 'attn_logit_softcapping' must be a positive number (got 0)"),
+    ({"attn_logit_softcapping": float("inf")},
+     "config.json: field 'attn_logit_softcapping' must be a positive number (got inf)"),
     ({"use_bidirectional_attention": True},
      "config.json: use_bidirectional_attention true is not supported (kvd decodes causally)"),
     ({"hidden_activation": "relu"},

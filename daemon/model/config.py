@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,8 @@ SUPPORTED_ARCHITECTURES = {
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config's name -> kvd's
 
-# transformers' Gemma2Config defaults, which its configs may lean on
+# transformers' Gemma2Config defaults, which its configs may lean on (with the every-other-layer
+# window its layer_types default to, as a pattern of 2)
 GEMMA2_DEFAULTS = {
     "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
@@ -154,7 +156,8 @@ class ModelConfig:
         cap, score_cap = raw.get("final_logit_softcapping"), raw.get("attn_logit_softcapping")
         for name, value in (("query_pre_attn_scalar", scalar), ("final_logit_softcapping", cap),
                             ("attn_logit_softcapping", score_cap)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):
                 raise ModelError(f"{where}: field {name!r} must be a positive number (got {value!r})")
         return cls(
             architecture=arch, vocab_size=need("vocab_size"), hidden_size=hidden,

@@ -8,7 +8,9 @@ into W, so one batch mixes requests for the base model and for any number of ada
 The adapter's weights are packed like the base model's (daemon/model/llama.py `pack_layers`):
 the A matrices of q, k and v stacked into one, their B matrices into one block-diagonal matrix,
 so a step makes two small GEMMs per packed projection and adapter, whichever projections the
-adapter trains. The scaling is folded into B.
+adapter trains. The scaling is folded into B. A model whose checkpoint fuses them (Phi-3's
+`qkv_proj` and `gate_up_proj`) is adapted as PEFT adapts it: one A and one B for each fused
+projection, which is already the packed form.
 
 An adapter's identity in the prefix cache (daemon/cache/keys.py `Namespace.adapter_id`) is the
 SHA-256 of its two files: K/V computed under one adapter never serves another, nor the base model,
@@ -39,7 +41,11 @@ ATTENTION = ("q_proj", "k_proj", "v_proj")
 MLP = ("gate_proj", "up_proj")
 PACKED = {"qkv": ("self_attn", ATTENTION), "o": ("self_attn", ("o_proj",)),
           "gate_up": ("mlp", MLP), "down": ("mlp", ("down_proj",))}
-GROUP_OF = {module: group for group, modules in PACKED.values() for module in modules}  # q_proj -> self_attn
+# a checkpoint with fused projections (ModelConfig.fused_projections: Phi-3)
+PACKED_FUSED = {"qkv": ("self_attn", ("qkv_proj",)), "o": ("self_attn", ("o_proj",)),
+                "gate_up": ("mlp", ("gate_up_proj",)), "down": ("mlp", ("down_proj",))}
+GROUP_OF = {module: group for table in (PACKED, PACKED_FUSED)
+            for group, modules in table.values() for module in modules}  # q_proj -> self_attn
 KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
 PEFT_PREFIX = "base_model.model."
 # a multimodal model's parts kvd does not run (it serves text in, text out): their adapters change nothing served
@@ -185,6 +191,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
     if not weights_file.is_file():
         raise ModelError(f"lora_modules: {str(path)!r} has no {ADAPTER_WEIGHTS}")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    sizes = _projection_sizes(config)
     try:
         with safe_open(str(weights_file), framework="pt", device="cpu") as handle:
             for key in handle.keys():
@@ -199,8 +206,10 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
                 if layer >= config.num_layers:
                     raise ModelError(f"{weights_file}: tensor {key!r} is for layer {layer}, and the model has "
                                      f"{config.num_layers}")
-                if GROUP_OF.get(module) != group:
-                    raise ModelError(f"{weights_file}: tensor {key!r} adapts {group}.{module}, which kvd does not")
+                if GROUP_OF.get(module) != group or module not in sizes:
+                    raise ModelError(f"{weights_file}: tensor {key!r} adapts {group}.{module}, which kvd does not"
+                                     + (" in this model (its checkpoint fuses Q, K and V, and gate and up)"
+                                        if config.fused_projections and module in GROUP_OF else ""))
                 pairs.setdefault((layer, module), {})[which] = handle.get_tensor(key)
     except ModelError:
         raise
@@ -208,7 +217,6 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
         raise ModelError(f"{weights_file}: cannot be read as safetensors ({exc})") from None
     if not pairs:
         raise ModelError(f"{weights_file}: holds no LoRA weights")
-    sizes = _projection_sizes(config)
     terms: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     rank = 0
     for (layer, module), found in sorted(pairs.items()):
@@ -229,7 +237,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
         scaling = alpha / math.sqrt(r) if settings.get("use_rslora") else alpha / r
         terms[layer, module] = (a.float(), b.float() * scaling)
         rank = max(rank, r)
-    layers = [_pack(terms, layer, sizes, dtype) for layer in range(config.num_layers)]
+    table = packing(config)
+    layers = [_pack(terms, layer, sizes, dtype, table) for layer in range(config.num_layers)]
     nbytes = sum(t.numel() * t.element_size() for layer in layers for p in layer.values() for t in (p.a, p.b))
     if room is not None:
         room(name, nbytes)
@@ -239,26 +248,36 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
         except torch.OutOfMemoryError:  # what the room check saw was taken meanwhile: nothing of it stays
             raise NoRoomForAdapter(f"LoRA adapter {name!r} needs {nbytes:,} bytes on {device}, and the device ran "
                                    "out of memory copying it") from None
-    modules = tuple(m for _, ms in PACKED.values() for m in ms if any(k[1] == m for k in terms))
+    modules = tuple(m for _, ms in table.values() for m in ms if any(k[1] == m for k in terms))
     return LoraAdapter(name, path, adapter_digest(path), rank, settings["lora_alpha"], modules, layers, stamp,
                        nbytes)
 
 
+def packing(config: ModelConfig) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Packed projection -> (module group, the checkpoint's projections it holds) for `config`."""
+    return PACKED_FUSED if config.fused_projections else PACKED
+
+
 def _projection_sizes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) features of each projection kvd can adapt."""
+    """(out, in) features of each projection kvd can adapt in `config`'s checkpoint."""
     hidden, dim = config.hidden_size, config.head_dim
+    if config.fused_projections:
+        return {"qkv_proj": ((config.num_heads + 2 * config.num_kv_heads) * dim, hidden),
+                "o_proj": (hidden, config.num_heads * dim), "gate_up_proj": (2 * config.intermediate_size, hidden),
+                "down_proj": (hidden, config.intermediate_size)}
     return {"q_proj": (config.num_heads * dim, hidden), "k_proj": (config.num_kv_heads * dim, hidden),
             "v_proj": (config.num_kv_heads * dim, hidden), "o_proj": (hidden, config.num_heads * dim),
             "gate_proj": (config.intermediate_size, hidden), "up_proj": (config.intermediate_size, hidden),
             "down_proj": (hidden, config.intermediate_size)}
 
 
-def _pack(terms: dict, layer: int, sizes: dict, dtype: torch.dtype) -> dict[str, PackedLora]:
+def _pack(terms: dict, layer: int, sizes: dict, dtype: torch.dtype,
+          table: dict[str, tuple[str, tuple[str, ...]]] = PACKED) -> dict[str, PackedLora]:
     """One layer's terms as the packed projections hold them (in host memory): A matrices
     stacked, B matrices block-diagonal (each projection's rows of the packed output see only its
     own ranks)."""
     packed = {}
-    for name, (_, modules) in PACKED.items():
+    for name, (_, modules) in table.items():
         present = [(m, terms[layer, m]) for m in modules if (layer, m) in terms]
         if not present:
             continue
@@ -314,7 +333,7 @@ def load_adapters(modules: tuple[tuple[str, str], ...], loaded, base_name: str,
 def warn_if_kv_changes(adapters: dict[str, LoraAdapter], cache_dtype: str) -> None:
     """Log a warning when the cache is quantised and an adapter changes K or V: the cache's scales
     were calibrated on the base model alone."""
-    if cache_dtype != "auto" and any({"k_proj", "v_proj"} & set(a.modules) for a in adapters.values()):
+    if cache_dtype != "auto" and any({"k_proj", "v_proj", "qkv_proj"} & set(a.modules) for a in adapters.values()):
         logging.getLogger("kvd").warning(
             "lora_modules: an adapter changes K or V, and the %s cache's scales were calibrated on the base "
             "model: its K/V may fall outside them", cache_dtype)
