@@ -47,6 +47,7 @@ PACKED_FUSED = {"qkv": ("self_attn", ("qkv_proj",)), "o": ("self_attn", ("o_proj
 GROUP_OF = {module: group for table in (PACKED, PACKED_FUSED)
             for group, modules in table.values() for module in modules}  # q_proj -> self_attn
 KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
 PEFT_PREFIX = "base_model.model."
 # a multimodal model's parts kvd does not run (it serves text in, text out): their adapters change nothing served
 UNSERVED_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -62,7 +63,6 @@ def adapted_name(key: str) -> str | None:
     if inner.startswith(UNSERVED_PARTS):
         return None
     return PEFT_PREFIX + text_model_name(inner)
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
 
 
 class NoRoomForAdapter(ModelError):
