@@ -82,8 +82,11 @@ class ModelShape:
             raise ValueError(f"model: {str(model_dir)!r}/config.json lacks num_hidden_layers, "
                              "num_attention_heads or hidden_size")
         multimodal = raw is not outer and "text_config" in outer  # kvd reads only its language model's tensors
-        weights = (language_model_bytes(model_dir) if multimodal
-                   else sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))) or None
+        try:
+            weights = (language_model_bytes(model_dir, outer) if multimodal
+                       else sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))) or None
+        except ModelError as exc:
+            raise ValueError(f"model: {exc}") from None
         return cls(layers=int(raw["num_hidden_layers"]), kv_heads=int(raw.get("num_key_value_heads") or heads),
                    head_dim=int(raw.get("head_dim") or hidden // heads), hidden_size=int(hidden),
                    intermediate_size=raw.get("intermediate_size"),
@@ -91,12 +94,16 @@ class ModelShape:
                    heads=int(heads), **_as_kvd_reads(outer))
 
 
-def language_model_bytes(model_dir: Path) -> int:
-    """Bytes of the tensors kvd reads from a multimodal checkpoint (its language model's; the
-    vision tower stays on disk), from the safetensors headers: no tensor is read."""
+def language_model_bytes(model_dir: Path, raw: dict) -> int:
+    """Bytes of the tensors kvd reads from a multimodal checkpoint of config.json `raw` (its
+    language model's, `expected_tensors`; the vision tower stays on disk), from the safetensors
+    headers: no tensor is read."""
     import struct
 
-    from kvctl.daemon.model.weights import text_model_name
+    from kvctl.daemon.model.config import ModelConfig
+    from kvctl.daemon.model.weights import expected_tensors, text_model_name
+
+    wanted = set(expected_tensors(ModelConfig.from_dict(raw)))
 
     total = 0
     for path in model_dir.glob("*.safetensors"):
@@ -106,8 +113,7 @@ def language_model_bytes(model_dir: Path) -> int:
             except (struct.error, ValueError):
                 raise ValueError(f"model: {str(path)!r} is not a safetensors file") from None
         for name, entry in header.items():
-            if name != "__metadata__" and text_model_name(name).startswith(("model.layers.", "model.embed_tokens.",
-                                                                             "model.norm.", "lm_head.")):
+            if text_model_name(name) in wanted:
                 start, end = entry["data_offsets"]
                 total += end - start
     return total

@@ -161,7 +161,8 @@ def test_a_multimodal_checkpoint_serves_its_language_model_and_leaves_the_vision
         expected = hf(torch.tensor([LONG_PROMPT])).logits[0, -1]
     torch.testing.assert_close(full_forward_logits(loaded, LONG_PROMPT), expected, atol=1e-4, rtol=1e-4)
     text_bytes = sum(p.numel() * p.element_size() for p in hf.model.language_model.parameters())
-    assert language_model_bytes(tmp_path) == text_bytes < path.stat().st_size - 10_000
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert language_model_bytes(tmp_path, config) == text_bytes < path.stat().st_size - 10_000
     shape = ModelShape.from_model_dir(tmp_path)
     assert (shape.layers, shape.kv_heads, shape.head_dim, shape.weights_bytes, shape.sliding_window) == (
         3, 2, 64, text_bytes, None)

@@ -156,8 +156,7 @@ class ModelConfig:
         cap, score_cap = raw.get("final_logit_softcapping"), raw.get("attn_logit_softcapping")
         for name, value in (("query_pre_attn_scalar", scalar), ("final_logit_softcapping", cap),
                             ("attn_logit_softcapping", score_cap)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0 < value < math.inf):
+            if value is not None and not _positive(value):
                 raise ModelError(f"{where}: field {name!r} must be a positive number (got {value!r})")
         return cls(
             architecture=arch, vocab_size=need("vocab_size"), hidden_size=hidden,
@@ -185,6 +184,11 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ModelError(f"{path}: not valid JSON ({exc.msg})") from None
         return cls.from_dict(raw, str(path))
+
+
+def _positive(value) -> bool:
+    """Whether a config's value is a positive, finite number (a JSON true is not one)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
 
 
 def language_model_fields(raw: dict, where: str = "config.json") -> dict:
@@ -235,7 +239,7 @@ def _rope(raw: dict, arch: str, max_positions: int, where: str) -> dict:
     if local is not None and not isinstance(local, dict):
         raise ModelError(f"{where}: field 'rope_parameters.sliding_attention' must be an object (got {local!r})")
     theta = (local or {}).get("rope_theta", raw.get("rope_local_base_freq", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+    if not _positive(theta):
         raise ModelError(f"{where}: the sliding layers' rope_theta must be a positive number (got {theta!r})")
     return {**fields, "sliding_rope_theta": float(theta),
             "sliding_rope_scaling": read_scaling(local or {}, max_positions, where)}

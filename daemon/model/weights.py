@@ -90,7 +90,8 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype, device) -> dict:
     those are read: a multimodal checkpoint's vision tower stays on disk."""
     from safetensors import safe_open
 
-    wanted = set(expected_tensors(config))
+    names = expected_tensors(config)
+    wanted = set(names)
     tensors = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -98,7 +99,7 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype, device) -> dict:
                 text = text_model_name(name)
                 if text in wanted:
                     tensors[text] = handle.get_tensor(name)
-    for name in expected_tensors(config):
+    for name in names:
         if name not in tensors:
             raise ModelError(f"model: tensor {name!r} is missing from the weights in {str(model_dir)!r}")
-    return {name: tensors[name].to(device=device, dtype=dtype) for name in expected_tensors(config)}
+    return {name: tensors[name].to(device=device, dtype=dtype) for name in names}
