@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# The repository root must not be on sys.path (`python -m pytest` puts it there): its folders kernels/,
+# daemon/ and policies/ would shadow published packages of those names (transformers imports `kernels`).
+# The project imports as kvctl.* from its install; pytest's importlib mode needs no root on the path.
+_REPO = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _REPO]
 
 try:  # Triton kernels run on the CPU interpreter unless a GPU is present (decided before import)
     import torch

@@ -94,6 +94,21 @@ def test_the_four_packages_load_from_this_repository():
         assert Path(module.__file__).resolve() == REPO / folder / "__init__.py", module.__name__
 
 
+@pytest.mark.parametrize("name", ["daemon", "kernels", "policies"])
+def test_the_checkout_s_folders_shadow_no_published_package(name):
+    """The folders import only as kvctl.*: as bare `kernels` they would stand in for the published
+    `kernels` package that transformers imports, and break every test that builds a transformers model."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    assert origin is None or REPO / name not in origin.parents, f"{name} resolves to {origin}"
+    if name == "kernels" and spec is not None:  # transformers >= 5.25 depends on the published one
+        from importlib.metadata import version
+
+        assert version("kernels")
+
+
 def test_console_scripts_run(tmp_path):
     bindir = Path(sys.executable).parent
     done = subprocess.run([str(bindir / "kvd"), "--version"], capture_output=True, text=True, check=True)
