@@ -60,6 +60,20 @@ def tenant_limit_reason(request: str, tenant: str, in_flight: int, limit: int | 
             f"({setting} {limit})")
 
 
+def pinned_out_reason(request: str, needed_blocks: int, pinned_blocks: int, total_blocks: int,
+                      room_blocks: int, *, queued: bool = False) -> str | None:
+    """Why a request is turned away for pins: at its longest it needs `needed_blocks`, more than
+    the `room_blocks` the cache's `total_blocks` leave beside the `pinned_blocks` pins hold outside
+    its own prefix (pinned blocks are never evicted, so it could never finish). `queued`: it waited
+    already, and nothing that runs could give a block back. None: the pins leave it room."""
+    if needed_blocks <= room_blocks:
+        return None
+    when = "and nothing runs that could give one back" if queued else "outside its prefix"
+    return (f"request {request}: needs {needed_blocks} blocks but pins hold {pinned_blocks} of the cache's "
+            f"{total_blocks} {when}, leaving {room_blocks}; it could never finish: unpin some "
+            "(kvctl pins, kvctl unpin) or lower max_tokens")
+
+
 def decide(*, request: str, needed_blocks: int, available_blocks: int, total_blocks: int,
            hit_blocks: int, queue_length: int = 0, queue_limit: int | None = None) -> AdmissionDecision:
     """Admit when it fits now; reject when it can never fit or the queue is full; else queue."""

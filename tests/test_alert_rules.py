@@ -66,7 +66,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 25
+    assert len(names) == len(set(names)) == 26
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -163,6 +163,21 @@ def test_the_kvd_rules_stay_quiet_on_a_healthy_kvd_and_fire_on_what_they_name(tm
         before, now = now, scrape(app)
         assert fired(Scrapes(before, now)) == {**refused_reload, "KvdStoreFileReplaced": series(KVD, 0.0),
                                                    "KvdAuditWriteFailures": series(KVD, 1.0)}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_pins_rule_fires_when_pins_leave_a_request_no_room(tmp_path):
+    service = start_service(tmp_path, num_blocks=8, pin_budget_blocks=8)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        pinned = call(app, "POST", "/admin/pins", json={"tokens": list(range(3, 83))}).json()
+        assert pinned["cached_blocks"] == 5
+        before = scrape(app)
+        refused = call(app, "POST", "/v1/completions", json={"prompt": list(range(100, 116)), "max_tokens": 33})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "pinned_out"
+        assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
+            "KvdPinsKeepRequestsOut": series(KVD, 1.0, reason="pinned_out")}
     finally:
         service.shutdown(deadline=2)
 

@@ -925,7 +925,7 @@ def test_a_stream_that_fell_behind_sends_the_waiting_tokens_in_one_chunk(tmp_pat
     tokenizer = Tokenizer(ensure_demo_checkpoint(tmp_path))
     ids = tokenizer.encode("kv")[1:] + tokenizer.encode("cache")[1:]  # without BOS
     seq = SimpleNamespace(index=0, output_ids=list(ids))
-    request = SimpleNamespace(request_id="r", sequences=[seq])
+    request = SimpleNamespace(request_id="r", sequences=[seq], rejected=None)
     engine = SimpleNamespace(tokenizer=tokenizer, text_of=lambda s: tokenizer.decode(s.output_ids))
 
     async def collect(batches):

@@ -418,6 +418,18 @@ def test_a_tenant_at_its_limit_of_requests_in_flight_is_told_so():
         "request req-1: tenant 'acme' has 3 requests in flight (max_tenant_requests 3)")
 
 
+def test_a_request_the_pins_leave_too_few_blocks_is_told_how_many_and_what_to_do():
+    from kvctl.policies.admission import pinned_out_reason
+
+    assert pinned_out_reason("req-1", 3, 5, 8, 3) is None  # exactly the room beside the pins
+    assert pinned_out_reason("req-1", 4, 5, 8, 3) == (
+        "request req-1: needs 4 blocks but pins hold 5 of the cache's 8 outside its prefix, leaving 3; it could "
+        "never finish: unpin some (kvctl pins, kvctl unpin) or lower max_tokens")
+    assert pinned_out_reason("req-1", 4, 5, 8, 3, queued=True).startswith(
+        "request req-1: needs 4 blocks but pins hold 5 of the cache's 8 and nothing runs that could give one back, "
+        "leaving 3;")
+
+
 def test_a_rate_meter_ignores_a_measurement_whose_fixed_part_is_all_of_it():
     from kvctl.policies.tiering import RateMeter
 

@@ -648,6 +648,14 @@ class KVCacheManager:
         self.pool.add_pin_refs(key_tuple, now)
         return PinResult(pin, cached, len(key_tuple) - cached, refreshed=False)
 
+    def room_beside_pins(self, keys: Sequence[BlockKey], reuse: bool = True) -> tuple[int, int]:
+        """(cached blocks pins hold, the most blocks a sequence whose prompt has these block keys
+        could ever hold: the cache's, less the pinned blocks outside its cached prefix; with
+        `reuse` False, less every pinned block). Reads only."""
+        pinned = self.pool.pinned_blocks()
+        own = set(self.pool.match(keys, self.num_blocks)) if reuse and pinned else set()
+        return len(pinned), self.num_blocks - len(pinned - own)
+
     def unpin(self, pin_id: str) -> Pin:
         pin = self.pins.remove(pin_id)
         self.pool.drop_pin_refs(reversed(pin.keys), self._clock())  # deepest first, as on release

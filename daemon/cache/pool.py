@@ -115,6 +115,12 @@ class BlockPool:
     def block_of(self, key: BlockKey) -> int | None:
         return self._index.get(key)
 
+    def pinned_blocks(self) -> set[int]:
+        """Ids of the cached blocks pins hold: never evicted while pinned (a pinned key not cached
+        holds no block)."""
+        index = self._index
+        return {index[key] for key in self._pin_refs if key in index}
+
     def evictable_in(self, block_ids: Iterable[int]) -> int:
         """How many of `block_ids` sit in the evictable queue now."""
         policy = self.policy

@@ -40,7 +40,7 @@ import torch
 from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHasher
 from kvctl.daemon.cache.events import EventLog
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
-from kvctl.policies.admission import Verdict, tenant_limit_reason
+from kvctl.policies.admission import Verdict, pinned_out_reason, tenant_limit_reason
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation
 from kvctl.policies.tiering import PrefetchWait, RateMeter
@@ -60,7 +60,7 @@ from .tenant_book import DEFAULT_LIMIT, EVICTED, HIT, PROMPT, RECOMPUTED, REJECT
 
 class AdmissionRejected(Exception):
     """The request was turned away before anything was allocated; the message says why, `kind`
-    names the limit: never_fits, queue_full or tenant_limit."""
+    names the limit: never_fits, pinned_out, queue_full or tenant_limit."""
 
     def __init__(self, request: Request, reason: str, kind: str = "never_fits") -> None:
         self.request, self.kind = request, kind
@@ -402,6 +402,11 @@ class Engine:
         # that never comes (and every request behind it with it), however little it reserved
         # (under a sliding window, its longest is its window's blocks)
         longest = self.cache.peak_blocks(len(prompt_ids) + params.max_tokens)
+        pinned, room = self.cache.room_beside_pins((), reuse=False)
+        if pinned:  # pinned blocks are never evicted: they count against it, but for those of its own prefix
+            if prefix_keys is None or not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids):
+                prefix_keys = self._keys_in(self.request_namespace(request), list(prompt_ids))
+            pinned, room = self.cache.room_beside_pins(prefix_keys[2], reuse=not request.scoring)
         kind = None
         if needed > total:
             kind, request.rejected = "never_fits", (f"request {request_id}: needs {needed} blocks for its prompt and "
@@ -411,6 +416,8 @@ class Engine:
                 f"request {request_id}: its prompt and max_tokens ({params.max_tokens}) need {longest} blocks but the "
                 f"cache has {total}; it could never finish (its output reservation, {reserve} tokens, fits): lower "
                 "max_tokens")
+        elif reason := pinned_out_reason(request_id, longest, pinned, total, room):
+            kind, request.rejected = "pinned_out", reason
         elif self._queued_requests() >= self.settings.max_queue:
             kind, request.rejected = "queue_full", (f"request {request_id}: admission queue full "
                                                     f"({self._queued_requests()} of {self.settings.max_queue} waiting)")
@@ -573,6 +580,25 @@ class Engine:
         return [TokenEvent(request_id, i, None, "cancelled") for i in range(request.params.n)
                 if i not in done]
 
+    def _turn_away_pinned_out(self, request: Request, needed: int) -> list[TokenEvent]:
+        """Turn away a queued request that pins alone keep out: pinned after it came, or it grew
+        alone until they left it no room. Waiting would hold every request behind it for as long
+        as the pins stand. Its samples end with "error" (their blocks come back); the reason is
+        `request.rejected`, which the API answers with."""
+        pinned, room = self.cache.room_beside_pins((), reuse=False)  # (what its prefix holds is not in `needed`)
+        request.rejected = pinned_out_reason(request.request_id, needed, pinned, self.settings.num_blocks, room,
+                                             queued=True) or f"request {request.request_id}: pins keep it out"
+        log.warning("%s", request.rejected)
+        self.stats.rejections["pinned_out"] = self.stats.rejections.get("pinned_out", 0) + 1
+        self.stats.tenants.row(request.tenant)[REJECTED] += 1
+        if self.tiers is not None:
+            self._end_prefetch(request, "cancelled")
+        done = {s.index for s in request.sequences if s.status is SeqStatus.FINISHED}
+        for seq in request.sequences:
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq, "error")
+        return [TokenEvent(request.request_id, i, None, "error") for i in range(request.params.n) if i not in done]
+
     def waiting(self) -> list[Sequence]:
         """Sequences waiting for admission, in queue order (stale heap entries skipped)."""
         return [s for _, s in sorted(self._waiting, key=lambda e: e[0]) if s.status is SeqStatus.WAITING]
@@ -662,13 +688,13 @@ class Engine:
         step_started = time.perf_counter()
         if self.cache_released:  # the service refuses work while asleep: never here
             raise RuntimeError("the KV cache is released (kvd is asleep): no step runs until it is taken again")
-        self._admit()
+        failed = self._admit()
         plan = self._plan()
         if not plan:
-            return []
+            return failed
         plan, copies = self._take_slots(plan)
         if not plan:
-            return []
+            return failed
         if copies:
             self._copy_blocks(copies)
         batch, sample_rows, scored = self._forward_batch(plan)
@@ -692,7 +718,7 @@ class Engine:
         stats = self.stats
         stats.steps[kind] = stats.steps.get(kind, 0) + 1
         stats.step_seconds[kind] = stats.step_seconds.get(kind, 0.0) + time.perf_counter() - step_started
-        return events
+        return failed + events
 
     def _write_through(self) -> None:
         """Newly full blocks (write_through), or blocks on their first reuse (write_through_selective),
@@ -712,18 +738,24 @@ class Engine:
         block instead of computing the shared prefix a second time (in-batch prefix sharing).
         So is one still waiting for its prefix to come up from disk or Redis (`self.prefetch`):
         a slow fetch holds up only its own request. With nothing to run, the engine waits a
-        moment for the first such fetch instead of spinning."""
+        moment for the first such fetch instead of spinning.
+
+        Returns the events of requests turned away at the head of the queue: ones that pins alone
+        keep out (`_turn_away_pinned_out`)."""
         if self.admission_paused:
-            return
+            return []
         held: list[Request] = []
-        self._admit_in_order(held)
+        failed: list[TokenEvent] = []
+        self._admit_in_order(held, failed)
         if held and not self._running:
             metrics = held[0].metrics
             left = self.prefetch.deadline(metrics.prefetch_started, metrics.prefetch_tokens) - self.clock()
             self.tiers.wait_prefetch(held[0].request_id, max(0.0, min(self.PREFETCH_POLL, left)))
+        return failed
 
-    def _admit_in_order(self, held: list[Request]) -> None:
-        """The admission pass of `_admit`; requests passed over for their fetch go into `held`.
+    def _admit_in_order(self, held: list[Request], failed: list[TokenEvent]) -> None:
+        """The admission pass of `_admit`; requests passed over for their fetch go into `held`, the
+        events of those turned away into `failed`.
 
         With `max_loras`, a request for an adapter whose weights the batch does not run yet waits
         while the batch runs that many; the model's own requests go on past it, and so do none
@@ -742,6 +774,8 @@ class Engine:
             if len(self._running) >= self.settings.max_running:
                 return
             seq = entry[1]
+            if seq.status is not SeqStatus.WAITING:
+                continue  # a sample of a request turned away this pass
             request = seq.request
             if max_loras is not None and request.lora is not None and (
                     passed or (id(request.lora) not in loras and len(loras) >= max_loras)):
@@ -764,6 +798,9 @@ class Engine:
                     continue  # its prefix is being computed right now: take it next step
             decision = self.cache.can_admit(keys, len(tokens), reserve, request=seq.seq_id, reuse=reuse)
             if decision.verdict is not Verdict.ADMIT:
+                if self.cache.num_sequences == 0:  # nothing runs that could give a block back: only pins
+                    failed += self._turn_away_pinned_out(request, decision.needed_blocks)
+                    continue
                 return  # head of line waits for room (add_request refused what can never fit)
             self._waiting.remove(entry)
             heapq.heapify(self._waiting)
@@ -1124,7 +1161,7 @@ class Engine:
         self._running.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        if reason != "cancelled":
+        if reason != "cancelled" and seq.request.rejected is None:  # neither says how long replies run
             self._reservation(seq.request).observe(len(seq.output_ids))
         self.stats.finished += 1
 

@@ -402,6 +402,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             if exc.kind in ("queue_full", "tenant_limit"):
                 raise ApiError(429, str(exc), type_="rate_limit_error", code=exc.kind,
                                headers={"Retry-After": "1"}) from None
+            if exc.kind == "pinned_out":  # the operator's pins, not the request, stand in its way
+                raise ApiError(503, str(exc), type_="server_error", code=exc.kind) from None
             raise ApiError(400, str(exc), code="cache_capacity_exceeded") from None
         head = {"id": shape.id_prefix + uuid.uuid4().hex[:24], "created": int(time.time()),
                 "model": adapter or service.model_name}
@@ -450,6 +452,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except asyncio.CancelledError:
             cancel_all()
             raise
+        turned_away = next((r.rejected for r in requests if r.rejected), None)
+        if turned_away is not None:  # in the queue (pins kept it out): the call fails whole, as at its arrival
+            cancel_all()
+            raise ApiError(503, turned_away, type_="server_error", code="pinned_out")
         choices = []
         for p, request in enumerate(requests):
             for seq in sorted(request.sequences, key=lambda s: s.index):
@@ -579,6 +585,9 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                     prompt_parts.add_to_choice(choice, request)
                     prompt_parts.add_to_answer(chunk, request, once=True)
                 yield f"data: {json.dumps(chunk)}\n\n"
+        turned_away = next((r.rejected for r in requests if r.rejected), None)
+        if turned_away is not None:  # its samples ended "error" in the queue: say why before [DONE]
+            yield f"data: {json.dumps(error_body(turned_away, 'server_error', None, 'pinned_out'))}\n\n"
         if usage_of:
             usage_chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
                            "model": head["model"], "choices": [], "usage": usage_of()}

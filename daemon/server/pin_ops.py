@@ -64,9 +64,10 @@ def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, 
             elif isinstance(exc, AdmissionRejected):
                 status = 409
             raise ServiceError(status, f"tokens: the prefix cannot be warmed: {exc}", "tokens") from None
-        # a warm cancelled (an operator's cancel, kvd stopping) or still running: the pin stands, and
-        # its blocks pin as a later request fills them
-        warmed = ended is not None and ended != "cancelled"
+        # a warm cancelled (an operator's cancel, kvd stopping), turned away in the queue (other pins
+        # came while it waited: "error") or still running: the pin stands, and its blocks pin as a later
+        # request fills them
+        warmed = ended is not None and ended not in ("cancelled", "error")
     return _pinned(service, result, principal, ttl, note, warmed)
 
 

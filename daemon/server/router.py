@@ -83,6 +83,13 @@ def json_object(raw: bytes) -> dict | None:
     return body if isinstance(body, dict) else None
 
 
+def refusal_code(content: bytes) -> str | None:
+    """The `error.code` of a replica's refusal in OpenAI's shape, or None."""
+    body = json_object(content)
+    error = body.get("error") if body is not None else None
+    return error.get("code") if isinstance(error, dict) else None
+
+
 class CallerLeft(Exception):
     """The caller disconnected before its answer came."""
 
@@ -646,6 +653,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 content = await upstream.aread()
             finally:
                 await upstream.aclose()
+            # but a 503 for pins (it could never fit beside them there) is a turn-away: it keeps a line
+            traced = traced or refusal_code(content) == "pinned_out"
             replica.rerouted += 1
             kept = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
             refusal = Response(content, status_code=upstream.status_code, headers={
