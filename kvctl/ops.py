@@ -225,6 +225,14 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
             Console().print(Text("stranded: made under " + " or under ".join(
                 STRANDED_CAUSES[w] for w in sorted(why) if w in STRANDED_CAUSES) + ", so no request reaches them; "
                 "pin the prompts again, then `kvctl unpin --stranded`", style="yellow"))
+        room = d.get("room")
+        if room and room["pinned_blocks"]:  # (an older kvd: none)
+            on = f" on {room['replica']}, the fleet's least" if fleet else ""
+            Console().print(
+                f"pins hold {room['pinned_blocks']:,} of the cache's {room['num_blocks']:,} blocks{on}: a request may "
+                f"take {room['room_blocks']:,} beside them ({room['room_blocks'] * room['block_size']:,} tokens of "
+                "prompt and max_tokens past a pinned prefix it starts with); one that needs more is turned away "
+                "(pinned_out)")
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     emit(data, as_json, render)

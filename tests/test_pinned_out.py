@@ -123,6 +123,8 @@ def test_the_api_answers_503_pinned_out_at_arrival_and_when_pins_came_while_it_w
         assert error["message"].endswith("needs 4 blocks but pins hold 5 of the cache's 8 outside its prefix, leaving "
                                          "3; it could never finish: unpin some (kvctl pins, kvctl unpin) or lower "
                                          "max_tokens")
+        assert call(unix, "GET", "/admin/pins").json()["room"] == {"pinned_blocks": 5, "num_blocks": 8,
+                                                                   "room_blocks": 3, "block_size": 16}
         assert call(unix, "DELETE", f"/admin/pins/{pinned['pin_id']}").status_code == 200
 
         answers = {}
@@ -194,3 +196,29 @@ def test_a_pin_whose_warm_was_turned_away_in_the_queue_says_it_was_not_warmed(tm
         assert (pinned["warmed"], pinned["blocks"], pinned["cached_blocks"]) == (False, 5, 0)
     finally:
         service.shutdown(1)
+
+
+def _pin_row(pin_id: str = "pin-00000000000000a1") -> dict:
+    return {"pin_id": pin_id, "tenant": "default", "blocks": 5, "cached_blocks": 5, "owner": "ops", "note": "",
+            "expires_at": None, "expires_in_seconds": None, "space": "ef" * 32, "adapter_id": "", "model": "kvd-demo",
+            "stranded": None}
+
+
+def test_kvctl_pins_says_how_much_room_the_pins_leave_a_request_and_at_the_router_the_least():
+    from kvctl.daemon.server.fleet_admin import merge_pin_lists
+
+    from .test_router import _kvctl_prints
+
+    room = {"pinned_blocks": 5, "num_blocks": 8, "room_blocks": 3, "block_size": 16}
+    said = " ".join(_kvctl_prints(["pins"], {"pins": [_pin_row()], "room": room}).split())
+    assert said.endswith("pins hold 5 of the cache's 8 blocks: a request may take 3 beside them (48 tokens of prompt "
+                         "and max_tokens past a pinned prefix it starts with); one that needs more is turned away "
+                         "(pinned_out)")
+    unpinned = {"pinned_blocks": 0, "num_blocks": 8, "room_blocks": 8, "block_size": 16}
+    assert _kvctl_prints(["pins"], {"pins": [], "room": unpinned}).strip() == "no pins"
+    roomy = {"pinned_blocks": 5, "num_blocks": 64, "room_blocks": 59, "block_size": 16}
+    status, fleet = merge_pin_lists(["replica-0", "replica-1"], [(200, {"pins": [_pin_row()], "room": roomy}),
+                                                                (200, {"pins": [_pin_row()], "room": room})])
+    assert status == 200 and fleet["room"] == {**room, "replica": "replica-1"}
+    said = " ".join(_kvctl_prints(["pins"], fleet).split())
+    assert "pins hold 5 of the cache's 8 blocks on replica-1, the fleet's least: a request may take 3 beside" in said

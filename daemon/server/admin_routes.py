@@ -91,7 +91,7 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         """Every pin; `keys`: with its block keys and the block space they belong to, for a copy on
         another replica (`kvd router`'s sync-pins)."""
         if not keys:
-            return {"pins": pin_ops.list_pins(service)}
+            return {"pins": pin_ops.list_pins(service), "room": pin_ops.room_beside_pins(service)}
         return {"pins": pin_ops.list_pins(service, with_keys=True), "space": service.block_space()}
 
     @router.post("/admin/pins")

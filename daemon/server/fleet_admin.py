@@ -196,6 +196,10 @@ def merge_pin_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[in
     missing = [f"{name} ({body.get('error') if status is None else status})"
                for name, (status, body) in zip(names, answers) if status != 200]
     out = {"pins": list(by_id.values()), "replica_count": len(names)}
+    rooms = [{**body["room"], "replica": name} for name, (status, body) in zip(names, answers)
+             if status == 200 and body.get("room")]
+    if rooms:  # the replica whose pins leave a request the least room (room_beside_pins)
+        out["room"] = min(rooms, key=lambda r: r["room_blocks"] * r["block_size"])
     if missing:
         out["message"] = "not listed: " + "; ".join(missing)
     return 200, out

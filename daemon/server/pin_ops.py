@@ -220,6 +220,17 @@ def list_pins(service, with_keys: bool = False) -> list[dict]:
             for described, cached, keys, stranded in listed]
 
 
+def room_beside_pins(service) -> dict:
+    """What the pins leave of the device cache: pinned blocks are never evicted, so a request whose
+    prompt and max_tokens need more than `room_blocks` (beyond a pinned prefix it starts with) is
+    turned away (pinned_out)."""
+    engine = service.require_ready()
+    with service.lock:
+        pinned, room = engine.cache.room_beside_pins((), reuse=False)
+    return {"pinned_blocks": pinned, "num_blocks": engine.settings.num_blocks, "room_blocks": room,
+            "block_size": engine.settings.block_size}
+
+
 STRANDED_WHY = {"space": "made under a model revision, tokenizer, cache format, scales or block size kvd no longer "
                          "serves",
                 "adapter": "made under LoRA weights kvd no longer serves"}
