@@ -151,7 +151,7 @@ def test_a_bad_query_parameter_is_named_not_called_query(daemon, path, params, p
 def test_an_oversized_prompt_is_refused_before_it_is_hashed_or_reaches_the_engine(daemon, monkeypatch):
     service, unix, _ = daemon
     hashed = []
-    monkeypatch.setattr(service, "_hash_outside_the_step", lambda *args: hashed.append(args) or None)
+    monkeypatch.setattr(service, "hash_prompts", lambda *args: hashed.append(args) or None)
     before = dict(service.engine.stats.rejections)
     for body, status in (({"prompt": [5] * 1_000_000}, 413), ({"prompt": [[1, 2]] * 300, "max_tokens": 1}, 400),
                          ({"prompt": [3, 99999] * 10}, 400)):

@@ -531,3 +531,41 @@ def test_a_user_who_may_not_see_cached_tokens_is_not_told_why_the_prompt_was_com
     assert user.status_code == admin.status_code == 200
     assert "x-kvd-prefill" not in user.headers and "x-kvd-route" not in user.headers
     assert admin.headers["x-kvd-prefill"].startswith("local: ") and "x-kvd-route" in admin.headers
+
+
+def _counting_prompt_hashes(monkeypatch, length: int) -> list:
+    """Every hashing of a whole prompt of `length` tokens from now on."""
+    from kvctl.daemon.cache import keys
+
+    seen, real = [], keys.PrefixHasher.feed
+
+    def feed(self, token_ids):
+        if len(token_ids) == length:
+            seen.append(length)
+        return real(self, token_ids)
+
+    monkeypatch.setattr(keys.PrefixHasher, "feed", feed)
+    return seen
+
+
+def test_each_side_of_a_transfer_hashes_its_prompt_once_and_a_decode_checks_it_before_it_fetches(pair, monkeypatch):
+    """The prefill's publish takes the keys its submission hashed, and so does the decode's fetch:
+    one hashing of the prompt per side (a 32k-token prompt's SHA-256 chain is milliseconds, on
+    the path to its first token). A decode's prompt over the context is refused before it is
+    hashed or anything comes from Redis."""
+    prefill, decode = pair
+    length = len(prefill.tokenize(PROMPT))
+    hashes = _counting_prompt_hashes(monkeypatch, length)
+    first = call(unix_app(prefill), "POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, **PREFILL})
+    assert first.status_code == 200 and first.json()["kv_transfer_params"]["published_blocks"] > 0
+    assert hashes == [length]
+    params = first.json()["kv_transfer_params"]
+    answer = call(unix_app(decode), "POST", "/v1/completions", json={"prompt": PROMPT, **GREEDY,
+                                                                     "kv_transfer_params": params})
+    assert answer.status_code == 200 and answer.json()["kv_transfer_params"]["fetched_blocks"] > 0
+    assert hashes == [length, length]
+    too_long = call(unix_app(decode), "POST", "/v1/completions",
+                    json={"prompt": PROMPT, "max_tokens": 100_000, "kv_transfer_params": params})
+    assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert hashes == [length, length]
+    assert call(unix_app(decode), "GET", "/admin/status").json()["kv_transfers"]["decodes"] == 1

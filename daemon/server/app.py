@@ -62,6 +62,14 @@ def _param_of(message: str) -> str | None:
     return head if head.replace("_", "").replace(".", "").isalnum() else None
 
 
+def _request_refused(exc: RequestError) -> ApiError:
+    """The API's answer to a prompt or its parameters refused: 413 for one over the context, 400
+    naming the field for the rest."""
+    if isinstance(exc, ContextLengthExceeded):
+        return ApiError(413, str(exc), param="max_tokens", code="context_length_exceeded")
+    return ApiError(400, str(exc), param=_param_of(str(exc)))
+
+
 class CompletionRequest(GenerationFields):
     # token ids before lists of strings, strictly, and the first member that fits wins: in
     # pydantic's default ("smart") mode a long list of ids was also tried as strings, one error
@@ -375,15 +383,24 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         # a KV transfer with another kvd (kv_transfer.py): a decode's prompt comes up from Redis first
         transfer = kv_transfer.asked(body, who.role, bool(body.stream), service)
         transferred = None
+        # a transfer's prompts are hashed once, for the fetch or the publish and the submission alike
+        hashed = None
+        if transfer:  # (checked first: an oversized prompt fetches nothing and is not hashed)
+            try:
+                hashed = await run_in_threadpool(service.hash_prompts, prompts, who.tenant, adapter, params)
+            except RequestError as exc:
+                raise _request_refused(exc) from None
         if transfer == "decode":
-            transferred = await run_in_threadpool(kv_transfer.fetch, service, prompts, who.tenant, adapter)
+            transferred = await run_in_threadpool(kv_transfer.fetch, service, prompts, who.tenant, adapter, hashed)
 
         async def hand_in():  # queued by the engine thread before its next step, with no wait for this one
             # a reply's shape is compiled when the request is checked (ms; the first one builds the
             # vocabulary's index, up to a second): off the loop that streams every answer
             if sum(map(len, prompts)) <= HAND_IN_ON_LOOP_TOKENS and params.constraint is None:
-                return await asyncio.wrap_future(service.submit_nowait(prompts, params, who, sink, priority, adapter))
-            handed = await run_in_threadpool(service.submit_nowait, prompts, params, who, sink, priority, adapter)
+                return await asyncio.wrap_future(service.submit_nowait(prompts, params, who, sink, priority, adapter,
+                                                                       hashed))
+            handed = await run_in_threadpool(service.submit_nowait, prompts, params, who, sink, priority, adapter,
+                                             hashed)
             return await asyncio.wrap_future(handed)
 
         submitting = asyncio.ensure_future(hand_in())
@@ -394,10 +411,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             submitting.add_done_callback(lambda done: None if done.cancelled() or done.exception() else [
                 service.cancel(r.request_id) for r in done.result()])
             raise
-        except ContextLengthExceeded as exc:
-            raise ApiError(413, str(exc), param="max_tokens", code="context_length_exceeded") from None
         except RequestError as exc:
-            raise ApiError(400, str(exc), param=_param_of(str(exc))) from None
+            raise _request_refused(exc) from None
         except AdmissionRejected as exc:
             if exc.kind in ("queue_full", "tenant_limit"):
                 raise ApiError(429, str(exc), type_="rate_limit_error", code=exc.kind,
@@ -473,7 +488,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         answer = {"id": head["id"], "object": shape.object, "created": head["created"], "model": head["model"],
                   "choices": choices, "usage": usage_of()}
         if transfer == "prefill":  # the prompt's blocks in Redis before the answer names them
-            transferred = await run_in_threadpool(kv_transfer.publish, service, requests)
+            transferred = await run_in_threadpool(kv_transfer.publish, service, requests, hashed)
         if transferred is not None and (transfer == "prefill" or shown):  # what came says what it cached
             answer[kv_transfer.FIELD] = transferred
         return JSONResponse(prompt_parts.add_to_answer(answer, requests[0]), headers=named)

@@ -93,22 +93,27 @@ def asked(body, role: str, stream: bool, service) -> str | None:
     return side
 
 
-def prompt_keys(engine, namespace, token_ids: list[int]) -> list:
+def prompt_keys(engine, namespace, token_ids: list[int], hashed: tuple | None = None) -> list:
     """The keys of the prompt's blocks a request may take from the cache (all full blocks but one
-    that holds the last token, which is always computed)."""
-    keys = PrefixHasher(namespace).feed(token_ids)
+    that holds the last token, which is always computed). `hashed`: the prompt's hashing as
+    EngineService.hash_prompts made it, taken while it is of these tokens in this namespace."""
+    if hashed is not None and hashed[0] == namespace and hashed[1] == len(token_ids):
+        keys = hashed[2]
+    else:
+        keys = PrefixHasher(namespace).feed(token_ids)
     return list(keys[:engine.cache.cacheable_blocks(len(token_ids))])
 
 
-def publish(service, requests) -> dict:
+def publish(service, requests, hashed: list[tuple | None] | None = None) -> dict:
     """Prefill side, after `requests` finished: write each prompt's blocks that Redis lacks from
     the device to Redis, wait for the writes, and say what Redis holds of the prompts now
-    (the decode's `kv_transfer_params`)."""
+    (the decode's `kv_transfer_params`). `hashed`: the prompts' keys as they were submitted."""
     engine, tiers = service.engine, service.tiers
     remote, started = tiers.remote, time.perf_counter()
     prompt_blocks = written = held = 0
-    for request in requests:
-        keys = prompt_keys(engine, engine.request_namespace(request), request.prompt_ids)
+    for i, request in enumerate(requests):
+        keys = prompt_keys(engine, engine.request_namespace(request), request.prompt_ids,
+                           hashed[i] if hashed is not None and i < len(hashed) else None)
         prompt_blocks += len(keys)
         with service.lock:  # the blocks and their contents in one hold: a step may reuse a block after it
             if service.asleep is not None:
@@ -138,17 +143,18 @@ def publish(service, requests) -> dict:
             "prompt_blocks": prompt_blocks, "block_size": size, "publish_seconds": seconds}
 
 
-def fetch(service, prompts: list[list[int]], tenant: str, adapter: str) -> dict:
+def fetch(service, prompts: list[list[int]], tenant: str, adapter: str,
+          hashed: list[tuple | None] | None = None) -> dict:
     """Decode side, before the request is queued: bring each prompt's blocks that Redis holds
     (and the device lacks) up to the device, waiting for them. Returns what came and what the
-    device holds of the prompts now."""
+    device holds of the prompts now. `hashed`: the prompts' keys, which their submission takes too."""
     from .tier_ops import restore_chain
 
     engine, started = service.engine, time.perf_counter()
     namespace = engine.namespace(tenant, adapter)
     prompt_blocks = fetched = on_device = 0
-    for ids in prompts:
-        keys = prompt_keys(engine, namespace, ids)
+    for i, ids in enumerate(prompts):
+        keys = prompt_keys(engine, namespace, ids, hashed[i] if hashed is not None and i < len(hashed) else None)
         prompt_blocks += len(keys)
         if not keys:
             continue

@@ -550,13 +550,15 @@ class EngineService:
         return -(dict(self.config.tenant_priorities).get(tenant, 0) + requested)
 
     def submit_nowait(self, prompts: list[list[int]], params: SamplingParams, principal: Principal,
-                      sink: EventSink, priority: int = 0, adapter: str = "") -> Future:
+                      sink: EventSink, priority: int = 0, adapter: str = "",
+                      hashed: list[tuple | None] | None = None) -> Future:
         """Hand prompts to the engine thread, which queues them at the top of its next loop,
         just before the next step: a submitter never waits for the engine's lock, which is held
         for a whole step. The future gives the requests, one per prompt, or the error that
         `Engine.add_request` raised (all or nothing: a rejection cancels the ones queued).
-        Prompts are hashed here, in the calling thread, not in a step. `adapter`: the LoRA adapter
-        that computes them, by its name ("": the base model)."""
+        Prompts are hashed here, in the calling thread, not in a step (`hashed`: as `hash_prompts`
+        hashed them already). `adapter`: the LoRA adapter that computes them, by its name ("": the
+        base model)."""
         engine = self.require_awake()
         try:  # in this thread, before hashing: a bad or oversized prompt never reaches the engine thread
             if adapter:
@@ -575,7 +577,8 @@ class EngineService:
             refused: Future = Future()
             refused.set_exception(exc)
             return refused
-        hashed = [self._hash_outside_the_step(engine, principal.tenant, p, adapter) for p in prompts]
+        if hashed is None or len(hashed) != len(prompts):
+            hashed = self.hash_prompts(prompts, principal.tenant, adapter)
         submission = _Submission(prompts, params, principal, sink, hashed, Future(), priority, grammars, adapter)
         self._inbox.append(submission)
         self._wake_engine()
@@ -648,14 +651,24 @@ class EngineService:
             if submission.future.set_running_or_notify_cancel():
                 submission.future.set_exception(error)
 
-    @staticmethod
-    def _hash_outside_the_step(engine: Engine, tenant: str, prompt_ids: list[int], adapter: str = "") -> tuple | None:
-        """A prompt's block keys, computed in the submitting thread, not in a step; None for
-        ids the hasher refuses (add_request then names the bad field)."""
-        try:
-            return engine.prefix_keys(tenant, prompt_ids, adapter)
-        except (TypeError, ValueError):
-            return None
+    def hash_prompts(self, prompts: list[list[int]], tenant: str, adapter: str = "",
+                     params: SamplingParams | None = None) -> list[tuple | None]:
+        """Each prompt's block keys (Engine.prefix_keys), computed in the calling thread, not in a
+        step; None for ids the hasher refuses (add_request then names the bad field). Once per
+        prompt: a KV transfer's fetch or publish and its submission take the same ones. With
+        `params`, each prompt is checked first (Engine.check_prompt's RequestError): an oversized
+        one is refused before anything walks it."""
+        engine = self.require_ready()
+        if params is not None:
+            for prompt_ids in prompts:
+                engine.check_prompt(prompt_ids, params)
+        hashed = []
+        for prompt_ids in prompts:
+            try:
+                hashed.append(engine.prefix_keys(tenant, prompt_ids, adapter))
+            except (TypeError, ValueError):
+                hashed.append(None)
+        return hashed
 
     def _load_scales(self, calibration: dict) -> None:
         """Swap in applied scales (caller holds the lock, nothing is running). Pins made under the
