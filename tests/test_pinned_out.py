@@ -66,6 +66,18 @@ def test_a_request_the_pins_leave_too_little_room_is_turned_away_at_arrival_and_
     assert engine.cache.state_counts()["pinned"] == 5
 
 
+def test_the_pins_counted_against_a_request_are_those_outside_the_prefix_it_shares(demo):
+    engine = cached_prefix(demo)
+    pin(engine)  # five blocks; a prompt that shares the first two has the other three against it
+    with pytest.raises(AdmissionRejected) as info:  # 52 + 40 tokens: 6 blocks
+        engine.add_request(PINNED[:32] + list(range(100, 120)), SamplingParams(max_tokens=40), request_id="shares")
+    assert str(info.value).startswith("request shares: needs 6 blocks but pins hold 3 of the cache's 8 outside its "
+                                      "prefix, leaving 5;")
+    fits = engine.add_request(PINNED[:32] + list(range(100, 120)), SamplingParams(max_tokens=28, ignore_eos=True))
+    engine.run_until_done()
+    assert len(fits.sequences[0].output_ids) == 28 and fits.metrics.cached_tokens == 32
+
+
 def test_a_queued_request_that_pins_came_to_keep_out_ends_with_error_and_the_queue_moves_on(demo):
     engine = cached_prefix(demo, max_running=1)
     engine.add_request(list(range(140, 150)), SamplingParams(max_tokens=2, ignore_eos=True), request_id="first")

@@ -649,12 +649,14 @@ class KVCacheManager:
         return PinResult(pin, cached, len(key_tuple) - cached, refreshed=False)
 
     def room_beside_pins(self, keys: Sequence[BlockKey], reuse: bool = True) -> tuple[int, int]:
-        """(cached blocks pins hold, the most blocks a sequence whose prompt has these block keys
-        could ever hold: the cache's, less the pinned blocks outside its cached prefix; with
-        `reuse` False, less every pinned block). Reads only."""
+        """(the cached blocks pins hold outside the cached prefix of these block keys, the most
+        blocks a sequence whose prompt has them could ever hold: the cache's less those; with
+        `reuse` False, every pinned block counts). O(pinned keys): a caller that needs fewer
+        blocks than `num_blocks - pool.num_pin_keys` can skip it. Reads only."""
         pinned = self.pool.pinned_blocks()
-        own = set(self.pool.match(keys, self.num_blocks)) if reuse and pinned else set()
-        return len(pinned), self.num_blocks - len(pinned - own)
+        if reuse and pinned:
+            pinned -= set(self.pool.match(keys, self.num_blocks))
+        return len(pinned), self.num_blocks - len(pinned)
 
     def unpin(self, pin_id: str) -> Pin:
         pin = self.pins.remove(pin_id)

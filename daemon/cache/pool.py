@@ -115,6 +115,11 @@ class BlockPool:
     def block_of(self, key: BlockKey) -> int | None:
         return self._index.get(key)
 
+    @property
+    def num_pin_keys(self) -> int:
+        """Keys pins hold, cached or not: at least the cached blocks they pin (pinned_blocks)."""
+        return len(self._pin_refs)
+
     def pinned_blocks(self) -> set[int]:
         """Ids of the cached blocks pins hold: never evicted while pinned (a pinned key not cached
         holds no block)."""

@@ -402,8 +402,10 @@ class Engine:
         # that never comes (and every request behind it with it), however little it reserved
         # (under a sliding window, its longest is its window's blocks)
         longest = self.cache.peak_blocks(len(prompt_ids) + params.max_tokens)
-        pinned, room = self.cache.room_beside_pins((), reuse=False)
-        if pinned:  # pinned blocks are never evicted: they count against it, but for those of its own prefix
+        pinned, room = 0, total
+        # pinned blocks are never evicted: they count against it, but for those of its own prefix
+        # (counted only when pins could stand in its way: the keys they hold bound their blocks)
+        if longest > total - self.cache.pool.num_pin_keys:
             if prefix_keys is None or not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids):
                 prefix_keys = self._keys_in(self.request_namespace(request), list(prompt_ids))
             pinned, room = self.cache.room_beside_pins(prefix_keys[2], reuse=not request.scoring)
