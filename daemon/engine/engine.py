@@ -402,11 +402,13 @@ class Engine:
         # that never comes (and every request behind it with it), however little it reserved
         # (under a sliding window, its longest is its window's blocks)
         longest = self.cache.peak_blocks(len(prompt_ids) + params.max_tokens)
+        if prefix_keys is not None and not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids):
+            prefix_keys = None  # hashed from other tokens: hashed again where needed
         pinned, room = 0, total
         # pinned blocks are never evicted: they count against it, but for those of its own prefix
         # (counted only when pins could stand in its way: the keys they hold bound their blocks)
         if longest > total - self.cache.pool.num_pin_keys:
-            if prefix_keys is None or not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids):
+            if prefix_keys is None:
                 prefix_keys = self._keys_in(self.request_namespace(request), list(prompt_ids))
             pinned, room = self.cache.room_beside_pins(prefix_keys[2], reuse=not request.scoring)
         kind = None
@@ -434,8 +436,6 @@ class Engine:
             self.stats.tenants.row(tenant)[REJECTED] += 1
             raise AdmissionRejected(request, request.rejected, kind)
         self.requests[request_id] = request
-        if prefix_keys is not None and not (prefix_keys[4] is prompt_ids or prefix_keys[4] == prompt_ids):
-            prefix_keys = None
         first = Sequence(f"{request_id}/0", request, 0, prefix_keys=prefix_keys)
         request.sequences.append(first)
         self._enqueue(first)

@@ -111,9 +111,8 @@ def publish(service, requests, hashed: list[tuple | None] | None = None) -> dict
     engine, tiers = service.engine, service.tiers
     remote, started = tiers.remote, time.perf_counter()
     prompt_blocks = written = held = 0
-    for i, request in enumerate(requests):
-        keys = prompt_keys(engine, engine.request_namespace(request), request.prompt_ids,
-                           hashed[i] if hashed is not None and i < len(hashed) else None)
+    for request, memo in zip(requests, [None] * len(requests) if hashed is None else hashed, strict=True):
+        keys = prompt_keys(engine, engine.request_namespace(request), request.prompt_ids, memo)
         prompt_blocks += len(keys)
         with service.lock:  # the blocks and their contents in one hold: a step may reuse a block after it
             if service.asleep is not None:
@@ -153,8 +152,8 @@ def fetch(service, prompts: list[list[int]], tenant: str, adapter: str,
     engine, started = service.engine, time.perf_counter()
     namespace = engine.namespace(tenant, adapter)
     prompt_blocks = fetched = on_device = 0
-    for i, ids in enumerate(prompts):
-        keys = prompt_keys(engine, namespace, ids, hashed[i] if hashed is not None and i < len(hashed) else None)
+    for ids, memo in zip(prompts, [None] * len(prompts) if hashed is None else hashed, strict=True):
+        keys = prompt_keys(engine, namespace, ids, memo)
         prompt_blocks += len(keys)
         if not keys:
             continue
