@@ -74,6 +74,10 @@ WEIGHTS = {"discarded": "dropped; waking reads the checkpoint again",
            "kept": "stay in host memory (kvd runs on the CPU)"}
 
 
+ADAPTERS = {"offloaded": "moved to host memory; waking copies them back",
+            "kept": "stay in host memory (kvd runs on the CPU)"}
+
+
 def asleep_text(d: dict) -> str:
     """What `kvctl sleep` prints of kvd's answer."""
     if d.get("already"):
@@ -88,6 +92,9 @@ def asleep_text(d: dict) -> str:
     if d["weights"]:
         took = f"{size(d['weight_bytes'])} " if d["weight_bytes"] else ""
         lines.append(f"  weights  {took}{WEIGHTS[d['weights']]}")
+    if d.get("adapters"):  # LoRA adapters served (an older kvd does not say)
+        took = f"{size(d['adapter_bytes'])} " if d["adapter_bytes"] else ""
+        lines.append(f"  adapters {took}{ADAPTERS[d['adapters']]}")
     return "\n".join(lines)
 
 
@@ -101,6 +108,8 @@ def awake_text(d: dict) -> str:
     if "weights" in d["woke"]:
         took = f" in {seconds(d['weights_seconds'])}" if d.get("weights_seconds") is not None else ""
         lines.append(f"  weights  {size(d['weight_bytes'])} {d['weights']}{took}")
+        if d.get("adapters"):
+            lines.append(f"  adapters {size(d['adapter_bytes'])} {d['adapters']}")
     if "kv_cache" in d["woke"]:
         pins = d["pins_warming"]
         lines.append(f"  cache    {size(d['cache_bytes'])} taken again, empty: "

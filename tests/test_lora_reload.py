@@ -464,6 +464,53 @@ def test_admin_callers_load_and_unload_adapters_at_runtime_through_vllm_s_endpoi
         service.shutdown(1)
 
 
+def test_asleep_kvd_loads_no_adapter_nor_reads_one_on_a_reload_and_wakes_serving_the_same(
+        base_dir, expected, tmp_path):
+    """Asleep, an adapter's weights would go where sleep gave the memory back: POST
+    /v1/load_lora_adapter gets the sleep's 503, and a reload that would read an adapter is refused
+    (one that keeps them as they are applies). The adapters sleep with the weights (on the CPU,
+    where they are already) and serve the same tokens awake."""
+    from kvctl.daemon.server.calls import ServiceError
+
+    from .daemon_fixtures import ADMIN_TOKEN, apps, call, token_table
+
+    folders, tokens = expected
+    settings = f"num_blocks: 64\nlora_runtime_updates: true\nlora_modules:\n  sql: {folders['a']}\n"
+    service, config = reloadable_service(base_dir, tmp_path, settings)
+    try:
+        assert service.ready.wait(60), service.load_error
+        _, tcp = apps(service, token_table(tmp_path))
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+        def complete(model):
+            return call(tcp, "POST", "/v1/completions", headers=admin, json={
+                "model": model, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "temperature": 0})
+
+        def load():
+            return call(tcp, "POST", "/v1/load_lora_adapter", headers=admin,
+                        json={"lora_name": "chat", "lora_path": str(folders["b"])})
+
+        slept = call(tcp, "POST", "/admin/sleep", headers=admin, json={"level": 2}).json()
+        assert (slept["weights"], slept["adapters"], slept["adapter_bytes"]) == ("discarded", "kept", 0)
+        refusal = service.asleep.refusal()
+        refused = load()
+        assert refused.status_code == 503 and refused.json()["error"]["message"] == refusal
+        config.write_text(settings + f"  chat: {folders['b']}\n")
+        with pytest.raises(ServiceError) as reload_refused:
+            service.reload_from_source("ops")
+        assert str(reload_refused.value) == ("reload refused, nothing changed: lora_modules: LoRA adapter 'chat' is "
+                                             f"read only while kvd is awake, and {refusal}")
+        assert list(service.adapters()) == ["sql"]
+        config.write_text(settings.replace("num_blocks: 64\n", "num_blocks: 64\nmax_loras: 2\n"))
+        assert service.reload_from_source("ops")["changed"] == {"max_loras": 2}  # the adapters kept as they are
+        woke = call(tcp, "POST", "/admin/wake", headers=admin, json={}).json()
+        assert woke["woke"] == ["kv_cache", "weights"] and "adapters" not in woke  # nothing to copy back
+        assert complete("sql").json()["choices"][0]["token_ids"] == tokens["a"]
+        assert load().status_code == 200 and complete("chat").json()["choices"][0]["token_ids"] == tokens["b"]
+    finally:
+        service.shutdown(1)
+
+
 def test_kvd_router_loads_and_unloads_an_adapter_on_every_replica(base_dir, expected, tmp_path):
     from kvctl.daemon.server.app import create_app
 

@@ -28,6 +28,7 @@ from kvctl.errors import UserError  # noqa: E402
 from .conftest import run_prompt  # noqa: E402
 from .daemon_fixtures import ADMIN_TOKEN, apps, assert_admin_only, call, token_table  # noqa: E402
 from .evict_cases import ASK_A, ASK_B, BLOCK, SYSTEM, ask, serving  # noqa: E402
+from .lora_cases import write_adapter  # noqa: E402
 from .test_cache_reset import running  # noqa: E402
 from .test_router import drive, router_app  # noqa: E402
 
@@ -44,6 +45,14 @@ def storage_bytes(service) -> list[int]:
 
 def completion(unix, tokens):
     return call(unix, "POST", "/v1/completions", json={"prompt": tokens, "max_tokens": 4, "temperature": 0})
+
+
+def adapter_tokens(unix, model: str) -> list[int]:
+    """The greedy tokens LoRA adapter `model` gives for ASK_A."""
+    answer = call(unix, "POST", "/v1/completions", json={"model": model, "prompt": ASK_A, "max_tokens": 8,
+                                                          "temperature": 0, "ignore_eos": True})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["token_ids"]
 
 
 # ---- the cache core ---------------------------------------------------------------------------
@@ -98,6 +107,27 @@ def test_weights_offloaded_to_host_memory_come_back_and_compute_the_same(tmp_pat
         assert torch.equal(model.w["model.embed_tokens.weight"], embed)
         call(unix, "POST", "/reset_prefix_cache")
         assert ask(unix, ASK_A)["choices"][0]["text"] == before
+
+
+def test_an_adapter_offloaded_to_host_memory_comes_back_and_computes_the_same(tmp_path):
+    """The GPU path of a sleeping LoRA adapter (a host copy, the originals let go), run on the CPU:
+    the same packed weights and the same tokens after the round trip."""
+    folder = write_adapter(tmp_path / "sql", rank=4, alpha=8, seed=1)
+    with serving(tmp_path, lora_modules=f"sql={folder}") as (service, unix):
+        before = adapter_tokens(unix, "sql")
+        adapter = service.adapters()["sql"]
+        packed = weakref.ref(adapter.layers[0]["qkv"].a)
+        down = adapter.layers[1]["down"].b.clone()
+        assert adapter.offload() == adapter.nbytes > 0
+        gc.collect()
+        assert packed() is None  # the host copy is a copy: the originals' memory is free
+        assert adapter.offloaded_from == torch.device("cpu") and adapter.device == torch.device("cpu")
+        assert adapter.offload() == 0  # in host memory already: the copy stays
+        assert adapter.restore() == adapter.nbytes and adapter.offloaded_from is None
+        assert adapter.restore() == 0
+        assert torch.equal(adapter.layers[1]["down"].b, down)
+        call(unix, "POST", "/reset_prefix_cache")
+        assert adapter_tokens(unix, "sql") == before
 
 
 # ---- level 1 on the CPU, with a host tier --------------------------------------------------------
@@ -420,6 +450,26 @@ def test_kvctl_sleep_and_wake_say_what_went_and_what_came_back(tmp_path):
             kvctl_on(unix, ["sleep", "--only", "gpu"])
 
 
+def test_kvctl_sleep_and_wake_say_where_the_lora_adapters_went():
+    """What kvctl prints of the adapters: moved to host memory on a GPU (kvd's answer as it gives
+    it there), left in host memory on the CPU, and nothing of them from a kvd serving none."""
+    from kvctl.sleep_cmd import asleep_text, awake_text
+
+    asleep = {"level": 2, "released": ["weights"], "weights": "discarded", "weight_bytes": 3 * 2**30,
+              "adapters": "offloaded", "adapter_bytes": 40 * 2**20}
+    assert asleep_text(asleep).splitlines()[1:] == [
+        "  weights  3.0 GiB dropped; waking reads the checkpoint again",
+        "  adapters 40.0 MiB moved to host memory; waking copies them back"]
+    assert asleep_text({**asleep, "adapters": "kept", "adapter_bytes": 0}).splitlines()[2] == (
+        "  adapters stay in host memory (kvd runs on the CPU)")
+    assert len(asleep_text({**asleep, "adapters": None}).splitlines()) == 2
+    woke = {"is_sleeping": True, "still_released": ["kv_cache"], "woke": ["weights"], "weight_bytes": 3 * 2**30,
+            "weights": "read again from the checkpoint", "weights_seconds": 2.5, "adapter_bytes": 40 * 2**20,
+            "adapters": "copied back from host memory"}
+    assert awake_text(woke).splitlines()[1:] == ["  weights  3.0 GiB read again from the checkpoint in 2.50 s",
+                                                 "  adapters 40.0 MiB copied back from host memory"]
+
+
 def test_kvctl_sleep_json_is_kvds_answer(tmp_path):
     with serving(tmp_path) as (_, unix):
         code, out = kvctl_on(unix, ["sleep", "--json"])
@@ -466,3 +516,27 @@ def test_on_cuda_level_1_gives_the_gpu_memory_back_and_waking_serves_the_same_to
         after = ask(unix, ASK_A)
         assert after["choices"][0]["text"] == before["choices"][0]["text"]
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 5 * BLOCK
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_lora_adapters_go_to_host_memory_with_the_weights_and_come_back(tmp_path):
+    """On a GPU a LoRA adapter's weights leave the device with the model's, at level 2 too (a
+    host copy, not its folder read again), and waking copies them back: the same tokens."""
+    folder = write_adapter(tmp_path / "sql", rank=4, alpha=8, seed=1)
+    with serving(tmp_path, device="cuda", dtype="bfloat16", lora_modules=f"sql={folder}", **HOST) as (service, unix):
+        adapter_tokens(unix, "sql")
+        before = adapter_tokens(unix, "sql")  # from the cache, as after waking
+        adapter = service.adapters()["sql"]
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        body = call(unix, "POST", "/admin/sleep", json={"level": 2}).json()
+        assert (body["weights"], body["adapters"], body["adapter_bytes"]) == ("discarded", "offloaded",
+                                                                              adapter.nbytes)
+        assert adapter.device.type == "cpu"
+        torch.cuda.synchronize()
+        assert held - torch.cuda.memory_allocated() >= body["cache_bytes"] + body["weight_bytes"] + adapter.nbytes
+        woke = call(unix, "POST", "/admin/wake", json={}).json()
+        assert (woke["adapters"], woke["adapter_bytes"]) == ("copied back from host memory", adapter.nbytes)
+        assert adapter.device.type == "cuda"
+        assert adapter_tokens(unix, "sql") == before

@@ -88,10 +88,41 @@ class LoraAdapter:
     layers: list[dict[str, PackedLora]] = field(repr=False)  # per layer: packed projection -> its term
     stamp: tuple = field(default=(), repr=False, compare=False)  # its files as read (source_stamp)
     nbytes: int = field(default=0, compare=False)  # what its packed weights take on the model's device
+    # while kvd sleeps (daemon/server/sleep_ops.py): the device its weights left for host memory
+    offloaded_from: torch.device | None = field(default=None, repr=False, compare=False)
 
     def describe(self) -> dict:
         return {"name": self.name, "path": str(self.path), "digest": self.digest, "rank": self.rank,
                 "alpha": self.alpha, "modules": list(self.modules), "bytes": self.nbytes}
+
+    @property
+    def device(self) -> torch.device:
+        """Where its packed weights are now."""
+        return next((p.a.device for layer in self.layers for p in layer.values()), torch.device("cpu"))
+
+    def offload(self) -> int:
+        """Move the packed weights to host memory while kvd sleeps, the originals let go (a copy
+        even from the CPU, as from a GPU); returns the bytes they took on the device (0: in host
+        memory already). Only with no request on the adapter: a step would find them on the host."""
+        if self.offloaded_from is not None:
+            return 0
+        self.offloaded_from = self.device
+        self.layers = _layers_to(self.layers, torch.device("cpu"), copy=True)
+        return self.nbytes
+
+    def restore(self) -> int:
+        """Back to the device `offload` took them from; returns their bytes there (0: not offloaded)."""
+        if self.offloaded_from is None:
+            return 0
+        self.layers = _layers_to(self.layers, self.offloaded_from)
+        self.offloaded_from = None
+        return self.nbytes
+
+
+def _layers_to(layers: list[dict[str, PackedLora]], device: torch.device, copy: bool = False) -> list:
+    """Per-layer packed terms, as `layers` holds them, on `device`."""
+    return [{k: PackedLora(p.a.to(device, copy=copy), p.b.to(device, copy=copy)) for k, p in layer.items()}
+            for layer in layers]
 
 
 def adapter_digest(path: Path) -> str:
@@ -244,7 +275,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
         room(name, nbytes)
     if device.type != "cpu":
         try:
-            layers = [{k: PackedLora(p.a.to(device), p.b.to(device)) for k, p in layer.items()} for layer in layers]
+            layers = _layers_to(layers, device)
         except torch.OutOfMemoryError:  # what the room check saw was taken meanwhile: nothing of it stays
             raise NoRoomForAdapter(f"LoRA adapter {name!r} needs {nbytes:,} bytes on {device}, and the device ran "
                                    "out of memory copying it") from None
@@ -322,12 +353,18 @@ def load_adapters(modules: tuple[tuple[str, str], ...], loaded, base_name: str,
     for name, path in modules:
         check_adapter_name(name, base_name)
         folder = Path(path).expanduser()
-        kept = (current or {}).get(name)
-        if kept is not None and kept.path == folder and kept.stamp and kept.stamp == source_stamp(folder):
-            adapters[name] = kept
-        else:
-            adapters[name] = load_adapter(name, folder, loaded.config, model.device, model.dtype, room)
+        kept = kept_adapter(current, name, folder)
+        adapters[name] = kept or load_adapter(name, folder, loaded.config, model.device, model.dtype, room)
     return adapters
+
+
+def kept_adapter(current: dict[str, LoraAdapter] | None, name: str, folder: Path) -> LoraAdapter | None:
+    """The adapter `current` serves as `name` where a reload keeps it as it is, not read again:
+    from the same folder, whose files have not changed since it was read (`source_stamp`)."""
+    kept = (current or {}).get(name)
+    if kept is not None and kept.path == folder and kept.stamp and kept.stamp == source_stamp(folder):
+        return kept
+    return None
 
 
 def warn_if_kv_changes(adapters: dict[str, LoraAdapter], cache_dtype: str) -> None:

@@ -50,7 +50,9 @@ def load(service, name: str, path: str, principal: Principal, in_place: bool = F
         raise ServiceError(400, f"lora_path: give the adapter folder's absolute path, got {path!r}", "lora_path")
     if not folder.is_dir():
         raise ServiceError(400, f"lora_path: {path!r} is not a directory on kvd's machine", "lora_path")
-    with service.adapter_updates:  # one change of the served adapters at a time (a reload's too)
+    with service.adapter_updates:  # one change of the served adapters at a time (a reload's too; a sleep's)
+        if service.asleep is not None:  # its weights would go where sleep gave the memory back
+            raise ServiceError(503, service.asleep.refusal())
         try:
             check_adapter_name(name, service.model_name, "lora_name")
         except ModelError as exc:

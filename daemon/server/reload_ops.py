@@ -14,7 +14,7 @@ from pathlib import Path
 from kvctl.daemon.config import ConfigError, KvdConfig, quick_prefill_default, speculation_of
 from kvctl.daemon.engine.engine import prefetch_wait
 from kvctl.daemon.model.errors import ModelError
-from kvctl.daemon.model.lora import adapter_changes, load_adapters, warn_if_kv_changes
+from kvctl.daemon.model.lora import adapter_changes, kept_adapter, load_adapters, warn_if_kv_changes
 from kvctl.policies.reservation import parse_reservation
 
 from . import pin_ops
@@ -87,13 +87,22 @@ def read_adapters(service, new: KvdConfig) -> dict | None:
     at runtime over it: lora_ops), for the model served now, read outside the lock while kvd
     serves on: one whose name, folder and files are as they were is kept as it
     is, the others are read (load_adapters). None while no model is loaded. ConfigError names
-    the adapter that cannot be served, and the reload then changes nothing."""
+    the adapter that cannot be served, or one that would be read while kvd is asleep (sleep_ops.py),
+    and the reload then changes nothing."""
     loaded = service.loaded
     if loaded is None:
         return None
+    modules = served_modules(service, new.lora_modules)
+    asleep = service.asleep
+    if asleep is not None:  # what the adapters may take of the GPU is weighed beside an awake cache
+        unread = [name for name, path in modules
+                  if kept_adapter(loaded.adapters, name, Path(path).expanduser()) is None]
+        if unread:
+            raise ConfigError(f"lora_modules: LoRA adapter {unread[0]!r} is read only while kvd is awake, and "
+                              f"{asleep.refusal()}")
     try:
-        return load_adapters(served_modules(service, new.lora_modules), loaded, service.model_name,
-                             current=loaded.adapters, room=gpu_room(loaded.model.device))
+        return load_adapters(modules, loaded, service.model_name, current=loaded.adapters,
+                             room=gpu_room(loaded.model.device))
     except ModelError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -16,6 +16,11 @@ Levels, as vLLM numbers them:
      refuses while its files differ from the revision served: the blocks cached so far, pins
      and lower tiers included, are keyed by that revision.
 
+The LoRA adapters go with the weights: on CUDA, at either level, to host memory, and waking
+copies them back. They are small beside the weights, and a host copy serves on waking the very
+weights the adapter's cached blocks and pins were made under, where its folder read again might
+hold others. Asleep, no adapter is loaded (a 503, as for a completion), nor read by a reload.
+
 Going to sleep takes no new completion at once (a 503, code "asleep", with Retry-After), waits up
 to `timeout` seconds for the requests in flight and, if some are left then, stays awake and
 answers 409. Asleep, /readyz is 503 and route facts say so (routers leave the replica out);
@@ -52,6 +57,8 @@ class Sleep:
     by: str  # the actor, as the audit log has it
     released: list[str] = field(default_factory=list)  # of TAGS, still given back
     weights: str | None = None  # "offloaded" (a host copy), "discarded" (the checkpoint is read again), "kept"
+    adapters: str | None = None  # the LoRA adapters: "offloaded" (to host memory), "kept"; None: none served
+    adapter_bytes: int = 0  # the adapters' memory given back
     cache_bytes: int = 0  # the cache memory given back
     weight_bytes: int = 0  # the weights' memory given back
     dropped_blocks: int = 0  # cached device blocks the cache's memory held
@@ -66,6 +73,7 @@ class Sleep:
     def describe(self) -> dict:
         return {"level": self.level, "since": self.since, "by": self.by, "released": list(self.released),
                 "weights": self.weights, "cache_bytes": self.cache_bytes, "weight_bytes": self.weight_bytes,
+                "adapters": self.adapters, "adapter_bytes": self.adapter_bytes,
                 "dropped_blocks": self.dropped_blocks, "saved_blocks": self.saved_blocks,
                 "held_below": self.held_below, "discarded_blocks": self.discarded_blocks, "saved_to": self.saved_to}
 
@@ -140,6 +148,7 @@ def wake(service, principal: Principal, tags: list[str] | None = None) -> dict:
         took: dict[str, object] = {}
         if "weights" in woke:
             took.update(_take_weights(service, state, principal))
+            took.update(_take_adapters(service, state))
             state.released.remove("weights")
             state.weights = None
         if "kv_cache" in woke:
@@ -221,8 +230,16 @@ def _save_and_release(service, engine, state: Sleep) -> None:
 
 
 def _release_weights(service, state: Sleep, level: int) -> None:
-    """Level 2: drop them (and a host copy level 1 made); level 1: to host memory on CUDA, kept on the CPU."""
+    """Level 2: drop them (and a host copy level 1 made); level 1: to host memory on CUDA, kept on the CPU.
+    The LoRA adapters go to host memory on CUDA at either level, first (the weights' release hands
+    torch's cached memory back to the driver)."""
     model = service.loaded.model
+    with service.adapter_updates:  # (no load or reload changes them meanwhile; asleep, neither reads one)
+        adapters = list(service.adapters().values())
+        if adapters and state.adapters is None:
+            on_gpu = model.device.type == "cuda"
+            state.adapters = "offloaded" if on_gpu else "kept"
+            state.adapter_bytes = sum(a.offload() for a in adapters) if on_gpu else 0
     if level == 2:
         state.weights, freed = "discarded", model.release_weights(keep_host_copy=False)
     elif model.device.type == "cuda":
@@ -261,6 +278,17 @@ def _take_weights(service, state: Sleep, principal: Principal) -> dict:
             "weights_seconds": time.perf_counter() - started}
 
 
+def _take_adapters(service, state: Sleep) -> dict:
+    """The LoRA adapters back on the device from host memory (`_release_weights`)."""
+    if state.adapters != "offloaded":
+        state.adapters = None
+        return {}
+    with service.adapter_updates:
+        moved = sum(a.restore() for a in service.adapters().values())
+    state.adapters = None
+    return {"adapter_bytes": moved, "adapters": "copied back from host memory"}
+
+
 def _warm_pins(service) -> int:
     """Bring the pinned prefixes the lower tiers hold back to the device, in a thread of their own
     (tier_ops.warm_pins). Returns how many pins there are to warm: not the stranded ones (new
@@ -289,4 +317,7 @@ def _told(state: Sleep) -> str:
     if state.weights:
         parts.append(f"weights {state.weights}" + (f" ({state.weight_bytes} bytes)" if state.weight_bytes else
                                                    " in host memory (kvd runs on the CPU)"))
+    if state.adapters:
+        parts.append(f"LoRA adapters {state.adapters}" + (f" ({state.adapter_bytes} bytes)" if state.adapter_bytes
+                                                          else " in host memory (kvd runs on the CPU)"))
     return "; ".join(parts)
