@@ -240,6 +240,9 @@ def test_a_prompt_the_decode_replica_holds_nearly_whole_is_computed_there(pair):
     assert third.headers["x-kvd-prefill"] == f"local: {extra} prompt tokens to compute at the decode replica"
     assert third.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == held
     assert service.pd_outcomes == {"local": 2, "transferred": 1}
+    # a replica that decodes is asked once for a request it computes whole (the weighing that judged
+    # it local chooses it too), twice for one prefilled elsewhere (once more when it holds the prompt)
+    assert [(r.name, r.questions) for r in service.replicas] == [("replica-prefill", 1), ("replica-decode", 4)]
     assert prefill.kv_transfers.snapshot()["published_blocks"] == held // BLOCK
     # a request that scores its prompt is computed whole where it decodes, whatever it holds
     [scored] = through(app, lambda c: c.post("/v1/completions", json={"prompt": PROMPT + " New?", "max_tokens": 1,

@@ -488,25 +488,26 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         return await forward("/v1/chat/completions", http, who)
 
     async def prefill_first(path: str, body: dict, headers: dict, route_id: str, routed_at: float,
-                            unless_caller_leaves) -> tuple[dict | None, str | None, int]:
+                            unless_caller_leaves) -> tuple[dict | None, str | None, int, object]:
         """Disaggregated prefill and decode (daemon/server/kv_transfer.py): have a prefill replica
         compute the prompt (one token of output, not streamed) and write its blocks to the shared
         Redis, unless the replica that decodes it is to compute it (RouterService.local_prefill).
 
         Returns (the kv_transfer_params the prefill's answer gives the decode, or None when the
         decode replica computes the prompt; what X-KVD-Prefill says: the prefill replica, or why
-        none, or None when no replica decodes the request; how many prefill replicas were asked).
+        none, or None when no replica decodes the request; how many prefill replicas were asked;
+        the weighing of the replicas that decode when it stands for the decode's choice, else None).
         A prefill replica that refuses (429, 503), cannot be reached or fails is passed over for
         the next: a prefill twice costs time, never a wrong answer. CallerLeft when the caller
         leaves meanwhile."""
         tenant = headers.get("X-KVD-Tenant")
         try:
-            local = await unless_caller_leaves(service.local_prefill(body, tenant))
+            local, weighed = await unless_caller_leaves(service.local_prefill(body, tenant))
         except LookupError:  # no replica decodes it: the forward says why, with nothing computed for it
-            return None, None, 0
+            return None, None, 0, None
         if local is not None:
             service.pd_outcomes["local"] += 1
-            return None, local, 0
+            return None, local, 0, weighed
         asked = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
         asked.update(max_tokens=1, stream=False)
         asked[TRANSFER_FIELD] = {"do_remote_decode": True}
@@ -542,7 +543,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                     params = None
             if isinstance(params, dict):
                 service.pd_outcomes["transferred"] += 1
-                return params, replica.name, len(tried) + 1
+                return params, replica.name, len(tried) + 1, None
             # refused (a bad request, which the decode replica then refuses to the caller itself; no
             # Redis tier there, 409) or no transfer in its answer: the decode replica computes it all
             outcome = "prefill_failed"
@@ -552,7 +553,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             break
         service.pd_outcomes[outcome] += 1
         log.warning("disaggregated prefill not done (%s): the decode replica computes the whole prompt", why)
-        return None, f"none: {why}", len(tried)
+        return None, f"none: {why}", len(tried), None
 
     async def forward(path: str, http: Request, who: Caller):
         """Route the request, send it to the chosen replica's `path` as it came, and stream the
@@ -584,12 +585,12 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             headers[CALLER_ROLE_HEADER] = who.role
         route_id = secrets.token_hex(8)  # each try names it: the fleet's trace keeps its last (fleet_trace.py)
         routed_at = None  # when the first replica was chosen: the fleet's trace is in this order, on this clock
-        hops, prefilled = 0, None
+        hops, prefilled, weighed = 0, None, None
         if service.disaggregated:  # the prompt is computed at a prefill replica first (prefill_first)
             routed_at = time.time()
             try:
-                params, prefilled, hops = await prefill_first(path, body, dict(headers), route_id, routed_at,
-                                                              unless_caller_leaves)
+                params, prefilled, hops, weighed = await prefill_first(path, body, dict(headers), route_id,
+                                                                       routed_at, unless_caller_leaves)
             except CallerLeft:
                 return Response(status_code=499)
             if params is not None:
@@ -601,7 +602,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         traced = hops > 0  # whether a replica ran a try or turned it away (429): it keeps a trace line of it
         while True:
             try:
-                replica, reason = await service.choose(body, tenant, excluded)
+                replica, reason = await service.choose(body, tenant, excluded, weighed=weighed)
+                weighed = None  # (a retry weighs again, without the replicas that refused)
             except LookupError as exc:  # ModelNotServed too: on a retry, none left that serves its model
                 if refusal is None and isinstance(exc, ModelNotServed):
                     return error(404, str(exc), "model_not_found")

@@ -147,6 +147,11 @@ def reusing(body: dict, live: list[tuple[int, ReplicaFacts, int]]) -> list[tuple
     return [(i, replace(f, cached_tokens=0, restorable_tokens=0, restore_seconds=0.0), tokens) for i, f, tokens in live]
 
 
+# a request's replicas as weighed (RouterService.weigh): (index, facts, prompt tokens) of those that
+# could take it, each replica's local weighing (None: asked), the clock reading, the replicas then
+Weighing = tuple[list[tuple[int, ReplicaFacts, int]], list[Local | None], float, list[Replica]]
+
+
 @dataclass
 class RouterService:
     replicas: list[Replica]
@@ -381,41 +386,46 @@ class RouterService:
         replicas alone; "whole" (a request, or its decode) for the others."""
         return {id(r) for r in self.replicas if (r.role == "prefill") != (phase == "prefill")}
 
-    async def local_prefill(self, body: dict, tenant: str | None) -> str | None:
+    async def local_prefill(self, body: dict, tenant: str | None) -> tuple[str | None, Weighing | None]:
         """Disaggregated: why the replica that decodes this request computes its prompt itself
         (X-KVD-Prefill's "local: ..."), or None when a prefill replica is to. Local when a replica
         that decodes would compute `local_prefill_tokens` of it or fewer (the prompt less what it
         holds in any tier: a short prompt, or a conversation's next turn), as Dynamo's conditional
         disaggregation decides, and for a request that scores its whole prompt (it is computed
-        whole where it decodes anyway). LookupError, as `choose`'s, when no replica decodes it."""
+        whole where it decodes anyway). LookupError, as `choose`'s, when no replica decodes it.
+
+        Also the weighing of the replicas that decode, where it was made and is the one `choose`
+        makes next (local: nothing has changed there since; the `weighed` it takes), else None
+        (a prefill replica computes the prompt first, and they hold it after)."""
         if computes_whole_prompt(body):
-            return "local: the request scores its whole prompt"
-        live, _, _, _ = await self.weigh(body, question_of(body), tenant, self.not_for("whole"))
-        uncached = min(max(tokens - facts.held_tokens, 0) for _, facts, tokens in live)
+            return "local: the request scores its whole prompt", None
+        weighing = await self.weigh(body, question_of(body), tenant, self.not_for("whole"))
+        uncached = min(max(tokens - facts.held_tokens, 0) for _, facts, tokens in weighing[0])
         if uncached <= self.local_prefill_tokens:
-            return f"local: {uncached} prompt tokens to compute at the decode replica"
-        return None
+            return f"local: {uncached} prompt tokens to compute at the decode replica", weighing
+        return None, None
 
     async def choose(self, body: dict, tenant: str | None, excluded: set[int] = frozenset(),
-                     phase: str = "whole") -> tuple[Replica, str]:
+                     phase: str = "whole", weighed: Weighing | None = None) -> tuple[Replica, str]:
         """The replica for this request, and why; replicas whose id() is in `excluded` (they
         refused it already) are not weighed, nor those whose role is not for `phase` ("prefill":
         prefill replicas alone; "whole", a request or its decode: the others). LookupError when
-        none can take it."""
+        none can take it. `weighed`: the replicas weighed for this request a moment ago, with
+        nothing excluded but by `phase` (`local_prefill`'s), so that none is asked twice."""
         started = time.perf_counter()
         excluded = set(excluded) | self.not_for(phase)
         try:
-            return await self._choose(body, tenant, excluded)
+            return await self._choose(body, tenant, excluded, weighed)
         finally:
             self.on_decision(time.perf_counter() - started)
 
     async def weigh(self, body: dict, question: dict | None, tenant: str | None, excluded: set[int] = frozenset()
-                    ) -> tuple[list[tuple[int, ReplicaFacts, int]], list[Local | None], float]:
+                    ) -> Weighing:
         """Every replica that could take the request, as the policy weighs it: (index, facts,
         prompt tokens it counted) from its view or by asking it, serving the model the body names;
         `question`: the body's prompt as `question_of` reads it. Also each replica's local
-        weighing (None where asked) and the clock reading used. LookupError (ModelNotServed)
-        when none can."""
+        weighing (None where asked), the clock reading used and the replicas as they were then.
+        LookupError (ModelNotServed) when none can."""
         now, memo, replicas = self.clock(), {}, self.replicas
         excluded = set(excluded) | {id(r) for r in replicas if r.known_draining}  # one asked says so itself
 
@@ -450,9 +460,10 @@ class RouterService:
             live = serving
         return live, local, now, replicas
 
-    async def _choose(self, body: dict, tenant: str | None, excluded: set[int]) -> tuple[Replica, str]:
+    async def _choose(self, body: dict, tenant: str | None, excluded: set[int],
+                      weighed: Weighing | None) -> tuple[Replica, str]:
         question = question_of(body)
-        live, local, now, replicas = await self.weigh(body, question, tenant, excluded)
+        live, local, now, replicas = weighed or await self.weigh(body, question, tenant, excluded)
         live = reusing(body, live)
         prompt_tokens = max(tokens for _, _, tokens in live)
         chosen = self.router.choose(prompt_tokens, [f for _, f, _ in live], affinity_of(question))
@@ -512,7 +523,7 @@ class RouterService:
         for row, replica in zip(rows, replicas):
             if replica.role != "both":
                 row["role"] = replica.role
-        reason = await self.local_prefill(body, tenant)
+        reason, _ = await self.local_prefill(body, tenant)
         if reason is not None:
             return {"replica": None, "reason": reason}
         if not live:
