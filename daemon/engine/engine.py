@@ -5,7 +5,7 @@ Each `step()`:
 1. admits waiting sequences in queue order while the cache can hold their prompt (minus
    cached prefix) plus the output reservation, up to `max_running` (head-of-line: the first
    that does not fit waits for room); one whose prefix is still coming up from disk or Redis
-   waits as the prefetch policy says while those behind it go ahead;
+   waits as the prefetch policy says while those behind it go ahead (prefix_fetch.py);
 2. plans a batch within `max_batch_tokens`: one token for every decoding sequence, then
    prompt chunks for prefilling ones (long prompts take several steps). With
    `quick_prefill_tokens`, prompts that have at most that many tokens left (a prefix hit's
@@ -28,7 +28,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import math
 import secrets
 import time
 from collections import deque
@@ -48,14 +47,16 @@ from kvctl.policies.tiering import PrefetchWait, RateMeter
 from ..model.llama import ForwardBatch, LoadedModel, StagedWeights
 from ..model.memory import caches_released, release_caches, restore_caches
 from ..model.tokenizer import first_outside_vocab
+from . import prefix_fetch
 from .logits import adjust_logits
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
 from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
 from .speculative import Speculator
 from .structured import GrammarVocabulary
 
-log = logging.getLogger("kvd.engine")
 from .tenant_book import DEFAULT_LIMIT, EVICTED, HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
+
+log = logging.getLogger("kvd.engine")
 
 
 class AdmissionRejected(Exception):
@@ -440,7 +441,7 @@ class Engine:
         request.sequences.append(first)
         self._enqueue(first)
         if self.tiers is not None and not request.scoring:
-            self._start_prefetch(request)
+            prefix_fetch.start(self, request)
         return request
 
     def tenant_request_limit(self, tenant: str) -> int | None:
@@ -470,99 +471,9 @@ class Engine:
             memo = seq.prefix_keys = self._keys_in(namespace, tokens)
         return memo[2], memo[3].copy()
 
-    def _start_prefetch(self, request: Request, missing: list | None = None, blind: bool = True) -> bool:
-        """Bring the part of the prompt's prefix that sits on disk or in Redis (`missing`: what
-        the device lacks of it, by default) up to staging while the request waits, when restoring
-        beats recomputing it. With `blind`, Redis is asked for blocks no tier is known to hold
-        (another daemon may have written them). Returns whether a fetch was judged at all."""
-        if missing is None:
-            keys, _ = self._prefix_keys(request.sequences[0])
-            limit = self.cache.cacheable_blocks(len(request.prompt_ids))
-            missing = keys[len(self.cache.pool.match(keys, limit)):limit]
-        tiers = self.tiers
-        held = tiers.lower_run(missing[:1]) if missing else {}
-        if not missing or not (held or (blind and tiers.remote is not None)):
-            return False  # nothing below to fetch
-        source = next(iter(held), "remote")  # judged at the tier its first block would come from
-        size = self.settings.block_size
-        if tiers.policy.should_fetch(len(missing) * size, len(missing) * tiers.block_bytes_in(source),
-                                     tiers.stats[source].read, tiers.clock()):
-            if tiers.start_prefetch(request.request_id, missing):
-                request.metrics.prefetch_started = self.clock()
-                request.metrics.prefetch_tokens = len(missing) * size
-        return True
-
-    def _fetch_what_was_lost(self, request: Request, keys: list, num_tokens: int) -> None:
-        """At its turn for admission: blocks of the prefix that the device held when the request
-        came (so nothing was fetched for them then) may have been evicted while it queued, as
-        happens whenever more prefixes are in use than the device holds. Fetch the run that lower
-        tiers hold of them now, rather than recompute it; the request then waits for that fetch
-        under the prefetch policy, as for the fetch started when it came."""
-        tiers = self.tiers
-        if tiers.prefetch_pending(request.request_id):
-            return
-        limit = self.cache.cacheable_blocks(num_tokens)
-        hits = len(self.cache.pool.match(keys, limit))
-        ready, _ = tiers.available_run(keys[hits:limit])  # in host memory or staged already
-        lost = keys[hits + ready:limit]
-        if lost and lost[0] != request.lost_judged and self._start_prefetch(request, lost, blind=False):
-            request.lost_judged = lost[0]
-
     def fetching_prefix(self, request: Request) -> bool:
         """Whether the request waits while its prefix comes up from disk or Redis right now."""
-        metrics = request.metrics
-        return (self.tiers is not None and metrics.prefetch_started is not None and metrics.prefetch_outcome is None
-                and self.tiers.prefetch_pending(request.request_id))
-
-    def _waits_for_prefetch(self, request: Request) -> bool:
-        """Whether the request keeps waiting for its prefix's fetch from disk or Redis: the fetch
-        is still running and the prefetch policy says to wait (policies.tiering.PrefetchWait)."""
-        metrics = request.metrics
-        if metrics.prefetch_started is None or not self.tiers.prefetch_pending(request.request_id):
-            return False
-        return self.prefetch.waits(metrics.prefetch_started, metrics.prefetch_tokens, self.clock())
-
-    def _end_prefetch(self, request: Request, outcome: str | None = None) -> None:
-        """Stop the request's fetch (it was admitted, or `outcome` "cancelled") and drop what it
-        staged; the first time, count how its wait ended and how long it was."""
-        tiers, metrics = self.tiers, request.metrics
-        if metrics.prefetch_started is not None and metrics.prefetch_outcome is None:
-            job = tiers.prefetches.get(request.request_id)
-            if outcome is None:
-                outcome = self.prefetch.outcome(not tiers.prefetch_pending(request.request_id))
-                if outcome == "complete" and job is not None and not job.staged:
-                    outcome = "miss"  # it ended finding none of the blocks
-            metrics.prefetch_outcome = outcome
-            self.stats.prefetch_outcomes[outcome] = self.stats.prefetch_outcomes.get(outcome, 0) + 1
-            if outcome != "cancelled":
-                self.stats.prefetch_staged_blocks += len(job.staged) if job is not None else 0
-                # held for the fetch: until it stopped or the policy's deadline, not while the request
-                # also queued for room (admission may come long after its fetch ended)
-                fetched = job.seconds() if job is not None else None
-                waited = min(self.clock() - metrics.prefetch_started,
-                             math.inf if fetched is None else fetched,
-                             self.prefetch.deadline(metrics.prefetch_started, metrics.prefetch_tokens)
-                             - metrics.prefetch_started)
-                self.stats.prefetch_waits.append(waited)
-                self.stats.recent_prefetch_waits.append(waited)
-        tiers.finish_prefetch(request.request_id)
-
-    def _restore(self, seq: Sequence, keys: list, num_tokens: int) -> None:
-        """Before admitting `seq`, put its prefix back on the device from host or staging.
-
-        Either way the blocks are in memory as the device holds them (a fetch from disk or Redis
-        was judged worth it, at that tier's rate and stored bytes, before it started): what is left
-        is a copy, judged at the rate such copies are measured at (the host tier's)."""
-        tiers, cache = self.tiers, self.cache
-        limit = cache.cacheable_blocks(num_tokens)
-        hits = len(cache.pool.match(keys, limit))
-        run, nbytes = tiers.available_run(keys[hits:limit])
-        if not run:
-            return
-        if not tiers.policy.should_restore(run * self.settings.block_size, nbytes, tiers.stats["host"].read):
-            return
-        restored = tiers.restore_into(cache, keys, hits, run, seq.request.tenant, seq.request.priority)
-        seq.request.metrics.installed_tokens += restored * self.settings.block_size
+        return prefix_fetch.fetching(self, request)
 
     def cancel(self, request_id: str) -> list[TokenEvent]:
         """Stop a request wherever it is; its blocks come back exactly once.
@@ -574,7 +485,7 @@ class Engine:
             return []
         request.cancelled = True
         if self.tiers is not None:
-            self._end_prefetch(request, "cancelled")
+            prefix_fetch.end(self, request, "cancelled")
         for seq in request.sequences:
             if seq.status is not SeqStatus.FINISHED:
                 self._finish(seq, "cancelled")
@@ -594,7 +505,7 @@ class Engine:
         self.stats.rejections["pinned_out"] = self.stats.rejections.get("pinned_out", 0) + 1
         self.stats.tenants.row(request.tenant)[REJECTED] += 1
         if self.tiers is not None:
-            self._end_prefetch(request, "cancelled")
+            prefix_fetch.end(self, request, "cancelled")
         done = {s.index for s in request.sequences if s.status is SeqStatus.FINISHED}
         for seq in request.sequences:
             if seq.status is not SeqStatus.FINISHED:
@@ -750,9 +661,7 @@ class Engine:
         failed: list[TokenEvent] = []
         self._admit_in_order(held, failed)
         if held and not self._running:
-            metrics = held[0].metrics
-            left = self.prefetch.deadline(metrics.prefetch_started, metrics.prefetch_tokens) - self.clock()
-            self.tiers.wait_prefetch(held[0].request_id, max(0.0, min(self.PREFETCH_POLL, left)))
+            prefix_fetch.wait_for(self, held[0], self.PREFETCH_POLL)
         return failed
 
     def _admit_in_order(self, held: list[Request], failed: list[TokenEvent]) -> None:
@@ -787,13 +696,9 @@ class Engine:
             reserve = self._reservation(request).reserve(request.params.max_tokens - len(seq.output_ids))
             keys, hasher = self._prefix_keys(seq)
             reuse = not request.scoring  # a prompt scored position by position takes nothing from the cache
-            if self.tiers is not None and reuse:
-                if not self._waits_for_prefetch(request):
-                    self._fetch_what_was_lost(request, keys, len(tokens))
-                if self._waits_for_prefetch(request):
-                    held.append(request)
-                    continue  # its turn passes to the requests behind it meanwhile
-                self._restore(seq, keys, len(tokens))
+            if self.tiers is not None and reuse and prefix_fetch.holds(self, seq, keys, len(tokens)):
+                held.append(request)
+                continue  # its turn passes to the requests behind it meanwhile
             if upcoming and reuse:
                 hits = self.cache.lookup(keys, len(tokens))  # (under a sliding window, past blocks evicted)
                 if hits < len(keys) and keys[hits] in upcoming:
@@ -812,7 +717,7 @@ class Engine:
                                          adapter_id=request.lora.digest if request.lora is not None else "")
             self.stats.alloc_seconds.append(time.perf_counter() - started)
             if self.tiers is not None:
-                self._end_prefetch(request)
+                prefix_fetch.end(self, request)
             now = self.clock()
             by_tenant = self.stats.tenants.row(request.tenant)
             restored = min(request.metrics.installed_tokens, admission.hit_tokens)
