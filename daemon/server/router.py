@@ -53,7 +53,7 @@ from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .router_metrics import RouterMetrics
-from .router_service import ASK_TIMEOUT_S, ModelNotServed, Replica, RouterService
+from .router_service import ASK_TIMEOUT_S, ModelNotServed, Replica, RouterService, Weighed
 from .usage_report import CALLER_ROLE_HEADER
 
 log = logging.getLogger("kvd.router")
@@ -488,7 +488,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         return await forward("/v1/chat/completions", http, who)
 
     async def prefill_first(path: str, body: dict, headers: dict, route_id: str, routed_at: float,
-                            unless_caller_leaves) -> tuple[dict | None, str | None, int, object]:
+                            unless_caller_leaves) -> tuple[dict | None, str | None, int, Weighed | None]:
         """Disaggregated prefill and decode (daemon/server/kv_transfer.py): have a prefill replica
         compute the prompt (one token of output, not streamed) and write its blocks to the shared
         Redis, unless the replica that decodes it is to compute it (RouterService.local_prefill).

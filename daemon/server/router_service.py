@@ -150,6 +150,8 @@ def reusing(body: dict, live: list[tuple[int, ReplicaFacts, int]]) -> list[tuple
 # a request's replicas as weighed (RouterService.weigh): (index, facts, prompt tokens) of those that
 # could take it, each replica's local weighing (None: asked), the clock reading, the replicas then
 Weighing = tuple[list[tuple[int, ReplicaFacts, int]], list[Local | None], float, list[Replica]]
+# a weighing made before the choice it stands for, and when it began (time.perf_counter())
+Weighed = tuple[Weighing, float]
 
 
 @dataclass
@@ -386,7 +388,7 @@ class RouterService:
         replicas alone; "whole" (a request, or its decode) for the others."""
         return {id(r) for r in self.replicas if (r.role == "prefill") != (phase == "prefill")}
 
-    async def local_prefill(self, body: dict, tenant: str | None) -> tuple[str | None, Weighing | None]:
+    async def local_prefill(self, body: dict, tenant: str | None) -> tuple[str | None, Weighed | None]:
         """Disaggregated: why the replica that decodes this request computes its prompt itself
         (X-KVD-Prefill's "local: ..."), or None when a prefill replica is to. Local when a replica
         that decodes would compute `local_prefill_tokens` of it or fewer (the prompt less what it
@@ -399,23 +401,25 @@ class RouterService:
         (a prefill replica computes the prompt first, and they hold it after)."""
         if computes_whole_prompt(body):
             return "local: the request scores its whole prompt", None
+        started = time.perf_counter()
         weighing = await self.weigh(body, question_of(body), tenant, self.not_for("whole"))
         uncached = min(max(tokens - facts.held_tokens, 0) for _, facts, tokens in weighing[0])
         if uncached <= self.local_prefill_tokens:
-            return f"local: {uncached} prompt tokens to compute at the decode replica", weighing
+            return f"local: {uncached} prompt tokens to compute at the decode replica", (weighing, started)
         return None, None
 
     async def choose(self, body: dict, tenant: str | None, excluded: set[int] = frozenset(),
-                     phase: str = "whole", weighed: Weighing | None = None) -> tuple[Replica, str]:
+                     phase: str = "whole", weighed: Weighed | None = None) -> tuple[Replica, str]:
         """The replica for this request, and why; replicas whose id() is in `excluded` (they
         refused it already) are not weighed, nor those whose role is not for `phase` ("prefill":
         prefill replicas alone; "whole", a request or its decode: the others). LookupError when
         none can take it. `weighed`: the replicas weighed for this request a moment ago, with
-        nothing excluded but by `phase` (`local_prefill`'s), so that none is asked twice."""
-        started = time.perf_counter()
+        nothing excluded but by `phase` (`local_prefill`'s), so that none is asked twice; the
+        choice's time (on_decision) then counts from that weighing's start."""
+        started = time.perf_counter() if weighed is None else weighed[1]
         excluded = set(excluded) | self.not_for(phase)
         try:
-            return await self._choose(body, tenant, excluded, weighed)
+            return await self._choose(body, tenant, excluded, None if weighed is None else weighed[0])
         finally:
             self.on_decision(time.perf_counter() - started)
 
