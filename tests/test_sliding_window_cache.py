@@ -191,3 +191,33 @@ def test_a_hit_needs_only_the_blocks_its_window_reaches_not_the_chain_from_the_r
     plain.release("r1")
     plain.pool.evict_keys(keys[:1])
     assert plain.lookup(keys, 20) == 0
+
+
+def test_install_window_restores_the_window_s_missing_blocks_all_or_none_and_holds_the_rest():
+    """A restore under a window puts back only the blocks of keys[first:stop] the cache lacks (here
+    block 2, of blocks 2 and 3): block 3, cached, is held meanwhile, so the room it makes never
+    evicts it. Too little room for them all installs none; a cache without a window refuses."""
+    m = sliding(num_blocks=6)
+    prompt = PROMPT + list(range(20, 30))  # 20 tokens
+    prefill_in_chunks(m, "r1", prompt, reserve=0)
+    m.release("r1")
+    keys = chain_keys(NS, prompt)
+    m.pool.evict_keys(keys[:3])  # blocks 0-2 went; block 3 stays
+    assert m.lookup(keys, 20) == 0  # position 16 needs block 2 as well
+    block_3 = m.pool.block_of(keys[3])
+    loaded = []
+    assert m.install_window(keys, 2, 4, NS.tenant, lambda ks, ids: loaded.append((list(ks), ids))) == 1
+    assert [ks for ks, _ in loaded] == [[keys[2]]]  # block 3 is not read again
+    assert m.pool.block_of(keys[3]) == block_3 and m.pool.block_of(keys[2]) == loaded[0][1][0]
+    assert [m.pool.block_of(k) for k in keys[:2]] == [None, None]  # before the window: not needed
+    assert m.lookup(keys, 20) == 4
+    m.audit()
+    m.pool.evict_keys(keys[2:3])
+    m.admit_tokens("r2", NS, list(range(50, 66)), 0)  # holds or reserves 4 of the 6 blocks
+    free = m.pool.available()
+    assert free == 2  # one free and the idle block 3, which a restore of blocks 1 to 3 holds
+    assert m.install_window(keys, 1, 4, NS.tenant, lambda ks, ids: None) == 0  # blocks 1 and 2: none
+    assert m.pool.block_of(keys[3]) == block_3 and m.pool.available() == free
+    m.audit()
+    with pytest.raises(InvalidRequest, match="^install_window: the cache has no sliding window"):
+        make_manager(12, 4).install_window(keys, 0, 2, NS.tenant, lambda ks, ids: None)

@@ -176,3 +176,38 @@ def test_a_second_turn_hits_its_window_after_the_conversations_first_blocks_were
     outputs, _ = run(engine, [second])
     assert second.metrics.cached_tokens == 80  # position 80 attends to 57..80: blocks 3 and 4
     assert outputs == [[hf_greedy(hf, conversation, 10)]]
+
+
+@pytest.mark.parametrize("tier, pushed, restored", [("host", 1, 0), ("host", 2, 2), ("disk", 2, 2)])
+def test_a_second_turn_takes_back_from_a_lower_tier_only_the_blocks_its_window_reaches(
+        mistral, tmp_path, tier, pushed, restored):
+    """Turn 1's blocks, pushed off an 8-block device by other requests (1: blocks 0-2; 2: blocks
+    0-4), wait in host memory or on disk. Turn 2 fetches and restores none of the blocks before
+    its next token's window: none at all while the device holds blocks 3 and 4, those two alone
+    once they left it too. (It used to restore the conversation from its root: with blocks 3 and 4
+    on the device that pushed them off again, and turn 2 hit 48 tokens instead of 80.) The tokens
+    are transformers'."""
+    from kvctl.daemon.cache.keys import chain_keys
+    from kvctl.daemon.cache.tiers import build_tiers
+
+    hf, loaded = mistral
+    engine = Engine(loaded, EngineSettings(num_blocks=8, block_size=16, max_batch_tokens=32))
+    below = {"host_bytes": 1 << 22} if tier == "host" else {"disk_bytes": 1 << 22, "disk_path": tmp_path / "disk"}
+    tiers, _ = build_tiers(engine, tiering="always", **below)
+    first = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    run(engine, [first])
+    for prompt in PROMPTS[1:1 + pushed]:
+        run(engine, [engine.add_request(prompt, SamplingParams(max_tokens=20, ignore_eos=True))])
+    tiers.flush()
+    conversation = PROMPTS[0] + first.sequences[0].output_ids + [7, 8, 9, 10, 11, 12]  # 96 tokens
+    keys = chain_keys(engine.request_namespace(first), conversation)
+    on_device = [engine.cache.pool.block_of(k) is not None for k in keys[:5]]
+    assert on_device == [False] * 3 + [pushed == 1] * 2
+    assert [tiers.location(k) for k in keys[:5]] == [tier] * 3 + ["evicted" if pushed == 1 else tier] * 2
+    second = engine.add_request(conversation, SamplingParams(max_tokens=10, ignore_eos=True))
+    outputs, _ = run(engine, [second])
+    assert (second.metrics.cached_tokens, second.metrics.restored_tokens) == (80, restored * 16)
+    fetched = engine.stats.prefetch_staged_blocks
+    assert (tiers.stats["host"].restored_blocks, fetched) == ((restored, 0) if tier == "host" else (0, restored))
+    assert [engine.cache.pool.block_of(k) for k in keys[:3]] == [None] * 3  # before the window: left below
+    assert outputs == [[hf_greedy(hf, conversation, 10)]]

@@ -215,7 +215,7 @@ class KVCacheManager:
         """The most blocks a sequence of `tokens` tokens holds at once (`policies.admission.peak_blocks`)."""
         return peak_blocks(tokens, self.block_size, self.window, self.step_tokens)
 
-    def _first_needed(self, computed_tokens: int) -> int:
+    def first_needed(self, computed_tokens: int) -> int:
         """The first logical block the token after `computed_tokens` attends to (0 without a window)."""
         if self.window is None:
             return 0
@@ -267,9 +267,9 @@ class KVCacheManager:
         block_of, length, run = self.pool.block_of, 0, 0
         for i, key in enumerate(keys if limit is None else keys[:limit]):
             run = run + 1 if block_of(key) is not None else 0
-            if run and run >= i + 1 - self._first_needed((i + 1) * self.block_size):
+            if run and run >= i + 1 - self.first_needed((i + 1) * self.block_size):
                 length = i + 1  # blocks first_needed..i are all cached
-        skipped = self._first_needed(length * self.block_size)
+        skipped = self.first_needed(length * self.block_size)
         return length, skipped, [block_of(key) for key in keys[skipped:length]]
 
     # ---- admission -------------------------------------------------------------------------
@@ -517,7 +517,7 @@ class KVCacheManager:
         if not isinstance(computed_tokens, int) or not 0 <= computed_tokens <= seq.num_tokens:
             raise InvalidRequest(f"request {seq_id}: computed_tokens must be 0..{seq.num_tokens}, "
                                  f"got {computed_tokens!r}")
-        first = min(self._first_needed(computed_tokens), len(seq.table) - 1)
+        first = min(self.first_needed(computed_tokens), len(seq.table) - 1)
         if first <= seq.dropped:
             return 0
         pool, now = self.pool, self._clock()
@@ -596,10 +596,49 @@ class KVCacheManager:
         table = hits + ids
         pool.insert_many(table, keys, start, start + count, now, tenant, priority)
         pool.release(reversed(table), now)
+        self._keep_root(keys, tenant, now, space)
+        return count
+
+    def install_window(self, keys: Sequence[BlockKey], first: int, stop: int, tenant: str,
+                       load: Callable[[Sequence[BlockKey], list[int]], None], space: BlockKey | None = None,
+                       priority: int = 0) -> int:
+        """Under a sliding window: put back from a lower tier the blocks of keys[first:stop] the
+        cache lacks, so that a prompt's hit of `stop` blocks finds its window (blocks `first_needed`
+        to stop-1) whole; the blocks before `first` are not needed. The ones cached already are
+        held meanwhile. `load`, `space` and `priority` as `install` takes them. All or nothing:
+        returns the blocks installed, 0 when the cache lacks room for them all."""
+        if self.window is None:
+            raise InvalidRequest("install_window: the cache has no sliding window; install restores a chain")
+        pool, now = self.pool, self._clock()
+        block_of = pool.block_of
+        held = [b for key in keys[first:stop] if (b := block_of(key)) is not None]
+        lacking = [i for i in range(first, stop) if block_of(keys[i]) is None]
+        if not lacking or len(lacking) > pool.available() - pool.evictable_in(held):
+            return 0
+        pool.acquire(held, now, hit=False)
+        try:
+            ids = pool.allocate(len(lacking), now, "restore")
+        except CacheFull:
+            pool.release(reversed(held), now)
+            return 0
+        try:
+            load([keys[i] for i in lacking], ids)
+        except BaseException:
+            pool.release(reversed(held + ids), now)
+            raise
+        table = [DROPPED] * stop  # read only where a key is not cached: the blocks just loaded
+        for position, block_id in zip(lacking, ids):
+            table[position] = block_id
+        pool.insert_many(table, keys, first, stop, now, tenant, priority)
+        pool.release(reversed(held + ids), now)
+        self._keep_root(keys, tenant, now, space)
+        return len(lacking)
+
+    def _keep_root(self, keys: Sequence[BlockKey], tenant: str, now: float, space: BlockKey | None) -> None:
+        """Book the tree of blocks just restored, by its root, where the cache has none for it."""
         if keys[0] not in self.roots:
             self.roots[keys[0]] = RootInfo(tenant, now, now, space=space)
             self._bound_roots()  # the restored blocks are indexed: their root is kept
-        return count
 
     # ---- pins ------------------------------------------------------------------------------
     def pin(self, namespace: Namespace, token_ids: Sequence[int], *, ttl: float | None = None,

@@ -7,12 +7,19 @@ held then and lost while it queued (`fetch_what_was_lost`). While the fetch runs
 waits as the prefetch policy says (policies.tiering.PrefetchWait) and the requests behind it go
 ahead (`holds`); admitted or cancelled, its fetch stops and how its wait ended is counted (`end`).
 
+Under a sliding window (a model whose every layer slides one: KVCacheManager's `window`), a prompt
+takes from the cache only the blocks its next token's window reaches, so only those are fetched
+and restored: not the prefix from its root, whose first blocks a sliding sequence gives back
+first (and the eviction policy takes first). Restoring those would take the room of the blocks
+the window needs, and the request would compute them again.
+
 Functions of the Engine (engine.py), which calls them only with tiers attached; they read its
 cache, tiers, prefetch policy and clock, and add to its stats.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from .requests import Request, Sequence
@@ -25,8 +32,7 @@ def start(engine, request: Request, missing: list | None = None, blind: bool = T
     daemon may have written them). Returns whether a fetch was judged at all."""
     if missing is None:
         keys, _ = engine._prefix_keys(request.sequences[0])
-        limit = engine.cache.cacheable_blocks(len(request.prompt_ids))
-        missing = keys[len(engine.cache.pool.match(keys, limit)):limit]
+        missing = off_device(engine.cache, keys, engine.cache.cacheable_blocks(len(request.prompt_ids)))
     tiers = engine.tiers
     held = tiers.lower_run(missing[:1]) if missing else {}
     if not missing or not (held or (blind and tiers.remote is not None)):
@@ -64,12 +70,25 @@ def fetch_what_was_lost(engine, request: Request, keys: list, num_tokens: int) -
     tiers = engine.tiers
     if tiers.prefetch_pending(request.request_id):
         return
-    limit = engine.cache.cacheable_blocks(num_tokens)
-    hits = len(engine.cache.pool.match(keys, limit))
-    ready, _ = tiers.available_run(keys[hits:limit])  # in host memory or staged already
-    lost = keys[hits + ready:limit]
+    missing = off_device(engine.cache, keys, engine.cache.cacheable_blocks(num_tokens))
+    if engine.cache.window is None:
+        ready, _ = tiers.available_run(missing)  # in host memory or staged already
+        lost = missing[ready:]
+    else:
+        ready = tiers.in_memory(missing)
+        lost = [key for key in missing if key not in ready]
     if lost and lost[0] != request.lost_judged and start(engine, request, lost, blind=False):
         request.lost_judged = lost[0]
+
+
+def off_device(cache, keys: list, limit: int) -> list:
+    """The keys of the prompt's first `limit` blocks that a hit of them all needs and the device
+    lacks, in chain order: from the first block not cached, or under a sliding window those of
+    the blocks the last one's window reaches."""
+    if cache.window is None:
+        return keys[len(cache.pool.match(keys, limit)):limit]
+    block_of = cache.pool.block_of
+    return [key for key in keys[cache.first_needed(limit * cache.block_size):limit] if block_of(key) is None]
 
 
 def fetching(engine, request: Request) -> bool:
@@ -130,6 +149,8 @@ def restore(engine, seq: Sequence, keys: list, num_tokens: int) -> None:
     copy, judged at the rate such copies are measured at (the host tier's)."""
     tiers, cache = engine.tiers, engine.cache
     limit = cache.cacheable_blocks(num_tokens)
+    if cache.window is not None:
+        return _restore_window(engine, seq, keys, num_tokens, limit)
     hits = len(cache.pool.match(keys, limit))
     run, nbytes = tiers.available_run(keys[hits:limit])
     if not run:
@@ -138,3 +159,32 @@ def restore(engine, seq: Sequence, keys: list, num_tokens: int) -> None:
         return
     restored = tiers.restore_into(cache, keys, hits, run, seq.request.tenant, seq.request.priority)
     seq.request.metrics.installed_tokens += restored * engine.settings.block_size
+
+
+def _restore_window(engine, seq: Sequence, keys: list, num_tokens: int, limit: int) -> None:
+    """`restore` under a sliding window. The longest hit the device and memory can give together
+    is one of `length` blocks whose window (blocks first_needed to length-1) the device holds or
+    host memory and staging do: restore the blocks of that window the device lacks. Nothing when
+    the device gives that hit already."""
+    tiers, cache, size = engine.tiers, engine.cache, engine.settings.block_size
+    hit = cache.lookup(keys, num_tokens)
+    if hit >= limit:
+        return
+    low = cache.first_needed((hit + 1) * size)  # a longer hit's window starts here or after
+    block_of = cache.pool.block_of
+    lacking = [i for i in range(low, limit) if block_of(keys[i]) is None]
+    ready = tiers.in_memory([keys[i] for i in lacking])
+    absent = [i for i in lacking if keys[i] not in ready]  # neither on the device nor in memory
+    for length in range(limit, hit, -1):
+        first = cache.first_needed(length * size)
+        last_absent = bisect.bisect_left(absent, length) - 1
+        if last_absent < 0 or absent[last_absent] < first:  # its window is all here or in memory
+            break
+    else:
+        return
+    wanted = sum(1 for i in lacking if first <= i < length)
+    if not wanted or not tiers.policy.should_restore(wanted * size, wanted * tiers.layout.block_bytes,
+                                                     tiers.stats["host"].read):
+        return
+    restored = tiers.restore_window_into(cache, keys, first, length, seq.request.tenant, seq.request.priority)
+    seq.request.metrics.installed_tokens += restored * size

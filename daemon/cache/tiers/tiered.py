@@ -461,11 +461,19 @@ class TieredCache:
         n = 0
         with self.lock:
             for key in keys:
-                if key in self.staged or (self.host is not None and key in self.host.index):
+                if self._in_memory(key):
                     n += 1
                 else:
                     break
         return n, n * self.layout.block_bytes
+
+    def in_memory(self, keys: Sequence[bytes]) -> set[bytes]:
+        """Those of `keys` the host tier or the staging area holds now (restorable without I/O)."""
+        with self.lock:
+            return {key for key in keys if self._in_memory(key)}
+
+    def _in_memory(self, key: bytes) -> bool:
+        return key in self.staged or (self.host is not None and key in self.host.index)
 
     @contextmanager
     def protecting(self, keys: Sequence[bytes]):
@@ -494,6 +502,21 @@ class TieredCache:
             try:
                 return manager.install(keys, start, count, tenant, self.load_into, self.space, priority)
             except SourceGone:  # dropped between that look and the copy: install undid its allocation
+                return 0
+
+    def restore_window_into(self, manager, keys: Sequence[bytes], first: int, stop: int, tenant: str,
+                            priority: int = 0) -> int:
+        """Under a sliding window: put the blocks of keys[first:stop] the device lacks (each held
+        in a host slot or staged) back in the device cache of `manager`, all or none
+        (KVCacheManager.install_window), their host slots protected meanwhile. Returns blocks
+        restored: none when one of them left memory since, or the device lacks room for them all."""
+        lacking = [key for key in keys[first:stop] if manager.pool.block_of(key) is None]
+        with self.protecting(lacking):
+            if len(self.in_memory(lacking)) < len(lacking):
+                return 0
+            try:
+                return manager.install_window(keys, first, stop, tenant, self.load_into, self.space, priority)
+            except SourceGone:  # dropped between that look and the copy: install_window undid its allocation
                 return 0
 
     def load_into(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
@@ -548,7 +571,7 @@ class TieredCache:
                 return False
             start = 0
             for key in keys:
-                if key in self.staged or (self.host is not None and key in self.host.index):
+                if self._in_memory(key):
                     start += 1
                 else:
                     break
