@@ -582,22 +582,7 @@ class KVCacheManager:
         count = min(count, pool.available() - pool.evictable_in(hits), len(keys) - start)
         if count <= 0:
             return 0
-        pool.acquire(hits, now, hit=False)
-        try:
-            ids = pool.allocate(count, now, "restore")
-        except CacheFull:
-            pool.release(reversed(hits), now)
-            return 0
-        try:
-            load(keys[start:start + count], ids)
-        except BaseException:
-            pool.release(reversed(hits + ids), now)
-            raise
-        table = hits + ids
-        pool.insert_many(table, keys, start, start + count, now, tenant, priority)
-        pool.release(reversed(table), now)
-        self._keep_root(keys, tenant, now, space)
-        return count
+        return self._install_at(keys, hits, list(range(start, start + count)), tenant, load, space, priority, now)
 
     def install_window(self, keys: Sequence[BlockKey], first: int, stop: int, tenant: str,
                        load: Callable[[Sequence[BlockKey], list[int]], None], space: BlockKey | None = None,
@@ -615,30 +600,35 @@ class KVCacheManager:
         lacking = [i for i in range(first, stop) if block_of(keys[i]) is None]
         if not lacking or len(lacking) > pool.available() - pool.evictable_in(held):
             return 0
+        return self._install_at(keys, held, lacking, tenant, load, space, priority, now)
+
+    def _install_at(self, keys: Sequence[BlockKey], held: list[int], positions: list[int], tenant: str,
+                    load: Callable[[Sequence[BlockKey], list[int]], None], space: BlockKey | None,
+                    priority: int, now: float) -> int:
+        """`install`'s work: hold the cached blocks `held` (making room must not evict them), give
+        each of the chain's `positions` (ascending, not cached) a block, `load` them and index them,
+        idle. Returns how many: all of them, or 0 when the blocks cannot be had (nothing changed)."""
+        pool = self.pool
         pool.acquire(held, now, hit=False)
         try:
-            ids = pool.allocate(len(lacking), now, "restore")
+            ids = pool.allocate(len(positions), now, "restore")
         except CacheFull:
             pool.release(reversed(held), now)
             return 0
         try:
-            load([keys[i] for i in lacking], ids)
+            load([keys[i] for i in positions], ids)
         except BaseException:
             pool.release(reversed(held + ids), now)
             raise
-        table = [DROPPED] * stop  # read only where a key is not cached: the blocks just loaded
-        for position, block_id in zip(lacking, ids):
+        table = [DROPPED] * (positions[-1] + 1)  # read only at `positions` (insert_many skips keys cached)
+        for position, block_id in zip(positions, ids):
             table[position] = block_id
-        pool.insert_many(table, keys, first, stop, now, tenant, priority)
+        pool.insert_many(table, keys, positions[0], positions[-1] + 1, now, tenant, priority)
         pool.release(reversed(held + ids), now)
-        self._keep_root(keys, tenant, now, space)
-        return len(lacking)
-
-    def _keep_root(self, keys: Sequence[BlockKey], tenant: str, now: float, space: BlockKey | None) -> None:
-        """Book the tree of blocks just restored, by its root, where the cache has none for it."""
         if keys[0] not in self.roots:
             self.roots[keys[0]] = RootInfo(tenant, now, now, space=space)
             self._bound_roots()  # the restored blocks are indexed: their root is kept
+        return len(positions)
 
     # ---- pins ------------------------------------------------------------------------------
     def pin(self, namespace: Namespace, token_ids: Sequence[int], *, ttl: float | None = None,
