@@ -150,7 +150,11 @@ def serve(
     max_tracked_tenants: Optional[int] = typer.Option(
         None, help="Tenants whose counters and latest TTFTs are kept by name, the most recently active "
                    "(default 10000); the others' counters are summed as retired."),
-    pin_budget_blocks: Optional[int] = typer.Option(None, help="Blocks each tenant may pin (default: no budget)."),
+    pin_budget_blocks: Optional[int] = typer.Option(
+        None, help="Blocks each tenant may pin (default: half the cache's blocks)."),
+    pin_room_tokens: Optional[int] = typer.Option(
+        None, help="Room, in tokens of one request, a new pin must leave beside the pins (default: the context "
+                   "served or half the cache, whichever is less; 0: none)."),
     trace_requests: Optional[int] = typer.Option(
         None, help="Finished requests kept as trace lines for `kvctl trace save` (default 10000; 0: none)."),
     trace_key_file: Optional[str] = typer.Option(
@@ -206,7 +210,7 @@ def serve(
                    remote_compress=remote_compress, prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
                    prefetch_timeout_per_1k_tokens=prefetch_timeout_per_1k_tokens, metrics_aliases=metrics_aliases,
                    max_tenant_metric_series=max_tenant_metric_series, max_tracked_tenants=max_tracked_tenants,
-                   pin_budget_blocks=pin_budget_blocks,
+                   pin_budget_blocks=pin_budget_blocks, pin_room_tokens=pin_room_tokens,
                    trace_requests=trace_requests, trace_key_file=trace_key_file,
                    trace_block_tokens=trace_block_tokens,
                    shutdown_timeout=shutdown_timeout, model_name=model_name, remote_cache_bytes=remote_cache_bytes,
@@ -232,7 +236,8 @@ SERVE_HELP_PANELS = {
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",
                            "quick_prefill_tokens",
-                           "max_running", "speculative_config", "reservation", "eviction", "pin_budget_blocks"),
+                           "max_running", "speculative_config", "reservation", "eviction", "pin_budget_blocks",
+                           "pin_room_tokens"),
     "Admission and tenants": ("max_queue", "max_tenant_requests", "tenant_request_limits", "queue_order",
                               "tenant_priorities", "tenant_cache_shares", "report_cached_tokens"),
     "Quantised cache formats": ("cache_dtype", "keep_layers_unquantised", "allow_uncalibrated"),

@@ -218,7 +218,10 @@ class KvdConfig:
     # with queue_order: priority, each tenant's place in the queue: "acme=-10,batch=5" (YAML: a mapping),
     # lower first as vLLM orders `priority`; tenants not named are at 0
     tenant_priorities: tuple[tuple[str, int], ...] = ()
-    pin_budget_blocks: int | None = None
+    pin_budget_blocks: int | None = None  # None: half the cache's blocks per tenant
+    # the room, in tokens of one request (prompt and max_tokens), that a new pin must leave
+    # beside the pins; None: the context served or half the cache, whichever is less; 0: none
+    pin_room_tokens: int | None = None
     # "acme=0.25,*=0.5" (YAML: a mapping): when the cache needs room, a tenant holding more idle
     # blocks than its fraction of the device cache loses its own first (policies/tenant_shares.py)
     tenant_cache_shares: tuple[tuple[str, float], ...] = ()
@@ -335,7 +338,7 @@ _PARSERS = {
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
     "max_tracked_tenants": whole_number, "trace_requests": whole_number,
     "trace_block_tokens": whole_number,
-    "pin_budget_blocks": whole_number, "shutdown_timeout": finite_number,
+    "pin_budget_blocks": whole_number, "pin_room_tokens": whole_number, "shutdown_timeout": finite_number,
     "gc_freeze": on_or_off, "gc_warn_seconds": finite_number,
     "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "lora_runtime_updates": on_or_off,
     "tenant_cache_shares": parse_shares,
@@ -359,7 +362,7 @@ def _check(name: str, value: Any) -> None:
                 "max_tracked_tenants", "max_model_len", "max_loras") \
             and value is not None and value < 1:
         raise ValueError("must be >= 1")
-    if name in ("pin_budget_blocks", "quick_prefill_tokens", "max_tenant_metric_series", "trace_requests") \
+    if name in ("pin_budget_blocks", "pin_room_tokens", "quick_prefill_tokens", "max_tenant_metric_series", "trace_requests") \
             and value is not None \
             and value < 0:
         raise ValueError("must be >= 0")

@@ -232,7 +232,9 @@ def pins(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=
                 f"pins hold {room['pinned_blocks']:,} of the cache's {room['num_blocks']:,} blocks{on}: a request may "
                 f"take {room['room_blocks']:,} beside them ({room['room_blocks'] * room['block_size']:,} tokens of "
                 "prompt and max_tokens past a pinned prefix it starts with); one that needs more is turned away "
-                "(pinned_out)")
+                "(pinned_out)" + (f"; a new pin that would leave fewer than {room['pin_room_blocks']:,} is refused "
+                                  f"(pin_room_tokens: {room['pin_room_tokens']:,})" if room.get("pin_room_blocks")
+                                  else ""))
         if d.get("message"):
             Console(stderr=True).print(f"[yellow]{escape(d['message'])}[/yellow]")
     emit(data, as_json, render)

@@ -121,7 +121,7 @@ def test_a_request_waits_while_others_run_however_the_pins_stand(demo):
 
 
 def test_the_api_answers_503_pinned_out_at_arrival_and_when_pins_came_while_it_waited(tmp_path):
-    service = start_service(tmp_path, num_blocks=8, pin_budget_blocks=8)
+    service = start_service(tmp_path, num_blocks=8, pin_budget_blocks=8, pin_room_tokens=0)
     try:
         unix, _ = apps(service, token_table(tmp_path))
         engine = service.engine
@@ -136,7 +136,8 @@ def test_the_api_answers_503_pinned_out_at_arrival_and_when_pins_came_while_it_w
                                          "3; it could never finish: unpin some (kvctl pins, kvctl unpin) or lower "
                                          "max_tokens")
         assert call(unix, "GET", "/admin/pins").json()["room"] == {"pinned_blocks": 5, "num_blocks": 8,
-                                                                   "room_blocks": 3, "block_size": 16}
+                                                                   "room_blocks": 3, "block_size": 16,
+                                                                   "pin_room_tokens": 0, "pin_room_blocks": 0}
         assert call(unix, "DELETE", f"/admin/pins/{pinned['pin_id']}").status_code == 200
 
         answers = {}
@@ -178,7 +179,7 @@ def test_the_router_passes_a_pinned_out_refusal_on_and_counts_it_as_traced_by_it
     none): the router tries the next replica, and where none takes it, answers the refusal as it came."""
     from .test_router import drive, post, router_app
 
-    replica = start_service(tmp_path, num_blocks=8, pin_budget_blocks=8)
+    replica = start_service(tmp_path, num_blocks=8, pin_budget_blocks=8, pin_room_tokens=0)
     try:
         unix, _ = apps(replica, token_table(tmp_path))
         assert call(unix, "POST", "/admin/pins", json={"tokens": PINNED}).json()["cached_blocks"] == 5
@@ -195,7 +196,7 @@ def test_the_router_passes_a_pinned_out_refusal_on_and_counts_it_as_traced_by_it
 
 def test_a_pin_whose_warm_was_turned_away_in_the_queue_says_it_was_not_warmed(tmp_path, monkeypatch):
     """Other pins that came while the warm waited can turn it away ("error"): the pin stands unwarmed."""
-    service = start_service(tmp_path, num_blocks=8, pin_budget_blocks=8)
+    service = start_service(tmp_path, num_blocks=8, pin_budget_blocks=8, pin_room_tokens=0)
     try:
         unix, _ = apps(service, token_table(tmp_path))
 

@@ -25,6 +25,17 @@ class PinBudgetExceeded(CacheError):
         )
 
 
+class PinLeavesNoRoom(CacheError):
+    """A new pin would leave requests fewer blocks beside the pins than kvd keeps for them."""
+
+    def __init__(self, added: int, pinned_after: int, total: int, floor: int) -> None:
+        self.added, self.pinned_after, self.total, self.floor = added, pinned_after, total, floor
+        super().__init__(
+            f"this pin adds {added} blocks, so pins would hold {pinned_after} of the cache's {total}, "
+            f"leaving {max(total - pinned_after, 0)}, and pins must leave {floor} for requests"
+        )
+
+
 class UnknownSequence(CacheError):
     def __init__(self, seq_id: str) -> None:
         self.seq_id = seq_id

@@ -45,7 +45,7 @@ from kvctl.policies.admission import (AdmissionDecision, Verdict, blocks_for_tok
 from kvctl.policies.eviction import EvictionPolicy, make_eviction_policy
 from kvctl.policies.tenant_shares import OTHERS, TenantShares, share_blocks
 
-from .errors import (AuditFailure, CacheFull, DuplicateSequence, InvalidRequest, UnknownPin,
+from .errors import (AuditFailure, CacheFull, DuplicateSequence, InvalidRequest, PinLeavesNoRoom, UnknownPin,
                      UnknownSequence)
 from .keys import BlockKey, Namespace, PrefixHasher, chain_keys, validate_block_size
 from .pins import Pin, PinRegistry, pin_id_for, pin_origin
@@ -146,6 +146,8 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         default_budget = num_blocks // 2 if pin_budget_blocks is None else pin_budget_blocks
         self.pins = PinRegistry(default_budget, pin_budgets)
+        # the room, in tokens of one sequence, a new pin must leave beside the pins (set_pin_room)
+        self.pin_room_tokens = 0
         self._seqs: dict[str, SequenceState] = {}
         self.num_reserved = 0
         self._clock = clock or _logical_clock()
@@ -210,6 +212,27 @@ class KVCacheManager:
     def window_blocks(self) -> int | None:
         """The most blocks a sliding sequence holds at once (`sliding_window_blocks`); None without a window."""
         return None if self.window is None else sliding_window_blocks(self.window, self.step_tokens, self.block_size)
+
+    def set_pin_room(self, tokens: int) -> None:
+        """Keep room for a sequence of `tokens` tokens (prompt and output) beside the pins: a new
+        pin that would leave fewer blocks outside them is refused (PinLeavesNoRoom). 0: none kept.
+        Pins that stand already stay; a request they leave too little room is turned away as
+        before (pinned_out)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= self.capacity_tokens:
+            raise InvalidRequest(f"pin_room_tokens: must be a whole number of tokens from 0 to what the cache "
+                                 f"holds ({self.num_blocks} blocks of {self.block_size}: {self.capacity_tokens}), "
+                                 f"got {tokens!r}")
+        self.pin_room_tokens = tokens
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The tokens the whole cache holds."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def pin_room_blocks(self) -> int:
+        """The blocks a new pin must leave beside the pins (under a window, those its sequence holds at once)."""
+        return self.peak_blocks(self.pin_room_tokens) if self.pin_room_tokens else 0
 
     def peak_blocks(self, tokens: int) -> int:
         """The most blocks a sequence of `tokens` tokens holds at once (`policies.admission.peak_blocks`)."""
@@ -652,10 +675,12 @@ class KVCacheManager:
 
     def pin_keys(self, tenant: str, keys: Sequence[BlockKey], *, ttl: float | None = None,
                  owner: str = "", note: str = "", space: str | None = None,
-                 adapter_id: str | None = None) -> PinResult:
+                 adapter_id: str | None = None, leave_room: bool = True) -> PinResult:
         """Pin a chain of block keys for `tenant` (its budget pays). `space` and `adapter_id`:
         where the keys were made (Pin), when known; pinning the same keys again refreshes the
-        pin's owner, note and TTL, and fills in what it did not know of where they were made."""
+        pin's owner, note and TTL, and fills in what it did not know of where they were made.
+        `leave_room`: refuse a pin that would leave requests fewer blocks than `pin_room_blocks`
+        beside the pins (PinLeavesNoRoom; False: a pin restored as it stood)."""
         if not keys:
             raise InvalidRequest("keys: a pin needs at least one block")
         if ttl is not None and not 0 < ttl < math.inf:
@@ -672,6 +697,12 @@ class KVCacheManager:
             existing.adapter_id = existing.adapter_id if adapter_id is None else adapter_id
             return PinResult(existing, cached, len(key_tuple) - cached, refreshed=True)
         self.pins.check_budget(tenant, key_tuple)
+        # (a prefix longer than the whole cache is the warm's to refuse: it never fits)
+        if leave_room and (floor := self.pin_room_blocks) and len(key_tuple) <= self.num_blocks:
+            added = self.pool.new_pin_keys(key_tuple)
+            pinned_after = self.pool.num_pin_keys + added
+            if added and self.num_blocks - pinned_after < floor:
+                raise PinLeavesNoRoom(added, pinned_after, self.num_blocks, floor)
         pin = Pin(pin_id, tenant, key_tuple, owner, note, now, expires, space, adapter_id)
         self.pins.add(pin)
         self.pool.add_pin_refs(key_tuple, now)

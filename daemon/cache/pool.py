@@ -120,6 +120,11 @@ class BlockPool:
         """Keys pins hold, cached or not: at least the cached blocks they pin (pinned_blocks)."""
         return len(self._pin_refs)
 
+    def new_pin_keys(self, keys: Iterable[BlockKey]) -> int:
+        """How many distinct keys of `keys` no pin holds yet: what pinning them adds to num_pin_keys."""
+        refs = self._pin_refs
+        return sum(1 for key in set(keys) if key not in refs)
+
     def pinned_blocks(self) -> set[int]:
         """Ids of the cached blocks pins hold: never evicted while pinned (a pinned key not cached
         holds no block)."""

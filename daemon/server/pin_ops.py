@@ -14,7 +14,7 @@ import math
 import threading
 import time
 
-from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, UnknownPin
+from kvctl.daemon.cache import InvalidRequest, PinBudgetExceeded, PinLeavesNoRoom, UnknownPin
 from kvctl.daemon.cache.pins import pin_origin, stranded_reason
 from kvctl.daemon.engine.engine import AdmissionRejected
 from kvctl.daemon.engine.sampling import SamplingParams
@@ -42,10 +42,8 @@ def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, 
         with service.lock:
             result = engine.cache.pin_keys(namespace.tenant, keys, ttl=ttl, owner=principal.actor, note=note,
                                            **pin_origin(namespace))
-    except PinBudgetExceeded as exc:  # (audited outside the lock: the engine thread takes it, a store write may wait)
-        service.store.audit(actor=principal.actor, tenant=principal.tenant, action="pin",
-                            target="-", result="refused", detail={"reason": str(exc)})
-        raise ServiceError(409, _over_budget(service, exc)) from None
+    except (PinBudgetExceeded, PinLeavesNoRoom) as exc:  # (audited outside the lock: the engine thread takes
+        raise _refused(service, exc, principal, principal.tenant, "-") from None  # it, a store write may wait)
     except InvalidRequest as exc:
         raise ServiceError(400, str(exc), "tokens") from None
     warmed = False
@@ -122,10 +120,8 @@ def _pin_keys(service, keys: list[bytes], tenant: str, principal: Principal, ttl
     try:
         with service.lock:
             result = engine.cache.pin_keys(tenant, keys, ttl=ttl, owner=owner, note=note, **origin)
-    except PinBudgetExceeded as exc:  # (audited outside the lock, as in pin())
-        service.store.audit(actor=principal.actor, tenant=tenant, action="pin", target=target,
-                            result="refused", detail={"reason": str(exc)})
-        raise ServiceError(409, _over_budget(service, exc)) from None
+    except (PinBudgetExceeded, PinLeavesNoRoom) as exc:  # (audited outside the lock, as in pin())
+        raise _refused(service, exc, principal, tenant, target) from None
     except InvalidRequest as exc:
         raise ServiceError(400, str(exc), param) from None
     if result.pending_blocks and service.tiers is not None:  # what a lower tier holds comes up, pinned
@@ -220,6 +216,41 @@ def list_pins(service, with_keys: bool = False) -> list[dict]:
             for described, cached, keys, stranded in listed]
 
 
+def pin_room_of(engine, cfg) -> int:
+    """The room, in tokens of one request, new pins must leave beside the pins under `cfg`:
+    its pin_room_tokens, or by default the context served or half the cache, whichever is less
+    (a tenant's default budget is half the cache: one tenant alone always has it). ValueError
+    naming the setting where the cache cannot hold so many."""
+    cache = engine.cache
+    if cfg.pin_room_tokens is None:
+        return min(engine.context_limit, cache.capacity_tokens // 2)
+    if cfg.pin_room_tokens > cache.capacity_tokens:
+        raise ValueError(f"pin_room_tokens: {cfg.pin_room_tokens} is more than the cache holds ({cache.num_blocks} "
+                         f"blocks of {cache.block_size} tokens: {cache.capacity_tokens})")
+    return cfg.pin_room_tokens
+
+
+def set_pin_limits(engine, cfg) -> None:
+    """Apply `cfg`'s pin limits to the engine's cache (at start and on reload): each tenant's
+    budget (default half the cache's blocks) and the room new pins must leave (pin_room_of).
+    Pins that stand stay (warn_no_room); a request they leave too little room is turned away
+    (pinned_out)."""
+    cache = engine.cache
+    cache.pins.default_budget = cache.num_blocks // 2 if cfg.pin_budget_blocks is None else cfg.pin_budget_blocks
+    cache.set_pin_room(pin_room_of(engine, cfg))
+
+
+def warn_no_room(engine) -> None:
+    """Log where the pins that stand (restored at a start, or made before a reload raised
+    pin_room_tokens) leave less room than new pins must."""
+    cache = engine.cache
+    pinned = cache.pool.num_pin_keys  # (cached or not: each holds a block once its prefix is computed)
+    if pinned and cache.num_blocks - pinned < cache.pin_room_blocks:
+        log.warning("pins hold %d of the cache's %d blocks, leaving %d, fewer than pin_room_tokens (%d tokens: "
+                    "%d blocks) keeps: new pins are refused until some are unpinned", pinned, cache.num_blocks,
+                    cache.num_blocks - pinned, cache.pin_room_tokens, cache.pin_room_blocks)
+
+
 def room_beside_pins(service) -> dict:
     """What the pins leave of the device cache: pinned blocks are never evicted, so a request whose
     prompt and max_tokens need more than `room_blocks` (beyond a pinned prefix it starts with) is
@@ -228,7 +259,8 @@ def room_beside_pins(service) -> dict:
     with service.lock:
         pinned, room = engine.cache.room_beside_pins((), reuse=False)
     return {"pinned_blocks": pinned, "num_blocks": engine.settings.num_blocks, "room_blocks": room,
-            "block_size": engine.settings.block_size}
+            "block_size": engine.settings.block_size, "pin_room_tokens": engine.cache.pin_room_tokens,
+            "pin_room_blocks": engine.cache.pin_room_blocks}
 
 
 STRANDED_WHY = {"space": "made under a model revision, tokenizer, cache format, scales or block size kvd no longer "
@@ -258,6 +290,21 @@ def _served(service) -> tuple[str, dict[str, str]]:
     """The block space served (hex; also while kvd starts, before it answers ready) and the model
     and adapters served by their ids (served_names): what a pin must have been made under."""
     return service.engine.block_space(), served_names(service)
+
+
+def _refused(service, exc: PinBudgetExceeded | PinLeavesNoRoom, principal: Principal, tenant: str,
+             target: str) -> ServiceError:
+    """A pin refused for its tenant's budget or for the room pins must leave: audited, and the
+    409 that says so."""
+    service.store.audit(actor=principal.actor, tenant=tenant, action="pin", target=target, result="refused",
+                        detail={"reason": str(exc)})
+    if isinstance(exc, PinBudgetExceeded):
+        return ServiceError(409, _over_budget(service, exc))
+    cache = service.engine.cache
+    return ServiceError(409, f"pin: {exc} (pin_room_tokens: {cache.pin_room_tokens} tokens, in blocks of "
+                             f"{cache.block_size}), so that a request that starts with no pinned prefix can "
+                             "always finish: unpin some (kvctl pins, kvctl unpin), pin a shorter prefix, or lower "
+                             "pin_room_tokens", "pin_room_tokens")
 
 
 def _over_budget(service, exc: PinBudgetExceeded) -> str:
@@ -331,7 +378,8 @@ def restore_pins(service) -> list[str]:
         keys = [bytes.fromhex(k) for k in row["keys"].split(",")]
         try:
             service.engine.cache.pin_keys(row["tenant"], keys, ttl=remaining, owner=row["owner"],
-                                          note=row["note"], space=row.get("space"), adapter_id=row.get("adapter_id"))
+                                          note=row["note"], space=row.get("space"), adapter_id=row.get("adapter_id"),
+                                          leave_room=False)  # the pins as they stood: warn_no_room warns
         except PinBudgetExceeded as exc:
             log.warning("pin %s not restored: %s", row["pin_id"], exc)
     return lapsed

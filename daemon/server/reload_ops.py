@@ -27,7 +27,7 @@ log = logging.getLogger("kvd")
 
 # settings a reload applies to the running kvd
 LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
-                 "pin_budget_blocks", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
+                 "pin_budget_blocks", "pin_room_tokens", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
                  "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
                  "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens",
@@ -170,6 +170,11 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
             adapters = read_adapters(service, new)
         except ConfigError as exc:
             raise ServiceError(400, f"reload refused, nothing changed: {exc}", "lora_modules") from None
+    if service.engine is not None:
+        try:
+            pin_ops.pin_room_of(service.engine, new)
+        except ValueError as exc:
+            raise ServiceError(400, f"reload refused, nothing changed: {exc}", "pin_room_tokens") from None
     changed = {k: getattr(new, k) for k in LIVE_SETTINGS if getattr(new, k) != getattr(service.config, k)}
     reranked: dict[str, int] = {}
     previous = {k: getattr(service.config, k) for k in changed}
@@ -208,8 +213,8 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                     tenant_priority_changes(service.config.tenant_priorities, new.tenant_priorities))
             if service.tiers is not None:  # blocks written from now on; those stored stay as they are
                 service.tiers.compress = new.tier_codecs()
-            if new.pin_budget_blocks is not None:
-                engine.cache.pins.default_budget = new.pin_budget_blocks
+            pin_ops.set_pin_limits(engine, new)
+            pin_ops.warn_no_room(engine)
         lora, retired = None, set()
         if adapters is not None and service.loaded is not None:
             lora = adapter_changes(service.loaded.adapters, adapters)

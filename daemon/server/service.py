@@ -256,13 +256,13 @@ class EngineService:
         engine = Engine(loaded, settings, scales=scales, scale_version=scale_version)
         timer.mark("cache")
         engine.stats.tenants.keep = self.tenant_labels.has_own  # a tenant's own metric series never shrinks
-        if cfg.pin_budget_blocks is not None:
-            engine.cache.pins.default_budget = cfg.pin_budget_blocks
+        pin_ops.set_pin_limits(engine, cfg)
         tier_ops.attach(self, engine)
         timer.mark("tiers")
         with self.lock:
             self.loaded, self.engine, self.chat_template = loaded, engine, chat_template
             lapsed = pin_ops.restore_pins(self)
+            pin_ops.warn_no_room(engine)
             pin_ops.warn_stranded(pin_ops.stranded_pins(self), "pins restored from the store")
         timer.mark("pins")
         if lapsed:  # off the start: a store another process holds locked must not hold it up
