@@ -51,6 +51,7 @@ class ModelShape:
     # and 3, Qwen's max_window_layers): kvd keeps every block, since the full layers read them all
     mixed_window: tuple[int, int] | None = None
     fused_projections: bool = False  # Phi-3: one qkv_proj and one gate_up_proj, each adapted as one
+    moe_layers: int = 0  # layers whose MLP is a mixture of experts (Mixtral, Qwen-MoE): LoRA adapts their attention only
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim"):
@@ -121,15 +122,15 @@ def language_model_bytes(model_dir: Path, raw: dict) -> int:
 
 def _as_kvd_reads(raw: dict) -> dict:
     """What kvd's reading of config.json `raw` adds to its shape: `sliding_window` (every layer
-    slides one), `mixed_window` (layers slide it only in part), `fused_projections`; nothing for
-    an architecture kvd does not serve."""
+    slides one), `mixed_window` (layers slide it only in part), `fused_projections`, `moe_layers`;
+    nothing for an architecture kvd does not serve."""
     from kvctl.daemon.model.config import ModelConfig, ModelError
 
     try:
         config = ModelConfig.from_dict(raw)
     except ModelError:
         return {}
-    fields = {"fused_projections": config.fused_projections}
+    fields = {"fused_projections": config.fused_projections, "moe_layers": len(config.moe_layers)}
     if config.sliding_window is None:
         return fields
     if config.every_layer_slides:
@@ -168,18 +169,20 @@ def bytes_per_token(shape: ModelShape, cache_dtype: str) -> int:
 
 def lora_bytes(shape: ModelShape, rank: int) -> int:
     """What one LoRA adapter of `rank` on every projection (q, k, v, o, gate, up, down) takes on the
-    device as kvd holds it, in the model's dtype: the figure `kvctl status` gives a loaded one."""
+    device as kvd holds it, in the model's dtype: the figure `kvctl status` gives a loaded one. A
+    mixture of experts' layers are adapted in their attention only (kvd adapts no expert)."""
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"lora_rank: must be a whole number of at least 1, got {rank!r}")
     if not (shape.hidden_size and shape.intermediate_size and shape.heads):
         raise ValueError("lora_rank: needs the model's hidden_size, intermediate_size and attention heads "
                          "(--model DIR)")
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    inter = int(shape.intermediate_size)
     if shape.fused_projections:
-        per_layer = rank * (4 * shape.hidden_size + 2 * q + 2 * kv + 3 * int(shape.intermediate_size))
+        attention, mlp = rank * (2 * shape.hidden_size + 2 * q + 2 * kv), rank * (2 * shape.hidden_size + 3 * inter)
     else:
-        per_layer = rank * (7 * shape.hidden_size + 4 * q + 6 * kv + 5 * int(shape.intermediate_size))
-    return shape.layers * per_layer * ELEMENT_BYTES.get(shape.dtype, 2)
+        attention, mlp = rank * (4 * shape.hidden_size + 4 * q + 6 * kv), rank * (3 * shape.hidden_size + 5 * inter)
+    return (shape.layers * attention + (shape.layers - shape.moe_layers) * mlp) * ELEMENT_BYTES.get(shape.dtype, 2)
 
 
 COMPRESSIBLE_DTYPES = ("float32", "float16", "bfloat16")

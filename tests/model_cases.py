@@ -1,4 +1,5 @@
-"""Tiny Llama / Qwen2 / Qwen3 / Phi-3 / Mistral / Gemma 2 and 3 checkpoints built with transformers (a test-only dependency)."""
+"""Tiny Llama / Qwen2 / Qwen3 / Phi-3 / Mistral / Gemma 2 and 3 / Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints built
+with transformers (a test-only dependency)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,17 @@ def tiny_config(kind: str):
             final_logit_softcapping=10.0 if kind == "gemma3" else None,
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    if kind == "mixtral":  # 4 experts, 2 for each token, in every layer
+        return transformers.MixtralConfig(**TINY, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                                          sliding_window=None)
+    if kind == "qwen3-moe":  # Qwen3-30B-A3B's routing (top-k renormalised), scaled down; layer 1 dense
+        return transformers.Qwen3MoeConfig(**{**TINY, "num_attention_heads": 4}, num_key_value_heads=2,
+                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
+    if kind == "qwen2-moe":  # a gated shared expert beside the routed ones; top-k weights as the softmax gave them
+        return transformers.Qwen2MoeConfig(**TINY, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                           norm_topk_prob=False)
     if kind == "gemma2":  # every other layer slides a window (24 tokens here); scores and logits capped
         return transformers.Gemma2Config(**{**TINY, "num_hidden_layers": 3, "num_attention_heads": 4},
                                          num_key_value_heads=2, sliding_window=24, query_pre_attn_scalar=48,

@@ -37,7 +37,8 @@ def full_forward_logits(loaded, ids, lora=None):
 
 
 @pytest.mark.parametrize("kind", ["llama3", "llama2-tied-mha", "qwen2", "qwen3", "mistral", "qwen3-yarn",
-                                  "llama-linear", "phi3", "gemma2", "gemma3", "gemma3-multimodal"])
+                                  "llama-linear", "phi3", "gemma2", "gemma3", "gemma3-multimodal", "mixtral",
+                                  "qwen3-moe", "qwen2-moe"])
 def test_greedy_tokens_and_logits_match_transformers(kind, tmp_path):
     hf = build_checkpoint(kind, tmp_path)
     loaded = load_model(tmp_path)

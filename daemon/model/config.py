@@ -15,8 +15,11 @@ __all__ = ["ModelConfig", "ModelError", "SUPPORTED_ARCHITECTURES"]
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",  # Mistral's attention, a mixture of experts for every MLP
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen2's attention; routed experts beside a gated shared expert
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention; routed experts
     "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4: Q, K and V in one projection, gate and up in another
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
@@ -48,7 +51,8 @@ GEMMA3_TEXT_DEFAULTS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2" or "gemma3"
+    architecture: str  # "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma2"
+    # or "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -78,12 +82,29 @@ class ModelConfig:
     gemma_norms: bool = False
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap), where a config sets it
     attn_logit_softcapping: float | None = None  # Gemma 2: each attention score s becomes cap * tanh(s / cap)
+    # a mixture of experts (daemon/model/moe.py): in each layer of `moe_layers`, a router sends each
+    # token to `experts_per_token` of `num_experts` gated MLPs of `expert_intermediate_size`, their
+    # outputs weighed by the router's softmax over the experts chosen (renormalised to sum to 1
+    # with `norm_topk_prob`); `shared_expert_intermediate_size` > 0: every token also passes one
+    # shared expert, scaled by a sigmoid gate (Qwen2-MoE). The other layers' MLPs are dense.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
 
     @property
     def fused_projections(self) -> bool:
         """Whether the checkpoint stores Q, K and V as one `qkv_proj` and gate and up as one
         `gate_up_proj` (Phi-3), stacked in the order kvd packs them."""
         return self.architecture == "phi3"
+
+    @property
+    def experts_prefix(self) -> str:
+        """Where a MoE layer's router and experts are, under `model.layers.{i}.`: Mixtral's
+        `block_sparse_moe.` (experts' w1, w3, w2: gate, up, down), Qwen's `mlp.` (gate_proj, up_proj, down_proj)."""
+        return "block_sparse_moe." if self.architecture == "mixtral" else "mlp."
 
     @property
     def attention_scale(self) -> float:
@@ -165,13 +186,14 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            qkv_bias=arch in ("qwen2", "qwen2_moe") or bool(raw.get("attention_bias", False)),
             dtype=dtype, bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
-            qk_norm=arch in ("qwen3", "gemma3"), **_sliding_window(raw, arch, need("num_hidden_layers"), where),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"), **_sliding_window(raw, arch, need("num_hidden_layers"), where),
             **_rope(raw, arch, max_positions, where), activation=ACTIVATIONS[activation],
             query_pre_attn_scalar=None if scalar is None else float(scalar), gemma_norms=gemma,
             final_logit_softcapping=None if cap is None else float(cap),
             attn_logit_softcapping=None if score_cap is None else float(score_cap),
+            **_experts(raw, arch, need("num_hidden_layers"), where),
         )
 
     @classmethod
@@ -258,9 +280,9 @@ def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> dict:
             raise ModelError(f"{where}: field 'layer_types' must list one type for each of the {num_layers} layers "
                              f"(got {layer_types!r})")
         layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
-    elif arch in ("mistral", "phi3"):
+    elif arch in ("mistral", "mixtral", "phi3"):
         layers = tuple(range(num_layers)) if window is not None else ()
-    elif arch in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+    elif arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window"):
         layers = tuple(range(int(raw.get("max_window_layers") or 0), num_layers))
     elif arch in ("gemma2", "gemma3"):  # every `sliding_window_pattern`-th layer attends in full, the others slide
         pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern"))
@@ -275,3 +297,41 @@ def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> dict:
         raise ModelError(f"{where}: field 'sliding_window' must be a positive integer where layers slide "
                          f"(got {window!r})")
     return {"sliding_window": window, "sliding_layers": layers}
+
+
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _experts(raw: dict, arch: str, num_layers: int, where: str) -> dict:
+    """A mixture of experts' fields (ModelConfig.num_experts and those after it) as transformers
+    reads them: Mixtral's `num_local_experts` in every layer, each expert `intermediate_size`
+    wide, its top-k always renormalised; Qwen's `num_experts` (or `num_local_experts`) of
+    `moe_intermediate_size` in each `decoder_sparse_step`-th layer not in `mlp_only_layers`,
+    renormalised where `norm_topk_prob`, and Qwen2-MoE's shared expert. Nothing for a dense model."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+
+    def count(name: str, value, least: int = 1) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ModelError(f"{where}: field {name!r} must be an integer >= {least} (got {value!r})")
+        return value
+
+    experts_field = "num_local_experts" if arch == "mixtral" or "num_experts" not in raw else "num_experts"
+    experts = count(experts_field, raw.get(experts_field))
+    top_k = count("num_experts_per_tok", raw.get("num_experts_per_tok"))
+    if top_k > experts:
+        raise ModelError(f"{where}: field 'num_experts_per_tok' {top_k} is more than the {experts} experts")
+    if arch == "mixtral":
+        return {"num_experts": experts, "experts_per_token": top_k,
+                "expert_intermediate_size": count("intermediate_size", raw.get("intermediate_size")),
+                "moe_layers": tuple(range(num_layers)), "norm_topk_prob": True}
+    step = count("decoder_sparse_step", raw.get("decoder_sparse_step", 1))
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+        raise ModelError(f"{where}: field 'mlp_only_layers' must be a list of layer numbers (got {dense!r})")
+    shared = raw.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
+    return {"num_experts": experts, "experts_per_token": top_k,
+            "expert_intermediate_size": count("moe_intermediate_size", raw.get("moe_intermediate_size")),
+            "moe_layers": tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": count("shared_expert_intermediate_size", shared, 0)}

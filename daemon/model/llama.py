@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 2 and 3) that reads and writes the
-paged KV cache.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 2 and 3, and the mixtures of
+experts Mixtral, Qwen2-MoE and Qwen3-MoE) that reads and writes the paged KV cache.
 
 One forward pass takes a flat batch of new tokens from many sequences (prefill chunks and
 decodes mixed), writes their K/V into the cache at `slot_mapping`, and attends through the
@@ -29,9 +29,10 @@ from kvctl.kernels.formats import to_cache
 from .config import ModelConfig, ModelError
 from .generation_config import GenerationConfig, merged_eos, read_generation_config
 from .lora import lora_delta
+from .moe import moe_mlp
 from .rope import attention_factor, inverse_frequencies
 from .tokenizer import Tokenizer
-from .weights import load_weights, model_revision
+from .weights import expert_names, load_weights, model_revision
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -128,11 +129,18 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2·intermediate, hidden]
-    down: torch.Tensor
+    # the dense MLP, or a MoE layer's shared expert (Qwen2-MoE); None in a MoE layer without one
+    gate_up: torch.Tensor | None  # [2·intermediate, hidden]
+    down: torch.Tensor | None
     qk_norm: torch.Tensor | None = None  # Qwen3: [H + Hkv, D], q_norm's weight on each Q head, k_norm's on each K head
     attn_out_norm: torch.Tensor | None = None  # Gemma: normalises the attention's output before the residual
     mlp_out_norm: torch.Tensor | None = None  # Gemma: normalises the MLP's output before the residual
+    # a MoE layer (daemon/model/moe.py): the router [E, hidden], the experts packed as the dense MLP
+    # is ([E, 2·I, hidden] and [E, hidden, I]), and the shared expert's gate [1, hidden]
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
 
 
 def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[LayerWeights]:
@@ -149,7 +157,8 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
             qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
             if p + "self_attn.q_proj.bias" in weights:
                 bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            gate_up = None if i in config.moe_layers else torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                                     take(p + "mlp.up_proj.weight")])
         qk_norm = None
         if config.qk_norm:  # one weight per row of the [T, H + Hkv, D] view that RoPE rotates
             qk_norm = torch.cat([take(p + "self_attn.q_norm.weight").expand(config.num_heads, -1),
@@ -160,10 +169,32 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
         attn_out_norm = take(p + "post_attention_layernorm.weight") if sandwich else None
         mlp_norm = take(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"))
         mlp_out_norm = take(p + "post_feedforward_layernorm.weight") if sandwich else None
+        experts = _pack_experts(config, i, take) if i in config.moe_layers else {}
+        down = experts.pop("down") if experts else take(p + "mlp.down_proj.weight")
+        gate_up = experts.pop("gate_up") if experts else gate_up
         layers.append(LayerWeights(take(p + "input_layernorm.weight"), qkv, bias, take(p + "self_attn.o_proj.weight"),
-                                   mlp_norm, gate_up, take(p + "mlp.down_proj.weight"), qk_norm, attn_out_norm,
-                                   mlp_out_norm))
+                                   mlp_norm, gate_up, down, qk_norm, attn_out_norm, mlp_out_norm, **experts))
     return layers
+
+
+def _pack_experts(config: ModelConfig, layer: int, take) -> dict[str, torch.Tensor | None]:
+    """A MoE layer's MLP, packed: its router, its experts stacked ([E, 2·I, hidden] gate and up,
+    [E, hidden, I] down), and `gate_up`/`down`/`shared_gate` for a shared expert (else None)."""
+    p = f"model.layers.{layer}.{config.experts_prefix}"
+    gate_up, down = [], []
+    for expert in range(config.num_experts):
+        gate, up, down_name = expert_names(config, layer, expert)
+        gate_up.append(torch.cat([take(gate), take(up)]))
+        down.append(take(down_name))
+    packed = {"router": take(p + "gate.weight"), "experts_gate_up": torch.stack(gate_up),
+              "experts_down": torch.stack(down), "gate_up": None, "down": None, "shared_gate": None}
+    del gate_up[:], down[:]  # (each expert's own tensors go as the stacks take their place)
+    if config.shared_expert_intermediate_size:
+        packed["gate_up"] = torch.cat([take(p + "shared_expert.gate_proj.weight"),
+                                       take(p + "shared_expert.up_proj.weight")])
+        packed["down"] = take(p + "shared_expert.down_proj.weight")
+        packed["shared_gate"] = take(p + "shared_expert_gate.weight")
+    return packed
 
 
 @dataclass
@@ -360,6 +391,28 @@ class LlamaModel:
                                      batch.context_lens, scale=self.scale, max_new_tokens=batch.max_new_tokens,
                                      plan=plan, **scales)
 
+    def _mlp(self, x: torch.Tensor, layer: LayerWeights, i: int, lora) -> torch.Tensor:
+        """Layer `i`'s MLP over rows `x`: the dense gated MLP (with its LoRA terms), or a MoE
+        layer's routed experts plus any shared expert, gated by a sigmoid (daemon/model/moe.py)."""
+        routed = None
+        if layer.router is not None:
+            c = self.config
+            routed = moe_mlp(x, layer.router, layer.experts_gate_up, layer.experts_down, c.experts_per_token,
+                             c.norm_topk_prob, self.activation)
+            if layer.gate_up is None:
+                return routed
+        gate_up = F.linear(x, layer.gate_up)
+        if lora and routed is None:  # (adapters adapt a dense MLP only: lora.py refuses a MoE layer's)
+            lora_delta(gate_up, x, lora, i, "gate_up")
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = self.activation(gate) * up
+        out = F.linear(act, layer.down)
+        if lora and routed is None:
+            lora_delta(out, act, lora, i, "down")
+        if routed is None:
+            return out
+        return routed + torch.sigmoid(F.linear(x, layer.shared_gate)) * out
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[LayerCache],
                 observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -412,14 +465,7 @@ class LlamaModel:
                 out = rms_norm(out, layer.attn_out_norm, eps, plus_one)
             hidden = hidden + out
             x = rms_norm(hidden, layer.post_norm, eps, plus_one)
-            gate_up = F.linear(x, layer.gate_up)
-            if lora:
-                lora_delta(gate_up, x, lora, i, "gate_up")
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = self.activation(gate) * up
-            out = F.linear(act, layer.down)
-            if lora:
-                lora_delta(out, act, lora, i, "down")
+            out = self._mlp(x, layer, i, lora)
             if layer.mlp_out_norm is not None:
                 out = rms_norm(out, layer.mlp_out_norm, eps, plus_one)
             hidden = hidden + out

@@ -46,6 +46,9 @@ PACKED_FUSED = {"qkv": ("self_attn", ("qkv_proj",)), "o": ("self_attn", ("o_proj
                 "gate_up": ("mlp", ("gate_up_proj",)), "down": ("mlp", ("down_proj",))}
 GROUP_OF = {module: group for table in (PACKED, PACKED_FUSED)
             for group, modules in table.values() for module in modules}  # q_proj -> self_attn
+# a tensor of a MoE layer's MLP: its experts (PEFT's `target_parameters`, or one expert's projection), its
+# shared expert, or its router
+EXPERTS_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:experts|shared_expert|gate)\b")
 KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
 PEFT_PREFIX = "base_model.model."
@@ -230,6 +233,11 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, device: torch
                 if read_as is None:
                     continue
                 match = KEY.fullmatch(read_as)
+                moe = EXPERTS_KEY.match(read_as)
+                if moe is not None or (match is not None and match[2] == "mlp" and int(match[1]) in config.moe_layers):
+                    layer = int((moe or match)[1])
+                    raise ModelError(f"{weights_file}: tensor {key!r} adapts layer {layer}'s MLP, a mixture of experts; "
+                                     "kvd adapts a MoE layer's attention only")
                 if match is None:
                     raise ModelError(f"{weights_file}: tensor {key!r} is not a LoRA weight of a layer's q, k, v, "
                                      "o, gate, up or down projection; kvd adapts only those")

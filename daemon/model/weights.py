@@ -66,7 +66,27 @@ def expected_tensors(config: ModelConfig) -> list[str]:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += mlp_tensors(config, i) if i in config.moe_layers else [p + f"mlp.{x}_proj.weight"
+                                                                         for x in ("gate", "up", "down")]
+    return names
+
+
+def expert_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """A MoE layer's expert's gate, up and down projections, as the checkpoint names them."""
+    p = f"model.layers.{layer}.{config.experts_prefix}experts.{expert}."
+    if config.architecture == "mixtral":
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def mlp_tensors(config: ModelConfig, layer: int) -> list[str]:
+    """A MoE layer's MLP tensors: its router, every expert's projections, and a shared expert's
+    with its gate (Qwen2-MoE)."""
+    p = f"model.layers.{layer}.{config.experts_prefix}"
+    names = [p + "gate.weight"] + [n for e in range(config.num_experts) for n in expert_names(config, layer, e)]
+    if config.shared_expert_intermediate_size:
+        names += [p + f"shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names.append(p + "shared_expert_gate.weight")
     return names
 
 
