@@ -112,6 +112,10 @@ def render_status(data: dict, console: Console | None = None):
             f"{window['released_blocks']:,} given back as windows passed them (they stay cached)"
             if window["blocks_per_sequence"] is not None else
             f"{window['layers']} of {window['of']} layers: the others attend in full, so a sequence keeps every block"))
+    if experts := data["model"].get("experts"):  # a mixture of experts (an older kvd does not say)
+        facts.add_row("experts", f"{experts['experts']:,} in {experts['layers']} of {experts['of']} layers, "
+                                 f"{experts['per_token']} for each token" + (", and a shared expert for every token"
+                                                                            if experts["shared_expert"] else ""))
     if "chat_template" in data["model"]:  # an older kvd does not say
         template = data["model"]["chat_template"]
         facts.add_row("chat template", "none: /v1/chat/completions refuses chats (kvd serve --chat-template FILE)"

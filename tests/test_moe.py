@@ -19,6 +19,7 @@ from kvctl.daemon.model.llama import ACTIVATIONS, load_model  # noqa: E402
 from kvctl.daemon.model.lora import load_adapters  # noqa: E402
 from kvctl.daemon.model.moe import experts_mlp, moe_mlp, moe_mlp_ref, route  # noqa: E402
 from kvctl.daemon.model.weights import expected_tensors  # noqa: E402
+from kvctl.daemon.server.status_body import experts  # noqa: E402
 
 from .lora_cases import lora_tensors, write_adapter  # noqa: E402
 from .model_cases import build_checkpoint, hf_greedy  # noqa: E402
@@ -49,6 +50,10 @@ def test_the_experts_are_read_as_transformers_reads_them():
         (0, 1, 2, 3), False, 5632, True)
     dense = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]})
     assert (dense.num_experts, dense.moe_layers) == (0, ())
+    # what kvctl status says of them
+    assert (experts(qwen3), experts(qwen2), experts(dense)) == (
+        {"experts": 128, "per_token": 8, "layers": 1, "of": 4, "shared_expert": False},
+        {"experts": 60, "per_token": 4, "layers": 4, "of": 4, "shared_expert": True}, None)
     names = expected_tensors(qwen2)
     assert "model.layers.0.mlp.experts.59.down_proj.weight" in names and "model.layers.0.mlp.gate_proj.weight" \
         not in names
@@ -179,6 +184,10 @@ def test_an_adapter_of_a_moe_layer_s_mlp_is_refused_by_name(tmp_path):
 
 
 def test_kvd_serves_a_mixture_of_experts_and_caches_its_prefixes(tmp_path):
+    from rich.console import Console
+
+    from kvctl.status_view import render_status
+
     from .daemon_fixtures import apps, call, start_service, token_table
 
     hf = build_checkpoint("mixtral", tmp_path / "model")
@@ -192,6 +201,13 @@ def test_kvd_serves_a_mixture_of_experts_and_caches_its_prefixes(tmp_path):
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
         status = call(unix, "GET", "/admin/status").json()
         assert status["model"]["architecture"] == "mixtral"
+        assert status["model"]["experts"] == {"experts": 4, "per_token": 2, "layers": 2, "of": 2,
+                                              "shared_expert": False}
+        console = Console(record=True, width=120)
+        render_status(status, console)
+        [row] = [line.split(None, 1)[1].strip() for line in console.export_text().splitlines()
+                 if line.startswith("experts")]
+        assert row == "4 in 2 of 2 layers, 2 for each token"
         assert first["choices"][0]["text"] == service.loaded.tokenizer.decode(hf_greedy(hf, prompt, 6))
     finally:
         service.shutdown(deadline=2)

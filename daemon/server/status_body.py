@@ -64,6 +64,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                       # layers that slide a window, and what a sequence holds under it (None: every layer attends
                       # in full; blocks_per_sequence None: a full-attention layer keeps every block)
                       "sliding_window": sliding_window(service.loaded.config, cache),
+                      "experts": experts(service.loaded.config),  # None: a dense model
                       "chat_template": None if service.chat_template is None else {
                           "source": service.chat_template.source, "digest": service.chat_template.digest,
                           "defaults": service.chat_template.defaults},
@@ -147,3 +148,14 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
     if block_map is not None:  # folded after the lock: a character per block, or per cell of blocks
         body["block_map"], body["block_map_per_cell"] = fold_block_map(block_map, cells or len(block_map) or 1)
     return body
+
+
+def experts(config) -> dict | None:
+    """A mixture of experts' routing, as `kvctl status` shows it: experts in each MoE layer, how
+    many a token goes to, in how many of the layers, and whether a shared expert runs beside them;
+    None for a dense model."""
+    if not config.moe_layers:
+        return None
+    return {"experts": config.num_experts, "per_token": config.experts_per_token,
+            "layers": len(config.moe_layers), "of": config.num_layers,
+            "shared_expert": bool(config.shared_expert_intermediate_size)}
