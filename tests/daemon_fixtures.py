@@ -30,6 +30,24 @@ def start_service(state_dir, confine_threads: bool = False, **settings) -> Engin
     return service
 
 
+def failed_start(state_dir, **settings) -> str:
+    """Start a service that must fail to load (its settings are wrong for the demo checkpoint):
+    waits for the failure, checks it never answered ready, and returns its error."""
+    config = resolve({"state_dir": str(state_dir), "socket": str(state_dir / "kvd.sock"),
+                      "num_blocks": 64, **settings}, env={})
+    service = EngineService(config, Store(state_dir / "kvd.sqlite3"))
+    service.metrics = Metrics(service)
+    service.start()
+    try:
+        deadline = time.monotonic() + 60
+        while service.load_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.load_error is not None and not service.ready.is_set()
+        return service.load_error
+    finally:
+        service.shutdown(deadline=2)
+
+
 def token_table(tmp_path) -> TokenTable:
     path = tmp_path / "tokens"
     path.write_text(f"# token tenant role\n{ADMIN_TOKEN} ops admin\n{USER_TOKEN} acme user\n"

@@ -15,7 +15,7 @@ from kvctl.daemon.model.chat_template import ChatTemplate, TemplateKwargsError  
 from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
 from kvctl.daemon.server.route_question import local_ids, question_of  # noqa: E402
 
-from .daemon_fixtures import apps, call, start_service, token_table  # noqa: E402
+from .daemon_fixtures import apps, call, failed_start, start_service, token_table  # noqa: E402
 
 # In the style of Qwen3's template: a reply opens with an empty thinking block when the caller turns
 # thinking off; tools, when given, are described before the conversation.
@@ -254,24 +254,6 @@ def test_kvd_with_defaults_serves_them_says_them_and_a_router_renders_with_them(
 
 
 def test_a_default_the_template_does_not_read_keeps_kvd_from_serving_and_says_why(tmp_path):
-    import time
-
-    from kvctl.daemon.config import resolve
-    from kvctl.daemon.server.metrics import Metrics
-    from kvctl.daemon.server.service import EngineService
-    from kvctl.daemon.store import Store
-
-    config = resolve({"state_dir": str(tmp_path), "socket": str(tmp_path / "kvd.sock"), "num_blocks": 64,
-                      "chat_template_kwargs": OFF}, env={})  # the demo template reads no such name
-    service = EngineService(config, Store(tmp_path / "kvd.sqlite3"))
-    service.metrics = Metrics(service)
-    service.start()
-    try:
-        deadline = time.monotonic() + 60
-        while service.load_error is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "chat_template_kwargs.enable_thinking: the model's chat template does not read 'enable_thinking'; " \
-               "it reads: none (the setting chat_template_kwargs, for " in service.load_error
-        assert not service.ready.is_set()
-    finally:
-        service.shutdown(1)
+    error = failed_start(tmp_path, chat_template_kwargs=OFF)  # the demo template reads no such name
+    assert "chat_template_kwargs.enable_thinking: the model's chat template does not read 'enable_thinking'; " \
+           "it reads: none (the setting chat_template_kwargs, for " in error

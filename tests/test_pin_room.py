@@ -13,7 +13,7 @@ from kvctl.daemon.cache import InvalidRequest, Namespace, PinLeavesNoRoom
 from kvctl.daemon.server.calls import ServiceError
 
 from .conftest import make_manager, run_prompt
-from .daemon_fixtures import call, start_service
+from .daemon_fixtures import call, failed_start, start_service
 
 ACME, GLOBEX = Namespace(block_size=4, tenant="acme"), Namespace(block_size=4, tenant="globex")
 
@@ -121,12 +121,21 @@ def test_the_room_defaults_to_the_context_served_where_that_is_less_than_half_th
         service.shutdown(deadline=2)
 
 
-def test_a_reload_sets_the_room_refuses_more_than_the_cache_and_keeps_the_pins_that_stand(tmp_path, caplog):
+def pinned_with_no_room_kept(tmp_path):
+    """kvd on 8 blocks keeping no room beside the pins, PINNED pinned (5 blocks): (service, its
+    unix app, the pin's answer)."""
+    from kvctl.daemon.server.app import create_app
+
     service = start_service(tmp_path, num_blocks=8, pin_budget_blocks=8, pin_room_tokens=0)
+    unix = create_app(service, service.metrics, front="unix")
+    pinned = call(unix, "POST", "/admin/pins", json={"tokens": PINNED})
+    assert pinned.status_code == 200 and pinned.json()["blocks"] == 5
+    return service, unix, pinned.json()
+
+
+def test_a_reload_sets_the_room_refuses_more_than_the_cache_and_keeps_the_pins_that_stand(tmp_path, caplog):
+    service, unix, _ = pinned_with_no_room_kept(tmp_path)
     try:
-        from kvctl.daemon.server.app import create_app
-        unix = create_app(service, service.metrics, front="unix")
-        assert call(unix, "POST", "/admin/pins", json={"tokens": PINNED}).status_code == 200  # 5 blocks
         with pytest.raises(ServiceError) as info:
             service.reload(replace(service.config, pin_room_tokens=129, max_queue=7))
         assert (info.value.status, info.value.param) == (400, "pin_room_tokens")
@@ -149,13 +158,8 @@ def test_a_reload_sets_the_room_refuses_more_than_the_cache_and_keeps_the_pins_t
 
 
 def test_pins_restored_at_a_start_stand_past_the_room_and_kvd_warns(tmp_path, caplog):
-    service = start_service(tmp_path, num_blocks=8, pin_budget_blocks=8, pin_room_tokens=0)
-    try:
-        from kvctl.daemon.server.app import create_app
-        unix = create_app(service, service.metrics, front="unix")
-        pinned = call(unix, "POST", "/admin/pins", json={"tokens": PINNED}).json()
-    finally:
-        service.shutdown(deadline=2)
+    service, _, pinned = pinned_with_no_room_kept(tmp_path)
+    service.shutdown(deadline=2)
     with caplog.at_level(logging.WARNING, logger="kvd"):
         again = start_service(tmp_path, num_blocks=8, pin_budget_blocks=8, pin_room_tokens=96)
     try:
@@ -167,25 +171,8 @@ def test_pins_restored_at_a_start_stand_past_the_room_and_kvd_warns(tmp_path, ca
 
 
 def test_a_start_with_more_room_than_the_cache_holds_fails_naming_the_setting(tmp_path):
-    from kvctl.daemon.config import resolve
-    from kvctl.daemon.server.metrics import Metrics
-    from kvctl.daemon.server.service import EngineService
-    from kvctl.daemon.store import Store
-
-    config = resolve({"state_dir": str(tmp_path), "socket": str(tmp_path / "kvd.sock"), "num_blocks": 8,
-                      "pin_room_tokens": 200}, env={})
-    service = EngineService(config, Store(tmp_path / "kvd.sqlite3"))
-    service.metrics = Metrics(service)
-    service.start()
-    try:
-        import time
-        deadline = time.monotonic() + 60
-        while service.load_error is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "pin_room_tokens: 200 is more than the cache holds (8 blocks of 16 tokens: 128)" in service.load_error
-        assert not service.ready.is_set()
-    finally:
-        service.shutdown(deadline=2)
+    error = failed_start(tmp_path, num_blocks=8, pin_room_tokens=200)
+    assert "pin_room_tokens: 200 is more than the cache holds (8 blocks of 16 tokens: 128)" in error
 
 
 def test_kvctl_pins_says_what_room_a_new_pin_must_leave():
