@@ -151,14 +151,19 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
         p = f"model.layers.{i}."
         take = weights.pop
         bias = None
-        if config.fused_projections:  # Phi-3 stores them packed as kvd packs them: [q; k; v] and [gate; up]
-            qkv, gate_up = take(p + "self_attn.qkv_proj.weight"), take(p + "mlp.gate_up_proj.weight")
+        if i in config.moe_layers:  # router, experts, and a shared expert's gate_up and down (or None)
+            mlp = _pack_experts(config, i, take)
+        elif config.fused_projections:  # Phi-3 stores them packed as kvd packs them: [q; k; v] and [gate; up]
+            mlp = {"gate_up": take(p + "mlp.gate_up_proj.weight"), "down": take(p + "mlp.down_proj.weight")}
+        else:
+            mlp = {"gate_up": torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                   "down": take(p + "mlp.down_proj.weight")}
+        if config.fused_projections:
+            qkv = take(p + "self_attn.qkv_proj.weight")
         else:
             qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
             if p + "self_attn.q_proj.bias" in weights:
                 bias = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-            gate_up = None if i in config.moe_layers else torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                                     take(p + "mlp.up_proj.weight")])
         qk_norm = None
         if config.qk_norm:  # one weight per row of the [T, H + Hkv, D] view that RoPE rotates
             qk_norm = torch.cat([take(p + "self_attn.q_norm.weight").expand(config.num_heads, -1),
@@ -169,11 +174,9 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
         attn_out_norm = take(p + "post_attention_layernorm.weight") if sandwich else None
         mlp_norm = take(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"))
         mlp_out_norm = take(p + "post_feedforward_layernorm.weight") if sandwich else None
-        experts = _pack_experts(config, i, take) if i in config.moe_layers else {}
-        down = experts.pop("down") if experts else take(p + "mlp.down_proj.weight")
-        gate_up = experts.pop("gate_up") if experts else gate_up
         layers.append(LayerWeights(take(p + "input_layernorm.weight"), qkv, bias, take(p + "self_attn.o_proj.weight"),
-                                   mlp_norm, gate_up, down, qk_norm, attn_out_norm, mlp_out_norm, **experts))
+                                   mlp_norm, qk_norm=qk_norm, attn_out_norm=attn_out_norm, mlp_out_norm=mlp_out_norm,
+                                   **mlp))
     return layers
 
 

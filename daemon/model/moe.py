@@ -37,7 +37,7 @@ def experts_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
     chosen = experts.flatten()
     order = torch.argsort(chosen, stable=True)  # the (row, slot) pairs grouped by expert
     counts = torch.bincount(chosen, minlength=gate_up.shape[0]).tolist()
-    top_k, start = experts.shape[1], 0
+    top_k, start, flat_weights = experts.shape[1], 0, weights.flatten()
     for expert, count in enumerate(counts):
         if not count:
             continue
@@ -45,7 +45,7 @@ def experts_mlp(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
         start += count
         rows = pairs // top_k
         gate, up = F.linear(x.index_select(0, rows), gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(activation(gate) * up, down[expert]) * weights.flatten()[pairs, None]
+        y = F.linear(activation(gate) * up, down[expert]) * flat_weights[pairs, None]
         out.index_add_(0, rows, y)
     return out
 
