@@ -37,6 +37,17 @@ def check_softcap(softcap: float | None) -> None:
         check(False, "softcap", f"must be a positive number or None, got {softcap!r}")
 
 
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """Attention sinks (gpt-oss): one float32 logit per query head on the query's device, or None."""
+    if sinks is None:
+        return
+    check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32,))
+    if sinks.shape[0] != num_heads:
+        check(False, "sinks", f"expected shape ({num_heads},), one per query head, got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        check(False, "sinks", f"on {sinks.device}, expected {device} like q")
+
+
 def check_tensor(name: str, t: torch.Tensor, *, ndim: int, dtypes: tuple[torch.dtype, ...],
                  contiguous: bool = True) -> None:
     # The messages are built only on failure: these checks run for every layer of every step.

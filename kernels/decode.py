@@ -16,11 +16,14 @@ Layouts::
     block_tables  [num_seqs, max_blocks] int32   logical block -> physical block
     context_lens  [num_seqs] int32               tokens to attend (>= 1)
     window        int or None                    a sliding-window layer: the last `window` tokens only
+    sinks         [num_heads] float32 or None    attention sinks (gpt-oss): a logit per query head that
+                                                 joins each softmax's sum and adds no value
     k/v_scale     [num_kv_heads] float32         quantised caches only
     out           [num_seqs, num_heads, head_dim]
 
 With a window, the partitions cover only the window's tokens, so the tokens before it are never
-read and a long context costs what its window costs. Tokens are read a tile (`DecodeLaunch.tile`)
+read and a long context costs what its window costs. A sink joins the first split's softmax as a
+key of that score whose value is zero, so the merge needs nothing more. Tokens are read a tile (`DecodeLaunch.tile`)
 at a time; a token's address is computed from its own block-table entry, so any block size works
 and the tables may be scattered. Offsets are 64-bit.
 """
@@ -30,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ._triton import interpreting, tl, triton
-from .checks import (CheckedOnce, check, check_cache, check_device, check_query, check_scales,
+from .checks import (CheckedOnce, check, check_cache, check_device, check_query, check_scales, check_sinks,
                      check_softcap, check_tensor, check_window, next_power_of_2)
 from .formats import from_cache
 from .launch import TritonLaunch, check_tile
@@ -106,6 +109,7 @@ def _decode_partial_kernel(
     context_lens_ptr,  # [num_seqs] int32
     k_scale_ptr,  # [num_kv_heads] float32 (QUANT only)
     v_scale_ptr,  # [num_kv_heads] float32 (QUANT only)
+    sinks_ptr,  # [num_heads] float32 (SINKS only)
     part_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32
     part_max_ptr,  # [num_seqs, num_heads, num_splits] float32
     part_sum_ptr,  # [num_seqs, num_heads, num_splits] float32
@@ -128,6 +132,7 @@ def _decode_partial_kernel(
     DIRECT: tl.constexpr,  # one split: normalise and write `out` here (the part buffers are unused)
     SLIDING: tl.constexpr,  # attend to the last `window` tokens only
     SOFTCAP: tl.constexpr,  # cap each score: softcap * tanh(score / softcap) (Gemma 2)
+    SINKS: tl.constexpr,  # each head's sink logit joins the softmax's sum (gpt-oss)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1) // head_chunks
@@ -154,6 +159,10 @@ def _decode_partial_kernel(
     row_max = tl.full([GROUP_P], float("-inf"), tl.float32)
     row_sum = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
+    if SINKS:  # the first split starts from the sink: a key of score `sink` and value zero
+        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0)
+        row_max = tl.where(split == 0, sink, row_max)
+        row_sum = tl.where(split == 0, row_sum + 1.0, row_sum)
     qk_scale, out_scale = head_scales(sm_scale, kv_head, k_scale_ptr, v_scale_ptr, QUANT)
     for tile_start in range(start, end, TILE):
         tokens = tile_start + tl.arange(0, TILE)
@@ -206,9 +215,10 @@ def _decode_merge_kernel(
              mask=dims < head_dim)
 
 
-def _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) -> tuple[int, bool]:
+def _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks=None) -> tuple[int, bool]:
     _, _, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
     group = check_query(q, num_kv_heads, head_dim)
+    check_sinks(sinks, q.shape[1], q.device)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
     if block_tables.shape[0] != q.shape[0]:
@@ -267,19 +277,19 @@ class _DecodePlan:
 _PLANS = CheckedOnce()
 
 
-def _plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, max_context: int,
+def _plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks, max_context: int,
           partition_size: int | None, launch: DecodeLaunch) -> _DecodePlan:
     """The checked arguments' launch plan, made once per distinct metadata (`CheckedOnce`)."""
-    return _PLANS.get((q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale),
+    return _PLANS.get((q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks),
                       (max_context, partition_size, launch, QUERY_TILE_BYTES, STEP_TILE_BYTES),  # and the budgets
-                      lambda: _make_plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale,
+                      lambda: _make_plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks,
                                          max_context, partition_size, launch))
 
 
-def _make_plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, max_context: int,
+def _make_plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks, max_context: int,
                partition_size: int | None, launch: DecodeLaunch) -> _DecodePlan:
     """Check every argument (naming a bad one) and plan the launch."""
-    group, quantised = _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    group, quantised = _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks)
     device = check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                            "context_lens": context_lens, "k_scale": k_scale, "v_scale": v_scale})
     num_seqs, _, head_dim = q.shape
@@ -308,24 +318,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_context: int | None = None,
                            partition_size: int | None = None,
                            launch: DecodeLaunch = DEFAULT_LAUNCH, window: int | None = None,
-                           softcap: float | None = None) -> torch.Tensor:
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the paged cache (Triton). See the module docstring for layouts.
 
     `max_context` (the largest context length) saves a device sync when the caller knows it.
     `launch` sets tile, warps, stages and split target (`DecodeLaunch`).
     `window`: a sliding-window layer's span; each sequence attends to its last `window` tokens.
     `softcap`: each score s becomes softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping).
+    `sinks`: [num_heads] float32, each head's sink logit s: the softmax's sum gains exp(s) (gpt-oss).
     """
     check_window(window)
     check_softcap(softcap)
     if max_context is None or (isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[0] == 0):
-        _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)  # before reading them
+        _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks)  # before reading them
         if q.shape[0] == 0:
             return torch.empty_like(q)
         if max_context is None:
             max_context = int(context_lens.max())
     span = max_context if window is None else min(max_context, window)  # the most tokens any sequence attends to
-    plan = _plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, span, partition_size,
+    plan = _plan(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks, span, partition_size,
                  launch)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -342,7 +353,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_partial_kernel[(num_seqs, num_kv_heads * plan.head_chunks, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens,
         k_scale if quantised else placeholder, v_scale if quantised else placeholder,
-        part_acc, part_max, part_sum, out, float(scale),
+        placeholder if sinks is None else sinks, part_acc, part_max, part_sum, out, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -350,7 +361,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         float(softcap or 1.0), GROUP_P=plan.heads_per_program, DIM_P=next_power_of_2(head_dim),
         TILE=launch.tile, QUANT=quantised,
         FP16_DOT=plan.fp16_dot, DOT_F32=plan.dot_f32, PRECISION="ieee" if plan.dot_f32 else "tf32",
-        DIRECT=plan.direct, SLIDING=window is not None, SOFTCAP=softcap is not None, **launch.compile_options(),
+        DIRECT=plan.direct, SLIDING=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
+        **launch.compile_options(),
     )
     if plan.direct:
         return out
@@ -373,12 +385,14 @@ def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, length: int,
 
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                causal_offset: int | None = None, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention in float32. q [n, H, D]; k, v [t, H_kv, D] -> [n, H, D].
 
     With `causal_offset` c, query i sits at position c + i and sees keys 0..c+i; with a
     `window` W as well, only the last W of them: keys c+i-W+1..c+i (transformers' sliding window).
     With `softcap` C, each score s becomes C * tanh(s / C) before the mask (Gemma 2).
+    With `sinks` [H], head h's softmax runs over its scores and sinks[h], whose share is then
+    dropped (gpt-oss): the weights of the keys sum to less than 1.
     """
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -393,18 +407,22 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         if window is not None:
             visible &= keys > positions[:, None] - window
         scores = scores.masked_fill(~visible[None], float("-inf"))
-    return torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.einsum("hnt,thd->nhd", torch.softmax(scores, dim=-1), v)
+    column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("hnt,thd->nhd", probs, v)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
                                k_scale: torch.Tensor | None = None,
                                v_scale: torch.Tensor | None = None, window: int | None = None,
-                               softcap: float | None = None) -> torch.Tensor:
+                               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch twin of `paged_decode_attention`: gathers each sequence through its table."""
     check_window(window)
     check_softcap(softcap)
-    _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale, sinks)
     out = torch.empty_like(q)
     for seq in range(q.shape[0]):
         length = int(context_lens[seq])
@@ -412,7 +430,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k = gather_sequence(k_cache, block_tables[seq], length, k_scale)
         v = gather_sequence(v_cache, block_tables[seq], length, v_scale)
         out[seq] = attend_ref(q[seq:seq + 1], k, v, scale, causal_offset=length - 1, window=window,
-                              softcap=softcap)[0].to(q.dtype)
+                              softcap=softcap, sinks=sinks)[0].to(q.dtype)
     return out
 
 

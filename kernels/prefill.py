@@ -5,7 +5,9 @@ cached prefix of `context_len - n` tokens: a prefix hit or an earlier chunk of a
 long prompt. Only the new rows are computed. Program (seq, row tile, head)
 streams key tiles up to the tile's last position with an online softmax. A sliding-window
 layer (`window`) sees only the last `window` keys of each row; the key tiles start at the
-first row's window, so keys before every row's window are never read.
+first row's window, so keys before every row's window are never read. With attention sinks
+(`sinks`, gpt-oss), each row's softmax starts from its head's sink: a key of that score whose
+value is zero.
 
 Layouts::
 
@@ -22,7 +24,7 @@ import torch
 
 from ._triton import interpreting, tl, triton
 from .checks import (CheckedOnce, check, check_cache, check_device, check_query, check_scales,
-                     check_softcap, check_tensor, check_window, next_power_of_2)
+                     check_sinks, check_softcap, check_tensor, check_window, next_power_of_2)
 from . import decode
 from .decode import attend_ref, gather_sequence, step_fits
 from .launch import TritonLaunch, check_tile
@@ -75,6 +77,7 @@ def _prefill_kernel(
     context_lens_ptr,  # [num_seqs] int32
     k_scale_ptr,  # [num_kv_heads] float32 (QUANT only)
     v_scale_ptr,  # [num_kv_heads] float32 (QUANT only)
+    sinks_ptr,  # [num_heads] float32 (SINKS only)
     out_ptr,  # [total_new_tokens, num_heads, head_dim]
     sm_scale,
     stride_qt, stride_qh,
@@ -92,6 +95,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for float32, the default otherwise
     SLIDING: tl.constexpr,  # each row sees its last `window` keys only
     SOFTCAP: tl.constexpr,  # cap each score: softcap * tanh(score / softcap) (Gemma 2)
+    SINKS: tl.constexpr,  # the head's sink logit joins each row's softmax sum (gpt-oss)
 ):
     seq = tl.program_id(0).to(tl.int64)
     row_tile = tl.program_id(1)
@@ -117,6 +121,9 @@ def _prefill_kernel(
     row_max = tl.full([ROWS], float("-inf"), tl.float32)
     row_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_P], tl.float32)
+    if SINKS:  # every row starts from the sink: a key of score `sink` and value zero
+        row_max = tl.zeros([ROWS], tl.float32) + tl.load(sinks_ptr + head)
+        row_sum = row_sum + 1.0
     qk_scale, out_scale = head_scales(sm_scale, kv_head, k_scale_ptr, v_scale_ptr, QUANT)
     key_end = tl.minimum(context_len, prefix + (row_tile + 1) * ROWS)
     if SLIDING:  # from the first row's window on
@@ -141,9 +148,10 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
-def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale):
+def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale, sinks=None):
     _, _, num_kv_heads, head_dim = check_cache(k_cache, v_cache)
     group = check_query(q, num_kv_heads, head_dim)
+    check_sinks(sinks, q.shape[1], q.device)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,))
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtypes=(torch.int32,))
     check_tensor("context_lens", context_lens, ndim=1, dtypes=(torch.int32,))
@@ -159,11 +167,12 @@ def _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_s
 _CHECKED = CheckedOnce()  # once per distinct argument metadata: every layer of a step calls alike
 
 
-def _check_and_fit(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale,
+def _check_and_fit(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale, sinks,
                    launch: PrefillLaunch) -> tuple[int, bool, PrefillLaunch, bool]:
     """Every argument checked (a bad one named); the GQA group, whether the cache is quantised,
     the launch fitted to the step budget, and whether the dots run in float32."""
-    group, quantised = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale)
+    group, quantised = _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale,
+                              sinks)
     check_device({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
                   "query_start_loc": query_start_loc, "context_lens": context_lens,
                   "k_scale": k_scale, "v_scale": v_scale})
@@ -177,21 +186,22 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                             max_new_tokens: int | None = None,
                             launch: PrefillLaunch = DEFAULT_LAUNCH, window: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of new tokens over prefix + themselves (Triton); see the module docstring.
 
     `max_new_tokens` (the most new tokens of any sequence) saves a device sync when known.
     `launch` sets rows, tile, warps and stages (`PrefillLaunch`).
     `window`: a sliding-window layer's span; each row attends to its last `window` keys.
     `softcap`: each score s becomes softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping).
+    `sinks`: [num_heads] float32, each head's sink logit s: the softmax's sum gains exp(s) (gpt-oss).
     """
     check_window(window)
     check_softcap(softcap)
     group, quantised, launch, dot_f32 = _CHECKED.get(
-        (q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale),
+        (q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale, sinks),
         (launch, decode.STEP_TILE_BYTES),  # the budget the launch is fitted to
         lambda: _check_and_fit(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale,
-                               launch))
+                               sinks, launch))
     out = torch.empty_like(q)
     num_seqs = context_lens.shape[0]
     if num_seqs == 0 or q.shape[0] == 0:
@@ -203,13 +213,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (num_seqs, -(-max_new_tokens // launch.rows), q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-        k_scale if quantised else placeholder, v_scale if quantised else placeholder, out,
+        k_scale if quantised else placeholder, v_scale if quantised else placeholder,
+        placeholder if sinks is None else sinks, out,
         float(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         block_size, head_dim, group, window or 0, float(softcap or 1.0),
         ROWS=launch.rows, TILE=launch.tile, DIM_P=next_power_of_2(head_dim), QUANT=quantised,
         DOT_F32=dot_f32, PRECISION="ieee" if dot_f32 else "tf32", SLIDING=window is not None,
-        SOFTCAP=softcap is not None,
+        SOFTCAP=softcap is not None, SINKS=sinks is not None,
         **launch.compile_options(),
     )
     return out
@@ -220,11 +231,11 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 context_lens: torch.Tensor, *, scale: float,
                                 k_scale: torch.Tensor | None = None,
                                 v_scale: torch.Tensor | None = None, window: int | None = None,
-                                softcap: float | None = None) -> torch.Tensor:
+                                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch twin of `paged_prefill_attention`."""
     check_window(window)
     check_softcap(softcap)
-    _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale)
+    _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, k_scale, v_scale, sinks)
     out = torch.empty_like(q)
     for seq in range(context_lens.shape[0]):
         start, stop = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
@@ -237,5 +248,5 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         v = gather_sequence(v_cache, block_tables[seq], length, v_scale)
         out[start:stop] = attend_ref(q[start:stop], k, v, scale,
                                      causal_offset=length - (stop - start), window=window,
-                                     softcap=softcap).to(q.dtype)
+                                     softcap=softcap, sinks=sinks).to(q.dtype)
     return out

@@ -32,6 +32,10 @@ A `softcap` C (Gemma 2's attn_logit_softcapping) turns each score s into C * tan
 the mask: such a layer attends through the plain matmul path (torch's fused CPU attention has no
 cap), planned and merged by log-sum-exp as any other, since the cap acts on each score alone.
 
+Attention sinks (`sinks`, gpt-oss: a logit per query head that joins each softmax's sum and adds
+no value) are applied once, to the merged result: with L the log-sum-exp over every key and s
+the sink, the output is out * sigmoid(L - s), since exp(L) / (exp(L) + exp(s)) is that.
+
     q                [total_new_tokens, num_heads, head_dim]
     query_start_loc  [num_seqs + 1] int32
     context_lens     [num_seqs] int32
@@ -43,7 +47,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .checks import check, check_softcap, check_window
+from .checks import check, check_sinks, check_softcap, check_window
 from .formats import from_cache
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -413,6 +417,12 @@ def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return torch.matmul(torch.exp(scores - shift[..., None]), v), lse
 
 
+def _sunk(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """`out` (over keys whose log-sum-exp is `lse`) with each head's sink in the softmax's sum:
+    out * sigmoid(lse - sink). `sinks` is broadcast against lse already; None: out unchanged."""
+    return out if sinks is None else out * torch.sigmoid(lse - sinks).unsqueeze(-1)
+
+
 def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
     """Attention over two disjoint key sets combined from each one's output and log-sum-exp:
     o2 + (o1 - o2) * w with w = exp(l1) / (exp(l1) + exp(l2)) = sigmoid(l1 - l2), in three ops.
@@ -425,28 +435,30 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           context_lens: torch.Tensor, *, scale: float, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None, max_new_tokens: int | None = None,
                           plan: AttentionPlan | None = None, window: int | None = None,
-                          softcap: float | None = None) -> torch.Tensor:
+                          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decodes (one new token) are attended together; each prefill on its own, so a mixed
     batch never pads every decode row to the longest prompt chunk. `plan` (from
     `plan_attention`, the same for every layer of a step) saves regrouping per layer; it must
     have been planned for the same `window` (a sliding-window layer's span, None: full).
-    `softcap`: each score s becomes softcap * tanh(s / softcap)."""
+    `softcap`: each score s becomes softcap * tanh(s / softcap). `sinks`: [num_heads] float32,
+    each head's sink logit s: the softmax's sum gains exp(s) (gpt-oss)."""
     check_window(window)
     check_softcap(softcap)
+    check_sinks(sinks, q.shape[1], q.device)
     if plan is None:
         plan = plan_attention(block_tables, query_start_loc, context_lens, k_cache.shape[1], max_new_tokens,
                               window=window)
     elif plan.window != window:
         check(False, "plan", f"was planned for window {plan.window}, not {window}")
     if plan.decode_rows is None and not plan.prefills:
-        return _attend_decode(q, k_cache, v_cache, plan.decode, scale, k_scale, v_scale, softcap)
+        return _attend_decode(q, k_cache, v_cache, plan.decode, scale, k_scale, v_scale, softcap, sinks)
     out = torch.empty_like(q)
     if plan.decode is not None:
         out[plan.decode_rows] = _attend_decode(q[plan.decode_rows], k_cache, v_cache, plan.decode, scale,
-                                               k_scale, v_scale, softcap)
+                                               k_scale, v_scale, softcap, sinks)
     for begin, end, seq, used in plan.prefills:
         out[begin:end] = _attend_prefill(q[begin:end], k_cache, v_cache, block_tables[seq, :used],
-                                         int(context_lens[seq]), scale, k_scale, v_scale, window, softcap)
+                                         int(context_lens[seq]), scale, k_scale, v_scale, window, softcap, sinks)
     return out
 
 
@@ -457,7 +469,7 @@ def _heads_first(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor
 
 def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan,
                    scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A few new tokens per sequence (`plan.rows`, usually one); cascade over shared prefixes
     (see the module docstring). Query rows are laid out [S, Hkv, rows x group, D], token-major."""
     num_seqs, rows = plan.num_seqs, plan.rows
@@ -490,6 +502,10 @@ def _attend_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         n = plan.groups[-1].end
         merged = _merge(shared_out, shared_lse, out[:n], lse[:n])
         out = merged if n == num_seqs else torch.cat((merged, out[n:]))
+        if sinks is not None:
+            lse = torch.cat((torch.logaddexp(shared_lse, lse[:n]), lse[n:]))
+    if sinks is not None:  # query row r * group + g of KV head h is head h * group + g
+        out = _sunk(out, lse, sinks.view(num_kv_heads, 1, group).expand(-1, rows, -1).reshape(num_kv_heads, width))
     if plan.inverse is not None:
         out = out[plan.inverse]
     if rows > 1:
@@ -574,7 +590,7 @@ def _rows(cache: torch.Tensor, blocks: list[int], lo: int, hi: int, block_size: 
 def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                     context_len: int, scale: float, k_scale: torch.Tensor | None,
                     v_scale: torch.Tensor | None, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's new rows q [N, H, D] over its blocks `table`: the new rows causal among
     themselves (a square: one causal call that skips the masked half), and every cached key
     before them visible without a mask: the leading run of consecutive blocks (usually the
@@ -586,6 +602,7 @@ def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = q.shape[1] // num_kv_heads
     blocks = table.tolist()
     queries = q.float().view(width, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, N, D]
+    head_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1)
 
     def attend(lo: int, hi: int, causal: bool = False, mask: torch.Tensor | None = None):
         # K/V as [Hkv, G, T, D] with a stride-0 G axis: each KV head serves its query heads uncopied
@@ -602,14 +619,14 @@ def _attend_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rows = cached + torch.arange(width, device=q.device)[:, None]
         band = torch.zeros((width, context_len - lo), dtype=torch.float32, device=q.device)
         band.masked_fill_((keys > rows) | (keys <= rows - window), float("-inf"))
-        out, _ = attend(lo, context_len, mask=band[None, None])
-        return out.permute(2, 0, 1, 3).reshape(width, q.shape[1], head_dim).to(q.dtype)
+        out, lse = attend(lo, context_len, mask=band[None, None])
+        return _sunk(out, lse, head_sinks).permute(2, 0, 1, 3).reshape(width, q.shape[1], head_dim).to(q.dtype)
     out, lse = attend(cached, context_len, causal=True)
     in_place = min(_leading_run(blocks) * block_size, cached)
     parts = [(lo, hi) for lo, hi in ((0, in_place), (in_place, cached)) if hi > lo]
     for i, (lo, hi) in enumerate(parts):
         part_out, part_lse = attend(lo, hi)
         out = _merge(part_out, part_lse, out, lse)
-        if i + 1 < len(parts):  # another part follows: it merges against the combined log-sum-exp
+        if i + 1 < len(parts) or sinks is not None:  # the combined log-sum-exp, for the next part or the sinks
             lse = torch.logaddexp(part_lse, lse)
-    return out.permute(2, 0, 1, 3).reshape(width, q.shape[1], head_dim).to(q.dtype)
+    return _sunk(out, lse, head_sinks).permute(2, 0, 1, 3).reshape(width, q.shape[1], head_dim).to(q.dtype)
