@@ -109,8 +109,8 @@ def recording_launches():
         return next(t.device for t in tensors.values() if t is not None)
 
     # the modules (the package's names of the same spelling are the launchers)
-    modules = [importlib.import_module(f"{__package__}.{name}") for name in ("copy_blocks", "decode", "prefill",
-                                                                              "write_kv")]
+    modules = [importlib.import_module(f"{__package__}.{name}") for name in ("copy_blocks", "decode", "moe",
+                                                                              "prefill", "write_kv")]
     saved_run, saved_checks = JITFunction.run, [m.check_device for m in modules]
     JITFunction.run = record
     for module in modules:
@@ -125,7 +125,7 @@ def recording_launches():
 
 def launches_for(config: Config) -> list:
     """Call every launcher once for `config` and return its recorded launches."""
-    from . import copy_blocks, paged_decode_attention, paged_prefill_attention, write_kv
+    from . import align_pairs, copy_blocks, grouped_gemm, paged_decode_attention, paged_prefill_attention, write_kv
 
     cache = CACHE_DTYPES[config.cache_dtype]
     query = CACHE_DTYPES[config.query_dtype]
@@ -148,11 +148,22 @@ def launches_for(config: Config) -> list:
                                partition_size=64, window=96, **scales)  # a sliding-window layer
         paged_decode_attention(decode_q, k_cache, v_cache, decode_tables, decode_lengths, scale=dim ** -0.5,
                                partition_size=64, softcap=50.0, **scales)  # scores capped (Gemma 2)
-        for window, softcap in ((None, None), (24, None), (None, 50.0)):
+        sinks = torch.zeros(config.heads)
+        for partition in (128, 64):  # attention sinks (gpt-oss), on a window's split and merged
+            paged_decode_attention(decode_q, k_cache, v_cache, decode_tables, decode_lengths, scale=dim ** -0.5,
+                                   partition_size=partition, window=128, sinks=sinks, **scales)
+        for window, softcap, sink in ((None, None, None), (24, None, None), (None, 50.0, None), (24, None, sinks)):
             paged_prefill_attention(torch.zeros((5, config.heads, dim), dtype=query), k_cache, v_cache, tables,
                                     torch.tensor([0, 2, 5], dtype=torch.int32), lengths, scale=dim ** -0.5,
-                                    window=window, softcap=softcap, **scales)
+                                    window=window, softcap=softcap, sinks=sink, **scales)
         copy_blocks(k_cache, v_cache, torch.tensor([0]), torch.tensor([1]))
+        # a mixture of experts' grouped GEMMs in the model's dtype (the same launch for every cache format)
+        experts = torch.tensor([[0, 2], [1, 2], [3, 0]])
+        tiles = align_pairs(experts, 4, 16)
+        weight, bias = torch.zeros((4, 96, 64), dtype=query), torch.zeros((4, 96), dtype=query)
+        grouped_gemm(torch.zeros((3, 64), dtype=query), weight, tiles, 2, by_token=True, bias=bias)
+        grouped_gemm(torch.zeros((6, 64), dtype=query), weight, tiles, 2, by_token=False, scale=torch.ones(6),
+                     out_dtype=torch.float32)
     return launches
 
 

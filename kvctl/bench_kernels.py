@@ -32,6 +32,11 @@ SHAPES = {  # name: (query heads, KV heads, head_dim)
     "llama3-70b": (64, 8, 128),
 }
 DTYPES = ("bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
+MOE_SHAPES = {  # name: (experts, experts per token, hidden size, expert intermediate size)
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "gpt-oss-20b": (32, 4, 2880, 2880),
+}
 
 
 def _save(ctx: typer.Context, document: dict, save: bool, state_dir: str | None) -> None:
@@ -65,6 +70,24 @@ class DecodeFigure:
 
 
 @dataclass
+class MoeFigure:
+    """One MoE layer's routed experts (bfloat16) for `tokens` rows: the grouped-GEMM kernels
+    against kvd's expert-by-expert torch path, on the same rows, routing and weights."""
+
+    shape: str
+    tokens: int
+    experts_run: int  # distinct experts the rows chose
+    ms: float
+    weight_bytes_per_second: float  # the chosen experts' weights, read once, per second
+    fraction_of_peak: float | None
+    loop_ms: float
+    speedup_vs_loop: float
+    max_abs_diff_vs_loop: float
+    ms_range: list[float]
+    loop_ms_range: list[float]
+
+
+@dataclass
 class PrefillFigure:
     shape: str
     dtype: str
@@ -86,6 +109,9 @@ def kernels_command(
     contexts: list[str] = typer.Option(["512,2048,4096,8192,16384,32768"], "--context",
                                        help="Decode context lengths."),
     shapes: list[str] = typer.Option(["llama3-8b,llama3-70b"], "--shape", help="Head shapes."),
+    moe_shapes: list[str] = typer.Option(["mixtral-8x7b,qwen3-30b-a3b,gpt-oss-20b"], "--moe-shape",
+                                         help="Mixture-of-experts layer shapes (none: skip the MoE figures)."),
+    moe_tokens: list[str] = typer.Option(["1,8,64,512"], "--moe-tokens", help="Rows through a MoE layer."),
     dtype: str = typer.Option("bfloat16", help=f"Cache dtype: {', '.join(DTYPES)}."),
     block_size: int = typer.Option(16, help="Tokens per cache block."),
     max_tokens: int = typer.Option(1 << 21, help="Skip decode cases with more cached tokens than this."),
@@ -132,6 +158,11 @@ def kernels_command(
     for name in shape_list:
         if name not in SHAPES:
             raise UserError(f"shape: unknown value {name!r}; choose from {', '.join(SHAPES)}")
+    moe_shape_list = [] if moe_shapes in (["none"], [""]) else parse_names("moe_shape", moe_shapes)
+    for name in moe_shape_list:
+        if name not in MOE_SHAPES:
+            raise UserError(f"moe_shape: unknown value {name!r}; choose none or from {', '.join(MOE_SHAPES)}")
+    moe_token_list = parse_int_list("moe_tokens", moe_tokens)
     from kvctl.daemon.config import cache_dtype_name
 
     dtype = cache_dtype_name(dtype)
@@ -186,12 +217,13 @@ def kernels_command(
                                             timer=TIMERS[timer], window=window)]
     prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size, launch=prefill_config,
                                               repeat=repeat, timer=TIMERS[timer])]
+    moe = [asdict(f) for f in run_moe(moe_shape_list, moe_token_list, peak, repeat=repeat)]
     import triton
 
     document = {"device": device_name, "peak_bytes_per_second": peak, "block_size": block_size,
                 "repeat": repeat, "timer": timer, "window": window,
                 "decode_launch": asdict(decode_config), "prefill_launch": asdict(prefill_config),
-                "decode": decode, "prefill": prefill, "torch": torch.__version__,
+                "decode": decode, "prefill": prefill, "moe": moe, "torch": torch.__version__,
                 "triton": triton.__version__}
     if compiled:
         document["compile"] = compiled
@@ -219,6 +251,17 @@ def kernels_command(
                       _ms_cell(f["ms"], f["ms_range"]), f"{f['tflops']:.1f}", f"{f['sdpa_ms']:.3f}",
                       f"{f['speedup_vs_sdpa']:.2f}x", f"{f['max_abs_diff_vs_sdpa']:.1e}")
     console.print(table)
+    if moe:
+        table = Table(title="a MoE layer's experts, bfloat16 (time per call): grouped GEMMs vs expert by expert")
+        for column in ("shape", "tokens", "experts run", "ms", "weights GB/s", "% of peak", "loop ms", "vs loop",
+                       "max diff"):
+            table.add_column(column, justify="right")
+        for f in moe:
+            table.add_row(f["shape"], str(f["tokens"]), str(f["experts_run"]), _ms_cell(f["ms"], f["ms_range"]),
+                          f"{f['weight_bytes_per_second'] / 1e9:,.0f}",
+                          "-" if f["fraction_of_peak"] is None else f"{f['fraction_of_peak']:.0%}",
+                          f"{f['loop_ms']:.3f}", f"{f['speedup_vs_loop']:.2f}x", f"{f['max_abs_diff_vs_loop']:.1e}")
+        console.print(table)
 
 
 def _ms_cell(ms: float, spread: list[float]) -> str:
@@ -453,6 +496,48 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
     return figures
 
 
+def run_moe(shape_list, token_list, peak, *, device: str = "cuda", repeat: int = 1) -> list[MoeFigure]:
+    """MoE figures for every (shape, tokens): `moe_experts` (two grouped GEMMs, Triton) beside
+    kvd's expert-by-expert path (`experts_mlp` unfused: a GEMM pair per chosen expert, after a
+    device sync to learn which), one layer, random bfloat16 weights, the router's own top k.
+    Both are timed per call from Python (`_do_bench`): the loop's sync cannot be replayed from a
+    CUDA graph, and the host time it costs is part of what the kernel saves."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvctl.daemon.model.moe import experts_mlp, gated, route
+
+    glu = gated(F.silu)
+    figures = []
+    for shape in shape_list:
+        num_experts, top_k, hidden, inter = MOE_SHAPES[shape]
+        g = torch.Generator(device=device).manual_seed(0)
+        gate_up = torch.randn((num_experts, 2 * inter, hidden), device=device, generator=g,
+                              dtype=torch.bfloat16) * 0.02
+        down = torch.randn((num_experts, hidden, inter), device=device, generator=g, dtype=torch.bfloat16) * 0.02
+        router = torch.randn((num_experts, hidden), device=device, generator=g, dtype=torch.bfloat16)
+        for tokens in token_list:
+            x = torch.randn((tokens, hidden), device=device, generator=g, dtype=torch.bfloat16)
+            weights, experts = route(x, router, top_k, True)
+
+            def fused():
+                return experts_mlp(x, weights, experts, gate_up, down, glu, fused=True)
+
+            def loop():
+                return experts_mlp(x, weights, experts, gate_up, down, glu)
+
+            ms, ms_range = _timed(_do_bench, fused, repeat)
+            loop_ms, loop_range = _timed(_do_bench, loop, repeat)
+            diff = float((fused().float() - loop().float()).abs().max())
+            run = int(experts.unique().numel())
+            bandwidth = run * 3 * hidden * inter * gate_up.element_size() / (ms / 1e3)
+            figures.append(MoeFigure(shape, tokens, run, ms, bandwidth, None if peak is None else bandwidth / peak,
+                                     loop_ms, loop_ms / ms, diff, ms_range, loop_range))
+        gate_up = down = None  # free before the next shape
+        torch.cuda.empty_cache()
+    return figures
+
+
 def _contiguous(cache, scale, tables, batch: int, context: int):
     """One sequence's K or V as bf16 [batch, kv_heads, context, head_dim], dequantised."""
     import torch
@@ -614,9 +699,24 @@ def correctness_checks() -> list[dict]:
     record("paged_prefill_attention float32, softcap 2",
            paged_prefill_attention(qp * 4, k, v, tables, qsl, lens, **capped),
            paged_prefill_attention_ref(qp * 4, k, v, tables, qsl, lens, **capped), 1e-5)
+    sunk = dict(scale=0.125, window=20, sinks=torch.linspace(-2.0, 3.0, heads))  # gpt-oss: sinks on a sliding layer
+    record("paged_decode_attention float32, sinks, window 20",
+           paged_decode_attention(q, k, v, tables, lens, **sunk),
+           paged_decode_attention_ref(q, k, v, tables, lens, **sunk), 1e-5)
+    record("paged_prefill_attention float32, sinks, window 20",
+           paged_prefill_attention(qp, k, v, tables, qsl, lens, **sunk),
+           paged_prefill_attention_ref(qp, k, v, tables, qsl, lens, **sunk), 1e-5)
     k2, v2 = k.clone(), v.clone()
     src, dst = torch.tensor([int(tables[4, 0])]), torch.tensor([int(tables[0, 1])])
     copy_blocks(k, v, src, dst)
     copy_blocks_ref(k2, v2, src, dst)
     record("copy_blocks", k, k2, 0.0)
+    from kvctl.daemon.model.moe import experts_mlp, gated, route
+
+    router, x = torch.randn((8, 64)), torch.randn((29, 64))  # 8 experts, 2 for each of 29 rows
+    gate_up, down = torch.randn((8, 96, 64)) * 0.2, torch.randn((8, 64, 48)) * 0.2
+    weights, experts = route(x, router, 2, True)
+    glu = gated(torch.nn.functional.silu)
+    record("moe_experts float32 (8 experts, 2 per row)", experts_mlp(x, weights, experts, gate_up, down, glu, fused=True),
+           experts_mlp(x, weights, experts, gate_up, down, glu), 1e-4)
     return checks

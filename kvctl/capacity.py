@@ -83,30 +83,31 @@ class ModelShape:
             raise ValueError(f"model: {str(model_dir)!r}/config.json lacks num_hidden_layers, "
                              "num_attention_heads or hidden_size")
         multimodal = raw is not outer and "text_config" in outer  # kvd reads only its language model's tensors
+        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+        quantised = isinstance(raw.get("quantization_config"), dict) and \
+            raw["quantization_config"].get("quant_method") == "mxfp4"
         try:
-            weights = (language_model_bytes(model_dir, outer) if multimodal
-                       else sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))) or None
+            if multimodal:
+                weights = language_model_bytes(model_dir, outer)
+            elif quantised:  # kvd dequantises the experts as they load: they take what they would unquantised
+                weights = mxfp4_served_bytes(model_dir, DTYPE_BYTES.get(dtype, 2))
+            else:
+                weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+            weights = weights or None
         except ModelError as exc:
             raise ValueError(f"model: {exc}") from None
         return cls(layers=int(raw["num_hidden_layers"]), kv_heads=int(raw.get("num_key_value_heads") or heads),
                    head_dim=int(raw.get("head_dim") or hidden // heads), hidden_size=int(hidden),
                    intermediate_size=raw.get("intermediate_size"),
-                   dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"), weights_bytes=weights,
+                   dtype=dtype, weights_bytes=weights,
                    heads=int(heads), **_as_kvd_reads(outer))
 
 
-def language_model_bytes(model_dir: Path, raw: dict) -> int:
-    """Bytes of the tensors kvd reads from a multimodal checkpoint of config.json `raw` (its
-    language model's, `expected_tensors`; the vision tower stays on disk), from the safetensors
-    headers: no tensor is read."""
+def _stored_tensors(model_dir: Path):
+    """(name, bytes) of every tensor in the folder's safetensors files, from their headers: no
+    tensor is read."""
     import struct
 
-    from kvctl.daemon.model.config import ModelConfig
-    from kvctl.daemon.model.weights import expected_tensors, text_model_name
-
-    wanted = set(expected_tensors(ModelConfig.from_dict(raw)))
-
-    total = 0
     for path in model_dir.glob("*.safetensors"):
         with open(path, "rb") as handle:
             try:
@@ -114,9 +115,34 @@ def language_model_bytes(model_dir: Path, raw: dict) -> int:
             except (struct.error, ValueError):
                 raise ValueError(f"model: {str(path)!r} is not a safetensors file") from None
         for name, entry in header.items():
-            if text_model_name(name) in wanted:
+            if name != "__metadata__":
                 start, end = entry["data_offsets"]
-                total += end - start
+                yield name, end - start
+
+
+def language_model_bytes(model_dir: Path, raw: dict) -> int:
+    """Bytes of the tensors kvd reads from a multimodal checkpoint of config.json `raw` (its
+    language model's, `expected_tensors`; the vision tower stays on disk)."""
+    from kvctl.daemon.model.config import ModelConfig
+    from kvctl.daemon.model.weights import expected_tensors, text_model_name
+
+    wanted = set(expected_tensors(ModelConfig.from_dict(raw)))
+    return sum(size for name, size in _stored_tensors(model_dir) if text_model_name(name) in wanted)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def mxfp4_served_bytes(model_dir: Path, element_bytes: int) -> int:
+    """Bytes an MXFP4 checkpoint's weights take once kvd has dequantised them (gpt-oss's experts,
+    daemon/model/mxfp4.py): each byte of blocks holds two values of `element_bytes` each, the
+    scales are dropped, and every other tensor takes what it takes on disk."""
+    total = 0
+    for name, size in _stored_tensors(model_dir):
+        if name.endswith("_blocks"):
+            total += 2 * size * element_bytes
+        elif not name.endswith("_scales"):
+            total += size
     return total
 
 

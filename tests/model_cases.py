@@ -1,5 +1,5 @@
-"""Tiny Llama / Qwen2 / Qwen3 / Phi-3 / Mistral / Gemma 2 and 3 / Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints built
-with transformers (a test-only dependency)."""
+"""Tiny Llama / Qwen2 / Qwen3 / Phi-3 / Mistral / Gemma 2 and 3 / Mixtral / Qwen2-MoE / Qwen3-MoE / gpt-oss
+checkpoints built with transformers (a test-only dependency)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,16 @@ def tiny_config(kind: str):
             **TINY, num_key_value_heads=1, tie_word_embeddings=False, rope_theta=500000.0,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if kind == "llama-bias":  # attention_bias: Q, K, V and the output projection have biases
+        return transformers.LlamaConfig(**TINY, num_key_value_heads=1, attention_bias=True)
+    if kind == "gpt-oss":
+        # gpt-oss-20b's shape scaled down: sinks, layer 0 sliding (24 tokens) and layer 1 full, YaRN,
+        # 4 biased experts with the clamped SwiGLU (its limit low enough to clamp these random ones), 2 for each token
+        return transformers.GptOssConfig(
+            **{**TINY, "num_attention_heads": 4}, num_key_value_heads=2, sliding_window=24, num_local_experts=4,
+            num_experts_per_tok=2, swiglu_limit=1.5, eos_token_id=2, pad_token_id=0,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0})
     if kind == "llama2-tied-mha":
         return transformers.LlamaConfig(**TINY, num_key_value_heads=2, tie_word_embeddings=True)
     if kind == "qwen2":
@@ -88,6 +98,8 @@ def build_checkpoint(kind: str, directory: Path, seed: int = 0, max_shard_size: 
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.uniform_(0.5, 1.5)
+            elif name.endswith(("bias", "sinks")):  # they start at zero, which a bias left unread would match
+                parameter.normal_(0.0, 0.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(directory), **kwargs)
     write_byte_tokenizer(Path(directory))

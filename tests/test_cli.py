@@ -286,7 +286,9 @@ def test_bench_kernels_without_cuda_checks_correctness_only(capsys, tmp_path):
         "write_kv float32", "paged_decode_attention float32 (GQA 4)",
         "paged_prefill_attention float32 (GQA 4)", "paged_decode_attention float32, window 20",
         "paged_prefill_attention float32, window 20", "paged_decode_attention float32, softcap 2",
-        "paged_prefill_attention float32, softcap 2", "copy_blocks"]
+        "paged_prefill_attention float32, softcap 2", "paged_decode_attention float32, sinks, window 20",
+        "paged_prefill_attention float32, sinks, window 20", "copy_blocks",
+        "moe_experts float32 (8 experts, 2 per row)"]
     assert all(c["ok"] and c["max_abs_diff"] <= c["tolerance"] for c in doc["checks"])
 
 
@@ -425,11 +427,13 @@ def test_bench_kernels_compile_report_lists_each_kernel_and_every_refusal():
     cells = [line.replace("│", " ").split() for line in text.splitlines()]
     rows = {c[0]: c[1:] for c in cells if c and c[0].endswith("_kernel")}
     assert set(rows) == {"write_kv_kernel", "decode_partial_kernel", "decode_merge_kernel", "prefill_kernel",
-                         "copy_blocks_kernel"}
+                         "copy_blocks_kernel", "grouped_gemm_kernel"}
     # bfloat16 at head_dim 64 and 256 (fp8_e4m3 refused), each writing its output, split for a merge,
-    # over a sliding window and with capped scores; prefill over the whole context, over a window and capped
-    assert rows["decode_partial_kernel"][0] == "8" and rows["decode_merge_kernel"][0] == "2"
-    assert rows["prefill_kernel"][0] == "6"
+    # over a sliding window, with capped scores, and with sinks on a window (written, then merged);
+    # prefill over the whole context, over a window, capped, and with sinks on a window
+    assert rows["decode_partial_kernel"][0] == "12" and rows["decode_merge_kernel"][0] == "2"
+    assert rows["prefill_kernel"][0] == "8"
+    assert rows["grouped_gemm_kernel"][0] == "2"  # a MoE's two GEMMs, in bfloat16 for every head shape
     assert all(r[-2:] == ["0", "0"] for r in rows.values())  # no spills, no failures
     assert ("refused by the launchers on sm_80 (2 configurations): fp8_e4m3 needs a GPU of compute capability "
             "8.9 or newer (L4, L40S, H100, H200); this one is 8.0: use fp8_e5m2 or int8") in " ".join(text.split())
@@ -466,7 +470,7 @@ def test_bench_kernels_on_a_gpu_reports_medians_ranges_and_the_launch(capsys, mo
     device = "cuda" if torch.cuda.is_available() else "cpu"
     times = [3.0, 1.0, 2.0, 5.0, 4.0, 6.0]
 
-    def timer(fn, clock=iter(times * 8)):
+    def timer(fn, clock=iter(times * 12)):
         return next(clock)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -476,8 +480,13 @@ def test_bench_kernels_on_a_gpu_reports_medians_ranges_and_the_launch(capsys, mo
     monkeypatch.setattr(bench_kernels, "run_prefill", lambda *a, **k: real_prefill(
         *a, **k, batch=1, new_tokens=20, prefixes=(24,), device=device))
     monkeypatch.setattr(bench_kernels, "TIMERS", {"calls": timer, "graph": lambda fn: pytest.fail("graph timer")})
+    # a MoE layer of 4 experts (2 per row, hidden 64, intermediate 32), 3 rows through it
+    real_moe = bench_kernels.run_moe
+    monkeypatch.setattr(bench_kernels, "MOE_SHAPES", {"tiny": (4, 2, 64, 32)})
+    monkeypatch.setattr(bench_kernels, "run_moe", lambda *a, **k: real_moe(*a, **k, device=device))
+    monkeypatch.setattr(bench_kernels, "_do_bench", timer)
     args = ["bench", "kernels", "--shape", "llama3-8b", "--batch", "2", "--context", "40", "--repeat", "3",
-            "--decode-launch", "tile=32"]
+            "--decode-launch", "tile=32", "--moe-shape", "tiny", "--moe-tokens", "3"]
     status, out, _ = cli(capsys, *args, "--json")
     assert status == 0
     doc = json.loads(out)
@@ -487,11 +496,18 @@ def test_bench_kernels_on_a_gpu_reports_medians_ranges_and_the_launch(capsys, mo
     (d,) = doc["decode"]
     assert (d["ms"], d["ms_range"], d["sdpa_ms"], d["sdpa_ms_range"]) == (2.0, [1.0, 3.0], 5.0, [4.0, 6.0])
     assert [(p["prefix"], p["ms"], p["ms_range"]) for p in doc["prefill"]] == [(24, 2.0, [1.0, 3.0])]
+    (m,) = doc["moe"]
+    assert (m["shape"], m["tokens"], m["ms"], m["ms_range"], m["loop_ms"], m["loop_ms_range"], m["speedup_vs_loop"]) \
+        == ("tiny", 3, 2.0, [1.0, 3.0], 5.0, [4.0, 6.0], 2.5)
+    assert 2 <= m["experts_run"] <= 4 and m["max_abs_diff_vs_loop"] < 0.02  # bfloat16 rows, float32 sums
+    weight_bytes = m["experts_run"] * 3 * 64 * 32 * 2
+    assert m["weight_bytes_per_second"] == weight_bytes / 2e-3 and m["fraction_of_peak"] == weight_bytes / 2e-3 / 4.8e12
     monkeypatch.setenv("COLUMNS", "160")  # one line a row
     status, out, _ = cli(capsys, *args)
     assert status == 0
     assert "paged decode on NVIDIA H200 (bfloat16 cache, block 16; time per call)" in out
     assert "2.000 (1.000-3.000)" in out and "2.50x" in out
+    assert "a MoE layer's experts, bfloat16 (time per call): grouped GEMMs vs expert by expert" in out
     status, out, _ = cli(capsys, *args, "--window", "24")
     assert status == 0
     assert ("paged decode on NVIDIA H200 (bfloat16 cache, block 16, the last 24 tokens of each context; time per "
@@ -526,10 +542,11 @@ def test_bench_kernels_timer_graph_times_kernel_and_sdpa_from_cuda_graphs(capsys
         *a, **k, batch=1, new_tokens=20, prefixes=(24,), device=device))
     monkeypatch.setattr(bench_kernels, "TIMERS", {"calls": lambda fn: pytest.fail("calls timer"),
                                                   "graph": graph_timer})
-    args = ["bench", "kernels", "--shape", "llama3-8b", "--batch", "2", "--context", "40", "--timer", "graph"]
+    args = ["bench", "kernels", "--shape", "llama3-8b", "--batch", "2", "--context", "40", "--timer", "graph",
+            "--moe-shape", "none"]
     status, out, _ = cli(capsys, *args, "--json")
     assert status == 0
-    assert json.loads(out)["timer"] == "graph"
+    assert json.loads(out)["timer"] == "graph" and json.loads(out)["moe"] == []
     assert timed == ["kernel", "baseline", "kernel", "baseline"]  # one decode case, one prefill case
     monkeypatch.setenv("COLUMNS", "160")
     status, out, _ = cli(capsys, *args)

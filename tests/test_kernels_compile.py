@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 
 KERNELS = {"write_kv_kernel", "decode_partial_kernel", "decode_merge_kernel", "prefill_kernel",
-           "copy_blocks_kernel"}
+           "copy_blocks_kernel", "grouped_gemm_kernel"}
 
 
 def compile_in_subprocess(script: str) -> dict:

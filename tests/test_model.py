@@ -38,7 +38,7 @@ def full_forward_logits(loaded, ids, lora=None):
 
 @pytest.mark.parametrize("kind", ["llama3", "llama2-tied-mha", "qwen2", "qwen3", "mistral", "qwen3-yarn",
                                   "llama-linear", "phi3", "gemma2", "gemma3", "gemma3-multimodal", "mixtral",
-                                  "qwen3-moe", "qwen2-moe"])
+                                  "qwen3-moe", "qwen2-moe", "llama-bias", "gpt-oss"])
 def test_greedy_tokens_and_logits_match_transformers(kind, tmp_path):
     hf = build_checkpoint(kind, tmp_path)
     loaded = load_model(tmp_path)
@@ -90,7 +90,7 @@ LONG_PROMPT = [(i * 37 + 5) % 300 for i in range(70)]  # three windows of 24 tok
 
 
 SLIDING = {"mistral-window": (0, 1), "phi3-window": (0, 1), "qwen2-window": (1,), "gemma2": (0, 2),
-           "gemma3": (0, 1)}  # the layers that slide
+           "gemma3": (0, 1), "gpt-oss": (0,)}  # the layers that slide
 
 
 @pytest.mark.parametrize("kind", list(SLIDING))

@@ -17,7 +17,7 @@ from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
 from kvctl.daemon.model.config import ModelConfig, ModelError  # noqa: E402
 from kvctl.daemon.model.llama import ACTIVATIONS, load_model  # noqa: E402
 from kvctl.daemon.model.lora import load_adapters  # noqa: E402
-from kvctl.daemon.model.moe import experts_mlp, moe_mlp, moe_mlp_ref, route  # noqa: E402
+from kvctl.daemon.model.moe import experts_mlp, gated, moe_mlp, moe_mlp_ref, route  # noqa: E402
 from kvctl.daemon.model.weights import expected_tensors  # noqa: E402
 from kvctl.daemon.server.status_body import experts  # noqa: E402
 
@@ -87,7 +87,7 @@ def test_the_routed_mlp_equals_every_expert_weighed_by_the_router(top_k, normali
     x = torch.randn(37, 32, generator=g)
     router, gate_up, down = torch.randn(6, 32, generator=g), torch.randn(6, 48, 32, generator=g) * 0.2, \
         torch.randn(6, 32, 24, generator=g) * 0.2
-    silu = ACTIVATIONS["silu"]
+    silu = gated(ACTIVATIONS["silu"])
     torch.testing.assert_close(moe_mlp(x, router, gate_up, down, top_k, normalise, silu),
                                moe_mlp_ref(x, router, gate_up, down, top_k, normalise, silu), atol=1e-5, rtol=1e-5)
     weights, experts = route(x, router, top_k, normalise)
@@ -104,7 +104,7 @@ def test_an_expert_no_token_chose_does_not_run():
     gate_up[3] = math.nan  # expert 3 would poison every row it ran over
     weights = torch.full((9, 2), 0.5)
     experts = torch.tensor([[0, 1], [1, 2], [2, 0]] * 3)
-    out = experts_mlp(x, weights, experts, gate_up, down, ACTIVATIONS["silu"])
+    out = experts_mlp(x, weights, experts, gate_up, down, gated(ACTIVATIONS["silu"]))
     assert torch.isfinite(out).all()
     row = 4  # experts 1 and 2, half each
     halves = [torch.nn.functional.linear(torch.nn.functional.silu(a) * b, down[e])

@@ -25,6 +25,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     # Gemma 3 4B, 12B and 27B: kvd serves their language model, text in and text out
     "Gemma3ForConditionalGeneration": "gemma3",
+    # gpt-oss: attention sinks, every other layer sliding, biased experts with a clamped SwiGLU
+    "GptOssForCausalLM": "gpt_oss",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config's name -> kvd's
@@ -38,6 +40,17 @@ GEMMA2_DEFAULTS = {
     "sliding_window": 4096, "sliding_window_pattern": 2, "final_logit_softcapping": 30.0,
     "attn_logit_softcapping": 50.0, "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1,
 }
+# transformers' GptOssConfig defaults that change what is computed, where a config leaves them out
+GPT_OSS_DEFAULTS = {
+    "num_local_experts": 128, "num_experts_per_tok": 4, "head_dim": 64, "sliding_window": 128,
+    "rms_norm_eps": 1e-5, "rope_theta": 150_000.0, "attention_bias": True, "tie_word_embeddings": False,
+    "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+}
+# the quantised checkpoints kvd reads (the weights dequantised as they load), by quant_method and architecture
+READ_QUANTISATIONS = {("mxfp4", "gpt_oss")}
+
 # transformers' Gemma3TextConfig defaults: Gemma 3's multimodal checkpoints give only the fields
 # that differ from them in their `text_config`
 GEMMA3_TEXT_DEFAULTS = {
@@ -51,8 +64,8 @@ GEMMA3_TEXT_DEFAULTS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma2"
-    # or "gemma3"
+    architecture: str  # "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma2",
+    # "gemma3" or "gpt_oss"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -65,10 +78,12 @@ class ModelConfig:
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
+    qkv_bias: bool  # Q, K and V have biases
     dtype: str  # float32, bfloat16 or float16
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    o_bias: bool = False  # the attention's output projection has a bias (`attention_bias` of Llama, Qwen3, Gemma)
+    attention_sinks: bool = False  # gpt-oss: each head's learned logit joins its softmax's sum (`self_attn.sinks`)
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head of Q and K, before RoPE
     sliding_window: int | None = None  # tokens a sliding-window layer attends to, where one does
     sliding_layers: tuple[int, ...] = ()  # the layers that slide that window (the others attend in full)
@@ -93,6 +108,13 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    # gpt-oss: the router and every expert's projections have biases, and each expert's activation is
+    # the clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g the gate clamped to at most `swiglu_limit`
+    # and up to +-`swiglu_limit`; the checkpoint keeps each layer's experts stacked, gate and up interleaved
+    experts_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    quantisation: str | None = None  # the checkpoint's `quantization_config.quant_method` (READ_QUANTISATIONS)
 
     @property
     def fused_projections(self) -> bool:
@@ -105,6 +127,20 @@ class ModelConfig:
         """Where a MoE layer's router and experts are, under `model.layers.{i}.`: Mixtral's
         `block_sparse_moe.` (experts' w1, w3, w2: gate, up, down), Qwen's `mlp.` (gate_proj, up_proj, down_proj)."""
         return "block_sparse_moe." if self.architecture == "mixtral" else "mlp."
+
+    @property
+    def stacked_experts(self) -> bool:
+        """Whether the checkpoint keeps each MoE layer's experts as stacked tensors (gpt-oss's
+        `mlp.experts.gate_up_proj` [E, hidden, 2·I], gate and up columns interleaved, and
+        `down_proj` [E, I, hidden]) rather than one tensor per expert and projection."""
+        return self.architecture == "gpt_oss"
+
+    @property
+    def norm_style(self) -> str:
+        """How RMSNorm applies its weight, as transformers writes each model (llama.rms_norm):
+        "gemma" (1 + weight, in float32), "float32" (weight, in float32: gpt-oss), else "llama"
+        (weight, after the normalised values are cast back to the model's dtype)."""
+        return "gemma" if self.gemma_norms else "float32" if self.architecture == "gpt_oss" else "llama"
 
     @property
     def attention_scale(self) -> float:
@@ -144,6 +180,7 @@ class ModelConfig:
             raise ModelError(f"{where}: unsupported architecture {archs!r}; supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         raw = language_model_fields(raw, where)
+        quantisation = _quantisation(raw, arch, where)
 
         def need(name: str, kind=int):
             value = raw.get(name)
@@ -186,14 +223,14 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=arch in ("qwen2", "qwen2_moe") or bool(raw.get("attention_bias", False)),
+            **_attention_biases(raw, arch), attention_sinks=arch == "gpt_oss",
             dtype=dtype, bos_token_id=raw.get("bos_token_id"), eos_token_ids=eos_ids,
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"), **_sliding_window(raw, arch, need("num_hidden_layers"), where),
             **_rope(raw, arch, max_positions, where), activation=ACTIVATIONS[activation],
             query_pre_attn_scalar=None if scalar is None else float(scalar), gemma_norms=gemma,
             final_logit_softcapping=None if cap is None else float(cap),
             attn_logit_softcapping=None if score_cap is None else float(score_cap),
-            **_experts(raw, arch, need("num_hidden_layers"), where),
+            **_experts(raw, arch, need("num_hidden_layers"), where), quantisation=quantisation,
         )
 
     @classmethod
@@ -230,7 +267,40 @@ def language_model_fields(raw: dict, where: str = "config.json") -> dict:
         return {**GEMMA3_TEXT_DEFAULTS, **raw}
     if "Gemma2ForCausalLM" in archs:
         return {**GEMMA2_DEFAULTS, **raw}
+    if "GptOssForCausalLM" in archs:
+        if raw.get("rope_scaling") or raw.get("rope_parameters"):  # a config's own RoPE replaces the default whole
+            return {**GPT_OSS_DEFAULTS, "rope_scaling": None, **raw}
+        return {**GPT_OSS_DEFAULTS, **raw}
     return raw
+
+
+def _attention_biases(raw: dict, arch: str) -> dict:
+    """Which attention projections have biases, as transformers builds each architecture: Qwen2's
+    Q, K and V always (Qwen2-MoE's by `qkv_bias`), never its output; Mistral's, Mixtral's and
+    Phi-3's none; the others' Q, K, V and output where `attention_bias` says."""
+    if arch == "qwen2":
+        return {"qkv_bias": True, "o_bias": False}
+    if arch == "qwen2_moe":
+        return {"qkv_bias": bool(raw.get("qkv_bias", True)), "o_bias": False}
+    if arch in ("mistral", "mixtral", "phi3"):
+        return {"qkv_bias": False, "o_bias": False}
+    bias = bool(raw.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias}
+
+
+def _quantisation(raw: dict, arch: str, where: str) -> str | None:
+    """The checkpoint's quantisation, where kvd reads it (READ_QUANTISATIONS: gpt-oss's MXFP4
+    experts); any other is refused by name at load, since its tensors would be read as plain
+    weights without their scales."""
+    config = raw.get("quantization_config")
+    if config is None:
+        return None
+    method = config.get("quant_method") if isinstance(config, dict) else None
+    if (method, arch) in READ_QUANTISATIONS:
+        return method
+    readable = ", ".join(f"{m} ({a})" for m, a in sorted(READ_QUANTISATIONS))
+    raise ModelError(f"{where}: quantization_config quant_method {method!r} is not supported for {arch} "
+                     f"(kvd reads {readable}); serve the unquantised checkpoint")
 
 
 def _refuse_what_kvd_does_not_compute(raw: dict, where: str) -> None:
@@ -284,6 +354,8 @@ def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> dict:
         layers = tuple(range(num_layers)) if window is not None else ()
     elif arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and raw.get("use_sliding_window"):
         layers = tuple(range(int(raw.get("max_window_layers") or 0), num_layers))
+    elif arch == "gpt_oss":  # transformers' default: layers 0, 2, 4... slide
+        layers = tuple(range(0, num_layers, 2)) if window is not None else ()
     elif arch in ("gemma2", "gemma3"):  # every `sliding_window_pattern`-th layer attends in full, the others slide
         pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern"))
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
@@ -299,7 +371,7 @@ def _sliding_window(raw: dict, arch: str, num_layers: int, where: str) -> dict:
     return {"sliding_window": window, "sliding_layers": layers}
 
 
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def _experts(raw: dict, arch: str, num_layers: int, where: str) -> dict:
@@ -325,6 +397,15 @@ def _experts(raw: dict, arch: str, num_layers: int, where: str) -> dict:
         return {"num_experts": experts, "experts_per_token": top_k,
                 "expert_intermediate_size": count("intermediate_size", raw.get("intermediate_size")),
                 "moe_layers": tuple(range(num_layers)), "norm_topk_prob": True}
+    if arch == "gpt_oss":  # a softmax over the top k's scores: the whole softmax's top k, renormalised
+        limit, alpha = raw.get("swiglu_limit"), raw.get("swiglu_alpha")
+        for name, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+            if not _positive(value):
+                raise ModelError(f"{where}: field {name!r} must be a positive number (got {value!r})")
+        return {"num_experts": experts, "experts_per_token": top_k,
+                "expert_intermediate_size": count("intermediate_size", raw.get("intermediate_size")),
+                "moe_layers": tuple(range(num_layers)), "norm_topk_prob": True, "experts_bias": True,
+                "swiglu_limit": float(limit), "swiglu_alpha": float(alpha)}
     step = count("decoder_sparse_step", raw.get("decoder_sparse_step", 1))
     dense = raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):

@@ -1,5 +1,5 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3/4, Gemma 2 and 3, and the mixtures of
-experts Mixtral, Qwen2-MoE and Qwen3-MoE) that reads and writes the paged KV cache.
+experts Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss) that reads and writes the paged KV cache.
 
 One forward pass takes a flat batch of new tokens from many sequences (prefill chunks and
 decodes mixed), writes their K/V into the cache at `slot_mapping`, and attends through the
@@ -29,7 +29,7 @@ from kvctl.kernels.formats import to_cache
 from .config import ModelConfig, ModelError
 from .generation_config import GenerationConfig, merged_eos, read_generation_config
 from .lora import lora_delta
-from .moe import moe_mlp
+from .moe import clamped_swiglu, gated, moe_mlp
 from .rope import attention_factor, inverse_frequencies
 from .tokenizer import Tokenizer
 from .weights import expert_names, load_weights, model_revision
@@ -66,12 +66,14 @@ class ForwardBatch:
     lora: list[tuple[Any, torch.Tensor | None]] | None = None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
-    """RMSNorm as Llama computes it (normalised in float32, cast back, times `weight`), or with
-    `plus_one` as Gemma does (times 1 + `weight`, in float32, then cast back)."""
-    if plus_one:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, style: str = "llama") -> torch.Tensor:
+    """RMSNorm in one of the ways transformers computes it (ModelConfig.norm_style): "llama"
+    (normalised in float32, cast back, times `weight`), "gemma" (times 1 + `weight`, in float32,
+    then cast back) or "float32" (times `weight` in float32, then cast back: gpt-oss)."""
+    if style != "llama":
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+        scale = 1.0 + weight.float() if style == "gemma" else weight.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
     if x.dtype == torch.float32:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     x32 = x.float()
@@ -141,6 +143,12 @@ class LayerWeights:
     experts_gate_up: torch.Tensor | None = None
     experts_down: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None  # the output projection's bias (`attention_bias`)
+    sinks: torch.Tensor | None = None  # gpt-oss: [H] float32, each head's sink logit
+    # gpt-oss: the router's bias [E] and the experts' biases ([E, 2·I] gate then up, [E, hidden])
+    router_bias: torch.Tensor | None = None
+    experts_gate_up_bias: torch.Tensor | None = None
+    experts_down_bias: torch.Tensor | None = None
 
 
 def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[LayerWeights]:
@@ -151,7 +159,9 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
         p = f"model.layers.{i}."
         take = weights.pop
         bias = None
-        if i in config.moe_layers:  # router, experts, and a shared expert's gate_up and down (or None)
+        if i in config.moe_layers and config.stacked_experts:  # gpt-oss: stacked, gate and up interleaved
+            mlp = _pack_stacked_experts(i, take)
+        elif i in config.moe_layers:  # router, experts, and a shared expert's gate_up and down (or None)
             mlp = _pack_experts(config, i, take)
         elif config.fused_projections:  # Phi-3 stores them packed as kvd packs them: [q; k; v] and [gate; up]
             mlp = {"gate_up": take(p + "mlp.gate_up_proj.weight"), "down": take(p + "mlp.down_proj.weight")}
@@ -174,10 +184,29 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
         attn_out_norm = take(p + "post_attention_layernorm.weight") if sandwich else None
         mlp_norm = take(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight"))
         mlp_out_norm = take(p + "post_feedforward_layernorm.weight") if sandwich else None
+        o_bias = take(p + "self_attn.o_proj.bias") if config.o_bias else None
+        sinks = take(p + "self_attn.sinks").float() if config.attention_sinks else None  # the kernels take float32
         layers.append(LayerWeights(take(p + "input_layernorm.weight"), qkv, bias, take(p + "self_attn.o_proj.weight"),
                                    mlp_norm, qk_norm=qk_norm, attn_out_norm=attn_out_norm, mlp_out_norm=mlp_out_norm,
-                                   **mlp))
+                                   o_bias=o_bias, sinks=sinks, **mlp))
     return layers
+
+
+def _pack_stacked_experts(layer: int, take) -> dict[str, torch.Tensor | None]:
+    """gpt-oss's MoE layer, packed as kvd packs any: the router and its bias, the experts'
+    gate_up [E, 2·I, hidden] (the checkpoint's [E, hidden, 2·I] transposed, its interleaved gate
+    and up columns put gate first, then up) and down [E, hidden, I], with their biases alike."""
+    p = f"model.layers.{layer}.mlp."
+    gate_up = take(p + "experts.gate_up_proj").transpose(1, 2)  # [E, 2·I, hidden]: rows gate 0, up 0, gate 1...
+    gate_up_bias = take(p + "experts.gate_up_proj_bias")
+    packed = {"router": take(p + "router.weight"), "router_bias": take(p + "router.bias"),
+              "experts_gate_up": torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1),
+              "experts_gate_up_bias": torch.cat((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]), dim=1),
+              "experts_down_bias": take(p + "experts.down_proj_bias"), "gate_up": None, "down": None,
+              "shared_gate": None}
+    del gate_up, gate_up_bias
+    packed["experts_down"] = take(p + "experts.down_proj").transpose(1, 2).contiguous()
+    return packed
 
 
 def _pack_experts(config: ModelConfig, layer: int, take) -> dict[str, torch.Tensor | None]:
@@ -253,6 +282,9 @@ class LlamaModel:
         self.windows = config.layer_windows()  # each layer's span: its sliding window, or None (full attention)
         self.layer_rope = [1 if len(self.ropes) > 1 and window is not None else 0 for window in self.windows]
         self.activation = ACTIVATIONS[config.activation]
+        # what a MoE layer's experts compute from their gate and up (daemon/model/moe.py)
+        self.experts_glu = (gated(self.activation) if config.swiglu_limit is None
+                            else clamped_swiglu(config.swiglu_limit, config.swiglu_alpha))
         # the CPU attention plans of the last forward pass, one per span (full, sliding), reused while they fit
         self._plans: dict[int | None, Any] = {}
 
@@ -381,8 +413,9 @@ class LlamaModel:
         cached blocks): the cache's blocks are about to change under them."""
         self._plans = {}
 
-    def _attention(self, q, cache: LayerCache, batch: ForwardBatch, plan=None, window: int | None = None):
-        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, window=window, softcap=self.softcap)
+    def _attention(self, q, cache: LayerCache, batch: ForwardBatch, plan=None, window: int | None = None,
+                   sinks: torch.Tensor | None = None):
+        scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, window=window, softcap=self.softcap, sinks=sinks)
         if self.use_triton and batch.max_new_tokens == 1:
             return paged_decode_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
                                           scale=self.scale, max_context=batch.max_context, **scales)
@@ -401,7 +434,8 @@ class LlamaModel:
         if layer.router is not None:
             c = self.config
             routed = moe_mlp(x, layer.router, layer.experts_gate_up, layer.experts_down, c.experts_per_token,
-                             c.norm_topk_prob, self.activation)
+                             c.norm_topk_prob, self.experts_glu, layer.router_bias, layer.experts_gate_up_bias,
+                             layer.experts_down_bias, fused=self.use_triton)
             if layer.gate_up is None:
                 return routed
         gate_up = F.linear(x, layer.gate_up)
@@ -425,7 +459,7 @@ class LlamaModel:
         written (calibration measures them)."""
         c, w = self.config, self.w
         heads, kv_heads, dim, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-        plus_one = c.gemma_norms
+        style = c.norm_style
         hidden = F.embedding(batch.input_ids, w["model.embed_tokens.weight"])
         if c.embedding_scale is not None:  # Gemma: scaled in the model's dtype, as transformers does
             hidden = hidden * torch.tensor(c.embedding_scale, dtype=hidden.dtype, device=hidden.device)
@@ -444,13 +478,13 @@ class LlamaModel:
                                                batch.block_content, window=window)
             self._plans = plans
         for i, layer in enumerate(self.layers):
-            x = rms_norm(hidden, layer.input_norm, eps, plus_one)
+            x = rms_norm(hidden, layer.input_norm, eps, style)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             if lora:
                 lora_delta(qkv, x, lora, i, "qkv")
             qk = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
             if layer.qk_norm is not None:  # Qwen3, Gemma 3: each head of Q and K normalised before RoPE
-                qk = rms_norm(qk, layer.qk_norm, eps, plus_one)
+                qk = rms_norm(qk, layer.qk_norm, eps, style)
             cos, sin = rotations[self.layer_rope[i]]
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin  # RoPE on Q and K at once
             q, k = qk[:, :heads].contiguous(), qk[:, heads:]
@@ -459,20 +493,20 @@ class LlamaModel:
             if observer is not None:
                 observer(i, k, v)
             self._write(k, v, cache, batch.slot_mapping)
-            attn = self._attention(q, cache, batch, plans.get(self.windows[i]), self.windows[i]).reshape(
+            attn = self._attention(q, cache, batch, plans.get(self.windows[i]), self.windows[i], layer.sinks).reshape(
                 tokens, heads * dim)
-            out = F.linear(attn, layer.o_proj)
+            out = F.linear(attn, layer.o_proj, layer.o_bias)
             if lora:  # each projection's output gains its adapters' terms on their rows
                 lora_delta(out, attn, lora, i, "o")
             if layer.attn_out_norm is not None:
-                out = rms_norm(out, layer.attn_out_norm, eps, plus_one)
+                out = rms_norm(out, layer.attn_out_norm, eps, style)
             hidden = hidden + out
-            x = rms_norm(hidden, layer.post_norm, eps, plus_one)
+            x = rms_norm(hidden, layer.post_norm, eps, style)
             out = self._mlp(x, layer, i, lora)
             if layer.mlp_out_norm is not None:
-                out = rms_norm(out, layer.mlp_out_norm, eps, plus_one)
+                out = rms_norm(out, layer.mlp_out_norm, eps, style)
             hidden = hidden + out
-        last = rms_norm(hidden[batch.logits_indices], w["model.norm.weight"], eps, plus_one)
+        last = rms_norm(hidden[batch.logits_indices], w["model.norm.weight"], eps, style)
         logits = F.linear(last, self.lm_head).float()
         if c.final_logit_softcapping is not None:
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping

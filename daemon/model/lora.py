@@ -47,8 +47,8 @@ PACKED_FUSED = {"qkv": ("self_attn", ("qkv_proj",)), "o": ("self_attn", ("o_proj
 GROUP_OF = {module: group for table in (PACKED, PACKED_FUSED)
             for group, modules in table.values() for module in modules}  # q_proj -> self_attn
 # a tensor of a MoE layer's MLP: its experts (PEFT's `target_parameters`, or one expert's projection), its
-# shared expert, or its router
-EXPERTS_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:experts|shared_expert|gate)\b")
+# shared expert, or its router (`gate`; gpt-oss's `router`)
+EXPERTS_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:experts|shared_expert|gate|router)\b")
 KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight")
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
 PEFT_PREFIX = "base_model.model."

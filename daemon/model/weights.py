@@ -1,4 +1,8 @@
-"""Weights from `*.safetensors` (single file or sharded with an index), and the model revision."""
+"""Weights from `*.safetensors` (single file or sharded with an index), and the model revision.
+
+gpt-oss's MXFP4 checkpoints keep each layer's experts as `{name}_blocks` and `{name}_scales`
+(daemon/model/mxfp4.py): they are dequantised as they load, on the device they load to, into the
+tensor the unquantised checkpoint names `{name}`."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import json
 from pathlib import Path
 
 from .config import ModelConfig, ModelError
+from .mxfp4 import dequantise_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -64,6 +69,10 @@ def expected_tensors(config: ModelConfig) -> list[str]:
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
         if config.qkv_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if config.o_bias:
+            names.append(p + "self_attn.o_proj.bias")
+        if config.attention_sinks:
+            names.append(p + "self_attn.sinks")
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += mlp_tensors(config, i) if i in config.moe_layers else [p + f"mlp.{x}_proj.weight"
@@ -81,13 +90,29 @@ def expert_names(config: ModelConfig, layer: int, expert: int) -> tuple[str, str
 
 def mlp_tensors(config: ModelConfig, layer: int) -> list[str]:
     """A MoE layer's MLP tensors: its router, every expert's projections, and a shared expert's
-    with its gate (Qwen2-MoE)."""
+    with its gate (Qwen2-MoE); gpt-oss's router and stacked experts, with their biases."""
     p = f"model.layers.{layer}.{config.experts_prefix}"
+    if config.stacked_experts:
+        return [p + "router.weight", p + "router.bias"] + [p + f"experts.{x}" for x in STACKED_EXPERTS]
     names = [p + "gate.weight"] + [n for e in range(config.num_experts) for n in expert_names(config, layer, e)]
     if config.shared_expert_intermediate_size:
         names += [p + f"shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
         names.append(p + "shared_expert_gate.weight")
     return names
+
+
+# gpt-oss's stacked experts: gate_up_proj [E, hidden, 2·I] (gate and up columns interleaved), down_proj
+# [E, I, hidden], and their biases
+STACKED_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+MXFP4_TENSORS = ("gate_up_proj", "down_proj")  # the ones an MXFP4 checkpoint quantises
+
+
+def stored_names(config: ModelConfig, name: str) -> tuple[str, ...]:
+    """The tensors the checkpoint stores for the model's tensor `name`: itself, or an MXFP4
+    checkpoint's blocks and scales of it."""
+    if config.quantisation == "mxfp4" and name.rsplit(".", 1)[-1] in MXFP4_TENSORS and ".experts." in name:
+        return name + "_blocks", name + "_scales"
+    return (name,)
 
 
 # where a multimodal checkpoint keeps its language model's tensors (transformers 4's layout, then
@@ -111,7 +136,8 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype, device) -> dict:
     from safetensors import safe_open
 
     names = expected_tensors(config)
-    wanted = set(names)
+    stored = {name: stored_names(config, name) for name in names}
+    wanted = {s for parts in stored.values() for s in parts}
     tensors = {}
     for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -119,7 +145,17 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype, device) -> dict:
                 text = text_model_name(name)
                 if text in wanted:
                     tensors[text] = handle.get_tensor(name)
-    for name in names:
+    for name in (part for name in names for part in stored[name]):
         if name not in tensors:
             raise ModelError(f"model: tensor {name!r} is missing from the weights in {str(model_dir)!r}")
-    return {name: tensors[name].to(device=device, dtype=dtype) for name in names}
+    loaded = {}
+    for name in names:
+        if len(stored[name]) == 1:
+            loaded[name] = tensors.pop(name).to(device=device, dtype=dtype)
+            continue
+        blocks, scales = (tensors.pop(s).to(device) for s in stored[name])
+        try:  # [E, out, in] as quantised; the unquantised checkpoint's layout is [E, in, out]
+            loaded[name] = dequantise_mxfp4(blocks, scales, dtype).transpose(1, 2)
+        except ValueError as exc:
+            raise ModelError(f"model: {name}: {exc}") from None
+    return loaded

@@ -1,0 +1,274 @@
+"""gpt-oss: its config read as transformers reads it, its MXFP4 experts dequantised as
+transformers dequantises them (and a quantised checkpoint served as the model they make),
+batched serving against transformers, LoRA refused on its router, and the quantisations kvd
+does not read refused by name. (Logits and greedy tokens against transformers, and its sliding
+layers past their window: tests/test_model.py; the attention sinks' kernels:
+tests/test_kernels_sinks.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
+from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
+from kvctl.daemon.model.config import ModelConfig, ModelError  # noqa: E402
+from kvctl.daemon.model.llama import load_model  # noqa: E402
+from kvctl.daemon.model.lora import load_adapters  # noqa: E402
+from kvctl.daemon.model.moe import clamped_swiglu  # noqa: E402
+from kvctl.daemon.model.mxfp4 import dequantise_mxfp4  # noqa: E402
+from kvctl.daemon.model.rope import YarnScaling  # noqa: E402
+from kvctl.daemon.model.weights import expected_tensors  # noqa: E402
+
+from .lora_cases import write_adapter  # noqa: E402
+from .model_cases import build_checkpoint, hf_greedy  # noqa: E402
+from .test_model import PROMPT, full_forward_logits  # noqa: E402
+
+# gpt-oss-20b's config.json as published, less its quantization_config
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 201088}
+
+
+def test_gpt_oss_20b_s_config_is_read_as_transformers_reads_it():
+    c = ModelConfig.from_dict({**GPT_OSS_20B, "quantization_config": {"quant_method": "mxfp4"}})
+    assert (c.architecture, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == ("gpt_oss", 24, 64, 8, 64)
+    assert (c.qkv_bias, c.o_bias, c.attention_sinks, c.quantisation) == (True, True, True, "mxfp4")
+    assert (c.sliding_window, c.sliding_layers) == (128, tuple(range(0, 24, 2)))
+    assert (c.num_experts, c.experts_per_token, c.expert_intermediate_size, c.moe_layers) == (32, 4, 2880,
+                                                                                             tuple(range(24)))
+    assert (c.norm_topk_prob, c.experts_bias, c.swiglu_limit, c.swiglu_alpha) == (True, True, 7.0, 1.702)
+    assert (c.rope_theta, c.rope_scaling.factor, c.rope_scaling.truncate) == (150000.0, 32.0, False)
+    assert isinstance(c.rope_scaling, YarnScaling) and c.rope_scaling.original_max_position_embeddings == 4096
+    names = expected_tensors(c)
+    assert [n for n in names if n.startswith("model.layers.3.")] == [
+        "model.layers.3.input_layernorm.weight", "model.layers.3.post_attention_layernorm.weight",
+        *(f"model.layers.3.self_attn.{x}_proj.weight" for x in "qkvo"),
+        *(f"model.layers.3.self_attn.{x}_proj.bias" for x in "qkv"), "model.layers.3.self_attn.o_proj.bias",
+        "model.layers.3.self_attn.sinks", "model.layers.3.mlp.router.weight", "model.layers.3.mlp.router.bias",
+        *(f"model.layers.3.mlp.experts.{x}" for x in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                      "down_proj_bias"))]
+    # transformers' defaults where a config leaves them out: layers 0, 2, 4... slide 128 tokens; YaRN x32
+    bare = ModelConfig.from_dict({k: v for k, v in GPT_OSS_20B.items()
+                                  if k not in ("layer_types", "sliding_window", "rope_scaling", "rope_theta",
+                                               "swiglu_limit")})
+    assert (bare.sliding_window, bare.sliding_layers, bare.swiglu_limit) == (128, c.sliding_layers, 7.0)
+    assert (bare.rope_theta, bare.rope_scaling) == (c.rope_theta, c.rope_scaling)
+
+
+def test_the_attention_biases_are_the_ones_transformers_builds():
+    """attention_bias gives Q, K, V and the output projection biases (Llama, Qwen3, Gemma,
+    gpt-oss); Qwen2's Q, K and V always have them and its output never; Mistral's, Mixtral's
+    and Phi-3's projections have none, whatever attention_bias says."""
+    base = {"vocab_size": 300, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "head_dim": 64, "attention_bias": True}
+    biases = {arch: (c.qkv_bias, c.o_bias) for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM",
+                                                         "MistralForCausalLM", "Phi3ForCausalLM")
+              for c in [ModelConfig.from_dict({**base, "architectures": [arch]})]}
+    assert biases == {"LlamaForCausalLM": (True, True), "Qwen3ForCausalLM": (True, True),
+                      "Qwen2ForCausalLM": (True, False), "MistralForCausalLM": (False, False),
+                      "Phi3ForCausalLM": (False, False)}
+    assert ModelConfig.from_dict({**base, "architectures": ["LlamaForCausalLM"], "attention_bias": False}).o_bias is False
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]},
+     "quantization_config quant_method 'fp8' is not supported for llama (kvd reads mxfp4 (gpt_oss)); "
+     "serve the unquantised checkpoint"),
+    ({"quant_method": "mxfp4"},
+     "quantization_config quant_method 'mxfp4' is not supported for llama (kvd reads mxfp4 (gpt_oss)); "
+     "serve the unquantised checkpoint"),
+    ("awq", "quantization_config quant_method None is not supported for llama (kvd reads mxfp4 (gpt_oss)); "
+            "serve the unquantised checkpoint"),
+], ids=["fp8", "mxfp4-llama", "not-an-object"])
+def test_a_quantised_checkpoint_kvd_does_not_read_is_refused_by_name(config, message, tmp_path):
+    """Before, an FP8 checkpoint's weights loaded as plain numbers, their scales never applied."""
+    build_checkpoint("llama3", tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    with pytest.raises(ModelError) as refused:
+        load_model(tmp_path)
+    assert str(refused.value) == f"{tmp_path / 'config.json'}: {message}"
+
+
+def random_mxfp4(experts: int, rows: int, columns: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks and scales of an [experts, rows, columns] weight: every FP4 code, scales 2^-5..2^-2."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, rows, columns // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(122, 126, (experts, rows, columns // 32), generator=g, dtype=torch.uint8)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mxfp4_dequantises_as_transformers_does(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = random_mxfp4(3, 40, 96, seed=1)
+    scales[0, 0] = torch.tensor([0, 127, 254], dtype=torch.uint8)  # 2^-127, 1 and 2^127
+    ours = dequantise_mxfp4(blocks, scales, dtype)
+    assert ours.shape == (3, 40, 96) and ours.dtype == dtype
+    # transformers hands back the unquantised checkpoint's layout, [E, columns, rows]
+    assert torch.equal(ours.transpose(1, 2), convert_moe_packed_tensors(blocks, scales, dtype=dtype))
+    # a byte's low nibble is the first value: 0x2F is -6 (code 15) then 1 (code 2), at scale 1
+    one = dequantise_mxfp4(torch.full((1, 16), 0x2F, dtype=torch.uint8), torch.tensor([127], dtype=torch.uint8),
+                           torch.float32)
+    assert one[:4].tolist() == [-6.0, 1.0, -6.0, 1.0]
+
+
+@pytest.mark.parametrize("blocks, scales, message", [
+    (torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8),
+     "MXFP4 scales (2, 4) do not match blocks (2, 3, 16): one scale per group of 32"),
+    (torch.zeros(2, 3, 8, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8),
+     "MXFP4 blocks must end in groups of 16 bytes, got shape (2, 3, 8)"),
+    (torch.zeros(2, 3, 16), torch.zeros(2, 3, dtype=torch.uint8),
+     "MXFP4 blocks and scales must be uint8, got torch.float32 and torch.uint8"),
+], ids=["scales", "group", "dtype"])
+def test_blocks_and_scales_that_do_not_make_one_weight_are_named(blocks, scales, message):
+    with pytest.raises(ValueError) as refused:
+        dequantise_mxfp4(blocks, scales, torch.float32)
+    assert str(refused.value) == message
+
+
+def write_mxfp4_checkpoint(hf, folder) -> None:
+    """Quantise `hf`'s saved gpt-oss checkpoint in `folder` as gpt-oss's are published: each
+    layer's experts as MXFP4 blocks and scales, the config saying so. `hf` is given the weights
+    those make (transformers' own dequantisation), so it stays the reference."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    params = dict(hf.named_parameters())
+    for layer in range(hf.config.num_hidden_layers):
+        for seed, name in enumerate(("gate_up_proj", "down_proj")):
+            key = f"model.layers.{layer}.mlp.experts.{name}"
+            experts, columns, rows = tensors.pop(key).shape  # [E, in, out]
+            blocks, scales = random_mxfp4(experts, rows, columns, seed=10 * layer + seed)
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+            with torch.no_grad():
+                params[key].copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_an_mxfp4_checkpoint_is_served_as_the_weights_it_makes(tmp_path):
+    hf = build_checkpoint("gpt-oss", tmp_path)
+    write_mxfp4_checkpoint(hf, tmp_path)
+    loaded = load_model(tmp_path)
+    assert loaded.config.quantisation == "mxfp4"
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0, -1]
+    torch.testing.assert_close(full_forward_logits(loaded, PROMPT), expected, atol=1e-4, rtol=1e-4)
+    engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
+    request = engine.add_request(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.run_until_done()
+    assert request.sequences[0].output_ids == hf_greedy(hf, PROMPT, 8)
+    # `kvctl capacity --model` counts the weights as kvd serves them, dequantised (not their size on disk)
+    from kvctl.capacity import ModelShape
+
+    on_disk = (tmp_path / "model.safetensors").stat().st_size
+    assert ModelShape.from_model_dir(tmp_path).weights_bytes == loaded.model.weight_bytes() > 2 * on_disk
+    # a checkpoint missing a layer's scales names the tensor
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="tensor 'model.layers.1.mlp.experts.down_proj_scales' is missing"):
+        load_model(tmp_path)
+
+
+def test_a_batch_of_requests_gets_transformers_greedy_tokens_each(tmp_path):
+    """Rows of many sequences in one step, each routed on its own and sunk by its own heads'
+    sinks; a prompt longer than the sliding layer's window of 24; a prefix hit reproduces a reply."""
+    hf = build_checkpoint("gpt-oss", tmp_path)
+    loaded = load_model(tmp_path)
+    prompts = [list(range(5, 45)), [7, 250, 64, 9, 12, 180, 44, 3], list(range(5, 37)) + [99, 98, 97]]
+    engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
+    requests = [engine.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
+    engine.run_until_done()
+    assert [r.sequences[0].output_ids for r in requests] == [hf_greedy(hf, p, 10) for p in prompts]
+    again = engine.add_request(prompts[0], SamplingParams(max_tokens=10, ignore_eos=True))
+    engine.run_until_done()
+    assert again.metrics.cached_tokens == 32 and again.sequences[0].output_ids == requests[0].sequences[0].output_ids
+
+
+def test_the_clamped_swiglu_clamps_the_gate_above_and_up_both_ways():
+    glu = clamped_swiglu(limit=2.0, alpha=1.5)
+    gate = torch.tensor([-3.0, 0.5, 5.0])
+    up = torch.tensor([-4.0, 1.0, 4.0])
+    g = torch.tensor([-3.0, 0.5, 2.0])  # the gate clamped above only
+    u = torch.tensor([-2.0, 1.0, 2.0])
+    torch.testing.assert_close(glu(gate, up), (u + 1) * g * torch.sigmoid(1.5 * g))
+
+
+def test_an_adapter_of_the_router_or_the_experts_is_refused_and_one_of_the_attention_is_read(tmp_path):
+    build_checkpoint("gpt-oss", tmp_path / "model")
+    loaded = load_model(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    g = torch.Generator().manual_seed(0)
+    key = "base_model.model.model.layers.1.mlp.router"
+    folder = write_adapter(tmp_path / "router", ("router",), rank=2, model_config=config, tensors={
+        key + ".lora_A.weight": torch.randn(2, 128, generator=g), key + ".lora_B.weight": torch.randn(4, 2, generator=g)})
+    with pytest.raises(ModelError) as refused:
+        load_adapters((("x", str(folder)),), loaded, "gpt-oss")
+    assert str(refused.value) == (
+        f"{folder / 'adapter_model.safetensors'}: tensor '{key}.lora_A.weight' adapts layer 1's MLP, a mixture of "
+        "experts; kvd adapts a MoE layer's attention only")
+    key = "base_model.model.model.layers.0.self_attn.o_proj"
+    folder = write_adapter(tmp_path / "o", ("o_proj",), rank=2, model_config=config, tensors={
+        key + ".lora_A.weight": torch.randn(2, 256, generator=g), key + ".lora_B.weight": torch.randn(128, 2, generator=g)})
+    adapter = load_adapters((("o", str(folder)),), loaded, "gpt-oss")["o"]
+    assert set(adapter.layers[0]) == {"o"} and not adapter.layers[1]
+
+
+def test_kvd_serves_gpt_oss_and_caches_its_prefixes(tmp_path):
+    from .daemon_fixtures import apps, call, start_service, token_table
+
+    hf = build_checkpoint("gpt-oss", tmp_path / "model")
+    service = start_service(tmp_path / "state", model=str(tmp_path / "model"))
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        prompt = list(range(5, 55))
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        first, second = (call(unix, "POST", "/v1/completions", json=body).json() for _ in range(2))
+        assert first["choices"][0]["text"] == service.loaded.tokenizer.decode(hf_greedy(hf, prompt, 6))
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+        model = call(unix, "GET", "/admin/status").json()["model"]
+        assert model["architecture"] == "gpt_oss"
+        assert model["experts"] == {"experts": 4, "per_token": 2, "layers": 2, "of": 2, "shared_expert": False}
+        # layer 1 attends in full, so every block is kept
+        assert model["sliding_window"] == {"tokens": 24, "layers": 1, "of": 2, "blocks_per_sequence": None,
+                                           "released_blocks": 0}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_gpt_oss_s_norm_applies_its_weight_in_float32_before_casting_back():
+    """transformers' GptOssRMSNorm: (weight * normalised in float32).to(bfloat16), one rounding;
+    Llama's casts the normalised values to bfloat16 first, then multiplies (two roundings)."""
+    from kvctl.daemon.model.llama import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 128, generator=g) * 3).to(torch.bfloat16)
+    weight = torch.rand(128, generator=g).to(torch.bfloat16) + 0.5
+    normalised = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.equal(rms_norm(x, weight, 1e-5, "float32"), (weight * normalised).to(torch.bfloat16))
+    assert torch.equal(rms_norm(x, weight, 1e-5, "llama"), weight * normalised.to(torch.bfloat16))
+    assert not torch.equal(rms_norm(x, weight, 1e-5, "float32"), rms_norm(x, weight, 1e-5, "llama"))
+    assert ModelConfig.from_dict(GPT_OSS_20B).norm_style == "float32"
