@@ -1,9 +1,8 @@
 """gpt-oss: its config read as transformers reads it, its MXFP4 experts dequantised as
-transformers dequantises them (and a quantised checkpoint served as the model they make),
-batched serving against transformers, LoRA refused on its router, and the quantisations kvd
-does not read refused by name. (Logits and greedy tokens against transformers, and its sliding
-layers past their window: tests/test_model.py; the attention sinks' kernels:
-tests/test_kernels_sinks.py.)"""
+transformers dequantises them (and a quantised checkpoint served as the model they make), LoRA
+refused on its router, and the quantisations kvd does not read refused by name. (Logits and greedy tokens against transformers, and its sliding
+layers past their window: tests/test_model.py; batched, and served by kvd: tests/test_moe.py; the
+attention sinks' kernels: tests/test_kernels_sinks.py.)"""
 
 from __future__ import annotations
 
@@ -16,8 +15,6 @@ pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
-from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
 from kvctl.daemon.model.config import ModelConfig, ModelError  # noqa: E402
 from kvctl.daemon.model.llama import load_model  # noqa: E402
 from kvctl.daemon.model.lora import load_adapters  # noqa: E402
@@ -27,8 +24,8 @@ from kvctl.daemon.model.rope import YarnScaling  # noqa: E402
 from kvctl.daemon.model.weights import expected_tensors  # noqa: E402
 
 from .lora_cases import write_adapter  # noqa: E402
-from .model_cases import build_checkpoint, hf_greedy  # noqa: E402
-from .test_model import PROMPT, full_forward_logits  # noqa: E402
+from .model_cases import build_checkpoint  # noqa: E402
+from .test_model import PROMPT, assert_serves_as_transformers  # noqa: E402
 
 # gpt-oss-20b's config.json as published, less its quantization_config
 GPT_OSS_20B = {
@@ -52,7 +49,7 @@ def test_gpt_oss_20b_s_config_is_read_as_transformers_reads_it():
     assert (c.sliding_window, c.sliding_layers) == (128, tuple(range(0, 24, 2)))
     assert (c.num_experts, c.experts_per_token, c.expert_intermediate_size, c.moe_layers) == (32, 4, 2880,
                                                                                              tuple(range(24)))
-    assert (c.norm_topk_prob, c.experts_bias, c.swiglu_limit, c.swiglu_alpha) == (True, True, 7.0, 1.702)
+    assert (c.norm_topk_prob, c.stacked_experts, c.swiglu_limit, c.swiglu_alpha) == (True, True, 7.0, 1.702)
     assert (c.rope_theta, c.rope_scaling.factor, c.rope_scaling.truncate) == (150000.0, 32.0, False)
     assert isinstance(c.rope_scaling, YarnScaling) and c.rope_scaling.original_max_position_embeddings == 4096
     names = expected_tensors(c)
@@ -69,6 +66,10 @@ def test_gpt_oss_20b_s_config_is_read_as_transformers_reads_it():
                                                "swiglu_limit")})
     assert (bare.sliding_window, bare.sliding_layers, bare.swiglu_limit) == (128, c.sliding_layers, 7.0)
     assert (bare.rope_theta, bare.rope_scaling) == (c.rope_theta, c.rope_scaling)
+    for field, value in (("swiglu_limit", 0), ("swiglu_alpha", "1.7")):
+        with pytest.raises(ModelError) as refused:
+            ModelConfig.from_dict({**GPT_OSS_20B, field: value})
+        assert str(refused.value) == f"config.json: field {field!r} must be a positive number (got {value!r})"
 
 
 def test_the_attention_biases_are_the_ones_transformers_builds():
@@ -104,6 +105,11 @@ def test_a_quantised_checkpoint_kvd_does_not_read_is_refused_by_name(config, mes
     with pytest.raises(ModelError) as refused:
         load_model(tmp_path)
     assert str(refused.value) == f"{tmp_path / 'config.json'}: {message}"
+    # a multimodal checkpoint's quantization_config is its outer config's, beside its text_config
+    with pytest.raises(ModelError) as refused:
+        ModelConfig.from_dict({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {},
+                               "quantization_config": config})
+    assert str(refused.value) == "config.json: " + message.replace("for llama", "for gemma3")
 
 
 def random_mxfp4(experts: int, rows: int, columns: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,13 +178,7 @@ def test_an_mxfp4_checkpoint_is_served_as_the_weights_it_makes(tmp_path):
     write_mxfp4_checkpoint(hf, tmp_path)
     loaded = load_model(tmp_path)
     assert loaded.config.quantisation == "mxfp4"
-    with torch.no_grad():
-        expected = hf(torch.tensor([PROMPT])).logits[0, -1]
-    torch.testing.assert_close(full_forward_logits(loaded, PROMPT), expected, atol=1e-4, rtol=1e-4)
-    engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
-    request = engine.add_request(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
-    engine.run_until_done()
-    assert request.sequences[0].output_ids == hf_greedy(hf, PROMPT, 8)
+    assert_serves_as_transformers(hf, loaded, PROMPT, 8)
     # `kvctl capacity --model` counts the weights as kvd serves them, dequantised (not their size on disk)
     from kvctl.capacity import ModelShape
 
@@ -190,21 +190,6 @@ def test_an_mxfp4_checkpoint_is_served_as_the_weights_it_makes(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelError, match="tensor 'model.layers.1.mlp.experts.down_proj_scales' is missing"):
         load_model(tmp_path)
-
-
-def test_a_batch_of_requests_gets_transformers_greedy_tokens_each(tmp_path):
-    """Rows of many sequences in one step, each routed on its own and sunk by its own heads'
-    sinks; a prompt longer than the sliding layer's window of 24; a prefix hit reproduces a reply."""
-    hf = build_checkpoint("gpt-oss", tmp_path)
-    loaded = load_model(tmp_path)
-    prompts = [list(range(5, 45)), [7, 250, 64, 9, 12, 180, 44, 3], list(range(5, 37)) + [99, 98, 97]]
-    engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
-    requests = [engine.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
-    engine.run_until_done()
-    assert [r.sequences[0].output_ids for r in requests] == [hf_greedy(hf, p, 10) for p in prompts]
-    again = engine.add_request(prompts[0], SamplingParams(max_tokens=10, ignore_eos=True))
-    engine.run_until_done()
-    assert again.metrics.cached_tokens == 32 and again.sequences[0].output_ids == requests[0].sequences[0].output_ids
 
 
 def test_the_clamped_swiglu_clamps_the_gate_above_and_up_both_ways():
@@ -234,29 +219,6 @@ def test_an_adapter_of_the_router_or_the_experts_is_refused_and_one_of_the_atten
         key + ".lora_A.weight": torch.randn(2, 256, generator=g), key + ".lora_B.weight": torch.randn(128, 2, generator=g)})
     adapter = load_adapters((("o", str(folder)),), loaded, "gpt-oss")["o"]
     assert set(adapter.layers[0]) == {"o"} and not adapter.layers[1]
-
-
-def test_kvd_serves_gpt_oss_and_caches_its_prefixes(tmp_path):
-    from .daemon_fixtures import apps, call, start_service, token_table
-
-    hf = build_checkpoint("gpt-oss", tmp_path / "model")
-    service = start_service(tmp_path / "state", model=str(tmp_path / "model"))
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
-        prompt = list(range(5, 55))
-        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-        first, second = (call(unix, "POST", "/v1/completions", json=body).json() for _ in range(2))
-        assert first["choices"][0]["text"] == service.loaded.tokenizer.decode(hf_greedy(hf, prompt, 6))
-        assert second["choices"][0]["text"] == first["choices"][0]["text"]
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
-        model = call(unix, "GET", "/admin/status").json()["model"]
-        assert model["architecture"] == "gpt_oss"
-        assert model["experts"] == {"experts": 4, "per_token": 2, "layers": 2, "of": 2, "shared_expert": False}
-        # layer 1 attends in full, so every block is kept
-        assert model["sliding_window"] == {"tokens": 24, "layers": 1, "of": 2, "blocks_per_sequence": None,
-                                           "released_blocks": 0}
-    finally:
-        service.shutdown(deadline=2)
 
 
 def test_gpt_oss_s_norm_applies_its_weight_in_float32_before_casting_back():

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 
 from kvctl.kernels import (DecodeLaunch, KernelArgumentError, PrefillLaunch, is_quantised,  # noqa: E402
-                           paged_decode_attention,
+                           paged_attention_torch, paged_decode_attention,
                            paged_decode_attention_ref, paged_prefill_attention,
                            paged_prefill_attention_ref, quantise, write_kv_ref)
 from kvctl.kernels.decode import gather_sequence  # noqa: E402
@@ -233,6 +233,78 @@ def prefill_inputs(case, new_tokens, q_dtype):
 def run_prefill(fn, case, q, qsl, lens, **extra):
     return fn(q, case["k_cache"], case["v_cache"], case["block_tables"], qsl, lens,
               scale=case["head_dim"] ** -0.5, k_scale=case["k_scale"], v_scale=case["v_scale"], **extra)
+
+
+def assert_torch_path_matches_references(case, q_dtype, new_rows, q_factor: float = 1.0, **options):
+    """paged_attention_torch against paged_prefill_attention_ref on `case`, once for each list of
+    new tokens per sequence in `new_rows` (decodes, decode rows of a few tokens, prompt chunks,
+    mixed), the queries times `q_factor`, with `options` (window, softcap, sinks)."""
+    extra = dict(scale=case["head_dim"] ** -0.5, k_scale=case["k_scale"], v_scale=case["v_scale"], **options)
+    tables = (case["k_cache"], case["v_cache"], case["block_tables"])
+    for new in new_rows:
+        q, qsl, lens = prefill_inputs(case, new, q_dtype)
+        got = paged_attention_torch(q * q_factor, *tables, qsl, lens, **extra)
+        want = paged_prefill_attention_ref(q * q_factor, *tables, qsl, lens, **extra)
+        torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
+
+
+def assert_kernels_match_references(case, q_dtype, new, q_factor: float = 1.0, **options):
+    """The Triton decode kernel (one split writing its output, then several merged) and prefill
+    kernel (two launches; `new` tokens per sequence) against their references on `case`, the
+    queries times `q_factor`, with `options` (window, softcap, sinks)."""
+    tol = out_tolerance(q_dtype, case["v_cache"], case["v_scale"])
+    q, lens = decode_inputs(case, q_dtype)
+    q = q * q_factor
+    want = run_decode(paged_decode_attention_ref, case, q, lens, **options).float()
+    for extra in ({}, dict(partition_size=16, launch=DecodeLaunch(tile=16))):
+        torch.testing.assert_close(run_decode(paged_decode_attention, case, q, lens, **options, **extra).float(),
+                                   want, **tol)
+    qp, qsl, _ = prefill_inputs(case, new, q_dtype)
+    qp = qp * q_factor
+    want = run_prefill(paged_prefill_attention_ref, case, qp, qsl, lens, **options).float()
+    for launch in (PrefillLaunch(), PrefillLaunch(rows=16, tile=16)):
+        got = run_prefill(paged_prefill_attention, case, qp, qsl, lens, launch=launch, **options).float()
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, **tol)
+
+
+def assert_cascade_matches_the_reference(rows: int = 1, q_factor: float = 1.0, **options) -> None:
+    """Three sequences decoding `rows` new tokens each, two of them sharing six cached blocks (so
+    the CPU path attends that prefix once for both and merges by log-sum-exp), the third apart:
+    paged_attention_torch against paged_prefill_attention_ref with `options` (softcap, sinks)."""
+    from kvctl.kernels.torch_paged import plan_decode
+
+    torch.manual_seed(5)
+    block, heads, kv_heads, dim = 16, 4, 2, 64
+    k_cache = torch.randn(64, block, kv_heads, dim)
+    v_cache = torch.randn(64, block, kv_heads, dim)
+    shared = list(range(10, 16))
+    tables = [shared + [30, 31], shared + [32], [60, 61, 62]]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens = torch.tensor([7 * 16 + 5, 6 * 16 + 16, 40], dtype=torch.int32)
+    assert [g.members for g in plan_decode(table, lens, block).groups] == [[0, 1]]
+    q = torch.randn(3 * rows, heads, dim) * q_factor
+    starts = torch.arange(0, 3 * rows + 1, rows, dtype=torch.int32)
+    got = paged_attention_torch(q, k_cache, v_cache, table, starts, lens, scale=dim ** -0.5, max_new_tokens=rows,
+                                **options)
+    want = paged_prefill_attention_ref(q, k_cache, v_cache, table, starts, lens, scale=dim ** -0.5, **options)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def attention_by_hand(q, k, v, scale, positions, window, weights):
+    """q [n, H, D] at `positions`, k/v [t, Hkv, D]: each head's and row's output written out one
+    at a time, `weights(scores, head)` making the weights of the keys the row sees (the last
+    `window` of them, or all) from their scaled scores."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for head in range(q.shape[1]):
+        keys, values = k[:, head // group].float(), v[:, head // group].float()
+        for row, position in enumerate(positions):
+            lo = 0 if window is None else max(0, position - window + 1)
+            s = keys[lo:position + 1] @ q[row, head].float() * scale
+            out[row, head] = weights(s, head) @ values[lo:position + 1]
+    return out
 
 
 @pytest.mark.parametrize("launch", [PrefillLaunch(rows=16, tile=16), PrefillLaunch(rows=32, tile=64),

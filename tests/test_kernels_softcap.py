@@ -10,14 +10,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from kvctl.kernels import (DecodeLaunch, KernelArgumentError, PrefillLaunch, paged_attention_torch,  # noqa: E402
-                           paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention,
-                           paged_prefill_attention_ref)
+from kvctl.kernels import (KernelArgumentError, paged_attention_torch, paged_decode_attention,  # noqa: E402
+                           paged_decode_attention_ref, paged_prefill_attention, paged_prefill_attention_ref)
 from kvctl.kernels.decode import gather_sequence  # noqa: E402
 
-from .kernel_cases import OUT_TOL, out_tolerance  # noqa: E402
-from .test_kernels_attention import (build, decode_inputs, prefill_inputs, query_dtype, run_decode,  # noqa: E402
-                                     run_prefill)
+from .test_kernels_attention import (assert_cascade_matches_the_reference, assert_kernels_match_references,  # noqa: E402
+                                     assert_torch_path_matches_references, attention_by_hand, build, decode_inputs, prefill_inputs, query_dtype,
+                                     run_decode, run_prefill)
 
 LENGTHS = [1, 15, 16, 17, 40, 100]
 NEW = [1, 15, 5, 17, 40, 3]
@@ -25,18 +24,9 @@ CAP = 1.5  # small enough that most scores of these random heads are bent by it
 
 
 def capped_attention(q, k, v, scale, cap, positions, window=None):
-    """q [n, H, D] at `positions`, k/v [t, Hkv, D]: the softmax over cap * tanh(q.k * scale / cap)
-    of the keys each row sees, written out head by head."""
-    group = q.shape[1] // k.shape[1]
-    out = torch.empty(q.shape, dtype=torch.float32)
-    for head in range(q.shape[1]):
-        keys, values = k[:, head // group].float(), v[:, head // group].float()
-        for row, position in enumerate(positions):
-            lo = 0 if window is None else max(0, position - window + 1)
-            s = keys[lo:position + 1] @ q[row, head].float() * scale
-            p = torch.softmax(cap * torch.tanh(s / cap), dim=0)
-            out[row, head] = p @ values[lo:position + 1]
-    return out
+    """The softmax over cap * tanh(q.k * scale / cap) of the keys each row sees."""
+    return attention_by_hand(q, k, v, scale, positions, window, lambda s, _: torch.softmax(cap * torch.tanh(s / cap),
+                                                                                          dim=0))
 
 
 @pytest.mark.parametrize("window", [None, 17])
@@ -67,21 +57,7 @@ def test_the_references_cap_each_score_before_the_softmax(window):
 @pytest.mark.parametrize("window", [None, 17])
 def test_the_triton_kernels_match_the_references_with_capped_scores(cache_dtype, window):
     case = build(cache_dtype, lengths=LENGTHS, seed=42)
-    q_dtype = query_dtype(cache_dtype)
-    tol = out_tolerance(q_dtype, case["v_cache"], case["v_scale"])
-    q, lens = decode_inputs(case, q_dtype)
-    q = q * 3
-    capped = dict(window=window, softcap=CAP)
-    want = run_decode(paged_decode_attention_ref, case, q, lens, **capped).float()
-    for extra in ({}, dict(partition_size=16, launch=DecodeLaunch(tile=16))):  # one split, then several merged
-        torch.testing.assert_close(run_decode(paged_decode_attention, case, q, lens, **capped, **extra).float(),
-                                   want, **tol)
-    qp, qsl, _ = prefill_inputs(case, NEW, q_dtype)
-    want = run_prefill(paged_prefill_attention_ref, case, qp * 3, qsl, lens, **capped).float()
-    for launch in (PrefillLaunch(), PrefillLaunch(rows=16, tile=16)):
-        got = run_prefill(paged_prefill_attention, case, qp * 3, qsl, lens, launch=launch, **capped).float()
-        assert not got.isnan().any()
-        torch.testing.assert_close(got, want, **tol)
+    assert_kernels_match_references(case, query_dtype(cache_dtype), NEW, q_factor=3, window=window, softcap=CAP)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
@@ -89,38 +65,14 @@ def test_the_triton_kernels_match_the_references_with_capped_scores(cache_dtype,
 def test_the_batched_torch_path_matches_the_references_with_capped_scores(cache_dtype, window):
     """Decodes, decode rows of a few tokens and prompt chunks, mixed."""
     case = build(cache_dtype, lengths=LENGTHS, seed=43)
-    q_dtype = query_dtype(cache_dtype)
-    extra = dict(scale=case["head_dim"] ** -0.5, k_scale=case["k_scale"], v_scale=case["v_scale"], window=window,
-                 softcap=CAP)
-    tables = (case["k_cache"], case["v_cache"], case["block_tables"])
-    for new in (NEW, [1] * len(LENGTHS), [1, 3, 4, 2, 1, 3]):
-        q, qsl, lens = prefill_inputs(case, new, q_dtype)
-        got = paged_attention_torch(q * 3, *tables, qsl, lens, **extra)
-        want = paged_prefill_attention_ref(q * 3, *tables, qsl, lens, **extra)
-        torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
+    assert_torch_path_matches_references(case, query_dtype(cache_dtype), (NEW, [1] * len(LENGTHS), [1, 3, 4, 2, 1, 3]),
+                                         q_factor=3, window=window, softcap=CAP)
 
 
 def test_cascade_decode_over_shared_prefixes_caps_every_part_alike():
     """The shared prefix and each suffix are attended apart and merged by log-sum-exp: the cap
     acts on each score alone, so the merge is exact."""
-    from kvctl.kernels.torch_paged import plan_decode
-
-    torch.manual_seed(5)
-    block, heads, kv_heads, dim = 16, 4, 2, 64
-    k_cache = torch.randn(64, block, kv_heads, dim)
-    v_cache = torch.randn(64, block, kv_heads, dim)
-    shared = list(range(10, 16))
-    tables = [shared + [30, 31], shared + [32], [60, 61, 62]]
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    lens = torch.tensor([7 * 16 + 5, 6 * 16 + 16, 40], dtype=torch.int32)
-    assert [g.members for g in plan_decode(table, lens, block).groups] == [[0, 1]]
-    q = torch.randn(3, heads, dim) * 3
-    ones = torch.arange(4, dtype=torch.int32)
-    got = paged_attention_torch(q, k_cache, v_cache, table, ones, lens, scale=dim ** -0.5, max_new_tokens=1,
-                                softcap=CAP)
-    want = paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale=dim ** -0.5, softcap=CAP)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert_cascade_matches_the_reference(q_factor=3, softcap=CAP)
 
 
 @pytest.mark.parametrize("softcap", [0, -1.0, float("inf"), "50", True])

@@ -18,9 +18,9 @@ from kvctl.kernels import (DecodeLaunch, KernelArgumentError, PrefillLaunch, pag
 from kvctl.kernels import torch_paged  # noqa: E402
 from kvctl.kernels.decode import gather_sequence  # noqa: E402
 
-from .kernel_cases import DEVICE, OUT_TOL, out_tolerance  # noqa: E402
-from .test_kernels_attention import (build, decode_inputs, prefill_inputs, query_dtype, run_decode,  # noqa: E402
-                                     run_prefill)
+from .kernel_cases import DEVICE, out_tolerance  # noqa: E402
+from .test_kernels_attention import (assert_torch_path_matches_references, build, decode_inputs,  # noqa: E402
+                                     prefill_inputs, query_dtype, run_decode, run_prefill)
 
 # Contexts on every block edge (B = 16) and past them; windows of one token, a block and a bit.
 LENGTHS = [1, 15, 16, 17, 40, 100]
@@ -87,14 +87,8 @@ def test_the_batched_torch_path_matches_the_references_under_a_window(cache_dtyp
     if not fused:
         monkeypatch.setattr(torch_paged, "_FLASH_CPU", None)
     case = build(cache_dtype, lengths=LENGTHS, seed=33)
-    q_dtype = query_dtype(cache_dtype)
-    extra = dict(scale=case["head_dim"] ** -0.5, k_scale=case["k_scale"], v_scale=case["v_scale"], window=window)
-    tables = (case["k_cache"], case["v_cache"], case["block_tables"])
-    for new in (NEW, [1] * len(LENGTHS), [1, 3, 4, 2, 1, 3]):
-        q, qsl, lens = prefill_inputs(case, new, q_dtype)
-        got = paged_attention_torch(q, *tables, qsl, lens, **extra)
-        want = paged_prefill_attention_ref(q, *tables, qsl, lens, **extra)
-        torch.testing.assert_close(got.float(), want.float(), **OUT_TOL[q_dtype])
+    assert_torch_path_matches_references(case, query_dtype(cache_dtype), (NEW, [1] * len(LENGTHS), [1, 3, 4, 2, 1, 3]),
+                                         window=window)
 
 
 def test_a_windowed_decode_plan_reads_only_the_blocks_its_window_reaches_and_groups_nothing():

@@ -41,14 +41,19 @@ def full_forward_logits(loaded, ids, lora=None):
                                   "qwen3-moe", "qwen2-moe", "llama-bias", "gpt-oss"])
 def test_greedy_tokens_and_logits_match_transformers(kind, tmp_path):
     hf = build_checkpoint(kind, tmp_path)
-    loaded = load_model(tmp_path)
+    assert_serves_as_transformers(hf, load_model(tmp_path), PROMPT, 12)
+
+
+def assert_serves_as_transformers(hf, loaded, prompt: list[int], steps: int) -> None:
+    """The logits of one prefill of `prompt`, and `steps` greedy tokens through an engine, are
+    transformers' model `hf`'s."""
     with torch.no_grad():
-        expected_logits = hf(torch.tensor([PROMPT])).logits[0, -1]
-    torch.testing.assert_close(full_forward_logits(loaded, PROMPT), expected_logits, atol=1e-4, rtol=1e-4)
+        expected_logits = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(full_forward_logits(loaded, prompt), expected_logits, atol=1e-4, rtol=1e-4)
     engine = Engine(loaded, EngineSettings(num_blocks=32, block_size=16))
-    request = engine.add_request(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))
+    request = engine.add_request(prompt, SamplingParams(max_tokens=steps, ignore_eos=True))
     engine.run_until_done()
-    assert request.sequences[0].output_ids == hf_greedy(hf, PROMPT, 12)
+    assert request.sequences[0].output_ids == hf_greedy(hf, prompt, steps)
 
 
 def test_sharded_checkpoint_loads_through_its_index(tmp_path):

@@ -112,10 +112,11 @@ def test_an_expert_no_token_chose_does_not_run():
     torch.testing.assert_close(out[row], 0.5 * halves[0] + 0.5 * halves[1])
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "qwen2-moe", "gpt-oss"])
 def test_a_batch_of_requests_gets_transformers_greedy_tokens_each(kind, tmp_path):
     """Rows of many sequences in one step route each on its own: three prompts decoded together
-    (and one sharing another's cached prefix) give what transformers gives each alone."""
+    (and one sharing another's cached prefix) give what transformers gives each alone. (gpt-oss:
+    each sunk by its own heads' sinks, a prompt past its sliding layer's window of 24.)"""
     hf = build_checkpoint(kind, tmp_path)
     loaded = load_model(tmp_path)
     assert loaded.config.moe_layers == ((0,) if kind == "qwen3-moe" else (0, 1))
@@ -183,14 +184,19 @@ def test_an_adapter_of_a_moe_layer_s_mlp_is_refused_by_name(tmp_path):
         "adapts layer 0's MLP, a mixture of experts; kvd adapts a MoE layer's attention only")
 
 
-def test_kvd_serves_a_mixture_of_experts_and_caches_its_prefixes(tmp_path):
+@pytest.mark.parametrize("kind, architecture, window", [
+    ("mixtral", "mixtral", None),
+    # gpt-oss's layer 1 attends in full, so every block is kept
+    ("gpt-oss", "gpt_oss", {"tokens": 24, "layers": 1, "of": 2, "blocks_per_sequence": None, "released_blocks": 0}),
+])
+def test_kvd_serves_a_mixture_of_experts_and_caches_its_prefixes(kind, architecture, window, tmp_path):
     from rich.console import Console
 
     from kvctl.status_view import render_status
 
     from .daemon_fixtures import apps, call, start_service, token_table
 
-    hf = build_checkpoint("mixtral", tmp_path / "model")
+    hf = build_checkpoint(kind, tmp_path / "model")
     service = start_service(tmp_path / "state", model=str(tmp_path / "model"))
     try:
         unix, _ = apps(service, token_table(tmp_path))
@@ -200,7 +206,7 @@ def test_kvd_serves_a_mixture_of_experts_and_caches_its_prefixes(tmp_path):
         assert first["choices"][0]["text"] == second["choices"][0]["text"]
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
         status = call(unix, "GET", "/admin/status").json()
-        assert status["model"]["architecture"] == "mixtral"
+        assert (status["model"]["architecture"], status["model"]["sliding_window"]) == (architecture, window)
         assert status["model"]["experts"] == {"experts": 4, "per_token": 2, "layers": 2, "of": 2,
                                               "shared_expert": False}
         console = Console(record=True, width=120)

@@ -108,10 +108,9 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
-    # gpt-oss: the router and every expert's projections have biases, and each expert's activation is
-    # the clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g the gate clamped to at most `swiglu_limit`
-    # and up to +-`swiglu_limit`; the checkpoint keeps each layer's experts stacked, gate and up interleaved
-    experts_bias: bool = False
+    # gpt-oss (`stacked_experts`, whose router and experts have biases): each expert's activation is the
+    # clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g the gate clamped to at most `swiglu_limit` and
+    # up to +-`swiglu_limit`
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     quantisation: str | None = None  # the checkpoint's `quantization_config.quant_method` (READ_QUANTISATIONS)
@@ -179,8 +178,8 @@ class ModelConfig:
         if arch is None:
             raise ModelError(f"{where}: unsupported architecture {archs!r}; supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        quantisation = _quantisation(raw, arch, where)  # (the outer config's: a multimodal one's text_config has none)
         raw = language_model_fields(raw, where)
-        quantisation = _quantisation(raw, arch, where)
 
         def need(name: str, kind=int):
             value = raw.get(name)
@@ -404,7 +403,7 @@ def _experts(raw: dict, arch: str, num_layers: int, where: str) -> dict:
                 raise ModelError(f"{where}: field {name!r} must be a positive number (got {value!r})")
         return {"num_experts": experts, "experts_per_token": top_k,
                 "expert_intermediate_size": count("intermediate_size", raw.get("intermediate_size")),
-                "moe_layers": tuple(range(num_layers)), "norm_topk_prob": True, "experts_bias": True,
+                "moe_layers": tuple(range(num_layers)), "norm_topk_prob": True,
                 "swiglu_limit": float(limit), "swiglu_alpha": float(alpha)}
     step = count("decoder_sparse_step", raw.get("decoder_sparse_step", 1))
     dense = raw.get("mlp_only_layers") or []
