@@ -62,7 +62,8 @@ def serve(
         None, help="auto (the checkpoint's generation_config.json gives requests' sampling defaults), none, or a "
                    "path to one."),
     reasoning_parser: Optional[str] = typer.Option(
-        None, help="none, qwen3 or deepseek_r1: a chat reply's <think>...</think> goes to reasoning (and "
+        None, help="none, qwen3, deepseek_r1 or openai_gptoss: a chat reply's <think>...</think> (gpt-oss: its "
+                   "analysis channel) goes to reasoning (and "
                    "reasoning_content), apart from content."),
     tool_call_parser: Optional[str] = typer.Option(
         None, help="none, hermes (Qwen2.5, Qwen3: <tool_call> blocks), llama3_json (Llama 3.1-3.3: a JSON "

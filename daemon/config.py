@@ -236,7 +236,8 @@ class KvdConfig:
     # sampling defaults), none (kvd's own), or a path (daemon/model/generation_config.py)
     generation_config: str = "auto"
     # where a reasoning model's thinking goes (vLLM's --reasoning-parser): none (in content, as
-    # written), qwen3 or deepseek_r1 (apart, in reasoning and reasoning_content; server/reasoning.py)
+    # written), qwen3, deepseek_r1 or openai_gptoss (apart, in reasoning and reasoning_content;
+    # server/reasoning.py)
     reasoning_parser: str = "none"
     # how a chat reply's tool calls are read (vLLM's --tool-call-parser): none (chats may show the model
     # tools with tool_choice none; no calls are parsed), hermes or llama3_json (server/tool_calls.py)

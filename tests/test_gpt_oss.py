@@ -234,3 +234,52 @@ def test_gpt_oss_s_norm_applies_its_weight_in_float32_before_casting_back():
     assert torch.equal(rms_norm(x, weight, 1e-5, "llama"), weight * normalised.to(torch.bfloat16))
     assert not torch.equal(rms_norm(x, weight, 1e-5, "float32"), rms_norm(x, weight, 1e-5, "llama"))
     assert ModelConfig.from_dict(GPT_OSS_20B).norm_style == "float32"
+
+
+def test_kvd_splits_a_harmony_reply_into_thinking_and_answer_whole_and_streamed(tmp_path, monkeypatch):
+    """--reasoning-parser openai_gptoss on a gpt-oss checkpoint whose tokenizer holds harmony's
+    markers as special tokens (as gpt-oss's does): decoded text keeps them for the parser, and the
+    analysis channel becomes `reasoning`, the final one `content`, whole and streamed alike. The
+    reply is scripted (the tiny model's weights are random); everything after the draw runs as served."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kvctl.daemon.engine import engine as engine_module
+    from kvctl.daemon.server.reasoning import HARMONY
+
+    from .daemon_fixtures import apps, call, sse_events, start_service, token_table
+
+    build_checkpoint("gpt-oss", tmp_path / "model")
+    tokenizer_json = tmp_path / "model" / "tokenizer.json"
+    hf = HFTokenizer.from_file(str(tokenizer_json))
+    hf.add_special_tokens([AddedToken(marker, special=True) for marker in HARMONY])
+    hf.save(str(tokenizer_json))
+    # the byte tokenizer's own EOS is spelled <|end|>; a harmony reply ends at <|return|>, as gpt-oss's does
+    tokenizer_config = tmp_path / "model" / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()), "eos_token": "<|return|>"}))
+    template = tmp_path / "harmony.jinja"
+    template.write_text("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
+                        "<|start|>assistant", encoding="utf-8")
+    reply = ("<|channel|>analysis<|message|>Count the blocks.<|end|><|start|>assistant<|channel|>final<|message|>"
+             "Four.<|return|>")
+    script = hf.encode(reply, add_special_tokens=False).ids
+    assert [hf.id_to_token(i) for i in script].count("<|channel|>") == 2  # each marker one special token
+    monkeypatch.setattr(engine_module, "sample_token",
+                        lambda logits, params, seed, index, step: script[step] if step < len(script) else 2)
+    service = start_service(tmp_path / "state", model=str(tmp_path / "model"), chat_template=str(template),
+                            reasoning_parser="openai_gptoss")
+    try:
+        assert sorted(service.loaded.tokenizer.kept_specials) == sorted(HARMONY)
+        unix, _ = apps(service, token_table(tmp_path))
+        ask = {"messages": [{"role": "user", "content": "How many blocks?"}], "max_tokens": 64}
+        whole = call(unix, "POST", "/v1/chat/completions", json=ask).json()["choices"][0]
+        assert whole["token_ids"] == script and whole["finish_reason"] == "stop"  # <|return|> ended it
+        message = whole["message"]
+        assert (message["reasoning"], message["reasoning_content"], message["content"]) == (
+            "Count the blocks.", "Count the blocks.", "Four.")
+        events = sse_events(call(unix, "POST", "/v1/chat/completions", json={**ask, "stream": True}))
+        deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == "Count the blocks."
+        assert "".join(d.get("content") or "" for d in deltas) == "Four."
+    finally:
+        service.shutdown(1)

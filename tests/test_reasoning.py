@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvctl.daemon.server.chat import ChatShape
-from kvctl.daemon.server.reasoning import ThinkSplitter, split_reply
+from kvctl.daemon.server.reasoning import HARMONY, split_reply, splitter_for
+
+# gpt-oss's harmony replies: thinking on the analysis channel, the answer on the final one
+GPT_OSS = ("<|channel|>analysis<|message|>The user asks about blocks. 4 of 16 tokens.<|end|>"
+           "<|start|>assistant<|channel|>final<|message|>Four blocks.")
+GPT_OSS_TOOL = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>')
 
 REPLIES = [
     ("<think>\nThe cache holds 4 blocks.\n</think>\n\nFour blocks.", "qwen3",
@@ -21,6 +27,14 @@ REPLIES = [
     ("still thinking when max_tokens ended", "deepseek_r1", ("still thinking when max_tokens ended", "")),
     ("<think>a</think>b", "none", (None, "<think>a</think>b")),
     ("<", "qwen3", (None, "<")),
+    (GPT_OSS, "openai_gptoss", ("The user asks about blocks. 4 of 16 tokens.", "Four blocks.")),
+    (GPT_OSS + "<|return|>", "openai_gptoss", ("The user asks about blocks. 4 of 16 tokens.", "Four blocks.")),
+    # a call on the commentary channel is answer text (a tool-call parser's to read); its header is neither
+    (GPT_OSS_TOOL, "openai_gptoss", ("Need the weather.", '{"city": "Oslo"}')),
+    ("<|channel|>analysis<|message|>cut off by max_to", "openai_gptoss", ("cut off by max_to", "")),
+    ("<|channel|>final<|message|>a <| b <|chan", "openai_gptoss", (None, "a <| b <|chan")),  # no marker after all
+    ("Plain text, no channel.", "openai_gptoss", (None, "Plain text, no channel.")),
+    ("<|channel|>analysis<|message|><|end|><|start|>assistant<|message|>Hi", "openai_gptoss", (None, "Hi")),
 ]
 
 
@@ -36,12 +50,15 @@ def test_streamed_in_any_pieces_the_split_is_the_whole_reply_s(case, cuts):
     piece given out holds part of a tag."""
     text, parser, (reasoning, answer) = case
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    splitter = ThinkSplitter(starts_inside=parser == "deepseek_r1")
+    splitter = splitter_for(parser)
     pieces = [splitter.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [splitter.close()]
     assert "".join(r for r, _ in pieces) == (reasoning or "")
     assert "".join(a for _, a in pieces) == answer
     for given_out in (r for r, _ in pieces):
         assert "</think" not in given_out and not any(given_out.endswith(t) for t in ("</", "</th", "</think"))
+    if parser == "openai_gptoss":  # no marker, nor the start of one, in any piece given out before the end
+        for given_out in (part for r, a in pieces[:-1] for part in (r, a)):
+            assert not any(m in given_out or given_out.endswith(m[:3]) for m in HARMONY), given_out
 
 
 def test_the_chat_shape_puts_thinking_under_both_names_and_streams_it_apart():
@@ -57,6 +74,16 @@ def test_the_chat_shape_puts_thinking_under_both_names_and_streams_it_apart():
     assert deltas == [{"role": "assistant", "content": ""},
                       {"content": "", "reasoning": "ab", "reasoning_content": "ab"},
                       {"content": "c"}, {"content": "d"}]
+    harmony = ChatShape("openai_gptoss")
+    assert harmony.choice(0, GPT_OSS, [1], "stop")["message"] == {
+        "role": "assistant", "content": "Four blocks.", "reasoning": "The user asks about blocks. 4 of 16 tokens.",
+        "reasoning_content": "The user asks about blocks. 4 of 16 tokens."}
+    deltas = [harmony.chunk_choice(0, piece, [], finish)["delta"] for piece, finish in (
+        ("<|channel|>analysis<|mess", None), ("age|>ab<|end|><|start|>assistant<|channel|>fi", None),
+        ("nal<|message|>c<|", None), ("return|>", "stop"))]
+    assert deltas == [{"role": "assistant", "content": ""},
+                      {"content": "", "reasoning": "ab", "reasoning_content": "ab"},
+                      {"content": "c"}, {"content": ""}]
 
 
 def test_kvd_with_a_reasoning_parser_splits_whole_and_streamed_replies_alike(tmp_path):
@@ -92,4 +119,4 @@ def test_a_parser_kvd_does_not_have_is_refused_naming_those_it_has():
     with pytest.raises(ConfigError) as refused:
         resolve({"reasoning_parser": "r1"}, {})
     assert str(refused.value) == ("reasoning_parser: invalid value 'r1' from --reasoning-parser: must be one of none, "
-                                  "qwen3, deepseek_r1")
+                                  "qwen3, deepseek_r1, openai_gptoss")

@@ -41,7 +41,7 @@ from kvctl.daemon.model.lora import load_adapters, warn_if_kv_changes
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 
-from . import lora_ops, pin_ops, reload_ops, tier_ops, tool_calls, weights_ops
+from . import lora_ops, pin_ops, reasoning, reload_ops, tier_ops, tool_calls, weights_ops
 from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
@@ -198,7 +198,8 @@ class EngineService:
             model_dir, self.hub_name = ensure_demo_checkpoint(cfg.state_dir), None
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype,
                             generation_config=cfg.generation_config)
-        loaded.tokenizer.keep_in_text(tool_calls.MARKERS.get(cfg.tool_call_parser, ()))
+        loaded.tokenizer.keep_in_text((*tool_calls.MARKERS.get(cfg.tool_call_parser, ()),
+                                       *reasoning.MARKERS.get(cfg.reasoning_parser, ())))
         loaded.adapters = load_adapters(lora_ops.served_modules(self, cfg.lora_modules), loaded,
                                         cfg.model_name or self.hub_name or Path(model_dir).name)
         warn_if_kv_changes(loaded.adapters, cfg.cache_dtype)
