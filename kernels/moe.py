@@ -166,8 +166,16 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tiles: PairTiles, top_k:
     (x [pairs, K]). `tiles` from `align_pairs(experts, E, launch.rows)`; `scale` [pairs]
     float32; `out_dtype` (default x's): what the float32 sums are stored as."""
     _check(x, weight, bias, top_k)
+    if tiles.order.numel() != tiles.tiles * launch.rows:
+        check(False, "tiles", f"aligned to tiles of {tiles.order.numel() // max(tiles.tiles, 1)} rows, the launch "
+                              f"takes {launch.rows}: align_pairs(experts, E, launch.rows)")
+    if x.shape[0] * (top_k if by_token else 1) != tiles.pairs:
+        check(False, "x", f"{x.shape[0]} rows for {tiles.pairs} pairs of {top_k} slots"
+                          + (" (one row per token)" if by_token else " (one row per pair)"))
     if scale is not None:
         check_tensor("scale", scale, ndim=1, dtypes=(torch.float32,))
+        if scale.shape[0] != tiles.pairs:
+            check(False, "scale", f"{scale.shape[0]} weights for {tiles.pairs} pairs")
     check_device({"x": x, "weight": weight, "bias": bias, "scale": scale, "order": tiles.order})
     num_experts, n, k = weight.shape
     out = torch.empty((tiles.pairs, n), dtype=out_dtype or x.dtype, device=x.device)

@@ -102,3 +102,20 @@ def test_arguments_are_checked_by_name(change, message):
         with pytest.raises(KernelArgumentError) as refused:
             call()
         assert str(refused.value) == message
+
+
+def test_tiles_rows_and_weights_that_do_not_fit_the_launch_are_named():
+    x, weight, bias, experts, scale = random_case(5, 2, 6, 80, 72, torch.float32, seed=2)
+    tiles = align_pairs(experts, 6, 16)
+    for call, message in (
+            (lambda: grouped_gemm(x, weight, tiles, 2, by_token=True, launch=MoeLaunch(rows=32)),
+             "tiles: aligned to tiles of 16 rows, the launch takes 32: align_pairs(experts, E, launch.rows)"),
+            (lambda: grouped_gemm(x[:4], weight, tiles, 2, by_token=True),
+             "x: 4 rows for 10 pairs of 2 slots (one row per token)"),
+            (lambda: grouped_gemm(x, weight, tiles, 2, by_token=False),
+             "x: 5 rows for 10 pairs of 2 slots (one row per pair)"),
+            (lambda: grouped_gemm(torch.zeros(10, 72, device=DEVICE), weight, tiles, 2, by_token=False,
+                                  scale=scale[:3]), "scale: 3 weights for 10 pairs")):
+        with pytest.raises(KernelArgumentError) as refused:
+            call()
+        assert str(refused.value) == message
