@@ -90,7 +90,7 @@ class ModelShape:
             if multimodal:
                 weights = language_model_bytes(model_dir, outer)
             elif quantised:  # kvd dequantises the experts as they load: they take what they would unquantised
-                weights = mxfp4_served_bytes(model_dir, DTYPE_BYTES.get(dtype, 2))
+                weights = mxfp4_served_bytes(model_dir, ELEMENT_BYTES.get(dtype, 2))
             else:
                 weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
             weights = weights or None
@@ -128,9 +128,6 @@ def language_model_bytes(model_dir: Path, raw: dict) -> int:
 
     wanted = set(expected_tensors(ModelConfig.from_dict(raw)))
     return sum(size for name, size in _stored_tensors(model_dir) if text_model_name(name) in wanted)
-
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def mxfp4_served_bytes(model_dir: Path, element_bytes: int) -> int:

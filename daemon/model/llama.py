@@ -281,9 +281,9 @@ class LlamaModel:
         self.use_triton = device.type == "cuda"
         self.windows = config.layer_windows()  # each layer's span: its sliding window, or None (full attention)
         self.layer_rope = [1 if len(self.ropes) > 1 and window is not None else 0 for window in self.windows]
-        self.activation = ACTIVATIONS[config.activation]
-        # what a MoE layer's experts compute from their gate and up (daemon/model/moe.py)
-        self.experts_glu = (gated(self.activation) if config.swiglu_limit is None
+        # what the dense MLP and a MoE layer's experts compute from their gate and up (daemon/model/moe.py)
+        self.glu = gated(ACTIVATIONS[config.activation])
+        self.experts_glu = (self.glu if config.swiglu_limit is None
                             else clamped_swiglu(config.swiglu_limit, config.swiglu_alpha))
         # the CPU attention plans of the last forward pass, one per span (full, sliding), reused while they fit
         self._plans: dict[int | None, Any] = {}
@@ -441,8 +441,7 @@ class LlamaModel:
         gate_up = F.linear(x, layer.gate_up)
         if lora and routed is None:  # (adapters adapt a dense MLP only: lora.py refuses a MoE layer's)
             lora_delta(gate_up, x, lora, i, "gate_up")
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = self.activation(gate) * up
+        act = self.glu(*gate_up.chunk(2, dim=-1))
         out = F.linear(act, layer.down)
         if lora and routed is None:
             lora_delta(out, act, lora, i, "down")
