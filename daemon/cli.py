@@ -67,8 +67,10 @@ def serve(
                    "reasoning_content), apart from content."),
     tool_call_parser: Optional[str] = typer.Option(
         None, help="none, hermes (Qwen2.5, Qwen3: <tool_call> blocks), llama3_json (Llama 3.1-3.3: a JSON "
-                   "reply), mistral (Mistral: [TOOL_CALLS]) or pythonic (Llama 4, Llama 3.2's pythonic template: a "
-                   "Python list of calls): a chat reply's calls become tool_calls when the chat sends tools."),
+                   "reply), mistral (Mistral: [TOOL_CALLS]), pythonic (Llama 4, Llama 3.2's pythonic template: a "
+                   "Python list of calls) or openai (gpt-oss: a harmony message to=functions.NAME; with "
+                   "--reasoning-parser openai_gptoss): a chat reply's calls become tool_calls when the chat sends "
+                   "tools."),
     lora_modules: Optional[str] = typer.Option(
         None, help="LoRA adapters served beside the model, as NAME=DIR,NAME2=DIR2 (PEFT adapter folders): a "
                    "request's model field names one; each has its own blocks in the prefix cache."),

@@ -240,7 +240,8 @@ class KvdConfig:
     # server/reasoning.py)
     reasoning_parser: str = "none"
     # how a chat reply's tool calls are read (vLLM's --tool-call-parser): none (chats may show the model
-    # tools with tool_choice none; no calls are parsed), hermes or llama3_json (server/tool_calls.py)
+    # tools with tool_choice none; no calls are parsed), hermes, llama3_json, mistral, pythonic or
+    # openai (gpt-oss's harmony; with reasoning_parser openai_gptoss) (server/tool_calls.py)
     tool_call_parser: str = "none"
     # LoRA adapters served beside the model (vLLM's --lora-modules): "name=DIR,name2=DIR2" (YAML: a
     # mapping), each a PEFT adapter folder; a request names one in `model` (daemon/model/lora.py)
@@ -580,6 +581,10 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     if config.listen and not config.token_file:
         raise ConfigError(f"listen: {config.listen!r} needs token_file: TCP requests must carry a bearer token")
     check_priorities(config)
+    if config.tool_call_parser == "openai" and config.reasoning_parser != "openai_gptoss":
+        raise ConfigError(f"tool_call_parser: openai (from {config.sources.get('tool_call_parser', 'the config')}) "
+                          "reads calls in harmony's channels, which reasoning_parser openai_gptoss reads, but "
+                          f"reasoning_parser is {config.reasoning_parser!r}; set reasoning_parser: openai_gptoss")
     return config
 
 

@@ -142,8 +142,8 @@ def test_max_completion_tokens_is_max_tokens(daemon):
     ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools[0].function",
      "tools[0].function: must be an object with name, description and parameters"),
     ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, llama3_json, mistral or "
-     "pythonic); send tool_choice: \"none\" to show the model the tools without calls"),
+     "tools", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, llama3_json, mistral, "
+     "pythonic or openai); send tool_choice: \"none\" to show the model the tools without calls"),
     ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": "none"}, 400, "tools",
      "tools: the model's chat template (TEMPLATE) does not write tools, so the model could not see them; describe "

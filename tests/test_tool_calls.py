@@ -223,11 +223,11 @@ def test_under_llama3_json_a_json_reply_is_held_to_its_end_and_text_streams_as_i
     ({"type": "function", "function": {"name": "get_time"}}, [], "hermes",
      "tool_choice: {\"function\": {\"name\": 'get_time'}} needs tools to choose from"),
     (None, TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, "
-                          "llama3_json, mistral or pythonic); send tool_choice: \"none\" to show the model the "
-                          "tools without calls"),
+                          "llama3_json, mistral, pythonic or openai); send tool_choice: \"none\" to show the "
+                          "model the tools without calls"),
     ("required", TOOLS, "none", "tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, "
-                                "llama3_json, mistral or pythonic); send tool_choice: \"none\" to show the model "
-                                "the tools without calls"),
+                                "llama3_json, mistral, pythonic or openai); send tool_choice: \"none\" to show "
+                                "the model the tools without calls"),
 ])
 def test_tool_choice_is_honoured_and_what_kvd_cannot_honour_is_refused_by_name(choice, tools, parser, expected):
     if isinstance(expected, tuple):
@@ -354,6 +354,7 @@ def test_a_conversation_with_calls_and_results_is_shaped_as_templates_take_it():
             {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "12:00"}]}]
     assert chat_messages(sent)[2:] == [
         {"role": "assistant", "content": "", "reasoning_content": "Paris, so get_weather.",
+         "thinking": "Paris, so get_weather.",
          "tool_calls": [{"id": "call_1", "type": "function",
                          "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
                         {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "not json"}}]},
@@ -569,7 +570,7 @@ def test_a_tool_call_parser_kvd_does_not_have_is_refused_naming_those_it_has():
     with pytest.raises(ConfigError) as refused:
         resolve({"tool_call_parser": "llama4_json"}, {})
     assert str(refused.value) == ("tool_call_parser: invalid value 'llama4_json' from --tool-call-parser: must be one "
-                                  "of none, hermes, llama3_json, mistral, pythonic")
+                                  "of none, hermes, llama3_json, mistral, pythonic, openai")
 
 
 BOUNDED = [{"type": "function", "function": {

@@ -200,16 +200,20 @@ class ChatShape(CompletionShape):
 
     def choice(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
                logprobs: dict | None = None) -> dict:
-        message = {"role": "assistant", "content": text}
-        if self.reasoning_parser != "none":
-            reasoning, message["content"] = split_reply(text, self.reasoning_parser)
+        message, calls = {"role": "assistant", "content": text}, []
+        if self.tool_call_parser == "openai":  # harmony: calls are read with the channels
+            reasoning, message["content"], calls = tool_calls.split_harmony(text, self.parallel_tool_calls)
             message.update(reasoning_fields(reasoning))
-        if self.tool_call_parser != "none":
-            message["content"], calls = tool_calls.split_tool_calls(message["content"], self.parallel_tool_calls,
-                                                                    self.tool_call_parser)
-            if calls:
-                message["tool_calls"] = calls
-                finish_reason = called_finish(finish_reason)
+        else:
+            if self.reasoning_parser != "none":
+                reasoning, message["content"] = split_reply(text, self.reasoning_parser)
+                message.update(reasoning_fields(reasoning))
+            if self.tool_call_parser != "none":
+                message["content"], calls = tool_calls.split_tool_calls(message["content"], self.parallel_tool_calls,
+                                                                        self.tool_call_parser)
+        if calls:
+            message["tool_calls"] = calls
+            finish_reason = called_finish(finish_reason)
         return {"index": index, "message": message, "token_ids": token_ids, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
@@ -220,7 +224,8 @@ class ChatShape(CompletionShape):
         if self.reasoning_parser != "none":
             splitter = self.splitters.get(index)
             if splitter is None:
-                splitter = self.splitters[index] = splitter_for(self.reasoning_parser)
+                splitter = self.splitters[index] = splitter_for(self.reasoning_parser,
+                                                                calls=self.tool_call_parser == "openai")
             reasoning, delta["content"] = splitter.feed(text)
             if finish_reason is not None:
                 more_reasoning, more_answer = splitter.close()
@@ -230,8 +235,10 @@ class ChatShape(CompletionShape):
         if self.tool_call_parser != "none":
             tools = self.tool_splitters.get(index)
             if tools is None:
-                tools = self.tool_splitters[index] = tool_calls.splitter_for(self.tool_call_parser,
-                                                                             self.parallel_tool_calls)
+                tools = self.tool_splitters[index] = (
+                    tool_calls.HarmonyCallSplitter(self.splitters[index], self.parallel_tool_calls)
+                    if self.tool_call_parser == "openai"  # the calls the harmony splitter set apart
+                    else tool_calls.splitter_for(self.tool_call_parser, self.parallel_tool_calls))
             delta["content"], calls = tools.feed(delta["content"])
             if finish_reason is not None:
                 more_content, more_calls = tools.close()

@@ -50,7 +50,7 @@ def _string_field(message: dict, key: str, where: str) -> str | None:
 def chat_messages(raw: list[Any]) -> list[dict]:
     """The messages as the template takes them ({role, content[, name]}, contents as text; an
     assistant's `tool_calls` with their arguments as objects, a tool's `tool_call_id`, an
-    assistant's `reasoning_content`), or MessagesError naming the first message and field at fault."""
+    assistant's `reasoning_content` and `thinking`), or MessagesError naming the first message and field at fault."""
     if not raw:
         raise MessagesError("messages: must not be empty", "messages")
     messages = []
@@ -81,11 +81,12 @@ def chat_messages(raw: list[Any]) -> list[dict]:
                 shaped[key] = value
         if calls:
             shaped["tool_calls"] = tool_calls_of(calls, f"{where}.tool_calls")
-        if role == "assistant":  # thinking sent back: templates that keep it read reasoning_content
+        if role == "assistant":  # thinking sent back: templates that keep it read reasoning_content (Qwen3,
+            # DeepSeek) or thinking (gpt-oss, whose template writes a call's back as its analysis message)
             thought = _string_field(message, "reasoning_content", where)
             thought = thought if thought is not None else _string_field(message, "reasoning", where)
             if thought is not None:
-                shaped["reasoning_content"] = thought
+                shaped["reasoning_content"] = shaped["thinking"] = thought
         messages.append(shaped)
     return messages
 

@@ -10,8 +10,10 @@ name DeepSeek gave it and many clients read), the rest to `content`.
 - `openai_gptoss`: gpt-oss's harmony format, where a reply is messages on channels:
   `<|channel|>analysis<|message|>` thinking `<|end|>`, then `<|start|>assistant<|channel|>final<|message|>`
   the answer. The `analysis` channel's text is thinking; every other message's text (`final`, and
-  `commentary`, which this parser does not read as tool calls) is the answer; the markers and
-  headers are neither. Decoded text keeps those special tokens for it (`MARKERS`);
+  `commentary`) is the answer; the markers and headers are neither. Decoded text keeps those
+  special tokens for it (`MARKERS`). With `--tool-call-parser openai` a message to a function
+  (`to=functions.NAME`, in its channel's header or its role's) is a call, not answer text
+  (`HarmonySplitter(calls=True)`);
 - `none`: the reply as written, tags and all, in `content`.
 
 A reply cut off before `</think>` (max_tokens) is all thinking, whole or streamed alike. Streamed,
@@ -20,6 +22,8 @@ a tag split across two deltas is held back until it is whole, so no client sees 
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import replace
 
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1", "openai_gptoss")
@@ -27,6 +31,8 @@ OPEN, CLOSE = "<think>", "</think>"
 # gpt-oss's harmony format: where a message starts, names its channel, begins its text, and ends
 HARMONY = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
 HARMONY_ANSWER = "<|channel|>final<|message|>"  # what the answer's text follows
+RECIPIENT = re.compile(r"to=(\S+)")  # a harmony header's recipient: `to=functions.get_weather`
+FUNCTIONS = "functions."  # a recipient that is one of the request's tools (others are built-in tools)
 # special tokens a parser reads in the reply's text: kvd's decoded text keeps them (Tokenizer.keep_in_text)
 MARKERS = {"openai_gptoss": HARMONY}
 
@@ -79,19 +85,37 @@ class ThinkSplitter:
 class HarmonySplitter:
     """One harmony reply's text (gpt-oss), fed as it comes, split into (reasoning, answer) pieces:
     each message's text goes by its channel, `analysis` to reasoning and any other to the answer;
-    markers and headers (role, channel, recipient, `<|constrain|>` format) to neither. Text before
-    any marker is answer. A marker split across two feeds is held back until it is whole."""
+    markers and headers (role, channel, recipient, `<|constrain|>` format) to neither. The reply
+    begins in its role's header (the prompt ends `<|start|>assistant`): text there that names a
+    recipient (` to=functions.x`) is header, any other text before a marker is answer. A marker
+    split across two feeds is held back until it is whole.
 
-    def __init__(self) -> None:
-        self.state = "text"  # text (a message's), header (after <|start|> or <|channel|>), between (after an end)
+    `calls`: a message to a function (`to=functions.NAME`) is held until it ends (`<|call|>`, any
+    end, the next message's marker, or the reply's end) and, where its text is a JSON object, set
+    apart as a call {name, arguments (JSON text)}, taken with `take_calls`; text that is no such
+    object is answer, so nothing the model wrote is lost."""
+
+    def __init__(self, calls: bool = False) -> None:
+        self.reads_calls = calls
+        self.state = "opening"  # opening -> text (a message's) | header (after <|start|>, <|channel|>) | call | between
         self.channel: str | None = None
+        self.recipient: str | None = None  # the message's, from its role's header or its channel's
         self.header = ""
         self.pending = ""
+        self.body = ""  # a call's text, held until its message ends
+        self.calls: list[dict] = []  # calls whose messages have ended, not yet taken
+        self.first_header = False  # the reply opened in its role's header and no marker has come yet
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the answer text that can be given out now."""
         self.pending += text
         reasoning, answer = [], []
+        if self.state == "opening":
+            start = self.pending.lstrip()
+            if len(start) < len("to=") and "to=".startswith(start):
+                return "", ""  # whitespace, or what may begin a recipient: held
+            self.state = "header" if start.startswith("to=") else "text"
+            self.first_header = self.state == "header"
         while self.pending:
             found = [(at, marker) for marker in HARMONY if (at := self.pending.find(marker)) >= 0]
             if not found:  # give out what cannot begin a marker
@@ -102,43 +126,82 @@ class HarmonySplitter:
             at, marker = min(found)
             self._take(self.pending[:at], reasoning, answer)
             self.pending = self.pending[at + len(marker):]
-            self._mark(marker)
+            self._mark(marker, answer)
         return "".join(reasoning), "".join(answer)
 
     def close(self) -> tuple[str, str]:
-        """What was held back, once the reply has ended."""
+        """What was held back, once the reply has ended (a call's message ends with it)."""
         reasoning, answer = [], []
-        self._take(self.pending, reasoning, answer)
-        self.pending = ""
+        if self.state == "opening" or self.first_header:
+            answer.append(self.header + self.pending)  # no marker came: what looked like a header is text
+        else:
+            self._take(self.pending, reasoning, answer)
+            if self.state == "call":
+                self._end_call(answer)
+        self.pending = self.header = ""
         return "".join(reasoning), "".join(answer)
+
+    def take_calls(self) -> list[dict]:
+        """The calls whose messages have ended since the last take."""
+        calls, self.calls = self.calls, []
+        return calls
 
     def _take(self, text: str, reasoning: list, answer: list) -> None:
         if self.state == "text":
             (reasoning if self.channel == "analysis" else answer).append(text)
         elif self.state == "header":
             self.header += text
+        elif self.state == "call":
+            self.body += text
 
-    def _mark(self, marker: str) -> None:
+    def _mark(self, marker: str, answer: list) -> None:
+        self.first_header = False
+        if self.state == "call":  # any marker ends a call's message
+            self._end_call(answer)
+        if self.state == "header" and marker != "<|start|>":  # the role's header: its recipient, if any
+            self._read_recipient()
         if marker in ("<|start|>", "<|channel|>"):  # a header follows: the role, or the channel and recipient
-            self.state, self.header = "header", ""
             if marker == "<|start|>":
-                self.channel = None
-            else:
-                self.channel = ""  # named by the header's first word, at <|message|>
+                self.channel = self.recipient = None
+            elif self.state != "header":
+                self.recipient = None  # a message of its own, with no role header
+            self.state, self.header = "header", ""
+            self.channel = None if marker == "<|start|>" else ""  # named by the header's first word, at <|message|>
         elif marker == "<|constrain|>":
             self.header += " "
         elif marker == "<|message|>":
             if self.channel == "":
-                self.channel = (self.header.split() or [""])[0]
-            self.state = "text"
+                self.channel = next((word for word in self.header.split() if not word.startswith("to=")), "")
+            self._read_recipient()
+            calling = self.reads_calls and (self.recipient or "").startswith(FUNCTIONS)
+            self.state, self.body = ("call" if calling else "text"), ""
         else:  # <|end|>, <|return|>, <|call|>: the message is over
-            self.state, self.channel = "between", None
+            self.state, self.channel, self.recipient = "between", None, None
+
+    def _read_recipient(self) -> None:
+        found = RECIPIENT.search(self.header)
+        if found:
+            self.recipient = found.group(1)
+
+    def _end_call(self, answer: list) -> None:
+        """A call's message has ended: its call, or (not a JSON object) its text as answer."""
+        try:
+            arguments = json.loads(self.body)
+        except (ValueError, RecursionError):
+            arguments = None
+        name = (self.recipient or "")[len(FUNCTIONS):]
+        if isinstance(arguments, dict) and name:
+            self.calls.append({"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)})
+        else:
+            answer.append(self.body)
+        self.state, self.body, self.channel, self.recipient = "between", "", None, None
 
 
-def splitter_for(parser: str) -> ThinkSplitter | HarmonySplitter:
-    """A reply's splitter under `parser` (qwen3, deepseek_r1 or openai_gptoss)."""
+def splitter_for(parser: str, calls: bool = False) -> ThinkSplitter | HarmonySplitter:
+    """A reply's splitter under `parser` (qwen3, deepseek_r1 or openai_gptoss; `calls`: harmony's
+    calls set apart, for --tool-call-parser openai)."""
     if parser == "openai_gptoss":
-        return HarmonySplitter()
+        return HarmonySplitter(calls)
     return ThinkSplitter(starts_inside=parser == "deepseek_r1")
 
 
@@ -160,8 +223,8 @@ def reasoning_fields(reasoning: str | None) -> dict:
 def answer_only(constraint, parser: str):
     """A reply's shape (structured.Constraint) held to its answer under `parser`: the model thinks
     freely first, as vLLM's reasoning-aware structured outputs let it."""
-    if constraint is None or parser == "none":
-        return constraint
+    if constraint is None or parser == "none" or constraint.after is not None:
+        return constraint  # (a shape that says where it starts already: a forced call's under harmony)
     if parser == "openai_gptoss":  # the answer is the final channel's message
         return replace(constraint, after=HARMONY_ANSWER, opens=None)
     return replace(constraint, after=CLOSE, opens=None if parser == "deepseek_r1" else OPEN)

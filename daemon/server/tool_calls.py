@@ -15,6 +15,12 @@
 - `pythonic`: a reply that is a Python list of calls, `[get_weather(city="Paris"), get_time()]`,
   after Llama 4's `<|python_start|>` where it is decoded, is its calls (the format of Llama 4 and of
   Llama 3.2's pythonic template); the arguments, Python literals, are given out as JSON;
+- `openai`: gpt-oss's harmony format, read with its channels (it needs `--reasoning-parser
+  openai_gptoss`): a message to a function, `<|channel|>commentary to=functions.NAME
+  <|constrain|>json<|message|>{...}` (or with the recipient in its role's header, `<|start|>assistant
+  to=functions.NAME<|channel|>commentary json<|message|>`), is a call, its text the arguments; it ends at
+  `<|call|>`, where gpt-oss stops, so a reply holds one (vLLM's `openai` parser reads the same);
+  a message to a recipient that is not a function (a built-in tool) goes by its channel, as without it;
 - `none`: kvd parses no calls; a chat may still show the model its tools with `tool_choice: "none"`.
 
 `tool_choice` "auto" (the model chooses) and "none" leave the reply to the model; "required" and a
@@ -32,8 +38,9 @@ Streamed, the text before a block goes out as it comes; a block is held until it
 goes out whole, as one `tool_calls` delta (OpenAI's clients join a call's deltas by `index`, and one
 delta is a whole call); a tag split across deltas is held back until it is whole. Under
 `llama3_json` a reply that opens with `{` is held to its end (it is a call or it is not), under
-`pythonic` one that opens with `[`; under `mistral`, what follows `[TOOL_CALLS]`. Whole and streamed
-replies split alike: a whole reply is one delta.
+`pythonic` one that opens with `[`; under `mistral`, what follows `[TOOL_CALLS]`; under `openai`, a
+call's message, which goes out when it ends. Whole and streamed replies split alike: a whole reply
+is one delta.
 """
 
 from __future__ import annotations
@@ -43,18 +50,22 @@ import json
 import math
 import secrets
 import string
+from dataclasses import replace
 
 from .chat_messages import MessagesError
-from .reasoning import held_back
+from .reasoning import HARMONY, HarmonySplitter, held_back
 
-TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json", "mistral", "pythonic", "openai")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's, before a call; gone where special tokens are not decoded
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls; likewise
 JSON_NAMES = {"true": True, "false": False, "null": None}  # JSON's, which a pythonic call's value may use
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 # special tokens a parser reads in the reply's text: kvd's decoded text keeps them (Tokenizer.keep_in_text)
-MARKERS = {"mistral": (MISTRAL_CALLS, MISTRAL_ARGS)}
+MARKERS = {"mistral": (MISTRAL_CALLS, MISTRAL_ARGS), "openai": HARMONY}
+# harmony (openai): a forced call's message, after the analysis message it may open with
+HARMONY_THINKING, HARMONY_THOUGHT_END = "<|channel|>analysis<|message|>", "<|end|>"
+HARMONY_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 def tool_choice_mode(tool_choice, tools: list[dict] | None, parser: str) -> tuple[str, str | None]:
@@ -81,8 +92,8 @@ def tool_choice_mode(tool_choice, tools: list[dict] | None, parser: str) -> tupl
         raise MessagesError(f"tool_choice: {shown} needs tools to choose from", "tool_choice")
     if parser == "none":
         raise MessagesError("tools: kvd parses no tool calls here (start it with --tool-call-parser hermes, "
-                            "llama3_json, mistral or pythonic); send tool_choice: \"none\" to show the model the tools "
-                            "without calls",
+                            "llama3_json, mistral, pythonic or openai); send tool_choice: \"none\" to show the model "
+                            "the tools without calls",
                             "tools")
     if named is not None:
         names = [tool["function"]["name"] for tool in tools]
@@ -107,6 +118,13 @@ def forced_calls(tools: list[dict], parser: str, only: str | None = None, parall
     chosen = [(at, tool["function"]) for at, tool in enumerate(tools)  # (its place in tools, the function)
               if only is None or tool["function"]["name"] == only]
     more = only is None and parallel
+
+    def marker(text: str) -> str:  # a special token by id: a grammar's text cannot be one
+        token = (special_tokens or {}).get(text)
+        return json.dumps(text) if token is None else f"<[{token}]>"
+
+    if parser == "openai":  # one message to a function: gpt-oss stops at its <|call|>
+        return harmony_call_constraint(chosen, marker, field)
     if parser == "pythonic":  # keyword arguments, not a JSON object: a grammar of its own
         return Constraint.lark(pythonic_grammar(chosen, more, JSON_LAYOUT), field)
     key = "parameters" if parser == "llama3_json" else "arguments"
@@ -115,10 +133,6 @@ def forced_calls(tools: list[dict], parser: str, only: str | None = None, parall
              for _, function in chosen]
     call = json.dumps({"anyOf": calls, "x-guidance": JSON_LAYOUT})
     if parser == "mistral":  # either of the two forms: the model writes the one it was taught
-        def marker(text: str) -> str:
-            token = (special_tokens or {}).get(text)
-            return json.dumps(text) if token is None else f"<[{token}]>"
-
         opening = marker(MISTRAL_CALLS)
         rules = [f"start: {opening} (listed | named" + (f" ({opening} named)*)" if more else ")"),
                  'listed: " "? "[" call (", " call)* "]"' if more else 'listed: " "? "[" call "]"',
@@ -132,6 +146,22 @@ def forced_calls(tools: list[dict], parser: str, only: str | None = None, parall
         rules = ['start: block ("\\n" block)*' if more else "start: block",
                  f'block: "{OPEN}\\n" call "\\n{CLOSE}"']
     return Constraint.lark("\n".join([*rules, f"call: %json {call}"]), field)
+
+
+def harmony_call_constraint(chosen: list[tuple[int, dict]], marker, field: str):
+    """gpt-oss's call of one of the `chosen` tools, as it writes one after thinking:
+    `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>` and
+    arguments its parameters' schema accepts, written compact (`{"city":"Oslo"}`), as harmony's
+    examples and gpt-oss write them. The reply may first think (an analysis message, which the shape
+    leaves free until its `<|end|>`), as harmony's replies do."""
+    from kvctl.daemon.engine.structured import Constraint
+
+    rules = [f'start: ({marker("<|start|>")} "assistant")? {marker("<|channel|>")} "commentary to=functions." call',
+             "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
+    rules += [f'call_{i}: {json.dumps(function["name"] + " ")} {marker("<|constrain|>")} "json" {marker("<|message|>")} '
+              f"%json {json.dumps({**parameters_of(function), 'x-guidance': HARMONY_JSON_LAYOUT})}"
+              for i, (_, function) in enumerate(chosen)]
+    return replace(Constraint.lark("\n".join(rules), field), after=HARMONY_THOUGHT_END, opens=HARMONY_THINKING)
 
 
 def parameters_of(function: dict) -> dict:
@@ -370,8 +400,49 @@ def mistral_calls(text: str) -> list[dict] | None:
     return calls
 
 
+class HarmonyCallSplitter:
+    """openai: the calls that the reply's HarmonySplitter (reasoning.py, `calls=True`) set apart as
+    their messages ended, numbered; the answer text it gave out is content, as it is."""
+
+    def __init__(self, harmony, parallel: bool = True) -> None:
+        self.harmony = harmony
+        self.parallel = parallel
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        return text, self._numbered()
+
+    def close(self) -> tuple[str, list[dict]]:
+        return "", self._numbered()
+
+    def _numbered(self) -> list[dict]:
+        calls = []
+        for call in self.harmony.take_calls():
+            if self.parallel or self.calls == 0:
+                calls.append(numbered(call, self.calls))
+                self.calls += 1
+        return calls
+
+
+def split_harmony(text: str, parallel: bool = True) -> tuple[str | None, str | None, list[dict]]:
+    """A whole harmony reply under `openai` as (reasoning or None, content (None when there are
+    calls and nothing else), calls without their stream `index`)."""
+    harmony = HarmonySplitter(calls=True)
+    calls_of = HarmonyCallSplitter(harmony, parallel)
+    reasoning, answer = harmony.feed(text)
+    more_reasoning, more_answer = harmony.close()
+    content, calls = calls_of.feed(answer + more_answer)
+    calls += calls_of.close()[1]
+    return (reasoning + more_reasoning) or None, (None if calls and not content else content), [
+        {key: value for key, value in call.items() if key != "index"} for call in calls]
+
+
 def splitter_for(parser: str, parallel: bool = True):
-    """A reply's tool-call splitter under `parser` (hermes, llama3_json, mistral or pythonic)."""
+    """A reply's tool-call splitter under `parser` (hermes, llama3_json, mistral or pythonic; openai's
+    is a HarmonyCallSplitter over the reply's HarmonySplitter)."""
+    if parser == "openai":
+        raise ValueError("openai: a harmony reply's calls are read with its channels: HarmonyCallSplitter over "
+                         "reasoning.HarmonySplitter(calls=True)")
     if parser == "mistral":
         return MistralSplitter(parallel)
     if parser in ("llama3_json", "pythonic"):
