@@ -77,6 +77,10 @@ def serve(
     lora_runtime_updates: Optional[bool] = typer.Option(
         None, help="Let admin callers load and unload LoRA adapters at runtime (POST /v1/load_lora_adapter, "
                    "/v1/unload_lora_adapter, as vLLM's); until a restart."),
+    mxfp4_experts: Optional[str] = typer.Option(
+        None, help="An MXFP4 checkpoint's experts (gpt-oss): keep (as published; each step decodes the experts it "
+                   "runs), dequantise (as they load, to the model's dtype: about 3.8x their memory), or auto (the "
+                   "default: keep on a GPU, dequantise on a CPU)."),
     max_loras: Optional[int] = typer.Option(
         None, help="LoRA adapters in one batch at most (vLLM's --max-loras): a request for another waits its turn, "
                    "and adapter requests behind it wait with it. Default: no limit."),
@@ -195,6 +199,7 @@ def serve(
                    generation_config=generation_config, reasoning_parser=reasoning_parser,
                    tool_call_parser=tool_call_parser, lora_modules=lora_modules,
                    lora_runtime_updates=lora_runtime_updates, max_loras=max_loras,
+                   mxfp4_experts=mxfp4_experts,
                    state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
@@ -232,7 +237,7 @@ def serve(
 SERVE_HELP_PANELS = {
     "Model and server": ("config", "model", "chat_template", "chat_template_kwargs", "generation_config",
                          "reasoning_parser", "tool_call_parser", "lora_modules", "lora_runtime_updates", "max_loras",
-                         "model_name",
+                         "model_name", "mxfp4_experts",
                          "device", "dtype",
                          "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",

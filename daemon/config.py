@@ -22,6 +22,8 @@ from kvctl.daemon.engine.tenant_book import DEFAULT_LIMIT as DEFAULT_TRACKED_TEN
 from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
 from kvctl.daemon.server.reasoning import REASONING_PARSERS
 from kvctl.daemon.server.tool_calls import TOOL_CALL_PARSERS
+
+MXFP4_EXPERTS = ("auto", "keep", "dequantise")  # what kvd does with an MXFP4 checkpoint's experts
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation, parse_speculation
@@ -249,6 +251,10 @@ class KvdConfig:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, under its
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING) for admin callers; off, they answer 403
     lora_runtime_updates: bool = False
+    # an MXFP4 checkpoint's experts (gpt-oss): keep (as published; a GPU's grouped GEMMs decode each tile,
+    # a CPU dequantises each chosen expert per step, ~30x the GEMM), dequantise (as they load, to the
+    # model's dtype: about 3.8x their memory, no decoding per step), or auto (keep on a GPU, dequantise on a CPU)
+    mxfp4_experts: str = "auto"
     # LoRA adapters in one batch at most (vLLM's --max-loras, SGLang's --max-loras-per-batch): each
     # adds its own small GEMMs to every step; None: no limit
     max_loras: int | None = None
@@ -343,6 +349,7 @@ _PARSERS = {
     "pin_budget_blocks": whole_number, "pin_room_tokens": whole_number, "shutdown_timeout": finite_number,
     "gc_freeze": on_or_off, "gc_warn_seconds": finite_number,
     "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "lora_runtime_updates": on_or_off,
+
     "tenant_cache_shares": parse_shares,
     "chat_template_kwargs": template_kwargs, "speculative_config": speculative_config,
     "tenant_priorities": lambda v: parse_tenant_map(v, priority_of, "priority"),
@@ -378,6 +385,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 0 (0: no warning)")
     if name == "reasoning_parser" and value not in REASONING_PARSERS:
         raise ValueError(f"must be one of {', '.join(REASONING_PARSERS)}")
+    if name == "mxfp4_experts" and value not in MXFP4_EXPERTS:
+        raise ValueError(f"must be one of {', '.join(MXFP4_EXPERTS)}")
     if name == "tool_call_parser" and value not in TOOL_CALL_PARSERS:
         raise ValueError(f"must be one of {', '.join(TOOL_CALL_PARSERS)}")
     if name == "generation_config" and not str(value).strip():

@@ -8,6 +8,7 @@ Without CUDA it says so and checks correctness only (Triton's CPU interpreter).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -37,6 +38,7 @@ MOE_SHAPES = {  # name: (experts, experts per token, hidden size, expert interme
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "gpt-oss-20b": (32, 4, 2880, 2880),
 }
+MOE_WEIGHTS = ("bf16", "mxfp4")  # the experts' weights as bench kernels holds them
 
 
 def _save(ctx: typer.Context, document: dict, save: bool, state_dir: str | None) -> None:
@@ -71,14 +73,16 @@ class DecodeFigure:
 
 @dataclass
 class MoeFigure:
-    """One MoE layer's routed experts (bfloat16) for `tokens` rows: the grouped-GEMM kernels
-    against kvd's expert-by-expert torch path, on the same rows, routing and weights."""
+    """One MoE layer's routed experts (bfloat16 rows) for `tokens` rows: the grouped-GEMM kernels
+    against kvd's expert-by-expert torch path, on the same rows, routing and weights, the weights
+    in bfloat16 or kept in MXFP4 (`weights`; the loop then dequantises each chosen expert)."""
 
     shape: str
+    weights: str  # bf16 or mxfp4
     tokens: int
     experts_run: int  # distinct experts the rows chose
     ms: float
-    weight_bytes_per_second: float  # the chosen experts' weights, read once, per second
+    weight_bytes_per_second: float  # the chosen experts' weights (as stored), read once, per second
     fraction_of_peak: float | None
     loop_ms: float
     speedup_vs_loop: float
@@ -112,6 +116,8 @@ def kernels_command(
     moe_shapes: list[str] = typer.Option(["mixtral-8x7b,qwen3-30b-a3b,gpt-oss-20b"], "--moe-shape",
                                          help="Mixture-of-experts layer shapes (none: skip the MoE figures)."),
     moe_tokens: list[str] = typer.Option(["1,8,64,512"], "--moe-tokens", help="Rows through a MoE layer."),
+    moe_weights: list[str] = typer.Option(["bf16,mxfp4"], "--moe-weights",
+                                          help="The experts' weights: bf16, and mxfp4 (kept so, as gpt-oss's)."),
     dtype: str = typer.Option("bfloat16", help=f"Cache dtype: {', '.join(DTYPES)}."),
     block_size: int = typer.Option(16, help="Tokens per cache block."),
     max_tokens: int = typer.Option(1 << 21, help="Skip decode cases with more cached tokens than this."),
@@ -163,6 +169,10 @@ def kernels_command(
         if name not in MOE_SHAPES:
             raise UserError(f"moe_shape: unknown value {name!r}; choose none or from {', '.join(MOE_SHAPES)}")
     moe_token_list = parse_int_list("moe_tokens", moe_tokens)
+    moe_weight_list = parse_names("moe_weights", moe_weights)
+    for name in moe_weight_list:
+        if name not in MOE_WEIGHTS:
+            raise UserError(f"moe_weights: unknown value {name!r}; choose from {', '.join(MOE_WEIGHTS)}")
     from kvctl.daemon.config import cache_dtype_name
 
     dtype = cache_dtype_name(dtype)
@@ -217,7 +227,8 @@ def kernels_command(
                                             timer=TIMERS[timer], window=window)]
     prefill = [asdict(f) for f in run_prefill(shape_list, dtype, block_size, launch=prefill_config,
                                               repeat=repeat, timer=TIMERS[timer])]
-    moe = [asdict(f) for f in run_moe(moe_shape_list, moe_token_list, peak, repeat=repeat)]
+    moe = [asdict(f) for f in run_moe(moe_shape_list, moe_token_list, peak, repeat=repeat,
+                                      weight_formats=moe_weight_list)]
     import triton
 
     document = {"device": device_name, "peak_bytes_per_second": peak, "block_size": block_size,
@@ -252,12 +263,13 @@ def kernels_command(
                       f"{f['speedup_vs_sdpa']:.2f}x", f"{f['max_abs_diff_vs_sdpa']:.1e}")
     console.print(table)
     if moe:
-        table = Table(title="a MoE layer's experts, bfloat16 (time per call): grouped GEMMs vs expert by expert")
-        for column in ("shape", "tokens", "experts run", "ms", "weights GB/s", "% of peak", "loop ms", "vs loop",
-                       "max diff"):
+        table = Table(title="a MoE layer's experts, bfloat16 rows (time per call): grouped GEMMs vs expert by expert")
+        for column in ("shape", "weights", "tokens", "experts run", "ms", "weights GB/s", "% of peak", "loop ms",
+                       "vs loop", "max diff"):
             table.add_column(column, justify="right")
         for f in moe:
-            table.add_row(f["shape"], str(f["tokens"]), str(f["experts_run"]), _ms_cell(f["ms"], f["ms_range"]),
+            table.add_row(f["shape"], f["weights"], str(f["tokens"]), str(f["experts_run"]),
+                          _ms_cell(f["ms"], f["ms_range"]),
                           f"{f['weight_bytes_per_second'] / 1e9:,.0f}",
                           "-" if f["fraction_of_peak"] is None else f"{f['fraction_of_peak']:.0%}",
                           f"{f['loop_ms']:.3f}", f"{f['speedup_vs_loop']:.2f}x", f"{f['max_abs_diff_vs_loop']:.1e}")
@@ -496,12 +508,14 @@ def run_decode(shape_list, batch_list, context_list, dtype_name, block_size, max
     return figures
 
 
-def run_moe(shape_list, token_list, peak, *, device: str = "cuda", repeat: int = 1) -> list[MoeFigure]:
-    """MoE figures for every (shape, tokens): `moe_experts` (two grouped GEMMs, Triton) beside
-    kvd's expert-by-expert path (`experts_mlp` unfused: a GEMM pair per chosen expert, after a
-    device sync to learn which), one layer, random bfloat16 weights, the router's own top k.
-    Both are timed per call from Python (`_do_bench`): the loop's sync cannot be replayed from a
-    CUDA graph, and the host time it costs is part of what the kernel saves."""
+def run_moe(shape_list, token_list, peak, *, device: str = "cuda", repeat: int = 1,
+            weight_formats=MOE_WEIGHTS) -> list[MoeFigure]:
+    """MoE figures for every (shape, weights, tokens): `moe_experts` (two grouped GEMMs, Triton)
+    beside kvd's expert-by-expert path (`experts_mlp` unfused: a GEMM pair per chosen expert, after
+    a device sync to learn which), one layer, random weights (bfloat16, or MXFP4 blocks and scales,
+    which the kernels decode tile by tile and the loop dequantises expert by expert), the router's
+    own top k. Both are timed per call from Python (`_do_bench`): the loop's sync cannot be
+    replayed from a CUDA graph, and the host time it costs is part of what the kernel saves."""
     import torch
     import torch.nn.functional as F
 
@@ -509,32 +523,45 @@ def run_moe(shape_list, token_list, peak, *, device: str = "cuda", repeat: int =
 
     glu = gated(F.silu)
     figures = []
-    for shape in shape_list:
+    for shape, kept in itertools.product(shape_list, weight_formats):
         num_experts, top_k, hidden, inter = MOE_SHAPES[shape]
         g = torch.Generator(device=device).manual_seed(0)
-        gate_up = torch.randn((num_experts, 2 * inter, hidden), device=device, generator=g,
-                              dtype=torch.bfloat16) * 0.02
-        down = torch.randn((num_experts, hidden, inter), device=device, generator=g, dtype=torch.bfloat16) * 0.02
+        if kept == "mxfp4":  # blocks of random FP4 codes, scales 2^-9..2^-6 (weights of about 0.01)
+            gate_up, down = (torch.randint(0, 256, (num_experts, rows, columns // 32, 16), device=device,
+                                           generator=g, dtype=torch.uint8) for rows, columns in
+                             ((2 * inter, hidden), (hidden, inter)))
+            scales = {name: torch.randint(118, 122, tuple(w.shape[:3]), device=device, generator=g,
+                                          dtype=torch.uint8) for name, w in (("gate_up_scales", gate_up),
+                                                                              ("down_scales", down))}
+            bytes_per_weight = 17 / 32
+        else:
+            gate_up = torch.randn((num_experts, 2 * inter, hidden), device=device, generator=g,
+                                  dtype=torch.bfloat16) * 0.02
+            down = torch.randn((num_experts, hidden, inter), device=device, generator=g,
+                               dtype=torch.bfloat16) * 0.02
+            scales, bytes_per_weight = {}, 2
         router = torch.randn((num_experts, hidden), device=device, generator=g, dtype=torch.bfloat16)
         for tokens in token_list:
             x = torch.randn((tokens, hidden), device=device, generator=g, dtype=torch.bfloat16)
             weights, experts = route(x, router, top_k, True)
 
             def fused():
-                return experts_mlp(x, weights, experts, gate_up, down, glu, fused=True)
+                return experts_mlp(x, weights, experts, gate_up, down, glu, fused=True, **scales)
 
             def loop():
-                return experts_mlp(x, weights, experts, gate_up, down, glu)
+                return experts_mlp(x, weights, experts, gate_up, down, glu, **scales)
 
             ms, ms_range = _timed(_do_bench, fused, repeat)
             loop_ms, loop_range = _timed(_do_bench, loop, repeat)
             diff = float((fused().float() - loop().float()).abs().max())
             run = int(experts.unique().numel())
-            bandwidth = run * 3 * hidden * inter * gate_up.element_size() / (ms / 1e3)
-            figures.append(MoeFigure(shape, tokens, run, ms, bandwidth, None if peak is None else bandwidth / peak,
-                                     loop_ms, loop_ms / ms, diff, ms_range, loop_range))
-        gate_up = down = None  # free before the next shape
-        torch.cuda.empty_cache()
+            bandwidth = run * 3 * hidden * inter * bytes_per_weight / (ms / 1e3)
+            figures.append(MoeFigure(shape, kept, tokens, run, ms, bandwidth,
+                                     None if peak is None else bandwidth / peak, loop_ms, loop_ms / ms, diff,
+                                     ms_range, loop_range))
+        gate_up = down = scales = None  # free before the next shape
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return figures
 
 
@@ -719,4 +746,11 @@ def correctness_checks() -> list[dict]:
     glu = gated(torch.nn.functional.silu)
     record("moe_experts float32 (8 experts, 2 per row)", experts_mlp(x, weights, experts, gate_up, down, glu, fused=True),
            experts_mlp(x, weights, experts, gate_up, down, glu), 1e-4)
+    g = torch.Generator().manual_seed(5)  # experts kept in MXFP4 (I 64): the kernel decodes, the loop dequantises
+    gate_up_q, down_q = (torch.randint(0, 256, (8, rows, 2, 16), generator=g, dtype=torch.uint8) for rows in (128, 64))
+    kept = {name: torch.randint(119, 123, (8, rows, 2), generator=g, dtype=torch.uint8)
+            for name, rows in (("gate_up_scales", 128), ("down_scales", 64))}
+    record("moe_experts float32, MXFP4 experts", experts_mlp(x, weights, experts, gate_up_q, down_q, glu, fused=True,
+                                                               **kept),
+           experts_mlp(x, weights, experts, gate_up_q, down_q, glu, **kept), 1e-4)
     return checks

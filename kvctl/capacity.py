@@ -63,8 +63,10 @@ class ModelShape:
             raise ValueError(f"sliding_window: must be a whole number of at least 1, got {window!r}")
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelShape":
-        """The shape in a checkpoint's config.json: a folder, or a Hugging Face id in the local cache."""
+    def from_model_dir(cls, model_dir: str | Path, dequantise_experts: bool = False) -> "ModelShape":
+        """The shape in a checkpoint's config.json: a folder, or a Hugging Face id in the local cache.
+        An MXFP4 checkpoint's weights count as kvd serves them: as on disk (its experts kept in MXFP4),
+        or dequantised where kvd serve is given --dequantise-experts (`dequantise_experts`)."""
         from kvctl.daemon.model.config import ModelError, language_model_fields
         from kvctl.daemon.model.hub_cache import resolve_model
 
@@ -89,8 +91,8 @@ class ModelShape:
         try:
             if multimodal:
                 weights = language_model_bytes(model_dir, outer)
-            elif quantised:  # kvd dequantises the experts as they load: they take what they would unquantised
-                weights = mxfp4_served_bytes(model_dir, ELEMENT_BYTES.get(dtype, 2))
+            elif quantised:
+                weights = mxfp4_served_bytes(model_dir, ELEMENT_BYTES.get(dtype, 2), dequantise_experts)
             else:
                 weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
             weights = weights or None
@@ -130,15 +132,16 @@ def language_model_bytes(model_dir: Path, raw: dict) -> int:
     return sum(size for name, size in _stored_tensors(model_dir) if text_model_name(name) in wanted)
 
 
-def mxfp4_served_bytes(model_dir: Path, element_bytes: int) -> int:
-    """Bytes an MXFP4 checkpoint's weights take once kvd has dequantised them (gpt-oss's experts,
-    daemon/model/mxfp4.py): each byte of blocks holds two values of `element_bytes` each, the
-    scales are dropped, and every other tensor takes what it takes on disk."""
+def mxfp4_served_bytes(model_dir: Path, element_bytes: int, dequantise_experts: bool = False) -> int:
+    """Bytes an MXFP4 checkpoint's tensors take as kvd serves them (gpt-oss's experts,
+    kvctl.kernels.mxfp4): blocks and scales as stored, or, where kvd dequantises them
+    (`dequantise_experts`), two values of `element_bytes` for each byte of blocks and no scales;
+    every other tensor takes what it takes on disk."""
     total = 0
     for name, size in _stored_tensors(model_dir):
-        if name.endswith("_blocks"):
+        if dequantise_experts and name.endswith("_blocks"):
             total += 2 * size * element_bytes
-        elif not name.endswith("_scales"):
+        elif not (dequantise_experts and name.endswith("_scales")):
             total += size
     return total
 

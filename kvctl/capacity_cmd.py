@@ -67,6 +67,9 @@ def capacity_command(
     loras: int = typer.Option(0, "--loras", help="LoRA adapters served beside the model (lora_modules); "
                                                   "with --lora-rank and --model."),
     lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="Their rank, on every projection."),
+    mxfp4_experts: str = typer.Option(
+        "auto", "--mxfp4-experts", help="kvd serve's: an MXFP4 checkpoint's experts (gpt-oss) counted kept as "
+                                        "published (auto, as on a GPU; keep) or dequantised to the model's dtype."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Bytes per token and block, and blocks and sequences that fit, per cache dtype.
@@ -79,7 +82,12 @@ def capacity_command(
     if not model and None in (layers, kv_heads, head_dim):
         raise UserError("model: give --model DIR, or --layers, --kv-heads and --head-dim")
     try:
-        shape = ModelShape.from_model_dir(model) if model else ModelShape(layers, kv_heads, head_dim)
+        from kvctl.daemon.config import MXFP4_EXPERTS
+
+        if mxfp4_experts not in MXFP4_EXPERTS:
+            raise ValueError(f"mxfp4_experts: unknown value {mxfp4_experts!r}; choose from {', '.join(MXFP4_EXPERTS)}")
+        shape = ModelShape.from_model_dir(model, mxfp4_experts == "dequantise") if model else \
+            ModelShape(layers, kv_heads, head_dim)
         if sliding_window is not None:
             shape = replace(shape, sliding_window=sliding_window)
     except ValueError as exc:

@@ -30,6 +30,9 @@ MAP_STYLES = {char: STATE_STYLES[state] for char, state in BLOCK_STATES.items()}
 MAP_MAX_CELLS = 2048  # 32 lines of 64: a GPU cache's hundred thousand blocks still fit a screen
 
 
+# how `kvctl status` words the experts' weights (status_body.experts' "weights")
+EXPERT_WEIGHTS = {"mxfp4": ", kept in MXFP4 as published", "dequantised from mxfp4": ", dequantised from MXFP4"}
+
 def map_cells(data: dict, max_cells: int = MAP_MAX_CELLS) -> tuple[str, int]:
     """The status answer's block map in at most `max_cells` cells, and the blocks a cell covers:
     as kvd folded it (`cells=`), or folded here when kvd sent a character per block (an older kvd)."""
@@ -115,7 +118,8 @@ def render_status(data: dict, console: Console | None = None):
     if experts := data["model"].get("experts"):  # a mixture of experts (an older kvd does not say)
         facts.add_row("experts", f"{experts['experts']:,} in {experts['layers']} of {experts['of']} layers, "
                                  f"{experts['per_token']} for each token" + (", and a shared expert for every token"
-                                                                            if experts["shared_expert"] else ""))
+                                                                            if experts["shared_expert"] else "")
+                       + EXPERT_WEIGHTS.get(experts.get("weights"), ""))
     if "chat_template" in data["model"]:  # an older kvd does not say
         template = data["model"]["chat_template"]
         facts.add_row("chat template", "none: /v1/chat/completions refuses chats (kvd serve --chat-template FILE)"

@@ -288,7 +288,7 @@ def test_bench_kernels_without_cuda_checks_correctness_only(capsys, tmp_path):
         "paged_prefill_attention float32, window 20", "paged_decode_attention float32, softcap 2",
         "paged_prefill_attention float32, softcap 2", "paged_decode_attention float32, sinks, window 20",
         "paged_prefill_attention float32, sinks, window 20", "copy_blocks",
-        "moe_experts float32 (8 experts, 2 per row)"]
+        "moe_experts float32 (8 experts, 2 per row)", "moe_experts float32, MXFP4 experts"]
     assert all(c["ok"] and c["max_abs_diff"] <= c["tolerance"] for c in doc["checks"])
 
 
@@ -433,7 +433,7 @@ def test_bench_kernels_compile_report_lists_each_kernel_and_every_refusal():
     # prefill over the whole context, over a window, capped, and with sinks on a window
     assert rows["decode_partial_kernel"][0] == "12" and rows["decode_merge_kernel"][0] == "2"
     assert rows["prefill_kernel"][0] == "8"
-    assert rows["grouped_gemm_kernel"][0] == "2"  # a MoE's two GEMMs, in bfloat16 for every head shape
+    assert rows["grouped_gemm_kernel"][0] == "4"  # a MoE's two GEMMs in bfloat16, its weights as they are and in MXFP4
     assert all(r[-2:] == ["0", "0"] for r in rows.values())  # no spills, no failures
     assert ("refused by the launchers on sm_80 (2 configurations): fp8_e4m3 needs a GPU of compute capability "
             "8.9 or newer (L4, L40S, H100, H200); this one is 8.0: use fp8_e5m2 or int8") in " ".join(text.split())
@@ -496,18 +496,22 @@ def test_bench_kernels_on_a_gpu_reports_medians_ranges_and_the_launch(capsys, mo
     (d,) = doc["decode"]
     assert (d["ms"], d["ms_range"], d["sdpa_ms"], d["sdpa_ms_range"]) == (2.0, [1.0, 3.0], 5.0, [4.0, 6.0])
     assert [(p["prefix"], p["ms"], p["ms_range"]) for p in doc["prefill"]] == [(24, 2.0, [1.0, 3.0])]
-    (m,) = doc["moe"]
-    assert (m["shape"], m["tokens"], m["ms"], m["ms_range"], m["loop_ms"], m["loop_ms_range"], m["speedup_vs_loop"]) \
-        == ("tiny", 3, 2.0, [1.0, 3.0], 5.0, [4.0, 6.0], 2.5)
+    m, q = doc["moe"]  # bfloat16 weights, then kept in MXFP4
+    assert (m["shape"], m["weights"], m["tokens"], m["ms"], m["ms_range"], m["loop_ms"], m["loop_ms_range"],
+            m["speedup_vs_loop"]) == ("tiny", "bf16", 3, 2.0, [1.0, 3.0], 5.0, [4.0, 6.0], 2.5)
     assert 2 <= m["experts_run"] <= 4 and m["max_abs_diff_vs_loop"] < 0.02  # bfloat16 rows, float32 sums
     weight_bytes = m["experts_run"] * 3 * 64 * 32 * 2
     assert m["weight_bytes_per_second"] == weight_bytes / 2e-3 and m["fraction_of_peak"] == weight_bytes / 2e-3 / 4.8e12
+    assert (q["shape"], q["weights"], q["tokens"]) == ("tiny", "mxfp4", 3) and q["max_abs_diff_vs_loop"] < 0.02
+    assert q["weight_bytes_per_second"] == q["experts_run"] * 3 * 64 * 32 * 17 / 32 / (q["ms"] / 1e3)
     monkeypatch.setenv("COLUMNS", "160")  # one line a row
     status, out, _ = cli(capsys, *args)
     assert status == 0
     assert "paged decode on NVIDIA H200 (bfloat16 cache, block 16; time per call)" in out
     assert "2.000 (1.000-3.000)" in out and "2.50x" in out
-    assert "a MoE layer's experts, bfloat16 (time per call): grouped GEMMs vs expert by expert" in out
+    assert "a MoE layer's experts, bfloat16 rows (time per call): grouped GEMMs vs expert by expert" in out
+    status, _, err = cli(capsys, *args, "--moe-weights", "fp8")
+    assert status == 2 and err.strip() == "error: moe_weights: unknown value 'fp8'; choose from bf16, mxfp4"
     status, out, _ = cli(capsys, *args, "--window", "24")
     assert status == 0
     assert ("paged decode on NVIDIA H200 (bfloat16 cache, block 16, the last 24 tokens of each context; time per "

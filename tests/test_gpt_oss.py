@@ -19,7 +19,7 @@ from kvctl.daemon.model.config import ModelConfig, ModelError  # noqa: E402
 from kvctl.daemon.model.llama import load_model  # noqa: E402
 from kvctl.daemon.model.lora import load_adapters  # noqa: E402
 from kvctl.daemon.model.moe import clamped_swiglu  # noqa: E402
-from kvctl.daemon.model.mxfp4 import dequantise_mxfp4  # noqa: E402
+from kvctl.kernels.mxfp4 import dequantise_mxfp4  # noqa: E402
 from kvctl.daemon.model.rope import YarnScaling  # noqa: E402
 from kvctl.daemon.model.weights import expected_tensors  # noqa: E402
 
@@ -174,22 +174,128 @@ def write_mxfp4_checkpoint(hf, folder) -> None:
 
 
 def test_an_mxfp4_checkpoint_is_served_as_the_weights_it_makes(tmp_path):
+    """Its experts kept in MXFP4 (the default) or dequantised as they load (--dequantise-experts):
+    transformers' output either way, the same logits bit for bit, in a quarter of the memory."""
+    from kvctl.capacity import ModelShape
+
     hf = build_checkpoint("gpt-oss", tmp_path)
     write_mxfp4_checkpoint(hf, tmp_path)
     loaded = load_model(tmp_path)
-    assert loaded.config.quantisation == "mxfp4"
+    assert loaded.config.quantisation == "mxfp4" and not loaded.config.dequantise_experts
+    layer = loaded.model.layers[1]
+    experts, inter, hidden = loaded.config.num_experts, loaded.config.expert_intermediate_size, 128
+    assert (layer.experts_gate_up.dtype, tuple(layer.experts_gate_up.shape)) == (
+        torch.uint8, (experts, 2 * inter, hidden // 32, 16))
+    assert tuple(layer.experts_gate_up_scales.shape) == (experts, 2 * inter, hidden // 32)
+    assert (layer.experts_down.dtype, tuple(layer.experts_down_scales.shape)) == (torch.uint8, (experts, hidden, inter // 32))
     assert_serves_as_transformers(hf, loaded, PROMPT, 8)
-    # `kvctl capacity --model` counts the weights as kvd serves them, dequantised (not their size on disk)
-    from kvctl.capacity import ModelShape
+    dequantised = load_model(tmp_path, dequantise_experts=True)
+    assert dequantised.model.layers[1].experts_gate_up.dtype == torch.float32
+    assert dequantised.model.layers[1].experts_gate_up_scales is None
+    assert_serves_as_transformers(hf, dequantised, PROMPT, 8)
+    from .test_model import full_forward_logits
 
-    on_disk = (tmp_path / "model.safetensors").stat().st_size
-    assert ModelShape.from_model_dir(tmp_path).weights_bytes == loaded.model.weight_bytes() > 2 * on_disk
+    assert torch.equal(full_forward_logits(loaded, PROMPT), full_forward_logits(dequantised, PROMPT))
+    # `kvctl capacity --model` counts the weights as kvd serves them: as published (blocks and scales as on
+    # disk), or dequantised with --dequantise-experts
+    kept, whole = loaded.model.weight_bytes(), dequantised.model.weight_bytes()
+    assert ModelShape.from_model_dir(tmp_path).weights_bytes == kept < (tmp_path / "model.safetensors").stat().st_size
+    assert ModelShape.from_model_dir(tmp_path, dequantise_experts=True).weights_bytes == whole
+    # each expert weight: 17 bytes per 32 values kept, 128 dequantised to float32
+    expert_values = loaded.config.num_layers * experts * 3 * inter * hidden
+    assert whole - kept == expert_values * 4 - expert_values * 17 // 32
     # a checkpoint missing a layer's scales names the tensor
     tensors = load_file(str(tmp_path / "model.safetensors"))
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelError, match="tensor 'model.layers.1.mlp.experts.down_proj_scales' is missing"):
         load_model(tmp_path)
+
+
+def test_experts_kept_in_mxfp4_sleep_wake_and_take_new_weights_as_the_rest_do(tmp_path):
+    """Released to a host copy and restored (kvctl sleep, wake), or new weights copied in place
+    (kvctl weights update): the blocks and scales go with every other tensor, and the model gives
+    the same logits, bit for bit."""
+    from kvctl.daemon.model.llama import stage_weights
+    from kvctl.daemon.model.weights import load_weights
+
+    from .test_model import full_forward_logits
+
+    hf = build_checkpoint("gpt-oss", tmp_path)
+    write_mxfp4_checkpoint(hf, tmp_path)
+    loaded = load_model(tmp_path)
+    before, served = full_forward_logits(loaded, PROMPT), loaded.model.weight_bytes()
+    assert loaded.model.release_weights(keep_host_copy=True) == served and loaded.model.weights_released
+    assert loaded.model.restore_weights() == served
+    assert torch.equal(full_forward_logits(loaded, PROMPT), before)
+    host = load_weights(tmp_path, loaded.config, loaded.model.dtype, torch.device("cpu"))
+    assert host["model.layers.0.mlp.experts.down_proj"].dtype == torch.uint8
+    copied = loaded.model.copy_weights_in(stage_weights(loaded.config, host, pin=False))
+    assert copied == served and torch.equal(full_forward_logits(loaded, PROMPT), before)
+
+
+def test_kvd_serve_keeps_the_experts_in_mxfp4_on_a_gpu_and_dequantises_them_on_a_cpu_unless_told(tmp_path):
+    """--mxfp4-experts (KVD_MXFP4_EXPERTS, YAML mxfp4_experts): auto (the default) keeps them where a
+    GPU's grouped GEMMs decode each tile, and dequantises them on a CPU, where dequantising each chosen
+    expert every step would cost about 30 times its GEMM; keep and dequantise say which."""
+    from kvctl.daemon.config import ConfigError, resolve
+
+    from .daemon_fixtures import start_service
+
+    hf = build_checkpoint("gpt-oss", tmp_path / "model")
+    write_mxfp4_checkpoint(hf, tmp_path / "model")
+    assert resolve({}, {"KVD_MXFP4_EXPERTS": "keep"}).mxfp4_experts == "keep"
+    with pytest.raises(ConfigError) as refused:
+        resolve({"mxfp4_experts": "fp16"}, {})
+    assert str(refused.value) == ("mxfp4_experts: invalid value 'fp16' from --mxfp4-experts: must be one of auto, "
+                                  "keep, dequantise")
+    from rich.console import Console
+
+    from kvctl.status_view import render_status
+
+    from .daemon_fixtures import apps, call, token_table
+
+    for setting, dtype, said in (("auto", torch.float32, "dequantised from MXFP4"),
+                                 ("keep", torch.uint8, "kept in MXFP4 as published"),
+                                 ("dequantise", torch.float32, "dequantised from MXFP4")):
+        service = start_service(tmp_path / f"state-{setting}", model=str(tmp_path / "model"), device="cpu",
+                                mxfp4_experts=setting)
+        try:
+            layer = service.loaded.model.layers[0]
+            assert layer.experts_down.dtype == dtype and (layer.experts_down_scales is None) is (dtype != torch.uint8)
+            assert service.loaded.config.dequantise_experts is (dtype != torch.uint8)
+            unix, _ = apps(service, token_table(tmp_path))
+            console = Console(record=True, width=160)
+            render_status(call(unix, "GET", "/admin/status").json(), console)
+            [row] = [line.split(None, 1)[1].strip() for line in console.export_text().splitlines()
+                     if line.startswith("experts")]
+            assert row == f"4 in 2 of 2 layers, 2 for each token, {said}"
+            # new weights in place (an RL loop's next step) are read as the served ones are: kept or dequantised
+            updated = call(unix, "POST", "/admin/weights", json={"model_path": str(tmp_path / "model")})
+            assert updated.status_code == 200, updated.text
+            assert service.loaded.model.layers[0].experts_down.dtype == dtype
+        finally:
+            service.shutdown(1)
+
+
+def test_kvctl_capacity_counts_mxfp4_experts_kept_or_dequantised_as_kvd_serve_would(tmp_path, capsys):
+    from kvctl.capacity import ModelShape
+
+    from .test_cli import cli
+
+    hf = build_checkpoint("gpt-oss", tmp_path)
+    write_mxfp4_checkpoint(hf, tmp_path)
+    counted = {}
+    for setting in ("auto", "keep", "dequantise"):
+        status, out, _ = cli(capsys, "capacity", "--model", str(tmp_path), "--gpu-memory", "1GB", "--json",
+                             "--mxfp4-experts", setting)
+        assert status == 0
+        counted[setting] = json.loads(out)["rows"][0]["weights_bytes"]
+    assert counted["auto"] == counted["keep"] == ModelShape.from_model_dir(tmp_path).weights_bytes
+    assert counted["dequantise"] == ModelShape.from_model_dir(tmp_path, dequantise_experts=True).weights_bytes
+    assert counted["dequantise"] > counted["keep"]
+    status, _, err = cli(capsys, "capacity", "--model", str(tmp_path), "--mxfp4-experts", "fp8")
+    assert status == 2 and err.strip() == "error: mxfp4_experts: unknown value 'fp8'; choose from auto, keep, dequantise"
 
 
 def test_the_clamped_swiglu_clamps_the_gate_above_and_up_both_ways():

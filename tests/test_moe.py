@@ -52,8 +52,8 @@ def test_the_experts_are_read_as_transformers_reads_them():
     assert (dense.num_experts, dense.moe_layers) == (0, ())
     # what kvctl status says of them
     assert (experts(qwen3), experts(qwen2), experts(dense)) == (
-        {"experts": 128, "per_token": 8, "layers": 1, "of": 4, "shared_expert": False},
-        {"experts": 60, "per_token": 4, "layers": 4, "of": 4, "shared_expert": True}, None)
+        {"experts": 128, "per_token": 8, "layers": 1, "of": 4, "shared_expert": False, "weights": None},
+        {"experts": 60, "per_token": 4, "layers": 4, "of": 4, "shared_expert": True, "weights": None}, None)
     names = expected_tensors(qwen2)
     assert "model.layers.0.mlp.experts.59.down_proj.weight" in names and "model.layers.0.mlp.gate_proj.weight" \
         not in names
@@ -208,7 +208,7 @@ def test_kvd_serves_a_mixture_of_experts_and_caches_its_prefixes(kind, architect
         status = call(unix, "GET", "/admin/status").json()
         assert (status["model"]["architecture"], status["model"]["sliding_window"]) == (architecture, window)
         assert status["model"]["experts"] == {"experts": 4, "per_token": 2, "layers": 2, "of": 2,
-                                              "shared_expert": False}
+                                              "shared_expert": False, "weights": None}
         console = Console(record=True, width=120)
         render_status(status, console)
         [row] = [line.split(None, 1)[1].strip() for line in console.export_text().splitlines()

@@ -48,7 +48,7 @@ GPT_OSS_DEFAULTS = {
     "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                      "original_max_position_embeddings": 4096},
 }
-# the quantised checkpoints kvd reads (the weights dequantised as they load), by quant_method and architecture
+# the quantised checkpoints kvd reads (kept so, or dequantised as they load), by quant_method and architecture
 READ_QUANTISATIONS = {("mxfp4", "gpt_oss")}
 
 # transformers' Gemma3TextConfig defaults: Gemma 3's multimodal checkpoints give only the fields
@@ -114,6 +114,9 @@ class ModelConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     quantisation: str | None = None  # the checkpoint's `quantization_config.quant_method` (READ_QUANTISATIONS)
+    # kvd's choice, not the checkpoint's (kvd serve --dequantise-experts): an MXFP4 checkpoint's experts
+    # dequantised as they load (4x the memory) instead of kept in MXFP4 and decoded as each step runs them
+    dequantise_experts: bool = False
 
     @property
     def fused_projections(self) -> bool:

@@ -149,6 +149,10 @@ class LayerWeights:
     router_bias: torch.Tensor | None = None
     experts_gate_up_bias: torch.Tensor | None = None
     experts_down_bias: torch.Tensor | None = None
+    # gpt-oss's experts kept in MXFP4 (kvctl.kernels.mxfp4): experts_gate_up and experts_down are then
+    # their blocks ([E, 2·I, hidden/32, 16], [E, hidden, I/32, 16] uint8) and these their scales
+    experts_gate_up_scales: torch.Tensor | None = None
+    experts_down_scales: torch.Tensor | None = None
 
 
 def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[LayerWeights]:
@@ -195,18 +199,29 @@ def pack_layers(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[L
 def _pack_stacked_experts(layer: int, take) -> dict[str, torch.Tensor | None]:
     """gpt-oss's MoE layer, packed as kvd packs any: the router and its bias, the experts'
     gate_up [E, 2·I, hidden] (the checkpoint's [E, hidden, 2·I] transposed, its interleaved gate
-    and up columns put gate first, then up) and down [E, hidden, I], with their biases alike."""
+    and up columns put gate first, then up) and down [E, hidden, I], with their biases alike.
+    Experts kept in MXFP4 (`load_weights`) come as blocks and scales whose rows are already the
+    output features: their rows are put in the same order, which moves no value of a group."""
     p = f"model.layers.{layer}.mlp."
-    gate_up = take(p + "experts.gate_up_proj").transpose(1, 2)  # [E, 2·I, hidden]: rows gate 0, up 0, gate 1...
+    gate_up_scales = take(p + "experts.gate_up_proj_scales", None)
+    down_scales = take(p + "experts.down_proj_scales", None)
+    gate_up = take(p + "experts.gate_up_proj")
+    gate_up = gate_up if gate_up_scales is not None else gate_up.transpose(1, 2)  # rows gate 0, up 0, gate 1...
     gate_up_bias = take(p + "experts.gate_up_proj_bias")
     packed = {"router": take(p + "router.weight"), "router_bias": take(p + "router.bias"),
-              "experts_gate_up": torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1),
-              "experts_gate_up_bias": torch.cat((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]), dim=1),
+              "experts_gate_up": gate_first(gate_up), "experts_gate_up_bias": gate_first(gate_up_bias),
               "experts_down_bias": take(p + "experts.down_proj_bias"), "gate_up": None, "down": None,
-              "shared_gate": None}
+              "shared_gate": None, "experts_gate_up_scales": None if gate_up_scales is None else gate_first(gate_up_scales),
+              "experts_down_scales": down_scales}
     del gate_up, gate_up_bias
-    packed["experts_down"] = take(p + "experts.down_proj").transpose(1, 2).contiguous()
+    down = take(p + "experts.down_proj")
+    packed["experts_down"] = down if down_scales is not None else down.transpose(1, 2).contiguous()
     return packed
+
+
+def gate_first(interleaved: torch.Tensor) -> torch.Tensor:
+    """[E, 2·I, ...] rows gate 0, up 0, gate 1, up 1... as gate 0..I-1, then up 0..I-1."""
+    return torch.cat((interleaved[:, 0::2], interleaved[:, 1::2]), dim=1)
 
 
 def _pack_experts(config: ModelConfig, layer: int, take) -> dict[str, torch.Tensor | None]:
@@ -435,7 +450,8 @@ class LlamaModel:
             c = self.config
             routed = moe_mlp(x, layer.router, layer.experts_gate_up, layer.experts_down, c.experts_per_token,
                              c.norm_topk_prob, self.experts_glu, layer.router_bias, layer.experts_gate_up_bias,
-                             layer.experts_down_bias, fused=self.use_triton)
+                             layer.experts_down_bias, fused=self.use_triton,
+                             gate_up_scales=layer.experts_gate_up_scales, down_scales=layer.experts_down_scales)
             if layer.gate_up is None:
                 return routed
         gate_up = F.linear(x, layer.gate_up)
@@ -527,16 +543,19 @@ class LoadedModel:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: str | None = None, generation_config: str = "auto") -> LoadedModel:
+               dtype: str | None = None, generation_config: str = "auto",
+               dequantise_experts: bool = False) -> LoadedModel:
     """Load config, weights and tokenizer from a Hugging Face style directory, with the EOS tokens
     and sampling defaults of its generation_config.json (`generation_config`: auto, none or a
-    path; daemon/model/generation_config.py)."""
+    path; daemon/model/generation_config.py). An MXFP4 checkpoint's experts stay in MXFP4 unless
+    `dequantise_experts` (ModelConfig.dequantise_experts)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelError(f"model: {str(model_dir)!r} is not a directory")
     config = ModelConfig.load(model_dir)
     generation = read_generation_config(model_dir, generation_config)
-    config = replace(config, eos_token_ids=merged_eos(config.eos_token_ids, generation))
+    config = replace(config, eos_token_ids=merged_eos(config.eos_token_ids, generation),
+                     dequantise_experts=dequantise_experts and config.quantisation == "mxfp4")
     _check_sampling_defaults(generation, config.vocab_size)
     dtype_name = dtype or config.dtype
     if dtype_name not in TORCH_DTYPES:

@@ -1,8 +1,9 @@
 """Weights from `*.safetensors` (single file or sharded with an index), and the model revision.
 
 gpt-oss's MXFP4 checkpoints keep each layer's experts as `{name}_blocks` and `{name}_scales`
-(daemon/model/mxfp4.py): they are dequantised as they load, on the device they load to, into the
-tensor the unquantised checkpoint names `{name}`."""
+(kvctl.kernels.mxfp4). kvd keeps them so: `{name}` is then the blocks, `{name}_scales` the
+scales, both uint8, on the device they load to. With `ModelConfig.dequantise_experts` they are
+dequantised as they load instead, into the tensor the unquantised checkpoint names `{name}`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 from pathlib import Path
 
 from .config import ModelConfig, ModelError
-from .mxfp4 import dequantise_mxfp4
+from kvctl.kernels.mxfp4 import check_mxfp4, dequantise_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -154,8 +155,12 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype, device) -> dict:
             loaded[name] = tensors.pop(name).to(device=device, dtype=dtype)
             continue
         blocks, scales = (tensors.pop(s).to(device) for s in stored[name])
-        try:  # [E, out, in] as quantised; the unquantised checkpoint's layout is [E, in, out]
-            loaded[name] = dequantise_mxfp4(blocks, scales, dtype).transpose(1, 2)
+        try:
+            check_mxfp4(blocks, scales)
         except ValueError as exc:
             raise ModelError(f"model: {name}: {exc}") from None
+        if config.dequantise_experts:  # [E, out, in] as quantised; the unquantised checkpoint's layout is [E, in, out]
+            loaded[name] = dequantise_mxfp4(blocks, scales, dtype).transpose(1, 2)
+        else:
+            loaded[name], loaded[name + "_scales"] = blocks, scales
     return loaded

@@ -197,7 +197,9 @@ class EngineService:
         else:
             model_dir, self.hub_name = ensure_demo_checkpoint(cfg.state_dir), None
         loaded = load_model(model_dir, device=device, dtype=None if cfg.dtype == "auto" else cfg.dtype,
-                            generation_config=cfg.generation_config)
+                            generation_config=cfg.generation_config,
+                            dequantise_experts=cfg.mxfp4_experts == "dequantise" or (cfg.mxfp4_experts == "auto"
+                                                                                     and device != "cuda"))
         loaded.tokenizer.keep_in_text((*tool_calls.MARKERS.get(cfg.tool_call_parser, ()),
                                        *reasoning.MARKERS.get(cfg.reasoning_parser, ())))
         loaded.adapters = load_adapters(lora_ops.served_modules(self, cfg.lora_modules), loaded,

@@ -152,10 +152,13 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
 
 def experts(config) -> dict | None:
     """A mixture of experts' routing, as `kvctl status` shows it: experts in each MoE layer, how
-    many a token goes to, in how many of the layers, and whether a shared expert runs beside them;
-    None for a dense model."""
+    many a token goes to, in how many of the layers, whether a shared expert runs beside them, and
+    their weights where the checkpoint quantised them ("mxfp4", kept so; "dequantised from mxfp4";
+    None: as stored); None for a dense model."""
     if not config.moe_layers:
         return None
+    weights = None if config.quantisation != "mxfp4" else \
+        "dequantised from mxfp4" if config.dequantise_experts else "mxfp4"
     return {"experts": config.num_experts, "per_token": config.experts_per_token,
             "layers": len(config.moe_layers), "of": config.num_layers,
-            "shared_expert": bool(config.shared_expert_intermediate_size)}
+            "shared_expert": bool(config.shared_expert_intermediate_size), "weights": weights}

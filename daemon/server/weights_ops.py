@@ -49,7 +49,8 @@ from .fleet_admin import UPDATE_WAIT_MAX_S
 
 log = logging.getLogger("kvd")
 
-NOT_COMPARED = ("dtype", "eos_token_ids")  # kvd loads in its own dtype; EOS ids stay the served ones
+# kvd loads in its own dtype, and keeps or dequantises MXFP4 experts as it chose; EOS ids stay the served ones
+NOT_COMPARED = ("dtype", "eos_token_ids", "dequantise_experts")
 # devices whose new weights wait in host memory and are copied into the served tensors in place
 IN_PLACE_DEVICES = ("cuda",)
 
