@@ -4,7 +4,8 @@
     paged_decode_attention / paged_decode_attention_ref      one query per sequence
     paged_prefill_attention / paged_prefill_attention_ref    new tokens over their prefix
     copy_blocks / copy_blocks_ref                            copy-on-write block copies
-    grouped_gemm / grouped_gemm_ref, moe_experts             a mixture of experts' MLP
+    grouped_gemm / grouped_gemm_ref, moe_experts             a mixture of experts' MLP (its weights
+                                                             as they are, or kept in MXFP4: mxfp4.py)
     paged_attention_torch                                    batched plain-torch path for CPUs
 
 The launchers run on CUDA, or on the CPU under TRITON_INTERPRET=1 (for tests).

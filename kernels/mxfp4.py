@@ -22,6 +22,7 @@ from ._triton import tl, triton
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # values sharing one scale
 SCALE_BIAS = 127
+DEQUANTISE_CHUNK = 1 << 22  # values dequantised at a time (16 MiB of float32)
 
 
 def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
@@ -37,13 +38,27 @@ def check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
 
 def dequantise_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight `blocks` and `scales` hold, in `dtype`, on their device (`check_mxfp4`'s
-    ValueError when the two do not describe one weight)."""
+    ValueError when the two do not describe one weight). A byte is looked up as its two values at
+    once, and the rows are done a few million values at a time: the float32 values never take
+    more than 16 MiB beside the result, however large the weight."""
     check_mxfp4(blocks, scales)
-    table = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
-    values = torch.stack((table[(blocks & 0x0F).int()], table[(blocks >> 4).int()]), dim=-1)  # [..., G, 16, 2]
-    exponents = scales.int() - SCALE_BIAS
-    values = torch.ldexp(values.flatten(-2), exponents[..., None].float())  # [..., G, 32], exact in float32
-    return values.flatten(-2).to(dtype)
+    out = torch.empty((*blocks.shape[:-1], GROUP), dtype=dtype, device=blocks.device)
+    pairs = byte_values(blocks.device)
+    rows_b, rows_s = blocks.reshape(-1, *blocks.shape[-2:]), scales.reshape(-1, scales.shape[-1])
+    rows_out = out.view(-1, *out.shape[-2:])
+    step = max(1, DEQUANTISE_CHUNK // (blocks.shape[-2] * GROUP))
+    for start in range(0, rows_b.shape[0], step):
+        values = pairs[rows_b[start:start + step].int()].flatten(-2)  # [rows, G, 32]
+        exponents = rows_s[start:start + step].float() - SCALE_BIAS
+        rows_out[start:start + step] = values.mul_(torch.exp2(exponents)[..., None])  # exact: powers of two
+    return out.flatten(-2)
+
+
+def byte_values(device) -> torch.Tensor:
+    """[256, 2] float32: the two FP4 values of each byte, the low nibble's first."""
+    table = torch.tensor(FP4_E2M1, dtype=torch.float32, device=device)
+    codes = torch.arange(256, device=device)
+    return torch.stack((table[codes & 0x0F], table[codes >> 4]), dim=-1)
 
 
 @triton.jit
@@ -64,4 +79,4 @@ def mxfp4_tile(blocks_row_ptr, scales_row_ptr, depth, cols, stride_bn, stride_sn
     return value * tl.exp2(scale - 127.0)
 
 
-__all__ = ["FP4_E2M1", "GROUP", "SCALE_BIAS", "check_mxfp4", "dequantise_mxfp4", "mxfp4_tile"]
+__all__ = ["FP4_E2M1", "GROUP", "SCALE_BIAS", "byte_values", "check_mxfp4", "dequantise_mxfp4", "mxfp4_tile"]
