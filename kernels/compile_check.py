@@ -165,7 +165,8 @@ def launches_for(config: Config) -> list:
         grouped_gemm(torch.zeros((6, 64), dtype=query), weight, tiles, 2, by_token=False, scale=torch.ones(6),
                      out_dtype=torch.float32)
         # the same, the experts' weights kept in MXFP4 (gpt-oss's): blocks and scales, decoded tile by tile
-        blocks, block_scales = torch.zeros((4, 96, 2, 16), dtype=torch.uint8), torch.zeros((4, 96, 2), dtype=torch.uint8)
+        blocks = torch.zeros((4, 96, 2, 16), dtype=torch.uint8)
+        block_scales = torch.zeros((4, 96, 2), dtype=torch.uint8)
         grouped_gemm(torch.zeros((3, 64), dtype=query), blocks, tiles, 2, by_token=True, bias=bias,
                      weight_scales=block_scales)
         grouped_gemm(torch.zeros((6, 64), dtype=query), blocks, tiles, 2, by_token=False, scale=torch.ones(6),

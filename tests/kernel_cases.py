@@ -83,3 +83,16 @@ def representable(shape, dtype: torch.dtype, scale: torch.Tensor | None, generat
     elif dtype != torch.float32:
         x = x.to(dtype).float()
     return x.to(value_dtype).to(DEVICE)
+
+
+def refused_alike(calls, message: str) -> None:
+    """Each of `calls` (a launcher and its reference, on the same bad arguments) raises
+    KernelArgumentError with `message`."""
+    import pytest
+
+    from kvctl.kernels import KernelArgumentError
+
+    for call in calls:
+        with pytest.raises(KernelArgumentError) as refused:
+            call()
+        assert str(refused.value) == message

@@ -114,3 +114,27 @@ def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
             logits = model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(torch.argmax(logits)))
     return ids[len(prompt):]
+
+
+def harmony_checkpoint(folder):
+    """A tiny gpt-oss checkpoint in `folder` whose tokenizer holds harmony's markers as special
+    tokens and whose replies stop at <|return|> and <|call|> (gpt-oss's generation_config.json's;
+    the byte tokenizer's own EOS, spelled <|end|>, is not one). Returns its tokenizers.Tokenizer."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kvctl.daemon.server.reasoning import HARMONY
+
+    folder = Path(folder)
+    build_checkpoint("gpt-oss", folder)
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken(marker, special=True) for marker in HARMONY])
+    hf.save(str(folder / "tokenizer.json"))
+    tokenizer_config = folder / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()), "eos_token": "<|return|>"}))
+    stops = [hf.token_to_id("<|return|>"), hf.token_to_id("<|call|>")]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    return hf

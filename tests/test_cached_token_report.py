@@ -53,7 +53,7 @@ def test_with_admin_only_a_user_gets_usage_without_cached_tokens_and_a_reload_ch
             assert seen == {"prompt_tokens": admin["prompt_tokens"], "completion_tokens": 2,
                             "total_tokens": admin["prompt_tokens"] + 2}
         chat = call(tcp, "POST", "/v1/chat/completions", headers=USER, json={
-            "messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 2}).json()["usage"]
+            "messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 2, "ignore_eos": True}).json()["usage"]
         assert "prompt_tokens_details" not in chat and chat["completion_tokens"] == 2
         # live: a reload to `all` shows it to the user; `none` to nobody
         service.reload(replace(service.config, report_cached_tokens="all"), actor="test")

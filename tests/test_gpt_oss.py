@@ -187,7 +187,8 @@ def test_an_mxfp4_checkpoint_is_served_as_the_weights_it_makes(tmp_path):
     assert (layer.experts_gate_up.dtype, tuple(layer.experts_gate_up.shape)) == (
         torch.uint8, (experts, 2 * inter, hidden // 32, 16))
     assert tuple(layer.experts_gate_up_scales.shape) == (experts, 2 * inter, hidden // 32)
-    assert (layer.experts_down.dtype, tuple(layer.experts_down_scales.shape)) == (torch.uint8, (experts, hidden, inter // 32))
+    assert (layer.experts_down.dtype, tuple(layer.experts_down_scales.shape)) == (
+        torch.uint8, (experts, hidden, inter // 32))
     assert_serves_as_transformers(hf, loaded, PROMPT, 8)
     dequantised = load_model(tmp_path, dequantise_experts=True)
     assert dequantised.model.layers[1].experts_gate_up.dtype == torch.float32
@@ -295,7 +296,8 @@ def test_kvctl_capacity_counts_mxfp4_experts_kept_or_dequantised_as_kvd_serve_wo
     assert counted["dequantise"] == ModelShape.from_model_dir(tmp_path, dequantise_experts=True).weights_bytes
     assert counted["dequantise"] > counted["keep"]
     status, _, err = cli(capsys, "capacity", "--model", str(tmp_path), "--mxfp4-experts", "fp8")
-    assert status == 2 and err.strip() == "error: mxfp4_experts: unknown value 'fp8'; choose from auto, keep, dequantise"
+    assert status == 2
+    assert err.strip() == "error: mxfp4_experts: unknown value 'fp8'; choose from auto, keep, dequantise"
 
 
 def test_the_clamped_swiglu_clamps_the_gate_above_and_up_both_ways():
@@ -347,22 +349,13 @@ def test_kvd_splits_a_harmony_reply_into_thinking_and_answer_whole_and_streamed(
     markers as special tokens (as gpt-oss's does): decoded text keeps them for the parser, and the
     analysis channel becomes `reasoning`, the final one `content`, whole and streamed alike. The
     reply is scripted (the tiny model's weights are random); everything after the draw runs as served."""
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTokenizer
-
     from kvctl.daemon.engine import engine as engine_module
     from kvctl.daemon.server.reasoning import HARMONY
 
     from .daemon_fixtures import apps, call, sse_events, start_service, token_table
+    from .model_cases import harmony_checkpoint
 
-    build_checkpoint("gpt-oss", tmp_path / "model")
-    tokenizer_json = tmp_path / "model" / "tokenizer.json"
-    hf = HFTokenizer.from_file(str(tokenizer_json))
-    hf.add_special_tokens([AddedToken(marker, special=True) for marker in HARMONY])
-    hf.save(str(tokenizer_json))
-    # the byte tokenizer's own EOS is spelled <|end|>; a harmony reply ends at <|return|>, as gpt-oss's does
-    tokenizer_config = tmp_path / "model" / "tokenizer_config.json"
-    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()), "eos_token": "<|return|>"}))
+    hf = harmony_checkpoint(tmp_path / "model")
     template = tmp_path / "harmony.jinja"
     template.write_text("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
                         "<|start|>assistant", encoding="utf-8")

@@ -4,8 +4,6 @@ streamed alike; a forced call's grammar writes the message gpt-oss writes."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -40,7 +38,8 @@ REPLIES = [  # (reply text, parallel, (reasoning, content, [(name, arguments)]))
     ('<|channel|>analysis<|message|>Search.<|end|><|start|>assistant<|channel|>analysis to=browser.search '
      '<|constrain|>json<|message|>{"query":"kv"}<|call|>', True, ('Search.{"query":"kv"}', "", [])),
     ('<|channel|>commentary to=python<|message|>print(1)<|call|>', True, (None, "print(1)", [])),
-    (THINK + "<|start|>assistant<|channel|>final<|message|>Sunny.<|return|>", True, ("Need the weather.", "Sunny.", [])),
+    (THINK + "<|start|>assistant<|channel|>final<|message|>Sunny.<|return|>", True,
+     ("Need the weather.", "Sunny.", [])),
     ("Plain text, no channel.", True, (None, "Plain text, no channel.", [])),
     ("to be or not", True, (None, "to be or not", [])),  # begins like a recipient, is not one
     (" to=functions.get_time but no marker came", True, (None, " to=functions.get_time but no marker came", [])),
@@ -210,24 +209,12 @@ def test_kvd_gives_gpt_oss_s_call_as_tool_calls_whole_streamed_and_forced_and_ta
     whose tokenizer holds harmony's markers as special tokens and stops at <|call|> and <|return|>,
     as gpt-oss's does. Replies are scripted (the tiny model's weights are random); everything after
     the draw runs as served: the stop at <|call|>, the split, the grammar of a forced call."""
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTokenizer
-
     from kvctl.daemon.engine import engine as engine_module
 
     from .daemon_fixtures import apps, call, sse_events, start_service, token_table
-    from .model_cases import build_checkpoint
+    from .model_cases import harmony_checkpoint
 
-    build_checkpoint("gpt-oss", tmp_path / "model")
-    tokenizer_json = tmp_path / "model" / "tokenizer.json"
-    hf = HFTokenizer.from_file(str(tokenizer_json))
-    hf.add_special_tokens([AddedToken(marker, special=True) for marker in HARMONY])
-    hf.save(str(tokenizer_json))
-    # the byte tokenizer's own EOS is spelled <|end|>; gpt-oss stops at <|return|> and <|call|> (its generation_config's)
-    tokenizer_config = tmp_path / "model" / "tokenizer_config.json"
-    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()), "eos_token": "<|return|>"}))
-    stops = [hf.token_to_id("<|return|>"), hf.token_to_id("<|call|>")]
-    (tmp_path / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    hf = harmony_checkpoint(tmp_path / "model")
     template = tmp_path / "harmony.jinja"
     template.write_text(HARMONY_TEMPLATE, encoding="utf-8")
     scripts = {"call": hf.encode(THINK + CALL + "<|call|>", add_special_tokens=False).ids,

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from kvctl.daemon.model.moe import clamped_swiglu, gated, moe_mlp  # noqa: E402
 from kvctl.kernels import KernelArgumentError, MoeLaunch, align_pairs, grouped_gemm, grouped_gemm_ref  # noqa: E402
 
-from .kernel_cases import DEVICE  # noqa: E402
+from .kernel_cases import DEVICE, refused_alike  # noqa: E402
 
 
 def test_pairs_are_sorted_by_expert_and_each_run_padded_to_whole_tiles():
@@ -97,11 +97,8 @@ def test_arguments_are_checked_by_name(change, message):
     weight = change.get("weight", lambda w: w)(weight)
     bias = change.get("bias", lambda b: b)(bias)
     tiles = align_pairs(experts, 6, MoeLaunch().rows)
-    for call in (lambda: grouped_gemm(x, weight, tiles, 2, by_token=True, bias=bias),
-                 lambda: grouped_gemm_ref(x, weight, experts, by_token=True, bias=bias)):
-        with pytest.raises(KernelArgumentError) as refused:
-            call()
-        assert str(refused.value) == message
+    refused_alike((lambda: grouped_gemm(x, weight, tiles, 2, by_token=True, bias=bias),
+                   lambda: grouped_gemm_ref(x, weight, experts, by_token=True, bias=bias)), message)
 
 
 def test_tiles_rows_and_weights_that_do_not_fit_the_launch_are_named():

@@ -211,8 +211,8 @@ def _pack_stacked_experts(layer: int, take) -> dict[str, torch.Tensor | None]:
     packed = {"router": take(p + "router.weight"), "router_bias": take(p + "router.bias"),
               "experts_gate_up": gate_first(gate_up), "experts_gate_up_bias": gate_first(gate_up_bias),
               "experts_down_bias": take(p + "experts.down_proj_bias"), "gate_up": None, "down": None,
-              "shared_gate": None, "experts_gate_up_scales": None if gate_up_scales is None else gate_first(gate_up_scales),
-              "experts_down_scales": down_scales}
+              "shared_gate": None, "experts_down_scales": down_scales,
+              "experts_gate_up_scales": None if gate_up_scales is None else gate_first(gate_up_scales)}
     del gate_up, gate_up_bias
     down = take(p + "experts.down_proj")
     packed["experts_down"] = down if down_scales is not None else down.transpose(1, 2).contiguous()

@@ -158,9 +158,10 @@ def harmony_call_constraint(chosen: list[tuple[int, dict]], marker, field: str):
 
     rules = [f'start: ({marker("<|start|>")} "assistant")? {marker("<|channel|>")} "commentary to=functions." call',
              "call: " + " | ".join(f"call_{i}" for i in range(len(chosen)))]
-    rules += [f'call_{i}: {json.dumps(function["name"] + " ")} {marker("<|constrain|>")} "json" {marker("<|message|>")} '
-              f"%json {json.dumps({**parameters_of(function), 'x-guidance': HARMONY_JSON_LAYOUT})}"
-              for i, (_, function) in enumerate(chosen)]
+    for i, (_, function) in enumerate(chosen):
+        arguments = json.dumps({**parameters_of(function), "x-guidance": HARMONY_JSON_LAYOUT})
+        rules.append(f'call_{i}: {json.dumps(function["name"] + " ")} {marker("<|constrain|>")} "json" '
+                     f'{marker("<|message|>")} %json {arguments}')
     return replace(Constraint.lark("\n".join(rules), field), after=HARMONY_THOUGHT_END, opens=HARMONY_THINKING)
 
 
