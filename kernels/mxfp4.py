@@ -43,6 +43,8 @@ def dequantise_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     more than 16 MiB beside the result, however large the weight."""
     check_mxfp4(blocks, scales)
     out = torch.empty((*blocks.shape[:-1], GROUP), dtype=dtype, device=blocks.device)
+    if out.numel() == 0:  # no rows, or rows of no groups
+        return out.flatten(-2)
     pairs = byte_values(blocks.device)
     rows_b, rows_s = blocks.reshape(-1, *blocks.shape[-2:]), scales.reshape(-1, scales.shape[-1])
     rows_out = out.view(-1, *out.shape[-2:])

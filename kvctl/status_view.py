@@ -33,6 +33,7 @@ MAP_MAX_CELLS = 2048  # 32 lines of 64: a GPU cache's hundred thousand blocks st
 # how `kvctl status` words the experts' weights (status_body.experts' "weights")
 EXPERT_WEIGHTS = {"mxfp4": ", kept in MXFP4 as published", "dequantised from mxfp4": ", dequantised from MXFP4"}
 
+
 def map_cells(data: dict, max_cells: int = MAP_MAX_CELLS) -> tuple[str, int]:
     """The status answer's block map in at most `max_cells` cells, and the blocks a cell covers:
     as kvd folded it (`cells=`), or folded here when kvd sent a character per block (an older kvd)."""

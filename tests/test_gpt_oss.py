@@ -134,6 +134,11 @@ def test_mxfp4_dequantises_as_transformers_does(dtype):
     one = dequantise_mxfp4(torch.full((1, 16), 0x2F, dtype=torch.uint8), torch.tensor([127], dtype=torch.uint8),
                            torch.float32)
     assert one[:4].tolist() == [-6.0, 1.0, -6.0, 1.0]
+    # a weight of no rows, or of rows of no groups, is empty rather than an error
+    assert dequantise_mxfp4(torch.zeros(0, 3, 16, dtype=torch.uint8), torch.zeros(0, 3, dtype=torch.uint8),
+                            dtype).shape == (0, 96)
+    assert dequantise_mxfp4(torch.zeros(2, 0, 16, dtype=torch.uint8), torch.zeros(2, 0, dtype=torch.uint8),
+                            dtype).shape == (2, 0)
 
 
 @pytest.mark.parametrize("blocks, scales, message", [
