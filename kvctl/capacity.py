@@ -52,6 +52,8 @@ class ModelShape:
     mixed_window: tuple[int, int] | None = None
     fused_projections: bool = False  # Phi-3: one qkv_proj and one gate_up_proj, each adapted as one
     moe_layers: int = 0  # layers whose MLP is a mixture of experts (Mixtral, Qwen-MoE): LoRA adapts their attention only
+    # an MXFP4 checkpoint's experts (gpt-oss), as `weights_bytes` counts them: "kept" or "dequantised"
+    mxfp4_experts: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim"):
@@ -65,8 +67,9 @@ class ModelShape:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dequantise_experts: bool = False) -> "ModelShape":
         """The shape in a checkpoint's config.json: a folder, or a Hugging Face id in the local cache.
-        An MXFP4 checkpoint's weights count as kvd serves them: as on disk (its experts kept in MXFP4),
-        or dequantised where kvd serve is given --dequantise-experts (`dequantise_experts`)."""
+        An MXFP4 checkpoint's weights count as kvd serves them on a GPU: as on disk (its experts kept
+        in MXFP4), or dequantised where kvd serve is given --mxfp4-experts dequantise
+        (`dequantise_experts`)."""
         from kvctl.daemon.model.config import ModelError, language_model_fields
         from kvctl.daemon.model.hub_cache import resolve_model
 
@@ -101,8 +104,9 @@ class ModelShape:
         return cls(layers=int(raw["num_hidden_layers"]), kv_heads=int(raw.get("num_key_value_heads") or heads),
                    head_dim=int(raw.get("head_dim") or hidden // heads), hidden_size=int(hidden),
                    intermediate_size=raw.get("intermediate_size"),
-                   dtype=dtype, weights_bytes=weights,
-                   heads=int(heads), **_as_kvd_reads(outer))
+                   dtype=dtype, weights_bytes=weights, heads=int(heads),
+                   mxfp4_experts=("dequantised" if dequantise_experts else "kept") if quantised else None,
+                   **_as_kvd_reads(outer))
 
 
 def _stored_tensors(model_dir: Path):

@@ -135,6 +135,8 @@ def capacity_command(
     elif shape.mixed_window is not None:  # counted at every block: say why
         document["mixed_sliding_window"] = {"tokens": shape.mixed_window[0], "layers": shape.mixed_window[1],
                                             "of": shape.layers}
+    if shape.mxfp4_experts is not None:
+        document["mxfp4_experts"] = shape.mxfp4_experts
     if loras:
         document["loras"] = {"count": loras, "rank": lora_rank, "bytes_each": adapters // loras}
     if tier_bytes is not None:
@@ -175,6 +177,14 @@ def capacity_command(
         console.print(f"{mixed['layers']} of the {mixed['of']} layers slide a window of {mixed['tokens']:,} tokens; "
                       "the others attend to the whole context, so kvd keeps every block of a sequence, as counted "
                       "here.", markup=False)
+    if document.get("mxfp4_experts") == "kept":
+        console.print("The experts are counted in MXFP4, as kvd keeps them on a GPU (4.25 bits a weight); "
+                      "--mxfp4-experts dequantise counts them as kvd serve --mxfp4-experts dequantise holds them.",
+                      markup=False)
+    elif document.get("mxfp4_experts") == "dequantised":
+        console.print("The experts are counted dequantised to the model's dtype (kvd serve --mxfp4-experts "
+                      "dequantise); kept in MXFP4, as kvd keeps them on a GPU by default, they take 17 bytes per "
+                      "32 weights (about a quarter of bfloat16's).", markup=False)
     for t in document.get("tier", []):
         held = f"a lower tier of {t['tier_bytes'] / 2**30:,.1f} GiB holds {t['tokens']:,} tokens of {t['cache_dtype']}"
         if t["compressed_tokens"] is not None:

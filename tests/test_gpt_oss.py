@@ -284,7 +284,7 @@ def test_kvd_serve_keeps_the_experts_in_mxfp4_on_a_gpu_and_dequantises_them_on_a
             service.shutdown(1)
 
 
-def test_kvctl_capacity_counts_mxfp4_experts_kept_or_dequantised_as_kvd_serve_would(tmp_path, capsys):
+def test_kvctl_capacity_counts_mxfp4_experts_kept_or_dequantised_as_kvd_serve_would(tmp_path, capsys, monkeypatch):
     from kvctl.capacity import ModelShape
 
     from .test_cli import cli
@@ -300,6 +300,14 @@ def test_kvctl_capacity_counts_mxfp4_experts_kept_or_dequantised_as_kvd_serve_wo
     assert counted["auto"] == counted["keep"] == ModelShape.from_model_dir(tmp_path).weights_bytes
     assert counted["dequantise"] == ModelShape.from_model_dir(tmp_path, dequantise_experts=True).weights_bytes
     assert counted["dequantise"] > counted["keep"]
+    status, out, _ = cli(capsys, "capacity", "--model", str(tmp_path), "--gpu-memory", "1GB", "--json")
+    assert json.loads(out)["mxfp4_experts"] == "kept"
+    monkeypatch.setenv("COLUMNS", "200")
+    status, out, _ = cli(capsys, "capacity", "--model", str(tmp_path), "--gpu-memory", "1GB")
+    assert "The experts are counted in MXFP4, as kvd keeps them on a GPU (4.25 bits a weight)" in out
+    status, out, _ = cli(capsys, "capacity", "--model", str(tmp_path), "--gpu-memory", "1GB", "--mxfp4-experts",
+                         "dequantise")
+    assert "The experts are counted dequantised to the model's dtype (kvd serve --mxfp4-experts dequantise)" in out
     status, _, err = cli(capsys, "capacity", "--model", str(tmp_path), "--mxfp4-experts", "fp8")
     assert status == 2
     assert err.strip() == "error: mxfp4_experts: unknown value 'fp8'; choose from auto, keep, dequantise"
