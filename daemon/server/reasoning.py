@@ -161,10 +161,8 @@ class HarmonySplitter:
         if self.state == "header" and marker != "<|start|>":  # the role's header: its recipient, if any
             self._read_recipient()
         if marker in ("<|start|>", "<|channel|>"):  # a header follows: the role, or the channel and recipient
-            if marker == "<|start|>":
-                self.channel = self.recipient = None
-            elif self.state != "header":
-                self.recipient = None  # a message of its own, with no role header
+            if marker == "<|start|>" or self.state != "header":
+                self.recipient = None  # a new message (after <|channel|>: one with no role header)
             self.state, self.header = "header", ""
             self.channel = None if marker == "<|start|>" else ""  # named by the header's first word, at <|message|>
         elif marker == "<|constrain|>":
