@@ -111,6 +111,9 @@ def serve(
     tenant_request_limits: Optional[str] = typer.Option(
         None, help="Per-tenant limits overriding --max-tenant-requests, e.g. acme=128,free=4."),
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
+    responses_store_bytes: Optional[str] = typer.Option(
+        None, help="Memory for the responses /v1/responses keeps for previous_response_id (least recently used "
+                   "go first), e.g. 64MiB; 0 keeps none."),
     reservation: Optional[str] = typer.Option(None, help="Output reservation: fixed:N, fraction:F, p95."),
     eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru, cost, lfu (fewest uses first, never "
                                           "decayed) or priority (the prefixes of the requests that run first go "
@@ -207,7 +210,8 @@ def serve(
                    speculative_config=speculative_config,
                    max_queue=max_queue, max_tenant_requests=max_tenant_requests,
                    tenant_request_limits=tenant_request_limits,
-                   max_request_bytes=max_request_bytes, reservation=reservation,
+                   max_request_bytes=max_request_bytes, responses_store_bytes=responses_store_bytes,
+                   reservation=reservation,
                    eviction=eviction, tenant_cache_shares=tenant_cache_shares, queue_order=queue_order,
                    tenant_priorities=tenant_priorities,
                    trusted_proxy=trusted_proxy, report_cached_tokens=report_cached_tokens, cache_dtype=cache_dtype,
@@ -241,6 +245,7 @@ SERVE_HELP_PANELS = {
                          "device", "dtype",
                          "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
+                         "responses_store_bytes",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",
                            "quick_prefill_tokens",

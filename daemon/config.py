@@ -229,6 +229,8 @@ class KvdConfig:
     tenant_cache_shares: tuple[tuple[str, float], ...] = ()
     shutdown_timeout: float = 30.0
     max_request_bytes: int = 32 * 2**20  # a bigger request body is refused (413) before it is read whole
+    # the responses /v1/responses keeps for previous_response_id, in memory (response_store.py); 0: none
+    responses_store_bytes: int = 64 * 2**20
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
     chat_template: str | None = None  # a Jinja file for /v1/chat/completions; default: the checkpoint's own
     # what every chat's template gets unless the request's chat_template_kwargs say otherwise, as JSON
@@ -341,6 +343,7 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
+    "responses_store_bytes": _size,
     "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
     "max_queue": whole_number, "max_loras": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvctl.daemon.model.tokenizer import first_outside_vocab
 
 
@@ -25,3 +27,17 @@ def checked_ids(ids: list[int], field: str, engine) -> list[int]:
     if bad is not None:
         raise ApiError(400, f"{field}: token ids must lie in [0, {vocab}), found {ids[bad]}", param=field)
     return ids
+
+
+def refuse_unsupported(body: Any, unsupported: dict, hints: dict) -> None:
+    """A 400 naming the first of a request's extra fields (pydantic's `model_extra`) that asks for
+    what kvd does not do (`unsupported`: each field's values that ask for nothing; best_of equal to
+    n is inert), with the field's hint (`hints`) or "leave it out"."""
+    for name, value in (body.model_extra or {}).items():
+        inert = unsupported.get(name)
+        if inert is None or value in inert or (name == "best_of" and value == body.n):
+            continue
+        shown = "a salt" if name == "cache_salt" else repr(value)  # a salt is the client's secret: never echoed
+        raise ApiError(400, f"{name}: not supported by kvd, got {shown}; "
+                            + hints.get(name, "leave it out"), param=name,
+                       code="unsupported_parameter")

@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import Field, StrictInt
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -38,7 +38,7 @@ from kvctl.daemon.store import StoreUnavailable
 from . import invalid_request, kv_transfer
 from .admin_routes import admin_routes
 from .admin_slots import AdminWriteSlots
-from .api_errors import ApiError, checked_ids, error_body
+from .api_errors import ApiError, checked_ids, error_body, refuse_unsupported
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .calls import Principal, ServiceError
@@ -50,6 +50,7 @@ from .metrics import Metrics
 from .reasoning import answer_only
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .response_format import asks_for_a_shape, constraint_of
+from .responses_routes import responses_routes
 from .service import EngineService, LoopSink
 from .strict_json import StrictJSONRoute
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -94,18 +95,6 @@ UNSUPPORTED_HINTS = {
     "cache_salt": "kvd keeps prefixes apart by tenant (the caller's token, or the tenant header behind a trusted "
                   "proxy), never by a salt the client picks; send requests that must not share as another tenant",
 }
-
-
-def refuse_unsupported(body: BaseModel, unsupported: dict, hints: dict) -> None:
-    """A 400 naming the first field kvd would otherwise ignore (best_of equal to n is inert)."""
-    for name, value in (body.model_extra or {}).items():
-        inert = unsupported.get(name)
-        if inert is None or value in inert or (name == "best_of" and value == body.n):
-            continue
-        shown = "a salt" if name == "cache_salt" else repr(value)  # a salt is the client's secret: never echoed
-        raise ApiError(400, f"{name}: not supported by kvd, got {shown}; "
-                            + hints.get(name, UNSUPPORTED_HINTS.get(name, "leave it out")), param=name,
-                       code="unsupported_parameter")
 
 
 # Prompts of up to this many tokens in all are hashed on the event loop when they are handed in
@@ -236,7 +225,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request, who: Principal = Depends(principal)):
-        refuse_unsupported(body, UNSUPPORTED_CHAT_FIELDS, CHAT_HINTS)
+        refuse_unsupported(body, UNSUPPORTED_CHAT_FIELDS, {**UNSUPPORTED_HINTS, **CHAT_HINTS})
         constraint = await shape_of(body)
         try:
             messages, tools = chat_messages(body.messages), checked_tools(body.tools)
@@ -510,6 +499,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 checked_ids(ids, "prompt" if flat else f"prompt[{i}]", engine)
         return prompts
 
+    app.include_router(responses_routes(service, principal, chat_completions))  # /v1/responses, as a chat turn
     app.include_router(admin_routes(service, admin, tenant_header=front == "unix" or trusted_proxy))
 
     return app

@@ -21,7 +21,7 @@ from .reasoning import ThinkSplitter, reasoning_fields, split_reply, splitter_fo
 from . import tool_calls
 
 # chat fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values that ask for
-# nothing; any other value is refused by name (see app.refuse_unsupported)
+# nothing; any other value is refused by name (see api_errors.refuse_unsupported)
 UNSUPPORTED_CHAT_FIELDS = {
     "best_of": (None, 1),
     "use_beam_search": (None, False), "cache_salt": (None, ""),

@@ -54,6 +54,7 @@ from .kv_transfer import TransferBook
 from .notify import Notifier
 from .reload_ops import prefetch_settings, quick_prefill_tokens
 from .request_trace import RequestTrace, load_trace_key
+from .response_store import ResponseStore
 from .rollouts import RolloutManager
 from .start_timing import StartTimer
 from .status_body import status_body
@@ -112,6 +113,7 @@ class EngineService:
         self.engine: Engine | None = None
         self.loaded: LoadedModel | None = None
         self.chat_template: ChatTemplate | None = None  # renders /v1/chat/completions' messages
+        self.responses = ResponseStore(config.responses_store_bytes)  # /v1/responses' previous_response_id
         self.hub_name: str | None = None  # the model's Hugging Face id, where --model named one (hub_cache.py)
         self.ready = threading.Event()
         self.accepting = True

@@ -1,0 +1,75 @@
+"""The responses kvd keeps for `previous_response_id` and `GET /v1/responses/{id}`.
+
+In memory, within a budget of bytes (`responses_store_bytes`): the least recently used response
+goes first when a new one would not fit, and a response bigger than the whole budget is not kept.
+Each is its tenant's: another tenant's id reads as unknown, as if it had never been (a 404 that
+says nothing about whose it is). Nothing is written to disk, and a restart forgets them all.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    tenant: str
+    response: dict  # the Response object as it was answered
+    conversation: tuple[dict, ...]  # the chat messages a next turn continues (no instructions)
+    size: int  # bytes it is counted at: the JSON of both
+
+
+class ResponseStore:
+    """Responses by id, each for its tenant, least recently used dropped first."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.used = 0
+        self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.dropped = 0  # responses let go to make room (or too big to keep)
+        self.lock = threading.Lock()
+
+    def put(self, tenant: str, response: dict, conversation: list[dict]) -> bool:
+        """Keeps `response` and the conversation a next turn continues; False when it is bigger
+        than the whole budget (kept nothing)."""
+        size = len(json.dumps(response)) + len(json.dumps(conversation))
+        entry = StoredResponse(tenant, response, tuple(conversation), size)
+        with self.lock:
+            if size > self.budget:
+                self.dropped += 1
+                return False
+            old = self.entries.pop(response["id"], None)
+            self.used -= old.size if old is not None else 0
+            while self.used + size > self.budget:
+                _, gone = self.entries.popitem(last=False)
+                self.used -= gone.size
+                self.dropped += 1
+            self.entries[response["id"]] = entry
+            self.used += size
+            return True
+
+    def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """The tenant's response `response_id` (now the most recently used), or None."""
+        with self.lock:
+            entry = self.entries.get(response_id)
+            if entry is None or entry.tenant != tenant:
+                return None
+            self.entries.move_to_end(response_id)
+            return entry
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        with self.lock:
+            entry = self.entries.get(response_id)
+            if entry is None or entry.tenant != tenant:
+                return False
+            del self.entries[response_id]
+            self.used -= entry.size
+            return True
+
+    def figures(self) -> dict:
+        with self.lock:
+            return {"responses": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
+                    "dropped": self.dropped}

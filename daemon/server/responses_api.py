@@ -1,0 +1,437 @@
+"""`POST /v1/responses`: OpenAI's Responses API, served as a chat turn.
+
+A Responses request becomes a `/v1/chat/completions` request (`chat_body`): its `input` items
+become messages, `instructions` the system message, `tools` and `tool_choice` the chat's forms,
+`text.format` the `response_format`, `reasoning.effort` the template's `reasoning_effort`. The
+chat's answer, whole or streamed, becomes the response's output items (`OutputItems`): a
+`reasoning` item for the thinking the reasoning parser set apart, a `message` for the answer, a
+`function_call` for each call the tool-call parser read. So a response is served by the same
+engine, prefix cache, parsers and refusals as a chat.
+
+`previous_response_id` continues a stored response's conversation (response_store.py): its
+messages, then the new input, rendered by the template as a chat client would send them all, so
+the turn's prompt starts with the last one's and its blocks come from the prefix cache.
+
+Plain Python (no torch, no FastAPI): the request's checks and the answer's shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from pydantic import ConfigDict
+
+from .chat import Count, GenerationFields
+from .chat_messages import MessagesError
+
+# fields of OpenAI's Responses API that kvd does not implement, with the values that ask for nothing;
+# any other value is refused by name (api_errors.refuse_unsupported)
+UNSUPPORTED_RESPONSE_FIELDS = {
+    "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
+    "top_logprobs": (None, 0), "truncation": (None, "disabled"), "include": (None, []),
+    "context_management": (None, []),
+}
+RESPONSE_HINTS = {
+    "background": "kvd answers while the client waits; send stream: true to see the reply as it comes",
+    "conversation": "kvd keeps no conversation objects; send previous_response_id",
+    "prompt": "kvd keeps no prompt templates; send instructions and input",
+    "truncation": "kvd never drops the start of a conversation to fit it: one over the context is refused (413)",
+    "include": "kvd adds nothing to the output items (no encrypted reasoning, no logprobs here: "
+               "/v1/chat/completions has logprobs)",
+}
+# chat fields a Responses request passes on as they are (the rest are built from its own fields)
+PASSED_ON = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "user", "ignore_eos",
+             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+             "priority", "return_tokens_as_token_ids", "kv_transfer_params", "parallel_tool_calls")
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+METADATA_KEYS = 16  # OpenAI's most metadata pairs
+EFFORTS = ("minimal", "low", "medium", "high")
+
+
+class ResponsesRequest(GenerationFields):
+    """A `POST /v1/responses` body. The sampling fields are the chat's (GenerationFields, kvd's
+    extensions included); `input` and the tool fields are checked by `chat_body`, which names
+    the item and field at fault."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input: Any = None  # a string, or a list of items (messages, function calls and their outputs, reasoning)
+    instructions: str | None = None  # the system message, first; not carried to the next turn
+    max_output_tokens: Count | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    reasoning: Any = None  # {"effort": ...}: the chat template's reasoning_effort (gpt-oss reads it)
+    text: Any = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    metadata: Any = None
+    chat_template_kwargs: Any = None  # vLLM's, as /v1/chat/completions takes them
+    prompt_cache_key: str | None = None  # OpenAI's routing hint: kvd's prefix cache needs none (echoed back)
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def _text_of(content: Any, where: str) -> str:
+    """An item's content as text: a string, or text parts (input_text, output_text) joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise MessagesError(f"{where}: must be a string or a list of text parts, got {type(content).__name__}",
+                            where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            shown = repr(kind) if kind is not None else f"a {type(part).__name__}"
+            raise MessagesError(f"{where}[{j}].type: kvd takes text parts only (input_text, output_text), got "
+                                f"{shown}", f"{where}[{j}].type")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its content's reasoning_text parts, else its summary's summary_text."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise MessagesError(f"{where}.content: must be a list of reasoning_text parts", f"{where}.content")
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            raise MessagesError(f"{where}.content[{j}]: must be {{\"type\": \"reasoning_text\", \"text\": ...}}",
+                                f"{where}.content[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def input_messages(raw: Any) -> list[dict]:
+    """The request's `input` as chat messages (as chat_messages.chat_messages takes them), or
+    MessagesError naming the item and field at fault. A function call joins the assistant
+    message before it (one turn: its text, then its calls, as a chat client sends it back); a
+    reasoning item goes with the assistant message or call after it."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        got = "an empty list" if raw == [] else "nothing" if raw is None else type(raw).__name__
+        raise MessagesError(f"input: must be a string or a list of items, got {got}", "input")
+    messages: list[dict] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise MessagesError(f"{where}: must be an object (a message or an item), got {type(item).__name__}", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = ROLES.get(item.get("role"))
+            if role is None:
+                raise MessagesError(f"{where}.role: must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
+                                    f"{where}.role")
+            message = {"role": role, "content": _text_of(item.get("content"), f"{where}.content")}
+        elif kind == "function_call":
+            call = {"type": "function", "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise MessagesError(f"{where}.{key}: must be a string, got {item.get(key)!r}", f"{where}.{key}")
+            call["id"] = item["call_id"]
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and thought is None:
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise MessagesError(f"{where}.call_id: must be a string, got {item.get('call_id')!r}",
+                                    f"{where}.call_id")
+            message = {"role": "tool", "tool_call_id": item["call_id"],
+                       "content": _text_of(item.get("output"), f"{where}.output")}
+        elif kind == "reasoning":
+            if thought is not None:
+                raise MessagesError(f"{where}: two reasoning items in a row; send one per assistant turn", where)
+            thought = _reasoning_text(item, where)
+            continue
+        else:
+            raise MessagesError(f"{where}.type: kvd takes message, function_call, function_call_output and reasoning "
+                                f"items, got {kind!r}", f"{where}.type")
+        if thought is not None:
+            if message["role"] != "assistant":
+                raise MessagesError(f"{where}: a reasoning item goes before the assistant message or function call "
+                                    f"it led to, not before a {message['role']!r} message", where)
+            message["reasoning_content"], thought = thought, None
+        messages.append(message)
+    if thought is not None:
+        raise MessagesError(f"input[{len(raw) - 1}]: a reasoning item goes before the assistant message or function "
+                            "call it led to", f"input[{len(raw) - 1}]")
+    return messages
+
+
+def chat_tools(tools: Any) -> list[dict] | None:
+    """The Responses API's function tools ({"type": "function", "name", "description",
+    "parameters", "strict"}) in the chat's form, checked there; MessagesError for another kind."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise MessagesError(f"tools: must be a list of functions, got {type(tools).__name__}", "tools")
+    shaped = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        if kind != "function":
+            raise MessagesError(f"tools[{i}].type: kvd serves function tools only (no built-in tools), got {kind!r}",
+                                f"tools[{i}].type")
+        function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+        shaped.append({"type": "function", "function": function})
+    return shaped
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """The Responses API's tool_choice in the chat's form ({"type": "function", "name": X} names
+    a function there as {"type": "function", "function": {"name": X}})."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict) and choice.get("type") != "function":
+        raise MessagesError(f"tool_choice: kvd takes \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                            f"\"name\": ...}}, got {choice!r}", "tool_choice")
+    return choice
+
+
+def response_format(text: Any) -> Any:
+    """`text.format` as the chat's `response_format` (None: plain text)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise MessagesError(f"text: must be an object with format, got {type(text).__name__}", "text")
+    if text.get("verbosity") not in (None, "medium"):
+        raise MessagesError(f"text.verbosity: not supported by kvd, got {text['verbosity']!r}; leave it out",
+                            "text.verbosity")
+    shape = text.get("format")
+    if shape is None:
+        return None
+    kind = shape.get("type") if isinstance(shape, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {key: shape[key] for key in ("name", "schema", "strict",
+                                                                                      "description") if key in shape}}
+    raise MessagesError(f"text.format.type: must be text, json_object or json_schema, got {kind!r}",
+                        "text.format.type")
+
+
+def template_kwargs(body: ResponsesRequest, reads: frozenset | set) -> dict | None:
+    """The template's kwargs: the request's `chat_template_kwargs`, with `reasoning.effort` as
+    `reasoning_effort` where the template reads it (`reads`: the names it reads)."""
+    kwargs = body.chat_template_kwargs
+    reasoning = body.reasoning
+    if reasoning is None:
+        return kwargs
+    if not isinstance(reasoning, dict):
+        raise MessagesError(f"reasoning: must be an object with effort, got {type(reasoning).__name__}", "reasoning")
+    effort = reasoning.get("effort")
+    if effort is None:
+        return kwargs
+    if effort not in EFFORTS:
+        raise MessagesError(f"reasoning.effort: must be one of {', '.join(EFFORTS)}, got {effort!r}",
+                            "reasoning.effort")
+    if "reasoning_effort" not in reads:
+        raise MessagesError(f"reasoning.effort: the model's chat template does not read reasoning_effort, so "
+                            f"{effort!r} would change nothing; leave it out", "reasoning.effort")
+    given = dict(kwargs) if isinstance(kwargs, dict) else {}
+    if given.get("reasoning_effort", effort) != effort:
+        raise MessagesError(f"reasoning.effort: {effort!r} differs from chat_template_kwargs.reasoning_effort "
+                            f"{given['reasoning_effort']!r}; give one", "reasoning.effort")
+    return {**given, "reasoning_effort": effort}
+
+
+def chat_body(body: ResponsesRequest, earlier: list[dict], reads: frozenset | set) -> tuple[dict, list[dict]]:
+    """The chat request this response is served as, and the conversation it continues with (the
+    earlier messages and this input, without the instructions: a next turn gives its own).
+    `earlier`: the previous response's conversation ([] without one); `reads`: the names the
+    chat template reads. MessagesError names the field at fault."""
+    if body.n != 1:
+        raise MessagesError(f"n: a response is one reply, got {body.n}; send n to /v1/chat/completions", "n")
+    metadata = body.metadata
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > METADATA_KEYS
+                                 or not all(isinstance(v, str) for v in metadata.values())):
+        raise MessagesError(f"metadata: must be an object of at most {METADATA_KEYS} string values", "metadata")
+    conversation = [*earlier, *input_messages(body.input)]
+    system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    chat: dict = {name: getattr(body, name) for name in PASSED_ON if name in body.model_fields_set}
+    chat.update(messages=system + conversation, stream=body.stream, max_completion_tokens=body.max_output_tokens,
+                tools=chat_tools(body.tools), tool_choice=chat_tool_choice(body.tool_choice),
+                response_format=response_format(body.text), chat_template_kwargs=template_kwargs(body, reads))
+    if body.stream:
+        chat["stream_options"] = {"include_usage": True}  # the last event's response carries the usage
+    return chat, conversation
+
+
+def usage_of(chat_usage: dict, reasoning_tokens: int) -> dict:
+    """The chat's usage in the Responses API's names. `cached_tokens` is 0 where kvd does not
+    report them to this caller (report_cached_tokens), as the chat's answer leaves them out."""
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+class OutputItems:
+    """A response's output items, built from the chat's reply piece by piece (`reasoning`,
+    `content`, `call`), and the stream's events as they are (`events`, each with its
+    `sequence_number`). A whole reply goes through the same steps as a streamed one, so both
+    give the same items."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self.open: dict | None = None  # the reasoning or message item being written
+        self.events: list[dict] = []
+        self.sequence = 0
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.events.append({"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+
+    def take_events(self) -> list[dict]:
+        events, self.events = self.events, []
+        return events
+
+    def _start(self, item: dict) -> dict:
+        self.close()
+        self.items.append(item)
+        self.emit("response.output_item.added", output_index=len(self.items) - 1, item=json.loads(json.dumps(item)))
+        return item
+
+    def _open_text(self, kind: str) -> dict:
+        """The reasoning or message item being written, opened (with its one text part) if it is not."""
+        item = self.open
+        if item is not None and item["type"] == kind:
+            return item
+        if kind == "reasoning":
+            fresh = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            fresh = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
+                     "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item = self.open = self._start(fresh)
+        item["content"].append(part)
+        self.emit("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
+                  content_index=0, part=dict(part))
+        return item
+
+    def _text(self, kind: str, delta: str, delta_event: str, **extra: Any) -> None:
+        if not delta:
+            return
+        item = self._open_text(kind)
+        item["content"][0]["text"] += delta
+        self.emit(delta_event, item_id=item["id"], output_index=len(self.items) - 1, content_index=0, delta=delta,
+                  **extra)
+
+    def reasoning(self, delta: str) -> None:
+        self._text("reasoning", delta, "response.reasoning_text.delta")
+
+    def content(self, delta: str) -> None:
+        self._text("message", delta, "response.output_text.delta", logprobs=[])
+
+    def call(self, call: dict) -> None:
+        """One call the parser read (the chat's {id, function: {name, arguments}}), whole."""
+        function = call["function"]
+        item = self._start({"id": new_id("fc_"), "type": "function_call", "call_id": call["id"],
+                            "name": function["name"], "arguments": "", "status": "in_progress"})
+        index = len(self.items) - 1
+        item["arguments"] = function["arguments"]
+        self.emit("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                  delta=function["arguments"])
+        self.emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                  name=function["name"], arguments=function["arguments"])
+        item["status"] = "completed"
+        self.emit("response.output_item.done", output_index=index, item=dict(item))
+
+    def close(self, status: str = "completed") -> None:
+        """Ends the reasoning or message item being written (`status`: "incomplete" for one cut off)."""
+        item, self.open = self.open, None
+        if item is None:
+            return
+        index, part = len(self.items) - 1, item["content"][0]
+        if item["type"] == "reasoning":
+            self.emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                      text=part["text"])
+        else:
+            self.emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                      text=part["text"], logprobs=[])
+        self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                  part=dict(part))
+        item["status"] = status
+        self.emit("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))
+
+    def finish(self, finish_reason: str | None) -> None:
+        """The reply ended: the open item closes; a reply with no item at all gets an empty message."""
+        if not self.items:
+            self._open_text("message")
+        self.close("incomplete" if finish_reason == "length" else "completed")
+
+    def assistant_turn(self) -> dict:
+        """The reply as the assistant's message of the conversation a next turn continues."""
+        message: dict = {"role": "assistant", "content": "".join(
+            item["content"][0]["text"] for item in self.items if item["type"] == "message")}
+        thought = self.reasoning_text()
+        if thought:
+            message["reasoning_content"] = thought
+        calls = [{"id": item["call_id"], "type": "function",
+                  "function": {"name": item["name"], "arguments": item["arguments"]}}
+                 for item in self.items if item["type"] == "function_call"]
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    def reasoning_text(self) -> str:
+        return "".join(item["content"][0]["text"] for item in self.items if item["type"] == "reasoning")
+
+    def feed_message(self, message: dict) -> None:
+        """A whole chat reply's message: its thinking, its answer, then its calls."""
+        self.reasoning(message.get("reasoning_content") or "")
+        self.content(message.get("content") or "")
+        for call in message.get("tool_calls") or ():
+            self.call(call)
+
+    def feed_delta(self, delta: dict) -> None:
+        """A streamed chat chunk's delta."""
+        self.reasoning(delta.get("reasoning_content") or "")
+        self.content(delta.get("content") or "")
+        for call in delta.get("tool_calls") or ():
+            self.call(call)
+
+
+def response_object(response_id: str, body: ResponsesRequest, model: str, created_at: int, items: list[dict],
+                    status: str, usage: dict | None, finish_reason: str | None = None,
+                    error: dict | None = None) -> dict:
+    """The Response object, as OpenAI's API and its clients shape it."""
+    incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+    reasoning = body.reasoning if isinstance(body.reasoning, dict) else {}
+    text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
+    return {"id": response_id, "object": "response", "created_at": created_at, "status": status,
+            "error": error, "incomplete_details": incomplete, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "model": model, "output": json.loads(json.dumps(items)),
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": reasoning.get("effort"), "summary": None}, "store": body.store,
+            "temperature": body.temperature, "text": {"format": text_format or {"type": "text"}},
+            "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
+            "tools": body.tools or [], "top_p": body.top_p, "truncation": "disabled", "usage": usage,
+            "user": body.user, "metadata": body.metadata or {}, "prompt_cache_key": body.prompt_cache_key,
+            "safety_identifier": body.safety_identifier, "service_tier": body.service_tier or "auto"}
+
+
+def status_of(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,137 @@
+"""The Responses API's routes: `POST /v1/responses` (served as a chat turn, responses_api.py),
+`GET` and `DELETE /v1/responses/{id}` (the responses kept for `previous_response_id`,
+response_store.py). Each tenant reads and deletes its own responses only."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .api_errors import ApiError, refuse_unsupported
+from .calls import Principal
+from .chat import ChatCompletionRequest
+from .chat_messages import MessagesError
+from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputItems, ResponsesRequest, chat_body,
+                            new_id, now, response_object, status_of, usage_of)
+from .strict_json import StrictJSONRoute
+
+REQUEST_ID_HEADER = "X-KVD-Request-Id"
+
+
+def _not_kept(response_id: str, param: str) -> ApiError:
+    return ApiError(404, f"{param}: no response {response_id!r} is kept here (kvd keeps its tenant's responses in "
+                         "memory, within responses_store_bytes, until it restarts; one sent with store: false is "
+                         "not kept)", type_="not_found_error", param=param, code="response_not_found")
+
+
+def _event(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) -> APIRouter:
+    """The routes, answering through `chat(body, http, who)`: the app's /v1/chat/completions handler."""
+    router = APIRouter(route_class=StrictJSONRoute)  # NaN and Infinity are not JSON: refused
+
+    def reasoning_tokens(text: str) -> int:
+        """The thinking's length in tokens, as the tokenizer encodes its text."""
+        loaded = service.loaded
+        return len(loaded.tokenizer.encode(text, add_special_tokens=False)) if text and loaded is not None else 0
+
+    def finished(body: ResponsesRequest, who: Principal, head: dict, items: OutputItems, finish_reason: str | None,
+                 chat_usage: dict, conversation: list[dict]) -> dict:
+        """The response once the reply has ended, kept for a next turn unless `store` is false."""
+        usage = usage_of(chat_usage, reasoning_tokens(items.reasoning_text()))
+        response = response_object(head["id"], body, head["model"], head["created"], items.items,
+                                   status_of(finish_reason), usage, finish_reason)
+        if body.store:
+            service.responses.put(who.tenant, response, [*conversation, items.assistant_turn()])
+        return response
+
+    @router.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, http: Request, who: Principal = Depends(principal)):
+        refuse_unsupported(body, UNSUPPORTED_RESPONSE_FIELDS, RESPONSE_HINTS)
+        earlier: list[dict] = []
+        if body.previous_response_id is not None:
+            kept = service.responses.get(who.tenant, body.previous_response_id)
+            if kept is None:
+                raise _not_kept(body.previous_response_id, "previous_response_id")
+            earlier = list(kept.conversation)
+        template = service.chat_template
+        try:
+            asked, conversation = chat_body(body, earlier, template.request_kwargs if template else frozenset())
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        answer = await chat(ChatCompletionRequest.model_validate(asked), http, who)
+        named = {REQUEST_ID_HEADER: answer.headers.get(REQUEST_ID_HEADER.lower(), "")}
+        model = service.adapter_named(body.model) or service.model_name  # (the chat has checked it)
+        head = {"id": new_id("resp_"), "created": now(), "model": model}
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(_events(answer.body_iterator, body, who, head, conversation),
+                                     media_type="text/event-stream", headers=named)
+        if answer.status_code != 200:  # the client left (499)
+            return answer
+        reply = json.loads(answer.body)
+        [choice] = reply["choices"]
+        items = OutputItems()
+        items.feed_message(choice["message"])
+        items.finish(choice["finish_reason"])
+        return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation),
+                            headers=named)
+
+    async def _events(chunks: AsyncIterator[str], body: ResponsesRequest, who: Principal, head: dict,
+                      conversation: list[dict]) -> AsyncIterator[str]:
+        """The chat's stream as the Responses API's events. Leaving early closes the chat's stream,
+        which cancels the request."""
+        items = OutputItems()
+        opening = response_object(head["id"], body, head["model"], head["created"], [], "in_progress", None)
+        items.emit("response.created", response=opening)
+        items.emit("response.in_progress", response=opening)
+        for event in items.take_events():
+            yield _event(event)
+        finish_reason, chat_usage, failed = None, None, None
+        try:
+            async for piece in chunks:
+                payload = piece[len("data: "):].strip()
+                if payload == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:  # turned away in the queue (pins kept it out)
+                    failed = chunk["error"]
+                    continue
+                chat_usage = chunk.get("usage") or chat_usage
+                for choice in chunk["choices"]:
+                    items.feed_delta(choice["delta"])
+                    finish_reason = choice["finish_reason"] or finish_reason
+                for event in items.take_events():
+                    yield _event(event)
+        finally:
+            await chunks.aclose()
+        if failed is not None:
+            items.close("incomplete")
+            error = {"code": failed.get("code") or "server_error", "message": failed["message"]}
+            items.emit("response.failed", response=response_object(head["id"], body, head["model"], head["created"],
+                                                                   items.items, "failed", None, error=error))
+        else:
+            items.finish(finish_reason)
+            response = finished(body, who, head, items, finish_reason, chat_usage, conversation)
+            items.emit(f"response.{response['status']}", response=response)
+        for event in items.take_events():
+            yield _event(event)
+
+    @router.get("/v1/responses/{response_id}")
+    async def kept_response(response_id: str, who: Principal = Depends(principal)):
+        kept = service.responses.get(who.tenant, response_id)
+        if kept is None:
+            raise _not_kept(response_id, "response_id")
+        return kept.response
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, who: Principal = Depends(principal)):
+        if not service.responses.delete(who.tenant, response_id):
+            raise _not_kept(response_id, "response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return router
