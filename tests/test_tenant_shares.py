@@ -279,8 +279,8 @@ def _host_with(shares, entries):
     host.events = EventLog()
     host.set_tenant_shares(shares)
     keys = {}
-    for tenant, name in entries:
-        key = keys[name] = block_key(hash(name) % 10_000)
+    for i, (tenant, name) in enumerate(entries):  # (not hash(name): it changes per process, and two could meet)
+        key = keys[name] = block_key(i + 1)
         slots, _, _ = host.take_slots(1)
         host.fill(slots, [BlockMeta(key, key, 0, None, tenant)], content(layout, key))
     return host, keys
