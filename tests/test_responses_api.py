@@ -14,8 +14,8 @@ pytest.importorskip("fastapi")
 
 from kvctl.daemon.server.chat_messages import MessagesError, chat_messages  # noqa: E402
 from kvctl.daemon.server.response_store import ResponseStore  # noqa: E402
-from kvctl.daemon.server.responses_api import (OutputItems, ResponsesRequest, chat_body,  # noqa: E402
-                                               input_messages)
+from kvctl.daemon.server.responses_api import OutputItems, ResponsesRequest, chat_body  # noqa: E402
+from kvctl.daemon.server.responses_input import input_messages  # noqa: E402
 
 from .test_tool_calls import CALL_TEXT, HERMES  # noqa: E402
 

@@ -19,6 +19,7 @@ from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputI
 from .strict_json import StrictJSONRoute
 
 REQUEST_ID_HEADER = "X-KVD-Request-Id"
+RESPONSE_ID_HEADER = "X-KVD-Response-Id"  # the response's id, before its body: kvd router learns its home from it
 
 
 def _not_kept(response_id: str, param: str) -> ApiError:
@@ -65,9 +66,11 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         answer = await chat(ChatCompletionRequest.model_validate(asked), http, who)
-        named = {REQUEST_ID_HEADER: answer.headers.get(REQUEST_ID_HEADER.lower(), "")}
         model = service.adapter_named(body.model) or service.model_name  # (the chat has checked it)
         head = {"id": new_id("resp_"), "created": now(), "model": model}
+        named = {REQUEST_ID_HEADER: answer.headers.get(REQUEST_ID_HEADER.lower(), "")}
+        if body.store:
+            named[RESPONSE_ID_HEADER] = head["id"]
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(_events(answer.body_iterator, body, who, head, conversation),
                                      media_type="text/event-stream", headers=named)

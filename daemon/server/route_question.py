@@ -14,6 +14,7 @@ from kvctl.daemon.model.tokenizer import Tokenizer
 from kvctl.policies.routing import prompt_affinity
 
 from .chat_messages import MessagesError, affinity_text, chat_messages, checked_tools, messages_size
+from .responses_input import chat_fields
 
 
 def question_of(body: dict) -> dict | None:
@@ -27,7 +28,14 @@ def question_of(body: dict) -> dict | None:
 
 
 def prompt_question(body: dict) -> dict | None:
-    """The question for the request's (first) prompt, as `question_of` asks it, less the model."""
+    """The question for the request's (first) prompt, as `question_of` asks it, less the model.
+    A Responses request is asked as the chat it is served as (its own input: a response that
+    continues another goes where that one was answered, RouterService.previous_home)."""
+    if "input" in body and "messages" not in body and "prompt" not in body:
+        try:
+            body = chat_fields(body) | {k: body[k] for k in ("chat_template_kwargs",) if k in body}
+        except MessagesError:
+            return None
     if "messages" in body and "prompt" not in body:
         try:
             question = {"messages": chat_messages(body["messages"] if isinstance(body["messages"], list) else [])}

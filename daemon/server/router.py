@@ -487,6 +487,39 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def chat_completions(http: Request, who: Caller = Depends(caller)):
         return await forward("/v1/chat/completions", http, who)
 
+    @app.post("/v1/responses")
+    async def responses(http: Request, who: Caller = Depends(caller)):
+        return await forward("/v1/responses", http, who)
+
+    @app.get("/v1/responses/{response_id}")
+    async def kept_response(response_id: str, who: Caller = Depends(caller)):
+        return await at_home(response_id, "GET", who)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, who: Caller = Depends(caller)):
+        return await at_home(response_id, "DELETE", who)
+
+    async def at_home(response_id: str, method: str, who: Caller) -> Response:
+        """The answer of the replica that keeps the response (response_homes.py), as it came: it
+        alone says whether the caller's tenant may read it."""
+        name = service.response_homes.home(response_id)
+        replica = next((r for r in service.replicas if r.name == name), None) if name is not None else None
+        if replica is None:
+            return JSONResponse({"error": {
+                "message": f"response_id: no replica is known to keep response {response_id!r} (the router learns "
+                           "where each response was answered, until it restarts)",
+                "type": "not_found_error", "param": "response_id", "code": "response_not_found"}}, status_code=404)
+        headers = {"X-KVD-Tenant": who.tenant} if who.tenant is not None else {}
+        try:
+            answer = await replica.client.request(method, f"/v1/responses/{quote(response_id, safe='')}",
+                                                  headers=headers, timeout=ASK_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
+        if method == "DELETE" and answer.status_code == 200:
+            service.response_homes.forget(response_id)
+        return Response(answer.content, status_code=answer.status_code, headers={"X-KVD-Replica": replica.name},
+                        media_type=answer.headers.get("content-type", "application/json"))
+
     async def prefill_first(path: str, body: dict, headers: dict, route_id: str, routed_at: float,
                             unless_caller_leaves) -> tuple[dict | None, str | None, int, Weighed | None]:
         """Disaggregated prefill and decode (daemon/server/kv_transfer.py): have a prefill replica
@@ -586,7 +619,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         route_id = secrets.token_hex(8)  # each try names it: the fleet's trace keeps its last (fleet_trace.py)
         routed_at = None  # when the first replica was chosen: the fleet's trace is in this order, on this clock
         hops, prefilled, weighed = 0, None, None
-        if service.disaggregated:  # the prompt is computed at a prefill replica first (prefill_first)
+        # the prompt is computed at a prefill replica first (prefill_first); not a response's, which
+        # may continue a conversation that only the replica that answered it keeps
+        if service.disaggregated and path != "/v1/responses":
             routed_at = time.time()
             try:
                 params, prefilled, hops, weighed = await prefill_first(path, body, dict(headers), route_id,
@@ -673,6 +708,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 answer_headers["X-KVD-Prefill"] = prefilled
         if "x-kvd-request-id" in upstream.headers:  # the replica's ids: kvctl requests / cancel there
             answer_headers["X-KVD-Request-Id"] = upstream.headers["x-kvd-request-id"]
+        if "x-kvd-response-id" in upstream.headers:  # a response (/v1/responses): its next turn goes there
+            service.response_homes.note(upstream.headers["x-kvd-response-id"], replica.name)
+            answer_headers["X-KVD-Response-Id"] = upstream.headers["x-kvd-response-id"]
         if tried:
             answer_headers["X-KVD-Tried"] = "; ".join(tried)
         media = upstream.headers.get("content-type", "application/json")

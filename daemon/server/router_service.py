@@ -37,6 +37,7 @@ from .gc_pauses import GcPauses
 from .replica_errors import described, kvd_json
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
+from .response_homes import ResponseHomes
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
 
 log = logging.getLogger("kvd.router")
@@ -177,6 +178,8 @@ class RouterService:
     on_decision: Callable[[float], None] = lambda seconds: None  # each choice's time (the /metrics histogram)
     # the router process's garbage collections (gc_pauses.py): `kvd router` installs and freezes it
     gc_pauses: GcPauses = field(default_factory=lambda: GcPauses(stalls="no request is routed meanwhile"))
+    # the replica that answered each response (/v1/responses), for the requests that continue it
+    response_homes: ResponseHomes = field(default_factory=ResponseHomes)
 
     def __post_init__(self) -> None:
         if self.view not in VIEWS:
@@ -464,8 +467,22 @@ class RouterService:
             live = serving
         return live, local, now, replicas
 
+    def previous_home(self, body: dict, excluded: set[int] = frozenset()) -> Replica | None:
+        """The replica that answered the response a Responses request continues (its
+        `previous_response_id`), which alone keeps that conversation; None where the router
+        does not know it, or it takes no requests now, or has refused this one (`excluded`)."""
+        name = self.response_homes.home(body.get("previous_response_id"))
+        replica = next((r for r in self.replicas if r.name == name), None) if name is not None else None
+        if replica is None or id(replica) in excluded or not replica.takes_requests:
+            return None
+        return replica
+
     async def _choose(self, body: dict, tenant: str | None, excluded: set[int],
                       weighed: Weighing | None) -> tuple[Replica, str]:
+        home = self.previous_home(body, excluded)
+        if home is not None:
+            home.sent += 1
+            return home, "it keeps the response this one continues (previous_response_id)"
         question = question_of(body)
         live, local, now, replicas = weighed or await self.weigh(body, question, tenant, excluded)
         live = reusing(body, live)

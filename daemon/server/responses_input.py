@@ -1,0 +1,136 @@
+"""A Responses API request's input as chat messages, and its function tools as the chat's.
+
+Plain Python (no pydantic, no torch): kvd serves `/v1/responses` with it (responses_api.py), and
+`kvd router` reads a new response's conversation with it, to route it by its prefix as a chat.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .chat_messages import MessagesError
+
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text_of(content: Any, where: str) -> str:
+    """An item's content as text: a string, or text parts (input_text, output_text) joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise MessagesError(f"{where}: must be a string or a list of text parts, got {type(content).__name__}",
+                            where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            shown = repr(kind) if kind is not None else f"a {type(part).__name__}"
+            raise MessagesError(f"{where}[{j}].type: kvd takes text parts only (input_text, output_text), got "
+                                f"{shown}", f"{where}[{j}].type")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its content's reasoning_text parts, else its summary's summary_text."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise MessagesError(f"{where}.content: must be a list of reasoning_text parts", f"{where}.content")
+    texts = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            raise MessagesError(f"{where}.content[{j}]: must be {{\"type\": \"reasoning_text\", \"text\": ...}}",
+                                f"{where}.content[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def input_messages(raw: Any) -> list[dict]:
+    """The request's `input` as chat messages (as chat_messages.chat_messages takes them), or
+    MessagesError naming the item and field at fault. A function call joins the assistant
+    message before it (one turn: its text, then its calls, as a chat client sends it back); a
+    reasoning item goes with the assistant message or call after it."""
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        got = "an empty list" if raw == [] else "nothing" if raw is None else type(raw).__name__
+        raise MessagesError(f"input: must be a string or a list of items, got {got}", "input")
+    messages: list[dict] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise MessagesError(f"{where}: must be an object (a message or an item), got {type(item).__name__}", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = ROLES.get(item.get("role"))
+            if role is None:
+                raise MessagesError(f"{where}.role: must be one of {', '.join(ROLES)}, got {item.get('role')!r}",
+                                    f"{where}.role")
+            message = {"role": role, "content": _text_of(item.get("content"), f"{where}.content")}
+        elif kind == "function_call":
+            call = {"type": "function", "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise MessagesError(f"{where}.{key}: must be a string, got {item.get(key)!r}", f"{where}.{key}")
+            call["id"] = item["call_id"]
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and thought is None:
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise MessagesError(f"{where}.call_id: must be a string, got {item.get('call_id')!r}",
+                                    f"{where}.call_id")
+            message = {"role": "tool", "tool_call_id": item["call_id"],
+                       "content": _text_of(item.get("output"), f"{where}.output")}
+        elif kind == "reasoning":
+            if thought is not None:
+                raise MessagesError(f"{where}: two reasoning items in a row; send one per assistant turn", where)
+            thought = _reasoning_text(item, where)
+            continue
+        else:
+            raise MessagesError(f"{where}.type: kvd takes message, function_call, function_call_output and reasoning "
+                                f"items, got {kind!r}", f"{where}.type")
+        if thought is not None:
+            if message["role"] != "assistant":
+                raise MessagesError(f"{where}: a reasoning item goes before the assistant message or function call "
+                                    f"it led to, not before a {message['role']!r} message", where)
+            message["reasoning_content"], thought = thought, None
+        messages.append(message)
+    if thought is not None:
+        raise MessagesError(f"input[{len(raw) - 1}]: a reasoning item goes before the assistant message or function "
+                            "call it led to", f"input[{len(raw) - 1}]")
+    return messages
+
+
+def chat_tools(tools: Any) -> list[dict] | None:
+    """The Responses API's function tools ({"type": "function", "name", "description",
+    "parameters", "strict"}) in the chat's form, checked there; MessagesError for another kind."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise MessagesError(f"tools: must be a list of functions, got {type(tools).__name__}", "tools")
+    shaped = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        if kind != "function":
+            raise MessagesError(f"tools[{i}].type: kvd serves function tools only (no built-in tools), got {kind!r}",
+                                f"tools[{i}].type")
+        function = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+        shaped.append({"type": "function", "function": function})
+    return shaped
+
+
+def chat_fields(body: dict) -> dict:
+    """A Responses request's own conversation as a chat request's fields (`messages`, with the
+    instructions first, and `tools`); MessagesError naming the field at fault."""
+    instructions = body.get("instructions")
+    system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+    fields = {"messages": system + input_messages(body.get("input"))}
+    tools = chat_tools(body.get("tools"))
+    if tools:
+        fields["tools"] = tools
+    return fields
