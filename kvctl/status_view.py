@@ -150,6 +150,12 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("prefix hits", f"{tokens['hit']:,} of {tokens['prompt']:,} prompt tokens "
                                  f"({tokens['hit_ratio']:.1%})")
     facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")
+    kept = data.get("responses")  # /v1/responses kept for previous_response_id (an older kvd does not say)
+    if kept and (kept["responses"] or kept["dropped"]):
+        facts.add_row("responses kept", f"{kept['responses']:,} in {size(kept['bytes'])} of "
+                                        f"{size(kept['budget_bytes'])}"
+                      + (f"; {kept['dropped']:,} let go for room (a turn that continues one gets a 404)"
+                         if kept["dropped"] else ""))
     spec = data.get("speculation")  # absent from an older kvd
     if spec and (spec.get("config") or spec.get("drafts")):
         facts.add_row("speculation", speculation_line(spec))

@@ -1338,3 +1338,29 @@ def test_a_server_that_is_not_kvd_is_named_as_such_not_as_a_json_error(tmp_path)
                                       "(text/html: '<!DOCTYPE HTML>'), not kvd's JSON")
     with pytest.raises(UserError, match="^kvd answered 400: ttl: bad$"):  # kvd's own errors as before
         client.post("/admin/pins", {})
+
+
+def test_status_shows_the_responses_kept_and_those_let_go_for_room():
+    from rich.console import Console
+
+    from kvctl.status_view import render_status
+
+    data = {"blocks": {"device": {"total": 8, "free": 8, "reserved": 0, "active": 0, "shared": 0, "cached": 0,
+                                  "pinned": 0}},
+            "block_size": 16, "bytes_per_token": 1024,
+            "model": {"name": "m", "architecture": "llama", "revision": "0" * 16, "device": "cpu"},
+            "tokens": {"hit": 0, "prompt": 0, "hit_ratio": 0.0, "recomputed": 0}, "preemptions": 0,
+            "evictions": {"capacity": 0, "operator": 0}, "eviction_policy": "lru",
+            "queue": {"waiting": 0, "oldest_age_seconds": 0.0, "running": 0}, "rejections": {}, "pins": 0,
+            "responses": {"responses": 0, "bytes": 0, "budget_bytes": 64 * 2**20, "dropped": 0}}
+
+    def shown(figures):
+        console = Console(record=True, width=200)
+        render_status({**data, "responses": figures}, console)
+        return " ".join(console.export_text().split())
+
+    assert "responses kept" not in shown(data["responses"])  # none yet: no line
+    assert "responses kept 1,200 in 3.0 MiB of 64.0 MiB" in shown(
+        {"responses": 1200, "bytes": 3 * 2**20, "budget_bytes": 64 * 2**20, "dropped": 0})
+    assert ("responses kept 10 in 1.0 MiB of 1.0 MiB; 7 let go for room (a turn that continues one gets a 404)"
+            in shown({"responses": 10, "bytes": 2**20, "budget_bytes": 2**20, "dropped": 7}))

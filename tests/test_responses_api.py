@@ -354,7 +354,7 @@ def test_previous_response_id_continues_the_conversation_through_the_prefix_cach
 def test_kept_responses_are_read_and_deleted_by_their_tenant_only(kvd, scripted):
     from .daemon_fixtures import GLOBEX_TOKEN, USER_TOKEN, call
 
-    _, _, tcp = kvd
+    service, _, tcp = kvd
     acme = {"Authorization": f"Bearer {USER_TOKEN}"}
     globex = {"Authorization": f"Bearer {GLOBEX_TOKEN}"}
     made = call(tcp, "POST", "/v1/responses", json={"input": "Hi", "max_output_tokens": 3}, headers=acme)
@@ -362,6 +362,8 @@ def test_kept_responses_are_read_and_deleted_by_their_tenant_only(kvd, scripted)
     response_id = made.json()["id"]
     assert made.headers["X-KVD-Request-Id"]
     assert call(tcp, "GET", f"/v1/responses/{response_id}", headers=acme).json() == made.json()
+    kept = service.status()["responses"]
+    assert (kept["responses"], kept["dropped"], kept["budget_bytes"]) == (1, 0, 64 * 2**20) and kept["bytes"] > 0
     for method in ("GET", "DELETE"):
         refused = call(tcp, method, f"/v1/responses/{response_id}", headers=globex)
         assert refused.status_code == 404
@@ -375,6 +377,7 @@ def test_kept_responses_are_read_and_deleted_by_their_tenant_only(kvd, scripted)
     assert call(tcp, "DELETE", f"/v1/responses/{response_id}", headers=acme).json() == {
         "id": response_id, "object": "response", "deleted": True}
     assert call(tcp, "GET", f"/v1/responses/{response_id}", headers=acme).status_code == 404
+    assert service.status()["responses"]["bytes"] == 0
     unkept = call(tcp, "POST", "/v1/responses", json={"input": "Hi", "max_output_tokens": 3, "store": False},
                   headers=acme).json()
     assert unkept["store"] is False

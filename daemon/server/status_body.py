@@ -119,6 +119,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "uptime_seconds": time.time() - service.started_at,
             "start": None if service.start_timer is None else service.start_timer.report(),
             "gc": service.gc_pauses.report(),
+            # the responses /v1/responses keeps for previous_response_id (response_store.py), in memory
+            "responses": service.responses.figures(),
             "draining": service.draining,
             # what sleeps (sleep_ops.Sleep.describe) while the cache's memory, or the weights', is given back
             "asleep": None if service.asleep is None else service.asleep.describe(),
