@@ -261,3 +261,57 @@ def test_kvd_gives_gpt_oss_s_call_as_tool_calls_whole_streamed_and_forced_and_ta
             "to=assistant<|channel|>commentary<|message|>Sunny<|end|><|start|>assistant")
     finally:
         service.shutdown(1)
+
+
+def test_gpt_oss_through_the_responses_api_thinks_calls_and_takes_the_result_back(tmp_path, monkeypatch):
+    """/v1/responses, the API gpt-oss is published for, on the same served checkpoint: the reply's
+    analysis is a reasoning item and its call a function_call item; the next turn, sent as
+    previous_response_id and the call's output, is rendered as the chat turn above (the thinking
+    back as the analysis message before the call) and comes from the cache up to its new part."""
+    from kvctl.daemon.engine import engine as engine_module
+
+    from .daemon_fixtures import apps, call, start_service, token_table
+    from .model_cases import harmony_checkpoint
+
+    hf = harmony_checkpoint(tmp_path / "model")
+    template = tmp_path / "harmony.jinja"
+    template.write_text(HARMONY_TEMPLATE, encoding="utf-8")
+    script = hf.encode(THINK + CALL + "<|call|>", add_special_tokens=False).ids
+    replies = [script, hf.encode("<|channel|>final<|message|>Sunny in Oslo.<|return|>", add_special_tokens=False).ids]
+    monkeypatch.setattr(engine_module, "sample_token", lambda logits, params, seed, index, step:
+                        replies[0][step] if step < len(replies[0]) else 2)
+    service = start_service(tmp_path / "state", model=str(tmp_path / "model"), chat_template=str(template),
+                            reasoning_parser="openai_gptoss", tool_call_parser="openai")
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        tools = [{"type": "function", **WEATHER["function"]}]
+        first = call(unix, "POST", "/v1/responses", json={"input": "Weather in Oslo?", "tools": tools,
+                                                           "max_output_tokens": 160}).json()
+        assert first["status"] == "completed"
+        assert [(item["type"], item.get("name"), item.get("arguments")) for item in first["output"]] == [
+            ("reasoning", None, None), ("function_call", "get_weather", '{"city": "Oslo"}')]
+        assert first["output"][0]["content"] == [{"type": "reasoning_text", "text": "Need the weather."}]
+        replies.pop(0)
+        call_id = first["output"][1]["call_id"]
+        second = call(unix, "POST", "/v1/responses", json={
+            "previous_response_id": first["id"], "tools": tools, "max_output_tokens": 160,
+            "input": [{"type": "function_call_output", "call_id": call_id, "output": "Sunny"}]}).json()
+        assert [(item["type"], item["content"][0]["text"]) for item in second["output"]] == [
+            ("message", "Sunny in Oslo.")]
+        chat = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "reasoning_content": "Need the weather.", "tool_calls": [
+                    {"id": call_id, "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": call_id, "content": "Sunny"}]
+        prompt = call(unix, "POST", "/tokenize", json={"messages": chat, "tools": [WEATHER]}).json()["tokens"]
+        assert second["usage"]["input_tokens"] == len(prompt)
+        assert hf.decode(prompt, skip_special_tokens=False).endswith(
+            "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions."
+            'get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|><|start|>functions.get_weather '
+            "to=assistant<|channel|>commentary<|message|>Sunny<|end|><|start|>assistant")
+        first_prompt = call(unix, "POST", "/tokenize", json={"messages": chat[:1], "tools": [WEATHER]}).json()
+        block = service.config.block_size
+        cached = second["usage"]["input_tokens_details"]["cached_tokens"]
+        assert cached >= len(first_prompt["tokens"]) // block * block > 0
+    finally:
+        service.shutdown(1)
