@@ -90,9 +90,10 @@ def bases() -> list:
     return found
 
 
-async def read_all(reader, limit: float = 5.0) -> tuple[bytes, float]:
-    """Everything the server sends until it closes, and how long that took."""
-    start = time.monotonic()
+async def read_all(reader, limit: float = 5.0, since: float | None = None) -> tuple[bytes, float]:
+    """Everything the server sends until it closes, and how long that took: from `since` (a
+    time.monotonic() reading) where given, else from now."""
+    start = time.monotonic() if since is None else since
     data = await asyncio.wait_for(reader.read(), limit)
     return data, time.monotonic() - start
 
@@ -111,19 +112,25 @@ def test_a_connection_without_request_headers_in_time_gets_408_and_is_closed(tmp
         while not server.started:
             await asyncio.sleep(0.01)
         outcomes = {}
+        # each timed from before its connection opens: the server's deadline starts once it is open,
+        # and on a busy host the next connections may take a while to open before the reads begin
+        opened = {"silent": time.monotonic()}
         silent = await asyncio.open_unix_connection(path)  # connects, sends nothing
+        opened["partial"] = time.monotonic()
         partial = await asyncio.open_unix_connection(path)  # a header at a time, never the end
         partial[1].write(b"GET /fast HTTP/1.1\r\nhost: kvd\r\n")
         slow = await asyncio.open_unix_connection(path)  # a response longer than the deadline
         slow[1].write(b"GET /slow HTTP/1.1\r\nhost: kvd\r\nconnection: close\r\n\r\n")
         outcomes["silent"], outcomes["partial"], outcomes["slow"] = await asyncio.gather(
-            read_all(silent[0]), read_all(partial[0]), read_all(slow[0]))
+            read_all(silent[0], since=opened["silent"]), read_all(partial[0], since=opened["partial"]),
+            read_all(slow[0]))
         # keep-alive: a second request begun after the first's answer, and never finished
+        opened["second"] = time.monotonic()  # (its deadline starts later still: once the first is answered)
         reader, writer = await asyncio.open_unix_connection(path)
         writer.write(b"GET /fast HTTP/1.1\r\nhost: kvd\r\n\r\n")
         first = await reader.readuntil(b"done\n\r\n0\r\n\r\n")  # the whole chunked answer
         writer.write(b"GET /fast HTTP/1.1\r\n")
-        outcomes["second"] = await read_all(reader)
+        outcomes["second"] = await read_all(reader, since=opened["second"])
         server.should_exit = True
         await serving
         return outcomes, first
