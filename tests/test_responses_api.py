@@ -352,7 +352,7 @@ def test_previous_response_id_continues_the_conversation_through_the_prefix_cach
 
 
 def test_kept_responses_are_read_and_deleted_by_their_tenant_only(kvd, scripted):
-    from .daemon_fixtures import GLOBEX_TOKEN, USER_TOKEN, call
+    from .daemon_fixtures import GLOBEX_TOKEN, USER_TOKEN, call, settled
 
     service, _, tcp = kvd
     acme = {"Authorization": f"Bearer {USER_TOKEN}"}
@@ -364,6 +364,11 @@ def test_kept_responses_are_read_and_deleted_by_their_tenant_only(kvd, scripted)
     assert call(tcp, "GET", f"/v1/responses/{response_id}", headers=acme).json() == made.json()
     kept = service.status()["responses"]
     assert (kept["responses"], kept["dropped"], kept["budget_bytes"]) == (1, 0, 64 * 2**20) and kept["bytes"] > 0
+    finished = 'kvd_finished_total{api="responses",finish_reason="stop"} 1.0'  # counted apart from chats
+    metrics = settled(lambda: call(tcp, "GET", "/metrics", headers=acme).text, lambda text: finished in text)
+    assert finished in metrics and 'api="chat"' not in metrics
+    assert "kvd_responses_kept 1.0" in metrics and f"kvd_responses_kept_bytes {float(kept['bytes'])}" in metrics
+    assert "kvd_responses_dropped_total 0.0" in metrics
     for method in ("GET", "DELETE"):
         refused = call(tcp, method, f"/v1/responses/{response_id}", headers=globex)
         assert refused.status_code == 404

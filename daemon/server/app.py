@@ -225,6 +225,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request, who: Principal = Depends(principal)):
+        return await serve_chat(body, http, who)
+
+    async def serve_chat(body: ChatCompletionRequest, http: Request, who: Principal, api: str = "chat"):
+        """A chat request answered; `api`: the API it came through, as metrics and `kvctl requests` name
+        it (responses_routes.py serves /v1/responses through here)."""
         refuse_unsupported(body, UNSUPPORTED_CHAT_FIELDS, {**UNSUPPORTED_HINTS, **CHAT_HINTS})
         constraint = await shape_of(body)
         try:
@@ -259,7 +264,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                                code="context_length_exceeded")
         shape = ChatShape(service.config.reasoning_parser, "none" if tool_mode == "none" else parser,
                           parallel_tool_calls=body.parallel_tool_calls is not False)
-        params = sampling(body, limit, "chat", logprobs, body.prompt_logprobs, constraint)
+        params = sampling(body, limit, api, logprobs, body.prompt_logprobs, constraint)
         return await generate(engine, [ids], params, body, http, who, shape)
 
     def ready_for(model: str | None):
@@ -499,7 +504,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 checked_ids(ids, "prompt" if flat else f"prompt[{i}]", engine)
         return prompts
 
-    app.include_router(responses_routes(service, principal, chat_completions))  # /v1/responses, as a chat turn
+    app.include_router(responses_routes(service, principal, serve_chat))  # /v1/responses, as a chat turn
     app.include_router(admin_routes(service, admin, tenant_header=front == "unix" or trusted_proxy))
 
     return app

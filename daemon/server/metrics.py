@@ -200,6 +200,14 @@ class _EngineCollector:
             yield family
         yield GaugeMetricFamily("kvd_sleep_level", "0 while awake; 1 or 2 while asleep at that level (the cache's "
                                 "memory given back; at 2 the weights too)", value=0 if asleep is None else asleep.level)
+        kept = self.service.responses.figures()  # /v1/responses kept for previous_response_id (response_store.py)
+        yield GaugeMetricFamily("kvd_responses_kept", "Responses kept in memory for previous_response_id",
+                                value=kept["responses"])
+        yield GaugeMetricFamily("kvd_responses_kept_bytes", "Bytes the kept responses are counted at (of "
+                                "responses_store_bytes)", value=kept["bytes"])
+        yield CounterMetricFamily("kvd_responses_dropped", "Kept responses let go for room (least recently used "
+                                  "first) or too big to keep: a turn that continues one gets a 404",
+                                  value=kept["dropped"])
         prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",
                                      labels=["tenant"])
         hit = CounterMetricFamily("kvd_tenant_hit_tokens", "Of those, served from the prefix cache, per tenant",

@@ -33,7 +33,7 @@ def _event(event: dict) -> str:
 
 
 def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) -> APIRouter:
-    """The routes, answering through `chat(body, http, who)`: the app's /v1/chat/completions handler."""
+    """The routes, answering through `chat(body, http, who, api)`: how the app serves a chat."""
     router = APIRouter(route_class=StrictJSONRoute)  # NaN and Infinity are not JSON: refused
 
     def reasoning_tokens(text: str) -> int:
@@ -65,7 +65,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
             asked, conversation = chat_body(body, earlier, template.request_kwargs if template else frozenset())
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
-        answer = await chat(ChatCompletionRequest.model_validate(asked), http, who)
+        answer = await chat(ChatCompletionRequest.model_validate(asked), http, who, "responses")
         model = service.adapter_named(body.model) or service.model_name  # (the chat has checked it)
         head = {"id": new_id("resp_"), "created": now(), "model": model}
         named = {REQUEST_ID_HEADER: answer.headers.get(REQUEST_ID_HEADER.lower(), "")}
