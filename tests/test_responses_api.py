@@ -417,7 +417,7 @@ def test_a_cut_off_reply_is_incomplete_and_unsupported_fields_are_refused_by_nam
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "input[0].role")
 
 
-def test_reasoning_effort_reaches_a_template_that_reads_it(kvd, scripted):
+def test_reasoning_effort_reaches_a_template_that_reads_it(kvd, scripted, monkeypatch):
     from .daemon_fixtures import call
 
     service, unix, _ = kvd
@@ -428,6 +428,10 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(kvd, scripted):
     plain = service.chat_prompt(chat_messages([{"role": "user", "content": "Hi"}]))
     assert answer["usage"]["input_tokens"] == len(prompt) > len(plain)
     assert answer["reasoning"] == {"effort": "low", "summary": None}
+    # the sampling values the reply was drawn with: the request's, else the checkpoint's defaults
+    monkeypatch.setattr(type(service), "sampling_defaults", property(lambda self: {"temperature": 0.6}))
+    drawn = call(unix, "POST", "/v1/responses", json={"input": "Hi", "max_output_tokens": 2, "top_p": 0.9}).json()
+    assert (drawn["temperature"], drawn["top_p"]) == (0.6, 0.9)
 
 
 def test_a_stream_left_early_cancels_its_request_in_the_engine(kvd, scripted, monkeypatch):
@@ -462,3 +466,55 @@ def test_a_stream_left_early_cancels_its_request_in_the_engine(kvd, scripted, mo
                                          "response.content_part.added", "response.output_text.delta"]
     assert cancelled_at_close == [request_id]
     assert settled(lambda: blocks_all_back(service), bool)
+
+
+def test_a_stream_turned_away_in_the_queue_ends_failed_and_is_not_kept():
+    """A chat stream that ends with an error (pins kept the request out while it waited) ends the
+    response `failed` with that error, the items begun closed as incomplete; nothing is kept."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from kvctl.daemon.server.calls import Principal
+    from kvctl.daemon.server.response_store import ResponseStore
+    from kvctl.daemon.server.responses_routes import responses_routes
+
+    from .daemon_fixtures import call, sse_events
+
+    class Served:  # what the routes read of kvd's service
+        responses, chat_template, loaded, sampling_defaults, model_name = ResponseStore(2**20), None, None, {}, "m"
+
+        @staticmethod
+        def adapter_named(model):
+            return ""
+
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Par"}, "finish_reason": None}]},
+              {"error": {"message": "pins leave no room for it", "type": "server_error", "param": None,
+                         "code": "pinned_out"}},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}]
+
+    async def chat(body, http, who, api):
+        assert (api, body.stream, body.messages) == ("responses", True, [{"role": "user", "content": "Hi"}])
+
+        async def stream():
+            for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"X-KVD-Request-Id": "r1"})
+
+    async def who():
+        return Principal("default", "admin", "unix-socket")
+
+    app = FastAPI()
+    app.include_router(responses_routes(Served, who, chat))
+    answer = call(app, "POST", "/v1/responses", json={"input": "Hi", "stream": True})
+    events = sse_events(answer)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.failed"]
+    failed = events[-1]["response"]
+    assert (failed["status"], failed["error"]) == ("failed", {"code": "pinned_out",
+                                                              "message": "pins leave no room for it"})
+    assert [(i["type"], i["status"], i["content"][0]["text"]) for i in failed["output"]] == [
+        ("message", "incomplete", "Par")]
+    assert answer.headers["X-KVD-Request-Id"] == "r1" and Served.responses.figures()["responses"] == 0

@@ -300,8 +300,12 @@ class OutputItems:
 
 def response_object(response_id: str, body: ResponsesRequest, model: str, created_at: int, items: list[dict],
                     status: str, usage: dict | None, finish_reason: str | None = None,
-                    error: dict | None = None) -> dict:
-    """The Response object, as OpenAI's API and its clients shape it."""
+                    error: dict | None = None, defaults: dict | None = None) -> dict:
+    """The Response object, as OpenAI's API and its clients shape it. `defaults`: the sampling
+    values a field left out takes (the checkpoint's generation config), so that `temperature`
+    and `top_p` say what the reply was drawn with."""
+    drawn = {name: getattr(body, name) if name in body.model_fields_set or name not in (defaults or {})
+             else defaults[name] for name in ("temperature", "top_p")}
     incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
     reasoning = body.reasoning if isinstance(body.reasoning, dict) else {}
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
@@ -311,9 +315,9 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, create
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": reasoning.get("effort"), "summary": None}, "store": body.store,
-            "temperature": body.temperature, "text": {"format": text_format or {"type": "text"}},
+            "temperature": drawn["temperature"], "text": {"format": text_format or {"type": "text"}},
             "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
-            "tools": body.tools or [], "top_p": body.top_p, "truncation": "disabled", "usage": usage,
+            "tools": body.tools or [], "top_p": drawn["top_p"], "truncation": "disabled", "usage": usage,
             "user": body.user, "metadata": body.metadata or {}, "prompt_cache_key": body.prompt_cache_key,
             "safety_identifier": body.safety_identifier, "service_tier": body.service_tier or "auto"}
 

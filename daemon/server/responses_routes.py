@@ -46,7 +46,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         """The response once the reply has ended, kept for a next turn unless `store` is false."""
         usage = usage_of(chat_usage, reasoning_tokens(items.reasoning_text()))
         response = response_object(head["id"], body, head["model"], head["created"], items.items,
-                                   status_of(finish_reason), usage, finish_reason)
+                                   status_of(finish_reason), usage, finish_reason, defaults=service.sampling_defaults)
         if body.store:
             service.responses.put(who.tenant, response, [*conversation, items.assistant_turn()])
         return response
@@ -89,7 +89,8 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         """The chat's stream as the Responses API's events. Leaving early closes the chat's stream,
         which cancels the request."""
         items = OutputItems()
-        opening = response_object(head["id"], body, head["model"], head["created"], [], "in_progress", None)
+        opening = response_object(head["id"], body, head["model"], head["created"], [], "in_progress", None,
+                                  defaults=service.sampling_defaults)
         items.emit("response.created", response=opening)
         items.emit("response.in_progress", response=opening)
         for event in items.take_events():
@@ -116,7 +117,8 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
             items.close("incomplete")
             error = {"code": failed.get("code") or "server_error", "message": failed["message"]}
             items.emit("response.failed", response=response_object(head["id"], body, head["model"], head["created"],
-                                                                   items.items, "failed", None, error=error))
+                                                                   items.items, "failed", None, error=error,
+                                                                   defaults=service.sampling_defaults))
         else:
             items.finish(finish_reason)
             response = finished(body, who, head, items, finish_reason, chat_usage, conversation)
