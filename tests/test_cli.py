@@ -1031,15 +1031,8 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
 
     from kvctl.status_view import render_status
 
-    data = {"blocks": {"device": {"total": 8, "free": 8, "reserved": 0, "active": 0, "shared": 0, "cached": 0,
-                                  "pinned": 0}},
-            "block_size": 16, "bytes_per_token": 1024,
-            "model": {"name": "m", "architecture": "llama", "revision": "0" * 16, "device": "cpu"},
-            "tokens": {"hit": 0, "prompt": 0, "hit_ratio": 0.0, "recomputed": 0}, "preemptions": 0,
-            "evictions": {"capacity": 0, "operator": 0}, "eviction_policy": "lru",
-            "queue": {"waiting": 0, "oldest_age_seconds": 0.0, "running": 0}, "rejections": {}, "pins": 0,
-            "steps": {"decode": {"count": 100, "seconds": 0.3}, "mixed": {"count": 4, "seconds": 0.05}},
-            "engine_threads": 2}
+    data = {**_status_data(0), "engine_threads": 2,
+            "steps": {"decode": {"count": 100, "seconds": 0.3}, "mixed": {"count": 4, "seconds": 0.05}}}
     console = Console(record=True, width=200)
     render_status(data, console)
     text = " ".join(console.export_text().split())
@@ -1345,14 +1338,7 @@ def test_status_shows_the_responses_kept_and_those_let_go_for_room():
 
     from kvctl.status_view import render_status
 
-    data = {"blocks": {"device": {"total": 8, "free": 8, "reserved": 0, "active": 0, "shared": 0, "cached": 0,
-                                  "pinned": 0}},
-            "block_size": 16, "bytes_per_token": 1024,
-            "model": {"name": "m", "architecture": "llama", "revision": "0" * 16, "device": "cpu"},
-            "tokens": {"hit": 0, "prompt": 0, "hit_ratio": 0.0, "recomputed": 0}, "preemptions": 0,
-            "evictions": {"capacity": 0, "operator": 0}, "eviction_policy": "lru",
-            "queue": {"waiting": 0, "oldest_age_seconds": 0.0, "running": 0}, "rejections": {}, "pins": 0,
-            "responses": {"responses": 0, "bytes": 0, "budget_bytes": 64 * 2**20, "dropped": 0}}
+    data = {**_status_data(0), "responses": {"responses": 0, "bytes": 0, "budget_bytes": 64 * 2**20, "dropped": 0}}
 
     def shown(figures):
         console = Console(record=True, width=200)
