@@ -502,8 +502,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def at_home(response_id: str, method: str, who: Caller) -> Response:
         """The answer of the replica that keeps the response (response_homes.py), as it came: it
         alone says whether the caller's tenant may read it."""
-        name = service.response_homes.home(response_id)
-        replica = next((r for r in service.replicas if r.name == name), None) if name is not None else None
+        replica = service.replica_keeping(response_id)
         if replica is None:
             return JSONResponse({"error": {
                 "message": f"response_id: no replica is known to keep response {response_id!r} (the router learns "

@@ -467,12 +467,17 @@ class RouterService:
             live = serving
         return live, local, now, replicas
 
+    def replica_keeping(self, response_id) -> Replica | None:
+        """The replica of the fleet that answered `response_id` (/v1/responses), which alone keeps
+        it; None where the router does not know it, or that replica has left the fleet."""
+        name = self.response_homes.home(response_id)
+        return next((r for r in self.replicas if r.name == name), None) if name is not None else None
+
     def previous_home(self, body: dict, excluded: set[int] = frozenset()) -> Replica | None:
-        """The replica that answered the response a Responses request continues (its
-        `previous_response_id`), which alone keeps that conversation; None where the router
-        does not know it, or it takes no requests now, or has refused this one (`excluded`)."""
-        name = self.response_homes.home(body.get("previous_response_id"))
-        replica = next((r for r in self.replicas if r.name == name), None) if name is not None else None
+        """The replica that keeps the response a Responses request continues (its
+        `previous_response_id`); None where none is known, or it takes no requests now, or has
+        refused this one (`excluded`)."""
+        replica = self.replica_keeping(body.get("previous_response_id"))
         if replica is None or id(replica) in excluded or not replica.takes_requests:
             return None
         return replica
