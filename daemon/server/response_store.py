@@ -4,6 +4,11 @@ In memory, within a budget of bytes (`responses_store_bytes`): the least recentl
 goes first when a new one would not fit, and a response bigger than the whole budget is not kept.
 Each is its tenant's: another tenant's id reads as unknown, as if it had never been (a 404 that
 says nothing about whose it is). Nothing is written to disk, and a restart forgets them all.
+
+A response is counted at the JSON of itself and of its whole conversation. The turns of one
+conversation share their earlier messages in memory (the same objects), so the count is above
+what they take: the budget bounds the memory, and a long conversation's turns are let go sooner
+than they would need to be.
 """
 
 from __future__ import annotations
