@@ -226,6 +226,9 @@ def test_kept_responses_are_their_tenant_s_and_the_least_recently_used_go_first(
     assert kept(store, "acme", "resp_big") is None and store.figures()["responses"] == 3
     assert store.delete("acme", "resp_3") and kept(store, "acme", "resp_3") is None
     assert store.figures()["bytes"] == 2 * one
+    none = ResponseStore(0)  # responses_store_bytes 0: keeps none, and lets none go for room
+    assert not none.keeps and not none.put("acme", response(1), conversation)
+    assert none.figures() == {"responses": 0, "bytes": 0, "budget_bytes": 0, "dropped": 0}
 
 
 # ---- served ------------------------------------------------------------------------------------
@@ -518,3 +521,20 @@ def test_a_stream_turned_away_in_the_queue_ends_failed_and_is_not_kept():
     assert [(i["type"], i["status"], i["content"][0]["text"]) for i in failed["output"]] == [
         ("message", "incomplete", "Par")]
     assert answer.headers["X-KVD-Request-Id"] == "r1" and Served.responses.figures()["responses"] == 0
+
+
+def test_with_responses_store_bytes_0_kvd_answers_responses_and_keeps_none(tmp_path, scripted):
+    from .daemon_fixtures import apps, call, start_service, token_table
+
+    service = start_service(tmp_path, responses_store_bytes="0")
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        made = call(unix, "POST", "/v1/responses", json={"input": "Hi", "max_output_tokens": 2})
+        assert made.status_code == 200 and "x-kvd-response-id" not in made.headers  # a router learns no home
+        assert call(unix, "GET", f"/v1/responses/{made.json()['id']}").status_code == 404
+        continued = call(unix, "POST", "/v1/responses",
+                         json={"input": "More", "previous_response_id": made.json()["id"]})
+        assert (continued.status_code, continued.json()["error"]["param"]) == (404, "previous_response_id")
+        assert service.status()["responses"] == {"responses": 0, "bytes": 0, "budget_bytes": 0, "dropped": 0}
+    finally:
+        service.shutdown(1)

@@ -37,9 +37,16 @@ class ResponseStore:
         self.dropped = 0  # responses let go to make room (or too big to keep)
         self.lock = threading.Lock()
 
+    @property
+    def keeps(self) -> bool:
+        """Whether it keeps any response (responses_store_bytes 0: none)."""
+        return self.budget > 0
+
     def put(self, tenant: str, response: dict, conversation: list[dict]) -> bool:
-        """Keeps `response` and the conversation a next turn continues; False when it is bigger
-        than the whole budget (kept nothing)."""
+        """Keeps `response` and the conversation a next turn continues; False (kept nothing) when
+        it is bigger than the whole budget (counted as dropped), or the store keeps none."""
+        if not self.keeps:
+            return False
         size = len(json.dumps(response)) + len(json.dumps(conversation))
         entry = StoredResponse(tenant, response, tuple(conversation), size)
         with self.lock:

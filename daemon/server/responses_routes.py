@@ -47,7 +47,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         usage = usage_of(chat_usage, reasoning_tokens(items.reasoning_text()))
         response = response_object(head["id"], body, head["model"], head["created"], items.items,
                                    status_of(finish_reason), usage, finish_reason, defaults=service.sampling_defaults)
-        if body.store:
+        if body.store and service.responses.keeps:
             service.responses.put(who.tenant, response, [*conversation, items.assistant_turn()])
         return response
 
@@ -69,7 +69,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         model = service.adapter_named(body.model) or service.model_name  # (the chat has checked it)
         head = {"id": new_id("resp_"), "created": now(), "model": model}
         named = {REQUEST_ID_HEADER: answer.headers.get(REQUEST_ID_HEADER.lower(), "")}
-        if body.store:
+        if body.store and service.responses.keeps:
             named[RESPONSE_ID_HEADER] = head["id"]
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(_events(answer.body_iterator, body, who, head, conversation),
