@@ -41,13 +41,18 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         loaded = service.loaded
         return len(loaded.tokenizer.encode(text, add_special_tokens=False)) if text and loaded is not None else 0
 
+    def shaped(body: ResponsesRequest, head: dict, items: list[dict], status: str, usage: dict | None = None,
+               finish_reason: str | None = None, error: dict | None = None) -> dict:
+        """The Response object for this request (`head`: its id, creation time and model)."""
+        return response_object(head["id"], body, head["model"], head["created"], items, status, usage, finish_reason,
+                               error=error, defaults=service.sampling_defaults)
+
     def finished(body: ResponsesRequest, who: Principal, head: dict, items: OutputItems, finish_reason: str | None,
                  chat_usage: dict, conversation: list[dict]) -> dict:
         """The response once the reply has ended, kept for a next turn unless `store` is false."""
         usage = usage_of(chat_usage, reasoning_tokens(items.reasoning_text()))
-        response = response_object(head["id"], body, head["model"], head["created"], items.items,
-                                   status_of(finish_reason), usage, finish_reason, defaults=service.sampling_defaults)
-        if body.store and service.responses.keeps:
+        response = shaped(body, head, items.items, status_of(finish_reason), usage, finish_reason)
+        if body.store:
             service.responses.put(who.tenant, response, [*conversation, items.assistant_turn()])
         return response
 
@@ -89,8 +94,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         """The chat's stream as the Responses API's events. Leaving early closes the chat's stream,
         which cancels the request."""
         items = OutputItems()
-        opening = response_object(head["id"], body, head["model"], head["created"], [], "in_progress", None,
-                                  defaults=service.sampling_defaults)
+        opening = shaped(body, head, [], "in_progress")
         items.emit("response.created", response=opening)
         items.emit("response.in_progress", response=opening)
         for event in items.take_events():
@@ -116,9 +120,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         if failed is not None:
             items.close("incomplete")
             error = {"code": failed.get("code") or "server_error", "message": failed["message"]}
-            items.emit("response.failed", response=response_object(head["id"], body, head["model"], head["created"],
-                                                                   items.items, "failed", None, error=error,
-                                                                   defaults=service.sampling_defaults))
+            items.emit("response.failed", response=shaped(body, head, items.items, "failed", error=error))
         else:
             items.finish(finish_reason)
             response = finished(body, who, head, items, finish_reason, chat_usage, conversation)
