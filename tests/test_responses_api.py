@@ -144,13 +144,13 @@ def shapes(items: list[dict], new: tuple[str, ...] = ("id",)) -> list[dict]:
 
 def test_a_whole_reply_and_the_same_reply_streamed_in_pieces_give_the_same_items():
     whole = OutputItems()
-    whole.feed_message(REPLY)
+    whole.feed(REPLY)
     whole.finish("stop")
     streamed = OutputItems()
     for delta in ({"role": "assistant", "content": ""}, {"reasoning_content": "Check "},
                   {"reasoning_content": "the tool."}, {"content": "Let "}, {"content": "me look."},
                   {"content": "", "tool_calls": [{"index": 0, **REPLY["tool_calls"][0]}]}):
-        streamed.feed_delta(delta)
+        streamed.feed(delta)
     streamed.finish("tool_calls")
     expected = [
         {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Check the tool."}],
@@ -182,7 +182,7 @@ def test_an_empty_reply_is_one_empty_message_and_one_cut_off_is_incomplete():
     assert shapes(empty.items) == [{"type": "message", "role": "assistant", "status": "completed", "content": [
         {"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}]
     cut = OutputItems()
-    cut.feed_delta({"reasoning_content": "Still thinking"})
+    cut.feed({"reasoning_content": "Still thinking"})
     cut.finish("length")
     assert shapes(cut.items) == [{"type": "reasoning", "summary": [], "status": "incomplete",
                                   "content": [{"type": "reasoning_text", "text": "Still thinking"}]}]
@@ -193,7 +193,7 @@ def test_the_events_are_those_openai_s_client_reads():
     from pydantic import TypeAdapter
 
     items = OutputItems()
-    items.feed_message(REPLY)
+    items.feed(REPLY)
     items.finish("stop")
     adapter = TypeAdapter(ResponseStreamEvent)
     for event in items.take_events():

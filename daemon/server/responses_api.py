@@ -283,18 +283,12 @@ class OutputItems:
     def reasoning_text(self) -> str:
         return "".join(item["content"][0]["text"] for item in self.items if item["type"] == "reasoning")
 
-    def feed_message(self, message: dict) -> None:
-        """A whole chat reply's message: its thinking, its answer, then its calls."""
-        self.reasoning(message.get("reasoning_content") or "")
-        self.content(message.get("content") or "")
-        for call in message.get("tool_calls") or ():
-            self.call(call)
-
-    def feed_delta(self, delta: dict) -> None:
-        """A streamed chat chunk's delta."""
-        self.reasoning(delta.get("reasoning_content") or "")
-        self.content(delta.get("content") or "")
-        for call in delta.get("tool_calls") or ():
+    def feed(self, piece: dict) -> None:
+        """A whole chat reply's message, or a streamed chunk's delta: its thinking, its answer,
+        then its calls."""
+        self.reasoning(piece.get("reasoning_content") or "")
+        self.content(piece.get("content") or "")
+        for call in piece.get("tool_calls") or ():
             self.call(call)
 
 

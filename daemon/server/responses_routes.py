@@ -84,7 +84,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         reply = json.loads(answer.body)
         [choice] = reply["choices"]
         items = OutputItems()
-        items.feed_message(choice["message"])
+        items.feed(choice["message"])
         items.finish(choice["finish_reason"])
         return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation),
                             headers=named)
@@ -111,7 +111,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
                     continue
                 chat_usage = chunk.get("usage") or chat_usage
                 for choice in chunk["choices"]:
-                    items.feed_delta(choice["delta"])
+                    items.feed(choice["delta"])
                     finish_reason = choice["finish_reason"] or finish_reason
                 for event in items.take_events():
                     yield _event(event)
