@@ -212,17 +212,19 @@ def test_kept_responses_are_their_tenant_s_and_the_least_recently_used_go_first(
         return {"id": f"resp_{n}", "pad": "x" * 80}
 
     conversation = [{"role": "user", "content": "y" * 10}]
-    one = len(json.dumps(response(1))) + len(json.dumps(conversation))
+    inputs = [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "y"}]}]
+    one = len(json.dumps(response(1))) + len(json.dumps(conversation)) + len(json.dumps(inputs))
     store = ResponseStore(3 * one)
     for n in (1, 2, 3):
-        assert store.put("acme", response(n), conversation)
+        assert store.put("acme", response(n), conversation, inputs)
     assert kept(store, "globex", "resp_1") is None  # another tenant's id reads as unknown
     assert not store.delete("globex", "resp_1")
     assert kept(store, "acme", "resp_1") == "resp_1"  # now the most recently used
-    store.put("acme", response(4), conversation)
+    store.put("acme", response(4), conversation, inputs)
     assert [kept(store, "acme", f"resp_{n}") for n in (1, 2, 3, 4)] == ["resp_1", None, "resp_3", "resp_4"]
+    assert store.get("acme", "resp_4").inputs == tuple(inputs)
     assert store.figures() == {"responses": 3, "bytes": 3 * one, "budget_bytes": 3 * one, "dropped": 1}
-    assert not store.put("acme", {"id": "resp_big", "pad": "x" * 4 * one}, conversation)
+    assert not store.put("acme", {"id": "resp_big", "pad": "x" * 4 * one}, conversation, inputs)
     assert kept(store, "acme", "resp_big") is None and store.figures()["responses"] == 3
     assert store.delete("acme", "resp_3") and kept(store, "acme", "resp_3") is None
     assert store.figures()["bytes"] == 2 * one

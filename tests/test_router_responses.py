@@ -1,6 +1,7 @@
 """kvd router and `/v1/responses`: a new response is routed by its conversation's prefix, as a
 chat; one that continues another (`previous_response_id`) goes to the replica that answered it,
-which alone keeps that conversation, and so do GET and DELETE of a kept response."""
+which alone keeps that conversation, and so do GET and DELETE of a kept response and the listing
+of its input items."""
 
 from __future__ import annotations
 
@@ -65,10 +66,20 @@ def test_a_kept_response_is_read_and_deleted_where_it_was_answered(replicas):
     async def delete(client):
         return await client.delete(f"/v1/responses/{seen['made'].json()['id']}")
 
-    made, first_read, second_read, deleted, gone = drive(app, [make, read, read, delete, read])
+    def items(**query):  # (the caller's query goes with it)
+        async def go(client):
+            return await client.get(f"/v1/responses/{seen['made'].json()['id']}/input_items", params=query)
+        return go
+
+    made, first_read, second_read, listed, limited, deleted, gone = drive(
+        app, [make, read, read, items(order="asc"), items(limit="0"), delete, read])
     response_id = made.json()["id"]
     assert first_read.json() == second_read.json() == made.json()
     assert first_read.headers["x-kvd-replica"] == second_read.headers["x-kvd-replica"] == made.headers["x-kvd-replica"]
+    assert listed.headers["x-kvd-replica"] == made.headers["x-kvd-replica"]
+    assert [(item["role"], item["content"]) for item in listed.json()["data"]] == [
+        ("user", [{"type": "input_text", "text": "Keep it."}])]
+    assert (limited.status_code, limited.json()["error"]["param"]) == (400, "limit")
     assert deleted.json() == {"id": response_id, "object": "response", "deleted": True}
     assert gone.status_code == 404 and gone.json()["error"] == {
         "message": f"response_id: no replica is known to keep response {response_id!r} (the router learns where each "

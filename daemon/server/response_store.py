@@ -5,7 +5,8 @@ goes first when a new one would not fit, and a response bigger than the whole bu
 Each is its tenant's: another tenant's id reads as unknown, as if it had never been (a 404 that
 says nothing about whose it is). Nothing is written to disk, and a restart forgets them all.
 
-A response is counted at the JSON of itself and of its whole conversation. The turns of one
+A response is counted at the JSON of itself, of its whole conversation and of the items that
+made it (`inputs`, which `GET /v1/responses/{id}/input_items` lists). The turns of one
 conversation share their earlier messages in memory (the same objects), so the count is above
 what they take: the budget bounds the memory, and a long conversation's turns are let go sooner
 than they would need to be.
@@ -24,7 +25,8 @@ class StoredResponse:
     tenant: str
     response: dict  # the Response object as it was answered
     conversation: tuple[dict, ...]  # the chat messages a next turn continues (no instructions)
-    size: int  # bytes it is counted at: the JSON of both
+    inputs: tuple[dict, ...]  # the items it was made from: the earlier turns' inputs and outputs, then its input
+    size: int  # bytes it is counted at: the JSON of the three
 
 
 class ResponseStore:
@@ -42,13 +44,14 @@ class ResponseStore:
         """Whether it keeps any response (responses_store_bytes 0: none)."""
         return self.budget > 0
 
-    def put(self, tenant: str, response: dict, conversation: list[dict]) -> bool:
-        """Keeps `response` and the conversation a next turn continues; False (kept nothing) when
-        it is bigger than the whole budget (counted as dropped), or the store keeps none."""
+    def put(self, tenant: str, response: dict, conversation: list[dict], inputs: list[dict] = ()) -> bool:
+        """Keeps `response`, the conversation a next turn continues and the items it was made
+        from; False (kept nothing) when it is bigger than the whole budget (counted as dropped),
+        or the store keeps none."""
         if not self.keeps:
             return False
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
-        entry = StoredResponse(tenant, response, tuple(conversation), size)
+        size = len(json.dumps(response)) + len(json.dumps(conversation)) + len(json.dumps(list(inputs)))
+        entry = StoredResponse(tenant, response, tuple(conversation), tuple(inputs), size)
         with self.lock:
             if size > self.budget:
                 self.dropped += 1

@@ -6,6 +6,7 @@ Plain Python (no pydantic, no torch): kvd serves `/v1/responses` with it (respon
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from .chat_messages import MessagesError
@@ -62,6 +63,8 @@ def input_messages(raw: Any) -> list[dict]:
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise MessagesError(f"{where}: must be an object (a message or an item), got {type(item).__name__}", where)
+        if item.get("id") is not None and not isinstance(item["id"], str):
+            raise MessagesError(f"{where}.id: must be a string, got {item['id']!r}", f"{where}.id")
         kind = item.get("type", "message")
         if kind == "message":
             role = ROLES.get(item.get("role"))
@@ -104,6 +107,49 @@ def input_messages(raw: Any) -> list[dict]:
         raise MessagesError(f"input[{len(raw) - 1}]: a reasoning item goes before the assistant message or function "
                             "call it led to", f"input[{len(raw) - 1}]")
     return messages
+
+
+def _item_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def _parts(content: Any, kind: str) -> list[dict]:
+    """A message's content as text parts of `kind` (a string becomes one part)."""
+    if isinstance(content, str):
+        content = [{"type": kind, "text": content}]
+    return [{"type": kind, "text": part["text"], **({"annotations": []} if kind == "output_text" else {})}
+            for part in content]
+
+
+def input_items(raw: Any) -> list[dict]:
+    """The request's `input` (already taken by `input_messages`) as the items
+    `GET /v1/responses/{id}/input_items` lists: each with its `id` (the one the client gave, else
+    a new one) and its `status`, a string input as one user message, a message's text as parts,
+    an assistant's message as an output message (output_text parts)."""
+    if isinstance(raw, str):
+        raw = [{"type": "message", "role": "user", "content": raw}]
+    items = []
+    for item in raw:
+        kind = item.get("type", "message")
+        if kind == "message":
+            assistant = item["role"] == "assistant"
+            shaped = {"id": item.get("id") or _item_id("msg_"), "type": "message", "role": item["role"],
+                      "content": _parts(item["content"], "output_text" if assistant else "input_text"),
+                      "status": "completed"}
+        elif kind == "function_call":
+            shaped = {"id": item.get("id") or _item_id("fc_"), "type": "function_call", "call_id": item["call_id"],
+                      "name": item["name"], "arguments": item["arguments"], "status": "completed"}
+        elif kind == "function_call_output":
+            output = item["output"]
+            shaped = {"id": item.get("id") or _item_id("fco_"), "type": "function_call_output",
+                      "call_id": item["call_id"],
+                      "output": output if isinstance(output, str) else _parts(output, "input_text"),
+                      "status": "completed"}
+        else:  # reasoning
+            shaped = {"id": item.get("id") or _item_id("rs_"), "type": "reasoning",
+                      "summary": list(item.get("summary") or []), "content": list(item.get("content") or [])}
+        items.append(shaped)
+    return items
 
 
 def chat_tools(tools: Any) -> list[dict] | None:

@@ -1,6 +1,7 @@
 """The Responses API's routes: `POST /v1/responses` (served as a chat turn, responses_api.py),
 `GET` and `DELETE /v1/responses/{id}` (the responses kept for `previous_response_id`,
-response_store.py). Each tenant reads and deletes its own responses only."""
+response_store.py) and `GET /v1/responses/{id}/input_items` (the items a kept response was made
+from). Each tenant reads and deletes its own responses only."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from .calls import Principal
 from .chat import ChatCompletionRequest
 from .chat_messages import MessagesError
 from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputItems, ResponsesRequest, chat_body,
-                            new_id, now, response_object, status_of, usage_of)
+                            input_items_page, new_id, now, response_object, status_of, usage_of)
+from .responses_input import input_items
 from .strict_json import StrictJSONRoute
 
 REQUEST_ID_HEADER = "X-KVD-Request-Id"
@@ -48,28 +50,32 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
                                error=error, defaults=service.sampling_defaults)
 
     def finished(body: ResponsesRequest, who: Principal, head: dict, items: OutputItems, finish_reason: str | None,
-                 chat_usage: dict, conversation: list[dict]) -> dict:
-        """The response once the reply has ended, kept for a next turn unless `store` is false."""
+                 chat_usage: dict, conversation: list[dict], inputs: list[dict]) -> dict:
+        """The response once the reply has ended, kept for a next turn unless `store` is false
+        (`inputs`: the items it was made from)."""
         usage = usage_of(chat_usage, reasoning_tokens(items.reasoning_text()))
         response = shaped(body, head, items.items, status_of(finish_reason), usage, finish_reason)
         if body.store:
-            service.responses.put(who.tenant, response, [*conversation, items.assistant_turn()])
+            service.responses.put(who.tenant, response, [*conversation, items.assistant_turn()], inputs)
         return response
 
     @router.post("/v1/responses")
     async def create_response(body: ResponsesRequest, http: Request, who: Principal = Depends(principal)):
         refuse_unsupported(body, UNSUPPORTED_RESPONSE_FIELDS, RESPONSE_HINTS)
         earlier: list[dict] = []
+        inputs: list[dict] = []  # the items this response is made from: the earlier turns', then its input
         if body.previous_response_id is not None:
             kept = service.responses.get(who.tenant, body.previous_response_id)
             if kept is None:
                 raise _not_kept(body.previous_response_id, "previous_response_id")
             earlier = list(kept.conversation)
+            inputs = [*kept.inputs, *kept.response["output"]]
         template = service.chat_template
         try:
             asked, conversation = chat_body(body, earlier, template.request_kwargs if template else frozenset())
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
+        inputs += input_items(body.input)
         answer = await chat(ChatCompletionRequest.model_validate(asked), http, who, "responses")
         model = service.adapter_named(body.model) or service.model_name  # (the chat has checked it)
         head = {"id": new_id("resp_"), "created": now(), "model": model}
@@ -77,7 +83,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         if body.store and service.responses.keeps:
             named[RESPONSE_ID_HEADER] = head["id"]
         if isinstance(answer, StreamingResponse):
-            return StreamingResponse(_events(answer.body_iterator, body, who, head, conversation),
+            return StreamingResponse(_events(answer.body_iterator, body, who, head, conversation, inputs),
                                      media_type="text/event-stream", headers=named)
         if answer.status_code != 200:  # the client left (499)
             return answer
@@ -86,11 +92,11 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         items = OutputItems()
         items.feed(choice["message"])
         items.finish(choice["finish_reason"])
-        return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation),
-                            headers=named)
+        return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation,
+                                     inputs), headers=named)
 
     async def _events(chunks: AsyncIterator[str], body: ResponsesRequest, who: Principal, head: dict,
-                      conversation: list[dict]) -> AsyncIterator[str]:
+                      conversation: list[dict], inputs: list[dict]) -> AsyncIterator[str]:
         """The chat's stream as the Responses API's events. Leaving early closes the chat's stream,
         which cancels the request."""
         items = OutputItems()
@@ -123,7 +129,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
             items.emit("response.failed", response=shaped(body, head, items.items, "failed", error=error))
         else:
             items.finish(finish_reason)
-            response = finished(body, who, head, items, finish_reason, chat_usage, conversation)
+            response = finished(body, who, head, items, finish_reason, chat_usage, conversation, inputs)
             items.emit(f"response.{response['status']}", response=response)
         for event in items.take_events():
             yield _event(event)
@@ -134,6 +140,22 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         if kept is None:
             raise _not_kept(response_id, "response_id")
         return kept.response
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def kept_input_items(response_id: str, http: Request, after: str | None = None, before: str | None = None,
+                               limit: str | None = None, order: str | None = None,
+                               who: Principal = Depends(principal)):
+        include = [name for key in ("include", "include[]") for name in http.query_params.getlist(key) if name]
+        if include:  # (OpenAI's client sends include[]=...)
+            raise ApiError(400, f"include: kvd adds nothing to the items (got {include!r}); leave it out",
+                           param="include", code="unsupported_parameter")
+        kept = service.responses.get(who.tenant, response_id)
+        if kept is None:
+            raise _not_kept(response_id, "response_id")
+        try:
+            return input_items_page(kept.inputs, after, before, limit, order)
+        except MessagesError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, who: Principal = Depends(principal)):

@@ -495,13 +495,18 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def kept_response(response_id: str, who: Caller = Depends(caller)):
         return await at_home(response_id, "GET", who)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def kept_input_items(response_id: str, http: Request, who: Caller = Depends(caller)):
+        return await at_home(response_id, "GET", who, "/input_items", http.query_params)
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, who: Caller = Depends(caller)):
         return await at_home(response_id, "DELETE", who)
 
-    async def at_home(response_id: str, method: str, who: Caller) -> Response:
+    async def at_home(response_id: str, method: str, who: Caller, below: str = "", params=None) -> Response:
         """The answer of the replica that keeps the response (response_homes.py), as it came: it
-        alone says whether the caller's tenant may read it."""
+        alone says whether the caller's tenant may read it. `below`: a path under the response's
+        (its input items), asked with the caller's query `params`."""
         replica = service.replica_keeping(response_id)
         if replica is None:
             return JSONResponse({"error": {
@@ -510,8 +515,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 "type": "not_found_error", "param": "response_id", "code": "response_not_found"}}, status_code=404)
         headers = {"X-KVD-Tenant": who.tenant} if who.tenant is not None else {}
         try:
-            answer = await replica.client.request(method, f"/v1/responses/{quote(response_id, safe='')}",
-                                                  headers=headers, timeout=ASK_TIMEOUT_S)
+            answer = await replica.client.request(method, f"/v1/responses/{quote(response_id, safe='')}{below}",
+                                                  params=params, headers=headers, timeout=ASK_TIMEOUT_S)
         except httpx.HTTPError as exc:
             return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
         if method == "DELETE" and answer.status_code == 200:
