@@ -267,7 +267,9 @@ def test_gpt_oss_through_the_responses_api_thinks_calls_and_takes_the_result_bac
     """/v1/responses, the API gpt-oss is published for, on the same served checkpoint: the reply's
     analysis is a reasoning item and its call a function_call item; the next turn, sent as
     previous_response_id and the call's output, is rendered as the chat turn above (the thinking
-    back as the analysis message before the call) and comes from the cache up to its new part."""
+    back as the analysis message before the call) and comes from the cache up to its new part; so
+    does the same turn sent whole by a client that keeps its own conversation, the thinking in the
+    reasoning item's encrypted_content."""
     from kvctl.daemon.engine import engine as engine_module
 
     from .daemon_fixtures import apps, call, start_service, token_table
@@ -286,7 +288,8 @@ def test_gpt_oss_through_the_responses_api_thinks_calls_and_takes_the_result_bac
         unix, _ = apps(service, token_table(tmp_path))
         tools = [{"type": "function", **WEATHER["function"]}]
         first = call(unix, "POST", "/v1/responses", json={"input": "Weather in Oslo?", "tools": tools,
-                                                           "max_output_tokens": 160}).json()
+                                                           "max_output_tokens": 160,
+                                                           "include": ["reasoning.encrypted_content"]}).json()
         assert first["status"] == "completed"
         assert [(item["type"], item.get("name"), item.get("arguments")) for item in first["output"]] == [
             ("reasoning", None, None), ("function_call", "get_weather", '{"city": "Oslo"}')]
@@ -313,5 +316,14 @@ def test_gpt_oss_through_the_responses_api_thinks_calls_and_takes_the_result_bac
         block = service.config.block_size
         cached = second["usage"]["input_tokens_details"]["cached_tokens"]
         assert cached >= len(first_prompt["tokens"]) // block * block > 0
+        # a client that keeps its own conversation (store: false, as Codex runs) sends the items back,
+        # the thinking in the reasoning item's blob alone: the same prompt, from the cache
+        thought = {key: first["output"][0][key] for key in ("type", "id", "summary", "encrypted_content")}
+        third = call(unix, "POST", "/v1/responses", json={
+            "store": False, "tools": tools, "max_output_tokens": 160, "include": ["reasoning.encrypted_content"],
+            "input": [{"role": "user", "content": "Weather in Oslo?"}, thought, first["output"][1],
+                      {"type": "function_call_output", "call_id": call_id, "output": "Sunny"}]}).json()
+        assert third["usage"]["input_tokens"] == len(prompt)
+        assert third["usage"]["input_tokens_details"]["cached_tokens"] >= (len(prompt) - 1) // block * block
     finally:
         service.shutdown(1)

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import ConfigDict
 
+from . import reasoning_blob
 from .chat import Count, GenerationFields
 from .chat_messages import MessagesError
 from .responses_input import chat_tools, input_messages
@@ -32,22 +33,20 @@ from .responses_input import chat_tools, input_messages
 # any other value is refused by name (api_errors.refuse_unsupported)
 UNSUPPORTED_RESPONSE_FIELDS = {
     "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
-    "top_logprobs": (None, 0), "truncation": (None, "disabled"), "include": (None, []),
-    "context_management": (None, []),
+    "top_logprobs": (None, 0), "truncation": (None, "disabled"), "context_management": (None, []),
 }
 RESPONSE_HINTS = {
     "background": "kvd answers while the client waits; send stream: true to see the reply as it comes",
     "conversation": "kvd keeps no conversation objects; send previous_response_id",
     "prompt": "kvd keeps no prompt templates; send instructions and input",
     "truncation": "kvd never drops the start of a conversation to fit it: one over the context is refused (413)",
-    "include": "kvd adds nothing to the output items (no encrypted reasoning, no logprobs here: "
-               "/v1/chat/completions has logprobs)",
 }
 # chat fields a Responses request passes on as they are (the rest are built from its own fields)
 PASSED_ON = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "user", "ignore_eos",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
              "priority", "return_tokens_as_token_ids", "kv_transfer_params", "parallel_tool_calls")
 METADATA_KEYS = 16  # OpenAI's most metadata pairs
+CARRY_REASONING = "reasoning.encrypted_content"  # the one `include` kvd serves (reasoning_blob.py)
 EFFORTS = ("minimal", "low", "medium", "high")
 
 
@@ -73,6 +72,11 @@ class ResponsesRequest(GenerationFields):
     prompt_cache_key: str | None = None  # OpenAI's routing hint: kvd's prefix cache needs none (echoed back)
     safety_identifier: str | None = None
     service_tier: str | None = None
+    include: Any = None  # ["reasoning.encrypted_content"]: reasoning items carry their text to a next turn
+
+    def carries_reasoning(self) -> bool:
+        """Whether its reasoning items are to carry their text (`include`, checked by `chat_body`)."""
+        return isinstance(self.include, list) and CARRY_REASONING in self.include
 
 
 def new_id(prefix: str) -> str:
@@ -146,6 +150,13 @@ def chat_body(body: ResponsesRequest, earlier: list[dict], reads: frozenset | se
     chat template reads. MessagesError names the field at fault."""
     if body.n != 1:
         raise MessagesError(f"n: a response is one reply, got {body.n}; send n to /v1/chat/completions", "n")
+    if body.include is not None:
+        if not isinstance(body.include, list):
+            raise MessagesError(f"include: must be a list, got {type(body.include).__name__}", "include")
+        for i, name in enumerate(body.include):
+            if name != CARRY_REASONING:
+                raise MessagesError(f"include[{i}]: kvd adds only {CARRY_REASONING} to the items, got {name!r} (no "
+                                    "logprobs here: /v1/chat/completions has them)", f"include[{i}]")
     metadata = body.metadata
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > METADATA_KEYS
                                  or not all(isinstance(v, str) for v in metadata.values())):
@@ -177,7 +188,8 @@ class OutputItems:
     `sequence_number`). A whole reply goes through the same steps as a streamed one, so both
     give the same items."""
 
-    def __init__(self) -> None:
+    def __init__(self, carry_reasoning: bool = False) -> None:
+        self.carry_reasoning = carry_reasoning  # a reasoning item gets its encrypted_content as it closes
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item being written
         self.events: list[dict] = []
@@ -258,6 +270,8 @@ class OutputItems:
         self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                   part=dict(part))
         item["status"] = status
+        if item["type"] == "reasoning" and self.carry_reasoning:
+            item["encrypted_content"] = reasoning_blob.encode(part["text"])
         self.emit("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))
 
     def finish(self, finish_reason: str | None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from . import reasoning_blob
 from .chat_messages import MessagesError
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -33,16 +34,36 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
+def _blob_text(item: dict, where: str) -> str | None:
+    """The text a reasoning item's `encrypted_content` carries (reasoning_blob.py); None where it
+    has none, or one kvd cannot read (another server's)."""
+    blob = item.get("encrypted_content")
+    if blob is None:
+        return None
+    if not isinstance(blob, str):
+        raise MessagesError(f"{where}.encrypted_content: must be a string, got {type(blob).__name__}",
+                            f"{where}.encrypted_content")
+    try:
+        return reasoning_blob.decode(blob)
+    except reasoning_blob.BlobError as exc:
+        raise MessagesError(f"{where}.encrypted_content: not a blob kvd gave: {exc}; send the item as kvd gave it",
+                            f"{where}.encrypted_content") from None
+
+
 def _reasoning_text(item: dict, where: str) -> str:
-    """A reasoning item's text: its content's reasoning_text parts, else its summary's summary_text."""
-    parts = item.get("content") or item.get("summary") or []
+    """A reasoning item's text: its content's reasoning_text parts, else the text its
+    encrypted_content carries, else its summary's summary_text."""
+    field = "content" if item.get("content") else "summary"
+    if field == "summary" and (carried := _blob_text(item, where)) is not None:
+        return carried
+    parts = item.get(field) or []
     if not isinstance(parts, list):
-        raise MessagesError(f"{where}.content: must be a list of reasoning_text parts", f"{where}.content")
+        raise MessagesError(f"{where}.{field}: must be a list of text parts", f"{where}.{field}")
     texts = []
     for j, part in enumerate(parts):
         if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-            raise MessagesError(f"{where}.content[{j}]: must be {{\"type\": \"reasoning_text\", \"text\": ...}}",
-                                f"{where}.content[{j}]")
+            raise MessagesError(f"{where}.{field}[{j}]: must be {{\"type\": \"reasoning_text\", \"text\": ...}}",
+                                f"{where}.{field}[{j}]")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -145,9 +166,12 @@ def input_items(raw: Any) -> list[dict]:
                       "call_id": item["call_id"],
                       "output": output if isinstance(output, str) else _parts(output, "input_text"),
                       "status": "completed"}
-        else:  # reasoning
+        else:  # reasoning (its content: as given, else the text its encrypted_content carries)
+            carried = None if item.get("content") else _blob_text(item, "input")
             shaped = {"id": item.get("id") or _item_id("rs_"), "type": "reasoning",
-                      "summary": list(item.get("summary") or []), "content": list(item.get("content") or [])}
+                      "summary": list(item.get("summary") or []),
+                      "content": list(item.get("content") or [])
+                      or ([{"type": "reasoning_text", "text": carried}] if carried else [])}
         items.append(shaped)
     return items
 

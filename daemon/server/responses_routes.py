@@ -89,7 +89,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
             return answer
         reply = json.loads(answer.body)
         [choice] = reply["choices"]
-        items = OutputItems()
+        items = OutputItems(body.carries_reasoning())
         items.feed(choice["message"])
         items.finish(choice["finish_reason"])
         return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation,
@@ -99,7 +99,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
                       conversation: list[dict], inputs: list[dict]) -> AsyncIterator[str]:
         """The chat's stream as the Responses API's events. Leaving early closes the chat's stream,
         which cancels the request."""
-        items = OutputItems()
+        items = OutputItems(body.carries_reasoning())
         opening = shaped(body, head, [], "in_progress")
         items.emit("response.created", response=opening)
         items.emit("response.in_progress", response=opening)
