@@ -151,11 +151,13 @@ def render_status(data: dict, console: Console | None = None):
                                  f"({tokens['hit_ratio']:.1%})")
     facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")
     kept = data.get("responses")  # /v1/responses kept for previous_response_id (an older kvd does not say)
-    if kept and (kept["responses"] or kept["dropped"]):
+    running = (kept or {}).get("running", 0)  # background responses still running (an older kvd does not say)
+    if kept and (kept["responses"] or kept["dropped"] or running):
         facts.add_row("responses kept", f"{kept['responses']:,} in {size(kept['bytes'])} of "
                                         f"{size(kept['budget_bytes'])}"
                       + (f"; {kept['dropped']:,} let go for room (a turn that continues one gets a 404)"
-                         if kept["dropped"] else ""))
+                         if kept["dropped"] else "")
+                      + (f"; {running:,} running in the background" if running else ""))
     spec = data.get("speculation")  # absent from an older kvd
     if spec and (spec.get("config") or spec.get("drafts")):
         facts.add_row("speculation", speculation_line(spec))

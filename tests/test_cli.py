@@ -1350,3 +1350,5 @@ def test_status_shows_the_responses_kept_and_those_let_go_for_room():
         {"responses": 1200, "bytes": 3 * 2**20, "budget_bytes": 64 * 2**20, "dropped": 0})
     assert ("responses kept 10 in 1.0 MiB of 1.0 MiB; 7 let go for room (a turn that continues one gets a 404)"
             in shown({"responses": 10, "bytes": 2**20, "budget_bytes": 2**20, "dropped": 7}))
+    assert "responses kept 0 in 0 B of 64.0 MiB; 2 running in the background" in shown(
+        {"responses": 0, "bytes": 0, "budget_bytes": 64 * 2**20, "dropped": 0, "running": 2})

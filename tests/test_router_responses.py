@@ -5,6 +5,10 @@ of its input items."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import httpx
 import pytest
 
 pytest.importorskip("torch")
@@ -14,6 +18,7 @@ from kvctl.daemon.server.response_homes import ResponseHomes  # noqa: E402
 
 from .daemon_fixtures import sse_events  # noqa: E402
 from .test_router import drive, replicas, router_app  # noqa: E402,F401
+from .test_response_background import gated  # noqa: E402,F401
 from .test_router_chat import SYSTEM_0, SYSTEM_1, system_homed  # noqa: E402
 
 STICKY = "it keeps the response this one continues (previous_response_id)"
@@ -111,3 +116,106 @@ def test_a_new_response_goes_home_by_its_conversation_as_a_chat_would(replicas):
     assert all("its home (the first by its hash within the load bound)" in route for route in routes[:2]), routes
     assert routes[2] == "no replica caches its prefix: the least loaded"
     assert answers[2].json()["error"]["param"] == "input[0].role"  # routed by load; the replica says why
+
+
+def test_a_background_response_is_polled_and_cancelled_where_it_runs(replicas, gated):
+    service, app = router_app(replicas, "round_robin")
+    gated["script"][:] = list(range(70, 90))
+    seen = {}
+
+    async def start(client):
+        seen["made"] = await respond(client, instructions=SYSTEM_0, input="Run it.", background=True,
+                                     max_output_tokens=40)
+        return seen["made"]
+
+    async def poll(client):
+        response_id = seen["made"].json()["id"]
+        for _ in range(600):
+            answer = await client.get(f"/v1/responses/{response_id}")
+            if answer.json()["status"] not in ("queued", "in_progress"):
+                return answer
+            await asyncio.sleep(0.05)
+        raise AssertionError("it never ended")
+
+    async def cancel(client):
+        return await client.post(f"/v1/responses/{seen['made'].json()['id']}/cancel")
+
+    async def replay(client):  # (the caller's query goes with it: it has ended, so no stream again)
+        return await client.get(f"/v1/responses/{seen['made'].json()['id']}", params={"stream": "true"})
+
+    made, ended, cancelled, replayed = drive(app, [start, poll, cancel, replay])
+    assert made.json()["status"] == "queued" and made.headers["x-kvd-response-id"] == made.json()["id"]
+    assert ended.json()["status"] == "incomplete" and ended.json()["usage"]["output_tokens"] == 40
+    home = made.headers["x-kvd-replica"]
+    assert ended.headers["x-kvd-replica"] == cancelled.headers["x-kvd-replica"] == home
+    assert cancelled.json() == ended.json()  # it had ended: as it ended
+    assert (replayed.status_code, replayed.json()["error"]["param"]) == (400, "stream")
+
+
+class OpensTheGate(httpx.AsyncBaseTransport):
+    """A replica's transport (a Unix socket) that opens `gate` once a GET's answer has begun: the
+    replica is then streaming a running response's events, which the gate held back."""
+
+    def __init__(self, path: str, gate) -> None:
+        self.inner, self.gate = httpx.AsyncHTTPTransport(uds=path), gate
+
+    async def handle_async_request(self, request):
+        answer = await self.inner.handle_async_request(request)
+        if request.method == "GET" and request.url.path.startswith("/v1/responses/"):
+            self.gate.set()
+        return answer
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_a_background_stream_left_early_streams_again_through_the_router(replicas, gated, tmp_path):
+    """Replica and router served on Unix sockets, so that a stream reaches each reader as it is
+    written: the client leaves the background stream, and comes back through the router while
+    the response runs; the router relays the replica's events as they come."""
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    from .test_inflight import serving
+
+    gated["script"][:] = list(range(70, 90))
+    gated["hold"] = 6
+    replica_path, router_path = str(tmp_path / "replica.sock"), str(tmp_path / "router.sock")
+    service = RouterService([Replica("replica-0", replica_client(replica_path,
+                                                                 transport=OpensTheGate(replica_path, gated["gate"])))],
+                            make_router("prefix"), view="ask", load_interval=0.05)
+
+    def events_of(lines: list[str]) -> list[dict]:
+        return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+
+    async def go():
+        replica, replica_task = await serving(replicas[0], replica_path)
+        router, router_task = await serving(create_router_app(service), router_path)
+        try:
+            async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=router_path), base_url="http://router",
+                                         timeout=60) as client:
+                body = {"input": "Keep it running.", "max_output_tokens": 30, "temperature": 0, "background": True,
+                        "stream": True}
+                lines = []
+                async with client.stream("POST", "/v1/responses", json=body) as answer:
+                    async for line in answer.aiter_lines():
+                        lines.append(line)
+                        if len(events_of(lines)) == 5:  # (created, in_progress, the message opened, a delta)
+                            break
+                first = events_of(lines)
+                response_id = first[0]["response"]["id"]
+                params = {"stream": "true", "starting_after": str(first[-1]["sequence_number"])}
+                async with client.stream("GET", f"/v1/responses/{response_id}", params=params) as again:
+                    rest = events_of([line async for line in again.aiter_lines()])
+                return first, rest, again.headers["x-kvd-replica"]
+        finally:
+            for server, task in ((router, router_task), (replica, replica_task)):
+                server.should_exit = True
+                await task
+
+    first, rest, where = asyncio.run(go())
+    events = first + rest
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["usage"]["output_tokens"] == 30
+    assert where == "replica-0"

@@ -37,6 +37,7 @@ class ResponseStore:
         self.used = 0
         self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self.dropped = 0  # responses let go to make room (or too big to keep)
+        self.runs: dict[str, object] = {}  # background responses still running (response_runs.Run), by id
         self.lock = threading.Lock()
 
     @property
@@ -84,7 +85,23 @@ class ResponseStore:
             self.used -= entry.size
             return True
 
+    def begin(self, response_id: str, run) -> None:
+        """A background response starts: `run` (response_runs.Run) answers for it until it ends."""
+        with self.lock:
+            self.runs[response_id] = run
+
+    def running(self, tenant: str, response_id: str):
+        """The tenant's background response `response_id` while it runs, or None."""
+        with self.lock:
+            run = self.runs.get(response_id)
+            return run if run is not None and run.tenant == tenant else None
+
+    def ended(self, response_id: str) -> None:
+        """A background response has ended (and been put, where it is kept)."""
+        with self.lock:
+            self.runs.pop(response_id, None)
+
     def figures(self) -> dict:
         with self.lock:
             return {"responses": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
-                    "dropped": self.dropped}
+                    "dropped": self.dropped, "running": len(self.runs)}

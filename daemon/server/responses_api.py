@@ -32,11 +32,10 @@ from .responses_input import chat_tools, input_messages
 # fields of OpenAI's Responses API that kvd does not implement, with the values that ask for nothing;
 # any other value is refused by name (api_errors.refuse_unsupported)
 UNSUPPORTED_RESPONSE_FIELDS = {
-    "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
+    "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
     "top_logprobs": (None, 0), "truncation": (None, "disabled"), "context_management": (None, []),
 }
 RESPONSE_HINTS = {
-    "background": "kvd answers while the client waits; send stream: true to see the reply as it comes",
     "conversation": "kvd keeps no conversation objects; send previous_response_id",
     "prompt": "kvd keeps no prompt templates; send instructions and input",
     "truncation": "kvd never drops the start of a conversation to fit it: one over the context is refused (413)",
@@ -72,6 +71,7 @@ class ResponsesRequest(GenerationFields):
     prompt_cache_key: str | None = None  # OpenAI's routing hint: kvd's prefix cache needs none (echoed back)
     safety_identifier: str | None = None
     service_tier: str | None = None
+    background: bool = False  # run it while the client is away (response_runs.py); kept for it to fetch
     include: Any = None  # ["reasoning.encrypted_content"]: reasoning items carry their text to a next turn
 
     def carries_reasoning(self) -> bool:
@@ -190,6 +190,7 @@ class OutputItems:
 
     def __init__(self, carry_reasoning: bool = False) -> None:
         self.carry_reasoning = carry_reasoning  # a reasoning item gets its encrypted_content as it closes
+        self.response: dict | None = None  # the whole Response object, once the reply has ended (its route sets it)
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item being written
         self.events: list[dict] = []
@@ -275,10 +276,11 @@ class OutputItems:
         self.emit("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))
 
     def finish(self, finish_reason: str | None) -> None:
-        """The reply ended: the open item closes; a reply with no item at all gets an empty message."""
+        """The reply ended: the open item closes (incomplete where the reply was cut off or
+        cancelled); a reply with no item at all gets an empty message."""
         if not self.items:
             self._open_text("message")
-        self.close("incomplete" if finish_reason == "length" else "completed")
+        self.close("incomplete" if finish_reason in ("length", "cancelled") else "completed")
 
     def assistant_turn(self) -> dict:
         """The reply as the assistant's message of the conversation a next turn continues."""
@@ -318,6 +320,7 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, create
     reasoning = body.reasoning if isinstance(body.reasoning, dict) else {}
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
     return {"id": response_id, "object": "response", "created_at": created_at, "status": status,
+            "background": body.background,
             "error": error, "incomplete_details": incomplete, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "model": model, "output": json.loads(json.dumps(items)),
             "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -368,7 +371,7 @@ def input_items_page(items: list[dict] | tuple[dict, ...], after: str | None, be
 
 
 def status_of(finish_reason: str | None) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
+    return {"length": "incomplete", "cancelled": "cancelled"}.get(finish_reason, "completed")
 
 
 def now() -> int:

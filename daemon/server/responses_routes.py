@@ -5,6 +5,7 @@ from). Each tenant reads and deletes its own responses only."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -17,6 +18,7 @@ from .chat import ChatCompletionRequest
 from .chat_messages import MessagesError
 from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputItems, ResponsesRequest, chat_body,
                             input_items_page, new_id, now, response_object, status_of, usage_of)
+from .response_runs import Run
 from .responses_input import input_items
 from .strict_json import StrictJSONRoute
 
@@ -62,9 +64,16 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
     @router.post("/v1/responses")
     async def create_response(body: ResponsesRequest, http: Request, who: Principal = Depends(principal)):
         refuse_unsupported(body, UNSUPPORTED_RESPONSE_FIELDS, RESPONSE_HINTS)
+        if body.background and not (body.store and service.responses.keeps):
+            why = "store is false" if not body.store else "kvd keeps no response (responses_store_bytes 0)"
+            raise ApiError(400, f"background: a background response is kept for its client to fetch, and {why}",
+                           param="background")
         earlier: list[dict] = []
         inputs: list[dict] = []  # the items this response is made from: the earlier turns', then its input
         if body.previous_response_id is not None:
+            if service.responses.running(who.tenant, body.previous_response_id) is not None:
+                raise ApiError(400, f"previous_response_id: response {body.previous_response_id!r} is still running "
+                                    "in the background; continue it once it has ended", param="previous_response_id")
             kept = service.responses.get(who.tenant, body.previous_response_id)
             if kept is None:
                 raise _not_kept(body.previous_response_id, "previous_response_id")
@@ -76,35 +85,43 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         inputs += input_items(body.input)
+        if body.background:  # streamed from the engine whatever the client asked: its run keeps each event
+            asked.update(stream=True, stream_options={"include_usage": True})
         answer = await chat(ChatCompletionRequest.model_validate(asked), http, who, "responses")
         model = service.adapter_named(body.model) or service.model_name  # (the chat has checked it)
         head = {"id": new_id("resp_"), "created": now(), "model": model}
         named = {REQUEST_ID_HEADER: answer.headers.get(REQUEST_ID_HEADER.lower(), "")}
         if body.store and service.responses.keeps:
             named[RESPONSE_ID_HEADER] = head["id"]
+        items = OutputItems(body.carries_reasoning())
+        if body.background:
+            events = _events(answer.body_iterator, body, who, head, conversation, inputs, items)
+            run = in_background(events, body, who, head, named[REQUEST_ID_HEADER], items, conversation, inputs)
+            if body.stream:
+                return StreamingResponse(_sse(run.events_after(-1)), media_type="text/event-stream", headers=named)
+            return JSONResponse(run.now(), headers=named)
         if isinstance(answer, StreamingResponse):
-            return StreamingResponse(_events(answer.body_iterator, body, who, head, conversation, inputs),
+            return StreamingResponse(_sse(_events(answer.body_iterator, body, who, head, conversation, inputs, items)),
                                      media_type="text/event-stream", headers=named)
         if answer.status_code != 200:  # the client left (499)
             return answer
         reply = json.loads(answer.body)
         [choice] = reply["choices"]
-        items = OutputItems(body.carries_reasoning())
         items.feed(choice["message"])
         items.finish(choice["finish_reason"])
         return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation,
                                      inputs), headers=named)
 
     async def _events(chunks: AsyncIterator[str], body: ResponsesRequest, who: Principal, head: dict,
-                      conversation: list[dict], inputs: list[dict]) -> AsyncIterator[str]:
-        """The chat's stream as the Responses API's events. Leaving early closes the chat's stream,
-        which cancels the request."""
-        items = OutputItems(body.carries_reasoning())
+                      conversation: list[dict], inputs: list[dict], items: OutputItems) -> AsyncIterator[dict]:
+        """The chat's stream as the Responses API's events, `items` built as they come. Leaving
+        early closes the chat's stream, which cancels the request. A cancelled one (a background
+        response's cancel) ends once its items close: kept, with no event of its own."""
         opening = shaped(body, head, [], "in_progress")
         items.emit("response.created", response=opening)
         items.emit("response.in_progress", response=opening)
         for event in items.take_events():
-            yield _event(event)
+            yield event
         finish_reason, chat_usage, failed = None, None, None
         try:
             async for piece in chunks:
@@ -120,26 +137,98 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
                     items.feed(choice["delta"])
                     finish_reason = choice["finish_reason"] or finish_reason
                 for event in items.take_events():
-                    yield _event(event)
+                    yield event
         finally:
             await chunks.aclose()
         if failed is not None:
             items.close("incomplete")
             error = {"code": failed.get("code") or "server_error", "message": failed["message"]}
-            items.emit("response.failed", response=shaped(body, head, items.items, "failed", error=error))
+            response = shaped(body, head, items.items, "failed", error=error)
+            if body.background:  # (its client comes back for it)
+                service.responses.put(who.tenant, response, conversation, inputs)
+            items.response = response
+            items.emit("response.failed", response=response)
         else:
             items.finish(finish_reason)
-            response = finished(body, who, head, items, finish_reason, chat_usage, conversation, inputs)
-            items.emit(f"response.{response['status']}", response=response)
+            response = items.response = finished(body, who, head, items, finish_reason, chat_usage, conversation,
+                                                 inputs)
+            if response["status"] != "cancelled":
+                items.emit(f"response.{response['status']}", response=response)
         for event in items.take_events():
-            yield _event(event)
+            yield event
+
+    async def _sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield _event(event)
+        finally:
+            await events.aclose()
+
+    def in_background(events: AsyncIterator[dict], body: ResponsesRequest, who: Principal, head: dict,
+                      request_id: str, items: OutputItems, conversation: list[dict], inputs: list[dict]) -> Run:
+        """Runs the response's events in a task of its own, which no client's leaving cancels."""
+        run = Run(who.tenant, request_id, keeps_events=bool(body.stream))
+        run.snapshot = lambda status: shaped(body, head, items.items, status)
+
+        async def drive():
+            try:
+                async for event in events:
+                    run.publish(event)
+            finally:
+                await events.aclose()
+                if items.response is None:  # (kvd stopped serving it: kept failed, for its client to see)
+                    items.close("incomplete")
+                    stopped = {"code": "server_error", "message": "kvd stopped serving it before it ended"}
+                    items.response = shaped(body, head, items.items, "failed", error=stopped)
+                    service.responses.put(who.tenant, items.response, conversation, inputs)
+                run.end(items.response)
+                service.responses.ended(head["id"])
+
+        service.responses.begin(head["id"], run)
+        run.task = asyncio.get_running_loop().create_task(drive())
+        return run
+
+    async def settled_run(run: Run) -> dict:
+        """Cancels a background response and waits for it to end: the response as it ended."""
+        service.cancel(run.request_id)
+        await asyncio.wait({run.task})
+        return run.final
 
     @router.get("/v1/responses/{response_id}")
-    async def kept_response(response_id: str, who: Principal = Depends(principal)):
+    async def kept_response(response_id: str, stream: bool = False, starting_after: int = -1,
+                            who: Principal = Depends(principal)):
+        run = service.responses.running(who.tenant, response_id)
+        if stream:  # a background response's events again, from `starting_after` on
+            if run is None and service.responses.get(who.tenant, response_id) is None:
+                raise _not_kept(response_id, "response_id")
+            if run is None or run.events is None:
+                why = ("it runs in the background but was not made with stream: true" if run is not None else
+                       "it is not running in the background (it has ended, or was not made with background: true)")
+                raise ApiError(400, f"stream: kvd streams a response's events again only while it runs in the "
+                                    f"background, and {why}; GET it without stream", param="stream")
+            if starting_after < -1:
+                raise ApiError(400, f"starting_after: must be a sequence number (0 or more), got {starting_after}",
+                               param="starting_after")
+            return StreamingResponse(_sse(run.events_after(starting_after)), media_type="text/event-stream")
+        if run is not None:
+            return run.now()
         kept = service.responses.get(who.tenant, response_id)
         if kept is None:
             raise _not_kept(response_id, "response_id")
         return kept.response
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, who: Principal = Depends(principal)):
+        run = service.responses.running(who.tenant, response_id)
+        if run is not None:
+            return await settled_run(run)
+        kept = service.responses.get(who.tenant, response_id)
+        if kept is None:
+            raise _not_kept(response_id, "response_id")
+        if not kept.response.get("background"):
+            raise ApiError(400, f"response_id: response {response_id!r} was not made with background: true; only a "
+                                "background response can be cancelled", param="response_id")
+        return kept.response  # it has ended: as it ended (cancelling twice changes nothing)
 
     @router.get("/v1/responses/{response_id}/input_items")
     async def kept_input_items(response_id: str, http: Request, after: str | None = None, before: str | None = None,
@@ -159,6 +248,9 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, who: Principal = Depends(principal)):
+        run = service.responses.running(who.tenant, response_id)
+        if run is not None:  # (cancelled first: nothing runs on for a response no one can fetch)
+            await settled_run(run)
         if not service.responses.delete(who.tenant, response_id):
             raise _not_kept(response_id, "response_id")
         return {"id": response_id, "object": "response", "deleted": True}

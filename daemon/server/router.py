@@ -492,8 +492,12 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         return await forward("/v1/responses", http, who)
 
     @app.get("/v1/responses/{response_id}")
-    async def kept_response(response_id: str, who: Caller = Depends(caller)):
-        return await at_home(response_id, "GET", who)
+    async def kept_response(response_id: str, http: Request, who: Caller = Depends(caller)):
+        return await at_home(response_id, "GET", who, "", http.query_params)  # (?stream=true: its events again)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, who: Caller = Depends(caller)):
+        return await at_home(response_id, "POST", who, "/cancel")
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def kept_input_items(response_id: str, http: Request, who: Caller = Depends(caller)):
@@ -506,7 +510,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def at_home(response_id: str, method: str, who: Caller, below: str = "", params=None) -> Response:
         """The answer of the replica that keeps the response (response_homes.py), as it came: it
         alone says whether the caller's tenant may read it. `below`: a path under the response's
-        (its input items), asked with the caller's query `params`."""
+        (its input items, its cancel), asked with the caller's query `params`. A stream (a background
+        response's events again) is relayed as it comes, with no time limit between its events."""
         replica = service.replica_keeping(response_id)
         if replica is None:
             return JSONResponse({"error": {
@@ -514,15 +519,34 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                            "where each response was answered, until it restarts)",
                 "type": "not_found_error", "param": "response_id", "code": "response_not_found"}}, status_code=404)
         headers = {"X-KVD-Tenant": who.tenant} if who.tenant is not None else {}
+        streamed = params is not None and str(params.get("stream", "")).lower() in ("true", "1")
+        request = replica.client.build_request(
+            method, f"/v1/responses/{quote(response_id, safe='')}{below}", params=params, headers=headers,
+            timeout=httpx.Timeout(ASK_TIMEOUT_S, read=None) if streamed else ASK_TIMEOUT_S)
         try:
-            answer = await replica.client.request(method, f"/v1/responses/{quote(response_id, safe='')}{below}",
-                                                  params=params, headers=headers, timeout=ASK_TIMEOUT_S)
+            answer = await replica.client.send(request, stream=True)
         except httpx.HTTPError as exc:
             return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
+        media = answer.headers.get("content-type", "application/json")
+        if media.startswith("text/event-stream"):
+            async def relay():
+                try:
+                    async for piece in answer.aiter_raw():
+                        yield piece
+                finally:
+                    await answer.aclose()
+            return StreamingResponse(relay(), status_code=answer.status_code, media_type=media,
+                                     headers={"X-KVD-Replica": replica.name})
+        try:
+            content = await answer.aread()
+        except httpx.HTTPError as exc:
+            return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
+        finally:
+            await answer.aclose()
         if method == "DELETE" and answer.status_code == 200:
             service.response_homes.forget(response_id)
-        return Response(answer.content, status_code=answer.status_code, headers={"X-KVD-Replica": replica.name},
-                        media_type=answer.headers.get("content-type", "application/json"))
+        return Response(content, status_code=answer.status_code, headers={"X-KVD-Replica": replica.name},
+                        media_type=media)
 
     async def prefill_first(path: str, body: dict, headers: dict, route_id: str, routed_at: float,
                             unless_caller_leaves) -> tuple[dict | None, str | None, int, Weighed | None]:

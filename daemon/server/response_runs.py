@@ -1,0 +1,64 @@
+"""A response served in the background (`background: true`), while it runs.
+
+The request runs in kvd whether or not its client stays. The client comes back for it by id:
+`GET /v1/responses/{id}` gives the response as it stands (`queued` until its first output,
+then `in_progress` with the output so far); one made with `stream: true` streams its events
+again from any point (`GET /v1/responses/{id}?stream=true&starting_after=N`); `POST
+/v1/responses/{id}/cancel` cancels it. When it ends it is kept in the ResponseStore as any
+response is, and the run is let go (its events with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable
+
+OPENING_EVENTS = ("response.created", "response.in_progress")
+
+
+class Run:
+    """One background response: its status, its events (where its client streams them), and the
+    whole response once it has ended (`final`)."""
+
+    def __init__(self, tenant: str, request_id: str, keeps_events: bool) -> None:
+        self.tenant = tenant
+        self.request_id = request_id  # the engine's, which cancelling it cancels
+        self.events: list[dict] | None = [] if keeps_events else None  # by sequence_number
+        self.status = "queued"  # until its first output
+        self.snapshot: Callable[[str], dict] | None = None  # the response as it stands, given its status
+        self.final: dict | None = None
+        self.task: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+
+    def now(self) -> dict:
+        """The response as it stands: the whole one once it has ended."""
+        return self.final if self.final is not None else self.snapshot(self.status)
+
+    def publish(self, event: dict) -> None:
+        if event["type"] not in OPENING_EVENTS:
+            self.status = "in_progress"
+        if self.events is not None:
+            self.events.append(event)
+        self._wake()
+
+    def end(self, response: dict) -> None:
+        self.final = response
+        self._wake()
+
+    def _wake(self) -> None:
+        woken, self._changed = self._changed, asyncio.Event()
+        woken.set()
+
+    async def events_after(self, after: int) -> AsyncIterator[dict]:
+        """Its events after sequence number `after` (-1: from the first), as they come, until it ends."""
+        position = after + 1
+        while True:
+            changed = self._changed
+            batch = self.events[position:]
+            position += len(batch)
+            for event in batch:
+                yield event
+            if self.final is not None and position >= len(self.events):
+                return
+            if not batch:
+                await changed.wait()
