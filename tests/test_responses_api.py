@@ -211,26 +211,66 @@ def test_kept_responses_are_their_tenant_s_and_the_least_recently_used_go_first(
     def response(n):
         return {"id": f"resp_{n}", "pad": "x" * 80}
 
-    conversation = [{"role": "user", "content": "y" * 10}]
-    inputs = [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "y"}]}]
-    one = len(json.dumps(response(1))) + len(json.dumps(conversation)) + len(json.dumps(inputs))
+    def conversation():  # (each response its own, as separate conversations are)
+        return [{"role": "user", "content": "y" * 10}]
+
+    def inputs():
+        return [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "y"}]}]
+
+    one = len(json.dumps(response(1))) + len(json.dumps(conversation()[0])) + len(json.dumps(inputs()[0]))
     store = ResponseStore(3 * one)
     for n in (1, 2, 3):
-        assert store.put("acme", response(n), conversation, inputs)
+        assert store.put("acme", response(n), conversation(), inputs())
     assert kept(store, "globex", "resp_1") is None  # another tenant's id reads as unknown
     assert not store.delete("globex", "resp_1")
     assert kept(store, "acme", "resp_1") == "resp_1"  # now the most recently used
-    store.put("acme", response(4), conversation, inputs)
+    store.put("acme", response(4), conversation(), inputs())
     assert [kept(store, "acme", f"resp_{n}") for n in (1, 2, 3, 4)] == ["resp_1", None, "resp_3", "resp_4"]
-    assert store.get("acme", "resp_4").inputs == tuple(inputs)
+    assert store.get("acme", "resp_4").inputs == tuple(inputs())
     assert store.figures() == {"responses": 3, "bytes": 3 * one, "budget_bytes": 3 * one, "dropped": 1, "running": 0}
-    assert not store.put("acme", {"id": "resp_big", "pad": "x" * 4 * one}, conversation, inputs)
+    assert not store.put("acme", {"id": "resp_big", "pad": "x" * 4 * one}, conversation(), inputs())
     assert kept(store, "acme", "resp_big") is None and store.figures()["responses"] == 3
     assert store.delete("acme", "resp_3") and kept(store, "acme", "resp_3") is None
     assert store.figures()["bytes"] == 2 * one
     none = ResponseStore(0)  # responses_store_bytes 0: keeps none, and lets none go for room
-    assert not none.keeps and not none.put("acme", response(1), conversation)
+    assert not none.keeps and not none.put("acme", response(1), conversation())
     assert none.figures() == {"responses": 0, "bytes": 0, "budget_bytes": 0, "dropped": 0, "running": 0}
+
+
+def test_the_turns_of_a_conversation_count_their_shared_messages_once():
+    """Turn N holds the messages of turns 1..N (the same objects): a conversation is counted at
+    what its messages take, each let go with the last turn that holds it."""
+    def size(part):
+        return len(json.dumps(part))
+
+    turns = [{"role": "user", "content": f"question {n} " + "q" * 200} for n in range(6)]
+    replies = [{"role": "assistant", "content": f"answer {n} " + "a" * 200} for n in range(6)]
+    items = [{"id": f"msg_{n}", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "q"}]}
+             for n in range(6)]
+    store = ResponseStore(2**20)
+    conversation: list[dict] = []
+    for n in range(6):  # each turn continues the last: its conversation, then its question and reply
+        conversation = [*conversation, turns[n], replies[n]]
+        assert store.put("acme", {"id": f"resp_{n}"}, conversation, items[:n + 1])
+    own = sum(size({"id": f"resp_{n}"}) for n in range(6))
+    messages = sum(map(size, turns + replies)) + sum(map(size, items))
+    assert store.figures()["bytes"] == own + messages  # each message once, not once per turn that holds it
+    assert store.delete("acme", "resp_5")  # its question, reply and item are held by no other turn
+    assert store.figures()["bytes"] == own - size({"id": "resp_5"}) + messages - sum(
+        map(size, (turns[5], replies[5], items[5])))
+    for n in range(5):
+        assert store.delete("acme", f"resp_{n}")
+    assert store.figures()["bytes"] == 0 and store.held == {}
+    # within a small budget: the oldest turns go, and what the newest still holds stays counted
+    small = ResponseStore(size({"id": "resp_0"}) * 2 + sum(map(size, turns[:3] + replies[:3] + items[:3])) + 10)
+    conversation = []
+    for n in range(3):
+        conversation = [*conversation, turns[n], replies[n]]
+        assert small.put("acme", {"id": f"resp_{n}"}, conversation, items[:n + 1])
+    assert [kept(small, "acme", f"resp_{n}") for n in range(3)] == [None, "resp_1", "resp_2"]
+    assert small.figures()["bytes"] == size({"id": "resp_1"}) + size({"id": "resp_2"}) + sum(
+        map(size, turns[:3] + replies[:3] + items[:3]))
+    assert small.figures()["dropped"] == 1
 
 
 # ---- served ------------------------------------------------------------------------------------
