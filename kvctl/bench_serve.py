@@ -1,7 +1,9 @@
 """`kvctl bench serve`: drive a running kvd with a workload, beside a transformers baseline.
 
-kvd is driven over its API with streaming completions (TTFT and inter-token times are taken
-as chunks arrive). The baseline runs the same requests on the same checkpoint with the
+kvd is driven over its API with streaming completions, chats or responses (TTFT and
+inter-token times are taken as chunks arrive). Under `--api responses` each turn of a
+multi-turn conversation continues the last by `previous_response_id`: kvd holds the
+conversation, and the client sends only the new message. The baseline runs the same requests on the same checkpoint with the
 `transformers` library in this process, batched `--concurrency` at a time with its own KV
 cache, and the report shows kvd ÷ baseline for every figure.
 """
@@ -27,7 +29,9 @@ from .records_cmd import open_store, save_run
 from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
 
 
-API_PATHS = {"completions": "v1/completions", "chat": "v1/chat/completions"}
+API_PATHS = {"completions": "v1/completions", "chat": "v1/chat/completions", "responses": "v1/responses"}
+TEXT_EVENTS = ("response.output_text.delta", "response.reasoning_text.delta")  # a response's tokens as they come
+ENDED_EVENTS = ("response.completed", "response.incomplete")  # the whole response, with its usage
 TURNS = 4  # multi-turn: turns per conversation
 
 
@@ -56,17 +60,66 @@ def build_workload(spec: str, *, requests: int | None, max_tokens: int, time_sca
     raise UserError(f"workload: unknown value {spec!r}; use shared-prefix, multi-turn or trace:FILE")
 
 
+def request_body(request: BenchRequest, index: int, api: str, previous: str | None) -> tuple[str, dict]:
+    """The path and body of one request: token ids to /v1/completions, messages to
+    /v1/chat/completions, or under `api` "responses" the last message as `input` (the system
+    message as `instructions`), continuing the response `previous` (the id of the turn before)."""
+    common = {"ignore_eos": True, "seed": index, "temperature": 0.0, "stream": True}
+    if api == "responses":
+        messages = request.messages
+        body = {"input": messages[-1]["content"], "max_output_tokens": request.max_tokens, **common}
+        if messages[0]["role"] == "system":
+            body["instructions"] = messages[0]["content"]
+        if previous is not None:
+            body["previous_response_id"] = previous
+        return API_PATHS["responses"], body
+    asked = {"prompt": request.prompt} if request.messages is None else {"messages": request.messages}
+    body = {**asked, "max_tokens": request.max_tokens, **common, "stream_options": {"include_usage": True}}
+    return API_PATHS["completions" if request.messages is None else "chat"], body
+
+
+def read_chunk(chunk: dict, record: RequestRecord, now: float) -> str | None:
+    """What one streamed chunk says, into `record`: a completion's or chat's tokens (token_ids)
+    and usage, or a response's events (its text deltas, one token each, and its usage at the
+    end). Returns a response's id where the chunk names it (response.created)."""
+    kind = chunk.get("type")
+    if kind is None:  # a completion's or a chat's chunk
+        for choice in chunk.get("choices", []):
+            record.token_times += [now] * len(choice.get("token_ids") or [])
+        usage = chunk.get("usage")
+        if usage:
+            # absent where kvd reports it to admins only (report_cached_tokens): not known
+            record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            # a chat's prompt is known here only as the server's template rendered it
+            record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+        return None
+    if kind in TEXT_EVENTS:
+        record.token_times.append(now)
+    elif kind in ENDED_EVENTS:
+        usage = chunk["response"]["usage"]
+        record.cached_tokens = usage["input_tokens_details"]["cached_tokens"]
+        record.prompt_tokens = usage["input_tokens"]
+        # a delta that carried more than one token (the client fell behind): the rest came by its time
+        last = record.token_times[-1] if record.token_times else now
+        record.token_times += [last] * max(0, usage["output_tokens"] - len(record.token_times))
+    elif kind == "response.created":
+        return chunk["response"]["id"]
+    return None
+
+
 async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int | None,
-                    rate: float | None, seed: int, tick=lambda: None) -> list[RequestRecord]:
+                    rate: float | None, seed: int, tick=lambda: None, api: str | None = None) -> list[RequestRecord]:
     """Send every request through `session` (an aiohttp.ClientSession with kvd's base URL;
     closed loop with `concurrency` slots, or open loop at `rate`/s or at the workload's own
-    arrival times) and record what came back."""
+    arrival times) and record what came back. `api` "responses": chats as responses, each
+    turn continuing the last (None: completions or chats, as each request is)."""
     import aiohttp
 
     clock = time.perf_counter
     origin = clock()
     done = [asyncio.Event() for _ in workload]
     records: list[RequestRecord | None] = [None] * len(workload)
+    response_ids: list[str | None] = [None] * len(workload)  # (responses: what the next turn continues)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     arrivals = [r.arrival for r in workload]
     if rate:
@@ -83,34 +136,27 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
         if slots:
             await slots.acquire()
         record = RequestRecord(i, clock(), prompt_tokens=len(request.prompt))
-        asked = {"prompt": request.prompt} if request.messages is None else {"messages": request.messages}
-        body = {**asked, "max_tokens": request.max_tokens, "ignore_eos": True, "seed": i,
-                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-        path = API_PATHS["completions" if request.messages is None else "chat"]
+        previous = response_ids[request.after] if request.after is not None else None
+        path, body = request_body(request, i, api or "", previous)
         try:
-            async with session.post(path, json=body) as response:  # relative to the base URL
-                if response.status == 429:
-                    record.status = "rejected"
-                elif response.status >= 400:
-                    record.status = "aborted"
-                else:
-                    async for raw in response.content:  # one line at a time
-                        line = raw.decode().rstrip("\r\n")
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        now = clock()
-                        for choice in chunk.get("choices", []):
-                            record.token_times += [now] * len(choice.get("token_ids") or [])
-                        usage = chunk.get("usage")
-                        if usage:
-                            # absent where kvd reports it to admins only (report_cached_tokens): not known
-                            record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                            # a chat's prompt is known here only as the server's template rendered it
-                            record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
-                    record.end = clock()
-                    if len(record.token_times) < request.max_tokens:
+            if api == "responses" and request.after is not None and previous is None:
+                record.status = "aborted"  # the turn it continues failed: there is no conversation to continue
+            else:
+                async with session.post(path, json=body) as response:  # relative to the base URL
+                    if response.status == 429:
+                        record.status = "rejected"
+                    elif response.status >= 400:
                         record.status = "aborted"
+                    else:
+                        async for raw in response.content:  # one line at a time
+                            line = raw.decode().rstrip("\r\n")
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            named = read_chunk(json.loads(line[6:]), record, clock())
+                            response_ids[i] = named or response_ids[i]
+                        record.end = clock()
+                        if len(record.token_times) < request.max_tokens:
+                            record.status = "aborted"
         except (aiohttp.ClientError, asyncio.TimeoutError):
             record.status = "aborted"
         finally:
@@ -193,8 +239,11 @@ def rendered_chats(model_dir: str, workload: list[BenchRequest]) -> list[BenchRe
 def serve_command(
     ctx: typer.Context,
     workload: str = typer.Option("shared-prefix", help="shared-prefix, multi-turn or trace:FILE."),
-    api: str = typer.Option("completions", help="completions (token ids) or chat (the same shapes as "
-                                                "messages of text, through /v1/chat/completions)."),
+    api: str = typer.Option("completions", help="completions (token ids), chat (the same shapes as "
+                                                "messages of text, through /v1/chat/completions) or responses "
+                                                "(the chats through /v1/responses; a multi-turn turn continues "
+                                                "the last by previous_response_id, kvd holding the conversation "
+                                                "and its replies; the baseline renders the workload's chats)."),
     requests: Optional[int] = typer.Option(None, help="Requests (trace: the first N)."),
     concurrency: Optional[int] = typer.Option(8, help="Requests in flight (closed loop)."),
     rate: Optional[float] = typer.Option(None, help="Open loop: Poisson arrivals per second."),
@@ -228,7 +277,7 @@ def serve_command(
     if baseline not in ("transformers", "none"):
         raise UserError(f"baseline: unknown value {baseline!r}; use transformers or none")
     if api not in API_PATHS:
-        raise UserError(f"api: unknown value {api!r}; use completions or chat")
+        raise UserError(f"api: unknown value {api!r}; use completions, chat or responses")
     if rate is not None and rate <= 0:
         raise UserError(f"rate: must be > 0, got {rate}")
     if concurrency is not None and concurrency < 1:
@@ -249,7 +298,7 @@ def serve_command(
     def build(run_seed: int) -> list[BenchRequest]:
         return build_workload(workload, requests=requests, max_tokens=max_tokens, time_scale=time_scale,
                               seed=run_seed, block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,
-                              question_tokens=question_tokens, chat=api == "chat")
+                              question_tokens=question_tokens, chat=api in ("chat", "responses"))
 
     previous = None
     if compare is not None:  # before the run, which takes minutes
@@ -274,7 +323,7 @@ def serve_command(
         tick = lambda: progress.advance(task)  # noqa: E731
         before = status
         for i, work in enumerate(works):
-            kvd_records = asyncio.run(_drive(sync, work, None if rate else concurrency, rate, seed + i, tick))
+            kvd_records = asyncio.run(_drive(sync, work, None if rate else concurrency, rate, seed + i, tick, api))
             try:
                 after = sync.get("/admin/status")
             except KvdUnavailable as exc:  # it stopped or restarted meanwhile: the client's figures stand
@@ -365,9 +414,10 @@ def _conn(ctx: typer.Context) -> dict:
     return {"socket": options.get("socket"), "url": options.get("url"), "token_file": options.get("token_file")}
 
 
-async def _drive(sync_client, work, concurrency, rate, seed, tick):
+async def _drive(sync_client, work, concurrency, rate, seed, tick, api):
     async with sync_client.async_session() as session:
-        return await drive_kvd(session, work, concurrency=concurrency, rate=rate, seed=seed, tick=tick)
+        return await drive_kvd(session, work, concurrency=concurrency, rate=rate, seed=seed, tick=tick,
+                               api="responses" if api == "responses" else None)
 
 
 def _versions() -> dict:

@@ -15,7 +15,7 @@ from kvctl.workloads import from_trace, hash_block_tokens, multi_turn, shared_pr
 from .test_cli import cli
 
 
-async def drive_over_socket(app, tmp_path, work, concurrency: int):
+async def drive_over_socket(app, tmp_path, work, concurrency: int, api: str | None = None):
     """`work` sent to `app` served on a real Unix socket, by the bench's own HTTP client."""
     import aiohttp
     import uvicorn
@@ -29,7 +29,7 @@ async def drive_over_socket(app, tmp_path, work, concurrency: int):
         await asyncio.sleep(0.01)
     try:
         async with aiohttp.ClientSession(base_url="http://kvd", connector=aiohttp.UnixConnector(path=path)) as session:
-            return await drive_kvd(session, work, concurrency=concurrency, rate=None, seed=0)
+            return await drive_kvd(session, work, concurrency=concurrency, rate=None, seed=0, api=api)
     finally:
         server.should_exit = True
         await serving
@@ -109,7 +109,9 @@ def test_a_trace_is_not_a_chat(capsys):
     status, _, err = cli(capsys, "bench", "serve", "--workload", "trace:/nowhere.jsonl", "--api", "chat")
     assert status == 2 and "api: a trace's prompts are token ids; drive it with --api completions" in err
     status, _, err = cli(capsys, "bench", "serve", "--api", "grpc")
-    assert status == 2 and "api: unknown value 'grpc'; use completions or chat" in err
+    assert status == 2 and "api: unknown value 'grpc'; use completions, chat or responses" in err
+    status, _, err = cli(capsys, "bench", "serve", "--workload", "trace:/nowhere.jsonl", "--api", "responses")
+    assert status == 2 and "api: a trace's prompts are token ids; drive it with --api completions" in err
 
 
 def test_trace_prompts_share_exactly_the_tokens_their_hash_ids_say(tmp_path):
@@ -623,7 +625,7 @@ def test_a_daemon_that_stops_during_the_run_leaves_the_client_s_figures_and_says
                 return status
             raise KvdUnavailable("kvd answered 503: kvd is shutting down")
 
-    async def drive(sync, work, concurrency, rate, seed, tick):
+    async def drive(sync, work, concurrency, rate, seed, tick, api):
         return [RequestRecord(0, 0.0, 40, 0, [0.1, 0.2], 0.2), RequestRecord(1, 0.0, 40, 0, [0.1], 0.1, "aborted")]
 
     monkeypatch.setattr(client, "Client", Stopping)
@@ -689,3 +691,58 @@ def test_the_report_gives_kvd_s_own_timings_and_says_when_the_queue_outweighs_th
     assert "queued p50 0.2 ms" in captured.out and captured.err == ""
     _print_report({**document, "served": None}, None)  # a kvd that keeps no trace
     assert "kvd's own timings" not in capsys.readouterr().out
+
+
+def test_a_response_s_body_and_events_as_the_bench_sends_and_reads_them():
+    from kvctl.bench_serve import read_chunk, request_body
+    from kvctl.workloads import BenchRequest
+
+    asked = BenchRequest([], 4, messages=[{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "first"}, {"role": "assistant", "content": "a"},
+                                          {"role": "user", "content": "second"}])
+    path, body = request_body(asked, 3, "responses", "resp_1")
+    assert (path, body) == ("v1/responses", {"input": "second", "max_output_tokens": 4, "ignore_eos": True,
+                                             "seed": 3, "temperature": 0.0, "stream": True,
+                                             "instructions": "be brief", "previous_response_id": "resp_1"})
+    path, body = request_body(BenchRequest([], 2, messages=[{"role": "user", "content": "hi"}]), 0, "responses",
+                              None)
+    assert "previous_response_id" not in body and "instructions" not in body and body["input"] == "hi"
+    assert request_body(asked, 3, "", None)[0] == "v1/chat/completions"
+
+    record = RequestRecord(0, 10.0)
+    assert read_chunk({"type": "response.created", "response": {"id": "resp_9"}}, record, 10.1) == "resp_9"
+    for now in (10.2, 10.3):
+        assert read_chunk({"type": "response.output_text.delta", "delta": "x"}, record, now) is None
+    read_chunk({"type": "response.completed", "response": {"usage": {
+        "input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}, "output_tokens": 3}}}, record, 10.4)
+    # the third token came in the second delta (the client fell behind): by that delta's time
+    assert (record.token_times, record.prompt_tokens, record.cached_tokens) == ([10.2, 10.3, 10.3], 40, 32)
+
+
+def test_a_multi_turn_bench_through_responses_continues_each_turn_from_the_cache(tmp_path):
+    """`--api responses`: a turn sends only its new message and the id of the turn before; kvd
+    renders the conversation it holds (with its own replies), so each turn after the first comes
+    from the cache up to its new part."""
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, blocks_all_back, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=256)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        work = multi_turn(conversations=2, turns=3, user_tokens=24, max_tokens=8, chat=True)
+
+        records = asyncio.run(drive_over_socket(unix, tmp_path, work, concurrency=2, api="responses"))
+        assert [r.status for r in records] == ["ok"] * 6
+        assert all(len(r.token_times) == 8 for r in records)
+        block = service.config.block_size
+        for c in range(2):
+            turns = records[3 * c:3 * c + 3]
+            assert turns[0].cached_tokens == 0
+            for before, after in zip(turns, turns[1:]):  # the last turn's prompt, whole blocks of it, came back
+                assert after.prompt_tokens > before.prompt_tokens + 8
+                assert after.cached_tokens >= before.prompt_tokens // block * block > 0
+        kept = service.responses.figures()
+        assert kept["responses"] == 6 and kept["running"] == 0
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
