@@ -87,9 +87,35 @@ def test_a_kept_response_is_read_and_deleted_where_it_was_answered(replicas):
     assert (limited.status_code, limited.json()["error"]["param"]) == (400, "limit")
     assert deleted.json() == {"id": response_id, "object": "response", "deleted": True}
     assert gone.status_code == 404 and gone.json()["error"] == {
-        "message": f"response_id: no replica is known to keep response {response_id!r} (the router learns where each "
-                   "response was answered, until it restarts)",
+        "message": f"response_id: no replica keeps response {response_id!r} (for this tenant)",
         "type": "not_found_error", "param": "response_id", "code": "response_not_found"}
+
+
+def test_a_router_that_never_saw_a_response_answered_finds_its_home_by_asking(replicas):
+    """Another router of the fleet (or this one, restarted) learns homes only from the answers it
+    forwards: for a turn that continues a response it never saw, it asks the replicas which keeps
+    it, and sends the turn, and a GET, there."""
+    _, first_router = router_app(replicas, "round_robin")
+    other, second_router = router_app(replicas, "round_robin")
+    seen = {}
+
+    async def make(client):
+        seen["made"] = await respond(client, instructions=SYSTEM_1, input="Remember this.")
+        return seen["made"]
+
+    async def continued(client):
+        return await respond(client, instructions=SYSTEM_1, input="And now?",
+                             previous_response_id=seen["made"].json()["id"])
+
+    async def read(client):
+        return await client.get(f"/v1/responses/{seen['made'].json()['id']}")
+
+    [made] = drive(first_router, [make])
+    turned, kept = drive(second_router, [continued, read])
+    assert turned.status_code == 200 and turned.headers["x-kvd-route"] == STICKY
+    assert turned.headers["x-kvd-replica"] == kept.headers["x-kvd-replica"] == made.headers["x-kvd-replica"]
+    assert kept.json() == made.json()
+    assert other.response_homes.home(made.json()["id"]) == made.headers["x-kvd-replica"]  # noted once found
 
 
 def test_the_router_remembers_a_bounded_number_of_homes_least_recently_used_first():

@@ -512,11 +512,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         alone says whether the caller's tenant may read it. `below`: a path under the response's
         (its input items, its cancel), asked with the caller's query `params`. A stream (a background
         response's events again) is relayed as it comes, with no time limit between its events."""
-        replica = service.replica_keeping(response_id)
+        replica = await service.find_keeper(response_id, who.tenant)
         if replica is None:
             return JSONResponse({"error": {
-                "message": f"response_id: no replica is known to keep response {response_id!r} (the router learns "
-                           "where each response was answered, until it restarts)",
+                "message": f"response_id: no replica keeps response {response_id!r} (for this tenant)",
                 "type": "not_found_error", "param": "response_id", "code": "response_not_found"}}, status_code=404)
         headers = {"X-KVD-Tenant": who.tenant} if who.tenant is not None else {}
         streamed = params is not None and str(params.get("stream", "")).lower() in ("true", "1")

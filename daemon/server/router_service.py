@@ -24,6 +24,7 @@ import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
+from urllib.parse import quote
 
 import httpx
 
@@ -473,6 +474,32 @@ class RouterService:
         name = self.response_homes.home(response_id)
         return next((r for r in self.replicas if r.name == name), None) if name is not None else None
 
+    async def find_keeper(self, response_id, tenant: str | None) -> Replica | None:
+        """The replica that keeps `response_id`: the one the router saw answer it, else the first of
+        the fleet that says it keeps it for `tenant` (`GET /v1/responses/{id}`, asked of all at
+        once), then noted as its home. A router learns homes from the answers it forwards, so one
+        that restarted, or the other routers of a fleet, find a conversation's home this way.
+        None where none keeps it (for that tenant)."""
+        known = self.replica_keeping(response_id)
+        if known is not None or not isinstance(response_id, str):
+            return known
+        path = f"/v1/responses/{quote(response_id, safe='')}"
+        headers = {"X-KVD-Tenant": tenant} if tenant is not None else {}
+
+        async def keeps(replica: Replica) -> bool:
+            try:
+                answer = await replica.client.get(path, headers=headers, timeout=ASK_TIMEOUT_S)
+            except httpx.HTTPError:
+                return False
+            return answer.status_code == 200
+
+        replicas = [r for r in self.replicas if r.takes_requests]
+        for replica, kept in zip(replicas, await asyncio.gather(*(keeps(r) for r in replicas))):
+            if kept:
+                self.response_homes.note(response_id, replica.name)
+                return replica
+        return None
+
     def previous_home(self, body: dict, excluded: set[int] = frozenset()) -> Replica | None:
         """The replica that keeps the response a Responses request continues (its
         `previous_response_id`); None where none is known, or it takes no requests now, or has
@@ -484,6 +511,8 @@ class RouterService:
 
     async def _choose(self, body: dict, tenant: str | None, excluded: set[int],
                       weighed: Weighing | None) -> tuple[Replica, str]:
+        if body.get("previous_response_id") is not None:  # (a home not yet known is asked for)
+            await self.find_keeper(body["previous_response_id"], tenant)
         home = self.previous_home(body, excluded)
         if home is not None:
             home.sent += 1
