@@ -158,22 +158,28 @@ def test_a_background_response_kvd_stops_serving_is_kept_failed(kvd, gated):
     assert settled(lambda: blocks_all_back(service), bool)
 
 
+async def left_early(client) -> list:
+    """Starts a background stream and leaves it after its first five events (created,
+    in_progress, the message and its part opened, a delta)."""
+    stream = await client.responses.create(input="Hi", max_output_tokens=100, background=True, stream=True)
+    first = []
+    async for event in stream:
+        first.append(event)
+        if len(first) == 5:
+            break
+    await stream.close()
+    return first
+
+
 def test_a_background_stream_left_early_runs_on_to_its_end(kvd, gated, tmp_path):
     service, unix, _ = kvd
     text = "Blocks come back from the host tier."
     gated["script"][:] = service.loaded.tokenizer.encode(text, add_special_tokens=False)
-
     gated["hold"] = 8
 
     async def go():
         async with served(unix, tmp_path) as (client, http):
-            stream = await client.responses.create(input="Hi", max_output_tokens=100, background=True, stream=True)
-            first = []
-            async for event in stream:
-                first.append(event)
-                if len(first) == 5:  # (created, in_progress, the message and its part opened, a delta)
-                    break
-            await stream.close()  # the client leaves (while the run waits at the gate): it runs on
+            first = await left_early(client)  # (while the run waits at the gate): it runs on
             gated["gate"].set()
             ended = await settle(client, first[0].response.id)
             again = await http.get(f"/v1/responses/{ended.id}", params={"stream": "true"})
@@ -196,13 +202,7 @@ def test_a_background_stream_streams_again_while_it_runs_and_refusals_name_the_f
 
     async def go():
         async with served(unix, tmp_path) as (client, http):
-            stream = await client.responses.create(input="Hi", max_output_tokens=100, background=True, stream=True)
-            first = []
-            async for event in stream:
-                first.append(event)
-                if len(first) == 5:  # (created, in_progress, the message and its part opened, a delta)
-                    break
-            await stream.close()
+            first = await left_early(client)
             response_id = first[0].response.id
             early = await http.post("/v1/responses", json={"input": "More", "previous_response_id": response_id})
             follow = await client.responses.retrieve(response_id, stream=True,

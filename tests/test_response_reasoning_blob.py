@@ -18,7 +18,7 @@ from kvctl.daemon.server.chat_messages import MessagesError, chat_messages  # no
 from kvctl.daemon.server.responses_api import OutputItems, ResponsesRequest, chat_body  # noqa: E402
 from kvctl.daemon.server.responses_input import input_items, input_messages  # noqa: E402
 
-from .test_responses_api import INSTRUCTIONS, WEATHER, client_for, kvd, scripted  # noqa: E402,F401
+from .test_responses_api import INSTRUCTIONS, WEATHER, client_for, hermes_kvd, kvd, scripted  # noqa: E402,F401
 from .test_tool_calls import CALL_TEXT, HERMES  # noqa: E402
 
 
@@ -97,18 +97,9 @@ def test_a_reasoning_item_carries_its_text_as_it_closes_whole_and_streamed():
 @pytest.fixture
 def thinking_kvd(tmp_path):
     """kvd as `kvd` has it, with a template that renders an assistant turn's thinking before its calls."""
-    from .daemon_fixtures import apps, start_service, token_table
-
-    path = tmp_path / "thinking.jinja"
-    path.write_text(HERMES.replace("<|assistant|>\n{% if message.content %}", "<|assistant|>\n{% if "
-                                   "message.reasoning_content %}<think>{{ message.reasoning_content }}</think>"
-                                   "{% endif %}{% if message.content %}", 1), encoding="utf-8")
-    service = start_service(tmp_path, chat_template=str(path), tool_call_parser="hermes", reasoning_parser="qwen3",
-                            num_blocks=128)
-    try:
-        yield (service, *apps(service, token_table(tmp_path)))
-    finally:
-        service.shutdown(1)
+    yield from hermes_kvd(tmp_path, HERMES.replace(
+        "<|assistant|>\n{% if message.content %}", "<|assistant|>\n{% if message.reasoning_content %}<think>"
+        "{{ message.reasoning_content }}</think>{% endif %}{% if message.content %}", 1))
 
 
 def test_a_stateless_client_sends_the_items_back_and_its_next_turn_comes_from_the_cache(thinking_kvd, scripted):

@@ -291,11 +291,17 @@ def scripted(monkeypatch):
 def kvd(tmp_path):
     """A kvd on the demo model with a Hermes-style template, the qwen3 reasoning parser and the hermes
     tool-call parser: (service, unix app, tcp app)."""
+    yield from hermes_kvd(tmp_path, HERMES.replace("{{ bos_token }}", "{{ bos_token }}{% if reasoning_effort %}"
+                                                   "Effort: {{ reasoning_effort }}\n{% endif %}"))
+
+
+def hermes_kvd(tmp_path, template: str):
+    """A kvd on the demo model with the chat template `template`, the qwen3 reasoning parser and
+    the hermes tool-call parser, yielding (service, unix app, tcp app) and shutting it down after."""
     from .daemon_fixtures import apps, start_service, token_table
 
-    path = tmp_path / "hermes.jinja"
-    path.write_text(HERMES.replace("{{ bos_token }}", "{{ bos_token }}{% if reasoning_effort %}Effort: "
-                                   "{{ reasoning_effort }}\n{% endif %}"), encoding="utf-8")
+    path = tmp_path / "template.jinja"
+    path.write_text(template, encoding="utf-8")
     service = start_service(tmp_path, chat_template=str(path), tool_call_parser="hermes", reasoning_parser="qwen3",
                             num_blocks=128)
     try:
