@@ -77,6 +77,18 @@ def test_a_background_response_is_polled_until_it_ends_and_is_kept(kvd, gated):
     assert blocks_all_back(service)
 
 
+def test_the_background_responses_running_are_a_gauge(kvd):
+    from kvctl.daemon.server.response_runs import Run
+
+    from .daemon_fixtures import call
+
+    service, unix, _ = kvd
+    service.responses.begin("resp_x", Run("default", "req-x", keeps_events=False))
+    assert "kvd_responses_running 1.0" in call(unix, "GET", "/metrics").text
+    service.responses.ended("resp_x")
+    assert "kvd_responses_running 0.0" in call(unix, "GET", "/metrics").text
+
+
 def test_a_cancelled_background_response_stops_its_request_and_keeps_what_it_wrote(kvd, gated):
     from .daemon_fixtures import blocks_all_back, call, settled
 
