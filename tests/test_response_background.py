@@ -83,7 +83,7 @@ def test_the_background_responses_running_are_a_gauge(kvd):
     from .daemon_fixtures import call
 
     service, unix, _ = kvd
-    service.responses.begin("resp_x", Run("default", "req-x", keeps_events=False))
+    service.responses.begin("resp_x", Run("default", "req-x", False, lambda status: {}))
     assert "kvd_responses_running 1.0" in call(unix, "GET", "/metrics").text
     service.responses.ended("resp_x")
     assert "kvd_responses_running 0.0" in call(unix, "GET", "/metrics").text

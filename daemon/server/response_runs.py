@@ -20,12 +20,12 @@ class Run:
     """One background response: its status, its events (where its client streams them), and the
     whole response once it has ended (`final`)."""
 
-    def __init__(self, tenant: str, request_id: str, keeps_events: bool) -> None:
+    def __init__(self, tenant: str, request_id: str, keeps_events: bool, snapshot: Callable[[str], dict]) -> None:
         self.tenant = tenant
         self.request_id = request_id  # the engine's, which cancelling it cancels
         self.events: list[dict] | None = [] if keeps_events else None  # by sequence_number
         self.status = "queued"  # until its first output
-        self.snapshot: Callable[[str], dict] | None = None  # the response as it stands, given its status
+        self.snapshot = snapshot  # the response as it stands, given its status
         self.final: dict | None = None
         self.task: asyncio.Task | None = None
         self._changed = asyncio.Event()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any
 
 from pydantic import ConfigDict
@@ -27,7 +26,7 @@ from pydantic import ConfigDict
 from . import reasoning_blob
 from .chat import Count, GenerationFields
 from .chat_messages import MessagesError
-from .responses_input import chat_tools, input_messages
+from .responses_input import chat_tools, input_messages, new_id
 
 # fields of OpenAI's Responses API that kvd does not implement, with the values that ask for nothing;
 # any other value is refused by name (api_errors.refuse_unsupported)
@@ -77,10 +76,6 @@ class ResponsesRequest(GenerationFields):
     def carries_reasoning(self) -> bool:
         """Whether its reasoning items are to carry their text (`include`, checked by `chat_body`)."""
         return isinstance(self.include, list) and CARRY_REASONING in self.include
-
-
-def new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex
 
 
 def chat_tool_choice(choice: Any) -> Any:

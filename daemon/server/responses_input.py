@@ -130,7 +130,8 @@ def input_messages(raw: Any) -> list[dict]:
     return messages
 
 
-def _item_id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
+    """A new id for a response or an item: `prefix` ("resp_", "msg_", ...) and 32 hex digits."""
     return prefix + uuid.uuid4().hex
 
 
@@ -154,21 +155,21 @@ def input_items(raw: Any) -> list[dict]:
         kind = item.get("type", "message")
         if kind == "message":
             assistant = item["role"] == "assistant"
-            shaped = {"id": item.get("id") or _item_id("msg_"), "type": "message", "role": item["role"],
+            shaped = {"id": item.get("id") or new_id("msg_"), "type": "message", "role": item["role"],
                       "content": _parts(item["content"], "output_text" if assistant else "input_text"),
                       "status": "completed"}
         elif kind == "function_call":
-            shaped = {"id": item.get("id") or _item_id("fc_"), "type": "function_call", "call_id": item["call_id"],
+            shaped = {"id": item.get("id") or new_id("fc_"), "type": "function_call", "call_id": item["call_id"],
                       "name": item["name"], "arguments": item["arguments"], "status": "completed"}
         elif kind == "function_call_output":
             output = item["output"]
-            shaped = {"id": item.get("id") or _item_id("fco_"), "type": "function_call_output",
+            shaped = {"id": item.get("id") or new_id("fco_"), "type": "function_call_output",
                       "call_id": item["call_id"],
                       "output": output if isinstance(output, str) else _parts(output, "input_text"),
                       "status": "completed"}
         else:  # reasoning (its content: as given, else the text its encrypted_content carries)
             carried = None if item.get("content") else _blob_text(item, "input")
-            shaped = {"id": item.get("id") or _item_id("rs_"), "type": "reasoning",
+            shaped = {"id": item.get("id") or new_id("rs_"), "type": "reasoning",
                       "summary": list(item.get("summary") or []),
                       "content": list(item.get("content") or [])
                       or ([{"type": "reasoning_text", "text": carried}] if carried else [])}

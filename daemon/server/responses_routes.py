@@ -167,8 +167,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
     def in_background(events: AsyncIterator[dict], body: ResponsesRequest, who: Principal, head: dict,
                       request_id: str, items: OutputItems, conversation: list[dict], inputs: list[dict]) -> Run:
         """Runs the response's events in a task of its own, which no client's leaving cancels."""
-        run = Run(who.tenant, request_id, keeps_events=bool(body.stream))
-        run.snapshot = lambda status: shaped(body, head, items.items, status)
+        run = Run(who.tenant, request_id, bool(body.stream), lambda status: shaped(body, head, items.items, status))
 
         async def drive():
             try:
