@@ -231,6 +231,9 @@ class KvdConfig:
     max_request_bytes: int = 32 * 2**20  # a bigger request body is refused (413) before it is read whole
     # the responses /v1/responses keeps for previous_response_id, in memory (response_store.py); 0: none
     responses_store_bytes: int = 64 * 2**20
+    # a SQLite file the kept responses are written to as well, and read back from at start, so a
+    # restart keeps them (response_file.py); None: memory only
+    responses_store_file: str | None = None
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
     chat_template: str | None = None  # a Jinja file for /v1/chat/completions; default: the checkpoint's own
     # what every chat's template gets unless the request's chat_template_kwargs say otherwise, as JSON

@@ -425,8 +425,9 @@ def test_kept_responses_are_read_and_deleted_by_their_tenant_only(kvd, scripted)
         assert refused.status_code == 404
         assert refused.json()["error"] == {
             "message": f"response_id: no response {response_id!r} is kept here (kvd keeps its tenant's responses in "
-                       "memory, within responses_store_bytes, until it restarts; one sent with store: false is not "
-                       "kept)", "type": "not_found_error", "param": "response_id", "code": "response_not_found"}
+                       "memory, within responses_store_bytes, until it restarts unless responses_store_file keeps "
+                       "them; one sent with store: false is not kept)", "type": "not_found_error",
+            "param": "response_id", "code": "response_not_found"}
     continued = call(tcp, "POST", "/v1/responses", headers=globex,
                      json={"input": "More", "previous_response_id": response_id})
     assert continued.status_code == 404 and continued.json()["error"]["param"] == "previous_response_id"

@@ -28,8 +28,9 @@ RESPONSE_ID_HEADER = "X-KVD-Response-Id"  # the response's id, before its body: 
 
 def _not_kept(response_id: str, param: str) -> ApiError:
     return ApiError(404, f"{param}: no response {response_id!r} is kept here (kvd keeps its tenant's responses in "
-                         "memory, within responses_store_bytes, until it restarts; one sent with store: false is "
-                         "not kept)", type_="not_found_error", param=param, code="response_not_found")
+                         "memory, within responses_store_bytes, until it restarts unless responses_store_file keeps "
+                         "them; one sent with store: false is not kept)", type_="not_found_error", param=param,
+                    code="response_not_found")
 
 
 def _event(event: dict) -> str:

@@ -1,0 +1,130 @@
+"""`responses_store_file`: the kept responses written to a SQLite file as well, so a restart
+keeps them: each message and item stored once however many responses hold it, everything the
+memory store lets go deleted from the file too, and the file readable by kvd's user alone."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import stat
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from kvctl.daemon.server.response_file import ResponseFile, ResponseFileError  # noqa: E402
+from kvctl.daemon.server.response_store import ResponseStore  # noqa: E402
+
+
+def conversation_of(turns: int, tag: str = "") -> list[tuple[dict, list[dict], list[dict]]]:
+    """(response, conversation, inputs) of each turn of one conversation, each continuing the
+    last: its messages are the last turn's (the same objects) and two of its own."""
+    out, conversation, inputs = [], [], []
+    for n in range(turns):
+        question = {"role": "user", "content": f"{tag}question {n} " + "q" * 100}
+        reply = {"role": "assistant", "content": f"{tag}answer {n} " + "a" * 100}
+        conversation = [*conversation, question, reply]
+        inputs = [*inputs, {"id": f"msg_{tag}{n}", "type": "message", "role": "user",
+                            "content": [{"type": "input_text", "text": question["content"]}]}]
+        out.append(({"id": f"resp_{tag}{n}", "object": "response", "output": []}, conversation, inputs))
+    return out
+
+
+def rows(path) -> tuple[list[str], int]:
+    with sqlite3.connect(path) as db:
+        ids = [row[0] for row in db.execute("SELECT id FROM responses ORDER BY seq")]
+        return ids, db.execute("SELECT COUNT(*) FROM parts").fetchone()[0]
+
+
+def test_a_restart_reads_back_every_kept_response_and_its_shared_messages_as_one(tmp_path):
+    path = tmp_path / "responses.sqlite"
+    store = ResponseStore(2**20, ResponseFile(path))
+    for response, conversation, inputs in conversation_of(3) + conversation_of(2, "b"):
+        assert store.put("acme" if not response["id"].startswith("resp_b") else "globex", response, conversation,
+                         inputs)
+    before = store.figures()
+    store.close()
+    assert store.file.failed == 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it holds the conversations' text
+    ids, parts = rows(path)
+    assert ids == ["resp_0", "resp_1", "resp_2", "resp_b0", "resp_b1"]
+    assert parts == 3 * 3 + 2 * 3  # each turn's question, reply and item, once
+
+    again = ResponseStore(2**20, ResponseFile(path))
+    try:
+        assert again.figures() == before  # the same bytes: what the turns share is one object again
+        last = again.get("acme", "resp_2")
+        assert [m["content"][:10] for m in last.conversation] == ["question 0", "answer 0 a", "question 1",
+                                                                   "answer 1 a", "question 2", "answer 2 a"]
+        assert last.conversation[0] is again.get("acme", "resp_0").conversation[0]
+        assert again.get("globex", "resp_2") is None and again.get("globex", "resp_b1") is not None
+        assert [i["id"] for i in last.inputs] == ["msg_0", "msg_1", "msg_2"]
+    finally:
+        again.close()
+
+
+def test_what_memory_lets_go_leaves_the_file_too(tmp_path):
+    path = tmp_path / "responses.sqlite"
+    turns = conversation_of(3)
+    whole = sum(len(json.dumps(p)) for p in turns[2][1] + turns[2][2])
+    own = len(json.dumps(turns[0][0]))
+    store = ResponseStore(whole + 2 * own, ResponseFile(path))  # room for two turns' own bytes: the first goes
+    for response, conversation, inputs in turns:
+        store.put("acme", response, conversation, inputs)
+    store.file.flush()
+    assert rows(path) == (["resp_1", "resp_2"], 9)  # the first turn's messages are the others' too: kept
+    assert store.delete("acme", "resp_2")
+    store.file.flush()
+    assert rows(path) == (["resp_1"], 6)  # the third turn's question, reply and item went with it
+    assert not store.put("acme", {"id": "resp_big", "pad": "x" * (whole + 3 * own)}, [], [])
+    store.close()
+    assert store.file.failed == 0
+    smaller = ResponseStore(own + 10, ResponseFile(path))  # a smaller budget at the restart: what no longer fits
+    try:
+        smaller.file.flush()
+        assert smaller.figures()["responses"] == 0 and rows(path) == ([], 0)
+    finally:
+        smaller.close()
+
+
+def test_a_file_with_no_budget_or_that_is_not_sqlite_is_refused_by_name(tmp_path):
+    with pytest.raises(ResponseFileError) as refused:
+        ResponseStore(0, ResponseFile(tmp_path / "responses.sqlite"))
+    assert str(refused.value) == ("responses_store_file: needs responses_store_bytes above 0 (with 0 kvd keeps no "
+                                  "response, and would empty the file)")
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(ResponseFileError, match=r"^responses_store_file: cannot use '.*garbage.sqlite': "):
+        ResponseFile(garbage)
+
+
+def test_a_conversation_continues_after_kvd_restarts(tmp_path):
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, call, start_service, token_table
+
+    path = str(tmp_path / "responses.sqlite")
+    for folder in ("first", "second"):
+        (tmp_path / folder).mkdir()
+    service = start_service(tmp_path / "first", responses_store_file=path)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        made = call(unix, "POST", "/v1/responses", json={"instructions": "Be brief.", "input": "Hi",
+                                                          "max_output_tokens": 3, "temperature": 0})
+        assert made.status_code == 200
+    finally:
+        service.shutdown(1)
+    service = start_service(tmp_path / "second", responses_store_file=path)  # (a new kvd on the same file)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        kept = call(unix, "GET", f"/v1/responses/{made.json()['id']}")
+        assert kept.status_code == 200 and kept.json() == made.json()
+        turned = call(unix, "POST", "/v1/responses", json={"instructions": "Be brief.", "input": "More",
+                                                            "previous_response_id": made.json()["id"],
+                                                            "max_output_tokens": 3, "temperature": 0})
+        assert turned.status_code == 200
+        listed = call(unix, "GET", f"/v1/responses/{turned.json()['id']}/input_items",
+                      params={"order": "asc"}).json()["data"]
+        assert [item["type"] for item in listed] == ["message", "message", "message"]  # Hi, the reply, More
+        assert (listed[0]["content"][0]["text"], listed[2]["content"][0]["text"]) == ("Hi", "More")
+    finally:
+        service.shutdown(1)
