@@ -77,6 +77,10 @@ def test_what_memory_lets_go_leaves_the_file_too(tmp_path):
     store.file.flush()
     assert rows(path) == (["resp_1"], 6)  # the third turn's question, reply and item went with it
     assert not store.put("acme", {"id": "resp_big", "pad": "x" * (whole + 3 * own)}, [], [])
+    response, conversation, inputs = turns[1]  # put again under its id: it replaces itself, sharing all it had
+    assert store.put("acme", {**response, "again": True}, conversation, inputs)
+    store.file.flush()
+    assert rows(path) == (["resp_1"], 6) and store.get("acme", "resp_1").response["again"] is True
     store.close()
     assert store.file.failed == 0
     smaller = ResponseStore(own + 10, ResponseFile(path))  # a smaller budget at the restart: what no longer fits

@@ -118,13 +118,13 @@ class ResponseFile:
 
     def _add(self, response_id: str, tenant: str, response: str, conversation: list[str], inputs: list[str],
              bodies: dict[str, str]) -> None:
-        self._remove(response_id)
         for digest in set(conversation) | set(inputs):  # counted once for each response that holds it
             if digest in bodies:
                 self.db.execute("INSERT INTO parts (digest, body, refs) VALUES (?, ?, 1) ON CONFLICT (digest) "
                                 "DO UPDATE SET refs = refs + 1", (digest, bodies[digest]))
             elif self.db.execute("UPDATE parts SET refs = refs + 1 WHERE digest = ?", (digest,)).rowcount != 1:
                 raise sqlite3.IntegrityError(f"message {digest[:12]} is held in memory but not in the file")
+        self._remove(response_id)  # the one it replaces (after: what the two share stays)
         self.db.execute("INSERT INTO responses (id, tenant, response, conversation, inputs) VALUES (?, ?, ?, ?, ?)",
                         (response_id, tenant, response, json.dumps(conversation), json.dumps(inputs)))
 

@@ -86,15 +86,15 @@ class ResponseStore:
                 if written:
                     self.file.remove(response["id"])
                 return False
-            old = self.entries.pop(response["id"], None)
-            if old is not None:
-                self._release(old)
             for key, part in parts.items():  # held before any other goes: what it shares stays
                 size, digest = named[key]
                 holding = self.held.setdefault(key, [0, size, part, digest])
                 holding[0] += 1
                 self.used += size if holding[0] == 1 else 0
             self.used += entry.size
+            old = self.entries.pop(response["id"], None)  # (one of its id it replaces)
+            if old is not None:
+                self._release(old)
             while self.used > self.budget:
                 gone_id, gone = self.entries.popitem(last=False)
                 self._release(gone)
