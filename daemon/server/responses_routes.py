@@ -62,6 +62,16 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
             service.responses.put(who.tenant, response, [*conversation, items.assistant_turn()], inputs)
         return response
 
+    def ended_failed(body: ResponsesRequest, who: Principal, head: dict, items: OutputItems, error: dict,
+                     conversation: list[dict], inputs: list[dict]) -> dict:
+        """The response, failed with `error`: the item being written closed as incomplete; kept
+        where it ran in the background (its client comes back for it)."""
+        items.close("incomplete")
+        response = items.response = shaped(body, head, items.items, "failed", error=error)
+        if body.background:
+            service.responses.put(who.tenant, response, conversation, inputs)
+        return response
+
     @router.post("/v1/responses")
     async def create_response(body: ResponsesRequest, http: Request, who: Principal = Depends(principal)):
         refuse_unsupported(body, UNSUPPORTED_RESPONSE_FIELDS, RESPONSE_HINTS)
@@ -142,12 +152,8 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         finally:
             await chunks.aclose()
         if failed is not None:
-            items.close("incomplete")
             error = {"code": failed.get("code") or "server_error", "message": failed["message"]}
-            response = shaped(body, head, items.items, "failed", error=error)
-            if body.background:  # (its client comes back for it)
-                service.responses.put(who.tenant, response, conversation, inputs)
-            items.response = response
+            response = ended_failed(body, who, head, items, error, conversation, inputs)
             items.emit("response.failed", response=response)
         else:
             items.finish(finish_reason)
@@ -176,11 +182,9 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
                     run.publish(event)
             finally:
                 await events.aclose()
-                if items.response is None:  # (kvd stopped serving it: kept failed, for its client to see)
-                    items.close("incomplete")
+                if items.response is None:  # kvd stopped serving it
                     stopped = {"code": "server_error", "message": "kvd stopped serving it before it ended"}
-                    items.response = shaped(body, head, items.items, "failed", error=stopped)
-                    service.responses.put(who.tenant, items.response, conversation, inputs)
+                    ended_failed(body, who, head, items, stopped, conversation, inputs)
                 run.end(items.response)
                 service.responses.ended(head["id"])
 

@@ -500,20 +500,20 @@ class RouterService:
                 return replica
         return None
 
-    def previous_home(self, body: dict, excluded: set[int] = frozenset()) -> Replica | None:
+    async def previous_home(self, body: dict, tenant: str | None, excluded: set[int] = frozenset()) -> Replica | None:
         """The replica that keeps the response a Responses request continues (its
-        `previous_response_id`); None where none is known, or it takes no requests now, or has
-        refused this one (`excluded`)."""
-        replica = self.replica_keeping(body.get("previous_response_id"))
+        `previous_response_id`, found as `find_keeper` finds it); None where the request
+        continues none, none keeps it, or it takes no requests now, or has refused this one
+        (`excluded`)."""
+        previous = body.get("previous_response_id")
+        replica = await self.find_keeper(previous, tenant) if previous is not None else None
         if replica is None or id(replica) in excluded or not replica.takes_requests:
             return None
         return replica
 
     async def _choose(self, body: dict, tenant: str | None, excluded: set[int],
                       weighed: Weighing | None) -> tuple[Replica, str]:
-        if body.get("previous_response_id") is not None:  # (a home not yet known is asked for)
-            await self.find_keeper(body["previous_response_id"], tenant)
-        home = self.previous_home(body, excluded)
+        home = await self.previous_home(body, tenant, excluded)
         if home is not None:
             home.sent += 1
             return home, "it keeps the response this one continues (previous_response_id)"
