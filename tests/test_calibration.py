@@ -164,6 +164,42 @@ def test_calibrating_for_fp8_e4m3_on_a_gpu_without_it_is_refused_by_name(tmp_pat
         service.shutdown(1)
 
 
+@pytest.mark.parametrize("margin", [0.5, 100.5, 1e308, float("nan")])
+def test_a_margin_outside_1_to_100_is_refused_and_nothing_is_stored(tmp_path, margin):
+    from kvctl.daemon.server.calibrate_ops import calibrate
+    from kvctl.daemon.server.calls import ServiceError
+
+    service = start_service(tmp_path)
+    try:
+        with pytest.raises(ServiceError) as info:
+            calibrate(service, dtype="int8", prompts=None, greedy_tokens=4, max_kl=0.1, margin=margin,
+                      slices=[64], if_older_than=None, apply=False, principal=None)
+        assert (info.value.status, info.value.param) == (400, "margin")
+        assert str(info.value) == (f"margin: must be from 1.0 to 100, got {margin} (scale = absmax x margin / the "
+                                   "format's largest value: at 100 int8 keeps one step for the largest)")
+        assert service.store.calibration(service.loaded.revision, "int8", applied=False) is None
+    finally:
+        service.shutdown(1)
+
+
+def test_slices_that_name_no_context_length_are_refused_by_name(tmp_path):
+    from kvctl.daemon.server.calibrate_ops import calibrate
+    from kvctl.daemon.server.calls import ServiceError
+
+    service = start_service(tmp_path)
+    try:
+        for slices, message, param in [
+                ([], "slices: must name at least one context length, got []", "slices"),
+                ([64, 0], "slices[1]: must be a context length of 1 token or more, got 0", "slices[1]")]:
+            with pytest.raises(ServiceError) as info:
+                calibrate(service, dtype="int8", prompts=None, greedy_tokens=4, max_kl=0.1, margin=1.0,
+                          slices=slices, if_older_than=None, apply=False, principal=None)
+            assert (info.value.status, str(info.value), info.value.param) == (400, message, param)
+        assert service.store.calibration(service.loaded.revision, "int8", applied=False) is None
+    finally:
+        service.shutdown(1)
+
+
 def test_only_fp8_e4m3_depends_on_the_compute_capability():
     import torch
 

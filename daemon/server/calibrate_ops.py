@@ -14,6 +14,9 @@ from kvctl.kernels import cache_dtype, format_unsupported_on
 from .calls import Principal, ServiceError
 from .durations import format_duration
 
+MAX_MARGIN = 100.0  # headroom over the measured absmax; past 254 every int8 value rounds to zero (and past
+# about 1e36 the float32 scales are infinite, which no answer or audit record can hold)
+
 
 def calibrate(service, *, dtype: str, prompts: list[list[int]] | None, greedy_tokens: int, max_kl: float,
               margin: float, slices: list[int], if_older_than: float | None, apply: bool,
@@ -30,8 +33,16 @@ def calibrate(service, *, dtype: str, prompts: list[list[int]] | None, greedy_to
     problem = format_unsupported_on(loaded.model.device, cache_dtype(dtype))
     if problem:  # scales for a format this GPU cannot serve would never be used
         raise ServiceError(400, f"dtype: {problem}", "dtype")
-    if not margin >= 1.0:
-        raise ServiceError(400, f"margin: must be >= 1.0, got {margin}", "margin")
+    if not 1.0 <= margin <= MAX_MARGIN:
+        raise ServiceError(400, f"margin: must be from 1.0 to {MAX_MARGIN:g}, got {margin} (scale = absmax x margin / "
+                                f"the format's largest value: at {MAX_MARGIN:g} int8 keeps one step for the largest)",
+                           "margin")
+    if not slices:
+        raise ServiceError(400, "slices: must name at least one context length, got []", "slices")
+    for i, length in enumerate(slices):
+        if length < 1:
+            raise ServiceError(400, f"slices[{i}]: must be a context length of 1 token or more, got {length}",
+                               f"slices[{i}]")
     if if_older_than is not None:
         latest = service.store.calibration(loaded.revision, dtype, applied=False)
         age = None if latest is None else time.time() - latest["created_at"]
