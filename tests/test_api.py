@@ -895,7 +895,7 @@ def test_incremental_text_equals_the_full_decode_and_never_splits_a_character(tm
     output, and a character split across byte tokens is held back until it is complete."""
     from kvctl.daemon.model.demo import ensure_demo_checkpoint
     from kvctl.daemon.model.tokenizer import Tokenizer
-    from kvctl.daemon.server.app import IncrementalText
+    from kvctl.daemon.server.incremental_text import IncrementalText
 
     tokenizer = Tokenizer(ensure_demo_checkpoint(tmp_path))
     text = "Blocks – 16 tokens each; caché ↦ 日本語 and emoji 🙂 end."

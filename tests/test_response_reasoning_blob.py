@@ -70,8 +70,9 @@ def test_a_reasoning_item_s_text_is_its_content_else_its_blob_else_its_summary()
 
 
 @pytest.mark.parametrize("include, message, param", [
-    (["message.output_text.logprobs"], "include[0]: kvd adds only reasoning.encrypted_content to the items, got "
-     "'message.output_text.logprobs' (no logprobs here: /v1/chat/completions has them)", "include[0]"),
+    (["reasoning.encrypted_content", "code_interpreter_call.outputs"], "include[1]: kvd adds "
+     "reasoning.encrypted_content and message.output_text.logprobs to the items, got 'code_interpreter_call.outputs'",
+     "include[1]"),
     ("reasoning.encrypted_content", "include: must be a list, got str", "include"),
 ])
 def test_an_include_kvd_does_not_serve_is_refused_naming_it(include, message, param):

@@ -556,7 +556,7 @@ def test_a_stream_turned_away_in_the_queue_ends_failed_and_is_not_kept():
         return Principal("default", "admin", "unix-socket")
 
     app = FastAPI()
-    app.include_router(responses_routes(Served, who, chat))
+    app.include_router(responses_routes(Served, who, chat, lambda body: None))
     answer = call(app, "POST", "/v1/responses", json={"input": "Hi", "stream": True})
     events = sse_events(answer)
     assert [e["type"] for e in events] == [

@@ -45,6 +45,7 @@ from .calls import Principal, ServiceError
 from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
                    GenerationFields)
 from .chat_messages import MessagesError, chat_messages, checked_tools, messages_size
+from .incremental_text import IncrementalText
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .reasoning import answer_only
@@ -262,10 +263,19 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 raise ApiError(413, f"messages: the conversation is {len(ids)} tokens, which leaves no room for a "
                                     f"reply in {engine.context_limit_text()}", param="messages",
                                code="context_length_exceeded")
-        shape = ChatShape(service.config.reasoning_parser, "none" if tool_mode == "none" else parser,
-                          parallel_tool_calls=body.parallel_tool_calls is not False)
+        shape = chat_shape(body, tool_mode)
         params = sampling(body, limit, api, logprobs, body.prompt_logprobs, constraint)
         return await generate(engine, [ids], params, body, http, who, shape)
+
+    def chat_shape(body: ChatCompletionRequest, tool_mode: str | None = None) -> ChatShape:
+        """A chat answer's shape: kvd's reasoning parser, and its tool-call parser unless the
+        request's tool_choice is "none" (`tool_mode`; None: read from the request, which the chat
+        has already checked)."""
+        parser = service.config.tool_call_parser
+        if tool_mode is None:
+            tool_mode, _ = tool_choice_mode(body.tool_choice, checked_tools(body.tools), parser)
+        return ChatShape(service.config.reasoning_parser, "none" if tool_mode == "none" else parser,
+                         parallel_tool_calls=body.parallel_tool_calls is not False)
 
     def ready_for(model: str | None):
         """The engine, once it takes completions for `model` (None: whichever is served)."""
@@ -504,30 +514,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 checked_ids(ids, "prompt" if flat else f"prompt[{i}]", engine)
         return prompts
 
-    app.include_router(responses_routes(service, principal, serve_chat))  # /v1/responses, as a chat turn
+    app.include_router(responses_routes(service, principal, serve_chat, chat_shape))  # /v1/responses, as a chat turn
     app.include_router(admin_routes(service, admin, tenant_header=front == "unix" or trusted_proxy))
 
     return app
-
-
-class IncrementalText:
-    """Text of a growing token sequence, decoding only a short window per token (not the whole
-    output each time): the tokens since the last emitted text, with the ones before them as
-    context, so tokenizers that space words by their neighbours decode as they would in full."""
-
-    __slots__ = ("decode", "ids", "prefix", "read")
-
-    def __init__(self, decode) -> None:
-        self.decode, self.ids, self.prefix, self.read = decode, [], 0, 0
-
-    def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        before = self.decode(self.ids[self.prefix:self.read])
-        after = self.decode(self.ids[self.prefix:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for the next token
-        self.prefix, self.read = self.read, len(self.ids)
-        return after[len(before):]
 
 
 async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, usage_of, cancel_all,

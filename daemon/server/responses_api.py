@@ -26,13 +26,14 @@ from pydantic import ConfigDict
 from . import reasoning_blob
 from .chat import Count, GenerationFields
 from .chat_messages import MessagesError
+from .response_logprobs import OUTPUT_LOGPROBS, AnswerLogprobs
 from .responses_input import chat_tools, input_messages, new_id
 
 # fields of OpenAI's Responses API that kvd does not implement, with the values that ask for nothing;
 # any other value is refused by name (api_errors.refuse_unsupported)
 UNSUPPORTED_RESPONSE_FIELDS = {
     "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
-    "top_logprobs": (None, 0), "truncation": (None, "disabled"), "context_management": (None, []),
+    "truncation": (None, "disabled"), "context_management": (None, []),
 }
 RESPONSE_HINTS = {
     "conversation": "kvd keeps no conversation objects; send previous_response_id",
@@ -44,7 +45,8 @@ PASSED_ON = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_tok
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
              "priority", "return_tokens_as_token_ids", "kv_transfer_params", "parallel_tool_calls")
 METADATA_KEYS = 16  # OpenAI's most metadata pairs
-CARRY_REASONING = "reasoning.encrypted_content"  # the one `include` kvd serves (reasoning_blob.py)
+CARRY_REASONING = "reasoning.encrypted_content"  # reasoning items carry their text (reasoning_blob.py)
+INCLUDED = (CARRY_REASONING, OUTPUT_LOGPROBS)  # the `include` values kvd serves
 EFFORTS = ("minimal", "low", "medium", "high")
 
 
@@ -71,11 +73,16 @@ class ResponsesRequest(GenerationFields):
     safety_identifier: str | None = None
     service_tier: str | None = None
     background: bool = False  # run it while the client is away (response_runs.py); kept for it to fetch
-    include: Any = None  # ["reasoning.encrypted_content"]: reasoning items carry their text to a next turn
+    include: Any = None  # INCLUDED: reasoning items carry their text to a next turn; the answer's logprobs
+    top_logprobs: Count | None = None  # with include message.output_text.logprobs: alternatives per token
 
     def carries_reasoning(self) -> bool:
         """Whether its reasoning items are to carry their text (`include`, checked by `chat_body`)."""
         return isinstance(self.include, list) and CARRY_REASONING in self.include
+
+    def wants_logprobs(self) -> bool:
+        """Whether its answer's text is to carry its tokens' logprobs (`include`)."""
+        return isinstance(self.include, list) and OUTPUT_LOGPROBS in self.include
 
 
 def chat_tool_choice(choice: Any) -> Any:
@@ -149,9 +156,12 @@ def chat_body(body: ResponsesRequest, earlier: list[dict], reads: frozenset | se
         if not isinstance(body.include, list):
             raise MessagesError(f"include: must be a list, got {type(body.include).__name__}", "include")
         for i, name in enumerate(body.include):
-            if name != CARRY_REASONING:
-                raise MessagesError(f"include[{i}]: kvd adds only {CARRY_REASONING} to the items, got {name!r} (no "
-                                    "logprobs here: /v1/chat/completions has them)", f"include[{i}]")
+            if name not in INCLUDED:
+                raise MessagesError(f"include[{i}]: kvd adds {' and '.join(INCLUDED)} to the items, got {name!r}",
+                                    f"include[{i}]")
+    if body.top_logprobs and not body.wants_logprobs():
+        raise MessagesError(f"top_logprobs: {body.top_logprobs} gives logprobs only with include: "
+                            f"[\"{OUTPUT_LOGPROBS}\"]; add it, or leave top_logprobs out", "top_logprobs")
     metadata = body.metadata
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > METADATA_KEYS
                                  or not all(isinstance(v, str) for v in metadata.values())):
@@ -164,6 +174,8 @@ def chat_body(body: ResponsesRequest, earlier: list[dict], reads: frozenset | se
                 response_format=response_format(body.text), chat_template_kwargs=template_kwargs(body, reads))
     if body.stream:
         chat["stream_options"] = {"include_usage": True}  # the last event's response carries the usage
+    if body.wants_logprobs():  # every output token's, which OutputItems sorts (response_logprobs.py)
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     return chat, conversation
 
 
@@ -181,10 +193,14 @@ class OutputItems:
     """A response's output items, built from the chat's reply piece by piece (`reasoning`,
     `content`, `call`), and the stream's events as they are (`events`, each with its
     `sequence_number`). A whole reply goes through the same steps as a streamed one, so both
-    give the same items."""
+    give the same items.
 
-    def __init__(self, carry_reasoning: bool = False) -> None:
+    `answer_logprobs` (response_logprobs.AnswerLogprobs, where the request asks for logprobs)
+    sorts the reply's tokens (`tokens`); the answer's go with the message's text deltas."""
+
+    def __init__(self, carry_reasoning: bool = False, answer_logprobs: AnswerLogprobs | None = None) -> None:
         self.carry_reasoning = carry_reasoning  # a reasoning item gets its encrypted_content as it closes
+        self.answer_logprobs = answer_logprobs
         self.response: dict | None = None  # the whole Response object, once the reply has ended (its route sets it)
         self.items: list[dict] = []
         self.open: dict | None = None  # the reasoning or message item being written
@@ -223,19 +239,34 @@ class OutputItems:
                   content_index=0, part=dict(part))
         return item
 
-    def _text(self, kind: str, delta: str, delta_event: str, **extra: Any) -> None:
+    def _text(self, kind: str, delta: str, delta_event: str) -> None:
         if not delta:
             return
         item = self._open_text(kind)
-        item["content"][0]["text"] += delta
+        part = item["content"][0]
+        part["text"] += delta
+        extra = {}
+        if kind == "message":
+            extra["logprobs"] = self._answer_logprobs()
+            part["logprobs"] = part["logprobs"] + extra["logprobs"]  # (a new list: events hold the old)
         self.emit(delta_event, item_id=item["id"], output_index=len(self.items) - 1, content_index=0, delta=delta,
                   **extra)
+
+    def _answer_logprobs(self) -> list[dict]:
+        return self.answer_logprobs.take() if self.answer_logprobs is not None else []
+
+    def tokens(self, choice: dict, finished: bool) -> None:
+        """A chat choice's (or chunk's) tokens with their logprobs (`token_ids`, `logprobs.content`),
+        before the text they make is fed (`finished`: the reply has ended). Nothing to do where no
+        logprobs were asked for."""
+        if self.answer_logprobs is not None:
+            self.answer_logprobs.add(choice["token_ids"], choice["logprobs"]["content"], finished)
 
     def reasoning(self, delta: str) -> None:
         self._text("reasoning", delta, "response.reasoning_text.delta")
 
     def content(self, delta: str) -> None:
-        self._text("message", delta, "response.output_text.delta", logprobs=[])
+        self._text("message", delta, "response.output_text.delta")
 
     def call(self, call: dict) -> None:
         """One call the parser read (the chat's {id, function: {name, arguments}}), whole."""
@@ -261,8 +292,9 @@ class OutputItems:
             self.emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
                       text=part["text"])
         else:
+            part["logprobs"] = part["logprobs"] + self._answer_logprobs()  # (any the last delta did not carry)
             self.emit("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                      text=part["text"], logprobs=[])
+                      text=part["text"], logprobs=list(part["logprobs"]))
         self.emit("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                   part=dict(part))
         item["status"] = status
@@ -323,7 +355,8 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, create
             "reasoning": {"effort": reasoning.get("effort"), "summary": None}, "store": body.store,
             "temperature": drawn["temperature"], "text": {"format": text_format or {"type": "text"}},
             "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
-            "tools": body.tools or [], "top_p": drawn["top_p"], "truncation": "disabled", "usage": usage,
+            "tools": body.tools or [], "top_logprobs": body.top_logprobs or 0, "top_p": drawn["top_p"],
+            "truncation": "disabled", "usage": usage,
             "user": body.user, "metadata": body.metadata or {}, "prompt_cache_key": body.prompt_cache_key,
             "safety_identifier": body.safety_identifier, "service_tier": body.service_tier or "auto"}
 

@@ -18,6 +18,7 @@ from .chat import ChatCompletionRequest
 from .chat_messages import MessagesError
 from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputItems, ResponsesRequest, chat_body,
                             input_items_page, new_id, now, response_object, status_of, usage_of)
+from .response_logprobs import AnswerLogprobs
 from .response_runs import Run
 from .responses_input import input_items
 from .strict_json import StrictJSONRoute
@@ -37,8 +38,10 @@ def _event(event: dict) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
-def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) -> APIRouter:
-    """The routes, answering through `chat(body, http, who, api)`: how the app serves a chat."""
+def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
+                     chat_shape: Callable[[ChatCompletionRequest], Any]) -> APIRouter:
+    """The routes, answering through `chat(body, http, who, api)`: how the app serves a chat;
+    `chat_shape(body)`: a fresh chat.ChatShape for a chat it has served (its parsers)."""
     router = APIRouter(route_class=StrictJSONRoute)  # NaN and Infinity are not JSON: refused
 
     def reasoning_tokens(text: str) -> int:
@@ -98,13 +101,16 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
         inputs += input_items(body.input)
         if body.background:  # streamed from the engine whatever the client asked: its run keeps each event
             asked.update(stream=True, stream_options={"include_usage": True})
-        answer = await chat(ChatCompletionRequest.model_validate(asked), http, who, "responses")
+        chat_request = ChatCompletionRequest.model_validate(asked)
+        answer = await chat(chat_request, http, who, "responses")
         model = service.adapter_named(body.model) or service.model_name  # (the chat has checked it)
         head = {"id": new_id("resp_"), "created": now(), "model": model}
         named = {REQUEST_ID_HEADER: answer.headers.get(REQUEST_ID_HEADER.lower(), "")}
         if body.store and service.responses.keeps:
             named[RESPONSE_ID_HEADER] = head["id"]
-        items = OutputItems(body.carries_reasoning())
+        answer_logprobs = AnswerLogprobs(chat_shape(chat_request), service.loaded.tokenizer) \
+            if body.wants_logprobs() else None
+        items = OutputItems(body.carries_reasoning(), answer_logprobs)
         if body.background:
             events = _events(answer.body_iterator, body, who, head, conversation, inputs, items)
             run = in_background(events, body, who, head, named[REQUEST_ID_HEADER], items, conversation, inputs)
@@ -118,6 +124,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
             return answer
         reply = json.loads(answer.body)
         [choice] = reply["choices"]
+        items.tokens(choice, True)
         items.feed(choice["message"])
         items.finish(choice["finish_reason"])
         return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation,
@@ -145,6 +152,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]]) ->
                     continue
                 chat_usage = chunk.get("usage") or chat_usage
                 for choice in chunk["choices"]:
+                    items.tokens(choice, choice["finish_reason"] is not None)
                     items.feed(choice["delta"])
                     finish_reason = choice["finish_reason"] or finish_reason
                 for event in items.take_events():
