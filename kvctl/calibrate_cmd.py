@@ -52,7 +52,7 @@ def calibrate_command(
                                                                  "default: a built-in set."),
     max_tokens: int = typer.Option(16, help="Greedy tokens compared per held-out prompt."),
     max_kl: float = typer.Option(0.01, help="Quality target: worst slice's mean KL (nats)."),
-    margin: float = typer.Option(1.0, help="Outlier margin: scale = absmax x margin / format max."),
+    margin: float = typer.Option(1.0, help="Outlier margin, 1 to 100: scale = absmax x margin / format max."),
     slices: str = typer.Option("512,2048", help="Context-length slices for the report."),
     if_older_than: Optional[str] = typer.Option(None, help="No-op if a calibration newer than this exists (7d)."),
     apply: bool = typer.Option(False, "--apply", help="Make it the active scale set if it meets the target."),

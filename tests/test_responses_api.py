@@ -108,6 +108,7 @@ def request(**fields) -> ResponsesRequest:
     ({"reasoning": {"effort": "low"}}, "reasoning.effort: the model's chat template does not read reasoning_effort, "
      "so 'low' would change nothing; leave it out", "reasoning.effort"),
     ({"metadata": {"a": 1}}, "metadata: must be an object of at most 16 string values", "metadata"),
+    ({"max_tool_calls": 0}, "max_tool_calls: must be 1 or more, got 0", "max_tool_calls"),
 ])
 def test_what_a_chat_cannot_carry_is_refused_naming_the_field(fields, message, param):
     with pytest.raises(MessagesError) as refused:
@@ -129,6 +130,16 @@ def test_the_chat_request_carries_the_fields_in_the_chat_s_names():
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}},
         "chat_template_kwargs": {"reasoning_effort": "high"}, "stream_options": {"include_usage": True}}
+
+
+def test_max_tool_calls_bounds_built_in_tools_which_kvd_has_none_of_so_it_is_echoed():
+    from kvctl.daemon.server.responses_api import response_object
+
+    body = request(max_tool_calls=2, tools=[WEATHER])
+    chat, _ = chat_body(body, [], frozenset())
+    assert "max_tool_calls" not in chat and chat["tools"][0]["function"]["name"] == "get_weather"
+    shaped = response_object("resp_1", body, "m", 0, [], "completed", None)
+    assert (shaped["max_tool_calls"], shaped["truncation"], shaped["top_logprobs"]) == (2, "disabled", 0)
 
 
 # ---- output items ------------------------------------------------------------------------------
@@ -458,9 +469,8 @@ def test_a_cut_off_reply_is_incomplete_and_unsupported_fields_are_refused_by_nam
     assert streamed.text.startswith("event: response.created\ndata: ")
     for field, value, hint in [
             ("conversation", "conv_1", "kvd keeps no conversation objects; send previous_response_id"),
-            ("truncation", "auto", "kvd never drops the start of a conversation to fit it: one over the context is "
-                                   "refused (413)"),
-            ("max_tool_calls", 2, "leave it out")]:
+            ("prompt", {"id": "pmpt_1"}, "kvd keeps no prompt templates; send instructions and input"),
+            ]:
         refused = call(unix, "POST", "/v1/responses", json={"input": "Hi", field: value})
         assert refused.status_code == 400
         assert refused.json()["error"]["message"] == f"{field}: not supported by kvd, got {value!r}; {hint}"

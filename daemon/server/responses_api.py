@@ -27,18 +27,18 @@ from . import reasoning_blob
 from .chat import Count, GenerationFields
 from .chat_messages import MessagesError
 from .response_logprobs import OUTPUT_LOGPROBS, AnswerLogprobs
+from .response_truncation import TRUNCATIONS
 from .responses_input import chat_tools, input_messages, new_id
 
 # fields of OpenAI's Responses API that kvd does not implement, with the values that ask for nothing;
 # any other value is refused by name (api_errors.refuse_unsupported)
 UNSUPPORTED_RESPONSE_FIELDS = {
-    "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
-    "truncation": (None, "disabled"), "context_management": (None, []),
+    "conversation": (None,), "prompt": (None,),
+    "context_management": (None, []),
 }
 RESPONSE_HINTS = {
     "conversation": "kvd keeps no conversation objects; send previous_response_id",
     "prompt": "kvd keeps no prompt templates; send instructions and input",
-    "truncation": "kvd never drops the start of a conversation to fit it: one over the context is refused (413)",
 }
 # chat fields a Responses request passes on as they are (the rest are built from its own fields)
 PASSED_ON = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "user", "ignore_eos",
@@ -75,6 +75,8 @@ class ResponsesRequest(GenerationFields):
     background: bool = False  # run it while the client is away (response_runs.py); kept for it to fetch
     include: Any = None  # INCLUDED: reasoning items carry their text to a next turn; the answer's logprobs
     top_logprobs: Count | None = None  # with include message.output_text.logprobs: alternatives per token
+    max_tool_calls: Count | None = None  # OpenAI's bound on built-in tools' calls: kvd serves none, so it holds
+    truncation: Any = None  # "auto": the earliest turns of a conversation over the context go (response_truncation.py)
 
     def carries_reasoning(self) -> bool:
         """Whether its reasoning items are to carry their text (`include`, checked by `chat_body`)."""
@@ -162,6 +164,10 @@ def chat_body(body: ResponsesRequest, earlier: list[dict], reads: frozenset | se
     if body.top_logprobs and not body.wants_logprobs():
         raise MessagesError(f"top_logprobs: {body.top_logprobs} gives logprobs only with include: "
                             f"[\"{OUTPUT_LOGPROBS}\"]; add it, or leave top_logprobs out", "top_logprobs")
+    if body.truncation is not None and body.truncation not in TRUNCATIONS:
+        raise MessagesError(f"truncation: must be {' or '.join(TRUNCATIONS)}, got {body.truncation!r}", "truncation")
+    if body.max_tool_calls is not None and body.max_tool_calls < 1:
+        raise MessagesError(f"max_tool_calls: must be 1 or more, got {body.max_tool_calls}", "max_tool_calls")
     metadata = body.metadata
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > METADATA_KEYS
                                  or not all(isinstance(v, str) for v in metadata.values())):
@@ -349,14 +355,15 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, create
     return {"id": response_id, "object": "response", "created_at": created_at, "status": status,
             "background": body.background,
             "error": error, "incomplete_details": incomplete, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "model": model, "output": json.loads(json.dumps(items)),
+            "max_output_tokens": body.max_output_tokens, "max_tool_calls": body.max_tool_calls, "model": model,
+            "output": json.loads(json.dumps(items)),
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": reasoning.get("effort"), "summary": None}, "store": body.store,
             "temperature": drawn["temperature"], "text": {"format": text_format or {"type": "text"}},
             "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
             "tools": body.tools or [], "top_logprobs": body.top_logprobs or 0, "top_p": drawn["top_p"],
-            "truncation": "disabled", "usage": usage,
+            "truncation": body.truncation or "disabled", "usage": usage,
             "user": body.user, "metadata": body.metadata or {}, "prompt_cache_key": body.prompt_cache_key,
             "safety_identifier": body.safety_identifier, "service_tier": body.service_tier or "auto"}
 

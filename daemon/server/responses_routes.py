@@ -11,15 +11,19 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from kvctl.daemon.model.chat_template import ChatTemplateError
 
 from .api_errors import ApiError, refuse_unsupported
-from .calls import Principal
+from .calls import Principal, ServiceError
 from .chat import ChatCompletionRequest
-from .chat_messages import MessagesError
+from .chat_messages import MessagesError, chat_messages, checked_tools
 from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputItems, ResponsesRequest, chat_body,
                             input_items_page, new_id, now, response_object, status_of, usage_of)
 from .response_logprobs import AnswerLogprobs
 from .response_runs import Run
+from .response_truncation import fitting_cut
 from .responses_input import input_items
 from .strict_json import StrictJSONRoute
 
@@ -99,6 +103,10 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         inputs += input_items(body.input)
+        if body.truncation == "auto":  # (the conversation kept for the next turn starts at the cut too)
+            instructions = asked["messages"][:len(asked["messages"]) - len(conversation)]
+            conversation = conversation[await fitting(body, instructions, asked, conversation):]
+            asked["messages"] = instructions + conversation
         if body.background:  # streamed from the engine whatever the client asked: its run keeps each event
             asked.update(stream=True, stream_options={"include_usage": True})
         chat_request = ChatCompletionRequest.model_validate(asked)
@@ -129,6 +137,39 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         items.finish(choice["finish_reason"])
         return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation,
                                      inputs), headers=named)
+
+    async def fitting(body: ResponsesRequest, instructions: list[dict], asked: dict, conversation: list[dict]) -> int:
+        """How many of the conversation's first messages `truncation: "auto"` drops (0: it fits
+        whole, or the chat will say why it cannot be rendered); ApiError 413 where even its last
+        turn does not fit."""
+        engine = service.engine
+        if engine is None:
+            return 0  # (the chat says why nothing is served)
+        reply = body.max_output_tokens or 1
+
+        def cut_and_latest() -> tuple[int | None, int]:
+            """(the cut, or None and the last turn's length in tokens), rendering off the loop."""
+            tools = checked_tools(asked["tools"])
+
+            def length(messages: list[dict]) -> int:
+                return len(service.chat_prompt(chat_messages(instructions + messages), True, False,
+                                               asked["chat_template_kwargs"], tools))
+
+            cut = fitting_cut(conversation, length, engine.context_limit - reply)
+            if cut is not None:
+                return cut, 0
+            last = max((i for i, message in enumerate(conversation) if message.get("role") == "user"), default=0)
+            return None, length(conversation[last:])
+
+        try:
+            cut, latest = await run_in_threadpool(cut_and_latest)
+        except (MessagesError, ChatTemplateError, ServiceError):
+            return 0
+        if cut is None:
+            raise ApiError(413, f"input: truncation auto drops a conversation's earliest turns, but its last turn "
+                                f"alone is {latest} tokens, which with {reply} for the reply (max_output_tokens) "
+                                f"exceeds {engine.context_limit_text()}", param="input", code="context_length_exceeded")
+        return cut
 
     async def _events(chunks: AsyncIterator[str], body: ResponsesRequest, who: Principal, head: dict,
                       conversation: list[dict], inputs: list[dict], items: OutputItems) -> AsyncIterator[dict]:
