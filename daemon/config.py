@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from kvctl.daemon.engine.tenant_book import DEFAULT_LIMIT as DEFAULT_TRACKED_TENANTS
 from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
+from kvctl.daemon.server.durations import parse_duration
 from kvctl.daemon.server.reasoning import REASONING_PARSERS
 from kvctl.daemon.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -234,6 +235,9 @@ class KvdConfig:
     # a SQLite file the kept responses are written to as well, and read back from at start, so a
     # restart keeps them (response_file.py); None: memory only
     responses_store_file: str | None = None
+    # kept responses older than this many seconds are let go, from the file too ("30d" in YAML or on the
+    # command line; housekeeping checks every minute); None: kept until room or a purge needs them
+    responses_max_age: float | None = None
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
     chat_template: str | None = None  # a Jinja file for /v1/chat/completions; default: the checkpoint's own
     # what every chat's template gets unless the request's chat_template_kwargs say otherwise, as JSON
@@ -346,7 +350,7 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
-    "responses_store_bytes": _size,
+    "responses_store_bytes": _size, "responses_max_age": parse_duration,
     "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
     "max_queue": whole_number, "max_loras": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,

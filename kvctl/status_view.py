@@ -152,11 +152,13 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("recomputed", f"{tokens['recomputed']:,} tokens after {data['preemptions']} preemptions")
     kept = data.get("responses")  # /v1/responses kept for previous_response_id (an older kvd does not say)
     running = (kept or {}).get("running", 0)  # background responses still running (an older kvd does not say)
-    if kept and (kept["responses"] or kept["dropped"] or running):
+    expired = (kept or {}).get("expired", 0)  # let go past responses_max_age (an older kvd does not say)
+    if kept and (kept["responses"] or kept["dropped"] or running or expired):
         facts.add_row("responses kept", f"{kept['responses']:,} in {size(kept['bytes'])} of "
                                         f"{size(kept['budget_bytes'])}"
                       + (f"; {kept['dropped']:,} let go for room (a turn that continues one gets a 404)"
                          if kept["dropped"] else "")
+                      + (f"; {expired:,} let go past responses_max_age" if expired else "")
                       + (f"; {running:,} running in the background" if running else ""))
     spec = data.get("speculation")  # absent from an older kvd
     if spec and (spec.get("config") or spec.get("drafts")):

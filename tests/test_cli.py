@@ -1352,3 +1352,5 @@ def test_status_shows_the_responses_kept_and_those_let_go_for_room():
             in shown({"responses": 10, "bytes": 2**20, "budget_bytes": 2**20, "dropped": 7}))
     assert "responses kept 0 in 0 B of 64.0 MiB; 2 running in the background" in shown(
         {"responses": 0, "bytes": 0, "budget_bytes": 64 * 2**20, "dropped": 0, "running": 2})
+    assert "responses kept 5 in 1.0 KiB of 64.0 MiB; 9 let go past responses_max_age" in shown(
+        {"responses": 5, "bytes": 1024, "budget_bytes": 64 * 2**20, "dropped": 0, "expired": 9, "running": 0})

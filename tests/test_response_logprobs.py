@@ -4,8 +4,6 @@ streamed, in the chat's shape and with the chat's values; what would give none i
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 pytest.importorskip("fastapi")
@@ -15,7 +13,7 @@ from kvctl.daemon.server.chat_messages import MessagesError  # noqa: E402
 from kvctl.daemon.server.response_logprobs import AnswerLogprobs  # noqa: E402
 from kvctl.daemon.server.responses_api import ResponsesRequest, chat_body  # noqa: E402
 
-from .test_responses_api import INSTRUCTIONS, WEATHER, client_for, kvd, scripted  # noqa: E402,F401
+from .test_responses_api import INSTRUCTIONS, WEATHER, kvd, scripted, whole_and_streamed  # noqa: E402,F401
 from .test_tool_calls import CALL_TEXT  # noqa: E402
 
 THINKING = "<think>Check.</think>"
@@ -36,16 +34,21 @@ def test_the_answer_s_tokens_are_sorted_from_the_thinking_and_the_call_in_chunks
     ids = tokenizer.encode(REPLY, add_special_tokens=False)
     assert len(ids) == len(REPLY.encode())  # the demo tokenizer: one token per byte
     sorter = AnswerLogprobs(ChatShape("qwen3", "hermes"), tokenizer)
+    first = len(THINKING.encode())
+    # the answer's bytes, é's two among them; not the \n before the call, nor the call
+    assert answer_positions(sorter, ids, chunk) == list(range(first, first + len(ANSWER.encode())))
+    assert tokenizer.decode(ids[first:first + len(ANSWER.encode())]) == ANSWER
+    assert sorter.take() == []
+
+
+def answer_positions(sorter: AnswerLogprobs, ids: list[int], chunk: int) -> list[int]:
+    """Where the tokens the sorter gives the answer stand in `ids`, fed `chunk` tokens at a time."""
     taken = []
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]
         sorter.add(part, [{"at": start + k} for k in range(len(part))], finished=start + chunk >= len(ids))
         taken += sorter.take()
-    first = len(THINKING.encode())
-    # the answer's bytes, é's two among them; not the \n before the call, nor the call
-    assert [entry["at"] for entry in taken] == list(range(first, first + len(ANSWER.encode())))
-    assert tokenizer.decode(ids[first:first + len(ANSWER.encode())]) == ANSWER
-    assert sorter.take() == []
+    return [entry["at"] for entry in taken]
 
 
 def test_tokens_whose_text_never_comes_out_are_dropped(tokenizer):
@@ -76,12 +79,7 @@ def test_under_harmony_the_answer_s_tokens_are_those_of_its_channel(tmp_path, be
     assert tokenizer.encode(before + answer + after, add_special_tokens=False) == ids
     for chunk in (1, 4, len(ids)):
         sorter = AnswerLogprobs(ChatShape("openai_gptoss", "openai"), tokenizer)
-        taken = []
-        for start in range(0, len(ids), chunk):
-            part = ids[start:start + chunk]
-            sorter.add(part, [{"at": start + k} for k in range(len(part))], finished=start + chunk >= len(ids))
-            taken += sorter.take()
-        assert [entry["at"] for entry in taken] == list(range(len(head), len(head) + len(body)))
+        assert answer_positions(sorter, ids, chunk) == list(range(len(head), len(head) + len(body)))
 
 
 def request(**fields) -> ResponsesRequest:
@@ -124,14 +122,7 @@ def test_openai_s_client_gets_the_answer_s_logprobs_whole_and_streamed_with_the_
     ask = {"model": service.model_name, "instructions": INSTRUCTIONS, "input": "Weather in Paris?",
            "tools": [WEATHER], "max_output_tokens": 200, "include": ["message.output_text.logprobs"],
            "top_logprobs": 2}
-
-    async def go():
-        client = client_for(unix)
-        whole = await client.responses.create(**ask)
-        events = [event async for event in await client.responses.create(**ask, stream=True)]
-        return whole, events
-
-    whole, events = asyncio.run(go())
+    whole, events = whole_and_streamed(unix, ask)
     assert [item.type for item in whole.output] == ["reasoning", "message", "function_call"]
     assert whole.output_text == ANSWER and whole.top_logprobs == 2
     logprobs = [entry.model_dump() for entry in whole.output[1].content[0].logprobs]

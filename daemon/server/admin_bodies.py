@@ -164,6 +164,13 @@ class CalibrateRequest(BaseModel):
     apply: bool = False
 
 
+class ResponsesPurge(BaseModel):
+    tenant: Tenant | None = None  # this tenant's kept responses (None: any tenant's)
+    older_than: str | Number | None = None  # those made longer ago than this (90, 30m, 7d)
+    all: StrictBool = False  # every kept response (with neither tenant nor older_than)
+    dry_run: StrictBool = False
+
+
 class ExplainRequest(BaseModel):
     text: str | None = None
     tokens: list[Count] | None = None

@@ -21,9 +21,10 @@ from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
 from . import (cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops, inflight, lora_ops, pin_ops,
-               prefix_ops, rollout_ops, sleep_ops, tier_ops, weights_ops)
+               prefix_ops, response_admin, rollout_ops, sleep_ops, tier_ops, weights_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
-                           LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, RolloutAdvance, RolloutRollback,
+                           LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, ResponsesPurge, RolloutAdvance,
+                           RolloutRollback,
                            RolloutStart, SleepRequest, SwapRequest, UnloadLoraAdapterRequest,
                            UpdateWeightsFromDiskRequest, VerifyRequest, WakeRequest, WeightsRequest)
 from .api_errors import ApiError, checked_ids
@@ -388,6 +389,16 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     @router.post("/v1/unload_lora_adapter")
     def unload_lora_adapter(body: UnloadLoraAdapterRequest, who: Principal = Depends(admin)):
         return lora_ops.unload(service, body.lora_name, who)
+
+    @router.get("/admin/responses")
+    def kept_responses(_: Principal = Depends(admin)):
+        """The responses kept for /v1/responses, by tenant: counts, bytes and ages (never text)."""
+        return response_admin.listing(service)
+
+    @router.post("/admin/responses/purge")
+    async def purge_responses(body: ResponsesPurge, who: Principal = Depends(admin)):
+        """Remove a tenant's kept responses, those older than a span, or every one; audited."""
+        return await response_admin.purge(service, body.tenant, body.older_than, body.all, body.dry_run, who)
 
     @router.get("/admin/audit")
     def audit(since: float = 0.0, action: str | None = None, _: Principal = Depends(admin)):

@@ -297,6 +297,15 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
     return 200, out
 
 
+def merge_response_purges(bodies: list[dict]) -> dict:
+    """The replicas' purges of kept responses added up (each replica keeps its own)."""
+    tenants: Counter = Counter()
+    for body in bodies:
+        tenants.update(body["tenants"])
+    return {**{key: sum(body[key] for body in bodies) for key in ("responses", "bytes", "cancelled", "running")},
+            "tenants": dict(tenants), **{key: bodies[0][key] for key in ("dry_run", "tenant", "older_than_s", "all")}}
+
+
 def replica_reports(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
     """Each replica's report as it came, in the replicas' order, for what does not add up across
     machines: tiers (each has its own host memory and disk, and a shared Redis would count once per

@@ -51,6 +51,7 @@ class ResponseFile:
             self.db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("PRAGMA secure_delete=ON")  # what is removed is overwritten, not kept in free pages
             self.db.executescript(SCHEMA)
         except (OSError, sqlite3.Error) as exc:
             raise ResponseFileError(f"responses_store_file: cannot use {str(self.path)!r}: {exc}") from None

@@ -62,3 +62,11 @@ class Run:
                 return
             if not batch:
                 await changed.wait()
+
+
+async def settled(run: Run, cancel: Callable[[str], object]) -> dict:
+    """Cancels a background response (`cancel`: the service's, by request id) and waits for it
+    to end: the response as it ended (kept, where it is kept)."""
+    cancel(run.request_id)
+    await asyncio.wait({run.task})
+    return run.final

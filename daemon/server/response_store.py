@@ -54,6 +54,7 @@ class ResponseStore:
         # its), the SHA-256 of its JSON (its name in the file)]
         self.held: dict[int, list] = {}
         self.dropped = 0  # responses let go to make room (or too big to keep)
+        self.expired = 0  # responses let go once older than responses_max_age (response_admin.expire)
         self.runs: dict[str, object] = {}  # background responses still running (response_runs.Run), by id
         self.lock = threading.Lock()
         self.file = file
@@ -138,6 +139,63 @@ class ResponseStore:
                 self.file.remove(response_id)
             return True
 
+    def tenants(self) -> list[dict]:
+        """Each tenant's kept responses (`GET /admin/responses`): how many, their bytes (each message
+        or item they hold once), when the oldest and the newest were made, and how many run in the
+        background; the most bytes first."""
+        rows: dict[str, dict] = {}
+        counted: dict[str, set] = {}
+        with self.lock:
+            for entry in self.entries.values():
+                row = rows.get(entry.tenant) or rows.setdefault(entry.tenant, _tenant_row(entry.tenant))
+                row["responses"] += 1
+                row["bytes"] += entry.size
+                seen = counted.setdefault(entry.tenant, set())
+                for part in entry.parts():
+                    if id(part) not in seen:
+                        seen.add(id(part))
+                        row["bytes"] += self.held[id(part)][1]
+                made = entry.response.get("created_at")
+                if isinstance(made, (int, float)):
+                    row["oldest"] = made if row["oldest"] is None else min(row["oldest"], made)
+                    row["newest"] = made if row["newest"] is None else max(row["newest"], made)
+            for run in self.runs.values():
+                row = rows.get(run.tenant) or rows.setdefault(run.tenant, _tenant_row(run.tenant))
+                row["running"] += 1
+        return sorted(rows.values(), key=lambda row: (-row["bytes"], row["tenant"]))
+
+    def runs_matching(self, tenant: str | None, made_before: float | None) -> list:
+        """The background responses running for `tenant` (None: any) made before `made_before`
+        (None: whenever)."""
+        with self.lock:
+            runs = [run for run in self.runs.values() if tenant is None or run.tenant == tenant]
+        return [run for run in runs if made_before is None or run.now()["created_at"] < made_before]
+
+    def purge(self, tenant: str | None, made_before: float | None, dry_run: bool = False) -> dict:
+        """Lets go of the kept responses of `tenant` (None: every tenant's) made before
+        `made_before` (None: whenever), from the file too; with `dry_run`, only counts them.
+        {"responses", "bytes" (what memory gets back), "tenants" ({tenant: responses})}."""
+        with self.lock:
+            chosen = [(response_id, entry) for response_id, entry in self.entries.items()
+                      if (tenant is None or entry.tenant == tenant)
+                      and (made_before is None or entry.response.get("created_at", 0) < made_before)]
+            holders: dict[int, int] = {}  # message or item -> how many of the chosen hold it
+            for _, entry in chosen:
+                for key in {id(part) for part in entry.parts()}:
+                    holders[key] = holders.get(key, 0) + 1
+            freed = sum(entry.size for _, entry in chosen) + sum(
+                self.held[key][1] for key, count in holders.items() if count == self.held[key][0])
+            if not dry_run:
+                for response_id, entry in chosen:
+                    del self.entries[response_id]
+                    self._release(entry)
+                    if self.file is not None:
+                        self.file.remove(response_id)
+            tenants: dict[str, int] = {}
+            for _, entry in chosen:
+                tenants[entry.tenant] = tenants.get(entry.tenant, 0) + 1
+            return {"responses": len(chosen), "bytes": freed, "tenants": tenants}
+
     def begin(self, response_id: str, run) -> None:
         """A background response starts: `run` (response_runs.Run) answers for it until it ends."""
         with self.lock:
@@ -162,4 +220,8 @@ class ResponseStore:
     def figures(self) -> dict:
         with self.lock:
             return {"responses": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
-                    "dropped": self.dropped, "running": len(self.runs)}
+                    "dropped": self.dropped, "expired": self.expired, "running": len(self.runs)}
+
+
+def _tenant_row(tenant: str) -> dict:
+    return {"tenant": tenant, "responses": 0, "bytes": 0, "oldest": None, "newest": None, "running": 0}

@@ -22,7 +22,7 @@ from .chat_messages import MessagesError, chat_messages, checked_tools
 from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputItems, ResponsesRequest, chat_body,
                             input_items_page, new_id, now, response_object, status_of, usage_of)
 from .response_logprobs import AnswerLogprobs
-from .response_runs import Run
+from .response_runs import Run, settled
 from .response_truncation import fitting_cut
 from .responses_input import input_items
 from .strict_json import StrictJSONRoute
@@ -241,12 +241,6 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         run.task = asyncio.get_running_loop().create_task(drive())
         return run
 
-    async def settled_run(run: Run) -> dict:
-        """Cancels a background response and waits for it to end: the response as it ended."""
-        service.cancel(run.request_id)
-        await asyncio.wait({run.task})
-        return run.final
-
     @router.get("/v1/responses/{response_id}")
     async def kept_response(response_id: str, stream: bool = False, starting_after: int = -1,
                             who: Principal = Depends(principal)):
@@ -274,7 +268,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
     async def cancel_response(response_id: str, who: Principal = Depends(principal)):
         run = service.responses.running(who.tenant, response_id)
         if run is not None:
-            return await settled_run(run)
+            return await settled(run, service.cancel)
         kept = service.responses.get(who.tenant, response_id)
         if kept is None:
             raise _not_kept(response_id, "response_id")
@@ -303,7 +297,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
     async def delete_response(response_id: str, who: Principal = Depends(principal)):
         run = service.responses.running(who.tenant, response_id)
         if run is not None:  # (cancelled first: nothing runs on for a response no one can fetch)
-            await settled_run(run)
+            await settled(run, service.cancel)
         if not service.responses.delete(who.tenant, response_id):
             raise _not_kept(response_id, "response_id")
         return {"id": response_id, "object": "response", "deleted": True}

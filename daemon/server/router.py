@@ -47,8 +47,8 @@ from .body_limit import BodyLimit
 from .event_relay import relay_events
 from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, fan_out, merge_cancels, merge_evictions,
                           merge_lora_changes, merge_pin_lists, merge_pins, merge_prefix_lists, merge_profiles,
-                          merge_request_lists, merge_sleeps, merge_tenant_lists, merge_stranded_unpins, merge_unpins,
-                          merge_verifies, merge_weight_updates, replica_reports)
+                          merge_request_lists, merge_response_purges, merge_sleeps, merge_tenant_lists,
+                          merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates, replica_reports)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
@@ -269,6 +269,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         relayed(path, merge_lora_changes)
+    relayed("/admin/responses/purge", merge_response_purges)  # each replica keeps its own responses
     # sleep (kvctl sleep and wake; vLLM's names below): every replica gives back its memory, or takes it again
     for path in ("/admin/sleep", "/admin/wake"):
         relayed(path, merge_sleeps)
@@ -320,7 +321,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     for path, merge in (("/admin/requests", merge_request_lists), ("/admin/tenants", merge_tenant_lists),
                         ("/admin/tiers", replica_reports), ("/admin/prefixes", merge_prefix_lists),
-                        ("/admin/pins", merge_pin_lists), ("/admin/profile", replica_reports)):
+                        ("/admin/pins", merge_pin_lists), ("/admin/profile", replica_reports),
+                        ("/admin/responses", replica_reports)):
         merged_listing(path, merge)
 
     @app.post("/admin/tiers/verify")

@@ -41,7 +41,7 @@ from kvctl.daemon.model.lora import load_adapters, warn_if_kv_changes
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 
-from . import lora_ops, pin_ops, reasoning, reload_ops, tier_ops, tool_calls, weights_ops
+from . import lora_ops, pin_ops, reasoning, reload_ops, response_admin, tier_ops, tool_calls, weights_ops
 from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
@@ -64,6 +64,7 @@ from .tenant_labels import TenantLabels
 log = logging.getLogger("kvd")
 
 STORE_CHECK_SECONDS = 2.0  # how often housekeeping makes sure the store's file is still there
+RESPONSES_AGE_CHECK_SECONDS = 60.0  # how often housekeeping lets go of responses past responses_max_age
 PIN_EXPIRY_SECONDS = 1.0  # how often housekeeping ends the pins whose TTL is over
 
 EventSink = Callable[[TokenEvent], None]
@@ -151,7 +152,9 @@ class EngineService:
         self.housekeeping = Housekeeping([
             Job("pin expiry", lambda: PIN_EXPIRY_SECONDS, partial(pin_ops.expire_pins, self)),
             Job("store file check", lambda: STORE_CHECK_SECONDS, self.store.check_file),  # deleted: written back
-            Job("rollout stop conditions", lambda: self.rollout_check_seconds, self.rollouts.evaluate)])
+            Job("rollout stop conditions", lambda: self.rollout_check_seconds, self.rollouts.evaluate),
+            Job("responses past their age", lambda: RESPONSES_AGE_CHECK_SECONDS,
+                partial(response_admin.expire, self))])
         self._housekeepers: list[threading.Thread] = []
         self.admin_write_slots = WriteSlots()  # the admin calls that change something, at once, on every front
         # settings a completed rollout made everyone's, not (yet) in the config: {name: {value, rollout}};

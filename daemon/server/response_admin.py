@@ -1,0 +1,67 @@
+"""The operator's view of the responses kvd keeps (`GET /admin/responses`) and their purge
+(`POST /admin/responses/purge`): a tenant's, those older than a span, or every one.
+
+Kept responses hold conversations' text, so an operator must be able to remove a tenant's (a
+customer leaving, a request to forget) or those past a retention span, and see what is kept
+where, without reading any of it: counts, bytes and times only. A purge cancels the tenant's
+background responses still running first (each would be kept again as it ended), removes the
+responses from memory and from `responses_store_file`, and is audited. `dry_run` says what it
+would remove and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from .api_errors import ApiError
+from .durations import format_duration, parse_duration
+from .response_runs import settled
+
+log = logging.getLogger("kvd")
+
+
+def listing(service) -> dict:
+    """Each tenant's kept responses (response_store.tenants), and the store's figures."""
+    return {"tenants": service.responses.tenants(), **service.responses.figures()}
+
+
+async def purge(service, tenant: str | None, older_than, every: bool, dry_run: bool, who) -> dict:
+    """Removes the kept responses of `tenant` (None: any tenant's) made more than `older_than` ago
+    (a duration: 90, 30m, 7d; None: whenever); `every` must be set to name none of them."""
+    try:
+        span = parse_duration(older_than)
+    except (ValueError, KeyError):
+        raise ApiError(400, f"older_than: must be a duration (90, 30m, 12h, 7d), got {older_than!r}",
+                       param="older_than") from None
+    if tenant is None and span is None and not every:
+        raise ApiError(400, "tenant: name a tenant or older_than, or send all: true to purge every kept response",
+                       param="tenant")
+    if every and (tenant is not None or span is not None):
+        raise ApiError(400, "all: purges every kept response; leave tenant and older_than out, or all", param="all")
+    made_before = None if span is None else time.time() - span
+    runs = service.responses.runs_matching(tenant, made_before)
+    if not dry_run and runs:  # ended, they are kept (cancelled): then purged with the others
+        await asyncio.gather(*(settled(run, service.cancel) for run in runs))
+    body = {**service.responses.purge(tenant, made_before, dry_run), "cancelled": 0 if dry_run else len(runs),
+            "running": len(runs) if dry_run else 0, "dry_run": dry_run,
+            "tenant": tenant, "older_than_s": span, "all": every}
+    if not dry_run:
+        target = f"tenant:{tenant}" if tenant is not None else ("all" if every else "-")
+        service.store.audit(actor=who.actor, tenant=tenant or "-", action="responses.purge", target=target,
+                            result="ok", detail=body)
+    return body
+
+
+def expire(service) -> int:
+    """Housekeeping: lets go of the kept responses older than `responses_max_age` (None: none),
+    from the file too, counted in the store's `expired`; how many went."""
+    span = service.config.responses_max_age
+    if span is None:
+        return 0
+    gone = service.responses.purge(None, time.time() - span)["responses"]
+    if gone:
+        service.responses.expired += gone
+        log.info("responses: %d kept longer than responses_max_age (%s) let go", gone, format_duration(span))
+    return gone

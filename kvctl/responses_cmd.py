@@ -1,0 +1,107 @@
+"""kvctl responses: the responses kvd keeps for /v1/responses, by tenant; and their purge.
+
+kvd decides and reports (`GET /admin/responses`, `POST /admin/responses/purge`); these show its
+answer. Counts, bytes and times only: never a response's text. At kvd router, each replica's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import typer
+from rich.console import Group
+from rich.markup import escape
+from rich.text import Text
+
+from .command_kit import client_for, emit, show_or_watch
+from .errors import UserError
+from .tables import compact_table, count, duration, size
+
+responses_app = typer.Typer(no_args_is_help=False)
+
+
+@responses_app.callback(invoke_without_command=True)
+def responses(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
+              as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """The responses kvd keeps (for previous_response_id), by tenant: how many, their bytes, the
+    oldest's and newest's age, and those running in the background.
+
+    Never their text. `kvctl responses purge` removes a tenant's, or those older than a span.
+    At kvd router, each replica's under its name.
+
+    Example: kvctl responses
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    client = client_for(ctx)
+    show_or_watch(lambda: client.get("/admin/responses"), responses_view, watch, as_json)
+
+
+def responses_view(d: dict, now: float | None = None) -> Group:
+    """The table of tenants and the store's line under it; at kvd router, each replica's."""
+    if "replicas" in d:
+        return Group(*(part for row in d["replicas"] for part in (
+            [Text(f"replica {row['replica']}", style="bold"), responses_view(row["report"], now), Text("")]
+            if "report" in row else [Text(f"replica {row['replica']}: no answer ({row.get('error')})",
+                                          style="yellow"), Text("")])))
+    now = time.time() if now is None else now
+    parts: list = []
+    if d["tenants"]:
+        table = compact_table("tenant", "responses", "bytes", "oldest", "newest", "running")
+        for index in range(1, 6):
+            table.columns[index].justify = "right"
+        for row in d["tenants"]:
+            table.add_row(escape(row["tenant"]), count(row["responses"]), size(row["bytes"]),
+                          _age(row["oldest"], now), _age(row["newest"], now), count(row["running"]))
+        parts.append(table)
+    line = (f"{d['responses']:,} kept in {size(d['bytes'])} of {size(d['budget_bytes'])}"
+            + (f"; {d['dropped']:,} let go for room" if d["dropped"] else "")
+            + (f"; {d['expired']:,} past responses_max_age" if d.get("expired") else "")
+            + (f"; {d['running']:,} running in the background" if d["running"] else ""))
+    parts.append(Text(line if d["budget_bytes"] else "kvd keeps no response (responses_store_bytes 0)"))
+    return Group(*parts)
+
+
+def _age(at: float | None, now: float) -> str:
+    return "-" if at is None else duration(now - at) + " ago"
+
+
+@responses_app.command("purge")
+def purge(ctx: typer.Context,
+          tenant: Optional[str] = typer.Option(None, "--tenant", help="This tenant's responses."),
+          older_than: Optional[str] = typer.Option(None, "--older-than", help="Those made longer ago than this "
+                                                   "(90, 30m, 12h, 7d); with --tenant, that tenant's only."),
+          every: bool = typer.Option(False, "--all", help="Every kept response, of every tenant."),
+          dry_run: bool = typer.Option(False, "--dry-run", help="Say what it would remove; change nothing."),
+          as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Remove kept responses from memory and from responses_store_file; audited.
+
+    A tenant's (a customer leaving, a request to forget), those older than a span (a retention
+    rule), or every one (--all). The tenant's background responses still running are cancelled
+    first. A client that then names a removed response gets a 404. At kvd router, on every replica.
+
+    Example: kvctl responses purge --tenant acme --dry-run
+    """
+    if not (tenant or older_than or every):
+        raise UserError("give --tenant, --older-than or --all")
+    body = {"tenant": tenant, "older_than": older_than, "all": every, "dry_run": dry_run}
+    data = client_for(ctx).post("/admin/responses/purge", {k: v for k, v in body.items() if v is not None})
+    emit(data, as_json, lambda d: typer.echo(purge_text(d)))
+    if data.get("result") == "partial":
+        raise typer.Exit(3)  # kvd router: some replica refused or was not reached
+
+
+def purge_text(d: dict) -> str:
+    """What a purge removed (or, dry, would remove); at kvd router, the fleet's sum, and what some
+    replica could not do."""
+    verb = "would remove" if d["dry_run"] else "removed"
+    by_tenant = ", ".join(f"{tenant} {n:,}" for tenant, n in sorted(d["tenants"].items()))
+    line = f"{verb} {d['responses']:,} responses ({size(d['bytes'])})" + (f": {by_tenant}" if by_tenant else "")
+    if d["running"]:
+        line += f"; would cancel {d['running']:,} running in the background first"
+    if d["cancelled"]:
+        line += f"; cancelled {d['cancelled']:,} running in the background first"
+    if "replicas" in d:
+        line += f" on {sum(1 for row in d['replicas'] if row.get('status') == 200)} of {len(d['replicas'])} replicas"
+    return line + (f"\n{d['message']}" if d.get("message") else "")
