@@ -104,8 +104,10 @@ def test_an_operator_lists_and_purges_a_tenant_s_responses_audited(kvd, scripted
     [record] = call(unix, "GET", "/admin/audit?action=responses.purge").json()["entries"]
     assert (record["tenant"], record["target"], record["detail"]["responses"]) == ("acme", "tenant:acme", 2)
     # an age that spares the rest
-    spared = call(unix, "POST", "/admin/responses/purge", json={"older_than": "1h"}).json()
+    spared = call(unix, "POST", "/admin/responses/purge", json={"older_than": "1h", "tenant": "globex"}).json()
     assert spared["responses"] == 0
+    record = call(unix, "GET", "/admin/audit?action=responses.purge").json()["entries"][0]
+    assert (record["tenant"], record["target"]) == ("globex", "tenant:globex,older_than:1h")
     assert call(unix, "POST", "/admin/responses/purge", json={"all": True}).json()["tenants"] == {"globex": 1}
 
     for body, message, param in [

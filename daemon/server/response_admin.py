@@ -48,7 +48,8 @@ async def purge(service, tenant: str | None, older_than, every: bool, dry_run: b
             "running": len(runs) if dry_run else 0, "dry_run": dry_run,
             "tenant": tenant, "older_than_s": span, "all": every}
     if not dry_run:
-        target = f"tenant:{tenant}" if tenant is not None else ("all" if every else "-")
+        target = "all" if every else ",".join(filter(None, [tenant and f"tenant:{tenant}",
+                                                            span and f"older_than:{format_duration(span)}"]))
         service.store.audit(actor=who.actor, tenant=tenant or "-", action="responses.purge", target=target,
                             result="ok", detail=body)
     return body
@@ -60,8 +61,7 @@ def expire(service) -> int:
     span = service.config.responses_max_age
     if span is None:
         return 0
-    gone = service.responses.purge(None, time.time() - span)["responses"]
+    gone = service.responses.purge(None, time.time() - span, expired=True)["responses"]
     if gone:
-        service.responses.expired += gone
         log.info("responses: %d kept longer than responses_max_age (%s) let go", gone, format_duration(span))
     return gone

@@ -171,9 +171,11 @@ class ResponseStore:
             runs = [run for run in self.runs.values() if tenant is None or run.tenant == tenant]
         return [run for run in runs if made_before is None or run.now()["created_at"] < made_before]
 
-    def purge(self, tenant: str | None, made_before: float | None, dry_run: bool = False) -> dict:
+    def purge(self, tenant: str | None, made_before: float | None, dry_run: bool = False,
+              expired: bool = False) -> dict:
         """Lets go of the kept responses of `tenant` (None: every tenant's) made before
-        `made_before` (None: whenever), from the file too; with `dry_run`, only counts them.
+        `made_before` (None: whenever), from the file too; with `dry_run`, only counts them;
+        `expired`: counted as let go past their age (responses_max_age).
         {"responses", "bytes" (what memory gets back), "tenants" ({tenant: responses})}."""
         with self.lock:
             chosen = [(response_id, entry) for response_id, entry in self.entries.items()
@@ -186,6 +188,7 @@ class ResponseStore:
             freed = sum(entry.size for _, entry in chosen) + sum(
                 self.held[key][1] for key, count in holders.items() if count == self.held[key][0])
             if not dry_run:
+                self.expired += len(chosen) if expired else 0
                 for response_id, entry in chosen:
                     del self.entries[response_id]
                     self._release(entry)
