@@ -164,6 +164,12 @@ def test_kvctl_shows_the_tenants_and_what_a_purge_removed():
     assert purge_text({"responses": 2, "bytes": 2048, "tenants": {"acme": 2}, "dry_run": True, "running": 1,
                        "cancelled": 0}) == ("would remove 2 responses (2.0 KiB): acme 2; would cancel 1 running in "
                                             "the background first")
+    console = Console(width=100, record=True)
+    console.print(responses_view({"replicas": [{"replica": "a", "status": 200, "report": listing},
+                                               {"replica": "b", "status": None, "error": "ConnectError"}]}, now=3600.0))
+    lines = console.export_text().splitlines()
+    assert lines[0] == "replica a" and "replica b: no answer (ConnectError)" in lines
+    assert sum("acme" in line for line in lines) == 1
     fleet = {"responses": 3, "bytes": 4096, "tenants": {"acme": 3}, "dry_run": False, "running": 0, "cancelled": 0,
              "result": "partial", "replicas": [{"replica": "a", "status": 200}, {"replica": "b", "status": None}],
              "message": "b: not reached (connection refused)"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 
 import pytest
@@ -87,6 +88,43 @@ def test_the_background_responses_running_are_a_gauge(kvd):
     assert "kvd_responses_running 1.0" in call(unix, "GET", "/metrics").text
     service.responses.ended("resp_x")
     assert "kvd_responses_running 0.0" in call(unix, "GET", "/metrics").text
+
+
+def test_an_ended_stream_s_events_stay_while_its_response_is_kept_within_a_quarter_of_the_budget():
+    from kvctl.daemon.server.response_runs import Run
+    from kvctl.daemon.server.response_store import REPLAY_S, ResponseStore
+
+    events = [{"type": "response.output_text.delta", "sequence_number": n, "delta": "x" * 90} for n in range(10)]
+    size = sum(len(json.dumps(event)) for event in events)
+    store = ResponseStore(8 * size + 400)  # a quarter holds two runs' events
+    now = [0.0]
+    store.clock = lambda: now[0]
+
+    def ended(response_id: str, tenant: str = "acme", stream: bool = True) -> Run:
+        run = Run(tenant, "req-" + response_id, stream, lambda status: {})
+        for event in events if stream else ():
+            run.publish(event)
+        store.put(tenant, {"id": response_id, "created_at": 0}, [])
+        store.begin(response_id, run)
+        store.ended(response_id, run)
+        return run
+
+    first = ended("resp_1")
+    assert store.replayable("acme", "resp_1") is first and store.replay_bytes == size
+    assert store.replayable("globex", "resp_1") is None  # another tenant's: as if it were not there
+    ended("resp_2", stream=False)  # (no events kept: made without stream)
+    assert list(store.replays) == ["resp_1"]
+    ended("resp_3")
+    ended("resp_4")  # past a quarter of the budget: the oldest goes
+    assert list(store.replays) == ["resp_3", "resp_4"] and store.replay_bytes == 2 * size
+    store.delete("acme", "resp_3")
+    store.purge("acme", None, dry_run=True)  # (a dry run keeps them)
+    assert list(store.replays) == ["resp_4"]
+    now[0] = REPLAY_S + 1
+    assert store.replayable("acme", "resp_4") is None and store.replay_bytes == 0  # past REPLAY_S
+    ended("resp_5")
+    store.purge("acme", None)  # a purge takes them with their responses
+    assert store.replayable("acme", "resp_5") is None and store.replay_bytes == 0
 
 
 def test_a_cancelled_background_response_stops_its_request_and_keeps_what_it_wrote(kvd, gated):
@@ -183,7 +221,11 @@ async def left_early(client) -> list:
     return first
 
 
-def test_a_background_stream_left_early_runs_on_to_its_end(kvd, gated, tmp_path):
+def test_a_background_stream_left_early_runs_on_to_its_end_and_streams_the_rest_after_it(kvd, gated, tmp_path):
+    from kvctl.daemon.server.response_store import REPLAY_S
+
+    from .daemon_fixtures import sse_events
+
     service, unix, _ = kvd
     text = "Blocks come back from the host tier."
     gated["script"][:] = service.loaded.tokenizer.encode(text, add_special_tokens=False)
@@ -194,14 +236,24 @@ def test_a_background_stream_left_early_runs_on_to_its_end(kvd, gated, tmp_path)
             first = await left_early(client)  # (while the run waits at the gate): it runs on
             gated["gate"].set()
             ended = await settle(client, first[0].response.id)
-            again = await http.get(f"/v1/responses/{ended.id}", params={"stream": "true"})
-            return first, ended, again
+            rest = await http.get(f"/v1/responses/{ended.id}", params={"stream": "true", "starting_after": 4})
+            clock = service.responses.clock
+            service.responses.clock = lambda: clock() + REPLAY_S + 1  # (its events are let go past REPLAY_S)
+            late = await http.get(f"/v1/responses/{ended.id}", params={"stream": "true"})
+            return first, ended, rest, late
 
-    first, ended, again = asyncio.run(go())
+    first, ended, rest, late = asyncio.run(go())
     assert [e.sequence_number for e in first] == list(range(5))
     assert (ended.status, ended.output_text) == ("completed", text)
     assert ended.usage.output_tokens == len(gated["script"]) + 1
-    assert again.status_code == 400 and again.json()["error"]["param"] == "stream"  # it has ended: GET it whole
+    # it has ended: the rest of its events, from where the client left, to the terminal one
+    events = sse_events(rest)
+    assert [e["sequence_number"] for e in events] == list(range(5, 5 + len(events)))
+    assert events[-1]["type"] == "response.completed"
+    assert (events[-1]["response"]["id"], events[-1]["response"]["status"]) == (ended.id, "completed")
+    assert first[-1].delta + "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == text
+    assert late.status_code == 400 and late.json()["error"]["param"] == "stream"  # then GET it whole
+    assert service.responses.replays == {} and service.responses.replay_bytes == 0
 
 
 def test_a_background_stream_streams_again_while_it_runs_and_refusals_name_the_field(kvd, gated, tmp_path):
@@ -244,8 +296,9 @@ def test_a_background_stream_streams_again_while_it_runs_and_refusals_name_the_f
     made = call(tcp, "POST", "/v1/responses", json={"input": "Hi", "max_output_tokens": 2}, headers=acme).json()
     replay = call(tcp, "GET", f"/v1/responses/{made['id']}?stream=true", headers=acme)
     assert replay.status_code == 400 and replay.json()["error"]["message"] == (
-        "stream: kvd streams a response's events again only while it runs in the background, and it is not running "
-        "in the background (it has ended, or was not made with background: true); GET it without stream")
+        "stream: kvd streams a background response's events again while it runs and for 5m after it ends, and it "
+        "is neither running nor ended in the last 5m (or was not made with background and stream); GET it without "
+        "stream")
     globex = {"Authorization": f"Bearer {GLOBEX_TOKEN}"}
     for method, path in [("GET", ""), ("POST", "/cancel"), ("GET", "?stream=true")]:
         assert call(tcp, method, f"/v1/responses/{made['id']}{path}", headers=globex).status_code == 404

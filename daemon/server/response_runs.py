@@ -5,7 +5,8 @@ The request runs in kvd whether or not its client stays. The client comes back f
 then `in_progress` with the output so far); one made with `stream: true` streams its events
 again from any point (`GET /v1/responses/{id}?stream=true&starting_after=N`); `POST
 /v1/responses/{id}/cancel` cancels it. When it ends it is kept in the ResponseStore as any
-response is, and the run is let go (its events with it).
+response is, and its events stay a while longer (response_store.REPLAY_S), for a client whose
+stream dropped near the end to stream the rest.
 """
 
 from __future__ import annotations

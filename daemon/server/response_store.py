@@ -19,10 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from .response_file import ResponseFile, ResponseFileError
+
+REPLAY_S = 300.0  # how long an ended background response's events can still be streamed again
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,11 @@ class ResponseStore:
         self.dropped = 0  # responses let go to make room (or too big to keep)
         self.expired = 0  # responses let go once older than responses_max_age (response_admin.expire)
         self.runs: dict[str, object] = {}  # background responses still running (response_runs.Run), by id
+        # ended background streams whose events can be streamed again (REPLAY_S, a quarter of the budget):
+        # id -> (its Run, when it ended, the bytes of its events)
+        self.replays: OrderedDict[str, tuple] = OrderedDict()
+        self.replay_bytes = 0
+        self.clock = time.monotonic
         self.lock = threading.Lock()
         self.file = file
         if file is not None:  # (the oldest first: those that no longer fit go, from the file too)
@@ -96,10 +104,12 @@ class ResponseStore:
             old = self.entries.pop(response["id"], None)  # (one of its id it replaces)
             if old is not None:
                 self._release(old)
+                self._drop_replay(response["id"])
             while self.used > self.budget:
                 gone_id, gone = self.entries.popitem(last=False)
                 self._release(gone)
                 self.dropped += 1
+                self._drop_replay(gone_id)
                 if self.file is not None:
                     self.file.remove(gone_id)
             self.entries[response["id"]] = entry
@@ -135,6 +145,7 @@ class ResponseStore:
                 return False
             del self.entries[response_id]
             self._release(entry)
+            self._drop_replay(response_id)
             if self.file is not None:
                 self.file.remove(response_id)
             return True
@@ -192,6 +203,7 @@ class ResponseStore:
                 for response_id, entry in chosen:
                     del self.entries[response_id]
                     self._release(entry)
+                    self._drop_replay(response_id)
                     if self.file is not None:
                         self.file.remove(response_id)
             tenants: dict[str, int] = {}
@@ -210,10 +222,40 @@ class ResponseStore:
             run = self.runs.get(response_id)
             return run if run is not None and run.tenant == tenant else None
 
-    def ended(self, response_id: str) -> None:
-        """A background response has ended (and been put, where it is kept)."""
+    def ended(self, response_id: str, run=None) -> None:
+        """A background response has ended (and been put, where it is kept). The events of `run`
+        (one made with stream: true) can be streamed again for REPLAY_S while the response is kept,
+        within a quarter of the budget (the oldest go first): a client whose stream dropped near
+        the end gets the rest, and the terminal event."""
+        size = sum(len(json.dumps(event)) for event in run.events) if run is not None and run.events else 0
         with self.lock:
             self.runs.pop(response_id, None)
+            if size and response_id in self.entries and size <= self.budget // 4:
+                self.replays[response_id] = (run, self.clock(), size)
+                self.replay_bytes += size
+                self._forget_replays()
+
+    def replayable(self, tenant: str, response_id: str):
+        """The tenant's ended background response `response_id` whose events can still be
+        streamed again (response_runs.Run), or None."""
+        with self.lock:
+            self._forget_replays()
+            kept = self.replays.get(response_id)
+            return kept[0] if kept is not None and kept[0].tenant == tenant else None
+
+    def _forget_replays(self) -> None:
+        """Lets go of the events past REPLAY_S, and the oldest past a quarter of the budget."""
+        now = self.clock()
+        while self.replays:
+            response_id, (_, ended_at, _) = next(iter(self.replays.items()))
+            if now - ended_at <= REPLAY_S and self.replay_bytes <= self.budget // 4:
+                return
+            self._drop_replay(response_id)
+
+    def _drop_replay(self, response_id: str) -> None:
+        kept = self.replays.pop(response_id, None)
+        if kept is not None:
+            self.replay_bytes -= kept[2]
 
     def close(self) -> None:
         """Writes what is left to the file and closes it (at kvd's stop)."""

@@ -22,7 +22,9 @@ from .chat_messages import MessagesError, chat_messages, checked_tools
 from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputItems, ResponsesRequest, chat_body,
                             input_items_page, new_id, now, response_object, status_of, usage_of)
 from .response_logprobs import AnswerLogprobs
+from .durations import format_duration
 from .response_runs import Run, settled
+from .response_store import REPLAY_S
 from .response_truncation import fitting_cut
 from .responses_input import input_items
 from .strict_json import StrictJSONRoute
@@ -235,7 +237,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                     stopped = {"code": "server_error", "message": "kvd stopped serving it before it ended"}
                     ended_failed(body, who, head, items, stopped, conversation, inputs)
                 run.end(items.response)
-                service.responses.ended(head["id"])
+                service.responses.ended(head["id"], run)
 
         service.responses.begin(head["id"], run)
         run.task = asyncio.get_running_loop().create_task(drive())
@@ -246,13 +248,16 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                             who: Principal = Depends(principal)):
         run = service.responses.running(who.tenant, response_id)
         if stream:  # a background response's events again, from `starting_after` on
+            run = run or service.responses.replayable(who.tenant, response_id)
             if run is None and service.responses.get(who.tenant, response_id) is None:
                 raise _not_kept(response_id, "response_id")
             if run is None or run.events is None:
-                why = ("it runs in the background but was not made with stream: true" if run is not None else
-                       "it is not running in the background (it has ended, or was not made with background: true)")
-                raise ApiError(400, f"stream: kvd streams a response's events again only while it runs in the "
-                                    f"background, and {why}; GET it without stream", param="stream")
+                why = ("it was made without stream: true" if run is not None else
+                       f"it is neither running nor ended in the last {format_duration(REPLAY_S)} (or was not made "
+                       "with background and stream)")
+                raise ApiError(400, f"stream: kvd streams a background response's events again while it runs and "
+                                    f"for {format_duration(REPLAY_S)} after it ends, and {why}; GET it without stream",
+                               param="stream")
             if starting_after < -1:
                 raise ApiError(400, f"starting_after: must be a sequence number (0 or more), got {starting_after}",
                                param="starting_after")
