@@ -132,3 +132,25 @@ def test_a_conversation_continues_after_kvd_restarts(tmp_path):
         assert (listed[0]["content"][0]["text"], listed[2]["content"][0]["text"]) == ("Hi", "More")
     finally:
         service.shutdown(1)
+
+
+def test_a_restart_keeps_the_order_of_use_and_the_least_recently_used_go_first(tmp_path):
+    from kvctl.daemon.server.response_file import ResponseFile
+    from kvctl.daemon.server.response_store import ResponseStore
+
+    path = tmp_path / "responses.sqlite"
+    store = ResponseStore(2**20, ResponseFile(str(path)))
+    for n in (1, 2, 3):
+        store.put("acme", {"id": f"resp_{n}", "created_at": n}, [{"role": "user", "content": f"q{n}"}])
+    each = store.used // 3  # (the three are the same size)
+    assert store.get("acme", "resp_1") is not None  # now the most recently used
+    store.close()
+    again = ResponseStore(2**20, ResponseFile(str(path)))
+    assert list(again.entries) == ["resp_2", "resp_3", "resp_1"]
+    again.put("acme", {"id": "resp_4", "created_at": 4}, [{"role": "user", "content": "q4"}])
+    again.file.close()  # a crash: no order written since (resp_4 follows those ranked at the last stop)
+    smaller = ResponseStore(2 * each, ResponseFile(str(path)))
+    try:
+        assert list(smaller.entries) == ["resp_1", "resp_4"]  # the least recently used went for room
+    finally:
+        smaller.close()

@@ -9,10 +9,11 @@ are stored by their content (the SHA-256 of their JSON), each once however many 
 it, with the count of those that do: the turns of a conversation share them on disk as they do
 in memory. The file is made with mode 0600: it holds the conversations' text.
 
-At start the memory store is filled from it, in the order the responses were made (after a
-restart the least recently made goes first, not the least recently used); identical messages
-become one object again, so the memory store counts them once. A background response that was
-still running is not in it (it had not ended).
+At start the memory store is filled from it, least recently used first: kvd's stop writes the
+order of use (`used`; one write at the end, not one per read), so a restart keeps it; those kept
+after the last stop (a crash) follow, in the order they were made. Identical messages become one
+object again, so the memory store counts them once. A background response that was still
+running is not in it (it had not ended).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL,
     tenant TEXT NOT NULL, response TEXT NOT NULL, conversation TEXT NOT NULL, inputs TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS parts (digest TEXT PRIMARY KEY, body TEXT NOT NULL, refs INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS used (id TEXT PRIMARY KEY, rank INTEGER NOT NULL);
 """
 
 
@@ -60,8 +62,9 @@ class ResponseFile:
         self.thread = threading.Thread(target=self._write_all, name="kvd-responses-file", daemon=True)
 
     def load(self) -> Iterator[tuple[str, dict, list[dict], list[dict]]]:
-        """(tenant, response, conversation, inputs) of each response kept, oldest first; a message
-        or item held by several is one object."""
+        """(tenant, response, conversation, inputs) of each response kept, the least recently used
+        first (as kvd last stopped; then those kept since, oldest first); a message or item held
+        by several is one object."""
         bodies = dict(self.db.execute("SELECT digest, body FROM parts"))
         objects: dict[str, dict] = {}
 
@@ -70,7 +73,8 @@ class ResponseFile:
                 objects[digest] = json.loads(bodies[digest])
             return objects[digest]
 
-        rows = self.db.execute("SELECT tenant, response, conversation, inputs FROM responses ORDER BY seq")
+        rows = self.db.execute("SELECT tenant, response, conversation, inputs FROM responses LEFT JOIN used "
+                               "USING (id) ORDER BY used.rank IS NULL, used.rank, seq")
         for tenant, response, conversation, inputs in rows.fetchall():
             yield (tenant, json.loads(response), [part(d) for d in json.loads(conversation)],
                    [part(d) for d in json.loads(inputs)])
@@ -86,6 +90,10 @@ class ResponseFile:
 
     def remove(self, response_id: str) -> None:
         self.queue.put(("remove", response_id))
+
+    def save_order(self, response_ids: list[str]) -> None:
+        """The order of use, the least recently used first (written at kvd's stop)."""
+        self.queue.put(("order", response_ids))
 
     def flush(self) -> None:
         """Waits until every add and remove so far has been written."""
@@ -106,7 +114,12 @@ class ResponseFile:
                 kind, args = job
                 try:
                     self.db.execute("BEGIN IMMEDIATE")
-                    (self._add if kind == "add" else self._remove)(*((args,) if kind == "remove" else args))
+                    if kind == "add":
+                        self._add(*args)
+                    elif kind == "remove":
+                        self._remove(args)
+                    else:
+                        self._save_order(args)
                     self.db.execute("COMMIT")
                 except sqlite3.Error as exc:
                     if self.db.in_transaction:
@@ -129,11 +142,17 @@ class ResponseFile:
         self.db.execute("INSERT INTO responses (id, tenant, response, conversation, inputs) VALUES (?, ?, ?, ?, ?)",
                         (response_id, tenant, response, json.dumps(conversation), json.dumps(inputs)))
 
+    def _save_order(self, response_ids: list[str]) -> None:
+        self.db.execute("DELETE FROM used")
+        self.db.executemany("INSERT INTO used (id, rank) VALUES (?, ?)",
+                            ((response_id, rank) for rank, response_id in enumerate(response_ids)))
+
     def _remove(self, response_id: str) -> None:
         row = self.db.execute("SELECT conversation, inputs FROM responses WHERE id = ?", (response_id,)).fetchone()
         if row is None:
             return
         self.db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+        self.db.execute("DELETE FROM used WHERE id = ?", (response_id,))
         for digest in set(json.loads(row[0])) | set(json.loads(row[1])):
             self.db.execute("UPDATE parts SET refs = refs - 1 WHERE digest = ?", (digest,))
         self.db.execute("DELETE FROM parts WHERE refs <= 0")

@@ -258,8 +258,11 @@ class ResponseStore:
             self.replay_bytes -= kept[2]
 
     def close(self) -> None:
-        """Writes what is left to the file and closes it (at kvd's stop)."""
+        """Writes what is left to the file, and the order of use, and closes it (at kvd's stop)."""
         if self.file is not None:
+            with self.lock:
+                order = list(self.entries)
+            self.file.save_order(order)
             self.file.close()
 
     def figures(self) -> dict:
