@@ -216,3 +216,18 @@ def test_responses_past_responses_max_age_are_let_go_by_housekeeping(tmp_path):
     assert expire(service) == 0
     service.config.responses_max_age = None
     assert expire(service) == 0 and store.get("acme", "resp_new") is not None
+
+
+def test_responses_max_age_reloads_live_and_housekeeping_applies_it(kvd):
+    import time
+    from dataclasses import replace
+
+    from kvctl.daemon.server.response_admin import expire
+
+    service, _, _ = kvd
+    service.responses.put("acme", response("resp_old", time.time() - 7200), [{"role": "user", "content": "old"}])
+    assert expire(service) == 0  # (none set: kept)
+    result = service.reload(replace(service.config, responses_max_age=3600.0))
+    assert result["changed"] == {"responses_max_age": 3600.0} and result["needs_restart"] == []
+    assert expire(service) == 1 and service.responses.get("acme", "resp_old") is None
+    assert service.status()["responses"]["expired"] == 1
