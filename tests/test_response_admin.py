@@ -231,3 +231,6 @@ def test_responses_max_age_reloads_live_and_housekeeping_applies_it(kvd):
     assert result["changed"] == {"responses_max_age": 3600.0} and result["needs_restart"] == []
     assert expire(service) == 1 and service.responses.get("acme", "resp_old") is None
     assert service.status()["responses"]["expired"] == 1
+    from .daemon_fixtures import call
+
+    assert "kvd_responses_expired_total 1.0" in call(kvd[1], "GET", "/metrics").text

@@ -208,6 +208,8 @@ class _EngineCollector:
         yield CounterMetricFamily("kvd_responses_dropped", "Kept responses let go for room (least recently used "
                                   "first) or too big to keep: a turn that continues one gets a 404",
                                   value=kept["dropped"])
+        yield CounterMetricFamily("kvd_responses_expired", "Kept responses let go once older than "
+                                  "responses_max_age", value=kept["expired"])
         yield GaugeMetricFamily("kvd_responses_running", "Background responses (background: true) running now",
                                 value=kept["running"])
         prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",
