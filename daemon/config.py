@@ -238,6 +238,9 @@ class KvdConfig:
     # kept responses older than this many seconds are let go, from the file too ("30d" in YAML or on the
     # command line; housekeeping checks every minute); None: kept until room or a purge needs them
     responses_max_age: float | None = None
+    # the conversations /v1/conversations keeps (and a response's `conversation` continues), in memory
+    # (conversation_store.py); the least recently used go first; 0: none
+    conversations_store_bytes: int = 64 * 2**20
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
     chat_template: str | None = None  # a Jinja file for /v1/chat/completions; default: the checkpoint's own
     # what every chat's template gets unless the request's chat_template_kwargs say otherwise, as JSON
@@ -350,7 +353,7 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
-    "responses_store_bytes": _size, "responses_max_age": parse_duration,
+    "responses_store_bytes": _size, "responses_max_age": parse_duration, "conversations_store_bytes": _size,
     "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
     "max_queue": whole_number, "max_loras": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,

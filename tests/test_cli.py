@@ -1354,3 +1354,21 @@ def test_status_shows_the_responses_kept_and_those_let_go_for_room():
         {"responses": 0, "bytes": 0, "budget_bytes": 64 * 2**20, "dropped": 0, "running": 2})
     assert "responses kept 5 in 1.0 KiB of 64.0 MiB; 9 let go past responses_max_age" in shown(
         {"responses": 5, "bytes": 1024, "budget_bytes": 64 * 2**20, "dropped": 0, "expired": 9, "running": 0})
+
+
+def test_status_shows_the_conversations_kept_and_those_let_go():
+    from rich.console import Console
+
+    from kvctl.status_view import render_status
+
+    def shown(figures):
+        console = Console(record=True, width=200)
+        render_status({**_status_data(0), "conversations": figures}, console)
+        return " ".join(console.export_text().split())
+
+    none = {"conversations": 0, "bytes": 0, "budget_bytes": 64 * 2**20, "dropped": 0, "turns_lost": 0}
+    assert "conversations" not in shown(none)  # none yet: no line
+    assert "conversations 12 kept in 3.0 KiB of 64.0 MiB" in shown({**none, "conversations": 12, "bytes": 3072})
+    assert ("conversations 2 kept in 1.0 MiB of 1.0 MiB; 5 let go for room (a request that names one gets a 404); "
+            "1 turns not added (the conversation would outgrow the budget)") in shown(
+        {"conversations": 2, "bytes": 2**20, "budget_bytes": 2**20, "dropped": 5, "turns_lost": 1})

@@ -107,7 +107,8 @@ def request(**fields) -> ResponsesRequest:
      "reasoning.effort"),
     ({"reasoning": {"effort": "low"}}, "reasoning.effort: the model's chat template does not read reasoning_effort, "
      "so 'low' would change nothing; leave it out", "reasoning.effort"),
-    ({"metadata": {"a": 1}}, "metadata: must be an object of at most 16 string values", "metadata"),
+    ({"metadata": {"a": 1}}, "metadata.a: must be a string of at most 512 characters, got int", "metadata.a"),
+    ({"metadata": [1]}, "metadata: must be an object of at most 16 string values", "metadata"),
     ({"max_tool_calls": 0}, "max_tool_calls: must be 1 or more, got 0", "max_tool_calls"),
 ])
 def test_what_a_chat_cannot_carry_is_refused_naming_the_field(fields, message, param):
@@ -474,7 +475,6 @@ def test_a_cut_off_reply_is_incomplete_and_unsupported_fields_are_refused_by_nam
     assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "incomplete"
     assert streamed.text.startswith("event: response.created\ndata: ")
     for field, value, hint in [
-            ("conversation", "conv_1", "kvd keeps no conversation objects; send previous_response_id"),
             ("prompt", {"id": "pmpt_1"}, "kvd keeps no prompt templates; send instructions and input"),
             ]:
         refused = call(unix, "POST", "/v1/responses", json={"input": "Hi", field: value})

@@ -51,6 +51,7 @@ from .metrics import Metrics
 from .reasoning import answer_only
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .response_format import asks_for_a_shape, constraint_of
+from .conversations_routes import conversations_routes
 from .responses_routes import responses_routes
 from .service import EngineService, LoopSink
 from .strict_json import StrictJSONRoute
@@ -515,6 +516,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return prompts
 
     app.include_router(responses_routes(service, principal, serve_chat, chat_shape))  # /v1/responses, as a chat turn
+    app.include_router(conversations_routes(service, principal))  # /v1/conversations, which responses continue
     app.include_router(admin_routes(service, admin, tenant_header=front == "unix" or trusted_proxy))
 
     return app

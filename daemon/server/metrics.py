@@ -212,6 +212,16 @@ class _EngineCollector:
                                   "responses_max_age", value=kept["expired"])
         yield GaugeMetricFamily("kvd_responses_running", "Background responses (background: true) running now",
                                 value=kept["running"])
+        conversations = self.service.conversations.figures()  # /v1/conversations (conversation_store.py)
+        yield GaugeMetricFamily("kvd_conversations_kept", "Conversations kept (/v1/conversations)",
+                                value=conversations["conversations"])
+        yield GaugeMetricFamily("kvd_conversations_kept_bytes", "Bytes the kept conversations are counted at (of "
+                                "conversations_store_bytes)", value=conversations["bytes"])
+        yield CounterMetricFamily("kvd_conversations_dropped", "Conversations let go for room (least recently used "
+                                  "first): a request that names one gets a 404", value=conversations["dropped"])
+        yield CounterMetricFamily("kvd_conversation_turns_lost", "Responses whose turn was not added to their "
+                                  "conversation: it would have outgrown conversations_store_bytes",
+                                  value=conversations["turns_lost"])
         prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",
                                      labels=["tenant"])
         hit = CounterMetricFamily("kvd_tenant_hit_tokens", "Of those, served from the prefix cache, per tenant",

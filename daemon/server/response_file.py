@@ -43,7 +43,8 @@ class ResponseFileError(RuntimeError):
 
 class ResponseFile:
     """The file, and the thread that writes it. `add` and `remove` return at once: the thread
-    applies them in order, each in one transaction (`flush` waits for it)."""
+    applies them in order, each in one transaction (`flush` waits for it). The conversations
+    kvd keeps are written to it as well (conversation_file.py), through `submit`."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -86,14 +87,19 @@ class ResponseFile:
             bodies: dict[str, str]) -> None:
         """Keeps `response` (replacing one of its id): its messages and items by digest, `bodies`
         the JSON of those the file may not have yet."""
-        self.queue.put(("add", (response["id"], tenant, json.dumps(response), conversation, inputs, bodies)))
+        self.submit(self._add, response["id"], tenant, json.dumps(response), conversation, inputs, bodies)
 
     def remove(self, response_id: str) -> None:
-        self.queue.put(("remove", response_id))
+        self.submit(self._remove, response_id)
 
     def save_order(self, response_ids: list[str]) -> None:
         """The order of use, the least recently used first (written at kvd's stop)."""
-        self.queue.put(("order", response_ids))
+        self.submit(self._save_order, response_ids)
+
+    def submit(self, write, *args) -> None:
+        """Has the thread call `write(*args)`, after every write submitted before, in a
+        transaction of its own (undone whole where it fails)."""
+        self.queue.put((write, args))
 
     def flush(self) -> None:
         """Waits until every add and remove so far has been written."""
@@ -111,21 +117,16 @@ class ResponseFile:
             try:
                 if job is None:
                     return
-                kind, args = job
+                write, args = job
                 try:
                     self.db.execute("BEGIN IMMEDIATE")
-                    if kind == "add":
-                        self._add(*args)
-                    elif kind == "remove":
-                        self._remove(args)
-                    else:
-                        self._save_order(args)
+                    write(*args)
                     self.db.execute("COMMIT")
                 except sqlite3.Error as exc:
                     if self.db.in_transaction:
                         self.db.execute("ROLLBACK")
                     self.failed += 1
-                    log.warning("responses_store_file %s: a write did not land (%s); the response is kept in "
+                    log.warning("responses_store_file %s: a write did not land (%s); what it wrote is kept in "
                                 "memory only", self.path, exc)
             finally:
                 self.queue.task_done()

@@ -28,23 +28,21 @@ from .chat import Count, GenerationFields
 from .chat_messages import MessagesError
 from .response_logprobs import OUTPUT_LOGPROBS, AnswerLogprobs
 from .response_truncation import TRUNCATIONS
-from .responses_input import chat_tools, input_messages, new_id
+from .responses_input import checked_metadata, chat_tools, input_messages, new_id
 
 # fields of OpenAI's Responses API that kvd does not implement, with the values that ask for nothing;
 # any other value is refused by name (api_errors.refuse_unsupported)
 UNSUPPORTED_RESPONSE_FIELDS = {
-    "conversation": (None,), "prompt": (None,),
+    "prompt": (None,),
     "context_management": (None, []),
 }
 RESPONSE_HINTS = {
-    "conversation": "kvd keeps no conversation objects; send previous_response_id",
     "prompt": "kvd keeps no prompt templates; send instructions and input",
 }
 # chat fields a Responses request passes on as they are (the rest are built from its own fields)
 PASSED_ON = ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "user", "ignore_eos",
              "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
              "priority", "return_tokens_as_token_ids", "kv_transfer_params", "parallel_tool_calls")
-METADATA_KEYS = 16  # OpenAI's most metadata pairs
 CARRY_REASONING = "reasoning.encrypted_content"  # reasoning items carry their text (reasoning_blob.py)
 INCLUDED = (CARRY_REASONING, OUTPUT_LOGPROBS)  # the `include` values kvd serves
 EFFORTS = ("minimal", "low", "medium", "high")
@@ -64,6 +62,7 @@ class ResponsesRequest(GenerationFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
+    conversation: Any = None  # a conversation's id, or {"id": ...}: its items come first, and this turn's go to it
     store: bool = True
     reasoning: Any = None  # {"effort": ...}: the chat template's reasoning_effort (gpt-oss reads it)
     text: Any = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
@@ -81,6 +80,11 @@ class ResponsesRequest(GenerationFields):
     def carries_reasoning(self) -> bool:
         """Whether its reasoning items are to carry their text (`include`, checked by `chat_body`)."""
         return isinstance(self.include, list) and CARRY_REASONING in self.include
+
+    def conversation_id(self) -> str | None:
+        """The id of the conversation it continues (None: none, or `conversation` is malformed)."""
+        given = self.conversation.get("id") if isinstance(self.conversation, dict) else self.conversation
+        return given if isinstance(given, str) and given else None
 
     def wants_logprobs(self) -> bool:
         """Whether its answer's text is to carry its tokens' logprobs (`include`)."""
@@ -168,10 +172,11 @@ def chat_body(body: ResponsesRequest, earlier: list[dict], reads: frozenset | se
         raise MessagesError(f"truncation: must be {' or '.join(TRUNCATIONS)}, got {body.truncation!r}", "truncation")
     if body.max_tool_calls is not None and body.max_tool_calls < 1:
         raise MessagesError(f"max_tool_calls: must be 1 or more, got {body.max_tool_calls}", "max_tool_calls")
-    metadata = body.metadata
-    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > METADATA_KEYS
-                                 or not all(isinstance(v, str) for v in metadata.values())):
-        raise MessagesError(f"metadata: must be an object of at most {METADATA_KEYS} string values", "metadata")
+    checked_metadata(body.metadata)
+    if body.conversation is not None:
+        if body.conversation_id() is None:
+            raise MessagesError(f"conversation: must be a conversation's id or {{\"id\": ...}}, got "
+                                f"{body.conversation!r}", "conversation")
     conversation = [*earlier, *input_messages(body.input)]
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     chat: dict = {name: getattr(body, name) for name in PASSED_ON if name in body.model_fields_set}
@@ -359,6 +364,7 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, create
             "output": json.loads(json.dumps(items)),
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
+            "conversation": {"id": body.conversation_id()} if body.conversation_id() else None,
             "reasoning": {"effort": reasoning.get("effort"), "summary": None}, "store": body.store,
             "temperature": drawn["temperature"], "text": {"format": text_format or {"type": "text"}},
             "tool_choice": body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none"),
@@ -372,11 +378,12 @@ ITEMS_PAGE = (1, 100, 20)  # a page of input items: the fewest, the most, and ho
 
 
 def input_items_page(items: list[dict] | tuple[dict, ...], after: str | None, before: str | None,
-                     limit: str | None, order: str | None) -> dict:
+                     limit: str | None, order: str | None, whose: str = "response") -> dict:
     """A page of a response's input items (`GET /v1/responses/{id}/input_items`), as OpenAI's
     list: `order` "desc" (the default: the latest first) or "asc"; `after` and `before` name an
     item of the list (in that order) the page starts after or ends before; `limit` items at most.
-    MessagesError names the query parameter at fault."""
+    MessagesError names the query parameter at fault. A conversation's items are listed the same
+    way (`whose`: "conversation")."""
     least, most, default = ITEMS_PAGE
     order = "desc" if order is None else order
     if order not in ("asc", "desc"):
@@ -394,7 +401,8 @@ def input_items_page(items: list[dict] | tuple[dict, ...], after: str | None, be
         if given is None:
             continue
         if given not in ids:
-            raise MessagesError(f"{name}: no input item {given!r} in this response's list", name)
+            raise MessagesError(f"{name}: no {'input ' if whose == 'response' else ''}item {given!r} in this "
+                                f"{whose}'s list", name)
         if name == "after":
             start = ids.index(given) + 1
         else:

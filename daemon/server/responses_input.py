@@ -12,6 +12,7 @@ from typing import Any
 from . import reasoning_blob
 from .chat_messages import MessagesError
 
+METADATA_KEYS = 16  # OpenAI's most metadata pairs
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -68,20 +69,22 @@ def _reasoning_text(item: dict, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_messages(raw: Any) -> list[dict]:
+def input_messages(raw: Any, field: str = "input") -> list[dict]:
     """The request's `input` as chat messages (as chat_messages.chat_messages takes them), or
-    MessagesError naming the item and field at fault. A function call joins the assistant
-    message before it (one turn: its text, then its calls, as a chat client sends it back); a
-    reasoning item goes with the assistant message or call after it."""
-    if isinstance(raw, str):
+    MessagesError naming the item and field at fault (`field`: what the request calls the list,
+    a conversation's `items`). A function call joins the assistant message before it (one turn:
+    its text, then its calls, as a chat client sends it back); a reasoning item goes with the
+    assistant message or call after it."""
+    if isinstance(raw, str) and field == "input":
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
         got = "an empty list" if raw == [] else "nothing" if raw is None else type(raw).__name__
-        raise MessagesError(f"input: must be a string or a list of items, got {got}", "input")
+        kinds = "a string or a list of items" if field == "input" else "a list of items"
+        raise MessagesError(f"{field}: must be {kinds}, got {got}", field)
     messages: list[dict] = []
     thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(raw):
-        where = f"input[{i}]"
+        where = f"{field}[{i}]"
         if not isinstance(item, dict):
             raise MessagesError(f"{where}: must be an object (a message or an item), got {type(item).__name__}", where)
         if item.get("id") is not None and not isinstance(item["id"], str):
@@ -125,9 +128,26 @@ def input_messages(raw: Any) -> list[dict]:
             message["reasoning_content"], thought = thought, None
         messages.append(message)
     if thought is not None:
-        raise MessagesError(f"input[{len(raw) - 1}]: a reasoning item goes before the assistant message or function "
-                            "call it led to", f"input[{len(raw) - 1}]")
+        raise MessagesError(f"{field}[{len(raw) - 1}]: a reasoning item goes before the assistant message or "
+                            "function call it led to", f"{field}[{len(raw) - 1}]")
     return messages
+
+
+def checked_metadata(metadata: Any, param: str = "metadata") -> dict:
+    """`metadata` as OpenAI's API takes it (None: {}): at most METADATA_KEYS pairs, keys of at
+    most 64 characters, string values of at most 512; MessagesError naming `param` otherwise."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or len(metadata) > METADATA_KEYS:
+        raise MessagesError(f"{param}: must be an object of at most {METADATA_KEYS} string values", param)
+    for key, value in metadata.items():
+        if len(key) > 64:
+            raise MessagesError(f"{param}: a key is at most 64 characters, got one of {len(key)}", param)
+        if not isinstance(value, str) or len(value) > 512:
+            raise MessagesError(f"{param}.{key}: must be a string of at most 512 characters, got "
+                                + (f"one of {len(value)}" if isinstance(value, str) else type(value).__name__),
+                                f"{param}.{key}")
+    return metadata
 
 
 def new_id(prefix: str) -> str:

@@ -26,7 +26,9 @@ from .durations import format_duration
 from .response_runs import Run, settled
 from .response_store import REPLAY_S
 from .response_truncation import fitting_cut
-from .responses_input import input_items
+from .responses_input import input_items, input_messages
+from .conversation_store import ConversationError, Turn
+from .conversations_routes import not_found as conversation_not_found
 from .strict_json import StrictJSONRoute
 
 REQUEST_ID_HEADER = "X-KVD-Request-Id"
@@ -62,23 +64,29 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                                error=error, defaults=service.sampling_defaults)
 
     def finished(body: ResponsesRequest, who: Principal, head: dict, items: OutputItems, finish_reason: str | None,
-                 chat_usage: dict, conversation: list[dict], inputs: list[dict]) -> dict:
+                 chat_usage: dict, conversation: list[dict], inputs: list[dict], turn: Turn | None) -> dict:
         """The response once the reply has ended, kept for a next turn unless `store` is false
-        (`inputs`: the items it was made from)."""
+        (`inputs`: the items it was made from); its input and output go to the conversation it
+        continues (`turn`), unless it was cancelled."""
         usage = usage_of(chat_usage, reasoning_tokens(items.reasoning_text()))
         response = shaped(body, head, items.items, status_of(finish_reason), usage, finish_reason)
         if body.store:
             service.responses.put(who.tenant, response, [*conversation, items.assistant_turn()], inputs)
+        if turn is not None:
+            turn.end(response["output"] if response["status"] != "cancelled" else None)
         return response
 
     def ended_failed(body: ResponsesRequest, who: Principal, head: dict, items: OutputItems, error: dict,
-                     conversation: list[dict], inputs: list[dict]) -> dict:
+                     conversation: list[dict], inputs: list[dict], turn: Turn | None) -> dict:
         """The response, failed with `error`: the item being written closed as incomplete; kept
-        where it ran in the background (its client comes back for it)."""
+        where it ran in the background (its client comes back for it); its conversation is left
+        as it was."""
         items.close("incomplete")
         response = items.response = shaped(body, head, items.items, "failed", error=error)
         if body.background:
             service.responses.put(who.tenant, response, conversation, inputs)
+        if turn is not None:
+            turn.end(None)
         return response
 
     @router.post("/v1/responses")
@@ -90,7 +98,20 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                            param="background")
         earlier: list[dict] = []
         inputs: list[dict] = []  # the items this response is made from: the earlier turns', then its input
-        if body.previous_response_id is not None:
+        held = None  # the conversation it continues (conversation_store.py)
+        if body.conversation is not None and body.previous_response_id is not None:
+            raise ApiError(400, "previous_response_id: a response continues a conversation or a previous response, "
+                                "not both; give conversation or previous_response_id", param="previous_response_id")
+        if body.conversation_id() is not None:
+            held = service.conversations.get(who.tenant, body.conversation_id())
+            if held is None:
+                raise conversation_not_found(body.conversation_id(), "conversation")
+            inputs = list(held.items)
+            try:
+                earlier = input_messages(inputs, "conversation.items") if inputs else []
+            except MessagesError as exc:
+                raise ApiError(400, str(exc), param=exc.param) from None
+        elif body.previous_response_id is not None:
             if service.responses.running(who.tenant, body.previous_response_id) is not None:
                 raise ApiError(400, f"previous_response_id: response {body.previous_response_id!r} is still running "
                                     "in the background; continue it once it has ended", param="previous_response_id")
@@ -104,7 +125,14 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
             asked, conversation = chat_body(body, earlier, template.request_kwargs if template else frozenset())
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
-        inputs += input_items(body.input)
+        given = input_items(body.input)
+        if held is not None:
+            ids = {item["id"] for item in inputs}
+            for i, item in enumerate(given):
+                if item["id"] in ids:
+                    raise ApiError(400, f"input[{i}].id: conversation {held.id!r} has an item {item['id']!r} already; "
+                                        "send this turn's new items only", param=f"input[{i}].id")
+        inputs += given
         if body.truncation == "auto":  # (the conversation kept for the next turn starts at the cut too)
             instructions = asked["messages"][:len(asked["messages"]) - len(conversation)]
             conversation = conversation[await fitting(body, instructions, asked, conversation):]
@@ -112,7 +140,18 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         if body.background:  # streamed from the engine whatever the client asked: its run keeps each event
             asked.update(stream=True, stream_options={"include_usage": True})
         chat_request = ChatCompletionRequest.model_validate(asked)
-        answer = await chat(chat_request, http, who, "responses")
+        turn = None
+        if held is not None:  # one response at a time writes to a conversation
+            try:
+                turn = service.conversations.claim(held, given)
+            except ConversationError as exc:
+                raise ApiError(exc.status, str(exc), param=exc.param, code=exc.code) from None
+        try:
+            answer = await chat(chat_request, http, who, "responses")
+        except BaseException:
+            if turn is not None:
+                turn.end(None)
+            raise
         model = service.adapter_named(body.model) or service.model_name  # (the chat has checked it)
         head = {"id": new_id("resp_"), "created": now(), "model": model}
         named = {REQUEST_ID_HEADER: answer.headers.get(REQUEST_ID_HEADER.lower(), "")}
@@ -122,15 +161,17 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
             if body.wants_logprobs() else None
         items = OutputItems(body.carries_reasoning(), answer_logprobs)
         if body.background:
-            events = _events(answer.body_iterator, body, who, head, conversation, inputs, items)
-            run = in_background(events, body, who, head, named[REQUEST_ID_HEADER], items, conversation, inputs)
+            events = _events(answer.body_iterator, body, who, head, conversation, inputs, items, turn)
+            run = in_background(events, body, who, head, named[REQUEST_ID_HEADER], items, conversation, inputs, turn)
             if body.stream:
                 return StreamingResponse(_sse(run.events_after(-1)), media_type="text/event-stream", headers=named)
             return JSONResponse(run.now(), headers=named)
         if isinstance(answer, StreamingResponse):
-            return StreamingResponse(_sse(_events(answer.body_iterator, body, who, head, conversation, inputs, items)),
-                                     media_type="text/event-stream", headers=named)
+            events = _events(answer.body_iterator, body, who, head, conversation, inputs, items, turn)
+            return StreamingResponse(_sse(events), media_type="text/event-stream", headers=named)
         if answer.status_code != 200:  # the client left (499)
+            if turn is not None:
+                turn.end(None)
             return answer
         reply = json.loads(answer.body)
         [choice] = reply["choices"]
@@ -138,7 +179,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         items.feed(choice["message"])
         items.finish(choice["finish_reason"])
         return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation,
-                                     inputs), headers=named)
+                                     inputs, turn), headers=named)
 
     async def fitting(body: ResponsesRequest, instructions: list[dict], asked: dict, conversation: list[dict]) -> int:
         """How many of the conversation's first messages `truncation: "auto"` drops (0: it fits
@@ -174,10 +215,24 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         return cut
 
     async def _events(chunks: AsyncIterator[str], body: ResponsesRequest, who: Principal, head: dict,
-                      conversation: list[dict], inputs: list[dict], items: OutputItems) -> AsyncIterator[dict]:
+                      conversation: list[dict], inputs: list[dict], items: OutputItems,
+                      turn: Turn | None) -> AsyncIterator[dict]:
         """The chat's stream as the Responses API's events, `items` built as they come. Leaving
-        early closes the chat's stream, which cancels the request. A cancelled one (a background
-        response's cancel) ends once its items close: kept, with no event of its own."""
+        early closes the chat's stream, which cancels the request (and leaves its conversation as
+        it was). A cancelled one (a background response's cancel) ends once its items close: kept,
+        with no event of its own."""
+        events = _stream_events(chunks, body, who, head, conversation, inputs, items, turn)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+            if turn is not None:
+                turn.end(None)  # (nothing, where the response ended and added its turn)
+
+    async def _stream_events(chunks: AsyncIterator[str], body: ResponsesRequest, who: Principal, head: dict,
+                             conversation: list[dict], inputs: list[dict], items: OutputItems,
+                             turn: Turn | None) -> AsyncIterator[dict]:
         opening = shaped(body, head, [], "in_progress")
         items.emit("response.created", response=opening)
         items.emit("response.in_progress", response=opening)
@@ -204,12 +259,12 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
             await chunks.aclose()
         if failed is not None:
             error = {"code": failed.get("code") or "server_error", "message": failed["message"]}
-            response = ended_failed(body, who, head, items, error, conversation, inputs)
+            response = ended_failed(body, who, head, items, error, conversation, inputs, turn)
             items.emit("response.failed", response=response)
         else:
             items.finish(finish_reason)
             response = items.response = finished(body, who, head, items, finish_reason, chat_usage, conversation,
-                                                 inputs)
+                                                 inputs, turn)
             if response["status"] != "cancelled":
                 items.emit(f"response.{response['status']}", response=response)
         for event in items.take_events():
@@ -223,7 +278,8 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
             await events.aclose()
 
     def in_background(events: AsyncIterator[dict], body: ResponsesRequest, who: Principal, head: dict,
-                      request_id: str, items: OutputItems, conversation: list[dict], inputs: list[dict]) -> Run:
+                      request_id: str, items: OutputItems, conversation: list[dict], inputs: list[dict],
+                      turn: Turn | None) -> Run:
         """Runs the response's events in a task of its own, which no client's leaving cancels."""
         run = Run(who.tenant, request_id, bool(body.stream), lambda status: shaped(body, head, items.items, status))
 
@@ -235,7 +291,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                 await events.aclose()
                 if items.response is None:  # kvd stopped serving it
                     stopped = {"code": "server_error", "message": "kvd stopped serving it before it ended"}
-                    ended_failed(body, who, head, items, stopped, conversation, inputs)
+                    ended_failed(body, who, head, items, stopped, conversation, inputs, turn)
                 run.end(items.response)
                 service.responses.ended(head["id"], run)
 

@@ -509,20 +509,60 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def delete_response(response_id: str, who: Caller = Depends(caller)):
         return await at_home(response_id, "DELETE", who)
 
-    async def at_home(response_id: str, method: str, who: Caller, below: str = "", params=None) -> Response:
+    @app.post("/v1/conversations")
+    async def create_conversation(http: Request, who: Caller = Depends(caller)):
+        replica = service.conversation_home()
+        if replica is None:
+            return error(503, "no replica takes requests now", "no_replica")
+        answer = await relayed(replica, "POST", "/v1/conversations", who, content=await http.body())
+        if answer.status_code == 200:  # its turns, and every request about it, go there
+            service.response_homes.note(json.loads(answer.body)["id"], replica.name)
+        return answer
+
+    @app.api_route("/v1/conversations/{conversation_id}", methods=["GET", "POST", "DELETE"])
+    async def conversation(conversation_id: str, http: Request, who: Caller = Depends(caller)):
+        return await at_home(conversation_id, http.method, who, params=http.query_params,
+                             content=await http.body(), kind="conversations")
+
+    @app.api_route("/v1/conversations/{conversation_id}/items", methods=["GET", "POST"])
+    async def conversation_items(conversation_id: str, http: Request, who: Caller = Depends(caller)):
+        return await at_home(conversation_id, http.method, who, "/items", http.query_params, await http.body(),
+                             kind="conversations")
+
+    @app.api_route("/v1/conversations/{conversation_id}/items/{item_id}", methods=["GET", "DELETE"])
+    async def conversation_item(conversation_id: str, item_id: str, http: Request, who: Caller = Depends(caller)):
+        return await at_home(conversation_id, http.method, who, f"/items/{quote(item_id, safe='')}",
+                             http.query_params, kind="conversations")
+
+    async def at_home(response_id: str, method: str, who: Caller, below: str = "", params=None,
+                      content: bytes | None = None, kind: str = "responses") -> Response:
         """The answer of the replica that keeps the response (response_homes.py), as it came: it
         alone says whether the caller's tenant may read it. `below`: a path under the response's
         (its input items, its cancel), asked with the caller's query `params`. A stream (a background
-        response's events again) is relayed as it comes, with no time limit between its events."""
-        replica = await service.find_keeper(response_id, who.tenant)
+        response's events again) is relayed as it comes, with no time limit between its events.
+        `kind` "conversations": a conversation's, `content` the caller's body."""
+        replica = await service.find_keeper(response_id, who.tenant, kind)
         if replica is None:
+            noun = kind[:-1]
             return JSONResponse({"error": {
-                "message": f"response_id: no replica keeps response {response_id!r} (for this tenant)",
-                "type": "not_found_error", "param": "response_id", "code": "response_not_found"}}, status_code=404)
+                "message": f"{noun}_id: no replica keeps {noun} {response_id!r} (for this tenant)",
+                "type": "not_found_error", "param": f"{noun}_id", "code": f"{noun}_not_found"}}, status_code=404)
+        answer = await relayed(replica, method, f"/v1/{kind}/{quote(response_id, safe='')}{below}", who, params,
+                               content)
+        if method == "DELETE" and not below and answer.status_code == 200:
+            service.response_homes.forget(response_id)
+        return answer
+
+    async def relayed(replica, method: str, path: str, who: Caller, params=None,
+                      content: bytes | None = None) -> Response:
+        """`replica`'s answer to `method path` as the caller's tenant, as it came (a stream as its
+        events come)."""
         headers = {"X-KVD-Tenant": who.tenant} if who.tenant is not None else {}
+        if content:
+            headers["Content-Type"] = "application/json"
         streamed = params is not None and str(params.get("stream", "")).lower() in ("true", "1")
         request = replica.client.build_request(
-            method, f"/v1/responses/{quote(response_id, safe='')}{below}", params=params, headers=headers,
+            method, path, params=params, headers=headers, content=content or None,
             timeout=httpx.Timeout(ASK_TIMEOUT_S, read=None) if streamed else ASK_TIMEOUT_S)
         try:
             answer = await replica.client.send(request, stream=True)
@@ -544,8 +584,6 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
         finally:
             await answer.aclose()
-        if method == "DELETE" and answer.status_code == 200:
-            service.response_homes.forget(response_id)
         return Response(content, status_code=answer.status_code, headers={"X-KVD-Replica": replica.name},
                         media_type=media)
 

@@ -474,16 +474,17 @@ class RouterService:
         name = self.response_homes.home(response_id)
         return next((r for r in self.replicas if r.name == name), None) if name is not None else None
 
-    async def find_keeper(self, response_id, tenant: str | None) -> Replica | None:
+    async def find_keeper(self, response_id, tenant: str | None, kind: str = "responses") -> Replica | None:
         """The replica that keeps `response_id`: the one the router saw answer it, else the first of
         the fleet that says it keeps it for `tenant` (`GET /v1/responses/{id}`, asked of all at
         once), then noted as its home. A router learns homes from the answers it forwards, so one
         that restarted, or the other routers of a fleet, find a conversation's home this way.
-        None where none keeps it (for that tenant)."""
+        `kind` "conversations": a conversation's (`GET /v1/conversations/{id}`), noted in the same
+        book. None where none keeps it (for that tenant)."""
         known = self.replica_keeping(response_id)
         if known is not None or not isinstance(response_id, str):
             return known
-        path = f"/v1/responses/{quote(response_id, safe='')}"
+        path = f"/v1/{kind}/{quote(response_id, safe='')}"
         headers = {"X-KVD-Tenant": tenant} if tenant is not None else {}
 
         async def keeps(replica: Replica) -> bool:
@@ -502,13 +503,27 @@ class RouterService:
 
     async def previous_home(self, body: dict, tenant: str | None, excluded: set[int] = frozenset()) -> Replica | None:
         """The replica that keeps the response a Responses request continues (its
-        `previous_response_id`, found as `find_keeper` finds it); None where the request
-        continues none, none keeps it, or it takes no requests now, or has refused this one
-        (`excluded`)."""
+        `previous_response_id`), or the conversation (its `conversation`), found as `find_keeper`
+        finds it; None where the request continues none, none keeps it, or it takes no requests
+        now, or has refused this one (`excluded`)."""
         previous = body.get("previous_response_id")
-        replica = await self.find_keeper(previous, tenant) if previous is not None else None
+        talk = body.get("conversation")
+        talk = talk.get("id") if isinstance(talk, dict) else talk
+        replica = (await self.find_keeper(previous, tenant) if previous is not None else
+                   await self.find_keeper(talk, tenant, "conversations") if isinstance(talk, str) else None)
         if replica is None or id(replica) in excluded or not replica.takes_requests:
             return None
+        return replica
+
+    def conversation_home(self) -> Replica | None:
+        """The replica a new conversation is made at (`POST /v1/conversations`): of those taking
+        requests, the one sent the fewest so far; its turns all go there after. None when none
+        takes requests."""
+        replicas = [r for r in self.replicas if r.takes_requests and r.role != "prefill"]
+        if not replicas:
+            return None
+        replica = min(replicas, key=lambda r: r.sent)
+        replica.sent += 1
         return replica
 
     async def _choose(self, body: dict, tenant: str | None, excluded: set[int],
@@ -516,6 +531,8 @@ class RouterService:
         home = await self.previous_home(body, tenant, excluded)
         if home is not None:
             home.sent += 1
+            if body.get("previous_response_id") is None:
+                return home, "it keeps the conversation this one continues (conversation)"
             return home, "it keeps the response this one continues (previous_response_id)"
         question = question_of(body)
         live, local, now, replicas = weighed or await self.weigh(body, question, tenant, excluded)

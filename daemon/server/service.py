@@ -54,6 +54,8 @@ from .kv_transfer import TransferBook
 from .notify import Notifier
 from .reload_ops import prefetch_settings, quick_prefill_tokens
 from .request_trace import RequestTrace, load_trace_key
+from .conversation_file import ConversationFile
+from .conversation_store import ConversationStore
 from .response_file import ResponseFile
 from .response_store import ResponseStore
 from .rollouts import RolloutManager
@@ -116,8 +118,11 @@ class EngineService:
         self.loaded: LoadedModel | None = None
         self.chat_template: ChatTemplate | None = None  # renders /v1/chat/completions' messages
         # /v1/responses' previous_response_id (with responses_store_file, kept across restarts as well)
-        self.responses = ResponseStore(config.responses_store_bytes, ResponseFile(config.responses_store_file)
-                                       if config.responses_store_file else None)
+        # and /v1/conversations, which a response's `conversation` continues (in the same file)
+        kept_file = ResponseFile(config.responses_store_file) if config.responses_store_file else None
+        self.conversations = ConversationStore(config.conversations_store_bytes,
+                                               ConversationFile(kept_file) if kept_file is not None else None)
+        self.responses = ResponseStore(config.responses_store_bytes, kept_file)  # (starts the file's thread)
         self.hub_name: str | None = None  # the model's Hugging Face id, where --model named one (hub_cache.py)
         self.ready = threading.Event()
         self.accepting = True
@@ -471,7 +476,8 @@ class EngineService:
             thread.join(timeout=max(0.0, joined_by - time.monotonic()))
         # a restart starts them again from zero; a locked store holds the stop this long at most
         self.rollouts.record_figures("shutdown", "kvd", wait=STOP_STORE_WAIT_S)
-        self.responses.close()  # (the kept responses' last writes land before kvd exits)
+        self.conversations.close()
+        self.responses.close()  # (the kept responses' and conversations' last writes land before kvd exits)
 
     def failed_to_load(self) -> bool:
         """Whether the load failed and no load runs now (a reload then loads again: reload_ops)."""

@@ -121,6 +121,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "gc": service.gc_pauses.report(),
             # the responses /v1/responses keeps for previous_response_id (response_store.py), in memory
             "responses": service.responses.figures(),
+            "conversations": service.conversations.figures(),  # /v1/conversations (conversation_store.py)
             "draining": service.draining,
             # what sleeps (sleep_ops.Sleep.describe) while the cache's memory, or the weights', is given back
             "asleep": None if service.asleep is None else service.asleep.describe(),

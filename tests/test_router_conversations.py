@@ -1,0 +1,82 @@
+"""kvd router and `/v1/conversations`: a conversation is made at one replica, which alone keeps
+it; its responses, its items, and every request about it go there, and a router that never saw
+it made finds it by asking the fleet."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+
+from .test_router import drive, replicas, router_app  # noqa: E402,F401
+from .test_router_chat import SYSTEM_1  # noqa: E402
+
+STICKY = "it keeps the conversation this one continues (conversation)"
+
+
+def test_a_conversation_s_turns_and_items_go_where_it_was_made(replicas):
+    service, app = router_app(replicas, "round_robin")  # (alone, it would send each turn elsewhere)
+    seen = {}
+
+    async def make(client):
+        seen["made"] = await client.post("/v1/conversations", json={"metadata": {"k": "v"}, "items": [
+            {"role": "user", "content": "Hello."}]})
+        return seen["made"]
+
+    def turn(text, **extra):
+        async def go(client):
+            return await client.post("/v1/responses", json={
+                "instructions": SYSTEM_1, "input": text, "conversation": seen["made"].json()["id"],
+                "max_output_tokens": 3, "temperature": 0, "ignore_eos": True, **extra})
+        return go
+
+    def at(method, below="", **kwargs):
+        async def go(client):
+            return await client.request(method, f"/v1/conversations/{seen['made'].json()['id']}{below}", **kwargs)
+        return go
+
+    made, first, second, listed, added, updated, item, deleted_item, deleted, gone = drive(app, [
+        make, turn("Q1?"), turn("Q2?", stream=True), at("GET", "/items", params={"order": "asc"}),
+        at("POST", "/items", json={"items": [{"role": "user", "content": "Aside.", "id": "msg_aside"}]}),
+        at("POST", json={"metadata": {"k": "w"}}), at("GET", "/items/msg_aside"),
+        at("DELETE", "/items/msg_nope"), at("DELETE"), at("GET")])
+    home = made.headers["x-kvd-replica"]
+    conversation_id = made.json()["id"]
+    assert made.status_code == 200 and conversation_id.startswith("conv_")
+    assert (first.status_code, second.status_code) == (200, 200), (first.text, second.text)
+    assert [a.headers["x-kvd-replica"] for a in (first, second, listed, added, updated)] == [home] * 5
+    assert first.headers["x-kvd-route"] == second.headers["x-kvd-route"] == STICKY
+    assert first.json()["conversation"] == {"id": conversation_id}
+    assert [(i["type"], i.get("role")) for i in listed.json()["data"]] == [
+        ("message", "user"), ("message", "user"), ("message", "assistant"), ("message", "user"),
+        ("message", "assistant")]
+    assert listed.json()["data"][3]["content"][0]["text"] == "Q2?"
+    assert added.status_code == 200 and updated.json()["metadata"] == {"k": "w"}
+    assert item.json()["content"] == [{"type": "input_text", "text": "Aside."}]
+    assert deleted_item.status_code == 404 and deleted_item.headers["x-kvd-replica"] == home
+    assert deleted.json() == {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
+    assert gone.status_code == 404 and gone.json()["error"] == {
+        "message": f"conversation_id: no replica keeps conversation {conversation_id!r} (for this tenant)",
+        "type": "not_found_error", "param": "conversation_id", "code": "conversation_not_found"}
+    assert service.response_homes.home(conversation_id) is None
+
+
+def test_a_router_that_never_saw_a_conversation_made_finds_its_home_by_asking(replicas):
+    _, first_router = router_app(replicas, "round_robin")
+    other, second_router = router_app(replicas, "round_robin")
+    seen = {}
+
+    async def make(client):
+        seen["made"] = await client.post("/v1/conversations", json={})
+        return seen["made"]
+
+    async def turn(client):
+        return await client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2,
+                                                         "conversation": {"id": seen["made"].json()["id"]}})
+
+    [made] = drive(first_router, [make])
+    [turned] = drive(second_router, [turn])
+    assert turned.status_code == 200 and turned.headers["x-kvd-route"] == STICKY
+    assert turned.headers["x-kvd-replica"] == made.headers["x-kvd-replica"]
+    assert other.response_homes.home(made.json()["id"]) == made.headers["x-kvd-replica"]  # noted once found
