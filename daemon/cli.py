@@ -115,8 +115,8 @@ def serve(
         None, help="Memory for the responses /v1/responses keeps for previous_response_id (least recently used "
                    "go first), e.g. 64MiB; 0 keeps none."),
     responses_max_age: Optional[str] = typer.Option(
-        None, help="Let go of kept responses older than this (90, 30m, 12h, 30d), from the file too. Default: kept "
-                   "until room or a purge needs them."),
+        None, help="Let go of kept responses older than this (90, 30m, 12h, 30d), and of conversations unchanged "
+                   "for as long, from the file too. Default: kept until room or a purge needs them."),
     conversations_store_bytes: Optional[str] = typer.Option(
         None, help="Memory for the conversations /v1/conversations keeps (least recently used go first), e.g. "
                    "64MiB; 0 keeps none."),

@@ -235,8 +235,9 @@ class KvdConfig:
     # a SQLite file the kept responses are written to as well, and read back from at start, so a
     # restart keeps them (response_file.py); None: memory only
     responses_store_file: str | None = None
-    # kept responses older than this many seconds are let go, from the file too ("30d" in YAML or on the
-    # command line; housekeeping checks every minute); None: kept until room or a purge needs them
+    # kept responses older than this many seconds are let go, and conversations unchanged for as long, from
+    # the file too ("30d" in YAML or on the command line; housekeeping checks every minute); None: kept until
+    # room or a purge needs them
     responses_max_age: float | None = None
     # the conversations /v1/conversations keeps (and a response's `conversation` continues), in memory
     # (conversation_store.py); the least recently used go first; 0: none

@@ -1,4 +1,5 @@
-"""kvctl responses: the responses kvd keeps for /v1/responses, by tenant; and their purge.
+"""kvctl responses: the responses kvd keeps for /v1/responses, and the conversations of
+/v1/conversations, by tenant; and their purge.
 
 kvd decides and reports (`GET /admin/responses`, `POST /admin/responses/purge`); these show its
 answer. Counts, bytes and times only: never a response's text. At kvd router, each replica's.
@@ -25,7 +26,8 @@ responses_app = typer.Typer(no_args_is_help=False)
 def responses(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
               as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """The responses kvd keeps (for previous_response_id), by tenant: how many, their bytes, the
-    oldest's and newest's age, and those running in the background.
+    oldest's and newest's age, and those running in the background; and the conversations kvd
+    keeps (/v1/conversations), how many and their bytes.
 
     Never their text. `kvctl responses purge` removes a tenant's, or those older than a span.
     At kvd router, each replica's under its name.
@@ -48,18 +50,29 @@ def responses_view(d: dict, now: float | None = None) -> Group:
     now = time.time() if now is None else now
     parts: list = []
     if d["tenants"]:
-        table = compact_table("tenant", "responses", "bytes", "oldest", "newest", "running")
-        for index in range(1, 6):
+        talks = "conversations" in d  # (an older kvd keeps none)
+        table = compact_table("tenant", "responses", "bytes", "oldest", "newest", "running",
+                              *(("conversations", "their bytes") if talks else ()))
+        for index in range(1, 8 if talks else 6):
             table.columns[index].justify = "right"
         for row in d["tenants"]:
             table.add_row(escape(row["tenant"]), count(row["responses"]), size(row["bytes"]),
-                          _age(row["oldest"], now), _age(row["newest"], now), count(row["running"]))
+                          _age(row["oldest"], now), _age(row["newest"], now), count(row["running"]),
+                          *((count(row.get("conversations", 0)), size(row.get("conversation_bytes", 0)))
+                            if talks else ()))
         parts.append(table)
     line = (f"{d['responses']:,} kept in {size(d['bytes'])} of {size(d['budget_bytes'])}"
             + (f"; {d['dropped']:,} let go for room" if d["dropped"] else "")
             + (f"; {d['expired']:,} past responses_max_age" if d.get("expired") else "")
             + (f"; {d['running']:,} running in the background" if d["running"] else ""))
     parts.append(Text(line if d["budget_bytes"] else "kvd keeps no response (responses_store_bytes 0)"))
+    talks = d.get("conversations")
+    if talks is not None:
+        parts.append(Text(f"conversations: {talks['conversations']:,} kept in {size(talks['bytes'])} of "
+                          f"{size(talks['budget_bytes'])}"
+                          + (f"; {talks['dropped']:,} let go for room" if talks["dropped"] else "")
+                          + (f"; {talks['expired']:,} idle past responses_max_age" if talks.get("expired") else "")
+                          if talks["budget_bytes"] else "kvd keeps no conversation (conversations_store_bytes 0)"))
     return Group(*parts)
 
 
@@ -69,17 +82,18 @@ def _age(at: float | None, now: float) -> str:
 
 @responses_app.command("purge")
 def purge(ctx: typer.Context,
-          tenant: Optional[str] = typer.Option(None, "--tenant", help="This tenant's responses."),
+          tenant: Optional[str] = typer.Option(None, "--tenant", help="This tenant's responses and conversations."),
           older_than: Optional[str] = typer.Option(None, "--older-than", help="Those made longer ago than this "
                                                    "(90, 30m, 12h, 7d); with --tenant, that tenant's only."),
           every: bool = typer.Option(False, "--all", help="Every kept response, of every tenant."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Say what it would remove; change nothing."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Remove kept responses from memory and from responses_store_file; audited.
+    """Remove kept responses and conversations from memory and from responses_store_file; audited.
 
     A tenant's (a customer leaving, a request to forget), those older than a span (a retention
-    rule), or every one (--all). The tenant's background responses still running are cancelled
-    first. A client that then names a removed response gets a 404. At kvd router, on every replica.
+    rule: a response's age is since it was made, a conversation's since it last changed), or every
+    one (--all). The tenant's background responses still running are cancelled first. A client
+    that then names a removed response or conversation gets a 404. At kvd router, on every replica.
 
     Example: kvctl responses purge --tenant acme --dry-run
     """
@@ -98,6 +112,10 @@ def purge_text(d: dict) -> str:
     verb = "would remove" if d["dry_run"] else "removed"
     by_tenant = ", ".join(f"{tenant} {n:,}" for tenant, n in sorted(d["tenants"].items()))
     line = f"{verb} {d['responses']:,} responses ({size(d['bytes'])})" + (f": {by_tenant}" if by_tenant else "")
+    talks = d.get("conversations")  # (an older kvd keeps none)
+    if talks and talks["conversations"]:
+        theirs = ", ".join(f"{tenant} {n:,}" for tenant, n in sorted(talks["tenants"].items()))
+        line += f"; and {talks['conversations']:,} conversations ({size(talks['bytes'])}): {theirs}"
     if d["running"]:
         line += f"; would cancel {d['running']:,} running in the background first"
     if d["cancelled"]:

@@ -161,11 +161,12 @@ def render_status(data: dict, console: Console | None = None):
                       + (f"; {expired:,} let go past responses_max_age" if expired else "")
                       + (f"; {running:,} running in the background" if running else ""))
     talks = data.get("conversations")  # /v1/conversations (an older kvd does not say)
-    if talks and (talks["conversations"] or talks["dropped"] or talks["turns_lost"]):
+    if talks and (talks["conversations"] or talks["dropped"] or talks["turns_lost"] or talks.get("expired")):
         facts.add_row("conversations", f"{talks['conversations']:,} kept in {size(talks['bytes'])} of "
                                        f"{size(talks['budget_bytes'])}"
                       + (f"; {talks['dropped']:,} let go for room (a request that names one gets a 404)"
                          if talks["dropped"] else "")
+                      + (f"; {talks['expired']:,} idle past responses_max_age" if talks.get("expired") else "")
                       + (f"; {talks['turns_lost']:,} turns not added (the conversation would outgrow the budget)"
                          if talks["turns_lost"] else ""))
     spec = data.get("speculation")  # absent from an older kvd

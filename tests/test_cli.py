@@ -1370,5 +1370,5 @@ def test_status_shows_the_conversations_kept_and_those_let_go():
     assert "conversations" not in shown(none)  # none yet: no line
     assert "conversations 12 kept in 3.0 KiB of 64.0 MiB" in shown({**none, "conversations": 12, "bytes": 3072})
     assert ("conversations 2 kept in 1.0 MiB of 1.0 MiB; 5 let go for room (a request that names one gets a 404); "
-            "1 turns not added (the conversation would outgrow the budget)") in shown(
-        {"conversations": 2, "bytes": 2**20, "budget_bytes": 2**20, "dropped": 5, "turns_lost": 1})
+            "3 idle past responses_max_age; 1 turns not added (the conversation would outgrow the budget)") in shown(
+        {"conversations": 2, "bytes": 2**20, "budget_bytes": 2**20, "dropped": 5, "expired": 3, "turns_lost": 1})

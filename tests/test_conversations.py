@@ -41,7 +41,7 @@ def test_the_least_recently_used_conversation_goes_first_and_one_too_big_is_refu
     assert (store.get("acme", second.id), store.get("acme", first.id)) == (None, first)
     assert store.get("acme", third.id) is None and store.get("globex", third.id) is third  # its tenant's only
     assert store.figures() == {"conversations": 2, "bytes": 2 * size, "budget_bytes": 2 * size, "dropped": 1,
-                               "turns_lost": 0}
+                               "expired": 0, "turns_lost": 0}
     with pytest.raises(ConversationError) as refused:
         store.add(first, [item("y" * 103, "msg_2")])
     assert (refused.value.status, refused.value.param, str(refused.value)) == (
@@ -412,3 +412,94 @@ def test_a_conversation_continues_after_kvd_restarts(tmp_path):
         assert len(listed) == 4
     finally:
         service.shutdown(1)
+
+
+# ---- the operator's view and purge ---------------------------------------------------------------
+def test_the_store_purges_a_tenant_s_conversations_and_those_unchanged_for_a_span():
+    now = [1000.0]
+    store = ConversationStore(2**20, clock=lambda: now[0])
+    old = store.create("acme", [item("a", "msg_a")], {}, 100)
+    fresh = store.create("acme", [], {}, 100)
+    other = store.create("globex", [item("g", "msg_g")], {}, 100)
+    store.add(fresh, [item("b", "msg_b")])  # changed at 1000: no longer idle since 100
+    assert (old.updated_at, fresh.updated_at) == (100, 1000)
+    assert store.tenants() == {"acme": {"conversations": 2, "conversation_bytes": old.size + fresh.size},
+                               "globex": {"conversations": 1, "conversation_bytes": other.size}}
+    dry = store.purge(None, 500, dry_run=True)
+    assert dry == {"conversations": 2, "bytes": old.size + other.size, "tenants": {"acme": 1, "globex": 1}}
+    assert store.get("acme", old.id) is old  # a dry run changes nothing
+    assert store.purge("acme", 500) == {"conversations": 1, "bytes": old.size, "tenants": {"acme": 1}}
+    assert store.get("acme", old.id) is None and store.get("globex", other.id) is other
+    assert store.purge(None, 500, expired=True)["tenants"] == {"globex": 1}
+    assert store.figures()["expired"] == 1 and store.used == fresh.size
+
+
+def test_an_operator_sees_and_purges_a_tenant_s_conversations_with_its_responses(kvd, scripted):
+    from .daemon_fixtures import GLOBEX_TOKEN, USER_TOKEN, call
+
+    service, unix, tcp = kvd
+    scripted.extend(service.loaded.tokenizer.encode("Noted.", add_special_tokens=False))
+    acme, globex = ({"Authorization": f"Bearer {token}"} for token in (USER_TOKEN, GLOBEX_TOKEN))
+    talks = {name: call(tcp, "POST", "/v1/conversations", headers=headers,
+                        json={"items": [{"role": "user", "content": f"secret of {name}"}]}).json()["id"]
+             for name, headers in (("acme", acme), ("globex", globex))}
+    turned = call(tcp, "POST", "/v1/responses", headers=acme, json={"input": "Hi", "conversation": talks["acme"],
+                                                                    "max_output_tokens": 8})
+    assert turned.status_code == 200
+    listed = call(unix, "GET", "/admin/responses").json()
+    rows = {row["tenant"]: row for row in listed["tenants"]}
+    assert (rows["acme"]["responses"], rows["acme"]["conversations"]) == (1, 1)
+    assert (rows["globex"]["responses"], rows["globex"]["conversations"]) == (0, 1)
+    assert rows["acme"]["conversation_bytes"] == service.conversations.get("acme", talks["acme"]).size
+    assert listed["conversations"]["conversations"] == 2 and "secret of" not in json.dumps(listed)
+    done = call(unix, "POST", "/admin/responses/purge", json={"tenant": "acme"}).json()
+    assert (done["responses"], done["conversations"]["conversations"], done["conversations"]["tenants"]) == (
+        1, 1, {"acme": 1})
+    assert call(tcp, "GET", f"/v1/conversations/{talks['acme']}", headers=acme).status_code == 404
+    assert call(tcp, "GET", f"/v1/conversations/{talks['globex']}", headers=globex).status_code == 200
+    [record] = call(unix, "GET", "/admin/audit?action=responses.purge").json()["entries"]
+    assert record["detail"]["conversations"]["conversations"] == 1
+
+
+def test_conversations_unchanged_past_responses_max_age_are_let_go_by_housekeeping(kvd):
+    import time
+    from dataclasses import replace
+
+    from kvctl.daemon.server.response_admin import expire
+
+    from .daemon_fixtures import call
+
+    service, unix, _ = kvd
+    made = call(unix, "POST", "/v1/conversations", json={}).json()
+    idle = service.conversations.get("default", made["id"])
+    idle.updated_at = int(time.time()) - 7200  # (last changed two hours ago)
+    kept = call(unix, "POST", "/v1/conversations", json={}).json()
+    service.reload(replace(service.config, responses_max_age=3600.0))
+    assert expire(service) == 1
+    assert call(unix, "GET", f"/v1/conversations/{made['id']}").status_code == 404
+    assert call(unix, "GET", f"/v1/conversations/{kept['id']}").status_code == 200
+    assert service.status()["conversations"]["expired"] == 1
+    assert "kvd_conversations_expired_total 1.0" in call(unix, "GET", "/metrics").text
+
+
+def test_kvctl_responses_shows_each_tenant_s_conversations_and_what_a_purge_removed_of_them():
+    from rich.console import Console
+
+    from kvctl.responses_cmd import purge_text, responses_view
+
+    listing = {"tenants": [{"tenant": "acme", "responses": 2, "bytes": 4096, "oldest": 3000.0, "newest": 3500.0,
+                            "running": 0, "conversations": 7, "conversation_bytes": 10240}],
+               "responses": 2, "bytes": 4096, "budget_bytes": 64 * 2**20, "dropped": 0, "running": 0,
+               "conversations": {"conversations": 7, "bytes": 10240, "budget_bytes": 64 * 2**20, "dropped": 2,
+                                 "expired": 1, "turns_lost": 0}}
+    console = Console(width=120, record=True)
+    console.print(responses_view(listing, now=3600.0))
+    lines = console.export_text().splitlines()
+    assert lines[0].split() == ["tenant", "responses", "bytes", "oldest", "newest", "running", "conversations",
+                                "their", "bytes"]
+    assert lines[1].split() == ["acme", "2", "4.0", "KiB", "10m", "ago", "1m", "ago", "0", "7", "10.0", "KiB"]
+    assert ("conversations: 7 kept in 10.0 KiB of 64.0 MiB; 2 let go for room; 1 idle past responses_max_age"
+            in lines)
+    assert purge_text({"responses": 1, "bytes": 1024, "tenants": {"acme": 1}, "dry_run": False, "running": 0,
+                       "cancelled": 0, "conversations": {"conversations": 3, "bytes": 2048, "tenants": {"acme": 3}}}
+                      ) == "removed 1 responses (1.0 KiB): acme 1; and 3 conversations (2.0 KiB): acme 3"

@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from kvctl.daemon.server.conversation_store import ConversationStore  # noqa: E402
 from kvctl.daemon.server.response_store import ResponseStore  # noqa: E402
 
 from .test_response_background import LONG, gated  # noqa: E402,F401
@@ -111,9 +112,10 @@ def test_an_operator_lists_and_purges_a_tenant_s_responses_audited(kvd, scripted
     assert call(unix, "POST", "/admin/responses/purge", json={"all": True}).json()["tenants"] == {"globex": 1}
 
     for body, message, param in [
-            ({}, "tenant: name a tenant or older_than, or send all: true to purge every kept response", "tenant"),
-            ({"all": True, "tenant": "acme"}, "all: purges every kept response; leave tenant and older_than out, "
-                                              "or all", "all"),
+            ({}, "tenant: name a tenant or older_than, or send all: true to purge every kept response and "
+                 "conversation", "tenant"),
+            ({"all": True, "tenant": "acme"}, "all: purges every kept response and conversation; leave tenant and "
+                                              "older_than out, or all", "all"),
             ({"older_than": "soon"}, "older_than: must be a duration (90, 30m, 12h, 7d), got 'soon'", "older_than")]:
         refused = call(unix, "POST", "/admin/responses/purge", json=body)
         assert refused.status_code == 400
@@ -210,7 +212,8 @@ def test_responses_past_responses_max_age_are_let_go_by_housekeeping(tmp_path):
     now = time.time()
     store.put("acme", response("resp_old", now - 7200), [{"role": "user", "content": "old"}])
     store.put("acme", response("resp_new", now - 60), [{"role": "user", "content": "new"}])
-    service = SimpleNamespace(responses=store, config=SimpleNamespace(responses_max_age=3600.0))
+    service = SimpleNamespace(responses=store, conversations=ConversationStore(2**20),
+                              config=SimpleNamespace(responses_max_age=3600.0))
     assert expire(service) == 1 and store.figures()["expired"] == 1
     assert store.get("acme", "resp_old") is None and store.get("acme", "resp_new") is not None
     assert expire(service) == 0

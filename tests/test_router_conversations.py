@@ -80,3 +80,16 @@ def test_a_router_that_never_saw_a_conversation_made_finds_its_home_by_asking(re
     assert turned.status_code == 200 and turned.headers["x-kvd-route"] == STICKY
     assert turned.headers["x-kvd-replica"] == made.headers["x-kvd-replica"]
     assert other.response_homes.home(made.json()["id"]) == made.headers["x-kvd-replica"]  # noted once found
+
+
+def test_at_the_router_a_purge_removes_the_tenant_s_conversations_on_every_replica(replicas):
+    _, app = router_app(replicas, "round_robin")
+    drive(app, [lambda c: c.post("/admin/responses/purge", json={"all": True})])  # (what earlier tests left)
+    made = drive(app, [lambda c: c.post("/v1/conversations", json={}) for _ in range(2)])
+    assert {m.headers["x-kvd-replica"] for m in made} == {"replica-0", "replica-1"}  # one made at each
+    listed, done, gone = drive(app, [lambda c: c.get("/admin/responses"),
+                                     lambda c: c.post("/admin/responses/purge", json={"tenant": "default"}),
+                                     lambda c: c.get(f"/v1/conversations/{made[0].json()['id']}")])
+    assert [row["report"]["conversations"]["conversations"] for row in listed.json()["replicas"]] == [1, 1]
+    assert done.json()["conversations"] == {"conversations": 2, "bytes": 4, "tenants": {"default": 2}}
+    assert gone.status_code == 404

@@ -18,7 +18,8 @@ from .response_file import ResponseFile
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL,
-    tenant TEXT NOT NULL, created_at INTEGER NOT NULL, metadata TEXT NOT NULL, rank INTEGER);
+    tenant TEXT NOT NULL, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL, metadata TEXT NOT NULL,
+    rank INTEGER);
 CREATE TABLE IF NOT EXISTS conversation_items (conversation TEXT NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL,
     body TEXT NOT NULL, PRIMARY KEY (conversation, seq));
 """
@@ -32,30 +33,31 @@ class ConversationFile:
         self.file = file
         file.db.executescript(SCHEMA)
 
-    def load(self) -> Iterator[tuple[str, str, int, dict, list[dict]]]:
-        """(id, tenant, created_at, metadata, items) of each conversation, the least recently used
-        first (read before the file's thread starts)."""
+    def load(self) -> Iterator[tuple[str, str, int, int, dict, list[dict]]]:
+        """(id, tenant, created_at, updated_at, metadata, items) of each conversation, the least
+        recently used first (read before the file's thread starts)."""
         db = self.file.db
         items: dict[str, list[dict]] = {}
         for conversation, body in db.execute("SELECT conversation, body FROM conversation_items ORDER BY "
                                              "conversation, seq"):
             items.setdefault(conversation, []).append(json.loads(body))
-        rows = db.execute("SELECT id, tenant, created_at, metadata FROM conversations ORDER BY rank IS NULL, rank, seq")
-        for conversation_id, tenant, created_at, metadata in rows.fetchall():
-            yield conversation_id, tenant, created_at, json.loads(metadata), items.get(conversation_id, [])
+        rows = db.execute("SELECT id, tenant, created_at, updated_at, metadata FROM conversations "
+                          "ORDER BY rank IS NULL, rank, seq")
+        for conversation_id, tenant, created_at, updated_at, metadata in rows.fetchall():
+            yield conversation_id, tenant, created_at, updated_at, json.loads(metadata), items.get(conversation_id, [])
 
     def create(self, conversation_id: str, tenant: str, created_at: int, metadata: dict, items: list[dict]) -> None:
         self.file.submit(self._create, conversation_id, tenant, created_at, json.dumps(metadata),
                          [(item["id"], json.dumps(item)) for item in items])
 
-    def set_metadata(self, conversation_id: str, metadata: dict) -> None:
-        self.file.submit(self._set_metadata, conversation_id, json.dumps(metadata))
+    def set_metadata(self, conversation_id: str, updated_at: int, metadata: dict) -> None:
+        self.file.submit(self._set_metadata, conversation_id, updated_at, json.dumps(metadata))
 
-    def add(self, conversation_id: str, items: list[dict]) -> None:
-        self.file.submit(self._add, conversation_id, [(item["id"], json.dumps(item)) for item in items])
+    def add(self, conversation_id: str, updated_at: int, items: list[dict]) -> None:
+        self.file.submit(self._added, conversation_id, updated_at, [(item["id"], json.dumps(item)) for item in items])
 
-    def delete_item(self, conversation_id: str, item_id: str) -> None:
-        self.file.submit(self._delete_item, conversation_id, item_id)
+    def delete_item(self, conversation_id: str, updated_at: int, item_id: str) -> None:
+        self.file.submit(self._delete_item, conversation_id, updated_at, item_id)
 
     def delete(self, conversation_id: str) -> None:
         self.file.submit(self._delete, conversation_id)
@@ -67,12 +69,20 @@ class ConversationFile:
     # ---- on the file's thread, each in a transaction ----
     def _create(self, conversation_id: str, tenant: str, created_at: int, metadata: str,
                 items: list[tuple[str, str]]) -> None:
-        self.file.db.execute("INSERT INTO conversations (id, tenant, created_at, metadata) VALUES (?, ?, ?, ?)",
-                             (conversation_id, tenant, created_at, metadata))
+        self.file.db.execute("INSERT INTO conversations (id, tenant, created_at, updated_at, metadata) "
+                             "VALUES (?, ?, ?, ?, ?)", (conversation_id, tenant, created_at, created_at, metadata))
         self._add(conversation_id, items)
 
-    def _set_metadata(self, conversation_id: str, metadata: str) -> None:
-        self.file.db.execute("UPDATE conversations SET metadata = ? WHERE id = ?", (metadata, conversation_id))
+    def _updated(self, conversation_id: str, updated_at: int) -> None:
+        self.file.db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (updated_at, conversation_id))
+
+    def _set_metadata(self, conversation_id: str, updated_at: int, metadata: str) -> None:
+        self.file.db.execute("UPDATE conversations SET metadata = ?, updated_at = ? WHERE id = ?",
+                             (metadata, updated_at, conversation_id))
+
+    def _added(self, conversation_id: str, updated_at: int, items: list[tuple[str, str]]) -> None:
+        self._updated(conversation_id, updated_at)
+        self._add(conversation_id, items)
 
     def _add(self, conversation_id: str, items: list[tuple[str, str]]) -> None:
         db = self.file.db
@@ -81,7 +91,8 @@ class ConversationFile:
         db.executemany("INSERT INTO conversation_items (conversation, seq, id, body) VALUES (?, ?, ?, ?)",
                        ((conversation_id, last + 1 + i, item_id, body) for i, (item_id, body) in enumerate(items)))
 
-    def _delete_item(self, conversation_id: str, item_id: str) -> None:
+    def _delete_item(self, conversation_id: str, updated_at: int, item_id: str) -> None:
+        self._updated(conversation_id, updated_at)
         self.file.db.execute("DELETE FROM conversation_items WHERE conversation = ? AND id = ?",
                              (conversation_id, item_id))
 

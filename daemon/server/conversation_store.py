@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class Conversation:
     metadata: dict
     items: list[dict] = field(default_factory=list)
     size: int = 0  # bytes: the JSON of its metadata and of each item
+    updated_at: int = 0  # when it was made or last changed (its items or metadata), for responses_max_age
     writer: weakref.ref | None = None  # the Turn of the response writing to it (claim)
 
     def shown(self) -> dict:
@@ -78,7 +80,7 @@ def _size(part) -> int:
 class ConversationStore:
     """Conversations by id, each for its tenant, least recently used dropped first."""
 
-    def __init__(self, budget_bytes: int, file: ConversationFile | None = None) -> None:
+    def __init__(self, budget_bytes: int, file: ConversationFile | None = None, clock=time.time) -> None:
         """`file`: where they are written as well, and read back from now (with a budget of 0,
         kvd keeps none and leaves the file's as they are)."""
         self.budget = budget_bytes
@@ -86,11 +88,14 @@ class ConversationStore:
         self.entries: OrderedDict[str, Conversation] = OrderedDict()
         self.dropped = 0  # conversations let go to make room
         self.turns_lost = 0  # responses whose items did not fit in their conversation (it alone over the budget)
+        self.expired = 0  # conversations let go once idle longer than responses_max_age (response_admin.expire)
+        self.clock = clock  # wall-clock seconds: when a conversation was last changed
         self.lock = threading.Lock()
         self.file = file if self.keeps else None
         if self.file is not None:  # (the least recently used first: those that no longer fit go, from the file too)
-            for conversation_id, tenant, created_at, metadata, items in self.file.load():
-                conversation = Conversation(conversation_id, tenant, created_at, metadata, items)
+            for conversation_id, tenant, created_at, updated_at, metadata, items in self.file.load():
+                conversation = Conversation(conversation_id, tenant, created_at, metadata, items,
+                                            updated_at=updated_at)
                 conversation.size = _size(metadata) + sum(_size(item) for item in items)
                 self.entries[conversation_id] = conversation
                 self.used += conversation.size
@@ -124,7 +129,8 @@ class ConversationStore:
     def create(self, tenant: str, items: list[dict], metadata: dict, created_at: int) -> Conversation:
         """A new conversation of `items` (already shaped, each with its id); ConversationError
         where it alone would not fit."""
-        conversation = Conversation(new_id("conv_"), tenant, created_at, dict(metadata), list(items))
+        conversation = Conversation(new_id("conv_"), tenant, created_at, dict(metadata), list(items),
+                                    updated_at=created_at)
         conversation.size = _size(conversation.metadata) + sum(_size(item) for item in items)
         self._room(conversation.size, "items")
         with self.lock:
@@ -153,9 +159,11 @@ class ConversationStore:
             self._grew(conversation, grown)
 
     def _written(self, conversation: Conversation, change: str, *args) -> None:
-        """Writes `change` of a conversation still kept to the file (where there is one)."""
+        """`change` made to a conversation: it was updated now, and so it is in the file (where
+        there is one, and the conversation is still kept)."""
+        conversation.updated_at = int(self.clock())
         if self.file is not None and self.entries.get(conversation.id) is conversation:
-            getattr(self.file, change)(conversation.id, *args)
+            getattr(self.file, change)(conversation.id, conversation.updated_at, *args)
 
     def _grew(self, conversation: Conversation, grown: int) -> None:
         conversation.size += grown
@@ -228,6 +236,37 @@ class ConversationStore:
                     self.turns_lost += 1
                     log.warning("conversation %s: a response's items were not added: %s", conversation.id, exc)
 
+    def tenants(self) -> dict[str, dict]:
+        """Each tenant's conversations (`GET /admin/responses`): how many, their bytes and items."""
+        rows: dict[str, dict] = {}
+        with self.lock:
+            for conversation in self.entries.values():
+                row = rows.setdefault(conversation.tenant, {"conversations": 0, "conversation_bytes": 0})
+                row["conversations"] += 1
+                row["conversation_bytes"] += conversation.size
+        return rows
+
+    def purge(self, tenant: str | None, idle_since: float | None, dry_run: bool = False,
+              expired: bool = False) -> dict:
+        """Lets go of the conversations of `tenant` (None: every tenant's) last changed before
+        `idle_since` (None: whenever), from the file too; with `dry_run`, only counts them;
+        `expired`: counted as let go past their age. {"conversations", "bytes", "tenants"}."""
+        with self.lock:
+            chosen = [conversation for conversation in self.entries.values()
+                      if (tenant is None or conversation.tenant == tenant)
+                      and (idle_since is None or conversation.updated_at < idle_since)]
+            if not dry_run:
+                self.expired += len(chosen) if expired else 0
+                for conversation in chosen:
+                    del self.entries[conversation.id]
+                    self.used -= conversation.size
+                    if self.file is not None:
+                        self.file.delete(conversation.id)
+        tenants: dict[str, int] = {}
+        for conversation in chosen:
+            tenants[conversation.tenant] = tenants.get(conversation.tenant, 0) + 1
+        return {"conversations": len(chosen), "bytes": sum(c.size for c in chosen), "tenants": tenants}
+
     def close(self) -> None:
         """Writes the order of use to the file (at kvd's stop, before the file closes)."""
         if self.file is not None:
@@ -237,4 +276,4 @@ class ConversationStore:
     def figures(self) -> dict:
         with self.lock:
             return {"conversations": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
-                    "dropped": self.dropped, "turns_lost": self.turns_lost}
+                    "dropped": self.dropped, "expired": self.expired, "turns_lost": self.turns_lost}

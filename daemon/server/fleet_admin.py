@@ -300,10 +300,16 @@ def merge_tenant_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple
 def merge_response_purges(bodies: list[dict]) -> dict:
     """The replicas' purges of kept responses added up (each replica keeps its own)."""
     tenants: Counter = Counter()
+    talks: dict = {"conversations": 0, "bytes": 0, "tenants": Counter()}
     for body in bodies:
         tenants.update(body["tenants"])
+        theirs = body.get("conversations") or {}  # (an older replica keeps none)
+        talks["conversations"] += theirs.get("conversations", 0)
+        talks["bytes"] += theirs.get("bytes", 0)
+        talks["tenants"].update(theirs.get("tenants", {}))
     return {**{key: sum(body[key] for body in bodies) for key in ("responses", "bytes", "cancelled", "running")},
-            "tenants": dict(tenants), **{key: bodies[0][key] for key in ("dry_run", "tenant", "older_than_s", "all")}}
+            "tenants": dict(tenants), "conversations": {**talks, "tenants": dict(talks["tenants"])},
+            **{key: bodies[0][key] for key in ("dry_run", "tenant", "older_than_s", "all")}}
 
 
 def replica_reports(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:

@@ -219,6 +219,8 @@ class _EngineCollector:
                                 "conversations_store_bytes)", value=conversations["bytes"])
         yield CounterMetricFamily("kvd_conversations_dropped", "Conversations let go for room (least recently used "
                                   "first): a request that names one gets a 404", value=conversations["dropped"])
+        yield CounterMetricFamily("kvd_conversations_expired", "Conversations let go once unchanged longer than "
+                                  "responses_max_age", value=conversations["expired"])
         yield CounterMetricFamily("kvd_conversation_turns_lost", "Responses whose turn was not added to their "
                                   "conversation: it would have outgrown conversations_store_bytes",
                                   value=conversations["turns_lost"])

@@ -1,12 +1,14 @@
-"""The operator's view of the responses kvd keeps (`GET /admin/responses`) and their purge
-(`POST /admin/responses/purge`): a tenant's, those older than a span, or every one.
+"""The operator's view of the responses and conversations kvd keeps (`GET /admin/responses`)
+and their purge (`POST /admin/responses/purge`): a tenant's, those older than a span, or every one.
 
-Kept responses hold conversations' text, so an operator must be able to remove a tenant's (a
-customer leaving, a request to forget) or those past a retention span, and see what is kept
-where, without reading any of it: counts, bytes and times only. A purge cancels the tenant's
-background responses still running first (each would be kept again as it ended), removes the
-responses from memory and from `responses_store_file`, and is audited. `dry_run` says what it
-would remove and changes nothing.
+Kept responses and conversations (/v1/conversations) hold conversations' text, so an operator
+must be able to remove a tenant's (a customer leaving, a request to forget) or those past a
+retention span, and see what is kept where, without reading any of it: counts, bytes and times
+only. A purge cancels the tenant's background responses still running first (each would be kept
+again as it ended), removes the responses and the conversations from memory and from
+`responses_store_file`, and is audited. `dry_run` says what it would remove and changes nothing.
+A response's age is since it was made; a conversation's, since it last changed (a turn added,
+an item removed, its metadata set).
 """
 
 from __future__ import annotations
@@ -23,8 +25,17 @@ log = logging.getLogger("kvd")
 
 
 def listing(service) -> dict:
-    """Each tenant's kept responses (response_store.tenants), and the store's figures."""
-    return {"tenants": service.responses.tenants(), **service.responses.figures()}
+    """Each tenant's kept responses (response_store.tenants) and conversations, and the stores'
+    figures (the conversations' under `conversations`)."""
+    rows = {row["tenant"]: row for row in service.responses.tenants()}
+    for tenant, talks in service.conversations.tenants().items():
+        rows.setdefault(tenant, {"tenant": tenant, "responses": 0, "bytes": 0, "oldest": None, "newest": None,
+                                 "running": 0}).update(talks)
+    for row in rows.values():
+        row.setdefault("conversations", 0)
+        row.setdefault("conversation_bytes", 0)
+    ordered = sorted(rows.values(), key=lambda row: (-row["bytes"] - row["conversation_bytes"], row["tenant"]))
+    return {"tenants": ordered, **service.responses.figures(), "conversations": service.conversations.figures()}
 
 
 async def purge(service, tenant: str | None, older_than, every: bool, dry_run: bool, who) -> dict:
@@ -36,15 +47,18 @@ async def purge(service, tenant: str | None, older_than, every: bool, dry_run: b
         raise ApiError(400, f"older_than: must be a duration (90, 30m, 12h, 7d), got {older_than!r}",
                        param="older_than") from None
     if tenant is None and span is None and not every:
-        raise ApiError(400, "tenant: name a tenant or older_than, or send all: true to purge every kept response",
-                       param="tenant")
+        raise ApiError(400, "tenant: name a tenant or older_than, or send all: true to purge every kept response "
+                            "and conversation", param="tenant")
     if every and (tenant is not None or span is not None):
-        raise ApiError(400, "all: purges every kept response; leave tenant and older_than out, or all", param="all")
+        raise ApiError(400, "all: purges every kept response and conversation; leave tenant and older_than out, "
+                            "or all", param="all")
     made_before = None if span is None else time.time() - span
     runs = service.responses.runs_matching(tenant, made_before)
     if not dry_run and runs:  # ended, they are kept (cancelled): then purged with the others
         await asyncio.gather(*(settled(run, service.cancel) for run in runs))
-    body = {**service.responses.purge(tenant, made_before, dry_run), "cancelled": 0 if dry_run else len(runs),
+    body = {**service.responses.purge(tenant, made_before, dry_run),
+            "conversations": service.conversations.purge(tenant, made_before, dry_run),
+            "cancelled": 0 if dry_run else len(runs),
             "running": len(runs) if dry_run else 0, "dry_run": dry_run,
             "tenant": tenant, "older_than_s": span, "all": every}
     if not dry_run:
@@ -57,11 +71,14 @@ async def purge(service, tenant: str | None, older_than, every: bool, dry_run: b
 
 def expire(service) -> int:
     """Housekeeping: lets go of the kept responses older than `responses_max_age` (None: none),
-    from the file too, counted in the store's `expired`; how many went."""
+    and the conversations unchanged for as long, from the file too, counted in each store's
+    `expired`; how many went."""
     span = service.config.responses_max_age
     if span is None:
         return 0
     gone = service.responses.purge(None, time.time() - span, expired=True)["responses"]
-    if gone:
-        log.info("responses: %d kept longer than responses_max_age (%s) let go", gone, format_duration(span))
-    return gone
+    idle = service.conversations.purge(None, time.time() - span, expired=True)["conversations"]
+    if gone or idle:
+        log.info("responses: %d kept and %d conversations unchanged longer than responses_max_age (%s) let go", gone,
+                 idle, format_duration(span))
+    return gone + idle
