@@ -16,8 +16,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from kvctl.daemon.server.chat_messages import chat_messages  # noqa: E402
+from kvctl.daemon.server.chat_messages import MessagesError, chat_messages  # noqa: E402
 from kvctl.daemon.server.conversation_store import ConversationError, ConversationStore  # noqa: E402
+from kvctl.daemon.server.responses_input import input_messages  # noqa: E402
 
 from .test_response_background import gated, settle  # noqa: E402,F401
 from .test_responses_api import INSTRUCTIONS, WEATHER, client_for, kvd, scripted  # noqa: E402,F401
@@ -503,3 +504,27 @@ def test_kvctl_responses_shows_each_tenant_s_conversations_and_what_a_purge_remo
     assert purge_text({"responses": 1, "bytes": 1024, "tenants": {"acme": 1}, "dry_run": False, "running": 0,
                        "cancelled": 0, "conversations": {"conversations": 3, "bytes": 2048, "tenants": {"acme": 3}}}
                       ) == "removed 1 responses (1.0 KiB): acme 1; and 3 conversations (2.0 KiB): acme 3"
+
+
+def test_a_turn_cut_off_while_thinking_is_continued_as_previous_response_id_would(kvd, scripted):
+    from .daemon_fixtures import call
+
+    service, unix, _ = kvd
+    encode = service.loaded.tokenizer.encode
+    scripted.extend(encode("<think>Still going", add_special_tokens=False))
+    made = call(unix, "POST", "/v1/conversations", json={}).json()
+    cut = call(unix, "POST", "/v1/responses", json={"input": "Hi", "conversation": made["id"],
+                                                    "max_output_tokens": len(encode("<think>Still",
+                                                                                    add_special_tokens=False))})
+    assert [item["type"] for item in cut.json()["output"]] == ["reasoning"]  # nothing after its thinking
+    scripted[:] = encode("Done.", add_special_tokens=False)
+    again = call(unix, "POST", "/v1/responses", json={"input": "Go on.", "conversation": made["id"],
+                                                      "max_output_tokens": 10})
+    assert again.status_code == 200, again.text
+    prompt = service.chat_prompt(chat_messages([
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "reasoning_content": "Still"},
+        {"role": "user", "content": "Go on."}]))
+    assert again.json()["usage"]["input_tokens"] == len(prompt)
+    with pytest.raises(MessagesError, match="a reasoning item goes before"):  # (a client's own input stays strict)
+        input_messages([{"role": "user", "content": "x"},
+                        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "x"}]}])

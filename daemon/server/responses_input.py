@@ -69,12 +69,14 @@ def _reasoning_text(item: dict, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_messages(raw: Any, field: str = "input") -> list[dict]:
+def input_messages(raw: Any, field: str = "input", kept: bool = False) -> list[dict]:
     """The request's `input` as chat messages (as chat_messages.chat_messages takes them), or
     MessagesError naming the item and field at fault (`field`: what the request calls the list,
     a conversation's `items`). A function call joins the assistant message before it (one turn:
     its text, then its calls, as a chat client sends it back); a reasoning item goes with the
-    assistant message or call after it."""
+    assistant message or call after it. `kept`: a kept conversation's items, where a reply cut
+    off while it was thinking left a reasoning item with nothing after it: that stands as an
+    assistant turn of its own, with no text (as `previous_response_id` continues it)."""
     if isinstance(raw, str) and field == "input":
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
@@ -121,13 +123,18 @@ def input_messages(raw: Any, field: str = "input") -> list[dict]:
         else:
             raise MessagesError(f"{where}.type: kvd takes message, function_call, function_call_output and reasoning "
                                 f"items, got {kind!r}", f"{where}.type")
+        if thought is not None and kept and message["role"] != "assistant":
+            messages.append({"role": "assistant", "content": "", "reasoning_content": thought})
+            thought = None
         if thought is not None:
             if message["role"] != "assistant":
                 raise MessagesError(f"{where}: a reasoning item goes before the assistant message or function call "
                                     f"it led to, not before a {message['role']!r} message", where)
             message["reasoning_content"], thought = thought, None
         messages.append(message)
-    if thought is not None:
+    if thought is not None and kept:
+        messages.append({"role": "assistant", "content": "", "reasoning_content": thought})
+    elif thought is not None:
         raise MessagesError(f"{field}[{len(raw) - 1}]: a reasoning item goes before the assistant message or "
                             "function call it led to", f"{field}[{len(raw) - 1}]")
     return messages

@@ -108,7 +108,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                 raise conversation_not_found(body.conversation_id(), "conversation")
             inputs = list(held.items)
             try:
-                earlier = input_messages(inputs, "conversation.items") if inputs else []
+                earlier = input_messages(inputs, "conversation.items", kept=True) if inputs else []
             except MessagesError as exc:
                 raise ApiError(400, str(exc), param=exc.param) from None
         elif body.previous_response_id is not None:
