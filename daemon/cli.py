@@ -120,6 +120,9 @@ def serve(
     conversations_store_bytes: Optional[str] = typer.Option(
         None, help="Memory for the conversations /v1/conversations keeps (least recently used go first), e.g. "
                    "64MiB; 0 keeps none."),
+    truncation_headroom: Optional[float] = typer.Option(
+        None, help="With truncation auto, the share of the prompt's room a cut leaves free (default 0.25), so the "
+                   "turns after it come from the prefix cache; 0 drops the fewest turns."),
     responses_store_file: Optional[str] = typer.Option(
         None, help="A SQLite file the kept responses are written to as well (mode 0600), and read back from at "
                    "start: a restart keeps them. Default: memory only."),
@@ -221,7 +224,7 @@ def serve(
                    tenant_request_limits=tenant_request_limits,
                    max_request_bytes=max_request_bytes, responses_store_bytes=responses_store_bytes,
                    responses_store_file=responses_store_file, responses_max_age=responses_max_age,
-                   conversations_store_bytes=conversations_store_bytes,
+                   conversations_store_bytes=conversations_store_bytes, truncation_headroom=truncation_headroom,
                    reservation=reservation,
                    eviction=eviction, tenant_cache_shares=tenant_cache_shares, queue_order=queue_order,
                    tenant_priorities=tenant_priorities,
@@ -257,7 +260,7 @@ SERVE_HELP_PANELS = {
                          "state_dir",
                          "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
                          "responses_store_bytes", "responses_store_file", "responses_max_age",
-                         "conversations_store_bytes",
+                         "conversations_store_bytes", "truncation_headroom",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",
                            "quick_prefill_tokens",

@@ -242,6 +242,9 @@ class KvdConfig:
     # the conversations /v1/conversations keeps (and a response's `conversation` continues), in memory
     # (conversation_store.py); the least recently used go first; 0: none
     conversations_store_bytes: int = 64 * 2**20
+    # truncation "auto" (/v1/responses): the share of the room for the prompt a cut leaves free, so that the
+    # turns after it come from the prefix cache until they fill it (response_truncation.py); 0: the fewest turns
+    truncation_headroom: float = 0.25
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
     chat_template: str | None = None  # a Jinja file for /v1/chat/completions; default: the checkpoint's own
     # what every chat's template gets unless the request's chat_template_kwargs say otherwise, as JSON
@@ -355,6 +358,7 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
     "responses_store_bytes": _size, "responses_max_age": parse_duration, "conversations_store_bytes": _size,
+    "truncation_headroom": finite_number,
     "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
     "max_queue": whole_number, "max_loras": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
@@ -395,6 +399,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be at least 4KiB")
     if name == "shutdown_timeout" and value <= 0:
         raise ValueError("must be > 0")
+    if name == "truncation_headroom" and not 0 <= value < 1:
+        raise ValueError("must be from 0 (a cut drops the fewest turns) to below 1")
     if name == "gc_warn_seconds" and value < 0:
         raise ValueError("must be >= 0 (0: no warning)")
     if name == "reasoning_parser" and value not in REASONING_PARSERS:

@@ -251,7 +251,11 @@ def test_a_response_on_a_conversation_is_refused_while_another_writes_to_it_and_
     repeated = [{"role": "user", "content": "Hi", "id": listed[0]["id"]}]
     again = call(unix, "POST", "/v1/responses", json={"input": repeated, "conversation": made["id"]})
     assert again.json()["error"]["message"] == (f"input[0].id: conversation {made['id']!r} has an item "
-                                                f"{listed[0]['id']!r} already; send this turn's new items only")
+                                                f"{listed[0]['id']!r} already (or this input has it twice); send this "
+                                                "turn's new items only, each with an id of its own")
+    twice = [{"role": "user", "content": "a", "id": "msg_twice"}, {"role": "user", "content": "b", "id": "msg_twice"}]
+    again = call(unix, "POST", "/v1/responses", json={"input": twice, "conversation": made["id"]})
+    assert (again.status_code, again.json()["error"]["param"]) == (400, "input[1].id")
 
 
 def test_a_background_response_holds_its_conversation_until_it_ends_and_a_cancel_adds_nothing(kvd, gated):

@@ -1,6 +1,7 @@
 """`truncation: "auto"`: a conversation that outgrows the context drops its earliest turns (cut
-only before a user message, the fewest that fit), the next turn starts where it did and comes
-from the prefix cache, and a last turn that alone does not fit is refused naming the input."""
+only before a user message, the fewest that leave truncation_headroom free), the next turn
+starts where it did and comes from the prefix cache, and a last turn that alone does not fit is
+refused naming the input."""
 
 from __future__ import annotations
 
@@ -66,7 +67,10 @@ def test_a_conversation_over_the_context_drops_its_earliest_turns_and_the_next_t
 
     from .daemon_fixtures import blocks_all_back, call
 
+    from dataclasses import replace
+
     service, unix = short_kvd
+    service.reload(replace(service.config, truncation_headroom=0.0))  # the fewest turns (headroom: below)
     encode = service.loaded.tokenizer.encode
     scripted.extend(encode("Noted.", add_special_tokens=False))
     question = [f"Question {n}: " + "tell me about blocks " * 5 for n in range(3)]
@@ -128,3 +132,74 @@ def test_a_last_turn_that_alone_does_not_fit_is_refused_naming_the_input(short_k
     assert error["message"] == (f"input: truncation auto drops a conversation's earliest turns, but its last turn "
                                 f"alone is {latest} tokens, which with 8 for the reply (max_output_tokens) exceeds "
                                 f"max_model_len {CONTEXT}")
+
+
+def test_a_cut_leaves_headroom_so_the_turns_after_it_come_from_the_cache():
+    conversation = [{"role": "user", "content": "a" * 10}, {"role": "assistant", "content": "b" * 10},
+                    {"role": "user", "content": "c" * 10}, {"role": "assistant", "content": "d" * 10},
+                    {"role": "user", "content": "e" * 10}, {"role": "assistant", "content": "f" * 10},
+                    {"role": "user", "content": "g" * 10}]
+
+    def length(messages):
+        return sum(len(m["content"]) for m in messages)
+
+    assert fitting_cut(conversation, length, 60) == 2  # the fewest: 50 of 60
+    assert fitting_cut(conversation, length, 60, headroom=0.25) == 4  # 30, within 45: a quarter left free
+    assert fitting_cut(conversation, length, 70, headroom=0.5) == 0  # (it fits whole: nothing goes)
+    assert fitting_cut(conversation, length, 12, headroom=0.5) == 6  # the headroom cannot be had: the fewest
+    assert fitting_cut(conversation, length, 9, headroom=0.5) is None
+
+
+def test_truncation_headroom_is_a_share_below_one(tmp_path):
+    from kvctl.daemon.config import ConfigError, resolve
+
+    assert resolve({"state_dir": str(tmp_path)}, env={}).truncation_headroom == 0.25
+    assert resolve({"state_dir": str(tmp_path), "truncation_headroom": "0.5"}, env={}).truncation_headroom == 0.5
+    for bad in (1, -0.1, "most"):
+        with pytest.raises(ConfigError, match="truncation_headroom"):
+            resolve({"state_dir": str(tmp_path), "truncation_headroom": bad}, env={})
+
+
+def conversation_at_the_edge(service, unix, tag: str, turns: int = 12) -> list[tuple[int, int, int]]:
+    """(input tokens, cached tokens, the item its prompt started at) of each turn of a conversation
+    (/v1/conversations) with truncation auto, whose turns outgrow the context after the third."""
+    from .daemon_fixtures import call
+
+    made = call(unix, "POST", "/v1/conversations", json={}).json()
+    rows = []
+    for n in range(turns):
+        answer = call(unix, "POST", "/v1/responses", json={
+            "instructions": f"Be brief {tag}.", "max_output_tokens": 8, "truncation": "auto",
+            "conversation": made["id"], "input": f"{tag} question {n}: " + "tell me about blocks " * 3}).json()
+        usage = answer["usage"]
+        rows.append((usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"],
+                     service.conversations.get("default", made["id"]).start()))
+    return rows
+
+
+def test_with_headroom_a_conversation_at_the_context_s_edge_recomputes_less(short_kvd, scripted):
+    from dataclasses import replace
+
+    service, unix = short_kvd
+    scripted.extend(service.loaded.tokenizer.encode("Noted.", add_special_tokens=False))
+    block = service.engine.settings.block_size
+    service.reload(replace(service.config, truncation_headroom=0.0))  # (a live setting)
+    fewest = conversation_at_the_edge(service, unix, "A")
+    service.reload(replace(service.config, truncation_headroom=0.25))
+    spaced = conversation_at_the_edge(service, unix, "B")
+    # the fewest turns: from the fourth turn on, every turn is cut anew, so its prompt starts somewhere
+    # new and only the instructions' blocks come from the cache
+    starts = [start for _, _, start in fewest]
+    assert starts[:3] == [0, 0, 0] and all(b > a for a, b in zip(starts[3:], starts[4:]))
+    assert all(cached < 3 * block for _, cached, _ in fewest[3:])
+    # with a quarter of the room left free, a cut is followed by a turn that fits as it is: its prompt
+    # starts as the last one's did, and the whole of that comes from the cache
+    cuts = [n for n in range(1, 12) if spaced[n][2] != spaced[n - 1][2]]
+    assert cuts == [3, 5, 7, 9, 11]
+    for n in (4, 6, 8, 10):
+        assert spaced[n][2] == spaced[n - 1][2] and spaced[n][1] >= spaced[n - 1][0] // block * block
+    recomputed = [sum(prompt - cached for prompt, cached, _ in rows) for rows in (fewest, spaced)]
+    assert recomputed[1] < 0.6 * recomputed[0]  # (1,783 tokens against 3,181)
+    assert all(prompt + 8 <= CONTEXT for prompt, _, _ in fewest + spaced)
+    items = service.conversations.get("default", next(iter(service.conversations.entries))).items
+    assert len(items) == 24  # every turn is kept, the cut ones too

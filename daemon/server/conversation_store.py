@@ -46,11 +46,19 @@ class Conversation:
     size: int = 0  # bytes: the JSON of its metadata and of each item
     updated_at: int = 0  # when it was made or last changed (its items or metadata), for responses_max_age
     writer: weakref.ref | None = None  # the Turn of the response writing to it (claim)
+    # the item (a user message) where truncation auto last cut it: the next turns' prompts start there too
+    prompt_start: str | None = None
 
     def shown(self) -> dict:
         """As OpenAI's API shows a conversation (its items are listed apart)."""
         return {"id": self.id, "object": "conversation", "created_at": self.created_at,
                 "metadata": dict(self.metadata)}
+
+    def start(self) -> int:
+        """The index of the item where truncation last cut it (0: none, or that item is gone)."""
+        items = self.items
+        return next((i for i, item in enumerate(items) if item.get("id") == self.prompt_start), 0) \
+            if self.prompt_start is not None else 0
 
     def item(self, item_id: str) -> dict | None:
         return next((item for item in self.items if item.get("id") == item_id), None)

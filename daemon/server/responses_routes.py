@@ -25,7 +25,7 @@ from .response_logprobs import AnswerLogprobs
 from .durations import format_duration
 from .response_runs import Run, settled
 from .response_store import REPLAY_S
-from .response_truncation import fitting_cut
+from .response_truncation import fitting_cut, kept_from
 from .responses_input import input_items, input_messages
 from .conversation_store import ConversationError, Turn
 from .conversations_routes import not_found as conversation_not_found
@@ -107,8 +107,10 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
             if held is None:
                 raise conversation_not_found(body.conversation_id(), "conversation")
             inputs = list(held.items)
+            # with truncation auto, from where the last cut left it (its prompt then opens as the last turn's did)
+            start = held.start() if body.truncation == "auto" else 0
             try:
-                earlier = input_messages(inputs, "conversation.items", kept=True) if inputs else []
+                earlier = input_messages(inputs[start:], "conversation.items", kept=True) if inputs[start:] else []
             except MessagesError as exc:
                 raise ApiError(400, str(exc), param=exc.param) from None
         elif body.previous_response_id is not None:
@@ -130,12 +132,17 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
             ids = {item["id"] for item in inputs}
             for i, item in enumerate(given):
                 if item["id"] in ids:
-                    raise ApiError(400, f"input[{i}].id: conversation {held.id!r} has an item {item['id']!r} already; "
-                                        "send this turn's new items only", param=f"input[{i}].id")
+                    raise ApiError(400, f"input[{i}].id: conversation {held.id!r} has an item {item['id']!r} already "
+                                        "(or this input has it twice); send this turn's new items only, each with "
+                                        "an id of its own", param=f"input[{i}].id")
+                ids.add(item["id"])
         inputs += given
         if body.truncation == "auto":  # (the conversation kept for the next turn starts at the cut too)
             instructions = asked["messages"][:len(asked["messages"]) - len(conversation)]
-            conversation = conversation[await fitting(body, instructions, asked, conversation):]
+            cut = await fitting(body, instructions, asked, conversation)
+            if cut and held is not None:  # the conversation's next turns start here too
+                held.prompt_start = kept_from(inputs[start:], conversation[:cut])  # (its input's items last)
+            conversation = conversation[cut:]
             asked["messages"] = instructions + conversation
         if body.background:  # streamed from the engine whatever the client asked: its run keeps each event
             asked.update(stream=True, stream_options={"include_usage": True})
@@ -198,7 +205,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                 return len(service.chat_prompt(chat_messages(instructions + messages), True, False,
                                                asked["chat_template_kwargs"], tools))
 
-            cut = fitting_cut(conversation, length, engine.context_limit - reply)
+            cut = fitting_cut(conversation, length, engine.context_limit - reply, service.config.truncation_headroom)
             if cut is not None:
                 return cut, 0
             last = max((i for i, message in enumerate(conversation) if message.get("role") == "user"), default=0)
