@@ -3,7 +3,8 @@
 kvd is driven over its API with streaming completions, chats or responses (TTFT and
 inter-token times are taken as chunks arrive). Under `--api responses` each turn of a
 multi-turn conversation continues the last by `previous_response_id`: kvd holds the
-conversation, and the client sends only the new message. The baseline runs the same
+conversation, and the client sends only the new message. Under `--api conversations` each
+conversation is made first (`POST /v1/conversations`, untimed) and every turn names it. The baseline runs the same
 requests on the same checkpoint with the `transformers` library in this process, batched
 `--concurrency` at a time with its own KV cache, and the report shows kvd ÷ baseline for
 every figure.
@@ -30,7 +31,9 @@ from .records_cmd import open_store, save_run
 from .workloads import BenchRequest, from_trace, multi_turn, shared_prefix
 
 
-API_PATHS = {"completions": "v1/completions", "chat": "v1/chat/completions", "responses": "v1/responses"}
+API_PATHS = {"completions": "v1/completions", "chat": "v1/chat/completions", "responses": "v1/responses",
+             "conversations": "v1/responses"}
+KEPT_APIS = ("responses", "conversations")  # kvd holds the conversation: a turn sends only its new message
 TEXT_EVENTS = ("response.output_text.delta", "response.reasoning_text.delta")  # a response's tokens as they come
 ENDED_EVENTS = ("response.completed", "response.incomplete")  # the whole response, with its usage
 TURNS = 4  # multi-turn: turns per conversation
@@ -64,16 +67,17 @@ def build_workload(spec: str, *, requests: int | None, max_tokens: int, time_sca
 def request_body(request: BenchRequest, index: int, api: str, previous: str | None) -> tuple[str, dict]:
     """The path and body of one request: token ids to /v1/completions, messages to
     /v1/chat/completions, or under `api` "responses" the last message as `input` (the system
-    message as `instructions`), continuing the response `previous` (the id of the turn before)."""
+    message as `instructions`), continuing the response `previous` (the id of the turn before);
+    under "conversations", the same continuing the conversation `previous` (its id)."""
     common = {"ignore_eos": True, "seed": index, "temperature": 0.0, "stream": True}
-    if api == "responses":
+    if api in KEPT_APIS:
         messages = request.messages
         body = {"input": messages[-1]["content"], "max_output_tokens": request.max_tokens, **common}
         if messages[0]["role"] == "system":
             body["instructions"] = messages[0]["content"]
         if previous is not None:
-            body["previous_response_id"] = previous
-        return API_PATHS["responses"], body
+            body["previous_response_id" if api == "responses" else "conversation"] = previous
+        return API_PATHS[api], body
     asked = {"prompt": request.prompt} if request.messages is None else {"messages": request.messages}
     body = {**asked, "max_tokens": request.max_tokens, **common, "stream_options": {"include_usage": True}}
     return API_PATHS["completions" if request.messages is None else "chat"], body
@@ -113,7 +117,8 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
     """Send every request through `session` (an aiohttp.ClientSession with kvd's base URL;
     closed loop with `concurrency` slots, or open loop at `rate`/s or at the workload's own
     arrival times) and record what came back. `api` "responses": chats as responses, each
-    turn continuing the last (None: completions or chats, as each request is)."""
+    turn continuing the last; "conversations": each conversation made first, every turn naming
+    it (None: completions or chats, as each request is)."""
     import aiohttp
 
     clock = time.perf_counter
@@ -121,6 +126,7 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
     done = [asyncio.Event() for _ in workload]
     records: list[RequestRecord | None] = [None] * len(workload)
     response_ids: list[str | None] = [None] * len(workload)  # (responses: what the next turn continues)
+    conversations: list[str | None] = [None] * len(workload)  # (conversations: the one each turn names)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     arrivals = [r.arrival for r in workload]
     if rate:
@@ -136,11 +142,15 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
             await asyncio.sleep(max(0.0, origin + arrivals[i] - clock()))
         if slots:
             await slots.acquire()
+        if api == "conversations":  # made before its first turn starts (the client's setup, not timed)
+            conversations[i] = conversations[request.after] if request.after is not None else \
+                await _new_conversation(session)
         record = RequestRecord(i, clock(), prompt_tokens=len(request.prompt))
-        previous = response_ids[request.after] if request.after is not None else None
+        previous = conversations[i] if api == "conversations" else \
+            response_ids[request.after] if request.after is not None else None
         path, body = request_body(request, i, api or "", previous)
         try:
-            if api == "responses" and request.after is not None and previous is None:
+            if api in KEPT_APIS and (request.after is not None or api == "conversations") and previous is None:
                 record.status = "aborted"  # the turn it continues failed: there is no conversation to continue
             else:
                 async with session.post(path, json=body) as response:  # relative to the base URL
@@ -169,6 +179,17 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
 
     await asyncio.gather(*(one(i, r) for i, r in enumerate(workload)))
     return records
+
+
+async def _new_conversation(session) -> str | None:
+    """A new conversation's id (POST /v1/conversations), or None where kvd made none."""
+    import aiohttp
+
+    try:
+        async with session.post("v1/conversations", json={}) as made:
+            return (await made.json())["id"] if made.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+        return None
 
 
 def run_transformers_baseline(model_dir: str, workload: list[BenchRequest], batch: int,
@@ -241,10 +262,12 @@ def serve_command(
     ctx: typer.Context,
     workload: str = typer.Option("shared-prefix", help="shared-prefix, multi-turn or trace:FILE."),
     api: str = typer.Option("completions", help="completions (token ids), chat (the same shapes as "
-                                                "messages of text, through /v1/chat/completions) or responses "
+                                                "messages of text, through /v1/chat/completions), responses "
                                                 "(the chats through /v1/responses; a multi-turn turn continues "
                                                 "the last by previous_response_id, kvd holding the conversation "
-                                                "and its replies; the baseline renders the workload's chats)."),
+                                                "and its replies; the baseline renders the workload's chats) or "
+                                                "conversations (the same, each conversation made first with "
+                                                "POST /v1/conversations and named by every turn)."),
     requests: Optional[int] = typer.Option(None, help="Requests (trace: the first N)."),
     concurrency: Optional[int] = typer.Option(8, help="Requests in flight (closed loop)."),
     rate: Optional[float] = typer.Option(None, help="Open loop: Poisson arrivals per second."),
@@ -278,7 +301,7 @@ def serve_command(
     if baseline not in ("transformers", "none"):
         raise UserError(f"baseline: unknown value {baseline!r}; use transformers or none")
     if api not in API_PATHS:
-        raise UserError(f"api: unknown value {api!r}; use completions, chat or responses")
+        raise UserError(f"api: unknown value {api!r}; use completions, chat, responses or conversations")
     if rate is not None and rate <= 0:
         raise UserError(f"rate: must be > 0, got {rate}")
     if concurrency is not None and concurrency < 1:
@@ -299,7 +322,7 @@ def serve_command(
     def build(run_seed: int) -> list[BenchRequest]:
         return build_workload(workload, requests=requests, max_tokens=max_tokens, time_scale=time_scale,
                               seed=run_seed, block_tokens=block_tokens, groups=groups, system_tokens=system_tokens,
-                              question_tokens=question_tokens, chat=api in ("chat", "responses"))
+                              question_tokens=question_tokens, chat=api in ("chat", *KEPT_APIS))
 
     previous = None
     if compare is not None:  # before the run, which takes minutes
@@ -418,7 +441,7 @@ def _conn(ctx: typer.Context) -> dict:
 async def _drive(sync_client, work, concurrency, rate, seed, tick, api):
     async with sync_client.async_session() as session:
         return await drive_kvd(session, work, concurrency=concurrency, rate=rate, seed=seed, tick=tick,
-                               api="responses" if api == "responses" else None)
+                               api=api if api in KEPT_APIS else None)
 
 
 def _versions() -> dict:

@@ -109,7 +109,7 @@ def test_a_trace_is_not_a_chat(capsys):
     status, _, err = cli(capsys, "bench", "serve", "--workload", "trace:/nowhere.jsonl", "--api", "chat")
     assert status == 2 and "api: a trace's prompts are token ids; drive it with --api completions" in err
     status, _, err = cli(capsys, "bench", "serve", "--api", "grpc")
-    assert status == 2 and "api: unknown value 'grpc'; use completions, chat or responses" in err
+    assert status == 2 and "api: unknown value 'grpc'; use completions, chat, responses or conversations" in err
     status, _, err = cli(capsys, "bench", "serve", "--workload", "trace:/nowhere.jsonl", "--api", "responses")
     assert status == 2 and "api: a trace's prompts are token ids; drive it with --api completions" in err
 
@@ -708,6 +708,9 @@ def test_a_response_s_body_and_events_as_the_bench_sends_and_reads_them():
                               None)
     assert "previous_response_id" not in body and "instructions" not in body and body["input"] == "hi"
     assert request_body(asked, 3, "", None)[0] == "v1/chat/completions"
+    path, body = request_body(asked, 3, "conversations", "conv_1")
+    assert (path, body["conversation"], body["input"]) == ("v1/responses", "conv_1", "second")
+    assert "previous_response_id" not in body
 
     record = RequestRecord(0, 10.0)
     assert read_chunk({"type": "response.created", "response": {"id": "resp_9"}}, record, 10.1) == "resp_9"
@@ -743,6 +746,34 @@ def test_a_multi_turn_bench_through_responses_continues_each_turn_from_the_cache
                 assert after.cached_tokens >= before.prompt_tokens // block * block > 0
         kept = service.responses.figures()
         assert kept["responses"] == 6 and kept["running"] == 0
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
+def test_a_multi_turn_bench_through_conversations_makes_each_first_and_continues_it_from_the_cache(tmp_path):
+    """`--api conversations`: each conversation is made before its first turn, and every turn
+    names it; kvd renders its items, so each turn after the first comes from the cache."""
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, blocks_all_back, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=256)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        work = multi_turn(conversations=2, turns=3, user_tokens=24, max_tokens=8, chat=True)
+
+        records = asyncio.run(drive_over_socket(unix, tmp_path, work, concurrency=2, api="conversations"))
+        assert [r.status for r in records] == ["ok"] * 6
+        block = service.config.block_size
+        for c in range(2):
+            turns = records[3 * c:3 * c + 3]
+            assert turns[0].cached_tokens == 0
+            for before, after in zip(turns, turns[1:]):
+                assert after.prompt_tokens > before.prompt_tokens + 8
+                assert after.cached_tokens >= before.prompt_tokens // block * block > 0
+        kept = service.conversations
+        assert kept.figures()["conversations"] == 2
+        assert sorted(len(c.items) for c in kept.entries.values()) == [6, 6]  # three questions, three replies each
         assert blocks_all_back(service)
     finally:
         service.shutdown(1)
