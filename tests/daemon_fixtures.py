@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -54,6 +55,18 @@ def token_table(tmp_path) -> TokenTable:
                     f"{GLOBEX_TOKEN} globex user\n")
     path.chmod(0o600)
     return TokenTable.load(path)
+
+
+@contextlib.contextmanager
+def kvd_in(tmp_path, folder: str, **settings):
+    """A kvd whose state is `tmp_path / folder` (made here), and its Unix app; shut down after
+    (several in turn on one file of settings: a restart, or an upgrade)."""
+    (tmp_path / folder).mkdir()
+    service = start_service(tmp_path / folder, **settings)
+    try:
+        yield service, apps(service, token_table(tmp_path))[0]
+    finally:
+        service.shutdown(1)
 
 
 def apps(service, tokens, trusted_proxy=False):

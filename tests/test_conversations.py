@@ -388,24 +388,16 @@ def test_a_restart_reads_back_every_conversation_as_it_was_changed_in_its_order_
 
 def test_a_conversation_continues_after_kvd_restarts(tmp_path):
     pytest.importorskip("torch")
-    from .daemon_fixtures import apps, call, start_service, token_table
+    from .daemon_fixtures import call, kvd_in
 
     path = str(tmp_path / "responses.sqlite")
-    for folder in ("first", "second"):
-        (tmp_path / folder).mkdir()
-    service = start_service(tmp_path / "first", responses_store_file=path)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with kvd_in(tmp_path, "first", responses_store_file=path) as (_, unix):
         made = call(unix, "POST", "/v1/conversations", json={"metadata": {"who": "ops"}}).json()
         turned = call(unix, "POST", "/v1/responses", json={"input": "Hi", "conversation": made["id"],
                                                             "max_output_tokens": 3, "temperature": 0})
         assert turned.status_code == 200, turned.text
         items = call(unix, "GET", f"/v1/conversations/{made['id']}/items").json()
-    finally:
-        service.shutdown(1)
-    service = start_service(tmp_path / "second", responses_store_file=path)  # (a new kvd on the same file)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with kvd_in(tmp_path, "second", responses_store_file=path) as (_, unix):  # (a new kvd on the same file)
         assert call(unix, "GET", f"/v1/conversations/{made['id']}").json() == made
         assert call(unix, "GET", f"/v1/conversations/{made['id']}/items").json() == items
         again = call(unix, "POST", "/v1/responses", json={"input": "More", "conversation": made["id"],
@@ -415,8 +407,6 @@ def test_a_conversation_continues_after_kvd_restarts(tmp_path):
         assert [(i["role"], i["content"][0]["text"]) for i in listed[:1] + listed[2:3]] == [
             ("user", "Hi"), ("user", "More")]
         assert len(listed) == 4
-    finally:
-        service.shutdown(1)
 
 
 # ---- the operator's view and purge ---------------------------------------------------------------

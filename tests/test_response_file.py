@@ -104,22 +104,14 @@ def test_a_file_with_no_budget_or_that_is_not_sqlite_is_refused_by_name(tmp_path
 
 def test_a_conversation_continues_after_kvd_restarts(tmp_path):
     pytest.importorskip("torch")
-    from .daemon_fixtures import apps, call, start_service, token_table
+    from .daemon_fixtures import call, kvd_in
 
     path = str(tmp_path / "responses.sqlite")
-    for folder in ("first", "second"):
-        (tmp_path / folder).mkdir()
-    service = start_service(tmp_path / "first", responses_store_file=path)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with kvd_in(tmp_path, "first", responses_store_file=path) as (_, unix):
         made = call(unix, "POST", "/v1/responses", json={"instructions": "Be brief.", "input": "Hi",
                                                           "max_output_tokens": 3, "temperature": 0})
         assert made.status_code == 200
-    finally:
-        service.shutdown(1)
-    service = start_service(tmp_path / "second", responses_store_file=path)  # (a new kvd on the same file)
-    try:
-        unix, _ = apps(service, token_table(tmp_path))
+    with kvd_in(tmp_path, "second", responses_store_file=path) as (_, unix):  # (a new kvd on the same file)
         kept = call(unix, "GET", f"/v1/responses/{made.json()['id']}")
         assert kept.status_code == 200 and kept.json() == made.json()
         turned = call(unix, "POST", "/v1/responses", json={"instructions": "Be brief.", "input": "More",
@@ -130,8 +122,6 @@ def test_a_conversation_continues_after_kvd_restarts(tmp_path):
                       params={"order": "asc"}).json()["data"]
         assert [item["type"] for item in listed] == ["message", "message", "message"]  # Hi, the reply, More
         assert (listed[0]["content"][0]["text"], listed[2]["content"][0]["text"]) == ("Hi", "More")
-    finally:
-        service.shutdown(1)
 
 
 def test_a_restart_keeps_the_order_of_use_and_the_least_recently_used_go_first(tmp_path):
