@@ -3,8 +3,8 @@ Responses API's `conversation` continues: the conversation's items, then the req
 are the prompt, and the input and the output items are added to it once the response ends.
 
 In memory, within a budget of bytes (`conversations_store_bytes`, the JSON of each conversation's
-metadata and items): the least recently used conversation goes first when new items would not
-fit (counted as dropped). A request that would make one conversation bigger than the whole
+metadata and items): when new items would not fit, the least recently used conversation of the
+tenant holding the most bytes goes first (policies/kept_state.py; counted as dropped). A request that would make one conversation bigger than the whole
 budget is refused (ConversationError) and changes nothing. Each is its tenant's: another
 tenant's id reads as unknown, as if it had never been. A conversation is written to by one
 response at a time (`claim`): a second that would continue it while the first runs is refused,
@@ -21,6 +21,8 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from kvctl.policies.kept_state import KeptByTenant
 
 from .conversation_file import ConversationFile
 from .responses_input import new_id
@@ -94,6 +96,7 @@ class ConversationStore:
         self.budget = budget_bytes
         self.used = 0
         self.entries: OrderedDict[str, Conversation] = OrderedDict()
+        self.kept = KeptByTenant()  # each tenant's, least recently used first, and its bytes: who gives room
         self.dropped = 0  # conversations let go to make room
         self.turns_lost = 0  # responses whose items did not fit in their conversation (it alone over the budget)
         self.expired = 0  # conversations let go once idle longer than responses_max_age (response_admin.expire)
@@ -105,8 +108,7 @@ class ConversationStore:
                 conversation = Conversation(conversation_id, tenant, created_at, metadata, items,
                                             updated_at=updated_at)
                 conversation.size = _size(metadata) + sum(_size(item) for item in items)
-                self.entries[conversation_id] = conversation
-                self.used += conversation.size
+                self._keep(conversation)
                 self._make_room(None)  # (one bigger than a smaller budget now goes too)
 
     @property
@@ -124,15 +126,29 @@ class ConversationStore:
                                          f"all conversations (conversations_store_bytes {self.budget})", param,
                                     "conversation_too_large")
 
+    def _keep(self, conversation: Conversation) -> None:
+        self.entries[conversation.id] = conversation
+        self.used += conversation.size
+        self.kept.add(conversation.tenant, conversation.id)
+        self.kept.grew(conversation.tenant, conversation.size)
+
+    def _let_go(self, conversation: Conversation) -> None:
+        del self.entries[conversation.id]
+        self.used -= conversation.size
+        self.kept.remove(conversation.tenant, conversation.id)
+        self.kept.grew(conversation.tenant, -conversation.size)
+        if self.file is not None:
+            self.file.delete(conversation.id)
+
     def _make_room(self, keep: str | None) -> None:
-        """Lets go of the least recently used conversations (not `keep`) until the rest fit."""
+        """Lets go of conversations (not `keep`) until the rest fit: the least recently used of
+        the tenant holding the most bytes first."""
         while self.used > self.budget:
-            gone_id = next(conversation_id for conversation_id in self.entries if conversation_id != keep)
-            gone = self.entries.pop(gone_id)
-            self.used -= gone.size
+            gone_id = self.kept.victim(keep)
+            if gone_id is None:
+                return
+            self._let_go(self.entries[gone_id])
             self.dropped += 1
-            if self.file is not None:
-                self.file.delete(gone_id)
 
     def create(self, tenant: str, items: list[dict], metadata: dict, created_at: int) -> Conversation:
         """A new conversation of `items` (already shaped, each with its id); ConversationError
@@ -142,8 +158,7 @@ class ConversationStore:
         conversation.size = _size(conversation.metadata) + sum(_size(item) for item in items)
         self._room(conversation.size, "items")
         with self.lock:
-            self.entries[conversation.id] = conversation
-            self.used += conversation.size
+            self._keep(conversation)
             if self.file is not None:  # (written before room is made: a drop's delete follows it)
                 self.file.create(conversation.id, tenant, created_at, conversation.metadata, conversation.items)
             self._make_room(conversation.id)
@@ -156,6 +171,7 @@ class ConversationStore:
             if conversation is None or conversation.tenant != tenant:
                 return None
             self.entries.move_to_end(conversation_id)
+            self.kept.used(tenant, conversation_id)
             return conversation
 
     def set_metadata(self, conversation: Conversation, metadata: dict) -> None:
@@ -177,6 +193,7 @@ class ConversationStore:
         conversation.size += grown
         if self.entries.get(conversation.id) is conversation:  # (not one dropped or deleted meanwhile)
             self.used += grown
+            self.kept.grew(conversation.tenant, grown)
             self._make_room(conversation.id)
 
     def add(self, conversation: Conversation, items: list[dict]) -> None:
@@ -213,10 +230,7 @@ class ConversationStore:
             conversation = self.entries.get(conversation_id)
             if conversation is None or conversation.tenant != tenant:
                 return False
-            del self.entries[conversation_id]
-            self.used -= conversation.size
-            if self.file is not None:
-                self.file.delete(conversation_id)
+            self._let_go(conversation)
             return True
 
     def claim(self, conversation: Conversation, given: list[dict]) -> Turn:
@@ -266,10 +280,7 @@ class ConversationStore:
             if not dry_run:
                 self.expired += len(chosen) if expired else 0
                 for conversation in chosen:
-                    del self.entries[conversation.id]
-                    self.used -= conversation.size
-                    if self.file is not None:
-                        self.file.delete(conversation.id)
+                    self._let_go(conversation)
         tenants: dict[str, int] = {}
         for conversation in chosen:
             tenants[conversation.tenant] = tenants.get(conversation.tenant, 0) + 1

@@ -1,7 +1,9 @@
 """The responses kvd keeps for `previous_response_id` and `GET /v1/responses/{id}`.
 
-In memory, within a budget of bytes (`responses_store_bytes`): the least recently used response
-goes first when a new one would not fit, and a response bigger than the whole budget is not kept.
+In memory, within a budget of bytes (`responses_store_bytes`): when a new one would not fit, the
+least recently used response of the tenant holding the most bytes goes first
+(policies/kept_state.py: one tenant's burst does not push out every other tenant's), and a
+response bigger than the whole budget is not kept.
 Each is its tenant's: another tenant's id reads as unknown, as if it had never been (a 404 that
 says nothing about whose it is). With `responses_store_file` they are written to disk as well
 (response_file.py), and a restart finds them there; without it a restart forgets them all.
@@ -22,6 +24,8 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from kvctl.policies.kept_state import KeptByTenant
 
 from .response_file import ResponseFile, ResponseFileError
 
@@ -54,8 +58,9 @@ class ResponseStore:
         self.used = 0
         self.entries: OrderedDict[str, StoredResponse] = OrderedDict()
         # every message and item held, by id(): [responses that hold it, its bytes, itself (so its id stays
-        # its), the SHA-256 of its JSON (its name in the file)]
+        # its), the SHA-256 of its JSON (its name in the file), the tenant its bytes are counted to]
         self.held: dict[int, list] = {}
+        self.kept = KeptByTenant()  # each tenant's responses, least recently used first, and its bytes
         self.dropped = 0  # responses let go to make room (or too big to keep)
         self.expired = 0  # responses let go once older than responses_max_age (response_admin.expire)
         self.runs: dict[str, object] = {}  # background responses still running (response_runs.Run), by id
@@ -89,7 +94,7 @@ class ResponseStore:
         with self.lock:
             fresh = {key: json.dumps(part, sort_keys=True) for key, part in parts.items() if key not in self.held}
             named = {key: [len(text), hashlib.sha256(text.encode()).hexdigest()] for key, text in fresh.items()}
-            named.update({key: self.held[key][1::2] for key in parts if key in self.held})  # (size, digest)
+            named.update({key: [self.held[key][1], self.held[key][3]] for key in parts if key in self.held})
             if entry.size + sum(size for size, _ in named.values()) > self.budget:  # it alone would not fit
                 self.dropped += 1
                 if written:
@@ -97,37 +102,47 @@ class ResponseStore:
                 return False
             for key, part in parts.items():  # held before any other goes: what it shares stays
                 size, digest = named[key]
-                holding = self.held.setdefault(key, [0, size, part, digest])
+                holding = self.held.setdefault(key, [0, size, part, digest, tenant])
                 holding[0] += 1
-                self.used += size if holding[0] == 1 else 0
+                if holding[0] == 1:
+                    self.used += size
+                    self.kept.grew(tenant, size)
             self.used += entry.size
+            self.kept.grew(tenant, entry.size)
             old = self.entries.pop(response["id"], None)  # (one of its id it replaces)
             if old is not None:
-                self._release(old)
+                self._release(response["id"], old)
                 self._drop_replay(response["id"])
             while self.used > self.budget:
-                gone_id, gone = self.entries.popitem(last=False)
-                self._release(gone)
+                gone_id = self.kept.victim()  # (the least recently used of the tenant holding the most)
+                if gone_id is None:
+                    break
+                gone = self.entries.pop(gone_id)
+                self._release(gone_id, gone)
                 self.dropped += 1
                 self._drop_replay(gone_id)
                 if self.file is not None:
                     self.file.remove(gone_id)
             self.entries[response["id"]] = entry
+            self.kept.add(tenant, response["id"])
             if self.file is not None and not written:
                 self.file.add(tenant, response, [self.held[id(part)][3] for part in conversation],
                               [self.held[id(part)][3] for part in inputs],
                               {named[key][1]: text for key, text in fresh.items()})
             return True
 
-    def _release(self, entry: StoredResponse) -> None:
+    def _release(self, response_id: str, entry: StoredResponse) -> None:
         """Lets `entry` go: its own bytes, and each message or item no other response holds."""
         self.used -= entry.size
+        self.kept.remove(entry.tenant, response_id)
+        self.kept.grew(entry.tenant, -entry.size)
         for key in {id(part) for part in entry.parts()}:
             holding = self.held[key]
             holding[0] -= 1
             if holding[0] == 0:
                 del self.held[key]
                 self.used -= holding[1]
+                self.kept.grew(holding[4], -holding[1])
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         """The tenant's response `response_id` (now the most recently used), or None."""
@@ -136,6 +151,7 @@ class ResponseStore:
             if entry is None or entry.tenant != tenant:
                 return None
             self.entries.move_to_end(response_id)
+            self.kept.used(tenant, response_id)
             return entry
 
     def delete(self, tenant: str, response_id: str) -> bool:
@@ -144,7 +160,7 @@ class ResponseStore:
             if entry is None or entry.tenant != tenant:
                 return False
             del self.entries[response_id]
-            self._release(entry)
+            self._release(response_id, entry)
             self._drop_replay(response_id)
             if self.file is not None:
                 self.file.remove(response_id)
@@ -202,7 +218,7 @@ class ResponseStore:
                 self.expired += len(chosen) if expired else 0
                 for response_id, entry in chosen:
                     del self.entries[response_id]
-                    self._release(entry)
+                    self._release(response_id, entry)
                     self._drop_replay(response_id)
                     if self.file is not None:
                         self.file.remove(response_id)
