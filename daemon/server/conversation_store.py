@@ -88,7 +88,8 @@ def _size(part) -> int:
 
 
 class ConversationStore:
-    """Conversations by id, each for its tenant, least recently used dropped first."""
+    """Conversations by id, each for its tenant; for room, the least recently used of the tenant
+    holding the most bytes goes first."""
 
     def __init__(self, budget_bytes: int, file: ConversationFile | None = None, clock=time.time) -> None:
         """`file`: where they are written as well, and read back from now (with a budget of 0,

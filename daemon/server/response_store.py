@@ -46,7 +46,8 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Responses by id, each for its tenant, least recently used dropped first."""
+    """Responses by id, each for its tenant; for room, the least recently used of the tenant
+    holding the most bytes goes first."""
 
     def __init__(self, budget_bytes: int, file: ResponseFile | None = None) -> None:
         """`file`: where they are written as well, and read back from now (response_file.py)."""
