@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import re
 import sqlite3
 import threading
 
@@ -453,7 +454,13 @@ def test_an_operator_sees_and_purges_a_tenant_s_conversations_with_its_responses
     done = call(unix, "POST", "/admin/responses/purge", json={"tenant": "acme"}).json()
     assert (done["responses"], done["conversations"]["conversations"], done["conversations"]["tenants"]) == (
         1, 1, {"acme": 1})
-    assert call(tcp, "GET", f"/v1/conversations/{talks['acme']}", headers=acme).status_code == 404
+    gone = call(tcp, "GET", f"/v1/conversations/{talks['acme']}", headers=acme).json()["error"]
+    assert re.fullmatch(f"conversation_id: conversation {talks['acme']!r} is no longer kept: an operator purged it "
+                        r"\(kvctl responses purge\), \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", gone["message"]), gone
+    # another tenant naming it learns nothing of it
+    assert "no longer" not in call(tcp, "GET", f"/v1/conversations/{talks['acme']}", headers=globex).text
+    asked = call(tcp, "POST", "/v1/responses", headers=acme, json={"input": "Hi", "conversation": talks["acme"]})
+    assert asked.status_code == 404 and "is no longer kept: an operator purged it" in asked.json()["error"]["message"]
     assert call(tcp, "GET", f"/v1/conversations/{talks['globex']}", headers=globex).status_code == 200
     [record] = call(unix, "GET", "/admin/audit?action=responses.purge").json()["entries"]
     assert record["detail"]["conversations"]["conversations"] == 1
@@ -474,7 +481,8 @@ def test_conversations_unchanged_past_responses_max_age_are_let_go_by_housekeepi
     kept = call(unix, "POST", "/v1/conversations", json={}).json()
     service.reload(replace(service.config, responses_max_age=3600.0))
     assert expire(service) == 1
-    assert call(unix, "GET", f"/v1/conversations/{made['id']}").status_code == 404
+    assert "is no longer kept: unchanged for longer than responses_max_age" in call(
+        unix, "GET", f"/v1/conversations/{made['id']}").json()["error"]["message"]
     assert call(unix, "GET", f"/v1/conversations/{kept['id']}").status_code == 200
     assert service.status()["conversations"]["expired"] == 1
     assert "kvd_conversations_expired_total 1.0" in call(unix, "GET", "/metrics").text

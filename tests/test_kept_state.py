@@ -45,8 +45,13 @@ def test_a_tenant_s_burst_of_responses_lets_go_of_its_own_not_another_s():
     assert store.get("globex", "resp_b0") is not None
     assert [rid for rid in store.entries if rid.startswith("resp_a")] == ["resp_a3", "resp_a4", "resp_a5"]
     assert store.figures()["dropped"] == 3 and store.kept.bytes == {"globex": one, "acme": 3 * one}
+    # acme's next request for one let go is told why; another tenant learns nothing of it
+    assert store.gone.why("acme", "resp_a0").startswith("kvd let it go for room (responses_store_bytes; its tenant "
+                                                       "held the most), 20")
+    assert store.gone.why("globex", "resp_a0") is None and store.gone.why("acme", "resp_a5") is None
     store.purge(None, None)
     assert store.kept.bytes == {} and store.used == 0
+    assert store.gone.why("acme", "resp_a5").startswith("an operator purged it (kvctl responses purge), 20")
 
 
 def test_a_tenant_s_burst_of_conversations_lets_go_of_its_own_not_another_s():
@@ -60,4 +65,5 @@ def test_a_tenant_s_burst_of_conversations_lets_go_of_its_own_not_another_s():
     ours = [store.create("acme", [item], {}, 2 + n) for n in range(6)]
     assert store.get("globex", theirs.id) is theirs
     assert [c.id for c in store.entries.values() if c.tenant == "acme"] == [c.id for c in ours[3:]]
+    assert store.gone.why("acme", ours[0].id).startswith("kvd let it go for room (conversations_store_bytes")
     assert store.figures()["dropped"] == 3 and store.kept.bytes == {"globex": one, "acme": 3 * one}

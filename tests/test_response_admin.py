@@ -100,7 +100,9 @@ def test_an_operator_lists_and_purges_a_tenant_s_responses_audited(kvd, scripted
     done = call(unix, "POST", "/admin/responses/purge", json={"tenant": "acme"}).json()
     assert (done["responses"], done["bytes"], done["cancelled"]) == (2, dry["bytes"], 0)
     for response_id in made["acme"]:
-        assert call(tcp, "GET", f"/v1/responses/{response_id}", headers=acme).status_code == 404
+        gone = call(tcp, "GET", f"/v1/responses/{response_id}", headers=acme)
+        assert gone.status_code == 404 and gone.json()["error"]["message"].startswith(
+            f"response_id: response {response_id!r} is no longer kept: an operator purged it (kvctl responses purge), ")
     assert call(tcp, "GET", f"/v1/responses/{made['globex'][0]}", headers=globex).status_code == 200
     [record] = call(unix, "GET", "/admin/audit?action=responses.purge").json()["entries"]
     assert (record["tenant"], record["target"], record["detail"]["responses"]) == ("acme", "tenant:acme", 2)

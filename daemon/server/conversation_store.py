@@ -4,9 +4,10 @@ are the prompt, and the input and the output items are added to it once the resp
 
 In memory, within a budget of bytes (`conversations_store_bytes`, the JSON of each conversation's
 metadata and items): when new items would not fit, the least recently used conversation of the
-tenant holding the most bytes goes first (policies/kept_state.py; counted as dropped). A request that would make one conversation bigger than the whole
-budget is refused (ConversationError) and changes nothing. Each is its tenant's: another
-tenant's id reads as unknown, as if it had never been. A conversation is written to by one
+tenant holding the most bytes goes first (policies/kept_state.py; counted as dropped, and its
+tenant's next request that names it is told so: gone_book.py). A request that would make one
+conversation bigger than the whole budget is refused (ConversationError) and changes nothing.
+Each is its tenant's: another tenant's id reads as unknown, as if it had never been. A conversation is written to by one
 response at a time (`claim`): a second that would continue it while the first runs is refused,
 since it could not see the first's items. With `responses_store_file` every change is written to
 that file as well (conversation_file.py), and a restart finds them there.
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from kvctl.policies.kept_state import KeptByTenant
 
 from .conversation_file import ConversationFile
+from .gone_book import GoneBook
 from .responses_input import new_id
 
 log = logging.getLogger("kvd")
@@ -98,6 +100,7 @@ class ConversationStore:
         self.used = 0
         self.entries: OrderedDict[str, Conversation] = OrderedDict()
         self.kept = KeptByTenant()  # each tenant's, least recently used first, and its bytes: who gives room
+        self.gone = GoneBook()  # why those let go went, for their tenant's next request (not those it deleted)
         self.dropped = 0  # conversations let go to make room
         self.turns_lost = 0  # responses whose items did not fit in their conversation (it alone over the budget)
         self.expired = 0  # conversations let go once idle longer than responses_max_age (response_admin.expire)
@@ -148,8 +151,11 @@ class ConversationStore:
             gone_id = self.kept.victim(keep)
             if gone_id is None:
                 return
-            self._let_go(self.entries[gone_id])
+            gone = self.entries[gone_id]
+            self._let_go(gone)
             self.dropped += 1
+            self.gone.note(gone.tenant, gone_id, "kvd let it go for room (conversations_store_bytes; its tenant held "
+                                                 "the most)")
 
     def create(self, tenant: str, items: list[dict], metadata: dict, created_at: int) -> Conversation:
         """A new conversation of `items` (already shaped, each with its id); ConversationError
@@ -280,8 +286,11 @@ class ConversationStore:
                       and (idle_since is None or conversation.updated_at < idle_since)]
             if not dry_run:
                 self.expired += len(chosen) if expired else 0
+                why = "unchanged for longer than responses_max_age" if expired else \
+                    "an operator purged it (kvctl responses purge)"
                 for conversation in chosen:
                     self._let_go(conversation)
+                    self.gone.note(conversation.tenant, conversation.id, why)
         tenants: dict[str, int] = {}
         for conversation in chosen:
             tenants[conversation.tenant] = tenants.get(conversation.tenant, 0) + 1

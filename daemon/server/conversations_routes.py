@@ -37,7 +37,11 @@ class ItemsBody(BaseModel):
     items: Any = None
 
 
-def not_found(conversation_id: str, param: str = "conversation_id") -> ApiError:
+def not_found(conversation_id: str, param: str = "conversation_id", why: str | None = None) -> ApiError:
+    """The 404 of a conversation kvd does not keep; `why`: why it went, where kvd knows (gone_book.py)."""
+    if why is not None:
+        return ApiError(404, f"{param}: conversation {conversation_id!r} is no longer kept: {why}",
+                        type_="not_found_error", param=param, code="conversation_not_found")
     return ApiError(404, f"{param}: no conversation {conversation_id!r} is kept here (kvd keeps its tenant's "
                          "conversations in memory, within conversations_store_bytes)", type_="not_found_error",
                     param=param, code="conversation_not_found")
@@ -70,7 +74,7 @@ def conversations_routes(service, principal) -> APIRouter:
     def held(who: Principal, conversation_id: str) -> Conversation:
         conversation = store.get(who.tenant, conversation_id)
         if conversation is None:
-            raise not_found(conversation_id)
+            raise not_found(conversation_id, why=store.gone.why(who.tenant, conversation_id))
         return conversation
 
     def checked(work):
@@ -106,7 +110,7 @@ def conversations_routes(service, principal) -> APIRouter:
     @router.delete("/v1/conversations/{conversation_id}")
     async def delete_conversation(conversation_id: str, who: Principal = Depends(principal)):
         if not store.delete(who.tenant, conversation_id):
-            raise not_found(conversation_id)
+            raise not_found(conversation_id, why=store.gone.why(who.tenant, conversation_id))
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
     @router.post("/v1/conversations/{conversation_id}/items")

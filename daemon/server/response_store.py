@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from kvctl.policies.kept_state import KeptByTenant
 
+from .gone_book import GoneBook
 from .response_file import ResponseFile, ResponseFileError
 
 REPLAY_S = 300.0  # how long an ended background response's events can still be streamed again
@@ -62,6 +63,7 @@ class ResponseStore:
         # its), the SHA-256 of its JSON (its name in the file), the tenant its bytes are counted to]
         self.held: dict[int, list] = {}
         self.kept = KeptByTenant()  # each tenant's responses, least recently used first, and its bytes
+        self.gone = GoneBook()  # why those let go went, for their tenant's next request (not those it deleted)
         self.dropped = 0  # responses let go to make room (or too big to keep)
         self.expired = 0  # responses let go once older than responses_max_age (response_admin.expire)
         self.runs: dict[str, object] = {}  # background responses still running (response_runs.Run), by id
@@ -98,6 +100,8 @@ class ResponseStore:
             named.update({key: [self.held[key][1], self.held[key][3]] for key in parts if key in self.held})
             if entry.size + sum(size for size, _ in named.values()) > self.budget:  # it alone would not fit
                 self.dropped += 1
+                self.gone.note(tenant, response["id"], "it was bigger than kvd keeps for all responses "
+                                                       f"(responses_store_bytes {self.budget})")
                 if written:
                     self.file.remove(response["id"])
                 return False
@@ -120,6 +124,8 @@ class ResponseStore:
                     break
                 gone = self.entries.pop(gone_id)
                 self._release(gone_id, gone)
+                self.gone.note(gone.tenant, gone_id, "kvd let it go for room (responses_store_bytes; its tenant "
+                                                     "held the most)")
                 self.dropped += 1
                 self._drop_replay(gone_id)
                 if self.file is not None:
@@ -217,9 +223,11 @@ class ResponseStore:
                 self.held[key][1] for key, count in holders.items() if count == self.held[key][0])
             if not dry_run:
                 self.expired += len(chosen) if expired else 0
+                why = "older than responses_max_age" if expired else "an operator purged it (kvctl responses purge)"
                 for response_id, entry in chosen:
                     del self.entries[response_id]
                     self._release(response_id, entry)
+                    self.gone.note(entry.tenant, response_id, why)
                     self._drop_replay(response_id)
                     if self.file is not None:
                         self.file.remove(response_id)

@@ -35,7 +35,11 @@ REQUEST_ID_HEADER = "X-KVD-Request-Id"
 RESPONSE_ID_HEADER = "X-KVD-Response-Id"  # the response's id, before its body: kvd router learns its home from it
 
 
-def _not_kept(response_id: str, param: str) -> ApiError:
+def _not_kept(response_id: str, param: str, why: str | None = None) -> ApiError:
+    """The 404 of a response kvd does not keep; `why`: why it went, where kvd knows (gone_book.py)."""
+    if why is not None:
+        return ApiError(404, f"{param}: response {response_id!r} is no longer kept: {why}", type_="not_found_error",
+                        param=param, code="response_not_found")
     return ApiError(404, f"{param}: no response {response_id!r} is kept here (kvd keeps its tenant's responses in "
                          "memory, within responses_store_bytes, until it restarts unless responses_store_file keeps "
                          "them; one sent with store: false is not kept)", type_="not_found_error", param=param,
@@ -105,7 +109,8 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         if body.conversation_id() is not None:
             held = service.conversations.get(who.tenant, body.conversation_id())
             if held is None:
-                raise conversation_not_found(body.conversation_id(), "conversation")
+                raise conversation_not_found(body.conversation_id(), "conversation",
+                                             service.conversations.gone.why(who.tenant, body.conversation_id()))
             inputs = list(held.items)
             # with truncation auto, from where the last cut left it (its prompt then opens as the last turn's did)
             start = held.start() if body.truncation == "auto" else 0
@@ -119,7 +124,8 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                                     "in the background; continue it once it has ended", param="previous_response_id")
             kept = service.responses.get(who.tenant, body.previous_response_id)
             if kept is None:
-                raise _not_kept(body.previous_response_id, "previous_response_id")
+                raise _not_kept(body.previous_response_id, "previous_response_id",
+                                service.responses.gone.why(who.tenant, body.previous_response_id))
             earlier = list(kept.conversation)
             inputs = [*kept.inputs, *kept.response["output"]]
         template = service.chat_template
@@ -313,7 +319,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         if stream:  # a background response's events again, from `starting_after` on
             run = run or service.responses.replayable(who.tenant, response_id)
             if run is None and service.responses.get(who.tenant, response_id) is None:
-                raise _not_kept(response_id, "response_id")
+                raise _not_kept(response_id, "response_id", service.responses.gone.why(who.tenant, response_id))
             if run is None or run.events is None:
                 why = ("it was made without stream: true" if run is not None else
                        f"it is neither running nor ended in the last {format_duration(REPLAY_S)} (or was not made "
@@ -329,7 +335,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
             return run.now()
         kept = service.responses.get(who.tenant, response_id)
         if kept is None:
-            raise _not_kept(response_id, "response_id")
+            raise _not_kept(response_id, "response_id", service.responses.gone.why(who.tenant, response_id))
         return kept.response
 
     @router.post("/v1/responses/{response_id}/cancel")
@@ -339,7 +345,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
             return await settled(run, service.cancel)
         kept = service.responses.get(who.tenant, response_id)
         if kept is None:
-            raise _not_kept(response_id, "response_id")
+            raise _not_kept(response_id, "response_id", service.responses.gone.why(who.tenant, response_id))
         if not kept.response.get("background"):
             raise ApiError(400, f"response_id: response {response_id!r} was not made with background: true; only a "
                                 "background response can be cancelled", param="response_id")
@@ -355,7 +361,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
                            param="include", code="unsupported_parameter")
         kept = service.responses.get(who.tenant, response_id)
         if kept is None:
-            raise _not_kept(response_id, "response_id")
+            raise _not_kept(response_id, "response_id", service.responses.gone.why(who.tenant, response_id))
         try:
             return input_items_page(kept.inputs, after, before, limit, order)
         except MessagesError as exc:
@@ -367,7 +373,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         if run is not None:  # (cancelled first: nothing runs on for a response no one can fetch)
             await settled(run, service.cancel)
         if not service.responses.delete(who.tenant, response_id):
-            raise _not_kept(response_id, "response_id")
+            raise _not_kept(response_id, "response_id", service.responses.gone.why(who.tenant, response_id))
         return {"id": response_id, "object": "response", "deleted": True}
 
     return router
