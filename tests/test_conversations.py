@@ -533,3 +533,19 @@ def test_a_turn_cut_off_while_thinking_is_continued_as_previous_response_id_woul
     with pytest.raises(MessagesError, match="a reasoning item goes before"):  # (a client's own input stays strict)
         input_messages([{"role": "user", "content": "x"},
                         {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "x"}]}])
+
+
+def test_a_turn_s_logprobs_stay_with_its_response_not_in_the_conversation(kvd, scripted):
+    from .daemon_fixtures import call
+
+    service, unix, _ = kvd
+    scripted.extend(service.loaded.tokenizer.encode("Fine.", add_special_tokens=False))
+    made = call(unix, "POST", "/v1/conversations", json={}).json()
+    answer = call(unix, "POST", "/v1/responses", json={
+        "input": "Hi", "conversation": made["id"], "max_output_tokens": 10, "top_logprobs": 5,
+        "include": ["message.output_text.logprobs"]}).json()
+    [said] = answer["output"]
+    assert len(said["content"][0]["logprobs"]) == len("Fine.") and said["content"][0]["logprobs"][0]["top_logprobs"]
+    kept = call(unix, "GET", f"/v1/conversations/{made['id']}/items/{said['id']}").json()
+    assert kept == {**said, "content": [{**said["content"][0], "logprobs": []}]}  # the same item, without them
+    assert call(unix, "GET", f"/v1/responses/{answer['id']}").json()["output"] == [said]  # (the response keeps them)

@@ -413,6 +413,18 @@ def input_items_page(items: list[dict] | tuple[dict, ...], after: str | None, be
             "last_id": page[-1]["id"] if page else None, "has_more": len(page) < len(window)}
 
 
+def without_logprobs(items: list[dict]) -> list[dict]:
+    """Output items as a conversation keeps them: a message's text parts without their logprobs
+    (with top_logprobs, each token's alternatives would make the conversation many times its
+    text). Items with none are the same objects."""
+    def plain(item: dict) -> dict:
+        parts = item.get("content") if item.get("type") == "message" else None
+        if not parts or not any(part.get("logprobs") for part in parts):
+            return item
+        return {**item, "content": [{**part, "logprobs": []} if part.get("logprobs") else part for part in parts]}
+    return [plain(item) for item in items]
+
+
 def status_of(finish_reason: str | None) -> str:
     return {"length": "incomplete", "cancelled": "cancelled"}.get(finish_reason, "completed")
 

@@ -20,7 +20,7 @@ from .calls import Principal, ServiceError
 from .chat import ChatCompletionRequest
 from .chat_messages import MessagesError, chat_messages, checked_tools
 from .responses_api import (RESPONSE_HINTS, UNSUPPORTED_RESPONSE_FIELDS, OutputItems, ResponsesRequest, chat_body,
-                            input_items_page, new_id, now, response_object, status_of, usage_of)
+                            input_items_page, new_id, now, response_object, status_of, usage_of, without_logprobs)
 from .response_logprobs import AnswerLogprobs
 from .durations import format_duration
 from .response_runs import Run, settled
@@ -77,7 +77,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         if body.store:
             service.responses.put(who.tenant, response, [*conversation, items.assistant_turn()], inputs)
         if turn is not None:
-            turn.end(response["output"] if response["status"] != "cancelled" else None)
+            turn.end(without_logprobs(response["output"]) if response["status"] != "cancelled" else None)
         return response
 
     def ended_failed(body: ResponsesRequest, who: Principal, head: dict, items: OutputItems, error: dict,
