@@ -4,10 +4,10 @@ kvd is driven over its API with streaming completions, chats or responses (TTFT 
 inter-token times are taken as chunks arrive). Under `--api responses` each turn of a
 multi-turn conversation continues the last by `previous_response_id`: kvd holds the
 conversation, and the client sends only the new message. Under `--api conversations` each
-conversation is made first (`POST /v1/conversations`, untimed) and every turn names it. The baseline runs the same
-requests on the same checkpoint with the `transformers` library in this process, batched
-`--concurrency` at a time with its own KV cache, and the report shows kvd ÷ baseline for
-every figure.
+conversation is made first (`POST /v1/conversations`, untimed) and every turn names it. The
+baseline runs the same requests on the same checkpoint with the `transformers` library in this
+process, batched `--concurrency` at a time with its own KV cache, and the report shows kvd ÷
+baseline for every figure.
 """
 
 from __future__ import annotations

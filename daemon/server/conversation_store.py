@@ -7,10 +7,11 @@ metadata and items): when new items would not fit, the least recently used conve
 tenant holding the most bytes goes first (policies/kept_state.py; counted as dropped, and its
 tenant's next request that names it is told so: gone_book.py). A request that would make one
 conversation bigger than the whole budget is refused (ConversationError) and changes nothing.
-Each is its tenant's: another tenant's id reads as unknown, as if it had never been. A conversation is written to by one
-response at a time (`claim`): a second that would continue it while the first runs is refused,
-since it could not see the first's items. With `responses_store_file` every change is written to
-that file as well (conversation_file.py), and a restart finds them there.
+Each is its tenant's: another tenant's id reads as unknown, as if it had never been. A
+conversation is written to by one response at a time (`claim`): a second that would continue it
+while the first runs is refused, since it could not see the first's items. With
+`responses_store_file` every change is written to that file as well (conversation_file.py), and a
+restart finds them there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from kvctl.policies.kept_state import KeptByTenant
@@ -60,12 +61,22 @@ class Conversation:
 
     def start(self) -> int:
         """The index of the item where truncation last cut it (0: none, or that item is gone)."""
-        items = self.items
-        return next((i for i, item in enumerate(items) if item.get("id") == self.prompt_start), 0) \
-            if self.prompt_start is not None else 0
+        if self.prompt_start is None:
+            return 0
+        return next((i for i, item in enumerate(self.items) if item.get("id") == self.prompt_start), 0)
 
     def item(self, item_id: str) -> dict | None:
         return next((item for item in self.items if item.get("id") == item_id), None)
+
+    def taken_id(self, items: list[dict]) -> int | None:
+        """The index of the first of `items` whose id one of its own items has, or one before it
+        in `items` (None: every id is new)."""
+        held = {item["id"] for item in self.items}
+        for i, item in enumerate(items):
+            if item["id"] in held:
+                return i
+            held.add(item["id"])
+        return None
 
 
 class Turn:
@@ -210,12 +221,10 @@ class ConversationStore:
             self._add(conversation, items)
 
     def _add(self, conversation: Conversation, items: list[dict]) -> None:
-        held = {item["id"] for item in conversation.items}
-        for i, item in enumerate(items):
-            if item["id"] in held:
-                raise ConversationError(400, f"items[{i}].id: the conversation has an item {item['id']!r} already",
-                                        f"items[{i}].id", "duplicate_item")
-            held.add(item["id"])
+        i = conversation.taken_id(items)
+        if i is not None:
+            raise ConversationError(400, f"items[{i}].id: the conversation has an item {items[i]['id']!r} already",
+                                    f"items[{i}].id", "duplicate_item")
         grown = sum(_size(item) for item in items)
         self._room(conversation.size + grown, "items")
         conversation.items.extend(items)
@@ -291,10 +300,8 @@ class ConversationStore:
                 for conversation in chosen:
                     self._let_go(conversation)
                     self.gone.note(conversation.tenant, conversation.id, why)
-        tenants: dict[str, int] = {}
-        for conversation in chosen:
-            tenants[conversation.tenant] = tenants.get(conversation.tenant, 0) + 1
-        return {"conversations": len(chosen), "bytes": sum(c.size for c in chosen), "tenants": tenants}
+        return {"conversations": len(chosen), "bytes": sum(c.size for c in chosen),
+                "tenants": dict(Counter(c.tenant for c in chosen))}
 
     def close(self) -> None:
         """Writes the order of use to the file (at kvd's stop, before the file closes)."""

@@ -20,6 +20,7 @@ import time
 from .api_errors import ApiError
 from .durations import format_duration, parse_duration
 from .response_runs import settled
+from .response_store import tenant_row
 
 log = logging.getLogger("kvd")
 
@@ -29,8 +30,7 @@ def listing(service) -> dict:
     figures (the conversations' under `conversations`)."""
     rows = {row["tenant"]: row for row in service.responses.tenants()}
     for tenant, talks in service.conversations.tenants().items():
-        rows.setdefault(tenant, {"tenant": tenant, "responses": 0, "bytes": 0, "oldest": None, "newest": None,
-                                 "running": 0}).update(talks)
+        rows.setdefault(tenant, tenant_row(tenant)).update(talks)
     for row in rows.values():
         row.setdefault("conversations", 0)
         row.setdefault("conversation_bytes", 0)

@@ -181,7 +181,7 @@ class ResponseStore:
         counted: dict[str, set] = {}
         with self.lock:
             for entry in self.entries.values():
-                row = rows.get(entry.tenant) or rows.setdefault(entry.tenant, _tenant_row(entry.tenant))
+                row = rows.get(entry.tenant) or rows.setdefault(entry.tenant, tenant_row(entry.tenant))
                 row["responses"] += 1
                 row["bytes"] += entry.size
                 seen = counted.setdefault(entry.tenant, set())
@@ -194,7 +194,7 @@ class ResponseStore:
                     row["oldest"] = made if row["oldest"] is None else min(row["oldest"], made)
                     row["newest"] = made if row["newest"] is None else max(row["newest"], made)
             for run in self.runs.values():
-                row = rows.get(run.tenant) or rows.setdefault(run.tenant, _tenant_row(run.tenant))
+                row = rows.get(run.tenant) or rows.setdefault(run.tenant, tenant_row(run.tenant))
                 row["running"] += 1
         return sorted(rows.values(), key=lambda row: (-row["bytes"], row["tenant"]))
 
@@ -296,5 +296,6 @@ class ResponseStore:
                     "dropped": self.dropped, "expired": self.expired, "running": len(self.runs)}
 
 
-def _tenant_row(tenant: str) -> dict:
+def tenant_row(tenant: str) -> dict:
+    """A tenant's row of `GET /admin/responses` before anything is counted in it."""
     return {"tenant": tenant, "responses": 0, "bytes": 0, "oldest": None, "newest": None, "running": 0}

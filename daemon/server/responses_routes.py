@@ -134,14 +134,11 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         given = input_items(body.input)
-        if held is not None:
-            ids = {item["id"] for item in inputs}
-            for i, item in enumerate(given):
-                if item["id"] in ids:
-                    raise ApiError(400, f"input[{i}].id: conversation {held.id!r} has an item {item['id']!r} already "
-                                        "(or this input has it twice); send this turn's new items only, each with "
-                                        "an id of its own", param=f"input[{i}].id")
-                ids.add(item["id"])
+        taken = held.taken_id(given) if held is not None else None  # (refused before it runs, not as it ends)
+        if taken is not None:
+            raise ApiError(400, f"input[{taken}].id: conversation {held.id!r} has an item {given[taken]['id']!r} "
+                                "already (or this input has it twice); send this turn's new items only, each with "
+                                "an id of its own", param=f"input[{taken}].id")
         inputs += given
         if body.truncation == "auto":  # (the conversation kept for the next turn starts at the cut too)
             instructions = asked["messages"][:len(asked["messages"]) - len(conversation)]
