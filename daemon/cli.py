@@ -113,13 +113,13 @@ def serve(
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
     responses_store_bytes: Optional[str] = typer.Option(
         None, help="Memory for the responses /v1/responses keeps for previous_response_id (least recently used "
-                   "go first), e.g. 64MiB; 0 keeps none."),
+                   "go first), e.g. 64MiB; 0 keeps none. Live on a reload: lowered, what no longer fits goes."),
     responses_max_age: Optional[str] = typer.Option(
         None, help="Let go of kept responses older than this (90, 30m, 12h, 30d), and of conversations unchanged "
                    "for as long, from the file too. Default: kept until room or a purge needs them."),
     conversations_store_bytes: Optional[str] = typer.Option(
         None, help="Memory for the conversations /v1/conversations keeps (least recently used go first), e.g. "
-                   "64MiB; 0 keeps none."),
+                   "64MiB; 0 keeps none. Live on a reload: lowered, what no longer fits goes."),
     truncation_headroom: Optional[float] = typer.Option(
         None, help="With truncation auto, the share of the prompt's room a cut leaves free (default 0.25), so the "
                    "turns after it come from the prefix cache; 0 drops the fewest turns."),

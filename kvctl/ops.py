@@ -547,6 +547,11 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
         for key, value in d["changed"].items():
             console.print(f"reloaded: {key} {_setting_text(d['previous'][key])} -> {_setting_text(value)}",
                           highlight=False)
+        let_go = {kind: count for kind, count in (d.get("let_go") or {}).items() if count}
+        if let_go:  # a lowered store budget
+            console.print("let go to fit the lowered budget: " + ", ".join(
+                f"{count:,} {kind}" for kind, count in let_go.items()) + " (the least recently used of the tenants "
+                "holding the most; a client naming one is told why)", highlight=False)
         reranked = d.get("reranked_blocks")
         if reranked:
             console.print("cached blocks now ranked at their tenant's new priority (eviction: priority): "

@@ -390,6 +390,52 @@ def test_a_restart_reads_back_every_conversation_as_it_was_changed_in_its_order_
                           (second.id,)).fetchone() == (0,)
 
 
+def test_where_truncation_cut_a_conversation_is_read_back_after_a_restart(tmp_path):
+    path = tmp_path / "responses.sqlite"
+    conversations, responses = stores(path)
+    made = conversations.create("acme", [item("one", "msg_1"), item("two", "msg_2"), item("three", "msg_3")], {}, 10)
+    conversations.set_start(made, "msg_2")
+    assert (made.start(), made.updated_at) == (1, 10)  # kvd's own note: the client changed nothing
+    closed(conversations, responses)
+    again, responses = stores(path)
+    try:
+        kept = again.get("acme", made.id)
+        assert (kept.prompt_start, kept.start(), kept.updated_at) == ("msg_2", 1, 10)
+        again.set_start(kept, None)
+    finally:
+        closed(again, responses)
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT prompt_start FROM conversations").fetchall() == [(None,)]
+
+
+def test_a_file_an_earlier_kvd_made_gains_the_cut_s_column_and_keeps_its_conversations(tmp_path):
+    path = tmp_path / "responses.sqlite"
+    with sqlite3.connect(path) as db:  # the tables as kvd made them before it kept where a cut fell
+        db.executescript("""
+            CREATE TABLE conversations (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL,
+                tenant TEXT NOT NULL, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL,
+                metadata TEXT NOT NULL, rank INTEGER);
+            CREATE TABLE conversation_items (conversation TEXT NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL,
+                body TEXT NOT NULL, PRIMARY KEY (conversation, seq));
+            INSERT INTO conversations (id, tenant, created_at, updated_at, metadata) VALUES ('conv_old', 'acme', 5,
+                6, '{}');""")
+        db.execute("INSERT INTO conversation_items VALUES ('conv_old', 1, 'msg_1', ?)",
+                   (json.dumps(item("one", "msg_1")),))
+    db.close()
+    conversations, responses = stores(path)
+    try:
+        old = conversations.get("acme", "conv_old")
+        assert (old.items, old.start(), old.updated_at) == ([item("one", "msg_1")], 0, 6)
+        conversations.set_start(old, "msg_1")
+    finally:
+        closed(conversations, responses)
+    again, responses = stores(path)
+    try:
+        assert again.get("acme", "conv_old").prompt_start == "msg_1"
+    finally:
+        closed(again, responses)
+
+
 def test_a_conversation_continues_after_kvd_restarts(tmp_path):
     pytest.importorskip("torch")
     from .daemon_fixtures import call, kvd_in

@@ -3,8 +3,10 @@ response_file.py), whose thread writes them, so a restart forgets no conversatio
 continues by its id.
 
 Each change is written as it is made: a conversation made, its metadata set, items added at its
-end or one deleted, the conversation deleted (or let go for room, which the memory store does
-first: the file holds what memory holds). At start the memory store is filled from it, the least
+end or one deleted, where `truncation: "auto"` last cut it (`prompt_start`: after a restart its
+next turn at the context's edge still starts where the last one did, and comes from the cache),
+the conversation deleted (or let go for room, which the memory store does first: the file holds
+what memory holds). At start the memory store is filled from it, the least
 recently used first (kvd's stop writes the order of use, `rank`; those made after the last stop
 follow, in the order they were made).
 """
@@ -19,7 +21,7 @@ from .response_file import ResponseFile
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL,
     tenant TEXT NOT NULL, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL, metadata TEXT NOT NULL,
-    rank INTEGER);
+    rank INTEGER, prompt_start TEXT);
 CREATE TABLE IF NOT EXISTS conversation_items (conversation TEXT NOT NULL, seq INTEGER NOT NULL, id TEXT NOT NULL,
     body TEXT NOT NULL, PRIMARY KEY (conversation, seq));
 """
@@ -32,19 +34,23 @@ class ConversationFile:
     def __init__(self, file: ResponseFile) -> None:
         self.file = file
         file.db.executescript(SCHEMA)
+        columns = {row[1] for row in file.db.execute("PRAGMA table_info(conversations)")}
+        if "prompt_start" not in columns:  # a file an earlier kvd made
+            file.db.execute("ALTER TABLE conversations ADD COLUMN prompt_start TEXT")
 
-    def load(self) -> Iterator[tuple[str, str, int, int, dict, list[dict]]]:
-        """(id, tenant, created_at, updated_at, metadata, items) of each conversation, the least
-        recently used first (read before the file's thread starts)."""
+    def load(self) -> Iterator[tuple[str, str, int, int, dict, list[dict], str | None]]:
+        """(id, tenant, created_at, updated_at, metadata, items, prompt_start) of each
+        conversation, the least recently used first (read before the file's thread starts)."""
         db = self.file.db
         items: dict[str, list[dict]] = {}
         for conversation, body in db.execute("SELECT conversation, body FROM conversation_items ORDER BY "
                                              "conversation, seq"):
             items.setdefault(conversation, []).append(json.loads(body))
-        rows = db.execute("SELECT id, tenant, created_at, updated_at, metadata FROM conversations "
+        rows = db.execute("SELECT id, tenant, created_at, updated_at, metadata, prompt_start FROM conversations "
                           "ORDER BY rank IS NULL, rank, seq")
-        for conversation_id, tenant, created_at, updated_at, metadata in rows.fetchall():
-            yield conversation_id, tenant, created_at, updated_at, json.loads(metadata), items.get(conversation_id, [])
+        for conversation_id, tenant, created_at, updated_at, metadata, prompt_start in rows.fetchall():
+            yield (conversation_id, tenant, created_at, updated_at, json.loads(metadata),
+                   items.get(conversation_id, []), prompt_start)
 
     def create(self, conversation_id: str, tenant: str, created_at: int, metadata: dict, items: list[dict]) -> None:
         self.file.submit(self._create, conversation_id, tenant, created_at, json.dumps(metadata),
@@ -58,6 +64,10 @@ class ConversationFile:
 
     def delete_item(self, conversation_id: str, updated_at: int, item_id: str) -> None:
         self.file.submit(self._delete_item, conversation_id, updated_at, item_id)
+
+    def set_start(self, conversation_id: str, item_id: str | None) -> None:
+        """Where truncation last cut it (not a change its client made: `updated_at` stays)."""
+        self.file.submit(self._set_start, conversation_id, item_id)
 
     def delete(self, conversation_id: str) -> None:
         self.file.submit(self._delete, conversation_id)
@@ -95,6 +105,9 @@ class ConversationFile:
         self._updated(conversation_id, updated_at)
         self.file.db.execute("DELETE FROM conversation_items WHERE conversation = ? AND id = ?",
                              (conversation_id, item_id))
+
+    def _set_start(self, conversation_id: str, item_id: str | None) -> None:
+        self.file.db.execute("UPDATE conversations SET prompt_start = ? WHERE id = ?", (item_id, conversation_id))
 
     def _delete(self, conversation_id: str) -> None:
         self.file.db.execute("DELETE FROM conversation_items WHERE conversation = ?", (conversation_id,))

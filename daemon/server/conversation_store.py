@@ -117,11 +117,12 @@ class ConversationStore:
         self.expired = 0  # conversations let go once idle longer than responses_max_age (response_admin.expire)
         self.clock = clock  # wall-clock seconds: when a conversation was last changed
         self.lock = threading.Lock()
+        self.filed = file is not None  # (with a budget of 0, kvd reads nothing from it, and writes nothing)
         self.file = file if self.keeps else None
         if self.file is not None:  # (the least recently used first: those that no longer fit go, from the file too)
-            for conversation_id, tenant, created_at, updated_at, metadata, items in self.file.load():
+            for conversation_id, tenant, created_at, updated_at, metadata, items, start in self.file.load():
                 conversation = Conversation(conversation_id, tenant, created_at, metadata, items,
-                                            updated_at=updated_at)
+                                            updated_at=updated_at, prompt_start=start)
                 conversation.size = _size(metadata) + sum(_size(item) for item in items)
                 self._keep(conversation)
                 self._make_room(None)  # (one bigger than a smaller budget now goes too)
@@ -155,7 +156,8 @@ class ConversationStore:
         if self.file is not None:
             self.file.delete(conversation.id)
 
-    def _make_room(self, keep: str | None) -> None:
+    def _make_room(self, keep: str | None,
+                   why: str = "kvd let it go for room (conversations_store_bytes; its tenant held the most)") -> None:
         """Lets go of conversations (not `keep`) until the rest fit: the least recently used of
         the tenant holding the most bytes first."""
         while self.used > self.budget:
@@ -165,8 +167,32 @@ class ConversationStore:
             gone = self.entries[gone_id]
             self._let_go(gone)
             self.dropped += 1
-            self.gone.note(gone.tenant, gone_id, "kvd let it go for room (conversations_store_bytes; its tenant held "
-                                                 "the most)")
+            self.gone.note(gone.tenant, gone_id, why)
+
+    def budget_refusal(self, budget_bytes: int) -> str | None:
+        """Why `resize(budget_bytes)` cannot be done live (None: it can): with a file, turning
+        conversations off or on needs a restart."""
+        if self.filed and (budget_bytes == 0) != (self.budget == 0):
+            return (f"conversations_store_bytes: from {self.budget} to {budget_bytes} with responses_store_file needs "
+                    "a restart (kvd reads the file's conversations at start, and leaves them there while it keeps "
+                    "none)")
+        return None
+
+    def resize(self, budget_bytes: int) -> int:
+        """A reload set `conversations_store_bytes` to `budget_bytes`: where what is kept no
+        longer fits, the least recently used of the tenant holding the most go (from the file too,
+        and their tenant's next request is told why), as for room; with 0 (no file) every one goes
+        and none is kept from now on (ValueError, changing nothing, where `budget_refusal` says
+        why not). How many were let go."""
+        refusal = self.budget_refusal(budget_bytes)
+        if refusal is not None:
+            raise ValueError(refusal)
+        with self.lock:
+            self.budget = budget_bytes
+            before = len(self.entries)
+            self._make_room(None, f"kvd let it go when a reload lowered conversations_store_bytes to {budget_bytes} "
+                                  "(its tenant held the most)")
+            return before - len(self.entries)
 
     def create(self, tenant: str, items: list[dict], metadata: dict, created_at: int) -> Conversation:
         """A new conversation of `items` (already shaped, each with its id); ConversationError
@@ -230,6 +256,16 @@ class ConversationStore:
         conversation.items.extend(items)
         self._written(conversation, "add", items)
         self._grew(conversation, grown)
+
+    def set_start(self, conversation: Conversation, item_id: str | None) -> None:
+        """Truncation auto cut the conversation at `item_id`: its next prompts start there too
+        (Conversation.start), after a restart as well."""
+        with self.lock:
+            if conversation.prompt_start == item_id:
+                return
+            conversation.prompt_start = item_id
+            if self.file is not None and self.entries.get(conversation.id) is conversation:
+                self.file.set_start(conversation.id, item_id)
 
     def delete_item(self, conversation: Conversation, item_id: str) -> bool:
         with self.lock:

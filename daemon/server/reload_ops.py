@@ -32,7 +32,7 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_req
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
                  "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens",
                  "lora_modules", "lora_runtime_updates", "max_loras", "speculative_config", "responses_max_age",
-                 "truncation_headroom")
+                 "truncation_headroom", "responses_store_bytes", "conversations_store_bytes")
 
 # what the running process is bound to: its sockets, its store, its auth front, its metric families
 BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",
@@ -176,6 +176,11 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
             pin_ops.pin_room_of(service.engine, new)
         except ValueError as exc:
             raise ServiceError(400, f"reload refused, nothing changed: {exc}", "pin_room_tokens") from None
+    for name, store in (("responses_store_bytes", service.responses), ("conversations_store_bytes",
+                                                                       service.conversations)):
+        refusal = store.budget_refusal(getattr(new, name))
+        if refusal is not None:
+            raise ServiceError(400, f"reload refused, nothing changed: {refusal}", name)
     changed = {k: getattr(new, k) for k in LIVE_SETTINGS if getattr(new, k) != getattr(service.config, k)}
     reranked: dict[str, int] = {}
     previous = {k: getattr(service.config, k) for k in changed}
@@ -232,6 +237,11 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                     if name in changed}
         service.rollout_settings = {}
     result = {"changed": changed, "previous": previous, "needs_restart": ignored}
+    let_go = {kind: store.resize(getattr(new, name)) for kind, name, store in (
+        ("responses", "responses_store_bytes", service.responses),
+        ("conversations", "conversations_store_bytes", service.conversations)) if name in changed}
+    if any(let_go.values()):  # what a lowered budget no longer holds (each one's tenant is told why)
+        result["let_go"] = let_go
     if lora is not None and any(lora.values()):
         result["adapters"] = lora  # requests in flight finish on the adapter they came for
         warn_if_kv_changes({name: adapters[name] for name in lora["added"] + lora["replaced"]},

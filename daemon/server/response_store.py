@@ -122,14 +122,8 @@ class ResponseStore:
                 gone_id = self.kept.victim()  # (the least recently used of the tenant holding the most)
                 if gone_id is None:
                     break
-                gone = self.entries.pop(gone_id)
-                self._release(gone_id, gone)
-                self.gone.note(gone.tenant, gone_id, "kvd let it go for room (responses_store_bytes; its tenant "
-                                                     "held the most)")
-                self.dropped += 1
-                self._drop_replay(gone_id)
-                if self.file is not None:
-                    self.file.remove(gone_id)
+                self._let_go_for_room(gone_id, "kvd let it go for room (responses_store_bytes; its tenant held the "
+                                               "most)")
             self.entries[response["id"]] = entry
             self.kept.add(tenant, response["id"])
             if self.file is not None and not written:
@@ -137,6 +131,43 @@ class ResponseStore:
                               [self.held[id(part)][3] for part in inputs],
                               {named[key][1]: text for key, text in fresh.items()})
             return True
+
+    def budget_refusal(self, budget_bytes: int) -> str | None:
+        """Why `resize(budget_bytes)` cannot be done (None: it can): a file needs a budget above 0."""
+        if self.file is not None and budget_bytes == 0:
+            return ("responses_store_bytes: 0 would keep no response and empty responses_store_file; start kvd "
+                    "without the file to keep none")
+        return None
+
+    def resize(self, budget_bytes: int) -> int:
+        """A reload set `responses_store_bytes` to `budget_bytes`: where what is kept no longer
+        fits, the least recently used of the tenant holding the most go (from the file too, and
+        their tenant's next request is told why), as for room; with 0 every one goes and none is
+        kept from now on (ValueError, changing nothing, where `budget_refusal` says why not).
+        How many were let go."""
+        refusal = self.budget_refusal(budget_bytes)
+        if refusal is not None:
+            raise ValueError(refusal)
+        with self.lock:
+            self.budget = budget_bytes
+            before = len(self.entries)
+            while self.used > self.budget:
+                gone_id = self.kept.victim()
+                if gone_id is None:
+                    break
+                self._let_go_for_room(gone_id, f"kvd let it go when a reload lowered responses_store_bytes to "
+                                                f"{budget_bytes} (its tenant held the most)")
+            self._forget_replays()  # (within a quarter of the new budget)
+            return before - len(self.entries)
+
+    def _let_go_for_room(self, response_id: str, why: str) -> None:
+        gone = self.entries.pop(response_id)
+        self._release(response_id, gone)
+        self.gone.note(gone.tenant, response_id, why)
+        self.dropped += 1
+        self._drop_replay(response_id)
+        if self.file is not None:
+            self.file.remove(response_id)
 
     def _release(self, response_id: str, entry: StoredResponse) -> None:
         """Lets `entry` go: its own bytes, and each message or item no other response holds."""

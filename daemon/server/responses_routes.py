@@ -144,7 +144,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
             instructions = asked["messages"][:len(asked["messages"]) - len(conversation)]
             cut = await fitting(body, instructions, asked, conversation)
             if cut and held is not None:  # the conversation's next turns start here too
-                held.prompt_start = kept_from(inputs[start:], conversation[:cut])  # (its input's items last)
+                service.conversations.set_start(held, kept_from(inputs[start:], conversation[:cut]))
             conversation = conversation[cut:]
             asked["messages"] = instructions + conversation
         if body.background:  # streamed from the engine whatever the client asked: its run keeps each event
