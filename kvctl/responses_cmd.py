@@ -64,7 +64,8 @@ def responses_view(d: dict, now: float | None = None) -> Group:
     line = (f"{d['responses']:,} kept in {size(d['bytes'])} of {size(d['budget_bytes'])}"
             + (f"; {d['dropped']:,} let go for room" if d["dropped"] else "")
             + (f"; {d['expired']:,} past responses_max_age" if d.get("expired") else "")
-            + (f"; {d['running']:,} running in the background" if d["running"] else ""))
+            + (f"; {d['running']:,} running in the background" if d["running"] else "")
+            + (f"; {size(d['replay_bytes'])} of events kept to stream again" if d.get("replay_bytes") else ""))
     parts.append(Text(line if d["budget_bytes"] else "kvd keeps no response (responses_store_bytes 0)"))
     talks = d.get("conversations")
     if talks is not None:

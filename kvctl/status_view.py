@@ -159,7 +159,9 @@ def render_status(data: dict, console: Console | None = None):
                       + (f"; {kept['dropped']:,} let go for room (a turn that continues one gets a 404)"
                          if kept["dropped"] else "")
                       + (f"; {expired:,} let go past responses_max_age" if expired else "")
-                      + (f"; {running:,} running in the background" if running else ""))
+                      + (f"; {running:,} running in the background" if running else "")
+                      + (f"; {size(kept['replay_bytes'])} of events kept to stream again"
+                         if kept.get("replay_bytes") else ""))
     talks = data.get("conversations")  # /v1/conversations (an older kvd does not say)
     if talks and (talks["conversations"] or talks["dropped"] or talks["turns_lost"] or talks.get("expired")):
         facts.add_row("conversations", f"{talks['conversations']:,} kept in {size(talks['bytes'])} of "

@@ -1354,6 +1354,8 @@ def test_status_shows_the_responses_kept_and_those_let_go_for_room():
         {"responses": 0, "bytes": 0, "budget_bytes": 64 * 2**20, "dropped": 0, "running": 2})
     assert "responses kept 5 in 1.0 KiB of 64.0 MiB; 9 let go past responses_max_age" in shown(
         {"responses": 5, "bytes": 1024, "budget_bytes": 64 * 2**20, "dropped": 0, "expired": 9, "running": 0})
+    assert "responses kept 2 in 1.0 KiB of 64.0 MiB; 2.0 KiB of events kept to stream again" in shown(
+        {"responses": 2, "bytes": 1024, "budget_bytes": 64 * 2**20, "dropped": 0, "running": 0, "replay_bytes": 2048})
 
 
 def test_status_shows_the_conversations_kept_and_those_let_go():

@@ -36,9 +36,10 @@ def test_the_store_counts_each_tenant_s_shared_messages_once_and_purges_by_tenan
     acme_bytes = own("resp_1", 100.0) + own("resp_2", 200.0) + size(question) + size(answer) + size(more)
     rows = store.tenants()
     assert rows == [
-        {"tenant": "acme", "responses": 2, "bytes": acme_bytes, "oldest": 100.0, "newest": 200.0, "running": 0},
+        {"tenant": "acme", "responses": 2, "bytes": acme_bytes, "oldest": 100.0, "newest": 200.0, "running": 0,
+         "replay_bytes": 0},
         {"tenant": "globex", "responses": 1, "bytes": own("resp_3", 150.0) + size({"role": "user", "content": "g"}),
-         "oldest": 150.0, "newest": 150.0, "running": 0}]
+         "oldest": 150.0, "newest": 150.0, "running": 0, "replay_bytes": 0}]
     assert sum(row["bytes"] for row in rows) == store.used
 
     # acme's older one: its shared messages stay (the newer one holds them), only `more`... is the newer's
@@ -159,12 +160,13 @@ def test_kvctl_shows_the_tenants_and_what_a_purge_removed():
 
     listing = {"tenants": [{"tenant": "acme", "responses": 12, "bytes": 40960, "oldest": 1000.0, "newest": 3400.0,
                             "running": 1}], "responses": 12, "bytes": 40960, "budget_bytes": 64 * 2**20,
-               "dropped": 3, "running": 1}
+               "dropped": 3, "running": 1, "replay_bytes": 3 * 2**10}
     console = Console(width=100, record=True)
     console.print(responses_view(listing, now=3600.0))
     text = console.export_text()
     assert "acme" in text and "40.0 KiB" in text and "43m ago" in text and "3m ago" in text
-    assert "12 kept in 40.0 KiB of 64.0 MiB; 3 let go for room; 1 running in the background" in text
+    assert ("12 kept in 40.0 KiB of 64.0 MiB; 3 let go for room; 1 running in the background; 3.0 KiB of events "
+            "kept to stream again") in " ".join(text.split())
     assert purge_text({"responses": 2, "bytes": 2048, "tenants": {"acme": 2}, "dry_run": True, "running": 1,
                        "cancelled": 0}) == ("would remove 2 responses (2.0 KiB): acme 2; would cancel 1 running in "
                                             "the background first")

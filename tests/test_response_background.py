@@ -111,6 +111,9 @@ def test_an_ended_stream_s_events_stay_while_its_response_is_kept_within_a_quart
 
     first = ended("resp_1")
     assert store.replayable("acme", "resp_1") is first and store.replay_bytes == size
+    # counted beside the responses' bytes, for the operator (kvctl responses, kvctl status, the metric)
+    assert store.figures()["replay_bytes"] == size and store.figures()["bytes"] == store.used
+    assert [(row["tenant"], row["replay_bytes"]) for row in store.tenants()] == [("acme", size)]
     assert store.replayable("globex", "resp_1") is None  # another tenant's: as if it were not there
     ended("resp_2", stream=False)  # (no events kept: made without stream)
     assert list(store.replays) == ["resp_1"]
@@ -121,7 +124,8 @@ def test_an_ended_stream_s_events_stay_while_its_response_is_kept_within_a_quart
     store.purge("acme", None, dry_run=True)  # (a dry run keeps them)
     assert list(store.replays) == ["resp_4"]
     now[0] = REPLAY_S + 1
-    assert store.replayable("acme", "resp_4") is None and store.replay_bytes == 0  # past REPLAY_S
+    assert store.figures()["replay_bytes"] == 0  # past REPLAY_S: not counted, though not asked for since
+    assert store.replayable("acme", "resp_4") is None and store.replay_bytes == 0
     ended("resp_5")
     store.purge("acme", None)  # a purge takes them with their responses
     assert store.replayable("acme", "resp_5") is None and store.replay_bytes == 0
@@ -237,11 +241,13 @@ def test_a_background_stream_left_early_runs_on_to_its_end_and_streams_the_rest_
             gated["gate"].set()
             ended = await settle(client, first[0].response.id)
             rest = await http.get(f"/v1/responses/{ended.id}", params={"stream": "true", "starting_after": 4})
+            held["bytes"], held["metrics"] = service.responses.replay_bytes, (await http.get("/metrics")).text
             clock = service.responses.clock
             service.responses.clock = lambda: clock() + REPLAY_S + 1  # (its events are let go past REPLAY_S)
             late = await http.get(f"/v1/responses/{ended.id}", params={"stream": "true"})
             return first, ended, rest, late
 
+    held = {}
     first, ended, rest, late = asyncio.run(go())
     assert [e.sequence_number for e in first] == list(range(5))
     assert (ended.status, ended.output_text) == ("completed", text)
@@ -254,6 +260,7 @@ def test_a_background_stream_left_early_runs_on_to_its_end_and_streams_the_rest_
     assert first[-1].delta + "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == text
     assert late.status_code == 400 and late.json()["error"]["param"] == "stream"  # then GET it whole
     assert service.responses.replays == {} and service.responses.replay_bytes == 0
+    assert held["bytes"] > 0 and f"kvd_responses_replay_bytes {float(held['bytes'])}" in held["metrics"]
 
 
 def test_a_background_stream_streams_again_while_it_runs_and_refusals_name_the_field(kvd, gated, tmp_path):

@@ -212,6 +212,9 @@ class _EngineCollector:
                                   "responses_max_age", value=kept["expired"])
         yield GaugeMetricFamily("kvd_responses_running", "Background responses (background: true) running now",
                                 value=kept["running"])
+        yield GaugeMetricFamily("kvd_responses_replay_bytes", "Bytes of the events kept to stream ended background "
+                                "responses again (within a quarter of responses_store_bytes, beside the kept "
+                                "responses' bytes)", value=kept["replay_bytes"])
         conversations = self.service.conversations.figures()  # /v1/conversations (conversation_store.py)
         yield GaugeMetricFamily("kvd_conversations_kept", "Conversations kept (/v1/conversations)",
                                 value=conversations["conversations"])

@@ -227,6 +227,9 @@ class ResponseStore:
             for run in self.runs.values():
                 row = rows.get(run.tenant) or rows.setdefault(run.tenant, tenant_row(run.tenant))
                 row["running"] += 1
+            self._forget_replays()
+            for run, _, size in self.replays.values():  # (each beside a response of its tenant's, counted above)
+                rows[run.tenant]["replay_bytes"] += size
         return sorted(rows.values(), key=lambda row: (-row["bytes"], row["tenant"]))
 
     def runs_matching(self, tenant: str | None, made_before: float | None) -> list:
@@ -322,11 +325,16 @@ class ResponseStore:
             self.file.close()
 
     def figures(self) -> dict:
+        """Counts and bytes; `replay_bytes`: the events kept to stream ended background responses
+        again (within a quarter of the budget, beside `bytes`)."""
         with self.lock:
+            self._forget_replays()
             return {"responses": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
-                    "dropped": self.dropped, "expired": self.expired, "running": len(self.runs)}
+                    "dropped": self.dropped, "expired": self.expired, "running": len(self.runs),
+                    "replay_bytes": self.replay_bytes}
 
 
 def tenant_row(tenant: str) -> dict:
     """A tenant's row of `GET /admin/responses` before anything is counted in it."""
-    return {"tenant": tenant, "responses": 0, "bytes": 0, "oldest": None, "newest": None, "running": 0}
+    return {"tenant": tenant, "responses": 0, "bytes": 0, "oldest": None, "newest": None, "running": 0,
+            "replay_bytes": 0}
