@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from kvctl.policies.kept_state import KeptByTenant
 
 from .conversation_file import ConversationFile
-from .gone_book import GoneBook
+from .gone_book import GoneBook, GoneFile
 from .responses_input import new_id
 
 log = logging.getLogger("kvd")
@@ -111,14 +111,15 @@ class ConversationStore:
         self.used = 0
         self.entries: OrderedDict[str, Conversation] = OrderedDict()
         self.kept = KeptByTenant()  # each tenant's, least recently used first, and its bytes: who gives room
-        self.gone = GoneBook()  # why those let go went, for their tenant's next request (not those it deleted)
+        self.filed = file is not None  # (with a budget of 0, kvd reads nothing from it, and writes nothing)
+        self.file = file if self.keeps else None
+        # why those let go went, for their tenant's next request (not those it deleted); in the file too
+        self.gone = GoneBook(file=GoneFile(self.file.file, "conversations") if self.file is not None else None)
         self.dropped = 0  # conversations let go to make room
         self.turns_lost = 0  # responses whose items did not fit in their conversation (it alone over the budget)
         self.expired = 0  # conversations let go once idle longer than responses_max_age (response_admin.expire)
         self.clock = clock  # wall-clock seconds: when a conversation was last changed
         self.lock = threading.Lock()
-        self.filed = file is not None  # (with a budget of 0, kvd reads nothing from it, and writes nothing)
-        self.file = file if self.keeps else None
         if self.file is not None:  # (the least recently used first: those that no longer fit go, from the file too)
             for conversation_id, tenant, created_at, updated_at, metadata, items, start in self.file.load():
                 conversation = Conversation(conversation_id, tenant, created_at, metadata, items,

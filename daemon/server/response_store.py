@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from kvctl.policies.kept_state import KeptByTenant
 
-from .gone_book import GoneBook
+from .gone_book import GoneBook, GoneFile
 from .response_file import ResponseFile, ResponseFileError
 
 REPLAY_S = 300.0  # how long an ended background response's events can still be streamed again
@@ -63,7 +63,8 @@ class ResponseStore:
         # its), the SHA-256 of its JSON (its name in the file), the tenant its bytes are counted to]
         self.held: dict[int, list] = {}
         self.kept = KeptByTenant()  # each tenant's responses, least recently used first, and its bytes
-        self.gone = GoneBook()  # why those let go went, for their tenant's next request (not those it deleted)
+        # why those let go went, for their tenant's next request (not those it deleted); in the file too
+        self.gone = GoneBook(file=GoneFile(file, "responses") if file is not None else None)
         self.dropped = 0  # responses let go to make room (or too big to keep)
         self.expired = 0  # responses let go once older than responses_max_age (response_admin.expire)
         self.runs: dict[str, object] = {}  # background responses still running (response_runs.Run), by id
