@@ -86,25 +86,29 @@ def purge(ctx: typer.Context,
           tenant: Optional[str] = typer.Option(None, "--tenant", help="This tenant's responses and conversations."),
           older_than: Optional[str] = typer.Option(None, "--older-than", help="Those made longer ago than this "
                                                    "(90, 30m, 12h, 7d); with --tenant, that tenant's only."),
+          ids: Optional[list[str]] = typer.Option(None, "--id", help="This response (resp_...) or conversation "
+                                                  "(conv_...), whoever's (with --tenant, that tenant's only); "
+                                                  "again for more."),
           every: bool = typer.Option(False, "--all", help="Every kept response, of every tenant."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Say what it would remove; change nothing."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Remove kept responses and conversations from memory and from responses_store_file; audited.
 
-    A tenant's (a customer leaving, a request to forget), those older than a span (a retention
-    rule: a response's age is since it was made, a conversation's since it last changed), or every
-    one (--all). The tenant's background responses still running are cancelled first. A client
-    that then names a removed response or conversation gets a 404. At kvd router, on every replica.
+    A tenant's (a customer leaving), those older than a span (a retention rule: a response's age
+    is since it was made, a conversation's since it last changed), those named by id (--id: a
+    user's request to forget a conversation; an id kvd does not keep is named, exit status 3), or
+    every one (--all). Background responses still running are cancelled first. A client that then
+    names a removed response or conversation gets a 404. At kvd router, on every replica.
 
     Example: kvctl responses purge --tenant acme --dry-run
     """
-    if not (tenant or older_than or every):
-        raise UserError("give --tenant, --older-than or --all")
-    body = {"tenant": tenant, "older_than": older_than, "all": every, "dry_run": dry_run}
+    if not (tenant or older_than or every or ids):
+        raise UserError("give --tenant, --older-than, --id or --all")
+    body = {"tenant": tenant, "older_than": older_than, "ids": ids or None, "all": every, "dry_run": dry_run}
     data = client_for(ctx).post("/admin/responses/purge", {k: v for k, v in body.items() if v is not None})
     emit(data, as_json, lambda d: typer.echo(purge_text(d)))
-    if data.get("result") == "partial":
-        raise typer.Exit(3)  # kvd router: some replica refused or was not reached
+    if data.get("result") == "partial" or data.get("ids_not_found"):
+        raise typer.Exit(3)  # kvd router: some replica refused or was not reached; or an id is not kept
 
 
 def purge_text(d: dict) -> str:
@@ -123,4 +127,6 @@ def purge_text(d: dict) -> str:
         line += f"; cancelled {d['cancelled']:,} running in the background first"
     if "replicas" in d:
         line += f" on {sum(1 for row in d['replicas'] if row.get('status') == 200)} of {len(d['replicas'])} replicas"
+    if d.get("ids_not_found"):
+        line += f"\nnot kept{' for ' + d['tenant'] if d.get('tenant') else ''}: {', '.join(d['ids_not_found'])}"
     return line + (f"\n{d['message']}" if d.get("message") else "")

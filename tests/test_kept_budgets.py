@@ -16,6 +16,7 @@ from kvctl.daemon.server.conversation_store import ConversationError, Conversati
 from kvctl.daemon.server.response_file import ResponseFile  # noqa: E402
 from kvctl.daemon.server.response_store import ResponseStore  # noqa: E402
 
+from .kvctl_fakes import kvctl_answered  # noqa: E402
 from .test_conversations import closed, item, stores  # noqa: E402
 from .test_responses_api import kvd, scripted  # noqa: E402,F401
 
@@ -174,23 +175,9 @@ def test_a_reload_that_would_empty_the_responses_file_is_refused_changing_nothin
 
 
 def test_kvctl_config_reload_says_what_a_lowered_budget_let_go():
-    from typer.testing import CliRunner
-
-    from kvctl.cli import app as kvctl_app
-
     answer = {"changed": {"responses_store_bytes": 1048576}, "previous": {"responses_store_bytes": 67108864},
               "needs_restart": [], "let_go": {"responses": 1200, "conversations": 0}}
-
-    class Answering:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-        def post(self, path, body):
-            return answer
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("kvctl.command_kit.Client", Answering)
-        printed = CliRunner().invoke(kvctl_app, ["config", "reload"], env={"COLUMNS": "200"})
+    printed = kvctl_answered(["config", "reload"], answer)
     assert printed.exit_code == 0, printed.output
     assert printed.output.splitlines() == [
         "reloaded: responses_store_bytes 67108864 -> 1048576",

@@ -115,10 +115,10 @@ def test_an_operator_lists_and_purges_a_tenant_s_responses_audited(kvd, scripted
     assert call(unix, "POST", "/admin/responses/purge", json={"all": True}).json()["tenants"] == {"globex": 1}
 
     for body, message, param in [
-            ({}, "tenant: name a tenant or older_than, or send all: true to purge every kept response and "
+            ({}, "tenant: name a tenant, older_than or ids, or send all: true to purge every kept response and "
                  "conversation", "tenant"),
-            ({"all": True, "tenant": "acme"}, "all: purges every kept response and conversation; leave tenant and "
-                                              "older_than out, or all", "all"),
+            ({"all": True, "tenant": "acme"}, "all: purges every kept response and conversation; leave tenant, "
+                                              "older_than and ids out, or all", "all"),
             ({"older_than": "soon"}, "older_than: must be a duration (90, 30m, 12h, 7d), got 'soon'", "older_than")]:
         refused = call(unix, "POST", "/admin/responses/purge", json=body)
         assert refused.status_code == 400

@@ -167,6 +167,9 @@ class CalibrateRequest(BaseModel):
 class ResponsesPurge(BaseModel):
     tenant: Tenant | None = None  # this tenant's kept responses (None: any tenant's)
     older_than: str | Number | None = None  # those made longer ago than this (90, 30m, 7d)
+    # these responses and conversations, by id (with tenant: that tenant's only)
+    ids: Annotated[list[Annotated[str, Field(pattern=r"^(resp|conv)_[A-Za-z0-9_-]{1,128}$")]],
+                   Field(min_length=1, max_length=10_000)] | None = None
     all: StrictBool = False  # every kept response (with neither tenant nor older_than)
     dry_run: StrictBool = False
 

@@ -398,7 +398,8 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     @router.post("/admin/responses/purge")
     async def purge_responses(body: ResponsesPurge, who: Principal = Depends(admin)):
         """Remove a tenant's kept responses, those older than a span, or every one; audited."""
-        return await response_admin.purge(service, body.tenant, body.older_than, body.all, body.dry_run, who)
+        return await response_admin.purge(service, body.tenant, body.older_than, body.all, body.dry_run, who,
+                                          body.ids)
 
     @router.get("/admin/audit")
     def audit(since: float = 0.0, action: str | None = None, _: Principal = Depends(admin)):

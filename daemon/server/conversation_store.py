@@ -322,14 +322,16 @@ class ConversationStore:
         return rows
 
     def purge(self, tenant: str | None, idle_since: float | None, dry_run: bool = False,
-              expired: bool = False) -> dict:
+              expired: bool = False, ids: set[str] | None = None) -> dict:
         """Lets go of the conversations of `tenant` (None: every tenant's) last changed before
-        `idle_since` (None: whenever), from the file too; with `dry_run`, only counts them;
-        `expired`: counted as let go past their age. {"conversations", "bytes", "tenants"}."""
+        `idle_since` (None: whenever), of `ids` (None: any), from the file too; with `dry_run`,
+        only counts them; `expired`: counted as let go past their age. {"conversations", "bytes",
+        "tenants"}, and with `ids`, "ids": those it found."""
         with self.lock:
             chosen = [conversation for conversation in self.entries.values()
                       if (tenant is None or conversation.tenant == tenant)
-                      and (idle_since is None or conversation.updated_at < idle_since)]
+                      and (idle_since is None or conversation.updated_at < idle_since)
+                      and (ids is None or conversation.id in ids)]
             if not dry_run:
                 self.expired += len(chosen) if expired else 0
                 why = "unchanged for longer than responses_max_age" if expired else \
@@ -337,8 +339,9 @@ class ConversationStore:
                 for conversation in chosen:
                     self._let_go(conversation)
                     self.gone.note(conversation.tenant, conversation.id, why)
+        found = {"ids": [c.id for c in chosen]} if ids is not None else {}
         return {"conversations": len(chosen), "bytes": sum(c.size for c in chosen),
-                "tenants": dict(Counter(c.tenant for c in chosen))}
+                "tenants": dict(Counter(c.tenant for c in chosen)), **found}
 
     def close(self) -> None:
         """Writes the order of use to the file (at kvd's stop, before the file closes)."""

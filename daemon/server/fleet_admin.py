@@ -307,9 +307,13 @@ def merge_response_purges(bodies: list[dict]) -> dict:
         talks["conversations"] += theirs.get("conversations", 0)
         talks["bytes"] += theirs.get("bytes", 0)
         talks["tenants"].update(theirs.get("tenants", {}))
+    named = {}
+    if "ids" in bodies[0]:  # an id is not found where no replica that answered keeps it
+        missing = set.intersection(*(set(body.get("ids_not_found", body.get("ids", []))) for body in bodies))
+        named = {"ids": bodies[0]["ids"], "ids_not_found": sorted(missing)}
     return {**{key: sum(body[key] for body in bodies) for key in ("responses", "bytes", "cancelled", "running")},
             "tenants": dict(tenants), "conversations": {**talks, "tenants": dict(talks["tenants"])},
-            **{key: bodies[0][key] for key in ("dry_run", "tenant", "older_than_s", "all")}}
+            **{key: bodies[0][key] for key in ("dry_run", "tenant", "older_than_s", "all")}, **named}
 
 
 def replica_reports(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:

@@ -38,32 +38,44 @@ def listing(service) -> dict:
     return {"tenants": ordered, **service.responses.figures(), "conversations": service.conversations.figures()}
 
 
-async def purge(service, tenant: str | None, older_than, every: bool, dry_run: bool, who) -> dict:
-    """Removes the kept responses of `tenant` (None: any tenant's) made more than `older_than` ago
-    (a duration: 90, 30m, 7d; None: whenever); `every` must be set to name none of them."""
+async def purge(service, tenant: str | None, older_than, every: bool, dry_run: bool, who,
+                ids: list[str] | None = None) -> dict:
+    """Removes the kept responses and conversations of `tenant` (None: any tenant's) made more
+    than `older_than` ago (a duration: 90, 30m, 7d; None: whenever), or those of `ids` (a user's
+    request to forget; with `tenant`, that tenant's only: `ids_not_found` lists the others); `every`
+    must be set to name none of them."""
     try:
         span = parse_duration(older_than)
     except (ValueError, KeyError):
         raise ApiError(400, f"older_than: must be a duration (90, 30m, 12h, 7d), got {older_than!r}",
                        param="older_than") from None
-    if tenant is None and span is None and not every:
-        raise ApiError(400, "tenant: name a tenant or older_than, or send all: true to purge every kept response "
-                            "and conversation", param="tenant")
-    if every and (tenant is not None or span is not None):
-        raise ApiError(400, "all: purges every kept response and conversation; leave tenant and older_than out, "
-                            "or all", param="all")
+    if tenant is None and span is None and not every and not ids:
+        raise ApiError(400, "tenant: name a tenant, older_than or ids, or send all: true to purge every kept "
+                            "response and conversation", param="tenant")
+    if every and (tenant is not None or span is not None or ids):
+        raise ApiError(400, "all: purges every kept response and conversation; leave tenant, older_than and ids "
+                            "out, or all", param="all")
+    if ids and span is not None:
+        raise ApiError(400, "ids: purges the responses and conversations named, whatever their age; leave "
+                            "older_than out", param="ids")
+    named = set(ids) if ids else None
     made_before = None if span is None else time.time() - span
-    runs = service.responses.runs_matching(tenant, made_before)
+    runs = service.responses.runs_matching(tenant, made_before, named)
     if not dry_run and runs:  # ended, they are kept (cancelled): then purged with the others
         await asyncio.gather(*(settled(run, service.cancel) for run in runs))
-    body = {**service.responses.purge(tenant, made_before, dry_run),
-            "conversations": service.conversations.purge(tenant, made_before, dry_run),
+    responses = service.responses.purge(tenant, made_before, dry_run, ids=named)
+    conversations = service.conversations.purge(tenant, made_before, dry_run, ids=named)
+    body = {**responses, "conversations": conversations,
             "cancelled": 0 if dry_run else len(runs),
             "running": len(runs) if dry_run else 0, "dry_run": dry_run,
             "tenant": tenant, "older_than_s": span, "all": every}
+    if named is not None:
+        found = set(responses.pop("ids")) | set(conversations.pop("ids")) | {run.now()["id"] for run in runs}
+        body.update(ids=sorted(named), ids_not_found=sorted(named - found))
     if not dry_run:
         target = "all" if every else ",".join(filter(None, [tenant and f"tenant:{tenant}",
-                                                            span and f"older_than:{format_duration(span)}"]))
+                                                            span and f"older_than:{format_duration(span)}",
+                                                            ids and f"ids:{len(named)}"]))
         service.store.audit(actor=who.actor, tenant=tenant or "-", action="responses.purge", target=target,
                             result="ok", detail=body)
     return body

@@ -233,23 +233,26 @@ class ResponseStore:
                 rows[run.tenant]["replay_bytes"] += size
         return sorted(rows.values(), key=lambda row: (-row["bytes"], row["tenant"]))
 
-    def runs_matching(self, tenant: str | None, made_before: float | None) -> list:
+    def runs_matching(self, tenant: str | None, made_before: float | None, ids: set[str] | None = None) -> list:
         """The background responses running for `tenant` (None: any) made before `made_before`
-        (None: whenever)."""
+        (None: whenever), of `ids` (None: any)."""
         with self.lock:
-            runs = [run for run in self.runs.values() if tenant is None or run.tenant == tenant]
+            runs = [run for response_id, run in self.runs.items() if (tenant is None or run.tenant == tenant)
+                    and (ids is None or response_id in ids)]
         return [run for run in runs if made_before is None or run.now()["created_at"] < made_before]
 
     def purge(self, tenant: str | None, made_before: float | None, dry_run: bool = False,
-              expired: bool = False) -> dict:
+              expired: bool = False, ids: set[str] | None = None) -> dict:
         """Lets go of the kept responses of `tenant` (None: every tenant's) made before
-        `made_before` (None: whenever), from the file too; with `dry_run`, only counts them;
-        `expired`: counted as let go past their age (responses_max_age).
-        {"responses", "bytes" (what memory gets back), "tenants" ({tenant: responses})}."""
+        `made_before` (None: whenever), of `ids` (None: any), from the file too; with `dry_run`,
+        only counts them; `expired`: counted as let go past their age (responses_max_age).
+        {"responses", "bytes" (what memory gets back), "tenants" ({tenant: responses})}, and with
+        `ids`, "ids": those it found."""
         with self.lock:
             chosen = [(response_id, entry) for response_id, entry in self.entries.items()
                       if (tenant is None or entry.tenant == tenant)
-                      and (made_before is None or entry.response.get("created_at", 0) < made_before)]
+                      and (made_before is None or entry.response.get("created_at", 0) < made_before)
+                      and (ids is None or response_id in ids)]
             holders: dict[int, int] = {}  # message or item -> how many of the chosen hold it
             for _, entry in chosen:
                 for key in {id(part) for part in entry.parts()}:
@@ -269,7 +272,8 @@ class ResponseStore:
             tenants: dict[str, int] = {}
             for _, entry in chosen:
                 tenants[entry.tenant] = tenants.get(entry.tenant, 0) + 1
-            return {"responses": len(chosen), "bytes": freed, "tenants": tenants}
+            found = {"ids": [response_id for response_id, _ in chosen]} if ids is not None else {}
+            return {"responses": len(chosen), "bytes": freed, "tenants": tenants, **found}
 
     def begin(self, response_id: str, run) -> None:
         """A background response starts: `run` (response_runs.Run) answers for it until it ends."""
