@@ -217,25 +217,14 @@ def test_kvd_reloads_its_adapters_and_requests_in_flight_finish_on_theirs(base_d
 
 
 def test_kvctl_config_reload_prints_the_adapters_a_reload_changed():
-    from typer.testing import CliRunner
-
-    from kvctl.cli import app as kvctl_app
+    from .kvctl_fakes import kvctl_answered
 
     answer = {"changed": {"lora_modules": [["sql", "/srv/b"], ["again", "/srv/a2"]]},
               "previous": {"lora_modules": [["sql", "/srv/a"], ["chat-b", "/srv/b0"]]}, "needs_restart": [],
               "adapters": {"added": ["again"], "removed": ["chat-b"], "replaced": ["sql"]}}
-
-    class Answering:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-        def post(self, path, body):
-            assert path == "/admin/reload"
-            return answer
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("kvctl.command_kit.Client", Answering)
-        printed = CliRunner().invoke(kvctl_app, ["config", "reload"], env={"COLUMNS": "200"})
+    sent = []
+    printed = kvctl_answered(["config", "reload"], answer, sent)
+    assert sent == [("/admin/reload", {})]
     assert printed.exit_code == 0, printed.output
     assert printed.output.splitlines() == [
         "reloaded: lora_modules sql=/srv/a,chat-b=/srv/b0 -> sql=/srv/b,again=/srv/a2",

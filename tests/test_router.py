@@ -1513,22 +1513,9 @@ def _render_evict(body: dict) -> str:
 
 def _kvctl_prints(args: list[str], body: dict) -> str:
     """What kvctl prints for the router's answer `body` (exit status 3 for a partial one)."""
-    from typer.testing import CliRunner
+    from .kvctl_fakes import kvctl_answered
 
-    from kvctl.cli import app as kvctl_app
-
-    class Answering:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-        def post(self, path, body_):
-            return body
-
-        get = delete = lambda self, path, **params: body
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("kvctl.command_kit.Client", Answering)
-        result = CliRunner().invoke(kvctl_app, args, env={"COLUMNS": "100"})
+    result = kvctl_answered(args, body, columns=100)
     assert result.exit_code == (3 if body.get("result") == "partial" else 0), result.output
     return result.output
 

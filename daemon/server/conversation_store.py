@@ -28,6 +28,7 @@ from kvctl.policies.kept_state import KeptByTenant
 
 from .conversation_file import ConversationFile
 from .gone_book import GoneBook, GoneFile
+from .kept_budget import ResizableBudget
 from .responses_input import new_id
 
 log = logging.getLogger("kvd")
@@ -100,9 +101,11 @@ def _size(part) -> int:
     return len(json.dumps(part))
 
 
-class ConversationStore:
+class ConversationStore(ResizableBudget):
     """Conversations by id, each for its tenant; for room, the least recently used of the tenant
     holding the most bytes goes first."""
+
+    SETTING = "conversations_store_bytes"
 
     def __init__(self, budget_bytes: int, file: ConversationFile | None = None, clock=time.time) -> None:
         """`file`: where they are written as well, and read back from now (with a budget of 0,
@@ -178,22 +181,6 @@ class ConversationStore:
                     "a restart (kvd reads the file's conversations at start, and leaves them there while it keeps "
                     "none)")
         return None
-
-    def resize(self, budget_bytes: int) -> int:
-        """A reload set `conversations_store_bytes` to `budget_bytes`: where what is kept no
-        longer fits, the least recently used of the tenant holding the most go (from the file too,
-        and their tenant's next request is told why), as for room; with 0 (no file) every one goes
-        and none is kept from now on (ValueError, changing nothing, where `budget_refusal` says
-        why not). How many were let go."""
-        refusal = self.budget_refusal(budget_bytes)
-        if refusal is not None:
-            raise ValueError(refusal)
-        with self.lock:
-            self.budget = budget_bytes
-            before = len(self.entries)
-            self._make_room(None, f"kvd let it go when a reload lowered conversations_store_bytes to {budget_bytes} "
-                                  "(its tenant held the most)")
-            return before - len(self.entries)
 
     def create(self, tenant: str, items: list[dict], metadata: dict, created_at: int) -> Conversation:
         """A new conversation of `items` (already shaped, each with its id); ConversationError

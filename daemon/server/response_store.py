@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from kvctl.policies.kept_state import KeptByTenant
 
 from .gone_book import GoneBook, GoneFile
+from .kept_budget import ResizableBudget
 from .response_file import ResponseFile, ResponseFileError
 
 REPLAY_S = 300.0  # how long an ended background response's events can still be streamed again
@@ -46,9 +47,11 @@ class StoredResponse:
         return [*self.conversation, *self.inputs]
 
 
-class ResponseStore:
+class ResponseStore(ResizableBudget):
     """Responses by id, each for its tenant; for room, the least recently used of the tenant
     holding the most bytes goes first."""
+
+    SETTING = "responses_store_bytes"
 
     def __init__(self, budget_bytes: int, file: ResponseFile | None = None) -> None:
         """`file`: where they are written as well, and read back from now (response_file.py)."""
@@ -119,12 +122,7 @@ class ResponseStore:
             if old is not None:
                 self._release(response["id"], old)
                 self._drop_replay(response["id"])
-            while self.used > self.budget:
-                gone_id = self.kept.victim()  # (the least recently used of the tenant holding the most)
-                if gone_id is None:
-                    break
-                self._let_go_for_room(gone_id, "kvd let it go for room (responses_store_bytes; its tenant held the "
-                                               "most)")
+            self._make_room(None)
             self.entries[response["id"]] = entry
             self.kept.add(tenant, response["id"])
             if self.file is not None and not written:
@@ -140,35 +138,23 @@ class ResponseStore:
                     "without the file to keep none")
         return None
 
-    def resize(self, budget_bytes: int) -> int:
-        """A reload set `responses_store_bytes` to `budget_bytes`: where what is kept no longer
-        fits, the least recently used of the tenant holding the most go (from the file too, and
-        their tenant's next request is told why), as for room; with 0 every one goes and none is
-        kept from now on (ValueError, changing nothing, where `budget_refusal` says why not).
-        How many were let go."""
-        refusal = self.budget_refusal(budget_bytes)
-        if refusal is not None:
-            raise ValueError(refusal)
-        with self.lock:
-            self.budget = budget_bytes
-            before = len(self.entries)
-            while self.used > self.budget:
-                gone_id = self.kept.victim()
-                if gone_id is None:
-                    break
-                self._let_go_for_room(gone_id, f"kvd let it go when a reload lowered responses_store_bytes to "
-                                                f"{budget_bytes} (its tenant held the most)")
-            self._forget_replays()  # (within a quarter of the new budget)
-            return before - len(self.entries)
-
-    def _let_go_for_room(self, response_id: str, why: str) -> None:
-        gone = self.entries.pop(response_id)
-        self._release(response_id, gone)
-        self.gone.note(gone.tenant, response_id, why)
-        self.dropped += 1
-        self._drop_replay(response_id)
-        if self.file is not None:
-            self.file.remove(response_id)
+    def _make_room(self, keep: str | None,
+                   why: str = "kvd let it go for room (responses_store_bytes; its tenant held the most)") -> None:
+        """Lets go of responses (not `keep`) until the rest fit: the least recently used of the
+        tenant holding the most bytes first; and of the events kept for replay past a quarter of
+        the budget."""
+        while self.used > self.budget:
+            gone_id = self.kept.victim(keep)
+            if gone_id is None:
+                break
+            gone = self.entries.pop(gone_id)
+            self._release(gone_id, gone)
+            self.gone.note(gone.tenant, gone_id, why)
+            self.dropped += 1
+            self._drop_replay(gone_id)
+            if self.file is not None:
+                self.file.remove(gone_id)
+        self._forget_replays()
 
     def _release(self, response_id: str, entry: StoredResponse) -> None:
         """Lets `entry` go: its own bytes, and each message or item no other response holds."""
