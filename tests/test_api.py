@@ -1457,12 +1457,14 @@ def test_a_kvd_that_could_not_load_loads_again_on_a_reload(tmp_path):
         while service.load_error is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "fp8_e4m3 has no applied calibration" in service.load_error
-        config.write_text("cache_dtype: auto\nnum_blocks: 64\nmax_queue: 9\n")
+        config.write_text("cache_dtype: auto\nnum_blocks: 64\nmax_queue: 9\nresponses_store_bytes: 1KiB\n")
         flags["socket"] = str(tmp_path / "elsewhere.sock")
         result = service.reload_from_source("ops")
-        assert result["changed"] == {"cache_dtype": "auto", "max_queue": 9, "remote_url": None}
+        assert result["changed"] == {"cache_dtype": "auto", "max_queue": 9, "remote_url": None,
+                                     "responses_store_bytes": 1024}
         assert result["previous"] == {"cache_dtype": "fp8_e4m3", "max_queue": 256,
-                                      "remote_url": "redis://ops:***@127.0.0.1:1/0"}
+                                      "remote_url": "redis://ops:***@127.0.0.1:1/0", "responses_store_bytes": 2**26}
+        assert service.responses.budget == 1024  # (the store's own budget, not the config's alone)
         assert result["needs_restart"] == ["socket"] and "no applied calibration" in result["loading_again"]
         assert service.ready.wait(60), service.load_error
         assert call(unix, "GET", "/readyz").json() == {"ready": True}
@@ -1470,7 +1472,8 @@ def test_a_kvd_that_could_not_load_loads_again_on_a_reload(tmp_path):
         assert complete(unix, prompt="loaded at last", max_tokens=2).status_code == 200
         audit = service.store.audit_since(0, action="reload")
         assert [a["detail"]["changed"] for a in audit][:2] == [
-            {"cache_dtype": "auto", "max_queue": 9, "remote_url": None}, {"remote_url": "redis://ops:***@127.0.0.1:1/0"}]
+            {"cache_dtype": "auto", "max_queue": 9, "remote_url": None, "responses_store_bytes": 1024},
+            {"remote_url": "redis://ops:***@127.0.0.1:1/0"}]
     finally:
         service.shutdown(1)
 

@@ -137,16 +137,40 @@ def reload_after_failed_load(service, new: KvdConfig, actor: str) -> dict:
     with service.lock:
         if not service.failed_to_load():
             return reload(service, new, actor)  # loaded since, or a load is running already
+        refuse_store_budgets(service, new)
         now, before = new.shown(), service.config.shown()  # shown: a Redis password stays out of answer and audit
         changed = {k: v for k, v in now.items() if k not in BOUND_AT_START and v != before[k]}
         previous = {k: before[k] for k in changed}
         bound = sorted(k for k in BOUND_AT_START if getattr(new, k) != getattr(service.config, k))
         earlier_error = service.load_error
         service.load_again(replace(new, **{k: getattr(service.config, k) for k in BOUND_AT_START}))
-    result = {"changed": changed, "previous": previous, "needs_restart": bound, "loading_again": earlier_error}
+    result = {"changed": changed, "previous": previous, "needs_restart": bound, "loading_again": earlier_error,
+              **resize_stores(service, {name: getattr(new, name) for name, _, _ in STORE_BUDGETS if name in changed})}
     service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="ok", detail=result)
     log.info("loading again (reload by %s) after: %s; changed %s", actor, earlier_error, sorted(changed))
     return result
+
+
+# the stores whose budget a reload sets anew: (setting, what the answer calls them, the store's name on the service)
+STORE_BUDGETS = (("responses_store_bytes", "responses", "responses"),
+                 ("conversations_store_bytes", "conversations", "conversations"))
+
+
+def refuse_store_budgets(service, new: KvdConfig) -> None:
+    """ServiceError (400, naming the setting) where a store's new budget cannot be set live
+    (response_store.py, conversation_store.py: `budget_refusal`); the reload then changes nothing."""
+    for name, _, attribute in STORE_BUDGETS:
+        refusal = getattr(service, attribute).budget_refusal(getattr(new, name))
+        if refusal is not None:
+            raise ServiceError(400, f"reload refused, nothing changed: {refusal}", name)
+
+
+def resize_stores(service, changed: dict) -> dict:
+    """Sets each store's budget a reload changed (`changed`: setting -> new value): what no
+    longer fits goes, as for room. {"let_go": {kind: how many}} where any went, else {}."""
+    let_go = {kind: getattr(service, attribute).resize(changed[name])
+              for name, kind, attribute in STORE_BUDGETS if name in changed}
+    return {"let_go": let_go} if any(let_go.values()) else {}
 
 
 def tenant_priority_changes(old, new) -> dict[str, int]:
@@ -176,11 +200,7 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
             pin_ops.pin_room_of(service.engine, new)
         except ValueError as exc:
             raise ServiceError(400, f"reload refused, nothing changed: {exc}", "pin_room_tokens") from None
-    for name, store in (("responses_store_bytes", service.responses), ("conversations_store_bytes",
-                                                                       service.conversations)):
-        refusal = store.budget_refusal(getattr(new, name))
-        if refusal is not None:
-            raise ServiceError(400, f"reload refused, nothing changed: {refusal}", name)
+    refuse_store_budgets(service, new)
     changed = {k: getattr(new, k) for k in LIVE_SETTINGS if getattr(new, k) != getattr(service.config, k)}
     reranked: dict[str, int] = {}
     previous = {k: getattr(service.config, k) for k in changed}
@@ -237,11 +257,7 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
                     if name in changed}
         service.rollout_settings = {}
     result = {"changed": changed, "previous": previous, "needs_restart": ignored}
-    let_go = {kind: store.resize(getattr(new, name)) for kind, name, store in (
-        ("responses", "responses_store_bytes", service.responses),
-        ("conversations", "conversations_store_bytes", service.conversations)) if name in changed}
-    if any(let_go.values()):  # what a lowered budget no longer holds (each one's tenant is told why)
-        result["let_go"] = let_go
+    result.update(resize_stores(service, changed))  # what a lowered budget no longer holds (its tenant is told)
     if lora is not None and any(lora.values()):
         result["adapters"] = lora  # requests in flight finish on the adapter they came for
         warn_if_kv_changes({name: adapters[name] for name in lora["added"] + lora["replaced"]},

@@ -65,12 +65,12 @@ async def purge(service, tenant: str | None, older_than, every: bool, dry_run: b
         await asyncio.gather(*(settled(run, service.cancel) for run in runs))
     responses = service.responses.purge(tenant, made_before, dry_run, ids=named)
     conversations = service.conversations.purge(tenant, made_before, dry_run, ids=named)
+    found = {*responses.pop("ids", ()), *conversations.pop("ids", ()), *(run.now()["id"] for run in runs)}
     body = {**responses, "conversations": conversations,
             "cancelled": 0 if dry_run else len(runs),
             "running": len(runs) if dry_run else 0, "dry_run": dry_run,
             "tenant": tenant, "older_than_s": span, "all": every}
     if named is not None:
-        found = set(responses.pop("ids")) | set(conversations.pop("ids")) | {run.now()["id"] for run in runs}
         body.update(ids=sorted(named), ids_not_found=sorted(named - found))
     if not dry_run:
         target = "all" if every else ",".join(filter(None, [tenant and f"tenant:{tenant}",
