@@ -511,6 +511,10 @@ def config_show(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
         for column in (value, source):
             column.overflow = "fold"  # what is wider than that folds onto the next line, never cut
         console.print(table)
+        live = [key for key in d.get("live") or () if key in d["config"]]  # (an older kvd does not say)
+        if live:
+            console.print(f"live on a reload (kvctl config reload, SIGHUP): {', '.join(live)}; the others wait for a "
+                          "restart", highlight=False)
         for key, held in from_rollouts.items():
             console.print(f"[yellow]{key} {held['value']} came from completed rollout {held['rollout']}: a reload "
                           f"or restart reverts it unless the config says {key}: {held['value']}[/yellow]")

@@ -797,6 +797,9 @@ def test_reload_applies_live_settings_and_names_the_rest(daemon):
     assert service.engine.settings.quick_prefill_tokens == 8
     assert call(unix, "GET", "/admin/config").json()["config"]["max_queue"] == 99
     assert call(unix, "GET", "/admin/config").json()["config"]["block_size"] == 16
+    shown = call(unix, "GET", "/admin/config").json()  # which settings a reload changes: those it just changed
+    assert {"max_queue", "max_tenant_requests", "reservation", "quick_prefill_tokens"} <= set(shown["live"])
+    assert "block_size" not in shown["live"] and set(shown["live"]) <= set(shown["config"])
     entries = call(unix, "GET", "/admin/audit").json()["entries"]
     assert entries[0]["action"] == "reload" and entries[0]["detail"]["needs_restart"] == ["block_size"]
 

@@ -880,6 +880,20 @@ def test_config_show_fits_80_columns_with_every_name_and_source_whole(capsys, mo
     assert bool(folded) == (len(socket) > 40)
 
 
+def test_config_show_says_which_settings_a_reload_changes(capsys, monkeypatch):
+    import kvctl.ops as ops
+
+    config = {"block_size": 16, "max_queue": 9, "reservation": "p95"}
+    monkeypatch.setattr(ops, "client_for", lambda ctx, tenant=None: type("Fake", (), {
+        "get": lambda self, path, **params: {"config": config, "sources": {}, "effective": {}, "from_rollouts": {},
+                                              "precedence": "flag > default",
+                                              "live": ["max_queue", "reservation", "truncation_headroom"]}})())
+    monkeypatch.setenv("COLUMNS", "120")
+    status, out, _ = cli(capsys, "config", "show")
+    assert status == 0 and out.splitlines()[-1] == (
+        "live on a reload (kvctl config reload, SIGHUP): max_queue, reservation; the others wait for a restart")
+
+
 def test_prefixes_table_shows_the_tree_and_fits_80_columns(capsys, monkeypatch):
     """Each row says which row it extends and which tokens it covers; columns that would say the
     same on every row (one tenant, nothing pinned or in use) become one line below the table."""

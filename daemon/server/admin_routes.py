@@ -21,7 +21,7 @@ from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
 from . import (cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops, inflight, lora_ops, pin_ops,
-               prefix_ops, response_admin, rollout_ops, sleep_ops, tier_ops, weights_ops)
+               prefix_ops, reload_ops, response_admin, rollout_ops, sleep_ops, tier_ops, weights_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
                            LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, ResponsesPurge, RolloutAdvance,
                            RolloutRollback,
@@ -374,6 +374,7 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
                 "from_rollouts": service.rollout_settings,
                 "sources": {name: service.config.sources.get(name, "default") for name in service.config.describe()},
                 "precedence": "flag > KVD_* env > YAML file > default",
+                "live": sorted(reload_ops.LIVE_SETTINGS),  # what a reload changes; the rest wait for a restart
                 # where kvctl's store commands (adr, db, runs) find this daemon's records
                 "store_path": str(Path(service.store.path).resolve())}
 
