@@ -145,31 +145,29 @@ def reload_after_failed_load(service, new: KvdConfig, actor: str) -> dict:
         earlier_error = service.load_error
         service.load_again(replace(new, **{k: getattr(service.config, k) for k in BOUND_AT_START}))
     result = {"changed": changed, "previous": previous, "needs_restart": bound, "loading_again": earlier_error,
-              **resize_stores(service, {name: getattr(new, name) for name, _, _ in STORE_BUDGETS if name in changed})}
+              **resize_stores(service, changed)}
     service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="ok", detail=result)
     log.info("loading again (reload by %s) after: %s; changed %s", actor, earlier_error, sorted(changed))
     return result
 
 
-# the stores whose budget a reload sets anew: (setting, what the answer calls them, the store's name on the service)
-STORE_BUDGETS = (("responses_store_bytes", "responses", "responses"),
-                 ("conversations_store_bytes", "conversations", "conversations"))
+# the stores whose budget a reload sets anew: (setting, the store's name on the service and in the answer)
+STORE_BUDGETS = (("responses_store_bytes", "responses"), ("conversations_store_bytes", "conversations"))
 
 
 def refuse_store_budgets(service, new: KvdConfig) -> None:
     """ServiceError (400, naming the setting) where a store's new budget cannot be set live
     (response_store.py, conversation_store.py: `budget_refusal`); the reload then changes nothing."""
-    for name, _, attribute in STORE_BUDGETS:
-        refusal = getattr(service, attribute).budget_refusal(getattr(new, name))
+    for name, store in STORE_BUDGETS:
+        refusal = getattr(service, store).budget_refusal(getattr(new, name))
         if refusal is not None:
             raise ServiceError(400, f"reload refused, nothing changed: {refusal}", name)
 
 
 def resize_stores(service, changed: dict) -> dict:
     """Sets each store's budget a reload changed (`changed`: setting -> new value): what no
-    longer fits goes, as for room. {"let_go": {kind: how many}} where any went, else {}."""
-    let_go = {kind: getattr(service, attribute).resize(changed[name])
-              for name, kind, attribute in STORE_BUDGETS if name in changed}
+    longer fits goes, as for room. {"let_go": {store: how many}} where any went, else {}."""
+    let_go = {store: getattr(service, store).resize(changed[name]) for name, store in STORE_BUDGETS if name in changed}
     return {"let_go": let_go} if any(let_go.values()) else {}
 
 
