@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -88,6 +89,13 @@ def serve(
     socket_path: Optional[str] = typer.Option(None, "--socket", help="Unix socket for the API."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --token-file)."),
     token_file: Optional[str] = typer.Option(None, help="Bearer tokens: lines 'TOKEN TENANT ROLE'."),
+    ssl_certfile: Optional[str] = typer.Option(
+        None, help="Serve --listen over TLS with this certificate chain (PEM, leaf first); a reload (SIGHUP, "
+                   "kvctl config reload) reads it again: a rotated certificate serves without a restart."),
+    ssl_keyfile: Optional[str] = typer.Option(None, help="The certificate's private key (PEM; mode 0600 or 0640). "
+                                              "Default: in the --ssl-certfile file."),
+    ssl_ca_certs: Optional[str] = typer.Option(None, help="Ask each TCP client for a certificate signed by one of "
+                                               "these CAs (mutual TLS); bearer tokens are still checked."),
     device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
     dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per cache block."),
@@ -216,6 +224,7 @@ def serve(
                    lora_runtime_updates=lora_runtime_updates, max_loras=max_loras,
                    mxfp4_experts=mxfp4_experts,
                    state_dir=state_dir, socket=socket_path, listen=listen, token_file=token_file,
+                   ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ssl_ca_certs=ssl_ca_certs,
                    device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                    cache_memory=cache_memory, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
@@ -258,7 +267,8 @@ SERVE_HELP_PANELS = {
                          "model_name", "mxfp4_experts",
                          "device", "dtype",
                          "state_dir",
-                         "socket_path", "listen", "token_file", "trusted_proxy", "max_request_bytes",
+                         "socket_path", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
+                         "trusted_proxy", "max_request_bytes",
                          "responses_store_bytes", "responses_store_file", "responses_max_age",
                          "conversations_store_bytes", "truncation_headroom",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
@@ -316,9 +326,11 @@ async def _serve(settings, re_resolve) -> None:
     from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.metrics import Metrics
     from kvctl.daemon.server.service import STOP_STORE_WAIT_S, EngineService
+    from kvctl.daemon.server.tls import ServingTls
     from kvctl.daemon.store import Store
 
     tokens = TokenTable.load(settings.token_file) if settings.token_file else None
+    tls = ServingTls.from_settings(settings)  # a certificate that cannot serve: said before anything starts
     try:  # the claim is held until kvd exits: the kernel lets it go however kvd ends
         Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
         claim = FolderClaim(Path(settings.state_dir), f"pid {os.getpid()}, socket {settings.socket}")
@@ -333,6 +345,7 @@ async def _serve(settings, re_resolve) -> None:
     service = EngineService(settings, store)
     service.config_source = re_resolve
     service.tokens = tokens
+    service.tls = tls
     metrics = Metrics(service)
     front = unix_front.UnixFront(settings.socket)
     raise_open_file_limit()
@@ -341,10 +354,12 @@ async def _serve(settings, re_resolve) -> None:
         if settings.listen else None
     service.housekeeping.add(Job("state folder claim", lambda: unix_front.CHECK_SECONDS, claim.check))  # lock deleted
     service.housekeeping.add(Job("gc pauses", lambda: 1.0, service.gc_pauses.log_slow))
+    if tls is not None:  # at start, then daily: a certificate near its end is said while there is time
+        service.housekeeping.add(Job("tls certificate", lambda: 86_400.0, lambda: tls.warn(log)))
     service.gc_pauses.install()
     service.start(confine_threads=True, freeze_heap=settings.gc_freeze)
     log.info("kvd %s listening on %s%s", __version__, settings.socket,
-             f" and {settings.listen}" if settings.listen else "")
+             f" and {settings.listen}" + (" (TLS)" if tls else "") if settings.listen else "")
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
 
@@ -368,7 +383,7 @@ async def _serve(settings, re_resolve) -> None:
     fronts = Fronts()
     fronts.serve(unix_app, sockets=[front.sock])
     if tcp_app is not None:
-        fronts.serve(tcp_app, sockets=[tcp_sock])
+        fronts.serve(tcp_app, sockets=[tcp_sock], ssl_context=tls.context if tls else None)
     keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock])))
     await stopping.wait()
     keeper.cancel()
@@ -425,6 +440,17 @@ def router(
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --clients-file)."),
     clients_file: Optional[str] = typer.Option(None, help="The TCP callers' tokens: TOKEN TENANT ROLE lines, "
                                                "as kvd's --token-file (mode 0600 or 0640); SIGHUP reloads it."),
+    ssl_certfile: Optional[str] = typer.Option(None, help="Serve --listen over TLS with this certificate chain "
+                                               "(PEM); SIGHUP reads it again, as kvd serve's."),
+    ssl_keyfile: Optional[str] = typer.Option(None, help="Its private key (default: in --ssl-certfile)."),
+    ssl_ca_certs: Optional[str] = typer.Option(None, help="Ask each TCP caller for a certificate signed by one of "
+                                               "these CAs (mutual TLS)."),
+    replica_ca_certs: Optional[str] = typer.Option(None, help="CAs that https replicas' certificates are checked "
+                                                   "against (default: the system's)."),
+    replica_client_cert: Optional[str] = typer.Option(None, help="The router's certificate for https replicas "
+                                                      "that ask for one (PEM, with its key unless "
+                                                      "--replica-client-key)."),
+    replica_client_key: Optional[str] = typer.Option(None, help="The key of --replica-client-cert."),
     gc_freeze: Optional[bool] = typer.Option(
         None, help="Freeze the heap the router's start made (its imports), so that Python's garbage collector "
                    "does not walk it while the router serves (default on)."),
@@ -449,6 +475,7 @@ def router(
     from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.fleet_file import FleetFile, replica_lines
     from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.daemon.server.tls import ServingTls, client_context
     from kvctl.policies.routing import make_router
 
     configure_logging(log_level)
@@ -462,7 +489,9 @@ def router(
             balance_seconds=balance_seconds, new_prefix=new_prefix, new_prefix_slack=new_prefix_slack,
             prefill_rate=prefill_rate, view=view, load_interval=load_interval, pending_seconds=pending_seconds,
             token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
-            gc_warn_seconds=gc_warn_seconds), os.environ, config)
+            gc_warn_seconds=gc_warn_seconds, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+            ssl_ca_certs=ssl_ca_certs, replica_ca_certs=replica_ca_certs, replica_client_cert=replica_client_cert,
+            replica_client_key=replica_client_key), os.environ, config)
         fixed = list(settings.replicas)
         lines = replica_lines(settings.replicas_file) if settings.replicas_file else []
         listed = [spec for spec, _ in lines]
@@ -478,28 +507,32 @@ def router(
             except (OSError, IndexError):
                 raise ValueError(f"token_file: cannot read a token from {settings.token_file!r}") from None
         clients = TokenTable.load(settings.clients_file) if settings.listen else None
+        tls = ServingTls.from_settings(settings)
+        verify = client_context(settings.replica_ca_certs, settings.replica_client_cert, settings.replica_client_key,
+                                names=("replica_ca_certs", "replica_client_cert"))
         roles = {**{spec: "prefill" for spec in settings.prefill_replicas},
                  **{spec: "decode" for spec in settings.decode_replicas}}
-        replicas = [Replica(spec, replica_client(spec, token), role=role)
+        replicas = [Replica(spec, replica_client(spec, token, verify=verify), role=role)
                     for spec, role in [(spec, "both") for spec in fixed] + [*roles.items()] + lines]
         service = RouterService(replicas, policy, view=settings.view, load_interval=settings.load_interval,
                                 pending_seconds=settings.pending_seconds,
                                 local_prefill_tokens=settings.local_prefill_tokens)
         service.gc_pauses.warn_seconds = lambda: settings.gc_warn_seconds or None
+        service.tls = tls
         membership = None
         if settings.replicas_file:
             membership = FleetFile(settings.replicas_file, fixed=set(fixed) | set(roles),
-                                   client=lambda spec: replica_client(spec, token))
+                                   client=lambda spec: replica_client(spec, token, verify=verify))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(_route(service, settings.socket, settings.listen, clients, settings.clients_file, membership,
-                              settings.gc_freeze))
+                              settings.gc_freeze, tls))
     except (ConfigError, RuntimeError, OSError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         raise typer.Exit(2)
 
 
 async def _route(service, socket_path: str, listen: str | None, clients, clients_file: str | None,
-                 membership=None, gc_freeze: bool = True) -> None:
+                 membership=None, gc_freeze: bool = True, tls=None) -> None:
     from kvctl.daemon.server import unix_front
     from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.loop_errors import exception_handler
@@ -518,7 +551,9 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     for sig in (signal.SIGTERM, signal.SIGINT):  # a stop by SIGTERM is a clean exit, not a re-raised signal
         loop.add_signal_handler(sig, fronts.stop)
 
-    def reload() -> None:  # SIGHUP: the replicas file, then the TCP callers' tokens; no stream is dropped
+    def reload() -> None:  # SIGHUP: the replicas file, the TCP front's certificate, its callers' tokens
+        if tls is not None:
+            _rotate_certificate(tls)
         if membership is not None:
             try:
                 changed = membership.apply(service)
@@ -543,7 +578,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     loop.add_signal_handler(signal.SIGHUP, reload)
     followers = service.follow()
     log.info("kvd router listening on %s%s, %s routing over %s (view: %s)", socket_path,
-             f" and {listen}" if listen else "", service.router.name,
+             f" and {listen}" + (" (TLS)" if tls else "") if listen else "", service.router.name,
              ", ".join(r.name for r in service.replicas), service.view)
     pauses = service.gc_pauses.install()
     if gc_freeze:  # the imports and the apps: they live as long as the router (gc_pauses.py)
@@ -551,8 +586,10 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     slow_pauses = asyncio.create_task(_every(1.0, pauses.log_slow))
     fronts.serve(unix_app, sockets=[front.sock])
     if tcp_app is not None:
-        fronts.serve(tcp_app, sockets=[tcp_sock])
+        fronts.serve(tcp_app, sockets=[tcp_sock], ssl_context=tls.context if tls else None)
     keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock])))
+    certificate_check = asyncio.create_task(_every(86_400.0, lambda: tls.warn(log), at_once=True)) \
+        if tls is not None else None
     try:
         failed = [r for r in await fronts.wait() if isinstance(r, BaseException)]
         if failed:
@@ -560,6 +597,8 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     finally:
         keeper.cancel()
         slow_pauses.cancel()
+        if certificate_check is not None:
+            certificate_check.cancel()
         followers = [task for r in service.replicas for task in r.tasks]  # with those that joined later
         for task in followers:
             task.cancel()
@@ -572,11 +611,31 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
         log.info("router stopped")
 
 
-async def _every(seconds: float, job) -> None:
-    """Run `job` every `seconds` on the loop, until cancelled."""
+async def _every(seconds: float, job, at_once: bool = False) -> None:
+    """Run `job` every `seconds` on the loop (`at_once`: first now), until cancelled."""
+    if at_once:
+        job()
     while True:
         await asyncio.sleep(seconds)
         job()
+
+
+def _rotate_certificate(tls) -> None:
+    """kvd router's SIGHUP: serve its TCP front's certificate as its files hold it now (tls.py);
+    a pair that does not load changes nothing, and the log says why."""
+    from kvctl.daemon.server.tls import TlsFileError
+
+    try:
+        said = tls.adopt(tls.read_again())
+    except TlsFileError as exc:
+        log.error("TLS certificate not reloaded, the one served stays: %s", exc)
+        return
+    if "rotated" in said:
+        log.info("TLS certificate rotated: %s, sha256 %s..., expires %s", said["rotated"]["subject"],
+                 said["rotated"]["to"], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(said["rotated"]["not_after"])))
+    if said.get("needs_restart"):
+        log.warning("ssl_ca_certs changed on disk: the CAs take effect at a restart")
+    tls.warn(log)
 
 
 reflow_help(app)  # after every command is registered

@@ -193,6 +193,11 @@ class KvdConfig:
     listen: str | None = None  # HOST:PORT for TCP (needs token_file)
     token_file: str | None = None  # lines "TOKEN TENANT ROLE", role user or admin
     trusted_proxy: bool = False  # honour X-KVD-Tenant on TCP (a trusted front end sets it)
+    # TLS on the TCP front (server/tls.py): the certificate chain (PEM), its key (absent: in the chain's
+    # file), and CAs whose certificate each client must present (mutual TLS; absent: none asked)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
     # who sees `usage.prompt_tokens_details.cached_tokens`: all (as OpenAI reports it), admin (callers
     # with the admin role; the others get usage without it, as vLLM answers by default) or none. A
     # count of cached tokens tells a caller whether a guessed prompt is in the cache, block by block
@@ -609,6 +614,7 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     config = KvdConfig(**values, sources=sources)
     if config.listen and not config.token_file:
         raise ConfigError(f"listen: {config.listen!r} needs token_file: TCP requests must carry a bearer token")
+    check_tls_settings(config)
     check_priorities(config)
     if config.tool_call_parser == "openai" and config.reasoning_parser != "openai_gptoss":
         raise ConfigError(f"tool_call_parser: openai (from {config.sources.get('tool_call_parser', 'the config')}) "
@@ -620,6 +626,20 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
 def kvd_env_typos(env: Mapping[str, str]) -> list[str]:
     """`env_typos` for kvd serve: kvctl's KVD_URL and kvd router's KVD_ROUTER_* are not kvd's."""
     return env_typos(env, setting_names(KvdConfig), "KVD_", "kvd serve", not_ours=("KVD_ROUTER_", "KVD_URL"))
+
+
+def check_tls_settings(config) -> None:
+    """TLS settings (kvd's and kvd router's) that serve nothing: TLS is the TCP front's, and the key
+    and client CAs go with a certificate."""
+    def where(name: str) -> str:
+        return config.sources.get(name, "the config")
+    if config.ssl_certfile and not config.listen:
+        raise ConfigError(f"ssl_certfile: set (from {where('ssl_certfile')}) but listen is not: TLS serves the TCP "
+                          "front (--listen HOST:PORT); the Unix socket needs none")
+    for name in ("ssl_keyfile", "ssl_ca_certs"):
+        if getattr(config, name) and not config.ssl_certfile:
+            raise ConfigError(f"{name}: set (from {where(name)}) but ssl_certfile is not: TLS needs the server's "
+                              "certificate (--ssl-certfile)")
 
 
 def check_priorities(config: KvdConfig) -> None:

@@ -17,8 +17,8 @@ from typing import Any, Mapping
 
 from kvctl.policies.routing import LOCAL_PREFILL_TOKENS, NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES
 
-from .config import (ConfigError, env_typos, field_defaults, finite_number, merge_settings, on_or_off,
-                     read_settings_file, setting_names, whole_number)
+from .config import (ConfigError, check_tls_settings, env_typos, field_defaults, finite_number, merge_settings,
+                     on_or_off, read_settings_file, setting_names, whole_number)
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,14 @@ class RouterConfig:
     token_file: str | None = None  # an admin bearer token for URL replicas
     listen: str | None = None  # HOST:PORT for TCP callers (needs clients_file)
     clients_file: str | None = None  # the TCP callers' tokens: TOKEN TENANT ROLE lines
+    ssl_certfile: str | None = None  # TLS on the TCP front, as kvd serve's (server/tls.py)
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    # https replicas: the CAs their certificates are checked against (absent: the system's), and the
+    # router's own certificate (with its key, or `replica_client_key`) for replicas that ask for one
+    replica_ca_certs: str | None = None
+    replica_client_cert: str | None = None
+    replica_client_key: str | None = None
     gc_freeze: bool = True  # freeze the heap the start made (gc_pauses.py), as kvd serve does
     gc_warn_seconds: float = 0.1  # a WARNING for a collection that stops the router this long (0: none)
     # where each setting came from ("--routing", "KVD_ROUTER_ROUTING", the file); absent: the default
@@ -109,4 +117,8 @@ def resolve_router(flags: Mapping[str, Any] | None = None, env: Mapping[str, str
         raise ConfigError("decode_replicas: prefill replicas need a replica that decodes (--decode, or --replica)")
     if config.listen and not config.clients_file:
         raise ConfigError("clients_file: --listen needs the TCP callers' tokens (--clients-file)")
+    check_tls_settings(config)
+    if config.replica_client_key and not config.replica_client_cert:
+        raise ConfigError(f"replica_client_key: set (from {config.sources.get('replica_client_key', 'the config')}) "
+                          "but replica_client_cert is not: the key goes with the router's certificate")
     return config

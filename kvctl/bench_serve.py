@@ -435,7 +435,7 @@ def _summarise(runs: list[dict], first_status: dict, last_status: dict) -> dict:
 
 def _conn(ctx: typer.Context) -> dict:
     options = ctx.find_root().obj or {}
-    return {"socket": options.get("socket"), "url": options.get("url"), "token_file": options.get("token_file")}
+    return {name: options.get(name) for name in ("socket", "url", "token_file", "ca_file", "client_cert")}
 
 
 async def _drive(sync_client, work, concurrency, rate, seed, tick, api):

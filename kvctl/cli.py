@@ -87,9 +87,13 @@ def _root(ctx: typer.Context,
           socket: Optional[str] = typer.Option(None, "--socket", help="kvd's Unix socket (KVD_SOCKET)."),
           url: Optional[str] = typer.Option(None, "--url", help="kvd over TCP (KVD_URL)."),
           token_file: Optional[str] = typer.Option(None, "--token-file",
-                                                   help="Bearer token for --url (KVD_TOKEN_FILE).")) -> None:
+                                                   help="Bearer token for --url (KVD_TOKEN_FILE)."),
+          ca_file: Optional[str] = typer.Option(None, "--ca-file", help="CAs that an https --url's certificate is "
+                                                "checked against (KVD_CA_FILE; default: the system's)."),
+          client_cert: Optional[str] = typer.Option(None, "--client-cert", help="kvctl's certificate and key "
+                                                    "(PEM) for a kvd that asks for one (KVD_CLIENT_CERT).")) -> None:
     """Operate the KV cache of LLM serving."""
-    ctx.obj = {"socket": socket, "url": url, "token_file": token_file}
+    ctx.obj = {"socket": socket, "url": url, "token_file": token_file, "ca_file": ca_file, "client_cert": client_cert}
 
 
 @trace_app.command("generate")

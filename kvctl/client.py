@@ -3,13 +3,18 @@
     --socket PATH  / KVD_SOCKET      (default: the daemon's default socket; where no kvd is there,
                                       the one socket kvd's systemd units keep in /run/kvd*, if one)
     --url URL      / KVD_URL         (TCP; needs --token-file / KVD_TOKEN_FILE)
+    --ca-file PEM  / KVD_CA_FILE     (https: the CAs kvd's certificate is checked against; default the system's)
+    --client-cert PEM / KVD_CLIENT_CERT  (https: kvctl's certificate and key, where kvd asks for one)
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import ssl
 import sys
 import threading
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +22,7 @@ import httpx
 
 from .errors import KvdUnavailable, UserError
 
+REFUSAL_PROBE_S = 2.0  # how long a probe after a closed https connection waits to learn why (_tls_refusal)
 STORE_WAIT_NOTE_AFTER_S = 2.0  # an admin call that changes something and has not answered by then: ask kvd why
 STORE_WRITE_WAIT_S = 30  # how long a write to kvd's store waits for another process's lock (daemon/store.py)
 # who holds a store's write lock, most likely, when a write waits for it: every kvctl message about such a wait says
@@ -59,13 +65,34 @@ def waiting_writes_note(status: dict) -> str | None:
             f"({LOCK_HOLDERS}?); this call fails after {STORE_WRITE_WAIT_S} s if it goes on")
 
 
+def tls_problem(where: str, exc: Exception) -> str | None:
+    """What an operator should do about a connection to `where` that TLS broke, or None when
+    `exc` is not about TLS (from OpenSSL's reason, which httpx passes on in its message)."""
+    said = str(exc)
+    if "CERTIFICATE_VERIFY_FAILED" in said:
+        reason = said.split("certificate verify failed:", 1)[-1].split("(_ssl")[0].strip(" )") or "not trusted"
+        return (f"kvd at {where}: its TLS certificate is not trusted ({reason}); pass --ca-file (KVD_CA_FILE) "
+                "with the CA that signed it")
+    if "WRONG_VERSION_NUMBER" in said or "record layer failure" in said or "packet length too long" in said:
+        return f"kvd at {where} does not speak TLS there: use an http:// URL, or set ssl_certfile on that kvd"
+    if "CERTIFICATE_REQUIRED" in said or "certificate required" in said:
+        return (f"kvd at {where} asks for a client certificate (ssl_ca_certs): pass --client-cert "
+                "(KVD_CLIENT_CERT) with one its CAs signed")
+    if "SSL" in said or "TLS" in said:
+        return f"kvd at {where}: the TLS handshake failed ({said})"
+    return None
+
+
 class Client:
     def __init__(self, socket: str | None = None, url: str | None = None, token_file: str | None = None,
-                 tenant: str | None = None, timeout: float = 120.0) -> None:
+                 tenant: str | None = None, timeout: float = 120.0, ca_file: str | None = None,
+                 client_cert: str | None = None) -> None:
         from kvctl.daemon.config import default_socket
 
         url = url or os.environ.get("KVD_URL")
         token_file = token_file or os.environ.get("KVD_TOKEN_FILE")
+        self.verify: Any = True  # an https URL's check (tls.client_context); True: the system's CAs
+        self.client_cert = client_cert or os.environ.get("KVD_CLIENT_CERT")
         headers, self.named = {}, None  # named: the socket kvctl was told (--socket, KVD_SOCKET)
         if tenant:
             headers["X-KVD-Tenant"] = tenant
@@ -78,8 +105,15 @@ class Client:
                 raise UserError(f"token_file: cannot read a token from {token_file!r}") from None
             headers["Authorization"] = f"Bearer {token}"
             self.where, self.socket = url, None
+            if url.startswith("https://"):
+                from kvctl.daemon.server.tls import TlsFileError, client_context
+                try:
+                    self.verify = client_context(ca_file or os.environ.get("KVD_CA_FILE"), self.client_cert)
+                except TlsFileError as exc:
+                    raise UserError(str(exc)) from None
+            verify = self.verify
             self._connect: Callable[[float], httpx.Client] = \
-                lambda seconds: httpx.Client(base_url=url, headers=headers, timeout=seconds)
+                lambda seconds: httpx.Client(base_url=url, headers=headers, timeout=seconds, verify=verify)
         else:
             self.named = socket or os.environ.get("KVD_SOCKET")
             path = self.named or default_socket()
@@ -98,7 +132,8 @@ class Client:
         on a small machine would otherwise take from the daemon it measures."""
         import aiohttp
 
-        connector = aiohttp.UnixConnector(path=self.socket) if self.socket else aiohttp.TCPConnector(limit=0)
+        connector = aiohttp.UnixConnector(path=self.socket) if self.socket else \
+            aiohttp.TCPConnector(limit=0, ssl=self.verify)
         base = str(self.http.base_url).rstrip("/") + "/"  # paths are joined to it: a proxy prefix stays
         return aiohttp.ClientSession(base_url=base, headers=dict(self.http.headers),
                                      connector=connector, timeout=aiohttp.ClientTimeout(total=timeout))
@@ -111,17 +146,44 @@ class Client:
             watch.start()
         try:
             response = self.http.request(method, path, **kwargs)
-        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError):
-            raise KvdUnavailable(f"kvd is not reachable at {self.where} (is it running? `kvd serve`)"
-                                 + self._elsewhere()) from None
+        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as exc:
+            raise KvdUnavailable(tls_problem(self.where, exc) or f"kvd is not reachable at {self.where} (is it "
+                                 "running? `kvd serve`)" + self._elsewhere()) from None
         except httpx.TimeoutException:
             raise KvdUnavailable(f"kvd at {self.where} did not answer in time") from None
-        except httpx.TransportError as exc:  # it went away mid-answer (a restart)
-            raise KvdUnavailable(f"kvd at {self.where} broke off its answer ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:  # it went away mid-answer (a restart), or refused kvctl's TLS
+            raise KvdUnavailable(tls_problem(self.where, exc) or self._tls_refusal()
+                                 or f"kvd at {self.where} broke off its answer "
+                                 f"({type(exc).__name__})" + (" (if it serves TLS there, use an https:// URL)"
+                                                              if self.where.startswith("http://") else "")) from None
         finally:
             if watch is not None:
                 watch.cancel()
         return self.answered(response)
+
+    def _tls_refusal(self) -> str | None:
+        """Why kvd at an https URL closed the connection, where its TLS refused kvctl: with TLS 1.3
+        a server that wants a client certificate refuses it after kvctl's side of the handshake is
+        done, and closes without a word, so the request sees only the close. A bare handshake here
+        tells: kvd keeps a quiet connection open for 10 s, and closes at once one whose certificate
+        it refused."""
+        if not self.where.startswith("https://"):
+            return None
+        context = self.verify if isinstance(self.verify, ssl.SSLContext) else ssl.create_default_context()
+        parts = urllib.parse.urlsplit(self.where)
+        try:
+            with socket.create_connection((parts.hostname, parts.port or 443), timeout=REFUSAL_PROBE_S) as raw, \
+                    context.wrap_socket(raw, server_hostname=parts.hostname) as conn:
+                closed = conn.recv(1) == b""
+        except TimeoutError:
+            return None  # it waits for a request: the handshake stood
+        except (OSError, ValueError) as exc:
+            return tls_problem(self.where, exc)
+        if not closed:
+            return None
+        sent = "the client certificate kvctl sent" if self.client_cert else "kvctl's connection, which sent none"
+        return (f"kvd at {self.where} asks for a client certificate (ssl_ca_certs) and refused {sent}: pass "
+                "--client-cert (KVD_CLIENT_CERT) with one its CAs signed")
 
     def _elsewhere(self) -> str:
         """Where else kvd may answer, when kvctl was not told where (--socket, KVD_SOCKET): the

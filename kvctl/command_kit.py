@@ -21,7 +21,8 @@ from .outputs import read_text
 
 def client_for(ctx: typer.Context, tenant: str | None = None) -> Client:
     options = ctx.find_root().obj or {}
-    return Client(options.get("socket"), options.get("url"), options.get("token_file"), tenant=tenant)
+    return Client(options.get("socket"), options.get("url"), options.get("token_file"), tenant=tenant,
+                  ca_file=options.get("ca_file"), client_cert=options.get("client_cert"))
 
 
 def emit(data, as_json: bool, render) -> None:

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from .client import LOCK_HOLDERS, STORE_WRITE_WAIT_S
 from .gc_status import gc_line
+from .tls_status import tls_text
 from .gpu_status import gpu_label, gpu_line
 from .tables import compact_table, duration, fit_cells, keep_whole, seconds
 
@@ -158,6 +159,8 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
               if (data.get("gc") or {}).get("watching") else [])  # kvd router (absent from an older one)
     if data.get("disaggregated") is not None:  # prefill replicas (absent from an older router)
         router.append(disaggregated_line(data["replicas"], data["disaggregated"]))
+    if data.get("tls"):  # the router's own TCP front (daemon/server/tls.py)
+        router.append(Text.assemble("kvd router's TLS: ", tls_text(data["tls"])))
     group = Group(table, *reasons, *troubles, *restarts, *gpus, *router, summary)
     if console is not None:  # wider than the terminal rather than a figure cut to "1,436…"
         needed = Measurement.get(console, console.options, table).minimum

@@ -575,6 +575,12 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
         if tokens:
             console.print(f"token file read again: {tokens['tokens']} tokens ({tokens['added']} added, "
                           f"{tokens['removed']} removed)")
+        rotated = d.get("tls")
+        if rotated:  # the TCP front's certificate (tls.py): new connections get the new one
+            expires = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(rotated["not_after"]))
+            console.print(f"TLS certificate rotated: {rotated['subject']} (sha256 {rotated['from']}... -> "
+                          f"{rotated['to']}...), expires {expires}; connections already open keep the old one",
+                          highlight=False)
         for key, held in (d.get("reverted_rollout_settings") or {}).items():
             console.print(f"[yellow]{key} {held['value']} from completed rollout {held['rollout']} is reverted to "
                           f"the config's {held['now']}[/yellow]", highlight=False)

@@ -33,7 +33,8 @@ def replica_client(ctx: typer.Context, spec: str) -> Client:
     """A socket path, or an http(s):// URL (with the --token-file of the command line)."""
     options = ctx.find_root().obj or {}
     if spec.startswith(("http://", "https://")):
-        return Client(url=spec, token_file=options.get("token_file"))
+        return Client(url=spec, token_file=options.get("token_file"), ca_file=options.get("ca_file"),
+                      client_cert=options.get("client_cert"))
     return Client(socket=spec)
 
 
@@ -137,7 +138,8 @@ def router_client(ctx: typer.Context, spec: str, tenant: str | None) -> Client:
     """A client of the kvd router `--router` names (its socket or URL)."""
     options = ctx.find_root().obj or {}
     if spec.startswith(("http://", "https://")):
-        return Client(url=spec, token_file=options.get("token_file"), tenant=tenant)
+        return Client(url=spec, token_file=options.get("token_file"), tenant=tenant, ca_file=options.get("ca_file"),
+                      client_cert=options.get("client_cert"))
     return Client(socket=spec, tenant=tenant)
 
 

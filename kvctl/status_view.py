@@ -19,6 +19,7 @@ from kvctl.daemon.server.block_map import BLOCK_STATES, fold_block_map
 from .command_kit import client_for, emit, redraw
 from .fleet_status import PHASE_NAMES, before_load, is_fleet, prompts, render_fleet_status, store_trouble
 from .gc_status import gc_line
+from .tls_status import tls_text
 from .gpu_status import gpu_label, gpu_line
 from .tables import duration, seconds, size, when
 
@@ -207,6 +208,8 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("queue", f"{waiting}, {queue['running']} running{ahead}")
     if data.get("draining"):
         facts.add_row("draining", Text("no new completion is taken (kvctl resume takes them again)", style="yellow"))
+    if data.get("tls"):
+        facts.add_row("TLS", tls_text(data["tls"]))
     asleep = data.get("asleep")  # absent from an older kvd, null while awake
     if asleep:
         given = " and ".join({"kv_cache": "the cache's memory", "weights": "the weights"}[t]

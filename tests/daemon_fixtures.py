@@ -128,6 +128,8 @@ def scrape_every_family(state_dir) -> str:
     completion. For the tests that check what the dashboards and alert rules read is exported."""
     from kvctl.daemon.server.app import create_app
 
+    from .tls_certs import serving_tls
+
     service = start_service(state_dir, num_blocks=64, host_cache_bytes="1MiB", disk_cache_bytes="4MiB",
                             disk_cache_path=str(state_dir / "disk"), tiering="always",
                             tenant_cache_shares="default=0.5")
@@ -135,6 +137,7 @@ def scrape_every_family(state_dir) -> str:
         app = create_app(service, service.metrics, front="unix")
         service.rollouts.start({"settings": {"reservation": "p95"}}, "50%", [], None, "test")
         service.gc_pauses.install()
+        service.tls = serving_tls(state_dir)  # a TCP front's certificate (tls.py)
         answer = call(app, "POST", "/v1/completions", json={"prompt": "Every family shows after one completion.",
                                                             "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert answer.status_code == 200, answer.text

@@ -3,7 +3,7 @@
 An expression is parsed with `promql_parser` (Prometheus's grammar) and evaluated at the second
 scrape: a selector reads the second; `rate` and `increase` over a range read the change from the
 first to the second (no extrapolation, and a series the first scrape lacked has no rate, as in
-Prometheus, which needs two samples). Supported: selectors with any matcher, `rate`, `increase`,
+Prometheus, which needs two samples); `time()` is the second scrape's time. Supported: selectors with any matcher, `rate`, `increase`,
 `sum`/`max`/`min`/`count` with `by` or `without`, arithmetic, comparisons (filtering, not `bool`),
 `and`/`or`/`unless` with `on`/`ignoring`, parentheses and unary minus. Anything else (`offset`,
 `histogram_quantile`, ...) raises `Unsupported`; such rules are checked only for the names they
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 import re
+import time
 
 import promql_parser
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,8 +46,9 @@ class Scrapes:
     """Two scrapes of the same targets, the second "now" and the first a range earlier: each `rate`
     or `increase` takes the change between them as its range's."""
 
-    def __init__(self, before: dict[str, Vector], after: dict[str, Vector]) -> None:
+    def __init__(self, before: dict[str, Vector], after: dict[str, Vector], now: float | None = None) -> None:
         self.before, self.after = before, after
+        self.now = time.time() if now is None else now  # what time() gives: the second scrape's time
 
     def evaluate(self, expr: str) -> Vector | float:
         return self._eval(promql_parser.parse(expr))
@@ -91,6 +93,8 @@ class Scrapes:
 
     def _call(self, call) -> Vector:
         name = call.func.name
+        if name == "time":
+            return self.now
         if name not in ("rate", "increase"):
             raise Unsupported(f"function {name}")
         [matrix] = call.args

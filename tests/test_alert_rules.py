@@ -23,6 +23,7 @@ from kvctl.daemon.server.app import create_app  # noqa: E402
 from kvctl.daemon.store import Store  # noqa: E402
 
 from .daemon_fixtures import call, scrape_every_family, start_service  # noqa: E402
+from .tls_certs import serving_tls  # noqa: E402
 from .promql_eval import Scrapes, Unsupported, samples  # noqa: E402
 from .test_router import drive, router_app  # noqa: E402
 
@@ -66,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 26
+    assert len(names) == len(set(names)) == 27
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -88,6 +89,7 @@ def test_every_rule_reads_metrics_and_labels_that_kvd_or_its_router_exports(tmp_
     service = start_service(tmp_path / "replica", num_blocks=64)
     try:
         router, app = router_app([create_app(service, service.metrics, front="unix")], view="events")
+        router.tls = serving_tls(tmp_path)  # its TCP front's certificate (tls.py), which kvd's families have too
         [router_text] = drive(app, [lambda c: c.get("/metrics")], service=router)
         router_text = router_text.text
     finally:
@@ -123,6 +125,29 @@ def test_every_rule_reads_metrics_and_labels_that_kvd_or_its_router_exports(tmp_
         text = " ".join(rule["annotations"].values())
         for name in re.findall(r"\$labels\.(\w+)", text):
             assert name in kept, f"{rule['alert']}: its text uses $labels.{name}, which the result does not keep"
+
+
+def test_the_certificate_rule_fires_two_weeks_before_kvd_or_its_router_serves_an_expired_one(tmp_path):
+    service = start_service(tmp_path, num_blocks=64)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        service.tls = serving_tls(tmp_path, days=90)
+        fresh = scrape(app)
+        assert fired(Scrapes(fresh | up(1, KVD), fresh | up(1, KVD))) == {}
+        service.tls = serving_tls(tmp_path, days=3)
+        soon = scrape(app)
+        now = service.tls.certificate.not_after - 3 * 86_400
+        assert fired(Scrapes(fresh | up(1, KVD), soon | up(1, KVD), now=now)) == {
+            "KvdTlsCertificateExpiring": series(KVD, 3 * 86_400.0)}
+        router, router_front = router_app([create_app(service, service.metrics, front="unix")], view="events")
+        router.tls = serving_tls(tmp_path, days=1)
+        [text] = drive(router_front, [lambda c: c.get("/metrics")], service=router)
+        at_router = samples(text.text, **ROUTER)
+        now = router.tls.certificate.not_after - 86_400
+        assert fired(Scrapes(at_router | up(1, ROUTER), at_router | up(1, ROUTER), now=now)) == {
+            "KvdTlsCertificateExpiring": series(ROUTER, 86_400.0)}
+    finally:
+        service.shutdown(deadline=2)
 
 
 def test_the_kvd_rules_stay_quiet_on_a_healthy_kvd_and_fire_on_what_they_name(tmp_path):

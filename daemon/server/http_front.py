@@ -17,6 +17,7 @@ import errno
 import logging
 import resource
 import socket
+import ssl
 from typing import Any
 
 import uvicorn
@@ -122,10 +123,16 @@ def with_deadlines(base: type, seconds: float = HEADER_TIMEOUT_S, stall_seconds:
     return Deadlines
 
 
-def front_config(app: Any, **options: Any) -> uvicorn.Config:
-    """The uvicorn Config of one front (a Unix socket, or host and port in `options`)."""
-    return uvicorn.Config(app, http=with_deadlines(_base_protocol()), log_level="warning", lifespan="off",
-                          **options)
+def front_config(app: Any, ssl_context: ssl.SSLContext | None = None, **options: Any) -> uvicorn.Config:
+    """The uvicorn Config of one front (a Unix socket, or host and port in `options`), serving TLS
+    with `ssl_context` where given: kvd's own (tls.py), whose certificate a reload rotates, where
+    uvicorn would build one of its own from file names once."""
+    config = uvicorn.Config(app, http=with_deadlines(_base_protocol()), log_level="warning", lifespan="off",
+                            **options)
+    if ssl_context is not None:
+        config.load()
+        config.ssl = ssl_context
+    return config
 
 
 def bind_tcp(listen: str) -> socket.socket:
@@ -181,11 +188,13 @@ class Fronts:
         self.tasks: list[asyncio.Task] = []
         self.stopping = False
 
-    def serve(self, app: Any, sockets: list | None = None, **options: Any) -> None:
-        """Serve `app` on `sockets`, or on host and port in `options`; none joins once stopping."""
+    def serve(self, app: Any, sockets: list | None = None, ssl_context: ssl.SSLContext | None = None,
+              **options: Any) -> None:
+        """Serve `app` on `sockets`, or on host and port in `options` (with TLS: `ssl_context`); none
+        joins once stopping."""
         if self.stopping:
             return
-        server = _FrontServer(front_config(app, **options))
+        server = _FrontServer(front_config(app, ssl_context, **options))
         self.servers.append(server)
         self.tasks.append(asyncio.create_task(server.serve(sockets=sockets)))
 

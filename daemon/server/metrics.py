@@ -279,6 +279,10 @@ class _EngineCollector:
         yield from _speculation_metrics(speculation)
         yield GaugeMetricFamily("kvd_queue_age_seconds", "Age of the oldest waiting request",
                                 value=max(ages, default=0.0))
+        if self.service.tls is not None:
+            yield GaugeMetricFamily("kvd_tls_certificate_expiry_timestamp_seconds", "When the certificate the TCP "
+                                    "front serves expires (Unix time): alert well before it",
+                                    value=self.service.tls.certificate.not_after)
         yield GaugeMetricFamily("kvd_cache_uncalibrated", "1 while a quantised cache runs on unit scales",
                                 value=1.0 if engine.scale_version == "unit" else 0.0)
         yield CounterMetricFamily("kvd_audit_write_failures", "Audit records the SQLite store could not take "

@@ -22,6 +22,7 @@ from .adapter_room import gpu_room
 from .auth import TokenFileError, TokenTable
 from .calls import ServiceError
 from .lora_ops import served_modules, standing_changes
+from .tls import TlsFileError
 
 log = logging.getLogger("kvd")
 
@@ -35,7 +36,8 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_req
                  "truncation_headroom", "responses_store_bytes", "conversations_store_bytes")
 
 # what the running process is bound to: its sockets, its store, its auth front, its metric families
-BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "trusted_proxy", "metrics_aliases",
+BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
+                  "trusted_proxy", "metrics_aliases",
                   "max_tenant_metric_series", "trace_key_file", "trace_block_tokens")
 
 
@@ -65,8 +67,9 @@ def _reload_from_source(service, actor: str) -> dict:
         new = service.config_source()
         refuse_an_emptied_file(service.config)
         fresh = TokenTable.load(service.config.token_file) if service.tokens is not None else None
+        pair = service.tls.read_again() if service.tls is not None else None  # a rotated certificate
         adapters = read_adapters(service, new)
-    except (ConfigError, TokenFileError) as exc:
+    except (ConfigError, TokenFileError, TlsFileError) as exc:
         service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
                             detail={"error": str(exc)})
         service.reloads["refused"] += 1
@@ -80,7 +83,26 @@ def _reload_from_source(service, actor: str) -> dict:
         result["tokens"] = service.tokens.adopt(fresh)
         service.store.audit(actor=actor, tenant="-", action="reload", target="token_file", result="ok",
                             detail=result["tokens"])
+    if pair is not None:
+        adopt_certificate(service, pair, actor, result)
     return result
+
+
+def adopt_certificate(service, pair, actor: str, result: dict) -> None:
+    """Serve the certificate a reload read (tls.py) from the next TCP connection on, where it
+    changed: `result` gains `tls` (the rotation: fingerprints, subject, expiry) and `ssl_ca_certs`
+    among `needs_restart` where the CA file changed on disk."""
+    said = service.tls.adopt(pair)
+    if "rotated" in said:
+        result["tls"] = said["rotated"]
+        service.store.audit(actor=actor, tenant="-", action="reload", target="ssl_certfile", result="ok",
+                            detail=said["rotated"])
+        log.info("TLS certificate rotated (reload by %s): %s, sha256 %s..., expires %s", actor,
+                 said["rotated"]["subject"], said["rotated"]["to"],
+                 time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(said["rotated"]["not_after"])))
+    service.tls.warn(log)
+    if said.get("needs_restart"):
+        result["needs_restart"] = sorted({*result.get("needs_restart", []), *said["needs_restart"]})
 
 
 def read_adapters(service, new: KvdConfig) -> dict | None:

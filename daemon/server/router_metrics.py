@@ -101,6 +101,10 @@ class _RouterCollector:
                           lambda r: r.view.pending_count(now))
         yield per_replica(CounterMetricFamily, "view_snapshots", "Feeds started from a snapshot",
                           lambda r: r.snapshots)
+        if self.service.tls is not None:
+            yield GaugeMetricFamily("kvd_router_tls_certificate_expiry_timestamp_seconds", "When the certificate "
+                                    "the TCP front serves expires (Unix time): alert well before it",
+                                    value=self.service.tls.certificate.not_after)
 
 
 class RouterMetrics:

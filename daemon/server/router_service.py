@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import ssl
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
@@ -115,15 +116,16 @@ class Replica:
         return not (self.known_draining or (not polled and self.drained_there))
 
 
-def replica_client(spec: str, token: str | None = None, transport: httpx.AsyncBaseTransport | None = None
-                   ) -> httpx.AsyncClient:
-    """A client for a socket path or an http(s) URL (with `token` as its bearer)."""
+def replica_client(spec: str, token: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
+                   verify: ssl.SSLContext | bool = True) -> httpx.AsyncClient:
+    """A client for a socket path or an http(s) URL (with `token` as its bearer; an https
+    replica's certificate checked by `verify`: tls.client_context)."""
     timeout = httpx.Timeout(FORWARD_TIMEOUT_S, connect=ASK_TIMEOUT_S)
     if spec.startswith(("http://", "https://")):
         if not token:
             raise ValueError(f"replica: {spec!r} is reached over TCP and needs --token-file (an admin token)")
         return httpx.AsyncClient(base_url=spec, headers={"Authorization": f"Bearer {token}"}, timeout=timeout,
-                                 transport=transport)
+                                 transport=transport, verify=verify)
     return httpx.AsyncClient(base_url="http://kvd", timeout=timeout,
                              transport=transport or httpx.AsyncHTTPTransport(uds=spec))
 
@@ -179,6 +181,7 @@ class RouterService:
     on_decision: Callable[[float], None] = lambda seconds: None  # each choice's time (the /metrics histogram)
     # the router process's garbage collections (gc_pauses.py): `kvd router` installs and freezes it
     gc_pauses: GcPauses = field(default_factory=lambda: GcPauses(stalls="no request is routed meanwhile"))
+    tls: object | None = None  # the TCP front's TLS (tls.ServingTls), which SIGHUP rotates; None without
     # the replica that answered each response (/v1/responses), for the requests that continue it
     response_homes: ResponseHomes = field(default_factory=ResponseHomes)
 
@@ -639,7 +642,8 @@ class RouterService:
             return row
 
         body = {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas],
-                "gc": self.gc_pauses.report()}
+                "gc": self.gc_pauses.report(),
+                "tls": None if self.tls is None else self.tls.describe(time.time())}
         if self.disaggregated:
             body["disaggregated"] = dict(self.pd_outcomes)
         return body

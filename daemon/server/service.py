@@ -171,6 +171,7 @@ class EngineService:
         self.runtime_lora: dict[str, str | None] = {}
         self.adapter_updates = threading.RLock()
         self.tokens = None  # the TCP front's TokenTable, re-read by a reload (token rotation)
+        self.tls = None  # the TCP front's TLS (tls.ServingTls), its certificate re-read by a reload (rotation)
         # reloads by result, and the latest one (at, result, error): a refused reload leaves kvd on its
         # old settings, which /metrics and `kvctl status` say (Prometheus' own convention)
         self.reloads = {"ok": 0, "refused": 0}

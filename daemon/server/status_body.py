@@ -123,6 +123,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "responses": service.responses.figures(),
             "conversations": service.conversations.figures(),  # /v1/conversations (conversation_store.py)
             "draining": service.draining,
+            # the TCP front's certificate (tls.py): subject, names, expiry; None without TLS
+            "tls": None if service.tls is None else service.tls.describe(time.time()),
             # what sleeps (sleep_ops.Sleep.describe) while the cache's memory, or the weights', is given back
             "asleep": None if service.asleep is None else service.asleep.describe(),
             # weights an admin caller swapped in (weights_ops.py), which a restart does not keep

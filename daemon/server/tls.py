@@ -1,0 +1,246 @@
+"""TLS for the TCP fronts of kvd and kvd router (`ssl_certfile`, `ssl_keyfile`, `ssl_ca_certs`,
+as vLLM and uvicorn name them).
+
+Without TLS, every bearer token and prompt crosses the network in clear text. With it:
+
+- `ssl_certfile` is the server's certificate chain (PEM, leaf first), `ssl_keyfile` its private
+  key (PEM; absent: the key is in the certificate file). The file holding the key must not be
+  open to every user on the machine, as the token file must not be.
+- `ssl_ca_certs` (optional) asks each client for a certificate signed by one of these CAs
+  (mutual TLS); bearer tokens are still checked on top of it.
+- A reload (SIGHUP, `kvctl config reload`) reads the certificate and key again, so a rotated
+  certificate (cert-manager, ACME) is served from the next connection on, without a restart;
+  connections already open keep theirs. A pair that does not load, or a key that does not match
+  its certificate, changes nothing and is refused by name. The CA file is read at start only.
+- The certificate's subject, names and expiry show in `kvctl status`; kvd warns in its log
+  when fewer than EXPIRY_WARN_DAYS remain, and `kvd_tls_certificate_expiry_timestamp_seconds`
+  gives the time to alert on.
+
+The serving context is one `ssl.SSLContext` for the front's whole life (asyncio's server holds
+it); a rotation loads the new pair into that same context once it has loaded into a scratch one.
+Both loads read one private copy of the files' bytes, so a file replaced between them cannot
+leave a certificate beside a key that is not its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import ssl
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .auth import read_private_file
+
+EXPIRY_WARN_DAYS = 14  # a certificate with fewer days left is warned of at start, on a reload and daily
+PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+
+
+class TlsFileError(ValueError):
+    """A TLS file that cannot serve, naming the setting, the file and why."""
+
+
+def _utc(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """What an operator needs of the served certificate: never its key."""
+    subject: str  # the leaf's subject, RFC 4514 (CN=kvd.example.com)
+    names: tuple[str, ...]  # its subject alternative names (DNS, then IP)
+    not_before: float  # epoch seconds
+    not_after: float
+    fingerprint: str  # SHA-256 of the leaf's DER, hex
+
+    @classmethod
+    def of_pem(cls, pem: bytes, where: str) -> "Certificate":
+        """The first certificate of `pem` (a chain's leaf)."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+
+        try:
+            cert = x509.load_pem_x509_certificate(pem[pem.index(PEM_CERTIFICATE):])
+        except ValueError:
+            raise TlsFileError(f"ssl_certfile: {where!r} holds no PEM certificate") from None
+        try:
+            sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            names = tuple(str(n) for n in sans.get_values_for_type(x509.DNSName)) + \
+                tuple(str(n) for n in sans.get_values_for_type(x509.IPAddress))
+        except x509.ExtensionNotFound:
+            names = ()
+        return cls(subject=cert.subject.rfc4514_string() or "(no subject)", names=names,
+                   not_before=cert.not_valid_before_utc.timestamp(), not_after=cert.not_valid_after_utc.timestamp(),
+                   fingerprint=cert.fingerprint(hashes.SHA256()).hex())
+
+    def days_left(self, now: float) -> float:
+        return (self.not_after - now) / 86_400
+
+    def describe(self, now: float) -> dict:
+        return {"subject": self.subject, "names": list(self.names), "not_before": self.not_before,
+                "not_after": self.not_after, "days_left": round(self.days_left(now), 1),
+                "fingerprint_sha256": self.fingerprint}
+
+    def warning(self, now: float) -> str | None:
+        """A line for the log when the certificate has expired, is not valid yet, or expires soon."""
+        days = self.days_left(now)
+        if days < 0:
+            return (f"ssl_certfile: the certificate ({self.subject}) expired {_utc(self.not_after)}: clients refuse "
+                    "it; rotate it and run `kvctl config reload`")
+        if now < self.not_before:
+            return (f"ssl_certfile: the certificate ({self.subject}) is not valid before {_utc(self.not_before)}: "
+                    "clients refuse it until then")
+        if days < EXPIRY_WARN_DAYS:
+            return (f"ssl_certfile: the certificate ({self.subject}) expires {_utc(self.not_after)}, in {days:.1f} "
+                    "days; rotate it and run `kvctl config reload`")
+        return None
+
+
+@dataclass(frozen=True)
+class ServerPair:
+    """A certificate chain and its key, read once: bytes, and the leaf they describe."""
+    chain: bytes
+    key: bytes
+    certificate: Certificate
+    certfile: str
+    keyfile: str | None
+
+    @classmethod
+    def read(cls, certfile: str, keyfile: str | None) -> "ServerPair":
+        """Read and check the pair (TlsFileError naming the setting otherwise); it is loaded
+        into a scratch context, so that a pair that reads here serves."""
+        try:
+            chain = Path(certfile).read_bytes()
+        except OSError as exc:
+            raise TlsFileError(f"ssl_certfile: cannot read {certfile!r} ({exc.strerror})") from None
+        if PEM_CERTIFICATE not in chain:
+            raise TlsFileError(f"ssl_certfile: {certfile!r} holds no PEM certificate")
+        if keyfile is None:
+            if b"PRIVATE KEY-----" not in chain:
+                raise TlsFileError(f"ssl_keyfile: not set, and ssl_certfile {certfile!r} holds no private key; "
+                                   "set ssl_keyfile to the key's file")
+            key = read_private_file(certfile, "ssl_certfile (it holds the key)", TlsFileError)
+        else:
+            key = read_private_file(keyfile, "ssl_keyfile", TlsFileError)
+        pair = cls(chain, key, Certificate.of_pem(chain, certfile), certfile, keyfile)
+        pair.load_into(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+        return pair
+
+    def load_into(self, context: ssl.SSLContext) -> None:
+        """Load this pair into `context`, from a private temporary copy (`load_cert_chain` takes paths)."""
+        with tempfile.TemporaryDirectory(prefix="kvd-tls-") as folder:
+            chain_path, key_path = os.path.join(folder, "chain.pem"), os.path.join(folder, "key.pem")
+            for path, data in ((chain_path, self.chain), (key_path, self.key)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
+                    out.write(data)
+            try:
+                context.load_cert_chain(chain_path, key_path)
+            except ssl.SSLError as exc:
+                key_from = self.keyfile or self.certfile
+                if "mismatch" in str(exc.reason or exc).lower():
+                    raise TlsFileError(f"ssl_keyfile: the key in {key_from!r} does not match the certificate in "
+                                       f"{self.certfile!r}") from None
+                raise TlsFileError(f"ssl_keyfile: {key_from!r} and {self.certfile!r} do not load as a certificate "
+                                   f"and its key ({exc.reason or exc})") from None
+
+
+def read_ca(ca_certs: str) -> bytes:
+    """The PEM bytes of `ssl_ca_certs` (TlsFileError naming it otherwise)."""
+    try:
+        data = Path(ca_certs).read_bytes()
+    except OSError as exc:
+        raise TlsFileError(f"ssl_ca_certs: cannot read {ca_certs!r} ({exc.strerror})") from None
+    if PEM_CERTIFICATE not in data:
+        raise TlsFileError(f"ssl_ca_certs: {ca_certs!r} holds no PEM certificate")
+    return data
+
+
+class ServingTls:
+    """The TLS of one TCP front: the context it serves with, and the certificate in it now."""
+
+    def __init__(self, certfile: str, keyfile: str | None = None, ca_certs: str | None = None) -> None:
+        self.certfile, self.keyfile, self.ca_certs = certfile, keyfile, ca_certs
+        pair = ServerPair.read(certfile, keyfile)
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.context.set_alpn_protocols(["http/1.1"])
+        pair.load_into(self.context)
+        self.ca_digest = None
+        if ca_certs is not None:
+            ca = read_ca(ca_certs)
+            try:
+                self.context.load_verify_locations(cadata=ca.decode("ascii"))
+            except (ssl.SSLError, UnicodeDecodeError) as exc:
+                raise TlsFileError(f"ssl_ca_certs: {ca_certs!r} does not load as CA certificates ({exc})") from None
+            self.context.verify_mode = ssl.CERT_REQUIRED
+            self.ca_digest = hashlib.sha256(ca).hexdigest()
+        self.certificate = pair.certificate
+        self.rotations = 0
+
+    @classmethod
+    def from_settings(cls, settings) -> "ServingTls | None":
+        """The front's TLS from a kvd or kvd router config (None when ssl_certfile is unset)."""
+        if not settings.ssl_certfile:
+            return None
+        return cls(settings.ssl_certfile, settings.ssl_keyfile, settings.ssl_ca_certs)
+
+    def read_again(self) -> ServerPair:
+        """The certificate and key as their files hold them now (a reload reads them before it
+        changes anything): TlsFileError, naming the setting, when they do not load."""
+        return ServerPair.read(self.certfile, self.keyfile)
+
+    def adopt(self, pair: ServerPair) -> dict:
+        """Serve `pair` from the next connection on, where it differs from the pair served (those
+        open keep theirs). Says what changed (`rotated`); `needs_restart` names the CA file, read
+        at start only, where it differs on disk."""
+        said: dict = {}
+        if pair.certificate.fingerprint != self.certificate.fingerprint:
+            pair.load_into(self.context)
+            said["rotated"] = {"from": self.certificate.fingerprint[:16], "to": pair.certificate.fingerprint[:16],
+                               "subject": pair.certificate.subject, "not_after": pair.certificate.not_after}
+            self.certificate = pair.certificate
+            self.rotations += 1
+        if self.ca_certs is not None:
+            try:
+                changed = hashlib.sha256(read_ca(self.ca_certs)).hexdigest() != self.ca_digest
+            except TlsFileError:
+                changed = True
+            if changed:
+                said["needs_restart"] = ["ssl_ca_certs"]
+        return said
+
+    def warn(self, log, now: float | None = None) -> str | None:
+        """Log the certificate's warning (expired, not valid yet, or near its end), if any."""
+        warning = self.certificate.warning(time.time() if now is None else now)
+        if warning:
+            log.warning("%s", warning)
+        return warning
+
+    def describe(self, now: float) -> dict:
+        return {**self.certificate.describe(now), "client_certificates": self.ca_certs is not None,
+                "rotations": self.rotations, "warning": self.certificate.warning(now)}
+
+
+def client_context(ca_file: str | None = None, client_cert: str | None = None, client_key: str | None = None,
+                   names: tuple[str, str] = ("ca_file", "client_cert")) -> ssl.SSLContext | bool:
+    """What an https client (kvctl, kvd router to its replicas) verifies with: the system's CAs,
+    or `ca_file`'s; with `client_cert` (and its key, in `client_key` or the same file) for mutual
+    TLS. True (httpx's default verification) when neither is given. `names`: the settings named
+    in a TlsFileError."""
+    if ca_file is None and client_cert is None:
+        return True
+    try:
+        context = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise TlsFileError(f"{names[0]}: {ca_file!r} does not load as CA certificates "
+                           f"({getattr(exc, 'strerror', None) or exc})") from None
+    if client_cert is not None:
+        try:
+            context.load_cert_chain(client_cert, client_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise TlsFileError(f"{names[1]}: {client_cert!r} does not load as a certificate and its key "
+                               f"({getattr(exc, 'strerror', None) or getattr(exc, 'reason', None) or exc})") from None
+    return context
