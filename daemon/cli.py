@@ -24,11 +24,17 @@ log = logging.getLogger("kvd")
 QUIET_BELOW_DEBUG = ("httpx", "httpcore")  # a line per request to a replica (the router's feeds poll many a second)
 
 
-def configure_logging(level: str) -> None:
-    """kvd's and kvd router's log: to stderr (the journal), with the HTTP client libraries' per-request
-    lines only at debug."""
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def configure_logging(level: str, log_format: str = "text") -> None:
+    """kvd's and kvd router's log: to stderr (the journal), as text or JSON lines (log_format.py),
+    with the HTTP client libraries' per-request lines only at debug."""
+    from kvctl.daemon.log_format import handler_for
+
+    try:
+        handler = handler_for(log_format, sys.stderr)
+    except ValueError as exc:
+        print(f"kvd: error: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     quiet = logging.getLevelName(level.upper()) != logging.DEBUG
     for name in QUIET_BELOW_DEBUG:
         logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.NOTSET)
@@ -207,7 +213,15 @@ def serve(
     gc_warn_seconds: Optional[float] = typer.Option(
         None, help="Log a WARNING (at most once a minute) when a garbage collection stops every thread this "
                    "long or longer (default 0.1; 0: never)."),
+    log_requests: Optional[bool] = typer.Option(
+        None, help="Log a line per finished request (logfmt: id, tenant, API, token counts, times; never text "
+                   "or token ids). Live on a reload (default off)."),
+    log_stats_interval: Optional[float] = typer.Option(
+        None, help="Log the engine's summary (tokens/s in and out, prefix hits, queue, cache use) every this "
+                   "many seconds where something happened; 0: never. Live on a reload (default 10)."),
     log_level: str = typer.Option("info", help="Log level."),
+    log_format: str = typer.Option("text", help="text, or json: one JSON object a line, a request's and the "
+                                   "summary's fields its own (for Loki, Elasticsearch, Vector)."),
 ) -> None:
     """Run the daemon in the foreground (systemd Type=notify aware).
 
@@ -215,7 +229,7 @@ def serve(
     """
     from kvctl.daemon.config import ConfigError, kvd_env_typos, resolve
 
-    configure_logging(log_level)
+    configure_logging(log_level, log_format)
     for line in kvd_env_typos(os.environ):
         log.warning("%s", line)
     flags = _flags(model=model, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs,
@@ -249,7 +263,8 @@ def serve(
                    trace_requests=trace_requests, trace_key_file=trace_key_file,
                    trace_block_tokens=trace_block_tokens,
                    shutdown_timeout=shutdown_timeout, model_name=model_name, remote_cache_bytes=remote_cache_bytes,
-                   remote_timeout=remote_timeout, gc_freeze=gc_freeze, gc_warn_seconds=gc_warn_seconds)
+                   remote_timeout=remote_timeout, gc_freeze=gc_freeze, gc_warn_seconds=gc_warn_seconds,
+                   log_requests=log_requests, log_stats_interval=log_stats_interval)
     try:
         settings = resolve(flags, os.environ, config)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
@@ -271,7 +286,8 @@ SERVE_HELP_PANELS = {
                          "trusted_proxy", "max_request_bytes",
                          "responses_store_bytes", "responses_store_file", "responses_max_age",
                          "conversations_store_bytes", "truncation_headroom",
-                         "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level"),
+                         "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level", "log_format",
+                         "log_requests", "log_stats_interval"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",
                            "quick_prefill_tokens",
                            "max_running", "speculative_config", "reservation", "eviction", "pin_budget_blocks",
@@ -458,6 +474,9 @@ def router(
         None, help="Log a WARNING (at most once a minute) when a garbage collection stops the router this long "
                    "or longer (default 0.1; 0: never)."),
     log_level: str = typer.Option("info", help="Log level."),
+    log_format: str = typer.Option("text", help="text, or json: one JSON object a line."),
+    log_requests: Optional[bool] = typer.Option(None, help="Log a line per routed request: the replica, why "
+                                                "it went there, those that turned it away (default off)."),
 ) -> None:
     """Serve one OpenAI-compatible front for several replicas, each request routed by a policy.
 
@@ -478,7 +497,7 @@ def router(
     from kvctl.daemon.server.tls import ServingTls, client_context
     from kvctl.policies.routing import make_router
 
-    configure_logging(log_level)
+    configure_logging(log_level, log_format)
     for line in router_env_typos(os.environ):
         log.warning("%s", line)
     try:
@@ -491,7 +510,7 @@ def router(
             token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
             gc_warn_seconds=gc_warn_seconds, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
             ssl_ca_certs=ssl_ca_certs, replica_ca_certs=replica_ca_certs, replica_client_cert=replica_client_cert,
-            replica_client_key=replica_client_key), os.environ, config)
+            replica_client_key=replica_client_key, log_requests=log_requests), os.environ, config)
         fixed = list(settings.replicas)
         lines = replica_lines(settings.replicas_file) if settings.replicas_file else []
         listed = [spec for spec, _ in lines]
@@ -519,6 +538,7 @@ def router(
                                 local_prefill_tokens=settings.local_prefill_tokens)
         service.gc_pauses.warn_seconds = lambda: settings.gc_warn_seconds or None
         service.tls = tls
+        service.log_requests = settings.log_requests
         membership = None
         if settings.replicas_file:
             membership = FleetFile(settings.replicas_file, fixed=set(fixed) | set(roles),

@@ -203,6 +203,10 @@ class KvdConfig:
     # count of cached tokens tells a caller whether a guessed prompt is in the cache, block by block
     # (prompt-cache probing, CVE-2025-46570): `admin` where one tenant's callers do not trust each other
     report_cached_tokens: str = "all"
+    # kvd's log while it serves (server/request_log.py), both live on a reload: a logfmt line per finished
+    # request (ids, tenant, counts, times; never text or token ids), and the engine's summary every N s (0: none)
+    log_requests: bool = False
+    log_stats_interval: float = 10.0
     device: str = "auto"  # auto, cpu or cuda
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
     block_size: int = 16
@@ -372,6 +376,7 @@ _PARSERS = {
     "pin_budget_blocks": whole_number, "pin_room_tokens": whole_number, "shutdown_timeout": finite_number,
     "gc_freeze": on_or_off, "gc_warn_seconds": finite_number,
     "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "lora_runtime_updates": on_or_off,
+    "log_requests": on_or_off, "log_stats_interval": finite_number,
 
     "tenant_cache_shares": parse_shares,
     "chat_template_kwargs": template_kwargs, "speculative_config": speculative_config,
@@ -408,6 +413,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be from 0 (a cut drops the fewest turns) to below 1")
     if name == "gc_warn_seconds" and value < 0:
         raise ValueError("must be >= 0 (0: no warning)")
+    if name == "log_stats_interval" and value < 0:
+        raise ValueError("must be a number of seconds >= 0 (0: no summary)")
     if name == "reasoning_parser" and value not in REASONING_PARSERS:
         raise ValueError(f"must be one of {', '.join(REASONING_PARSERS)}")
     if name == "mxfp4_experts" and value not in MXFP4_EXPERTS:

@@ -50,6 +50,7 @@ class RouterConfig:
     replica_ca_certs: str | None = None
     replica_client_cert: str | None = None
     replica_client_key: str | None = None
+    log_requests: bool = False  # a logfmt line per routed request: where it went and why (router.py)
     gc_freeze: bool = True  # freeze the heap the start made (gc_pauses.py), as kvd serve does
     gc_warn_seconds: float = 0.1  # a WARNING for a collection that stops the router this long (0: none)
     # where each setting came from ("--routing", "KVD_ROUTER_ROUTING", the file); absent: the default
@@ -66,7 +67,7 @@ def _replicas(value: Any) -> tuple[str, ...]:
 _PARSERS = {"replicas": _replicas, "prefill_replicas": _replicas, "decode_replicas": _replicas,
             "balance_seconds": finite_number, "new_prefix_slack": whole_number, "local_prefill_tokens": whole_number,
             "prefill_rate": finite_number, "load_interval": finite_number, "pending_seconds": finite_number,
-            "gc_freeze": on_or_off, "gc_warn_seconds": finite_number}
+            "gc_freeze": on_or_off, "gc_warn_seconds": finite_number, "log_requests": on_or_off}
 
 
 def _check(name: str, value: Any) -> None:

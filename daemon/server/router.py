@@ -51,12 +51,24 @@ from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, fan_out,
                           merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates, replica_reports)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
+from .request_log import logfmt
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .router_metrics import RouterMetrics
 from .router_service import ASK_TIMEOUT_S, ModelNotServed, Replica, RouterService, Weighed
 from .usage_report import CALLER_ROLE_HEADER
 
 log = logging.getLogger("kvd.router")
+
+
+def log_route(route_id: str, tenant: str | None, path: str, replica: str, upstream: httpx.Response, reason: str,
+              tried: list[str], prefilled: str | None) -> None:
+    """kvd router's line for a request it passed to a replica (log_requests): its route id, tenant
+    and path, the replica, its answer's status and X-KVD-Request-Id there, why it went there, the
+    replicas that turned it away first, and where its prompt was computed; never its body."""
+    fields = {"route_id": route_id, "tenant": tenant or "default", "path": path, "replica": replica,
+              "status": upstream.status_code, "request_id": upstream.headers.get("x-kvd-request-id"),
+              "reason": reason, "tried": "; ".join(tried) or None, "prefill": prefilled}
+    log.info("route %s", logfmt(fields), extra={"fields": {"event": "route", **fields}})
 
 # disaggregated prefill and decode (prefill_first): vLLM's request field for a KV transfer (kv_transfer.FIELD,
 # not imported: the router imports no torch), and the fields the prefill's request leaves out (it makes
@@ -780,6 +792,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             answer_headers["X-KVD-Response-Id"] = upstream.headers["x-kvd-response-id"]
         if tried:
             answer_headers["X-KVD-Tried"] = "; ".join(tried)
+        if service.log_requests:
+            log_route(route_id, tenant, path, replica.name, upstream, reason, tried, prefilled)
         media = upstream.headers.get("content-type", "application/json")
 
         def failed_mid_answer(exc: Exception, events: int) -> str:

@@ -182,6 +182,7 @@ class RouterService:
     # the router process's garbage collections (gc_pauses.py): `kvd router` installs and freezes it
     gc_pauses: GcPauses = field(default_factory=lambda: GcPauses(stalls="no request is routed meanwhile"))
     tls: object | None = None  # the TCP front's TLS (tls.ServingTls), which SIGHUP rotates; None without
+    log_requests: bool = False  # a logfmt line per routed request: where it went and why (router.py)
     # the replica that answered each response (/v1/responses), for the requests that continue it
     response_homes: ResponseHomes = field(default_factory=ResponseHomes)
 

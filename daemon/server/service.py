@@ -53,6 +53,7 @@ from .housekeeping import Housekeeping, Job
 from .kv_transfer import TransferBook
 from .notify import Notifier
 from .reload_ops import prefetch_settings, quick_prefill_tokens
+from .request_log import RequestLog
 from .request_trace import RequestTrace, load_trace_key
 from .conversation_file import ConversationFile
 from .conversation_store import ConversationStore
@@ -146,6 +147,7 @@ class EngineService:
         self.trace = RequestTrace(config.trace_requests, trace_key, shared=trace_key is not None,  # `kvctl trace save`
                                   block_tokens=config.trace_block_tokens)
         self.on_finished(self.trace.observe)
+        self.request_log = RequestLog(self)  # a line per finished request, and the engine's summary (log_*)
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
         self.tenant_labels = TenantLabels(config.max_tenant_metric_series)  # per-tenant metrics' labels, bounded
@@ -159,7 +161,8 @@ class EngineService:
             Job("store file check", lambda: STORE_CHECK_SECONDS, self.store.check_file),  # deleted: written back
             Job("rollout stop conditions", lambda: self.rollout_check_seconds, self.rollouts.evaluate),
             Job("responses past their age", lambda: RESPONSES_AGE_CHECK_SECONDS,
-                partial(response_admin.expire, self))])
+                partial(response_admin.expire, self)),
+            Job("engine summary", self.request_log.every, self.request_log.run)])
         self._housekeepers: list[threading.Thread] = []
         self.admin_write_slots = WriteSlots()  # the admin calls that change something, at once, on every front
         # settings a completed rollout made everyone's, not (yet) in the config: {name: {value, rollout}};
@@ -640,6 +643,7 @@ class EngineService:
             except Exception as exc:  # AdmissionRejected, RequestError, ...: nothing stays queued
                 if isinstance(exc, AdmissionRejected):  # demand all the same: the trace keeps it
                     self.trace.observe(exc.request)
+                    self.request_log.rejected(exc.request, exc.kind)
                 for request in queued:
                     engine.cancel(request.request_id)
                     self._sinks.pop(request.request_id, None)
