@@ -219,6 +219,9 @@ def serve(
     log_stats_interval: Optional[float] = typer.Option(
         None, help="Log the engine's summary (tokens/s in and out, prefix hits, queue, cache use) every this "
                    "many seconds where something happened; 0: never. Live on a reload (default 10)."),
+    otlp_traces_endpoint: Optional[str] = typer.Option(
+        None, help="Send a span per request (OpenTelemetry, OTLP over HTTP) to this collector URL, e.g. "
+                   "http://collector:4318/v1/traces; a caller's traceparent is its parent. Needs kvctl[otel]."),
     log_level: str = typer.Option("info", help="Log level."),
     log_format: str = typer.Option("text", help="text, or json: one JSON object a line, a request's and the "
                                    "summary's fields its own (for Loki, Elasticsearch, Vector)."),
@@ -264,7 +267,8 @@ def serve(
                    trace_block_tokens=trace_block_tokens,
                    shutdown_timeout=shutdown_timeout, model_name=model_name, remote_cache_bytes=remote_cache_bytes,
                    remote_timeout=remote_timeout, gc_freeze=gc_freeze, gc_warn_seconds=gc_warn_seconds,
-                   log_requests=log_requests, log_stats_interval=log_stats_interval)
+                   log_requests=log_requests, log_stats_interval=log_stats_interval,
+                   otlp_traces_endpoint=otlp_traces_endpoint)
     try:
         settings = resolve(flags, os.environ, config)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
@@ -300,7 +304,7 @@ SERVE_HELP_PANELS = {
                                  "disk_compress", "remote_compress", "prefetch_policy", "prefetch_timeout",
                                  "prefetch_timeout_per_1k_tokens"),
     "Metrics and trace": ("metrics_aliases", "max_tenant_metric_series", "max_tracked_tenants", "trace_requests",
-                          "trace_key_file", "trace_block_tokens"),
+                          "trace_key_file", "trace_block_tokens", "otlp_traces_endpoint"),
 }
 
 

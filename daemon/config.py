@@ -207,6 +207,8 @@ class KvdConfig:
     # request (ids, tenant, counts, times; never text or token ids), and the engine's summary every N s (0: none)
     log_requests: bool = False
     log_stats_interval: float = 10.0
+    # OpenTelemetry: a span per request sent over OTLP/HTTP to this collector URL (server/request_spans.py)
+    otlp_traces_endpoint: str | None = None
     device: str = "auto"  # auto, cpu or cuda
     dtype: str = "auto"  # auto (the checkpoint's), float32, bfloat16, float16
     block_size: int = 16
@@ -415,6 +417,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 0 (0: no warning)")
     if name == "log_stats_interval" and value < 0:
         raise ValueError("must be a number of seconds >= 0 (0: no summary)")
+    if name == "otlp_traces_endpoint" and value is not None and not str(value).startswith(("http://", "https://")):
+        raise ValueError("must be an http:// or https:// URL (OTLP over HTTP, e.g. http://collector:4318/v1/traces)")
     if name == "reasoning_parser" and value not in REASONING_PARSERS:
         raise ValueError(f"must be one of {', '.join(REASONING_PARSERS)}")
     if name == "mxfp4_experts" and value not in MXFP4_EXPERTS:

@@ -49,6 +49,7 @@ from .incremental_text import IncrementalText
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .reasoning import answer_only
+from .request_spans import trace_context
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .response_format import asks_for_a_shape, constraint_of
 from .conversations_routes import conversations_routes
@@ -370,6 +371,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         """Run `prompts` (n samples each) and answer in `shape`: streamed as server-sent events, or
         whole once every sample has finished. A client that leaves cancels them. `echo_texts`: each
         prompt's text, put before its choices' text (completions' `echo`)."""
+        if service.request_spans is not None:  # the caller's span is its span's parent (request_spans.py)
+            carried = trace_context(http.headers)
+            if carried is not None:
+                params.extra["trace_context"] = carried
         routed = http.headers.get(ROUTER_ATTEMPT_HEADER.lower())
         if routed is not None:  # kvd router's name for the request: its trace line carries it
             try:

@@ -38,7 +38,7 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_req
 
 # what the running process is bound to: its sockets, its store, its auth front, its metric families
 BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
-                  "trusted_proxy", "metrics_aliases",
+                  "trusted_proxy", "metrics_aliases", "otlp_traces_endpoint",
                   "max_tenant_metric_series", "trace_key_file", "trace_block_tokens")
 
 

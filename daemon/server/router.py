@@ -77,7 +77,8 @@ TRANSFER_FIELD = "kv_transfer_params"
 PREFILL_DROPPED = ("stream_options", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens", "n",
                    "best_of", "max_completion_tokens", TRANSFER_FIELD)
 FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
-PASSED_HEADERS = ("content-type",)  # and X-KVD-Tenant, as the front resolved it
+# and X-KVD-Tenant, as the front resolved it; W3C trace context, so a replica's span has the caller's as parent
+PASSED_HEADERS = ("content-type", "traceparent", "tracestate")
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 # a forward's failures before any byte of an answer came, where the connection itself ended
 CLOSED_BEFORE_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)

@@ -54,6 +54,7 @@ from .kv_transfer import TransferBook
 from .notify import Notifier
 from .reload_ops import prefetch_settings, quick_prefill_tokens
 from .request_log import RequestLog
+from .request_spans import install as install_spans, otlp_processor
 from .request_trace import RequestTrace, load_trace_key
 from .conversation_file import ConversationFile
 from .conversation_store import ConversationStore
@@ -148,6 +149,12 @@ class EngineService:
                                   block_tokens=config.trace_block_tokens)
         self.on_finished(self.trace.observe)
         self.request_log = RequestLog(self)  # a line per finished request, and the engine's summary (log_*)
+        # what hears of a request turned away at admission (AdmissionRejected), with the limit it met
+        self._rejection_observers: list[Callable[[Request, str], None]] = [self.request_log.rejected]
+        self.request_spans = None  # OpenTelemetry spans of the requests (otlp_traces_endpoint); None: off
+        processor = otlp_processor(config)
+        if processor is not None:
+            install_spans(self, processor)
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
         self.tenant_latency: Callable[[], dict] = dict  # per tenant: TTFT percentiles; the metrics set it
         self.tenant_labels = TenantLabels(config.max_tenant_metric_series)  # per-tenant metrics' labels, bounded
@@ -450,6 +457,10 @@ class EngineService:
     def on_finished(self, observer: Callable[[Request], None]) -> None:
         self._observers.append(observer)
 
+    def on_rejected(self, observer: Callable[[Request, str], None]) -> None:
+        """`observer(request, kind)` for each request turned away at admission (engine.AdmissionRejected)."""
+        self._rejection_observers.append(observer)
+
     def shutdown(self, deadline: float | None = None) -> None:
         """Stop admitting, let in-flight work finish until the deadline, cancel the rest."""
         self.notifier.stopping()
@@ -482,6 +493,8 @@ class EngineService:
         self.rollouts.record_figures("shutdown", "kvd", wait=STOP_STORE_WAIT_S)
         self.conversations.close()
         self.responses.close()  # (the kept responses' and conversations' last writes land before kvd exits)
+        if self.request_spans is not None:
+            self.request_spans.shutdown()  # the batched spans sent
 
     def failed_to_load(self) -> bool:
         """Whether the load failed and no load runs now (a reload then loads again: reload_ops)."""
@@ -643,7 +656,8 @@ class EngineService:
             except Exception as exc:  # AdmissionRejected, RequestError, ...: nothing stays queued
                 if isinstance(exc, AdmissionRejected):  # demand all the same: the trace keeps it
                     self.trace.observe(exc.request)
-                    self.request_log.rejected(exc.request, exc.kind)
+                    for observe in self._rejection_observers:
+                        observe(exc.request, exc.kind)
                 for request in queued:
                     engine.cancel(request.request_id)
                     self._sinks.pop(request.request_id, None)

@@ -1,0 +1,136 @@
+"""OpenTelemetry traces of kvd's requests (`otlp_traces_endpoint`, vLLM's `--otlp-traces-endpoint`):
+a span per request, sent over OTLP/HTTP to a collector (Jaeger, Tempo, an OpenTelemetry Collector).
+
+A span is made when the request has finished (or was turned away), from the engine's own times,
+so the engine's step never waits on it: it starts when the request arrived and ends with its last
+token, with an event where it was admitted and one at its first token. Its parent is the caller's
+span where the request carried W3C trace context (`traceparent`, `tracestate`), which kvd router
+passes on, so a client's trace runs through the router to the replica's queue and cache.
+
+Attributes follow OpenTelemetry's GenAI conventions where they have a name (`gen_ai.request.model`,
+`gen_ai.usage.input_tokens`, `gen_ai.usage.output_tokens`, `gen_ai.response.finish_reasons`, ...),
+and `kvd.*` for the cache's part: cached, restored and recomputed tokens, preemptions, the queue
+and first-token times, the tenant, the rollout cohort. Never the prompt's text, the output's, or a
+token id. A turned-away request's span has an error status naming the limit it met.
+
+The exporter is OpenTelemetry's own (the `otel` extra: opentelemetry-sdk and
+opentelemetry-exporter-otlp-proto-http), batched off the engine's thread; its usual environment
+variables (OTEL_EXPORTER_OTLP_HEADERS, OTEL_SERVICE_NAME, ...) apply.
+"""
+
+from __future__ import annotations
+
+import time
+
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as the caller sent it
+OTEL_MISSING = "otlp_traces_endpoint: traces need OpenTelemetry's packages: pip install 'kvctl[otel]'"
+
+
+def trace_context(headers) -> dict | None:
+    """The W3C trace context a request carried (its headers), or None."""
+    found = {name: headers[name] for name in TRACE_HEADERS if headers.get(name)}
+    return found or None
+
+
+def span_attributes(request, model: str) -> dict:
+    """A finished request's attributes (engine.requests.Request): counts, times and names, no text."""
+    from .request_log import request_fields
+
+    fields = request_fields(request, model)
+    params = request.params
+    attributes = {
+        "gen_ai.system": "kvd", "gen_ai.operation.name": "chat" if fields["api"] == "chat" else "text_completion",
+        "gen_ai.request.model": fields["model"], "gen_ai.response.model": fields["model"],
+        "gen_ai.request.id": fields["request_id"], "gen_ai.request.max_tokens": params.max_tokens,
+        "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
+        "gen_ai.request.n": params.n, "gen_ai.usage.input_tokens": fields["prompt_tokens"],
+        "gen_ai.usage.output_tokens": fields["output_tokens"],
+        "gen_ai.response.finish_reasons": tuple(fields["finish"].split(",")),
+        "kvd.api": fields["api"], "kvd.tenant": fields["tenant"], "kvd.cached_tokens": fields["cached_tokens"],
+        "kvd.restored_tokens": fields["restored_tokens"], "kvd.recomputed_tokens": fields["recomputed_tokens"],
+        "kvd.preemptions": fields["preemptions"]}
+    for name in ("queued_s", "ttft_s", "e2e_s", "cohort"):
+        if fields.get(name) is not None:
+            attributes[f"kvd.{name}"] = fields[name]
+    return attributes
+
+
+class RequestSpans:
+    """Spans of one kvd's requests, given to `processor` (the OTLP exporter, batched; a test's
+    in-memory one). `engine_clock` reads the clock the engine stamps requests with."""
+
+    def __init__(self, service, processor, engine_clock=time.monotonic) -> None:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        from kvctl import __version__
+
+        self.service = service
+        self.engine_clock = engine_clock
+        self.provider = TracerProvider(resource=Resource.create({"service.name": "kvd",
+                                                                 "service.version": __version__}))
+        self.provider.add_span_processor(processor)
+        self.tracer = self.provider.get_tracer("kvd")
+        self.propagator = TraceContextTextMapPropagator()
+
+    def _ns(self, engine_time: float, offset: float) -> int:
+        return int((engine_time + offset) * 1e9)
+
+    def observe(self, request) -> None:
+        """A request finished (on_finished): its span, from arrival to its last token."""
+        if request.params.extra.get("api") is None:
+            return  # a pin's warm-up is nobody's request
+        self._span(request, None)
+
+    def rejected(self, request, kind: str) -> None:
+        """A request turned away at admission: its span, with an error status naming the limit."""
+        self._span(request, kind)
+
+    def _span(self, request, rejected: str | None) -> None:
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        offset = time.time() - self.engine_clock()  # the engine's clock to the wall's
+        metrics = request.metrics
+        carried = request.params.extra.get("trace_context")
+        parent = self.propagator.extract(carrier=carried) if carried else None
+        attributes = span_attributes(request, self.service.model_name)
+        if rejected:
+            attributes["kvd.rejected"] = rejected
+        span = self.tracer.start_span("kvd.request", context=parent, kind=SpanKind.SERVER,
+                                      start_time=self._ns(metrics.arrival, offset), attributes=attributes)
+        for name, at in (("admitted", metrics.admitted), ("first_token", metrics.first_token)):
+            if at is not None:
+                span.add_event(name, timestamp=self._ns(at, offset))
+        if rejected:
+            span.set_status(Status(StatusCode.ERROR, f"rejected: {rejected}"))
+        elif "error" in attributes["gen_ai.response.finish_reasons"]:
+            span.set_status(Status(StatusCode.ERROR, "a sample ended in error"))
+        ended = metrics.token_times[-1] if metrics.token_times else None
+        span.end(end_time=self._ns(ended, offset) if ended is not None else None)
+
+    def shutdown(self) -> None:
+        """Send what is batched, then stop (kvd's shutdown)."""
+        self.provider.shutdown()
+
+
+def otlp_processor(config):
+    """The batched OTLP/HTTP exporter `config.otlp_traces_endpoint` asks for (None when unset);
+    RuntimeError naming the setting when OpenTelemetry's packages are not installed."""
+    if config.otlp_traces_endpoint is None:
+        return None
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError:
+        raise RuntimeError(OTEL_MISSING) from None
+    return BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_traces_endpoint))
+
+
+def install(service, processor) -> RequestSpans:
+    """Give `service` (an EngineService) spans of its requests, handed to `processor`."""
+    spans = RequestSpans(service, processor)
+    service.request_spans = spans
+    service.on_finished(spans.observe)
+    service.on_rejected(spans.rejected)
+    return spans
