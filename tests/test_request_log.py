@@ -210,3 +210,39 @@ def test_kvd_router_logs_where_each_request_went_and_why_never_its_body(tmp_path
         assert len(logged(caplog, "route")) == 2
     finally:
         service.shutdown(deadline=2)
+
+
+def test_a_gateways_request_id_is_logged_echoed_and_passed_on_by_the_router(tmp_path, caplog):
+    from .test_router import drive, router_app
+
+    service = start_service(tmp_path, num_blocks=64, log_requests=True)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        with caplog.at_level(logging.INFO, logger="kvd"):
+            answer = complete_with(app, {"X-Request-Id": "gw-7f3a9c01"})
+            [record] = settled(lambda: logged(caplog, "request"), lambda found: len(found) == 1)
+        assert answer.headers["x-request-id"] == "gw-7f3a9c01"
+        assert record.fields["client_request_id"] == "gw-7f3a9c01"
+        assert record.getMessage().endswith(" client_request_id=gw-7f3a9c01")
+        refused = complete_with(app, {"X-Request-Id": "two words"}, status=400)
+        assert refused.json()["error"]["message"] == (
+            "X-Request-Id: must be 1 to 128 visible ASCII characters, got 'two words'")
+        assert refused.json()["error"]["param"] == "X-Request-Id"
+        router, front = router_app([app], routing="round_robin")
+        router.log_requests = True
+        with caplog.at_level(logging.INFO, logger="kvd"):  # (kvd.router's too)
+            [routed] = drive(front, [lambda c: c.post("/v1/completions", headers={"X-Request-Id": "gw-2"},
+                                                      json={"prompt": PROMPT, "max_tokens": 2})])
+            replica_lines = settled(lambda: logged(caplog, "request"), lambda found: len(found) == 2)
+        assert routed.headers["x-request-id"] == "gw-2"
+        assert logged(caplog, "route")[-1].fields["client_request_id"] == "gw-2"
+        assert replica_lines[-1].fields["client_request_id"] == "gw-2"
+    finally:
+        service.shutdown(deadline=2)
+
+
+def complete_with(app, headers: dict, status: int = 200):
+    answer = call(app, "POST", "/v1/completions", headers=headers,
+                  json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert answer.status_code == status, answer.text
+    return answer

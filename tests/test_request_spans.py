@@ -39,7 +39,7 @@ def traced(tmp_path, **settings):
 def test_a_span_per_request_is_a_child_of_the_callers_trace_with_the_caches_part(tmp_path):
     service, exporter, app = traced(tmp_path)
     try:
-        answer = call(app, "POST", "/v1/completions", headers={"traceparent": TRACEPARENT},
+        answer = call(app, "POST", "/v1/completions", headers={"traceparent": TRACEPARENT, "X-Request-Id": "gw-1"},
                       json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert answer.status_code == 200
         [span] = settled(exporter.get_finished_spans, lambda spans: len(spans) == 1)
@@ -55,7 +55,7 @@ def test_a_span_per_request_is_a_child_of_the_callers_trace_with_the_caches_part
             "gen_ai.response.finish_reasons": ("length",), "kvd.api": "completions", "kvd.tenant": "default",
             "kvd.cached_tokens": 0, "kvd.restored_tokens": 0, "kvd.recomputed_tokens": 0, "kvd.preemptions": 0,
             "kvd.queued_s": attributes["kvd.queued_s"], "kvd.ttft_s": attributes["kvd.ttft_s"],
-            "kvd.e2e_s": attributes["kvd.e2e_s"]}
+            "kvd.e2e_s": attributes["kvd.e2e_s"], "kvd.client_request_id": "gw-1"}
         assert 0 <= attributes["kvd.queued_s"] <= attributes["kvd.ttft_s"] <= attributes["kvd.e2e_s"]
         assert [event.name for event in span.events] == ["admitted", "first_token"]
         assert span.start_time <= span.events[0].timestamp <= span.events[1].timestamp <= span.end_time

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Annotated, Any
@@ -59,6 +60,8 @@ from .strict_json import StrictJSONRoute
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .tool_calls import forced_calls, tool_choice_mode
 from .usage_report import CALLER_ROLE_HEADER, shows_cached_tokens, usage
+
+CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # X-Request-Id, as gateways and load balancers set it
 
 
 def _param_of(message: str) -> str | None:
@@ -371,6 +374,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         """Run `prompts` (n samples each) and answer in `shape`: streamed as server-sent events, or
         whole once every sample has finished. A client that leaves cancels them. `echo_texts`: each
         prompt's text, put before its choices' text (completions' `echo`)."""
+        client_id = http.headers.get("x-request-id")  # a gateway's id for the request: logged, traced, echoed
+        if client_id is not None:
+            if not CLIENT_REQUEST_ID.fullmatch(client_id):
+                raise ApiError(400, f"X-Request-Id: must be 1 to 128 visible ASCII characters, got {client_id[:140]!r}",
+                               param="X-Request-Id")
+            params.extra["client_request_id"] = client_id
         if service.request_spans is not None:  # the caller's span is its span's parent (request_spans.py)
             carried = trace_context(http.headers)
             if carried is not None:
@@ -434,6 +443,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                 "model": adapter or service.model_name}
         # the engine's ids, which `kvctl requests` lists and `kvctl cancel` takes
         named = {"X-KVD-Request-Id": ",".join(r.request_id for r in requests)}
+        if client_id is not None:
+            named["X-Request-Id"] = client_id
         n = params.n
         index_of = {(r.request_id, i): p * n + i for p, r in enumerate(requests) for i in range(n)}
         by_id = {r.request_id: r for r in requests}

@@ -43,7 +43,8 @@ def request_fields(request, model: str) -> dict:
             "output_tokens": sum(len(seq.output_ids) for seq in request.sequences),
             "preemptions": metrics.preemptions, "queued_s": seconds(metrics.time_queued),
             "ttft_s": seconds(metrics.ttft), "e2e_s": seconds(None if ended is None else ended - metrics.arrival),
-            **({"cohort": request.cohort} if request.cohort else {})}
+            **({"cohort": request.cohort} if request.cohort else {}),
+            **({"client_request_id": client} if (client := request.params.extra.get("client_request_id")) else {})}
 
 
 def logfmt(fields: dict) -> str:

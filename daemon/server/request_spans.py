@@ -49,7 +49,7 @@ def span_attributes(request, model: str) -> dict:
         "kvd.api": fields["api"], "kvd.tenant": fields["tenant"], "kvd.cached_tokens": fields["cached_tokens"],
         "kvd.restored_tokens": fields["restored_tokens"], "kvd.recomputed_tokens": fields["recomputed_tokens"],
         "kvd.preemptions": fields["preemptions"]}
-    for name in ("queued_s", "ttft_s", "e2e_s", "cohort"):
+    for name in ("queued_s", "ttft_s", "e2e_s", "cohort", "client_request_id"):
         if fields.get(name) is not None:
             attributes[f"kvd.{name}"] = fields[name]
     return attributes

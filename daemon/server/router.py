@@ -61,13 +61,14 @@ log = logging.getLogger("kvd.router")
 
 
 def log_route(route_id: str, tenant: str | None, path: str, replica: str, upstream: httpx.Response, reason: str,
-              tried: list[str], prefilled: str | None) -> None:
+              tried: list[str], prefilled: str | None, client_id: str | None = None) -> None:
     """kvd router's line for a request it passed to a replica (log_requests): its route id, tenant
     and path, the replica, its answer's status and X-KVD-Request-Id there, why it went there, the
     replicas that turned it away first, and where its prompt was computed; never its body."""
     fields = {"route_id": route_id, "tenant": tenant or "default", "path": path, "replica": replica,
               "status": upstream.status_code, "request_id": upstream.headers.get("x-kvd-request-id"),
-              "reason": reason, "tried": "; ".join(tried) or None, "prefill": prefilled}
+              "reason": reason, "tried": "; ".join(tried) or None, "prefill": prefilled,
+              **({"client_request_id": client_id} if client_id else {})}
     log.info("route %s", logfmt(fields), extra={"fields": {"event": "route", **fields}})
 
 # disaggregated prefill and decode (prefill_first): vLLM's request field for a KV transfer (kv_transfer.FIELD,
@@ -78,7 +79,7 @@ PREFILL_DROPPED = ("stream_options", "echo", "logprobs", "top_logprobs", "prompt
                    "best_of", "max_completion_tokens", TRANSFER_FIELD)
 FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
 # and X-KVD-Tenant, as the front resolved it; W3C trace context, so a replica's span has the caller's as parent
-PASSED_HEADERS = ("content-type", "traceparent", "tracestate")
+PASSED_HEADERS = ("content-type", "traceparent", "tracestate", "x-request-id")  # (a gateway's id: logged there)
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 # a forward's failures before any byte of an answer came, where the connection itself ended
 CLOSED_BEFORE_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
@@ -788,13 +789,16 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 answer_headers["X-KVD-Prefill"] = prefilled
         if "x-kvd-request-id" in upstream.headers:  # the replica's ids: kvctl requests / cancel there
             answer_headers["X-KVD-Request-Id"] = upstream.headers["x-kvd-request-id"]
+        if "x-request-id" in upstream.headers:  # the caller's own id, echoed by the replica
+            answer_headers["X-Request-Id"] = upstream.headers["x-request-id"]
         if "x-kvd-response-id" in upstream.headers:  # a response (/v1/responses): its next turn goes there
             service.response_homes.note(upstream.headers["x-kvd-response-id"], replica.name)
             answer_headers["X-KVD-Response-Id"] = upstream.headers["x-kvd-response-id"]
         if tried:
             answer_headers["X-KVD-Tried"] = "; ".join(tried)
         if service.log_requests:
-            log_route(route_id, tenant, path, replica.name, upstream, reason, tried, prefilled)
+            log_route(route_id, tenant, path, replica.name, upstream, reason, tried, prefilled,
+                      http.headers.get("x-request-id"))
         media = upstream.headers.get("content-type", "application/json")
 
         def failed_mid_answer(exc: Exception, events: int) -> str:
