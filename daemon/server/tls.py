@@ -112,12 +112,7 @@ class ServerPair:
     def read(cls, certfile: str, keyfile: str | None) -> "ServerPair":
         """Read and check the pair (TlsFileError naming the setting otherwise); it is loaded
         into a scratch context, so that a pair that reads here serves."""
-        try:
-            chain = Path(certfile).read_bytes()
-        except OSError as exc:
-            raise TlsFileError(f"ssl_certfile: cannot read {certfile!r} ({exc.strerror})") from None
-        if PEM_CERTIFICATE not in chain:
-            raise TlsFileError(f"ssl_certfile: {certfile!r} holds no PEM certificate")
+        chain = read_pem(certfile, "ssl_certfile")
         if keyfile is None:
             if b"PRIVATE KEY-----" not in chain:
                 raise TlsFileError(f"ssl_keyfile: not set, and ssl_certfile {certfile!r} holds no private key; "
@@ -147,14 +142,15 @@ class ServerPair:
                                    f"and its key ({exc.reason or exc})") from None
 
 
-def read_ca(ca_certs: str) -> bytes:
-    """The PEM bytes of `ssl_ca_certs` (TlsFileError naming it otherwise)."""
+def read_pem(path: str, setting: str) -> bytes:
+    """The bytes of a PEM file that holds a certificate (`ssl_certfile`, `ssl_ca_certs`): TlsFileError
+    naming `setting` and the file when it cannot be read or holds none."""
     try:
-        data = Path(ca_certs).read_bytes()
+        data = Path(path).read_bytes()
     except OSError as exc:
-        raise TlsFileError(f"ssl_ca_certs: cannot read {ca_certs!r} ({exc.strerror})") from None
+        raise TlsFileError(f"{setting}: cannot read {path!r} ({exc.strerror})") from None
     if PEM_CERTIFICATE not in data:
-        raise TlsFileError(f"ssl_ca_certs: {ca_certs!r} holds no PEM certificate")
+        raise TlsFileError(f"{setting}: {path!r} holds no PEM certificate")
     return data
 
 
@@ -170,7 +166,7 @@ class ServingTls:
         pair.load_into(self.context)
         self.ca_digest = None
         if ca_certs is not None:
-            ca = read_ca(ca_certs)
+            ca = read_pem(ca_certs, "ssl_ca_certs")
             try:
                 self.context.load_verify_locations(cadata=ca.decode("ascii"))
             except (ssl.SSLError, UnicodeDecodeError) as exc:
@@ -205,7 +201,7 @@ class ServingTls:
             self.rotations += 1
         if self.ca_certs is not None:
             try:
-                changed = hashlib.sha256(read_ca(self.ca_certs)).hexdigest() != self.ca_digest
+                changed = hashlib.sha256(read_pem(self.ca_certs, "ssl_ca_certs")).hexdigest() != self.ca_digest
             except TlsFileError:
                 changed = True
             if changed:
