@@ -346,11 +346,13 @@ async def _serve(settings, re_resolve) -> None:
     from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.metrics import Metrics
     from kvctl.daemon.server.service import STOP_STORE_WAIT_S, EngineService
-    from kvctl.daemon.server.tls import ServingTls
+    from kvctl.daemon.server.tls import ServingTls, clear_text_warning
     from kvctl.daemon.store import Store
 
     tokens = TokenTable.load(settings.token_file) if settings.token_file else None
     tls = ServingTls.from_settings(settings)  # a certificate that cannot serve: said before anything starts
+    if warning := clear_text_warning(settings.listen, tls):
+        log.warning("%s", warning)
     try:  # the claim is held until kvd exits: the kernel lets it go however kvd ends
         Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
         claim = FolderClaim(Path(settings.state_dir), f"pid {os.getpid()}, socket {settings.socket}")
@@ -498,7 +500,7 @@ def router(
     from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.fleet_file import FleetFile, replica_lines
     from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
-    from kvctl.daemon.server.tls import ServingTls, client_context
+    from kvctl.daemon.server.tls import ServingTls, clear_text_warning, client_context
     from kvctl.policies.routing import make_router
 
     configure_logging(log_level, log_format)
@@ -531,6 +533,8 @@ def router(
                 raise ValueError(f"token_file: cannot read a token from {settings.token_file!r}") from None
         clients = TokenTable.load(settings.clients_file) if settings.listen else None
         tls = ServingTls.from_settings(settings)
+        if warning := clear_text_warning(settings.listen, tls):
+            log.warning("%s", warning)
         verify = client_context(settings.replica_ca_certs, settings.replica_client_cert, settings.replica_client_key,
                                 names=("replica_ca_certs", "replica_client_cert"))
         roles = {**{spec: "prefill" for spec in settings.prefill_replicas},

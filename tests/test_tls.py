@@ -203,3 +203,18 @@ def test_tls_settings_that_serve_nothing_are_refused(tmp_path):
         resolve_router({**replicas, "replica_client_key": "/etc/kvd/router.key"}, env={})
     assert str(key_alone.value) == ("replica_client_key: set (from --replica-client-key) but replica_client_cert is "
                                     "not: the key goes with the router's certificate")
+
+
+def test_a_tcp_front_other_hosts_reach_without_tls_is_warned_of(tmp_path):
+    from kvctl.daemon.server.tls import clear_text_warning
+
+    assert clear_text_warning("0.0.0.0:8000", None) == (
+        "listen: 0.0.0.0:8000 serves TCP without TLS: bearer tokens and prompts cross the network in clear text; "
+        "set ssl_certfile (or keep a TLS proxy in front of it on this host)")
+    assert clear_text_warning("[2001:db8::1]:8000", None).startswith("listen: [2001:db8::1]:8000 serves TCP")
+    assert clear_text_warning("kvd-1.internal:8000", None) is not None
+    for loopback in ("127.0.0.1:8000", "127.0.1.1:8000", "[::1]:8000", "localhost:8000"):
+        assert clear_text_warning(loopback, None) is None, loopback
+    assert clear_text_warning(None, None) is None
+    cert, key, _ = write_pair(tmp_path, trustme.CA())
+    assert clear_text_warning("0.0.0.0:8443", ServingTls(cert, key)) is None

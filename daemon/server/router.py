@@ -71,6 +71,7 @@ def log_route(route_id: str, tenant: str | None, path: str, replica: str, upstre
               **({"client_request_id": client_id} if client_id else {})}
     log.info("route %s", logfmt(fields), extra={"fields": {"event": "route", **fields}})
 
+
 # disaggregated prefill and decode (prefill_first): vLLM's request field for a KV transfer (kv_transfer.FIELD,
 # not imported: the router imports no torch), and the fields the prefill's request leaves out (it makes
 # one token, not streamed, for no one to read)

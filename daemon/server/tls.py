@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import ipaddress
 import os
 import ssl
 import tempfile
@@ -218,6 +219,22 @@ class ServingTls:
     def describe(self, now: float) -> dict:
         return {**self.certificate.describe(now), "client_certificates": self.ca_certs is not None,
                 "rotations": self.rotations, "warning": self.certificate.warning(now)}
+
+
+def clear_text_warning(listen: str | None, tls: "ServingTls | None") -> str | None:
+    """A warning for a TCP front that other hosts reach without TLS (None on loopback, with TLS, or
+    without a TCP front): its bearer tokens and prompts cross the network as they are."""
+    if listen is None or tls is not None:
+        return None
+    host = listen.rpartition(":")[0].strip("[]")
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        if host == "localhost":
+            return None
+    return (f"listen: {listen} serves TCP without TLS: bearer tokens and prompts cross the network in clear text; "
+            "set ssl_certfile (or keep a TLS proxy in front of it on this host)")
 
 
 def client_context(ca_file: str | None = None, client_cert: str | None = None, client_key: str | None = None,
