@@ -64,15 +64,18 @@ class Counting(httpx.AsyncBaseTransport):
     once are then all routed before any of them is served (and caches its prefix)."""
 
     def __init__(self, app, hold_until: int | None = None) -> None:
-        self.inner, self.prompt_questions = httpx.ASGITransport(app=app), 0
+        self.inner, self.prompt_questions, self.answered = httpx.ASGITransport(app=app), 0, 0
         self.hold_until, self.asked = hold_until, asyncio.Event()
 
     async def handle_async_request(self, request):
         if request.url.path == "/admin/route-facts" and json.loads(request.content).get("tokens") != []:
             self.prompt_questions += 1
             answer = await self.inner.handle_async_request(request)  # the facts, made before any completion
-            if self.hold_until is not None and self.prompt_questions >= self.hold_until:
-                self.asked.set()  # (set on the question's arrival, a completion could cache before it was answered)
+            self.answered += 1
+            # once every one was answered: counted on arrival, a completion could cache before the last
+            # was answered (a question answered early saw the count of those still being answered)
+            if self.hold_until is not None and self.answered >= self.hold_until:
+                self.asked.set()
             return answer
         if request.url.path == "/v1/completions" and self.hold_until is not None:
             async with asyncio.timeout(30):
