@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -377,7 +376,7 @@ async def _serve(settings, re_resolve) -> None:
     service.housekeeping.add(Job("state folder claim", lambda: unix_front.CHECK_SECONDS, claim.check))  # lock deleted
     service.housekeeping.add(Job("gc pauses", lambda: 1.0, service.gc_pauses.log_slow))
     if tls is not None:  # at start, then daily: a certificate near its end is said while there is time
-        service.housekeeping.add(Job("tls certificate", lambda: 86_400.0, lambda: tls.warn(log)))
+        service.housekeeping.add(Job("tls certificate", lambda: 86_400.0, tls.warn))
     service.gc_pauses.install()
     service.start(confine_threads=True, freeze_heap=settings.gc_freeze)
     log.info("kvd %s listening on %s%s", __version__, settings.socket,
@@ -616,7 +615,7 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
     if tcp_app is not None:
         fronts.serve(tcp_app, sockets=[tcp_sock], ssl_context=tls.context if tls else None)
     keeper = asyncio.create_task(unix_front.keep(front, lambda sock: fronts.serve(unix_app, sockets=[sock])))
-    certificate_check = asyncio.create_task(_every(86_400.0, lambda: tls.warn(log), at_once=True)) \
+    certificate_check = asyncio.create_task(_every(86_400.0, tls.warn, at_once=True)) \
         if tls is not None else None
     try:
         failed = [r for r in await fronts.wait() if isinstance(r, BaseException)]
@@ -649,21 +648,14 @@ async def _every(seconds: float, job, at_once: bool = False) -> None:
 
 
 def _rotate_certificate(tls) -> None:
-    """kvd router's SIGHUP: serve its TCP front's certificate as its files hold it now (tls.py);
-    a pair that does not load changes nothing, and the log says why."""
+    """kvd router's SIGHUP: serve its TCP front's certificate as its files hold it now (tls.py,
+    which logs what changed); a pair that does not load changes nothing, and the log says why."""
     from kvctl.daemon.server.tls import TlsFileError
 
     try:
-        said = tls.adopt(tls.read_again())
+        tls.adopt(tls.read_again())
     except TlsFileError as exc:
         log.error("TLS certificate not reloaded, the one served stays: %s", exc)
-        return
-    if "rotated" in said:
-        log.info("TLS certificate rotated: %s, sha256 %s..., expires %s", said["rotated"]["subject"],
-                 said["rotated"]["to"], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(said["rotated"]["not_after"])))
-    if said.get("needs_restart"):
-        log.warning("ssl_ca_certs changed on disk: the CAs take effect at a restart")
-    tls.warn(log)
 
 
 reflow_help(app)  # after every command is registered

@@ -91,17 +91,13 @@ def _reload_from_source(service, actor: str) -> dict:
 
 def adopt_certificate(service, pair, actor: str, result: dict) -> None:
     """Serve the certificate a reload read (tls.py) from the next TCP connection on, where it
-    changed: `result` gains `tls` (the rotation: fingerprints, subject, expiry) and `ssl_ca_certs`
-    among `needs_restart` where the CA file changed on disk."""
+    changed: `result` gains `tls` (the rotation: fingerprints, subject, expiry), audited, and
+    `ssl_ca_certs` among `needs_restart` where the CA file changed on disk."""
     said = service.tls.adopt(pair)
     if "rotated" in said:
         result["tls"] = said["rotated"]
         service.store.audit(actor=actor, tenant="-", action="reload", target="ssl_certfile", result="ok",
                             detail=said["rotated"])
-        log.info("TLS certificate rotated (reload by %s): %s, sha256 %s..., expires %s", actor,
-                 said["rotated"]["subject"], said["rotated"]["to"],
-                 time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(said["rotated"]["not_after"])))
-    service.tls.warn(log)
     if said.get("needs_restart"):
         result["needs_restart"] = sorted({*result.get("needs_restart", []), *said["needs_restart"]})
 

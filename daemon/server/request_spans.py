@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import time
 
+from .request_log import request_fields
+
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as the caller sent it
 OTEL_MISSING = "otlp_traces_endpoint: traces need OpenTelemetry's packages: pip install 'kvctl[otel]'"
 
@@ -34,8 +36,6 @@ def trace_context(headers) -> dict | None:
 
 def span_attributes(request, model: str) -> dict:
     """A finished request's attributes (engine.requests.Request): counts, times and names, no text."""
-    from .request_log import request_fields
-
     fields = request_fields(request, model)
     params = request.params
     attributes = {

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import ipaddress
+import logging
 import os
 import ssl
 import tempfile
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from .auth import read_private_file
 
+log = logging.getLogger("kvd")
 EXPIRY_WARN_DAYS = 14  # a certificate with fewer days left is warned of at start, on a reload and daily
 PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 
@@ -192,7 +194,8 @@ class ServingTls:
     def adopt(self, pair: ServerPair) -> dict:
         """Serve `pair` from the next connection on, where it differs from the pair served (those
         open keep theirs). Says what changed (`rotated`); `needs_restart` names the CA file, read
-        at start only, where it differs on disk."""
+        at start only, where it differs on disk. The log says both, and warns of the certificate
+        now served if it is near its end."""
         said: dict = {}
         if pair.certificate.fingerprint != self.certificate.fingerprint:
             pair.load_into(self.context)
@@ -200,6 +203,8 @@ class ServingTls:
                                "subject": pair.certificate.subject, "not_after": pair.certificate.not_after}
             self.certificate = pair.certificate
             self.rotations += 1
+            log.info("TLS certificate rotated: %s, sha256 %s..., expires %s", pair.certificate.subject,
+                     said["rotated"]["to"], _utc(pair.certificate.not_after))
         if self.ca_certs is not None:
             try:
                 changed = hashlib.sha256(read_pem(self.ca_certs, "ssl_ca_certs")).hexdigest() != self.ca_digest
@@ -207,9 +212,11 @@ class ServingTls:
                 changed = True
             if changed:
                 said["needs_restart"] = ["ssl_ca_certs"]
+                log.warning("ssl_ca_certs: %r changed on disk: its CAs take effect at a restart", self.ca_certs)
+        self.warn()
         return said
 
-    def warn(self, log, now: float | None = None) -> str | None:
+    def warn(self, log: logging.Logger = log, now: float | None = None) -> str | None:
         """Log the certificate's warning (expired, not valid yet, or near its end), if any."""
         warning = self.certificate.warning(time.time() if now is None else now)
         if warning:
