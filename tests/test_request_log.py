@@ -227,7 +227,13 @@ def test_a_gateways_request_id_is_logged_echoed_and_passed_on_by_the_router(tmp_
         refused = complete_with(app, {"X-Request-Id": "two words"}, status=400)
         assert refused.json()["error"]["message"] == (
             "X-Request-Id: must be 1 to 128 visible ASCII characters, got 'two words'")
-        assert refused.json()["error"]["param"] == "X-Request-Id"
+        assert refused.json()["error"]["param"] == "X-Request-Id" and "x-request-id" not in refused.headers
+        # error answers echo it too: a body that does not validate, and a prompt the cache can never hold
+        malformed = call(app, "POST", "/v1/completions", headers={"X-Request-Id": "gw-3"}, json={"max_tokens": 1})
+        too_long = call(app, "POST", "/v1/completions", headers={"X-Request-Id": "gw-4"},
+                        json={"prompt": "word " * 1100, "max_tokens": 1})
+        assert (malformed.status_code, malformed.headers["x-request-id"]) == (400, "gw-3")
+        assert (too_long.status_code, too_long.headers["x-request-id"]) == (400, "gw-4")
         router, front = router_app([app], routing="round_robin")
         router.log_requests = True
         with caplog.at_level(logging.INFO, logger="kvd"):  # (kvd.router's too)

@@ -64,6 +64,12 @@ from .usage_report import CALLER_ROLE_HEADER, shows_cached_tokens, usage
 CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # X-Request-Id, as gateways and load balancers set it
 
 
+def echoed_id(http: Request) -> dict:
+    """The answer's X-Request-Id header: the caller's own, where it sent a well-formed one."""
+    client_id = http.headers.get("x-request-id")
+    return {"X-Request-Id": client_id} if client_id is not None and CLIENT_REQUEST_ID.fullmatch(client_id) else {}
+
+
 def _param_of(message: str) -> str | None:
     head = message.split(":", 1)[0].split("[", 1)[0]  # "logit_bias[5]: ..." is about logit_bias
     return head if head.replace("_", "").replace(".", "").isalnum() else None
@@ -123,30 +129,35 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     app.add_middleware(BodyLimit, limit=lambda: service.config.max_request_bytes)
     app.add_middleware(AdminWriteSlots, slots=service.admin_write_slots)  # outermost: waits before its body is read
 
+    # error answers echo a gateway's X-Request-Id as answers do (a malformed one is not echoed: it is the error)
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError):
+    async def _api_error(http: Request, exc: ApiError):
         return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
-                            headers=exc.headers)
+                            headers={**(exc.headers or {}), **echoed_id(http)})
 
     @app.exception_handler(ServiceError)
-    async def _service_error(_: Request, exc: ServiceError):
+    async def _service_error(http: Request, exc: ServiceError):
         kind = {503: "service_unavailable", 404: "not_found_error", 409: "conflict_error"}.get(
             exc.status, "invalid_request_error")
-        return JSONResponse(error_body(str(exc), kind, exc.param, None), status_code=exc.status)
+        return JSONResponse(error_body(str(exc), kind, exc.param, None), status_code=exc.status,
+                            headers=echoed_id(http))
 
     @app.exception_handler(StoreUnavailable)
-    async def _store_unavailable(_: Request, exc: StoreUnavailable):  # a rollout, a calibration, a record
-        return JSONResponse(error_body(str(exc), "service_unavailable", None, "store_unavailable"), status_code=503)
+    async def _store_unavailable(http: Request, exc: StoreUnavailable):  # a rollout, a calibration, a record
+        return JSONResponse(error_body(str(exc), "service_unavailable", None, "store_unavailable"), status_code=503,
+                            headers=echoed_id(http))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(http: Request, exc: RequestValidationError):
         message, where = invalid_request.describe(exc.errors())
-        return JSONResponse(error_body(message, "invalid_request_error", where, None), status_code=400)
+        return JSONResponse(error_body(message, "invalid_request_error", where, None), status_code=400,
+                            headers=echoed_id(http))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(http: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind, None, None), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), kind, None, None), status_code=exc.status_code,
+                            headers=echoed_id(http))
 
     # The dependencies are coroutines: they do no I/O, and a plain function would be run in a
     # worker thread. On a busy host that hop held a completion back 5-7 ms before its handler.
