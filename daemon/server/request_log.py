@@ -71,16 +71,18 @@ class RequestLog:
         outputs = sum(len(seq.output_ids) for seq in request.sequences)
         with self._count:
             self.finished_outputs += outputs
-        if not self.service.config.log_requests or request.params.extra.get("api") is None:
-            return  # a pin's warm-up (no api) is nobody's request
-        fields = request_fields(request, self.service.model_name)
-        log.info("request %s", logfmt(fields), extra={"fields": {"event": "request", **fields}})
+        if request.params.extra.get("api") is not None:  # a pin's warm-up (no api) is nobody's request
+            self._say(request)
 
     def rejected(self, request, kind: str) -> None:
         """A request turned away at admission (engine.AdmissionRejected: never_fits, pinned_out,
         queue_full, tenant_limit), which no sample ran for: its line says which limit."""
+        self._say(request, rejected=kind)
+
+    def _say(self, request, **more) -> None:
+        """The request's line, where log_requests is on."""
         if self.service.config.log_requests:
-            fields = {**request_fields(request, self.service.model_name), "rejected": kind}
+            fields = {**request_fields(request, self.service.model_name), **more}
             log.info("request %s", logfmt(fields), extra={"fields": {"event": "request", **fields}})
 
     def totals(self) -> dict:
@@ -97,7 +99,7 @@ class RequestLog:
                     "rejections": sum(stats.rejections.values()), "running": queue["running"],
                     "waiting": queue["waiting"],
                     "used": (total_blocks - counts["free"] - counts["cached"]) / total_blocks if total_blocks else 0.0,
-                    "cached": counts["cached"] / total_blocks if total_blocks else 0.0, "in_flight": in_flight}
+                    "cached": counts["cached"] / total_blocks if total_blocks else 0.0}
 
     def summarise(self) -> str | None:
         """The summary since the last one, logged where something happened (returned too); the
