@@ -219,8 +219,10 @@ def serve(
         None, help="Log the engine's summary (tokens/s in and out, prefix hits, queue, cache use) every this "
                    "many seconds where something happened; 0: never. Live on a reload (default 10)."),
     otlp_traces_endpoint: Optional[str] = typer.Option(
-        None, help="Send a span per request (OpenTelemetry, OTLP over HTTP) to this collector URL, e.g. "
-                   "http://collector:4318/v1/traces; a caller's traceparent is its parent. Needs kvctl[otel]."),
+        None, help="Send a span per request (OpenTelemetry, OTLP) to this collector URL, e.g. "
+                   "http://collector:4318/v1/traces, or http://collector:4317 with "
+                   "OTEL_EXPORTER_OTLP_PROTOCOL=grpc; a caller's traceparent is its parent. Needs the otel "
+                   "extra (OpenTelemetry's packages)."),
     log_level: str = typer.Option("info", help="Log level."),
     log_format: str = typer.Option("text", help="text, or json: one JSON object a line, a request's and the "
                                    "summary's fields its own (for Loki, Elasticsearch, Vector)."),
@@ -482,6 +484,10 @@ def router(
     log_format: str = typer.Option("text", help="text, or json: one JSON object a line."),
     log_requests: Optional[bool] = typer.Option(None, help="Log a line per routed request: the replica, why "
                                                 "it went there, those that turned it away (default off)."),
+    otlp_traces_endpoint: Optional[str] = typer.Option(
+        None, help="Send a span per routed request and per try at a replica (OpenTelemetry, OTLP) to this "
+                   "collector URL, e.g. http://collector:4318/v1/traces; the replicas' spans are the tries' "
+                   "children. Needs the otel extra (OpenTelemetry's packages)."),
 ) -> None:
     """Serve one OpenAI-compatible front for several replicas, each request routed by a policy.
 
@@ -498,6 +504,8 @@ def router(
     from kvctl.daemon.router_config import resolve_router, router_env_typos
     from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.fleet_file import FleetFile, replica_lines
+    from kvctl.daemon.server.otlp_export import span_processor
+    from kvctl.daemon.server.route_spans import RouteSpans
     from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
     from kvctl.daemon.server.tls import ServingTls, clear_text_warning, client_context
     from kvctl.policies.routing import make_router
@@ -515,7 +523,8 @@ def router(
             token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
             gc_warn_seconds=gc_warn_seconds, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
             ssl_ca_certs=ssl_ca_certs, replica_ca_certs=replica_ca_certs, replica_client_cert=replica_client_cert,
-            replica_client_key=replica_client_key, log_requests=log_requests), os.environ, config)
+            replica_client_key=replica_client_key, log_requests=log_requests,
+            otlp_traces_endpoint=otlp_traces_endpoint), os.environ, config)
         fixed = list(settings.replicas)
         lines = replica_lines(settings.replicas_file) if settings.replicas_file else []
         listed = [spec for spec, _ in lines]
@@ -546,6 +555,9 @@ def router(
         service.gc_pauses.warn_seconds = lambda: settings.gc_warn_seconds or None
         service.tls = tls
         service.log_requests = settings.log_requests
+        processor = span_processor(settings.otlp_traces_endpoint)
+        if processor is not None:
+            service.route_spans = RouteSpans(processor)
         membership = None
         if settings.replicas_file:
             membership = FleetFile(settings.replicas_file, fixed=set(fixed) | set(roles),
@@ -635,6 +647,8 @@ async def _route(service, socket_path: str, listen: str | None, clients, clients
         front.remove()
         pauses.uninstall()
         pauses.unfreeze()
+        if service.route_spans is not None:
+            service.route_spans.shutdown()  # the batched spans sent
         log.info("router stopped")
 
 

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from kvctl.daemon.engine.tenant_book import DEFAULT_LIMIT as DEFAULT_TRACKED_TENANTS
 from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
 from kvctl.daemon.server.durations import parse_duration
+from kvctl.daemon.server.otlp_export import check_endpoint, traces_protocol
 from kvctl.daemon.server.reasoning import REASONING_PARSERS
 from kvctl.daemon.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -417,8 +418,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 0 (0: no warning)")
     if name == "log_stats_interval" and value < 0:
         raise ValueError("must be a number of seconds >= 0 (0: no summary)")
-    if name == "otlp_traces_endpoint" and value is not None and not str(value).startswith(("http://", "https://")):
-        raise ValueError("must be an http:// or https:// URL (OTLP over HTTP, e.g. http://collector:4318/v1/traces)")
+    if name == "otlp_traces_endpoint":
+        check_endpoint(value)
     if name == "reasoning_parser" and value not in REASONING_PARSERS:
         raise ValueError(f"must be one of {', '.join(REASONING_PARSERS)}")
     if name == "mxfp4_experts" and value not in MXFP4_EXPERTS:
@@ -626,6 +627,7 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
     if config.listen and not config.token_file:
         raise ConfigError(f"listen: {config.listen!r} needs token_file: TCP requests must carry a bearer token")
     check_tls_settings(config)
+    check_traces_protocol(config, env)
     check_priorities(config)
     if config.tool_call_parser == "openai" and config.reasoning_parser != "openai_gptoss":
         raise ConfigError(f"tool_call_parser: openai (from {config.sources.get('tool_call_parser', 'the config')}) "
@@ -637,6 +639,16 @@ def resolve(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | Non
 def kvd_env_typos(env: Mapping[str, str]) -> list[str]:
     """`env_typos` for kvd serve: kvctl's KVD_URL and kvd router's KVD_ROUTER_* are not kvd's."""
     return env_typos(env, setting_names(KvdConfig), "KVD_", "kvd serve", not_ours=("KVD_ROUTER_", "KVD_URL"))
+
+
+def check_traces_protocol(config, env: Mapping[str, str]) -> None:
+    """Where spans are sent (otlp_traces_endpoint), the OTLP protocol the environment names must be
+    one the exporters speak (otlp_export.py): refused at start, not when the first span goes."""
+    if config.otlp_traces_endpoint is not None:
+        try:
+            traces_protocol(env)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def check_tls_settings(config) -> None:

@@ -17,8 +17,9 @@ from typing import Any, Mapping
 
 from kvctl.policies.routing import LOCAL_PREFILL_TOKENS, NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES
 
-from .config import (ConfigError, check_tls_settings, env_typos, field_defaults, finite_number, merge_settings,
-                     on_or_off, read_settings_file, setting_names, whole_number)
+from .config import (ConfigError, check_tls_settings, check_traces_protocol, env_typos, field_defaults, finite_number,
+                     merge_settings, on_or_off, read_settings_file, setting_names, whole_number)
+from .server.otlp_export import check_endpoint
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RouterConfig:
     replica_client_cert: str | None = None
     replica_client_key: str | None = None
     log_requests: bool = False  # a logfmt line per routed request: where it went and why (router.py)
+    otlp_traces_endpoint: str | None = None  # spans of the routing, to this OTLP collector (route_spans.py)
     gc_freeze: bool = True  # freeze the heap the start made (gc_pauses.py), as kvd serve does
     gc_warn_seconds: float = 0.1  # a WARNING for a collection that stops the router this long (0: none)
     # where each setting came from ("--routing", "KVD_ROUTER_ROUTING", the file); absent: the default
@@ -83,6 +85,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 0 (0: no warning)")
     if name in ("prefill_rate", "load_interval") and not value > 0:
         raise ValueError("must be > 0")
+    if name == "otlp_traces_endpoint":
+        check_endpoint(value)
     if name == "listen" and value is not None:
         host, _, port = str(value).rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -119,6 +123,7 @@ def resolve_router(flags: Mapping[str, Any] | None = None, env: Mapping[str, str
     if config.listen and not config.clients_file:
         raise ConfigError("clients_file: --listen needs the TCP callers' tokens (--clients-file)")
     check_tls_settings(config)
+    check_traces_protocol(config, env)
     if config.replica_client_key and not config.replica_client_cert:
         raise ConfigError(f"replica_client_key: set (from {config.sources.get('replica_client_key', 'the config')}) "
                           "but replica_client_cert is not: the key goes with the router's certificate")

@@ -572,3 +572,28 @@ def test_each_side_of_a_transfer_hashes_its_prompt_once_and_a_decode_checks_it_b
     assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "context_length_exceeded"
     assert hashes == [length, length]
     assert call(unix_app(decode), "GET", "/admin/status").json()["kv_transfers"]["decodes"] == 1
+
+
+def test_a_traced_router_shows_the_prefill_and_the_decode_as_two_tries_of_one_route(pair):
+    """kvd router's spans (route_spans.py): the prefill replica's try and the decode replica's, in
+    that order, under the one route span that says where the prompt was computed."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvctl.daemon.server.route_spans import RouteSpans
+
+    prefill, decode = pair
+    service, app = router_of([("prefill", prefill), ("decode", decode)], local_prefill_tokens=0)
+    exporter = InMemorySpanExporter()
+    service.route_spans = RouteSpans(SimpleSpanProcessor(exporter))
+    [answer] = through(app, lambda c: c.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}))
+    assert answer.status_code == 200 and answer.headers["x-kvd-prefill"] == "replica-prefill"
+    spans = exporter.get_finished_spans()
+    [route] = [span for span in spans if span.name == "kvd.router.route"]
+    tries = [span for span in spans if span.name == "kvd.router.forward"]
+    assert [(t.attributes["kvd.replica"], t.attributes["kvd.phase"], t.attributes["http.response.status_code"])
+            for t in tries] == [("replica-prefill", "prefill", 200), ("replica-decode", "decode", 200)]
+    assert all(t.parent.span_id == route.context.span_id for t in tries)
+    assert tries[0].end_time <= tries[1].start_time
+    assert (route.attributes["kvd.replica"], route.attributes["kvd.prefill"]) == ("replica-decode", "replica-prefill")

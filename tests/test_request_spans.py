@@ -20,7 +20,8 @@ from opentelemetry.trace import SpanKind, StatusCode  # noqa: E402
 
 from kvctl.daemon.config import ConfigError, resolve  # noqa: E402
 from kvctl.daemon.server.app import create_app  # noqa: E402
-from kvctl.daemon.server.request_spans import install, otlp_processor  # noqa: E402
+from kvctl.daemon.server.otlp_export import span_processor, traces_protocol  # noqa: E402
+from kvctl.daemon.server.request_spans import install  # noqa: E402
 
 from .daemon_fixtures import call, settled, start_service  # noqa: E402
 
@@ -105,8 +106,33 @@ def test_the_endpoint_must_be_an_http_url():
         resolve({"otlp_traces_endpoint": "collector:4318"}, env={})
     assert str(refused.value) == (
         "otlp_traces_endpoint: invalid value 'collector:4318' from --otlp-traces-endpoint: must be an http:// or "
-        "https:// URL (OTLP over HTTP, e.g. http://collector:4318/v1/traces)")
-    assert otlp_processor(resolve({}, env={})) is None
+        "https:// URL (OTLP over HTTP, e.g. http://collector:4318/v1/traces; over gRPC, with "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc, e.g. http://collector:4317)")
+    assert span_processor(resolve({}, env={}).otlp_traces_endpoint) is None
+
+
+def test_the_protocol_is_opentelemetry_s_variable_and_one_the_exporters_speak_or_kvd_does_not_start():
+    assert traces_protocol({}) == "http/protobuf"
+    assert traces_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == "grpc"
+    # the traces' own variable wins over the one for every signal
+    assert traces_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) == "http/protobuf"
+    with pytest.raises(ConfigError) as refused:
+        resolve({"otlp_traces_endpoint": "http://collector:4318/v1/traces"},
+                env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"})
+    assert str(refused.value) == ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: invalid value 'http/json': must be one of "
+                                  "http/protobuf, grpc (http/json is not sent by OpenTelemetry's Python exporters)")
+    # without an endpoint the variable is nobody's business: it may be set for another program
+    assert resolve({}, env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}).otlp_traces_endpoint is None
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    for env, kind in (({}, HttpExporter), ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, GrpcExporter)):
+        processor = span_processor("http://127.0.0.1:9/v1/traces", env)
+        try:
+            assert type(processor.span_exporter) is kind
+        finally:
+            processor.shutdown()
 
 
 class Collector(BaseHTTPRequestHandler):
@@ -123,15 +149,48 @@ class Collector(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_real_kvd_sends_its_spans_to_a_collector_over_otlp_http(tmp_path):
+class GrpcCollector:
+    """An OTLP/gRPC collector (OpenTelemetry's own service definition) that keeps each export, as
+    the OTLP/HTTP one keeps its bodies."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        class Service(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):  # noqa: N802 (the service's name)
+                Collector.received.append(request.SerializeToString())
+                return trace_service_pb2.ExportTraceServiceResponse()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def shutdown(self) -> None:
+        self.server.stop(grace=None)
+
+
+def collector(protocol: str):
+    """A collector of `protocol`, started, and its endpoint URL."""
+    Collector.received = []
+    if protocol == "grpc":
+        server = GrpcCollector()
+        return server, f"http://127.0.0.1:{server.port}"
+    server = HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_a_real_kvd_sends_its_spans_to_a_collector_over_otlp(tmp_path, monkeypatch, protocol):
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     from .kvd_process import running_kvd
 
-    server = HTTPServer(("127.0.0.1", 0), Collector)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    Collector.received = []
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
+    server, endpoint = collector(protocol)
     try:
         with running_kvd(tmp_path, "--otlp-traces-endpoint", endpoint) as (_, client, _):
             answer = client.post("/v1/chat/completions", headers={"traceparent": TRACEPARENT},

@@ -13,9 +13,9 @@ and `kvd.*` for the cache's part: cached, restored and recomputed tokens, preemp
 and first-token times, the tenant, the rollout cohort. Never the prompt's text, the output's, or a
 token id. A turned-away request's span has an error status naming the limit it met.
 
-The exporter is OpenTelemetry's own (the `otel` extra: opentelemetry-sdk and
-opentelemetry-exporter-otlp-proto-http), batched off the engine's thread; its usual environment
-variables (OTEL_EXPORTER_OTLP_HEADERS, OTEL_SERVICE_NAME, ...) apply.
+The exporter is OpenTelemetry's own (otlp_export.py: OTLP over HTTP, or gRPC), batched off the
+engine's thread; its usual environment variables (OTEL_EXPORTER_OTLP_HEADERS, OTEL_SERVICE_NAME,
+...) apply.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import time
 from .request_log import request_fields
 
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as the caller sent it
-OTEL_MISSING = "otlp_traces_endpoint: traces need OpenTelemetry's packages: pip install 'kvctl[otel]'"
 
 
 def trace_context(headers) -> dict | None:
@@ -112,19 +111,6 @@ class RequestSpans:
     def shutdown(self) -> None:
         """Send what is batched, then stop (kvd's shutdown)."""
         self.provider.shutdown()
-
-
-def otlp_processor(config):
-    """The batched OTLP/HTTP exporter `config.otlp_traces_endpoint` asks for (None when unset);
-    RuntimeError naming the setting when OpenTelemetry's packages are not installed."""
-    if config.otlp_traces_endpoint is None:
-        return None
-    try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    except ImportError:
-        raise RuntimeError(OTEL_MISSING) from None
-    return BatchSpanProcessor(OTLPSpanExporter(endpoint=config.otlp_traces_endpoint))
 
 
 def install(service, processor) -> RequestSpans:

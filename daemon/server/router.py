@@ -53,6 +53,7 @@ from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .request_log import logfmt
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
+from .route_spans import NO_ROUTE_SPAN
 from .router_metrics import RouterMetrics
 from .router_service import ASK_TIMEOUT_S, ModelNotServed, Replica, RouterService, Weighed
 from .usage_report import CALLER_ROLE_HEADER
@@ -603,7 +604,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                         media_type=media)
 
     async def prefill_first(path: str, body: dict, headers: dict, route_id: str, routed_at: float,
-                            unless_caller_leaves) -> tuple[dict | None, str | None, int, Weighed | None]:
+                            unless_caller_leaves, span) -> tuple[dict | None, str | None, int, Weighed | None]:
         """Disaggregated prefill and decode (daemon/server/kv_transfer.py): have a prefill replica
         compute the prompt (one token of output, not streamed) and write its blocks to the shared
         Redis, unless the replica that decodes it is to compute it (RouterService.local_prefill).
@@ -612,6 +613,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         decode replica computes the prompt; what X-KVD-Prefill says: the prefill replica, or why
         none, or None when no replica decodes the request; how many prefill replicas were asked;
         the weighing of the replicas that decode when it stands for the decode's choice, else None).
+        Each prefill replica asked is a try of the route's `span` (route_spans.py).
         A prefill replica that refuses (429, 503), cannot be reached or fails is passed over for
         the next: a prefill twice costs time, never a wrong answer. CallerLeft when the caller
         leaves meanwhile."""
@@ -634,17 +636,20 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 outcome, why = "no_prefill_replica", "; ".join(tried) or str(exc)
                 break
             headers[ROUTER_ATTEMPT_HEADER] = RouterAttempt(route_id, len(tried) + 1, routed_at).header()
+            span.attempt(replica.name, "prefill", headers)
             replica.open += 1
             try:
                 answer = await unless_caller_leaves(replica.client.post(path, content=content, headers=headers))
             except httpx.HTTPError as exc:
                 replica.last_error = described(exc)
                 replica.failed_forwards += 1
+                span.attempt_failed(replica.last_error)
                 tried.append(f"{replica.name} ({replica.last_error})")
                 excluded.add(id(replica))
                 continue
             finally:
                 replica.open -= 1
+            span.answered(answer.status_code, whole=True)
             if answer.status_code in (429, 503):  # full or stopping: the next prefill replica
                 replica.rerouted += 1
                 tried.append(f"{replica.name} ({answer.status_code})")
@@ -672,7 +677,19 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     async def forward(path: str, http: Request, who: Caller):
         """Route the request, send it to the chosen replica's `path` as it came, and stream the
-        answer back; refusals before a start are passed to the next best replica."""
+        answer back; refusals before a start are passed to the next best replica. Traced where the
+        router sends spans (route_spans.py): the route's span ends with the answer's last byte."""
+        spans = service.route_spans
+        span = spans.begin(path, http.headers, who.tenant) if spans is not None else NO_ROUTE_SPAN
+        try:
+            answer = await routed(path, http, who, span)
+        except BaseException as exc:
+            span.end(None, error=f"the router failed: {type(exc).__name__}")
+            raise
+        return span.ended_with(answer)
+
+    async def routed(path: str, http: Request, who: Caller, span) -> Response:
+        """forward's work, each try at a replica a try of `span`."""
         async def unless_caller_leaves(step):
             """Await `step`, looking every DISCONNECT_CHECK_S for the caller having left: then it is
             cancelled (closing the replica's connection, which cancels the request there) and
@@ -707,12 +724,13 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             routed_at = time.time()
             try:
                 params, prefilled, hops, weighed = await prefill_first(path, body, dict(headers), route_id,
-                                                                       routed_at, unless_caller_leaves)
+                                                                       routed_at, unless_caller_leaves, span)
             except CallerLeft:
                 return Response(status_code=499)
             if params is not None:
                 body = {**body, TRANSFER_FIELD: params}
                 raw = json.dumps(body).encode()
+        phase = "decode" if TRANSFER_FIELD in body else "whole"
         # A replica that refuses before starting the request (429: its queue is full; 503: it is
         # stopping or loading) or cannot be connected to has not run it: the next best one is tried.
         tried, excluded, refusal, closed_retried = [], set(), None, False
@@ -731,6 +749,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 return error(503, str(exc), "no_replica")
             routed_at = routed_at or time.time()
             headers[ROUTER_ATTEMPT_HEADER] = RouterAttempt(route_id, hops + len(tried) + 1, routed_at).header()
+            span.attempt(replica.name, phase, headers)
             request = replica.client.build_request("POST", path, content=raw, headers=headers)
             try:  # a non-streamed answer's headers come only when it is whole: the caller may leave first
                 upstream = await unless_caller_leaves(replica.client.send(request, stream=True))
@@ -738,6 +757,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached it
                 replica.last_error = described(exc)
+                span.attempt_failed(f"unreachable: {replica.last_error}")
                 replica.rerouted += 1
                 refusal = error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
                 tried.append(f"{replica.name} (unreachable)")
@@ -750,6 +770,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 # has stopped, or cancels it on seeing the connection gone. Not a second time (a
                 # request that brings replicas down would take a third).
                 replica.last_error = described(exc)
+                span.attempt_failed(f"closed before answering: {replica.last_error}")
                 if closed_retried:
                     replica.failed_forwards += 1
                     if not traced:
@@ -764,7 +785,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             except httpx.HTTPError as exc:  # it may be running the request (a timeout): not sent twice
                 replica.last_error = described(exc)
                 replica.failed_forwards += 1
+                span.attempt_failed(replica.last_error)
                 return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
+            span.answered(upstream.status_code)
             traced = traced or upstream.status_code != 503  # a 503 (stopping, loading, draining) keeps none
             if upstream.status_code not in (429, 503):
                 break
@@ -797,6 +820,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             answer_headers["X-KVD-Response-Id"] = upstream.headers["x-kvd-response-id"]
         if tried:
             answer_headers["X-KVD-Tried"] = "; ".join(tried)
+        span.chose(replica=replica.name, route_id=route_id, route_reason=reason, tried="; ".join(tried) or None,
+                   prefill=prefilled, request_id=upstream.headers.get("x-kvd-request-id"))
         if service.log_requests:
             log_route(route_id, tenant, path, replica.name, upstream, reason, tried, prefilled,
                       http.headers.get("x-request-id"))
@@ -807,7 +832,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             replica.failed_forwards += 1
             log.warning("replica %s failed after %d event%s of a streamed answer: %s", replica.name, events,
                         "" if events == 1 else "s", replica.last_error)
-            return f"replica {replica.name} failed during the answer: {replica.last_error}"
+            why = f"replica {replica.name} failed during the answer: {replica.last_error}"
+            span.broke_off(why)
+            return why
 
         async def relay():
             try:
@@ -827,6 +854,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         except httpx.HTTPError as exc:  # it ended during the answer: the request ran there, so not again
             replica.last_error = described(exc)
             replica.failed_forwards += 1
+            span.attempt_failed(replica.last_error)
             return error(502, f"replica {replica.name} failed during the answer: {replica.last_error}",
                          "replica_failed")
         finally:

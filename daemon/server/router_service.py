@@ -183,6 +183,7 @@ class RouterService:
     gc_pauses: GcPauses = field(default_factory=lambda: GcPauses(stalls="no request is routed meanwhile"))
     tls: object | None = None  # the TCP front's TLS (tls.ServingTls), which SIGHUP rotates; None without
     log_requests: bool = False  # a logfmt line per routed request: where it went and why (router.py)
+    route_spans: object | None = None  # OpenTelemetry spans of the routing (route_spans.RouteSpans); None: off
     # the replica that answered each response (/v1/responses), for the requests that continue it
     response_homes: ResponseHomes = field(default_factory=ResponseHomes)
 

@@ -53,8 +53,9 @@ from .housekeeping import Housekeeping, Job
 from .kv_transfer import TransferBook
 from .notify import Notifier
 from .reload_ops import prefetch_settings, quick_prefill_tokens
+from .otlp_export import span_processor
 from .request_log import RequestLog
-from .request_spans import install as install_spans, otlp_processor
+from .request_spans import install as install_spans
 from .request_trace import RequestTrace, load_trace_key
 from .conversation_file import ConversationFile
 from .conversation_store import ConversationStore
@@ -152,7 +153,7 @@ class EngineService:
         # what hears of a request turned away at admission (AdmissionRejected), with the limit it met
         self._rejection_observers: list[Callable[[Request, str], None]] = [self.request_log.rejected]
         self.request_spans = None  # OpenTelemetry spans of the requests (otlp_traces_endpoint); None: off
-        processor = otlp_processor(config)
+        processor = span_processor(config.otlp_traces_endpoint)
         if processor is not None:
             install_spans(self, processor)
         self.latency_summary: Callable[[], dict] = dict  # TTFT/ITL percentiles; the metrics set it
