@@ -100,7 +100,8 @@ def serve(
     ssl_keyfile: Optional[str] = typer.Option(None, help="The certificate's private key (PEM; mode 0600 or 0640). "
                                               "Default: in the --ssl-certfile file."),
     ssl_ca_certs: Optional[str] = typer.Option(None, help="Ask each TCP client for a certificate signed by one of "
-                                               "these CAs (mutual TLS); bearer tokens are still checked."),
+                                               "these CAs (mutual TLS); bearer tokens are still checked. A reload "
+                                               "reads it again."),
     device: Optional[str] = typer.Option(None, help="auto, cpu or cuda."),
     dtype: Optional[str] = typer.Option(None, help="auto, float32, bfloat16 or float16."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per cache block."),
@@ -467,7 +468,7 @@ def router(
                                                "(PEM); SIGHUP reads it again, as kvd serve's."),
     ssl_keyfile: Optional[str] = typer.Option(None, help="Its private key (default: in --ssl-certfile)."),
     ssl_ca_certs: Optional[str] = typer.Option(None, help="Ask each TCP caller for a certificate signed by one of "
-                                               "these CAs (mutual TLS)."),
+                                               "these CAs (mutual TLS); SIGHUP reads it again."),
     replica_ca_certs: Optional[str] = typer.Option(None, help="CAs that https replicas' certificates are checked "
                                                    "against (default: the system's)."),
     replica_client_cert: Optional[str] = typer.Option(None, help="The router's certificate for https replicas "
@@ -662,14 +663,15 @@ async def _every(seconds: float, job, at_once: bool = False) -> None:
 
 
 def _rotate_certificate(tls) -> None:
-    """kvd router's SIGHUP: serve its TCP front's certificate as its files hold it now (tls.py,
-    which logs what changed); a pair that does not load changes nothing, and the log says why."""
+    """kvd router's SIGHUP: serve its TCP front's certificate and client CAs as their files hold
+    them now (tls.py, which logs what changed); files that do not load change nothing, and the log
+    says why."""
     from kvctl.daemon.server.tls import TlsFileError
 
     try:
         tls.adopt(tls.read_again())
     except TlsFileError as exc:
-        log.error("TLS certificate not reloaded, the one served stays: %s", exc)
+        log.error("TLS files not reloaded, the certificate and CAs served stay: %s", exc)
 
 
 reflow_help(app)  # after every command is registered

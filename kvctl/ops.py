@@ -581,6 +581,11 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
             console.print(f"TLS certificate rotated: {rotated['subject']} (sha256 {rotated['from']}... -> "
                           f"{rotated['to']}...), expires {expires}; connections already open keep the old one",
                           highlight=False)
+        cas = d.get("tls_client_cas")
+        if cas:  # ssl_ca_certs: new connections' client certificates are checked against these
+            console.print(f"TLS client CAs reloaded: {cas['cas']} CA{'' if cas['cas'] == 1 else 's'} (sha256 "
+                          f"{cas['from']}... -> {cas['to']}...); new connections' client certificates are checked "
+                          "against them", highlight=False)
         for key, held in (d.get("reverted_rollout_settings") or {}).items():
             console.print(f"[yellow]{key} {held['value']} from completed rollout {held['rollout']} is reverted to "
                           f"the config's {held['now']}[/yellow]", highlight=False)

@@ -13,7 +13,9 @@ def tls_text(tls: dict) -> Text:
     expires = time.strftime("%Y-%m-%d", time.gmtime(tls["not_after"]))
     names = f" ({', '.join(tls['names'])})" if tls["names"] else ""
     line = (f"{tls['subject']}{names}, expires {expires} ({tls['days_left']:g} days)"
-            + ("; client certificates required" if tls["client_certificates"] else "")
+            + (f"; client certificates required ({tls['client_cas']} CA{'' if tls['client_cas'] == 1 else 's'})"
+               if tls["client_certificates"] and "client_cas" in tls else
+               "; client certificates required" if tls["client_certificates"] else "")
             + (f"; rotated {tls['rotations']} time{'s' if tls['rotations'] != 1 else ''} since start"
                if tls["rotations"] else ""))
     if tls.get("warning"):

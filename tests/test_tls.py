@@ -59,6 +59,7 @@ def test_a_certificate_serves_and_is_described_never_its_key(tmp_path):
     assert shown["names"] == ["localhost", "127.0.0.1"]
     assert shown["fingerprint_sha256"] == digest
     assert shown["client_certificates"] is False and shown["rotations"] == 0 and shown["warning"] is None
+    assert (shown["client_cas"], shown["ca_reloads"]) == (0, 0)
     assert shown["days_left"] > EXPIRY_WARN_DAYS
     assert "PRIVATE" not in repr(shown)
     assert tls.context.minimum_version == ssl.TLSVersion.TLSv1_2
@@ -168,8 +169,54 @@ def test_mutual_tls_asks_every_client_for_a_certificate_its_cas_signed(tmp_path)
     with pytest.raises(ssl.SSLError, match="CERTIFICATE_VERIFY_FAILED|UNKNOWN_CA|unknown ca"):
         handshake(tls.context, client_context(str(tmp_path / "ca.pem"), str(unknown)))
     assert tls.adopt(tls.read_again()) == {}
-    (tmp_path / "clients-ca.pem").write_bytes(stranger.cert_pem.bytes())  # read at start only: a restart's
-    assert tls.adopt(tls.read_again()) == {"needs_restart": ["ssl_ca_certs"]}
+
+
+def test_a_reload_rotates_the_client_cas_for_new_connections_and_refuses_a_file_that_does_not_load(tmp_path):
+    """A CA rotation as cert-manager's trust bundles do it: the new CA beside the old, then the old
+    one gone; each reload checks new connections against the bundle as it is, without a restart."""
+    ca, old_ca, new_ca = trustme.CA(), trustme.CA(), trustme.CA()
+    cert, key, digest = write_pair(tmp_path, ca)
+    bundle = tmp_path / "clients-ca.pem"
+    bundle.write_bytes(old_ca.cert_pem.bytes())
+    tls = ServingTls(cert, key, str(bundle))
+    (tmp_path / "ca.pem").write_bytes(ca.cert_pem.bytes())
+    clients = {}
+    for name, signer in (("old", old_ca), ("new", new_ca)):
+        signer.issue_cert(f"{name}@kvd.test").private_key_and_cert_chain_pem.write_to_path(str(tmp_path / name))
+        clients[name] = client_context(str(tmp_path / "ca.pem"), str(tmp_path / name))
+    assert handshake(tls.context, clients["old"]) == digest
+    with pytest.raises(ssl.SSLError, match="CERTIFICATE_VERIFY_FAILED|UNKNOWN_CA|unknown ca"):
+        handshake(tls.context, clients["new"])
+    digests = [hashlib.sha256(bundle.read_bytes()).hexdigest()[:16]]
+    bundle.write_bytes(old_ca.cert_pem.bytes() + new_ca.cert_pem.bytes())
+    digests.append(hashlib.sha256(bundle.read_bytes()).hexdigest()[:16])
+    assert tls.adopt(tls.read_again()) == {"client_cas": {"from": digests[0], "to": digests[1], "cas": 2}}
+    assert [handshake(tls.context, clients[name]) for name in ("old", "new")] == [digest, digest]
+    bundle.write_bytes(new_ca.cert_pem.bytes())
+    digests.append(hashlib.sha256(bundle.read_bytes()).hexdigest()[:16])
+    assert tls.adopt(tls.read_again()) == {"client_cas": {"from": digests[1], "to": digests[2], "cas": 1}}
+    assert handshake(tls.context, clients["new"]) == digest
+    with pytest.raises(ssl.SSLError, match="CERTIFICATE_VERIFY_FAILED|UNKNOWN_CA|unknown ca"):
+        handshake(tls.context, clients["old"])
+    shown = tls.describe(0)
+    assert (shown["client_certificates"], shown["client_cas"], shown["ca_reloads"], shown["rotations"]) == (
+        True, 1, 2, 0)
+    # a bundle cut off mid-write, or gone: refused by name, and the CAs served stay
+    bundle.write_bytes(new_ca.cert_pem.bytes()[:200])
+    with pytest.raises(TlsFileError, match=r"^ssl_ca_certs: '.*clients-ca.pem' does not load as CA certificates \("):
+        tls.read_again()
+    bundle.unlink()
+    with pytest.raises(TlsFileError, match=r"^ssl_ca_certs: cannot read '.*clients-ca.pem' \(No such file"):
+        tls.read_again()
+    assert handshake(tls.context, clients["new"]) == digest
+    # a certificate and its CAs rotated by one reload: both said, one new context
+    bundle.write_bytes(old_ca.cert_pem.bytes())
+    renewed, renewed_key, second = write_pair(tmp_path, ca, "renewed")
+    (tmp_path / "server.pem").write_bytes((tmp_path / "renewed.pem").read_bytes())
+    (tmp_path / "server.key").write_bytes((tmp_path / "renewed.key").read_bytes())
+    said = tls.adopt(tls.read_again())
+    assert sorted(said) == ["client_cas", "rotated"] and said["rotated"]["to"] == second[:16]
+    assert handshake(tls.context, clients["old"]) == second
 
 
 def test_client_contexts_name_the_file_that_does_not_load(tmp_path):

@@ -30,6 +30,18 @@ def served_digest(port: int, context: ssl.SSLContext) -> str:
             return hashlib.sha256(tls.getpeercert(binary_form=True)).hexdigest()
 
 
+def answers(port: int, context: ssl.SSLContext) -> bool:
+    """Whether a new connection to 127.0.0.1:`port` with `context` gets an answer to /healthz (a
+    client certificate refused fails the handshake, or, under TLS 1.3, the first read)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+            with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: kvd\r\nConnection: close\r\n\r\n")
+                return tls.recv(64).startswith(b"HTTP/1.1 200")
+    except (ssl.SSLError, ConnectionError):
+        return False
+
+
 def test_kvctl_over_tls_with_a_private_ca_client_certificates_and_a_rotation(tmp_path):
     ca, clients_ca = trustme.CA(), trustme.CA()
     cert, key, first = write_pair(tmp_path, ca)
@@ -103,6 +115,33 @@ def test_kvctl_over_tls_with_a_private_ca_client_certificates_and_a_rotation(tmp
         assert [(e["target"], e["result"]) for e in audit[:4]] == [
             ("config", "refused"), ("ssl_certfile", "ok"), ("token_file", "ok"), ("config", "ok")]
         assert audit[1]["detail"]["to"] == second[:16]
+
+        # a CA rotation for the clients: the new CA beside the old, then the old one gone (the
+        # certificate's half rotation put right first)
+        (tmp_path / "server.pem").write_bytes((tmp_path / "renewed.pem").read_bytes())
+        next_ca = trustme.CA()
+        newer = tmp_path / "kvctl-next.pem"
+        next_ca.issue_cert("ops@kvd.test").private_key_and_cert_chain_pem.write_to_path(str(newer))
+        next_client = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        next_client.load_cert_chain(str(newer))
+        assert not answers(port, next_client)
+        (tmp_path / "clients-ca.pem").write_bytes(clients_ca.cert_pem.bytes() + next_ca.cert_pem.bytes())
+        both = kvctl("config", "reload", **trusted)
+        assert both.returncode == 0, both.stderr
+        assert "TLS client CAs reloaded: 2 CAs (sha256 " in both.stdout
+        assert answers(port, client) and answers(port, next_client)
+        (tmp_path / "clients-ca.pem").write_bytes(next_ca.cert_pem.bytes())
+        moved = kvctl("config", "reload", **trusted)
+        assert moved.returncode == 0 and "TLS client CAs reloaded: 1 CA (sha256 " in moved.stdout, moved.stderr
+        assert answers(port, next_client) and not answers(port, client)  # the old CA's clients refused
+        shown = kvctl("status", **{**trusted, "KVD_CLIENT_CERT": str(newer)})
+        assert shown.returncode == 0, shown.stderr
+        assert "client certificates required (1 CA)" in next(row for row in shown.stdout.splitlines()
+                                                             if row.startswith("TLS"))
+        audit = json.loads(subprocess.run([str(BIN / "kvctl"), "--socket", str(sock), "audit", "--json"],
+                                          capture_output=True, text=True, timeout=120).stdout)["entries"]
+        assert [(e["target"], e["detail"]["cas"]) for e in audit if e["target"] == "ssl_ca_certs"] == [
+            ("ssl_ca_certs", 1), ("ssl_ca_certs", 2)]
 
 
 def test_kvd_router_serves_tls_and_reaches_an_https_replica_through_a_private_ca(tmp_path):

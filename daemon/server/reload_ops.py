@@ -68,7 +68,7 @@ def _reload_from_source(service, actor: str) -> dict:
         new = service.config_source()
         refuse_an_emptied_file(service.config)
         fresh = TokenTable.load(service.config.token_file) if service.tokens is not None else None
-        pair = service.tls.read_again() if service.tls is not None else None  # a rotated certificate
+        tls_files = service.tls.read_again() if service.tls is not None else None  # a rotated certificate or CAs
         adapters = read_adapters(service, new)
     except (ConfigError, TokenFileError, TlsFileError) as exc:
         service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
@@ -84,22 +84,21 @@ def _reload_from_source(service, actor: str) -> dict:
         result["tokens"] = service.tokens.adopt(fresh)
         service.store.audit(actor=actor, tenant="-", action="reload", target="token_file", result="ok",
                             detail=result["tokens"])
-    if pair is not None:
-        adopt_certificate(service, pair, actor, result)
+    if tls_files is not None:
+        adopt_certificate(service, tls_files, actor, result)
     return result
 
 
-def adopt_certificate(service, pair, actor: str, result: dict) -> None:
-    """Serve the certificate a reload read (tls.py) from the next TCP connection on, where it
-    changed: `result` gains `tls` (the rotation: fingerprints, subject, expiry), audited, and
-    `ssl_ca_certs` among `needs_restart` where the CA file changed on disk."""
-    said = service.tls.adopt(pair)
-    if "rotated" in said:
-        result["tls"] = said["rotated"]
-        service.store.audit(actor=actor, tenant="-", action="reload", target="ssl_certfile", result="ok",
-                            detail=said["rotated"])
-    if said.get("needs_restart"):
-        result["needs_restart"] = sorted({*result.get("needs_restart", []), *said["needs_restart"]})
+def adopt_certificate(service, files, actor: str, result: dict) -> None:
+    """Serve the certificate and client CAs a reload read (tls.py) from the next TCP connection
+    on, where they changed: `result` gains `tls` (the rotation: fingerprints, subject, expiry) and
+    `tls_client_cas` (the CA file: digests, how many CAs), each audited."""
+    said = service.tls.adopt(files)
+    for key, setting, shown in (("rotated", "ssl_certfile", "tls"), ("client_cas", "ssl_ca_certs", "tls_client_cas")):
+        if key in said:
+            result[shown] = said[key]
+            service.store.audit(actor=actor, tenant="-", action="reload", target=setting, result="ok",
+                                detail=said[key])
 
 
 def read_adapters(service, new: KvdConfig) -> dict | None:

@@ -8,18 +8,22 @@ Without TLS, every bearer token and prompt crosses the network in clear text. Wi
   open to every user on the machine, as the token file must not be.
 - `ssl_ca_certs` (optional) asks each client for a certificate signed by one of these CAs
   (mutual TLS); bearer tokens are still checked on top of it.
-- A reload (SIGHUP, `kvctl config reload`) reads the certificate and key again, so a rotated
-  certificate (cert-manager, ACME) is served from the next connection on, without a restart;
-  connections already open keep theirs. A pair that does not load, or a key that does not match
-  its certificate, changes nothing and is refused by name. The CA file is read at start only.
+- A reload (SIGHUP, `kvctl config reload`) reads the certificate, its key and the CA file again,
+  so a rotated certificate (cert-manager, ACME) or a new CA bundle (a CA rotation: the new CA
+  beside the old, later the old one gone) serves from the next connection on, without a restart;
+  connections already open keep theirs. A pair that does not load, a key that does not match its
+  certificate, or a CA file that does not load changes nothing and is refused by name. Whether
+  clients are asked for a certificate at all (`ssl_ca_certs` set or not) is fixed at start.
 - The certificate's subject, names and expiry show in `kvctl status`; kvd warns in its log
   when fewer than EXPIRY_WARN_DAYS remain, and `kvd_tls_certificate_expiry_timestamp_seconds`
   gives the time to alert on.
 
-The serving context is one `ssl.SSLContext` for the front's whole life (asyncio's server holds
-it); a rotation loads the new pair into that same context once it has loaded into a scratch one.
-Both loads read one private copy of the files' bytes, so a file replaced between them cannot
-leave a certificate beside a key that is not its own.
+The front's `ssl.SSLContext` is the one it started with for its whole life (asyncio's server
+holds it); each handshake switches to the context made from the files as last read (Python's
+`sni_callback`, called for every ClientHello, with or without a server name), which serves that
+certificate and checks clients against those CAs. A reload builds a whole new context from one
+private copy of the files' bytes before anything changes, so a file replaced meanwhile cannot leave
+a certificate beside a key that is not its own, and a CA file that is half written is refused.
 """
 
 from __future__ import annotations
@@ -145,6 +149,47 @@ class ServerPair:
                                    f"and its key ({exc.reason or exc})") from None
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """What a TCP front serves with, read once: the certificate and its key, and the CAs that sign
+    its clients' certificates (None where clients are not asked for one)."""
+    pair: ServerPair
+    client_cas: bytes | None
+    ca_certs: str | None
+
+    @classmethod
+    def read(cls, certfile: str, keyfile: str | None, ca_certs: str | None) -> "TlsFiles":
+        """Read and check the files (TlsFileError naming the setting otherwise): they are loaded
+        into a context here, so that files that read serve."""
+        files = cls(ServerPair.read(certfile, keyfile), read_pem(ca_certs, "ssl_ca_certs") if ca_certs else None,
+                    ca_certs)
+        files.context()
+        return files
+
+    @property
+    def ca_digest(self) -> str | None:
+        return hashlib.sha256(self.client_cas).hexdigest() if self.client_cas is not None else None
+
+    @property
+    def ca_count(self) -> int:
+        return self.client_cas.count(PEM_CERTIFICATE) if self.client_cas is not None else 0
+
+    def context(self) -> ssl.SSLContext:
+        """A server context that serves the pair and, with CAs, requires a client certificate they signed."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.set_alpn_protocols(["http/1.1"])
+        self.pair.load_into(context)
+        if self.client_cas is not None:
+            try:
+                context.load_verify_locations(cadata=self.client_cas.decode("ascii"))
+            except (ssl.SSLError, UnicodeDecodeError) as exc:
+                raise TlsFileError(f"ssl_ca_certs: {self.ca_certs!r} does not load as CA certificates ({exc})"
+                                   ) from None
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+
 def read_pem(path: str, setting: str) -> bytes:
     """The bytes of a PEM file that holds a certificate (`ssl_certfile`, `ssl_ca_certs`): TlsFileError
     naming `setting` and the file when it cannot be read or holds none."""
@@ -158,26 +203,23 @@ def read_pem(path: str, setting: str) -> bytes:
 
 
 class ServingTls:
-    """The TLS of one TCP front: the context it serves with, and the certificate in it now."""
+    """The TLS of one TCP front: the context it serves with, and the certificate and CAs in it now."""
 
     def __init__(self, certfile: str, keyfile: str | None = None, ca_certs: str | None = None) -> None:
         self.certfile, self.keyfile, self.ca_certs = certfile, keyfile, ca_certs
-        pair = ServerPair.read(certfile, keyfile)
-        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
-        self.context.set_alpn_protocols(["http/1.1"])
-        pair.load_into(self.context)
-        self.ca_digest = None
-        if ca_certs is not None:
-            ca = read_pem(ca_certs, "ssl_ca_certs")
-            try:
-                self.context.load_verify_locations(cadata=ca.decode("ascii"))
-            except (ssl.SSLError, UnicodeDecodeError) as exc:
-                raise TlsFileError(f"ssl_ca_certs: {ca_certs!r} does not load as CA certificates ({exc})") from None
-            self.context.verify_mode = ssl.CERT_REQUIRED
-            self.ca_digest = hashlib.sha256(ca).hexdigest()
-        self.certificate = pair.certificate
+        files = TlsFiles.read(certfile, keyfile, ca_certs)
+        self.context = files.context()  # the front's, for its whole life: each handshake moves to `_serving`
+        self.context.sni_callback = self._switch
+        self._serving = self.context
+        self.certificate = files.pair.certificate
+        self.ca_digest, self.ca_count = files.ca_digest, files.ca_count
         self.rotations = 0
+        self.ca_reloads = 0
+
+    def _switch(self, ssl_object, server_name, context) -> None:
+        """Each ClientHello: the handshake goes on under the context of the files as last read."""
+        if context is not self._serving:
+            ssl_object.context = self._serving
 
     @classmethod
     def from_settings(cls, settings) -> "ServingTls | None":
@@ -186,33 +228,34 @@ class ServingTls:
             return None
         return cls(settings.ssl_certfile, settings.ssl_keyfile, settings.ssl_ca_certs)
 
-    def read_again(self) -> ServerPair:
-        """The certificate and key as their files hold them now (a reload reads them before it
-        changes anything): TlsFileError, naming the setting, when they do not load."""
-        return ServerPair.read(self.certfile, self.keyfile)
+    def read_again(self) -> TlsFiles:
+        """The certificate, its key and the CAs as their files hold them now (a reload reads them
+        before it changes anything): TlsFileError, naming the setting, when they do not load."""
+        return TlsFiles.read(self.certfile, self.keyfile, self.ca_certs)
 
-    def adopt(self, pair: ServerPair) -> dict:
-        """Serve `pair` from the next connection on, where it differs from the pair served (those
-        open keep theirs). Says what changed (`rotated`); `needs_restart` names the CA file, read
-        at start only, where it differs on disk. The log says both, and warns of the certificate
-        now served if it is near its end."""
+    def adopt(self, files: TlsFiles) -> dict:
+        """Serve `files` from the next connection on, where they differ from those served (those
+        open keep theirs). Says what changed: `rotated` (the certificate: fingerprints, subject,
+        expiry), `client_cas` (the CA file: digests and how many CAs). The log says both, and warns
+        of the certificate now served if it is near its end."""
         said: dict = {}
-        if pair.certificate.fingerprint != self.certificate.fingerprint:
-            pair.load_into(self.context)
-            said["rotated"] = {"from": self.certificate.fingerprint[:16], "to": pair.certificate.fingerprint[:16],
-                               "subject": pair.certificate.subject, "not_after": pair.certificate.not_after}
-            self.certificate = pair.certificate
+        certificate = files.pair.certificate
+        if certificate.fingerprint != self.certificate.fingerprint or files.ca_digest != self.ca_digest:
+            self._serving = files.context()
+        if certificate.fingerprint != self.certificate.fingerprint:
+            said["rotated"] = {"from": self.certificate.fingerprint[:16], "to": certificate.fingerprint[:16],
+                               "subject": certificate.subject, "not_after": certificate.not_after}
+            self.certificate = certificate
             self.rotations += 1
-            log.info("TLS certificate rotated: %s, sha256 %s..., expires %s", pair.certificate.subject,
-                     said["rotated"]["to"], _utc(pair.certificate.not_after))
-        if self.ca_certs is not None:
-            try:
-                changed = hashlib.sha256(read_pem(self.ca_certs, "ssl_ca_certs")).hexdigest() != self.ca_digest
-            except TlsFileError:
-                changed = True
-            if changed:
-                said["needs_restart"] = ["ssl_ca_certs"]
-                log.warning("ssl_ca_certs: %r changed on disk: its CAs take effect at a restart", self.ca_certs)
+            log.info("TLS certificate rotated: %s, sha256 %s..., expires %s", certificate.subject,
+                     said["rotated"]["to"], _utc(certificate.not_after))
+        if files.ca_digest != self.ca_digest:
+            said["client_cas"] = {"from": self.ca_digest[:16], "to": files.ca_digest[:16], "cas": files.ca_count}
+            self.ca_digest, self.ca_count = files.ca_digest, files.ca_count
+            self.ca_reloads += 1
+            log.info("TLS client CAs reloaded from %s: %d CA%s, sha256 %s...; new connections are checked "
+                     "against them", self.ca_certs, files.ca_count, "" if files.ca_count == 1 else "s",
+                     said["client_cas"]["to"])
         self.warn()
         return said
 
@@ -225,7 +268,8 @@ class ServingTls:
 
     def describe(self, now: float) -> dict:
         return {**self.certificate.describe(now), "client_certificates": self.ca_certs is not None,
-                "rotations": self.rotations, "warning": self.certificate.warning(now)}
+                "client_cas": self.ca_count, "rotations": self.rotations, "ca_reloads": self.ca_reloads,
+                "warning": self.certificate.warning(now)}
 
 
 def clear_text_warning(listen: str | None, tls: "ServingTls | None") -> str | None:
