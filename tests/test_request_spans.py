@@ -212,3 +212,33 @@ def test_a_real_kvd_sends_its_spans_to_a_collector_over_otlp(tmp_path, monkeypat
         assert {a.key: a.value.string_value for a in resource.attributes}["service.name"] == "kvd"
     finally:
         server.shutdown()
+
+
+def test_openmetrics_scrapes_link_each_ttft_bucket_to_its_latest_request_s_trace(tmp_path):
+    """Exemplars (metrics.py): asked for OpenMetrics, kvd_ttft_seconds and kvd_tenant_ttft_seconds
+    name the span of the request each bucket saw last; the classic text has none, and the whole
+    OpenMetrics answer parses."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    service, exporter, app = traced(tmp_path)
+    try:
+        answer = call(app, "POST", "/v1/completions", headers={"traceparent": TRACEPARENT},
+                      json={"prompt": PROMPT, "max_tokens": 2})
+        assert answer.status_code == 200
+        [span] = settled(exporter.get_finished_spans, lambda spans: len(spans) == 1)
+        ids = {"trace_id": TRACE_ID, "span_id": f"{span.context.span_id:016x}"}
+        scraped = call(app, "GET", "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        assert scraped.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+        families = {family.name: family for family in text_string_to_metric_families(scraped.text)}
+        for name in ("kvd_ttft_seconds", "kvd_tenant_ttft_seconds"):
+            linked = [sample for sample in families[name].samples if sample.exemplar is not None]
+            assert len(linked) == 1, name  # the one request, in the lowest bucket its TTFT fits
+            assert linked[0].exemplar.labels == ids
+            assert round(linked[0].exemplar.value, 4) == span.attributes["kvd.ttft_s"]  # (rounded there)
+            assert float(linked[0].labels["le"]) >= linked[0].exemplar.value
+        assert "kvd_prompt_tokens" in families and families["kvd_prompt_tokens"].type == "counter"
+        plain = call(app, "GET", "/metrics")
+        assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert TRACE_ID not in plain.text and "# EOF" not in plain.text
+    finally:
+        service.shutdown(deadline=2)

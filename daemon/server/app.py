@@ -23,9 +23,8 @@ import anyio
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.exposition import choose_encoder
 from pydantic import Field, StrictInt
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -202,14 +201,15 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     scrapers: list = []  # the metrics' own worker threads (an anyio CapacityLimiter, made on the first scrape)
 
     @app.get("/metrics")
-    async def metrics_endpoint(_: Principal = Depends(principal)):
+    async def metrics_endpoint(http: Request, _: Principal = Depends(principal)):
         """Collected in a worker thread (the collectors take the engine's lock, held for a step) from
         a pool of its own: with the shared one taken by admin calls waiting on a locked store, a
         scrape waited too, and the figures that say why were the ones missing."""
         if not scrapers:
             scrapers.append(anyio.CapacityLimiter(METRICS_THREADS))
-        text = await anyio.to_thread.run_sync(generate_latest, metrics.registry, limiter=scrapers[0])
-        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
+        encoder, media = choose_encoder(http.headers.get("accept", ""))  # OpenMetrics: with exemplars
+        text = await anyio.to_thread.run_sync(encoder, metrics.registry, limiter=scrapers[0])
+        return Response(text, media_type=media)
 
     # ---- OpenAI-compatible -------------------------------------------------------------------
     @app.get("/v1/models")

@@ -74,6 +74,10 @@
     kvd_gc_pause_seconds{generation}          histogram: how long each of Python's garbage collections stopped
                                               every thread (kvd serve; daemon/server/gc_pauses.py)
     kvd_gc_frozen_objects                     objects frozen out of the collector's walks (gc_freeze)
+
+Asked for OpenMetrics (`Accept: application/openmetrics-text`, as Prometheus asks by default), the
+TTFT histograms carry exemplars where kvd sends spans (otlp_traces_endpoint): each bucket's latest
+request, by its span's `trace_id` and `span_id`, so a dashboard goes from a slow bucket to its trace.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ from kvctl.policies.tiering import PREFETCH_OUTCOMES
 from . import pin_ops
 from .cut_connections import CutConnections
 from .gc_pauses import metric_families as gc_metric_families
+from .request_spans import exemplar_of
 from .service import EngineService
 
 
@@ -497,10 +502,12 @@ class Metrics:
                 reason = seq.finish_reason or "unknown"
                 self._by_reason[reason] = self._by_reason.get(reason, 0) + 1
             if metrics.ttft is not None:
-                self.ttft.observe(metrics.ttft)
+                exemplar = exemplar_of(request)  # its span's ids, where kvd sends spans (request_spans.py)
+                self.ttft.observe(metrics.ttft, exemplar)
                 self._recent_ttft.append(metrics.ttft)
                 if api != "internal":  # a pin's warm-up is no client's wait
-                    self.tenant_ttft.labels(self.service.tenant_labels(request.tenant)).observe(metrics.ttft)
+                    self.tenant_ttft.labels(self.service.tenant_labels(request.tenant)).observe(metrics.ttft,
+                                                                                                 exemplar)
                     self._recent_ttft_of(request.tenant).append(metrics.ttft)
             gaps = metrics.inter_token_latencies
             for gap in gaps:

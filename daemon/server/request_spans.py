@@ -25,6 +25,14 @@ import time
 from .request_log import request_fields
 
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as the caller sent it
+SPAN_IDS = "span_ids"  # params.extra: the request's span's (trace id, span id), hex, once it has one
+
+
+def exemplar_of(request) -> dict | None:
+    """The labels of an exemplar that links a request's figure in /metrics to its span (OpenMetrics:
+    Grafana jumps from a slow bucket to the trace), or None where the request has no span."""
+    ids = request.params.extra.get(SPAN_IDS)
+    return {"trace_id": ids[0], "span_id": ids[1]} if ids else None
 
 
 def trace_context(headers) -> dict | None:
@@ -77,7 +85,8 @@ class RequestSpans:
         return int((engine_time + offset) * 1e9)
 
     def observe(self, request) -> None:
-        """A request finished (on_finished): its span, from arrival to its last token."""
+        """A request finished (EngineService calls it before its on_finished observers, which may
+        then read the span's ids: exemplar_of): its span, from arrival to its last token."""
         if request.params.extra.get("api") is None:
             return  # a pin's warm-up is nobody's request
         self._span(request, None)
@@ -98,6 +107,8 @@ class RequestSpans:
             attributes["kvd.rejected"] = rejected
         span = self.tracer.start_span("kvd.request", context=parent, kind=SpanKind.SERVER,
                                       start_time=self._ns(metrics.arrival, offset), attributes=attributes)
+        ids = span.get_span_context()
+        request.params.extra[SPAN_IDS] = (f"{ids.trace_id:032x}", f"{ids.span_id:016x}")  # exemplars (metrics.py)
         for name, at in (("admitted", metrics.admitted), ("first_token", metrics.first_token)):
             if at is not None:
                 span.add_event(name, timestamp=self._ns(at, offset))
@@ -116,7 +127,6 @@ class RequestSpans:
 def install(service, processor) -> RequestSpans:
     """Give `service` (an EngineService) spans of its requests, handed to `processor`."""
     spans = RequestSpans(service, processor)
-    service.request_spans = spans
-    service.on_finished(spans.observe)
+    service.request_spans = spans  # observed as each request finishes, before the on_finished observers
     service.on_rejected(spans.rejected)
     return spans

@@ -452,6 +452,8 @@ class EngineService:
                 return
             self._sinks.pop(request_id, None)
             del self.engine.requests[request_id]
+        if self.request_spans is not None:  # first, so that the observers (the metrics' exemplars) see its ids
+            self.request_spans.observe(request)
         for observe in self._observers:
             observe(request)
 
