@@ -120,6 +120,9 @@ def serve(
                    "\"num_speculative_tokens\": 4}' (also prompt_lookup_max, prompt_lookup_min, "
                    "disable_by_batch_size). Replies do not change: fewer steps give them."),
     max_queue: Optional[int] = typer.Option(None, help="Waiting requests before 429."),
+    max_queue_wait: Optional[float] = typer.Option(
+        None, help="Seconds a request may wait to be admitted; past it, it is turned away (503, code "
+                   "queue_timeout; kvd router tries another replica). Live on a reload (default 0: no limit)."),
     max_tenant_requests: Optional[int] = typer.Option(
         None, help="One tenant's requests in flight (waiting and running) at most; 429 beyond. Default: no limit."),
     tenant_request_limits: Optional[str] = typer.Option(
@@ -248,7 +251,7 @@ def serve(
                    cache_memory=cache_memory, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
                    speculative_config=speculative_config,
-                   max_queue=max_queue, max_tenant_requests=max_tenant_requests,
+                   max_queue=max_queue, max_queue_wait=max_queue_wait, max_tenant_requests=max_tenant_requests,
                    tenant_request_limits=tenant_request_limits,
                    max_request_bytes=max_request_bytes, responses_store_bytes=responses_store_bytes,
                    responses_store_file=responses_store_file, responses_max_age=responses_max_age,
@@ -298,7 +301,7 @@ SERVE_HELP_PANELS = {
                            "quick_prefill_tokens",
                            "max_running", "speculative_config", "reservation", "eviction", "pin_budget_blocks",
                            "pin_room_tokens"),
-    "Admission and tenants": ("max_queue", "max_tenant_requests", "tenant_request_limits", "queue_order",
+    "Admission and tenants": ("max_queue", "max_queue_wait", "max_tenant_requests", "tenant_request_limits", "queue_order",
                               "tenant_priorities", "tenant_cache_shares", "report_cached_tokens"),
     "Quantised cache formats": ("cache_dtype", "keep_layers_unquantised", "allow_uncalibrated"),
     "Tiers: host, disk, Redis": ("host_cache_bytes", "disk_cache_bytes", "disk_cache_path", "remote_url",

@@ -224,6 +224,8 @@ class KvdConfig:
     quick_prefill_tokens: int | None = None
     max_running: int = 32
     max_queue: int = 256
+    # seconds a request may wait to be admitted; past it, turned away (503, queue_timeout); 0: no limit
+    max_queue_wait: float = 0.0
     max_tenant_requests: int | None = None  # one tenant's requests in flight at most (429 beyond); None: no limit
     # per-tenant limits that override it: "acme=128,free=4" (YAML: a mapping)
     tenant_request_limits: tuple[tuple[str, int], ...] = ()
@@ -372,7 +374,7 @@ _PARSERS = {
     "responses_store_bytes": _size, "responses_max_age": parse_duration, "conversations_store_bytes": _size,
     "truncation_headroom": finite_number,
     "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
-    "max_queue": whole_number, "max_loras": whole_number,
+    "max_queue": whole_number, "max_queue_wait": finite_number, "max_loras": whole_number,
     "max_tenant_requests": whole_number, "max_tenant_metric_series": whole_number,
     "max_tracked_tenants": whole_number, "trace_requests": whole_number,
     "trace_block_tokens": whole_number,
@@ -416,6 +418,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be from 0 (a cut drops the fewest turns) to below 1")
     if name == "gc_warn_seconds" and value < 0:
         raise ValueError("must be >= 0 (0: no warning)")
+    if name == "max_queue_wait" and value < 0:
+        raise ValueError("must be a number of seconds >= 0 (0: no limit)")
     if name == "log_stats_interval" and value < 0:
         raise ValueError("must be a number of seconds >= 0 (0: no summary)")
     if name == "otlp_traces_endpoint":

@@ -67,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 27
+    assert len(names) == len(set(names)) == 28
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -204,6 +204,21 @@ def test_the_pins_rule_fires_when_pins_leave_a_request_no_room(tmp_path):
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "pinned_out"
         assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
             "KvdPinsKeepRequestsOut": series(KVD, 1.0, reason="pinned_out")}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_queue_timeout_rule_fires_when_requests_wait_past_max_queue_wait(tmp_path):
+    service = start_service(tmp_path, max_queue_wait=0.2)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        with service.lock:
+            service.engine.admission_paused = True  # nothing is admitted: the request waits out its limit
+        before = scrape(app)
+        refused = call(app, "POST", "/v1/completions", json={"prompt": "word " * 8, "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_timeout"
+        assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
+            "KvdQueueTimeouts": series(KVD, 1.0, reason="queue_timeout")}
     finally:
         service.shutdown(deadline=2)
 

@@ -179,7 +179,8 @@ def test_a_request_turned_away_at_admission_is_logged_with_the_limit_it_met(tmp_
         assert (record.fields["finish"], record.fields["rejected"], record.fields["output_tokens"]) == (
             "rejected", "never_fits", 0)
         assert record.fields["ttft_s"] is None and "word" not in record.getMessage()
-        assert record.getMessage().endswith(" ttft_s=- e2e_s=- rejected=never_fits")
+        assert " finish=rejected rejected=never_fits " in record.getMessage()  # the limit beside the outcome
+        assert record.getMessage().endswith(" ttft_s=- e2e_s=-")
     finally:
         service.shutdown(deadline=2)
 

@@ -56,12 +56,15 @@ from .structured import GrammarVocabulary
 
 from .tenant_book import DEFAULT_LIMIT, EVICTED, HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
 
+QUEUE_TIMEOUT_LOG_S = 10.0  # the log says how many requests timed out in the queue at most this often
+
 log = logging.getLogger("kvd.engine")
 
 
 class AdmissionRejected(Exception):
     """The request was turned away before anything was allocated; the message says why, `kind`
-    names the limit: never_fits, pinned_out, queue_full or tenant_limit."""
+    names the limit: never_fits, pinned_out, queue_full or tenant_limit. (A request turned away
+    from the queue later, pinned_out or queue_timeout, ends its samples with "error" instead.)"""
 
     def __init__(self, request: Request, reason: str, kind: str = "never_fits") -> None:
         self.request, self.kind = request, kind
@@ -76,6 +79,8 @@ class EngineSettings:
     max_running: int = 16  # sequences in the batch at most
     max_loras: int | None = None  # LoRA adapters (their weights) in the batch at most; None: no limit
     max_queue: int = 256  # waiting requests before new ones are rejected
+    # seconds a request may wait to be admitted before it is turned away (queue_timeout); 0: no limit
+    max_queue_wait: float = 0.0
     max_tenant_requests: int | None = None  # one tenant's requests in flight (waiting, running) at most
     tenant_request_limits: tuple[tuple[str, int], ...] = ()  # (tenant, limit): overrides max_tenant_requests
     reservation: str = "fraction:1.0"  # output reservation policy (see policies.reservation)
@@ -195,6 +200,8 @@ class Engine:
         self.stats = EngineStats(tenants=TenantBook(settings.max_tracked_tenants))
         self.cache.pool.on_tenant_evictions = self._count_evictions
         self.admission_paused = False  # set while new scales wait for running work to drain
+        # queue timeouts (max_queue_wait) not yet in the log, and when the log last said some
+        self._queue_timeouts_unlogged, self._queue_timeout_logged = 0, float("-inf")
         # ids of the requests the latest admission pass left waiting for an adapter's turn (max_loras)
         self.lora_turn_waiters: set[str] = set()
         self.tiers = None  # a TieredCache once attach_tiers() is called
@@ -433,6 +440,7 @@ class Engine:
                                                    f"tenant_request_limits[{tenant}]" if own else "max_tenant_requests")
             kind = "tenant_limit" if request.rejected else None
         if request.rejected:
+            request.rejected_kind = kind
             self.stats.rejections[kind] = self.stats.rejections.get(kind, 0) + 1
             self.stats.tenants.row(tenant)[REJECTED] += 1
             raise AdmissionRejected(request, request.rejected, kind)
@@ -496,13 +504,50 @@ class Engine:
     def _turn_away_pinned_out(self, request: Request, needed: int) -> list[TokenEvent]:
         """Turn away a queued request that pins alone keep out: pinned after it came, or it grew
         alone until they left it no room. Waiting would hold every request behind it for as long
-        as the pins stand. Its samples end with "error" (their blocks come back); the reason is
-        `request.rejected`, which the API answers with."""
+        as the pins stand."""
         pinned, room = self.cache.room_beside_pins((), reuse=False)  # (what its prefix holds is not in `needed`)
-        request.rejected = pinned_out_reason(request.request_id, needed, pinned, self.settings.num_blocks, room,
-                                             queued=True) or f"request {request.request_id}: pins keep it out"
-        log.warning("%s", request.rejected)
-        self.stats.rejections["pinned_out"] = self.stats.rejections.get("pinned_out", 0) + 1
+        reason = pinned_out_reason(request.request_id, needed, pinned, self.settings.num_blocks, room,
+                                   queued=True) or f"request {request.request_id}: pins keep it out"
+        log.warning("%s", reason)
+        return self._turn_away(request, "pinned_out", reason)
+
+    def _time_out_waiting(self) -> list[TokenEvent]:
+        """Turn away the requests that have waited max_queue_wait seconds or longer without being
+        admitted (queue_timeout): their clients, or a router, can try elsewhere instead of waiting on.
+        A request admitted once (preempted since, or some of its samples running) waits on. The log
+        says how many, at most once every QUEUE_TIMEOUT_LOG_S."""
+        limit = self.settings.max_queue_wait
+        if not limit > 0 or not self._waiting:
+            return []
+        now = self.clock()
+        late = {}
+        for _, seq in self._waiting:
+            request = seq.request
+            if (seq.status is SeqStatus.WAITING and request.metrics.admitted is None
+                    and now - request.metrics.arrival >= limit):
+                late[request.request_id] = request
+        if not late:
+            return []
+        running, waiting = self.num_running, self._queued_requests()
+        failed = []
+        for request in late.values():
+            failed += self._turn_away(request, "queue_timeout", (
+                f"request {request.request_id}: waited {now - request.metrics.arrival:.1f} s without being admitted, "
+                f"max_queue_wait {limit:g} s ({running} running, {waiting} waiting); try again later or elsewhere"))
+        self._queue_timeouts_unlogged += len(late)
+        if now - self._queue_timeout_logged >= QUEUE_TIMEOUT_LOG_S:
+            log.warning("%d request%s turned away after waiting max_queue_wait (%g s) without being admitted "
+                        "(queue_timeout); %d running, %d waiting", self._queue_timeouts_unlogged,
+                        "" if self._queue_timeouts_unlogged == 1 else "s", limit, self.num_running,
+                        self._queued_requests())
+            self._queue_timeouts_unlogged, self._queue_timeout_logged = 0, now
+        return failed
+
+    def _turn_away(self, request: Request, kind: str, reason: str) -> list[TokenEvent]:
+        """Turn away a queued request (`kind`: pinned_out, queue_timeout): its samples end with
+        "error" (their blocks come back); `reason` is `request.rejected`, which the API answers with."""
+        request.rejected, request.rejected_kind = reason, kind
+        self.stats.rejections[kind] = self.stats.rejections.get(kind, 0) + 1
         self.stats.tenants.row(request.tenant)[REJECTED] += 1
         if self.tiers is not None:
             prefix_fetch.end(self, request, "cancelled")
@@ -653,12 +698,13 @@ class Engine:
         a slow fetch holds up only its own request. With nothing to run, the engine waits a
         moment for the first such fetch instead of spinning.
 
-        Returns the events of requests turned away at the head of the queue: ones that pins alone
+        Returns the events of requests turned away: ones that waited past max_queue_wait
+        (`_time_out_waiting`, paused or not), and ones at the head of the queue that pins alone
         keep out (`_turn_away_pinned_out`)."""
+        failed: list[TokenEvent] = self._time_out_waiting()
         if self.admission_paused:
-            return []
+            return failed
         held: list[Request] = []
-        failed: list[TokenEvent] = []
         self._admit_in_order(held, failed)
         if held and not self._running:
             prefix_fetch.wait_for(self, held[0], self.PREFETCH_POLL)

@@ -95,6 +95,8 @@ class Request:
     metrics: RequestMetrics
     sequences: list[Sequence] = field(default_factory=list)
     rejected: str | None = None  # why the request was turned away, if it was
+    # the limit that turned it away: never_fits, pinned_out, queue_full, tenant_limit or queue_timeout
+    rejected_kind: str | None = None
     cancelled: bool = False
     reservation: object | None = None  # a rollout cohort's reservation policy; None: the engine's
     # with params.prompt_logprobs: for prompt tokens 1, 2, ... (the first has none) their logprob, their

@@ -499,10 +499,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except asyncio.CancelledError:
             cancel_all()
             raise
-        turned_away = next((r.rejected for r in requests if r.rejected), None)
-        if turned_away is not None:  # in the queue (pins kept it out): the call fails whole, as at its arrival
+        turned_away = next((r for r in requests if r.rejected), None)
+        if turned_away is not None:  # in the queue (pins kept it out, or it waited too long): the call fails whole
             cancel_all()
-            raise ApiError(503, turned_away, type_="server_error", code="pinned_out")
+            retry = {"Retry-After": "1"} if turned_away.rejected_kind == "queue_timeout" else {}
+            raise ApiError(503, turned_away.rejected, type_="server_error", code=turned_away.rejected_kind,
+                           headers={**named, **retry})  # its ids: its log line's and kvctl's
         choices = []
         for p, request in enumerate(requests):
             for seq in sorted(request.sequences, key=lambda s: s.index):
@@ -614,9 +616,10 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                     prompt_parts.add_to_choice(choice, request)
                     prompt_parts.add_to_answer(chunk, request, once=True)
                 yield f"data: {json.dumps(chunk)}\n\n"
-        turned_away = next((r.rejected for r in requests if r.rejected), None)
+        turned_away = next((r for r in requests if r.rejected), None)
         if turned_away is not None:  # its samples ended "error" in the queue: say why before [DONE]
-            yield f"data: {json.dumps(error_body(turned_away, 'server_error', None, 'pinned_out'))}\n\n"
+            body = error_body(turned_away.rejected, "server_error", None, turned_away.rejected_kind)
+            yield f"data: {json.dumps(body)}\n\n"
         if usage_of:
             usage_chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
                            "model": head["model"], "choices": [], "usage": usage_of()}

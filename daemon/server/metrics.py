@@ -25,7 +25,7 @@
                                               corrupt, unwritten, gone, space, tenant_share, filesystem, sleep): the event log's counts
     kvd_cache_events_dropped_total            events trimmed from the log (a slow reader sees a gap)
     kvd_allocation_seconds                    histogram: time per cache-core call
-    kvd_admission_rejections_total{reason}    never_fits, pinned_out, queue_full, tenant_limit
+    kvd_admission_rejections_total{reason}    never_fits, pinned_out, queue_full, tenant_limit, queue_timeout
     kvd_generation_tokens_total               output tokens of finished requests
     kvd_finished_total{api,finish_reason}     samples (choices) finished: api completions, chat or internal
                                               (a pin's warm-up); stop, length or cancelled
@@ -276,7 +276,7 @@ class _EngineCollector:
         yield from _event_metrics(engine.events)
         rejected = CounterMetricFamily("kvd_admission_rejections", "Requests rejected at admission",
                                        labels=["reason"])
-        for reason in ("never_fits", "pinned_out", "queue_full", "tenant_limit"):
+        for reason in ("never_fits", "pinned_out", "queue_full", "tenant_limit", "queue_timeout"):
             rejected.add_metric([reason], rejections.get(reason, 0))
         yield rejected
         yield CounterMetricFamily("kvd_preemptions", "Sequences preempted for recomputation",

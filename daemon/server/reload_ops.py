@@ -27,7 +27,7 @@ from .tls import TlsFileError
 log = logging.getLogger("kvd")
 
 # settings a reload applies to the running kvd
-LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_tenant_requests", "reservation", "queue_order",
+LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_queue_wait", "max_tenant_requests", "reservation", "queue_order",
                  "pin_budget_blocks", "pin_room_tokens", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
                  "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
@@ -227,7 +227,7 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
         if engine is not None:
             engine.settings = replace(engine.settings, max_batch_tokens=new.max_batch_tokens,
                                       max_running=new.max_running, max_queue=new.max_queue,
-                                      max_loras=new.max_loras,
+                                      max_queue_wait=new.max_queue_wait, max_loras=new.max_loras,
                                       max_tenant_requests=new.max_tenant_requests,
                                       tenant_request_limits=new.tenant_request_limits,
                                       reservation=new.reservation, queue_order=new.queue_order,

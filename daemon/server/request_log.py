@@ -38,6 +38,7 @@ def request_fields(request, model: str) -> dict:
     return {"request_id": request.request_id, "tenant": request.tenant,
             "api": request.params.extra.get("api", "internal"), "model": request.adapter or model,
             "finish": "rejected" if request.rejected else ",".join(reasons) or "none",
+            **({"rejected": request.rejected_kind} if request.rejected_kind else {}),
             "prompt_tokens": len(request.prompt_ids), "cached_tokens": metrics.cached_tokens,
             "restored_tokens": metrics.restored_tokens, "recomputed_tokens": metrics.recomputed_tokens,
             "output_tokens": sum(len(seq.output_ids) for seq in request.sequences),

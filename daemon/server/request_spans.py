@@ -103,6 +103,7 @@ class RequestSpans:
         carried = request.params.extra.get("trace_context")
         parent = self.propagator.extract(carrier=carried) if carried else None
         attributes = span_attributes(request, self.service.model_name)
+        rejected = rejected or request.rejected_kind  # at admission, or later from the queue
         if rejected:
             attributes["kvd.rejected"] = rejected
         span = self.tracer.start_span("kvd.request", context=parent, kind=SpanKind.SERVER,

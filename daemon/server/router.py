@@ -796,7 +796,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             finally:
                 await upstream.aclose()
             # but a 503 for pins (it could never fit beside them there) is a turn-away: it keeps a line
-            traced = traced or refusal_code(content) == "pinned_out"
+            traced = traced or refusal_code(content) in ("pinned_out", "queue_timeout")
             replica.rerouted += 1
             kept = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
             refusal = Response(content, status_code=upstream.status_code, headers={
