@@ -73,6 +73,8 @@ def replay_command(
                                                "say how it served each request)."),
     max_running: int = typer.Option(64, help="Service model: requests in service at once."),
     max_queue: int = typer.Option(4096, help="Admission queue bound; arrivals beyond it are rejected."),
+    max_queue_wait: float = typer.Option(0.0, help="Seconds a request may wait to start before it is rejected "
+                                         "(kvd's max_queue_wait, queue_timeout); 0: no limit."),
     time_scale: float = typer.Option(1.0, help="Multiply trace timestamps by this."),
     max_tokens: Optional[int] = typer.Option(
         None, help="max_tokens clients ask for (never below a request's output); default: its output."),
@@ -132,7 +134,7 @@ def replay_command(
                           capacity_tokens=capacities[0] if capacities else 0,
                           reservation=reserve, sequential=sequential, prefill_rate=prefill_rate,
                           decode_rate=decode_rate, max_running=max_running, max_queue=max_queue,
-                          time_scale=time_scale, max_tokens=max_tokens, restore_rate=restore_rate,
+                          max_queue_wait=max_queue_wait, time_scale=time_scale, max_tokens=max_tokens, restore_rate=restore_rate,
                           tier_write=tier_write)
     tiers = parse_int_list("tier_tokens", tier_tokens) or [0]
     if tenant_shares is not None:
@@ -205,7 +207,7 @@ def replay_command(
             "rates_from_trace": None if measured is None else {
                 "requests": measured.requests, "prefill_rate": measured.prefill_rate,
                 "decode_rate": measured.decode_rate},
-            "max_queue": max_queue, "time_scale": time_scale, "max_tokens": max_tokens,
+            "max_queue": max_queue, "max_queue_wait": max_queue_wait, "time_scale": time_scale, "max_tokens": max_tokens,
             "tenant_shares": dict(base.tenant_shares) or None, "tier_tokens": tiers,
             "tenant_priorities": dict(base.tenant_priorities) or None,
             "restore_rate": restore_rate, "tier_write": tier_write,
@@ -302,7 +304,7 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
         cost.add_row(str(r.block_size), f"{r.capacity_tokens:,}", *([f"{r.tier_tokens:,}"] if tiered else []),
                      r.policy, f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
                      f"{r.block_ops_per_second:,.0f}", f"{r.seconds:.2f}")
-    parts = [decision, ceiling, Text(""), cost]
+    parts = [decision, ceiling, *rejection_lines(results), Text(""), cost]
     tenants = sorted({t for r in results for t in r.tenant_hit_ratio})
     if tenants:  # a trace that names tenants: what each kept, which is what shares are for
         by_tenant = compact_table("block", "capacity", "policy", *tenants, title="hit by tenant")
@@ -320,6 +322,14 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
                               for t in tenants))
         parts += [Text(""), by_tenant, Text(""), evicted]
     return parts
+
+
+def rejection_lines(results: list[ReplayResult]) -> list[Text]:
+    """A line per run that rejected requests: why, by reason (queue_timeout where max_queue_wait
+    turned them away, queue_full, never_fits, cache_full)."""
+    return [Text(f"rejected at block {r.block_size}, capacity {r.capacity_tokens:,}, {r.policy}: " + ", ".join(
+        f"{reason} {count:,}" for reason, count in sorted(r.reject_reasons.items())))
+        for r in results if r.reject_reasons]
 
 
 def _short(value: float) -> str:

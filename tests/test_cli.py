@@ -64,6 +64,23 @@ def test_replay_without_a_trace_generates_one_and_prints_a_table(capsys):
     assert "hit with an unbounded cache: block 64 " in out and "cost of the cache core in the replay" in out
 
 
+def test_replay_with_max_queue_wait_says_why_requests_were_rejected(capsys, tmp_path):
+    path = tmp_path / "burst.jsonl"  # one at a time, 10 s each: the third waits 20 s to start
+    write_trace(path, [TraceRequest(0.0, 256, 10, (n,)) for n in (1, 2, 3)])
+    base = ("bench", "replay", str(path), "--block-sizes", "256", "--policy", "lru", "--capacity-tokens", "65536",
+            "--prefill-rate", "1e12", "--decode-rate", "1", "--max-running", "1")
+    status, out, _ = cli(capsys, *base, "--max-queue-wait", "15")
+    assert status == 0
+    assert "rejected at block 256, capacity 65,536, lru: queue_timeout 1" in out.splitlines()
+    status, out, _ = cli(capsys, *base, "--max-queue-wait", "15", "--json")
+    doc = json.loads(out)
+    assert doc["settings"]["max_queue_wait"] == 15.0 and doc["runs"][0]["reject_reasons"] == {"queue_timeout": 1}
+    status, out, _ = cli(capsys, *base)
+    assert status == 0 and "rejected at block" not in out
+    status, _, err = cli(capsys, *base, "--max-queue-wait", "-1")
+    assert status == 2 and "max_queue_wait: must be a number of seconds >= 0 (0: no limit), got -1.0" in err
+
+
 def test_replay_with_lower_tier_sizes_shows_what_each_restored_within_80_columns(capsys):
     status, out, _ = cli(capsys, "bench", "replay", "--demo-requests", "120", "--block-sizes", "64",
                          "--policy", "lru", "--capacity-tokens", "4096", "--tier-tokens", "0,65536")

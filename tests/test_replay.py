@@ -92,6 +92,26 @@ def test_concurrent_replay_rejects_when_the_queue_is_full():
     assert result.reject_reasons == {"queue_full": 1}
 
 
+def test_concurrent_replay_rejects_what_waits_past_max_queue_wait_as_kvd_does():
+    # one at a time, each 10 s of decode; three arrive at once: the second starts at 10 s, the
+    # third would at 20 s
+    trace = [req(0, 256, [n], output=10) for n in (1, 2, 3)]
+    settings = dict(prefill_rate=1e12, decode_rate=1.0, max_running=1)
+    assert run(trace, 256, 1 << 16, **settings).reject_reasons == {}
+    result = run(trace, 256, 1 << 16, max_queue_wait=15.0, **settings)
+    assert (result.admitted, result.reject_reasons) == (2, {"queue_timeout": 1})  # the third waited past 15 s
+    assert result.ttft_p95_s == pytest.approx(10.0)  # the times of the requests that started
+    result = run(trace, 256, 1 << 16, max_queue_wait=10.0, **settings)
+    assert (result.admitted, result.reject_reasons) == (1, {"queue_timeout": 2})  # 10 s is the limit: not started
+    # a request that timed out holds no place: the next arrival is queued, not refused as queue_full
+    # (with room for one waiting: the third is refused at 0 s, the second times out at 5 s, the
+    # fourth comes at 6 s and starts at 10 s)
+    later = trace + [req(6_000, 256, [4], output=1)]
+    result = run(later, 256, 1 << 16, max_queue_wait=5.0, max_queue=1, **settings)
+    assert result.reject_reasons == {"queue_full": 1, "queue_timeout": 1}
+    assert result.admitted == 2 and result.ttft_p95_s == pytest.approx(4.0)
+
+
 def test_reservation_waste_counts_reserved_blocks_never_written():
     trace = [req(0, 512, [1], output=0), req(1, 512, [2], output=256)]
     result = run(trace, 256, 1 << 16, reservation="fixed:512", max_tokens=512, sequential=True)

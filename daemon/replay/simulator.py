@@ -10,7 +10,9 @@ a request admitted at t finishes at
 
 with at most `max_running` requests at once and a FIFO admission queue of at
 most `max_queue` waiting requests. A request that does not fit waits for a
-finish; one that can never fit, or that finds the queue full, is rejected.
+finish; one that can never fit, or that finds the queue full, is rejected, and
+so is one that waits `max_queue_wait` seconds without starting (kvd's
+queue_timeout), where that is set.
 Sequential mode runs one request at a time. Either way a request's full prompt
 blocks are indexed as soon as they are written, as in a real engine.
 
@@ -56,6 +58,7 @@ class ReplaySettings:
     decode_rate: float = 40.0  # output tokens per second per request
     max_running: int = 64  # requests in service at once
     max_queue: int = 4096  # requests waiting for admission before new ones are rejected
+    max_queue_wait: float = 0.0  # seconds a request may wait to start before it is rejected (queue_timeout); 0: no limit
     time_scale: float = 1.0  # multiply trace timestamps by this
     max_tokens: int | None = None  # max_tokens clients ask for (at least the output); None: the output
     # (tenant, fraction) pairs as kvd's tenant_cache_shares; () for none
@@ -328,8 +331,22 @@ class ReplicaRun:
         left = sum(done for done, _ in self.running) - len(self.running) * self.now
         return (left + self.queued_seconds) / self.settings.max_running
 
+    def expire_waiting(self, progress: Callable[[int], None]) -> None:
+        """Reject the waiting requests that have waited max_queue_wait or longer (kvd's queue_timeout,
+        checked before each admission pass as kvd's engine does). The queue is in arrival order, so
+        they are at its head; each went at its deadline, before any event that could start it."""
+        limit, waiting = self.settings.max_queue_wait, self.waiting
+        if not limit > 0:
+            return
+        while waiting and self.now - self.arrivals[waiting[0]] >= limit:
+            self._unqueue(waiting.popleft())
+            self.reject("queue_timeout")
+            progress(1)
+
     def admit_waiting(self, progress: Callable[[int], None]) -> None:
-        """Start waiting requests in order while they fit and a slot is free."""
+        """Start waiting requests in order while they fit and a slot is free (those past
+        max_queue_wait rejected first)."""
+        self.expire_waiting(progress)
         waiting = self.waiting
         while waiting and len(self.running) < self.settings.max_running:
             index = waiting[0]
@@ -388,6 +405,7 @@ class ReplicaRun:
     def arrive(self, index: int, arrival: float, progress: Callable[[int], None]) -> None:
         """Request `index` arrives now: queued (or refused when the queue is full), then started
         if it can be."""
+        self.expire_waiting(progress)  # those that timed out before now hold no place in the queue
         if len(self.waiting) >= self.settings.max_queue:
             self.reject("queue_full")
             progress(1)

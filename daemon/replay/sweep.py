@@ -71,6 +71,8 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
     for name in ("max_running", "max_queue"):
         if getattr(base, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(base, name)!r}")
+    if not base.max_queue_wait >= 0:
+        raise ValueError(f"max_queue_wait: must be a number of seconds >= 0 (0: no limit), got {base.max_queue_wait!r}")
 
 
 def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
