@@ -126,6 +126,8 @@ def start(ctx: typer.Context, policy: Path = typer.Option(..., "--policy", help=
         document = yaml.safe_load(policy.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise UserError(f"policy: cannot read {str(policy)!r} ({exc})") from None
+    if isinstance(document, dict) and not document.get("name"):  # known by its file's name in list and status
+        document = {"name": policy.stem, **document}
     body = {"policy": document, "cohort": cohort, "stops": stop, "adr": adr, "baseline": baseline}
     _emit(client_for(ctx).post("/admin/rollouts", body), as_json)
 

@@ -605,3 +605,19 @@ def test_a_pending_rollback_of_a_rollout_settled_since_is_dropped_and_a_torn_one
         third = RolloutManager(Store(tmp_path / "kvd.sqlite3"), pending_path=pending)
     assert third.active["id"] == started and third.unstored is None and pending.exists()
     assert f"{pending}: cannot be read as a pending rollback" in caplog.text
+
+
+def test_a_policy_file_without_a_name_is_known_by_the_file_s_name(tmp_path):
+    from .kvctl_fakes import kvctl_answered
+
+    unnamed, named = tmp_path / "p95-reserve.yaml", tmp_path / "other.yaml"
+    unnamed.write_text("settings:\n  reservation: p95\n")
+    named.write_text("name: reserve-p95\nsettings:\n  reservation: p95\n")
+    sent = []
+    for path in (unnamed, named):
+        result = kvctl_answered(["rollout", "start", "--policy", str(path), "--cohort", "10%", "--json"],
+                                {"id": 1}, sent)
+        assert result.exit_code == 0, result.output
+    assert [body["policy"] for _, body in sent] == [
+        {"name": "p95-reserve", "settings": {"reservation": "p95"}},
+        {"name": "reserve-p95", "settings": {"reservation": "p95"}}]
