@@ -91,7 +91,9 @@ def test_kvd_router_passes_the_callers_trace_context_on_to_the_replica(tmp_path)
 
     service, exporter, replica_app = traced(tmp_path)
     try:
-        _, front = router_app([replica_app], routing="round_robin")
+        router, front = router_app([replica_app], routing="round_robin")
+        assert router.route_spans is None  # the router sends no span of its own (route_spans.py): it passes the
+        # caller's context on as it came
         [answer] = drive(front, [lambda c: c.post("/v1/completions", headers={"traceparent": TRACEPARENT},
                                                   json={"prompt": PROMPT, "max_tokens": 2})])
         assert answer.status_code == 200

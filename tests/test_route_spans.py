@@ -160,21 +160,6 @@ def test_no_replica_reached_is_an_error_route_whose_tries_say_why(tmp_path):
         replica.shutdown(deadline=2)
 
 
-def test_without_an_endpoint_the_router_passes_the_callers_context_as_it_came(tmp_path):
-    """Tracing off (no route_spans): no span, and the replica's span is the caller's child."""
-    replica, replica_exporter, replica_app = traced(tmp_path)
-    try:
-        service, front = router_app([replica_app], routing="round_robin")
-        assert service.route_spans is None
-        [answer] = drive(front, [lambda c: c.post("/v1/completions", headers={"traceparent": TRACEPARENT},
-                                                  json={"prompt": PROMPT, "max_tokens": 2})])
-        assert answer.status_code == 200
-        [span] = settled(replica_exporter.get_finished_spans, lambda found: len(found) == 1)
-        assert span.parent.span_id == int(CALLER_SPAN, 16)
-    finally:
-        replica.shutdown(deadline=2)
-
-
 def test_the_router_refuses_an_endpoint_or_protocol_it_cannot_send_to(tmp_path):
     from kvctl.daemon.config import ConfigError
     from kvctl.daemon.router_config import resolve_router

@@ -683,6 +683,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         span = spans.begin(path, http.headers, who.tenant) if spans is not None else NO_ROUTE_SPAN
         try:
             answer = await routed(path, http, who, span)
+        except asyncio.CancelledError:  # the caller left (or the router stops): no answer, no failure
+            span.end(None)
+            raise
         except BaseException as exc:
             span.end(None, error=f"the router failed: {type(exc).__name__}")
             raise
@@ -795,7 +798,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 content = await upstream.aread()
             finally:
                 await upstream.aclose()
-            # but a 503 for pins (it could never fit beside them there) is a turn-away: it keeps a line
+            # but a 503 for pins (it could never fit beside them there) or for a wait past max_queue_wait
+            # is a turn-away: it keeps a line
             traced = traced or refusal_code(content) in ("pinned_out", "queue_timeout")
             replica.rerouted += 1
             kept = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
