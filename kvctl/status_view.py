@@ -197,15 +197,19 @@ def render_status(data: dict, console: Console | None = None):
                                                            if row["idle_blocks"] > row["share_blocks"] else ""))
             for tenant, row in data["tenant_shares"].items()))
     queue = data["queue"]
-    waiting = f"{queue['waiting']} waiting" + (f" (oldest {seconds(queue['oldest_age_seconds'])})"
-                                               if queue["waiting"] else "")
-    ahead = ""
+    limit = queue.get("max_queue_wait_seconds")  # absent from an older kvd, null without a limit
+    waiting = f"{queue['waiting']} waiting" + (
+        f" (oldest {seconds(queue['oldest_age_seconds'])}" + (f" of {seconds(limit)} allowed" if limit else "") + ")"
+        if queue["waiting"] else "")
+    ahead, late = "", False
     if queue.get("predicted_wait_seconds") is not None:
         rate = f"prefill {queue['prefill_tokens_per_second']:,.0f} tokens/s"
+        late = bool(limit) and queue["predicted_wait_seconds"] >= limit
         ahead = f"; {rate}" if not queue["tokens_ahead"] else (
             f"; {queue['tokens_ahead']:,} prompt tokens ahead: a new request waits "
-            f"~{seconds(queue['predicted_wait_seconds'])} ({rate})")
-    facts.add_row("queue", f"{waiting}, {queue['running']} running{ahead}")
+            f"~{seconds(queue['predicted_wait_seconds'])} ({rate})"
+            + (f", past max_queue_wait {seconds(limit)}: it would be turned away (queue_timeout)" if late else ""))
+    facts.add_row("queue", Text(f"{waiting}, {queue['running']} running{ahead}", style="yellow" if late else ""))
     if data.get("draining"):
         facts.add_row("draining", Text("no new completion is taken (kvctl resume takes them again)", style="yellow"))
     if data.get("tls"):

@@ -1081,6 +1081,14 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
     console = Console(record=True, width=200)
     render_status(data, console)
     assert "queue 0 waiting, 1 running; prefill 4,096 tokens/s rejections" in " ".join(console.export_text().split())
+    # with max_queue_wait: the oldest's age beside it, and a predicted wait past it said
+    data["queue"] = {"waiting": 3, "oldest_age_seconds": 12.0, "running": 2, "tokens_ahead": 122_880,
+                     "prefill_tokens_per_second": 4096.0, "predicted_wait_seconds": 30.0, "max_queue_wait_seconds": 20.0}
+    console = Console(record=True, width=300)
+    render_status(data, console)
+    assert ("queue 3 waiting (oldest 12.00 s of 20.00 s allowed), 2 running; 122,880 prompt tokens ahead: a new "
+            "request waits ~30.00 s (prefill 4,096 tokens/s), past max_queue_wait 20.00 s: it would be turned away "
+            "(queue_timeout)") in " ".join(console.export_text().split())
 
 
 def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():

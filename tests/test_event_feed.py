@@ -278,6 +278,7 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
     facts = call(app, "POST", "/admin/route-facts", json={"text": PROMPTS[1]}).json()
     assert facts == {"prompt_tokens": len(ids), "cached_tokens": blocks * 16, "lower_tier": None, "running": 0,
                      "waiting": 0, "oldest_age_seconds": 0.0, "tokens_ahead": 0, "predicted_wait_seconds": 0.0,
+                     "max_queue_wait_seconds": None,  # no limit: a router may count on it waiting
                      "prefill_tokens_per_second": facts["prefill_tokens_per_second"], "tenant": "default",
                      "namespace": call(app, "GET", "/admin/events/snapshot").json()["namespace"],
                      "model": service.model_name, "lower_tier_tokens": {}, "restore_seconds": 0.0,

@@ -109,7 +109,8 @@ def test_kvd_answers_a_timed_out_request_with_a_503_or_an_error_event_and_counts
         assert any("turned away after waiting max_queue_wait (0.3 s)" in r.getMessage() for r in caplog.records)
         scraped = call(app, "GET", "/metrics").text.splitlines()
         assert 'kvd_admission_rejections_total{reason="queue_timeout"} 2.0' in scraped
-        assert call(app, "GET", "/admin/status").json()["rejections"] == {"queue_timeout": 2}
+        status = call(app, "GET", "/admin/status").json()
+        assert status["rejections"] == {"queue_timeout": 2} and status["queue"]["max_queue_wait_seconds"] == 0.3
         with service.lock:
             service.engine.admission_paused = False
         assert call(app, "POST", "/v1/completions", json={"prompt": "word", "max_tokens": 2}).status_code == 200

@@ -612,7 +612,8 @@ class Engine:
     def queue_figures(self) -> dict:
         """The queue as /admin/status and /admin/route-facts report it: waiting and running
         requests, the oldest's age, the prompt tokens ahead of a new request and its predicted
-        wait, and the measured prefill rate (None until measured). Call under the service lock."""
+        wait, the measured prefill rate (None until measured), and the longest wait allowed
+        (max_queue_wait; None: no limit). Call under the service lock."""
         waiting = self.waiting()
         now = self.clock()
         ahead = self.tokens_ahead()
@@ -621,7 +622,8 @@ class Engine:
                 "oldest_age_seconds": max((now - s.request.metrics.arrival for s in waiting), default=0.0),
                 "running": self.num_running, "tokens_ahead": ahead,
                 "prefill_tokens_per_second": rate.rate if rate.samples else None,
-                "predicted_wait_seconds": self.predicted_wait(ahead)}
+                "predicted_wait_seconds": self.predicted_wait(ahead),
+                "max_queue_wait_seconds": self.settings.max_queue_wait or None}
 
     def has_work(self) -> bool:
         return bool(self._running) or any(s.status is SeqStatus.WAITING for _, s in self._waiting)
