@@ -100,7 +100,7 @@ def test_kvd_answers_a_timed_out_request_with_a_503_or_an_error_event_and_counts
         assert error["message"].startswith(f"request {request_id}: waited 0.")
         assert error["message"].endswith("without being admitted, max_queue_wait 0.3 s (0 running, 1 waiting); "
                                          "try again later or elsewhere")
-        assert 0.3 <= waited < 10
+        assert waited >= 0.3  # not turned away before its limit
         assert streamed.status_code == 200  # the stream had begun: the error is its last event
         events = sse_events(streamed)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "queue_timeout"
