@@ -93,3 +93,25 @@ def test_at_the_router_a_purge_removes_the_tenant_s_conversations_on_every_repli
     assert [row["report"]["conversations"]["conversations"] for row in listed.json()["replicas"]] == [1, 1]
     assert done.json()["conversations"] == {"conversations": 2, "bytes": 4, "tenants": {"default": 2}}
     assert gone.status_code == 404
+
+
+def test_a_new_conversation_goes_to_the_least_busy_replica_and_a_late_joiner_does_not_take_them_all():
+    """conversation_home: the fewest of the router's requests open, then the replica that made one
+    least recently; what each was sent before does not count, so a replica that joins a busy
+    fleet takes its turn, not every new conversation until it has caught up."""
+    import httpx
+
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    old, joined = (Replica(name, replica_client(f"/run/{name}.sock", transport=httpx.MockTransport(
+        lambda request: httpx.Response(503)))) for name in ("old", "joined"))
+    old.sent = 10_000  # its traffic before the other replica joined
+    service = RouterService([old, joined], make_router("round_robin"))
+    assert [service.conversation_home().name for _ in range(4)] == ["old", "joined", "old", "joined"]
+    old.open = 2  # busy with this router's requests now: the other one makes the next
+    assert [service.conversation_home().name for _ in range(2)] == ["joined", "joined"]
+    old.open, joined.draining = 0, True
+    assert service.conversation_home().name == "old"
+    old.draining = True
+    assert service.conversation_home() is None

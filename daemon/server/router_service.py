@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
 import ssl
 import time
@@ -66,6 +67,7 @@ class Replica:
     role: str = "both"
     sent: int = 0
     open: int = 0  # forwarded requests still answering
+    homed_at: int = -1  # when it last made a new conversation (RouterService.conversation_home's count); -1: never
     last_error: str | None = None
     view: ReplicaView | None = None  # with --view events: what its feed and load polls say
     model: str | None = None  # the model it serves, as its latest answer to a question said
@@ -208,6 +210,7 @@ class RouterService:
         self._following = False
         self._leaving: set[asyncio.Task] = set()  # replicas on their way out (`remove`)
         self._welcoming: set[asyncio.Task] = set()  # replicas joining: the fleet's pins are copied to them
+        self._homes_made = itertools.count()  # conversation_home's order of choices
         for replica in self.replicas:
             self._prepare(replica)
 
@@ -522,13 +525,16 @@ class RouterService:
 
     def conversation_home(self) -> Replica | None:
         """The replica a new conversation is made at (`POST /v1/conversations`): of those taking
-        requests, the one sent the fewest so far; its turns all go there after. None when none
-        takes requests."""
+        requests, the one with the fewest of this router's requests open now, and among those the
+        one that made a conversation least recently; its turns all go there after. (Not the one
+        sent the fewest so far: a replica that joined later took every new conversation until
+        it had caught up.) None when none takes requests."""
         replicas = [r for r in self.replicas if r.takes_requests and r.role != "prefill"]
         if not replicas:
             return None
-        replica = min(replicas, key=lambda r: r.sent)
+        replica = min(replicas, key=lambda r: (r.open, r.homed_at))
         replica.sent += 1
+        replica.homed_at = next(self._homes_made)
         return replica
 
     async def _choose(self, body: dict, tenant: str | None, excluded: set[int],
