@@ -77,13 +77,14 @@ class RequestLog:
 
     def rejected(self, request, kind: str) -> None:
         """A request turned away at admission (engine.AdmissionRejected: never_fits, pinned_out,
-        queue_full, tenant_limit), which no sample ran for: its line says which limit."""
-        self._say(request, rejected=kind)
+        queue_full, tenant_limit), which no sample ran for: its line says which limit (`kind`, which
+        the request carries as rejected_kind)."""
+        self._say(request)
 
-    def _say(self, request, **more) -> None:
+    def _say(self, request) -> None:
         """The request's line, where log_requests is on."""
         if self.service.config.log_requests:
-            fields = {**request_fields(request, self.service.model_name), **more}
+            fields = request_fields(request, self.service.model_name)
             log.info("request %s", logfmt(fields), extra={"fields": {"event": "request", **fields}})
 
     def totals(self) -> dict:

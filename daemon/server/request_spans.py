@@ -89,13 +89,14 @@ class RequestSpans:
         then read the span's ids: exemplar_of): its span, from arrival to its last token."""
         if request.params.extra.get("api") is None:
             return  # a pin's warm-up is nobody's request
-        self._span(request, None)
+        self._span(request)
 
     def rejected(self, request, kind: str) -> None:
-        """A request turned away at admission: its span, with an error status naming the limit."""
-        self._span(request, kind)
+        """A request turned away at admission: its span, with an error status naming the limit
+        (`kind`, which the request carries as rejected_kind)."""
+        self._span(request)
 
-    def _span(self, request, rejected: str | None) -> None:
+    def _span(self, request) -> None:
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
         offset = time.time() - self.engine_clock()  # the engine's clock to the wall's
@@ -103,7 +104,7 @@ class RequestSpans:
         carried = request.params.extra.get("trace_context")
         parent = self.propagator.extract(carrier=carried) if carried else None
         attributes = span_attributes(request, self.service.model_name)
-        rejected = rejected or request.rejected_kind  # at admission, or later from the queue
+        rejected = request.rejected_kind  # at admission, or later from the queue
         if rejected:
             attributes["kvd.rejected"] = rejected
         span = self.tracer.start_span("kvd.request", context=parent, kind=SpanKind.SERVER,

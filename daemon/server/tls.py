@@ -117,8 +117,8 @@ class ServerPair:
 
     @classmethod
     def read(cls, certfile: str, keyfile: str | None) -> "ServerPair":
-        """Read and check the pair (TlsFileError naming the setting otherwise); it is loaded
-        into a scratch context, so that a pair that reads here serves."""
+        """Read the pair (TlsFileError naming the setting otherwise); TlsFiles.read loads it into
+        the context it serves from, which checks that the key is the certificate's."""
         chain = read_pem(certfile, "ssl_certfile")
         if keyfile is None:
             if b"PRIVATE KEY-----" not in chain:
@@ -127,9 +127,7 @@ class ServerPair:
             key = read_private_file(certfile, "ssl_certfile (it holds the key)", TlsFileError)
         else:
             key = read_private_file(keyfile, "ssl_keyfile", TlsFileError)
-        pair = cls(chain, key, Certificate.of_pem(chain, certfile), certfile, keyfile)
-        pair.load_into(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
-        return pair
+        return cls(chain, key, Certificate.of_pem(chain, certfile), certfile, keyfile)
 
     def load_into(self, context: ssl.SSLContext) -> None:
         """Load this pair into `context`, from a private temporary copy (`load_cert_chain` takes paths)."""
@@ -156,15 +154,15 @@ class TlsFiles:
     pair: ServerPair
     client_cas: bytes | None
     ca_certs: str | None
+    context: ssl.SSLContext  # a server context loaded with them: what a front serves once they are adopted
 
     @classmethod
     def read(cls, certfile: str, keyfile: str | None, ca_certs: str | None) -> "TlsFiles":
-        """Read and check the files (TlsFileError naming the setting otherwise): they are loaded
-        into a context here, so that files that read serve."""
-        files = cls(ServerPair.read(certfile, keyfile), read_pem(ca_certs, "ssl_ca_certs") if ca_certs else None,
-                    ca_certs)
-        files.context()
-        return files
+        """Read the files and load them into a server context (TlsFileError naming the setting
+        when they do not load): files that read serve."""
+        pair = ServerPair.read(certfile, keyfile)
+        client_cas = read_pem(ca_certs, "ssl_ca_certs") if ca_certs else None
+        return cls(pair, client_cas, ca_certs, serving_context(pair, client_cas, ca_certs))
 
     @property
     def ca_digest(self) -> str | None:
@@ -174,20 +172,22 @@ class TlsFiles:
     def ca_count(self) -> int:
         return self.client_cas.count(PEM_CERTIFICATE) if self.client_cas is not None else 0
 
-    def context(self) -> ssl.SSLContext:
-        """A server context that serves the pair and, with CAs, requires a client certificate they signed."""
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        context.set_alpn_protocols(["http/1.1"])
-        self.pair.load_into(context)
-        if self.client_cas is not None:
-            try:
-                context.load_verify_locations(cadata=self.client_cas.decode("ascii"))
-            except (ssl.SSLError, UnicodeDecodeError) as exc:
-                raise TlsFileError(f"ssl_ca_certs: {self.ca_certs!r} does not load as CA certificates ({exc})"
-                                   ) from None
-            context.verify_mode = ssl.CERT_REQUIRED
-        return context
+
+
+def serving_context(pair: ServerPair, client_cas: bytes | None, ca_certs: str | None) -> ssl.SSLContext:
+    """A server context that serves `pair` and, with `client_cas` (read from `ca_certs`), requires
+    a client certificate they signed; TlsFileError naming the setting when they do not load."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols(["http/1.1"])
+    pair.load_into(context)
+    if client_cas is not None:
+        try:
+            context.load_verify_locations(cadata=client_cas.decode("ascii"))
+        except (ssl.SSLError, UnicodeDecodeError) as exc:
+            raise TlsFileError(f"ssl_ca_certs: {ca_certs!r} does not load as CA certificates ({exc})") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def read_pem(path: str, setting: str) -> bytes:
@@ -208,7 +208,7 @@ class ServingTls:
     def __init__(self, certfile: str, keyfile: str | None = None, ca_certs: str | None = None) -> None:
         self.certfile, self.keyfile, self.ca_certs = certfile, keyfile, ca_certs
         files = TlsFiles.read(certfile, keyfile, ca_certs)
-        self.context = files.context()  # the front's, for its whole life: each handshake moves to `_serving`
+        self.context = files.context  # the front's, for its whole life: each handshake moves to `_serving`
         self.context.sni_callback = self._switch
         self._serving = self.context
         self.certificate = files.pair.certificate
@@ -241,7 +241,7 @@ class ServingTls:
         said: dict = {}
         certificate = files.pair.certificate
         if certificate.fingerprint != self.certificate.fingerprint or files.ca_digest != self.ca_digest:
-            self._serving = files.context()
+            self._serving = files.context
         if certificate.fingerprint != self.certificate.fingerprint:
             said["rotated"] = {"from": self.certificate.fingerprint[:16], "to": certificate.fingerprint[:16],
                                "subject": certificate.subject, "not_after": certificate.not_after}
