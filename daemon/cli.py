@@ -455,6 +455,10 @@ def router(
                                                    "template's (default 128)."),
     prefill_rate: Optional[float] = typer.Option(None, help="ttft: prompt tokens per second of a replica that "
                                                  "has not measured its own yet (default 20000)."),
+    queue_limits: Optional[str] = typer.Option(None, help="heed (the default): least_loaded, prefix and ttft pass "
+                                               "over a replica whose predicted wait is past its max_queue_wait "
+                                               "(it would turn the request away after that long) while another "
+                                               "would start it in time; or ignore."),
     view: Optional[str] = typer.Option(None, help="How it learns what each replica caches and how busy it is: "
                                        "events (the default: follows their event feeds and polls their load; no "
                                        "call on the request's path) or ask (every replica, per request)."),
@@ -523,7 +527,8 @@ def router(
             local_prefill_tokens=local_prefill_tokens,
             replicas_file=replicas_file, socket=socket_path, routing=routing,
             balance_seconds=balance_seconds, new_prefix=new_prefix, new_prefix_slack=new_prefix_slack,
-            prefill_rate=prefill_rate, view=view, load_interval=load_interval, pending_seconds=pending_seconds,
+            prefill_rate=prefill_rate, queue_limits=queue_limits, view=view, load_interval=load_interval,
+            pending_seconds=pending_seconds,
             token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
             gc_warn_seconds=gc_warn_seconds, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
             ssl_ca_certs=ssl_ca_certs, replica_ca_certs=replica_ca_certs, replica_client_cert=replica_client_cert,
@@ -536,7 +541,7 @@ def router(
             raise ValueError(f"replicas_file: {settings.replicas_file!r} names no replica, and no --replica is given")
         policy = make_router(settings.routing, prefill_rate=settings.prefill_rate,
                              balance_seconds=settings.balance_seconds, new_prefix=settings.new_prefix,
-                             new_prefix_slack=settings.new_prefix_slack)
+                             new_prefix_slack=settings.new_prefix_slack, queue_limits=settings.queue_limits)
         token = None
         if settings.token_file:
             try:

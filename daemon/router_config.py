@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from kvctl.policies.routing import LOCAL_PREFILL_TOKENS, NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, ROUTING_POLICIES
+from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX, NEW_PREFIX_SLACK_TOKENS, QUEUE_LIMITS,
+                                   ROUTING_POLICIES)
 
 from .config import (ConfigError, check_tls_settings, check_traces_protocol, env_typos, field_defaults, finite_number,
                      merge_settings, on_or_off, read_settings_file, setting_names, whole_number)
@@ -37,6 +38,8 @@ class RouterConfig:
     new_prefix: str = "home"  # prefix: where a new prefix goes (home or least_loaded)
     new_prefix_slack: int = NEW_PREFIX_SLACK_TOKENS  # prefix: tokens more a replica must hold to win a prompt
     prefill_rate: float = 20_000.0  # ttft: prompt tokens/s of a replica that has not measured its own
+    # heed: pass over a replica predicted to wait past its max_queue_wait while another would not; or ignore
+    queue_limits: str = "heed"
     view: str = "events"  # events or ask
     load_interval: float = 0.25  # events: seconds between load polls
     pending_seconds: float = 30.0  # events: how long a sent prompt counts as cached before its feed says
@@ -77,6 +80,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError(f"must be one of {', '.join(ROUTING_POLICIES)}")
     if name == "new_prefix" and value not in NEW_PREFIX:
         raise ValueError(f"must be one of {', '.join(NEW_PREFIX)}")
+    if name == "queue_limits" and value not in QUEUE_LIMITS:
+        raise ValueError(f"must be one of {', '.join(QUEUE_LIMITS)}")
     if name == "view" and value not in ("events", "ask"):
         raise ValueError("must be events or ask")
     if name in ("balance_seconds", "pending_seconds", "new_prefix_slack", "local_prefill_tokens") and value < 0:

@@ -24,6 +24,13 @@ deterministically, and a live router feeds it from each daemon's event feed and 
                   at its prefill rate (its own where measured, else `prefill_rate`): reuse,
                   tiers and load traded in one figure
 
+A replica whose predicted wait is past its own `max_queue_wait` would hold a request that long and
+then turn it away (queue_timeout), for the router to send elsewhere: `least_loaded`, `prefix` and
+`ttft` pass it over while another replica would start the request in time (`queue_limits="heed"`,
+the default), and choose among all as before when none would. `round_robin` stays blind. (A
+request one replica turned away for its wait goes on only to a replica in time: kvd router's
+`NoneInTime`, the fleet replay's re-route.)
+
 Adding a router: implement `Router` and register it in `make_router`.
 """
 
@@ -38,6 +45,7 @@ AFFINITY_CHARS = 256  # of a text prompt's opening that names its home (about 64
 AFFINITY_TOKENS = 64  # of a token-id prompt's
 HOME_BAND_SECONDS = 0.25  # a new prefix's home is passed over when it waits this much more than the least loaded
 NEW_PREFIX = ("home", "least_loaded")  # where `prefix` sends a prompt no replica holds
+QUEUE_LIMITS = ("heed", "ignore")  # whether a router passes over a replica predicted past its max_queue_wait
 # A prompt is a new prefix unless some replica holds at least this many more of its tokens (in all
 # its tiers, or on its device) than the replica a new prefix goes to (its home, or the least
 # loaded). Less is the opening every prompt shares (a chat template's: BOS, a system header, a date
@@ -62,11 +70,20 @@ class ReplicaFacts:
     restorable_tokens: int = 0  # the prompt tokens after those that its lower tiers hold
     restore_seconds: float = 0.0  # its estimate of bringing them up (kvctl.policies.tiering.restore_seconds)
     name: str = ""  # as every router names it (a socket path or URL): its place in a prompt's home order
+    # its max_queue_wait: it turns away a request that has waited this long to start; None: no limit
+    max_wait_seconds: float | None = None
 
     @property
     def held_tokens(self) -> int:
         """Leading prompt tokens it holds in any tier."""
         return self.cached_tokens + self.restorable_tokens
+
+    @property
+    def past_limit(self) -> bool:
+        """Whether its predicted wait is past its max_queue_wait: a request sent there would
+        likely wait that long, then be turned away (queue_timeout: kvd turns away a request that has
+        waited as long as its limit before it would start it)."""
+        return self.max_wait_seconds is not None and self.wait_seconds >= self.max_wait_seconds
 
     def held_reason(self, prompt_tokens: int) -> str:
         lower = f" and {self.restorable_tokens} more in a lower tier" if self.restorable_tokens else ""
@@ -82,7 +99,8 @@ def facts_from_answer(answer: dict, in_flight: int = 0) -> ReplicaFacts:
     wait = predicted if predicted is not None else (answer["oldest_age_seconds"] if answer["waiting"] else 0.0)
     return ReplicaFacts(answer["cached_tokens"], wait, max(answer["running"] + answer["waiting"], in_flight),
                         answer["prefill_tokens_per_second"], sum((answer.get("lower_tier_tokens") or {}).values()),
-                        answer.get("restore_seconds") or 0.0)
+                        answer.get("restore_seconds") or 0.0,
+                        max_wait_seconds=answer.get("max_queue_wait_seconds"))  # absent from an older kvd
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,17 +136,22 @@ def home_order(affinity: bytes, names: Sequence[str]) -> list[int]:
                   reverse=True)
 
 
-def cold_home(replicas: Sequence[ReplicaFacts], affinity: bytes | None, band_seconds: float) -> int | None:
+def cold_home(replicas: Sequence[ReplicaFacts], affinity: bytes | None, band_seconds: float,
+              among: Sequence[int] | None = None) -> int | None:
     """The first replica in the prompt's home order whose load is within bounds: a wait at most
     `band_seconds` over the least, and at most ceil(1.25 x the mean) + 1 requests in flight
     (consistent hashing with bounded loads). None without an affinity, or a replica without a
-    name (the caller then goes by load alone), or when none is within bounds."""
+    name (the caller then goes by load alone), or when none is within bounds. `among`: the
+    indexes it may choose (the order stays every replica's, so that a prompt's home does not move
+    while another replica is passed over); None: all."""
     if affinity is None or not replicas or not all(r.name for r in replicas):
         return None
-    least_wait = min(r.wait_seconds for r in replicas)
+    allowed = range(len(replicas)) if among is None else set(among)
+    least_wait = min(replicas[i].wait_seconds for i in allowed)
     most_in_flight = math.ceil(1.25 * sum(r.in_flight for r in replicas) / len(replicas)) + 1
     for i in home_order(affinity, [r.name for r in replicas]):
-        if replicas[i].wait_seconds <= least_wait + band_seconds and replicas[i].in_flight <= most_in_flight:
+        if i in allowed and replicas[i].wait_seconds <= least_wait + band_seconds \
+                and replicas[i].in_flight <= most_in_flight:
             return i
     return None
 
@@ -136,19 +159,40 @@ def cold_home(replicas: Sequence[ReplicaFacts], affinity: bytes | None, band_sec
 class _Spreading:
     """Counts what it sent where: among replicas equal on everything else, the one it sent
     least goes first (idle replicas would otherwise all lose to the first one, which would then
-    hold every new prefix)."""
+    hold every new prefix). Chooses among the replicas that would start a request in time
+    (`in_time`) unless `queue_limits` is "ignore"."""
 
-    def __init__(self) -> None:
+    def __init__(self, queue_limits: str = "heed") -> None:
+        if queue_limits not in QUEUE_LIMITS:
+            raise ValueError(f"queue_limits: unknown value {queue_limits!r}; choose from {', '.join(QUEUE_LIMITS)}")
         self.sent: dict[int, int] = {}
+        self.queue_limits = queue_limits
+
+    def in_time(self, replicas: Sequence[ReplicaFacts]) -> list[int]:
+        """The indexes of the replicas it chooses among: those whose predicted wait is within
+        their max_queue_wait; every one when none is (each replica then decides), or when it
+        ignores the limits."""
+        every = list(range(len(replicas)))
+        if self.queue_limits == "ignore":
+            return every
+        return [i for i in every if not replicas[i].past_limit] or every
 
     def _load(self, replicas: Sequence[ReplicaFacts], i: int) -> tuple:
         return replicas[i].wait_seconds, replicas[i].in_flight, self.sent.get(i, 0), i
 
-    def _least_loaded(self, replicas: Sequence[ReplicaFacts]) -> int:
-        return min(range(len(replicas)), key=lambda i: self._load(replicas, i))
+    def _least_loaded(self, replicas: Sequence[ReplicaFacts], among: Sequence[int]) -> int:
+        return min(among, key=lambda i: self._load(replicas, i))
 
-    def _send(self, index: int, reason: str) -> Route:
+    def _send(self, index: int, reason: str, replicas: Sequence[ReplicaFacts], among: Sequence[int]) -> Route:
+        """Route to `index`, the reason naming the replicas passed over for their queue limits."""
         self.sent[index] = self.sent.get(index, 0) + 1
+        passed = [i for i in range(len(replicas)) if i not in among]
+        if passed:
+            reason += "; passed over " + ", ".join(
+                f"{replicas[i].name or f'replica {i}'} (predicted wait {replicas[i].wait_seconds:.2f} s, past its "
+                f"max_queue_wait {replicas[i].max_wait_seconds:g} s)" for i in passed)
+        elif self.queue_limits == "heed" and all(r.past_limit for r in replicas):
+            reason += "; every replica's predicted wait is past its max_queue_wait"
         return Route(index, reason)
 
 
@@ -168,16 +212,17 @@ class LeastLoaded(_Spreading):
     name = "least_loaded"
 
     def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts], affinity: bytes | None = None) -> Route:
-        index = self._least_loaded(replicas)
-        return self._send(index, f"shortest wait ({replicas[index].wait_seconds:.2f} s)")
+        among = self.in_time(replicas)
+        index = self._least_loaded(replicas, among)
+        return self._send(index, f"shortest wait ({replicas[index].wait_seconds:.2f} s)", replicas, among)
 
 
 class PrefixAffinity(_Spreading):
     name = "prefix"
 
     def __init__(self, balance_seconds: float = 2.0, new_prefix: str = "home",
-                 new_prefix_slack: int = NEW_PREFIX_SLACK_TOKENS) -> None:
-        super().__init__()
+                 new_prefix_slack: int = NEW_PREFIX_SLACK_TOKENS, queue_limits: str = "heed") -> None:
+        super().__init__(queue_limits)
         if not balance_seconds >= 0:
             raise ValueError(f"balance_seconds: must be >= 0, got {balance_seconds!r}")
         if new_prefix not in NEW_PREFIX:
@@ -187,30 +232,31 @@ class PrefixAffinity(_Spreading):
         self.balance_seconds, self.new_prefix, self.new_prefix_slack = balance_seconds, new_prefix, new_prefix_slack
 
     def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts], affinity: bytes | None = None) -> Route:
-        idle = self._least_loaded(replicas)
-        best = min(range(len(replicas)), key=lambda i: (-replicas[i].held_tokens, -replicas[i].cached_tokens,
-                                                        *self._load(replicas, i)))
-        home = cold_home(replicas, affinity, HOME_BAND_SECONDS) if self.new_prefix == "home" else None
+        among = self.in_time(replicas)
+        idle = self._least_loaded(replicas, among)
+        best = min(among, key=lambda i: (-replicas[i].held_tokens, -replicas[i].cached_tokens,
+                                         *self._load(replicas, i)))
+        home = cold_home(replicas, affinity, HOME_BAND_SECONDS, among) if self.new_prefix == "home" else None
         target, where = (home, "its home (the first by its hash within the load bound)") if home is not None \
             else (idle, "the least loaded")
         most = replicas[best].held_tokens
         if most == 0:
-            return self._send(target, f"no replica caches its prefix: {where}")
+            return self._send(target, f"no replica caches its prefix: {where}", replicas, among)
         ahead = max(most - replicas[target].held_tokens, replicas[best].cached_tokens - replicas[target].cached_tokens)
         if target != best and ahead < self.new_prefix_slack:  # nor more on its device: a restore costs too
             return self._send(target, f"{where}, which caches {replicas[target].held_tokens} of its tokens: no "
-                                      f"replica caches {self.new_prefix_slack} more")
+                                      f"replica caches {self.new_prefix_slack} more", replicas, among)
         if replicas[best].wait_seconds - replicas[idle].wait_seconds > self.balance_seconds:
             return self._send(idle, f"the replica caching most waits {replicas[best].wait_seconds:.2f} s, over "
-                                    f"{self.balance_seconds:g} s more than this one")
-        return self._send(best, replicas[best].held_reason(prompt_tokens))
+                                    f"{self.balance_seconds:g} s more than this one", replicas, among)
+        return self._send(best, replicas[best].held_reason(prompt_tokens), replicas, among)
 
 
 class PredictedTTFT(_Spreading):
     name = "ttft"
 
-    def __init__(self, prefill_rate: float) -> None:
-        super().__init__()
+    def __init__(self, prefill_rate: float, queue_limits: str = "heed") -> None:
+        super().__init__(queue_limits)
         if not prefill_rate > 0:
             raise ValueError(f"prefill_rate: must be > 0, got {prefill_rate!r}")
         self.prefill_rate = prefill_rate
@@ -223,26 +269,32 @@ class PredictedTTFT(_Spreading):
         return facts.wait_seconds + lower + max(prompt_tokens - facts.held_tokens, 0) / rate
 
     def choose(self, prompt_tokens: int, replicas: Sequence[ReplicaFacts], affinity: bytes | None = None) -> Route:
-        index = min(range(len(replicas)), key=lambda i: (self.predict(prompt_tokens, replicas[i]),
-                                                         -replicas[i].cached_tokens, *self._load(replicas, i)))
+        among = self.in_time(replicas)
+        index = min(among, key=lambda i: (self.predict(prompt_tokens, replicas[i]), -replicas[i].cached_tokens,
+                                          *self._load(replicas, i)))
         chosen = replicas[index]
         lower = f", {chosen.restorable_tokens} in a lower tier" if chosen.restorable_tokens else ""
         return self._send(index, f"first token in {self.predict(prompt_tokens, chosen):.2f} s "
-                                 f"({chosen.cached_tokens} tokens cached{lower})")
+                                 f"({chosen.cached_tokens} tokens cached{lower})", replicas, among)
 
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix", "ttft")
 
 
 def make_router(name: str, *, prefill_rate: float = 20_000.0, balance_seconds: float = 2.0,
-                new_prefix: str = "home", new_prefix_slack: int = NEW_PREFIX_SLACK_TOKENS) -> Router:
-    """A fresh router by name; an unknown name raises ValueError naming it."""
+                new_prefix: str = "home", new_prefix_slack: int = NEW_PREFIX_SLACK_TOKENS,
+                queue_limits: str = "heed") -> Router:
+    """A fresh router by name; an unknown name raises ValueError naming it. `queue_limits`
+    (heed, ignore): whether it passes over replicas predicted past their max_queue_wait (not
+    round_robin, blind to load)."""
+    if queue_limits not in QUEUE_LIMITS:
+        raise ValueError(f"queue_limits: unknown value {queue_limits!r}; choose from {', '.join(QUEUE_LIMITS)}")
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
-        return LeastLoaded()
+        return LeastLoaded(queue_limits)
     if name == "prefix":
-        return PrefixAffinity(balance_seconds, new_prefix, new_prefix_slack)
+        return PrefixAffinity(balance_seconds, new_prefix, new_prefix_slack, queue_limits)
     if name == "ttft":
-        return PredictedTTFT(prefill_rate)
+        return PredictedTTFT(prefill_rate, queue_limits)
     raise ValueError(f"routing: unknown value {name!r}; choose from {', '.join(ROUTING_POLICIES)}")

@@ -200,6 +200,9 @@ def test_router_settings_follow_the_same_precedence_and_name_their_source(tmp_pa
     assert (from_file.gc_freeze, from_file.gc_warn_seconds) == (True, 0.1)  # as kvd serve's
     unfrozen = resolve_router({}, {"KVD_ROUTER_GC_FREEZE": "off", "KVD_ROUTER_GC_WARN_SECONDS": "0.05"}, path)
     assert (unfrozen.gc_freeze, unfrozen.gc_warn_seconds) == (False, 0.05)
+    assert from_file.queue_limits == "heed"  # replicas predicted past their max_queue_wait are passed over
+    blind = resolve_router({}, {"KVD_ROUTER_QUEUE_LIMITS": "ignore"}, path)
+    assert (blind.queue_limits, blind.sources["queue_limits"]) == ("ignore", "KVD_ROUTER_QUEUE_LIMITS")
 
 
 @pytest.mark.parametrize("text, flags, message", [

@@ -342,6 +342,64 @@ def test_a_prompts_home_moves_only_when_its_replica_leaves_and_a_new_replica_tak
     assert all(j == more[4] for _, j in moved) and 300 < len(moved) < 500
 
 
+def test_routers_pass_over_a_replica_predicted_past_its_max_queue_wait():
+    """A replica whose predicted wait is past its own max_queue_wait would hold the request that
+    long, then turn it away: least_loaded, prefix and ttft choose among the others while one would
+    start it in time, and say whom they passed over; when none would, they choose as before.
+    round_robin stays blind, and queue_limits="ignore" is the behaviour without limits."""
+    from kvctl.policies.routing import ReplicaFacts as F
+    from kvctl.policies.routing import Route, facts_from_answer, make_router
+
+    # a holds the prompt but is 12 s behind with a 10 s limit; b is 4 s behind with a 5 s limit;
+    # c is 6 s behind with no limit
+    fleet = [F(4096, 12.0, name="a", max_wait_seconds=10.0), F(0, 4.0, name="b", max_wait_seconds=5.0),
+             F(1024, 6.0, name="c")]
+    assert [f.past_limit for f in fleet] == [True, False, False]
+    passed = "; passed over a (predicted wait 12.00 s, past its max_queue_wait 10 s)"
+    # prefix: the replica caching most is passed over; c caches the most of the rest, within the balance
+    assert make_router("prefix", balance_seconds=2.0).choose(8192, fleet) == Route(
+        2, "caches 1024 of its 8192 tokens" + passed)
+    assert make_router("prefix", balance_seconds=100.0, queue_limits="ignore").choose(8192, fleet) == Route(
+        0, "caches 4096 of its 8192 tokens")
+    # ttft at 1,024 tokens/s: a 12 + 4 = 16 s is passed over; b 4 + 8 = 12 s, c 6 + 7 = 13 s
+    assert make_router("ttft", prefill_rate=1024.0).choose(8192, fleet) == Route(
+        1, "first token in 12.00 s (0 tokens cached)" + passed)
+    # least_loaded: b is already least loaded; with b's wait past its limit too, c (no limit) is
+    assert make_router("least_loaded").choose(8192, fleet).replica == 1
+    late_b = [fleet[0], F(0, 5.5, name="b", max_wait_seconds=5.0), fleet[2]]
+    route = make_router("least_loaded").choose(8192, late_b)
+    assert route == Route(2, "shortest wait (6.00 s); passed over a (predicted wait 12.00 s, past its "
+                             "max_queue_wait 10 s), b (predicted wait 5.50 s, past its max_queue_wait 5 s)")
+    assert make_router("least_loaded", queue_limits="ignore").choose(8192, late_b).replica == 1
+    # every replica past its limit: the choice is as without limits, and the reason says so
+    all_late = [F(4096, 12.0, name="a", max_wait_seconds=10.0), F(0, 5.5, name="b", max_wait_seconds=5.0)]
+    assert make_router("prefix", balance_seconds=100.0).choose(8192, all_late) == Route(
+        0, "caches 4096 of its 8192 tokens; every replica's predicted wait is past its max_queue_wait")
+    # a wait of the limit exactly is past it: kvd turns away a request that has waited as long
+    assert F(0, 10.0, max_wait_seconds=10.0).past_limit and not F(0, 9.9, max_wait_seconds=10.0).past_limit
+    turns = make_router("round_robin")
+    assert [turns.choose(8192, fleet).replica for _ in range(3)] == [0, 1, 2]
+    # a prompt's home past its limit: the next in its order that is in time, the order unchanged
+    from kvctl.policies.routing import cold_home, home_order, prompt_affinity
+
+    affinity = prompt_affinity("a new system prompt " * 10)
+    names = ["r0", "r1", "r2"]
+    order = home_order(affinity, names)
+    homes = [F(0, 0.0, name=n, max_wait_seconds=1.0) for n in names]
+    homes[order[0]] = F(0, 1.5, name=names[order[0]], max_wait_seconds=1.0)
+    assert make_router("prefix").choose(512, homes, affinity).replica == order[1]
+    assert cold_home(homes, affinity, 10.0) == order[0] and cold_home(homes, affinity, 10.0, [order[2]]) == order[2]
+    # the replica's answer carries its limit (kvd's route-facts: max_queue_wait_seconds; null: none;
+    # absent from an older kvd)
+    answer = {"cached_tokens": 0, "predicted_wait_seconds": 3.0, "running": 1, "waiting": 2,
+              "prefill_tokens_per_second": 900.0, "oldest_age_seconds": 1.0}
+    assert facts_from_answer({**answer, "max_queue_wait_seconds": 2.5}).max_wait_seconds == 2.5
+    assert facts_from_answer({**answer, "max_queue_wait_seconds": None}).max_wait_seconds is None
+    assert facts_from_answer(answer).past_limit is False
+    with pytest.raises(ValueError, match=r"^queue_limits: unknown value 'obey'; choose from heed, ignore$"):
+        make_router("prefix", queue_limits="obey")
+
+
 def test_routers_refuse_bad_settings_by_name():
     from kvctl.policies.routing import make_router
 

@@ -99,6 +99,19 @@ def test_the_polled_wait_grows_by_the_work_sent_after_the_poll_was_asked():
     assert view.load_age(12.0) == 1.0
 
 
+def test_the_replicas_queue_limit_is_set_against_the_wait_grown_by_what_was_sent_since():
+    """Its max_queue_wait, from the load answer, is in the facts; a wait polled within it that the
+    prompts sent since carry past it makes the replica one a router passes over."""
+    view = ReplicaView()
+    view.note_load({**LOAD, "max_queue_wait_seconds": 2.0}, asked_at=10.0)
+    assert view.facts(0, in_flight=0) == ReplicaFacts(0, 0.5, 3, 2000.0, max_wait_seconds=2.0)
+    assert not view.facts(0, in_flight=0).past_limit
+    view.note_sent(KEYS, missing_tokens=3000, now=10.5)  # 1.5 s more at 2,000 tokens/s: 2.0 s
+    assert view.facts(0, in_flight=0).past_limit
+    view.note_load({**LOAD, "max_queue_wait_seconds": None}, asked_at=11.0)  # the limit lifted on a reload
+    assert view.facts(0, in_flight=0).max_wait_seconds is None
+
+
 def test_before_a_prefill_is_measured_the_wait_is_the_oldest_waiting_requests_age():
     view = ReplicaView()
     view.note_load({**LOAD, "prefill_tokens_per_second": None, "predicted_wait_seconds": None}, asked_at=0.0)

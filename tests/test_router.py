@@ -699,6 +699,8 @@ def test_kvd_router_refuses_bad_settings_by_name(tmp_path):
               "kvd: error: replica: '/a.sock' is given twice; each replica once"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--new-prefix-slack", "-1"],
               "kvd: error: new_prefix_slack: invalid value -1 from --new-prefix-slack: must be >= 0"),
+             (["--replica", "/a.sock", "--replica", "/b.sock", "--queue-limits", "obey"],
+              "kvd: error: queue_limits: invalid value 'obey' from --queue-limits: must be one of heed, ignore"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "gossip"],
               "kvd: error: view: invalid value 'gossip' from --view: must be events or ask"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "events", "--load-interval", "0"],
@@ -1152,6 +1154,77 @@ def test_when_every_replica_refuses_the_caller_gets_the_last_refusal_as_it_came(
     assert answer.json()["error"]["message"] == "queue full"
     assert answer.headers["x-kvd-tried"] == "replica-0 (429); replica-1 (429)"
     assert [r.client._transport.completions for r in service.replicas] == [1, 1]  # each asked once
+
+
+class Behind(httpx.AsyncBaseTransport):
+    """A replica whose route-facts say it is `wait` seconds behind, with a max_queue_wait of `limit`;
+    with `times_out`, it turns every completion away as kvd does one that waited past its limit."""
+
+    def __init__(self, app, wait: float, limit: float | None, times_out: bool = False) -> None:
+        self.inner, self.wait, self.limit = httpx.ASGITransport(app=app), wait, limit
+        self.times_out, self.completions = times_out, 0
+
+    async def handle_async_request(self, request):
+        if request.url.path == "/v1/completions":
+            self.completions += 1
+            if self.times_out:
+                body = {"error": {"message": f"request waited {self.limit:g} s without being admitted",
+                                  "type": "server_error", "param": None, "code": "queue_timeout"}}
+                return httpx.Response(503, json=body, headers={"Retry-After": "1"})
+        answer = await self.inner.handle_async_request(request)
+        if request.url.path != "/admin/route-facts":
+            return answer
+        facts = json.loads(await answer.aread())
+        facts.update(predicted_wait_seconds=self.wait, max_queue_wait_seconds=self.limit)
+        return httpx.Response(200, json=facts)
+
+
+@pytest.mark.parametrize("view", ["ask", "events"])
+def test_the_router_passes_over_a_replica_predicted_past_its_max_queue_wait(replicas, view):
+    """A new prompt's home is replica-0; both replicas say they are 30 s behind, replica-0 with a
+    10 s limit: the prompt goes to replica-1 (no limit), the reason naming what was passed over.
+    With queue_limits ignore, or within the limit, it goes home as before."""
+    def routed(limit, queue_limits="heed"):
+        # a prompt neither replica holds, whose home is replica-0
+        fresh = homed(f"{view} {queue_limits} {limit}: a queue-limit question never asked before here. " * 5,
+                      "replica-0")
+        service, app = router_app(replicas, "prefix", view=view)
+        service.router = make_router("prefix", queue_limits=queue_limits)
+        for i, wait in ((0, 30.0), (1, 30.0)):
+            service.replicas[i].client = replica_client(f"/run/replica-{i}.sock", transport=Behind(
+                replicas[i], wait, limit if i == 0 else None))
+        [answer] = drive(app, [lambda c: post(c, fresh)], service=service if view == "events" else None)
+        assert answer.status_code == 200
+        return answer.headers["x-kvd-replica"], answer.headers["x-kvd-route"]
+
+    assert routed(10.0) == ("replica-1", "no replica caches its prefix: its home (the first by its hash within the "
+                                         "load bound); passed over replica-0 (predicted wait 30.00 s, past its "
+                                         "max_queue_wait 10 s)")
+    assert routed(10.0, "ignore")[0] == routed(60.0)[0] == "replica-0"
+
+
+@pytest.mark.parametrize("queue_limits, other_wait", [("heed", 30.0), ("heed", 3.0), ("ignore", 30.0)])
+def test_a_queue_timeout_goes_on_only_to_a_replica_predicted_to_start_it_in_time(replicas, queue_limits, other_wait):
+    """replica-0 (in time by its facts) turns the request away after its wait (503 queue_timeout).
+    Heeding limits, the router sends it on only if replica-1's predicted wait is within its 10 s
+    limit; else the caller gets the 503 at once, rather than after another wait there for the same
+    answer. Ignoring limits, it goes on as any 503 does."""
+    service, app = router_app(replicas, "prefix")
+    service.router = make_router("prefix", queue_limits=queue_limits, balance_seconds=100.0)
+    fronts = [Behind(replicas[0], 1.0, 10.0, times_out=True), Behind(replicas[1], other_wait, 10.0)]
+    for i, front in enumerate(fronts):
+        service.replicas[i].client = replica_client(f"/run/replica-{i}.sock", transport=front)
+    fresh = homed(f"{queue_limits} {other_wait}: a request the first replica times out, asked once. " * 5,
+                  "replica-0")
+    [answer] = drive(app, [lambda c: post(c, fresh)])
+    assert fronts[0].completions == 1
+    if queue_limits == "heed" and other_wait == 30.0:
+        assert answer.status_code == 503 and fronts[1].completions == 0
+        assert answer.json()["error"]["code"] == "queue_timeout" and answer.headers["retry-after"] == "1"
+        assert answer.headers["x-kvd-tried"] == "replica-0 (503)"
+    else:
+        assert answer.status_code == 200 and fronts[1].completions == 1
+        assert (answer.headers["x-kvd-replica"], answer.headers["x-kvd-tried"]) == ("replica-1", "replica-0 (503)")
 
 
 def test_the_router_says_where_it_would_send_a_prompt_without_sending_it(replicas):

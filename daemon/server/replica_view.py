@@ -169,4 +169,4 @@ class ReplicaView:
         extra = sum(n for _, n in self.sent_since)
         wait = polled.wait_seconds + (extra / rate if rate else 0.0)
         return ReplicaFacts(cached_tokens, wait, max(polled.in_flight, in_flight), rate, restorable_tokens,
-                            restore_seconds)
+                            restore_seconds, max_wait_seconds=polled.max_wait_seconds)

@@ -736,18 +736,20 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         phase = "decode" if TRANSFER_FIELD in body else "whole"
         # A replica that refuses before starting the request (429: its queue is full; 503: it is
         # stopping or loading) or cannot be connected to has not run it: the next best one is tried.
-        tried, excluded, refusal, closed_retried = [], set(), None, False
+        tried, excluded, refusal, closed_retried, timed_out = [], set(), None, False, False
         traced = hops > 0  # whether a replica ran a try or turned it away (429): it keeps a trace line of it
         while True:
             try:
-                replica, reason = await service.choose(body, tenant, excluded, weighed=weighed)
+                replica, reason = await service.choose(body, tenant, excluded, weighed=weighed, timed_out=timed_out)
                 weighed = None  # (a retry weighs again, without the replicas that refused)
             except LookupError as exc:  # ModelNotServed too: on a retry, none left that serves its model
                 if refusal is None and isinstance(exc, ModelNotServed):
                     return error(404, str(exc), "model_not_found")
                 if not traced:
                     service.gave_up(routed_at or time.time())
-                if refusal is not None:  # every replica that could take it refused: the last refusal, as it came
+                # every replica that could take it refused, or (NoneInTime) none left would start it in
+                # time: the last refusal, as it came
+                if refusal is not None:
                     return refusal
                 return error(503, str(exc), "no_replica")
             routed_at = routed_at or time.time()
@@ -800,7 +802,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 await upstream.aclose()
             # but a 503 for pins (it could never fit beside them there) or for a wait past max_queue_wait
             # is a turn-away: it keeps a line
-            traced = traced or refusal_code(content) in ("pinned_out", "queue_timeout")
+            code = refusal_code(content)
+            traced = traced or code in ("pinned_out", "queue_timeout")
+            timed_out = code == "queue_timeout"  # it goes on only where it would start in time (NoneInTime)
             replica.rerouted += 1
             kept = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
             refusal = Response(content, status_code=upstream.status_code, headers={

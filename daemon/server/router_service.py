@@ -136,6 +136,11 @@ class ModelNotServed(LookupError):
     """The request names a model no live replica serves."""
 
 
+class NoneInTime(LookupError):
+    """A request a replica turned away for its wait (queue_timeout): every other replica's predicted
+    wait is past its own max_queue_wait, so it would wait there as long for the same answer."""
+
+
 @dataclass
 class Local:
     """One replica weighed from its view: its facts and the prompt's keys under its namespace."""
@@ -421,17 +426,20 @@ class RouterService:
         return None, None
 
     async def choose(self, body: dict, tenant: str | None, excluded: set[int] = frozenset(),
-                     phase: str = "whole", weighed: Weighed | None = None) -> tuple[Replica, str]:
+                     phase: str = "whole", weighed: Weighed | None = None, timed_out: bool = False
+                     ) -> tuple[Replica, str]:
         """The replica for this request, and why; replicas whose id() is in `excluded` (they
         refused it already) are not weighed, nor those whose role is not for `phase` ("prefill":
         prefill replicas alone; "whole", a request or its decode: the others). LookupError when
         none can take it. `weighed`: the replicas weighed for this request a moment ago, with
         nothing excluded but by `phase` (`local_prefill`'s), so that none is asked twice; the
-        choice's time (on_decision) then counts from that weighing's start."""
+        choice's time (on_decision) then counts from that weighing's start. `timed_out`: a replica
+        turned it away for its wait (queue_timeout): a policy heeding queue limits sends it on only
+        to a replica predicted to start it in time (NoneInTime when none is)."""
         started = time.perf_counter() if weighed is None else weighed[1]
         excluded = set(excluded) | self.not_for(phase)
         try:
-            return await self._choose(body, tenant, excluded, None if weighed is None else weighed[0])
+            return await self._choose(body, tenant, excluded, None if weighed is None else weighed[0], timed_out)
         finally:
             self.on_decision(time.perf_counter() - started)
 
@@ -538,7 +546,7 @@ class RouterService:
         return replica
 
     async def _choose(self, body: dict, tenant: str | None, excluded: set[int],
-                      weighed: Weighing | None) -> tuple[Replica, str]:
+                      weighed: Weighing | None, timed_out: bool = False) -> tuple[Replica, str]:
         home = await self.previous_home(body, tenant, excluded)
         if home is not None:
             home.sent += 1
@@ -548,6 +556,10 @@ class RouterService:
         question = question_of(body)
         live, local, now, replicas = weighed or await self.weigh(body, question, tenant, excluded)
         live = reusing(body, live)
+        if timed_out and getattr(self.router, "queue_limits", "ignore") == "heed" \
+                and all(f.past_limit for _, f, _ in live):
+            raise NoneInTime("every other replica's predicted wait is past its max_queue_wait: " + ", ".join(
+                f"{replicas[i].name} ({f.wait_seconds:.2f} s, limit {f.max_wait_seconds:g} s)" for i, f, _ in live))
         prompt_tokens = max(tokens for _, _, tokens in live)
         chosen = self.router.choose(prompt_tokens, [f for _, f, _ in live], affinity_of(question))
         index, facts, counted = live[chosen.replica]
@@ -582,7 +594,8 @@ class RouterService:
         settings = {"prefill_rate": getattr(self.router, "prefill_rate", 20_000.0),
                     "balance_seconds": getattr(self.router, "balance_seconds", 2.0),
                     "new_prefix": getattr(self.router, "new_prefix", "home"),
-                    "new_prefix_slack": getattr(self.router, "new_prefix_slack", NEW_PREFIX_SLACK_TOKENS)}
+                    "new_prefix_slack": getattr(self.router, "new_prefix_slack", NEW_PREFIX_SLACK_TOKENS),
+                    "queue_limits": getattr(self.router, "queue_limits", "heed")}
         routes = {}
         for name in policies:
             policy = copy.deepcopy(self.router) if name == self.router.name else make_router(name, **settings)
