@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from kvctl.daemon.replay.fleet import RECORDED, FleetResult, places_new_prefixes
+from kvctl.daemon.replay.fleet import RECORDED, FleetResult, limit_choices, places_new_prefixes
 from kvctl.daemon.replay.service_rates import measured_rates
 from kvctl.trace_stats import coarse_ids, fleet_figures, live_cached_ratio
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
@@ -88,6 +88,15 @@ def replay_command(
                                           "replica that caches more."),
     new_prefix: str = typer.Option("home", help="prefix routing: where a prompt no replica holds goes: home (by "
                                    "a hash of its opening) or least_loaded."),
+    queue_limits: list[str] = typer.Option(["heed"], "--queue-limits",
+                                           help="With --replicas and --max-queue-wait: heed (as kvd router's "
+                                                "default: least_loaded, prefix and ttft pass over a replica "
+                                                "predicted to wait past it), ignore, or heed,ignore to compare."),
+    reroute: bool = typer.Option(True, "--reroute/--no-reroute",
+                                 help="With --replicas and --max-queue-wait: a request a replica turns away "
+                                      "(queue_timeout) goes to a replica not yet tried, as kvd router takes a 503 "
+                                      "there; --no-reroute for a fleet that streams its answers (a stream's "
+                                      "timeout reaches its client)."),
     placements: int = typer.Option(1, help="prefix routing, new prefixes home: replay it this many times, each "
                                    "placing new prefixes by another hash (as replicas named otherwise would), "
                                    "and show the spread of hit ratios; with few prefixes, where they land "
@@ -130,6 +139,10 @@ def replay_command(
     capacities = parse_int_list("capacity_tokens", capacity_tokens)
     policies = parse_names("policy", policy)
     routings = parse_names("routing", routing)
+    limits = parse_names("queue_limits", queue_limits)
+    if len(set(limits)) > 1 and not max_queue_wait > 0:
+        raise UserError(f"queue_limits: {','.join(limits)} compares nothing without --max-queue-wait: a router "
+                        "heeds the replicas' limits, and there are none")
     base = ReplaySettings(block_size=sizes[0] if sizes else 16,
                           capacity_tokens=capacities[0] if capacities else 0,
                           reservation=reserve, sequential=sequential, prefill_rate=prefill_rate,
@@ -162,7 +175,7 @@ def replay_command(
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
         validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers,
-                      placements)
+                      placements, limits)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
@@ -196,7 +209,8 @@ def replay_command(
                       + " tokens/s a request")
 
     fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings, "balance_seconds": balance_seconds,
-                                        "new_prefix": new_prefix, "placements": placements}
+                                        "new_prefix": new_prefix, "placements": placements,
+                                        "queue_limits": limits, "reroute": reroute}
     results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers)
     document = {
         "trace": trace_name,
@@ -250,8 +264,8 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
                        base: ReplaySettings, fleet: dict | None = None, tiers: Sequence[int] = (0,)) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    runs = 1 if fleet is None else sum(fleet["placements"] if places_new_prefixes(r, fleet["new_prefix"]) else 1
-                                       for r in fleet["routing"])
+    runs = 1 if fleet is None else sum((fleet["placements"] if places_new_prefixes(r, fleet["new_prefix"]) else 1)
+                                       * len(limit_choices(r, fleet["queue_limits"])) for r in fleet["routing"])
     total = len(requests) * len(sizes) * len(capacities) * len(policies) * runs \
         * (2 if base.tenant_shares else 1) * len(tiers)
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -270,7 +284,8 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
             return sweep(requests, sizes, capacities, policies, base, progress=tick, tier_tokens=tiers)
         return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
                            fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"],
-                           tier_tokens=tiers, placements=fleet["placements"])
+                           tier_tokens=tiers, placements=fleet["placements"], queue_limits=fleet["queue_limits"],
+                           reroute=fleet["reroute"])
 
 
 def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list:
@@ -357,15 +372,16 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
     for column in table.columns:
         if column.header not in ("policy", "routing"):
             column.justify = "right"
+    label = routing_labels(results)
     for r in results:
         if tiered:
             ttft = "-" if r.ttft_p50_s is None else f"{_short(r.ttft_p50_s)}/{_short(r.ttft_p95_s)}"
             table.add_row(str(r.block_size), _millions(r.capacity_tokens), _millions(r.tier_tokens), r.policy,
-                          r.routing, f"{r.hit_ratio:.1%}", f"{r.restored_ratio:.1%}", ttft, f"{r.imbalance:.2f}",
+                          label(r), f"{r.hit_ratio:.1%}", f"{r.restored_ratio:.1%}", ttft, f"{r.imbalance:.2f}",
                           str(r.rejections))
             continue
         ttft = "-" if r.ttft_p50_s is None else f"{r.ttft_p50_s:.2f}/{r.ttft_p95_s:.2f} s"
-        table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, r.routing, f"{r.hit_ratio:.1%}",
+        table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, label(r), f"{r.hit_ratio:.1%}",
                       ttft, f"{r.imbalance:.2f}", str(r.rejections))
     if tiered:
         keep_whole(table, 4, 7)  # the routing's name and the times: the title wraps instead
@@ -373,7 +389,39 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
     return [table, Text("hit with one unbounded cache for the fleet: " + ", ".join(
         f"block {size} {ratio:.1%}" for size, ratio in ceiling.items())
         + ("; imbal (imbalance)" if tiered else "; imbalance") + " is the busiest replica's requests over the mean"
-        + ("; TTFT p50/p95" if tiered else ""))] + [Text(placement_spread(r)) for r in results if r.placements]
+        + ("; TTFT p50/p95" if tiered else "")
+        + ("; heed/ignore: whether the router passed over replicas predicted past their max_queue_wait"
+           if any(label(r) != r.routing for r in results) else ""))] \
+        + [Text(placement_spread(r)) for r in results if r.placements] + fleet_rejection_lines(results, label)
+
+
+def routing_labels(results: list[FleetResult]):
+    """How the fleet table names a row's routing: with `, heed` or `, ignore` where both were
+    replayed (`--queue-limits heed,ignore`), for the policies that read load."""
+    compared = len({r.queue_limits for r in results if r.routing not in ("round_robin", RECORDED)}) > 1
+
+    def label(result: FleetResult) -> str:
+        if compared and result.routing not in ("round_robin", RECORDED):
+            return f"{result.routing}, {result.queue_limits}"
+        return result.routing
+
+    return label
+
+
+def fleet_rejection_lines(results: list[FleetResult], label) -> list[Text]:
+    """A line per fleet run that rejected or re-routed requests: rejections by reason, and the
+    queue timeouts the router took to another replica."""
+    lines = []
+    for r in results:
+        if not (r.reject_reasons or r.rerouted):
+            continue
+        parts = [f"rejected {', '.join(f'{why} {n:,}' for why, n in sorted(r.reject_reasons.items()))}"] \
+            if r.reject_reasons else []
+        if r.rerouted:
+            parts.append(f"re-routed {r.rerouted:,} after a queue timeout")
+        lines.append(Text(f"{label(r)} (block {r.block_size}, capacity {r.capacity_tokens:,}, {r.policy}): "
+                          + "; ".join(parts)))
+    return lines
 
 
 def live_beside_recorded(requests, results: list[FleetResult]) -> dict | None:

@@ -180,6 +180,10 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
     (["--tier-tokens", "-5"], "error: tier_tokens: -5 is neither 0 (no lower tier) nor a block"),
     (["--tier-write", "sometimes"], "error: tier_write: unknown value 'sometimes'; choose write_back, write_through, write_through_selective"),
     (["--restore-rate", "0"], "error: restore_rate: must be > 0, got 0.0"),
+    (["--replicas", "2", "--queue-limits", "obey"],
+     "error: queue_limits: unknown value 'obey'; choose from heed, ignore"),
+    (["--replicas", "2", "--queue-limits", "heed,ignore"],
+     "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
 ])
 def test_bad_options_name_field_and_value(capsys, small_trace, args, message):
     status, out, err = cli(capsys, "bench", "replay", str(small_trace), *args)
@@ -198,7 +202,7 @@ def test_replay_of_a_fleet_compares_routing_policies_in_a_table_and_json(capsys)
     doc = replay_json(capsys, "--demo-requests", "80", "--block-sizes", "64", "--policy", "lru",
                       "--capacity-tokens", "20000", "--replicas", "3", "--routing", "round_robin,prefix")
     assert doc["fleet"] == {"replicas": 3, "routing": ["round_robin", "prefix"], "balance_seconds": 2.0,
-                            "new_prefix": "home", "placements": 1}
+                            "new_prefix": "home", "placements": 1, "queue_limits": ["heed"], "reroute": True}
     assert [(r["routing"], r["replicas"], r["block_size"]) for r in doc["runs"]] == [
         ("round_robin", 3, 64), ("prefix", 3, 64)]
     for r in doc["runs"]:
@@ -211,6 +215,33 @@ def test_replay_of_a_fleet_compares_routing_policies_in_a_table_and_json(capsys)
     assert [line.split()[3] for line in lines[header + 1:header + 5]] == [
         "round_robin", "least_loaded", "prefix", "ttft"]
     assert "hit with one unbounded cache for the fleet: block 64 " in out
+
+
+def test_a_fleet_replay_compares_heeding_queue_limits_with_ignoring_them(capsys, tmp_path):
+    """tests/test_replay.py's HELD_UP: prefix routing heeding the replicas' 5 s max_queue_wait sends
+    the third request to the replica that starts it in time; ignoring it, the request times out and
+    is re-routed there; round_robin, blind to load, is replayed once."""
+    path = tmp_path / "held-up.jsonl"
+    write_trace(path, [TraceRequest(0, 1024, 20, (1, 10)), TraceRequest(0, 1024, 3, (2, 20)),
+                       TraceRequest(1000, 1024, 1, (1, 11))])
+    args = (str(path), "--block-sizes", "512", "--policy", "lru", "--capacity-tokens", "4096", "--replicas", "2",
+            "--max-running", "1", "--prefill-rate", "1e12", "--decode-rate", "1", "--max-queue-wait", "5",
+            "--balance-seconds", "100", "--routing", "round_robin,prefix", "--queue-limits", "heed,ignore")
+    doc = replay_json(capsys, *args)
+    assert [(r["routing"], r["queue_limits"], r["rerouted"], r["reject_reasons"]) for r in doc["runs"]] == [
+        ("round_robin", "ignore", 1, {}), ("prefix", "heed", 0, {}), ("prefix", "ignore", 1, {})]
+    assert [r["ttft_p99_s"] for r in doc["runs"][1:]] == [pytest.approx(2.0), pytest.approx(5.0)]
+    status, out, _ = cli(capsys, "bench", "replay", *args)
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("block capacity policy routing"))
+    assert [" ".join(line.split()[3:5]) for line in lines[header + 1:header + 4]] == [
+        "round_robin 0.0%", "prefix, heed", "prefix, ignore"]
+    words = " ".join(out.split())  # rich wraps at 80 columns
+    assert "heed/ignore: whether the router passed over replicas predicted past their max_queue_wait" in words
+    assert "prefix, ignore (block 512, capacity 4,096, lru): re-routed 1 after a queue timeout" in words
+    doc = replay_json(capsys, *args[:-2], "--queue-limits", "ignore", "--no-reroute")
+    assert [(r["routing"], r["rerouted"], r["reject_reasons"]) for r in doc["runs"]] == [
+        ("round_robin", 0, {"queue_timeout": 1}), ("prefix", 0, {"queue_timeout": 1})]
 
 
 def test_missing_or_bad_trace_file(capsys, tmp_path):

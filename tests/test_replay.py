@@ -169,9 +169,11 @@ def fleet(requests, replicas, routing, block_size=512, capacity_tokens=1024, **k
     keys = [keyer.keys(r) for r in requests]
     balance = kwargs.pop("balance_seconds", None)
     placement = kwargs.pop("placement", 0)
+    routed = {name: kwargs.pop(name) for name in ("queue_limits", "reroute") if name in kwargs}
     settings = ReplaySettings(block_size=block_size, capacity_tokens=capacity_tokens, **kwargs)
     return replay_fleet(settings, replicas, routing, requests, keys, max_hit_blocks(requests, keys, block_size),
-                        audit=True, placement=placement, **({} if balance is None else {"balance_seconds": balance}))
+                        audit=True, placement=placement, **routed,
+                        **({} if balance is None else {"balance_seconds": balance}))
 
 
 # two system prompts (hash ids 1 and 2), each asked twice in a row, a second apart; each replica
@@ -250,6 +252,59 @@ def test_prefix_affinity_gives_way_to_load_beyond_its_balance():
     hasty = fleet(busy, 2, "prefix", capacity_tokens=2048, max_running=1, balance_seconds=2.0)
     assert hasty.requests_per_replica == [1, 1] and hasty.hit_tokens == 0
     assert hasty.ttft_p99_s == pytest.approx(1024 / 20_000)
+
+
+# one slot per replica, a token a second, prompts computed at once: r0 holds a replica 20 s; r1 the
+# other 3 s; r2, a second later, shares r0's prompt (hash id 1)
+HELD_UP = [req(0, 1024, [1, 10], output=20), req(0, 1024, [2, 20], output=3), req(1000, 1024, [1, 11], output=1)]
+SLOW_SERVICE = dict(capacity_tokens=4096, max_running=1, prefill_rate=1e12, decode_rate=1.0, max_queue_wait=5.0)
+
+
+def test_a_fleet_router_passes_over_a_replica_predicted_past_its_queue_limit():
+    """prefix routing sends r2 to the replica caching its prompt, 19 s behind, unless it heeds
+    that replica's 5 s max_queue_wait: then to the other, where it starts at 3 s."""
+    heed = fleet(HELD_UP, 2, "prefix", balance_seconds=100.0, **SLOW_SERVICE)
+    assert (heed.queue_limits, heed.rerouted, heed.reject_reasons) == ("heed", 0, {})
+    assert sorted(heed.requests_per_replica) == [1, 2] and heed.hit_tokens == 0
+    assert heed.ttft_p99_s == pytest.approx(2.0)  # arrived at 1 s, started at 3 s
+    # blind to the limit: r2 waits its 5 s there, is turned away, and the router takes it to the
+    # other replica (free since 3 s): its first token 5 s after it first arrived
+    blind = fleet(HELD_UP, 2, "prefix", balance_seconds=100.0, queue_limits="ignore", **SLOW_SERVICE)
+    assert (blind.queue_limits, blind.rerouted, blind.reject_reasons) == ("ignore", 1, {})
+    assert sorted(blind.requests_per_replica) == [1, 2] and blind.admitted == 3
+    assert blind.ttft_p99_s == pytest.approx(5.0)
+    # not re-routed (a streamed request): the timeout is its answer
+    streamed = fleet(HELD_UP, 2, "prefix", balance_seconds=100.0, queue_limits="ignore", reroute=False,
+                     **SLOW_SERVICE)
+    assert (streamed.rerouted, streamed.reject_reasons, streamed.admitted) == (0, {"queue_timeout": 1}, 2)
+    # without a limit both are the same replay
+    free = {**SLOW_SERVICE, "max_queue_wait": 0.0}
+    unlimited = [fleet(HELD_UP, 2, "prefix", balance_seconds=100.0, queue_limits=q, **free) for q in ("heed", "ignore")]
+    assert [(r.requests_per_replica, r.hit_tokens, r.ttft_p99_s) for r in unlimited] == [
+        (unlimited[0].requests_per_replica, 512, pytest.approx(19.0))] * 2  # behind r0, its prompt cached
+
+
+def test_a_fleet_turns_a_request_away_once_every_replica_has():
+    """round_robin, 5 s limit, both replicas held 10 s: r2 and r3 time out at 5 s, each goes to
+    the replica the other left, and times out there at 10 s, as the slot frees (kvd checks the
+    queue's limit before it admits): a rejection each, after one re-route each."""
+    trace = [req(0, 256, [n], output=out) for n, out in ((1, 10), (2, 10), (3, 1), (4, 1))]
+    result = fleet(trace, 2, "round_robin", block_size=256, **SLOW_SERVICE)
+    assert (result.queue_limits, result.rerouted, result.reject_reasons) == ("ignore", 2, {"queue_timeout": 2})
+    assert (result.admitted, result.rejections, result.requests_per_replica) == (2, 2, [1, 1])
+    # one more second of limit: each starts at 10 s where it was re-routed, 10 s after it came
+    result = fleet(trace, 2, "round_robin", block_size=256, **{**SLOW_SERVICE, "max_queue_wait": 6.0})
+    assert (result.rerouted, result.reject_reasons, result.requests_per_replica) == (2, {}, [2, 2])
+    assert result.ttft_p99_s == pytest.approx(10.0)
+    # a router heeding the limits sends a timed-out request on only where it is predicted to start in
+    # time: at 5 s the other replica is 5 s from a free slot, with 1 s queued (6 s, past 5 s), so both
+    # are turned away at once; at 6 s it is 4 s away (the queued one has just timed out): both go on
+    heeding = fleet(trace, 2, "least_loaded", block_size=256, **SLOW_SERVICE)
+    assert (heeding.queue_limits, heeding.rerouted, heeding.reject_reasons) == ("heed", 0, {"queue_timeout": 2})
+    blind = fleet(trace, 2, "least_loaded", block_size=256, queue_limits="ignore", **SLOW_SERVICE)
+    assert (blind.rerouted, blind.reject_reasons) == (2, {"queue_timeout": 2})  # another 5 s each, for nothing
+    later = fleet(trace, 2, "least_loaded", block_size=256, **{**SLOW_SERVICE, "max_queue_wait": 6.0})
+    assert (later.rerouted, later.reject_reasons, later.admitted) == (2, {}, 4)
 
 
 def test_a_fleet_refuses_sequential_mode_and_bad_counts_by_name():

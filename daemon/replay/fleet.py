@@ -18,6 +18,14 @@ replicas).
 With `tier_tokens`, the replicas share one lower tier of that many tokens, as daemons pointing at
 one Redis do: what one replica's device evicts, any replica restores, and the router counts it
 as held by every replica (priced at `restore_rate`).
+
+With `max_queue_wait`, each replica turns away a request that waits that long to start
+(queue_timeout), and the router takes it to a replica it has not tried yet, as kvd router does with
+a 503 (`reroute`; a streamed request's timeout reaches its client instead, so a fleet that streams
+every answer is replayed without it). Its wait there starts anew; its time to first token counts
+from its first arrival. The routers see each replica's limit; heeding them (`queue_limits`, as
+kvd router's), they pass over a replica predicted past its limit, and send a timed-out request on
+only to a replica predicted to start it in time (else the timeout is its answer).
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ class FleetResult:
     imbalance: float  # the busiest replica's admitted requests / the mean
     seconds: float
     reject_reasons: dict[str, int] = field(default_factory=dict)
+    queue_limits: str = "heed"  # whether the router passed over replicas predicted past their max_queue_wait
+    rerouted: int = 0  # queue timeouts the router took to another replica (each try after the first)
     tier_tokens: int = 0  # the shared lower tier's size (0: none)
     restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled, fleet-wide
     restored_ratio: float = 0.0
@@ -74,10 +84,12 @@ class FleetResult:
 def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests: Sequence[TraceRequest],
                  keys: Sequence[list[BlockKey]], max_hits: Sequence[int],
                  progress: Callable[[int], None] | None = None, audit: bool = False,
-                 balance_seconds: float = 2.0, new_prefix: str = "home", placement: int = 0) -> FleetResult:
+                 balance_seconds: float = 2.0, new_prefix: str = "home", placement: int = 0,
+                 queue_limits: str = "heed", reroute: bool = True) -> FleetResult:
     """Replay `requests` over `replicas` replicas of `settings`, routed by `routing`, new prefixes
-    placed by the hash `placement` draws (`trace_affinity`). `audit=True` reconciles every
-    replica's books at the end (tests turn it on)."""
+    placed by the hash `placement` draws (`trace_affinity`); queue timeouts re-routed unless
+    `reroute` is False (or routing is `recorded`: the trace says where each was served).
+    `audit=True` reconciles every replica's books at the end (tests turn it on)."""
     if settings.sequential:
         raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
     if not isinstance(replicas, int) or replicas < 1:
@@ -87,25 +99,63 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                          f"{settings.block_size} tokens")
     recorded = recorded_replicas(requests, replicas) if routing == RECORDED else None  # the live router's choices
     router = None if recorded is not None else make_router(routing, prefill_rate=settings.prefill_rate,
-                                                           balance_seconds=balance_seconds, new_prefix=new_prefix)
+                                                           balance_seconds=balance_seconds, new_prefix=new_prefix,
+                                                           queue_limits=queue_limits)
     shared = OrderedDict() if settings.tier_tokens else None  # one tier for the fleet: a shared Redis
     runs = [ReplicaRun(settings, requests, keys, max_hits, tier=shared) for _ in range(replicas)]
     names = [f"replica-{i}" for i in range(replicas)]  # where a new prefix goes home, as a live router names them
     tick = progress or (lambda _n: None)
     size = settings.block_size
+    every = list(range(replicas))
+    timed_out: list[tuple[float, int, int]] = []  # (when, request, replica) of the queue timeouts to re-route
+    tried: dict[int, set[int]] = {}  # request -> the replicas that timed it out
+    rerouted, gave_up = 0, 0
+    rerouting = reroute and recorded is None and settings.max_queue_wait > 0
+    heeds = getattr(router, "queue_limits", "ignore") == "heed"  # (round_robin reads no load)
+    if rerouting:
+        for number, run in enumerate(runs):
+            run.on_timeout = lambda index, when, number=number: timed_out.append((when, index, number))
+
+    def route(index: int, arrival: float, among: list[int], origin: float | None = None) -> None:
+        request = requests[index]
+        facts = [_facts(runs[i], index, names[i], size) for i in among]
+        affinity = trace_affinity(request, placement) if request.hash_ids else None
+        runs[among[router.choose(request.input_length, facts, affinity).replica]].arrive(index, arrival, tick, origin)
+
+    def reroute_until(until: float) -> None:
+        """Take each request that times out by `until` to a replica that has not turned it away,
+        in time order (every replica at that time); one that every replica turned away is rejected."""
+        nonlocal rerouted, gave_up
+        while rerouting and (when := min(run.next_deadline() for run in runs)) <= until and when != float("inf"):
+            for run in runs:
+                run.finish_until(when, tick)
+                run.advance(when)
+                run.expire_waiting(tick)
+            for _, index, number in sorted(timed_out):
+                tried.setdefault(index, set()).add(number)
+                left = [i for i in every if i not in tried[index]]
+                if left and heeds and all(_facts(runs[i], index, names[i], size).past_limit for i in left):
+                    left = []  # none would start it in time: the timeout is its answer
+                if not left:
+                    gave_up += 1
+                    tick(1)
+                    continue
+                rerouted += 1
+                route(index, when, left, runs[0].arrival_of(requests[index]))
+            timed_out.clear()
+
     started = time.perf_counter()
     for index, request in enumerate(requests):
         arrival = runs[0].arrival_of(request)
+        reroute_until(arrival)
         for run in runs:
             run.finish_until(arrival, tick)
             run.advance(arrival)
         if recorded is not None:
-            chosen = recorded[index]
+            runs[recorded[index]].arrive(index, arrival, tick)
         else:
-            facts = [_facts(run, index, name, size) for run, name in zip(runs, names)]
-            affinity = trace_affinity(request, placement) if request.hash_ids else None
-            chosen = router.choose(request.input_length, facts, affinity).replica
-        runs[chosen].arrive(index, arrival, tick)
+            route(index, arrival, every)
+    reroute_until(float("inf"))
     for run in runs:
         run.drain(tick)
     seconds = time.perf_counter() - started
@@ -114,7 +164,12 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
             run.manager.audit()
             if run.manager.num_sequences:
                 raise AssertionError(f"{run.manager.num_sequences} sequences left after the replay")
-    return _result(settings, routing, runs, len(requests), seconds)
+    result = _result(settings, routing, runs, len(requests), seconds)
+    result.queue_limits, result.rerouted = limit_choices(routing, (queue_limits,))[0], rerouted
+    if gave_up:
+        result.reject_reasons["queue_timeout"] = result.reject_reasons.get("queue_timeout", 0) + gave_up
+        result.rejections += gave_up
+    return result
 
 
 RECORDED = "recorded"  # a replay's routing: each request to the replica its fleet trace names
@@ -142,7 +197,8 @@ def _facts(run: ReplicaRun, index: int, name: str, size: int) -> ReplicaFacts:
     restorable = run.restorable_blocks(index, held) * size
     return ReplicaFacts(held * size, run.wait_seconds(), len(run.running) + len(run.waiting),
                         restorable_tokens=restorable,
-                        restore_seconds=restorable / run.settings.restore_rate if restorable else 0.0, name=name)
+                        restore_seconds=restorable / run.settings.restore_rate if restorable else 0.0, name=name,
+                        max_wait_seconds=run.settings.max_queue_wait or None)
 
 
 def trace_affinity(request: TraceRequest, placement: int = 0) -> bytes:
@@ -150,6 +206,12 @@ def trace_affinity(request: TraceRequest, placement: int = 0) -> bytes:
     `placement` gives every opening another affinity, so new prefixes go home elsewhere."""
     drawn = f"/{placement}".encode() if placement else b""
     return hashlib.sha256(b"kvctl/affinity/trace/v1" + drawn + b"\0" + str(request.hash_ids[0]).encode()).digest()
+
+
+def limit_choices(routing: str, queue_limits: Sequence[str]) -> Sequence[str]:
+    """The `queue_limits` values a routing is replayed with: round_robin and recorded read no load,
+    so once, as "ignore"."""
+    return ("ignore",) if routing in ("round_robin", RECORDED) else queue_limits
 
 
 def places_new_prefixes(routing: str, new_prefix: str) -> bool:

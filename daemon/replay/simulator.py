@@ -181,6 +181,10 @@ class ReplicaRun:
         self.queued_seconds = 0.0  # their sum
         self.queued_keys: dict[BlockKey, int] = {}  # block key -> waiting requests whose prompt has it
         self.ttft: list[float] = []
+        # a fleet that re-routes a queue timeout, as kvd router does: called with (request, the time it
+        # timed out) instead of counting a rejection; and where such a request first arrived (its TTFT's start)
+        self.on_timeout: Callable[[int, float], None] | None = None
+        self.origins: dict[int, float] = {}
 
     # ---- core calls, timed -----------------------------------------------------------------
     def used_blocks(self) -> int:
@@ -338,10 +342,23 @@ class ReplicaRun:
         limit, waiting = self.settings.max_queue_wait, self.waiting
         if not limit > 0:
             return
-        while waiting and self.now - self.arrivals[waiting[0]] >= limit:
-            self._unqueue(waiting.popleft())
+        while waiting and self.now >= self.arrivals[waiting[0]] + limit:  # as next_deadline reckons it
+            index = waiting.popleft()
+            deadline = self._unqueue(index) + limit
+            if self.on_timeout is not None:
+                self.on_timeout(index, deadline)
+                continue
+            self.origins.pop(index, None)
             self.reject("queue_timeout")
             progress(1)
+
+    def next_deadline(self) -> float:
+        """When the head of the queue times out (max_queue_wait), unless it starts first; inf
+        with no limit or no queue."""
+        limit = self.settings.max_queue_wait
+        if not limit > 0 or not self.waiting:
+            return float("inf")
+        return self.arrivals[self.waiting[0]] + limit
 
     def admit_waiting(self, progress: Callable[[int], None]) -> None:
         """Start waiting requests in order while they fit and a slot is free (those past
@@ -353,13 +370,15 @@ class ReplicaRun:
             if self.never_fits(index):
                 waiting.popleft()
                 self._unqueue(index)
+                self.origins.pop(index, None)
                 self.reject("never_fits")
                 progress(1)
                 continue
             if not self.start(index):
                 break
             waiting.popleft()
-            arrival = self._unqueue(index)
+            # (unqueued either way) its first token counts from its arrival, a re-routed one's first arrival
+            arrival = self.origins.pop(index, self._unqueue(index))
             request, s = self.requests[index], self.settings
             restored = self.restored[index]
             uncached = request.input_length - self.manager.sequence(str(index)).hit_tokens - restored
@@ -402,14 +421,18 @@ class ReplicaRun:
             progress(1)
             self.admit_waiting(progress)
 
-    def arrive(self, index: int, arrival: float, progress: Callable[[int], None]) -> None:
+    def arrive(self, index: int, arrival: float, progress: Callable[[int], None],
+               origin: float | None = None) -> None:
         """Request `index` arrives now: queued (or refused when the queue is full), then started
-        if it can be."""
+        if it can be. `origin`: when it first arrived at the fleet, for a request a router re-routed
+        here (its wait for max_queue_wait starts now, its time to first token then)."""
         self.expire_waiting(progress)  # those that timed out before now hold no place in the queue
         if len(self.waiting) >= self.settings.max_queue:
             self.reject("queue_full")
             progress(1)
             return
+        if origin is not None:
+            self.origins[index] = origin
         request = self.requests[index]
         cached = self.manager.lookup(self.keys[index], request.input_length) * self.settings.block_size
         estimate = self.service_seconds(index, request.input_length - cached)
@@ -423,7 +446,9 @@ class ReplicaRun:
     def drain(self, progress: Callable[[int], None]) -> None:
         self.finish_until(float("inf"), progress)
         while self.waiting:  # only requests blocked by pins can remain
-            self._unqueue(self.waiting.popleft())
+            index = self.waiting.popleft()
+            self._unqueue(index)
+            self.origins.pop(index, None)
             self.reject("cache_full")
             progress(1)
 
