@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 AFFINITY_CHARS = 256  # of a text prompt's opening that names its home (about 64 tokens)
@@ -107,6 +107,8 @@ def facts_from_answer(answer: dict, in_flight: int = 0) -> ReplicaFacts:
 class Route:
     replica: int  # index into the facts given
     reason: str
+    # indexes of the replicas passed over, their predicted wait past their max_queue_wait (the reason names them)
+    passed_over: tuple[int, ...] = field(default=(), compare=False)
 
 
 class Router(Protocol):
@@ -193,7 +195,7 @@ class _Spreading:
                 f"max_queue_wait {replicas[i].max_wait_seconds:g} s)" for i in passed)
         elif self.queue_limits == "heed" and all(r.past_limit for r in replicas):
             reason += "; every replica's predicted wait is past its max_queue_wait"
-        return Route(index, reason)
+        return Route(index, reason, tuple(passed))
 
 
 class RoundRobin:

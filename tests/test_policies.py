@@ -370,6 +370,7 @@ def test_routers_pass_over_a_replica_predicted_past_its_max_queue_wait():
     route = make_router("least_loaded").choose(8192, late_b)
     assert route == Route(2, "shortest wait (6.00 s); passed over a (predicted wait 12.00 s, past its "
                              "max_queue_wait 10 s), b (predicted wait 5.50 s, past its max_queue_wait 5 s)")
+    assert route.passed_over == (0, 1)  # (the router counts them: kvd_router_passed_over_total)
     assert make_router("least_loaded", queue_limits="ignore").choose(8192, late_b).replica == 1
     # every replica past its limit: the choice is as without limits, and the reason says so
     all_late = [F(4096, 12.0, name="a", max_wait_seconds=10.0), F(0, 5.5, name="b", max_wait_seconds=5.0)]

@@ -1193,14 +1193,19 @@ def test_the_router_passes_over_a_replica_predicted_past_its_max_queue_wait(repl
         for i, wait in ((0, 30.0), (1, 30.0)):
             service.replicas[i].client = replica_client(f"/run/replica-{i}.sock", transport=Behind(
                 replicas[i], wait, limit if i == 0 else None))
-        [answer] = drive(app, [lambda c: post(c, fresh)], service=service if view == "events" else None)
+        [answer, scraped] = drive(app, [lambda c: post(c, fresh), lambda c: c.get("/metrics")],
+                                  service=service if view == "events" else None)
         assert answer.status_code == 200
-        return answer.headers["x-kvd-replica"], answer.headers["x-kvd-route"]
+        lines = scraped.text.splitlines()
+        passed = [line for line in lines if line.startswith("kvd_router_passed_over_total{")]
+        assert passed == [f'kvd_router_passed_over_total{{replica="replica-{i}"}} {float(n)}' for i, n in (
+            (0, [r.passed_over for r in service.replicas][0]), (1, 0))]
+        return answer.headers["x-kvd-replica"], answer.headers["x-kvd-route"], service.replicas[0].passed_over
 
     assert routed(10.0) == ("replica-1", "no replica caches its prefix: its home (the first by its hash within the "
                                          "load bound); passed over replica-0 (predicted wait 30.00 s, past its "
-                                         "max_queue_wait 10 s)")
-    assert routed(10.0, "ignore")[0] == routed(60.0)[0] == "replica-0"
+                                         "max_queue_wait 10 s)", 1)
+    assert routed(10.0, "ignore")[::2] == routed(60.0)[::2] == ("replica-0", 0)
 
 
 @pytest.mark.parametrize("queue_limits, other_wait", [("heed", 30.0), ("heed", 3.0), ("ignore", 30.0)])
@@ -1216,9 +1221,11 @@ def test_a_queue_timeout_goes_on_only_to_a_replica_predicted_to_start_it_in_time
         service.replicas[i].client = replica_client(f"/run/replica-{i}.sock", transport=front)
     fresh = homed(f"{queue_limits} {other_wait}: a request the first replica times out, asked once. " * 5,
                   "replica-0")
-    [answer] = drive(app, [lambda c: post(c, fresh)])
+    [answer, scraped] = drive(app, [lambda c: post(c, fresh), lambda c: c.get("/metrics")])
     assert fronts[0].completions == 1
-    if queue_limits == "heed" and other_wait == 30.0:
+    not_rerouted = 1 if (queue_limits, other_wait) == ("heed", 30.0) else 0
+    assert f"kvd_router_timeouts_not_rerouted_total {float(not_rerouted)}" in scraped.text.splitlines()
+    if not_rerouted:
         assert answer.status_code == 503 and fronts[1].completions == 0
         assert answer.json()["error"]["code"] == "queue_timeout" and answer.headers["retry-after"] == "1"
         assert answer.headers["x-kvd-tried"] == "replica-0 (503)"

@@ -12,6 +12,10 @@
     kvd_router_rerouted_total{replica}            requests it refused before starting them (429, 503),
                                                   could not be reached for, or closed the connection of
                                                   before any answer (once a request): sent to the next best
+    kvd_router_passed_over_total{replica}         requests sent elsewhere because its predicted wait was past its
+                                                  max_queue_wait (queue_limits: heed)
+    kvd_router_timeouts_not_rerouted_total        requests a replica turned away after their wait (queue_timeout)
+                                                  that went to no other: none was predicted to start them in time
     kvd_router_unrouted_total                     requests no replica took in: none could take them or be
                                                   reached, or each one asked was stopping (503)
     kvd_router_disaggregated_total{outcome}       requests by how their prefill went (0 without prefill replicas):
@@ -76,6 +80,11 @@ class _RouterCollector:
         yield per_replica(CounterMetricFamily, "rerouted", "Requests the replica refused before starting them, "
                           "could not be reached for, or closed the connection of before answering, sent to the "
                           "next best replica", lambda r: r.rerouted)
+        yield per_replica(CounterMetricFamily, "passed_over", "Requests sent elsewhere because the replica's "
+                          "predicted wait was past its max_queue_wait", lambda r: r.passed_over)
+        yield CounterMetricFamily("kvd_router_timeouts_not_rerouted", "Requests a replica turned away after their "
+                                  "wait (queue_timeout) that no other replica was predicted to start in time: the "
+                                  "caller got that 503", value=self.service.timeouts_not_rerouted)
         yield from gc_metric_families(self.service.gc_pauses)
         yield CounterMetricFamily("kvd_router_unrouted", "Requests the router gave up on with no replica taking "
                                   "them in: none could take them or be reached, or each one asked was stopping (503)",

@@ -81,6 +81,7 @@ class Replica:
     failed_questions: int = 0
     failed_forwards: int = 0
     rerouted: int = 0  # requests it refused before starting (429, 503) or was unreachable for: tried elsewhere
+    passed_over: int = 0  # requests sent elsewhere, its predicted wait past its max_queue_wait
     draining: bool = False  # takes no new request: an operator's drain, or it is leaving
     drained_there: bool = False  # the replica itself said it is draining (kvctl drain; seen by every router)
     asleep_there: bool = False  # and that it is asleep (kvctl sleep there), as its latest answer to a question said
@@ -179,6 +180,9 @@ class RouterService:
     # (kvd_router_unrouted_total); no replica keeps a trace line of them, so the fleet's trace says
     # how many fell in its span from `untraced` (fleet_trace.py): Unix times, the newest UNTRACED_KEPT.
     unrouted: int = 0
+    # requests a replica turned away after their wait (queue_timeout) that went to no other: none was
+    # predicted to start them in time (NoneInTime; kvd_router_timeouts_not_rerouted_total)
+    timeouts_not_rerouted: int = 0
     # disaggregated: a replica that decodes computes the prompt itself when it would compute this many
     # tokens of it or fewer (it holds the rest), rather than take it from a prefill replica (router.py)
     local_prefill_tokens: int = LOCAL_PREFILL_TOKENS
@@ -558,11 +562,14 @@ class RouterService:
         live = reusing(body, live)
         if timed_out and getattr(self.router, "queue_limits", "ignore") == "heed" \
                 and all(f.past_limit for _, f, _ in live):
+            self.timeouts_not_rerouted += 1
             raise NoneInTime("every other replica's predicted wait is past its max_queue_wait: " + ", ".join(
                 f"{replicas[i].name} ({f.wait_seconds:.2f} s, limit {f.max_wait_seconds:g} s)" for i, f, _ in live))
         prompt_tokens = max(tokens for _, _, tokens in live)
         chosen = self.router.choose(prompt_tokens, [f for _, f, _ in live], affinity_of(question))
         index, facts, counted = live[chosen.replica]
+        for passed in chosen.passed_over:
+            replicas[live[passed][0]].passed_over += 1
         replica = replicas[index]
         replica.sent += 1
         replica.prompt_tokens += counted
