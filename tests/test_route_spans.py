@@ -80,6 +80,34 @@ def test_a_route_span_has_a_try_per_replica_asked_and_the_replica_s_span_is_the_
         replica.shutdown(deadline=2)
 
 
+def test_the_router_s_openmetrics_scrape_links_the_choice_s_time_to_its_route_s_trace(tmp_path):
+    """Asked for OpenMetrics, kvd_router_decision_seconds names the route span of the request each
+    bucket saw last (Grafana jumps from a slow choice to its trace); the classic text has none."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    replica, _, replica_app = traced(tmp_path)
+    try:
+        service, front, exporter = traced_router([replica_app, replica_app])
+        answer, scraped, plain = drive(front, [
+            lambda c: c.post("/v1/completions", headers={"traceparent": TRACEPARENT},
+                             json={"prompt": PROMPT, "max_tokens": 2}),
+            lambda c: c.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}),
+            lambda c: c.get("/metrics")])
+        assert answer.status_code == 200
+        [route] = by_name(exporter.get_finished_spans(), "kvd.router.route")
+        assert scraped.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
+        families = {family.name: family for family in text_string_to_metric_families(scraped.text)}
+        linked = [s for s in families["kvd_router_decision_seconds"].samples if s.exemplar is not None]
+        assert len(linked) == 1  # the one choice, in the lowest bucket its time fits
+        assert linked[0].exemplar.labels == {"trace_id": TRACE_ID, "span_id": f"{route.context.span_id:016x}"}
+        assert float(linked[0].labels["le"]) >= linked[0].exemplar.value > 0
+        assert families["kvd_router_requests"].type == "counter"
+        assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert TRACE_ID not in plain.text and "# EOF" not in plain.text
+    finally:
+        replica.shutdown(deadline=2)
+
+
 def test_a_streamed_answer_s_route_ends_with_its_last_byte_or_breaks_off_as_an_error():
     import asyncio
 

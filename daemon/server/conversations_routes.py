@@ -61,6 +61,8 @@ def shaped_items(raw: Any, required: bool) -> list[dict]:
 
 
 def refuse_include(http: Request) -> None:
+    """A 400 for `include` on an item listing (a response's input items, a conversation's items):
+    kvd keeps nothing more of an item to add."""
     include = [name for key in ("include", "include[]") for name in http.query_params.getlist(key) if name]
     if include:  # (OpenAI's client sends include[]=...)
         raise ApiError(400, f"include: kvd adds nothing to the items (got {include!r}); leave it out",

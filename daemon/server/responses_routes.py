@@ -28,7 +28,7 @@ from .response_store import REPLAY_S
 from .response_truncation import fitting_cut, kept_from
 from .responses_input import input_items, input_messages
 from .conversation_store import ConversationError, Turn
-from .conversations_routes import not_found as conversation_not_found
+from .conversations_routes import not_found as conversation_not_found, refuse_include
 from .strict_json import StrictJSONRoute
 
 REQUEST_ID_HEADER = "X-KVD-Request-Id"
@@ -352,10 +352,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
     async def kept_input_items(response_id: str, http: Request, after: str | None = None, before: str | None = None,
                                limit: str | None = None, order: str | None = None,
                                who: Principal = Depends(principal)):
-        include = [name for key in ("include", "include[]") for name in http.query_params.getlist(key) if name]
-        if include:  # (OpenAI's client sends include[]=...)
-            raise ApiError(400, f"include: kvd adds nothing to the items (got {include!r}); leave it out",
-                           param="include", code="unsupported_parameter")
+        refuse_include(http)
         kept = service.responses.get(who.tenant, response_id)
         if kept is None:
             raise _not_kept(response_id, "response_id", service.responses.gone.why(who.tenant, response_id))

@@ -30,6 +30,8 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 class NoRouteSpan:
     """A route span that records nothing (tracing off): the forward's code calls it all the same."""
 
+    exemplar = None  # the labels linking the route's figures in /metrics to its trace (RouteSpan's)
+
     def attempt(self, replica: str, phase: str, headers: dict) -> None:
         pass
 
@@ -71,6 +73,9 @@ class RouteSpan(NoRouteSpan):
         self._try = None  # the try at a replica now open
         self._broken: str | None = None  # why a streamed answer broke off
         self._ended = False
+        ids = self._span.get_span_context()
+        # an exemplar's labels (OpenMetrics): the choice's time in kvd_router_decision_seconds links to this trace
+        self.exemplar = {"trace_id": f"{ids.trace_id:032x}", "span_id": f"{ids.span_id:016x}"}
 
     def attempt(self, replica: str, phase: str, headers: dict) -> None:
         """A try at `replica` begins (`phase` prefill: computing the prompt for a decode replica;

@@ -33,9 +33,8 @@ from urllib.parse import quote
 import httpx
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.routing import APIRoute
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvctl import __version__ as kvctl_version
@@ -407,8 +406,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(503, str(exc), "no_replica")
 
     @app.get("/metrics")
-    def metrics_endpoint(_: Caller = Depends(admin)):
-        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    def metrics_endpoint(http: Request, _: Caller = Depends(admin)):
+        encoder, media = choose_encoder(http.headers.get("accept", ""))  # OpenMetrics: with exemplars
+        return Response(encoder(metrics.registry), media_type=media)
 
     @app.get("/admin/status")
     async def fleet_status(_: Caller = Depends(admin)):
@@ -631,7 +631,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         content, excluded, tried = json.dumps(asked).encode(), set(), []
         while True:
             try:
-                replica, _ = await service.choose(asked, tenant, excluded, phase="prefill")
+                replica, _ = await service.choose(asked, tenant, excluded, phase="prefill", exemplar=span.exemplar)
             except LookupError as exc:
                 outcome, why = "no_prefill_replica", "; ".join(tried) or str(exc)
                 break
@@ -740,7 +740,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         traced = hops > 0  # whether a replica ran a try or turned it away (429): it keeps a trace line of it
         while True:
             try:
-                replica, reason = await service.choose(body, tenant, excluded, weighed=weighed, timed_out=timed_out)
+                replica, reason = await service.choose(body, tenant, excluded, weighed=weighed, timed_out=timed_out,
+                                                       exemplar=span.exemplar)
                 weighed = None  # (a retry weighs again, without the replicas that refused)
             except LookupError as exc:  # ModelNotServed too: on a retry, none left that serves its model
                 if refusal is None and isinstance(exc, ModelNotServed):

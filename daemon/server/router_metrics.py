@@ -30,7 +30,8 @@
     kvd_router_view_pending_keys{replica}         events view: blocks sent there, not yet in its feed
     kvd_router_view_snapshots_total{replica}      events view: feeds started from a snapshot (1 + restarts,
                                                   gaps and lost connections)
-    kvd_router_decision_seconds                   histogram: time to choose a replica
+    kvd_router_decision_seconds                   histogram: time to choose a replica (OpenMetrics scrapes:
+                                                  exemplars naming the route's span, where spans are sent)
     kvd_gc_pause_seconds{generation}              histogram: how long each of Python's garbage collections
                                                   stopped the router (kvd router; gc_pauses.py)
     kvd_gc_frozen_objects                         objects frozen out of the collector's walks (gc_freeze)

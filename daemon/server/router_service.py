@@ -189,7 +189,8 @@ class RouterService:
     # disaggregated prefill and decode: requests by how their prefill went (router.py, PD_OUTCOMES)
     pd_outcomes: Counter = field(default_factory=Counter)
     untraced: deque = field(default_factory=lambda: deque(maxlen=UNTRACED_KEPT))
-    on_decision: Callable[[float], None] = lambda seconds: None  # each choice's time (the /metrics histogram)
+    # each choice's time, with the exemplar linking it to the route's trace where one is made (the /metrics histogram)
+    on_decision: Callable[[float, dict | None], None] = lambda seconds, exemplar=None: None
     # the router process's garbage collections (gc_pauses.py): `kvd router` installs and freezes it
     gc_pauses: GcPauses = field(default_factory=lambda: GcPauses(stalls="no request is routed meanwhile"))
     tls: object | None = None  # the TCP front's TLS (tls.ServingTls), which SIGHUP rotates; None without
@@ -430,8 +431,8 @@ class RouterService:
         return None, None
 
     async def choose(self, body: dict, tenant: str | None, excluded: set[int] = frozenset(),
-                     phase: str = "whole", weighed: Weighed | None = None, timed_out: bool = False
-                     ) -> tuple[Replica, str]:
+                     phase: str = "whole", weighed: Weighed | None = None, timed_out: bool = False,
+                     exemplar: dict | None = None) -> tuple[Replica, str]:
         """The replica for this request, and why; replicas whose id() is in `excluded` (they
         refused it already) are not weighed, nor those whose role is not for `phase` ("prefill":
         prefill replicas alone; "whole", a request or its decode: the others). LookupError when
@@ -439,13 +440,14 @@ class RouterService:
         nothing excluded but by `phase` (`local_prefill`'s), so that none is asked twice; the
         choice's time (on_decision) then counts from that weighing's start. `timed_out`: a replica
         turned it away for its wait (queue_timeout): a policy heeding queue limits sends it on only
-        to a replica predicted to start it in time (NoneInTime when none is)."""
+        to a replica predicted to start it in time (NoneInTime when none is). `exemplar`: the
+        route span's ids, which the choice's time carries to /metrics (RouteSpan.exemplar)."""
         started = time.perf_counter() if weighed is None else weighed[1]
         excluded = set(excluded) | self.not_for(phase)
         try:
             return await self._choose(body, tenant, excluded, None if weighed is None else weighed[0], timed_out)
         finally:
-            self.on_decision(time.perf_counter() - started)
+            self.on_decision(time.perf_counter() - started, exemplar)
 
     async def weigh(self, body: dict, question: dict | None, tenant: str | None, excluded: set[int] = frozenset()
                     ) -> Weighing:
