@@ -44,6 +44,17 @@ def parse_int_list(field: str, values: list[str]) -> list[int]:
     return out
 
 
+def parse_float_list(field: str, value: str) -> list[float]:
+    """`1,1,0.5` as numbers; a part that is not one is a UserError naming the field."""
+    out = []
+    for part in value.split(","):
+        try:
+            out.append(float(part.strip()))
+        except ValueError:
+            raise UserError(f"{field}: expected numbers, got {part.strip()!r}") from None
+    return out
+
+
 def parse_names(field: str, values: list[str]) -> list[str]:
     names = [part.strip() for value in values for part in value.split(",") if part.strip()]
     if not names:
@@ -88,6 +99,10 @@ def replay_command(
                                           "replica that caches more."),
     new_prefix: str = typer.Option("home", help="prefix routing: where a prompt no replica holds goes: home (by "
                                    "a hash of its opening) or least_loaded."),
+    replica_speeds: Optional[str] = typer.Option(
+        None, "--replica-speeds", help="With --replicas: each replica's prefill and decode speed as a multiple of "
+                                       "--prefill-rate and --decode-rate, comma-separated (a fleet of mixed GPUs, "
+                                       "e.g. 1,1,1,0.5); default: all 1."),
     queue_limits: list[str] = typer.Option(["heed"], "--queue-limits",
                                            help="With --replicas and --max-queue-wait: heed (as kvd router's "
                                                 "default: least_loaded, prefix and ttft pass over a replica "
@@ -140,6 +155,7 @@ def replay_command(
     policies = parse_names("policy", policy)
     routings = parse_names("routing", routing)
     limits = parse_names("queue_limits", queue_limits)
+    speeds = None if replica_speeds is None else parse_float_list("replica_speeds", replica_speeds)
     if len(set(limits)) > 1 and not max_queue_wait > 0:
         raise UserError(f"queue_limits: {','.join(limits)} compares nothing without --max-queue-wait: a router "
                         "heeds the replicas' limits, and there are none")
@@ -175,7 +191,7 @@ def replay_command(
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
         validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers,
-                      placements, limits)
+                      placements, limits, speeds)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
@@ -210,7 +226,7 @@ def replay_command(
 
     fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings, "balance_seconds": balance_seconds,
                                         "new_prefix": new_prefix, "placements": placements,
-                                        "queue_limits": limits, "reroute": reroute}
+                                        "queue_limits": limits, "reroute": reroute, "replica_speeds": speeds}
     results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers)
     document = {
         "trace": trace_name,
@@ -285,7 +301,7 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
         return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
                            fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"],
                            tier_tokens=tiers, placements=fleet["placements"], queue_limits=fleet["queue_limits"],
-                           reroute=fleet["reroute"])
+                           reroute=fleet["reroute"], speeds=fleet["replica_speeds"])
 
 
 def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list:
@@ -392,7 +408,8 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
         + ("; TTFT p50/p95" if tiered else "")
         + ("; heed/ignore: whether the router passed over replicas predicted past their max_queue_wait"
            if any(label(r) != r.routing for r in results) else ""))] \
-        + [Text(placement_spread(r)) for r in results if r.placements] + fleet_rejection_lines(results, label)
+        + [Text(placement_spread(r)) for r in results if r.placements] + fleet_rejection_lines(results, label) \
+        + speed_lines(results, label)
 
 
 def routing_labels(results: list[FleetResult]):
@@ -406,6 +423,16 @@ def routing_labels(results: list[FleetResult]):
         return result.routing
 
     return label
+
+
+def speed_lines(results: list[FleetResult], label) -> list[Text]:
+    """With replicas of different speeds: where each run sent its requests, replica by replica."""
+    if not results or not results[0].speeds:
+        return []
+    speeds = "/".join(f"{speed:g}" for speed in results[0].speeds)
+    return [Text(f"requests per replica (speeds {speeds}), {label(r)} (block {r.block_size}, capacity "
+                 f"{r.capacity_tokens:,}, {r.policy}): " + "/".join(f"{n:,}" for n in r.requests_per_replica))
+            for r in results]
 
 
 def fleet_rejection_lines(results: list[FleetResult], label) -> list[Text]:

@@ -182,6 +182,10 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
     (["--restore-rate", "0"], "error: restore_rate: must be > 0, got 0.0"),
     (["--replicas", "2", "--queue-limits", "obey"],
      "error: queue_limits: unknown value 'obey'; choose from heed, ignore"),
+    (["--replicas", "2", "--replica-speeds", "1,fast"], "error: replica_speeds: expected numbers, got 'fast'"),
+    (["--replicas", "3", "--replica-speeds", "1,0.5"],
+     "error: replica_speeds: 2 speeds for 3 replicas; give one per replica"),
+    (["--replica-speeds", "1"], "error: replica_speeds: speeds are for a fleet (--replicas N)"),
     (["--replicas", "2", "--queue-limits", "heed,ignore"],
      "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
 ])
@@ -202,7 +206,8 @@ def test_replay_of_a_fleet_compares_routing_policies_in_a_table_and_json(capsys)
     doc = replay_json(capsys, "--demo-requests", "80", "--block-sizes", "64", "--policy", "lru",
                       "--capacity-tokens", "20000", "--replicas", "3", "--routing", "round_robin,prefix")
     assert doc["fleet"] == {"replicas": 3, "routing": ["round_robin", "prefix"], "balance_seconds": 2.0,
-                            "new_prefix": "home", "placements": 1, "queue_limits": ["heed"], "reroute": True}
+                            "new_prefix": "home", "placements": 1, "queue_limits": ["heed"], "reroute": True,
+                            "replica_speeds": None}
     assert [(r["routing"], r["replicas"], r["block_size"]) for r in doc["runs"]] == [
         ("round_robin", 3, 64), ("prefix", 3, 64)]
     for r in doc["runs"]:
@@ -242,6 +247,22 @@ def test_a_fleet_replay_compares_heeding_queue_limits_with_ignoring_them(capsys,
     doc = replay_json(capsys, *args[:-2], "--queue-limits", "ignore", "--no-reroute")
     assert [(r["routing"], r["rerouted"], r["reject_reasons"]) for r in doc["runs"]] == [
         ("round_robin", 0, {"queue_timeout": 1}), ("prefix", 0, {"queue_timeout": 1})]
+
+
+def test_a_fleet_replay_of_mixed_speeds_says_where_each_routing_sent_its_requests(capsys, tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    write_trace(path, [TraceRequest(t, 1024, 1, (n, 100 + n)) for n, t in enumerate((0, 0, 10_000, 20_000), 1)])
+    args = (str(path), "--block-sizes", "256", "--policy", "lru", "--capacity-tokens", "16384", "--replicas", "2",
+            "--max-running", "1", "--prefill-rate", "1000", "--decode-rate", "1e6", "--replica-speeds", "1,0.25",
+            "--routing", "round_robin,ttft")
+    doc = replay_json(capsys, *args)
+    assert doc["fleet"]["replica_speeds"] == [1.0, 0.25]
+    assert [(r["routing"], r["speeds"], r["requests_per_replica"]) for r in doc["runs"]] == [
+        ("round_robin", [1.0, 0.25], [2, 2]), ("ttft", [1.0, 0.25], [4, 0])]
+    status, out, _ = cli(capsys, "bench", "replay", *args)
+    words = " ".join(out.split())
+    assert "requests per replica (speeds 1/0.25), round_robin (block 256, capacity 16,384, lru): 2/2" in words
+    assert "requests per replica (speeds 1/0.25), ttft (block 256, capacity 16,384, lru): 4/0" in words
 
 
 def test_missing_or_bad_trace_file(capsys, tmp_path):

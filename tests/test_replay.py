@@ -169,7 +169,7 @@ def fleet(requests, replicas, routing, block_size=512, capacity_tokens=1024, **k
     keys = [keyer.keys(r) for r in requests]
     balance = kwargs.pop("balance_seconds", None)
     placement = kwargs.pop("placement", 0)
-    routed = {name: kwargs.pop(name) for name in ("queue_limits", "reroute") if name in kwargs}
+    routed = {name: kwargs.pop(name) for name in ("queue_limits", "reroute", "speeds") if name in kwargs}
     settings = ReplaySettings(block_size=block_size, capacity_tokens=capacity_tokens, **kwargs)
     return replay_fleet(settings, replicas, routing, requests, keys, max_hit_blocks(requests, keys, block_size),
                         audit=True, placement=placement, **routed,
@@ -305,6 +305,29 @@ def test_a_fleet_turns_a_request_away_once_every_replica_has():
     assert (blind.rerouted, blind.reject_reasons) == (2, {"queue_timeout": 2})  # another 5 s each, for nothing
     later = fleet(trace, 2, "least_loaded", block_size=256, **{**SLOW_SERVICE, "max_queue_wait": 6.0})
     assert (later.rerouted, later.reject_reasons, later.admitted) == (2, {}, 4)
+
+
+def test_a_fleet_of_mixed_speeds_runs_each_replica_at_its_own_rate_and_routers_see_it():
+    """Replica 1 at a quarter of the speed (an older GPU): a prompt of 1,024 tokens takes it 4.096 s
+    to compute against 1.024 s. ttft routing sees each replica's own prefill rate (as kvd's
+    route-facts report what each measured) and keeps every request on the fast one, where the
+    second waits behind the first; round_robin, blind, sends half to the slow one."""
+    trace = [req(0, 1024, [1], output=1), req(0, 1024, [2], output=1), req(10_000, 1024, [3], output=1),
+             req(20_000, 1024, [4], output=1)]
+    service = dict(block_size=256, capacity_tokens=1 << 14, max_running=1, prefill_rate=1000.0, decode_rate=1e6)
+    mixed = fleet(trace, 2, "ttft", speeds=[1.0, 0.25], **service)
+    assert (mixed.requests_per_replica, mixed.speeds) == ([4, 0], [1.0, 0.25])
+    assert mixed.ttft_p99_s == pytest.approx(2.048, abs=1e-5)  # the second, behind the first
+    blind = fleet(trace, 2, "round_robin", speeds=[1.0, 0.25], **service)
+    assert blind.requests_per_replica == [2, 2] and blind.ttft_p99_s == pytest.approx(4.096)
+    alike = fleet(trace, 2, "ttft", **service)
+    assert (alike.requests_per_replica, alike.speeds) == ([2, 2], []) and alike.ttft_p99_s == pytest.approx(1.024)
+    assert fleet(trace, 2, "ttft", speeds=[1.0, 1.0], **service).as_dict() | {"seconds": 0, "speeds": []} == \
+        alike.as_dict() | {"seconds": 0}  # speed 1 is the given rates, bit for bit
+    with pytest.raises(ValueError, match=r"^replica_speeds: 1 speeds for 2 replicas; give one per replica$"):
+        fleet(trace, 2, "ttft", speeds=[1.0], **service)
+    with pytest.raises(ValueError, match=r"^replica_speeds: each must be a number > 0 \(1: the given rates\), got 0$"):
+        fleet(trace, 2, "ttft", speeds=[1.0, 0], **service)
 
 
 def test_a_fleet_refuses_sequential_mode_and_bad_counts_by_name():

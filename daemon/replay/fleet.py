@@ -26,6 +26,10 @@ every answer is replayed without it). Its wait there starts anew; its time to fi
 from its first arrival. The routers see each replica's limit; heeding them (`queue_limits`, as
 kvd router's), they pass over a replica predicted past its limit, and send a timed-out request on
 only to a replica predicted to start it in time (else the timeout is its answer).
+
+With `speeds`, the replicas differ: each one's prefill and decode rates are the settings' times its
+speed (a fleet of mixed GPUs: 1 for an H100, 0.5 for one half as fast), and the routers see each
+replica's own prefill rate, as kvd's route-facts say what each has measured.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence
 
 from kvctl.daemon.cache.keys import BlockKey
@@ -69,6 +73,7 @@ class FleetResult:
     seconds: float
     reject_reasons: dict[str, int] = field(default_factory=dict)
     queue_limits: str = "heed"  # whether the router passed over replicas predicted past their max_queue_wait
+    speeds: list[float] = field(default_factory=list)  # each replica's prefill and decode speed (empty: all 1)
     rerouted: int = 0  # queue timeouts the router took to another replica (each try after the first)
     tier_tokens: int = 0  # the shared lower tier's size (0: none)
     restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled, fleet-wide
@@ -85,10 +90,12 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                  keys: Sequence[list[BlockKey]], max_hits: Sequence[int],
                  progress: Callable[[int], None] | None = None, audit: bool = False,
                  balance_seconds: float = 2.0, new_prefix: str = "home", placement: int = 0,
-                 queue_limits: str = "heed", reroute: bool = True) -> FleetResult:
+                 queue_limits: str = "heed", reroute: bool = True,
+                 speeds: Sequence[float] | None = None) -> FleetResult:
     """Replay `requests` over `replicas` replicas of `settings`, routed by `routing`, new prefixes
     placed by the hash `placement` draws (`trace_affinity`); queue timeouts re-routed unless
-    `reroute` is False (or routing is `recorded`: the trace says where each was served).
+    `reroute` is False (or routing is `recorded`: the trace says where each was served). `speeds`:
+    each replica's rates as a multiple of the settings' (`check_speeds`); None: all alike.
     `audit=True` reconciles every replica's books at the end (tests turn it on)."""
     if settings.sequential:
         raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
@@ -102,7 +109,9 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                                                            balance_seconds=balance_seconds, new_prefix=new_prefix,
                                                            queue_limits=queue_limits)
     shared = OrderedDict() if settings.tier_tokens else None  # one tier for the fleet: a shared Redis
-    runs = [ReplicaRun(settings, requests, keys, max_hits, tier=shared) for _ in range(replicas)]
+    check_speeds(speeds, replicas)
+    runs = [ReplicaRun(at_speed(settings, speed), requests, keys, max_hits, tier=shared)
+            for speed in (speeds or [1.0] * replicas)]
     names = [f"replica-{i}" for i in range(replicas)]  # where a new prefix goes home, as a live router names them
     tick = progress or (lambda _n: None)
     size = settings.block_size
@@ -166,6 +175,7 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                 raise AssertionError(f"{run.manager.num_sequences} sequences left after the replay")
     result = _result(settings, routing, runs, len(requests), seconds)
     result.queue_limits, result.rerouted = limit_choices(routing, (queue_limits,))[0], rerouted
+    result.speeds = list(speeds or [])
     if gave_up:
         result.reject_reasons["queue_timeout"] = result.reject_reasons.get("queue_timeout", 0) + gave_up
         result.rejections += gave_up
@@ -173,6 +183,25 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
 
 
 RECORDED = "recorded"  # a replay's routing: each request to the replica its fleet trace names
+
+
+def check_speeds(speeds: Sequence[float] | None, replicas: int) -> None:
+    """ValueError naming `speeds` unless it gives each replica a finite speed > 0 (None: all 1)."""
+    if speeds is None:
+        return
+    if len(speeds) != replicas:
+        raise ValueError(f"replica_speeds: {len(speeds)} speeds for {replicas} replicas; give one per replica")
+    for speed in speeds:
+        if not (isinstance(speed, (int, float)) and 0 < speed < float("inf")):
+            raise ValueError(f"replica_speeds: each must be a number > 0 (1: the given rates), got {speed!r}")
+
+
+def at_speed(settings: ReplaySettings, speed: float) -> ReplaySettings:
+    """A replica's settings at `speed` times the prefill and decode rates (a lower tier's restores
+    are the tier's, not the GPU's: unchanged). At 1, the settings themselves: bit for bit."""
+    if speed == 1:
+        return settings
+    return replace(settings, prefill_rate=settings.prefill_rate * speed, decode_rate=settings.decode_rate * speed)
 
 
 def recorded_replicas(requests: Sequence[TraceRequest], replicas: int) -> list[int]:
@@ -196,7 +225,7 @@ def _facts(run: ReplicaRun, index: int, name: str, size: int) -> ReplicaFacts:
     held = run.held_blocks(index)
     restorable = run.restorable_blocks(index, held) * size
     return ReplicaFacts(held * size, run.wait_seconds(), len(run.running) + len(run.waiting),
-                        restorable_tokens=restorable,
+                        prefill_rate=run.settings.prefill_rate, restorable_tokens=restorable,
                         restore_seconds=restorable / run.settings.restore_rate if restorable else 0.0, name=name,
                         max_wait_seconds=run.settings.max_queue_wait or None)
 

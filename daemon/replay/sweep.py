@@ -14,7 +14,8 @@ from kvctl.policies.tiering import WRITE_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.routing import QUEUE_LIMITS, ROUTING_POLICIES, make_router
 
-from .fleet import RECORDED, FleetResult, limit_choices, placement_figures, places_new_prefixes, replay_fleet
+from .fleet import (RECORDED, FleetResult, check_speeds, limit_choices, placement_figures, places_new_prefixes,
+                    replay_fleet)
 from .simulator import ReplayResult, ReplaySettings, max_hit_blocks, replay
 from .trace import TraceKeyer, TraceRequest
 from kvctl.daemon.cache.keys import validate_block_size
@@ -23,7 +24,8 @@ from kvctl.daemon.cache.keys import validate_block_size
 def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policies: Sequence[str],
                   base: ReplaySettings, replicas: int = 1, routings: Sequence[str] = (),
                   balance_seconds: float = 2.0, new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
-                  placements: int = 1, queue_limits: Sequence[str] = ("heed",)) -> None:
+                  placements: int = 1, queue_limits: Sequence[str] = ("heed",),
+                  speeds: Sequence[float] | None = None) -> None:
     """Raise ValueError naming the first bad field and value, before any work starts."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
@@ -54,6 +56,9 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         for value in queue_limits:
             if value not in QUEUE_LIMITS:
                 raise ValueError(f"queue_limits: unknown value {value!r}; choose from {', '.join(QUEUE_LIMITS)}")
+        check_speeds(speeds, replicas)
+    elif speeds is not None:
+        raise ValueError("replica_speeds: speeds are for a fleet (--replicas N)")
     if not block_sizes:
         raise ValueError("block_sizes: give at least one block size")
     for size in block_sizes:
@@ -118,14 +123,14 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
                 on_result: Callable[[FleetResult], None] | None = None,
                 new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
                 placements: int = 1, queue_limits: Sequence[str] = ("heed",),
-                reroute: bool = True) -> list[FleetResult]:
+                reroute: bool = True, speeds: Sequence[float] | None = None) -> list[FleetResult]:
     """`sweep` for a fleet of `replicas` (each with a cache of each capacity, sharing a lower tier of
     each `tier_tokens`), once per routing and per `queue_limits` value (heed, ignore: once for a
     routing that reads no load); a routing that sends new prefixes home by a hash is replayed
     `placements` times, each placing them anew (FleetResult.placements). `reroute`: queue timeouts
-    go to another replica (`replay_fleet`)."""
+    go to another replica (`replay_fleet`); `speeds`: each replica's speed (`replay_fleet`)."""
     validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix,
-                  tier_tokens, placements, queue_limits)
+                  tier_tokens, placements, queue_limits, speeds)
     results: list[FleetResult] = []
     for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens):
         for routing in routings:
@@ -133,7 +138,7 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
                 draws = placements if placements > 1 and places_new_prefixes(routing, new_prefix) else 1
                 runs = [replay_fleet(settings, replicas, routing, requests, keys, max_hits, progress,
                                      balance_seconds=balance_seconds, new_prefix=new_prefix, placement=placement,
-                                     queue_limits=limits, reroute=reroute)
+                                     queue_limits=limits, reroute=reroute, speeds=speeds)
                         for placement in range(draws)]
                 if draws > 1:
                     runs[0].placements = [placement_figures(run, placement) for placement, run in enumerate(runs)]
