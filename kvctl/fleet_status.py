@@ -116,6 +116,24 @@ def disaggregated_line(books: list[dict], outcomes: dict) -> Text:
          "yellow") if failed else "")
 
 
+def queue_limit_line(data: dict) -> Text | None:
+    """What the replicas' max_queue_wait changed at the router since it started: replicas passed over
+    for a predicted wait past their limit, and queue timeouts no other replica was in time for
+    (kvd_router_passed_over_total, kvd_router_timeouts_not_rerouted_total); None when nothing."""
+    passed = [(r["replica"], r["passed_over"]) for r in data.get("replicas", []) if r.get("passed_over")]
+    unsent = data.get("timeouts_not_rerouted") or 0
+    if not passed and not unsent:
+        return None
+    parts = []
+    if passed:
+        parts.append("passed over " + ", ".join(f"{name} {count:,}x" for name, count in passed)
+                     + " (a predicted wait past its max_queue_wait)")
+    if unsent:
+        parts.append(f"{unsent:,} queue timeout{'s' if unsent != 1 else ''} with no other replica in time "
+                     "(the caller got the 503)")
+    return Text("queue limits: " + "; ".join(parts), style="yellow")
+
+
 def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     books = {r["replica"]: r for r in data.get("replicas", [])}
     table = compact_table("replica", "sent", "open", "view", "blocks", "hits", "waiting", "running", "wait",
@@ -159,6 +177,9 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
               if (data.get("gc") or {}).get("watching") else [])  # kvd router (absent from an older one)
     if data.get("disaggregated") is not None:  # prefill replicas (absent from an older router)
         router.append(disaggregated_line(data["replicas"], data["disaggregated"]))
+    limits = queue_limit_line(data)
+    if limits is not None:
+        router.append(limits)
     if data.get("tls"):  # the router's own TCP front (daemon/server/tls.py)
         router.append(Text.assemble("kvd router's TLS: ", tls_text(data["tls"])))
     group = Group(table, *reasons, *troubles, *restarts, *gpus, *router, summary)

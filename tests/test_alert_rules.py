@@ -67,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 28
+    assert len(names) == len(set(names)) == 30
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -268,6 +268,38 @@ def test_the_router_rules_fire_for_a_replica_left_drained(tmp_path):
         assert fired(Scrapes(healthy | up(1, ROUTER), healthy | up(1, ROUTER))) == {}
         assert fired(Scrapes(healthy | up(1, ROUTER), drained | up(1, ROUTER))) == {
             "KvdRouterReplicaLeftDrained": series(ROUTER, 1.0, replica="replica-0")}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_router_rules_fire_when_a_replica_is_passed_over_and_a_timeout_has_nowhere_in_time(tmp_path):
+    """replica-1 is 30 s behind with a 10 s max_queue_wait: passed over; replica-0 takes the request
+    and turns it away after its wait, and with replica-1 still past its limit, the caller gets that 503."""
+    from kvctl.daemon.server.router_service import replica_client
+    from kvctl.policies.routing import make_router
+
+    from .test_router import Behind
+
+    service = start_service(tmp_path, num_blocks=64)
+    try:
+        replica_app = create_app(service, service.metrics, front="unix")
+        router, app = router_app([replica_app, replica_app])
+        router.router = make_router("least_loaded")
+        for i, front in enumerate((Behind(replica_app, 1.0, 10.0, times_out=True), Behind(replica_app, 30.0, 10.0))):
+            router.replicas[i].client = replica_client(f"/run/replica-{i}.sock", transport=front)
+
+        async def metrics(client):
+            return samples((await client.get("/metrics")).text, **ROUTER)
+
+        async def refused(client):
+            answer = await client.post("/v1/completions", json={"prompt": "fleet " * 20, "max_tokens": 2})
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "queue_timeout"
+
+        healthy, behind = drive(app, [metrics, refused, metrics])[::2]
+        assert fired(Scrapes(healthy | up(1, ROUTER), healthy | up(1, ROUTER))) == {}
+        assert fired(Scrapes(healthy | up(1, ROUTER), behind | up(1, ROUTER))) == {
+            "KvdRouterReplicaPastQueueLimit": series(ROUTER, 1.0, replica="replica-1"),
+            "KvdRouterFleetPastQueueLimits": series(ROUTER, 1.0)}
     finally:
         service.shutdown(deadline=2)
 

@@ -368,6 +368,26 @@ def test_a_narrow_terminal_wraps_the_fleet_s_views_and_headers_but_cuts_no_figur
     assert text.splitlines()[2].split()[:4] == [names[0], "12,345", "8", "asks"] and "asks (feed down)" in text
 
 
+def test_the_fleet_status_says_what_the_replicas_queue_limits_changed_at_the_router():
+    from rich.console import Console
+
+    from kvctl.fleet_status import render_fleet_status
+
+    live = {"blocks": {"device": {"total": 64, "free": 64}}, "tokens": {"prompt": 0, "hit": 0, "hit_ratio": 0.0},
+            "queue": {"waiting": 0, "running": 0}}
+    data = {"routing": "ttft", "view": "events", "replica_status": [{"replica": "a", **live}, {"replica": "b", **live}],
+            "replicas": [{"replica": "a", "sent": 9, "open": 0},
+                         {"replica": "b", "sent": 1, "open": 0, "passed_over": 1200}],
+            "timeouts_not_rerouted": 3}
+    console = Console(record=True, width=120)
+    render_fleet_status(data, console)
+    assert ("queue limits: passed over b 1,200x (a predicted wait past its max_queue_wait); 3 queue timeouts with "
+            "no other replica in time (the caller got the 503)") in " ".join(console.export_text().split())
+    quiet = Console(record=True, width=120)
+    render_fleet_status({**data, "replicas": data["replicas"][:1], "timeouts_not_rerouted": 0}, quiet)
+    assert "queue limits" not in quiet.export_text()
+
+
 def test_the_fleet_status_says_which_gpu_each_replica_runs_on():
     """kvd@0 and kvd@1 on one host: a line each under the table, as nvidia-smi numbers the GPUs."""
     from rich.console import Console
@@ -1225,6 +1245,7 @@ def test_a_queue_timeout_goes_on_only_to_a_replica_predicted_to_start_it_in_time
     assert fronts[0].completions == 1
     not_rerouted = 1 if (queue_limits, other_wait) == ("heed", 30.0) else 0
     assert f"kvd_router_timeouts_not_rerouted_total {float(not_rerouted)}" in scraped.text.splitlines()
+    assert service.status().get("timeouts_not_rerouted", 0) == not_rerouted
     if not_rerouted:
         assert answer.status_code == 503 and fronts[1].completions == 0
         assert answer.json()["error"]["code"] == "queue_timeout" and answer.headers["retry-after"] == "1"

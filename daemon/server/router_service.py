@@ -662,6 +662,8 @@ class RouterService:
                     "asleep" if r.asleep else "at the replica"
             if r.welcomed is not None:
                 row["welcomed"] = r.welcomed
+            if r.passed_over:  # sent elsewhere for a predicted wait past its max_queue_wait
+                row["passed_over"] = r.passed_over
             if r.view is not None:
                 age = r.view.load_age(now)
                 row["view"] = {"synced": r.view.synced, "seq": r.view.seq, "device_keys": len(r.view.keys),
@@ -674,6 +676,8 @@ class RouterService:
         body = {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas],
                 "gc": self.gc_pauses.report(),
                 "tls": None if self.tls is None else self.tls.describe(time.time())}
+        if self.timeouts_not_rerouted:  # queue timeouts with no other replica in time
+            body["timeouts_not_rerouted"] = self.timeouts_not_rerouted
         if self.disaggregated:
             body["disaggregated"] = dict(self.pd_outcomes)
         return body
