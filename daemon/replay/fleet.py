@@ -140,18 +140,20 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                 run.finish_until(when, tick)
                 run.advance(when)
                 run.expire_waiting(tick)
-            for _, index, number in sorted(timed_out):
-                tried.setdefault(index, set()).add(number)
-                left = [i for i in every if i not in tried[index]]
-                if left and heeds and all(_facts(runs[i], index, names[i], size).past_limit for i in left):
-                    left = []  # none would start it in time: the timeout is its answer
-                if not left:
-                    gave_up += 1
-                    tick(1)
-                    continue
-                rerouted += 1
-                route(index, when, left, runs[0].arrival_of(requests[index]))
-            timed_out.clear()
+            while timed_out:  # (taken whole: a timeout noted while these are routed waits its turn)
+                batch = sorted(timed_out)
+                timed_out.clear()
+                for _, index, number in batch:
+                    tried.setdefault(index, set()).add(number)
+                    left = [i for i in every if i not in tried[index]]
+                    if left and heeds and all(_facts(runs[i], index, names[i], size).past_limit for i in left):
+                        left = []  # none would start it in time: the timeout is its answer
+                    if not left:
+                        gave_up += 1
+                        tick(1)
+                        continue
+                    rerouted += 1
+                    route(index, when, left, runs[0].arrival_of(requests[index]))
 
     started = time.perf_counter()
     for index, request in enumerate(requests):
