@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from kvctl.daemon.replay.fleet import RECORDED, FleetResult, limit_choices, places_new_prefixes
+from kvctl.daemon.replay.fleet import RECORDED, FleetResult, limit_choices, places_new_prefixes, reads_load
 from kvctl.daemon.replay.service_rates import measured_rates
 from kvctl.trace_stats import coarse_ids, fleet_figures, live_cached_ratio
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
@@ -415,10 +415,10 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
 def routing_labels(results: list[FleetResult]):
     """How the fleet table names a row's routing: with `, heed` or `, ignore` where both were
     replayed (`--queue-limits heed,ignore`), for the policies that read load."""
-    compared = len({r.queue_limits for r in results if r.routing not in ("round_robin", RECORDED)}) > 1
+    compared = len({r.queue_limits for r in results if reads_load(r.routing)}) > 1
 
     def label(result: FleetResult) -> str:
-        if compared and result.routing not in ("round_robin", RECORDED):
+        if compared and reads_load(result.routing):
             return f"{result.routing}, {result.queue_limits}"
         return result.routing
 

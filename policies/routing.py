@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 AFFINITY_CHARS = 256  # of a text prompt's opening that names its home (about 64 tokens)
 AFFINITY_TOKENS = 64  # of a token-id prompt's
@@ -101,6 +101,20 @@ def facts_from_answer(answer: dict, in_flight: int = 0) -> ReplicaFacts:
                         answer["prefill_tokens_per_second"], sum((answer.get("lower_tier_tokens") or {}).values()),
                         answer.get("restore_seconds") or 0.0,
                         max_wait_seconds=answer.get("max_queue_wait_seconds"))  # absent from an older kvd
+
+
+def check_queue_limits(value: str) -> None:
+    """ValueError naming `queue_limits` unless it is one of QUEUE_LIMITS."""
+    if value not in QUEUE_LIMITS:
+        raise ValueError(f"queue_limits: unknown value {value!r}; choose from {', '.join(QUEUE_LIMITS)}")
+
+
+def none_in_time(router: Router, replicas: Iterable[ReplicaFacts]) -> bool:
+    """Whether a request a replica turned away for its wait (queue_timeout) should go no further:
+    `router` heeds queue limits, and every replica left is predicted past its own. Then it would
+    wait as long there for the same answer (kvd router's NoneInTime; the fleet replay's re-route).
+    `replicas` is read only when the router heeds the limits."""
+    return getattr(router, "queue_limits", "ignore") == "heed" and all(r.past_limit for r in replicas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +179,7 @@ class _Spreading:
     (`in_time`) unless `queue_limits` is "ignore"."""
 
     def __init__(self, queue_limits: str = "heed") -> None:
-        if queue_limits not in QUEUE_LIMITS:
-            raise ValueError(f"queue_limits: unknown value {queue_limits!r}; choose from {', '.join(QUEUE_LIMITS)}")
+        check_queue_limits(queue_limits)
         self.sent: dict[int, int] = {}
         self.queue_limits = queue_limits
 
@@ -289,8 +302,7 @@ def make_router(name: str, *, prefill_rate: float = 20_000.0, balance_seconds: f
     """A fresh router by name; an unknown name raises ValueError naming it. `queue_limits`
     (heed, ignore): whether it passes over replicas predicted past their max_queue_wait (not
     round_robin, blind to load)."""
-    if queue_limits not in QUEUE_LIMITS:
-        raise ValueError(f"queue_limits: unknown value {queue_limits!r}; choose from {', '.join(QUEUE_LIMITS)}")
+    check_queue_limits(queue_limits)
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":

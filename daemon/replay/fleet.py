@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 from kvctl.daemon.cache.keys import BlockKey
 from kvctl.daemon.stats import percentile
-from kvctl.policies.routing import ReplicaFacts, make_router
+from kvctl.policies.routing import ReplicaFacts, make_router, none_in_time
 
 from .simulator import ReplaySettings, ReplicaRun
 from .trace import TraceRequest
@@ -120,7 +120,6 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
     tried: dict[int, set[int]] = {}  # request -> the replicas that timed it out
     rerouted, gave_up = 0, 0
     rerouting = reroute and recorded is None and settings.max_queue_wait > 0
-    heeds = getattr(router, "queue_limits", "ignore") == "heed"  # (round_robin reads no load)
     if rerouting:
         for number, run in enumerate(runs):
             run.on_timeout = lambda index, when, number=number: timed_out.append((when, index, number))
@@ -146,7 +145,7 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                 for _, index, number in batch:
                     tried.setdefault(index, set()).add(number)
                     left = [i for i in every if i not in tried[index]]
-                    if left and heeds and all(_facts(runs[i], index, names[i], size).past_limit for i in left):
+                    if left and none_in_time(router, (_facts(runs[i], index, names[i], size) for i in left)):
                         left = []  # none would start it in time: the timeout is its answer
                     if not left:
                         gave_up += 1
@@ -239,10 +238,16 @@ def trace_affinity(request: TraceRequest, placement: int = 0) -> bytes:
     return hashlib.sha256(b"kvctl/affinity/trace/v1" + drawn + b"\0" + str(request.hash_ids[0]).encode()).digest()
 
 
+def reads_load(routing: str) -> bool:
+    """Whether `routing` weighs the replicas' load (and so their queue limits): not round_robin,
+    nor recorded (the live router's choices)."""
+    return routing not in ("round_robin", RECORDED)
+
+
 def limit_choices(routing: str, queue_limits: Sequence[str]) -> Sequence[str]:
-    """The `queue_limits` values a routing is replayed with: round_robin and recorded read no load,
-    so once, as "ignore"."""
-    return ("ignore",) if routing in ("round_robin", RECORDED) else queue_limits
+    """The `queue_limits` values a routing is replayed with: one that reads no load, once, as
+    "ignore"."""
+    return queue_limits if reads_load(routing) else ("ignore",)
 
 
 def places_new_prefixes(routing: str, new_prefix: str) -> bool:

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Sequence
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.tiering import WRITE_POLICIES
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.routing import QUEUE_LIMITS, ROUTING_POLICIES, make_router
+from kvctl.policies.routing import ROUTING_POLICIES, check_queue_limits, make_router
 
 from .fleet import (RECORDED, FleetResult, check_speeds, limit_choices, placement_figures, places_new_prefixes,
                     replay_fleet)
@@ -54,8 +54,7 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         if not queue_limits:
             raise ValueError("queue_limits: give heed, ignore or both")
         for value in queue_limits:
-            if value not in QUEUE_LIMITS:
-                raise ValueError(f"queue_limits: unknown value {value!r}; choose from {', '.join(QUEUE_LIMITS)}")
+            check_queue_limits(value)
         check_speeds(speeds, replicas)
     elif speeds is not None:
         raise ValueError("replica_speeds: speeds are for a fleet (--replicas N)")

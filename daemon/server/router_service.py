@@ -32,7 +32,7 @@ import httpx
 
 from kvctl.daemon.cache.keys import Namespace, chain_keys
 from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX_SLACK_TOKENS, ReplicaFacts, Router,
-                                   facts_from_answer, make_router)
+                                   facts_from_answer, make_router, none_in_time)
 
 from .fleet_file import ROLES
 from .fleet_pins import sync_pins
@@ -562,8 +562,7 @@ class RouterService:
         question = question_of(body)
         live, local, now, replicas = weighed or await self.weigh(body, question, tenant, excluded)
         live = reusing(body, live)
-        if timed_out and getattr(self.router, "queue_limits", "ignore") == "heed" \
-                and all(f.past_limit for _, f, _ in live):
+        if timed_out and none_in_time(self.router, [f for _, f, _ in live]):
             self.timeouts_not_rerouted += 1
             raise NoneInTime("every other replica's predicted wait is past its max_queue_wait: " + ", ".join(
                 f"{replicas[i].name} ({f.wait_seconds:.2f} s, limit {f.max_wait_seconds:g} s)" for i, f, _ in live))
