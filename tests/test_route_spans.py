@@ -183,6 +183,8 @@ def test_no_replica_reached_is_an_error_route_whose_tries_say_why(tmp_path):
             ("replica-0", "unreachable: ConnectError: connection refused"), ("replica-1", "refused: 503")]
         assert (route.status.status_code, route.status.description) == (StatusCode.ERROR, "answered 503")
         assert "kvd.replica" not in route.attributes and route.attributes["http.response.status_code"] == 503
+        assert (route.attributes["kvd.tried"], route.attributes["kvd.refused"]) == (
+            "replica-0 (unreachable); replica-1 (503)", "no replica left to try")
         assert replica_exporter.get_finished_spans() == ()  # no replica ran it
     finally:
         replica.shutdown(deadline=2)

@@ -1165,15 +1165,28 @@ def test_a_second_closed_connection_or_a_timeout_is_a_502_and_never_another_run(
             for r in service.replicas] == [1, None] and service.replicas[1].sent == 0
 
 
-def test_when_every_replica_refuses_the_caller_gets_the_last_refusal_as_it_came(replicas):
+def refused_lines(caplog) -> list[dict]:
+    """kvd router's log lines for requests no replica took (log_requests), their fields."""
+    return [r.fields for r in caplog.records if (getattr(r, "fields", None) or {}).get("event") == "route_refused"]
+
+
+def test_when_every_replica_refuses_the_caller_gets_the_last_refusal_as_it_came(replicas, caplog):
     service, app = router_app(replicas, "round_robin")
+    service.log_requests = True
     for i in (0, 1):
         service.replicas[i].client = replica_client(f"/run/replica-{i}.sock", transport=Refusing(replicas[i], 429))
-    [answer] = drive(app, [lambda c: post(c, SYSTEM_B + "Q51?")])
+    with caplog.at_level("INFO", logger="kvd.router"):
+        [answer] = drive(app, [lambda c: post(c, SYSTEM_B + "Q51?", user="quarterly")])
     assert answer.status_code == 429 and answer.headers["retry-after"] == "1"
     assert answer.json()["error"]["message"] == "queue full"
     assert answer.headers["x-kvd-tried"] == "replica-0 (429); replica-1 (429)"
+    assert "x-kvd-not-rerouted" not in answer.headers  # it went as far as it could
     assert [r.client._transport.completions for r in service.replicas] == [1, 1]  # each asked once
+    [line] = refused_lines(caplog)
+    assert {k: v for k, v in line.items() if k != "route_id"} == {
+        "event": "route_refused", "tenant": "default", "path": "/v1/completions", "status": 429,
+        "tried": "replica-0 (429); replica-1 (429)", "why": "no replica left to try"}
+    assert not any("Q51" in r.getMessage() or "quarterly" in r.getMessage() for r in caplog.records)
 
 
 class Behind(httpx.AsyncBaseTransport):
@@ -1229,19 +1242,23 @@ def test_the_router_passes_over_a_replica_predicted_past_its_max_queue_wait(repl
 
 
 @pytest.mark.parametrize("queue_limits, other_wait", [("heed", 30.0), ("heed", 3.0), ("ignore", 30.0)])
-def test_a_queue_timeout_goes_on_only_to_a_replica_predicted_to_start_it_in_time(replicas, queue_limits, other_wait):
+def test_a_queue_timeout_goes_on_only_to_a_replica_predicted_to_start_it_in_time(replicas, queue_limits, other_wait,
+                                                                                 caplog):
     """replica-0 (in time by its facts) turns the request away after its wait (503 queue_timeout).
     Heeding limits, the router sends it on only if replica-1's predicted wait is within its 10 s
     limit; else the caller gets the 503 at once, rather than after another wait there for the same
-    answer. Ignoring limits, it goes on as any 503 does."""
+    answer, and X-KVD-Not-Rerouted (and the log line) says why. Ignoring limits, it goes on as any
+    503 does."""
     service, app = router_app(replicas, "prefix")
+    service.log_requests = True
     service.router = make_router("prefix", queue_limits=queue_limits, balance_seconds=100.0)
     fronts = [Behind(replicas[0], 1.0, 10.0, times_out=True), Behind(replicas[1], other_wait, 10.0)]
     for i, front in enumerate(fronts):
         service.replicas[i].client = replica_client(f"/run/replica-{i}.sock", transport=front)
     fresh = homed(f"{queue_limits} {other_wait}: a request the first replica times out, asked once. " * 5,
                   "replica-0")
-    [answer, scraped] = drive(app, [lambda c: post(c, fresh), lambda c: c.get("/metrics")])
+    with caplog.at_level("INFO", logger="kvd.router"):
+        [answer, scraped] = drive(app, [lambda c: post(c, fresh), lambda c: c.get("/metrics")])
     assert fronts[0].completions == 1
     not_rerouted = 1 if (queue_limits, other_wait) == ("heed", 30.0) else 0
     assert f"kvd_router_timeouts_not_rerouted_total {float(not_rerouted)}" in scraped.text.splitlines()
@@ -1250,9 +1267,14 @@ def test_a_queue_timeout_goes_on_only_to_a_replica_predicted_to_start_it_in_time
         assert answer.status_code == 503 and fronts[1].completions == 0
         assert answer.json()["error"]["code"] == "queue_timeout" and answer.headers["retry-after"] == "1"
         assert answer.headers["x-kvd-tried"] == "replica-0 (503)"
+        why = "every other replica's predicted wait is past its max_queue_wait: replica-1 (30.00 s, limit 10 s)"
+        assert answer.headers["x-kvd-not-rerouted"] == why
+        [line] = refused_lines(caplog)
+        assert (line["status"], line["tried"], line["why"]) == (503, "replica-0 (503)", why)
     else:
         assert answer.status_code == 200 and fronts[1].completions == 1
         assert (answer.headers["x-kvd-replica"], answer.headers["x-kvd-tried"]) == ("replica-1", "replica-0 (503)")
+        assert "x-kvd-not-rerouted" not in answer.headers and refused_lines(caplog) == []
 
 
 def test_the_router_says_where_it_would_send_a_prompt_without_sending_it(replicas):

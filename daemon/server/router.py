@@ -54,7 +54,7 @@ from .request_log import logfmt
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .route_spans import NO_ROUTE_SPAN
 from .router_metrics import RouterMetrics
-from .router_service import ASK_TIMEOUT_S, ModelNotServed, Replica, RouterService, Weighed
+from .router_service import ASK_TIMEOUT_S, ModelNotServed, NoneInTime, Replica, RouterService, Weighed
 from .usage_report import CALLER_ROLE_HEADER
 
 log = logging.getLogger("kvd.router")
@@ -72,6 +72,16 @@ def log_route(route_id: str, tenant: str | None, path: str, replica: str, upstre
     log.info("route %s", logfmt(fields), extra={"fields": {"event": "route", **fields}})
 
 
+def log_refused(route_id: str, tenant: str | None, path: str, status: int, tried: list[str], why: str,
+                client_id: str | None = None) -> None:
+    """kvd router's line for a request no replica took (log_requests): the refusal it returns (the
+    last replica's, or its own 503), the replicas that turned it away, and why it went no further;
+    never its body."""
+    fields = {"route_id": route_id, "tenant": tenant or "default", "path": path, "status": status,
+              "tried": "; ".join(tried) or None, "why": why, **({"client_request_id": client_id} if client_id else {})}
+    log.info("refused %s", logfmt(fields), extra={"fields": {"event": "route_refused", **fields}})
+
+
 # disaggregated prefill and decode (prefill_first): vLLM's request field for a KV transfer (kv_transfer.FIELD,
 # not imported: the router imports no torch), and the fields the prefill's request leaves out (it makes
 # one token, not streamed, for no one to read)
@@ -81,6 +91,8 @@ PREFILL_DROPPED = ("stream_options", "echo", "logprobs", "top_logprobs", "prompt
 FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
 # and X-KVD-Tenant, as the front resolved it; W3C trace context, so a replica's span has the caller's as parent
 PASSED_HEADERS = ("content-type", "traceparent", "tracestate", "x-request-id")  # (a gateway's id: logged there)
+# on a refusal returned without trying further: why (no replica left predicted to start it within its max_queue_wait)
+NOT_REROUTED_HEADER = "X-KVD-Not-Rerouted"
 DISCONNECT_CHECK_S = 0.5  # how often a forwarded non-streamed request looks for its caller having left
 # a forward's failures before any byte of an answer came, where the connection itself ended
 CLOSED_BEFORE_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
@@ -749,10 +761,16 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 if not traced:
                     service.gave_up(routed_at or time.time())
                 # every replica that could take it refused, or (NoneInTime) none left would start it in
-                # time: the last refusal, as it came
-                if refusal is not None:
-                    return refusal
-                return error(503, str(exc), "no_replica")
+                # time: the last refusal, as it came, saying why it went no further
+                answer = refusal if refusal is not None else error(503, str(exc), "no_replica")
+                why = str(exc) if isinstance(exc, NoneInTime) or refusal is None else "no replica left to try"
+                if isinstance(exc, NoneInTime):
+                    answer.headers[NOT_REROUTED_HEADER] = why
+                span.chose(tried="; ".join(tried) or None, refused=why)
+                if service.log_requests:
+                    log_refused(route_id, tenant, path, answer.status_code, tried, why,
+                                http.headers.get("x-request-id"))
+                return answer
             routed_at = routed_at or time.time()
             headers[ROUTER_ATTEMPT_HEADER] = RouterAttempt(route_id, hops + len(tried) + 1, routed_at).header()
             span.attempt(replica.name, phase, headers)
