@@ -103,6 +103,10 @@ def replay_command(
         None, "--replica-speeds", help="With --replicas: each replica's prefill and decode speed as a multiple of "
                                        "--prefill-rate and --decode-rate, comma-separated (a fleet of mixed GPUs, "
                                        "e.g. 1,1,1,0.5); default: all 1."),
+    replica_queue_waits: Optional[str] = typer.Option(
+        None, "--replica-queue-waits", help="With --replicas: each replica's max_queue_wait in seconds, "
+                                            "comma-separated (0: none), in place of --max-queue-wait's one for "
+                                            "all (replicas configured apart, e.g. 30,30,30,5)."),
     queue_limits: list[str] = typer.Option(["heed"], "--queue-limits",
                                            help="With --replicas and --max-queue-wait: heed (as kvd router's "
                                                 "default: least_loaded, prefix and ttft pass over a replica "
@@ -156,7 +160,11 @@ def replay_command(
     routings = parse_names("routing", routing)
     limits = parse_names("queue_limits", queue_limits)
     speeds = None if replica_speeds is None else parse_float_list("replica_speeds", replica_speeds)
-    if len(set(limits)) > 1 and not max_queue_wait > 0:
+    waits = None if replica_queue_waits is None else parse_float_list("replica_queue_waits", replica_queue_waits)
+    if waits is not None and max_queue_wait:
+        raise UserError(f"replica_queue_waits: {replica_queue_waits!r} gives each replica its own max_queue_wait; "
+                        f"drop --max-queue-wait {max_queue_wait:g} (the same for all)")
+    if len(set(limits)) > 1 and not (max_queue_wait > 0 or any(w > 0 for w in waits or ())):
         raise UserError(f"queue_limits: {','.join(limits)} compares nothing without --max-queue-wait: a router "
                         "heeds the replicas' limits, and there are none")
     base = ReplaySettings(block_size=sizes[0] if sizes else 16,
@@ -191,7 +199,7 @@ def replay_command(
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
         validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers,
-                      placements, limits, speeds)
+                      placements, limits, speeds, waits)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
@@ -226,7 +234,8 @@ def replay_command(
 
     fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings, "balance_seconds": balance_seconds,
                                         "new_prefix": new_prefix, "placements": placements,
-                                        "queue_limits": limits, "reroute": reroute, "replica_speeds": speeds}
+                                        "queue_limits": limits, "reroute": reroute, "replica_speeds": speeds,
+                                        "replica_queue_waits": waits}
     results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers)
     document = {
         "trace": trace_name,
@@ -301,7 +310,8 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
         return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
                            fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"],
                            tier_tokens=tiers, placements=fleet["placements"], queue_limits=fleet["queue_limits"],
-                           reroute=fleet["reroute"], speeds=fleet["replica_speeds"])
+                           reroute=fleet["reroute"], speeds=fleet["replica_speeds"],
+                           queue_waits=fleet["replica_queue_waits"])
 
 
 def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list:
@@ -409,7 +419,7 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
         + ("; heed/ignore: whether the router passed over replicas predicted past their max_queue_wait"
            if any(label(r) != r.routing for r in results) else ""))] \
         + [Text(placement_spread(r)) for r in results if r.placements] + fleet_rejection_lines(results, label) \
-        + speed_lines(results, label)
+        + replica_lines(results, label)
 
 
 def routing_labels(results: list[FleetResult]):
@@ -425,27 +435,32 @@ def routing_labels(results: list[FleetResult]):
     return label
 
 
-def speed_lines(results: list[FleetResult], label) -> list[Text]:
-    """With replicas of different speeds: where each run sent its requests, replica by replica."""
-    if not results or not results[0].speeds:
+def replica_lines(results: list[FleetResult], label) -> list[Text]:
+    """With replicas that differ (speeds, max_queue_wait): where each run sent its requests,
+    replica by replica."""
+    if not results or not (results[0].speeds or results[0].queue_waits):
         return []
-    speeds = "/".join(f"{speed:g}" for speed in results[0].speeds)
-    return [Text(f"requests per replica (speeds {speeds}), {label(r)} (block {r.block_size}, capacity "
+    differ = "; ".join(([f"speeds {'/'.join(f'{speed:g}' for speed in results[0].speeds)}"] if results[0].speeds
+                        else []) + ([f"max_queue_wait {'/'.join(f'{wait:g}' for wait in results[0].queue_waits)} s"]
+                                    if results[0].queue_waits else []))
+    return [Text(f"requests per replica ({differ}), {label(r)} (block {r.block_size}, capacity "
                  f"{r.capacity_tokens:,}, {r.policy}): " + "/".join(f"{n:,}" for n in r.requests_per_replica))
             for r in results]
 
 
 def fleet_rejection_lines(results: list[FleetResult], label) -> list[Text]:
     """A line per fleet run that rejected or re-routed requests: rejections by reason, and the
-    queue timeouts the router took to another replica."""
+    queue timeouts and refusals by a full queue that the router took to another replica."""
     lines = []
     for r in results:
-        if not (r.reject_reasons or r.rerouted):
+        if not (r.reject_reasons or r.rerouted or r.rerouted_full):
             continue
         parts = [f"rejected {', '.join(f'{why} {n:,}' for why, n in sorted(r.reject_reasons.items()))}"] \
             if r.reject_reasons else []
         if r.rerouted:
             parts.append(f"re-routed {r.rerouted:,} after a queue timeout")
+        if r.rerouted_full:
+            parts.append(f"re-routed {r.rerouted_full:,} after a full queue (429)")
         lines.append(Text(f"{label(r)} (block {r.block_size}, capacity {r.capacity_tokens:,}, {r.policy}): "
                           + "; ".join(parts)))
     return lines

@@ -186,6 +186,17 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
     (["--replicas", "3", "--replica-speeds", "1,0.5"],
      "error: replica_speeds: 2 speeds for 3 replicas; give one per replica"),
     (["--replica-speeds", "1"], "error: replica_speeds: speeds are for a fleet (--replicas N)"),
+    (["--replicas", "2", "--replica-queue-waits", "30,soon"],
+     "error: replica_queue_waits: expected numbers, got 'soon'"),
+    (["--replicas", "2", "--replica-queue-waits", "30"],
+     "error: replica_queue_waits: 1 waits for 2 replicas; give one per replica"),
+    (["--replicas", "2", "--replica-queue-waits", "30,-1"],
+     "error: replica_queue_waits: each must be a number of seconds >= 0 (0: no limit), got -1.0"),
+    (["--replica-queue-waits", "30"], "error: replica_queue_waits: waits are for a fleet (--replicas N)"),
+    (["--replicas", "2", "--replica-queue-waits", "30,5", "--max-queue-wait", "10"],
+     "error: replica_queue_waits: '30,5' gives each replica its own max_queue_wait; drop --max-queue-wait 10"),
+    (["--replicas", "2", "--replica-queue-waits", "0,0", "--queue-limits", "heed,ignore"],
+     "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
     (["--replicas", "2", "--queue-limits", "heed,ignore"],
      "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
 ])
@@ -207,7 +218,7 @@ def test_replay_of_a_fleet_compares_routing_policies_in_a_table_and_json(capsys)
                       "--capacity-tokens", "20000", "--replicas", "3", "--routing", "round_robin,prefix")
     assert doc["fleet"] == {"replicas": 3, "routing": ["round_robin", "prefix"], "balance_seconds": 2.0,
                             "new_prefix": "home", "placements": 1, "queue_limits": ["heed"], "reroute": True,
-                            "replica_speeds": None}
+                            "replica_speeds": None, "replica_queue_waits": None}
     assert [(r["routing"], r["replicas"], r["block_size"]) for r in doc["runs"]] == [
         ("round_robin", 3, 64), ("prefix", 3, 64)]
     for r in doc["runs"]:
@@ -263,6 +274,34 @@ def test_a_fleet_replay_of_mixed_speeds_says_where_each_routing_sent_its_request
     words = " ".join(out.split())
     assert "requests per replica (speeds 1/0.25), round_robin (block 256, capacity 16,384, lru): 2/2" in words
     assert "requests per replica (speeds 1/0.25), ttft (block 256, capacity 16,384, lru): 4/0" in words
+
+
+def test_a_fleet_replay_gives_each_replica_its_own_queue_limit_and_re_routes_a_full_queue_s_refusal(capsys,
+                                                                                                     tmp_path):
+    """tests/test_replay.py's FULL_QUEUES (one prompt, one slot and a queue of one per replica):
+    prefix routing takes two refusals by a full queue to the other replica (the fourth request it
+    turns away everywhere). With a 0.5 s limit on each replica of its own, round_robin re-routes
+    three queue timeouts; with one on replica-0 only, the line under the table says where each
+    routing sent what."""
+    path = tmp_path / "full.jsonl"
+    write_trace(path, [TraceRequest(t, 1024, out, (1, 10 + n)) for n, (t, out) in enumerate(
+        ((0, 20), (1000, 1), (2000, 5), (3000, 1), (4000, 1)))])
+    args = (str(path), "--block-sizes", "512", "--policy", "lru", "--capacity-tokens", "4096", "--replicas", "2",
+            "--max-running", "1", "--max-queue", "1", "--prefill-rate", "1e12", "--decode-rate", "1",
+            "--balance-seconds", "100", "--routing", "round_robin,prefix")
+    doc = replay_json(capsys, *args)
+    assert [(r["routing"], r["rerouted_full"], r["reject_reasons"]) for r in doc["runs"]][1] == (
+        "prefix", 2, {"queue_full": 1})
+    words = " ".join(cli(capsys, "bench", "replay", *args)[1].split())
+    assert "prefix (block 512, capacity 4,096, lru): rejected queue_full 1; re-routed 2 after a full queue (429)" \
+        in words
+    doc = replay_json(capsys, *args, "--replica-queue-waits", "0.5,0.5")
+    assert (doc["fleet"]["replica_queue_waits"], doc["runs"][0]["queue_waits"]) == ([0.5, 0.5], [0.5, 0.5])
+    assert [(r["routing"], r["rerouted"], r["reject_reasons"], r["admitted"]) for r in doc["runs"]] == [
+        ("round_robin", 3, {"queue_timeout": 2}, 3), ("prefix", 0, {"queue_timeout": 2}, 3)]
+    words = " ".join(cli(capsys, "bench", "replay", *args, "--replica-queue-waits", "0.5,0")[1].split())
+    assert "requests per replica (max_queue_wait 0.5/0 s), round_robin (block 512, capacity 4,096, lru): 1/3" in words
+    assert "requests per replica (max_queue_wait 0.5/0 s), prefix (block 512, capacity 4,096, lru): 1/2" in words
 
 
 def test_missing_or_bad_trace_file(capsys, tmp_path):

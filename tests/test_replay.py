@@ -169,7 +169,8 @@ def fleet(requests, replicas, routing, block_size=512, capacity_tokens=1024, **k
     keys = [keyer.keys(r) for r in requests]
     balance = kwargs.pop("balance_seconds", None)
     placement = kwargs.pop("placement", 0)
-    routed = {name: kwargs.pop(name) for name in ("queue_limits", "reroute", "speeds") if name in kwargs}
+    routed = {name: kwargs.pop(name) for name in ("queue_limits", "reroute", "speeds", "queue_waits")
+              if name in kwargs}
     settings = ReplaySettings(block_size=block_size, capacity_tokens=capacity_tokens, **kwargs)
     return replay_fleet(settings, replicas, routing, requests, keys, max_hit_blocks(requests, keys, block_size),
                         audit=True, placement=placement, **routed,
@@ -305,6 +306,62 @@ def test_a_fleet_turns_a_request_away_once_every_replica_has():
     assert (blind.rerouted, blind.reject_reasons) == (2, {"queue_timeout": 2})  # another 5 s each, for nothing
     later = fleet(trace, 2, "least_loaded", block_size=256, **{**SLOW_SERVICE, "max_queue_wait": 6.0})
     assert (later.rerouted, later.reject_reasons, later.admitted) == (2, {}, 4)
+
+
+def test_each_replica_of_a_fleet_may_have_a_queue_limit_of_its_own():
+    """HELD_UP with the 5 s limit on one replica only. On the replica where r0 (20 s) runs, the
+    prefix router heeding it sends r2 to the other (first token at 3 s); blind, r2 waits 5 s there
+    and is re-routed. On the other replica only, r2 stays with its prefix and waits 19 s (no limit
+    where it waits), heeding or not."""
+    free = {**SLOW_SERVICE, "max_queue_wait": 0.0}
+    where = fleet(HELD_UP, 2, "prefix", balance_seconds=100.0, **free).requests_per_replica
+    home = where.index(2)  # r0's replica (r2 shares its prompt)
+    waits = [[5.0 if i == home else 0.0 for i in range(2)], [0.0 if i == home else 5.0 for i in range(2)]]
+    heed, blind = (fleet(HELD_UP, 2, "prefix", balance_seconds=100.0, queue_waits=waits[0], queue_limits=q, **free)
+                   for q in ("heed", "ignore"))
+    assert (heed.queue_waits, heed.rerouted, heed.reject_reasons, heed.hit_tokens) == (waits[0], 0, {}, 0)
+    assert heed.requests_per_replica[home] == 1 and heed.ttft_p99_s == pytest.approx(2.0)
+    assert (blind.rerouted, blind.reject_reasons, blind.requests_per_replica[home]) == (1, {}, 1)
+    assert blind.ttft_p99_s == pytest.approx(5.0)
+    for queue_limits in ("heed", "ignore"):
+        other = fleet(HELD_UP, 2, "prefix", balance_seconds=100.0, queue_waits=waits[1], queue_limits=queue_limits,
+                      **free)
+        assert (other.requests_per_replica, other.rerouted, other.reject_reasons) == (where, 0, {})
+        assert (other.hit_tokens, other.ttft_p99_s) == (512, pytest.approx(19.0))
+    # each replica's own limit in place of the settings': 5 s everywhere is SLOW_SERVICE's replay, bit for bit
+    assert fleet(HELD_UP, 2, "prefix", balance_seconds=100.0, queue_waits=[5.0, 5.0], **free).as_dict() | {
+        "seconds": 0, "queue_waits": []} == fleet(HELD_UP, 2, "prefix", balance_seconds=100.0,
+                                                  **SLOW_SERVICE).as_dict() | {"seconds": 0}
+    with pytest.raises(ValueError, match=r"^replica_queue_waits: 3 waits for 2 replicas; give one per replica$"):
+        fleet(HELD_UP, 2, "prefix", queue_waits=[5.0, 5.0, 5.0], **free)
+    with pytest.raises(ValueError, match=r"^replica_queue_waits: each must be a number of seconds >= 0 "
+                                         r"\(0: no limit\), got -1\.0$"):
+        fleet(HELD_UP, 2, "prefix", queue_waits=[5.0, -1.0], **free)
+
+
+# every request shares one prompt (hash id 1); one slot and a queue of one per replica
+FULL_QUEUES = [req(0, 1024, [1, 10], output=20), req(1000, 1024, [1, 11], output=1),
+               req(2000, 1024, [1, 12], output=5), req(3000, 1024, [1, 13], output=1),
+               req(4000, 1024, [1, 14], output=1)]
+
+
+@pytest.mark.parametrize("reroute", [True, False])
+def test_a_full_queue_s_refusal_goes_to_the_next_replica_as_kvd_router_takes_a_429(reroute):
+    """prefix routing keeps every request with the replica caching the prompt (20 s behind is well
+    within a 100 s balance). r1 queues behind r0; r2 finds that queue full and goes to the other
+    replica (its second choice), where it starts at once; r3, with both caching the prompt, goes
+    to the sooner, the other, and waits for r2 (4 s); r4 finds both queues full: a queue_full
+    rejection after one re-route. Streamed or not: a 429 comes before any byte of an answer."""
+    result = fleet(FULL_QUEUES, 2, "prefix", balance_seconds=100.0, reroute=reroute, max_queue=1,
+                   **{**SLOW_SERVICE, "max_queue_wait": 0.0})
+    assert (result.rerouted_full, result.rerouted, result.reject_reasons) == (2, 0, {"queue_full": 1})
+    assert (result.admitted, sorted(result.requests_per_replica)) == (4, [2, 2])
+    assert result.hit_tokens == 2 * 512  # r1 behind r0, r3 behind r2
+    assert result.ttft_p99_s == pytest.approx(19.0)  # r1; r3's is 4 s, r0's and r2's none
+    # a queue long enough: every request waits with its prefix
+    long_queue = fleet(FULL_QUEUES, 2, "prefix", balance_seconds=100.0, **{**SLOW_SERVICE, "max_queue_wait": 0.0})
+    assert (long_queue.rerouted_full, long_queue.reject_reasons, sorted(long_queue.requests_per_replica)) == (
+        0, {}, [0, 5])
 
 
 def test_a_fleet_of_mixed_speeds_runs_each_replica_at_its_own_rate_and_routers_see_it():

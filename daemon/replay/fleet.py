@@ -27,9 +27,14 @@ from its first arrival. The routers see each replica's limit; heeding them (`que
 kvd router's), they pass over a replica predicted past its limit, and send a timed-out request on
 only to a replica predicted to start it in time (else the timeout is its answer).
 
+A replica whose queue is full refuses a request (queue_full), and the router takes it to the best
+replica it has not tried, as kvd router does with a 429, streamed or not (nothing has reached the
+client yet); one that every replica refuses is a queue_full rejection.
+
 With `speeds`, the replicas differ: each one's prefill and decode rates are the settings' times its
 speed (a fleet of mixed GPUs: 1 for an H100, 0.5 for one half as fast), and the routers see each
-replica's own prefill rate, as kvd's route-facts say what each has measured.
+replica's own prefill rate, as kvd's route-facts say what each has measured. With `queue_waits`,
+each replica has a max_queue_wait of its own (0: none), as replicas configured apart do.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class FleetResult:
     queue_limits: str = "heed"  # whether the router passed over replicas predicted past their max_queue_wait
     speeds: list[float] = field(default_factory=list)  # each replica's prefill and decode speed (empty: all 1)
     rerouted: int = 0  # queue timeouts the router took to another replica (each try after the first)
+    rerouted_full: int = 0  # refusals by a full queue (429) the router took to another replica (each try after)
+    queue_waits: list[float] = field(default_factory=list)  # each replica's max_queue_wait (empty: the settings')
     tier_tokens: int = 0  # the shared lower tier's size (0: none)
     restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled, fleet-wide
     restored_ratio: float = 0.0
@@ -91,12 +98,14 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                  progress: Callable[[int], None] | None = None, audit: bool = False,
                  balance_seconds: float = 2.0, new_prefix: str = "home", placement: int = 0,
                  queue_limits: str = "heed", reroute: bool = True,
-                 speeds: Sequence[float] | None = None) -> FleetResult:
+                 speeds: Sequence[float] | None = None, queue_waits: Sequence[float] | None = None) -> FleetResult:
     """Replay `requests` over `replicas` replicas of `settings`, routed by `routing`, new prefixes
     placed by the hash `placement` draws (`trace_affinity`); queue timeouts re-routed unless
-    `reroute` is False (or routing is `recorded`: the trace says where each was served). `speeds`:
-    each replica's rates as a multiple of the settings' (`check_speeds`); None: all alike.
-    `audit=True` reconciles every replica's books at the end (tests turn it on)."""
+    `reroute` is False, and refusals by a full queue always (but not with routing `recorded`: the
+    trace says where each was served). `speeds`: each replica's rates as a multiple of the
+    settings' (`check_speeds`); None: all alike. `queue_waits`: each replica's max_queue_wait in
+    seconds, 0 for none (`check_queue_waits`); None: the settings' for all. `audit=True` reconciles
+    every replica's books at the end (tests turn it on)."""
     if settings.sequential:
         raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
     if not isinstance(replicas, int) or replicas < 1:
@@ -110,25 +119,37 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                                                            queue_limits=queue_limits)
     shared = OrderedDict() if settings.tier_tokens else None  # one tier for the fleet: a shared Redis
     check_speeds(speeds, replicas)
-    runs = [ReplicaRun(at_speed(settings, speed), requests, keys, max_hits, tier=shared)
-            for speed in (speeds or [1.0] * replicas)]
+    check_queue_waits(queue_waits, replicas)
+    runs = [ReplicaRun(replica_settings(settings, speed, wait), requests, keys, max_hits, tier=shared)
+            for speed, wait in zip(speeds or [1.0] * replicas, queue_waits or [None] * replicas)]
     names = [f"replica-{i}" for i in range(replicas)]  # where a new prefix goes home, as a live router names them
     tick = progress or (lambda _n: None)
     size = settings.block_size
     every = list(range(replicas))
     timed_out: list[tuple[float, int, int]] = []  # (when, request, replica) of the queue timeouts to re-route
     tried: dict[int, set[int]] = {}  # request -> the replicas that timed it out
-    rerouted, gave_up = 0, 0
-    rerouting = reroute and recorded is None and settings.max_queue_wait > 0
+    rerouted, rerouted_full, gave_up = 0, 0, 0
+    rerouting = reroute and recorded is None and any(run.settings.max_queue_wait > 0 for run in runs)
     if rerouting:
         for number, run in enumerate(runs):
             run.on_timeout = lambda index, when, number=number: timed_out.append((when, index, number))
 
     def route(index: int, arrival: float, among: list[int], origin: float | None = None) -> None:
+        """Send request `index` to the replica the router chooses of `among`. One whose queue is full
+        refuses it (429) and the router chooses again of the rest, as kvd router does, until one
+        queues it or none is left (then a queue_full rejection, counted by the last)."""
+        nonlocal rerouted_full
         request = requests[index]
-        facts = [_facts(runs[i], index, names[i], size) for i in among]
         affinity = trace_affinity(request, placement) if request.hash_ids else None
-        runs[among[router.choose(request.input_length, facts, affinity).replica]].arrive(index, arrival, tick, origin)
+        left = list(among)
+        while True:
+            facts = [_facts(runs[i], index, names[i], size) for i in left]
+            number = left[router.choose(request.input_length, facts, affinity).replica]
+            if runs[number].arrive(index, arrival, tick, origin, passed_on=len(left) > 1) or len(left) == 1:
+                return
+            rerouted_full += 1
+            tried.setdefault(index, set()).add(number)  # as kvd router's tries: not asked again for it
+            left.remove(number)
 
     def reroute_until(until: float) -> None:
         """Take each request that times out by `until` to a replica that has not turned it away,
@@ -176,7 +197,8 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                 raise AssertionError(f"{run.manager.num_sequences} sequences left after the replay")
     result = _result(settings, routing, runs, len(requests), seconds)
     result.queue_limits, result.rerouted = limit_choices(routing, (queue_limits,))[0], rerouted
-    result.speeds = list(speeds or [])
+    result.rerouted_full = rerouted_full
+    result.speeds, result.queue_waits = list(speeds or []), list(queue_waits or [])
     if gave_up:
         result.reject_reasons["queue_timeout"] = result.reject_reasons.get("queue_timeout", 0) + gave_up
         result.rejections += gave_up
@@ -188,21 +210,36 @@ RECORDED = "recorded"  # a replay's routing: each request to the replica its fle
 
 def check_speeds(speeds: Sequence[float] | None, replicas: int) -> None:
     """ValueError naming `speeds` unless it gives each replica a finite speed > 0 (None: all 1)."""
-    if speeds is None:
+    _check_per_replica("replica_speeds", "speeds", speeds, replicas, lambda speed: speed > 0,
+                       "a number > 0 (1: the given rates)")
+
+
+def check_queue_waits(waits: Sequence[float] | None, replicas: int) -> None:
+    """ValueError naming `waits` unless it gives each replica a finite number of seconds >= 0 (0:
+    no limit; None: the settings' max_queue_wait for all)."""
+    _check_per_replica("replica_queue_waits", "waits", waits, replicas, lambda wait: wait >= 0,
+                       "a number of seconds >= 0 (0: no limit)")
+
+
+def _check_per_replica(name: str, noun: str, values: Sequence[float] | None, replicas: int,
+                       allowed: Callable[[float], bool], rule: str) -> None:
+    if values is None:
         return
-    if len(speeds) != replicas:
-        raise ValueError(f"replica_speeds: {len(speeds)} speeds for {replicas} replicas; give one per replica")
-    for speed in speeds:
-        if not (isinstance(speed, (int, float)) and 0 < speed < float("inf")):
-            raise ValueError(f"replica_speeds: each must be a number > 0 (1: the given rates), got {speed!r}")
+    if len(values) != replicas:
+        raise ValueError(f"{name}: {len(values)} {noun} for {replicas} replicas; give one per replica")
+    for value in values:
+        if not (isinstance(value, (int, float)) and value < float("inf") and allowed(value)):
+            raise ValueError(f"{name}: each must be {rule}, got {value!r}")
 
 
-def at_speed(settings: ReplaySettings, speed: float) -> ReplaySettings:
-    """A replica's settings at `speed` times the prefill and decode rates (a lower tier's restores
-    are the tier's, not the GPU's: unchanged). At 1, the settings themselves: bit for bit."""
-    if speed == 1:
-        return settings
-    return replace(settings, prefill_rate=settings.prefill_rate * speed, decode_rate=settings.decode_rate * speed)
+def replica_settings(settings: ReplaySettings, speed: float = 1.0, queue_wait: float | None = None) -> ReplaySettings:
+    """One replica's settings: at `speed` times the prefill and decode rates (a lower tier's
+    restores are the tier's, not the GPU's: unchanged), with `queue_wait` as its max_queue_wait
+    where given. At speed 1 and no wait of its own, the settings themselves: bit for bit."""
+    if speed != 1:
+        settings = replace(settings, prefill_rate=settings.prefill_rate * speed,
+                           decode_rate=settings.decode_rate * speed)
+    return settings if queue_wait is None else replace(settings, max_queue_wait=queue_wait)
 
 
 def recorded_replicas(requests: Sequence[TraceRequest], replicas: int) -> list[int]:

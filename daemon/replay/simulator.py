@@ -422,15 +422,18 @@ class ReplicaRun:
             self.admit_waiting(progress)
 
     def arrive(self, index: int, arrival: float, progress: Callable[[int], None],
-               origin: float | None = None) -> None:
-        """Request `index` arrives now: queued (or refused when the queue is full), then started
-        if it can be. `origin`: when it first arrived at the fleet, for a request a router re-routed
-        here (its wait for max_queue_wait starts now, its time to first token then)."""
+               origin: float | None = None, passed_on: bool = False) -> bool:
+        """Request `index` arrives now: queued, then started if it can be; or refused when the queue
+        is full (False), a queue_full rejection unless `passed_on` (a router takes it to another
+        replica, as kvd router does a 429). `origin`: when it first arrived at the fleet, for a
+        request a router re-routed here (its wait for max_queue_wait starts now, its time to first
+        token then)."""
         self.expire_waiting(progress)  # those that timed out before now hold no place in the queue
         if len(self.waiting) >= self.settings.max_queue:
-            self.reject("queue_full")
-            progress(1)
-            return
+            if not passed_on:
+                self.reject("queue_full")
+                progress(1)
+            return False
         if origin is not None:
             self.origins[index] = origin
         request = self.requests[index]
@@ -442,6 +445,7 @@ class ReplicaRun:
             self.queued_keys[key] = self.queued_keys.get(key, 0) + 1
         self.waiting.append(index)
         self.admit_waiting(progress)
+        return True
 
     def drain(self, progress: Callable[[int], None]) -> None:
         self.finish_until(float("inf"), progress)

@@ -14,8 +14,8 @@ from kvctl.policies.tiering import WRITE_POLICIES
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.routing import ROUTING_POLICIES, check_queue_limits, make_router
 
-from .fleet import (RECORDED, FleetResult, check_speeds, limit_choices, placement_figures, places_new_prefixes,
-                    replay_fleet)
+from .fleet import (RECORDED, FleetResult, check_queue_waits, check_speeds, limit_choices, placement_figures,
+                    places_new_prefixes, replay_fleet)
 from .simulator import ReplayResult, ReplaySettings, max_hit_blocks, replay
 from .trace import TraceKeyer, TraceRequest
 from kvctl.daemon.cache.keys import validate_block_size
@@ -25,7 +25,7 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
                   base: ReplaySettings, replicas: int = 1, routings: Sequence[str] = (),
                   balance_seconds: float = 2.0, new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
                   placements: int = 1, queue_limits: Sequence[str] = ("heed",),
-                  speeds: Sequence[float] | None = None) -> None:
+                  speeds: Sequence[float] | None = None, queue_waits: Sequence[float] | None = None) -> None:
     """Raise ValueError naming the first bad field and value, before any work starts."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
@@ -56,8 +56,11 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         for value in queue_limits:
             check_queue_limits(value)
         check_speeds(speeds, replicas)
+        check_queue_waits(queue_waits, replicas)
     elif speeds is not None:
         raise ValueError("replica_speeds: speeds are for a fleet (--replicas N)")
+    elif queue_waits is not None:
+        raise ValueError("replica_queue_waits: waits are for a fleet (--replicas N)")
     if not block_sizes:
         raise ValueError("block_sizes: give at least one block size")
     for size in block_sizes:
@@ -122,14 +125,16 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
                 on_result: Callable[[FleetResult], None] | None = None,
                 new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
                 placements: int = 1, queue_limits: Sequence[str] = ("heed",),
-                reroute: bool = True, speeds: Sequence[float] | None = None) -> list[FleetResult]:
+                reroute: bool = True, speeds: Sequence[float] | None = None,
+                queue_waits: Sequence[float] | None = None) -> list[FleetResult]:
     """`sweep` for a fleet of `replicas` (each with a cache of each capacity, sharing a lower tier of
     each `tier_tokens`), once per routing and per `queue_limits` value (heed, ignore: once for a
     routing that reads no load); a routing that sends new prefixes home by a hash is replayed
     `placements` times, each placing them anew (FleetResult.placements). `reroute`: queue timeouts
-    go to another replica (`replay_fleet`); `speeds`: each replica's speed (`replay_fleet`)."""
+    go to another replica (`replay_fleet`); `speeds`, `queue_waits`: each replica's speed and
+    max_queue_wait (`replay_fleet`)."""
     validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix,
-                  tier_tokens, placements, queue_limits, speeds)
+                  tier_tokens, placements, queue_limits, speeds, queue_waits)
     results: list[FleetResult] = []
     for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens):
         for routing in routings:
@@ -137,7 +142,7 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
                 draws = placements if placements > 1 and places_new_prefixes(routing, new_prefix) else 1
                 runs = [replay_fleet(settings, replicas, routing, requests, keys, max_hits, progress,
                                      balance_seconds=balance_seconds, new_prefix=new_prefix, placement=placement,
-                                     queue_limits=limits, reroute=reroute, speeds=speeds)
+                                     queue_limits=limits, reroute=reroute, speeds=speeds, queue_waits=queue_waits)
                         for placement in range(draws)]
                 if draws > 1:
                     runs[0].placements = [placement_figures(run, placement) for placement, run in enumerate(runs)]
