@@ -147,8 +147,10 @@ def serve(
     eviction: Optional[str] = typer.Option(None, help="Eviction policy: lru, cost, lfu (fewest uses first, never "
                                           "decayed) or priority (the prefixes of the requests that run first go "
                                           "last; with --queue-order priority)."),
-    queue_order: Optional[str] = typer.Option(None, help="fifo, or priority (by tenant_priorities and each "
-                                              "request's priority, lower first)."),
+    queue_order: Optional[str] = typer.Option(None, help="fifo, priority (by tenant_priorities and each "
+                                              "request's priority, lower first) or lpm (the longest cached prefix "
+                                              "first, SGLang's; without --max-queue-wait, one that has waited 30 s "
+                                              "goes first)."),
     tenant_priorities: Optional[str] = typer.Option(
         None, help="With --queue-order priority: each tenant's place, e.g. acme=-10,batch=5 (lower first)."),
     tenant_cache_shares: Optional[str] = typer.Option(

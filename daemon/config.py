@@ -27,6 +27,7 @@ from kvctl.daemon.server.tool_calls import TOOL_CALL_PARSERS
 
 MXFP4_EXPERTS = ("auto", "keep", "dequantise")  # what kvd does with an MXFP4 checkpoint's experts
 from kvctl.policies.eviction import EVICTION_POLICIES
+from kvctl.policies.queue_order import QUEUE_ORDERS
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation, parse_speculation
 from kvctl.policies.tenant_map import named_values, parse_tenant_map, priority_of
@@ -441,8 +442,8 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be auto, float32, bfloat16 or float16")
     if name == "eviction" and value not in EVICTION_POLICIES:
         raise ValueError(f"must be one of {', '.join(EVICTION_POLICIES)}")
-    if name == "queue_order" and value not in ("fifo", "priority"):
-        raise ValueError("must be fifo or priority")
+    if name == "queue_order" and value not in QUEUE_ORDERS:
+        raise ValueError(f"must be {', '.join(QUEUE_ORDERS[:-1])} or {QUEUE_ORDERS[-1]}")
     if name == "report_cached_tokens" and value not in CACHED_TOKEN_REPORTS:
         raise ValueError(f"must be {', '.join(CACHED_TOKEN_REPORTS[:-1])} or {CACHED_TOKEN_REPORTS[-1]}")
     if name == "reservation":

@@ -73,6 +73,9 @@ def replay_command(
         help="Cache capacity in tokens; repeat or comma-separate for several."),
     policy: list[str] = typer.Option(["lru,cost"], "--policy", help="Eviction policies: lru, cost, lfu, priority "
                                      "(with --tenant-priorities)."),
+    queue_order: list[str] = typer.Option(["fifo"], "--queue-order",
+                                          help="Admission queue order, as kvd's queue_order: fifo, lpm (the longest "
+                                               "cached prefix first; rows 'lru+lpm'), or fifo,lpm to compare."),
     reserve: str = typer.Option("fraction:1.0", "--reserve",
                                 help="Output reservation: fixed:N, fraction:F or p95."),
     sequential: bool = typer.Option(False, "--sequential", help="One request at a time."),
@@ -141,7 +144,7 @@ def replay_command(
     tenant_priorities: Optional[str] = typer.Option(
         None, "--tenant-priorities", help="Tenants' priorities as kvd's --tenant-priorities (lower first, e.g. "
                                           "quiet=-10), which --policy priority keeps the prefixes of; the replay's "
-                                          "queue stays first come, first served."),
+                                          "queue is not ordered by them."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG file (.png): hit rate and "
                                         "fragmentation against block size."),
@@ -159,6 +162,7 @@ def replay_command(
     policies = parse_names("policy", policy)
     routings = parse_names("routing", routing)
     limits = parse_names("queue_limits", queue_limits)
+    orders = parse_names("queue_order", queue_order)
     speeds = None if replica_speeds is None else parse_float_list("replica_speeds", replica_speeds)
     waits = None if replica_queue_waits is None else parse_float_list("replica_queue_waits", replica_queue_waits)
     if waits is not None and max_queue_wait:
@@ -199,7 +203,7 @@ def replay_command(
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
         validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers,
-                      placements, limits, speeds, waits)
+                      placements, limits, speeds, waits, orders)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
@@ -236,7 +240,7 @@ def replay_command(
                                         "new_prefix": new_prefix, "placements": placements,
                                         "queue_limits": limits, "reroute": reroute, "replica_speeds": speeds,
                                         "replica_queue_waits": waits}
-    results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers)
+    results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers, orders)
     document = {
         "trace": trace_name,
         "requests": len(requests),
@@ -249,7 +253,7 @@ def replay_command(
             "max_queue": max_queue, "max_queue_wait": max_queue_wait, "time_scale": time_scale, "max_tokens": max_tokens,
             "tenant_shares": dict(base.tenant_shares) or None, "tier_tokens": tiers,
             "tenant_priorities": dict(base.tenant_priorities) or None,
-            "restore_rate": restore_rate, "tier_write": tier_write,
+            "restore_rate": restore_rate, "tier_write": tier_write, "queue_order": orders,
         },
         "runs": [r.as_dict() for r in results],
         # kvd cached more of a saved trace's prompts than a replay of its ids can: ids too coarse
@@ -286,13 +290,14 @@ def replay_command(
 
 
 def _run_with_progress(console: Console, requests, sizes, capacities, policies,
-                       base: ReplaySettings, fleet: dict | None = None, tiers: Sequence[int] = (0,)) -> list:
+                       base: ReplaySettings, fleet: dict | None = None, tiers: Sequence[int] = (0,),
+                       orders: Sequence[str] = ("fifo",)) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     runs = 1 if fleet is None else sum((fleet["placements"] if places_new_prefixes(r, fleet["new_prefix"]) else 1)
                                        * len(limit_choices(r, fleet["queue_limits"])) for r in fleet["routing"])
     total = len(requests) * len(sizes) * len(capacities) * len(policies) * runs \
-        * (2 if base.tenant_shares else 1) * len(tiers)
+        * (2 if base.tenant_shares else 1) * len(tiers) * len(orders)
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("replay", total=total)
@@ -306,12 +311,13 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
                 pending = 0
 
         if fleet is None:
-            return sweep(requests, sizes, capacities, policies, base, progress=tick, tier_tokens=tiers)
+            return sweep(requests, sizes, capacities, policies, base, progress=tick, tier_tokens=tiers,
+                         queue_orders=orders)
         return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
                            fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"],
                            tier_tokens=tiers, placements=fleet["placements"], queue_limits=fleet["queue_limits"],
                            reroute=fleet["reroute"], speeds=fleet["replica_speeds"],
-                           queue_waits=fleet["replica_queue_waits"])
+                           queue_waits=fleet["replica_queue_waits"], queue_orders=orders)
 
 
 def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list:
@@ -345,7 +351,7 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
         cost.add_row(str(r.block_size), f"{r.capacity_tokens:,}", *([f"{r.tier_tokens:,}"] if tiered else []),
                      r.policy, f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
                      f"{r.block_ops_per_second:,.0f}", f"{r.seconds:.2f}")
-    parts = [decision, ceiling, *rejection_lines(results), Text(""), cost]
+    parts = [decision, ceiling, *rejection_lines(results), *first_token_lines(results), Text(""), cost]
     tenants = sorted({t for r in results for t in r.tenant_hit_ratio})
     if tenants:  # a trace that names tenants: what each kept, which is what shares are for
         by_tenant = compact_table("block", "capacity", "policy", *tenants, title="hit by tenant")
@@ -371,6 +377,15 @@ def rejection_lines(results: list[ReplayResult]) -> list[Text]:
     return [Text(f"rejected at block {r.block_size}, capacity {r.capacity_tokens:,}, {r.policy}: " + ", ".join(
         f"{reason} {count:,}" for reason, count in sorted(r.reject_reasons.items())))
         for r in results if r.reject_reasons]
+
+
+def first_token_lines(results: list[ReplayResult]) -> list[Text]:
+    """With queue orders compared (--queue-order fifo,lpm): each run's time to first token in the
+    service model, which the order moves most."""
+    if len({r.queue_order for r in results}) < 2 or results[0].ttft_p50_s is None:
+        return []
+    return [Text(f"time to first token p50/p95/p99 at block {r.block_size}, capacity {r.capacity_tokens:,}, "
+                 f"{r.policy}: {r.ttft_p50_s:.2f}/{r.ttft_p95_s:.2f}/{r.ttft_p99_s:.2f} s") for r in results]
 
 
 def _short(value: float) -> str:

@@ -199,6 +199,9 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
      "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
     (["--replicas", "2", "--queue-limits", "heed,ignore"],
      "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
+    (["--queue-order", "priority"], "error: queue_order: unknown value 'priority'; use fifo or lpm"),
+    (["--queue-order", "fifo,lpm", "--sequential"],
+     "error: queue_order: lpm orders a queue, and --sequential has none (one request at a time)"),
 ])
 def test_bad_options_name_field_and_value(capsys, small_trace, args, message):
     status, out, err = cli(capsys, "bench", "replay", str(small_trace), *args)
@@ -302,6 +305,28 @@ def test_a_fleet_replay_gives_each_replica_its_own_queue_limit_and_re_routes_a_f
     words = " ".join(cli(capsys, "bench", "replay", *args, "--replica-queue-waits", "0.5,0")[1].split())
     assert "requests per replica (max_queue_wait 0.5/0 s), round_robin (block 512, capacity 4,096, lru): 1/3" in words
     assert "requests per replica (max_queue_wait 0.5/0 s), prefix (block 512, capacity 4,096, lru): 1/2" in words
+
+
+def test_a_replay_compares_first_come_first_served_with_the_longest_cached_prefix_first(capsys, tmp_path):
+    """tests/test_replay.py's LPM_TRACE: lpm starts the request opening with a cached block first."""
+    path = tmp_path / "lpm.jsonl"
+    write_trace(path, [TraceRequest(0, 1024, 4, (1, 10)), TraceRequest(1000, 1024, 1, (2, 20)),
+                       TraceRequest(2000, 1024, 1, (1, 11))])
+    args = (str(path), "--block-sizes", "512", "--policy", "lru", "--capacity-tokens", "8192", "--max-running", "1",
+            "--prefill-rate", "1e12", "--decode-rate", "1", "--queue-order", "fifo,lpm")
+    doc = replay_json(capsys, *args)
+    assert doc["settings"]["queue_order"] == ["fifo", "lpm"]
+    assert [(r["policy"], r["queue_order"], round(r["ttft_p50_s"], 6), round(r["ttft_p95_s"], 6))
+            for r in doc["runs"]] == [("lru", "fifo", 3.0, 3.0), ("lru+lpm", "lpm", 2.0, 4.0)]
+    out = cli(capsys, "bench", "replay", *args)[1]
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["block", "capacity", "policy"])
+    assert [line.split()[2] for line in lines[header + 1:header + 3]] == ["lru", "lru+lpm"]
+    words = " ".join(out.split())
+    assert "time to first token p50/p95/p99 at block 512, capacity 8,192, lru: 3.00/3.00/3.00 s" in words
+    assert "time to first token p50/p95/p99 at block 512, capacity 8,192, lru+lpm: 2.00/4.00/4.00 s" in words
+    fleet = replay_json(capsys, *args, "--replicas", "2", "--routing", "prefix")
+    assert [(r["policy"], r["queue_order"]) for r in fleet["runs"]] == [("lru", "fifo"), ("lru+lpm", "lpm")]
 
 
 def test_missing_or_bad_trace_file(capsys, tmp_path):

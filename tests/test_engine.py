@@ -265,6 +265,40 @@ def test_priority_queue_admits_higher_priority_first(demo):
     engine.run_until_done()
 
 
+@pytest.mark.parametrize("order, gap, max_queue_wait, admitted", [
+    ("fifo", 0.0, 0.0, ["B", "C", "D"]),
+    ("lpm", 0.0, 0.0, ["C", "B", "D"]),  # C's prompt opens with two cached blocks
+    ("lpm", 29.9, 0.0, ["C", "B", "D"]),
+    ("lpm", 30.0, 0.0, ["B", "C", "D"]),  # B has waited LPM_PATIENCE_SECONDS: it goes first
+    ("lpm", 30.0, 40.0, ["C", "B", "D"]),  # with a max_queue_wait, that bounds the wait instead
+])
+def test_lpm_admits_the_longest_cached_prefix_first_until_a_request_has_waited_its_patience(
+        demo, order, gap, max_queue_wait, admitted):
+    """One slot, busy; B (a prompt nobody shares) queues, `gap` seconds later C (opening with a
+    cached prompt) and D (nobody's). fifo admits them as they came; lpm takes C first, unless B has
+    waited its patience by then (without a max_queue_wait)."""
+    clock = FakeClock(100.0)
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, queue_order=order,
+                                         max_queue_wait=max_queue_wait), clock=clock)
+    shared = list(range(1, 33))  # two blocks
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request(shared + [40], once)
+    engine.run_until_done()
+    engine.add_request([50] * 5, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # it holds the slot
+    waiting = {"B": engine.add_request(list(range(100, 140)), once)}
+    clock.advance(gap)
+    waiting |= {"C": engine.add_request(shared + [41, 42], once), "D": engine.add_request(list(range(150, 190)), once)}
+    seen = []
+    while engine.has_work():
+        engine.step()
+        clock.advance(0.01)
+        seen += [name for name, r in waiting.items() if r.metrics.admitted is not None and name not in seen]
+    assert seen == admitted
+    assert [waiting[name].metrics.cached_tokens for name in "BCD"] == [0, 32, 0]
+    assert not any(r.rejected for r in waiting.values())
+
+
 def test_accounting_with_a_fake_clock(demo):
     clock = FakeClock(100.0)
     engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16), clock=clock)

@@ -537,3 +537,29 @@ def test_fetches_are_made_until_a_tier_is_measured_and_probed_when_its_rate_has_
     fast = RateMeter(rate=1e9, samples=MEASURED_READS, measured_at=0.0)
     assert all(policy.should_fetch(tokens, nbytes, fast, t) for t in (1.0, 2.0, 3.0))
     assert not policy.should_fetch(0, 0, fast, 4.0)
+
+
+def test_lpm_orders_by_cached_prefix_with_patience_and_a_size_bound():
+    from kvctl.policies.queue_order import LPM_PATIENCE_SECONDS, check_queue_order, longest_prefix_first, lpm_patience
+
+    # (name, cached blocks, seconds waited), in queue order
+    queue = [("a", 0, 1.0), ("b", 3, 0.5), ("c", 1, 6.0), ("d", 3, 0.2), ("e", 0, 5.0), ("f", 2, 0.1)]
+    looked = []
+
+    def cached(item):
+        looked.append(item[0])
+        return item[1]
+
+    order = longest_prefix_first(queue, cached, lambda item: item[2], patience=5.0)
+    # c and e have waited 5 s or more: first, in queue order (not looked up); then most cached first
+    assert [item[0] for item in order] == ["c", "e", "b", "d", "f", "a"]
+    assert looked == ["a", "b", "d", "f"]
+    looked.clear()
+    assert longest_prefix_first(queue, cached, lambda item: item[2], patience=5.0, max_waiting=5) == queue
+    assert looked == []  # beyond the bound: queue order, and no lookups
+    assert (lpm_patience(0.0), lpm_patience(4.0), LPM_PATIENCE_SECONDS) == (30.0, float("inf"), 30.0)
+    assert check_queue_order("lpm") == "lpm"
+    with pytest.raises(ValueError, match=r"^queue_order: unknown value 'sjf'; use fifo, priority or lpm$"):
+        check_queue_order("sjf")
+    with pytest.raises(ValueError, match=r"^queue_order: unknown value 'priority'; use fifo or lpm$"):
+        check_queue_order("priority", ("fifo", "lpm"))

@@ -69,6 +69,18 @@ def test_a_request_may_not_jump_its_tenant_s_place_nor_ask_a_fifo_queue_for_one(
             "priority: 2 asks for a place in the queue, but kvd serves its queue first come, first served")
         assert call(fifo_tcp, "POST", "/v1/completions", headers=auth,
                     json={"prompt": "x", "max_tokens": 1, "priority": 0}).status_code == 200
+        lpm = start_service(tmp_path / "lpm", num_blocks=64, queue_order="lpm")
+        try:
+            _, lpm_tcp = apps(lpm, token_table(tmp_path / "lpm"))
+            refused = call(lpm_tcp, "POST", "/v1/completions", headers=auth,
+                           json={"prompt": "x", "max_tokens": 1, "priority": 2})
+            assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+                "priority: 2 asks for a place in the queue, but kvd serves its queue the longest cached prefix "
+                "first (queue_order: lpm; queue_order: priority orders it)")
+            assert call(lpm_tcp, "POST", "/v1/completions", headers=auth,
+                        json={"prompt": "x", "max_tokens": 1}).status_code == 200
+        finally:
+            lpm.shutdown(1)
     finally:
         service.shutdown(1)
         fifo.shutdown(1)

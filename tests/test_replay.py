@@ -233,6 +233,33 @@ def test_a_router_counts_the_shared_tier_as_held_by_every_replica():
     assert list(shared) == [keys[0][0]]  # asking does not touch it
 
 
+# one slot, prompts computed at once, a token a second: r0 holds the slot 4 s; r1 (a prompt nobody
+# shares) and r2 (opening with r0's first block) wait for it
+LPM_TRACE = [req(0, 1024, [1, 10], output=4), req(1000, 1024, [2, 20], output=1), req(2000, 1024, [1, 11], output=1)]
+ONE_SLOT = dict(max_running=1, prefill_rate=1e12, decode_rate=1.0)
+
+
+@pytest.mark.parametrize("order, max_queue_wait, ttft, turned_away", [
+    ("fifo", 0.0, (3.0, 3.0), {}),  # r1 starts at 4 s, r2 at 5 s
+    ("lpm", 0.0, (2.0, 4.0), {}),  # r2 (a cached block) at 4 s, r1 at 5 s
+    ("lpm", 4.5, (2.0, 4.0), {}),
+    # r1 has waited the 4 s limit by the time the slot frees again: lpm turned it away (fifo would
+    # have started it at 4 s)
+    ("lpm", 4.0, (0.0, 2.0), {"queue_timeout": 1}),
+    ("fifo", 4.0, (3.0, 3.0), {}),
+])
+def test_lpm_replays_the_longest_cached_prefix_first_as_kvd_orders_its_queue(order, max_queue_wait, ttft,
+                                                                             turned_away):
+    result = run(LPM_TRACE, 512, 8192, queue_order=order, max_queue_wait=max_queue_wait, **ONE_SLOT)
+    assert (result.policy, result.queue_order) == ("lru+lpm" if order == "lpm" else "lru", order)
+    assert (result.ttft_p50_s, result.ttft_p95_s) == (pytest.approx(ttft[0], abs=1e-6), pytest.approx(ttft[1]))
+    assert (result.hit_tokens, result.admitted, result.reject_reasons) == (512, 3 - len(turned_away), turned_away)
+    one = fleet(LPM_TRACE, 1, "prefix", capacity_tokens=8192, queue_order=order, max_queue_wait=max_queue_wait,
+                **ONE_SLOT)
+    assert (one.policy, one.queue_order, one.ttft_p50_s, one.ttft_p95_s) == (
+        result.policy, order, result.ttft_p50_s, result.ttft_p95_s)
+
+
 def test_a_fleet_of_one_is_the_single_replica_replay():
     trace = generate_trace(120, seed=3)
     one = fleet(trace, 1, "prefix", block_size=64, capacity_tokens=65_536)

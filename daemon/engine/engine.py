@@ -40,6 +40,7 @@ from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHashe
 from kvctl.daemon.cache.events import EventLog
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
 from kvctl.policies.admission import Verdict, pinned_out_reason, tenant_limit_reason
+from kvctl.policies.queue_order import check_queue_order, longest_prefix_first, lpm_patience
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation
 from kvctl.policies.tiering import PrefetchWait, RateMeter
@@ -85,7 +86,9 @@ class EngineSettings:
     tenant_request_limits: tuple[tuple[str, int], ...] = ()  # (tenant, limit): overrides max_tenant_requests
     reservation: str = "fraction:1.0"  # output reservation policy (see policies.reservation)
     eviction: str = "lru"
-    queue_order: str = "fifo"  # or "priority": higher priority first, FIFO within a priority
+    # or "priority": higher priority first, FIFO within a priority; or "lpm": the longest cached prefix
+    # first (policies.queue_order)
+    queue_order: str = "fifo"
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2 or int8
     keep_layers: tuple[int, ...] = ()  # layers whose cache stays in the model dtype
     # prompts with at most this many tokens left run in a step of their own ahead of the decodes
@@ -160,8 +163,7 @@ class Engine:
         if settings.max_model_len is not None and settings.max_model_len > loaded.config.context_limit:
             raise ValueError(f"max_model_len: {settings.max_model_len} is more than kvd can serve of this model: "
                              f"{loaded.config.context_limit_text()}")
-        if settings.queue_order not in ("fifo", "priority"):
-            raise ValueError(f"queue_order: unknown value {settings.queue_order!r}; use fifo or priority")
+        check_queue_order(settings.queue_order)
         if settings.max_batch_tokens < 1 or settings.max_running < 1 or settings.max_queue < 1:
             raise ValueError("max_batch_tokens, max_running and max_queue must be >= 1")
         if settings.quick_prefill_tokens < 0:
@@ -729,7 +731,7 @@ class Engine:
         loras = set() if max_loras is None else {  # (no walk of the batch when there is no limit)
             id(s.request.lora) for s in self._running.values() if s.request.lora is not None}
         passed = self.lora_turn_waiters = set()  # requests left waiting for an adapter's turn
-        for entry in sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING):
+        for entry in self._admission_order():
             if len(self._running) >= self.settings.max_running:
                 return
             seq = entry[1]
@@ -792,6 +794,23 @@ class Engine:
             if max_loras is not None and request.lora is not None:
                 loras.add(id(request.lora))
             upcoming.update(keys[admission.hit_blocks:len(tokens) // size])  # what it will compute
+
+    def _admission_order(self) -> list[tuple[tuple, Sequence]]:
+        """The waiting entries in the order an admission pass tries them: queue order, or under
+        queue_order lpm the longest cached prefix first (policies.queue_order)."""
+        entries = sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING)
+        if self.settings.queue_order != "lpm" or len(self._running) >= self.settings.max_running:
+            return entries  # (a full batch admits none: no lookups)
+        now = self.clock()
+
+        def cached_blocks(entry) -> int:
+            seq = entry[1]
+            if seq.request.scoring:  # it takes nothing from the cache
+                return 0
+            return self.cache.lookup(self._prefix_keys(seq)[0], len(seq.all_tokens))
+
+        return longest_prefix_first(entries, cached_blocks, lambda entry: now - entry[1].request.metrics.arrival,
+                                    lpm_patience(self.settings.max_queue_wait))
 
     def _upcoming_keys(self) -> set:
         """Keys of the prompt blocks running prefills have yet to compute."""

@@ -82,6 +82,7 @@ class FleetResult:
     rerouted: int = 0  # queue timeouts the router took to another replica (each try after the first)
     rerouted_full: int = 0  # refusals by a full queue (429) the router took to another replica (each try after)
     queue_waits: list[float] = field(default_factory=list)  # each replica's max_queue_wait (empty: the settings')
+    queue_order: str = "fifo"  # each replica's: fifo, or lpm (the longest cached prefix first)
     tier_tokens: int = 0  # the shared lower tier's size (0: none)
     restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled, fleet-wide
     restored_ratio: float = 0.0
@@ -310,7 +311,7 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
     mean = sum(admitted) / len(admitted)
     return FleetResult(
         routing=routing, replicas=len(runs), block_size=settings.block_size,
-        capacity_tokens=settings.capacity_tokens, policy=settings.policy, requests=requests,
+        capacity_tokens=settings.capacity_tokens, policy=settings.policy_label, requests=requests,
         admitted=sum(admitted), prompt_tokens=prompt, hit_tokens=hit,
         hit_ratio=hit / prompt if prompt else 0.0,
         max_hit_ratio=sum(r.max_hit_tokens for r in runs) / prompt if prompt else 0.0,
@@ -322,4 +323,5 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
         hit_ratio_per_replica=[r.hit_tokens / r.prompt_tokens if r.prompt_tokens else 0.0 for r in runs],
         seconds=seconds, reject_reasons=reasons, tier_tokens=settings.tier_tokens,
         restored_tokens=sum(r.restored_tokens for r in runs),
-        restored_ratio=sum(r.restored_tokens for r in runs) / prompt if prompt else 0.0)
+        restored_ratio=sum(r.restored_tokens for r in runs) / prompt if prompt else 0.0,
+        queue_order=settings.queue_order)

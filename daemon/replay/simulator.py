@@ -8,9 +8,10 @@ a request admitted at t finishes at
 
     t + uncached prompt tokens / prefill_rate + output tokens / decode_rate
 
-with at most `max_running` requests at once and a FIFO admission queue of at
-most `max_queue` waiting requests. A request that does not fit waits for a
-finish; one that can never fit, or that finds the queue full, is rejected, and
+with at most `max_running` requests at once and an admission queue of at
+most `max_queue` waiting requests, first come first served, or with
+`queue_order` lpm the longest cached prefix first, as kvd's (policies.queue_order).
+A request that does not fit waits for a finish; one that can never fit, or that finds the queue full, is rejected, and
 so is one that waits `max_queue_wait` seconds without starting (kvd's
 queue_timeout), where that is set.
 Sequential mode runs one request at a time. Either way a request's full prompt
@@ -35,13 +36,14 @@ import heapq
 import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvctl.daemon.cache.errors import CacheFull
 from kvctl.daemon.cache.keys import BlockKey
 from kvctl.daemon.cache.manager import KVCacheManager
 from kvctl.daemon.stats import percentile
 from kvctl.policies.admission import blocks_for_tokens
+from kvctl.policies.queue_order import LPM_MAX_WAITING, longest_prefix_first, lpm_patience
 from kvctl.policies.reservation import parse_reservation
 
 from .trace import TraceRequest
@@ -64,16 +66,18 @@ class ReplaySettings:
     # (tenant, fraction) pairs as kvd's tenant_cache_shares; () for none
     tenant_shares: tuple[tuple[str, float], ...] = ()
     # (tenant, priority) pairs as kvd's tenant_priorities (lower first): what the `priority` eviction
-    # policy keeps; the replay's queue stays first come, first served
+    # policy keeps; the replay's queue is not ordered by them (queue_order)
     tenant_priorities: tuple[tuple[str, int], ...] = ()
     tier_tokens: int = 0  # a lower tier under the device of this many tokens (LRU); 0: none
     restore_rate: float = 200_000.0  # tokens a second restored from it (service model)
     tier_write: str = "write_back"  # or write_through, write_through_selective: kvd's write_policy names
+    queue_order: str = "fifo"  # or "lpm": the longest cached prefix first, as kvd's queue_order (policies.queue_order)
 
     @property
     def policy_label(self) -> str:
-        """The eviction policy as reports name it: with shares, `lru+shares`."""
-        return self.policy + ("+shares" if self.tenant_shares else "")
+        """The eviction policy as reports name it: with shares, `lru+shares`; with queue_order
+        lpm, `lru+lpm`."""
+        return self.policy + ("+shares" if self.tenant_shares else "") + ("+lpm" if self.queue_order == "lpm" else "")
 
     @property
     def num_blocks(self) -> int:
@@ -109,6 +113,7 @@ class ReplayResult:
     reject_reasons: dict[str, int] = field(default_factory=dict)
     ttft_p50_s: float | None = None  # the service model's time to first token (concurrent mode)
     ttft_p95_s: float | None = None
+    ttft_p99_s: float | None = None
     # per tenant, when the trace names tenants: hit tokens / prompt tokens of its admitted requests
     tenant_hit_ratio: dict[str, float] = field(default_factory=dict)
     # and its cached blocks evicted to make room (kvd's evicted_blocks per tenant): whose blocks pay
@@ -116,6 +121,7 @@ class ReplayResult:
     tier_tokens: int = 0  # the lower tier's size (0: none)
     restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled
     restored_ratio: float = 0.0  # restored tokens / prompt tokens of admitted requests
+    queue_order: str = "fifo"  # which waiting request went first: fifo, or lpm (the longest cached prefix)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -361,14 +367,17 @@ class ReplicaRun:
         return self.arrivals[self.waiting[0]] + limit
 
     def admit_waiting(self, progress: Callable[[int], None]) -> None:
-        """Start waiting requests in order while they fit and a slot is free (those past
-        max_queue_wait rejected first)."""
+        """Start waiting requests in queue order while they fit and a slot is free (those past
+        max_queue_wait rejected first): arrival order, or lpm's, taken once a pass as kvd does."""
         self.expire_waiting(progress)
         waiting = self.waiting
+        order = self._lpm_order()
         while waiting and len(self.running) < self.settings.max_running:
-            index = waiting[0]
+            index = waiting[0] if order is None else next(order, None)
+            if index is None:
+                break
             if self.never_fits(index):
-                waiting.popleft()
+                self._dequeue(index)
                 self._unqueue(index)
                 self.origins.pop(index, None)
                 self.reject("never_fits")
@@ -376,7 +385,7 @@ class ReplicaRun:
                 continue
             if not self.start(index):
                 break
-            waiting.popleft()
+            self._dequeue(index)
             # (unqueued either way) its first token counts from its arrival, a re-routed one's first arrival
             arrival = self.origins.pop(index, self._unqueue(index))
             request, s = self.requests[index], self.settings
@@ -387,6 +396,23 @@ class ReplicaRun:
             heapq.heappush(self.running, (first + uncached / s.prefill_rate + request.output_length / s.decode_rate,
                                           index))
             self.ttft.append(first - arrival + uncached / s.prefill_rate)
+
+    def _lpm_order(self) -> Iterator[int] | None:
+        """Under queue_order lpm, the waiting requests in its order (`longest_prefix_first`: what the
+        device holds of each prompt, and how long each has waited); None for arrival order (fifo, or
+        a queue past LPM_MAX_WAITING, where lpm keeps it too)."""
+        waiting = self.waiting
+        if self.settings.queue_order != "lpm" or len(waiting) < 2 or len(waiting) > LPM_MAX_WAITING:
+            return None
+        lookup, keys, requests, arrivals, now = self.manager.lookup, self.keys, self.requests, self.arrivals, self.now
+        return iter(longest_prefix_first(waiting, lambda i: lookup(keys[i], requests[i].input_length),
+                                         lambda i: now - arrivals[i], lpm_patience(self.settings.max_queue_wait)))
+
+    def _dequeue(self, index: int) -> None:
+        if self.waiting[0] == index:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(index)
 
     def held_blocks(self, index: int) -> int:
         """Leading blocks of request `index`'s prompt this replica holds, or will once the
@@ -499,11 +525,13 @@ class ReplicaRun:
             seconds=seconds, reject_reasons=dict(self.rejections),
             ttft_p50_s=None if s.sequential else percentile(sorted(self.ttft), 0.50),
             ttft_p95_s=None if s.sequential else percentile(sorted(self.ttft), 0.95),
+            ttft_p99_s=None if s.sequential else percentile(sorted(self.ttft), 0.99),
             tenant_hit_ratio={tenant: hit / prompt if prompt else 0.0
                               for tenant, (hit, prompt) in sorted(self.tenant_tokens.items())},
             tenant_evicted_blocks={tenant: self.tenant_evicted[tenant] for tenant in sorted(self.tenant_tokens)},
             tier_tokens=s.tier_tokens, restored_tokens=self.restored_tokens,
             restored_ratio=self.restored_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            queue_order=s.queue_order,
         )
 
 

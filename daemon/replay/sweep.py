@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Sequence
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.tiering import WRITE_POLICIES
 from kvctl.policies.reservation import parse_reservation
+from kvctl.policies.queue_order import check_queue_order
 from kvctl.policies.routing import ROUTING_POLICIES, check_queue_limits, make_router
 
 from .fleet import (RECORDED, FleetResult, check_queue_waits, check_speeds, limit_choices, placement_figures,
@@ -25,7 +26,8 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
                   base: ReplaySettings, replicas: int = 1, routings: Sequence[str] = (),
                   balance_seconds: float = 2.0, new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
                   placements: int = 1, queue_limits: Sequence[str] = ("heed",),
-                  speeds: Sequence[float] | None = None, queue_waits: Sequence[float] | None = None) -> None:
+                  speeds: Sequence[float] | None = None, queue_waits: Sequence[float] | None = None,
+                  queue_orders: Sequence[str] = ("fifo",)) -> None:
     """Raise ValueError naming the first bad field and value, before any work starts."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
@@ -41,6 +43,12 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         raise ValueError(f"tier_write: unknown value {base.tier_write!r}; choose {', '.join(WRITE_POLICIES)}")
     if not base.restore_rate > 0:
         raise ValueError(f"restore_rate: must be > 0, got {base.restore_rate!r}")
+    if not queue_orders:
+        raise ValueError("queue_order: give fifo, lpm or both")
+    for order in queue_orders:
+        check_queue_order(order, REPLAY_QUEUE_ORDERS)
+    if base.sequential and "lpm" in queue_orders:
+        raise ValueError("queue_order: lpm orders a queue, and --sequential has none (one request at a time)")
     if replicas > 1:
         if base.sequential:
             raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
@@ -87,9 +95,13 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         raise ValueError(f"max_queue_wait: must be a number of seconds >= 0 (0: no limit), got {base.max_queue_wait!r}")
 
 
+# the replay's queue orders: kvd's, but priority (the replay's requests carry none of their own)
+REPLAY_QUEUE_ORDERS = ("fifo", "lpm")
+
+
 def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
-          policies: Sequence[str], base: ReplaySettings,
-          tier_tokens: Sequence[int] = (0,)) -> Iterator[tuple[ReplaySettings, list, list[int]]]:
+          policies: Sequence[str], base: ReplaySettings, tier_tokens: Sequence[int] = (0,),
+          queue_orders: Sequence[str] = ("fifo",)) -> Iterator[tuple[ReplaySettings, list, list[int]]]:
     """(settings, keys, unbounded-cache hits) for each point of the grid, hashing each block size once."""
     for block_size in block_sizes:
         keyer = TraceKeyer(block_size)
@@ -100,8 +112,9 @@ def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
                 for policy in policies:
                     # with tenant shares, each policy without them and with them: the comparison they are for
                     for shares in ((), base.tenant_shares) if base.tenant_shares else ((),):
-                        yield (replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy,
-                                       tenant_shares=shares, tier_tokens=tier), keys, max_hits)
+                        for order in queue_orders:
+                            yield (replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy,
+                                           tenant_shares=shares, tier_tokens=tier, queue_order=order), keys, max_hits)
         del keys, keyer
 
 
@@ -109,10 +122,13 @@ def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
           policies: Sequence[str], base: ReplaySettings,
           progress: Callable[[int], None] | None = None,
           on_result: Callable[[ReplayResult], None] | None = None,
-          tier_tokens: Sequence[int] = (0,)) -> list[ReplayResult]:
-    validate_grid(block_sizes, capacities, policies, base, tier_tokens=tier_tokens)
+          tier_tokens: Sequence[int] = (0,), queue_orders: Sequence[str] = ("fifo",)) -> list[ReplayResult]:
+    """Replay every point of the grid (block sizes x capacities x lower-tier sizes x policies, with
+    and without tenant shares x queue orders) through one cache each."""
+    validate_grid(block_sizes, capacities, policies, base, tier_tokens=tier_tokens, queue_orders=queue_orders)
     results: list[ReplayResult] = []
-    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens):
+    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
+                                          queue_orders):
         results.append(replay(settings, requests, keys, max_hits, progress))
         if on_result:
             on_result(results[-1])
@@ -126,7 +142,8 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
                 new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
                 placements: int = 1, queue_limits: Sequence[str] = ("heed",),
                 reroute: bool = True, speeds: Sequence[float] | None = None,
-                queue_waits: Sequence[float] | None = None) -> list[FleetResult]:
+                queue_waits: Sequence[float] | None = None, queue_orders: Sequence[str] = ("fifo",)
+                ) -> list[FleetResult]:
     """`sweep` for a fleet of `replicas` (each with a cache of each capacity, sharing a lower tier of
     each `tier_tokens`), once per routing and per `queue_limits` value (heed, ignore: once for a
     routing that reads no load); a routing that sends new prefixes home by a hash is replayed
@@ -134,9 +151,10 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
     go to another replica (`replay_fleet`); `speeds`, `queue_waits`: each replica's speed and
     max_queue_wait (`replay_fleet`)."""
     validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix,
-                  tier_tokens, placements, queue_limits, speeds, queue_waits)
+                  tier_tokens, placements, queue_limits, speeds, queue_waits, queue_orders)
     results: list[FleetResult] = []
-    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens):
+    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
+                                          queue_orders):
         for routing in routings:
             for limits in limit_choices(routing, queue_limits):
                 draws = placements if placements > 1 and places_new_prefixes(routing, new_prefix) else 1

@@ -579,9 +579,10 @@ class EngineService:
         (`tenant_priorities`); with a FIFO queue it may ask nothing. ServiceError names the field."""
         requested = requested or 0
         if requested and self.config.queue_order != "priority":
+            serves = ("first come, first served (queue_order: fifo" if self.config.queue_order == "fifo" else
+                      "the longest cached prefix first (queue_order: lpm")
             raise ServiceError(400, f"priority: {requested} asks for a place in the queue, but kvd serves its queue "
-                                    "first come, first served (queue_order: fifo; queue_order: priority orders it)",
-                               "priority")
+                                    f"{serves}; queue_order: priority orders it)", "priority")
         if requested < 0:
             raise ServiceError(400, f"priority: {requested} would jump ahead of its tenant's place; a request may "
                                     "only defer itself (0 or more, lower runs first, as vLLM orders it); the "
