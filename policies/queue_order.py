@@ -51,6 +51,13 @@ def lpm_patience(max_queue_wait: float) -> float:
     return math.inf if max_queue_wait > 0 else LPM_PATIENCE_SECONDS
 
 
+def tried_before(cached_blocks: int, waited_seconds: float, newcomer_blocks: int, patience: float) -> bool:
+    """Whether lpm tries a waiting request that holds `cached_blocks` and has waited
+    `waited_seconds` before a newcomer holding `newcomer_blocks`: it has waited `patience`, or it
+    holds as many blocks or more (arrival order among equals). What a predicted wait counts."""
+    return waited_seconds >= patience or cached_blocks >= newcomer_blocks
+
+
 def longest_prefix_first(waiting: Sequence[Waiting], cached_blocks: Callable[[Waiting], int],
                          waited_seconds: Callable[[Waiting], float], patience: float,
                          max_waiting: int = LPM_MAX_WAITING) -> list[Waiting]:

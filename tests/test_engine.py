@@ -299,6 +299,28 @@ def test_lpm_admits_the_longest_cached_prefix_first_until_a_request_has_waited_i
     assert not any(r.rejected for r in waiting.values())
 
 
+@pytest.mark.parametrize("order", ["fifo", "lpm"])
+def test_the_work_ahead_of_a_prompt_counts_what_lpm_would_try_first(demo, order):
+    """Waiting: B (40 tokens, none cached), C (34 tokens, 32 cached), D (40, none). Ahead of a new
+    prompt: all of their uncached tokens (82) first come, first served; under lpm, only those of
+    the requests holding as many cached blocks as it does, until they have waited 30 s."""
+    clock = FakeClock(100.0)
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, queue_order=order), clock=clock)
+    shared = list(range(1, 33))
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request(shared + [40], once)
+    engine.run_until_done()
+    engine.add_request([50] * 5, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # it holds the slot, its prompt computed
+    for prompt_ids in (list(range(100, 140)), shared + [41, 42], list(range(150, 190))):
+        engine.add_request(prompt_ids, once)
+    ahead = {cached: engine.tokens_ahead(cached) for cached in (None, 0, 1, 2, 3)}
+    assert ahead == ({None: 82, 0: 82, 1: 2, 2: 2, 3: 0} if order == "lpm" else dict.fromkeys(ahead, 82))
+    assert engine.queue_figures(2)["tokens_ahead"] == ahead[2]
+    clock.advance(30.0)  # every one has waited lpm's patience: they go first, whatever it holds
+    assert engine.tokens_ahead(3) == 82
+
+
 def test_accounting_with_a_fake_clock(demo):
     clock = FakeClock(100.0)
     engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16), clock=clock)

@@ -540,7 +540,8 @@ def test_fetches_are_made_until_a_tier_is_measured_and_probed_when_its_rate_has_
 
 
 def test_lpm_orders_by_cached_prefix_with_patience_and_a_size_bound():
-    from kvctl.policies.queue_order import LPM_PATIENCE_SECONDS, check_queue_order, longest_prefix_first, lpm_patience
+    from kvctl.policies.queue_order import (LPM_PATIENCE_SECONDS, check_queue_order, longest_prefix_first,
+                                           lpm_patience, tried_before)
 
     # (name, cached blocks, seconds waited), in queue order
     queue = [("a", 0, 1.0), ("b", 3, 0.5), ("c", 1, 6.0), ("d", 3, 0.2), ("e", 0, 5.0), ("f", 2, 0.1)]
@@ -558,6 +559,11 @@ def test_lpm_orders_by_cached_prefix_with_patience_and_a_size_bound():
     assert longest_prefix_first(queue, cached, lambda item: item[2], patience=5.0, max_waiting=5) == queue
     assert looked == []  # beyond the bound: queue order, and no lookups
     assert (lpm_patience(0.0), lpm_patience(4.0), LPM_PATIENCE_SECONDS) == (30.0, float("inf"), 30.0)
+    # a newcomer holding 2 blocks: after those holding 2 or more, and those that have waited 5 s
+    assert [tried_before(cached, waited, 2, 5.0) for _, cached, waited in queue] == [
+        False, True, True, True, True, True]
+    assert [tried_before(cached, waited, 3, 5.0) for _, cached, waited in queue] == [
+        False, True, True, True, True, False]
     assert check_queue_order("lpm") == "lpm"
     with pytest.raises(ValueError, match=r"^queue_order: unknown value 'sjf'; use fifo, priority or lpm$"):
         check_queue_order("sjf")

@@ -260,6 +260,30 @@ def test_lpm_replays_the_longest_cached_prefix_first_as_kvd_orders_its_queue(ord
         result.policy, order, result.ttft_p50_s, result.ttft_p95_s)
 
 
+@pytest.mark.parametrize("order, waits", [("fifo", (4.0, 4.0)), ("lpm", (3.0, 4.0))])
+def test_a_router_sees_the_wait_lpm_would_give_each_prompt(order, waits):
+    """At 2 s in LPM_TRACE, r0 has 2 s left and r1 and r2 wait (1 s of work each; r2 holds r0's
+    first block). A prompt opening with that block waits for r0 and r2 under lpm, not r1, as
+    kvd's route-facts count it; one holding nothing waits for all, as first come, first served."""
+    from kvctl.daemon.replay.fleet import _facts
+    from kvctl.daemon.replay.simulator import ReplicaRun
+
+    trace = LPM_TRACE + [req(2000, 1024, [1, 12], output=1), req(2000, 1024, [5, 50], output=1)]
+    keyer = TraceKeyer(512)
+    keys = [keyer.keys(r) for r in trace]
+    settings = ReplaySettings(block_size=512, capacity_tokens=8192, queue_order=order, **ONE_SLOT)
+    replica = ReplicaRun(settings, trace, keys, [0] * len(trace))
+    for index in range(3):
+        arrival = replica.arrival_of(trace[index])
+        replica.finish_until(arrival, lambda n: None)
+        replica.advance(arrival)
+        replica.arrive(index, arrival, lambda n: None)
+    assert list(replica.waiting) == [1, 2]
+    sharing, fresh = (_facts(replica, index, "replica-0", 512) for index in (3, 4))
+    assert (sharing.cached_tokens, fresh.cached_tokens) == (512, 0)
+    assert (sharing.wait_seconds, fresh.wait_seconds) == (pytest.approx(waits[0]), pytest.approx(waits[1]))
+
+
 def test_a_fleet_of_one_is_the_single_replica_replay():
     trace = generate_trace(120, seed=3)
     one = fleet(trace, 1, "prefix", block_size=64, capacity_tokens=65_536)

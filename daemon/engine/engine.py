@@ -40,7 +40,8 @@ from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHashe
 from kvctl.daemon.cache.events import EventLog
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
 from kvctl.policies.admission import Verdict, pinned_out_reason, tenant_limit_reason
-from kvctl.policies.queue_order import check_queue_order, longest_prefix_first, lpm_patience
+from kvctl.policies.queue_order import (LPM_MAX_WAITING, check_queue_order, longest_prefix_first, lpm_patience,
+                                       tried_before)
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation
 from kvctl.policies.tiering import PrefetchWait, RateMeter
@@ -567,16 +568,24 @@ class Engine:
     def num_running(self) -> int:
         return len(self._running)
 
-    def tokens_ahead(self) -> int:
+    def tokens_ahead(self, cached_blocks: int | None = None) -> int:
         """Prompt tokens the engine must compute before a request arriving now: what running
-        prefills have left, and what waiting requests lack in the cache."""
+        prefills have left, and what waiting requests lack in the cache. Under queue_order lpm,
+        for a prompt whose first `cached_blocks` blocks the cache holds: only the waiting requests
+        lpm would try first (those holding as many blocks or more, and those past its patience)."""
         ahead = sum(max(s.prefill_target - s.num_computed, 0) for s in self._running.values()
                     if s.status is SeqStatus.PREFILL)
         size = self.settings.block_size
-        for seq in self.waiting():
+        waiting = self.waiting()
+        ordered = cached_blocks is not None and self.settings.queue_order == "lpm" and len(waiting) <= LPM_MAX_WAITING
+        patience, now = lpm_patience(self.settings.max_queue_wait), self.clock()
+        for seq in waiting:
             tokens = len(seq.request.prompt_ids) + len(seq.output_ids)
             keys, _ = self._prefix_keys(seq)  # hashed once, kept for its admission
-            ahead += max(tokens - self.cache.lookup(keys, tokens) * size, 0)
+            hits = self.cache.lookup(keys, tokens)
+            if ordered and not tried_before(hits, now - seq.request.metrics.arrival, cached_blocks, patience):
+                continue  # lpm tries the newcomer first
+            ahead += max(tokens - hits * size, 0)
         return ahead
 
     def predicted_wait(self, ahead: int | None = None) -> float | None:
@@ -611,14 +620,15 @@ class Engine:
                 row["requests"] += 1
         return list(found.values())
 
-    def queue_figures(self) -> dict:
+    def queue_figures(self, cached_blocks: int | None = None) -> dict:
         """The queue as /admin/status and /admin/route-facts report it: waiting and running
         requests, the oldest's age, the prompt tokens ahead of a new request and its predicted
-        wait, the measured prefill rate (None until measured), and the longest wait allowed
-        (max_queue_wait; None: no limit). Call under the service lock."""
+        wait (of one whose first `cached_blocks` the cache holds: see `tokens_ahead`), the
+        measured prefill rate (None until measured), and the longest wait allowed (max_queue_wait;
+        None: no limit). Call under the service lock."""
         waiting = self.waiting()
         now = self.clock()
-        ahead = self.tokens_ahead()
+        ahead = self.tokens_ahead(cached_blocks)
         rate = self.prefill_rate
         return {"waiting": len(waiting),
                 "oldest_age_seconds": max((now - s.request.metrics.arrival for s in waiting), default=0.0),

@@ -128,7 +128,7 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
     size = settings.block_size
     every = list(range(replicas))
     timed_out: list[tuple[float, int, int]] = []  # (when, request, replica) of the queue timeouts to re-route
-    tried: dict[int, set[int]] = {}  # request -> the replicas that timed it out
+    tried: dict[int, set[int]] = {}  # request -> the replicas that timed it out or refused it (queue full)
     rerouted, rerouted_full, gave_up = 0, 0, 0
     rerouting = reroute and recorded is None and any(run.settings.max_queue_wait > 0 for run in runs)
     if rerouting:
@@ -263,7 +263,7 @@ def _facts(run: ReplicaRun, index: int, name: str, size: int) -> ReplicaFacts:
     the shared tier holds after that and what restoring it costs, and how busy it is."""
     held = run.held_blocks(index)
     restorable = run.restorable_blocks(index, held) * size
-    return ReplicaFacts(held * size, run.wait_seconds(), len(run.running) + len(run.waiting),
+    return ReplicaFacts(held * size, run.wait_seconds(held), len(run.running) + len(run.waiting),
                         prefill_rate=run.settings.prefill_rate, restorable_tokens=restorable,
                         restore_seconds=restorable / run.settings.restore_rate if restorable else 0.0, name=name,
                         max_wait_seconds=run.settings.max_queue_wait or None)

@@ -11,9 +11,9 @@ a request admitted at t finishes at
 with at most `max_running` requests at once and an admission queue of at
 most `max_queue` waiting requests, first come first served, or with
 `queue_order` lpm the longest cached prefix first, as kvd's (policies.queue_order).
-A request that does not fit waits for a finish; one that can never fit, or that finds the queue full, is rejected, and
-so is one that waits `max_queue_wait` seconds without starting (kvd's
-queue_timeout), where that is set.
+A request that does not fit waits for a finish; one that can never fit, or
+that finds the queue full, is rejected, and so is one that waits
+`max_queue_wait` seconds without starting (kvd's queue_timeout), where that is set.
 Sequential mode runs one request at a time. Either way a request's full prompt
 blocks are indexed as soon as they are written, as in a real engine.
 
@@ -43,7 +43,7 @@ from kvctl.daemon.cache.keys import BlockKey
 from kvctl.daemon.cache.manager import KVCacheManager
 from kvctl.daemon.stats import percentile
 from kvctl.policies.admission import blocks_for_tokens
-from kvctl.policies.queue_order import LPM_MAX_WAITING, longest_prefix_first, lpm_patience
+from kvctl.policies.queue_order import LPM_MAX_WAITING, longest_prefix_first, lpm_patience, tried_before
 from kvctl.policies.reservation import parse_reservation
 
 from .trace import TraceRequest
@@ -332,14 +332,21 @@ class ReplicaRun:
         request, s = self.requests[index], self.settings
         return uncached / s.prefill_rate + request.output_length / s.decode_rate
 
-    def wait_seconds(self) -> float:
+    def wait_seconds(self, held_blocks: int | None = None) -> float:
         """Predicted wait before a request arriving now would start: none while a slot is free
         and nobody queues; else the work ahead of it (what the running requests have left, and
-        the queue's estimates) shared by the slots."""
+        the queue's estimates) shared by the slots. Under queue_order lpm, for a prompt holding
+        `held_blocks`: only the waiting requests lpm would try first, as kvd's route-facts count."""
         if len(self.running) < self.settings.max_running and not self.waiting:
             return 0.0
         left = sum(done for done, _ in self.running) - len(self.running) * self.now
-        return (left + self.queued_seconds) / self.settings.max_running
+        queued = self.queued_seconds
+        if held_blocks is not None and self.settings.queue_order == "lpm" and len(self.waiting) <= LPM_MAX_WAITING:
+            patience = lpm_patience(self.settings.max_queue_wait)
+            lookup, keys, requests = self.manager.lookup, self.keys, self.requests
+            queued = sum(self.queued_work[w] for w in self.waiting if tried_before(
+                lookup(keys[w], requests[w].input_length), self.now - self.arrivals[w], held_blocks, patience))
+        return (left + queued) / self.settings.max_running
 
     def expire_waiting(self, progress: Callable[[int], None]) -> None:
         """Reject the waiting requests that have waited max_queue_wait or longer (kvd's queue_timeout,
