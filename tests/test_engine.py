@@ -317,8 +317,11 @@ def test_the_work_ahead_of_a_prompt_counts_what_lpm_would_try_first(demo, order)
     ahead = {cached: engine.tokens_ahead(cached) for cached in (None, 0, 1, 2, 3)}
     assert ahead == ({None: 82, 0: 82, 1: 2, 2: 2, 3: 0} if order == "lpm" else dict.fromkeys(ahead, 82))
     assert engine.queue_figures(2)["tokens_ahead"] == ahead[2]
+    # what waits by the blocks each holds, for a router's view (not said first come, first served)
+    assert engine.queue_figures().get("lpm_waiting") == ([[2, 2], [0, 80]] if order == "lpm" else None)
     clock.advance(30.0)  # every one has waited lpm's patience: they go first, whatever it holds
     assert engine.tokens_ahead(3) == 82
+    assert engine.queue_figures().get("lpm_waiting") == ([] if order == "lpm" else None)
 
 
 def test_accounting_with_a_fake_clock(demo):

@@ -304,3 +304,36 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
         disk["latency_seconds"] + blocks * disk["block_bytes"] / disk["bytes_per_second"])
     bad = call(app, "POST", "/admin/route-facts", json={"tokens": ids, "text": "both"})
     assert bad.status_code == 400 and bad.json()["error"]["message"] == "give exactly one of text, tokens and messages"
+
+
+def test_under_lpm_route_facts_count_only_the_work_lpm_would_start_before_the_prompt(tmp_path):
+    """kvd with queue_order lpm, admission held: one request opening with PROMPTS[1] (cached) and
+    one sharing nothing wait. Ahead of PROMPTS[1], route-facts count only the first's uncached
+    tokens (lpm starts the other after it); ahead of a prompt holding nothing, both. The answer
+    also says what waits by the blocks each holds (`lpm_waiting`), for a router's view."""
+    from kvctl.daemon.engine.sampling import SamplingParams
+
+    service = start_service(tmp_path, queue_order="lpm")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        engine = service.engine
+        cached, fresh = (engine.tokenizer.encode(text) for text in (PROMPTS[1], PROMPTS[3]))
+        complete(app, PROMPTS[1])
+        sharing = cached + fresh[:20]
+        with service.lock:
+            engine.admission_paused = True
+            held = [engine.add_request(prompt, SamplingParams(max_tokens=1)) for prompt in (sharing, fresh)]
+            hits = engine.cache.lookup(engine.prefix_keys("default", sharing)[2], len(sharing))
+        assert hits == len(cached) // 16 > 0
+        facts = call(app, "POST", "/admin/route-facts", json={"tokens": cached}).json()
+        assert (facts["cached_tokens"], facts["waiting"]) == ((len(cached) - 1) // 16 * 16, 2)
+        assert facts["tokens_ahead"] == len(sharing) - hits * 16
+        assert facts["lpm_waiting"] == [[hits, len(sharing) - hits * 16], [0, len(fresh)]]
+        other = call(app, "POST", "/admin/route-facts", json={"text": PROMPTS[4]}).json()
+        assert (other["cached_tokens"], other["tokens_ahead"]) == (0, len(sharing) - hits * 16 + len(fresh))
+        with service.lock:
+            for request in held:
+                engine.cancel(request.request_id)
+            engine.admission_paused = False
+    finally:
+        service.shutdown(deadline=2)

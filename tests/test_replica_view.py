@@ -112,6 +112,20 @@ def test_the_replicas_queue_limit_is_set_against_the_wait_grown_by_what_was_sent
     assert view.facts(0, in_flight=0).max_wait_seconds is None
 
 
+def test_a_replica_that_goes_by_the_longest_cached_prefix_first_is_waited_for_less_by_a_prompt_it_holds():
+    """Its load answer (for a prompt holding nothing: 1,000 tokens ahead, 0.5 s) says what waits by
+    the blocks each holds: 200 tokens of requests holding 2 blocks, 600 of ones holding none. A
+    prompt holding 2 blocks (8 tokens) would start before the 600; one holding 3, before all 800;
+    what was sent since is waited for, as before."""
+    view = ReplicaView()
+    view.reset(snapshot([]))
+    view.note_load({**LOAD, "lpm_waiting": [[2, 200], [0, 600]]}, asked_at=10.0)
+    assert [view.facts(cached, in_flight=0).wait_seconds for cached in (0, 4, 8, 12)] == [
+        0.5, pytest.approx(0.2), pytest.approx(0.2), pytest.approx(0.1)]
+    view.note_sent(KEYS, missing_tokens=1000, now=10.5)
+    assert view.facts(8, in_flight=0).wait_seconds == pytest.approx(0.2 + 0.5)
+
+
 def test_before_a_prefill_is_measured_the_wait_is_the_oldest_waiting_requests_age():
     view = ReplicaView()
     view.note_load({**LOAD, "prefill_tokens_per_second": None, "predicted_wait_seconds": None}, asked_at=0.0)

@@ -588,6 +588,25 @@ class Engine:
             ahead += max(tokens - hits * size, 0)
         return ahead
 
+    def lpm_waiting(self) -> list[list[int]] | None:
+        """Under queue_order lpm (up to LPM_MAX_WAITING waiting): the uncached prompt tokens of the
+        waiting requests that lpm may yet put after a newcomer (those short of its patience), by the
+        cached blocks each holds, most blocks first: [[blocks, tokens], ...]. A router that knows
+        how many of a prompt's blocks the replica holds takes those of fewer blocks off the wait it
+        reported for a prompt holding none (ReplicaView.facts). None otherwise."""
+        waiting = self.waiting()
+        if self.settings.queue_order != "lpm" or len(waiting) > LPM_MAX_WAITING:
+            return None
+        patience, now, size = lpm_patience(self.settings.max_queue_wait), self.clock(), self.settings.block_size
+        by_blocks: dict[int, int] = {}
+        for seq in waiting:
+            if now - seq.request.metrics.arrival >= patience:
+                continue  # it goes first, whatever a newcomer holds
+            tokens = len(seq.request.prompt_ids) + len(seq.output_ids)
+            hits = self.cache.lookup(self._prefix_keys(seq)[0], tokens)
+            by_blocks[hits] = by_blocks.get(hits, 0) + max(tokens - hits * size, 0)
+        return [[blocks, by_blocks[blocks]] for blocks in sorted(by_blocks, reverse=True)]
+
     def predicted_wait(self, ahead: int | None = None) -> float | None:
         """Seconds before a request arriving now starts computing: `tokens_ahead` (or `ahead`,
         already counted) at the measured prefill rate; None until a prefill step has been measured."""
@@ -625,17 +644,19 @@ class Engine:
         requests, the oldest's age, the prompt tokens ahead of a new request and its predicted
         wait (of one whose first `cached_blocks` the cache holds: see `tokens_ahead`), the
         measured prefill rate (None until measured), and the longest wait allowed (max_queue_wait;
-        None: no limit). Call under the service lock."""
+        None: no limit); under queue_order lpm, `lpm_waiting` too. Call under the service lock."""
         waiting = self.waiting()
         now = self.clock()
         ahead = self.tokens_ahead(cached_blocks)
         rate = self.prefill_rate
-        return {"waiting": len(waiting),
-                "oldest_age_seconds": max((now - s.request.metrics.arrival for s in waiting), default=0.0),
-                "running": self.num_running, "tokens_ahead": ahead,
-                "prefill_tokens_per_second": rate.rate if rate.samples else None,
-                "predicted_wait_seconds": self.predicted_wait(ahead),
-                "max_queue_wait_seconds": self.settings.max_queue_wait or None}
+        figures = {"waiting": len(waiting),
+                   "oldest_age_seconds": max((now - s.request.metrics.arrival for s in waiting), default=0.0),
+                   "running": self.num_running, "tokens_ahead": ahead,
+                   "prefill_tokens_per_second": rate.rate if rate.samples else None,
+                   "predicted_wait_seconds": self.predicted_wait(ahead),
+                   "max_queue_wait_seconds": self.settings.max_queue_wait or None}
+        lpm = self.lpm_waiting() if self.settings.queue_order == "lpm" else None
+        return figures if lpm is None else {**figures, "lpm_waiting": lpm}
 
     def has_work(self) -> bool:
         return bool(self._running) or any(s.status is SeqStatus.WAITING for _, s in self._waiting)

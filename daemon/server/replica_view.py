@@ -163,10 +163,14 @@ class ReplicaView:
               restore_seconds: float = 0.0) -> ReplicaFacts:
         """The replica as the routing policy weighs it: the cached (and restorable) tokens given,
         and its polled wait lengthened by the prompt tokens sent there since, at its measured
-        prefill rate."""
+        prefill rate. A replica whose queue goes by the longest cached prefix first (lpm) says
+        what waits there by the blocks each request holds (`lpm_waiting`): what holds fewer
+        blocks than this prompt would start after it, and is not waited for."""
         polled = facts_from_answer({**self.load, "cached_tokens": cached_tokens}, in_flight)
         rate = polled.prefill_rate
         extra = sum(n for _, n in self.sent_since)
-        wait = polled.wait_seconds + (extra / rate if rate else 0.0)
+        blocks = cached_tokens // self.block_size if self.block_size else 0
+        after = sum(tokens for held, tokens in self.load.get("lpm_waiting") or () if held < blocks)
+        wait = max(polled.wait_seconds - (after / rate if rate else 0.0), 0.0) + (extra / rate if rate else 0.0)
         return ReplicaFacts(cached_tokens, wait, max(polled.in_flight, in_flight), rate, restorable_tokens,
                             restore_seconds, max_wait_seconds=polled.max_wait_seconds)
