@@ -1205,6 +1205,16 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
     assert ("queue 3 waiting (oldest 12.00 s of 20.00 s allowed), 2 running; 122,880 prompt tokens ahead: a new "
             "request waits ~30.00 s (prefill 4,096 tokens/s), past max_queue_wait 20.00 s: it would be turned away "
             "(queue_timeout)") in " ".join(console.export_text().split())
+    # queue_order lpm: the wait said is for a prompt holding nothing; what went in out of arrival order
+    data["queue"] = {**data["queue"], "max_queue_wait_seconds": None, "predicted_wait_seconds": 1.5,
+                     "lpm_waiting": [[4, 2048], [0, 4096]]}
+    console = Console(record=True, width=300)
+    render_status({**data, "admitted_ahead": 1234}, console)
+    text = " ".join(console.export_text().split())
+    assert ("122,880 prompt tokens ahead: a new request holding no cached prefix waits ~1.50 s (prefill 4,096 "
+            "tokens/s)") in text
+    assert "queue order 1,234 requests went in while an earlier arrival waited (lpm: the longest cached prefix " \
+           "first)" in text
 
 
 def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():

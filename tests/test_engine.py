@@ -295,6 +295,7 @@ def test_lpm_admits_the_longest_cached_prefix_first_until_a_request_has_waited_i
         clock.advance(0.01)
         seen += [name for name, r in waiting.items() if r.metrics.admitted is not None and name not in seen]
     assert seen == admitted
+    assert engine.stats.admitted_ahead == (1 if admitted[0] == "C" else 0)  # C, while B waited
     assert [waiting[name].metrics.cached_tokens for name in "BCD"] == [0, 32, 0]
     assert not any(r.rejected for r in waiting.values())
 

@@ -47,6 +47,10 @@ def test_tenants_take_their_places_in_the_queue_and_a_request_may_defer_itself(t
                     break
                 time.sleep(0.05)
         assert all(r.finished for r in requests) and blocks_all_back(service)
+        # acme's two went in while globex's and batch's earlier ones still waited
+        unix = apps(service, token_table(tmp_path))[0]
+        assert "kvd_admitted_ahead_total 2.0" in call(unix, "GET", "/metrics").text.splitlines()
+        assert call(unix, "GET", "/admin/status").json()["admitted_ahead"] == 2
     finally:
         service.shutdown(1)
 

@@ -136,6 +136,9 @@ class EngineStats:
     hit_tokens: int = 0  # of those, served from the prefix cache
     recomputed_tokens: int = 0  # tokens computed again after preemption
     preemptions: int = 0
+    # requests admitted while one that arrived earlier still waited: passed over by queue_order (lpm,
+    # priority), or waiting for its prefix to come up or be computed, or for a LoRA adapter's turn
+    admitted_ahead: int = 0
     rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
     finished: int = 0
     restored_tokens: int = 0  # prompt tokens brought back from a lower tier instead of recomputed
@@ -804,6 +807,9 @@ class Engine:
             restored = min(request.metrics.installed_tokens, admission.hit_tokens)
             request.metrics.installed_tokens = 0
             if request.metrics.admitted is None:
+                if any(e[1].request.order < request.order and e[1].status is SeqStatus.WAITING
+                       for e in self._waiting):
+                    self.stats.admitted_ahead += 1
                 request.metrics.admitted = now
                 request.metrics.cached_tokens = admission.hit_tokens
                 request.metrics.restored_tokens = restored  # part of its hits, as they are counted

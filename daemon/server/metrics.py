@@ -30,6 +30,8 @@
     kvd_finished_total{api,finish_reason}     samples (choices) finished: api completions, chat or internal
                                               (a pin's warm-up); stop, length or cancelled
     kvd_preemptions_total
+    kvd_admitted_ahead_total                  requests admitted while one that arrived earlier still waited
+                                              (queue_order lpm or priority, a prefix fetch, a LoRA turn)
     kvd_spec_decode_drafts_total              speculative decoding (speculative_config): decode steps that
                                               carried a draft; kvd_spec_decode_draft_tokens_total, the
                                               tokens drafted; kvd_spec_decode_accepted_tokens_total, those the
@@ -148,6 +150,7 @@ class _EngineCollector:
             rejections = dict(stats.rejections)
             prompt, hit, recomputed, preemptions = (stats.prompt_tokens, stats.hit_tokens,
                                                     stats.recomputed_tokens, stats.preemptions)
+            admitted_ahead = stats.admitted_ahead
             steps, step_seconds = dict(stats.steps), dict(stats.step_seconds)
             by_tenant, retired = stats.tenants.items(), list(stats.tenants.retired)
             cached_by_tenant = sorted((t, n) for t, n in pool.tenant_blocks.items() if t is not None)
@@ -281,6 +284,9 @@ class _EngineCollector:
         yield rejected
         yield CounterMetricFamily("kvd_preemptions", "Sequences preempted for recomputation",
                                   value=preemptions)
+        yield CounterMetricFamily("kvd_admitted_ahead", "Requests admitted while one that arrived earlier still "
+                                  "waited (queue_order lpm or priority, a prefix fetch, a LoRA adapter's turn)",
+                                  value=admitted_ahead)
         yield from _speculation_metrics(speculation)
         yield GaugeMetricFamily("kvd_queue_age_seconds", "Age of the oldest waiting request",
                                 value=max(ages, default=0.0))

@@ -102,6 +102,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "tenant_shares": cache.tenant_shares(),
             "queue": queue,
             "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
+            # requests admitted while an earlier arrival still waited (queue_order lpm or priority, ...)
+            "admitted_ahead": stats.admitted_ahead,
             # speculative decoding (engine/speculative.py): the config served (None: off) and its totals
             "speculation": {"config": None if engine.speculator.config is None else engine.speculator.config.describe(),
                             **engine.speculator.stats.describe()},
