@@ -18,6 +18,8 @@ Two bounds keep `lpm` cheap and fair:
   the Mooncake trace, one replica of 16 running with a 30 s limit, lpm without one cached 15.6% of
   prompt tokens and served 3,530 requests, first come, first served 5.2% and 3,496, and a patience
   of 15 s 8.5% and 3,460 (docs/results/2026-12-05-lpm-queue-order-replay.md).
+- A request admitted once and preempted since (which no max_queue_wait turns away) counts as
+  having waited without end: it goes first, as under first come, first served.
 - Size: beyond LPM_MAX_WAITING waiting requests the queue keeps its arrival order, as SGLang
   falls back to first come, first served: ordering costs a cache lookup per waiting request at
   every admission pass.

@@ -325,6 +325,31 @@ def test_the_work_ahead_of_a_prompt_counts_what_lpm_would_try_first(demo, order)
     assert engine.queue_figures().get("lpm_waiting") == ([] if order == "lpm" else None)
 
 
+def test_under_lpm_a_preempted_request_goes_first_whatever_it_holds(demo):
+    """A request admitted once and preempted since waits on past max_queue_wait (it is never timed
+    out); under lpm it goes before prompts that hold more of the cache, as it does first come, first
+    served, instead of waiting while they keep coming."""
+    clock = FakeClock(100.0)
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, queue_order="lpm",
+                                         max_queue_wait=60.0), clock=clock)
+    shared = list(range(1, 33))
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request(shared + [40], once)
+    engine.run_until_done()
+    fresh = engine.add_request(list(range(100, 110)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # admitted: its prompt (less than a block: nothing cached) computed
+    [seq] = fresh.sequences
+    engine._preempt(seq)  # as a full cache would
+    assert seq.status is SeqStatus.WAITING and fresh.metrics.admitted is not None
+    sharing = engine.add_request(shared + [41, 42], once)
+    assert [entry[1].request for entry in engine._admission_order()] == [fresh, sharing]
+    # it is ahead of a prompt holding 2 blocks, and not among what lpm may put after one
+    assert engine.tokens_ahead(2) == len(fresh.prompt_ids) + len(seq.output_ids) + 2
+    assert engine.lpm_waiting() == [[2, 2]]
+    engine.run_until_done()
+    assert fresh.metrics.preemptions == 1 and len(fresh.sequences[0].output_ids) == 8
+
+
 def test_accounting_with_a_fake_clock(demo):
     clock = FakeClock(100.0)
     engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16), clock=clock)

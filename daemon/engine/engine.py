@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -586,7 +587,7 @@ class Engine:
             tokens = len(seq.request.prompt_ids) + len(seq.output_ids)
             keys, _ = self._prefix_keys(seq)  # hashed once, kept for its admission
             hits = self.cache.lookup(keys, tokens)
-            if ordered and not tried_before(hits, now - seq.request.metrics.arrival, cached_blocks, patience):
+            if ordered and not tried_before(hits, self._lpm_waited(seq, now), cached_blocks, patience):
                 continue  # lpm tries the newcomer first
             ahead += max(tokens - hits * size, 0)
         return ahead
@@ -603,7 +604,7 @@ class Engine:
         patience, now, size = lpm_patience(self.settings.max_queue_wait), self.clock(), self.settings.block_size
         by_blocks: dict[int, int] = {}
         for seq in waiting:
-            if now - seq.request.metrics.arrival >= patience:
+            if self._lpm_waited(seq, now) >= patience:
                 continue  # it goes first, whatever a newcomer holds
             tokens = len(seq.request.prompt_ids) + len(seq.output_ids)
             hits = self.cache.lookup(self._prefix_keys(seq)[0], tokens)
@@ -846,8 +847,16 @@ class Engine:
                 return 0
             return self.cache.lookup(self._prefix_keys(seq)[0], len(seq.all_tokens))
 
-        return longest_prefix_first(entries, cached_blocks, lambda entry: now - entry[1].request.metrics.arrival,
+        return longest_prefix_first(entries, cached_blocks, lambda entry: self._lpm_waited(entry[1], now),
                                     lpm_patience(self.settings.max_queue_wait))
+
+    @staticmethod
+    def _lpm_waited(seq: Sequence, now: float) -> float:
+        """How long `seq` has waited, as lpm's patience reads it: a preempted request (admitted
+        once) as long as can be, so that it goes first, as under fifo (no max_queue_wait ends its
+        wait)."""
+        metrics = seq.request.metrics
+        return math.inf if metrics.admitted is not None else now - metrics.arrival
 
     def _upcoming_keys(self) -> set:
         """Keys of the prompt blocks running prefills have yet to compute."""
