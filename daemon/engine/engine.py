@@ -572,43 +572,52 @@ class Engine:
     def num_running(self) -> int:
         return len(self._running)
 
-    def tokens_ahead(self, cached_blocks: int | None = None) -> int:
-        """Prompt tokens the engine must compute before a request arriving now: what running
-        prefills have left, and what waiting requests lack in the cache. Under queue_order lpm,
-        for a prompt whose first `cached_blocks` blocks the cache holds: only the waiting requests
-        lpm would try first (those holding as many blocks or more, and those past its patience)."""
-        ahead = sum(max(s.prefill_target - s.num_computed, 0) for s in self._running.values()
-                    if s.status is SeqStatus.PREFILL)
-        size = self.settings.block_size
-        waiting = self.waiting()
-        ordered = cached_blocks is not None and self.settings.queue_order == "lpm" and len(waiting) <= LPM_MAX_WAITING
-        patience, now = lpm_patience(self.settings.max_queue_wait), self.clock()
-        for seq in waiting:
+    def _waiting_work(self) -> list[tuple[Sequence, int, int]]:
+        """Each waiting sequence in queue order, with the blocks of its tokens the cache holds and
+        the tokens it lacks there (what admitting it will compute)."""
+        size, rows = self.settings.block_size, []
+        for seq in self.waiting():
             tokens = len(seq.request.prompt_ids) + len(seq.output_ids)
             keys, _ = self._prefix_keys(seq)  # hashed once, kept for its admission
             hits = self.cache.lookup(keys, tokens)
+            rows.append((seq, hits, max(tokens - hits * size, 0)))
+        return rows
+
+    def tokens_ahead(self, cached_blocks: int | None = None,
+                     work: list[tuple[Sequence, int, int]] | None = None) -> int:
+        """Prompt tokens the engine must compute before a request arriving now: what running
+        prefills have left, and what waiting requests lack in the cache (`work`: `_waiting_work`,
+        if already taken). Under queue_order lpm, for a prompt whose first `cached_blocks` blocks
+        the cache holds: only the waiting requests lpm would try first (those holding as many
+        blocks or more, and those past its patience)."""
+        ahead = sum(max(s.prefill_target - s.num_computed, 0) for s in self._running.values()
+                    if s.status is SeqStatus.PREFILL)
+        work = self._waiting_work() if work is None else work
+        ordered = cached_blocks is not None and self.settings.queue_order == "lpm" and len(work) <= LPM_MAX_WAITING
+        patience, now = lpm_patience(self.settings.max_queue_wait), self.clock()
+        for seq, hits, missing in work:
             if ordered and not tried_before(hits, self._lpm_waited(seq, now), cached_blocks, patience):
                 continue  # lpm tries the newcomer first
-            ahead += max(tokens - hits * size, 0)
+            ahead += missing
         return ahead
 
-    def lpm_waiting(self) -> list[list[int]] | None:
+    def lpm_waiting(self, work: list[tuple[Sequence, int, int]] | None = None) -> list[list[int]] | None:
         """Under queue_order lpm (up to LPM_MAX_WAITING waiting): the uncached prompt tokens of the
         waiting requests that lpm may yet put after a newcomer (those short of its patience), by the
         cached blocks each holds, most blocks first: [[blocks, tokens], ...]. A router that knows
         how many of a prompt's blocks the replica holds takes those of fewer blocks off the wait it
-        reported for a prompt holding none (ReplicaView.facts). None otherwise."""
-        waiting = self.waiting()
-        if self.settings.queue_order != "lpm" or len(waiting) > LPM_MAX_WAITING:
+        reported for a prompt holding none (ReplicaView.facts). None otherwise. `work`: as for
+        `tokens_ahead`."""
+        if self.settings.queue_order != "lpm":
             return None
-        patience, now, size = lpm_patience(self.settings.max_queue_wait), self.clock(), self.settings.block_size
+        work = self._waiting_work() if work is None else work
+        if len(work) > LPM_MAX_WAITING:
+            return None
+        patience, now = lpm_patience(self.settings.max_queue_wait), self.clock()
         by_blocks: dict[int, int] = {}
-        for seq in waiting:
-            if self._lpm_waited(seq, now) >= patience:
-                continue  # it goes first, whatever a newcomer holds
-            tokens = len(seq.request.prompt_ids) + len(seq.output_ids)
-            hits = self.cache.lookup(self._prefix_keys(seq)[0], tokens)
-            by_blocks[hits] = by_blocks.get(hits, 0) + max(tokens - hits * size, 0)
+        for seq, hits, missing in work:
+            if self._lpm_waited(seq, now) < patience:  # (one past it goes first, whatever a newcomer holds)
+                by_blocks[hits] = by_blocks.get(hits, 0) + missing
         return [[blocks, by_blocks[blocks]] for blocks in sorted(by_blocks, reverse=True)]
 
     def predicted_wait(self, ahead: int | None = None) -> float | None:
@@ -649,9 +658,10 @@ class Engine:
         wait (of one whose first `cached_blocks` the cache holds: see `tokens_ahead`), the
         measured prefill rate (None until measured), and the longest wait allowed (max_queue_wait;
         None: no limit); under queue_order lpm, `lpm_waiting` too. Call under the service lock."""
-        waiting = self.waiting()
+        work = self._waiting_work()  # (one lookup per waiting request, for both figures)
+        waiting = [seq for seq, _, _ in work]
         now = self.clock()
-        ahead = self.tokens_ahead(cached_blocks)
+        ahead = self.tokens_ahead(cached_blocks, work)
         rate = self.prefill_rate
         figures = {"waiting": len(waiting),
                    "oldest_age_seconds": max((now - s.request.metrics.arrival for s in waiting), default=0.0),
@@ -659,7 +669,7 @@ class Engine:
                    "prefill_tokens_per_second": rate.rate if rate.samples else None,
                    "predicted_wait_seconds": self.predicted_wait(ahead),
                    "max_queue_wait_seconds": self.settings.max_queue_wait or None}
-        lpm = self.lpm_waiting() if self.settings.queue_order == "lpm" else None
+        lpm = self.lpm_waiting(work)
         return figures if lpm is None else {**figures, "lpm_waiting": lpm}
 
     def has_work(self) -> bool:
