@@ -45,17 +45,23 @@ def render_requests(d: dict) -> Group:
     for index in range(4 + fleet + adapters, 9 + fleet + adapters):  # age .. blocks
         table.columns[index].justify = "right"
     names = {r["replica"]: i for i, r in enumerate(d.get("replicas") or [])}  # in the router's order
+    in_line = False  # whether a waiting row says where it stands (an older kvd does not)
     for row in rows:
         mark = [f"#{names.setdefault(row['replica'], len(names))}"] if fleet else []
+        place = row.get("queue_position") if row["state"] == "waiting" else None
+        in_line = in_line or place is not None
         state = row["state"] + (" (fetching prefix)" if row.get("fetching_prefix") else "") \
             + (" (for an adapter's turn)" if row.get("waiting_for_lora_turn") else "") \
+            + (f", {ordinal(place)} in line" if place is not None else "") \
+            + (f", passed by {row['passed_over']:,}" if place is not None and row.get("passed_over") else "") \
             + (f", preempted {row['preemptions']}x" if row["preemptions"] else "") \
             + (f", {row['kept_draft_tokens']:,} of {row['drafted_tokens']:,} drafted kept"
                if row.get("drafted_tokens") else "")  # speculative decoding (an older kvd does not say)
         api = row["api"] + (f":{row['shape']}" if row.get("shape") else "")  # the field that shapes its reply
         adapter = [escape(row.get("adapter") or "-")] if adapters else []
         table.add_row(row["request_id"], *mark, escape(row["tenant"]), *adapter, api, state,
-                      seconds(row["age_seconds"]), f"{row['prompt_tokens']:,}", f"{row['cached_tokens']:,}",
+                      seconds(row["age_seconds"]), f"{row['prompt_tokens']:,}",
+                      f"({row['cached_prefix_tokens']:,})" if place is not None else f"{row['cached_tokens']:,}",
                       f"{row['output_tokens']:,}/{row['max_tokens']:,}" + (f" ×{row['n']}" if row["n"] > 1 else ""),
                       f"{row['blocks']:,}")
     parts = []
@@ -69,9 +75,26 @@ def render_requests(d: dict) -> Group:
     parts.append(Text(counts))
     if rows:
         parts += [Text(f"#{mark}: {name}") for name, mark in names.items()]
+    if in_line:
+        order = QUEUE_ORDER_WORDS.get(d.get("queue_order"), "")
+        parts.append(Text("in line: the order kvd tries its waiting requests in" + (f" ({order})" if order else "")
+                          + (", each replica its own" if fleet else "") + "; (cached): the tokens of a waiting "
+                          "request's prefix the device cache holds now; passed by: requests that came after it "
+                          "and went in while it waited"))
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)
+
+
+QUEUE_ORDER_WORDS = {"fifo": "queue_order fifo: as they came",
+                     "priority": "queue_order priority: lower priority first, then as they came",
+                     "lpm": "queue_order lpm: the most cached first, after any preempted or past lpm's patience"}
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, ..., 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n:,}{suffix}"
 
 
 def cancel(ctx: typer.Context, request_ids: list[str] = typer.Argument(None, help="Request ids (kvctl requests)."),

@@ -289,6 +289,10 @@ def test_lpm_admits_the_longest_cached_prefix_first_until_a_request_has_waited_i
     waiting = {"B": engine.add_request(list(range(100, 140)), once)}
     clock.advance(gap)
     waiting |= {"C": engine.add_request(shared + [41, 42], once), "D": engine.add_request(list(range(150, 190)), once)}
+    names = {id(r): name for name, r in waiting.items()}
+    # what `kvctl requests` shows of the queue: the order the next pass tries, and the blocks each holds
+    assert [(names[id(seq.request)], hits) for seq, hits in engine.admission_queue()] == [
+        (name, 2 if name == "C" else 0) for name in admitted]
     seen = []
     while engine.has_work():
         engine.step()
@@ -296,6 +300,7 @@ def test_lpm_admits_the_longest_cached_prefix_first_until_a_request_has_waited_i
         seen += [name for name, r in waiting.items() if r.metrics.admitted is not None and name not in seen]
     assert seen == admitted
     assert engine.stats.admitted_ahead == (1 if admitted[0] == "C" else 0)  # C, while B waited
+    assert [waiting[name].metrics.passed_over for name in "BCD"] == ([1, 0, 0] if admitted[0] == "C" else [0, 0, 0])
     assert [waiting[name].metrics.cached_tokens for name in "BCD"] == [0, 32, 0]
     assert not any(r.rejected for r in waiting.values())
 

@@ -79,7 +79,11 @@ def test_requests_in_flight_are_listed_and_cancelled_by_id_or_tenant(tmp_path):
                                 "prompt_tokens", "cached_tokens", "restored_tokens", "output_tokens", "max_tokens",
                                 "n", "preemptions", "blocks", "fetching_prefix", "waiting_for_lora_turn", "priority",
                                 "cohort", "shape", "adapter", "drafted_tokens",
-                                "kept_draft_tokens"}  # no tokens, no text
+                                "kept_draft_tokens", "queue_position", "cached_prefix_tokens",
+                                "passed_over"}  # no tokens, no text
+        # where the waiting one stands: first in line, the cache holding none of its prefix
+        assert (running["queue_position"], waiting["queue_position"], waiting["cached_prefix_tokens"]) == (None, 1, 0)
+        assert listed["queue_order"] == "fifo"
         assert running["adapter"] is None  # the model's own, not a LoRA adapter's
         assert running["drafted_tokens"] == running["kept_draft_tokens"] == 0  # no speculative_config here
         # the field that holds a reply to a shape (never the shape itself), or None
@@ -178,7 +182,10 @@ def test_at_the_router_every_replica_s_requests_are_listed_and_a_cancel_finds_it
         status, shown = kvctl_shows(["requests"], listed.json())
         assert status == 0 and "2 running, 1 waiting" in shown and "#0: replica-0" in shown and "#1: replica-1" in shown
         [line] = [x for x in shown.splitlines() if x.startswith(placed[1])]
-        assert line.split()[1:5] == ["#0", "acme", "completions", "waiting"]
+        assert line.split()[1:8] == ["#0", "acme", "completions", "waiting,", "1st", "in", "line"]
+        assert listed.json()["queue_order"] == "fifo"  # every replica's
+        assert "in line: the order kvd tries its waiting requests in (queue_order fifo: as they came), each " \
+            "replica its own;" in " ".join(shown.split())
         quiet = {"requests": [], "running": 0, "waiting": 0,
                  "replicas": [{"replica": "replica-0", "status": 200}, {"replica": "replica-1", "status": 200}]}
         assert kvctl_shows(["requests"], quiet)[1].strip() == "0 running, 0 waiting on 2 replicas"  # no legend
@@ -239,3 +246,81 @@ def test_kvctl_requests_watch_redraws_the_table_until_stopped():
     assert lines[1].split()[:5] == ["req-000000000003", "acme", "sql", "chat", "decode"]
     assert lines[2].split()[:5] == ["req-000000000004", "acme", "-", "chat", "prefill"]
     assert lines[1].split()[-1] == "9"  # the counts stay in their columns
+
+
+@pytest.mark.parametrize("order", ["fifo", "lpm"])
+def test_a_waiting_request_shows_its_place_in_line_and_what_the_cache_holds_of_it(tmp_path, order):
+    """One slot, busy decoding a prompt of 40 tokens. B (a prompt nobody shares) queues, then C (the
+    running prompt's first 32 tokens, then its own). `kvctl requests` shows where each stands in
+    the order kvd will try them, and the tokens of each prefix the cache holds: under lpm C goes
+    first, by what it holds; first come, first served B does."""
+    from kvctl.daemon.engine.sampling import SamplingParams
+    from kvctl.daemon.server.calls import Principal
+    from kvctl.daemon.server.inflight import list_requests
+
+    service = start_service(tmp_path, num_blocks=256, max_running=1, block_size=16, queue_order=order)
+    long, once = SamplingParams(max_tokens=3000, ignore_eos=True), SamplingParams(max_tokens=1, ignore_eos=True)
+    running = list(range(10, 50))
+    try:
+        def submit(prompt, params):
+            [request] = service.submit_nowait([prompt], params, Principal("acme", "user", "test"),
+                                              lambda event: None).result(30)
+            return request.request_id
+
+        first = submit(running, long)
+        for _ in range(500):
+            if list_requests(service)["requests"][0]["state"] == "decode":
+                break
+            time.sleep(0.01)
+        b, c = submit(list(range(100, 140)), once), submit(running[:32] + [7, 8], once)
+        listed = list_requests(service)
+        rows = {row["request_id"]: row for row in listed["requests"]}
+        assert listed["queue_order"] == order and (listed["running"], listed["waiting"]) == (1, 2)
+        assert (rows[first]["queue_position"], rows[first]["cached_prefix_tokens"]) == (None, None)  # it runs
+        expected = {b: (1, 0), c: (2, 32)} if order == "fifo" else {b: (2, 0), c: (1, 32)}
+        assert {rid: (rows[rid]["queue_position"], rows[rid]["cached_prefix_tokens"]) for rid in (b, c)} == expected
+        assert all(row["passed_over"] == 0 for row in rows.values())
+        status, shown = kvctl_shows(["requests"], listed)
+        assert status == 0
+        lines = {line.split()[0]: " ".join(line.split()) for line in shown.splitlines() if line.startswith("req-")}
+        assert ("waiting, 1st in line" if order == "fifo" else "waiting, 2nd in line") in lines[b]
+        assert ("waiting, 2nd in line" if order == "fifo" else "waiting, 1st in line") in lines[c]
+        assert lines[c].split()[-3:] == ["(32)", "0/1", "0"]  # cached now, output, blocks
+        assert lines[b].split()[-3:] == ["(0)", "0/1", "0"]
+        words = {"fifo": "queue_order fifo: as they came",
+                 "lpm": "queue_order lpm: the most cached first, after any preempted or past lpm's patience"}[order]
+        assert f"in line: the order kvd tries its waiting requests in ({words}); (cached): the tokens" in \
+            " ".join(shown.split())
+    finally:
+        service.shutdown(1)
+
+
+def test_kvctl_requests_says_how_often_a_waiting_request_was_passed_over():
+    from rich.console import Console
+
+    from kvctl.requests_cmd import ordinal, render_requests
+
+    row = {"request_id": "req-000000000009", "tenant": "acme", "api": "chat", "state": "waiting",
+           "age_seconds": 12.0, "queued_seconds": 12.0, "prompt_tokens": 2048, "cached_tokens": 0,
+           "restored_tokens": 0, "output_tokens": 0, "max_tokens": 64, "n": 1, "preemptions": 0, "blocks": 0,
+           "priority": 0, "cohort": None, "shape": None, "queue_position": 13, "cached_prefix_tokens": 0,
+           "passed_over": 1204}
+    console = Console(record=True, width=160)
+    console.print(render_requests({"requests": [row], "running": 0, "waiting": 1, "queue_order": "lpm"}))
+    line = console.export_text().splitlines()[1]
+    assert " ".join(line.split()[1:]) == "acme chat waiting, 13th in line, passed by 1,204 12.00 s 2,048 (0) 0/64 0"
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111, 1002)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th", "1,002nd"]
+
+
+def test_the_router_says_the_queue_order_only_when_every_replica_listed_has_the_same():
+    from kvctl.daemon.server.fleet_admin import merge_request_lists
+
+    def listing(order):
+        return 200, {"requests": [], "running": 0, "waiting": 0, **({"queue_order": order} if order else {})}
+
+    names = ["replica-0", "replica-1", "replica-2"]
+    same = merge_request_lists(names, [listing("lpm"), listing("lpm"), (None, {"error": "refused"})])[1]
+    assert same["queue_order"] == "lpm" and same["message"] == "not listed: replica-2 (refused)"
+    assert "queue_order" not in merge_request_lists(names, [listing("lpm"), listing("fifo"), listing("lpm")])[1]
+    assert "queue_order" not in merge_request_lists(names, [listing("lpm"), listing(None), listing("lpm")])[1]

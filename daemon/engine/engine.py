@@ -578,10 +578,29 @@ class Engine:
         size, rows = self.settings.block_size, []
         for seq in self.waiting():
             tokens = len(seq.request.prompt_ids) + len(seq.output_ids)
-            keys, _ = self._prefix_keys(seq)  # hashed once, kept for its admission
-            hits = self.cache.lookup(keys, tokens)
+            hits = self._cached_blocks(seq)
             rows.append((seq, hits, max(tokens - hits * size, 0)))
         return rows
+
+    def _cached_blocks(self, seq: Sequence) -> int:
+        """Leading blocks of a waiting sequence's tokens the device cache holds now (none for a
+        prompt scored position by position: it takes nothing from the cache)."""
+        if seq.request.scoring:
+            return 0
+        keys, _ = self._prefix_keys(seq)  # hashed once, kept for its admission
+        return self.cache.lookup(keys, len(seq.request.prompt_ids) + len(seq.output_ids))
+
+    def admission_queue(self) -> list[tuple[Sequence, int]]:
+        """The waiting sequences in the order the next admission pass tries them (under
+        queue_order lpm, whether or not the batch has room now), each with the leading blocks of its
+        tokens the device cache holds: what `kvctl requests` shows of the queue. Call under the
+        service lock."""
+        work = [(seq, hits) for seq, hits, _ in self._waiting_work()]
+        if self.settings.queue_order != "lpm":
+            return work
+        now = self.clock()
+        return longest_prefix_first(work, lambda item: item[1], lambda item: self._lpm_waited(item[0], now),
+                                    lpm_patience(self.settings.max_queue_wait))
 
     def tokens_ahead(self, cached_blocks: int | None = None,
                      work: list[tuple[Sequence, int, int]] | None = None) -> int:
@@ -818,9 +837,11 @@ class Engine:
             restored = min(request.metrics.installed_tokens, admission.hit_tokens)
             request.metrics.installed_tokens = 0
             if request.metrics.admitted is None:
-                if any(e[1].request.order < request.order and e[1].status is SeqStatus.WAITING
-                       for e in self._waiting):
-                    self.stats.admitted_ahead += 1
+                passed_over = {id(e[1].request): e[1].request for e in self._waiting
+                               if e[1].request.order < request.order and e[1].status is SeqStatus.WAITING}
+                for earlier in passed_over.values():
+                    earlier.metrics.passed_over += 1
+                self.stats.admitted_ahead += bool(passed_over)
                 request.metrics.admitted = now
                 request.metrics.cached_tokens = admission.hit_tokens
                 request.metrics.restored_tokens = restored  # part of its hits, as they are counted
@@ -850,14 +871,8 @@ class Engine:
         if self.settings.queue_order != "lpm" or len(self._running) >= self.settings.max_running:
             return entries  # (a full batch admits none: no lookups)
         now = self.clock()
-
-        def cached_blocks(entry) -> int:
-            seq = entry[1]
-            if seq.request.scoring:  # it takes nothing from the cache
-                return 0
-            return self.cache.lookup(self._prefix_keys(seq)[0], len(seq.all_tokens))
-
-        return longest_prefix_first(entries, cached_blocks, lambda entry: self._lpm_waited(entry[1], now),
+        return longest_prefix_first(entries, lambda entry: self._cached_blocks(entry[1]),
+                                    lambda entry: self._lpm_waited(entry[1], now),
                                     lpm_patience(self.settings.max_queue_wait))
 
     @staticmethod

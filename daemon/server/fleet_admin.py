@@ -242,6 +242,9 @@ def merge_request_lists(names: Sequence[str], answers: Sequence[Answer]) -> tupl
     out = {"requests": rows, "running": sum(r["state"] != "waiting" for r in rows),
            "waiting": sum(r["state"] == "waiting" for r in rows),
            "replicas": [{"replica": name, "status": status} for name, (status, _) in zip(names, answers)]}
+    orders = {body.get("queue_order") for status, body in answers if status == 200}
+    if len(orders) == 1 and None not in orders:  # (each replica orders its own queue: said when all agree)
+        out["queue_order"] = orders.pop()
     if missing:
         out["message"] = "not listed: " + "; ".join(missing)
     return 200, out

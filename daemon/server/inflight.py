@@ -27,9 +27,12 @@ def request_state(request: Request) -> str:
     return "waiting"
 
 
-def request_row(service: EngineService, request: Request, now: float) -> dict:
-    """One request in flight (engine thread's lock held)."""
+def request_row(service: EngineService, request: Request, now: float,
+                in_line: dict[str, tuple[int, int]] | None = None) -> dict:
+    """One request in flight (engine thread's lock held). `in_line`: `queue_places`'s answer, for
+    where a waiting request stands in the queue."""
     cache, metrics = service.engine.cache, request.metrics
+    position, cached_now = (in_line or {}).get(request.request_id, (None, None))
     blocks = sum(cache.sequence(s.seq_id).held_blocks for s in request.sequences if s.seq_id in cache)
     waited_until = metrics.admitted if metrics.admitted is not None else now
     return {"request_id": request.request_id, "tenant": request.tenant,
@@ -40,6 +43,10 @@ def request_row(service: EngineService, request: Request, now: float) -> dict:
             "output_tokens": sum(len(s.output_ids) for s in request.sequences),
             "max_tokens": request.params.max_tokens, "n": request.params.n,
             "preemptions": metrics.preemptions, "blocks": blocks,
+            # while it waits: its place in the order the next admission pass tries the queue (1: first),
+            # the prompt tokens the device cache holds of it now (what queue_order lpm orders by), and
+            # the requests that arrived after it and were admitted meanwhile
+            "queue_position": position, "cached_prefix_tokens": cached_now, "passed_over": metrics.passed_over,
             # speculative decoding (speculative_config): draft tokens its steps carried, and those kept
             "drafted_tokens": metrics.drafted_tokens, "kept_draft_tokens": metrics.kept_draft_tokens,
             "fetching_prefix": service.engine.fetching_prefix(request),  # from disk or Redis, while it waits
@@ -63,11 +70,22 @@ def list_requests(service: EngineService, tenant: str | None = None) -> dict:
     engine = service.require_ready()
     with service.lock:
         now = engine.clock()
-        rows = [request_row(service, r, now) for r in engine.requests.values()
+        in_line = queue_places(engine)
+        rows = [request_row(service, r, now, in_line) for r in engine.requests.values()
                 if not r.finished and (tenant is None or r.tenant == tenant)]
     rows.sort(key=lambda row: -row["age_seconds"])
     return {"requests": rows, "running": sum(r["state"] != "waiting" for r in rows),
-            "waiting": sum(r["state"] == "waiting" for r in rows)}
+            "waiting": sum(r["state"] == "waiting" for r in rows), "queue_order": engine.settings.queue_order}
+
+
+def queue_places(engine) -> dict[str, tuple[int, int]]:
+    """Each waiting request's place in the order the engine tries the queue (1: first; its first
+    sample in that order decides) and the tokens of its prefix the device cache holds now, by
+    request id (service lock held)."""
+    size, places = engine.settings.block_size, {}
+    for seq, hits in engine.admission_queue():
+        places.setdefault(seq.request.request_id, (len(places) + 1, hits * size))
+    return places
 
 
 def cancel_requests(service: EngineService, principal: Principal, request_ids: list[str] | None = None,
