@@ -74,8 +74,9 @@ def replay_command(
     policy: list[str] = typer.Option(["lru,cost"], "--policy", help="Eviction policies: lru, cost, lfu, priority "
                                      "(with --tenant-priorities)."),
     queue_order: list[str] = typer.Option(["fifo"], "--queue-order",
-                                          help="Admission queue order, as kvd's queue_order: fifo, lpm (the longest "
-                                               "cached prefix first; rows 'lru+lpm'), or fifo,lpm to compare."),
+                                          help="Admission queue order, as kvd's queue_order: fifo, priority (by "
+                                               "--tenant-priorities; rows 'lru+prio'), lpm (the longest cached "
+                                               "prefix first; rows 'lru+lpm'), or several to compare (fifo,lpm)."),
     reserve: str = typer.Option("fraction:1.0", "--reserve",
                                 help="Output reservation: fixed:N, fraction:F or p95."),
     sequential: bool = typer.Option(False, "--sequential", help="One request at a time."),
@@ -143,8 +144,8 @@ def replay_command(
                                       "--tenant-cache-shares, e.g. noisy=0.25): rows 'lru' and 'lru+shares'."),
     tenant_priorities: Optional[str] = typer.Option(
         None, "--tenant-priorities", help="Tenants' priorities as kvd's --tenant-priorities (lower first, e.g. "
-                                          "quiet=-10), which --policy priority keeps the prefixes of; the replay's "
-                                          "queue is not ordered by them."),
+                                          "quiet=-10; 0 for a tenant not named): --policy priority keeps their "
+                                          "prefixes, --queue-order priority orders the queue by them."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG file (.png): hit rate and "
                                         "fragmentation against block size."),
@@ -184,9 +185,10 @@ def replay_command(
         except ValueError as exc:
             raise UserError(f"tenant_shares: invalid value {tenant_shares!r}: {exc}") from None
     if tenant_priorities is not None:
-        if "priority" not in policies:
-            raise UserError(f"tenant_priorities: {tenant_priorities!r} are read by the priority eviction policy only; "
-                            "add it to --policy (e.g. --policy lru,priority)")
+        if "priority" not in policies and "priority" not in orders:
+            raise UserError(f"tenant_priorities: {tenant_priorities!r} are read by the priority eviction policy and "
+                            "the priority queue order only; add one (e.g. --policy lru,priority or --queue-order "
+                            "fifo,priority)")
         try:
             base = replace(base, tenant_priorities=parse_tenant_map(tenant_priorities, priority_of, "priority"))
         except ValueError as exc:
@@ -368,7 +370,29 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
                             *(f"{r.tenant_evicted_blocks[t]:,}" if t in r.tenant_evicted_blocks else "-"
                               for t in tenants))
         parts += [Text(""), by_tenant, Text(""), evicted]
+        if any(r.tenant_ttft_p50_s for r in results):  # concurrent mode: whom the queue made wait
+            parts += [Text(""), _tenant_first_token_table(results, tenants)]
     return parts
+
+
+def _tenant_first_token_table(results: list[ReplayResult], tenants: list[str]):
+    """Each tenant's time to first token p50/p95 in the service model, with its requests turned
+    away (of any reason) where there were some: what a priority queue order moves."""
+    table = compact_table("block", "capacity", "policy", *tenants,
+                          title="first token p50/p95 (s), by tenant")
+    for index in (0, 1, *range(3, 3 + len(tenants))):
+        table.columns[index].justify = "right"
+    for r in results:
+        cells = []
+        for tenant in tenants:
+            if tenant not in r.tenant_ttft_p50_s:
+                cells.append("-" if not r.tenant_rejected.get(tenant) else f"(rej {r.tenant_rejected[tenant]:,})")
+                continue
+            rejected = r.tenant_rejected.get(tenant, 0)
+            cells.append(f"{_short(r.tenant_ttft_p50_s[tenant])}/{_short(r.tenant_ttft_p95_s[tenant])}"
+                         + (f" (rej {rejected:,})" if rejected else ""))
+        table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, *cells)
+    return table
 
 
 def rejection_lines(results: list[ReplayResult]) -> list[Text]:
@@ -381,7 +405,7 @@ def rejection_lines(results: list[ReplayResult]) -> list[Text]:
 
 def first_token_lines(results: list[ReplayResult]) -> list[Text]:
     """With queue orders compared (--queue-order fifo,lpm): each run's time to first token in the
-    service model, which the order moves most."""
+    service model, which the order moves most (by tenant too: `_tenant_first_token_table`)."""
     if len({r.queue_order for r in results}) < 2 or results[0].ttft_p50_s is None:
         return []
     return [Text(f"time to first token p50/p95/p99 at block {r.block_size}, capacity {r.capacity_tokens:,}, "

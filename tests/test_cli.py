@@ -161,7 +161,8 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
     (["--block-sizes", "sixteen"], "error: block_sizes: expected integers, got 'sixteen'"),
     (["--policy", "fifo"], "error: policy: unknown value 'fifo'; choose from lru, cost, lfu, priority"),
     (["--tenant-priorities", "quiet=-10"], "error: tenant_priorities: 'quiet=-10' are read by the priority eviction "
-                                           "policy only; add it to --policy (e.g. --policy lru,priority)"),
+                                           "policy and the priority queue order only; add one (e.g. --policy "
+                                           "lru,priority or --queue-order fifo,priority)"),
     (["--policy", "priority", "--tenant-priorities", "quiet=high"],
      "error: tenant_priorities: invalid value 'quiet=high': priority of 'quiet' must be an integer, got 'high'"),
     (["--capacity-tokens", "8", "--block-sizes", "16"],
@@ -199,7 +200,9 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
      "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
     (["--replicas", "2", "--queue-limits", "heed,ignore"],
      "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
-    (["--queue-order", "priority"], "error: queue_order: unknown value 'priority'; use fifo or lpm"),
+    (["--queue-order", "sjf"], "error: queue_order: unknown value 'sjf'; use fifo, priority or lpm"),
+    (["--queue-order", "fifo,priority"], "error: queue_order: priority orders the queue by the tenants' priorities; "
+                                         "give them (--tenant-priorities, e.g. quiet=-10)"),
     (["--queue-order", "fifo,lpm", "--sequential"],
      "error: queue_order: lpm orders a queue, and --sequential has none (one request at a time)"),
 ])
@@ -327,6 +330,36 @@ def test_a_replay_compares_first_come_first_served_with_the_longest_cached_prefi
     assert "time to first token p50/p95/p99 at block 512, capacity 8,192, lru+lpm: 2.00/4.00/4.00 s" in words
     fleet = replay_json(capsys, *args, "--replicas", "2", "--routing", "prefix")
     assert [(r["policy"], r["queue_order"]) for r in fleet["runs"]] == [("lru", "fifo"), ("lru+lpm", "lpm")]
+
+
+def test_a_replay_compares_first_come_first_served_with_the_tenants_priorities(capsys, tmp_path):
+    """tests/test_replay.py's PRIORITY_TRACE: quiet's request goes before noisy's earlier ones."""
+    path = tmp_path / "priority.jsonl"
+    write_trace(path, [TraceRequest(0, 512, 4, (1,), "noisy"), TraceRequest(1000, 512, 1, (2,), "noisy"),
+                       TraceRequest(2000, 512, 1, (3,), "noisy"), TraceRequest(3000, 512, 1, (4,), "quiet")])
+    args = (str(path), "--block-sizes", "512", "--policy", "lru", "--capacity-tokens", "8192", "--max-running", "1",
+            "--prefill-rate", "1e12", "--decode-rate", "1", "--queue-order", "fifo,priority",
+            "--tenant-priorities", "quiet=-10", "--max-queue-wait", "3.5")
+    doc = replay_json(capsys, *args)
+    assert doc["settings"]["queue_order"] == ["fifo", "priority"]
+    def rounded(figures):
+        return {tenant: round(seconds, 6) for tenant, seconds in figures.items()}
+
+    assert [(r["policy"], rounded(r["tenant_ttft_p50_s"]), rounded(r["tenant_ttft_p95_s"]), r["tenant_rejected"])
+            for r in doc["runs"]] == [
+        ("lru", {"noisy": 3.0, "quiet": 3.0}, {"noisy": 3.0, "quiet": 3.0}, {"noisy": 0, "quiet": 0}),
+        ("lru+prio", {"noisy": 0.0, "quiet": 1.0}, {"noisy": 3.0, "quiet": 1.0}, {"noisy": 1, "quiet": 0})]
+    out = cli(capsys, "bench", "replay", *args)[1]
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip() == "first token p50/p95 (s), by tenant")
+    assert lines[header + 1].split() == ["block", "capacity", "policy", "noisy", "quiet"]
+    assert [" ".join(line.split()) for line in lines[header + 2:header + 4]] == [
+        "512 8,192 lru 3.00/3.00 3.00/3.00", "512 8,192 lru+prio 0.00/3.00 (rej 1) 1.00/1.00"]
+    words = " ".join(out.split())
+    assert "time to first token p50/p95/p99 at block 512, capacity 8,192, lru+prio: 1.00/3.00/3.00 s" in words
+    assert len(max(lines, key=len)) <= 80
+    fleet = replay_json(capsys, *args, "--replicas", "2", "--routing", "round_robin")
+    assert [(r["policy"], r["queue_order"]) for r in fleet["runs"]] == [("lru", "fifo"), ("lru+prio", "priority")]
 
 
 def test_missing_or_bad_trace_file(capsys, tmp_path):

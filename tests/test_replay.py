@@ -260,6 +260,51 @@ def test_lpm_replays_the_longest_cached_prefix_first_as_kvd_orders_its_queue(ord
         result.policy, order, result.ttft_p50_s, result.ttft_p95_s)
 
 
+# one slot: noisy's r0 holds it until 4 s; noisy's r1 (1 s) and r2 (2 s), then quiet's r3 (3 s) queue
+PRIORITY_TRACE = [TraceRequest(0.0, 512, 4, (1,), "noisy"), TraceRequest(1000.0, 512, 1, (2,), "noisy"),
+                  TraceRequest(2000.0, 512, 1, (3,), "noisy"), TraceRequest(3000.0, 512, 1, (4,), "quiet")]
+
+
+@pytest.mark.parametrize("order, max_queue_wait, noisy_ttft, quiet_ttft, noisy_rejected", [
+    ("fifo", 0.0, (3.0, 3.0), 3.0, 0),  # r1 starts at 4 s, r2 at 5 s, r3 at 6 s: 3 s each
+    ("priority", 0.0, (4.0, 4.0), 1.0, 0),  # r3 at 4 s, then r1 at 5 s and r2 at 6 s
+    ("fifo", 3.5, (3.0, 3.0), 3.0, 0),
+    # r3 at 4 s; at 5 s r1 has waited past 3.5 s (turned away at 4.5 s), r2 starts (3 s)
+    ("priority", 3.5, (0.0, 3.0), 1.0, 1),
+])
+def test_priority_replays_the_tenants_queue_order_as_kvd_orders_its_queue(order, max_queue_wait, noisy_ttft,
+                                                                          quiet_ttft, noisy_rejected):
+    """quiet at -10 (tenant_priorities): under queue_order priority its request goes before noisy's
+    earlier ones; first come, first served waits its turn. Each tenant's first-token times and
+    rejections are reported."""
+    result = run(PRIORITY_TRACE, 512, 8192, queue_order=order, max_queue_wait=max_queue_wait,
+                 tenant_priorities=(("quiet", -10),), **ONE_SLOT)
+    assert (result.policy, result.queue_order) == ("lru+prio" if order == "priority" else "lru", order)
+    assert result.tenant_ttft_p50_s == {"noisy": pytest.approx(noisy_ttft[0], abs=1e-6),
+                                        "quiet": pytest.approx(quiet_ttft, abs=1e-6)}
+    assert result.tenant_ttft_p95_s == {"noisy": pytest.approx(noisy_ttft[1], abs=1e-6),
+                                        "quiet": pytest.approx(quiet_ttft, abs=1e-6)}
+    assert result.tenant_rejected == {"noisy": noisy_rejected, "quiet": 0}
+    assert result.reject_reasons == ({"queue_timeout": 1} if noisy_rejected else {})
+    one = fleet(PRIORITY_TRACE, 1, "least_loaded", capacity_tokens=8192, queue_order=order,
+                max_queue_wait=max_queue_wait, tenant_priorities=(("quiet", -10),), **ONE_SLOT)
+    assert (one.policy, one.ttft_p50_s, one.ttft_p95_s, one.rejections) == (
+        result.policy, result.ttft_p50_s, result.ttft_p95_s, result.rejections)
+
+
+def test_a_priority_queue_needs_the_tenants_priorities_and_a_queue():
+    from kvctl.daemon.replay.sweep import validate_grid
+
+    with pytest.raises(ValueError, match=r"^queue_order: priority orders the queue by the tenants' priorities; "
+                                         r"give them \(--tenant-priorities, e.g. quiet=-10\)$"):
+        validate_grid([16], [4096], ["lru"], ReplaySettings(block_size=16, capacity_tokens=4096),
+                      queue_orders=["fifo", "priority"])
+    with pytest.raises(ValueError, match=r"^queue_order: priority orders a queue, and --sequential has none"):
+        validate_grid([16], [4096], ["lru"], ReplaySettings(block_size=16, capacity_tokens=4096, sequential=True,
+                                                            tenant_priorities=(("quiet", -10),)),
+                      queue_orders=["priority"])
+
+
 @pytest.mark.parametrize("order, waits", [("fifo", (4.0, 4.0)), ("lpm", (3.0, 4.0))])
 def test_a_router_sees_the_wait_lpm_would_give_each_prompt(order, waits):
     """At 2 s in LPM_TRACE, r0 has 2 s left and r1 and r2 wait (1 s of work each; r2 holds r0's

@@ -82,7 +82,7 @@ class FleetResult:
     rerouted: int = 0  # queue timeouts the router took to another replica (each try after the first)
     rerouted_full: int = 0  # refusals by a full queue (429) the router took to another replica (each try after)
     queue_waits: list[float] = field(default_factory=list)  # each replica's max_queue_wait (empty: the settings')
-    queue_order: str = "fifo"  # each replica's: fifo, or lpm (the longest cached prefix first)
+    queue_order: str = "fifo"  # each replica's: fifo, priority (by tenant_priorities), or lpm (longest cached prefix)
     tier_tokens: int = 0  # the shared lower tier's size (0: none)
     restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled, fleet-wide
     restored_ratio: float = 0.0

@@ -9,8 +9,9 @@ a request admitted at t finishes at
     t + uncached prompt tokens / prefill_rate + output tokens / decode_rate
 
 with at most `max_running` requests at once and an admission queue of at
-most `max_queue` waiting requests, first come first served, or with
-`queue_order` lpm the longest cached prefix first, as kvd's (policies.queue_order).
+most `max_queue` waiting requests, first come first served; with `queue_order`
+priority by the tenants' `tenant_priorities` (lower first), or with lpm the longest
+cached prefix first, as kvd's (policies.queue_order).
 A request that does not fit waits for a finish; one that can never fit, or
 that finds the queue full, is rejected, and so is one that waits
 `max_queue_wait` seconds without starting (kvd's queue_timeout), where that is set.
@@ -49,6 +50,9 @@ from kvctl.policies.reservation import parse_reservation
 from .trace import TraceRequest
 
 
+QUEUE_ORDER_LABELS = {"fifo": "", "priority": "+prio", "lpm": "+lpm"}  # as policy_label marks each
+
+
 @dataclass(frozen=True, slots=True)
 class ReplaySettings:
     block_size: int
@@ -65,19 +69,20 @@ class ReplaySettings:
     max_tokens: int | None = None  # max_tokens clients ask for (at least the output); None: the output
     # (tenant, fraction) pairs as kvd's tenant_cache_shares; () for none
     tenant_shares: tuple[tuple[str, float], ...] = ()
-    # (tenant, priority) pairs as kvd's tenant_priorities (lower first): what the `priority` eviction
-    # policy keeps; the replay's queue is not ordered by them (queue_order)
+    # (tenant, priority) pairs as kvd's tenant_priorities (lower first; 0 for a tenant not named): what
+    # the `priority` eviction policy keeps, and with queue_order priority the order of the queue
     tenant_priorities: tuple[tuple[str, int], ...] = ()
     tier_tokens: int = 0  # a lower tier under the device of this many tokens (LRU); 0: none
     restore_rate: float = 200_000.0  # tokens a second restored from it (service model)
     tier_write: str = "write_back"  # or write_through, write_through_selective: kvd's write_policy names
-    queue_order: str = "fifo"  # or "lpm": the longest cached prefix first, as kvd's queue_order (policies.queue_order)
+    # or "priority" (by tenant_priorities) or "lpm" (the longest cached prefix first), as kvd's queue_order
+    queue_order: str = "fifo"
 
     @property
     def policy_label(self) -> str:
         """The eviction policy as reports name it: with shares, `lru+shares`; with queue_order
-        lpm, `lru+lpm`."""
-        return self.policy + ("+shares" if self.tenant_shares else "") + ("+lpm" if self.queue_order == "lpm" else "")
+        lpm, `lru+lpm`, and priority, `lru+prio`."""
+        return self.policy + ("+shares" if self.tenant_shares else "") + QUEUE_ORDER_LABELS[self.queue_order]
 
     @property
     def num_blocks(self) -> int:
@@ -121,7 +126,12 @@ class ReplayResult:
     tier_tokens: int = 0  # the lower tier's size (0: none)
     restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled
     restored_ratio: float = 0.0  # restored tokens / prompt tokens of admitted requests
-    queue_order: str = "fifo"  # which waiting request went first: fifo, or lpm (the longest cached prefix)
+    queue_order: str = "fifo"  # which waiting request went first: fifo, priority, or lpm (the longest cached prefix)
+    # per tenant, when the trace names tenants (concurrent mode): the service model's time to first
+    # token of its admitted requests, and its requests turned away, by any reason
+    tenant_ttft_p50_s: dict[str, float] = field(default_factory=dict)
+    tenant_ttft_p95_s: dict[str, float] = field(default_factory=dict)
+    tenant_rejected: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -187,6 +197,8 @@ class ReplicaRun:
         self.queued_seconds = 0.0  # their sum
         self.queued_keys: dict[BlockKey, int] = {}  # block key -> waiting requests whose prompt has it
         self.ttft: list[float] = []
+        self.tenant_ttft: dict[str, list[float]] = {}  # tenant -> its first-token times, when the trace names it
+        self.tenant_rejected: Counter[str] = Counter()
         # a fleet that re-routes a queue timeout, as kvd router does: called with (request, the time it
         # timed out) instead of counting a rejection; and where such a request first arrived (its TTFT's start)
         self.on_timeout: Callable[[int, float], None] | None = None
@@ -227,8 +239,12 @@ class ReplicaRun:
             return 0
         return self._restore(self.keys[index], held, self.requests[index].input_length, touch=False)
 
-    def reject(self, reason: str) -> None:
+    def reject(self, reason: str, index: int) -> None:
+        """Count request `index` turned away, for `reason` (and against its tenant, if named)."""
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        tenant = self.requests[index].tenant
+        if tenant is not None:
+            self.tenant_rejected[tenant] += 1
 
     def start(self, index: int) -> bool:
         """Admit and prefill request `index`; False when it does not fit now."""
@@ -314,9 +330,9 @@ class ReplicaRun:
         for index in range(len(self.requests)):
             self.now = float(index)
             if self.never_fits(index):
-                self.reject("never_fits")
+                self.reject("never_fits", index)
             elif not self.start(index):
-                self.reject("cache_full")  # only pins can hold blocks between requests
+                self.reject("cache_full", index)  # only pins can hold blocks between requests
             else:
                 self.finish(index)
             progress(1)
@@ -362,7 +378,7 @@ class ReplicaRun:
                 self.on_timeout(index, deadline)
                 continue
             self.origins.pop(index, None)
-            self.reject("queue_timeout")
+            self.reject("queue_timeout", index)
             progress(1)
 
     def next_deadline(self) -> float:
@@ -375,10 +391,11 @@ class ReplicaRun:
 
     def admit_waiting(self, progress: Callable[[int], None]) -> None:
         """Start waiting requests in queue order while they fit and a slot is free (those past
-        max_queue_wait rejected first): arrival order, or lpm's, taken once a pass as kvd does."""
+        max_queue_wait rejected first): arrival order, or priority's or lpm's, taken once a pass as
+        kvd does."""
         self.expire_waiting(progress)
         waiting = self.waiting
-        order = self._lpm_order()
+        order = self._queue_order()
         while waiting and len(self.running) < self.settings.max_running:
             index = waiting[0] if order is None else next(order, None)
             if index is None:
@@ -387,7 +404,7 @@ class ReplicaRun:
                 self._dequeue(index)
                 self._unqueue(index)
                 self.origins.pop(index, None)
-                self.reject("never_fits")
+                self.reject("never_fits", index)
                 progress(1)
                 continue
             if not self.start(index):
@@ -403,13 +420,19 @@ class ReplicaRun:
             heapq.heappush(self.running, (first + uncached / s.prefill_rate + request.output_length / s.decode_rate,
                                           index))
             self.ttft.append(first - arrival + uncached / s.prefill_rate)
+            if request.tenant is not None:
+                self.tenant_ttft.setdefault(request.tenant, []).append(self.ttft[-1])
 
-    def _lpm_order(self) -> Iterator[int] | None:
-        """Under queue_order lpm, the waiting requests in its order (`longest_prefix_first`: what the
-        device holds of each prompt, and how long each has waited); None for arrival order (fifo, or
-        a queue past LPM_MAX_WAITING, where lpm keeps it too)."""
-        waiting = self.waiting
-        if self.settings.queue_order != "lpm" or len(waiting) < 2 or len(waiting) > LPM_MAX_WAITING:
+    def _queue_order(self) -> Iterator[int] | None:
+        """The waiting requests in the order of queue_order: under priority, by their tenants'
+        priorities (lower first), in arrival order within one, as kvd's; under lpm,
+        `longest_prefix_first` (what the device holds of each prompt, and how long each has waited).
+        None for arrival order (fifo, or a queue past LPM_MAX_WAITING, where lpm keeps it too)."""
+        waiting, order = self.waiting, self.settings.queue_order
+        if order == "priority" and len(waiting) > 1:
+            priorities, requests = self.priorities, self.requests
+            return iter(sorted(waiting, key=lambda i: priorities.get(requests[i].tenant or "default", 0)))
+        if order != "lpm" or len(waiting) < 2 or len(waiting) > LPM_MAX_WAITING:
             return None
         lookup, keys, requests, arrivals, now = self.manager.lookup, self.keys, self.requests, self.arrivals, self.now
         return iter(longest_prefix_first(waiting, lambda i: lookup(keys[i], requests[i].input_length),
@@ -464,7 +487,7 @@ class ReplicaRun:
         self.expire_waiting(progress)  # those that timed out before now hold no place in the queue
         if len(self.waiting) >= self.settings.max_queue:
             if not passed_on:
-                self.reject("queue_full")
+                self.reject("queue_full", index)
                 progress(1)
             return False
         if origin is not None:
@@ -486,7 +509,7 @@ class ReplicaRun:
             index = self.waiting.popleft()
             self._unqueue(index)
             self.origins.pop(index, None)
-            self.reject("cache_full")
+            self.reject("cache_full", index)
             progress(1)
 
     def arrival_of(self, request: TraceRequest) -> float:
@@ -539,6 +562,12 @@ class ReplicaRun:
             tier_tokens=s.tier_tokens, restored_tokens=self.restored_tokens,
             restored_ratio=self.restored_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             queue_order=s.queue_order,
+            tenant_ttft_p50_s={} if s.sequential else {
+                tenant: percentile(sorted(times), 0.50) for tenant, times in sorted(self.tenant_ttft.items())},
+            tenant_ttft_p95_s={} if s.sequential else {
+                tenant: percentile(sorted(times), 0.95) for tenant, times in sorted(self.tenant_ttft.items())},
+            tenant_rejected={tenant: self.tenant_rejected[tenant]
+                             for tenant in sorted({*self.tenant_tokens, *self.tenant_rejected})},
         )
 
 

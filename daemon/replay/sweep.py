@@ -44,11 +44,14 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
     if not base.restore_rate > 0:
         raise ValueError(f"restore_rate: must be > 0, got {base.restore_rate!r}")
     if not queue_orders:
-        raise ValueError("queue_order: give fifo, lpm or both")
+        raise ValueError("queue_order: give fifo, priority, lpm, or several to compare")
     for order in queue_orders:
         check_queue_order(order, REPLAY_QUEUE_ORDERS)
-    if base.sequential and "lpm" in queue_orders:
-        raise ValueError("queue_order: lpm orders a queue, and --sequential has none (one request at a time)")
+        if base.sequential and order != "fifo":
+            raise ValueError(f"queue_order: {order} orders a queue, and --sequential has none (one request at a time)")
+    if "priority" in queue_orders and not base.tenant_priorities:
+        raise ValueError("queue_order: priority orders the queue by the tenants' priorities; give them "
+                         "(--tenant-priorities, e.g. quiet=-10)")
     if replicas > 1:
         if base.sequential:
             raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
@@ -95,8 +98,8 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         raise ValueError(f"max_queue_wait: must be a number of seconds >= 0 (0: no limit), got {base.max_queue_wait!r}")
 
 
-# the replay's queue orders: kvd's, but priority (the replay's requests carry none of their own)
-REPLAY_QUEUE_ORDERS = ("fifo", "lpm")
+# the replay's queue orders: kvd's (priority: by tenant_priorities; a trace's requests carry none of their own)
+REPLAY_QUEUE_ORDERS = ("fifo", "priority", "lpm")
 
 
 def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
