@@ -458,7 +458,24 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
         + ("; heed/ignore: whether the router passed over replicas predicted past their max_queue_wait"
            if any(label(r) != r.routing for r in results) else ""))] \
         + [Text(placement_spread(r)) for r in results if r.placements] + fleet_rejection_lines(results, label) \
-        + replica_lines(results, label)
+        + replica_lines(results, label) + fleet_tenant_lines(results, label)
+
+
+def fleet_tenant_lines(results: list[FleetResult], label) -> list[Text]:
+    """With a trace that names tenants: a line per fleet run of each tenant's first-token p50/p95
+    and its requests turned away (what a priority queue moves, and where routing sends it)."""
+    lines = []
+    for r in results:
+        tenants = sorted({*r.tenant_ttft_p50_s, *r.tenant_rejected})
+        if not tenants:
+            continue
+        parts = [f"{tenant} " + (f"{_short(r.tenant_ttft_p50_s[tenant])}/{_short(r.tenant_ttft_p95_s[tenant])} s"
+                                 if tenant in r.tenant_ttft_p50_s else "-")
+                 + (f" ({r.tenant_rejected[tenant]:,} rejected)" if r.tenant_rejected.get(tenant) else "")
+                 for tenant in tenants]
+        lines.append(Text(f"first token p50/p95 by tenant, {label(r)} (block {r.block_size}, capacity "
+                          f"{r.capacity_tokens:,}, {r.policy}): " + ", ".join(parts)))
+    return lines
 
 
 def routing_labels(results: list[FleetResult]):

@@ -203,18 +203,20 @@ def render_status(data: dict, console: Console | None = None):
         if queue["waiting"] else "")
     ahead, late = "", False
     lpm = "lpm_waiting" in queue  # queue_order lpm: the longest cached prefix first
+    ranked = "priority_waiting" in queue  # queue_order priority: by place (tenant_priorities)
     if queue.get("predicted_wait_seconds") is not None:
         rate = f"prefill {queue['prefill_tokens_per_second']:,.0f} tokens/s"
         late = bool(limit) and queue["predicted_wait_seconds"] >= limit
         ahead = f"; {rate}" if not queue["tokens_ahead"] else (
             f"; {queue['tokens_ahead']:,} prompt tokens ahead: a new request "
-            + ("holding no cached prefix " if lpm else "")
+            + ("holding no cached prefix " if lpm else "") + ("at the last place " if ranked else "")
             + f"waits ~{seconds(queue['predicted_wait_seconds'])} ({rate})"
             + (f", past max_queue_wait {seconds(limit)}: it would be turned away (queue_timeout)" if late else ""))
     facts.add_row("queue", Text(f"{waiting}, {queue['running']} running{ahead}", style="yellow" if late else ""))
     if data.get("admitted_ahead"):  # absent from an older kvd
         facts.add_row("queue order", f"{data['admitted_ahead']:,} requests went in while an earlier arrival waited"
-                      + (" (lpm: the longest cached prefix first)" if lpm else ""))
+                      + (" (lpm: the longest cached prefix first)" if lpm else "")
+                      + (" (priority: by the tenants' places)" if ranked else ""))
     if data.get("draining"):
         facts.add_row("draining", Text("no new completion is taken (kvctl resume takes them again)", style="yellow"))
     if data.get("tls"):

@@ -360,6 +360,12 @@ def test_a_replay_compares_first_come_first_served_with_the_tenants_priorities(c
     assert len(max(lines, key=len)) <= 80
     fleet = replay_json(capsys, *args, "--replicas", "2", "--routing", "round_robin")
     assert [(r["policy"], r["queue_order"]) for r in fleet["runs"]] == [("lru", "fifo"), ("lru+prio", "priority")]
+    # each tenant's figures under the fleet's table: round robin puts r2 behind r0 (2 s), the others alone
+    two = " ".join(cli(capsys, "bench", "replay", *args, "--replicas", "2", "--routing", "round_robin")[1].split())
+    assert ("first token p50/p95 by tenant, round_robin (block 512, capacity 8,192, lru+prio): noisy 0.00/2.00 s, "
+            "quiet 0.00/0.00 s") in two
+    assert [(r["tenant_ttft_p95_s"], r["tenant_rejected"]) for r in fleet["runs"]] == [
+        ({"noisy": pytest.approx(2.0), "quiet": pytest.approx(0.0, abs=1e-6)}, {"noisy": 0, "quiet": 0})] * 2
 
 
 def test_missing_or_bad_trace_file(capsys, tmp_path):
@@ -1248,6 +1254,15 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
             "tokens/s)") in text
     assert "queue order 1,234 requests went in while an earlier arrival waited (lpm: the longest cached prefix " \
            "first)" in text
+    # queue_order priority: the wait said is for a request at the last place (a better place waits less)
+    del data["queue"]["lpm_waiting"]
+    data["queue"]["priority_waiting"] = [[-10, 2048], [0, 4096]]
+    console = Console(record=True, width=300)
+    render_status({**data, "admitted_ahead": 7}, console)
+    text = " ".join(console.export_text().split())
+    assert ("122,880 prompt tokens ahead: a new request at the last place waits ~1.50 s (prefill 4,096 "
+            "tokens/s)") in text
+    assert "queue order 7 requests went in while an earlier arrival waited (priority: by the tenants' places)" in text
 
 
 def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():

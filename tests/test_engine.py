@@ -330,6 +330,27 @@ def test_the_work_ahead_of_a_prompt_counts_what_lpm_would_try_first(demo, order)
     assert engine.queue_figures().get("lpm_waiting") == ([] if order == "lpm" else None)
 
 
+@pytest.mark.parametrize("order", ["fifo", "priority"])
+def test_the_work_ahead_of_a_request_counts_only_the_places_a_priority_queue_would_try_first(demo, order):
+    """Waiting: A (40 tokens, engine priority -5: place 5), B (40, place 0), C (34, place -10).
+    Ahead of a request at place -10: only C's tokens; at 0: B's and C's; at 5, or not said: all.
+    First come, first served, all of them whatever its place."""
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, queue_order=order),
+                    clock=FakeClock(100.0))
+    engine.add_request([50] * 5, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # it holds the slot, its prompt computed
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    for prompt_ids, priority in ((list(range(100, 140)), -5), (list(range(150, 190)), 0), (list(range(1, 35)), 10)):
+        engine.add_request(prompt_ids, once, priority=priority if order == "priority" else 0)
+    ahead = {priority: engine.tokens_ahead(priority=priority) for priority in (None, 10, 0, -5)}
+    assert ahead == ({None: 114, 10: 34, 0: 74, -5: 114} if order == "priority" else dict.fromkeys(ahead, 114))
+    assert engine.queue_figures(0, priority=0)["tokens_ahead"] == ahead[0]
+    # what waits by place, lowest first, for a router's view (not said first come, first served)
+    assert engine.queue_figures().get("priority_waiting") == (
+        [[-10, 34], [0, 40], [5, 40]] if order == "priority" else None)
+    engine.run_until_done()
+
+
 def test_under_lpm_a_preempted_request_goes_first_whatever_it_holds(demo):
     """A request admitted once and preempted since waits on past max_queue_wait (it is never timed
     out); under lpm it goes before prompts that hold more of the cache, as it does first come, first

@@ -337,3 +337,36 @@ def test_under_lpm_route_facts_count_only_the_work_lpm_would_start_before_the_pr
             engine.admission_paused = False
     finally:
         service.shutdown(deadline=2)
+
+
+def test_under_a_priority_queue_route_facts_count_only_the_work_at_the_tenant_s_place_or_better(tmp_path):
+    """kvd with queue_order priority (acme at -10), admission held: a request of acme's and one of
+    globex's (at 0) wait. Ahead of an acme prompt, route-facts count only acme's; ahead of a
+    globex prompt, both; a load poll (no prompt), both. The answer says what waits by place and
+    the tenants' places, for a router's view."""
+    from kvctl.daemon.engine.sampling import SamplingParams
+
+    service = start_service(tmp_path, queue_order="priority", tenant_priorities="acme=-10")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        engine = service.engine
+        first, second, probe = (engine.tokenizer.encode(text) for text in (PROMPTS[1], PROMPTS[3], PROMPTS[4]))
+        with service.lock:
+            engine.admission_paused = True
+            held = [engine.add_request(prompt, SamplingParams(max_tokens=1), tenant=tenant,
+                                       priority=service.queue_priority(tenant, None))
+                    for prompt, tenant in ((first, "globex"), (second, "acme"))]
+        ahead = {tenant: call(app, "POST", "/admin/route-facts", json={"tokens": probe, "tenant": tenant}).json()
+                 for tenant in ("acme", "globex")}
+        assert ahead["acme"]["tokens_ahead"] == len(second)  # globex's arrived first, and goes after
+        assert ahead["globex"]["tokens_ahead"] == len(first) + len(second)
+        poll = call(app, "POST", "/admin/route-facts", json={"tokens": []}).json()
+        assert poll["tokens_ahead"] == len(first) + len(second)
+        assert poll["priority_waiting"] == [[-10, len(second)], [0, len(first)]]
+        assert poll["tenant_places"] == {"acme": -10}
+        with service.lock:
+            for request in held:
+                engine.cancel(request.request_id)
+            engine.admission_paused = False
+    finally:
+        service.shutdown(deadline=2)

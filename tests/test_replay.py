@@ -290,6 +290,8 @@ def test_priority_replays_the_tenants_queue_order_as_kvd_orders_its_queue(order,
                 max_queue_wait=max_queue_wait, tenant_priorities=(("quiet", -10),), **ONE_SLOT)
     assert (one.policy, one.ttft_p50_s, one.ttft_p95_s, one.rejections) == (
         result.policy, result.ttft_p50_s, result.ttft_p95_s, result.rejections)
+    assert (one.tenant_ttft_p50_s, one.tenant_ttft_p95_s, one.tenant_rejected) == (
+        result.tenant_ttft_p50_s, result.tenant_ttft_p95_s, result.tenant_rejected)
 
 
 def test_a_priority_queue_needs_the_tenants_priorities_and_a_queue():
@@ -327,6 +329,30 @@ def test_a_router_sees_the_wait_lpm_would_give_each_prompt(order, waits):
     sharing, fresh = (_facts(replica, index, "replica-0", 512) for index in (3, 4))
     assert (sharing.cached_tokens, fresh.cached_tokens) == (512, 0)
     assert (sharing.wait_seconds, fresh.wait_seconds) == (pytest.approx(waits[0]), pytest.approx(waits[1]))
+
+
+@pytest.mark.parametrize("order, waits", [("fifo", (4.0, 4.0, 4.0)), ("priority", (2.0, 4.0, 4.0))])
+def test_a_router_sees_the_wait_a_priority_queue_would_give_each_tenant(order, waits):
+    """At 3 s in PRIORITY_TRACE, r0 has 1 s left and noisy's r1 and r2 and quiet's r3 wait (1 s of
+    work each). A quiet request waits for r0 and r3 under priority, not noisy's, as kvd's
+    route-facts count it; a noisy one, or one of a tenant not named (at 0), waits for all."""
+    from kvctl.daemon.replay.fleet import _facts
+    from kvctl.daemon.replay.simulator import ReplicaRun
+
+    trace = PRIORITY_TRACE + [TraceRequest(3000.0, 512, 1, (5,), tenant) for tenant in ("quiet", "noisy", None)]
+    keyer = TraceKeyer(512)
+    keys = [keyer.keys(r) for r in trace]
+    settings = ReplaySettings(block_size=512, capacity_tokens=8192, queue_order=order,
+                              tenant_priorities=(("quiet", -10),), **ONE_SLOT)
+    replica = ReplicaRun(settings, trace, keys, [0] * len(trace))
+    for index in range(4):
+        arrival = replica.arrival_of(trace[index])
+        replica.finish_until(arrival, lambda n: None)
+        replica.advance(arrival)
+        replica.arrive(index, arrival, lambda n: None)
+    assert list(replica.waiting) == [1, 2, 3]
+    assert tuple(_facts(replica, index, "replica-0", 512).wait_seconds for index in (4, 5, 6)) == (
+        pytest.approx(waits[0]), pytest.approx(waits[1]), pytest.approx(waits[2]))
 
 
 def test_a_fleet_of_one_is_the_single_replica_replay():

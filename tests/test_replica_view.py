@@ -126,6 +126,22 @@ def test_a_replica_that_goes_by_the_longest_cached_prefix_first_is_waited_for_le
     assert view.facts(8, in_flight=0).wait_seconds == pytest.approx(0.2 + 0.5)
 
 
+def test_a_replica_with_a_priority_queue_is_waited_for_less_by_a_request_of_a_better_place():
+    """Its load answer (for the last place: 1,000 tokens ahead, 0.5 s) says what waits by place:
+    200 tokens at -10, 300 at 0, 500 at 5; and the tenants' places: acme -10, batch 5 (others 0).
+    An acme request waits for the 200; one of another tenant for 500; batch's for all; a
+    request whose tenant is not said, for all."""
+    view = ReplicaView()
+    view.reset(snapshot([]))
+    view.note_load({**LOAD, "priority_waiting": [[-10, 200], [0, 300], [5, 500]],
+                    "tenant_places": {"acme": -10, "batch": 5}}, asked_at=10.0)
+    waits = {tenant: view.facts(0, in_flight=0, tenant=tenant).wait_seconds
+             for tenant in ("acme", "globex", "batch", None)}
+    assert waits == {"acme": pytest.approx(0.1), "globex": pytest.approx(0.25), "batch": 0.5, None: 0.5}
+    view.note_sent(KEYS, missing_tokens=1000, now=10.5)  # what was sent since is waited for, as before
+    assert view.facts(0, in_flight=0, tenant="acme").wait_seconds == pytest.approx(0.1 + 0.5)
+
+
 def test_before_a_prefill_is_measured_the_wait_is_the_oldest_waiting_requests_age():
     view = ReplicaView()
     view.note_load({**LOAD, "prefill_tokens_per_second": None, "predicted_wait_seconds": None}, asked_at=0.0)

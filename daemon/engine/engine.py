@@ -603,22 +603,41 @@ class Engine:
                                     lpm_patience(self.settings.max_queue_wait))
 
     def tokens_ahead(self, cached_blocks: int | None = None,
-                     work: list[tuple[Sequence, int, int]] | None = None) -> int:
+                     work: list[tuple[Sequence, int, int]] | None = None, priority: int | None = None) -> int:
         """Prompt tokens the engine must compute before a request arriving now: what running
         prefills have left, and what waiting requests lack in the cache (`work`: `_waiting_work`,
         if already taken). Under queue_order lpm, for a prompt whose first `cached_blocks` blocks
         the cache holds: only the waiting requests lpm would try first (those holding as many
-        blocks or more, and those past its patience)."""
+        blocks or more, and those past its patience). Under queue_order priority, for a request of
+        engine `priority` (higher first): only the waiting requests of that priority or higher."""
         ahead = sum(max(s.prefill_target - s.num_computed, 0) for s in self._running.values()
                     if s.status is SeqStatus.PREFILL)
         work = self._waiting_work() if work is None else work
         ordered = cached_blocks is not None and self.settings.queue_order == "lpm" and len(work) <= LPM_MAX_WAITING
+        ranked = priority is not None and self.settings.queue_order == "priority"
         patience, now = lpm_patience(self.settings.max_queue_wait), self.clock()
         for seq, hits, missing in work:
             if ordered and not tried_before(hits, self._lpm_waited(seq, now), cached_blocks, patience):
                 continue  # lpm tries the newcomer first
+            if ranked and seq.request.priority < priority:
+                continue  # a lower place: it goes after the newcomer
             ahead += missing
         return ahead
+
+    def priority_waiting(self, work: list[tuple[Sequence, int, int]] | None = None) -> list[list[int]] | None:
+        """Under queue_order priority: the uncached prompt tokens of the waiting requests by their
+        place (lower first, as tenant_priorities and a request's own priority give it), lowest
+        place first: [[place, tokens], ...]. A router that knows a request's place takes the work
+        of worse places off the wait it reported for one at the worst (ReplicaView.facts). None
+        otherwise. `work`: as for `tokens_ahead`."""
+        if self.settings.queue_order != "priority":
+            return None
+        work = self._waiting_work() if work is None else work
+        by_place: dict[int, int] = {}
+        for seq, _, missing in work:
+            place = -seq.request.priority
+            by_place[place] = by_place.get(place, 0) + missing
+        return [[place, by_place[place]] for place in sorted(by_place)]
 
     def lpm_waiting(self, work: list[tuple[Sequence, int, int]] | None = None) -> list[list[int]] | None:
         """Under queue_order lpm (up to LPM_MAX_WAITING waiting): the uncached prompt tokens of the
@@ -671,16 +690,17 @@ class Engine:
                 row["requests"] += 1
         return list(found.values())
 
-    def queue_figures(self, cached_blocks: int | None = None) -> dict:
+    def queue_figures(self, cached_blocks: int | None = None, priority: int | None = None) -> dict:
         """The queue as /admin/status and /admin/route-facts report it: waiting and running
         requests, the oldest's age, the prompt tokens ahead of a new request and its predicted
-        wait (of one whose first `cached_blocks` the cache holds: see `tokens_ahead`), the
-        measured prefill rate (None until measured), and the longest wait allowed (max_queue_wait;
-        None: no limit); under queue_order lpm, `lpm_waiting` too. Call under the service lock."""
-        work = self._waiting_work()  # (one lookup per waiting request, for both figures)
+        wait (of one whose first `cached_blocks` the cache holds, and of engine `priority`: see
+        `tokens_ahead`), the measured prefill rate (None until measured), and the longest wait
+        allowed (max_queue_wait; None: no limit); under queue_order lpm, `lpm_waiting` too, and
+        under priority, `priority_waiting`. Call under the service lock."""
+        work = self._waiting_work()  # (one lookup per waiting request, for every figure)
         waiting = [seq for seq, _, _ in work]
         now = self.clock()
-        ahead = self.tokens_ahead(cached_blocks, work)
+        ahead = self.tokens_ahead(cached_blocks, work, priority)
         rate = self.prefill_rate
         figures = {"waiting": len(waiting),
                    "oldest_age_seconds": max((now - s.request.metrics.arrival for s in waiting), default=0.0),
@@ -688,8 +708,12 @@ class Engine:
                    "prefill_tokens_per_second": rate.rate if rate.samples else None,
                    "predicted_wait_seconds": self.predicted_wait(ahead),
                    "max_queue_wait_seconds": self.settings.max_queue_wait or None}
-        lpm = self.lpm_waiting(work)
-        return figures if lpm is None else {**figures, "lpm_waiting": lpm}
+        lpm, ranked = self.lpm_waiting(work), self.priority_waiting(work)
+        if lpm is not None:
+            figures["lpm_waiting"] = lpm
+        if ranked is not None:
+            figures["priority_waiting"] = ranked
+        return figures
 
     def has_work(self) -> bool:
         return bool(self._running) or any(s.status is SeqStatus.WAITING for _, s in self._waiting)

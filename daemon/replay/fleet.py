@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -83,6 +83,10 @@ class FleetResult:
     rerouted_full: int = 0  # refusals by a full queue (429) the router took to another replica (each try after)
     queue_waits: list[float] = field(default_factory=list)  # each replica's max_queue_wait (empty: the settings')
     queue_order: str = "fifo"  # each replica's: fifo, priority (by tenant_priorities), or lpm (longest cached prefix)
+    # per tenant, when the trace names tenants: first-token p50/p95 fleet-wide, and requests turned away
+    tenant_ttft_p50_s: dict[str, float] = field(default_factory=dict)
+    tenant_ttft_p95_s: dict[str, float] = field(default_factory=dict)
+    tenant_rejected: dict[str, int] = field(default_factory=dict)
     tier_tokens: int = 0  # the shared lower tier's size (0: none)
     restored_tokens: int = 0  # prompt tokens restored from it instead of prefilled, fleet-wide
     restored_ratio: float = 0.0
@@ -130,6 +134,7 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
     timed_out: list[tuple[float, int, int]] = []  # (when, request, replica) of the queue timeouts to re-route
     tried: dict[int, set[int]] = {}  # request -> the replicas that timed it out or refused it (queue full)
     rerouted, rerouted_full, gave_up = 0, 0, 0
+    gave_up_by: Counter[str] = Counter()  # tenant -> its requests every replica turned away
     rerouting = reroute and recorded is None and any(run.settings.max_queue_wait > 0 for run in runs)
     if rerouting:
         for number, run in enumerate(runs):
@@ -171,6 +176,8 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                         left = []  # none would start it in time: the timeout is its answer
                     if not left:
                         gave_up += 1
+                        if requests[index].tenant is not None:
+                            gave_up_by[requests[index].tenant] += 1
                         tick(1)
                         continue
                     rerouted += 1
@@ -203,6 +210,8 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
     if gave_up:
         result.reject_reasons["queue_timeout"] = result.reject_reasons.get("queue_timeout", 0) + gave_up
         result.rejections += gave_up
+        for tenant, count in gave_up_by.items():
+            result.tenant_rejected[tenant] = result.tenant_rejected.get(tenant, 0) + count
     return result
 
 
@@ -263,7 +272,8 @@ def _facts(run: ReplicaRun, index: int, name: str, size: int) -> ReplicaFacts:
     the shared tier holds after that and what restoring it costs, and how busy it is."""
     held = run.held_blocks(index)
     restorable = run.restorable_blocks(index, held) * size
-    return ReplicaFacts(held * size, run.wait_seconds(held), len(run.running) + len(run.waiting),
+    return ReplicaFacts(held * size, run.wait_seconds(held, run.requests[index].tenant or "default"),
+                        len(run.running) + len(run.waiting),
                         prefill_rate=run.settings.prefill_rate, restorable_tokens=restorable,
                         restore_seconds=restorable / run.settings.restore_rate if restorable else 0.0, name=name,
                         max_wait_seconds=run.settings.max_queue_wait or None)
@@ -309,6 +319,12 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
             reasons[reason] = reasons.get(reason, 0) + count
     admitted = [r.admitted for r in runs]
     mean = sum(admitted) / len(admitted)
+    by_tenant: dict[str, list[float]] = {}  # tenant -> its first-token times on every replica
+    for run in runs:
+        for tenant, times in run.tenant_ttft.items():
+            by_tenant.setdefault(tenant, []).extend(times)
+    rejected = sum((run.tenant_rejected for run in runs), Counter())
+    tenants = sorted({*by_tenant, *rejected, *(t for run in runs for t in run.tenant_tokens)})
     return FleetResult(
         routing=routing, replicas=len(runs), block_size=settings.block_size,
         capacity_tokens=settings.capacity_tokens, policy=settings.policy_label, requests=requests,
@@ -324,4 +340,7 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
         seconds=seconds, reject_reasons=reasons, tier_tokens=settings.tier_tokens,
         restored_tokens=sum(r.restored_tokens for r in runs),
         restored_ratio=sum(r.restored_tokens for r in runs) / prompt if prompt else 0.0,
-        queue_order=settings.queue_order)
+        queue_order=settings.queue_order,
+        tenant_ttft_p50_s={t: percentile(sorted(times), 0.50) for t, times in sorted(by_tenant.items())},
+        tenant_ttft_p95_s={t: percentile(sorted(times), 0.95) for t, times in sorted(by_tenant.items())},
+        tenant_rejected={t: rejected[t] for t in tenants})

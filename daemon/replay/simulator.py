@@ -260,7 +260,7 @@ class ReplicaRun:
         try:
             tenant = request.tenant or "default"
             admission = manager.admit(seq_id, keys, request.input_length, reserve, tenant=tenant,
-                                      priority=-self.priorities.get(tenant, 0))  # the engine's: higher first
+                                      priority=-self.place(tenant))  # the engine's: higher first
         except CacheFull:
             self.call_ns.append(time.perf_counter_ns() - t0)
             return False
@@ -348,15 +348,19 @@ class ReplicaRun:
         request, s = self.requests[index], self.settings
         return uncached / s.prefill_rate + request.output_length / s.decode_rate
 
-    def wait_seconds(self, held_blocks: int | None = None) -> float:
+    def wait_seconds(self, held_blocks: int | None = None, tenant: str | None = None) -> float:
         """Predicted wait before a request arriving now would start: none while a slot is free
         and nobody queues; else the work ahead of it (what the running requests have left, and
         the queue's estimates) shared by the slots. Under queue_order lpm, for a prompt holding
-        `held_blocks`: only the waiting requests lpm would try first, as kvd's route-facts count."""
+        `held_blocks`: only the waiting requests lpm would try first; under priority, for a
+        request of `tenant`: only those at its place or a better one, as kvd's route-facts count."""
         if len(self.running) < self.settings.max_running and not self.waiting:
             return 0.0
         left = sum(done for done, _ in self.running) - len(self.running) * self.now
         queued = self.queued_seconds
+        if tenant is not None and self.settings.queue_order == "priority":
+            place = self.place(tenant)
+            queued = sum(self.queued_work[w] for w in self.waiting if self.place(self.requests[w].tenant) <= place)
         if held_blocks is not None and self.settings.queue_order == "lpm" and len(self.waiting) <= LPM_MAX_WAITING:
             patience = lpm_patience(self.settings.max_queue_wait)
             lookup, keys, requests = self.manager.lookup, self.keys, self.requests
@@ -430,13 +434,18 @@ class ReplicaRun:
         None for arrival order (fifo, or a queue past LPM_MAX_WAITING, where lpm keeps it too)."""
         waiting, order = self.waiting, self.settings.queue_order
         if order == "priority" and len(waiting) > 1:
-            priorities, requests = self.priorities, self.requests
-            return iter(sorted(waiting, key=lambda i: priorities.get(requests[i].tenant or "default", 0)))
+            place, requests = self.place, self.requests
+            return iter(sorted(waiting, key=lambda i: place(requests[i].tenant)))
         if order != "lpm" or len(waiting) < 2 or len(waiting) > LPM_MAX_WAITING:
             return None
         lookup, keys, requests, arrivals, now = self.manager.lookup, self.keys, self.requests, self.arrivals, self.now
         return iter(longest_prefix_first(waiting, lambda i: lookup(keys[i], requests[i].input_length),
                                          lambda i: now - arrivals[i], lpm_patience(self.settings.max_queue_wait)))
+
+    def place(self, tenant: str | None) -> int:
+        """A tenant's place in a priority queue (tenant_priorities; lower first, 0 for one not named);
+        None: the default tenant."""
+        return self.priorities.get(tenant or "default", 0)
 
     def _dequeue(self, index: int) -> None:
         if self.waiting[0] == index:

@@ -385,9 +385,9 @@ class RouterService:
                     return None
                 memo["ids", digest, template_digest] = local_ids(question, tokenizer, template)
             ids = memo["ids", digest, template_digest]
-        if not ids:  # no prompt it can read: it goes by load, and the replica says what is wrong
-            return Local(view.facts(0, replica.open), [], 0)
         tenant = view.tenant_for(tenant)
+        if not ids:  # no prompt it can read: it goes by load, and the replica says what is wrong
+            return Local(view.facts(0, replica.open, tenant=tenant), [], 0)
         name = (tenant, *sorted(namespace.items()))
         if ("keys", name) not in memo:
             try:
@@ -398,7 +398,7 @@ class RouterService:
         cached = view.cached_tokens(keys, len(ids), now)
         run = view.lower_run(keys[cached // view.block_size:view.cacheable_blocks(len(ids))])
         restorable = sum(run.values()) * view.block_size
-        return Local(view.facts(cached, replica.open, restorable, view.restore_seconds(run)), keys, len(ids))
+        return Local(view.facts(cached, replica.open, restorable, view.restore_seconds(run), tenant), keys, len(ids))
 
     @property
     def disaggregated(self) -> bool:
