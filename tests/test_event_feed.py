@@ -306,6 +306,14 @@ def test_route_facts_say_what_the_device_holds_of_a_prompt_where_the_rest_is_and
     assert bad.status_code == 400 and bad.json()["error"]["message"] == "give exactly one of text, tokens and messages"
 
 
+def release(service, held) -> None:
+    """Cancel the requests held waiting and let admission run again."""
+    with service.lock:
+        for request in held:
+            service.engine.cancel(request.request_id)
+        service.engine.admission_paused = False
+
+
 def test_under_lpm_route_facts_count_only_the_work_lpm_would_start_before_the_prompt(tmp_path):
     """kvd with queue_order lpm, admission held: one request opening with PROMPTS[1] (cached) and
     one sharing nothing wait. Ahead of PROMPTS[1], route-facts count only the first's uncached
@@ -331,10 +339,7 @@ def test_under_lpm_route_facts_count_only_the_work_lpm_would_start_before_the_pr
         assert facts["lpm_waiting"] == [[hits, len(sharing) - hits * 16], [0, len(fresh)]]
         other = call(app, "POST", "/admin/route-facts", json={"text": PROMPTS[4]}).json()
         assert (other["cached_tokens"], other["tokens_ahead"]) == (0, len(sharing) - hits * 16 + len(fresh))
-        with service.lock:
-            for request in held:
-                engine.cancel(request.request_id)
-            engine.admission_paused = False
+        release(service, held)
     finally:
         service.shutdown(deadline=2)
 
@@ -364,9 +369,6 @@ def test_under_a_priority_queue_route_facts_count_only_the_work_at_the_tenant_s_
         assert poll["tokens_ahead"] == len(first) + len(second)
         assert poll["priority_waiting"] == [[-10, len(second)], [0, len(first)]]
         assert poll["tenant_places"] == {"acme": -10}
-        with service.lock:
-            for request in held:
-                engine.cancel(request.request_id)
-            engine.admission_paused = False
+        release(service, held)
     finally:
         service.shutdown(deadline=2)

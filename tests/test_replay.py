@@ -307,24 +307,32 @@ def test_a_priority_queue_needs_the_tenants_priorities_and_a_queue():
                       queue_orders=["priority"])
 
 
+def replica_after(trace, arrived: int, settings: ReplaySettings):
+    """One replica of the fleet replay once the first `arrived` requests of `trace` have come, for
+    asking it what a router would see of the rest."""
+    from kvctl.daemon.replay.simulator import ReplicaRun
+
+    keyer = TraceKeyer(settings.block_size)
+    keys = [keyer.keys(r) for r in trace]
+    replica = ReplicaRun(settings, trace, keys, [0] * len(trace))
+    for index in range(arrived):
+        arrival = replica.arrival_of(trace[index])
+        replica.finish_until(arrival, lambda n: None)
+        replica.advance(arrival)
+        replica.arrive(index, arrival, lambda n: None)
+    return replica
+
+
 @pytest.mark.parametrize("order, waits", [("fifo", (4.0, 4.0)), ("lpm", (3.0, 4.0))])
 def test_a_router_sees_the_wait_lpm_would_give_each_prompt(order, waits):
     """At 2 s in LPM_TRACE, r0 has 2 s left and r1 and r2 wait (1 s of work each; r2 holds r0's
     first block). A prompt opening with that block waits for r0 and r2 under lpm, not r1, as
     kvd's route-facts count it; one holding nothing waits for all, as first come, first served."""
     from kvctl.daemon.replay.fleet import _facts
-    from kvctl.daemon.replay.simulator import ReplicaRun
 
     trace = LPM_TRACE + [req(2000, 1024, [1, 12], output=1), req(2000, 1024, [5, 50], output=1)]
-    keyer = TraceKeyer(512)
-    keys = [keyer.keys(r) for r in trace]
-    settings = ReplaySettings(block_size=512, capacity_tokens=8192, queue_order=order, **ONE_SLOT)
-    replica = ReplicaRun(settings, trace, keys, [0] * len(trace))
-    for index in range(3):
-        arrival = replica.arrival_of(trace[index])
-        replica.finish_until(arrival, lambda n: None)
-        replica.advance(arrival)
-        replica.arrive(index, arrival, lambda n: None)
+    replica = replica_after(trace, 3, ReplaySettings(block_size=512, capacity_tokens=8192, queue_order=order,
+                                                     **ONE_SLOT))
     assert list(replica.waiting) == [1, 2]
     sharing, fresh = (_facts(replica, index, "replica-0", 512) for index in (3, 4))
     assert (sharing.cached_tokens, fresh.cached_tokens) == (512, 0)
@@ -337,19 +345,10 @@ def test_a_router_sees_the_wait_a_priority_queue_would_give_each_tenant(order, w
     work each). A quiet request waits for r0 and r3 under priority, not noisy's, as kvd's
     route-facts count it; a noisy one, or one of a tenant not named (at 0), waits for all."""
     from kvctl.daemon.replay.fleet import _facts
-    from kvctl.daemon.replay.simulator import ReplicaRun
 
     trace = PRIORITY_TRACE + [TraceRequest(3000.0, 512, 1, (5,), tenant) for tenant in ("quiet", "noisy", None)]
-    keyer = TraceKeyer(512)
-    keys = [keyer.keys(r) for r in trace]
-    settings = ReplaySettings(block_size=512, capacity_tokens=8192, queue_order=order,
-                              tenant_priorities=(("quiet", -10),), **ONE_SLOT)
-    replica = ReplicaRun(settings, trace, keys, [0] * len(trace))
-    for index in range(4):
-        arrival = replica.arrival_of(trace[index])
-        replica.finish_until(arrival, lambda n: None)
-        replica.advance(arrival)
-        replica.arrive(index, arrival, lambda n: None)
+    replica = replica_after(trace, 4, ReplaySettings(block_size=512, capacity_tokens=8192, queue_order=order,
+                                                     tenant_priorities=(("quiet", -10),), **ONE_SLOT))
     assert list(replica.waiting) == [1, 2, 3]
     assert tuple(_facts(replica, index, "replica-0", 512).wait_seconds for index in (4, 5, 6)) == (
         pytest.approx(waits[0]), pytest.approx(waits[1]), pytest.approx(waits[2]))
