@@ -127,6 +127,9 @@ def serve(
         None, help="One tenant's requests in flight (waiting and running) at most; 429 beyond. Default: no limit."),
     tenant_request_limits: Optional[str] = typer.Option(
         None, help="Per-tenant limits overriding --max-tenant-requests, e.g. acme=128,free=4."),
+    tenant_queue_waits: Optional[str] = typer.Option(
+        None, help="Per-tenant queue wait limits in seconds overriding --max-queue-wait, e.g. batch=600,chat=10 "
+                   "(0: none for that tenant). Live on a reload."),
     max_request_bytes: Optional[str] = typer.Option(None, help="Largest request body, e.g. 32MiB (413 above)."),
     responses_store_bytes: Optional[str] = typer.Option(
         None, help="Memory for the responses /v1/responses keeps for previous_response_id (least recently used "
@@ -254,7 +257,7 @@ def serve(
                    quick_prefill_tokens=quick_prefill_tokens, max_running=max_running,
                    speculative_config=speculative_config,
                    max_queue=max_queue, max_queue_wait=max_queue_wait, max_tenant_requests=max_tenant_requests,
-                   tenant_request_limits=tenant_request_limits,
+                   tenant_request_limits=tenant_request_limits, tenant_queue_waits=tenant_queue_waits,
                    max_request_bytes=max_request_bytes, responses_store_bytes=responses_store_bytes,
                    responses_store_file=responses_store_file, responses_max_age=responses_max_age,
                    conversations_store_bytes=conversations_store_bytes, truncation_headroom=truncation_headroom,
@@ -303,8 +306,9 @@ SERVE_HELP_PANELS = {
                            "quick_prefill_tokens",
                            "max_running", "speculative_config", "reservation", "eviction", "pin_budget_blocks",
                            "pin_room_tokens"),
-    "Admission and tenants": ("max_queue", "max_queue_wait", "max_tenant_requests", "tenant_request_limits", "queue_order",
-                              "tenant_priorities", "tenant_cache_shares", "report_cached_tokens"),
+    "Admission and tenants": ("max_queue", "max_queue_wait", "max_tenant_requests", "tenant_request_limits",
+                              "tenant_queue_waits", "queue_order", "tenant_priorities", "tenant_cache_shares",
+                              "report_cached_tokens"),
     "Quantised cache formats": ("cache_dtype", "keep_layers_unquantised", "allow_uncalibrated"),
     "Tiers: host, disk, Redis": ("host_cache_bytes", "disk_cache_bytes", "disk_cache_path", "remote_url",
                                  "remote_cache_bytes", "remote_timeout", "write_policy", "tiering", "tier_compress",

@@ -30,7 +30,7 @@ from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.queue_order import QUEUE_ORDERS
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation, parse_speculation
-from kvctl.policies.tenant_map import named_values, parse_tenant_map, priority_of
+from kvctl.policies.tenant_map import named_values, parse_tenant_map, priority_of, queue_wait_of
 from kvctl.policies.tenant_shares import parse_shares
 from kvctl.policies.tiering import PREFETCH_POLICIES, TIER_CODECS, WRITE_POLICIES
 
@@ -230,6 +230,8 @@ class KvdConfig:
     max_tenant_requests: int | None = None  # one tenant's requests in flight at most (429 beyond); None: no limit
     # per-tenant limits that override it: "acme=128,free=4" (YAML: a mapping)
     tenant_request_limits: tuple[tuple[str, int], ...] = ()
+    # per-tenant queue wait limits that override max_queue_wait: "batch=600,chat=10" (YAML: a mapping; 0: none)
+    tenant_queue_waits: tuple[tuple[str, float], ...] = ()
     reservation: str = "fraction:1.0"
     eviction: str = "lru"
     queue_order: str = "fifo"
@@ -388,6 +390,7 @@ _PARSERS = {
     "chat_template_kwargs": template_kwargs, "speculative_config": speculative_config,
     "tenant_priorities": lambda v: parse_tenant_map(v, priority_of, "priority"),
     "tenant_request_limits": lambda v: parse_tenant_map(v, _limit, "limit"),
+    "tenant_queue_waits": lambda v: parse_tenant_map(v, queue_wait_of, "seconds", noun="queue wait"),
     "lora_modules": parse_lora_modules,
     "metrics_aliases": lambda v: tuple(dict.fromkeys(
         n for n in (v if isinstance(v, (list, tuple)) else (x.strip() for x in str(v).split(","))) if n and n != "none")),

@@ -18,7 +18,7 @@ from kvctl.trace_stats import coarse_ids, fleet_figures, live_cached_ratio
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
-from kvctl.policies.tenant_map import parse_tenant_map, priority_of
+from kvctl.policies.tenant_map import parse_tenant_map, priority_of, queue_wait_of
 from kvctl.policies.tenant_shares import parse_shares
 
 from .errors import UserError
@@ -90,6 +90,9 @@ def replay_command(
     max_queue: int = typer.Option(4096, help="Admission queue bound; arrivals beyond it are rejected."),
     max_queue_wait: float = typer.Option(0.0, help="Seconds a request may wait to start before it is rejected "
                                          "(kvd's max_queue_wait, queue_timeout); 0: no limit."),
+    tenant_queue_waits: Optional[str] = typer.Option(
+        None, "--tenant-queue-waits", help="Tenants' own queue wait limits in seconds, as kvd's --tenant-queue-waits "
+                                           "(e.g. noisy=120,quiet=10; 0: none), in place of --max-queue-wait's."),
     time_scale: float = typer.Option(1.0, help="Multiply trace timestamps by this."),
     max_tokens: Optional[int] = typer.Option(
         None, help="max_tokens clients ask for (never below a request's output); default: its output."),
@@ -169,7 +172,13 @@ def replay_command(
     if waits is not None and max_queue_wait:
         raise UserError(f"replica_queue_waits: {replica_queue_waits!r} gives each replica its own max_queue_wait; "
                         f"drop --max-queue-wait {max_queue_wait:g} (the same for all)")
-    if len(set(limits)) > 1 and not (max_queue_wait > 0 or any(w > 0 for w in waits or ())):
+    try:
+        own_waits = () if tenant_queue_waits is None else parse_tenant_map(
+            tenant_queue_waits, queue_wait_of, "seconds", noun="queue wait")
+    except ValueError as exc:
+        raise UserError(f"tenant_queue_waits: invalid value {tenant_queue_waits!r}: {exc}") from None
+    if len(set(limits)) > 1 and not (max_queue_wait > 0 or any(w > 0 for w in waits or ())
+                                     or any(w > 0 for _, w in own_waits)):
         raise UserError(f"queue_limits: {','.join(limits)} compares nothing without --max-queue-wait: a router "
                         "heeds the replicas' limits, and there are none")
     base = ReplaySettings(block_size=sizes[0] if sizes else 16,
@@ -177,7 +186,7 @@ def replay_command(
                           reservation=reserve, sequential=sequential, prefill_rate=prefill_rate,
                           decode_rate=decode_rate, max_running=max_running, max_queue=max_queue,
                           max_queue_wait=max_queue_wait, time_scale=time_scale, max_tokens=max_tokens, restore_rate=restore_rate,
-                          tier_write=tier_write)
+                          tier_write=tier_write, tenant_queue_waits=own_waits)
     tiers = parse_int_list("tier_tokens", tier_tokens) or [0]
     if tenant_shares is not None:
         try:
@@ -253,6 +262,7 @@ def replay_command(
                 "requests": measured.requests, "prefill_rate": measured.prefill_rate,
                 "decode_rate": measured.decode_rate},
             "max_queue": max_queue, "max_queue_wait": max_queue_wait, "time_scale": time_scale, "max_tokens": max_tokens,
+            "tenant_queue_waits": dict(own_waits) or None,
             "tenant_shares": dict(base.tenant_shares) or None, "tier_tokens": tiers,
             "tenant_priorities": dict(base.tenant_priorities) or None,
             "restore_rate": restore_rate, "tier_write": tier_write, "queue_order": orders,

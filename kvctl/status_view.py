@@ -212,6 +212,10 @@ def render_status(data: dict, console: Console | None = None):
             + ("holding no cached prefix " if lpm else "") + ("at the last place " if ranked else "")
             + f"waits ~{seconds(queue['predicted_wait_seconds'])} ({rate})"
             + (f", past max_queue_wait {seconds(limit)}: it would be turned away (queue_timeout)" if late else ""))
+    own = queue.get("tenant_queue_waits")  # tenants' own limits (tenant_queue_waits; absent from an older kvd)
+    if own:
+        ahead += "; tenants' own limits: " + ", ".join(f"{tenant} {seconds(limit) if limit else 'none'}"
+                                                       for tenant, limit in sorted(own.items()))
     facts.add_row("queue", Text(f"{waiting}, {queue['running']} running{ahead}", style="yellow" if late else ""))
     if data.get("admitted_ahead"):  # absent from an older kvd
         facts.add_row("queue order", f"{data['admitted_ahead']:,} requests went in while an earlier arrival waited"

@@ -10,9 +10,10 @@
 
 Two bounds keep `lpm` cheap and fair:
 
-- Patience: without a max_queue_wait, a request that has waited LPM_PATIENCE_SECONDS goes before
-  every one that has not (oldest first), so a prompt nobody shares is not held back without end
-  by a stream of ones that hit. With a max_queue_wait, that limit bounds every wait instead: a
+- Patience: a request without a queue wait limit (its tenant's own, tenant_queue_waits, else
+  max_queue_wait) that has waited LPM_PATIENCE_SECONDS goes before every one that has not
+  (oldest first), so a prompt nobody shares is not held back without end by a stream of ones
+  that hit. For a request with a limit, that limit bounds its wait instead: a
   prompt lpm holds back past it is turned away (queue_timeout), and kvd router takes it to a
   replica that would start it in time. A shorter patience gave back most of what lpm gains: on
   the Mooncake trace, one replica of 16 running with a 30 s limit, lpm without one cached 15.6% of
@@ -25,7 +26,7 @@ Two bounds keep `lpm` cheap and fair:
   every admission pass.
 
 `longest_prefix_first` reads no state: callers pass the queue, what the cache holds of each
-request and how long each has waited. kvd's engine and the trace replay both order by it.
+request and which have waited their patience. kvd's engine and the trace replay both order by it.
 """
 
 from __future__ import annotations
@@ -49,29 +50,29 @@ def check_queue_order(value: str, allowed: Sequence[str] = QUEUE_ORDERS) -> str:
 
 def lpm_patience(max_queue_wait: float) -> float:
     """Seconds after which a waiting request goes first under lpm: LPM_PATIENCE_SECONDS without a
-    `max_queue_wait` (0), and never with one (the limit bounds the wait)."""
+    `max_queue_wait` (0), and never with one (the limit bounds the wait). A request's own limit
+    (its tenant's, where tenants have their own) decides for it."""
     return math.inf if max_queue_wait > 0 else LPM_PATIENCE_SECONDS
 
 
-def tried_before(cached_blocks: int, waited_seconds: float, newcomer_blocks: int, patience: float) -> bool:
-    """Whether lpm tries a waiting request that holds `cached_blocks` and has waited
-    `waited_seconds` before a newcomer holding `newcomer_blocks`: it has waited `patience`, or it
-    holds as many blocks or more (arrival order among equals). What a predicted wait counts."""
-    return waited_seconds >= patience or cached_blocks >= newcomer_blocks
+def tried_before(cached_blocks: int, overdue: bool, newcomer_blocks: int) -> bool:
+    """Whether lpm tries a waiting request that holds `cached_blocks` before a newcomer holding
+    `newcomer_blocks`: it is `overdue` (it has waited its patience, or was preempted), or it holds
+    as many blocks or more (arrival order among equals). What a predicted wait counts."""
+    return overdue or cached_blocks >= newcomer_blocks
 
 
 def longest_prefix_first(waiting: Sequence[Waiting], cached_blocks: Callable[[Waiting], int],
-                         waited_seconds: Callable[[Waiting], float], patience: float,
-                         max_waiting: int = LPM_MAX_WAITING) -> list[Waiting]:
-    """`waiting`, given in queue order, in lpm's order: those that have waited `patience` seconds
-    or more first, in queue order; then the rest by `cached_blocks` (leading prompt blocks the
-    cache holds), most first, in queue order among equals. Beyond `max_waiting`, queue order as
-    given (and no lookups)."""
+                         overdue: Callable[[Waiting], bool], max_waiting: int = LPM_MAX_WAITING) -> list[Waiting]:
+    """`waiting`, given in queue order, in lpm's order: the `overdue` ones first (those that have
+    waited their patience), in queue order; then the rest by `cached_blocks` (leading prompt blocks
+    the cache holds), most first, in queue order among equals. Beyond `max_waiting`, queue order
+    as given (and no lookups)."""
     if len(waiting) > max_waiting:
         return list(waiting)
     ranked = []
     for position, item in enumerate(waiting):
-        rank = (0, 0) if waited_seconds(item) >= patience else (1, -cached_blocks(item))
+        rank = (0, 0) if overdue(item) else (1, -cached_blocks(item))
         ranked.append((rank, position, item))
     ranked.sort(key=lambda entry: entry[:2])
     return [item for _, _, item in ranked]

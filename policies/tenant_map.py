@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable, Mapping
 
@@ -46,3 +47,15 @@ def priority_of(tenant: str, value: Any) -> int:
         return int(str(value))
     except ValueError:
         raise ValueError(f"priority of {tenant!r} must be an integer, got {value!r}") from None
+
+
+def queue_wait_of(tenant: str, value: Any) -> float:
+    """A tenant's own queue wait limit (`tenant_queue_waits`): seconds >= 0, 0 for none; ValueError
+    names both."""
+    try:
+        seconds = float(str(value))
+    except ValueError:
+        seconds = -1.0
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"queue wait of {tenant!r} must be a number of seconds >= 0 (0: no limit), got {value!r}")
+    return seconds

@@ -201,6 +201,8 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
     (["--replicas", "2", "--queue-limits", "heed,ignore"],
      "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
     (["--queue-order", "sjf"], "error: queue_order: unknown value 'sjf'; use fifo, priority or lpm"),
+    (["--tenant-queue-waits", "noisy=-5"], "error: tenant_queue_waits: invalid value 'noisy=-5': queue wait of "
+                                           "'noisy' must be a number of seconds >= 0 (0: no limit), got '-5'"),
     (["--queue-order", "fifo,priority"], "error: queue_order: priority orders the queue by the tenants' priorities; "
                                          "give them (--tenant-priorities, e.g. quiet=-10)"),
     (["--queue-order", "fifo,lpm", "--sequential"],
@@ -360,6 +362,10 @@ def test_a_replay_compares_first_come_first_served_with_the_tenants_priorities(c
     assert len(max(lines, key=len)) <= 80
     fleet = replay_json(capsys, *args, "--replicas", "2", "--routing", "round_robin")
     assert [(r["policy"], r["queue_order"]) for r in fleet["runs"]] == [("lru", "fifo"), ("lru+prio", "priority")]
+    # noisy's own limit of 10 s (as kvd's tenant_queue_waits): none of its requests is turned away
+    own = replay_json(capsys, *args, "--tenant-queue-waits", "noisy=10")
+    assert own["settings"]["tenant_queue_waits"] == {"noisy": 10.0}
+    assert [r["tenant_rejected"] for r in own["runs"]] == [{"noisy": 0, "quiet": 0}] * 2
     # each tenant's figures under the fleet's table: round robin puts r2 behind r0 (2 s), the others alone
     two = " ".join(cli(capsys, "bench", "replay", *args, "--replicas", "2", "--routing", "round_robin")[1].split())
     assert ("first token p50/p95 by tenant, round_robin (block 512, capacity 8,192, lru+prio): noisy 0.00/2.00 s, "
@@ -1263,6 +1269,12 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
     assert ("122,880 prompt tokens ahead: a new request at the last place waits ~1.50 s (prefill 4,096 "
             "tokens/s)") in text
     assert "queue order 7 requests went in while an earlier arrival waited (priority: by the tenants' places)" in text
+    # tenants with queue wait limits of their own (tenant_queue_waits): said after the queue
+    data["queue"]["tenant_queue_waits"] = {"chat": 10.0, "batch": 0.0}
+    console = Console(record=True, width=300)
+    render_status(data, console)
+    assert "(prefill 4,096 tokens/s); tenants' own limits: batch none, chat 10.00 s" in \
+        " ".join(console.export_text().split())
 
 
 def test_every_kvctl_line_in_the_examples_is_a_command_kvctl_accepts():

@@ -372,3 +372,19 @@ def test_under_a_priority_queue_route_facts_count_only_the_work_at_the_tenant_s_
         release(service, held)
     finally:
         service.shutdown(deadline=2)
+
+
+def test_route_facts_give_the_queue_wait_limit_of_the_prompt_s_tenant(tmp_path):
+    """max_queue_wait 10 s, batch's own 600 s: a batch prompt's route-facts say 600 s, another
+    tenant's 10 s; a load poll (no prompt) says 10 s and each tenant's own, for a router's view."""
+    service = start_service(tmp_path, max_queue_wait=10, tenant_queue_waits="batch=600,chat=0")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        limits = {tenant: call(app, "POST", "/admin/route-facts", json={"text": PROMPTS[1], "tenant": tenant}).json()[
+            "max_queue_wait_seconds"] for tenant in ("batch", "chat", "acme")}
+        assert limits == {"batch": 600.0, "chat": None, "acme": 10.0}
+        poll = call(app, "POST", "/admin/route-facts", json={"tokens": []}).json()
+        assert poll["max_queue_wait_seconds"] == 10.0
+        assert poll["tenant_queue_waits"] == {"batch": 600.0, "chat": 0.0}
+    finally:
+        service.shutdown(deadline=2)

@@ -551,19 +551,20 @@ def test_lpm_orders_by_cached_prefix_with_patience_and_a_size_bound():
         looked.append(item[0])
         return item[1]
 
-    order = longest_prefix_first(queue, cached, lambda item: item[2], patience=5.0)
+    def overdue(item):  # a patience of 5 s
+        return item[2] >= 5.0
+
+    order = longest_prefix_first(queue, cached, overdue)
     # c and e have waited 5 s or more: first, in queue order (not looked up); then most cached first
     assert [item[0] for item in order] == ["c", "e", "b", "d", "f", "a"]
     assert looked == ["a", "b", "d", "f"]
     looked.clear()
-    assert longest_prefix_first(queue, cached, lambda item: item[2], patience=5.0, max_waiting=5) == queue
+    assert longest_prefix_first(queue, cached, overdue, max_waiting=5) == queue
     assert looked == []  # beyond the bound: queue order, and no lookups
     assert (lpm_patience(0.0), lpm_patience(4.0), LPM_PATIENCE_SECONDS) == (30.0, float("inf"), 30.0)
     # a newcomer holding 2 blocks: after those holding 2 or more, and those that have waited 5 s
-    assert [tried_before(cached, waited, 2, 5.0) for _, cached, waited in queue] == [
-        False, True, True, True, True, True]
-    assert [tried_before(cached, waited, 3, 5.0) for _, cached, waited in queue] == [
-        False, True, True, True, True, False]
+    assert [tried_before(item[1], overdue(item), 2) for item in queue] == [False, True, True, True, True, True]
+    assert [tried_before(item[1], overdue(item), 3) for item in queue] == [False, True, True, True, True, False]
     assert check_queue_order("lpm") == "lpm"
     with pytest.raises(ValueError, match=r"^queue_order: unknown value 'sjf'; use fifo, priority or lpm$"):
         check_queue_order("sjf")

@@ -149,3 +149,85 @@ def test_kvd_router_takes_a_timed_out_request_to_another_replica(tmp_path):
     finally:
         for service in (stuck, free):
             service.shutdown(deadline=2)
+
+
+def test_tenants_with_queue_wait_limits_of_their_own_are_turned_away_by_theirs(demo):  # noqa: F811
+    """max_queue_wait 10 s; vip may wait 2 s, batch 60 s, and chat without end (0). Each is turned
+    away by its own limit, named in its answer; the default tenant by max_queue_wait."""
+    clock = FakeClock(100.0)
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, max_queue_wait=10.0,
+                                         tenant_queue_waits=(("batch", 60.0), ("chat", 0.0), ("vip", 2.0))),
+                    clock=clock)
+    engine.add_request(list(range(20)), SamplingParams(max_tokens=400, ignore_eos=True))
+    engine.step()  # it runs; the rest wait behind it
+    waiting = {tenant: engine.add_request(list(range(30 + 20 * i, 50 + 20 * i)), LONG, tenant=tenant)
+               for i, tenant in enumerate(("default", "batch", "chat", "vip"))}
+    assert [engine.queue_wait_limit(t) for t in ("default", "batch", "chat", "vip", "acme")] == [10, 60, 0, 2, 10]
+    turned_away = []
+    for advance in (2.5, 8.0, 50.0, 500.0):
+        clock.advance(advance)
+        engine.step()
+        turned_away.append(sorted(t for t, r in waiting.items() if r.rejected and t not in sum(turned_away, [])))
+    assert turned_away == [["vip"], ["default"], ["batch"], []]  # at 2.5 s, 10.5 s, 60.5 s; chat waits on
+    assert waiting["vip"].rejected == (f"request {waiting['vip'].request_id}: waited 2.5 s without being admitted, "
+                                       "tenant_queue_waits[vip] 2 s (1 running, 4 waiting); try again later or "
+                                       "elsewhere")
+    assert "max_queue_wait 10 s (1 running, 3 waiting)" in waiting["default"].rejected
+    assert "tenant_queue_waits[batch] 60 s (1 running, 2 waiting)" in waiting["batch"].rejected
+    assert waiting["chat"].rejected is None and waiting["chat"].sequences[0].status is SeqStatus.WAITING
+    # the queue figures a route-facts answer gives: each tenant's limit, and the tenants' own for a router's view
+    figures = engine.queue_figures(tenant="vip")
+    assert figures["max_queue_wait_seconds"] == 2.0
+    assert engine.queue_figures(tenant="chat")["max_queue_wait_seconds"] is None
+    assert engine.queue_figures()["max_queue_wait_seconds"] == 10.0
+    assert figures["tenant_queue_waits"] == {"batch": 60.0, "chat": 0.0, "vip": 2.0}
+    for request in list(engine.requests.values()):
+        engine.cancel(request.request_id)
+    assert all_blocks_back(engine)
+
+
+@pytest.mark.parametrize("tenant, admitted", [("vip", ["C", "B"]), ("chat", ["B", "C"])])
+def test_under_lpm_a_tenant_without_a_queue_wait_limit_goes_first_after_lpm_s_patience(demo, tenant,  # noqa: F811
+                                                                                       admitted):
+    """B (a prompt nobody shares, of `tenant`) waits 30 s, then C (opening with a cached prompt)
+    comes. A tenant with a limit of its own waits by lpm's order until the limit (none is 30 s
+    here), as under max_queue_wait; one whose limit is 0 (none) goes first after lpm's 30 s of
+    patience, as without max_queue_wait."""
+    clock = FakeClock(100.0)
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, queue_order="lpm",
+                                         max_queue_wait=0.0, tenant_queue_waits=(("chat", 0.0), ("vip", 40.0))),
+                    clock=clock)
+    shared = list(range(1, 33))
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request(shared + [40], once)
+    engine.run_until_done()
+    engine.add_request([50] * 5, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # it holds the slot
+    waiting = {"B": engine.add_request(list(range(100, 140)), once, tenant=tenant)}
+    clock.advance(30.0)
+    waiting["C"] = engine.add_request(shared + [41, 42], once)
+    seen = []
+    while engine.has_work():
+        engine.step()
+        clock.advance(0.01)
+        seen += [name for name, r in waiting.items() if r.metrics.admitted is not None and name not in seen]
+    assert seen == admitted and not any(r.rejected for r in waiting.values())
+
+
+def test_tenant_queue_waits_are_checked_and_live_on_a_reload():
+    from kvctl.daemon.config import ConfigError, resolve
+    from kvctl.daemon.server.reload_ops import LIVE_SETTINGS
+
+    assert resolve({"tenant_queue_waits": "batch=600,chat=0"}, env={}).tenant_queue_waits == (
+        ("batch", 600.0), ("chat", 0.0))
+    assert resolve({"tenant_queue_waits": {"vip": 2.5}}, env={}).tenant_queue_waits == (("vip", 2.5),)
+    assert resolve({}, env={"KVD_TENANT_QUEUE_WAITS": "batch=60"}).tenant_queue_waits == (("batch", 60.0),)
+    for value, why in (("batch=-1", "queue wait of 'batch' must be a number of seconds >= 0 (0: no limit), got '-1'"),
+                       ("batch=soon", "queue wait of 'batch' must be a number of seconds >= 0 (0: no limit), got "
+                                      "'soon'"),
+                       ("batch=inf", "queue wait of 'batch' must be a number of seconds >= 0 (0: no limit), got 'inf'"),
+                       ("batch", "expected TENANT=SECONDS, got 'batch'")):
+        with pytest.raises(ConfigError) as refused:
+            resolve({"tenant_queue_waits": value}, env={})
+        assert str(refused.value) == (f"tenant_queue_waits: invalid value {value!r} from --tenant-queue-waits: {why}")
+    assert "tenant_queue_waits" in LIVE_SETTINGS

@@ -294,6 +294,47 @@ def test_priority_replays_the_tenants_queue_order_as_kvd_orders_its_queue(order,
         result.tenant_ttft_p50_s, result.tenant_ttft_p95_s, result.tenant_rejected)
 
 
+@pytest.mark.parametrize("order, waits, noisy_ttft, quiet_ttft, rejected", [
+    # quiet may wait 0.5 s, noisy 3 s: quiet's r3 times out at 3.5 s although noisy's r1 and r2 came
+    # first and still wait; r1 at 4 s, as the slot frees; r2 starts then (2 s)
+    ("fifo", (("noisy", 3.0), ("quiet", 0.5)), (0.0, 2.0), None, {"noisy": 1, "quiet": 1}),
+    # noisy may wait 10 s, quiet max_queue_wait's 3.5 s: under priority none times out
+    ("priority", (("noisy", 10.0),), (4.0, 4.0), 1.0, {"noisy": 0, "quiet": 0}),
+])
+def test_tenants_own_queue_wait_limits_turn_their_requests_away_by_their_own_deadlines(order, waits, noisy_ttft,
+                                                                                     quiet_ttft, rejected):
+    """PRIORITY_TRACE on one slot with max_queue_wait 3.5 s and tenants' own limits, as kvd's
+    tenant_queue_waits: each request times out at its own deadline, in deadline order, not the
+    queue's; a fleet of one, which re-routes timeouts, gives the same."""
+    settings = dict(queue_order=order, max_queue_wait=3.5, tenant_priorities=(("quiet", -10),),
+                    tenant_queue_waits=waits, **ONE_SLOT)
+    result = run(PRIORITY_TRACE, 512, 8192, **settings)
+    expected = {"noisy": pytest.approx(noisy_ttft[0], abs=1e-6)}
+    if quiet_ttft is not None:
+        expected["quiet"] = pytest.approx(quiet_ttft, abs=1e-6)
+    assert result.tenant_ttft_p50_s == expected
+    assert result.tenant_ttft_p95_s["noisy"] == pytest.approx(noisy_ttft[1], abs=1e-6)
+    assert result.tenant_rejected == rejected
+    assert result.reject_reasons == ({"queue_timeout": sum(rejected.values())} if sum(rejected.values()) else {})
+    one = fleet(PRIORITY_TRACE, 1, "least_loaded", capacity_tokens=8192, **settings)
+    assert (one.tenant_ttft_p50_s, one.tenant_ttft_p95_s, one.tenant_rejected, one.rejections) == (
+        result.tenant_ttft_p50_s, result.tenant_ttft_p95_s, result.tenant_rejected, result.rejections)
+
+
+def test_under_lpm_a_tenant_s_own_queue_wait_limit_stands_for_max_queue_wait():
+    """LPM_TRACE's requests are the default tenant's: its own limit of 4 s gives what
+    max_queue_wait 4 s does (r1 turned away, lpm's patience none), and its own 0 what no limit does."""
+    by_own, by_all = (run(LPM_TRACE, 512, 8192, queue_order="lpm", **ONE_SLOT, **limit)
+                      for limit in ({"tenant_queue_waits": (("default", 4.0),)}, {"max_queue_wait": 4.0}))
+    assert (by_own.ttft_p50_s, by_own.ttft_p95_s, by_own.reject_reasons) == (
+        by_all.ttft_p50_s, by_all.ttft_p95_s, by_all.reject_reasons) == (pytest.approx(0.0, abs=1e-6),
+                                                                          pytest.approx(2.0), {"queue_timeout": 1})
+    unlimited = run(LPM_TRACE, 512, 8192, queue_order="lpm", max_queue_wait=4.0,
+                    tenant_queue_waits=(("default", 0.0),), **ONE_SLOT)
+    assert (unlimited.ttft_p50_s, unlimited.ttft_p95_s, unlimited.reject_reasons) == (
+        pytest.approx(2.0), pytest.approx(4.0), {})
+
+
 def test_a_priority_queue_needs_the_tenants_priorities_and_a_queue():
     from kvctl.daemon.replay.sweep import validate_grid
 

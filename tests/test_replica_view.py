@@ -112,6 +112,19 @@ def test_the_replicas_queue_limit_is_set_against_the_wait_grown_by_what_was_sent
     assert view.facts(0, in_flight=0).max_wait_seconds is None
 
 
+def test_a_tenant_s_own_queue_wait_limit_is_the_one_weighed_for_its_requests():
+    """max_queue_wait 2 s; the load answer says batch may wait 60 s and chat without end (0): a
+    request of batch's is weighed against 60 s, chat's against none, any other tenant's 2 s."""
+    view = ReplicaView()
+    view.note_load({**LOAD, "predicted_wait_seconds": 5.0, "max_queue_wait_seconds": 2.0,
+                    "tenant_queue_waits": {"batch": 60.0, "chat": 0.0}}, asked_at=10.0)
+    facts = {tenant: view.facts(0, in_flight=0, tenant=tenant) for tenant in ("batch", "chat", "acme", None)}
+    assert {tenant: f.max_wait_seconds for tenant, f in facts.items()} == {
+        "batch": 60.0, "chat": None, "acme": 2.0, None: 2.0}
+    assert {tenant: f.past_limit for tenant, f in facts.items()} == {
+        "batch": False, "chat": False, "acme": True, None: True}
+
+
 def test_a_replica_that_goes_by_the_longest_cached_prefix_first_is_waited_for_less_by_a_prompt_it_holds():
     """Its load answer (for a prompt holding nothing: 1,000 tokens ahead, 0.5 s) says what waits by
     the blocks each holds: 200 tokens of requests holding 2 blocks, 600 of ones holding none. A

@@ -28,7 +28,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import math
 import secrets
 import time
 from collections import deque
@@ -84,6 +83,7 @@ class EngineSettings:
     max_queue: int = 256  # waiting requests before new ones are rejected
     # seconds a request may wait to be admitted before it is turned away (queue_timeout); 0: no limit
     max_queue_wait: float = 0.0
+    tenant_queue_waits: tuple[tuple[str, float], ...] = ()  # (tenant, seconds; 0: none): overrides max_queue_wait
     max_tenant_requests: int | None = None  # one tenant's requests in flight (waiting, running) at most
     tenant_request_limits: tuple[tuple[str, int], ...] = ()  # (tenant, limit): overrides max_tenant_requests
     reservation: str = "fraction:1.0"  # output reservation policy (see policies.reservation)
@@ -459,6 +459,11 @@ class Engine:
             prefix_fetch.start(self, request)
         return request
 
+    def queue_wait_limit(self, tenant: str) -> float:
+        """Seconds a request of `tenant` may wait to be admitted (0: no limit): its tenant's own
+        (tenant_queue_waits), else max_queue_wait."""
+        return dict(self.settings.tenant_queue_waits).get(tenant, self.settings.max_queue_wait)
+
     def tenant_request_limit(self, tenant: str) -> int | None:
         """The most requests `tenant` may have in flight: its own limit, else max_tenant_requests."""
         return dict(self.settings.tenant_request_limits).get(tenant, self.settings.max_tenant_requests)
@@ -519,33 +524,39 @@ class Engine:
         return self._turn_away(request, "pinned_out", reason)
 
     def _time_out_waiting(self) -> list[TokenEvent]:
-        """Turn away the requests that have waited max_queue_wait seconds or longer without being
-        admitted (queue_timeout): their clients, or a router, can try elsewhere instead of waiting on.
-        A request admitted once (preempted since, or some of its samples running) waits on. The log
-        says how many, at most once every QUEUE_TIMEOUT_LOG_S."""
-        limit = self.settings.max_queue_wait
-        if not limit > 0 or not self._waiting:
+        """Turn away the requests that have waited their limit or longer without being admitted
+        (queue_timeout; `queue_wait_limit`: their tenant's, else max_queue_wait): their clients, or a
+        router, can try elsewhere instead of waiting on. A request admitted once (preempted since,
+        or some of its samples running) waits on. The log says how many, at most once every
+        QUEUE_TIMEOUT_LOG_S."""
+        settings = self.settings
+        if not self._waiting or not (settings.max_queue_wait > 0 or any(w > 0 for _, w in settings.tenant_queue_waits)):
             return []
         now = self.clock()
         late = {}
         for _, seq in self._waiting:
             request = seq.request
-            if (seq.status is SeqStatus.WAITING and request.metrics.admitted is None
+            limit = self.queue_wait_limit(request.tenant)
+            if (seq.status is SeqStatus.WAITING and request.metrics.admitted is None and limit > 0
                     and now - request.metrics.arrival >= limit):
-                late[request.request_id] = request
+                late[request.request_id] = (request, limit)
         if not late:
             return []
         running, waiting = self.num_running, self._queued_requests()
+        own = dict(settings.tenant_queue_waits)
         failed = []
-        for request in late.values():
+        for request, limit in late.values():
+            setting = f"tenant_queue_waits[{request.tenant}]" if request.tenant in own else "max_queue_wait"
             failed += self._turn_away(request, "queue_timeout", (
                 f"request {request.request_id}: waited {now - request.metrics.arrival:.1f} s without being admitted, "
-                f"max_queue_wait {limit:g} s ({running} running, {waiting} waiting); try again later or elsewhere"))
+                f"{setting} {limit:g} s ({running} running, {waiting} waiting); try again later or elsewhere"))
         self._queue_timeouts_unlogged += len(late)
         if now - self._queue_timeout_logged >= QUEUE_TIMEOUT_LOG_S:
-            log.warning("%d request%s turned away after waiting max_queue_wait (%g s) without being admitted "
+            log.warning("%d request%s turned away after waiting %s without being admitted "
                         "(queue_timeout); %d running, %d waiting", self._queue_timeouts_unlogged,
-                        "" if self._queue_timeouts_unlogged == 1 else "s", limit, self.num_running,
+                        "" if self._queue_timeouts_unlogged == 1 else "s",
+                        "their tenant's limit (tenant_queue_waits) or max_queue_wait" if own else
+                        f"max_queue_wait ({settings.max_queue_wait:g} s)", self.num_running,
                         self._queued_requests())
             self._queue_timeouts_unlogged, self._queue_timeout_logged = 0, now
         return failed
@@ -599,8 +610,7 @@ class Engine:
         if self.settings.queue_order != "lpm":
             return work
         now = self.clock()
-        return longest_prefix_first(work, lambda item: item[1], lambda item: self._lpm_waited(item[0], now),
-                                    lpm_patience(self.settings.max_queue_wait))
+        return longest_prefix_first(work, lambda item: item[1], lambda item: self._lpm_overdue(item[0], now))
 
     def tokens_ahead(self, cached_blocks: int | None = None,
                      work: list[tuple[Sequence, int, int]] | None = None, priority: int | None = None) -> int:
@@ -615,9 +625,9 @@ class Engine:
         work = self._waiting_work() if work is None else work
         ordered = cached_blocks is not None and self.settings.queue_order == "lpm" and len(work) <= LPM_MAX_WAITING
         ranked = priority is not None and self.settings.queue_order == "priority"
-        patience, now = lpm_patience(self.settings.max_queue_wait), self.clock()
+        now = self.clock()
         for seq, hits, missing in work:
-            if ordered and not tried_before(hits, self._lpm_waited(seq, now), cached_blocks, patience):
+            if ordered and not tried_before(hits, self._lpm_overdue(seq, now), cached_blocks):
                 continue  # lpm tries the newcomer first
             if ranked and seq.request.priority < priority:
                 continue  # a lower place: it goes after the newcomer
@@ -651,10 +661,10 @@ class Engine:
         work = self._waiting_work() if work is None else work
         if len(work) > LPM_MAX_WAITING:
             return None
-        patience, now = lpm_patience(self.settings.max_queue_wait), self.clock()
+        now = self.clock()
         by_blocks: dict[int, int] = {}
         for seq, hits, missing in work:
-            if self._lpm_waited(seq, now) < patience:  # (one past it goes first, whatever a newcomer holds)
+            if not self._lpm_overdue(seq, now):  # (an overdue one goes first, whatever a newcomer holds)
                 by_blocks[hits] = by_blocks.get(hits, 0) + missing
         return [[blocks, by_blocks[blocks]] for blocks in sorted(by_blocks, reverse=True)]
 
@@ -690,13 +700,15 @@ class Engine:
                 row["requests"] += 1
         return list(found.values())
 
-    def queue_figures(self, cached_blocks: int | None = None, priority: int | None = None) -> dict:
+    def queue_figures(self, cached_blocks: int | None = None, priority: int | None = None,
+                      tenant: str | None = None) -> dict:
         """The queue as /admin/status and /admin/route-facts report it: waiting and running
         requests, the oldest's age, the prompt tokens ahead of a new request and its predicted
         wait (of one whose first `cached_blocks` the cache holds, and of engine `priority`: see
         `tokens_ahead`), the measured prefill rate (None until measured), and the longest wait
-        allowed (max_queue_wait; None: no limit); under queue_order lpm, `lpm_waiting` too, and
-        under priority, `priority_waiting`. Call under the service lock."""
+        allowed (`tenant`'s, else max_queue_wait; None: no limit), with the tenants' own limits
+        (`tenant_queue_waits`) where some have them; under queue_order lpm, `lpm_waiting` too,
+        and under priority, `priority_waiting`. Call under the service lock."""
         work = self._waiting_work()  # (one lookup per waiting request, for every figure)
         waiting = [seq for seq, _, _ in work]
         now = self.clock()
@@ -707,7 +719,10 @@ class Engine:
                    "running": self.num_running, "tokens_ahead": ahead,
                    "prefill_tokens_per_second": rate.rate if rate.samples else None,
                    "predicted_wait_seconds": self.predicted_wait(ahead),
-                   "max_queue_wait_seconds": self.settings.max_queue_wait or None}
+                   "max_queue_wait_seconds": (self.settings.max_queue_wait if tenant is None else
+                                              self.queue_wait_limit(tenant)) or None}
+        if self.settings.tenant_queue_waits:  # (seconds; 0: none) for a router's view of each tenant's limit
+            figures["tenant_queue_waits"] = dict(self.settings.tenant_queue_waits)
         lpm, ranked = self.lpm_waiting(work), self.priority_waiting(work)
         if lpm is not None:
             figures["lpm_waiting"] = lpm
@@ -896,16 +911,16 @@ class Engine:
             return entries  # (a full batch admits none: no lookups)
         now = self.clock()
         return longest_prefix_first(entries, lambda entry: self._cached_blocks(entry[1]),
-                                    lambda entry: self._lpm_waited(entry[1], now),
-                                    lpm_patience(self.settings.max_queue_wait))
+                                    lambda entry: self._lpm_overdue(entry[1], now))
 
-    @staticmethod
-    def _lpm_waited(seq: Sequence, now: float) -> float:
-        """How long `seq` has waited, as lpm's patience reads it: a preempted request (admitted
-        once) as long as can be, so that it goes first, as under fifo (no max_queue_wait ends its
-        wait)."""
+    def _lpm_overdue(self, seq: Sequence, now: float) -> bool:
+        """Whether lpm puts `seq` first, whatever the others hold: it has waited its patience
+        (`lpm_patience` of its tenant's queue wait limit), or it is a preempted request (admitted
+        once), which goes first as under fifo (no queue wait limit ends its wait)."""
         metrics = seq.request.metrics
-        return math.inf if metrics.admitted is not None else now - metrics.arrival
+        if metrics.admitted is not None:
+            return True
+        return now - metrics.arrival >= lpm_patience(self.queue_wait_limit(seq.request.tenant))
 
     def _upcoming_keys(self) -> set:
         """Keys of the prompt blocks running prefills have yet to compute."""

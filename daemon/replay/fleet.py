@@ -135,7 +135,8 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
     tried: dict[int, set[int]] = {}  # request -> the replicas that timed it out or refused it (queue full)
     rerouted, rerouted_full, gave_up = 0, 0, 0
     gave_up_by: Counter[str] = Counter()  # tenant -> its requests every replica turned away
-    rerouting = reroute and recorded is None and any(run.settings.max_queue_wait > 0 for run in runs)
+    rerouting = reroute and recorded is None and any(
+        run.settings.max_queue_wait > 0 or any(w > 0 for _, w in run.settings.tenant_queue_waits) for run in runs)
     if rerouting:
         for number, run in enumerate(runs):
             run.on_timeout = lambda index, when, number=number: timed_out.append((when, index, number))
@@ -272,11 +273,11 @@ def _facts(run: ReplicaRun, index: int, name: str, size: int) -> ReplicaFacts:
     the shared tier holds after that and what restoring it costs, and how busy it is."""
     held = run.held_blocks(index)
     restorable = run.restorable_blocks(index, held) * size
-    return ReplicaFacts(held * size, run.wait_seconds(held, run.requests[index].tenant or "default"),
-                        len(run.running) + len(run.waiting),
+    tenant = run.requests[index].tenant or "default"
+    return ReplicaFacts(held * size, run.wait_seconds(held, tenant), len(run.running) + len(run.waiting),
                         prefill_rate=run.settings.prefill_rate, restorable_tokens=restorable,
                         restore_seconds=restorable / run.settings.restore_rate if restorable else 0.0, name=name,
-                        max_wait_seconds=run.settings.max_queue_wait or None)
+                        max_wait_seconds=run.queue_wait_limit(tenant) or None)
 
 
 def trace_affinity(request: TraceRequest, placement: int = 0) -> bytes:

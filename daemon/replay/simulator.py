@@ -14,7 +14,8 @@ priority by the tenants' `tenant_priorities` (lower first), or with lpm the long
 cached prefix first, as kvd's (policies.queue_order).
 A request that does not fit waits for a finish; one that can never fit, or
 that finds the queue full, is rejected, and so is one that waits
-`max_queue_wait` seconds without starting (kvd's queue_timeout), where that is set.
+`max_queue_wait` seconds without starting (kvd's queue_timeout), where that is set, or its
+tenant's own limit (`tenant_queue_waits`, as kvd's).
 Sequential mode runs one request at a time. Either way a request's full prompt
 blocks are indexed as soon as they are written, as in a real engine.
 
@@ -65,6 +66,8 @@ class ReplaySettings:
     max_running: int = 64  # requests in service at once
     max_queue: int = 4096  # requests waiting for admission before new ones are rejected
     max_queue_wait: float = 0.0  # seconds a request may wait to start before it is rejected (queue_timeout); 0: no limit
+    # (tenant, seconds) pairs as kvd's tenant_queue_waits: tenants' own limits (0: none) in place of max_queue_wait
+    tenant_queue_waits: tuple[tuple[str, float], ...] = ()
     time_scale: float = 1.0  # multiply trace timestamps by this
     max_tokens: int | None = None  # max_tokens clients ask for (at least the output); None: the output
     # (tenant, fraction) pairs as kvd's tenant_cache_shares; () for none
@@ -169,6 +172,8 @@ class ReplicaRun:
                                       policy=settings.policy, clock=lambda: self.now)
         self.manager.set_tenant_shares(settings.tenant_shares)
         self.priorities = dict(settings.tenant_priorities)  # tenant -> kvd's place (lower first)
+        self.tenant_waits = dict(settings.tenant_queue_waits)  # tenant -> its own queue wait limit (0: none)
+        self.deadlines: list[tuple[float, int]] = []  # with tenant_waits: (deadline, request), a heap (stale kept)
         self.tier: OrderedDict[BlockKey, None] = OrderedDict() if tier is None else tier  # least recent first
         self.tier_blocks = settings.tier_tokens // settings.block_size
         if self.tier_blocks and settings.tier_write == "write_back":
@@ -362,32 +367,62 @@ class ReplicaRun:
             place = self.place(tenant)
             queued = sum(self.queued_work[w] for w in self.waiting if self.place(self.requests[w].tenant) <= place)
         if held_blocks is not None and self.settings.queue_order == "lpm" and len(self.waiting) <= LPM_MAX_WAITING:
-            patience = lpm_patience(self.settings.max_queue_wait)
-            lookup, keys, requests = self.manager.lookup, self.keys, self.requests
+            lookup, keys, requests, overdue = self.manager.lookup, self.keys, self.requests, self.lpm_overdue
             queued = sum(self.queued_work[w] for w in self.waiting if tried_before(
-                lookup(keys[w], requests[w].input_length), self.now - self.arrivals[w], held_blocks, patience))
+                lookup(keys[w], requests[w].input_length), overdue(w), held_blocks))
         return (left + queued) / self.settings.max_running
 
+    def queue_wait_limit(self, tenant: str | None) -> float:
+        """Seconds a request of `tenant` may wait to start (0: no limit): its tenant's own
+        (tenant_queue_waits), else max_queue_wait; None: the default tenant."""
+        return self.tenant_waits.get(tenant or "default", self.settings.max_queue_wait)
+
+    def lpm_overdue(self, index: int) -> bool:
+        """Whether waiting request `index` has waited lpm's patience (that of its queue wait limit)."""
+        return self.now - self.arrivals[index] >= lpm_patience(self.queue_wait_limit(self.requests[index].tenant))
+
     def expire_waiting(self, progress: Callable[[int], None]) -> None:
-        """Reject the waiting requests that have waited max_queue_wait or longer (kvd's queue_timeout,
-        checked before each admission pass as kvd's engine does). The queue is in arrival order, so
-        they are at its head; each went at its deadline, before any event that could start it."""
+        """Reject the waiting requests that have waited their limit or longer (kvd's queue_timeout,
+        checked before each admission pass as kvd's engine does), each at its deadline, before any
+        event that could start it. With one limit for all (max_queue_wait), the queue is in arrival
+        order, so they are at its head; with tenants' own limits, the earliest deadlines go first."""
+        if self.tenant_waits:
+            self._expire_by_deadline(progress)
+            return
         limit, waiting = self.settings.max_queue_wait, self.waiting
         if not limit > 0:
             return
         while waiting and self.now >= self.arrivals[waiting[0]] + limit:  # as next_deadline reckons it
             index = waiting.popleft()
-            deadline = self._unqueue(index) + limit
-            if self.on_timeout is not None:
-                self.on_timeout(index, deadline)
-                continue
-            self.origins.pop(index, None)
-            self.reject("queue_timeout", index)
-            progress(1)
+            self._timed_out(index, self._unqueue(index) + limit, progress)
+
+    def _expire_by_deadline(self, progress: Callable[[int], None]) -> None:
+        """expire_waiting's way with tenants' own limits: the heap of deadlines, earliest first."""
+        deadlines = self.deadlines
+        while (when := self.next_deadline()) <= self.now:
+            _, index = heapq.heappop(deadlines)
+            self._dequeue(index)
+            self._unqueue(index)
+            self._timed_out(index, when, progress)
+
+    def _timed_out(self, index: int, deadline: float, progress: Callable[[int], None]) -> None:
+        """Request `index`, taken out of the queue, timed out at `deadline`: re-routed (a fleet
+        that does) or rejected."""
+        if self.on_timeout is not None:
+            self.on_timeout(index, deadline)
+            return
+        self.origins.pop(index, None)
+        self.reject("queue_timeout", index)
+        progress(1)
 
     def next_deadline(self) -> float:
-        """When the head of the queue times out (max_queue_wait), unless it starts first; inf
-        with no limit or no queue."""
+        """When the next waiting request times out (its queue wait limit), unless it starts
+        first; inf with no limit or no queue."""
+        if self.tenant_waits:
+            deadlines, arrivals = self.deadlines, self.arrivals
+            while deadlines and deadlines[0][1] not in arrivals:  # (started, or timed out already)
+                heapq.heappop(deadlines)
+            return deadlines[0][0] if deadlines else float("inf")
         limit = self.settings.max_queue_wait
         if not limit > 0 or not self.waiting:
             return float("inf")
@@ -438,9 +473,9 @@ class ReplicaRun:
             return iter(sorted(waiting, key=lambda i: place(requests[i].tenant)))
         if order != "lpm" or len(waiting) < 2 or len(waiting) > LPM_MAX_WAITING:
             return None
-        lookup, keys, requests, arrivals, now = self.manager.lookup, self.keys, self.requests, self.arrivals, self.now
+        lookup, keys, requests = self.manager.lookup, self.keys, self.requests
         return iter(longest_prefix_first(waiting, lambda i: lookup(keys[i], requests[i].input_length),
-                                         lambda i: now - arrivals[i], lpm_patience(self.settings.max_queue_wait)))
+                                         self.lpm_overdue))
 
     def place(self, tenant: str | None) -> int:
         """A tenant's place in a priority queue (tenant_priorities; lower first, 0 for one not named);
@@ -506,6 +541,8 @@ class ReplicaRun:
         estimate = self.service_seconds(index, request.input_length - cached)
         self.arrivals[index], self.queued_work[index] = arrival, estimate
         self.queued_seconds += estimate
+        if self.tenant_waits and (limit := self.queue_wait_limit(request.tenant)) > 0:
+            heapq.heappush(self.deadlines, (arrival + limit, index))
         for key in self.keys[index]:
             self.queued_keys[key] = self.queued_keys.get(key, 0) + 1
         self.waiting.append(index)

@@ -26,7 +26,8 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "") -
     """This replica for this prompt, as a router weighs it: the prompt's tokens its device
     cache holds, and its load (see `Engine.predicted_wait`; under queue_order lpm, the work that
     would go before this prompt; under priority, before a request of `tenant`, and each tenant's
-    place, `tenant_places`, for a router's view). Also the tenant it looked in, the
+    place, `tenant_places`, for a router's view; the queue wait limit `tenant`'s). Also the tenant
+    it looked in, the
     namespace's other fields (a router that computes keys itself notices a change: new
     scales, say) and the model it serves (a router sends a request naming one only where it is
     served, and its LoRA adapters by name with their ids in the namespace). `adapter`: the prompt
@@ -34,14 +35,15 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "") -
     engine = service.require_ready()
     keys = engine.prefix_keys(tenant, token_ids, adapter)[2]
     size = engine.settings.block_size
-    # a prompt's wait under a priority queue is its tenant's; with none (a router's load poll), the
-    # wait of the last place, which a router's view shortens by `priority_waiting` for each tenant
+    # a prompt's wait under a priority queue, and its queue wait limit, are its tenant's; with none
+    # (a router's load poll), the wait of the last place and max_queue_wait, which a router's view
+    # makes each tenant's by `priority_waiting` and `tenant_queue_waits`
     ranked = engine.settings.queue_order == "priority"
     priority = service.queue_priority(tenant, None) if ranked and token_ids else None
     with service.lock:
         hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
         limit = engine.cache.cacheable_blocks(len(token_ids))
-        queue = engine.queue_figures(hits, priority)
+        queue = engine.queue_figures(hits, priority, tenant if token_ids else None)
     if ranked:
         queue["tenant_places"] = dict(service.config.tenant_priorities)  # tenants not named: 0
     # the run after the device's part that lower tiers hold, per tier (the next block's tier

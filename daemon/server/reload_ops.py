@@ -29,7 +29,8 @@ log = logging.getLogger("kvd")
 # settings a reload applies to the running kvd
 LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_queue_wait", "max_tenant_requests", "reservation", "queue_order",
                  "pin_budget_blocks", "pin_room_tokens", "shutdown_timeout", "quick_prefill_tokens", "max_request_bytes",
-                 "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "prefetch_policy",
+                 "tenant_cache_shares", "tenant_priorities", "tenant_request_limits", "tenant_queue_waits",
+                 "prefetch_policy",
                  "prefetch_timeout", "prefetch_timeout_per_1k_tokens", "tier_compress", "disk_compress",
                  "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens",
                  "log_requests", "log_stats_interval",
@@ -228,6 +229,7 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
             engine.settings = replace(engine.settings, max_batch_tokens=new.max_batch_tokens,
                                       max_running=new.max_running, max_queue=new.max_queue,
                                       max_queue_wait=new.max_queue_wait, max_loras=new.max_loras,
+                                      tenant_queue_waits=new.tenant_queue_waits,
                                       max_tenant_requests=new.max_tenant_requests,
                                       tenant_request_limits=new.tenant_request_limits,
                                       reservation=new.reservation, queue_order=new.queue_order,

@@ -168,7 +168,8 @@ class ReplicaView:
         blocks than this prompt would start after it, and is not waited for. One whose queue goes
         by priority says what waits there by place (`priority_waiting`) and each tenant's place
         (`tenant_places`, 0 for one not named): what waits at a worse place than `tenant`'s (as
-        the replica serves it) would start after this request."""
+        the replica serves it) would start after this request. Where tenants have queue wait
+        limits of their own (`tenant_queue_waits`), `tenant`'s is the limit weighed."""
         polled = facts_from_answer({**self.load, "cached_tokens": cached_tokens}, in_flight)
         rate = polled.prefill_rate
         extra = sum(n for _, n in self.sent_since)
@@ -178,5 +179,9 @@ class ReplicaView:
             place = (self.load.get("tenant_places") or {}).get(tenant, 0)
             after += sum(tokens for waits_at, tokens in self.load["priority_waiting"] if waits_at > place)
         wait = max(polled.wait_seconds - (after / rate if rate else 0.0), 0.0) + (extra / rate if rate else 0.0)
+        limit = polled.max_wait_seconds
+        own = self.load.get("tenant_queue_waits") or {}
+        if tenant in own:
+            limit = own[tenant] or None  # (0: no limit for that tenant)
         return ReplicaFacts(cached_tokens, wait, max(polled.in_flight, in_flight), rate, restorable_tokens,
-                            restore_seconds, max_wait_seconds=polled.max_wait_seconds)
+                            restore_seconds, max_wait_seconds=limit)

@@ -273,6 +273,7 @@ class EngineService:
                                   max_batch_tokens=cfg.max_batch_tokens, max_running=cfg.max_running,
                                   max_loras=cfg.max_loras,
                                   max_queue=cfg.max_queue, max_queue_wait=cfg.max_queue_wait,
+                                  tenant_queue_waits=cfg.tenant_queue_waits,
                                   max_tenant_requests=cfg.max_tenant_requests,
                                   tenant_request_limits=cfg.tenant_request_limits,
                                   reservation=cfg.reservation,
