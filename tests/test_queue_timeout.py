@@ -109,6 +109,7 @@ def test_kvd_answers_a_timed_out_request_with_a_503_or_an_error_event_and_counts
         assert any("turned away after waiting max_queue_wait (0.3 s)" in r.getMessage() for r in caplog.records)
         scraped = call(app, "GET", "/metrics").text.splitlines()
         assert 'kvd_admission_rejections_total{reason="queue_timeout"} 2.0' in scraped
+        assert 'kvd_tenant_rejected_requests_total{tenant="default"} 2.0' in scraped  # whose
         status = call(app, "GET", "/admin/status").json()
         assert status["rejections"] == {"queue_timeout": 2} and status["queue"]["max_queue_wait_seconds"] == 0.3
         with service.lock:
@@ -212,6 +213,44 @@ def test_under_lpm_a_tenant_without_a_queue_wait_limit_goes_first_after_lpm_s_pa
         clock.advance(0.01)
         seen += [name for name, r in waiting.items() if r.metrics.admitted is not None and name not in seen]
     assert seen == admitted and not any(r.rejected for r in waiting.values())
+
+
+def test_kvd_turns_a_tenant_s_request_away_by_its_own_limit_and_counts_it_against_it(tmp_path):
+    """No max_queue_wait; batch's own 0.3 s: a request of batch's is answered 503 naming its
+    tenant's limit, one of acme's waits on; the tenant's rejections are in the metrics."""
+    import threading
+
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import call, start_service
+
+    service = start_service(tmp_path, tenant_queue_waits="batch=0.3")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        with service.lock:
+            service.engine.admission_paused = True  # nothing is admitted: each request waits
+        answers = {}
+
+        def ask(tenant):
+            answers[tenant] = call(app, "POST", "/v1/completions", headers={"X-KVD-Tenant": tenant},
+                                   json={"prompt": "word " * 20, "max_tokens": 2})
+
+        acme = threading.Thread(target=ask, args=("acme",))
+        acme.start()
+        ask("batch")
+        assert answers["batch"].status_code == 503
+        message = answers["batch"].json()["error"]["message"]
+        assert message.endswith("without being admitted, tenant_queue_waits[batch] 0.3 s (0 running, 2 waiting); "
+                                "try again later or elsewhere")
+        assert acme.is_alive()  # acme's has no limit: it waits on
+        scraped = call(app, "GET", "/metrics").text.splitlines()
+        assert 'kvd_tenant_rejected_requests_total{tenant="batch"} 1.0' in scraped
+        with service.lock:
+            service.engine.admission_paused = False
+        acme.join(30)
+        assert answers["acme"].status_code == 200
+    finally:
+        service.shutdown(deadline=2)
 
 
 def test_tenant_queue_waits_are_checked_and_live_on_a_reload():

@@ -14,6 +14,8 @@
     kvd_kv_transfer_seconds_total{side}       and the time those took, summed (over the requests: the mean)
     kvd_tenant_prompt_tokens_total{tenant}    prompt tokens per tenant, and kvd_tenant_hit_tokens_total{tenant}
     kvd_tenant_cached_blocks{tenant}          device blocks holding a tenant's cached prefixes
+    kvd_tenant_rejected_requests_total{tenant} requests turned away per tenant, any reason (tenant_queue_waits,
+                                              tenant_request_limits and priorities decide whose)
     kvd_tenant_ttft_seconds{tenant}           histogram: time to first token per tenant (client requests)
     kvd_tenant_idle_blocks{tenant}            with tenant_cache_shares: idle cached blocks per tenant
     kvd_tenant_share_blocks{tenant}           and each tenant's share in blocks
@@ -92,7 +94,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from kvctl.daemon.engine.tenant_book import EVICTED, HIT, PROMPT
+from kvctl.daemon.engine.tenant_book import EVICTED, HIT, PROMPT, REJECTED
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
@@ -251,6 +253,11 @@ class _EngineCollector:
         for label, value in labels.fold(((tenant, counts[EVICTED]) for tenant, counts in by_tenant), retired[EVICTED]):
             lost.add_metric([label], value)
         yield lost
+        turned = CounterMetricFamily("kvd_tenant_rejected_requests", "Requests turned away, per tenant, for any "
+                                     "reason (kvd_admission_rejections_total says which)", labels=["tenant"])
+        for label, value in labels.fold(((t, counts[REJECTED]) for t, counts in by_tenant), retired[REJECTED]):
+            turned.add_metric([label], value)
+        yield turned
         cached = GaugeMetricFamily("kvd_tenant_cached_blocks", "Device blocks holding a tenant's cached prefixes "
                                    "(in use or idle)", labels=["tenant"])
         for label, count in labels.fold(cached_by_tenant):
