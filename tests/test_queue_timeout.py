@@ -182,6 +182,11 @@ def test_tenants_with_queue_wait_limits_of_their_own_are_turned_away_by_theirs(d
     assert engine.queue_figures(tenant="chat")["max_queue_wait_seconds"] is None
     assert engine.queue_figures()["max_queue_wait_seconds"] == 10.0
     assert figures["tenant_queue_waits"] == {"batch": 60.0, "chat": 0.0, "vip": 2.0}
+    # a reload's new limits apply at once: chat's own 5 s turns its request away at the next step
+    engine.settings = dataclasses.replace(engine.settings, tenant_queue_waits=(("chat", 5.0),))
+    assert [engine.queue_wait_limit(t) for t in ("batch", "chat", "vip")] == [10, 5, 10]
+    engine.step()
+    assert "tenant_queue_waits[chat] 5 s" in waiting["chat"].rejected
     for request in list(engine.requests.values()):
         engine.cancel(request.request_id)
     assert all_blocks_back(engine)

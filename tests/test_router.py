@@ -1241,6 +1241,47 @@ def test_the_router_passes_over_a_replica_predicted_past_its_max_queue_wait(repl
     assert routed(10.0, "ignore")[::2] == routed(60.0)[::2] == ("replica-0", 0)
 
 
+class BehindWithOwnLimits(Behind):
+    """Behind, where tenants have queue wait limits of their own (kvd's tenant_queue_waits): a
+    prompt's route-facts give its tenant's limit, and a load poll every tenant's."""
+
+    def __init__(self, app, wait: float, limit: float | None, own: dict[str, float]) -> None:
+        super().__init__(app, wait, limit)
+        self.own = own
+
+    async def handle_async_request(self, request):
+        answer = await super().handle_async_request(request)
+        if request.url.path != "/admin/route-facts":
+            return answer
+        facts, asked = json.loads(await answer.aread()), json.loads(request.content)
+        if asked.get("tokens") != [] and asked.get("tenant") in self.own:
+            facts["max_queue_wait_seconds"] = self.own[asked["tenant"]] or None
+        facts["tenant_queue_waits"] = self.own
+        return httpx.Response(200, json=facts)
+
+
+@pytest.mark.parametrize("view", ["ask", "events"])
+def test_the_router_weighs_a_request_against_its_tenant_s_own_queue_wait_limit(replicas, view):
+    """replica-0, a new prompt's home, is 30 s behind with a 10 s limit, but batch may wait there
+    without end (its own limit, 0): a request of batch's goes home; one of another tenant is sent
+    on to replica-1, as past replica-0's limit."""
+    def routed(tenant):
+        fresh = homed(f"{view} {tenant}: a tenant's own queue limit, asked once here. " * 6, "replica-0")
+        service, app = router_app(replicas, "prefix", view=view)
+        service.router = make_router("prefix", queue_limits="heed")
+        for i in range(2):
+            service.replicas[i].client = replica_client(f"/run/replica-{i}.sock", transport=BehindWithOwnLimits(
+                replicas[i], 30.0, 10.0 if i == 0 else None, {"batch": 0.0} if i == 0 else {}))
+        [answer] = drive(app, [lambda c: c.post("/v1/completions", headers={"X-KVD-Tenant": tenant}, json={
+            "prompt": fresh, "max_tokens": 3, "temperature": 0, "ignore_eos": True})],
+            service=service if view == "events" else None)
+        assert answer.status_code == 200
+        return answer.headers["x-kvd-replica"], service.replicas[0].passed_over
+
+    assert routed("batch") == ("replica-0", 0)
+    assert routed("acme") == ("replica-1", 1)
+
+
 @pytest.mark.parametrize("queue_limits, other_wait", [("heed", 30.0), ("heed", 3.0), ("ignore", 30.0)])
 def test_a_queue_timeout_goes_on_only_to_a_replica_predicted_to_start_it_in_time(replicas, queue_limits, other_wait,
                                                                                  caplog):

@@ -209,6 +209,8 @@ class Engine:
         self.admission_paused = False  # set while new scales wait for running work to drain
         # queue timeouts (max_queue_wait) not yet in the log, and when the log last said some
         self._queue_timeouts_unlogged, self._queue_timeout_logged = 0, float("-inf")
+        # tenant_queue_waits as a mapping, and the settings' tuple it was made from (a reload replaces it)
+        self._own_queue_waits: tuple[tuple, dict[str, float]] = ((), {})
         # ids of the requests the latest admission pass left waiting for an adapter's turn (max_loras)
         self.lora_turn_waiters: set[str] = set()
         self.tiers = None  # a TieredCache once attach_tiers() is called
@@ -462,7 +464,11 @@ class Engine:
     def queue_wait_limit(self, tenant: str) -> float:
         """Seconds a request of `tenant` may wait to be admitted (0: no limit): its tenant's own
         (tenant_queue_waits), else max_queue_wait."""
-        return dict(self.settings.tenant_queue_waits).get(tenant, self.settings.max_queue_wait)
+        given, own = self._own_queue_waits
+        if given is not self.settings.tenant_queue_waits:  # (once per reload: asked per waiting request a step)
+            given, own = self.settings.tenant_queue_waits, dict(self.settings.tenant_queue_waits)
+            self._own_queue_waits = (given, own)
+        return own.get(tenant, self.settings.max_queue_wait)
 
     def tenant_request_limit(self, tenant: str) -> int | None:
         """The most requests `tenant` may have in flight: its own limit, else max_tenant_requests."""
