@@ -49,7 +49,7 @@ from kvctl.daemon.cache.keys import BlockKey
 from kvctl.daemon.stats import percentile
 from kvctl.policies.routing import ReplicaFacts, make_router, none_in_time
 
-from .simulator import ReplaySettings, ReplicaRun
+from .simulator import ReplaySettings, ReplicaRun, tenant_percentiles
 from .trace import TraceRequest
 
 
@@ -342,6 +342,5 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
         restored_tokens=sum(r.restored_tokens for r in runs),
         restored_ratio=sum(r.restored_tokens for r in runs) / prompt if prompt else 0.0,
         queue_order=settings.queue_order,
-        tenant_ttft_p50_s={t: percentile(sorted(times), 0.50) for t, times in sorted(by_tenant.items())},
-        tenant_ttft_p95_s={t: percentile(sorted(times), 0.95) for t, times in sorted(by_tenant.items())},
+        tenant_ttft_p50_s=tenant_percentiles(by_tenant, 0.50), tenant_ttft_p95_s=tenant_percentiles(by_tenant, 0.95),
         tenant_rejected={t: rejected[t] for t in tenants})

@@ -608,13 +608,16 @@ class ReplicaRun:
             tier_tokens=s.tier_tokens, restored_tokens=self.restored_tokens,
             restored_ratio=self.restored_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             queue_order=s.queue_order,
-            tenant_ttft_p50_s={} if s.sequential else {
-                tenant: percentile(sorted(times), 0.50) for tenant, times in sorted(self.tenant_ttft.items())},
-            tenant_ttft_p95_s={} if s.sequential else {
-                tenant: percentile(sorted(times), 0.95) for tenant, times in sorted(self.tenant_ttft.items())},
+            tenant_ttft_p50_s={} if s.sequential else tenant_percentiles(self.tenant_ttft, 0.50),
+            tenant_ttft_p95_s={} if s.sequential else tenant_percentiles(self.tenant_ttft, 0.95),
             tenant_rejected={tenant: self.tenant_rejected[tenant]
                              for tenant in sorted({*self.tenant_tokens, *self.tenant_rejected})},
         )
+
+
+def tenant_percentiles(times: dict[str, list[float]], q: float) -> dict[str, float]:
+    """Each tenant's q-th percentile of its `times` (first-token seconds), by tenant name."""
+    return {tenant: percentile(sorted(values), q) for tenant, values in sorted(times.items())}
 
 
 def replay(settings: ReplaySettings, requests: Sequence[TraceRequest], keys: Sequence[list[BlockKey]],
