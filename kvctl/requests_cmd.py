@@ -54,6 +54,8 @@ def render_requests(d: dict) -> Group:
             + (" (for an adapter's turn)" if row.get("waiting_for_lora_turn") else "") \
             + (f", {ordinal(place)} in line" if place is not None else "") \
             + (f", passed by {row['passed_over']:,}" if place is not None and row.get("passed_over") else "") \
+            + (f", {seconds(row['queue_wait_left_seconds'])} left" if place is not None
+               and row.get("queue_wait_left_seconds") is not None else "") \
             + (f", preempted {row['preemptions']}x" if row["preemptions"] else "") \
             + (f", {row['kept_draft_tokens']:,} of {row['drafted_tokens']:,} drafted kept"
                if row.get("drafted_tokens") else "")  # speculative decoding (an older kvd does not say)
@@ -80,7 +82,7 @@ def render_requests(d: dict) -> Group:
         parts.append(Text("in line: the order kvd tries its waiting requests in" + (f" ({order})" if order else "")
                           + (", each replica its own" if fleet else "") + "; (cached): the tokens of a waiting "
                           "request's prefix the device cache holds now; passed by: requests that came after it "
-                          "and went in while it waited"))
+                          "and went in while it waited; left: before its queue wait limit turns it away"))
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)

@@ -80,9 +80,10 @@ def test_requests_in_flight_are_listed_and_cancelled_by_id_or_tenant(tmp_path):
                                 "n", "preemptions", "blocks", "fetching_prefix", "waiting_for_lora_turn", "priority",
                                 "cohort", "shape", "adapter", "drafted_tokens",
                                 "kept_draft_tokens", "queue_position", "cached_prefix_tokens",
-                                "passed_over"}  # no tokens, no text
+                                "passed_over", "queue_wait_left_seconds"}  # no tokens, no text
         # where the waiting one stands: first in line, the cache holding none of its prefix
         assert (running["queue_position"], waiting["queue_position"], waiting["cached_prefix_tokens"]) == (None, 1, 0)
+        assert waiting["queue_wait_left_seconds"] is None  # no max_queue_wait here
         assert listed["queue_order"] == "fifo"
         assert running["adapter"] is None  # the model's own, not a LoRA adapter's
         assert running["drafted_tokens"] == running["kept_draft_tokens"] == 0  # no speculative_config here
@@ -258,7 +259,8 @@ def test_a_waiting_request_shows_its_place_in_line_and_what_the_cache_holds_of_i
     from kvctl.daemon.server.calls import Principal
     from kvctl.daemon.server.inflight import list_requests
 
-    service = start_service(tmp_path, num_blocks=256, max_running=1, block_size=16, queue_order=order)
+    service = start_service(tmp_path, num_blocks=256, max_running=1, block_size=16, queue_order=order,
+                            max_queue_wait=600)
     long, once = SamplingParams(max_tokens=3000, ignore_eos=True), SamplingParams(max_tokens=1, ignore_eos=True)
     running = list(range(10, 50))
     try:
@@ -280,12 +282,16 @@ def test_a_waiting_request_shows_its_place_in_line_and_what_the_cache_holds_of_i
         expected = {b: (1, 0), c: (2, 32)} if order == "fifo" else {b: (2, 0), c: (1, 32)}
         assert {rid: (rows[rid]["queue_position"], rows[rid]["cached_prefix_tokens"]) for rid in (b, c)} == expected
         assert all(row["passed_over"] == 0 for row in rows.values())
+        # seconds before max_queue_wait (600 s) turns each waiting one away; none for the running one
+        assert rows[first]["queue_wait_left_seconds"] is None
+        assert all(590 < rows[rid]["queue_wait_left_seconds"] <= 600 for rid in (b, c))
         status, shown = kvctl_shows(["requests"], listed)
         assert status == 0
         lines = {line.split()[0]: " ".join(line.split()) for line in shown.splitlines() if line.startswith("req-")}
         assert ("waiting, 1st in line" if order == "fifo" else "waiting, 2nd in line") in lines[b]
         assert ("waiting, 2nd in line" if order == "fifo" else "waiting, 1st in line") in lines[c]
         assert lines[c].split()[-3:] == ["(32)", "0/1", "0"]  # cached now, output, blocks
+        assert " left " in lines[c] and " left " in lines[b]
         assert lines[b].split()[-3:] == ["(0)", "0/1", "0"]
         words = {"fifo": "queue_order fifo: as they came",
                  "lpm": "queue_order lpm: the most cached first, after any preempted or past lpm's patience"}[order]
@@ -304,11 +310,12 @@ def test_kvctl_requests_says_how_often_a_waiting_request_was_passed_over():
            "age_seconds": 12.0, "queued_seconds": 12.0, "prompt_tokens": 2048, "cached_tokens": 0,
            "restored_tokens": 0, "output_tokens": 0, "max_tokens": 64, "n": 1, "preemptions": 0, "blocks": 0,
            "priority": 0, "cohort": None, "shape": None, "queue_position": 13, "cached_prefix_tokens": 0,
-           "passed_over": 1204}
+           "passed_over": 1204, "queue_wait_left_seconds": 17.5}
     console = Console(record=True, width=160)
     console.print(render_requests({"requests": [row], "running": 0, "waiting": 1, "queue_order": "lpm"}))
     line = console.export_text().splitlines()[1]
-    assert " ".join(line.split()[1:]) == "acme chat waiting, 13th in line, passed by 1,204 12.00 s 2,048 (0) 0/64 0"
+    assert " ".join(line.split()[1:]) == ("acme chat waiting, 13th in line, passed by 1,204, 17.50 s left 12.00 s "
+                                          "2,048 (0) 0/64 0")
     assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111, 1002)] == [
         "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th", "1,002nd"]
 

@@ -33,6 +33,10 @@ def request_row(service: EngineService, request: Request, now: float,
     where a waiting request stands in the queue."""
     cache, metrics = service.engine.cache, request.metrics
     position, cached_now = (in_line or {}).get(request.request_id, (None, None))
+    limit = service.engine.queue_wait_limit(request.tenant)  # its tenant's, else max_queue_wait (0: none)
+    # seconds before queue_timeout turns it away, while it waits unadmitted under a limit (a preempted one waits on)
+    left = round(max(limit - (now - metrics.arrival), 0.0), 3) if position is not None and limit > 0 \
+        and metrics.admitted is None else None
     blocks = sum(cache.sequence(s.seq_id).held_blocks for s in request.sequences if s.seq_id in cache)
     waited_until = metrics.admitted if metrics.admitted is not None else now
     return {"request_id": request.request_id, "tenant": request.tenant,
@@ -44,9 +48,11 @@ def request_row(service: EngineService, request: Request, now: float,
             "max_tokens": request.params.max_tokens, "n": request.params.n,
             "preemptions": metrics.preemptions, "blocks": blocks,
             # while it waits: its place in the order the next admission pass tries the queue (1: first),
-            # the prompt tokens the device cache holds of it now (what queue_order lpm orders by), and
-            # the requests that arrived after it and were admitted meanwhile
+            # the prompt tokens the device cache holds of it now (what queue_order lpm orders by), the
+            # requests that arrived after it and were admitted meanwhile, and the seconds left before its
+            # queue wait limit turns it away (None: no limit)
             "queue_position": position, "cached_prefix_tokens": cached_now, "passed_over": metrics.passed_over,
+            "queue_wait_left_seconds": left,
             # speculative decoding (speculative_config): draft tokens its steps carried, and those kept
             "drafted_tokens": metrics.drafted_tokens, "kept_draft_tokens": metrics.kept_draft_tokens,
             "fetching_prefix": service.engine.fetching_prefix(request),  # from disk or Redis, while it waits
