@@ -475,7 +475,7 @@ config_app = typer.Typer(help="The daemon's settings.", no_args_is_help=True)
 def _setting_text(value) -> str:
     """A setting as an operator writes it: per-tenant pairs as acme=3,free=1, lists comma-separated."""
     if isinstance(value, list) and value and all(isinstance(v, list) and len(v) == 2 for v in value):
-        return ",".join(f"{k}={v}" for k, v in value)
+        return ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in value)  # 600, not 600.0
     if isinstance(value, list):
         return ",".join(str(v) for v in value) or "none"
     return str(value)

@@ -1528,6 +1528,7 @@ def test_config_show_writes_per_tenant_settings_as_an_operator_writes_them():
     from kvctl.ops import _setting_text
 
     assert _setting_text([["acme", 3], ["free", 1]]) == "acme=3,free=1"
+    assert _setting_text([["batch", 600.0], ["chat", 0.0], ["noisy", 0.25]]) == "batch=600,chat=0,noisy=0.25"
     assert _setting_text(["vllm", "sglang"]) == "vllm,sglang" and _setting_text([]) == "none"
     assert _setting_text(256) == "256" and _setting_text(None) == "None"
 
