@@ -395,12 +395,9 @@ def _tenant_first_token_table(results: list[ReplayResult], tenants: list[str]):
     for r in results:
         cells = []
         for tenant in tenants:
-            if tenant not in r.tenant_ttft_p50_s:
-                cells.append("-" if not r.tenant_rejected.get(tenant) else f"(rej {r.tenant_rejected[tenant]:,})")
-                continue
-            rejected = r.tenant_rejected.get(tenant, 0)
-            cells.append(f"{_short(r.tenant_ttft_p50_s[tenant])}/{_short(r.tenant_ttft_p95_s[tenant])}"
-                         + (f" (rej {rejected:,})" if rejected else ""))
+            times, rejected = tenant_first_tokens(r, tenant), r.tenant_rejected.get(tenant, 0)
+            rej = f"(rej {rejected:,})" if rejected else ""
+            cells.append(" ".join(part for part in (times, rej) if part) or "-")
         table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, *cells)
     return table
 
@@ -471,6 +468,13 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
         + replica_lines(results, label) + fleet_tenant_lines(results, label)
 
 
+def tenant_first_tokens(result: ReplayResult | FleetResult, tenant: str) -> str | None:
+    """`tenant`'s first-token p50/p95 in seconds, `0.44/1.37`; None where none of its requests started."""
+    if tenant not in result.tenant_ttft_p50_s:
+        return None
+    return f"{_short(result.tenant_ttft_p50_s[tenant])}/{_short(result.tenant_ttft_p95_s[tenant])}"
+
+
 def fleet_tenant_lines(results: list[FleetResult], label) -> list[Text]:
     """With a trace that names tenants: a line per fleet run of each tenant's first-token p50/p95
     and its requests turned away (what a priority queue moves, and where routing sends it)."""
@@ -479,8 +483,7 @@ def fleet_tenant_lines(results: list[FleetResult], label) -> list[Text]:
         tenants = sorted({*r.tenant_ttft_p50_s, *r.tenant_rejected})
         if not tenants:
             continue
-        parts = [f"{tenant} " + (f"{_short(r.tenant_ttft_p50_s[tenant])}/{_short(r.tenant_ttft_p95_s[tenant])} s"
-                                 if tenant in r.tenant_ttft_p50_s else "-")
+        parts = [f"{tenant} " + (f"{times} s" if (times := tenant_first_tokens(r, tenant)) else "-")
                  + (f" ({r.tenant_rejected[tenant]:,} rejected)" if r.tenant_rejected.get(tenant) else "")
                  for tenant in tenants]
         lines.append(Text(f"first token p50/p95 by tenant, {label(r)} (block {r.block_size}, capacity "

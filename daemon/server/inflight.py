@@ -33,10 +33,10 @@ def request_row(service: EngineService, request: Request, now: float,
     where a waiting request stands in the queue."""
     cache, metrics = service.engine.cache, request.metrics
     position, cached_now = (in_line or {}).get(request.request_id, (None, None))
-    limit = service.engine.queue_wait_limit(request.tenant)  # its tenant's, else max_queue_wait (0: none)
-    # seconds before queue_timeout turns it away, while it waits unadmitted under a limit (a preempted one waits on)
-    left = round(max(limit - (now - metrics.arrival), 0.0), 3) if position is not None and limit > 0 \
-        and metrics.admitted is None else None
+    left = None  # seconds before queue_timeout turns it away, while it waits unadmitted under a limit
+    if position is not None and metrics.admitted is None:  # (a preempted one waits on)
+        limit = service.engine.queue_wait_limit(request.tenant)  # its tenant's, else max_queue_wait (0: none)
+        left = round(max(limit - (now - metrics.arrival), 0.0), 3) if limit > 0 else None
     blocks = sum(cache.sequence(s.seq_id).held_blocks for s in request.sequences if s.seq_id in cache)
     waited_until = metrics.admitted if metrics.admitted is not None else now
     return {"request_id": request.request_id, "tenant": request.tenant,
