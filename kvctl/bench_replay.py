@@ -77,8 +77,10 @@ def replay_command(
                                           help="Admission queue order, as kvd's queue_order: fifo, priority (by "
                                                "--tenant-priorities; rows 'lru+prio'), lpm (the longest cached "
                                                "prefix first; rows 'lru+lpm'), or several to compare (fifo,lpm)."),
-    reserve: str = typer.Option("fraction:1.0", "--reserve",
-                                help="Output reservation: fixed:N, fraction:F or p95."),
+    reserve: list[str] = typer.Option(["fraction:1.0"], "--reserve",
+                                      help="Output reservation: fixed:N, fraction:F or p95, or several to compare "
+                                           "(fraction:1.0,p95). Short of an output, a request grows as it decodes "
+                                           "and preempts as kvd's does."),
     sequential: bool = typer.Option(False, "--sequential", help="One request at a time."),
     prefill_rate: float = typer.Option(20_000.0, help="Service model: prefill tokens per second."),
     decode_rate: float = typer.Option(40.0, help="Service model: output tokens per second per request."),
@@ -167,6 +169,7 @@ def replay_command(
     routings = parse_names("routing", routing)
     limits = parse_names("queue_limits", queue_limits)
     orders = parse_names("queue_order", queue_order)
+    reservations = parse_names("reservation", reserve)
     speeds = None if replica_speeds is None else parse_float_list("replica_speeds", replica_speeds)
     waits = None if replica_queue_waits is None else parse_float_list("replica_queue_waits", replica_queue_waits)
     if waits is not None and max_queue_wait:
@@ -183,7 +186,7 @@ def replay_command(
                         "heeds the replicas' limits, and there are none")
     base = ReplaySettings(block_size=sizes[0] if sizes else 16,
                           capacity_tokens=capacities[0] if capacities else 0,
-                          reservation=reserve, sequential=sequential, prefill_rate=prefill_rate,
+                          reservation=reservations[0], sequential=sequential, prefill_rate=prefill_rate,
                           decode_rate=decode_rate, max_running=max_running, max_queue=max_queue,
                           max_queue_wait=max_queue_wait, time_scale=time_scale, max_tokens=max_tokens, restore_rate=restore_rate,
                           tier_write=tier_write, tenant_queue_waits=own_waits)
@@ -214,7 +217,7 @@ def replay_command(
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
         validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers,
-                      placements, limits, speeds, waits, orders)
+                      placements, limits, speeds, waits, orders, reservations)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
@@ -251,12 +254,13 @@ def replay_command(
                                         "new_prefix": new_prefix, "placements": placements,
                                         "queue_limits": limits, "reroute": reroute, "replica_speeds": speeds,
                                         "replica_queue_waits": waits}
-    results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers, orders)
+    results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers, orders,
+                                 reservations)
     document = {
         "trace": trace_name,
         "requests": len(requests),
         "settings": {
-            "mode": "sequential" if sequential else "concurrent", "reservation": reserve,
+            "mode": "sequential" if sequential else "concurrent", "reservation": ",".join(reservations),
             "prefill_rate": base.prefill_rate, "decode_rate": base.decode_rate, "max_running": max_running,
             "rates_from_trace": None if measured is None else {
                 "requests": measured.requests, "prefill_rate": measured.prefill_rate,
@@ -303,13 +307,13 @@ def replay_command(
 
 def _run_with_progress(console: Console, requests, sizes, capacities, policies,
                        base: ReplaySettings, fleet: dict | None = None, tiers: Sequence[int] = (0,),
-                       orders: Sequence[str] = ("fifo",)) -> list:
+                       orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     runs = 1 if fleet is None else sum((fleet["placements"] if places_new_prefixes(r, fleet["new_prefix"]) else 1)
                                        * len(limit_choices(r, fleet["queue_limits"])) for r in fleet["routing"])
     total = len(requests) * len(sizes) * len(capacities) * len(policies) * runs \
-        * (2 if base.tenant_shares else 1) * len(tiers) * len(orders)
+        * (2 if base.tenant_shares else 1) * len(tiers) * len(orders) * len(reservations or (None,))
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("replay", total=total)
@@ -324,22 +328,59 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
 
         if fleet is None:
             return sweep(requests, sizes, capacities, policies, base, progress=tick, tier_tokens=tiers,
-                         queue_orders=orders)
+                         queue_orders=orders, reservations=reservations)
         return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
                            fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"],
                            tier_tokens=tiers, placements=fleet["placements"], queue_limits=fleet["queue_limits"],
                            reroute=fleet["reroute"], speeds=fleet["replica_speeds"],
-                           queue_waits=fleet["replica_queue_waits"], queue_orders=orders)
+                           queue_waits=fleet["replica_queue_waits"], queue_orders=orders,
+                           reservations=reservations)
+
+
+def policy_names(results: list[ReplayResult] | list[FleetResult]):
+    """How tables and lines name a run's policy: with its output reservation where several were
+    replayed (`--reserve fraction:1.0,p95`): `lru p95`."""
+    compared = len({r.reservation for r in results}) > 1
+
+    def name(result: ReplayResult | FleetResult) -> str:
+        return f"{result.policy} {result.reservation}" if compared else result.policy
+
+    return name
+
+
+def preemption_lines(results: list[ReplayResult] | list[FleetResult], label=None) -> list[Text]:
+    """Where output reservations were compared, or a run preempted: each run's preemptions and the
+    tokens they computed again, its unused reservation, and its first-token and end-to-end times
+    in the service model: what a shorter reservation trades."""
+    name = policy_names(results)
+    if len({r.reservation for r in results}) < 2 and not any(r.preemptions for r in results):
+        return []
+    lines = []
+    for r in results:
+        where = f"block {r.block_size}, capacity {r.capacity_tokens:,}, {name(r)}"
+        where = f"{label(r)} ({where})" if label else where
+        parts = [f"{r.preemptions:,} preempted" + (f" ({r.recomputed_after_preemption:,} tokens computed again)"
+                                                    if r.preemptions else "")]
+        if isinstance(r, ReplayResult):
+            parts.append(f"reserved unused {r.reservation_waste:.1%}")
+        if r.ttft_p50_s is not None and r.e2e_p50_s is not None:
+            parts.append(f"first token p50/p95 {_short(r.ttft_p50_s)}/{_short(r.ttft_p95_s)} s, "
+                         f"end to end {_short(r.e2e_p50_s)}/{_short(r.e2e_p95_s)} s")
+        lines.append(Text(f"{where}: " + "; ".join(parts)))
+    return lines
 
 
 def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list:
     """What decides (hit, recomputation, evictions, fragmentation, occupancy, rejections) in a
     table that fits 80 columns; the unbounded cache's hit ratio by block size in a line; and what
     the cache core itself cost in the replay (allocation latency, block operations per second)."""
+    name = policy_names(results)
     # a lower tier replayed: its size and what came back from it, in place of evictions and
     # fragmentation (which block size decides), so that the table still fits 80 columns
     tiered = any(r.tier_tokens for r in results)
     middle = ["restored", "recomputed", "occupancy"] if tiered else ["recomputed", "evictions", "frag", "occupancy"]
+    if len({r.reservation for r in results}) > 1:  # the policy names their reservations: no room for frag
+        middle = [m for m in middle if m != "frag"]
     decision = compact_table("block", "capacity", *(["tier"] if tiered else []), "policy", "hit", *middle,
                              "rejected", title=f"replay of {trace_name} ({requests} requests)")
     for column in decision.columns:
@@ -350,7 +391,7 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
                    "evictions": f"{r.evictions:,}", "frag": f"{r.fragmentation:.2%}",
                    "occupancy": f"{r.peak_occupancy:.0%}/{r.mean_occupancy:.0%}"}
         decision.add_row(str(r.block_size), f"{r.capacity_tokens:,}", *([f"{r.tier_tokens:,}"] if tiered else []),
-                         r.policy, f"{r.hit_ratio:.1%}", *(figures[m] for m in middle), str(r.rejections))
+                         name(r), f"{r.hit_ratio:.1%}", *(figures[m] for m in middle), str(r.rejections))
     unbounded = {r.block_size: r.max_hit_ratio for r in results}
     ceiling = Text("hit with an unbounded cache: " + ", ".join(
         f"block {size} {ratio:.1%}" for size, ratio in unbounded.items()) + "; occupancy is peak/mean")
@@ -361,22 +402,23 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
             column.justify = "right"
     for r in results:
         cost.add_row(str(r.block_size), f"{r.capacity_tokens:,}", *([f"{r.tier_tokens:,}"] if tiered else []),
-                     r.policy, f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
+                     name(r), f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
                      f"{r.block_ops_per_second:,.0f}", f"{r.seconds:.2f}")
-    parts = [decision, ceiling, *rejection_lines(results), *first_token_lines(results), Text(""), cost]
+    parts = [decision, ceiling, *rejection_lines(results), *first_token_lines(results),
+             *preemption_lines(results), Text(""), cost]
     tenants = sorted({t for r in results for t in r.tenant_hit_ratio})
     if tenants:  # a trace that names tenants: what each kept, which is what shares are for
         by_tenant = compact_table("block", "capacity", "policy", *tenants, title="hit by tenant")
         for index in (0, 1, *range(3, 3 + len(tenants))):
             by_tenant.columns[index].justify = "right"
         for r in results:
-            by_tenant.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy,
+            by_tenant.add_row(str(r.block_size), f"{r.capacity_tokens:,}", name(r),
                               *(f"{r.tenant_hit_ratio[t]:.1%}" if t in r.tenant_hit_ratio else "-" for t in tenants))
         evicted = compact_table("block", "capacity", "policy", *tenants, title="evicted to make room, by tenant")
         for index in (0, 1, *range(3, 3 + len(tenants))):
             evicted.columns[index].justify = "right"
         for r in results:
-            evicted.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy,
+            evicted.add_row(str(r.block_size), f"{r.capacity_tokens:,}", name(r),
                             *(f"{r.tenant_evicted_blocks[t]:,}" if t in r.tenant_evicted_blocks else "-"
                               for t in tenants))
         parts += [Text(""), by_tenant, Text(""), evicted]
@@ -388,6 +430,7 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
 def _tenant_first_token_table(results: list[ReplayResult], tenants: list[str]):
     """Each tenant's time to first token p50/p95 in the service model, with its requests turned
     away (of any reason) where there were some: what a priority queue order moves."""
+    name = policy_names(results)
     table = compact_table("block", "capacity", "policy", *tenants,
                           title="first token p50/p95 (s), by tenant")
     for index in (0, 1, *range(3, 3 + len(tenants))):
@@ -398,14 +441,15 @@ def _tenant_first_token_table(results: list[ReplayResult], tenants: list[str]):
             times, rejected = tenant_first_tokens(r, tenant), r.tenant_rejected.get(tenant, 0)
             rej = f"(rej {rejected:,})" if rejected else ""
             cells.append(" ".join(part for part in (times, rej) if part) or "-")
-        table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, *cells)
+        table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", name(r), *cells)
     return table
 
 
 def rejection_lines(results: list[ReplayResult]) -> list[Text]:
     """A line per run that rejected requests: why, by reason (queue_timeout where max_queue_wait
     turned them away, queue_full, never_fits, cache_full)."""
-    return [Text(f"rejected at block {r.block_size}, capacity {r.capacity_tokens:,}, {r.policy}: " + ", ".join(
+    name = policy_names(results)
+    return [Text(f"rejected at block {r.block_size}, capacity {r.capacity_tokens:,}, {name(r)}: " + ", ".join(
         f"{reason} {count:,}" for reason, count in sorted(r.reject_reasons.items())))
         for r in results if r.reject_reasons]
 
@@ -413,10 +457,11 @@ def rejection_lines(results: list[ReplayResult]) -> list[Text]:
 def first_token_lines(results: list[ReplayResult]) -> list[Text]:
     """With queue orders compared (--queue-order fifo,lpm): each run's time to first token in the
     service model, which the order moves most (by tenant too: `_tenant_first_token_table`)."""
+    name = policy_names(results)
     if len({r.queue_order for r in results}) < 2 or results[0].ttft_p50_s is None:
         return []
     return [Text(f"time to first token p50/p95/p99 at block {r.block_size}, capacity {r.capacity_tokens:,}, "
-                 f"{r.policy}: {r.ttft_p50_s:.2f}/{r.ttft_p95_s:.2f}/{r.ttft_p99_s:.2f} s") for r in results]
+                 f"{name(r)}: {r.ttft_p50_s:.2f}/{r.ttft_p95_s:.2f}/{r.ttft_p99_s:.2f} s") for r in results]
 
 
 def _short(value: float) -> str:
@@ -432,13 +477,17 @@ def _millions(tokens: int) -> str:
 def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, replicas: int) -> list:
     """Per routing policy: the hit ratio the fleet keeps, first-token times in the service model,
     how unevenly it loads the replicas, rejections; the ceiling (one unbounded cache) in a line."""
+    name = policy_names(results)
     tiered = any(r.tier_tokens for r in results)  # a shared tier: its size and what came back from it
+    tight = False
     if tiered:  # two more columns: token counts in millions, shorter headers (80 columns)
         table = compact_table("block", "capacity", "tier", "policy", "routing", "hit", "restored", "TTFT s",
                               "imbal", "rejected", title=f"replay of {trace_name} ({requests} requests) on "
                               f"{replicas} replicas, capacity per replica, one tier shared by them (tokens)")
-    else:
-        table = compact_table("block", "capacity", "policy", "routing", "hit", "TTFT p50/p95", "imbalance",
+    else:  # with reservations compared (longer policy names), the tiered table's short headers
+        tight = len({r.reservation for r in results}) > 1
+        table = compact_table("block", "capacity", "policy", "routing", "hit",
+                              "TTFT s" if tight else "TTFT p50/p95", "imbal" if tight else "imbalance",
                               "rejected", title=f"replay of {trace_name} ({requests} requests) on {replicas} "
                                                 "replicas, capacity per replica")
     for column in table.columns:
@@ -448,24 +497,26 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
     for r in results:
         if tiered:
             ttft = "-" if r.ttft_p50_s is None else f"{_short(r.ttft_p50_s)}/{_short(r.ttft_p95_s)}"
-            table.add_row(str(r.block_size), _millions(r.capacity_tokens), _millions(r.tier_tokens), r.policy,
+            table.add_row(str(r.block_size), _millions(r.capacity_tokens), _millions(r.tier_tokens), name(r),
                           label(r), f"{r.hit_ratio:.1%}", f"{r.restored_ratio:.1%}", ttft, f"{r.imbalance:.2f}",
                           str(r.rejections))
             continue
-        ttft = "-" if r.ttft_p50_s is None else f"{r.ttft_p50_s:.2f}/{r.ttft_p95_s:.2f} s"
-        table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", r.policy, label(r), f"{r.hit_ratio:.1%}",
+        ttft = "-" if r.ttft_p50_s is None else f"{_short(r.ttft_p50_s)}/{_short(r.ttft_p95_s)}" if tight \
+            else f"{r.ttft_p50_s:.2f}/{r.ttft_p95_s:.2f} s"
+        table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", name(r), label(r), f"{r.hit_ratio:.1%}",
                       ttft, f"{r.imbalance:.2f}", str(r.rejections))
     if tiered:
         keep_whole(table, 4, 7)  # the routing's name and the times: the title wraps instead
+    short = tiered or tight
     ceiling = {r.block_size: r.max_hit_ratio for r in results}
     return [table, Text("hit with one unbounded cache for the fleet: " + ", ".join(
         f"block {size} {ratio:.1%}" for size, ratio in ceiling.items())
-        + ("; imbal (imbalance)" if tiered else "; imbalance") + " is the busiest replica's requests over the mean"
-        + ("; TTFT p50/p95" if tiered else "")
+        + ("; imbal (imbalance)" if short else "; imbalance") + " is the busiest replica's requests over the mean"
+        + ("; TTFT p50/p95" if short else "")
         + ("; heed/ignore: whether the router passed over replicas predicted past their max_queue_wait"
            if any(label(r) != r.routing for r in results) else ""))] \
         + [Text(placement_spread(r)) for r in results if r.placements] + fleet_rejection_lines(results, label) \
-        + replica_lines(results, label) + fleet_tenant_lines(results, label)
+        + replica_lines(results, label) + fleet_tenant_lines(results, label) + preemption_lines(results, label)
 
 
 def tenant_first_tokens(result: ReplayResult | FleetResult, tenant: str) -> str | None:
@@ -478,6 +529,7 @@ def tenant_first_tokens(result: ReplayResult | FleetResult, tenant: str) -> str 
 def fleet_tenant_lines(results: list[FleetResult], label) -> list[Text]:
     """With a trace that names tenants: a line per fleet run of each tenant's first-token p50/p95
     and its requests turned away (what a priority queue moves, and where routing sends it)."""
+    name = policy_names(results)
     lines = []
     for r in results:
         tenants = sorted({*r.tenant_ttft_p50_s, *r.tenant_rejected})
@@ -487,7 +539,7 @@ def fleet_tenant_lines(results: list[FleetResult], label) -> list[Text]:
                  + (f" ({r.tenant_rejected[tenant]:,} rejected)" if r.tenant_rejected.get(tenant) else "")
                  for tenant in tenants]
         lines.append(Text(f"first token p50/p95 by tenant, {label(r)} (block {r.block_size}, capacity "
-                          f"{r.capacity_tokens:,}, {r.policy}): " + ", ".join(parts)))
+                          f"{r.capacity_tokens:,}, {name(r)}): " + ", ".join(parts)))
     return lines
 
 
@@ -507,19 +559,21 @@ def routing_labels(results: list[FleetResult]):
 def replica_lines(results: list[FleetResult], label) -> list[Text]:
     """With replicas that differ (speeds, max_queue_wait): where each run sent its requests,
     replica by replica."""
+    name = policy_names(results)
     if not results or not (results[0].speeds or results[0].queue_waits):
         return []
     differ = "; ".join(([f"speeds {'/'.join(f'{speed:g}' for speed in results[0].speeds)}"] if results[0].speeds
                         else []) + ([f"max_queue_wait {'/'.join(f'{wait:g}' for wait in results[0].queue_waits)} s"]
                                     if results[0].queue_waits else []))
     return [Text(f"requests per replica ({differ}), {label(r)} (block {r.block_size}, capacity "
-                 f"{r.capacity_tokens:,}, {r.policy}): " + "/".join(f"{n:,}" for n in r.requests_per_replica))
+                 f"{r.capacity_tokens:,}, {name(r)}): " + "/".join(f"{n:,}" for n in r.requests_per_replica))
             for r in results]
 
 
 def fleet_rejection_lines(results: list[FleetResult], label) -> list[Text]:
     """A line per fleet run that rejected or re-routed requests: rejections by reason, and the
     queue timeouts and refusals by a full queue that the router took to another replica."""
+    name = policy_names(results)
     lines = []
     for r in results:
         if not (r.reject_reasons or r.rerouted or r.rerouted_full):
@@ -530,7 +584,7 @@ def fleet_rejection_lines(results: list[FleetResult], label) -> list[Text]:
             parts.append(f"re-routed {r.rerouted:,} after a queue timeout")
         if r.rerouted_full:
             parts.append(f"re-routed {r.rerouted_full:,} after a full queue (429)")
-        lines.append(Text(f"{label(r)} (block {r.block_size}, capacity {r.capacity_tokens:,}, {r.policy}): "
+        lines.append(Text(f"{label(r)} (block {r.block_size}, capacity {r.capacity_tokens:,}, {name(r)}): "
                           + "; ".join(parts)))
     return lines
 

@@ -25,9 +25,12 @@ def write_plot(path: Path, results: list[ReplayResult], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .bench_replay import policy_names
+
+    name = policy_names(results)  # (with its reservation where several were replayed)
     lines: dict[tuple[str, int, int], list[ReplayResult]] = defaultdict(list)
     for r in results:
-        lines[(r.policy, r.capacity_tokens, r.tier_tokens)].append(r)
+        lines[(name(r), r.capacity_tokens, r.tier_tokens)].append(r)
     tiered = any(tier for _, _, tier in lines)  # then the hit line counts what the tier restored too
     fig, (hit_ax, frag_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     maxima: dict[int, float] = {}

@@ -934,3 +934,108 @@ def test_bench_replay_sets_the_live_fleet_beside_its_recorded_replay_per_replica
     status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "512", "--replicas", "2",
                              "--routing", "round_robin", "--json")
     assert status == 0 and json.loads(printed)["live"] is None
+
+
+# ---- output growth and preemption under a short output reservation ----------------------------------
+# Two requests of 2 blocks' prompt and 40 output tokens (block 16) in a cache of 6 blocks, nothing
+# reserved: each takes a block for its 1st and its 17th output token. At 1.8 s the first needs its
+# 4th block and none is free: the later arrival, 16 tokens made, gives back its blocks (its prompt's
+# stay cached) and waits at the head of the queue.
+PREEMPT_TRACE = [TraceRequest(0.0, 32, 40, (1,), "noisy"), TraceRequest(50.0, 32, 40, (2,), "quiet")]
+PREEMPT_SETTINGS = dict(capacity_tokens=96, reservation="fixed:0", prefill_rate=320.0, decode_rate=10.0)
+
+
+def replica_run(trace, **kwargs):
+    from kvctl.daemon.replay.simulator import ReplicaRun
+
+    keyer = TraceKeyer(16)
+    keys = [keyer.keys(r) for r in trace]
+    replica = ReplicaRun(ReplaySettings(block_size=16, **kwargs), trace, keys, max_hit_blocks(trace, keys, 16))
+    replica.run_concurrent(lambda _n: None)
+    replica.manager.audit()
+    assert replica.manager.num_sequences == 0
+    return replica
+
+
+def test_a_request_short_of_its_reservation_grows_as_it_decodes_and_preempts_the_latest_arrival():
+    replica = replica_run(PREEMPT_TRACE, **PREEMPT_SETTINGS)
+    # The second restarts when the first finishes (4.1 s): its prompt's first block is still cached
+    # (the first's last block evicted the other at 3.4 s), so it computes 48 - 16 = 32 tokens again
+    # (0.1 s) and decodes its last 24 tokens by 6.6 s. Its first token came before the preemption.
+    assert (replica.preemptions, replica.recomputed_after_preemption) == (1, 32)
+    assert replica.ttft == [0.1, 0.1]
+    assert replica.e2e == [4.1, 6.6 - 0.05]
+    result = replica.result(1.0)
+    assert (result.admitted, result.evictions, result.hit_tokens) == (2, 2, 0)  # (its restart's hit is not a hit)
+    assert result.reservation == "fixed:0"
+    assert (result.e2e_p50_s, result.e2e_p95_s) == (4.1, 6.55)
+    # reserving whole outputs (5 blocks each) in a cache of 10 blocks, neither waits nor preempts
+    whole = run(PREEMPT_TRACE, 16, 160, reservation="fraction:1.0", prefill_rate=320.0, decode_rate=10.0)
+    assert (whole.preemptions, whole.recomputed_after_preemption) == (0, 0)
+    assert whole.e2e_p95_s == pytest.approx(4.1)
+
+
+def test_a_request_preempted_in_its_prefill_counts_its_first_token_when_it_comes():
+    # The second (64 tokens, 2 s of prefill from 1.5 s) is preempted at 2.7 s, 38 tokens computed: its
+    # first two blocks stay cached, the third (not whole) does not. It restarts when the first
+    # finishes (5.0 s), computes its last 32 tokens again (1 s): first token 6.0 - 1.5 = 4.5 s after it
+    # arrived. Its one output token takes a block at its finish (6.1 s), before it finishes.
+    trace = [TraceRequest(0.0, 32, 40, (1,)), TraceRequest(1500.0, 64, 1, (2,))]
+    replica = replica_run(trace, capacity_tokens=112, reservation="fixed:0", prefill_rate=32.0, decode_rate=10.0)
+    assert (replica.preemptions, replica.recomputed_after_preemption) == (1, 32)
+    assert replica.ttft == [1.0, 4.5]
+    assert replica.e2e == [5.0, 4.6]
+
+
+def test_under_a_priority_queue_preemption_takes_the_worse_placed_tenant_first():
+    fifo = replica_run(PREEMPT_TRACE, **PREEMPT_SETTINGS)
+    assert sorted(fifo.e2e) == [4.1, 6.55]  # quiet, the later arrival, was preempted
+    prio = replica_run(PREEMPT_TRACE, **PREEMPT_SETTINGS, queue_order="priority",
+                       tenant_priorities=(("quiet", -10),))
+    # noisy, growing at 1.8 s, preempts itself; restarted at once on its cached prompt, it is preempted
+    # again by quiet's growth at 1.85 s, and finishes last; quiet runs as if alone
+    assert (prio.preemptions, prio.recomputed_after_preemption) == (2, 16 + 32)
+    assert prio.e2e == [pytest.approx(4.1), pytest.approx(6.65)]
+    assert prio.e2e[0] == pytest.approx(0.15 + 40 / 10.0 - 0.05)  # quiet: arrival 0.05, finish 4.15
+
+
+def test_a_prompt_and_max_tokens_that_could_never_fit_are_turned_away_whatever_the_reservation():
+    trace = [TraceRequest(0.0, 32, 80, (1,)), TraceRequest(10.0, 32, 8, (2,))]  # 7 blocks, and 3
+    for reservation in ("fixed:0", "fraction:1.0"):
+        result = run(trace, 16, 96, reservation=reservation)
+        assert (result.admitted, result.reject_reasons) == (1, {"never_fits": 1})
+    asked = run(trace[1:], 16, 96, reservation="fixed:0", max_tokens=80)  # max_tokens, not the output, counts
+    assert asked.reject_reasons == {"never_fits": 1}
+
+
+def test_a_fleet_counts_its_replicas_preemptions():
+    one = fleet(PREEMPT_TRACE, 1, "least_loaded", block_size=16, **PREEMPT_SETTINGS)
+    assert (one.preemptions, one.recomputed_after_preemption, one.reservation) == (1, 32, "fixed:0")
+    assert (one.e2e_p50_s, one.e2e_p95_s) == (4.1, 6.55)
+    two = fleet(PREEMPT_TRACE, 2, "least_loaded", block_size=16, **PREEMPT_SETTINGS)
+    assert (two.preemptions, two.e2e_p95_s) == (0, pytest.approx(4.1))  # one each: room to grow
+
+
+def test_a_sweep_compares_output_reservations_and_kvctl_prints_what_each_trades(tmp_path, capsys):
+    import json
+
+    from .test_cli import cli
+
+    path = tmp_path / "preempt.jsonl"
+    write_trace(path, PREEMPT_TRACE)
+    args = ["bench", "replay", str(path), "--block-sizes", "16", "--capacity-tokens", "96", "--policy", "lru",
+            "--prefill-rate", "320", "--decode-rate", "10", "--reserve", "fraction:1.0,fixed:0"]
+    status, printed, _ = cli(capsys, *args, "--json")
+    document = json.loads(printed)
+    assert status == 0 and document["settings"]["reservation"] == "fraction:1.0,fixed:0"
+    runs = [(r["reservation"], r["preemptions"], r["recomputed_after_preemption"], r["e2e_p95_s"])
+            for r in document["runs"]]
+    # all reserved, the second waits for the first's 5 blocks (6 in all): it starts at 4.1 s
+    assert runs == [("fraction:1.0", 0, 0, pytest.approx(4.1 + 4.1 - 0.05)), ("fixed:0", 1, 32, 6.55)]
+    status, printed, _ = cli(capsys, *args)
+    text = " ".join(printed.split())
+    assert status == 0 and "16 96 lru fixed:0 " in text
+    assert ("block 16, capacity 96, lru fixed:0: 1 preempted (32 tokens computed again); reserved unused 0.0%; "
+            "first token p50/p95 0.10/0.10 s, end to end 4.10/6.55 s") in text
+    status, _, err = cli(capsys, "bench", "replay", str(path), "--reserve", "p95,fraction:2")
+    assert status == 2 and "error: output reservation: invalid value 'fraction:2'" in err

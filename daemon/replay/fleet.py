@@ -93,6 +93,11 @@ class FleetResult:
     # with several placements of new prefixes (prefix routing, new_prefix home): each one's figures,
     # this result's (placement 0) first
     placements: list[dict] = field(default_factory=list)
+    reservation: str = "fraction:1.0"  # each replica's output reservation spec
+    preemptions: int = 0  # fleet-wide, and the tokens they computed again (ReplayResult's)
+    recomputed_after_preemption: int = 0
+    e2e_p50_s: float | None = None  # the service model's arrival to last token, fleet-wide
+    e2e_p95_s: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -314,6 +319,7 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
     prompt = sum(r.prompt_tokens for r in runs)
     hit = sum(r.hit_tokens for r in runs)
     ttft = sorted(t for r in runs for t in r.ttft)
+    e2e = sorted(t for r in runs for t in r.e2e)
     reasons: dict[str, int] = {}
     for run in runs:
         for reason, count in run.rejections.items():
@@ -343,4 +349,7 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
         restored_ratio=sum(r.restored_tokens for r in runs) / prompt if prompt else 0.0,
         queue_order=settings.queue_order,
         tenant_ttft_p50_s=tenant_percentiles(by_tenant, 0.50), tenant_ttft_p95_s=tenant_percentiles(by_tenant, 0.95),
-        tenant_rejected={t: rejected[t] for t in tenants})
+        tenant_rejected={t: rejected[t] for t in tenants}, reservation=settings.reservation,
+        preemptions=sum(r.preemptions for r in runs),
+        recomputed_after_preemption=sum(r.recomputed_after_preemption for r in runs),
+        e2e_p50_s=percentile(e2e, 0.50), e2e_p95_s=percentile(e2e, 0.95))

@@ -19,6 +19,17 @@ tenant's own limit (`tenant_queue_waits`, as kvd's).
 Sequential mode runs one request at a time. Either way a request's full prompt
 blocks are indexed as soon as they are written, as in a real engine.
 
+An output reservation short of the output (`--reserve p95`, `fraction:0.5`) makes a request
+grow block by block as it decodes in the service model. One that cannot grow preempts, as kvd
+does: the running request last in kvd's order (under queue_order priority its tenant's place
+first, then the latest arrival; it may be the one growing) gives back its blocks, its cached prompt
+stays, and it goes back to the head of the queue, never timed out there. Restarted, it computes
+again its prompt and the output it had made, less what the cache still holds of its prompt, then
+decodes the rest (`recomputed_after_preemption`). kvd also caches a request's output blocks, so a
+restart there may find some of its output still cached: the replay recomputes all of it. A request
+whose prompt and max_tokens could never fit the cache is turned away on arrival, as kvd does,
+whatever its reservation.
+
 Allocator figures time only the calls into the cache core (admit, append,
 release); key hashing is done before the clock starts.
 
@@ -135,6 +146,11 @@ class ReplayResult:
     tenant_ttft_p50_s: dict[str, float] = field(default_factory=dict)
     tenant_ttft_p95_s: dict[str, float] = field(default_factory=dict)
     tenant_rejected: dict[str, int] = field(default_factory=dict)
+    reservation: str = "fraction:1.0"  # the output reservation spec it ran with
+    # tokens computed again after preemptions (prompt and output so far, less the cache's hits), as kvd counts them
+    recomputed_after_preemption: int = 0
+    e2e_p50_s: float | None = None  # the service model's arrival to last token (concurrent mode)
+    e2e_p95_s: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -208,6 +224,17 @@ class ReplicaRun:
         # timed out) instead of counting a rejection; and where such a request first arrived (its TTFT's start)
         self.on_timeout: Callable[[int, float], None] | None = None
         self.origins: dict[int, float] = {}
+        # output growth and preemption, when a reservation falls short of an output (see the module's doc)
+        self.growing: list[tuple[float, int]] = []  # (when it needs its next block, request), a heap
+        self.decoding: dict[int, tuple[float, float, int, int]] = {}  # running request -> (prefill start,
+        # first token, output tokens made before this run, prompt tokens the cache or tier gave this run)
+        self.arrived: dict[int, float] = {}  # running request -> when it arrived (at the fleet): its e2e's start
+        self.orders: dict[int, int] = {}  # request -> its place in arrival order here (kvd's request.order)
+        self.preempted: dict[int, tuple[float, int]] = {}  # waiting after a preemption -> (arrival, output made)
+        self.first_out: set[int] = set()  # preempted after its first token (not counted again)
+        self.pending_ttft: dict[int, float] = {}  # running request -> the first-token time counted for it
+        self.recomputed_after_preemption = 0
+        self.e2e: list[float] = []
 
     # ---- core calls, timed -----------------------------------------------------------------
     def used_blocks(self) -> int:
@@ -230,7 +257,7 @@ class ReplicaRun:
     def _restore(self, keys: Sequence[BlockKey], hit_blocks: int, prompt_tokens: int, touch: bool = True) -> int:
         """Blocks of the prompt the lower tier holds right after the device's hits (touched, as a
         read: unless `touch` is False, for a router's question)."""
-        tier, limit = self.tier, self.manager.cacheable_blocks(prompt_tokens)
+        tier, limit = self.tier, min(self.manager.cacheable_blocks(prompt_tokens), len(keys))
         count = 0
         while hit_blocks + count < limit and keys[hit_blocks + count] in tier:
             if touch:
@@ -252,25 +279,27 @@ class ReplicaRun:
             self.tenant_rejected[tenant] += 1
 
     def start(self, index: int) -> bool:
-        """Admit and prefill request `index`; False when it does not fit now."""
+        """Admit and prefill request `index`; False when it does not fit now. A preempted one is
+        admitted again with its prompt and the output it had made, and reserves for the rest."""
         request, keys = self.requests[index], self.keys[index]
         manager = self.manager
-        reserve = self.reserve_tokens(request)
+        made = self.preempted[index][1] if index in self.preempted else 0
+        tokens = request.input_length + made
+        reserve = self.reserve_tokens(request, made)
         seq_id = str(index)
         # what the lower tier holds after the device's hits is read before the admission makes
         # room (as kvd's prefetch does), so blocks it demotes cannot push them out first
-        restored = self._restore(keys, manager.lookup(keys, request.input_length), request.input_length) \
-            if self.tier_blocks else 0
+        restored = self._restore(keys, manager.lookup(keys, tokens), tokens) if self.tier_blocks else 0
         t0 = time.perf_counter_ns()
         try:
             tenant = request.tenant or "default"
-            admission = manager.admit(seq_id, keys, request.input_length, reserve, tenant=tenant,
+            admission = manager.admit(seq_id, keys, tokens, reserve, tenant=tenant,
                                       priority=-self.place(tenant))  # the engine's: higher first
         except CacheFull:
             self.call_ns.append(time.perf_counter_ns() - t0)
             return False
         t1 = time.perf_counter_ns()
-        manager.append(seq_id, request.input_length - admission.hit_tokens)
+        manager.append(seq_id, tokens - admission.hit_tokens)
         t2 = time.perf_counter_ns()
         self.call_ns.append(t1 - t0)
         self.call_ns.append(t2 - t1)
@@ -280,30 +309,38 @@ class ReplicaRun:
         elif self.tier_blocks and self.settings.tier_write == "write_through_selective":  # what proved reusable
             self._store(keys[:admission.hit_blocks])
         self.restored[index] = restored * self.settings.block_size
-        self.restored_tokens += restored * self.settings.block_size
-        self.admitted += 1
-        self.prompt_tokens += request.input_length
-        self.hit_tokens += admission.hit_tokens
-        if request.tenant is not None:
-            tokens = self.tenant_tokens.setdefault(request.tenant, [0, 0])
-            tokens[0] += admission.hit_tokens
-            tokens[1] += request.input_length
-        self.max_hit_tokens += self.max_hits[index] * self.settings.block_size
-        self.recomputed += max(self.max_hits[index] - admission.hit_blocks - restored, 0) * self.settings.block_size
+        if index in self.preempted:  # a restart: what it computes again (its figures count its first admission)
+            self.recomputed_after_preemption += tokens - admission.hit_tokens - restored * self.settings.block_size
+        else:
+            self._count_admission(index, admission.hit_tokens, admission.hit_blocks, restored)
         used = self.used_blocks()
         self.peak_used = max(self.peak_used, used)
         self.used_samples += used
         return True
 
+    def _count_admission(self, index: int, hit_tokens: int, hit_blocks: int, restored: int) -> None:
+        """A request's first admission in the run's figures: its prompt, hits and what an unbounded cache gives."""
+        request = self.requests[index]
+        self.admitted += 1
+        self.restored_tokens += restored * self.settings.block_size
+        self.prompt_tokens += request.input_length
+        self.hit_tokens += hit_tokens
+        if request.tenant is not None:
+            tokens = self.tenant_tokens.setdefault(request.tenant, [0, 0])
+            tokens[0] += hit_tokens
+            tokens[1] += request.input_length
+        self.max_hit_tokens += self.max_hits[index] * self.settings.block_size
+        self.recomputed += max(self.max_hits[index] - hit_blocks - restored, 0) * self.settings.block_size
+
     def finish(self, index: int) -> None:
-        """Write the output, account the slots, release every block."""
+        """Write the rest of the output, account the slots, release every block."""
         request, manager = self.requests[index], self.manager
         seq_id = str(index)
         t0 = time.perf_counter_ns()
         try:
-            manager.append(seq_id, request.output_length)
+            manager.append(seq_id, request.input_length + request.output_length - manager.sequence(seq_id).num_tokens)
         except CacheFull:
-            # A real engine would preempt here; the replay counts it and finishes short.
+            # (sequential mode: one request, short of room only where pins hold it) counted; it finishes short
             self.preemptions += 1
         t1 = time.perf_counter_ns()
         seq = manager.sequence(seq_id)
@@ -320,15 +357,21 @@ class ReplicaRun:
         self.block_ops += released
         self.reservation.observe(request.output_length)
 
-    def reserve_tokens(self, request: TraceRequest) -> int:
-        """Output reservation for the max_tokens the client asked (never less than it produced)."""
-        return self.reservation.reserve(max(request.output_length, self.settings.max_tokens or 0))
+    def max_tokens(self, request: TraceRequest) -> int:
+        """The max_tokens the client asked (never less than it produced)."""
+        return max(request.output_length, self.settings.max_tokens or 0)
+
+    def reserve_tokens(self, request: TraceRequest, made: int = 0) -> int:
+        """Output reservation for the rest of the max_tokens the client asked, `made` already made
+        (kvd's: its policy's reserve of max_tokens less the output so far)."""
+        return self.reservation.reserve(self.max_tokens(request) - made)
 
     def never_fits(self, index: int) -> bool:
-        request = self.requests[index]
-        total = blocks_for_tokens(request.input_length + self.reserve_tokens(request),
-                                  self.settings.block_size)
-        return total > self.settings.num_blocks
+        """Whether the request's prompt and max_tokens could never fit the cache, as kvd refuses it
+        (whatever its reservation: it could never finish)."""
+        request = self.requests[index]  # (a reservation never exceeds max_tokens)
+        return blocks_for_tokens(request.input_length + self.max_tokens(request),
+                                 self.settings.block_size) > self.settings.num_blocks
 
     # ---- the two modes ---------------------------------------------------------------------
     def run_sequential(self, progress: Callable[[int], None]) -> None:
@@ -378,8 +421,10 @@ class ReplicaRun:
         return self.tenant_waits.get(tenant or "default", self.settings.max_queue_wait)
 
     def lpm_overdue(self, index: int) -> bool:
-        """Whether waiting request `index` has waited lpm's patience (that of its queue wait limit)."""
-        return self.now - self.arrivals[index] >= lpm_patience(self.queue_wait_limit(self.requests[index].tenant))
+        """Whether waiting request `index` has waited lpm's patience (that of its queue wait limit),
+        or was preempted (lpm takes those first, as kvd's)."""
+        return index in self.preempted or \
+            self.now - self.arrivals[index] >= lpm_patience(self.queue_wait_limit(self.requests[index].tenant))
 
     def expire_waiting(self, progress: Callable[[int], None]) -> None:
         """Reject the waiting requests that have waited their limit or longer (kvd's queue_timeout,
@@ -389,12 +434,20 @@ class ReplicaRun:
         if self.tenant_waits:
             self._expire_by_deadline(progress)
             return
-        limit, waiting = self.settings.max_queue_wait, self.waiting
+        limit = self.settings.max_queue_wait
         if not limit > 0:
             return
-        while waiting and self.now >= self.arrivals[waiting[0]] + limit:  # as next_deadline reckons it
-            index = waiting.popleft()
+        while (index := self._first_timed()) is not None and self.now >= self.arrivals[index] + limit:
+            self._dequeue(index)  # (as next_deadline reckons it)
             self._timed_out(index, self._unqueue(index) + limit, progress)
+
+    def _first_timed(self) -> int | None:
+        """The waiting request whose queue wait limit comes first, with one limit for all: the
+        earliest arrival, after any preempted ones (at the head, and never timed out). None: none."""
+        waiting, preempted = self.waiting, self.preempted
+        if not preempted:
+            return waiting[0] if waiting else None
+        return next((index for index in waiting if index not in preempted), None)
 
     def _expire_by_deadline(self, progress: Callable[[int], None]) -> None:
         """expire_waiting's way with tenants' own limits: the heap of deadlines, earliest first."""
@@ -419,14 +472,14 @@ class ReplicaRun:
         """When the next waiting request times out (its queue wait limit), unless it starts
         first; inf with no limit or no queue."""
         if self.tenant_waits:
-            deadlines, arrivals = self.deadlines, self.arrivals
-            while deadlines and deadlines[0][1] not in arrivals:  # (started, or timed out already)
+            deadlines, arrivals, preempted = self.deadlines, self.arrivals, self.preempted
+            # (started, or timed out already; or started, preempted and waiting again: never timed out)
+            while deadlines and (deadlines[0][1] not in arrivals or deadlines[0][1] in preempted):
                 heapq.heappop(deadlines)
             return deadlines[0][0] if deadlines else float("inf")
         limit = self.settings.max_queue_wait
-        if not limit > 0 or not self.waiting:
-            return float("inf")
-        return self.arrivals[self.waiting[0]] + limit
+        index = self._first_timed() if limit > 0 else None
+        return float("inf") if index is None else self.arrivals[index] + limit
 
     def admit_waiting(self, progress: Callable[[int], None]) -> None:
         """Start waiting requests in queue order while they fit and a slot is free (those past
@@ -451,16 +504,106 @@ class ReplicaRun:
             self._dequeue(index)
             # (unqueued either way) its first token counts from its arrival, a re-routed one's first arrival
             arrival = self.origins.pop(index, self._unqueue(index))
+            arrival, made = self.preempted.pop(index, (arrival, 0))
             request, s = self.requests[index], self.settings
             restored = self.restored[index]
-            uncached = request.input_length - self.manager.sequence(str(index)).hit_tokens - restored
+            seq = self.manager.sequence(str(index))
+            uncached = request.input_length + made - seq.hit_tokens - restored
             first = self.now + (restored / s.restore_rate if restored else 0.0)  # no term without a tier: bit for bit
             # summed left to right, as the replay always has: its finish times stay bit for bit
-            heapq.heappush(self.running, (first + uncached / s.prefill_rate + request.output_length / s.decode_rate,
-                                          index))
+            heapq.heappush(self.running, (first + uncached / s.prefill_rate + (request.output_length - made)
+                                          / s.decode_rate, index))
+            self.arrived[index] = arrival
+            self.decoding[index] = (first, first + uncached / s.prefill_rate, made, seq.hit_tokens + restored)
+            self._grow_later(index)
+            if index in self.first_out:
+                continue  # its first token came before it was preempted
             self.ttft.append(first - arrival + uncached / s.prefill_rate)
+            self.pending_ttft[index] = self.ttft[-1]
             if request.tenant is not None:
                 self.tenant_ttft.setdefault(request.tenant, []).append(self.ttft[-1])
+
+    # ---- output growth and preemption ---------------------------------------------------------
+    def _grow_later(self, index: int) -> None:
+        """Schedule when running request `index` makes the output token its blocks (table and
+        reservation) have no slot for; none when they hold its whole output."""
+        request, seq = self.requests[index], self.manager.sequence(str(index))
+        slots = (len(seq.table) + len(seq.reserve)) * self.settings.block_size
+        if slots >= request.input_length + request.output_length:
+            return
+        _, first_token, made, _ = self.decoding[index]
+        token = slots + 1 - request.input_length  # the output token (1 is the first) with no slot
+        heapq.heappush(self.growing, (first_token + (token - made) / self.settings.decode_rate, index))
+
+    def grow(self, index: int) -> None:
+        """Running request `index` made an output token its blocks have no slot for: it takes a
+        block (the cache evicts to make room), or preempts the running request last in kvd's order
+        until one is free, itself perhaps (`preempt`)."""
+        seq_id, size = str(index), self.settings.block_size
+        seq = self.manager.sequence(seq_id)
+        wanted = (len(seq.table) + len(seq.reserve)) * size + 1 - seq.num_tokens
+        while True:
+            t0 = time.perf_counter_ns()
+            try:
+                self.manager.append(seq_id, wanted)
+            except CacheFull:
+                self.call_ns.append(time.perf_counter_ns() - t0)
+                victim = max((i for _, i in self.running), key=self._rank)
+                self.preempt(victim)
+                if victim == index:
+                    return
+                continue
+            self.call_ns.append(time.perf_counter_ns() - t0)
+            self.block_ops += 1
+            self._grow_later(index)
+            return
+
+    def _rank(self, index: int) -> tuple[int, int]:
+        """kvd's order of a request (the larger, the later): under queue_order priority its
+        tenant's place first; then its arrival here. Preemption takes the last."""
+        place = self.place(self.requests[index].tenant) if self.settings.queue_order == "priority" else 0
+        return place, self.orders[index]
+
+    def preempt(self, index: int) -> None:
+        """Running request `index` gives back its blocks (what it computed of its prompt stays
+        cached) and goes back to the head of the queue with the output it made, as kvd's engine
+        preempts. Preempted before its first token, that token counts when it comes."""
+        request, now = self.requests[index], self.now
+        prefill_start, first_token, made, cached = self.decoding.pop(index)
+        if now < first_token:  # still computing its prompt: only what it computed is cached
+            computed = cached + max(int((now - prefill_start) * self.settings.prefill_rate), 0)
+            written = min(computed, request.input_length + made)
+        else:  # what it made by now, no more than its blocks have slots for
+            seq = self.manager.sequence(str(index))
+            slots = (len(seq.table) + len(seq.reserve)) * self.settings.block_size - request.input_length
+            made = min(request.output_length, slots, made + int((now - first_token) * self.settings.decode_rate))
+            written = None
+        t0 = time.perf_counter_ns()
+        self.manager.release(str(index), written_tokens=written)
+        self.call_ns.append(time.perf_counter_ns() - t0)
+        self.running = [entry for entry in self.running if entry[1] != index]
+        heapq.heapify(self.running)
+        self.growing = [entry for entry in self.growing if entry[1] != index]
+        heapq.heapify(self.growing)
+        self.restored.pop(index, None)
+        if index in self.pending_ttft:
+            ttft = self.pending_ttft.pop(index)
+            if now < first_token:  # its first token had not come: it counts when it does
+                self.ttft.remove(ttft)
+                if request.tenant is not None:
+                    self.tenant_ttft[request.tenant].remove(ttft)
+            else:
+                self.first_out.add(index)
+        self.preemptions += 1
+        self.preempted[index] = (self.arrived.pop(index), made)
+        cached_now = self.manager.lookup(self.keys[index], request.input_length + made) * self.settings.block_size
+        estimate = (request.input_length + made - cached_now) / self.settings.prefill_rate \
+            + (request.output_length - made) / self.settings.decode_rate
+        self.arrivals[index], self.queued_work[index] = now, estimate
+        self.queued_seconds += estimate
+        for key in self.keys[index]:
+            self.queued_keys[key] = self.queued_keys.get(key, 0) + 1
+        self.waiting.appendleft(index)  # before every later arrival, as kvd ranks it (see the module's doc)
 
     def _queue_order(self) -> Iterator[int] | None:
         """The waiting requests in the order of queue_order: under priority, by their tenants'
@@ -513,11 +656,27 @@ class ReplicaRun:
 
     def finish_until(self, limit: float, progress: Callable[[int], None]) -> None:
         """Finish every request done by `limit`, admitting waiting ones as slots free."""
-        running = self.running
-        while running and running[0][0] <= limit:
-            done, index = heapq.heappop(running)
+        while self.running:
+            # (a growth at a finish's time goes first: a last output token may need a block)
+            if self.growing and self.growing[0][0] <= self.running[0][0]:
+                when, index = self.growing[0]
+                if when > limit:
+                    break
+                heapq.heappop(self.growing)
+                self.advance(when)
+                self.grow(index)
+                self.admit_waiting(progress)
+                continue
+            done, index = self.running[0]
+            if done > limit:
+                break
+            heapq.heappop(self.running)
             self.advance(done)
             self.finish(index)
+            self.e2e.append(done - self.arrived.pop(index))
+            self.decoding.pop(index, None)
+            self.pending_ttft.pop(index, None)
+            self.first_out.discard(index)
             progress(1)
             self.admit_waiting(progress)
 
@@ -536,6 +695,7 @@ class ReplicaRun:
             return False
         if origin is not None:
             self.origins[index] = origin
+        self.orders[index] = len(self.orders)
         request = self.requests[index]
         cached = self.manager.lookup(self.keys[index], request.input_length) * self.settings.block_size
         estimate = self.service_seconds(index, request.input_length - cached)
@@ -555,6 +715,7 @@ class ReplicaRun:
             index = self.waiting.popleft()
             self._unqueue(index)
             self.origins.pop(index, None)
+            self.preempted.pop(index, None)
             self.reject("cache_full", index)
             progress(1)
 
@@ -612,6 +773,9 @@ class ReplicaRun:
             tenant_ttft_p95_s={} if s.sequential else tenant_percentiles(self.tenant_ttft, 0.95),
             tenant_rejected={tenant: self.tenant_rejected[tenant]
                              for tenant in sorted({*self.tenant_tokens, *self.tenant_rejected})},
+            reservation=s.reservation, recomputed_after_preemption=self.recomputed_after_preemption,
+            e2e_p50_s=None if s.sequential else percentile(sorted(self.e2e), 0.50),
+            e2e_p95_s=None if s.sequential else percentile(sorted(self.e2e), 0.95),
         )
 
 

@@ -1,4 +1,5 @@
-"""Replay one trace over a grid of block sizes, capacities, policies and lower-tier sizes.
+"""Replay one trace over a grid of block sizes, capacities, policies, lower-tier sizes, queue
+orders and output reservations.
 
 Keys are hashed once per block size and shared by every run at that size; the
 unbounded-cache maximum is computed once per block size too.
@@ -27,8 +28,9 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
                   balance_seconds: float = 2.0, new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
                   placements: int = 1, queue_limits: Sequence[str] = ("heed",),
                   speeds: Sequence[float] | None = None, queue_waits: Sequence[float] | None = None,
-                  queue_orders: Sequence[str] = ("fifo",)) -> None:
-    """Raise ValueError naming the first bad field and value, before any work starts."""
+                  queue_orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None) -> None:
+    """Raise ValueError naming the first bad field and value, before any work starts.
+    `reservations`: the output reservations compared (None: the base's alone)."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
     if not isinstance(placements, int) or isinstance(placements, bool) or placements < 1:
@@ -85,7 +87,10 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
     for policy in policies:
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"policy: unknown value {policy!r}; choose from {', '.join(EVICTION_POLICIES)}")
-    parse_reservation(base.reservation)
+    if reservations is not None and not reservations:
+        raise ValueError("reservation: give at least one output reservation (fixed:N, fraction:F or p95)")
+    for spec in (base.reservation,) if reservations is None else reservations:
+        parse_reservation(spec)  # (its error names the output reservation and the value)
     for name in ("prefill_rate", "decode_rate", "time_scale"):
         if not getattr(base, name) > 0:
             raise ValueError(f"{name}: must be > 0, got {getattr(base, name)!r}")
@@ -104,7 +109,8 @@ REPLAY_QUEUE_ORDERS = ("fifo", "priority", "lpm")
 
 def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
           policies: Sequence[str], base: ReplaySettings, tier_tokens: Sequence[int] = (0,),
-          queue_orders: Sequence[str] = ("fifo",)) -> Iterator[tuple[ReplaySettings, list, list[int]]]:
+          queue_orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None
+          ) -> Iterator[tuple[ReplaySettings, list, list[int]]]:
     """(settings, keys, unbounded-cache hits) for each point of the grid, hashing each block size once."""
     for block_size in block_sizes:
         keyer = TraceKeyer(block_size)
@@ -116,8 +122,10 @@ def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
                     # with tenant shares, each policy without them and with them: the comparison they are for
                     for shares in ((), base.tenant_shares) if base.tenant_shares else ((),):
                         for order in queue_orders:
-                            yield (replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy,
-                                           tenant_shares=shares, tier_tokens=tier, queue_order=order), keys, max_hits)
+                            for reservation in reservations or (base.reservation,):
+                                yield (replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy,
+                                               tenant_shares=shares, tier_tokens=tier, queue_order=order,
+                                               reservation=reservation), keys, max_hits)
         del keys, keyer
 
 
@@ -125,13 +133,16 @@ def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
           policies: Sequence[str], base: ReplaySettings,
           progress: Callable[[int], None] | None = None,
           on_result: Callable[[ReplayResult], None] | None = None,
-          tier_tokens: Sequence[int] = (0,), queue_orders: Sequence[str] = ("fifo",)) -> list[ReplayResult]:
+          tier_tokens: Sequence[int] = (0,), queue_orders: Sequence[str] = ("fifo",),
+          reservations: Sequence[str] | None = None) -> list[ReplayResult]:
     """Replay every point of the grid (block sizes x capacities x lower-tier sizes x policies, with
-    and without tenant shares x queue orders) through one cache each."""
-    validate_grid(block_sizes, capacities, policies, base, tier_tokens=tier_tokens, queue_orders=queue_orders)
+    and without tenant shares x queue orders x output reservations, None: the base's) through one
+    cache each."""
+    validate_grid(block_sizes, capacities, policies, base, tier_tokens=tier_tokens, queue_orders=queue_orders,
+                  reservations=reservations)
     results: list[ReplayResult] = []
     for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
-                                          queue_orders):
+                                          queue_orders, reservations):
         results.append(replay(settings, requests, keys, max_hits, progress))
         if on_result:
             on_result(results[-1])
@@ -145,19 +156,19 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
                 new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
                 placements: int = 1, queue_limits: Sequence[str] = ("heed",),
                 reroute: bool = True, speeds: Sequence[float] | None = None,
-                queue_waits: Sequence[float] | None = None, queue_orders: Sequence[str] = ("fifo",)
-                ) -> list[FleetResult]:
+                queue_waits: Sequence[float] | None = None, queue_orders: Sequence[str] = ("fifo",),
+                reservations: Sequence[str] | None = None) -> list[FleetResult]:
     """`sweep` for a fleet of `replicas` (each with a cache of each capacity, sharing a lower tier of
     each `tier_tokens`), once per routing and per `queue_limits` value (heed, ignore: once for a
     routing that reads no load); a routing that sends new prefixes home by a hash is replayed
     `placements` times, each placing them anew (FleetResult.placements). `reroute`: queue timeouts
     go to another replica (`replay_fleet`); `speeds`, `queue_waits`: each replica's speed and
-    max_queue_wait (`replay_fleet`)."""
+    max_queue_wait (`replay_fleet`); `reservations`: the output reservations compared (None: the base's)."""
     validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix,
-                  tier_tokens, placements, queue_limits, speeds, queue_waits, queue_orders)
+                  tier_tokens, placements, queue_limits, speeds, queue_waits, queue_orders, reservations)
     results: list[FleetResult] = []
     for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
-                                          queue_orders):
+                                          queue_orders, reservations):
         for routing in routings:
             for limits in limit_choices(routing, queue_limits):
                 draws = placements if placements > 1 and places_new_prefixes(routing, new_prefix) else 1
