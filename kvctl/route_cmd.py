@@ -64,6 +64,9 @@ def route(ctx: typer.Context,
           tenant: Optional[str] = typer.Option(None, help="Tenant namespace to look in."),
           model: Optional[str] = typer.Option(None, help="A LoRA adapter's name (lora_modules): weigh its own "
                                                          "blocks, and at kvd router only replicas serving it."),
+          priority: Optional[int] = typer.Option(None, help="The request's own priority (vLLM's; 1 or more defers "
+                                                 "it behind its tenant's place): under queue_order priority, the "
+                                                 "wait it would get."),
           routing: list[str] = typer.Option([",".join(ONE_SHOT_POLICIES)], "--routing",
                                             help="Policies to ask: least_loaded, prefix, ttft."),
           prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second of a replica "
@@ -79,7 +82,11 @@ def route(ctx: typer.Context,
 
     Example: kvctl route --file prompt.txt --replica /run/kvd-a/kvd.sock --replica /run/kvd-b/kvd.sock
     """
-    prompt = {**prompt_body(text, tokens, file, messages), **({"model": model} if model else {})}
+    if priority is not None and priority < 0:
+        raise UserError(f"priority: {priority} would jump ahead of its tenant's place; a request may only defer "
+                        "itself (0 or more)")
+    prompt = {**prompt_body(text, tokens, file, messages), **({"model": model} if model else {}),
+              **({"priority": priority} if priority else {})}
     if router is not None:
         if replica:
             raise UserError("replica: give --router or --replica, not both")

@@ -1481,6 +1481,11 @@ def test_route_asks_each_replica_and_says_where_each_policy_would_send_the_promp
         "prefix": {"replica": "/run/a.sock", "reason": "caches 3072 of its 4100 tokens"}}
     assert cli(capsys, "route", "hi", "--replica", "/run/a.sock")[2].strip() == \
         "error: replica: give two or more (--replica SOCKET_OR_URL, repeated), got 1"
+    fleet["/run/a.sock"].asked.clear()
+    assert cli(capsys, *args, "--priority", "5")[0] == 0  # the request's own: each replica weighs its place
+    assert fleet["/run/a.sock"].asked == [("/admin/route-facts", {"tokens": [1, 2, 3], "priority": 5, "tenant": None})]
+    assert " ".join(cli(capsys, *args, "--priority", "-1")[2].split()) == (
+        "error: priority: -1 would jump ahead of its tenant's place; a request may only defer itself (0 or more)")
     assert cli(capsys, *args, "--routing", "round_robin")[2].strip() == \
         "error: routing: unknown value 'round_robin' for one prompt; choose from least_loaded, prefix, ttft"
     fleet["/run/a.sock"] = fleet["/run/b.sock"] = Down()

@@ -369,7 +369,29 @@ def test_under_a_priority_queue_route_facts_count_only_the_work_at_the_tenant_s_
         assert poll["tokens_ahead"] == len(first) + len(second)
         assert poll["priority_waiting"] == [[-10, len(second)], [0, len(first)]]
         assert poll["tenant_places"] == {"acme": -10}
+        # an acme request deferring itself (vLLM's priority) by 10 waits at 0: behind globex's too
+        deferred = call(app, "POST", "/admin/route-facts", json={"tokens": probe, "tenant": "acme", "priority": 10})
+        assert deferred.json()["tokens_ahead"] == len(first) + len(second)
+        assert call(app, "POST", "/admin/route-facts", json={"tokens": probe, "tenant": "acme", "priority": 9}
+                    ).json()["tokens_ahead"] == len(second)
+        refused = call(app, "POST", "/admin/route-facts", json={"tokens": probe, "tenant": "acme", "priority": -1})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
+        assert refused.json()["error"]["message"].startswith("priority: -1 would jump ahead of its tenant's place")
         release(service, held)
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_route_facts_refuse_a_request_s_own_priority_where_the_queue_is_first_come_first_served(tmp_path):
+    """As kvd refuses such a request itself: a router asking for it learns it (a 400 it passes over)."""
+    service = start_service(tmp_path)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        answer = call(app, "POST", "/admin/route-facts", json={"text": PROMPTS[1], "priority": 3})
+        assert answer.status_code == 400 and answer.json()["error"]["message"] == (
+            "priority: 3 asks for a place in the queue, but kvd serves its queue first come, first served "
+            "(queue_order: fifo; queue_order: priority orders it)")
+        assert call(app, "POST", "/admin/route-facts", json={"text": PROMPTS[1], "priority": 0}).status_code == 200
     finally:
         service.shutdown(deadline=2)
 

@@ -155,6 +155,19 @@ def test_a_replica_with_a_priority_queue_is_waited_for_less_by_a_request_of_a_be
     assert view.facts(0, in_flight=0, tenant="acme").wait_seconds == pytest.approx(0.1 + 0.5)
 
 
+def test_a_request_that_defers_itself_waits_for_the_work_up_to_its_own_place():
+    """The same load: an acme request (at -10) deferring itself by 5 waits at -5, still for the 200
+    alone; by 10, at 0, for the 300 too (it arrived later); by 20, at 10, for all. Another tenant's
+    by 3, at 3: for the 200 and the 300, not the 500."""
+    view = ReplicaView()
+    view.reset(snapshot([]))
+    view.note_load({**LOAD, "priority_waiting": [[-10, 200], [0, 300], [5, 500]],
+                    "tenant_places": {"acme": -10, "batch": 5}}, asked_at=10.0)
+    waits = [view.facts(0, in_flight=0, tenant=tenant, priority=priority).wait_seconds
+             for tenant, priority in (("acme", 0), ("acme", 5), ("acme", 10), ("acme", 20), ("globex", 3))]
+    assert waits == [pytest.approx(0.1), pytest.approx(0.1), pytest.approx(0.25), 0.5, pytest.approx(0.25)]
+
+
 def test_before_a_prefill_is_measured_the_wait_is_the_oldest_waiting_requests_age():
     view = ReplicaView()
     view.note_load({**LOAD, "prefill_tokens_per_second": None, "predicted_wait_seconds": None}, asked_at=0.0)

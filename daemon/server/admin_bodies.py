@@ -182,3 +182,5 @@ class ExplainRequest(BaseModel):
     tools: Any = None  # with messages: as /v1/chat/completions takes them
     tenant: Tenant | None = None
     model: str | None = None  # a LoRA adapter's name: its blocks (None, or the model's name: the model's)
+    # route-facts: the request's own priority (vLLM's; it may defer itself under queue_order priority)
+    priority: Count | None = None

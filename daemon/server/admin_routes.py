@@ -300,7 +300,8 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         under the caller's token's tenant, `tenant` here when the body names none)."""
         # a model it does not serve is the router's to refuse (route-facts weighs; the model's blocks)
         adapter = body.model if body.model in service.adapters() else ""
-        facts = cache_questions.route_facts(service, tokens_of(body), body.tenant or who.tenant, adapter)
+        facts = cache_questions.route_facts(service, tokens_of(body), body.tenant or who.tenant, adapter,
+                                            body.priority)
         return {**facts, "tenant_header": tenant_header,
                 "report_cached_tokens": service.config.report_cached_tokens}  # a router's X-KVD-Route keeps to it
 

@@ -22,7 +22,7 @@ REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its 
                  "sleep": "as kvd went to sleep and gave back its cache's memory"}
 
 
-def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "") -> dict:
+def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "", requested: int | None = None) -> dict:
     """This replica for this prompt, as a router weighs it: the prompt's tokens its device
     cache holds, and its load (see `Engine.predicted_wait`; under queue_order lpm, the work that
     would go before this prompt; under priority, before a request of `tenant`, and each tenant's
@@ -31,7 +31,9 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "") -
     namespace's other fields (a router that computes keys itself notices a change: new
     scales, say) and the model it serves (a router sends a request naming one only where it is
     served, and its LoRA adapters by name with their ids in the namespace). `adapter`: the prompt
-    is for that LoRA adapter (its own blocks). Hashes before taking the lock."""
+    is for that LoRA adapter (its own blocks). `requested`: the request's own priority (vLLM's; it
+    may defer itself behind its tenant's place), which the wait counts from, refused (ServiceError
+    400) as kvd refuses the request itself. Hashes before taking the lock."""
     engine = service.require_ready()
     keys = engine.prefix_keys(tenant, token_ids, adapter)[2]
     size = engine.settings.block_size
@@ -39,7 +41,8 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "") -
     # (a router's load poll), the wait of the last place and max_queue_wait, which a router's view
     # makes each tenant's by `priority_waiting` and `tenant_queue_waits`
     ranked = engine.settings.queue_order == "priority"
-    priority = service.queue_priority(tenant, None) if ranked and token_ids else None
+    place = service.queue_priority(tenant, requested)  # (checked whatever the order: kvd would refuse it)
+    priority = place if ranked and token_ids else None
     with service.lock:
         hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
         limit = engine.cache.cacheable_blocks(len(token_ids))

@@ -160,7 +160,7 @@ class ReplicaView:
         return priced_restore(run, self.load.get("block_bytes") or 0, self.load.get("restore_rates") or {})
 
     def facts(self, cached_tokens: int, in_flight: int, restorable_tokens: int = 0,
-              restore_seconds: float = 0.0, tenant: str | None = None) -> ReplicaFacts:
+              restore_seconds: float = 0.0, tenant: str | None = None, priority: int = 0) -> ReplicaFacts:
         """The replica as the routing policy weighs it: the cached (and restorable) tokens given,
         and its polled wait lengthened by the prompt tokens sent there since, at its measured
         prefill rate. A replica whose queue goes by the longest cached prefix first (lpm) says
@@ -168,7 +168,8 @@ class ReplicaView:
         blocks than this prompt would start after it, and is not waited for. One whose queue goes
         by priority says what waits there by place (`priority_waiting`) and each tenant's place
         (`tenant_places`, 0 for one not named): what waits at a worse place than `tenant`'s (as
-        the replica serves it) would start after this request. Where tenants have queue wait
+        the replica serves it), moved back by the request's own `priority` (vLLM's: it may defer
+        itself), would start after this request. Where tenants have queue wait
         limits of their own (`tenant_queue_waits`), `tenant`'s is the limit weighed."""
         polled = facts_from_answer({**self.load, "cached_tokens": cached_tokens}, in_flight)
         rate = polled.prefill_rate
@@ -176,7 +177,7 @@ class ReplicaView:
         blocks = cached_tokens // self.block_size if self.block_size else 0
         after = sum(tokens for held, tokens in self.load.get("lpm_waiting") or () if held < blocks)
         if self.load.get("priority_waiting") and tenant is not None:
-            place = (self.load.get("tenant_places") or {}).get(tenant, 0)
+            place = (self.load.get("tenant_places") or {}).get(tenant, 0) + priority
             after += sum(tokens for waits_at, tokens in self.load["priority_waiting"] if waits_at > place)
         wait = max(polled.wait_seconds - (after / rate if rate else 0.0), 0.0) + (extra / rate if rate else 0.0)
         limit = polled.max_wait_seconds

@@ -19,11 +19,14 @@ from .responses_input import chat_fields
 
 def question_of(body: dict) -> dict | None:
     """The question for the request's (first) prompt, with the model it names (a LoRA adapter's
-    blocks are its own); None when it has none the router can read (the replica then says what is
-    wrong with it)."""
+    blocks are its own) and the priority it defers itself by (vLLM's `priority`, above 0); None
+    when it has none the router can read (the replica then says what is wrong with it)."""
     question = prompt_question(body)
     if question is not None and isinstance(body.get("model"), str):
         question["model"] = body["model"]
+    priority = body.get("priority")
+    if question is not None and isinstance(priority, int) and not isinstance(priority, bool) and priority > 0:
+        question["priority"] = priority  # a request that defers itself waits behind more under a priority queue
     return question
 
 

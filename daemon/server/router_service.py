@@ -386,8 +386,9 @@ class RouterService:
                 memo["ids", digest, template_digest] = local_ids(question, tokenizer, template)
             ids = memo["ids", digest, template_digest]
         tenant = view.tenant_for(tenant)
+        priority = question.get("priority", 0) if question is not None else 0  # (a deferral, question_of's)
         if not ids:  # no prompt it can read: it goes by load, and the replica says what is wrong
-            return Local(view.facts(0, replica.open, tenant=tenant), [], 0)
+            return Local(view.facts(0, replica.open, tenant=tenant, priority=priority), [], 0)
         name = (tenant, *sorted(namespace.items()))
         if ("keys", name) not in memo:
             try:
@@ -398,7 +399,8 @@ class RouterService:
         cached = view.cached_tokens(keys, len(ids), now)
         run = view.lower_run(keys[cached // view.block_size:view.cacheable_blocks(len(ids))])
         restorable = sum(run.values()) * view.block_size
-        return Local(view.facts(cached, replica.open, restorable, view.restore_seconds(run), tenant), keys, len(ids))
+        return Local(view.facts(cached, replica.open, restorable, view.restore_seconds(run), tenant, priority),
+                     keys, len(ids))
 
     @property
     def disaggregated(self) -> bool:
