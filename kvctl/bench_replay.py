@@ -18,7 +18,7 @@ from kvctl.trace_stats import coarse_ids, fleet_figures, live_cached_ratio
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
-from kvctl.policies.tenant_map import parse_tenant_map, priority_of, queue_wait_of
+from kvctl.policies.tenant_map import any_queue_wait, parse_tenant_map, priority_of, queue_wait_of
 from kvctl.policies.tenant_shares import parse_shares
 
 from .errors import UserError
@@ -180,8 +180,7 @@ def replay_command(
             tenant_queue_waits, queue_wait_of, "seconds", noun="queue wait")
     except ValueError as exc:
         raise UserError(f"tenant_queue_waits: invalid value {tenant_queue_waits!r}: {exc}") from None
-    if len(set(limits)) > 1 and not (max_queue_wait > 0 or any(w > 0 for w in waits or ())
-                                     or any(w > 0 for _, w in own_waits)):
+    if len(set(limits)) > 1 and not any_queue_wait(max([max_queue_wait, *(waits or ())]), own_waits):
         raise UserError(f"queue_limits: {','.join(limits)} compares nothing without --max-queue-wait: a router "
                         "heeds the replicas' limits, and there are none")
     base = ReplaySettings(block_size=sizes[0] if sizes else 16,

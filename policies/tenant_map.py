@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -59,3 +59,9 @@ def queue_wait_of(tenant: str, value: Any) -> float:
     if not (math.isfinite(seconds) and seconds >= 0):
         raise ValueError(f"queue wait of {tenant!r} must be a number of seconds >= 0 (0: no limit), got {value!r}")
     return seconds
+
+
+def any_queue_wait(max_queue_wait: float, tenant_queue_waits: Iterable[tuple[str, float]] = ()) -> bool:
+    """Whether any request can time out waiting: under a `max_queue_wait` for all, or a tenant's own
+    limit (`tenant_queue_waits`' (tenant, seconds) pairs; 0 is none)."""
+    return max_queue_wait > 0 or any(seconds > 0 for _, seconds in tenant_queue_waits)

@@ -275,3 +275,11 @@ def test_tenant_queue_waits_are_checked_and_live_on_a_reload():
             resolve({"tenant_queue_waits": value}, env={})
         assert str(refused.value) == (f"tenant_queue_waits: invalid value {value!r} from --tenant-queue-waits: {why}")
     assert "tenant_queue_waits" in LIVE_SETTINGS
+
+
+def test_any_queue_wait_says_whether_a_request_can_time_out_waiting():
+    from kvctl.policies.tenant_map import any_queue_wait
+
+    assert [any_queue_wait(wait, own) for wait, own in (
+        (0.0, ()), (30.0, ()), (0.0, (("batch", 0.0),)), (0.0, (("batch", 0.0), ("chat", 10.0))))] == [
+        False, True, False, True]

@@ -44,6 +44,7 @@ from kvctl.policies.queue_order import (LPM_MAX_WAITING, check_queue_order, long
                                        tried_before)
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation
+from kvctl.policies.tenant_map import any_queue_wait
 from kvctl.policies.tiering import PrefetchWait, RateMeter
 
 from ..model.llama import ForwardBatch, LoadedModel, StagedWeights
@@ -536,7 +537,7 @@ class Engine:
         or some of its samples running) waits on. The log says how many, at most once every
         QUEUE_TIMEOUT_LOG_S."""
         settings = self.settings
-        if not self._waiting or not (settings.max_queue_wait > 0 or any(w > 0 for _, w in settings.tenant_queue_waits)):
+        if not self._waiting or not any_queue_wait(settings.max_queue_wait, settings.tenant_queue_waits):
             return []
         now = self.clock()
         late = {}

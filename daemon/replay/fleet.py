@@ -48,6 +48,7 @@ from typing import Callable, Sequence
 from kvctl.daemon.cache.keys import BlockKey
 from kvctl.daemon.stats import percentile
 from kvctl.policies.routing import ReplicaFacts, make_router, none_in_time
+from kvctl.policies.tenant_map import any_queue_wait
 
 from .simulator import ReplaySettings, ReplicaRun, tenant_percentiles
 from .trace import TraceRequest
@@ -141,7 +142,7 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
     rerouted, rerouted_full, gave_up = 0, 0, 0
     gave_up_by: Counter[str] = Counter()  # tenant -> its requests every replica turned away
     rerouting = reroute and recorded is None and any(
-        run.settings.max_queue_wait > 0 or any(w > 0 for _, w in run.settings.tenant_queue_waits) for run in runs)
+        any_queue_wait(run.settings.max_queue_wait, run.settings.tenant_queue_waits) for run in runs)
     if rerouting:
         for number, run in enumerate(runs):
             run.on_timeout = lambda index, when, number=number: timed_out.append((when, index, number))
