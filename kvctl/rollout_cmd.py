@@ -20,7 +20,7 @@ AS_JSON = typer.Option(False, "--json", help="Print JSON.")
 
 
 FIGURES = ("requests", "recomputed_token_ratio", "hit_ratio", "ttft_p50_seconds", "ttft_p95_seconds",
-           "preemptions_per_request", "tpot_p50_seconds", "tpot_p95_seconds")
+           "preemptions_per_request", "reserved_unused_ratio", "tpot_p50_seconds", "tpot_p95_seconds")
 EVENTS_SHOWN = 10
 
 

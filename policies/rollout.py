@@ -6,6 +6,7 @@ A stop condition compares a cohort figure with a constant or with the baseline's
     ttft_p95_seconds > 1.5 * baseline
     hit_ratio < 0.3
     tpot_p95_seconds > 1.1 * baseline    (time per output token: a speculative_config cohort)
+    preemptions_per_request > 0.05       (a reservation cohort; reserved_unused_ratio says what it frees)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 from dataclasses import dataclass
 
 FIGURES = ("recomputed_token_ratio", "hit_ratio", "ttft_p95_seconds", "ttft_p50_seconds", "preemptions_per_request",
-           "tpot_p50_seconds", "tpot_p95_seconds")
+           "tpot_p50_seconds", "tpot_p95_seconds", "reserved_unused_ratio")
 MIN_REQUESTS = 5  # requests on each side before a stop condition compares them
 # a nearest-rank p95 of fewer than 20 values is their maximum: one slow request would trip it
 MIN_REQUESTS_FOR = {"ttft_p95_seconds": 20, "tpot_p95_seconds": 20}

@@ -1493,3 +1493,24 @@ def test_device_cuda_without_cuda_says_so_naming_the_setting(tmp_path):
         service.load()
     assert str(refused.value).startswith(f"device: cuda, but torch {torch.__version__} finds no CUDA device (")
     assert str(refused.value).endswith("); use device auto or cpu")
+
+
+def test_status_and_metrics_say_what_the_output_reservation_left_unwritten(tmp_path):
+    """A 32-token prompt asking 40 tokens reserves 5 blocks (fraction:1); stopped at its first token
+    it wrote its prompt alone, 2 blocks: 3 were reserved and never written."""
+    from kvctl.daemon.server.app import create_app
+
+    service = start_service(tmp_path)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        vocab = service.engine.model.config.vocab_size
+        answer = call(app, "POST", "/v1/completions", json={
+            "prompt": list(range(40, 72)), "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": list(range(vocab))})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "stop"
+        assert call(app, "GET", "/admin/status").json()["reservation"] == {
+            "policy": "fraction:1", "finished_blocks": 5, "unused_blocks": 3}
+        scraped = call(app, "GET", "/metrics").text.splitlines()
+        assert "kvd_finished_blocks_total 5.0" in scraped and "kvd_reserved_unused_blocks_total 3.0" in scraped
+    finally:
+        service.shutdown(deadline=2)

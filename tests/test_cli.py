@@ -1605,3 +1605,20 @@ def test_status_shows_the_conversations_kept_and_those_let_go():
     assert ("conversations 2 kept in 1.0 MiB of 1.0 MiB; 5 let go for room (a request that names one gets a 404); "
             "3 idle past responses_max_age; 1 turns not added (the conversation would outgrow the budget)") in shown(
         {"conversations": 2, "bytes": 2**20, "budget_bytes": 2**20, "dropped": 5, "expired": 3, "turns_lost": 1})
+
+
+def test_status_says_what_the_output_reservation_left_unwritten():
+    from rich.console import Console
+
+    from kvctl.status_view import render_status
+
+    def shown(reservation):
+        console = Console(record=True, width=200)
+        render_status({**_status_data(0), **({"reservation": reservation} if reservation else {})}, console)
+        return " ".join(console.export_text().split())
+
+    assert "reservation" not in shown(None)  # an older kvd says nothing
+    assert "reservation p95 (no request has finished yet)" in shown(
+        {"policy": "p95", "finished_blocks": 0, "unused_blocks": 0})
+    assert ("reservation fraction:1: 25.3% of the blocks finished requests held were reserved and never written "
+            "(2,530 of 10,000)") in shown({"policy": "fraction:1", "finished_blocks": 10_000, "unused_blocks": 2_530})

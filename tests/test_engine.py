@@ -689,3 +689,28 @@ def test_the_engine_predicts_a_new_requests_wait_from_the_prompt_tokens_ahead_of
     engine.add_request(first[:64] + [200] * 10, GREEDY)  # 64 of its tokens are cached
     engine.add_request(first[:64] + [201] * 10, GREEDY)
     assert engine.tokens_ahead() == 2 * 10
+
+
+def test_a_finished_request_counts_the_blocks_it_held_and_those_reserved_it_never_wrote(demo):
+    ids = list(range(40, 72))  # 32 tokens: two whole blocks
+    _, [[greedy]] = run(demo, [ids], SamplingParams(max_tokens=40, ignore_eos=True))
+    stop_id = greedy[4]
+    made = greedy.index(stop_id) + 1  # its output, to the first stop token
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16))  # reservation fraction:1.0
+    stopped = engine.add_request(ids, SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=(stop_id,)))
+    engine.run_until_done()
+    assert len(stopped.sequences[0].output_ids) == made
+    # it reserved for 32 + 40 tokens, 5 blocks; it wrote its prompt and its output but the last token
+    written = -(-(32 + made - 1) // 16)
+    assert (engine.stats.finished_blocks, engine.stats.reserved_unused_blocks) == (5, 5 - written)
+    whole = engine.add_request(ids, SamplingParams(max_tokens=16, ignore_eos=True))  # 48 tokens: 3 blocks, all written
+    engine.run_until_done()
+    assert whole.sequences[0].finish_reason == "length"
+    assert (engine.stats.finished_blocks, engine.stats.reserved_unused_blocks) == (5 + 3, 5 - written)
+    cancelled = engine.add_request(ids, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.step()
+    engine.cancel(cancelled.request_id)
+    engine.run_until_done()
+    assert (engine.stats.finished_blocks, engine.stats.reserved_unused_blocks) == (5 + 3, 5 - written)
+    assert all_blocks_back(engine)

@@ -198,7 +198,8 @@ def test_a_slow_cohort_rolls_back_on_its_p95_only_once_each_side_has_20_requests
     manager.start({"settings": {"reservation": "p95"}}, "50%", ["ttft_p95_seconds > 1.5 * baseline"], None, "ops")
 
     def finished(cohort: str, ttft: float):
-        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=ttft, token_times=[])
+        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=ttft, token_times=[],
+                                  finished_blocks=0, reserved_unused_blocks=0)
         return SimpleNamespace(metrics=metrics, prompt_ids=[1] * 8, cohort=cohort, cancelled=False)
 
     for _ in range(19):
@@ -370,6 +371,7 @@ def test_metrics_chart_each_side_of_a_running_rollout(tmp_path):
             assert got[("kvd_rollout_ttft_seconds_bucket", (("le", "60.0"),) + labels)] == status[side]["requests"]
             assert got[("kvd_rollout_ttft_seconds_sum", labels)] > 0
             assert got[("kvd_rollout_prompt_tokens_total", labels)] > 0
+            assert got[("kvd_rollout_finished_blocks_total", labels)] > 0  # each request held 2 blocks or more
             assert got[("kvd_rollout_hit_tokens_total", labels)] / got[("kvd_rollout_prompt_tokens_total", labels)] \
                 == pytest.approx(status[side]["hit_ratio"])
         assert status["cohort"]["requests"] + status["baseline"]["requests"] == sent
@@ -416,7 +418,8 @@ def test_a_cohort_s_ttft_percentiles_cover_its_latest_5000_requests():
 
     cohort = CohortStats()
     for i in range(6000):  # TTFTs 0 .. 5999 ms: the first 1,000 have gone from the window
-        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=i / 1000, token_times=[])
+        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=i / 1000, token_times=[],
+                                  finished_blocks=0, reserved_unused_blocks=0)
         cohort.add(SimpleNamespace(metrics=metrics, prompt_ids=[1, 2]))
     figures = cohort.figures()
     assert (figures["requests"], figures["ttft_p50_seconds"], figures["ttft_p95_seconds"]) == (6000, 3.499, 5.749)
@@ -431,7 +434,8 @@ def test_a_cohort_s_time_per_output_token_counts_the_tokens_after_the_first():
 
     cohort = CohortStats()
     for times in ([5.0, 5.1, 5.3], [1.0, 1.4], [2.0], []):  # 0.15 s, 0.4 s; one token or none: no figure
-        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=None, token_times=times)
+        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=0, ttft=None, token_times=times,
+                                  finished_blocks=0, reserved_unused_blocks=0)
         cohort.add(SimpleNamespace(metrics=metrics, prompt_ids=[1, 2]))
     figures = cohort.figures()
     assert figures["requests"] == 4 and list(cohort.tpots) == pytest.approx([0.15, 0.4])
@@ -439,6 +443,24 @@ def test_a_cohort_s_time_per_output_token_counts_the_tokens_after_the_first():
     condition = StopCondition.parse("tpot_p95_seconds > 1.1 * baseline")
     assert condition.min_requests == 20
     assert condition.tripped(figures, {"tpot_p95_seconds": 0.3})[0] is True
+
+
+def test_a_reservation_cohort_s_figures_say_what_it_left_unwritten_beside_its_preemptions():
+    from types import SimpleNamespace
+
+    from kvctl.daemon.server.rollouts import CohortStats
+    from kvctl.policies.rollout import StopCondition
+
+    assert CohortStats().figures()["reserved_unused_ratio"] is None  # no block finished yet
+    cohort = CohortStats()
+    for held, unused, preempted in ((5, 3, 0), (3, 0, 1), (4, 1, 0)):
+        metrics = SimpleNamespace(cached_tokens=0, recomputed_tokens=0, preemptions=preempted, ttft=None,
+                                  token_times=[], finished_blocks=held, reserved_unused_blocks=unused)
+        cohort.add(SimpleNamespace(metrics=metrics, prompt_ids=[1, 2]))
+    figures = cohort.figures()
+    assert (figures["reserved_unused_ratio"], figures["preemptions_per_request"]) == (4 / 12, 1 / 3)
+    condition = StopCondition.parse("reserved_unused_ratio > 0.9 * baseline")
+    assert condition.tripped(figures, {"reserved_unused_ratio": 0.25})[0] is True
 
 
 def test_a_stop_that_trips_while_the_store_is_locked_stops_the_cohort_at_once_and_is_stored_later(tmp_path):
@@ -539,7 +561,8 @@ def _tripped_while_locked(tmp_path, pending):
     rollout_id = manager.start({"by": "request", "min_requests": 1, "settings": {"reservation": "fixed:0"}}, "50%",
                                ["hit_ratio < 2"], None, "ops")["id"]
     for cohort in ("candidate", "baseline"):
-        metrics = SimpleNamespace(cached_tokens=4, recomputed_tokens=0, preemptions=0, ttft=0.1, token_times=[])
+        metrics = SimpleNamespace(cached_tokens=4, recomputed_tokens=0, preemptions=0, ttft=0.1, token_times=[],
+                                  finished_blocks=0, reserved_unused_blocks=0)
         manager.observe(SimpleNamespace(metrics=metrics, prompt_ids=[1] * 8, cohort=cohort, cancelled=False))
     store.conn.execute("PRAGMA busy_timeout=50")
     shell = sqlite3.connect(tmp_path / "kvd.sqlite3", isolation_level=None)

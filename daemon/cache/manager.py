@@ -204,6 +204,12 @@ class KVCacheManager:
         except KeyError:
             raise UnknownSequence(seq_id) from None
 
+    def holding(self, seq_id: str) -> tuple[int, int]:
+        """The blocks a sequence holds, reserved ones included, and of those the reserved ones it
+        has not written yet; (0, 0) when it is gone."""
+        seq = self._seqs.get(seq_id)
+        return (0, 0) if seq is None else (seq.held_blocks + len(seq.reserve), len(seq.reserve))
+
     def block_table(self, seq_id: str) -> list[int]:
         """One physical block per logical block; DROPPED where a sliding sequence gave it back."""
         return list(self.sequence(seq_id).table)

@@ -144,6 +144,10 @@ class EngineStats:
     rejections: dict[str, int] = field(default_factory=dict)  # reason -> count
     finished: int = 0
     restored_tokens: int = 0  # prompt tokens brought back from a lower tier instead of recomputed
+    # of the requests that finished (not cancelled): the blocks they held at their finish, and those of
+    # their output reservation they never wrote (what a shorter reservation would have left free)
+    finished_blocks: int = 0
+    reserved_unused_blocks: int = 0
     # per cache call; drained by the server (an engine used without one keeps the latest 65,536)
     alloc_seconds: deque = field(default_factory=lambda: deque(maxlen=65536))
     # model steps by kind: decode, mixed, prefill, and quick (a short prefill ahead of the decodes)
@@ -1248,11 +1252,18 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        ran = reason != "cancelled" and seq.request.rejected is None  # neither says how long replies run
+        if ran:
+            held, unused = self.cache.holding(seq.seq_id)
+            self.stats.finished_blocks += held
+            self.stats.reserved_unused_blocks += unused
+            seq.request.metrics.finished_blocks += held  # (a rollout's cohort figures, per request)
+            seq.request.metrics.reserved_unused_blocks += unused
         self.cache.release(seq.seq_id, written_tokens=seq.num_computed)
         self._running.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        if reason != "cancelled" and seq.request.rejected is None:  # neither says how long replies run
+        if ran:
             self._reservation(seq.request).observe(len(seq.output_ids))
         self.stats.finished += 1
 

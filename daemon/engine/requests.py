@@ -28,6 +28,9 @@ class RequestMetrics:
     # waited can be evicted again before it is admitted, so only what that admission hits counts
     installed_tokens: int = 0
     preemptions: int = 0
+    # blocks its samples held at their finish (not cancelled), and of those reserved for output never written
+    finished_blocks: int = 0
+    reserved_unused_blocks: int = 0
     passed_over: int = 0  # requests that arrived after it and were admitted while it waited
     drafted_tokens: int = 0  # speculative draft tokens its samples' steps carried (engine/speculative.py)
     kept_draft_tokens: int = 0  # of those, the ones its samples took

@@ -32,6 +32,9 @@
     kvd_finished_total{api,finish_reason}     samples (choices) finished: api completions, chat or internal
                                               (a pin's warm-up); stop, length or cancelled
     kvd_preemptions_total
+    kvd_finished_blocks_total                 blocks requests held at their finish (not cancelled), reserved
+                                              ones included; kvd_reserved_unused_blocks_total, those reserved
+                                              for output they never wrote: their ratio is the reservation's waste
     kvd_admitted_ahead_total                  requests admitted while one that arrived earlier still waited
                                               (queue_order lpm or priority, a prefix fetch, a LoRA turn)
     kvd_spec_decode_drafts_total              speculative decoding (speculative_config): decode steps that
@@ -71,7 +74,8 @@
     kvd_rollout_fraction{rollout}             the share of traffic asked for the cohort
     kvd_rollout_requests_total{rollout,side}  finished requests per side (cohort, baseline); likewise
     kvd_rollout_prompt_tokens_total, kvd_rollout_hit_tokens_total, kvd_rollout_recomputed_tokens_total,
-    kvd_rollout_preemptions_total             (the figures its stop conditions compare)
+    kvd_rollout_preemptions_total,            (the figures its stop conditions compare)
+    kvd_rollout_finished_blocks_total, kvd_rollout_reserved_unused_blocks_total
     kvd_rollout_ttft_seconds{rollout,side}    histogram: time to first token per side
     kvd_config_reloads_total{result}          ok or refused (SIGHUP, kvctl config reload)
     kvd_config_last_reload_successful         0 while the latest reload was refused, else 1
@@ -152,6 +156,7 @@ class _EngineCollector:
             rejections = dict(stats.rejections)
             prompt, hit, recomputed, preemptions = (stats.prompt_tokens, stats.hit_tokens,
                                                     stats.recomputed_tokens, stats.preemptions)
+            finished_blocks, unused_blocks = stats.finished_blocks, stats.reserved_unused_blocks
             admitted_ahead = stats.admitted_ahead
             steps, step_seconds = dict(stats.steps), dict(stats.step_seconds)
             by_tenant, retired = stats.tenants.items(), list(stats.tenants.retired)
@@ -291,6 +296,10 @@ class _EngineCollector:
         yield rejected
         yield CounterMetricFamily("kvd_preemptions", "Sequences preempted for recomputation",
                                   value=preemptions)
+        yield CounterMetricFamily("kvd_finished_blocks", "Blocks requests held at their finish (not cancelled), "
+                                  "reserved ones included", value=finished_blocks)
+        yield CounterMetricFamily("kvd_reserved_unused_blocks", "Blocks reserved for output that requests never "
+                                  "wrote, at their finish (not cancelled)", value=unused_blocks)
         yield CounterMetricFamily("kvd_admitted_ahead", "Requests admitted while one that arrived earlier still "
                                   "waited (queue_order lpm or priority, a prefix fetch, a LoRA adapter's turn)",
                                   value=admitted_ahead)
@@ -392,7 +401,9 @@ def _reload_metrics(reloads: dict, last: dict | None):
 
 ROLLOUT_COUNTS = {"requests": "Finished requests", "prompt_tokens": "Prompt tokens",
                   "hit_tokens": "Prompt tokens served from the prefix cache",
-                  "recomputed_tokens": "Tokens computed again after preemption", "preemptions": "Preemptions"}
+                  "recomputed_tokens": "Tokens computed again after preemption", "preemptions": "Preemptions",
+                  "finished_blocks": "Blocks finished requests held at their finish",
+                  "reserved_unused_blocks": "Blocks finished requests reserved for output and never wrote"}
 
 
 def _rollout_metrics(rollout: dict):

@@ -75,6 +75,8 @@ class CohortStats:
     hit_tokens: int = 0
     recomputed_tokens: int = 0
     preemptions: int = 0
+    finished_blocks: int = 0  # blocks its requests held at their finish, and those reserved they never wrote
+    reserved_unused_blocks: int = 0
     ttfts: deque = field(default_factory=lambda: deque(maxlen=5000))  # the latest 5,000 (percentiles)
     ttft_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))  # every one (metrics)
     ttft_sum: float = 0.0
@@ -87,6 +89,8 @@ class CohortStats:
         self.hit_tokens += m.cached_tokens
         self.recomputed_tokens += m.recomputed_tokens
         self.preemptions += m.preemptions
+        self.finished_blocks += m.finished_blocks
+        self.reserved_unused_blocks += m.reserved_unused_blocks
         if m.ttft is not None:
             self.ttfts.append(m.ttft)  # O(1): each finished request during a rollout, on the engine thread
             self.ttft_buckets[bisect.bisect_left(LATENCY_BUCKETS, m.ttft)] += 1
@@ -101,6 +105,9 @@ class CohortStats:
                 "hit_ratio": self.hit_tokens / prompt if prompt else None,
                 "ttft_p50_seconds": percentile(self.ttfts, 0.5), "ttft_p95_seconds": percentile(self.ttfts, 0.95),
                 "preemptions_per_request": self.preemptions / self.requests if self.requests else None,
+                # what a reservation cohort frees: the share of its requests' blocks reserved and never written
+                "reserved_unused_ratio": (self.reserved_unused_blocks / self.finished_blocks
+                                          if self.finished_blocks else None),
                 "tpot_p50_seconds": percentile(self.tpots, 0.5), "tpot_p95_seconds": percentile(self.tpots, 0.95)}
 
 
@@ -520,7 +527,9 @@ class RolloutManager:
                 return None
             summary["sides"] = {side: {"requests": stats.requests, "prompt_tokens": stats.prompt_tokens,
                                        "hit_tokens": stats.hit_tokens, "recomputed_tokens": stats.recomputed_tokens,
-                                       "preemptions": stats.preemptions, "ttft_buckets": list(stats.ttft_buckets),
+                                       "preemptions": stats.preemptions, "finished_blocks": stats.finished_blocks,
+                                       "reserved_unused_blocks": stats.reserved_unused_blocks,
+                                       "ttft_buckets": list(stats.ttft_buckets),
                                        "ttft_sum": stats.ttft_sum}
                                 for side, stats in (("cohort", self.cohort), ("baseline", self.baseline))}
             return summary

@@ -102,6 +102,10 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "tenant_shares": cache.tenant_shares(),
             "queue": queue,
             "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
+            # the output reservation policy, and of the requests that finished the blocks they held at
+            # their finish and those reserved they never wrote (as kvctl bench replay's reservation_waste)
+            "reservation": {"policy": engine.reservation.spec, "finished_blocks": stats.finished_blocks,
+                            "unused_blocks": stats.reserved_unused_blocks},
             # requests admitted while an earlier arrival still waited (queue_order lpm or priority, ...)
             "admitted_ahead": stats.admitted_ahead,
             # speculative decoding (engine/speculative.py): the config served (None: off) and its totals
