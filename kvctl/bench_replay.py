@@ -216,7 +216,7 @@ def replay_command(
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
         validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers,
-                      placements, limits, speeds, waits, orders, reservations)
+                      placements, limits, speeds, waits, orders, reservations, trace_priorities=None)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
@@ -232,6 +232,12 @@ def replay_command(
     else:
         requests = read_trace(trace, limit)
         trace_name = str(trace)
+    if "priority" in orders and not base.tenant_priorities and not any(r.priority for r in requests):
+        try:  # (the one check that needs the trace: whether its lines carry priorities of their own)
+            validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers,
+                          placements, limits, speeds, waits, orders, reservations, trace_priorities=False)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     measured = None
     if rates_from_trace:
         try:

@@ -203,8 +203,9 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
     (["--queue-order", "sjf"], "error: queue_order: unknown value 'sjf'; use fifo, priority or lpm"),
     (["--tenant-queue-waits", "noisy=-5"], "error: tenant_queue_waits: invalid value 'noisy=-5': queue wait of "
                                            "'noisy' must be a number of seconds >= 0 (0: no limit), got '-5'"),
-    (["--queue-order", "fifo,priority"], "error: queue_order: priority orders the queue by the tenants' priorities; "
-                                         "give them (--tenant-priorities, e.g. quiet=-10)"),
+    (["--queue-order", "fifo,priority"], "error: queue_order: priority orders the queue by the tenants' priorities "
+                                         "and the requests' own; give the tenants' (--tenant-priorities, e.g. "
+                                         "quiet=-10), or a trace whose lines carry priorities"),
     (["--queue-order", "fifo,lpm", "--sequential"],
      "error: queue_order: lpm orders a queue, and --sequential has none (one request at a time)"),
 ])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 
+import json
+import re
 from collections import OrderedDict
 
 import pytest
@@ -338,8 +340,9 @@ def test_under_lpm_a_tenant_s_own_queue_wait_limit_stands_for_max_queue_wait():
 def test_a_priority_queue_needs_the_tenants_priorities_and_a_queue():
     from kvctl.daemon.replay.sweep import validate_grid
 
-    with pytest.raises(ValueError, match=r"^queue_order: priority orders the queue by the tenants' priorities; "
-                                         r"give them \(--tenant-priorities, e.g. quiet=-10\)$"):
+    with pytest.raises(ValueError, match=r"^queue_order: priority orders the queue by the tenants' priorities and "
+                                         r"the requests' own; give the tenants' \(--tenant-priorities, e.g. "
+                                         r"quiet=-10\), or a trace whose lines carry priorities$"):
         validate_grid([16], [4096], ["lru"], ReplaySettings(block_size=16, capacity_tokens=4096),
                       queue_orders=["fifo", "priority"])
     with pytest.raises(ValueError, match=r"^queue_order: priority orders a queue, and --sequential has none"):
@@ -380,19 +383,22 @@ def test_a_router_sees_the_wait_lpm_would_give_each_prompt(order, waits):
     assert (sharing.wait_seconds, fresh.wait_seconds) == (pytest.approx(waits[0]), pytest.approx(waits[1]))
 
 
-@pytest.mark.parametrize("order, waits", [("fifo", (4.0, 4.0, 4.0)), ("priority", (2.0, 4.0, 4.0))])
+@pytest.mark.parametrize("order, waits", [("fifo", (4.0, 4.0, 4.0, 4.0, 4.0)),
+                                         ("priority", (2.0, 4.0, 4.0, 2.0, 4.0))])
 def test_a_router_sees_the_wait_a_priority_queue_would_give_each_tenant(order, waits):
     """At 3 s in PRIORITY_TRACE, r0 has 1 s left and noisy's r1 and r2 and quiet's r3 wait (1 s of
     work each). A quiet request waits for r0 and r3 under priority, not noisy's, as kvd's
-    route-facts count it; a noisy one, or one of a tenant not named (at 0), waits for all."""
+    route-facts count it; a noisy one, or one of a tenant not named (at 0), waits for all. A quiet
+    one deferring itself by 5 (at -5) waits as quiet's; by 10 (at 0), for all."""
     from kvctl.daemon.replay.fleet import _facts
 
-    trace = PRIORITY_TRACE + [TraceRequest(3000.0, 512, 1, (5,), tenant) for tenant in ("quiet", "noisy", None)]
+    trace = PRIORITY_TRACE + [TraceRequest(3000.0, 512, 1, (5,), tenant) for tenant in ("quiet", "noisy", None)] \
+        + [TraceRequest(3000.0, 512, 1, (5,), "quiet", priority=deferral) for deferral in (5, 10)]
     replica = replica_after(trace, 4, ReplaySettings(block_size=512, capacity_tokens=8192, queue_order=order,
                                                      tenant_priorities=(("quiet", -10),), **ONE_SLOT))
     assert list(replica.waiting) == [1, 2, 3]
-    assert tuple(_facts(replica, index, "replica-0", 512).wait_seconds for index in (4, 5, 6)) == (
-        pytest.approx(waits[0]), pytest.approx(waits[1]), pytest.approx(waits[2]))
+    assert tuple(_facts(replica, index, "replica-0", 512).wait_seconds for index in range(4, 9)) == tuple(
+        pytest.approx(wait) for wait in waits)
 
 
 def test_a_fleet_of_one_is_the_single_replica_replay():
@@ -1039,3 +1045,34 @@ def test_a_sweep_compares_output_reservations_and_kvctl_prints_what_each_trades(
             "first token p50/p95 0.10/0.10 s, end to end 4.10/6.55 s") in text
     status, _, err = cli(capsys, "bench", "replay", str(path), "--reserve", "p95,fraction:2")
     assert status == 2 and "error: output reservation: invalid value 'fraction:2'" in err
+
+
+
+# r0 holds the one slot for 4 s; r1 defers itself (its own priority 5, a trace line's), r2 does not
+DEFER_TRACE = [TraceRequest(0.0, 512, 4, (1,)), TraceRequest(1000.0, 512, 1, (2,), priority=5),
+               TraceRequest(2000.0, 512, 1, (3,))]
+
+
+@pytest.mark.parametrize("order, ttft", [("fifo", (3.0, 3.0)), ("priority", (2.0, 4.0))])
+def test_a_priority_queue_replays_a_request_s_own_priority_behind_its_tenant_s_place(order, ttft):
+    """Under priority r2 starts at 4 s before r1 (first tokens 2 s and 4 s after they came), with no
+    tenant priorities given: the trace's own say enough; first come, first served ignores them."""
+    from kvctl.daemon.replay.sweep import sweep
+
+    [result] = sweep(DEFER_TRACE, [512], [8192], ["lru"], ReplaySettings(block_size=512, capacity_tokens=8192,
+                                                                         **ONE_SLOT), queue_orders=[order])
+    assert (result.ttft_p50_s, result.ttft_p95_s) == (pytest.approx(ttft[0]), pytest.approx(ttft[1]))
+
+
+def test_a_trace_line_s_own_priority_round_trips_and_a_bad_one_is_named(tmp_path):
+    path = tmp_path / "deferred.jsonl"
+    write_trace(path, DEFER_TRACE)
+    lines = path.read_text().splitlines()
+    assert '"priority"' not in lines[0] and lines[1].endswith('"priority": 5}')
+    assert read_trace(path) == DEFER_TRACE
+    for bad in (-1, True, 1.5, "5"):
+        path.write_text(lines[0][:-1] + f', "priority": {json.dumps(bad)}}}\n')
+        with pytest.raises(TraceError, match=rf"line 1: field 'priority' must be an integer >= 0 \(how far the "
+                                             rf"request deferred itself behind its tenant's place\), got "
+                                             rf"{re.escape(repr(bad))}$"):
+            read_trace(path)

@@ -325,3 +325,28 @@ def test_a_routed_request_s_line_carries_the_router_s_name_for_it_and_a_bad_name
     assert service.trace.observed == observed
     line = answered_and_traced([6] * 37)
     assert line["input_length"] == 37 and "router" not in line
+
+
+def test_a_request_s_own_priority_is_traced_for_a_replay_of_its_queue(tmp_path):
+    """Under queue_order priority a request may defer itself (vLLM's priority): its line says by how
+    much, numbered and keyed (kvd router merges those for a fleet's trace); one at its tenant's
+    place says nothing."""
+    pytest.importorskip("torch")
+    from kvctl.daemon.server.app import create_app
+    from kvctl.daemon.server.fleet_trace import _held
+
+    from .daemon_fixtures import call, settled, start_service
+
+    service = start_service(tmp_path, queue_order="priority")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        for priority in (3, 0):
+            assert call(app, "POST", "/v1/completions", json={"prompt": [5] * 37, "max_tokens": 1,
+                                                              "priority": priority}).status_code == 200
+        lines = settled(lambda: call(app, "GET", "/admin/trace").json()["requests"], lambda got: len(got) == 2)
+        assert [line.get("priority") for line in lines] == [3, None]
+        keyed = call(app, "GET", "/admin/trace", params={"ids": "keyed"}).json()["requests"]
+        assert [line.get("priority") for line in keyed] == [3, None]
+        assert [_held(line, "replica-0").priority for line in keyed] == [3, 0]
+    finally:
+        service.shutdown(deadline=2)

@@ -280,7 +280,8 @@ def _facts(run: ReplicaRun, index: int, name: str, size: int) -> ReplicaFacts:
     held = run.held_blocks(index)
     restorable = run.restorable_blocks(index, held) * size
     tenant = run.requests[index].tenant or "default"
-    return ReplicaFacts(held * size, run.wait_seconds(held, tenant), len(run.running) + len(run.waiting),
+    return ReplicaFacts(held * size, run.wait_seconds(held, tenant, run.requests[index].priority),
+                        len(run.running) + len(run.waiting),
                         prefill_rate=run.settings.prefill_rate, restorable_tokens=restorable,
                         restore_seconds=restorable / run.settings.restore_rate if restorable else 0.0, name=name,
                         max_wait_seconds=run.queue_wait_limit(tenant) or None)

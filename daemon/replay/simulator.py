@@ -294,7 +294,7 @@ class ReplicaRun:
         try:
             tenant = request.tenant or "default"
             admission = manager.admit(seq_id, keys, tokens, reserve, tenant=tenant,
-                                      priority=-self.place(tenant))  # the engine's: higher first
+                                      priority=-self.request_place(index))  # the engine's: higher first
         except CacheFull:
             self.call_ns.append(time.perf_counter_ns() - t0)
             return False
@@ -396,19 +396,20 @@ class ReplicaRun:
         request, s = self.requests[index], self.settings
         return uncached / s.prefill_rate + request.output_length / s.decode_rate
 
-    def wait_seconds(self, held_blocks: int | None = None, tenant: str | None = None) -> float:
+    def wait_seconds(self, held_blocks: int | None = None, tenant: str | None = None, priority: int = 0) -> float:
         """Predicted wait before a request arriving now would start: none while a slot is free
         and nobody queues; else the work ahead of it (what the running requests have left, and
         the queue's estimates) shared by the slots. Under queue_order lpm, for a prompt holding
         `held_blocks`: only the waiting requests lpm would try first; under priority, for a
-        request of `tenant`: only those at its place or a better one, as kvd's route-facts count."""
+        request of `tenant` deferring itself by `priority`: only those at its place or a better one,
+        as kvd's route-facts count."""
         if len(self.running) < self.settings.max_running and not self.waiting:
             return 0.0
         left = sum(done for done, _ in self.running) - len(self.running) * self.now
         queued = self.queued_seconds
         if tenant is not None and self.settings.queue_order == "priority":
-            place = self.place(tenant)
-            queued = sum(self.queued_work[w] for w in self.waiting if self.place(self.requests[w].tenant) <= place)
+            place = self.place(tenant) + priority
+            queued = sum(self.queued_work[w] for w in self.waiting if self.request_place(w) <= place)
         if held_blocks is not None and self.settings.queue_order == "lpm" and len(self.waiting) <= LPM_MAX_WAITING:
             lookup, keys, requests, overdue = self.manager.lookup, self.keys, self.requests, self.lpm_overdue
             queued = sum(self.queued_work[w] for w in self.waiting if tried_before(
@@ -561,7 +562,7 @@ class ReplicaRun:
     def _rank(self, index: int) -> tuple[int, int]:
         """kvd's order of a request (the larger, the later): under queue_order priority its
         tenant's place first; then its arrival here. Preemption takes the last."""
-        place = self.place(self.requests[index].tenant) if self.settings.queue_order == "priority" else 0
+        place = self.request_place(index) if self.settings.queue_order == "priority" else 0
         return place, self.orders[index]
 
     def preempt(self, index: int) -> None:
@@ -606,14 +607,14 @@ class ReplicaRun:
         self.waiting.appendleft(index)  # before every later arrival, as kvd ranks it (see the module's doc)
 
     def _queue_order(self) -> Iterator[int] | None:
-        """The waiting requests in the order of queue_order: under priority, by their tenants'
-        priorities (lower first), in arrival order within one, as kvd's; under lpm,
+        """The waiting requests in the order of queue_order: under priority, by their places (their
+        tenants' priorities, deferred by their own; lower first), in arrival order within one, as
+        kvd's; under lpm,
         `longest_prefix_first` (what the device holds of each prompt, and how long each has waited).
         None for arrival order (fifo, or a queue past LPM_MAX_WAITING, where lpm keeps it too)."""
         waiting, order = self.waiting, self.settings.queue_order
         if order == "priority" and len(waiting) > 1:
-            place, requests = self.place, self.requests
-            return iter(sorted(waiting, key=lambda i: place(requests[i].tenant)))
+            return iter(sorted(waiting, key=self.request_place))
         if order != "lpm" or len(waiting) < 2 or len(waiting) > LPM_MAX_WAITING:
             return None
         lookup, keys, requests = self.manager.lookup, self.keys, self.requests
@@ -624,6 +625,12 @@ class ReplicaRun:
         """A tenant's place in a priority queue (tenant_priorities; lower first, 0 for one not named);
         None: the default tenant."""
         return self.priorities.get(tenant or "default", 0)
+
+    def request_place(self, index: int) -> int:
+        """Request `index`'s place: its tenant's, deferred by its own priority (a trace line's, as kvd's
+        request field), as kvd places it."""
+        request = self.requests[index]
+        return self.place(request.tenant) + request.priority
 
     def _dequeue(self, index: int) -> None:
         if self.waiting[0] == index:

@@ -28,9 +28,11 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
                   balance_seconds: float = 2.0, new_prefix: str = "home", tier_tokens: Sequence[int] = (0,),
                   placements: int = 1, queue_limits: Sequence[str] = ("heed",),
                   speeds: Sequence[float] | None = None, queue_waits: Sequence[float] | None = None,
-                  queue_orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None) -> None:
+                  queue_orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None,
+                  trace_priorities: bool | None = False) -> None:
     """Raise ValueError naming the first bad field and value, before any work starts.
-    `reservations`: the output reservations compared (None: the base's alone)."""
+    `reservations`: the output reservations compared (None: the base's alone); `trace_priorities`:
+    whether the trace's requests carry priorities of their own (None: not read yet)."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
     if not isinstance(placements, int) or isinstance(placements, bool) or placements < 1:
@@ -51,9 +53,10 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
         check_queue_order(order, REPLAY_QUEUE_ORDERS)
         if base.sequential and order != "fifo":
             raise ValueError(f"queue_order: {order} orders a queue, and --sequential has none (one request at a time)")
-    if "priority" in queue_orders and not base.tenant_priorities:
-        raise ValueError("queue_order: priority orders the queue by the tenants' priorities; give them "
-                         "(--tenant-priorities, e.g. quiet=-10)")
+    if "priority" in queue_orders and not base.tenant_priorities and trace_priorities is False:
+        raise ValueError("queue_order: priority orders the queue by the tenants' priorities and the requests' "
+                         "own; give the tenants' (--tenant-priorities, e.g. quiet=-10), or a trace whose lines "
+                         "carry priorities")
     if replicas > 1:
         if base.sequential:
             raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
@@ -139,7 +142,7 @@ def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
     and without tenant shares x queue orders x output reservations, None: the base's) through one
     cache each."""
     validate_grid(block_sizes, capacities, policies, base, tier_tokens=tier_tokens, queue_orders=queue_orders,
-                  reservations=reservations)
+                  reservations=reservations, trace_priorities=any(r.priority for r in requests))
     results: list[ReplayResult] = []
     for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
                                           queue_orders, reservations):
@@ -165,7 +168,8 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
     go to another replica (`replay_fleet`); `speeds`, `queue_waits`: each replica's speed and
     max_queue_wait (`replay_fleet`); `reservations`: the output reservations compared (None: the base's)."""
     validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix,
-                  tier_tokens, placements, queue_limits, speeds, queue_waits, queue_orders, reservations)
+                  tier_tokens, placements, queue_limits, speeds, queue_waits, queue_orders, reservations,
+                  any(r.priority for r in requests))
     results: list[FleetResult] = []
     for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
                                           queue_orders, reservations):

@@ -85,10 +85,12 @@ class TraceRequest:
     block_tokens: int = TRACE_BLOCK_TOKENS  # prompt tokens per id (kvctl's extension; the format's is 512)
     served: Served | None = None  # how kvd served it (kvctl's extension); None: not said (turned away)
     replica: str | None = None  # the replica that served it, in a fleet's trace (kvctl's extension)
+    # its own priority (vLLM's, kvctl's extension): how far behind its tenant's place it deferred itself
+    priority: int = 0
 
     def to_object(self) -> dict:
         """The line as a JSON object (no `tenant` for the default tenant's, no `block_tokens` at 512,
-        no `served` where it is not known)."""
+        no `served` where it is not known, no `priority` at 0)."""
         record = {"timestamp": self.timestamp_ms, "input_length": self.input_length,
                   "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
         if self.tenant is not None:
@@ -99,6 +101,8 @@ class TraceRequest:
             record["served"] = self.served.to_object()
         if self.replica is not None:
             record["replica"] = self.replica
+        if self.priority:
+            record["priority"] = self.priority
         return record
 
     def to_json(self) -> str:
@@ -139,8 +143,12 @@ def parse_request(obj: object, where: str) -> TraceRequest:
     replica = obj.get("replica")
     if replica is not None and not (isinstance(replica, str) and 0 < len(replica) <= 1024):
         raise TraceError(f"{where}: field 'replica' must be a replica's name (a socket or URL), got {replica!r}")
+    priority = obj.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
+        raise TraceError(f"{where}: field 'priority' must be an integer >= 0 (how far the request deferred itself "
+                         f"behind its tenant's place), got {priority!r}")
     return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids), tenant, block_tokens, served,
-                        replica)
+                        replica, priority)
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:

@@ -409,6 +409,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             priority = service.queue_priority(who.tenant, body.priority)
         except ServiceError as exc:
             raise ApiError(exc.status, str(exc), param=exc.param) from None
+        if body.priority:  # its own deferral, for the trace (kvctl bench replay's priority queue)
+            params.extra["priority"] = body.priority
         adapter = service.adapter_named(body.model)  # a LoRA adapter's name, or "" for the model itself
         # a KV transfer with another kvd (kv_transfer.py): a decode's prompt comes up from Redis first
         transfer = kv_transfer.asked(body, who.role, bool(body.stream), service)

@@ -86,6 +86,7 @@ class Held(NamedTuple):
     tenant: str
     served: Served | None  # None: turned away before a first token
     routed: RouterAttempt | None = None  # kvd router's name for the request; None: not sent by a router
+    priority: int = 0  # its own priority (vLLM's): how far behind its tenant's place it deferred itself
 
 
 def load_trace_key(path: str | Path) -> bytes:
@@ -114,7 +115,7 @@ def numbered(held: Sequence[Held], default_tenant: str | None = None,
         renumbered = tuple(numbers.setdefault(i, len(numbers)) for i in line.ids)
         out.append(TraceRequest(round((line.arrival - held[0].arrival) * 1000.0, 3), line.prompt, line.output,
                                 renumbered, None if line.tenant == default_tenant else line.tenant, block_tokens,
-                                line.served))
+                                line.served, priority=line.priority))
     return out
 
 
@@ -172,7 +173,8 @@ class RequestTrace:
         record = Held(request.metrics.arrival, len(request.prompt_ids), max(outputs, default=0),
                       chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens,
                                         request.adapter),
-                      request.tenant, served(request.metrics), request.params.extra.get("router"))
+                      request.tenant, served(request.metrics), request.params.extra.get("router"),
+                      request.params.extra.get("priority", 0))
         with self._lock:
             self._held.append(record)
             self.observed += 1
@@ -207,5 +209,6 @@ class RequestTrace:
             {"arrival": unix_time(line.arrival), "input_length": line.prompt, "output_length": line.output,
              "keyed_ids": [f"{i:016x}" for i in line.ids], "tenant": line.tenant,
              "served": None if line.served is None else line.served.to_object(),
-             **({} if line.routed is None else {"router": line.routed.to_object()})}
+             **({} if line.routed is None else {"router": line.routed.to_object()}),
+             **({"priority": line.priority} if line.priority else {})}
             for line in held]}
