@@ -46,6 +46,7 @@ def render_requests(d: dict) -> Group:
         table.columns[index].justify = "right"
     names = {r["replica"]: i for i, r in enumerate(d.get("replicas") or [])}  # in the router's order
     in_line = False  # whether a waiting row says where it stands (an older kvd does not)
+    reserving = any(row.get("reserved_blocks") for row in rows)  # (an older kvd does not say)
     for row in rows:
         mark = [f"#{names.setdefault(row['replica'], len(names))}"] if fleet else []
         place = row.get("queue_position") if row["state"] == "waiting" else None
@@ -65,7 +66,7 @@ def render_requests(d: dict) -> Group:
                       seconds(row["age_seconds"]), f"{row['prompt_tokens']:,}",
                       f"({row['cached_prefix_tokens']:,})" if place is not None else f"{row['cached_tokens']:,}",
                       f"{row['output_tokens']:,}/{row['max_tokens']:,}" + (f" ×{row['n']}" if row["n"] > 1 else ""),
-                      f"{row['blocks']:,}")
+                      f"{row['blocks']:,}" + (f"+{row['reserved_blocks']:,}" if row.get("reserved_blocks") else ""))
     parts = []
     if rows:
         keep_whole(table, 0)
@@ -83,6 +84,9 @@ def render_requests(d: dict) -> Group:
                           + (", each replica its own" if fleet else "") + "; (cached): the tokens of a waiting "
                           "request's prefix the device cache holds now; passed by: requests that came after it "
                           "and went in while it waited; left: before its queue wait limit turns it away"))
+    if reserving:
+        parts.append(Text("blocks: held+reserved: the blocks its tokens fill, and those its output reservation "
+                          "holds for tokens not made yet (kvctl status says what the reservation leaves unwritten)"))
     if d.get("message"):
         parts.append(Text(d["message"], style="yellow"))
     return Group(*parts)

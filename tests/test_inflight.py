@@ -72,12 +72,17 @@ def test_requests_in_flight_are_listed_and_cancelled_by_id_or_tenant(tmp_path):
         assert (running["tenant"], running["api"], running["state"]) == ("acme", "chat", "decode")
         assert running["output_tokens"] >= 1 and running["blocks"] >= 1 and running["max_tokens"] == 3000
         assert running["prompt_tokens"] == len(service.chat_prompt([{"role": "user", "content": "Tell a long story."}]))
-        assert (waiting["tenant"], waiting["api"], waiting["state"], waiting["blocks"]) == (
-            "globex", "completions", "waiting", 0)
+        assert (waiting["tenant"], waiting["api"], waiting["state"], waiting["blocks"], waiting["reserved_blocks"]) == (
+            "globex", "completions", "waiting", 0, 0)
+        # reserving all of max_tokens (fraction:1), what it holds and what it reserves are its prompt and
+        # its 3,000 tokens' blocks, whatever it has made so far
+        assert running["blocks"] + running["reserved_blocks"] == -(-(running["prompt_tokens"] + 3000) // 16)
+        assert running["reserved_blocks"] > 0
         assert waiting["output_tokens"] == 0 and waiting["queued_seconds"] == waiting["age_seconds"]
         assert set(running) == {"request_id", "tenant", "api", "state", "age_seconds", "queued_seconds",
                                 "prompt_tokens", "cached_tokens", "restored_tokens", "output_tokens", "max_tokens",
-                                "n", "preemptions", "blocks", "fetching_prefix", "waiting_for_lora_turn", "priority",
+                                "n", "preemptions", "blocks", "reserved_blocks", "fetching_prefix",
+                                "waiting_for_lora_turn", "priority",
                                 "cohort", "shape", "adapter", "drafted_tokens",
                                 "kept_draft_tokens", "queue_position", "cached_prefix_tokens",
                                 "passed_over", "queue_wait_left_seconds"}  # no tokens, no text
@@ -247,6 +252,13 @@ def test_kvctl_requests_watch_redraws_the_table_until_stopped():
     assert lines[1].split()[:5] == ["req-000000000003", "acme", "sql", "chat", "decode"]
     assert lines[2].split()[:5] == ["req-000000000004", "acme", "-", "chat", "prefill"]
     assert lines[1].split()[-1] == "9"  # the counts stay in their columns
+    reserving = Console(record=True, width=200)
+    reserving.print(render_requests({"requests": [{**row("req-000000000005", "decode"), "reserved_blocks": 3}],
+                                     "running": 1, "waiting": 0}))
+    lines = reserving.export_text().splitlines()
+    assert lines[1].split()[-1] == "9+3"  # held, and reserved for output not made yet
+    assert lines[-1] == ("blocks: held+reserved: the blocks its tokens fill, and those its output reservation holds "
+                         "for tokens not made yet (kvctl status says what the reservation leaves unwritten)")
 
 
 @pytest.mark.parametrize("order", ["fifo", "lpm"])

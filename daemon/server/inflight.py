@@ -38,6 +38,7 @@ def request_row(service: EngineService, request: Request, now: float,
         limit = service.engine.queue_wait_limit(request.tenant)  # its tenant's, else max_queue_wait (0: none)
         left = round(max(limit - (now - metrics.arrival), 0.0), 3) if limit > 0 else None
     blocks = sum(cache.sequence(s.seq_id).held_blocks for s in request.sequences if s.seq_id in cache)
+    reserved = sum(cache.holding(s.seq_id)[1] for s in request.sequences)  # for output it has not written yet
     waited_until = metrics.admitted if metrics.admitted is not None else now
     return {"request_id": request.request_id, "tenant": request.tenant,
             "api": request.params.extra.get("api", "completions"), "state": request_state(request),
@@ -46,7 +47,7 @@ def request_row(service: EngineService, request: Request, now: float,
             "restored_tokens": metrics.restored_tokens,
             "output_tokens": sum(len(s.output_ids) for s in request.sequences),
             "max_tokens": request.params.max_tokens, "n": request.params.n,
-            "preemptions": metrics.preemptions, "blocks": blocks,
+            "preemptions": metrics.preemptions, "blocks": blocks, "reserved_blocks": reserved,
             # while it waits: its place in the order the next admission pass tries the queue (1: first),
             # the prompt tokens the device cache holds of it now (what queue_order lpm orders by), the
             # requests that arrived after it and were admitted meanwhile, and the seconds left before its
