@@ -97,7 +97,8 @@ def replay_command(
                                            "(e.g. noisy=120,quiet=10; 0: none), in place of --max-queue-wait's."),
     time_scale: float = typer.Option(1.0, help="Multiply trace timestamps by this."),
     max_tokens: Optional[int] = typer.Option(
-        None, help="max_tokens clients ask for (never below a request's output); default: its output."),
+        None, help="max_tokens clients ask for (never below a request's output) where a trace line does not say "
+                   "its own (traces kvd saves do); default: its output."),
     replicas: int = typer.Option(1, "--replicas", help="A fleet of this many replicas, each with the given "
                                  "capacity, behind a router."),
     routing: list[str] = typer.Option(["round_robin,least_loaded,prefix,ttft"], "--routing",

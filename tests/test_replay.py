@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
+from dataclasses import replace
 
 import pytest
 
@@ -121,6 +122,20 @@ def test_reservation_waste_counts_reserved_blocks_never_written():
     # reserved blocks, the second one of them: 3 of 8 blocks never written.
     assert result.reservation_waste == pytest.approx(3 / 8)
     assert result.fragmentation == 0.0
+
+
+def test_a_trace_line_s_own_max_tokens_is_what_its_output_reservation_reserves_for():
+    """As the test above, reserving all of max_tokens, each line saying 512 (as kvd's trace does):
+    the same waste with no --max-tokens, and a line's own wins over --max-tokens (2,048 would leave
+    15 of 20 blocks unwritten); a line that does not say takes --max-tokens, else its output."""
+    trace = [TraceRequest(0.0, 512, 0, (1,), max_tokens=512), TraceRequest(1.0, 512, 256, (2,), max_tokens=512)]
+    for max_tokens in (None, 2048):
+        result = run(trace, 256, 1 << 16, reservation="fraction:1.0", max_tokens=max_tokens, sequential=True)
+        assert result.reservation_waste == pytest.approx(3 / 8)
+    unsaid = [replace(r, max_tokens=None) for r in trace]
+    assert run(unsaid, 256, 1 << 16, reservation="fraction:1.0", max_tokens=2048,
+               sequential=True).reservation_waste == pytest.approx(15 / 20)
+    assert run(unsaid, 256, 1 << 16, reservation="fraction:1.0", sequential=True).reservation_waste == 0.0
 
 
 def test_every_request_comes_back_and_the_books_balance_on_a_generated_trace():
@@ -1075,4 +1090,18 @@ def test_a_trace_line_s_own_priority_round_trips_and_a_bad_one_is_named(tmp_path
         with pytest.raises(TraceError, match=rf"line 1: field 'priority' must be an integer >= 0 \(how far the "
                                              rf"request deferred itself behind its tenant's place\), got "
                                              rf"{re.escape(repr(bad))}$"):
+            read_trace(path)
+
+
+def test_a_trace_line_s_own_max_tokens_round_trips_and_a_bad_one_is_named(tmp_path):
+    path = tmp_path / "asked.jsonl"
+    asked = [TraceRequest(0.0, 512, 4, (1,), max_tokens=64), TraceRequest(1.0, 512, 4, (2,))]
+    write_trace(path, asked)
+    lines = path.read_text().splitlines()
+    assert lines[0].endswith('"max_tokens": 64}') and '"max_tokens"' not in lines[1]
+    assert read_trace(path) == asked
+    for bad in (0, 3, -1, True, 8.5):  # below its output of 4, or not a whole number
+        path.write_text(lines[1][:-1] + f', "max_tokens": {json.dumps(bad)}}}\n')
+        with pytest.raises(TraceError, match=rf"line 1: field 'max_tokens' must be an integer >= 1 and >= "
+                                             rf"output_length 4, got {re.escape(repr(bad))}$"):
             read_trace(path)

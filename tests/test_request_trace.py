@@ -18,15 +18,16 @@ KEY = b"k" * 32
 
 
 def finished(arrival: float, prompt: list[int], outputs=(4,), tenant: str = "default", times=None, cached=0,
-             routed=None, adapter=""):
+             routed=None, adapter="", max_tokens=None):
     """What EngineService.on_finished hands its observers, as far as the trace reads it. `times`:
     (admitted, token times) on the engine's clock; None: turned away before its first token.
-    `routed`: kvd router's (id, try) of the request."""
+    `routed`: kvd router's (id, try) of the request; `max_tokens`: what it asked (None: as though unsaid)."""
     admitted, tokens = times if times is not None else (None, [])
     metrics = SimpleNamespace(arrival=arrival, admitted=admitted, first_token=tokens[0] if tokens else None,
                               token_times=list(tokens), cached_tokens=cached)
     extra = {} if routed is None else {"router_attempt": routed}
-    return SimpleNamespace(metrics=metrics, prompt_ids=prompt, tenant=tenant, params=SimpleNamespace(extra=extra),
+    return SimpleNamespace(metrics=metrics, prompt_ids=prompt, tenant=tenant,
+                           params=SimpleNamespace(extra=extra, max_tokens=max_tokens),
                            adapter=adapter,
                            sequences=[SimpleNamespace(output_ids=[7] * n) for n in outputs])
 
@@ -101,13 +102,15 @@ def test_kvd_traces_what_it_served_without_a_token_and_kvctl_saves_it_for_replay
     assert never_fits.status_code != 200  # turned away at admission: demand all the same
     answer = call(unix, "GET", "/admin/trace", params={"last": 4}).json()
     assert answer["requests"][-1] == {"timestamp": answer["requests"][-1]["timestamp"], "input_length": 900,
-                                      "output_length": 0, "hash_ids": [4, 5]}
+                                      "output_length": 0, "hash_ids": [4, 5], "max_tokens": 300}
     answer = call(unix, "GET", "/admin/trace", params={"last": 4}).json()
     answer["requests"] = answer["requests"][:3]
     assert (answer["capacity"], answer["block_tokens"]) == (10_000, 512) and answer["observed"] >= 3
     assert [(r["input_length"], r["output_length"]) for r in answer["requests"]] == [(703, 3), (702, 2), (40, 1)]
     assert [r["hash_ids"] for r in answer["requests"]] == [[0, 1], [0, 2], [3]]
-    assert all(set(r) == {"timestamp", "input_length", "output_length", "hash_ids", "served"} for r in answer["requests"])
+    assert all(set(r) == {"timestamp", "input_length", "output_length", "hash_ids", "served", "max_tokens"}
+               for r in answer["requests"])
+    assert [r["max_tokens"] for r in answer["requests"]] == [3, 2, 1]  # what each asked: kvd reserved for it
     served = [r["served"] for r in answer["requests"]]  # how kvd served each: the cache gave the second 688
     assert [s["cached_tokens"] for s in served] == [0, 688, 0]
     assert all(s[k] >= 0 for s in served for k in ("queued_ms", "prefill_ms", "decode_ms"))
@@ -121,8 +124,8 @@ def test_kvd_traces_what_it_served_without_a_token_and_kvctl_saves_it_for_replay
     span = seconds(read_trace(out)[-1].timestamp_ms / 1000)  # "12.3 ms", "1.50 s": where it took seconds
     assert status == 0 and printed.startswith(f"wrote 4 requests over {span} to ") and "1 tenant)" in printed
     saved = read_trace(out)
-    assert [(r.input_length, r.output_length, r.hash_ids, r.tenant) for r in saved] == [
-        (703, 3, (0, 1), None), (702, 2, (0, 2), None), (40, 1, (3,), None), (900, 0, (4, 5), None)]
+    assert [(r.input_length, r.output_length, r.hash_ids, r.tenant, r.max_tokens) for r in saved] == [
+        (703, 3, (0, 1), None, 3), (702, 2, (0, 2), None, 2), (40, 1, (3,), None, 1), (900, 0, (4, 5), None, 300)]
     assert saved[0].timestamp_ms == 0 and saved[0].timestamp_ms <= saved[1].timestamp_ms <= saved[2].timestamp_ms
     status, printed, _ = cli(capsys, "trace", "save", str(out), "--last", "2", "--json")
     figures = json.loads(printed)
@@ -311,7 +314,7 @@ def test_a_routed_request_s_line_carries_the_router_s_name_for_it_and_a_bad_name
     assert (line["input_length"], line["router"]) == (37, {"request": "0123456789abcdef", "try": 2,
                                                            "arrival": 1764561600.25})
     assert set(call(unix, "GET", "/admin/trace", params={"last": 1}).json()["requests"][0]) == {
-        "timestamp", "input_length", "output_length", "hash_ids", "served"}
+        "timestamp", "input_length", "output_length", "hash_ids", "served", "max_tokens"}
     observed = service.trace.observed
     for bad in ("0123456789ABCDEF/2/1.5", "0123456789abcdef/0/1.5", "0123456789abcdef/2", "x/1/1.5",
                 "0123456789abcdef/10000/1.5", "0123456789abcdef/2/-1.5", "0123456789abcdef/2/inf"):
@@ -348,5 +351,7 @@ def test_a_request_s_own_priority_is_traced_for_a_replay_of_its_queue(tmp_path):
         keyed = call(app, "GET", "/admin/trace", params={"ids": "keyed"}).json()["requests"]
         assert [line.get("priority") for line in keyed] == [3, None]
         assert [_held(line, "replica-0").priority for line in keyed] == [3, 0]
+        assert [line["max_tokens"] for line in keyed] == [1, 1]  # and what each asked, merged too
+        assert [_held(line, "replica-0").max_tokens for line in keyed] == [1, 1]
     finally:
         service.shutdown(deadline=2)

@@ -80,7 +80,8 @@ class ReplaySettings:
     # (tenant, seconds) pairs as kvd's tenant_queue_waits: tenants' own limits (0: none) in place of max_queue_wait
     tenant_queue_waits: tuple[tuple[str, float], ...] = ()
     time_scale: float = 1.0  # multiply trace timestamps by this
-    max_tokens: int | None = None  # max_tokens clients ask for (at least the output); None: the output
+    # max_tokens clients ask for (at least the output) where a trace line does not say its own; None: the output
+    max_tokens: int | None = None
     # (tenant, fraction) pairs as kvd's tenant_cache_shares; () for none
     tenant_shares: tuple[tuple[str, float], ...] = ()
     # (tenant, priority) pairs as kvd's tenant_priorities (lower first; 0 for a tenant not named): what
@@ -358,8 +359,10 @@ class ReplicaRun:
         self.reservation.observe(request.output_length)
 
     def max_tokens(self, request: TraceRequest) -> int:
-        """The max_tokens the client asked (never less than it produced)."""
-        return max(request.output_length, self.settings.max_tokens or 0)
+        """The max_tokens the client asked: its trace line's (kvd's trace says), else the settings'
+        (`--max-tokens`), never less than it produced."""
+        asked = request.max_tokens if request.max_tokens is not None else self.settings.max_tokens
+        return max(request.output_length, asked or 0)
 
     def reserve_tokens(self, request: TraceRequest, made: int = 0) -> int:
         """Output reservation for the rest of the max_tokens the client asked, `made` already made

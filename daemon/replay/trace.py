@@ -87,10 +87,13 @@ class TraceRequest:
     replica: str | None = None  # the replica that served it, in a fleet's trace (kvctl's extension)
     # its own priority (vLLM's, kvctl's extension): how far behind its tenant's place it deferred itself
     priority: int = 0
+    # the max_tokens its client asked (kvctl's extension): what kvd's output reservation reserves for;
+    # None: not said (a Mooncake trace), the replay's --max-tokens or the output then
+    max_tokens: int | None = None
 
     def to_object(self) -> dict:
         """The line as a JSON object (no `tenant` for the default tenant's, no `block_tokens` at 512,
-        no `served` where it is not known, no `priority` at 0)."""
+        no `served` where it is not known, no `priority` at 0, no `max_tokens` where not known)."""
         record = {"timestamp": self.timestamp_ms, "input_length": self.input_length,
                   "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
         if self.tenant is not None:
@@ -103,6 +106,8 @@ class TraceRequest:
             record["replica"] = self.replica
         if self.priority:
             record["priority"] = self.priority
+        if self.max_tokens is not None:
+            record["max_tokens"] = self.max_tokens
         return record
 
     def to_json(self) -> str:
@@ -147,8 +152,13 @@ def parse_request(obj: object, where: str) -> TraceRequest:
     if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
         raise TraceError(f"{where}: field 'priority' must be an integer >= 0 (how far the request deferred itself "
                          f"behind its tenant's place), got {priority!r}")
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                   or max_tokens < max(output_length, 1)):
+        raise TraceError(f"{where}: field 'max_tokens' must be an integer >= 1 and >= output_length "
+                         f"{output_length}, got {max_tokens!r}")
     return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids), tenant, block_tokens, served,
-                        replica, priority)
+                        replica, priority, max_tokens)
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:

@@ -93,7 +93,7 @@ def _held(line: dict, replica: str) -> Held:
     return Held(line["arrival"] if routed is None else routed.arrival, line["input_length"], line["output_length"],
                 tuple(int(i, 16) for i in line["keyed_ids"]), line["tenant"],
                 None if line.get("served") is None else Served.parse(line["served"], replica, line["input_length"]),
-                routed, line.get("priority", 0))
+                routed, line.get("priority", 0), line.get("max_tokens"))
 
 
 def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | None,

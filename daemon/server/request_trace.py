@@ -87,6 +87,7 @@ class Held(NamedTuple):
     served: Served | None  # None: turned away before a first token
     routed: RouterAttempt | None = None  # kvd router's name for the request; None: not sent by a router
     priority: int = 0  # its own priority (vLLM's): how far behind its tenant's place it deferred itself
+    max_tokens: int | None = None  # the max_tokens it asked (what kvd reserves output blocks for)
 
 
 def load_trace_key(path: str | Path) -> bytes:
@@ -115,7 +116,7 @@ def numbered(held: Sequence[Held], default_tenant: str | None = None,
         renumbered = tuple(numbers.setdefault(i, len(numbers)) for i in line.ids)
         out.append(TraceRequest(round((line.arrival - held[0].arrival) * 1000.0, 3), line.prompt, line.output,
                                 renumbered, None if line.tenant == default_tenant else line.tenant, block_tokens,
-                                line.served, priority=line.priority))
+                                line.served, priority=line.priority, max_tokens=line.max_tokens))
     return out
 
 
@@ -174,7 +175,7 @@ class RequestTrace:
                       chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens,
                                         request.adapter),
                       request.tenant, served(request.metrics), request.params.extra.get("router"),
-                      request.params.extra.get("priority", 0))
+                      request.params.extra.get("priority", 0), request.params.max_tokens)
         with self._lock:
             self._held.append(record)
             self.observed += 1
@@ -210,5 +211,6 @@ class RequestTrace:
              "keyed_ids": [f"{i:016x}" for i in line.ids], "tenant": line.tenant,
              "served": None if line.served is None else line.served.to_object(),
              **({} if line.routed is None else {"router": line.routed.to_object()}),
-             **({"priority": line.priority} if line.priority else {})}
+             **({"priority": line.priority} if line.priority else {}),
+             **({"max_tokens": line.max_tokens} if line.max_tokens is not None else {})}
             for line in held]}
