@@ -17,7 +17,8 @@ from rich.text import Text
 from kvctl.daemon.server.block_map import BLOCK_STATES, fold_block_map
 
 from .command_kit import client_for, emit, redraw
-from .fleet_status import PHASE_NAMES, before_load, is_fleet, prompts, render_fleet_status, store_trouble
+from .fleet_status import (PHASE_NAMES, before_load, is_fleet, prompts, render_fleet_status, reservation_text,
+                           store_trouble)
 from .gc_status import gc_line
 from .tls_status import tls_text
 from .gpu_status import gpu_label, gpu_line
@@ -344,13 +345,3 @@ def _cached_blocks(adapter: dict) -> str:
     """", N blocks cached" for an adapter's line (an older kvd does not say)."""
     count = adapter.get("cached_blocks")
     return "" if count is None else f", {count:,} block{'s' if count != 1 else ''} cached"
-
-
-def reservation_text(reservation: dict) -> str:
-    """The output reservation policy and what it left unwritten: `p95: 4.4% of the blocks finished
-    requests held were reserved and never written (120 of 2,730)`; with none finished, the policy."""
-    finished, unused = reservation["finished_blocks"], reservation["unused_blocks"]
-    if not finished:
-        return f"{reservation['policy']} (no request has finished yet)"
-    return (f"{reservation['policy']}: {unused / finished:.1%} of the blocks finished requests held were reserved "
-            f"and never written ({unused:,} of {finished:,})")

@@ -263,6 +263,11 @@ def test_kvctl_status_at_the_router_shows_a_row_per_replica_and_the_fleets_hits(
     assert lines[4] == "replica-1 down: ConnectError: connection refused"
     assert lines[-1] == (f"fleet prefix hits: {live['tokens']['hit']:,} of {live['tokens']['prompt']:,} prompt tokens "
                          f"({live['tokens']['hit']/ live['tokens']['prompt']:.1%})")
+    reserved = live["reservation"]  # the live replica's, summed: the fleet's preemptions and unwritten reservations
+    assert reserved["finished_blocks"] > 0 and " ".join(lines[-3:-1]) .split() == (
+        f"fleet preemptions: 0 (0 tokens computed again); reservation fraction:1: "
+        f"{reserved['unused_blocks'] / reserved['finished_blocks']:.1%} of the blocks finished requests held were "
+        f"reserved and never written ({reserved['unused_blocks']:,} of {reserved['finished_blocks']:,})").split()
 
 
 def test_the_router_answers_vllm_s_probe_and_tokenizes_at_a_replica_that_is_up(replicas):
@@ -1929,3 +1934,28 @@ def test_a_request_s_question_carries_the_priority_it_defers_itself_by():
     for priority in (0, -2, True, 1.5, "3", None):  # none to weigh (a bad one: the replica says what is wrong)
         assert question_of({"prompt": "hi", "priority": priority}) == {"text": "hi"}
     assert question_of({"priority": 5}) is None
+
+
+def test_kvctl_status_at_the_router_sums_the_replicas_preemptions_and_what_their_reservations_leave_unwritten():
+    from rich.console import Console
+
+    from kvctl.fleet_status import render_fleet_status
+
+    def live(policy, preemptions, recomputed, finished, unused):
+        return {"blocks": {"device": {"total": 64, "free": 60}},
+                "tokens": {"prompt": 100, "hit": 0, "hit_ratio": 0.0, "recomputed": recomputed},
+                "queue": {"waiting": 0, "running": 0}, "preemptions": preemptions,
+                "reservation": {"policy": policy, "finished_blocks": finished, "unused_blocks": unused}}
+
+    def shown(*statuses):
+        data = {"routing": "prefix", "view": "events", "replicas": [],
+                "replica_status": [{"replica": f"r{i}", **status} for i, status in enumerate(statuses)]}
+        console = Console(record=True, width=300)
+        render_fleet_status(data, console)
+        return console.export_text().splitlines()
+
+    lines = shown(live("p95", 2, 300, 400, 30), live("fraction:1", 1, 100, 100, 70))
+    assert ("fleet preemptions: 3 (400 tokens computed again); reservation fraction:1 and p95: 20.0% of the blocks "
+            "finished requests held were reserved and never written (100 of 500)") in lines
+    older = {k: v for k, v in live("p95", 0, 0, 0, 0).items() if k != "reservation"}  # an older kvd says nothing
+    assert not any(line.startswith("fleet preemptions") for line in shown(older))
