@@ -229,7 +229,10 @@ def test_openmetrics_scrapes_link_each_ttft_bucket_to_its_latest_request_s_trace
         assert answer.status_code == 200
         [span] = settled(exporter.get_finished_spans, lambda spans: len(spans) == 1)
         ids = {"trace_id": TRACE_ID, "span_id": f"{span.context.span_id:016x}"}
-        scraped = call(app, "GET", "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        # (the span ends before the metrics' books take the request: scraped once they have)
+        scraped = settled(lambda: call(app, "GET", "/metrics",
+                                       headers={"Accept": "application/openmetrics-text; version=1.0.0"}),
+                          lambda answer: "kvd_ttft_seconds_count 1.0" in answer.text)
         assert scraped.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
         families = {family.name: family for family in text_string_to_metric_families(scraped.text)}
         for name in ("kvd_ttft_seconds", "kvd_tenant_ttft_seconds"):
