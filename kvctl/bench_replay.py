@@ -435,7 +435,7 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
 
 def _tenant_first_token_table(results: list[ReplayResult], tenants: list[str]):
     """Each tenant's time to first token p50/p95 in the service model, with its requests turned
-    away (of any reason) where there were some: what a priority queue order moves."""
+    away (of any reason) and preempted where there were some: what a priority queue order moves."""
     name = policy_names(results)
     table = compact_table("block", "capacity", "policy", *tenants,
                           title="first token p50/p95 (s), by tenant")
@@ -446,7 +446,9 @@ def _tenant_first_token_table(results: list[ReplayResult], tenants: list[str]):
         for tenant in tenants:
             times, rejected = tenant_first_tokens(r, tenant), r.tenant_rejected.get(tenant, 0)
             rej = f"(rej {rejected:,})" if rejected else ""
-            cells.append(" ".join(part for part in (times, rej) if part) or "-")
+            preempted = r.tenant_preemptions.get(tenant, 0)
+            pre = f"(pre {preempted:,})" if preempted else ""
+            cells.append(" ".join(part for part in (times, rej, pre) if part) or "-")
         table.add_row(str(r.block_size), f"{r.capacity_tokens:,}", name(r), *cells)
     return table
 
@@ -543,6 +545,7 @@ def fleet_tenant_lines(results: list[FleetResult], label) -> list[Text]:
             continue
         parts = [f"{tenant} " + (f"{times} s" if (times := tenant_first_tokens(r, tenant)) else "-")
                  + (f" ({r.tenant_rejected[tenant]:,} rejected)" if r.tenant_rejected.get(tenant) else "")
+                 + (f" ({r.tenant_preemptions[tenant]:,} preempted)" if r.tenant_preemptions.get(tenant) else "")
                  for tenant in tenants]
         lines.append(Text(f"first token p50/p95 by tenant, {label(r)} (block {r.block_size}, capacity "
                           f"{r.capacity_tokens:,}, {name(r)}): " + ", ".join(parts)))

@@ -1011,6 +1011,7 @@ def test_a_request_preempted_in_its_prefill_counts_its_first_token_when_it_comes
 def test_under_a_priority_queue_preemption_takes_the_worse_placed_tenant_first():
     fifo = replica_run(PREEMPT_TRACE, **PREEMPT_SETTINGS)
     assert sorted(fifo.e2e) == [4.1, 6.55]  # quiet, the later arrival, was preempted
+    assert fifo.result(1.0).tenant_preemptions == {"noisy": 0, "quiet": 1}
     prio = replica_run(PREEMPT_TRACE, **PREEMPT_SETTINGS, queue_order="priority",
                        tenant_priorities=(("quiet", -10),))
     # noisy, growing at 1.8 s, preempts itself; restarted at once on its cached prompt, it is preempted
@@ -1018,6 +1019,36 @@ def test_under_a_priority_queue_preemption_takes_the_worse_placed_tenant_first()
     assert (prio.preemptions, prio.recomputed_after_preemption) == (2, 16 + 32)
     assert prio.e2e == [pytest.approx(4.1), pytest.approx(6.65)]
     assert prio.e2e[0] == pytest.approx(0.15 + 40 / 10.0 - 0.05)  # quiet: arrival 0.05, finish 4.15
+    assert prio.result(1.0).tenant_preemptions == {"noisy": 2, "quiet": 0}
+    one = fleet(PREEMPT_TRACE, 1, "least_loaded", block_size=16, **PREEMPT_SETTINGS, queue_order="priority",
+                tenant_priorities=(("quiet", -10),))
+    assert one.tenant_preemptions == {"noisy": 2, "quiet": 0}  # and a fleet sums its replicas'
+    from kvctl.bench_replay import fleet_tenant_lines
+
+    [line] = fleet_tenant_lines([one], lambda r: r.routing)
+    assert line.plain == ("first token p50/p95 by tenant, least_loaded (block 16, capacity 96, lru+prio): noisy "
+                          "0.10/0.10 s (2 preempted), quiet 0.10/0.10 s")
+    text = " ".join(replay_text(PREEMPT_TRACE, "--queue-order", "priority", "--tenant-priorities", "quiet=-10").split())
+    assert "16 96 lru+prio 0.10/0.10 (pre 2) 0.10/0.10" in text  # the table by tenant
+
+
+def replay_text(trace, *args) -> str:
+    """kvctl bench replay's text for `trace` under PREEMPT_SETTINGS, with `args`."""
+    import tempfile
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from kvctl.cli import app
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.jsonl"
+        write_trace(path, trace)
+        shown = CliRunner().invoke(app, ["bench", "replay", str(path), "--block-sizes", "16", "--capacity-tokens",
+                                         "96", "--policy", "lru", "--reserve", "fixed:0", "--prefill-rate", "320",
+                                         "--decode-rate", "10", *args], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    return shown.output
 
 
 def test_a_prompt_and_max_tokens_that_could_never_fit_are_turned_away_whatever_the_reservation():

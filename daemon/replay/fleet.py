@@ -99,6 +99,7 @@ class FleetResult:
     recomputed_after_preemption: int = 0
     e2e_p50_s: float | None = None  # the service model's arrival to last token, fleet-wide
     e2e_p95_s: float | None = None
+    tenant_preemptions: dict[str, int] = field(default_factory=dict)  # per tenant, fleet-wide (ReplayResult's)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -333,6 +334,7 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
         for tenant, times in run.tenant_ttft.items():
             by_tenant.setdefault(tenant, []).extend(times)
     rejected = sum((run.tenant_rejected for run in runs), Counter())
+    preempted = sum((run.tenant_preempted for run in runs), Counter())
     tenants = sorted({*by_tenant, *rejected, *(t for run in runs for t in run.tenant_tokens)})
     return FleetResult(
         routing=routing, replicas=len(runs), block_size=settings.block_size,
@@ -354,4 +356,5 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
         tenant_rejected={t: rejected[t] for t in tenants}, reservation=settings.reservation,
         preemptions=sum(r.preemptions for r in runs),
         recomputed_after_preemption=sum(r.recomputed_after_preemption for r in runs),
-        e2e_p50_s=percentile(e2e, 0.50), e2e_p95_s=percentile(e2e, 0.95))
+        e2e_p50_s=percentile(e2e, 0.50), e2e_p95_s=percentile(e2e, 0.95),
+        tenant_preemptions={t: preempted[t] for t in tenants})

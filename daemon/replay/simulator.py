@@ -152,6 +152,8 @@ class ReplayResult:
     recomputed_after_preemption: int = 0
     e2e_p50_s: float | None = None  # the service model's arrival to last token (concurrent mode)
     e2e_p95_s: float | None = None
+    # per tenant, when the trace names tenants: its requests preempted (each time), whom preemption takes
+    tenant_preemptions: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -221,6 +223,7 @@ class ReplicaRun:
         self.ttft: list[float] = []
         self.tenant_ttft: dict[str, list[float]] = {}  # tenant -> its first-token times, when the trace names it
         self.tenant_rejected: Counter[str] = Counter()
+        self.tenant_preempted: Counter[str] = Counter()  # tenant -> its requests preempted (each time)
         # a fleet that re-routes a queue timeout, as kvd router does: called with (request, the time it
         # timed out) instead of counting a rejection; and where such a request first arrived (its TTFT's start)
         self.on_timeout: Callable[[int, float], None] | None = None
@@ -599,6 +602,8 @@ class ReplicaRun:
             else:
                 self.first_out.add(index)
         self.preemptions += 1
+        if request.tenant is not None:
+            self.tenant_preempted[request.tenant] += 1
         self.preempted[index] = (self.arrived.pop(index), made)
         cached_now = self.manager.lookup(self.keys[index], request.input_length + made) * self.settings.block_size
         estimate = (request.input_length + made - cached_now) / self.settings.prefill_rate \
@@ -786,6 +791,8 @@ class ReplicaRun:
             reservation=s.reservation, recomputed_after_preemption=self.recomputed_after_preemption,
             e2e_p50_s=None if s.sequential else percentile(sorted(self.e2e), 0.50),
             e2e_p95_s=None if s.sequential else percentile(sorted(self.e2e), 0.95),
+            tenant_preemptions={tenant: self.tenant_preempted[tenant]
+                                for tenant in sorted({*self.tenant_tokens, *self.tenant_rejected})},
         )
 
 
