@@ -1008,7 +1008,7 @@ def test_a_request_preempted_in_its_prefill_counts_its_first_token_when_it_comes
     assert replica.e2e == [5.0, 4.6]
 
 
-def test_under_a_priority_queue_preemption_takes_the_worse_placed_tenant_first():
+def test_under_a_priority_queue_preemption_takes_the_worse_placed_tenant_first(tmp_path, capsys):
     fifo = replica_run(PREEMPT_TRACE, **PREEMPT_SETTINGS)
     assert sorted(fifo.e2e) == [4.1, 6.55]  # quiet, the later arrival, was preempted
     assert fifo.result(1.0).tenant_preemptions == {"noisy": 0, "quiet": 1}
@@ -1028,27 +1028,16 @@ def test_under_a_priority_queue_preemption_takes_the_worse_placed_tenant_first()
     [line] = fleet_tenant_lines([one], lambda r: r.routing)
     assert line.plain == ("first token p50/p95 by tenant, least_loaded (block 16, capacity 96, lru+prio): noisy "
                           "0.10/0.10 s (2 preempted), quiet 0.10/0.10 s")
-    text = " ".join(replay_text(PREEMPT_TRACE, "--queue-order", "priority", "--tenant-priorities", "quiet=-10").split())
+    from .test_cli import cli
+
+    write_trace(tmp_path / "preempt.jsonl", PREEMPT_TRACE)
+    status, printed, _ = cli(capsys, "bench", "replay", str(tmp_path / "preempt.jsonl"), "--block-sizes", "16",
+                             "--capacity-tokens", "96", "--policy", "lru", "--reserve", "fixed:0", "--prefill-rate",
+                             "320", "--decode-rate", "10", "--queue-order", "priority", "--tenant-priorities",
+                             "quiet=-10")
+    assert status == 0
+    text = " ".join(printed.split())
     assert "16 96 lru+prio 0.10/0.10 (pre 2) 0.10/0.10" in text  # the table by tenant
-
-
-def replay_text(trace, *args) -> str:
-    """kvctl bench replay's text for `trace` under PREEMPT_SETTINGS, with `args`."""
-    import tempfile
-    from pathlib import Path
-
-    from typer.testing import CliRunner
-
-    from kvctl.cli import app
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "trace.jsonl"
-        write_trace(path, trace)
-        shown = CliRunner().invoke(app, ["bench", "replay", str(path), "--block-sizes", "16", "--capacity-tokens",
-                                         "96", "--policy", "lru", "--reserve", "fixed:0", "--prefill-rate", "320",
-                                         "--decode-rate", "10", *args], env={"COLUMNS": "200"})
-    assert shown.exit_code == 0, shown.output
-    return shown.output
 
 
 def test_a_prompt_and_max_tokens_that_could_never_fit_are_turned_away_whatever_the_reservation():
