@@ -14,7 +14,7 @@ from rich.text import Text
 
 from kvctl.daemon.replay.fleet import RECORDED, FleetResult, limit_choices, places_new_prefixes, reads_load
 from kvctl.daemon.replay.service_rates import measured_rates
-from kvctl.trace_stats import coarse_ids, fleet_figures, live_cached_ratio
+from kvctl.trace_stats import batch_cost_text, coarse_ids, fleet_figures, live_cached_ratio
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
@@ -83,11 +83,17 @@ def replay_command(
                                            "and preempts as kvd's does."),
     sequential: bool = typer.Option(False, "--sequential", help="One request at a time."),
     prefill_rate: float = typer.Option(20_000.0, help="Service model: prefill tokens per second."),
-    decode_rate: float = typer.Option(40.0, help="Service model: output tokens per second per request."),
+    decode_rate: float = typer.Option(40.0, help="Service model: output tokens per second per request (alone, with "
+                                      "--decode-batch-cost)."),
+    decode_batch_cost: float = typer.Option(
+        0.0, help="Service model: each other request in service lengthens a decode step by this fraction of a lone "
+                  "request's, as a batched step grows (0.02: 64 running decode at 1/2.26 of the rate alone); "
+                  "0: none."),
     rates_from_trace: bool = typer.Option(False, "--rates-from-trace",
                                           help="Service model: the prefill and decode rates at which the replay's "
-                                               "totals equal kvd's, from the trace's own timings (traces kvd saves "
-                                               "say how it served each request)."),
+                                               "totals equal kvd's, and the decode batch cost its requests show, "
+                                               "from the trace's own timings (traces kvd saves say how it served "
+                                               "each request)."),
     max_running: int = typer.Option(64, help="Service model: requests in service at once."),
     max_queue: int = typer.Option(4096, help="Admission queue bound; arrivals beyond it are rejected."),
     max_queue_wait: float = typer.Option(0.0, help="Seconds a request may wait to start before it is rejected "
@@ -187,7 +193,8 @@ def replay_command(
     base = ReplaySettings(block_size=sizes[0] if sizes else 16,
                           capacity_tokens=capacities[0] if capacities else 0,
                           reservation=reservations[0], sequential=sequential, prefill_rate=prefill_rate,
-                          decode_rate=decode_rate, max_running=max_running, max_queue=max_queue,
+                          decode_rate=decode_rate, decode_batch_cost=decode_batch_cost, max_running=max_running,
+                          max_queue=max_queue,
                           max_queue_wait=max_queue_wait, time_scale=time_scale, max_tokens=max_tokens, restore_rate=restore_rate,
                           tier_write=tier_write, tenant_queue_waits=own_waits)
     tiers = parse_int_list("tier_tokens", tier_tokens) or [0]
@@ -246,7 +253,9 @@ def replay_command(
         except ValueError as exc:
             raise UserError(str(exc)) from None
         base = replace(base, prefill_rate=measured.prefill_rate or base.prefill_rate,
-                       decode_rate=measured.decode_rate or base.decode_rate)
+                       decode_rate=measured.decode_rate or base.decode_rate,
+                       decode_batch_cost=base.decode_batch_cost if measured.decode_batch_cost is None
+                       else measured.decode_batch_cost)
         if not as_json:
             err.print(f"service model from the trace's own timings ({measured.requests:,} requests): prefill "
                       + (f"{measured.prefill_rate:,.0f}" if measured.prefill_rate else f"{base.prefill_rate:,.0f} "
@@ -254,7 +263,7 @@ def replay_command(
                       + " tokens/s, decode "
                       + (f"{measured.decode_rate:,.0f}" if measured.decode_rate else f"{base.decode_rate:,.0f} "
                          "(no request made two tokens: --decode-rate's)")
-                      + " tokens/s a request")
+                      + " tokens/s a request" + batch_cost_text(measured.decode_batch_cost))
 
     fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings, "balance_seconds": balance_seconds,
                                         "new_prefix": new_prefix, "placements": placements,
@@ -267,10 +276,11 @@ def replay_command(
         "requests": len(requests),
         "settings": {
             "mode": "sequential" if sequential else "concurrent", "reservation": ",".join(reservations),
-            "prefill_rate": base.prefill_rate, "decode_rate": base.decode_rate, "max_running": max_running,
+            "prefill_rate": base.prefill_rate, "decode_rate": base.decode_rate,
+            "decode_batch_cost": base.decode_batch_cost, "max_running": max_running,
             "rates_from_trace": None if measured is None else {
                 "requests": measured.requests, "prefill_rate": measured.prefill_rate,
-                "decode_rate": measured.decode_rate},
+                "decode_rate": measured.decode_rate, "decode_batch_cost": measured.decode_batch_cost},
             "max_queue": max_queue, "max_queue_wait": max_queue_wait, "time_scale": time_scale, "max_tokens": max_tokens,
             "tenant_queue_waits": dict(own_waits) or None,
             "tenant_shares": dict(base.tenant_shares) or None, "tier_tokens": tiers,

@@ -8,7 +8,12 @@ a request admitted at t finishes at
 
     t + uncached prompt tokens / prefill_rate + output tokens / decode_rate
 
-with at most `max_running` requests at once and an admission queue of at
+with `decode_batch_cost` 0 (the default). With a cost c, a request decodes at
+decode_rate / (1 + c * (n - 1)) tokens a second while n requests are in service, as a batched
+decode step grows with its batch: each admission, finish and preemption changes every running
+request's pace from then on (processor sharing, recomputed at each event). It counts requests,
+not their context lengths. `kvctl bench replay --rates-from-trace` fits c from kvd's own timings
+(service_rates.py). Either way, at most `max_running` requests at once and an admission queue of at
 most `max_queue` waiting requests, first come first served; with `queue_order`
 priority by the tenants' `tenant_priorities` (lower first), or with lpm the longest
 cached prefix first, as kvd's (policies.queue_order).
@@ -73,7 +78,9 @@ class ReplaySettings:
     reservation: str = "fraction:1.0"  # output reservation spec (see policies.reservation)
     sequential: bool = False
     prefill_rate: float = 20_000.0  # uncached prompt tokens per second
-    decode_rate: float = 40.0  # output tokens per second per request
+    decode_rate: float = 40.0  # output tokens per second per request (alone, with decode_batch_cost)
+    # each other request in service lengthens a decode step by this fraction of a lone request's (0: none)
+    decode_batch_cost: float = 0.0
     max_running: int = 64  # requests in service at once
     max_queue: int = 4096  # requests waiting for admission before new ones are rejected
     max_queue_wait: float = 0.0  # seconds a request may wait to start before it is rejected (queue_timeout); 0: no limit
@@ -239,6 +246,10 @@ class ReplicaRun:
         self.pending_ttft: dict[int, float] = {}  # running request -> the first-token time counted for it
         self.recomputed_after_preemption = 0
         self.e2e: list[float] = []
+        # the pace of decoding, with decode_batch_cost: every running request's now (decode_rate_at), and
+        # for a request that decoded at another pace before, (when it changed, output tokens made by then)
+        self.rate = settings.decode_rate
+        self.anchors: dict[int, tuple[float, float]] = {}
 
     # ---- core calls, timed -----------------------------------------------------------------
     def used_blocks(self) -> int:
@@ -400,7 +411,7 @@ class ReplicaRun:
 
     def service_seconds(self, index: int, uncached: int) -> float:
         request, s = self.requests[index], self.settings
-        return uncached / s.prefill_rate + request.output_length / s.decode_rate
+        return uncached / s.prefill_rate + request.output_length / self.rate
 
     def wait_seconds(self, held_blocks: int | None = None, tenant: str | None = None, priority: int = 0) -> float:
         """Predicted wait before a request arriving now would start: none while a slot is free
@@ -508,6 +519,7 @@ class ReplicaRun:
                 continue
             if not self.start(index):
                 break
+            self._rerate(len(self.running) + 1)
             self._dequeue(index)
             # (unqueued either way) its first token counts from its arrival, a re-routed one's first arrival
             arrival = self.origins.pop(index, self._unqueue(index))
@@ -519,7 +531,7 @@ class ReplicaRun:
             first = self.now + (restored / s.restore_rate if restored else 0.0)  # no term without a tier: bit for bit
             # summed left to right, as the replay always has: its finish times stay bit for bit
             heapq.heappush(self.running, (first + uncached / s.prefill_rate + (request.output_length - made)
-                                          / s.decode_rate, index))
+                                          / self.rate, index))
             self.arrived[index] = arrival
             self.decoding[index] = (first, first + uncached / s.prefill_rate, made, seq.hit_tokens + restored)
             self._grow_later(index)
@@ -539,8 +551,38 @@ class ReplicaRun:
         if slots >= request.input_length + request.output_length:
             return
         _, first_token, made, _ = self.decoding[index]
+        since, made = self.anchors.get(index, (first_token, made))
         token = slots + 1 - request.input_length  # the output token (1 is the first) with no slot
-        heapq.heappush(self.growing, (first_token + (token - made) / self.settings.decode_rate, index))
+        heapq.heappush(self.growing, (since + (token - made) / self.rate, index))
+
+    def decode_rate_at(self, running: int) -> float:
+        """Output tokens a second each request makes while `running` are in service (decode_batch_cost)."""
+        s = self.settings
+        if not s.decode_batch_cost:
+            return s.decode_rate
+        return s.decode_rate / (1.0 + s.decode_batch_cost * max(running - 1, 0))
+
+    def _rerate(self, running: int) -> None:
+        """`running` requests are in service from now: with decode_batch_cost, every running request
+        decodes at their pace from now on, and its finish and next growth move to match."""
+        rate, old = self.decode_rate_at(running), self.rate
+        if rate == old:
+            return
+        now, requests = self.now, self.requests
+        self.rate = rate
+        running_now = []
+        for _, index in self.running:
+            _, first_token, made, _ = self.decoding[index]
+            since, made = self.anchors.get(index, (first_token, made))
+            if now > since:  # decoding: what it made at the old pace
+                since, made = now, made + (now - since) * old
+                self.anchors[index] = since, made
+            running_now.append((since + (requests[index].output_length - made) / rate, index))
+        heapq.heapify(running_now)
+        self.running = running_now
+        growing, self.growing = self.growing, []
+        for _, index in growing:
+            self._grow_later(index)
 
     def grow(self, index: int) -> None:
         """Running request `index` made an output token its blocks have no slot for: it takes a
@@ -583,8 +625,14 @@ class ReplicaRun:
         else:  # what it made by now, no more than its blocks have slots for
             seq = self.manager.sequence(str(index))
             slots = (len(seq.table) + len(seq.reserve)) * self.settings.block_size - request.input_length
-            made = min(request.output_length, slots, made + int((now - first_token) * self.settings.decode_rate))
+            if index in self.anchors:  # (it decoded at another pace before)
+                since, made_then = self.anchors[index]
+                progress = int(made_then + (now - since) * self.rate) - made
+            else:
+                progress = int((now - first_token) * self.rate)
+            made = min(request.output_length, slots, made + progress)
             written = None
+        self.anchors.pop(index, None)
         t0 = time.perf_counter_ns()
         self.manager.release(str(index), written_tokens=written)
         self.call_ns.append(time.perf_counter_ns() - t0)
@@ -592,6 +640,7 @@ class ReplicaRun:
         heapq.heapify(self.running)
         self.growing = [entry for entry in self.growing if entry[1] != index]
         heapq.heapify(self.growing)
+        self._rerate(len(self.running))
         self.restored.pop(index, None)
         if index in self.pending_ttft:
             ttft = self.pending_ttft.pop(index)
@@ -607,7 +656,7 @@ class ReplicaRun:
         self.preempted[index] = (self.arrived.pop(index), made)
         cached_now = self.manager.lookup(self.keys[index], request.input_length + made) * self.settings.block_size
         estimate = (request.input_length + made - cached_now) / self.settings.prefill_rate \
-            + (request.output_length - made) / self.settings.decode_rate
+            + (request.output_length - made) / self.rate
         self.arrivals[index], self.queued_work[index] = now, estimate
         self.queued_seconds += estimate
         for key in self.keys[index]:
@@ -687,6 +736,8 @@ class ReplicaRun:
                 break
             heapq.heappop(self.running)
             self.advance(done)
+            self.anchors.pop(index, None)
+            self._rerate(len(self.running))
             self.finish(index)
             self.e2e.append(done - self.arrived.pop(index))
             self.decoding.pop(index, None)

@@ -1,0 +1,118 @@
+"""The replay's decode batch cost: a request decodes more slowly the more requests are in service
+(processor sharing, re-paced at each admission, finish and preemption), and `--rates-from-trace`
+fits that cost from the timings kvd's trace keeps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvctl.daemon.replay.service_rates import MeasuredRates, fit_batch_cost, mean_in_service, measured_rates
+from kvctl.daemon.replay.trace import Served, TraceRequest, write_trace
+
+from .test_cli import cli
+from .test_replay import PREEMPT_SETTINGS, PREEMPT_TRACE, fleet, replica_run
+
+# A (20 tokens out) alone from 0 s, B (6 tokens out) from 1 s; prefill takes no time, 10 tokens/s alone.
+SHARED = [TraceRequest(0.0, 16, 20, (1,)), TraceRequest(1000.0, 16, 6, (2,))]
+SHARED_SETTINGS = dict(capacity_tokens=1024, prefill_rate=1e12, decode_rate=10.0)
+
+
+def test_requests_in_service_together_each_decode_at_the_pace_of_their_batch():
+    alone = replica_run(SHARED, **SHARED_SETTINGS)
+    assert alone.e2e == [pytest.approx(0.6), pytest.approx(2.0)]  # B, then A: each at 10 tokens/s
+    # cost 1.0: two in service decode at 5 tokens/s each. A makes 10 tokens by 1 s, then 6 more beside
+    # B until B finishes at 1 + 6/5 = 2.2 s, then its last 4 alone at 10 tokens/s: 2.6 s
+    shared = replica_run(SHARED, **SHARED_SETTINGS, decode_batch_cost=1.0)
+    assert shared.e2e == [pytest.approx(1.2), pytest.approx(2.6)]
+    assert shared.ttft == alone.ttft  # a prompt's prefill keeps its own rate
+    assert shared.rate == 10.0 and shared.anchors == {}  # alone again at the end, nothing left anchored
+    half = replica_run(SHARED, **SHARED_SETTINGS, decode_batch_cost=0.25)  # 8 tokens/s beside B
+    assert half.e2e == [pytest.approx(6 / 8), pytest.approx(1.75 + (20 - 10 - 6) / 10)]
+
+
+def test_a_preempted_request_keeps_the_tokens_it_made_at_each_pace():
+    """PREEMPT_TRACE (see test_replay) with a cost of 1.0: both decode at 5 tokens/s, so the first
+    needs its 4th block at 0.1 + 17/5 = 3.5 s. The second, 16.75 tokens on by then, is preempted
+    with 16 (all its blocks hold); the first, 17 tokens made, decodes its last 23 alone by 5.8 s. The
+    second restarts then, computes 32 tokens again (0.1 s) and its last 24 alone: 8.3 s."""
+    replica = replica_run(PREEMPT_TRACE, **PREEMPT_SETTINGS, decode_batch_cost=1.0)
+    assert (replica.preemptions, replica.recomputed_after_preemption) == (1, 32)
+    assert replica.ttft == [0.1, 0.1]
+    assert replica.e2e == [pytest.approx(5.8), pytest.approx(8.3 - 0.05)]
+    no_cost = replica_run(PREEMPT_TRACE, **PREEMPT_SETTINGS)
+    assert no_cost.e2e == [4.1, 6.6 - 0.05]  # as test_replay works it out, bit for bit
+
+
+def test_a_fleet_s_replicas_each_pace_their_own_batch():
+    one = fleet(SHARED, 1, "round_robin", block_size=16, **SHARED_SETTINGS, decode_batch_cost=1.0)
+    assert one.e2e_p95_s == pytest.approx(2.6)
+    two = fleet(SHARED, 2, "round_robin", block_size=16, **SHARED_SETTINGS, decode_batch_cost=1.0)
+    assert two.e2e_p95_s == pytest.approx(2.0)  # each alone on its replica
+
+
+def served(t_ms, output, decode_ms, replica=None, queued_ms=0.0, prefill_ms=0.0):
+    return TraceRequest(float(t_ms), 512, output, (int(t_ms),), None, 512,
+                        Served(queued_ms, prefill_ms, decode_ms, 0), replica)
+
+
+# one alone at 0.1 s a token; two together at 0.2 s a token each: 10 tokens/s alone, cost 1.0
+PAIRED = [served(0, 11, 1000.0), served(10_000, 11, 2000.0), served(10_000, 11, 2000.0)]
+
+
+def test_the_mean_number_in_service_counts_every_request_from_admission_to_its_last_token():
+    # (admitted, first token, last token): the second is in service while the first decodes its
+    # second half; the third decodes in no time
+    spans = [(0.0, 1.0, 3.0), (1.5, 2.0, 4.0), (5.0, 5.0, 5.0)]
+    assert mean_in_service(spans) == [pytest.approx((1 * 0.5 + 2 * 1.5) / 2.0), pytest.approx((2 + 1) / 2), None]
+
+
+def test_the_batch_cost_and_the_rate_alone_come_from_a_line_through_the_trace_s_timings():
+    assert fit_batch_cost(PAIRED) == (pytest.approx(10.0), pytest.approx(1.0))
+    assert measured_rates(PAIRED) == MeasuredRates(3, None, pytest.approx(10.0), pytest.approx(1.0))
+    # each replica's requests are in service beside their own replica's only: two replicas, one request
+    # each at 10,000 ms, decode alone at 0.2 s a token; the line through three alone is flat: no fit
+    split = PAIRED[:1] + [served(10_000, 11, 2000.0, "r0"), served(10_000, 11, 2000.0, "r1")]
+    assert fit_batch_cost(split) is None
+    assert measured_rates(split) == MeasuredRates(3, None, 30 / 5.0, None)  # the mean rate, as before
+    # decoding faster beside another: no slowing, so cost 0 at the mean rate
+    faster = [served(0, 11, 2000.0), served(10_000, 11, 1000.0), served(10_000, 11, 1000.0)]
+    assert fit_batch_cost(faster) == (pytest.approx(30 / 4.0), 0.0)
+    assert fit_batch_cost(PAIRED[1:]) is None  # two requests: too few for a line
+    # in service from admission to the last token: the first decodes alone while the second waits (0 to
+    # 2 s), then the second alone; the fourth decodes beside the fifth's prefill (20 to 22 s), then the
+    # fifth alone. Counting the wait, or not the prefill, would draw no straight line
+    staged = [served(0, 21, 2000.0), served(0, 11, 1000.0, queued_ms=2000.0, prefill_ms=1000.0),
+              *PAIRED[1:], served(20_000, 11, 2000.0), served(20_000, 11, 1000.0, prefill_ms=2000.0)]
+    assert mean_in_service([(0.0, 0.0, 2.0), (2.0, 3.0, 4.0), (20.0, 20.0, 22.0), (20.0, 22.0, 23.0)]) == [
+        1.0, 1.0, 2.0, 1.0]
+    assert fit_batch_cost(staged) == (pytest.approx(10.0), pytest.approx(1.0))
+
+
+def test_kvctl_bench_replay_takes_a_batch_cost_or_fits_it_from_the_trace(tmp_path, capsys):
+    path = tmp_path / "paired.jsonl"
+    write_trace(path, SHARED)
+    args = ("bench", "replay", str(path), "--block-sizes", "16", "--capacity-tokens", "1024", "--policy", "lru",
+            "--prefill-rate", "1e12", "--decode-rate", "10")
+    status, printed, _ = cli(capsys, *args, "--decode-batch-cost", "1.0", "--json")
+    document = json.loads(printed)
+    assert status == 0 and document["settings"]["decode_batch_cost"] == 1.0
+    [run] = document["runs"]
+    assert (run["e2e_p50_s"], run["e2e_p95_s"]) == (pytest.approx(1.2), pytest.approx(2.6))
+    status, _, err = cli(capsys, *args, "--decode-batch-cost", "-0.5")
+    assert status == 2 and "decode_batch_cost: must be a number >= 0 (0: none), got -0.5" in " ".join(err.split())
+    write_trace(path, PAIRED)
+    status, printed, _ = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--policy", "lru",
+                             "--rates-from-trace", "--json")
+    settings = json.loads(printed)["settings"]
+    assert status == 0 and (settings["decode_rate"], settings["decode_batch_cost"]) == (
+        pytest.approx(10.0), pytest.approx(1.0))
+    assert settings["rates_from_trace"]["decode_batch_cost"] == pytest.approx(1.0)
+    status, _, err = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--policy", "lru",
+                         "--rates-from-trace", "--decode-batch-cost", "0.5")
+    assert status == 0 and ("decode 10 tokens/s a request alone, a step 100.0% longer for each other request in "
+                            "service") in " ".join(err.split())  # the trace's cost in place of the option's
+    status, printed, _ = cli(capsys, "trace", "stats", str(path))
+    assert status == 0 and ("decode 10 tokens/s a request alone, a step 100.0% longer for each other request in "
+                            "service") in " ".join(printed.replace("│", " ").split())
