@@ -1523,11 +1523,11 @@ def test_replay_with_tenant_priorities_shows_what_the_priority_policy_keeps_of_e
     assert (lru["policy"], priority["policy"]) == ("lru", "priority")
     # the noisy tenant's one-off documents take less of quiet's prefixes (deterministic: the same trace and keys)
     quiet = [round(run["tenant_hit_ratio"]["quiet"], 3) for run in (lru, priority)]
-    assert quiet == [0.501, 0.579]
+    assert quiet == [0.496, 0.556]  # (outputs' blocks stay cached, as kvd's: they take room too)
     assert priority["tenant_hit_ratio"]["noisy"] == lru["tenant_hit_ratio"]["noisy"] == 0
-    # whose blocks paid for the room: a third fewer of quiet's under priority, more of noisy's own
-    assert [run["tenant_evicted_blocks"] for run in (lru, priority)] == [{"noisy": 17142, "quiet": 9493},
-                                                                          {"noisy": 18631, "quiet": 6285}]
+    # whose blocks paid for the room: a quarter fewer of quiet's under priority, more of noisy's own
+    assert [run["tenant_evicted_blocks"] for run in (lru, priority)] == [{"noisy": 18438, "quiet": 10642},
+                                                                          {"noisy": 19894, "quiet": 7858}]
 
 
 def test_config_show_writes_per_tenant_settings_as_an_operator_writes_them():

@@ -29,11 +29,16 @@ grow block by block as it decodes in the service model. One that cannot grow pre
 does: the running request last in kvd's order (under queue_order priority its tenant's place
 first, then the latest arrival; it may be the one growing) gives back its blocks, its cached prompt
 stays, and it goes back to the head of the queue, never timed out there. Restarted, it computes
-again its prompt and the output it had made, less what the cache still holds of its prompt, then
-decodes the rest (`recomputed_after_preemption`). kvd also caches a request's output blocks, so a
-restart there may find some of its output still cached: the replay recomputes all of it. A request
-whose prompt and max_tokens could never fit the cache is turned away on arrival, as kvd does,
-whatever its reservation.
+again its prompt and the output it had made, less what the cache still holds of them, then
+decodes the rest (`recomputed_after_preemption`). A request whose prompt and max_tokens could never
+fit the cache is turned away on arrival, as kvd does, whatever its reservation.
+
+As kvd's, the cache keeps a request's output blocks too: each whole block of its prompt and output
+is indexed once written, and stays cached (evictable) after the request finishes or is preempted,
+so outputs take cache room as they do in kvd, and a restart finds what is left of its own. A
+trace's ids say nothing of the output's tokens, so each request's output has keys of its own
+(`output_keys`: no other request hits them), and only where the prompt has a whole block. The
+last output token is never written (no step computes it), as in kvd.
 
 Allocator figures time only the calls into the cache core (admit, append,
 release); key hashing is done before the clock starts.
@@ -57,7 +62,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from kvctl.daemon.cache.errors import CacheFull
-from kvctl.daemon.cache.keys import BlockKey
+from kvctl.daemon.cache.keys import BlockKey, block_key
 from kvctl.daemon.cache.manager import KVCacheManager
 from kvctl.daemon.stats import percentile
 from kvctl.policies.admission import blocks_for_tokens
@@ -250,6 +255,7 @@ class ReplicaRun:
         # for a request that decoded at another pace before, (when it changed, output tokens made by then)
         self.rate = settings.decode_rate
         self.anchors: dict[int, tuple[float, float]] = {}
+        self.outputs: dict[int, list[BlockKey]] = {}  # request admitted -> its output blocks' keys (output_keys)
 
     # ---- core calls, timed -----------------------------------------------------------------
     def used_blocks(self) -> int:
@@ -296,12 +302,16 @@ class ReplicaRun:
     def start(self, index: int) -> bool:
         """Admit and prefill request `index`; False when it does not fit now. A preempted one is
         admitted again with its prompt and the output it had made, and reserves for the rest."""
-        request, keys = self.requests[index], self.keys[index]
-        manager = self.manager
+        request, manager = self.requests[index], self.manager
         made = self.preempted[index][1] if index in self.preempted else 0
         tokens = request.input_length + made
         reserve = self.reserve_tokens(request, made)
         seq_id = str(index)
+        # its prompt's keys and its output's, the whole blocks of what it holds now (a restart's output
+        # made) at admission, the rest as it writes them
+        output = self.output_keys(index)
+        known = tokens // self.settings.block_size - len(self.keys[index])
+        keys, later = (self.keys[index] + output[:known], output[known:]) if output else (self.keys[index], [])
         # what the lower tier holds after the device's hits is read before the admission makes
         # room (as kvd's prefetch does), so blocks it demotes cannot push them out first
         restored = self._restore(keys, manager.lookup(keys, tokens), tokens) if self.tier_blocks else 0
@@ -314,7 +324,7 @@ class ReplicaRun:
             self.call_ns.append(time.perf_counter_ns() - t0)
             return False
         t1 = time.perf_counter_ns()
-        manager.append(seq_id, tokens - admission.hit_tokens)
+        manager.append(seq_id, tokens - admission.hit_tokens, later)
         t2 = time.perf_counter_ns()
         self.call_ns.append(t1 - t0)
         self.call_ns.append(t2 - t1)
@@ -332,6 +342,22 @@ class ReplicaRun:
         self.peak_used = max(self.peak_used, used)
         self.used_samples += used
         return True
+
+    def output_keys(self, index: int) -> list[BlockKey]:
+        """Keys of the whole blocks of request `index`'s output, from the block that holds its prompt's
+        tail, chained after its prompt's keys and its own (no other request hits them); none where its
+        prompt has no whole block or the trace's ids do not cover it."""
+        keys = self.outputs.get(index)
+        if keys is None:
+            request, size, prompt = self.requests[index], self.settings.block_size, self.keys[index]
+            keys = []
+            if prompt and len(prompt) == request.input_length // size:
+                parent = prompt[-1]
+                for block in range(len(prompt), (request.input_length + request.output_length) // size):
+                    parent = block_key(parent, (index, block), extra_keys=("replay-output",))
+                    keys.append(parent)
+            self.outputs[index] = keys
+        return keys
 
     def _count_admission(self, index: int, hit_tokens: int, hit_blocks: int, restored: int) -> None:
         """A request's first admission in the run's figures: its prompt, hits and what an unbounded cache gives."""
@@ -364,9 +390,12 @@ class ReplicaRun:
         self.slots_tail_unused += len(seq.table) * size - seq.num_tokens
         self.slots_reserve_unused += len(seq.reserve) * size
         t2 = time.perf_counter_ns()
-        released = manager.release(seq_id)
+        # (its last token is sampled, never computed: as kvd, the block it would fill is not cached)
+        released = manager.release(seq_id, written_tokens=request.input_length + request.output_length - 1
+                                   if request.output_length else None)
         t3 = time.perf_counter_ns()
         self.restored.pop(index, None)
+        self.outputs.pop(index, None)
         self.call_ns.append(t1 - t0)
         self.call_ns.append(t3 - t2)
         self.block_ops += released
@@ -631,7 +660,11 @@ class ReplicaRun:
             else:
                 progress = int((now - first_token) * self.rate)
             made = min(request.output_length, slots, made + progress)
-            written = None
+            # its blocks hold what it made (their whole ones cached, as kvd's), its last token never computed
+            missing = request.input_length + made - seq.num_tokens
+            if missing > 0:
+                self.manager.append(str(index), missing)  # (within its slots: takes no block)
+            written = request.input_length + max(made - 1, 0)
         self.anchors.pop(index, None)
         t0 = time.perf_counter_ns()
         self.manager.release(str(index), written_tokens=written)
