@@ -37,7 +37,8 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
     """The figures of `requests` (a trace read in arrival order); reuse at `block_size` tokens."""
     keyer = TraceKeyer(block_size)
     keys = [keyer.keys(r) for r in requests]
-    hits = max_hit_blocks(requests, keys, block_size)
+    outputs = [keyer.output_keys(r, index, keys[index]) for index, r in enumerate(requests)]
+    hits = max_hit_blocks(requests, keys, block_size, outputs)
     prompt = sum(r.input_length for r in requests)
     seconds = requests[-1].timestamp_ms / 1000.0
     openings = Counter(opening(r) for r in requests if r.hash_ids)
@@ -51,7 +52,10 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
         "output_length": _spread([r.output_length for r in requests]),
         "block_size": block_size,
         "unbounded_hit_ratio": sum(hits) * block_size / prompt if prompt else 0.0,
-        "working_set_tokens": len({key for request_keys in keys for key in request_keys}) * block_size,
+        # every block a cache that never forgets holds: prompts' and outputs' (kvd caches both)
+        "working_set_tokens": len({key for request_keys in (*keys, *outputs) for key in request_keys}) * block_size,
+        "output_working_set_tokens": len({key for request_keys in outputs for key in request_keys}
+                                         - {key for request_keys in keys for key in request_keys}) * block_size,
         "openings": len(openings),  # distinct first blocks (a tenant's own)
         "shared_openings": sum(1 for count in openings.values() if count > 1),
         "shared_opening_share": sum(count for count in openings.values() if count > 1) / len(requests),
@@ -119,7 +123,10 @@ def stats_lines(figures: dict) -> list[tuple[str, str]]:
             ("output tokens", f"{figures['output_tokens']:,}: {lengths(figures['output_length'])}"),
             ("ids cover", f"{figures['block_tokens']} tokens each"),
             (f"hit, unbounded cache (block {figures['block_size']})", f"{figures['unbounded_hit_ratio']:.1%}"),
-            ("working set", f"{figures['working_set_tokens']:,} tokens: a cache this size never forgets a block")]
+            ("working set", f"{figures['working_set_tokens']:,} tokens"
+             + (f" ({figures['output_working_set_tokens']:,} of them outputs')"
+                if figures["output_working_set_tokens"] else "")
+             + ": a cache this size never forgets a block")]
     top = figures["top_openings"]
     rows.append(("openings (first blocks)",
                  f"{figures['openings']:,} distinct; {figures['shared_openings']:,} shared by two requests or more, "

@@ -20,7 +20,6 @@ def test_a_finished_request_leaves_its_whole_written_blocks_cached(prompt, outpu
     replica = replica_run([TraceRequest(0.0, prompt, output, (1,))], capacity_tokens=128)
     pool = replica.manager.pool
     assert (pool.num_evictable, pool.num_free) == (cached, 8 - cached)
-    assert replica.outputs == {}  # nothing kept of it once it finished
 
 
 def test_output_blocks_take_room_a_later_prompt_must_evict():

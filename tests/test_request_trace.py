@@ -278,7 +278,9 @@ def test_finer_trace_blocks_give_an_id_per_that_many_tokens_and_mark_each_line()
     assert report["block_tokens"] == 64
     first, second = report["requests"]
     assert first["block_tokens"] == second["block_tokens"] == 64
-    assert first["hash_ids"] == list(range(11)) and second["hash_ids"] == list(range(9)) + [11, 12]
+    # each line's output, 4 tokens after a 700-token prompt, makes one whole block of 64 from the prompt's tail
+    assert first["hash_ids"] == list(range(11)) and first["output_hash_ids"] == [11]
+    assert second["hash_ids"] == list(range(9)) + [12, 13] and second["output_hash_ids"] == [14]
     assert len(trace.report(keyed=True, unix_time=float)["requests"][0]["keyed_ids"]) == 11
 
 

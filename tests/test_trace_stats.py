@@ -28,8 +28,9 @@ def test_a_trace_s_figures_worked_out_by_hand():
         "output_tokens": 35, "output_length": {"p50": 5, "p95": 20, "max": 20}, "block_size": 16,
         # the second reuses its first 512 tokens, the fourth its first 1,024; acme's ids are its own
         "unbounded_hit_ratio": (32 + 64) * 16 / 3748,
-        # whole blocks of 16: 64 + 32 new + 37 (acme's) + 4 new
-        "working_set_tokens": (64 + 32 + 37 + 4) * 16,
+        # whole blocks of 16: 64 + 32 new + 37 (acme's) + 4 new, and of the outputs, written (the last token
+        # never is), one of the second's (1,024 + 19) and one of the fourth's (1,100 + 4)
+        "working_set_tokens": (64 + 32 + 37 + 4 + 2) * 16, "output_working_set_tokens": 2 * 16,
         "openings": 2, "shared_openings": 1, "shared_opening_share": 0.75,
         "top_openings": [{"tenant": "default", "first_id": 1, "requests": 3, "share": 0.75}],
         "served": {"requests": 3, "cached_token_ratio": (512 + 1024) / (1024 + 1024 + 1100),
@@ -47,12 +48,12 @@ def test_kvctl_trace_stats_prints_them_and_refuses_bad_input_by_name(tmp_path, c
     path = tmp_path / "t.jsonl"
     write_trace(path, TRACE)
     status, printed, _ = cli(capsys, "trace", "stats", str(path), "--json")
-    assert status == 0 and json.loads(printed)["working_set_tokens"] == 2192
+    assert status == 0 and json.loads(printed)["working_set_tokens"] == 2224
     status, printed, _ = cli(capsys, "trace", "stats", str(path))
     text = " ".join(printed.replace("│", " ").split())
     for said in ["requests 4 over 2.00 s (2.0 a second)", "tenants default 3, acme 1",
                  "prompt tokens 3,748: p50 1,024, p95 1,100, max 1,100", "hit, unbounded cache (block 16) 41.0%",
-                 "working set 2,192 tokens", "openings (first blocks) 2 distinct; 1 shared by two requests or more, "
+                 "working set 2,224 tokens (32 of them outputs'): a cache this size never forgets a block", "openings (first blocks) 2 distinct; 1 shared by two requests or more, "
                  "opening 75% of them; the most shared open 3 requests",
                  "kvd served 3 requests, cached-token ratio 0.488",
                  "queued p50 2.0 ms, p95 3.0 ms; admission to first token p50 20.0 ms, cached ÷ uncached 0.200",

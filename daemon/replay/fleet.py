@@ -110,14 +110,16 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
                  progress: Callable[[int], None] | None = None, audit: bool = False,
                  balance_seconds: float = 2.0, new_prefix: str = "home", placement: int = 0,
                  queue_limits: str = "heed", reroute: bool = True,
-                 speeds: Sequence[float] | None = None, queue_waits: Sequence[float] | None = None) -> FleetResult:
+                 speeds: Sequence[float] | None = None, queue_waits: Sequence[float] | None = None,
+                 outputs: Sequence[list[BlockKey]] | None = None) -> FleetResult:
     """Replay `requests` over `replicas` replicas of `settings`, routed by `routing`, new prefixes
     placed by the hash `placement` draws (`trace_affinity`); queue timeouts re-routed unless
     `reroute` is False, and refusals by a full queue always (but not with routing `recorded`: the
     trace says where each was served). `speeds`: each replica's rates as a multiple of the
     settings' (`check_speeds`); None: all alike. `queue_waits`: each replica's max_queue_wait in
     seconds, 0 for none (`check_queue_waits`); None: the settings' for all. `audit=True` reconciles
-    every replica's books at the end (tests turn it on)."""
+    every replica's books at the end (tests turn it on). `outputs`: each request's output blocks' keys
+    (TraceKeyer.output_keys; None: each its own)."""
     if settings.sequential:
         raise ValueError("replicas: a fleet replays in concurrent mode only (drop --sequential)")
     if not isinstance(replicas, int) or replicas < 1:
@@ -132,7 +134,8 @@ def replay_fleet(settings: ReplaySettings, replicas: int, routing: str, requests
     shared = OrderedDict() if settings.tier_tokens else None  # one tier for the fleet: a shared Redis
     check_speeds(speeds, replicas)
     check_queue_waits(queue_waits, replicas)
-    runs = [ReplicaRun(replica_settings(settings, speed, wait), requests, keys, max_hits, tier=shared)
+    runs = [ReplicaRun(replica_settings(settings, speed, wait), requests, keys, max_hits, tier=shared,
+                       outputs=outputs)
             for speed, wait in zip(speeds or [1.0] * replicas, queue_waits or [None] * replicas)]
     names = [f"replica-{i}" for i in range(replicas)]  # where a new prefix goes home, as a live router names them
     tick = progress or (lambda _n: None)

@@ -33,12 +33,13 @@ again its prompt and the output it had made, less what the cache still holds of 
 decodes the rest (`recomputed_after_preemption`). A request whose prompt and max_tokens could never
 fit the cache is turned away on arrival, as kvd does, whatever its reservation.
 
-As kvd's, the cache keeps a request's output blocks too: each whole block of its prompt and output
+As in kvd, the cache keeps a request's output blocks too: each whole block of its prompt and output
 is indexed once written, and stays cached (evictable) after the request finishes or is preempted,
-so outputs take cache room as they do in kvd, and a restart finds what is left of its own. A
-trace's ids say nothing of the output's tokens, so each request's output has keys of its own
-(`output_keys`: no other request hits them), and only where the prompt has a whole block. The
-last output token is never written (no step computes it), as in kvd.
+so outputs take cache room as they do in kvd, and a restart finds what is left of its own. Their
+keys come from the trace line's `output_hash_ids` where it has them (kvd's saved traces: a chat's
+next turn then hits the answer it repeats, as in kvd), else they are the request's own, hit by no
+other (`trace.own_output_keys`), and only where the prompt has a whole block. The last output token
+is never written (no step computes it), as in kvd.
 
 Allocator figures time only the calls into the cache core (admit, append,
 release); key hashing is done before the clock starts.
@@ -62,14 +63,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from kvctl.daemon.cache.errors import CacheFull
-from kvctl.daemon.cache.keys import BlockKey, block_key
+from kvctl.daemon.cache.keys import BlockKey
 from kvctl.daemon.cache.manager import KVCacheManager
 from kvctl.daemon.stats import percentile
 from kvctl.policies.admission import blocks_for_tokens
 from kvctl.policies.queue_order import LPM_MAX_WAITING, longest_prefix_first, lpm_patience, tried_before
 from kvctl.policies.reservation import parse_reservation
 
-from .trace import TraceRequest
+from .trace import TraceRequest, own_output_keys
 
 
 QUEUE_ORDER_LABELS = {"fifo": "", "priority": "+prio", "lpm": "+lpm"}  # as policy_label marks each
@@ -172,11 +173,12 @@ class ReplayResult:
 
 
 def max_hit_blocks(requests: Sequence[TraceRequest], keys: Sequence[Sequence[BlockKey]],
-                   block_size: int) -> list[int]:
-    """Hit blocks per request with an unbounded cache in arrival order (the theoretical maximum)."""
+                   block_size: int, outputs: Sequence[Sequence[BlockKey]] | None = None) -> list[int]:
+    """Hit blocks per request with an unbounded cache in arrival order (the theoretical maximum);
+    `outputs`: each request's output blocks' keys (TraceKeyer.output_keys), cached after it too."""
     seen: set[BlockKey] = set()
     out: list[int] = []
-    for request, request_keys in zip(requests, keys):
+    for index, (request, request_keys) in enumerate(zip(requests, keys)):
         limit = max(request.input_length - 1, 0) // block_size
         hits = 0
         for key in request_keys[:limit]:
@@ -185,6 +187,8 @@ def max_hit_blocks(requests: Sequence[TraceRequest], keys: Sequence[Sequence[Blo
             hits += 1
         out.append(hits)
         seen.update(request_keys)
+        if outputs is not None:
+            seen.update(outputs[index])
     return out
 
 
@@ -194,10 +198,11 @@ class ReplicaRun:
 
     def __init__(self, settings: ReplaySettings, requests: Sequence[TraceRequest],
                  keys: Sequence[list[BlockKey]], max_hits: Sequence[int],
-                 tier: OrderedDict | None = None) -> None:
-        """`tier`: the lower tier's keys, when several replicas share one (a fleet's Redis)."""
+                 tier: OrderedDict | None = None, outputs: Sequence[list[BlockKey]] | None = None) -> None:
+        """`tier`: the lower tier's keys, when several replicas share one (a fleet's Redis); `outputs`:
+        each request's output blocks' keys (TraceKeyer.output_keys; None: each its own)."""
         self.settings = settings
-        self.requests, self.keys, self.max_hits = requests, keys, max_hits
+        self.requests, self.keys, self.max_hits, self.given_outputs = requests, keys, max_hits, outputs
         self.now = 0.0
         self.manager = KVCacheManager(settings.num_blocks, settings.block_size,
                                       policy=settings.policy, clock=lambda: self.now)
@@ -255,7 +260,6 @@ class ReplicaRun:
         # for a request that decoded at another pace before, (when it changed, output tokens made by then)
         self.rate = settings.decode_rate
         self.anchors: dict[int, tuple[float, float]] = {}
-        self.outputs: dict[int, list[BlockKey]] = {}  # request admitted -> its output blocks' keys (output_keys)
 
     # ---- core calls, timed -----------------------------------------------------------------
     def used_blocks(self) -> int:
@@ -344,20 +348,10 @@ class ReplicaRun:
         return True
 
     def output_keys(self, index: int) -> list[BlockKey]:
-        """Keys of the whole blocks of request `index`'s output, from the block that holds its prompt's
-        tail, chained after its prompt's keys and its own (no other request hits them); none where its
-        prompt has no whole block or the trace's ids do not cover it."""
-        keys = self.outputs.get(index)
-        if keys is None:
-            request, size, prompt = self.requests[index], self.settings.block_size, self.keys[index]
-            keys = []
-            if prompt and len(prompt) == request.input_length // size:
-                parent = prompt[-1]
-                for block in range(len(prompt), (request.input_length + request.output_length) // size):
-                    parent = block_key(parent, (index, block), extra_keys=("replay-output",))
-                    keys.append(parent)
-            self.outputs[index] = keys
-        return keys
+        """Keys of the blocks request `index`'s output makes whole, written: those given, else its own."""
+        if self.given_outputs is not None:
+            return self.given_outputs[index]
+        return own_output_keys(self.requests[index], index, self.keys[index], self.settings.block_size)
 
     def _count_admission(self, index: int, hit_tokens: int, hit_blocks: int, restored: int) -> None:
         """A request's first admission in the run's figures: its prompt, hits and what an unbounded cache gives."""
@@ -395,7 +389,6 @@ class ReplicaRun:
                                    if request.output_length else None)
         t3 = time.perf_counter_ns()
         self.restored.pop(index, None)
-        self.outputs.pop(index, None)
         self.call_ns.append(t1 - t0)
         self.call_ns.append(t3 - t2)
         self.block_ops += released
@@ -887,15 +880,16 @@ def tenant_percentiles(times: dict[str, list[float]], q: float) -> dict[str, flo
 
 def replay(settings: ReplaySettings, requests: Sequence[TraceRequest], keys: Sequence[list[BlockKey]],
            max_hits: Sequence[int], progress: Callable[[int], None] | None = None,
-           audit: bool = False) -> ReplayResult:
-    """Replay `requests` (with their precomputed prompt keys) under `settings`.
+           audit: bool = False, outputs: Sequence[list[BlockKey]] | None = None) -> ReplayResult:
+    """Replay `requests` (with their precomputed prompt keys, and output keys where given: `ReplicaRun`)
+    under `settings`.
 
     `audit=True` reconciles the cache's books at the end (tests turn it on).
     """
     if settings.num_blocks < 1:
         raise ValueError(f"capacity_tokens: {settings.capacity_tokens} holds no block of "
                          f"{settings.block_size} tokens")
-    run = ReplicaRun(settings, requests, keys, max_hits)
+    run = ReplicaRun(settings, requests, keys, max_hits, outputs=outputs)
     tick = progress or (lambda _n: None)
     started = time.perf_counter()
     if settings.sequential:

@@ -115,12 +115,14 @@ REPLAY_QUEUE_ORDERS = ("fifo", "priority", "lpm")
 def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
           policies: Sequence[str], base: ReplaySettings, tier_tokens: Sequence[int] = (0,),
           queue_orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None
-          ) -> Iterator[tuple[ReplaySettings, list, list[int]]]:
-    """(settings, keys, unbounded-cache hits) for each point of the grid, hashing each block size once."""
+          ) -> Iterator[tuple[ReplaySettings, list, list[int], list]]:
+    """(settings, prompt keys, unbounded-cache hits, output keys) for each point of the grid, hashing
+    each block size once."""
     for block_size in block_sizes:
         keyer = TraceKeyer(block_size)
         keys = [keyer.keys(request) for request in requests]
-        max_hits = max_hit_blocks(requests, keys, block_size)
+        outputs = [keyer.output_keys(request, index, keys[index]) for index, request in enumerate(requests)]
+        max_hits = max_hit_blocks(requests, keys, block_size, outputs)
         for capacity in capacities:
             for tier in tier_tokens:
                 for policy in policies:
@@ -130,8 +132,8 @@ def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
                             for reservation in reservations or (base.reservation,):
                                 yield (replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy,
                                                tenant_shares=shares, tier_tokens=tier, queue_order=order,
-                                               reservation=reservation), keys, max_hits)
-        del keys, keyer
+                                               reservation=reservation), keys, max_hits, outputs)
+        del keys, keyer, outputs
 
 
 def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
@@ -146,9 +148,9 @@ def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
     validate_grid(block_sizes, capacities, policies, base, tier_tokens=tier_tokens, queue_orders=queue_orders,
                   reservations=reservations, trace_priorities=any(r.priority for r in requests))
     results: list[ReplayResult] = []
-    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
-                                          queue_orders, reservations):
-        results.append(replay(settings, requests, keys, max_hits, progress))
+    for settings, keys, max_hits, outputs in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
+                                                   queue_orders, reservations):
+        results.append(replay(settings, requests, keys, max_hits, progress, outputs=outputs))
         if on_result:
             on_result(results[-1])
     return results
@@ -173,14 +175,15 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
                   tier_tokens, placements, queue_limits, speeds, queue_waits, queue_orders, reservations,
                   any(r.priority for r in requests))
     results: list[FleetResult] = []
-    for settings, keys, max_hits in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
-                                          queue_orders, reservations):
+    for settings, keys, max_hits, outputs in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
+                                                   queue_orders, reservations):
         for routing in routings:
             for limits in limit_choices(routing, queue_limits):
                 draws = placements if placements > 1 and places_new_prefixes(routing, new_prefix) else 1
                 runs = [replay_fleet(settings, replicas, routing, requests, keys, max_hits, progress,
                                      balance_seconds=balance_seconds, new_prefix=new_prefix, placement=placement,
-                                     queue_limits=limits, reroute=reroute, speeds=speeds, queue_waits=queue_waits)
+                                     queue_limits=limits, reroute=reroute, speeds=speeds, queue_waits=queue_waits,
+                                     outputs=outputs)
                         for placement in range(draws)]
                 if draws > 1:
                     runs[0].placements = [placement_figures(run, placement) for placement, run in enumerate(runs)]

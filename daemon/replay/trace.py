@@ -25,6 +25,12 @@ first token to last, prompt tokens the cache gave). `kvctl bench replay --rates-
 its service model from them (`service_rates`). An optional `replica` (kvctl's extension, in a
 fleet's trace kvd router saved) names the replica that served the request: `kvctl bench replay
 --replicas N --routing recorded` sends each request where the live router did.
+
+An optional `output_hash_ids` (kvctl's extension, in the lines kvd saves) names the whole blocks of
+the prompt and output together, from the block that holds the prompt's tail, in the same chain: a
+later prompt that repeats this answer (a chat's next turn) carries the same ids there, so the replay
+hits the answer's cached blocks as kvd does. Without them, each output gets keys no other request
+hits (`output_keys`).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import json
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from kvctl.daemon.cache.keys import BlockKey, Namespace, block_key, validate_block_size
 from kvctl.policies.tenant_map import TENANT_NAME
@@ -90,6 +96,9 @@ class TraceRequest:
     # the max_tokens its client asked (kvctl's extension): what kvd's output reservation reserves for;
     # None: not said (a Mooncake trace), the replay's --max-tokens or the output then
     max_tokens: int | None = None
+    # ids of the whole blocks of prompt and output together from the block holding the prompt's tail (kvctl's
+    # extension, output_blocks_expected of them); (): not said
+    output_hash_ids: tuple[int, ...] = ()
 
     def to_object(self) -> dict:
         """The line as a JSON object (no `tenant` for the default tenant's, no `block_tokens` at 512,
@@ -108,10 +117,18 @@ class TraceRequest:
             record["priority"] = self.priority
         if self.max_tokens is not None:
             record["max_tokens"] = self.max_tokens
+        if self.output_hash_ids:
+            record["output_hash_ids"] = list(self.output_hash_ids)
         return record
 
     def to_json(self) -> str:
         return json.dumps(self.to_object())
+
+
+def output_blocks_expected(input_length: int, output_length: int, block_tokens: int) -> int:
+    """How many `output_hash_ids` a line has: the whole blocks of its prompt and output together
+    from the one that holds the prompt's tail."""
+    return (input_length + output_length) // block_tokens - input_length // block_tokens
 
 
 def _field(obj: dict, name: str, where: str, *, minimum: int) -> int:
@@ -157,8 +174,17 @@ def parse_request(obj: object, where: str) -> TraceRequest:
                                    or max_tokens < max(output_length, 1)):
         raise TraceError(f"{where}: field 'max_tokens' must be an integer >= 1 and >= output_length "
                          f"{output_length}, got {max_tokens!r}")
+    output_ids = obj.get("output_hash_ids", [])
+    if not isinstance(output_ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in output_ids):
+        raise TraceError(f"{where}: field 'output_hash_ids' must be a list of integers >= 0")
+    expected = output_blocks_expected(input_length, output_length, block_tokens)
+    if output_ids and len(output_ids) != expected:
+        raise TraceError(f"{where}: field 'output_hash_ids' has {len(output_ids)} ids but input_length {input_length} "
+                         f"and output_length {output_length} make {expected} whole blocks of {block_tokens} tokens "
+                         "from the prompt's tail")
     return TraceRequest(float(timestamp), input_length, output_length, tuple(hash_ids), tenant, block_tokens, served,
-                        replica, priority, max_tokens)
+                        replica, priority, max_tokens, tuple(output_ids))
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -316,3 +342,32 @@ class TraceKeyer:
             keys.extend(sub)
             parent = sub[-1]
         return keys
+
+    def output_keys(self, request: TraceRequest, index: int, prompt_keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Keys of the blocks request `index`'s output makes whole, written (its last token is never
+        computed), after its prompt's `prompt_keys`: by its `output_hash_ids`, in the chain a later
+        prompt repeating the answer has, where the line has them and that chain runs through the
+        prompt's keys; else `own_output_keys`."""
+        if request.output_hash_ids:
+            whole = request.input_length // request.block_tokens
+            sequence = replace(request, input_length=request.input_length + request.output_length - 1,
+                               hash_ids=request.hash_ids[:whole] + request.output_hash_ids, output_hash_ids=())
+            keys = self.keys(sequence) if sequence.hash_ids else []
+            if keys[:len(prompt_keys)] == list(prompt_keys) and len(prompt_keys) == (
+                    request.input_length // self.block_size):
+                return keys[len(prompt_keys):]
+        return own_output_keys(request, index, prompt_keys, self.block_size)
+
+
+def own_output_keys(request: TraceRequest, index: int, prompt_keys: Sequence[BlockKey],
+                    block_size: int) -> list[BlockKey]:
+    """Keys of the blocks request `index`'s output makes whole, written, that no other request
+    hits (a trace that does not say what the output's tokens are), chained after its prompt's; none
+    where the prompt has no whole block or its ids do not cover it."""
+    if not prompt_keys or len(prompt_keys) != request.input_length // block_size:
+        return []
+    keys, parent = [], prompt_keys[-1]
+    for block in range(len(prompt_keys), (request.input_length + request.output_length - 1) // block_size):
+        parent = block_key(parent, (index, block), extra_keys=("replay-output",))
+        keys.append(parent)
+    return keys

@@ -93,7 +93,8 @@ def _held(line: dict, replica: str) -> Held:
     return Held(line["arrival"] if routed is None else routed.arrival, line["input_length"], line["output_length"],
                 tuple(int(i, 16) for i in line["keyed_ids"]), line["tenant"],
                 None if line.get("served") is None else Served.parse(line["served"], replica, line["input_length"]),
-                routed, line.get("priority", 0), line.get("max_tokens"))
+                routed, line.get("priority", 0), line.get("max_tokens"),
+                tuple(int(i, 16) for i in line.get("keyed_output_ids", ())))
 
 
 def merge_traces(names: Sequence[str], answers: Sequence[Answer], last: int | None,

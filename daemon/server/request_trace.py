@@ -9,7 +9,10 @@ prefill and decode times and the tokens the cache gave, for `kvctl bench replay
 ids: the same tokens after the same context). With `trace_block_tokens` finer (16 to 256), one
 id per that many tokens, marked on each line (`block_tokens`, kvctl's extension): a prefix shared
 past a 512-token boundary then replays as shared up to its last whole block, for the price of
-more ids (a 40k-token prompt at 64: 625).
+more ids (a 40k-token prompt at 64: 625). Each line also names the whole blocks of its prompt and
+output together, from the block holding the prompt's tail, in the same chain (`output_hash_ids`,
+kvctl's extension): a chat's next turn, which repeats the answer, carries those ids, so a replay
+hits the answer's cached blocks there as kvd did.
 
 Never the tokens: a block's id is an HMAC-SHA256 chain under a key, cut to 64 bits; a saved
 trace numbers them again 0, 1, 2, ... in order of first appearance. So a trace cannot be tested
@@ -88,6 +91,7 @@ class Held(NamedTuple):
     routed: RouterAttempt | None = None  # kvd router's name for the request; None: not sent by a router
     priority: int = 0  # its own priority (vLLM's): how far behind its tenant's place it deferred itself
     max_tokens: int | None = None  # the max_tokens it asked (what kvd reserves output blocks for)
+    output_ids: tuple[int, ...] = ()  # keyed ids of the whole blocks of prompt and output from the prompt's tail
 
 
 def load_trace_key(path: str | Path) -> bytes:
@@ -114,9 +118,11 @@ def numbered(held: Sequence[Held], default_tenant: str | None = None,
     out = []
     for line in held:
         renumbered = tuple(numbers.setdefault(i, len(numbers)) for i in line.ids)
+        output_ids = tuple(numbers.setdefault(i, len(numbers)) for i in line.output_ids)
         out.append(TraceRequest(round((line.arrival - held[0].arrival) * 1000.0, 3), line.prompt, line.output,
                                 renumbered, None if line.tenant == default_tenant else line.tenant, block_tokens,
-                                line.served, priority=line.priority, max_tokens=line.max_tokens))
+                                line.served, priority=line.priority, max_tokens=line.max_tokens,
+                                output_hash_ids=output_ids))
     return out
 
 
@@ -135,15 +141,30 @@ def chained_block_ids(key: bytes, tenant: str, prompt: Sequence[int],
     """One 64-bit id per `block_tokens` tokens of `prompt` (the last covers the remainder), each
     an HMAC of the previous block's digest and this block's token ids. Under a LoRA adapter
     (`adapter`, its name) the chain starts elsewhere: its blocks are not the model's."""
+    return sequence_block_ids(key, tenant, prompt, (), block_tokens, adapter)[0]
+
+
+def sequence_block_ids(key: bytes, tenant: str, prompt: Sequence[int], output: Sequence[int],
+                       block_tokens: int = TRACE_BLOCK_TOKENS, adapter: str = "") -> tuple[tuple[int, ...], ...]:
+    """(`chained_block_ids` of `prompt`, the ids of the whole blocks of `prompt` and `output` together
+    from the block holding the prompt's tail): the chain a later prompt that repeats the output
+    carries. The prompt's tokens are hashed once for both."""
     seed = tenant.encode("utf-8") + (b"\0lora\0" + adapter.encode("utf-8") if adapter else b"")
     digest = hmac.digest(key, b"kvd-trace/v1\0" + seed, "sha256")
-    tokens = memoryview(array("q", prompt).tobytes())
-    step = block_tokens * 8
+    tokens = memoryview(array("q", [*prompt, *output]).tobytes())
+    step, prompt_bytes = block_tokens * 8, len(prompt) * 8
     ids = []
-    for start in range(0, len(tokens), step):
+    whole = prompt_bytes - prompt_bytes % step
+    for start in range(0, whole, step):
         digest = hmac.digest(key, digest + tokens[start:start + step], "sha256")
         ids.append(int.from_bytes(digest[:8], "big"))
-    return tuple(ids)
+    if whole < prompt_bytes:  # the prompt's tail: its last id covers the rest
+        ids.append(int.from_bytes(hmac.digest(key, digest + tokens[whole:prompt_bytes], "sha256")[:8], "big"))
+    output_ids = []
+    for start in range(whole, len(tokens) - len(tokens) % step, step):
+        digest = hmac.digest(key, digest + tokens[start:start + step], "sha256")
+        output_ids.append(int.from_bytes(digest[:8], "big"))
+    return tuple(ids), tuple(output_ids)
 
 
 class RequestTrace:
@@ -170,12 +191,12 @@ class RequestTrace:
     def observe(self, request) -> None:
         if self.capacity == 0:  # `trace_requests: 0`: nothing kept, nothing hashed
             return
-        outputs = [len(s.output_ids) for s in request.sequences]
-        record = Held(request.metrics.arrival, len(request.prompt_ids), max(outputs, default=0),
-                      chained_block_ids(self._key, request.tenant, request.prompt_ids, self.block_tokens,
-                                        request.adapter),
+        output = max((s.output_ids for s in request.sequences), key=len, default=[])  # (the longest sample's)
+        ids, output_ids = sequence_block_ids(self._key, request.tenant, request.prompt_ids, output, self.block_tokens,
+                                             request.adapter)
+        record = Held(request.metrics.arrival, len(request.prompt_ids), len(output), ids,
                       request.tenant, served(request.metrics), request.params.extra.get("router"),
-                      request.params.extra.get("priority", 0), request.params.max_tokens)
+                      request.params.extra.get("priority", 0), request.params.max_tokens, output_ids)
         with self._lock:
             self._held.append(record)
             self.observed += 1
@@ -212,5 +233,6 @@ class RequestTrace:
              "served": None if line.served is None else line.served.to_object(),
              **({} if line.routed is None else {"router": line.routed.to_object()}),
              **({"priority": line.priority} if line.priority else {}),
-             **({"max_tokens": line.max_tokens} if line.max_tokens is not None else {})}
+             **({"max_tokens": line.max_tokens} if line.max_tokens is not None else {}),
+             **({"keyed_output_ids": [f"{i:016x}" for i in line.output_ids]} if line.output_ids else {})}
             for line in held]}
