@@ -94,7 +94,10 @@ def replay_command(
                                                "totals equal kvd's, and the decode batch cost its requests show, "
                                                "from the trace's own timings (traces kvd saves say how it served "
                                                "each request)."),
-    max_running: int = typer.Option(64, help="Service model: requests in service at once."),
+    max_running: list[str] = typer.Option(["64"], "--max-running",
+                                          help="Service model: requests in service at once (kvd's max_running), or "
+                                               "several to compare (16,32,64; rows 'lru x32'): with "
+                                               "--decode-batch-cost, more at once decode each more slowly."),
     max_queue: int = typer.Option(4096, help="Admission queue bound; arrivals beyond it are rejected."),
     max_queue_wait: float = typer.Option(0.0, help="Seconds a request may wait to start before it is rejected "
                                          "(kvd's max_queue_wait, queue_timeout); 0: no limit."),
@@ -177,6 +180,7 @@ def replay_command(
     limits = parse_names("queue_limits", queue_limits)
     orders = parse_names("queue_order", queue_order)
     reservations = parse_names("reservation", reserve)
+    runnings = parse_int_list("max_running", max_running)
     speeds = None if replica_speeds is None else parse_float_list("replica_speeds", replica_speeds)
     waits = None if replica_queue_waits is None else parse_float_list("replica_queue_waits", replica_queue_waits)
     if waits is not None and max_queue_wait:
@@ -193,7 +197,8 @@ def replay_command(
     base = ReplaySettings(block_size=sizes[0] if sizes else 16,
                           capacity_tokens=capacities[0] if capacities else 0,
                           reservation=reservations[0], sequential=sequential, prefill_rate=prefill_rate,
-                          decode_rate=decode_rate, decode_batch_cost=decode_batch_cost, max_running=max_running,
+                          decode_rate=decode_rate, decode_batch_cost=decode_batch_cost,
+                          max_running=runnings[0] if runnings else 64,
                           max_queue=max_queue,
                           max_queue_wait=max_queue_wait, time_scale=time_scale, max_tokens=max_tokens, restore_rate=restore_rate,
                           tier_write=tier_write, tenant_queue_waits=own_waits)
@@ -224,7 +229,8 @@ def replay_command(
         check_plot_path(plot)  # before the replay, which can take minutes
     try:
         validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers,
-                      placements, limits, speeds, waits, orders, reservations, trace_priorities=None)
+                      placements, limits, speeds, waits, orders, reservations, trace_priorities=None,
+                      max_runnings=runnings)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if placements > 1 and (replicas == 1 or not any(places_new_prefixes(r, new_prefix) for r in routings)):
@@ -243,7 +249,8 @@ def replay_command(
     if "priority" in orders and not base.tenant_priorities and not any(r.priority for r in requests):
         try:  # (the one check that needs the trace: whether its lines carry priorities of their own)
             validate_grid(sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix, tiers,
-                          placements, limits, speeds, waits, orders, reservations, trace_priorities=False)
+                          placements, limits, speeds, waits, orders, reservations, trace_priorities=False,
+                          max_runnings=runnings)
         except ValueError as exc:
             raise UserError(str(exc)) from None
     measured = None
@@ -270,14 +277,15 @@ def replay_command(
                                         "queue_limits": limits, "reroute": reroute, "replica_speeds": speeds,
                                         "replica_queue_waits": waits}
     results = _run_with_progress(err, requests, sizes, capacities, policies, base, fleet, tiers, orders,
-                                 reservations)
+                                 reservations, runnings)
     document = {
         "trace": trace_name,
         "requests": len(requests),
         "settings": {
             "mode": "sequential" if sequential else "concurrent", "reservation": ",".join(reservations),
             "prefill_rate": base.prefill_rate, "decode_rate": base.decode_rate,
-            "decode_batch_cost": base.decode_batch_cost, "max_running": max_running,
+            "decode_batch_cost": base.decode_batch_cost,
+            "max_running": runnings[0] if len(runnings) == 1 else runnings,  # (several: compared)
             "rates_from_trace": None if measured is None else {
                 "requests": measured.requests, "prefill_rate": measured.prefill_rate,
                 "decode_rate": measured.decode_rate, "decode_batch_cost": measured.decode_batch_cost},
@@ -323,13 +331,15 @@ def replay_command(
 
 def _run_with_progress(console: Console, requests, sizes, capacities, policies,
                        base: ReplaySettings, fleet: dict | None = None, tiers: Sequence[int] = (0,),
-                       orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None) -> list:
+                       orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None,
+                       runnings: Sequence[int] | None = None) -> list:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     runs = 1 if fleet is None else sum((fleet["placements"] if places_new_prefixes(r, fleet["new_prefix"]) else 1)
                                        * len(limit_choices(r, fleet["queue_limits"])) for r in fleet["routing"])
     total = len(requests) * len(sizes) * len(capacities) * len(policies) * runs \
-        * (2 if base.tenant_shares else 1) * len(tiers) * len(orders) * len(reservations or (None,))
+        * (2 if base.tenant_shares else 1) * len(tiers) * len(orders) * len(reservations or (None,)) \
+        * len(runnings or (None,))
     with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("replay", total=total)
@@ -344,32 +354,41 @@ def _run_with_progress(console: Console, requests, sizes, capacities, policies,
 
         if fleet is None:
             return sweep(requests, sizes, capacities, policies, base, progress=tick, tier_tokens=tiers,
-                         queue_orders=orders, reservations=reservations)
+                         queue_orders=orders, reservations=reservations, max_runnings=runnings)
         return sweep_fleet(requests, sizes, capacities, policies, fleet["replicas"], fleet["routing"], base,
                            fleet["balance_seconds"], progress=tick, new_prefix=fleet["new_prefix"],
                            tier_tokens=tiers, placements=fleet["placements"], queue_limits=fleet["queue_limits"],
                            reroute=fleet["reroute"], speeds=fleet["replica_speeds"],
                            queue_waits=fleet["replica_queue_waits"], queue_orders=orders,
-                           reservations=reservations)
+                           reservations=reservations, max_runnings=runnings)
+
+
+def compares_service(results: list[ReplayResult] | list[FleetResult]) -> bool:
+    """Whether the runs compare output reservations or requests in service at once (longer policy names)."""
+    return len({r.reservation for r in results}) > 1 or len({r.max_running for r in results}) > 1
 
 
 def policy_names(results: list[ReplayResult] | list[FleetResult]):
     """How tables and lines name a run's policy: with its output reservation where several were
-    replayed (`--reserve fraction:1.0,p95`): `lru p95`."""
-    compared = len({r.reservation for r in results}) > 1
+    replayed (`--reserve fraction:1.0,p95`): `lru p95`; and its requests in service at once where
+    several were (`--max-running 16,64`): `lru x16`."""
+    reservations = len({r.reservation for r in results}) > 1
+    runnings = len({r.max_running for r in results}) > 1
 
     def name(result: ReplayResult | FleetResult) -> str:
-        return f"{result.policy} {result.reservation}" if compared else result.policy
+        return (result.policy + (f" {result.reservation}" if reservations else "")
+                + (f" x{result.max_running}" if runnings else ""))
 
     return name
 
 
 def preemption_lines(results: list[ReplayResult] | list[FleetResult], label=None) -> list[Text]:
-    """Where output reservations were compared, or a run preempted: each run's preemptions and the
-    tokens they computed again, its unused reservation, and its first-token and end-to-end times
-    in the service model: what a shorter reservation trades."""
+    """Where output reservations or requests in service at once were compared, or a run preempted:
+    each run's preemptions and the tokens they computed again, its unused reservation, and its
+    first-token, end-to-end and per-output-token times in the service model: what a shorter
+    reservation or a bigger batch trades."""
     name = policy_names(results)
-    if len({r.reservation for r in results}) < 2 and not any(r.preemptions for r in results):
+    if not compares_service(results) and not any(r.preemptions for r in results):
         return []
     lines = []
     for r in results:
@@ -382,6 +401,8 @@ def preemption_lines(results: list[ReplayResult] | list[FleetResult], label=None
         if r.ttft_p50_s is not None and r.e2e_p50_s is not None:
             parts.append(f"first token p50/p95 {_short(r.ttft_p50_s)}/{_short(r.ttft_p95_s)} s, "
                          f"end to end {_short(r.e2e_p50_s)}/{_short(r.e2e_p95_s)} s")
+        if r.itl_p50_s is not None:
+            parts.append(f"a token {r.itl_p50_s * 1000:.0f}/{r.itl_p95_s * 1000:.0f} ms")
         lines.append(Text(f"{where}: " + "; ".join(parts)))
     return lines
 
@@ -395,7 +416,7 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
     # fragmentation (which block size decides), so that the table still fits 80 columns
     tiered = any(r.tier_tokens for r in results)
     middle = ["restored", "recomputed", "occupancy"] if tiered else ["recomputed", "evictions", "frag", "occupancy"]
-    if len({r.reservation for r in results}) > 1:  # the policy names their reservations: no room for frag
+    if compares_service(results):  # the policy names their reservations or batches: no room for frag
         middle = [m for m in middle if m != "frag"]
     decision = compact_table("block", "capacity", *(["tier"] if tiered else []), "policy", "hit", *middle,
                              "rejected", title=f"replay of {trace_name} ({requests} requests)")
@@ -503,7 +524,7 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
                               "imbal", "rejected", title=f"replay of {trace_name} ({requests} requests) on "
                               f"{replicas} replicas, capacity per replica, one tier shared by them (tokens)")
     else:  # with reservations compared (longer policy names), the tiered table's short headers
-        tight = len({r.reservation for r in results}) > 1
+        tight = compares_service(results)
         table = compact_table("block", "capacity", "policy", "routing", "hit",
                               "TTFT s" if tight else "TTFT p50/p95", "imbal" if tight else "imbalance",
                               "rejected", title=f"replay of {trace_name} ({requests} requests) on {replicas} "

@@ -116,3 +116,44 @@ def test_kvctl_bench_replay_takes_a_batch_cost_or_fits_it_from_the_trace(tmp_pat
     status, printed, _ = cli(capsys, "trace", "stats", str(path))
     assert status == 0 and ("decode 10 tokens/s a request alone, a step 100.0% longer for each other request in "
                             "service") in " ".join(printed.replace("│", " ").split())
+
+
+def test_a_bigger_batch_starts_a_request_sooner_and_decodes_every_one_more_slowly():
+    """SHARED at cost 1.0. One at a time, B waits for A (done at 2.0 s), then decodes alone: first
+    token after 1.0 s, 6 tokens by 2.6 s. Two at once, B starts at once but both decode at half pace
+    (test above): A's tokens take 2.6 / 19 s each, B's 1.2 / 5."""
+    one = replica_run(SHARED, **SHARED_SETTINGS, decode_batch_cost=1.0, max_running=1)
+    assert one.ttft == [pytest.approx(0.0, abs=1e-9), pytest.approx(1.0)]
+    assert one.e2e == [pytest.approx(2.0), pytest.approx(1.6)]
+    assert one.itl == [pytest.approx(2.0 / 19), pytest.approx(0.6 / 5)]
+    two = replica_run(SHARED, **SHARED_SETTINGS, decode_batch_cost=1.0, max_running=2)
+    assert two.itl == [pytest.approx(1.2 / 5), pytest.approx(2.6 / 19)]  # (B finishes first)
+    result = two.result(1.0)
+    assert (result.max_running, result.itl_p50_s, result.itl_p95_s) == (2, pytest.approx(2.6 / 19),
+                                                                        pytest.approx(1.2 / 5))
+    a_fleet = fleet(SHARED, 1, "round_robin", block_size=16, **SHARED_SETTINGS, decode_batch_cost=1.0, max_running=2)
+    assert (a_fleet.max_running, a_fleet.itl_p95_s) == (2, pytest.approx(1.2 / 5))
+
+
+def test_kvctl_bench_replay_compares_requests_in_service_at_once(tmp_path, capsys):
+    path = tmp_path / "shared.jsonl"
+    write_trace(path, SHARED)
+    args = ("bench", "replay", str(path), "--block-sizes", "16", "--capacity-tokens", "1024", "--policy", "lru",
+            "--prefill-rate", "1e12", "--decode-rate", "10", "--decode-batch-cost", "1.0", "--max-running", "1,2")
+    status, printed, _ = cli(capsys, *args, "--json")
+    document = json.loads(printed)
+    assert status == 0 and document["settings"]["max_running"] == [1, 2]
+    assert [(r["max_running"], round(r["ttft_p95_s"], 3), round(r["e2e_p95_s"], 3)) for r in document["runs"]] == [
+        (1, 1.0, 2.0), (2, 0.0, 2.6)]
+    status, printed, _ = cli(capsys, *args)
+    text = " ".join(printed.split())
+    assert status == 0
+    assert ("block 16, capacity 1,024, lru x1: 0 preempted; reserved unused 0.0%; first token p50/p95 0.00/1.00 s, "
+            "end to end 1.60/2.00 s; a token 105/120 ms") in text
+    assert ("block 16, capacity 1,024, lru x2: 0 preempted; reserved unused 0.0%; first token p50/p95 0.00/0.00 s, "
+            "end to end 1.20/2.60 s; a token 137/240 ms") in text
+    status, printed, _ = cli(capsys, *args[:-1], "64", "--json")  # one: a number, as before
+    assert status == 0 and json.loads(printed)["settings"]["max_running"] == 64
+    for bad, message in (("0", "max_running: must be >= 1, got 0"), ("x", "max_running: expected integers, got 'x'")):
+        status, _, err = cli(capsys, *args[:-1], bad)
+        assert status == 2 and message in " ".join(err.split())

@@ -100,6 +100,9 @@ class FleetResult:
     e2e_p50_s: float | None = None  # the service model's arrival to last token, fleet-wide
     e2e_p95_s: float | None = None
     tenant_preemptions: dict[str, int] = field(default_factory=dict)  # per tenant, fleet-wide (ReplayResult's)
+    max_running: int = 64  # each replica's requests in service at once
+    itl_p50_s: float | None = None  # seconds an output token after the first, fleet-wide (ReplayResult's)
+    itl_p95_s: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -326,6 +329,7 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
     hit = sum(r.hit_tokens for r in runs)
     ttft = sorted(t for r in runs for t in r.ttft)
     e2e = sorted(t for r in runs for t in r.e2e)
+    itl = sorted(t for r in runs for t in r.itl)
     reasons: dict[str, int] = {}
     for run in runs:
         for reason, count in run.rejections.items():
@@ -359,5 +363,6 @@ def _result(settings: ReplaySettings, routing: str, runs: list[ReplicaRun], requ
         tenant_rejected={t: rejected[t] for t in tenants}, reservation=settings.reservation,
         preemptions=sum(r.preemptions for r in runs),
         recomputed_after_preemption=sum(r.recomputed_after_preemption for r in runs),
-        e2e_p50_s=percentile(e2e, 0.50), e2e_p95_s=percentile(e2e, 0.95),
+        e2e_p50_s=percentile(e2e, 0.50), e2e_p95_s=percentile(e2e, 0.95), max_running=settings.max_running,
+        itl_p50_s=percentile(itl, 0.50), itl_p95_s=percentile(itl, 0.95),
         tenant_preemptions={t: preempted[t] for t in tenants})

@@ -167,6 +167,11 @@ class ReplayResult:
     e2e_p95_s: float | None = None
     # per tenant, when the trace names tenants: its requests preempted (each time), whom preemption takes
     tenant_preemptions: dict[str, int] = field(default_factory=dict)
+    max_running: int = 64  # requests in service at once
+    # the service model's seconds an output token after the first, each request's mean (first token to
+    # last, stalls of preemption included), where it made two or more (concurrent mode)
+    itl_p50_s: float | None = None
+    itl_p95_s: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -256,6 +261,8 @@ class ReplicaRun:
         self.pending_ttft: dict[int, float] = {}  # running request -> the first-token time counted for it
         self.recomputed_after_preemption = 0
         self.e2e: list[float] = []
+        self.first_tokens: dict[int, float] = {}  # running request -> when its first token came (or comes)
+        self.itl: list[float] = []  # each finished request's mean seconds an output token after the first
         # the pace of decoding, with decode_batch_cost: every running request's now (decode_rate_at), and
         # for a request that decoded at another pace before, (when it changed, output tokens made by then)
         self.rate = settings.decode_rate
@@ -560,6 +567,7 @@ class ReplicaRun:
             if index in self.first_out:
                 continue  # its first token came before it was preempted
             self.ttft.append(first - arrival + uncached / s.prefill_rate)
+            self.first_tokens[index] = first + uncached / s.prefill_rate
             self.pending_ttft[index] = self.ttft[-1]
             if request.tenant is not None:
                 self.tenant_ttft.setdefault(request.tenant, []).append(self.ttft[-1])
@@ -671,6 +679,7 @@ class ReplicaRun:
         if index in self.pending_ttft:
             ttft = self.pending_ttft.pop(index)
             if now < first_token:  # its first token had not come: it counts when it does
+                self.first_tokens.pop(index, None)
                 self.ttft.remove(ttft)
                 if request.tenant is not None:
                     self.tenant_ttft[request.tenant].remove(ttft)
@@ -766,6 +775,10 @@ class ReplicaRun:
             self._rerate(len(self.running))
             self.finish(index)
             self.e2e.append(done - self.arrived.pop(index))
+            first_token = self.first_tokens.pop(index, None)
+            output = self.requests[index].output_length
+            if first_token is not None and output > 1:
+                self.itl.append((done - first_token) / (output - 1))
             self.decoding.pop(index, None)
             self.pending_ttft.pop(index, None)
             self.first_out.discard(index)
@@ -870,6 +883,9 @@ class ReplicaRun:
             e2e_p95_s=None if s.sequential else percentile(sorted(self.e2e), 0.95),
             tenant_preemptions={tenant: self.tenant_preempted[tenant]
                                 for tenant in sorted({*self.tenant_tokens, *self.tenant_rejected})},
+            max_running=s.max_running,
+            itl_p50_s=None if s.sequential else percentile(sorted(self.itl), 0.50),
+            itl_p95_s=None if s.sequential else percentile(sorted(self.itl), 0.95),
         )
 
 

@@ -29,10 +29,11 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
                   placements: int = 1, queue_limits: Sequence[str] = ("heed",),
                   speeds: Sequence[float] | None = None, queue_waits: Sequence[float] | None = None,
                   queue_orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None,
-                  trace_priorities: bool | None = False) -> None:
+                  trace_priorities: bool | None = False, max_runnings: Sequence[int] | None = None) -> None:
     """Raise ValueError naming the first bad field and value, before any work starts.
     `reservations`: the output reservations compared (None: the base's alone); `trace_priorities`:
-    whether the trace's requests carry priorities of their own (None: not read yet)."""
+    whether the trace's requests carry priorities of their own (None: not read yet); `max_runnings`:
+    the requests in service at once compared (None: the base's alone)."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas: must be an integer >= 1, got {replicas!r}")
     if not isinstance(placements, int) or isinstance(placements, bool) or placements < 1:
@@ -104,6 +105,11 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
     for name in ("max_running", "max_queue"):
         if getattr(base, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(base, name)!r}")
+    if max_runnings is not None and not max_runnings:
+        raise ValueError("max_running: give at least one count of requests in service at once")
+    for count in max_runnings or ():
+        if count < 1:
+            raise ValueError(f"max_running: must be >= 1, got {count!r}")
     if not base.max_queue_wait >= 0:
         raise ValueError(f"max_queue_wait: must be a number of seconds >= 0 (0: no limit), got {base.max_queue_wait!r}")
 
@@ -114,8 +120,8 @@ REPLAY_QUEUE_ORDERS = ("fifo", "priority", "lpm")
 
 def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],
           policies: Sequence[str], base: ReplaySettings, tier_tokens: Sequence[int] = (0,),
-          queue_orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None
-          ) -> Iterator[tuple[ReplaySettings, list, list[int], list]]:
+          queue_orders: Sequence[str] = ("fifo",), reservations: Sequence[str] | None = None,
+          max_runnings: Sequence[int] | None = None) -> Iterator[tuple[ReplaySettings, list, list[int], list]]:
     """(settings, prompt keys, unbounded-cache hits, output keys) for each point of the grid, hashing
     each block size once."""
     for block_size in block_sizes:
@@ -130,9 +136,11 @@ def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
                     for shares in ((), base.tenant_shares) if base.tenant_shares else ((),):
                         for order in queue_orders:
                             for reservation in reservations or (base.reservation,):
-                                yield (replace(base, block_size=block_size, capacity_tokens=capacity, policy=policy,
-                                               tenant_shares=shares, tier_tokens=tier, queue_order=order,
-                                               reservation=reservation), keys, max_hits, outputs)
+                                for running in max_runnings or (base.max_running,):
+                                    yield (replace(base, block_size=block_size, capacity_tokens=capacity,
+                                                   policy=policy, tenant_shares=shares, tier_tokens=tier,
+                                                   queue_order=order, reservation=reservation,
+                                                   max_running=running), keys, max_hits, outputs)
         del keys, keyer, outputs
 
 
@@ -141,15 +149,16 @@ def sweep(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capaciti
           progress: Callable[[int], None] | None = None,
           on_result: Callable[[ReplayResult], None] | None = None,
           tier_tokens: Sequence[int] = (0,), queue_orders: Sequence[str] = ("fifo",),
-          reservations: Sequence[str] | None = None) -> list[ReplayResult]:
+          reservations: Sequence[str] | None = None, max_runnings: Sequence[int] | None = None) -> list[ReplayResult]:
     """Replay every point of the grid (block sizes x capacities x lower-tier sizes x policies, with
-    and without tenant shares x queue orders x output reservations, None: the base's) through one
-    cache each."""
+    and without tenant shares x queue orders x output reservations x requests in service at once,
+    None: the base's) through one cache each."""
     validate_grid(block_sizes, capacities, policies, base, tier_tokens=tier_tokens, queue_orders=queue_orders,
-                  reservations=reservations, trace_priorities=any(r.priority for r in requests))
+                  reservations=reservations, trace_priorities=any(r.priority for r in requests),
+                  max_runnings=max_runnings)
     results: list[ReplayResult] = []
     for settings, keys, max_hits, outputs in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
-                                                   queue_orders, reservations):
+                                                   queue_orders, reservations, max_runnings):
         results.append(replay(settings, requests, keys, max_hits, progress, outputs=outputs))
         if on_result:
             on_result(results[-1])
@@ -164,19 +173,21 @@ def sweep_fleet(requests: Sequence[TraceRequest], block_sizes: Sequence[int], ca
                 placements: int = 1, queue_limits: Sequence[str] = ("heed",),
                 reroute: bool = True, speeds: Sequence[float] | None = None,
                 queue_waits: Sequence[float] | None = None, queue_orders: Sequence[str] = ("fifo",),
-                reservations: Sequence[str] | None = None) -> list[FleetResult]:
+                reservations: Sequence[str] | None = None, max_runnings: Sequence[int] | None = None
+                ) -> list[FleetResult]:
     """`sweep` for a fleet of `replicas` (each with a cache of each capacity, sharing a lower tier of
     each `tier_tokens`), once per routing and per `queue_limits` value (heed, ignore: once for a
     routing that reads no load); a routing that sends new prefixes home by a hash is replayed
     `placements` times, each placing them anew (FleetResult.placements). `reroute`: queue timeouts
     go to another replica (`replay_fleet`); `speeds`, `queue_waits`: each replica's speed and
-    max_queue_wait (`replay_fleet`); `reservations`: the output reservations compared (None: the base's)."""
+    max_queue_wait (`replay_fleet`); `reservations`, `max_runnings`: the output reservations and the
+    requests in service at once compared (None: the base's)."""
     validate_grid(block_sizes, capacities, policies, base, replicas, routings, balance_seconds, new_prefix,
                   tier_tokens, placements, queue_limits, speeds, queue_waits, queue_orders, reservations,
-                  any(r.priority for r in requests))
+                  any(r.priority for r in requests), max_runnings)
     results: list[FleetResult] = []
     for settings, keys, max_hits, outputs in _grid(requests, block_sizes, capacities, policies, base, tier_tokens,
-                                                   queue_orders, reservations):
+                                                   queue_orders, reservations, max_runnings):
         for routing in routings:
             for limits in limit_choices(routing, queue_limits):
                 draws = placements if placements > 1 and places_new_prefixes(routing, new_prefix) else 1
