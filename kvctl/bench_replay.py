@@ -22,6 +22,7 @@ from kvctl.policies.tenant_map import any_queue_wait, parse_tenant_map, priority
 from kvctl.policies.tenant_shares import parse_shares
 
 from .errors import UserError
+from .replay_slo import parse_slo, pick, slo_line
 from .tables import compact_table, keep_whole
 
 DEFAULT_BLOCK_SIZES = "16,32,64,128,256,512"
@@ -94,6 +95,10 @@ def replay_command(
                                                "totals equal kvd's, and the decode batch cost its requests show, "
                                                "from the trace's own timings (traces kvd saves say how it served "
                                                "each request)."),
+    slo: list[str] = typer.Option([], "--slo", help="An objective every run is held to, written as a rollout's stop "
+                                  "conditions are (itl_p95_s <= 0.05, ttft_p95_s <= 2; repeat for several): which "
+                                  "runs meet them all, and the pick among those (the highest hit, then the lowest "
+                                  "first-token p95). Exit 3 when no run does."),
     max_running: list[str] = typer.Option(["64"], "--max-running",
                                           help="Service model: requests in service at once (kvd's max_running), or "
                                                "several to compare (16,32,64; rows 'lru x32'): with "
@@ -181,6 +186,10 @@ def replay_command(
     orders = parse_names("queue_order", queue_order)
     reservations = parse_names("reservation", reserve)
     runnings = parse_int_list("max_running", max_running)
+    try:
+        objectives = parse_slo(slo)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     speeds = None if replica_speeds is None else parse_float_list("replica_speeds", replica_speeds)
     waits = None if replica_queue_waits is None else parse_float_list("replica_queue_waits", replica_queue_waits)
     if waits is not None and max_queue_wait:
@@ -303,6 +312,11 @@ def replay_command(
     if fleet is not None:
         document["fleet"] = fleet
         document["live"] = live_beside_recorded(requests, results)
+    if objectives:
+        met, best = pick(results, objectives)
+        document["slo"] = {"conditions": [objective.text for objective in objectives], "met": met, "pick": best}
+        for index, run in enumerate(document["runs"]):
+            run["meets_slo"] = index in met
     if save:
         from .records_cmd import save_run
 
@@ -321,12 +335,18 @@ def replay_command(
             out.print(part)
         if document.get("live"):
             out.print(Text(live_lines(document["live"])))
+        if objectives:
+            name, label = policy_names(results), routing_labels(results) if fleet is not None else None
+            out.print(slo_line(results, objectives, lambda r: f"block {r.block_size}, capacity {r.capacity_tokens:,}, "
+                               f"{name(r)}" + (f", {label(r)}" if label else "")))
         if document["coarse_ids"]:
             err.print(f"[yellow]{document['coarse_ids']}[/yellow]")
         if plot is not None:
             err.print(f"plot written to {plot}")
         if save and document["run_id"] is not None:
             err.print(f"stored as run {document['run_id']} (cite it as run:{document['run_id']})")
+    if objectives and document["slo"]["pick"] is None:
+        raise typer.Exit(3)  # no run meets the objectives (said above)
 
 
 def _run_with_progress(console: Console, requests, sizes, capacities, policies,

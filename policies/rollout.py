@@ -12,16 +12,15 @@ A stop condition compares a cohort figure with a constant or with the baseline's
 from __future__ import annotations
 
 import hashlib
-import math
-import re
 from dataclasses import dataclass
+
+from .figure_condition import FigureCondition
 
 FIGURES = ("recomputed_token_ratio", "hit_ratio", "ttft_p95_seconds", "ttft_p50_seconds", "preemptions_per_request",
            "tpot_p50_seconds", "tpot_p95_seconds", "reserved_unused_ratio")
 MIN_REQUESTS = 5  # requests on each side before a stop condition compares them
 # a nearest-rank p95 of fewer than 20 values is their maximum: one slow request would trip it
 MIN_REQUESTS_FOR = {"ttft_p95_seconds": 20, "tpot_p95_seconds": 20}
-_CONDITION = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|>|<)\s*([0-9]*\.?[0-9]+)\s*(\*\s*baseline)?\s*$")
 
 
 def in_cohort(rollout_id: int, key: str, fraction: float) -> bool:
@@ -31,22 +30,12 @@ def in_cohort(rollout_id: int, key: str, fraction: float) -> bool:
 
 
 @dataclass(frozen=True)
-class StopCondition:
-    figure: str
-    op: str
-    value: float
-    relative: bool  # value is a multiple of the baseline's figure
-    text: str
+class StopCondition(FigureCondition):
+    """A rollout's stop condition on one of FIGURES, of its cohort against its baseline."""
 
     @classmethod
-    def parse(cls, text: str) -> "StopCondition":
-        match = _CONDITION.match(text)
-        if not match:
-            raise ValueError(f"stop: cannot parse {text!r}; write e.g. 'ttft_p95_seconds > 1.5 * baseline'")
-        figure, op, value, relative = match.groups()
-        if figure not in FIGURES:
-            raise ValueError(f"stop: unknown figure {figure!r}; use one of {', '.join(FIGURES)}")
-        return cls(figure, op, float(value), relative is not None, text.strip())
+    def parse(cls, text: str) -> "StopCondition":  # type: ignore[override]
+        return super().parse(text, FIGURES, field="stop", example="ttft_p95_seconds > 1.5 * baseline")
 
     @property
     def min_requests(self) -> int:
@@ -57,12 +46,11 @@ class StopCondition:
         """Whether it trips, and the values it compared (for the record)."""
         observed = cohort.get(self.figure)
         reference = baseline.get(self.figure) if self.relative else 1.0
-        if observed is None or reference is None or (isinstance(observed, float) and math.isnan(observed)):
+        result = self.holds(observed, reference)
+        if result is None:
             return False, {"observed": observed, "threshold": None}
-        threshold = self.value * reference
-        result = {">": observed > threshold, ">=": observed >= threshold, "<": observed < threshold,
-                  "<=": observed <= threshold}[self.op]
-        return result, {"observed": observed, "threshold": threshold, "baseline": baseline.get(self.figure)}
+        return result, {"observed": observed, "threshold": self.value * reference,
+                        "baseline": baseline.get(self.figure)}
 
 
 def parse_fraction(text: str | float) -> float:
