@@ -337,8 +337,9 @@ def replay_command(
             out.print(Text(live_lines(document["live"])))
         if objectives:
             name, label = policy_names(results), routing_labels(results) if fleet is not None else None
-            out.print(slo_line(results, objectives, lambda r: f"block {r.block_size}, capacity {r.capacity_tokens:,}, "
-                               f"{name(r)}" + (f", {label(r)}" if label else "")))
+            picked = document["slo"]["met"], document["slo"]["pick"]
+            out.print(slo_line(results, objectives, picked, lambda r: f"block {r.block_size}, capacity "
+                               f"{r.capacity_tokens:,}, {name(r)}" + (f", {label(r)}" if label else "")))
         if document["coarse_ids"]:
             err.print(f"[yellow]{document['coarse_ids']}[/yellow]")
         if plot is not None:

@@ -40,9 +40,11 @@ def pick(runs: Sequence, objectives: Sequence[FigureCondition]) -> tuple[list[in
     return met, min(met, key=rank, default=None)
 
 
-def slo_line(runs: Sequence, objectives: Sequence[FigureCondition], describe: Callable[[object], str]) -> Text:
-    """What `kvctl bench replay` prints of its objectives: how many runs meet them, and the pick."""
-    met, best = pick(runs, objectives)
+def slo_line(runs: Sequence, objectives: Sequence[FigureCondition], picked: tuple[list[int], int | None],
+             describe: Callable[[object], str]) -> Text:
+    """What `kvctl bench replay` prints of its objectives: how many runs meet them, and the pick
+    (`picked`: what `pick` said)."""
+    met, best = picked
     said = "SLO " + "; ".join(objective.text for objective in objectives) + ": "
     if best is None:
         return Text(said + "no run meets it")
