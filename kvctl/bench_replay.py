@@ -14,7 +14,7 @@ from rich.text import Text
 
 from kvctl.daemon.replay.fleet import RECORDED, FleetResult, limit_choices, places_new_prefixes, reads_load
 from kvctl.daemon.replay.service_rates import measured_rates
-from kvctl.trace_stats import batch_cost_text, coarse_ids, fleet_figures, live_cached_ratio
+from kvctl.trace_stats import batch_cost_text, coarse_ids, fleet_figures, live_cached_ratio, live_timings
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
@@ -308,6 +308,8 @@ def replay_command(
         # kvd cached more of a saved trace's prompts than a replay of its ids can: ids too coarse
         "coarse_ids": coarse_ids(requests[0].block_tokens, live_cached_ratio(requests),
                                  max(r.max_hit_ratio for r in results)),
+        # kvd's own timings, where the trace says how it served each request: to set beside the runs'
+        "live_timings": live_timings(requests),
     }
     if fleet is not None:
         document["fleet"] = fleet
@@ -329,10 +331,13 @@ def replay_command(
         typer.echo(json.dumps(document, indent=2))
     else:
         out = Console()
-        parts = _tables(results, trace_name, len(requests)) if fleet is None else \
-            _fleet_tables(results, trace_name, len(requests), replicas)
+        timed = document["live_timings"] is not None and not sequential  # (the runs' times beside kvd's own)
+        parts = _tables(results, trace_name, len(requests), timed) if fleet is None else \
+            _fleet_tables(results, trace_name, len(requests), replicas, timed)
         for part in parts:
             out.print(part)
+        if timed:
+            out.print(Text(live_timing_line(document["live_timings"])))
         if document.get("live"):
             out.print(Text(live_lines(document["live"])))
         if objectives:
@@ -403,13 +408,23 @@ def policy_names(results: list[ReplayResult] | list[FleetResult]):
     return name
 
 
-def preemption_lines(results: list[ReplayResult] | list[FleetResult], label=None) -> list[Text]:
-    """Where output reservations or requests in service at once were compared, or a run preempted:
-    each run's preemptions and the tokens they computed again, its unused reservation, and its
-    first-token, end-to-end and per-output-token times in the service model: what a shorter
-    reservation or a bigger batch trades."""
+def live_timing_line(live: dict) -> str:
+    """kvd's own timings in the trace (`live_timings`), in the words of the runs' lines."""
+    line = (f"kvd's own account in the trace ({live['requests']:,} requests): cached {live['cached_token_ratio']:.1%}; "
+            f"first token p50/p95 {_short(live['ttft_p50_s'])}/{_short(live['ttft_p95_s'])} s, end to end "
+            f"{_short(live['e2e_p50_s'])}/{_short(live['e2e_p95_s'])} s")
+    if live["itl_p50_s"] is not None:
+        line += f"; a token {live['itl_p50_s'] * 1000:.0f}/{live['itl_p95_s'] * 1000:.0f} ms"
+    return line
+
+
+def preemption_lines(results: list[ReplayResult] | list[FleetResult], label=None, timed: bool = False) -> list[Text]:
+    """Where output reservations or requests in service at once were compared, a run preempted, or
+    the trace says how kvd served it (`timed`): each run's preemptions and the tokens they computed
+    again, its unused reservation, and its first-token, end-to-end and per-output-token times in the
+    service model: what a shorter reservation or a bigger batch trades, and what to set beside kvd's."""
     name = policy_names(results)
-    if not compares_service(results) and not any(r.preemptions for r in results):
+    if not compares_service(results) and not any(r.preemptions for r in results) and not timed:
         return []
     lines = []
     for r in results:
@@ -428,7 +443,7 @@ def preemption_lines(results: list[ReplayResult] | list[FleetResult], label=None
     return lines
 
 
-def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list:
+def _tables(results: list[ReplayResult], trace_name: str, requests: int, timed: bool = False) -> list:
     """What decides (hit, recomputation, evictions, fragmentation, occupancy, rejections) in a
     table that fits 80 columns; the unbounded cache's hit ratio by block size in a line; and what
     the cache core itself cost in the replay (allocation latency, block operations per second)."""
@@ -463,7 +478,7 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int) -> list
                      name(r), f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
                      f"{r.block_ops_per_second:,.0f}", f"{r.seconds:.2f}")
     parts = [decision, ceiling, *rejection_lines(results), *first_token_lines(results),
-             *preemption_lines(results), Text(""), cost]
+             *preemption_lines(results, timed=timed), Text(""), cost]
     tenants = sorted({t for r in results for t in r.tenant_hit_ratio})
     if tenants:  # a trace that names tenants: what each kept, which is what shares are for
         by_tenant = compact_table("block", "capacity", "policy", *tenants, title="hit by tenant")
@@ -534,7 +549,8 @@ def _millions(tokens: int) -> str:
     return f"{tokens / 1e6:.2f}M" if tokens >= 10**6 else f"{tokens:,}"
 
 
-def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, replicas: int) -> list:
+def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, replicas: int,
+                  timed: bool = False) -> list:
     """Per routing policy: the hit ratio the fleet keeps, first-token times in the service model,
     how unevenly it loads the replicas, rejections; the ceiling (one unbounded cache) in a line."""
     name = policy_names(results)
@@ -576,7 +592,8 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
         + ("; heed/ignore: whether the router passed over replicas predicted past their max_queue_wait"
            if any(label(r) != r.routing for r in results) else ""))] \
         + [Text(placement_spread(r)) for r in results if r.placements] + fleet_rejection_lines(results, label) \
-        + replica_lines(results, label) + fleet_tenant_lines(results, label) + preemption_lines(results, label)
+        + replica_lines(results, label) + fleet_tenant_lines(results, label) \
+        + preemption_lines(results, label, timed)
 
 
 def tenant_first_tokens(result: ReplayResult | FleetResult, tenant: str) -> str | None:

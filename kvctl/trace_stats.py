@@ -166,6 +166,22 @@ def live_cached_ratio(requests: Sequence[TraceRequest]) -> float | None:
     return sum(r.served.cached_tokens for r in served) / sum(r.input_length for r in served) if served else None
 
 
+def live_timings(requests: Sequence[TraceRequest]) -> dict | None:
+    """kvd's own account of the requests it says it served, in the replay's terms (arrival to first
+    token, arrival to last, each request's mean seconds an output token after the first), for setting
+    beside a replay of the trace (None: the trace does not say)."""
+    served = [r for r in requests if r.served is not None]
+    if not served:
+        return None
+    ttft = sorted((r.served.queued_ms + r.served.prefill_ms) / 1000.0 for r in served)
+    e2e = sorted((r.served.queued_ms + r.served.prefill_ms + r.served.decode_ms) / 1000.0 for r in served)
+    itl = sorted(r.served.decode_ms / 1000.0 / (r.output_length - 1) for r in served if r.output_length > 1)
+    return {"requests": len(served), "cached_token_ratio": live_cached_ratio(served),
+            "ttft_p50_s": percentile(ttft, 0.50), "ttft_p95_s": percentile(ttft, 0.95),
+            "e2e_p50_s": percentile(e2e, 0.50), "e2e_p95_s": percentile(e2e, 0.95),
+            "itl_p50_s": percentile(itl, 0.50), "itl_p95_s": percentile(itl, 0.95)}
+
+
 def coarse_ids(block_tokens: int, live_ratio: float | None, ceiling: float) -> str | None:
     """What to say when kvd cached more of a trace's prompts (`live_ratio`) than a replay of its
     ids can (`ceiling`: a cache that never forgets): the ids are coarser than the prefixes the

@@ -175,3 +175,34 @@ def test_every_request_comes_back_and_the_books_balance_under_preemption_at_a_ch
     assert result.admitted + result.rejections == 300 and result.preemptions > 0
     assert 0 < result.hit_ratio <= result.max_hit_ratio <= 1
     assert result.itl_p50_s is not None and result.itl_p50_s >= 1 / 40.0 - 1e-9  # never faster than alone
+
+
+# kvd's own account: arrival to first token 0.10, 0.05 and 0.03 s; to the last 0.6, 0.45 and 0.03 s;
+# a token 50 and 20 ms (the third made one); the fourth turned away
+SERVED_TRACE = [served(0, 11, 500.0, prefill_ms=100.0), served(1000, 21, 400.0, queued_ms=10.0, prefill_ms=40.0),
+                served(2000, 1, 0.0, prefill_ms=30.0), TraceRequest(3000.0, 512, 0, (3000,), block_tokens=512)]
+
+
+def test_kvctl_bench_replay_sets_kvd_s_own_timings_beside_the_runs(tmp_path, capsys):
+    from kvctl.trace_stats import live_timings
+
+    assert live_timings(SERVED_TRACE) == {
+        "requests": 3, "cached_token_ratio": 0.0, "ttft_p50_s": 0.05, "ttft_p95_s": 0.1,
+        "e2e_p50_s": 0.45, "e2e_p95_s": 0.6, "itl_p50_s": 0.02, "itl_p95_s": 0.05}
+    assert live_timings(SHARED) is None  # a trace that does not say how it was served
+    path = tmp_path / "served.jsonl"
+    write_trace(path, SERVED_TRACE)
+    args = ("bench", "replay", str(path), "--block-sizes", "16", "--policy", "lru", "--rates-from-trace")
+    status, printed, _ = cli(capsys, *args, "--json")
+    assert status == 0 and json.loads(printed)["live_timings"]["e2e_p95_s"] == 0.6
+    status, printed, _ = cli(capsys, *args)
+    text = " ".join(printed.split())
+    assert status == 0 and ("kvd's own account in the trace (3 requests): cached 0.0%; first token p50/p95 "
+                            "0.05/0.10 s, end to end 0.45/0.60 s; a token 20/50 ms") in text
+    assert "block 16, capacity 262,144, lru: 0 preempted; reserved unused" in text  # the run's, beside it
+    status, printed, _ = cli(capsys, *args, "--replicas", "2", "--routing", "round_robin")
+    text = " ".join(printed.split())
+    assert status == 0 and "kvd's own account in the trace (3 requests)" in text
+    assert "round_robin (block 16, capacity 262,144, lru): 0 preempted" in text
+    status, printed, _ = cli(capsys, *args, "--sequential")  # no times in sequential mode: nothing beside
+    assert status == 0 and "kvd's own account" not in printed
