@@ -331,13 +331,11 @@ def replay_command(
         typer.echo(json.dumps(document, indent=2))
     else:
         out = Console()
-        timed = document["live_timings"] is not None and not sequential  # (the runs' times beside kvd's own)
-        parts = _tables(results, trace_name, len(requests), timed) if fleet is None else \
-            _fleet_tables(results, trace_name, len(requests), replicas, timed)
+        live = None if sequential else document["live_timings"]  # (the runs' times beside kvd's own)
+        parts = _tables(results, trace_name, len(requests), live) if fleet is None else \
+            _fleet_tables(results, trace_name, len(requests), replicas, live)
         for part in parts:
             out.print(part)
-        if timed:
-            out.print(Text(live_timing_line(document["live_timings"])))
         if document.get("live"):
             out.print(Text(live_lines(document["live"])))
         if objectives:
@@ -418,15 +416,17 @@ def live_timing_line(live: dict) -> str:
     return line
 
 
-def preemption_lines(results: list[ReplayResult] | list[FleetResult], label=None, timed: bool = False) -> list[Text]:
+def preemption_lines(results: list[ReplayResult] | list[FleetResult], label=None,
+                     live: dict | None = None) -> list[Text]:
     """Where output reservations or requests in service at once were compared, a run preempted, or
-    the trace says how kvd served it (`timed`): each run's preemptions and the tokens they computed
-    again, its unused reservation, and its first-token, end-to-end and per-output-token times in the
-    service model: what a shorter reservation or a bigger batch trades, and what to set beside kvd's."""
+    the trace says how kvd served it (`live`: `live_timings`, its line first): each run's preemptions
+    and the tokens they computed again, its unused reservation, and its first-token, end-to-end and
+    per-output-token times in the service model: what a shorter reservation or a bigger batch
+    trades, and what to set beside kvd's."""
     name = policy_names(results)
-    if not compares_service(results) and not any(r.preemptions for r in results) and not timed:
+    if not compares_service(results) and not any(r.preemptions for r in results) and live is None:
         return []
-    lines = []
+    lines = [] if live is None else [Text(live_timing_line(live))]
     for r in results:
         where = f"block {r.block_size}, capacity {r.capacity_tokens:,}, {name(r)}"
         where = f"{label(r)} ({where})" if label else where
@@ -443,7 +443,7 @@ def preemption_lines(results: list[ReplayResult] | list[FleetResult], label=None
     return lines
 
 
-def _tables(results: list[ReplayResult], trace_name: str, requests: int, timed: bool = False) -> list:
+def _tables(results: list[ReplayResult], trace_name: str, requests: int, live: dict | None = None) -> list:
     """What decides (hit, recomputation, evictions, fragmentation, occupancy, rejections) in a
     table that fits 80 columns; the unbounded cache's hit ratio by block size in a line; and what
     the cache core itself cost in the replay (allocation latency, block operations per second)."""
@@ -478,7 +478,7 @@ def _tables(results: list[ReplayResult], trace_name: str, requests: int, timed: 
                      name(r), f"{r.alloc_us_p50:.1f}/{r.alloc_us_p99:.1f}",
                      f"{r.block_ops_per_second:,.0f}", f"{r.seconds:.2f}")
     parts = [decision, ceiling, *rejection_lines(results), *first_token_lines(results),
-             *preemption_lines(results, timed=timed), Text(""), cost]
+             *preemption_lines(results, live=live), Text(""), cost]
     tenants = sorted({t for r in results for t in r.tenant_hit_ratio})
     if tenants:  # a trace that names tenants: what each kept, which is what shares are for
         by_tenant = compact_table("block", "capacity", "policy", *tenants, title="hit by tenant")
@@ -550,7 +550,7 @@ def _millions(tokens: int) -> str:
 
 
 def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, replicas: int,
-                  timed: bool = False) -> list:
+                  live: dict | None = None) -> list:
     """Per routing policy: the hit ratio the fleet keeps, first-token times in the service model,
     how unevenly it loads the replicas, rejections; the ceiling (one unbounded cache) in a line."""
     name = policy_names(results)
@@ -593,7 +593,7 @@ def _fleet_tables(results: list[FleetResult], trace_name: str, requests: int, re
            if any(label(r) != r.routing for r in results) else ""))] \
         + [Text(placement_spread(r)) for r in results if r.placements] + fleet_rejection_lines(results, label) \
         + replica_lines(results, label) + fleet_tenant_lines(results, label) \
-        + preemption_lines(results, label, timed)
+        + preemption_lines(results, label, live)
 
 
 def tenant_first_tokens(result: ReplayResult | FleetResult, tenant: str) -> str | None:
