@@ -39,6 +39,8 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
     keys = [keyer.keys(r) for r in requests]
     outputs = [keyer.output_keys(r, index, keys[index]) for index, r in enumerate(requests)]
     hits = max_hit_blocks(requests, keys, block_size, outputs)
+    prompt_blocks = {key for request_keys in keys for key in request_keys}
+    output_blocks = {key for request_keys in outputs for key in request_keys} - prompt_blocks
     prompt = sum(r.input_length for r in requests)
     seconds = requests[-1].timestamp_ms / 1000.0
     openings = Counter(opening(r) for r in requests if r.hash_ids)
@@ -53,9 +55,8 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
         "block_size": block_size,
         "unbounded_hit_ratio": sum(hits) * block_size / prompt if prompt else 0.0,
         # every block a cache that never forgets holds: prompts' and outputs' (kvd caches both)
-        "working_set_tokens": len({key for request_keys in (*keys, *outputs) for key in request_keys}) * block_size,
-        "output_working_set_tokens": len({key for request_keys in outputs for key in request_keys}
-                                         - {key for request_keys in keys for key in request_keys}) * block_size,
+        "working_set_tokens": (len(prompt_blocks) + len(output_blocks)) * block_size,
+        "output_working_set_tokens": len(output_blocks) * block_size,
         "openings": len(openings),  # distinct first blocks (a tenant's own)
         "shared_openings": sum(1 for count in openings.values() if count > 1),
         "shared_opening_share": sum(count for count in openings.values() if count > 1) / len(requests),

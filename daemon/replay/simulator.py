@@ -391,9 +391,9 @@ class ReplicaRun:
         self.slots_tail_unused += len(seq.table) * size - seq.num_tokens
         self.slots_reserve_unused += len(seq.reserve) * size
         t2 = time.perf_counter_ns()
-        # (its last token is sampled, never computed: as kvd, the block it would fill is not cached)
-        released = manager.release(seq_id, written_tokens=request.input_length + request.output_length - 1
-                                   if request.output_length else None)
+        # (its last token is sampled, never computed: its output keys stop short of the block it would
+        # fill, so that block is not cached, as in kvd)
+        released = manager.release(seq_id)
         t3 = time.perf_counter_ns()
         self.restored.pop(index, None)
         self.call_ns.append(t1 - t0)
