@@ -140,6 +140,10 @@ def serve(
     conversations_store_bytes: Optional[str] = typer.Option(
         None, help="Memory for the conversations /v1/conversations keeps (least recently used go first), e.g. "
                    "64MiB; 0 keeps none. Live on a reload: lowered, what no longer fits goes."),
+    reply_ids_bytes: Optional[str] = typer.Option(
+        None, help="Memory for recent chat replies' token ids, e.g. 64MiB: a next turn that sends a reply back is "
+                   "prompted with the ids the model made, so its blocks hit the cache; 0 tokenizes it again. Live "
+                   "on a reload."),
     truncation_headroom: Optional[float] = typer.Option(
         None, help="With truncation auto, the share of the prompt's room a cut leaves free (default 0.25), so the "
                    "turns after it come from the prefix cache; 0 drops the fewest turns."),
@@ -261,6 +265,7 @@ def serve(
                    max_request_bytes=max_request_bytes, responses_store_bytes=responses_store_bytes,
                    responses_store_file=responses_store_file, responses_max_age=responses_max_age,
                    conversations_store_bytes=conversations_store_bytes, truncation_headroom=truncation_headroom,
+                   reply_ids_bytes=reply_ids_bytes,
                    reservation=reservation,
                    eviction=eviction, tenant_cache_shares=tenant_cache_shares, queue_order=queue_order,
                    tenant_priorities=tenant_priorities,
@@ -299,7 +304,7 @@ SERVE_HELP_PANELS = {
                          "socket_path", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
                          "trusted_proxy", "max_request_bytes",
                          "responses_store_bytes", "responses_store_file", "responses_max_age",
-                         "conversations_store_bytes", "truncation_headroom",
+                         "conversations_store_bytes", "reply_ids_bytes", "truncation_headroom",
                          "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level", "log_format",
                          "log_requests", "log_stats_interval"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",

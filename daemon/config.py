@@ -262,6 +262,9 @@ class KvdConfig:
     # truncation "auto" (/v1/responses): the share of the room for the prompt a cut leaves free, so that the
     # turns after it come from the prefix cache until they fill it (response_truncation.py); 0: the fewest turns
     truncation_headroom: float = 0.25
+    # the token ids of recent chat replies, by their text, per tenant (reply_ids.py): a next turn that sends
+    # one back is prompted with the ids the model made, and finds its blocks cached; 0: none (tokenized again)
+    reply_ids_bytes: int = 64 * 2**20
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
     chat_template: str | None = None  # a Jinja file for /v1/chat/completions; default: the checkpoint's own
     # what every chat's template gets unless the request's chat_template_kwargs say otherwise, as JSON
@@ -375,6 +378,7 @@ METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its f
 _PARSERS = {
     "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
     "responses_store_bytes": _size, "responses_max_age": parse_duration, "conversations_store_bytes": _size,
+    "reply_ids_bytes": _size,
     "truncation_headroom": finite_number,
     "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
     "max_queue": whole_number, "max_queue_wait": finite_number, "max_loras": whole_number,

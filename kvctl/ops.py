@@ -530,6 +530,9 @@ def stranded_lines(pins: list[dict] | None) -> None:
                         soft_wrap=True)
 
 
+KEPT_NAMES = {"reply_ids": "chat replies' ids"}  # a reload's let_go, by store, as `config reload` names them
+
+
 @config_app.command("reload")
 def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Read kvd's config again and apply what can change live (as SIGHUP, with the answer here).
@@ -553,9 +556,11 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
                           highlight=False)
         let_go = {kind: count for kind, count in (d.get("let_go") or {}).items() if count}
         if let_go:  # a lowered store budget
+            told = " a client naming one is told why" if let_go.keys() - {"reply_ids"} else ""
             console.print("let go to fit the lowered budget: " + ", ".join(
-                f"{count:,} {kind}" for kind, count in let_go.items()) + " (the least recently used of the tenants "
-                "holding the most; a client naming one is told why)", highlight=False)
+                f"{count:,} {KEPT_NAMES.get(kind, kind)}" for kind, count in let_go.items())
+                + " (the least recently used of the tenants holding the most;" + (told or " their next turns are "
+                "tokenized from their text") + ")", highlight=False)
         reranked = d.get("reranked_blocks")
         if reranked:
             console.print("cached blocks now ranked at their tenant's new priority (eviction: priority): "

@@ -176,6 +176,13 @@ def render_status(data: dict, console: Console | None = None):
                       + (f"; {talks['expired']:,} idle past responses_max_age" if talks.get("expired") else "")
                       + (f"; {talks['turns_lost']:,} turns not added (the conversation would outgrow the budget)"
                          if talks["turns_lost"] else ""))
+    replies = data.get("reply_ids")  # chat replies' own ids (an older kvd does not say)
+    if replies and (replies["replies"] or replies["spliced"] or replies["template_changed"]):
+        facts.add_row("reply ids", f"{replies['replies']:,} replies kept in {size(replies['bytes'])} of "
+                                   f"{size(replies['budget_bytes'])}; {replies['spliced']:,} sent back as their ids"
+                      + (f"; {replies['template_changed']:,} chats read as text (the template rewrites replies)"
+                         if replies["template_changed"] else "")
+                      + (f"; {replies['dropped']:,} let go for room" if replies["dropped"] else ""))
     spec = data.get("speculation")  # absent from an older kvd
     if spec and (spec.get("config") or spec.get("drafts")):
         facts.add_row("speculation", speculation_line(spec))

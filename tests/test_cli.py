@@ -1608,6 +1608,26 @@ def test_status_shows_the_conversations_kept_and_those_let_go():
         {"conversations": 2, "bytes": 2**20, "budget_bytes": 2**20, "dropped": 5, "expired": 3, "turns_lost": 1})
 
 
+def test_status_shows_the_replies_sent_back_as_their_own_ids():
+    from rich.console import Console
+
+    from kvctl.status_view import render_status
+
+    def shown(figures):
+        console = Console(record=True, width=200)
+        render_status({**_status_data(0), "reply_ids": figures}, console)
+        return " ".join(console.export_text().split())
+
+    none = {"replies": 0, "bytes": 0, "budget_bytes": 64 * 2**20, "remembered": 0, "dropped": 0, "spliced": 0,
+            "template_changed": 0}
+    assert "reply ids" not in shown(none)  # no chat yet: no line
+    assert "reply ids 40 replies kept in 8.0 KiB of 64.0 MiB; 31 sent back as their ids" in shown(
+        {**none, "replies": 40, "bytes": 8192, "remembered": 40, "spliced": 31})
+    assert ("reply ids 2 replies kept in 1.0 KiB of 1.0 KiB; 9 sent back as their ids; 4 chats read as text (the "
+            "template rewrites replies); 6 let go for room") in shown(
+        {**none, "replies": 2, "bytes": 1024, "budget_bytes": 1024, "dropped": 6, "spliced": 9, "template_changed": 4})
+
+
 def test_status_says_what_the_output_reservation_left_unwritten():
     from rich.console import Console
 

@@ -56,6 +56,7 @@ class Tokenizer:
         self.eos_token_id = self._special(self.config.get("eos_token"))
         self.bos_token_id = self._special(self.config.get("bos_token"))
         self._kept: frozenset[int] = frozenset()  # special tokens decoded text keeps (keep_in_text)
+        self._specials = frozenset(i for i, added in self._tok.get_added_tokens_decoder().items() if added.special)
         self.kept_specials: dict[str, int] = {}  # those tokens by text
 
     def _special(self, token) -> int | None:
@@ -87,6 +88,11 @@ class Tokenizer:
                 start = at + 1
         parts.append(self._tok.decode(ids[start:], skip_special_tokens=True))
         return "".join(parts)
+
+    @property
+    def hidden_specials(self) -> frozenset[int]:
+        """The special tokens decoded text leaves out (all but those keep_in_text keeps)."""
+        return self._specials - self._kept
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens by name (how logprobs show a token): a token that

@@ -117,8 +117,8 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         if body.keys is not None:
             return pin_ops.pin_copy(service, [bytes.fromhex(k) for k in body.keys], body.tenant, who, ttl, body.note,
                                     body.owner, body.adapter_id)
-        token_ids = tokens_of(body, opens_reply=False)
         target = Principal(body.tenant or who.tenant, who.role, who.actor)
+        token_ids = tokens_of(body, target.tenant, opens_reply=False)
         return pin_ops.pin(service, token_ids, target, ttl, body.note, service.adapter_named(body.model))
 
     @router.delete("/admin/pins")
@@ -151,7 +151,8 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         prompt = None
         if any(x is not None for x in (body.text, body.tokens, body.messages)):
             # `tenant` and `model` (a LoRA adapter): the prompt's namespace
-            prompt = (tokens_of(body), body.tenant or who.tenant, service.adapter_named(body.model))
+            prompt = (tokens_of(body, body.tenant or who.tenant), body.tenant or who.tenant,
+                      service.adapter_named(body.model))
         elif body.model is not None or body.adapter_id is not None:  # every block of an adapter
             field = "model" if body.model is not None else "adapter_id"
             if body.prefix or body.tenant or body.model_revision or body.all_unpinned or (
@@ -187,7 +188,7 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
 
     @router.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
-        return cache_questions.explain(service, tokens_of(body), body.tenant or who.tenant,
+        return cache_questions.explain(service, tokens_of(body, body.tenant or who.tenant), body.tenant or who.tenant,
                                        service.adapter_named(body.model))
 
     @router.get("/admin/tenants")
@@ -300,8 +301,8 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         under the caller's token's tenant, `tenant` here when the body names none)."""
         # a model it does not serve is the router's to refuse (route-facts weighs; the model's blocks)
         adapter = body.model if body.model in service.adapters() else ""
-        facts = cache_questions.route_facts(service, tokens_of(body), body.tenant or who.tenant, adapter,
-                                            body.priority)
+        tenant = body.tenant or who.tenant
+        facts = cache_questions.route_facts(service, tokens_of(body, tenant), tenant, adapter, body.priority)
         return {**facts, "tenant_header": tenant_header,
                 "report_cached_tokens": service.config.report_cached_tokens}  # a router's X-KVD-Route keeps to it
 
@@ -407,10 +408,10 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
     def audit(since: float = 0.0, action: str | None = None, _: Principal = Depends(admin)):
         return {"entries": service.store.audit_since(since, action=action)}
 
-    def tokens_of(body: ExplainRequest | PinRequest | EvictRequest, opens_reply: bool = True) -> list[int]:
+    def tokens_of(body: ExplainRequest | PinRequest | EvictRequest, tenant: str, opens_reply: bool = True) -> list[int]:
         """The prompt an admin request names: its text, its token ids, or its chat messages rendered
         by the chat template (`opens_reply`: ending with the assistant's turn opening, as a chat
-        request's prompt does)."""
+        request's prompt does), `tenant`'s replies as their own ids, as its chat would send them."""
         text, token_ids, messages = body.text, body.tokens, body.messages
         if sum(x is not None for x in (text, token_ids, messages)) != 1:
             raise ApiError(400, "give exactly one of text, tokens and messages", param="text")
@@ -420,7 +421,8 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
                 refuse_chat_fields_without_messages(body)
             else:
                 return service.chat_prompt(chat_messages(messages), add_generation_prompt=opens_reply,
-                                           template_kwargs=body.chat_template_kwargs, tools=checked_tools(body.tools))
+                                           template_kwargs=body.chat_template_kwargs, tools=checked_tools(body.tools),
+                                           tenant=tenant)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except ChatTemplateError as exc:

@@ -17,6 +17,7 @@ import json
 import re
 import time
 import uuid
+from functools import partial
 from typing import Annotated, Any
 
 import anyio
@@ -265,7 +266,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         engine = ready_for(body.model)
-        chat = (messages, opens_reply, body.continue_final_message, body.chat_template_kwargs, tools)
+        chat = (messages, opens_reply, body.continue_final_message, body.chat_template_kwargs, tools, who.tenant, True)
         try:  # a long conversation is rendered and tokenized off the loop that streams every answer
             ids = service.chat_prompt(*chat) if messages_size(messages, tools) <= HAND_IN_ON_LOOP_TOKENS \
                 else await run_in_threadpool(service.chat_prompt, *chat)
@@ -327,9 +328,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         return {"version": kvctl_version}
 
     @app.post("/tokenize")
-    def tokenize_endpoint(body: TokenizeRequest, _: Principal = Depends(principal)):
-        """A prompt's or a chat's token ids (a chat rendered as /v1/chat/completions renders it)."""
-        return with_tokenizer(tokenize, body)
+    def tokenize_endpoint(body: TokenizeRequest, who: Principal = Depends(principal)):
+        """A prompt's or a chat's token ids (a chat rendered as /v1/chat/completions renders it for the
+        caller's tenant)."""
+        return with_tokenizer(partial(tokenize, tenant=who.tenant), body)
 
     @app.post("/detokenize")
     def detokenize_endpoint(body: DetokenizeRequest, _: Principal = Depends(principal)):
@@ -475,11 +477,16 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         def usage_of() -> dict:
             return usage(requests, counted=not prompt_only, cached=shown)
 
+        def finished(seq, text: str) -> None:
+            """A sample ended as `text`: a chat reply's ids are kept for the next turn (reply_ids.py)."""
+            if isinstance(shape, ChatShape) and seq.finish_reason in ("stop", "length"):
+                service.remember_reply(who.tenant, seq.output_ids, text)
+
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
                 _stream(engine, events, requests, by_id, index_of, head, shape, usage_of if include_usage else None,
-                        cancel_all, params.logprobs is not None, prompt_parts),
+                        cancel_all, params.logprobs is not None, prompt_parts, finished),
                 media_type="text/event-stream", headers=named)
         pending = set(index_of)
         checked = loop.time()
@@ -516,8 +523,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
                     before, offset = prompt_parts.logprobs(p, request)
                     logprobs, _ = shape.logprobs(names, output_ids, output_logprobs, offset)
                     logprobs = joined(before, logprobs) if before is not None else logprobs
-                choice = shape.choice(index_of[(request.request_id, seq.index)],
-                                      text + ("" if prompt_only else engine.text_of(seq)),
+                reply = "" if prompt_only else engine.text_of(seq)
+                if not prompt_only:
+                    finished(seq, reply)
+                choice = shape.choice(index_of[(request.request_id, seq.index)], text + reply,
                                       output_ids, seq.finish_reason, logprobs)
                 choices.append(prompt_parts.add_to_choice(choice, request))
         choices.sort(key=lambda c: c["index"])
@@ -554,9 +563,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
 
 async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, usage_of, cancel_all,
-                  with_logprobs: bool, prompt_parts: PromptParts):
+                  with_logprobs: bool, prompt_parts: PromptParts, finished=lambda seq, text: None):
     """Server-sent events ending with [DONE]; a disconnect cancels. `usage_of`: makes the usage of
     the chunk before [DONE] (stream_options.include_usage); None (or False): no such chunk.
+    `finished(seq, text)`: told each sample's whole text once it ends.
 
     A chunk carries one choice's new tokens: one token per chunk while the client keeps up,
     and every token that waited in the queue once it falls behind (one chunk instead of many,
@@ -582,6 +592,8 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                 delta = ""
                 if event.finish_reason is not None and seq is not None:
                     text = engine.text_of(seq)  # whole, once: a stop string may cut it
+                    if not prompt_parts.prompt_only:
+                        finished(seq, text)
                     delta = text[len(sent_text[key]):] if text.startswith(sent_text[key]) else ""
                     sent_text[key] = text
                 elif event.token_id is not None:

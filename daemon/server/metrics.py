@@ -242,6 +242,18 @@ class _EngineCollector:
         yield CounterMetricFamily("kvd_conversation_turns_lost", "Responses whose turn was not added to their "
                                   "conversation: it would have outgrown conversations_store_bytes",
                                   value=conversations["turns_lost"])
+        replies = self.service.reply_ids.figures()  # chat replies' own ids (reply_ids.py)
+        yield GaugeMetricFamily("kvd_reply_ids_kept", "Chat replies whose token ids kvd keeps for the next turn",
+                                value=replies["replies"])
+        yield GaugeMetricFamily("kvd_reply_ids_kept_bytes", "Bytes the kept replies' ids are counted at (of "
+                                "reply_ids_bytes)", value=replies["bytes"])
+        yield CounterMetricFamily("kvd_reply_ids_dropped", "Replies' ids let go for room (least recently used of "
+                                  "the tenant holding the most first)", value=replies["dropped"])
+        yield CounterMetricFamily("kvd_reply_ids_spliced", "Assistant messages a chat was prompted with as the "
+                                  "ids the model made, not tokenized again", value=replies["spliced"])
+        yield CounterMetricFamily("kvd_reply_ids_template_changed", "Chats tokenized from their text although "
+                                  "a reply's ids were kept: the chat template writes the reply otherwise (trims "
+                                  "it, cuts its reasoning)", value=replies["template_changed"])
         prompt = CounterMetricFamily("kvd_tenant_prompt_tokens", "Prompt tokens of admitted requests, per tenant",
                                      labels=["tenant"])
         hit = CounterMetricFamily("kvd_tenant_hit_tokens", "Of those, served from the prefix cache, per tenant",

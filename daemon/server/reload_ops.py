@@ -35,7 +35,8 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_queue_wait
                  "remote_compress", "trace_requests", "max_tracked_tenants", "gc_warn_seconds", "report_cached_tokens",
                  "log_requests", "log_stats_interval",
                  "lora_modules", "lora_runtime_updates", "max_loras", "speculative_config", "responses_max_age",
-                 "truncation_headroom", "responses_store_bytes", "conversations_store_bytes")
+                 "truncation_headroom", "responses_store_bytes", "conversations_store_bytes",
+                 "reply_ids_bytes")
 
 # what the running process is bound to: its sockets, its store, its auth front, its metric families
 BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",
@@ -171,7 +172,8 @@ def reload_after_failed_load(service, new: KvdConfig, actor: str) -> dict:
 
 
 # the stores whose budget a reload sets anew: (setting, the store's name on the service and in the answer)
-STORE_BUDGETS = (("responses_store_bytes", "responses"), ("conversations_store_bytes", "conversations"))
+STORE_BUDGETS = (("responses_store_bytes", "responses"), ("conversations_store_bytes", "conversations"),
+                 ("reply_ids_bytes", "reply_ids"))
 
 
 def refuse_store_budgets(service, new: KvdConfig) -> None:

@@ -142,7 +142,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         inputs += given
         if body.truncation == "auto":  # (the conversation kept for the next turn starts at the cut too)
             instructions = asked["messages"][:len(asked["messages"]) - len(conversation)]
-            cut = await fitting(body, instructions, asked, conversation)
+            cut = await fitting(body, instructions, asked, conversation, who.tenant)
             if cut and held is not None:  # the conversation's next turns start here too
                 service.conversations.set_start(held, kept_from(inputs[start:], conversation[:cut]))
             conversation = conversation[cut:]
@@ -191,7 +191,8 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
         return JSONResponse(finished(body, who, head, items, choice["finish_reason"], reply["usage"], conversation,
                                      inputs, turn), headers=named)
 
-    async def fitting(body: ResponsesRequest, instructions: list[dict], asked: dict, conversation: list[dict]) -> int:
+    async def fitting(body: ResponsesRequest, instructions: list[dict], asked: dict, conversation: list[dict],
+                      tenant: str) -> int:
         """How many of the conversation's first messages `truncation: "auto"` drops (0: it fits
         whole, or the chat will say why it cannot be rendered); ApiError 413 where even its last
         turn does not fit."""
@@ -206,7 +207,7 @@ def responses_routes(service, principal, chat: Callable[..., Awaitable[Any]],
 
             def length(messages: list[dict]) -> int:
                 return len(service.chat_prompt(chat_messages(instructions + messages), True, False,
-                                               asked["chat_template_kwargs"], tools))
+                                               asked["chat_template_kwargs"], tools, tenant))
 
             cut = fitting_cut(conversation, length, engine.context_limit - reply, service.config.truncation_headroom)
             if cut is not None:

@@ -53,6 +53,8 @@ from .housekeeping import Housekeeping, Job
 from .kv_transfer import TransferBook
 from .notify import Notifier
 from .reload_ops import prefetch_settings, quick_prefill_tokens
+from .reply_ids import ReplyIds
+from .reply_splice import reply_ids_of, spliced_prompt
 from .otlp_export import span_processor
 from .request_log import RequestLog
 from .request_spans import install as install_spans
@@ -126,6 +128,7 @@ class EngineService:
         self.conversations = ConversationStore(config.conversations_store_bytes,
                                                ConversationFile(kept_file) if kept_file is not None else None)
         self.responses = ResponseStore(config.responses_store_bytes, kept_file)  # (starts the file's thread)
+        self.reply_ids = ReplyIds(config.reply_ids_bytes)  # chat replies' own ids, for the next turn's prompt
         self.hub_name: str | None = None  # the model's Hugging Face id, where --model named one (hub_cache.py)
         self.ready = threading.Event()
         self.accepting = True
@@ -762,22 +765,47 @@ class EngineService:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, tenant: str | None = None, count: bool = False) -> list[int]:
         """The token ids of `messages` (checked by chat_messages.chat_messages) rendered by the model's chat
         template, with a request's `chat_template_kwargs` and `tools` (chat_messages.checked_tools);
         ServiceError 400 when the model has none, MessagesError naming a kwarg the template cannot take
-        (or tools it does not write), ChatTemplateError when it refuses them."""
+        (or tools it does not write), ChatTemplateError when it refuses them. With `tenant`, each of
+        its replies kvd keeps the ids of (reply_ids.py) goes in as those ids (reply_splice.py); `count`:
+        the chat is served, and the replies' figures count it."""
         if self.chat_template is None:
             raise ServiceError(400, f"messages: model {self.model_name!r} has no chat template (none in its "
                                     "tokenizer_config.json or chat_template.jinja); start kvd with --chat-template "
                                     "FILE, or send the prompt to /v1/completions", param="messages")
-        try:
-            text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt,
+        tokenizer = self.loaded.tokenizer
+
+        def render(conversation: list[dict]) -> str:
+            return self.chat_template.render(conversation, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, kwargs=template_kwargs,
                                              tools=tools)
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            if tenant is None or not self.reply_ids.keeps:
+                return encode(render(messages))
+            ids, spliced, template_changed = spliced_prompt(
+                messages, render, encode, lambda text: self.reply_ids.ids_for(tenant, tokenizer.digest, text))
         except TemplateKwargsError as exc:
             raise MessagesError(str(exc), exc.param) from None
-        return self.loaded.tokenizer.encode(text, add_special_tokens=False)
+        if count and (spliced or template_changed):
+            self.reply_ids.counted(spliced, template_changed)
+        return ids
+
+    def remember_reply(self, tenant: str, output_ids, text: str) -> None:
+        """Keeps a finished chat reply's ids by its text (as answered), for the tenant's next turn
+        that sends it back (reply_ids.py); nothing where no ids say that text exactly."""
+        if not self.reply_ids.keeps or self.loaded is None:
+            return
+        tokenizer = self.loaded.tokenizer
+        ids = reply_ids_of(output_ids, text, tokenizer.decode, tokenizer.hidden_specials)
+        if ids is not None:
+            self.reply_ids.remember(tenant, tokenizer.digest, text, ids)
 
     # ---- operator views ----------------------------------------------------------------------
     def status(self, with_blocks: bool = False, cells: int | None = None) -> dict:

@@ -128,6 +128,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             # the responses /v1/responses keeps for previous_response_id (response_store.py), in memory
             "responses": service.responses.figures(),
             "conversations": service.conversations.figures(),  # /v1/conversations (conversation_store.py)
+            "reply_ids": service.reply_ids.figures(),  # chat replies' own ids for the next turn (reply_ids.py)
             "draining": service.draining,
             # the TCP front's certificate (tls.py): subject, names, expiry; None without TLS
             "tls": None if service.tls is None else service.tls.describe(time.time()),

@@ -43,8 +43,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]
 
 
-def tokenize(service, body: TokenizeRequest) -> dict:
-    """The token ids of a prompt or a chat; MessagesError naming the field at fault."""
+def tokenize(service, body: TokenizeRequest, tenant: str | None = None) -> dict:
+    """The token ids of a prompt or a chat (`tenant`'s replies as their own ids, as its chat would be
+    prompted: reply_ids.py); MessagesError naming the field at fault."""
     if (body.prompt is None) == (body.messages is None):
         raise MessagesError("prompt: give a prompt (text) or messages (a chat), not both or neither", "prompt")
     if body.prompt is not None:
@@ -52,7 +53,7 @@ def tokenize(service, body: TokenizeRequest) -> dict:
         ids = service.loaded.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         ids = service.chat_prompt(chat_messages(body.messages), generation_prompt(body), body.continue_final_message,
-                                  body.chat_template_kwargs, checked_tools(body.tools))
+                                  body.chat_template_kwargs, checked_tools(body.tools), tenant)
     return {"count": len(ids), "max_model_len": service.require_ready().context_limit, "tokens": ids}
 
 

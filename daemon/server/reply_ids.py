@@ -1,0 +1,117 @@
+"""The token ids of kvd's recent chat replies, so that a next turn is prompted with them.
+
+A chat client sends the model's reply back as text, and kvd renders the conversation and
+tokenizes it again. The text often does not tokenize back to the ids the model made: a BPE
+tokenizer spells it its own way ("hel"+"lo" made, "hello" read back), and a byte-level one
+reads a reply cut inside a character (U+FFFD) as other bytes. Every block of the reply then
+misses the cache that holds it, and the next turn computes it again. kvd keeps each reply's
+ids by its text (per tenant, and per tokenizer: a new one never reads another's ids), and a
+chat that sends that text back as an assistant message is prompted with them
+(reply_splice.py): the same text, split as the model split it.
+
+In memory, within `reply_ids_bytes`: for room, the least recently used reply of the tenant
+holding the most bytes goes first (policies/kept_state.py), as for the kept responses. A turn
+that finds its reply refreshes it, so a conversation in use keeps its replies; one let go is
+read back as text, as before (the turn misses the reply's blocks, and the turns after it
+follow that prompt). A restart forgets them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from array import array
+
+from kvctl.policies.kept_state import KeptByTenant
+
+from .kept_budget import ResizableBudget
+
+ENTRY_BYTES = 128  # what a kept reply is counted at beside its ids (4 bytes each): its key and books
+
+
+def reply_key(tenant: str, space: str, text: str) -> str:
+    """A reply's name: its tenant's, for the tokenizer `space` names, by its text's SHA-256."""
+    return hashlib.sha256("\0".join((tenant, space, text)).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class ReplyIds(ResizableBudget):
+    """Reply token ids by (tenant, tokenizer, text); for room, the least recently used of the
+    tenant holding the most bytes goes first."""
+
+    SETTING = "reply_ids_bytes"
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.used = 0
+        self.entries: dict[str, tuple[str, array]] = {}  # key -> (tenant, ids)
+        self.kept = KeptByTenant()
+        self.lock = threading.Lock()
+        self.remembered = 0  # replies kept (again, when sent again)
+        self.dropped = 0  # let go for room
+        self.spliced = 0  # assistant messages a chat was prompted with by the reply's own ids
+        self.template_changed = 0  # chats read back as text: the template writes a kept reply otherwise
+
+    @property
+    def keeps(self) -> bool:
+        """Whether it keeps any (reply_ids_bytes 0: none; every chat is tokenized from its text)."""
+        return self.budget > 0
+
+    def remember(self, tenant: str, space: str, text: str, ids: list[int]) -> bool:
+        """Keeps `ids` as the reply `text` (False: none kept, or bigger than the whole budget)."""
+        size = ENTRY_BYTES + 4 * len(ids)
+        if not self.keeps or size > self.budget:
+            return False
+        key = reply_key(tenant, space, text)
+        with self.lock:
+            self._let_go(key)
+            self.entries[key] = (tenant, array("i", ids))
+            self.kept.add(tenant, key)
+            self.kept.grew(tenant, size)
+            self.used += size
+            self.remembered += 1
+            self._make_room(key)
+        return True
+
+    def ids_for(self, tenant: str, space: str, text: str) -> list[int] | None:
+        """The ids of the tenant's reply `text` (now its most recently used), or None."""
+        key = reply_key(tenant, space, text)
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                return None
+            self.kept.used(tenant, key)
+            return entry[1].tolist()
+
+    def counted(self, spliced: int, template_changed: bool) -> None:
+        """A chat was prompted with `spliced` replies' own ids, or read back as text where
+        `template_changed`."""
+        with self.lock:
+            self.spliced += spliced
+            self.template_changed += int(template_changed)
+
+    def budget_refusal(self, budget_bytes: int) -> str | None:
+        return None  # (any budget can be set live: lowered, what no longer fits goes)
+
+    def _make_room(self, keep: str | None, why: str = "") -> None:
+        while self.used > self.budget:
+            victim = self.kept.victim(keep)
+            if victim is None:
+                break
+            self._let_go(victim)
+            self.dropped += 1
+
+    def _let_go(self, key: str) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            tenant, ids = entry
+            size = ENTRY_BYTES + 4 * len(ids)
+            self.used -= size
+            self.kept.remove(tenant, key)
+            self.kept.grew(tenant, -size)
+
+    def figures(self) -> dict:
+        """For `GET /admin/status` and /metrics."""
+        with self.lock:
+            return {"budget_bytes": self.budget, "bytes": self.used, "replies": len(self.entries),
+                    "remembered": self.remembered, "dropped": self.dropped, "spliced": self.spliced,
+                    "template_changed": self.template_changed}
