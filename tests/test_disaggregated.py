@@ -122,6 +122,29 @@ def test_a_chat_is_decoded_streamed_after_its_prefill(pair):
     assert usage["prompt_tokens_details"]["cached_tokens"] == params["remote_tokens"]
 
 
+def test_a_chat_s_next_turn_across_a_transfer_is_the_same_prompt_on_both_sides(pair):
+    """The decode kvd made the reply and keeps its ids (reply_ids.py); the prefill kvd never saw it.
+    Across a transfer both tokenize the reply's text, so the decode finds every block the prefill
+    computed."""
+    prefill, decode = pair
+    turn = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "Which setting?"}]
+    params = call(unix_app(prefill), "POST", "/v1/chat/completions",
+                  json={"messages": turn, "max_tokens": 1, **PREFILL}).json()["kv_transfer_params"]
+    reply = call(unix_app(decode), "POST", "/v1/chat/completions",
+                 json={"messages": turn, "max_tokens": 40, "temperature": 1.0, "seed": 3,
+                       "kv_transfer_params": params}).json()["choices"][0]["message"]["content"]
+    assert decode.reply_ids.figures()["replies"] == 1  # kept: a chat to the decode kvd alone would splice it
+    turn_two = turn + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    computed = call(unix_app(prefill), "POST", "/v1/chat/completions",
+                    json={"messages": turn_two, "max_tokens": 1, **PREFILL}).json()
+    params = computed["kv_transfer_params"]
+    answer = call(unix_app(decode), "POST", "/v1/chat/completions",
+                  json={"messages": turn_two, **GREEDY, "kv_transfer_params": params}).json()
+    assert answer["usage"]["prompt_tokens"] == computed["usage"]["prompt_tokens"]
+    assert answer["kv_transfer_params"]["cached_blocks"] == params["prompt_blocks"]
+    assert decode.reply_ids.figures()["spliced"] == 0
+
+
 @pytest.mark.parametrize("params, status, message", [
     ({"do_remote_decode": "yes"}, 400, "kv_transfer_params.do_remote_decode: expected true or false, got 'yes'"),
     ({"do_remote_decode": True, "do_remote_prefill": True}, 400,

@@ -266,7 +266,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         engine = ready_for(body.model)
-        chat = (messages, opens_reply, body.continue_final_message, body.chat_template_kwargs, tools, who.tenant, True)
+        # a chat's replies go in as the ids the model made (reply_ids.py), but not across a KV transfer
+        splicing = None if kv_transfer.wanted(body) else who.tenant
+        chat = (messages, opens_reply, body.continue_final_message, body.chat_template_kwargs, tools, splicing, True)
         try:  # a long conversation is rendered and tokenized off the loop that streams every answer
             ids = service.chat_prompt(*chat) if messages_size(messages, tools) <= HAND_IN_ON_LOOP_TOKENS \
                 else await run_in_threadpool(service.chat_prompt, *chat)

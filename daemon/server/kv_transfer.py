@@ -58,6 +58,14 @@ class TransferBook:
             return dict(self.counts)
 
 
+def wanted(body) -> bool:
+    """Whether `body` asks for a KV transfer at all (`asked` checks the ask). Such a chat's prompt is
+    its text tokenized, on both sides: the prefill kvd never made the replies the decode kvd keeps
+    the ids of (reply_ids.py), and the two must hash the same prompt."""
+    params = getattr(body, FIELD, None)
+    return isinstance(params, dict) and any(params.get(name) is True for name in KNOWN_FLAGS)
+
+
 def asked(body, role: str, stream: bool, service) -> str | None:
     """The transfer `body` asks for: "prefill" (do_remote_decode: this kvd computes the prompt
     for another), "decode" (do_remote_prefill: another kvd computed it), or None. A 400 naming
