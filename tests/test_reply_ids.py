@@ -9,6 +9,8 @@ import pytest
 from kvctl.daemon.server.reply_ids import ENTRY_BYTES, ReplyIds
 from kvctl.daemon.server.reply_splice import reply_ids_of, spliced_prompt
 
+from .test_chat_api import daemon  # noqa: F401 (a kvd on the demo checkpoint, for the live tests below)
+
 BLOCK = 16
 
 
@@ -117,19 +119,6 @@ def test_a_template_that_refuses_the_marker_gets_the_text_tokenized():
 
 
 # ---- a live kvd ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def kvd(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("fastapi")
-    from .daemon_fixtures import apps, start_service, token_table
-
-    state = tmp_path_factory.mktemp("kvd")
-    service = start_service(state, num_blocks=256)
-    unix, tcp = apps(service, token_table(state))
-    yield service, unix, tcp
-    service.shutdown(1)
-
-
 def chat(app, messages, **body):
     from .daemon_fixtures import call
 
@@ -165,10 +154,10 @@ def first_turn(app, question: str, seed: int, stream: bool = False):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_the_next_turn_is_prompted_with_the_reply_s_own_ids_and_hits_its_blocks(kvd, stream):
+def test_the_next_turn_is_prompted_with_the_reply_s_own_ids_and_hits_its_blocks(daemon, stream):
     from .daemon_fixtures import call
 
-    service, unix, _ = kvd
+    service, unix, _ = daemon
     turn, text, made = first_turn(unix, f"Tell me about tier {int(stream)} of the cache, at length.", seed=3,
                                   stream=stream)
     first = rendered(service, turn)
@@ -205,10 +194,10 @@ def test_without_the_memory_the_reply_is_tokenized_again_and_only_the_first_prom
                                                "dropped": 0, "spliced": 0, "template_changed": 0}
 
 
-def test_another_tenant_sending_the_same_reply_back_gets_it_tokenized(kvd):
+def test_another_tenant_sending_the_same_reply_back_gets_it_tokenized(daemon):
     from .daemon_fixtures import GLOBEX_TOKEN, USER_TOKEN, call
 
-    service, _, tcp = kvd
+    service, _, tcp = daemon
     acme, globex = ({"Authorization": f"Bearer {token}"} for token in (USER_TOKEN, GLOBEX_TOKEN))
     turn = [{"role": "user", "content": "Which tier holds the most?"}]
     answer = call(tcp, "POST", "/v1/chat/completions", headers=acme,
@@ -220,8 +209,8 @@ def test_another_tenant_sending_the_same_reply_back_gets_it_tokenized(kvd):
     assert theirs == rendered(service, second) != mine
 
 
-def test_a_reply_the_model_ended_with_a_stop_string_is_not_kept(kvd):
-    service, unix, _ = kvd
+def test_a_reply_the_model_ended_with_a_stop_string_is_not_kept(daemon):
+    service, unix, _ = daemon
     turn, text, made = first_turn(unix, "Count the tiers.", seed=7)
     stop = text[5:7]
     [choice] = chat(unix, turn, temperature=1.0, seed=7, stop=[stop]).json()["choices"]
@@ -231,10 +220,10 @@ def test_a_reply_the_model_ended_with_a_stop_string_is_not_kept(kvd):
     assert service.reply_ids.ids_for("default", tokenizer.digest, text) is not None
 
 
-def test_status_and_metrics_count_the_replies(kvd):
+def test_status_and_metrics_count_the_replies(daemon):
     from .daemon_fixtures import call
 
-    service, unix, _ = kvd
+    service, unix, _ = daemon
     figures = call(unix, "GET", "/admin/status").json()["reply_ids"]
     assert figures == service.reply_ids.figures() and figures["replies"] >= 1
     scraped = call(unix, "GET", "/metrics").text
@@ -266,12 +255,12 @@ def test_a_reload_lowers_the_memory_live_and_kvctl_says_what_went(tmp_path):
         "most; their next turns are tokenized from their text)"]
 
 
-def test_a_response_s_next_turn_hits_its_reply(kvd):
+def test_a_response_s_next_turn_hits_its_reply(daemon):
     """/v1/responses' previous_response_id: kvd keeps the conversation, the reply as text; its next turn
     is prompted with the reply's ids."""
     from .daemon_fixtures import call
 
-    service, unix, _ = kvd
+    service, unix, _ = daemon
     first = call(unix, "POST", "/v1/responses", json={"input": "Which tier is the slowest?", "max_output_tokens": 40,
                                                       "temperature": 1.0, "seed": 11}).json()
     turn = [{"role": "user", "content": "Which tier is the slowest?"}]
