@@ -155,9 +155,9 @@ def serve(
                                           "decayed) or priority (the prefixes of the requests that run first go "
                                           "last; with --queue-order priority)."),
     queue_order: Optional[str] = typer.Option(None, help="fifo, priority (by tenant_priorities and each "
-                                              "request's priority, lower first) or lpm (the longest cached prefix "
+                                              "request's priority, lower first), lpm (the longest cached prefix "
                                               "first, SGLang's; without --max-queue-wait, one that has waited 30 s "
-                                              "goes first)."),
+                                              "goes first) or priority+lpm (lpm's order within each priority)."),
     tenant_priorities: Optional[str] = typer.Option(
         None, help="With --queue-order priority: each tenant's place, e.g. acme=-10,batch=5 (lower first)."),
     tenant_cache_shares: Optional[str] = typer.Option(

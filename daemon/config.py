@@ -27,7 +27,7 @@ from kvctl.daemon.server.tool_calls import TOOL_CALL_PARSERS
 
 MXFP4_EXPERTS = ("auto", "keep", "dequantise")  # what kvd does with an MXFP4 checkpoint's experts
 from kvctl.policies.eviction import EVICTION_POLICIES
-from kvctl.policies.queue_order import QUEUE_ORDERS
+from kvctl.policies.queue_order import QUEUE_ORDERS, by_priority
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation, parse_speculation
 from kvctl.policies.tenant_map import named_values, parse_tenant_map, priority_of, queue_wait_of
@@ -680,10 +680,11 @@ def check_tls_settings(config) -> None:
 def check_priorities(config: KvdConfig) -> None:
     """Tenant priorities order a priority queue only: with a FIFO queue they would be ignored; so
     would the `priority` eviction policy, every request being at 0 there (it would be lru)."""
-    if config.tenant_priorities and config.queue_order != "priority":
+    if config.tenant_priorities and not by_priority(config.queue_order):
         raise ConfigError(f"tenant_priorities: set (from {config.sources.get('tenant_priorities', 'the config')}) but "
-                          f"queue_order is {config.queue_order!r}; set queue_order: priority for them to order the queue")
-    if config.eviction == "priority" and config.queue_order != "priority":
+                          f"queue_order is {config.queue_order!r}; set queue_order: priority (or priority+lpm) for "
+                          "them to order the queue")
+    if config.eviction == "priority" and not by_priority(config.queue_order):
         raise ConfigError(f"eviction: priority (from {config.sources.get('eviction', 'the config')}) keeps the "
                           f"prefixes of the requests that run first, but queue_order is {config.queue_order!r}, "
                           "where every request is equal (it would be lru); set queue_order: priority, with "

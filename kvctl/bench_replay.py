@@ -77,7 +77,8 @@ def replay_command(
     queue_order: list[str] = typer.Option(["fifo"], "--queue-order",
                                           help="Admission queue order, as kvd's queue_order: fifo, priority (by "
                                                "--tenant-priorities; rows 'lru+prio'), lpm (the longest cached "
-                                               "prefix first; rows 'lru+lpm'), or several to compare (fifo,lpm)."),
+                                               "prefix first; rows 'lru+lpm'), priority+lpm (lpm within each "
+                                               "priority; 'lru+prio+lpm'), or several to compare (fifo,lpm)."),
     reserve: list[str] = typer.Option(["fraction:1.0"], "--reserve",
                                       help="Output reservation: fixed:N, fraction:F or p95, or several to compare "
                                            "(fraction:1.0,p95). Short of an output, a request grows as it decodes "

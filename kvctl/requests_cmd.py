@@ -94,7 +94,9 @@ def render_requests(d: dict) -> Group:
 
 QUEUE_ORDER_WORDS = {"fifo": "queue_order fifo: as they came",
                      "priority": "queue_order priority: lower priority first, then as they came",
-                     "lpm": "queue_order lpm: the most cached first, after any preempted or past lpm's patience"}
+                     "lpm": "queue_order lpm: the most cached first, after any preempted or past lpm's patience",
+                     "priority+lpm": "queue_order priority+lpm: lower priority first; within one, the most cached "
+                                     "first, after any preempted or past lpm's patience"}
 
 
 def ordinal(n: int) -> str:

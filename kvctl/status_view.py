@@ -213,8 +213,9 @@ def render_status(data: dict, console: Console | None = None):
         f" (oldest {seconds(queue['oldest_age_seconds'])}" + (f" of {seconds(limit)} allowed" if limit else "") + ")"
         if queue["waiting"] else "")
     ahead, late = "", False
-    lpm = "lpm_waiting" in queue  # queue_order lpm: the longest cached prefix first
-    ranked = "priority_waiting" in queue  # queue_order priority: by place (tenant_priorities)
+    both = "priority_lpm_waiting" in queue  # queue_order priority+lpm: by place, then lpm within one
+    lpm = "lpm_waiting" in queue or both  # queue_order lpm: the longest cached prefix first
+    ranked = "priority_waiting" in queue or both  # queue_order priority: by place (tenant_priorities)
     if queue.get("predicted_wait_seconds") is not None:
         rate = f"prefill {queue['prefill_tokens_per_second']:,.0f} tokens/s"
         late = bool(limit) and queue["predicted_wait_seconds"] >= limit
@@ -230,8 +231,9 @@ def render_status(data: dict, console: Console | None = None):
     facts.add_row("queue", Text(f"{waiting}, {queue['running']} running{ahead}", style="yellow" if late else ""))
     if data.get("admitted_ahead"):  # absent from an older kvd
         facts.add_row("queue order", f"{data['admitted_ahead']:,} requests went in while an earlier arrival waited"
-                      + (" (lpm: the longest cached prefix first)" if lpm else "")
-                      + (" (priority: by the tenants' places)" if ranked else ""))
+                      + (" (priority+lpm: by the tenants' places, the longest cached prefix first within one)"
+                         if both else " (lpm: the longest cached prefix first)" if lpm else
+                         " (priority: by the tenants' places)" if ranked else ""))
     if data.get("draining"):
         facts.add_row("draining", Text("no new completion is taken (kvctl resume takes them again)", style="yellow"))
     if data.get("tls"):

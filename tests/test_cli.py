@@ -200,7 +200,7 @@ def test_replay_plot_writes_a_png(capsys, small_trace, tmp_path):
      "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
     (["--replicas", "2", "--queue-limits", "heed,ignore"],
      "error: queue_limits: heed,ignore compares nothing without --max-queue-wait"),
-    (["--queue-order", "sjf"], "error: queue_order: unknown value 'sjf'; use fifo, priority or lpm"),
+    (["--queue-order", "sjf"], "error: queue_order: unknown value 'sjf'; use fifo, priority, lpm or priority+lpm"),
     (["--tenant-queue-waits", "noisy=-5"], "error: tenant_queue_waits: invalid value 'noisy=-5': queue wait of "
                                            "'noisy' must be a number of seconds >= 0 (0: no limit), got '-5'"),
     (["--queue-order", "fifo,priority"], "error: queue_order: priority orders the queue by the tenants' priorities "
@@ -1270,6 +1270,16 @@ def test_status_shows_the_engine_steps_and_mean_decode_step():
     assert ("122,880 prompt tokens ahead: a new request at the last place waits ~1.50 s (prefill 4,096 "
             "tokens/s)") in text
     assert "queue order 7 requests went in while an earlier arrival waited (priority: by the tenants' places)" in text
+    # queue_order priority+lpm: both, said once
+    del data["queue"]["priority_waiting"]
+    data["queue"]["priority_lpm_waiting"] = [[-10, None, 2048], [0, 2, 4096]]
+    console = Console(record=True, width=300)
+    render_status({**data, "admitted_ahead": 9}, console)
+    text = " ".join(console.export_text().split())
+    assert ("122,880 prompt tokens ahead: a new request holding no cached prefix at the last place waits ~1.50 s "
+            "(prefill 4,096 tokens/s)") in text
+    assert ("queue order 9 requests went in while an earlier arrival waited (priority+lpm: by the tenants' places, "
+            "the longest cached prefix first within one)") in text
     # tenants with queue wait limits of their own (tenant_queue_waits): said after the queue
     data["queue"]["tenant_queue_waits"] = {"chat": 10.0, "batch": 0.0}
     console = Console(record=True, width=300)

@@ -24,7 +24,8 @@ def test_precedence_flag_env_file_default(tmp_path):
 @pytest.mark.parametrize("flags, env, message", [
     ({"block_size": 24}, {}, "block_size: invalid value 24 from --block-size: must be one of 8, 16, 32"),
     ({}, {"KVD_EVICTION": "fifo"}, "eviction: invalid value 'fifo' from KVD_EVICTION: must be one of lru, cost, lfu"),
-    ({"queue_order": "sjf"}, {}, "queue_order: invalid value 'sjf' from --queue-order: must be fifo, priority or lpm"),
+    ({"queue_order": "sjf"}, {},
+     "queue_order: invalid value 'sjf' from --queue-order: must be fifo, priority, lpm or priority+lpm"),
     ({}, {"KVD_CACHE_MEMORY": "lots"}, "cache_memory: invalid value 'lots' from KVD_CACHE_MEMORY: must be a size in "
                                        "bytes: a number with an optional unit (4096, 512MiB, 2GiB, 500MB)"),
     ({}, {"KVD_HOST_CACHE_BYTES": "1e999"}, "host_cache_bytes: invalid value '1e999' from KVD_HOST_CACHE_BYTES: must be "

@@ -351,6 +351,53 @@ def test_the_work_ahead_of_a_request_counts_only_the_places_a_priority_queue_wou
     engine.run_until_done()
 
 
+@pytest.mark.parametrize("order, admitted", [
+    ("fifo", ["B", "L", "C", "H"]),
+    ("priority", ["H", "B", "C", "L"]),
+    ("lpm", ["L", "C", "B", "H"]),  # L and C open with the two cached blocks
+    ("priority+lpm", ["H", "C", "B", "L"]),  # H's place first; at place 0, C (cached) before B; L's place last
+])
+def test_priority_lpm_orders_by_place_then_by_cached_prefix_within_one(demo, order, admitted):
+    """One slot, busy. Waiting, as they came: B (nobody's prompt, place 0), L (opening with two cached
+    blocks, place 5), C (the same opening, place 0), H (nobody's, place -5). Under priority+lpm the
+    places hold, and within place 0 the cached prompt goes first."""
+    clock = FakeClock(100.0)
+    engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, queue_order=order),
+                    clock=clock)
+    shared = list(range(1, 33))  # two blocks
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request(shared + [40], once)
+    engine.run_until_done()
+    engine.add_request([50] * 5, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # it holds the slot
+    ranked = order in ("priority", "priority+lpm")
+    waiting = {name: engine.add_request(prompt_ids, once, priority=priority if ranked else 0)
+               for name, prompt_ids, priority in (("B", list(range(100, 140)), 0), ("L", shared + [43, 44], -5),
+                                                  ("C", shared + [41, 42], 0), ("H", list(range(150, 190)), 5))}
+    names = {id(r): name for name, r in waiting.items()}
+    assert [names[id(seq.request)] for seq, _ in engine.admission_queue()] == admitted
+    if order == "priority+lpm":
+        # ahead of a newcomer at place 0 holding 2 blocks: H (a better place) and C (2 blocks, before it)
+        assert engine.tokens_ahead(2, priority=0) == 40 + 2
+        assert engine.tokens_ahead(0, priority=0) == 40 + 2 + 40  # B too: it came first, holding as few
+        assert engine.tokens_ahead(0, priority=5) == 40  # at H's place: H alone
+        assert engine.tokens_ahead(2, priority=-5) == 40 + 2 + 40 + 2  # at the last place: every one
+        # for a router's view: by place, then the blocks each holds (most first)
+        assert engine.queue_figures()["priority_lpm_waiting"] == [[-5, 0, 40], [0, 2, 2], [0, 0, 40], [5, 2, 2]]
+        assert "priority_waiting" not in engine.queue_figures() and "lpm_waiting" not in engine.queue_figures()
+        clock.advance(30.0)  # each has waited lpm's patience: at its place, it goes first whatever it holds
+        assert engine.queue_figures()["priority_lpm_waiting"] == [[-5, None, 40], [0, None, 42], [5, None, 2]]
+        assert engine.tokens_ahead(2, priority=0) == 40 + 42
+        assert [names[id(seq.request)] for seq, _ in engine.admission_queue()] == ["H", "B", "C", "L"]
+        clock.advance(-30.0)
+    seen = []
+    while engine.has_work():
+        engine.step()
+        clock.advance(0.01)
+        seen += [name for name, r in waiting.items() if r.metrics.admitted is not None and name not in seen]
+    assert seen == admitted
+
+
 def test_under_lpm_a_preempted_request_goes_first_whatever_it_holds(demo):
     """A request admitted once and preempted since waits on past max_queue_wait (it is never timed
     out); under lpm it goes before prompts that hold more of the cache, as it does first come, first

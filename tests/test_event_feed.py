@@ -390,7 +390,7 @@ def test_route_facts_refuse_a_request_s_own_priority_where_the_queue_is_first_co
         answer = call(app, "POST", "/admin/route-facts", json={"text": PROMPTS[1], "priority": 3})
         assert answer.status_code == 400 and answer.json()["error"]["message"] == (
             "priority: 3 asks for a place in the queue, but kvd serves its queue first come, first served "
-            "(queue_order: fifo; queue_order: priority orders it)")
+            "(queue_order: fifo; queue_order: priority or priority+lpm orders it)")
         assert call(app, "POST", "/admin/route-facts", json={"text": PROMPTS[1], "priority": 0}).status_code == 200
     finally:
         service.shutdown(deadline=2)

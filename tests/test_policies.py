@@ -566,7 +566,37 @@ def test_lpm_orders_by_cached_prefix_with_patience_and_a_size_bound():
     assert [tried_before(item[1], overdue(item), 2) for item in queue] == [False, True, True, True, True, True]
     assert [tried_before(item[1], overdue(item), 3) for item in queue] == [False, True, True, True, True, False]
     assert check_queue_order("lpm") == "lpm"
-    with pytest.raises(ValueError, match=r"^queue_order: unknown value 'sjf'; use fifo, priority or lpm$"):
+    with pytest.raises(ValueError,
+                       match=r"^queue_order: unknown value 'sjf'; use fifo, priority, lpm or priority\+lpm$"):
         check_queue_order("sjf")
     with pytest.raises(ValueError, match=r"^queue_order: unknown value 'priority'; use fifo or lpm$"):
         check_queue_order("priority", ("fifo", "lpm"))
+
+
+def test_priority_lpm_orders_each_place_by_lpm_and_counts_what_goes_before_a_newcomer():
+    from kvctl.policies.queue_order import by_prefix, by_priority, goes_before, longest_prefix_first
+
+    assert [(by_priority(o), by_prefix(o)) for o in ("fifo", "priority", "lpm", "priority+lpm")] == [
+        (False, False), (True, False), (False, True), (True, True)]
+    # (name, place, cached blocks, overdue), in queue order (the engine's: by place already)
+    queue = [("a", -1, 0, False), ("b", -1, 2, False), ("c", 0, 0, True), ("d", 0, 1, False), ("e", 0, 3, False),
+             ("f", 4, 5, False)]
+    order = longest_prefix_first(queue, lambda item: item[2], lambda item: item[3], place=lambda item: item[1])
+    # place -1: b (2 blocks) before a; place 0: c (overdue) first, then e (3), d (1); place 4 last,
+    # whatever it holds
+    assert [item[0] for item in order] == ["b", "a", "c", "e", "d", "f"]
+    looked = []
+
+    def before(item, newcomer_place, newcomer_blocks):
+        def cached():
+            looked.append(item[0])
+            return item[2]
+        return goes_before(item[1], newcomer_place, cached, lambda: item[3], newcomer_blocks)
+
+    # a newcomer at place 0 holding 2 blocks: a, b (a better place), c (overdue) and e (3 blocks)
+    assert [before(item, 0, 2) for item in queue] == [True, True, True, False, True, False]
+    assert looked == ["d", "e"]  # blocks read only at its own place
+    # places not compared (lpm): by blocks alone; blocks not compared (priority): by place, then arrival
+    assert [before(item, None, 2) for item in queue] == [False, True, True, False, True, True]
+    assert [before(item, 0, None) for item in queue] == [True, True, True, True, True, False]
+    assert [before(item, None, None) for item in queue] == [True] * 6  # fifo

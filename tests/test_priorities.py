@@ -14,7 +14,8 @@ from kvctl.daemon.config import ConfigError, resolve  # noqa: E402
 from kvctl.daemon.engine.sampling import SamplingParams  # noqa: E402
 from kvctl.daemon.server.calls import Principal  # noqa: E402
 
-from .daemon_fixtures import USER_TOKEN, apps, blocks_all_back, call, start_service, token_table  # noqa: E402
+from .daemon_fixtures import (USER_TOKEN, apps, blocks_all_back, call, settled, start_service,  # noqa: E402
+                              token_table)
 
 
 def test_tenants_take_their_places_in_the_queue_and_a_request_may_defer_itself(tmp_path):
@@ -55,6 +56,46 @@ def test_tenants_take_their_places_in_the_queue_and_a_request_may_defer_itself(t
         service.shutdown(1)
 
 
+def test_under_priority_lpm_the_places_hold_and_each_place_goes_by_its_longest_cached_prefix(tmp_path):
+    """acme at -5: its request goes first; then globex's, the one opening with the cached prompt
+    first though it came last; `kvctl requests` names the order, and a router is told what waits by
+    place and blocks held. The priority eviction policy and tenant_priorities take this order too."""
+    service = start_service(tmp_path, num_blocks=64, queue_order="priority+lpm", tenant_priorities="acme=-5",
+                            eviction="priority")
+    try:
+        engine, unix = service.engine, apps(service, token_table(tmp_path))[0]
+        shared = list(range(1, 33))  # two blocks, cached for globex
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+        def submit(tenant: str, prompt_ids: list[int]):
+            who = Principal(tenant, "user", tenant)
+            return service.submit_nowait([prompt_ids], params, who, lambda event: None,
+                                         service.queue_priority(tenant, 0)).result(timeout=30)[0]
+
+        warm = submit("globex", shared + [40])
+        settled(lambda: warm.finished, bool)
+        with service.lock:
+            engine.admission_paused = True  # everything waits, so the queue's order shows
+        asked = [("globex", list(range(100, 140))), ("acme", list(range(150, 190))), ("globex", shared + [41, 42])]
+        requests = [submit(tenant, prompt_ids) for tenant, prompt_ids in asked]
+        rows = call(unix, "GET", "/admin/requests").json()
+        assert rows["queue_order"] == "priority+lpm"
+        place = {row["request_id"]: row["queue_position"] for row in rows["requests"]}
+        assert [place[r.request_id] for r in requests] == [3, 1, 2]
+        facts = call(unix, "POST", "/admin/route-facts", json={"tokens": shared + [43], "tenant": "globex"}).json()
+        assert facts["priority_lpm_waiting"] == [[-5, 0, 40], [0, 2, 2], [0, 0, 40]]
+        assert facts["tenant_places"] == {"acme": -5} and facts["tokens_ahead"] == 40 + 2
+        with service.lock:
+            engine.admission_paused = False
+            service.lock.notify_all()
+        for request in requests:
+            settled(lambda: request.finished, bool, timeout=30)
+        first, second, third = (requests[i].metrics.admitted for i in (1, 2, 0))  # in the pass's order
+        assert first < second < third and blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
 def test_a_request_may_not_jump_its_tenant_s_place_nor_ask_a_fifo_queue_for_one(tmp_path):
     service = start_service(tmp_path, num_blocks=64, queue_order="priority")
     fifo = start_service(tmp_path / "fifo", num_blocks=64)
@@ -80,7 +121,7 @@ def test_a_request_may_not_jump_its_tenant_s_place_nor_ask_a_fifo_queue_for_one(
                            json={"prompt": "x", "max_tokens": 1, "priority": 2})
             assert refused.status_code == 400 and refused.json()["error"]["message"] == (
                 "priority: 2 asks for a place in the queue, but kvd serves its queue the longest cached prefix "
-                "first (queue_order: lpm; queue_order: priority orders it)")
+                "first (queue_order: lpm; queue_order: priority or priority+lpm orders it)")
             assert call(lpm_tcp, "POST", "/v1/completions", headers=auth,
                         json={"prompt": "x", "max_tokens": 1}).status_code == 200
         finally:

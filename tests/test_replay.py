@@ -416,6 +416,50 @@ def test_a_router_sees_the_wait_a_priority_queue_would_give_each_tenant(order, w
         pytest.approx(wait) for wait in waits)
 
 
+# one slot: noisy's r0 holds it until 4 s; then noisy's r1 (nobody's prompt), r2 (opening with r0's
+# first block, deferring itself by 5) and r3 (the same opening), and quiet's r4 (nobody's) queue; quiet at -10
+MIXED_TRACE = [TraceRequest(0.0, 1024, 4, (1, 10), "noisy"), TraceRequest(1000.0, 1024, 1, (2, 20), "noisy"),
+               TraceRequest(1500.0, 1024, 1, (1, 12), "noisy", priority=5),
+               TraceRequest(2500.0, 1024, 1, (1, 11), "noisy"), TraceRequest(3000.0, 1024, 1, (3, 30), "quiet")]
+MIXED_PLACES = (("quiet", -10),)
+
+
+@pytest.mark.parametrize("order, ttft", [
+    ("fifo", [0.0, 3.0, 3.5, 3.5, 4.0]),  # r1 at 4 s, r2 at 5, r3 at 6, r4 at 7
+    ("priority", [0.0, 1.0, 4.0, 3.5, 5.5]),  # r4, r1, r3, r2
+    ("lpm", [0.0, 2.5, 2.5, 5.0, 4.0]),  # r2 and r3 (a cached block), then r1, r4
+    ("priority+lpm", [0.0, 1.0, 2.5, 5.0, 5.5]),  # r4 (quiet's place), r3 (place 0, cached), r1, r2 (place 5)
+])
+def test_priority_lpm_replays_each_place_by_its_longest_cached_prefix_as_kvd_orders_its_queue(order, ttft):
+    from kvctl.daemon.replay.simulator import ReplicaRun
+
+    keyer = TraceKeyer(512)
+    keys = [keyer.keys(r) for r in MIXED_TRACE]
+    settings = ReplaySettings(block_size=512, capacity_tokens=8192, queue_order=order, tenant_priorities=MIXED_PLACES,
+                              **ONE_SLOT)
+    replica = ReplicaRun(settings, MIXED_TRACE, keys, max_hit_blocks(MIXED_TRACE, keys, 512))
+    replica.run_concurrent(lambda _n: None)
+    assert replica.ttft == [pytest.approx(t, abs=1e-6) for t in ttft]  # in the order they started
+    result = run(MIXED_TRACE, 512, 8192, queue_order=order, tenant_priorities=MIXED_PLACES, **ONE_SLOT)
+    assert result.policy == "lru" + {"fifo": "", "priority": "+prio", "lpm": "+lpm", "priority+lpm": "+prio+lpm"}[order]
+
+
+def test_a_router_sees_the_wait_priority_lpm_would_give_each_tenant_s_prompt():
+    """At 3 s in MIXED_TRACE, r0 has 1 s left and r1 to r4 wait (1 s of work each). Under priority+lpm a
+    noisy prompt opening with r0's first block waits for r0, quiet's r4 and r3 (as many blocks at its
+    place); one holding nothing, for r1 too; a quiet one for r0 and r4; a noisy one opening with that
+    block and deferring itself by 5, for all (r2 holds as much at its place, and came first)."""
+    from kvctl.daemon.replay.fleet import _facts
+
+    trace = MIXED_TRACE + [TraceRequest(3000.0, 1024, 1, ids, tenant, priority=deferral) for ids, tenant, deferral in (
+        ((1, 13), "noisy", 0), ((4, 40), "noisy", 0), ((5, 50), "quiet", 0), ((1, 14), "noisy", 5))]
+    replica = replica_after(trace, 5, ReplaySettings(block_size=512, capacity_tokens=8192, queue_order="priority+lpm",
+                                                     tenant_priorities=MIXED_PLACES, **ONE_SLOT))
+    assert list(replica.waiting) == [1, 2, 3, 4]
+    assert tuple(_facts(replica, index, "replica-0", 512).wait_seconds for index in range(5, 9)) == tuple(
+        pytest.approx(wait) for wait in (3.0, 4.0, 2.0, 5.0))
+
+
 def test_a_fleet_of_one_is_the_single_replica_replay():
     trace = generate_trace(120, seed=3)
     one = fleet(trace, 1, "prefix", block_size=64, capacity_tokens=65_536)

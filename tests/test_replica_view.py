@@ -155,6 +155,24 @@ def test_a_replica_with_a_priority_queue_is_waited_for_less_by_a_request_of_a_be
     assert view.facts(0, in_flight=0, tenant="acme").wait_seconds == pytest.approx(0.1 + 0.5)
 
 
+def test_under_priority_lpm_a_request_waits_for_better_places_and_its_own_place_s_longer_prefixes():
+    """Its load answer (1,000 tokens ahead, 0.5 s) says what waits by place and blocks held: at -10,
+    100 tokens that go first whatever a newcomer holds (past lpm's patience) and 100 holding 1 block;
+    at 0, 200 holding 2 and 300 holding none; at 5, 300. What waits at a worse place, or at its own
+    holding fewer blocks than the prompt, starts after it."""
+    view = ReplicaView()
+    view.reset(snapshot([]))
+    view.note_load({**LOAD, "priority_lpm_waiting": [[-10, None, 100], [-10, 1, 100], [0, 2, 200], [0, 0, 300],
+                                                     [5, None, 300]],
+                    "tenant_places": {"acme": -10, "batch": 5}}, asked_at=10.0)
+    waits = {(tenant, cached): view.facts(cached, in_flight=0, tenant=tenant).wait_seconds
+             for tenant, cached in (("acme", 0), ("acme", 8), ("globex", 0), ("globex", 12), ("batch", 12),
+                                    (None, 12))}
+    assert waits == {("acme", 0): pytest.approx(0.1), ("acme", 8): pytest.approx(0.05),
+                     ("globex", 0): pytest.approx(0.35), ("globex", 12): pytest.approx(0.1), ("batch", 12): 0.5,
+                     (None, 12): 0.5}
+
+
 def test_a_request_that_defers_itself_waits_for_the_work_up_to_its_own_place():
     """The same load: an acme request (at -10) deferring itself by 5 waits at -5, still for the 200
     alone; by 10, at 0, for the 300 too (it arrived later); by 20, at 10, for all. Another tenant's

@@ -40,8 +40,8 @@ from kvctl.daemon.cache import CacheFull, KVCacheManager, Namespace, PrefixHashe
 from kvctl.daemon.cache.events import EventLog
 from kvctl.kernels import cache_dtype, copy_blocks, copy_blocks_ref
 from kvctl.policies.admission import Verdict, pinned_out_reason, tenant_limit_reason
-from kvctl.policies.queue_order import (LPM_MAX_WAITING, check_queue_order, longest_prefix_first, lpm_patience,
-                                       tried_before)
+from kvctl.policies.queue_order import (LPM_MAX_WAITING, by_prefix, by_priority, check_queue_order, goes_before,
+                                       longest_prefix_first, lpm_patience)
 from kvctl.policies.reservation import parse_reservation
 from kvctl.policies.speculation import NgramSpeculation
 from kvctl.policies.tenant_map import any_queue_wait
@@ -90,7 +90,7 @@ class EngineSettings:
     reservation: str = "fraction:1.0"  # output reservation policy (see policies.reservation)
     eviction: str = "lru"
     # or "priority": higher priority first, FIFO within a priority; or "lpm": the longest cached prefix
-    # first (policies.queue_order)
+    # first; or "priority+lpm": lpm's order within each priority (policies.queue_order)
     queue_order: str = "fifo"
     cache_dtype: str = "auto"  # auto (the model's), fp8_e4m3, fp8_e5m2 or int8
     keep_layers: tuple[int, ...] = ()  # layers whose cache stays in the model dtype
@@ -618,10 +618,12 @@ class Engine:
         tokens the device cache holds: what `kvctl requests` shows of the queue. Call under the
         service lock."""
         work = [(seq, hits) for seq, hits, _ in self._waiting_work()]
-        if self.settings.queue_order != "lpm":
+        if not by_prefix(self.settings.queue_order):
             return work
         now = self.clock()
-        return longest_prefix_first(work, lambda item: item[1], lambda item: self._lpm_overdue(item[0], now))
+        return longest_prefix_first(work, lambda item: item[1], lambda item: self._lpm_overdue(item[0], now),
+                                    place=lambda item: -item[0].request.priority
+                                    if by_priority(self.settings.queue_order) else 0)
 
     def tokens_ahead(self, cached_blocks: int | None = None,
                      work: list[tuple[Sequence, int, int]] | None = None, priority: int | None = None) -> int:
@@ -630,19 +632,20 @@ class Engine:
         if already taken). Under queue_order lpm, for a prompt whose first `cached_blocks` blocks
         the cache holds: only the waiting requests lpm would try first (those holding as many
         blocks or more, and those past its patience). Under queue_order priority, for a request of
-        engine `priority` (higher first): only the waiting requests of that priority or higher."""
+        engine `priority` (higher first): only the waiting requests of that priority or higher.
+        Under priority+lpm, both: those of a higher priority, and of its own those lpm tries first."""
         ahead = sum(max(s.prefill_target - s.num_computed, 0) for s in self._running.values()
                     if s.status is SeqStatus.PREFILL)
         work = self._waiting_work() if work is None else work
-        ordered = cached_blocks is not None and self.settings.queue_order == "lpm" and len(work) <= LPM_MAX_WAITING
-        ranked = priority is not None and self.settings.queue_order == "priority"
+        order = self.settings.queue_order
+        blocks = cached_blocks if cached_blocks is not None and by_prefix(order) and len(work) <= LPM_MAX_WAITING \
+            else None
+        newcomer_place = -priority if priority is not None and by_priority(order) else None
         now = self.clock()
         for seq, hits, missing in work:
-            if ordered and not tried_before(hits, self._lpm_overdue(seq, now), cached_blocks):
-                continue  # lpm tries the newcomer first
-            if ranked and seq.request.priority < priority:
-                continue  # a lower place: it goes after the newcomer
-            ahead += missing
+            if goes_before(-seq.request.priority, newcomer_place, lambda: hits, lambda: self._lpm_overdue(seq, now),
+                           blocks):
+                ahead += missing
         return ahead
 
     def priority_waiting(self, work: list[tuple[Sequence, int, int]] | None = None) -> list[list[int]] | None:
@@ -652,13 +655,35 @@ class Engine:
         of worse places off the wait it reported for one at the worst (ReplicaView.facts). None
         otherwise. `work`: as for `tokens_ahead`."""
         if self.settings.queue_order != "priority":
-            return None
+            return None  # (priority+lpm: priority_lpm_waiting)
         work = self._waiting_work() if work is None else work
         by_place: dict[int, int] = {}
         for seq, _, missing in work:
             place = -seq.request.priority
             by_place[place] = by_place.get(place, 0) + missing
         return [[place, by_place[place]] for place in sorted(by_place)]
+
+    def priority_lpm_waiting(self, work: list[tuple[Sequence, int, int]] | None = None) -> list[list] | None:
+        """Under queue_order priority+lpm: the uncached prompt tokens of the waiting requests by their
+        place and the cached blocks each holds, [[place, blocks, tokens], ...], blocks None for those
+        that go first at their place whatever a newcomer holds (past lpm's patience, or preempted; all
+        of them beyond LPM_MAX_WAITING, where each place keeps its arrival order). A router that knows
+        a request's place and its prompt's cached blocks takes off the wait it was told what waits at
+        a worse place, or at its own holding fewer blocks (ReplicaView.facts). None otherwise."""
+        if self.settings.queue_order != "priority+lpm":
+            return None
+        work = self._waiting_work() if work is None else work
+        ordered, now = len(work) <= LPM_MAX_WAITING, self.clock()
+        grouped: dict[tuple, int] = {}
+        for seq, hits, missing in work:
+            held = hits if ordered and not self._lpm_overdue(seq, now) else None
+            key = (-seq.request.priority, held)
+            grouped[key] = grouped.get(key, 0) + missing
+        def rank(key: tuple) -> tuple:  # by place; at one place those that go first, then the most blocks first
+            place, held = key
+            return place, held is not None, -(held or 0)
+
+        return [[place, held, grouped[place, held]] for place, held in sorted(grouped, key=rank)]
 
     def lpm_waiting(self, work: list[tuple[Sequence, int, int]] | None = None) -> list[list[int]] | None:
         """Under queue_order lpm (up to LPM_MAX_WAITING waiting): the uncached prompt tokens of the
@@ -719,7 +744,8 @@ class Engine:
         `tokens_ahead`), the measured prefill rate (None until measured), and the longest wait
         allowed (`tenant`'s, else max_queue_wait; None: no limit), with the tenants' own limits
         (`tenant_queue_waits`) where some have them; under queue_order lpm, `lpm_waiting` too,
-        and under priority, `priority_waiting`. Call under the service lock."""
+        under priority, `priority_waiting`, and under priority+lpm, `priority_lpm_waiting`. Call under
+        the service lock."""
         work = self._waiting_work()  # (one lookup per waiting request, for every figure)
         waiting = [seq for seq, _, _ in work]
         now = self.clock()
@@ -734,11 +760,13 @@ class Engine:
                                               self.queue_wait_limit(tenant)) or None}
         if self.settings.tenant_queue_waits:  # (seconds; 0: none) for a router's view of each tenant's limit
             figures["tenant_queue_waits"] = dict(self.settings.tenant_queue_waits)
-        lpm, ranked = self.lpm_waiting(work), self.priority_waiting(work)
+        lpm, ranked, both = self.lpm_waiting(work), self.priority_waiting(work), self.priority_lpm_waiting(work)
         if lpm is not None:
             figures["lpm_waiting"] = lpm
         if ranked is not None:
             figures["priority_waiting"] = ranked
+        if both is not None:
+            figures["priority_lpm_waiting"] = both
         return figures
 
     def has_work(self) -> bool:
@@ -752,7 +780,7 @@ class Engine:
         return len({s.request.request_id for _, s in self._waiting if s.status is SeqStatus.WAITING})
 
     def _rank(self, seq: Sequence) -> tuple:
-        priority = seq.request.priority if self.settings.queue_order == "priority" else 0
+        priority = seq.request.priority if by_priority(self.settings.queue_order) else 0
         return (-priority, seq.request.order, seq.index)
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -916,13 +944,15 @@ class Engine:
 
     def _admission_order(self) -> list[tuple[tuple, Sequence]]:
         """The waiting entries in the order an admission pass tries them: queue order, or under
-        queue_order lpm the longest cached prefix first (policies.queue_order)."""
+        queue_order lpm the longest cached prefix first, and under priority+lpm so within each
+        priority (policies.queue_order)."""
         entries = sorted(e for e in self._waiting if e[1].status is SeqStatus.WAITING)
-        if self.settings.queue_order != "lpm" or len(self._running) >= self.settings.max_running:
+        if not by_prefix(self.settings.queue_order) or len(self._running) >= self.settings.max_running:
             return entries  # (a full batch admits none: no lookups)
         now = self.clock()
         return longest_prefix_first(entries, lambda entry: self._cached_blocks(entry[1]),
-                                    lambda entry: self._lpm_overdue(entry[1], now))
+                                    lambda entry: self._lpm_overdue(entry[1], now),
+                                    place=lambda entry: entry[0][0])  # (-priority under priority+lpm, else 0)
 
     def _lpm_overdue(self, seq: Sequence, now: float) -> bool:
         """Whether lpm puts `seq` first, whatever the others hold: it has waited its patience

@@ -16,7 +16,8 @@ not their context lengths. `kvctl bench replay --rates-from-trace` fits c from k
 (service_rates.py). Either way, at most `max_running` requests at once and an admission queue of at
 most `max_queue` waiting requests, first come first served; with `queue_order`
 priority by the tenants' `tenant_priorities` (lower first), or with lpm the longest
-cached prefix first, as kvd's (policies.queue_order).
+cached prefix first, or with priority+lpm lpm's order within each place, as kvd's
+(policies.queue_order).
 A request that does not fit waits for a finish; one that can never fit, or
 that finds the queue full, is rejected, and so is one that waits
 `max_queue_wait` seconds without starting (kvd's queue_timeout), where that is set, or its
@@ -67,13 +68,14 @@ from kvctl.daemon.cache.keys import BlockKey
 from kvctl.daemon.cache.manager import KVCacheManager
 from kvctl.daemon.stats import percentile
 from kvctl.policies.admission import blocks_for_tokens
-from kvctl.policies.queue_order import LPM_MAX_WAITING, longest_prefix_first, lpm_patience, tried_before
+from kvctl.policies.queue_order import (LPM_MAX_WAITING, by_prefix, by_priority, goes_before, longest_prefix_first,
+                                       lpm_patience)
 from kvctl.policies.reservation import parse_reservation
 
 from .trace import TraceRequest, own_output_keys
 
 
-QUEUE_ORDER_LABELS = {"fifo": "", "priority": "+prio", "lpm": "+lpm"}  # as policy_label marks each
+QUEUE_ORDER_LABELS = {"fifo": "", "priority": "+prio", "lpm": "+lpm", "priority+lpm": "+prio+lpm"}  # policy_label's
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +105,8 @@ class ReplaySettings:
     tier_tokens: int = 0  # a lower tier under the device of this many tokens (LRU); 0: none
     restore_rate: float = 200_000.0  # tokens a second restored from it (service model)
     tier_write: str = "write_back"  # or write_through, write_through_selective: kvd's write_policy names
-    # or "priority" (by tenant_priorities) or "lpm" (the longest cached prefix first), as kvd's queue_order
+    # or "priority" (by tenant_priorities) or "lpm" (the longest cached prefix first) or "priority+lpm",
+    # as kvd's queue_order
     queue_order: str = "fifo"
 
     @property
@@ -447,19 +450,20 @@ class ReplicaRun:
         and nobody queues; else the work ahead of it (what the running requests have left, and
         the queue's estimates) shared by the slots. Under queue_order lpm, for a prompt holding
         `held_blocks`: only the waiting requests lpm would try first; under priority, for a
-        request of `tenant` deferring itself by `priority`: only those at its place or a better one,
-        as kvd's route-facts count."""
+        request of `tenant` deferring itself by `priority`: only those at its place or a better one;
+        under priority+lpm, those at a better place and those lpm tries first at its own; as kvd's
+        route-facts count (policies.queue_order.goes_before)."""
         if len(self.running) < self.settings.max_running and not self.waiting:
             return 0.0
         left = sum(done for done, _ in self.running) - len(self.running) * self.now
-        queued = self.queued_seconds
-        if tenant is not None and self.settings.queue_order == "priority":
-            place = self.place(tenant) + priority
-            queued = sum(self.queued_work[w] for w in self.waiting if self.request_place(w) <= place)
-        if held_blocks is not None and self.settings.queue_order == "lpm" and len(self.waiting) <= LPM_MAX_WAITING:
+        queued, order = self.queued_seconds, self.settings.queue_order
+        place = self.place(tenant) + priority if tenant is not None and by_priority(order) else None
+        blocks = held_blocks if by_prefix(order) and len(self.waiting) <= LPM_MAX_WAITING else None
+        if place is not None or blocks is not None:
             lookup, keys, requests, overdue = self.manager.lookup, self.keys, self.requests, self.lpm_overdue
-            queued = sum(self.queued_work[w] for w in self.waiting if tried_before(
-                lookup(keys[w], requests[w].input_length), overdue(w), held_blocks))
+            queued = sum(self.queued_work[w] for w in self.waiting if goes_before(
+                self.request_place(w) if place is not None else 0, place,
+                lambda w=w: lookup(keys[w], requests[w].input_length), lambda w=w: overdue(w), blocks))
         return (left + queued) / self.settings.max_running
 
     def queue_wait_limit(self, tenant: str | None) -> float:
@@ -640,7 +644,7 @@ class ReplicaRun:
     def _rank(self, index: int) -> tuple[int, int]:
         """kvd's order of a request (the larger, the later): under queue_order priority its
         tenant's place first; then its arrival here. Preemption takes the last."""
-        place = self.request_place(index) if self.settings.queue_order == "priority" else 0
+        place = self.request_place(index) if by_priority(self.settings.queue_order) else 0
         return place, self.orders[index]
 
     def preempt(self, index: int) -> None:
@@ -702,16 +706,17 @@ class ReplicaRun:
         """The waiting requests in the order of queue_order: under priority, by their places (their
         tenants' priorities, deferred by their own; lower first), in arrival order within one, as
         kvd's; under lpm,
-        `longest_prefix_first` (what the device holds of each prompt, and how long each has waited).
-        None for arrival order (fifo, or a queue past LPM_MAX_WAITING, where lpm keeps it too)."""
+        `longest_prefix_first` (what the device holds of each prompt, and how long each has waited);
+        under priority+lpm, that within each place. None for arrival order (fifo, or a queue past
+        LPM_MAX_WAITING, where lpm keeps it too; priority+lpm keeps priority's)."""
         waiting, order = self.waiting, self.settings.queue_order
-        if order == "priority" and len(waiting) > 1:
-            return iter(sorted(waiting, key=self.request_place))
-        if order != "lpm" or len(waiting) < 2 or len(waiting) > LPM_MAX_WAITING:
+        if len(waiting) < 2 or order == "fifo":
             return None
+        if not by_prefix(order) or len(waiting) > LPM_MAX_WAITING:
+            return iter(sorted(waiting, key=self.request_place)) if by_priority(order) else None
         lookup, keys, requests = self.manager.lookup, self.keys, self.requests
         return iter(longest_prefix_first(waiting, lambda i: lookup(keys[i], requests[i].input_length),
-                                         self.lpm_overdue))
+                                         self.lpm_overdue, place=self.request_place if by_priority(order) else None))
 
     def place(self, tenant: str | None) -> int:
         """A tenant's place in a priority queue (tenant_priorities; lower first, 0 for one not named);

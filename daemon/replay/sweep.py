@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Sequence
 from kvctl.policies.eviction import EVICTION_POLICIES
 from kvctl.policies.tiering import WRITE_POLICIES
 from kvctl.policies.reservation import parse_reservation
-from kvctl.policies.queue_order import check_queue_order
+from kvctl.policies.queue_order import QUEUE_ORDERS, by_priority, check_queue_order
 from kvctl.policies.routing import ROUTING_POLICIES, check_queue_limits, make_router
 
 from .fleet import (RECORDED, FleetResult, check_queue_waits, check_speeds, limit_choices, placement_figures,
@@ -49,13 +49,14 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
     if not base.restore_rate > 0:
         raise ValueError(f"restore_rate: must be > 0, got {base.restore_rate!r}")
     if not queue_orders:
-        raise ValueError("queue_order: give fifo, priority, lpm, or several to compare")
+        raise ValueError("queue_order: give fifo, priority, lpm, priority+lpm, or several to compare")
     for order in queue_orders:
         check_queue_order(order, REPLAY_QUEUE_ORDERS)
         if base.sequential and order != "fifo":
             raise ValueError(f"queue_order: {order} orders a queue, and --sequential has none (one request at a time)")
-    if "priority" in queue_orders and not base.tenant_priorities and trace_priorities is False:
-        raise ValueError("queue_order: priority orders the queue by the tenants' priorities and the requests' "
+    ranked = next((order for order in queue_orders if by_priority(order)), None)
+    if ranked and not base.tenant_priorities and trace_priorities is False:
+        raise ValueError(f"queue_order: {ranked} orders the queue by the tenants' priorities and the requests' "
                          "own; give the tenants' (--tenant-priorities, e.g. quiet=-10), or a trace whose lines "
                          "carry priorities")
     if replicas > 1:
@@ -115,7 +116,7 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
 
 
 # the replay's queue orders: kvd's (priority: by tenant_priorities; a trace's requests carry none of their own)
-REPLAY_QUEUE_ORDERS = ("fifo", "priority", "lpm")
+REPLAY_QUEUE_ORDERS = QUEUE_ORDERS  # (every order kvd has)
 
 
 def _grid(requests: Sequence[TraceRequest], block_sizes: Sequence[int], capacities: Sequence[int],

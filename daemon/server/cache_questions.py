@@ -10,6 +10,7 @@ import time
 from kvctl.daemon.cache import PrefixHasher, chain_keys
 from kvctl.daemon.cache.events import KeyPrefix
 from kvctl.daemon.engine.engine import Engine
+from kvctl.policies.queue_order import by_priority
 from kvctl.policies.tiering import restore_seconds
 
 REMOVAL_WORDS = {"capacity": "to make room", "tenant_share": "to make room, its tenant holding more idle blocks than "
@@ -39,8 +40,8 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "", r
     size = engine.settings.block_size
     # a prompt's wait under a priority queue, and its queue wait limit, are its tenant's; with none
     # (a router's load poll), the wait of the last place and max_queue_wait, which a router's view
-    # makes each tenant's by `priority_waiting` and `tenant_queue_waits`
-    ranked = engine.settings.queue_order == "priority"
+    # makes each tenant's by `priority_waiting` (`priority_lpm_waiting`) and `tenant_queue_waits`
+    ranked = by_priority(engine.settings.queue_order)
     place = service.queue_priority(tenant, requested)  # (checked whatever the order: kvd would refuse it)
     priority = place if ranked and token_ids else None
     with service.lock:

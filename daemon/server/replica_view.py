@@ -169,16 +169,22 @@ class ReplicaView:
         by priority says what waits there by place (`priority_waiting`) and each tenant's place
         (`tenant_places`, 0 for one not named): what waits at a worse place than `tenant`'s (as
         the replica serves it), moved back by the request's own `priority` (vLLM's: it may defer
-        itself), would start after this request. Where tenants have queue wait
+        itself), would start after this request. One whose queue goes by priority and, within a
+        place, by the longest cached prefix (priority+lpm) says both at once (`priority_lpm_waiting`):
+        what waits at a worse place, or at this one holding fewer blocks than this prompt, would
+        start after it. Where tenants have queue wait
         limits of their own (`tenant_queue_waits`), `tenant`'s is the limit weighed."""
         polled = facts_from_answer({**self.load, "cached_tokens": cached_tokens}, in_flight)
         rate = polled.prefill_rate
         extra = sum(n for _, n in self.sent_since)
         blocks = cached_tokens // self.block_size if self.block_size else 0
         after = sum(tokens for held, tokens in self.load.get("lpm_waiting") or () if held < blocks)
+        place = (self.load.get("tenant_places") or {}).get(tenant, 0) + priority
         if self.load.get("priority_waiting") and tenant is not None:
-            place = (self.load.get("tenant_places") or {}).get(tenant, 0) + priority
             after += sum(tokens for waits_at, tokens in self.load["priority_waiting"] if waits_at > place)
+        if self.load.get("priority_lpm_waiting") and tenant is not None:
+            after += sum(tokens for waits_at, held, tokens in self.load["priority_lpm_waiting"]
+                         if waits_at > place or (waits_at == place and held is not None and held < blocks))
         wait = max(polled.wait_seconds - (after / rate if rate else 0.0), 0.0) + (extra / rate if rate else 0.0)
         limit = polled.max_wait_seconds
         own = self.load.get("tenant_queue_waits") or {}

@@ -40,6 +40,7 @@ from kvctl.daemon.model.llama import LoadedModel, load_model
 from kvctl.daemon.model.lora import load_adapters, warn_if_kv_changes
 from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
+from kvctl.policies.queue_order import by_priority
 
 from . import lora_ops, pin_ops, reasoning, reload_ops, response_admin, tier_ops, tool_calls, weights_ops
 from .admin_slots import WriteSlots
@@ -582,11 +583,11 @@ class EngineService:
         positive priority) but never jump ahead of its tenant's place, which the operator sets
         (`tenant_priorities`); with a FIFO queue it may ask nothing. ServiceError names the field."""
         requested = requested or 0
-        if requested and self.config.queue_order != "priority":
+        if requested and not by_priority(self.config.queue_order):
             serves = ("first come, first served (queue_order: fifo" if self.config.queue_order == "fifo" else
                       "the longest cached prefix first (queue_order: lpm")
             raise ServiceError(400, f"priority: {requested} asks for a place in the queue, but kvd serves its queue "
-                                    f"{serves}; queue_order: priority orders it)", "priority")
+                                    f"{serves}; queue_order: priority or priority+lpm orders it)", "priority")
         if requested < 0:
             raise ServiceError(400, f"priority: {requested} would jump ahead of its tenant's place; a request may "
                                     "only defer itself (0 or more, lower runs first, as vLLM orders it); the "
