@@ -265,6 +265,29 @@ def test_priority_queue_admits_higher_priority_first(demo):
     engine.run_until_done()
 
 
+SHARED = list(range(1, 33))  # two blocks
+ONCE = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def hold_the_slot_over_a_cached_prefix(engine) -> None:
+    """Cache SHARED (a prompt of it, run to its end), then start a request that holds the one slot
+    for a few steps: what comes next waits."""
+    engine.add_request(SHARED + [40], ONCE)
+    engine.run_until_done()
+    engine.add_request([50] * 5, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+
+
+def admitted_in_turn(engine, clock, waiting: dict) -> list[str]:
+    """Step `engine` to its end, 10 ms a step: the names of `waiting`'s requests in the order they went in."""
+    seen = []
+    while engine.has_work():
+        engine.step()
+        clock.advance(0.01)
+        seen += [name for name, r in waiting.items() if r.metrics.admitted is not None and name not in seen]
+    return seen
+
+
 @pytest.mark.parametrize("order, gap, max_queue_wait, admitted", [
     ("fifo", 0.0, 0.0, ["B", "C", "D"]),
     ("lpm", 0.0, 0.0, ["C", "B", "D"]),  # C's prompt opens with two cached blocks
@@ -280,12 +303,8 @@ def test_lpm_admits_the_longest_cached_prefix_first_until_a_request_has_waited_i
     clock = FakeClock(100.0)
     engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, queue_order=order,
                                          max_queue_wait=max_queue_wait), clock=clock)
-    shared = list(range(1, 33))  # two blocks
-    once = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.add_request(shared + [40], once)
-    engine.run_until_done()
-    engine.add_request([50] * 5, SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.step()  # it holds the slot
+    shared, once = SHARED, ONCE
+    hold_the_slot_over_a_cached_prefix(engine)
     waiting = {"B": engine.add_request(list(range(100, 140)), once)}
     clock.advance(gap)
     waiting |= {"C": engine.add_request(shared + [41, 42], once), "D": engine.add_request(list(range(150, 190)), once)}
@@ -293,11 +312,7 @@ def test_lpm_admits_the_longest_cached_prefix_first_until_a_request_has_waited_i
     # what `kvctl requests` shows of the queue: the order the next pass tries, and the blocks each holds
     assert [(names[id(seq.request)], hits) for seq, hits in engine.admission_queue()] == [
         (name, 2 if name == "C" else 0) for name in admitted]
-    seen = []
-    while engine.has_work():
-        engine.step()
-        clock.advance(0.01)
-        seen += [name for name, r in waiting.items() if r.metrics.admitted is not None and name not in seen]
+    seen = admitted_in_turn(engine, clock, waiting)
     assert seen == admitted
     assert engine.stats.admitted_ahead == (1 if admitted[0] == "C" else 0)  # C, while B waited
     assert [waiting[name].metrics.passed_over for name in "BCD"] == ([1, 0, 0] if admitted[0] == "C" else [0, 0, 0])
@@ -312,12 +327,8 @@ def test_the_work_ahead_of_a_prompt_counts_what_lpm_would_try_first(demo, order)
     the requests holding as many cached blocks as it does, until they have waited 30 s."""
     clock = FakeClock(100.0)
     engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, queue_order=order), clock=clock)
-    shared = list(range(1, 33))
-    once = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.add_request(shared + [40], once)
-    engine.run_until_done()
-    engine.add_request([50] * 5, SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.step()  # it holds the slot, its prompt computed
+    shared, once = SHARED, ONCE
+    hold_the_slot_over_a_cached_prefix(engine)  # its prompt computed
     for prompt_ids in (list(range(100, 140)), shared + [41, 42], list(range(150, 190))):
         engine.add_request(prompt_ids, once)
     ahead = {cached: engine.tokens_ahead(cached) for cached in (None, 0, 1, 2, 3)}
@@ -364,12 +375,8 @@ def test_priority_lpm_orders_by_place_then_by_cached_prefix_within_one(demo, ord
     clock = FakeClock(100.0)
     engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, max_running=1, queue_order=order),
                     clock=clock)
-    shared = list(range(1, 33))  # two blocks
-    once = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.add_request(shared + [40], once)
-    engine.run_until_done()
-    engine.add_request([50] * 5, SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.step()  # it holds the slot
+    shared, once = SHARED, ONCE
+    hold_the_slot_over_a_cached_prefix(engine)
     ranked = order in ("priority", "priority+lpm")
     waiting = {name: engine.add_request(prompt_ids, once, priority=priority if ranked else 0)
                for name, prompt_ids, priority in (("B", list(range(100, 140)), 0), ("L", shared + [43, 44], -5),
@@ -390,11 +397,7 @@ def test_priority_lpm_orders_by_place_then_by_cached_prefix_within_one(demo, ord
         assert engine.tokens_ahead(2, priority=0) == 40 + 42
         assert [names[id(seq.request)] for seq, _ in engine.admission_queue()] == ["H", "B", "C", "L"]
         clock.advance(-30.0)
-    seen = []
-    while engine.has_work():
-        engine.step()
-        clock.advance(0.01)
-        seen += [name for name, r in waiting.items() if r.metrics.admitted is not None and name not in seen]
+    seen = admitted_in_turn(engine, clock, waiting)
     assert seen == admitted
 
 

@@ -679,6 +679,7 @@ class Engine:
             held = hits if ordered and not self._lpm_overdue(seq, now) else None
             key = (-seq.request.priority, held)
             grouped[key] = grouped.get(key, 0) + missing
+
         def rank(key: tuple) -> tuple:  # by place; at one place those that go first, then the most blocks first
             place, held = key
             return place, held is not None, -(held or 0)
