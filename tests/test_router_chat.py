@@ -157,3 +157,39 @@ def test_kvctl_route_takes_a_chat_and_finds_its_home_as_the_router_does(replicas
     assert [r["prompt_tokens"] for r in doc["replicas"]] == [rendered] * 2 and rendered > 300
     assert doc["routes"]["prefix"]["reason"] == "no replica caches its prefix: its home (the first by its hash " \
                                                  "within the load bound)"
+
+
+@pytest.mark.parametrize("view", ["events", "ask"])
+def test_a_chat_s_next_turn_through_the_router_hits_the_reply_the_replica_keeps_the_ids_of(replicas, view):
+    """The replica that answered keeps the reply's ids (reply_ids.py) and prompts the next turn with
+    them: it caches the first prompt and the reply (less its last token). In the ask view the router
+    counts that, as the replica renders the chat; in the events view it renders the chat itself and
+    reads the reply as text, so it counts only up to where the text reads otherwise. Either way the
+    turn goes where its conversation is."""
+    system = f"[{view}] A conversation that goes on past its first reply. " * 4
+    service, app = router_app(replicas, "prefix", view=view)
+    sampled = {"max_tokens": 40, "temperature": 1.0, "seed": 3}
+    turns = []
+
+    async def first(client):
+        turns.append(await client.post("/v1/chat/completions", json={"messages": talk(system, "Q1?"), **sampled}))
+        return turns[-1]
+
+    async def settled(client):
+        if view == "events":
+            await until_followed(service, (0, 1), settled=True)
+
+    async def second(client):
+        reply = turns[0].json()["choices"][0]["message"]["content"]
+        return await chat(client, talk(system, "Q1?") + [{"role": "assistant", "content": reply},
+                                                          {"role": "user", "content": "And then?"}])
+
+    one, two = (a for a in drive(app, [first, settled, second], service=service if view == "events" else None)
+                if a is not None)
+    assert one.headers["x-kvd-replica"] == two.headers["x-kvd-replica"]  # where the conversation is
+    made = len(one.json()["choices"][0]["token_ids"])
+    assert cached(two) == (one.json()["usage"]["prompt_tokens"] + made - 1) // 16 * 16
+    if view == "ask":
+        assert routed_cached(two) == cached(two)
+    else:
+        assert one.json()["usage"]["prompt_tokens"] // 16 * 16 <= routed_cached(two) < cached(two)
