@@ -270,3 +270,53 @@ def test_a_response_s_next_turn_hits_its_reply(daemon):
     second = call(unix, "POST", "/v1/responses", json={"input": "Why?", "max_output_tokens": 2,
                                                        "previous_response_id": first["id"]}).json()
     assert second["usage"]["input_tokens_details"]["cached_tokens"] == (len(prompt) + made - 1) // BLOCK * BLOCK
+
+
+def test_with_a_disk_tier_the_replies_ids_outlive_a_restart_and_the_next_turn_hits_its_reply(tmp_path):
+    """The disk tier keeps the cache's blocks through a restart, and kvd the replies' ids (written as
+    it stops, read back as it starts): the next turn after the restart hits the first prompt and the
+    reply, restored from disk, as it would have before."""
+    from .daemon_fixtures import call, start_service
+
+    settings = dict(num_blocks=256, disk_cache_bytes="16MiB", tiering="always")
+    service = start_service(tmp_path, **settings)
+    try:
+        from kvctl.daemon.server.app import create_app
+
+        turn, text, made = first_turn(create_app(service, service.metrics, front="unix"), "Before the restart?",
+                                      seed=3)
+        first = rendered(service, turn)
+    finally:
+        service.shutdown(deadline=5)
+    assert (tmp_path / "reply_ids.sqlite3").stat().st_mode & 0o777 == 0o600
+    again = start_service(tmp_path, **settings)
+    try:
+        from kvctl.daemon.server.app import create_app
+
+        assert again.reply_ids.figures()["replies"] == 1
+        second = turn + [{"role": "assistant", "content": text}, {"role": "user", "content": "And after?"}]
+        usage = chat(create_app(again, again.metrics, front="unix"), second, max_tokens=2).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == (len(first) + len(made) - 1) // BLOCK * BLOCK
+        assert again.reply_ids.figures()["spliced"] == 1
+    finally:
+        again.shutdown(deadline=5)
+
+
+def test_the_replies_file_keeps_each_tenant_s_order_and_one_unreadable_is_set_aside(tmp_path, caplog):
+    from kvctl.daemon.server.reply_ids_file import load_reply_ids, save_reply_ids
+
+    replies = ReplyIds(2**20)
+    for tenant, text, ids in (("acme", "a1", [1, 2]), ("globex", "g1", [3]), ("acme", "a2", [2**31 - 1, 0])):
+        replies.remember(tenant, "tok", text, ids)
+    replies.remember("acme", "old-tok", "a3", [9])  # another tokenizer's: not read back under "tok"
+    assert replies.ids_for("acme", "tok", "a1") == [1, 2]  # a1 is now acme's most recently used
+    assert save_reply_ids(replies, tmp_path) == 4
+    back = ReplyIds(2 * (ENTRY_BYTES + 8) + ENTRY_BYTES + 4)  # room for three
+    assert load_reply_ids(back, tmp_path, "tok") == 3
+    assert [(tenant, ids.tolist()) for _, tenant, _, ids in back.kept_in_order()] == [
+        ("acme", [2**31 - 1, 0]), ("acme", [1, 2]), ("globex", [3])]
+    assert back.ids_for("acme", "tok", "a2") == [2**31 - 1, 0] and back.ids_for("acme", "old-tok", "a3") is None
+    (tmp_path / "reply_ids.sqlite3").write_bytes(b"not a database")
+    assert load_reply_ids(ReplyIds(2**20), tmp_path, "tok") == 0
+    assert (tmp_path / "reply_ids.sqlite3.unreadable").is_file() and not (tmp_path / "reply_ids.sqlite3").exists()
+    assert "could not be read" in caplog.text

@@ -13,7 +13,9 @@ In memory, within `reply_ids_bytes`: for room, the least recently used reply of 
 holding the most bytes goes first (policies/kept_state.py), as for the kept responses. A turn
 that finds its reply refreshes it, so a conversation in use keeps its replies; one let go is
 read back as text, as before (the turn misses the reply's blocks, and the turns after it
-follow that prompt). A restart forgets them all.
+follow that prompt). Where the cache outlives the process (a disk or Redis tier), kvd writes them
+to the state directory as it stops and reads them back as it starts (reply_ids_file.py), so a
+conversation's next turn after a restart hits its replies there too.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class ReplyIds(ResizableBudget):
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
         self.used = 0
-        self.entries: dict[str, tuple[str, array]] = {}  # key -> (tenant, ids)
+        self.entries: dict[str, tuple[str, str, array]] = {}  # key -> (tenant, tokenizer, ids)
         self.kept = KeptByTenant()
         self.lock = threading.Lock()
         self.remembered = 0  # replies kept (again, when sent again)
@@ -61,16 +63,36 @@ class ReplyIds(ResizableBudget):
         size = ENTRY_BYTES + 4 * len(ids)
         if not self.keeps or size > self.budget:
             return False
-        key = reply_key(tenant, space, text)
         with self.lock:
-            self._let_go(key)
-            self.entries[key] = (tenant, array("i", ids))
-            self.kept.add(tenant, key)
-            self.kept.grew(tenant, size)
-            self.used += size
+            self._keep(reply_key(tenant, space, text), tenant, space, array("i", ids))
             self.remembered += 1
-            self._make_room(key)
         return True
+
+    def _keep(self, key: str, tenant: str, space: str, ids: array) -> None:
+        self._let_go(key)
+        size = ENTRY_BYTES + 4 * len(ids)
+        self.entries[key] = (tenant, space, ids)
+        self.kept.add(tenant, key)
+        self.kept.grew(tenant, size)
+        self.used += size
+        self._make_room(key)
+
+    def kept_in_order(self) -> list[tuple[str, str, str, array]]:
+        """Every kept reply as (key, tenant, tokenizer, ids), each tenant's least recently used first:
+        what `restore` takes back in the same order of use."""
+        with self.lock:
+            return [(key, tenant, *self.entries[key][1:]) for tenant, keys in self.kept.order.items() for key in keys]
+
+    def restore(self, rows) -> int:
+        """Keeps (key, tenant, tokenizer, ids) rows as `kept_in_order` gave them, within the budget
+        (for room, as ever); how many it kept."""
+        kept = 0
+        with self.lock:
+            for key, tenant, space, ids in rows:
+                if self.keeps and ENTRY_BYTES + 4 * len(ids) <= self.budget:
+                    self._keep(key, tenant, space, ids)
+                    kept += 1
+        return kept
 
     def ids_for(self, tenant: str, space: str, text: str) -> list[int] | None:
         """The ids of the tenant's reply `text` (now its most recently used), or None."""
@@ -80,7 +102,7 @@ class ReplyIds(ResizableBudget):
             if entry is None:
                 return None
             self.kept.used(tenant, key)
-            return entry[1].tolist()
+            return entry[2].tolist()
 
     def counted(self, spliced: int, template_changed: bool) -> None:
         """A chat was prompted with `spliced` replies' own ids, or read back as text where
@@ -103,7 +125,7 @@ class ReplyIds(ResizableBudget):
     def _let_go(self, key: str) -> None:
         entry = self.entries.pop(key, None)
         if entry is not None:
-            tenant, ids = entry
+            tenant, _, ids = entry
             size = ENTRY_BYTES + 4 * len(ids)
             self.used -= size
             self.kept.remove(tenant, key)

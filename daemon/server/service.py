@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -55,6 +56,7 @@ from .kv_transfer import TransferBook
 from .notify import Notifier
 from .reload_ops import prefetch_settings, quick_prefill_tokens
 from .reply_ids import ReplyIds
+from .reply_ids_file import load_reply_ids, save_reply_ids
 from .reply_splice import reply_ids_of, spliced_prompt
 from .otlp_export import span_processor
 from .request_log import RequestLog
@@ -130,6 +132,7 @@ class EngineService:
                                                ConversationFile(kept_file) if kept_file is not None else None)
         self.responses = ResponseStore(config.responses_store_bytes, kept_file)  # (starts the file's thread)
         self.reply_ids = ReplyIds(config.reply_ids_bytes)  # chat replies' own ids, for the next turn's prompt
+        self._reply_ids_read = False  # read back from the state directory once, at the first load
         self.hub_name: str | None = None  # the model's Hugging Face id, where --model named one (hub_cache.py)
         self.ready = threading.Event()
         self.accepting = True
@@ -299,6 +302,11 @@ class EngineService:
             pin_ops.warn_no_room(engine)
             pin_ops.warn_stranded(pin_ops.stranded_pins(self), "pins restored from the store")
         timer.mark("pins")
+        if not self._reply_ids_read and self._cache_outlives_kvd():
+            self._reply_ids_read = True
+            restored = load_reply_ids(self.reply_ids, cfg.state_dir, loaded.tokenizer.digest)
+            if restored:
+                log.info("read back the ids of %d chat replies kept before the restart", restored)
         if lapsed:  # off the start: a store another process holds locked must not hold it up
             threading.Thread(target=lambda: [pin_ops.forget_stored_pin(self, pin_id) for pin_id in lapsed],
                              name="kvd-lapsed-pins", daemon=True).start()
@@ -495,6 +503,13 @@ class EngineService:
             self.lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.reply_ids.keeps and self._cache_outlives_kvd():
+            try:
+                saved = save_reply_ids(self.reply_ids, self.config.state_dir)
+                log.info("wrote the ids of %d chat replies for the next start (the cache outlives kvd)", saved)
+            except (OSError, sqlite3.Error) as exc:
+                log.warning("could not write the chat replies' ids (%s): after the restart their next turns "
+                            "read them as text", exc)
         joined_by = time.monotonic() + STOP_STORE_WAIT_S
         for thread in self._housekeepers:  # one waiting on a locked store is left to end with the process
             thread.join(timeout=max(0.0, joined_by - time.monotonic()))
@@ -504,6 +519,11 @@ class EngineService:
         self.responses.close()  # (the kept responses' and conversations' last writes land before kvd exits)
         if self.request_spans is not None:
             self.request_spans.shutdown()  # the batched spans sent
+
+    def _cache_outlives_kvd(self) -> bool:
+        """Whether a disk or Redis tier keeps the cache through a restart (and so the replies' ids
+        are worth keeping too: reply_ids_file.py)."""
+        return self.tiers is not None and (self.tiers.disk is not None or self.tiers.remote is not None)
 
     def failed_to_load(self) -> bool:
         """Whether the load failed and no load runs now (a reload then loads again: reload_ops)."""
