@@ -16,6 +16,7 @@ import asyncio
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -112,13 +113,35 @@ def read_chunk(chunk: dict, record: RequestRecord, now: float) -> str | None:
     return None
 
 
+def reply_part(chunk: dict) -> tuple[str, list[int]]:
+    """The reply's text and token ids one streamed completion or chat chunk carries."""
+    text, ids = "", []
+    for choice in chunk.get("choices", []):
+        text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+        ids += choice.get("token_ids") or []
+    return text, ids
+
+
+def with_model_replies(request: BenchRequest, sent: BenchRequest, reply: tuple[str, list[int]]) -> BenchRequest:
+    """A later turn as a client sends it that puts the model's own reply back: `sent` (the turn
+    before, as it was sent) and its `reply` (text and ids), then this turn's own new message, in
+    place of the workload's made-up reply. A chat sends the reply's text; completions its ids."""
+    if request.messages is not None:
+        return replace(request, messages=[*sent.messages, {"role": "assistant", "content": reply[0]},
+                                          request.messages[-1]])
+    return replace(request, prompt=[*sent.prompt, *reply[1], *request.said])
+
+
 async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int | None,
-                    rate: float | None, seed: int, tick=lambda: None, api: str | None = None) -> list[RequestRecord]:
+                    rate: float | None, seed: int, tick=lambda: None, api: str | None = None,
+                    replies: str = "synthetic") -> list[RequestRecord]:
     """Send every request through `session` (an aiohttp.ClientSession with kvd's base URL;
     closed loop with `concurrency` slots, or open loop at `rate`/s or at the workload's own
     arrival times) and record what came back. `api` "responses": chats as responses, each
     turn continuing the last; "conversations": each conversation made first, every turn naming
-    it (None: completions or chats, as each request is)."""
+    it (None: completions or chats, as each request is). `replies` "model": a later turn sends the
+    model's own replies back (`with_model_replies`), as a chat client does, instead of the
+    workload's made-up ones."""
     import aiohttp
 
     clock = time.perf_counter
@@ -127,6 +150,8 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
     records: list[RequestRecord | None] = [None] * len(workload)
     response_ids: list[str | None] = [None] * len(workload)  # (responses: what the next turn continues)
     conversations: list[str | None] = [None] * len(workload)  # (conversations: the one each turn names)
+    sent: list[BenchRequest | None] = [None] * len(workload)  # (replies "model": each turn as it was sent)
+    answered: list[tuple[str, list[int]] | None] = [None] * len(workload)  # (and the reply it got, whole)
     slots = asyncio.Semaphore(concurrency) if concurrency else None
     arrivals = [r.arrival for r in workload]
     if rate:
@@ -145,13 +170,20 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
         if api == "conversations":  # made before its first turn starts (the client's setup, not timed)
             conversations[i] = conversations[request.after] if request.after is not None else \
                 await _new_conversation(session)
+        follows = replies == "model" and request.after is not None
+        if follows and answered[request.after] is not None:
+            request = with_model_replies(request, sent[request.after], answered[request.after])
+        sent[i] = request
         record = RequestRecord(i, clock(), prompt_tokens=len(request.prompt))
         previous = conversations[i] if api == "conversations" else \
             response_ids[request.after] if request.after is not None else None
         path, body = request_body(request, i, api or "", previous)
+        text, ids = "", []
         try:
             if api in KEPT_APIS and (request.after is not None or api == "conversations") and previous is None:
                 record.status = "aborted"  # the turn it continues failed: there is no conversation to continue
+            elif follows and answered[request.after] is None:
+                record.status = "aborted"  # the turn before failed: there is no reply to send back
             else:
                 async with session.post(path, json=body) as response:  # relative to the base URL
                     if response.status == 429:
@@ -163,11 +195,16 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
                             line = raw.decode().rstrip("\r\n")
                             if not line.startswith("data: ") or line == "data: [DONE]":
                                 continue
-                            named = read_chunk(json.loads(line[6:]), record, clock())
+                            chunk = json.loads(line[6:])
+                            named = read_chunk(chunk, record, clock())
                             response_ids[i] = named or response_ids[i]
+                            part = reply_part(chunk)
+                            text, ids = text + part[0], ids + part[1]
                         record.end = clock()
                         if len(record.token_times) < request.max_tokens:
                             record.status = "aborted"
+                        elif replies == "model":
+                            answered[i] = (text, ids)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             record.status = "aborted"
         finally:
@@ -245,8 +282,6 @@ def run_transformers_baseline(model_dir: str, workload: list[BenchRequest], batc
 
 def rendered_chats(model_dir: str, workload: list[BenchRequest]) -> list[BenchRequest]:
     """The workload with each chat's prompt rendered by transformers' apply_chat_template."""
-    from dataclasses import replace
-
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -285,6 +320,10 @@ def serve_command(
                                                  "report each figure's median and range. shared-prefix and "
                                                  "multi-turn take fresh prompts each time (seed, seed+1, ...), "
                                                  "so every run starts cold; a trace's prompts repeat."),
+    replies: str = typer.Option("synthetic", help="multi-turn: the replies a later turn sends back: synthetic "
+                                "(the workload's made-up ones, the same every run) or model (kvd's own, as a chat "
+                                "client sends them: a chat its text, completions its token ids; with --baseline "
+                                "none). responses and conversations always continue by kvd's own."),
     baseline: str = typer.Option("transformers", help="transformers or none."),
     save: bool = typer.Option(False, "--save", help="Store the run in the SQLite store."),
     compare: Optional[int] = typer.Option(None, "--compare", help="Print the difference to a stored run."),
@@ -315,6 +354,17 @@ def serve_command(
             raise UserError(f"{name}: must be >= 1, got {value}")
     if repeat < 1:
         raise UserError(f"repeat: must be >= 1, got {repeat}")
+    if replies not in ("synthetic", "model"):
+        raise UserError(f"replies: unknown value {replies!r}; use synthetic or model")
+    if replies == "model" and workload != "multi-turn":
+        raise UserError(f"replies: model sends a turn's reply back in the next, and {workload} has no turns; "
+                        "use --workload multi-turn")
+    if replies == "model" and api in KEPT_APIS:
+        raise UserError(f"replies: under --api {api} kvd keeps the conversation, and each turn continues by its "
+                        "own replies already; leave --replies out")
+    if replies == "model" and baseline != "none":
+        raise UserError("replies: model sends kvd's own replies back, which the baseline would not have made; "
+                        "use --baseline none")
     if plot is not None and plot.exists() and not plot.is_dir():
         raise UserError(f"plot: {str(plot)!r} is a file; give a folder for the charts")
     for chart in PLOT_FILES if plot is not None else ():  # they replace earlier charts, nothing else
@@ -347,7 +397,8 @@ def serve_command(
         tick = lambda: progress.advance(task)  # noqa: E731
         before = status
         for i, work in enumerate(works):
-            kvd_records = asyncio.run(_drive(sync, work, None if rate else concurrency, rate, seed + i, tick, api))
+            kvd_records = asyncio.run(_drive(sync, work, None if rate else concurrency, rate, seed + i, tick, api,
+                                             replies))
             try:
                 after = sync.get("/admin/status")
             except KvdUnavailable as exc:  # it stopped or restarted meanwhile: the client's figures stand
@@ -375,7 +426,8 @@ def serve_command(
         "settings": {"api": api, "requests": len(works[0]), "concurrency": None if rate else concurrency, "rate": rate,
                      "groups": groups, "system_tokens": system_tokens, "question_tokens": question_tokens,
                      "max_tokens": max_tokens, "seed": seed, "time_scale": time_scale,
-                     "block_tokens": block_tokens, "baseline": baseline, "repeat": repeat, "tenant": tenant},
+                     "block_tokens": block_tokens, "baseline": baseline, "repeat": repeat, "tenant": tenant,
+                     "replies": replies},
         **_summarise(runs, status, after),
         "model": {"name": status["model"]["name"], "revision": status["model"]["revision"]},
         "versions": _versions(),
@@ -438,10 +490,10 @@ def _conn(ctx: typer.Context) -> dict:
     return {name: options.get(name) for name in ("socket", "url", "token_file", "ca_file", "client_cert")}
 
 
-async def _drive(sync_client, work, concurrency, rate, seed, tick, api):
+async def _drive(sync_client, work, concurrency, rate, seed, tick, api, replies="synthetic"):
     async with sync_client.async_session() as session:
         return await drive_kvd(session, work, concurrency=concurrency, rate=rate, seed=seed, tick=tick,
-                               api=api if api in KEPT_APIS else None)
+                               api=api if api in KEPT_APIS else None, replies=replies)
 
 
 def _versions() -> dict:

@@ -27,6 +27,7 @@ class BenchRequest:
     after: int | None = None  # index of a request that must finish first (a previous turn)
     group: str = ""  # shared-prefix group or conversation, for reports
     messages: list[dict] | None = None  # a chat's messages (then `prompt` is empty: the server renders them)
+    said: list[int] | None = None  # a later turn's own new tokens (its user message), after the reply it follows
 
 
 def as_text(ids: list[int]) -> str:
@@ -71,7 +72,8 @@ def multi_turn(*, conversations: int = 4, turns: int = 4, user_tokens: int = 48,
             context = context + user
             messages = messages + [{"role": "user", "content": as_text(user)}]
             out.append(BenchRequest([] if chat else list(context), max_tokens, after=previous,
-                                    group=f"conversation-{c}", messages=list(messages) if chat else None))
+                                    group=f"conversation-{c}", messages=list(messages) if chat else None,
+                                    said=None if chat or not t else user))
             previous = len(out) - 1
     return out
 

@@ -15,7 +15,8 @@ from kvctl.workloads import from_trace, hash_block_tokens, multi_turn, shared_pr
 from .test_cli import cli
 
 
-async def drive_over_socket(app, tmp_path, work, concurrency: int, api: str | None = None):
+async def drive_over_socket(app, tmp_path, work, concurrency: int, api: str | None = None,
+                            replies: str = "synthetic"):
     """`work` sent to `app` served on a real Unix socket, by the bench's own HTTP client."""
     import aiohttp
     import uvicorn
@@ -29,7 +30,8 @@ async def drive_over_socket(app, tmp_path, work, concurrency: int, api: str | No
         await asyncio.sleep(0.01)
     try:
         async with aiohttp.ClientSession(base_url="http://kvd", connector=aiohttp.UnixConnector(path=path)) as session:
-            return await drive_kvd(session, work, concurrency=concurrency, rate=None, seed=0, api=api)
+            return await drive_kvd(session, work, concurrency=concurrency, rate=None, seed=0, api=api,
+                                   replies=replies)
     finally:
         server.should_exit = True
         await serving
@@ -625,7 +627,7 @@ def test_a_daemon_that_stops_during_the_run_leaves_the_client_s_figures_and_says
                 return status
             raise KvdUnavailable("kvd answered 503: kvd is shutting down")
 
-    async def drive(sync, work, concurrency, rate, seed, tick, api):
+    async def drive(sync, work, concurrency, rate, seed, tick, api, replies="synthetic"):
         return [RequestRecord(0, 0.0, 40, 0, [0.1, 0.2], 0.2), RequestRecord(1, 0.0, 40, 0, [0.1], 0.1, "aborted")]
 
     monkeypatch.setattr(client, "Client", Stopping)
@@ -756,3 +758,46 @@ def test_a_multi_turn_bench_through_kvd_s_kept_conversations_continues_each_turn
         assert blocks_all_back(service)
     finally:
         service.shutdown(1)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_multi_turn_bench_can_send_the_model_s_own_replies_back(tmp_path, chat):
+    """`--replies model`: each later turn is the turn before as it was sent, the reply it got (a chat
+    its text, completions its token ids) and its own new message, so it finds the turn before and
+    its reply cached, as a client's next turn does. A chat's replies go back in as the ids the model
+    made (reply_ids.py): six of them in the later turns of two conversations of three."""
+    pytest.importorskip("torch")
+    from .daemon_fixtures import apps, blocks_all_back, start_service, token_table
+
+    service = start_service(tmp_path, num_blocks=256)
+    try:
+        unix, _ = apps(service, token_table(tmp_path))
+        work = multi_turn(conversations=2, turns=3, user_tokens=24, max_tokens=8, chat=chat)
+        records = asyncio.run(drive_over_socket(unix, tmp_path, work, concurrency=2, replies="model"))
+        assert [r.status for r in records] == ["ok"] * 6
+        block = service.config.block_size
+        for c in range(2):
+            turns = records[3 * c:3 * c + 3]
+            for before, after in zip(turns, turns[1:]):  # the turn before and its reply (less its last token)
+                assert after.cached_tokens == (before.prompt_tokens + 8 - 1) // block * block
+                if not chat:  # the prompt is the one before, the reply's 8 ids and the 24 of its new message
+                    assert after.prompt_tokens == before.prompt_tokens + 8 + 24
+        assert service.reply_ids.figures()["spliced"] == (6 if chat else 0)
+        assert blocks_all_back(service)
+    finally:
+        service.shutdown(1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--replies", "mine"], "replies: unknown value 'mine'; use synthetic or model"),
+    (["--replies", "model", "--baseline", "none"], "replies: model sends a turn's reply back in the next, and "
+                                                   "shared-prefix has no turns; use --workload multi-turn"),
+    (["--replies", "model", "--workload", "multi-turn", "--api", "responses", "--baseline", "none"],
+     "replies: under --api responses kvd keeps the conversation, and each turn continues by its own replies "
+     "already; leave --replies out"),
+    (["--replies", "model", "--workload", "multi-turn"], "replies: model sends kvd's own replies back, which the "
+                                                          "baseline would not have made; use --baseline none"),
+])
+def test_bench_serve_refuses_model_replies_where_they_cannot_be_sent(capsys, flags, message):
+    status, _, err = cli(capsys, "bench", "serve", *flags)
+    assert status == 2 and message in " ".join(err.split())

@@ -276,13 +276,13 @@ def test_with_a_disk_tier_the_replies_ids_outlive_a_restart_and_the_next_turn_hi
     """The disk tier keeps the cache's blocks through a restart, and kvd the replies' ids (written as
     it stops, read back as it starts): the next turn after the restart hits the first prompt and the
     reply, restored from disk, as it would have before."""
-    from .daemon_fixtures import call, start_service
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import start_service
 
     settings = dict(num_blocks=256, disk_cache_bytes="16MiB", tiering="always")
     service = start_service(tmp_path, **settings)
     try:
-        from kvctl.daemon.server.app import create_app
-
         turn, text, made = first_turn(create_app(service, service.metrics, front="unix"), "Before the restart?",
                                       seed=3)
         first = rendered(service, turn)
@@ -291,8 +291,6 @@ def test_with_a_disk_tier_the_replies_ids_outlive_a_restart_and_the_next_turn_hi
     assert (tmp_path / "reply_ids.sqlite3").stat().st_mode & 0o777 == 0o600
     again = start_service(tmp_path, **settings)
     try:
-        from kvctl.daemon.server.app import create_app
-
         assert again.reply_ids.figures()["replies"] == 1
         second = turn + [{"role": "assistant", "content": text}, {"role": "user", "content": "And after?"}]
         usage = chat(create_app(again, again.metrics, front="unix"), second, max_tokens=2).json()["usage"]
