@@ -198,8 +198,9 @@ async def drive_kvd(session, workload: list[BenchRequest], *, concurrency: int |
                             chunk = json.loads(line[6:])
                             named = read_chunk(chunk, record, clock())
                             response_ids[i] = named or response_ids[i]
-                            part = reply_part(chunk)
-                            text, ids = text + part[0], ids + part[1]
+                            if replies == "model":  # (only where a later turn sends it back)
+                                part = reply_part(chunk)
+                                text, ids = text + part[0], ids + part[1]
                         record.end = clock()
                         if len(record.token_times) < request.max_tokens:
                             record.status = "aborted"

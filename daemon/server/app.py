@@ -268,10 +268,10 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         engine = ready_for(body.model)
         # a chat's replies go in as the ids the model made (reply_ids.py), but not across a KV transfer
         splicing = None if kv_transfer.wanted(body) else who.tenant
-        chat = (messages, opens_reply, body.continue_final_message, body.chat_template_kwargs, tools, splicing, True)
+        chat = partial(service.chat_prompt, messages, opens_reply, body.continue_final_message,
+                       body.chat_template_kwargs, tools, tenant=splicing, count=True)
         try:  # a long conversation is rendered and tokenized off the loop that streams every answer
-            ids = service.chat_prompt(*chat) if messages_size(messages, tools) <= HAND_IN_ON_LOOP_TOKENS \
-                else await run_in_threadpool(service.chat_prompt, *chat)
+            ids = chat() if messages_size(messages, tools) <= HAND_IN_ON_LOOP_TOKENS else await run_in_threadpool(chat)
         except MessagesError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except ChatTemplateError as exc:
