@@ -31,6 +31,11 @@ from .kept_budget import ResizableBudget
 ENTRY_BYTES = 128  # what a kept reply is counted at beside its ids (4 bytes each): its key and books
 
 
+def entry_bytes(ids) -> int:
+    """What a kept reply of these ids is counted at against the budget."""
+    return ENTRY_BYTES + 4 * len(ids)
+
+
 def reply_key(tenant: str, space: str, text: str) -> str:
     """A reply's name: its tenant's, for the tokenizer `space` names, by its text's SHA-256."""
     return hashlib.sha256("\0".join((tenant, space, text)).encode("utf-8", "surrogatepass")).hexdigest()
@@ -58,10 +63,13 @@ class ReplyIds(ResizableBudget):
         """Whether it keeps any (reply_ids_bytes 0: none; every chat is tokenized from its text)."""
         return self.budget > 0
 
+    def fits(self, ids) -> bool:
+        """Whether a reply of these ids can be kept at all (not bigger than the whole budget)."""
+        return self.keeps and entry_bytes(ids) <= self.budget
+
     def remember(self, tenant: str, space: str, text: str, ids: list[int]) -> bool:
         """Keeps `ids` as the reply `text` (False: none kept, or bigger than the whole budget)."""
-        size = ENTRY_BYTES + 4 * len(ids)
-        if not self.keeps or size > self.budget:
+        if not self.fits(ids):
             return False
         with self.lock:
             self._keep(reply_key(tenant, space, text), tenant, space, array("i", ids))
@@ -70,7 +78,7 @@ class ReplyIds(ResizableBudget):
 
     def _keep(self, key: str, tenant: str, space: str, ids: array) -> None:
         self._let_go(key)
-        size = ENTRY_BYTES + 4 * len(ids)
+        size = entry_bytes(ids)
         self.entries[key] = (tenant, space, ids)
         self.kept.add(tenant, key)
         self.kept.grew(tenant, size)
@@ -89,7 +97,7 @@ class ReplyIds(ResizableBudget):
         kept = 0
         with self.lock:
             for key, tenant, space, ids in rows:
-                if self.keeps and ENTRY_BYTES + 4 * len(ids) <= self.budget:
+                if self.fits(ids):
                     self._keep(key, tenant, space, ids)
                     kept += 1
         return kept
@@ -126,7 +134,7 @@ class ReplyIds(ResizableBudget):
         entry = self.entries.pop(key, None)
         if entry is not None:
             tenant, _, ids = entry
-            size = ENTRY_BYTES + 4 * len(ids)
+            size = entry_bytes(ids)
             self.used -= size
             self.kept.remove(tenant, key)
             self.kept.grew(tenant, -size)
