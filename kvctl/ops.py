@@ -440,6 +440,20 @@ def shared_search(purge: dict) -> str:
     return ""
 
 
+def replies_text(replies: dict) -> str:
+    """How a chat's assistant messages went into its prompt, as `kvctl explain` says it."""
+    text = (f"replies: {replies['as_ids']} of {replies['assistant_messages']} assistant messages go in as the ids "
+            "the model made")
+    if replies["template_changed"]:
+        return text + "; the chat template writes a kept reply otherwise (trims it, cuts its reasoning), so the " \
+                      "chat is read as text"
+    if replies["as_text"]:
+        text += (f"; {replies['as_text']} read as text: kvd keeps no reply of that text for this tenant (edited, "
+                 "another tenant's, let go for room, or made before a restart without a disk tier), and its "
+                 "blocks miss where the text reads back otherwise")
+    return text
+
+
 def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help="Prompt text."),
             tokens: Optional[str] = typer.Option(None, "--tokens", help="Token ids, comma-separated."),
             file: Optional[Path] = typer.Option(None, "--file", help="Read the prompt text from a file."),
@@ -461,6 +475,9 @@ def explain(ctx: typer.Context, text: Optional[str] = typer.Argument(None, help=
         Console().print(f"{d['hit_tokens']} of {d['prompt_tokens']} tokens would hit "
                         f"({d['hit_blocks']} of {d['full_blocks']} full blocks, tenant {d['tenant']}"
                         + (f", LoRA adapter {d['adapter']}" if d.get("adapter") else "") + ")")
+        replies = d.get("replies")  # a chat's (an older kvd does not say)
+        if replies and replies["assistant_messages"]:
+            Console().print(replies_text(replies), highlight=False)
         miss = d.get("first_miss")
         if miss:
             Console().print(f"first miss at block {miss['block']}: {miss['reason']} — {miss['detail']}")

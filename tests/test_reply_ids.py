@@ -318,3 +318,39 @@ def test_the_replies_file_keeps_each_tenant_s_order_and_one_unreadable_is_set_as
     assert load_reply_ids(ReplyIds(2**20), tmp_path, "tok") == 0
     assert (tmp_path / "reply_ids.sqlite3.unreadable").is_file() and not (tmp_path / "reply_ids.sqlite3").exists()
     assert "could not be read" in caplog.text
+
+
+def test_explain_says_how_a_chat_s_replies_go_in_and_counts_the_hit_the_chat_then_gets(daemon):
+    """`kvctl explain --messages`: the chat as its tenant's next turn would be prompted, and which of
+    its assistant messages go in as the ids the model made; an edited reply is read as text."""
+    from .daemon_fixtures import call
+
+    service, unix, _ = daemon
+    turn, text, made = first_turn(unix, "What would explain say?", seed=23)
+    assert not set(made[:-1]) & service.loaded.tokenizer.hidden_specials  # (one with a special inside is not kept)
+    second = turn + [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
+    explained = call(unix, "POST", "/admin/explain", json={"messages": second}).json()
+    assert explained["replies"] == {"assistant_messages": 1, "as_ids": 1, "as_text": 0, "template_changed": False}
+    usage = chat(unix, second, max_tokens=2).json()["usage"]
+    assert explained["hit_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert explained["prompt_tokens"] == usage["prompt_tokens"]
+    edited = turn + [{"role": "assistant", "content": text + "!"}, {"role": "user", "content": "And then?"}]
+    assert call(unix, "POST", "/admin/explain", json={"messages": edited}).json()["replies"] == {
+        "assistant_messages": 1, "as_ids": 0, "as_text": 1, "template_changed": False}
+    assert "replies" not in call(unix, "POST", "/admin/explain", json={"text": "a prompt of text"}).json()
+
+
+def test_kvctl_explain_says_how_a_chat_s_replies_went_in():
+    from .kvctl_fakes import kvctl_answered
+
+    answer = {"hit_tokens": 96, "prompt_tokens": 120, "hit_blocks": 6, "full_blocks": 7, "tenant": "acme",
+              "replies": {"assistant_messages": 3, "as_ids": 2, "as_text": 1, "template_changed": False}}
+    shown = " ".join(kvctl_answered(["explain", "x"], answer).output.split())
+    assert ("replies: 2 of 3 assistant messages go in as the ids the model made; 1 read as text: kvd keeps no reply "
+            "of that text for this tenant (edited, another tenant's, let go for room, or made before a restart "
+            "without a disk tier), and its blocks miss where the text reads back otherwise") in shown
+    changed = {**answer, "replies": {"assistant_messages": 1, "as_ids": 0, "as_text": 1, "template_changed": True}}
+    assert ("replies: 0 of 1 assistant messages go in as the ids the model made; the chat template writes a kept "
+            "reply otherwise (trims it, cuts its reasoning), so the chat is read as text") in \
+        " ".join(kvctl_answered(["explain", "x"], changed).output.split())
+    assert "replies" not in kvctl_answered(["explain", "x"], {**answer, "replies": None}).output

@@ -188,8 +188,10 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
 
     @router.post("/admin/explain")
     def explain(body: ExplainRequest, who: Principal = Depends(admin)):
-        return cache_questions.explain(service, tokens_of(body, body.tenant or who.tenant), body.tenant or who.tenant,
-                                       service.adapter_named(body.model))
+        tenant = body.tenant or who.tenant
+        token_ids, replies = prompt_of(body, tenant)
+        answer = cache_questions.explain(service, token_ids, tenant, service.adapter_named(body.model))
+        return answer if replies is None else {**answer, "replies": replies}  # a chat's: how its replies went in
 
     @router.get("/admin/tenants")
     def tenants(_: Principal = Depends(admin)):
@@ -409,9 +411,15 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         return {"entries": service.store.audit_since(since, action=action)}
 
     def tokens_of(body: ExplainRequest | PinRequest | EvictRequest, tenant: str, opens_reply: bool = True) -> list[int]:
+        """The prompt an admin request names (`prompt_of`)."""
+        return prompt_of(body, tenant, opens_reply)[0]
+
+    def prompt_of(body: ExplainRequest | PinRequest | EvictRequest, tenant: str,
+                  opens_reply: bool = True) -> tuple[list[int], dict | None]:
         """The prompt an admin request names: its text, its token ids, or its chat messages rendered
         by the chat template (`opens_reply`: ending with the assistant's turn opening, as a chat
-        request's prompt does), `tenant`'s replies as their own ids, as its chat would send them."""
+        request's prompt does), `tenant`'s replies as their own ids, as its chat would send them;
+        and for a chat, how its assistant messages went in (EngineService.render_chat), else None."""
         text, token_ids, messages = body.text, body.tokens, body.messages
         if sum(x is not None for x in (text, token_ids, messages)) != 1:
             raise ApiError(400, "give exactly one of text, tokens and messages", param="text")
@@ -420,7 +428,7 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
             if messages is None:
                 refuse_chat_fields_without_messages(body)
             else:
-                return service.chat_prompt(chat_messages(messages), add_generation_prompt=opens_reply,
+                return service.render_chat(chat_messages(messages), add_generation_prompt=opens_reply,
                                            template_kwargs=body.chat_template_kwargs, tools=checked_tools(body.tools),
                                            tenant=tenant)
         except MessagesError as exc:
@@ -428,7 +436,7 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), param="messages", code="chat_template_refused") from None
         if text is not None:
-            return service.tokenize(text)
-        return checked_ids(list(token_ids), "tokens", engine)
+            return service.tokenize(text), None
+        return checked_ids(list(token_ids), "tokens", engine), None
 
     return router

@@ -787,12 +787,24 @@ class EngineService:
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, template_kwargs: dict | None = None,
                     tools: list[dict] | None = None, tenant: str | None = None, count: bool = False) -> list[int]:
+        """The token ids of `messages` (`render_chat`); `count`: the chat is served, and the replies'
+        figures count it."""
+        ids, replies = self.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs,
+                                        tools, tenant)
+        if count and replies is not None and (replies["as_ids"] or replies["template_changed"]):
+            self.reply_ids.counted(replies["as_ids"], replies["template_changed"])
+        return ids
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None, tenant: str | None = None) -> tuple[list[int], dict | None]:
         """The token ids of `messages` (checked by chat_messages.chat_messages) rendered by the model's chat
         template, with a request's `chat_template_kwargs` and `tools` (chat_messages.checked_tools);
         ServiceError 400 when the model has none, MessagesError naming a kwarg the template cannot take
         (or tools it does not write), ChatTemplateError when it refuses them. With `tenant`, each of
-        its replies kvd keeps the ids of (reply_ids.py) goes in as those ids (reply_splice.py); `count`:
-        the chat is served, and the replies' figures count it."""
+        its replies kvd keeps the ids of (reply_ids.py) goes in as those ids (reply_splice.py), and
+        the second item says how the assistant messages went in: {assistant_messages, as_ids,
+        as_text, template_changed} (None without `tenant`, or with no memory of replies)."""
         if self.chat_template is None:
             raise ServiceError(400, f"messages: model {self.model_name!r} has no chat template (none in its "
                                     "tokenizer_config.json or chat_template.jinja); start kvd with --chat-template "
@@ -809,14 +821,14 @@ class EngineService:
 
         try:
             if tenant is None or not self.reply_ids.keeps:
-                return encode(render(messages))
+                return encode(render(messages)), None
             ids, spliced, template_changed = spliced_prompt(
                 messages, render, encode, lambda text: self.reply_ids.ids_for(tenant, tokenizer.digest, text))
         except TemplateKwargsError as exc:
             raise MessagesError(str(exc), exc.param) from None
-        if count and (spliced or template_changed):
-            self.reply_ids.counted(spliced, template_changed)
-        return ids
+        replies = sum(message.get("role") == "assistant" for message in messages)
+        return ids, {"assistant_messages": replies, "as_ids": spliced, "as_text": replies - spliced,
+                     "template_changed": template_changed}
 
     def remember_reply(self, tenant: str, output_ids, text: str) -> None:
         """Keeps a finished chat reply's ids by its text (as answered), for the tenant's next turn
