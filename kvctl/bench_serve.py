@@ -525,7 +525,8 @@ def _print_report(document: dict, previous: dict | None) -> None:
     kvd, base, ratio = document["kvd"], document["baseline"], document["ratio"]
     cap = "up to " if document["workload"].startswith("trace:") else ""  # a trace's own lengths, capped
     title = (f"bench serve: {document['workload']}, {document['settings']['requests']} requests, "
-             f"{cap}{document['settings']['max_tokens']} tokens each")
+             f"{cap}{document['settings']['max_tokens']} tokens each"
+             + (", model replies" if document["settings"].get("replies") == "model" else ""))
     table = Table()
     table.add_column("figure")
     table.add_column("kvd", justify="right")

@@ -251,10 +251,11 @@ def test_compare_says_when_two_runs_are_not_like_for_like():
 def test_the_report_says_a_trace_s_output_lengths_are_capped_not_fixed(capsys):
     from kvctl.bench_serve import _print_report
 
-    for workload, title in (("trace:t.jsonl", "16 requests, up to 32 tokens each"),
-                            ("shared-prefix", "16 requests, 32 tokens each")):
-        document = {"workload": workload, "settings": {"requests": 16, "max_tokens": 32}, "kvd": {},
-                    "baseline": None, "ratio": {}}
+    for workload, title, replies in (("trace:t.jsonl", "16 requests, up to 32 tokens each", "synthetic"),
+                                     ("shared-prefix", "16 requests, 32 tokens each", "synthetic"),
+                                     ("multi-turn", "16 requests, 32 tokens each, model replies", "model")):
+        document = {"workload": workload, "settings": {"requests": 16, "max_tokens": 32, "replies": replies},
+                    "kvd": {}, "baseline": None, "ratio": {}}
         _print_report(document, None)
         assert capsys.readouterr().out.splitlines()[0] == f"bench serve: {workload}, {title}"  # one line
 
