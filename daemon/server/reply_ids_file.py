@@ -19,7 +19,7 @@ import sys
 from array import array
 from pathlib import Path
 
-from kvctl.daemon.whole_file import sync_folder
+from kvctl.daemon.whole_file import write_whole
 
 from .reply_ids import ReplyIds
 
@@ -47,24 +47,16 @@ def _from_little_endian(blob: bytes) -> array:
 def save_reply_ids(replies: ReplyIds, state_dir: str | Path) -> int:
     """Writes every kept reply to `state_dir`'s file, replacing it whole; how many. OSError or
     sqlite3.Error where it cannot (the old file stays)."""
-    path = Path(state_dir) / FILE_NAME
-    aside = path.with_name(path.name + ".tmp")
-    aside.unlink(missing_ok=True)
     rows = replies.kept_in_order()
-    try:
+
+    def fill(aside: Path) -> None:
         with sqlite3.connect(aside) as db:
             db.execute(SCHEMA)
             db.executemany("INSERT INTO replies (key, tenant, tokenizer, ids) VALUES (?, ?, ?, ?)",
                            ((key, tenant, space, _little_endian(ids)) for key, tenant, space, ids in rows))
         db.close()
-        os.chmod(aside, 0o600)
-        with open(aside, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(aside, path)
-    except (OSError, sqlite3.Error):
-        aside.unlink(missing_ok=True)
-        raise
-    sync_folder(path.parent)
+
+    write_whole(Path(state_dir) / FILE_NAME, fill, errors=(OSError, sqlite3.Error), mode=0o600)
     return len(rows)
 
 
