@@ -1299,6 +1299,25 @@ def test_return_tokens_as_token_ids_keeps_apart_tokens_that_decode_alike(daemon)
                                           len(text_of(service.tokenize("ab")[0])) + 1]
 
 
+def test_return_token_ids_names_each_prompt_s_ids_on_its_choices(daemon):
+    """vLLM's `return_token_ids` on completions: each choice names its prompt's ids (streamed, in
+    its first chunk alone); n samples of one prompt name the same ids, two prompts their own."""
+    service, unix, _ = daemon
+    first, second = service.tokenize(SYSTEM + "ids?"), [5, 6, 7]
+    answer = complete(unix, prompt=[first, second], n=2, temperature=1.0, return_token_ids=True).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in answer["choices"]] == [first, first, second, second]
+    assert "prompt_token_ids" not in answer
+    echoed = complete(unix, prompt="ab", max_tokens=0, echo=True, logprobs=0, return_token_ids=True).json()
+    assert echoed["choices"][0]["prompt_token_ids"] == service.tokenize("ab") and echoed["choices"][0]["token_ids"] == []
+    chunks = sse_events(complete(unix, prompt=SYSTEM + "ids?", stream=True, return_token_ids=True))[:-1]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == first
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    plain = complete(unix, prompt=SYSTEM + "ids?").json()["choices"][0]
+    assert "prompt_token_ids" not in plain and plain["token_ids"] == sum((c["choices"][0]["token_ids"] for c in chunks),
+                                                                         [])
+
+
 def test_penalties_bias_and_min_tokens_reach_the_sampler(daemon):
     service, unix, _ = daemon
     eos = service.loaded.tokenizer.eos_token_id

@@ -177,6 +177,34 @@ def test_the_next_turn_is_prompted_with_the_reply_s_own_ids_and_hits_its_blocks(
     assert service.reply_ids.figures()["spliced"] == before + 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_names_the_ids_the_model_read_the_kept_reply_s_among_them(daemon, stream):
+    """vLLM's `return_token_ids`: a chat's answer names its prompt's ids (streamed, in the first chunk
+    alone), which are the template's text tokenized and the kept reply as the model made it."""
+    from .daemon_fixtures import call, sse_events
+
+    service, unix, _ = daemon
+    turn, text, made = first_turn(unix, f"Which ids went in, take {int(stream)}?", seed=5)
+    second = turn + [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
+    prompt = call(unix, "POST", "/tokenize", json={"messages": second}).json()["tokens"]
+    reply = made[:-1] if made[-1] == service.loaded.tokenizer.eos_token_id else made
+    assert prompt[len(rendered(service, turn)):][:len(reply)] == reply and prompt != rendered(service, second)
+    asked = dict(max_tokens=3, temperature=1.0, seed=2, return_token_ids=True)
+    if stream:
+        chunks = [c for c in sse_events(chat(unix, second, stream=True, **asked)) if c != "[DONE]"]
+        assert chunks[0]["prompt_token_ids"] == prompt
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
+        assert all("prompt_token_ids" not in c["choices"][0] for c in chunks)  # a chat's is the answer's
+        ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    else:
+        answer = chat(unix, second, **asked).json()
+        assert answer["prompt_token_ids"] == prompt and answer["usage"]["prompt_tokens"] == len(prompt)
+        ids = answer["choices"][0]["token_ids"]
+    assert ids == chat(unix, second, max_tokens=3, temperature=1.0, seed=2).json()["choices"][0]["token_ids"]
+    plain = chat(unix, second, max_tokens=1, return_token_ids=False).json()
+    assert "prompt_token_ids" not in plain and "prompt_token_ids" not in plain["choices"][0]
+
+
 def test_without_the_memory_the_reply_is_tokenized_again_and_only_the_first_prompt_hits(tmp_path):
     from .daemon_fixtures import call, kvd_in
 

@@ -472,7 +472,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
         names = TokenNames(engine.tokenizer.token_text, bool(body.return_tokens_as_token_ids))
         prompt_parts = PromptParts(names, params, body.prompt_logprobs, echo_texts,
-                                   shape.prompt_logprobs_on, prompt_only)
+                                   shape.prompt_logprobs_on, prompt_only, ids=bool(body.return_token_ids))
         shown = shows_cached_tokens(service.config.report_cached_tokens, who.role,
                                     http.headers.get(CALLER_ROLE_HEADER.lower()))
 

@@ -80,6 +80,10 @@ class GenerationFields(BaseModel):
     priority: Count | None = None  # vLLM's: with queue_order priority, lower runs first (EngineService.queue_priority)
     # vLLM's: logprobs name tokens "token_id:N", so tokens of one text (parts of a character) stay apart
     return_tokens_as_token_ids: bool | None = False
+    # vLLM's: the answer names the prompt's ids too (`prompt_token_ids`: on each choice of a
+    # completion, on a chat's answer; streamed, in the first chunk), the ids the model read: a
+    # chat's rendered template, its replies as the ids kvd kept (reply_splice.py)
+    return_token_ids: bool | None = False
     # the reply's shape (response_format.py): OpenAI's, and vLLM's guided_* and structured_outputs
     response_format: Any = None
     guided_json: Any = None

@@ -101,13 +101,14 @@ def echo_texts(prompt, prompts: list[list[int]], tokenizer) -> list[str]:
 
 class PromptParts:
     """What an answer carries from its prompt: the echoed text and its tokens' logprobs
-    (completions' `echo`), and vLLM's `prompt_logprobs`, on each choice (`on="choice"`,
-    completions) or on the answer (`on="answer"`, chats), as vLLM places them; streamed, in each
-    choice's first chunk."""
+    (completions' `echo`), and vLLM's `prompt_logprobs` and `prompt_token_ids` (`ids`: asked for by
+    `return_token_ids`), on each choice (`on="choice"`, completions) or on the answer (`on="answer"`,
+    chats), as vLLM places them; streamed, in each choice's first chunk."""
 
     def __init__(self, names: TokenNames, params, prompt_logprobs: int | None, echoed: list[str] | None,
-                 on: str, prompt_only: bool = False) -> None:
+                 on: str, prompt_only: bool = False, ids: bool = False) -> None:
         self.names, self.params, self.wanted, self.echoed, self.on = names, params, prompt_logprobs, echoed, on
+        self.ids = ids
         # echo with max_tokens 0 (an evaluation harness scoring a prompt): the answer is the prompt and
         # its logprobs alone; the one token the engine samples to get there is not shown or counted
         self.prompt_only = prompt_only
@@ -126,14 +127,20 @@ class PromptParts:
     def _vllm(self, request) -> list:
         return vllm_prompt_logprobs(self.names.text, request.prompt_ids, request.prompt_logprobs, self.wanted)
 
+    def _add(self, into: dict, request) -> None:
+        if self.wanted is not None:
+            into["prompt_logprobs"] = self._vllm(request)
+        if self.ids:
+            into["prompt_token_ids"] = list(request.prompt_ids)
+
     def add_to_choice(self, choice: dict, request) -> dict:
-        if self.wanted is not None and self.on == "choice":
-            choice["prompt_logprobs"] = self._vllm(request)
+        if self.on == "choice":
+            self._add(choice, request)
         return choice
 
     def add_to_answer(self, answer: dict, request, once: bool = False) -> dict:
         """`once`: a stream's chunks carry them in the first only."""
-        if self.wanted is not None and self.on == "answer" and not (once and self._answered):
-            answer["prompt_logprobs"] = self._vllm(request)
+        if self.on == "answer" and not (once and self._answered):
+            self._add(answer, request)
             self._answered = True
         return answer
