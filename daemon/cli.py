@@ -478,6 +478,10 @@ def router(
     pending_seconds: Optional[float] = typer.Option(None, help="events: how long a prompt just sent to a "
                                                     "replica counts as cached there before its feed confirms it "
                                                     "(default 30)."),
+    reply_ids_bytes: Optional[str] = typer.Option(
+        None, help="events: memory for the ids of the chat replies it relays, e.g. 64MiB (the default): a next turn "
+                   "that sends a reply back is weighed as the replica prompts it, with the ids the model made; 0 "
+                   "reads replies as text."),
     token_file: Optional[str] = typer.Option(None, help="Bearer token (admin role) for URL replicas."),
     listen: Optional[str] = typer.Option(None, help="Also serve TCP on HOST:PORT (needs --clients-file)."),
     clients_file: Optional[str] = typer.Option(None, help="The TCP callers' tokens: TOKEN TENANT ROLE lines, "
@@ -524,6 +528,7 @@ def router(
     from kvctl.daemon.server.auth import TokenTable
     from kvctl.daemon.server.fleet_file import FleetFile, replica_lines
     from kvctl.daemon.server.otlp_export import span_processor
+    from kvctl.daemon.server.reply_ids import ReplyIds
     from kvctl.daemon.server.route_spans import RouteSpans
     from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
     from kvctl.daemon.server.tls import ServingTls, clear_text_warning, client_context
@@ -539,7 +544,7 @@ def router(
             replicas_file=replicas_file, socket=socket_path, routing=routing,
             balance_seconds=balance_seconds, new_prefix=new_prefix, new_prefix_slack=new_prefix_slack,
             prefill_rate=prefill_rate, queue_limits=queue_limits, view=view, load_interval=load_interval,
-            pending_seconds=pending_seconds,
+            pending_seconds=pending_seconds, reply_ids_bytes=reply_ids_bytes,
             token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
             gc_warn_seconds=gc_warn_seconds, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
             ssl_ca_certs=ssl_ca_certs, replica_ca_certs=replica_ca_certs, replica_client_cert=replica_client_cert,
@@ -571,7 +576,8 @@ def router(
                     for spec, role in [(spec, "both") for spec in fixed] + [*roles.items()] + lines]
         service = RouterService(replicas, policy, view=settings.view, load_interval=settings.load_interval,
                                 pending_seconds=settings.pending_seconds,
-                                local_prefill_tokens=settings.local_prefill_tokens)
+                                local_prefill_tokens=settings.local_prefill_tokens,
+                                reply_ids=ReplyIds(settings.reply_ids_bytes))
         service.gc_pauses.warn_seconds = lambda: settings.gc_warn_seconds or None
         service.tls = tls
         service.log_requests = settings.log_requests

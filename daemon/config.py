@@ -23,6 +23,7 @@ from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
 from kvctl.daemon.server.durations import parse_duration
 from kvctl.daemon.server.otlp_export import check_endpoint, traces_protocol
 from kvctl.daemon.server.reasoning import REASONING_PARSERS
+from kvctl.daemon.server.reply_ids import REPLY_IDS_BYTES
 from kvctl.daemon.server.tool_calls import TOOL_CALL_PARSERS
 
 MXFP4_EXPERTS = ("auto", "keep", "dequantise")  # what kvd does with an MXFP4 checkpoint's experts
@@ -65,7 +66,7 @@ def default_socket() -> str:
 SIZE_EXPECTED = "must be a size in bytes: a number with an optional unit (4096, 512MiB, 2GiB, 500MB)"
 
 
-def _size(text: str) -> int:
+def size_in_bytes(text: str) -> int:
     """Bytes from '123', '64MiB', '2GiB', '500MB'."""
     units = {"k": 10**3, "m": 10**6, "g": 10**9, "kb": 10**3, "mb": 10**6, "gb": 10**9,
              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "b": 1, "": 1}
@@ -264,7 +265,7 @@ class KvdConfig:
     truncation_headroom: float = 0.25
     # the token ids of recent chat replies, by their text, per tenant (reply_ids.py): a next turn that sends
     # one back is prompted with the ids the model made, and finds its blocks cached; 0: none (tokenized again)
-    reply_ids_bytes: int = 64 * 2**20
+    reply_ids_bytes: int = REPLY_IDS_BYTES
     model_name: str | None = None  # the name /v1/models lists; default: the checkpoint folder
     chat_template: str | None = None  # a Jinja file for /v1/chat/completions; default: the checkpoint's own
     # what every chat's template gets unless the request's chat_template_kwargs say otherwise, as JSON
@@ -376,9 +377,10 @@ def redact_url(url: Any) -> Any:
 METRIC_ALIAS_SETS = ("vllm", "sglang")  # metric names kvd can also export its figures under
 
 _PARSERS = {
-    "block_size": whole_number, "num_blocks": whole_number, "cache_memory": _size, "max_request_bytes": _size,
-    "responses_store_bytes": _size, "responses_max_age": parse_duration, "conversations_store_bytes": _size,
-    "reply_ids_bytes": _size,
+    "block_size": whole_number, "num_blocks": whole_number, "cache_memory": size_in_bytes,
+    "max_request_bytes": size_in_bytes, "responses_store_bytes": size_in_bytes, "responses_max_age": parse_duration,
+    "conversations_store_bytes": size_in_bytes,
+    "reply_ids_bytes": size_in_bytes,
     "truncation_headroom": finite_number,
     "max_batch_tokens": whole_number, "max_model_len": whole_number, "max_running": whole_number,
     "max_queue": whole_number, "max_queue_wait": finite_number, "max_loras": whole_number,
@@ -399,7 +401,8 @@ _PARSERS = {
     "metrics_aliases": lambda v: tuple(dict.fromkeys(
         n for n in (v if isinstance(v, (list, tuple)) else (x.strip() for x in str(v).split(","))) if n and n != "none")),
     "quick_prefill_tokens": _count_or_auto, "cache_dtype": cache_dtype_name,
-    "host_cache_bytes": _size, "disk_cache_bytes": _size, "remote_cache_bytes": _size, "remote_timeout": finite_number,
+    "host_cache_bytes": size_in_bytes, "disk_cache_bytes": size_in_bytes, "remote_cache_bytes": size_in_bytes,
+    "remote_timeout": finite_number,
     "prefetch_timeout": finite_number, "prefetch_timeout_per_1k_tokens": finite_number,
     "keep_layers_unquantised": lambda v: ",".join(str(int(x)) for x in (v if isinstance(v, list) else str(v).split(",")) if str(x).strip()),
 }

@@ -19,8 +19,9 @@ from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX, NEW_PREFIX
                                    ROUTING_POLICIES)
 
 from .config import (ConfigError, check_tls_settings, check_traces_protocol, env_typos, field_defaults, finite_number,
-                     merge_settings, on_or_off, read_settings_file, setting_names, whole_number)
+                     merge_settings, on_or_off, read_settings_file, setting_names, size_in_bytes, whole_number)
 from .server.otlp_export import check_endpoint
+from .server.reply_ids import REPLY_IDS_BYTES
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class RouterConfig:
     view: str = "events"  # events or ask
     load_interval: float = 0.25  # events: seconds between load polls
     pending_seconds: float = 30.0  # events: how long a sent prompt counts as cached before its feed says
+    # events: memory for the ids of the chat replies relayed, with which a chat's next turn is weighed as the
+    # replica prompts it (server/router_replies.py); 0: its replies are read as text
+    reply_ids_bytes: int = REPLY_IDS_BYTES
     token_file: str | None = None  # an admin bearer token for URL replicas
     listen: str | None = None  # HOST:PORT for TCP callers (needs clients_file)
     clients_file: str | None = None  # the TCP callers' tokens: TOKEN TENANT ROLE lines
@@ -72,7 +76,8 @@ def _replicas(value: Any) -> tuple[str, ...]:
 _PARSERS = {"replicas": _replicas, "prefill_replicas": _replicas, "decode_replicas": _replicas,
             "balance_seconds": finite_number, "new_prefix_slack": whole_number, "local_prefill_tokens": whole_number,
             "prefill_rate": finite_number, "load_interval": finite_number, "pending_seconds": finite_number,
-            "gc_freeze": on_or_off, "gc_warn_seconds": finite_number, "log_requests": on_or_off}
+            "gc_freeze": on_or_off, "gc_warn_seconds": finite_number, "log_requests": on_or_off,
+            "reply_ids_bytes": size_in_bytes}
 
 
 def _check(name: str, value: Any) -> None:

@@ -20,10 +20,10 @@ from .errors import UserError
 
 
 def _bytes(field: str, text: str) -> int:
-    from kvctl.daemon.config import _size
+    from kvctl.daemon.config import size_in_bytes
 
     try:
-        return _size(text)
+        return size_in_bytes(text)
     except ValueError:
         raise UserError(f"{field}: invalid size {text!r}; use bytes or 80GiB, 141GB, ...") from None
 

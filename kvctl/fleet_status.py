@@ -16,7 +16,7 @@ from .client import LOCK_HOLDERS, STORE_WRITE_WAIT_S
 from .gc_status import gc_line
 from .tls_status import tls_text
 from .gpu_status import gpu_label, gpu_line
-from .tables import compact_table, duration, fit_cells, keep_whole, seconds
+from .tables import compact_table, duration, fit_cells, keep_whole, seconds, size
 
 
 def is_fleet(data: dict) -> bool:
@@ -197,6 +197,12 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     limits = queue_limit_line(data)
     if limits is not None:
         router.append(limits)
+    replies = data.get("reply_ids")  # the chat replies' ids its events view weighs with (absent from an older one)
+    if replies and replies["replies"]:
+        router.append(Text(f"kvd router's reply ids: {replies['replies']:,} chat replies kept in "
+                           f"{size(replies['bytes'])} of {size(replies['budget_bytes'])}, to weigh a next turn as "
+                           "the replica prompts it" + (f"; {replies['dropped']:,} let go for room"
+                                                       if replies["dropped"] else "")))
     if data.get("tls"):  # the router's own TCP front (daemon/server/tls.py)
         router.append(Text.assemble("kvd router's TLS: ", tls_text(data["tls"])))
     if reserved["policies"]:  # what preemption cost the fleet, and what its reservations leave unwritten

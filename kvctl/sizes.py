@@ -7,10 +7,10 @@ from .errors import UserError
 
 def positive_size(field: str, text: str, examples: str) -> int:
     """Bytes from `text`; a UserError naming the field, the examples and the value unless > 0."""
-    from kvctl.daemon.config import _size
+    from kvctl.daemon.config import size_in_bytes
 
     try:
-        value = _size(text)
+        value = size_in_bytes(text)
     except ValueError:
         value = 0
     if value <= 0:

@@ -205,6 +205,8 @@ def test_router_settings_follow_the_same_precedence_and_name_their_source(tmp_pa
     assert from_file.queue_limits == "heed"  # replicas predicted past their max_queue_wait are passed over
     blind = resolve_router({}, {"KVD_ROUTER_QUEUE_LIMITS": "ignore"}, path)
     assert (blind.queue_limits, blind.sources["queue_limits"]) == ("ignore", "KVD_ROUTER_QUEUE_LIMITS")
+    assert from_file.reply_ids_bytes == 64 * 2**20  # as kvd serve's
+    assert resolve_router({}, {"KVD_ROUTER_REPLY_IDS_BYTES": "8MiB"}, path).reply_ids_bytes == 8 * 2**20
 
 
 @pytest.mark.parametrize("text, flags, message", [
@@ -218,6 +220,8 @@ def test_router_settings_follow_the_same_precedence_and_name_their_source(tmp_pa
     ("socket: /r.sock\nreplicas_file: /etc/kvd/router-replicas\nlisten: 0.0.0.0:8000\n", {},
      "clients_file: --listen needs the TCP callers' tokens (--clients-file)"),
     ("socket: /r.sock\nreplicas: [/a, 3]\n", {}, "replicas: invalid value ['/a', 3] from {path}: must be socket paths"),
+    ("socket: /r.sock\nreplicas: [/a, /b]\nreply_ids_bytes: plenty\n", {},
+     "reply_ids_bytes: invalid value 'plenty' from {path}: must be a size in bytes"),
     ("socket: /r.sock\nreplicas: [/a, /b]\ngc_freeze: sometimes\n", {},
      "gc_freeze: invalid value 'sometimes' from {path}: must be on or off (true/false, yes/no, 1/0)"),
 ])

@@ -4,6 +4,8 @@ template, fetched once and checked by digest), in the ask view by the replica's 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("torch")
@@ -159,37 +161,131 @@ def test_kvctl_route_takes_a_chat_and_finds_its_home_as_the_router_does(replicas
                                                  "within the load bound)"
 
 
-@pytest.mark.parametrize("view", ["events", "ask"])
-def test_a_chat_s_next_turn_through_the_router_hits_the_reply_the_replica_keeps_the_ids_of(replicas, view):
+@pytest.mark.parametrize("view, stream", [("events", False), ("events", True), ("ask", False)])
+def test_a_chat_s_next_turn_through_the_router_hits_the_reply_the_replica_keeps_the_ids_of(replicas, view, stream):
     """The replica that answered keeps the reply's ids (reply_ids.py) and prompts the next turn with
     them: it caches the first prompt and the reply (less its last token). In the ask view the router
-    counts that, as the replica renders the chat; in the events view it renders the chat itself and
-    reads the reply as text, so it counts only up to where the text reads otherwise. Either way the
-    turn goes where its conversation is."""
-    system = f"[{view}] A conversation that goes on past its first reply. " * 4
+    counts that, as the replica renders the chat; in the events view it keeps the ids of the replies
+    it relays (router_replies.py), whole or streamed, and renders the chat with them as the replica
+    does, so it counts the same. Either way the turn goes where its conversation is."""
+    system = f"[{view} {stream}] A conversation that goes on past its first reply. " * 4
     service, app = router_app(replicas, "prefix", view=view)
-    sampled = {"max_tokens": 40, "temperature": 1.0, "seed": 3}
+    sampled = {"max_tokens": 40, "temperature": 1.0, "seed": 3, "stream": stream}
     turns = []
 
     async def first(client):
         turns.append(await client.post("/v1/chat/completions", json={"messages": talk(system, "Q1?"), **sampled}))
         return turns[-1]
 
+    def reply_of(answer) -> tuple[str, list[int]]:
+        if not stream:
+            choice = answer.json()["choices"][0]
+            return choice["message"]["content"], choice["token_ids"]
+        chunks = [c for c in sse_events(answer) if c != "[DONE]" and c["choices"]]
+        return ("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks),
+                [t for c in chunks for t in c["choices"][0]["token_ids"]])
+
     async def settled(client):
         if view == "events":
             await until_followed(service, (0, 1), settled=True)
 
     async def second(client):
-        reply = turns[0].json()["choices"][0]["message"]["content"]
-        return await chat(client, talk(system, "Q1?") + [{"role": "assistant", "content": reply},
+        return await chat(client, talk(system, "Q1?") + [{"role": "assistant", "content": reply_of(turns[0])[0]},
                                                           {"role": "user", "content": "And then?"}])
 
     one, two = (a for a in drive(app, [first, settled, second], service=service if view == "events" else None)
                 if a is not None)
     assert one.headers["x-kvd-replica"] == two.headers["x-kvd-replica"]  # where the conversation is
-    made = len(one.json()["choices"][0]["token_ids"])
-    assert cached(two) == (one.json()["usage"]["prompt_tokens"] + made - 1) // 16 * 16
-    if view == "ask":
-        assert routed_cached(two) == cached(two)
-    else:
-        assert one.json()["usage"]["prompt_tokens"] // 16 * 16 <= routed_cached(two) < cached(two)
+    home = replicas[int(one.headers["x-kvd-replica"][-1])]
+    first_prompt = call(home, "POST", "/tokenize", json={"messages": talk(system, "Q1?")}).json()["count"]
+    text, made = reply_of(one)
+    assert cached(two) == (first_prompt + len(made) - 1) // 16 * 16
+    assert routed_cached(two) == cached(two)  # the router counted the reply as the replica cached it
+    if view == "events":  # it keeps the reply under the tenant the replica served it under
+        assert service.reply_ids.figures()["replies"] == 2  # (and the second turn's)
+        assert service.reply_ids.ids_for("default", next(iter(service.tokenizers.by_digest)), text) is not None
+
+
+# ---- what the router reads of the answers it relays (router_replies.py) --------------------------
+class Bytes:
+    """A tokenizer of one byte a token, 256 its stop token."""
+
+    digest = "bytes-1"
+    hidden_specials = frozenset({256})
+
+    @staticmethod
+    def decode(ids):
+        return bytes(t for t in ids if t < 256).decode("utf-8", "replace")
+
+
+def ids_of(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def sse(*chunks) -> bytes:
+    return b"".join(b"data: " + json.dumps({"object": "chat.completion.chunk", "choices": [c]}).encode() + b"\n\n"
+                    for c in chunks)
+
+
+def test_the_router_keeps_each_relayed_reply_the_replica_keeps_and_no_other():
+    from kvctl.daemon.server.reply_ids import ReplyIds
+    from kvctl.daemon.server.router_replies import ReplyWatch, keeper
+
+    memory = ReplyIds(2**20)
+    watch = ReplyWatch(keeper(memory, Bytes, "acme"))
+    # streamed, two choices at once, each in pieces; the stop token's chunk has no text
+    watch.events(sse({"index": 0, "delta": {"role": "assistant", "content": "hel"}, "token_ids": ids_of("hel"),
+                      "finish_reason": None},
+                     {"index": 1, "delta": {"role": "assistant", "content": "cut "}, "token_ids": ids_of("cut "),
+                      "finish_reason": None}))
+    watch.events(b"data: {not json\n\n" + sse(
+        {"index": 0, "delta": {"content": "lo"}, "token_ids": ids_of("lo"), "finish_reason": None},
+        {"index": 1, "delta": {"content": "here"}, "token_ids": ids_of("here"), "finish_reason": "length"}))
+    watch.events(sse({"index": 0, "delta": {"content": ""}, "token_ids": [256], "finish_reason": "stop"})
+                 + b"data: [DONE]\n\n")
+    assert memory.ids_for("acme", "bytes-1", "hello") == ids_of("hello")  # the stop token left off
+    assert memory.ids_for("acme", "bytes-1", "cut here") == ids_of("cut here")
+    assert memory.ids_for("globex", "bytes-1", "hello") is None
+    # whole: a stop string cut the text (its ids say more), a reply that called a tool, a kept one
+    ReplyWatch(keeper(memory, Bytes, "acme")).answer(json.dumps({"choices": [
+        {"index": 0, "message": {"content": "stopped"}, "token_ids": ids_of("stopped!!"), "finish_reason": "stop"},
+        {"index": 1, "message": {"content": "", "tool_calls": [{}]}, "token_ids": ids_of("<call>"),
+         "finish_reason": "tool_calls"},
+        {"index": 2, "message": {"content": "whole"}, "token_ids": ids_of("whole") + [256], "finish_reason": "stop"},
+    ]}).encode())
+    assert memory.ids_for("acme", "bytes-1", "stopped") is None and memory.ids_for("acme", "bytes-1", "") is None
+    assert memory.ids_for("acme", "bytes-1", "whole") == ids_of("whole")
+    ReplyWatch(keeper(memory, Bytes, "acme")).answer(b"<html>a proxy's page</html>")  # passed over
+    assert memory.figures()["replies"] == 3
+
+
+def test_the_fleet_status_says_what_the_router_keeps_of_the_replies():
+    from rich.console import Console
+
+    from kvctl.fleet_status import render_fleet_status
+
+    live = {"blocks": {"device": {"total": 64, "free": 64}}, "tokens": {"prompt": 0, "hit": 0, "hit_ratio": 0.0},
+            "queue": {"waiting": 0, "running": 0}}
+    data = {"routing": "prefix", "view": "events", "replica_status": [{"replica": "a", **live}],
+            "replicas": [{"replica": "a", "sent": 9, "open": 0}],
+            "reply_ids": {"budget_bytes": 2**20, "bytes": 2048, "replies": 12, "remembered": 14, "dropped": 2,
+                          "spliced": 0, "template_changed": 0}}
+    console = Console(record=True, width=200)
+    render_fleet_status(data, console)
+    assert ("kvd router's reply ids: 12 chat replies kept in 2.0 KiB of 1.0 MiB, to weigh a next turn as the "
+            "replica prompts it; 2 let go for room") in " ".join(console.export_text().split())
+
+
+def test_the_router_splices_replies_only_in_the_events_view_of_a_fleet_without_transfers(replicas):
+    from kvctl.daemon.server.reply_ids import ReplyIds
+
+    events, _ = router_app(replicas, "prefix", view="events")
+    asked, _ = router_app(replicas, "prefix", view="ask")
+    assert events.splices_replies and "reply_ids" in events.status()
+    assert not asked.splices_replies and "reply_ids" not in asked.status()
+    events.reply_ids = ReplyIds(0)  # reply_ids_bytes 0: replies are read as text
+    assert not events.splices_replies and "reply_ids" not in events.status()
+    events.reply_ids = ReplyIds(2**20)
+    events.replicas[0].role = "prefill"  # disaggregated: both sides of a transfer tokenize the text
+    assert events.disaggregated and not events.splices_replies
+    assert events.reply_watch(events.replicas[1], "acme") is None

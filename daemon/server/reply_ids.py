@@ -28,6 +28,8 @@ from kvctl.policies.kept_state import KeptByTenant
 
 from .kept_budget import ResizableBudget
 
+REPLY_IDS_BYTES = 64 * 2**20  # kvd's reply_ids_bytes, and kvd router's, unless set
+
 ENTRY_BYTES = 128  # what a kept reply is counted at beside its ids (4 bytes each): its key and books
 
 

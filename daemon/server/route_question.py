@@ -14,6 +14,7 @@ from kvctl.daemon.model.tokenizer import Tokenizer
 from kvctl.policies.routing import prompt_affinity
 
 from .chat_messages import MessagesError, affinity_text, chat_messages, checked_tools, messages_size
+from .reply_splice import IdsFor, spliced_prompt
 from .responses_input import chat_fields
 
 
@@ -86,18 +87,28 @@ def affinity_of(question: dict | None) -> bytes | None:
     return prompt_affinity(question["text"] if "text" in question else question["tokens"])
 
 
-def local_ids(question: dict, tokenizer: Tokenizer, template: ChatTemplate | None) -> list[int]:
+def local_ids(question: dict, tokenizer: Tokenizer, template: ChatTemplate | None,
+              reply_ids: IdsFor | None = None) -> list[int]:
     """The question's token ids as the replica will see them ([] for a chat its template refuses,
-    or when it has no template: the replica says why when the request reaches it)."""
+    or when it has no template: the replica says why when the request reaches it). `reply_ids`:
+    the ids of the replies the replica keeps, by their text (router_replies.py), which a chat's
+    prompt takes as the replica splices them (reply_splice.py)."""
     if "tokens" in question:
         return question["tokens"]
     if "text" in question:
         return tokenizer.encode(question["text"])
     if template is None:
         return []
+
+    def render(messages: list[dict]) -> str:
+        return template.render(messages, kwargs=question.get("chat_template_kwargs"), tools=question.get("tools"))
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
     try:
-        text = template.render(question["messages"], kwargs=question.get("chat_template_kwargs"),
-                               tools=question.get("tools"))
+        if reply_ids is None:
+            return encode(render(question["messages"]))
+        return spliced_prompt(question["messages"], render, encode, reply_ids)[0]
     except (ChatTemplateError, TemplateKwargsError):
         return []
-    return tokenizer.encode(text, add_special_tokens=False)

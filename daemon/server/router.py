@@ -853,6 +853,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             log_route(route_id, tenant, path, replica.name, upstream, reason, tried, prefilled,
                       http.headers.get("x-request-id"))
         media = upstream.headers.get("content-type", "application/json")
+        # the events view keeps a chat's replies' ids as the replica does (router_replies.py)
+        watch = service.reply_watch(replica, tenant) if path == "/v1/chat/completions" and phase == "whole" \
+            and upstream.status_code == 200 else None
 
         def failed_mid_answer(exc: Exception, events: int) -> str:
             replica.last_error = described(exc)
@@ -866,6 +869,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         async def relay():
             try:
                 async for event in relay_events(upstream.aiter_raw(), failed_mid_answer):
+                    if watch is not None:
+                        watch.events(event)
                     yield event
             finally:
                 replica.open -= 1
@@ -887,6 +892,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         finally:
             replica.open -= 1
             await upstream.aclose()
+        if watch is not None:
+            watch.answer(content)
         return Response(content, status_code=upstream.status_code, media_type=media, headers=answer_headers)
 
     return app

@@ -41,6 +41,8 @@ from .replica_errors import described, kvd_json
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .response_homes import ResponseHomes
+from .reply_ids import REPLY_IDS_BYTES, ReplyIds
+from .router_replies import ReplyWatch, keeper
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
 
 log = logging.getLogger("kvd.router")
@@ -198,6 +200,8 @@ class RouterService:
     route_spans: object | None = None  # OpenTelemetry spans of the routing (route_spans.RouteSpans); None: off
     # the replica that answered each response (/v1/responses), for the requests that continue it
     response_homes: ResponseHomes = field(default_factory=ResponseHomes)
+    # the events view's memory of the chat replies relayed (router_replies.py), within reply_ids_bytes
+    reply_ids: ReplyIds = field(default_factory=lambda: ReplyIds(REPLY_IDS_BYTES))
 
     def __post_init__(self) -> None:
         if self.view not in VIEWS:
@@ -378,13 +382,16 @@ class RouterService:
             ids = question["tokens"]
         else:
             digest, template_digest = namespace["tokenizer_digest"], view.chat_template
-            if ("ids", digest, template_digest) not in memo:
+            served = view.tenant_for(tenant)  # whose kept replies a chat's prompt takes (router_replies.py)
+            if ("ids", digest, template_digest, served) not in memo:
                 tokenizer = self.tokenizers.by_digest.get(digest)
                 template = self.tokenizers.templates.get(template_digest) if template_digest else None
                 if tokenizer is None or (template_digest is not None and template is None):
                     return None
-                memo["ids", digest, template_digest] = local_ids(question, tokenizer, template)
-            ids = memo["ids", digest, template_digest]
+                replies = None if not self.splices_replies else (
+                    lambda text: self.reply_ids.ids_for(served, digest, text))
+                memo["ids", digest, template_digest, served] = local_ids(question, tokenizer, template, replies)
+            ids = memo["ids", digest, template_digest, served]
         tenant = view.tenant_for(tenant)
         priority = question.get("priority", 0) if question is not None else 0  # (a deferral, question_of's)
         if not ids:  # no prompt it can read: it goes by load, and the replica says what is wrong
@@ -401,6 +408,21 @@ class RouterService:
         restorable = sum(run.values()) * view.block_size
         return Local(view.facts(cached, replica.open, restorable, view.restore_seconds(run), tenant, priority),
                      keys, len(ids))
+
+    @property
+    def splices_replies(self) -> bool:
+        """Whether the events view renders a chat with the replies it relayed as their ids, as the
+        replica prompts it (router_replies.py): not across a KV transfer, where both sides read text."""
+        return self.view == "events" and not self.disaggregated and self.reply_ids.keeps
+
+    def reply_watch(self, replica: Replica, tenant: str | None) -> ReplyWatch | None:
+        """A reader of the chat answer `replica` gives `tenant`'s request, which keeps its replies'
+        ids; None where the router splices none or does not have the replica's tokenizer yet."""
+        view = replica.view
+        if not self.splices_replies or view is None or not view.namespace:
+            return None
+        tokenizer = self.tokenizers.by_digest.get(view.namespace["tokenizer_digest"])
+        return None if tokenizer is None else ReplyWatch(keeper(self.reply_ids, tokenizer, view.tenant_for(tenant)))
 
     @property
     def disaggregated(self) -> bool:
@@ -677,6 +699,8 @@ class RouterService:
         body = {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas],
                 "gc": self.gc_pauses.report(),
                 "tls": None if self.tls is None else self.tls.describe(time.time())}
+        if self.splices_replies:  # the chat replies' ids the events view weighs next turns with
+            body["reply_ids"] = self.reply_ids.figures()
         if self.timeouts_not_rerouted:  # queue timeouts with no other replica in time
             body["timeouts_not_rerouted"] = self.timeouts_not_rerouted
         if self.disaggregated:
