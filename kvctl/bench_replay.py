@@ -91,9 +91,14 @@ def replay_command(
         0.0, help="Service model: each other request in service lengthens a decode step by this fraction of a lone "
                   "request's, as a batched step grows (0.02: 64 running decode at 1/2.26 of the rate alone); "
                   "0: none."),
+    decode_context_cost: float = typer.Option(
+        0.0, help="Service model: each 1,024 tokens of context the requests in service hold (prompt and output "
+                  "made) lengthen a decode step by this fraction of a lone request's with none, as a step reads "
+                  "every request's KV; 0: none."),
     rates_from_trace: bool = typer.Option(False, "--rates-from-trace",
                                           help="Service model: the prefill and decode rates at which the replay's "
-                                               "totals equal kvd's, and the decode batch cost its requests show, "
+                                               "totals equal kvd's, and the decode batch and context costs its "
+                                               "requests show, "
                                                "from the trace's own timings (traces kvd saves say how it served "
                                                "each request)."),
     slo: list[str] = typer.Option([], "--slo", help="An objective every run is held to, written as a rollout's stop "
@@ -208,7 +213,7 @@ def replay_command(
                           capacity_tokens=capacities[0] if capacities else 0,
                           reservation=reservations[0], sequential=sequential, prefill_rate=prefill_rate,
                           decode_rate=decode_rate, decode_batch_cost=decode_batch_cost,
-                          max_running=runnings[0] if runnings else 64,
+                          decode_context_cost=decode_context_cost, max_running=runnings[0] if runnings else 64,
                           max_queue=max_queue,
                           max_queue_wait=max_queue_wait, time_scale=time_scale, max_tokens=max_tokens, restore_rate=restore_rate,
                           tier_write=tier_write, tenant_queue_waits=own_waits)
@@ -272,7 +277,9 @@ def replay_command(
         base = replace(base, prefill_rate=measured.prefill_rate or base.prefill_rate,
                        decode_rate=measured.decode_rate or base.decode_rate,
                        decode_batch_cost=base.decode_batch_cost if measured.decode_batch_cost is None
-                       else measured.decode_batch_cost)
+                       else measured.decode_batch_cost,
+                       decode_context_cost=base.decode_context_cost if measured.decode_context_cost is None
+                       else measured.decode_context_cost)
         if not as_json:
             err.print(f"service model from the trace's own timings ({measured.requests:,} requests): prefill "
                       + (f"{measured.prefill_rate:,.0f}" if measured.prefill_rate else f"{base.prefill_rate:,.0f} "
@@ -280,7 +287,8 @@ def replay_command(
                       + " tokens/s, decode "
                       + (f"{measured.decode_rate:,.0f}" if measured.decode_rate else f"{base.decode_rate:,.0f} "
                          "(no request made two tokens: --decode-rate's)")
-                      + " tokens/s a request" + batch_cost_text(measured.decode_batch_cost))
+                      + " tokens/s a request"
+                      + batch_cost_text(measured.decode_batch_cost, measured.decode_context_cost))
 
     fleet = None if replicas == 1 else {"replicas": replicas, "routing": routings, "balance_seconds": balance_seconds,
                                         "new_prefix": new_prefix, "placements": placements,
@@ -294,11 +302,12 @@ def replay_command(
         "settings": {
             "mode": "sequential" if sequential else "concurrent", "reservation": ",".join(reservations),
             "prefill_rate": base.prefill_rate, "decode_rate": base.decode_rate,
-            "decode_batch_cost": base.decode_batch_cost,
+            "decode_batch_cost": base.decode_batch_cost, "decode_context_cost": base.decode_context_cost,
             "max_running": runnings[0] if len(runnings) == 1 else runnings,  # (several: compared)
             "rates_from_trace": None if measured is None else {
                 "requests": measured.requests, "prefill_rate": measured.prefill_rate,
-                "decode_rate": measured.decode_rate, "decode_batch_cost": measured.decode_batch_cost},
+                "decode_rate": measured.decode_rate, "decode_batch_cost": measured.decode_batch_cost,
+                "decode_context_cost": measured.decode_context_cost},
             "max_queue": max_queue, "max_queue_wait": max_queue_wait, "time_scale": time_scale, "max_tokens": max_tokens,
             "tenant_queue_waits": dict(own_waits) or None,
             "tenant_shares": dict(base.tenant_shares) or None, "tier_tokens": tiers,

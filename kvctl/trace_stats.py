@@ -70,16 +70,19 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
         figures["served"] = {
             **timing_figures([r.served.to_object() for r in served]), "cached_token_ratio": live_cached_ratio(served),
             "prefill_rate": rates.prefill_rate, "decode_rate": rates.decode_rate,
-            "decode_batch_cost": rates.decode_batch_cost,
+            "decode_batch_cost": rates.decode_batch_cost, "decode_context_cost": rates.decode_context_cost,
         }
     figures["fleet"] = fleet_figures(requests)
     return figures
 
 
-def batch_cost_text(cost: float | None) -> str:
+def batch_cost_text(cost: float | None, context_cost: float | None = None) -> str:
     """What follows a decode rate the trace's timings give, where they fit a decode batch cost
-    (service_rates.fit_batch_cost); '' where not."""
-    return "" if cost is None else f" alone, a step {cost:.1%} longer for each other request in service"
+    (service_rates.fit_decode_costs) and a context cost; '' where not."""
+    if cost is None:
+        return ""
+    return (f" alone, a step {cost:.1%} longer for each other request in service"
+            + ("" if not context_cost else f" and {context_cost:.1%} for each 1,024 tokens of context it holds"))
 
 
 def fleet_figures(requests: Sequence[TraceRequest]) -> dict | None:
@@ -146,7 +149,7 @@ def stats_lines(figures: dict) -> list[tuple[str, str]]:
                   ("-" if served["prefill_rate"] is None else f"prefill {served['prefill_rate']:,.0f} tokens/s")
                   + ", " + ("-" if served["decode_rate"] is None else
                             f"decode {served['decode_rate']:,.0f} tokens/s a request"
-                            + batch_cost_text(served.get("decode_batch_cost"))))]
+                            + batch_cost_text(served.get("decode_batch_cost"), served.get("decode_context_cost"))))]
     fleet = figures["fleet"]
     if fleet:
         def replica_row(name: str, row: dict) -> str:

@@ -5,6 +5,7 @@ fits that cost from the timings kvd's trace keeps."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -206,3 +207,96 @@ def test_kvctl_bench_replay_sets_kvd_s_own_timings_beside_the_runs(tmp_path, cap
     assert "round_robin (block 16, capacity 262,144, lru): 0 preempted" in text
     status, printed, _ = cli(capsys, *args, "--sequential")  # no times in sequential mode: nothing beside
     assert status == 0 and "kvd's own account" not in printed
+
+
+# ---- the context a batch holds (decode_context_cost) ---------------------------------------------
+# A (1,014 prompt tokens, 20 out) alone from 0 s, B (1,019, 10 out) from 1 s: prefill takes no time,
+# 10 tokens/s alone with no context. Cost 1.0 for each 1,024 tokens of context.
+LONG = [TraceRequest(0.0, 1014, 20, (1, 2)), TraceRequest(1000.0, 1019, 10, (3, 4))]
+LONG_SETTINGS = dict(capacity_tokens=4096, prefill_rate=1e12, decode_rate=10.0, decode_context_cost=1.0)
+
+
+def test_a_request_decodes_more_slowly_the_more_context_its_batch_holds():
+    # alone, A holds 1,014 + (0 + 20) / 2 = 1,024 tokens on average as it decodes: 5 tokens/s, 4 s
+    [alone] = replica_run(LONG[:1], **LONG_SETTINGS).e2e
+    assert alone == pytest.approx(4.0)
+    # A makes 5 tokens by 1 s. Then A holds 1,014 + (5 + 20) / 2 and B 1,019 + (0 + 10) / 2 ahead: both
+    # at 10 / (1 + 2,050.5 / 1,024). B finishes after its 10; A, 5 from its end, goes on alone holding
+    # 1,014 + (15 + 20) / 2
+    together = 10.0 / (1.0 + (1014 + 12.5 + 1019 + 5) / 1024)
+    b_done = 1.0 + 10 / together
+    a_done = b_done + 5 / (10.0 / (1.0 + (1014 + 17.5) / 1024))
+    assert replica_run(LONG, **LONG_SETTINGS).e2e == [pytest.approx(b_done - 1.0), pytest.approx(a_done)]
+    both = replica_run(LONG, **LONG_SETTINGS, decode_batch_cost=0.5)  # and each other request costs half a step
+    assert both.e2e[0] == pytest.approx(10 / (10.0 / (1.5 + 2050.5 / 1024)))
+    # no context cost: 10 tokens/s each, A done at 2 s, B too
+    assert sorted(replica_run(LONG, **{**LONG_SETTINGS, "decode_context_cost": 0.0}).e2e) == [
+        pytest.approx(1.0), pytest.approx(2.0)]
+
+
+def test_the_context_in_service_is_each_prompt_from_admission_and_its_output_as_it_decodes():
+    from kvctl.daemon.replay.service_rates import context_in_service
+
+    # alone: admitted at 0, first token at 1 s, last at 3 s, 100 prompt tokens and 20 out: 110 on average
+    assert context_in_service([(0.0, 1.0, 3.0)], [(100, 20)]) == [pytest.approx(110.0)]
+    # beside a second, admitted at 2 s (50 tokens) that decodes 10 from 2.5 s to 4 s; far from the origin
+    # too (the sums are kept near it). The third decoded in no time
+    for origin in (0.0, 86_400.0):
+        spans = [(origin, origin + 1.0, origin + 3.0), (origin + 2.0, origin + 2.5, origin + 4.0),
+                 (origin + 9.0, origin + 9.0, origin + 9.0)]
+        first = (2 * 110 + 0.5 * 50 + 0.5 * (50 + 10 * 0.25 / 1.5)) / 2
+        second = (0.5 * (100 + 10 * 1.75) + 1.5 * 55) / 1.5
+        assert context_in_service(spans, [(100, 20), (50, 10), (7, 1)]) == [
+            pytest.approx(first), pytest.approx(second), 0.0]
+
+
+def timed(t_ms, prompt, decode_ms):
+    ids = tuple(int(t_ms) + i for i in range(-(-prompt // 512)))
+    return TraceRequest(float(t_ms), prompt, 11, ids, None, 512, Served(0.0, 0.0, decode_ms, 0))
+
+
+def decode_ms(others, context):
+    """10 later tokens at 0.1 s a token alone with no context; each other request in service 50%
+    more, each 1,024 tokens of context it holds 25% more."""
+    return 10 * 0.1 * (1 + 0.5 * others + 0.25 * context / 1024) * 1000
+
+
+def test_the_context_cost_comes_from_a_plane_through_the_trace_s_timings():
+    """decode_ms's costs. Alone a request holds its prompt and half its output (+5.5, of 11) on
+    average as it decodes; two together twice that."""
+    trace = [timed(0, 1019, decode_ms(0, 1024.5)), timed(100_000, 3067, decode_ms(0, 3072.5)),
+             timed(200_000, 1019, decode_ms(1, 2 * 1024.5)), timed(200_000, 1019, decode_ms(1, 2 * 1024.5)),
+             timed(300_000, 2043, decode_ms(0, 2048.5))]
+    rates = measured_rates(trace)
+    assert (rates.decode_rate, rates.decode_batch_cost, rates.decode_context_cost) == (
+        pytest.approx(10.0), pytest.approx(0.5), pytest.approx(0.25))
+    # beside another a request decoded faster (a plane falling with the batch): no batch cost, and the
+    # least-squares line through seconds a token against the context alone (equal tokens: unweighted)
+    faster = [timed(0, 1019, decode_ms(0, 1024.5)), timed(100_000, 3067, decode_ms(0, 3072.5)),
+              timed(200_000, 1019, decode_ms(-0.2, 2049)), timed(200_000, 1019, decode_ms(-0.2, 2049))]
+    line = statistics.linear_regression([1024.5 / 1024, 3072.5 / 1024, 2049 / 1024, 2049 / 1024],
+                                        [decode_ms(0, 1024.5) / 1e4, decode_ms(0, 3072.5) / 1e4,
+                                         decode_ms(-0.2, 2049) / 1e4, decode_ms(-0.2, 2049) / 1e4])
+    fitted = measured_rates(faster)
+    assert (fitted.decode_rate, fitted.decode_batch_cost, fitted.decode_context_cost) == (
+        pytest.approx(1 / line.intercept), 0.0, pytest.approx(line.slope / line.intercept))
+    # every request holds the context its batch size says (PAIRED): no plane, the batch cost alone
+    assert measured_rates(PAIRED) == MeasuredRates(3, None, pytest.approx(10.0), pytest.approx(1.0), None)
+
+
+def test_kvctl_bench_replay_takes_a_context_cost_and_trace_stats_prints_the_fitted_one(tmp_path, capsys):
+    path = tmp_path / "long.jsonl"
+    write_trace(path, LONG[:1])
+    args = ("bench", "replay", str(path), "--block-sizes", "16", "--capacity-tokens", "4096", "--policy", "lru",
+            "--prefill-rate", "1e12", "--decode-rate", "10")
+    status, printed, _ = cli(capsys, *args, "--decode-context-cost", "1.0", "--json")
+    document = json.loads(printed)
+    assert status == 0 and document["settings"]["decode_context_cost"] == 1.0
+    assert document["runs"][0]["e2e_p50_s"] == pytest.approx(4.0)
+    status, _, err = cli(capsys, *args, "--decode-context-cost", "-1")
+    assert status == 2 and "decode_context_cost: must be a number >= 0 (0: none), got -1.0" in " ".join(err.split())
+    write_trace(path, [timed(0, 1019, decode_ms(0, 1024.5)), timed(100_000, 3067, decode_ms(0, 3072.5)),
+                       timed(200_000, 1019, decode_ms(1, 2049)), timed(200_000, 1019, decode_ms(1, 2049))])
+    status, printed, _ = cli(capsys, "trace", "stats", str(path))
+    assert status == 0 and ("a step 50.0% longer for each other request in service and 25.0% for each 1,024 "
+                            "tokens of context it holds") in " ".join(printed.replace("│", " ").split())

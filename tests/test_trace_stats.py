@@ -37,7 +37,7 @@ def test_a_trace_s_figures_worked_out_by_hand():
                    "queued_p50_s": 0.002, "queued_p95_s": 0.003, "prefill_p50_s": 0.02,
                    "prefill_cached_over_uncached": 0.010 / 0.050,  # the lower median of 10 and 20 ms, over 50
                    "prefill_rate": pytest.approx((1024 + 512 + 76) / 0.08), "decode_rate": pytest.approx(32 / 0.32),
-                   "decode_batch_cost": None},  # each decoded alone: no line to draw
+                   "decode_batch_cost": None, "decode_context_cost": None},  # each decoded alone: no line
         "fleet": None,  # no line names a replica: not a fleet's trace
     }
     # at 512: the second's 1,024 tokens are two blocks, of which one can hit (its last token is computed)

@@ -11,10 +11,12 @@ a request admitted at t finishes at
 with `decode_batch_cost` 0 (the default). With a cost c, a request decodes at
 decode_rate / (1 + c * (n - 1)) tokens a second while n requests are in service, as a batched
 decode step grows with its batch: each admission, finish and preemption changes every running
-request's pace from then on (processor sharing, recomputed at each event). It counts requests,
-not their context lengths. `kvctl bench replay --rates-from-trace` fits c from kvd's own timings
-(service_rates.py). Either way, at most `max_running` requests at once and an admission queue of at
-most `max_queue` waiting requests, first come first served; with `queue_order`
+request's pace from then on (processor sharing, recomputed at each event). With a context cost k
+as well, decode_rate / (1 + c * (n - 1) + k * X / 1024), X the context the n hold: each one's prompt
+and the output it made, as a decode step reads every request's KV. X is taken at each event, each
+decoding request counted at the midpoint of what it has left to make. `kvctl bench replay
+--rates-from-trace` fits c and k from kvd's own timings (service_rates.py). Either way, at most
+`max_running` requests at once and an admission queue of at most `max_queue` waiting requests, first come first served; with `queue_order`
 priority by the tenants' `tenant_priorities` (lower first), or with lpm the longest
 cached prefix first, or with priority+lpm lpm's order within each place, as kvd's
 (policies.queue_order).
@@ -72,6 +74,7 @@ from kvctl.policies.queue_order import (LPM_MAX_WAITING, by_prefix, by_priority,
                                        lpm_patience)
 from kvctl.policies.reservation import parse_reservation
 
+from .service_rates import CONTEXT_UNIT
 from .trace import TraceRequest, own_output_keys
 
 
@@ -89,6 +92,9 @@ class ReplaySettings:
     decode_rate: float = 40.0  # output tokens per second per request (alone, with decode_batch_cost)
     # each other request in service lengthens a decode step by this fraction of a lone request's (0: none)
     decode_batch_cost: float = 0.0
+    # each 1,024 tokens of context in service lengthen a decode step by this fraction of a lone request's
+    # with none (0: none)
+    decode_context_cost: float = 0.0
     max_running: int = 64  # requests in service at once
     max_queue: int = 4096  # requests waiting for admission before new ones are rejected
     max_queue_wait: float = 0.0  # seconds a request may wait to start before it is rejected (queue_timeout); 0: no limit
@@ -552,7 +558,9 @@ class ReplicaRun:
                 continue
             if not self.start(index):
                 break
-            self._rerate(len(self.running) + 1)
+            request = self.requests[index]
+            joining = request.input_length + (request.output_length + self.preempted.get(index, (0.0, 0))[1]) / 2
+            self._rerate(len(self.running) + 1, joining)
             self._dequeue(index)
             # (unqueued either way) its first token counts from its arrival, a re-routed one's first arrival
             arrival = self.origins.pop(index, self._unqueue(index))
@@ -589,17 +597,31 @@ class ReplicaRun:
         token = slots + 1 - request.input_length  # the output token (1 is the first) with no slot
         heapq.heappush(self.growing, (since + (token - made) / self.rate, index))
 
-    def decode_rate_at(self, running: int) -> float:
-        """Output tokens a second each request makes while `running` are in service (decode_batch_cost)."""
+    def decode_rate_at(self, running: int, context: float = 0.0) -> float:
+        """Output tokens a second each request makes while `running` are in service holding `context`
+        tokens (decode_batch_cost, decode_context_cost)."""
         s = self.settings
-        if not s.decode_batch_cost:
+        if not s.decode_batch_cost and not s.decode_context_cost:
             return s.decode_rate
-        return s.decode_rate / (1.0 + s.decode_batch_cost * max(running - 1, 0))
+        return s.decode_rate / (1.0 + s.decode_batch_cost * max(running - 1, 0)
+                                + s.decode_context_cost * context / CONTEXT_UNIT)
 
-    def _rerate(self, running: int) -> None:
-        """`running` requests are in service from now: with decode_batch_cost, every running request
-        decodes at their pace from now on, and its finish and next growth move to match."""
-        rate, old = self.decode_rate_at(running), self.rate
+    def context_ahead(self, index: int) -> float:
+        """The context running request `index` holds on average from now to its finish: its prompt
+        and the midpoint of the output it has made and the output it will have."""
+        request, (_, first_token, made, _) = self.requests[index], self.decoding[index]
+        since, made = self.anchors.get(index, (first_token, made))
+        if self.now > since:
+            made += (self.now - since) * self.rate
+        return request.input_length + (made + request.output_length) / 2
+
+    def _rerate(self, running: int, joining: float = 0.0) -> None:
+        """`running` requests are in service from now: with decode_batch_cost or decode_context_cost,
+        every running request decodes at their pace from now on, and its finish and next growth move
+        to match. `joining`: the context of a request being admitted, not running yet."""
+        context = joining + sum(self.context_ahead(index) for _, index in self.running) \
+            if self.settings.decode_context_cost else 0.0
+        rate, old = self.decode_rate_at(running, context), self.rate
         if rate == old:
             return
         now, requests = self.now, self.requests

@@ -99,8 +99,9 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
     for name in ("prefill_rate", "decode_rate", "time_scale"):
         if not getattr(base, name) > 0:
             raise ValueError(f"{name}: must be > 0, got {getattr(base, name)!r}")
-    if not 0 <= base.decode_batch_cost < float("inf"):
-        raise ValueError(f"decode_batch_cost: must be a number >= 0 (0: none), got {base.decode_batch_cost!r}")
+    for name in ("decode_batch_cost", "decode_context_cost"):
+        if not 0 <= getattr(base, name) < float("inf"):
+            raise ValueError(f"{name}: must be a number >= 0 (0: none), got {getattr(base, name)!r}")
     if base.max_tokens is not None and base.max_tokens < 1:
         raise ValueError(f"max_tokens: must be >= 1, got {base.max_tokens!r}")
     for name in ("max_running", "max_queue"):
