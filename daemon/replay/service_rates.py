@@ -139,18 +139,14 @@ def fit_batch_cost(served: Sequence[TraceRequest]) -> tuple[float, float] | None
     """(decode rate alone, decode_batch_cost) from the served requests' decode timings, each
     replica's apart (see the module's doc); None where the trace cannot say."""
     points = [(x, y, w) for x, _, y, w in decode_points(served)]
-    weight = sum(w for _, _, w in points)
     if len(points) < FIT_MIN_REQUESTS:
         return None
-    x_mean = sum(x * w for x, _, w in points) / weight
-    y_mean = sum(y * w for _, y, w in points) / weight
-    spread = sum(w * (x - x_mean) ** 2 for x, _, w in points)
-    if spread <= 1e-9 * weight:  # all beside as many others: nothing to draw a line through
+    line = _line(points)
+    if line is None:  # all beside as many others: nothing to draw a line through
         return None
-    slope = sum(w * (x - x_mean) * (y - y_mean) for x, y, w in points) / spread
-    if slope <= 0:
-        return 1.0 / y_mean, 0.0
-    alone = y_mean - slope * x_mean
+    alone, slope = line
+    if slope <= 0:  # decoding never slowed: no cost, at the mean rate
+        return 1.0 / (sum(y * w for _, y, w in points) / sum(w for _, _, w in points)), 0.0
     if alone <= 0:  # a line that says a lone request would decode in no time: no fit
         return None
     return 1.0 / alone, slope / alone
