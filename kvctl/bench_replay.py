@@ -14,7 +14,8 @@ from rich.text import Text
 
 from kvctl.daemon.replay.fleet import RECORDED, FleetResult, limit_choices, places_new_prefixes, reads_load
 from kvctl.daemon.replay.service_rates import measured_rates
-from kvctl.trace_stats import batch_cost_text, coarse_ids, fleet_figures, live_cached_ratio, live_timings
+from kvctl.trace_stats import (batch_cost_text, coarse_ids, fleet_figures, live_cached_ratio, live_timings,
+                               prefill_cost_text)
 from kvctl.daemon.replay.simulator import ReplayResult, ReplaySettings
 from kvctl.daemon.replay.sweep import sweep, sweep_fleet, validate_grid
 from kvctl.daemon.replay.trace import generate_trace, read_trace
@@ -84,7 +85,13 @@ def replay_command(
                                            "(fraction:1.0,p95). Short of an output, a request grows as it decodes "
                                            "and preempts as kvd's does."),
     sequential: bool = typer.Option(False, "--sequential", help="One request at a time."),
-    prefill_rate: float = typer.Option(20_000.0, help="Service model: prefill tokens per second."),
+    prefill_rate: float = typer.Option(20_000.0, help="Service model: prefill tokens per second (with no context, "
+                                       "with --prefill-context-cost)."),
+    prefill_overhead: float = typer.Option(0.0, help="Service model: seconds each prompt's computation takes beyond "
+                                           "its tokens' (the step it runs in); 0: none."),
+    prefill_context_cost: float = typer.Option(
+        0.0, help="Service model: each 1,024 tokens before a prompt token (cached or computed) make it this fraction "
+                  "longer to compute, as its attention reads them; 0: none."),
     decode_rate: float = typer.Option(40.0, help="Service model: output tokens per second per request (alone, with "
                                       "--decode-batch-cost)."),
     decode_batch_cost: float = typer.Option(
@@ -212,6 +219,7 @@ def replay_command(
     base = ReplaySettings(block_size=sizes[0] if sizes else 16,
                           capacity_tokens=capacities[0] if capacities else 0,
                           reservation=reservations[0], sequential=sequential, prefill_rate=prefill_rate,
+                          prefill_overhead=prefill_overhead, prefill_context_cost=prefill_context_cost,
                           decode_rate=decode_rate, decode_batch_cost=decode_batch_cost,
                           decode_context_cost=decode_context_cost, max_running=runnings[0] if runnings else 64,
                           max_queue=max_queue,
@@ -279,12 +287,17 @@ def replay_command(
                        decode_batch_cost=base.decode_batch_cost if measured.decode_batch_cost is None
                        else measured.decode_batch_cost,
                        decode_context_cost=base.decode_context_cost if measured.decode_context_cost is None
-                       else measured.decode_context_cost)
+                       else measured.decode_context_cost,
+                       prefill_overhead=base.prefill_overhead if measured.prefill_overhead is None
+                       else measured.prefill_overhead,
+                       prefill_context_cost=base.prefill_context_cost if measured.prefill_context_cost is None
+                       else measured.prefill_context_cost)
         if not as_json:
             err.print(f"service model from the trace's own timings ({measured.requests:,} requests): prefill "
                       + (f"{measured.prefill_rate:,.0f}" if measured.prefill_rate else f"{base.prefill_rate:,.0f} "
                          "(none to measure it on: --prefill-rate's)")
-                      + " tokens/s, decode "
+                      + " tokens/s" + prefill_cost_text(measured.prefill_overhead, measured.prefill_context_cost)
+                      + ", decode "
                       + (f"{measured.decode_rate:,.0f}" if measured.decode_rate else f"{base.decode_rate:,.0f} "
                          "(no request made two tokens: --decode-rate's)")
                       + " tokens/s a request"
@@ -301,13 +314,15 @@ def replay_command(
         "requests": len(requests),
         "settings": {
             "mode": "sequential" if sequential else "concurrent", "reservation": ",".join(reservations),
-            "prefill_rate": base.prefill_rate, "decode_rate": base.decode_rate,
+            "prefill_rate": base.prefill_rate, "prefill_overhead": base.prefill_overhead,
+            "prefill_context_cost": base.prefill_context_cost, "decode_rate": base.decode_rate,
             "decode_batch_cost": base.decode_batch_cost, "decode_context_cost": base.decode_context_cost,
             "max_running": runnings[0] if len(runnings) == 1 else runnings,  # (several: compared)
             "rates_from_trace": None if measured is None else {
                 "requests": measured.requests, "prefill_rate": measured.prefill_rate,
                 "decode_rate": measured.decode_rate, "decode_batch_cost": measured.decode_batch_cost,
-                "decode_context_cost": measured.decode_context_cost},
+                "decode_context_cost": measured.decode_context_cost, "prefill_overhead": measured.prefill_overhead,
+                "prefill_context_cost": measured.prefill_context_cost},
             "max_queue": max_queue, "max_queue_wait": max_queue_wait, "time_scale": time_scale, "max_tokens": max_tokens,
             "tenant_queue_waits": dict(own_waits) or None,
             "tenant_shares": dict(base.tenant_shares) or None, "tier_tokens": tiers,

@@ -71,9 +71,19 @@ def trace_stats(requests: Sequence[TraceRequest], block_size: int = 16) -> dict:
             **timing_figures([r.served.to_object() for r in served]), "cached_token_ratio": live_cached_ratio(served),
             "prefill_rate": rates.prefill_rate, "decode_rate": rates.decode_rate,
             "decode_batch_cost": rates.decode_batch_cost, "decode_context_cost": rates.decode_context_cost,
+            "prefill_overhead": rates.prefill_overhead, "prefill_context_cost": rates.prefill_context_cost,
         }
     figures["fleet"] = fleet_figures(requests)
     return figures
+
+
+def prefill_cost_text(overhead: float | None, context_cost: float | None) -> str:
+    """What follows a prefill rate the trace's timings give, where they fit its overhead and context
+    cost (service_rates.fit_prefill); '' where not."""
+    if overhead is None:
+        return ""
+    return ((" with no context" if context_cost else "") + f", {overhead * 1000:.2f} ms more a prompt"
+            + (f", a token {context_cost:.1%} longer for each 1,024 tokens before it" if context_cost else ""))
 
 
 def batch_cost_text(cost: float | None, context_cost: float | None = None) -> str:
@@ -146,7 +156,8 @@ def stats_lines(figures: dict) -> list[tuple[str, str]]:
                                           + ("" if served["prefill_cached_over_uncached"] is None else
                                              f", cached ÷ uncached {served['prefill_cached_over_uncached']:.3f}")),
                  ("rates (--rates-from-trace)",
-                  ("-" if served["prefill_rate"] is None else f"prefill {served['prefill_rate']:,.0f} tokens/s")
+                  ("-" if served["prefill_rate"] is None else f"prefill {served['prefill_rate']:,.0f} tokens/s"
+                   + prefill_cost_text(served.get("prefill_overhead"), served.get("prefill_context_cost")))
                   + ", " + ("-" if served["decode_rate"] is None else
                             f"decode {served['decode_rate']:,.0f} tokens/s a request"
                             + batch_cost_text(served.get("decode_batch_cost"), served.get("decode_context_cost"))))]

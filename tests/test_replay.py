@@ -906,7 +906,8 @@ def test_kvctl_bench_replay_takes_its_rates_from_the_trace_when_asked(tmp_path, 
     settings = json.loads(printed)["settings"]
     assert status == 0 and (settings["prefill_rate"], settings["decode_rate"]) == (1100 / 0.12, 50.0)
     assert settings["rates_from_trace"] == {"requests": 2, "prefill_rate": 1100 / 0.12, "decode_rate": 50.0,
-                                           "decode_batch_cost": None, "decode_context_cost": None}
+                                           "decode_batch_cost": None, "decode_context_cost": None,
+                                           "prefill_overhead": None, "prefill_context_cost": None}  # two: no line
     [run] = json.loads(printed)["runs"]  # the first request computes its 1,000 tokens at the trace's rate
     assert run["ttft_p95_s"] == pytest.approx(1000 / (1100 / 0.12))
     status, _, err = cli(capsys, "bench", "replay", str(path), "--block-sizes", "16", "--policy", "lru",

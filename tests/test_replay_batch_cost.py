@@ -300,3 +300,60 @@ def test_kvctl_bench_replay_takes_a_context_cost_and_trace_stats_prints_the_fitt
     status, printed, _ = cli(capsys, "trace", "stats", str(path))
     assert status == 0 and ("a step 50.0% longer for each other request in service and 25.0% for each 1,024 "
                             "tokens of context it holds") in " ".join(printed.replace("│", " ").split())
+
+
+# ---- a prompt's computation: an overhead, and a cost per token of context before each token --------
+# A computes 1,024 new tokens at 0 s; B, at 10 s, shares A's first 512 (one 512-token block) and computes
+# 512 more after them. 1,000 tokens/s with no context, 10 ms more a prompt, each 1,024 tokens before a
+# token doubling its time.
+PROMPTS = [TraceRequest(0.0, 1024, 2, (1, 2), None, 512), TraceRequest(10_000.0, 1024, 2, (1, 3), None, 512)]
+PROMPT_SETTINGS = dict(capacity_tokens=4096, prefill_rate=1000.0, decode_rate=1e12, prefill_overhead=0.01,
+                       prefill_context_cost=1.0)
+
+
+def test_a_prompt_takes_an_overhead_and_longer_the_more_context_stands_before_its_tokens():
+    replica = replica_run(PROMPTS, **PROMPT_SETTINGS)
+    # A: 0.01 + 1.024 s * (1 + 512 / 1,024), its tokens' context 512 on average; B: 0.01 + 0.512 s *
+    # (1 + (512 + 256) / 1,024)
+    assert replica.ttft == [pytest.approx(0.01 + 1.024 * 1.5), pytest.approx(0.01 + 0.512 * 1.75)]
+    assert replica_run(PROMPTS, **{**PROMPT_SETTINGS, "prefill_context_cost": 0.0}).ttft == [
+        pytest.approx(1.034), pytest.approx(0.522)]
+    plain = replica_run(PROMPTS, capacity_tokens=4096, prefill_rate=1000.0, decode_rate=1e12)
+    assert plain.ttft == [1.024, 0.512]  # neither: as before, bit for bit
+    # preempted while it computes its prompt: what it computed is cached, at an even pace after the overhead
+    assert [replica._prefilled(t, 1.01, 100) for t in (0.005, 0.51, 2.0)] == [0, 50, 100]
+
+
+def test_the_prefill_costs_come_from_a_plane_through_the_trace_s_first_token_times():
+    def timed_prefill(t_ms, prompt, cached):
+        uncached = prompt - cached
+        seconds = 0.004 + uncached / 50_000 * (1 + 0.75 * (cached + uncached / 2) / 1024)
+        ids = tuple(int(t_ms) + i for i in range(-(-prompt // 512)))
+        return TraceRequest(float(t_ms), prompt, 1, ids, None, 512, Served(0.0, seconds * 1000, 0.0, cached))
+
+    trace = [timed_prefill(0, 2080, 0), timed_prefill(1000, 2080, 2048), timed_prefill(2000, 6176, 6144),
+             timed_prefill(3000, 6176, 0), timed_prefill(4000, 96, 64)]
+    rates = measured_rates(trace)
+    assert (rates.prefill_rate, rates.prefill_overhead, rates.prefill_context_cost) == (
+        pytest.approx(50_000), pytest.approx(0.004), pytest.approx(0.75))
+    # every prompt computed in no time beyond an overhead that shrinks with it: no plane or line holds
+    shrinking = [TraceRequest(float(t), n, 1, tuple(range(t, t + n // 512 + 1)), None, 512, Served(0.0, ms, 0.0, 0))
+                 for t, n, ms in ((0, 100, 9.0), (10, 1000, 5.0), (20, 4000, 1.0))]
+    assert measured_rates(shrinking).prefill_overhead is None
+    assert measured_rates(shrinking).prefill_rate == pytest.approx(5100 / 0.015)  # the ratio, as before
+
+
+def test_kvctl_bench_replay_takes_the_prefill_costs(tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    write_trace(path, PROMPTS)
+    args = ("bench", "replay", str(path), "--block-sizes", "16", "--capacity-tokens", "4096", "--policy", "lru",
+            "--prefill-rate", "1000", "--decode-rate", "1e12")
+    status, printed, _ = cli(capsys, *args, "--prefill-overhead", "0.01", "--prefill-context-cost", "1", "--json")
+    document = json.loads(printed)
+    assert status == 0 and (document["settings"]["prefill_overhead"], document["settings"]["prefill_context_cost"]) \
+        == (0.01, 1.0)
+    assert document["runs"][0]["ttft_p95_s"] == pytest.approx(0.01 + 1.024 * 1.5)
+    for option in ("--prefill-overhead", "--prefill-context-cost"):
+        status, _, err = cli(capsys, *args, option, "-0.5")
+        name = option[2:].replace("-", "_")
+        assert status == 2 and f"{name}: must be a number >= 0 (0: none), got -0.5" in " ".join(err.split())

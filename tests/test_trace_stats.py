@@ -4,6 +4,7 @@ on a trace small enough to work out by hand."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -18,6 +19,9 @@ TRACE = [
     TraceRequest(1000.0, 600, 0, (4, 5), "acme"),  # turned away: kvd says nothing of how it served it
     TraceRequest(2000.0, 1100, 5, (1, 2, 6), None, 512, Served(2.0, 20.0, 40.0, 1024)),
 ]
+
+
+PREFILL = statistics.linear_regression([1024, 512, 76], [0.050, 0.010, 0.020])
 
 
 def test_a_trace_s_figures_worked_out_by_hand():
@@ -36,7 +40,10 @@ def test_a_trace_s_figures_worked_out_by_hand():
         "served": {"requests": 3, "cached_token_ratio": (512 + 1024) / (1024 + 1024 + 1100),
                    "queued_p50_s": 0.002, "queued_p95_s": 0.003, "prefill_p50_s": 0.02,
                    "prefill_cached_over_uncached": 0.010 / 0.050,  # the lower median of 10 and 20 ms, over 50
-                   "prefill_rate": pytest.approx((1024 + 512 + 76) / 0.08), "decode_rate": pytest.approx(32 / 0.32),
+                   # the plane through the three prompts falls with the context: a line through their uncached
+                   # tokens, its slope a token's time and its value at 0 what each prompt takes more
+                   "prefill_rate": pytest.approx(1 / PREFILL.slope),
+                   "prefill_overhead": pytest.approx(PREFILL.intercept), "prefill_context_cost": 0.0, "decode_rate": pytest.approx(32 / 0.32),
                    "decode_batch_cost": None, "decode_context_cost": None},  # each decoded alone: no line
         "fleet": None,  # no line names a replica: not a fleet's trace
     }
@@ -57,7 +64,7 @@ def test_kvctl_trace_stats_prints_them_and_refuses_bad_input_by_name(tmp_path, c
                  "opening 75% of them; the most shared open 3 requests",
                  "kvd served 3 requests, cached-token ratio 0.488",
                  "queued p50 2.0 ms, p95 3.0 ms; admission to first token p50 20.0 ms, cached ÷ uncached 0.200",
-                 "prefill 20,150 tokens/s, decode 100 tokens/s a request"]:
+                 "prefill 30,317 tokens/s, 8.94 ms more a prompt, decode 100 tokens/s a request"]:
         assert said in text, said
     status, _, err = cli(capsys, "trace", "stats", str(path), "--block-size", "24")
     assert status == 2 and "block_size: expected a power of two from 1 to 512, got 24" in err

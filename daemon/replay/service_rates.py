@@ -9,6 +9,13 @@ totals equal the live ones:
 
 - prefill_rate: uncached prompt tokens of every served request ÷ their admission-to-first-token
   seconds. A fully cached prompt still costs a step; the sum counts that step against the rate.
+- prefill_overhead and prefill_context_cost, where the trace shows prompts of different lengths
+  computed after different amounts of context: a plane through each request's admission-to-first-
+  token seconds against its uncached tokens u and their attention's reach u * (c + u / 2) / 1,024
+  (c its cached tokens), by least squares. Its value at 0 is the overhead; its slope in u gives
+  prefill_rate in place of the ratio above, and the other slope over that one the context cost.
+  Where the plane says a negative time or cost, a line through the uncached tokens alone (no
+  context cost); where that does too, the ratio above and neither.
 - decode_rate: output tokens after the first ÷ their first-to-last-token seconds (per request:
   they ran beside the others, as the replay's requests do).
 - decode_batch_cost, where the trace shows requests decoding beside different numbers of others:
@@ -52,6 +59,10 @@ class MeasuredRates:
     # each CONTEXT_UNIT tokens of context in service lengthen a decode step by this fraction of a lone
     # request's with none; None: not fitted (as above, or all decoded beside as much context)
     decode_context_cost: float | None = None
+    # seconds each prompt's computation takes beyond its tokens', and each CONTEXT_UNIT tokens before a
+    # prompt token make it this fraction longer; None: not fitted (fit_prefill: the ratio stands)
+    prefill_overhead: float | None = None
+    prefill_context_cost: float | None = None
 
 
 def measured_rates(requests: Sequence[TraceRequest]) -> MeasuredRates:
@@ -66,9 +77,31 @@ def measured_rates(requests: Sequence[TraceRequest]) -> MeasuredRates:
     decode_s = sum(r.served.decode_ms for r in served) / 1000.0
     decode_rate = later / decode_s if later and decode_s > 0 else None
     fitted = fit_decode_costs(served) if decode_rate is not None else None
-    return MeasuredRates(len(served), uncached / prefill_s if uncached and prefill_s > 0 else None,
+    prefill = fit_prefill(served)
+    prefill_rate = uncached / prefill_s if uncached and prefill_s > 0 else None
+    return MeasuredRates(len(served), prefill_rate if prefill is None else prefill[0],
                          decode_rate if fitted is None else fitted[0], None if fitted is None else fitted[1],
-                         None if fitted is None else fitted[2])
+                         None if fitted is None else fitted[2], *(prefill[1:] if prefill is not None else (None, None)))
+
+
+def fit_prefill(served: Sequence[TraceRequest]) -> tuple[float, float, float] | None:
+    """(prefill_rate, prefill_overhead, prefill_context_cost) from the served requests' admission-to-
+    first-token seconds (see the module's doc); None where neither the plane nor the line holds."""
+    points = []  # (uncached tokens, their attention's reach in CONTEXT_UNITs, seconds, weight)
+    for r in served:
+        cached = r.served.cached_tokens
+        uncached = r.input_length - cached
+        points.append((float(uncached), uncached * (cached + uncached / 2) / CONTEXT_UNIT,
+                       r.served.prefill_ms / 1000.0, 1.0))
+    if len(points) < FIT_MIN_REQUESTS:
+        return None
+    plane = _plane(points)
+    if plane is not None and plane[0] >= 0 and plane[1] > 0 and plane[2] >= 0:
+        return 1.0 / plane[1], plane[0], plane[2] / plane[1]
+    line = _line([(u, y, w) for u, _, y, w in points])
+    if line is not None and line[0] >= 0 and line[1] > 0:
+        return 1.0 / line[1], line[0], 0.0
+    return None
 
 
 def decode_points(served: Sequence[TraceRequest]) -> list[tuple[float, float, float, float]]:

@@ -8,9 +8,11 @@ a request admitted at t finishes at
 
     t + uncached prompt tokens / prefill_rate + output tokens / decode_rate
 
-with `decode_batch_cost` 0 (the default). With a cost c, a request decodes at
-decode_rate / (1 + c * (n - 1)) tokens a second while n requests are in service, as a batched
-decode step grows with its batch: each admission, finish and preemption changes every running
+with `prefill_overhead`, `prefill_context_cost` and `decode_batch_cost` 0 (the defaults). A prompt's
+computation takes `prefill_overhead` seconds more, and each of its tokens (1 + p * its context /
+1024) times 1 / prefill_rate, its context the tokens before it (`prefill_seconds`: at their mean).
+With a cost c, a request decodes at decode_rate / (1 + c * (n - 1)) tokens a second while n
+requests are in service, as a batched decode step grows with its batch: each admission, finish and preemption changes every running
 request's pace from then on (processor sharing, recomputed at each event). With a context cost k
 as well, decode_rate / (1 + c * (n - 1) + k * X / 1024), X the context the n hold: each one's prompt
 and the output it made, as a decode step reads every request's KV. X is taken at each event, each
@@ -88,7 +90,11 @@ class ReplaySettings:
     policy: str = "lru"
     reservation: str = "fraction:1.0"  # output reservation spec (see policies.reservation)
     sequential: bool = False
-    prefill_rate: float = 20_000.0  # uncached prompt tokens per second
+    prefill_rate: float = 20_000.0  # uncached prompt tokens per second (each with no context, with the two below)
+    # each 1,024 tokens before a prompt token (cached, or computed before it) make it this fraction longer
+    # to compute, as its attention reads them (0: none)
+    prefill_context_cost: float = 0.0
+    prefill_overhead: float = 0.0  # seconds each prompt's computation takes more, whatever its length
     decode_rate: float = 40.0  # output tokens per second per request (alone, with decode_batch_cost)
     # each other request in service lengthens a decode step by this fraction of a lone request's (0: none)
     decode_batch_cost: float = 0.0
@@ -448,8 +454,18 @@ class ReplicaRun:
         self.now = max(self.now, to)
 
     def service_seconds(self, index: int, uncached: int) -> float:
-        request, s = self.requests[index], self.settings
-        return uncached / s.prefill_rate + request.output_length / self.rate
+        request = self.requests[index]
+        return self.prefill_seconds(uncached, request.input_length - uncached) + request.output_length / self.rate
+
+    def prefill_seconds(self, uncached: int, cached: int) -> float:
+        """Seconds to compute `uncached` prompt tokens after `cached` ones: at prefill_rate, each
+        token longer by prefill_context_cost for each 1,024 tokens before it (at their mean, the
+        cached ones and half the new), and prefill_overhead once."""
+        s = self.settings
+        if not s.prefill_context_cost and not s.prefill_overhead:
+            return uncached / s.prefill_rate  # (the model before them, bit for bit)
+        return s.prefill_overhead + uncached / s.prefill_rate * (
+            1.0 + s.prefill_context_cost * (cached + uncached / 2) / CONTEXT_UNIT)
 
     def wait_seconds(self, held_blocks: int | None = None, tenant: str | None = None, priority: int = 0) -> float:
         """Predicted wait before a request arriving now would start: none while a slot is free
@@ -570,16 +586,16 @@ class ReplicaRun:
             seq = self.manager.sequence(str(index))
             uncached = request.input_length + made - seq.hit_tokens - restored
             first = self.now + (restored / s.restore_rate if restored else 0.0)  # no term without a tier: bit for bit
+            prefill = self.prefill_seconds(uncached, seq.hit_tokens + restored)
             # summed left to right, as the replay always has: its finish times stay bit for bit
-            heapq.heappush(self.running, (first + uncached / s.prefill_rate + (request.output_length - made)
-                                          / self.rate, index))
+            heapq.heappush(self.running, (first + prefill + (request.output_length - made) / self.rate, index))
             self.arrived[index] = arrival
-            self.decoding[index] = (first, first + uncached / s.prefill_rate, made, seq.hit_tokens + restored)
+            self.decoding[index] = (first, first + prefill, made, seq.hit_tokens + restored)
             self._grow_later(index)
             if index in self.first_out:
                 continue  # its first token came before it was preempted
-            self.ttft.append(first - arrival + uncached / s.prefill_rate)
-            self.first_tokens[index] = first + uncached / s.prefill_rate
+            self.ttft.append(first - arrival + prefill)
+            self.first_tokens[index] = first + prefill
             self.pending_ttft[index] = self.ttft[-1]
             if request.tenant is not None:
                 self.tenant_ttft.setdefault(request.tenant, []).append(self.ttft[-1])
@@ -676,7 +692,8 @@ class ReplicaRun:
         request, now = self.requests[index], self.now
         prefill_start, first_token, made, cached = self.decoding.pop(index)
         if now < first_token:  # still computing its prompt: only what it computed is cached
-            computed = cached + max(int((now - prefill_start) * self.settings.prefill_rate), 0)
+            computed = cached + self._prefilled(now - prefill_start, first_token - prefill_start,
+                                                request.input_length + made - cached)
             written = min(computed, request.input_length + made)
         else:  # what it made by now, no more than its blocks have slots for
             seq = self.manager.sequence(str(index))
@@ -716,13 +733,22 @@ class ReplicaRun:
             self.tenant_preempted[request.tenant] += 1
         self.preempted[index] = (self.arrived.pop(index), made)
         cached_now = self.manager.lookup(self.keys[index], request.input_length + made) * self.settings.block_size
-        estimate = (request.input_length + made - cached_now) / self.settings.prefill_rate \
+        estimate = self.prefill_seconds(request.input_length + made - cached_now, cached_now) \
             + (request.output_length - made) / self.rate
         self.arrivals[index], self.queued_work[index] = now, estimate
         self.queued_seconds += estimate
         for key in self.keys[index]:
             self.queued_keys[key] = self.queued_keys.get(key, 0) + 1
         self.waiting.appendleft(index)  # before every later arrival, as kvd ranks it (see the module's doc)
+
+    def _prefilled(self, elapsed: float, whole: float, uncached: int) -> int:
+        """Prompt tokens of `uncached` computed `elapsed` seconds into a prefill of `whole` seconds (at
+        an even pace after prefill_overhead, with the model's costs)."""
+        s = self.settings
+        if not s.prefill_context_cost and not s.prefill_overhead:
+            return max(int(elapsed * s.prefill_rate), 0)  # (bit for bit, as before them)
+        work = whole - s.prefill_overhead
+        return 0 if work <= 0 else min(uncached, max(int((elapsed - s.prefill_overhead) / work * uncached), 0))
 
     def _queue_order(self) -> Iterator[int] | None:
         """The waiting requests in the order of queue_order: under priority, by their places (their

@@ -99,7 +99,7 @@ def validate_grid(block_sizes: Sequence[int], capacities: Sequence[int], policie
     for name in ("prefill_rate", "decode_rate", "time_scale"):
         if not getattr(base, name) > 0:
             raise ValueError(f"{name}: must be > 0, got {getattr(base, name)!r}")
-    for name in ("decode_batch_cost", "decode_context_cost"):
+    for name in ("decode_batch_cost", "decode_context_cost", "prefill_overhead", "prefill_context_cost"):
         if not 0 <= getattr(base, name) < float("inf"):
             raise ValueError(f"{name}: must be a number >= 0 (0: none), got {getattr(base, name)!r}")
     if base.max_tokens is not None and base.max_tokens < 1:
