@@ -204,6 +204,15 @@ def test_a_chat_s_next_turn_through_the_router_hits_the_reply_the_replica_keeps_
     if view == "events":  # it keeps the reply under the tenant the replica served it under
         assert service.reply_ids.figures()["replies"] == 2  # (and the second turn's)
         assert service.reply_ids.ids_for("default", next(iter(service.tokenizers.by_digest)), text) is not None
+        from prometheus_client import generate_latest
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from kvctl.daemon.server.router_metrics import RouterMetrics
+
+        samples = {s.name: s.value for family in text_string_to_metric_families(
+            generate_latest(RouterMetrics(service).registry).decode()) for s in family.samples}
+        assert (samples["kvd_router_reply_ids_kept"], samples["kvd_router_reply_ids_kept_bytes"],
+                samples["kvd_router_reply_ids_dropped_total"]) == (2, service.reply_ids.figures()["bytes"], 0)
 
 
 # ---- what the router reads of the answers it relays (router_replies.py) --------------------------

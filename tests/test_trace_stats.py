@@ -43,7 +43,8 @@ def test_a_trace_s_figures_worked_out_by_hand():
                    # the plane through the three prompts falls with the context: a line through their uncached
                    # tokens, its slope a token's time and its value at 0 what each prompt takes more
                    "prefill_rate": pytest.approx(1 / PREFILL.slope),
-                   "prefill_overhead": pytest.approx(PREFILL.intercept), "prefill_context_cost": 0.0, "decode_rate": pytest.approx(32 / 0.32),
+                   "prefill_overhead": pytest.approx(PREFILL.intercept), "prefill_context_cost": 0.0,
+                   "decode_rate": pytest.approx(32 / 0.32),
                    "decode_batch_cost": None, "decode_context_cost": None},  # each decoded alone: no line
         "fleet": None,  # no line names a replica: not a fleet's trace
     }

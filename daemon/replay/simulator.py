@@ -12,8 +12,9 @@ with `prefill_overhead`, `prefill_context_cost` and `decode_batch_cost` 0 (the d
 computation takes `prefill_overhead` seconds more, and each of its tokens (1 + p * its context /
 1024) times 1 / prefill_rate, its context the tokens before it (`prefill_seconds`: at their mean).
 With a cost c, a request decodes at decode_rate / (1 + c * (n - 1)) tokens a second while n
-requests are in service, as a batched decode step grows with its batch: each admission, finish and preemption changes every running
-request's pace from then on (processor sharing, recomputed at each event). With a context cost k
+requests are in service, as a batched decode step grows with its batch: each admission, finish and
+preemption changes every running request's pace from then on (processor sharing, recomputed at
+each event). With a context cost k
 as well, decode_rate / (1 + c * (n - 1) + k * X / 1024), X the context the n hold: each one's prompt
 and the output it made, as a decode step reads every request's KV. X is taken at each event, each
 decoding request counted at the midpoint of what it has left to make. `kvctl bench replay

@@ -30,6 +30,10 @@
     kvd_router_view_pending_keys{replica}         events view: blocks sent there, not yet in its feed
     kvd_router_view_snapshots_total{replica}      events view: feeds started from a snapshot (1 + restarts,
                                                   gaps and lost connections)
+    kvd_router_reply_ids_kept                     events view: chat replies whose ids it keeps, to weigh a next turn
+                                                  as the replica prompts it (router_replies.py)
+    kvd_router_reply_ids_kept_bytes               events view: what they take, within reply_ids_bytes
+    kvd_router_reply_ids_dropped_total            events view: replies it let go of for room
     kvd_router_decision_seconds                   histogram: time to choose a replica (OpenMetrics scrapes:
                                                   exemplars naming the route's span, where spans are sent)
     kvd_gc_pause_seconds{generation}              histogram: how long each of Python's garbage collections
@@ -111,6 +115,14 @@ class _RouterCollector:
                           lambda r: r.view.pending_count(now))
         yield per_replica(CounterMetricFamily, "view_snapshots", "Feeds started from a snapshot",
                           lambda r: r.snapshots)
+        if self.service.splices_replies:
+            replies = self.service.reply_ids.figures()
+            yield GaugeMetricFamily("kvd_router_reply_ids_kept", "Chat replies whose ids the router keeps, to weigh "
+                                    "a next turn as the replica prompts it", value=replies["replies"])
+            yield GaugeMetricFamily("kvd_router_reply_ids_kept_bytes", "What the kept replies' ids take, within "
+                                    "reply_ids_bytes", value=replies["bytes"])
+            yield CounterMetricFamily("kvd_router_reply_ids_dropped", "Replies' ids the router let go of for room",
+                                      value=replies["dropped"])
         if self.service.tls is not None:
             yield GaugeMetricFamily("kvd_router_tls_certificate_expiry_timestamp_seconds", "When the certificate "
                                     "the TCP front serves expires (Unix time): alert well before it",
