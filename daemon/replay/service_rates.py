@@ -135,7 +135,7 @@ def fit_decode_costs(served: Sequence[TraceRequest]) -> tuple[float, float, floa
             line = _line([(c, y, w) for _, c, y, w in points])
             if line is not None and line[0] > 0 and line[1] > 0:
                 return 1.0 / line[0], 0.0, line[1] / line[0]
-    fitted = fit_batch_cost(served)
+    fitted = _batch_cost([(x, y, w) for x, _, y, w in points])
     return None if fitted is None else (*fitted, None if plane is None else 0.0)
 
 
@@ -171,7 +171,11 @@ def _plane(points: Sequence[tuple[float, float, float, float]]) -> tuple[float, 
 def fit_batch_cost(served: Sequence[TraceRequest]) -> tuple[float, float] | None:
     """(decode rate alone, decode_batch_cost) from the served requests' decode timings, each
     replica's apart (see the module's doc); None where the trace cannot say."""
-    points = [(x, y, w) for x, _, y, w in decode_points(served)]
+    return _batch_cost([(x, y, w) for x, _, y, w in decode_points(served)])
+
+
+def _batch_cost(points: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """fit_batch_cost's line through (others in service, seconds a token, tokens)."""
     if len(points) < FIT_MIN_REQUESTS:
         return None
     line = _line(points)

@@ -14,12 +14,12 @@ computation takes `prefill_overhead` seconds more, and each of its tokens (1 + p
 With a cost c, a request decodes at decode_rate / (1 + c * (n - 1)) tokens a second while n
 requests are in service, as a batched decode step grows with its batch: each admission, finish and
 preemption changes every running request's pace from then on (processor sharing, recomputed at
-each event). With a context cost k
-as well, decode_rate / (1 + c * (n - 1) + k * X / 1024), X the context the n hold: each one's prompt
-and the output it made, as a decode step reads every request's KV. X is taken at each event, each
-decoding request counted at the midpoint of what it has left to make. `kvctl bench replay
---rates-from-trace` fits c and k from kvd's own timings (service_rates.py). Either way, at most
-`max_running` requests at once and an admission queue of at most `max_queue` waiting requests, first come first served; with `queue_order`
+each event). With a context cost k as well, decode_rate / (1 + c * (n - 1) + k * X / 1024), X the
+context the n hold: each one's prompt and the output it made, as a decode step reads every
+request's KV. X is taken at each event, each decoding request counted at the midpoint of what it
+has left to make. `kvctl bench replay --rates-from-trace` fits the costs and rates from kvd's own
+timings (service_rates.py). Either way, at most `max_running` requests at once and an admission
+queue of at most `max_queue` waiting requests, first come first served; with `queue_order`
 priority by the tenants' `tenant_priorities` (lower first), or with lpm the longest
 cached prefix first, or with priority+lpm lpm's order within each place, as kvd's
 (policies.queue_order).
@@ -582,7 +582,7 @@ class ReplicaRun:
             # (unqueued either way) its first token counts from its arrival, a re-routed one's first arrival
             arrival = self.origins.pop(index, self._unqueue(index))
             arrival, made = self.preempted.pop(index, (arrival, 0))
-            request, s = self.requests[index], self.settings
+            s = self.settings
             restored = self.restored[index]
             seq = self.manager.sequence(str(index))
             uncached = request.input_length + made - seq.hit_tokens - restored

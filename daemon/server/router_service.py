@@ -376,23 +376,22 @@ class RouterService:
         adapter = view.adapters.get(question.get("model")) if question is not None else None
         if adapter is not None:  # a LoRA adapter's blocks: its id in the namespace
             namespace = {**namespace, "adapter_id": adapter}
+        tenant = view.tenant_for(tenant)  # as the replica serves it: its kept replies too (router_replies.py)
         if question is None:
             ids = None
         elif "tokens" in question:
             ids = question["tokens"]
         else:
             digest, template_digest = namespace["tokenizer_digest"], view.chat_template
-            served = view.tenant_for(tenant)  # whose kept replies a chat's prompt takes (router_replies.py)
-            if ("ids", digest, template_digest, served) not in memo:
+            if ("ids", digest, template_digest, tenant) not in memo:
                 tokenizer = self.tokenizers.by_digest.get(digest)
                 template = self.tokenizers.templates.get(template_digest) if template_digest else None
                 if tokenizer is None or (template_digest is not None and template is None):
                     return None
                 replies = None if not self.splices_replies else (
-                    lambda text: self.reply_ids.ids_for(served, digest, text))
-                memo["ids", digest, template_digest, served] = local_ids(question, tokenizer, template, replies)
-            ids = memo["ids", digest, template_digest, served]
-        tenant = view.tenant_for(tenant)
+                    lambda text: self.reply_ids.ids_for(tenant, digest, text))
+                memo["ids", digest, template_digest, tenant] = local_ids(question, tokenizer, template, replies)
+            ids = memo["ids", digest, template_digest, tenant]
         priority = question.get("priority", 0) if question is not None else 0  # (a deferral, question_of's)
         if not ids:  # no prompt it can read: it goes by load, and the replica says what is wrong
             return Local(view.facts(0, replica.open, tenant=tenant, priority=priority), [], 0)
