@@ -1309,7 +1309,8 @@ def test_return_token_ids_names_each_prompt_s_ids_on_its_choices(daemon):
     assert [c["prompt_token_ids"] for c in answer["choices"]] == [first, first, second, second]
     assert "prompt_token_ids" not in answer
     echoed = complete(unix, prompt="ab", max_tokens=0, echo=True, logprobs=0, return_token_ids=True).json()
-    assert echoed["choices"][0]["prompt_token_ids"] == service.tokenize("ab") and echoed["choices"][0]["token_ids"] == []
+    [scored] = echoed["choices"]
+    assert scored["prompt_token_ids"] == service.tokenize("ab") and scored["token_ids"] == []
     chunks = sse_events(complete(unix, prompt=SYSTEM + "ids?", stream=True, return_token_ids=True))[:-1]
     assert chunks[0]["choices"][0]["prompt_token_ids"] == first
     assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
