@@ -1319,6 +1319,60 @@ def test_return_token_ids_names_each_prompt_s_ids_on_its_choices(daemon):
                                                                          [])
 
 
+def test_allowed_token_ids_keep_the_draw_to_them(daemon):
+    """vLLM's `allowed_token_ids`: no other token is drawn, EOS included, whatever the sampling."""
+    service, unix, _ = daemon
+    for body in ({"temperature": 1.0, "seed": 5}, {"temperature": 0.0}, {"temperature": 1.0, "logit_bias": {"66": 50}}):
+        [choice] = complete(unix, prompt=SYSTEM + "letters?", max_tokens=12, allowed_token_ids=[65, 66, 67],
+                            **body).json()["choices"]
+        assert set(choice["token_ids"]) <= {65, 66, 67} and len(choice["token_ids"]) == 12
+        assert choice["finish_reason"] == "length"  # EOS is not among them
+    assert choice["token_ids"] == [66] * 12  # the bias counts among the allowed
+    [chat] = call(unix, "POST", "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "ABC?"}], "max_tokens": 5, "temperature": 1.0, "seed": 2,
+        "allowed_token_ids": [65, 66, 67]}).json()["choices"]
+    assert set(chat["token_ids"]) <= {65, 66, 67}
+    assert chat["message"]["content"] == service.loaded.tokenizer.decode(chat["token_ids"])
+    refused = complete(unix, prompt="x", allowed_token_ids=[])
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+        "allowed_token_ids: must name one token or more, got []")
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(daemon):
+    _, unix, _ = daemon
+    plain = complete(unix, prompt=SYSTEM + "stop here?", max_tokens=30, temperature=0.0).json()["choices"][0]["text"]
+    stop = plain[6:9]
+    cut = complete(unix, prompt=SYSTEM + "stop here?", max_tokens=30, temperature=0.0, stop=[stop, "\uffff"]).json()
+    kept = complete(unix, prompt=SYSTEM + "stop here?", max_tokens=30, temperature=0.0, stop=[stop, "\uffff"],
+                    include_stop_str_in_output=True).json()
+    assert cut["choices"][0]["text"] == plain[:plain.index(stop)]
+    assert kept["choices"][0]["text"] == plain[:plain.index(stop)] + stop
+    assert kept["choices"][0]["finish_reason"] == "stop"
+    streamed = sse_events(complete(unix, prompt=SYSTEM + "stop here?", max_tokens=30, temperature=0.0, stop=[stop],
+                                   include_stop_str_in_output=True, stream=True))[:-1]
+    assert "".join(e["choices"][0]["text"] for e in streamed) == kept["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("field, value, hint", [
+    ("skip_special_tokens", False, "kvd's replies leave special tokens out of their text; each choice's token_ids "
+                                   "has them"),
+    ("truncate_prompt_tokens", 100, "kvd never cuts a prompt short on its own (a cached prefix would be lost to the "
+                                    "cut); send it shorter, or send a conversation to /v1/responses with truncation "
+                                    "auto"),
+    ("bad_words", ["cache"], "for words of one token each, logit_bias -100 bans them; allowed_token_ids keeps to a "
+                             "set"),
+    ("add_special_tokens", False, "a completion's prompt is tokenized with the tokenizer's special tokens (BOS), a "
+                                  "chat's as its template writes them; send token ids for any other"),
+])
+def test_vllm_fields_kvd_does_not_do_are_refused_with_what_to_do_instead(daemon, field, value, hint):
+    _, unix, _ = daemon
+    refused = complete(unix, prompt="x", **{field: value})
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+        f"{field}: not supported by kvd, got {value!r}; {hint}")
+    inert = {"skip_special_tokens": True, "truncate_prompt_tokens": None, "bad_words": [], "add_special_tokens": True}
+    assert complete(unix, prompt="x", **{field: inert[field]}).status_code == 200
+
+
 def test_penalties_bias_and_min_tokens_reach_the_sampler(daemon):
     service, unix, _ = daemon
     eos = service.loaded.tokenizer.eos_token_id

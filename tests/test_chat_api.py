@@ -152,6 +152,14 @@ def test_max_completion_tokens_is_max_tokens(daemon):
      "functions: not supported by kvd, got [{'name': 'f'}]; OpenAI's older form of tools: send tools"),
     ({"messages": [{"role": "user", "content": "a"}], "echo": True}, 400, "echo",
      "echo: not supported by kvd, got True; leave it out"),
+    ({"messages": [{"role": "user", "content": "a"}], "skip_special_tokens": False}, 400, "skip_special_tokens",
+     "skip_special_tokens: not supported by kvd, got False; kvd's replies leave special tokens out of their text; "
+     "each choice's token_ids has them"),
+    ({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True}, 400, "add_special_tokens",
+     "add_special_tokens: not supported by kvd, got True; a completion's prompt is tokenized with the tokenizer's "
+     "special tokens (BOS), a chat's as its template writes them; send token ids for any other"),
+    ({"messages": [{"role": "user", "content": "a"}], "allowed_token_ids": [70, 258]}, 400, "allowed_token_ids",
+     "allowed_token_ids: must be token ids in [0, 258), got 258"),
     ({"messages": [{"role": "user", "content": "a"}], "prompt_logprobs": 21}, 400, "prompt_logprobs",
      "prompt_logprobs: must be an integer from 0 to 20, got 21"),
     ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, 400, "top_logprobs",

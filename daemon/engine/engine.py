@@ -1266,9 +1266,10 @@ class Engine:
             text = self.tokenizer.decode(seq.output_ids)
             # with min_tokens, a stop string counts only if it ends in the text of token min_tokens or later
             shorter = len(self.tokenizer.decode(seq.output_ids[:params.min_tokens - 1])) if params.min_tokens > 1 else 0
-            cuts = [i for i in (text.find(s, max(0, shorter - len(s) + 1)) for s in params.stop) if i >= 0]
+            cuts = [(i, len(s)) for s in params.stop if (i := text.find(s, max(0, shorter - len(s) + 1))) >= 0]
             if cuts:
-                seq.text_end = min(cuts)
+                at, length = min(cuts, key=lambda cut: (cut[0], -cut[1]))  # the first; of two there, the longer
+                seq.text_end = at + length if params.include_stop_str_in_output else at
                 return "stop"
         if seq.grammar is not None:
             if seq.grammar.done:  # the reply's shape is complete

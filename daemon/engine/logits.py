@@ -2,6 +2,7 @@
 
 OpenAI's and vLLM's fields, in vLLM's order:
 
+0. `allowed_token_ids` (vLLM's): no other token can be drawn;
 1. `min_tokens`: until the output has that many tokens, EOS (unless `ignore_eos`) and
    `stop_token_ids` cannot be drawn;
 2. `logit_bias`: a fixed number added to named tokens' logits (100 all but forces a token,
@@ -29,11 +30,16 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list
     """One sequence's next-token logits [vocab] after its penalties, bias and minimum length
     (float32, a new tensor: the batch's logits are left as they are)."""
     scores = logits.float().clone()
+    device = scores.device  # the logits' (a GPU's, on CUDA): every index made here goes there
+    if params.allowed_token_ids:
+        allowed = torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=device)
+        kept = scores[allowed]
+        scores.fill_(float("-inf"))
+        scores[allowed] = kept
     if len(output_ids) < params.min_tokens:
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         if banned:
             scores[sorted(banned)] = float("-inf")
-    device = scores.device  # the logits' (a GPU's, on CUDA): every index made here goes there
     if params.logit_bias:
         ids = torch.tensor([token for token, _ in params.logit_bias], dtype=torch.int64, device=device)
         scores.index_add_(0, ids, torch.tensor([bias for _, bias in params.logit_bias], dtype=torch.float32,

@@ -43,6 +43,8 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be drawn (); () for any
+    include_stop_str_in_output: bool = False  # vLLM's: a stop string that ended the text stays in it
     logprobs: int | None = None  # report each output token's logprob and this many alternatives
     # report each prompt token's logprob (after the first) and this many alternatives: every prompt
     # position is computed, none taken from the cache (Request.prompt_logprobs)
@@ -55,7 +57,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether a penalty, a bias or a minimum length applies (logits.adjust_logits)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias)
+                    or self.min_tokens or self.logit_bias or self.allowed_token_ids)
 
     def validate(self, vocab_size: int) -> None:
         def bad(name: str, value, rule: str):
@@ -89,6 +91,9 @@ class SamplingParams:
             bad("min_p", self.min_p, "must be a number from 0 to 1")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", self.min_tokens, f"must be an integer from 0 to max_tokens ({self.max_tokens})")
+        for token in self.allowed_token_ids:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+                bad("allowed_token_ids", token, f"must be token ids in [0, {vocab_size})")
         for token, bias in self.logit_bias:
             if not isinstance(token, int) or not 0 <= token < vocab_size:
                 bad("logit_bias", token, f"keys must be token ids in [0, {vocab_size})")

@@ -100,10 +100,20 @@ class CompletionRequest(GenerationFields):
 # Fields nobody has defined are ignored, as OpenAI-compatible servers do.
 UNSUPPORTED_FIELDS = {
     "suffix": (None, ""), "best_of": (None, 1),
-    "use_beam_search": (None, False), "cache_salt": (None, ""),
+    "use_beam_search": (None, False), "cache_salt": (None, ""), "add_special_tokens": (None, True),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,), "bad_words": (None, []),
 }
 # why, where "leave it out" is not the whole answer
 UNSUPPORTED_HINTS = {
+    "skip_special_tokens": "kvd's replies leave special tokens out of their text; each choice's token_ids has them",
+    "spaces_between_special_tokens": "kvd's replies leave special tokens out of their text; each choice's "
+                                     "token_ids has them",
+    "truncate_prompt_tokens": "kvd never cuts a prompt short on its own (a cached prefix would be lost to the cut); "
+                              "send it shorter, or send a conversation to /v1/responses with truncation auto",
+    "bad_words": "for words of one token each, logit_bias -100 bans them; allowed_token_ids keeps to a set",
+    "add_special_tokens": "a completion's prompt is tokenized with the tokenizer's special tokens (BOS), a chat's "
+                          "as its template writes them; send token ids for any other",
     "cache_salt": "kvd keeps prefixes apart by tenant (the caller's token, or the tenant header behind a trusted "
                   "proxy), never by a salt the client picks; send requests that must not share as another tenant",
 }
@@ -366,6 +376,8 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         """The request's sampling fields (checked by the engine, which names a bad one), and the
         shape the reply is held to (`constraint`, checked by the engine too)."""
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if body.allowed_token_ids == []:  # (None: any token)
+            raise ApiError(400, "allowed_token_ids: must name one token or more, got []", param="allowed_token_ids")
         try:
             controls = body.sampling_controls()
         except ValueError as exc:

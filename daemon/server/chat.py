@@ -28,7 +28,9 @@ UNSUPPORTED_CHAT_FIELDS = {
     "functions": (None, []), "function_call": (None, "none"),
     "chat_template": (None,), "documents": (None, []),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
-    "echo": (None, False),
+    "echo": (None, False), "add_special_tokens": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,), "bad_words": (None, []),
 }
 CHAT_HINTS = {
     "functions": "OpenAI's older form of tools: send tools",
@@ -93,12 +95,16 @@ class GenerationFields(BaseModel):
     structured_outputs: Any = None
     # vLLM's: a KV transfer between a prefill kvd and a decode kvd (kv_transfer.py); checked there
     kv_transfer_params: Any = None
+    allowed_token_ids: list[Count] | None = None  # vLLM's: only these tokens may be drawn
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the reply stays in its text
 
     def sampling_controls(self) -> dict:
         """The fields above as SamplingParams takes them (null: the value that changes nothing)."""
         return {"presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
                 "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                "min_p": self.min_p or 0.0, "min_tokens": self.min_tokens or 0, "logit_bias": self.logit_bias_pairs()}
+                "min_p": self.min_p or 0.0, "min_tokens": self.min_tokens or 0, "logit_bias": self.logit_bias_pairs(),
+                "allowed_token_ids": tuple(self.allowed_token_ids or ()),
+                "include_stop_str_in_output": self.include_stop_str_in_output}
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """logit_bias as (token id, bias) pairs; ValueError naming a key that is not a token id."""
