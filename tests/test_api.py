@@ -82,6 +82,24 @@ def test_streaming_matches_the_plain_response(daemon):
     assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert streamed[-2]["usage"]["completion_tokens"] == 6
+    assert all("usage" not in c for c in chunks)  # the usage chunk alone says it
+
+
+def test_continuous_usage_stats_put_the_tokens_so_far_in_every_chunk(daemon):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk says its prompt's
+    tokens and its choice's output tokens so far."""
+    service, unix, _ = daemon
+    prompt = len(service.tokenize(SYSTEM + "Q4"))
+    streamed = sse_events(complete(unix, prompt=SYSTEM + "Q4", temperature=0.9, seed=4, n=2, stream=True,
+                                   stream_options={"include_usage": True, "continuous_usage_stats": True}))[:-1]
+    chunks, so_far = [e for e in streamed if e["choices"]], {0: 0, 1: 0}
+    for chunk in chunks:
+        so_far[chunk["choices"][0]["index"]] += len(chunk["choices"][0]["token_ids"])
+        assert chunk["usage"] == {"prompt_tokens": prompt, "completion_tokens": so_far[chunk["choices"][0]["index"]],
+                                  "total_tokens": prompt + so_far[chunk["choices"][0]["index"]]}
+    assert so_far == {0: 6, 1: 6} and streamed[-1]["usage"]["completion_tokens"] == 12  # the whole, as before
+    alone = sse_events(complete(unix, prompt="x", stream=True, stream_options={"continuous_usage_stats": True}))
+    assert all("usage" not in e for e in alone[:-1])  # without include_usage, as vLLM
 
 
 @pytest.mark.parametrize("body, status, param, fragment", [

@@ -498,9 +498,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
+            # vLLM's continuous_usage_stats: each chunk says the tokens so far (with include_usage, as vLLM)
+            running = include_usage and bool((body.stream_options or {}).get("continuous_usage_stats"))
             return StreamingResponse(
                 _stream(engine, events, requests, by_id, index_of, head, shape, usage_of if include_usage else None,
-                        cancel_all, params.logprobs is not None, prompt_parts, finished),
+                        cancel_all, params.logprobs is not None, prompt_parts, finished, running),
                 media_type="text/event-stream", headers=named)
         pending = set(index_of)
         checked = loop.time()
@@ -577,15 +579,18 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
 
 async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, usage_of, cancel_all,
-                  with_logprobs: bool, prompt_parts: PromptParts, finished=lambda seq, text: None):
+                  with_logprobs: bool, prompt_parts: PromptParts, finished=lambda seq, text: None,
+                  running_usage: bool = False):
     """Server-sent events ending with [DONE]; a disconnect cancels. `usage_of`: makes the usage of
     the chunk before [DONE] (stream_options.include_usage); None (or False): no such chunk.
-    `finished(seq, text)`: told each sample's whole text once it ends.
+    `finished(seq, text)`: told each sample's whole text once it ends. `running_usage` (vLLM's
+    continuous_usage_stats): each chunk carries its prompt's tokens and its choice's so far.
 
     A chunk carries one choice's new tokens: one token per chunk while the client keeps up,
     and every token that waited in the queue once it falls behind (one chunk instead of many,
     so a slow reader costs the serving loop less, not more)."""
     sent_text = {key: "" for key in index_of}
+    made = dict.fromkeys(index_of, 0)  # each choice's output tokens so far (running_usage)
     offsets = dict.fromkeys(index_of, 0)  # where each choice's next token starts in its text (logprobs)
     prompt_of = {r.request_id: p for p, r in enumerate(requests)}
     opened: set = set()  # choices whose first chunk went out (it carries what comes from the prompt)
@@ -640,6 +645,10 @@ async def _stream(engine, events, requests, by_id, index_of, head: dict, shape, 
                 choice = shape.chunk_choice(index_of[key], delta, token_ids, finish_reason, logprobs)
                 chunk = {"id": head["id"], "object": shape.chunk_object, "created": head["created"],
                          "model": head["model"], "choices": [choice]}
+                if running_usage:
+                    made[key] += len(token_ids)
+                    chunk["usage"] = {"prompt_tokens": len(request.prompt_ids), "completion_tokens": made[key],
+                                      "total_tokens": len(request.prompt_ids) + made[key]}
                 if first:
                     prompt_parts.add_to_choice(choice, request)
                     prompt_parts.add_to_answer(chunk, request, once=True)
