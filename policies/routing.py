@@ -144,6 +144,13 @@ def prompt_affinity(prompt: str | Sequence[int]) -> bytes:
     return hashlib.sha256(b"kvctl/affinity/v1\0" + opening).digest()
 
 
+def key_affinity(key: str) -> bytes:
+    """What names the home of the prompts a client groups under one key (OpenAI's
+    `prompt_cache_key`) in place of their openings: prompts that share more than their first
+    block, or a conversation whose opening varies, go home together."""
+    return hashlib.sha256(b"kvctl/affinity/v1\0k" + key.encode("utf-8", "surrogatepass")).digest()
+
+
 def home_order(affinity: bytes, names: Sequence[str]) -> list[int]:
     """Indexes of `names` in the prompt's rendezvous (highest random weight) order: each name's
     weight is a hash of the affinity and the name, so removing a replica moves only the prompts

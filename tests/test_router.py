@@ -165,6 +165,28 @@ def test_prefix_routing_sends_a_prompt_where_its_prefix_is_cached_and_a_new_one_
         {"replica": "replica-1", "sent": 2, "open": 0, "last_error": None}]
 
 
+def test_prompts_under_one_prompt_cache_key_go_home_together(replicas):
+    """OpenAI's `prompt_cache_key`: a client's key names the home of its new prefixes in place of
+    their openings, so a prompt whose own home is replica-0 goes to the key's, replica-1; what a
+    replica caches still draws a prompt there."""
+    from kvctl.policies.routing import home_order, key_affinity
+
+    names = ["replica-0", "replica-1"]
+    key = next(f"team-{k}" for k in range(64) if names[home_order(key_affinity(f"team-{k}"), names)[0]] == "replica-1")
+    own = homed("A prompt grouped under a client's cache key, whose own opening goes elsewhere. " * 4, "replica-0")
+    other = homed("Another prompt of the same client, under its key too, with an opening of its own. " * 4,
+                  "replica-0")
+    _, app = router_app(replicas, "prefix")
+    answers = drive(app, [lambda c: post(c, own + "Q1?", prompt_cache_key=key),
+                          lambda c: post(c, other + "Q1?", prompt_cache_key=key),
+                          lambda c: post(c, own + "Q2?"),
+                          lambda c: post(c, other[::-1] + "Q1?", prompt_cache_key="")])
+    assert [a.status_code for a in answers] == [200] * 4
+    assert [a.headers["x-kvd-replica"] for a in answers[:3]] == ["replica-1"] * 3  # the third: cached there
+    assert answers[2].headers["x-kvd-route"].startswith("caches ")
+    assert answers[3].headers["x-kvd-replica"] == home_of(other[::-1] + "Q1?")  # an empty key: none
+
+
 def test_a_request_that_scores_its_prompt_is_routed_as_though_nothing_were_cached(replicas):
     """prompt_logprobs (or echo with logprobs) computes every prompt position on the replica, so
     the replica caching its prefix is no reason to send it there."""

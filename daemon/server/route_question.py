@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvctl.daemon.model.chat_template import ChatTemplate, ChatTemplateError, TemplateKwargsError
 from kvctl.daemon.model.tokenizer import Tokenizer
-from kvctl.policies.routing import prompt_affinity
+from kvctl.policies.routing import key_affinity, prompt_affinity
 
 from .chat_messages import MessagesError, affinity_text, chat_messages, checked_tools, messages_size
 from .reply_splice import IdsFor, spliced_prompt
@@ -28,6 +28,9 @@ def question_of(body: dict) -> dict | None:
     priority = body.get("priority")
     if question is not None and isinstance(priority, int) and not isinstance(priority, bool) and priority > 0:
         question["priority"] = priority  # a request that defers itself waits behind more under a priority queue
+    key = body.get("prompt_cache_key")  # OpenAI's: the client's grouping of prompts that share a prefix
+    if question is not None and isinstance(key, str) and key:
+        question["cache_key"] = key
     return question
 
 
@@ -79,9 +82,12 @@ def question_size(question: dict | None) -> int:
 def affinity_of(question: dict | None) -> bytes | None:
     """The `prompt_affinity` of a request's question (`question_of`): where a new prefix goes
     home. A chat's comes from its messages as they are, so every router agrees whatever template
-    a replica renders with."""
+    a replica renders with. A request that names a `prompt_cache_key` goes home by it instead
+    (`key_affinity`)."""
     if question is None:
         return None
+    if "cache_key" in question:
+        return key_affinity(question["cache_key"])
     if "messages" in question:
         return prompt_affinity(affinity_text(question["messages"], question.get("tools")))
     return prompt_affinity(question["text"] if "text" in question else question["tokens"])
