@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from kvctl.policies.routing import ROUTING_POLICIES, facts_from_answer, make_router, prompt_affinity
+from kvctl.policies.routing import ROUTING_POLICIES, facts_from_answer, make_router
 
 from .bench_replay import parse_names
 from .client import Client
@@ -67,6 +67,9 @@ def route(ctx: typer.Context,
           priority: Optional[int] = typer.Option(None, help="The request's own priority (vLLM's; 1 or more defers "
                                                  "it behind its tenant's place): under queue_order priority, the "
                                                  "wait it would get."),
+          prompt_cache_key: Optional[str] = typer.Option(None, "--prompt-cache-key",
+                                                         help="OpenAI's prompt_cache_key: a prompt no replica "
+                                                              "holds goes home by it, as kvd router sends it."),
           routing: list[str] = typer.Option([",".join(ONE_SHOT_POLICIES)], "--routing",
                                             help="Policies to ask: least_loaded, prefix, ttft."),
           prefill_rate: float = typer.Option(20_000.0, help="ttft: prompt tokens per second of a replica "
@@ -86,7 +89,8 @@ def route(ctx: typer.Context,
         raise UserError(f"priority: {priority} would jump ahead of its tenant's place; a request may only defer "
                         "itself (0 or more)")
     prompt = {**prompt_body(text, tokens, file, messages), **({"model": model} if model else {}),
-              **({"priority": priority} if priority else {})}
+              **({"priority": priority} if priority else {}),
+              **({"prompt_cache_key": prompt_cache_key} if prompt_cache_key else {})}
     if router is not None:
         if replica:
             raise UserError("replica: give --router or --replica, not both")
@@ -132,13 +136,22 @@ def route(ctx: typer.Context,
     render(data, Console())
 
 
+def request_body(prompt: dict) -> dict:
+    """The completion's or chat's body `prompt` (prompt_body's, with its prompt_cache_key) stands for:
+    a chat's with its chat_template_kwargs and tools, which its rendering and its home take."""
+    if "messages" in prompt:
+        asked = {k: prompt[k] for k in ("messages", "chat_template_kwargs", "tools") if k in prompt}
+    else:
+        asked = {"prompt": prompt["text"] if "text" in prompt else prompt["tokens"]}
+    key = prompt.get("prompt_cache_key")
+    return {**asked, **({"prompt_cache_key": key} if key else {})}
+
+
 def affinity_of(prompt: dict) -> bytes | None:
-    """Where the prompt's home is, as `kvd router` computes it (a chat's from its messages)."""
-    if "messages" not in prompt:
-        return prompt_affinity(prompt["text"] if "text" in prompt else prompt["tokens"])
+    """Where the prompt's home is, as `kvd router` computes it (route_question.affinity_of)."""
     from kvctl.daemon.server.route_question import affinity_of as router_affinity, question_of
 
-    return router_affinity(question_of({"messages": prompt["messages"]}))
+    return router_affinity(question_of(request_body(prompt)))
 
 
 def router_client(ctx: typer.Context, spec: str, tenant: str | None) -> Client:
@@ -153,9 +166,7 @@ def router_client(ctx: typer.Context, spec: str, tenant: str | None) -> Client:
 def show_router_route(client: Client, prompt: dict, routing: list[str], as_json: bool) -> None:
     """`kvctl route` at kvd router: the router's own answer (`POST /router/route`), with the live
     policy's choice first and then each asked policy's, from the same facts."""
-    asked = {"messages": prompt["messages"]} if "messages" in prompt else {
-        "prompt": prompt["text"] if "text" in prompt else prompt["tokens"]}
-    body = {**asked, "routing": parse_names("routing", routing)}  # beside the router's own policy, which comes first
+    body = {**request_body(prompt), "routing": parse_names("routing", routing)}  # beside the router's own policy
     data = client.post("/router/route", body)
     live = data["routing"]
     if as_json:

@@ -157,6 +157,14 @@ def test_kvctl_route_takes_a_chat_and_finds_its_home_as_the_router_does(replicas
     # each replica rendered the chat itself: the tokens of the conversation with the template's
     rendered = call(replicas[0], "POST", "/admin/explain", json={"messages": messages}).json()["prompt_tokens"]
     assert [r["prompt_tokens"] for r in doc["replicas"]] == [rendered] * 2 and rendered > 300
+    # under a prompt_cache_key, its home is the key's (the one away from the conversation's own)
+    from kvctl.policies.routing import home_order, key_affinity
+
+    away = names[1 - names.index(home)]
+    key = next(f"k{i}" for i in range(64) if names[home_order(key_affinity(f"k{i}"), names)[0]] == away)
+    status, out, _ = cli(capsys, "route", "--messages", str(path), "--replica", names[0], "--replica", names[1],
+                         "--routing", "prefix", "--prompt-cache-key", key, "--json")
+    assert status == 0 and json.loads(out)["routes"]["prefix"]["replica"] == away
     assert doc["routes"]["prefix"]["reason"] == "no replica caches its prefix: its home (the first by its hash " \
                                                  "within the load bound)"
 
