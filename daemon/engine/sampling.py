@@ -43,7 +43,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
-    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be drawn (); () for any
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: only these may be drawn; () for any
     include_stop_str_in_output: bool = False  # vLLM's: a stop string that ended the text stays in it
     logprobs: int | None = None  # report each output token's logprob and this many alternatives
     # report each prompt token's logprob (after the first) and this many alternatives: every prompt

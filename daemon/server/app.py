@@ -43,8 +43,8 @@ from .api_errors import ApiError, checked_ids, error_body, refuse_unsupported
 from .auth import TENANT_PATTERN, BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .calls import Principal, ServiceError
-from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatShape, CompletionShape, Count,
-                   GenerationFields)
+from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, VLLM_NOT_DONE, ChatCompletionRequest, ChatShape,
+                   CompletionShape, Count, GenerationFields)
 from .chat_messages import MessagesError, chat_messages, checked_tools, messages_size
 from .incremental_text import IncrementalText
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
@@ -100,15 +100,12 @@ class CompletionRequest(GenerationFields):
 # Fields nobody has defined are ignored, as OpenAI-compatible servers do.
 UNSUPPORTED_FIELDS = {
     "suffix": (None, ""), "best_of": (None, 1),
-    "use_beam_search": (None, False), "cache_salt": (None, ""), "add_special_tokens": (None, True),
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,), "bad_words": (None, []),
+    "use_beam_search": (None, False), "cache_salt": (None, ""), "add_special_tokens": (None, True), **VLLM_NOT_DONE,
 }
+SPECIALS_LEFT_OUT = "kvd's replies leave special tokens out of their text; each choice's token_ids has them"
 # why, where "leave it out" is not the whole answer
 UNSUPPORTED_HINTS = {
-    "skip_special_tokens": "kvd's replies leave special tokens out of their text; each choice's token_ids has them",
-    "spaces_between_special_tokens": "kvd's replies leave special tokens out of their text; each choice's "
-                                     "token_ids has them",
+    "skip_special_tokens": SPECIALS_LEFT_OUT, "spaces_between_special_tokens": SPECIALS_LEFT_OUT,
     "truncate_prompt_tokens": "kvd never cuts a prompt short on its own (a cached prefix would be lost to the cut); "
                               "send it shorter, or send a conversation to /v1/responses with truncation auto",
     "bad_words": "for words of one token each, logit_bias -100 bans them; allowed_token_ids keeps to a set",

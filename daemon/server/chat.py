@@ -20,6 +20,12 @@ from .logprobs import chat_logprobs, completion_logprobs
 from .reasoning import ThinkSplitter, reasoning_fields, split_reply, splitter_for
 from . import tool_calls
 
+# vLLM's fields of both APIs that kvd does not do, with the values that ask for nothing (app.py's
+# UNSUPPORTED_HINTS say what to send instead)
+VLLM_NOT_DONE = {
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,), "bad_words": (None, []),
+}
 # chat fields of OpenAI's API (and vLLM's) that kvd does not implement, with the values that ask for
 # nothing; any other value is refused by name (see api_errors.refuse_unsupported)
 UNSUPPORTED_CHAT_FIELDS = {
@@ -28,9 +34,7 @@ UNSUPPORTED_CHAT_FIELDS = {
     "functions": (None, []), "function_call": (None, "none"),
     "chat_template": (None,), "documents": (None, []),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
-    "echo": (None, False), "add_special_tokens": (None, False),
-    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
-    "truncate_prompt_tokens": (None,), "bad_words": (None, []),
+    "echo": (None, False), "add_special_tokens": (None, False), **VLLM_NOT_DONE,
 }
 CHAT_HINTS = {
     "functions": "OpenAI's older form of tools: send tools",
