@@ -131,6 +131,19 @@ def test_max_completion_tokens_is_max_tokens(daemon):
     assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
 
 
+def test_the_values_of_unsupported_fields_that_ask_for_nothing_are_taken(daemon):
+    """What a client sends by default (OpenAI's verbosity medium, no web search, vLLM's special tokens
+    skipped) changes nothing."""
+    _, unix, _ = daemon
+    asked = {"messages": conversation("Inert?"), "max_tokens": 3, "temperature": 0.0}
+    plain = call(unix, "POST", "/v1/chat/completions", json=asked).json()
+    inert = call(unix, "POST", "/v1/chat/completions", json={
+        **asked, "verbosity": "medium", "web_search_options": None, "skip_special_tokens": True,
+        "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "bad_words": [],
+        "add_special_tokens": False}).json()
+    assert inert["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+
+
 @pytest.mark.parametrize("body, status, param, message", [
     ({"messages": []}, 400, "messages", "messages: must not be empty"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}, 400, "messages[1].role",
@@ -155,6 +168,12 @@ def test_max_completion_tokens_is_max_tokens(daemon):
     ({"messages": [{"role": "user", "content": "a"}], "skip_special_tokens": False}, 400, "skip_special_tokens",
      "skip_special_tokens: not supported by kvd, got False; kvd's replies leave special tokens out of their text; "
      "each choice's token_ids has them"),
+    ({"messages": [{"role": "user", "content": "a"}], "verbosity": "low"}, 400, "verbosity",
+     "verbosity: not supported by kvd, got 'low'; kvd's model writes as it writes; say how long a reply should be in "
+     "the messages, or cap it with max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "a"}], "web_search_options": {}}, 400, "web_search_options",
+     "web_search_options: not supported by kvd, got {}; kvd searches nothing; put what the model should read in the "
+     "messages"),
     ({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True}, 400, "add_special_tokens",
      "add_special_tokens: not supported by kvd, got True; a completion's prompt is tokenized with the tokenizer's "
      "special tokens (BOS), a chat's as its template writes them; send token ids for any other"),

@@ -35,8 +35,12 @@ UNSUPPORTED_CHAT_FIELDS = {
     "chat_template": (None,), "documents": (None, []),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "echo": (None, False), "add_special_tokens": (None, False), **VLLM_NOT_DONE,
+    "web_search_options": (None,), "verbosity": (None, "medium"),
 }
 CHAT_HINTS = {
+    "web_search_options": "kvd searches nothing; put what the model should read in the messages",
+    "verbosity": "kvd's model writes as it writes; say how long a reply should be in the messages, or cap it with "
+                 "max_completion_tokens",
     "functions": "OpenAI's older form of tools: send tools",
     "function_call": "OpenAI's older form of tool_choice: send tool_choice",
     "chat_template": "kvd renders every conversation with the model's own template (kvd serve --chat-template "
