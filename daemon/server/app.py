@@ -50,6 +50,7 @@ from .incremental_text import IncrementalText
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
 from .reasoning import answer_only
+from .reply_ids import KEPT_ENDINGS
 from .request_spans import trace_context
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .response_format import asks_for_a_shape, constraint_of
@@ -490,7 +491,7 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
         def finished(seq, text: str) -> None:
             """A sample ended as `text`: a chat reply's ids are kept for the next turn (reply_ids.py)."""
-            if isinstance(shape, ChatShape) and seq.finish_reason in ("stop", "length"):
+            if isinstance(shape, ChatShape) and seq.finish_reason in KEPT_ENDINGS:
                 service.remember_reply(who.tenant, seq.output_ids, text)
 
         if body.stream:

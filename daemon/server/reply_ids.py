@@ -27,8 +27,10 @@ from array import array
 from kvctl.policies.kept_state import KeptByTenant
 
 from .kept_budget import ResizableBudget
+from .reply_splice import reply_ids_of
 
 REPLY_IDS_BYTES = 64 * 2**20  # kvd's reply_ids_bytes, and kvd router's, unless set
+KEPT_ENDINGS = ("stop", "length")  # how a reply ends for its ids to be kept (by itself, or at its length)
 
 ENTRY_BYTES = 128  # what a kept reply is counted at beside its ids (4 bytes each): its key and books
 
@@ -68,6 +70,14 @@ class ReplyIds(ResizableBudget):
     def fits(self, ids) -> bool:
         """Whether a reply of these ids can be kept at all (not bigger than the whole budget)."""
         return self.keeps and entry_bytes(ids) <= self.budget
+
+    def remember_reply(self, tenant: str, tokenizer, output_ids, text: str) -> bool:
+        """Keeps a finished reply's ids by its text (as answered) under `tokenizer`'s digest, where
+        its ids say that text exactly (reply_splice.reply_ids_of); False where none are kept."""
+        if not self.keeps:
+            return False
+        ids = reply_ids_of(output_ids, text, tokenizer.decode, tokenizer.hidden_specials)
+        return ids is not None and self.remember(tenant, tokenizer.digest, text, ids)
 
     def remember(self, tenant: str, space: str, text: str, ids: list[int]) -> bool:
         """Keeps `ids` as the reply `text` (False: none kept, or bigger than the whole budget)."""

@@ -25,9 +25,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from .reply_splice import reply_ids_of
-
-KEPT_ENDINGS = ("stop", "length")  # the replies a replica keeps the ids of (app.py's `finished`)
+from .reply_ids import KEPT_ENDINGS
 
 Keep = Callable[[list[int], str], None]  # (the choice's token_ids, its text)
 
@@ -36,9 +34,7 @@ def keeper(memory, tokenizer, tenant: str) -> Keep:
     """Keeps a relayed reply in `memory` (a ReplyIds) under `tenant` and `tokenizer`'s digest, where
     its ids say its text exactly."""
     def keep(output_ids: list[int], text: str) -> None:
-        ids = reply_ids_of(output_ids, text, tokenizer.decode, tokenizer.hidden_specials)
-        if ids is not None:
-            memory.remember(tenant, tokenizer.digest, text, ids)
+        memory.remember_reply(tenant, tokenizer, output_ids, text)
     return keep
 
 

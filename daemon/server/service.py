@@ -57,7 +57,7 @@ from .notify import Notifier
 from .reload_ops import prefetch_settings, quick_prefill_tokens
 from .reply_ids import ReplyIds
 from .reply_ids_file import load_reply_ids, save_reply_ids
-from .reply_splice import reply_ids_of, spliced_prompt
+from .reply_splice import spliced_prompt
 from .otlp_export import span_processor
 from .request_log import RequestLog
 from .request_spans import install as install_spans
@@ -833,12 +833,8 @@ class EngineService:
     def remember_reply(self, tenant: str, output_ids, text: str) -> None:
         """Keeps a finished chat reply's ids by its text (as answered), for the tenant's next turn
         that sends it back (reply_ids.py); nothing where no ids say that text exactly."""
-        if not self.reply_ids.keeps or self.loaded is None:
-            return
-        tokenizer = self.loaded.tokenizer
-        ids = reply_ids_of(output_ids, text, tokenizer.decode, tokenizer.hidden_specials)
-        if ids is not None:
-            self.reply_ids.remember(tenant, tokenizer.digest, text, ids)
+        if self.loaded is not None:
+            self.reply_ids.remember_reply(tenant, self.loaded.tokenizer, output_ids, text)
 
     # ---- operator views ----------------------------------------------------------------------
     def status(self, with_blocks: bool = False, cells: int | None = None) -> dict:
