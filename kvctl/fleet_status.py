@@ -88,12 +88,24 @@ def fresh_start(status: dict) -> str | None:
 def _view(book: dict) -> Text:
     if book.get("draining"):  # drained by an operator, or leaving the fleet
         return Text(book["draining"], style="yellow")
+    if book.get("resting"):  # passed over unasked (resting_line says until when)
+        return Text("not asked", style="red")
     view = book.get("view")
     if view is None:
         return Text("asks")
     if view["synced"]:
         return Text("follows", style="green")
     return Text("asks (feed down)" if view.get("feed_error") else "asks (syncing)", style="yellow")
+
+
+def resting_line(book: dict, view: str) -> Text:
+    """Why requests pass a replica over unasked, and when they ask it again (policies/unanswered.py)."""
+    rest, count = book["resting"], book["resting"]["unanswered_in_a_row"]
+    poll = "its load poll answers, or " if view == "events" else ""
+    return Text.assemble((f"{book['replica']} not asked: ", "red"),
+                         f"{count:,} question{'' if count == 1 else 's'} in a row unanswered (last error: "
+                         f"{book.get('last_error') or '-'}); requests ask it again once {poll}in "
+                         f"{seconds(rest['seconds_left'])}")
 
 
 def prompts(count: int) -> str:
@@ -190,6 +202,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     summary = Text(f"fleet prefix hits: {hit:,} of {prompt:,} prompt tokens"
                    + (f" ({hit / prompt:.1%})" if prompt else ""))
     reasons = [Text.assemble((f"{replica} down: ", "red"), str(why)) for replica, why in down]
+    reasons += [resting_line(book, data.get("view", "ask")) for book in data.get("replicas", []) if book.get("resting")]
     router = ([Text.assemble("kvd router's garbage collector: ", gc_line(data["gc"]))]
               if (data.get("gc") or {}).get("watching") else [])  # kvd router (absent from an older one)
     if data.get("disaggregated") is not None:  # prefill replicas (absent from an older router)

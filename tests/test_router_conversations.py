@@ -115,3 +115,41 @@ def test_a_new_conversation_goes_to_the_least_busy_replica_and_a_late_joiner_doe
     assert service.conversation_home().name == "old"
     old.draining = True
     assert service.conversation_home() is None
+
+
+def test_a_new_conversation_is_made_past_a_replica_that_cannot_be_reached(replicas):
+    """A replica that went down has no request open: it must not draw every new conversation.
+    One that cannot be reached is passed over for the next, and not tried first again."""
+    service, app = router_app(replicas, "round_robin", down=(0,))
+    made = drive(app, [lambda c: c.post("/v1/conversations", json={}) for _ in range(3)])
+    assert [(m.status_code, m.headers["x-kvd-replica"]) for m in made] == [(200, "replica-1")] * 3
+    assert service.replicas[0].rerouted == 1  # tried once; after that, known not to answer: last
+    assert service.replicas[0].last_error == "ConnectError: connection refused"
+    assert {service.response_homes.home(m.json()["id"]) for m in made} == {"replica-1"}
+    _, app = router_app(replicas, "round_robin", down=(0, 1))
+    [none] = drive(app, [lambda c: c.post("/v1/conversations", json={})])
+    assert none.status_code == 503 and none.json()["error"]["message"] == (
+        "no replica answered: replica-0 (ConnectError: connection refused); "
+        "replica-1 (ConnectError: connection refused)")
+
+
+def test_with_the_events_view_a_replica_whose_load_polls_fail_makes_a_new_conversation_last():
+    import httpx
+
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    now = [100.0]
+    up, down = (Replica(name, replica_client(f"/run/{name}.sock", transport=httpx.MockTransport(
+        lambda request: httpx.Response(503)))) for name in ("up", "down"))
+    service = RouterService([down, up], make_router("round_robin"), clock=lambda: now[0])
+    up.open = 3  # busier than the one that stopped answering, which has none open
+    for replica in (up, down):
+        replica.view.note_load({}, 99.0)
+    assert [service.answering(r) for r in (down, up)] == [True, True]
+    assert service.conversation_home().name == "down"  # both answer: the fewest open
+    now[0] = 99.0 + service.load_stale_seconds + 0.1
+    up.view.note_load({}, now[0])  # its poll answered; down's did not since
+    assert [service.answering(r) for r in (down, up)] == [False, True]
+    assert [service.conversation_home().name for _ in range(2)] == ["up", "up"]
+    assert service.conversation_home(excluded={id(up)}).name == "down"  # tried, and failed: the other

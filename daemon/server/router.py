@@ -60,6 +60,14 @@ from .usage_report import CALLER_ROLE_HEADER
 log = logging.getLogger("kvd.router")
 
 
+def said_in(body: bytes) -> str:
+    """The message of a replica's JSON error body, else its first line."""
+    try:
+        return json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace").splitlines()[0][:200] if body.strip() else "no message"
+
+
 def log_route(route_id: str, tenant: str | None, path: str, replica: str, upstream: httpx.Response, reason: str,
               tried: list[str], prefilled: str | None, client_id: str | None = None) -> None:
     """kvd router's line for a request it passed to a replica (log_requests): its route id, tenant
@@ -539,13 +547,39 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     @app.post("/v1/conversations")
     async def create_conversation(http: Request, who: Caller = Depends(caller)):
-        replica = service.conversation_home()
-        if replica is None:
+        """Made at `conversation_home`'s choice. One that cannot be reached, closes the connection
+        before answering (once, as forward) or is stopping (503) has made none: the next is tried."""
+        content, excluded, tried, closed_retried = await http.body(), set(), [], False
+        while (replica := service.conversation_home(excluded)) is not None:
+            try:
+                answer = await relayed_or_raise(replica, "POST", "/v1/conversations", who, content=content)
+            except (httpx.ConnectError, httpx.ConnectTimeout, *CLOSED_BEFORE_ANSWER) as exc:
+                replica.last_error = described(exc)
+                if not isinstance(exc, CLOSED_BEFORE_ANSWER):
+                    service.unreachable(replica, replica.last_error)
+                elif closed_retried:
+                    replica.failed_forwards += 1
+                    return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
+                closed_retried = closed_retried or isinstance(exc, CLOSED_BEFORE_ANSWER)
+                replica.rerouted += 1
+                tried.append(f"{replica.name} ({replica.last_error})")
+                excluded.add(id(replica))
+                continue
+            except httpx.HTTPError as exc:
+                replica.last_error = described(exc)
+                replica.failed_forwards += 1
+                return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
+            if answer.status_code == 503:
+                replica.rerouted += 1
+                tried.append(f"{replica.name} (503: {said_in(answer.body)})")
+                excluded.add(id(replica))
+                continue
+            if answer.status_code == 200:  # its turns, and every request about it, go there
+                service.response_homes.note(json.loads(answer.body)["id"], replica.name)
+            return answer
+        if not tried:
             return error(503, "no replica takes requests now", "no_replica")
-        answer = await relayed(replica, "POST", "/v1/conversations", who, content=await http.body())
-        if answer.status_code == 200:  # its turns, and every request about it, go there
-            service.response_homes.note(json.loads(answer.body)["id"], replica.name)
-        return answer
+        return error(503, "no replica answered: " + "; ".join(tried), "no_replica")
 
     @app.api_route("/v1/conversations/{conversation_id}", methods=["GET", "POST", "DELETE"])
     async def conversation(conversation_id: str, http: Request, who: Caller = Depends(caller)):
@@ -584,7 +618,15 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def relayed(replica, method: str, path: str, who: Caller, params=None,
                       content: bytes | None = None) -> Response:
         """`replica`'s answer to `method path` as the caller's tenant, as it came (a stream as its
-        events come)."""
+        events come); a 502 where the replica failed to answer."""
+        try:
+            return await relayed_or_raise(replica, method, path, who, params, content)
+        except httpx.HTTPError as exc:
+            return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
+
+    async def relayed_or_raise(replica, method: str, path: str, who: Caller, params=None,
+                               content: bytes | None = None) -> Response:
+        """relayed's work; httpx.HTTPError where the replica failed to answer."""
         headers = {"X-KVD-Tenant": who.tenant} if who.tenant is not None else {}
         if content:
             headers["Content-Type"] = "application/json"
@@ -592,10 +634,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         request = replica.client.build_request(
             method, path, params=params, headers=headers, content=content or None,
             timeout=httpx.Timeout(ASK_TIMEOUT_S, read=None) if streamed else ASK_TIMEOUT_S)
-        try:
-            answer = await replica.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
+        answer = await replica.client.send(request, stream=True)
         media = answer.headers.get("content-type", "application/json")
         if media.startswith("text/event-stream"):
             async def relay():
@@ -608,8 +647,6 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                                      headers={"X-KVD-Replica": replica.name})
         try:
             content = await answer.aread()
-        except httpx.HTTPError as exc:
-            return error(502, f"replica {replica.name} failed: {described(exc)}", "replica_failed")
         finally:
             await answer.aclose()
         return Response(content, status_code=answer.status_code, headers={"X-KVD-Replica": replica.name},
@@ -780,7 +817,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             except CallerLeft:
                 return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached it
-                replica.last_error = described(exc)
+                service.unreachable(replica, described(exc))
                 span.attempt_failed(f"unreachable: {replica.last_error}")
                 replica.rerouted += 1
                 refusal = error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")

@@ -74,12 +74,17 @@ class _RouterCollector:
                           lambda r: r.prompt_tokens)
         yield per_replica(CounterMetricFamily, "cached_tokens", "Prompt tokens the router counted as held by the "
                           "replica it chose", lambda r: r.cached_tokens)
-        questions = CounterMetricFamily("kvd_router_questions", "Route-facts questions asked on a request's path",
-                                        labels=["replica", "result"])
+        questions = CounterMetricFamily("kvd_router_questions", "Route-facts questions asked on a request's path "
+                                        "(ok, failed), or not asked as the replica rested after failed ones "
+                                        "(skipped)", labels=["replica", "result"])
         for r in replicas:
             questions.add_metric([r.name, "ok"], r.questions - r.failed_questions)
             questions.add_metric([r.name, "failed"], r.failed_questions)
+            questions.add_metric([r.name, "skipped"], r.skipped_questions)
         yield questions
+        yield per_replica(GaugeMetricFamily, "replica_resting", "1 while requests pass the replica over unasked: it "
+                          "answered none of its latest questions (or connections), nor a load poll since",
+                          lambda r: float(self.service.resting(r, now)))
         yield per_replica(CounterMetricFamily, "forward_failures", "Requests the replica failed after it may have "
                           "started them", lambda r: r.failed_forwards)
         yield per_replica(CounterMetricFamily, "rerouted", "Requests the replica refused before starting them, "

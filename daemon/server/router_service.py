@@ -31,6 +31,7 @@ from urllib.parse import quote
 import httpx
 
 from kvctl.daemon.cache.keys import Namespace, chain_keys
+from kvctl.policies.unanswered import Unanswered
 from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX_SLACK_TOKENS, ReplicaFacts, Router,
                                    facts_from_answer, make_router, none_in_time)
 
@@ -47,6 +48,7 @@ from .route_question import affinity_of, computes_whole_prompt, local_ids, quest
 
 log = logging.getLogger("kvd.router")
 
+EVENTS_VIEW_MAX_REST_S = 60.0  # the longest a replica rests unasked (policies/unanswered.py) with the events view
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left out
 FORWARD_TIMEOUT_S = 600.0
 WELCOME_TIMEOUT_S = 600.0  # how long a replica that joined may take to answer ready before its pins are copied
@@ -81,6 +83,8 @@ class Replica:
     cached_tokens: int = 0  # of those, what the router counted as held there when it chose it
     questions: int = 0  # route-facts asked on a request's path (ask view, or a view not current)
     failed_questions: int = 0
+    unanswered: Unanswered = field(default_factory=Unanswered)  # not asked for a while after it answers none
+    skipped_questions: int = 0  # requests that did not ask it, as it rested (policies/unanswered.py)
     failed_forwards: int = 0
     rerouted: int = 0  # requests it refused before starting (429, 503) or was unreachable for: tried elsewhere
     passed_over: int = 0  # requests sent elsewhere, its predicted wait past its max_queue_wait
@@ -231,6 +235,9 @@ class RouterService:
     def _prepare(self, replica: Replica) -> None:
         if self.view == "events":
             replica.view = ReplicaView(pending_seconds=self.pending_seconds)
+            # its load poll, off the request's path, says when it answers again: a request need
+            # hardly ever ask it to find out (each such question costs that request the timeout)
+            replica.unanswered.max_seconds = EVENTS_VIEW_MAX_REST_S
 
     @property
     def load_stale_seconds(self) -> float:
@@ -342,12 +349,15 @@ class RouterService:
         """The replica's facts for this prompt and the prompt's length in its tokens, or None (and
         its error kept) when it cannot say."""
         replica.questions += 1
+        asked_at = self.clock()
+        replica.unanswered.asking()
         try:
             answer = await replica.client.post("/admin/route-facts", json={**(question or {"tokens": []}),
                                                                             "tenant": tenant},
                                                timeout=ASK_TIMEOUT_S)
             if answer.status_code in (400, 413, 422):  # the prompt is bad, not the replica: it says so
                 replica.last_error = None  # when the request reaches it
+                replica.unanswered.answered()
                 return ReplicaFacts(0, 0.0, replica.open), 0
             answer.raise_for_status()
             known = kvd_json(answer)
@@ -360,9 +370,27 @@ class RouterService:
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             replica.last_error = described(exc)
             replica.failed_questions += 1
+            replica.unanswered.failed(asked_at, self.clock())
             return None
+        finally:
+            replica.unanswered.probing = False  # (answered, or not, or the request's caller left)
         replica.last_error = None
+        replica.unanswered.answered()
         return facts, known["prompt_tokens"]
+
+    def unreachable(self, replica: Replica, why: str) -> None:
+        """A request could not be sent to the replica (refused, or no connection made in time)."""
+        replica.last_error = why
+        replica.unanswered.failed(self.clock(), self.clock())
+
+    def resting(self, replica: Replica, now: float) -> bool:
+        """Whether a request passes the replica over unasked (policies/unanswered.py): it left a
+        question unanswered lately, and answered nothing since (with the events view, a load poll
+        answered since ends the rest, and the run of unanswered questions)."""
+        heard_at = replica.view.load_asked_at if replica.view is not None else None
+        if heard_at is not None and replica.unanswered.since is not None and heard_at >= replica.unanswered.since:
+            replica.unanswered.answered()
+        return replica.unanswered.resting(now, heard_at)
 
     def weigh_locally(self, replica: Replica, question: dict | None, tenant: str | None, now: float,
                       memo: dict) -> Local | None:
@@ -481,18 +509,19 @@ class RouterService:
         LookupError (ModelNotServed) when none can."""
         now, memo, replicas = self.clock(), {}, self.replicas
         excluded = set(excluded) | {id(r) for r in replicas if r.known_draining}  # one asked says so itself
+        passed = excluded | self.passed_resting(replicas, excluded, now)  # (their errors still say why none)
 
         def weigh_all() -> list[Local | None]:
-            return [self.weigh_locally(r, question, tenant, now, memo) if id(r) not in excluded else None
+            return [self.weigh_locally(r, question, tenant, now, memo) if id(r) not in passed else None
                     for r in replicas]
 
         large = question_size(question) > LARGE_PROMPT
         # a long prompt is tokenized and hashed off the event loop that streams every answer
         local = await asyncio.to_thread(weigh_all) if large else weigh_all()
         asked = await asyncio.gather(*(self.ask(r, question, tenant) for r, known in zip(replicas, local)
-                                       if known is None and id(r) not in excluded))
+                                       if known is None and id(r) not in passed))
         answers = iter(asked)
-        facts = [None if id(r) in excluded else (known.facts, known.prompt_tokens) if known is not None
+        facts = [None if id(r) in passed else (known.facts, known.prompt_tokens) if known is not None
                  else next(answers) for r, known in zip(replicas, local)]
         facts = [None if known is None and r.drained_there else f for r, known, f in zip(replicas, local, facts)]
         live = [(i, replace(f, name=replicas[i].name), tokens) for i, a in enumerate(facts) if a is not None
@@ -512,6 +541,16 @@ class RouterService:
                                      + ", ".join(repr(m) for m in served))
             live = serving
         return live, local, now, replicas
+
+    def passed_resting(self, replicas: list[Replica], excluded: set[int], now: float) -> set[int]:
+        """The ids of the replicas a request passes over as they rest (`resting`), counted, unless
+        every one it could go to rests: then none is passed over (asked, one may be back)."""
+        resting = [r for r in replicas if id(r) not in excluded and self.resting(r, now)]
+        if not resting or len(resting) == sum(id(r) not in excluded for r in replicas):
+            return set()
+        for replica in resting:
+            replica.skipped_questions += 1
+        return {id(r) for r in resting}
 
     def replica_keeping(self, response_id) -> Replica | None:
         """The replica of the fleet that answered `response_id` (/v1/responses), which alone keeps
@@ -560,16 +599,26 @@ class RouterService:
             return None
         return replica
 
-    def conversation_home(self) -> Replica | None:
+    def answering(self, replica: Replica) -> bool:
+        """Whether the replica's latest word says it answers: with the events view, a load poll
+        answered lately; with ask, its last question or request reached it."""
+        if replica.view is not None:
+            age = replica.view.load_age(self.clock())
+            return age is not None and age <= self.load_stale_seconds
+        return replica.unanswered.since is None
+
+    def conversation_home(self, excluded: set[int] = frozenset()) -> Replica | None:
         """The replica a new conversation is made at (`POST /v1/conversations`): of those taking
-        requests, the one with the fewest of this router's requests open now, and among those the
-        one that made a conversation least recently; its turns all go there after. (Not the one
-        sent the fewest so far: a replica that joined later took every new conversation until
-        it had caught up.) None when none takes requests."""
-        replicas = [r for r in self.replicas if r.takes_requests and r.role != "prefill"]
+        requests (and not `excluded`: ids of replicas already tried), one that answers
+        (`answering`) before one that does not, then the one with the fewest of this router's
+        requests open now, then the one that made a conversation least recently; its turns all go
+        there after. (Not the one sent the fewest so far: a replica that joined later took every
+        new conversation until it had caught up. Nor a replica that went down first: with no
+        request open there, it drew every new conversation.) None when none is left."""
+        replicas = [r for r in self.replicas if r.takes_requests and r.role != "prefill" and id(r) not in excluded]
         if not replicas:
             return None
-        replica = min(replicas, key=lambda r: (r.open, r.homed_at))
+        replica = min(replicas, key=lambda r: (not self.answering(r), r.open, r.homed_at))
         replica.sent += 1
         replica.homed_at = next(self._homes_made)
         return replica
@@ -686,6 +735,9 @@ class RouterService:
                 row["welcomed"] = r.welcomed
             if r.passed_over:  # sent elsewhere for a predicted wait past its max_queue_wait
                 row["passed_over"] = r.passed_over
+            if self.resting(r, now):  # passed over unasked: it answered none of its latest questions
+                row["resting"] = {"unanswered_in_a_row": r.unanswered.in_a_row,
+                                  "seconds_left": round(r.unanswered.seconds_left(now), 3)}
             if r.view is not None:
                 age = r.view.load_age(now)
                 row["view"] = {"synced": r.view.synced, "seq": r.view.seq, "device_keys": len(r.view.keys),
