@@ -315,6 +315,52 @@ def test_a_prefill_replica_that_is_down_is_passed_over(pair):
     assert service.pd_outcomes == {"transferred": 2}
 
 
+def test_a_prefill_replica_that_does_not_answer_rests_and_its_warning_is_not_one_a_request(pair, caplog):
+    """With every prefill replica down, each request is decoded whole where it goes: the router
+    asks the prefill replica once, then passes it over unasked while it rests (no request needs
+    one), and logs the outcome once for all of them, not once each."""
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    class Down(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            raise httpx.ConnectError("connection refused", request=request)
+
+    _, decode = pair
+    replicas = [Replica("down", replica_client("/run/down.sock", transport=Down()), role="prefill"),
+                Replica("decode", replica_client("/run/d.sock", transport=httpx.ASGITransport(app=unix_app(decode))),
+                        role="decode")]
+    service = RouterService(replicas, make_router("round_robin"), view="ask", local_prefill_tokens=0)
+    app = create_router_app(service)
+    with caplog.at_level("WARNING", logger="kvd.router"):
+        answers = through(app, *[lambda c: c.post("/v1/completions", json={"prompt": PROMPT, **GREEDY})] * 3)
+    assert [a.status_code for a in answers] == [200] * 3
+    assert {a.headers["x-kvd-prefill"] for a in answers} == {
+        "none: no replica answered: down (ConnectError: connection refused)"}
+    assert (replicas[0].questions, replicas[0].skipped_questions) == (1, 2)  # asked by the first request alone
+    assert service.pd_outcomes == {"no_prefill_replica": 3}
+    assert [r.getMessage() for r in caplog.records if "prefill not done" in r.getMessage()] == [
+        "disaggregated prefill not done (no replica answered: down (ConnectError: connection refused)): the "
+        "decode replica computes the whole prompt"]
+
+
+def test_a_recurring_warning_is_logged_once_every_few_seconds_with_how_many_it_held_back(caplog):
+    import logging
+
+    from kvctl.daemon.server.log_throttle import EveryFewSeconds
+
+    now = [0.0]
+    warnings = EveryFewSeconds(logging.getLogger("kvd.test"), seconds=10.0, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="kvd.test"):
+        for at in (0.0, 1.0, 9.9, 10.0, 12.0, 30.0):
+            now[0] = at
+            warnings.warning("prefill not done (%s)", f"at {at}")
+    assert [r.getMessage() for r in caplog.records] == [
+        "prefill not done (at 0.0)", "prefill not done (at 10.0) (and 2 more like it in the last 10 s)",
+        "prefill not done (at 30.0) (and 1 more like it in the last 20 s)"]
+
+
 def test_prefill_roles_are_checked_where_the_router_is_set_up():
     from kvctl.daemon.config import ConfigError
     from kvctl.daemon.router_config import resolve_router

@@ -50,6 +50,7 @@ from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, fan_out,
                           merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates, replica_reports)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
+from .log_throttle import EveryFewSeconds
 from .request_log import logfmt
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .route_spans import NO_ROUTE_SPAN
@@ -158,6 +159,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     app = FastAPI(title="kvd router", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=lambda: max_request_bytes)
     metrics = metrics or RouterMetrics(service)
+    prefill_warnings = EveryFewSeconds(log)  # (one a request while no prefill replica answers)
 
     def error(status: int, message: str, code: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": "router_error", "param": None, "code": code}},
@@ -691,6 +693,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 answer = await unless_caller_leaves(replica.client.post(path, content=content, headers=headers))
             except httpx.HTTPError as exc:
                 replica.last_error = described(exc)
+                if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    service.unreachable(replica, replica.last_error)
                 replica.failed_forwards += 1
                 span.attempt_failed(replica.last_error)
                 tried.append(f"{replica.name} ({replica.last_error})")
@@ -721,7 +725,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             why = tried[-1]
             break
         service.pd_outcomes[outcome] += 1
-        log.warning("disaggregated prefill not done (%s): the decode replica computes the whole prompt", why)
+        prefill_warnings.warning("disaggregated prefill not done (%s): the decode replica computes the whole prompt",
+                                 why)
         return None, f"none: {why}", len(tried), None
 
     async def forward(path: str, http: Request, who: Caller):

@@ -544,9 +544,12 @@ class RouterService:
 
     def passed_resting(self, replicas: list[Replica], excluded: set[int], now: float) -> set[int]:
         """The ids of the replicas a request passes over as they rest (`resting`), counted, unless
-        every one it could go to rests: then none is passed over (asked, one may be back)."""
+        every one it could go to rests: then none is passed over (asked, one may be back). Prefill
+        replicas resting are passed over all the same: no request needs one (the replica that
+        decodes it computes its prompt instead)."""
         resting = [r for r in replicas if id(r) not in excluded and self.resting(r, now)]
-        if not resting or len(resting) == sum(id(r) not in excluded for r in replicas):
+        if not resting or (len(resting) == sum(id(r) not in excluded for r in replicas)
+                           and any(r.role != "prefill" for r in resting)):
             return set()
         for replica in resting:
             replica.skipped_questions += 1
