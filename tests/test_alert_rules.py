@@ -67,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 30
+    assert len(names) == len(set(names)) == 31
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -268,6 +268,27 @@ def test_the_router_rules_fire_for_a_replica_left_drained(tmp_path):
         assert fired(Scrapes(healthy | up(1, ROUTER), healthy | up(1, ROUTER))) == {}
         assert fired(Scrapes(healthy | up(1, ROUTER), drained | up(1, ROUTER))) == {
             "KvdRouterReplicaLeftDrained": series(ROUTER, 1.0, replica="replica-0")}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_router_rules_fire_for_a_replica_that_does_not_answer(tmp_path):
+    service = start_service(tmp_path, num_blocks=64)
+    try:
+        replica_app = create_app(service, service.metrics, front="unix")
+        router, app = router_app([replica_app, replica_app], "least_loaded", down=(1,))
+
+        async def metrics(client):
+            return samples((await client.get("/metrics")).text, **ROUTER)
+
+        async def routed(client):
+            answer = await client.post("/v1/completions", json={"prompt": "fleet " * 20, "max_tokens": 2})
+            assert answer.status_code == 200 and answer.headers["x-kvd-replica"] == "replica-0"
+
+        healthy, resting = drive(app, [metrics, routed, metrics])[::2]
+        assert fired(Scrapes(healthy | up(1, ROUTER), healthy | up(1, ROUTER))) == {}
+        assert fired(Scrapes(healthy | up(1, ROUTER), resting | up(1, ROUTER))) == {
+            "KvdRouterReplicaNotAnswering": series(ROUTER, 1.0, replica="replica-1")}
     finally:
         service.shutdown(deadline=2)
 
