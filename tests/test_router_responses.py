@@ -245,3 +245,44 @@ def test_a_background_stream_left_early_streams_again_through_the_router(replica
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["usage"]["output_tokens"] == 30
     assert where == "replica-0"
+
+
+def test_a_next_turn_whose_keeper_cannot_take_it_is_refused_there_not_sent_where_it_is_unknown(replicas):
+    """The replica that answered a response alone keeps it. Drained, resting unanswered, or
+    unreachable, the next turn gets a 503 (or the keeper's own refusal) saying so, with
+    X-KVD-Not-Rerouted: sent to another replica it would be refused as unknown (a 404)."""
+    from .test_router import Down
+
+    service, app = router_app(replicas, "round_robin")
+    [first] = drive(app, [lambda c: respond(c, instructions=SYSTEM_0, input="Q1?")])
+    keeper = service.find(first.headers["x-kvd-replica"])
+    other = next(r for r in service.replicas if r is not keeper)
+    rid = first.json()["id"]
+
+    def next_turn():
+        sent = other.sent
+        [answer] = drive(app, [lambda c: respond(c, instructions=SYSTEM_0, input="Q2?", previous_response_id=rid)])
+        assert other.sent == sent  # never tried where the response is unknown
+        return answer
+
+    keeper.draining = True
+    drained = next_turn()
+    assert drained.status_code == 503 and drained.json()["error"]["code"] == "keeper_unavailable"
+    assert drained.json()["error"]["message"] == drained.headers["x-kvd-not-rerouted"] == (
+        f"previous_response_id: {rid!r} is kept at {keeper.name} alone, which takes no new request now "
+        "(draining); try again once it is resumed")
+    keeper.draining = False
+    keeper.last_error = "ReadTimeout: timed out"
+    keeper.unanswered.failed(service.clock(), service.clock())
+    resting = next_turn()
+    assert resting.status_code == 503 and resting.json()["error"]["message"] == (
+        f"previous_response_id: {rid!r} is kept at {keeper.name} alone, which does not answer now (ReadTimeout: "
+        "timed out); try again later")
+    keeper.unanswered.answered()
+    from kvctl.daemon.server.router_service import replica_client
+    keeper.client = replica_client("/run/keeper.sock", transport=Down())
+    unreachable = next_turn()
+    assert unreachable.status_code == 502  # its own failure, as it came
+    assert unreachable.json()["error"]["message"] == f"replica {keeper.name} failed: ConnectError: connection refused"
+    assert unreachable.headers["x-kvd-not-rerouted"] == (
+        f"previous_response_id: {rid!r} is kept at {keeper.name} alone, which refused the request")

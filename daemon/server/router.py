@@ -55,7 +55,8 @@ from .request_log import logfmt
 from .request_trace import ROUTER_ATTEMPT_HEADER, RouterAttempt
 from .route_spans import NO_ROUTE_SPAN
 from .router_metrics import RouterMetrics
-from .router_service import ASK_TIMEOUT_S, ModelNotServed, NoneInTime, Replica, RouterService, Weighed
+from .router_service import (ASK_TIMEOUT_S, KeeperUnavailable, ModelNotServed, NoneInTime, Replica, RouterService,
+                             Weighed)
 from .usage_report import CALLER_ROLE_HEADER
 
 log = logging.getLogger("kvd.router")
@@ -804,9 +805,11 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                     service.gave_up(routed_at or time.time())
                 # every replica that could take it refused, or (NoneInTime) none left would start it in
                 # time: the last refusal, as it came, saying why it went no further
-                answer = refusal if refusal is not None else error(503, str(exc), "no_replica")
-                why = str(exc) if isinstance(exc, NoneInTime) or refusal is None else "no replica left to try"
-                if isinstance(exc, NoneInTime):
+                alone = isinstance(exc, (NoneInTime, KeeperUnavailable))  # nowhere else to go
+                answer = refusal if refusal is not None else error(
+                    503, str(exc), "keeper_unavailable" if isinstance(exc, KeeperUnavailable) else "no_replica")
+                why = str(exc) if alone or refusal is None else "no replica left to try"
+                if alone:
                     answer.headers[NOT_REROUTED_HEADER] = why
                 span.chose(tried="; ".join(tried) or None, refused=why)
                 if service.log_requests:

@@ -143,6 +143,11 @@ class ModelNotServed(LookupError):
     """The request names a model no live replica serves."""
 
 
+class KeeperUnavailable(LookupError):
+    """The replica that alone keeps the response or conversation a request continues cannot take
+    it now (draining, not answering, or it refused it): no other replica could answer it."""
+
+
 class NoneInTime(LookupError):
     """A request a replica turned away for its wait (queue_timeout): every other replica's predicted
     wait is past its own max_queue_wait, so it would wait there as long for the same answer."""
@@ -591,15 +596,27 @@ class RouterService:
     async def previous_home(self, body: dict, tenant: str | None, excluded: set[int] = frozenset()) -> Replica | None:
         """The replica that keeps the response a Responses request continues (its
         `previous_response_id`), or the conversation (its `conversation`), found as `find_keeper`
-        finds it; None where the request continues none, none keeps it, or it takes no requests
-        now, or has refused this one (`excluded`)."""
+        finds it; None where the request continues none, or none keeps it. KeeperUnavailable where
+        that replica has refused this request (`excluded`: its refusal is the answer), takes no
+        requests now, or rests unanswering: no other replica keeps it, so sending it elsewhere
+        would only have it refused there as unknown (a 404 for what exists)."""
         previous = body.get("previous_response_id")
         talk = body.get("conversation")
         talk = talk.get("id") if isinstance(talk, dict) else talk
         replica = (await self.find_keeper(previous, tenant) if previous is not None else
                    await self.find_keeper(talk, tenant, "conversations") if isinstance(talk, str) else None)
-        if replica is None or id(replica) in excluded or not replica.takes_requests:
+        if replica is None:
             return None
+        keeper = (f"previous_response_id: {previous!r} is kept at {replica.name}" if previous is not None
+                  else f"conversation: {talk!r} is kept at {replica.name}")
+        if id(replica) in excluded:
+            raise KeeperUnavailable(f"{keeper} alone, which refused the request")
+        if not replica.takes_requests:
+            raise KeeperUnavailable(f"{keeper} alone, which takes no new request now (draining); try again once "
+                                    "it is resumed")
+        if self.resting(replica, self.clock()):
+            raise KeeperUnavailable(f"{keeper} alone, which does not answer now ({replica.last_error}); try again "
+                                    "later")
         return replica
 
     def answering(self, replica: Replica) -> bool:
