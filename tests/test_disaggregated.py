@@ -292,23 +292,25 @@ def test_a_prefill_replica_that_cannot_transfer_leaves_the_whole_prompt_to_the_d
         decode.shutdown(deadline=2)
 
 
-def test_a_prefill_replica_that_is_down_is_passed_over(pair):
+def behind_a_prefill_replica_down(*others: tuple[str, object, str]):
+    """A router (ask view, round robin, every prompt worth a prefill) over a prefill replica named
+    "down" that cannot be reached, then `others`: (name, kvd service, role)."""
     from kvctl.daemon.server.router import create_router_app
     from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
     from kvctl.policies.routing import make_router
 
-    class Down(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request):
-            raise httpx.ConnectError("connection refused", request=request)
+    from .test_router import Down
 
-    prefill, decode = pair
-    replicas = [Replica("down", replica_client("/run/down.sock", transport=Down()), role="prefill"),
-                Replica("up", replica_client("/run/up.sock", transport=httpx.ASGITransport(app=unix_app(prefill))),
-                        role="prefill"),
-                Replica("decode", replica_client("/run/d.sock", transport=httpx.ASGITransport(app=unix_app(decode))),
-                        role="decode")]
+    replicas = [Replica("down", replica_client("/run/down.sock", transport=Down()), role="prefill")] + [
+        Replica(name, replica_client(f"/run/{name}.sock", transport=httpx.ASGITransport(app=unix_app(kvd))), role=role)
+        for name, kvd, role in others]
     service = RouterService(replicas, make_router("round_robin"), view="ask", local_prefill_tokens=0)
-    app = create_router_app(service)
+    return service, create_router_app(service)
+
+
+def test_a_prefill_replica_that_is_down_is_passed_over(pair):
+    prefill, decode = pair
+    service, app = behind_a_prefill_replica_down(("up", prefill, "prefill"), ("decode", decode, "decode"))
     answers = through(app, *[lambda c: c.post("/v1/completions", json={"prompt": PROMPT, **GREEDY})] * 2)
     assert [a.headers["x-kvd-prefill"] for a in answers] == ["up", "up"]
     assert all(a.headers["x-kvd-replica"] == "decode" for a in answers)
@@ -319,20 +321,9 @@ def test_a_prefill_replica_that_does_not_answer_rests_and_its_warning_is_not_one
     """With every prefill replica down, each request is decoded whole where it goes: the router
     asks the prefill replica once, then passes it over unasked while it rests (no request needs
     one), and logs the outcome once for all of them, not once each."""
-    from kvctl.daemon.server.router import create_router_app
-    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
-    from kvctl.policies.routing import make_router
-
-    class Down(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request):
-            raise httpx.ConnectError("connection refused", request=request)
-
     _, decode = pair
-    replicas = [Replica("down", replica_client("/run/down.sock", transport=Down()), role="prefill"),
-                Replica("decode", replica_client("/run/d.sock", transport=httpx.ASGITransport(app=unix_app(decode))),
-                        role="decode")]
-    service = RouterService(replicas, make_router("round_robin"), view="ask", local_prefill_tokens=0)
-    app = create_router_app(service)
+    service, app = behind_a_prefill_replica_down(("decode", decode, "decode"))
+    replicas = service.replicas
     with caplog.at_level("WARNING", logger="kvd.router"):
         answers = through(app, *[lambda c: c.post("/v1/completions", json={"prompt": PROMPT, **GREEDY})] * 3)
     assert [a.status_code for a in answers] == [200] * 3

@@ -31,9 +31,9 @@ from urllib.parse import quote
 import httpx
 
 from kvctl.daemon.cache.keys import Namespace, chain_keys
-from kvctl.policies.unanswered import Unanswered
 from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX_SLACK_TOKENS, ReplicaFacts, Router,
                                    facts_from_answer, make_router, none_in_time)
+from kvctl.policies.unanswered import Unanswered
 
 from .fleet_file import ROLES
 from .fleet_pins import sync_pins
