@@ -52,6 +52,28 @@ def print_events(events: list[dict], console: Console, as_json: bool, key: str |
             console.print(escape(event_line(event, key)), highlight=False, soft_wrap=True)
 
 
+def print_fleet_events(body: dict, events: list[dict], console: Console, as_json: bool, key: str | None) -> None:
+    """kvd router's answer: each replica's newest events merged by time, each line led by its
+    replica's number (named above the listing)."""
+    if as_json:
+        print_events(events, console, True)
+        return
+    numbers = {book["replica"]: n for n, book in enumerate(body["replicas"], 1)}
+    for n, book in enumerate(body["replicas"], 1):
+        held = (f"seq {book['oldest']}-{book['latest']}" if book["latest"] >= book["oldest"] else "no event yet") \
+            if book["status"] == 200 else f"not listed ({book['status'] or 'not reached'})"
+        console.print(escape(f"replica {n}: {book['replica']}, {held}"), highlight=False, soft_wrap=True)
+    if events:
+        console.print("r  " + (HEADER_FOR_KEY if key else HEADER), style="bold underline", highlight=False)
+    for event in events:
+        console.print(escape(f"{numbers[event['replica']]:<2} " + event_line(event, key)), highlight=False,
+                      soft_wrap=True)
+    if body.get("message"):
+        console.print(f"[yellow]{escape(body['message'])}[/yellow]", highlight=False)
+    console.print(f"{len(events)} events of the fleet's newest, oldest first; each replica numbers its own (kvctl "
+                  "--socket REPLICA events --since SEQ pages one, --follow follows it)", highlight=False)
+
+
 def follow(fetch: Callable[[int], dict], first: dict, console: Console, as_json: bool,
            count: int | None = None, sleep=time.sleep, key: str | None = None) -> int:
     """Print events as kvd logs them, from `first`'s `next`, until Ctrl-C or `count` events.
@@ -119,6 +141,12 @@ def events(ctx: typer.Context,
     else:  # --tail 0: from now on
         first = client.get("/admin/events", tail=1, **filters) | {"events": []}
     shown = first["events"] if count is None else first["events"][:count]
+    if "stream_id" not in first:  # kvd router: every replica's newest, merged by time
+        if follow_:
+            raise UserError("follow: kvd router has no sequence of events of its own (each replica numbers its "
+                            "own): follow one replica (kvctl --socket REPLICA events --follow)")
+        print_fleet_events(first, shown, console, as_json, key)
+        return
     if first.get("gap"):
         console.print(f"[yellow]{gap_message(since, first)}[/yellow]", highlight=False)
     if not as_json and (shown or follow_):

@@ -558,16 +558,16 @@ def test_described_names_an_error_answer_by_its_status_and_the_replica_s_message
 
 def test_a_path_the_router_does_not_serve_gets_a_404_that_says_where_to_ask(replicas):
     _, app = router_app(replicas, "round_robin")
-    [answer] = drive(app, [lambda c: c.get("/admin/events")])
+    [answer] = drive(app, [lambda c: c.get("/admin/config")])
     message = answer.json()["error"]["message"]
-    assert answer.status_code == 404 and message.startswith("kvd router does not serve /admin/events: it serves ")
+    assert answer.status_code == 404 and message.startswith("kvd router does not serve /admin/config: it serves ")
     assert message.endswith("; ask a replica for the rest (kvctl --socket REPLICA_SOCKET ...)")
     listed = message.split(": it serves ")[1].split(";")[0].replace(" and ", ", ").split(", ")
     # every path it serves (a hand-kept list lacked the newer ones), once each, and only those
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
             "/version", "/admin/trace", "/admin/pins/{pin_id}", "/router/drain", "/metrics", "/healthz",
             "/readyz"} <= set(listed)
-    assert len(listed) == len(set(listed)) and "/admin/events" not in listed and "/openapi.json" not in listed
+    assert len(listed) == len(set(listed)) and "/admin/config" not in listed and "/openapi.json" not in listed
     [drain] = drive(app, [lambda c: c.post("/admin/drain", json={"drain": True})])  # `kvctl drain` at the router
     assert drain.status_code == 404 and drain.json()["error"]["message"].startswith(
         "kvd router does not serve /admin/drain: drain or resume one replica through it with kvctl fleet drain "
@@ -1984,3 +1984,50 @@ def test_kvctl_status_at_the_router_sums_the_replicas_preemptions_and_what_their
             "finished requests held were reserved and never written (100 of 500)") in lines
     older = {k: v for k, v in live("p95", 0, 0, 0, 0).items() if k != "reservation"}  # an older kvd says nothing
     assert not any(line.startswith("fleet preemptions") for line in shown(older))
+
+
+def test_kvctl_events_at_the_router_lists_every_replica_s_newest_merged_by_time(replicas, capsys, monkeypatch):
+    """`kvctl events` pointed at kvd router: each replica's newest events (its tail, filters
+    passed on), merged by time, each naming its replica; following or paging by seq is one
+    replica's to do, and the router and kvctl say so."""
+    from kvctl import client
+
+    from .daemon_fixtures import call
+    from .test_cli import cli
+
+    _, app = router_app(replicas, "round_robin")
+    drive(app, [lambda c: post(c, SYSTEM_A + "Q70?"), lambda c: post(c, SYSTEM_B + "Q71?")])  # one at each
+    [merged, refused] = drive(app, [lambda c: c.get("/admin/events", params={"tail": 3, "kind": "stored"}),
+                                    lambda c: c.get("/admin/events", params={"since": 4})])
+    body = merged.json()
+    own = [call(r, "GET", "/admin/events", params={"tail": 3, "kind": "stored"}).json() for r in replicas]
+    fleet = sorted(((e["at"], i, e["seq"]), {**e, "replica": f"replica-{i}"}) for i, b in enumerate(own)
+                   for e in b["events"])
+    assert merged.status_code == 200 and body["events"] == [e for _, e in fleet][-3:]
+    assert {e["kind"] for e in body["events"]} == {"stored"}
+    assert [(b["replica"], b["latest"]) for b in body["replicas"]] == [
+        ("replica-0", own[0]["latest"]), ("replica-1", own[1]["latest"])]
+    assert refused.status_code == 400 and refused.json()["error"]["message"].startswith(
+        "since: kvd router has no sequence of events of its own (each replica numbers its own)")
+
+    def get(self, path, **params):
+        return self.answered(call(app, "GET", path, params={k: v for k, v in params.items() if v is not None}))
+
+    monkeypatch.setattr(client.Client, "get", get)
+    monkeypatch.setenv("COLUMNS", "200")
+    status, out, _ = cli(capsys, "events", "--tail", "2", "--kind", "stored")
+    lines = out.splitlines()
+    assert status == 0 and lines[:2] == [
+        f"replica 1: replica-0, seq {own[0]['oldest']}-{own[0]['latest']}",
+        f"replica 2: replica-1, seq {own[1]['oldest']}-{own[1]['latest']}"]
+    assert lines[2].split()[:3] == ["r", "seq", "time"]
+    last_two = [e for _, e in fleet][-2:]
+    assert [(line.split()[0], int(line.split()[1])) for line in lines[3:5]] == [
+        (str(int(e["replica"][-1]) + 1), e["seq"]) for e in last_two]
+    assert lines[5].startswith("2 events of the fleet's newest, oldest first")
+    status, out, _ = cli(capsys, "events", "--json", "--tail", "1")
+    assert [json.loads(line)["replica"] for line in out.splitlines()] in (["replica-0"], ["replica-1"])
+    status, _, err = cli(capsys, "events", "--follow")
+    assert status == 2 and " ".join(err.split()) == (
+        "error: follow: kvd router has no sequence of events of its own (each replica numbers its own): follow one "
+        "replica (kvctl --socket REPLICA events --follow)")

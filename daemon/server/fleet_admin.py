@@ -250,6 +250,29 @@ def merge_request_lists(names: Sequence[str], answers: Sequence[Answer]) -> tupl
     return 200, out
 
 
+def merge_event_lists(names: Sequence[str], answers: Sequence[Answer], tail: int | None) -> tuple[int, dict]:
+    """Every replica's newest cache events (`GET /admin/events?tail=N` of each), merged by time and
+    cut to the fleet's newest `tail`, each naming its replica; and each replica's stream and the
+    seqs it holds (each replica numbers its own events: following one is that replica's to do)."""
+    if not any(status == 200 for status, _ in answers):
+        return none_did(names, answers)
+    events, books, missing = [], [], []
+    for index, (name, (status, body)) in enumerate(zip(names, answers)):
+        if status != 200:
+            missing.append(f"{name} ({body.get('error') if status is None else status})")
+            books.append({"replica": name, "status": status})
+            continue
+        events += [(e["at"], index, e["seq"], {**e, "replica": name}) for e in body["events"]]
+        books.append({"replica": name, "status": status, "stream_id": body["stream_id"], "oldest": body["oldest"],
+                      "latest": body["latest"]})
+    events.sort(key=lambda item: item[:3])
+    kept = [e for *_, e in events][-tail:] if tail else ([] if tail == 0 else [e for *_, e in events])
+    out = {"events": kept, "replicas": books}
+    if missing:
+        out["message"] = "not listed: " + "; ".join(missing)
+    return 200, out
+
+
 TENANT_SUMS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "running", "waiting", "rejected",
                "cached_blocks", "evicted_blocks", "pinned_blocks")
 

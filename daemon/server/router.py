@@ -28,7 +28,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 from fastapi import Depends, FastAPI, Query, Request
@@ -44,9 +44,9 @@ from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
-from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, fan_out, merge_cancels, merge_evictions,
-                          merge_lora_changes, merge_pin_lists, merge_pins, merge_prefix_lists, merge_profiles,
-                          merge_request_lists, merge_response_purges, merge_sleeps, merge_tenant_lists,
+from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, fan_out, merge_cancels, merge_event_lists,
+                          merge_evictions, merge_lora_changes, merge_pin_lists, merge_pins, merge_prefix_lists,
+                          merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps, merge_tenant_lists,
                           merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates, replica_reports)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
@@ -362,6 +362,25 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                         ("/admin/pins", merge_pin_lists), ("/admin/profile", replica_reports),
                         ("/admin/responses", replica_reports)):
         merged_listing(path, merge)
+
+    @app.get("/admin/events")
+    async def events_everywhere(http: Request, _: Caller = Depends(admin)):
+        """Every replica's newest cache events, merged by time (`kvctl events` at the router). Not
+        `since` or `wait`: each replica numbers its own events, so following is one replica's."""
+        for name in ("since", "wait"):
+            if name in http.query_params:
+                return error(400, f"{name}: kvd router has no sequence of events of its own (each replica numbers "
+                             "its own): ask one replica to follow or page its events (kvctl --socket REPLICA "
+                             "events --follow)", "invalid_request")
+        tail = http.query_params.get("tail", "30")
+        try:
+            count = int(tail)
+        except ValueError:
+            return error(400, f"tail: expected an integer, got {tail!r}", "invalid_request")
+        query = urlencode({**{k: v for k, v in http.query_params.items() if k != "tail"}, "tail": count})
+        answers = await fan_out(service.replicas, "GET", "/admin/events?" + query, None, ASK_TIMEOUT_S)
+        status, body = merge_event_lists([r.name for r in service.replicas], answers, count)
+        return JSONResponse(body, status_code=status)
 
     @app.post("/admin/tiers/verify")
     async def verify_everywhere(http: Request, _: Caller = Depends(admin)):
