@@ -250,7 +250,7 @@ def merge_request_lists(names: Sequence[str], answers: Sequence[Answer]) -> tupl
     return 200, out
 
 
-def merge_event_lists(names: Sequence[str], answers: Sequence[Answer], tail: int | None) -> tuple[int, dict]:
+def merge_event_lists(names: Sequence[str], answers: Sequence[Answer], tail: int) -> tuple[int, dict]:
     """Every replica's newest cache events (`GET /admin/events?tail=N` of each), merged by time and
     cut to the fleet's newest `tail`, each naming its replica; and each replica's stream and the
     seqs it holds (each replica numbers its own events: following one is that replica's to do)."""
@@ -266,8 +266,7 @@ def merge_event_lists(names: Sequence[str], answers: Sequence[Answer], tail: int
         books.append({"replica": name, "status": status, "stream_id": body["stream_id"], "oldest": body["oldest"],
                       "latest": body["latest"]})
     events.sort(key=lambda item: item[:3])
-    kept = [e for *_, e in events][-tail:] if tail else ([] if tail == 0 else [e for *_, e in events])
-    out = {"events": kept, "replicas": books}
+    out = {"events": [e for *_, e in events][-tail:] if tail > 0 else [], "replicas": books}
     if missing:
         out["message"] = "not listed: " + "; ".join(missing)
     return 200, out
