@@ -286,3 +286,30 @@ def test_a_next_turn_whose_keeper_cannot_take_it_is_refused_there_not_sent_where
     assert unreachable.json()["error"]["message"] == f"replica {keeper.name} failed: ConnectError: connection refused"
     assert unreachable.headers["x-kvd-not-rerouted"] == (
         f"previous_response_id: {rid!r} is kept at {keeper.name} alone, which refused the request")
+
+
+def test_a_home_found_by_asking_does_not_wait_on_a_replica_that_hangs(replicas):
+    """The replica that keeps the response says so; another never answers (hung). The router takes
+    the first answer that names a keeper and cancels the question still out, where it waited on
+    every replica's answer (a hung one's whole timeout: a transport like this one, forever)."""
+    import asyncio
+
+    from kvctl.daemon.server.router_service import Replica, replica_client
+
+    _, first_router = router_app(replicas[:1], "round_robin")
+    [made] = drive(first_router, [lambda c: respond(c, instructions=SYSTEM_1, input="Remember this.")])
+    cancelled = []
+
+    class Hangs(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(request.url.path)
+                raise
+
+    service, app = router_app(replicas[:1], "round_robin")
+    service.replicas = [Replica("hung", replica_client("/run/hung.sock", transport=Hangs())), *service.replicas]
+    [kept] = drive(app, [lambda c: c.get(f"/v1/responses/{made.json()['id']}")])
+    assert kept.status_code == 200 and kept.json() == made.json() and kept.headers["x-kvd-replica"] == "replica-0"
+    assert cancelled == [f"/v1/responses/{made.json()['id']}"]

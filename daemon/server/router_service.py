@@ -567,9 +567,9 @@ class RouterService:
         return next((r for r in self.replicas if r.name == name), None) if name is not None else None
 
     async def find_keeper(self, response_id, tenant: str | None, kind: str = "responses") -> Replica | None:
-        """The replica that keeps `response_id`: the one the router saw answer it, else the first of
-        the fleet that says it keeps it for `tenant` (`GET /v1/responses/{id}`, asked of all at
-        once), then noted as its home. A router learns homes from the answers it forwards, so one
+        """The replica that keeps `response_id`: the one the router saw answer it, else the first
+        replica to say it keeps it for `tenant` (`GET /v1/responses/{id}`, asked of all at once),
+        then noted as its home. A router learns homes from the answers it forwards, so one
         that restarted, or the other routers of a fleet, find a conversation's home this way.
         `kind` "conversations": a conversation's (`GET /v1/conversations/{id}`), noted in the same
         book. None where none keeps it (for that tenant)."""
@@ -579,19 +579,27 @@ class RouterService:
         path = f"/v1/{kind}/{quote(response_id, safe='')}"
         headers = {"X-KVD-Tenant": tenant} if tenant is not None else {}
 
-        async def keeps(replica: Replica) -> bool:
+        async def keeps(replica: Replica) -> Replica | None:
             try:
                 answer = await replica.client.get(path, headers=headers, timeout=ASK_TIMEOUT_S)
             except httpx.HTTPError:
-                return False
-            return answer.status_code == 200
+                return None
+            return replica if answer.status_code == 200 else None
 
-        replicas = [r for r in self.replicas if r.takes_requests]
-        for replica, kept in zip(replicas, await asyncio.gather(*(keeps(r) for r in replicas))):
-            if kept:
-                self.response_homes.note(response_id, replica.name)
-                return replica
-        return None
+        # the first that says so, without waiting on the others (one that hangs would hold the answer
+        # its whole timeout); the questions still out are cancelled
+        asked = [asyncio.ensure_future(keeps(r)) for r in self.replicas if r.takes_requests]
+        try:
+            for answered in asyncio.as_completed(asked):
+                replica = await answered
+                if replica is not None:
+                    self.response_homes.note(response_id, replica.name)
+                    return replica
+            return None
+        finally:
+            for question in asked:
+                question.cancel()
+            await asyncio.gather(*asked, return_exceptions=True)
 
     async def previous_home(self, body: dict, tenant: str | None, excluded: set[int] = frozenset()) -> Replica | None:
         """The replica that keeps the response a Responses request continues (its
