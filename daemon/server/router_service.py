@@ -386,7 +386,8 @@ class RouterService:
     def unreachable(self, replica: Replica, why: str) -> None:
         """A request could not be sent to the replica (refused, or no connection made in time)."""
         replica.last_error = why
-        replica.unanswered.failed(self.clock(), self.clock())
+        now = self.clock()  # (asked and known unanswered at once)
+        replica.unanswered.failed(now, now)
 
     def resting(self, replica: Replica, now: float) -> bool:
         """Whether a request passes the replica over unasked (policies/unanswered.py): it left a
