@@ -176,7 +176,8 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
         sent, open_ = f"{book.get('sent', 0):,}", f"{book.get('open', 0):,}"
         if "error" in status:
             table.add_row(name, sent, open_, _view(book), Text("down", style="red"), "", "", "", "", "")
-            down.append((status["replica"], status["error"]))
+            if not book.get("resting"):  # (resting: its line under the table says why, and when it is asked)
+                down.append((status["replica"], status["error"]))
             continue
         troubles += [Text.assemble(f"{status['replica']} {what}: ", line) for what, line in store_trouble(status)]
         fresh = fresh_start(status)

@@ -282,8 +282,8 @@ def test_kvctl_status_at_the_router_shows_a_row_per_replica_and_the_fleets_hits(
     assert lines[2].split()[:6] == ["replica-0", "1", "0", "asks", f"{blocks['total'] - blocks['free']}/{blocks['total']}",
                                     f"{live['tokens']['hit_ratio']:.1%}"]
     assert lines[3].split() == ["replica-1", "0", "0", "not", "asked", "down"]  # (it rests: test_router_unanswered.py)
-    assert lines[4] == "replica-1 down: ConnectError: connection refused"
-    assert " ".join(" ".join(lines[5:7]).split()).startswith(
+    assert "replica-1 down:" not in console.export_text()  # (the line below says why, once)
+    assert " ".join(" ".join(lines[4:6]).split()).startswith(
         "replica-1 not asked: 1 question in a row unanswered (last error: ConnectError: connection refused); "
         "requests ask it again once in ")
     assert lines[-1] == (f"fleet prefix hits: {live['tokens']['hit']:,} of {live['tokens']['prompt']:,} prompt tokens "

@@ -313,3 +313,48 @@ def test_a_home_found_by_asking_does_not_wait_on_a_replica_that_hangs(replicas):
     [kept] = drive(app, [lambda c: c.get(f"/v1/responses/{made.json()['id']}")])
     assert kept.status_code == 200 and kept.json() == made.json() and kept.headers["x-kvd-replica"] == "replica-0"
     assert cancelled == [f"/v1/responses/{made.json()['id']}"]
+
+
+def test_a_home_that_cannot_be_found_while_a_replica_does_not_answer_is_a_503_not_a_404(replicas):
+    """A router that never saw a response answered asks the fleet which keeps it. Where none that
+    answered says so and one could not say (it timed out; then it rests, and is not asked), the
+    caller gets a 503 that names it, not a 404 for a response that may exist; a next turn is not
+    sent where the response is unknown. Once that replica answers again, it is found there."""
+    from .test_router_unanswered import hung_fleet
+
+    _, first_router = router_app(replicas[:1], "round_robin")
+    [made] = drive(first_router, [lambda c: respond(c, instructions=SYSTEM_1, input="Remember this.")])
+    rid = made.json()["id"]
+    service, app, transports, now = hung_fleet(replicas, hung=(0,))  # replica-0 keeps it, and hangs
+    hung, other = service.replicas
+
+    [timed_out] = drive(app, [lambda c: c.get(f"/v1/responses/{rid}")])
+    assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "keeper_unavailable"
+    assert timed_out.json()["error"]["message"] == (
+        f"response_id: response {rid!r} is kept at no replica that answered; replica-0 (ReadTimeout: timed out) "
+        "could not say whether it keeps it: try again later")
+    assert hung.unanswered.in_a_row == 1 and service.resting(hung, now[0])
+
+    sent = other.sent
+    [resting, next_turn] = drive(app, [
+        lambda c: c.get(f"/v1/conversations/{rid}"),
+        lambda c: respond(c, instructions=SYSTEM_1, input="And then?", previous_response_id=rid)])
+    assert hung.unanswered.in_a_row == 1  # not asked while it rests
+    assert resting.status_code == 503 and resting.json()["error"]["message"] == (
+        f"conversation_id: conversation {rid!r} is kept at no replica that answered; replica-0 (not asked: it has "
+        "answered nothing lately (ReadTimeout: timed out); asked again in 1 s) could not say whether it keeps "
+        "it: try again later")
+    assert next_turn.status_code == 503 and next_turn.json()["error"]["code"] == "keeper_unavailable"
+    assert next_turn.headers["x-kvd-not-rerouted"] == next_turn.json()["error"]["message"] == (
+        f"previous_response_id: response {rid!r} is kept at no replica that answered; replica-0 (not asked: it "
+        "has answered nothing lately (ReadTimeout: timed out); asked again in 1 s) could not say whether it "
+        "keeps it: try again later")
+    assert other.sent == sent  # never sent where the response is unknown
+
+    transports[0].hung = False
+    now[0] += 1.0  # its rest over: asked again, it answers
+    [found, gone] = drive(app, [lambda c: c.get(f"/v1/responses/{rid}"),
+                                lambda c: c.get("/v1/responses/resp_never_made")])
+    assert found.status_code == 200 and found.json() == made.json() and found.headers["x-kvd-replica"] == "replica-0"
+    assert hung.unanswered.in_a_row == 0
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"  # every one answered

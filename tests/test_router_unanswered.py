@@ -146,6 +146,7 @@ def test_the_fleet_status_says_which_replica_is_not_asked_and_until_when():
     assert text.splitlines()[3].split()[:5] == ["b", "1", "0", "not", "asked"]
     assert ("b not asked: 3 questions in a row unanswered (last error: ReadTimeout: timed out); requests ask it "
             "again once its load poll answers, or in 3.50 s") in " ".join(text.split())
+    assert "b down" not in text  # (the line above says why, once)
 
 
 def test_while_a_probe_is_out_to_a_replica_that_did_not_answer_the_others_do_not_ask_it():
@@ -188,3 +189,36 @@ def test_a_probe_whose_request_is_given_up_leaves_no_rest_behind():
 
     asyncio.run(go())
     assert not replica.unanswered.probing and not service.resting(replica, 10.0)
+
+
+def test_the_fleet_s_own_questions_pass_a_resting_replica_over_and_an_answer_ends_its_rest(replicas):
+    """What the router asks every replica (its status, the models, a listing, /readyz, a tokenize)
+    notes what came of it as a route question does, and passes a replica resting unanswering over
+    (its row says so) rather than waiting out its timeout each time."""
+    service, app, transports, now = hung_fleet(replicas, hung=(0,))
+    hung = service.replicas[0]
+    asked = []
+    inner = transports[0].handle_async_request
+
+    async def counted(request):
+        asked.append(request.url.path)
+        return await inner(request)
+
+    transports[0].handle_async_request = counted
+    status, models, pins, ready, tokens = drive(app, [
+        lambda c: c.get("/admin/status"), lambda c: c.get("/v1/models"), lambda c: c.get("/admin/pins"),
+        lambda c: c.get("/readyz"), lambda c: c.post("/tokenize", json={"prompt": "Hi"})])
+    assert asked == ["/admin/status"]  # unanswered: it rests, and the rest pass it over
+    assert status.json()["replica_status"][0] == {"replica": "replica-0", "error": "ReadTimeout: timed out"}
+    assert status.json()["replicas"][0]["resting"] == {"unanswered_in_a_row": 1, "seconds_left": 1.0}
+    assert [m["id"] for m in models.json()["data"]] == ["kvd-demo-llama-v1"]
+    assert pins.json()["message"] == ("not listed: replica-0 (not asked: it has answered nothing lately "
+                                      "(ReadTimeout: timed out); asked again in 1 s)")
+    assert ready.json() == {"ready": True, "replicas": ["replica-1"]}
+    assert tokens.status_code == 200 and tokens.json()["count"] == len(tokens.json()["tokens"]) == 3
+    transports[0].hung = False
+    now[0] += 1.0  # its rest over: the next question is asked, answered, and the rest is over
+    [again, ready] = drive(app, [lambda c: c.get("/admin/status"), lambda c: c.get("/readyz")])
+    assert asked == ["/admin/status", "/admin/status", "/readyz"] and hung.unanswered.in_a_row == 0
+    assert "error" not in again.json()["replica_status"][0] and "resting" not in again.json()["replicas"][0]
+    assert ready.json() == {"ready": True, "replicas": ["replica-0", "replica-1"]}

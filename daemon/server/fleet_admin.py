@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import httpx
 
@@ -33,12 +33,18 @@ RESET_WAIT_MAX_S = 600.0  # the longest a cache reset (/reset_prefix_cache, /flu
 Answer = tuple[int | None, dict]  # a replica's HTTP status (None: not reached) and body
 
 
-async def fan_out(replicas: Sequence, method: str, path: str, content: bytes | None, timeout: float) -> list[Answer]:
-    """The same call to every replica at once: each one's (status, body)."""
+async def fan_out(replicas: Sequence, method: str, path: str, content: bytes | None, timeout: float,
+                  passed: Mapping[int, str] | None = None, heard: Callable | None = None) -> list[Answer]:
+    """The same call to every replica at once: each one's (status, body). `passed`: the replicas
+    (by id) not asked, each with why (not reached, for that reason); `heard(replica, call)`: awaits
+    each call, noting what came of it (RouterService.heard: whether it answers)."""
     async def one(replica) -> Answer:
+        if passed and id(replica) in passed:
+            return None, {"error": passed[id(replica)]}
         try:
-            answer = await replica.client.request(method, path, content=content, timeout=timeout,
-                                                  headers={"content-type": "application/json"} if content else None)
+            call = replica.client.request(method, path, content=content, timeout=timeout,
+                                          headers={"content-type": "application/json"} if content else None)
+            answer = await (heard(replica, call) if heard is not None else call)
             return answer.status_code, kvd_json(answer)
         except (httpx.HTTPError, ValueError) as exc:
             return None, {"error": described(exc)}

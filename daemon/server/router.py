@@ -44,10 +44,11 @@ from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
-from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, fan_out, merge_cancels, merge_event_lists,
-                          merge_evictions, merge_lora_changes, merge_pin_lists, merge_pins, merge_prefix_lists,
-                          merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps, merge_tenant_lists,
-                          merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates, replica_reports)
+from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, error_said, fan_out, merge_cancels,
+                          merge_event_lists, merge_evictions, merge_lora_changes, merge_pin_lists, merge_pins,
+                          merge_prefix_lists, merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps,
+                          merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates,
+                          replica_reports)
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .log_throttle import EveryFewSeconds
@@ -211,11 +212,15 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                      and r.view.load_age(now) <= service.load_stale_seconds]
         else:
             async def one(replica: Replica) -> bool:
+                if id(replica) in passed:  # resting unanswering: not ready, known without waiting its timeout
+                    return False
                 try:
-                    return (await replica.client.get("/readyz", timeout=ASK_TIMEOUT_S)).status_code == 200
+                    return (await service.heard(replica, replica.client.get("/readyz", timeout=ASK_TIMEOUT_S))
+                            ).status_code == 200
                 except httpx.HTTPError:
                     return False
             taking = [r for r in deciding if r.takes_requests]
+            passed = service.not_asked(taking)
             answers = await asyncio.gather(*(one(r) for r in taking))
             ready = [r.name for r, ok in zip(taking, answers) if ok]
         if ready:
@@ -335,7 +340,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def is_sleeping_everywhere(_: Caller = Depends(admin)):
         """Asleep while any replica is; each one's answer in its row."""
         replicas = service.replicas
-        answers = await fan_out(replicas, "GET", "/is_sleeping", None, ASK_TIMEOUT_S)
+        answers = await read_everywhere(replicas, "/is_sleeping")
         status, body = replica_reports([r.name for r in replicas], answers)
         if status == 200:
             body["is_sleeping"] = any(row.get("report", {}).get("is_sleeping") for row in body["replicas"])
@@ -345,13 +350,18 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     for path in ("/admin/profile/start", "/admin/profile/stop", "/start_profile", "/stop_profile"):
         relayed(path, merge_profiles)
 
+    async def read_everywhere(replicas: list[Replica], path: str, timeout: float = ASK_TIMEOUT_S) -> list:
+        """GET `path` of each replica (a listing, a status: what nothing changes), passing over those
+        that rest unanswering (their rows say so) rather than waiting out their timeouts."""
+        return await fan_out(replicas, "GET", path, None, timeout, service.not_asked(replicas), service.heard)
+
     def merged_listing(path: str, merge):
         """GET `path`: every replica's listing there (with the caller's query), merged by `merge`."""
 
         async def listing(http: Request, _: Caller = Depends(admin)) -> JSONResponse:
             replicas = service.replicas
             query = f"?{http.url.query}" if http.url.query else ""
-            answers = await fan_out(replicas, "GET", path + query, None, ASK_TIMEOUT_S)
+            answers = await read_everywhere(replicas, path + query)
             status, body = merge([r.name for r in replicas], answers)
             return JSONResponse(body, status_code=status)
 
@@ -378,8 +388,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         except ValueError:
             return error(400, f"tail: expected an integer, got {tail!r}", "invalid_request")
         query = urlencode({**{k: v for k, v in http.query_params.items() if k != "tail"}, "tail": count})
-        answers = await fan_out(service.replicas, "GET", "/admin/events?" + query, None, ASK_TIMEOUT_S)
-        status, body = merge_event_lists([r.name for r in service.replicas], answers, count)
+        replicas = service.replicas
+        answers = await read_everywhere(replicas, "/admin/events?" + query)
+        status, body = merge_event_lists([r.name for r in replicas], answers, count)
         return JSONResponse(body, status_code=status)
 
     @app.post("/admin/tiers/verify")
@@ -417,7 +428,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(400, f"last: must be a whole number >= 1, got {raw!r}", "invalid_request")
         last = None if raw is None else int(raw)
         replicas = service.replicas
-        answers = await fan_out(replicas, "GET", trace_query(last), None, FLEET_ADMIN_TIMEOUT_S)
+        answers = await read_everywhere(replicas, trace_query(last), FLEET_ADMIN_TIMEOUT_S)
         status, body = merge_traces([r.name for r in replicas], answers, last, list(service.untraced))
         return JSONResponse(body, status_code=status)
 
@@ -456,15 +467,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def fleet_status(_: Caller = Depends(admin)):
         """The replicas' statuses, with the figures a fleet adds up (model steps, queue) summed:
         what `kvctl bench serve` reads of the daemon it drives."""
-        async def one(replica: Replica):
-            try:
-                answer = await replica.client.get("/admin/status", timeout=ASK_TIMEOUT_S)
-                answer.raise_for_status()
-                return kvd_json(answer)
-            except (httpx.HTTPError, ValueError) as exc:
-                return {"error": described(exc)}
-
-        statuses = await asyncio.gather(*(one(r) for r in service.replicas))
+        replicas = service.replicas
+        answers = await read_everywhere(replicas, "/admin/status")
+        statuses = [body if status == 200 else {"error": body["error"] if status is None else
+                                                 f"{status}: {error_said(body)}"} for status, body in answers]
         live = [st for st in statuses if "error" not in st]
         if not live:
             return error(503, "no replica answered", "no_replica")
@@ -476,21 +482,14 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 summed["seconds"] += figures["seconds"]
         queue = {k: sum(st["queue"][k] for st in live) for k in ("waiting", "running")}
         return {"model": live[0]["model"], "steps": steps, "queue": queue, **service.status(),
-                "replica_status": [{"replica": r.name, **st} for r, st in zip(service.replicas, statuses)]}
+                "replica_status": [{"replica": r.name, **st} for r, st in zip(replicas, statuses)]}
 
     @app.get("/v1/models")
     async def models(_: Caller = Depends(caller)):
         """Every model some replica serves, once each; its max_model_len the least of theirs, so a
         request sized to it fits whichever replica it is sent to."""
-        async def one(replica: Replica):
-            try:
-                answer = await replica.client.get("/v1/models", timeout=ASK_TIMEOUT_S)
-                answer.raise_for_status()
-                return answer.json()["data"]
-            except (httpx.HTTPError, ValueError, KeyError, TypeError):
-                return None
-
-        listed = [m for m in await asyncio.gather(*(one(r) for r in service.replicas)) if m is not None]
+        listed = [body["data"] for status, body in await read_everywhere(service.replicas, "/v1/models")
+                  if status == 200 and isinstance(body, dict) and isinstance(body.get("data"), list)]
         if not listed:
             return error(503, "no replica answered", "no_replica")
         data = {}
@@ -521,12 +520,14 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def ask_any(path: str, raw: bytes) -> JSONResponse:
         """The answer of the first replica taking requests that gives one (every replica of a fleet
         serves one model, so one tokenizer): its refusal of a bad body too; a replica that cannot
-        be reached or is not ready is passed over."""
+        be reached or is not ready is passed over, and one resting unanswering is not asked."""
         why = "no replica takes requests"
-        for replica in [r for r in service.replicas if r.takes_requests]:
+        taking = [r for r in service.replicas if r.takes_requests]
+        passed = service.not_asked(taking)
+        for replica in [r for r in taking if id(r) not in passed]:
             try:
-                answer = await replica.client.post(path, content=raw, timeout=ASK_TIMEOUT_S,
-                                                   headers={"Content-Type": "application/json"})
+                answer = await service.heard(replica, replica.client.post(
+                    path, content=raw, timeout=ASK_TIMEOUT_S, headers={"Content-Type": "application/json"}))
             except httpx.HTTPError as exc:
                 why = f"{replica.name}: {described(exc)}"
                 continue
@@ -625,9 +626,13 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         (its input items, its cancel), asked with the caller's query `params`. A stream (a background
         response's events again) is relayed as it comes, with no time limit between its events.
         `kind` "conversations": a conversation's, `content` the caller's body."""
-        replica = await service.find_keeper(response_id, who.tenant, kind)
+        noun = kind[:-1]
+        try:
+            replica = await service.find_keeper(response_id, who.tenant, kind)
+        except KeeperUnavailable as exc:  # none said it keeps it, and some could not say
+            return JSONResponse({"error": {"message": f"{noun}_id: {exc}", "type": "router_error",
+                                           "param": f"{noun}_id", "code": "keeper_unavailable"}}, status_code=503)
         if replica is None:
-            noun = kind[:-1]
             return JSONResponse({"error": {
                 "message": f"{noun}_id: no replica keeps {noun} {response_id!r} (for this tenant)",
                 "type": "not_found_error", "param": f"{noun}_id", "code": f"{noun}_not_found"}}, status_code=404)

@@ -25,7 +25,7 @@ import ssl
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable
+from typing import Awaitable, Callable, Sequence, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -47,6 +47,7 @@ from .router_replies import ReplyWatch, keeper
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
 
 log = logging.getLogger("kvd.router")
+T = TypeVar("T")
 
 EVENTS_VIEW_MAX_REST_S = 60.0  # the longest a replica rests unasked (policies/unanswered.py) with the events view
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left out
@@ -398,6 +399,35 @@ class RouterService:
             replica.unanswered.answered()
         return replica.unanswered.resting(now, heard_at)
 
+    def not_asked(self, replicas: Sequence[Replica]) -> dict[int, str]:
+        """The replicas (by id) that a question to the whole fleet (a lookup, a listing, a status)
+        passes over now as they rest (`resting`), each with why; none where every one rests (each
+        is asked all the same: one may be back). What it gives up is the word of a replica known not
+        to answer; what it saves is waiting out that replica's timeout."""
+        now = self.clock()
+        resting = [r for r in replicas if self.resting(r, now)]
+        if len(resting) == len(replicas):
+            return {}
+        return {id(r): f"not asked: it has answered nothing lately ({r.last_error}); asked again "
+                       + (f"in {r.unanswered.seconds_left(now):.0f} s" if not r.unanswered.probing else "once the "
+                          "question out to it now is answered") for r in resting}
+
+    async def heard(self, replica: Replica, call: Awaitable[T]) -> T:
+        """`call`'s answer (a request to `replica`), noted as a route question's is: answered,
+        its rest is over; not answered in time, or no connection, it rests (or rests longer)."""
+        asked_at = self.clock()
+        replica.unanswered.asking()
+        try:
+            answer = await call
+        except httpx.TransportError as exc:
+            replica.last_error = described(exc)
+            replica.unanswered.failed(asked_at, self.clock())
+            raise
+        finally:
+            replica.unanswered.probing = False
+        replica.unanswered.answered()
+        return answer
+
     def weigh_locally(self, replica: Replica, question: dict | None, tenant: str | None, now: float,
                       memo: dict) -> Local | None:
         """The replica's facts from its view, or None when the view is not current (feed not
@@ -573,29 +603,41 @@ class RouterService:
         then noted as its home. A router learns homes from the answers it forwards, so one
         that restarted, or the other routers of a fleet, find a conversation's home this way.
         `kind` "conversations": a conversation's (`GET /v1/conversations/{id}`), noted in the same
-        book. None where none keeps it (for that tenant)."""
+        book. None where none keeps it (for that tenant). Every replica of the fleet is asked (a
+        drained one may keep it), but those resting unanswering (`not_asked`); KeeperUnavailable
+        where none said it keeps it and some could not say (not asked, no answer, an error): the
+        one that keeps it may be among them, and a 404 would tell the caller it is gone."""
         known = self.replica_keeping(response_id)
         if known is not None or not isinstance(response_id, str):
             return known
         path = f"/v1/{kind}/{quote(response_id, safe='')}"
         headers = {"X-KVD-Tenant": tenant} if tenant is not None else {}
+        passed = self.not_asked(self.replicas)
+        unsure = [f"{r.name} ({passed[id(r)]})" for r in self.replicas if id(r) in passed]
 
         async def keeps(replica: Replica) -> Replica | None:
             try:
-                answer = await replica.client.get(path, headers=headers, timeout=ASK_TIMEOUT_S)
-            except httpx.HTTPError:
+                answer = await self.heard(replica, replica.client.get(path, headers=headers, timeout=ASK_TIMEOUT_S))
+            except httpx.HTTPError as exc:
+                unsure.append(f"{replica.name} ({described(exc)})")
                 return None
+            if answer.status_code not in (200, 404):  # (404: it keeps none of that id for the tenant)
+                unsure.append(f"{replica.name} (answered {answer.status_code})")
             return replica if answer.status_code == 200 else None
 
         # the first that says so, without waiting on the others (one that hangs would hold the answer
         # its whole timeout); the questions still out are cancelled
-        asked = [asyncio.ensure_future(keeps(r)) for r in self.replicas if r.takes_requests]
+        asked = [asyncio.ensure_future(keeps(r)) for r in self.replicas if id(r) not in passed]
         try:
             for answered in asyncio.as_completed(asked):
                 replica = await answered
                 if replica is not None:
                     self.response_homes.note(response_id, replica.name)
                     return replica
+            if unsure:
+                noun = "response" if kind == "responses" else "conversation"
+                raise KeeperUnavailable(f"{noun} {response_id!r} is kept at no replica that answered; "
+                                        f"{'; '.join(unsure)} could not say whether it keeps it: try again later")
             return None
         finally:
             for question in asked:
@@ -612,8 +654,11 @@ class RouterService:
         previous = body.get("previous_response_id")
         talk = body.get("conversation")
         talk = talk.get("id") if isinstance(talk, dict) else talk
-        replica = (await self.find_keeper(previous, tenant) if previous is not None else
-                   await self.find_keeper(talk, tenant, "conversations") if isinstance(talk, str) else None)
+        try:
+            replica = (await self.find_keeper(previous, tenant) if previous is not None else
+                       await self.find_keeper(talk, tenant, "conversations") if isinstance(talk, str) else None)
+        except KeeperUnavailable as exc:  # (none said it keeps it, and some could not say)
+            raise KeeperUnavailable(f"{'previous_response_id' if previous is not None else 'conversation'}: {exc}")
         if replica is None:
             return None
         keeper = (f"previous_response_id: {previous!r} is kept at {replica.name}" if previous is not None
