@@ -192,9 +192,9 @@ def test_a_probe_whose_request_is_given_up_leaves_no_rest_behind():
 
 
 def test_the_fleet_s_own_questions_pass_a_resting_replica_over_and_an_answer_ends_its_rest(replicas):
-    """What the router asks every replica (its status, the models, a listing, /readyz, a tokenize)
-    notes what came of it as a route question does, and passes a replica resting unanswering over
-    (its row says so) rather than waiting out its timeout each time."""
+    """What the router asks every replica (its status, the models, a listing, /readyz, a tokenize,
+    an operator's eviction) notes what came of it as a route question does, and passes a replica
+    resting unanswering over (its row says so) rather than waiting out its timeout each time."""
     service, app, transports, now = hung_fleet(replicas, hung=(0,))
     hung = service.replicas[0]
     asked = []
@@ -216,6 +216,10 @@ def test_the_fleet_s_own_questions_pass_a_resting_replica_over_and_an_answer_end
                                       "(ReadTimeout: timed out); asked again in 1 s)")
     assert ready.json() == {"ready": True, "replicas": ["replica-1"]}
     assert tokens.status_code == 200 and tokens.json()["count"] == len(tokens.json()["tokens"]) == 3
+    [evicted] = drive(app, [lambda c: c.post("/admin/evict", json={"tenant": "acme"})])  # an operator's action too
+    assert asked == ["/admin/status"] and evicted.json()["result"] == "partial"
+    assert evicted.json()["message"] == ("replica-0: not reached (not asked: it has answered nothing lately "
+                                         "(ReadTimeout: timed out); asked again in 1 s)")
     transports[0].hung = False
     now[0] += 1.0  # its rest over: the next question is asked, answered, and the rest is over
     [again, ready] = drive(app, [lambda c: c.get("/admin/status"), lambda c: c.get("/readyz")])

@@ -263,11 +263,18 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                  replica.open, f"; the replica did not take it: {there['error']}" if "error" in there else "")
         return {"replica": replica.name, "draining": replica.draining, "open": replica.open, "at_replica": there}
 
+    async def each_replica(replicas: list[Replica], method: str, path: str, content: bytes | None = None,
+                           timeout: float = ASK_TIMEOUT_S) -> list:
+        """The same call to each of `replicas` (fleet_admin.fan_out), passing over those that rest
+        unanswering (their rows say so: not reached) rather than waiting out their timeouts, and
+        noting what came of each call as a route question's is (RouterService.heard)."""
+        return await fan_out(replicas, method, path, content, timeout, service.not_asked(replicas), service.heard)
+
     # ---- operator actions every replica carries out (daemon/server/fleet_admin.py); drained
     # replicas too: they still hold blocks and pins
     async def everywhere(method: str, path: str, content: bytes | None, merge) -> JSONResponse:
         replicas = service.replicas
-        answers = await fan_out(replicas, method, path, content, FLEET_ADMIN_TIMEOUT_S)
+        answers = await each_replica(replicas, method, path, content, FLEET_ADMIN_TIMEOUT_S)
         status, body = combine([r.name for r in replicas], answers, merge)
         return JSONResponse(body, status_code=status)
 
@@ -340,7 +347,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def is_sleeping_everywhere(_: Caller = Depends(admin)):
         """Asleep while any replica is; each one's answer in its row."""
         replicas = service.replicas
-        answers = await read_everywhere(replicas, "/is_sleeping")
+        answers = await each_replica(replicas, "GET", "/is_sleeping")
         status, body = replica_reports([r.name for r in replicas], answers)
         if status == 200:
             body["is_sleeping"] = any(row.get("report", {}).get("is_sleeping") for row in body["replicas"])
@@ -350,18 +357,13 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     for path in ("/admin/profile/start", "/admin/profile/stop", "/start_profile", "/stop_profile"):
         relayed(path, merge_profiles)
 
-    async def read_everywhere(replicas: list[Replica], path: str, timeout: float = ASK_TIMEOUT_S) -> list:
-        """GET `path` of each replica (a listing, a status: what nothing changes), passing over those
-        that rest unanswering (their rows say so) rather than waiting out their timeouts."""
-        return await fan_out(replicas, "GET", path, None, timeout, service.not_asked(replicas), service.heard)
-
     def merged_listing(path: str, merge):
         """GET `path`: every replica's listing there (with the caller's query), merged by `merge`."""
 
         async def listing(http: Request, _: Caller = Depends(admin)) -> JSONResponse:
             replicas = service.replicas
             query = f"?{http.url.query}" if http.url.query else ""
-            answers = await read_everywhere(replicas, path + query)
+            answers = await each_replica(replicas, "GET", path + query)
             status, body = merge([r.name for r in replicas], answers)
             return JSONResponse(body, status_code=status)
 
@@ -389,7 +391,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(400, f"tail: expected an integer, got {tail!r}", "invalid_request")
         query = urlencode({**{k: v for k, v in http.query_params.items() if k != "tail"}, "tail": count})
         replicas = service.replicas
-        answers = await read_everywhere(replicas, "/admin/events?" + query)
+        answers = await each_replica(replicas, "GET", "/admin/events?" + query)
         status, body = merge_event_lists([r.name for r in replicas], answers, count)
         return JSONResponse(body, status_code=status)
 
@@ -428,7 +430,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return error(400, f"last: must be a whole number >= 1, got {raw!r}", "invalid_request")
         last = None if raw is None else int(raw)
         replicas = service.replicas
-        answers = await read_everywhere(replicas, trace_query(last), FLEET_ADMIN_TIMEOUT_S)
+        answers = await each_replica(replicas, "GET", trace_query(last), timeout=FLEET_ADMIN_TIMEOUT_S)
         status, body = merge_traces([r.name for r in replicas], answers, last, list(service.untraced))
         return JSONResponse(body, status_code=status)
 
@@ -468,7 +470,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         """The replicas' statuses, with the figures a fleet adds up (model steps, queue) summed:
         what `kvctl bench serve` reads of the daemon it drives."""
         replicas = service.replicas
-        answers = await read_everywhere(replicas, "/admin/status")
+        answers = await each_replica(replicas, "GET", "/admin/status")
         statuses = [body if status == 200 else {"error": body["error"] if status is None else
                                                  f"{status}: {error_said(body)}"} for status, body in answers]
         live = [st for st in statuses if "error" not in st]
@@ -488,7 +490,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     async def models(_: Caller = Depends(caller)):
         """Every model some replica serves, once each; its max_model_len the least of theirs, so a
         request sized to it fits whichever replica it is sent to."""
-        listed = [body["data"] for status, body in await read_everywhere(service.replicas, "/v1/models")
+        listed = [body["data"] for status, body in await each_replica(service.replicas, "GET", "/v1/models")
                   if status == 200 and isinstance(body, dict) and isinstance(body.get("data"), list)]
         if not listed:
             return error(503, "no replica answered", "no_replica")
