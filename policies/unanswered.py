@@ -9,7 +9,8 @@ ends the rest at once (the events view's load poll, every quarter of a second, w
 view lets the backoff grow to a minute). When the backoff runs out, the next request asks it again:
 one question, answered (it is back) or not (the backoff doubles); the requests that come while it
 is out do not ask too. Where every replica a request could go to rests, they are asked all the
-same: a whole fleet passed over would answer no one.
+same: a whole fleet passed over would answer no one. Whatever else the router asks of it counts
+the same way: a load poll, a status, a listing, an operator's action (RouterService.heard).
 
 Fed plain times on the router's clock; the router keeps one per replica.
 """

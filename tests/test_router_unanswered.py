@@ -226,3 +226,44 @@ def test_the_fleet_s_own_questions_pass_a_resting_replica_over_and_an_answer_end
     assert asked == ["/admin/status", "/admin/status", "/readyz"] and hung.unanswered.in_a_row == 0
     assert "error" not in again.json()["replica_status"][0] and "resting" not in again.json()["replicas"][0]
     assert ready.json() == {"ready": True, "replicas": ["replica-0", "replica-1"]}
+
+
+def test_with_the_events_view_a_load_poll_left_unanswered_rests_the_replica_before_any_request_asks():
+    """The events view polls each replica's load: a poll that times out rests the replica as a
+    question would (no request need wait out a question first), and the next poll answered ends
+    the rest."""
+    import asyncio
+
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    hung = [True]
+
+    def answer(request):
+        if request.url.path == "/admin/route-facts":
+            if hung[0]:
+                raise httpx.ReadTimeout("timed out", request=request)
+            return httpx.Response(200, json={"prompt_tokens": 0, "cached_tokens": 0, "waiting": 0, "running": 0})
+        return httpx.Response(503)  # (its event feed: not followed here)
+
+    replica = Replica("r", replica_client("/run/r.sock", transport=httpx.MockTransport(answer)))
+    service = RouterService([replica], make_router("round_robin"), load_interval=0.01)
+
+    async def go():
+        tasks = service.follow()
+        try:
+            async with asyncio.timeout(30):
+                while not replica.unanswered.in_a_row:
+                    await asyncio.sleep(0.005)
+                assert service.resting(replica, service.clock()) and replica.last_error == "ReadTimeout: timed out"
+                assert replica.questions == 0  # no request asked it: the poll did
+                hung[0] = False
+                while replica.view.load is None:  # (the first poll answered)
+                    await asyncio.sleep(0.005)
+                assert not service.resting(replica, service.clock()) and replica.unanswered.in_a_row == 0
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(go())

@@ -128,10 +128,12 @@ async def follow_events(client: httpx.AsyncClient, view: ReplicaView, tokenizers
 
 
 async def poll_load(client: httpx.AsyncClient, view: ReplicaView, interval: float,
-                    clock: Callable[[], float] = time.monotonic, back: asyncio.Event | None = None) -> None:
+                    clock: Callable[[], float] = time.monotonic, back: asyncio.Event | None = None,
+                    unanswered: Callable[[float, str], None] | None = None) -> None:
     """Ask the replica for its queue figures every `interval` seconds until cancelled; a failed
-    ask leaves the last answer to age (the router stops trusting it, see `RouterService`). The
-    first answer after failures sets `back`."""
+    ask leaves the last answer to age (the router stops trusting it, see `RouterService`); one that
+    got no answer (timed out, no connection) is told to `unanswered(asked_at, why)`. The first
+    answer after failures sets `back`."""
     failing = False
     while True:
         asked = clock()
@@ -144,6 +146,8 @@ async def poll_load(client: httpx.AsyncClient, view: ReplicaView, interval: floa
             failing = False
         except asyncio.CancelledError:
             raise
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError) as exc:
             failing = True
+            if unanswered is not None and isinstance(exc, httpx.TransportError):  # (not an answer saying no)
+                unanswered(asked, described(exc))
         await asyncio.sleep(interval)

@@ -581,7 +581,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             except (httpx.ConnectError, httpx.ConnectTimeout, *CLOSED_BEFORE_ANSWER) as exc:
                 replica.last_error = described(exc)
                 if not isinstance(exc, CLOSED_BEFORE_ANSWER):
-                    service.unreachable(replica, replica.last_error)
+                    service.went_unanswered(replica, replica.last_error)
                 elif closed_retried:
                     replica.failed_forwards += 1
                     return error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")
@@ -721,7 +721,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             except httpx.HTTPError as exc:
                 replica.last_error = described(exc)
                 if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-                    service.unreachable(replica, replica.last_error)
+                    service.went_unanswered(replica, replica.last_error)
                 replica.failed_forwards += 1
                 span.attempt_failed(replica.last_error)
                 tried.append(f"{replica.name} ({replica.last_error})")
@@ -851,7 +851,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             except CallerLeft:
                 return Response(status_code=499)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached it
-                service.unreachable(replica, described(exc))
+                service.went_unanswered(replica, described(exc))
                 span.attempt_failed(f"unreachable: {replica.last_error}")
                 replica.rerouted += 1
                 refusal = error(502, f"replica {replica.name} failed: {replica.last_error}", "replica_failed")

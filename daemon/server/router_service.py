@@ -265,8 +265,9 @@ class RouterService:
             replica.snapshots += error is None
         back = asyncio.Event()  # the load poll answered again after failing: the feed need not wait out its pause
         replica.tasks = [asyncio.create_task(follow_events(replica.client, replica.view, self.tokenizers, noted, back)),
-                         asyncio.create_task(poll_load(replica.client, replica.view, self.load_interval, self.clock,
-                                                       back))]
+                         asyncio.create_task(poll_load(
+                             replica.client, replica.view, self.load_interval, self.clock, back,
+                             lambda asked_at, why: self.went_unanswered(replica, why, asked_at)))]
         return replica.tasks
 
     # ---- membership: the fleet changes while the router serves --------------------------------
@@ -374,9 +375,8 @@ class RouterService:
             replica.asleep_there = bool(known.get("asleep", False))
             replica.cached_tokens_report = known.get("report_cached_tokens", "all")
         except (httpx.HTTPError, KeyError, ValueError) as exc:
-            replica.last_error = described(exc)
             replica.failed_questions += 1
-            replica.unanswered.failed(asked_at, self.clock())
+            self.went_unanswered(replica, described(exc), asked_at)
             return None
         finally:
             replica.unanswered.probing = False  # (answered, or not, or the request's caller left)
@@ -384,11 +384,13 @@ class RouterService:
         replica.unanswered.answered()
         return facts, known["prompt_tokens"]
 
-    def unreachable(self, replica: Replica, why: str) -> None:
-        """A request could not be sent to the replica (refused, or no connection made in time)."""
+    def went_unanswered(self, replica: Replica, why: str, asked_at: float | None = None) -> None:
+        """A question or call asked of the replica at `asked_at` went unanswered (timed out, an
+        error), or a request could not be sent to it (refused, or no connection made in time; asked
+        and known unanswered at once): it rests (policies/unanswered.py), `why` its last error."""
         replica.last_error = why
-        now = self.clock()  # (asked and known unanswered at once)
-        replica.unanswered.failed(now, now)
+        now = self.clock()
+        replica.unanswered.failed(now if asked_at is None else asked_at, now)
 
     def resting(self, replica: Replica, now: float) -> bool:
         """Whether a request passes the replica over unasked (policies/unanswered.py): it left a
@@ -420,8 +422,7 @@ class RouterService:
         try:
             answer = await call
         except httpx.TransportError as exc:
-            replica.last_error = described(exc)
-            replica.unanswered.failed(asked_at, self.clock())
+            self.went_unanswered(replica, described(exc), asked_at)
             raise
         finally:
             replica.unanswered.probing = False
