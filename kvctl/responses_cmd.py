@@ -67,6 +67,8 @@ def responses_view(d: dict, now: float | None = None) -> Group:
             + (f"; {d['running']:,} running in the background" if d["running"] else "")
             + (f"; {size(d['replay_bytes'])} of events kept to stream again" if d.get("replay_bytes") else ""))
     parts.append(Text(line if d["budget_bytes"] else "kvd keeps no response (responses_store_bytes 0)"))
+    if d["budget_bytes"] and "file" in d:  # (an older kvd does not say)
+        parts.append(file_line(d["file"]))
     talks = d.get("conversations")
     if talks is not None:
         parts.append(Text(f"conversations: {talks['conversations']:,} kept in {size(talks['bytes'])} of "
@@ -75,6 +77,19 @@ def responses_view(d: dict, now: float | None = None) -> Group:
                           + (f"; {talks['expired']:,} idle past responses_max_age" if talks.get("expired") else "")
                           if talks["budget_bytes"] else "kvd keeps no conversation (conversations_store_bytes 0)"))
     return Group(*parts)
+
+
+def file_line(file: dict | None) -> Text:
+    """Where the kept responses and conversations are written as well (a restart keeps them), or
+    that they are in memory only; and the writes that did not land, and why the latest did not."""
+    if file is None:
+        return Text("kept in memory only: a restart forgets them (responses_store_file writes them to disk)")
+    line = Text(f"written to {file['path']} as well: a restart keeps them")
+    failed = file["failed_writes"]
+    if failed:
+        line.append(f"; {failed:,} write{'s' if failed != 1 else ''} did not land ({file['last_failure']}): what "
+                    f"{'they' if failed != 1 else 'it'} held is in memory only", style="red")
+    return line
 
 
 def _age(at: float | None, now: float) -> str:

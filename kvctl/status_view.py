@@ -158,7 +158,8 @@ def render_status(data: dict, console: Console | None = None):
     kept = data.get("responses")  # /v1/responses kept for previous_response_id (an older kvd does not say)
     running = (kept or {}).get("running", 0)  # background responses still running (an older kvd does not say)
     expired = (kept or {}).get("expired", 0)  # let go past responses_max_age (an older kvd does not say)
-    if kept and (kept["responses"] or kept["dropped"] or running or expired):
+    unwritten = ((kept or {}).get("file") or {}).get("failed_writes", 0)  # to responses_store_file
+    if kept and (kept["responses"] or kept["dropped"] or running or expired or unwritten):
         facts.add_row("responses kept", f"{kept['responses']:,} in {size(kept['bytes'])} of "
                                         f"{size(kept['budget_bytes'])}"
                       + (f"; {kept['dropped']:,} let go for room (a turn that continues one gets a 404)"
@@ -166,7 +167,10 @@ def render_status(data: dict, console: Console | None = None):
                       + (f"; {expired:,} let go past responses_max_age" if expired else "")
                       + (f"; {running:,} running in the background" if running else "")
                       + (f"; {size(kept['replay_bytes'])} of events kept to stream again"
-                         if kept.get("replay_bytes") else ""))
+                         if kept.get("replay_bytes") else "")
+                      + (f"; {unwritten:,} write{'s' if unwritten != 1 else ''} to responses_store_file did not "
+                         "land (kvctl responses)"
+                         if unwritten else ""))
     talks = data.get("conversations")  # /v1/conversations (an older kvd does not say)
     if talks and (talks["conversations"] or talks["dropped"] or talks["turns_lost"] or talks.get("expired")):
         facts.add_row("conversations", f"{talks['conversations']:,} kept in {size(talks['bytes'])} of "

@@ -124,7 +124,7 @@ def settled(read, done, timeout: float = 10.0):
 
 def scrape_every_family(state_dir) -> str:
     """kvd's /metrics with every family it may export showing: host and disk tiers, tenant shares,
-    a running rollout and the garbage collector's pauses (as kvd serve installs them), after one
+    a running rollout, the responses file and the garbage collector's pauses (as kvd serve installs them), after one
     completion. For the tests that check what the dashboards and alert rules read is exported."""
     from kvctl.daemon.server.app import create_app
 
@@ -132,7 +132,8 @@ def scrape_every_family(state_dir) -> str:
 
     service = start_service(state_dir, num_blocks=64, host_cache_bytes="1MiB", disk_cache_bytes="4MiB",
                             disk_cache_path=str(state_dir / "disk"), tiering="always",
-                            tenant_cache_shares="default=0.5")
+                            tenant_cache_shares="default=0.5",
+                            responses_store_file=str(state_dir / "responses.sqlite"))
     try:
         app = create_app(service, service.metrics, front="unix")
         service.rollouts.start({"settings": {"reservation": "p95"}}, "50%", [], None, "test")

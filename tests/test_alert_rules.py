@@ -67,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 31
+    assert len(names) == len(set(names)) == 32
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -204,6 +204,24 @@ def test_the_pins_rule_fires_when_pins_leave_a_request_no_room(tmp_path):
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "pinned_out"
         assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
             "KvdPinsKeepRequestsOut": series(KVD, 1.0, reason="pinned_out")}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_responses_file_rule_fires_when_a_kept_response_is_not_written(tmp_path):
+    service = start_service(tmp_path, responses_store_file=str(tmp_path / "responses.sqlite"))
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        before = scrape(app)
+        file = service.responses.file
+        file.flush()
+        file.db.execute("PRAGMA query_only = ON")  # every write refused, as a full or read-only disk's would be
+        answer = call(app, "POST", "/v1/responses", json={"input": "Remember this.", "max_output_tokens": 2})
+        assert answer.status_code == 200
+        file.flush()
+        assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
+            "KvdResponsesFileWritesFailing": series(KVD, 1.0)}
+        file.db.execute("PRAGMA query_only = OFF")
     finally:
         service.shutdown(deadline=2)
 

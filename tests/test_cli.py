@@ -1598,6 +1598,10 @@ def test_status_shows_the_responses_kept_and_those_let_go_for_room():
         {"responses": 5, "bytes": 1024, "budget_bytes": 64 * 2**20, "dropped": 0, "expired": 9, "running": 0})
     assert "responses kept 2 in 1.0 KiB of 64.0 MiB; 2.0 KiB of events kept to stream again" in shown(
         {"responses": 2, "bytes": 1024, "budget_bytes": 64 * 2**20, "dropped": 0, "running": 0, "replay_bytes": 2048})
+    file = {"path": "/var/lib/kvd/responses.sqlite", "failed_writes": 3, "last_failure": "database or disk is full"}
+    assert ("responses kept 0 in 0 B of 64.0 MiB; 3 writes to responses_store_file did not land (kvctl responses)"
+            in shown({"responses": 0, "bytes": 0, "budget_bytes": 64 * 2**20, "dropped": 0, "file": file}))
+    assert "responses kept" not in shown({**data["responses"], "file": {**file, "failed_writes": 0}})
 
 
 def test_status_shows_the_conversations_kept_and_those_let_go():

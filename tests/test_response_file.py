@@ -144,3 +144,40 @@ def test_a_restart_keeps_the_order_of_use_and_the_least_recently_used_go_first(t
         assert list(smaller.entries) == ["resp_1", "resp_4"]  # the least recently used went for room
     finally:
         smaller.close()
+
+
+def test_a_write_that_does_not_land_is_counted_named_and_shown_to_the_operator(tmp_path):
+    """A full disk (here: the file held to the pages it has) fails a write: memory serves the
+    response on, and the store's figures, kvctl responses and kvctl status say how many writes did
+    not land and why (what they held will not outlive a restart), where before only the log did."""
+    from rich.console import Console
+
+    from kvctl.responses_cmd import file_line, responses_view
+
+    path = tmp_path / "responses.sqlite"
+    store = ResponseStore(2**20, ResponseFile(path))
+    [(first, talk, items)] = conversation_of(1)
+    assert store.put("acme", first, talk, items)
+    store.file.flush()
+    assert store.figures()["file"] == {"path": str(path), "failed_writes": 0, "last_failure": None}
+    pages = store.file.db.execute("PRAGMA page_count").fetchone()[0]
+    store.file.db.execute(f"PRAGMA max_page_count = {pages}")  # no room for one more page
+    [(big, talk, items)] = conversation_of(1, "big" + "x" * 20_000)
+    assert store.put("acme", big, talk, items)
+    store.file.flush()
+    assert store.get("acme", big["id"]) is not None  # served from memory all the same
+    figures = store.figures()
+    assert figures["file"] == {"path": str(path), "failed_writes": 1, "last_failure": "database or disk is full"}
+    console = Console(width=300, record=True)
+    console.print(responses_view({"tenants": [], **figures}))
+    assert console.export_text().splitlines()[-1] == (
+        f"written to {path} as well: a restart keeps them; 1 write did not land (database or disk is full): what "
+        "it held is in memory only")
+    assert file_line(None).plain == ("kept in memory only: a restart forgets them (responses_store_file writes them "
+                                     "to disk)")
+    store.close()
+    again = ResponseStore(2**20, ResponseFile(path))
+    try:
+        assert again.get("acme", first["id"]) is not None and again.get("acme", big["id"]) is None
+    finally:
+        again.close()

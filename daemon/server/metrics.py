@@ -230,6 +230,10 @@ class _EngineCollector:
         yield GaugeMetricFamily("kvd_responses_replay_bytes", "Bytes of the events kept to stream ended background "
                                 "responses again (within a quarter of responses_store_bytes, beside the kept "
                                 "responses' bytes)", value=kept["replay_bytes"])
+        if kept["file"] is not None:  # responses_store_file
+            yield CounterMetricFamily("kvd_responses_file_failed_writes", "Writes to responses_store_file that did "
+                                      "not land (a full disk, say): what they wrote is kept in memory only, and a "
+                                      "restart will not find it", value=kept["file"]["failed_writes"])
         conversations = self.service.conversations.figures()  # /v1/conversations (conversation_store.py)
         yield GaugeMetricFamily("kvd_conversations_kept", "Conversations kept (/v1/conversations)",
                                 value=conversations["conversations"])

@@ -60,6 +60,7 @@ class ResponseFile:
             raise ResponseFileError(f"responses_store_file: cannot use {str(self.path)!r}: {exc}") from None
         self.queue: queue.Queue = queue.Queue()
         self.failed = 0  # writes that did not land (a full disk): the memory store serves on without them
+        self.last_failure: str | None = None  # why the latest of them did not land (SQLite's word)
         self.thread = threading.Thread(target=self._write_all, name="kvd-responses-file", daemon=True)
 
     def load(self) -> Iterator[tuple[str, dict, list[dict], list[dict]]]:
@@ -82,6 +83,12 @@ class ResponseFile:
 
     def start(self) -> None:
         self.thread.start()
+
+    def figures(self) -> dict:
+        """Where the kept responses and conversations are written as well, and the writes that did
+        not land (and why the latest did not): what they wrote is kept in memory only, and a restart
+        will not find it."""
+        return {"path": str(self.path), "failed_writes": self.failed, "last_failure": self.last_failure}
 
     def add(self, tenant: str, response: dict, conversation: list[str], inputs: list[str],
             bodies: dict[str, str]) -> None:
@@ -126,6 +133,7 @@ class ResponseFile:
                     if self.db.in_transaction:
                         self.db.execute("ROLLBACK")
                     self.failed += 1
+                    self.last_failure = str(exc)
                     log.warning("responses_store_file %s: a write did not land (%s); what it wrote is kept in "
                                 "memory only", self.path, exc)
             finally:

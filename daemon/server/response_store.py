@@ -317,12 +317,13 @@ class ResponseStore(ResizableBudget):
 
     def figures(self) -> dict:
         """Counts and bytes; `replay_bytes`: the events kept to stream ended background responses
-        again (within a quarter of the budget, beside `bytes`)."""
+        again (within a quarter of the budget, beside `bytes`); `file`: the file they and the
+        conversations are written to as well (ResponseFile.figures), None: memory only."""
         with self.lock:
             self._forget_replays()
             return {"responses": len(self.entries), "bytes": self.used, "budget_bytes": self.budget,
                     "dropped": self.dropped, "expired": self.expired, "running": len(self.runs),
-                    "replay_bytes": self.replay_bytes}
+                    "replay_bytes": self.replay_bytes, "file": None if self.file is None else self.file.figures()}
 
 
 def tenant_row(tenant: str) -> dict:
