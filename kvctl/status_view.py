@@ -86,6 +86,17 @@ def speculation_line(spec: dict) -> str:
             f"({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} tokens a step where a draft ran")
 
 
+def step_failures_line(failures: dict) -> str:
+    """How many engine steps failed, the latest's error and what it stopped, and how many of the
+    last steps in a row failed (kvd's log has each traceback)."""
+    steps = failures["total"]
+    line = (f"{steps:,} step{'s' if steps != 1 else ''} failed; the latest at {when(failures['last_at'])}: "
+            f"{failures['last_error']} ({failures['last_stopped']:,} in flight stopped, each answered 500)")
+    if failures["in_a_row"] > 1:
+        line += f"; the last {failures['in_a_row']:,} steps all failed"
+    return line
+
+
 def render_status(data: dict, console: Console | None = None):
     if is_fleet(data):  # pointed at kvd router: a row per replica
         return render_fleet_status(data, console)
@@ -252,6 +263,9 @@ def render_status(data: dict, console: Console | None = None):
         facts.add_row(what, line)
     rejections = data["rejections"]
     facts.add_row("rejections", ", ".join(f"{k} {v}" for k, v in sorted(rejections.items())) or "none")
+    failures = data.get("step_failures")  # engine steps that raised (an older kvd does not say)
+    if failures and failures["total"]:
+        facts.add_row("engine failures", Text(step_failures_line(failures), style="red"))
     stranded = data.get("stranded_pins")  # absent from an older kvd
     facts.add_row("pins", Text.assemble(str(data["pins"]), ("" if not stranded else (
         f"; {stranded} stranded: made under weights, scales or a format no longer served, so no request reaches "

@@ -67,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 32
+    assert len(names) == len(set(names)) == 33
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -204,6 +204,22 @@ def test_the_pins_rule_fires_when_pins_leave_a_request_no_room(tmp_path):
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "pinned_out"
         assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
             "KvdPinsKeepRequestsOut": series(KVD, 1.0, reason="pinned_out")}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_engine_rule_fires_when_a_step_fails(tmp_path):
+    from .test_engine_step_failures import fail_a_step
+
+    service = start_service(tmp_path)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        before = scrape(app)
+        fail_a_step(service, lambda engine: engine.num_running > 0)
+        failed = call(app, "POST", "/v1/completions", json={"prompt": "word " * 8, "max_tokens": 2})
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+        assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
+            "KvdEngineStepFailing": series(KVD, 1.0)}
     finally:
         service.shutdown(deadline=2)
 

@@ -524,6 +524,23 @@ class Engine:
         return [TokenEvent(request_id, i, None, "cancelled") for i in range(request.params.n)
                 if i not in done]
 
+    def fail(self, request_id: str, kind: str, reason: str) -> list[TokenEvent]:
+        """Stop a request kvd itself failed (an engine step raised while it was in flight): its
+        samples end with "error", its blocks come back exactly once, and `reason` is what its
+        client is told (`request.rejected`; `kind` its rejected_kind: the server answers a 500, not
+        an answer cut short)."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return []
+        request.rejected, request.rejected_kind = reason, kind
+        if self.tiers is not None:
+            prefix_fetch.end(self, request, "cancelled")
+        done = {s.index for s in request.sequences if s.status is SeqStatus.FINISHED}
+        for seq in request.sequences:
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq, "error")
+        return [TokenEvent(request_id, i, None, "error") for i in range(request.params.n) if i not in done]
+
     def _turn_away_pinned_out(self, request: Request, needed: int) -> list[TokenEvent]:
         """Turn away a queued request that pins alone keep out: pinned after it came, or it grew
         alone until they left it no room. Waiting would hold every request behind it for as long

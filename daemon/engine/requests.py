@@ -99,7 +99,8 @@ class Request:
     metrics: RequestMetrics
     sequences: list[Sequence] = field(default_factory=list)
     rejected: str | None = None  # why the request was turned away, if it was
-    # the limit that turned it away: never_fits, pinned_out, queue_full, tenant_limit or queue_timeout
+    # the limit that turned it away: never_fits, pinned_out, queue_full, tenant_limit or queue_timeout;
+    # or engine_error: an engine step failed while it was in flight (Engine.fail)
     rejected_kind: str | None = None
     cancelled: bool = False
     reservation: object | None = None  # a rollout cohort's reservation policy; None: the engine's

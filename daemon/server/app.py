@@ -57,6 +57,7 @@ from .response_format import asks_for_a_shape, constraint_of
 from .conversations_routes import conversations_routes
 from .responses_routes import responses_routes
 from .service import EngineService, LoopSink
+from .step_failures import ENGINE_ERROR
 from .strict_json import StrictJSONRoute
 from .tokenize_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .tool_calls import forced_calls, tool_choice_mode
@@ -523,10 +524,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
             cancel_all()
             raise
         turned_away = next((r for r in requests if r.rejected), None)
-        if turned_away is not None:  # in the queue (pins kept it out, or it waited too long): the call fails whole
+        if turned_away is not None:  # in the queue (pins kept it out, or it waited too long), or kvd failed it
             cancel_all()
             retry = {"Retry-After": "1"} if turned_away.rejected_kind == "queue_timeout" else {}
-            raise ApiError(503, turned_away.rejected, type_="server_error", code=turned_away.rejected_kind,
+            failed = turned_away.rejected_kind == ENGINE_ERROR  # kvd failed it: a 500, which no router retries
+            raise ApiError(500 if failed else 503, turned_away.rejected, type_="server_error",
+                           code=turned_away.rejected_kind,
                            headers={**named, **retry})  # its ids: its log line's and kvctl's
         choices = []
         for p, request in enumerate(requests):

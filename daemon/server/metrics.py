@@ -32,6 +32,8 @@
     kvd_finished_total{api,finish_reason}     samples (choices) finished: api completions, chat or internal
                                               (a pin's warm-up); stop, length or cancelled
     kvd_preemptions_total
+    kvd_engine_step_failures_total            engine steps that raised, each stopping the requests in flight
+                                              (answered 500 engine_error; step_failures.py)
     kvd_finished_blocks_total                 blocks requests held at their finish (not cancelled), reserved
                                               ones included; kvd_reserved_unused_blocks_total, those reserved
                                               for output they never wrote: their ratio is the reservation's waste
@@ -312,6 +314,9 @@ class _EngineCollector:
         yield rejected
         yield CounterMetricFamily("kvd_preemptions", "Sequences preempted for recomputation",
                                   value=preemptions)
+        yield CounterMetricFamily("kvd_engine_step_failures", "Engine steps that raised: each stopped every request "
+                                  "in flight (each answered 500 engine_error)",
+                                  value=self.service.step_failures.total)
         yield CounterMetricFamily("kvd_finished_blocks", "Blocks requests held at their finish (not cancelled), "
                                   "reserved ones included", value=finished_blocks)
         yield CounterMetricFamily("kvd_reserved_unused_blocks", "Blocks reserved for output that requests never "

@@ -62,6 +62,7 @@ from .otlp_export import span_processor
 from .request_log import RequestLog
 from .request_spans import install as install_spans
 from .request_trace import RequestTrace, load_trace_key
+from .step_failures import ENGINE_ERROR, STEP_FAILED, StepFailures
 from .conversation_file import ConversationFile
 from .conversation_store import ConversationStore
 from .response_file import ResponseFile
@@ -194,6 +195,7 @@ class EngineService:
         # old settings, which /metrics and `kvctl status` say (Prometheus' own convention)
         self.reloads = {"ok": 0, "refused": 0}
         self.last_reload: dict | None = None
+        self.step_failures = StepFailures()  # engine steps that raised (step_failures.py)
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.pending_weights = None  # weights_ops.PendingWeights: new weights to swap in once running work drains
         self.weight_updates = threading.Lock()  # one update of the weights at a time
@@ -422,9 +424,13 @@ class EngineService:
                     try:
                         with self.profiler.step_context():
                             events = self.engine.step()
-                    except Exception:  # a failed step must not strand clients or leak blocks
-                        log.exception("engine step failed; cancelling the requests in flight")
-                        events = [e for rid in list(self.engine.requests) for e in self.engine.cancel(rid)]
+                        self.step_failures.stepped()
+                    except Exception as exc:  # a failed step must not strand clients or leak blocks
+                        stopped = [rid for rid, r in self.engine.requests.items() if not r.finished]
+                        log.exception("engine step failed; %d in flight stopped, each answered 500 engine_error",
+                                      len(stopped))
+                        self.step_failures.failed(exc, len(stopped))
+                        events = [e for rid in stopped for e in self.engine.fail(rid, ENGINE_ERROR, STEP_FAILED)]
             self._dispatch(events)
         self.profiler.turn(device, stopping=True)  # a profile running is written, not lost
         self._refuse_submissions(ServiceError(503, "kvd is shutting down"))

@@ -102,6 +102,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
             "tenant_shares": cache.tenant_shares(),
             "queue": queue,
             "rejections": dict(stats.rejections), "preemptions": stats.preemptions,
+            "step_failures": service.step_failures.report(),  # engine steps that raised (step_failures.py)
             # the output reservation policy, and of the requests that finished the blocks they held at
             # their finish and those reserved they never wrote (as kvctl bench replay's reservation_waste)
             "reservation": {"policy": engine.reservation.spec, "finished_blocks": stats.finished_blocks,
