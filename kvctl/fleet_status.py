@@ -90,6 +90,8 @@ def _view(book: dict) -> Text:
         return Text(book["draining"], style="yellow")
     if book.get("resting"):  # passed over unasked (resting_line says until when)
         return Text("not asked", style="red")
+    if book.get("failing"):  # passed over: its answers fail (failing_line says until when)
+        return Text("failing", style="red")
     view = book.get("view")
     if view is None:
         return Text("asks")
@@ -106,6 +108,15 @@ def resting_line(book: dict, view: str) -> Text:
                          f"{count:,} question{'' if count == 1 else 's'} in a row unanswered (last error: "
                          f"{book.get('last_error') or '-'}); requests ask it again once {poll}in "
                          f"{seconds(rest['seconds_left'])}")
+
+
+def failing_line(book: dict) -> Text:
+    """Why requests pass a replica over as its answers fail, and when they go there again."""
+    failing = book["failing"]
+    return Text.assemble((f"{book['replica']} passed over: ", "red"),
+                         f"its last {failing['failed_in_a_row']:,} answers were failures of its own (last error: "
+                         f"{book.get('last_error') or '-'}); requests go there again in "
+                         f"{seconds(failing['seconds_left'])}")
 
 
 def prompts(count: int) -> str:
@@ -204,6 +215,7 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
                    + (f" ({hit / prompt:.1%})" if prompt else ""))
     reasons = [Text.assemble((f"{replica} down: ", "red"), str(why)) for replica, why in down]
     reasons += [resting_line(book, data.get("view", "ask")) for book in data.get("replicas", []) if book.get("resting")]
+    reasons += [failing_line(book) for book in data.get("replicas", []) if book.get("failing")]
     router = ([Text.assemble("kvd router's garbage collector: ", gc_line(data["gc"]))]
               if (data.get("gc") or {}).get("watching") else [])  # kvd router (absent from an older one)
     if data.get("disaggregated") is not None:  # prefill replicas (absent from an older router)

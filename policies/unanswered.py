@@ -12,6 +12,10 @@ is out do not ask too. Where every replica a request could go to rests, they are
 same: a whole fleet passed over would answer no one. Whatever else the router asks of it counts
 the same way: a load poll, a status, a listing, an operator's action (RouterService.heard).
 
+The same book, resting only after `after` in a row, keeps a replica whose answers are failures
+(500s: its engine failing every step) from drawing the fleet's requests: it answers fastest, so
+least-loaded routing would send it the most (RouterService.failing).
+
 Fed plain times on the router's clock; the router keeps one per replica.
 """
 
@@ -27,6 +31,7 @@ class Unanswered:
 
     first_seconds: float = 1.0
     max_seconds: float = 15.0
+    after: int = 1  # how many in a row before it rests
     in_a_row: int = 0
     since: float | None = None  # when the latest unanswered question was asked; None: it answers
     until: float = 0.0  # it rests until then
@@ -42,7 +47,7 @@ class Unanswered:
 
     def asking(self) -> None:
         """A question goes out to it now: after unanswered ones, a probe, and it rests meanwhile."""
-        self.probing = self.in_a_row > 0
+        self.probing = self.in_a_row >= self.after
 
     def answered(self) -> None:
         """It answered: the run of unanswered questions is over."""
@@ -51,14 +56,14 @@ class Unanswered:
     @property
     def backoff_seconds(self) -> float:
         """How long it rests after its latest unanswered question: doubled with each in a row."""
-        if not self.in_a_row:
+        if self.in_a_row < self.after:
             return 0.0
-        return min(self.max_seconds, self.first_seconds * 2.0 ** min(self.in_a_row - 1, 32))
+        return min(self.max_seconds, self.first_seconds * 2.0 ** min(self.in_a_row - self.after, 32))
 
     def resting(self, now: float, heard_at: float | None = None) -> bool:
         """Whether to pass it over now: a question it left unanswered, its rest not over, and
         nothing heard from it since (`heard_at`: when the latest thing it answered was asked)."""
-        if self.since is None or (heard_at is not None and heard_at >= self.since):
+        if self.since is None or self.in_a_row < self.after or (heard_at is not None and heard_at >= self.since):
             return False
         return self.probing or now < self.until
 

@@ -4,6 +4,8 @@ a backoff, so that it does not cost every request of the fleet the question's ti
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -267,3 +269,71 @@ def test_with_the_events_view_a_load_poll_left_unanswered_rests_the_replica_befo
             await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(go())
+
+
+class FailsRequests(Counting):
+    """Passes requests to an app, but while `failing` answers each completion as a kvd whose engine
+    fails every step does: at once, a 500 engine_error (streamed: an error event)."""
+
+    failing = True
+
+    async def handle_async_request(self, request):
+        if self.failing and request.url.path == "/v1/completions":
+            error = {"error": {"message": "kvd failed while computing this request", "type": "server_error",
+                               "param": None, "code": "engine_error"}}
+            if json.loads(request.content).get("stream"):
+                events = f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                return httpx.Response(200, stream=httpx.ByteStream(events),
+                                      headers={"content-type": "text/event-stream"})
+            return httpx.Response(500, json=error)
+        return await super().handle_async_request(request)
+
+
+def test_a_replica_whose_answers_fail_is_passed_over_and_taken_back_once_it_answers(replicas):
+    """A replica whose engine fails every step answers at once, so it would draw the most requests;
+    after three failures of its own in a row requests pass it over (1 s, doubling), then go there
+    again; an answer that is not a failure ends it."""
+    from rich.console import Console
+
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.fleet_status import failing_line, render_fleet_status
+    from kvctl.policies.routing import make_router
+
+    now = [1000.0]
+    failing = FailsRequests(replicas[0])
+    fleet = [Replica("replica-0", replica_client("/run/replica-0.sock", transport=failing)),
+             Replica("replica-1", replica_client("/run/replica-1.sock", transport=Counting(replicas[1])))]
+    service = RouterService(fleet, make_router("round_robin"), view="ask", clock=lambda: now[0])
+    app = create_router_app(service)
+    bad = fleet[0]
+
+    def send(count, **extra):
+        answers = drive(app, [lambda c: post(c, SYSTEM_1 + "Q?", **extra) for _ in range(count)])
+        return [(a.headers["x-kvd-replica"], a.status_code) for a in answers]
+
+    assert send(4) == [("replica-0", 500), ("replica-1", 200)] * 2
+    assert send(2, stream=True) == [("replica-0", 200), ("replica-1", 200)]  # the third: an engine_error event
+    assert bad.failing.in_a_row == 3 and service.failing(bad, now[0])
+    assert send(3) == [("replica-1", 200)] * 3  # passed over
+    row = service.status()["replicas"][0]
+    assert row["failing"] == {"failed_in_a_row": 3, "seconds_left": 1.0}
+    assert row["last_error"] == "a stream ended in engine_error"
+    [metrics] = drive(app, [lambda c: c.get("/metrics")])
+    assert 'kvd_router_replica_failing{replica="replica-0"} 1.0' in metrics.text.splitlines()
+    assert failing_line(row).plain == ("replica-0 passed over: its last 3 answers were failures of its own (last "
+                                       "error: a stream ended in engine_error); requests go there again in 1.00 s")
+    [status] = drive(app, [lambda c: c.get("/admin/status")])
+    console = Console(record=True, width=200)
+    render_fleet_status(status.json(), console)
+    lines = console.export_text().splitlines()
+    assert lines[2].split()[:4] == ["replica-0", "3", "0", "failing"] and failing_line(row).plain in lines
+
+    now[0] += 1.0  # its rest over: requests go there again; failing still, it rests twice as long
+    assert sorted(send(2)) == [("replica-0", 500), ("replica-1", 200)]
+    assert bad.failing.in_a_row == 4 and service.status()["replicas"][0]["failing"]["seconds_left"] == 2.0
+    assert bad.last_error == "500: kvd failed while computing this request"
+    failing.failing = False
+    now[0] += 2.0
+    assert sorted(send(2)) == [("replica-0", 200), ("replica-1", 200)]  # answered: the run is over
+    assert bad.failing.in_a_row == 0 and "failing" not in service.status()["replicas"][0]

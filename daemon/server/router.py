@@ -44,6 +44,7 @@ from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
+from .step_failures import ENGINE_ERROR
 from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, error_said, fan_out, merge_cancels,
                           merge_event_lists, merge_evictions, merge_lora_changes, merge_pin_lists, merge_pins,
                           merge_prefix_lists, merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps,
@@ -99,6 +100,7 @@ def log_refused(route_id: str, tenant: str | None, path: str, status: int, tried
 TRANSFER_FIELD = "kv_transfer_params"
 PREFILL_DROPPED = ("stream_options", "echo", "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens", "n",
                    "best_of", "max_completion_tokens", TRANSFER_FIELD)
+ENGINE_ERROR_EVENT = f'"code": "{ENGINE_ERROR}"'.encode()  # in a stream's error event (kvd's json.dumps)
 FLEET_ADMIN_TIMEOUT_S = 150.0  # an eviction may search the shared Redis for 30 s; a pin may warm for 120 s
 # and X-KVD-Tenant, as the front resolved it; W3C trace context, so a replica's span has the caller's as parent
 PASSED_HEADERS = ("content-type", "traceparent", "tracestate", "x-request-id")  # (a gateway's id: logged there)
@@ -938,11 +940,17 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return why
 
         async def relay():
+            engine_failed = False
             try:
                 async for event in relay_events(upstream.aiter_raw(), failed_mid_answer):
                     if watch is not None:
                         watch.events(event)
+                    if ENGINE_ERROR_EVENT in event:  # its engine failed the request once the stream had begun
+                        engine_failed = True
+                        service.answered_with(replica, 500, f"a stream ended in {ENGINE_ERROR}")
                     yield event
+                if not engine_failed:  # (a stream's 200 says nothing of how it ends)
+                    service.answered_with(replica, upstream.status_code, f"answered {upstream.status_code}")
             finally:
                 replica.open -= 1
                 await upstream.aclose()
@@ -963,6 +971,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         finally:
             replica.open -= 1
             await upstream.aclose()
+        service.answered_with(replica, upstream.status_code, answer_described(upstream))
         if watch is not None:
             watch.answer(content)
         return Response(content, status_code=upstream.status_code, media_type=media, headers=answer_headers)

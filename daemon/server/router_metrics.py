@@ -85,6 +85,9 @@ class _RouterCollector:
         yield per_replica(GaugeMetricFamily, "replica_resting", "1 while requests pass the replica over unasked: it "
                           "answered none of its latest questions (or connections), nor a load poll since",
                           lambda r: float(self.service.resting(r, now)))
+        yield per_replica(GaugeMetricFamily, "replica_failing", "1 while requests pass the replica over as its "
+                          "latest answers were failures of its own (500s: its engine failing, say)",
+                          lambda r: float(self.service.failing(r, now)))
         yield per_replica(CounterMetricFamily, "forward_failures", "Requests the replica failed after it may have "
                           "started them", lambda r: r.failed_forwards)
         yield per_replica(CounterMetricFamily, "rerouted", "Requests the replica refused before starting them, "

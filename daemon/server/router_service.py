@@ -50,6 +50,8 @@ log = logging.getLogger("kvd.router")
 T = TypeVar("T")
 
 EVENTS_VIEW_MAX_REST_S = 60.0  # the longest a replica rests unasked (policies/unanswered.py) with the events view
+FAILING_AFTER = 3  # a replica whose answers were failures (500) this many times in a row is passed over ...
+FAILING_MAX_REST_S = 60.0  # ... for 1 s, doubling with each more, up to this
 ASK_TIMEOUT_S = 2.0  # a replica slower than this to answer the question is left out
 FORWARD_TIMEOUT_S = 600.0
 WELCOME_TIMEOUT_S = 600.0  # how long a replica that joined may take to answer ready before its pins are copied
@@ -86,6 +88,8 @@ class Replica:
     failed_questions: int = 0
     unanswered: Unanswered = field(default_factory=Unanswered)  # not asked for a while after it answers none
     skipped_questions: int = 0  # requests that did not ask it, as it rested (policies/unanswered.py)
+    # its forwarded requests' answers that were its own failures (500s), in a row: passed over after FAILING_AFTER
+    failing: Unanswered = field(default_factory=lambda: Unanswered(max_seconds=FAILING_MAX_REST_S, after=FAILING_AFTER))
     failed_forwards: int = 0
     rerouted: int = 0  # requests it refused before starting (429, 503) or was unreachable for: tried elsewhere
     passed_over: int = 0  # requests sent elsewhere, its predicted wait past its max_queue_wait
@@ -579,12 +583,30 @@ class RouterService:
             live = serving
         return live, local, now, replicas
 
+    def answered_with(self, replica: Replica, status: int, why: str) -> None:
+        """What a request forwarded to the replica came to: a failure of its own (a 500; a stream's
+        error event engine_error) counts toward passing it over (`failing`), `why` its last error;
+        any other answer (a 4xx too: it works) ends the run."""
+        if status >= 500:
+            now = self.clock()
+            replica.failing.failed(now, now)
+            replica.last_error = why
+        else:
+            replica.failing.answered()
+
+    def failing(self, replica: Replica, now: float) -> bool:
+        """Whether requests pass the replica over as its answers fail: its last FAILING_AFTER or
+        more were its own failures (500s: its engine failing every step, say), and its rest is not
+        over. A replica that fails at once answers fastest: least-loaded routing would send it the
+        most. After the rest, requests go there again; one answered ends it."""
+        return replica.failing.resting(now)
+
     def passed_resting(self, replicas: list[Replica], excluded: set[int], now: float) -> set[int]:
-        """The ids of the replicas a request passes over as they rest (`resting`), counted, unless
-        every one it could go to rests: then none is passed over (asked, one may be back). Prefill
-        replicas resting are passed over all the same: no request needs one (the replica that
-        decodes it computes its prompt instead)."""
-        resting = [r for r in replicas if id(r) not in excluded and self.resting(r, now)]
+        """The ids of the replicas a request passes over as they rest (`resting`, or `failing`),
+        counted, unless every one it could go to rests: then none is passed over (asked, one may be
+        back). Prefill replicas resting are passed over all the same: no request needs one (the
+        replica that decodes it computes its prompt instead)."""
+        resting = [r for r in replicas if id(r) not in excluded and (self.resting(r, now) or self.failing(r, now))]
         if not resting or (len(resting) == sum(id(r) not in excluded for r in replicas)
                            and any(r.role != "prefill" for r in resting)):
             return set()
@@ -813,6 +835,9 @@ class RouterService:
             if self.resting(r, now):  # passed over unasked: it answered none of its latest questions
                 row["resting"] = {"unanswered_in_a_row": r.unanswered.in_a_row,
                                   "seconds_left": round(r.unanswered.seconds_left(now), 3)}
+            if self.failing(r, now):  # passed over: its latest answers were failures of its own
+                row["failing"] = {"failed_in_a_row": r.failing.in_a_row,
+                                  "seconds_left": round(r.failing.seconds_left(now), 3)}
             if r.view is not None:
                 age = r.view.load_age(now)
                 row["view"] = {"synced": r.view.synced, "seq": r.view.seq, "device_keys": len(r.view.keys),
