@@ -532,14 +532,7 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return []
-        request.rejected, request.rejected_kind = reason, kind
-        if self.tiers is not None:
-            prefix_fetch.end(self, request, "cancelled")
-        done = {s.index for s in request.sequences if s.status is SeqStatus.FINISHED}
-        for seq in request.sequences:
-            if seq.status is not SeqStatus.FINISHED:
-                self._finish(seq, "error")
-        return [TokenEvent(request_id, i, None, "error") for i in range(request.params.n) if i not in done]
+        return self._end_in_error(request, kind, reason)
 
     def _turn_away_pinned_out(self, request: Request, needed: int) -> list[TokenEvent]:
         """Turn away a queued request that pins alone keep out: pinned after it came, or it grew
@@ -592,9 +585,14 @@ class Engine:
     def _turn_away(self, request: Request, kind: str, reason: str) -> list[TokenEvent]:
         """Turn away a queued request (`kind`: pinned_out, queue_timeout): its samples end with
         "error" (their blocks come back); `reason` is `request.rejected`, which the API answers with."""
-        request.rejected, request.rejected_kind = reason, kind
         self.stats.rejections[kind] = self.stats.rejections.get(kind, 0) + 1
         self.stats.tenants.row(request.tenant)[REJECTED] += 1
+        return self._end_in_error(request, kind, reason)
+
+    def _end_in_error(self, request: Request, kind: str, reason: str) -> list[TokenEvent]:
+        """End each sample of `request` not finished yet with "error" (their blocks come back),
+        `reason` and `kind` what the API answers its client with (`rejected`, `rejected_kind`)."""
+        request.rejected, request.rejected_kind = reason, kind
         if self.tiers is not None:
             prefix_fetch.end(self, request, "cancelled")
         done = {s.index for s in request.sequences if s.status is SeqStatus.FINISHED}

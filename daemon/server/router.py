@@ -44,7 +44,6 @@ from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
-from .step_failures import ENGINE_ERROR
 from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, error_said, fan_out, merge_cancels,
                           merge_event_lists, merge_evictions, merge_lora_changes, merge_pin_lists, merge_pins,
                           merge_prefix_lists, merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps,
@@ -59,6 +58,7 @@ from .route_spans import NO_ROUTE_SPAN
 from .router_metrics import RouterMetrics
 from .router_service import (ASK_TIMEOUT_S, KeeperUnavailable, ModelNotServed, NoneInTime, Replica, RouterService,
                              Weighed)
+from .step_failures import ENGINE_ERROR
 from .usage_report import CALLER_ROLE_HEADER
 
 log = logging.getLogger("kvd.router")
@@ -971,7 +971,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         finally:
             replica.open -= 1
             await upstream.aclose()
-        service.answered_with(replica, upstream.status_code, answer_described(upstream))
+        service.answered_with(replica, upstream.status_code,  # (an answer's own JSON is read for a failure only)
+                              answer_described(upstream) if upstream.status_code >= 500 else "")
         if watch is not None:
             watch.answer(content)
         return Response(content, status_code=upstream.status_code, media_type=media, headers=answer_headers)
