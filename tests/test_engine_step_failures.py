@@ -120,3 +120,31 @@ def test_kvctl_status_shows_the_failed_steps_and_the_latest_error():
     console = Console(record=True, width=300)
     render_status({**_status_data(0), "step_failures": {**failures, "total": 0}}, console)
     assert "engine failures" not in console.export_text()
+
+
+def test_an_engine_whose_steps_keep_failing_is_not_ready_until_a_while_after_the_latest(kvd):
+    """Three failed steps in a row (none between that did not fail): /readyz answers 503 saying so,
+    so a load balancer sends requests elsewhere; 10 s after the latest failure it says ready again
+    (to try), and a step that does not fail ends the run."""
+    from kvctl.daemon.server.step_failures import READY_AGAIN_S, StepFailures
+
+    service, app = kvd
+    body = {"prompt": "word " * 8, "max_tokens": 2}
+    for _ in range(3):  # (each request's first step fails: no step between does not)
+        fail_a_step(service, lambda engine: bool(engine.requests))
+        assert call(app, "POST", "/v1/completions", json=body).status_code == 500
+    not_ready = call(app, "GET", "/readyz")
+    assert not_ready.status_code == 503 and not_ready.json() == {"ready": False, "reason": (
+        "the engine's last 3 steps failed (RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB); ready "
+        "again 10 s after the latest, to try")}
+    assert call(app, "POST", "/v1/completions", json=body).status_code == 200  # (it serves whoever comes)
+    assert call(app, "GET", "/readyz").json() == {"ready": True}
+
+    book = StepFailures()
+    for at in (100.0, 101.0):
+        book.failed(RuntimeError("x"), 1, now=at)
+        assert book.not_ready(at) is None  # one or two in a row: a request's bad luck, not the engine
+    book.failed(RuntimeError("x"), 1, now=102.0)
+    assert book.not_ready(102.0 + READY_AGAIN_S - 0.1) is not None and book.not_ready(102.0 + READY_AGAIN_S) is None
+    book.stepped()
+    assert book.not_ready(102.5) is None

@@ -200,9 +200,11 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/readyz")
     async def readyz():
-        if service.ready.is_set() and service.accepting and not service.draining and service.asleep is None:
+        failing = service.step_failures.not_ready(time.time())
+        if service.ready.is_set() and service.accepting and not service.draining and service.asleep is None \
+                and failing is None:
             return {"ready": True}
-        reason = service.load_error or ("shutting down" if not service.accepting else
+        reason = service.load_error or failing or ("shutting down" if not service.accepting else
                                         "draining (kvctl resume takes completions again)" if service.draining
                                         else service.asleep.refusal() if service.asleep is not None
                                         else "loading the model")
