@@ -16,7 +16,7 @@ from .client import LOCK_HOLDERS, STORE_WRITE_WAIT_S
 from .gc_status import gc_line
 from .tls_status import tls_text
 from .gpu_status import gpu_label, gpu_line
-from .tables import compact_table, duration, fit_cells, keep_whole, seconds, size
+from .tables import compact_table, duration, fit_cells, keep_whole, seconds, size, when
 
 
 def is_fleet(data: dict) -> bool:
@@ -25,6 +25,17 @@ def is_fleet(data: dict) -> bool:
 
 
 WRITE_WAIT_SHOWN_S = 1.0  # a store write waiting longer than this is shown by kvctl status
+
+
+def step_failures_line(failures: dict) -> str:
+    """How many engine steps failed, the latest's error and what it stopped, and how many of the
+    last steps in a row failed (kvd's log has each traceback)."""
+    steps = failures["total"]
+    line = (f"{steps:,} step{'s' if steps != 1 else ''} failed; the latest at {when(failures['last_at'])}: "
+            f"{failures['last_error']} ({failures['last_stopped']:,} in flight stopped, each answered 500)")
+    if failures["in_a_row"] > 1:
+        line += f"; the last {failures['in_a_row']:,} steps all failed"
+    return line
 
 
 def store_trouble(status: dict) -> list[tuple[str, Text]]:
@@ -191,6 +202,10 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
                 down.append((status["replica"], status["error"]))
             continue
         troubles += [Text.assemble(f"{status['replica']} {what}: ", line) for what, line in store_trouble(status)]
+        failures = status.get("step_failures")  # its engine steps that raised (an older kvd does not say)
+        if failures and failures["total"]:
+            troubles.append(Text.assemble(f"{status['replica']} engine failures: ",
+                                          (step_failures_line(failures), "red")))
         fresh = fresh_start(status)
         if fresh:
             restarts.append(Text(f"{status['replica']} {fresh}"))

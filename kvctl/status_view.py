@@ -18,7 +18,7 @@ from kvctl.daemon.server.block_map import BLOCK_STATES, fold_block_map
 
 from .command_kit import client_for, emit, redraw
 from .fleet_status import (PHASE_NAMES, before_load, is_fleet, prompts, render_fleet_status, reservation_text,
-                           store_trouble)
+                           step_failures_line, store_trouble)
 from .gc_status import gc_line
 from .tls_status import tls_text
 from .gpu_status import gpu_label, gpu_line
@@ -84,17 +84,6 @@ def speculation_line(spec: dict) -> str:
         return said + ("" if config is None else "; no draft yet")
     return (f"{said}; {spec['accepted_tokens']:,} of {spec['draft_tokens']:,} drafted tokens kept "
             f"({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} tokens a step where a draft ran")
-
-
-def step_failures_line(failures: dict) -> str:
-    """How many engine steps failed, the latest's error and what it stopped, and how many of the
-    last steps in a row failed (kvd's log has each traceback)."""
-    steps = failures["total"]
-    line = (f"{steps:,} step{'s' if steps != 1 else ''} failed; the latest at {when(failures['last_at'])}: "
-            f"{failures['last_error']} ({failures['last_stopped']:,} in flight stopped, each answered 500)")
-    if failures["in_a_row"] > 1:
-        line += f"; the last {failures['in_a_row']:,} steps all failed"
-    return line
 
 
 def render_status(data: dict, console: Console | None = None):

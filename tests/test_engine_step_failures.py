@@ -120,6 +120,15 @@ def test_kvctl_status_shows_the_failed_steps_and_the_latest_error():
     console = Console(record=True, width=300)
     render_status({**_status_data(0), "step_failures": {**failures, "total": 0}}, console)
     assert "engine failures" not in console.export_text()
+    live = {"blocks": {"device": {"total": 64, "free": 64}}, "tokens": {"prompt": 0, "hit": 0, "hit_ratio": 0.0},
+            "queue": {"waiting": 0, "running": 0}}
+    fleet = {"routing": "prefix", "view": "events", "replicas": [{"replica": "a"}, {"replica": "b"}],
+             "replica_status": [{"replica": "a", **live, "step_failures": failures},
+                                {"replica": "b", **live, "step_failures": {**failures, "total": 0}}]}
+    console = Console(record=True, width=300)
+    render_status(fleet, console)  # at kvd router: each replica's
+    lines = console.export_text().splitlines()
+    assert f"a engine failures: {line}" in lines and not any(x.startswith("b engine") for x in lines)
 
 
 def test_an_engine_whose_steps_keep_failing_is_not_ready_until_a_while_after_the_latest(kvd):
