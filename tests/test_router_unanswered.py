@@ -337,3 +337,35 @@ def test_a_replica_whose_answers_fail_is_passed_over_and_taken_back_once_it_answ
     now[0] += 2.0
     assert sorted(send(2)) == [("replica-0", 200), ("replica-1", 200)]  # answered: the run is over
     assert bad.failing.in_a_row == 0 and "failing" not in service.status()["replicas"][0]
+
+
+def test_sync_pins_passes_a_resting_replica_over_and_copies_to_it_once_it_answers(replicas):
+    """`kvctl fleet sync-pins` lists and copies as the fleet's other questions do: a replica resting
+    unanswering is not asked (its row says not listed, and why), and an answer ends its rest."""
+    from .daemon_fixtures import call
+
+    service, app, transports, now = hung_fleet(replicas, hung=(0,))
+    made = call(replicas[1], "POST", "/admin/pins", headers={"X-KVD-Tenant": "acme"},
+                json={"text": SYSTEM_1, "ttl": "1h"}).json()
+    asked = []
+    inner = transports[0].handle_async_request
+
+    async def counted(request):
+        asked.append(request.url.path)
+        return await inner(request)
+
+    transports[0].handle_async_request = counted
+    first, second = drive(app, [lambda c: c.post("/router/sync-pins"), lambda c: c.post("/router/sync-pins")])
+    assert asked == ["/admin/pins"]  # the first listing timed out: the second did not ask it
+    assert first.json()["message"] == "not listed: replica-0 (ReadTimeout: timed out)"
+    assert second.json()["message"] == ("not listed: replica-0 (not asked: it has answered nothing lately "
+                                        "(ReadTimeout: timed out); asked again in 1 s)")
+    assert (second.json()["result"], second.json()["copied"]) == ("partial", 0)
+    transports[0].hung = False
+    now[0] += 1.0
+    [third] = drive(app, [lambda c: c.post("/router/sync-pins")])
+    assert asked == ["/admin/pins", "/admin/pins", "/admin/pins"]  # listed, then the pin copied to it
+    assert (third.json()["result"], third.json()["copied"]) == ("ok", 1)
+    assert third.json()["pins"][0]["copied_to"] == {"replica-0": {"cached_blocks": 0}}
+    assert [p["pin_id"] for p in call(replicas[0], "GET", "/admin/pins").json()["pins"]] == [made["pin_id"]]
+    assert service.replicas[0].unanswered.in_a_row == 0

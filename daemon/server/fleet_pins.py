@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
-from .fleet_admin import fan_out, none_did
+from .fleet_admin import Answer, fan_out, none_did
 
 SYNC_TIMEOUT_S = 150.0  # a copy may restore its blocks from a lower tier
 
 
-async def sync_pins(replicas: Sequence, only: str | None = None) -> tuple[int, dict]:
+Ask = Callable[[Sequence, str, str, bytes | None, float], Awaitable[list[Answer]]]
+
+
+async def sync_pins(replicas: Sequence, ask: Ask = fan_out, only: str | None = None) -> tuple[int, dict]:
     """Copy every pin to the replicas of its block space that lack it (`only`: to that replica
-    alone, as when it joins the fleet): (HTTP status, answer)."""
+    alone, as when it joins the fleet): (HTTP status, answer). `ask` makes the calls: at the
+    router, RouterService.ask_each (a replica resting unanswering is not listed, nor copied to)."""
     names = [r.name for r in replicas]
-    listed = await fan_out(replicas, "GET", "/admin/pins?keys=true", None, SYNC_TIMEOUT_S)
+    listed = await ask(replicas, "GET", "/admin/pins?keys=true", None, SYNC_TIMEOUT_S)
     if not any(status == 200 for status, _ in listed):
         return none_did(names, listed)
     spaces = {i: body.get("space") for i, (status, body) in enumerate(listed) if status == 200}
@@ -67,7 +71,7 @@ async def sync_pins(replicas: Sequence, only: str | None = None) -> tuple[int, d
                     body["adapter_id"] = pin["adapter_id"]
                 copies.append((row, i, body))
         rows.append(row)
-    results = await asyncio.gather(*(_copy(replicas[i], body) for _, i, body in copies))
+    results = await asyncio.gather(*(_copy(ask, replicas[i], body) for _, i, body in copies))
     for (row, i, _), (status, answer) in zip(copies, results):
         if status == 200:
             row["copied_to"][names[i]] = {"cached_blocks": answer["cached_blocks"]}
@@ -85,8 +89,8 @@ async def sync_pins(replicas: Sequence, only: str | None = None) -> tuple[int, d
     return 200, out
 
 
-async def _copy(replica, body: dict) -> tuple[int | None, dict]:
-    [(status, answer)] = await fan_out([replica], "POST", "/admin/pins", json.dumps(body).encode(), SYNC_TIMEOUT_S)
+async def _copy(ask: Ask, replica, body: dict) -> tuple[int | None, dict]:
+    [(status, answer)] = await ask([replica], "POST", "/admin/pins", json.dumps(body).encode(), SYNC_TIMEOUT_S)
     return status, answer
 
 

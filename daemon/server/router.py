@@ -44,7 +44,7 @@ from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
-from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, error_said, fan_out, merge_cancels,
+from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, error_said, merge_cancels,
                           merge_event_lists, merge_evictions, merge_lora_changes, merge_pin_lists, merge_pins,
                           merge_prefix_lists, merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps,
                           merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates,
@@ -265,12 +265,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                  replica.open, f"; the replica did not take it: {there['error']}" if "error" in there else "")
         return {"replica": replica.name, "draining": replica.draining, "open": replica.open, "at_replica": there}
 
-    async def each_replica(replicas: list[Replica], method: str, path: str, content: bytes | None = None,
-                           timeout: float = ASK_TIMEOUT_S) -> list:
-        """The same call to each of `replicas` (fleet_admin.fan_out), passing over those that rest
-        unanswering (their rows say so: not reached) rather than waiting out their timeouts, and
-        noting what came of each call as a route question's is (RouterService.heard)."""
-        return await fan_out(replicas, method, path, content, timeout, service.not_asked(replicas), service.heard)
+    each_replica = service.ask_each  # a resting replica passed over, what came of each call noted
 
     # ---- operator actions every replica carries out (daemon/server/fleet_admin.py); drained
     # replicas too: they still hold blocks and pins
@@ -439,7 +434,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     @app.post("/router/sync-pins")
     async def sync_pins_everywhere(_: Caller = Depends(admin)):
         """Every pin of the fleet on every replica of its block space that lacks it (fleet_pins.py)."""
-        status, body = await sync_pins(service.replicas)
+        status, body = await sync_pins(service.replicas, service.ask_each)
         return JSONResponse(body, status_code=status)
 
     @app.post("/router/route")

@@ -36,6 +36,7 @@ from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX_SLACK_TOKEN
 from kvctl.policies.unanswered import Unanswered
 
 from .fleet_file import ROLES
+from .fleet_admin import Answer, fan_out
 from .fleet_pins import sync_pins
 from .gc_pauses import GcPauses
 from .replica_errors import described, kvd_json
@@ -314,7 +315,7 @@ class RouterService:
                 replica.welcomed = {"pins_copied": 0, "error": "it did not answer ready"}
                 return
             await asyncio.sleep(poll_seconds)
-        status, body = await sync_pins(self.replicas, only=replica.name)
+        status, body = await sync_pins(self.replicas, self.ask_each, only=replica.name)
         copied = body.get("copied", 0) if status == 200 else 0
         replica.welcomed = {"pins_copied": copied, **({"error": body["message"]} if body.get("message") else {})}
         log.info("replica %s joined: %d of the fleet's pins copied to it%s", replica.name, copied,
@@ -417,6 +418,13 @@ class RouterService:
         return {id(r): f"not asked: it has answered nothing lately ({r.last_error}); asked again "
                        + (f"in {r.unanswered.seconds_left(now):.0f} s" if not r.unanswered.probing else "once the "
                           "question out to it now is answered") for r in resting}
+
+    async def ask_each(self, replicas: Sequence[Replica], method: str, path: str, content: bytes | None = None,
+                       timeout: float = ASK_TIMEOUT_S) -> list[Answer]:
+        """The same call to each of `replicas` (fleet_admin.fan_out), passing over those that rest
+        unanswering (their rows say so: not reached) rather than waiting out their timeouts, and
+        noting what came of each call as a route question's is (`heard`)."""
+        return await fan_out(replicas, method, path, content, timeout, self.not_asked(replicas), self.heard)
 
     async def heard(self, replica: Replica, call: Awaitable[T]) -> T:
         """`call`'s answer (a request to `replica`), noted as a route question's is: answered,
