@@ -287,10 +287,12 @@ def serve(
     try:
         settings = resolve(flags, os.environ, config)
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(settings, lambda: resolve(flags, os.environ, config)))
+            code = runner.run(_serve(settings, lambda: resolve(flags, os.environ, config)))
     except (ConfigError, RuntimeError, OSError, ValueError) as exc:
         print(f"kvd: error: {exc}", file=sys.stderr)
         raise typer.Exit(2)
+    if code:  # the device lost (device_loss.py): a service manager starts kvd again
+        raise typer.Exit(code)
 
 
 # `kvd serve --help` in sections, one per concern: a table of fifty options is hard to scan, and
@@ -352,12 +354,14 @@ def _loop_factory():
     return uvloop.new_event_loop
 
 
-async def _serve(settings, re_resolve) -> None:
+async def _serve(settings, re_resolve) -> int:
+    """Serve until SIGTERM (or the device is lost to the process): the exit code."""
     from kvctl.daemon.file_identity import os_problem
     from kvctl.daemon.folder_claim import FolderClaim, FolderTaken
     from kvctl.daemon.server import unix_front
     from kvctl.daemon.server.app import create_app
     from kvctl.daemon.server.auth import TokenTable
+    from kvctl.daemon.server.device_loss import DEVICE_LOST_EXIT
     from kvctl.daemon.server.housekeeping import Job
     from kvctl.daemon.server.http_front import Fronts, bind_tcp, raise_open_file_limit
     from kvctl.daemon.server.metrics import Metrics
@@ -417,6 +421,7 @@ async def _serve(settings, re_resolve) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_term)
+    service.on_device_lost = lambda: loop.call_soon_threadsafe(stopping.set)  # (from the engine thread)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     fronts = Fronts()
     fronts.serve(unix_app, sockets=[front.sock])
@@ -434,7 +439,12 @@ async def _serve(settings, re_resolve) -> None:
     claim.close()
     service.gc_pauses.uninstall()
     service.gc_pauses.unfreeze()
+    if service.device_lost:
+        log.critical("stopped: the device is lost to this process; exit code %d, for the service manager to start "
+                     "kvd again", DEVICE_LOST_EXIT)
+        return DEVICE_LOST_EXIT
     log.info("stopped")
+    return 0
 
 
 @app.command()

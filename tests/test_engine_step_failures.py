@@ -33,15 +33,15 @@ def kvd(tmp_path):
         service.shutdown(deadline=2)
 
 
-def fail_a_step(service, when) -> list:
-    """The engine's next step for which `when(engine)` holds raises, once; returns the list the
-    failure is noted in."""
+def fail_a_step(service, when, error: Exception | None = None) -> list:
+    """The engine's next step for which `when(engine)` holds raises (`error`: by default a
+    RuntimeError saying CUDA is out of memory), once; returns the list the failure is noted in."""
     engine, real, failed = service.engine, service.engine.step, []
 
     def step():
         if not failed and when(engine):
             failed.append(len(engine.requests))
-            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise error or RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real()
 
     engine.step = step

@@ -36,7 +36,7 @@ from kvctl.daemon.engine.sampling import ContextLengthExceeded, RequestError, Sa
 from kvctl.daemon.model.chat_template import ChatTemplateError
 from kvctl.daemon.store import StoreUnavailable
 
-from . import invalid_request, kv_transfer
+from . import device_loss, invalid_request, kv_transfer
 from .admin_routes import admin_routes
 from .admin_slots import AdminWriteSlots
 from .api_errors import ApiError, checked_ids, error_body, refuse_unsupported
@@ -196,15 +196,19 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     # was serving. They read flags only: nothing in them may wait.
     @app.get("/healthz")
     async def healthz():
+        if service.device_lost:  # (a liveness probe restarts it, where no service manager does)
+            return JSONResponse({"status": "device_lost", "reason": device_loss.refusal(service.device_lost)},
+                                status_code=503)
         return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz():
         failing = service.step_failures.not_ready(time.time())
         if service.ready.is_set() and service.accepting and not service.draining and service.asleep is None \
-                and failing is None:
+                and failing is None and not service.device_lost:
             return {"ready": True}
-        reason = service.load_error or failing or ("shutting down" if not service.accepting else
+        reason = (device_loss.refusal(service.device_lost) if service.device_lost else None) \
+            or service.load_error or failing or ("shutting down" if not service.accepting else
                                         "draining (kvctl resume takes completions again)" if service.draining
                                         else service.asleep.refusal() if service.asleep is not None
                                         else "loading the model")

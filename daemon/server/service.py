@@ -43,7 +43,7 @@ from kvctl.daemon.store import ROLLBACK_PENDING_FILE, Store
 from kvctl.kernels import cache_dtype, format_unsupported_on
 from kvctl.policies.queue_order import by_priority
 
-from . import lora_ops, pin_ops, reasoning, reload_ops, response_admin, tier_ops, tool_calls, weights_ops
+from . import device_loss, lora_ops, pin_ops, reasoning, reload_ops, response_admin, tier_ops, tool_calls, weights_ops
 from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
@@ -196,6 +196,8 @@ class EngineService:
         self.reloads = {"ok": 0, "refused": 0}
         self.last_reload: dict | None = None
         self.step_failures = StepFailures()  # engine steps that raised (step_failures.py)
+        self.device_lost: str | None = None  # why the device cannot be used again by this process (device_loss.py)
+        self.on_device_lost: Callable[[], None] | None = None  # asks the process to exit (kvd serve sets it)
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.pending_weights = None  # weights_ops.PendingWeights: new weights to swap in once running work drains
         self.weight_updates = threading.Lock()  # one update of the weights at a time
@@ -431,9 +433,26 @@ class EngineService:
                                       len(stopped))
                         self.step_failures.failed(exc, len(stopped))
                         events = [e for rid in stopped for e in self.engine.fail(rid, ENGINE_ERROR, STEP_FAILED)]
+                        if lost := device_loss.lost_device(exc, self.engine.model.device):
+                            self._lose_device(lost)
             self._dispatch(events)
         self.profiler.turn(device, stopping=True)  # a profile running is written, not lost
-        self._refuse_submissions(ServiceError(503, "kvd is shutting down"))
+        self._refuse_submissions(self._stopped())
+
+    def _lose_device(self, why: str) -> None:
+        """The device cannot be used again by this process (device_loss.py): the engine thread steps
+        no more, what comes is refused, and the process is asked to exit (to be restarted)."""
+        self.device_lost = why
+        log.critical("the device cannot be used again by this process (%s): kvd exits for its service manager to "
+                     "start it again", why)
+        self.notifier.send(f"STATUS=device lost: {why}"[:1024], timeout=0)
+        self._stop.set()  # (the engine loop ends after this step's events are delivered)
+        if self.on_device_lost is not None:
+            self.on_device_lost()
+
+    def _stopped(self) -> ServiceError:
+        """What a request is refused with once the engine thread has stopped, or is stopping."""
+        return ServiceError(503, device_loss.refusal() if self.device_lost else "kvd is shutting down")
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         """Deliver a step's events, then retire the requests they finished (not before: a
@@ -502,6 +521,9 @@ class EngineService:
             for request_id in pending:
                 self.cancel(request_id)
         self._stop.set()
+        if self.device_lost:  # (after a restart, `kvctl audit --action exit` says why it came)
+            self.store.audit(actor="kvd", tenant="-", action="exit", target="device", result="device_lost",
+                             detail={"error": self.device_lost, "exit_code": device_loss.DEVICE_LOST_EXIT})
         self._stop_verify("shutdown")
         if self.tiers is not None:
                 tier_ops.save_on_shutdown(self, max(limit, time.monotonic() + 1.0))
@@ -578,8 +600,8 @@ class EngineService:
     def require_ready(self) -> Engine:
         if not self.ready.is_set() or self.engine is None:
             raise ServiceError(503, self.load_error or "the model is still loading")
-        if not self.accepting:
-            raise ServiceError(503, "kvd is shutting down")
+        if not self.accepting or self.device_lost:
+            raise self._stopped()
         return self.engine
 
     def require_awake(self) -> Engine:
@@ -654,7 +676,7 @@ class EngineService:
         self._inbox.append(submission)
         self._wake_engine()
         if self._stop.is_set():  # the engine thread is gone or going: it may never look again
-            self._refuse_submissions(ServiceError(503, "kvd is shutting down"))
+            self._refuse_submissions(self._stopped())
         return submission.future
 
     def _wake_engine(self) -> None:

@@ -306,6 +306,9 @@ def save_on_shutdown(service, deadline: float) -> dict:
         hits = {root: info.hits for root, info in engine.cache.roots.items()}
         keep = sorted((b for b in engine.cache.pool.blocks if b.key is not None and b.key not in tiers.disk.index),
                       key=lambda b: (-hits.get(b.root, 0), b.depth))
+    if service.device_lost:  # its blocks cannot be read (device_loss.py): the host tier's still can
+        log.warning("the device's %d cached blocks are not saved to disk: the device is lost", len(keep))
+        keep = []
     saved = 0
     for start in range(0, len(keep), 64):
         if time.monotonic() >= deadline:
