@@ -34,6 +34,7 @@ class Unanswered:
     after: int = 1  # how many in a row before it rests
     in_a_row: int = 0
     since: float | None = None  # when the latest unanswered question was asked; None: it answers
+    run_began: float | None = None  # when the first of the run was asked
     until: float = 0.0  # it rests until then
     probing: bool = False  # a question is out to it after unanswered ones: the others wait for its answer
 
@@ -41,6 +42,7 @@ class Unanswered:
         """A question asked at `asked_at` went unanswered, as is known `now` (a timeout, a refused
         connection, an error): it rests for its backoff from now."""
         self.in_a_row += 1
+        self.run_began = asked_at if self.run_began is None else min(self.run_began, asked_at)
         self.since = asked_at if self.since is None else max(self.since, asked_at)
         self.until = max(self.until, now + self.backoff_seconds)
         self.probing = False
@@ -51,7 +53,7 @@ class Unanswered:
 
     def answered(self) -> None:
         """It answered: the run of unanswered questions is over."""
-        self.in_a_row, self.since, self.until, self.probing = 0, None, 0.0, False
+        self.in_a_row, self.since, self.run_began, self.until, self.probing = 0, None, None, 0.0, False
 
     @property
     def backoff_seconds(self) -> float:
@@ -66,6 +68,11 @@ class Unanswered:
         if self.since is None or self.in_a_row < self.after or (heard_at is not None and heard_at >= self.since):
             return False
         return self.probing or now < self.until
+
+    def silent_seconds(self) -> float:
+        """Over how long its questions have gone unanswered, none answered between: from the
+        first of the run to the latest, as they were asked (0 with none)."""
+        return 0.0 if self.since is None or self.run_began is None else self.since - self.run_began
 
     def seconds_left(self, now: float) -> float:
         """Seconds until it is asked again (0 when it would be now)."""

@@ -58,6 +58,7 @@ from .route_spans import NO_ROUTE_SPAN
 from .router_metrics import RouterMetrics
 from .router_service import (ASK_TIMEOUT_S, KeeperUnavailable, ModelNotServed, NoneInTime, Replica, RouterService,
                              Weighed)
+from .silent_replicas import ReplicaSilent, watched
 from .step_failures import ENGINE_ERROR
 from .usage_report import CALLER_ROLE_HEADER
 
@@ -771,17 +772,29 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
 
     async def routed(path: str, http: Request, who: Caller, span) -> Response:
         """forward's work, each try at a replica a try of `span`."""
-        async def unless_caller_leaves(step):
+        async def unless_caller_leaves(step, replica: Replica | None = None, sent_at: float = 0.0):
             """Await `step`, looking every DISCONNECT_CHECK_S for the caller having left: then it is
             cancelled (closing the replica's connection, which cancels the request there) and
-            CallerLeft raised."""
+            CallerLeft raised. With `replica` (the request sent there at `sent_at`), for it having gone
+            silent too: then ReplicaSilent (silent_replicas.py)."""
             task = asyncio.ensure_future(step)
             while not (await asyncio.wait({task}, timeout=DISCONNECT_CHECK_S))[0]:
-                if await http.is_disconnected():
+                silent = service.given_up_on(replica, sent_at) if replica is not None else None
+                if silent is not None or await http.is_disconnected():
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
-                    raise CallerLeft
+                    raise ReplicaSilent(silent) if silent is not None else CallerLeft
             return task.result()
+
+        def given_up(replica: Replica, exc: ReplicaSilent) -> Response:
+            """The answer to a request whose replica went silent: a 504, not sent elsewhere (it may
+            have run there)."""
+            replica.failed_forwards += 1
+            replica.given_up += 1
+            span.attempt_failed(f"given up: {exc}")
+            log.warning("replica %s %s: gave up a request sent to it", replica.name, exc)
+            return error(504, f"replica {replica.name} {exc}: the router stopped waiting for this answer (it may "
+                         "have run there, so it was not sent elsewhere)", "replica_timeout")
 
         raw = await http.body()
         body = json_object(raw)
@@ -843,10 +856,13 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             headers[ROUTER_ATTEMPT_HEADER] = RouterAttempt(route_id, hops + len(tried) + 1, routed_at).header()
             span.attempt(replica.name, phase, headers)
             request = replica.client.build_request("POST", path, content=raw, headers=headers)
+            sent_at = service.clock()
             try:  # a non-streamed answer's headers come only when it is whole: the caller may leave first
-                upstream = await unless_caller_leaves(replica.client.send(request, stream=True))
+                upstream = await unless_caller_leaves(replica.client.send(request, stream=True), replica, sent_at)
             except CallerLeft:
                 return Response(status_code=499)
+            except ReplicaSilent as exc:
+                return given_up(replica, exc)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached it
                 service.went_unanswered(replica, described(exc))
                 span.attempt_failed(f"unreachable: {replica.last_error}")
@@ -926,8 +942,13 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             and upstream.status_code == 200 else None
 
         def failed_mid_answer(exc: Exception, events: int) -> str:
-            replica.last_error = described(exc)
             replica.failed_forwards += 1
+            if isinstance(exc, ReplicaSilent):
+                replica.given_up += 1
+                log.warning("replica %s %s: gave up a streamed answer after %d events", replica.name, exc, events)
+                span.broke_off(f"given up: {exc}")
+                return f"replica {replica.name} {exc}: the router stopped waiting for the rest of this answer"
+            replica.last_error = described(exc)
             log.warning("replica %s failed after %d event%s of a streamed answer: %s", replica.name, events,
                         "" if events == 1 else "s", replica.last_error)
             why = f"replica {replica.name} failed during the answer: {replica.last_error}"
@@ -937,7 +958,9 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         async def relay():
             engine_failed = False
             try:
-                async for event in relay_events(upstream.aiter_raw(), failed_mid_answer):
+                chunks = watched(upstream.aiter_raw(), lambda: service.given_up_on(replica, sent_at),
+                                 DISCONNECT_CHECK_S)
+                async for event in relay_events(chunks, failed_mid_answer):
                     if watch is not None:
                         watch.events(event)
                     if ENGINE_ERROR_EVENT in event:  # its engine failed the request once the stream had begun
@@ -954,9 +977,11 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             return StreamingResponse(relay(), status_code=upstream.status_code, media_type=media,
                                      headers=answer_headers)
         try:
-            content = await unless_caller_leaves(upstream.aread())
+            content = await unless_caller_leaves(upstream.aread(), replica, sent_at)
         except CallerLeft:
             return Response(status_code=499)
+        except ReplicaSilent as exc:
+            return given_up(replica, exc)
         except httpx.HTTPError as exc:  # it ended during the answer: the request ran there, so not again
             replica.last_error = described(exc)
             replica.failed_forwards += 1

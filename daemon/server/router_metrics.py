@@ -90,6 +90,9 @@ class _RouterCollector:
                           lambda r: float(self.service.failing(r, now)))
         yield per_replica(CounterMetricFamily, "forward_failures", "Requests the replica failed after it may have "
                           "started them", lambda r: r.failed_forwards)
+        yield per_replica(CounterMetricFamily, "given_up", "Requests the router stopped waiting for as the replica "
+                          "had answered nothing for 30 s (each a 504, or a stream's error event); counted in "
+                          "forward_failures too", lambda r: r.given_up)
         yield per_replica(CounterMetricFamily, "rerouted", "Requests the replica refused before starting them, "
                           "could not be reached for, or closed the connection of before answering, sent to the "
                           "next best replica", lambda r: r.rerouted)

@@ -43,6 +43,7 @@ from .replica_errors import described, kvd_json
 from .replica_feed import Tokenizers, follow_events, poll_load
 from .replica_view import ReplicaView
 from .response_homes import ResponseHomes
+from .silent_replicas import GIVE_UP_SILENT_S, PROBE_EVERY_S
 from .reply_ids import REPLY_IDS_BYTES, ReplyIds
 from .router_replies import ReplyWatch, keeper
 from .route_question import affinity_of, computes_whole_prompt, local_ids, question_of, question_size
@@ -92,6 +93,9 @@ class Replica:
     # its forwarded requests' answers that were its own failures (500s), in a row: passed over after FAILING_AFTER
     failing: Unanswered = field(default_factory=lambda: Unanswered(max_seconds=FAILING_MAX_REST_S, after=FAILING_AFTER))
     failed_forwards: int = 0
+    given_up: int = 0  # requests it had that the router stopped waiting for, as it went silent (silent_replicas.py)
+    probed_at: float = float("-inf")  # when it was last asked /healthz as a request waited on it
+    probe: asyncio.Task | None = None  # that question, while it is out
     rerouted: int = 0  # requests it refused before starting (429, 503) or was unreachable for: tried elsewhere
     passed_over: int = 0  # requests sent elsewhere, its predicted wait past its max_queue_wait
     draining: bool = False  # takes no new request: an operator's drain, or it is leaving
@@ -425,6 +429,30 @@ class RouterService:
         unanswering (their rows say so: not reached) rather than waiting out their timeouts, and
         noting what came of each call as a route question's is (`heard`)."""
         return await fan_out(replicas, method, path, content, timeout, self.not_asked(replicas), self.heard)
+
+    def given_up_on(self, replica: Replica, sent_at: float) -> str | None:
+        """Why to stop waiting for the answer to a request sent to the replica at `sent_at` (the
+        router's clock): its questions have gone unanswered over GIVE_UP_SILENT_S, none answered
+        between, the latest asked after the request was sent; None: wait on. Asked every half
+        second as the request waits; it asks the replica /healthz every PROBE_EVERY_S where no
+        load poll asks it (silent_replicas.py)."""
+        now = self.clock()
+        self.resting(replica, now)  # (a load poll answered since ends the run)
+        book = replica.unanswered
+        if book.since is not None and book.since >= sent_at and book.silent_seconds() >= GIVE_UP_SILENT_S:
+            return f"answered nothing for {book.silent_seconds():.0f} s ({replica.last_error})"
+        if replica.view is None and replica.probe is None and now - max(sent_at, replica.probed_at) >= PROBE_EVERY_S:
+            replica.probed_at = now
+            replica.probe = asyncio.ensure_future(self._probe(replica))
+        return None
+
+    async def _probe(self, replica: Replica) -> None:
+        try:
+            await self.heard(replica, replica.client.get("/healthz", timeout=ASK_TIMEOUT_S))
+        except httpx.HTTPError:
+            pass  # (heard noted it)
+        finally:
+            replica.probe = None
 
     async def heard(self, replica: Replica, call: Awaitable[T]) -> T:
         """`call`'s answer (a request to `replica`), noted as a route question's is: answered,
