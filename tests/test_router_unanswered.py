@@ -42,7 +42,12 @@ class Hung(Counting):
 
     hung = True
 
+    def __init__(self, app, hold_until=None) -> None:
+        super().__init__(app, hold_until)
+        self.asked = []  # the paths of what the router asked it (answered or not)
+
     async def handle_async_request(self, request):
+        self.asked.append(request.url.path)
         if self.hung:
             raise httpx.ReadTimeout("timed out", request=request)
         return await super().handle_async_request(request)
@@ -199,14 +204,7 @@ def test_the_fleet_s_own_questions_pass_a_resting_replica_over_and_an_answer_end
     resting unanswering over (its row says so) rather than waiting out its timeout each time."""
     service, app, transports, now = hung_fleet(replicas, hung=(0,))
     hung = service.replicas[0]
-    asked = []
-    inner = transports[0].handle_async_request
-
-    async def counted(request):
-        asked.append(request.url.path)
-        return await inner(request)
-
-    transports[0].handle_async_request = counted
+    asked = transports[0].asked
     status, models, pins, ready, tokens = drive(app, [
         lambda c: c.get("/admin/status"), lambda c: c.get("/v1/models"), lambda c: c.get("/admin/pins"),
         lambda c: c.get("/readyz"), lambda c: c.post("/tokenize", json={"prompt": "Hi"})])
@@ -347,14 +345,7 @@ def test_sync_pins_passes_a_resting_replica_over_and_copies_to_it_once_it_answer
     service, app, transports, now = hung_fleet(replicas, hung=(0,))
     made = call(replicas[1], "POST", "/admin/pins", headers={"X-KVD-Tenant": "acme"},
                 json={"text": SYSTEM_1, "ttl": "1h"}).json()
-    asked = []
-    inner = transports[0].handle_async_request
-
-    async def counted(request):
-        asked.append(request.url.path)
-        return await inner(request)
-
-    transports[0].handle_async_request = counted
+    asked = transports[0].asked
     first, second = drive(app, [lambda c: c.post("/router/sync-pins"), lambda c: c.post("/router/sync-pins")])
     assert asked == ["/admin/pins"]  # the first listing timed out: the second did not ask it
     assert first.json()["message"] == "not listed: replica-0 (ReadTimeout: timed out)"

@@ -199,11 +199,14 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         if service.device_lost:  # (a liveness probe restarts it, where no service manager does)
             return JSONResponse({"status": "device_lost", "reason": device_loss.refusal(service.device_lost)},
                                 status_code=503)
+        stalled = service.engine_loop.stalled()  # (a Kubernetes liveness probe restarts it, as systemd's watchdog)
+        if stalled is not None:
+            return JSONResponse({"status": "engine_stalled", "reason": stalled}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz():
-        failing = service.step_failures.not_ready(time.time())
+        failing = service.step_failures.not_ready(time.time()) or service.engine_loop.stalled()
         if service.ready.is_set() and service.accepting and not service.draining and service.asleep is None \
                 and failing is None and not service.device_lost:
             return {"ready": True}

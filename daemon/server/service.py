@@ -48,6 +48,7 @@ from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
 from .durations import unix_time
+from .engine_liveness import EngineLoop
 from .engine_profile import EngineProfiler
 from .gc_pauses import GcPauses
 from .gpu_cache_size import gpu_cache_blocks
@@ -76,6 +77,7 @@ log = logging.getLogger("kvd")
 
 STORE_CHECK_SECONDS = 2.0  # how often housekeeping makes sure the store's file is still there
 RESPONSES_AGE_CHECK_SECONDS = 60.0  # how often housekeeping lets go of responses past responses_max_age
+ENGINE_LOOP_CHECK_SECONDS = 5.0  # how often housekeeping looks whether the engine stalled, to log it (once)
 PIN_EXPIRY_SECONDS = 1.0  # how often housekeeping ends the pins whose TTL is over
 
 EventSink = Callable[[TokenEvent], None]
@@ -172,7 +174,9 @@ class EngineService:
         self._observers.append(self.rollouts.observe)
         self.rollout_check_seconds = 10.0
         # the jobs that write to the store, off the engine thread (housekeeping.py says why)
+        self.engine_loop = EngineLoop()  # whether the engine thread comes round its loop: /healthz (engine_liveness.py)
         self.housekeeping = Housekeeping([
+            Job("engine loop", lambda: ENGINE_LOOP_CHECK_SECONDS, self._say_engine_loop),
             Job("pin expiry", lambda: PIN_EXPIRY_SECONDS, partial(pin_ops.expire_pins, self)),
             Job("store file check", lambda: STORE_CHECK_SECONDS, self.store.check_file),  # deleted: written back
             Job("rollout stop conditions", lambda: self.rollout_check_seconds, self.rollouts.evaluate),
@@ -404,6 +408,7 @@ class EngineService:
         device = self.engine.model.device.type
         while not self._stop.is_set():
             self.notifier.watchdog()
+            self.engine_loop.turned()
             self.profiler.turn(device)  # `kvctl profile`: started and stopped here, between steps
             if self.cpu_share is not None and self.cpu_share.wanted != self.engine_threads:
                 torch.set_num_threads(self.cpu_share.wanted)  # this thread's count: only it can set it
@@ -436,8 +441,15 @@ class EngineService:
                         if lost := device_loss.lost_device(exc, self.engine.model.device):
                             self._lose_device(lost)
             self._dispatch(events)
+        self.engine_loop.stopped()
         self.profiler.turn(device, stopping=True)  # a profile running is written, not lost
         self._refuse_submissions(self._stopped())
+
+    def _say_engine_loop(self) -> None:
+        """Log once that the engine stopped coming round its loop, and once that it came round again."""
+        said = self.engine_loop.to_log()
+        if said is not None:
+            log.log(logging.ERROR if said[0] == "error" else logging.INFO, "%s", said[1])
 
     def _lose_device(self, why: str) -> None:
         """The device cannot be used again by this process (device_loss.py): the engine thread steps

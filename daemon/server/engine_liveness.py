@@ -1,0 +1,54 @@
+"""Whether kvd's engine thread still comes round its loop: what /healthz answers.
+
+The engine thread comes round its loop every half second when idle and once a step when busy. One
+that stops coming round (a kernel that never returns, a deadlock, a step stuck on a lock) serves
+nothing while kvd's event loop answers on, and /healthz said ok. systemd's watchdog, pinged from
+that loop (WatchdogSec=60 in examples/kvd.service), restarts such a kvd; a Kubernetes liveness
+probe reads /healthz. So once the loop has not come round in `after` seconds (60, as the watchdog),
+/healthz and /readyz answer 503 saying so, and the log says it once (and again once it comes round).
+No step of a serving engine should take that long: a prompt is computed in chunks of
+max_batch_tokens. `/metrics` and `kvctl status` wait for the engine's lock, which a stalled step may
+hold: Prometheus' scrape fails (the KvdDown alert), and kvctl says kvd did not answer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+STALLED_AFTER_S = 60.0
+
+
+@dataclass
+class EngineLoop:
+    after: float = STALLED_AFTER_S
+    turned_at: float | None = None  # time.monotonic() of its latest round; None: not going round (loading, stopped)
+    said: bool = False  # the log has said it stalled, and not yet that it came round again
+
+    def turned(self, now: float | None = None) -> None:
+        self.turned_at = time.monotonic() if now is None else now
+
+    def stopped(self) -> None:
+        """The loop has ended (kvd stops, or its device was lost): not going round is no stall."""
+        self.turned_at = None
+
+    def stalled(self, now: float | None = None) -> str | None:
+        """Why kvd is not alive now (None: it is): its engine has not come round in `after` s."""
+        if self.turned_at is None:
+            return None
+        idle = (time.monotonic() if now is None else now) - self.turned_at
+        if idle < self.after:
+            return None
+        return (f"the engine has not come round its loop in {idle:.0f} s (a step that does not end: a kernel that "
+                "never returns, a deadlock): kvd serves nothing meanwhile")
+
+    def to_log(self, now: float | None = None) -> tuple[str, str] | None:
+        """(level, message) for the log when the stall begins or ends, once each; None otherwise."""
+        why = self.stalled(now)
+        if why is not None and not self.said:
+            self.said = True
+            return "error", why
+        if why is None and self.said:
+            self.said = False
+            return "info", "the engine comes round its loop again"
+        return None
