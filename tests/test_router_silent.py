@@ -152,9 +152,19 @@ def test_a_request_whose_replica_goes_silent_is_answered_504_once_it_has_answere
     assert transport.asked.count("/v1/completions") == 1  # not sent again, anywhere
     replica = service.replicas[0]
     assert (replica.given_up, replica.failed_forwards, replica.open) == (1, 1, 0)
-    [metrics] = drive(app, [lambda c: c.get("/metrics")])
+    [metrics, status] = drive(app, [lambda c: c.get("/metrics"), lambda c: c.get("/router/status")])
     lines = metrics.text.splitlines()
     assert 'kvd_router_given_up_total{replica="replica-0"} 1.0' in lines
+    assert status.json()["replicas"][0]["given_up"] == 1
+    from rich.console import Console
+
+    from kvctl.fleet_status import render_fleet_status
+
+    console = Console(record=True, width=300)
+    render_fleet_status({**status.json(), "replica_status": [{"replica": "replica-0", "error": "ReadTimeout"}]},
+                        console)  # (as kvctl status at the router shows it: its status unanswered too)
+    assert ("replica-0 given up: 1 request it had, as it answered nothing for 30 s (last error: ReadTimeout: "
+            "timed out); each a 504, or a stream's error event") in console.export_text().splitlines()
 
 
 def test_a_stream_whose_replica_goes_silent_ends_with_an_error_event(replicas, monkeypatch):

@@ -868,6 +868,8 @@ class RouterService:
                 row["welcomed"] = r.welcomed
             if r.passed_over:  # sent elsewhere for a predicted wait past its max_queue_wait
                 row["passed_over"] = r.passed_over
+            if r.given_up:  # requests it had, given up as it went silent (silent_replicas.py)
+                row["given_up"] = r.given_up
             if self.resting(r, now):  # passed over unasked: it answered none of its latest questions
                 row["resting"] = {"unanswered_in_a_row": r.unanswered.in_a_row,
                                   "seconds_left": round(r.unanswered.seconds_left(now), 3)}
