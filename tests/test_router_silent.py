@@ -59,6 +59,22 @@ def test_watched_chunks_pass_as_they_come_and_stop_once_the_replica_is_silent():
                 got.append(chunk)
         assert got == [b"y"]
 
+        got = []  # a caller busy with a chunk it has is never cancelled: only its wait for the next
+        with pytest.raises(ReplicaSilent, match="^silent$"):
+            async for chunk in watched(then_nothing(), lambda: "silent", every=0.01):
+                got.append(chunk)
+                await asyncio.sleep(0.05)  # (five of the watcher's turns)
+        assert got == [b"a", b"b"]
+
+        async def read_all(stream):
+            return [chunk async for chunk in stream]
+
+        reading = asyncio.ensure_future(read_all(watched(then_nothing(), lambda: None, every=0.01)))
+        await asyncio.sleep(0.05)
+        reading.cancel()  # the caller left: that is a cancellation still, not a silent replica
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+
     asyncio.run(go())
 
 
