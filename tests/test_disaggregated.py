@@ -657,3 +657,34 @@ def test_a_traced_router_shows_the_prefill_and_the_decode_as_two_tries_of_one_ro
     assert all(t.parent.span_id == route.context.span_id for t in tries)
     assert tries[0].end_time <= tries[1].start_time
     assert (route.attributes["kvd.replica"], route.attributes["kvd.prefill"]) == ("replica-decode", "replica-prefill")
+
+
+def test_a_prefill_replica_that_goes_silent_is_given_up_and_the_decode_replica_computes_the_prompt(pair, monkeypatch):
+    """The prefill replica takes the prefill and goes silent: once it has answered nothing for 30 s
+    the router gives it up (where it waited 600 s) and the decode replica computes the whole prompt."""
+    import kvctl.daemon.server.router as router_module
+    from kvctl.daemon.server.router import create_router_app
+    from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
+    from kvctl.policies.routing import make_router
+
+    from .test_router_silent import GoesSilent, while_the_clock_runs
+
+    prefill, decode = pair
+    monkeypatch.setattr(router_module, "DISCONNECT_CHECK_S", 0.005)
+    now = [1000.0]
+    quiet = GoesSilent(unix_app(prefill), now)
+    replicas = [Replica("quiet", replica_client("/run/quiet.sock", transport=quiet), role="prefill"),
+                Replica("decode", replica_client("/run/decode.sock", transport=httpx.ASGITransport(
+                    app=unix_app(decode))), role="decode")]
+    service = RouterService(replicas, make_router("round_robin"), view="ask", local_prefill_tokens=0,
+                            clock=lambda: now[0])
+    answer = while_the_clock_runs(create_router_app(service), now, lambda c: c.post(
+        "/v1/completions", json={"prompt": PROMPT, **GREEDY}))
+    assert answer.status_code == 200 and answer.headers["x-kvd-replica"] == "decode"
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed whole there
+    said = answer.headers["x-kvd-prefill"]
+    assert said.startswith("none: quiet (given up: answered nothing for ") and said.endswith(
+        " s (ReadTimeout: timed out))")
+    assert service.pd_outcomes == {"no_prefill_replica": 1}
+    assert (replicas[0].given_up, replicas[0].failed_forwards, replicas[0].open) == (1, 1, 0)
+    assert quiet.asked.count("/v1/completions") == 1

@@ -715,14 +715,19 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
             span.attempt(replica.name, "prefill", headers)
             replica.open += 1
             try:
-                answer = await unless_caller_leaves(replica.client.post(path, content=content, headers=headers))
-            except httpx.HTTPError as exc:
-                replica.last_error = described(exc)
+                answer = await unless_caller_leaves(replica.client.post(path, content=content, headers=headers),
+                                                    replica, service.clock())
+            except httpx.HTTPError as exc:  # (silent: its one token is asked of the next prefill replica)
+                if isinstance(exc, ReplicaSilent):
+                    replica.given_up += 1
+                    said = f"given up: {exc}"
+                else:
+                    said = replica.last_error = described(exc)
                 if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
                     service.went_unanswered(replica, replica.last_error)
                 replica.failed_forwards += 1
-                span.attempt_failed(replica.last_error)
-                tried.append(f"{replica.name} ({replica.last_error})")
+                span.attempt_failed(said)
+                tried.append(f"{replica.name} ({said})")
                 excluded.add(id(replica))
                 continue
             finally:
