@@ -23,6 +23,7 @@ import httpx
 from .errors import KvdUnavailable, UserError
 
 REFUSAL_PROBE_S = 2.0  # how long a probe after a closed https connection waits to learn why (_tls_refusal)
+HEALTH_PROBE_S = 2.0  # after a call that timed out: how long kvd's /healthz may take to say why
 STORE_WAIT_NOTE_AFTER_S = 2.0  # an admin call that changes something and has not answered by then: ask kvd why
 STORE_WRITE_WAIT_S = 30  # how long a write to kvd's store waits for another process's lock (daemon/store.py)
 # who holds a store's write lock, most likely, when a write waits for it: every kvctl message about such a wait says
@@ -150,7 +151,7 @@ class Client:
             raise KvdUnavailable(tls_problem(self.where, exc) or f"kvd is not reachable at {self.where} (is it "
                                  "running? `kvd serve`)" + self._elsewhere()) from None
         except httpx.TimeoutException:
-            raise KvdUnavailable(f"kvd at {self.where} did not answer in time") from None
+            raise KvdUnavailable(f"kvd at {self.where} did not answer in time" + self._health_says()) from None
         except httpx.TransportError as exc:  # it went away mid-answer (a restart), or refused kvctl's TLS
             raise KvdUnavailable(tls_problem(self.where, exc) or self._tls_refusal()
                                  or f"kvd at {self.where} broke off its answer "
@@ -160,6 +161,16 @@ class Client:
             if watch is not None:
                 watch.cancel()
         return self.answered(response)
+
+    def _health_says(self) -> str:
+        """What kvd's /healthz says of it where it is not well (its engine stalled, holding the lock
+        most calls wait for; its device lost): /healthz answers without that lock. "" otherwise."""
+        try:
+            answer = self.http.get("/healthz", timeout=HEALTH_PROBE_S)
+            reason = answer.json().get("reason") if answer.status_code == 503 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return ""
+        return f"; its /healthz says: {reason}" if isinstance(reason, str) else ""
 
     def _tls_refusal(self) -> str | None:
         """Why kvd at an https URL closed the connection, where its TLS refused kvctl: with TLS 1.3

@@ -1575,6 +1575,33 @@ def test_a_server_that_is_not_kvd_is_named_as_such_not_as_a_json_error(tmp_path)
         client.post("/admin/pins", {})
 
 
+def test_a_call_kvd_does_not_answer_in_time_says_what_its_healthz_says(tmp_path):
+    """A stalled engine holds the lock kvctl's calls wait for; /healthz answers without it, and
+    kvctl says what it said (nothing more where it says kvd is well, or does not answer either)."""
+    import httpx
+
+    from kvctl.client import Client, KvdUnavailable
+
+    health = {"status_code": 503, "json": {"status": "engine_stalled", "reason": "the engine has not come round its "
+                                                                                 "loop in 75 s (...)"}}
+
+    def answer(request):
+        if request.url.path == "/healthz":
+            return httpx.Response(**health)
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    client = Client(socket=str(tmp_path / "kvd.sock"))
+    client.http = httpx.Client(base_url="http://kvd", transport=httpx.MockTransport(answer))
+    with pytest.raises(KvdUnavailable) as stalled:
+        client.get("/admin/status")
+    assert str(stalled.value) == (f"kvd at {tmp_path / 'kvd.sock'} did not answer in time; its /healthz says: the "
+                                  "engine has not come round its loop in 75 s (...)")
+    health.update(status_code=200, json={"status": "ok"})
+    with pytest.raises(KvdUnavailable) as busy:
+        client.get("/admin/status")
+    assert str(busy.value) == f"kvd at {tmp_path / 'kvd.sock'} did not answer in time"
+
+
 def test_status_shows_the_responses_kept_and_those_let_go_for_room():
     from rich.console import Console
 
