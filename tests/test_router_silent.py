@@ -90,14 +90,15 @@ class GoesSilent(Counting):
     process stopped once it had the request. `answers`: it answers on, the completion held until
     the clock passes `until`."""
 
-    def __init__(self, app, now, stream=False, answers=False, until=0.0):
+    def __init__(self, app, now, stream=False, answers=False, until=0.0, front_answers=False):
         super().__init__(app)
         self.now, self.stream, self.answers, self.until = now, stream, answers, until
+        self.front_answers = front_answers  # its /healthz answers on: the process is up, its engine stuck
         self.silent, self.asked = False, []
 
     async def handle_async_request(self, request):
         self.asked.append(request.url.path)
-        if self.silent:
+        if self.silent and not (self.front_answers and request.url.path == "/healthz"):
             raise httpx.ReadTimeout("timed out", request=request)
         if request.url.path == "/v1/completions" and self.answers:
             while self.now[0] < self.until:
@@ -164,7 +165,7 @@ def test_a_request_whose_replica_goes_silent_is_answered_504_once_it_has_answere
         "not sent elsewhere)")
     assert 30 <= silent_seconds(message) < 40
     probes = transport.asked[transport.asked.index("/v1/completions") + 1:]
-    assert set(probes) == {"/healthz"} and 7 <= len(probes) <= 9  # one each 5 s, from 5 s after it was sent
+    assert set(probes) == {"/admin/route-facts"} and 7 <= len(probes) <= 9  # one each 5 s, from 5 s after it was sent
     assert transport.asked.count("/v1/completions") == 1  # not sent again, anywhere
     replica = service.replicas[0]
     assert (replica.given_up, replica.failed_forwards, replica.open) == (1, 1, 0)
@@ -198,12 +199,22 @@ def test_a_stream_whose_replica_goes_silent_ends_with_an_error_event(replicas, m
 
 
 def test_a_long_answer_from_a_replica_that_answers_its_questions_is_waited_for(replicas, monkeypatch):
-    """The replica takes 100 s (of the router's clock) to answer, and answers the router's /healthz
-    each 5 s meanwhile: the request is waited for, and answered."""
+    """The replica takes 100 s (of the router's clock) to answer, and answers the router's load
+    question each 5 s meanwhile: the request is waited for, and answered."""
     service, app, transport, now = fleet_of_one(replicas[0], monkeypatch, answers=True, until=1100.0)
     answer = while_the_clock_runs(app, now, lambda c: c.post("/v1/completions", json={
         "prompt": "Tell me a story.", "max_tokens": 4}))
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
     probes = transport.asked[transport.asked.index("/v1/completions") + 1:]
-    assert set(probes) == {"/healthz"} and len(probes) >= 15
+    assert set(probes) == {"/admin/route-facts"} and len(probes) >= 15
     assert service.replicas[0].given_up == 0 and service.replicas[0].unanswered.in_a_row == 0
+
+
+def test_a_replica_whose_process_answers_but_whose_engine_is_stuck_is_silent_too(replicas, monkeypatch):
+    """Its /healthz answers at once (the event loop is well), but the question the router probes
+    with waits for the engine's lock, held by a step that does not end: given up all the same."""
+    service, app, transport, now = fleet_of_one(replicas[0], monkeypatch, front_answers=True)
+    answer = while_the_clock_runs(app, now, lambda c: c.post("/v1/completions", json={
+        "prompt": "Tell me a story.", "max_tokens": 4}))
+    assert answer.status_code == 504 and 30 <= silent_seconds(answer.json()["error"]["message"]) < 40
+    assert "/healthz" not in transport.asked and service.replicas[0].given_up == 1

@@ -35,8 +35,8 @@ from kvctl.policies.routing import (LOCAL_PREFILL_TOKENS, NEW_PREFIX_SLACK_TOKEN
                                    facts_from_answer, make_router, none_in_time)
 from kvctl.policies.unanswered import Unanswered
 
-from .fleet_file import ROLES
 from .fleet_admin import Answer, fan_out
+from .fleet_file import ROLES
 from .fleet_pins import sync_pins
 from .gc_pauses import GcPauses
 from .replica_errors import described, kvd_json
@@ -94,7 +94,7 @@ class Replica:
     failing: Unanswered = field(default_factory=lambda: Unanswered(max_seconds=FAILING_MAX_REST_S, after=FAILING_AFTER))
     failed_forwards: int = 0
     given_up: int = 0  # requests it had that the router stopped waiting for, as it went silent (silent_replicas.py)
-    probed_at: float = float("-inf")  # when it was last asked /healthz as a request waited on it
+    probed_at: float = float("-inf")  # when it was last asked a load poll's question as a request waited on it
     probe: asyncio.Task | None = None  # that question, while it is out
     rerouted: int = 0  # requests it refused before starting (429, 503) or was unreachable for: tried elsewhere
     passed_over: int = 0  # requests sent elsewhere, its predicted wait past its max_queue_wait
@@ -434,8 +434,8 @@ class RouterService:
         """Why to stop waiting for the answer to a request sent to the replica at `sent_at` (the
         router's clock): its questions have gone unanswered over GIVE_UP_SILENT_S, none answered
         between, the latest asked after the request was sent; None: wait on. Asked every half
-        second as the request waits; it asks the replica /healthz every PROBE_EVERY_S where no
-        load poll asks it (silent_replicas.py)."""
+        second as the request waits; it asks the replica a load poll's question every PROBE_EVERY_S
+        where no load poll asks it (silent_replicas.py)."""
         now = self.clock()
         self.resting(replica, now)  # (a load poll answered since ends the run)
         book = replica.unanswered
@@ -448,7 +448,8 @@ class RouterService:
 
     async def _probe(self, replica: Replica) -> None:
         try:
-            await self.heard(replica, replica.client.get("/healthz", timeout=ASK_TIMEOUT_S))
+            await self.heard(replica, replica.client.post("/admin/route-facts", json={"tokens": []},
+                                                          timeout=ASK_TIMEOUT_S))
         except httpx.HTTPError:
             pass  # (heard noted it)
         finally:

@@ -4,8 +4,11 @@ kvd router forwards a request with a long read timeout (FORWARD_TIMEOUT_S: an an
 sends nothing until it is whole, and a long one takes minutes). A replica that hangs once it has a
 request (its process stopped or deadlocked, its host gone without a reset) left that request's
 caller waiting the whole timeout, with no answer at the end. Its other questions tell the router
-sooner: while a request waits on a replica, the router asks it /healthz every PROBE_EVERY_S (where
-no load poll asks it already: the events view polls every quarter of a second), and once its
+sooner: while a request waits on a replica, the router asks it what a load poll asks (route facts
+for no prompt) every PROBE_EVERY_S, where no load poll asks it already (the events view polls every
+quarter of a second). kvd answers that under its engine's lock, so a process that answers but whose
+engine is stuck in a step is silent to it, as a stopped one is (its /healthz would answer at once).
+Once its
 questions have gone unanswered, none answered between, over GIVE_UP_SILENT_S, the latest asked
 after the request was sent, the router gives the request up: the caller gets a 504
 `replica_timeout` (a stream: an error event, then `[DONE]`), and the replica's connection is
@@ -23,7 +26,7 @@ from typing import AsyncIterator, Callable
 import httpx
 
 GIVE_UP_SILENT_S = 30.0  # its questions unanswered over this long, none answered between: its requests are given up
-PROBE_EVERY_S = 5.0  # while a request waits on a replica no load poll asks, it is asked /healthz this often
+PROBE_EVERY_S = 5.0  # while a request waits on a replica no load poll asks, it is asked this often
 
 
 class ReplicaSilent(httpx.ReadTimeout):
