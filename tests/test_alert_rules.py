@@ -67,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 33
+    assert len(names) == len(set(names)) == 34
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -220,6 +220,19 @@ def test_the_engine_rule_fires_when_a_step_fails(tmp_path):
         assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
         assert fired(Scrapes(before | up(1, KVD), scrape(app) | up(1, KVD))) == {
             "KvdEngineStepFailing": series(KVD, 1.0)}
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_stall_rule_fires_while_the_engine_does_not_come_round_its_loop(tmp_path):
+    service = start_service(tmp_path)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        before = scrape(app)
+        service.engine_loop.after = 0.0  # (test_engine_liveness.py stalls a real step)
+        stalled = scrape(app)
+        assert list(stalled["kvd_engine_stalled"].values()) == [1.0]
+        assert fired(Scrapes(before | up(1, KVD), stalled | up(1, KVD))) == {"KvdEngineStalled": series(KVD, 1.0)}
     finally:
         service.shutdown(deadline=2)
 

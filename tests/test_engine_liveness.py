@@ -13,6 +13,8 @@ import pytest
 
 from kvctl.daemon.server.engine_liveness import EngineLoop
 
+from .promql_eval import samples
+
 
 def test_the_loop_is_stalled_once_it_has_not_come_round_in_its_time_and_the_log_says_so_once():
     loop = EngineLoop()
@@ -58,6 +60,13 @@ def test_healthz_and_readyz_say_503_while_a_step_does_not_end_and_ok_once_it_doe
             time.sleep(0.05)
         health, ready = call(app, "GET", "/healthz"), call(app, "GET", "/readyz")
         assert (health.status_code, health.json()["status"]) == (503, "engine_stalled")
+        began = time.monotonic()
+        scraped = call(app, "GET", "/metrics")  # answered at once, without the engine's figures, saying why
+        assert scraped.status_code == 200 and time.monotonic() - began < 3
+        stalled = samples(scraped.text)
+        assert stalled["kvd_engine_stalled"] == {frozenset(): 1.0}
+        assert stalled["kvd_metrics_engine_figures_missed_total"] == {frozenset(): 1.0}
+        assert "kvd_blocks" not in stalled and "kvd_queue_age_seconds" not in stalled
         assert re.fullmatch(r"the engine has not come round its loop in \d+ s \(a step that does not end: a kernel "
                             r"that never returns, a deadlock\): kvd serves nothing meanwhile", health.json()["reason"])
         assert ready.status_code == 503 and ready.json()["reason"].startswith("the engine has not come round")
@@ -76,5 +85,50 @@ def test_healthz_and_readyz_say_503_while_a_step_does_not_end_and_ok_once_it_doe
                         ("INFO", "the engine comes round its loop again")]
         assert call(app, "GET", "/healthz").json() == {"status": "ok"}
         assert call(app, "GET", "/readyz").json() == {"ready": True}
+        again = samples(call(app, "GET", "/metrics").text)
+        assert again["kvd_engine_stalled"] == {frozenset(): 0.0}
+        assert again["kvd_metrics_engine_figures_missed_total"] == {frozenset(): 1.0}
+        assert {"kvd_blocks", "kvd_queue_age_seconds"} <= set(again)  # the engine's figures, back
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_a_scrape_waits_for_a_long_step_only_so_long_and_answers_without_the_engines_figures(tmp_path,
+                                                                                             monkeypatch):
+    from kvctl.daemon.server import engine_liveness
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import call, start_service
+
+    service = start_service(tmp_path, metrics_aliases="vllm")
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        assert "vllm:num_requests_running" in samples(call(app, "GET", "/metrics").text)
+        monkeypatch.setattr(engine_liveness, "SCRAPE_LOCK_WAIT_S", 0.3)
+        held, release = threading.Event(), threading.Event()
+
+        def long_step():  # holds the engine's lock, as a step does, not long enough to be a stall
+            with service.lock:
+                held.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=long_step)
+        holder.start()
+        held.wait(10)
+        began = time.monotonic()
+        scraped = call(app, "GET", "/metrics")
+        waited = time.monotonic() - began
+        release.set()
+        holder.join(10)
+        assert scraped.status_code == 200 and 0.3 <= waited < 5
+        missed = samples(scraped.text)
+        assert missed["kvd_engine_stalled"] == {frozenset(): 0.0}
+        assert missed["kvd_metrics_engine_figures_missed_total"] == {frozenset(): 1.0}
+        assert not {"kvd_blocks", "vllm:num_requests_running"} & set(missed)
+        assert ("# HELP kvd_metrics_engine_figures_missed_total Scrapes answered without the engine's figures: its "
+                "lock, which a step holds, was not had in 0.3 s") in scraped.text
+        after = samples(call(app, "GET", "/metrics").text)
+        assert after["kvd_metrics_engine_figures_missed_total"] == {frozenset(): 1.0}
+        assert {"kvd_blocks", "vllm:num_requests_running"} <= set(after)
     finally:
         service.shutdown(deadline=2)

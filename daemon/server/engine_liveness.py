@@ -7,16 +7,25 @@ that loop (WatchdogSec=60 in examples/kvd.service), restarts such a kvd; a Kuber
 probe reads /healthz. So once the loop has not come round in `after` seconds (60, as the watchdog),
 /healthz and /readyz answer 503 saying so, and the log says it once (and again once it comes round).
 No step of a serving engine should take that long: a prompt is computed in chunks of
-max_batch_tokens. `/metrics` and `kvctl status` wait for the engine's lock, which a stalled step may
-hold: Prometheus' scrape fails (the KvdDown alert), and kvctl says kvd did not answer.
+max_batch_tokens.
+
+`/metrics` reads the engine's figures under the engine's lock, which a step holds: a scrape waits
+for it up to SCRAPE_LOCK_WAIT_S (within Prometheus' default scrape_timeout of 10 s), not at all
+once the engine is stalled, and answers without those figures when it is not had, with
+`kvd_engine_stalled` saying why (the KvdEngineStalled alert), where the scrape failed before and
+only KvdDown fired. `kvctl status` waits for the lock too, and says what /healthz says when its
+call times out.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 STALLED_AFTER_S = 60.0
+SCRAPE_LOCK_WAIT_S = 5.0
 
 
 @dataclass
@@ -52,3 +61,17 @@ class EngineLoop:
             self.said = False
             return "info", "the engine comes round its loop again"
         return None
+
+
+@contextmanager
+def held_for_scrape(lock: threading.Condition, loop: EngineLoop, wait: float | None = None):
+    """Hold the engine's `lock` for a scrape: yields True once had, waiting up to `wait` s
+    (SCRAPE_LOCK_WAIT_S; no wait while `loop` is stalled, as the step that holds it does not end);
+    yields False, holding nothing, when it is not had in that time."""
+    wait = SCRAPE_LOCK_WAIT_S if wait is None else wait
+    had = lock.acquire(blocking=False) if loop.stalled() is not None else lock.acquire(timeout=wait)
+    try:
+        yield had
+    finally:
+        if had:
+            lock.release()

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from .engine_liveness import held_for_scrape
+
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort"}
 
 
@@ -45,7 +47,9 @@ class AliasCollector:
         engine = self.service.engine
         if engine is None:
             return
-        with self.service.lock:
+        with held_for_scrape(self.service.lock, self.service.engine_loop) as had:
+            if not had:  # kvd's own families say why (kvd_engine_stalled)
+                return
             counts = engine.cache.state_counts()
             stats = engine.stats
             figures = {"running": engine.num_running, "waiting": len(engine.waiting()),

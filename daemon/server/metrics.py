@@ -34,6 +34,10 @@
     kvd_preemptions_total
     kvd_engine_step_failures_total            engine steps that raised, each stopping the requests in flight
                                               (answered 500 engine_error; step_failures.py)
+    kvd_engine_stalled                        1 while the engine has not come round its loop in 60 s: /healthz
+                                              says 503 engine_stalled (engine_liveness.py)
+    kvd_metrics_engine_figures_missed_total   scrapes answered without the engine's figures, its lock (held for
+                                              a step) not had in 5 s, or at once while the engine is stalled
     kvd_finished_blocks_total                 blocks requests held at their finish (not cancelled), reserved
                                               ones included; kvd_reserved_unused_blocks_total, those reserved
                                               for output they never wrote: their ratio is the reservation's waste
@@ -104,8 +108,9 @@ from kvctl.daemon.engine.tenant_book import EVICTED, HIT, PROMPT, REJECTED
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
-from . import pin_ops
+from . import engine_liveness, pin_ops
 from .cut_connections import CutConnections
+from .engine_liveness import held_for_scrape
 from .gc_pauses import metric_families as gc_metric_families
 from .request_spans import exemplar_of
 from .service import EngineService
@@ -142,31 +147,45 @@ def _speculation_metrics(figures: dict):
 class _EngineCollector:
     def __init__(self, service: EngineService) -> None:
         self.service = service
+        self.missed = 0  # scrapes answered without the engine's figures (its lock not had in time)
+        self._missed_lock = threading.Lock()
 
     def collect(self):
-        engine = self.service.engine
+        engine, loop = self.service.engine, self.service.engine_loop
+        stalled = loop.stalled() is not None
         if engine is None:
+            yield from self._liveness(stalled)
             return
-        with self.service.lock:
-            counts = engine.cache.state_counts()
-            stats = engine.stats
-            pool = engine.cache.pool
-            window_released = engine.cache.window_released
-            now = engine.clock()
-            ages = [now - s.request.metrics.arrival for s in engine.waiting()]
-            pins = {t: engine.cache.pins.used(t) for t in {p.tenant for p in engine.cache.pins.all()}}
-            rejections = dict(stats.rejections)
-            prompt, hit, recomputed, preemptions = (stats.prompt_tokens, stats.hit_tokens,
-                                                    stats.recomputed_tokens, stats.preemptions)
-            finished_blocks, unused_blocks = stats.finished_blocks, stats.reserved_unused_blocks
-            admitted_ahead = stats.admitted_ahead
-            steps, step_seconds = dict(stats.steps), dict(stats.step_seconds)
-            by_tenant, retired = stats.tenants.items(), list(stats.tenants.retired)
-            cached_by_tenant = sorted((t, n) for t, n in pool.tenant_blocks.items() if t is not None)
-            shares = engine.cache.tenant_shares()
-            prefetched = dict(stats.prefetch_outcomes)
-            adapters = engine.adapter_requests()
-            speculation = engine.speculator.stats.describe()
+        # the engine's figures, under its lock (held for a step): not had in time, the scrape answers
+        # without them and says why (engine_liveness.py), where it failed before
+        with held_for_scrape(self.service.lock, loop) as had:
+            if had:
+                counts = engine.cache.state_counts()
+                stats = engine.stats
+                pool = engine.cache.pool
+                window_released = engine.cache.window_released
+                now = engine.clock()
+                ages = [now - s.request.metrics.arrival for s in engine.waiting()]
+                pins = {t: engine.cache.pins.used(t) for t in {p.tenant for p in engine.cache.pins.all()}}
+                rejections = dict(stats.rejections)
+                prompt, hit, recomputed, preemptions = (stats.prompt_tokens, stats.hit_tokens,
+                                                        stats.recomputed_tokens, stats.preemptions)
+                finished_blocks, unused_blocks = stats.finished_blocks, stats.reserved_unused_blocks
+                admitted_ahead = stats.admitted_ahead
+                steps, step_seconds = dict(stats.steps), dict(stats.step_seconds)
+                by_tenant, retired = stats.tenants.items(), list(stats.tenants.retired)
+                cached_by_tenant = sorted((t, n) for t, n in pool.tenant_blocks.items() if t is not None)
+                shares = engine.cache.tenant_shares()
+                prefetched = dict(stats.prefetch_outcomes)
+                adapters = engine.adapter_requests()
+                speculation = engine.speculator.stats.describe()
+                reasons = Tally(row["stranded"] for row in pin_ops.stranded_pins(self.service))
+        if not had:
+            with self._missed_lock:
+                self.missed += 1
+        yield from self._liveness(stalled)
+        if not had:
+            return
         blocks = GaugeMetricFamily("kvd_blocks", "KV cache blocks by state and tier", labels=["state", "tier"])
         for state, value in counts.items():
             blocks.add_metric([state, "device"], value)
@@ -381,7 +400,6 @@ class _EngineCollector:
         for label, value in labels.fold(pins.items()):
             pinned.add_metric([label], value)
         yield pinned
-        reasons = Tally(row["stranded"] for row in pin_ops.stranded_pins(self.service))
         stranded = GaugeMetricFamily("kvd_stranded_pins", "Pins no request can reach any more: made under LoRA "
                                      "weights (adapter) or a block space (space) kvd no longer serves",
                                      labels=["reason"])
@@ -392,6 +410,18 @@ class _EngineCollector:
         if rollout is not None:
             yield from _rollout_metrics(rollout)
         yield from _reload_metrics(self.service.reloads, self.service.last_reload)
+
+    def _liveness(self, stalled: bool):
+        yield GaugeMetricFamily("kvd_engine_stalled", "1 while the engine has not come round its loop in "
+                                f"{self.service.engine_loop.after:g} s (a step that does not end): /healthz "
+                                "answers 503 engine_stalled, and scrapes have none of the engine's figures",
+                                value=1.0 if stalled else 0.0)
+        with self._missed_lock:
+            missed = self.missed
+        yield CounterMetricFamily("kvd_metrics_engine_figures_missed", "Scrapes answered without the engine's "
+                                  "figures: its lock, which a step holds, was not had in "
+                                  f"{engine_liveness.SCRAPE_LOCK_WAIT_S:g} s (a step that long, or a stalled "
+                                  "engine)", value=missed)
 
 
 def _event_metrics(log):
