@@ -488,6 +488,12 @@ def router(
     pending_seconds: Optional[float] = typer.Option(None, help="events: how long a prompt just sent to a "
                                                     "replica counts as cached there before its feed confirms it "
                                                     "(default 30)."),
+    silent_give_up_seconds: Optional[float] = typer.Option(None, help="A request's replica that has answered none "
+                                                           "of the router's questions this long is given up (the "
+                                                           "caller gets a 504; default 30; 0: never, waited up to "
+                                                           "the 600 s forward timeout)."),
+    silent_probe_seconds: Optional[float] = typer.Option(None, help="ask: how often a replica is asked while it has "
+                                                         "a request, to learn it has gone silent (default 5)."),
     reply_ids_bytes: Optional[str] = typer.Option(
         None, help="events: memory for the ids of the chat replies it relays, e.g. 64MiB (the default): a next turn "
                    "that sends a reply back is weighed as the replica prompts it, with the ids the model made; 0 "
@@ -555,6 +561,7 @@ def router(
             balance_seconds=balance_seconds, new_prefix=new_prefix, new_prefix_slack=new_prefix_slack,
             prefill_rate=prefill_rate, queue_limits=queue_limits, view=view, load_interval=load_interval,
             pending_seconds=pending_seconds, reply_ids_bytes=reply_ids_bytes,
+            silent_give_up_seconds=silent_give_up_seconds, silent_probe_seconds=silent_probe_seconds,
             token_file=token_file, listen=listen, clients_file=clients_file, gc_freeze=gc_freeze,
             gc_warn_seconds=gc_warn_seconds, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
             ssl_ca_certs=ssl_ca_certs, replica_ca_certs=replica_ca_certs, replica_client_cert=replica_client_cert,
@@ -586,6 +593,8 @@ def router(
                     for spec, role in [(spec, "both") for spec in fixed] + [*roles.items()] + lines]
         service = RouterService(replicas, policy, view=settings.view, load_interval=settings.load_interval,
                                 pending_seconds=settings.pending_seconds,
+                                silent_give_up_seconds=settings.silent_give_up_seconds,
+                                silent_probe_seconds=settings.silent_probe_seconds,
                                 local_prefill_tokens=settings.local_prefill_tokens,
                                 reply_ids=ReplyIds(settings.reply_ids_bytes))
         service.gc_pauses.warn_seconds = lambda: settings.gc_warn_seconds or None

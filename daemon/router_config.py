@@ -22,6 +22,7 @@ from .config import (ConfigError, check_tls_settings, check_traces_protocol, env
                      merge_settings, on_or_off, read_settings_file, setting_names, size_in_bytes, whole_number)
 from .server.otlp_export import check_endpoint
 from .server.reply_ids import REPLY_IDS_BYTES
+from .server.silent_replicas import GIVE_UP_SILENT_S, PROBE_EVERY_S
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class RouterConfig:
     view: str = "events"  # events or ask
     load_interval: float = 0.25  # events: seconds between load polls
     pending_seconds: float = 30.0  # events: how long a sent prompt counts as cached before its feed says
+    # a replica whose questions go unanswered this long while it has a request: the request is given up
+    # (a 504; silent_replicas.py); 0: never (waited for up to the 600 s forward timeout)
+    silent_give_up_seconds: float = GIVE_UP_SILENT_S
+    silent_probe_seconds: float = PROBE_EVERY_S  # ask: how often such a replica is asked while it has a request
     # events: memory for the ids of the chat replies relayed, with which a chat's next turn is weighed as the
     # replica prompts it (server/router_replies.py); 0: its replies are read as text
     reply_ids_bytes: int = REPLY_IDS_BYTES
@@ -76,6 +81,7 @@ def _replicas(value: Any) -> tuple[str, ...]:
 _PARSERS = {"replicas": _replicas, "prefill_replicas": _replicas, "decode_replicas": _replicas,
             "balance_seconds": finite_number, "new_prefix_slack": whole_number, "local_prefill_tokens": whole_number,
             "prefill_rate": finite_number, "load_interval": finite_number, "pending_seconds": finite_number,
+            "silent_give_up_seconds": finite_number, "silent_probe_seconds": finite_number,
             "gc_freeze": on_or_off, "gc_warn_seconds": finite_number, "log_requests": on_or_off,
             "reply_ids_bytes": size_in_bytes}
 
@@ -93,7 +99,9 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be >= 0")
     if name == "gc_warn_seconds" and value < 0:
         raise ValueError("must be >= 0 (0: no warning)")
-    if name in ("prefill_rate", "load_interval") and not value > 0:
+    if name == "silent_give_up_seconds" and value < 0:
+        raise ValueError("must be >= 0 (0: never give a request up)")
+    if name in ("prefill_rate", "load_interval", "silent_probe_seconds") and not value > 0:
         raise ValueError("must be > 0")
     if name == "otlp_traces_endpoint":
         check_endpoint(value)

@@ -130,11 +130,11 @@ def failing_line(book: dict) -> Text:
                          f"{seconds(failing['seconds_left'])}")
 
 
-def given_up_line(book: dict) -> Text:
-    """The requests a replica had that the router stopped waiting for, as it went silent."""
+def given_up_line(book: dict, after: float) -> Text:
+    """The requests a replica had that the router stopped waiting for, as it went silent for `after` s."""
     count = book["given_up"]
     return Text.assemble((f"{book['replica']} given up: ", "red"),
-                         f"{count:,} request{'' if count == 1 else 's'} it had, as it answered nothing for 30 s "
+                         f"{count:,} request{'' if count == 1 else 's'} it had, as it answered nothing for {after:g} s "
                          f"(last error: {book.get('last_error') or '-'}); each a 504, or a stream's error event")
 
 
@@ -239,7 +239,8 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     reasons = [Text.assemble((f"{replica} down: ", "red"), str(why)) for replica, why in down]
     reasons += [resting_line(book, data.get("view", "ask")) for book in data.get("replicas", []) if book.get("resting")]
     reasons += [failing_line(book) for book in data.get("replicas", []) if book.get("failing")]
-    reasons += [given_up_line(book) for book in data.get("replicas", []) if book.get("given_up")]
+    after = data.get("silent_give_up_seconds", 30)  # (absent from an older router, which gave up after 30 s)
+    reasons += [given_up_line(book, after) for book in data.get("replicas", []) if book.get("given_up")]
     router = ([Text.assemble("kvd router's garbage collector: ", gc_line(data["gc"]))]
               if (data.get("gc") or {}).get("watching") else [])  # kvd router (absent from an older one)
     if data.get("disaggregated") is not None:  # prefill replicas (absent from an older router)

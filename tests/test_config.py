@@ -207,6 +207,10 @@ def test_router_settings_follow_the_same_precedence_and_name_their_source(tmp_pa
     assert (blind.queue_limits, blind.sources["queue_limits"]) == ("ignore", "KVD_ROUTER_QUEUE_LIMITS")
     assert from_file.reply_ids_bytes == 64 * 2**20  # as kvd serve's
     assert resolve_router({}, {"KVD_ROUTER_REPLY_IDS_BYTES": "8MiB"}, path).reply_ids_bytes == 8 * 2**20
+    assert (from_file.silent_give_up_seconds, from_file.silent_probe_seconds) == (30.0, 5.0)
+    patient = resolve_router({"silent_probe_seconds": 2.5}, {"KVD_ROUTER_SILENT_GIVE_UP_SECONDS": "0"}, path)
+    assert (patient.silent_give_up_seconds, patient.silent_probe_seconds) == (0.0, 2.5)
+    assert patient.sources["silent_give_up_seconds"] == "KVD_ROUTER_SILENT_GIVE_UP_SECONDS"
 
 
 @pytest.mark.parametrize("text, flags, message", [

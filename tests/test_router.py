@@ -607,8 +607,10 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
             (tmp_path / "replicas").write_text(f"# behind this router\n{sock_b}\n")
             fleet = ["--replicas-file", str(tmp_path / "replicas")]
         freeze = ["--no-gc-freeze"] if view == "ask" else []
+        patience = ["--silent-give-up-seconds", "45"] if view == "ask" else []
         router = subprocess.Popen([str(BIN / "kvd"), "router", "--replica", str(sock_a), *fleet,
-                                   "--socket", str(front), "--view", view, *tcp, *freeze, "--log-level", "warning"],
+                                   "--socket", str(front), "--view", view, *tcp, *freeze, *patience,
+                                   "--log-level", "warning"],
                                   env=env,
                                   stdout=open(tmp_path / "router.log", "ab"), stderr=subprocess.STDOUT)
         client = httpx.Client(base_url="http://router", transport=httpx.HTTPTransport(uds=str(front)), timeout=60)
@@ -631,7 +633,9 @@ def test_kvd_router_as_an_operator_runs_it_over_two_kvd_processes(tmp_path, view
             assert answers[0].headers["x-kvd-replica"] == answers[1].headers["x-kvd-replica"] == home
             assert answers[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             assert client.get("/v1/models").json()["data"][0]["owned_by"] == "kvd"
-            gc_report = client.get("/router/status").json()["gc"]
+            routed = client.get("/router/status").json()
+            gc_report = routed["gc"]
+            assert routed["silent_give_up_seconds"] == (45.0 if patience else 30.0)
             assert gc_report["watching"] is True and gc_report["slow"] == 0
             metrics = client.get("/metrics").text
             frozen = [float(line.split()[-1]) for line in metrics.splitlines()
@@ -755,6 +759,11 @@ def test_kvd_router_refuses_bad_settings_by_name(tmp_path):
               "kvd: error: view: invalid value 'gossip' from --view: must be events or ask"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--view", "events", "--load-interval", "0"],
               "kvd: error: load_interval: invalid value 0.0 from --load-interval: must be > 0"),
+             (["--replica", "/a.sock", "--replica", "/b.sock", "--silent-give-up-seconds", "-5"],
+              "kvd: error: silent_give_up_seconds: invalid value -5.0 from --silent-give-up-seconds: must be >= 0 "
+              "(0: never give a request up)"),
+             (["--replica", "/a.sock", "--replica", "/b.sock", "--silent-probe-seconds", "0"],
+              "kvd: error: silent_probe_seconds: invalid value 0.0 from --silent-probe-seconds: must be > 0"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--gc-warn-seconds", "-1"],
               "kvd: error: gc_warn_seconds: invalid value -1.0 from --gc-warn-seconds: must be >= 0 (0: no warning)"),
              (["--replica", "/a.sock", "--replica", "/b.sock", "--token-file", str(tmp_path / "none")],

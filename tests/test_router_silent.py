@@ -88,19 +88,24 @@ class GoesSilent(Counting):
     """Passes requests to a kvd app until a completion comes: that one waits for ever (streamed:
     after its first event), and every later request times out at once, as with a replica whose
     process stopped once it had the request. `answers`: it answers on, the completion held until
-    the clock passes `until`."""
+    the clock passes `until` (`mute_once_sent`: its questions unanswered meanwhile)."""
 
-    def __init__(self, app, now, stream=False, answers=False, until=0.0, front_answers=False):
+    def __init__(self, app, now, stream=False, answers=False, until=0.0, front_answers=False, mute_once_sent=False):
         super().__init__(app)
         self.now, self.stream, self.answers, self.until = now, stream, answers, until
         self.front_answers = front_answers  # its /healthz answers on: the process is up, its engine stuck
         self.silent, self.asked = False, []
+        # with `answers`: its questions go unanswered once it has the completion (which it answers in time)
+        self.mute_once_sent, self.mute = mute_once_sent, False
 
     async def handle_async_request(self, request):
         self.asked.append(request.url.path)
         if self.silent and not (self.front_answers and request.url.path == "/healthz"):
             raise httpx.ReadTimeout("timed out", request=request)
+        if request.url.path == "/admin/route-facts" and self.mute:
+            raise httpx.ReadTimeout("timed out", request=request)
         if request.url.path == "/v1/completions" and self.answers:
+            self.mute = self.mute_once_sent
             while self.now[0] < self.until:
                 await asyncio.sleep(0.005)
         elif request.url.path == "/v1/completions":
@@ -117,7 +122,7 @@ class FirstEventOnly(httpx.AsyncByteStream):
         await asyncio.Event().wait()
 
 
-def fleet_of_one(app, monkeypatch, **silence):
+def fleet_of_one(app, monkeypatch, settings=None, **silence):
     import kvctl.daemon.server.router as router_module
     from kvctl.daemon.server.router import create_router_app
     from kvctl.daemon.server.router_service import Replica, RouterService, replica_client
@@ -127,7 +132,8 @@ def fleet_of_one(app, monkeypatch, **silence):
     now = [1000.0]
     transport = GoesSilent(app, now, **silence)
     replica = Replica("replica-0", replica_client("/run/replica-0.sock", transport=transport))
-    service = RouterService([replica], make_router("least_loaded"), view="ask", clock=lambda: now[0])
+    service = RouterService([replica], make_router("least_loaded"), view="ask", clock=lambda: now[0],
+                            **(settings or {}))
     return service, create_router_app(service), transport, now
 
 
@@ -218,3 +224,44 @@ def test_a_replica_whose_process_answers_but_whose_engine_is_stuck_is_silent_too
         "prompt": "Tell me a story.", "max_tokens": 4}))
     assert answer.status_code == 504 and 30 <= silent_seconds(answer.json()["error"]["message"]) < 40
     assert "/healthz" not in transport.asked and service.replicas[0].given_up == 1
+
+
+def test_the_give_up_time_and_the_probes_are_the_routers_settings(replicas, monkeypatch):
+    service, app, transport, now = fleet_of_one(replicas[0], monkeypatch, settings={
+        "silent_give_up_seconds": 10.0, "silent_probe_seconds": 2.0})
+    answer = while_the_clock_runs(app, now, lambda c: c.post("/v1/completions", json={
+        "prompt": "Tell me a story.", "max_tokens": 4}))
+    assert answer.status_code == 504 and 10 <= silent_seconds(answer.json()["error"]["message"]) < 14
+    probes = transport.asked[transport.asked.index("/v1/completions") + 1:]
+    assert set(probes) == {"/admin/route-facts"} and 6 <= len(probes) <= 8  # one each 2 s, from 2 s after it was sent
+    [metrics, status] = drive(app, [lambda c: c.get("/metrics"), lambda c: c.get("/router/status")])
+    assert ("# HELP kvd_router_given_up_total Requests the router stopped waiting for as the replica had answered "
+            "nothing for 10 s") in metrics.text
+    assert status.json()["silent_give_up_seconds"] == 10.0
+    from rich.console import Console
+
+    from kvctl.fleet_status import render_fleet_status
+
+    console = Console(record=True, width=300)
+    render_fleet_status({**status.json(), "replica_status": [{"replica": "replica-0", "error": "ReadTimeout"}]},
+                        console)
+    assert ("replica-0 given up: 1 request it had, as it answered nothing for 10 s (last error: ReadTimeout: "
+            "timed out); each a 504, or a stream's error event") in console.export_text().splitlines()
+
+
+@pytest.mark.parametrize("give_up, answered", [(30.0, 504), (0.0, 200)])
+def test_with_no_give_up_time_a_request_waits_on_a_replica_whose_questions_go_unanswered(replicas, monkeypatch,
+                                                                                          give_up, answered):
+    """The replica answers the completion after 100 s of the router's clock, its questions
+    unanswered meanwhile: given up after 30 s by default; with silent_give_up_seconds 0, waited
+    for (and not asked anything meanwhile)."""
+    service, app, transport, now = fleet_of_one(replicas[0], monkeypatch, {"silent_give_up_seconds": give_up},
+                                                answers=True, until=1100.0, mute_once_sent=True)
+    answer = while_the_clock_runs(app, now, lambda c: c.post("/v1/completions", json={
+        "prompt": "Tell me a story.", "max_tokens": 4}))
+    assert answer.status_code == answered and service.replicas[0].given_up == (answered == 504)
+    probes = transport.asked[transport.asked.index("/v1/completions") + 1:]
+    if give_up:
+        assert set(probes) == {"/admin/route-facts"} and 30 <= silent_seconds(answer.json()["error"]["message"]) < 40
+    else:
+        assert probes == [] and answer.json()["usage"]["completion_tokens"] == 4

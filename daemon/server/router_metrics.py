@@ -49,7 +49,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .cut_connections import CutConnections
 from .gc_pauses import metric_families as gc_metric_families
 from .router_service import PD_OUTCOMES
-from .silent_replicas import GIVE_UP_SILENT_S
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -91,9 +90,10 @@ class _RouterCollector:
                           lambda r: float(self.service.failing(r, now)))
         yield per_replica(CounterMetricFamily, "forward_failures", "Requests the replica failed after it may have "
                           "started them", lambda r: r.failed_forwards)
+        after = self.service.silent_give_up_seconds
         yield per_replica(CounterMetricFamily, "given_up", "Requests the router stopped waiting for as the replica "
-                          f"had answered nothing for {GIVE_UP_SILENT_S:.0f} s (each a 504, or a stream's error "
-                          "event); counted in forward_failures too", lambda r: r.given_up)
+                          f"had answered nothing for {after:g} s{'' if after else ' (0: never)'} (each a 504, or a "
+                          "stream's error event); counted in forward_failures too", lambda r: r.given_up)
         yield per_replica(CounterMetricFamily, "rerouted", "Requests the replica refused before starting them, "
                           "could not be reached for, or closed the connection of before answering, sent to the "
                           "next best replica", lambda r: r.rerouted)

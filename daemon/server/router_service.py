@@ -194,6 +194,10 @@ class RouterService:
     view: str = "events"  # see the module's docstring
     load_interval: float = 0.25  # events: seconds between load polls of each replica
     pending_seconds: float = 30.0  # events: how long a sent prompt counts as cached before the feed says
+    # a request's replica silent this long is given up on (given_up_on; 0: never), asked each
+    # silent_probe_seconds meanwhile where no load poll asks it (silent_replicas.py)
+    silent_give_up_seconds: float = GIVE_UP_SILENT_S
+    silent_probe_seconds: float = PROBE_EVERY_S
     clock: Callable[[], float] = time.monotonic
     tokenizers: Tokenizers = field(default_factory=Tokenizers)
     # Requests the router gave up on with no replica taking them in: none could take one or be
@@ -229,6 +233,10 @@ class RouterService:
             raise ValueError(f"load_interval: must be > 0 seconds, got {self.load_interval!r}")
         if not self.pending_seconds >= 0:
             raise ValueError(f"pending_seconds: must be >= 0, got {self.pending_seconds!r}")
+        if not self.silent_give_up_seconds >= 0:
+            raise ValueError(f"silent_give_up_seconds: must be >= 0 (0: never), got {self.silent_give_up_seconds!r}")
+        if not self.silent_probe_seconds > 0:
+            raise ValueError(f"silent_probe_seconds: must be > 0, got {self.silent_probe_seconds!r}")
         if not (isinstance(self.local_prefill_tokens, int) and self.local_prefill_tokens >= 0):
             raise ValueError(f"local_prefill_tokens: must be a whole number >= 0, got {self.local_prefill_tokens!r}")
         names = [r.name for r in self.replicas]
@@ -432,16 +440,20 @@ class RouterService:
 
     def given_up_on(self, replica: Replica, sent_at: float) -> str | None:
         """Why to stop waiting for the answer to a request sent to the replica at `sent_at` (the
-        router's clock): its questions have gone unanswered over GIVE_UP_SILENT_S, none answered
-        between, the latest asked after the request was sent; None: wait on. Asked every half
-        second as the request waits; it asks the replica a load poll's question every PROBE_EVERY_S
-        where no load poll asks it (silent_replicas.py)."""
+        router's clock): its questions have gone unanswered over silent_give_up_seconds, none
+        answered between, the latest asked after the request was sent; None: wait on (always, with
+        silent_give_up_seconds 0). Asked every half second as the request waits; it asks the replica
+        a load poll's question every silent_probe_seconds where no load poll asks it
+        (silent_replicas.py)."""
+        if not self.silent_give_up_seconds:
+            return None
         now = self.clock()
         self.resting(replica, now)  # (a load poll answered since ends the run)
         book = replica.unanswered
-        if book.since is not None and book.since >= sent_at and book.silent_seconds() >= GIVE_UP_SILENT_S:
+        if book.since is not None and book.since >= sent_at and book.silent_seconds() >= self.silent_give_up_seconds:
             return f"answered nothing for {book.silent_seconds():.0f} s ({replica.last_error})"
-        if replica.view is None and replica.probe is None and now - max(sent_at, replica.probed_at) >= PROBE_EVERY_S:
+        if replica.view is None and replica.probe is None and \
+                now - max(sent_at, replica.probed_at) >= self.silent_probe_seconds:
             replica.probed_at = now
             replica.probe = asyncio.ensure_future(self._probe(replica))
         return None
@@ -887,6 +899,7 @@ class RouterService:
             return row
 
         body = {"routing": self.router.name, "view": self.view, "replicas": [one(r) for r in self.replicas],
+                "silent_give_up_seconds": self.silent_give_up_seconds,
                 "gc": self.gc_pauses.report(),
                 "tls": None if self.tls is None else self.tls.describe(time.time())}
         if self.splices_replies:  # the chat replies' ids the events view weighs next turns with

@@ -25,6 +25,7 @@ from typing import AsyncIterator, Callable
 
 import httpx
 
+# the defaults of kvd router's silent_give_up_seconds (0: never give up) and silent_probe_seconds
 GIVE_UP_SILENT_S = 30.0  # its questions unanswered over this long, none answered between: its requests are given up
 PROBE_EVERY_S = 5.0  # while a request waits on a replica no load poll asks, it is asked this often
 
