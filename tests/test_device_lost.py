@@ -120,6 +120,41 @@ def test_a_lost_device_refuses_what_comes_records_why_and_saves_the_host_tier(tm
         again.shutdown(deadline=2)
 
 
+def test_an_idle_kvd_whose_device_stops_answering_exits_before_a_request_meets_it(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(device_loss, "answer_of", lambda device: asked.append(device.type))  # it answers
+    service = start_service(tmp_path)
+    exits = []
+    service.on_device_lost = lambda: exits.append(threading.current_thread().name)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        service.device_check_seconds = 0.2  # (30 s in kvd serve)
+        deadline = time.monotonic() + 20
+        while len(asked) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert asked[:2] == ["cpu", "cpu"] and service.device_lost is None  # asked while idle, and answered
+        assert call(app, "GET", "/healthz").json() == {"status": "ok"}
+
+        def gone(device):
+            raise torch.AcceleratorError(ILLEGAL_ACCESS)
+
+        monkeypatch.setattr(device_loss, "answer_of", gone)
+        service._thread.join(20)
+        assert not service._thread.is_alive() and exits == ["kvd-engine"]
+        why = f"it did not answer kvd's idle check: AcceleratorError: {ILLEGAL_ACCESS}"
+        assert service.device_lost == why
+        health = call(app, "GET", "/healthz")
+        assert (health.status_code, health.json()["reason"]) == (503, (
+            f"kvd's device failed and cannot be used again by this process ({why}): kvd is exiting, to be started "
+            "again"))
+        refused = call(app, "POST", "/v1/completions", json=BODY)
+        assert refused.status_code == 503 and refused.json()["error"]["message"].startswith("kvd's device failed")
+    finally:
+        service.shutdown(deadline=2)
+    [record] = service.store.audit_since(action="exit")
+    assert (record["result"], record["detail"]) == ("device_lost", {"error": why, "exit_code": 75})
+
+
 def test_kvd_serve_exits_75_once_its_device_is_lost(tmp_path, device_gone, monkeypatch):
     """`kvd serve` end to end: a request whose step meets the lost device is answered 500, and kvd
     stops by itself with exit code 75 (systemd's Restart=on-failure starts it again)."""

@@ -13,6 +13,11 @@ ones 503 (its /healthz and /readyz too), records the loss in its audit log (`kvc
 exit`), saves what its host tier holds to the disk tier (the device's blocks cannot be read), and
 exits with DEVICE_LOST_EXIT, so that systemd (Restart=on-failure) or a container's restart policy
 starts it on a fresh context. vLLM's server does the like when its engine dies.
+
+A device can be lost while kvd is idle too (a GPU fallen off the bus, an uncorrectable ECC error):
+kvd said it was well until a request came, which got a 500. So the idle engine thread asks the
+device the same question every IDLE_CHECK_SECONDS (`idle_check`); when it is not answered, the
+device is lost as above, and kvd exits before a request meets it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import torch
 
 DEVICE_LOST_EXIT = 75  # EX_TEMPFAIL: started again, it may well serve
+IDLE_CHECK_SECONDS = 30.0  # the idle engine asks its device this often (a question of some 50 us on a GPU)
 
 
 def lost_device(exc: BaseException, device: torch.device) -> str | None:
@@ -31,6 +37,15 @@ def lost_device(exc: BaseException, device: torch.device) -> str | None:
         answer_of(device)
     except Exception as again:
         return f"{type(exc).__name__}: {exc}"[:300] + f"; then {type(again).__name__}: {again}"[:200]
+    return None
+
+
+def idle_check(device: torch.device) -> str | None:
+    """Why the device is lost to this process, asked while kvd is idle; None when it answers."""
+    try:
+        answer_of(device)
+    except Exception as exc:
+        return f"it did not answer kvd's idle check: {type(exc).__name__}: {exc}"[:500]
     return None
 
 

@@ -148,6 +148,7 @@ class EngineService:
         self._inbox: deque[_Submission] = deque()  # handed in by submit_nowait, queued by the engine thread
         self._engine_idle = False  # set (under the lock) before the engine thread looks at the inbox to sleep
         self.idle_wait = 0.5  # seconds the idle engine thread sleeps between its watchdog pings
+        self.device_check_seconds = device_loss.IDLE_CHECK_SECONDS  # the idle engine asks its device this often
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.engine_threads = 0  # torch intra-op threads of the engine thread, once it runs
@@ -406,6 +407,7 @@ class EngineService:
             return
         self.notifier.ready()
         device = self.engine.model.device.type
+        device_asked_at = time.monotonic()
         while not self._stop.is_set():
             self.notifier.watchdog()
             self.engine_loop.turned()
@@ -421,6 +423,11 @@ class EngineService:
                     weights_ops.apply(self, self.pending_weights)
                 busy = self.engine.has_work()
                 if not busy and not answered:
+                    if time.monotonic() - device_asked_at >= self.device_check_seconds:
+                        device_asked_at = time.monotonic()
+                        if lost := device_loss.idle_check(self.engine.model.device):
+                            self._lose_device(lost)
+                            continue
                     self._engine_idle = True  # before the inbox is read: see _wake_engine
                     if not self._inbox:
                         self.lock.wait(timeout=self.idle_wait)
