@@ -30,6 +30,35 @@ def test_the_loop_is_stalled_once_it_has_not_come_round_in_its_time_and_the_log_
     assert loop.stalled(1e9) is None  # a loop that ended (kvd stops) is no stall
 
 
+def test_a_wait_for_the_engines_lock_ends_once_the_engine_stalls_or_the_wait_is_over():
+    from kvctl.daemon.server.engine_liveness import take_unless_stalled
+
+    lock, loop = threading.Condition(threading.RLock()), EngineLoop(after=0.3)
+    held, release = threading.Event(), threading.Event()
+
+    def step():  # a step that holds the lock past the stall
+        with lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=step)
+    loop.turned()
+    holder.start()
+    held.wait(10)
+    began = time.monotonic()
+    assert take_unless_stalled(lock, loop, wait=0.1, look=0.05) is False  # the wait is over
+    assert 0.1 <= time.monotonic() - began < 0.3
+    assert take_unless_stalled(lock, loop, look=0.05) is False  # no wait given: until the stall, at 0.3 s
+    assert 0.3 <= time.monotonic() - began < 2 and loop.stalled() is not None
+    release.set()
+    holder.join(10)
+    assert take_unless_stalled(lock, loop) is True  # stalled still, but the lock is free: taken
+    lock.release()
+    loop.turned()
+    assert take_unless_stalled(lock, loop, wait=0.1) is True
+    lock.release()
+
+
 pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 
@@ -70,6 +99,13 @@ def test_healthz_and_readyz_say_503_while_a_step_does_not_end_and_ok_once_it_doe
         assert re.fullmatch(r"the engine has not come round its loop in \d+ s \(a step that does not end: a kernel "
                             r"that never returns, a deadlock\): kvd serves nothing meanwhile", health.json()["reason"])
         assert ready.status_code == 503 and ready.json()["reason"].startswith("the engine has not come round")
+        for path in ("/admin/status", "/admin/requests", "/admin/tenants", "/admin/prefixes"):  # operator views
+            began = time.monotonic()
+            view = call(app, "GET", path)
+            assert view.status_code == 503 and time.monotonic() - began < 3, path
+            assert re.fullmatch(r"the engine has not come round its loop in \d+ s \(.*\): kvd serves nothing "
+                                r"meanwhile; this question waits for it: ask again once /healthz says ok",
+                                view.json()["error"]["message"]), path
         with caplog.at_level(logging.INFO, logger="kvd"):
             service._say_engine_loop()  # (housekeeping's job, every 5 s)
             service._say_engine_loop()

@@ -13,8 +13,9 @@ max_batch_tokens.
 for it up to SCRAPE_LOCK_WAIT_S (within Prometheus' default scrape_timeout of 10 s), not at all
 once the engine is stalled, and answers without those figures when it is not had, with
 `kvd_engine_stalled` saying why (the KvdEngineStalled alert), where the scrape failed before and
-only KvdDown fired. `kvctl status` waits for the lock too, and says what /healthz says when its
-call times out.
+only KvdDown fired. The operator's views (`kvctl status`, `requests`, `tenants`, `prefixes`) wait
+for the lock as long as it takes, but no longer once the engine is stalled: then they answer 503
+saying so (`held_unless_stalled`), where they waited out kvctl's 120 s timeout.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .calls import ServiceError
+
 STALLED_AFTER_S = 60.0
 SCRAPE_LOCK_WAIT_S = 5.0
+STALL_LOOK_S = 1.0  # a wait for the engine's lock looks this often whether the engine has stalled
 
 
 @dataclass
@@ -63,15 +67,41 @@ class EngineLoop:
         return None
 
 
+def take_unless_stalled(lock: threading.Condition, loop: EngineLoop, wait: float | None = None,
+                        look: float = STALL_LOOK_S) -> bool:
+    """Take the engine's `lock`, waiting up to `wait` s (None: as long as it takes), but not once
+    `loop` is stalled (looked at every `look` s: the step that holds it does not end); whether it
+    was taken."""
+    deadline = None if wait is None else time.monotonic() + wait
+    while loop.stalled() is None:
+        left = look if deadline is None else min(look, deadline - time.monotonic())
+        if left <= 0:
+            return False
+        if lock.acquire(timeout=left):
+            return True
+    return lock.acquire(blocking=False)
+
+
 @contextmanager
-def held_for_scrape(lock: threading.Condition, loop: EngineLoop, wait: float | None = None):
-    """Hold the engine's `lock` for a scrape: yields True once had, waiting up to `wait` s
-    (SCRAPE_LOCK_WAIT_S; no wait while `loop` is stalled, as the step that holds it does not end);
-    yields False, holding nothing, when it is not had in that time."""
-    wait = SCRAPE_LOCK_WAIT_S if wait is None else wait
-    had = lock.acquire(blocking=False) if loop.stalled() is not None else lock.acquire(timeout=wait)
+def held_for_scrape(lock: threading.Condition, loop: EngineLoop):
+    """Hold the engine's `lock` for a scrape: yields True once had, waiting up to
+    SCRAPE_LOCK_WAIT_S (take_unless_stalled); False, holding nothing, when it is not had."""
+    had = take_unless_stalled(lock, loop, SCRAPE_LOCK_WAIT_S)
     try:
         yield had
     finally:
         if had:
             lock.release()
+
+
+@contextmanager
+def held_unless_stalled(lock: threading.Condition, loop: EngineLoop):
+    """Hold the engine's `lock` for an operator's question, as `with lock:` does, unless the engine
+    is stalled or stalls meanwhile: then a 503 (ServiceError) saying so, holding nothing."""
+    if not take_unless_stalled(lock, loop):
+        raise ServiceError(503, f"{loop.stalled() or 'the engine stalled'}; this question waits for it: ask again "
+                                "once /healthz says ok")
+    try:
+        yield
+    finally:
+        lock.release()

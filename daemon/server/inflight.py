@@ -75,7 +75,7 @@ def shape_field(request: Request) -> str | None:
 def list_requests(service: EngineService, tenant: str | None = None) -> dict:
     """Every request in flight (of `tenant`, if given), oldest first."""
     engine = service.require_ready()
-    with service.lock:
+    with service.engine_lock():
         now = engine.clock()
         in_line = queue_places(engine)
         rows = [request_row(service, r, now, in_line) for r in engine.requests.values()

@@ -28,7 +28,7 @@ def prefix_tree(service) -> tuple[PrefixTree, dict]:
     lower = [CachedBlock(meta.key, meta.parent, meta.root, meta.depth, tier, meta.tenant, meta.hits, meta.last_use)
              for meta, tier in known.values()]
     keep = {meta.root for meta, _ in known.values()}
-    with service.lock:  # roots only lower tiers hold keep their tenant and hits
+    with service.engine_lock():  # roots only lower tiers hold keep their tenant and hits
         rows = engine.cache.cached_block_rows()  # (the CachedBlocks are made after: the engine steps meanwhile)
         engine.cache.forget_roots(keep=keep)
         roots = dict(engine.cache.roots)

@@ -48,7 +48,7 @@ from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
 from .durations import unix_time
-from .engine_liveness import EngineLoop
+from .engine_liveness import EngineLoop, held_unless_stalled
 from .engine_profile import EngineProfiler
 from .gc_pauses import GcPauses
 from .gpu_cache_size import gpu_cache_blocks
@@ -451,6 +451,11 @@ class EngineService:
         self.engine_loop.stopped()
         self.profiler.turn(device, stopping=True)  # a profile running is written, not lost
         self._refuse_submissions(self._stopped())
+
+    def engine_lock(self):
+        """`with service.engine_lock():` holds the engine's lock for an operator's view, as `with
+        service.lock:` does, but answers 503 once the engine is stalled (engine_liveness.py)."""
+        return held_unless_stalled(self.lock, self.engine_loop)
 
     def _say_engine_loop(self) -> None:
         """Log once that the engine stopped coming round its loop, and once that it came round again."""

@@ -43,7 +43,7 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
     (block_map.fold_block_map; None: a character per block)."""
     engine = service.require_ready()
     waiting_writes, longest_write_wait = service.store.waiting_writes()
-    with service.lock:
+    with service.engine_lock():  # (503 once the engine is stalled)
         cache = engine.cache
         counts = cache.state_counts()
         in_flight, retiring = engine.adapter_requests(), engine.retiring_adapters()

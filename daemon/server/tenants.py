@@ -32,7 +32,7 @@ from .service import EngineService
 def list_tenants(service: EngineService) -> dict:
     """Every tenant's row, by name, and whether shares are set."""
     engine = service.require_ready()
-    with service.lock:
+    with service.engine_lock():
         cache = engine.cache
         book = engine.stats.tenants
         counted = dict(book.items())
