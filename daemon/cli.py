@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -213,6 +214,9 @@ def serve(
                    "so a replay keeps sharing past a 512-token boundary."),
     shutdown_timeout: Optional[float] = typer.Option(
         None, help="Seconds in-flight requests get to finish on SIGTERM before they are cancelled (default 30)."),
+    engine_stall_exit_seconds: Optional[float] = typer.Option(
+        None, help="Exit (code 75, to be started again) once the engine has been stalled this long: a step that "
+                   "never ends (default 300; 0: never; /healthz says 503 from 60 s). Live on a reload."),
     model_name: Optional[str] = typer.Option(
         None, help="The model's name in /v1/models and requests (vLLM's --served-model-name); default: the "
                    "checkpoint folder's."),
@@ -280,7 +284,8 @@ def serve(
                    pin_budget_blocks=pin_budget_blocks, pin_room_tokens=pin_room_tokens,
                    trace_requests=trace_requests, trace_key_file=trace_key_file,
                    trace_block_tokens=trace_block_tokens,
-                   shutdown_timeout=shutdown_timeout, model_name=model_name, remote_cache_bytes=remote_cache_bytes,
+                   shutdown_timeout=shutdown_timeout, engine_stall_exit_seconds=engine_stall_exit_seconds,
+                   model_name=model_name, remote_cache_bytes=remote_cache_bytes,
                    remote_timeout=remote_timeout, gc_freeze=gc_freeze, gc_warn_seconds=gc_warn_seconds,
                    log_requests=log_requests, log_stats_interval=log_stats_interval,
                    otlp_traces_endpoint=otlp_traces_endpoint)
@@ -307,7 +312,8 @@ SERVE_HELP_PANELS = {
                          "trusted_proxy", "max_request_bytes",
                          "responses_store_bytes", "responses_store_file", "responses_max_age",
                          "conversations_store_bytes", "reply_ids_bytes", "truncation_headroom",
-                         "shutdown_timeout", "gc_freeze", "gc_warn_seconds", "log_level", "log_format",
+                         "shutdown_timeout", "engine_stall_exit_seconds", "gc_freeze", "gc_warn_seconds",
+                         "log_level", "log_format",
                          "log_requests", "log_stats_interval"),
     "Cache and batching": ("block_size", "num_blocks", "cache_memory", "max_model_len", "max_batch_tokens",
                            "quick_prefill_tokens",
@@ -342,6 +348,20 @@ def place_in_help_panels(command, panels: dict[str, tuple[str, ...]]) -> None:
 
 
 place_in_help_panels(serve, SERVE_HELP_PANELS)
+
+
+def exit_stalled(front) -> None:
+    """End kvd's process now, its engine stalled past engine_stall_exit_seconds (the service has
+    said why in the log and the audit log): a stop would wait for the engine's lock, which the
+    stalled step holds. Its socket goes (a start would replace it as stale anyway), the log is
+    flushed; the store's records are committed already."""
+    from kvctl.daemon.server.engine_liveness import STALLED_EXIT
+
+    front.remove()
+    for logger in (logging.getLogger(), log):
+        for handler in logger.handlers:
+            handler.flush()
+    os._exit(STALLED_EXIT)
 
 
 def _loop_factory():
@@ -422,6 +442,7 @@ async def _serve(settings, re_resolve) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_term)
     service.on_device_lost = lambda: loop.call_soon_threadsafe(stopping.set)  # (from the engine thread)
+    service.on_stall_exit = partial(exit_stalled, front)  # (from housekeeping: the engine holds what a stop needs)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     fronts = Fronts()
     fronts.serve(unix_app, sockets=[front.sock])

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from kvctl.daemon.engine.tenant_book import DEFAULT_LIMIT as DEFAULT_TRACKED_TENANTS
 from kvctl.daemon.replay.trace import TRACE_BLOCK_SIZES
 from kvctl.daemon.server.durations import parse_duration
+from kvctl.daemon.server.engine_liveness import STALLED_AFTER_S
 from kvctl.daemon.server.otlp_export import check_endpoint, traces_protocol
 from kvctl.daemon.server.reasoning import REASONING_PARSERS
 from kvctl.daemon.server.reply_ids import REPLY_IDS_BYTES
@@ -247,6 +248,9 @@ class KvdConfig:
     # blocks than its fraction of the device cache loses its own first (policies/tenant_shares.py)
     tenant_cache_shares: tuple[tuple[str, float], ...] = ()
     shutdown_timeout: float = 30.0
+    # once the engine has been stalled this long (a step that never ends: only a new process recovers),
+    # kvd exits (75) for its service manager to start it again (engine_liveness.py); 0: never
+    engine_stall_exit_seconds: float = 300.0
     max_request_bytes: int = 32 * 2**20  # a bigger request body is refused (413) before it is read whole
     # the responses /v1/responses keeps for previous_response_id, in memory (response_store.py); 0: none
     responses_store_bytes: int = 64 * 2**20
@@ -388,6 +392,7 @@ _PARSERS = {
     "max_tracked_tenants": whole_number, "trace_requests": whole_number,
     "trace_block_tokens": whole_number,
     "pin_budget_blocks": whole_number, "pin_room_tokens": whole_number, "shutdown_timeout": finite_number,
+    "engine_stall_exit_seconds": finite_number,
     "gc_freeze": on_or_off, "gc_warn_seconds": finite_number,
     "trusted_proxy": on_or_off, "allow_uncalibrated": on_or_off, "lora_runtime_updates": on_or_off,
     "log_requests": on_or_off, "log_stats_interval": finite_number,
@@ -425,6 +430,9 @@ def _check(name: str, value: Any) -> None:
         raise ValueError("must be at least 4KiB")
     if name == "shutdown_timeout" and value <= 0:
         raise ValueError("must be > 0")
+    if name == "engine_stall_exit_seconds" and value != 0 and not value >= STALLED_AFTER_S:
+        raise ValueError(f"must be 0 (never) or >= {STALLED_AFTER_S:g} (the engine is stalled once its loop has not "
+                         f"come round in {STALLED_AFTER_S:g} s)")
     if name == "truncation_headroom" and not 0 <= value < 1:
         raise ValueError("must be from 0 (a cut drops the fewest turns) to below 1")
     if name == "gc_warn_seconds" and value < 0:

@@ -44,6 +44,9 @@ def test_precedence_flag_env_file_default(tmp_path):
                                         "must be at least 4KiB"),
     ({}, {"KVD_QUICK_PREFILL_TOKENS": "-8"},
      "quick_prefill_tokens: invalid value '-8' from KVD_QUICK_PREFILL_TOKENS: must be a whole number >= 0 or auto"),
+    ({"engine_stall_exit_seconds": 30}, {}, "engine_stall_exit_seconds: invalid value 30 from "
+     "--engine-stall-exit-seconds: must be 0 (never) or >= 60 (the engine is stalled once its loop has not come round "
+     "in 60 s)"),
 ])
 def test_invalid_values_name_field_value_and_source(flags, env, message):
     with pytest.raises(ConfigError) as info:

@@ -168,3 +168,75 @@ def test_a_scrape_waits_for_a_long_step_only_so_long_and_answers_without_the_eng
         assert {"kvd_blocks", "vllm:num_requests_running"} <= set(after)
     finally:
         service.shutdown(deadline=2)
+
+
+def test_kvd_exits_once_its_engine_has_been_stalled_past_engine_stall_exit_seconds(tmp_path, caplog):
+    import dataclasses
+
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import call, start_service
+
+    service = start_service(tmp_path)
+    engine, real, release = service.engine, service.engine.step, threading.Event()
+
+    def step():
+        if engine.requests:
+            release.wait(30)  # a kernel that does not return
+        return real()
+
+    engine.step = step
+    exits = []
+    service.on_stall_exit = lambda: exits.append(service.stall_exit)
+    service.engine_loop.after = 0.3
+    service.config = dataclasses.replace(service.config, engine_stall_exit_seconds=0.0)  # never
+    app = create_app(service, service.metrics, front="unix")
+    asker = threading.Thread(target=lambda: call(app, "POST", "/v1/completions", json={"prompt": "Hi",
+                                                                                      "max_tokens": 2}))
+    try:
+        asker.start()
+        deadline = time.monotonic() + 10
+        while (service.engine_loop.idle_seconds() or 0) < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        service._say_engine_loop()
+        assert exits == [] and service.stall_exit is None  # 0: kvd never exits by itself
+        service.config = dataclasses.replace(service.config, engine_stall_exit_seconds=1.5)  # (>= 60 in a config)
+        service._say_engine_loop()
+        assert exits == []  # stalled 1 s: not yet
+        while service.engine_loop.idle_seconds() < 1.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with caplog.at_level(logging.INFO, logger="kvd"):
+            service._say_engine_loop()
+            service._say_engine_loop()  # (the process ends at the first; it is asked once)
+        assert len(exits) == 1 and re.fullmatch(r"the engine has not come round its loop in \d+ s \(.*\): kvd serves "
+                                                r"nothing meanwhile", exits[0])
+        [said] = [r for r in caplog.records if r.levelname == "CRITICAL"]
+        assert said.getMessage() == (exits[0] + "; after engine_stall_exit_seconds (1.5 s) kvd exits (code 75) for "
+                                     "its service manager to start it again: its requests in flight are lost")
+        [record] = service.store.audit_since(action="exit")
+        assert {k: record[k] for k in ("actor", "target", "result", "detail")} == {
+            "actor": "kvd", "target": "engine", "result": "engine_stalled",
+            "detail": {"error": exits[0], "exit_code": 75}}
+    finally:
+        release.set()
+        asker.join(30)
+        service.shutdown(deadline=2)
+
+
+def test_the_stall_exit_removes_kvds_socket_and_ends_the_process_with_75(tmp_path, monkeypatch):
+    import os
+
+    from kvctl.daemon.cli import exit_stalled
+    from kvctl.daemon.server.unix_front import UnixFront
+
+    front = UnixFront(str(tmp_path / "kvd.sock"))
+    ended = []
+
+    def _exit(code):
+        ended.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", _exit)
+    with pytest.raises(SystemExit):
+        exit_stalled(front)
+    assert ended == [75] and not (tmp_path / "kvd.sock").exists()

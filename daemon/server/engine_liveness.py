@@ -9,6 +9,14 @@ probe reads /healthz. So once the loop has not come round in `after` seconds (60
 No step of a serving engine should take that long: a prompt is computed in chunks of
 max_batch_tokens.
 
+Only a new process recovers from a step that never ends. Where nothing restarts kvd on /healthz (a
+container without a liveness probe, kvd run by hand), it ended only when someone noticed; so once
+the engine has been stalled engine_stall_exit_seconds (300 s by default: well after systemd's
+watchdog and a liveness probe would have acted; 0: never), kvd records why in its audit log and
+exits with STALLED_EXIT at once (its requests in flight are lost with it: a stop would wait for
+the lock the stalled step holds), for its service manager or restart policy to start it again.
+vLLM's engine gives up on a step after VLLM_ENGINE_ITERATION_TIMEOUT_S the same way.
+
 `/metrics` reads the engine's figures under the engine's lock, which a step holds: a scrape waits
 for it up to SCRAPE_LOCK_WAIT_S (within Prometheus' default scrape_timeout of 10 s), not at all
 once the engine is stalled, and answers without those figures when it is not had, with
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from .calls import ServiceError
 
 STALLED_AFTER_S = 60.0
+STALLED_EXIT = 75  # as a lost device's (device_loss.DEVICE_LOST_EXIT): EX_TEMPFAIL, started again it may well serve
 SCRAPE_LOCK_WAIT_S = 5.0
 STALL_LOOK_S = 1.0  # a wait for the engine's lock looks this often whether the engine has stalled
 
@@ -45,12 +54,16 @@ class EngineLoop:
         """The loop has ended (kvd stops, or its device was lost): not going round is no stall."""
         self.turned_at = None
 
-    def stalled(self, now: float | None = None) -> str | None:
-        """Why kvd is not alive now (None: it is): its engine has not come round in `after` s."""
+    def idle_seconds(self, now: float | None = None) -> float | None:
+        """Seconds since the loop last came round; None while it is not going round."""
         if self.turned_at is None:
             return None
-        idle = (time.monotonic() if now is None else now) - self.turned_at
-        if idle < self.after:
+        return (time.monotonic() if now is None else now) - self.turned_at
+
+    def stalled(self, now: float | None = None) -> str | None:
+        """Why kvd is not alive now (None: it is): its engine has not come round in `after` s."""
+        idle = self.idle_seconds(now)
+        if idle is None or idle < self.after:
             return None
         return (f"the engine has not come round its loop in {idle:.0f} s (a step that does not end: a kernel that "
                 "never returns, a deadlock): kvd serves nothing meanwhile")

@@ -36,7 +36,7 @@ LIVE_SETTINGS = ("max_batch_tokens", "max_running", "max_queue", "max_queue_wait
                  "log_requests", "log_stats_interval",
                  "lora_modules", "lora_runtime_updates", "max_loras", "speculative_config", "responses_max_age",
                  "truncation_headroom", "responses_store_bytes", "conversations_store_bytes",
-                 "reply_ids_bytes")
+                 "reply_ids_bytes", "engine_stall_exit_seconds")
 
 # what the running process is bound to: its sockets, its store, its auth front, its metric families
 BOUND_AT_START = ("state_dir", "socket", "listen", "token_file", "ssl_certfile", "ssl_keyfile", "ssl_ca_certs",

@@ -48,7 +48,7 @@ from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
 from .durations import unix_time
-from .engine_liveness import EngineLoop, held_unless_stalled
+from .engine_liveness import STALLED_EXIT, EngineLoop, held_unless_stalled
 from .engine_profile import EngineProfiler
 from .gc_pauses import GcPauses
 from .gpu_cache_size import gpu_cache_blocks
@@ -203,6 +203,9 @@ class EngineService:
         self.step_failures = StepFailures()  # engine steps that raised (step_failures.py)
         self.device_lost: str | None = None  # why the device cannot be used again by this process (device_loss.py)
         self.on_device_lost: Callable[[], None] | None = None  # asks the process to exit (kvd serve sets it)
+        # ends the process at once, its engine stalled past engine_stall_exit_seconds (kvd serve sets it)
+        self.on_stall_exit: Callable[[], None] | None = None
+        self.stall_exit: str | None = None  # why kvd is exiting with its engine stalled; None: it is not
         self.pending_scales: dict | None = None  # a calibration to load once running work drains
         self.pending_weights = None  # weights_ops.PendingWeights: new weights to swap in once running work drains
         self.weight_updates = threading.Lock()  # one update of the weights at a time
@@ -462,6 +465,24 @@ class EngineService:
         said = self.engine_loop.to_log()
         if said is not None:
             log.log(logging.ERROR if said[0] == "error" else logging.INFO, "%s", said[1])
+        self._exit_if_stalled()
+
+    def _exit_if_stalled(self) -> None:
+        """Once the engine has been stalled engine_stall_exit_seconds (0: never), record why and
+        end the process (on_stall_exit), for its service manager to start it again
+        (engine_liveness.py)."""
+        after, idle = self.config.engine_stall_exit_seconds, self.engine_loop.idle_seconds()
+        why = self.engine_loop.stalled()
+        if not after or why is None or idle < after or self.stall_exit is not None:
+            return
+        self.stall_exit = why
+        log.critical("%s; after engine_stall_exit_seconds (%g s) kvd exits (code %d) for its service manager to start "
+                     "it again: its requests in flight are lost", why, after, STALLED_EXIT)
+        self.notifier.send("STATUS=engine stalled: exiting", timeout=0)
+        self.store.audit(actor="kvd", tenant="-", action="exit", target="engine", result="engine_stalled",
+                         detail={"error": why, "exit_code": STALLED_EXIT})
+        if self.on_stall_exit is not None:
+            self.on_stall_exit()
 
     def _lose_device(self, why: str) -> None:
         """The device cannot be used again by this process (device_loss.py): the engine thread steps
