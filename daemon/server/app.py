@@ -46,6 +46,7 @@ from .calls import Principal, ServiceError
 from .chat import (CHAT_HINTS, UNSUPPORTED_CHAT_FIELDS, VLLM_NOT_DONE, ChatCompletionRequest, ChatShape,
                    CompletionShape, Count, GenerationFields)
 from .chat_messages import MessagesError, chat_messages, checked_tools, messages_size
+from .engine_liveness import one_scrape
 from .incremental_text import IncrementalText
 from .logprobs import PromptParts, TokenNames, echo_texts, joined
 from .metrics import Metrics
@@ -227,7 +228,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         if not scrapers:
             scrapers.append(anyio.CapacityLimiter(METRICS_THREADS))
         encoder, media = choose_encoder(http.headers.get("accept", ""))  # OpenMetrics: with exemplars
-        text = await anyio.to_thread.run_sync(encoder, metrics.registry, limiter=scrapers[0])
+
+        def scrape() -> bytes:
+            with one_scrape():  # the collectors' waits for the engine's lock: 5 s in all (engine_liveness.py)
+                return encoder(metrics.registry)
+
+        text = await anyio.to_thread.run_sync(scrape, limiter=scrapers[0])
         return Response(text, media_type=media)
 
     # ---- OpenAI-compatible -------------------------------------------------------------------

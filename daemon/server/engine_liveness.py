@@ -89,17 +89,33 @@ def take_unless_stalled(lock: threading.Condition, loop: EngineLoop, wait: float
     while loop.stalled() is None:
         left = look if deadline is None else min(look, deadline - time.monotonic())
         if left <= 0:
-            return False
+            return lock.acquire(blocking=False)
         if lock.acquire(timeout=left):
             return True
     return lock.acquire(blocking=False)
 
 
+_scrape = threading.local()  # the deadline of the scrape this thread runs (one_scrape)
+
+
+@contextmanager
+def one_scrape():
+    """The collectors run inside (one scrape, on this thread) share one wait for the engine's lock,
+    SCRAPE_LOCK_WAIT_S in all: each one's own would add up past Prometheus' scrape timeout."""
+    _scrape.deadline = time.monotonic() + SCRAPE_LOCK_WAIT_S
+    try:
+        yield
+    finally:
+        _scrape.deadline = None
+
+
 @contextmanager
 def held_for_scrape(lock: threading.Condition, loop: EngineLoop):
-    """Hold the engine's `lock` for a scrape: yields True once had, waiting up to
-    SCRAPE_LOCK_WAIT_S (take_unless_stalled); False, holding nothing, when it is not had."""
-    had = take_unless_stalled(lock, loop, SCRAPE_LOCK_WAIT_S)
+    """Hold the engine's `lock` for a scrape: yields True once had, waiting until the scrape's
+    deadline (one_scrape; outside one, SCRAPE_LOCK_WAIT_S) unless the engine is stalled
+    (take_unless_stalled); False, holding nothing, when it is not had."""
+    deadline = getattr(_scrape, "deadline", None)
+    had = take_unless_stalled(lock, loop, SCRAPE_LOCK_WAIT_S if deadline is None else deadline - time.monotonic())
     try:
         yield had
     finally:
