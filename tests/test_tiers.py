@@ -1211,7 +1211,14 @@ def test_a_slow_redis_costs_a_bounded_wait_then_serving_recovers(demo, redis_ser
     staller = threading.Thread(target=lambda: redis.Redis.from_url(redis_server.url).execute_command(
         "DEBUG", "SLEEP", "1.5"))
     staller.start()
-    time.sleep(0.1)
+    asleep = redis.Redis.from_url(redis_server.url, socket_timeout=0.05)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until Redis sleeps (a ping unanswered), not a guess at when it will
+        try:
+            asleep.ping()
+            time.sleep(0.01)
+        except redis.exceptions.TimeoutError:
+            break
     slow = generate(engine, TEXT_A, demo)
     assert staller.is_alive()  # served while Redis still sleeps: the fetch gave up at its timeout
     assert slow.metrics.restored_tokens == 0 and slow.sequences[0].output_ids == cold.sequences[0].output_ids
