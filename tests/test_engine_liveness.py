@@ -223,6 +223,40 @@ def test_kvd_exits_once_its_engine_has_been_stalled_past_engine_stall_exit_secon
         service.shutdown(deadline=2)
 
 
+def test_a_stop_asked_of_a_kvd_whose_engine_is_stalled_ends_it_at_once(tmp_path):
+    """SIGTERM's stop waits for what runs to finish, under the engine's lock: with the step that
+    holds it never ending, the stop hung until a service manager killed kvd. Now kvd ends at once,
+    saying why."""
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import call, start_service
+
+    service = start_service(tmp_path)
+    release = stall_steps(service)
+    exits = []
+    service.on_stall_exit = lambda: exits.append(service.stall_exit)
+    app = create_app(service, service.metrics, front="unix")
+    asker = threading.Thread(target=lambda: call(app, "POST", "/v1/completions", json={"prompt": "Hi",
+                                                                                      "max_tokens": 2}))
+    try:
+        asker.start()
+        deadline = time.monotonic() + 10
+        while service.engine_loop.stalled() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stopping = threading.Thread(target=service.shutdown, kwargs={"deadline": 30})
+        began = time.monotonic()
+        stopping.start()
+        stopping.join(10)
+        assert not stopping.is_alive() and time.monotonic() - began < 5  # not the 30 s it gives requests to finish
+        assert len(exits) == 1 and exits[0].startswith("the engine has not come round its loop in")
+        [record] = service.store.audit_since(action="exit")
+        assert (record["result"], record["detail"]) == ("engine_stalled", {"error": exits[0], "exit_code": 75})
+    finally:
+        release.set()
+        asker.join(30)
+        service.shutdown(deadline=2)  # (in-process, nothing ended it: the step ends, and so does the stop)
+
+
 def test_the_stall_exit_removes_kvds_socket_and_ends_the_process_with_75(tmp_path, monkeypatch):
     import os
 

@@ -14,7 +14,8 @@ container without a liveness probe, kvd run by hand), it ended only when someone
 the engine has been stalled engine_stall_exit_seconds (300 s by default: well after systemd's
 watchdog and a liveness probe would have acted; 0: never), kvd records why in its audit log and
 exits with STALLED_EXIT at once (its requests in flight are lost with it: a stop would wait for
-the lock the stalled step holds), for its service manager or restart policy to start it again.
+the lock the stalled step holds), for its service manager or restart policy to start it again. A
+stop asked of it meanwhile (SIGTERM) ends it the same way at once, where it waited for that lock.
 vLLM's engine gives up on a step after VLLM_ENGINE_ITERATION_TIMEOUT_S the same way.
 
 `/metrics` reads the engine's figures under the engine's lock, which a step holds: a scrape waits

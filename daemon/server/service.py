@@ -48,7 +48,7 @@ from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
 from .durations import unix_time
-from .engine_liveness import STALLED_EXIT, EngineLoop, held_unless_stalled
+from .engine_liveness import STALLED_EXIT, EngineLoop, held_unless_stalled, take_unless_stalled
 from .engine_profile import EngineProfiler
 from .gc_pauses import GcPauses
 from .gpu_cache_size import gpu_cache_blocks
@@ -475,9 +475,13 @@ class EngineService:
         why = self.engine_loop.stalled()
         if not after or why is None or idle < after or self.stall_exit is not None:
             return
+        self._exit_stalled(why, f"after engine_stall_exit_seconds ({after:g} s)")
+
+    def _exit_stalled(self, why: str, when: str) -> None:
+        """Record why kvd ends with its engine stalled, and end the process (on_stall_exit)."""
         self.stall_exit = why
-        log.critical("%s; after engine_stall_exit_seconds (%g s) kvd exits (code %d) for its service manager to start "
-                     "it again: its requests in flight are lost", why, after, STALLED_EXIT)
+        log.critical("%s; %s kvd exits (code %d) for its service manager to start it again: its requests in flight "
+                     "are lost", why, when, STALLED_EXIT)
         self.notifier.send("STATUS=engine stalled: exiting", timeout=0)
         self.store.audit(actor="kvd", tenant="-", action="exit", target="engine", result="engine_stalled",
                          detail={"error": why, "exit_code": STALLED_EXIT})
@@ -549,20 +553,34 @@ class EngineService:
         self._rejection_observers.append(observer)
 
     def shutdown(self, deadline: float | None = None) -> None:
-        """Stop admitting, let in-flight work finish until the deadline, cancel the rest."""
+        """Stop admitting, let in-flight work finish until the deadline, cancel the rest. With the
+        engine stalled (now or meanwhile) nothing can finish, and what a stop does waits for the
+        lock the stalled step holds: kvd ends at once instead (_exit_stalled), where the stop hung
+        until its service manager killed it."""
         self.notifier.stopping()
         self.accepting = False
         if self.engine is not None:  # held-open event reads answer now: they would hold up the server's stop
             self.engine.events.stop_waits()
         limit = time.monotonic() + (self.config.shutdown_timeout if deadline is None else deadline)
         while self.engine is not None and time.monotonic() < limit:
-            with self.lock:
-                if not self.engine.has_work():
-                    break
+            if not take_unless_stalled(self.lock, self.engine_loop):
+                self._exit_stalled(self.engine_loop.stalled() or "the engine stalled", "asked to stop,")
+                return
+            try:
+                busy = self.engine.has_work()
+            finally:
+                self.lock.release()
+            if not busy:
+                break
             time.sleep(0.05)
         if self.engine is not None:
-            with self.lock:
+            if not take_unless_stalled(self.lock, self.engine_loop):
+                self._exit_stalled(self.engine_loop.stalled() or "the engine stalled", "asked to stop,")
+                return
+            try:
                 pending = list(self.engine.requests)
+            finally:
+                self.lock.release()
             for request_id in pending:
                 self.cancel(request_id)
         self._stop.set()
