@@ -563,8 +563,7 @@ class EngineService:
             self.engine.events.stop_waits()
         limit = time.monotonic() + (self.config.shutdown_timeout if deadline is None else deadline)
         while self.engine is not None and time.monotonic() < limit:
-            if not take_unless_stalled(self.lock, self.engine_loop):
-                self._exit_stalled(self.engine_loop.stalled() or "the engine stalled", "asked to stop,")
+            if self._stalled_at_stop():
                 return
             try:
                 busy = self.engine.has_work()
@@ -574,8 +573,7 @@ class EngineService:
                 break
             time.sleep(0.05)
         if self.engine is not None:
-            if not take_unless_stalled(self.lock, self.engine_loop):
-                self._exit_stalled(self.engine_loop.stalled() or "the engine stalled", "asked to stop,")
+            if self._stalled_at_stop():
                 return
             try:
                 pending = list(self.engine.requests)
@@ -610,6 +608,14 @@ class EngineService:
         self.responses.close()  # (the kept responses' and conversations' last writes land before kvd exits)
         if self.request_spans is not None:
             self.request_spans.shutdown()  # the batched spans sent
+
+    def _stalled_at_stop(self) -> bool:
+        """Take the engine's lock for the stop (the caller releases it): False. With the engine
+        stalled, now or while waiting, nothing is taken and kvd ends instead (_exit_stalled): True."""
+        if take_unless_stalled(self.lock, self.engine_loop):
+            return False
+        self._exit_stalled(self.engine_loop.stalled() or "the engine stalled", "asked to stop,")
+        return True
 
     def _cache_outlives_kvd(self) -> bool:
         """Whether a disk or Redis tier keeps the cache through a restart (and so the replies' ids
