@@ -4,6 +4,7 @@ probe restarts it, as systemd's watchdog does (engine_liveness.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -178,9 +179,11 @@ def test_a_scrape_waits_for_a_long_step_only_so_long_and_answers_without_the_eng
         service.shutdown(deadline=2)
 
 
-def test_kvd_exits_once_its_engine_has_been_stalled_past_engine_stall_exit_seconds(tmp_path, caplog):
-    import dataclasses
-
+@contextlib.contextmanager
+def a_stuck_request(tmp_path):
+    """A kvd whose engine stalls on the request sent as this begins (stall_steps); yields
+    (service, exits): the reasons of the stall exits asked of it (on_stall_exit). On the way out
+    the step ends, and kvd stops."""
     from kvctl.daemon.server.app import create_app
 
     from .daemon_fixtures import call, start_service
@@ -189,12 +192,23 @@ def test_kvd_exits_once_its_engine_has_been_stalled_past_engine_stall_exit_secon
     release = stall_steps(service)
     exits = []
     service.on_stall_exit = lambda: exits.append(service.stall_exit)
-    service.config = dataclasses.replace(service.config, engine_stall_exit_seconds=0.0)  # never
     app = create_app(service, service.metrics, front="unix")
     asker = threading.Thread(target=lambda: call(app, "POST", "/v1/completions", json={"prompt": "Hi",
                                                                                       "max_tokens": 2}))
     try:
         asker.start()
+        yield service, exits
+    finally:
+        release.set()
+        asker.join(30)
+        service.shutdown(deadline=2)  # (in-process, nothing ended it: the step ends, and so does the stop)
+
+
+def test_kvd_exits_once_its_engine_has_been_stalled_past_engine_stall_exit_seconds(tmp_path, caplog):
+    import dataclasses
+
+    with a_stuck_request(tmp_path) as (service, exits):
+        service.config = dataclasses.replace(service.config, engine_stall_exit_seconds=0.0)  # never
         deadline = time.monotonic() + 10
         while (service.engine_loop.idle_seconds() or 0) < 1.0 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -217,29 +231,13 @@ def test_kvd_exits_once_its_engine_has_been_stalled_past_engine_stall_exit_secon
         assert {k: record[k] for k in ("actor", "target", "result", "detail")} == {
             "actor": "kvd", "target": "engine", "result": "engine_stalled",
             "detail": {"error": exits[0], "exit_code": 75}}
-    finally:
-        release.set()
-        asker.join(30)
-        service.shutdown(deadline=2)
 
 
 def test_a_stop_asked_of_a_kvd_whose_engine_is_stalled_ends_it_at_once(tmp_path):
     """SIGTERM's stop waits for what runs to finish, under the engine's lock: with the step that
     holds it never ending, the stop hung until a service manager killed kvd. Now kvd ends at once,
     saying why."""
-    from kvctl.daemon.server.app import create_app
-
-    from .daemon_fixtures import call, start_service
-
-    service = start_service(tmp_path)
-    release = stall_steps(service)
-    exits = []
-    service.on_stall_exit = lambda: exits.append(service.stall_exit)
-    app = create_app(service, service.metrics, front="unix")
-    asker = threading.Thread(target=lambda: call(app, "POST", "/v1/completions", json={"prompt": "Hi",
-                                                                                      "max_tokens": 2}))
-    try:
-        asker.start()
+    with a_stuck_request(tmp_path) as (service, exits):
         deadline = time.monotonic() + 10
         while service.engine_loop.stalled() is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -251,10 +249,6 @@ def test_a_stop_asked_of_a_kvd_whose_engine_is_stalled_ends_it_at_once(tmp_path)
         assert len(exits) == 1 and exits[0].startswith("the engine has not come round its loop in")
         [record] = service.store.audit_since(action="exit")
         assert (record["result"], record["detail"]) == ("engine_stalled", {"error": exits[0], "exit_code": 75})
-    finally:
-        release.set()
-        asker.join(30)
-        service.shutdown(deadline=2)  # (in-process, nothing ended it: the step ends, and so does the stop)
 
 
 def test_the_stall_exit_removes_kvds_socket_and_ends_the_process_with_75(tmp_path, monkeypatch):
