@@ -110,7 +110,6 @@ from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
 from . import engine_liveness, pin_ops
 from .cut_connections import CutConnections
-from .engine_liveness import held_for_scrape
 from .gc_pauses import metric_families as gc_metric_families
 from .request_spans import exemplar_of
 from .service import EngineService
@@ -152,13 +151,12 @@ class _EngineCollector:
 
     def collect(self):
         engine, loop = self.service.engine, self.service.engine_loop
-        stalled = loop.stalled() is not None
         if engine is None:
-            yield from self._liveness(stalled)
+            yield from self._liveness(loop.stalled() is not None)
             return
         # the engine's figures, under its lock (held for a step): not had in time, the scrape answers
         # without them and says why (engine_liveness.py), where it failed before
-        with held_for_scrape(self.service.lock, loop) as had:
+        with engine_liveness.held_for_scrape(self.service.lock, loop) as had:
             if had:
                 counts = engine.cache.state_counts()
                 stats = engine.stats
@@ -183,7 +181,7 @@ class _EngineCollector:
         if not had:
             with self._missed_lock:
                 self.missed += 1
-        yield from self._liveness(stalled)
+        yield from self._liveness(loop.stalled() is not None)  # (after the wait: it may have stalled meanwhile)
         if not had:
             return
         blocks = GaugeMetricFamily("kvd_blocks", "KV cache blocks by state and tier", labels=["state", "tier"])

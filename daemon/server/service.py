@@ -461,7 +461,8 @@ class EngineService:
         return held_unless_stalled(self.lock, self.engine_loop)
 
     def _say_engine_loop(self) -> None:
-        """Log once that the engine stopped coming round its loop, and once that it came round again."""
+        """Log once that the engine stopped coming round its loop, and once that it came round again;
+        end kvd once it has been stalled engine_stall_exit_seconds (_exit_if_stalled)."""
         said = self.engine_loop.to_log()
         if said is not None:
             log.log(logging.ERROR if said[0] == "error" else logging.INFO, "%s", said[1])
