@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 
 import httpx
@@ -111,6 +112,27 @@ def holds_engine_lock(service) -> bool:
     its work. The lock is a Condition over an RLock; Python has no public way to ask an RLock for
     its owner, so this is the one place that uses Condition's own check (CPython's `_is_owned`)."""
     return service.lock._is_owned()
+
+
+@contextlib.contextmanager
+def a_long_step(service):
+    """kvd's engine lock held by another thread, as a long step holds it, until the block ends
+    (not a stall: the engine's loop does not count it)."""
+    held, release = threading.Event(), threading.Event()
+
+    def step():
+        with service.lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=step)
+    holder.start()
+    held.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(10)
 
 
 def settled(read, done, timeout: float = 10.0):

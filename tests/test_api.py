@@ -788,6 +788,16 @@ def test_a_reload_refuses_a_config_file_found_empty_and_changes_nothing(tmp_path
                 "write {} there to mean no settings")
             assert (service.config.max_queue, service.config.max_running) == (100, 3)
         assert service.reloads["refused"] == 2 and service.last_reload["result"] == "refused"
+        # a setting a reload cannot take live is a refused reload as well: counted, audited
+        config.write_text("max_queue: 100\nmax_running: 3\npin_room_tokens: 100000\n")  # more than the cache
+        with pytest.raises(ServiceError) as refused:
+            service.reload_from_source("ops")
+        assert (refused.value.status, refused.value.param) == (400, "pin_room_tokens")
+        why = "pin_room_tokens: 100000 is more than the cache holds (64 blocks of 16 tokens: 1024)"
+        assert str(refused.value) == "reload refused, nothing changed: " + why
+        assert service.reloads["refused"] == 3 and service.last_reload["error"] == why
+        newest = service.store.audit_since(0, action="reload")[0]
+        assert (newest["result"], newest["detail"]) == ("refused", {"error": why})
         config.write_text("{}\n")
         result = service.reload_from_source("ops")
         assert result["changed"] == {"max_queue": 256, "max_running": 32}  # the defaults, asked for

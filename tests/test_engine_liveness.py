@@ -142,28 +142,17 @@ def test_a_scrape_waits_for_a_long_step_only_so_long_and_answers_without_the_eng
     from kvctl.daemon.server import engine_liveness
     from kvctl.daemon.server.app import create_app
 
-    from .daemon_fixtures import call, start_service
+    from .daemon_fixtures import a_long_step, call, start_service
 
     service = start_service(tmp_path, metrics_aliases="vllm")
     try:
         app = create_app(service, service.metrics, front="unix")
         assert "vllm:num_requests_running" in samples(call(app, "GET", "/metrics").text)
         monkeypatch.setattr(engine_liveness, "SCRAPE_LOCK_WAIT_S", 1.0)
-        held, release = threading.Event(), threading.Event()
-
-        def long_step():  # holds the engine's lock, as a step does, not long enough to be a stall
-            with service.lock:
-                held.set()
-                release.wait(30)
-
-        holder = threading.Thread(target=long_step)
-        holder.start()
-        held.wait(10)
-        began = time.monotonic()
-        scraped = call(app, "GET", "/metrics")
-        waited = time.monotonic() - began
-        release.set()
-        holder.join(10)
+        with a_long_step(service):  # not long enough to be a stall
+            began = time.monotonic()
+            scraped = call(app, "GET", "/metrics")
+            waited = time.monotonic() - began
         # one wait for the scrape, shared by kvd's collector and the aliases' (each its own: 2 s)
         assert scraped.status_code == 200 and 1.0 <= waited < 1.8
         missed = samples(scraped.text)
@@ -175,6 +164,91 @@ def test_a_scrape_waits_for_a_long_step_only_so_long_and_answers_without_the_eng
         after = samples(call(app, "GET", "/metrics").text)
         assert after["kvd_metrics_engine_figures_missed_total"] == {frozenset(): 1.0}
         assert {"kvd_blocks", "vllm:num_requests_running"} <= set(after)
+    finally:
+        service.shutdown(deadline=2)
+
+
+NOTHING_CHANGED = r"the engine has not come round its loop in \d+ s \(.*\): kvd serves nothing meanwhile; nothing " \
+                  r"was changed: ask again once /healthz says ok"
+QUESTION_WAITS = r"the engine has not come round its loop in \d+ s \(.*\): kvd serves nothing meanwhile; this " \
+                 r"question waits for it: ask again once /healthz says ok"
+NOT_STARTED = r"the engine has not come round its loop in \d+ s \(.*\): kvd serves nothing meanwhile; this " \
+              r"completion was not started: send it again \(to another replica, or here once /healthz says ok\)"
+
+
+def test_completions_and_the_operators_changes_are_refused_while_the_engine_is_stalled_and_nothing_changes(
+        tmp_path, caplog):
+    """A completion sent to a stalled kvd waited until its client gave up (or kvd exited), and an
+    operator's change (pin, unpin, evict, cancel, drain, reload) until kvctl's 120 s timeout,
+    holding an admin slot: each is now refused at once, having changed nothing."""
+    import dataclasses
+
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import call, start_service
+
+    service = start_service(tmp_path)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        pin = call(app, "POST", "/admin/pins", json={"text": "a system prompt that stays " * 4}).json()
+        release = stall_steps(service)
+        service.engine_loop.after = 1.5  # time to hand a completion in before the stall is seen
+        answers = {}
+
+        def ask(name, prompt):
+            answers[name] = call(app, "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 2,
+                                                                       "ignore_eos": True})
+
+        stuck = threading.Thread(target=ask, args=("stuck", "Hi"))
+        stuck.start()
+        deadline = time.monotonic() + 10
+        while not service.engine.requests and time.monotonic() < deadline:  # its step has begun, and holds
+            time.sleep(0.01)
+        handed = threading.Thread(target=ask, args=("handed", "Hello"))
+        handed.start()
+        while service.inbox_size() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert service.engine_loop.stalled() is None and service.inbox_size() == 1  # it waits for the stuck step
+        while service.engine_loop.stalled() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        began = time.monotonic()
+        sent = call(app, "POST", "/v1/completions", json={"prompt": "Hey", "max_tokens": 2})
+        assert sent.status_code == 503 and time.monotonic() - began < 2
+        assert sent.headers["retry-after"] == "5" and sent.json()["error"]["code"] == "engine_stalled"
+        assert re.fullmatch(NOT_STARTED, sent.json()["error"]["message"])
+        with caplog.at_level(logging.INFO, logger="kvd"):
+            service._say_engine_loop()  # (housekeeping's job, every 5 s): what was handed in is refused
+        handed.join(10)
+        assert answers["handed"].status_code == 503 and answers["handed"].json()["error"]["code"] == "engine_stalled"
+        assert service.inbox_size() == 0
+        assert ("1 completions handed in as the engine stalled refused (503 engine_stalled): nothing would start "
+                "them") in caplog.messages
+        service.config_source = lambda: dataclasses.replace(service.config, max_queue=7)
+        changes = [("POST", "/admin/pins", {"text": "another prompt to pin " * 4}),
+                   ("DELETE", f"/admin/pins/{pin['pin_id']}", None), ("POST", "/admin/evict", {"all_unpinned": True}),
+                   ("POST", "/admin/cancel", {"tenant": "default"}), ("POST", "/admin/drain", {"drain": True}),
+                   ("POST", "/admin/reload", None)]
+        questions = [("GET", "/admin/pins", None), ("GET", "/admin/tiers", None),
+                     ("GET", "/admin/events/snapshot", None), ("POST", "/admin/route-facts", {"tokens": [5, 6, 7]}),
+                     ("POST", "/admin/explain", {"tokens": [5, 6, 7]})]
+        for (method, path, body), said in [(c, NOTHING_CHANGED) for c in changes] + [(q, QUESTION_WAITS)
+                                                                                      for q in questions]:
+            began = time.monotonic()
+            refused = call(app, method, path, **({} if body is None else {"json": body}))
+            assert refused.status_code == 503 and time.monotonic() - began < 2, (path, refused.text)
+            assert refused.json()["error"]["code"] == "engine_stalled", path
+            assert re.fullmatch(said, refused.json()["error"]["message"]), (path, refused.json())
+        assert service.reloads["refused"] == 1 and service.store.audit_since(0, action="reload")[0]["result"] == (
+            "refused")
+        release.set()
+        stuck.join(30)
+        # nothing was changed: the stuck request was not cancelled, the pin stands, kvd is not draining
+        assert answers["stuck"].status_code == 200 and answers["stuck"].json()["usage"]["completion_tokens"] == 2
+        assert [p["pin_id"] for p in call(app, "GET", "/admin/pins").json()["pins"]] == [pin["pin_id"]]
+        assert not service.draining and service.config.max_queue == 256
+        assert [a["action"] for a in service.store.audit_since(0) if a["action"] in ("pin", "unpin", "evict",
+                                                                                   "cancel", "drain")] == ["pin"]
+        assert call(app, "POST", "/v1/completions", json={"prompt": "Hey", "max_tokens": 2}).status_code == 200
     finally:
         service.shutdown(deadline=2)
 
@@ -249,6 +323,64 @@ def test_a_stop_asked_of_a_kvd_whose_engine_is_stalled_ends_it_at_once(tmp_path)
         assert len(exits) == 1 and exits[0].startswith("the engine has not come round its loop in")
         [record] = service.store.audit_since(action="exit")
         assert (record["result"], record["detail"]) == ("engine_stalled", {"error": exits[0], "exit_code": 75})
+
+
+def test_a_stop_whose_engine_stalls_while_it_cancels_what_runs_ends_at_once(tmp_path):
+    """Past its deadline a stop cancels what still runs, one request at a time, and a step runs
+    between two: one that stalls there held the next cancel, and the stop, until a service manager
+    killed kvd. Now kvd ends at once there too."""
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import call, start_service
+
+    service = start_service(tmp_path)
+    exits = []
+    service.on_stall_exit = lambda: exits.append(service.stall_exit)
+    engine, real_step, real_cancel = service.engine, service.engine.step, service.engine.cancel
+    real_take = service._stalled_at_stop
+    cancelling, stalling, release = threading.Event(), threading.Event(), threading.Event()
+
+    def step():  # slow enough to run past the stop's deadline; stalls once the stop has cancelled one
+        if engine.requests:
+            if cancelling.is_set():
+                stalling.set()
+                release.wait(30)
+            time.sleep(0.02)
+        return real_step()
+
+    def cancel(request_id):
+        cancelling.set()
+        return real_cancel(request_id)
+
+    def take():  # after the first cancel, the step between two is in (the stop would win the lock first)
+        if cancelling.is_set():
+            stalling.wait(10)
+        return real_take()
+
+    engine.step, engine.cancel, service.engine_loop.after = step, cancel, 0.3
+    service._stalled_at_stop = take
+    app = create_app(service, service.metrics, front="unix")
+    askers = [threading.Thread(target=call, args=(app, "POST", "/v1/completions"),
+                               kwargs={"json": {"prompt": f"Hi {i}", "max_tokens": 200, "ignore_eos": True}})
+               for i in range(2)]
+    try:
+        for asker in askers:
+            asker.start()
+        deadline = time.monotonic() + 10
+        while len(engine.requests) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(engine.requests) == 2
+        stopping = threading.Thread(target=service.shutdown, kwargs={"deadline": 0.2})
+        began = time.monotonic()
+        stopping.start()
+        stopping.join(10)
+        assert not stopping.is_alive() and time.monotonic() - began < 5
+        assert cancelling.is_set() and len(exits) == 1 and exits[0].startswith("the engine has not come round")
+    finally:
+        release.set()
+        for asker in askers:
+            asker.join(30)
+        service.shutdown(deadline=2)
 
 
 def test_the_stall_exit_removes_kvds_socket_and_ends_the_process_with_75(tmp_path, monkeypatch):

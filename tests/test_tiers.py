@@ -4,6 +4,7 @@ transfer, and the operator surface (kvctl tiers, swap, prefixes, evict, metrics)
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -18,7 +19,7 @@ from kvctl.daemon.cache.keys import PrefixHasher  # noqa: E402
 from kvctl.daemon.cache.tiers import build_tiers  # noqa: E402
 from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
 
-from .daemon_fixtures import call, start_service  # noqa: E402
+from .daemon_fixtures import a_long_step, call, start_service  # noqa: E402
 from .tier_engine import GREEDY, TEXT_A, TEXT_B, TEXT_C, demo, engine_with, generate, push_out  # noqa: E402,F401
 from .tier_fixtures import redis_cluster, redis_server  # noqa: E402,F401
 
@@ -1707,6 +1708,27 @@ def test_a_shutdown_saves_every_cached_block_whatever_the_write_rate_says(tmp_pa
     saved = save_on_shutdown(service, deadline=time.monotonic() + 30)
     assert cached > 0 and saved["saved_blocks"] == saved["candidates"] == cached
     assert len(service.tiers.disk.index) == cached
+    service.shutdown(deadline=2)
+
+
+def test_a_shutdowns_save_waits_for_the_engines_lock_until_its_deadline_only(tmp_path, caplog):
+    """A step that holds the engine's lock past the stop's deadline (or never ends) held the save,
+    and the stop, until it ended: the save now gives the device's blocks up at its deadline."""
+    from kvctl.daemon.server.app import create_app
+    from kvctl.daemon.server.tier_ops import save_on_shutdown
+
+    service = start_service(tmp_path, num_blocks=64, disk_cache_bytes="16MiB")
+    app = create_app(service, service.metrics, front="unix")
+    _complete(app, TEXT_A)
+    with a_long_step(service), caplog.at_level(logging.WARNING, logger="kvd"):
+        began = time.monotonic()
+        saved = save_on_shutdown(service, deadline=time.monotonic() + 0.5)
+        took = time.monotonic() - began
+    assert 0.5 <= took < 2 and (saved["saved_blocks"], saved["candidates"]) == (0, 0)
+    assert len(service.tiers.disk.index) == 0
+    assert ("the device's cached blocks are not saved to disk: the engine held its lock past the stop's deadline "
+            "(a step still running)") in caplog.messages
+    service.tiers = None  # (closed by the save, as a stop's own closes them: the stop below saves nothing again)
     service.shutdown(deadline=2)
 
 

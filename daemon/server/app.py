@@ -149,8 +149,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
     async def _service_error(http: Request, exc: ServiceError):
         kind = {503: "service_unavailable", 404: "not_found_error", 409: "conflict_error"}.get(
             exc.status, "invalid_request_error")
-        return JSONResponse(error_body(str(exc), kind, exc.param, None), status_code=exc.status,
-                            headers=echoed_id(http))
+        retry = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else {}
+        return JSONResponse(error_body(str(exc), kind, exc.param, exc.code), status_code=exc.status,
+                            headers={**retry, **echoed_id(http)})
 
     @app.exception_handler(StoreUnavailable)
     async def _store_unavailable(http: Request, exc: StoreUnavailable):  # a rollout, a calibration, a record

@@ -44,7 +44,7 @@ def route_facts(service, token_ids: list[int], tenant: str, adapter: str = "", r
     ranked = by_priority(engine.settings.queue_order)
     place = service.queue_priority(tenant, requested)  # (checked whatever the order: kvd would refuse it)
     priority = place if ranked and token_ids else None
-    with service.lock:
+    with service.engine_lock():
         hits = engine.cache.lookup(keys, len(token_ids)) if token_ids else 0
         limit = engine.cache.cacheable_blocks(len(token_ids))
         queue = engine.queue_figures(hits, priority, tenant if token_ids else None)
@@ -73,7 +73,7 @@ def explain(service, token_ids: list[int], tenant: str, adapter: str = "") -> di
     engine = service.require_ready()
     size = engine.settings.block_size
     keys = chain_keys(engine.namespace(tenant, adapter), token_ids)
-    with service.lock:
+    with service.engine_lock():
         cache = engine.cache
         cacheable = cache.cacheable_blocks(len(token_ids))
         hits = cache.lookup(keys, len(token_ids))
@@ -122,7 +122,7 @@ def _other_tenants_holding(service, engine: Engine, token_ids: list[int], block:
             wanted[other] = (keys + hasher.feed(token_ids[size:(block + 1) * size]) if block else keys)[block]
     if not wanted:
         return []
-    with service.lock:
+    with service.engine_lock():
         return [other for other, key in wanted.items() if engine.cache.pool.block_of(key) is not None]
 
 
@@ -136,7 +136,7 @@ def _other_models_holding(service, engine: Engine, token_ids: list[int], block: 
     names = [name for name in ("", *service.adapters()) if name != adapter]
     end = (block + 1) * engine.settings.block_size
     wanted = {name: chain_keys(engine.namespace(tenant, name), token_ids[:end])[block] for name in names}
-    with service.lock:
+    with service.engine_lock():
         return [name or service.model_name for name, key in wanted.items()
                 if engine.cache.pool.block_of(key) is not None]
 

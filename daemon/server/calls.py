@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 class ServiceError(Exception):
     """An operator request that cannot be done; `status` is the HTTP status to answer with and
-    `param` the request field it names (None: the request as a whole)."""
+    `param` the request field it names (None: the request as a whole); `code` the error's code in
+    the answer (None: none) and `retry_after` its Retry-After in seconds (None: none)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        self.status, self.param = status, param
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
+        self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
         super().__init__(message)
 
 

@@ -24,7 +24,14 @@ once the engine is stalled, and answers without those figures when it is not had
 `kvd_engine_stalled` saying why (the KvdEngineStalled alert), where the scrape failed before and
 only KvdDown fired. The operator's views (`kvctl status`, `requests`, `tenants`, `prefixes`) wait
 for the lock as long as it takes, but no longer once the engine is stalled: then they answer 503
-saying so (`held_unless_stalled`), where they waited out kvctl's 120 s timeout.
+saying so (`held_unless_stalled`), where they waited out kvctl's 120 s timeout. So do the operator's
+changes (pin, unpin, evict, cancel, drain's counts, a reload, a LoRA adapter's load, new weights,
+sleep): refused before they change anything, where each held an admin slot until kvctl gave up.
+
+A completion sent while the engine is stalled is refused at once (503, code engine_stalled, with
+Retry-After: a router sends it to another replica), and one handed in just before the stall is
+refused once the stall is seen (housekeeping looks every 5 s), where each waited until its client
+gave up or kvd exited. What the stalled step runs is left to it: it may yet end.
 """
 
 from __future__ import annotations
@@ -40,6 +47,13 @@ STALLED_AFTER_S = 60.0
 STALLED_EXIT = 75  # as a lost device's (device_loss.DEVICE_LOST_EXIT): EX_TEMPFAIL, started again it may well serve
 SCRAPE_LOCK_WAIT_S = 5.0
 STALL_LOOK_S = 1.0  # a wait for the engine's lock looks this often whether the engine has stalled
+STALLED_RETRY_AFTER_S = 5  # the Retry-After of what is refused for a stall (as a draining kvd's)
+
+# what a refusal for a stall says of what was asked (stalled_refusal)
+ASK_AGAIN = "ask again once /healthz says ok"
+QUESTION_WAITS = "this question waits for it: " + ASK_AGAIN
+NOTHING_CHANGED = "nothing was changed: " + ASK_AGAIN
+NOT_STARTED = "this completion was not started: send it again (to another replica, or here once /healthz says ok)"
 
 
 @dataclass
@@ -111,12 +125,10 @@ def one_scrape():
 
 
 @contextmanager
-def held_for_scrape(lock: threading.Condition, loop: EngineLoop):
-    """Hold the engine's `lock` for a scrape: yields True once had, waiting until the scrape's
-    deadline (one_scrape; outside one, SCRAPE_LOCK_WAIT_S) unless the engine is stalled
-    (take_unless_stalled); False, holding nothing, when it is not had."""
-    deadline = getattr(_scrape, "deadline", None)
-    had = take_unless_stalled(lock, loop, SCRAPE_LOCK_WAIT_S if deadline is None else deadline - time.monotonic())
+def held_for(lock: threading.Condition, loop: EngineLoop, wait: float):
+    """Hold the engine's `lock`: yields True once had, waiting up to `wait` s unless the engine is
+    stalled (take_unless_stalled); False, holding nothing, when it is not had."""
+    had = take_unless_stalled(lock, loop, wait)
     try:
         yield had
     finally:
@@ -124,13 +136,34 @@ def held_for_scrape(lock: threading.Condition, loop: EngineLoop):
             lock.release()
 
 
+def held_for_scrape(lock: threading.Condition, loop: EngineLoop):
+    """Hold the engine's `lock` for a scrape (held_for), waiting until the scrape's deadline
+    (one_scrape; outside one, SCRAPE_LOCK_WAIT_S)."""
+    deadline = getattr(_scrape, "deadline", None)
+    return held_for(lock, loop, SCRAPE_LOCK_WAIT_S if deadline is None else deadline - time.monotonic())
+
+
+def stalled_refusal(why: str, outcome: str = QUESTION_WAITS) -> ServiceError:
+    """The 503 for what is asked of a stalled engine: `why` (EngineLoop.stalled), then what became
+    of the ask (`outcome`: QUESTION_WAITS, NOTHING_CHANGED, NOT_STARTED); code engine_stalled."""
+    return ServiceError(503, f"{why}; {outcome}", code="engine_stalled", retry_after=STALLED_RETRY_AFTER_S)
+
+
+def refuse_if_stalled(loop: EngineLoop, outcome: str = NOTHING_CHANGED) -> None:
+    """stalled_refusal while `loop` is stalled; nothing otherwise. For a change whose first step is
+    not under the engine's lock (a store write), asked before it."""
+    why = loop.stalled()
+    if why is not None:
+        raise stalled_refusal(why, outcome)
+
+
 @contextmanager
-def held_unless_stalled(lock: threading.Condition, loop: EngineLoop):
-    """Hold the engine's `lock` for an operator's question, as `with lock:` does, unless the engine
-    is stalled or stalls meanwhile: then a 503 (ServiceError) saying so, holding nothing."""
+def held_unless_stalled(lock: threading.Condition, loop: EngineLoop, outcome: str = QUESTION_WAITS):
+    """Hold the engine's `lock` for an operator's question or change, as `with lock:` does, unless
+    the engine is stalled or stalls meanwhile: then stalled_refusal (a 503 ending in `outcome`),
+    holding nothing."""
     if not take_unless_stalled(lock, loop):
-        raise ServiceError(503, f"{loop.stalled() or 'the engine stalled'}; this question waits for it: ask again "
-                                "once /healthz says ok")
+        raise stalled_refusal(loop.stalled() or "the engine stalled", outcome)
     try:
         yield
     finally:

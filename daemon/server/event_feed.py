@@ -96,7 +96,7 @@ def snapshot(service) -> dict:
     the digest of the chat template it renders chats with (`GET /admin/tokenizer` serves it)."""
     engine = service.require_ready()
     log = engine.events
-    with service.lock:  # the engine thread changes the device index only under it
+    with service.engine_lock():  # the engine thread changes the device index only under it
         seq = log.seq  # read before the keys: an event that races the copy is in both, harmlessly
         held = {"device": [b.key for b in engine.cache.pool.blocks if b.key is not None]}
     if service.tiers is not None:

@@ -62,7 +62,7 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
     if model_revision:
         revision, other_spaces, records_error = _revision_spaces(service, model_revision)
         served = revision == service.loaded.revision
-    with service.lock:
+    with service.engine_lock(changes=True):
         if model_revision and revision != service.loaded.revision:
             report_blocks, skipped, select = 0, {}, None
             target = f"model_revision={revision[:16]}"
@@ -150,7 +150,7 @@ def adapter_target(service, model: str | None, adapter_id: str | None) -> tuple[
         if not name:
             return "", f"model {service.model_name} (its own blocks, none of its LoRA adapters')"
         return service.adapters()[name].digest, f"LoRA adapter {name}"
-    with service.lock:
+    with service.engine_lock():
         known = {info.adapter_id for info in engine.cache.roots.values() if info.adapter_id}
     served = {a.digest: name for name, a in service.adapters().items()}
     matches = sorted(d for d in known | set(served) if d.startswith(adapter_id))

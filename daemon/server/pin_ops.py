@@ -39,7 +39,7 @@ def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, 
     namespace = engine.namespace(principal.tenant, adapter)
     try:
         keys = engine.cache.keys_to_pin(namespace, token_ids)
-        with service.lock:
+        with service.engine_lock(changes=True):
             result = engine.cache.pin_keys(namespace.tenant, keys, ttl=ttl, owner=principal.actor, note=note,
                                            **pin_origin(namespace))
     except (PinBudgetExceeded, PinLeavesNoRoom) as exc:  # (audited outside the lock: the engine thread takes
@@ -118,7 +118,7 @@ def _pin_keys(service, keys: list[bytes], tenant: str, principal: Principal, ttl
     keys were made (space, adapter_id: Pin)."""
     engine = service.engine
     try:
-        with service.lock:
+        with service.engine_lock(changes=True):
             result = engine.cache.pin_keys(tenant, keys, ttl=ttl, owner=owner, note=note, **origin)
     except (PinBudgetExceeded, PinLeavesNoRoom) as exc:  # (audited outside the lock, as in pin())
         raise _refused(service, exc, principal, tenant, target) from None
@@ -177,7 +177,7 @@ def unpin(service, pin_id: str, principal: Principal, detail: dict | None = None
     """Remove a pin (from the store first); audited with `detail` beside its blocks. The blocks of
     a pin made in a block space no longer served go with it (no request reaches them)."""
     engine = service.require_ready()
-    with service.lock:
+    with service.engine_lock(changes=True):
         try:
             engine.cache.pins.get(pin_id)
         except UnknownPin as exc:
@@ -207,7 +207,7 @@ def list_pins(service, with_keys: bool = False) -> list[dict]:
     can reach it any more, why (`stranded`: stranded_reason)."""
     engine = service.require_ready()
     space, names = _served(service)
-    with service.lock:  # what only the lock makes consistent; the rows and the keys' hex after it
+    with service.engine_lock():  # what only the lock makes consistent; the rows and the keys' hex after it
         now = engine.clock()
         listed = [(p.describe(), engine.cache.lookup(p.keys), p.keys, stranded_reason(p, space, names))
                   for p in engine.cache.pins.all()]
@@ -256,7 +256,7 @@ def room_beside_pins(service) -> dict:
     prompt and max_tokens need more than `room_blocks` (beyond a pinned prefix it starts with) is
     turned away (pinned_out)."""
     engine = service.require_ready()
-    with service.lock:
+    with service.engine_lock():
         pinned, room = engine.cache.room_beside_pins((), reuse=False)
     return {"pinned_blocks": pinned, "num_blocks": engine.settings.num_blocks, "room_blocks": room,
             "block_size": engine.settings.block_size, "pin_room_tokens": engine.cache.pin_room_tokens,

@@ -63,6 +63,19 @@ def reload_from_source(service, actor: str) -> dict:
         return _reload_from_source(service, actor)
 
 
+REFUSED = "reload refused, nothing changed: "
+
+
+def _count_refused(service, actor: str, refused: ServiceError) -> None:
+    """Record a reload that changed nothing: audited, counted (kvd_config_reloads_total) and the
+    last reload's result (kvd_config_last_reload_successful 0), with why (less REFUSED)."""
+    why = str(refused).removeprefix(REFUSED)
+    service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
+                        detail={"error": why})
+    service.reloads["refused"] += 1
+    service.last_reload = {"at": time.time(), "result": "refused", "error": why, "actor": actor}
+
+
 def _reload_from_source(service, actor: str) -> dict:
     if service.config_source is None:
         raise ServiceError(409, "reload: this kvd has no settings source to read again", "config")
@@ -73,13 +86,15 @@ def _reload_from_source(service, actor: str) -> dict:
         tls_files = service.tls.read_again() if service.tls is not None else None  # a rotated certificate or CAs
         adapters = read_adapters(service, new)
     except (ConfigError, TokenFileError, TlsFileError) as exc:
-        service.store.audit(actor=actor, tenant="-", action="reload", target="config", result="refused",
-                            detail={"error": str(exc)})
-        service.reloads["refused"] += 1
-        service.last_reload = {"at": time.time(), "result": "refused", "error": str(exc), "actor": actor}
-        raise ServiceError(400, f"reload refused, nothing changed: {exc}", "config") from None
+        refused = ServiceError(400, REFUSED + str(exc), "config")
+        _count_refused(service, actor, refused)
+        raise refused from None
     failed = service.load_error is not None
-    result = reload_after_failed_load(service, new, actor) if failed else reload(service, new, actor, adapters)
+    try:
+        result = reload_after_failed_load(service, new, actor) if failed else reload(service, new, actor, adapters)
+    except ServiceError as exc:  # a setting it cannot take live, or the engine stalled: nothing changed
+        _count_refused(service, actor, exc)
+        raise
     service.reloads["ok"] += 1
     service.last_reload = {"at": time.time(), "result": "ok", "error": None, "actor": actor}
     if fresh is not None:  # rotated tokens take effect for the next request; counts only, never tokens
@@ -182,7 +197,7 @@ def refuse_store_budgets(service, new: KvdConfig) -> None:
     for name, store in STORE_BUDGETS:
         refusal = getattr(service, store).budget_refusal(getattr(new, name))
         if refusal is not None:
-            raise ServiceError(400, f"reload refused, nothing changed: {refusal}", name)
+            raise ServiceError(400, REFUSED + refusal, name)
 
 
 def resize_stores(service, changed: dict) -> dict:
@@ -213,19 +228,19 @@ def _reload(service, new: KvdConfig, actor: str, adapters: dict | None) -> dict:
         try:
             adapters = read_adapters(service, new)
         except ConfigError as exc:
-            raise ServiceError(400, f"reload refused, nothing changed: {exc}", "lora_modules") from None
+            raise ServiceError(400, REFUSED + str(exc), "lora_modules") from None
     if service.engine is not None:
         try:
             pin_ops.pin_room_of(service.engine, new)
         except ValueError as exc:
-            raise ServiceError(400, f"reload refused, nothing changed: {exc}", "pin_room_tokens") from None
+            raise ServiceError(400, REFUSED + str(exc), "pin_room_tokens") from None
     refuse_store_budgets(service, new)
     changed = {k: getattr(new, k) for k in LIVE_SETTINGS if getattr(new, k) != getattr(service.config, k)}
     reranked: dict[str, int] = {}
     previous = {k: getattr(service.config, k) for k in changed}
     ignored = sorted(k for k, v in new.describe().items()
                      if k not in LIVE_SETTINGS and v != getattr(service.config, k))
-    with service.lock:
+    with service.engine_lock(changes=True):
         engine = service.engine
         if engine is not None:
             engine.settings = replace(engine.settings, max_batch_tokens=new.max_batch_tokens,

@@ -48,7 +48,8 @@ from .admin_slots import WriteSlots
 from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
 from .durations import unix_time
-from .engine_liveness import STALLED_EXIT, EngineLoop, held_unless_stalled, take_unless_stalled
+from .engine_liveness import (NOT_STARTED, NOTHING_CHANGED, QUESTION_WAITS, STALLED_EXIT, EngineLoop,
+                              held_unless_stalled, refuse_if_stalled, stalled_refusal, take_unless_stalled)
 from .engine_profile import EngineProfiler
 from .gc_pauses import GcPauses
 from .gpu_cache_size import gpu_cache_blocks
@@ -99,6 +100,13 @@ class LoopSink:
         """Runs on the loop: one wake-up hands over every (sink, event) of a step."""
         for sink, event in batch:
             sink.queue.put_nowait(event)
+
+
+def _refused(error: Exception) -> Future:
+    """A submission's future that says `error` (refused before it reached the engine thread)."""
+    future: Future = Future()
+    future.set_exception(error)
+    return future
 
 
 @dataclass
@@ -455,17 +463,30 @@ class EngineService:
         self.profiler.turn(device, stopping=True)  # a profile running is written, not lost
         self._refuse_submissions(self._stopped())
 
-    def engine_lock(self):
+    def engine_lock(self, changes: bool = False):
         """`with service.engine_lock():` holds the engine's lock for an operator's view, as `with
-        service.lock:` does, but answers 503 once the engine is stalled (engine_liveness.py)."""
-        return held_unless_stalled(self.lock, self.engine_loop)
+        service.lock:` does, but answers 503 once the engine is stalled (engine_liveness.py).
+        `changes`: for an operator's change, whose refusal says nothing was changed: the first
+        take of one, before it has changed anything (a later one waits: a refusal would tear it)."""
+        return held_unless_stalled(self.lock, self.engine_loop, NOTHING_CHANGED if changes else QUESTION_WAITS)
+
+    def refuse_if_stalled(self) -> None:
+        """A 503 saying nothing was changed while the engine is stalled: asked by a change whose
+        first step is not under the engine's lock (engine_liveness.refuse_if_stalled)."""
+        refuse_if_stalled(self.engine_loop)
 
     def _say_engine_loop(self) -> None:
         """Log once that the engine stopped coming round its loop, and once that it came round again;
-        end kvd once it has been stalled engine_stall_exit_seconds (_exit_if_stalled)."""
+        while it is stalled, refuse what was handed in before it stalled (nothing takes it: 503,
+        engine_stalled); end kvd once it has been stalled engine_stall_exit_seconds (_exit_if_stalled)."""
         said = self.engine_loop.to_log()
         if said is not None:
             log.log(logging.ERROR if said[0] == "error" else logging.INFO, "%s", said[1])
+        why = self.engine_loop.stalled()
+        refused = self._refuse_submissions(stalled_refusal(why, NOT_STARTED)) if why is not None else 0
+        if refused:
+            log.warning("%d completions handed in as the engine stalled refused (503 engine_stalled): nothing "
+                        "would start them", refused)
         self._exit_if_stalled()
 
     def _exit_if_stalled(self) -> None:
@@ -580,8 +601,13 @@ class EngineService:
                 pending = list(self.engine.requests)
             finally:
                 self.lock.release()
-            for request_id in pending:
-                self.cancel(request_id)
+            for request_id in pending:  # (a step runs between two: it may stall)
+                if self._stalled_at_stop():
+                    return
+                try:
+                    self.cancel(request_id)  # (the lock is re-entrant)
+                finally:
+                    self.lock.release()
         self._stop.set()
         if self.device_lost:  # (after a restart, `kvctl audit --action exit` says why it came)
             self.store.audit(actor="kvd", tenant="-", action="exit", target="device", result="device_lost",
@@ -723,6 +749,9 @@ class EngineService:
         hashed them already). `adapter`: the LoRA adapter that computes them, by its name ("": the
         base model)."""
         engine = self.require_awake()
+        stalled = self.engine_loop.stalled()
+        if stalled is not None:  # nothing would take it from the inbox (a router sends it to another replica)
+            return _refused(stalled_refusal(stalled, NOT_STARTED))
         try:  # in this thread, before hashing: a bad or oversized prompt never reaches the engine thread
             if adapter:
                 engine.adapter(adapter)
@@ -737,9 +766,7 @@ class EngineService:
             grammars = None if starts is None else [starts[p * params.n:(p + 1) * params.n] or None
                                                     for p in range(len(prompts))]
         except RequestError as exc:
-            refused: Future = Future()
-            refused.set_exception(exc)
-            return refused
+            return _refused(exc)
         if hashed is None or len(hashed) != len(prompts):
             hashed = self.hash_prompts(prompts, principal.tenant, adapter)
         submission = _Submission(prompts, params, principal, sink, hashed, Future(), priority, grammars, adapter)
@@ -806,15 +833,18 @@ class EngineService:
             else:
                 future.set_result(outcome)
 
-    def _refuse_submissions(self, error: Exception) -> None:
-        """Fail whatever is still in the inbox (the engine thread has stopped)."""
+    def _refuse_submissions(self, error: Exception) -> int:
+        """Fail whatever is still in the inbox (the engine thread has stopped, or is stalled): how
+        many submissions were still waiting for an answer."""
+        refused = 0
         while True:
             try:
                 submission = self._inbox.popleft()
             except IndexError:
-                return
+                return refused
             if submission.future.set_running_or_notify_cancel():
                 submission.future.set_exception(error)
+                refused += 1
 
     def hash_prompts(self, prompts: list[list[int]], tenant: str, adapter: str = "",
                      params: SamplingParams | None = None) -> list[tuple | None]:
@@ -943,10 +973,11 @@ class EngineService:
     def drain(self, on: bool, principal: Principal) -> dict:
         """Take no new completion (`on`), letting what runs and waits finish, or take them again.
         Every router in front of this daemon sees it (route-facts says so, /readyz is 503), so a
-        restart behind two routers loses no request. Pins and operator calls go on."""
+        restart behind two routers loses no request. Pins and operator calls go on. Refused (503)
+        while the engine is stalled: /readyz says so already, and its counts wait for it."""
         engine = self.require_ready()
-        was, self.draining = self.draining, on
-        with self.lock:
+        with self.engine_lock(changes=True):
+            was, self.draining = self.draining, on
             queue = engine.queue_figures()
         self.store.audit(actor=principal.actor, tenant=principal.tenant, action="drain" if on else "resume",
                          target="completions", result="ok", detail={"was_draining": was})

@@ -140,6 +140,7 @@ def wake(service, principal: Principal, tags: list[str] | None = None) -> dict:
     taken again and the pinned prefixes come back from the lower tiers."""
     wanted = checked_tags(tags)
     service.require_ready()
+    service.refuse_if_stalled()  # (asleep, the engine steps nothing: it stalls in a step that began before)
     with service.sleep_lock:
         state = service.asleep
         if state is None:  # awake already (vLLM: a no-op)
@@ -187,7 +188,7 @@ def _wait_until_idle(service, engine, deadline: float) -> None:
     """Until no request is in the engine or handed to it; a 409 saying how many run and wait when
     the deadline comes first."""
     while True:
-        with service.lock:
+        with service.engine_lock(changes=True):  # (sleep undoes its start: nothing else was changed)
             live = sum(1 for r in engine.requests.values() if not r.finished)
             if not live and not service.inbox_size() and not engine.has_work():
                 return

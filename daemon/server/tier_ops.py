@@ -17,6 +17,7 @@ from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
 from .byte_sizes import format_bytes
 from .calls import ServiceError
+from .engine_liveness import held_for
 from .evict_ops import EVICT_WRITE_WAIT_S
 from .prefix_ops import prefix_tree, resolve_prefix
 from .tier_verify import DEFAULT_RATE, DiskVerification
@@ -50,7 +51,7 @@ def attach(service, engine) -> None:
 def report(service) -> dict:
     engine = service.require_ready()
     tiers = service.tiers
-    with service.lock:
+    with service.engine_lock():
         counts = engine.cache.state_counts()
         stats = engine.stats
         device = {"capacity_bytes": engine.cache.num_blocks * engine.cache.block_bytes,
@@ -302,10 +303,15 @@ def save_on_shutdown(service, deadline: float) -> dict:
     tiers, engine = service.tiers, service.engine
     if tiers is None or tiers.disk is None or engine is None:
         return {"saved_blocks": 0}
-    with service.lock:
-        hits = {root: info.hits for root, info in engine.cache.roots.items()}
-        keep = sorted((b for b in engine.cache.pool.blocks if b.key is not None and b.key not in tiers.disk.index),
-                      key=lambda b: (-hits.get(b.root, 0), b.depth))
+    keep = []
+    with _held_until(service, deadline) as had:
+        if had:
+            hits = {root: info.hits for root, info in engine.cache.roots.items()}
+            keep = sorted((b for b in engine.cache.pool.blocks if b.key is not None and b.key not in tiers.disk.index),
+                          key=lambda b: (-hits.get(b.root, 0), b.depth))
+    if not had:
+        log.warning("the device's cached blocks are not saved to disk: the engine held its lock past the stop's "
+                    "deadline (%s)", service.engine_loop.stalled() or "a step still running")
     if service.device_lost:  # its blocks cannot be read (device_loss.py): the host tier's still can
         log.warning("the device's %d cached blocks are not saved to disk: the device is lost", len(keep))
         keep = []
@@ -314,8 +320,10 @@ def save_on_shutdown(service, deadline: float) -> dict:
         if time.monotonic() >= deadline:
             break
         group = keep[start:start + 64]
-        with service.lock:
-            layers = tiers.gather([b.block_id for b in group])
+        with _held_until(service, deadline) as had:
+            layers = tiers.gather([b.block_id for b in group]) if had else None
+        if layers is None:  # (the engine stalled, or a step ran past the deadline)
+            break
         saved += tiers.copy_to("disk", [BlockMeta.of(b) for b in group], layers, src="device")
     host_saved, host_keep = _save_host(tiers, {b.key for b in keep}, deadline)
     tiers.close(timeout=max(0.0, deadline - time.monotonic()))
@@ -323,6 +331,12 @@ def save_on_shutdown(service, deadline: float) -> dict:
              saved, len(keep), host_saved, host_keep)
     return {"saved_blocks": saved, "candidates": len(keep), "host_saved_blocks": host_saved,
             "host_candidates": host_keep}
+
+
+def _held_until(service, deadline: float):
+    """The engine's lock for a stop's save, waited for until `deadline` (time.monotonic()) at
+    most, and not once the engine is stalled: a stop ends by its deadline (engine_liveness.held_for)."""
+    return held_for(service.lock, service.engine_loop, deadline - time.monotonic())
 
 
 def _save_host(tiers, written: set[bytes], deadline: float) -> tuple[int, int]:
