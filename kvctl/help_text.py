@@ -23,8 +23,10 @@ def reflow(doc: str) -> str:
 
 
 def reflow_help(app) -> None:
-    """Reflow the docstring of every command of a Typer app and of its groups, in place."""
-    for info in app.registered_commands:
+    """Reflow the docstring of every command of a Typer app and of its groups (a group's own, its
+    callback's, too: `kvctl tiers --help`), in place."""
+    callback = app.registered_callback
+    for info in [*app.registered_commands, *([callback] if callback is not None else [])]:
         if info.callback is not None and info.callback.__doc__:
             info.callback.__doc__ = reflow(info.callback.__doc__)
     for group in app.registered_groups:

@@ -37,6 +37,7 @@ def profile(ctx: typer.Context,
     directory (profiles/, the newest 10 kept); open it in https://ui.perfetto.dev. Each step shows
     as kvd.step, whose own time is the engine's Python around its ops. A profile slows the steps
     it records, and its trace grows with them: record seconds and hundreds of steps, not hours.
+
     Example: kvctl profile --seconds 30 --steps 500
     """
     if ctx.invoked_subcommand is not None:

@@ -25,11 +25,11 @@ responses_app = typer.Typer(no_args_is_help=False)
 @responses_app.callback(invoke_without_command=True)
 def responses(ctx: typer.Context, watch: bool = typer.Option(False, "--watch", help="Refresh every second."),
               as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """The responses kvd keeps (for previous_response_id), by tenant: how many, their bytes, the
-    oldest's and newest's age, and those running in the background; and the conversations kvd
-    keeps (/v1/conversations), how many and their bytes.
+    """The responses and conversations kvd keeps, by tenant: how many, their bytes, their ages.
 
-    Never their text. `kvctl responses purge` removes a tenant's, or those older than a span.
+    The responses kept for previous_response_id: how many, their bytes, the oldest's and newest's
+    age, and those running in the background; and the conversations kept (/v1/conversations), how
+    many and their bytes. Never their text. `kvctl responses purge` removes a tenant's, or those older than a span.
     At kvd router, each replica's under its name.
 
     Example: kvctl responses

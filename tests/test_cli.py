@@ -405,10 +405,13 @@ def test_version(capsys):
     assert status == 0 and out.strip() == "kvctl 0.1.0"
 
 
-def _commands(group, prefix=()):
+def _commands(group, prefix=(), groups=False):
+    """(path, command) for each command under `group`; `groups`: each group too (`kvctl tiers`)."""
     for name, command in group.commands.items():
         if hasattr(command, "commands"):
-            yield from _commands(command, prefix + (name,))
+            if groups:
+                yield prefix + (name,), command
+            yield from _commands(command, prefix + (name,), groups)
         else:
             yield prefix + (name,), command
 
@@ -441,8 +444,10 @@ def test_help_paragraphs_wrap_to_the_terminal_and_examples_stay_as_written():
     assert reflow(doc) == ("First line.\n\nA paragraph written across two lines.\n\n"
                            "Indented rows stay:\n  a  1\n  b  2\n\nExample: kvctl x --y")
     root = typer.main.get_command(app)
-    for path, command in _commands(root):  # every paragraph of every command is one line, wrapped by rich
-        for paragraph in command.help.split("\n\n"):
+    shown = list(_commands(root, groups=True))
+    assert {("tiers",), ("responses",), ("profile",)} <= {path for path, _ in shown}  # groups with a help of their own
+    for path, command in shown:  # every paragraph of every command and group is one line, wrapped by rich
+        for paragraph in (command.help or "").split("\n\n"):
             lines = paragraph.splitlines()
             assert len(lines) == 1 or any(line.startswith((" ", "\t")) for line in lines), (path, paragraph)
 
