@@ -1251,11 +1251,20 @@ def test_a_drained_kvd_takes_no_new_completion_says_so_everywhere_and_resumes(da
 
     from kvctl.status_view import render_status
 
+    from .promql_eval import samples
+
     service, unix, tcp = daemon
+
+    def refused_for_draining() -> float:  # kvd_requests_refused_total{reason="draining"}
+        return samples(call(unix, "GET", "/metrics").text)["kvd_requests_refused_total"][frozenset({
+            ("reason", "draining")})]
+
+    counted = refused_for_draining()
     drained = call(unix, "POST", "/admin/drain", json={})
     assert drained.status_code == 200 and drained.json() == {"draining": True, "running": 0, "waiting": 0}
     try:
         refused = complete(unix, prompt="Are you taking requests?")
+        assert refused_for_draining() == counted + 1
         assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
         assert refused.json()["error"] == {"message": "kvd is draining: it takes no new completion until `kvctl "
                                                       "resume`", "type": "service_unavailable", "param": None,

@@ -223,6 +223,10 @@ def test_completions_and_the_operators_changes_are_refused_while_the_engine_is_s
         assert service.inbox_size() == 0
         assert ("1 completions handed in as the engine stalled refused (503 engine_stalled): nothing would start "
                 "them") in caplog.messages
+        scraped = samples(call(app, "GET", "/metrics").text)  # (the one sent, the one handed in)
+        assert scraped["kvd_requests_refused_total"] == {frozenset({("reason", "engine_stalled")}): 2.0,
+                                                         frozenset({("reason", "draining")}): 0.0,
+                                                         frozenset({("reason", "asleep")}): 0.0}
         service.config_source = lambda: dataclasses.replace(service.config, max_queue=7)
         changes = [("POST", "/admin/pins", {"text": "another prompt to pin " * 4}),
                    ("DELETE", f"/admin/pins/{pin['pin_id']}", None), ("POST", "/admin/evict", {"all_unpinned": True}),

@@ -170,6 +170,7 @@ def test_asleep_the_cache_memory_is_given_back_and_waking_restores_what_was_cach
         assert status["asleep"]["released"] == ["kv_cache"] and status["evictions"]["sleep"] == 6
         metrics = call(unix, "GET", "/metrics").text
         assert "kvd_sleep_level 1.0" in metrics and 'kvd_evicted_blocks_total{reason="sleep"} 6.0' in metrics
+        assert 'kvd_requests_refused_total{reason="asleep"} 2.0' in metrics  # the completion and the chat
         removed = call(unix, "GET", "/admin/events?kind=removed&tier=device").json()["events"]
         assert sum(len(e["keys"]) for e in removed if e["reason"] == "sleep") == 6
         # a pin made asleep stands, unwarmed; a swap to the device is refused

@@ -325,10 +325,12 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
         """The engine, once it takes completions for `model` (None: whichever is served)."""
         engine = service.require_ready()
         if service.draining:  # before it is started: a router passes it to another replica
+            service.count_refused("draining")
             raise ApiError(503, "kvd is draining: it takes no new completion until `kvctl resume`",
                            type_="service_unavailable", code="draining", headers={"Retry-After": "5"})
         asleep = service.asleep
         if asleep is not None:  # (sleep_ops.py) a router passes it to another replica too
+            service.count_refused("asleep")
             raise ApiError(503, asleep.refusal(), type_="service_unavailable", code="asleep",
                            headers={"Retry-After": "5"})
         return served(model, engine)

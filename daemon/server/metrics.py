@@ -38,6 +38,8 @@
                                               says 503 engine_stalled (engine_liveness.py)
     kvd_metrics_engine_figures_missed_total   scrapes answered without the engine's figures, its lock (held for
                                               a step) not had in 5 s, or at once while the engine is stalled
+    kvd_requests_refused_total{reason}        completions refused (503) before the engine took them in: draining,
+                                              asleep, engine_stalled (a router sends each to another replica)
     kvd_finished_blocks_total                 blocks requests held at their finish (not cancelled), reserved
                                               ones included; kvd_reserved_unused_blocks_total, those reserved
                                               for output they never wrote: their ratio is the reservation's waste
@@ -420,6 +422,12 @@ class _EngineCollector:
                                   "figures: its lock, which a step holds, was not had in "
                                   f"{engine_liveness.SCRAPE_LOCK_WAIT_S:g} s (a step that long, or a stalled "
                                   "engine)", value=missed)
+        refused = CounterMetricFamily("kvd_requests_refused", "Completions refused (503) before the engine took them "
+                                      "in: draining (kvctl drain), asleep (kvctl sleep), engine_stalled",
+                                      labels=["reason"])
+        for reason, count in self.service.refused_counts().items():
+            refused.add_metric([reason], count)
+        yield refused
 
 
 def _event_metrics(log):

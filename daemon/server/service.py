@@ -78,6 +78,9 @@ log = logging.getLogger("kvd")
 
 STORE_CHECK_SECONDS = 2.0  # how often housekeeping makes sure the store's file is still there
 RESPONSES_AGE_CHECK_SECONDS = 60.0  # how often housekeeping lets go of responses past responses_max_age
+# why a completion is refused before the engine takes it in (kvd_requests_refused_total): an
+# operator's drain, kvd asleep, its engine stalled (engine_liveness.py)
+REFUSAL_REASONS = ("draining", "asleep", "engine_stalled")
 ENGINE_LOOP_CHECK_SECONDS = 5.0  # how often housekeeping looks whether the engine stalled, to log it (once)
 PIN_EXPIRY_SECONDS = 1.0  # how often housekeeping ends the pins whose TTL is over
 
@@ -148,6 +151,9 @@ class EngineService:
         self.ready = threading.Event()
         self.accepting = True
         self.draining = False  # an operator's drain: no new completion; what runs finishes (kvctl drain)
+        # completions refused before the engine took them in, by why (REFUSAL_REASONS; count_refused)
+        self.refused = dict.fromkeys(REFUSAL_REASONS, 0)
+        self._refused_lock = threading.Lock()
         self.asleep = None  # sleep_ops.Sleep while the cache's memory (or the weights') is given back
         self.sleep_lock = threading.Lock()  # one sleep or wake at a time
         self.started_at = time.time()
@@ -470,6 +476,16 @@ class EngineService:
         take of one, before it has changed anything (a later one waits: a refusal would tear it)."""
         return held_unless_stalled(self.lock, self.engine_loop, NOTHING_CHANGED if changes else QUESTION_WAITS)
 
+    def count_refused(self, reason: str, count: int = 1) -> None:
+        """Count completions refused before the engine took them in, for `reason` (REFUSAL_REASONS)."""
+        with self._refused_lock:
+            self.refused[reason] += count
+
+    def refused_counts(self) -> dict[str, int]:
+        """Completions refused before the engine took them in, by reason (count_refused)."""
+        with self._refused_lock:
+            return dict(self.refused)
+
     def refuse_if_stalled(self) -> None:
         """A 503 saying nothing was changed while the engine is stalled: asked by a change whose
         first step is not under the engine's lock (engine_liveness.refuse_if_stalled)."""
@@ -485,6 +501,7 @@ class EngineService:
         why = self.engine_loop.stalled()
         refused = self._refuse_submissions(stalled_refusal(why, NOT_STARTED)) if why is not None else 0
         if refused:
+            self.count_refused("engine_stalled", refused)
             log.warning("%d completions handed in as the engine stalled refused (503 engine_stalled): nothing "
                         "would start them", refused)
         self._exit_if_stalled()
@@ -751,6 +768,7 @@ class EngineService:
         engine = self.require_awake()
         stalled = self.engine_loop.stalled()
         if stalled is not None:  # nothing would take it from the inbox (a router sends it to another replica)
+            self.count_refused("engine_stalled")
             return _refused(stalled_refusal(stalled, NOT_STARTED))
         try:  # in this thread, before hashing: a bad or oversized prompt never reaches the engine thread
             if adapter:
