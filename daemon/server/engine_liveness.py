@@ -25,7 +25,7 @@ once the engine is stalled, and answers without those figures when it is not had
 only KvdDown fired. The operator's views (`kvctl status`, `requests`, `tenants`, `prefixes`) wait
 for the lock as long as it takes, but no longer once the engine is stalled: then they answer 503
 saying so (`held_unless_stalled`), where they waited out kvctl's 120 s timeout. So do the operator's
-changes (pin, unpin, evict, cancel, drain's counts, a reload, a LoRA adapter's load, new weights,
+changes (pin, unpin, evict, cancel, a drain, a reload, a LoRA adapter's load, new weights,
 sleep): refused before they change anything, where each held an admin slot until kvctl gave up.
 
 A completion sent while the engine is stalled is refused at once (503, code engine_stalled, with
