@@ -137,6 +137,63 @@ def test_healthz_and_readyz_say_503_while_a_step_does_not_end_and_ok_once_it_doe
         service.shutdown(deadline=2)
 
 
+def test_once_the_stall_is_seen_the_log_says_what_the_step_computes_and_where_the_engine_thread_stands(
+        tmp_path, caplog):
+    """Where a step is stuck is the first thing an operator (or a bug report) needs: the log names
+    the step's requests and the engine thread's stack, never a prompt's text or ids."""
+    import dataclasses
+
+    from kvctl.daemon.server.app import create_app
+
+    from .daemon_fixtures import call, start_service
+
+    service = start_service(tmp_path)
+    model, release = service.engine.model, threading.Event()
+    real_forward = model.forward
+
+    def kernel_that_never_returns(*args, **kwargs):
+        release.wait(30)
+        return real_forward(*args, **kwargs)
+
+    exits = []
+    service.on_stall_exit = lambda: exits.append(service.stall_exit)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        model.forward, service.engine_loop.after = kernel_that_never_returns, 0.3
+        answers = []
+        asker = threading.Thread(target=lambda: answers.append(call(app, "POST", "/v1/completions", json={
+            "prompt": "the secret plan", "max_tokens": 2, "ignore_eos": True})))
+        asker.start()
+        deadline = time.monotonic() + 10
+        while service.engine_loop.stalled() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [request_id] = list(service.engine.requests)
+        prompt_tokens = len(service.engine.requests[request_id].prompt_ids)
+        with caplog.at_level(logging.INFO, logger="kvd"):
+            service._say_engine_loop()
+            service._say_engine_loop()  # (said once)
+        [stuck] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the engine thread is stuck")]
+        head, *frames = stuck.split("\n  ")
+        assert head == (f"the engine thread is stuck in a step of 1 sequence: {request_id} (tenant default, "
+                        f"{prompt_tokens} tokens of prefill); where it stands (innermost last):")
+        at = next(i for i, f in enumerate(frames) if f.endswith(" in kernel_that_never_returns"))
+        assert "tests/test_engine_liveness.py:" in frames[at]
+        assert frames[at + 1:] and all(re.search(r"threading\.py:\d+ in wait$", f) for f in frames[at + 1:])
+        assert any(f.startswith("daemon/engine/engine.py:") and f.endswith(" in step") for f in frames[:at])
+        assert "secret" not in stuck and str(service.loaded.tokenizer.encode("the secret plan")[0]) not in head
+        service.config = dataclasses.replace(service.config, engine_stall_exit_seconds=0.3)  # (>= 60 in a config)
+        service._say_engine_loop()
+        [record] = service.store.audit_since(action="exit")
+        assert record["detail"]["step"] == head.removeprefix("the engine thread is stuck ").removesuffix(
+            "; where it stands (innermost last):")
+        assert record["detail"]["stuck_at"] == frames[-4:]
+    finally:
+        release.set()
+        asker.join(30)
+        service.shutdown(deadline=2)
+    assert len(exits) == 1 and answers[0].status_code == 200  # (in-process: the step ended, and kvd stopped)
+
+
 def test_a_scrape_waits_for_a_long_step_only_so_long_and_answers_without_the_engines_figures(tmp_path,
                                                                                              monkeypatch):
     from kvctl.daemon.server import engine_liveness
@@ -306,9 +363,11 @@ def test_kvd_exits_once_its_engine_has_been_stalled_past_engine_stall_exit_secon
         assert said.getMessage() == (exits[0] + "; after engine_stall_exit_seconds (1.5 s) kvd exits (code 75) for "
                                      "its service manager to start it again: its requests in flight are lost")
         [record] = service.store.audit_since(action="exit")
-        assert {k: record[k] for k in ("actor", "target", "result", "detail")} == {
-            "actor": "kvd", "target": "engine", "result": "engine_stalled",
-            "detail": {"error": exits[0], "exit_code": 75}}
+        assert {k: record[k] for k in ("actor", "target", "result")} == {
+            "actor": "kvd", "target": "engine", "result": "engine_stalled"}
+        assert {k: record["detail"][k] for k in ("error", "exit_code", "step")} == {
+            "error": exits[0], "exit_code": 75,  # (the stuck step here waits before Engine.step plans)
+            "step": "before its step planned any sequence (admitting requests, restoring a prefix from a tier)"}
 
 
 def test_a_stop_asked_of_a_kvd_whose_engine_is_stalled_ends_it_at_once(tmp_path):
@@ -326,7 +385,8 @@ def test_a_stop_asked_of_a_kvd_whose_engine_is_stalled_ends_it_at_once(tmp_path)
         assert not stopping.is_alive() and time.monotonic() - began < 5  # not the 30 s it gives requests to finish
         assert len(exits) == 1 and exits[0].startswith("the engine has not come round its loop in")
         [record] = service.store.audit_since(action="exit")
-        assert (record["result"], record["detail"]) == ("engine_stalled", {"error": exits[0], "exit_code": 75})
+        assert (record["result"], record["detail"]["error"], record["detail"]["exit_code"]) == (
+            "engine_stalled", exits[0], 75)
 
 
 def test_a_stop_whose_engine_stalls_while_it_cancels_what_runs_ends_at_once(tmp_path):

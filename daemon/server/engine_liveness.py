@@ -18,6 +18,11 @@ the lock the stalled step holds), for its service manager or restart policy to s
 stop asked of it meanwhile (SIGTERM) ends it the same way at once, where it waited for that lock.
 vLLM's engine gives up on a step after VLLM_ENGINE_ITERATION_TIMEOUT_S the same way.
 
+Where it is stuck is the first thing to know of a step that never ends: once the stall is seen, the
+log says what the step computes (its requests, their tenants and tokens: Engine.stepping) and where
+the engine thread stands (its stack: file, line and function; `stack_of`), and the exit's audit
+record keeps both, as vLLM logs the batch of a step that failed.
+
 `/metrics` reads the engine's figures under the engine's lock, which a step holds: a scrape waits
 for it up to SCRAPE_LOCK_WAIT_S (within Prometheus' default scrape_timeout of 10 s), not at all
 once the engine is stalled, and answers without those figures when it is not had, with
@@ -36,9 +41,11 @@ gave up or kvd exited. What the stalled step runs is left to it: it may yet end.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from dataclasses import dataclass
 
 from .calls import ServiceError
@@ -93,6 +100,19 @@ class EngineLoop:
             self.said = False
             return "info", "the engine comes round its loop again"
         return None
+
+
+def stack_of(thread: threading.Thread | None) -> list[str]:
+    """Where `thread` stands now, outermost frame first, a frame a line ("engine/engine.py:822 in
+    step"): file, line and function only, nothing of a frame's values (no prompt reaches the log).
+    [] for a thread not running."""
+    frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident is not None else None
+    frames = []
+    while frame is not None:
+        code = frame.f_code
+        frames.append(f"{'/'.join(Path(code.co_filename).parts[-3:])}:{frame.f_lineno} in {code.co_name}")
+        frame = frame.f_back
+    return frames[::-1]
 
 
 def take_unless_stalled(lock: threading.Condition, loop: EngineLoop, wait: float | None = None,

@@ -49,7 +49,7 @@ from .calls import Principal, ServiceError
 from .chat_messages import MessagesError
 from .durations import unix_time
 from .engine_liveness import (NOT_STARTED, NOTHING_CHANGED, QUESTION_WAITS, STALLED_EXIT, EngineLoop,
-                              held_unless_stalled, refuse_if_stalled, stalled_refusal, take_unless_stalled)
+                              held_unless_stalled, refuse_if_stalled, stack_of, stalled_refusal, take_unless_stalled)
 from .engine_profile import EngineProfiler
 from .gc_pauses import GcPauses
 from .gpu_cache_size import gpu_cache_blocks
@@ -81,6 +81,8 @@ RESPONSES_AGE_CHECK_SECONDS = 60.0  # how often housekeeping lets go of response
 # why a completion is refused before the engine takes it in (kvd_requests_refused_total): an
 # operator's drain, kvd asleep, its engine stalled (engine_liveness.py)
 REFUSAL_REASONS = ("draining", "asleep", "engine_stalled")
+STACK_FRAMES_LOGGED, STACK_FRAMES_KEPT = 16, 4  # a stuck engine thread's innermost frames: logged, audited
+STEP_SEQUENCES_SHOWN = 8  # of a stuck step's sequences, those named
 ENGINE_LOOP_CHECK_SECONDS = 5.0  # how often housekeeping looks whether the engine stalled, to log it (once)
 PIN_EXPIRY_SECONDS = 1.0  # how often housekeeping ends the pins whose TTL is over
 
@@ -498,6 +500,9 @@ class EngineService:
         said = self.engine_loop.to_log()
         if said is not None:
             log.log(logging.ERROR if said[0] == "error" else logging.INFO, "%s", said[1])
+        if said is not None and said[0] == "error":  # where it is stuck, once
+            log.error("the engine thread is stuck %s; where it stands (innermost last):\n  %s", self._stuck_step(),
+                      "\n  ".join(stack_of(self._thread)[-STACK_FRAMES_LOGGED:]))
         why = self.engine_loop.stalled()
         refused = self._refuse_submissions(stalled_refusal(why, NOT_STARTED)) if why is not None else 0
         if refused:
@@ -505,6 +510,17 @@ class EngineService:
             log.warning("%d completions handed in as the engine stalled refused (503 engine_stalled): nothing "
                         "would start them", refused)
         self._exit_if_stalled()
+
+    def _stuck_step(self) -> str:
+        """What the engine's step in progress computes (Engine.stepping): its sequences' requests,
+        tenants and tokens; never their text or token ids."""
+        plan = self.engine.stepping if self.engine is not None else None
+        if not plan:
+            return "before its step planned any sequence (admitting requests, restoring a prefix from a tier)"
+        shown = ", ".join(f"{seq.request.request_id} (tenant {seq.request.tenant}, {n} tokens of "
+                          f"{seq.status.value})" for seq, n in plan[:STEP_SEQUENCES_SHOWN])
+        more = f" and {len(plan) - STEP_SEQUENCES_SHOWN} more" if len(plan) > STEP_SEQUENCES_SHOWN else ""
+        return f"in a step of {len(plan)} sequence{'' if len(plan) == 1 else 's'}: {shown}{more}"
 
     def _exit_if_stalled(self) -> None:
         """Once the engine has been stalled engine_stall_exit_seconds (0: never), record why and
@@ -523,7 +539,8 @@ class EngineService:
                      "are lost", why, when, STALLED_EXIT)
         self.notifier.send("STATUS=engine stalled: exiting", timeout=0)
         self.store.audit(actor="kvd", tenant="-", action="exit", target="engine", result="engine_stalled",
-                         detail={"error": why, "exit_code": STALLED_EXIT})
+                         detail={"error": why, "exit_code": STALLED_EXIT, "step": self._stuck_step(),
+                                 "stuck_at": stack_of(self._thread)[-STACK_FRAMES_KEPT:]})
         if self.on_stall_exit is not None:
             self.on_stall_exit()
 
