@@ -192,6 +192,7 @@ def test_once_the_stall_is_seen_the_log_says_what_the_step_computes_and_where_th
         asker.join(30)
         service.shutdown(deadline=2)
     assert len(exits) == 1 and answers[0].status_code == 200  # (in-process: the step ended, and kvd stopped)
+    assert service.engine.stepping is None  # a step that ended computes nothing: a later stall names no stale one
 
 
 def test_a_scrape_waits_for_a_long_step_only_so_long_and_answers_without_the_engines_figures(tmp_path,
@@ -366,8 +367,9 @@ def test_kvd_exits_once_its_engine_has_been_stalled_past_engine_stall_exit_secon
         assert {k: record[k] for k in ("actor", "target", "result")} == {
             "actor": "kvd", "target": "engine", "result": "engine_stalled"}
         assert {k: record["detail"][k] for k in ("error", "exit_code", "step")} == {
-            "error": exits[0], "exit_code": 75,  # (the stuck step here waits before Engine.step plans)
-            "step": "before its step planned any sequence (admitting requests, restoring a prefix from a tier)"}
+            "error": exits[0], "exit_code": 75,  # (the stuck step here waits before Engine.step)
+            "step": "with no step's sequences planned (admitting requests, restoring a prefix from a tier, or "
+                    "outside a step: its stack says where)"}
 
 
 def test_a_stop_asked_of_a_kvd_whose_engine_is_stalled_ends_it_at_once(tmp_path):

@@ -209,8 +209,8 @@ class Engine:
         self._running: dict[str, Sequence] = {}
         self._order = itertools.count()
         self._quick_step_last = False  # the last step was a quick prefill step (see _plan)
-        # the sequences the step in progress computes, with their tokens (None before it has planned
-        # them): what a step that never ends was doing (engine_liveness.py)
+        # the sequences the step in progress computes, with their tokens (None outside a step, and in
+        # one before it has planned them): what a step that never ends was doing (engine_liveness.py)
         self.stepping: list[tuple[Sequence, int]] | None = None
         self.stats = EngineStats(tenants=TenantBook(settings.max_tracked_tenants))
         self.cache.pool.on_tenant_evictions = self._count_evictions
@@ -808,8 +808,13 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        try:
+            return self._step()
+        finally:
+            self.stepping = None  # (a step that ended, or raised, computes nothing now)
+
+    def _step(self) -> list[TokenEvent]:
         step_started = time.perf_counter()
-        self.stepping = None
         if self.cache_released:  # the service refuses work while asleep: never here
             raise RuntimeError("the KV cache is released (kvd is asleep): no step runs until it is taken again")
         failed = self._admit()

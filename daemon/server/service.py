@@ -516,9 +516,10 @@ class EngineService:
         tenants and tokens; never their text or token ids."""
         plan = self.engine.stepping if self.engine is not None else None
         if not plan:
-            return "before its step planned any sequence (admitting requests, restoring a prefix from a tier)"
-        shown = ", ".join(f"{seq.request.request_id} (tenant {seq.request.tenant}, {n} tokens of "
-                          f"{seq.status.value})" for seq, n in plan[:STEP_SEQUENCES_SHOWN])
+            return "with no step's sequences planned (admitting requests, restoring a prefix from a tier, or outside " \
+                   "a step: its stack says where)"
+        shown = ", ".join(f"{seq.request.request_id} (tenant {seq.request.tenant}, {n} token{'' if n == 1 else 's'} "
+                          f"of {seq.status.value})" for seq, n in plan[:STEP_SEQUENCES_SHOWN])
         more = f" and {len(plan) - STEP_SEQUENCES_SHOWN} more" if len(plan) > STEP_SEQUENCES_SHOWN else ""
         return f"in a step of {len(plan)} sequence{'' if len(plan) == 1 else 's'}: {shown}{more}"
 
