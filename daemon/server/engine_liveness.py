@@ -103,9 +103,9 @@ class EngineLoop:
 
 
 def stack_of(thread: threading.Thread | None) -> list[str]:
-    """Where `thread` stands now, outermost frame first, a frame a line ("engine/engine.py:822 in
-    step"): file, line and function only, nothing of a frame's values (no prompt reaches the log).
-    [] for a thread not running."""
+    """Where `thread` stands now, outermost frame first, a frame a line ("daemon/engine/engine.py:832
+    in _step": a file's last three path parts, its line, its function), nothing of a frame's values
+    (no prompt reaches the log). [] for a thread not running."""
     frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident is not None else None
     frames = []
     while frame is not None:
