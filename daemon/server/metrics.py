@@ -154,7 +154,7 @@ class _EngineCollector:
     def collect(self):
         engine, loop = self.service.engine, self.service.engine_loop
         if engine is None:
-            yield from self._liveness(loop.stalled() is not None)
+            yield from self._without_the_lock(loop.stalled() is not None)
             return
         # the engine's figures, under its lock (held for a step): not had in time, the scrape answers
         # without them and says why (engine_liveness.py), where it failed before
@@ -183,7 +183,7 @@ class _EngineCollector:
         if not had:
             with self._missed_lock:
                 self.missed += 1
-        yield from self._liveness(loop.stalled() is not None)  # (after the wait: it may have stalled meanwhile)
+        yield from self._without_the_lock(loop.stalled() is not None)  # (after the wait: it may have stalled meanwhile)
         if not had:
             return
         blocks = GaugeMetricFamily("kvd_blocks", "KV cache blocks by state and tier", labels=["state", "tier"])
@@ -411,7 +411,9 @@ class _EngineCollector:
             yield from _rollout_metrics(rollout)
         yield from _reload_metrics(self.service.reloads, self.service.last_reload)
 
-    def _liveness(self, stalled: bool):
+    def _without_the_lock(self, stalled: bool):
+        """The families a scrape has whether or not it had the engine's lock: whether the engine is
+        stalled, the scrapes without its figures, the completions refused before it took them in."""
         yield GaugeMetricFamily("kvd_engine_stalled", "1 while the engine has not come round its loop in "
                                 f"{self.service.engine_loop.after:g} s (a step that does not end): /healthz "
                                 "answers 503 engine_stalled, and scrapes have none of the engine's figures",
