@@ -394,11 +394,15 @@ class Store:
                 _, kept, oldest = self.conn.execute(count, {"before": before}).fetchone()
         return {"removed": removed, "kept": kept, "oldest_kept": oldest, "before": before, "dry_run": dry_run}
 
-    def audit_since(self, since: float = 0.0, limit: int = 1000, action: str | None = None) -> list[dict]:
-        sql = "select * from audit where at >= ?" + (" and action = ?" if action else "") + \
+    def audit_since(self, since: float = 0.0, limit: int = 1000, action: str | None = None,
+                    result: str | None = None, actor: str | None = None, tenant: str | None = None) -> list[dict]:
+        """The audit records from `since` on (a time.time()), newest first, at most `limit`; only
+        those of `action`, `result`, `actor` and `tenant` where given (each matched whole)."""
+        matched = {k: v for k, v in (("action", action), ("result", result), ("actor", actor), ("tenant", tenant))
+                   if v}
+        sql = "select * from audit where at >= ?" + "".join(f" and {column} = ?" for column in matched) + \
               " order by id desc limit ?"
-        args = [since] + ([action] if action else []) + [limit]
-        rows = self._query(sql, args)
+        rows = self._query(sql, [since, *matched.values(), limit])
         return [{**row, "detail": json.loads(row["detail"])} for row in rows]
 
     # ---- pins ----------------------------------------------------------------------------

@@ -616,6 +616,9 @@ def config_reload(ctx: typer.Context, as_json: bool = typer.Option(False, "--jso
 
 def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="Only entries newer than 1h, 2d, ..."),
           action: Optional[str] = typer.Option(None, help="Only this action (pin, unpin, evict, reload, adr.new, ...)."),
+          result: Optional[str] = typer.Option(None, help="Only this result (ok, refused, partial, applied, ...)."),
+          actor: Optional[str] = typer.Option(None, help="Only this actor (a token's name, unix-socket, kvd, ttl)."),
+          tenant: Optional[str] = typer.Option(None, help="Only records of this tenant (-: the daemon's own)."),
           state_dir: Optional[str] = typer.Option(None, "--state-dir", help="Read the store directly (KVD_STATE_DIR)."),
           limit: int = typer.Option(50, help="Newest rows in the table (0: all); --json always has all."),
           as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
@@ -625,6 +628,8 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
     store directly.
 
     Example: kvctl audit --since 24h --action evict
+
+    Example: kvctl audit --since 1h --result refused   (what an incident turned away)
     """
     from kvctl.daemon.server.durations import parse_duration
 
@@ -634,26 +639,32 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
         raise UserError(f"since: invalid value {since!r}; use 30m, 1h, 2d") from None
     if limit < 0:
         raise UserError(f"limit: must be >= 0, got {limit}")
+    wanted = {k: v for k, v in (("action", action), ("result", result), ("actor", actor), ("tenant", tenant)) if v}
     data = None
     if not (state_dir or os.environ.get("KVD_STATE_DIR")):
         try:
-            data = client_for(ctx).get("/admin/audit", since=start, action=action)
+            data = client_for(ctx).get("/admin/audit", since=start, **wanted)
         except UserError as exc:
             if "not reachable" not in str(exc):
                 raise
     if data is None:
         from .records_cmd import open_store
 
-        data = {"entries": open_store(None, state_dir).audit_since(start, action=action)}
+        data = {"entries": open_store(None, state_dir).audit_since(start, **wanted)}
+    # (a kvd older than --result, --actor and --tenant answers every record: they are matched here too)
+    data = {**data, "entries": [e for e in data["entries"] if all(e.get(k) == v for k, v in wanted.items())]}
 
     def audit_table(entries, time_below_date: bool):
-        table = compact_table("when", "actor", "tenant", "action", "target", "result")
+        fleet = any("replica" in e for e in entries)  # kvd router's: every replica's records, each naming it
+        table = compact_table("when", *(["replica"] if fleet else []), "actor", "tenant", "action", "target",
+                              "result")
         for e in entries:
             at = when(e["at"])
-            table.add_row(at.replace(" ", "\n") if time_below_date else at, e["actor"],
-                          e["tenant"], e["action"], e["target"], e["result"])
-        keep_whole(table, 0, 1, 3, 5)
-        fit_cells(table, words=(2, 4))  # the target wraps at its spaces; an id is never cut
+            table.add_row(at.replace(" ", "\n") if time_below_date else at, *([e["replica"]] if fleet else []),
+                          e["actor"], e["tenant"], e["action"], e["target"], e["result"])
+        shift = int(fleet)
+        keep_whole(table, 0, *range(1, 2 + shift), 3 + shift, 5 + shift)
+        fit_cells(table, words=(2 + shift, 4 + shift))  # the target wraps at its spaces; an id is never cut
         return table
 
     def render(d):
@@ -664,6 +675,8 @@ def audit(ctx: typer.Context, since: Optional[str] = typer.Option(None, help="On
         if narrowest > console.width:  # 80 columns: the time goes below the date
             table = audit_table(entries, time_below_date=True)
         console.print(table if d["entries"] else "no audit entries")
+        if d.get("message"):  # kvd router: the replicas that did not answer
+            console.print(d["message"])
         if len(entries) < len(d["entries"]):
             console.print(f"the newest {len(entries)} of {len(d['entries']):,} entries; --limit 0 shows all, "
                           "--since and --action narrow them")

@@ -238,7 +238,8 @@ def test_completions_and_the_operators_changes_are_refused_while_the_engine_is_s
         tmp_path, caplog):
     """A completion sent to a stalled kvd waited until its client gave up (or kvd exited), and an
     operator's change (pin, unpin, evict, cancel, drain, reload) until kvctl's 120 s timeout,
-    holding an admin slot: each is now refused at once, having changed nothing."""
+    holding an admin slot: each is now refused at once, having changed nothing, and the audit log
+    keeps each refusal (what was tried during the incident, by whom)."""
     import dataclasses
 
     from kvctl.daemon.server.app import create_app
@@ -249,6 +250,8 @@ def test_completions_and_the_operators_changes_are_refused_while_the_engine_is_s
     try:
         app = create_app(service, service.metrics, front="unix")
         pin = call(app, "POST", "/admin/pins", json={"text": "a system prompt that stays " * 4}).json()
+        rollout = call(app, "POST", "/admin/rollouts", json={
+            "policy": {"name": "reserve-p95", "settings": {"reservation": "p95"}}, "cohort": "10%"}).json()
         release = stall_steps(service)
         service.engine_loop.after = 1.5  # time to hand a completion in before the stall is seen
         answers = {}
@@ -289,7 +292,9 @@ def test_completions_and_the_operators_changes_are_refused_while_the_engine_is_s
         changes = [("POST", "/admin/pins", {"text": "another prompt to pin " * 4}),
                    ("DELETE", f"/admin/pins/{pin['pin_id']}", None), ("POST", "/admin/evict", {"all_unpinned": True}),
                    ("POST", "/admin/cancel", {"tenant": "default"}), ("POST", "/admin/drain", {"drain": True}),
-                   ("POST", "/admin/reload", None)]
+                   ("POST", "/admin/reload", None), ("POST", "/admin/wake", {}),
+                   ("POST", f"/admin/rollouts/{rollout['id']}/complete", None),
+                   ("POST", "/admin/calibrate", {"dtype": "int8"})]
         questions = [("GET", "/admin/pins", None), ("GET", "/admin/tiers", None),
                      ("GET", "/admin/events/snapshot", None), ("POST", "/admin/route-facts", {"tokens": [5, 6, 7]}),
                      ("POST", "/admin/explain", {"tokens": [5, 6, 7]})]
@@ -308,8 +313,22 @@ def test_completions_and_the_operators_changes_are_refused_while_the_engine_is_s
         assert answers["stuck"].status_code == 200 and answers["stuck"].json()["usage"]["completion_tokens"] == 2
         assert [p["pin_id"] for p in call(app, "GET", "/admin/pins").json()["pins"]] == [pin["pin_id"]]
         assert not service.draining and service.config.max_queue == 256
-        assert [a["action"] for a in service.store.audit_since(0) if a["action"] in ("pin", "unpin", "evict",
-                                                                                   "cancel", "drain")] == ["pin"]
+        audited = [a for a in reversed(service.store.audit_since(0)) if a["action"] in (
+            "pin", "unpin", "evict", "cancel", "drain", "wake", "rollout.complete", "calibrate")]
+        assert [(a["actor"], a["tenant"], a["action"], a["target"], a["result"]) for a in audited] == [
+            ("unix-socket", "default", "pin", pin["pin_id"], "ok"), ("unix-socket", "default", "pin", "-", "refused"),
+            ("unix-socket", "default", "unpin", pin["pin_id"], "refused"),
+            ("unix-socket", "default", "evict", "all_unpinned", "refused"),
+            ("unix-socket", "default", "cancel", "tenant=default", "refused"),
+            ("unix-socket", "default", "drain", "completions", "refused"),
+            ("unix-socket", "default", "wake", "memory", "refused"),
+            ("unix-socket", "-", "rollout.complete", f"rollout:{rollout['id']}", "refused"),
+            ("unix-socket", "-", "calibrate", "-", "refused")]
+        assert all(re.fullmatch(NOTHING_CHANGED, a["detail"]["error"]) for a in audited[1:])
+        asked = call(app, "GET", "/admin/audit", params={"result": "refused", "tenant": "-"}).json()["entries"]
+        assert [a["action"] for a in asked] == ["calibrate", "rollout.complete", "reload"]  # (newest first)
+        assert (audited[6]["detail"]["tags"], audited[8]["detail"]["dtype"]) == (["kv_cache", "weights"], "int8")
+        assert service.rollouts.status(rollout["id"])["state"] == "running"
         assert call(app, "POST", "/v1/completions", json={"prompt": "Hey", "max_tokens": 2}).status_code == 200
     finally:
         service.shutdown(deadline=2)

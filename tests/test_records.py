@@ -313,6 +313,30 @@ def test_audit_reads_the_store_without_a_daemon(tmp_path, capsys):
     assert len(json.loads(out)["entries"]) == 5
 
 
+def test_audit_narrows_to_a_result_an_actor_and_a_tenant(tmp_path, capsys):
+    """After an incident the question is what was turned away, and by whom it was asked:
+    `--result refused` (with --actor, --tenant) answers it, in the store's query (so that --limit
+    and the daemon's 1,000 newest count what matched, not what was read)."""
+    store = Store(tmp_path / "kvd.sqlite3")
+    store.audit(actor="alice", tenant="acme", action="pin", target="pin-1", result="ok")
+    store.audit(actor="alice", tenant="acme", action="pin", target="-", result="refused")
+    store.audit(actor="bob", tenant="beta", action="cancel", target="tenant=beta", result="refused")
+    store.audit(actor="unix-socket", tenant="-", action="reload", target="config", result="refused")
+    store.audit(actor="bob", tenant="beta", action="evict", target="tenant=beta", result="partial")
+
+    def targets(*args):
+        status, out, _ = cli(capsys, "audit", "--state-dir", str(tmp_path), *args, "--json")
+        assert status == 0
+        return [(e["actor"], e["target"]) for e in json.loads(out)["entries"]]
+
+    assert targets("--result", "refused") == [("unix-socket", "config"), ("bob", "tenant=beta"), ("alice", "-")]
+    assert targets("--result", "refused", "--actor", "bob") == [("bob", "tenant=beta")]
+    assert targets("--tenant", "-") == [("unix-socket", "config")]
+    assert targets("--tenant", "acme", "--action", "pin", "--result", "ok") == [("alice", "pin-1")]
+    assert targets("--result", "failed") == []
+    assert [e["target"] for e in store.audit_since(0, limit=1, result="refused", tenant="acme")] == ["-"]
+
+
 def test_audit_table_fits_80_columns_without_cutting_an_action_a_result_or_an_id(tmp_path, capsys, monkeypatch):
     """An 80-column terminal once cut "rollout.complete" to "roll…" and "result" to "resu…". Now the
     target wraps at its spaces and, when that is not enough, each row's time goes below its date."""

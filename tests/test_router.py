@@ -2040,3 +2040,34 @@ def test_kvctl_events_at_the_router_lists_every_replica_s_newest_merged_by_time(
     assert status == 2 and " ".join(err.split()) == (
         "error: follow: kvd router has no sequence of events of its own (each replica numbers its own): follow one "
         "replica (kvctl --socket REPLICA events --follow)")
+
+
+def test_kvctl_audit_at_the_router_lists_every_replica_s_records_newest_first(replicas):
+    """After a fleet incident the question is what operators did, and had refused, everywhere:
+    `kvctl audit` at kvd router (a 404 before) gives every replica's records, its filters passed
+    on, newest first across the fleet, each naming its replica; one that does not answer is named."""
+    from .daemon_fixtures import call
+
+    _, app = router_app(replicas, "round_robin")
+    text = SYSTEM_B + "Audited across the fleet."
+    [pinned] = drive(app, [lambda c: c.post("/admin/pins", json={"text": text, "tenant": "auditor"})])
+    pin_id = pinned.json()["pin_id"]
+    assert call(replicas[1], "DELETE", f"/admin/pins/{pin_id}").status_code == 200  # (one replica's own)
+    [listed, refused] = drive(app, [lambda c: c.get("/admin/audit", params={"tenant": "auditor"}),
+                                    lambda c: c.get("/admin/audit", params={"tenant": "auditor", "result": "refused"})])
+    entries = listed.json()["entries"]
+    assert listed.status_code == 200 and [e["at"] for e in entries] == sorted((e["at"] for e in entries), reverse=True)
+    assert (entries[0]["replica"], entries[0]["action"], entries[0]["target"]) == ("replica-1", "unpin", pin_id)
+    assert sorted((e["replica"], e["action"], e["target"], e["result"]) for e in entries[1:]) == [
+        ("replica-0", "pin", pin_id, "ok"), ("replica-1", "pin", pin_id, "ok")]
+    assert [(r["replica"], r["status"]) for r in listed.json()["replicas"]] == [("replica-0", 200), ("replica-1", 200)]
+    assert refused.json()["entries"] == [] and "message" not in refused.json()
+    shown = _kvctl_prints(["audit"], listed.json()).splitlines()
+    assert shown[0].split() == ["when", "replica", "actor", "tenant", "action", "target", "result"]
+    assert [line.split()[2:] for line in shown[1:]] == [
+        [e["replica"], e["actor"], "auditor", e["action"], pin_id, "ok"] for e in entries]
+    _, app = router_app(replicas, "round_robin", down=(1,))
+    [half] = drive(app, [lambda c: c.get("/admin/audit", params={"tenant": "auditor"})])
+    assert [(e["replica"], e["action"]) for e in half.json()["entries"]] == [("replica-0", "pin")]
+    assert half.json()["message"] == "not listed: replica-1 (ConnectError: connection refused)"
+    assert _kvctl_prints(["audit"], half.json()).splitlines()[-1] == half.json()["message"]

@@ -25,7 +25,8 @@ def calibrate(service, *, dtype: str, prompts: list[list[int]] | None, greedy_to
     from kvctl.daemon import calibration as cal
 
     service.require_awake()  # it runs the model
-    service.refuse_if_stalled()  # (on a device a stalled step may hang, and its scales load under the lock)
+    # (on a device a stalled step may hang, and its scales load under the lock)
+    service.refuse_change_if_stalled(principal, "calibrate", "-", "-", detail={"dtype": dtype})
     loaded = service.loaded
     dtype = cache_dtype_name(dtype)
     if dtype not in ("fp8_e4m3", "fp8_e5m2", "int8"):

@@ -31,7 +31,9 @@ only KvdDown fired. The operator's views (`kvctl status`, `requests`, `tenants`,
 for the lock as long as it takes, but no longer once the engine is stalled: then they answer 503
 saying so (`held_unless_stalled`), where they waited out kvctl's 120 s timeout. So do the operator's
 changes (pin, unpin, evict, cancel, a drain, a reload, a LoRA adapter's load, new weights,
-sleep): refused before they change anything, where each held an admin slot until kvctl gave up.
+sleep, wake, a rollout's completion, a calibration): refused before they change anything, where
+each held an admin slot until kvctl gave up, and each refusal written to the audit log (result
+refused: what operators tried during the incident; service.change_lock).
 
 A completion sent while the engine is stalled is refused at once (503, code engine_stalled, with
 Retry-After: a router sends it to another replica), and one handed in just before the stall is
@@ -47,6 +49,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from dataclasses import dataclass
+from typing import Callable
 
 from .calls import ServiceError
 
@@ -169,21 +172,30 @@ def stalled_refusal(why: str, outcome: str = QUESTION_WAITS) -> ServiceError:
     return ServiceError(503, f"{why}; {outcome}", code="engine_stalled", retry_after=STALLED_RETRY_AFTER_S)
 
 
-def refuse_if_stalled(loop: EngineLoop, outcome: str = NOTHING_CHANGED) -> None:
-    """stalled_refusal while `loop` is stalled; nothing otherwise. For a change whose first step is
-    not under the engine's lock (a store write), asked before it."""
+def refuse_if_stalled(loop: EngineLoop, outcome: str = NOTHING_CHANGED,
+                      refused: Callable[[ServiceError], None] | None = None) -> None:
+    """stalled_refusal while `loop` is stalled, told first to `refused` where one is given;
+    nothing otherwise. For a change whose first step is not under the engine's lock (a store
+    write), asked before it."""
     why = loop.stalled()
     if why is not None:
-        raise stalled_refusal(why, outcome)
+        refusal = stalled_refusal(why, outcome)
+        if refused is not None:
+            refused(refusal)
+        raise refusal
 
 
 @contextmanager
-def held_unless_stalled(lock: threading.Condition, loop: EngineLoop, outcome: str = QUESTION_WAITS):
+def held_unless_stalled(lock: threading.Condition, loop: EngineLoop, outcome: str = QUESTION_WAITS,
+                        refused: Callable[[ServiceError], None] | None = None):
     """Hold the engine's `lock` for an operator's question or change, as `with lock:` does, unless
     the engine is stalled or stalls meanwhile: then stalled_refusal (a 503 ending in `outcome`),
-    holding nothing."""
+    holding nothing, told first to `refused` where one is given (a change audits it)."""
     if not take_unless_stalled(lock, loop):
-        raise stalled_refusal(loop.stalled() or "the engine stalled", outcome)
+        refusal = stalled_refusal(loop.stalled() or "the engine stalled", outcome)
+        if refused is not None:
+            refused(refusal)
+        raise refusal
     try:
         yield
     finally:

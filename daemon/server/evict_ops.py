@@ -62,7 +62,9 @@ def evict(service, *, prefix_id: str | None, tenant: str | None, model_revision:
     if model_revision:
         revision, other_spaces, records_error = _revision_spaces(service, model_revision)
         served = revision == service.loaded.revision
-    with service.engine_lock(changes=True):
+    asked = target if subtree is not None else (  # (a dry run is not audited, refused or not)
+        f"tenant={tenant}" if tenant else f"model_revision={model_revision}" if model_revision else "all_unpinned")
+    with service.engine_lock(changes=True) if dry_run else service.change_lock(principal, "evict", asked):
         if model_revision and revision != service.loaded.revision:
             report_blocks, skipped, select = 0, {}, None
             target = f"model_revision={revision[:16]}"

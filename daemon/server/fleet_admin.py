@@ -278,6 +278,26 @@ def merge_event_lists(names: Sequence[str], answers: Sequence[Answer], tail: int
     return 200, out
 
 
+def merge_audit_lists(names: Sequence[str], answers: Sequence[Answer]) -> tuple[int, dict]:
+    """Every replica's audit records (`GET /admin/audit` of each, its filters passed on: each
+    replica keeps its own log), newest first across the fleet, each naming its replica: one record
+    of what operators did, and had refused, everywhere."""
+    if not any(status == 200 for status, _ in answers):
+        return none_did(names, answers)
+    entries, missing = [], []
+    for index, (name, (status, body)) in enumerate(zip(names, answers)):
+        if status != 200:
+            missing.append(f"{name} ({error_said(body) if status is not None else body.get('error')})")
+            continue
+        entries += [(-e["at"], index, -e["id"], {**e, "replica": name}) for e in body["entries"]]
+    entries.sort(key=lambda item: item[:3])
+    out = {"entries": [e for *_, e in entries],
+           "replicas": [{"replica": name, "status": status} for name, (status, _) in zip(names, answers)]}
+    if missing:
+        out["message"] = "not listed: " + "; ".join(missing)
+    return 200, out
+
+
 TENANT_SUMS = ("prompt_tokens", "hit_tokens", "recomputed_tokens", "running", "waiting", "rejected",
                "cached_blocks", "evicted_blocks", "pinned_blocks")
 

@@ -103,7 +103,8 @@ def cancel_requests(service: EngineService, principal: Principal, request_ids: l
     if (request_ids is None) == (tenant is None):
         raise ServiceError(400, "cancel: give request_ids or a tenant", "request_ids")
     engine = service.require_ready()
-    with service.engine_lock(changes=True):
+    asked = f"tenant={tenant}" if tenant is not None else ",".join(f"request={rid}" for rid in request_ids)
+    with service.change_lock(principal, "cancel", asked):
         live = {rid: r for rid, r in engine.requests.items() if not r.finished}
         if request_ids is not None:
             chosen = [live[rid] for rid in dict.fromkeys(request_ids) if rid in live]

@@ -69,7 +69,7 @@ def load(service, name: str, path: str, principal: Principal, in_place: bool = F
                                 target=f"lora:{name}", result="refused", detail={"error": str(exc)})
             # no room on the GPU: the adapter is fine, the device is full (409, as a full cache is)
             raise ServiceError(409 if isinstance(exc, NoRoomForAdapter) else 400, str(exc), "lora_path") from None
-        with service.engine_lock(changes=True):
+        with service.change_lock(principal, "lora.load", f"lora:{name}", detail={"path": str(folder)}):
             loaded.adapters = {**loaded.adapters, name: adapter}  # a new dict: readers see one whole
             service.runtime_lora[name] = str(folder)
     warn_if_kv_changes({name: adapter}, service.config.cache_dtype)
@@ -92,7 +92,7 @@ def unload(service, name: str, principal: Principal) -> dict:
         if adapter is None:
             served = ", ".join(repr(n) for n in service.adapters()) or "none"
             raise ServiceError(404, f"lora_name: no LoRA adapter {name!r} is loaded (adapters: {served})", "lora_name")
-        with service.engine_lock(changes=True):
+        with service.change_lock(principal, "lora.unload", f"lora:{name}"):
             loaded.adapters = {n: a for n, a in loaded.adapters.items() if n != name}
             if name in dict(service.config.lora_modules):
                 service.runtime_lora[name] = None  # unloaded over lora_modules, until a restart

@@ -39,7 +39,7 @@ def pin(service, token_ids: list[int], principal: Principal, ttl: float | None, 
     namespace = engine.namespace(principal.tenant, adapter)
     try:
         keys = engine.cache.keys_to_pin(namespace, token_ids)
-        with service.engine_lock(changes=True):
+        with service.change_lock(principal, "pin", "-"):
             result = engine.cache.pin_keys(namespace.tenant, keys, ttl=ttl, owner=principal.actor, note=note,
                                            **pin_origin(namespace))
     except (PinBudgetExceeded, PinLeavesNoRoom) as exc:  # (audited outside the lock: the engine thread takes
@@ -118,7 +118,7 @@ def _pin_keys(service, keys: list[bytes], tenant: str, principal: Principal, ttl
     keys were made (space, adapter_id: Pin)."""
     engine = service.engine
     try:
-        with service.engine_lock(changes=True):
+        with service.change_lock(principal, "pin", target, tenant):
             result = engine.cache.pin_keys(tenant, keys, ttl=ttl, owner=owner, note=note, **origin)
     except (PinBudgetExceeded, PinLeavesNoRoom) as exc:  # (audited outside the lock, as in pin())
         raise _refused(service, exc, principal, tenant, target) from None
@@ -177,7 +177,7 @@ def unpin(service, pin_id: str, principal: Principal, detail: dict | None = None
     """Remove a pin (from the store first); audited with `detail` beside its blocks. The blocks of
     a pin made in a block space no longer served go with it (no request reaches them)."""
     engine = service.require_ready()
-    with service.engine_lock(changes=True):
+    with service.change_lock(principal, "unpin", pin_id, detail=detail):
         try:
             engine.cache.pins.get(pin_id)
         except UnknownPin as exc:
@@ -195,7 +195,7 @@ def unpin(service, pin_id: str, principal: Principal, detail: dict | None = None
         served = engine.space_key()
         dropped = engine.cache.evict_stale(served).evicted_blocks if pin.space not in (None, served.hex()) else 0
     freed = {"dropped_stale_blocks": dropped} if dropped else {}
-    service.store.audit(actor=principal.actor, tenant=principal.tenant, action="unpin", target=pin_id,
+    service.store.audit(actor=principal.actor, tenant=pin.tenant, action="unpin", target=pin_id,  # (as its pin's)
                         result="ok", detail={"blocks": pin.num_blocks, **freed, **(detail or {})})
     return {"pin_id": pin_id, "unpinned_blocks": pin.num_blocks, **freed}
 

@@ -19,7 +19,8 @@ def complete_rollout(service, rollout_id: int, principal: Principal) -> dict:
     config that says otherwise reverts them (the reload says so; `rollout_status` shows
     whether they are still in effect)."""
     rollout = service.rollouts.status(rollout_id)
-    service.refuse_if_stalled()  # before the store records it complete: its settings are applied under the lock
+    # before the store records it complete: its settings are applied under the lock
+    service.refuse_change_if_stalled(principal, "rollout.complete", f"rollout:{rollout_id}", "-")
     body = service.rollouts.complete(rollout_id, principal.actor)  # (its store write may wait: not under the lock)
     with service.lock:
         applied = {}

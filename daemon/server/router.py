@@ -44,7 +44,7 @@ from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
-from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, error_said, merge_cancels,
+from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, error_said, merge_audit_lists, merge_cancels,
                           merge_event_lists, merge_evictions, merge_lora_changes, merge_pin_lists, merge_pins,
                           merge_prefix_lists, merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps,
                           merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates,
@@ -370,7 +370,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
     for path, merge in (("/admin/requests", merge_request_lists), ("/admin/tenants", merge_tenant_lists),
                         ("/admin/tiers", replica_reports), ("/admin/prefixes", merge_prefix_lists),
                         ("/admin/pins", merge_pin_lists), ("/admin/profile", replica_reports),
-                        ("/admin/responses", replica_reports)):
+                        ("/admin/responses", replica_reports), ("/admin/audit", merge_audit_lists)):
         merged_listing(path, merge)
 
     @app.get("/admin/events")

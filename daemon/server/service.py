@@ -478,6 +478,30 @@ class EngineService:
         take of one, before it has changed anything (a later one waits: a refusal would tear it)."""
         return held_unless_stalled(self.lock, self.engine_loop, NOTHING_CHANGED if changes else QUESTION_WAITS)
 
+    def change_lock(self, principal: Principal, action: str, target: str, tenant: str | None = None,
+                    detail: dict | None = None):
+        """engine_lock(changes=True) for the first take of an operator's change: its refusal for a
+        stalled engine is written to the audit log first (`action` on `target`, result refused, the
+        503's message as the detail's `error`), as the change's other refusals are: the record of an
+        incident keeps what operators tried while the engine was stuck. `tenant`: the record's
+        (default: the principal's)."""
+        return held_unless_stalled(self.lock, self.engine_loop, NOTHING_CHANGED,
+                                   self._audit_refusal(principal, action, target, tenant, detail))
+
+    def refuse_change_if_stalled(self, principal: Principal, action: str, target: str, tenant: str | None = None,
+                                 detail: dict | None = None) -> None:
+        """A 503 saying nothing was changed while the engine is stalled, audited as change_lock's:
+        asked by a change whose first step is not under the engine's lock."""
+        refuse_if_stalled(self.engine_loop, refused=self._audit_refusal(principal, action, target, tenant, detail))
+
+    def _audit_refusal(self, principal: Principal, action: str, target: str, tenant: str | None,
+                       detail: dict | None) -> Callable[[ServiceError], None]:
+        def audit(refusal: ServiceError) -> None:
+            self.store.audit(actor=principal.actor, tenant=principal.tenant if tenant is None else tenant,
+                             action=action, target=target, result="refused",
+                             detail={**(detail or {}), "error": str(refusal)})
+        return audit
+
     def count_refused(self, reason: str, count: int = 1) -> None:
         """Count completions refused before the engine took them in, for `reason` (REFUSAL_REASONS)."""
         with self._refused_lock:
@@ -487,11 +511,6 @@ class EngineService:
         """Completions refused before the engine took them in, by reason (count_refused)."""
         with self._refused_lock:
             return dict(self.refused)
-
-    def refuse_if_stalled(self) -> None:
-        """A 503 saying nothing was changed while the engine is stalled: asked by a change whose
-        first step is not under the engine's lock (engine_liveness.refuse_if_stalled)."""
-        refuse_if_stalled(self.engine_loop)
 
     def _say_engine_loop(self) -> None:
         """Log once that the engine stopped coming round its loop, and once that it came round again;
@@ -1012,7 +1031,7 @@ class EngineService:
         restart behind two routers loses no request. Pins and operator calls go on. Refused (503)
         while the engine is stalled: /readyz says so already, and its counts wait for it."""
         engine = self.require_ready()
-        with self.engine_lock(changes=True):
+        with self.change_lock(principal, "drain" if on else "resume", "completions"):
             was, self.draining = self.draining, on
             queue = engine.queue_figures()
         self.store.audit(actor=principal.actor, tenant=principal.tenant, action="drain" if on else "resume",

@@ -140,7 +140,8 @@ def wake(service, principal: Principal, tags: list[str] | None = None) -> dict:
     taken again and the pinned prefixes come back from the lower tiers."""
     wanted = checked_tags(tags)
     service.require_ready()
-    service.refuse_if_stalled()  # (its cache comes back under the engine's lock; an idle loop may stall too)
+    # (its cache comes back under the engine's lock; an idle loop may stall too)
+    service.refuse_change_if_stalled(principal, "wake", "memory", detail={"tags": wanted})
     with service.sleep_lock:
         state = service.asleep
         if state is None:  # awake already (vLLM: a no-op)

@@ -109,7 +109,8 @@ def update(service, principal: Principal, model_path: str, timeout: float = 60.0
             raise ServiceError(400, f"model_path: {exc}", "model_path") from None
         read_seconds = time.perf_counter() - started
         pending = PendingWeights(weights, folder, revision, calibration, scales)
-        with service.engine_lock(changes=True):
+        with service.change_lock(principal, "weights.update", f"model:{loaded.revision[:12]}",
+                                 detail={"model_path": str(folder)}):
             if service.pending_scales is not None:
                 raise ServiceError(409, "new scales wait to load (a calibration applied); update the weights once "
                                         "they have", "model_path")
