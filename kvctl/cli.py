@@ -17,6 +17,7 @@ from kvctl import __version__
 from . import ops, records_cmd, status_view
 from .bench_kernels import kernels_command
 from .bench_replay import replay_command
+from .bench_sampler import sampler_command
 from .bench_serve import serve_command
 from .bench_speculation import speculation_command
 from .bench_tiers import tiers_command as tiers_bench_command
@@ -49,6 +50,7 @@ bench.command("serve")(serve_command)
 bench.command("tiers")(tiers_bench_command)
 bench.command("speculation")(speculation_command)
 bench.command("window")(window_command)
+bench.command("sampler")(sampler_command)
 for _command in (status_view.status, ops.prefixes, ops.pin, ops.pins, ops.unpin, ops.evict, ops.explain, ops.audit):
     app.command(_command.__name__)(_command)
 app.add_typer(ops.config_app, name="config")

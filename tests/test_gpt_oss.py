@@ -362,7 +362,7 @@ def test_kvd_splits_a_harmony_reply_into_thinking_and_answer_whole_and_streamed(
     markers as special tokens (as gpt-oss's does): decoded text keeps them for the parser, and the
     analysis channel becomes `reasoning`, the final one `content`, whole and streamed alike. The
     reply is scripted (the tiny model's weights are random); everything after the draw runs as served."""
-    from kvctl.daemon.engine import engine as engine_module
+    from .scripted_draws import script_draws
     from kvctl.daemon.server.reasoning import HARMONY
 
     from .daemon_fixtures import apps, call, sse_events, start_service, token_table
@@ -376,8 +376,7 @@ def test_kvd_splits_a_harmony_reply_into_thinking_and_answer_whole_and_streamed(
              "Four.<|return|>")
     script = hf.encode(reply, add_special_tokens=False).ids
     assert [hf.id_to_token(i) for i in script].count("<|channel|>") == 2  # each marker one special token
-    monkeypatch.setattr(engine_module, "sample_token",
-                        lambda logits, params, seed, index, step: script[step] if step < len(script) else 2)
+    script_draws(monkeypatch, lambda logits, params, seed, index, step: script[step] if step < len(script) else 2)
     service = start_service(tmp_path / "state", model=str(tmp_path / "model"), chat_template=str(template),
                             reasoning_parser="openai_gptoss")
     try:

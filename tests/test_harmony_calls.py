@@ -209,7 +209,7 @@ def test_kvd_gives_gpt_oss_s_call_as_tool_calls_whole_streamed_and_forced_and_ta
     whose tokenizer holds harmony's markers as special tokens and stops at <|call|> and <|return|>,
     as gpt-oss's does. Replies are scripted (the tiny model's weights are random); everything after
     the draw runs as served: the stop at <|call|>, the split, the grammar of a forced call."""
-    from kvctl.daemon.engine import engine as engine_module
+    from .scripted_draws import script_draws
 
     from .daemon_fixtures import apps, call, sse_events, start_service, token_table
     from .model_cases import harmony_checkpoint
@@ -220,8 +220,7 @@ def test_kvd_gives_gpt_oss_s_call_as_tool_calls_whole_streamed_and_forced_and_ta
     scripts = {"call": hf.encode(THINK + CALL + "<|call|>", add_special_tokens=False).ids,
                "answer": hf.encode("<|channel|>final<|message|>Sunny in Oslo.<|return|>", add_special_tokens=False).ids}
     script = scripts["call"]
-    monkeypatch.setattr(engine_module, "sample_token",
-                        lambda logits, params, seed, index, step: script[step] if step < len(script) else 2)
+    script_draws(monkeypatch, lambda logits, params, seed, index, step: script[step] if step < len(script) else 2)
     service = start_service(tmp_path / "state", model=str(tmp_path / "model"), chat_template=str(template),
                             reasoning_parser="openai_gptoss", tool_call_parser="openai")
     try:
@@ -270,7 +269,7 @@ def test_gpt_oss_through_the_responses_api_thinks_calls_and_takes_the_result_bac
     back as the analysis message before the call) and comes from the cache up to its new part; so
     does the same turn sent whole by a client that keeps its own conversation, the thinking in the
     reasoning item's encrypted_content."""
-    from kvctl.daemon.engine import engine as engine_module
+    from .scripted_draws import script_draws
 
     from .daemon_fixtures import apps, call, start_service, token_table
     from .model_cases import harmony_checkpoint
@@ -280,8 +279,8 @@ def test_gpt_oss_through_the_responses_api_thinks_calls_and_takes_the_result_bac
     template.write_text(HARMONY_TEMPLATE, encoding="utf-8")
     script = hf.encode(THINK + CALL + "<|call|>", add_special_tokens=False).ids
     replies = [script, hf.encode("<|channel|>final<|message|>Sunny in Oslo.<|return|>", add_special_tokens=False).ids]
-    monkeypatch.setattr(engine_module, "sample_token", lambda logits, params, seed, index, step:
-                        replies[0][step] if step < len(replies[0]) else 2)
+    script_draws(monkeypatch, lambda logits, params, seed, index, step:
+                 replies[0][step] if step < len(replies[0]) else 2)
     service = start_service(tmp_path / "state", model=str(tmp_path / "model"), chat_template=str(template),
                             reasoning_parser="openai_gptoss", tool_call_parser="openai")
     try:

@@ -158,8 +158,10 @@ def test_the_next_turn_is_prompted_with_the_reply_s_own_ids_and_hits_its_blocks(
     from .daemon_fixtures import call
 
     service, unix, _ = daemon
-    turn, text, made = first_turn(unix, f"Tell me about tier {int(stream)} of the cache, at length.", seed=3,
+    turn, text, made = first_turn(unix, f"Tell me about tier {int(stream)} of the cache, at length.", seed=4,
                                   stream=stream)
+    # (a reply kvd keeps: no token its text hides, such as a BOS the random model drew; the EOS ends it)
+    assert not set(made[:-1]) & service.loaded.tokenizer.hidden_specials
     first = rendered(service, turn)
     assert rendered(service, turn + [{"role": "assistant", "content": text}])[len(first):] != made  # read otherwise
     before = service.reply_ids.figures()["spliced"]

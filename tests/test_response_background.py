@@ -23,7 +23,7 @@ def gated(monkeypatch):
     """The model's reply, scripted: `script` token ids, then the EOS. The engine waits at step
     `hold` (default: none) until the test sets `gate`."""
     pytest.importorskip("torch")
-    from kvctl.daemon.engine import engine as engine_module
+    from .scripted_draws import script_draws
 
     state = {"script": [], "hold": None, "gate": threading.Event()}
 
@@ -32,7 +32,7 @@ def gated(monkeypatch):
             state["gate"].wait(30)
         return state["script"][step] if step < len(state["script"]) else DEMO_EOS
 
-    monkeypatch.setattr(engine_module, "sample_token", sample)
+    script_draws(monkeypatch, sample)
     yield state
     state["gate"].set()
 

@@ -293,11 +293,11 @@ def scripted(monkeypatch):
     """The model's reply, scripted (the demo model's weights are random): the engine draws these
     token ids in turn, then the EOS; everything after the draw runs as served."""
     pytest.importorskip("torch")
-    from kvctl.daemon.engine import engine as engine_module
+    from .scripted_draws import script_draws
 
     script: list[int] = []
-    monkeypatch.setattr(engine_module, "sample_token",
-                        lambda logits, params, seed, index, step: script[step] if step < len(script) else DEMO_EOS)
+    script_draws(monkeypatch,
+                 lambda logits, params, seed, index, step: script[step] if step < len(script) else DEMO_EOS)
     return script
 
 

@@ -299,11 +299,10 @@ def test_a_reply_that_does_not_open_its_thinking_is_held_from_its_first_token(kv
 def test_kvd_with_a_reasoning_parser_lets_the_model_think_before_the_shaped_answer(tmp_path, monkeypatch):
     """The engine's draws scripted (as in test_tool_calls): thinking, then the object; the mask is
     the unit tests' above. Without the reasoning parser the same reply breaks the shape at '<'."""
-    from kvctl.daemon.engine import engine as engine_module
+    from .scripted_draws import script_draws
 
     script: list[int] = []
-    monkeypatch.setattr(engine_module, "sample_token",
-                        lambda logits, params, seed, index, step: script[step] if step < len(script) else 257)
+    script_draws(monkeypatch, lambda logits, params, seed, index, step: script[step] if step < len(script) else 257)
     ask = {"messages": ASK, "max_tokens": 80, "response_format": {"type": "json_object"}}
     for parser, expected in (("qwen3", ("stop", "It is pinned.", '{"pinned": true}')),
                              ("none", ("error", None, "<"))):
@@ -430,7 +429,7 @@ def steered(monkeypatch):
     """The model is steered to write `steered.ids` (the demo's tokens are single bytes, so a text's
     n-th token is its n-th byte): each draw takes the next id where the shape allows it, else the
     best token the shape allows, and EOS once the ids are spent (where allowed)."""
-    from kvctl.daemon.engine import engine as engine_module
+    from .scripted_draws import script_draws
 
     class Steer:
         ids: list[int] = []
@@ -439,7 +438,7 @@ def steered(monkeypatch):
         want = Steer.ids[step] if step < len(Steer.ids) else 257  # the demo's EOS
         return want if scores[want] > float("-inf") else int(scores.argmax())
 
-    monkeypatch.setattr(engine_module, "sample_token", draw)
+    script_draws(monkeypatch, draw)
     return Steer
 
 

@@ -445,11 +445,11 @@ def scripted(monkeypatch):
     """The model's reply, scripted: the engine draws these token ids in turn, then the EOS, whatever
     its logits say (the demo model's weights are random; everything after the draw runs as served)."""
     pytest.importorskip("torch")
-    from kvctl.daemon.engine import engine as engine_module
+    from .scripted_draws import script_draws
 
     script: list[int] = []
-    monkeypatch.setattr(engine_module, "sample_token",
-                        lambda logits, params, seed, index, step: script[step] if step < len(script) else DEMO_EOS)
+    script_draws(monkeypatch,
+                 lambda logits, params, seed, index, step: script[step] if step < len(script) else DEMO_EOS)
     return script
 
 
@@ -573,9 +573,12 @@ def test_a_tool_call_parser_kvd_does_not_have_is_refused_naming_those_it_has():
                                   "of none, hermes, llama3_json, mistral, pythonic, openai")
 
 
+# every argument bounded (CLOCK's open object would let a random model write keys up to max_tokens)
 BOUNDED = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
-                                          "properties": {"city": {"enum": ["Paris", "Oslo"]}}}}}, CLOCK]
+                                          "properties": {"city": {"enum": ["Paris", "Oslo"]}}}}},
+           {"type": "function", "function": {"name": "get_time", "parameters": {
+               "type": "object", "properties": {}, "additionalProperties": False}}}]
 
 
 @pytest.mark.parametrize("seed", range(3))

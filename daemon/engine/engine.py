@@ -53,7 +53,7 @@ from ..model.tokenizer import first_outside_vocab
 from . import prefix_fetch
 from .logits import adjust_logits
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
-from .sampling import ContextLengthExceeded, RequestError, SamplingParams, sample_token
+from .sampling import ContextLengthExceeded, Draw, RequestError, SamplingParams, draw_tokens
 from .speculative import Speculator
 from .structured import GrammarVocabulary
 
@@ -1170,48 +1170,76 @@ class Engine:
             request.prompt_logprobs.extend(zip(chosen[:, 0].tolist(), ranks, tops))
 
     def _advance(self, plan, sample_rows, logits) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
         now = self.clock()
-        greedy = logits.argmax(-1).tolist()  # one call for the batch; sampled rows draw their own
+        greedy = logits.argmax(-1).tolist()  # one call for the batch; sampled rows draw together
+        takers: list[tuple[Sequence, int, list[Sequence]]] = []  # (sequence, row, it and the samples it forked)
         for (seq, n), row in zip(plan, sample_rows):
-            if seq.draft:
-                events += self._verify(seq, row, greedy, logits, now)
+            if seq.draft:  # its verdict (_verify) counts what it computed
                 continue
             seq.num_computed += n
             if row is None:
                 continue
             if seq.status is SeqStatus.PREFILL:
                 seq.status = SeqStatus.DECODE
-            new_children = self._fork_children(seq)
+            takers.append((seq, row, [seq] + self._fork_children(seq)))
+        tokens = iter(self._choose_all([(s, row, []) for _, row, samples in takers for s in samples], logits, greedy))
+        taking = iter(takers)
+        events: list[TokenEvent] = []
+        for (seq, _), row in zip(plan, sample_rows):  # emitted in the plan's order
+            if seq.draft:
+                events += self._verify(seq, row, greedy, logits, now)
+                continue
+            if row is None:
+                continue
+            _, _, samples = next(taking)
             params = seq.request.params
             logprobs = None if params.logprobs is None else torch.log_softmax(logits[row].float(), dim=-1)
-            for s in [seq] + new_children:
-                token = self._choose(s, logits, row, greedy)
+            for s in samples:
+                token = next(tokens)
                 events.append(self._emit(s, token, now, None if logprobs is None else
                                          _token_logprobs(logprobs, token, params.logprobs)))
         return events
 
+    def _choose_all(self, picks: list[tuple[Sequence, int, list[int]]], logits: torch.Tensor,
+                    greedy: list[int]) -> list[int]:
+        """The token each pick (sample `s`, row of the step's logits, `ahead`: tokens this step
+        chose for it before this row and has not emitted yet) takes: the batch's argmax where
+        nothing reshapes a greedy choice (no tensor op per row: each costs µs on a CPU, a launch
+        on a GPU); else its row, adjusted and masked by its grammar (which takes the token) where
+        those apply, drawn with the others in one draw_tokens call (sampling.py)."""
+        tokens: list[int | None] = []
+        rows, draws = [], []
+        for s, row, ahead in picks:
+            params = s.request.params
+            adjusts, shaped = params.adjusts_logits, params.constraint is not None
+            if params.temperature == 0 and not adjusts and not shaped:
+                tokens.append(greedy[row])
+                continue
+            scores = logits[row]
+            if adjusts:
+                output = s.output_ids + ahead if ahead else s.output_ids
+                scores = adjust_logits(scores, params, s.request.prompt_ids, output, self.eos_ids)
+            if shaped:
+                if s.grammar is None:  # compiled when the request was checked, else here
+                    s.grammar = s.request.take_grammar(s.index) or self.grammar_vocabulary.follow(params.constraint)
+                scores = s.grammar.masked(scores)
+            tokens.append(None)
+            rows.append(scores)
+            draws.append(Draw(params, s.request.seed, s.index, len(s.output_ids) + len(ahead)))
+        if draws:
+            if len({(r.dtype, r.device) for r in rows}) > 1:  # (an adjusted row may be float32 beside bf16 logits)
+                rows = [r.to(logits.device, torch.float32) for r in rows]
+            drawn = iter(draw_tokens(torch.stack(rows), draws))
+            tokens = [next(drawn) if t is None else t for t in tokens]
+        for (s, _, _), token in zip(picks, tokens):
+            if s.request.params.constraint is not None:
+                s.grammar.consume(token)
+        return tokens
+
     def _choose(self, s: Sequence, logits: torch.Tensor, row: int, greedy: list[int], ahead: list[int] = ()) -> int:
         """The token sample `s` takes from row `row` of the step's logits, after its output and
-        `ahead` (tokens this step chose before this row and has not emitted yet): the batch's argmax
-        where nothing reshapes a greedy choice, else its logits adjusted, masked by its grammar
-        (which takes the token) and drawn with the generator of its position."""
-        params = s.request.params
-        adjusts, shaped = params.adjusts_logits, params.constraint is not None
-        if params.temperature == 0 and not adjusts and not shaped:
-            return greedy[row]  # the batch's argmax: no tensor op per row (each costs µs on a CPU)
-        scores = logits[row]
-        if adjusts:
-            output = s.output_ids + ahead if ahead else s.output_ids
-            scores = adjust_logits(scores, params, s.request.prompt_ids, output, self.eos_ids)
-        if shaped:
-            if s.grammar is None:  # compiled when the request was checked, else here
-                s.grammar = s.request.take_grammar(s.index) or self.grammar_vocabulary.follow(params.constraint)
-            scores = s.grammar.masked(scores)
-        token = sample_token(scores, params, s.request.seed, s.index, len(s.output_ids) + len(ahead))
-        if shaped:
-            s.grammar.consume(token)
-        return token
+        `ahead` (_choose_all's, for one row: a draft's verdict takes its rows in turn)."""
+        return self._choose_all([(s, row, list(ahead))], logits, greedy)[0]
 
     def _verify(self, seq: Sequence, row: int, greedy: list[int], logits: torch.Tensor, now: float) -> list[TokenEvent]:
         """A draft's verdict. Row by row, the sequence takes the token it would take without a
@@ -1241,7 +1269,8 @@ class Engine:
             logprob = None
             if params.logprobs is not None:
                 logprob = _token_logprobs(torch.log_softmax(logits[row + i].float(), dim=-1), token, params.logprobs)
-            events.append(self._emit(seq, token, now, logprob))
+            # (its grammar took every token of the verdict as it was drawn: only the last can complete the shape)
+            events.append(self._emit(seq, token, now, logprob, shape_read=i == len(tokens) - 1))
             if seq.status is SeqStatus.FINISHED:
                 break
         return events
@@ -1268,7 +1297,10 @@ class Engine:
             children.append(child)
         return children
 
-    def _emit(self, seq: Sequence, token: int, now: float, logprob=None) -> TokenEvent:
+    def _emit(self, seq: Sequence, token: int, now: float, logprob=None, shape_read: bool = True) -> TokenEvent:
+        """Append `token` to `seq`'s reply and end the reply where it ends it (_finish_reason).
+        `shape_read`: whether its grammar's state is this token's (False for a draft's verdict's
+        tokens before its last, which the grammar took already)."""
         request = seq.request
         seq.output_ids.append(token)
         if logprob is not None:
@@ -1278,12 +1310,12 @@ class Engine:
             metrics.first_token = now
         if seq.index == 0:
             metrics.token_times.append(now)
-        reason = self._finish_reason(seq, token)
+        reason = self._finish_reason(seq, token, shape_read)
         if reason:
             self._finish(seq, reason)
         return TokenEvent(request.request_id, seq.index, token, reason, logprob)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, shape_read: bool = True) -> str | None:
         params = seq.request.params
         if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
@@ -1296,7 +1328,7 @@ class Engine:
                 at, length = min(cuts, key=lambda cut: (cut[0], -cut[1]))  # the first; of two there, the longer
                 seq.text_end = at + length if params.include_stop_str_in_output else at
                 return "stop"
-        if seq.grammar is not None:
+        if seq.grammar is not None and shape_read:
             if seq.grammar.done:  # the reply's shape is complete
                 return "stop"
             if seq.grammar.failed:  # llguidance's limits: the shape cannot be followed further

@@ -1,8 +1,20 @@
 """Sampling parameters and a deterministic sampler.
 
-Randomness for token t of sample i of a request comes from a generator seeded with
-SHA-256(seed, i, t), so a sequence that is preempted and recomputed draws exactly the
-tokens it would have drawn without the interruption, and `n > 1` samples differ.
+Randomness for token t of sample i of a request is one number u in [0, 1) made from
+SHA-256(seed, i, t) (`step_uniform`), so a sequence that is preempted and recomputed draws
+exactly the tokens it would have drawn without the interruption, and `n > 1` samples differ.
+
+The step's sampled rows are drawn together (`draw_tokens`): their scores as one [rows, vocab]
+tensor on the logits' device, the temperature, min_p, top_k and top_p of each row as columns of
+one small tensor, and the token taken where u falls in the row's cumulative probabilities (the
+kept tokens in descending order where top_k or top_p cuts the row, else in vocabulary order). A
+fixed number of tensor ops whatever the rows, and one copy of their token ids to the host. Each
+row drew alone before, on the host: its logits copied there first (a device sync each), then
+half a dozen ops of its own, so a GPU batch of 256 sampled rows cost 256 copies of a vocabulary
+of floats and some 1,500 small ops on the CPU every step (`kvctl bench sampler` compares the two).
+What a row computes does not depend on the rows beside it, so a token drawn in a batch is the
+token the same draw takes alone (a speculative draft's verdict draws its rows one at a time).
+`sampling_scores` is the reference of which tokens a row keeps and with what weight.
 """
 
 from __future__ import annotations
@@ -10,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -111,23 +124,85 @@ def _number(value) -> bool:
         and abs(value) != float("inf")
 
 
-def step_generator(seed: int, sample_index: int, step: int) -> torch.Generator:
-    digest = hashlib.sha256(b"kvctl/sample/v1" + struct.pack("<QQQ", seed, sample_index, step)).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+def step_uniform(seed: int, sample_index: int, step: int) -> float:
+    """The number in [0, 1) that draws token `step` of sample `sample_index` of a request seeded
+    `seed`: 53 bits of SHA-256 over the three (the same on every host and device)."""
+    digest = hashlib.sha256(b"kvctl/sample/v2" + struct.pack("<QQQ", seed, sample_index, step)).digest()
+    return (int.from_bytes(digest[:8], "little") >> 11) * 2.0 ** -53
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, sample_index: int,
-                 step: int) -> int:
-    """One token from float32 logits [vocab] under `params`."""
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(sampling_scores(logits, params), dim=-1)
-    return int(torch.multinomial(probs, 1, generator=step_generator(seed, sample_index, step)))
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """One token to draw: under `params`, as token `step` of sample `sample_index` of a request
+    seeded `seed` (step_uniform)."""
+
+    params: SamplingParams
+    seed: int
+    sample_index: int
+    step: int
+
+
+def draw_tokens(scores: torch.Tensor, draws: Sequence[Draw]) -> list[int]:
+    """The token of each draw, from the same row of `scores` [rows, vocab] (logits, adjusted where
+    a penalty or a grammar applies), in one batch of tensor ops on their device (module docstring):
+    the argmax where the temperature is 0; else the token at the draw's step_uniform in the row's
+    probabilities after its temperature, min_p, top_k and top_p (sampling_scores' kept tokens)."""
+    if len(draws) != scores.shape[0]:
+        raise ValueError(f"draws: {len(draws)} for {scores.shape[0]} rows of scores")
+    vocab = scores.shape[-1]
+    tokens = [0] * len(draws)
+    kinds = ["greedy" if d.params.temperature == 0 else
+             "cut" if d.params.top_p < 1.0 or 0 < d.params.top_k < vocab else "whole" for d in draws]
+    for kind in dict.fromkeys(kinds):  # greedy rows, rows top_k or top_p cut, the others: each in one go
+        rows = [i for i, k in enumerate(kinds) if k == kind]
+        part = scores if len(rows) == len(draws) else scores[torch.tensor(rows, device=scores.device)]
+        if kind == "greedy":
+            drawn = part.argmax(-1)
+        else:
+            table = torch.tensor([[d.params.temperature, d.params.min_p, d.params.top_k if 0 < d.params.top_k < vocab
+                                   else vocab, d.params.top_p, step_uniform(d.seed, d.sample_index, d.step)]
+                                  for d in (draws[i] for i in rows)], dtype=torch.float64)
+            drawn = _drawn(part, table.to(scores.device, torch.float32), cut=kind == "cut")
+        for i, token in zip(rows, drawn.tolist()):
+            tokens[i] = token
+    return tokens
+
+
+def _drawn(scores: torch.Tensor, table: torch.Tensor, cut: bool) -> torch.Tensor:
+    """The token of each row of `scores` [rows, vocab] under its row of `table` (temperature,
+    min_p, top_k, top_p, u): the first token whose cumulative weight (_weights) passes u times the
+    row's kept total."""
+    probs, order = _weights(scores, table, cut)
+    cumulative = torch.cumsum(probs, dim=-1)
+    position = torch.searchsorted(cumulative, table[:, 4:5] * cumulative[:, -1:], right=True)
+    # (u x total may round up to the total: the last token that may be drawn, never one left out)
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(-1, keepdim=True)
+    position = torch.minimum(position, last)
+    return (position if order is None else order.gather(-1, position))[:, 0]
+
+
+def _weights(scores: torch.Tensor, table: torch.Tensor, cut: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's weights (unnormalised probabilities; 0 for a token left out) after sampling_scores'
+    filters, in its order, on every row at once; with `cut` (some top_k or top_p), in descending
+    order of score, with that order (token ids), else in vocabulary order and None."""
+    temperature, min_p, top_k, top_p, _ = table.unbind(-1)
+    scores = scores.float() / temperature[:, None]
+    probs = torch.softmax(scores, dim=-1)
+    thin = probs < min_p[:, None] * probs.amax(-1, keepdim=True)  # min_p (0: nothing is below it)
+    if cut:  # top_k, then top_p, on the sorted row (sampling_scores' steps); drawn in that order
+        scores, order = torch.sort(scores.masked_fill(thin, float("-inf")), dim=-1, descending=True, stable=True)
+        scores = scores.masked_fill(scores < scores.gather(-1, top_k.long()[:, None] - 1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs
+        return probs.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1.0), 0.0), order
+    return probs.masked_fill(thin, 0.0), None
 
 
 def sampling_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The scores a token is drawn from: logits [vocab] over the temperature (> 0), with the
-    tokens `min_p`, `top_k` and `top_p` leave out at -inf (vLLM's order)."""
+    tokens `min_p`, `top_k` and `top_p` leave out at -inf (vLLM's order). The reference, row by
+    row, of what draw_tokens keeps (its tests hold it to this), and the baseline of `kvctl bench
+    sampler`."""
     scores = logits.float().cpu() / params.temperature
     if params.min_p > 0:
         probs = torch.softmax(scores, dim=-1)

@@ -1,0 +1,140 @@
+"""kvctl bench sampler: the step's sampled rows drawn together (kvd's `draw_tokens`) beside the
+same rows drawn one at a time on the host, as kvd drew them before (each row's logits copied there,
+then its own ops), timed in one process on the same logits.
+
+Rows of `--vocab` random logits (Llama 3's 128,256 by default), `--batch` of them at once, under a
+chat-like mix of settings: half `temperature 0.7, top_p 0.95`, half `temperature 1.0` alone (or
+every row one of those, `--mix`). Each batch is timed `--repeats` times per path, interleaved, and
+the median kept. The two paths draw different tokens (their randomness is used differently) from
+the same weights; the report checks that every batched token is one the row keeps.
+
+On a GPU the row-by-row path paid a copy to the host and a sync for every row: that is the
+figure this bench is for. On a CPU both run on the host, and the gain is the ops saved.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import UserError
+
+MIXES = ("mixed", "top-p", "plain")
+
+
+def per_row_draws(scores, draws) -> list[int]:
+    """kvd's draws before they were batched: each row alone on the host (sampling_scores copies it
+    there), a softmax and a multinomial with a generator seeded from the draw's step."""
+    import hashlib
+    import struct
+
+    import torch
+
+    from kvctl.daemon.engine.sampling import sampling_scores
+
+    tokens = []
+    for row, draw in zip(scores, draws):
+        digest = hashlib.sha256(b"kvctl/sample/v1" + struct.pack("<QQQ", draw.seed, draw.sample_index,
+                                                                  draw.step)).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        probs = torch.softmax(sampling_scores(row, draw.params), dim=-1)
+        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return tokens
+
+
+def _params(mix: str, rows: int):
+    from kvctl.daemon.engine.sampling import SamplingParams
+
+    nucleus, plain = SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0)
+    if mix == "top-p":
+        return [nucleus] * rows
+    if mix == "plain":
+        return [plain] * rows
+    return [nucleus if i % 2 == 0 else plain for i in range(rows)]
+
+
+def measure(vocab: int, batches: list[int], device: str, repeats: int, mix: str) -> dict:
+    """Median milliseconds per batch of each path, per batch size, on `device`."""
+    import torch
+
+    from kvctl.daemon.engine.sampling import Draw, draw_tokens, sampling_scores
+
+    def timed(call) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - began) * 1000
+
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in batches:
+        # logits shaped like a model's: a few likely tokens over a long tail
+        logits = (torch.randn(batch, vocab, generator=generator) * 2.5).to(device)
+        draws = [Draw(p, seed=i, sample_index=0, step=0) for i, p in enumerate(_params(mix, batch))]
+        batched, alone = [], []
+        for repeat in range(repeats + 1):  # the first of each is a warm-up, not kept
+            draws = [Draw(d.params, d.seed, 0, repeat) for d in draws]
+            took_batched, took_alone = timed(lambda: draw_tokens(logits, draws)), timed(
+                lambda: per_row_draws(logits, draws))
+            if repeat:
+                batched.append(took_batched)
+                alone.append(took_alone)
+        tokens = draw_tokens(logits, draws)
+        kept = all(sampling_scores(logits[i], d.params)[t] > float("-inf") for i, (t, d) in enumerate(zip(tokens, draws)))
+        rows.append({"batch": batch, "batched_ms": statistics.median(batched), "per_row_ms": statistics.median(alone),
+                     "speedup": statistics.median(alone) / statistics.median(batched), "tokens_kept": kept})
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return {"device": device, "device_name": name, "vocab": vocab, "mix": mix, "repeats": repeats,
+            "threads": torch.get_num_threads(), "rows": rows}
+
+
+def sampler_command(
+    vocab: int = typer.Option(128_256, "--vocab", help="Logits per row (Llama 3's vocabulary by default)."),
+    batch: str = typer.Option("1,16,64,256", "--batch", help="Rows drawn at once, comma-separated."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda where there is one), cpu or cuda."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed runs of each path per batch (the median is kept)."),
+    mix: str = typer.Option("mixed", "--mix", help="mixed (half top_p 0.95), top-p or plain (temperature alone)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """The step's sampled rows drawn together, beside the same rows drawn one at a time as before.
+
+    Example: kvctl bench sampler --batch 1,64,256 --device cuda
+    """
+    if vocab < 2:
+        raise UserError(f"vocab: must be >= 2, got {vocab}")
+    try:
+        batches = [int(b) for b in batch.split(",")]
+    except ValueError:
+        raise UserError(f"batch: expected numbers separated by commas, got {batch!r}") from None
+    if not batches or min(batches) < 1:
+        raise UserError(f"batch: each must be >= 1, got {batch!r}")
+    if repeats < 1:
+        raise UserError(f"repeats: must be >= 1, got {repeats}")
+    if mix not in MIXES:
+        raise UserError(f"mix: must be one of {', '.join(MIXES)}, got {mix!r}")
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"device: must be auto, cpu or cuda, got {device!r}")
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device: cuda asked for, but torch sees no CUDA device")
+    result = measure(vocab, batches, device, repeats, mix)
+    if as_json:
+        typer.echo(__import__("json").dumps(result, indent=2))
+        return
+    table = Table(title=f"sampled rows of {vocab:,} logits on {result['device_name']} ({mix}; median of {repeats})")
+    for column in ("batch", "batched ms", "row by row ms", "speedup", "tokens kept"):
+        table.add_column(column, justify="right")
+    for row in result["rows"]:
+        table.add_row(f"{row['batch']:,}", f"{row['batched_ms']:.2f}", f"{row['per_row_ms']:.2f}",
+                      f"{row['speedup']:.1f}x", "yes" if row["tokens_kept"] else "NO")
+    Console().print(table)
