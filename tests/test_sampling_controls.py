@@ -203,6 +203,38 @@ def test_logprobs_zero_reports_the_token_alone_and_no_request_without_them_pays(
     assert none.sequences[0].logprobs == [] and none.sequences[0].output_ids == zero.sequences[0].output_ids
 
 
+def test_logprobs_reported_for_a_batch_at_once_are_each_request_s_own(demo):
+    """The step reports the logprobs of every sample that asks, in one go: each request gets what
+    it gets alone (its own alternatives, n > 1 samples each their own token), and one that does
+    not ask gets none."""
+    from kvctl.policies.speculation import NgramSpeculation
+
+    prompts = [demo.tokenizer.encode(t) for t in ("blocks of the cache " * 3, "a pinned prefix", "evict it")]
+    asks = [SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2),
+            SamplingParams(max_tokens=16, temperature=0.9, seed=4, n=2, ignore_eos=True, logprobs=4),
+            SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True)]
+
+    def replies(engine, requests):
+        engine.run_until_done()
+        return [[(s.output_ids, s.logprobs) for s in r.sequences] for r in requests]
+
+    for speculation in (None, NgramSpeculation(2)):
+        engine = Engine(demo, EngineSettings(num_blocks=64, block_size=16, speculation=speculation))
+        together = replies(engine, [engine.add_request(p, a) for p, a in zip(prompts, asks)])
+        assert speculation is None or engine.speculator.stats.drafts > 0  # (verdicts report theirs too)
+        for prompt, ask, mine in zip(prompts, asks, together):
+            alone = Engine(demo, EngineSettings(num_blocks=64, block_size=16, speculation=speculation))
+            [theirs] = replies(alone, [alone.add_request(prompt, ask)])
+            assert [ids for ids, _ in mine] == [ids for ids, _ in theirs]
+            for (_, lps), (_, lps_alone) in zip(mine, theirs):
+                assert len(lps) == (0 if ask.logprobs is None else 16)
+                for (value, top), (value_alone, top_alone) in zip(lps, lps_alone):
+                    assert math.isclose(value, value_alone, abs_tol=1e-4) and len(top) == ask.logprobs
+                    assert [t for t, _ in top] == [t for t, _ in top_alone]
+        [first, second] = together[1]
+        assert first[0] != second[0] and all(top[0][1] >= lp for lp, top in first[1])
+
+
 # ---- prompt logprobs -----------------------------------------------------------------------------
 def prompt_reference(loaded, prompt):
     """Each prompt token's logprob given the tokens before it, recomputed without the cache."""

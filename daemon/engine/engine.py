@@ -1182,8 +1182,13 @@ class Engine:
             if seq.status is SeqStatus.PREFILL:
                 seq.status = SeqStatus.DECODE
             takers.append((seq, row, [seq] + self._fork_children(seq)))
-        tokens = iter(self._choose_all([(s, row, []) for _, row, samples in takers for s in samples], logits, greedy))
-        taking = iter(takers)
+        picks = [(s, row) for _, row, samples in takers for s in samples]
+        chosen = self._choose_all([(s, row, []) for s, row in picks], logits, greedy)
+        # the logprobs of those that ask for them, for all at once
+        asking = [(row, token, s.request.params.logprobs) for (s, row), token in zip(picks, chosen)
+                  if s.request.params.logprobs is not None]
+        reported = iter(_token_logprobs(logits, asking))
+        tokens, taking = iter(chosen), iter(takers)
         events: list[TokenEvent] = []
         for (seq, _), row in zip(plan, sample_rows):  # emitted in the plan's order
             if seq.draft:
@@ -1192,12 +1197,9 @@ class Engine:
             if row is None:
                 continue
             _, _, samples = next(taking)
-            params = seq.request.params
-            logprobs = None if params.logprobs is None else torch.log_softmax(logits[row].float(), dim=-1)
             for s in samples:
-                token = next(tokens)
-                events.append(self._emit(s, token, now, None if logprobs is None else
-                                         _token_logprobs(logprobs, token, params.logprobs)))
+                events.append(self._emit(s, next(tokens), now,
+                                         None if s.request.params.logprobs is None else next(reported)))
         return events
 
     def _choose_all(self, picks: list[tuple[Sequence, int, list[int]]], logits: torch.Tensor,
@@ -1264,11 +1266,10 @@ class Engine:
             self.cache.append_tokens(seq.seq_id, tokens[:-1])
         seq.num_computed += len(tokens)  # the token before the draft, and the accepted ones
         params = seq.request.params
+        reported = [None] * len(tokens) if params.logprobs is None else _token_logprobs(
+            logits, [(row + i, token, params.logprobs) for i, token in enumerate(tokens)])
         events = []
-        for i, token in enumerate(tokens):
-            logprob = None
-            if params.logprobs is not None:
-                logprob = _token_logprobs(torch.log_softmax(logits[row + i].float(), dim=-1), token, params.logprobs)
+        for i, (token, logprob) in enumerate(zip(tokens, reported)):
             # (its grammar took every token of the verdict as it was drawn: only the last can complete the shape)
             events.append(self._emit(seq, token, now, logprob, shape_read=i == len(tokens) - 1))
             if seq.status is SeqStatus.FINISHED:
@@ -1375,10 +1376,19 @@ class Engine:
         return text if seq.text_end is None else text[:seq.text_end]
 
 
-def _token_logprobs(logprobs: torch.Tensor, token: int, alternatives: int) -> tuple[float, tuple]:
-    """(the token's logprob, its `alternatives` most likely tokens with theirs) from a row's
-    log-softmax."""
-    if not alternatives:
-        return float(logprobs[token]), ()
-    values, ids = torch.topk(logprobs, alternatives)
-    return float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist()))
+def _token_logprobs(logits: torch.Tensor, asked: list[tuple[int, int, int]]) -> list[tuple[float, tuple]]:
+    """For each (row of `logits`, token, alternatives): the token's logprob under the row's
+    log-softmax and the row's `alternatives` most likely tokens with theirs, every row at once (a
+    fixed number of ops and copies to the host, where each row took its own and a sync or two)."""
+    if not asked:
+        return []
+    rows = torch.tensor([row for row, _, _ in asked], device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+    tokens = torch.tensor([token for _, token, _ in asked], device=logits.device)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+    ids = values = [[] for _ in asked]
+    most = max(k for _, _, k in asked)
+    if most:  # (topk's are in descending order: a row's first k are its k most likely)
+        top = torch.topk(logprobs, most)
+        ids, values = top.indices.tolist(), top.values.tolist()
+    return [(value, tuple(zip(ids[i][:k], values[i][:k]))) for i, (value, (_, _, k)) in enumerate(zip(chosen, asked))]
