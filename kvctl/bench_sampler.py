@@ -14,7 +14,10 @@ figure this bench is for. On a CPU both run on the host, and the gain is the ops
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
+import struct
 import time
 
 import typer
@@ -29,9 +32,6 @@ MIXES = ("mixed", "top-p", "plain")
 def per_row_draws(scores, draws) -> list[int]:
     """kvd's draws before they were batched: each row alone on the host (sampling_scores copies it
     there), a softmax and a multinomial with a generator seeded from the draw's step."""
-    import hashlib
-    import struct
-
     import torch
 
     from kvctl.daemon.engine.sampling import sampling_scores
@@ -129,7 +129,7 @@ def sampler_command(
         raise UserError("device: cuda asked for, but torch sees no CUDA device")
     result = measure(vocab, batches, device, repeats, mix)
     if as_json:
-        typer.echo(__import__("json").dumps(result, indent=2))
+        typer.echo(json.dumps(result, indent=2))
         return
     table = Table(title=f"sampled rows of {vocab:,} logits on {result['device_name']} ({mix}; median of {repeats})")
     for column in ("batch", "batched ms", "row by row ms", "speedup", "tokens kept"):
