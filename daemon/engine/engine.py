@@ -1220,7 +1220,9 @@ class Engine:
             scores = logits[row]
             if adjusts:
                 output = s.output_ids + ahead if ahead else s.output_ids
-                scores = adjust_logits(scores, params, s.request.prompt_ids, output, self.eos_ids)
+                prompt = s.request.prompt_tokens_on(scores.device) if params.repetition_penalty != 1.0 \
+                    else s.request.prompt_ids
+                scores = adjust_logits(scores, params, prompt, output, self.eos_ids)
             if shaped:
                 if s.grammar is None:  # compiled when the request was checked, else here
                     s.grammar = s.request.take_grammar(s.index) or self.grammar_vocabulary.follow(params.constraint)

@@ -25,10 +25,12 @@ import torch
 from .sampling import SamplingParams
 
 
-def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                  eos_ids: set[int]) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int] | torch.Tensor,
+                  output_ids: list[int], eos_ids: set[int]) -> torch.Tensor:
     """One sequence's next-token logits [vocab] after its penalties, bias and minimum length
-    (float32, a new tensor: the batch's logits are left as they are)."""
+    (float32, a new tensor: the batch's logits are left as they are). `prompt_ids`: the prompt's
+    ids, or a tensor of them (each once, on the logits' device: Request.prompt_tokens_on, made once
+    for the request, where a long prompt's set of ids made again at every step cost milliseconds)."""
     scores = logits.float().clone()
     device = scores.device  # the logits' (a GPU's, on CUDA): every index made here goes there
     if params.allowed_token_ids:
@@ -45,10 +47,13 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list
         scores.index_add_(0, ids, torch.tensor([bias for _, bias in params.logit_bias], dtype=torch.float32,
                                                device=device))
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids).union(output_ids)), dtype=torch.int64, device=device)
-        values = scores[seen]
-        scores[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                   values * params.repetition_penalty)
+        seen = torch.zeros(scores.shape[0], dtype=torch.bool, device=device)
+        seen[prompt_ids if isinstance(prompt_ids, torch.Tensor) else
+             torch.tensor(prompt_ids, dtype=torch.int64, device=device)] = True
+        if output_ids:
+            seen[torch.tensor(output_ids, dtype=torch.int64, device=device)] = True
+        penalty = params.repetition_penalty
+        scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
     if output_ids and (params.frequency_penalty or params.presence_penalty):
         counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64, device=device), minlength=scores.shape[0])
         scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)

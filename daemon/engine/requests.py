@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 from .sampling import SamplingParams
 
 
@@ -120,6 +122,15 @@ class Request:
     # that adapter as it was served when the request came (a LoraAdapter; None: the base model): a
     # reload that gives the name other weights, or takes it away, leaves the request on these
     lora: object | None = None
+    # the prompt's token ids, each once, as a tensor on the device of the logits that read them (the
+    # repetition penalty's, logits.adjust_logits): made at the first draw, not at every step
+    prompt_vocab: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def prompt_tokens_on(self, device) -> torch.Tensor:
+        """The prompt's token ids, each once, as an int64 tensor on `device` (made once)."""
+        if self.prompt_vocab is None or self.prompt_vocab.device != torch.device(device):
+            self.prompt_vocab = torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.int64, device=device)
+        return self.prompt_vocab
 
     def take_grammar(self, index: int):
         """Sample `index`'s start in its grammar, once (None: none was compiled for it)."""
