@@ -88,7 +88,7 @@ def test_preempted_sequences_with_drafts_recompute_to_the_same_replies(demo):
     SamplingParams(max_tokens=60, logit_bias=((5, 2.0),), min_tokens=20),
 ], ids=["sampled", "sampled-n2", "penalised", "biased"])
 def test_sampled_and_reshaped_requests_keep_their_replies_with_drafts(demo, params):
-    # each kept draft token is the sequence's own draw at its position (the same seeded generator,
+    # each kept draft token is the sequence's own draw at its position (the same seeded number,
     # after the same tokens): a sampled reply is the one it is without speculation
     plain, base = generate(demo, params)
     same, engine = generate(demo, params, NgramSpeculation(4))

@@ -12,8 +12,9 @@ OpenAI's and vLLM's fields, in vLLM's order:
 4. `frequency_penalty` and `presence_penalty` (OpenAI's): subtracted per occurrence in the output,
    and once for any occurrence.
 
-Then `sampling_scores` applies temperature, `min_p`, `top_k` and `top_p`, and a token is drawn (or
-the highest taken, when greedy). Each step depends only on the tokens so far, so a preempted and
+Then the draw (sampling.draw_tokens, with the step's other rows) applies temperature, `min_p`,
+`top_k` and `top_p` (`sampling_scores` is their row-by-row reference) and takes a token (or the
+highest, when greedy). Each step depends only on the tokens so far, so a preempted and
 recomputed sequence draws what it would have drawn. `logprobs` report the model's own distribution,
 before any of this, as vLLM reports it by default.
 """
