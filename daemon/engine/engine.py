@@ -1172,7 +1172,7 @@ class Engine:
     def _advance(self, plan, sample_rows, logits) -> list[TokenEvent]:
         now = self.clock()
         greedy = logits.argmax(-1).tolist()  # one call for the batch; sampled rows draw together
-        takers: list[tuple[Sequence, int, list[Sequence]]] = []  # (sequence, row, it and the samples it forked)
+        takers: list[tuple[int, list[Sequence]]] = []  # (row, the sequence and the samples it forked)
         for (seq, n), row in zip(plan, sample_rows):
             if seq.draft:  # its verdict (_verify) counts what it computed
                 continue
@@ -1181,8 +1181,8 @@ class Engine:
                 continue
             if seq.status is SeqStatus.PREFILL:
                 seq.status = SeqStatus.DECODE
-            takers.append((seq, row, [seq] + self._fork_children(seq)))
-        picks = [(s, row) for _, row, samples in takers for s in samples]
+            takers.append((row, [seq] + self._fork_children(seq)))
+        picks = [(s, row) for row, samples in takers for s in samples]
         chosen = self._choose_all([(s, row, []) for s, row in picks], logits, greedy)
         # the logprobs of those that ask for them, for all at once
         asking = [(row, token, s.request.params.logprobs) for (s, row), token in zip(picks, chosen)
@@ -1196,7 +1196,7 @@ class Engine:
                 continue
             if row is None:
                 continue
-            _, _, samples = next(taking)
+            _, samples = next(taking)
             for s in samples:
                 events.append(self._emit(s, next(tokens), now,
                                          None if s.request.params.logprobs is None else next(reported)))
