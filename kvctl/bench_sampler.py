@@ -4,7 +4,10 @@ then its own ops), timed in one process on the same logits.
 
 Rows of `--vocab` random logits (Llama 3's 128,256 by default), `--batch` of them at once, under a
 chat-like mix of settings: half `temperature 0.7, top_p 0.95`, half `temperature 1.0` alone (or
-every row one of those, `--mix`). Each batch is timed `--repeats` times per path, interleaved, and
+every row one of those, `--mix`; or `penalties`: every row at top_p 0.95 with OpenAI's frequency and
+presence penalties and a repetition penalty, over a prompt of 1,000 ids and a reply of 200 so far,
+each row's controls applied together by `adjust_rows` on one side and row by row by
+`adjust_logits` on the other, as kvd applied them before). Each batch is timed `--repeats` times per path, interleaved, and
 the median kept. The two paths draw different tokens (their randomness is used differently) from
 the same weights; the report checks that every batched token is one the row keeps.
 
@@ -26,7 +29,8 @@ from rich.table import Table
 
 from .errors import UserError
 
-MIXES = ("mixed", "top-p", "plain")
+MIXES = ("mixed", "top-p", "plain", "penalties")
+PENALISED_PROMPT, PENALISED_OUTPUT = 1_000, 200  # ids each penalised row has seen (--mix penalties)
 
 
 def per_row_draws(scores, draws) -> list[int]:
@@ -50,6 +54,9 @@ def _params(mix: str, rows: int):
     from kvctl.daemon.engine.sampling import SamplingParams
 
     nucleus, plain = SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0)
+    if mix == "penalties":
+        return [SamplingParams(temperature=0.7, top_p=0.95, frequency_penalty=0.5, presence_penalty=0.5,
+                               repetition_penalty=1.1)] * rows
     if mix == "top-p":
         return [nucleus] * rows
     if mix == "plain":
@@ -61,6 +68,7 @@ def measure(vocab: int, batches: list[int], device: str, repeats: int, mix: str)
     """Median milliseconds per batch of each path, per batch size, on `device`."""
     import torch
 
+    from kvctl.daemon.engine.logits import RowTokens, adjust_logits, adjust_rows
     from kvctl.daemon.engine.sampling import Draw, draw_tokens, sampling_scores
 
     def timed(call) -> float:
@@ -78,16 +86,28 @@ def measure(vocab: int, batches: list[int], device: str, repeats: int, mix: str)
         # logits shaped like a model's: a few likely tokens over a long tail
         logits = (torch.randn(batch, vocab, generator=generator) * 2.5).to(device)
         draws = [Draw(p, seed=i, sample_index=0, step=0) for i, p in enumerate(_params(mix, batch))]
+        seen = [RowTokens(d.params, torch.randint(0, vocab, (PENALISED_OUTPUT,), generator=generator).tolist(),
+                          torch.randint(0, vocab, (PENALISED_PROMPT,), generator=generator).unique().to(device))
+                for d in draws] if mix == "penalties" else None
+
+        def adjusted_together():  # the step's copy of its rows, as the engine makes it
+            return logits if seen is None else adjust_rows(logits.clone(), seen, set())
+
+        def adjusted_alone():
+            return logits if seen is None else torch.stack([adjust_logits(logits[i], r.params, r.prompt, r.output, set())
+                                                            for i, r in enumerate(seen)])
+
         batched, alone = [], []
         for repeat in range(repeats + 1):  # the first of each is a warm-up, not kept
             draws = [Draw(d.params, d.seed, 0, repeat) for d in draws]
-            took_batched, took_alone = timed(lambda: draw_tokens(logits, draws)), timed(
-                lambda: per_row_draws(logits, draws))
+            took_batched, took_alone = timed(lambda: draw_tokens(adjusted_together(), draws)), timed(
+                lambda: per_row_draws(adjusted_alone(), draws))
             if repeat:
                 batched.append(took_batched)
                 alone.append(took_alone)
-        tokens = draw_tokens(logits, draws)
-        kept = all(sampling_scores(logits[i], d.params)[t] > float("-inf") for i, (t, d) in enumerate(zip(tokens, draws)))
+        scores = adjusted_together()
+        tokens = draw_tokens(scores, draws)
+        kept = all(sampling_scores(scores[i], d.params)[t] > float("-inf") for i, (t, d) in enumerate(zip(tokens, draws)))
         rows.append({"batch": batch, "batched_ms": statistics.median(batched), "per_row_ms": statistics.median(alone),
                      "speedup": statistics.median(alone) / statistics.median(batched), "tokens_kept": kept})
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -100,7 +120,8 @@ def sampler_command(
     batch: str = typer.Option("1,16,64,256", "--batch", help="Rows drawn at once, comma-separated."),
     device: str = typer.Option("auto", "--device", help="auto (cuda where there is one), cpu or cuda."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs of each path per batch (the median is kept)."),
-    mix: str = typer.Option("mixed", "--mix", help="mixed (half top_p 0.95), top-p or plain (temperature alone)."),
+    mix: str = typer.Option("mixed", "--mix", help="mixed (half top_p 0.95), top-p, plain (temperature alone) "
+                            "or penalties (top_p 0.95 and frequency, presence and repetition penalties)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """The step's sampled rows drawn together, beside the same rows drawn one at a time as before.

@@ -120,11 +120,16 @@ def test_kvctl_bench_sampler_times_both_paths_on_the_same_rows_and_checks_the_to
     assert [r["batch"] for r in body["rows"]] == [2, 8] and all(r["tokens_kept"] for r in body["rows"])
     assert all(r["batched_ms"] > 0 and r["per_row_ms"] > 0 and
                r["speedup"] == pytest.approx(r["per_row_ms"] / r["batched_ms"]) for r in body["rows"])
+    status, out, _ = cli(capsys, "bench", "sampler", "--vocab", "5000", "--batch", "3", "--repeats", "1",
+                         "--device", "cpu", "--mix", "penalties", "--json")
+    body = json.loads(out)  # every row penalised: adjusted together on one side, row by row on the other
+    assert status == 0 and body["mix"] == "penalties" and [r["batch"] for r in body["rows"]] == [3]
+    assert body["rows"][0]["tokens_kept"]
     status, out, _ = cli(capsys, "bench", "sampler", "--vocab", "500", "--batch", "4", "--repeats", "1")
     assert status == 0 and "sampled rows of 500 logits on cpu (mixed; median of 1)" in out and "yes" in out
     for args, said in ((["--batch", "4,x"], "batch: expected numbers separated by commas, got '4,x'"),
                        (["--batch", "0"], "batch: each must be >= 1, got '0'"),
-                       (["--mix", "hot"], "mix: must be one of mixed, top-p, plain, got 'hot'"),
+                       (["--mix", "hot"], "mix: must be one of mixed, top-p, plain, penalties, got 'hot'"),
                        (["--vocab", "1"], "vocab: must be >= 2, got 1"),
                        (["--repeats", "0"], "repeats: must be >= 1, got 0"),
                        (["--device", "tpu"], "device: must be auto, cpu or cuda, got 'tpu'")):

@@ -13,7 +13,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
 from kvctl.daemon.engine.engine import Engine, EngineSettings  # noqa: E402
-from kvctl.daemon.engine.logits import adjust_logits  # noqa: E402
+from kvctl.daemon.engine.logits import RowTokens, adjust_logits, adjust_rows  # noqa: E402
 from kvctl.daemon.engine.sampling import RequestError, SamplingParams, sampling_scores  # noqa: E402
 from kvctl.daemon.model.demo import ensure_demo_checkpoint  # noqa: E402
 from kvctl.daemon.model.llama import load_model  # noqa: E402
@@ -85,6 +85,70 @@ def test_min_tokens_bans_eos_and_stop_token_ids_until_the_output_is_long_enough(
     assert adjust_logits(logits, params, [], [2, 2], {1}).tolist() == [1.0, 52.0, 3.0, 4.0]
     ignoring = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(0,), ignore_eos=True)
     assert adjust_logits(logits, ignoring, [], [], {1}).tolist() == [INF, 2.0, 3.0, 4.0]
+
+
+def _random_rows(rng, vocab: int, count: int):
+    """`count` rows of settings drawn at random: each control on or off, prompts and outputs of ids."""
+    rows = []
+    for _ in range(count):
+        fields = {}
+        if rng.random() < 0.3:
+            fields["allowed_token_ids"] = tuple(rng.sample(range(vocab), rng.randint(1, 20)))
+        if rng.random() < 0.4:
+            fields["min_tokens"] = rng.randint(0, 6)
+        if rng.random() < 0.3:
+            fields["stop_token_ids"] = tuple(rng.sample(range(vocab), 2))
+        if rng.random() < 0.2:
+            fields["ignore_eos"] = True
+        if rng.random() < 0.4:
+            fields["logit_bias"] = tuple((t, rng.uniform(-100, 100)) for t in rng.sample(range(vocab), 5))
+        if rng.random() < 0.5:
+            fields["repetition_penalty"] = rng.uniform(0.5, 2.0)
+        if rng.random() < 0.5:
+            fields["frequency_penalty"] = rng.uniform(-2.0, 2.0)
+        if rng.random() < 0.5:
+            fields["presence_penalty"] = rng.uniform(-2.0, 2.0)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        output = [rng.randrange(vocab) for _ in range(rng.randint(0, 10))]
+        rows.append((SamplingParams(**fields), prompt, output))
+    return rows
+
+
+def _row_tokens(params, prompt, output, device="cpu") -> RowTokens:
+    made = torch.tensor(sorted(set(prompt)), dtype=torch.int64, device=device)
+    return RowTokens(params, output, made if params.repetition_penalty != 1.0 else None)
+
+
+def test_a_step_s_rows_adjusted_together_equal_each_adjusted_alone_value_for_value():
+    """adjust_rows (every control of the step's rows in a few ops) against adjust_logits, its
+    row-by-row reference: the same float32 numbers, so the same tokens are drawn."""
+    import random
+
+    rng = random.Random(0)
+    eos = {1, 2}
+    for _ in range(120):
+        rows = _random_rows(rng, 500, rng.randint(1, 8))
+        logits = torch.randn(len(rows), 500) * 3
+        alone = torch.stack([adjust_logits(logits[i], params, prompt, output, eos)
+                             for i, (params, prompt, output) in enumerate(rows)])
+        scores = logits.clone()
+        together = adjust_rows(scores, [_row_tokens(*row) for row in rows], eos)
+        assert together is scores  # in place: the caller's copy of the step's rows
+        assert torch.equal(together, alone), rows
+
+
+def test_rows_adjusted_together_make_every_index_on_the_logits_device():
+    """On the meta device (a stand-in for a GPU: an op that mixes it with a host tensor fails), every
+    control runs; with a prompt's ids left on the host, the repetition penalty fails at once."""
+    params = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=5,
+                            logit_bias=((3, 1.0),), allowed_token_ids=(1, 2, 3), stop_token_ids=(4,))
+    rows = [RowTokens(params, [1, 2, 3], torch.tensor([4, 5], device="meta")), RowTokens(SamplingParams(), []),
+            RowTokens(SamplingParams(min_tokens=3, repetition_penalty=2.0), [7], torch.tensor([9], device="meta"))]
+    assert adjust_rows(torch.zeros(3, 50, device="meta"), rows, {0}).device.type == "meta"
+    with pytest.raises(RuntimeError):
+        adjust_rows(torch.zeros(1, 50, device="meta"), [RowTokens(params, [1], torch.tensor([4]))], {0})
+    with pytest.raises(ValueError, match=r"rows: 2 for scores of shape \(3, 50\)"):
+        adjust_rows(torch.zeros(3, 50), rows[:2], {0})
 
 
 def test_min_p_drops_tokens_under_that_fraction_of_the_most_likely_one():
@@ -188,6 +252,39 @@ def test_penalised_sampling_is_unchanged_by_preemption_and_forks(demo):
             for (lx, _), (ly, _) in zip(x.logprobs, y.logprobs):
                 assert math.isclose(lx, ly, abs_tol=1e-4)
     assert len({tuple(s.output_ids) for r in wide for s in r.sequences}) == 8  # samples differ
+
+
+def test_requests_with_every_control_take_in_one_batch_the_tokens_each_takes_alone(demo):
+    """A step adjusts its rows together (logits.adjust_rows) and masks them to their grammars
+    together: greedy and sampled rows, penalised, biased, limited, shaped or plain, beside each
+    other, take what each takes when it runs alone."""
+    pytest.importorskip("llguidance")
+    from kvctl.daemon.engine.structured import Constraint
+
+    tokens = demo.tokenizer.encode("the cache, the blocks and the pins of the cache")
+    settings = [
+        dict(repetition_penalty=1.3),
+        dict(temperature=0.9, seed=1, frequency_penalty=0.8, presence_penalty=0.4),
+        dict(temperature=1.0, seed=2, constraint=Constraint.regex("[a-z]{3,8}", "guided_regex")),
+        dict(temperature=0.8, seed=3, top_p=0.9),
+        dict(),
+        dict(constraint=Constraint.choice(["device", "host", "disk"], "guided_choice")),
+        dict(temperature=1.0, seed=4, allowed_token_ids=tuple(tokens), logit_bias=((tokens[1], 3.0),), min_tokens=3,
+             repetition_penalty=0.8, n=2),
+    ]
+    params = [SamplingParams(max_tokens=10, ignore_eos="constraint" not in fields, **fields) for fields in settings]
+    prompts = [demo.tokenizer.encode(f"request {i}: where is it?") for i in range(len(params))]
+    engine = Engine(demo, EngineSettings(num_blocks=128, block_size=16))
+    together = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    engine.run_until_done()
+    for prompt, p, batched in zip(prompts, params, together):
+        engine = Engine(demo, EngineSettings(num_blocks=128, block_size=16))
+        alone = engine.add_request(prompt, p)
+        engine.run_until_done()
+        assert [s.output_ids for s in alone.sequences] == [s.output_ids for s in batched.sequences], p
+    shaped = demo.tokenizer.decode(together[5].sequences[0].output_ids)
+    assert shaped in ("device", "host", "disk")
+    assert set(together[6].sequences[0].output_ids) <= set(tokens)
 
 
 # ---- logprobs ------------------------------------------------------------------------------------

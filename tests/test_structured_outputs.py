@@ -244,6 +244,24 @@ def test_the_mask_leaves_allowed_scores_as_they_were_and_the_rest_at_minus_infin
     assert state.done
 
 
+def test_a_grammar_s_mask_made_on_the_host_applies_to_logits_on_the_device(kvd):
+    """The mask comes from the matcher on the host; logits on a GPU took it as it was and failed (a
+    host tensor beside a device one). The meta device stands in for the GPU here."""
+    import torch
+
+    from kvctl.daemon.engine.structured import Constraint
+
+    service, _ = kvd
+    state = service.engine.grammar_vocabulary.follow(Constraint.choice(["ab", "ac"], "guided_choice"))
+    assert state.mask().device.type == "cpu" and int(state.mask().sum()) == 1
+    masked = state.masked(torch.zeros(state.vocabulary.vocab_size, device="meta"))
+    assert masked.device.type == "meta" and masked.shape == (state.vocabulary.vocab_size,)
+    thinking = gated(service, None)
+    assert thinking.mask() is None  # while the reply thinks, any token may come
+    scores = torch.randn(thinking.vocabulary.vocab_size)
+    assert thinking.masked(scores) is scores
+
+
 # ---- a reasoning model thinks first; the shape holds its answer ------------------------------------
 def gated(service, opens):
     from dataclasses import replace

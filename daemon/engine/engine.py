@@ -51,7 +51,7 @@ from ..model.llama import ForwardBatch, LoadedModel, StagedWeights
 from ..model.memory import caches_released, release_caches, restore_caches
 from ..model.tokenizer import first_outside_vocab
 from . import prefix_fetch
-from .logits import adjust_logits
+from .logits import RowTokens, adjust_rows
 from .requests import Request, RequestMetrics, Sequence, SeqStatus
 from .sampling import ContextLengthExceeded, Draw, RequestError, SamplingParams, draw_tokens
 from .speculative import Speculator
@@ -1207,38 +1207,64 @@ class Engine:
         """The token each pick (sample `s`, row of the step's logits, `ahead`: tokens this step
         chose for it before this row and has not emitted yet) takes: the batch's argmax where
         nothing reshapes a greedy choice (no tensor op per row: each costs µs on a CPU, a launch
-        on a GPU); else its row, adjusted and masked by its grammar (which takes the token) where
-        those apply, drawn with the others in one draw_tokens call (sampling.py)."""
+        on a GPU); else its row, copied out with the others that draw, adjusted (logits.adjust_rows)
+        and masked by its grammar, which then takes the token, where those apply, each for all
+        its rows at once, then drawn in one draw_tokens call (sampling.py)."""
         tokens: list[int | None] = []
-        rows, draws = [], []
-        for s, row, ahead in picks:
+        drawing: list[int] = []  # the picks that draw, in order
+        for i, (s, row, _) in enumerate(picks):
             params = s.request.params
-            adjusts, shaped = params.adjusts_logits, params.constraint is not None
-            if params.temperature == 0 and not adjusts and not shaped:
+            if params.temperature == 0 and not params.adjusts_logits and params.constraint is None:
                 tokens.append(greedy[row])
                 continue
-            scores = logits[row]
-            if adjusts:
-                output = s.output_ids + ahead if ahead else s.output_ids
-                prompt = s.request.prompt_tokens_on(scores.device) if params.repetition_penalty != 1.0 \
-                    else s.request.prompt_ids
-                scores = adjust_logits(scores, params, prompt, output, self.eos_ids)
-            if shaped:
-                if s.grammar is None:  # compiled when the request was checked, else here
-                    s.grammar = s.request.take_grammar(s.index) or self.grammar_vocabulary.follow(params.constraint)
-                scores = s.grammar.masked(scores)
             tokens.append(None)
-            rows.append(scores)
-            draws.append(Draw(params, s.request.seed, s.index, len(s.output_ids) + len(ahead)))
-        if draws:
-            if len({(r.dtype, r.device) for r in rows}) > 1:  # (an adjusted row may be float32 beside bf16 logits)
-                rows = [r.to(logits.device, torch.float32) for r in rows]
-            drawn = iter(draw_tokens(torch.stack(rows), draws))
+            drawing.append(i)
+        if drawing:
+            device = logits.device
+            scores = logits[torch.tensor([picks[i][1] for i in drawing], device=device)].float()
+            self._adjust(scores, [picks[i] for i in drawing])
+            self._mask_to_grammars(scores, [picks[i] for i in drawing])
+            drawn = iter(draw_tokens(scores, [
+                Draw(s.request.params, s.request.seed, s.index, len(s.output_ids) + len(ahead))
+                for s, _, ahead in (picks[i] for i in drawing)]))
             tokens = [next(drawn) if t is None else t for t in tokens]
         for (s, _, _), token in zip(picks, tokens):
             if s.request.params.constraint is not None:
                 s.grammar.consume(token)
         return tokens
+
+    def _adjust(self, scores: torch.Tensor, picks: list[tuple[Sequence, int, list[int]]]) -> None:
+        """The penalties, bias and minimum length of the picks whose requests set them, on their
+        rows of `scores` (one per pick), after each one's output and `ahead` (adjust_rows touches
+        only the ids a row's controls name: the other rows cost nothing)."""
+        if not any(s.request.params.adjusts_logits for s, _, _ in picks):
+            return
+        adjust_rows(scores, [RowTokens(s.request.params, s.output_ids + ahead if ahead else s.output_ids,
+                                       s.request.prompt_tokens_on(scores.device)
+                                       if s.request.params.repetition_penalty != 1.0 else None)
+                             for s, _, ahead in picks], self.eos_ids)
+
+    def _mask_to_grammars(self, scores: torch.Tensor, picks: list[tuple[Sequence, int, list[int]]]) -> None:
+        """The tokens each pick's grammar leaves out, at -inf on its row of `scores`: the step's
+        masks made on the host, copied to the logits' device together and applied in one op."""
+        masks: dict[int, torch.Tensor] = {}
+        for i, (s, _, _) in enumerate(picks):
+            params = s.request.params
+            if params.constraint is None:
+                continue
+            if s.grammar is None:  # compiled when the request was checked, else here
+                s.grammar = s.request.take_grammar(s.index) or self.grammar_vocabulary.follow(params.constraint)
+            allowed = s.grammar.mask()
+            if allowed is not None:
+                masks[i] = allowed
+        if not masks:
+            return
+        allowed = torch.stack(list(masks.values())).to(scores.device)
+        if len(masks) == len(picks):
+            scores.masked_fill_(~allowed, float("-inf"))
+            return
+        at = torch.tensor(list(masks), device=scores.device)
+        scores[at] = scores[at].masked_fill(~allowed, float("-inf"))
 
     def _choose(self, s: Sequence, logits: torch.Tensor, row: int, greedy: list[int], ahead: list[int] = ()) -> int:
         """The token sample `s` takes from row `row` of the step's logits, after its output and

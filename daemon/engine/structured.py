@@ -226,22 +226,30 @@ class GrammarState:
         bits = numpy.unpackbits(packed, count=self.vocabulary.vocab_size, bitorder="little")
         return torch.from_numpy(bits.view(numpy.bool_))
 
-    def masked(self, scores: torch.Tensor) -> torch.Tensor:
-        """`scores` [vocab] with the tokens that cannot continue the grammar at -inf; where none can
-        (a grammar in error), only the EOS tokens are left, so the sample ends. While thinking, as
-        they are; while the reply may still open its thinking, the grammar's or the opening's."""
+    def mask(self) -> torch.Tensor | None:
+        """bool [vocab] on the host: the tokens that may come next, or None where any may. The
+        grammar's, and where none can continue it (a grammar in error) the EOS tokens alone, so the
+        sample ends. While thinking, None; while the reply may still open its thinking, the
+        grammar's or the opening's. The engine applies the masks of a step's rows together."""
         if self.phase == "thinking":
-            return scores
+            return None
         if self.phase == "opening":
             allowed = self.vocabulary.openers(self.opens[len(self.text):]) | self._answer_after_held()
         else:
             allowed = self.allowed()
         if not bool(allowed.any()):
             if not self.vocabulary.eos_ids:
-                return scores
+                return None
             allowed = allowed.clone()
             allowed[self.vocabulary.eos_ids] = True
-        return torch.where(allowed, scores.float(), float("-inf"))
+        return allowed
+
+    def masked(self, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` [vocab] (float32, on any device) with the tokens `mask` leaves out at -inf."""
+        allowed = self.mask()
+        if allowed is None:
+            return scores
+        return torch.where(allowed.to(scores.device), scores.float(), float("-inf"))
 
     def _answer_after_held(self) -> torch.Tensor:
         """While the reply may still open its thinking: the tokens that would go on with the shape
