@@ -30,7 +30,8 @@ def demo(tmp_path_factory):
 
 def run(loaded, prompts, params, num_blocks=64, **settings):
     engine = Engine(loaded, EngineSettings(num_blocks=num_blocks, block_size=16, **settings))
-    requests = [engine.add_request(list(p), params) for p in prompts]
+    each = params if isinstance(params, list) else [params] * len(prompts)  # (one for all, or one each)
+    requests = [engine.add_request(list(p), q) for p, q in zip(prompts, each)]
     for _ in range(10_000):
         if not engine.has_work():
             break
@@ -254,14 +255,13 @@ def test_penalised_sampling_is_unchanged_by_preemption_and_forks(demo):
     assert len({tuple(s.output_ids) for r in wide for s in r.sequences}) == 8  # samples differ
 
 
-def test_requests_with_every_control_take_in_one_batch_the_tokens_each_takes_alone(demo):
-    """A step adjusts its rows together (logits.adjust_rows) and masks them to their grammars
-    together: greedy and sampled rows, penalised, biased, limited, shaped or plain, beside each
-    other, take what each takes when it runs alone."""
+def every_control(loaded):
+    """Seven requests, greedy and sampled, penalised, biased, limited, held to a regex or a choice,
+    one of them n=2: (prompts, params)."""
     pytest.importorskip("llguidance")
     from kvctl.daemon.engine.structured import Constraint
 
-    tokens = demo.tokenizer.encode("the cache, the blocks and the pins of the cache")
+    tokens = loaded.tokenizer.encode("the cache, the blocks and the pins of the cache")
     settings = [
         dict(repetition_penalty=1.3),
         dict(temperature=0.9, seed=1, frequency_penalty=0.8, presence_penalty=0.4),
@@ -273,18 +273,21 @@ def test_requests_with_every_control_take_in_one_batch_the_tokens_each_takes_alo
              repetition_penalty=0.8, n=2),
     ]
     params = [SamplingParams(max_tokens=10, ignore_eos="constraint" not in fields, **fields) for fields in settings]
-    prompts = [demo.tokenizer.encode(f"request {i}: where is it?") for i in range(len(params))]
-    engine = Engine(demo, EngineSettings(num_blocks=128, block_size=16))
-    together = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
-    engine.run_until_done()
+    return [loaded.tokenizer.encode(f"request {i}: where is it?") for i in range(len(params))], params
+
+
+def test_requests_with_every_control_take_in_one_batch_the_tokens_each_takes_alone(demo):
+    """A step adjusts its rows together (logits.adjust_rows) and masks them to their grammars
+    together: greedy and sampled rows, penalised, biased, limited, shaped or plain, beside each
+    other, take what each takes when it runs alone."""
+    prompts, params = every_control(demo)
+    _, together = run(demo, prompts, params, num_blocks=128)
     for prompt, p, batched in zip(prompts, params, together):
-        engine = Engine(demo, EngineSettings(num_blocks=128, block_size=16))
-        alone = engine.add_request(prompt, p)
-        engine.run_until_done()
+        _, (alone,) = run(demo, [prompt], p, num_blocks=128)
         assert [s.output_ids for s in alone.sequences] == [s.output_ids for s in batched.sequences], p
-    shaped = demo.tokenizer.decode(together[5].sequences[0].output_ids)
-    assert shaped in ("device", "host", "disk")
-    assert set(together[6].sequences[0].output_ids) <= set(tokens)
+    assert demo.tokenizer.decode(together[5].sequences[0].output_ids) in ("device", "host", "disk")
+    assert set(together[6].sequences[0].output_ids) <= set(prompts[6] + demo.tokenizer.encode(
+        "the cache, the blocks and the pins of the cache"))
 
 
 # ---- logprobs ------------------------------------------------------------------------------------
@@ -412,3 +415,19 @@ def test_the_controls_and_logprobs_run_on_the_gpu_as_on_the_cpu(demo):
     assert len(on_gpu.prompt_logprobs) == len(prompt) - 1
     for (a, _, _), (b, _, _) in zip(on_cpu.prompt_logprobs, on_gpu.prompt_logprobs):
         assert math.isclose(a, b, abs_tol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_control_and_grammar_runs_in_one_batch_on_the_gpu_as_on_the_cpu(demo):
+    """The step's adjusted rows, grammar masks (made on the host) and draws, on the GPU, with and
+    without prompt-lookup speculation: the tokens the CPU takes."""
+    from kvctl.policies.speculation import NgramSpeculation
+
+    gpu = load_model(demo.path, device="cuda")
+    prompts, params = every_control(demo)
+    _, on_cpu = run(demo, prompts, params, num_blocks=128)
+    for speculation in (None, NgramSpeculation(2)):
+        _, on_gpu = run(gpu, prompts, params, num_blocks=128, speculation=speculation)
+        for a, b in zip(on_cpu, on_gpu):
+            assert [s.output_ids for s in a.sequences] == [s.output_ids for s in b.sequences], a.params
