@@ -86,6 +86,58 @@ def test_a_draw_at_the_top_of_u_never_takes_a_token_left_out(monkeypatch):
         "-inf")
 
 
+def shaped_rows(rows: int, seed: int) -> dict[str, torch.Tensor]:
+    """Rows of VOCAB logits in three shapes: a model's long tail (the r-th likeliest token at
+    -1.2 ln r), flat (normal), and integers 0..5 (ties at every boundary)."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.stack([torch.randperm(VOCAB, generator=g) for _ in range(rows)]) + 1
+    return {"tail": -1.2 * ranks.float().log(), "flat": torch.randn(rows, VOCAB, generator=g),
+            "ties": torch.randint(0, 6, (rows, VOCAB), generator=g).float()}
+
+
+CUT = [SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0, top_p=0.5),
+       SamplingParams(temperature=0.5, top_k=20), SamplingParams(temperature=1.3, top_k=40, top_p=0.9),
+       SamplingParams(temperature=1.0, min_p=0.05, top_p=0.8), SamplingParams(temperature=1.0, top_k=100)]
+
+
+def test_a_cut_row_found_in_its_window_keeps_the_whole_sort_s_tokens_and_weights():
+    """_window_weights looks for a cut row's kept tokens among its `window` highest scores: where it
+    says the window holds them all, they and their weights are the whole sort's (_weights); where it
+    does not (a flat row's nucleus, ties at the window's edge, a top_k wider than the window), the
+    row is sorted whole. Every shape here has rows of each kind."""
+    window, found = 32, {"whole": 0, "spilled": 0}
+    for shape, rows in shaped_rows(len(CUT) * 4, seed=2).items():
+        table = torch.cat([table_of(CUT[i % len(CUT)], u=0.5) for i in range(rows.shape[0])])
+        probs, ids, whole = sampling._window_weights(rows, table, window)
+        full, order = sampling._weights(rows, table, cut=True)
+        full = torch.zeros_like(full).scatter(-1, order, full)
+        for i in range(rows.shape[0]):
+            found["whole" if whole[i] else "spilled"] += 1
+            if not whole[i]:
+                continue
+            mine = torch.zeros(VOCAB).scatter(0, ids[i], probs[i])
+            assert torch.equal(mine > 0, full[i] > 0), (shape, CUT[i % len(CUT)])
+            torch.testing.assert_close(mine / mine.sum(), full[i] / full[i].sum(), rtol=1e-5, atol=1e-7)
+        if shape == "ties":  # 300 integers of 6 values: every window's edge is a tie
+            assert not any(whole[i] for i in range(rows.shape[0]) if CUT[i % len(CUT)].top_p < 0.9)
+    assert found["whole"] > 10 and found["spilled"] > 10, found
+    wide = table_of(SamplingParams(temperature=1.0, top_k=window + 1))  # wider than the window: sorted whole
+    assert not sampling._window_weights(shaped_rows(1, seed=3)["tail"], wide, window)[2][0]
+
+
+def test_draws_through_the_window_take_the_tokens_the_whole_sort_takes():
+    """The same u, the same token, whether the row was resolved in a window of 32 or sorted whole,
+    in every shape, and alone as in the batch."""
+    for seed in range(3):
+        for shape, rows in shaped_rows(len(CUT) * 5, seed=seed).items():
+            draws = [Draw(CUT[i % len(CUT)], seed=seed, sample_index=0, step=i) for i in range(rows.shape[0])]
+            windowed = draw_tokens(rows, draws, window=32)
+            assert windowed == draw_tokens(rows, draws, window=VOCAB), shape
+            assert windowed == [draw_tokens(rows[i:i + 1], [d], window=32)[0] for i, d in enumerate(draws)]
+            assert all(sampling_scores(rows[i], d.params)[t] > float("-inf")
+                       for i, (t, d) in enumerate(zip(windowed, draws)))
+
+
 def test_step_uniform_is_fixed_by_seed_sample_and_step_and_spread_over_0_1():
     assert step_uniform(3, 0, 7) == step_uniform(3, 0, 7)
     values = [step_uniform(3, i, t) for i in range(2) for t in range(2000)]
@@ -120,16 +172,20 @@ def test_kvctl_bench_sampler_times_both_paths_on_the_same_rows_and_checks_the_to
     assert [r["batch"] for r in body["rows"]] == [2, 8] and all(r["tokens_kept"] for r in body["rows"])
     assert all(r["batched_ms"] > 0 and r["per_row_ms"] > 0 and
                r["speedup"] == pytest.approx(r["per_row_ms"] / r["batched_ms"]) for r in body["rows"])
+    assert body["logits"] == "zipf" and body["window"] == sampling.WINDOW
+    assert all(r["whole_sort_ms"] > 0 for r in body["rows"])  # the draw with no window, timed beside it
     status, out, _ = cli(capsys, "bench", "sampler", "--vocab", "5000", "--batch", "3", "--repeats", "1",
-                         "--device", "cpu", "--mix", "penalties", "--json")
+                         "--device", "cpu", "--mix", "penalties", "--logits", "normal", "--json")
     body = json.loads(out)  # every row penalised: adjusted together on one side, row by row on the other
-    assert status == 0 and body["mix"] == "penalties" and [r["batch"] for r in body["rows"]] == [3]
+    assert status == 0 and (body["mix"], body["logits"]) == ("penalties", "normal")
+    assert [r["batch"] for r in body["rows"]] == [3]
     assert body["rows"][0]["tokens_kept"]
     status, out, _ = cli(capsys, "bench", "sampler", "--vocab", "500", "--batch", "4", "--repeats", "1")
-    assert status == 0 and "sampled rows of 500 logits on cpu (mixed; median of 1)" in out and "yes" in out
+    assert status == 0 and "sampled rows of 500 zipf logits on cpu (mixed; median of 1)" in out and "yes" in out
     for args, said in ((["--batch", "4,x"], "batch: expected numbers separated by commas, got '4,x'"),
                        (["--batch", "0"], "batch: each must be >= 1, got '0'"),
                        (["--mix", "hot"], "mix: must be one of mixed, top-p, plain, penalties, got 'hot'"),
+                       (["--logits", "flat"], "logits: must be one of zipf, normal, got 'flat'"),
                        (["--vocab", "1"], "vocab: must be >= 2, got 1"),
                        (["--repeats", "0"], "repeats: must be >= 1, got 0"),
                        (["--device", "tpu"], "device: must be auto, cpu or cuda, got 'tpu'")):

@@ -256,8 +256,8 @@ def test_penalised_sampling_is_unchanged_by_preemption_and_forks(demo):
 
 
 def every_control(loaded):
-    """Seven requests, greedy and sampled, penalised, biased, limited, held to a regex or a choice,
-    one of them n=2: (prompts, params)."""
+    """Eight requests, greedy and sampled, penalised, biased, limited, cut by top_p or top_k, held
+    to a regex or a choice, one of them n=2: (prompts, params)."""
     pytest.importorskip("llguidance")
     from kvctl.daemon.engine.structured import Constraint
 
@@ -267,6 +267,7 @@ def every_control(loaded):
         dict(temperature=0.9, seed=1, frequency_penalty=0.8, presence_penalty=0.4),
         dict(temperature=1.0, seed=2, constraint=Constraint.regex("[a-z]{3,8}", "guided_regex")),
         dict(temperature=0.8, seed=3, top_p=0.9),
+        dict(temperature=1.2, seed=5, top_k=5, top_p=0.95),
         dict(),
         dict(constraint=Constraint.choice(["device", "host", "disk"], "guided_choice")),
         dict(temperature=1.0, seed=4, allowed_token_ids=tuple(tokens), logit_bias=((tokens[1], 3.0),), min_tokens=3,
@@ -285,9 +286,30 @@ def test_requests_with_every_control_take_in_one_batch_the_tokens_each_takes_alo
     for prompt, p, batched in zip(prompts, params, together):
         _, (alone,) = run(demo, [prompt], p, num_blocks=128)
         assert [s.output_ids for s in alone.sequences] == [s.output_ids for s in batched.sequences], p
-    assert demo.tokenizer.decode(together[5].sequences[0].output_ids) in ("device", "host", "disk")
-    assert set(together[6].sequences[0].output_ids) <= set(prompts[6] + demo.tokenizer.encode(
+    assert demo.tokenizer.decode(together[6].sequences[0].output_ids) in ("device", "host", "disk")
+    assert set(together[7].sequences[0].output_ids) <= set(prompts[7] + demo.tokenizer.encode(
         "the cache, the blocks and the pins of the cache"))
+
+
+def test_the_engine_s_draws_through_a_narrow_window_are_those_of_the_whole_sort(demo, monkeypatch):
+    """The demo's 258 tokens fit the default window: narrowed to 8, the cut rows of every control
+    are resolved in it or sorted whole, and take the same tokens."""
+    from kvctl.daemon.engine import sampling
+
+    prompts, params = every_control(demo)
+    _, wide = run(demo, prompts, params, num_blocks=128)
+    monkeypatch.setattr(sampling, "WINDOW", 8)
+    resolved, looked = [], sampling._window_weights
+
+    def counted(scores, table, window):
+        weights = looked(scores, table, window)
+        resolved.extend(weights[2].tolist())
+        return weights
+
+    monkeypatch.setattr(sampling, "_window_weights", counted)
+    _, narrow = run(demo, prompts, params, num_blocks=128)
+    assert resolved.count(True) > 3 and resolved.count(False) > 3  # rows of both kinds were drawn
+    assert [[s.output_ids for s in r.sequences] for r in wide] == [[s.output_ids for s in r.sequences] for r in narrow]
 
 
 # ---- logprobs ------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ The step's sampled rows are drawn together (`draw_tokens`): their scores as one 
 tensor on the logits' device, the temperature, min_p, top_k and top_p of each row as columns of
 one small tensor, and the token taken where u falls in the row's cumulative probabilities (the
 kept tokens in descending order where top_k or top_p cuts the row, else in vocabulary order). A
-fixed number of tensor ops whatever the rows, and one copy of their token ids to the host. Each
+fixed number of tensor ops whatever the rows, and one copy of their token ids to the host. A cut
+row's kept tokens are looked for among its 1,024 highest scores (`torch.topk`) before its whole
+vocabulary is sorted, which only a row whose kept tokens may lie past them needs. Each
 row drew alone before, on the host: its logits copied there first (a device sync each), then
 half a dozen ops of its own, so a GPU batch of 256 sampled rows cost 256 copies of a vocabulary
 of floats and some 1,500 small ops on the CPU every step (`kvctl bench sampler` compares the two).
@@ -142,11 +144,13 @@ class Draw:
     step: int
 
 
-def draw_tokens(scores: torch.Tensor, draws: Sequence[Draw]) -> list[int]:
+def draw_tokens(scores: torch.Tensor, draws: Sequence[Draw], window: int | None = None) -> list[int]:
     """The token of each draw, from the same row of `scores` [rows, vocab] (logits, adjusted where
     a penalty or a grammar applies), in one batch of tensor ops on their device (module docstring):
     the argmax where the temperature is 0; else the token at the draw's step_uniform in the row's
-    probabilities after its temperature, min_p, top_k and top_p (sampling_scores' kept tokens)."""
+    probabilities after its temperature, min_p, top_k and top_p (sampling_scores' kept tokens).
+    `window`: how many of a cut row's highest scores are looked in first (WINDOW unless given; the
+    vocabulary's size or more sorts every cut row whole, as `kvctl bench sampler`'s baseline)."""
     if len(draws) != scores.shape[0]:
         raise ValueError(f"draws: {len(draws)} for {scores.shape[0]} rows of scores")
     vocab = scores.shape[-1]
@@ -162,23 +166,75 @@ def draw_tokens(scores: torch.Tensor, draws: Sequence[Draw]) -> list[int]:
             table = torch.tensor([[d.params.temperature, d.params.min_p, d.params.top_k if 0 < d.params.top_k < vocab
                                    else vocab, d.params.top_p, step_uniform(d.seed, d.sample_index, d.step)]
                                   for d in (draws[i] for i in rows)], dtype=torch.float64)
-            drawn = _drawn(part, table.to(scores.device, torch.float32), cut=kind == "cut")
+            drawn = _drawn(part, table.to(scores.device, torch.float32), kind == "cut",
+                           WINDOW if window is None else window)
         for i, token in zip(rows, drawn.tolist()):
             tokens[i] = token
     return tokens
 
 
-def _drawn(scores: torch.Tensor, table: torch.Tensor, cut: bool) -> torch.Tensor:
+WINDOW = 1024  # a cut row's kept tokens are looked for among its WINDOW highest first (_window_weights)
+
+
+def _drawn(scores: torch.Tensor, table: torch.Tensor, cut: bool, window: int) -> torch.Tensor:
     """The token of each row of `scores` [rows, vocab] under its row of `table` (temperature,
-    min_p, top_k, top_p, u): the first token whose cumulative weight (_weights) passes u times the
-    row's kept total."""
+    min_p, top_k, top_p, u): the first token whose cumulative weight passes u times the row's kept
+    total. A row that top_k or top_p cuts is looked at in its `window` highest scores first
+    (_window_weights); only a row whose kept tokens may lie past them is sorted whole (_weights)."""
+    u = table[:, 4]
+    if cut and window < scores.shape[-1]:
+        probs, order, whole = _window_weights(scores, table, window)
+        tokens = _picked(probs, order, u)
+        if bool(whole.all()):  # (one sync: the ids come to the host next anyway)
+            return tokens
+        spilled = (~whole).nonzero()[:, 0]
+        probs, order = _weights(scores[spilled], table[spilled], cut)
+        return tokens.index_copy(0, spilled, _picked(probs, order, u[spilled]))
     probs, order = _weights(scores, table, cut)
+    return _picked(probs, order, u)
+
+
+def _picked(probs: torch.Tensor, order: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """The token of each row of weights `probs` (in `order`'s order of token ids, or the
+    vocabulary's where None) at the fraction u of its total."""
     cumulative = torch.cumsum(probs, dim=-1)
-    position = torch.searchsorted(cumulative, table[:, 4:5] * cumulative[:, -1:], right=True)
+    position = torch.searchsorted(cumulative, u[:, None] * cumulative[:, -1:], right=True)
     # (u x total may round up to the total: the last token that may be drawn, never one left out)
     last = probs.shape[-1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(-1, keepdim=True)
     position = torch.minimum(position, last)
     return (position if order is None else order.gather(-1, position))[:, 0]
+
+
+def _window_weights(scores: torch.Tensor, table: torch.Tensor, window: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_weights for rows that top_k or top_p cut, found among each row's `window` highest scores
+    (torch.topk) rather than by sorting the whole vocabulary: the weights [rows, window] and their
+    token ids in the order the whole sort gives (descending, ties by id), and for each row whether
+    they are the whole answer. The top_p mass is a fraction of the whole row's (its logsumexp), so
+    a row's kept tokens and weights are those of the whole sort; a row is not whole where its kept
+    tokens reach the window's end or its lowest score (a tie there may go on past the window), or
+    its top_k is wider than the window. A model's next-token distribution keeps a few dozen to a
+    few hundred tokens at a top_p of 0.9-0.95; a flat one spills and is sorted whole."""
+    temperature, min_p, top_k, top_p, _ = table.unbind(-1)
+    vocab = scores.shape[-1]
+    scores = scores.float() / temperature[:, None]
+    probs = torch.softmax(scores, dim=-1)
+    scores = scores.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    values, ids = torch.topk(scores, window, dim=-1)
+    ids, by_id = ids.sort(dim=-1)  # topk leaves ties in no set order: the whole sort's is by id
+    values, by_value = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, by_value)
+    uncut = top_k[:, None] >= vocab  # (top_k is the vocabulary's size where the row has none)
+    kth = torch.where(uncut, float("-inf"), values.gather(-1, top_k.long().clamp(1, window)[:, None] - 1))
+    in_k = values >= kth
+    total = torch.logsumexp(scores.masked_fill(scores < kth, float("-inf")), dim=-1, keepdim=True)
+    probs = torch.exp(values - total).masked_fill(~in_k, 0.0)
+    before = torch.cumsum(probs, dim=-1) - probs
+    dropped = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    kept = (in_k & ~dropped & (values > float("-inf"))).sum(-1)  # the kept tokens are the first `kept`
+    lowest_kept = values.gather(-1, (kept - 1).clamp(min=0)[:, None])[:, 0]
+    whole = (kept < window) & (lowest_kept > values[:, -1]) & (uncut[:, 0] | (top_k <= window))
+    return probs.masked_fill(dropped, 0.0), ids, whole
 
 
 def _weights(scores: torch.Tensor, table: torch.Tensor, cut: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -211,7 +267,7 @@ def sampling_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         threshold = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < threshold, float("-inf"))
     if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
+        sorted_scores, order = torch.sort(scores, descending=True, stable=True)  # (equal scores: by id)
         probs = torch.softmax(sorted_scores, dim=-1)
         cumulative = torch.cumsum(probs, dim=-1)
         drop = cumulative - probs >= params.top_p  # keep the smallest prefix reaching top_p
