@@ -1173,8 +1173,11 @@ class Engine:
         now = self.clock()
         greedy = logits.argmax(-1).tolist()  # one call for the batch; sampled rows draw together
         takers: list[tuple[int, list[Sequence]]] = []  # (row, the sequence and the samples it forked)
+        verdicts: list[tuple[Sequence, int]] = []  # (a sequence with a draft, its first row): drawn below
         for (seq, n), row in zip(plan, sample_rows):
             if seq.draft:  # its verdict (_verify) counts what it computed
+                if seq.request.params.constraint is None:  # (a grammar takes a verdict's tokens in turn)
+                    verdicts.append((seq, row))
                 continue
             seq.num_computed += n
             if row is None:
@@ -1183,7 +1186,13 @@ class Engine:
                 seq.status = SeqStatus.DECODE
             takers.append((row, [seq] + self._fork_children(seq)))
         picks = [(s, row) for row, samples in takers for s in samples]
-        chosen = self._choose_all([(s, row, []) for s, row in picks], logits, greedy)
+        # a draft's rows with the others: row i as the sequence would take it after the draft's first
+        # i tokens (its verdict keeps a row's token only while the rows before it took the draft's)
+        ahead = [(seq, row + i, seq.draft[:i]) for seq, row in verdicts for i in range(len(seq.draft) + 1)]
+        chosen = self._choose_all([(s, row, []) for s, row in picks] + ahead, logits, greedy)
+        drawn_ahead = iter(chosen[len(picks):])
+        chosen = chosen[:len(picks)]
+        verdict_tokens = {seq.seq_id: [next(drawn_ahead) for _ in range(len(seq.draft) + 1)] for seq, _ in verdicts}
         # the logprobs of those that ask for them, for all at once
         asking = [(row, token, s.request.params.logprobs) for (s, row), token in zip(picks, chosen)
                   if s.request.params.logprobs is not None]
@@ -1192,7 +1201,7 @@ class Engine:
         events: list[TokenEvent] = []
         for (seq, _), row in zip(plan, sample_rows):  # emitted in the plan's order
             if seq.draft:
-                events += self._verify(seq, row, greedy, logits, now)
+                events += self._verify(seq, row, greedy, logits, now, verdict_tokens.get(seq.seq_id))
                 continue
             if row is None:
                 continue
@@ -1268,21 +1277,26 @@ class Engine:
 
     def _choose(self, s: Sequence, logits: torch.Tensor, row: int, greedy: list[int], ahead: list[int] = ()) -> int:
         """The token sample `s` takes from row `row` of the step's logits, after its output and
-        `ahead` (_choose_all's, for one row: a draft's verdict takes its rows in turn)."""
+        `ahead` (_choose_all's, for one row: the verdict of a draft held to a grammar takes its rows
+        in turn)."""
         return self._choose_all([(s, row, list(ahead))], logits, greedy)[0]
 
-    def _verify(self, seq: Sequence, row: int, greedy: list[int], logits: torch.Tensor, now: float) -> list[TokenEvent]:
+    def _verify(self, seq: Sequence, row: int, greedy: list[int], logits: torch.Tensor, now: float,
+                drawn: list[int] | None = None) -> list[TokenEvent]:
         """A draft's verdict. Row by row, the sequence takes the token it would take without a
         draft (`_choose`: the same argmax, or the same seeded draw at the same position, after the
-        same tokens); while that token is the draft's, the next row holds on from it. The tokens
-        taken are emitted in order until one ends the sequence, and the draft's slots after them
+        same tokens); while that token is the draft's, the next row holds on from it. `drawn`: each
+        row's token as taken after the draft's tokens before it, drawn with the step's other rows
+        (_advance): the tokens taken here while the draft holds. None for a sequence held to a
+        grammar, whose rows are drawn here in turn, each after its grammar took the one before. The
+        tokens taken are emitted in order until one ends the sequence, and the draft's slots after them
         go back to the cache. For a draft of fixed tokens, keeping one exactly when the model's own
         draw equals it keeps it with the model's probability of it, as rejection sampling would,
         and leaves every reply, seeded or greedy, as it is without speculation."""
         draft, seq.draft = seq.draft, []
         tokens: list[int] = []
         for i in range(len(draft) + 1):
-            tokens.append(self._choose(seq, logits, row + i, greedy, tokens))
+            tokens.append(drawn[i] if drawn is not None else self._choose(seq, logits, row + i, greedy, tokens))
             if i == len(draft) or tokens[-1] != draft[i] or (
                     seq.grammar is not None and (seq.grammar.done or seq.grammar.failed)):
                 break
