@@ -47,7 +47,7 @@ def run(engine, requests):
             state = cache.sequence(seq_id)
             most = max(most, state.held_blocks + len(state.reserve))
             assert state.held_blocks + len(state.reserve) <= cache.window_blocks
-            assert state.table[:state.dropped] == [DROPPED] * state.dropped
+            assert list(state.table[:state.dropped]) == [DROPPED] * state.dropped
     return [[s.output_ids for s in r.sequences] for r in requests], most
 
 

@@ -36,6 +36,7 @@ Blocks an operator can see, by state (counted in O(1))::
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable, Mapping, Sequence
@@ -55,11 +56,18 @@ from .pool import BlockPool
 DROPPED = -1  # a table entry a sliding-window sequence gave back (no block: nothing reads it again)
 
 
+def block_ids(ids: Iterable[int]) -> array:
+    """A block table's entries as C ints (32-bit: block ids and DROPPED)."""
+    return array("i", ids)
+
+
 @dataclass(slots=True)
 class SequenceState:
     seq_id: str  # caller's id, unique among live sequences
     tenant: str  # owner of the sequence; pins and isolation follow it
-    table: list[int]  # physical block of each logical block; covers num_tokens exactly
+    # physical block of each logical block, covering num_tokens exactly: C ints (`block_table_ids`),
+    # so a step copies each sequence's table into its batch's as bytes, not as Python ints
+    table: array
     reserve: list[int]  # blocks held for this sequence's future tokens (state: reserved)
     num_tokens: int  # tokens written (cached prefix hits included)
     keys: list[BlockKey]  # chain keys known for its full blocks, root first
@@ -214,6 +222,11 @@ class KVCacheManager:
         """One physical block per logical block; DROPPED where a sliding sequence gave it back."""
         return list(self.sequence(seq_id).table)
 
+    def block_table_ids(self, seq_id: str) -> array:
+        """`block_table` as the sequence's own array of C ints, not a copy: for a step to copy into
+        its batch's table at once (read it before the cache changes the sequence again)."""
+        return self.sequence(seq_id).table
+
     @property
     def window_blocks(self) -> int | None:
         """The most blocks a sliding sequence holds at once (`sliding_window_blocks`); None without a window."""
@@ -361,7 +374,7 @@ class KVCacheManager:
         reserve.reverse()  # pop() hands them out in allocation order
         self.num_reserved += needed
         self._seqs[seq_id] = SequenceState(
-            seq_id=seq_id, tenant=tenant, table=[DROPPED] * skipped + held, reserve=reserve,
+            seq_id=seq_id, tenant=tenant, table=block_ids([DROPPED] * skipped + held), reserve=reserve,
             num_tokens=length * self.block_size, keys=list(keys), hasher=hasher,
             hit_tokens=length * self.block_size, prompt_tokens=prompt_tokens, priority=priority,
             dropped=skipped, promised=promised)
@@ -526,7 +539,7 @@ class KVCacheManager:
         reserve.reverse()
         self.num_reserved += needed
         self._seqs[child_id] = SequenceState(
-            seq_id=child_id, tenant=parent.tenant, table=list(parent.table), reserve=reserve,
+            seq_id=child_id, tenant=parent.tenant, table=block_ids(parent.table), reserve=reserve,
             num_tokens=parent.num_tokens, keys=list(parent.keys),
             hasher=None if parent.hasher is None else parent.hasher.copy(),
             hit_tokens=parent.hit_tokens, prompt_tokens=parent.prompt_tokens, priority=parent.priority,
@@ -552,7 +565,7 @@ class KVCacheManager:
         pool, now = self.pool, self._clock()
         gone = seq.table[seq.dropped:first]
         pool.release(reversed(gone), now)  # the deepest first, as `release` gives a table back
-        seq.table[seq.dropped:first] = [DROPPED] * len(gone)
+        seq.table[seq.dropped:first] = block_ids([DROPPED]) * len(gone)
         seq.dropped = first
         self.window_released += len(gone)
         # no more than it gave back, nor than the pool has (a block another sequence shares stays held)
@@ -820,7 +833,7 @@ class KVCacheManager:
         size = self.block_size
         for seq in self._seqs.values():
             held = seq.table[seq.dropped:]
-            if seq.table[:seq.dropped] != [DROPPED] * seq.dropped or DROPPED in held:
+            if seq.table[:seq.dropped] != block_ids([DROPPED]) * seq.dropped or DROPPED in held:
                 problems.append(f"sequence {seq.seq_id}: entries given back are not its first {seq.dropped}")
             holders.update(held)
             holders.update(seq.reserve)
