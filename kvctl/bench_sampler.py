@@ -111,8 +111,10 @@ def measure(vocab: int, batches: list[int], device: str, repeats: int, mix: str,
             return logits if seen is None else adjust_rows(logits.clone(), seen, set())
 
         def adjusted_alone():
-            return logits if seen is None else torch.stack([adjust_logits(logits[i], r.params, r.prompt, r.output, set())
-                                                            for i, r in enumerate(seen)])
+            if seen is None:
+                return logits
+            return torch.stack([adjust_logits(logits[i], r.params, r.prompt, r.output, set())
+                                for i, r in enumerate(seen)])
 
         batched, whole, alone = [], [], []
         for repeat in range(repeats + 1):  # the first of each is a warm-up, not kept
@@ -125,7 +127,8 @@ def measure(vocab: int, batches: list[int], device: str, repeats: int, mix: str,
                     kept_times.append(ms)
         scores = adjusted_together()
         tokens = draw_tokens(scores, draws)
-        kept = all(sampling_scores(scores[i], d.params)[t] > float("-inf") for i, (t, d) in enumerate(zip(tokens, draws)))
+        kept = all(sampling_scores(scores[i], d.params)[t] > float("-inf")
+                   for i, (t, d) in enumerate(zip(tokens, draws)))
         rows.append({"batch": batch, "batched_ms": statistics.median(batched),
                      "whole_sort_ms": statistics.median(whole), "per_row_ms": statistics.median(alone),
                      "speedup": statistics.median(alone) / statistics.median(batched), "tokens_kept": kept})

@@ -117,7 +117,7 @@ def adjust_rows(scores: torch.Tensor, rows: Sequence[RowTokens], eos_ids: set[in
     counted = {i: r.output for i, r in enumerate(rows)
                if r.output and (r.params.frequency_penalty or r.params.presence_penalty)}
     if counted:
-        (at, count) = _counted(counted, scores.shape[1], device)
+        at, count = _counted(counted, scores.shape[1], device)
         frequency = _per_row([r.params.frequency_penalty for r in rows], device)[at[0]]
         presence = _per_row([r.params.presence_penalty for r in rows], device)[at[0]]
         scores[at] = scores[at] - (frequency * count + presence)
@@ -141,7 +141,8 @@ def _pairs(ids: dict[int, Sequence[int]], device, tensors: dict[int, torch.Tenso
     return rows, tokens
 
 
-def _counted(ids: dict[int, Sequence[int]], vocab: int, device) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _counted(ids: dict[int, Sequence[int]], vocab: int, device
+             ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Each (row, id) that row i's ids name, once, and how many times it does (float32), on
     `device`: counted on the host, where the ids are, and copied in one go."""
     lengths = [len(v) for v in ids.values()]
