@@ -215,11 +215,10 @@ def _window_weights(scores: torch.Tensor, table: torch.Tensor, window: int
     tokens reach the window's end or its lowest score (a tie there may go on past the window), or
     its top_k is wider than the window. A model's next-token distribution keeps a few dozen to a
     few hundred tokens at a top_p of 0.9-0.95; a flat one spills and is sorted whole."""
-    temperature, min_p, top_k, top_p, _ = table.unbind(-1)
+    _, _, top_k, top_p, _ = table.unbind(-1)
     vocab = scores.shape[-1]
-    scores = scores.float() / temperature[:, None]
-    probs = torch.softmax(scores, dim=-1)
-    scores = scores.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    scores, _, thin = _tempered(scores, table)
+    scores = scores.masked_fill(thin, float("-inf"))
     values, ids = torch.topk(scores, window, dim=-1)
     ids, by_id = ids.sort(dim=-1)  # topk leaves ties in no set order: the whole sort's is by id
     values, by_value = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
@@ -241,10 +240,8 @@ def _weights(scores: torch.Tensor, table: torch.Tensor, cut: bool) -> tuple[torc
     """Each row's weights (unnormalised probabilities; 0 for a token left out) after sampling_scores'
     filters, in its order, on every row at once; with `cut` (some top_k or top_p), in descending
     order of score, with that order (token ids), else in vocabulary order and None."""
-    temperature, min_p, top_k, top_p, _ = table.unbind(-1)
-    scores = scores.float() / temperature[:, None]
-    probs = torch.softmax(scores, dim=-1)
-    thin = probs < min_p[:, None] * probs.amax(-1, keepdim=True)  # min_p (0: nothing is below it)
+    _, _, top_k, top_p, _ = table.unbind(-1)
+    scores, probs, thin = _tempered(scores, table)
     if cut:  # top_k, then top_p, on the sorted row (sampling_scores' steps); drawn in that order
         scores, order = torch.sort(scores.masked_fill(thin, float("-inf")), dim=-1, descending=True, stable=True)
         scores = scores.masked_fill(scores < scores.gather(-1, top_k.long()[:, None] - 1), float("-inf"))
@@ -252,6 +249,15 @@ def _weights(scores: torch.Tensor, table: torch.Tensor, cut: bool) -> tuple[torc
         before = torch.cumsum(probs, dim=-1) - probs
         return probs.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1.0), 0.0), order
     return probs.masked_fill(thin, 0.0), None
+
+
+def _tempered(scores: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's scores over its temperature, their probabilities, and where min_p leaves a token
+    out (0: none), the first of sampling_scores' filters."""
+    temperature, min_p = table[:, 0], table[:, 1]
+    scores = scores.float() / temperature[:, None]
+    probs = torch.softmax(scores, dim=-1)
+    return scores, probs, probs < min_p[:, None] * probs.amax(-1, keepdim=True)
 
 
 def sampling_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
