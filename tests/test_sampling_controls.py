@@ -301,8 +301,8 @@ def test_the_engine_s_draws_through_a_narrow_window_are_those_of_the_whole_sort(
     monkeypatch.setattr(sampling, "WINDOW", 8)
     resolved, looked = [], sampling._window_weights
 
-    def counted(scores, table, window):
-        weights = looked(scores, table, window)
+    def counted(scores, table, window, **filters):
+        weights = looked(scores, table, window, **filters)
         resolved.extend(weights[2].tolist())
         return weights
 

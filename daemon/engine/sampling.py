@@ -166,8 +166,10 @@ def draw_tokens(scores: torch.Tensor, draws: Sequence[Draw], window: int | None 
             table = torch.tensor([[d.params.temperature, d.params.min_p, d.params.top_k if 0 < d.params.top_k < vocab
                                    else vocab, d.params.top_p, step_uniform(d.seed, d.sample_index, d.step)]
                                   for d in (draws[i] for i in rows)], dtype=torch.float64)
+            group = [draws[i].params for i in rows]  # (a filter no row of the group sets costs no pass)
             drawn = _drawn(part, table.to(scores.device, torch.float32), kind == "cut",
-                           WINDOW if window is None else window)
+                           WINDOW if window is None else window, min_p=any(p.min_p > 0 for p in group),
+                           top_k=any(0 < p.top_k < vocab for p in group))
         for i, token in zip(rows, drawn.tolist()):
             tokens[i] = token
     return tokens
@@ -176,21 +178,23 @@ def draw_tokens(scores: torch.Tensor, draws: Sequence[Draw], window: int | None 
 WINDOW = 1024  # a cut row's kept tokens are looked for among its WINDOW highest first (_window_weights)
 
 
-def _drawn(scores: torch.Tensor, table: torch.Tensor, cut: bool, window: int) -> torch.Tensor:
+def _drawn(scores: torch.Tensor, table: torch.Tensor, cut: bool, window: int, *, min_p: bool = True,
+           top_k: bool = True) -> torch.Tensor:
     """The token of each row of `scores` [rows, vocab] under its row of `table` (temperature,
     min_p, top_k, top_p, u): the first token whose cumulative weight passes u times the row's kept
     total. A row that top_k or top_p cuts is looked at in its `window` highest scores first
-    (_window_weights); only a row whose kept tokens may lie past them is sorted whole (_weights)."""
+    (_window_weights); only a row whose kept tokens may lie past them is sorted whole (_weights).
+    `min_p`, `top_k`: whether some row sets that filter (where none does, its passes are skipped)."""
     u = table[:, 4]
     if cut and window < scores.shape[-1]:
-        probs, order, whole = _window_weights(scores, table, window)
+        probs, order, whole = _window_weights(scores, table, window, min_p=min_p, top_k=top_k)
         tokens = _picked(probs, order, u)
         if bool(whole.all()):  # (one sync: the ids come to the host next anyway)
             return tokens
         spilled = (~whole).nonzero()[:, 0]
-        probs, order = _weights(scores[spilled], table[spilled], cut)
+        probs, order = _weights(scores[spilled], table[spilled], cut, min_p=min_p, top_k=top_k)
         return tokens.index_copy(0, spilled, _picked(probs, order, u[spilled]))
-    probs, order = _weights(scores, table, cut)
+    probs, order = _weights(scores, table, cut, min_p=min_p, top_k=top_k)
     return _picked(probs, order, u)
 
 
@@ -205,8 +209,8 @@ def _picked(probs: torch.Tensor, order: torch.Tensor | None, u: torch.Tensor) ->
     return (position if order is None else order.gather(-1, position))[:, 0]
 
 
-def _window_weights(scores: torch.Tensor, table: torch.Tensor, window: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _window_weights(scores: torch.Tensor, table: torch.Tensor, window: int, *, min_p: bool = True,
+                    top_k: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """_weights for rows that top_k or top_p cut, found among each row's `window` highest scores
     (torch.topk) rather than by sorting the whole vocabulary: the weights [rows, window] and their
     token ids in the order the whole sort gives (descending, ties by id), and for each row whether
@@ -215,49 +219,55 @@ def _window_weights(scores: torch.Tensor, table: torch.Tensor, window: int
     tokens reach the window's end or its lowest score (a tie there may go on past the window), or
     its top_k is wider than the window. A model's next-token distribution keeps a few dozen to a
     few hundred tokens at a top_p of 0.9-0.95; a flat one spills and is sorted whole."""
-    _, _, top_k, top_p, _ = table.unbind(-1)
-    vocab = scores.shape[-1]
-    scores, _, thin = _tempered(scores, table)
-    scores = scores.masked_fill(thin, float("-inf"))
+    k, top_p, vocab = table[:, 2], table[:, 3], scores.shape[-1]
+    scores = _tempered(scores, table, min_p)
     values, ids = torch.topk(scores, window, dim=-1)
     ids, by_id = ids.sort(dim=-1)  # topk leaves ties in no set order: the whole sort's is by id
     values, by_value = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(-1, by_value)
-    uncut = top_k[:, None] >= vocab  # (top_k is the vocabulary's size where the row has none)
-    kth = torch.where(uncut, float("-inf"), values.gather(-1, top_k.long().clamp(1, window)[:, None] - 1))
-    in_k = values >= kth
-    total = torch.logsumexp(scores.masked_fill(scores < kth, float("-inf")), dim=-1, keepdim=True)
+    uncut = k >= vocab  # (k is the vocabulary's size where the row has no top_k)
+    if top_k:
+        kth = torch.where(uncut[:, None], float("-inf"), values.gather(-1, k.long().clamp(1, window)[:, None] - 1))
+        in_k = values >= kth
+        total = torch.logsumexp(scores.masked_fill(scores < kth, float("-inf")), dim=-1, keepdim=True)
+    else:
+        in_k = torch.ones_like(values, dtype=torch.bool)
+        total = torch.logsumexp(scores, dim=-1, keepdim=True)
     probs = torch.exp(values - total).masked_fill(~in_k, 0.0)
     before = torch.cumsum(probs, dim=-1) - probs
     dropped = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     kept = (in_k & ~dropped & (values > float("-inf"))).sum(-1)  # the kept tokens are the first `kept`
     lowest_kept = values.gather(-1, (kept - 1).clamp(min=0)[:, None])[:, 0]
-    whole = (kept < window) & (lowest_kept > values[:, -1]) & (uncut[:, 0] | (top_k <= window))
+    whole = (kept < window) & (lowest_kept > values[:, -1]) & (uncut | (k <= window))
     return probs.masked_fill(dropped, 0.0), ids, whole
 
 
-def _weights(scores: torch.Tensor, table: torch.Tensor, cut: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _weights(scores: torch.Tensor, table: torch.Tensor, cut: bool, *, min_p: bool = True,
+             top_k: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's weights (unnormalised probabilities; 0 for a token left out) after sampling_scores'
     filters, in its order, on every row at once; with `cut` (some top_k or top_p), in descending
     order of score, with that order (token ids), else in vocabulary order and None."""
-    _, _, top_k, top_p, _ = table.unbind(-1)
-    scores, probs, thin = _tempered(scores, table)
-    if cut:  # top_k, then top_p, on the sorted row (sampling_scores' steps); drawn in that order
-        scores, order = torch.sort(scores.masked_fill(thin, float("-inf")), dim=-1, descending=True, stable=True)
-        scores = scores.masked_fill(scores < scores.gather(-1, top_k.long()[:, None] - 1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs
-        return probs.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1.0), 0.0), order
-    return probs.masked_fill(thin, 0.0), None
-
-
-def _tempered(scores: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's scores over its temperature, their probabilities, and where min_p leaves a token
-    out (0: none), the first of sampling_scores' filters."""
-    temperature, min_p = table[:, 0], table[:, 1]
-    scores = scores.float() / temperature[:, None]
+    k, top_p = table[:, 2], table[:, 3]
+    scores = _tempered(scores, table, min_p)
+    if not cut:
+        return torch.softmax(scores, dim=-1), None
+    # top_k, then top_p, on the sorted row (sampling_scores' steps); drawn in that order
+    scores, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    if top_k:
+        scores = scores.masked_fill(scores < scores.gather(-1, k.long()[:, None] - 1), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return scores, probs, probs < min_p[:, None] * probs.amax(-1, keepdim=True)
+    before = torch.cumsum(probs, dim=-1) - probs
+    return probs.masked_fill((before >= top_p[:, None]) & (top_p[:, None] < 1.0), 0.0), order
+
+
+def _tempered(scores: torch.Tensor, table: torch.Tensor, min_p: bool = True) -> torch.Tensor:
+    """Each row's scores over its temperature, with the tokens its min_p leaves out (the first of
+    sampling_scores' filters) at -inf; `min_p`: whether some row sets one (else no pass is made)."""
+    scores = scores.float() / table[:, 0:1]
+    if not min_p:
+        return scores
+    probs = torch.softmax(scores, dim=-1)
+    return scores.masked_fill(probs < table[:, 1:2] * probs.amax(-1, keepdim=True), float("-inf"))
 
 
 def sampling_scores(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
