@@ -174,6 +174,7 @@ def test_kvctl_bench_sampler_times_both_paths_on_the_same_rows_and_checks_the_to
                r["speedup"] == pytest.approx(r["per_row_ms"] / r["batched_ms"]) for r in body["rows"])
     assert body["logits"] == "zipf" and body["window"] == sampling.WINDOW
     assert all(r["whole_sort_ms"] > 0 for r in body["rows"])  # the draw with no window, timed beside it
+    assert all(r["same_as_sorted_whole"] for r in body["rows"])
     status, out, _ = cli(capsys, "bench", "sampler", "--vocab", "5000", "--batch", "3", "--repeats", "1",
                          "--device", "cpu", "--mix", "penalties", "--logits", "normal", "--json")
     body = json.loads(out)  # every row penalised: adjusted together on one side, row by row on the other
@@ -182,6 +183,7 @@ def test_kvctl_bench_sampler_times_both_paths_on_the_same_rows_and_checks_the_to
     assert body["rows"][0]["tokens_kept"]
     status, out, _ = cli(capsys, "bench", "sampler", "--vocab", "500", "--batch", "4", "--repeats", "1")
     assert status == 0 and "sampled rows of 500 zipf logits on cpu (mixed; median of 1)" in out and "yes" in out
+    assert "The window drew the whole sort's tokens in every batch." in out
     for args, said in ((["--batch", "4,x"], "batch: expected numbers separated by commas, got '4,x'"),
                        (["--batch", "0"], "batch: each must be >= 1, got '0'"),
                        (["--mix", "hot"], "mix: must be one of mixed, top-p, plain, penalties, got 'hot'"),
