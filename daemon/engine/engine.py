@@ -1231,13 +1231,12 @@ class Engine:
             tokens.append(None)
             drawing.append(i)
         if drawing:
-            device = logits.device
-            scores = logits[torch.tensor([picks[i][1] for i in drawing], device=device)].float()
-            self._adjust(scores, [picks[i] for i in drawing])
-            self._mask_to_grammars(scores, [picks[i] for i in drawing])
-            drawn = iter(draw_tokens(scores, [
-                Draw(s.request.params, s.request.seed, s.index, len(s.output_ids) + len(ahead))
-                for s, _, ahead in (picks[i] for i in drawing)]))
+            drawers = [picks[i] for i in drawing]
+            scores = logits[torch.tensor([row for _, row, _ in drawers], device=logits.device)].float()
+            self._adjust(scores, drawers)
+            self._mask_to_grammars(scores, drawers)
+            drawn = iter(draw_tokens(scores, [Draw(s.request.params, s.request.seed, s.index,
+                                                   len(s.output_ids) + len(ahead)) for s, _, ahead in drawers]))
             tokens = [next(drawn) if t is None else t for t in tokens]
         for (s, _, _), token in zip(picks, tokens):
             if s.request.params.constraint is not None:
