@@ -14,6 +14,7 @@ from rich.text import Text
 
 from .client import LOCK_HOLDERS, STORE_WRITE_WAIT_S
 from .gc_status import gc_line
+from .software_status import difference_line
 from .tls_status import tls_text
 from .gpu_status import gpu_label, gpu_line
 from .tables import compact_table, duration, fit_cells, keep_whole, seconds, size, when
@@ -259,7 +260,9 @@ def render_fleet_status(data: dict, console: Console | None = None) -> Group:
     if reserved["policies"]:  # what preemption cost the fleet, and what its reservations leave unwritten
         router.append(Text(f"fleet preemptions: {preempted:,} ({recomputed:,} tokens computed again); reservation "
                            + reservation_text({**reserved, "policy": " and ".join(sorted(reserved["policies"]))})))
-    group = Group(table, *reasons, *troubles, *restarts, *gpus, *router, summary)
+    # where the answering replicas differ in software, weights or formats (an older router does not say)
+    differences = [difference_line(d) for d in data.get("differences") or ()]
+    group = Group(table, *reasons, *differences, *troubles, *restarts, *gpus, *router, summary)
     if console is not None:  # wider than the terminal rather than a figure cut to "1,436…"
         needed = Measurement.get(console, console.options, table).minimum
         console.print(group, width=max(console.width, needed), crop=False)

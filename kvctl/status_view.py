@@ -20,6 +20,7 @@ from .command_kit import client_for, emit, redraw
 from .fleet_status import (PHASE_NAMES, before_load, is_fleet, prompts, render_fleet_status, reservation_text,
                            step_failures_line, store_trouble)
 from .gc_status import gc_line
+from .software_status import software_line
 from .tls_status import tls_text
 from .gpu_status import gpu_label, gpu_line
 from .tables import duration, seconds, size, when
@@ -111,6 +112,8 @@ def render_status(data: dict, console: Console | None = None):
     context = f", contexts up to {data['model']['max_model_len']:,} tokens" if "max_model_len" in data["model"] else ""
     facts.add_row("model", f"{data['model']['name']} ({data['model']['architecture']}, "
                            f"rev {data['model']['revision'][:12]}, {data['model']['device']}{context})")
+    if data.get("software"):  # an older kvd does not say
+        facts.add_row("software", software_line(data["software"]))
     window = data["model"].get("sliding_window")  # an older kvd does not say
     if window:
         facts.add_row("sliding window", f"{window['tokens']:,} tokens, " + (

@@ -67,7 +67,7 @@ def test_the_rules_file_is_well_formed():
     groups = yaml.safe_load(RULES.read_text())["groups"]
     assert [g["name"] for g in groups] == ["kvd", "kvd-store", "kvd-tiers", "kvd-router"]
     names = [rule["alert"] for rule in rules()]
-    assert len(names) == len(set(names)) == 34
+    assert len(names) == len(set(names)) == 36
     for rule in rules():
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"Kvd(Router)?[A-Z][A-Za-z]+", rule["alert"])
@@ -117,7 +117,7 @@ def test_every_rule_reads_metrics_and_labels_that_kvd_or_its_router_exports(tmp_
                     assert matcher.name in carried, f"{rule['alert']}: {node.name} has no label {matcher.name}"
                     if str(matcher.op).endswith(".Equal"):
                         assert matcher.value in carried[matcher.name], (rule["alert"], matcher.value)
-        for node in nodes:
+        for node in reversed(nodes):  # (the walk goes outside in: an inner aggregation narrows first)
             grouping = node.modifier if isinstance(node, promql_parser.AggregateExpr) else None
             if grouping is not None:
                 assert set(grouping.labels) <= kept | {"le"}, rule["alert"]
@@ -450,5 +450,47 @@ def test_the_speculation_rule_fires_when_few_draft_tokens_are_kept(tmp_path):
         [(labels, share)] = fired(Scrapes(now, wasteful))["KvdSpeculationRarelyKept"].items()
         assert labels == (("instance", KVD["instance"]),) and share == pytest.approx(0.05)  # by instance
         assert fired(Scrapes(now, now)) == {}  # no draft in the range: no ratio, no alert
+    finally:
+        service.shutdown(deadline=2)
+
+
+def test_the_fleet_rules_fire_while_kvds_of_one_job_run_other_builds_or_serve_a_model_otherwise(tmp_path,
+                                                                                                  monkeypatch):
+    """Two kvds of job kvd, scraped as two instances: quiet while they agree; one on another torch
+    fires KvdFleetMixedBuilds, one on another checkpoint revision KvdFleetMixedCheckpoints (by model:
+    a kvd serving another model is no difference)."""
+    import dataclasses
+
+    from kvctl.daemon.server import metrics
+    from kvctl.daemon.server.service import EngineService
+
+    other = {"job": "kvd", "instance": "gpu-node-1:8101"}
+
+    def fleet(first: dict, second: dict) -> dict:
+        return {name: {**first.get(name, {}), **second.get(name, {})} for name in {*first, *second}}
+
+    service = start_service(tmp_path, num_blocks=64)
+    try:
+        app = create_app(service, service.metrics, front="unix")
+        agreeing = fleet(scrape(app), scrape(app, other))
+        assert fired(Scrapes(agreeing, agreeing)) == {}
+        real = metrics.software_versions()
+        monkeypatch.setattr(metrics, "software_versions", lambda: {**real, "torch": "2.12.0+cu126"})
+        builds = fleet(scrape(app), scrape(app, other))  # (both upgraded: one build again)
+        assert fired(Scrapes(builds, builds)) == {}
+        mixed = fleet(scrape(app), agreeing)
+        assert fired(Scrapes(mixed, mixed)) == {"KvdFleetMixedBuilds": series({"job": "kvd"}, 2.0)}
+        monkeypatch.undo()
+        loaded = service.loaded
+        service.loaded = dataclasses.replace(loaded, revision="f" * 64)
+        try:
+            revised = fleet(scrape(app), agreeing)
+            assert fired(Scrapes(revised, revised)) == {
+                "KvdFleetMixedCheckpoints": series({"job": "kvd"}, 2.0, model=service.model_name)}
+            monkeypatch.setattr(EngineService, "model_name", property(lambda _: "kvd-other"))
+            two_models = fleet(scrape(app), agreeing)
+            assert fired(Scrapes(two_models, two_models)) == {}
+        finally:
+            service.loaded = loaded
     finally:
         service.shutdown(deadline=2)

@@ -1024,15 +1024,33 @@ def test_a_request_naming_a_model_goes_only_where_that_model_is_served(replicas,
 
 
 def test_the_router_lists_a_model_with_the_least_max_model_len_of_its_replicas(replicas, tmp_path):
-    """A client sizes its request to max_model_len: at the router, it must fit every replica."""
+    """A client sizes its request to max_model_len: at the router, it must fit every replica; its
+    status names the difference (fleet_differences.py), among the replicas that answer."""
+    from rich.console import Console
+
+    from kvctl.status_view import render_status
+
     capped = start_service(tmp_path, num_blocks=64, max_model_len=512)
     try:
         service, app = router_app([replicas[0], create_app(capped, capped.metrics, front="unix")], "round_robin")
         [alone] = drive(replicas[0], [lambda c: c.get("/v1/models")])
         assert alone.json()["data"][0]["max_model_len"] == 8192
         [listed] = drive(app, [lambda c: c.get("/v1/models")])
-        assert [(m["id"], m["max_model_len"]) for m in listed.json()["data"]] == \
-            [(alone.json()["data"][0]["id"], 512)]
+        model = alone.json()["data"][0]["id"]
+        assert [(m["id"], m["max_model_len"]) for m in listed.json()["data"]] == [(model, 512)]
+        [status] = drive(app, [lambda c: c.get("/admin/status")])
+        assert status.json()["differences"] == [
+            {"field": "model.max_model_len", "label": "context limit", "why": "a long request fits some of them only",
+             "model": model, "values": [{"value": "512 tokens", "replicas": ["replica-1"]},
+                                        {"value": "8,192 tokens", "replicas": ["replica-0"]}]}]
+        console = Console(record=True, width=200)
+        render_status(status.json(), console)
+        assert ("replicas differ in context limit (a long request fits some of them only): 512 tokens on replica-1; "
+                "8,192 tokens on replica-0") in console.export_text()
+        # the same software everywhere (one process), and the capped replica down: no difference among the rest
+        _, same = router_app([*replicas, create_app(capped, capped.metrics, front="unix")], "round_robin", down=(2,))
+        [status] = drive(same, [lambda c: c.get("/admin/status")])
+        assert status.json()["differences"] == [] and "error" in status.json()["replica_status"][2]
     finally:
         capped.shutdown(deadline=2)
 

@@ -78,6 +78,10 @@
                                               by how the wait ended: complete, timeout, best_effort, cancelled
     kvd_prefetch_wait_seconds                 histogram: how long a request was held for such a fetch: until the
                                               fetch ended or the policy stopped waiting (not its queueing after)
+    kvd_build_info{version,python,torch,cuda,triton,tokenizers,llguidance}  1, labelled with the software kvd
+                                              runs (daemon/software.py; a library not installed: "")
+    kvd_model_info{model,revision,dtype,cache_dtype}  1, labelled with what it serves (cache_dtype auto: the
+                                              model's dtype); replicas of one model that differ answer differently
     kvd_rollout_info{rollout,state,policy,version}   1 for the running or paused rollout
     kvd_rollout_fraction{rollout}             the share of traffic asked for the cohort
     kvd_rollout_requests_total{rollout,side}  finished requests per side (cohort, baseline); likewise
@@ -107,6 +111,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from kvctl.daemon.engine.tenant_book import EVICTED, HIT, PROMPT, REJECTED
+from kvctl.daemon.software import software_versions
 from kvctl.daemon.stats import LATENCY_BUCKETS, percentile
 from kvctl.policies.tiering import PREFETCH_OUTCOMES
 
@@ -115,8 +120,11 @@ from .cut_connections import CutConnections
 from .gc_pauses import metric_families as gc_metric_families
 from .request_spans import exemplar_of
 from .service import EngineService
+from .status_body import cache_format
 
 
+# kvd_build_info's labels: software_versions' keys, kvd's own as "version" (the usual build_info label)
+BUILD_LABELS = ("version", "python", "torch", "cuda", "triton", "tokenizers", "llguidance")
 
 # disaggregated prefill and decode (kv_transfer.py): (family, help, label, ((label value, TransferBook key), ...))
 TRANSFER_FAMILIES = (
@@ -412,8 +420,22 @@ class _EngineCollector:
         yield from _reload_metrics(self.service.reloads, self.service.last_reload)
 
     def _without_the_lock(self, stalled: bool):
-        """The families a scrape has whether or not it had the engine's lock: whether the engine is
-        stalled, the scrapes without its figures, the completions refused before it took them in."""
+        """The families a scrape has whether or not it had the engine's lock: what kvd runs and
+        serves, whether the engine is stalled, the scrapes without its figures, the completions
+        refused before it took them in."""
+        build = GaugeMetricFamily("kvd_build_info", "1, labelled with kvd's version and its libraries' (replicas "
+                                  "that differ may answer one request differently)", labels=list(BUILD_LABELS))
+        software = software_versions()
+        build.add_metric([software["kvd" if key == "version" else key] or "" for key in BUILD_LABELS], 1.0)
+        yield build
+        engine, loaded = self.service.engine, self.service.loaded
+        if engine is not None and loaded is not None:
+            model = GaugeMetricFamily("kvd_model_info", "1, labelled with the model kvd serves: its checkpoint "
+                                      "revision, dtype and cache format", labels=["model", "revision", "dtype",
+                                                                                  "cache_dtype"])
+            model.add_metric([self.service.model_name, loaded.revision, str(engine.model.dtype).removeprefix("torch."),
+                              cache_format(engine)], 1.0)
+            yield model
         yield GaugeMetricFamily("kvd_engine_stalled", "1 while the engine has not come round its loop in "
                                 f"{self.service.engine_loop.after:g} s (a step that does not end): /healthz "
                                 "answers 503 engine_stalled, and scrapes have none of the engine's figures",

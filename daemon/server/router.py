@@ -49,6 +49,7 @@ from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, error_sa
                           merge_prefix_lists, merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps,
                           merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates,
                           replica_reports)
+from .fleet_differences import fleet_differences
 from .fleet_pins import sync_pins
 from .fleet_trace import merge_traces, trace_query
 from .log_throttle import EveryFewSeconds
@@ -481,7 +482,10 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 summed["count"] += figures["count"]
                 summed["seconds"] += figures["seconds"]
         queue = {k: sum(st["queue"][k] for st in live) for k in ("waiting", "running")}
+        answering = [(r.name, st) for r, st in zip(replicas, statuses) if "error" not in st]
         return {"model": live[0]["model"], "steps": steps, "queue": queue, **service.status(),
+                # where the answering replicas' software, weights or formats differ (fleet_differences.py)
+                "differences": fleet_differences(answering),
                 "replica_status": [{"replica": r.name, **st} for r, st in zip(replicas, statuses)]}
 
     @app.get("/v1/models")

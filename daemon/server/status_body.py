@@ -8,15 +8,21 @@ from __future__ import annotations
 import time
 
 from kvctl.daemon import gpu_nvml
+from kvctl.daemon.software import software_versions
 
 from . import pin_ops
 from .block_map import fold_block_map, read_block_map
 
 
+def cache_format(engine) -> str:
+    """The cache's format as set (fp8_e4m3, int8, ...), or "auto": the model's dtype."""
+    return engine.settings.cache_dtype if engine.cache_dtype is not None else "auto"
+
+
 def cache_status(service) -> dict:
     """Format, scale set and a check that the kernels read the stored scales."""
     engine = service.engine
-    body = {"dtype": engine.settings.cache_dtype if engine.cache_dtype is not None else "auto",
+    body = {"dtype": cache_format(engine),
             "layout": engine.layout(), "scale_version": engine.scale_version or None,
             "uncalibrated": engine.scale_version == "unit", "scale_set": None, "scales_verified": None}
     if service.calibration is not None:
@@ -82,6 +88,8 @@ def status_body(service, with_blocks: bool = False, cells: int | None = None) ->
                       "retiring_adapters": retiring,
                       # adapters in one batch at most (None: no limit), and the requests waiting for a turn
                       "max_loras": engine.settings.max_loras, "lora_turns_waiting": len(engine.lora_turn_waiters)},
+            # kvd's version and its libraries' (software.py): replicas that differ may answer differently
+            "software": software_versions(),
             "blocks": {"device": {"total": cache.num_blocks, **counts}},
             "block_size": cache.block_size,
             "bytes_per_block": engine.cache.block_bytes,

@@ -1,0 +1,31 @@
+"""How `kvctl status` says what software a kvd runs (its `software`, daemon/software.py), and
+how the fleet's view says where replicas differ (the router's `differences`,
+daemon/server/fleet_differences.py)."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+# the libraries after kvd and Python, in the order the line names them
+NAMED = ("torch", "triton", "tokenizers", "llguidance")
+
+
+def software_line(software: dict) -> str:
+    """"kvd 0.1.0 on Python 3.11.9: torch 2.13.0+cu128 (CUDA 12.8), triton 3.9.0, ...": a library
+    not installed is left out."""
+    libraries = []
+    for name in NAMED:
+        found = software.get(name)
+        if found is None:
+            continue
+        cuda = software.get("cuda") if name == "torch" else None
+        libraries.append(f"{name} {found}" + (f" (CUDA {cuda})" if cuda else ""))
+    return f"kvd {software['kvd']} on Python {software['python']}: " + ", ".join(libraries)
+
+
+def difference_line(difference: dict) -> Text:
+    """"replicas differ in torch version (a seeded request may draw other tokens on each):
+    2.13.0+cu128 on a, b; 2.12.0+cu126 on c"."""
+    groups = "; ".join(f"{group['value']} on {', '.join(group['replicas'])}" for group in difference["values"])
+    return Text.assemble((f"replicas differ in {difference['label']}", "yellow"),
+                         f" ({difference['why']}): {groups}")
