@@ -97,19 +97,34 @@ def test_sampled_and_reshaped_requests_keep_their_replies_with_drafts(demo, para
     assert figures.drafts > 0 and figures.accepted_tokens > 0 and engine.steps_run <= base.steps_run
 
 
-def test_a_reply_held_to_a_shape_keeps_it_with_drafts(demo):
-    # (seed 7's reply ends inside a draft's verdict: its grammar, which took the verdict's tokens as
-    # they were drawn, is complete before the tokens ahead of the last are emitted, and ended the
-    # reply at the first of them)
+def test_a_reply_held_to_a_shape_keeps_it_with_drafts_drawn_with_the_step_s_other_rows(demo, monkeypatch):
+    # (seed 7's reply ends inside a draft's verdict: its grammar, complete after a token the draft
+    # holds, ends the verdict there, and the reply with it.) Each verdict's rows, masked as the
+    # grammar would be after the draft's tokens before them, are drawn in the step's one draw.
+    from dataclasses import replace as replaced
+
+    from kvctl.daemon.engine import engine as engine_module
     from kvctl.daemon.engine.structured import Constraint
 
+    draws = []
+    real = engine_module.draw_tokens
+    monkeypatch.setattr(engine_module, "draw_tokens", lambda scores, d: draws.append(len(d)) or real(scores, d))
     shape = Constraint.regex("(ab|cd){3,30}", "guided_regex")
-    for params in (SamplingParams(max_tokens=50, constraint=shape),
-                   SamplingParams(max_tokens=50, temperature=0.8, seed=7, constraint=shape)):
-        plain, _ = generate(demo, params, prompts=[demo.tokenizer.encode("abcd")])
-        same, engine = generate(demo, params, NgramSpeculation(4), prompts=[demo.tokenizer.encode("abcd")])
-        assert same == plain and re.fullmatch("(ab|cd){3,30}", demo.tokenizer.decode(same[0][0]))
-        assert engine.speculator.stats.accepted_tokens > 0
+    thinking = replaced(Constraint.json_schema({"type": "object"}, "response_format"), after="</think>",
+                        opens="<think>")
+    cases = [(SamplingParams(max_tokens=50, constraint=shape), "abcd", "(ab|cd){3,30}"),
+             (SamplingParams(max_tokens=50, temperature=0.8, seed=7, constraint=shape), "abcd", "(ab|cd){3,30}"),
+             (SamplingParams(max_tokens=40, temperature=0.8, seed=3, n=2, constraint=thinking), TEXTS[3], None)]
+    for params, prompt, pattern in cases:
+        plain, _ = generate(demo, params, prompts=[demo.tokenizer.encode(prompt)])
+        del draws[:]
+        same, engine = generate(demo, params, NgramSpeculation(4), prompts=[demo.tokenizer.encode(prompt)])
+        assert same == plain
+        if pattern is not None:
+            assert re.fullmatch(pattern, demo.tokenizer.decode(same[0][0]))
+        assert engine.speculator.stats.drafts > 0 and len(draws) <= engine.steps_run
+        assert sum(draws) > len(draws)  # (some draws carried a verdict's rows)
+    assert engine.speculator.stats.accepted_tokens > 0
 
 
 def test_max_tokens_and_a_stop_token_end_the_reply_exactly_where_they_would(demo):
@@ -135,6 +150,42 @@ def test_logprobs_and_n_samples_are_those_without_speculation(demo):
         assert a.output_ids == b.output_ids
         for (lp_a, alt_a), (lp_b, alt_b) in zip(a.logprobs, b.logprobs):
             assert lp_b == pytest.approx(lp_a, abs=1e-4)
+            assert [t for t, _ in alt_b] == [t for t, _ in alt_a]
+
+
+def test_logprobs_of_verdicts_and_other_rows_asked_in_one_call_reach_their_own_sequences(demo, monkeypatch):
+    """Requests with and without logprobs (2, none, 0, 3 alternatives), sampled or held to a shape,
+    in one batch with drafts: each sequence reports its own tokens' logprobs as without speculation,
+    from one logprob call a step at most."""
+    from kvctl.daemon.engine import engine as engine_module
+    from kvctl.daemon.engine.structured import Constraint
+
+    calls = []
+    real = engine_module._token_logprobs
+    monkeypatch.setattr(engine_module, "_token_logprobs", lambda logits, asked: calls.append(len(asked)) or
+                        real(logits, asked))
+    shape = Constraint.regex("(ab|cd|the cache ){3,200}", "guided_regex")
+    asks = [SamplingParams(max_tokens=30, logprobs=2, ignore_eos=True),
+            SamplingParams(max_tokens=30, temperature=0.7, seed=4, ignore_eos=True),
+            SamplingParams(max_tokens=30, logprobs=0, temperature=0.7, seed=5, ignore_eos=True),
+            SamplingParams(max_tokens=30, logprobs=3, constraint=shape, temperature=0.5, seed=6)]
+    prompts = [demo.tokenizer.encode(t) for t in TEXTS]
+    replies = []
+    for speculation in (None, NgramSpeculation(4)):
+        engine = Engine(demo, EngineSettings(num_blocks=128, block_size=16, speculation=speculation))
+        requests = [engine.add_request(p, params) for p, params in zip(prompts, asks)]
+        del calls[:]
+        steps = 0
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        assert len(calls) <= steps
+        replies.append([(s.output_ids, s.logprobs) for r in requests for s in r.sequences])
+    assert engine.speculator.stats.accepted_tokens > 0
+    for (ids_a, lps_a), (ids_b, lps_b), params in zip(*replies, asks):
+        assert ids_a == ids_b and len(lps_a) == len(lps_b) == (0 if params.logprobs is None else len(ids_a))
+        for (lp_a, alt_a), (lp_b, alt_b) in zip(lps_a, lps_b):
+            assert lp_b == pytest.approx(lp_a, abs=1e-4) and len(alt_b) == params.logprobs
             assert [t for t, _ in alt_b] == [t for t, _ in alt_a]
 
 

@@ -262,6 +262,76 @@ def test_a_grammar_s_mask_made_on_the_host_applies_to_logits_on_the_device(kvd):
     assert thinking.masked(scores) is scores
 
 
+def stepped_masks(service, constraint, draft: list[int]) -> list:
+    """The masks of a draft's verdict rows as a fresh state gives them taking the draft's tokens one
+    by one: row i after i of them, up to the row the verdict must end at."""
+    state = service.engine.grammar_vocabulary.follow(constraint)
+    masks = [state.mask()]
+    for token in draft:
+        if masks[-1] is not None and not masks[-1][token]:
+            break
+        state.consume(token)
+        if state.done or state.failed:
+            break
+        masks.append(state.mask())
+    return masks
+
+
+def same_masks(found: list, expected: list) -> bool:
+    return len(found) == len(expected) and all(
+        (a is None and b is None) or (a is not None and b is not None and torch_equal(a, b))
+        for a, b in zip(found, expected))
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+def test_a_drafts_rows_masked_ahead_are_masked_as_its_grammar_would_after_each_token_and_it_does_not_move(kvd):
+    """GrammarState.masks_ahead: a row for each token of the draft the grammar takes, and one for
+    the row where the verdict ends whatever it draws (a token the grammar leaves out, or the shape
+    complete after one); the state looked ahead from stays where it was."""
+    from dataclasses import replace
+
+    from kvctl.daemon.engine.structured import Constraint
+
+    service, _ = kvd
+    tokenizer = service.loaded.tokenizer
+    [a], [b], [c], [x] = (tokenizer.encode(t, add_special_tokens=False) for t in "abcx")
+    choice = Constraint.choice(["ab", "ac"], "guided_choice")
+    for draft, rows in (([], 1), ([x], 1), ([a, x], 2), ([a, c, x], 2), ([a, c], 2), ([a], 2)):
+        state = service.engine.grammar_vocabulary.follow(choice)
+        masks = state.masks_ahead(draft)
+        assert len(masks) == rows and same_masks(masks, stepped_masks(service, choice, draft)), draft
+        assert same_masks([state.mask()], [masks[0]]) and state.matcher.compute_bitmask() is not None
+        state.consume(a)  # it did not move: it takes the draft's first token as a fresh state does
+        state.consume(b)
+        assert state.done
+    gated_shape = replace(Constraint.json_schema({"type": "object"}, "response_format"), after="</think>",
+                          opens="<think>")
+    service.engine.grammar_vocabulary.check(gated_shape)
+    for text in ("<think>a b</think>{\"a\": 1}", "{\"b\": [true]}x", "<t{"):
+        draft = tokenizer.encode(text, add_special_tokens=False)
+        state = service.engine.grammar_vocabulary.follow(gated_shape)
+        state.consume(draft[0])  # ahead from a state that has moved: opening (its text held), or answering
+        where = (state.phase, state.text, list(state.held))
+        masks = state.masks_ahead(draft[1:])
+        walked = service.engine.grammar_vocabulary.follow(gated_shape)
+        walked.consume(draft[0])
+        expected = [walked.mask()]
+        for token in draft[1:]:
+            if expected[-1] is not None and not expected[-1][token]:
+                break
+            walked.consume(token)
+            if walked.done or walked.failed:
+                break
+            expected.append(walked.mask())
+        assert same_masks(masks, expected), text
+        assert (state.phase, state.text, state.held) == where and same_masks([state.mask()], masks[:1])
+
+
 # ---- a reasoning model thinks first; the shape holds its answer ------------------------------------
 def gated(service, opens):
     from dataclasses import replace

@@ -60,6 +60,7 @@ from .structured import GrammarVocabulary
 
 from .tenant_book import DEFAULT_LIMIT, EVICTED, HIT, PROMPT, RECOMPUTED, REJECTED, TenantBook
 
+LOOK = object()  # _mask_to_grammars: a row whose mask its grammar gives now (not one made ahead)
 QUEUE_TIMEOUT_LOG_S = 10.0  # the log says how many requests timed out in the queue at most this often
 
 log = logging.getLogger("kvd.engine")
@@ -1178,8 +1179,7 @@ class Engine:
         verdicts: list[tuple[Sequence, int]] = []  # (a sequence with a draft, its first row): drawn below
         for (seq, n), row in zip(plan, sample_rows):
             if seq.draft:  # its verdict (_verify) counts what it computed
-                if seq.request.params.constraint is None:  # (a grammar takes a verdict's tokens in turn)
-                    verdicts.append((seq, row))
+                verdicts.append((seq, row))
                 continue
             seq.num_computed += n
             if row is None:
@@ -1189,21 +1189,42 @@ class Engine:
             takers.append((row, [seq] + self._fork_children(seq)))
         picks = [(s, row) for row, samples in takers for s in samples]
         # a draft's rows with the others: row i as the sequence would take it after the draft's first
-        # i tokens (its verdict keeps a row's token only while the rows before it took the draft's)
-        ahead = [(seq, row + i, seq.draft[:i]) for seq, row in verdicts for i in range(len(seq.draft) + 1)]
-        chosen = self._choose_all([(s, row, []) for s, row in picks] + ahead, logits, greedy)
+        # i tokens (its verdict keeps a row's token only while the rows before it took the draft's);
+        # held to a grammar, each row masked as the grammar would after those tokens, up to the row
+        # the verdict must end at (GrammarState.masks_ahead), and the grammar takes the verdict's tokens
+        ahead, masks_ahead, rows_of = [], {}, {}
+        for seq, row in verdicts:
+            if seq.request.params.constraint is None:
+                rows = len(seq.draft) + 1
+            else:
+                masks = self._grammar_of(seq).masks_ahead(seq.draft)
+                masks_ahead.update((len(picks) + len(ahead) + i, mask) for i, mask in enumerate(masks))
+                rows = len(masks)
+            ahead += [(seq, row + i, seq.draft[:i]) for i in range(rows)]
+            rows_of[seq.seq_id] = rows
+        chosen = self._choose_all([(s, row, []) for s, row in picks] + ahead, logits, greedy, masks_ahead)
         drawn_ahead = iter(chosen[len(picks):])
         chosen = chosen[:len(picks)]
-        verdict_tokens = {seq.seq_id: [next(drawn_ahead) for _ in range(len(seq.draft) + 1)] for seq, _ in verdicts}
-        # the logprobs of those that ask for them, for all at once
+        verdict_tokens = {seq_id: [next(drawn_ahead) for _ in range(rows)] for seq_id, rows in rows_of.items()}
+        # the logprobs of those that ask for them, for all at once: every row a verdict drew (those
+        # past the rows it keeps cost a few rows of one op, where a call of their own was a sync each)
         asking = [(row, token, s.request.params.logprobs) for (s, row), token in zip(picks, chosen)
                   if s.request.params.logprobs is not None]
-        reported = iter(_token_logprobs(logits, asking))
+        verdict_asks: dict[str, slice] = {}  # a verdict's rows among those asked
+        for seq, row in verdicts:
+            if seq.request.params.logprobs is not None:
+                drawn = verdict_tokens[seq.seq_id]
+                verdict_asks[seq.seq_id] = slice(len(asking), len(asking) + len(drawn))
+                asking += [(row + i, token, seq.request.params.logprobs) for i, token in enumerate(drawn)]
+        every_report = _token_logprobs(logits, asking)
+        reported = iter(every_report)  # (the picks' first)
         tokens, taking = iter(chosen), iter(takers)
         events: list[TokenEvent] = []
         for (seq, _), row in zip(plan, sample_rows):  # emitted in the plan's order
             if seq.draft:
-                events += self._verify(seq, row, greedy, logits, now, verdict_tokens.get(seq.seq_id))
+                asked = verdict_asks.get(seq.seq_id)
+                events += self._verify(seq, now, verdict_tokens[seq.seq_id],
+                                       None if asked is None else every_report[asked])
                 continue
             if row is None:
                 continue
@@ -1214,13 +1235,16 @@ class Engine:
         return events
 
     def _choose_all(self, picks: list[tuple[Sequence, int, list[int]]], logits: torch.Tensor,
-                    greedy: list[int]) -> list[int]:
+                    greedy: list[int], masks_ahead: dict[int, torch.Tensor | None] | None = None) -> list[int]:
         """The token each pick (sample `s`, row of the step's logits, `ahead`: tokens this step
         chose for it before this row and has not emitted yet) takes: the batch's argmax where
         nothing reshapes a greedy choice (no tensor op per row: each costs µs on a CPU, a launch
         on a GPU); else its row, copied out with the others that draw, adjusted (logits.adjust_rows)
         and masked by its grammar, which then takes the token, where those apply, each for all
-        its rows at once, then drawn in one draw_tokens call (sampling.py)."""
+        its rows at once, then drawn in one draw_tokens call (sampling.py). `masks_ahead`: by pick,
+        the mask of a verdict's row its grammar gave looking ahead (its grammar takes the verdict's
+        tokens in _verify, not here)."""
+        masks_ahead = masks_ahead or {}
         tokens: list[int | None] = []
         drawing: list[int] = []  # the picks that draw, in order
         for i, (s, row, _) in enumerate(picks):
@@ -1234,12 +1258,12 @@ class Engine:
             drawers = [picks[i] for i in drawing]
             scores = logits[torch.tensor([row for _, row, _ in drawers], device=logits.device)].float()
             self._adjust(scores, drawers)
-            self._mask_to_grammars(scores, drawers)
+            self._mask_to_grammars(scores, drawers, [masks_ahead.get(i, LOOK) for i in drawing])
             drawn = iter(draw_tokens(scores, [Draw(s.request.params, s.request.seed, s.index,
                                                    len(s.output_ids) + len(ahead)) for s, _, ahead in drawers]))
             tokens = [next(drawn) if t is None else t for t in tokens]
-        for (s, _, _), token in zip(picks, tokens):
-            if s.request.params.constraint is not None:
+        for i, ((s, _, _), token) in enumerate(zip(picks, tokens)):
+            if s.request.params.constraint is not None and i not in masks_ahead:
                 s.grammar.consume(token)
         return tokens
 
@@ -1254,17 +1278,22 @@ class Engine:
                                        if s.request.params.repetition_penalty != 1.0 else None)
                              for s, _, ahead in picks], self.eos_ids)
 
-    def _mask_to_grammars(self, scores: torch.Tensor, picks: list[tuple[Sequence, int, list[int]]]) -> None:
+    def _grammar_of(self, s: Sequence):
+        """Sample `s`'s place in its grammar: compiled when the request was checked, else here."""
+        if s.grammar is None:
+            s.grammar = s.request.take_grammar(s.index) or self.grammar_vocabulary.follow(s.request.params.constraint)
+        return s.grammar
+
+    def _mask_to_grammars(self, scores: torch.Tensor, picks: list[tuple[Sequence, int, list[int]]],
+                          given: list) -> None:
         """The tokens each pick's grammar leaves out, at -inf on its row of `scores`: the step's
-        masks made on the host, copied to the logits' device together and applied in one op."""
+        masks made on the host (`given`: by pick, one made already, or LOOK to ask its grammar now),
+        copied to the logits' device together and applied in one op."""
         masks: dict[int, torch.Tensor] = {}
-        for i, (s, _, _) in enumerate(picks):
-            params = s.request.params
-            if params.constraint is None:
+        for i, ((s, _, _), mask) in enumerate(zip(picks, given)):
+            if s.request.params.constraint is None:
                 continue
-            if s.grammar is None:  # compiled when the request was checked, else here
-                s.grammar = s.request.take_grammar(s.index) or self.grammar_vocabulary.follow(params.constraint)
-            allowed = s.grammar.mask()
+            allowed = self._grammar_of(s).mask() if mask is LOOK else mask
             if allowed is not None:
                 masks[i] = allowed
         if not masks:
@@ -1276,28 +1305,23 @@ class Engine:
         at = torch.tensor(list(masks), device=scores.device)
         scores[at] = scores[at].masked_fill(~allowed, float("-inf"))
 
-    def _choose(self, s: Sequence, logits: torch.Tensor, row: int, greedy: list[int], ahead: list[int] = ()) -> int:
-        """The token sample `s` takes from row `row` of the step's logits, after its output and
-        `ahead` (_choose_all's, for one row: the verdict of a draft held to a grammar takes its rows
-        in turn)."""
-        return self._choose_all([(s, row, list(ahead))], logits, greedy)[0]
-
-    def _verify(self, seq: Sequence, row: int, greedy: list[int], logits: torch.Tensor, now: float,
-                drawn: list[int] | None = None) -> list[TokenEvent]:
+    def _verify(self, seq: Sequence, now: float, drawn: list[int], reported: list | None) -> list[TokenEvent]:
         """A draft's verdict. Row by row, the sequence takes the token it would take without a
-        draft (`_choose`: the same argmax, or the same seeded draw at the same position, after the
-        same tokens); while that token is the draft's, the next row holds on from it. `drawn`: each
-        row's token as taken after the draft's tokens before it, drawn with the step's other rows
-        (_advance): the tokens taken here while the draft holds. None for a sequence held to a
-        grammar, whose rows are drawn here in turn, each after its grammar took the one before. The
-        tokens taken are emitted in order until one ends the sequence, and the draft's slots after them
-        go back to the cache. For a draft of fixed tokens, keeping one exactly when the model's own
-        draw equals it keeps it with the model's probability of it, as rejection sampling would,
-        and leaves every reply, seeded or greedy, as it is without speculation."""
+        draft (the same argmax, or the same seeded draw at the same position, after the same
+        tokens, masked as its grammar would be after them); while that token is the draft's, the
+        next row holds on from it. `drawn`: each row's token so taken, drawn with the step's other
+        rows (_advance), up to the row the verdict must end at; a grammar takes them here in turn.
+        `reported`: by row, the drawn token's logprobs where the request asks for them, else None.
+        The tokens taken are emitted in order until one ends the sequence, and the draft's slots
+        after them go back to the cache. For a draft of fixed tokens, keeping one exactly when the
+        model's own draw equals it keeps it with the model's probability of it, as rejection
+        sampling would, and leaves every reply, seeded or greedy, as it is without speculation."""
         draft, seq.draft = seq.draft, []
         tokens: list[int] = []
         for i in range(len(draft) + 1):
-            tokens.append(drawn[i] if drawn is not None else self._choose(seq, logits, row + i, greedy, tokens))
+            tokens.append(drawn[i])
+            if seq.grammar is not None:
+                seq.grammar.consume(tokens[-1])
             if i == len(draft) or tokens[-1] != draft[i] or (
                     seq.grammar is not None and (seq.grammar.done or seq.grammar.failed)):
                 break
@@ -1308,9 +1332,7 @@ class Engine:
         if len(tokens) > 1:  # into the slots the model wrote them in: nothing to copy
             self.cache.append_tokens(seq.seq_id, tokens[:-1])
         seq.num_computed += len(tokens)  # the token before the draft, and the accepted ones
-        params = seq.request.params
-        reported = [None] * len(tokens) if params.logprobs is None else _token_logprobs(
-            logits, [(row + i, token, params.logprobs) for i, token in enumerate(tokens)])
+        reported = reported or [None] * len(tokens)
         events = []
         for i, (token, logprob) in enumerate(zip(tokens, reported)):
             # (its grammar took every token of the verdict as it was drawn: only the last can complete the shape)

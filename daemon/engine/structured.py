@@ -244,6 +244,32 @@ class GrammarState:
             allowed[self.vocabulary.eos_ids] = True
         return allowed
 
+    def masks_ahead(self, draft: list[int]) -> list[torch.Tensor | None]:
+        """The masks (as `mask` gives them) of a draft's verdict rows, row i as this state would give
+        it after taking the draft's first i tokens: up to the row where the verdict must end whatever
+        it draws there (the grammar leaves out the draft's token, or is done or failed after it), so
+        each row the verdict may reach has one. This state does not move: a copy looks ahead."""
+        masks = [self.mask()]
+        if not draft:
+            return masks
+        ahead = self.copy()
+        for token in draft:
+            allowed = masks[-1]
+            if allowed is not None and not bool(allowed[token]):
+                break  # the row cannot take the draft's token: the verdict ends there
+            ahead.consume(token)
+            if ahead.done or ahead.failed:
+                break  # the verdict ends with that token
+            masks.append(ahead.mask())
+        return masks
+
+    def copy(self) -> "GrammarState":
+        """Another state at this one's place, of its own (the matcher llguidance's deep copy)."""
+        twin = GrammarState.__new__(GrammarState)
+        twin.__dict__.update(self.__dict__)
+        twin.matcher, twin.held = self.matcher.deep_copy(), list(self.held)
+        return twin
+
     def masked(self, scores: torch.Tensor) -> torch.Tensor:
         """`scores` [vocab] (float32, on any device) with the tokens `mask` leaves out at -inf."""
         allowed = self.mask()
