@@ -20,8 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from kvctl.daemon.cache.events import KINDS, TIERS
 from kvctl.daemon.model.chat_template import ChatTemplateError
 
-from . import (cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops, inflight, lora_ops, pin_ops,
-               prefix_ops, reload_ops, response_admin, rollout_ops, sleep_ops, tier_ops, weights_ops)
+from . import (cache_questions, calibrate_ops, engine_profile, event_feed, evict_ops, health_checks, inflight, lora_ops,
+               pin_ops, prefix_ops, reload_ops, response_admin, rollout_ops, sleep_ops, tier_ops, weights_ops)
 from .admin_bodies import (CalibrateRequest, CancelRequest, DrainRequest, EvictRequest, ExplainRequest,
                            LoadLoraAdapterRequest, PinRequest, ProfileStartRequest, ResponsesPurge, RolloutAdvance,
                            RolloutRollback,
@@ -47,6 +47,11 @@ def admin_routes(service, admin, *, tenant_header: bool) -> APIRouter:
         """kvd's state; `blocks`: the block map too, a character per block, or per cell of
         consecutive blocks (their most common state) when `cells` caps how many."""
         return service.status(with_blocks=blocks, cells=cells)
+
+    @router.get("/admin/checks")
+    def checks(_: Principal = Depends(admin)):
+        """Whether kvd is fit to serve, check by check (health_checks.py): what `kvctl check` shows."""
+        return health_checks.kvd_report(service)
 
     @router.get("/admin/prefixes")
     def prefixes(tenant: str | None = None, pinned: bool = False, sort: str = "recent", limit: int = 0,

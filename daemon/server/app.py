@@ -208,15 +208,9 @@ def create_app(service: EngineService, metrics: Metrics, *, front: str = "unix",
 
     @app.get("/readyz")
     async def readyz():
-        failing = service.step_failures.not_ready(time.time()) or service.engine_loop.stalled()
-        if service.ready.is_set() and service.accepting and not service.draining and service.asleep is None \
-                and failing is None and not service.device_lost:
+        reason = service.not_ready()
+        if reason is None:
             return {"ready": True}
-        reason = (device_loss.refusal(service.device_lost) if service.device_lost else None) \
-            or service.load_error or failing or ("shutting down" if not service.accepting else
-                                        "draining (kvctl resume takes completions again)" if service.draining
-                                        else service.asleep.refusal() if service.asleep is not None
-                                        else "loading the model")
         return JSONResponse({"ready": False, "reason": reason}, status_code=503)
 
     scrapers: list = []  # the metrics' own worker threads (an anyio CapacityLimiter, made on the first scrape)

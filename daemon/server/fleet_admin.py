@@ -89,6 +89,13 @@ def error_said(row: dict) -> str:
     return error.get("message", "") if isinstance(error, dict) else str(error)
 
 
+def bodies_or_errors(answers: list[tuple[int | None, dict]]) -> list[dict]:
+    """Each replica's answer (status, body) as its body where it was a 200, else {"error": why}
+    (None: no answer, the body says why; else "STATUS: its message")."""
+    return [body if status == 200 else {"error": body["error"] if status is None else f"{status}: {error_said(body)}"}
+            for status, body in answers]
+
+
 def merge_evictions(done: list[dict]) -> dict:
     skipped: Counter = Counter()
     for body in done:

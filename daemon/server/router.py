@@ -44,13 +44,15 @@ from .replica_errors import answer_described, described, kvd_json
 from .auth import BearerRefused, TokenTable, bearer_entry
 from .body_limit import BodyLimit
 from .event_relay import relay_events
-from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, combine, error_said, merge_audit_lists, merge_cancels,
+from .fleet_admin import (RESET_WAIT_MAX_S, UPDATE_WAIT_MAX_S, bodies_or_errors, combine, merge_audit_lists,
+                          merge_cancels,
                           merge_event_lists, merge_evictions, merge_lora_changes, merge_pin_lists, merge_pins,
                           merge_prefix_lists, merge_profiles, merge_request_lists, merge_response_purges, merge_sleeps,
                           merge_tenant_lists, merge_stranded_unpins, merge_unpins, merge_verifies, merge_weight_updates,
                           replica_reports)
 from .fleet_differences import fleet_differences
 from .fleet_pins import sync_pins
+from .health_checks import fleet_report
 from .fleet_trace import merge_traces, trace_query
 from .log_throttle import EveryFewSeconds
 from .request_log import logfmt
@@ -469,9 +471,7 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         """The replicas' statuses, with the figures a fleet adds up (model steps, queue) summed:
         what `kvctl bench serve` reads of the daemon it drives."""
         replicas = service.replicas
-        answers = await each_replica(replicas, "GET", "/admin/status")
-        statuses = [body if status == 200 else {"error": body["error"] if status is None else
-                                                 f"{status}: {error_said(body)}"} for status, body in answers]
+        statuses = bodies_or_errors(await each_replica(replicas, "GET", "/admin/status"))
         live = [st for st in statuses if "error" not in st]
         if not live:
             return error(503, "no replica answered", "no_replica")
@@ -487,6 +487,14 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
                 # where the answering replicas' software, weights or formats differ (fleet_differences.py)
                 "differences": fleet_differences(answering),
                 "replica_status": [{"replica": r.name, **st} for r, st in zip(replicas, statuses)]}
+
+    @app.get("/admin/checks")
+    async def fleet_checks(_: Caller = Depends(admin)):
+        """Each replica's checks, under its name, and the fleet's own (health_checks.fleet_report):
+        what `kvctl check` at the router shows."""
+        replicas = service.replicas
+        reports = bodies_or_errors(await each_replica(replicas, "GET", "/admin/checks"))
+        return fleet_report([(r.name, report) for r, report in zip(replicas, reports)], service.status())
 
     @app.get("/v1/models")
     async def models(_: Caller = Depends(caller)):

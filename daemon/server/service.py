@@ -747,6 +747,18 @@ class EngineService:
                 "quick_prefill_tokens": engine.settings.quick_prefill_tokens}
 
     # ---- requests ----------------------------------------------------------------------------
+    def not_ready(self) -> str | None:
+        """Why kvd does not take completions now (/readyz's 503 and `kvctl check`), or None."""
+        failing = self.step_failures.not_ready(time.time()) or self.engine_loop.stalled()
+        if self.ready.is_set() and self.accepting and not self.draining and self.asleep is None \
+                and failing is None and not self.device_lost:
+            return None
+        return (device_loss.refusal(self.device_lost) if self.device_lost else None) \
+            or self.load_error or failing or ("shutting down" if not self.accepting else
+                                              "draining (kvctl resume takes completions again)" if self.draining
+                                              else self.asleep.refusal() if self.asleep is not None
+                                              else "loading the model")
+
     def require_ready(self) -> Engine:
         if not self.ready.is_set() or self.engine is None:
             raise ServiceError(503, self.load_error or "the model is still loading")
