@@ -26,10 +26,11 @@ def unreachable(why: str) -> dict:
 
 
 def ask_until_ok(ask: Callable[[], dict], wait: float, every: float = 1.0, clock=time.monotonic,
-                 sleep=time.sleep) -> tuple[dict, int]:
+                 sleep=time.sleep, waiting: Callable[[str], None] = lambda line: None) -> tuple[dict, int]:
     """`ask()` (a report; KvdUnavailable: critical) until its status is ok or `wait` seconds have
-    passed: the last report and how many times it was asked."""
-    deadline, asked = clock() + wait, 0
+    passed: the last report and how many times it was asked. While it waits, `waiting` gets a line
+    saying what is not ok, each time that changes."""
+    deadline, asked, said = clock() + wait, 0, None
     while True:
         try:
             report = ask()
@@ -38,6 +39,10 @@ def ask_until_ok(ask: Callable[[], dict], wait: float, every: float = 1.0, clock
         asked += 1
         if report["status"] == "ok" or clock() + every > deadline:
             return report, asked
+        line = "; ".join(f"{c['check']} {c['status']}: {c['detail']}" for c in report["checks"] if c["status"] != "ok")
+        if line != said:
+            waiting(f"waiting ({deadline - clock():.0f} s left): {line}")
+            said = line
         sleep(every)
 
 
@@ -72,7 +77,8 @@ def check(ctx: typer.Context,
     if wait < 0:
         raise UserError(f"wait: must be 0 or more seconds, got {wait:g}")
     client = client_for(ctx)
-    report, asked = ask_until_ok(lambda: client.get("/admin/checks"), wait)
+    report, asked = ask_until_ok(lambda: client.get("/admin/checks"), wait,
+                                 waiting=lambda line: typer.echo(line, err=True))
     where = f"kvd router at {client.where} ({report['replicas']} replicas)" if "replicas" in report \
         else f"kvd at {client.where}"
     emit(report, as_json, lambda r: render_report(r, where, asked, Console()))

@@ -104,8 +104,9 @@ def test_the_fleet_report_names_each_replica_s_checks_a_silent_replica_and_where
         return {"status": worst(checks), "checks": checks, "identity": identity(status)}
 
     upgraded = healthy(software={**SOFTWARE, "kvd": "0.2.0"})
-    answers = [("kvd-0", report(healthy())), ("kvd-1", report(upgraded)), ("kvd-2", {"error": "ConnectError: refused"}),
-               ("kvd-3", report(healthy(stranded_pins=1)))]
+    answers = [("kvd-0", 200, report(healthy())), ("kvd-1", 200, report(upgraded)),
+               ("kvd-2", None, {"error": "ConnectError: refused"}), ("kvd-3", 200, report(healthy(stranded_pins=1))),
+               ("kvd-4", 404, {"detail": "Not Found"}), ("kvd-5", 503, {"error": {"message": "engine_stalled"}})]
     router = {"replicas": [{"replica": "kvd-0"}, {"replica": "kvd-3", "draining": "drained"},
                            {"replica": "kvd-1", "draining": "at the replica"}],
               "tls": {"subject": "CN=router", "days_left": 9.0, "warning": "expires in 9.0 days"}}
@@ -119,11 +120,14 @@ def test_the_fleet_report_names_each_replica_s_checks_a_silent_replica_and_where
                          ("router: tls", WARNING)]
     by_name = {c["check"]: c["detail"] for c in fleet["checks"]}
     assert by_name["kvd-2: answers"] == "does not answer its checks: ConnectError: refused"
+    assert by_name["kvd-4: answers"] == "an older kvd, which has no checks: `kvctl status` there shows its state"
+    assert by_name["kvd-5: answers"] == "does not answer its checks: 503: engine_stalled"
+    assert ("kvd-4: answers", WARNING) in rows and ("kvd-5: answers", CRITICAL) in rows
     assert by_name["fleet: differ in kvd version"] == (
         "0.1.0 on kvd-0, kvd-3; 0.2.0 on kvd-1 (a request may take other tokens on each, seeded or greedy)")
     assert by_name["kvd-3: drained at the router"] == (
         "drained: takes no new request; `kvctl fleet resume kvd-3` takes it back")
-    calm = fleet_report([("kvd-0", report(healthy())), ("kvd-1", report(healthy()))], {"replicas": []})
+    calm = fleet_report([("kvd-0", 200, report(healthy())), ("kvd-1", 200, report(healthy()))], {"replicas": []})
     assert calm["status"] == OK and not any(c["check"].startswith("fleet") for c in calm["checks"])
 
 
@@ -140,7 +144,9 @@ def test_identity_is_what_the_fleet_compares_and_nothing_else():
 
 def test_kvctl_asks_until_every_check_is_ok_or_its_wait_is_over():
     now = [0.0]
-    answers = iter([KvdUnavailable("kvd is not reachable at /run/kvd/kvd.sock"), {"status": CRITICAL, "checks": []},
+    loading = {"status": CRITICAL, "checks": [{"check": "serving", "status": CRITICAL, "detail": "loading the model"},
+                                              {"check": "engine", "status": OK, "detail": "no step failed"}]}
+    answers = iter([KvdUnavailable("kvd is not reachable at /run/kvd/kvd.sock"), loading, loading,
                     {"status": OK, "checks": []}])
 
     def ask():
@@ -152,8 +158,11 @@ def test_kvctl_asks_until_every_check_is_ok_or_its_wait_is_over():
     def sleep(seconds):
         now[0] += seconds
 
-    report, asked = ask_until_ok(ask, wait=10, clock=lambda: now[0], sleep=sleep)
-    assert (report["status"], asked, now[0]) == (OK, 3, 2.0)
+    lines = []
+    report, asked = ask_until_ok(ask, wait=10, clock=lambda: now[0], sleep=sleep, waiting=lines.append)
+    assert (report["status"], asked, now[0]) == (OK, 4, 3.0)
+    assert lines == ["waiting (10 s left): kvd critical: kvd is not reachable at /run/kvd/kvd.sock",
+                     "waiting (9 s left): serving critical: loading the model"]  # said again only when it changes
     answers = iter([KvdUnavailable("kvd is not reachable at /run/kvd/kvd.sock")] * 5)
     report, asked = ask_until_ok(ask, wait=2.5, clock=lambda: now[0], sleep=sleep)
     assert asked == 3 and report == {"status": CRITICAL, "checks": [

@@ -188,21 +188,30 @@ def kvd_report(service) -> dict:
     return {"status": worst(described), "checks": described, "identity": found}
 
 
-def fleet_report(answers: list[tuple[str, dict]], router: dict) -> dict:
+def fleet_report(answers: list[tuple[str, int | None, dict]], router: dict) -> dict:
     """`GET /admin/checks` at kvd router ("replicas": how many it asked): each replica's checks
-    under its name (`answers`: its report, or {"error": why} where it did not give one: critical),
-    a warning for each way the answering replicas differ, one for each replica the router holds
-    drained, and the router's own TLS (`router`: RouterService.status())."""
+    under its name (`answers`: its name and answer, status and body), a critical one for a replica
+    that gave none (a warning for an older kvd, which has no checks: a 404), a warning for each way
+    the answering replicas differ, one for each replica the router holds drained, and the router's
+    own certificate (`router`: RouterService.status())."""
+    from .fleet_admin import bodies_or_errors
     from .fleet_differences import fleet_differences
 
     checks: list[dict] = []
-    for name, report in answers:
+    reports = []
+    for name, code, body in answers:
+        if code == 404:
+            checks.append(Check("answers", WARNING, "an older kvd, which has no checks: `kvctl status` there shows "
+                                "its state").describe(f"{name}: "))
+            continue
+        [report] = bodies_or_errors([(code, body)])
         if "error" in report:
             said = f"does not answer its checks: {report['error']}"
             checks.append(Check("answers", CRITICAL, said).describe(f"{name}: "))
             continue
+        reports.append((name, report))
         checks += [{**row, "check": f"{name}: {row['check']}"} for row in report["checks"]]
-    known = [(name, report["identity"]) for name, report in answers if report.get("identity") is not None]
+    known = [(name, report["identity"]) for name, report in reports if report.get("identity") is not None]
     for difference in fleet_differences(known):
         groups = "; ".join(f"{g['value']} on {', '.join(g['replicas'])}" for g in difference["values"])
         checks.append(Check(f"differ in {difference['label']}", WARNING,

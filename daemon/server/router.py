@@ -493,8 +493,8 @@ def create_router_app(service: RouterService, max_request_bytes: int = 32 * 2**2
         """Each replica's checks, under its name, and the fleet's own (health_checks.fleet_report):
         what `kvctl check` at the router shows."""
         replicas = service.replicas
-        reports = bodies_or_errors(await each_replica(replicas, "GET", "/admin/checks"))
-        return fleet_report([(r.name, report) for r, report in zip(replicas, reports)], service.status())
+        answers = await each_replica(replicas, "GET", "/admin/checks")
+        return fleet_report([(r.name, code, body) for r, (code, body) in zip(replicas, answers)], service.status())
 
     @app.get("/v1/models")
     async def models(_: Caller = Depends(caller)):
